@@ -1,0 +1,162 @@
+"""Per-sandbox cgroups: memory, CPU and process-count limits, OOM counting, and kill-all.
+
+cgroup v2 where the unified hierarchy has the controllers, v1 (one directory per
+controller) otherwise. Only usable with write access to the hierarchy (root, or a
+delegated subtree); callers fall back to rlimits and say so.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from stockade.types import Mechanism
+
+ROOT = Path("/sys/fs/cgroup")
+PARENT = "stockade"
+_V1_CONTROLLERS = ("memory", "pids", "cpu")
+
+
+@dataclass(frozen=True)
+class CgroupSupport:
+    mechanism: Mechanism  # CGROUP_V2, CGROUP_V1 or NONE
+    detail: str
+
+
+def detect() -> CgroupSupport:
+    unified = ROOT / "cgroup.controllers"
+    if unified.exists():
+        have = set(unified.read_text().split())
+        missing = {"memory", "pids", "cpu"} - have
+        if missing:
+            return CgroupSupport(Mechanism.NONE, f"cgroup v2 lacks controllers {sorted(missing)}")
+        if not os.access(ROOT, os.W_OK):
+            return CgroupSupport(Mechanism.NONE, "cgroup v2 hierarchy is not writable (run as root)")
+        return CgroupSupport(Mechanism.CGROUP_V2, "cgroup v2")
+    if all((ROOT / c / "cgroup.procs").exists() for c in _V1_CONTROLLERS):
+        if not all(os.access(ROOT / c, os.W_OK) for c in _V1_CONTROLLERS):
+            return CgroupSupport(Mechanism.NONE, "cgroup v1 hierarchy is not writable (run as root)")
+        return CgroupSupport(Mechanism.CGROUP_V1, "cgroup v1 (memory, pids, cpu)")
+    return CgroupSupport(Mechanism.NONE, "no cgroup hierarchy with memory, pids and cpu")
+
+
+class Cgroup:
+    """The cgroup(s) of one sandbox."""
+
+    def __init__(self, mechanism: Mechanism, name: str) -> None:
+        self.mechanism = mechanism
+        if mechanism is Mechanism.CGROUP_V2:
+            parent = ROOT / PARENT
+            if not parent.exists():
+                parent.mkdir(exist_ok=True)
+            _enable_v2(ROOT)
+            _enable_v2(parent)
+            self.dirs = [parent / name]
+        else:
+            self.dirs = [ROOT / c / PARENT / name for c in _V1_CONTROLLERS]
+        for d in self.dirs:
+            d.mkdir(parents=True, exist_ok=True)
+
+    def _v1(self, controller: str) -> Path:
+        return ROOT / controller / PARENT / self.dirs[0].name
+
+    def limit(self, *, memory_bytes: int, cpus: float, pids: int) -> None:
+        period = 100_000
+        quota = max(1000, int(cpus * period))
+        if self.mechanism is Mechanism.CGROUP_V2:
+            d = self.dirs[0]
+            (d / "memory.max").write_text(str(memory_bytes))
+            swap = d / "memory.swap.max"
+            if swap.exists():
+                swap.write_text("0")
+            (d / "pids.max").write_text(str(pids))
+            (d / "cpu.max").write_text(f"{quota} {period}")
+            return
+        mem = self._v1("memory")
+        (mem / "memory.limit_in_bytes").write_text(str(memory_bytes))
+        memsw = mem / "memory.memsw.limit_in_bytes"
+        if memsw.exists():
+            memsw.write_text(str(memory_bytes))
+        (self._v1("pids") / "pids.max").write_text(str(pids))
+        cpu = self._v1("cpu")
+        (cpu / "cpu.cfs_period_us").write_text(str(period))
+        (cpu / "cpu.cfs_quota_us").write_text(str(quota))
+
+    def add(self, pid: int) -> None:
+        for d in self.dirs:
+            (d / "cgroup.procs").write_text(str(pid))
+
+    def pids(self) -> list[int]:
+        out: set[int] = set()
+        for d in self.dirs:
+            try:
+                out.update(int(p) for p in (d / "cgroup.procs").read_text().split())
+            except FileNotFoundError:
+                pass
+        return sorted(out)
+
+    def oom_kills(self) -> int:
+        if self.mechanism is Mechanism.CGROUP_V2:
+            events = self.dirs[0] / "memory.events"
+        else:
+            events = self._v1("memory") / "memory.oom_control"
+        try:
+            for line in events.read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        except FileNotFoundError:
+            pass
+        return 0
+
+    def kill_all(self) -> None:
+        """SIGKILL every process in the cgroup until it is empty (forks included)."""
+        if self.mechanism is Mechanism.CGROUP_V2:
+            kill = self.dirs[0] / "cgroup.kill"
+            if kill.exists():
+                kill.write_text("1")
+        for _ in range(500):
+            pids = self.pids()
+            if not pids:
+                return
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.002)
+
+    def remove(self) -> None:
+        self.kill_all()
+        for d in self.dirs:
+            for _ in range(100):
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:  # zombies still being reaped
+                    time.sleep(0.005)
+
+
+def _enable_v2(directory: Path) -> None:
+    control = directory / "cgroup.subtree_control"
+    enabled = set(control.read_text().split())
+    for controller in ("memory", "pids", "cpu"):
+        if controller not in enabled:
+            try:
+                control.write_text(f"+{controller}")
+            except OSError:
+                pass
+
+
+def leftover_groups() -> list[str]:
+    """Names of sandbox cgroups present on this host (for ``stockade gc``)."""
+    names: set[str] = set()
+    for base in [ROOT / PARENT, *(ROOT / c / PARENT for c in _V1_CONTROLLERS)]:
+        if base.is_dir():
+            names.update(p.name for p in base.iterdir() if p.is_dir())
+    return sorted(names)

@@ -1,0 +1,77 @@
+"""The seccomp filter of the process tier: refuse the kernel surface code has no use for.
+
+Built with libseccomp (through ``pyseccomp``), exported as classic BPF and handed to
+bubblewrap. The list follows Docker's default profile and Flatpak's: mount and namespace
+syscalls, tracing, kernel modules and kexec, BPF, keyrings, raw and packet sockets,
+io_uring, perf, userfaultfd. ``clone3`` answers ENOSYS so that libc falls back to ``clone``,
+whose flags can be inspected (the arguments of ``clone3`` live in memory BPF cannot read).
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import io
+import socket
+
+from stockade.exceptions import ConfigurationError
+
+DENIED = (
+    "mount", "umount", "umount2", "pivot_root", "chroot", "move_mount", "open_tree", "fsopen",
+    "fsconfig", "fsmount", "fspick", "mount_setattr", "unshare", "setns",
+    "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd",
+    "kexec_load", "kexec_file_load", "reboot", "init_module", "finit_module", "delete_module",
+    "bpf", "perf_event_open", "userfaultfd", "keyctl", "add_key", "request_key",
+    "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "acct", "swapon", "swapoff", "syslog", "quotactl", "quotactl_fd", "nfsservctl",
+    "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "stime",
+    "iopl", "ioperm", "lookup_dcookie", "open_by_handle_at", "name_to_handle_at",
+    "vhangup", "uselib", "personality", "fanotify_init", "sethostname", "setdomainname",
+)
+# Namespace flags that clone must not carry (CLONE_NEWNS ... CLONE_NEWCGROUP, CLONE_NEWTIME).
+NAMESPACE_FLAGS = 0x00020000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000 | 0x02000000 | 0x00000080
+TIOCSTI = 0x5412
+TIOCLINUX = 0x541C
+
+
+@functools.cache
+def filter_bpf() -> bytes:
+    try:
+        import pyseccomp as sc
+    except (ImportError, OSError) as err:  # OSError: libseccomp.so.2 is missing
+        raise ConfigurationError(
+            f"the process tier needs libseccomp ({err}); install it: apt-get install libseccomp2"
+        ) from None
+    eperm = sc.ERRNO(errno.EPERM)
+    f = sc.SyscallFilter(sc.ALLOW)
+    for name in DENIED:
+        try:
+            f.add_rule(eperm, name)
+        except (RuntimeError, ValueError, OSError):
+            continue  # not a syscall on this architecture
+    f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    for flag in _bits(NAMESPACE_FLAGS):
+        f.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+    for family in (socket.AF_PACKET, 15):  # 15: AF_KEY (IPsec key management)
+        f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.EQ, family))
+    f.add_rule(eperm, "socket", sc.Arg(1, sc.MASKED_EQ, 0xF, socket.SOCK_RAW))
+    f.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, TIOCSTI))
+    f.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, TIOCLINUX))
+    buf = io.BytesIO()
+    _export(f, buf)
+    return buf.getvalue()
+
+
+def _export(f: object, buf: io.BytesIO) -> None:
+    import os
+    import tempfile
+
+    with tempfile.TemporaryFile() as fh:
+        f.export_bpf(fh)  # type: ignore[attr-defined]
+        fh.flush()
+        os.lseek(fh.fileno(), 0, os.SEEK_SET)
+        buf.write(fh.read())
+
+
+def _bits(mask: int) -> list[int]:
+    return [1 << i for i in range(32) if mask & (1 << i)]

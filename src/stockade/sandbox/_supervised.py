@@ -1,0 +1,348 @@
+"""The ``Instance`` shared by every tier that runs the in-sandbox supervisor.
+
+A tier only has to start the supervisor inside its boundary, hand over a byte stream to it,
+and know how to kill the whole sandbox (``Boundary``). Everything else (commands, run_code,
+files, output caps, timeouts) behaves identically on every tier because it is this code.
+"""
+
+from __future__ import annotations
+
+import abc
+import codecs
+import time
+from typing import Any
+
+from stockade import exceptions as exc
+from stockade.sandbox._channel import Channel, Stream
+from stockade.sandbox.base import Instance, OpResult, OutputSink, SandboxSpec
+from stockade.sandbox.ops import (
+    GetArchive,
+    ListDir,
+    MakeDir,
+    Op,
+    PutArchive,
+    ReadFile,
+    Remove,
+    Reset,
+    RunCode,
+    RunCommand,
+    Stat,
+    WriteFile,
+)
+from stockade.types import (
+    CommandResult,
+    Enforcement,
+    EntryInfo,
+    EntryType,
+    Execution,
+    ExecutionError,
+    Logs,
+    Result,
+)
+
+# Past its own deadline the supervisor has this long to report before the host kills the
+# whole sandbox: the supervisor shares the sandbox with the code and may be starved or dead.
+GRACE_S = 5.0
+FILE_OP_TIMEOUT_S = 120.0
+WORKSPACE = "/workspace"
+
+_ERRORS: dict[str, type[exc.WorkspaceError]] = {
+    "escape": exc.PathEscapeError,
+    "missing": exc.SandboxFileNotFound,
+    "type": exc.FileTypeError,
+    "too_large": exc.FileTooLarge,
+    "full": exc.WorkspaceFull,
+}
+
+
+def truncation_marker(shown: int, total: int) -> str:
+    return f"\n[stockade: output truncated: showing {shown} of {total} bytes]\n"
+
+
+class Boundary(abc.ABC):
+    """What a tier provides around the supervisor."""
+
+    @abc.abstractmethod
+    def kill(self) -> None:
+        """Kill every process of the sandbox, now. Idempotent."""
+
+    def oom_kills(self) -> int | None:
+        """How many processes the sandbox's memory limit has killed so far, if known."""
+        return None
+
+    def alive(self) -> bool:
+        return True
+
+
+class _Collector:
+    """Accumulates one stream of output up to the cap, decoding for callbacks as it comes."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.data = bytearray()
+
+    def add(self, chunk: bytes) -> bytes:
+        room = self.cap - len(self.data)
+        part = chunk[: max(room, 0)]
+        self.data += part
+        return part
+
+    def text(self, total: int) -> tuple[str, bool]:
+        out = self.data.decode("utf-8", "replace")
+        if total > len(self.data):
+            return out + truncation_marker(len(self.data), total), True
+        return out, False
+
+
+class SupervisedInstance(Instance):
+    def __init__(
+        self,
+        *,
+        id: str,
+        tier: str,
+        stream: Stream,
+        boundary: Boundary,
+        spec: SandboxSpec,
+        enforcement: Enforcement,
+        max_frame: int = 512 * 1024 * 1024,
+    ) -> None:
+        self.id = id
+        self.tier = tier
+        self.spec = spec
+        self.enforcement = enforcement
+        self.boundary = boundary
+        self.channel = Channel(stream, max_body=max_frame, name=id)
+        self._closed = False
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def handshake(self, config: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Send the configuration frame and wait for ``ready``."""
+        try:
+            header, _ = self.channel.call({"op": "init", "config": config}).result(
+                time.monotonic() + timeout_s
+            )
+        except TimeoutError:
+            raise exc.SandboxStartError(f"supervisor did not answer within {timeout_s}s") from None
+        except exc.SandboxCrashed as err:
+            raise exc.SandboxStartError(f"sandbox failed to start: {err}") from None
+        if header.get("ev") != "ready":
+            raise exc.SandboxStartError(f"unexpected first reply: {header!r}")
+        return header
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and self.channel.open and self.boundary.alive()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.channel.close()
+        self.boundary.kill()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise exc.SandboxClosed(f"sandbox {self.id} is closed")
+
+    # -- dispatch -----------------------------------------------------------------------
+
+    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+        self._check_open()
+        match op:
+            case RunCommand():
+                return self._run_command(op, sink)
+            case RunCode():
+                return self._run_code(op, sink)
+            case ReadFile():
+                return self._file("read", {"path": op.path, "max_bytes": op.max_bytes})[1]
+            case WriteFile():
+                h, _ = self._file(
+                    "write", {"path": op.path, "mode": op.mode, "parents": op.parents}, op.data
+                )
+                return _entry(h["entry"])
+            case MakeDir():
+                return _entry(self._file("mkdir", {"path": op.path, "parents": op.parents})[0]["entry"])
+            case Stat():
+                raw = self._file("stat", {"path": op.path, "follow": op.follow_symlinks})[0]["entry"]
+                return None if raw is None else _entry(raw)
+            case ListDir():
+                h, _ = self._file("list", {"path": op.path, "depth": op.depth})
+                return tuple(_entry(e) for e in h["entries"])
+            case Remove():
+                self._file("remove", {"path": op.path, "recursive": op.recursive})
+                return None
+            case PutArchive():
+                self._file("put_archive", {"path": op.path}, op.data)
+                return None
+            case GetArchive():
+                return self._file("get_archive", {"path": op.path})[1]
+            case Reset():
+                self._file("reset", {})
+                return None
+        raise exc.ConfigurationError(f"unsupported operation {op!r}")  # pragma: no cover
+
+    def _file(self, op: str, args: dict[str, Any], body: bytes = b"") -> tuple[dict[str, Any], bytes]:
+        call = self.channel.call({"op": op, **args}, body)
+        try:
+            header, data = call.result(time.monotonic() + FILE_OP_TIMEOUT_S)
+        except TimeoutError:
+            self.close()
+            raise exc.SandboxCrashed(f"supervisor did not answer a {op} in time") from None
+        if header.get("ev") == "error":
+            kind = str(header.get("kind", ""))
+            message = str(header.get("message", ""))
+            path = str(args.get("path", ""))
+            if kind == "internal":
+                raise exc.ProtocolError(f"supervisor could not {op} {path!r}: {message}")
+            raise _ERRORS.get(kind, exc.WorkspaceError)(f"{op} {path!r}: {message}", path=path)
+        return header, data
+
+    # -- commands -----------------------------------------------------------------------
+
+    def _timeout(self, value: float | None) -> float:
+        return self.spec.limits.timeout_s if value is None else value
+
+    def _run_command(self, op: RunCommand, sink: OutputSink | None) -> CommandResult:
+        if not op.argv:
+            raise exc.ConfigurationError("empty command")
+        timeout = self._timeout(op.timeout_s)
+        header = {
+            "op": "exec", "argv": list(op.argv), "cwd": op.cwd, "env": dict(op.envs),
+            "timeout": timeout, "stdin": op.stdin is not None,
+        }
+        oom_before = self.boundary.oom_kills()
+        started = time.monotonic()
+        cap = self.spec.limits.output_bytes
+        streams = {1: _Collector(cap), 2: _Collector(cap)}
+        call = self.channel.call(header, op.stdin or b"")
+        try:
+            for h, body in call.frames(started + timeout + GRACE_S):
+                ev = h.get("ev")
+                if ev == "out":
+                    fd = 1 if h.get("fd") == 1 else 2
+                    part = streams[fd].add(body)
+                    if sink is not None and part:
+                        sink(fd, part)
+                elif ev == "exit":
+                    return self._command_result(h, streams, oom_before)
+                elif ev == "error":
+                    raise exc.ProtocolError(f"supervisor refused the command: {h.get('message')}")
+        except TimeoutError:
+            # The supervisor missed its own deadline: take the whole sandbox down.
+            self.close()
+            out, out_cut = streams[1].text(len(streams[1].data))
+            err, _ = streams[2].text(len(streams[2].data))
+            return CommandResult(
+                exit_code=137, stdout=out, stderr=err, duration_s=time.monotonic() - started,
+                timed_out=True, truncated=out_cut, signal=9,
+                stdout_bytes=len(streams[1].data), stderr_bytes=len(streams[2].data),
+            )
+        raise exc.ProtocolError("command ended without an exit report")  # pragma: no cover
+
+    def _command_result(
+        self, h: dict[str, Any], streams: dict[int, _Collector], oom_before: int | None
+    ) -> CommandResult:
+        out_total = max(_int(h.get("stdout_bytes")), len(streams[1].data))
+        err_total = max(_int(h.get("stderr_bytes")), len(streams[2].data))
+        out, out_cut = streams[1].text(out_total)
+        err, err_cut = streams[2].text(err_total)
+        sig = h.get("signal")
+        oom_after = self.boundary.oom_kills()
+        oom = oom_before is not None and oom_after is not None and oom_after > oom_before
+        return CommandResult(
+            exit_code=_int(h.get("exit_code")),
+            stdout=out,
+            stderr=err,
+            duration_s=float(h.get("duration") or 0.0),
+            timed_out=bool(h.get("timed_out")),
+            oom_killed=oom,
+            truncated=out_cut or err_cut,
+            stdout_bytes=out_total,
+            stderr_bytes=err_total,
+            signal=sig if isinstance(sig, int) else None,
+        )
+
+    # -- run_code -----------------------------------------------------------------------
+
+    def _run_code(self, op: RunCode, sink: OutputSink | None) -> Execution:
+        timeout = self._timeout(op.timeout_s)
+        oom_before = self.boundary.oom_kills()
+        started = time.monotonic()
+        cap = self.spec.limits.output_bytes
+        streams = {1: _Collector(cap), 2: _Collector(cap)}
+        call = self.channel.call({"op": "code", "timeout": timeout}, op.code.encode("utf-8", "surrogatepass"))
+        try:
+            for h, body in call.frames(started + timeout + GRACE_S):
+                ev = h.get("ev")
+                if ev == "out":
+                    fd = 1 if h.get("fd") == 1 else 2
+                    part = streams[fd].add(body)
+                    if sink is not None and part:
+                        sink(fd, part)
+                elif ev == "result":
+                    return self._execution(h, streams, oom_before)
+                elif ev == "error":
+                    raise exc.ProtocolError(f"supervisor refused run_code: {h.get('message')}")
+        except TimeoutError:
+            self.close()
+            return Execution(
+                logs=Logs(stdout=streams[1].text(len(streams[1].data))[0],
+                          stderr=streams[2].text(len(streams[2].data))[0]),
+                error=ExecutionError(name="TimeoutError", value="the sandbox stopped answering and was killed", traceback=""),
+                duration_s=time.monotonic() - started, timed_out=True,
+            )
+        raise exc.ProtocolError("run_code ended without a result")  # pragma: no cover
+
+    def _execution(
+        self, h: dict[str, Any], streams: dict[int, _Collector], oom_before: int | None
+    ) -> Execution:
+        out, out_cut = streams[1].text(max(_int(h.get("stdout_bytes")), len(streams[1].data)))
+        err, err_cut = streams[2].text(max(_int(h.get("stderr_bytes")), len(streams[2].data)))
+        results = []
+        for raw in h.get("results") or []:
+            if isinstance(raw, dict):
+                results.append(Result({str(k): str(v) for k, v in raw.items()}))
+        error = None
+        raw_err = h.get("error")
+        if isinstance(raw_err, dict):
+            name = str(raw_err.get("name", "Error"))
+            value = str(raw_err.get("value", ""))
+            oom_after = self.boundary.oom_kills()
+            if name == "KernelDied" and oom_before is not None and (oom_after or 0) > oom_before:
+                value = "the interpreter was killed by the sandbox's memory limit; its state is lost"
+                name = "MemoryLimitExceeded"
+            error = ExecutionError(name=name, value=value, traceback=str(raw_err.get("traceback", "")))
+        return Execution(
+            results=tuple(results),
+            logs=Logs(stdout=out, stderr=err),
+            error=error,
+            duration_s=float(h.get("duration") or 0.0),
+            timed_out=bool(h.get("timed_out")),
+            truncated=out_cut or err_cut,
+        )
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _entry(raw: Any) -> EntryInfo:
+    if not isinstance(raw, dict):
+        raise exc.ProtocolError(f"malformed entry {raw!r}")
+    try:
+        kind = EntryType(raw.get("type"))
+    except ValueError:
+        kind = EntryType.OTHER
+    return EntryInfo(
+        path=str(raw.get("path", "")),
+        name=str(raw.get("name", "")),
+        type=kind,
+        size=_int(raw.get("size")),
+        mode=_int(raw.get("mode")),
+        mtime=float(raw.get("mtime") or 0.0),
+    )
+
+
+def decoder() -> codecs.IncrementalDecoder:
+    return codecs.getincrementaldecoder("utf-8")("replace")

@@ -1,0 +1,167 @@
+"""The plug point: a tier is a ``Backend`` that starts ``Instance``s.
+
+Twin interfaces, as in httpx: ``Backend.start`` / ``Instance.execute`` / ``Instance.close``
+for threads, ``AsyncBackend.astart`` / ``AsyncInstance.aexecute`` / ``AsyncInstance.aclose``
+for asyncio. One class may implement both (``stockade.testing.FakeBackend`` does).
+Cross-cutting behaviour (retry, audit, policy) wraps these interfaces; it is never a flag.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import overload
+
+from stockade.sandbox.ops import (
+    GetArchive,
+    ListDir,
+    MakeDir,
+    Op,
+    PutArchive,
+    ReadFile,
+    Remove,
+    Reset,
+    RunCode,
+    RunCommand,
+    Stat,
+    WriteFile,
+)
+from stockade.types import (
+    CommandResult,
+    Enforcement,
+    EntryInfo,
+    Execution,
+    Limits,
+    NetworkPolicy,
+    TierReport,
+)
+
+__all__ = [
+    "AsyncBackend",
+    "AsyncInstance",
+    "Backend",
+    "Instance",
+    "OpResult",
+    "OutputSink",
+    "SandboxSpec",
+    "ThreadedAsyncBackend",
+]
+
+# Called with (1 for stdout | 2 for stderr, raw bytes) as output arrives.
+OutputSink = Callable[[int, bytes], None]
+OpResult = CommandResult | Execution | bytes | EntryInfo | tuple[EntryInfo, ...] | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SandboxSpec:
+    """Everything a tier needs to start one sandbox."""
+
+    limits: Limits = field(default_factory=Limits)
+    network: NetworkPolicy = field(default_factory=NetworkPolicy)
+    envs: Mapping[str, str] = field(default_factory=dict)
+    allow_weaker: bool = False
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+class Instance(abc.ABC):
+    """One live sandbox."""
+
+    id: str
+    tier: str
+    enforcement: Enforcement
+
+    @overload
+    def execute(self, op: RunCommand, sink: OutputSink | None = None) -> CommandResult: ...
+    @overload
+    def execute(self, op: RunCode, sink: OutputSink | None = None) -> Execution: ...
+    @overload
+    def execute(self, op: ReadFile | GetArchive, sink: OutputSink | None = None) -> bytes: ...
+    @overload
+    def execute(self, op: WriteFile | MakeDir, sink: OutputSink | None = None) -> EntryInfo: ...
+    @overload
+    def execute(self, op: Stat, sink: OutputSink | None = None) -> EntryInfo | None: ...
+    @overload
+    def execute(self, op: ListDir, sink: OutputSink | None = None) -> tuple[EntryInfo, ...]: ...
+    @overload
+    def execute(self, op: Remove | PutArchive | Reset, sink: OutputSink | None = None) -> None: ...
+
+    def execute(self, op: Op, sink: OutputSink | None = None) -> OpResult:
+        return self.handle(op, sink)
+
+    @abc.abstractmethod
+    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+        """Execute one operation. ``execute`` is its typed front door."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Kill every process of the sandbox and release its resources. Idempotent."""
+
+    @property
+    def alive(self) -> bool:
+        return True
+
+
+class Backend(abc.ABC):
+    """One isolation tier on this host."""
+
+    tier: str
+
+    @abc.abstractmethod
+    def probe(self) -> TierReport:
+        """Whether this tier works here and how it would enforce each limit."""
+
+    @abc.abstractmethod
+    def start(self, spec: SandboxSpec) -> Instance:
+        """Start a sandbox, or raise ``LimitNotEnforceable`` / ``SandboxStartError``."""
+
+
+class AsyncInstance(abc.ABC):
+    id: str
+    tier: str
+    enforcement: Enforcement
+
+    @abc.abstractmethod
+    async def aexecute(self, op: Op, sink: OutputSink | None = None) -> OpResult: ...
+
+    @abc.abstractmethod
+    async def aclose(self) -> None: ...
+
+
+class AsyncBackend(abc.ABC):
+    tier: str
+
+    @abc.abstractmethod
+    async def astart(self, spec: SandboxSpec) -> AsyncInstance: ...
+
+
+class _ThreadedInstance(AsyncInstance):
+    """An ``Instance`` driven from asyncio: each blocking call runs in a worker thread."""
+
+    def __init__(self, inner: Instance) -> None:
+        self.inner = inner
+        self.id = inner.id
+        self.tier = inner.tier
+        self.enforcement = inner.enforcement
+
+    async def aexecute(self, op: Op, sink: OutputSink | None = None) -> OpResult:
+        return await asyncio.to_thread(self.inner.handle, op, sink)
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.inner.close)
+
+
+class ThreadedAsyncBackend(AsyncBackend):
+    """The async twin of any blocking ``Backend``.
+
+    The sandbox machinery blocks on pipes and subprocesses; a worker thread per call keeps
+    the event loop free without a second implementation of every tier.
+    """
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.tier = inner.tier
+
+    async def astart(self, spec: SandboxSpec) -> AsyncInstance:
+        return _ThreadedInstance(await asyncio.to_thread(self.inner.start, spec))

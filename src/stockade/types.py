@@ -1,0 +1,229 @@
+"""Frozen value objects shared by every part of stockade."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from stockade.exceptions import ConfigurationError
+
+__all__ = [
+    "CommandResult",
+    "Enforcement",
+    "EntryInfo",
+    "EntryType",
+    "Execution",
+    "ExecutionError",
+    "Limits",
+    "Logs",
+    "Mechanism",
+    "NetworkPolicy",
+    "Result",
+    "TierReport",
+    "Trust",
+]
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    """Resource limits of one sandbox. Every tier enforces all of them or says it cannot.
+
+    ``timeout_s`` is the default wall-clock limit of each command or ``run_code`` call;
+    ``output_bytes`` caps stdout and stderr each; ``disk_mb``/``inodes`` bound the workspace
+    and ``/tmp`` together with ``tmp_mb``.
+    """
+
+    memory_mb: int = 512
+    cpus: float = 1.0
+    pids: int = 128
+    timeout_s: float = 30.0
+    disk_mb: int = 512
+    inodes: int = 65536
+    tmp_mb: int = 64
+    output_bytes: int = 1 * MiB
+
+    def __post_init__(self) -> None:
+        positive = {
+            "memory_mb": self.memory_mb,
+            "cpus": self.cpus,
+            "pids": self.pids,
+            "timeout_s": self.timeout_s,
+            "disk_mb": self.disk_mb,
+            "inodes": self.inodes,
+            "tmp_mb": self.tmp_mb,
+            "output_bytes": self.output_bytes,
+        }
+        for name, value in positive.items():
+            if not value > 0:
+                raise ConfigurationError(f"Limits.{name} must be > 0, got {value!r}")
+        if self.pids < 8:
+            raise ConfigurationError("Limits.pids must be >= 8: the sandbox machinery needs a few")
+        if self.memory_mb < 32:
+            raise ConfigurationError("Limits.memory_mb must be >= 32: the interpreter needs it")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetworkPolicy:
+    """Network access of a sandbox: none by default.
+
+    ``enabled=True`` with no ``allow_hosts`` means unrestricted egress; a tier that cannot
+    enforce an allowlist refuses one rather than granting more.
+    """
+
+    enabled: bool = False
+    allow_hosts: tuple[str, ...] = ()
+
+
+class Mechanism(enum.StrEnum):
+    """How a setting is enforced on this host."""
+
+    CGROUP_V2 = "cgroup-v2"
+    CGROUP_V1 = "cgroup-v1"
+    RLIMIT = "rlimit"
+    TMPFS = "tmpfs"
+    NAMESPACE = "namespace"
+    SUPERVISOR = "supervisor"
+    CONTAINER = "container"
+    VM = "vm"
+    NONE = "none"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Enforcement:
+    """What is in effect for one sandbox, setting by setting.
+
+    ``weakened`` lists, in words, every setting enforced less strictly than asked;
+    it is empty unless the caller passed ``allow_weaker=True``.
+    """
+
+    memory: Mechanism
+    cpus: Mechanism
+    pids: Mechanism
+    disk: Mechanism
+    network: Mechanism
+    timeout: Mechanism
+    weakened: tuple[str, ...] = ()
+
+
+class Trust(enum.StrEnum):
+    """Who wrote the code and who the user is: decides the minimum tier (DESIGN.md)."""
+
+    TRUSTED = "trusted"  # your own team wrote it
+    INTERNAL = "internal"  # an LLM, for an internal trusted user
+    UNTRUSTED = "untrusted"  # an LLM, for an untrusted external user
+    MULTI_TENANT = "multi-tenant"  # users share hosts
+
+
+@dataclass(frozen=True, kw_only=True)
+class TierReport:
+    """What ``stockade doctor`` says about one tier on this host."""
+
+    tier: str
+    available: bool
+    detail: str
+    enforcement: Enforcement | None = None
+    fixes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommandResult:
+    """The outcome of one command. A non-zero exit is a result, never an exception.
+
+    ``stdout``/``stderr`` are decoded as UTF-8 (invalid bytes replaced); ``stdout_bytes`` and
+    ``stderr_bytes`` are the true sizes produced, even when ``truncated``.
+    ``signal`` is set when the process was killed by one.
+    """
+
+    exit_code: int
+    stdout: str
+    stderr: str
+    duration_s: float
+    timed_out: bool = False
+    oom_killed: bool = False
+    truncated: bool = False
+    stdout_bytes: int = 0
+    stderr_bytes: int = 0
+    signal: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+
+@dataclass(frozen=True)
+class Result:
+    """One displayable value: a MIME bundle such as ``{"text/plain": "42"}``.
+
+    Binary types (``image/png``) are base64 text, as in Jupyter.
+    """
+
+    data: Mapping[str, str]
+
+    @property
+    def text(self) -> str | None:
+        return self.data.get("text/plain")
+
+    @property
+    def png(self) -> str | None:
+        return self.data.get("image/png")
+
+    @property
+    def html(self) -> str | None:
+        return self.data.get("text/html")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExecutionError:
+    """An exception raised by the executed code (not by stockade)."""
+
+    name: str
+    value: str
+    traceback: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Logs:
+    stdout: str = ""
+    stderr: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Execution:
+    """The outcome of ``run_code``: displayed results, printed logs, and the error if any."""
+
+    results: tuple[Result, ...] = ()
+    logs: Logs = field(default_factory=Logs)
+    error: ExecutionError | None = None
+    duration_s: float = 0.0
+    timed_out: bool = False
+    truncated: bool = False
+
+    @property
+    def text(self) -> str | None:
+        """The text of the last result (the trailing expression's value), if any."""
+        for result in reversed(self.results):
+            if result.text is not None:
+                return result.text
+        return None
+
+
+class EntryType(enum.StrEnum):
+    FILE = "file"
+    DIR = "dir"
+    SYMLINK = "symlink"
+    OTHER = "other"  # FIFO, socket, device: never opened by the files API
+
+
+@dataclass(frozen=True, kw_only=True)
+class EntryInfo:
+    """One entry of the workspace. ``path`` is relative to the workspace root."""
+
+    path: str
+    name: str
+    type: EntryType
+    size: int
+    mode: int
+    mtime: float
