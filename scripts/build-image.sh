@@ -66,7 +66,8 @@ ensure_pkgs() {   # ensure_pkgs pkg...   (apt-get update at most once per run)
 # /etc/apt/sources.list and sources.list.d/ (one-line and deb822 formats, Enabled: no,
 # ...), so no hand-written parser is needed.  Prints one URI or nothing.
 apt_mirror() {
-    apt-get indextargets --format '$(TARGET_OF) $(RELEASE) $(REPO_URI)' 2>/dev/null \
+    # shellcheck disable=SC2016  # $(...) are apt's format fields, not shell
+    apt-get indextargets --no-release-info --format '$(TARGET_OF) $(RELEASE) $(REPO_URI)' 2>/dev/null \
         | awk -v s="$1" '$1 == "deb" && $2 == s && $3 ~ /^(https?|file):\/\// { print $3; exit }'
 }
 
@@ -151,6 +152,8 @@ if command -v docker >/dev/null && timeout 10 docker info >/dev/null 2>&1; then
         tar --numeric-owner --xattrs -C "$ROOTFS" -cf - . | docker import \
             --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
             --change 'ENV LANG=C.UTF-8' \
+            --change 'ENV PYTHONDONTWRITEBYTECODE=1' \
+            --change 'ENV PYTHONUNBUFFERED=1' \
             --change 'USER 1000:1000' \
             --change 'WORKDIR /workspace' \
             --change 'CMD ["python3"]' \

@@ -47,6 +47,7 @@ export DEBIAN_FRONTEND=noninteractive
 
 installed_version() { dpkg-query -W -f='${Status} ${Version}\n' "$1" 2>/dev/null | awk '$3 == "installed" { print $4 }'; }
 
+# shellcheck source=/dev/null
 codename=$(. /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-}")
 case $RUNSC_SOURCE in
     auto) [[ $codename == bookworm ]] && RUNSC_SOURCE=backports || RUNSC_SOURCE=stable ;;
@@ -60,9 +61,11 @@ runsc_have=$(installed_version runsc)
 if [[ $RUNSC_SOURCE == backports ]]; then
     [[ -n $codename ]] || die "cannot tell the distribution codename (VERSION_CODENAME in /etc/os-release)"
     if [[ -z $runsc_have ]] || dpkg --compare-versions "$runsc_have" lt "$RUNSC_MIN"; then
-        if ! apt-get indextargets --format '$(RELEASE)' 2>/dev/null | grep -qx "$codename-backports"; then
+        # shellcheck disable=SC2016  # $(...) are apt's format fields, not shell
+        if ! apt-get indextargets --no-release-info --format '$(RELEASE)' 2>/dev/null | grep -qx "$codename-backports"; then
             # same mirror as the configured base suite
-            repo=$(apt-get indextargets --format '$(TARGET_OF) $(RELEASE) $(REPO_URI)' 2>/dev/null \
+            # shellcheck disable=SC2016
+            repo=$(apt-get indextargets --no-release-info --format '$(TARGET_OF) $(RELEASE) $(REPO_URI)' 2>/dev/null \
                    | awk -v s="$codename" '$1 == "deb" && $2 == s { print $3; exit }')
             [[ -n $repo ]] || die "no apt source for '$codename' found to derive $codename-backports from"
             keyring=/usr/share/keyrings/debian-archive-keyring.gpg
@@ -187,11 +190,17 @@ EOF
 # ---------------------------------------------------------------- dockerd ---
 docker_ok() { timeout 10 docker info >/dev/null 2>&1; }
 
+running() {   # running PID: alive and not a zombie (PID 1 here may not reap orphans)
+    local st
+    st=$(awk '{ print $3 }' "/proc/$1/stat" 2>/dev/null) || return 1
+    [[ -n $st && $st != Z && $st != X ]]
+}
+
 pid_alive() {   # pid_alive PIDFILE NAME  -> prints the pid when it runs NAME
     local pid
     [[ -s $1 ]] || return 1
     pid=$(<"$1")
-    [[ $pid =~ ^[0-9]+$ ]] && [[ -d /proc/$pid ]] || return 1
+    [[ $pid =~ ^[0-9]+$ ]] && running "$pid" || return 1
     [[ $(cat "/proc/$pid/comm" 2>/dev/null) == "$2" ]] || return 1
     echo "$pid"
 }
@@ -203,7 +212,7 @@ wait_docker() {
             tail -n 30 "$DOCKERD_LOG" >&2 2>/dev/null || true
             die "dockerd did not answer within ${TIMEOUT}s (log: $DOCKERD_LOG)"
         fi
-        if [[ -n ${1:-} ]] && [[ ! -d /proc/$1 ]]; then
+        if [[ -n ${1:-} ]] && ! running "$1"; then
             tail -n 30 "$DOCKERD_LOG" >&2 2>/dev/null || true
             die "dockerd exited during start-up (log: $DOCKERD_LOG)"
         fi

@@ -104,7 +104,7 @@ start_postgres() {
     fi
     ensure_pkgs postgresql
     local ver name=main
-    ver=$(ls /usr/lib/postgresql 2>/dev/null | sort -n | tail -n1)
+    ver=$(find /usr/lib/postgresql -mindepth 1 -maxdepth 1 -printf '%f\n' 2>/dev/null | sort -n | tail -n1)
     [[ -n $ver && -x /usr/lib/postgresql/$ver/bin/postgres ]] || die "postgres: no server binaries under /usr/lib/postgresql"
 
     # the cluster (Debian's postgresql-common layout: /etc/postgresql/VER/NAME)
@@ -112,11 +112,22 @@ start_postgres() {
         log "postgres: creating cluster $ver/$name"
         pg_createcluster --port "$PG_PORT" "$ver" "$name" >&2 || die "pg_createcluster $ver $name failed"
     fi
-    local port listen
+    # port stays in postgresql.conf (pg_lsclusters/pg_ctlcluster read it there);
+    # listen_addresses goes to a conf.d drop-in (pg_conftool does not quote IPs)
+    local port dropin=/etc/postgresql/$ver/$name/conf.d/stockade.conf
     port=$(pg_conftool -s "$ver" "$name" show port 2>/dev/null || true)
-    listen=$(pg_conftool -s "$ver" "$name" show listen_addresses 2>/dev/null || true)
-    [[ $port == "$PG_PORT" ]] || { log "postgres: setting port $PG_PORT"; pg_conftool "$ver" "$name" set port "$PG_PORT"; }
-    [[ $listen == 127.0.0.1 ]] || { log "postgres: setting listen_addresses 127.0.0.1"; pg_conftool "$ver" "$name" set listen_addresses 127.0.0.1; }
+    if [[ $port != "$PG_PORT" ]]; then
+        log "postgres: setting port $PG_PORT"
+        pg_conftool "$ver" "$name" set port "$PG_PORT"
+    fi
+    if ! grep -qx "listen_addresses = '127.0.0.1'" "$dropin" 2>/dev/null; then
+        grep -q "^include_dir = 'conf.d'" "/etc/postgresql/$ver/$name/postgresql.conf" \
+            || die "postgres: /etc/postgresql/$ver/$name/postgresql.conf does not include conf.d/"
+        log "postgres: listen_addresses 127.0.0.1 ($dropin)"
+        install -d -o postgres -g postgres "$(dirname "$dropin")"
+        printf "# written by stockade scripts/start-services.sh\nlisten_addresses = '127.0.0.1'\n" >"$dropin"
+        chown postgres:postgres "$dropin"
+    fi
 
     local action=start
     if [[ $(pg_lsclusters -h "$ver" "$name" 2>/dev/null | awk '{ print $4 }') == online* ]]; then

@@ -1,0 +1,30 @@
+"""``stockade``: the command-line face of the SDK.
+
+Each group of commands lives in its own module exposing ``register(app)``; this module
+only assembles them, so a command's dependencies load when that module is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+app = typer.Typer(
+    name="stockade",
+    help="Run untrusted, agent-written code in enforced isolation tiers.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+# One module per group of commands; each defines register(app: typer.Typer) -> None.
+COMMAND_MODULES = (
+    "stockade.cli.sandbox_cmds",
+)
+
+for _name in COMMAND_MODULES:
+    importlib.import_module(_name).register(app)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,90 @@
+"""Tier names to lazily imported backends; tier choice by trust (DESIGN.md's table).
+
+Importing stockade never imports docker-py or probes the host: a tier module is imported
+the first time someone asks for that tier.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+
+from stockade.exceptions import ConfigurationError, TierUnavailable
+from stockade.sandbox.base import Backend
+from stockade.types import TierReport, Trust
+
+# Weakest to strongest isolation.
+TIERS: dict[str, tuple[str, str, str]] = {
+    "process": ("stockade.sandbox.process", "ProcessBackend", "apt-get install bubblewrap"),
+    "docker": ("stockade.sandbox.docker", "DockerBackend", 'pip install "stockade[docker]"'),
+    "gvisor": ("stockade.sandbox.gvisor", "GVisorBackend", 'pip install "stockade[docker]"; apt-get install runsc'),
+    "microvm": ("stockade.sandbox.microvm", "MicroVMBackend", "apt-get install qemu-system-x86"),
+}
+STRENGTH = tuple(TIERS)
+
+# The minimum tier for each kind of trust, and the tiers that satisfy it.
+_ALLOWED: dict[Trust, tuple[str, ...]] = {
+    Trust.TRUSTED: ("process", "docker", "gvisor", "microvm"),
+    Trust.INTERNAL: ("docker", "gvisor", "microvm"),
+    Trust.UNTRUSTED: ("microvm",),
+    Trust.MULTI_TENANT: ("microvm",),
+}
+
+_cache: dict[str, Backend] = {}
+_probes: dict[str, TierReport] = {}
+_lock = threading.Lock()
+
+
+def backend(tier: str) -> Backend:
+    """The backend of a tier, created once per process."""
+    if tier not in TIERS:
+        raise ConfigurationError(f"unknown tier {tier!r}; choose one of {', '.join(TIERS)}")
+    with _lock:
+        found = _cache.get(tier)
+        if found is not None:
+            return found
+        module_name, cls_name, hint = TIERS[tier]
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            raise TierUnavailable(f"tier {tier!r} is not available ({err}); install it: {hint}") from None
+        created: Backend = getattr(module, cls_name)()
+        _cache[tier] = created
+        return created
+
+
+def probe(tier: str) -> TierReport:
+    with _lock:
+        cached = _probes.get(tier)
+    if cached is not None:
+        return cached
+    try:
+        report = backend(tier).probe()
+    except (TierUnavailable, ConfigurationError) as err:
+        report = TierReport(tier=tier, available=False, detail=str(err), fixes=(TIERS[tier][2],))
+    with _lock:
+        _probes[tier] = report
+    return report
+
+
+def allowed_tiers(trust: Trust, *, allow_gvisor_for_untrusted: bool = False) -> tuple[str, ...]:
+    allowed = _ALLOWED[trust]
+    if trust is Trust.UNTRUSTED and allow_gvisor_for_untrusted:
+        allowed = ("gvisor", *allowed)
+    return allowed
+
+
+def select_tier(trust: Trust, *, allow_gvisor_for_untrusted: bool = False) -> str:
+    """The strongest tier this host supports that the trust table allows; fail closed."""
+    allowed = allowed_tiers(trust, allow_gvisor_for_untrusted=allow_gvisor_for_untrusted)
+    tried = []
+    for tier in reversed(STRENGTH):
+        if tier in allowed:
+            report = probe(tier)
+            if report.available:
+                return tier
+            tried.append(f"{tier}: {report.detail}")
+    raise TierUnavailable(
+        f"trust {trust.value!r} needs one of {', '.join(allowed)}, and none works on this host "
+        f"({'; '.join(tried)}). stockade refuses to fall back to a weaker tier."
+    )

@@ -1,0 +1,506 @@
+"""``Sandbox`` and ``AsyncSandbox``: the API users hold, the same on every tier.
+
+Both turn friendly calls into ``ops`` values for an ``Instance``; the shared helpers below
+build those values and shape the results, so that the twins differ only in ``await``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import io
+import tarfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Literal, overload
+
+from stockade import exceptions as exc
+from stockade.sandbox import _registry
+from stockade.sandbox._supervised import WORKSPACE
+from stockade.sandbox.base import AsyncBackend, AsyncInstance, Backend, Instance, OutputSink, SandboxSpec, ThreadedAsyncBackend
+from stockade.sandbox.ops import (
+    GetArchive,
+    ListDir,
+    MakeDir,
+    PutArchive,
+    ReadFile,
+    Remove,
+    Reset,
+    RunCode,
+    RunCommand,
+    Stat,
+    WriteFile,
+)
+from stockade.types import (
+    CommandResult,
+    Enforcement,
+    EntryInfo,
+    Execution,
+    ExecutionError,
+    Limits,
+    Logs,
+    NetworkPolicy,
+    Trust,
+)
+
+__all__ = ["AsyncSandbox", "Sandbox"]
+
+TextCallback = Callable[[str], None]
+
+# run_code languages other than "python" run as fresh processes: language -> argv prefix.
+INTERPRETERS: dict[str, tuple[str, ...]] = {
+    "bash": ("bash", "-c"),
+    "sh": ("sh", "-c"),
+    "python3": ("python3", "-c"),
+    "node": ("node", "-e"),
+    "javascript": ("node", "-e"),
+    "ruby": ("ruby", "-e"),
+    "perl": ("perl", "-e"),
+    "php": ("php", "-r"),
+    "r": ("Rscript", "-e"),
+}
+
+
+# -- shared helpers ----------------------------------------------------------------------
+
+
+def check_path(path: str) -> str:
+    """Refuse, before anything reaches the sandbox, paths that cannot be in the workspace."""
+    if not isinstance(path, str):
+        raise exc.ConfigurationError(f"paths are str, got {type(path).__name__}")
+    if "\x00" in path:
+        raise exc.PathEscapeError(f"{path!r} contains a NUL byte", path=path)
+    if path.startswith("/") and not (path == WORKSPACE or path.startswith(WORKSPACE + "/")):
+        raise exc.PathEscapeError(f"{path!r} is outside the workspace ({WORKSPACE})", path=path)
+    relative = path[len(WORKSPACE) :] if path.startswith(WORKSPACE) else path
+    depth = 0
+    for part in relative.split("/"):
+        if part == "..":
+            depth -= 1
+            if depth < 0:
+                raise exc.PathEscapeError(f"{path!r} leads outside the workspace", path=path)
+        elif part not in ("", "."):
+            depth += 1
+    return path
+
+
+def command_op(
+    cmd: str | Sequence[str],
+    cwd: str | None,
+    envs: Mapping[str, str] | None,
+    timeout_s: float | None,
+    stdin: str | bytes | None,
+) -> RunCommand:
+    argv = ("/bin/sh", "-c", cmd) if isinstance(cmd, str) else tuple(cmd)
+    data = stdin.encode() if isinstance(stdin, str) else stdin
+    return RunCommand(argv=argv, cwd=cwd, envs=dict(envs or {}), timeout_s=timeout_s, stdin=data)
+
+
+def text_sink(on_stdout: TextCallback | None, on_stderr: TextCallback | None) -> OutputSink | None:
+    """Adapt byte chunks to text callbacks; a UTF-8 character split across chunks survives."""
+    if on_stdout is None and on_stderr is None:
+        return None
+    callbacks = {1: on_stdout, 2: on_stderr}
+    decoders = {fd: codecs.getincrementaldecoder("utf-8")("replace") for fd in (1, 2)}
+
+    def sink(fd: int, data: bytes) -> None:
+        callback = callbacks.get(fd)
+        if callback is not None:
+            text = decoders[fd].decode(data)
+            if text:
+                callback(text)
+
+    return sink
+
+
+def as_execution(result: CommandResult) -> Execution:
+    """A fresh-process run_code (bash, node, ...) reported like a Python one."""
+    error = None
+    if result.timed_out:
+        error = ExecutionError(name="TimeoutError", value="the code ran past its timeout", traceback="")
+    elif result.exit_code != 0:
+        error = ExecutionError(name="NonZeroExit", value=f"exit code {result.exit_code}", traceback=result.stderr)
+    return Execution(
+        logs=Logs(stdout=result.stdout, stderr=result.stderr), error=error,
+        duration_s=result.duration_s, timed_out=result.timed_out, truncated=result.truncated,
+    )
+
+
+def code_op(code: str, language: str, timeout_s: float | None) -> RunCode | RunCommand:
+    lang = language.lower()
+    if lang in ("python", "py"):
+        return RunCode(code=code, timeout_s=timeout_s)
+    prefix = INTERPRETERS.get(lang)
+    if prefix is None:
+        raise exc.ConfigurationError(
+            f"unknown language {language!r}; use python or one of {', '.join(sorted(INTERPRETERS))}"
+        )
+    return RunCommand(argv=(*prefix, code), timeout_s=timeout_s)
+
+
+def tar_directory(source: Path) -> bytes:
+    if not source.is_dir():
+        raise exc.ConfigurationError(f"workspace {str(source)!r} is not a directory")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for child in sorted(source.iterdir()):
+            tar.add(child, arcname=child.name, recursive=True)
+    return buf.getvalue()
+
+
+def extract_archive(data: bytes, dest: Path) -> None:
+    """Unpack what came out of a sandbox: the 'data' filter refuses links out, devices, setuid."""
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+        tar.extractall(dest, filter="data")
+
+
+def _spec(
+    limits: Limits | None,
+    network: NetworkPolicy | None,
+    envs: Mapping[str, str] | None,
+    allow_weaker: bool,
+    labels: Mapping[str, str] | None,
+) -> SandboxSpec:
+    return SandboxSpec(
+        limits=limits or Limits(),
+        network=network or NetworkPolicy(),
+        envs=dict(envs or {}),
+        allow_weaker=allow_weaker,
+        labels=dict(labels or {}),
+    )
+
+
+def _choose(tier: str | None, trust: Trust | str | None) -> str:
+    if trust is None:
+        return tier or "process"
+    level = Trust(trust)
+    allowed = _registry.allowed_tiers(level)
+    if tier is not None:
+        if tier not in allowed:
+            raise exc.TierUnavailable(
+                f"tier {tier!r} is too weak for trust {level.value!r}; allowed: {', '.join(allowed)}"
+            )
+        return tier
+    return _registry.select_tier(level)
+
+
+# -- sync --------------------------------------------------------------------------------
+
+
+class Commands:
+    def __init__(self, instance: Instance) -> None:
+        self._instance = instance
+
+    def run(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        cwd: str | None = None,
+        envs: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+        stdin: str | bytes | None = None,
+        on_stdout: TextCallback | None = None,
+        on_stderr: TextCallback | None = None,
+    ) -> CommandResult:
+        """Run ``cmd`` (a shell string, or an argv list run without a shell).
+
+        A non-zero exit, a timeout or an OOM kill is reported in the result, never raised.
+        """
+        op = command_op(cmd, cwd, envs, timeout_s, stdin)
+        return self._instance.execute(op, text_sink(on_stdout, on_stderr))
+
+
+class Files:
+    """The workspace (``/workspace`` inside). Paths are relative to it, or absolute under it."""
+
+    def __init__(self, instance: Instance) -> None:
+        self._instance = instance
+
+    @overload
+    def read(self, path: str, *, format: Literal["text"] = "text") -> str: ...
+    @overload
+    def read(self, path: str, *, format: Literal["bytes"]) -> bytes: ...
+
+    def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> str | bytes:
+        data = self._instance.execute(ReadFile(path=check_path(path)))
+        return data if format == "bytes" else data.decode("utf-8", "replace")
+
+    def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> EntryInfo:
+        raw = data.encode() if isinstance(data, str) else data
+        return self._instance.execute(WriteFile(path=check_path(path), data=raw, mode=mode))
+
+    def list(self, path: str = "", *, depth: int = 1) -> list[EntryInfo]:
+        return list(self._instance.execute(ListDir(path=check_path(path), depth=depth)))
+
+    def stat(self, path: str) -> EntryInfo | None:
+        return self._instance.execute(Stat(path=check_path(path), follow_symlinks=False))
+
+    def exists(self, path: str) -> bool:
+        return self.stat(path) is not None
+
+    def remove(self, path: str) -> None:
+        self._instance.execute(Remove(path=check_path(path)))
+
+    def make_dir(self, path: str) -> EntryInfo:
+        return self._instance.execute(MakeDir(path=check_path(path)))
+
+    def upload_dir(self, source: str | Path, dest: str = "") -> None:
+        """Copy a host directory into the workspace."""
+        self._instance.execute(PutArchive(path=check_path(dest), data=tar_directory(Path(source))))
+
+    def download_dir(self, dest: str | Path, source: str = "") -> None:
+        """Copy a workspace directory to the host, refusing links out, devices and setuid bits."""
+        extract_archive(self._instance.execute(GetArchive(path=check_path(source))), Path(dest))
+
+
+class Sandbox:
+    """One sandbox. Use ``Sandbox.create(...)`` as a context manager."""
+
+    def __init__(self, instance: Instance) -> None:
+        self.instance = instance
+        self.commands = Commands(instance)
+        self.files = Files(instance)
+
+    @classmethod
+    def create(
+        cls,
+        tier: str | None = None,
+        *,
+        trust: Trust | str | None = None,
+        limits: Limits | None = None,
+        network: NetworkPolicy | None = None,
+        envs: Mapping[str, str] | None = None,
+        workspace: str | Path | None = None,
+        allow_weaker: bool = False,
+        labels: Mapping[str, str] | None = None,
+        backend: Backend | None = None,
+    ) -> Sandbox:
+        """Start a sandbox on ``tier`` (default ``"process"``), or the tier ``trust`` requires.
+
+        ``workspace`` seeds the sandbox's workspace with a copy of a host directory; the
+        sandbox never writes to the host directory itself (use ``files.download_dir``).
+        """
+        spec = _spec(limits, network, envs, allow_weaker, labels)
+        chosen = backend or _registry.backend(_choose(tier, trust))
+        instance = chosen.start(spec)
+        sbx = cls(instance)
+        if workspace is not None:
+            try:
+                sbx.files.upload_dir(workspace)
+            except BaseException:
+                instance.close()
+                raise
+        return sbx
+
+    @property
+    def id(self) -> str:
+        return self.instance.id
+
+    @property
+    def tier(self) -> str:
+        return self.instance.tier
+
+    @property
+    def enforcement(self) -> Enforcement:
+        """How each limit is enforced for this sandbox, and what was weakened (if allowed)."""
+        return self.instance.enforcement
+
+    @property
+    def alive(self) -> bool:
+        return self.instance.alive
+
+    def run_code(
+        self,
+        code: str,
+        language: str = "python",
+        *,
+        timeout_s: float | None = None,
+        on_stdout: TextCallback | None = None,
+        on_stderr: TextCallback | None = None,
+    ) -> Execution:
+        """Run code. Python state persists between calls; other languages run fresh."""
+        op = code_op(code, language, timeout_s)
+        sink = text_sink(on_stdout, on_stderr)
+        if isinstance(op, RunCode):
+            return self.instance.execute(op, sink)
+        return as_execution(self.instance.execute(op, sink))
+
+    def reset(self) -> None:
+        """Kill every process, drop interpreter state, empty the workspace and /tmp."""
+        self.instance.execute(Reset())
+
+    def close(self) -> None:
+        self.instance.close()
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc_val: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Sandbox {self.id} tier={self.tier} alive={self.alive}>"
+
+
+# -- async -------------------------------------------------------------------------------
+
+
+def _threadsafe(callback: TextCallback | None) -> TextCallback | None:
+    """Deliver streamed output on the event loop's thread, not the worker's."""
+    if callback is None:
+        return None
+    loop = asyncio.get_running_loop()
+    return lambda text: loop.call_soon_threadsafe(callback, text)
+
+
+class AsyncCommands:
+    def __init__(self, instance: AsyncInstance) -> None:
+        self._instance = instance
+
+    async def run(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        cwd: str | None = None,
+        envs: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+        stdin: str | bytes | None = None,
+        on_stdout: TextCallback | None = None,
+        on_stderr: TextCallback | None = None,
+    ) -> CommandResult:
+        op = command_op(cmd, cwd, envs, timeout_s, stdin)
+        sink = text_sink(_threadsafe(on_stdout), _threadsafe(on_stderr))
+        result = await self._instance.aexecute(op, sink)
+        assert isinstance(result, CommandResult)
+        return result
+
+
+class AsyncFiles:
+    def __init__(self, instance: AsyncInstance) -> None:
+        self._instance = instance
+
+    async def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> str | bytes:
+        data = await self._instance.aexecute(ReadFile(path=check_path(path)))
+        assert isinstance(data, bytes)
+        return data if format == "bytes" else data.decode("utf-8", "replace")
+
+    async def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> EntryInfo:
+        raw = data.encode() if isinstance(data, str) else data
+        entry = await self._instance.aexecute(WriteFile(path=check_path(path), data=raw, mode=mode))
+        assert isinstance(entry, EntryInfo)
+        return entry
+
+    async def list(self, path: str = "", *, depth: int = 1) -> list[EntryInfo]:
+        entries = await self._instance.aexecute(ListDir(path=check_path(path), depth=depth))
+        assert isinstance(entries, tuple)
+        return list(entries)
+
+    async def stat(self, path: str) -> EntryInfo | None:
+        entry = await self._instance.aexecute(Stat(path=check_path(path), follow_symlinks=False))
+        assert entry is None or isinstance(entry, EntryInfo)
+        return entry
+
+    async def exists(self, path: str) -> bool:
+        return await self.stat(path) is not None
+
+    async def remove(self, path: str) -> None:
+        await self._instance.aexecute(Remove(path=check_path(path)))
+
+    async def make_dir(self, path: str) -> EntryInfo:
+        entry = await self._instance.aexecute(MakeDir(path=check_path(path)))
+        assert isinstance(entry, EntryInfo)
+        return entry
+
+    async def upload_dir(self, source: str | Path, dest: str = "") -> None:
+        data = await asyncio.to_thread(tar_directory, Path(source))
+        await self._instance.aexecute(PutArchive(path=check_path(dest), data=data))
+
+    async def download_dir(self, dest: str | Path, source: str = "") -> None:
+        data = await self._instance.aexecute(GetArchive(path=check_path(source)))
+        assert isinstance(data, bytes)
+        await asyncio.to_thread(extract_archive, data, Path(dest))
+
+
+class AsyncSandbox:
+    """The asyncio twin of ``Sandbox``: ``sbx = await AsyncSandbox.create(...)``."""
+
+    def __init__(self, instance: AsyncInstance) -> None:
+        self.instance = instance
+        self.commands = AsyncCommands(instance)
+        self.files = AsyncFiles(instance)
+
+    @classmethod
+    async def create(
+        cls,
+        tier: str | None = None,
+        *,
+        trust: Trust | str | None = None,
+        limits: Limits | None = None,
+        network: NetworkPolicy | None = None,
+        envs: Mapping[str, str] | None = None,
+        workspace: str | Path | None = None,
+        allow_weaker: bool = False,
+        labels: Mapping[str, str] | None = None,
+        backend: AsyncBackend | Backend | None = None,
+    ) -> AsyncSandbox:
+        spec = _spec(limits, network, envs, allow_weaker, labels)
+        if backend is None:
+            name = await asyncio.to_thread(_choose, tier, trust)
+            backend = await asyncio.to_thread(_registry.backend, name)
+        chosen = backend if isinstance(backend, AsyncBackend) else ThreadedAsyncBackend(backend)
+        instance = await chosen.astart(spec)
+        sbx = cls(instance)
+        if workspace is not None:
+            try:
+                await sbx.files.upload_dir(workspace)
+            except BaseException:
+                await instance.aclose()
+                raise
+        return sbx
+
+    @property
+    def id(self) -> str:
+        return self.instance.id
+
+    @property
+    def tier(self) -> str:
+        return self.instance.tier
+
+    @property
+    def enforcement(self) -> Enforcement:
+        return self.instance.enforcement
+
+    async def run_code(
+        self,
+        code: str,
+        language: str = "python",
+        *,
+        timeout_s: float | None = None,
+        on_stdout: TextCallback | None = None,
+        on_stderr: TextCallback | None = None,
+    ) -> Execution:
+        op = code_op(code, language, timeout_s)
+        sink = text_sink(_threadsafe(on_stdout), _threadsafe(on_stderr))
+        result = await self.instance.aexecute(op, sink)
+        if isinstance(result, CommandResult):
+            return as_execution(result)
+        assert isinstance(result, Execution)
+        return result
+
+    async def reset(self) -> None:
+        await self.instance.aexecute(Reset())
+
+    async def close(self) -> None:
+        await self.instance.aclose()
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc_val: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()

@@ -1,0 +1,258 @@
+"""Shipped test doubles: test the logic above a sandbox without starting one.
+
+``FakeBackend(handler)`` starts instances that answer every operation with
+``handler(op)``. The default handler, ``MemoryWorkspace``, keeps files in memory (with the
+same path rules as the real tiers) and answers commands with ``commands(op)``.
+
+    backend = FakeBackend(MemoryWorkspace(commands=lambda op: CommandResult(...)))
+    with Sandbox.create(backend=backend) as sbx: ...
+"""
+
+from __future__ import annotations
+
+import io
+import posixpath
+import tarfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from stockade import exceptions as exc
+from stockade.sandbox.base import (
+    AsyncBackend,
+    AsyncInstance,
+    Backend,
+    Instance,
+    OpResult,
+    OutputSink,
+    SandboxSpec,
+)
+from stockade.sandbox.ops import (
+    GetArchive,
+    ListDir,
+    MakeDir,
+    Op,
+    PutArchive,
+    ReadFile,
+    Remove,
+    Reset,
+    RunCode,
+    RunCommand,
+    Stat,
+    WriteFile,
+)
+from stockade.types import (
+    CommandResult,
+    Enforcement,
+    EntryInfo,
+    EntryType,
+    Execution,
+    Mechanism,
+    TierReport,
+)
+
+__all__ = ["FakeBackend", "FakeInstance", "MemoryWorkspace"]
+
+Handler = Callable[[Op], OpResult]
+FAKE_ENFORCEMENT = Enforcement(
+    memory=Mechanism.NONE, cpus=Mechanism.NONE, pids=Mechanism.NONE, disk=Mechanism.NONE,
+    network=Mechanism.NONE, timeout=Mechanism.NONE, weakened=("fake: nothing is enforced",),
+)
+
+
+def _ok(op: RunCommand) -> CommandResult:
+    return CommandResult(exit_code=0, stdout="", stderr="", duration_s=0.0)
+
+
+def _no_code(op: RunCode) -> Execution:
+    return Execution()
+
+
+@dataclass
+class MemoryWorkspace:
+    """An in-memory workspace: files as bytes, directories implied or explicit."""
+
+    commands: Callable[[RunCommand], CommandResult] = _ok
+    code: Callable[[RunCode], Execution] = _no_code
+    files: dict[str, bytes] = field(default_factory=dict)
+    dirs: set[str] = field(default_factory=set)
+
+    def __call__(self, op: Op) -> OpResult:
+        match op:
+            case RunCommand():
+                return self.commands(op)
+            case RunCode():
+                return self.code(op)
+            case ReadFile():
+                path = self._norm(op.path)
+                if path in self.dirs or self._is_dir(path):
+                    raise exc.FileTypeError(f"{op.path!r} is a directory", path=op.path)
+                if path not in self.files:
+                    raise exc.SandboxFileNotFound(f"{op.path!r}: no such file", path=op.path)
+                return self.files[path]
+            case WriteFile():
+                path = self._norm(op.path)
+                if self._is_dir(path):
+                    raise exc.FileTypeError(f"{op.path!r} is a directory", path=op.path)
+                self.files[path] = op.data
+                self._add_parents(path)
+                return self._entry(path)
+            case MakeDir():
+                path = self._norm(op.path)
+                if path in self.files:
+                    raise exc.FileTypeError(f"{op.path!r} exists and is not a directory", path=op.path)
+                self.dirs.add(path)
+                self._add_parents(path)
+                return self._entry(path)
+            case Stat():
+                path = self._norm(op.path)
+                if path in self.files or self._is_dir(path):
+                    return self._entry(path)
+                return None
+            case ListDir():
+                return self._list(self._norm(op.path), op.depth)
+            case Remove():
+                path = self._norm(op.path)
+                if path not in self.files and not self._is_dir(path):
+                    raise exc.SandboxFileNotFound(f"{op.path!r}: no such file", path=op.path)
+                self.files = {k: v for k, v in self.files.items() if k != path and not k.startswith(path + "/")}
+                self.dirs = {d for d in self.dirs if d != path and not d.startswith(path + "/")}
+                return None
+            case PutArchive():
+                with tarfile.open(fileobj=io.BytesIO(op.data)) as tar:
+                    for member in tar.getmembers():
+                        target = self._norm(posixpath.join(op.path, member.name))
+                        if member.isdir():
+                            self.dirs.add(target)
+                        elif member.isfile():
+                            extracted = tar.extractfile(member)
+                            self.files[target] = extracted.read() if extracted else b""
+                            self._add_parents(target)
+                return None
+            case GetArchive():
+                buf = io.BytesIO()
+                base = self._norm(op.path)
+                with tarfile.open(fileobj=buf, mode="w") as tar:
+                    for path, data in sorted(self.files.items()):
+                        if base and not path.startswith(base + "/"):
+                            continue
+                        info = tarfile.TarInfo(path[len(base) + 1 :] if base else path)
+                        info.size = len(data)
+                        tar.addfile(info, io.BytesIO(data))
+                return buf.getvalue()
+            case Reset():
+                self.files.clear()
+                self.dirs.clear()
+                return None
+        raise exc.ConfigurationError(f"MemoryWorkspace cannot handle {op!r}")
+
+    @staticmethod
+    def _norm(path: str) -> str:
+        if path.startswith("/workspace"):
+            path = path[len("/workspace") :]
+        norm = posixpath.normpath("/" + path).lstrip("/")
+        if norm.startswith(".."):
+            raise exc.PathEscapeError(f"{path!r} leads outside the workspace", path=path)
+        return "" if norm == "." else norm
+
+    def _is_dir(self, path: str) -> bool:
+        if path == "" or path in self.dirs:
+            return True
+        prefix = path + "/"
+        return any(k.startswith(prefix) for k in self.files) or any(d.startswith(prefix) for d in self.dirs)
+
+    def _add_parents(self, path: str) -> None:
+        parent = posixpath.dirname(path)
+        while parent:
+            self.dirs.add(parent)
+            parent = posixpath.dirname(parent)
+
+    def _entry(self, path: str) -> EntryInfo:
+        is_file = path in self.files
+        return EntryInfo(
+            path=path, name=posixpath.basename(path), type=EntryType.FILE if is_file else EntryType.DIR,
+            size=len(self.files[path]) if is_file else 0, mode=0o644 if is_file else 0o755, mtime=time.time(),
+        )
+
+    def _list(self, base: str, depth: int) -> tuple[EntryInfo, ...]:
+        if not self._is_dir(base):
+            raise exc.FileTypeError(f"{base!r} is not a directory", path=base)
+        names = set(self.files) | self.dirs
+        out = []
+        for path in sorted(names):
+            rel = path[len(base) + 1 :] if base else path
+            if base and not path.startswith(base + "/"):
+                continue
+            if rel and rel.count("/") < depth:
+                out.append(self._entry(path))
+        return tuple(out)
+
+
+class FakeInstance(Instance, AsyncInstance):
+    def __init__(self, handler: Handler, tier: str, number: int) -> None:
+        self.handler = handler
+        self.id = f"fake-{number}"
+        self.tier = tier
+        self.enforcement = FAKE_ENFORCEMENT
+        self.ops: list[Op] = []
+        self.closed = False
+
+    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+        if self.closed:
+            raise exc.SandboxClosed(f"sandbox {self.id} is closed")
+        self.ops.append(op)
+        result = self.handler(op)
+        if sink is not None and isinstance(result, CommandResult):
+            if result.stdout:
+                sink(1, result.stdout.encode())
+            if result.stderr:
+                sink(2, result.stderr.encode())
+        return result
+
+    async def aexecute(self, op: Op, sink: OutputSink | None = None) -> OpResult:
+        return self.handle(op, sink)
+
+    @property
+    def alive(self) -> bool:
+        return not self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    async def aclose(self) -> None:
+        self.close()
+
+
+class FakeBackend(Backend, AsyncBackend):
+    """A backend whose sandboxes answer every operation with ``handler(op)``.
+
+    Each instance gets ``handler_factory()`` when one is given (a fresh workspace per
+    sandbox), else the shared ``handler``. ``instances`` records what was started.
+    """
+
+    def __init__(
+        self,
+        handler: Handler | None = None,
+        *,
+        handler_factory: Callable[[], Handler] | None = None,
+        tier: str = "fake",
+    ) -> None:
+        self.tier = tier
+        self._handler = handler
+        self._factory = handler_factory or (MemoryWorkspace if handler is None else None)
+        self.instances: list[FakeInstance] = []
+        self.specs: list[SandboxSpec] = []
+
+    def probe(self) -> TierReport:
+        return TierReport(tier=self.tier, available=True, detail="fake backend", enforcement=FAKE_ENFORCEMENT)
+
+    def start(self, spec: SandboxSpec) -> FakeInstance:
+        handler = self._factory() if self._factory is not None else self._handler
+        assert handler is not None
+        instance = FakeInstance(handler, self.tier, len(self.instances) + 1)
+        self.instances.append(instance)
+        self.specs.append(spec)
+        return instance
+
+    async def astart(self, spec: SandboxSpec) -> FakeInstance:
+        return self.start(spec)
