@@ -47,7 +47,9 @@ def backend(tier: str) -> Backend:
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as err:
-            raise TierUnavailable(f"tier {tier!r} is not available ({err}); install it: {hint}") from None
+            if err.name == module_name:
+                raise TierUnavailable(f"tier {tier!r} is not part of this stockade version") from None
+            raise TierUnavailable(f"tier {tier!r} needs {err.name!r}: {hint}") from None
         created: Backend = getattr(module, cls_name)()
         _cache[tier] = created
         return created

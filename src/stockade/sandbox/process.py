@@ -30,6 +30,7 @@ from stockade.types import Enforcement, Mechanism, TierReport
 
 __all__ = ["ProcessBackend"]
 
+OWNER_FILE = "owner"
 KERNEL_SOURCES = ("supervisor.py", "interpreter.py", "protocol.py")
 SANDBOX_UID = 1000
 DEFAULT_HOST_UID = 61000
@@ -229,6 +230,7 @@ class ProcessBackend(Backend):
         """Once per process: the read-only files every sandbox binds (kernel, /etc)."""
         if self._prepared:
             return
+        collect_garbage(self.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
         os.chmod(self.state_dir, 0o711)
         src = Path(__file__).parent / "kernel"
@@ -298,6 +300,7 @@ class ProcessBackend(Backend):
         sid = "sbx-" + secrets.token_hex(6)
         rundir = self.state_dir / sid
         rundir.mkdir(mode=0o711)
+        (rundir / OWNER_FILE).write_text(f"{os.getpid()} {_start_time(os.getpid())}")
         mounts: list[Path] = []
         cgroup: _cgroups.Cgroup | None = None
         proc: subprocess.Popen[bytes] | None = None
@@ -482,3 +485,46 @@ def wait_gone(pid: int, timeout_s: float = 5.0) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+def _start_time(pid: int) -> str:
+    """The kernel's start time of ``pid``: with the pid, identifies a process across reuse."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return ""
+    return data[data.rindex(b")") + 2 :].split()[19].decode()
+
+
+def _owner_alive(rundir: Path) -> bool:
+    try:
+        pid_text, _, started = (rundir / OWNER_FILE).read_text().partition(" ")
+        pid = int(pid_text)
+    except (OSError, ValueError):
+        return False
+    return _start_time(pid) == started and started != ""
+
+
+def collect_garbage(state_dir: Path | None = None) -> list[str]:
+    """Remove sandboxes (mounts, run folders, cgroups) whose creating process is gone."""
+    base = state_dir or _default_state_dir(os.geteuid() == 0)
+    removed: list[str] = []
+    if base.is_dir():
+        for rundir in sorted(base.glob("sbx-*")):
+            if _owner_alive(rundir):
+                continue
+            for name in ("workspace", "tmp"):
+                _umount(rundir / name)
+            shutil.rmtree(rundir, ignore_errors=True)
+            removed.append(f"process sandbox {rundir.name}")
+        for shared in base.glob("shared-*"):
+            # shared kernel copies are per creating process; keep only recent ones
+            if time.time() - shared.stat().st_mtime > 86400:
+                shutil.rmtree(shared, ignore_errors=True)
+    support = _cgroups.detect()
+    if support.mechanism is not Mechanism.NONE:
+        for name in _cgroups.leftover_groups():
+            if not (base / name).exists():
+                _cgroups.Cgroup(support.mechanism, name).remove()
+                removed.append(f"cgroup {name}")
+    return removed

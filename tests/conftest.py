@@ -1,0 +1,36 @@
+"""Shared test helpers.
+
+A test that needs a real backend (bubblewrap, dockerd, runsc, redis, postgres) asks for it
+with ``require(name, available, why)``: on a laptop without it the test skips; in CI
+(``CI=true``) a missing backend is a failure, never a silent skip.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def require(name: str, available: bool, why: str = "") -> None:
+    """Skip (locally) or fail (in CI) when ``name`` is not available."""
+    if available:
+        return
+    message = f"{name} is not available{': ' + why if why else ''}"
+    if IN_CI:
+        pytest.fail(f"{message} (CI=true: missing backends fail instead of skipping)")
+    pytest.skip(message)
+
+
+def tier_available(tier: str) -> tuple[bool, str]:
+    from stockade.sandbox import _registry
+
+    report = _registry.probe(tier)
+    return report.available, report.detail
+
+
+def require_tier(tier: str) -> None:
+    ok, detail = tier_available(tier)
+    require(f"tier {tier!r}", ok, detail)
