@@ -45,7 +45,7 @@ RUNSC_SOURCE=${STOCKADE_RUNSC_SOURCE:-auto}
 BPO_LIST=/etc/apt/sources.list.d/stockade-backports.sources
 export DEBIAN_FRONTEND=noninteractive
 
-installed_version() { dpkg-query -W -f='${Status} ${Version}\n' "$1" 2>/dev/null | awk '$3 == "installed" { print $4 }'; }
+installed_version() { { dpkg-query -W -f='${Status} ${Version}\n' "$1" 2>/dev/null || true; } | awk '$3 == "installed" { print $4 }'; }
 
 # shellcheck source=/dev/null
 codename=$(. /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-}")
