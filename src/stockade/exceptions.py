@@ -21,7 +21,13 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── FileTypeError             a directory where a file was expected, a FIFO, ...
     │   ├── FileTooLarge              bigger than the transfer cap
     │   └── WorkspaceFull             the workspace's size or inode limit is reached
-    └── PolicyDenied                  a guard refused the action (fed back to the model)
+    ├── PolicyDenied                  a guard refused the action (fed back to the model)
+    │   └── ApprovalRequired          a human must decide first; the run pauses (denies if unhandled)
+    └── RuntimeLimit                  a runtime control stopped the action
+        ├── CircuitOpen               [retryable] too many consecutive failures; retry after cool-down
+        ├── RateLimited               [retryable] too many actions in the window; retry after
+        ├── BudgetExceeded            a budget (steps, wall time, tokens, dollars, $/hour) is spent
+        └── RunKilled                 someone pulled the kill switch
 
 Errors pickle cleanly (they cross process boundaries in the distributed tier).
 """
@@ -31,7 +37,10 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 __all__ = [
+    "ApprovalRequired",
     "BackendUnavailable",
+    "BudgetExceeded",
+    "CircuitOpen",
     "ConfigurationError",
     "FileTooLarge",
     "FileTypeError",
@@ -39,7 +48,10 @@ __all__ = [
     "PathEscapeError",
     "PolicyDenied",
     "ProtocolError",
+    "RateLimited",
     "ResourceContention",
+    "RunKilled",
+    "RuntimeLimit",
     "SandboxClosed",
     "SandboxCrashed",
     "SandboxError",
@@ -156,3 +168,53 @@ class PolicyDenied(StockadeError):
         super().__init__(message)
         self.rule = rule
         self.action = action
+
+
+class ApprovalRequired(PolicyDenied):
+    """The action waits for a human decision. The agent pauses the run (state saved) until
+    ``request_id`` is approved or denied; an agent that does not handle it treats it as a denial."""
+
+    def __init__(self, message: str, *, rule: str = "", action: str = "", request_id: str = "") -> None:
+        super().__init__(message, rule=rule, action=action)
+        self.request_id = request_id
+
+
+class RuntimeLimit(StockadeError):
+    """A runtime control (breaker, rate or spend limit, budget, kill switch) stopped the action."""
+
+
+class CircuitOpen(RuntimeLimit):
+    """The breaker of ``name`` is open after repeated failures; it half-opens after ``retry_after``."""
+
+    retryable = True
+
+    def __init__(self, message: str, *, name: str = "", retry_after: float | None = None) -> None:
+        super().__init__(message, retry_after=retry_after)
+        self.name = name
+
+
+class RateLimited(RuntimeLimit):
+    """Too many actions in the rolling window; the next one fits after ``retry_after``."""
+
+    retryable = True
+
+    def __init__(self, message: str, *, key: str = "", retry_after: float | None = None) -> None:
+        super().__init__(message, retry_after=retry_after)
+        self.key = key
+
+
+class BudgetExceeded(RuntimeLimit):
+    """A budget is spent: ``kind`` is steps, wall_time, tokens, dollars or dollars_per_hour."""
+
+    def __init__(self, message: str, *, kind: str = "", retry_after: float | None = None) -> None:
+        super().__init__(message, retry_after=retry_after)
+        self.kind = kind
+
+
+class RunKilled(RuntimeLimit):
+    """The kill switch of ``run_id`` was pulled (CLI, Redis key, file or API)."""
+
+    def __init__(self, message: str, *, run_id: str = "", reason: str = "") -> None:
+        super().__init__(message)
+        self.run_id = run_id
+        self.reason = reason
