@@ -40,16 +40,24 @@ __all__ = [
     "ApprovalRequired",
     "BackendUnavailable",
     "BudgetExceeded",
+    "BudgetExceeded",
     "CircuitOpen",
     "ConfigurationError",
     "FileTooLarge",
     "FileTypeError",
     "LimitNotEnforceable",
+    "ModelAuthError",
+    "ModelError",
+    "ModelRateLimited",
+    "ModelRequestRejected",
+    "ModelUnavailable",
     "PathEscapeError",
     "PolicyDenied",
     "ProtocolError",
     "RateLimited",
     "ResourceContention",
+    "RunKilled",
+    "RunStopped",
     "RunKilled",
     "RuntimeLimit",
     "SandboxClosed",
@@ -218,3 +226,47 @@ class RunKilled(RuntimeLimit):
         super().__init__(message)
         self.run_id = run_id
         self.reason = reason
+
+
+class ModelError(StockadeError):
+    """The LLM provider failed or refused. ``status_code`` is the HTTP status when there was one."""
+
+    def __init__(
+        self, message: str, *, provider: str = "", status_code: int | None = None, retry_after: float | None = None
+    ) -> None:
+        super().__init__(message, retry_after=retry_after)
+        self.provider = provider
+        self.status_code = status_code
+
+
+class ModelUnavailable(ModelError):
+    retryable = True
+
+
+class ModelRateLimited(ModelError):
+    retryable = True
+
+
+class ModelAuthError(ModelError):
+    """The API key is missing, wrong, or not allowed to use this model."""
+
+
+class ModelRequestRejected(ModelError):
+    """The provider rejected the request as malformed (400, 404, 422): retrying cannot help."""
+
+
+class RunStopped(StockadeError):
+    """Raised by a control (guard, observer, tool or model wrapper) to end an agent run.
+
+    The loop ends the run with ``status`` instead of crashing; subclasses name new statuses.
+    """
+
+    status: ClassVar[str] = "killed"
+
+
+class BudgetExceeded(RunStopped):
+    status = "budget"
+
+
+class RunKilled(RunStopped):
+    status = "killed"
