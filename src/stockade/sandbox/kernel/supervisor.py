@@ -237,7 +237,13 @@ class Workspace:
                 os.close(fd)
 
 
+def _clean(name: str) -> str:
+    """Undecodable bytes in a file name become U+FFFD: the host must never see a lone surrogate."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
 def _entry(path: str, st: os.stat_result) -> dict[str, Any]:
+    path = _clean(path)
     mode = st.st_mode
     kind = (
         "file" if stat.S_ISREG(mode) else "dir" if stat.S_ISDIR(mode)

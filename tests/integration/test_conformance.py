@@ -1,0 +1,326 @@
+"""The conformance suite: every tier must behave identically through the Sandbox API.
+
+Parametrised over ``TIERS`` (see conftest): a new tier passes this file unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+
+import pytest
+
+from stockade import (
+    AsyncSandbox,
+    ConfigurationError,
+    FileTypeError,
+    Limits,
+    PathEscapeError,
+    Sandbox,
+    SandboxClosed,
+    SandboxFileNotFound,
+)
+from stockade.types import EntryType
+
+# -- commands ------------------------------------------------------------------------------
+
+
+def test_a_command_returns_exit_code_stdout_and_stderr(sbx: Sandbox) -> None:
+    r = sbx.commands.run("echo out; echo err >&2; exit 3")
+    assert (r.exit_code, r.stdout, r.stderr) == (3, "out\n", "err\n")
+    assert not r.timed_out and not r.truncated and not r.ok
+
+
+def test_a_non_zero_exit_is_a_result_not_an_exception(sbx: Sandbox) -> None:
+    assert sbx.commands.run("false").exit_code == 1
+    missing = sbx.commands.run(["no-such-program-xyz"])
+    assert missing.exit_code == 127 and "no-such-program-xyz" in missing.stderr
+
+
+def test_argv_lists_run_without_a_shell(sbx: Sandbox) -> None:
+    r = sbx.commands.run(["printf", "%s|", "a b", "$HOME", ";ls"])
+    assert r.stdout == "a b|$HOME|;ls|"
+
+
+def test_stdin_cwd_and_envs(sbx: Sandbox) -> None:
+    sbx.files.make_dir("sub")
+    r = sbx.commands.run("cat; pwd; echo $GREETING", stdin="piped\n", cwd="sub", envs={"GREETING": "hello"})
+    assert r.stdout == "piped\n/workspace/sub\nhello\n"
+
+
+def test_sandbox_envs_are_visible_to_every_command(tier: str) -> None:
+    with Sandbox.create(tier, envs={"PROJECT": "stockade"}) as sbx:
+        assert sbx.commands.run("echo $PROJECT").stdout == "stockade\n"
+        assert sbx.run_code("import os; os.environ['PROJECT']").text == "'stockade'"
+
+
+def test_output_streams_to_callbacks_as_it_comes(sbx: Sandbox) -> None:
+    seen: list[tuple[str, str]] = []
+    r = sbx.commands.run(
+        "for i in 1 2 3; do echo $i; sleep 0.05; done; echo e >&2",
+        on_stdout=lambda s: seen.append(("out", s)),
+        on_stderr=lambda s: seen.append(("err", s)),
+    )
+    assert "".join(s for k, s in seen if k == "out") == r.stdout == "1\n2\n3\n"
+    assert ("err", "e\n") in seen
+    assert len([k for k, _ in seen if k == "out"]) >= 2, "output arrived in one piece: not streamed"
+
+
+def test_large_stdin_round_trips(sbx: Sandbox) -> None:
+    data = os.urandom(3 * 1024 * 1024)
+    r = sbx.commands.run("sha256sum", stdin=data)
+    assert r.stdout.split()[0] == hashlib.sha256(data).hexdigest()
+
+
+def test_non_utf8_output_is_replaced_not_fatal(sbx: Sandbox) -> None:
+    r = sbx.commands.run(r"printf 'ok \377\376 end'")
+    assert r.exit_code == 0 and r.stdout.startswith("ok ") and r.stdout.endswith(" end")
+    assert "\ufffd" in r.stdout
+
+
+def test_output_is_capped_with_a_marker_and_the_true_size(tier: str) -> None:
+    with Sandbox.create(tier, limits=Limits(output_bytes=1000)) as sbx:
+        r = sbx.commands.run("head -c 50000 /dev/zero | tr '\\0' a")
+        assert r.truncated and r.stdout_bytes == 50000
+        assert r.stdout.startswith("a" * 1000)
+        assert "truncated" in r.stdout and "50000" in r.stdout
+        assert len(r.stdout) < 1200
+
+
+def test_a_timeout_kills_the_command_and_is_reported(sbx: Sandbox) -> None:
+    r = sbx.commands.run("echo started; sleep 30", timeout_s=0.5)
+    assert r.timed_out and r.stdout == "started\n" and r.duration_s < 5
+    assert sbx.commands.run("echo still usable").stdout == "still usable\n"
+
+
+def test_an_empty_command_is_a_configuration_error(sbx: Sandbox) -> None:
+    with pytest.raises(ConfigurationError):
+        sbx.commands.run([])
+
+
+def test_commands_run_as_a_non_root_user(sbx: Sandbox) -> None:
+    assert sbx.commands.run("id -u").stdout.strip() != "0"
+
+
+# -- run_code ------------------------------------------------------------------------------
+
+
+def test_python_state_persists_between_calls(sbx: Sandbox) -> None:
+    assert sbx.run_code("x = 41").results == ()
+    ex = sbx.run_code("x + 1")
+    assert ex.text == "42" and ex.error is None
+
+
+def test_prints_land_in_logs_and_the_last_expression_in_results(sbx: Sandbox) -> None:
+    ex = sbx.run_code("print('hello')\nimport sys; print('warn', file=sys.stderr)\n'value'")
+    assert ex.logs.stdout == "hello\n" and ex.logs.stderr == "warn\n"
+    assert ex.text == "'value'"
+
+
+def test_an_exception_comes_back_as_error_with_traceback(sbx: Sandbox) -> None:
+    ex = sbx.run_code("def f():\n    raise ValueError('bad')\nf()")
+    assert ex.error is not None
+    assert (ex.error.name, ex.error.value) == ("ValueError", "bad")
+    assert "line 2, in f" in ex.error.traceback and "interpreter.py" not in ex.error.traceback
+    assert sbx.run_code("1 + 1").text == "2", "the interpreter survives the exception"
+
+
+def test_syntax_errors_are_errors_not_crashes(sbx: Sandbox) -> None:
+    ex = sbx.run_code("def (:")
+    assert ex.error is not None and ex.error.name == "SyntaxError"
+
+
+def test_rich_results_carry_a_mime_bundle(sbx: Sandbox) -> None:
+    ex = sbx.run_code(
+        "class Page:\n"
+        "    def _repr_html_(self): return '<b>hi</b>'\n"
+        "    def __repr__(self): return 'Page()'\n"
+        "display(Page())\n"
+        "Page()"
+    )
+    assert len(ex.results) == 2
+    assert ex.results[-1].html == "<b>hi</b>" and ex.results[-1].text == "Page()"
+
+
+def test_run_code_timeout_restarts_the_interpreter(sbx: Sandbox) -> None:
+    sbx.run_code("kept = 1")
+    ex = sbx.run_code("import time\nprint('before')\ntime.sleep(30)", timeout_s=0.5)
+    assert ex.timed_out and ex.error is not None and ex.error.name == "TimeoutError"
+    assert ex.logs.stdout == "before\n"
+    after = sbx.run_code("'kept' in dir()")
+    assert after.text == "False", "state is lost with the killed interpreter"
+
+
+def test_a_dying_interpreter_is_reported_and_replaced(sbx: Sandbox) -> None:
+    ex = sbx.run_code("import os; os._exit(3)")
+    assert ex.error is not None and ex.error.name == "KernelDied"
+    assert sbx.run_code("2 * 21").text == "42"
+
+
+def test_bash_and_other_languages_run_as_fresh_processes(sbx: Sandbox) -> None:
+    ex = sbx.run_code("echo $((6 * 7))", language="bash")
+    assert ex.logs.stdout == "42\n" and ex.error is None
+    failed = sbx.run_code("exit 4", language="bash")
+    assert failed.error is not None and failed.error.name == "NonZeroExit"
+    with pytest.raises(ConfigurationError):
+        sbx.run_code("x", language="cobol")
+
+
+def test_empty_and_huge_code(sbx: Sandbox) -> None:
+    assert sbx.run_code("").error is None
+    big = "x = 0\n" + "x += 1\n" * 20_000 + "x"
+    assert sbx.run_code(big).text == "20000"
+    # Compiling 2 MB of statements needs more than the 256 MiB limit: contained and reported.
+    huge = sbx.run_code("x = 0\n" + "x += 1\n" * 300_000 + "x")
+    assert huge.text == "300000" or (huge.error is not None and huge.error.name == "MemoryLimitExceeded")
+    assert sbx.run_code("1 + 1").text == "2"
+
+
+def test_run_code_streams_output(sbx: Sandbox) -> None:
+    chunks: list[str] = []
+    sbx.run_code("import time\nfor i in range(3):\n    print(i); time.sleep(0.05)", on_stdout=chunks.append)
+    assert "".join(chunks) == "0\n1\n2\n" and len(chunks) >= 2
+
+
+# -- files ---------------------------------------------------------------------------------
+
+
+def test_files_round_trip_text_and_bytes(sbx: Sandbox) -> None:
+    sbx.files.write("src/app.py", "print('hi')\n")
+    assert sbx.files.read("src/app.py") == "print('hi')\n"
+    blob = bytes(range(256))
+    sbx.files.write("/workspace/data.bin", blob)
+    assert sbx.files.read("data.bin", format="bytes") == blob
+    assert sbx.commands.run("python3 src/app.py").stdout == "hi\n", "files are visible to commands"
+
+
+def test_files_list_exists_remove_make_dir(sbx: Sandbox) -> None:
+    sbx.files.make_dir("a/b")
+    sbx.files.write("a/b/c.txt", "c")
+    sbx.files.write("a/top.txt", "t")
+    names = {(e.path, e.type) for e in sbx.files.list("a", depth=2)}
+    assert names == {("a/b", EntryType.DIR), ("a/b/c.txt", EntryType.FILE), ("a/top.txt", EntryType.FILE)}
+    assert [e.path for e in sbx.files.list("a")] == ["a/b", "a/top.txt"]
+    assert sbx.files.exists("a/b/c.txt") and not sbx.files.exists("a/nope")
+    sbx.files.remove("a")
+    assert not sbx.files.exists("a")
+
+
+def test_missing_files_and_wrong_types_are_typed_errors(sbx: Sandbox) -> None:
+    with pytest.raises(SandboxFileNotFound):
+        sbx.files.read("nope.txt")
+    sbx.files.make_dir("d")
+    with pytest.raises(FileTypeError):
+        sbx.files.read("d")
+    sbx.commands.run("mkfifo pipe")
+    with pytest.raises(FileTypeError):
+        sbx.files.read("pipe")  # a FIFO would block a naive reader forever
+
+
+@pytest.mark.parametrize(
+    "path", ["../x", "a/../../x", "/etc/passwd", "/workspace/../etc/passwd", "..", "a\x00b"]
+)
+def test_paths_outside_the_workspace_are_refused(sbx: Sandbox, path: str) -> None:
+    with pytest.raises(PathEscapeError):
+        sbx.files.write(path, "x")
+    with pytest.raises(PathEscapeError):
+        sbx.files.read(path)
+
+
+def test_symlinks_are_followed_only_inside_the_workspace(sbx: Sandbox) -> None:
+    sbx.files.write("real.txt", "inside")
+    sbx.commands.run("ln -s real.txt ok; ln -s /etc/passwd out; mkdir d; ln -s ../../../etc d/up")
+    assert sbx.files.read("ok") == "inside"
+    for path in ("out", "d/up/passwd"):
+        with pytest.raises(PathEscapeError):
+            sbx.files.read(path)
+    with pytest.raises(PathEscapeError):
+        sbx.files.write("d/up/evil", "x")
+    link = sbx.files.stat("out")
+    assert link is not None and link.type is EntryType.SYMLINK
+
+
+def test_writing_over_a_symlink_replaces_the_link_not_its_target(sbx: Sandbox) -> None:
+    sbx.files.write("target.txt", "original")
+    sbx.commands.run("ln -s target.txt alias")
+    sbx.files.write("alias", "new")  # follows the in-workspace link, like open() would
+    assert sbx.files.read("target.txt") == "new"
+
+
+def test_upload_and_download_directories(sbx: Sandbox, tmp_path: os.PathLike[str]) -> None:
+    from pathlib import Path
+
+    src = Path(tmp_path) / "src"
+    (src / "pkg").mkdir(parents=True)
+    (src / "pkg" / "mod.py").write_text("X = 1\n")
+    sbx.files.upload_dir(src, "proj")
+    assert sbx.files.read("proj/pkg/mod.py") == "X = 1\n"
+    sbx.commands.run("cd proj && echo made > new.txt && ln -s /etc/shadow leak && cp /bin/true suid && chmod u+s suid")
+    dest = Path(tmp_path) / "out"
+    try:
+        sbx.files.download_dir(dest, "proj")
+    except Exception as err:  # the 'data' filter may refuse the link outright
+        assert "leak" in str(err) or "link" in str(err).lower()
+        return
+    assert (dest / "new.txt").read_text() == "made\n"
+    assert not (dest / "leak").exists() or not (dest / "leak").resolve().is_relative_to(Path("/etc"))
+    assert not (dest / "suid").stat().st_mode & 0o4000
+
+
+def test_workspace_argument_seeds_a_copy(tier: str, tmp_path: os.PathLike[str]) -> None:
+    from pathlib import Path
+
+    seed = Path(tmp_path)
+    (seed / "README").write_text("seeded")
+    with Sandbox.create(tier, workspace=seed) as sbx:
+        assert sbx.files.read("README") == "seeded"
+        sbx.files.write("README", "changed inside")
+    assert (seed / "README").read_text() == "seeded", "the host directory is never written"
+
+
+def test_non_utf8_file_names_are_listed_safely(sbx: Sandbox) -> None:
+    sbx.commands.run(r"""touch "$(printf 'bad\377name')" """)
+    names = [e.name for e in sbx.files.list()]
+    assert any(n.startswith("bad") for n in names)
+    for n in names:
+        n.encode("utf-8")  # never a lone surrogate that breaks the caller's printing
+
+
+# -- lifecycle -----------------------------------------------------------------------------
+
+
+def test_reset_forgets_files_processes_and_state(sbx: Sandbox) -> None:
+    sbx.files.write("left.txt", "x")
+    sbx.run_code("secret = 1")
+    sbx.commands.run("echo tmp > /tmp/t")
+    sbx.reset()
+    assert sbx.files.list() == []
+    assert sbx.run_code("'secret' in dir()").text == "False"
+    assert sbx.commands.run("ls /tmp").stdout == ""
+
+
+def test_a_closed_sandbox_refuses_work(tier: str) -> None:
+    sbx = Sandbox.create(tier)
+    sbx.close()
+    sbx.close()  # idempotent
+    assert not sbx.alive
+    with pytest.raises(SandboxClosed):
+        sbx.commands.run("true")
+
+
+def test_async_sandbox_has_the_same_surface(tier: str) -> None:
+    async def main() -> None:
+        async with await AsyncSandbox.create(tier) as sbx:
+            seen: list[str] = []
+            r = await sbx.commands.run("echo hi", on_stdout=seen.append)
+            await sbx.files.write("f.txt", "data")
+            results = await asyncio.gather(*(sbx.commands.run(f"echo {i}") for i in range(5)))
+            assert [x.stdout for x in results] == [f"{i}\n" for i in range(5)]
+            assert (await sbx.run_code("6 * 7")).text == "42"
+            assert await sbx.files.read("f.txt") == "data"
+            assert r.stdout == "hi\n"
+        await asyncio.sleep(0)
+        assert seen == ["hi\n"]
+
+    asyncio.run(main())
