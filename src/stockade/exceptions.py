@@ -22,6 +22,9 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── FileTooLarge              bigger than the transfer cap
     │   └── WorkspaceFull             the workspace's size or inode limit is reached
     ├── PolicyDenied                  a guard refused the action (fed back to the model)
+    ├── ToolError                     a tool could not do what the model asked (fed back to it)
+    │   ├── InvalidToolCall           unknown tool or arguments that fail its schema
+    │   └── PatchRejected             a diff does not apply; nothing was changed
     │   └── ApprovalRequired          a human must decide first; the run pauses (denies if unhandled)
     └── RuntimeLimit                  a runtime control stopped the action
         ├── CircuitOpen               [retryable] too many consecutive failures; retry after cool-down
@@ -45,12 +48,14 @@ __all__ = [
     "ConfigurationError",
     "FileTooLarge",
     "FileTypeError",
+    "InvalidToolCall",
     "LimitNotEnforceable",
     "ModelAuthError",
     "ModelError",
     "ModelRateLimited",
     "ModelRequestRejected",
     "ModelUnavailable",
+    "PatchRejected",
     "PathEscapeError",
     "PolicyDenied",
     "ProtocolError",
@@ -67,6 +72,7 @@ __all__ = [
     "SandboxStartError",
     "StockadeError",
     "TierUnavailable",
+    "ToolError",
     "WorkspaceError",
     "WorkspaceFull",
 ]
@@ -226,6 +232,23 @@ class RunKilled(RuntimeLimit):
         super().__init__(message)
         self.run_id = run_id
         self.reason = reason
+
+
+class ToolError(StockadeError):
+    """A tool could not do what the model asked; the loop shows the message to the model."""
+
+
+class InvalidToolCall(ToolError):
+    """The model named an unknown tool or passed arguments that fail the tool's schema."""
+
+
+class PatchRejected(ToolError):
+    """A unified diff does not apply. ``path`` and ``hunk`` (1-based) say where; nothing changed."""
+
+    def __init__(self, message: str, *, path: str = "", hunk: int = 0) -> None:
+        super().__init__(message)
+        self.path = path
+        self.hunk = hunk
 
 
 class ModelError(StockadeError):
