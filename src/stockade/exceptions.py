@@ -32,6 +32,10 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
         ├── BudgetExceeded            a budget (steps, wall time, tokens, dollars, $/hour) is spent
         └── RunKilled                 someone pulled the kill switch
 
+    AuditError                        the audit trail could not do its job
+    ├── AuditStoreError               [retryable] the audit store is unreachable or locked
+    └── AuditIntegrityError           verify found the chain edited, cut or reordered
+
 Errors pickle cleanly (they cross process boundaries in the distributed tier).
 """
 
@@ -41,6 +45,9 @@ from typing import Any, ClassVar
 
 __all__ = [
     "ApprovalRequired",
+    "AuditError",
+    "AuditIntegrityError",
+    "AuditStoreError",
     "BackendUnavailable",
     "BudgetExceeded",
     "BudgetExceeded",
@@ -293,3 +300,17 @@ class BudgetExceeded(RunStopped):
 
 class RunKilled(RunStopped):
     status = "killed"
+
+
+class AuditError(StockadeError):
+    """The audit trail could not record or prove what happened."""
+
+
+class AuditStoreError(AuditError):
+    """The audit store is unreachable, locked or failing; the events are kept for the next try."""
+
+    retryable = True
+
+
+class AuditIntegrityError(AuditError):
+    """``verify`` found the chain edited, truncated, reordered, or not signed with the given key."""
