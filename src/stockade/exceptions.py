@@ -6,7 +6,8 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
 
     StockadeError
     ├── ConfigurationError            you called it wrong, or the policy file is wrong
-    │   └── LimitNotEnforceable       this host cannot enforce a limit you asked for
+    │   ├── LimitNotEnforceable       this host cannot enforce a limit you asked for
+    │   └── ImageNotFound             the sandbox image is not on this host (build it)
     ├── TierUnavailable               no tier on this host satisfies the request (fails closed)
     ├── SandboxError                  something about one sandbox
     │   ├── SandboxStartError         [retryable] the sandbox did not come up
@@ -22,15 +23,16 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── FileTooLarge              bigger than the transfer cap
     │   └── WorkspaceFull             the workspace's size or inode limit is reached
     ├── PolicyDenied                  a guard refused the action (fed back to the model)
+    │   └── ApprovalRequired          a human must decide first; the run pauses (denies if unhandled)
     ├── ToolError                     a tool could not do what the model asked (fed back to it)
     │   ├── InvalidToolCall           unknown tool or arguments that fail its schema
     │   └── PatchRejected             a diff does not apply; nothing was changed
-    │   └── ApprovalRequired          a human must decide first; the run pauses (denies if unhandled)
-    └── RuntimeLimit                  a runtime control stopped the action
-        ├── CircuitOpen               [retryable] too many consecutive failures; retry after cool-down
-        ├── RateLimited               [retryable] too many actions in the window; retry after
-        ├── BudgetExceeded            a budget (steps, wall time, tokens, dollars, $/hour) is spent
-        └── RunKilled                 someone pulled the kill switch
+    ├── RuntimeLimit                  a runtime control refused the action for now
+    │   ├── CircuitOpen               [retryable] too many consecutive failures; retry after cool-down
+    │   └── RateLimited               [retryable] too many actions in the window; retry after
+    └── RunStopped                    a control ends the run with a status
+        ├── BudgetExceeded            status "budget": steps, wall time, tokens, dollars, $/hour spent
+        └── RunKilled                 status "killed": someone pulled the kill switch
 
     AuditError                        the audit trail could not do its job
     ├── AuditStoreError               [retryable] the audit store is unreachable or locked
@@ -50,11 +52,11 @@ __all__ = [
     "AuditStoreError",
     "BackendUnavailable",
     "BudgetExceeded",
-    "BudgetExceeded",
     "CircuitOpen",
     "ConfigurationError",
     "FileTooLarge",
     "FileTypeError",
+    "ImageNotFound",
     "InvalidToolCall",
     "LimitNotEnforceable",
     "ModelAuthError",
@@ -70,7 +72,6 @@ __all__ = [
     "ResourceContention",
     "RunKilled",
     "RunStopped",
-    "RunKilled",
     "RuntimeLimit",
     "SandboxClosed",
     "SandboxCrashed",
@@ -120,6 +121,10 @@ class LimitNotEnforceable(ConfigurationError):
         super().__init__(message)
         self.setting = setting
         self.fix = fix
+
+
+class ImageNotFound(ConfigurationError):
+    """The container image a tier needs is missing; the message says how to build it."""
 
 
 class TierUnavailable(StockadeError):
@@ -224,23 +229,6 @@ class RateLimited(RuntimeLimit):
         self.key = key
 
 
-class BudgetExceeded(RuntimeLimit):
-    """A budget is spent: ``kind`` is steps, wall_time, tokens, dollars or dollars_per_hour."""
-
-    def __init__(self, message: str, *, kind: str = "", retry_after: float | None = None) -> None:
-        super().__init__(message, retry_after=retry_after)
-        self.kind = kind
-
-
-class RunKilled(RuntimeLimit):
-    """The kill switch of ``run_id`` was pulled (CLI, Redis key, file or API)."""
-
-    def __init__(self, message: str, *, run_id: str = "", reason: str = "") -> None:
-        super().__init__(message)
-        self.run_id = run_id
-        self.reason = reason
-
-
 class ToolError(StockadeError):
     """A tool could not do what the model asked; the loop shows the message to the model."""
 
@@ -295,11 +283,24 @@ class RunStopped(StockadeError):
 
 
 class BudgetExceeded(RunStopped):
+    """A budget is spent: ``kind`` is steps, wall_time, tokens, dollars or dollars_per_hour."""
+
     status = "budget"
+
+    def __init__(self, message: str, *, kind: str = "", retry_after: float | None = None) -> None:
+        super().__init__(message, retry_after=retry_after)
+        self.kind = kind
 
 
 class RunKilled(RunStopped):
+    """The kill switch of ``run_id`` was pulled (CLI, Redis key, file or API)."""
+
     status = "killed"
+
+    def __init__(self, message: str, *, run_id: str = "", reason: str = "") -> None:
+        super().__init__(message)
+        self.run_id = run_id
+        self.reason = reason
 
 
 class AuditError(StockadeError):
