@@ -346,3 +346,23 @@ def _entry(raw: Any) -> EntryInfo:
 
 def decoder() -> codecs.IncrementalDecoder:
     return codecs.getincrementaldecoder("utf-8")("replace")
+
+
+def supervisor_config(spec: SandboxSpec, rlimits: dict[str, int] | None = None) -> dict[str, Any]:
+    """The ``init`` frame every tier sends: the environment, caps and default timeout."""
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": "/tmp",
+        "LANG": "C.UTF-8",
+        "USER": "sandbox",
+        "TMPDIR": "/tmp",
+        "MPLBACKEND": "Agg",
+    }
+    env.update(spec.envs)
+    return {
+        "env": env,
+        "workspace": WORKSPACE,
+        "output_cap": spec.limits.output_bytes,
+        "timeout": spec.limits.timeout_s,
+        "rlimits": dict(rlimits or {}),
+    }

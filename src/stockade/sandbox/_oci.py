@@ -1,0 +1,249 @@
+"""Host-side pieces the container tiers share: the kernel folder, host tmpfs, creator
+identity, and the OCI runtime configuration ``runsc`` runs without Docker.
+
+The same supervisor runs on every tier; a container sees it as a read-only bind mount of a
+folder named after the hash of its sources, so every process of this host shares one copy
+and a stale copy can never be mistaken for the current one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stockade import exceptions as exc
+from stockade.sandbox._supervised import WORKSPACE
+from stockade.sandbox.base import SandboxSpec
+
+KERNEL_SOURCES = ("supervisor.py", "interpreter.py", "protocol.py")
+KERNEL_MOUNT = "/opt/stockade"
+SUPERVISOR_ARGV = ("python3", "-S", "-E", "-s", "-B", f"{KERNEL_MOUNT}/supervisor.py")
+SANDBOX_UID = 1000
+MiB = 1024 * 1024
+MS_NOSUID, MS_NODEV = 2, 4
+MNT_DETACH = 2
+_libc = ctypes.CDLL(None, use_errno=True)
+
+# Labels (Docker) and annotations (OCI) that mark what stockade started, and by whom.
+LABEL = "stockade.sandbox"
+LABEL_ID = "stockade.id"
+LABEL_PID = "stockade.pid"
+LABEL_CREATOR = "stockade.creator"
+LABEL_HOST = "stockade.host"
+
+
+def default_state_dir() -> Path:
+    if os.geteuid() == 0:
+        return Path("/run/stockade")
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    return (Path(runtime) if runtime else Path(tempfile.gettempdir())) / f"stockade-{os.getuid()}"
+
+
+def kernel_dir(state_dir: Path) -> Path:
+    """A world-readable folder holding the supervisor's sources, created once per version."""
+    src = Path(__file__).parent / "kernel"
+    blobs = {name: (src / name).read_bytes() for name in KERNEL_SOURCES}
+    digest = hashlib.sha256(b"".join(blobs[n] for n in KERNEL_SOURCES)).hexdigest()[:16]
+    target = state_dir / f"kernel-{digest}"
+    if target.is_dir():
+        return target
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
+    tmp = Path(tempfile.mkdtemp(prefix=".kernel-", dir=state_dir))
+    for name, data in blobs.items():
+        (tmp / name).write_bytes(data)
+        os.chmod(tmp / name, 0o644)
+    os.chmod(tmp, 0o755)
+    try:
+        os.rename(tmp, target)
+    except OSError:  # another process won the race; theirs is identical
+        for name in KERNEL_SOURCES:
+            (tmp / name).unlink(missing_ok=True)
+        tmp.rmdir()
+    return target
+
+
+@dataclass(frozen=True)
+class Creator:
+    """Who started a sandbox: enough to tell, later, whether that process still runs."""
+
+    host: str
+    pid: int
+    start_time: str
+
+    @property
+    def token(self) -> str:
+        return f"{self.pid}:{self.start_time}"
+
+    def alive_here(self, host: str, token: str) -> bool:
+        """Whether the creator named by (``host``, ``token``) may still run.
+
+        A sandbox of another host (or pid namespace) is never judged dead from here.
+        """
+        if host != self.host:
+            return True
+        pid, _, started = token.partition(":")
+        if not pid.isdigit():
+            return False
+        return _start_time(int(pid)) == started
+
+
+def _start_time(pid: int) -> str:
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return ""
+    return data[data.rindex(b")") + 2 :].split()[19].decode()
+
+
+def current_creator() -> Creator:
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = "unknown"
+    # /proc/self/ns/pid tells pid namespaces apart: a pid means nothing across them.
+    try:
+        pidns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pidns = ""
+    host = f"{socket.gethostname()}/{boot}/{pidns}"
+    return Creator(host=host, pid=os.getpid(), start_time=_start_time(os.getpid()))
+
+
+# -- host tmpfs ---------------------------------------------------------------------------
+
+
+def mount_tmpfs(target: Path, *, size: int, inodes: int, mode: int) -> None:
+    """A size- and inode-limited tmpfs owned by the sandbox user (needs root)."""
+    opts = f"size={size},nr_inodes={inodes},mode={mode:o},uid={SANDBOX_UID},gid={SANDBOX_UID}".encode()
+    if _libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts) != 0:
+        err = ctypes.get_errno()
+        raise exc.SandboxStartError(f"cannot mount a tmpfs at {target}: {os.strerror(err)}")
+
+
+def umount(target: Path) -> None:
+    _libc.umount2(str(target).encode(), MNT_DETACH)
+
+
+def tmpfs_sizes(spec: SandboxSpec) -> dict[str, tuple[int, int, int]]:
+    """Mount point -> (bytes, inodes, mode) of the two writable places, as on every tier."""
+    limits = spec.limits
+    return {
+        WORKSPACE: (limits.disk_mb * MiB, limits.inodes, 0o755),
+        "/tmp": (limits.tmp_mb * MiB, max(1024, limits.inodes // 4), 0o1777),
+    }
+
+
+# -- the OCI runtime configuration (runsc without Docker) -----------------------------------
+
+
+def oci_config(
+    spec: SandboxSpec,
+    *,
+    rootfs: Path,
+    kernel: Path,
+    binds: dict[str, Path],
+    cgroup: str,
+    annotations: dict[str, str],
+) -> dict[str, Any]:
+    """The ``config.json`` of a bundle: the same limits Docker applies to its containers."""
+    limits = spec.limits
+    period = 100_000
+    mounts: list[dict[str, Any]] = [
+        {"destination": "/proc", "type": "proc", "source": "proc"},
+        {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "mode=755"]},
+        {
+            "destination": KERNEL_MOUNT,
+            "type": "bind",
+            "source": str(kernel),
+            "options": ["rbind", "ro", "nosuid", "nodev"],
+        },
+    ]
+    for target, source in binds.items():
+        mounts.append(
+            {
+                "destination": target,
+                "type": "bind",
+                "source": str(source),
+                "options": ["rbind", "rw", "nosuid", "nodev"],
+            }
+        )
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": SANDBOX_UID, "gid": SANDBOX_UID, "additionalGids": [SANDBOX_UID]},
+            "args": list(SUPERVISOR_ARGV),
+            "env": ["PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8"],
+            "cwd": WORKSPACE,
+            "capabilities": {
+                "bounding": [],
+                "effective": [],
+                "inheritable": [],
+                "permitted": [],
+                "ambient": [],
+            },
+            "rlimits": [
+                {"type": "RLIMIT_CORE", "hard": 0, "soft": 0},
+                {"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 4096},
+            ],
+            "noNewPrivileges": True,
+        },
+        "root": {"path": str(rootfs), "readonly": True},
+        "hostname": "sandbox",
+        "mounts": mounts,
+        "annotations": annotations,
+        "linux": {
+            "cgroupsPath": cgroup,
+            "resources": {
+                "memory": {"limit": limits.memory_mb * MiB, "swap": limits.memory_mb * MiB},
+                "cpu": {"quota": int(limits.cpus * period), "period": period},
+                "pids": {"limit": limits.pids},
+            },
+            "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
+            "maskedPaths": ["/proc/kcore", "/proc/keys", "/proc/timer_list", "/sys/firmware"],
+            "readonlyPaths": ["/proc/sys", "/proc/sysrq-trigger"],
+        },
+    }
+
+
+def oom_counter_file(pid: int) -> Path | None:
+    """The file ``cgroup_oom_kills`` reads for ``pid``, resolved once (the pid may die later)."""
+    try:
+        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            candidate = Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.oom_control"
+            if candidate.exists():
+                return candidate
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            candidate = Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.events"
+            if candidate.exists():
+                return candidate
+    return None
+
+
+def read_oom_kills(counter: Path) -> int | None:
+    return _read_counter(counter, "oom_kill")
+
+
+def _read_counter(path: Path, key: str) -> int | None:
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == key and value.strip().isdigit():
+            return int(value)
+    return None

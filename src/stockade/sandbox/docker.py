@@ -1,0 +1,543 @@
+"""The Docker tier: one container per sandbox through the Docker Engine API (docker-py).
+
+The container runs the same supervisor as every tier, as its only process (pid 1, a child
+subreaper), attached over the engine's stdin/stdout stream. Every default is enforced by
+the engine: no network, a read-only root, the workspace and /tmp as size- and inode-limited
+tmpfs, uid 1000 without capabilities, ``no-new-privileges``, the engine's seccomp profile,
+and memory (swap included), CPU and pids limits.
+
+A container is removed on close, on exceptions, when its ``Sandbox`` is garbage collected
+and at interpreter exit; what a killed process left behind is removed by
+``collect_garbage`` (``stockade gc``, and once when a backend starts its first sandbox).
+Engine errors are translated to stockade errors in one place, ``engine_error``.
+
+The same class runs gVisor containers (``runtime="runsc"``, see ``gvisor.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import socket
+import threading
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from stockade import exceptions as exc
+from stockade.sandbox import _oci
+from stockade.sandbox._supervised import WORKSPACE, Boundary, SupervisedInstance, supervisor_config
+from stockade.sandbox.base import Backend, OpResult, OutputSink, SandboxSpec
+from stockade.sandbox.ops import Op
+from stockade.types import Enforcement, Mechanism, TierReport
+
+__all__ = ["DockerBackend", "collect_garbage", "engine_error"]
+
+DEFAULT_IMAGE = "stockade-sandbox:latest"
+BUILD_HINT = "build it offline with `stockade image build --offline` (or scripts/build-image.sh)"
+START_TIMEOUT_S = 30.0
+API_TIMEOUT_S = 30.0
+NOFILE = 4096
+STDERR_KEEP = 16 * 1024
+
+
+def _docker() -> Any:
+    try:
+        import docker
+    except ImportError:
+        raise exc.TierUnavailable('the docker tier needs docker-py: pip install "stockade[docker]"') from None
+    return docker
+
+
+def engine_error(err: BaseException, *, image: str = "", runtime: str | None = None) -> exc.StockadeError:
+    """The one translation of a docker-py / transport failure into a stockade error."""
+    if isinstance(err, exc.StockadeError):
+        return err
+    docker = _docker()
+    errors = docker.errors
+    detail = str(getattr(err, "explanation", None) or err)
+    if isinstance(err, errors.ImageNotFound) or (
+        isinstance(err, errors.NotFound) and "image" in detail.lower() and "container" not in detail.lower()
+    ):
+        return exc.ImageNotFound(f"the sandbox image {image!r} is not on this Docker host; {BUILD_HINT}")
+    if isinstance(err, errors.APIError):
+        status = err.status_code or 0
+        if status == 409:
+            return exc.SandboxStartError(f"Docker refused a conflicting request: {detail}")
+        if status == 400 and "runtime" in detail.lower():
+            return exc.ConfigurationError(
+                f"Docker has no runtime {runtime!r}: {detail}; register it (scripts/setup-docker.sh)"
+            )
+        if status == 400:
+            return exc.ConfigurationError(f"Docker rejected the sandbox settings: {detail}")
+        if status == 404:
+            return exc.SandboxCrashed(f"the container is gone: {detail}")
+        if status >= 500 or status == 0:
+            return exc.SandboxStartError(f"the Docker engine failed: {detail}")
+        return exc.ConfigurationError(f"Docker refused the request ({status}): {detail}")
+    if isinstance(err, errors.DockerException | OSError) or _is_transport_error(err):
+        return exc.BackendUnavailable(f"the Docker engine is unreachable: {detail}", retry_after=1.0)
+    return exc.SandboxStartError(f"unexpected Docker failure: {type(err).__name__}: {detail}")
+
+
+def _is_transport_error(err: BaseException) -> bool:
+    import requests
+
+    return isinstance(err, requests.exceptions.RequestException)
+
+
+def _engine_failures() -> tuple[type[BaseException], ...]:
+    import requests
+
+    return (_docker().errors.DockerException, requests.exceptions.RequestException, OSError)
+
+
+@contextlib.contextmanager
+def _engine(image: str = "", runtime: str | None = None) -> Iterator[None]:
+    try:
+        yield
+    except _engine_failures() as err:
+        raise engine_error(err, image=image, runtime=runtime) from err
+
+
+# -- the attach stream ----------------------------------------------------------------------
+
+
+class _AttachStream:
+    """The container's stdin/stdout over the engine's hijacked attach connection.
+
+    Without a TTY the engine multiplexes stdout and stderr in frames of an 8-byte header
+    (stream, 0, 0, 0, big-endian size) and a payload; stdout is the supervisor's protocol,
+    stderr is kept (bounded) to explain a failed start.
+    """
+
+    def __init__(self, sock: socket.socket, keepalive: object) -> None:
+        self._sock = sock
+        self._keepalive = keepalive  # the HTTP response owning the socket must outlive it
+        self._buf = bytearray()
+        self.stderr = bytearray()
+
+    def recv(self) -> bytes:
+        while True:
+            out = self._demux()
+            if out:
+                return out
+            data = self._sock.recv(1 << 20)
+            if not data:
+                return b""
+            self._buf += data
+
+    def _demux(self) -> bytes:
+        buf = self._buf
+        out = bytearray()
+        pos = 0
+        while len(buf) - pos >= 8:
+            size = int.from_bytes(buf[pos + 4 : pos + 8], "big")
+            end = pos + 8 + size
+            if end > len(buf):
+                break
+            if buf[pos] == 1:
+                out += buf[pos + 8 : end]
+            elif len(self.stderr) < STDERR_KEEP:
+                self.stderr += buf[pos + 8 : end][: STDERR_KEEP - len(self.stderr)]
+            pos = end
+        del buf[:pos]
+        return bytes(out)
+
+    def send(self, data: bytes) -> None:
+        self._sock.sendall(data)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+
+# -- removal, now or later ------------------------------------------------------------------
+
+# Containers whose removal failed (engine down): retried on the next start and at exit.
+_pending: set[str] = set()
+_pending_lock = threading.Lock()
+
+
+def _remove(api: Any, cid: str) -> bool:
+    docker = _docker()
+    try:
+        api.remove_container(cid, force=True, v=True)
+    except docker.errors.NotFound:
+        pass
+    except docker.errors.APIError as err:
+        if "already in progress" not in str(err):
+            with _pending_lock:
+                _pending.add(cid)
+            return False
+    except _engine_failures():
+        with _pending_lock:
+            _pending.add(cid)
+        return False
+    with _pending_lock:
+        _pending.discard(cid)
+    return True
+
+
+def _retry_pending(api: Any) -> None:
+    with _pending_lock:
+        todo = list(_pending)
+    for cid in todo:
+        _remove(api, cid)
+
+
+class _ContainerBoundary(Boundary):
+    def __init__(self, api: Any, cid: str, rundir: Path | None, mounts: list[Path]) -> None:
+        self.api = api
+        self.cid = cid
+        self.rundir = rundir
+        self.mounts = mounts
+        self._dead = False
+        self._lock = threading.Lock()
+        self._oom_file: Path | None = None
+        self._oom_resolved = False
+
+    def alive(self) -> bool:
+        return not self._dead
+
+    def oom_kills(self) -> int | None:
+        # The engine reports OOM as a boolean on exit only; the container's memory cgroup
+        # counts every kill, and is readable when the engine runs on this host.
+        if not self._oom_resolved:
+            self._oom_resolved = True
+            unknown: tuple[type[BaseException], ...] = (*_engine_failures(), KeyError, TypeError, ValueError)
+            try:
+                pid = int(self.api.inspect_container(self.cid)["State"]["Pid"] or 0)
+            except unknown:
+                pid = 0
+            self._oom_file = _oci.oom_counter_file(pid) if pid else None
+        return None if self._oom_file is None else _oci.read_oom_kills(self._oom_file)
+
+    def kill(self) -> None:
+        with self._lock:
+            if self._dead:
+                return
+            self._dead = True
+        _remove(self.api, self.cid)
+        _release_mounts(self.rundir, self.mounts)
+
+    def explain(self, err: exc.SandboxCrashed) -> exc.StockadeError:
+        """Why the supervisor's stream ended: the engine went away, or the container died."""
+        try:
+            state = self.api.inspect_container(self.cid)["State"]
+        except _engine_failures() as failure:
+            mapped = engine_error(failure)
+            if isinstance(mapped, exc.BackendUnavailable | exc.SandboxStartError):
+                return exc.BackendUnavailable(
+                    f"the Docker engine went away under sandbox {self.cid[:12]} ({err}); "
+                    "start a new sandbox once it is back",
+                    retry_after=1.0,
+                )
+            return exc.SandboxCrashed(f"the container was removed from outside ({err})")
+        if state.get("OOMKilled"):
+            return exc.SandboxCrashed("the container was killed by its memory limit; its state is lost")
+        if not state.get("Running"):
+            return exc.SandboxCrashed(
+                f"the container stopped from outside (status {state.get('Status')}, "
+                f"exit code {state.get('ExitCode')}): {err}"
+            )
+        return err
+
+
+def _release_mounts(rundir: Path | None, mounts: list[Path]) -> None:
+    for mount in mounts:
+        _oci.umount(mount)
+    if rundir is not None:
+        shutil.rmtree(rundir, ignore_errors=True)
+
+
+class _ContainerInstance(SupervisedInstance):
+    """A supervised sandbox whose crash reports say what happened to its container."""
+
+    container: _ContainerBoundary
+
+    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+        try:
+            return super().handle(op, sink)
+        except exc.SandboxCrashed as err:
+            explained = self.container.explain(err)
+            self.close()
+            raise explained from None
+
+
+# -- the backend ------------------------------------------------------------------------------
+
+
+class DockerBackend(Backend):
+    """Containers on a Docker engine. ``runtime="runsc"`` runs them under gVisor.
+
+    ``host_tmpfs`` mounts the workspace and /tmp on this host and binds them in (needs root
+    and a local engine): gVisor's own tmpfs has no inode limit, the host's has.
+    """
+
+    tier = "docker"
+
+    def __init__(
+        self,
+        *,
+        image: str | None = None,
+        runtime: str | None = None,
+        base_url: str | None = None,
+        tier: str = "docker",
+        host_tmpfs: bool = False,
+        state_dir: Path | None = None,
+    ) -> None:
+        self.image = image or os.environ.get("STOCKADE_IMAGE") or DEFAULT_IMAGE
+        self.runtime = runtime
+        self.base_url = base_url
+        self.tier = tier
+        self.host_tmpfs = host_tmpfs and os.geteuid() == 0
+        self.state_dir = state_dir or _oci.default_state_dir()
+        self.creator = _oci.current_creator()
+        self._api_client: Any = None
+        self._lock = threading.Lock()
+        self._collected = False
+
+    def _api(self) -> Any:
+        with self._lock:
+            if self._api_client is None:
+                docker = _docker()
+                with _engine(self.image, self.runtime):
+                    if self.base_url:
+                        client = docker.APIClient(
+                            base_url=self.base_url, version="auto", timeout=API_TIMEOUT_S
+                        )
+                    else:
+                        client = docker.from_env(version="auto", timeout=API_TIMEOUT_S).api
+                self._api_client = client
+            return self._api_client
+
+    # -- capability ---------------------------------------------------------------------
+
+    def _plan(self, spec: SandboxSpec) -> Enforcement:
+        net = spec.network
+        if net.enabled and net.allow_hosts:
+            raise exc.LimitNotEnforceable(
+                f"the {self.tier} tier does not enforce host allowlists (it would need DNS pinning and "
+                "egress filtering per sandbox); it refuses rather than grant more",
+                setting="network.allow_hosts",
+                fix="use NetworkPolicy(enabled=False), or enabled=True without allow_hosts for full egress",
+            )
+        if net.enabled and self.runtime is not None:
+            raise exc.LimitNotEnforceable(
+                f"the {self.tier} tier runs without network on this host",
+                setting="network",
+                fix="use tier='docker' for network access",
+            )
+        weakened: list[str] = []
+        if self.runtime is not None and not self.host_tmpfs:
+            if not spec.allow_weaker:
+                raise exc.LimitNotEnforceable(
+                    "gVisor's in-sandbox tmpfs cannot limit inodes, and host tmpfs mounts need root",
+                    setting="inodes",
+                    fix="run as root, or pass allow_weaker=True (inodes then bounded by the memory limit)",
+                )
+            weakened.append("inodes: bounded by the memory limit (gVisor tmpfs; size still enforced)")
+        return Enforcement(
+            memory=Mechanism.CONTAINER,
+            cpus=Mechanism.CONTAINER,
+            pids=Mechanism.CONTAINER,
+            disk=Mechanism.TMPFS,
+            network=Mechanism.NONE if net.enabled else Mechanism.NAMESPACE,
+            timeout=Mechanism.SUPERVISOR,
+            weakened=tuple(weakened),
+        )
+
+    def probe(self) -> TierReport:
+        fixes = ("bash scripts/setup-docker.sh", "stockade image build --offline")
+        try:
+            api = self._api()
+            with _engine(self.image, self.runtime):
+                info = api.info()
+                api.inspect_image(self.image)
+            if self.runtime is not None and self.runtime not in (info.get("Runtimes") or {}):
+                return TierReport(
+                    tier=self.tier,
+                    available=False,
+                    fixes=fixes[:1],
+                    detail=f"the Docker engine has no {self.runtime!r} runtime",
+                )
+            enforcement = self._plan(SandboxSpec(allow_weaker=True))
+            self.start(SandboxSpec(allow_weaker=True)).close()
+        except exc.StockadeError as err:
+            return TierReport(tier=self.tier, available=False, detail=str(err), fixes=fixes)
+        runtime = self.runtime or info.get("DefaultRuntime", "runc")
+        return TierReport(
+            tier=self.tier,
+            available=True,
+            enforcement=enforcement,
+            detail=f"Docker {info.get('ServerVersion', '?')}, runtime {runtime}, image {self.image}, "
+            f"cgroup v{info.get('CgroupVersion', '?')}",
+        )
+
+    # -- start --------------------------------------------------------------------------
+
+    def _host_config(self, api: Any, spec: SandboxSpec, kernel: Path, binds: dict[str, Path]) -> Any:
+        docker = _docker()
+        limits = spec.limits
+        tmpfs: dict[str, str] = {}
+        volume_binds = {str(kernel): {"bind": _oci.KERNEL_MOUNT, "mode": "ro"}}
+        for target, (size, inodes, mode) in _oci.tmpfs_sizes(spec).items():
+            if target in binds:
+                volume_binds[str(binds[target])] = {"bind": target, "mode": "rw"}
+            else:
+                # Docker adds noexec unless told otherwise; every tier lets the workspace run code.
+                tmpfs[target] = (
+                    f"rw,exec,nosuid,nodev,size={size},nr_inodes={inodes},mode={mode:o},"
+                    f"uid={_oci.SANDBOX_UID},gid={_oci.SANDBOX_UID}"
+                )
+        return api.create_host_config(
+            network_mode="bridge" if spec.network.enabled else "none",
+            read_only=True,
+            tmpfs=tmpfs,
+            binds=volume_binds,
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges"],
+            mem_limit=limits.memory_mb * _oci.MiB,
+            memswap_limit=limits.memory_mb * _oci.MiB,
+            nano_cpus=int(limits.cpus * 1e9),
+            pids_limit=limits.pids,
+            shm_size=limits.tmp_mb * _oci.MiB,
+            ulimits=[
+                docker.types.Ulimit(name="core", soft=0, hard=0),
+                docker.types.Ulimit(name="nofile", soft=NOFILE, hard=NOFILE),
+            ],
+            init=False,
+            auto_remove=False,
+            runtime=self.runtime,
+            ipc_mode="private",
+        )
+
+    def _labels(self, spec: SandboxSpec, sid: str) -> dict[str, str]:
+        return {
+            **{str(k): str(v) for k, v in spec.labels.items()},
+            _oci.LABEL: "1",
+            _oci.LABEL_ID: sid,
+            _oci.LABEL_PID: str(self.creator.pid),
+            _oci.LABEL_CREATOR: self.creator.token,
+            _oci.LABEL_HOST: self.creator.host,
+        }
+
+    def _host_mounts(self, spec: SandboxSpec, sid: str) -> tuple[Path, list[Path], dict[str, Path]]:
+        rundir = self.state_dir / f"ctr-{sid}"
+        rundir.mkdir(parents=True, mode=0o711)
+        (rundir / "creator").write_text(f"{self.creator.host}\n{self.creator.token}\n")
+        mounts: list[Path] = []
+        binds: dict[str, Path] = {}
+        try:
+            for target, (size, inodes, mode) in _oci.tmpfs_sizes(spec).items():
+                path = rundir / target.strip("/")
+                path.mkdir()
+                _oci.mount_tmpfs(path, size=size, inodes=inodes, mode=mode)
+                mounts.append(path)
+                binds[target] = path
+        except BaseException:
+            _release_mounts(rundir, mounts)
+            raise
+        return rundir, mounts, binds
+
+    def start(self, spec: SandboxSpec) -> SupervisedInstance:
+        enforcement = self._plan(spec)
+        api = self._api()
+        if not self._collected:
+            self._collected = True
+            collect_garbage(api)
+        _retry_pending(api)
+        kernel = _oci.kernel_dir(self.state_dir)
+        sid = "sbx-" + secrets.token_hex(6)
+        rundir: Path | None = None
+        mounts: list[Path] = []
+        binds: dict[str, Path] = {}
+        if self.host_tmpfs:
+            rundir, mounts, binds = self._host_mounts(spec, sid)
+        cid = ""
+        try:
+            with _engine(self.image, self.runtime):
+                created = api.create_container(
+                    self.image,
+                    command=list(_oci.SUPERVISOR_ARGV),
+                    user=f"{_oci.SANDBOX_UID}:{_oci.SANDBOX_UID}",
+                    working_dir=WORKSPACE,
+                    environment=["PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8"],
+                    hostname="sandbox",
+                    labels=self._labels(spec, sid),
+                    stdin_open=True,
+                    tty=False,
+                    network_disabled=not spec.network.enabled,
+                    host_config=self._host_config(api, spec, kernel, binds),
+                    name=f"stockade-{sid}",
+                )
+                cid = str(created["Id"])
+                sock = api.attach_socket(cid, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1})
+                raw = getattr(sock, "_sock", sock)
+                stream = _AttachStream(raw, sock)
+                api.start(cid)
+        except BaseException:
+            if cid:
+                _remove(api, cid)
+            _release_mounts(rundir, mounts)
+            raise
+        boundary = _ContainerBoundary(api, cid, rundir, mounts)
+        instance = _ContainerInstance(
+            id=sid, tier=self.tier, stream=stream, boundary=boundary, spec=spec, enforcement=enforcement
+        )
+        instance.container = boundary
+        # Removed when the caller forgets to close, and at interpreter exit at the latest.
+        weakref.finalize(instance, boundary.kill)
+        try:
+            instance.handshake(supervisor_config(spec), START_TIMEOUT_S)
+        except exc.SandboxStartError as err:
+            said = stream.stderr.decode("utf-8", "replace").strip()
+            instance.close()
+            raise exc.SandboxStartError(f"{err}{': ' + said if said else ''}") from None
+        except BaseException:
+            instance.close()
+            raise
+        return instance
+
+
+def collect_garbage(api: Any = None) -> list[str]:
+    """Remove containers (and host mounts) of stockade processes that no longer run."""
+    me = _oci.current_creator()
+    removed: list[str] = []
+    if api is None:
+        try:
+            api = DockerBackend()._api()
+        except exc.StockadeError:
+            api = None
+    live_ids: set[str] = set()
+    if api is not None:
+        try:
+            containers = api.containers(all=True, filters={"label": f"{_oci.LABEL}=1"})
+        except _engine_failures():
+            containers = []
+        for found in containers:
+            labels = found.get("Labels") or {}
+            sid = labels.get(_oci.LABEL_ID, "")
+            if me.alive_here(labels.get(_oci.LABEL_HOST, ""), labels.get(_oci.LABEL_CREATOR, "")):
+                live_ids.add(sid)
+                continue
+            if _remove(api, found["Id"]):
+                removed.append(f"container {found['Id'][:12]} ({sid})")
+    state_dir = _oci.default_state_dir()
+    if state_dir.is_dir():
+        for rundir in state_dir.glob("ctr-*"):
+            try:
+                host, token = (rundir / "creator").read_text().split("\n")[:2]
+            except (OSError, ValueError):
+                host, token = me.host, ""
+            if rundir.name.removeprefix("ctr-") in live_ids or me.alive_here(host, token):
+                continue
+            _release_mounts(rundir, [p for p in (rundir / "workspace", rundir / "tmp") if p.is_mount()])
+            removed.append(f"mounts {rundir}")
+    return removed
