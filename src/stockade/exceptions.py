@@ -7,6 +7,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     StockadeError
     ├── ConfigurationError            you called it wrong, or the policy file is wrong
     │   ├── LimitNotEnforceable       this host cannot enforce a limit you asked for
+    │   ├── PolicyFileError           the policy file is invalid; ``problems`` lists each, with its line
     │   └── ImageNotFound             the sandbox image is not on this host (build it)
     ├── TierUnavailable               no tier on this host satisfies the request (fails closed)
     ├── SandboxError                  something about one sandbox
@@ -67,6 +68,7 @@ __all__ = [
     "PatchRejected",
     "PathEscapeError",
     "PolicyDenied",
+    "PolicyFileError",
     "ProtocolError",
     "RateLimited",
     "ResourceContention",
@@ -125,6 +127,14 @@ class LimitNotEnforceable(ConfigurationError):
 
 class ImageNotFound(ConfigurationError):
     """The container image a tier needs is missing; the message says how to build it."""
+
+
+class PolicyFileError(ConfigurationError):
+    """The policy file is invalid. ``problems`` holds one ``file:line: field: what`` per mistake."""
+
+    def __init__(self, message: str, *, problems: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.problems = problems
 
 
 class TierUnavailable(StockadeError):
