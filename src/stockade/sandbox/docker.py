@@ -22,6 +22,7 @@ import secrets
 import shutil
 import socket
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -535,6 +536,8 @@ def collect_garbage(api: Any = None) -> list[str]:
             try:
                 host, token = (rundir / "creator").read_text().split("\n")[:2]
             except (OSError, ValueError):
+                if time.time() - rundir.stat().st_mtime < 60:
+                    continue  # being written by a process that is starting it
                 host, token = me.host, ""
             if rundir.name.removeprefix("ctr-") in live_ids or me.alive_here(host, token):
                 continue

@@ -1,0 +1,392 @@
+"""The gVisor tier: the sandbox runs on gVisor's user-space kernel (``runsc``).
+
+Two ways to get there, chosen by ``mode``:
+
+* ``"docker"``: a Docker container with ``runtime="runsc"`` (the Docker tier's code);
+* ``"runsc"``: no engine at all; stockade writes an OCI bundle (the offline rootfs, the same
+  limits in ``config.json``) and runs ``runsc run`` on it, stdin/stdout to the supervisor;
+* ``"auto"`` (default): Docker when the engine answers, ``runsc`` otherwise.
+
+The workspace and /tmp are tmpfs mounted on the host (size and inode limits the host kernel
+enforces) and bound in: gVisor's own tmpfs cannot limit inodes. ``platform`` is runsc's
+platform for the direct mode (``ptrace`` by default: KVM hangs on nested hosts); with Docker
+the platform is the one registered for the runtime (scripts/setup-docker.sh).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Literal
+
+from stockade import exceptions as exc
+from stockade.sandbox import _oci
+from stockade.sandbox._supervised import Boundary, SupervisedInstance, supervisor_config
+from stockade.sandbox.base import Backend, SandboxSpec
+from stockade.types import Enforcement, Mechanism, TierReport
+
+__all__ = ["GVisorBackend", "RunscBackend", "collect_garbage", "find_rootfs"]
+
+Mode = Literal["auto", "docker", "runsc"]
+START_TIMEOUT_S = 30.0
+ROOTFS_MARKER = "etc/stockade-rootfs"
+
+
+def find_rootfs() -> Path | None:
+    """The offline root filesystem: ``STOCKADE_ROOTFS``, else the newest one built in the cache."""
+    explicit = os.environ.get("STOCKADE_ROOTFS")
+    if explicit:
+        return Path(explicit)
+    cache = Path(os.environ.get("STOCKADE_CACHE") or Path.home() / ".cache" / "stockade") / "rootfs"
+    built = [p for p in cache.glob("*") if (p / ROOTFS_MARKER).is_file()]
+    return max(built, key=lambda p: (p / ROOTFS_MARKER).stat().st_mtime) if built else None
+
+
+class GVisorBackend(Backend):
+    tier = "gvisor"
+
+    def __init__(
+        self,
+        *,
+        mode: Mode | None = None,
+        platform: str | None = None,
+        runtime: str = "runsc",
+        image: str | None = None,
+        rootfs: Path | None = None,
+        runsc: str | None = None,
+    ) -> None:
+        chosen = mode or os.environ.get("STOCKADE_GVISOR_MODE") or "auto"
+        if chosen not in ("auto", "docker", "runsc"):
+            raise exc.ConfigurationError(f"gVisor mode must be auto, docker or runsc, not {chosen!r}")
+        self.mode: Mode = chosen  # type: ignore[assignment]  # checked just above
+        self.platform = platform or os.environ.get("STOCKADE_GVISOR_PLATFORM") or "ptrace"
+        self._docker_args = (runtime, image)
+        self._runsc_args = (rootfs, runsc)
+        self._inner: Backend | None = None
+        self._lock = threading.Lock()
+
+    def _docker(self) -> Backend:
+        from stockade.sandbox.docker import DockerBackend
+
+        runtime, image = self._docker_args
+        return DockerBackend(runtime=runtime, image=image, tier=self.tier, host_tmpfs=True)
+
+    def _runsc(self) -> RunscBackend:
+        rootfs, runsc = self._runsc_args
+        return RunscBackend(platform=self.platform, rootfs=rootfs, runsc=runsc)
+
+    def backend(self) -> Backend:
+        """The mechanism in use; ``auto`` decides once, on first use."""
+        with self._lock:
+            if self._inner is None:
+                if self.mode == "docker":
+                    self._inner = self._docker()
+                elif self.mode == "runsc":
+                    self._inner = self._runsc()
+                else:
+                    self._inner = self._docker() if _engine_answers() else self._runsc()
+            return self._inner
+
+    def probe(self) -> TierReport:
+        try:
+            inner = self.backend()
+        except exc.StockadeError as err:
+            return TierReport(tier=self.tier, available=False, detail=str(err))
+        report = inner.probe()
+        how = "Docker runtime" if not isinstance(inner, RunscBackend) else f"runsc --platform={self.platform}"
+        return TierReport(
+            tier=self.tier,
+            available=report.available,
+            enforcement=report.enforcement,
+            detail=f"{how}: {report.detail}",
+            fixes=report.fixes,
+        )
+
+    def start(self, spec: SandboxSpec) -> SupervisedInstance:
+        started = self.backend().start(spec)
+        assert isinstance(started, SupervisedInstance)
+        return started
+
+
+def _engine_answers() -> bool:
+    try:
+        from stockade.sandbox.docker import DockerBackend
+
+        DockerBackend()._api().ping()
+    except Exception:  # any failure means: no usable engine, use runsc directly
+        return False
+    return True
+
+
+# -- runsc without Docker -------------------------------------------------------------------
+
+
+class _PipeStream:
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdin is not None and proc.stdout is not None
+        self._proc = proc
+        self._in = proc.stdin.fileno()
+        self._out = proc.stdout.fileno()
+
+    def recv(self) -> bytes:
+        return os.read(self._out, 1 << 20)
+
+    def send(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._in, view) :]
+
+    def close(self) -> None:
+        if self._proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self._proc.stdin.close()
+
+
+class _RunscBoundary(Boundary):
+    def __init__(
+        self, backend: RunscBackend, sid: str, proc: subprocess.Popen[bytes], bundle: Path, mounts: list[Path]
+    ) -> None:
+        self.backend = backend
+        self.sid = sid
+        self.proc = proc
+        self.bundle = bundle
+        self.mounts = mounts
+        self._dead = False
+        self._lock = threading.Lock()
+
+    def alive(self) -> bool:
+        return not self._dead and self.proc.poll() is None
+
+    def oom_kills(self) -> int | None:
+        for counter in (
+            Path("/sys/fs/cgroup/memory/stockade") / self.sid / "memory.oom_control",
+            Path("/sys/fs/cgroup/stockade") / self.sid / "memory.events",
+        ):
+            found = _oci.read_oom_kills(counter)
+            if found is not None:
+                return found
+        return None
+
+    def kill(self) -> None:
+        with self._lock:
+            if self._dead:
+                return
+            self._dead = True
+        self.backend.destroy(self.sid)
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        _release(self.bundle, self.mounts)
+
+
+def _release(bundle: Path, mounts: list[Path]) -> None:
+    for mount in mounts:
+        _oci.umount(mount)
+    shutil.rmtree(bundle, ignore_errors=True)
+
+
+class RunscBackend(Backend):
+    """``runsc run`` on an OCI bundle stockade writes; needs root and the offline rootfs."""
+
+    tier = "gvisor"
+
+    def __init__(
+        self,
+        *,
+        platform: str = "ptrace",
+        rootfs: Path | None = None,
+        runsc: str | None = None,
+        state_dir: Path | None = None,
+    ) -> None:
+        self.platform = platform
+        self.rootfs = Path(rootfs) if rootfs else find_rootfs()
+        self.runsc = runsc or shutil.which("runsc") or ""
+        self.state_dir = state_dir or _oci.default_state_dir()
+        self.root = self.state_dir / "runsc"
+        self.creator = _oci.current_creator()
+        self._collected = False
+
+    def _argv(self, *args: str) -> list[str]:
+        return [self.runsc, "--root", str(self.root), f"--platform={self.platform}", "--network=none", *args]
+
+    def _check(self) -> None:
+        if not self.runsc:
+            raise exc.TierUnavailable(
+                "runsc is not installed: apt-get install runsc (or bash scripts/setup-docker.sh)"
+            )
+        if os.geteuid() != 0:
+            raise exc.TierUnavailable(
+                "runsc without Docker needs root here (rootless runsc cannot set limits)"
+            )
+        if self.rootfs is None or not (self.rootfs / "usr/bin/python3").exists():
+            raise exc.ImageNotFound(
+                "no offline root filesystem with python3 for runsc; build it with "
+                "`stockade image build --offline`, or set STOCKADE_ROOTFS"
+            )
+
+    def _plan(self, spec: SandboxSpec) -> Enforcement:
+        if spec.network.enabled:
+            raise exc.LimitNotEnforceable(
+                "the gvisor tier runs without network",
+                setting="network",
+                fix="use tier='docker' for network access",
+            )
+        return Enforcement(
+            memory=Mechanism.CONTAINER,
+            cpus=Mechanism.CONTAINER,
+            pids=Mechanism.CONTAINER,
+            disk=Mechanism.TMPFS,
+            network=Mechanism.NAMESPACE,
+            timeout=Mechanism.SUPERVISOR,
+        )
+
+    def probe(self) -> TierReport:
+        try:
+            self._check()
+            enforcement = self._plan(SandboxSpec())
+            self.start(SandboxSpec()).close()
+        except exc.StockadeError as err:
+            return TierReport(
+                tier=self.tier,
+                available=False,
+                detail=str(err),
+                fixes=("bash scripts/setup-docker.sh", "stockade image build --offline"),
+            )
+        return TierReport(
+            tier=self.tier,
+            available=True,
+            enforcement=enforcement,
+            detail=f"{self.runsc} on rootfs {self.rootfs}",
+        )
+
+    def destroy(self, sid: str) -> None:
+        subprocess.run(
+            self._argv("delete", "--force", sid),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=30,
+            check=False,
+        )
+
+    def start(self, spec: SandboxSpec) -> SupervisedInstance:
+        self._check()
+        assert self.rootfs is not None
+        enforcement = self._plan(spec)
+        if not self._collected:
+            self._collected = True
+            collect_garbage()
+        kernel = _oci.kernel_dir(self.state_dir)
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        sid = "sbx-" + secrets.token_hex(6)
+        bundle = self.state_dir / f"gv-{sid}"
+        bundle.mkdir(mode=0o711)
+        mounts: list[Path] = []
+        proc: subprocess.Popen[bytes] | None = None
+        try:
+            binds: dict[str, Path] = {}
+            for target, (size, inodes, mode) in _oci.tmpfs_sizes(spec).items():
+                path = bundle / target.strip("/")
+                path.mkdir()
+                _oci.mount_tmpfs(path, size=size, inodes=inodes, mode=mode)
+                mounts.append(path)
+                binds[target] = path
+            annotations = {
+                _oci.LABEL: "1",
+                _oci.LABEL_ID: sid,
+                _oci.LABEL_CREATOR: self.creator.token,
+                _oci.LABEL_HOST: self.creator.host,
+            }
+            config = _oci.oci_config(
+                spec,
+                rootfs=self.rootfs,
+                kernel=kernel,
+                binds=binds,
+                cgroup=f"/stockade/{sid}",
+                annotations=annotations,
+            )
+            (bundle / "config.json").write_text(json.dumps(config))
+            with open(bundle / "runsc.log", "wb") as log:
+                proc = subprocess.Popen(
+                    self._argv("run", "--bundle", str(bundle), sid),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    env={"PATH": "/usr/bin:/bin"},
+                    close_fds=True,
+                    start_new_session=True,
+                )
+        except OSError as err:
+            if proc is not None:
+                proc.kill()
+            _release(bundle, mounts)
+            raise exc.SandboxStartError(f"cannot start runsc: {err}") from err
+        except BaseException:
+            _release(bundle, mounts)
+            raise
+        boundary = _RunscBoundary(self, sid, proc, bundle, mounts)
+        instance = SupervisedInstance(
+            id=sid,
+            tier=self.tier,
+            stream=_PipeStream(proc),
+            boundary=boundary,
+            spec=spec,
+            enforcement=enforcement,
+        )
+        weakref.finalize(instance, boundary.kill)
+        try:
+            instance.handshake(supervisor_config(spec), START_TIMEOUT_S)
+        except exc.SandboxStartError as err:
+            said = _head(bundle / "runsc.log")
+            instance.close()
+            raise exc.SandboxStartError(f"{err}{': ' + said if said else ''}") from None
+        except BaseException:
+            instance.close()
+            raise
+        return instance
+
+
+def _head(path: Path, limit: int = 2048) -> str:
+    try:
+        return path.read_bytes()[:limit].decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+
+
+def collect_garbage() -> list[str]:
+    """Remove runsc sandboxes and bundles of stockade processes that no longer run.
+
+    (gVisor containers under Docker are collected with the Docker tier's containers.)
+    """
+    me = _oci.current_creator()
+    removed: list[str] = []
+    state_dir = _oci.default_state_dir()
+    if not state_dir.is_dir():
+        return removed
+    backend = RunscBackend(state_dir=state_dir)
+    for bundle in state_dir.glob("gv-sbx-*"):
+        try:
+            notes = json.loads((bundle / "config.json").read_text()).get("annotations", {})
+        except (OSError, ValueError):
+            notes = {}
+        if not notes and time.time() - bundle.stat().st_mtime < 60:
+            continue  # being written by a process that is starting it
+        if me.alive_here(str(notes.get(_oci.LABEL_HOST, me.host)), str(notes.get(_oci.LABEL_CREATOR, ""))):
+            continue
+        sid = bundle.name.removeprefix("gv-")
+        if backend.runsc:
+            backend.destroy(sid)
+        _release(bundle, [p for p in (bundle / "workspace", bundle / "tmp") if p.is_mount()])
+        removed.append(f"runsc sandbox {sid}")
+    return removed
