@@ -1,0 +1,197 @@
+"""Audit events, their canonical form, and the hash chain that links them.
+
+An event is sealed when it is written: the store gives it the next ``seq`` and the hash of
+the event before (``prev_hash``), and ``hash`` covers both, so editing, dropping, inserting
+or reordering any event breaks the chain at that point.
+
+The canonical form is the bytes that are hashed and stored: JSON with sorted keys, no
+whitespace, UTF-8, no NaN/Infinity. Times are integer nanoseconds so that any language can
+reproduce the bytes exactly.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, TypeAlias
+
+__all__ = [
+    "FORMAT_VERSION",
+    "GENESIS",
+    "AuditEvent",
+    "Chain",
+    "Draft",
+    "EventKind",
+    "JSONValue",
+    "canonical",
+]
+
+JSONValue: TypeAlias = "bool | int | float | str | list[JSONValue] | dict[str, JSONValue] | None"
+Attributes: TypeAlias = Mapping[str, JSONValue]
+
+# The prev_hash of the first event of a store.
+GENESIS = "0" * 64
+FORMAT_VERSION = 1
+
+
+class EventKind(enum.StrEnum):
+    """What happened. Values are stored; never rename one, only add."""
+
+    RUN_START = "run_start"
+    RUN_END = "run_end"
+    STEP = "step"
+    MODEL_CALL = "model_call"
+    TOOL_CALL = "tool_call"
+    POLICY_DECISION = "policy_decision"
+    APPROVAL = "approval"
+    RETRY = "retry"
+    BREAKER_CHANGE = "breaker_change"
+    RATE_LIMITED = "rate_limited"
+    BUDGET = "budget"
+    KILL_SWITCH = "kill_switch"
+    ANOMALY = "anomaly"
+    SANDBOX_START = "sandbox_start"
+    SANDBOX_STOP = "sandbox_stop"
+    COMMAND = "command"
+    RUN_CODE = "run_code"
+    FILE_WRITE = "file_write"
+    FILE_REMOVE = "file_remove"
+    SANDBOX_RESET = "sandbox_reset"
+    ERROR = "error"
+    NOTE = "note"
+
+
+def canonical(obj: Mapping[str, Any]) -> bytes:
+    """Deterministic JSON bytes: sorted keys, no whitespace, UTF-8, finite numbers only."""
+    return json.dumps(
+        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Draft:
+    """An event as recorded, before the store seals it into the chain."""
+
+    run_id: str
+    kind: EventKind
+    step: int = 0
+    actor: str = ""
+    timestamp_ns: int
+    duration_ns: int | None = None
+    attributes: Attributes = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AuditEvent:
+    """One sealed event of the audit trail.
+
+    ``body`` is the canonical form that ``hash`` covers (everything but ``hash`` itself).
+    """
+
+    seq: int
+    run_id: str
+    kind: EventKind
+    step: int
+    actor: str
+    timestamp_ns: int
+    duration_ns: int | None
+    attributes: Attributes
+    prev_hash: str
+    hash: str
+    body: bytes = field(repr=False, compare=False)
+
+    @property
+    def timestamp(self) -> datetime:
+        return datetime.fromtimestamp(self.timestamp_ns / 1e9, tz=UTC)
+
+    @property
+    def duration_s(self) -> float | None:
+        return None if self.duration_ns is None else self.duration_ns / 1e9
+
+    def to_json(self) -> dict[str, JSONValue]:
+        """The event as one JSON object (the export format): the body, its hash, a readable time."""
+        out: dict[str, JSONValue] = json.loads(self.body)
+        out["hash"] = self.hash
+        out["time"] = self.timestamp.isoformat()
+        return out
+
+    @classmethod
+    def from_body(cls, body: bytes, hash: str) -> AuditEvent:
+        data = json.loads(body)
+        return cls(
+            seq=data["seq"],
+            run_id=data["run_id"],
+            kind=EventKind(data["kind"]),
+            step=data["step"],
+            actor=data["actor"],
+            timestamp_ns=data["timestamp_ns"],
+            duration_ns=data["duration_ns"],
+            attributes=data["attributes"],
+            prev_hash=data["prev_hash"],
+            hash=hash,
+            body=body,
+        )
+
+
+class Chain:
+    """How events are hashed: SHA-256, or HMAC-SHA256 when a key is given.
+
+    Without the key, someone who can rewrite the whole store can recompute a plain SHA-256
+    chain; they cannot recompute an HMAC one. The head record is MAC'd the same way.
+    """
+
+    def __init__(self, key: bytes | None = None) -> None:
+        if key is not None and len(key) < 16:
+            from stockade.exceptions import ConfigurationError
+
+            raise ConfigurationError("an audit key must be at least 16 bytes")
+        self._key = key
+        self.algorithm = "sha256" if key is None else "hmac-sha256"
+
+    @property
+    def keyed(self) -> bool:
+        return self._key is not None
+
+    def link(self, prev_hash: str, body: bytes) -> str:
+        data = prev_hash.encode() + body
+        if self._key is None:
+            return hashlib.sha256(data).hexdigest()
+        return hmac.digest(self._key, data, "sha256").hex()
+
+    def head_mac(self, seq: int, hash: str) -> str:
+        """Binds the head record (last seq and hash) so that it cannot be moved back unnoticed."""
+        return self.link(GENESIS, f"head:{seq}:{hash}".encode())
+
+    def seal(self, draft: Draft, seq: int, prev_hash: str) -> AuditEvent:
+        body = canonical(
+            {
+                "v": FORMAT_VERSION,
+                "seq": seq,
+                "run_id": draft.run_id,
+                "kind": draft.kind.value,
+                "step": draft.step,
+                "actor": draft.actor,
+                "timestamp_ns": draft.timestamp_ns,
+                "duration_ns": draft.duration_ns,
+                "attributes": draft.attributes,
+                "prev_hash": prev_hash,
+            }
+        )
+        return AuditEvent(
+            seq=seq,
+            run_id=draft.run_id,
+            kind=draft.kind,
+            step=draft.step,
+            actor=draft.actor,
+            timestamp_ns=draft.timestamp_ns,
+            duration_ns=draft.duration_ns,
+            attributes=draft.attributes,
+            prev_hash=prev_hash,
+            hash=self.link(prev_hash, body),
+            body=body,
+        )

@@ -1,0 +1,154 @@
+"""``AuditLog``: record events into a store's hash chain, fast and from any thread.
+
+``record()`` redacts the event on the caller's thread (secrets never reach memory buffers,
+the store, or a log line about a failed write) and queues it; events are sealed and written
+in batches, when ``batch_size`` are queued, every ``flush_interval_s`` from a background
+thread, and on ``flush()``/``close()``. If the store fails, the events stay queued and the
+next ``record()`` raises ``AuditStoreError``: a broken audit trail stops the caller rather
+than letting it act unrecorded.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from types import TracebackType
+
+from stockade import exceptions as exc
+from stockade.audit.events import AuditEvent, Chain, Draft, EventKind
+from stockade.audit.redact import Redactor
+from stockade.audit.stores import AuditStore
+
+__all__ = ["AuditLog"]
+
+
+class AuditLog:
+    """Appends to the chain of ``store``; keyed (HMAC-SHA256) when ``key`` is given."""
+
+    def __init__(
+        self,
+        store: AuditStore,
+        *,
+        key: bytes | None = None,
+        redactor: Redactor | None = None,
+        batch_size: int = 512,
+        flush_interval_s: float | None = 0.2,
+        max_pending: int = 100_000,
+        clock: Callable[[], int] = time.time_ns,
+    ) -> None:
+        if batch_size < 1:
+            raise exc.ConfigurationError("AuditLog.batch_size must be >= 1")
+        self.store = store
+        self.chain = Chain(key)
+        self.redactor = redactor if redactor is not None else Redactor()
+        self.batch_size = batch_size
+        self.flush_interval_s = flush_interval_s
+        self.max_pending = max_pending
+        self.clock = clock
+        self._pending: list[Draft] = []
+        self._pending_lock = threading.Lock()
+        self._flush_lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._wake = threading.Event()
+        self._flusher: threading.Thread | None = None
+        self._closed = False
+
+    def record(
+        self,
+        kind: EventKind,
+        *,
+        run_id: str,
+        step: int = 0,
+        actor: str = "",
+        duration_s: float | None = None,
+        attributes: Mapping[str, object] | None = None,
+        timestamp_ns: int | None = None,
+    ) -> None:
+        """Queue one event. ``attributes`` are redacted and made JSON here, on this thread."""
+        redact = self.redactor
+        draft = Draft(
+            run_id=redact.text(run_id),
+            kind=EventKind(kind),
+            step=step,
+            actor=redact.text(actor),
+            timestamp_ns=self.clock() if timestamp_ns is None else timestamp_ns,
+            duration_ns=None if duration_s is None else round(duration_s * 1e9),
+            attributes=redact.attributes(attributes) if attributes else {},
+        )
+        self._enqueue(draft)
+
+    def _enqueue(self, draft: Draft) -> None:
+        if self._closed:
+            raise exc.ConfigurationError("this AuditLog is closed")
+        with self._pending_lock:
+            if len(self._pending) >= self.max_pending:
+                raise exc.AuditStoreError(
+                    f"{len(self._pending)} audit events are waiting for {self.store.url}; refusing more"
+                )
+            self._pending.append(draft)
+            full = len(self._pending) >= self.batch_size
+            error, self._error = self._error, None
+        if error is not None:
+            raise exc.AuditStoreError(f"writing to the audit store failed: {error}") from error
+        if full:
+            self.flush()
+        elif self.flush_interval_s is not None and self._flusher is None:
+            self._start_flusher()
+
+    def flush(self) -> list[AuditEvent]:
+        """Seal and write everything queued; returns the sealed events. Raises ``AuditStoreError``."""
+        with self._flush_lock:
+            with self._pending_lock:
+                batch, self._pending = self._pending, []
+            if not batch:
+                return []
+            try:
+                return self.store.append(batch, self.chain)
+            except BaseException:
+                with self._pending_lock:
+                    self._pending[:0] = batch  # keep order: the failed batch goes first next time
+                raise
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def _start_flusher(self) -> None:
+        with self._pending_lock:
+            if self._flusher is not None:
+                return
+            self._flusher = threading.Thread(
+                target=self._flush_loop, name="stockade-audit-flush", daemon=True
+            )
+        self._flusher.start()
+
+    def _flush_loop(self) -> None:
+        assert self.flush_interval_s is not None
+        while not self._closed:
+            self._wake.wait(self.flush_interval_s)
+            if self._closed:
+                return
+            try:
+                self.flush()
+            except Exception as error:  # reported to the next record() on the caller's thread
+                with self._pending_lock:
+                    self._error = error
+
+    def close(self) -> None:
+        """Write what is queued and stop the background flusher. Idempotent; the store stays open."""
+        if self._closed:
+            return
+        self._closed = True
+        self._wake.set()
+        if self._flusher is not None:
+            self._flusher.join()
+        self.flush()
+
+    def __enter__(self) -> AuditLog:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc_value: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

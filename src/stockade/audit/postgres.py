@@ -1,0 +1,179 @@
+"""The PostgreSQL audit store, for teams: many workers append to one chain.
+
+Needs the ``postgres`` extra (psycopg 3): ``pip install "stockade[postgres]"``. Each batch is
+one transaction that locks the head row (``SELECT ... FOR UPDATE``), so concurrent writers
+on many hosts still produce one linear chain. Requires PostgreSQL 14 or newer.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from stockade import exceptions as exc
+from stockade.audit.events import GENESIS, AuditEvent, Chain, Draft
+from stockade.audit.stores import AuditStore, Head, Row, check_chain, check_namespace, seal_batch
+
+if TYPE_CHECKING:
+    import psycopg
+
+__all__ = ["PostgresStore"]
+
+
+def _import_psycopg() -> None:
+    try:
+        import psycopg  # noqa: F401
+    except ImportError as error:
+        raise exc.ConfigurationError(
+            'the PostgreSQL audit store needs psycopg: pip install "stockade[postgres]"'
+        ) from error
+
+
+def _schema(ns: str) -> list[str]:
+    return [
+        f"""CREATE TABLE IF NOT EXISTS {ns}_events (
+            seq BIGINT PRIMARY KEY,
+            run_id TEXT NOT NULL,
+            kind TEXT NOT NULL,
+            step INTEGER NOT NULL,
+            timestamp_ns BIGINT NOT NULL,
+            body TEXT NOT NULL,
+            hash TEXT NOT NULL)""",
+        f"CREATE INDEX IF NOT EXISTS {ns}_events_run ON {ns}_events (run_id, seq)",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_head (
+            id INTEGER PRIMARY KEY CHECK (id = 1),
+            seq BIGINT NOT NULL,
+            hash TEXT NOT NULL,
+            algorithm TEXT NOT NULL,
+            mac TEXT NOT NULL)""",
+        f"INSERT INTO {ns}_head VALUES (1, 0, '{GENESIS}', '', '') ON CONFLICT (id) DO NOTHING",
+        f"""CREATE OR REPLACE FUNCTION {ns}_append_only() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN RAISE EXCEPTION 'audit events are append-only'; END $$""",
+        f"""CREATE OR REPLACE TRIGGER {ns}_events_no_change BEFORE UPDATE OR DELETE ON {ns}_events
+            FOR EACH ROW EXECUTE FUNCTION {ns}_append_only()""",
+        f"""CREATE OR REPLACE TRIGGER {ns}_events_no_truncate BEFORE TRUNCATE ON {ns}_events
+            FOR EACH STATEMENT EXECUTE FUNCTION {ns}_append_only()""",
+    ]
+
+
+class PostgresStore(AuditStore):
+    """Audit events in PostgreSQL tables ``<namespace>_events`` and ``<namespace>_head``."""
+
+    def __init__(self, url: str, *, namespace: str = "audit", connect_timeout_s: float = 10.0) -> None:
+        _import_psycopg()
+        self.url = url
+        self.ns = check_namespace(namespace)
+        self.connect_timeout_s = connect_timeout_s
+        self._lock = threading.Lock()
+        self._conn: psycopg.Connection[tuple[object, ...]] | None = None
+        with self._lock:
+            conn = self._connection()
+            try:
+                with conn.transaction():
+                    # Serialise concurrent first-time setups (CREATE IF NOT EXISTS races in Postgres).
+                    conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"stockade-{self.ns}",))
+                    for statement in _schema(self.ns):
+                        conn.execute(statement.encode())
+            except Exception as error:
+                raise self._failure(error) from error
+
+    def _connect(self) -> psycopg.Connection[tuple[object, ...]]:
+        import psycopg
+
+        try:
+            return psycopg.connect(self.url, connect_timeout=max(1, round(self.connect_timeout_s)))
+        except psycopg.Error as error:
+            raise exc.AuditStoreError(f"cannot reach the audit store {self._safe_url}: {error}") from error
+
+    @property
+    def _safe_url(self) -> str:
+        # Never print the password of the URL.
+        head, sep, tail = self.url.rpartition("@")
+        return f"{head.split('://')[0]}://…@{tail}" if sep else self.url
+
+    def _connection(self) -> psycopg.Connection[tuple[object, ...]]:
+        if self._conn is None or self._conn.closed:
+            self._conn = self._connect()
+        return self._conn
+
+    def _failure(self, error: Exception) -> Exception:
+        import psycopg
+
+        if isinstance(error, exc.StockadeError):
+            return error
+        if isinstance(error, psycopg.OperationalError | psycopg.InterfaceError):
+            if self._conn is not None:
+                self._conn.close()
+            self._conn = None
+        return exc.AuditStoreError(f"audit store {self._safe_url}: {error}")
+
+    def append(self, drafts: Sequence[Draft], chain: Chain) -> list[AuditEvent]:
+        ns = self.ns
+        with self._lock:
+            conn = self._connection()
+            try:
+                with conn.transaction(), conn.cursor() as cur:
+                    cur.execute(
+                        f"SELECT seq, hash, algorithm, mac FROM {ns}_head WHERE id = 1 FOR UPDATE".encode()
+                    )
+                    head = _head(cur.fetchone())
+                    check_chain(head, chain)
+                    sealed, new_head = seal_batch(drafts, chain, head)
+                    cur.executemany(
+                        f"INSERT INTO {ns}_events VALUES (%s, %s, %s, %s, %s, %s, %s)".encode(),
+                        [
+                            (e.seq, e.run_id, e.kind.value, e.step, e.timestamp_ns, e.body.decode(), e.hash)
+                            for e in sealed
+                        ],
+                    )
+                    cur.execute(
+                        f"UPDATE {ns}_head SET seq = %s, hash = %s, algorithm = %s, mac = %s "
+                        "WHERE id = 1".encode(),
+                        (new_head.seq, new_head.hash, new_head.algorithm, new_head.mac),
+                    )
+            except Exception as error:
+                raise self._failure(error) from error
+            return sealed
+
+    def head(self) -> Head | None:
+        with self._lock:
+            conn = self._connection()
+            try:
+                with conn.transaction():
+                    row = conn.execute(
+                        f"SELECT seq, hash, algorithm, mac FROM {self.ns}_head WHERE id = 1".encode()
+                    )
+                    return _head(row.fetchone())
+            except Exception as error:
+                raise self._failure(error) from error
+
+    def rows(self, *, run_id: str | None = None, after_seq: int = 0) -> Iterator[Row]:
+        # Its own connection and a server-side cursor: a million rows stream in bounded memory.
+        conn = self._connect()
+        try:
+            with conn.transaction(), conn.cursor(name="stockade_audit_rows") as cur:
+                cur.itersize = 10_000
+                sql = f"SELECT seq, run_id, kind, body, hash FROM {self.ns}_events WHERE seq > %s"
+                params: tuple[object, ...] = (after_seq,)
+                if run_id is not None:
+                    sql += " AND run_id = %s"
+                    params += (run_id,)
+                cur.execute((sql + " ORDER BY seq").encode(), params)
+                for seq, row_run, kind, body, hash_ in cur:
+                    yield Row(int(str(seq)), str(row_run), str(kind), str(body), str(hash_))
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+
+def _head(row: tuple[object, ...] | None) -> Head | None:
+    if row is None or row[0] == 0:
+        return None
+    seq, hash_, algorithm, mac = row
+    return Head(seq=int(str(seq)), hash=str(hash_), algorithm=str(algorithm), mac=str(mac))

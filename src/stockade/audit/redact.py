@@ -1,0 +1,180 @@
+"""Redaction: secrets are removed before anything is written (store, logs, spans).
+
+A ``Redactor`` is a pipeline of plain callables ``(text) -> text`` applied to every string
+of an event (keys and values, at any depth), as structlog processors are applied to an event
+dict; add your own to the pipeline. Two more rules need no pipeline entry:
+
+- values whose *key* names a credential (``password``, ``api_key``, ``access_token``, ...)
+  are replaced whole, whatever they look like;
+- ``SecretValues``: the caller registers the exact values it hands to sandboxes (environment
+  variables, tokens) with ``redactor.add_secret(value)``; they are replaced wherever they
+  appear, even inside longer text.
+
+``redact_tokens`` catches what looks like a credential even when nobody registered it:
+``sk-...`` API keys, GitHub tokens, AWS access key ids, ``Bearer ...``, JWTs, private key blocks.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from stockade import exceptions as exc
+from stockade.audit.events import JSONValue
+
+__all__ = [
+    "REDACTED",
+    "TOKEN_PATTERNS",
+    "Redactor",
+    "SecretValues",
+    "StringProcessor",
+    "redact_tokens",
+]
+
+StringProcessor = Callable[[str], str]
+REDACTED = "[REDACTED]"
+MIN_SECRET_LENGTH = 4
+
+# name -> pattern; the whole match is replaced by [REDACTED:name], except the named group
+# ``keep`` (the scheme word of ``Bearer x``, the name in ``password=x``), which stays.
+TOKEN_PATTERNS: dict[str, str] = {
+    "private_key": r"-----BEGIN [A-Z ]*PRIVATE KEY-----[\s\S]*?(?:-----END [A-Z ]*PRIVATE KEY-----|\Z)",
+    "api_key": r"\bsk-(?:[A-Za-z0-9]+-)*[A-Za-z0-9_\-]{16,}",
+    "github_token": r"\b(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{22,})",
+    "aws_access_key": r"\b(?:AKIA|ASIA)[A-Z0-9]{16}\b",
+    "slack_token": r"\bxox[abposr]-[A-Za-z0-9\-]{10,}",
+    "google_api_key": r"\bAIza[0-9A-Za-z_\-]{35}",
+    "jwt": r"\beyJ[A-Za-z0-9_\-]{4,}\.[A-Za-z0-9_\-]{4,}\.[A-Za-z0-9_\-]{4,}",
+    # an HTTP credential: the token must contain a digit, so that "Token ordinaryword" stays
+    "bearer": r"(?P<keep>\b(?:[Bb]earer|Basic|Token)\s+)(?=[A-Za-z\-._~+/]*\d)[A-Za-z0-9\-._~+/]{12,}=*",
+    "assignment": (
+        r"(?P<keep>\b[\w.\-]*(?i:password|passwd|secret|token|api[_\-]?key)\s*[=:]\s*[\"']?)"
+        r"(?!\[REDACTED)[^\s\"',;&]{4,}"
+    ),
+}
+
+_SENSITIVE_KEY = re.compile(
+    r"(?i)(?:^|[_.\-])(?:password|passwd|secret|token|api[_\-]?key|apikey|authorization|"
+    r"credentials?|private[_\-]?key|cookie|set[_\-]cookie)$"
+)
+
+
+def _compile(patterns: Mapping[str, str]) -> list[tuple[str, re.Pattern[str]]]:
+    return [(name, re.compile(pattern)) for name, pattern in patterns.items()]
+
+
+_COMPILED = _compile(TOKEN_PATTERNS)
+# One pass to rule out the common case (no credential-looking text at all) cheaply.
+_ANY = re.compile("|".join(f"(?:{p.replace('?P<keep>', '')})" for p in TOKEN_PATTERNS.values()))
+
+
+def _replacer(name: str) -> Callable[[re.Match[str]], str]:
+    def replace(match: re.Match[str]) -> str:
+        keep = match.groupdict().get("keep") or ""
+        return f"{keep}[REDACTED:{name}]"
+
+    return replace
+
+
+_REPLACERS = [(pattern, _replacer(name)) for name, pattern in _COMPILED]
+
+
+def redact_tokens(text: str) -> str:
+    """Replace credential-shaped substrings by ``[REDACTED:<kind>]``."""
+    if not _ANY.search(text):
+        return text
+    for pattern, replace in _REPLACERS:
+        text = pattern.sub(replace, text)
+    return text
+
+
+class SecretValues:
+    """Registered secret values, replaced wherever they occur. Thread-safe."""
+
+    def __init__(self, values: Iterable[str] = ()) -> None:
+        self._values: set[str] = set()
+        self._pattern: re.Pattern[str] | None = None
+        self._lock = threading.Lock()
+        for value in values:
+            self.add(value)
+
+    def add(self, value: str) -> None:
+        if len(value) < MIN_SECRET_LENGTH:
+            raise exc.ConfigurationError(
+                f"a secret shorter than {MIN_SECRET_LENGTH} characters would redact ordinary text"
+            )
+        with self._lock:
+            self._values.add(value)
+            # Longest first, so that a secret containing another is replaced whole.
+            ordered = sorted(self._values, key=len, reverse=True)
+            self._pattern = re.compile("|".join(re.escape(v) for v in ordered))
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __call__(self, text: str) -> str:
+        pattern = self._pattern
+        if pattern is None:
+            return text
+        return pattern.sub("[REDACTED:secret]", text)
+
+
+class Redactor:
+    """The redaction pipeline shared by the audit log, the JSON logs and the spans.
+
+    ``Redactor()`` runs registered secrets then ``redact_tokens``; pass ``processors`` to
+    choose the pipeline (``redactor.secrets`` is always available to put in it).
+    """
+
+    def __init__(self, processors: Sequence[StringProcessor] | None = None) -> None:
+        self.secrets = SecretValues()
+        self.processors: tuple[StringProcessor, ...] = (
+            (self.secrets, redact_tokens) if processors is None else tuple(processors)
+        )
+
+    def add_secret(self, value: str) -> None:
+        """Never write ``value``, wherever it appears (e.g. a token passed to a sandbox's env)."""
+        self.secrets.add(value)
+
+    def add_secrets(self, values: Iterable[str]) -> None:
+        for value in values:
+            self.secrets.add(value)
+
+    def text(self, text: str) -> str:
+        for processor in self.processors:
+            text = processor(text)
+        return text
+
+    def value(self, value: object) -> JSONValue:
+        """``value`` as JSON, with every string redacted. Unknown objects become their ``str``."""
+        if isinstance(value, str):
+            return self.text(value)
+        if value is None or isinstance(value, bool | int):
+            return value
+        if isinstance(value, float):
+            return value if math.isfinite(value) else str(value)
+        if isinstance(value, Mapping):
+            return self.attributes(value)
+        if isinstance(value, list | tuple | set | frozenset):
+            items = sorted(value, key=repr) if isinstance(value, set | frozenset) else value
+            return [self.value(item) for item in items]
+        if isinstance(value, bytes):
+            return f"<{len(value)} bytes>"
+        return self.text(str(value))
+
+    def attributes(self, attributes: Mapping[Any, object]) -> dict[str, JSONValue]:
+        out: dict[str, JSONValue] = {}
+        for key, item in attributes.items():
+            name = self.text(str(key))
+            if isinstance(item, str) and item and _SENSITIVE_KEY.search(name):
+                out[name] = REDACTED
+            else:
+                out[name] = self.value(item)
+        return out
+
+    def structlog_processor(self, logger: object, method: str, event_dict: Any) -> Any:
+        """The same redaction as a structlog processor (put it before the renderer)."""
+        return self.attributes(event_dict)

@@ -1,0 +1,248 @@
+"""Audited sandboxes: a wrapper around any tier, not a flag on it.
+
+``AuditedBackend(backend, log, run_id=...)`` records ``sandbox_start`` for each sandbox it
+starts and returns ``AuditedInstance``s, which record what changes or runs in the sandbox:
+commands (argv, env *names* never values, exit code, duration, output sizes), ``run_code``
+(the code, capped, and its digest), file writes and removals, resets and ``sandbox_stop``.
+Reads are not recorded: they change nothing. A failed operation is recorded with its error
+class and whether it was retryable, then re-raised.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Mapping
+
+from stockade import exceptions as exc
+from stockade.audit.events import EventKind
+from stockade.audit.log import AuditLog
+from stockade.sandbox.base import Backend, Instance, OpResult, OutputSink, SandboxSpec
+from stockade.sandbox.ops import MakeDir, Op, PutArchive, Remove, Reset, RunCode, RunCommand, WriteFile
+from stockade.types import CommandResult, Execution, TierReport
+
+__all__ = ["AuditedBackend", "AuditedInstance"]
+
+# Arguments and code longer than this are cut in the event (their digest is kept whole).
+TEXT_CAP = 16 * 1024
+StepSource = Callable[[], int]
+
+
+def _no_step() -> int:
+    return 0
+
+
+def _cap(text: str) -> str:
+    return text if len(text) <= TEXT_CAP else text[:TEXT_CAP] + f"…[{len(text) - TEXT_CAP} more chars]"
+
+
+def _digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def describe(op: Op) -> tuple[EventKind, dict[str, object]] | None:
+    """The event kind and attributes of an operation, or ``None`` for reads (not recorded)."""
+    match op:
+        case RunCommand():
+            return EventKind.COMMAND, {
+                "argv": [_cap(arg) for arg in op.argv],
+                "cwd": op.cwd,
+                "env_names": sorted(op.envs),
+                "timeout_s": op.timeout_s,
+                "stdin_bytes": None if op.stdin is None else len(op.stdin),
+            }
+        case RunCode():
+            code = op.code.encode()
+            return EventKind.RUN_CODE, {
+                "code": _cap(op.code),
+                "code_bytes": len(code),
+                "code_digest": _digest(code),
+                "timeout_s": op.timeout_s,
+            }
+        case WriteFile():
+            return EventKind.FILE_WRITE, {
+                "op": "write",
+                "path": op.path,
+                "bytes": len(op.data),
+                "digest": _digest(op.data),
+                "mode": oct(op.mode),
+            }
+        case PutArchive():
+            return EventKind.FILE_WRITE, {
+                "op": "put_archive",
+                "path": op.path,
+                "bytes": len(op.data),
+                "digest": _digest(op.data),
+            }
+        case MakeDir():
+            return EventKind.FILE_WRITE, {"op": "make_dir", "path": op.path}
+        case Remove():
+            return EventKind.FILE_REMOVE, {"path": op.path, "recursive": op.recursive}
+        case Reset():
+            return EventKind.SANDBOX_RESET, {}
+    return None
+
+
+def outcome(result: OpResult) -> dict[str, object]:
+    if isinstance(result, CommandResult):
+        return {
+            "exit_code": result.exit_code,
+            "timed_out": result.timed_out,
+            "oom_killed": result.oom_killed,
+            "truncated": result.truncated,
+            "stdout_bytes": result.stdout_bytes,
+            "stderr_bytes": result.stderr_bytes,
+            "signal": result.signal,
+        }
+    if isinstance(result, Execution):
+        return {
+            "error": None if result.error is None else result.error.name,
+            "timed_out": result.timed_out,
+            "truncated": result.truncated,
+            "results": len(result.results),
+            "stdout_bytes": len(result.logs.stdout.encode()),
+            "stderr_bytes": len(result.logs.stderr.encode()),
+        }
+    return {}
+
+
+def failure(error: BaseException) -> dict[str, object]:
+    retryable = isinstance(error, exc.StockadeError) and error.retryable
+    return {"error": type(error).__name__, "error_message": str(error), "retryable": retryable}
+
+
+class AuditedInstance(Instance):
+    """Records every state-changing operation of ``inner`` into ``log`` under ``run_id``.
+
+    ``step`` tells the current agent step (the agent loop passes its own counter).
+    """
+
+    def __init__(
+        self,
+        inner: Instance,
+        log: AuditLog,
+        *,
+        run_id: str,
+        step: StepSource = _no_step,
+        actor: str = "sandbox",
+    ) -> None:
+        self.inner = inner
+        self.log = log
+        self.run_id = run_id
+        self.step = step
+        self.actor = actor
+        self.id = inner.id
+        self.tier = inner.tier
+        self.enforcement = inner.enforcement
+        self._started = time.perf_counter()
+        self._ops = 0
+        self._stopped = False
+
+    def _record(self, kind: EventKind, duration_s: float, attributes: Mapping[str, object]) -> None:
+        self.log.record(
+            kind,
+            run_id=self.run_id,
+            step=self.step(),
+            actor=self.actor,
+            duration_s=duration_s,
+            attributes={"sandbox_id": self.id, "tier": self.tier, **attributes},
+        )
+
+    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+        described = describe(op)
+        if described is None:
+            return self.inner.handle(op, sink)
+        kind, attributes = described
+        self._ops += 1
+        start = time.perf_counter()
+        try:
+            result = self.inner.handle(op, sink)
+        except BaseException as error:
+            self._record(kind, time.perf_counter() - start, {**attributes, **failure(error)})
+            raise
+        self._record(kind, time.perf_counter() - start, {**attributes, **outcome(result)})
+        return result
+
+    @property
+    def alive(self) -> bool:
+        return self.inner.alive
+
+    def close(self) -> None:
+        start = time.perf_counter()
+        try:
+            self.inner.close()
+        finally:
+            if not self._stopped:
+                self._stopped = True
+                self._record(
+                    EventKind.SANDBOX_STOP,
+                    time.perf_counter() - start,
+                    {"lifetime_s": round(time.perf_counter() - self._started, 6), "recorded_ops": self._ops},
+                )
+
+
+class AuditedBackend(Backend):
+    """Starts ``inner``'s sandboxes as ``AuditedInstance``s and records each start (or failure)."""
+
+    def __init__(
+        self,
+        inner: Backend,
+        log: AuditLog,
+        *,
+        run_id: str,
+        step: StepSource = _no_step,
+        actor: str = "sandbox",
+    ) -> None:
+        self.inner = inner
+        self.log = log
+        self.run_id = run_id
+        self.step = step
+        self.actor = actor
+        self.tier = inner.tier
+
+    def probe(self) -> TierReport:
+        return self.inner.probe()
+
+    def start(self, spec: SandboxSpec) -> AuditedInstance:
+        limits = spec.limits
+        attributes: dict[str, object] = {
+            "tier": self.tier,
+            "limits": {
+                "memory_mb": limits.memory_mb,
+                "cpus": limits.cpus,
+                "pids": limits.pids,
+                "timeout_s": limits.timeout_s,
+                "disk_mb": limits.disk_mb,
+                "output_bytes": limits.output_bytes,
+            },
+            "network": {"enabled": spec.network.enabled, "allow_hosts": list(spec.network.allow_hosts)},
+            "env_names": sorted(spec.envs),
+            "labels": dict(spec.labels),
+            "allow_weaker": spec.allow_weaker,
+        }
+        start = time.perf_counter()
+        try:
+            instance = self.inner.start(spec)
+        except BaseException as error:
+            self.log.record(
+                EventKind.SANDBOX_START,
+                run_id=self.run_id,
+                step=self.step(),
+                actor=self.actor,
+                duration_s=time.perf_counter() - start,
+                attributes={**attributes, **failure(error)},
+            )
+            raise
+        self.log.record(
+            EventKind.SANDBOX_START,
+            run_id=self.run_id,
+            step=self.step(),
+            actor=self.actor,
+            duration_s=time.perf_counter() - start,
+            attributes={
+                **attributes,
+                "sandbox_id": instance.id,
+                "weakened": list(instance.enforcement.weakened),
+            },
+        )
+        return AuditedInstance(instance, self.log, run_id=self.run_id, step=self.step, actor=self.actor)

@@ -1,0 +1,264 @@
+"""Where audit events live: one small interface, a store per database.
+
+A store is append-only by construction: its interface has no update or delete, and the SQL
+stores also refuse UPDATE/DELETE with triggers (a guard against accidents; an attacker with
+the database can drop triggers, which is what ``verify`` and a keyed chain are for).
+
+Each store keeps one chain and a *head* record (last seq, its hash, the chain algorithm and a
+MAC over them) updated in the same transaction as every batch. The head is what reveals a
+truncated tail; see ``stockade.audit.verify`` for what it can and cannot prove.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+import sqlite3
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from stockade import exceptions as exc
+from stockade.audit.events import GENESIS, AuditEvent, Chain, Draft
+
+__all__ = ["AuditStore", "Head", "MemoryStore", "Row", "SQLiteStore", "open_store"]
+
+_NAMESPACE = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Head:
+    """The last event of a store's chain as the store recorded it, with the chain's algorithm."""
+
+    seq: int
+    hash: str
+    algorithm: str
+    mac: str
+
+
+class Row(NamedTuple):
+    """One stored event as it is on disk: the columns ``verify`` cross-checks against ``body``."""
+
+    seq: int
+    run_id: str
+    kind: str
+    body: str
+    hash: str
+
+
+class AuditStore(abc.ABC):
+    """An append-only home for one hash chain."""
+
+    url: str
+
+    @abc.abstractmethod
+    def append(self, drafts: Sequence[Draft], chain: Chain) -> list[AuditEvent]:
+        """Atomically seal ``drafts`` after the current head, write them and move the head.
+
+        Raises ``ConfigurationError`` if ``chain`` is not the chain this store was started with.
+        """
+
+    @abc.abstractmethod
+    def rows(self, *, run_id: str | None = None, after_seq: int = 0) -> Iterator[Row]:
+        """Stored events in ``seq`` order, as stored (no check)."""
+
+    @abc.abstractmethod
+    def head(self) -> Head | None:
+        """The head record, or ``None`` for an empty store."""
+
+    def events(self, *, run_id: str | None = None, after_seq: int = 0) -> Iterator[AuditEvent]:
+        """Stored events, parsed (unverified: use ``verify`` to trust them)."""
+        for row in self.rows(run_id=run_id, after_seq=after_seq):
+            yield AuditEvent.from_body(row.body.encode(), row.hash)
+
+    def close(self) -> None:  # noqa: B027 - stores without resources need nothing here
+        """Release connections. Idempotent."""
+
+    def __enter__(self) -> AuditStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def check_chain(head: Head | None, chain: Chain) -> None:
+    if head is not None and head.algorithm != chain.algorithm:
+        hint = "pass its key" if head.algorithm == "hmac-sha256" else "it was written without a key"
+        raise exc.ConfigurationError(
+            f"this audit store's chain uses {head.algorithm}, not {chain.algorithm}: {hint}"
+        )
+
+
+def seal_batch(drafts: Sequence[Draft], chain: Chain, head: Head | None) -> tuple[list[AuditEvent], Head]:
+    seq, prev = (head.seq, head.hash) if head is not None else (0, GENESIS)
+    sealed = []
+    for draft in drafts:
+        seq += 1
+        event = chain.seal(draft, seq, prev)
+        prev = event.hash
+        sealed.append(event)
+    return sealed, Head(seq=seq, hash=prev, algorithm=chain.algorithm, mac=chain.head_mac(seq, prev))
+
+
+class MemoryStore(AuditStore):
+    """Events in a list: for tests (``stockade.testing.capture_audit``) and short-lived tools."""
+
+    url = "memory:"
+
+    def __init__(self) -> None:
+        self._rows: list[Row] = []
+        self._head: Head | None = None
+        self._lock = threading.Lock()
+
+    def append(self, drafts: Sequence[Draft], chain: Chain) -> list[AuditEvent]:
+        with self._lock:
+            check_chain(self._head, chain)
+            sealed, self._head = seal_batch(drafts, chain, self._head)
+            self._rows.extend(Row(e.seq, e.run_id, e.kind.value, e.body.decode(), e.hash) for e in sealed)
+            return sealed
+
+    def rows(self, *, run_id: str | None = None, after_seq: int = 0) -> Iterator[Row]:
+        with self._lock:
+            snapshot = list(self._rows)
+        return (r for r in snapshot if r.seq > after_seq and (run_id is None or r.run_id == run_id))
+
+    def head(self) -> Head | None:
+        return self._head
+
+
+def _sqlite_schema(ns: str) -> str:
+    return f"""
+    CREATE TABLE IF NOT EXISTS {ns}_events (
+        seq INTEGER PRIMARY KEY,
+        run_id TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        step INTEGER NOT NULL,
+        timestamp_ns INTEGER NOT NULL,
+        body TEXT NOT NULL,
+        hash TEXT NOT NULL
+    );
+    CREATE INDEX IF NOT EXISTS {ns}_events_run ON {ns}_events (run_id, seq);
+    CREATE TABLE IF NOT EXISTS {ns}_head (
+        id INTEGER PRIMARY KEY CHECK (id = 1),
+        seq INTEGER NOT NULL,
+        hash TEXT NOT NULL,
+        algorithm TEXT NOT NULL,
+        mac TEXT NOT NULL
+    );
+    INSERT OR IGNORE INTO {ns}_head VALUES (1, 0, '{GENESIS}', '', '');
+    CREATE TRIGGER IF NOT EXISTS {ns}_events_no_update BEFORE UPDATE ON {ns}_events
+        BEGIN SELECT RAISE(ABORT, 'audit events are append-only'); END;
+    CREATE TRIGGER IF NOT EXISTS {ns}_events_no_delete BEFORE DELETE ON {ns}_events
+        BEGIN SELECT RAISE(ABORT, 'audit events are append-only'); END;
+    """
+
+
+def check_namespace(namespace: str) -> str:
+    if not _NAMESPACE.match(namespace):
+        raise exc.ConfigurationError(f"audit namespace {namespace!r} must match {_NAMESPACE.pattern}")
+    return namespace
+
+
+class SQLiteStore(AuditStore):
+    """The embedded default: one SQLite file in WAL mode (readers never block the writer).
+
+    Several processes may append to the same file: each batch is one ``BEGIN IMMEDIATE``
+    transaction that reads the head, so the chain stays linear.
+    """
+
+    def __init__(self, path: str | Path, *, namespace: str = "audit") -> None:
+        self.path = Path(path)
+        self.ns = check_namespace(namespace)
+        self.url = f"sqlite:///{self.path}"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._conn = self._connect()
+        self._conn.executescript(_sqlite_schema(self.ns))
+
+    def _connect(self) -> sqlite3.Connection:
+        try:
+            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30.0)
+            conn.execute("PRAGMA journal_mode=WAL")
+            # NORMAL in WAL mode: a power cut may lose the last commits, never corrupts the chain.
+            conn.execute("PRAGMA synchronous=NORMAL")
+        except sqlite3.Error as error:
+            raise exc.AuditStoreError(f"cannot open audit store {self.path}: {error}") from error
+        return conn
+
+    def append(self, drafts: Sequence[Draft], chain: Chain) -> list[AuditEvent]:
+        ns = self.ns
+        with self._lock:
+            conn = self._conn
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    head = self._read_head(conn)
+                    check_chain(head, chain)
+                    sealed, new_head = seal_batch(drafts, chain, head)
+                    conn.executemany(
+                        f"INSERT INTO {ns}_events VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        [
+                            (e.seq, e.run_id, e.kind.value, e.step, e.timestamp_ns, e.body.decode(), e.hash)
+                            for e in sealed
+                        ],
+                    )
+                    conn.execute(
+                        f"UPDATE {ns}_head SET seq = ?, hash = ?, algorithm = ?, mac = ? WHERE id = 1",
+                        (new_head.seq, new_head.hash, new_head.algorithm, new_head.mac),
+                    )
+                except BaseException:
+                    conn.execute("ROLLBACK")
+                    raise
+                conn.execute("COMMIT")
+            except sqlite3.Error as error:
+                raise exc.AuditStoreError(f"audit store {self.path}: {error}") from error
+            return sealed
+
+    def _read_head(self, conn: sqlite3.Connection) -> Head | None:
+        row = conn.execute(f"SELECT seq, hash, algorithm, mac FROM {self.ns}_head WHERE id = 1").fetchone()
+        if row is None or row[0] == 0:
+            return None
+        return Head(seq=row[0], hash=row[1], algorithm=row[2], mac=row[3])
+
+    def head(self) -> Head | None:
+        with self._lock:
+            return self._read_head(self._conn)
+
+    def rows(self, *, run_id: str | None = None, after_seq: int = 0) -> Iterator[Row]:
+        # A connection of its own: a long read (verify, export) never holds up appends.
+        conn = self._connect()
+        try:
+            sql = f"SELECT seq, run_id, kind, body, hash FROM {self.ns}_events WHERE seq > ?"
+            params: tuple[object, ...] = (after_seq,)
+            if run_id is not None:
+                sql += " AND run_id = ?"
+                params += (run_id,)
+            cursor = conn.execute(sql + " ORDER BY seq", params)
+            while batch := cursor.fetchmany(4096):
+                for row in batch:
+                    yield Row(*row)
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+
+def open_store(url: str, *, namespace: str = "audit") -> AuditStore:
+    """A store from a URL: ``sqlite:///path``, a plain file path, ``postgresql://...`` or ``memory:``."""
+    if url.startswith(("postgresql://", "postgres://")):
+        from stockade.audit.postgres import PostgresStore
+
+        return PostgresStore(url, namespace=namespace)
+    if url == "memory:":
+        return MemoryStore()
+    if url.startswith("sqlite:///"):
+        return SQLiteStore(url[len("sqlite:///") :], namespace=namespace)
+    if "://" in url:
+        raise exc.ConfigurationError(
+            f"unknown audit store URL {url!r}: use sqlite:///PATH or postgresql://..."
+        )
+    return SQLiteStore(url, namespace=namespace)

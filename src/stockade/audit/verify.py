@@ -1,0 +1,211 @@
+"""``verify``: prove a store's chain intact, or say where and how it is not.
+
+What is checked, event by event, in ``seq`` order: that ``seq`` continues without gap or
+repeat (a gap is a deletion), that the signed body carries the same ``seq`` and columns as the
+row (renumbering, reordering), that ``prev_hash`` is the hash of the event before (deletion,
+insertion, reordering, or an edit whose hash was recomputed), and that ``hash`` is the hash
+of the body (an edit). Then the tail, against the head record.
+
+What the head can prove (the anchor for truncation). The store keeps a head record (last seq,
+its hash, a MAC over both) updated in the transaction of every batch:
+
+- cutting the tail without touching the head is reported as ``truncated``;
+- with a key, a head moved back to an earlier event fails its MAC (``head_forged``);
+- without a key, anyone who can write the store can recompute the whole chain and the head;
+  the plain SHA-256 chain only catches accidents and careless edits. Use a key;
+- a head *replayed* from an older copy of the store (rollback), or a store emptied entirely,
+  cannot be told from the truth by anything inside the store. For that, keep the head
+  outside (export it to your SIEM, print it in a release log) and pass it as
+  ``expected_head``: verification then fails unless the chain reaches it.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+
+from stockade import exceptions as exc
+from stockade.audit.events import GENESIS, Chain
+from stockade.audit.stores import AuditStore, Head
+
+__all__ = ["Problem", "ProblemKind", "VerifyReport", "verify"]
+
+
+class ProblemKind(enum.StrEnum):
+    EDITED = "edited"  # the body does not hash to the stored hash
+    BROKEN_LINK = "broken_link"  # prev_hash is not the hash of the event before
+    MISSING = "missing"  # a gap in seq: events were deleted
+    OUT_OF_ORDER = "out_of_order"  # seq repeats or goes back, or the body's seq is not the row's
+    COLUMN_MISMATCH = "column_mismatch"  # a queryable column differs from the signed body
+    UNREADABLE = "unreadable"  # the body is not the canonical JSON of an event
+    TRUNCATED = "truncated"  # the head record says the chain went further
+    HEAD_FORGED = "head_forged"  # the head record does not match its MAC or the chain's end
+    WRONG_KEY = "wrong_key"  # the chain is keyed and no key (or another key) was given
+    UNEXPECTED_HEAD = "unexpected_head"  # the chain does not reach the head the caller pinned
+
+
+@dataclass(frozen=True, kw_only=True)
+class Problem:
+    """One finding. ``seq`` is where it shows (0 when it concerns the store as a whole)."""
+
+    seq: int
+    kind: ProblemKind
+    detail: str
+    run_id: str = ""
+
+    def __str__(self) -> str:
+        return f"seq {self.seq}: {self.kind.value}: {self.detail}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyReport:
+    """What ``verify`` found. ``problems`` is empty when the chain is intact."""
+
+    store: str
+    run_id: str | None
+    algorithm: str
+    checked: int
+    run_events: int
+    last_seq: int
+    last_hash: str
+    problems: tuple[Problem, ...] = ()
+    problems_elsewhere: int = 0
+    problems_truncated: bool = False
+    head: Head | None = field(default=None, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def raise_for_problems(self) -> None:
+        if self.problems:
+            raise exc.AuditIntegrityError(f"{self.store}: " + "; ".join(str(p) for p in self.problems[:5]))
+
+    def summary(self) -> str:
+        scope = f"run {self.run_id} ({self.run_events} events) in " if self.run_id is not None else ""
+        state = "intact" if self.ok else f"{len(self.problems)} problem(s)"
+        return f"{scope}{self.checked} events checked ({self.algorithm}), head seq {self.last_seq}: {state}"
+
+
+def verify(
+    store: AuditStore,
+    *,
+    run_id: str | None = None,
+    key: bytes | None = None,
+    expected_head: Head | tuple[int, str] | None = None,
+    max_problems: int = 1000,
+) -> VerifyReport:
+    """Check the whole chain of ``store`` (one chain per store; ``run_id`` narrows the report).
+
+    With ``run_id``, problems on other runs' events are only counted (``problems_elsewhere``);
+    gaps, truncation and head problems are always reported: a deleted event's run is unknown.
+    """
+    chain = Chain(key)
+    head = store.head()
+    problems: list[Problem] = []
+    elsewhere = 0
+    truncated = False
+
+    def report(seq: int, kind: ProblemKind, detail: str, run: str = "") -> None:
+        nonlocal elsewhere, truncated
+        if run_id is not None and run and run != run_id:
+            elsewhere += 1
+        elif len(problems) < max_problems:
+            problems.append(Problem(seq=seq, kind=kind, detail=detail, run_id=run))
+        else:
+            truncated = True
+
+    algorithm = head.algorithm if head is not None else chain.algorithm
+    check_hashes = head is None or head.algorithm == chain.algorithm
+    if not check_hashes:
+        wanted = "a key (it is keyed)" if algorithm == "hmac-sha256" else "no key (it is not keyed)"
+        report(0, ProblemKind.WRONG_KEY, f"the chain uses {algorithm}: pass {wanted}")
+
+    link = chain.link
+    expected_seq = 1
+    prev = GENESIS
+    checked = run_events = edited = last_seq = 0
+    for seq, run, kind, body, stored_hash in store.rows():
+        checked += 1
+        if run == run_id:
+            run_events += 1
+        try:
+            data = json.loads(body)
+            signed_seq, signed_prev, signed_run, signed_kind = (
+                data["seq"],
+                data["prev_hash"],
+                data["run_id"],
+                data["kind"],
+            )
+        except (ValueError, KeyError, TypeError):
+            report(seq, ProblemKind.UNREADABLE, "the body is not an audit event", run)
+            prev, expected_seq, last_seq = stored_hash, seq + 1, seq
+            continue
+        if seq > expected_seq:
+            gap = f"{expected_seq}" if seq == expected_seq + 1 else f"{expected_seq}..{seq - 1}"
+            report(expected_seq, ProblemKind.MISSING, f"events {gap} are missing (deleted)")
+        elif seq < expected_seq:
+            report(seq, ProblemKind.OUT_OF_ORDER, f"seq {seq} comes after {expected_seq - 1}", run)
+        if signed_seq != seq:
+            detail = f"the row is seq {seq} but its signed body says {signed_seq} (moved or renumbered)"
+            report(seq, ProblemKind.OUT_OF_ORDER, detail, run)
+        if signed_prev != prev:
+            detail = (
+                "prev_hash is not the hash of the event before: that event was edited, "
+                "or events were removed or inserted between them"
+            )
+            report(seq, ProblemKind.BROKEN_LINK, detail, run)
+        if signed_run != run or signed_kind != kind:
+            detail = f"columns say {run!r}/{kind!r}, the signed body {signed_run!r}/{signed_kind!r}"
+            report(seq, ProblemKind.COLUMN_MISMATCH, detail, run)
+        if check_hashes and link(signed_prev, body.encode()) != stored_hash:
+            edited += 1
+            report(seq, ProblemKind.EDITED, "the event's content does not match its hash", run)
+        # Continue from what is stored, so that one tampered event is one finding, not a cascade.
+        prev, expected_seq, last_seq = stored_hash, seq + 1, seq
+
+    if chain.keyed and check_hashes and checked and edited == checked:
+        problems[:] = [p for p in problems if p.kind is not ProblemKind.EDITED]
+        problems.insert(0, Problem(seq=0, kind=ProblemKind.WRONG_KEY, detail="no event matches this key"))
+
+    if head is not None:
+        if head.seq > last_seq:
+            detail = f"the chain ends at seq {last_seq} but the head record says {head.seq}"
+            report(last_seq + 1, ProblemKind.TRUNCATED, detail)
+        elif head.seq < last_seq or head.hash != prev:
+            detail = f"the head record (seq {head.seq}) does not match the chain's end (seq {last_seq})"
+            report(head.seq, ProblemKind.HEAD_FORGED, detail)
+        if check_hashes and chain.head_mac(head.seq, head.hash) != head.mac:
+            report(head.seq, ProblemKind.HEAD_FORGED, "the head record's MAC is wrong")
+    elif checked:
+        report(0, ProblemKind.HEAD_FORGED, "events exist but the head record is empty")
+
+    if expected_head is not None:
+        pin_seq, pin_hash = (
+            (expected_head.seq, expected_head.hash) if isinstance(expected_head, Head) else expected_head
+        )
+        found = _hash_at(store, pin_seq)
+        if found != pin_hash:
+            where = "absent" if found is None else "a different event"
+            report(pin_seq, ProblemKind.UNEXPECTED_HEAD, f"the pinned head (seq {pin_seq}) is {where} here")
+
+    return VerifyReport(
+        store=store.url,
+        run_id=run_id,
+        algorithm=algorithm,
+        checked=checked,
+        run_events=run_events,
+        last_seq=last_seq,
+        last_hash=prev,
+        problems=tuple(problems),
+        problems_elsewhere=elsewhere,
+        problems_truncated=truncated,
+        head=head,
+    )
+
+
+def _hash_at(store: AuditStore, seq: int) -> str | None:
+    for row in store.rows(after_seq=seq - 1):
+        return row.hash if row.seq == seq else None
+    return None
