@@ -41,6 +41,7 @@ from stockade.sandbox.ops import (
     Stat,
     WriteFile,
 )
+from stockade.testing.audit import CapturedAudit, capture_audit
 from stockade.types import (
     CommandResult,
     Enforcement,
@@ -51,7 +52,7 @@ from stockade.types import (
     TierReport,
 )
 
-__all__ = ["FakeBackend", "FakeInstance", "MemoryWorkspace"]
+__all__ = ["CapturedAudit", "FakeBackend", "FakeInstance", "MemoryWorkspace", "capture_audit"]
 
 Handler = Callable[[Op], OpResult]
 FAKE_ENFORCEMENT = Enforcement(
