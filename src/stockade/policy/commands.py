@@ -1,0 +1,202 @@
+"""Command rules over argv, never regular expressions over strings.
+
+A command is split into the simple commands it would run: ``sh -c "a && b | c"`` is three;
+wrappers (``env``, ``sudo``, ``timeout 5``, ``nice``, ``xargs``, ...) and ``python -m`` are
+looked through. What cannot be analysed (command substitution, a variable as the program,
+``eval``) is denied: the rules fail closed. The sandbox still confines whatever slips past.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import posixpath
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from stockade.policy.schema import CommandRules, Verdict
+
+__all__ = ["CommandDecision", "decide_command", "matches", "simple_commands"]
+
+SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "ash"})
+# Programs that run their arguments as another command; value: how many operands they take first.
+WRAPPERS = {
+    "env": 0, "sudo": 0, "doas": 0, "nohup": 0, "nice": 0, "ionice": 0, "time": 0,
+    "command": 0, "exec": 0, "builtin": 0, "xargs": 0, "stdbuf": 0, "setsid": 0,
+    "timeout": 1, "chroot": 1, "unbuffer": 0,
+}  # fmt: skip
+UNANALYSABLE = frozenset({"eval", "source", "."})
+OPERATORS = frozenset({";", "&&", "||", "|", "&", "(", ")", "\n", ";;", "|&"})
+REDIRECTS = frozenset({">", ">>", "<", "<<", "<<<", ">&", "<&", "&>", ">|", "&>>"})
+FLAG_ALIASES = {"-r": ("-R", "--recursive"), "-f": ("--force",)}
+
+
+class UnanalysableError(ValueError):
+    """The rules cannot tell what a command would run."""
+
+
+def _program(word: str) -> str:
+    return posixpath.basename(word)
+
+
+def _unwrap(argv: list[str], layers: list[tuple[str, ...]]) -> list[str]:
+    """Drop ``VAR=value`` prefixes and wrapper programs (recorded in ``layers``), recursively."""
+    while argv:
+        head = argv[0]
+        if "=" in head and not head.startswith("=") and head.split("=", 1)[0].isidentifier():
+            argv = argv[1:]
+            continue
+        if head.startswith("$"):
+            raise UnanalysableError(f"the program is a variable ({head})")
+        name = _program(head)
+        if name in UNANALYSABLE:
+            raise UnanalysableError(f"{name} runs text as code")
+        if name in WRAPPERS:
+            layers.append(tuple(argv))
+            rest = argv[1:]
+            while rest and rest[0].startswith("-"):
+                rest = rest[1:]  # wrapper options; an option taking a value may leave it as the program
+            while rest and "=" in rest[0] and name == "env":
+                rest = rest[1:]
+            argv = rest[WRAPPERS[name] :]
+            continue
+        if name.startswith("python") and len(argv) > 2 and argv[1] == "-m":
+            layers.append(tuple(argv))
+            argv = argv[2:]
+            continue
+        return argv
+    return argv
+
+
+def _split_script(script: str) -> list[list[str]]:
+    if "`" in script or "$(" in script or "<(" in script or ">(" in script:
+        raise UnanalysableError("command substitution")
+    lexer = shlex.shlex(script.replace("\n", " ; "), posix=True, punctuation_chars=";&|()<>")
+    lexer.whitespace_split = True
+    lexer.commenters = "#"
+    try:
+        tokens = list(lexer)
+    except ValueError as err:
+        raise UnanalysableError(f"unbalanced quotes ({err})") from None
+    commands: list[list[str]] = [[]]
+    skip_next = False
+    for token in tokens:
+        if skip_next:
+            skip_next = False
+            continue
+        if token in OPERATORS:
+            commands.append([])
+        elif token in REDIRECTS or (token.rstrip("<>&|") != token and set(token) <= set("<>&|")):
+            skip_next = True  # the redirection's target file, not an argument
+        else:
+            commands[-1].append(token)
+    return [c for c in commands if c]
+
+
+def simple_commands(
+    argv: Sequence[str], layers: list[tuple[str, ...]] | None = None, _depth: int = 0
+) -> list[tuple[str, ...]]:
+    """Every simple command ``argv`` would run; wrappers met on the way (``sudo ...``,
+    ``sh -c ...``) are appended to ``layers``. Raises ``UnanalysableError`` (a ValueError)."""
+    if layers is None:
+        layers = []
+    if _depth > 8:
+        raise UnanalysableError("shells nested too deep")
+    inner = _unwrap(list(argv), layers)
+    if not inner:
+        return []
+    if _program(inner[0]) in SHELLS:
+        layers.append(tuple(inner))
+        args = inner[1:]
+        for index, arg in enumerate(args):
+            if arg == "-c" or (arg.startswith("-") and not arg.startswith("--") and arg.endswith("c")):
+                if index + 1 >= len(args):
+                    raise UnanalysableError("shell -c without a script")
+                found = []
+                for command in _split_script(args[index + 1]):
+                    found.extend(simple_commands(command, layers, _depth + 1))
+                return found
+            if not arg.startswith("-"):
+                raise UnanalysableError("a shell running a script file")
+        raise UnanalysableError("an interactive shell")
+    return [tuple(inner)]
+
+
+def _flag_matches(flag: str, args: Sequence[str]) -> bool:
+    accepted = (flag, *FLAG_ALIASES.get(flag, ()))
+    for arg in args:
+        if arg in accepted or (flag.startswith("--") and arg.startswith(flag + "=")):
+            return True
+        if (
+            len(flag) == 2 and not flag.startswith("--") and arg.startswith("-")
+            and not arg.startswith("--") and arg[1:].isalpha() and flag[1] in arg[1:]
+        ):  # fmt: skip
+            return True
+        if (
+            flag.startswith("-")
+            and not flag.startswith("--")
+            and any(a.startswith("--") and a in accepted for a in (arg,))
+        ):
+            return True
+    return False
+
+
+def matches(pattern: str, command: Sequence[str]) -> bool:
+    """Whether a simple command matches a pattern such as ``"rm -r"`` or ``"git push"``."""
+    words = shlex.split(pattern)
+    if not command or not fnmatch.fnmatchcase(_program(command[0]), words[0]):
+        return False
+    args = command[1:]
+    positional = [a for a in args if not a.startswith("-")]
+    for word in words[1:]:
+        if word.startswith("-"):
+            if not _flag_matches(word, args):
+                return False
+        elif not any(fnmatch.fnmatchcase(a, word) for a in positional):
+            return False
+    return True
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommandDecision:
+    verdict: Verdict
+    rule: str
+    reason: str
+    command: tuple[str, ...] = ()
+
+
+def decide_command(rules: CommandRules, argv: Sequence[str]) -> CommandDecision:
+    """The strictest verdict over every simple command ``argv`` would run."""
+    layers: list[tuple[str, ...]] = []
+    try:
+        commands = simple_commands(argv, layers)
+    except UnanalysableError as err:
+        return CommandDecision(
+            verdict=Verdict.DENY, rule="commands.unanalysable",
+            reason=f"cannot tell what this command runs ({err}); use plain commands",
+        )  # fmt: skip
+    approval: CommandDecision | None = None
+    # Deny and approve rules see wrappers too (``sudo``, ``sh -c``); the allowlist sees what runs.
+    for command in (*layers, *commands):
+        shown = shlex.join(command)
+        for pattern in rules.deny:
+            if matches(pattern, command):
+                return CommandDecision(
+                    verdict=Verdict.DENY, rule=f"commands.deny: {pattern}",
+                    reason=f"`{shown}` is denied by the policy ({pattern!r})", command=command,
+                )  # fmt: skip
+        if command in commands and rules.allow and not any(matches(p, command) for p in rules.allow):
+            return CommandDecision(
+                verdict=Verdict.DENY, rule="commands.allow",
+                reason=f"`{_program(command[0])}` is not in the policy's list of allowed commands",
+                command=command,
+            )  # fmt: skip
+        if approval is None:
+            for pattern in rules.approve:
+                if matches(pattern, command):
+                    approval = CommandDecision(
+                        verdict=Verdict.APPROVE, rule=f"commands.approve: {pattern}",
+                        reason=f"`{shown}` needs a human's approval ({pattern!r})", command=command,
+                    )  # fmt: skip
+                    break
+    return approval or CommandDecision(verdict=Verdict.ALLOW, rule="commands", reason="allowed")

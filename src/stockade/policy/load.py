@@ -1,0 +1,133 @@
+"""Read a policy file (TOML or YAML) and say, for every mistake, where it is.
+
+policy.toml:7: commands.deny.1: Input should be a valid string
+policy.yaml:12: network: allow_hosts is set but the network is off: set enabled = true
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from stockade.exceptions import ConfigurationError, PolicyFileError
+from stockade.policy.schema import Policy
+
+__all__ = ["load_policy", "parse_policy"]
+
+Loc = tuple[str | int, ...]
+_TABLE = re.compile(r"^\s*(\[\[?)\s*([^\]]+?)\s*\]\]?\s*(?:#.*)?$")
+_KEY = re.compile(r"^\s*([A-Za-z0-9_\-\"'.]+)\s*=")
+
+
+def _toml_lines(text: str) -> dict[Loc, int]:
+    """Where each table and key starts (line numbers for errors; tomllib does not keep them)."""
+    lines: dict[Loc, int] = {}
+    table: Loc = ()
+    counts: dict[Loc, int] = {}
+    for number, line in enumerate(text.splitlines(), start=1):
+        header = _TABLE.match(line)
+        if header:
+            path: Loc = tuple(p.strip().strip("\"'") for p in header.group(2).split("."))
+            if header.group(1) == "[[":
+                index = counts.get(path, 0)
+                counts[path] = index + 1
+                path = (*path, index)
+            table = path
+            lines.setdefault(table, number)
+            continue
+        key = _KEY.match(line)
+        if key:
+            parts = tuple(p.strip("\"'") for p in key.group(1).split("."))
+            lines.setdefault((*table, *parts), number)
+    return lines
+
+
+def _yaml_lines(text: str) -> tuple[Any, dict[Loc, int]]:
+    import yaml
+
+    lines: dict[Loc, int] = {}
+
+    def walk(node: yaml.Node, path: Loc) -> None:
+        lines.setdefault(path, node.start_mark.line + 1)
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                child = (*path, str(key.value))
+                lines[child] = key.start_mark.line + 1
+                walk(value, child)
+        elif isinstance(node, yaml.SequenceNode):
+            for index, item in enumerate(node.value):
+                walk(item, (*path, index))
+
+    root = yaml.compose(text, Loader=yaml.SafeLoader)
+    if root is not None:
+        walk(root, ())
+    return yaml.safe_load(text), lines
+
+
+def _line_of(loc: Loc, lines: Mapping[Loc, int]) -> int | None:
+    for end in range(len(loc), -1, -1):
+        found = lines.get(loc[:end])
+        if found is not None:
+            return found
+    return None
+
+
+def parse_policy(text: str, *, format: str = "toml", source: str = "<policy>") -> Policy:
+    """Validate a policy given as text; ``PolicyFileError`` lists every problem with its line."""
+    try:
+        if format == "toml":
+            data: Any = tomllib.loads(text)
+            lines = _toml_lines(text)
+        elif format in ("yaml", "yml"):
+            try:
+                data, lines = _yaml_lines(text)
+            except ModuleNotFoundError:
+                raise ConfigurationError('YAML policies need PyYAML: pip install "stockade[yaml]"') from None
+        else:
+            raise ConfigurationError(f"unknown policy format {format!r}; use toml or yaml")
+    except tomllib.TOMLDecodeError as err:
+        raise PolicyFileError(f"{source}: {err}", problems=(f"{source}: {err}",)) from None
+    except ValueError as err:  # yaml.YAMLError is not a ValueError; handled below
+        raise PolicyFileError(f"{source}: {err}", problems=(f"{source}: {err}",)) from None
+    except Exception as err:
+        if type(err).__module__.startswith("yaml"):
+            mark = getattr(err, "problem_mark", None)
+            where = f"{source}:{mark.line + 1}" if mark is not None else source
+            problem = f"{where}: {getattr(err, 'problem', None) or err}"
+            raise PolicyFileError(problem, problems=(problem,)) from None
+        raise
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        problem = f"{source}: a policy is a table of sections, got {type(data).__name__}"
+        raise PolicyFileError(problem, problems=(problem,))
+    try:
+        return Policy.model_validate(data)
+    except ValidationError as err:
+        problems = []
+        for e in err.errors():
+            loc: Loc = tuple(e["loc"])
+            line = _line_of(loc, lines)
+            where = f"{source}:{line}" if line is not None else source
+            field = ".".join(str(p) for p in loc) or "(top level)"
+            message = str(e["msg"]).removeprefix("Value error, ")
+            problems.append(f"{where}: {field}: {message}")
+        summary = f"{len(problems)} problem(s) in the policy:\n" + "\n".join(f"  {p}" for p in problems)
+        raise PolicyFileError(summary, problems=tuple(problems)) from None
+
+
+def load_policy(path: str | Path) -> Policy:
+    """Read ``.toml``, ``.yaml`` or ``.yml``."""
+    file = Path(path)
+    suffix = file.suffix.lower().lstrip(".")
+    fmt = "yaml" if suffix in ("yaml", "yml") else "toml"
+    try:
+        text = file.read_text()
+    except OSError as err:
+        raise ConfigurationError(f"cannot read the policy file {str(file)!r}: {err.strerror}") from None
+    return parse_policy(text, format=fmt, source=file.name)

@@ -1,0 +1,196 @@
+"""The policy file, as validated values. Every section has a safe default: an empty policy
+allows the tools, commands and paths of the workspace, keeps the network off and fails
+closed on everything it cannot analyse.
+
+    version = 1
+    [commands]
+    deny = ["curl", "wget", "sudo"]
+    approve = ["rm -r", "git push", "pip install"]
+    [paths]
+    write = ["src/**", "tests/**"]
+    deny = [".git/**", "secrets/**"]
+"""
+
+from __future__ import annotations
+
+import enum
+import fnmatch
+import re
+import shlex
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from stockade.types import Trust
+
+__all__ = [
+    "Classification",
+    "CommandRules",
+    "DataAccess",
+    "DataTier",
+    "Decisions",
+    "ModelRegistry",
+    "NetworkRules",
+    "PathRules",
+    "Policy",
+    "PromptRule",
+    "Role",
+    "TrustRules",
+    "Verdict",
+]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Verdict(enum.StrEnum):
+    ALLOW = "allow"
+    APPROVE = "approve"  # a human must say yes first
+    DENY = "deny"
+
+
+class Classification(enum.StrEnum):
+    PUBLIC = "public"
+    INTERNAL = "internal"
+    CONFIDENTIAL = "confidential"
+    RESTRICTED = "restricted"
+
+
+class CommandRules(_Strict):
+    """Patterns are argv prefixes: ``"rm -r"`` is the program ``rm`` with a recursive flag,
+    ``"git push"`` is ``git`` with the word ``push`` among its arguments. An empty ``allow``
+    allows every program that no other rule refuses."""
+
+    allow: tuple[str, ...] = ()
+    deny: tuple[str, ...] = ()
+    approve: tuple[str, ...] = ()
+
+    @field_validator("allow", "deny", "approve")
+    @classmethod
+    def _parseable(cls, patterns: tuple[str, ...]) -> tuple[str, ...]:
+        for pattern in patterns:
+            try:
+                words = shlex.split(pattern)
+            except ValueError as err:
+                raise ValueError(f"pattern {pattern!r} is not valid shell words: {err}") from None
+            if not words:
+                raise ValueError("a command pattern cannot be empty")
+        return patterns
+
+
+class PathRules(_Strict):
+    """Globs relative to the workspace (``*`` within a directory, ``**`` across)."""
+
+    read: tuple[str, ...] = ("**",)
+    write: tuple[str, ...] = ("**",)
+    deny: tuple[str, ...] = ()
+
+
+class NetworkRules(_Strict):
+    enabled: bool = False
+    allow_hosts: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _hosts_need_network(self) -> NetworkRules:
+        if self.allow_hosts and not self.enabled:
+            raise ValueError("allow_hosts is set but the network is off: set enabled = true")
+        return self
+
+
+class DataTier(_Strict):
+    """Files matching ``paths`` hold data of class ``tier``."""
+
+    paths: tuple[str, ...] = Field(min_length=1)
+    tier: Classification
+
+
+class DataAccess(_Strict):
+    """Who may touch one class of data: roles that may read / write it, tools that may touch it
+    (empty ``tools``: any tool the role has)."""
+
+    read: tuple[str, ...] = ()
+    write: tuple[str, ...] = ()
+    tools: tuple[str, ...] = ()
+
+
+class Decisions(_Strict):
+    """Action categories (read, write, delete, execute, install, network, vcs_push, credential)
+    and what each needs. A category in no list is allowed."""
+
+    allow: tuple[str, ...] = ()
+    approve: tuple[str, ...] = ()
+    deny: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _disjoint(self) -> Decisions:
+        for a, b in (("allow", "approve"), ("allow", "deny"), ("approve", "deny")):
+            both = set(getattr(self, a)) & set(getattr(self, b))
+            if both:
+                raise ValueError(f"{', '.join(sorted(both))} listed in both {a} and {b}")
+        return self
+
+
+class Role(_Strict):
+    """What a run started under this role may use. ``tools``/``tiers`` empty: any."""
+
+    tools: tuple[str, ...] = ()
+    tiers: tuple[str, ...] = ()
+    credentials: tuple[str, ...] = ()
+
+
+class ModelRegistry(_Strict):
+    """Globs of model names that may be invoked; empty: any model."""
+
+    approved: tuple[str, ...] = ()
+
+    def allows(self, model: str) -> bool:
+        return not self.approved or any(fnmatch.fnmatchcase(model, p) for p in self.approved)
+
+
+class PromptRule(_Strict):
+    """Regular expressions (case-insensitive) checked against task prompts and tool outputs."""
+
+    name: str
+    patterns: tuple[str, ...] = Field(min_length=1)
+    applies_to: tuple[Literal["task", "tool_output"], ...] = ("task", "tool_output")
+    action: Literal["allow", "flag", "deny"] = "flag"
+
+    @field_validator("patterns")
+    @classmethod
+    def _compiles(cls, patterns: tuple[str, ...]) -> tuple[str, ...]:
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"pattern {pattern!r} is not a valid regular expression: {err}") from None
+        return patterns
+
+
+class TrustRules(_Strict):
+    """Who wrote the code and who the user is: decides the minimum sandbox tier (DESIGN.md)."""
+
+    level: Trust = Trust.UNTRUSTED
+    allow_gvisor_for_untrusted: bool = False
+
+
+class Policy(_Strict):
+    version: Literal[1] = 1
+    commands: CommandRules = CommandRules()
+    paths: PathRules = PathRules()
+    network: NetworkRules = NetworkRules()
+    data: tuple[DataTier, ...] = ()
+    data_access: dict[Classification, DataAccess] = {}
+    decisions: Decisions = Decisions()
+    roles: dict[str, Role] = {}
+    models: ModelRegistry = ModelRegistry()
+    prompts: tuple[PromptRule, ...] = ()
+    trust: TrustRules = TrustRules()
+
+    @model_validator(mode="after")
+    def _roles_exist(self) -> Policy:
+        for tier, access in self.data_access.items():
+            for role in (*access.read, *access.write):
+                if self.roles and role not in self.roles:
+                    raise ValueError(f"data_access.{tier.value} names role {role!r}, which is not in [roles]")
+        return self

@@ -1,0 +1,220 @@
+"""Circuit breakers: stop calling what keeps failing, try again after a cool-down.
+
+CLOSED --(threshold consecutive failures)--> OPEN --(cooldown_s)--> HALF_OPEN
+HALF_OPEN lets one trial call through: success closes, failure re-opens.
+While open, calls are refused with ``CircuitOpen`` (retryable, ``retry_after`` = time left).
+A policy denial or another runtime refusal is not a failure of the thing behind the breaker.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from stockade.exceptions import CircuitOpen, PolicyDenied, RuntimeLimit, SandboxError
+from stockade.runtime.clock import Clock, SystemClock
+from stockade.runtime.events import BreakerChanged, BreakerState, Observer, ignore
+from stockade.sandbox.base import Backend, Instance, OpResult, OutputSink, SandboxSpec
+from stockade.sandbox.ops import Op
+from stockade.types import TierReport
+
+__all__ = [
+    "BreakerConfig",
+    "BreakerInstance",
+    "Breakers",
+    "BreakingBackend",
+    "CircuitBreaker",
+    "counts_as_failure",
+    "sandbox_failure",
+]
+
+T = TypeVar("T")
+
+
+def counts_as_failure(err: BaseException) -> bool:
+    return not isinstance(err, PolicyDenied | RuntimeLimit)
+
+
+def sandbox_failure(err: BaseException) -> bool:
+    """A failure of the backend itself, not of what the caller asked (a missing file is not)."""
+    return isinstance(err, SandboxError | ConnectionError | TimeoutError)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BreakerConfig:
+    threshold: int = 5
+    cooldown_s: float = 30.0
+
+
+class CircuitBreaker:
+    def __init__(
+        self,
+        name: str,
+        config: BreakerConfig | None = None,
+        *,
+        clock: Clock | None = None,
+        observer: Observer = ignore,
+    ) -> None:
+        self.name = name
+        self.config = config or BreakerConfig()
+        self.clock = clock or SystemClock()
+        self.observer = observer
+        self._lock = threading.Lock()
+        self._state = BreakerState.CLOSED
+        self._failures = 0
+        self._opened_at = 0.0
+        self._trial_running = False
+
+    @property
+    def state(self) -> BreakerState:
+        with self._lock:
+            self._maybe_half_open()
+            return self._state
+
+    @property
+    def failures(self) -> int:
+        return self._failures
+
+    def _move(self, new: BreakerState, reason: str = "") -> None:
+        old, self._state = self._state, new
+        if new is BreakerState.OPEN:
+            self._opened_at = self.clock.monotonic()
+        if old is not new:
+            self.observer(
+                BreakerChanged(name=self.name, old=old, new=new, failures=self._failures, reason=reason)
+            )
+
+    def _maybe_half_open(self) -> None:
+        if self._state is BreakerState.OPEN and self._remaining() <= 0:
+            self._move(BreakerState.HALF_OPEN, "cool-down over")
+
+    def _remaining(self) -> float:
+        return self._opened_at + self.config.cooldown_s - self.clock.monotonic()
+
+    def before(self) -> None:
+        """Refuse with ``CircuitOpen`` unless a call may go through now."""
+        with self._lock:
+            self._maybe_half_open()
+            if self._state is BreakerState.CLOSED:
+                return
+            if self._state is BreakerState.HALF_OPEN and not self._trial_running:
+                self._trial_running = True
+                return
+            wait = max(self._remaining(), 0.0) if self._state is BreakerState.OPEN else 1.0
+            raise CircuitOpen(
+                f"{self.name} is unavailable after {self._failures} consecutive failures; "
+                f"retry in {wait:.1f}s",
+                name=self.name,
+                retry_after=wait,
+            )
+
+    def success(self) -> None:
+        with self._lock:
+            self._trial_running = False
+            self._failures = 0
+            self._move(BreakerState.CLOSED, "call succeeded")
+
+    def failure(self, reason: str = "") -> None:
+        with self._lock:
+            self._trial_running = False
+            self._failures += 1
+            if self._state is BreakerState.HALF_OPEN or self._failures >= self.config.threshold:
+                self._move(BreakerState.OPEN, reason)
+
+    def trip(self, reason: str) -> None:
+        """Open now (the anomaly monitor's "open the breaker")."""
+        with self._lock:
+            self._trial_running = False
+            self._move(BreakerState.OPEN, reason)
+
+    def call(
+        self,
+        fn: Callable[[], T],
+        *,
+        failed: Callable[[T], bool] | None = None,
+        error_counts: Callable[[BaseException], bool] = counts_as_failure,
+    ) -> T:
+        """Run ``fn`` through the breaker. ``error_counts`` says which errors are failures of the
+        protected thing; ``failed`` marks a returned value as a failure too."""
+        self.before()
+        try:
+            result = fn()
+        except BaseException as err:
+            if error_counts(err):
+                self.failure(f"{type(err).__name__}: {err}")
+            else:
+                self.success_without_reset()
+            raise
+        if failed is not None and failed(result):
+            self.failure("the call reported failure")
+        else:
+            self.success()
+        return result
+
+    def success_without_reset(self) -> None:
+        """The call never reached the protected thing: release a half-open trial, count nothing."""
+        with self._lock:
+            self._trial_running = False
+
+
+@dataclass(kw_only=True)
+class Breakers:
+    """One breaker per name ("tool:run_code", "model:gpt-x", "backend:process"), made on demand."""
+
+    config: BreakerConfig = field(default_factory=BreakerConfig)
+    clock: Clock = field(default_factory=SystemClock)
+    observer: Observer = ignore
+    _made: dict[str, CircuitBreaker] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def get(self, name: str) -> CircuitBreaker:
+        with self._lock:
+            found = self._made.get(name)
+            if found is None:
+                found = CircuitBreaker(name, self.config, clock=self.clock, observer=self.observer)
+                self._made[name] = found
+            return found
+
+    def states(self) -> dict[str, BreakerState]:
+        with self._lock:
+            made = dict(self._made)
+        return {name: b.state for name, b in made.items()}
+
+
+class BreakerInstance(Instance):
+    """Every op of a sandbox through the backend's breaker (a crash or a protocol error counts)."""
+
+    def __init__(self, inner: Instance, breaker: CircuitBreaker) -> None:
+        self.inner = inner
+        self.breaker = breaker
+        self.id = inner.id
+        self.tier = inner.tier
+        self.enforcement = inner.enforcement
+
+    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+        return self.breaker.call(lambda: self.inner.handle(op, sink), error_counts=sandbox_failure)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.inner.alive
+
+
+class BreakingBackend(Backend):
+    """A backend whose starts and ops go through the breaker ``backend:<tier>``."""
+
+    def __init__(self, inner: Backend, breakers: Breakers) -> None:
+        self.inner = inner
+        self.breaker = breakers.get(f"backend:{inner.tier}")
+        self.tier = inner.tier
+
+    def probe(self) -> TierReport:
+        return self.inner.probe()
+
+    def start(self, spec: SandboxSpec) -> BreakerInstance:
+        started = self.breaker.call(lambda: self.inner.start(spec), error_counts=sandbox_failure)
+        return BreakerInstance(started, self.breaker)

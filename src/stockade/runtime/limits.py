@@ -1,0 +1,365 @@
+"""Rate limits, spend limits and per-run budgets.
+
+Rolling windows live in a ``Window``: ``LocalWindow`` (exact, in memory, one process, reads
+an injectable clock) or ``RedisWindow`` (shared by every process and host that points at the
+same Redis, via the ``limits`` library's sliding-window counter). ``window_for(url)`` picks.
+Money is counted in integer micro-dollars so that windows only ever add integers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import tomllib
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from stockade.exceptions import BudgetExceeded, ConfigurationError, RateLimited
+from stockade.runtime.clock import Clock, SystemClock
+from stockade.runtime.events import LimitHit, Observer, ignore
+
+if TYPE_CHECKING:
+    from limits.strategies import SlidingWindowCounterRateLimiter
+
+__all__ = [
+    "Budget",
+    "BudgetMeter",
+    "LocalWindow",
+    "MeterState",
+    "Price",
+    "PriceTable",
+    "RateLimit",
+    "RedisWindow",
+    "SpendLimit",
+    "Verdict",
+    "Window",
+    "window_for",
+]
+
+MICRO = 1_000_000
+
+
+@dataclass(frozen=True, kw_only=True)
+class Verdict:
+    allowed: bool
+    used: int
+    limit: int
+    retry_after: float = 0.0
+
+
+class Window(Protocol):
+    """Costs per key over the last ``period_s`` seconds."""
+
+    def hit(self, key: str, cost: int, *, limit: int, period_s: float) -> Verdict:
+        """Record ``cost`` if it fits under ``limit``; refuse (recording nothing) if not."""
+
+    def add(self, key: str, cost: int, *, limit: int, period_s: float) -> Verdict:
+        """Record ``cost`` that was already incurred; ``allowed`` says whether more fits."""
+
+    def peek(self, key: str, *, limit: int, period_s: float) -> Verdict:
+        """Whether one more unit fits now."""
+
+
+class LocalWindow:
+    """An exact rolling window in this process."""
+
+    def __init__(self, clock: Clock | None = None) -> None:
+        self.clock = clock or SystemClock()
+        self._events: dict[str, deque[tuple[float, int]]] = {}
+        self._lock = threading.Lock()
+
+    def _used(self, key: str, period_s: float) -> tuple[deque[tuple[float, int]], int, float]:
+        now = self.clock.monotonic()
+        events = self._events.setdefault(key, deque())
+        while events and events[0][0] <= now - period_s:
+            events.popleft()
+        return events, sum(c for _, c in events), now
+
+    def _wait(self, events: deque[tuple[float, int]], excess: int, now: float, period_s: float) -> float:
+        freed = 0
+        for at, cost in events:
+            freed += cost
+            if freed >= excess:
+                return max(at + period_s - now, 0.0)
+        return period_s
+
+    def hit(self, key: str, cost: int, *, limit: int, period_s: float) -> Verdict:
+        with self._lock:
+            events, used, now = self._used(key, period_s)
+            if used + cost > limit:
+                wait = self._wait(events, used + cost - limit, now, period_s)
+                return Verdict(allowed=False, used=used, limit=limit, retry_after=wait)
+            events.append((now, cost))
+            return Verdict(allowed=True, used=used + cost, limit=limit)
+
+    def add(self, key: str, cost: int, *, limit: int, period_s: float) -> Verdict:
+        with self._lock:
+            events, used, now = self._used(key, period_s)
+            events.append((now, cost))
+            used += cost
+            if used >= limit:
+                wait = self._wait(events, used - limit + 1, now, period_s)
+                return Verdict(allowed=False, used=used, limit=limit, retry_after=wait)
+            return Verdict(allowed=True, used=used, limit=limit)
+
+    def peek(self, key: str, *, limit: int, period_s: float) -> Verdict:
+        with self._lock:
+            events, used, now = self._used(key, period_s)
+            if used + 1 > limit:
+                wait = self._wait(events, used + 1 - limit, now, period_s)
+                return Verdict(allowed=False, used=used, limit=limit, retry_after=wait)
+            return Verdict(allowed=True, used=used, limit=limit)
+
+
+class RedisWindow:
+    """A window shared through Redis (``limits``' sliding-window counter; wall-clock based)."""
+
+    def __init__(self, url: str, *, namespace: str = "stockade") -> None:
+        try:
+            from limits.storage import storage_from_string
+            from limits.strategies import SlidingWindowCounterRateLimiter
+        except ModuleNotFoundError:
+            raise ConfigurationError(
+                'shared limits need Redis support: pip install "stockade[redis]"'
+            ) from None
+        self.url = url
+        self.namespace = namespace
+        self.storage = storage_from_string(url)
+        self.limiter: SlidingWindowCounterRateLimiter = SlidingWindowCounterRateLimiter(self.storage)
+
+    def _item(self, limit: int, period_s: float) -> object:
+        from limits import RateLimitItemPerSecond
+
+        return RateLimitItemPerSecond(limit, max(int(period_s), 1), namespace=self.namespace)
+
+    def _verdict(self, allowed: bool, key: str, item: object, limit: int) -> Verdict:
+        from limits import RateLimitItem
+
+        assert isinstance(item, RateLimitItem)
+        stats = self.limiter.get_window_stats(item, key)
+        wait = 0.0 if allowed else max(stats.reset_time - time.time(), 0.0)
+        return Verdict(allowed=allowed, used=limit - stats.remaining, limit=limit, retry_after=wait)
+
+    def hit(self, key: str, cost: int, *, limit: int, period_s: float) -> Verdict:
+        from limits import RateLimitItem
+
+        item = self._item(limit, period_s)
+        assert isinstance(item, RateLimitItem)
+        return self._verdict(self.limiter.hit(item, key, cost=cost), key, item, limit)
+
+    def add(self, key: str, cost: int, *, limit: int, period_s: float) -> Verdict:
+        from limits import RateLimitItem
+
+        item = self._item(limit, period_s)
+        assert isinstance(item, RateLimitItem)
+        if not self.limiter.hit(item, key, cost=cost):
+            # The money is spent even though it does not fit: fill the window for everyone.
+            remaining = self.limiter.get_window_stats(item, key).remaining
+            if remaining > 0:
+                self.limiter.hit(item, key, cost=remaining)
+        return self._verdict(self.limiter.test(item, key, cost=1), key, item, limit)
+
+    def peek(self, key: str, *, limit: int, period_s: float) -> Verdict:
+        from limits import RateLimitItem
+
+        item = self._item(limit, period_s)
+        assert isinstance(item, RateLimitItem)
+        return self._verdict(self.limiter.test(item, key, cost=1), key, item, limit)
+
+
+def window_for(redis_url: str | None, *, clock: Clock | None = None) -> Window:
+    """In memory for one process, or shared when a Redis URL is configured."""
+    return RedisWindow(redis_url) if redis_url else LocalWindow(clock)
+
+
+class RateLimit:
+    """At most ``per_minute`` actions per key over a rolling minute; refuses with ``RateLimited``."""
+
+    def __init__(
+        self,
+        *,
+        per_minute: int,
+        window: Window | None = None,
+        name: str = "actions",
+        observer: Observer = ignore,
+        period_s: float = 60.0,
+    ) -> None:
+        if per_minute <= 0:
+            raise ConfigurationError(f"RateLimit.per_minute must be > 0, got {per_minute}")
+        self.per_minute = per_minute
+        self.window = window or LocalWindow()
+        self.name = name
+        self.observer = observer
+        self.period_s = period_s
+
+    def acquire(self, key: str = "global") -> None:
+        verdict = self.window.hit(f"{self.name}:{key}", 1, limit=self.per_minute, period_s=self.period_s)
+        if verdict.allowed:
+            return
+        detail = f"{self.per_minute} {self.name} per minute reached for {key!r}"
+        self.observer(LimitHit(kind="rate", key=key, detail=detail, retry_after=verdict.retry_after))
+        raise RateLimited(
+            f"{detail}; retry in {verdict.retry_after:.1f}s", key=key, retry_after=verdict.retry_after
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Price:
+    """Dollars per million tokens."""
+
+    input_per_mtok: float
+    output_per_mtok: float
+
+
+@dataclass(frozen=True)
+class PriceTable:
+    """What each model costs; ``"*"`` is the price of models not listed (none: refuse them)."""
+
+    prices: Mapping[str, Price]
+
+    def cost(self, model: str, *, input_tokens: int, output_tokens: int) -> float:
+        price = self.prices.get(model) or self.prices.get("*")
+        if price is None:
+            raise ConfigurationError(
+                f"no price for model {model!r}; add it (or a '*' entry) to the price table"
+            )
+        return (input_tokens * price.input_per_mtok + output_tokens * price.output_per_mtok) / MICRO
+
+    @classmethod
+    def load(cls, path: str | Path) -> PriceTable:
+        """Read ``[models."name"] input_per_mtok = .. output_per_mtok = ..`` from a TOML file."""
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+        prices: dict[str, Price] = {}
+        for name, entry in raw.get("models", {}).items():
+            try:
+                prices[name] = Price(
+                    input_per_mtok=float(entry["input_per_mtok"]),
+                    output_per_mtok=float(entry["output_per_mtok"]),
+                )
+            except (KeyError, TypeError, ValueError) as err:
+                raise ConfigurationError(
+                    f"{path}: models.{name}: needs numbers input_per_mtok and output_per_mtok ({err})"
+                ) from None
+        return cls(prices)
+
+
+class SpendLimit:
+    """At most ``dollars_per_hour`` per key over a rolling hour; refuses with ``BudgetExceeded``."""
+
+    def __init__(
+        self,
+        *,
+        dollars_per_hour: float,
+        window: Window | None = None,
+        observer: Observer = ignore,
+        period_s: float = 3600.0,
+    ) -> None:
+        if dollars_per_hour <= 0:
+            raise ConfigurationError(f"SpendLimit.dollars_per_hour must be > 0, got {dollars_per_hour}")
+        self.limit = round(dollars_per_hour * MICRO)
+        self.dollars_per_hour = dollars_per_hour
+        self.window = window or LocalWindow()
+        self.observer = observer
+        self.period_s = period_s
+
+    def _refuse(self, key: str, verdict: Verdict) -> BudgetExceeded:
+        spent = verdict.used / MICRO
+        detail = f"spend ${spent:.4f} reached the limit of ${self.dollars_per_hour:.2f}/hour for {key!r}"
+        self.observer(LimitHit(kind="spend", key=key, detail=detail, retry_after=verdict.retry_after))
+        return BudgetExceeded(detail, kind="dollars_per_hour", retry_after=verdict.retry_after)
+
+    def check(self, key: str = "global") -> None:
+        verdict = self.window.peek(f"spend:{key}", limit=self.limit, period_s=self.period_s)
+        if not verdict.allowed:
+            raise self._refuse(key, verdict)
+
+    def record(self, dollars: float, key: str = "global") -> None:
+        """Count money already spent; raise when it crossed the limit."""
+        cost = max(round(dollars * MICRO), 0)
+        verdict = self.window.add(f"spend:{key}", cost, limit=self.limit, period_s=self.period_s)
+        if not verdict.allowed:
+            raise self._refuse(key, verdict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Budget:
+    """Per-run ceilings; ``None`` means unbounded."""
+
+    max_steps: int | None = None
+    max_wall_s: float | None = None
+    max_tokens: int | None = None
+    max_dollars: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeterState:
+    """What a run has used so far: saved with the run's checkpoint, restored on resume."""
+
+    steps: int = 0
+    tokens: int = 0
+    dollars: float = 0.0
+    elapsed_s: float = 0.0
+
+
+@dataclass(kw_only=True)
+class BudgetMeter:
+    budget: Budget
+    clock: Clock = field(default_factory=SystemClock)
+    observer: Observer = ignore
+    steps: int = 0
+    tokens: int = 0
+    dollars: float = 0.0
+    _started: float = field(default=-1.0, repr=False)
+    _offset: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._started = self.clock.monotonic()
+
+    @classmethod
+    def resume(cls, budget: Budget, state: MeterState, *, clock: Clock | None = None) -> BudgetMeter:
+        meter = cls(budget=budget, clock=clock or SystemClock())
+        meter.steps, meter.tokens, meter.dollars, meter._offset = (
+            state.steps,
+            state.tokens,
+            state.dollars,
+            state.elapsed_s,
+        )
+        return meter
+
+    @property
+    def elapsed_s(self) -> float:
+        return self._offset + self.clock.monotonic() - self._started
+
+    def state(self) -> MeterState:
+        return MeterState(
+            steps=self.steps, tokens=self.tokens, dollars=self.dollars, elapsed_s=self.elapsed_s
+        )
+
+    def step(self) -> None:
+        """Count one step (checked first: step N+1 of a budget of N is refused)."""
+        self.check(next_step=True)
+        self.steps += 1
+
+    def charge(self, *, tokens: int = 0, dollars: float = 0.0) -> None:
+        self.tokens += tokens
+        self.dollars += dollars
+
+    def check(self, *, next_step: bool = False) -> None:
+        b = self.budget
+        over: tuple[str, str] | None = None
+        if b.max_steps is not None and self.steps + (1 if next_step else 0) > b.max_steps:
+            over = ("steps", f"{b.max_steps} steps")
+        elif b.max_wall_s is not None and self.elapsed_s >= b.max_wall_s:
+            over = ("wall_time", f"{b.max_wall_s:g}s of wall time")
+        elif b.max_tokens is not None and self.tokens >= b.max_tokens:
+            over = ("tokens", f"{b.max_tokens} tokens (used {self.tokens})")
+        elif b.max_dollars is not None and self.dollars >= b.max_dollars:
+            over = ("dollars", f"${b.max_dollars:.2f} (spent ${self.dollars:.4f})")
+        if over is not None:
+            kind, what = over
+            self.observer(LimitHit(kind="budget", key=kind, detail=f"run budget of {what} is spent"))
+            raise BudgetExceeded(f"the run's budget of {what} is spent", kind=kind)

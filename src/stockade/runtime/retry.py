@@ -1,0 +1,192 @@
+"""Retry what is transient, and only that.
+
+One classification drives everything: an error is transient when it says so
+(``StockadeError.retryable``; provider 429/5xx and engine hiccups are mapped to such errors
+at their boundary) or is a plain ``ConnectionError``/``TimeoutError`` from outside. Syntax
+errors, failing assertions, missing files and policy denials are never retried.
+
+Built on stamina: its loop, its attempt cap and its test mode (``stamina.set_testing(True)``
+turns every wait to zero). The backoff itself is computed here, so that each retry can be
+reported with its real delay, and so that ``retry_after`` and the deadline are honoured.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import stamina
+
+from stockade.exceptions import StockadeError
+from stockade.runtime.clock import Clock, SystemClock
+from stockade.runtime.events import FlakyRerun, Observer, RetryScheduled, ignore
+from stockade.sandbox.base import Backend, Instance, OpResult, OutputSink, SandboxSpec
+from stockade.sandbox.ops import GetArchive, ListDir, Op, ReadFile, Stat
+from stockade.types import CommandResult, TierReport
+
+__all__ = [
+    "READ_OPS",
+    "Retrier",
+    "RetryPolicy",
+    "RetryingBackend",
+    "RetryingInstance",
+    "TestRun",
+    "is_transient",
+    "run_tests_allowing_flaky",
+]
+
+T = TypeVar("T")
+
+# Operations that change nothing: safe to repeat after a transient failure.
+READ_OPS: tuple[type[Op], ...] = (ReadFile, Stat, ListDir, GetArchive)
+
+
+def is_transient(err: BaseException) -> bool:
+    """Whether running the same call again can help."""
+    if isinstance(err, StockadeError):
+        return err.retryable
+    return isinstance(err, ConnectionError | TimeoutError)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryPolicy:
+    """Exponential backoff with jitter: ``wait_initial * wait_exp_base**(n-1) + U(0, wait_jitter)``,
+    capped at ``wait_max``; at most ``attempts`` tries, none starting after ``deadline_s``."""
+
+    attempts: int = 3
+    deadline_s: float = 60.0
+    wait_initial: float = 0.1
+    wait_max: float = 5.0
+    wait_jitter: float = 1.0
+    wait_exp_base: float = 2.0
+
+    def backoff(self, attempt: int, rng: random.Random) -> float:
+        jitter = rng.uniform(0, self.wait_jitter) if self.wait_jitter else 0.0
+        try:
+            return min(self.wait_max, self.wait_initial * self.wait_exp_base ** (attempt - 1) + jitter)
+        except OverflowError:
+            return self.wait_max
+
+
+@dataclass(kw_only=True)
+class Retrier:
+    """Runs a call under a ``RetryPolicy``, reporting every retry to ``observer``."""
+
+    policy: RetryPolicy = field(default_factory=RetryPolicy)
+    observer: Observer = ignore
+    clock: Clock = field(default_factory=SystemClock)
+    rng: random.Random = field(default_factory=random.Random)
+
+    def _decider(self, subject: str) -> Callable[[Exception], bool | float]:
+        deadline = self.clock.monotonic() + self.policy.deadline_s
+        attempt = 0
+
+        def decide(err: Exception) -> bool | float:
+            nonlocal attempt
+            attempt += 1
+            if attempt >= self.policy.attempts or not is_transient(err):
+                return False
+            after = getattr(err, "retry_after", None)
+            delay = float(after) if after is not None else self.policy.backoff(attempt, self.rng)
+            if self.clock.monotonic() + delay > deadline:
+                return False
+            self.observer(
+                RetryScheduled(
+                    subject=subject, attempt=attempt, delay_s=delay, reason=f"{type(err).__name__}: {err}"
+                )
+            )
+            return delay
+
+        return decide
+
+    def call(self, subject: str, fn: Callable[[], T]) -> T:
+        for attempt in stamina.retry_context(
+            on=self._decider(subject), attempts=self.policy.attempts, timeout=None
+        ):
+            with attempt:
+                return fn()
+        raise AssertionError("unreachable: stamina re-raises the last error")  # pragma: no cover
+
+    async def acall(self, subject: str, fn: Callable[[], Awaitable[T]]) -> T:
+        async for attempt in stamina.retry_context(
+            on=self._decider(subject), attempts=self.policy.attempts, timeout=None
+        ):
+            with attempt:
+                return await fn()
+        raise AssertionError("unreachable: stamina re-raises the last error")  # pragma: no cover
+
+
+class RetryingInstance(Instance):
+    """Retries reads after transient failures; side-effecting ops only when the caller lists
+    them in ``idempotent`` (e.g. ``(WriteFile, MakeDir)``). Commands are never retried here."""
+
+    def __init__(self, inner: Instance, retrier: Retrier, *, idempotent: tuple[type[Op], ...] = ()) -> None:
+        self.inner = inner
+        self.retrier = retrier
+        self.retried_ops = READ_OPS + idempotent
+        self.id = inner.id
+        self.tier = inner.tier
+        self.enforcement = inner.enforcement
+
+    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+        if isinstance(op, self.retried_ops):
+            return self.retrier.call(f"{self.tier}:{type(op).__name__}", lambda: self.inner.handle(op, sink))
+        return self.inner.handle(op, sink)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.inner.alive
+
+
+class RetryingBackend(Backend):
+    """Sandbox creation is idempotent: a start that fails transiently is tried again."""
+
+    def __init__(self, inner: Backend, retrier: Retrier, *, idempotent: tuple[type[Op], ...] = ()) -> None:
+        self.inner = inner
+        self.retrier = retrier
+        self.idempotent = idempotent
+        self.tier = inner.tier
+
+    def probe(self) -> TierReport:
+        return self.inner.probe()
+
+    def start(self, spec: SandboxSpec) -> RetryingInstance:
+        instance = self.retrier.call(f"{self.tier}:start", lambda: self.inner.start(spec))
+        return RetryingInstance(instance, self.retrier, idempotent=self.idempotent)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TestRun:
+    """The outcome of a test command; ``reran`` says it was run twice, ``first`` is the first try."""
+
+    __test__ = False  # not a pytest class
+
+    result: CommandResult
+    reran: bool = False
+    first: CommandResult | None = None
+
+    @property
+    def flaky(self) -> bool:
+        """Failed, then passed: the result is green, and the report must say so."""
+        return self.reran and self.result.ok
+
+
+def run_tests_allowing_flaky(
+    run: Callable[[], CommandResult],
+    *,
+    allow_flaky: bool,
+    subject: str = "run_tests",
+    observer: Observer = ignore,
+) -> TestRun:
+    """Run a test command; when it fails and the caller accepts flakiness, run it once more."""
+    first = run()
+    if first.ok or not allow_flaky:
+        return TestRun(result=first)
+    second = run()
+    observer(FlakyRerun(subject=subject, first_exit_code=first.exit_code, second_exit_code=second.exit_code))
+    return TestRun(result=second, reran=True, first=first)
