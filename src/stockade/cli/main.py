@@ -20,6 +20,7 @@ app = typer.Typer(
 # One module per group of commands; each defines register(app: typer.Typer) -> None.
 COMMAND_MODULES = (
     "stockade.cli.sandbox_cmds",
+    "stockade.cli.audit_cmds",
 )
 
 for _name in COMMAND_MODULES:

@@ -1,0 +1,187 @@
+"""``stockade audit verify | export | tail``: check and read the audit trail.
+
+The store is ``--db`` (or ``STOCKADE_AUDIT_DB``): ``sqlite:///PATH``, a file path, or
+``postgresql://...``. A keyed chain needs its key: ``--key-file`` or ``STOCKADE_AUDIT_KEY``.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Annotated, TextIO
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from stockade import exceptions as exc
+from stockade.audit.events import AuditEvent
+from stockade.audit.stores import AuditStore, open_store
+from stockade.audit.verify import verify as verify_store
+
+out = Console()
+err = Console(stderr=True)
+
+DEFAULT_DB = "sqlite:///.stockade/audit.db"
+
+DbOpt = Annotated[
+    str,
+    typer.Option("--db", envvar="STOCKADE_AUDIT_DB", help="sqlite:///PATH, a file path, or postgresql://..."),
+]
+RunOpt = Annotated[str | None, typer.Option("--run", help="only this run id")]
+KeyFileOpt = Annotated[
+    Path | None,
+    typer.Option("--key-file", help="file holding the chain's HMAC key (else STOCKADE_AUDIT_KEY)"),
+]
+NamespaceOpt = Annotated[str, typer.Option("--namespace", help="table prefix of the store")]
+
+
+class ExportFormat(enum.StrEnum):
+    JSONL = "jsonl"
+
+
+def _store(db: str, namespace: str) -> AuditStore:
+    if "://" not in db or db.startswith("sqlite:///"):
+        path = Path(db.removeprefix("sqlite:///"))
+        if not path.exists():
+            err.print(f"[red]no audit store at {escape(str(path))}[/] (set --db or STOCKADE_AUDIT_DB)")
+            raise typer.Exit(2)
+    try:
+        return open_store(db, namespace=namespace)
+    except exc.StockadeError as error:
+        err.print(f"[red]{escape(str(error))}[/]")
+        raise typer.Exit(2) from error
+
+
+def _key(key_file: Path | None) -> bytes | None:
+    if key_file is not None:
+        return key_file.read_bytes().strip()
+    value = os.environ.get("STOCKADE_AUDIT_KEY")
+    return value.encode() if value else None
+
+
+def verify(
+    *,
+    db: DbOpt = DEFAULT_DB,
+    run: RunOpt = None,
+    key_file: KeyFileOpt = None,
+    namespace: NamespaceOpt = "audit",
+    expect_head: Annotated[
+        str | None,
+        typer.Option("--expect-head", help="SEQ:HASH the chain must reach (kept outside the store)"),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
+) -> None:
+    """Check the hash chain: exit 0 when intact, 1 with the problems found (seq and what)."""
+    pinned: tuple[int, str] | None = None
+    if expect_head is not None:
+        seq, _, digest = expect_head.partition(":")
+        if not seq.isdigit() or not digest:
+            err.print("[red]--expect-head takes SEQ:HASH[/]")
+            raise typer.Exit(2)
+        pinned = (int(seq), digest)
+    with _store(db, namespace) as store:
+        try:
+            report = verify_store(store, run_id=run, key=_key(key_file), expected_head=pinned)
+        except exc.StockadeError as error:
+            err.print(f"[red]{escape(str(error))}[/]")
+            raise typer.Exit(2) from error
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "ok": report.ok,
+                    "checked": report.checked,
+                    "algorithm": report.algorithm,
+                    "head": {"seq": report.last_seq, "hash": report.last_hash},
+                    "run_id": report.run_id,
+                    "run_events": report.run_events,
+                    "problems": [
+                        {"seq": p.seq, "kind": p.kind.value, "detail": p.detail} for p in report.problems
+                    ],
+                    "problems_elsewhere": report.problems_elsewhere,
+                }
+            )
+        )
+    else:
+        colour = "green" if report.ok else "red"
+        out.print(f"[{colour}]{escape(report.summary())}[/]")
+        out.print(f"head: {report.last_seq}:{report.last_hash}")
+        for problem in report.problems:
+            out.print(f"  [red]seq {problem.seq}[/] {problem.kind.value}: {escape(problem.detail)}")
+        if report.problems_elsewhere:
+            out.print(f"  ({report.problems_elsewhere} problem(s) in other runs)")
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def _write(event: AuditEvent, stream: TextIO) -> None:
+    stream.write(json.dumps(event.to_json(), ensure_ascii=False, separators=(",", ":")) + "\n")
+
+
+def export(
+    *,
+    db: DbOpt = DEFAULT_DB,
+    run: RunOpt = None,
+    format: Annotated[ExportFormat, typer.Option("--format", help="output format")] = ExportFormat.JSONL,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="file to write (default: stdout)")
+    ] = None,
+    after: Annotated[int, typer.Option("--after", help="only events after this seq")] = 0,
+    namespace: NamespaceOpt = "audit",
+) -> None:
+    """Write events as JSON Lines (one event per line, with its hash) for a SIEM."""
+    with _store(db, namespace) as store:
+        stream = output.open("w", encoding="utf-8") if output is not None else sys.stdout
+        try:
+            for event in store.events(run_id=run, after_seq=after):
+                _write(event, stream)
+        finally:
+            if output is not None:
+                stream.close()
+
+
+def _line(event: AuditEvent) -> str:
+    duration = "" if event.duration_s is None else f" {event.duration_s * 1000:.1f}ms"
+    attrs = json.dumps(event.attributes, ensure_ascii=False, separators=(",", ":"))
+    when = event.timestamp.strftime("%Y-%m-%d %H:%M:%S")
+    who = f"{event.run_id} #{event.step} {event.actor}"
+    return f"{event.seq:>8} {when} {who} {event.kind.value}{duration} {attrs}"
+
+
+def tail(
+    *,
+    db: DbOpt = DEFAULT_DB,
+    run: RunOpt = None,
+    lines: Annotated[int, typer.Option("-n", "--lines", help="how many of the last events")] = 20,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing new events")] = False,
+    interval: Annotated[float, typer.Option("--interval", help="seconds between polls with --follow")] = 0.5,
+    namespace: NamespaceOpt = "audit",
+) -> None:
+    """The last events, one line each (unverified: use `stockade audit verify` to trust them)."""
+    with _store(db, namespace) as store:
+        head = store.head()
+        start = 0 if run is not None or head is None else max(0, head.seq - lines)
+        last: deque[AuditEvent] = deque(store.events(run_id=run, after_seq=start), maxlen=lines)
+        seen = 0
+        for event in last:
+            print(_line(event))
+            seen = event.seq
+        while follow:
+            time.sleep(interval)
+            for event in store.events(run_id=run, after_seq=seen):
+                print(_line(event), flush=True)
+                seen = event.seq
+
+
+def register(app: typer.Typer) -> None:
+    group = typer.Typer(name="audit", help="Verify, export and read the audit trail.", no_args_is_help=True)
+    group.command("verify")(verify)
+    group.command("export")(export)
+    group.command("tail")(tail)
+    app.add_typer(group)
