@@ -9,7 +9,7 @@ A policy denial or another runtime refusal is not a failure of the thing behind 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -151,6 +151,25 @@ class CircuitBreaker:
             self.failure("the call reported failure")
         else:
             self.success()
+        return result
+
+    async def acall(
+        self,
+        fn: Callable[[], Awaitable[T]],
+        *,
+        error_counts: Callable[[BaseException], bool] = counts_as_failure,
+    ) -> T:
+        """``call`` for coroutines."""
+        self.before()
+        try:
+            result = await fn()
+        except BaseException as err:
+            if error_counts(err):
+                self.failure(f"{type(err).__name__}: {err}")
+            else:
+                self.success_without_reset()
+            raise
+        self.success()
         return result
 
     def success_without_reset(self) -> None:

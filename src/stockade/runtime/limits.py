@@ -12,12 +12,12 @@ import threading
 import time
 import tomllib
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from stockade.exceptions import BudgetExceeded, ConfigurationError, RateLimited
+from stockade.models.pricing import DEFAULT_PRICES, Price
 from stockade.runtime.clock import Clock, SystemClock
 from stockade.runtime.events import LimitHit, Observer, ignore
 
@@ -29,13 +29,12 @@ __all__ = [
     "BudgetMeter",
     "LocalWindow",
     "MeterState",
-    "Price",
-    "PriceTable",
     "RateLimit",
     "RedisWindow",
     "SpendLimit",
     "Verdict",
     "Window",
+    "load_prices",
     "window_for",
 ]
 
@@ -206,45 +205,23 @@ class RateLimit:
         )
 
 
-@dataclass(frozen=True, kw_only=True)
-class Price:
-    """Dollars per million tokens."""
-
-    input_per_mtok: float
-    output_per_mtok: float
-
-
-@dataclass(frozen=True)
-class PriceTable:
-    """What each model costs; ``"*"`` is the price of models not listed (none: refuse them)."""
-
-    prices: Mapping[str, Price]
-
-    def cost(self, model: str, *, input_tokens: int, output_tokens: int) -> float:
-        price = self.prices.get(model) or self.prices.get("*")
-        if price is None:
-            raise ConfigurationError(
-                f"no price for model {model!r}; add it (or a '*' entry) to the price table"
+def load_prices(path: str | Path) -> dict[str, Price]:
+    """An editable price table: ``[models."gpt-4.1"] input_per_mtok = 2.0  output_per_mtok = 8.0``
+    in a TOML file, on top of ``DEFAULT_PRICES``."""
+    with open(path, "rb") as f:
+        raw = tomllib.load(f)
+    prices = dict(DEFAULT_PRICES)
+    for name, entry in raw.get("models", {}).items():
+        try:
+            prices[name] = Price(
+                input_per_mtok=float(entry["input_per_mtok"]),
+                output_per_mtok=float(entry["output_per_mtok"]),
             )
-        return (input_tokens * price.input_per_mtok + output_tokens * price.output_per_mtok) / MICRO
-
-    @classmethod
-    def load(cls, path: str | Path) -> PriceTable:
-        """Read ``[models."name"] input_per_mtok = .. output_per_mtok = ..`` from a TOML file."""
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-        prices: dict[str, Price] = {}
-        for name, entry in raw.get("models", {}).items():
-            try:
-                prices[name] = Price(
-                    input_per_mtok=float(entry["input_per_mtok"]),
-                    output_per_mtok=float(entry["output_per_mtok"]),
-                )
-            except (KeyError, TypeError, ValueError) as err:
-                raise ConfigurationError(
-                    f"{path}: models.{name}: needs numbers input_per_mtok and output_per_mtok ({err})"
-                ) from None
-        return cls(prices)
+        except (KeyError, TypeError, ValueError) as err:
+            raise ConfigurationError(
+                f"{path}: models.{name}: needs numbers input_per_mtok and output_per_mtok ({err})"
+            ) from None
+    return prices
 
 
 class SpendLimit:

@@ -1,0 +1,246 @@
+"""Decisions over one policy for one role: what a sandbox op, a tool, a model or a prompt may do.
+
+Every answer is a ``Decision`` (allow / approve / deny, the rule that decided, and why);
+the guards turn them into ``PolicyDenied`` / ``ApprovalRequired``. Verdicts combine to the
+strictest: deny beats approve beats allow.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from stockade.exceptions import ConfigurationError, TierUnavailable
+from stockade.policy.commands import UnanalysableError, decide_command, matches, simple_commands
+from stockade.policy.paths import glob_matches, normalise, readable, writable
+from stockade.policy.schema import Classification, Policy, Role, Verdict
+from stockade.sandbox import _registry
+from stockade.sandbox.ops import (
+    GetArchive,
+    ListDir,
+    MakeDir,
+    Op,
+    PutArchive,
+    ReadFile,
+    Remove,
+    Reset,
+    RunCode,
+    RunCommand,
+    Stat,
+    WriteFile,
+)
+
+__all__ = ["Decision", "PolicyEngine", "PromptDecision", "command_categories"]
+
+_STRICTNESS = {Verdict.ALLOW: 0, Verdict.APPROVE: 1, Verdict.DENY: 2}
+# Category of a simple command, by pattern (first match wins; everything runs code: "execute").
+_CATEGORIES: tuple[tuple[str, str], ...] = (
+    ("git push", "vcs_push"), ("pip install", "install"), ("pip3 install", "install"),
+    ("uv pip", "install"), ("npm install", "install"), ("npm i", "install"), ("yarn add", "install"),
+    ("apt-get install", "install"), ("apt install", "install"), ("cargo install", "install"),
+    ("gem install", "install"), ("rm", "delete"), ("curl", "network"), ("wget", "network"),
+    ("ssh", "network"), ("scp", "network"), ("nc", "network"), ("git clone", "network"),
+    ("git fetch", "network"), ("git pull", "network"),
+)  # fmt: skip
+TOOL_CATEGORIES = {
+    "read_file": "read", "list_files": "read", "git_diff": "read",
+    "write_file": "write", "apply_patch": "write",
+    "run_code": "execute", "run_tests": "execute", "run_command": "execute",
+}  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    verdict: Verdict
+    rule: str
+    reason: str
+
+    @property
+    def allowed(self) -> bool:
+        return self.verdict is Verdict.ALLOW
+
+
+ALLOW = Decision(verdict=Verdict.ALLOW, rule="", reason="allowed")
+
+
+def strictest(decisions: Iterable[Decision]) -> Decision:
+    worst = ALLOW
+    for decision in decisions:
+        if _STRICTNESS[decision.verdict] > _STRICTNESS[worst.verdict]:
+            worst = decision
+    return worst
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromptDecision:
+    verdict: Literal["allow", "flag", "deny"]
+    rules: tuple[str, ...] = ()
+
+
+def command_categories(argv: tuple[str, ...]) -> set[str]:
+    try:
+        commands = simple_commands(argv)
+    except UnanalysableError:
+        return {"execute"}
+    found = {"execute"}
+    for command in commands:
+        for pattern, category in _CATEGORIES:
+            if matches(pattern, command):
+                found.add(category)
+                break
+    return found
+
+
+class PolicyEngine:
+    def __init__(self, policy: Policy, *, role: str | None = None) -> None:
+        if role is not None and policy.roles and role not in policy.roles:
+            raise ConfigurationError(
+                f"role {role!r} is not defined; the policy has: {', '.join(policy.roles)}"
+            )
+        if role is None and policy.roles:
+            raise ConfigurationError("the policy defines roles: start the run under one of them")
+        self.policy = policy
+        self.role_name = role
+        self.role: Role = policy.roles.get(role, Role()) if role is not None else Role()
+        self._prompt_patterns = [
+            (rule, [re.compile(p, re.IGNORECASE) for p in rule.patterns]) for rule in policy.prompts
+        ]
+
+    # -- categories, data classes -------------------------------------------------------
+
+    def category(self, category: str) -> Decision:
+        d = self.policy.decisions
+        if category in d.deny:
+            return Decision(
+                verdict=Verdict.DENY, rule=f"decisions.deny: {category}", reason=f"{category} is denied"
+            )
+        if category in d.approve:
+            return Decision(
+                verdict=Verdict.APPROVE, rule=f"decisions.approve: {category}",
+                reason=f"{category} needs a human's approval",
+            )  # fmt: skip
+        return ALLOW
+
+    def classification(self, path: str) -> Classification | None:
+        norm = normalise(path)
+        if norm is None:
+            return None
+        for entry in self.policy.data:
+            if glob_matches(entry.paths, norm):
+                return entry.tier
+        return None
+
+    def _data(self, path: str, mode: Literal["read", "write"], tool: str) -> Decision:
+        tier = self.classification(path)
+        if tier is None:
+            return ALLOW
+        access = self.policy.data_access.get(tier)
+        if access is None:
+            return ALLOW
+        roles = access.read if mode == "read" else access.write
+        if self.role_name is None or self.role_name not in roles:
+            return Decision(
+                verdict=Verdict.DENY, rule=f"data_access.{tier.value}.{mode}",
+                reason=f"{path!r} holds {tier.value} data; role {self.role_name!r} may not {mode} it",
+            )  # fmt: skip
+        if access.tools and tool and tool not in access.tools:
+            return Decision(
+                verdict=Verdict.DENY, rule=f"data_access.{tier.value}.tools",
+                reason=f"{path!r} holds {tier.value} data; tool {tool!r} may not touch it",
+            )  # fmt: skip
+        return ALLOW
+
+    def _path(self, path: str, mode: Literal["read", "write"], tool: str) -> Decision:
+        ok = readable(self.policy.paths, path) if mode == "read" else writable(self.policy.paths, path)
+        if not ok:
+            return Decision(
+                verdict=Verdict.DENY, rule=f"paths.{mode}",
+                reason=f"the policy does not let this run {mode} {path!r}",
+            )  # fmt: skip
+        return self._data(path, mode, tool)
+
+    # -- what the guards ask ------------------------------------------------------------
+
+    def op(self, op: Op, *, tool: str = "") -> Decision:
+        match op:
+            case RunCommand():
+                decisions = [self.command(op.argv)]
+                decisions += [self.category(c) for c in sorted(command_categories(op.argv))]
+                return strictest(decisions)
+            case RunCode():
+                return self.category("execute")
+            case ReadFile() | Stat() | ListDir() | GetArchive():
+                return strictest([self._path(op.path or ".", "read", tool), self.category("read")])
+            case WriteFile() | MakeDir() | PutArchive():
+                return strictest([self._path(op.path or ".", "write", tool), self.category("write")])
+            case Remove():
+                return strictest([self._path(op.path, "write", tool), self.category("delete")])
+            case Reset():
+                return self.category("delete")
+        return Decision(verdict=Verdict.DENY, rule="ops", reason=f"unknown operation {type(op).__name__}")
+
+    def command(self, argv: tuple[str, ...]) -> Decision:
+        d = decide_command(self.policy.commands, argv)
+        return Decision(verdict=d.verdict, rule=d.rule, reason=d.reason)
+
+    def tool(self, name: str) -> Decision:
+        if self.role.tools and name not in self.role.tools:
+            return Decision(
+                verdict=Verdict.DENY, rule=f"roles.{self.role_name}.tools",
+                reason=f"role {self.role_name!r} may not use the tool {name!r}",
+            )  # fmt: skip
+        category = TOOL_CATEGORIES.get(name)
+        return self.category(category) if category is not None else ALLOW
+
+    def model(self, name: str) -> Decision:
+        if self.policy.models.allows(name):
+            return ALLOW
+        return Decision(
+            verdict=Verdict.DENY, rule="models.approved",
+            reason=f"model {name!r} is not in the policy's registry of approved models",
+        )  # fmt: skip
+
+    def prompt(self, text: str, source: Literal["task", "tool_output"]) -> PromptDecision:
+        verdict: Literal["allow", "flag", "deny"] = "allow"
+        fired = []
+        for rule, patterns in self._prompt_patterns:
+            if source not in rule.applies_to or not any(p.search(text) for p in patterns):
+                continue
+            fired.append(rule.name)
+            if rule.action == "deny":
+                verdict = "deny"
+            elif rule.action == "flag" and verdict == "allow":
+                verdict = "flag"
+        return PromptDecision(verdict=verdict, rules=tuple(fired))
+
+    def credentials(self, names: Iterable[str]) -> tuple[str, ...]:
+        """The credentials (env names) this role is bound to, of those offered."""
+        return tuple(n for n in names if n in self.role.credentials)
+
+    def allowed_tiers(self) -> tuple[str, ...]:
+        t = self.policy.trust
+        allowed = _registry.allowed_tiers(t.level, allow_gvisor_for_untrusted=t.allow_gvisor_for_untrusted)
+        if self.role.tiers:
+            allowed = tuple(x for x in allowed if x in self.role.tiers)
+        return allowed
+
+    def select_tier(self) -> str:
+        """The strongest tier the trust table and the role allow and this host has; fail closed."""
+        allowed = self.allowed_tiers()
+        if not allowed:
+            raise TierUnavailable(
+                f"role {self.role_name!r} may use no tier that trust {self.policy.trust.level.value!r} allows"
+            )
+        tried = []
+        for tier in reversed(_registry.STRENGTH):
+            if tier in allowed:
+                report = _registry.probe(tier)
+                if report.available:
+                    return tier
+                tried.append(f"{tier}: {report.detail}")
+        raise TierUnavailable(
+            f"the policy needs one of {', '.join(allowed)} and none works on this host ({'; '.join(tried)}); "
+            "stockade refuses to fall back to a weaker tier"
+        )

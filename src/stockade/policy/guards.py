@@ -1,0 +1,127 @@
+"""Guards: plain callables ``guard(ctx, op) -> op`` composed in a pipeline.
+
+A guard may return the op (possibly rewritten) or raise ``PolicyDenied``; the first denial
+stops the pipeline. ``GuardedInstance`` runs the pipeline before every op of a sandbox, so a
+denied command never reaches the sandbox whatever layer above forgot to check.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from stockade.exceptions import PolicyDenied
+from stockade.policy.approval import ApprovalRequest, Approvals
+from stockade.policy.engine import Decision, PolicyEngine
+from stockade.policy.schema import Verdict
+from stockade.runtime.anomaly import AnomalyMonitor
+from stockade.sandbox.base import Backend, Instance, OpResult, OutputSink, SandboxSpec
+from stockade.sandbox.ops import Op, RunCode, RunCommand
+from stockade.types import TierReport
+
+__all__ = [
+    "GuardContext",
+    "GuardedBackend",
+    "GuardedInstance",
+    "OpGuard",
+    "describe",
+    "enforce",
+    "op_policy_guard",
+    "pipeline",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GuardContext:
+    run_id: str = "adhoc"
+    role: str | None = None
+    tool: str = ""
+
+
+OpGuard = Callable[[GuardContext, Op], Op]
+
+
+def pipeline(guards: Sequence[OpGuard]) -> OpGuard:
+    def run(ctx: GuardContext, op: Op) -> Op:
+        for guard in guards:
+            op = guard(ctx, op)
+        return op
+
+    return run
+
+
+def describe(op: Op) -> str:
+    """The op in words, for humans approving it and for the model reading a denial."""
+    match op:
+        case RunCommand():
+            return f"run `{shlex.join(op.argv)}`"
+        case RunCode():
+            return f"run Python code ({len(op.code)} chars)"
+    path = getattr(op, "path", "")
+    return f"{type(op).__name__} {path!r}"
+
+
+def enforce(
+    decision: Decision,
+    ctx: GuardContext,
+    action: str,
+    approvals: Approvals | None,
+    monitor: AnomalyMonitor | None = None,
+) -> None:
+    """Turn a decision into nothing (allow), ``PolicyDenied``, or a wait for approval."""
+    verdict, rule, reason = decision.verdict, decision.rule, decision.reason
+    if verdict is Verdict.ALLOW and monitor is not None:
+        flagged = monitor.take_approval_reason()
+        if flagged is not None:
+            verdict, rule, reason = Verdict.APPROVE, "anomaly", flagged
+    if verdict is Verdict.ALLOW:
+        return
+    if verdict is Verdict.DENY:
+        raise PolicyDenied(f"{action}: {reason}", rule=rule, action=action)
+    request = ApprovalRequest(run_id=ctx.run_id, action=action, rule=rule, reason=reason)
+    (approvals or Approvals()).require(request)
+
+
+def op_policy_guard(
+    engine: PolicyEngine, approvals: Approvals | None = None, monitor: AnomalyMonitor | None = None
+) -> OpGuard:
+    def guard(ctx: GuardContext, op: Op) -> Op:
+        enforce(engine.op(op, tool=ctx.tool), ctx, describe(op), approvals, monitor)
+        return op
+
+    return guard
+
+
+class GuardedInstance(Instance):
+    def __init__(self, inner: Instance, guard: OpGuard, ctx: GuardContext) -> None:
+        self.inner = inner
+        self.guard = guard
+        self.ctx = ctx
+        self.id = inner.id
+        self.tier = inner.tier
+        self.enforcement = inner.enforcement
+
+    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+        return self.inner.handle(self.guard(self.ctx, op), sink)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.inner.alive
+
+
+class GuardedBackend(Backend):
+    def __init__(self, inner: Backend, guard: OpGuard, ctx: GuardContext) -> None:
+        self.inner = inner
+        self.guard = guard
+        self.ctx = ctx
+        self.tier = inner.tier
+
+    def probe(self) -> TierReport:
+        return self.inner.probe()
+
+    def start(self, spec: SandboxSpec) -> GuardedInstance:
+        return GuardedInstance(self.inner.start(spec), self.guard, self.ctx)

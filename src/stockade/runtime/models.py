@@ -1,0 +1,85 @@
+"""Runtime controls around a ``Model``: wrappers, never flags.
+
+model = LimitedModel(BreakerModel(RetryingModel(resolve_model("openai:gpt-4.1"), retrier), breakers),
+                     spend=SpendLimit(dollars_per_hour=5), meter=meter)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from stockade.exceptions import ModelError
+from stockade.models.base import Model, WrapperModel
+from stockade.models.messages import ModelRequest, ModelResponse
+from stockade.models.pricing import DEFAULT_PRICES, Price, cost_usd
+from stockade.runtime.breaker import Breakers
+from stockade.runtime.limits import BudgetMeter, RateLimit, SpendLimit
+from stockade.runtime.retry import Retrier
+
+__all__ = ["BreakerModel", "LimitedModel", "RetryingModel"]
+
+
+class RetryingModel(WrapperModel):
+    """Provider 429/5xx and connection failures are retried (``retry_after`` honoured)."""
+
+    def __init__(self, wrapped: Model, retrier: Retrier) -> None:
+        super().__init__(wrapped)
+        self.retrier = retrier
+
+    async def request(self, request: ModelRequest) -> ModelResponse:
+        return await self.retrier.acall(f"model:{self.name}", lambda: self.wrapped.request(request))
+
+
+def _model_failure(err: BaseException) -> bool:
+    return isinstance(err, ModelError | ConnectionError | TimeoutError)
+
+
+class BreakerModel(WrapperModel):
+    """The breaker ``model:<name>``: a provider that keeps failing is not called for a while."""
+
+    def __init__(self, wrapped: Model, breakers: Breakers) -> None:
+        super().__init__(wrapped)
+        self.breaker = breakers.get(f"model:{wrapped.name}")
+
+    async def request(self, request: ModelRequest) -> ModelResponse:
+        return await self.breaker.acall(lambda: self.wrapped.request(request), error_counts=_model_failure)
+
+
+class LimitedModel(WrapperModel):
+    """Refuses a request when the rate limit, the spend limit or the run's budget says so, and
+    charges each response's tokens and dollars (from ``prices``) to them. ``key`` scopes the
+    shared limits (a tenant, a user, "global")."""
+
+    def __init__(
+        self,
+        wrapped: Model,
+        *,
+        rate: RateLimit | None = None,
+        spend: SpendLimit | None = None,
+        meter: BudgetMeter | None = None,
+        prices: Mapping[str, Price] = DEFAULT_PRICES,
+        key: str = "global",
+    ) -> None:
+        super().__init__(wrapped)
+        self.rate = rate
+        self.spend = spend
+        self.meter = meter
+        self.prices = prices
+        self.key = key
+
+    async def request(self, request: ModelRequest) -> ModelResponse:
+        if self.meter is not None:
+            self.meter.check()
+        if self.spend is not None:
+            self.spend.check(self.key)
+        if self.rate is not None:
+            self.rate.acquire(self.key)
+        response = await self.wrapped.request(request)
+        dollars = cost_usd(response.model_name or self.name, response.usage, self.prices)
+        if self.meter is not None:
+            self.meter.charge(tokens=response.usage.total_tokens, dollars=dollars)
+        if self.spend is not None:
+            self.spend.record(dollars, self.key)
+        if self.meter is not None:
+            self.meter.check()
+        return response
