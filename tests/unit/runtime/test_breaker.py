@@ -1,0 +1,116 @@
+from __future__ import annotations
+
+import pytest
+
+from stockade import exceptions as exc
+from stockade.runtime.breaker import BreakerConfig, Breakers, BreakingBackend, CircuitBreaker
+from stockade.runtime.clock import ManualClock
+from stockade.runtime.events import BreakerChanged, BreakerState, RuntimeEvent
+from stockade.sandbox.base import SandboxSpec
+from stockade.sandbox.ops import ReadFile
+from stockade.testing import FakeBackend
+
+
+def boom() -> None:
+    raise exc.ToolError("tool failed")
+
+
+def fail(breaker: CircuitBreaker, times: int) -> None:
+    for _ in range(times):
+        with pytest.raises(exc.ToolError):
+            breaker.call(boom)
+
+
+def test_opens_after_five_consecutive_failures_and_refuses_with_a_typed_error(clock, events) -> None:
+    breaker = CircuitBreaker("tool:run_tests", clock=clock, observer=events.append)
+    fail(breaker, 4)
+    assert breaker.state is BreakerState.CLOSED
+    fail(breaker, 1)
+    assert breaker.state is BreakerState.OPEN
+    with pytest.raises(exc.CircuitOpen) as refused:
+        breaker.call(lambda: "never runs")
+    assert refused.value.retryable and refused.value.name == "tool:run_tests"
+    assert refused.value.retry_after == pytest.approx(30.0)
+    assert events == [
+        BreakerChanged(
+            name="tool:run_tests",
+            old=BreakerState.CLOSED,
+            new=BreakerState.OPEN,
+            failures=5,
+            reason="ToolError: tool failed",
+        )
+    ]
+
+
+def test_a_success_resets_the_count(clock) -> None:
+    breaker = CircuitBreaker("t", clock=clock)
+    fail(breaker, 4)
+    breaker.call(lambda: None)
+    fail(breaker, 4)
+    assert breaker.state is BreakerState.CLOSED
+
+
+def test_half_opens_after_the_cool_down_and_one_trial_decides(clock: ManualClock) -> None:
+    breaker = CircuitBreaker("t", BreakerConfig(threshold=2, cooldown_s=10), clock=clock)
+    fail(breaker, 2)
+    clock.advance(10)
+    assert breaker.state is BreakerState.HALF_OPEN
+    fail(breaker, 1)  # the trial failed: open again for a full cool-down
+    assert breaker.state is BreakerState.OPEN
+    clock.advance(10)
+    assert breaker.call(lambda: "back") == "back"
+    assert breaker.state is BreakerState.CLOSED
+
+
+def test_half_open_lets_only_one_trial_through_at_a_time(clock: ManualClock) -> None:
+    breaker = CircuitBreaker("t", BreakerConfig(threshold=1, cooldown_s=1), clock=clock)
+    fail(breaker, 1)
+    clock.advance(1)
+    breaker.before()  # the trial is in flight
+    with pytest.raises(exc.CircuitOpen):
+        breaker.before()
+
+
+def test_policy_denials_are_not_failures_of_the_tool(clock) -> None:
+    breaker = CircuitBreaker("t", BreakerConfig(threshold=1), clock=clock)
+
+    def denied() -> None:
+        raise exc.PolicyDenied("no")
+
+    with pytest.raises(exc.PolicyDenied):
+        breaker.call(denied)
+    assert breaker.state is BreakerState.CLOSED
+
+
+def test_a_result_can_count_as_a_failure(clock) -> None:
+    breaker = CircuitBreaker("t", BreakerConfig(threshold=2), clock=clock)
+    for _ in range(2):
+        breaker.call(lambda: 1, failed=lambda code: code != 0)
+    assert breaker.state is BreakerState.OPEN
+
+
+def test_one_breaker_per_name(clock, events: list[RuntimeEvent]) -> None:
+    breakers = Breakers(config=BreakerConfig(threshold=1), clock=clock, observer=events.append)
+    assert breakers.get("tool:a") is breakers.get("tool:a")
+    fail(breakers.get("tool:a"), 1)
+    assert breakers.states() == {"tool:a": BreakerState.OPEN}
+    assert breakers.get("tool:b").state is BreakerState.CLOSED
+
+
+def test_a_backend_breaker_counts_sandbox_failures_not_missing_files(clock) -> None:
+    def handler(op):  # type: ignore[no-untyped-def]
+        if op.path == "missing":
+            raise exc.SandboxFileNotFound("missing")
+        raise exc.SandboxCrashed("supervisor died")
+
+    breakers = Breakers(config=BreakerConfig(threshold=2), clock=clock)
+    instance = BreakingBackend(FakeBackend(handler), breakers).start(SandboxSpec())
+    for _ in range(3):
+        with pytest.raises(exc.SandboxFileNotFound):
+            instance.execute(ReadFile(path="missing"))
+    assert breakers.get("backend:fake").state is BreakerState.CLOSED
+    for _ in range(2):
+        with pytest.raises(exc.SandboxCrashed):
+            instance.execute(ReadFile(path="x"))
+    with pytest.raises(exc.CircuitOpen):
+        instance.execute(ReadFile(path="missing"))

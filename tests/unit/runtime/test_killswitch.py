@@ -1,0 +1,91 @@
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from stockade import exceptions as exc
+from stockade.runtime.events import KillRequested
+from stockade.runtime.killswitch import FileKillSource, KillSwitch, MemoryKillSource
+from stockade.sandbox.ops import RunCommand
+from stockade.testing import FakeInstance
+from stockade.types import CommandResult
+
+
+def test_a_kill_file_stops_the_run_between_steps(tmp_path) -> None:
+    source = FileKillSource(tmp_path)
+    switch = KillSwitch("run-1", [source])
+    switch.check()
+    FileKillSource(tmp_path).kill("run-1", "operator said so")  # e.g. another process
+    with pytest.raises(exc.RunKilled) as killed:
+        switch.check()
+    assert killed.value.status == "killed" and killed.value.reason == "operator said so"
+
+
+def test_another_run_is_not_affected(tmp_path) -> None:
+    FileKillSource(tmp_path).kill("run-2", "x")
+    KillSwitch("run-1", [FileKillSource(tmp_path)]).check()
+
+
+def test_killing_closes_every_attached_sandbox_and_refuses_further_ops(events) -> None:
+    switch = KillSwitch("run-1", observer=events.append)
+    inner = FakeInstance(lambda op: CommandResult(exit_code=0, stdout="", stderr="", duration_s=0), "fake", 1)
+    instance = switch.attach(inner)
+    switch.kill("stop")
+    assert inner.closed
+    with pytest.raises(exc.RunKilled):
+        instance.execute(RunCommand(argv=("true",)))
+    assert events == [KillRequested(run_id="run-1", reason="stop", killed_instances=1)]
+
+
+def test_an_op_interrupted_by_the_kill_reports_the_kill_not_a_crash() -> None:
+    switch = KillSwitch("run-1")
+    started = threading.Event()
+
+    def handler(op):  # type: ignore[no-untyped-def]
+        started.set()
+        assert stopped.wait(5)
+        raise exc.SandboxClosed("closed under us")
+
+    stopped = threading.Event()
+    inner = FakeInstance(handler, "fake", 1)
+    instance = switch.attach(inner)
+
+    def pull() -> None:
+        started.wait(5)
+        switch.kill("enough")
+        stopped.set()
+
+    threading.Thread(target=pull).start()
+    with pytest.raises(exc.RunKilled):
+        instance.execute(RunCommand(argv=("sleep", "1000")))
+
+
+def test_the_watcher_polls_the_sources() -> None:
+    source = MemoryKillSource()
+    switch = KillSwitch("run-1", [source], poll_s=0.01)
+    inner = FakeInstance(lambda op: None, "fake", 1)
+    switch.attach(inner)
+    with switch.watch():
+        source.kill("run-1", "api call")
+        for _ in range(500):
+            if inner.closed:
+                break
+            threading.Event().wait(0.01)
+    assert inner.closed and switch.killed
+
+
+def test_an_unreachable_source_does_not_kill_the_run() -> None:
+    class Broken:
+        def reason(self, run_id: str) -> str | None:
+            raise ConnectionError("redis down")
+
+        def kill(self, run_id: str, reason: str) -> None: ...
+        def clear(self, run_id: str) -> None: ...
+
+    KillSwitch("run-1", [Broken()]).check()
+
+
+def test_run_ids_cannot_name_other_files(tmp_path) -> None:
+    with pytest.raises(exc.ConfigurationError):
+        FileKillSource(tmp_path).kill("../etc", "x")
