@@ -260,7 +260,12 @@ class ModelError(StockadeError):
     """The LLM provider failed or refused. ``status_code`` is the HTTP status when there was one."""
 
     def __init__(
-        self, message: str, *, provider: str = "", status_code: int | None = None, retry_after: float | None = None
+        self,
+        message: str,
+        *,
+        provider: str = "",
+        status_code: int | None = None,
+        retry_after: float | None = None,
     ) -> None:
         super().__init__(message, retry_after=retry_after)
         self.provider = provider

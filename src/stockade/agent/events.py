@@ -1,0 +1,110 @@
+"""What the loop reports, one frozen value per moment of a run.
+
+Observers are plain callables ``observer(event) -> None`` passed to ``Agent(observers=...)``;
+the audit trail, logs, traces and the CLI's progress display subscribe this way, without
+touching the loop. An observer may stop the run by raising ``RunStopped`` (status from the
+exception: ``BudgetExceeded`` -> "budget", ``RunKilled`` -> "killed") or ``PolicyDenied``
+(status "denied"); any other exception ends the run with status "error".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from stockade.agent.state import StepRecord, ToolCallRecord
+from stockade.models.messages import ModelRequest, ModelResponse, ToolCall
+
+if TYPE_CHECKING:
+    from stockade.agent.loop import RunResult
+    from stockade.tools.base import Tool
+
+__all__ = [
+    "AgentEvent",
+    "ModelRequested",
+    "ModelResponded",
+    "Observer",
+    "RunFinished",
+    "RunStarted",
+    "StepFinished",
+    "ToolCalled",
+    "ToolDenied",
+    "ToolReturned",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunStarted:
+    run_id: str
+    task: str
+    model_name: str
+    resumed: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelRequested:
+    run_id: str
+    step: int
+    request: ModelRequest
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelResponded:
+    run_id: str
+    step: int
+    response: ModelResponse
+    duration_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolCalled:
+    """The guards allowed ``call`` (possibly rewritten); ``tool`` runs next."""
+
+    run_id: str
+    step: int
+    call: ToolCall
+    tool: Tool
+    idempotency_key: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolDenied:
+    run_id: str
+    step: int
+    call: ToolCall
+    reason: str
+    rule: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolReturned:
+    run_id: str
+    step: int
+    record: ToolCallRecord
+    value: object  # what the tool returned (e.g. a TestReport), before rendering
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepFinished:
+    run_id: str
+    step: StepRecord
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunFinished:
+    run_id: str
+    result: RunResult
+
+
+AgentEvent = (
+    RunStarted
+    | ModelRequested
+    | ModelResponded
+    | ToolCalled
+    | ToolDenied
+    | ToolReturned
+    | StepFinished
+    | RunFinished
+)
+Observer = Callable[[AgentEvent], None]

@@ -1,0 +1,560 @@
+"""The agent loop: explicit nodes over a serialisable ``RunState``.
+
+    prompt -> model_request -> call_tools -> model_request -> ... -> end
+
+``state.next`` names the node to run; each node reads and updates the state, and the state
+is checkpointed after it. Step through a run with ``agent.iter()``:
+
+    async with agent.iter("fix the failing test", sandbox=sbx) as run:
+        async for node in run:        # ModelRequestNode, CallToolsNode, ..., End (each after it ran)
+            print(node)
+    print(run.result.status, run.result.diff)
+
+or run it whole with ``await agent.run(...)`` / ``agent.run_sync(...)``. Resume a run,
+here or in another process, with ``resume=run_id`` (loaded from the checkpointer) or
+``resume=state``.
+
+Extension points (other layers plug in here without editing the loop):
+
+- ``observers``: callables receiving every ``AgentEvent`` (see ``events``);
+- ``guards``: a pipeline of plain callables ``guard(ctx: GuardContext, call: ToolCall) -> ToolCall``
+  run before each tool call; a guard may rewrite the call or raise ``PolicyDenied``, which goes
+  back to the model as an observation (``max_denials`` in a row end the run as "denied"), or
+  ``ApprovalRequired``, which pauses the run (status "paused", state checkpointed); resuming it
+  runs the guards on that call again, so the approval layer answers from its decision;
+- ``tools``: a ``Toolset``, wrapped with ``Toolset.wrapped`` for per-call behaviour;
+- ``model``: any ``Model``, wrapped with ``WrapperModel`` subclasses (retries, spend limits);
+- ``checkpointer``: any ``Checkpointer`` (run stores).
+
+Anything in a step that raises ``RunStopped`` ends the run with that exception's status.
+Tool errors (``ToolError``, ``WorkspaceError``, ...) are observations for the model; a dead
+sandbox (``SandboxCrashed``, ``SandboxClosed``, ``ProtocolError``) or a provider failure ends
+the run with status "error". Anything else is a bug and propagates; the last checkpoint
+stays resumable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from stockade.agent.checkpoint import Checkpointer
+from stockade.agent.events import (
+    AgentEvent,
+    ModelRequested,
+    ModelResponded,
+    Observer,
+    RunFinished,
+    RunStarted,
+    StepFinished,
+    ToolCalled,
+    ToolDenied,
+    ToolReturned,
+)
+from stockade.agent.state import NodeKind, RunState, RunStatus, StepRecord, ToolCallRecord
+from stockade.exceptions import (
+    ApprovalRequired,
+    ConfigurationError,
+    InvalidToolCall,
+    PolicyDenied,
+    ProtocolError,
+    RunStopped,
+    SandboxClosed,
+    SandboxCrashed,
+    StockadeError,
+)
+from stockade.models.base import Model, resolve_model
+from stockade.models.messages import (
+    AssistantMessage,
+    ModelRequest,
+    ModelResponse,
+    ToolCall,
+    ToolResultMessage,
+    Usage,
+    UserMessage,
+)
+from stockade.models.pricing import DEFAULT_PRICES, Price, cost_usd
+from stockade.sandbox.facade import Sandbox
+from stockade.tools.base import Tool, ToolContext, Toolset, render
+from stockade.tools.builtin import default_toolset
+from stockade.tools.observations import bound
+from stockade.tools.workspace_diff import record_baseline, workspace_diff
+
+__all__ = [
+    "DEFAULT_SYSTEM_PROMPT",
+    "Agent",
+    "AgentRun",
+    "CallToolsNode",
+    "End",
+    "Guard",
+    "GuardContext",
+    "ModelRequestNode",
+    "Node",
+    "RunLimits",
+    "RunResult",
+]
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a careful software engineer working in a sandboxed workspace. Use the tools to "
+    "inspect the code, change it and run its tests. Prefer small, precise edits (apply_patch with a "
+    "unified diff). When the task is done, reply with a short summary and no tool call."
+)
+
+_FATAL = (SandboxCrashed, SandboxClosed, ProtocolError)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunLimits:
+    """Per-run budgets. Steps count model requests; wall time accumulates across resumes."""
+
+    max_steps: int = 30
+    max_wall_s: float = 900.0
+    max_tokens: int = 1_000_000
+    max_cost_usd: float | None = None
+    max_malformed: int = 3  # corrective observations for malformed or unknown tool calls
+    max_denials: int = 3  # policy denials in a row before the run ends as "denied"
+    max_observation_chars: int = 12_000
+
+    def __post_init__(self) -> None:
+        if self.max_steps < 1 or self.max_wall_s <= 0 or self.max_tokens < 1:
+            raise ConfigurationError("RunLimits: max_steps, max_wall_s and max_tokens must be positive")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GuardContext:
+    """What a guard sees besides the call: the run, the step, the tool and the sandbox."""
+
+    run_id: str
+    step: int
+    tool: Tool
+    sandbox: Sandbox
+    state: RunState  # read it, never change it
+
+
+Guard = Callable[[GuardContext, ToolCall], ToolCall]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunResult:
+    run_id: str
+    status: RunStatus
+    answer: str
+    steps: tuple[StepRecord, ...]
+    usage: Usage
+    cost_usd: float
+    diff: str
+    audit_id: str | None
+    error: str | None
+    state: RunState
+
+    @property
+    def ok(self) -> bool:
+        return self.status == RunStatus.SUCCESS
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelRequestNode:
+    step: int
+    response: ModelResponse
+    duration_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class CallToolsNode:
+    step: int
+    records: tuple[ToolCallRecord, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class End:
+    result: RunResult
+
+
+Node = ModelRequestNode | CallToolsNode | End
+
+
+class Agent:
+    """An LLM driving narrow tools over one sandbox, within limits."""
+
+    def __init__(
+        self,
+        model: str | Model,
+        *,
+        tools: Toolset | None = None,
+        system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+        limits: RunLimits | None = None,
+        guards: Sequence[Guard] = (),
+        observers: Sequence[Observer] = (),
+        checkpointer: Checkpointer | None = None,
+        prices: Mapping[str, Price] = DEFAULT_PRICES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model = resolve_model(model)
+        self.tools = tools if tools is not None else default_toolset()
+        self.system_prompt = system_prompt
+        self.limits = limits or RunLimits()
+        self.guards = tuple(guards)
+        self.observers = tuple(observers)
+        self.checkpointer = checkpointer
+        self.prices = prices
+        self.clock = clock
+        self._definitions = self.tools.definitions()
+
+    @asynccontextmanager
+    async def iter(
+        self,
+        task: str | None = None,
+        *,
+        sandbox: Sandbox,
+        resume: str | RunState | None = None,
+        run_id: str | None = None,
+    ) -> AsyncIterator[AgentRun]:
+        """Start (or resume) a run and hand it over for stepping."""
+        if resume is None:
+            if task is None:
+                raise ConfigurationError("give a task, or resume=RUN_ID to continue a run")
+            state = RunState(
+                run_id=run_id or uuid.uuid4().hex,
+                task=task,
+                system=self.system_prompt,
+                model_name=self.model.name,
+                messages=[UserMessage(content=task)],
+            )
+            await asyncio.to_thread(record_baseline, sandbox)
+        else:
+            state = self._load(resume)
+            if state.status == RunStatus.PAUSED and state.resume_at is not None:
+                state.status, state.next, state.resume_at, state.error = (
+                    RunStatus.RUNNING,
+                    state.resume_at,
+                    None,
+                    None,
+                )
+        run = AgentRun(self, state, sandbox)
+        await run.begin(resumed=resume is not None)
+        yield run
+
+    def _load(self, resume: str | RunState) -> RunState:
+        if isinstance(resume, RunState):
+            return resume
+        if self.checkpointer is None:
+            raise ConfigurationError("resume by run id needs Agent(checkpointer=...)")
+        state = self.checkpointer.load(resume)
+        if state is None:
+            raise ConfigurationError(f"no checkpoint for run {resume!r}")
+        return state
+
+    async def run(
+        self,
+        task: str | None = None,
+        *,
+        sandbox: Sandbox,
+        resume: str | RunState | None = None,
+        run_id: str | None = None,
+    ) -> RunResult:
+        async with self.iter(task, sandbox=sandbox, resume=resume, run_id=run_id) as run:
+            async for _ in run:
+                pass
+        assert run.result is not None
+        return run.result
+
+    def run_sync(
+        self,
+        task: str | None = None,
+        *,
+        sandbox: Sandbox,
+        resume: str | RunState | None = None,
+        run_id: str | None = None,
+    ) -> RunResult:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.run(task, sandbox=sandbox, resume=resume, run_id=run_id))
+        raise ConfigurationError("run_sync() inside a running event loop: use `await agent.run(...)`")
+
+
+class AgentRun:
+    """One run in progress: ``state`` is live; ``result`` is set once it ends."""
+
+    def __init__(self, agent: Agent, state: RunState, sandbox: Sandbox) -> None:
+        self.agent = agent
+        self.state = state
+        self.sandbox = sandbox
+        self.result: RunResult | None = None
+
+    # -- driving ------------------------------------------------------------------------
+
+    async def begin(self, *, resumed: bool) -> None:
+        try:
+            self._emit(
+                RunStarted(
+                    run_id=self.state.run_id,
+                    task=self.state.task,
+                    model_name=self.state.model_name,
+                    resumed=resumed,
+                )
+            )
+        except (RunStopped, PolicyDenied, StockadeError) as err:
+            self._stop(err)
+        self._checkpoint()
+
+    def __aiter__(self) -> AgentRun:
+        return self
+
+    async def __anext__(self) -> Node:
+        if self.result is not None:
+            raise StopAsyncIteration
+        return await self.next()
+
+    async def next(self) -> Node:
+        """Run the next node, checkpoint, and return what it did."""
+        if self.result is not None:
+            raise ConfigurationError("the run has ended")
+        started = self.agent.clock()
+        node: Node | None = None
+        try:
+            if self.state.next == NodeKind.MODEL_REQUEST:
+                node = await self._model_request()
+            elif self.state.next == NodeKind.CALL_TOOLS:
+                node = await self._call_tools()
+        except (RunStopped, PolicyDenied, StockadeError) as err:
+            self._stop(err)
+        self.state.elapsed_s += self.agent.clock() - started
+        if self.state.next == NodeKind.END:
+            return await self._end()
+        self._checkpoint()
+        assert node is not None
+        return node
+
+    # -- nodes --------------------------------------------------------------------------
+
+    def _over_budget(self) -> tuple[RunStatus, str] | None:
+        limits, state = self.agent.limits, self.state
+        if len(state.steps) >= limits.max_steps:
+            return RunStatus.MAX_STEPS, f"the run reached max_steps={limits.max_steps}"
+        if state.elapsed_s >= limits.max_wall_s:
+            return RunStatus.BUDGET, f"the run used its wall time ({limits.max_wall_s:g} s)"
+        if state.usage.total_tokens >= limits.max_tokens:
+            return RunStatus.BUDGET, f"the run used its tokens ({limits.max_tokens})"
+        if limits.max_cost_usd is not None and state.cost_usd >= limits.max_cost_usd:
+            return RunStatus.BUDGET, f"the run spent its budget (${limits.max_cost_usd:g})"
+        return None
+
+    async def _model_request(self) -> ModelRequestNode:
+        state, agent = self.state, self.agent
+        step = len(state.steps) + 1
+        over = self._over_budget()
+        if over is not None:
+            self._finish(over[0], error=over[1])
+            return ModelRequestNode(step=step, response=ModelResponse(), duration_s=0.0)
+        request = ModelRequest(system=state.system, messages=tuple(state.messages), tools=agent._definitions)
+        self._emit(ModelRequested(run_id=state.run_id, step=step, request=request))
+        started = time.perf_counter()
+        response = await agent.model.request(request)
+        duration = time.perf_counter() - started
+        if any(not c.id for c in response.tool_calls):
+            response = response.model_copy(
+                update={
+                    "tool_calls": tuple(
+                        c if c.id else c.model_copy(update={"id": f"call_{step}_{k}"})
+                        for k, c in enumerate(response.tool_calls)
+                    )
+                }
+            )
+        self._emit(ModelResponded(run_id=state.run_id, step=step, response=response, duration_s=duration))
+        state.usage = state.usage + response.usage
+        state.cost_usd += cost_usd(response.model_name or agent.model.name, response.usage, agent.prices)
+        state.messages.append(AssistantMessage(text=response.text, tool_calls=response.tool_calls))
+        record = StepRecord(index=step, response=response, model_duration_s=duration)
+        if response.tool_calls:
+            state.current = record
+            state.next = NodeKind.CALL_TOOLS
+        else:
+            state.steps.append(record)
+            self._emit(StepFinished(run_id=state.run_id, step=record))
+            state.answer = response.text
+            self._finish(RunStatus.SUCCESS)
+        return ModelRequestNode(step=step, response=response, duration_s=duration)
+
+    async def _call_tools(self) -> CallToolsNode:
+        state = self.state
+        current = state.current
+        assert current is not None, "call_tools without a model response"
+        done = {r.call.id for r in current.tool_calls}
+        for call in current.response.tool_calls:
+            if call.id in done:
+                continue  # resumed mid-step: this call already ran
+            record = await self._call_one(current.index, call)
+            state.messages.append(
+                ToolResultMessage(
+                    call_id=call.id,
+                    name=call.name,
+                    content=record.observation,
+                    is_error=record.is_error,
+                )
+            )
+            current = current.model_copy(update={"tool_calls": (*current.tool_calls, record)})
+            state.current = current
+            if state.next == NodeKind.END:
+                break
+            self._checkpoint()
+        state.steps.append(current)
+        state.current = None
+        self._emit(StepFinished(run_id=state.run_id, step=current))
+        if state.next != NodeKind.END:
+            state.next = NodeKind.MODEL_REQUEST
+        return CallToolsNode(step=current.index, records=current.tool_calls)
+
+    async def _call_one(self, step: int, call: ToolCall) -> ToolCallRecord:
+        state, agent = self.state, self.agent
+        key = f"{state.run_id}:{step}:{call.id}"
+        tool = agent.tools.get(call.name)
+        try:
+            if call.malformed is not None:
+                raise InvalidToolCall(f"malformed call to {call.name}: {call.malformed}")
+            if tool is None:
+                raise InvalidToolCall(
+                    f"there is no tool {call.name!r}; the tools are: {', '.join(agent.tools.names)}"
+                )
+            args = tool.validate(call.args)
+        except InvalidToolCall as err:
+            state.malformed_calls += 1
+            if state.malformed_calls > agent.limits.max_malformed:
+                self._finish(
+                    RunStatus.ERROR, error=f"too many malformed tool calls ({state.malformed_calls}): {err}"
+                )
+            return ToolCallRecord(
+                call=call,
+                idempotency_key=key,
+                observation=f"error: {err}",
+                is_error=True,
+                error_type=type(err).__name__,
+            )
+        try:
+            guard_ctx = GuardContext(
+                run_id=state.run_id, step=step, tool=tool, sandbox=self.sandbox, state=state
+            )
+            asked = call
+            for guard in agent.guards:
+                call = guard(guard_ctx, call)
+            if call != asked:  # a guard rewrote the call: check it again
+                rewritten = agent.tools.get(call.name)
+                if rewritten is None:
+                    raise PolicyDenied(f"a guard rewrote the call to an unknown tool {call.name!r}")
+                tool, args = rewritten, rewritten.validate(call.args)
+        except ApprovalRequired:
+            raise  # the run pauses; this call runs again when it resumes
+        except PolicyDenied as err:
+            state.consecutive_denials += 1
+            self._emit(ToolDenied(run_id=state.run_id, step=step, call=call, reason=str(err), rule=err.rule))
+            if state.consecutive_denials >= agent.limits.max_denials:
+                self._finish(
+                    RunStatus.DENIED, error=f"{state.consecutive_denials} actions in a row were denied: {err}"
+                )
+            rule = f" (rule {err.rule})" if err.rule else ""
+            return ToolCallRecord(
+                call=call,
+                idempotency_key=key,
+                observation=f"denied by policy{rule}: {err}",
+                is_error=True,
+                error_type="PolicyDenied",
+                denied=True,
+            )
+        state.consecutive_denials = 0
+        self._emit(ToolCalled(run_id=state.run_id, step=step, call=call, tool=tool, idempotency_key=key))
+        ctx = ToolContext(
+            sandbox=self.sandbox,
+            run_id=state.run_id,
+            step=step,
+            call_id=call.id,
+            max_observation_chars=agent.limits.max_observation_chars,
+        )
+        started = time.perf_counter()
+        value: object = None
+        error_type: str | None = None
+        try:
+            value = await agent.tools.call(ctx, tool, args)
+            text = render(value)
+        except (RunStopped, *_FATAL):
+            raise
+        except StockadeError as err:
+            text, error_type = f"error: {type(err).__name__}: {err}", type(err).__name__
+        except Exception as err:  # a tool's own failure is information for the model, not a crash
+            text, error_type = f"error: {type(err).__name__}: {err}", type(err).__name__
+        duration = time.perf_counter() - started
+        shown = (
+            await asyncio.to_thread(bound, ctx, text)
+            if len(text) > ctx.max_observation_chars
+            else bound(ctx, text)
+        )
+        record = ToolCallRecord(
+            call=call,
+            idempotency_key=key,
+            observation=shown.text,
+            is_error=error_type is not None,
+            error_type=error_type,
+            duration_s=duration,
+            cut_chars=shown.cut_chars,
+            saved_to=shown.saved_to,
+        )
+        self._emit(ToolReturned(run_id=state.run_id, step=step, record=record, value=value))
+        return record
+
+    # -- ending -------------------------------------------------------------------------
+
+    def _finish(self, status: RunStatus, *, error: str | None = None) -> None:
+        self.state.status = status
+        self.state.error = error
+        self.state.next = NodeKind.END
+
+    def _stop(self, err: StockadeError) -> None:
+        if isinstance(err, RunStopped):
+            status = RunStatus(err.status)
+        elif isinstance(err, ApprovalRequired):
+            status = RunStatus.PAUSED
+        elif isinstance(err, PolicyDenied):
+            status = RunStatus.DENIED
+        else:
+            status = RunStatus.ERROR
+        if status == RunStatus.PAUSED:  # resuming runs the interrupted node again
+            self.state.resume_at = self.state.next
+        self._finish(status, error=f"{type(err).__name__}: {err}")
+
+    async def _end(self) -> End:
+        state = self.state
+        if state.current is not None and state.status != RunStatus.PAUSED:
+            state.steps.append(state.current)  # a step cut short keeps what it did
+            state.current = None
+        try:
+            diff = await asyncio.to_thread(workspace_diff, self.sandbox)
+        except StockadeError as err:
+            diff = f"(the diff is unavailable: {err})"
+        self.result = RunResult(
+            run_id=state.run_id,
+            status=state.status,
+            answer=state.answer,
+            steps=tuple(state.steps),
+            usage=state.usage,
+            cost_usd=state.cost_usd,
+            diff=diff,
+            audit_id=state.audit_id,
+            error=state.error,
+            state=state,
+        )
+        self._checkpoint()
+        self._emit(RunFinished(run_id=state.run_id, result=self.result))
+        return End(result=self.result)
+
+    # -- plumbing -----------------------------------------------------------------------
+
+    def _emit(self, event: AgentEvent) -> None:
+        for observer in self.agent.observers:
+            observer(event)
+
+    def _checkpoint(self) -> None:
+        if self.agent.checkpointer is not None:
+            self.agent.checkpointer.save(self.state)

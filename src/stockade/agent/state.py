@@ -1,0 +1,92 @@
+"""The serialisable state of one agent run, and the records of what each step did.
+
+``RunState`` is all a run needs to continue: a checkpoint is ``state.model_dump_json()`` and
+resuming in another process is ``RunState.model_validate_json(...)`` plus a sandbox. Only
+the loop mutates it.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from stockade.models.messages import Message, ModelResponse, ToolCall, Usage
+
+__all__ = ["NodeKind", "RunState", "RunStatus", "StepRecord", "ToolCallRecord"]
+
+
+class RunStatus(enum.StrEnum):
+    RUNNING = "running"
+    SUCCESS = "success"  # the model gave its final answer
+    MAX_STEPS = "max_steps"
+    BUDGET = "budget"  # wall time, tokens or dollars ran out
+    KILLED = "killed"
+    DENIED = "denied"  # the policy refused the run, or too many actions in a row
+    ERROR = "error"  # the provider, the sandbox or too many malformed calls
+    PAUSED = "paused"  # waiting for something outside (an approval); resume the run later
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RunStatus.RUNNING, RunStatus.PAUSED)
+
+
+class NodeKind(enum.StrEnum):
+    """Which node runs next: prompt -> model_request -> call_tools -> model_request ... -> end."""
+
+    MODEL_REQUEST = "model_request"
+    CALL_TOOLS = "call_tools"
+    END = "end"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ToolCallRecord(_Frozen):
+    """One tool call and what came of it.
+
+    ``idempotency_key`` (``run_id:step:call_id``) names the side effect, so a run store can
+    tell whether a call already ran before a crash.
+    """
+
+    call: ToolCall
+    idempotency_key: str
+    observation: str
+    is_error: bool = False
+    error_type: str | None = None
+    denied: bool = False
+    duration_s: float = 0.0
+    cut_chars: int = 0
+    saved_to: str | None = None
+
+
+class StepRecord(_Frozen):
+    index: int
+    response: ModelResponse
+    model_duration_s: float
+    tool_calls: tuple[ToolCallRecord, ...] = ()
+
+
+class RunState(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+
+    run_id: str
+    task: str
+    system: str
+    model_name: str
+    status: RunStatus = RunStatus.RUNNING
+    next: NodeKind = NodeKind.MODEL_REQUEST
+    resume_at: NodeKind | None = None  # where a paused run continues
+    messages: list[Message] = Field(default_factory=list)
+    steps: list[StepRecord] = Field(default_factory=list)
+    # the step in progress: the model's answer, and the tool calls already done
+    current: StepRecord | None = None
+    usage: Usage = Field(default_factory=Usage)
+    cost_usd: float = 0.0
+    elapsed_s: float = 0.0
+    malformed_calls: int = 0
+    consecutive_denials: int = 0
+    answer: str = ""
+    error: str | None = None
+    audit_id: str | None = None  # set by the audit layer
