@@ -24,7 +24,6 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── FileTooLarge              bigger than the transfer cap
     │   └── WorkspaceFull             the workspace's size or inode limit is reached
     ├── PolicyDenied                  a guard refused the action (fed back to the model)
-    │   └── ApprovalRequired          a human must decide first; the run pauses (denies if unhandled)
     ├── ToolError                     a tool could not do what the model asked (fed back to it)
     │   ├── InvalidToolCall           unknown tool or arguments that fail its schema
     │   └── PatchRejected             a diff does not apply; nothing was changed
@@ -33,7 +32,8 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   └── RateLimited               [retryable] too many actions in the window; retry after
     └── RunStopped                    a control ends the run with a status
         ├── BudgetExceeded            status "budget": steps, wall time, tokens, dollars, $/hour spent
-        └── RunKilled                 status "killed": someone pulled the kill switch
+        ├── RunKilled                 status "killed": someone pulled the kill switch
+        └── ApprovalRequired          status "paused": a human must decide; resume the run after
 
     AuditError                        the audit trail could not do its job
     ├── AuditStoreError               [retryable] the audit store is unreachable or locked
@@ -206,15 +206,6 @@ class PolicyDenied(StockadeError):
         self.action = action
 
 
-class ApprovalRequired(PolicyDenied):
-    """The action waits for a human decision. The agent pauses the run (state saved) until
-    ``request_id`` is approved or denied; an agent that does not handle it treats it as a denial."""
-
-    def __init__(self, message: str, *, rule: str = "", action: str = "", request_id: str = "") -> None:
-        super().__init__(message, rule=rule, action=action)
-        self.request_id = request_id
-
-
 class RuntimeLimit(StockadeError):
     """A runtime control (breaker, rate or spend limit, budget, kill switch) stopped the action."""
 
@@ -316,6 +307,19 @@ class RunKilled(RunStopped):
         super().__init__(message)
         self.run_id = run_id
         self.reason = reason
+
+
+class ApprovalRequired(RunStopped):
+    """The action waits for a human decision: the run pauses (state saved) and is resumed once
+    ``request_id`` is approved or denied (``stockade approve|deny RUN_ID REQUEST_ID``)."""
+
+    status = "paused"
+
+    def __init__(self, message: str, *, rule: str = "", action: str = "", request_id: str = "") -> None:
+        super().__init__(message)
+        self.rule = rule
+        self.action = action
+        self.request_id = request_id
 
 
 class AuditError(StockadeError):
