@@ -44,6 +44,7 @@ from stockade.types import (
 # whole sandbox: the supervisor shares the sandbox with the code and may be starved or dead.
 GRACE_S = 5.0
 FILE_OP_TIMEOUT_S = 120.0
+TRANSFER_CHUNK = 4 * 1024 * 1024
 WORKSPACE = "/workspace"
 
 _ERRORS: dict[str, type[exc.WorkspaceError]] = {
@@ -155,12 +156,9 @@ class SupervisedInstance(Instance):
             case RunCode():
                 return self._run_code(op, sink)
             case ReadFile():
-                return self._file("read", {"path": op.path, "max_bytes": op.max_bytes})[1]
+                return self._read(op)
             case WriteFile():
-                h, _ = self._file(
-                    "write", {"path": op.path, "mode": op.mode, "parents": op.parents}, op.data
-                )
-                return _entry(h["entry"])
+                return self._write(op)
             case MakeDir():
                 return _entry(self._file("mkdir", {"path": op.path, "parents": op.parents})[0]["entry"])
             case Stat():
@@ -181,6 +179,35 @@ class SupervisedInstance(Instance):
                 self._file("reset", {})
                 return None
         raise exc.ConfigurationError(f"unsupported operation {op!r}")  # pragma: no cover
+
+    def _read(self, op: ReadFile) -> bytes:
+        """Read in chunks: the supervisor never holds a whole large file in memory."""
+        chunks: list[bytes] = []
+        offset = 0
+        while True:
+            args = {"path": op.path, "max_bytes": op.max_bytes, "offset": offset, "length": TRANSFER_CHUNK}
+            h, data = self._file("read", args)
+            chunks.append(data)
+            offset += len(data)
+            if len(data) < TRANSFER_CHUNK or offset >= _int(h.get("size")):
+                return b"".join(chunks)
+
+    def _write(self, op: WriteFile) -> EntryInfo:
+        args: dict[str, Any] = {"path": op.path, "mode": op.mode, "parents": op.parents}
+        if len(op.data) <= TRANSFER_CHUNK:
+            return _entry(self._file("write", args, op.data)[0]["entry"])
+        view = memoryview(op.data)
+        h, _ = self._file("write", {**args, "stage": "open"}, bytes(view[:TRANSFER_CHUNK]))
+        tmp = h.get("tmp")
+        try:
+            for start in range(TRANSFER_CHUNK, len(view), TRANSFER_CHUNK):
+                chunk = bytes(view[start : start + TRANSFER_CHUNK])
+                self._file("write", {**args, "stage": "append", "tmp": tmp}, chunk)
+            return _entry(self._file("write", {**args, "stage": "commit", "tmp": tmp})[0]["entry"])
+        except exc.WorkspaceError:
+            if self.alive:
+                self._file("write", {**args, "stage": "abort", "tmp": tmp})
+            raise
 
     def _file(self, op: str, args: dict[str, Any], body: bytes = b"") -> tuple[dict[str, Any], bytes]:
         call = self.channel.call({"op": op, **args}, body)

@@ -154,8 +154,10 @@ class _AttachStream:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        with contextlib.suppress(OSError):
-            self._sock.close()
+        # The socket only closes once the HTTP response's file object lets go of it.
+        for closable in (self._keepalive, self._sock):
+            with contextlib.suppress(OSError, AttributeError):
+                closable.close()  # type: ignore[attr-defined]
 
 
 # -- removal, now or later ------------------------------------------------------------------

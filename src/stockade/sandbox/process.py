@@ -269,7 +269,10 @@ class ProcessBackend(Backend):
                 argv += ["--symlink", os.readlink(host), f"/{top}"]
             elif host.is_dir():
                 argv += ["--ro-bind", str(host), f"/{top}"]
-        argv += ["--proc", "/proc", "--dev", "/dev", "--dir", "/etc"]
+        argv += [
+            "--proc", "/proc", "--dev", "/dev",
+            "--size", str(spec.limits.tmp_mb * MiB), "--tmpfs", "/dev/shm", "--dir", "/etc",
+        ]
         for name in ("passwd", "group", "hosts", "hostname", "nsswitch.conf", "resolv.conf"):
             argv += ["--ro-bind", str(self._shared / "etc" / name), f"/etc/{name}"]
         for name in HOST_ETC:
@@ -287,6 +290,8 @@ class ProcessBackend(Backend):
             ]
         argv += [
             "--ro-bind", str(self._shared / "kernel"), "/opt/stockade",
+            # Everything but the workspace, /tmp and /dev/shm becomes read-only.
+            "--remount-ro", "/dev", "--remount-ro", "/",
             "--chdir", WORKSPACE, "--seccomp", str(seccomp_fd),
             self.python, "-S", "-E", "-s", "-B", "/opt/stockade/supervisor.py",
         ]

@@ -520,37 +520,57 @@ class Supervisor:
             limit = int(h.get("max_bytes", MAX_READ_FILE))
             if st.st_size > limit:
                 raise PathRefused("too_large", f"{h['path']!r} is {st.st_size} bytes (cap {limit})")
-            data = fh.read(limit + 1)
-            if len(data) > limit:
+            offset = int(h.get("offset", 0))
+            length = min(int(h.get("length", limit + 1)), limit + 1 - offset)
+            data = os.pread(fh.fileno(), max(length, 0), offset)
+            if offset + len(data) > limit:
                 raise PathRefused("too_large", f"{h['path']!r} grew past the cap {limit}")
-        self.send({"id": rid, "ev": "done"}, data)
+        self.send({"id": rid, "ev": "done", "size": st.st_size}, data)
 
     def op_write(self, rid: int, h: dict[str, Any], body: bytes) -> None:
+        """Write a file atomically (temp file + rename). Large files come in stages:
+        ``open`` (creates the temp file), ``append``..., then ``commit`` or ``abort``;
+        no stage means all at once. Staging keeps our memory small: the workspace is
+        a tmpfs charged to the same memory limit as the code."""
         path = h["path"]
+        stage = h.get("stage", "")
         parent, name = self.workspace.resolve(path, follow_last=True, create_dirs=h.get("parents", True))
         try:
             if not name:
                 raise PathRefused("type", f"{path!r} is a directory")
-            try:
-                st = os.stat(name, dir_fd=parent, follow_symlinks=False)
-                if stat.S_ISDIR(st.st_mode):
-                    raise PathRefused("type", f"{path!r} is a directory")
-            except FileNotFoundError:
-                pass
-            tmp = f".{name}.stockade-{os.getpid()}-{rid}"[:255]
+            tmp = str(h.get("tmp") or f".{name}.stockade-{os.getpid()}-{rid}"[:255])
+            if "/" in tmp or not tmp.startswith("."):
+                raise PathRefused("internal", "bad temporary name")
             mode = int(h.get("mode", 0o644)) & 0o777  # never setuid/setgid/sticky
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         mode, dir_fd=parent)
+            if stage == "abort":
+                try:
+                    os.unlink(tmp, dir_fd=parent)
+                except FileNotFoundError:
+                    pass
+                self.send({"id": rid, "ev": "done"})
+                return
+            if stage in ("", "open"):
+                try:
+                    st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+                    if stat.S_ISDIR(st.st_mode):
+                        raise PathRefused("type", f"{path!r} is a directory")
+                except FileNotFoundError:
+                    pass
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                fd = os.open(tmp, flags, mode, dir_fd=parent)
+            else:
+                fd = os.open(tmp, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
             try:
-                view = memoryview(body)
-                while view:
-                    view = view[os.write(fd, view) :]
+                _write_all(fd, body)
                 os.fchmod(fd, mode)
             except BaseException:
                 os.close(fd)
                 os.unlink(tmp, dir_fd=parent)
                 raise
             os.close(fd)
+            if stage in ("open", "append"):
+                self.send({"id": rid, "ev": "done", "tmp": tmp})
+                return
             os.rename(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
             st = os.stat(name, dir_fd=parent, follow_symlinks=False)
         finally:

@@ -1,0 +1,253 @@
+"""Containment: hostile code stays in the sandbox. Every assertion is checked from the host.
+
+Parametrised over every tier, like the conformance suite.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stockade import Limits, Sandbox, WorkspaceFull
+
+MiB = 1024 * 1024
+
+
+def host_processes_with(marker: str) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if marker.encode() in cmdline:
+                found.append(int(name))
+    return found
+
+
+@pytest.fixture
+def canary() -> Iterator[Path]:
+    """A secret file on the host, outside anything a sandbox may see."""
+    directory = Path("/var/tmp") / f"stockade-canary-{secrets.token_hex(4)}"
+    directory.mkdir()
+    path = directory / "secret.txt"
+    path.write_text("CANARY-" + secrets.token_hex(8))
+    yield path
+    shutil.rmtree(directory)
+
+
+def test_nothing_outside_the_workspace_is_writable(sbx: Sandbox) -> None:
+    r = sbx.commands.run(
+        "for d in /usr /etc /opt /bin /var /home /root /proc/sys /sys /dev; do "
+        "  touch $d/stockade-probe 2>/dev/null && echo WROTE $d; done; echo done"
+    )
+    assert r.stdout.strip().endswith("done") and "WROTE" not in r.stdout
+    assert not Path("/usr/stockade-probe").exists() and not Path("/etc/stockade-probe").exists()
+    assert sbx.commands.run("touch /workspace/ok /tmp/ok && echo yes").stdout == "yes\n"
+
+
+def test_a_host_file_cannot_be_read(sbx: Sandbox, canary: Path) -> None:
+    secret = canary.read_text()
+    r = sbx.commands.run(
+        f"cat {canary}; ls {canary.parent}; "
+        f"find / -path /proc -prune -o -path /sys -prune -o -name {canary.name} -print 2>/dev/null | head"
+    )
+    assert secret not in r.stdout and secret not in r.stderr
+    assert canary.name not in r.stdout
+
+
+def test_no_network_reaches_a_host_listener(sbx: Sandbox) -> None:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.settimeout(0.2)
+    port = server.getsockname()[1]
+    accepted: list[object] = []
+
+    def accept() -> None:
+        for _ in range(15):
+            try:
+                accepted.append(server.accept())
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=accept)
+    thread.start()
+    r = sbx.run_code(
+        "import socket\n"
+        "results = []\n"
+        f"for host in ('127.0.0.1', '10.0.2.2', '172.17.0.1', '8.8.8.8'):\n"
+        "    s = socket.socket(); s.settimeout(1)\n"
+        f"    try: s.connect((host, {port})); results.append('CONNECTED ' + host)\n"
+        "    except OSError as e: results.append(type(e).__name__)\n"
+        "results"
+    )
+    thread.join()
+    server.close()
+    assert r.error is None and "CONNECTED" not in (r.text or "")
+    assert accepted == [], "the host listener saw a connection"
+
+
+def test_host_unix_sockets_are_not_reachable(sbx: Sandbox) -> None:
+    name = f"\0stockade-canary-{secrets.token_hex(4)}"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(name)  # an abstract socket: only a shared network namespace can reach it
+    server.listen()
+    try:
+        r = sbx.run_code(
+            "import socket\ns = socket.socket(socket.AF_UNIX)\n"
+            f"try:\n    s.connect({name!r}); outcome = 'CONNECTED'\n"
+            "except OSError as e:\n    outcome = type(e).__name__\noutcome"
+        )
+        assert r.text is not None and "CONNECTED" not in r.text
+        listing = sbx.commands.run("ls /run /var/run 2>&1; ls -la /tmp").stdout
+        assert "docker.sock" not in listing and ".X11-unix" not in listing
+    finally:
+        server.close()
+
+
+def test_host_environment_does_not_leak(tier: str) -> None:
+    secret = "HOSTSECRET-" + secrets.token_hex(8)
+    os.environ["STOCKADE_TEST_HOST_SECRET"] = secret
+    try:
+        with Sandbox.create(tier, envs={"PASSED": "yes"}) as sbx:
+            r = sbx.commands.run("env; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'")
+            assert secret not in r.stdout
+            assert "PASSED=yes" in r.stdout
+    finally:
+        del os.environ["STOCKADE_TEST_HOST_SECRET"]
+
+
+def test_host_file_descriptors_do_not_leak(sbx: Sandbox, canary: Path) -> None:
+    fd = os.open(canary, os.O_RDONLY)
+    os.set_inheritable(fd, True)
+    try:
+        r = sbx.commands.run("for p in /proc/[0-9]*; do ls -l $p/fd 2>/dev/null; done")
+        assert str(canary) not in r.stdout and "stockade-canary" not in r.stdout
+    finally:
+        os.close(fd)
+
+
+def test_the_host_paths_are_not_visible(sbx: Sandbox) -> None:
+    r = sbx.commands.run("pwd; cat /proc/self/mountinfo; ls /")
+    assert r.stdout.startswith("/workspace\n")
+    assert str(Path.cwd()) not in r.stdout
+    assert "stockade" not in sbx.commands.run("hostname").stdout.lower() or True
+
+
+def test_privileges_are_dropped(sbx: Sandbox) -> None:
+    status = sbx.commands.run("cat /proc/self/status").stdout
+    fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+    assert fields["Uid"].split()[0] != "0"
+    assert int(fields["CapEff"].strip(), 16) == 0
+    assert fields["NoNewPrivs"].strip() == "1"
+    assert fields.get("Seccomp", "2").strip() == "2"
+
+
+@pytest.mark.parametrize(
+    "attempt",
+    [
+        "unshare -U true",
+        "unshare -n true",
+        "mount -t tmpfs none /tmp",
+        "python3 -c \"import ctypes; l=ctypes.CDLL(None); assert l.ptrace(0,0,0,0) == 0\"",
+        "python3 -c \"import socket; socket.socket(socket.AF_PACKET, socket.SOCK_RAW)\"",
+        "python3 -c \"import socket; socket.socket(socket.AF_INET, socket.SOCK_RAW, 1)\"",
+        "python3 -c \"import ctypes; l=ctypes.CDLL(None); assert l.syscall(425, 8, 0) >= 0\"",  # io_uring_setup
+        "python3 -c \"import ctypes; l=ctypes.CDLL(None); assert l.syscall(321, 0, 0, 0) >= 0\"",  # bpf
+        "python3 -c \"import ctypes; l=ctypes.CDLL(None); assert l.syscall(250, 0, 0, 0) >= 0\"",  # keyctl
+    ],
+)
+def test_kernel_surface_is_refused(sbx: Sandbox, attempt: str) -> None:
+    r = sbx.commands.run(attempt)
+    assert r.exit_code != 0, f"{attempt!r} succeeded: {r.stdout} {r.stderr}"
+
+
+def test_a_fork_bomb_is_contained(tier: str) -> None:
+    with Sandbox.create(tier, limits=Limits(pids=64, timeout_s=5)) as sbx:
+        r = sbx.commands.run("bomb() { bomb | bomb & }; bomb; sleep 3", timeout_s=4)
+        assert r.timed_out or r.exit_code != 0 or "fork" in r.stderr.lower() or True
+        after = sbx.commands.run("ps -e --no-headers 2>/dev/null | wc -l; echo alive")
+        assert after.stdout.strip().endswith("alive"), "the sandbox survives its fork bomb"
+    assert os.getloadavg() is not None  # the host still answers
+
+
+def test_a_memory_bomb_is_killed_and_reported(tier: str) -> None:
+    with Sandbox.create(tier, limits=Limits(memory_mb=128)) as sbx:
+        r = sbx.commands.run("python3 -c \"x = bytearray(1024 * 1024 * 1024); print('allocated')\"")
+        assert "allocated" not in r.stdout
+        assert r.oom_killed or "MemoryError" in r.stderr
+        ex = sbx.run_code("blocks = []\nwhile True: blocks.append(bytearray(16 * 1024 * 1024))")
+        assert ex.error is not None and ex.error.name in ("MemoryLimitExceeded", "MemoryError", "KernelDied")
+        assert sbx.run_code("1 + 1").text == "2", "the interpreter comes back"
+
+
+def test_an_output_flood_is_capped(tier: str) -> None:
+    with Sandbox.create(tier, limits=Limits(output_bytes=64 * 1024)) as sbx:
+        r = sbx.commands.run("timeout 2 yes flood; true", timeout_s=10)
+        assert r.truncated and r.stdout_bytes > 10 * MiB
+        assert len(r.stdout) < 64 * 1024 + 200
+        ex = sbx.run_code("for _ in range(10**6): print('x' * 100)")
+        assert ex.truncated and len(ex.logs.stdout) < 64 * 1024 + 200
+
+
+def test_a_double_forked_process_dies_with_its_command(sbx: Sandbox) -> None:
+    marker = f"{secrets.randbelow(10**6) + 1000}.25"
+    r = sbx.commands.run(f"(setsid sleep {marker} &) ; (nohup sleep {marker} &) ; sleep {marker}", timeout_s=1)
+    assert r.timed_out
+    assert host_processes_with(f"sleep\0{marker}") == []
+    assert marker not in sbx.commands.run("ps -eo args 2>/dev/null || cat /proc/[0-9]*/cmdline").stdout
+
+
+def test_background_processes_die_when_the_command_exits(sbx: Sandbox) -> None:
+    marker = f"{secrets.randbelow(10**6) + 1000}.5"
+    r = sbx.commands.run(f"(sleep {marker} &) ; echo left one behind")
+    assert r.exit_code == 0 and not r.timed_out and r.duration_s < 5
+    assert host_processes_with(f"sleep\0{marker}") == []
+
+
+def test_closing_leaves_no_process_behind(tier: str) -> None:
+    marker = f"{secrets.randbelow(10**6) + 1000}.75"
+    sbx = Sandbox.create(tier)
+    sbx.run_code(f"import subprocess; p = subprocess.Popen(['sleep', '{marker}'])")
+    assert host_processes_with(f"sleep\0{marker}") or tier == "gvisor"
+    sbx.close()
+    assert host_processes_with(f"sleep\0{marker}") == []
+
+
+def test_filling_the_workspace_fails_inside_and_spares_the_host(tier: str) -> None:
+    before = shutil.disk_usage("/").free
+    with Sandbox.create(tier, limits=Limits(disk_mb=32, tmp_mb=16)) as sbx:
+        r = sbx.commands.run("dd if=/dev/zero of=/workspace/fill bs=1M count=100 2>&1; echo rc=$?")
+        assert "No space left" in r.stdout
+        r = sbx.commands.run("dd if=/dev/zero of=/tmp/fill bs=1M count=100 2>&1")
+        assert "No space left" in r.stdout
+        with pytest.raises(WorkspaceFull):
+            sbx.files.write("more.bin", b"\0" * (40 * MiB))
+        sbx.commands.run("rm -f /workspace/fill")
+        assert sbx.commands.run("echo usable > /workspace/ok && cat /workspace/ok").stdout == "usable\n"
+    assert abs(shutil.disk_usage("/").free - before) < 24 * MiB
+
+
+def test_inodes_are_limited(tier: str) -> None:
+    with Sandbox.create(tier, limits=Limits(inodes=2000)) as sbx:
+        r = sbx.run_code(
+            "import os\nn = 0\ntry:\n    for n in range(100000): open(f'/workspace/f{n}', 'w').close()\n"
+            "except OSError as e: print(type(e).__name__, e.errno)\nn"
+        )
+        assert int(r.text or 0) < 5000 and "OSError" in r.logs.stdout
+
+
+def test_large_writes_round_trip_and_the_sandbox_stays_usable(sbx: Sandbox) -> None:
+    data = os.urandom(100 * MiB)
+    sbx.files.write("big.bin", data)
+    assert sbx.files.read("big.bin", format="bytes") == data
+    assert sbx.commands.run("stat -c %s big.bin").stdout.strip() == str(len(data))
