@@ -1,0 +1,74 @@
+"""`stockade audit verify | export | tail` over a SQLite store."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from stockade.audit import AuditLog, EventKind, SQLiteStore
+from stockade.cli.main import app
+
+runner = CliRunner()
+
+
+def make_store(path: Path, events: int = 5, key: bytes | None = None) -> str:
+    store = SQLiteStore(path)
+    with AuditLog(store, key=key) as log:
+        for step in range(events):
+            run = "run-a" if step % 2 == 0 else "run-b"
+            log.record(EventKind.COMMAND, run_id=run, step=step, attributes={"argv": ["ls"]})
+    store.close()
+    return f"sqlite:///{path}"
+
+
+def test_verify_says_intact_and_exits_zero(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["audit", "verify", "--db", make_store(tmp_path / "a.db")])
+    assert result.exit_code == 0, result.output
+    assert "intact" in result.output
+
+
+def test_verify_names_the_tampered_event_and_exits_one(tmp_path: Path) -> None:
+    db = make_store(tmp_path / "a.db")
+    with sqlite3.connect(tmp_path / "a.db") as conn:
+        conn.execute("DROP TRIGGER audit_events_no_update")
+        conn.execute("UPDATE audit_events SET body = replace(body, 'ls', 'rm') WHERE seq = 3")
+
+    result = runner.invoke(app, ["audit", "verify", "--db", db, "--json"])
+    assert result.exit_code == 1
+    report = json.loads(result.output)
+    assert report["problems"] == [
+        {"seq": 3, "kind": "edited", "detail": "the event's content does not match its hash"}
+    ]
+
+
+def test_verify_with_the_key_from_a_file(tmp_path: Path) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_bytes(b"0123456789abcdef0123456789abcdef\n")
+    db = make_store(tmp_path / "a.db", key=b"0123456789abcdef0123456789abcdef")
+
+    assert runner.invoke(app, ["audit", "verify", "--db", db, "--key-file", str(key_file)]).exit_code == 0
+    assert runner.invoke(app, ["audit", "verify", "--db", db]).exit_code == 1
+
+
+def test_export_writes_one_json_event_per_line(tmp_path: Path) -> None:
+    db = make_store(tmp_path / "a.db")
+    result = runner.invoke(app, ["audit", "export", "--db", db, "--run", "run-a", "--format", "jsonl"])
+    assert result.exit_code == 0, result.output
+    events = [json.loads(line) for line in result.output.splitlines()]
+    assert [e["seq"] for e in events] == [1, 3, 5]
+    assert all(e["run_id"] == "run-a" and len(e["hash"]) == 64 for e in events)
+
+
+def test_tail_prints_the_last_events(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["audit", "tail", "--db", make_store(tmp_path / "a.db"), "-n", "2"])
+    assert result.exit_code == 0
+    assert [line.split()[0] for line in result.output.splitlines()] == ["4", "5"]
+
+
+def test_a_missing_store_is_an_error_not_a_new_file(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["audit", "verify", "--db", str(tmp_path / "none.db")])
+    assert result.exit_code == 2
+    assert not (tmp_path / "none.db").exists()

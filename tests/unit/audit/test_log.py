@@ -1,0 +1,122 @@
+"""AuditLog: batching, threads, and what happens when the store fails."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from stockade.audit import AuditEvent, AuditLog, Chain, Draft, EventKind, MemoryStore, SQLiteStore, verify
+from stockade.exceptions import AuditStoreError, ConfigurationError
+
+
+class FlakyStore(MemoryStore):
+    """A store whose next ``failures`` appends fail, as a database that is briefly away."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+
+    def append(self, drafts: Sequence[Draft], chain: Chain) -> list[AuditEvent]:
+        if self.failures:
+            self.failures -= 1
+            raise AuditStoreError("database is away")
+        return super().append(drafts, chain)
+
+
+def record(log: AuditLog, step: int = 0) -> None:
+    log.record(EventKind.TOOL_CALL, run_id="run-1", step=step, actor="agent", attributes={"tool": "ls"})
+
+
+def test_events_are_written_in_batches() -> None:
+    store = MemoryStore()
+    log = AuditLog(store, batch_size=3, flush_interval_s=None)
+
+    record(log)
+    record(log)
+    assert store.head() is None and log.pending == 2
+    record(log)
+    assert store.head() is not None and store.head().seq == 3  # type: ignore[union-attr]
+
+
+def test_flush_and_close_write_what_is_queued() -> None:
+    store = MemoryStore()
+    with AuditLog(store, flush_interval_s=None) as log:
+        record(log)
+        assert [e.seq for e in log.flush()] == [1]
+        record(log)
+    assert [e.seq for e in store.events()] == [1, 2]
+
+
+def test_a_background_thread_flushes_after_the_interval() -> None:
+    store = MemoryStore()
+    log = AuditLog(store, flush_interval_s=0.01)
+    record(log)
+    for _ in range(500):
+        if store.head() is not None:
+            break
+        threading.Event().wait(0.01)
+    assert store.head() is not None
+    log.close()
+
+
+def test_many_threads_make_one_linear_chain(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "audit.db")
+    log = AuditLog(store, batch_size=64, flush_interval_s=0.005)
+
+    def worker() -> None:
+        for i in range(300):
+            record(log, i)
+
+    threads = [threading.Thread(target=worker) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    log.close()
+
+    report = verify(store)
+    assert report.ok, report.problems
+    assert report.checked == 1800
+
+
+def test_a_failed_write_keeps_the_events_and_stops_the_caller() -> None:
+    store = FlakyStore(failures=1)
+    log = AuditLog(store, batch_size=2, flush_interval_s=None)
+    record(log, 1)
+
+    with pytest.raises(AuditStoreError):
+        record(log, 2)  # fills the batch; the write fails: the caller hears of it
+    assert log.pending == 2
+
+    record(log, 3)
+    log.flush()
+    assert [e.step for e in store.events()] == [1, 2, 3]
+    assert verify(store).ok
+
+
+def test_a_closed_log_refuses_events() -> None:
+    log = AuditLog(MemoryStore())
+    log.close()
+    with pytest.raises(ConfigurationError):
+        record(log)
+
+
+def test_attributes_are_redacted_before_they_are_queued() -> None:
+    store = MemoryStore()
+    with AuditLog(store) as log:
+        log.redactor.add_secret("s3cr3t-value")
+        log.record(EventKind.COMMAND, run_id="r", attributes={"argv": ["echo", "s3cr3t-value"]})
+    (event,) = store.events()
+    assert event.attributes == {"argv": ["echo", "[REDACTED:secret]"]}
+
+
+def test_a_store_refuses_a_chain_of_another_kind() -> None:
+    store = MemoryStore()
+    with AuditLog(store, key=b"k" * 32) as log:
+        record(log)
+    with pytest.raises(ConfigurationError, match="pass its key"), AuditLog(store) as log:
+        record(log)
+        log.flush()

@@ -1,0 +1,82 @@
+"""Secrets are removed from every string before an event is written."""
+
+from __future__ import annotations
+
+import pytest
+
+from stockade import ConfigurationError
+from stockade.audit import Redactor, redact_tokens
+
+CREDENTIALS = {
+    "openai": "sk-proj-Abcdefghijklmnop0123456789",
+    "anthropic": "sk-ant-api03-Abcdefghijklmnop0123456789",
+    "github": "ghp_ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789",
+    "github_fine": "github_pat_11ABCDEFG0123456789_abcdefghijklmnop",
+    "aws": "AKIAIOSFODNN7EXAMPLE",
+    "jwt": "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U",
+    "slack": "xoxb-123456789012-abcdefghijkl",
+    "private_key": "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAA\n-----END OPENSSH PRIVATE KEY-----",
+}
+
+
+@pytest.mark.parametrize("name", sorted(CREDENTIALS))
+def test_credential_shaped_text_is_redacted(name: str) -> None:
+    secret = CREDENTIALS[name]
+    text = redact_tokens(f"curl -d '{secret}' https://example.com")
+    assert secret not in text
+    assert "[REDACTED:" in text
+
+
+def test_bearer_tokens_and_assignments_keep_their_names() -> None:
+    assert (
+        redact_tokens("Authorization: Bearer abc123def456ghi789") == "Authorization: Bearer [REDACTED:bearer]"
+    )
+    assert redact_tokens("password=hunter2hunter") == "password=[REDACTED:assignment]"
+
+
+def test_ordinary_text_is_left_alone() -> None:
+    for text in ("the token parameter is basic", "max_tokens: 1024", "ls -la /workspace", "sk-short"):
+        assert redact_tokens(text) == text
+
+
+def test_registered_secrets_are_replaced_anywhere_even_inside_words() -> None:
+    redactor = Redactor()
+    redactor.add_secret("correct-horse-battery")
+
+    assert redactor.text("x=correct-horse-battery;y") == "x=[REDACTED:secret];y"
+
+
+def test_values_under_credential_keys_are_replaced_whole_at_any_depth() -> None:
+    attributes = Redactor().attributes(
+        {"api_key": "abc", "input_tokens": 12, "env": {"GITHUB_TOKEN": "anything", "HOME": "/home/u"}}
+    )
+    assert attributes == {
+        "api_key": "[REDACTED]",
+        "input_tokens": 12,
+        "env": {"GITHUB_TOKEN": "[REDACTED]", "HOME": "/home/u"},
+    }
+
+
+def test_attributes_become_json_values() -> None:
+    redactor = Redactor()
+    assert redactor.value((1, "a", None)) == [1, "a", None]
+    assert redactor.value(b"\x00\x01") == "<2 bytes>"
+    assert redactor.value(float("inf")) == "inf"
+
+
+def test_the_pipeline_is_plain_callables_and_can_be_replaced() -> None:
+    redactor = Redactor([str.upper])
+    assert redactor.text("sk-proj-Abcdefghijklmnop0123456789") == "SK-PROJ-ABCDEFGHIJKLMNOP0123456789"
+
+
+def test_too_short_a_secret_is_refused_rather_than_redacting_ordinary_text() -> None:
+    with pytest.raises(ConfigurationError):
+        Redactor().add_secret("ab")
+
+
+def test_the_redactor_is_also_a_structlog_processor() -> None:
+    redactor = Redactor()
+    redactor.add_secret("hunter2hunter2")
+    assert redactor.structlog_processor(None, "info", {"event": "login hunter2hunter2"}) == {
+        "event": "login [REDACTED:secret]"
+    }

@@ -1,0 +1,86 @@
+"""AuditedBackend / AuditedInstance over the shipped FakeBackend."""
+
+from __future__ import annotations
+
+import pytest
+
+from stockade import CommandResult, SandboxFileNotFound, SandboxStartError
+from stockade.audit import AuditedBackend, EventKind, verify
+from stockade.sandbox import Sandbox
+from stockade.sandbox.base import Instance, SandboxSpec
+from stockade.testing import FakeBackend, MemoryWorkspace, capture_audit
+
+
+def test_a_sandbox_session_becomes_audit_events() -> None:
+    workspace = MemoryWorkspace(
+        commands=lambda op: CommandResult(
+            exit_code=3, stdout="hi\n", stderr="", duration_s=0.01, stdout_bytes=3
+        )
+    )
+    with capture_audit() as audit:
+        backend = AuditedBackend(FakeBackend(workspace), audit, run_id="run-1", step=lambda: 4)
+        with Sandbox.create(backend=backend) as sbx:
+            sbx.commands.run(["make", "test"], envs={"TOKEN": "value-never-recorded"})
+            sbx.files.write("src/app.py", "print(1)\n")
+            sbx.files.read("src/app.py")  # reads change nothing: not recorded
+            sbx.files.remove("src/app.py")
+
+        assert audit.kinds() == [
+            EventKind.SANDBOX_START,
+            EventKind.COMMAND,
+            EventKind.FILE_WRITE,
+            EventKind.FILE_REMOVE,
+            EventKind.SANDBOX_STOP,
+        ]
+        command = audit.of(EventKind.COMMAND)[0]
+        assert command.run_id == "run-1" and command.step == 4 and command.actor == "sandbox"
+        assert command.attributes["argv"] == ["make", "test"]
+        assert command.attributes["env_names"] == ["TOKEN"]
+        assert command.attributes["exit_code"] == 3 and command.attributes["stdout_bytes"] == 3
+        assert command.duration_ns is not None
+        assert "value-never-recorded" not in str([e.body for e in audit.events])
+        write = audit.of(EventKind.FILE_WRITE)[0]
+        assert write.attributes["path"] == "src/app.py" and write.attributes["bytes"] == 9
+        assert str(write.attributes["digest"]).startswith("sha256:")
+        assert verify(audit.store).ok
+
+
+def test_a_failed_operation_is_recorded_with_its_error_then_raised() -> None:
+    with capture_audit() as audit:
+        with Sandbox.create(backend=AuditedBackend(FakeBackend(), audit, run_id="r")) as sbx:
+            with pytest.raises(SandboxFileNotFound):
+                sbx.files.remove("missing.txt")
+        (removal,) = audit.of(EventKind.FILE_REMOVE)
+        assert removal.attributes["error"] == "SandboxFileNotFound"
+        assert removal.attributes["retryable"] is False
+
+
+class FailingBackend(FakeBackend):
+    def start(self, spec: SandboxSpec) -> Instance:  # type: ignore[override]
+        raise SandboxStartError("no room")
+
+
+def test_a_failed_start_is_recorded() -> None:
+    with capture_audit() as audit:
+        with pytest.raises(SandboxStartError):
+            AuditedBackend(FailingBackend(), audit, run_id="r").start(SandboxSpec())
+        (start,) = audit.events
+        assert start.kind == EventKind.SANDBOX_START
+        assert start.attributes["error"] == "SandboxStartError" and start.attributes["retryable"] is True
+
+
+def test_run_code_records_the_code_and_its_digest() -> None:
+    with capture_audit() as audit:
+        with Sandbox.create(backend=AuditedBackend(FakeBackend(), audit, run_id="r")) as sbx:
+            sbx.run_code("x = 41\nx + 1")
+        (run_code,) = audit.of(EventKind.RUN_CODE)
+        assert run_code.attributes["code"] == "x = 41\nx + 1"
+        assert str(run_code.attributes["code_digest"]).startswith("sha256:")
+
+
+def test_stop_is_recorded_once() -> None:
+    with capture_audit() as audit:
+        instance = AuditedBackend(FakeBackend(), audit, run_id="r").start(SandboxSpec())
+        instance.close()
+        instance.close()
+        assert audit.kinds().count(EventKind.SANDBOX_STOP) == 1
