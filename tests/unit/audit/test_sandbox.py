@@ -47,9 +47,11 @@ def test_a_sandbox_session_becomes_audit_events() -> None:
 
 def test_a_failed_operation_is_recorded_with_its_error_then_raised() -> None:
     with capture_audit() as audit:
-        with Sandbox.create(backend=AuditedBackend(FakeBackend(), audit, run_id="r")) as sbx:
-            with pytest.raises(SandboxFileNotFound):
-                sbx.files.remove("missing.txt")
+        with (
+            Sandbox.create(backend=AuditedBackend(FakeBackend(), audit, run_id="r")) as sbx,
+            pytest.raises(SandboxFileNotFound),
+        ):
+            sbx.files.remove("missing.txt")
         (removal,) = audit.of(EventKind.FILE_REMOVE)
         assert removal.attributes["error"] == "SandboxFileNotFound"
         assert removal.attributes["retryable"] is False
