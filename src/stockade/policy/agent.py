@@ -1,0 +1,124 @@
+"""The policy plugged into an ``Agent``:
+
+    engine = PolicyEngine(load_policy("policy.toml"), role="developer")
+    approvals = Approvals(cli_approver, ApprovalStore())
+    agent = Agent(approved_model(engine, model), tools=filter_outputs(engine, tools),
+                  guards=[policy_guard(engine, approvals)], observers=[prompt_filter(engine)])
+    sbx = guarded_sandbox(engine, sbx, run_id=..., approvals=approvals)   # enforcement at the sandbox
+
+``policy_guard`` decides on the tool call (role, decision boundaries, the command a shell or
+test tool would run, the paths a file tool would touch) so the model hears a clear denial;
+``guarded_sandbox`` decides again on every sandbox op, whatever tool issued it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pydantic import BaseModel
+
+from stockade.agent.events import AgentEvent, RunStarted
+from stockade.agent.loop import Guard, GuardContext
+from stockade.exceptions import PolicyDenied
+from stockade.models.base import Model, WrapperModel
+from stockade.models.messages import ModelRequest, ModelResponse, ToolCall
+from stockade.policy.approval import Approvals
+from stockade.policy.engine import Decision, PolicyEngine, strictest
+from stockade.policy.guards import GuardContext as OpContext
+from stockade.policy.guards import GuardedInstance, enforce, op_policy_guard
+from stockade.runtime.anomaly import AnomalyMonitor
+from stockade.sandbox.facade import Sandbox
+from stockade.sandbox.ops import ReadFile, RunCommand, WriteFile
+from stockade.tools.base import CallNext, Tool, ToolContext, Toolset, render
+
+__all__ = ["ApprovedModel", "filter_outputs", "guarded_sandbox", "policy_guard", "prompt_filter"]
+
+COMMAND_TOOLS = ("shell", "run_tests", "run_command")
+
+
+def _call_decision(engine: PolicyEngine, call: ToolCall) -> Decision:
+    decisions = [engine.tool(call.name)]
+    command = call.args.get("command")
+    if call.name in COMMAND_TOOLS and isinstance(command, str):
+        decisions.append(engine.op(RunCommand(argv=("/bin/sh", "-c", command)), tool=call.name))
+    path = call.args.get("path")
+    if isinstance(path, str):
+        if call.name in ("write_file",):
+            decisions.append(engine.op(WriteFile(path=path, data=b""), tool=call.name))
+        elif call.name in ("read_file",):
+            decisions.append(engine.op(ReadFile(path=path), tool=call.name))
+    return strictest(decisions)
+
+
+def policy_guard(
+    engine: PolicyEngine, approvals: Approvals | None = None, monitor: AnomalyMonitor | None = None
+) -> Guard:
+    """An agent guard: deny (back to the model), ask for approval (the run pauses), or allow."""
+
+    def guard(ctx: GuardContext, call: ToolCall) -> ToolCall:
+        action = f"{call.name}({', '.join(f'{k}={v!r}' for k, v in call.args.items())})"
+        op_ctx = OpContext(run_id=ctx.run_id, role=engine.role_name, tool=call.name)
+        enforce(_call_decision(engine, call), op_ctx, action[:500], approvals, monitor)
+        return call
+
+    return guard
+
+
+def guarded_sandbox(
+    engine: PolicyEngine, sandbox: Sandbox, *, run_id: str, approvals: Approvals | None = None
+) -> Sandbox:
+    """The same sandbox, with every op checked against the policy before it reaches the tier."""
+    ctx = OpContext(run_id=run_id, role=engine.role_name)
+    return Sandbox(GuardedInstance(sandbox.instance, op_policy_guard(engine, approvals), ctx))
+
+
+def filter_outputs(engine: PolicyEngine, tools: Toolset) -> Toolset:
+    """Tool outputs matching a ``deny`` prompt rule are withheld from the model."""
+
+    async def wrapper(ctx: ToolContext, tool: Tool, args: BaseModel, call_next: CallNext) -> object:
+        value = await call_next(ctx, tool, args)
+        verdict = engine.prompt(render(value), "tool_output")
+        if verdict.verdict == "deny":
+            raise PolicyDenied(
+                f"the output of {tool.name} was withheld: it matched {', '.join(verdict.rules)}",
+                rule=f"prompts: {', '.join(verdict.rules)}",
+                action=tool.name,
+            )
+        return value
+
+    return tools.wrapped(wrapper)
+
+
+def prompt_filter(engine: PolicyEngine) -> Callable[[AgentEvent], None]:
+    """An agent observer: a task prompt matching a ``deny`` rule ends the run as "denied"."""
+
+    def observe(event: AgentEvent) -> None:
+        if isinstance(event, RunStarted) and not event.resumed:
+            verdict = engine.prompt(event.task, "task")
+            if verdict.verdict == "deny":
+                raise PolicyDenied(
+                    f"the task was refused: it matched {', '.join(verdict.rules)}",
+                    rule=f"prompts: {', '.join(verdict.rules)}",
+                )
+
+    return observe
+
+
+class ApprovedModel(WrapperModel):
+    """Only models in the policy's registry are invoked (checked on the name actually served)."""
+
+    def __init__(self, wrapped: Model, engine: PolicyEngine) -> None:
+        super().__init__(wrapped)
+        self.engine = engine
+        self._check(wrapped.name)
+
+    def _check(self, name: str) -> None:
+        decision = self.engine.model(name)
+        if not decision.allowed:
+            raise PolicyDenied(decision.reason, rule=decision.rule, action=f"model {name}")
+
+    async def request(self, request: ModelRequest) -> ModelResponse:
+        response = await self.wrapped.request(request)
+        if response.model_name and response.model_name != self.name:
+            self._check(response.model_name)
+        return response

@@ -1,0 +1,127 @@
+"""The runtime controls plugged into an ``Agent``, each through the loop's own extension points.
+
+    controls = RuntimeControls(run_id="run-1", rate=RateLimit(per_minute=60),
+                               kill_switch=KillSwitch("run-1", [FileKillSource()]))
+    agent = Agent(model, tools=controls.wrap_tools(default_toolset()), observers=[controls.observe])
+    with controls.watch():                                  # polls the kill sources
+        agent.run_sync(task, sandbox=controls.protect(sbx), run_id="run-1")
+
+- ``observe`` (an agent observer): pulls the kill switch check before every model request and
+  tool call (the run stops between steps with status "killed"), feeds the anomaly monitor;
+- ``wrap_tools``: a tool wrapper that applies the action rate limit and the tool's breaker
+  (refusals reach the model as observations; the tool never runs);
+- ``protect``: a sandbox whose processes die the moment the switch is pulled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from stockade.agent.events import (
+    AgentEvent,
+    ModelRequested,
+    ModelResponded,
+    ToolCalled,
+    ToolDenied,
+    ToolReturned,
+)
+from stockade.models.pricing import DEFAULT_PRICES, cost_usd
+from stockade.runtime.anomaly import ActionRecord, AnomalyMonitor
+from stockade.runtime.breaker import Breakers
+from stockade.runtime.killswitch import KillSwitch
+from stockade.runtime.limits import RateLimit
+from stockade.sandbox.facade import Sandbox
+from stockade.tools.base import CallNext, Tool, ToolContext, Toolset
+
+__all__ = ["RuntimeControls"]
+
+
+def fingerprint(name: str, args: object) -> str:
+    body = args.model_dump(mode="json") if isinstance(args, BaseModel) else args
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return f"{name}:{digest}"
+
+
+@dataclass(kw_only=True)
+class RuntimeControls:
+    run_id: str
+    breakers: Breakers = field(default_factory=Breakers)
+    rate: RateLimit | None = None
+    kill_switch: KillSwitch | None = None
+    monitor: AnomalyMonitor | None = None
+
+    # -- observer -----------------------------------------------------------------------
+
+    def observe(self, event: AgentEvent) -> None:
+        if isinstance(event, ModelRequested | ToolCalled) and self.kill_switch is not None:
+            self.kill_switch.check()
+        if self.monitor is None:
+            return
+        match event:
+            case ToolReturned():
+                record = event.record
+                self.monitor.observe(
+                    ActionRecord(
+                        subject=f"tool:{record.call.name}",
+                        fingerprint=fingerprint(record.call.name, record.call.args),
+                        ok=not record.is_error,
+                        output_bytes=len(record.observation.encode()),
+                    )
+                )
+            case ToolDenied():
+                self.monitor.observe(
+                    ActionRecord(
+                        subject=f"tool:{event.call.name}",
+                        fingerprint=fingerprint(event.call.name, event.call.args),
+                        ok=False,
+                        denied=True,
+                    )
+                )
+            case ModelResponded():
+                response = event.response
+                self.monitor.observe(
+                    ActionRecord(
+                        subject=f"model:{response.model_name}",
+                        fingerprint=f"model:{event.step}",
+                        dollars=cost_usd(response.model_name, response.usage, DEFAULT_PRICES),
+                    )
+                )
+            case _:
+                pass
+
+    # -- tools --------------------------------------------------------------------------
+
+    async def tool_wrapper(
+        self, ctx: ToolContext, tool: Tool, args: BaseModel, call_next: CallNext
+    ) -> object:
+        if self.kill_switch is not None:
+            self.kill_switch.check()
+        if self.rate is not None:
+            self.rate.acquire(self.run_id)
+        breaker = self.breakers.get(f"tool:{tool.name}")
+        return await breaker.acall(lambda: call_next(ctx, tool, args))
+
+    def wrap_tools(self, tools: Toolset) -> Toolset:
+        return tools.wrapped(self.tool_wrapper)
+
+    # -- sandbox ------------------------------------------------------------------------
+
+    def protect(self, sandbox: Sandbox) -> Sandbox:
+        """The same sandbox, killed with the run."""
+        if self.kill_switch is None:
+            return sandbox
+        return Sandbox(self.kill_switch.attach(sandbox.instance))
+
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[RuntimeControls]:
+        if self.kill_switch is None:
+            yield self
+            return
+        with self.kill_switch.watch():
+            yield self
