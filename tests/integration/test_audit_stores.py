@@ -1,0 +1,277 @@
+"""One suite, every audit store: the chain survives honest use and exposes any tampering.
+
+Tampering is done the way an attacker with database access would: raw SQL, with the
+append-only triggers disabled first. PostgreSQL comes from ``scripts/start-services.sh
+postgres``; its URL is ``STOCKADE_TEST_POSTGRES_URL``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from stockade.audit import (
+    AuditLog,
+    AuditStore,
+    Chain,
+    EventKind,
+    ProblemKind,
+    SQLiteStore,
+    canonical,
+    open_store,
+    verify,
+)
+from tests.conftest import require
+
+POSTGRES_URL = os.environ.get(
+    "STOCKADE_TEST_POSTGRES_URL", "postgresql://stockade:stockade@127.0.0.1:5432/stockade"
+)
+KEY = b"test-key-0123456789abcdef"
+
+
+def postgres_reachable() -> tuple[bool, str]:
+    try:
+        import psycopg
+    except ImportError:
+        return False, 'psycopg is not installed: pip install "stockade[postgres]"'
+    try:
+        psycopg.connect(POSTGRES_URL, connect_timeout=3).close()
+    except psycopg.Error as error:
+        return False, f"{POSTGRES_URL.rpartition('@')[2]}: {error} (run scripts/start-services.sh postgres)"
+    return True, ""
+
+
+@dataclass
+class Target:
+    """A store under test, a way to open it again, and an attacker's raw SQL access."""
+
+    store: AuditStore
+    reopen: Callable[[], AuditStore]
+    sql: Callable[[str], None]  # "{events}" / "{head}" stand for the table names
+
+    def fill(self, events: int = 10, key: bytes | None = None) -> None:
+        with AuditLog(self.store, key=key, flush_interval_s=None) as log:
+            for step in range(events):
+                log.record(
+                    EventKind.TOOL_CALL,
+                    run_id="run-a" if step < events // 2 else "run-b",
+                    step=step,
+                    actor="agent",
+                    attributes={"tool": "run_code", "n": step},
+                )
+
+    def rows(self) -> list[tuple[int, str, str]]:
+        return [(r.seq, r.body, r.hash) for r in self.store.rows()]
+
+    def set_row(self, seq: int, body: str, digest: str) -> None:
+        body_sql = body.replace("'", "''").replace("{", "{{").replace("}", "}}")
+        self.sql(f"UPDATE {{events}} SET body = '{body_sql}', hash = '{digest}' WHERE seq = {seq}")
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
+    if request.param == "sqlite":
+        path = tmp_path / "audit.db"
+
+        def sqlite_sql(statement: str) -> None:
+            with sqlite3.connect(path) as conn:
+                conn.execute("DROP TRIGGER IF EXISTS audit_events_no_update")
+                conn.execute("DROP TRIGGER IF EXISTS audit_events_no_delete")
+                conn.execute(statement.format(events="audit_events", head="audit_head"))
+
+        store = SQLiteStore(path)
+        yield Target(store, lambda: SQLiteStore(path), sqlite_sql)
+        store.close()
+        return
+
+    ok, why = postgres_reachable()
+    require("postgres", ok, why)
+    import psycopg
+
+    ns = f"t_{uuid.uuid4().hex[:12]}"
+
+    def postgres_sql(statement: str) -> None:
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+            conn.execute(f"ALTER TABLE {ns}_events DISABLE TRIGGER USER".encode())
+            conn.execute(statement.format(events=f"{ns}_events", head=f"{ns}_head").encode())
+
+    store = open_store(POSTGRES_URL, namespace=ns)
+    try:
+        yield Target(store, lambda: open_store(POSTGRES_URL, namespace=ns), postgres_sql)
+    finally:
+        store.close()
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+            conn.execute(f"DROP TABLE IF EXISTS {ns}_events, {ns}_head".encode())
+            conn.execute(f"DROP FUNCTION IF EXISTS {ns}_append_only".encode())
+
+
+def kinds_at(target: Target, key: bytes | None = None) -> list[tuple[int, ProblemKind]]:
+    return [(p.seq, p.kind) for p in verify(target.store, key=key).problems]
+
+
+def test_an_honest_chain_verifies_and_reads_back(target: Target) -> None:
+    target.fill(10)
+    report = verify(target.store)
+    assert report.ok, report.problems
+    assert report.checked == 10 and report.last_seq == 10
+    events = list(target.store.events())
+    assert [e.seq for e in events] == list(range(1, 11))
+    assert all(b.prev_hash == a.hash for a, b in zip(events, events[1:], strict=False))
+    assert [e.step for e in target.store.events(run_id="run-b")] == [5, 6, 7, 8, 9]
+
+
+def test_the_store_refuses_updates_and_deletes(target: Target) -> None:
+    target.fill(2)
+    import psycopg
+
+    errors = (sqlite3.DatabaseError, psycopg.Error)
+    statement = "DELETE FROM {events} WHERE seq = 1"
+    if isinstance(target.store, SQLiteStore):
+        with pytest.raises(errors), sqlite3.connect(target.store.path) as conn:
+            conn.execute(statement.format(events="audit_events"))
+    else:
+        with pytest.raises(errors), psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+            conn.execute(statement.format(events=f"{target.store.ns}_events").encode())  # type: ignore[attr-defined]
+    assert verify(target.store).ok
+
+
+def test_an_edited_event_is_found_at_its_seq(target: Target) -> None:
+    target.fill()
+    target.sql("UPDATE {events} SET body = replace(body, 'run_code', 'rm -rf /') WHERE seq = 4")
+    assert kinds_at(target) == [(4, ProblemKind.EDITED)]
+
+
+def test_an_edit_with_a_recomputed_hash_breaks_the_next_link(target: Target) -> None:
+    target.fill()
+    seq, body, _ = target.rows()[3]
+    forged = body.replace("run_code", "harmless")
+    target.set_row(seq, forged, Chain().link(f"{target.rows()[2][2]}", forged.encode()))
+    assert kinds_at(target) == [(5, ProblemKind.BROKEN_LINK)]
+
+
+def test_a_deleted_event_is_a_gap(target: Target) -> None:
+    target.fill()
+    target.sql("DELETE FROM {events} WHERE seq = 6")
+    assert kinds_at(target) == [(6, ProblemKind.MISSING), (7, ProblemKind.BROKEN_LINK)]
+
+
+def test_reordered_events_are_found(target: Target) -> None:
+    target.fill()
+    target.sql("UPDATE {events} SET seq = -1 WHERE seq = 5")
+    target.sql("UPDATE {events} SET seq = 5 WHERE seq = 6")
+    target.sql("UPDATE {events} SET seq = 6 WHERE seq = -1")
+    found = kinds_at(target)
+    assert (5, ProblemKind.OUT_OF_ORDER) in found and (6, ProblemKind.OUT_OF_ORDER) in found
+    assert {seq for seq, _ in found} <= {5, 6, 7}
+
+
+def test_an_inserted_event_is_found(target: Target) -> None:
+    target.fill()
+    target.sql("UPDATE {events} SET seq = seq + 1000 WHERE seq >= 5")
+    target.sql("UPDATE {events} SET seq = seq - 999 WHERE seq >= 1000")
+    target.sql(
+        "INSERT INTO {events} SELECT 5, run_id, kind, step, timestamp_ns, body, hash FROM {events} WHERE seq = 4"
+    )
+    found = kinds_at(target)
+    assert found[0] == (5, ProblemKind.OUT_OF_ORDER)
+    assert (5, ProblemKind.BROKEN_LINK) in found
+
+
+def test_an_event_appended_behind_the_logs_back_is_found(target: Target) -> None:
+    target.fill()
+    _, body, last_hash = target.rows()[-1]
+    forged = canonical({**json.loads(body), "seq": 11, "prev_hash": last_hash}).decode()
+    target.sql(
+        "INSERT INTO {events} SELECT 11, run_id, kind, step, timestamp_ns, body, hash FROM {events} WHERE seq = 10"
+    )
+    target.set_row(11, forged, Chain().link(last_hash, forged.encode()))
+    assert (10, ProblemKind.HEAD_FORGED) in kinds_at(target)
+
+
+def test_a_truncated_tail_is_found_against_the_head_record(target: Target) -> None:
+    target.fill()
+    target.sql("DELETE FROM {events} WHERE seq > 7")
+    assert kinds_at(target) == [(8, ProblemKind.TRUNCATED)]
+
+
+def test_with_a_key_a_head_moved_back_fails_its_mac(target: Target) -> None:
+    target.fill(key=KEY)
+    seq7_hash = target.rows()[6][2]
+    target.sql("DELETE FROM {events} WHERE seq > 7")
+    target.sql(f"UPDATE {{head}} SET seq = 7, hash = '{seq7_hash}' WHERE id = 1")
+    assert kinds_at(target, key=KEY) == [(7, ProblemKind.HEAD_FORGED)]
+
+
+def test_without_a_key_only_a_head_kept_outside_exposes_a_clean_truncation(target: Target) -> None:
+    target.fill()
+    pinned = verify(target.store)
+    rows = target.rows()
+    plain = Chain()
+    target.sql("DELETE FROM {events} WHERE seq > 7")
+    target.sql(
+        f"UPDATE {{head}} SET seq = 7, hash = '{rows[6][2]}', mac = '{plain.head_mac(7, rows[6][2])}' WHERE id = 1"
+    )
+    assert verify(target.store).ok  # the documented limit of an unkeyed chain
+    report = verify(target.store, expected_head=(pinned.last_seq, pinned.last_hash))
+    assert [(p.seq, p.kind) for p in report.problems] == [(10, ProblemKind.UNEXPECTED_HEAD)]
+
+
+def test_rewriting_the_whole_chain_without_the_key_is_found(target: Target) -> None:
+    target.fill(key=KEY)
+    prev = "0" * 64
+    for seq, body, _ in target.rows():  # the attacker recomputes every hash, without the key
+        forged = body.replace("run_code", "nothing")
+        digest = Chain(b"attacker-guessed-key!!").link(prev, forged.encode())
+        target.set_row(seq, forged, digest)
+        prev = digest
+    found = kinds_at(target, key=KEY)
+    assert found[0] == (0, ProblemKind.WRONG_KEY)
+    assert (10, ProblemKind.HEAD_FORGED) in found
+
+
+def test_a_keyed_chain_needs_its_key(target: Target) -> None:
+    target.fill(key=KEY)
+    assert verify(target.store, key=KEY).ok
+    assert kinds_at(target) == [(0, ProblemKind.WRONG_KEY)]
+    assert kinds_at(target, key=b"another-key-0123456789")[0] == (0, ProblemKind.WRONG_KEY)
+
+
+def test_a_column_that_disagrees_with_the_signed_body_is_found(target: Target) -> None:
+    target.fill()
+    target.sql("UPDATE {events} SET run_id = 'run-z' WHERE seq = 2")
+    assert kinds_at(target) == [(2, ProblemKind.COLUMN_MISMATCH)]
+
+
+def test_verify_of_one_run_reports_that_run_and_counts_the_rest(target: Target) -> None:
+    target.fill()
+    target.sql("UPDATE {events} SET body = replace(body, 'run_code', 'x') WHERE seq = 8")  # run-b
+    report = verify(target.store, run_id="run-a")
+    assert report.ok and report.run_events == 5 and report.problems_elsewhere == 1
+    assert not verify(target.store, run_id="run-b").ok
+
+
+def test_two_writers_on_two_connections_make_one_chain(target: Target) -> None:
+    other = target.reopen()
+
+    def write(store: AuditStore, run: str) -> None:
+        with AuditLog(store, batch_size=16, flush_interval_s=None) as log:
+            for step in range(200):
+                log.record(EventKind.COMMAND, run_id=run, step=step)
+
+    threads = [threading.Thread(target=write, args=(s, r)) for s, r in ((target.store, "a"), (other, "b"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    other.close()
+    report = verify(target.store)
+    assert report.ok, report.problems
+    assert report.checked == 400
