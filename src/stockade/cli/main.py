@@ -21,6 +21,7 @@ app = typer.Typer(
 COMMAND_MODULES = (
     "stockade.cli.sandbox_cmds",
     "stockade.cli.audit_cmds",
+    "stockade.cli.agent_cmds",
 )
 
 for _name in COMMAND_MODULES:

@@ -1,0 +1,143 @@
+"""``stockade demo``: the main job on the embedded default, with no API key.
+
+A scripted model fixes a real bug in the sample project shipped here (``sample_project/``),
+inside a real process-tier sandbox: the tests fail, it reads the code, patches it with a
+unified diff, reruns the tests, and they pass. On the way, one workspace read fails with an
+injected transient error (``ResourceContention``) and the retry layer
+(``stockade.runtime.retry``) runs it again.
+
+The sandbox sees the host's ``/usr``: the tests run under pytest when the sandbox's
+``python3`` has it (Debian's ``python3-pytest``), else under ``python3 -m unittest``, which
+needs nothing beyond the standard library.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from stockade.agent import Agent, AgentEvent, Observer, RunLimits, RunResult, RunStarted
+from stockade.exceptions import ResourceContention
+from stockade.models import ScriptedModel, tool_call
+from stockade.runtime.events import Observer as RuntimeObserver
+from stockade.runtime.events import RuntimeEvent
+from stockade.runtime.retry import Retrier, RetryingBackend, RetryPolicy
+from stockade.sandbox import _registry
+from stockade.sandbox.base import Backend, Instance, OpResult, OutputSink, SandboxSpec
+from stockade.sandbox.facade import Sandbox
+from stockade.sandbox.ops import Op, ReadFile
+from stockade.types import TierReport
+
+__all__ = ["SAMPLE_PROJECT", "FaultInjectingBackend", "demo_model", "run_demo", "test_command"]
+
+SAMPLE_PROJECT = Path(__file__).parent / "sample_project"
+TASK = "The test suite of this project fails. Find the bug, fix it, and make the tests pass."
+
+FIX = """\
+--- a/inventory.py
++++ b/inventory.py
+@@ -11,4 +11,4 @@
+ def restock_needed(stock: dict[str, int], threshold: int) -> list[str]:
+     \"\"\"The items to reorder: those with ``threshold`` units or fewer, sorted by name.\"\"\"
+-    return sorted(name for name, count in stock.items() if count < threshold)
++    return sorted(name for name, count in stock.items() if count <= threshold)
+"""
+
+
+class _FaultInjectingInstance(Instance):
+    def __init__(self, inner: Instance, fails: Callable[[Op], bool]) -> None:
+        self.inner = inner
+        self.fails = fails
+        self.id, self.tier, self.enforcement = inner.id, inner.tier, inner.enforcement
+
+    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+        if self.fails(op):
+            raise ResourceContention(f"injected transient fault on {type(op).__name__}")
+        return self.inner.handle(op, sink)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.inner.alive
+
+
+class FaultInjectingBackend(Backend):
+    """Starts ``inner``'s sandboxes; once ``arm()`` is called, the next read of ``path`` fails
+    transiently, once."""
+
+    def __init__(self, inner: Backend, *, path: str) -> None:
+        self.inner = inner
+        self.tier = inner.tier
+        self.path = path
+        self.armed = False
+        self.injected = 0
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def _fails(self, op: Op) -> bool:
+        if self.armed and self.injected == 0 and isinstance(op, ReadFile) and op.path == self.path:
+            self.injected += 1
+            return True
+        return False
+
+    def probe(self) -> TierReport:
+        return self.inner.probe()
+
+    def start(self, spec: SandboxSpec) -> Instance:
+        return _FaultInjectingInstance(self.inner.start(spec), self._fails)
+
+
+def test_command(sandbox: Sandbox) -> str:
+    """pytest when the sandbox's python3 has it, else the standard library's unittest."""
+    probe = sandbox.commands.run(["python3", "-c", "import pytest"], timeout_s=30)
+    return "python3 -m pytest -q -p no:cacheprovider" if probe.ok else "python3 -m unittest"
+
+
+test_command.__test__ = False  # type: ignore[attr-defined]  # a helper, not a pytest test
+
+
+def demo_model(command: str) -> ScriptedModel:
+    """What a good model does with this project, turn by turn."""
+    return ScriptedModel(
+        [
+            tool_call("run_tests", {"command": command}),
+            tool_call("read_file", {"path": "inventory.py"}),
+            tool_call("apply_patch", {"diff": FIX}),
+            tool_call("run_tests", {"command": command}),
+            "Fixed restock_needed: items with exactly `threshold` units must be reordered too "
+            "(`count <= threshold`, as its docstring says). All tests pass.",
+        ],
+        name="scripted-demo",
+    )
+
+
+def run_demo(
+    *,
+    tier: str = "process",
+    observers: Sequence[Observer] = (),
+    on_retry: RuntimeObserver | None = None,
+    backend: Backend | None = None,
+) -> RunResult:
+    """Run the whole demo; ``backend`` replaces the tier (tests pass a fake)."""
+    inner = backend or _registry.backend(tier)
+    retrier = Retrier(policy=RetryPolicy(wait_initial=0.05, wait_jitter=0.05), observer=on_retry or _ignore)
+    faults = FaultInjectingBackend(inner, path="inventory.py")
+
+    def arm_on_start(event: AgentEvent) -> None:
+        if isinstance(event, RunStarted):
+            faults.arm()  # fail during the run, not while the baseline is recorded
+
+    with Sandbox.create(backend=RetryingBackend(faults, retrier), workspace=SAMPLE_PROJECT) as sandbox:
+        agent = Agent(
+            demo_model(test_command(sandbox)),
+            observers=(arm_on_start, *observers),
+            limits=RunLimits(max_steps=10),
+        )
+        return agent.run_sync(TASK, sandbox=sandbox)
+
+
+def _ignore(event: RuntimeEvent) -> None:
+    """Retries are not shown unless asked."""
