@@ -7,6 +7,7 @@ postgres``; its URL is ``STOCKADE_TEST_POSTGRES_URL``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sqlite3
@@ -124,7 +125,7 @@ def test_an_honest_chain_verifies_and_reads_back(target: Target) -> None:
     assert report.checked == 10 and report.last_seq == 10
     events = list(target.store.events())
     assert [e.seq for e in events] == list(range(1, 11))
-    assert all(b.prev_hash == a.hash for a, b in zip(events, events[1:], strict=False))
+    assert all(b.prev_hash == a.hash for a, b in itertools.pairwise(events))
     assert [e.step for e in target.store.events(run_id="run-b")] == [5, 6, 7, 8, 9]
 
 
@@ -178,7 +179,8 @@ def test_an_inserted_event_is_found(target: Target) -> None:
     target.sql("UPDATE {events} SET seq = seq + 1000 WHERE seq >= 5")
     target.sql("UPDATE {events} SET seq = seq - 999 WHERE seq >= 1000")
     target.sql(
-        "INSERT INTO {events} SELECT 5, run_id, kind, step, timestamp_ns, body, hash FROM {events} WHERE seq = 4"
+        "INSERT INTO {events} SELECT 5, run_id, kind, step, timestamp_ns, body, hash "
+        "FROM {events} WHERE seq = 4"
     )
     found = kinds_at(target)
     assert found[0] == (5, ProblemKind.OUT_OF_ORDER)
@@ -190,7 +192,8 @@ def test_an_event_appended_behind_the_logs_back_is_found(target: Target) -> None
     _, body, last_hash = target.rows()[-1]
     forged = canonical({**json.loads(body), "seq": 11, "prev_hash": last_hash}).decode()
     target.sql(
-        "INSERT INTO {events} SELECT 11, run_id, kind, step, timestamp_ns, body, hash FROM {events} WHERE seq = 10"
+        "INSERT INTO {events} SELECT 11, run_id, kind, step, timestamp_ns, body, hash "
+        "FROM {events} WHERE seq = 10"
     )
     target.set_row(11, forged, Chain().link(last_hash, forged.encode()))
     assert (10, ProblemKind.HEAD_FORGED) in kinds_at(target)
@@ -216,9 +219,8 @@ def test_without_a_key_only_a_head_kept_outside_exposes_a_clean_truncation(targe
     rows = target.rows()
     plain = Chain()
     target.sql("DELETE FROM {events} WHERE seq > 7")
-    target.sql(
-        f"UPDATE {{head}} SET seq = 7, hash = '{rows[6][2]}', mac = '{plain.head_mac(7, rows[6][2])}' WHERE id = 1"
-    )
+    mac = plain.head_mac(7, rows[6][2])
+    target.sql(f"UPDATE {{head}} SET seq = 7, hash = '{rows[6][2]}', mac = '{mac}' WHERE id = 1")
     assert verify(target.store).ok  # the documented limit of an unkeyed chain
     report = verify(target.store, expected_head=(pinned.last_seq, pinned.last_hash))
     assert [(p.seq, p.kind) for p in report.problems] == [(10, ProblemKind.UNEXPECTED_HEAD)]
