@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from stockade import exceptions as exc
+from stockade.models.scripted import FunctionModel, ScriptedModel, tool_call
 from stockade.sandbox.base import (
     AsyncBackend,
     AsyncInstance,
@@ -52,7 +53,16 @@ from stockade.types import (
     TierReport,
 )
 
-__all__ = ["CapturedAudit", "FakeBackend", "FakeInstance", "MemoryWorkspace", "capture_audit"]
+__all__ = [
+    "CapturedAudit",
+    "FakeBackend",
+    "FakeInstance",
+    "FunctionModel",
+    "MemoryWorkspace",
+    "ScriptedModel",
+    "capture_audit",
+    "tool_call",
+]
 
 Handler = Callable[[Op], OpResult]
 FAKE_ENFORCEMENT = Enforcement(
