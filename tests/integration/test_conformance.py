@@ -256,7 +256,9 @@ def test_upload_and_download_directories(sbx: Sandbox, tmp_path: os.PathLike[str
     (src / "pkg" / "mod.py").write_text("X = 1\n")
     sbx.files.upload_dir(src, "proj")
     assert sbx.files.read("proj/pkg/mod.py") == "X = 1\n"
-    sbx.commands.run("cd proj && echo made > new.txt && ln -s /etc/shadow leak && cp /bin/true suid && chmod u+s suid")
+    sbx.commands.run(
+        "cd proj && echo made > new.txt && ln -s /etc/shadow leak && cp /bin/true suid && chmod u+s suid"
+    )
     dest = Path(tmp_path) / "out"
     try:
         sbx.files.download_dir(dest, "proj")

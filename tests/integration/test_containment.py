@@ -158,12 +158,12 @@ def test_privileges_are_dropped(sbx: Sandbox) -> None:
         "unshare -U true",
         "unshare -n true",
         "mount -t tmpfs none /tmp",
-        "python3 -c \"import ctypes; l=ctypes.CDLL(None); assert l.ptrace(0,0,0,0) == 0\"",
-        "python3 -c \"import socket; socket.socket(socket.AF_PACKET, socket.SOCK_RAW)\"",
-        "python3 -c \"import socket; socket.socket(socket.AF_INET, socket.SOCK_RAW, 1)\"",
-        "python3 -c \"import ctypes; l=ctypes.CDLL(None); assert l.syscall(425, 8, 0) >= 0\"",  # io_uring_setup
-        "python3 -c \"import ctypes; l=ctypes.CDLL(None); assert l.syscall(321, 0, 0, 0) >= 0\"",  # bpf
-        "python3 -c \"import ctypes; l=ctypes.CDLL(None); assert l.syscall(250, 0, 0, 0) >= 0\"",  # keyctl
+        'python3 -c "import ctypes; l=ctypes.CDLL(None); assert l.ptrace(0,0,0,0) == 0"',
+        'python3 -c "import socket; socket.socket(socket.AF_PACKET, socket.SOCK_RAW)"',
+        'python3 -c "import socket; socket.socket(socket.AF_INET, socket.SOCK_RAW, 1)"',
+        'python3 -c "import ctypes; l=ctypes.CDLL(None); assert l.syscall(425, 8, 0) >= 0"',  # io_uring_setup
+        'python3 -c "import ctypes; l=ctypes.CDLL(None); assert l.syscall(321, 0, 0, 0) >= 0"',  # bpf
+        'python3 -c "import ctypes; l=ctypes.CDLL(None); assert l.syscall(250, 0, 0, 0) >= 0"',  # keyctl
     ],
 )
 def test_kernel_surface_is_refused(sbx: Sandbox, attempt: str) -> None:
@@ -201,7 +201,9 @@ def test_an_output_flood_is_capped(tier: str) -> None:
 
 def test_a_double_forked_process_dies_with_its_command(sbx: Sandbox) -> None:
     marker = f"{secrets.randbelow(10**6) + 1000}.25"
-    r = sbx.commands.run(f"(setsid sleep {marker} &) ; (nohup sleep {marker} &) ; sleep {marker}", timeout_s=1)
+    r = sbx.commands.run(
+        f"(setsid sleep {marker} &) ; (nohup sleep {marker} &) ; sleep {marker}", timeout_s=1
+    )
     assert r.timed_out
     assert host_processes_with(f"sleep\0{marker}") == []
     assert marker not in sbx.commands.run("ps -eo args 2>/dev/null || cat /proc/[0-9]*/cmdline").stdout

@@ -38,7 +38,8 @@ def doctor() -> None:
         e = report.enforcement
         if e is not None:
             how = ", ".join(
-                f"{name}={getattr(e, name)}" for name in ("memory", "cpus", "pids", "disk", "network", "timeout")
+                f"{name}={getattr(e, name)}"
+                for name in ("memory", "cpus", "pids", "disk", "network", "timeout")
             )
             out.print(f"         enforced by: {how}")
             for weaker in e.weakened:
@@ -67,11 +68,16 @@ def exec_(
     """Run one command in a fresh sandbox; its exit code becomes ours."""
     try:
         with Sandbox.create(
-            tier, limits=_limits(memory, cpus, pids, timeout), network=NetworkPolicy(enabled=network),
-            allow_weaker=allow_weaker, workspace=workspace,
+            tier,
+            limits=_limits(memory, cpus, pids, timeout),
+            network=NetworkPolicy(enabled=network),
+            allow_weaker=allow_weaker,
+            workspace=workspace,
         ) as sbx:
             result = sbx.commands.run(
-                command, on_stdout=lambda s: out.file.write(s), on_stderr=lambda s: err.file.write(s),
+                command,
+                on_stdout=lambda s: out.file.write(s),
+                on_stderr=lambda s: err.file.write(s),
                 stdin=None if sys.stdin.isatty() else sys.stdin.buffer.read(),
             )
     except exc.StockadeError as error:
@@ -95,7 +101,9 @@ def run_code(
     """Run code in a fresh sandbox; print its output and the value of its last expression."""
     code = sys.stdin.read() if file == "-" else Path(file).read_text()
     try:
-        with Sandbox.create(tier, limits=Limits(memory_mb=memory, timeout_s=timeout), allow_weaker=allow_weaker) as sbx:
+        with Sandbox.create(
+            tier, limits=Limits(memory_mb=memory, timeout_s=timeout), allow_weaker=allow_weaker
+        ) as sbx:
             execution = sbx.run_code(
                 code, language, on_stdout=lambda s: out.file.write(s), on_stderr=lambda s: err.file.write(s)
             )
@@ -106,7 +114,9 @@ def run_code(
         if result.text is not None:
             out.print(result.text, markup=False, highlight=False)
     if execution.error is not None:
-        err.print(execution.error.traceback or f"{execution.error.name}: {execution.error.value}", markup=False)
+        err.print(
+            execution.error.traceback or f"{execution.error.name}: {execution.error.value}", markup=False
+        )
         raise typer.Exit(1)
 
 

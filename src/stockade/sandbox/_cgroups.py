@@ -7,6 +7,7 @@ delegated subtree); callers fall back to rlimits and say so.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -92,10 +93,8 @@ class Cgroup:
     def pids(self) -> list[int]:
         out: set[int] = set()
         for d in self.dirs:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 out.update(int(p) for p in (d / "cgroup.procs").read_text().split())
-            except FileNotFoundError:
-                pass
         return sorted(out)
 
     def oom_kills(self) -> int:
@@ -123,10 +122,8 @@ class Cgroup:
             if not pids:
                 return
             for pid in pids:
-                try:
+                with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             time.sleep(0.002)
 
     def remove(self) -> None:
@@ -147,10 +144,8 @@ def _enable_v2(directory: Path) -> None:
     enabled = set(control.read_text().split())
     for controller in ("memory", "pids", "cpu"):
         if controller not in enabled:
-            try:
+            with contextlib.suppress(OSError):
                 control.write_text(f"+{controller}")
-            except OSError:
-                pass
 
 
 def leftover_groups() -> list[str]:

@@ -8,6 +8,7 @@ kills the channel (and the tier then kills the sandbox).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
@@ -97,10 +98,8 @@ class Channel:
 
     def close(self) -> None:
         self._fail("closed")
-        try:
+        with contextlib.suppress(OSError):
             self._stream.close()
-        except OSError:
-            pass
 
 
 class Call:

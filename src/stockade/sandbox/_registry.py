@@ -17,7 +17,11 @@ from stockade.types import TierReport, Trust
 TIERS: dict[str, tuple[str, str, str]] = {
     "process": ("stockade.sandbox.process", "ProcessBackend", "apt-get install bubblewrap"),
     "docker": ("stockade.sandbox.docker", "DockerBackend", 'pip install "stockade[docker]"'),
-    "gvisor": ("stockade.sandbox.gvisor", "GVisorBackend", 'pip install "stockade[docker]"; apt-get install runsc'),
+    "gvisor": (
+        "stockade.sandbox.gvisor",
+        "GVisorBackend",
+        'pip install "stockade[docker]"; apt-get install runsc',
+    ),
     "microvm": ("stockade.sandbox.microvm", "MicroVMBackend", "apt-get install qemu-system-x86"),
 }
 STRENGTH = tuple(TIERS)

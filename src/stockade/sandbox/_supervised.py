@@ -235,8 +235,12 @@ class SupervisedInstance(Instance):
             raise exc.ConfigurationError("empty command")
         timeout = self._timeout(op.timeout_s)
         header = {
-            "op": "exec", "argv": list(op.argv), "cwd": op.cwd, "env": dict(op.envs),
-            "timeout": timeout, "stdin": op.stdin is not None,
+            "op": "exec",
+            "argv": list(op.argv),
+            "cwd": op.cwd,
+            "env": dict(op.envs),
+            "timeout": timeout,
+            "stdin": op.stdin is not None,
         }
         oom_before = self.boundary.oom_kills()
         started = time.monotonic()
@@ -261,9 +265,15 @@ class SupervisedInstance(Instance):
             out, out_cut = streams[1].text(len(streams[1].data))
             err, _ = streams[2].text(len(streams[2].data))
             return CommandResult(
-                exit_code=137, stdout=out, stderr=err, duration_s=time.monotonic() - started,
-                timed_out=True, truncated=out_cut, signal=9,
-                stdout_bytes=len(streams[1].data), stderr_bytes=len(streams[2].data),
+                exit_code=137,
+                stdout=out,
+                stderr=err,
+                duration_s=time.monotonic() - started,
+                timed_out=True,
+                truncated=out_cut,
+                signal=9,
+                stdout_bytes=len(streams[1].data),
+                stderr_bytes=len(streams[2].data),
             )
         raise exc.ProtocolError("command ended without an exit report")  # pragma: no cover
 
@@ -314,10 +324,15 @@ class SupervisedInstance(Instance):
         except TimeoutError:
             self.close()
             return Execution(
-                logs=Logs(stdout=streams[1].text(len(streams[1].data))[0],
-                          stderr=streams[2].text(len(streams[2].data))[0]),
-                error=ExecutionError(name="TimeoutError", value="the sandbox stopped answering and was killed", traceback=""),
-                duration_s=time.monotonic() - started, timed_out=True,
+                logs=Logs(
+                    stdout=streams[1].text(len(streams[1].data))[0],
+                    stderr=streams[2].text(len(streams[2].data))[0],
+                ),
+                error=ExecutionError(
+                    name="TimeoutError", value="the sandbox stopped answering and was killed", traceback=""
+                ),
+                duration_s=time.monotonic() - started,
+                timed_out=True,
             )
         raise exc.ProtocolError("run_code ended without a result")  # pragma: no cover
 
@@ -358,7 +373,7 @@ def _entry(raw: Any) -> EntryInfo:
     if not isinstance(raw, dict):
         raise exc.ProtocolError(f"malformed entry {raw!r}")
     try:
-        kind = EntryType(raw.get("type"))
+        kind = EntryType(str(raw.get("type")))
     except ValueError:
         kind = EntryType.OTHER
     return EntryInfo(

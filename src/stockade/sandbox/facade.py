@@ -18,7 +18,15 @@ from typing import Literal, overload
 from stockade import exceptions as exc
 from stockade.sandbox import _registry
 from stockade.sandbox._supervised import WORKSPACE
-from stockade.sandbox.base import AsyncBackend, AsyncInstance, Backend, Instance, OutputSink, SandboxSpec, ThreadedAsyncBackend
+from stockade.sandbox.base import (
+    AsyncBackend,
+    AsyncInstance,
+    Backend,
+    Instance,
+    OutputSink,
+    SandboxSpec,
+    ThreadedAsyncBackend,
+)
 from stockade.sandbox.ops import (
     GetArchive,
     ListDir,
@@ -46,7 +54,7 @@ from stockade.types import (
 
 __all__ = ["AsyncSandbox", "Sandbox"]
 
-TextCallback = Callable[[str], None]
+TextCallback = Callable[[str], object]
 
 # run_code languages other than "python" run as fresh processes: language -> argv prefix.
 INTERPRETERS: dict[str, tuple[str, ...]] = {
@@ -120,10 +128,15 @@ def as_execution(result: CommandResult) -> Execution:
     if result.timed_out:
         error = ExecutionError(name="TimeoutError", value="the code ran past its timeout", traceback="")
     elif result.exit_code != 0:
-        error = ExecutionError(name="NonZeroExit", value=f"exit code {result.exit_code}", traceback=result.stderr)
+        error = ExecutionError(
+            name="NonZeroExit", value=f"exit code {result.exit_code}", traceback=result.stderr
+        )
     return Execution(
-        logs=Logs(stdout=result.stdout, stderr=result.stderr), error=error,
-        duration_s=result.duration_s, timed_out=result.timed_out, truncated=result.truncated,
+        logs=Logs(stdout=result.stdout, stderr=result.stderr),
+        error=error,
+        duration_s=result.duration_s,
+        timed_out=result.timed_out,
+        truncated=result.truncated,
     )
 
 

@@ -101,6 +101,15 @@ class Reset:
 
 
 Op = (
-    RunCommand | RunCode | ReadFile | WriteFile | MakeDir | Stat | ListDir | Remove
-    | PutArchive | GetArchive | Reset
+    RunCommand
+    | RunCode
+    | ReadFile
+    | WriteFile
+    | MakeDir
+    | Stat
+    | ListDir
+    | Remove
+    | PutArchive
+    | GetArchive
+    | Reset
 )

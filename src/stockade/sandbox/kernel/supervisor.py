@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import io
 import os
 import resource
 import selectors
@@ -26,12 +27,11 @@ import stat
 import sys
 import tarfile
 import time
-import io
 from typing import Any, Callable, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from protocol import FrameError, FrameReader, encode  # noqa: E402
+from protocol import FrameError, FrameReader, encode
 
 PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
@@ -246,12 +246,21 @@ def _entry(path: str, st: os.stat_result) -> dict[str, Any]:
     path = _clean(path)
     mode = st.st_mode
     kind = (
-        "file" if stat.S_ISREG(mode) else "dir" if stat.S_ISDIR(mode)
-        else "symlink" if stat.S_ISLNK(mode) else "other"
+        "file"
+        if stat.S_ISREG(mode)
+        else "dir"
+        if stat.S_ISDIR(mode)
+        else "symlink"
+        if stat.S_ISLNK(mode)
+        else "other"
     )
     return {
-        "path": path, "name": path.rsplit("/", 1)[-1], "type": kind, "size": st.st_size,
-        "mode": stat.S_IMODE(mode), "mtime": st.st_mtime,
+        "path": path,
+        "name": path.rsplit("/", 1)[-1],
+        "type": kind,
+        "size": st.st_size,
+        "mode": stat.S_IMODE(mode),
+        "mtime": st.st_mtime,
     }
 
 
@@ -428,8 +437,9 @@ class Supervisor:
             except OSError as exc:
                 self.send(_os_error(rid, exc))
             except Exception as exc:  # never die on one bad request
-                self.send({"id": rid, "ev": "error", "kind": "internal",
-                           "message": f"{type(exc).__name__}: {exc}"})
+                self.send(
+                    {"id": rid, "ev": "error", "kind": "internal", "message": f"{type(exc).__name__}: {exc}"}
+                )
 
     # -- dispatch ------------------------------------------------------------------------
 
@@ -627,8 +637,9 @@ class Supervisor:
         base = self._rel(path)
         entries: list[dict[str, Any]] = []
         self._walk(fd, base, depth, entries)
-        self.send({"id": rid, "ev": "done", "entries": entries[:MAX_LIST],
-                   "truncated": len(entries) > MAX_LIST})
+        self.send(
+            {"id": rid, "ev": "done", "entries": entries[:MAX_LIST], "truncated": len(entries) > MAX_LIST}
+        )
 
     def _walk(self, fd: int, base: str, depth: int, out: list[dict[str, Any]]) -> None:
         try:
@@ -773,11 +784,18 @@ class Supervisor:
         status = job.status or 0
         sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
         code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + (sig or 0)
-        self.send({
-            "id": job.rid, "ev": "exit", "exit_code": code, "signal": sig,
-            "timed_out": job.timed_out, "duration": time.monotonic() - job.started,
-            "stdout_bytes": job.counts[1], "stderr_bytes": job.counts[2],
-        })
+        self.send(
+            {
+                "id": job.rid,
+                "ev": "exit",
+                "exit_code": code,
+                "signal": sig,
+                "timed_out": job.timed_out,
+                "duration": time.monotonic() - job.started,
+                "stdout_bytes": job.counts[1],
+                "stderr_bytes": job.counts[2],
+            }
+        )
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
@@ -851,11 +869,18 @@ class Supervisor:
                 job.output(stream, data)
 
     def _finish_code(self, job: Job, results: Any, error: Any) -> None:
-        self.send({
-            "id": job.rid, "ev": "result", "results": results, "error": error,
-            "timed_out": job.timed_out, "duration": time.monotonic() - job.started,
-            "stdout_bytes": job.counts[1], "stderr_bytes": job.counts[2],
-        })
+        self.send(
+            {
+                "id": job.rid,
+                "ev": "result",
+                "results": results,
+                "error": error,
+                "timed_out": job.timed_out,
+                "duration": time.monotonic() - job.started,
+                "stdout_bytes": job.counts[1],
+                "stderr_bytes": job.counts[2],
+            }
+        )
 
     def _drop_kernel(self, reason: Optional[str]) -> None:
         kernel = self.kernel
@@ -891,12 +916,24 @@ def _write_all(fd: int, data: bytes) -> None:
 
 def _os_error(rid: int, exc: OSError) -> dict[str, Any]:
     kind = {
-        errno.ENOENT: "missing", errno.ENOTDIR: "type", errno.EISDIR: "type",
-        errno.ELOOP: "escape", errno.ENOSPC: "full", errno.EDQUOT: "full",
-        errno.EEXIST: "exists", errno.EACCES: "permission", errno.EPERM: "permission",
-        errno.ENOTEMPTY: "type", errno.EROFS: "permission",
+        errno.ENOENT: "missing",
+        errno.ENOTDIR: "type",
+        errno.EISDIR: "type",
+        errno.ELOOP: "escape",
+        errno.ENOSPC: "full",
+        errno.EDQUOT: "full",
+        errno.EEXIST: "exists",
+        errno.EACCES: "permission",
+        errno.EPERM: "permission",
+        errno.ENOTEMPTY: "type",
+        errno.EROFS: "permission",
     }.get(exc.errno or 0, "os")
-    return {"id": rid, "ev": "error", "kind": kind, "message": f"{exc.strerror}: {exc.filename or ''}".rstrip(": ")}
+    return {
+        "id": rid,
+        "ev": "error",
+        "kind": kind,
+        "message": f"{exc.strerror}: {exc.filename or ''}".rstrip(": "),
+    }
 
 
 def main() -> None:
@@ -927,8 +964,7 @@ def main() -> None:
             break
     header, _ = frames[0]
     sup.configure(header.get("config", {}))
-    sup.send({"id": header.get("id", 0), "ev": "ready", "pid": os.getpid(),
-              "python": sys.version.split()[0]})
+    sup.send({"id": header.get("id", 0), "ev": "ready", "pid": os.getpid(), "python": sys.version.split()[0]})
     for extra_header, extra_body in frames[1:]:
         sup.dispatch(extra_header.get("id", 0), extra_header, extra_body)
     sup.reader = reader
