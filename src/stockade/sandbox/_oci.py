@@ -23,7 +23,7 @@ from stockade.sandbox.base import SandboxSpec
 
 KERNEL_SOURCES = ("supervisor.py", "interpreter.py", "protocol.py")
 KERNEL_MOUNT = "/opt/stockade"
-SUPERVISOR_ARGV = ("python3", "-S", "-E", "-s", "-B", f"{KERNEL_MOUNT}/supervisor.py")
+SUPERVISOR_ARGV = ("python3", "-S", "-E", "-s", "-B", f"{KERNEL_MOUNT}/boot.py")
 SANDBOX_UID = 1000
 MiB = 1024 * 1024
 MS_NOSUID, MS_NODEV = 2, 4
@@ -45,12 +45,46 @@ def default_state_dir() -> Path:
     return (Path(runtime) if runtime else Path(tempfile.gettempdir())) / f"stockade-{os.getuid()}"
 
 
+# Runs first in every container: stacks the process tier's seccomp filter on top of the
+# engine's profile (which allows ptrace, for one), then becomes the supervisor. Fails closed.
+BOOT = """\
+import ctypes, os, runpy, sys
+class _Prog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+with open("/opt/stockade/seccomp.bpf", "rb") as fh:
+    _code = fh.read()
+_buf = ctypes.create_string_buffer(_code, len(_code))
+_prog = _Prog(len(_code) // 8, ctypes.cast(_buf, ctypes.c_void_p))
+_libc = ctypes.CDLL(None, use_errno=True)
+if _libc.prctl(38, 1, 0, 0, 0) != 0 or _libc.prctl(22, 2, ctypes.byref(_prog), 0, 0) != 0:
+    sys.stderr.write("stockade: cannot install the seccomp filter: %s\\n" % os.strerror(ctypes.get_errno()))
+    sys.exit(121)
+del _code, _buf, _prog, _libc, _Prog, fh
+sys.argv = ["/opt/stockade/supervisor.py"]
+runpy.run_path("/opt/stockade/supervisor.py", run_name="__main__")
+"""
+
+
+_kernel_dirs: dict[Path, Path] = {}
+
+
 def kernel_dir(state_dir: Path) -> Path:
-    """A world-readable folder holding the supervisor's sources, created once per version."""
+    """A world-readable folder holding the supervisor, its boot script and the seccomp filter.
+
+    Created once per content (the name is its hash).
+    """
+    from stockade.sandbox import _seccomp
+
+    known = _kernel_dirs.get(state_dir)
+    if known is not None and known.is_dir():
+        return known
     src = Path(__file__).parent / "kernel"
     blobs = {name: (src / name).read_bytes() for name in KERNEL_SOURCES}
-    digest = hashlib.sha256(b"".join(blobs[n] for n in KERNEL_SOURCES)).hexdigest()[:16]
+    blobs["boot.py"] = BOOT.encode()
+    blobs["seccomp.bpf"] = _seccomp.filter_bpf()
+    digest = hashlib.sha256(b"".join(blobs[n] for n in sorted(blobs))).hexdigest()[:16]
     target = state_dir / f"kernel-{digest}"
+    _kernel_dirs[state_dir] = target
     if target.is_dir():
         return target
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
@@ -62,7 +96,7 @@ def kernel_dir(state_dir: Path) -> Path:
     try:
         os.rename(tmp, target)
     except OSError:  # another process won the race; theirs is identical
-        for name in KERNEL_SOURCES:
+        for name in blobs:
             (tmp / name).unlink(missing_ok=True)
         tmp.rmdir()
     return target
