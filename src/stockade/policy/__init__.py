@@ -1,7 +1,7 @@
 """Policy as data: a validated file of rules, a decision engine over it, guards that enforce
 it, and human approval. ``stockade.policy.agent`` plugs it into an agent run."""
 
-from stockade.policy.approval import ApprovalRequest, ApprovalStore, Approvals, Choice, cli_approver
+from stockade.policy.approval import ApprovalRequest, Approvals, ApprovalStore, Choice, cli_approver
 from stockade.policy.engine import Decision, PolicyEngine
 from stockade.policy.guards import GuardContext, GuardedBackend, GuardedInstance, op_policy_guard, pipeline
 from stockade.policy.load import load_policy, parse_policy

@@ -70,8 +70,8 @@ def glob_matches(globs: Sequence[str], path: str) -> bool:
         parent = path
         while "/" in parent:
             parent = parent.rsplit("/", 1)[0]
-            if pattern.fullmatch(parent) and not glob.endswith("*"):
-                return True  # "secrets" also covers everything below it
+            if pattern.fullmatch(parent) and not any(c in glob for c in "*?"):
+                return True  # a plain directory ("secrets") also covers everything below it
     return False
 
 
