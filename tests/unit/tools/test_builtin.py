@@ -1,0 +1,173 @@
+"""The built-in tools over the fake backend: reading, listing, bounded output, diffs."""
+
+from __future__ import annotations
+
+import pytest
+
+from stockade import Sandbox
+from stockade.sandbox.ops import RunCommand
+from stockade.testing import FakeBackend, MemoryWorkspace
+from stockade.tools import (
+    Tool,
+    ToolContext,
+    bound,
+    git_diff,
+    list_files,
+    read_file,
+    render,
+    run_code,
+    run_tests,
+    write_file,
+)
+from stockade.tools.workspace_diff import record_baseline
+from stockade.types import CommandResult, Execution, Logs
+
+
+def make_sandbox(workspace: MemoryWorkspace | None = None) -> Sandbox:
+    ws = workspace or MemoryWorkspace()
+    return Sandbox.create(backend=FakeBackend(ws))
+
+
+async def call(t: Tool, sbx: Sandbox, args: dict[str, object], **ctx: object) -> object:
+    context = ToolContext(sandbox=sbx, step=int(ctx.get("step", 1)), call_id=str(ctx.get("call_id", "c1")))
+    return await t.invoke(context, t.validate(args))  # type: ignore[arg-type]
+
+
+async def test_read_file_numbers_lines_and_pages_with_offset_and_limit() -> None:
+    sbx = make_sandbox()
+    sbx.files.write("a.py", "".join(f"line {i}\n" for i in range(1, 11)))
+    out = await call(read_file, sbx, {"path": "a.py", "offset": 2, "limit": 3})
+    assert (
+        out == "a.py: lines 3-5 of 10\n3  line 3\n4  line 4\n5  line 5\n(more: read_file('a.py', offset=5))"
+    )
+
+
+async def test_list_files_skips_vcs_caches_and_dependencies_and_caps_entries() -> None:
+    sbx = make_sandbox()
+    for path in (
+        "src/app.py",
+        ".git/HEAD",
+        "src/__pycache__/app.pyc",
+        "node_modules/x/index.js",
+        "pkg.egg-info/PKG",
+    ):
+        sbx.files.write(path, "x")
+    out = await call(list_files, sbx, {"depth": 5})
+    assert out == "src/\nsrc/app.py  (1 bytes)"
+
+
+async def test_a_long_observation_keeps_head_and_tail_and_saves_the_rest_for_paging() -> None:
+    sbx = make_sandbox()
+    text = "".join(f"row {i}\n" for i in range(5000))
+    shown = bound(ToolContext(sandbox=sbx, step=3, call_id="call/7", max_observation_chars=600), text)
+    assert shown.text.startswith("row 0\n") and shown.text.endswith("row 4999\n")
+    assert shown.saved_to == ".stockade/outputs/3-call_7.txt"
+    assert f"{shown.cut_chars:,} characters cut from the middle" in shown.text
+    assert "5001 lines) is saved at .stockade/outputs/3-call_7.txt" in shown.text
+    assert len(shown.text) < 800
+    assert sbx.files.read(shown.saved_to) == text
+
+
+async def test_git_diff_shows_changes_since_the_baseline() -> None:
+    sbx = make_sandbox()
+    sbx.files.write("a.txt", "one\ntwo\n")
+    record_baseline(sbx)
+    await call(write_file, sbx, {"path": "a.txt", "content": "one\n2\n"})
+    await call(write_file, sbx, {"path": "b.txt", "content": "new\n"})
+    assert await call(git_diff, sbx, {}) == (
+        "--- a/a.txt\n+++ b/a.txt\n@@ -1,2 +1,2 @@\n one\n-two\n+2\n"
+        "--- /dev/null\n+++ b/b.txt\n@@ -0,0 +1 @@\n+new\n"
+    )
+
+
+async def test_the_workspace_diff_is_a_patch_apply_patch_accepts() -> None:
+    from stockade.tools import apply_patch
+
+    sbx = make_sandbox()
+    sbx.files.write("a.txt", "one\ntwo\n")
+    record_baseline(sbx)
+    sbx.files.write("a.txt", "one\n2\nthree")
+    diff = await call(git_diff, sbx, {})
+    sbx.files.write("a.txt", "one\ntwo\n")
+    await call(apply_patch, sbx, {"diff": diff})
+    assert sbx.files.read("a.txt") == "one\n2\nthree"
+
+
+JUNIT = b"""<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="3">
+<testcase classname="test_m" name="test_ok" time="0.001"/>
+<testcase classname="test_m" name="test_bad" time="0.001"><failure message="assert 1 == 2">def test_bad():
+&gt;       assert 1 == 2
+E       assert 1 == 2</failure></testcase>
+<testcase classname="test_m" name="test_skip"><skipped message="later"/></testcase>
+</testsuite></testsuites>"""
+
+
+async def test_run_tests_reads_pytests_junit_report() -> None:
+    ws = MemoryWorkspace()
+
+    def pytest_run(op: RunCommand) -> CommandResult:
+        command = op.argv[-1]
+        assert "--junitxml=.stockade/reports/junit-1-c1.xml" in command
+        ws.files[".stockade/reports/junit-1-c1.xml"] = JUNIT
+        return CommandResult(exit_code=1, stdout="1 failed, 1 passed", stderr="", duration_s=0.1)
+
+    ws.commands = pytest_run
+    report = await call(run_tests, make_sandbox(ws), {"command": "python3 -m pytest -q"})
+    assert report.runner == "pytest"  # type: ignore[attr-defined]
+    assert report.passed == ("test_m::test_ok",)  # type: ignore[attr-defined]
+    assert report.failed == ("test_m::test_bad",)  # type: ignore[attr-defined]
+    assert report.skipped == 1  # type: ignore[attr-defined]
+    text = render(report)
+    assert "pytest: 1 passed, 1 failed, 0 errors, 1 skipped (exit code 1)" in text
+    assert "FAILED test_m::test_bad\ndef test_bad():" in text
+
+
+UNITTEST = """test_a (test_m.T.test_a) ... ok
+test_b (test_m.T.test_b) ... FAIL
+
+======================================================================
+FAIL: test_b (test_m.T.test_b)
+----------------------------------------------------------------------
+Traceback (most recent call last):
+AssertionError: 1 != 2
+
+----------------------------------------------------------------------
+Ran 2 tests in 0.001s
+
+FAILED (failures=1)
+"""
+
+
+async def test_run_tests_parses_verbose_unittest_output() -> None:
+    ws = MemoryWorkspace(
+        commands=lambda op: CommandResult(exit_code=1, stdout="", stderr=UNITTEST, duration_s=0.1)
+    )
+    report = await call(run_tests, make_sandbox(ws), {"command": "python3 -m unittest"})
+    assert (report.passed, report.failed) == (("test_m.T::test_a",), ("test_m.T::test_b",))  # type: ignore[attr-defined]
+    assert "AssertionError: 1 != 2" in report.failures[0].message  # type: ignore[attr-defined]
+
+
+async def test_other_runners_report_their_plain_output() -> None:
+    ws = MemoryWorkspace(
+        commands=lambda op: CommandResult(exit_code=2, stdout="boom", stderr="", duration_s=0.1)
+    )
+    report = await call(run_tests, make_sandbox(ws), {"command": "make check"})
+    assert render(report) == "$ make check\nexit code 2\nboom"
+
+
+async def test_run_code_writes_files_then_runs() -> None:
+    ws = MemoryWorkspace(code=lambda op: Execution(logs=Logs(stdout="hi\n")))
+    sbx = make_sandbox(ws)
+    out = await call(run_code, sbx, {"language": "python", "code": "print('hi')", "files": {"d.txt": "x"}})
+    assert out == "stdout:\nhi\n"
+    assert sbx.files.read("d.txt") == "x"
+
+
+@pytest.mark.parametrize("args", [{"path": "a.py", "offset": -1}, {"path": "a.py", "limit": 0}])
+async def test_read_file_refuses_nonsense_paging(args: dict[str, object]) -> None:
+    from stockade.exceptions import ToolError
+
+    sbx = make_sandbox()
+    sbx.files.write("a.py", "x\n")
+    with pytest.raises(ToolError):
+        await call(read_file, sbx, args)

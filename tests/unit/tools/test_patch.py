@@ -1,0 +1,82 @@
+"""apply_patch: unified diffs applied all or nothing, with a clear report of the failing hunk."""
+
+from __future__ import annotations
+
+import pytest
+
+from stockade import Sandbox
+from stockade.exceptions import PatchRejected
+from stockade.testing import FakeBackend
+from stockade.tools.patch import apply_patch_to_sandbox, apply_to_text, parse_unified_diff
+
+ORIGINAL = "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return w + h\n"
+
+
+@pytest.fixture
+def sbx() -> Sandbox:
+    sandbox = Sandbox.create(backend=FakeBackend())
+    sandbox.files.write("shapes.py", ORIGINAL)
+    sandbox.files.write("notes.txt", "keep me\n")
+    return sandbox
+
+
+def test_a_hunk_replaces_lines_in_place(sbx: Sandbox) -> None:
+    diff = (
+        "--- a/shapes.py\n+++ b/shapes.py\n@@ -5,2 +5,2 @@\n"
+        " def perimeter(w, h):\n-    return w + h\n+    return 2 * (w + h)\n"
+    )
+    assert apply_patch_to_sandbox(sbx, diff) == [("shapes.py", 1, 1)]
+    assert sbx.files.read("shapes.py").endswith("    return 2 * (w + h)\n")
+
+
+def test_a_hunk_whose_line_numbers_are_off_is_found_nearby() -> None:
+    [patch] = parse_unified_diff(
+        "--- a/f\n+++ b/f\n@@ -1,2 +1,2 @@\n def perimeter(w, h):\n-    return w + h\n+    return 0\n"
+    )
+    assert apply_to_text(ORIGINAL, patch).endswith("    return 0\n")
+
+
+def test_a_failing_hunk_changes_no_file_and_says_which_and_why(sbx: Sandbox) -> None:
+    diff = (
+        "--- a/notes.txt\n+++ b/notes.txt\n@@ -1 +1 @@\n-keep me\n+changed\n"
+        "--- a/shapes.py\n+++ b/shapes.py\n"
+        "@@ -1,2 +1,2 @@\n def area(w, h):\n-    return w * h\n+    return h * w\n"
+        "@@ -5,2 +5,2 @@\n def perimeter(w, h):\n-    return w - h\n+    return 2 * (w + h)\n"
+    )
+    with pytest.raises(PatchRejected) as caught:
+        apply_patch_to_sandbox(sbx, diff)
+    assert caught.value.path == "shapes.py" and caught.value.hunk == 2
+    assert "hunk 2 of 2 for shapes.py" in str(caught.value)
+    assert "'    return w - h'" in str(caught.value) and "'    return w + h'" in str(caught.value)
+    assert sbx.files.read("notes.txt") == "keep me\n"  # the first file was not touched either
+    assert sbx.files.read("shapes.py") == ORIGINAL
+
+
+def test_dev_null_creates_and_deletes_files(sbx: Sandbox) -> None:
+    diff = (
+        "--- /dev/null\n+++ b/pkg/new.py\n@@ -0,0 +1,2 @@\n+x = 1\n+y = 2\n"
+        "--- a/notes.txt\n+++ /dev/null\n@@ -1 +0,0 @@\n-keep me\n"
+    )
+    apply_patch_to_sandbox(sbx, diff)
+    assert sbx.files.read("pkg/new.py") == "x = 1\ny = 2\n"
+    assert not sbx.files.exists("notes.txt")
+
+
+def test_no_newline_at_end_of_file_is_respected() -> None:
+    [patch] = parse_unified_diff("--- a/f\n+++ b/f\n@@ -1 +1 @@\n-a\n+b\n\\ No newline at end of file\n")
+    assert apply_to_text("a\n", patch) == "b"
+
+
+def test_a_blank_context_line_without_its_space_is_accepted() -> None:
+    [patch] = parse_unified_diff("--- a/f\n+++ b/f\n@@ -1,3 +1,3 @@\n a\n\n-c\n+C\n")
+    assert apply_to_text("a\n\nc\n", patch) == "a\n\nC\n"
+
+
+def test_text_that_is_not_a_diff_is_refused_with_the_expected_shape() -> None:
+    with pytest.raises(PatchRejected, match="no unified diff found"):
+        parse_unified_diff("please change line 3")
+
+
+def test_patching_a_missing_file_is_refused(sbx: Sandbox) -> None:
+    with pytest.raises(PatchRejected, match="no such file"):
+        apply_patch_to_sandbox(sbx, "--- a/nope.py\n+++ b/nope.py\n@@ -1 +1 @@\n-a\n+b\n")
