@@ -1,0 +1,138 @@
+"""``AuditObserver``: the agent loop's events, recorded into the audit trail.
+
+    agent = Agent(model, tools, observers=[AuditObserver(log)])
+
+One event per moment that matters: ``run_start``, ``model_call`` (when the response
+arrives, with usage and the tool calls asked for), ``policy_decision`` (a denied call),
+``tool_call`` (when it returns: arguments, idempotency key, error, duration, sizes),
+``step`` and ``run_end``. Arguments and text pass through the log's redactor like any event.
+"""
+
+from __future__ import annotations
+
+from stockade.agent.events import (
+    AgentEvent,
+    ModelRequested,
+    ModelResponded,
+    RunFinished,
+    RunStarted,
+    StepFinished,
+    ToolCalled,
+    ToolDenied,
+    ToolReturned,
+)
+from stockade.audit.events import EventKind
+from stockade.audit.log import AuditLog
+
+__all__ = ["AuditObserver"]
+
+# Task text and answers are cut here; the run store keeps them whole.
+TEXT_CAP = 4096
+
+
+def _cap(text: str) -> str:
+    return text if len(text) <= TEXT_CAP else text[:TEXT_CAP] + f"…[{len(text) - TEXT_CAP} more chars]"
+
+
+class AuditObserver:
+    """An agent observer (``observer(event) -> None``) that writes to ``log``."""
+
+    def __init__(self, log: AuditLog, *, actor: str = "agent") -> None:
+        self.log = log
+        self.actor = actor
+
+    def __call__(self, event: AgentEvent) -> None:
+        record = self.log.record
+        match event:
+            case RunStarted():
+                record(
+                    EventKind.RUN_START,
+                    run_id=event.run_id,
+                    actor=self.actor,
+                    attributes={
+                        "task": _cap(event.task),
+                        "model": event.model_name,
+                        "resumed": event.resumed,
+                    },
+                )
+            case ModelRequested():
+                pass  # recorded once, with its outcome, as ModelResponded
+            case ModelResponded():
+                response = event.response
+                record(
+                    EventKind.MODEL_CALL,
+                    run_id=event.run_id,
+                    step=event.step,
+                    actor="model",
+                    duration_s=event.duration_s,
+                    attributes={
+                        "model": response.model_name,
+                        "finish_reason": response.finish_reason,
+                        "input_tokens": response.usage.input_tokens,
+                        "output_tokens": response.usage.output_tokens,
+                        "tool_calls": [call.name for call in response.tool_calls],
+                        "text_chars": len(response.text),
+                    },
+                )
+            case ToolCalled():
+                pass  # recorded once, with its outcome, as ToolReturned (or ToolDenied)
+            case ToolDenied():
+                record(
+                    EventKind.POLICY_DECISION,
+                    run_id=event.run_id,
+                    step=event.step,
+                    actor="policy",
+                    attributes={
+                        "decision": "deny",
+                        "rule": event.rule,
+                        "reason": event.reason,
+                        "tool": event.call.name,
+                        "call_id": event.call.id,
+                        "args": dict(event.call.args),
+                    },
+                )
+            case ToolReturned():
+                r = event.record
+                record(
+                    EventKind.TOOL_CALL,
+                    run_id=event.run_id,
+                    step=event.step,
+                    actor=self.actor,
+                    duration_s=r.duration_s,
+                    attributes={
+                        "tool": r.call.name,
+                        "call_id": r.call.id,
+                        "args": dict(r.call.args),
+                        "idempotency_key": r.idempotency_key,
+                        "is_error": r.is_error,
+                        "error_type": r.error_type,
+                        "denied": r.denied,
+                        "observation_chars": len(r.observation),
+                        "cut_chars": r.cut_chars,
+                    },
+                )
+            case StepFinished():
+                record(
+                    EventKind.STEP,
+                    run_id=event.run_id,
+                    step=event.step.index,
+                    actor=self.actor,
+                    attributes={"tool_calls": len(event.step.tool_calls)},
+                )
+            case RunFinished():
+                result = event.result
+                record(
+                    EventKind.RUN_END,
+                    run_id=event.run_id,
+                    actor=self.actor,
+                    attributes={
+                        "status": str(result.status),
+                        "steps": len(result.steps),
+                        "input_tokens": result.usage.input_tokens,
+                        "output_tokens": result.usage.output_tokens,
+                        "cost_usd": result.cost_usd,
+                        "error": result.error,
+                        "answer": _cap(result.answer),
+                    },
+                )
+                self.log.flush()  # the end of a run is a natural durability point

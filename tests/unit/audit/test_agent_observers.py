@@ -1,0 +1,69 @@
+"""The agent loop's events, recorded into the audit trail and as spans, by plain observers."""
+
+from __future__ import annotations
+
+import pytest
+
+from stockade.agent import Agent
+from stockade.audit import EventKind, verify
+from stockade.audit.agent import AuditObserver
+from stockade.models.messages import ToolCall
+from stockade.models.scripted import ScriptedModel
+from stockade.sandbox import Sandbox
+from stockade.testing import FakeBackend, capture_audit
+from tests.conftest import require
+
+SCRIPT = [ToolCall(name="write_file", args={"path": "a.py", "content": "x = 1"}), "done"]
+
+
+def test_a_run_becomes_audit_events() -> None:
+    with capture_audit() as audit, Sandbox.create(backend=FakeBackend()) as sbx:
+        agent = Agent(ScriptedModel(SCRIPT), observers=[AuditObserver(audit)])
+        assert agent.run_sync("write a.py", sandbox=sbx, run_id="run-7").ok
+
+        assert audit.kinds() == [
+            EventKind.RUN_START,
+            EventKind.MODEL_CALL,
+            EventKind.TOOL_CALL,
+            EventKind.STEP,
+            EventKind.MODEL_CALL,
+            EventKind.STEP,
+            EventKind.RUN_END,
+        ]
+        (tool,) = audit.of(EventKind.TOOL_CALL)
+        assert tool.step == 1 and tool.attributes["tool"] == "write_file"
+        assert tool.attributes["idempotency_key"] == "run-7:1:call_0_0"
+        assert audit.of(EventKind.RUN_END)[0].attributes["status"] == "success"
+        assert verify(audit.store).ok
+
+
+def test_a_run_becomes_genai_spans() -> None:
+    try:
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    except ImportError:
+        require("opentelemetry-sdk", False, 'pip install "stockade[otel]"')
+        pytest.fail("unreachable")
+    from stockade.observability import Telemetry
+    from stockade.observability.agent import TelemetryObserver
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    observer = TelemetryObserver(Telemetry(tracer_provider=provider))
+    with Sandbox.create(backend=FakeBackend()) as sbx:
+        Agent(ScriptedModel(SCRIPT), observers=[observer]).run_sync("write a.py", sandbox=sbx, run_id="run-8")
+
+    spans = exporter.get_finished_spans()
+    assert sorted(s.name for s in spans) == [
+        "chat scripted",
+        "chat scripted",
+        "execute_tool write_file",
+        "invoke_agent stockade",
+    ]
+    root = next(s for s in spans if s.name.startswith("invoke_agent"))
+    assert all(
+        s.parent is not None and s.parent.span_id == root.context.span_id for s in spans if s is not root
+    )
+    assert (root.attributes or {})["gen_ai.conversation.id"] == "run-8"
