@@ -1,0 +1,230 @@
+"""Warm pools, for every tier: sandboxes started ahead of demand.
+
+    pool = SandboxPool(tier="process", size=4, max_uses=50, idle_timeout_s=300)
+    with pool.acquire() as sbx:
+        sbx.run_code("print(1)")
+    pool.close()
+
+A returned sandbox is never handed out dirty: a background thread resets it (every process
+killed, interpreter state dropped, workspace and /tmp emptied) or, past ``max_uses`` or when
+it broke, closes it and starts a replacement. Members idle past ``idle_timeout_s`` are
+replaced too, so nothing ages in the pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from stockade import exceptions as exc
+from stockade.sandbox import _registry
+from stockade.sandbox.base import Backend, Instance, SandboxSpec
+from stockade.sandbox.facade import Sandbox
+from stockade.sandbox.ops import Reset
+from stockade.types import Limits, NetworkPolicy
+
+__all__ = ["PoolStats", "SandboxPool"]
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    ready: int
+    in_use: int
+    started: int
+    recycled: int
+    replaced: int
+
+
+@dataclass
+class _Member:
+    instance: Instance
+    uses: int = 0
+    idle_since: float = 0.0
+
+
+class SandboxPool:
+    def __init__(
+        self,
+        tier: str = "process",
+        *,
+        size: int = 2,
+        max_uses: int = 100,
+        idle_timeout_s: float = 300.0,
+        limits: Limits | None = None,
+        network: NetworkPolicy | None = None,
+        envs: Mapping[str, str] | None = None,
+        allow_weaker: bool = False,
+        backend: Backend | None = None,
+    ) -> None:
+        if size < 1 or max_uses < 1 or idle_timeout_s <= 0:
+            raise exc.ConfigurationError("SandboxPool needs size >= 1, max_uses >= 1, idle_timeout_s > 0")
+        self.size = size
+        self.max_uses = max_uses
+        self.idle_timeout_s = idle_timeout_s
+        self._backend = backend or _registry.backend(tier)
+        self._spec = SandboxSpec(
+            limits=limits or Limits(),
+            network=network or NetworkPolicy(),
+            envs=dict(envs or {}),
+            allow_weaker=allow_weaker,
+        )
+        self._ready: queue.Queue[_Member] = queue.Queue()
+        self._returned: queue.Queue[_Member | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._in_use = 0
+        self._pending = 0  # starts under way, counted so the refill does not overshoot
+        self._counts = {"started": 0, "recycled": 0, "replaced": 0}
+        self._closed = threading.Event()
+        self._error: exc.StockadeError | None = None
+        self._worker = threading.Thread(target=self._run, name="stockade-pool", daemon=True)
+        self._worker.start()
+
+    # -- public -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def acquire(self, timeout_s: float = 60.0) -> Iterator[Sandbox]:
+        """A clean, started sandbox; returned to the pool (reset) when the block ends."""
+        member = self._take(timeout_s)
+        try:
+            yield Sandbox(member.instance)
+        finally:
+            member.uses += 1
+            self._returned.put(member)  # still counted in use until the worker recycles it
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            return PoolStats(ready=self._ready.qsize(), in_use=self._in_use, **self._counts)
+
+    def close(self) -> None:
+        """Close every member. Sandboxes still acquired are closed when they come back."""
+        self._closed.set()
+        self._returned.put(None)
+        self._worker.join(timeout=30)
+        while True:
+            try:
+                self._ready.get_nowait().instance.close()
+            except queue.Empty:
+                break
+
+    def __enter__(self) -> SandboxPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _take(self, timeout_s: float) -> _Member:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._closed.is_set():
+                raise exc.SandboxClosed("the pool is closed")
+            if self._error is not None and self._ready.empty():
+                raise self._error
+            try:
+                member = self._ready.get(timeout=min(0.5, max(deadline - time.monotonic(), 0.001)))
+            except queue.Empty:
+                if time.monotonic() >= deadline:
+                    raise exc.ResourceContention(
+                        f"no pooled sandbox became free within {timeout_s}s", retry_after=1.0
+                    ) from None
+                continue
+            if member.instance.alive:
+                with self._lock:
+                    self._in_use += 1
+                self._returned.put(_WAKE)  # let the worker top the pool up
+                return member
+            member.instance.close()  # broke while waiting: drop it, the worker replaces it
+            self._count("replaced")
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self._counts[name] += 1
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            self._refill()
+            try:
+                member = self._returned.get(timeout=min(self.idle_timeout_s / 4, 1.0))
+            except queue.Empty:
+                self._expire_idle()
+                continue
+            if member is None:
+                continue
+            if member is not _WAKE:
+                self._recycle(member)
+        # drain: close what comes back after close()
+        while True:
+            try:
+                member = self._returned.get_nowait()
+            except queue.Empty:
+                return
+            if member is not None and member is not _WAKE:
+                member.instance.close()
+
+    def _refill(self) -> None:
+        while not self._closed.is_set():
+            with self._lock:
+                missing = self.size - self._ready.qsize() - self._in_use - self._pending
+                if missing <= 0:
+                    return
+                self._pending += 1
+            try:
+                instance = self._backend.start(self._spec)
+            except exc.StockadeError as err:
+                self._error = err
+                with self._lock:
+                    self._pending -= 1
+                if not err.retryable:
+                    return
+                time.sleep(err.retry_after or 0.5)
+                continue
+            self._error = None
+            self._count("started")
+            with self._lock:
+                self._pending -= 1
+            self._ready.put(_Member(instance, idle_since=time.monotonic()))
+
+    def _recycle(self, member: _Member) -> None:
+        with self._lock:
+            self._in_use -= 1
+        if self._closed.is_set():
+            member.instance.close()
+            return
+        if member.uses >= self.max_uses or not member.instance.alive:
+            member.instance.close()
+            self._count("replaced")
+            return
+        try:
+            member.instance.execute(Reset())
+        except exc.StockadeError:
+            member.instance.close()
+            self._count("replaced")
+            return
+        member.idle_since = time.monotonic()
+        self._count("recycled")
+        self._ready.put(member)
+
+    def _expire_idle(self) -> None:
+        now = time.monotonic()
+        keep: list[_Member] = []
+        while True:
+            try:
+                member = self._ready.get_nowait()
+            except queue.Empty:
+                break
+            if now - member.idle_since > self.idle_timeout_s or not member.instance.alive:
+                member.instance.close()
+                self._count("replaced")
+            else:
+                keep.append(member)
+        for member in keep:
+            self._ready.put(member)
+
+
+# A sentinel member: "someone took a sandbox, check the pool size".
+_WAKE: _Member = _Member.__new__(_Member)

@@ -1,0 +1,64 @@
+"""Warm pools on every tier: clean hand-outs, recycling, replacement of broken members."""
+
+from __future__ import annotations
+
+import time
+
+from stockade import Limits
+from stockade.sandbox.pool import SandboxPool
+
+
+def wait_until(predicate: object, timeout_s: float = 30.0) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.02)
+    raise AssertionError("condition not reached in time")
+
+
+def test_a_returned_sandbox_comes_back_clean(tier: str) -> None:
+    with SandboxPool(tier, size=1, max_uses=10, limits=Limits(timeout_s=20)) as pool:
+        with pool.acquire() as sbx:
+            first = sbx.id
+            sbx.files.write("secret.txt", "from user one")
+            sbx.run_code("leftover = 'state'")
+            sbx.commands.run("echo tmp > /tmp/t")
+        with pool.acquire() as sbx:
+            assert sbx.id == first, "the member was recycled, not replaced"
+            assert sbx.files.list() == []
+            assert sbx.run_code("'leftover' in dir()").text == "False"
+            assert sbx.commands.run("ls /tmp").stdout == ""
+
+
+def test_members_are_replaced_after_max_uses(tier: str) -> None:
+    with SandboxPool(tier, size=1, max_uses=1) as pool:
+        with pool.acquire() as sbx:
+            first = sbx.id
+        with pool.acquire() as sbx:
+            assert sbx.id != first
+        assert pool.stats().replaced >= 1
+
+
+def test_a_broken_member_is_replaced_not_handed_out(tier: str) -> None:
+    with SandboxPool(tier, size=2) as pool:
+        wait_until(lambda: pool.stats().ready == 2)
+        with pool.acquire() as sbx:
+            sbx.instance.close()  # dies while in use
+        with pool.acquire() as a, pool.acquire() as b:
+            assert a.alive and b.alive
+            assert a.commands.run("echo ok").stdout == "ok\n"
+            assert b.commands.run("echo ok").stdout == "ok\n"
+
+
+def test_the_pool_refills_in_the_background(tier: str) -> None:
+    with SandboxPool(tier, size=2) as pool:
+        wait_until(lambda: pool.stats().ready == 2)
+        with pool.acquire():
+            wait_until(lambda: pool.stats().ready + pool.stats().in_use >= 2)
+
+
+def test_idle_members_are_replaced(tier: str) -> None:
+    with SandboxPool(tier, size=1, idle_timeout_s=0.3) as pool:
+        wait_until(lambda: pool.stats().started >= 1)
+        wait_until(lambda: pool.stats().replaced >= 1 and pool.stats().ready == 1)

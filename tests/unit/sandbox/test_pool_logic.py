@@ -1,0 +1,33 @@
+"""Pool logic over the shipped FakeBackend: no sandbox is started."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from stockade import ResourceContention
+from stockade.sandbox.pool import SandboxPool
+from stockade.testing import FakeBackend
+
+
+def test_a_pool_hands_out_reset_members_and_counts() -> None:
+    backend = FakeBackend()
+    with SandboxPool(backend=backend, size=1, max_uses=2) as pool:
+        with pool.acquire() as sbx:
+            sbx.files.write("a.txt", "x")
+        with pool.acquire() as sbx:
+            assert sbx.files.list() == []
+        deadline = time.monotonic() + 5
+        while pool.stats().in_use and time.monotonic() < deadline:
+            time.sleep(0.01)  # the worker recycles returned members in the background
+        stats = pool.stats()
+        assert stats.recycled >= 1 and stats.in_use == 0
+
+
+def test_acquire_times_out_with_a_retryable_error() -> None:
+    with SandboxPool(backend=FakeBackend(), size=1) as pool, pool.acquire():
+        with pytest.raises(ResourceContention) as info:
+            with pool.acquire(timeout_s=0.2):
+                pass
+        assert info.value.retryable
