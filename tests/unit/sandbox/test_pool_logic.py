@@ -27,7 +27,6 @@ def test_a_pool_hands_out_reset_members_and_counts() -> None:
 
 def test_acquire_times_out_with_a_retryable_error() -> None:
     with SandboxPool(backend=FakeBackend(), size=1) as pool, pool.acquire():
-        with pytest.raises(ResourceContention) as info:
-            with pool.acquire(timeout_s=0.2):
-                pass
+        with pytest.raises(ResourceContention) as info, pool.acquire(timeout_s=0.2):
+            pass
         assert info.value.retryable
