@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "stockade.cli.sandbox_cmds",
     "stockade.cli.audit_cmds",
     "stockade.cli.agent_cmds",
+    "stockade.cli.policy_cmds",
 )
 
 for _name in COMMAND_MODULES:
