@@ -311,23 +311,24 @@ class AgentRun:
         return await self.next()
 
     async def next(self) -> Node:
-        """Run the next node, checkpoint, and return what it did."""
+        """Run the next node, checkpoint, and return what it did (``End`` last)."""
         if self.result is not None:
             raise ConfigurationError("the run has ended")
+        if self.state.next == NodeKind.END:
+            return await self._end()
         started = self.agent.clock()
         node: Node | None = None
         try:
             if self.state.next == NodeKind.MODEL_REQUEST:
                 node = await self._model_request()
-            elif self.state.next == NodeKind.CALL_TOOLS:
+            else:
                 node = await self._call_tools()
         except (RunStopped, PolicyDenied, StockadeError) as err:
             self._stop(err)
         self.state.elapsed_s += self.agent.clock() - started
-        if self.state.next == NodeKind.END:
+        if node is None:
             return await self._end()
         self._checkpoint()
-        assert node is not None
         return node
 
     # -- nodes --------------------------------------------------------------------------
@@ -344,13 +345,13 @@ class AgentRun:
             return RunStatus.BUDGET, f"the run spent its budget (${limits.max_cost_usd:g})"
         return None
 
-    async def _model_request(self) -> ModelRequestNode:
+    async def _model_request(self) -> ModelRequestNode | None:
         state, agent = self.state, self.agent
         step = len(state.steps) + 1
         over = self._over_budget()
         if over is not None:
             self._finish(over[0], error=over[1])
-            return ModelRequestNode(step=step, response=ModelResponse(), duration_s=0.0)
+            return None
         request = ModelRequest(system=state.system, messages=tuple(state.messages), tools=agent._definitions)
         self._emit(ModelRequested(run_id=state.run_id, step=step, request=request))
         started = time.perf_counter()

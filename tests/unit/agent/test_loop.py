@@ -1,0 +1,247 @@
+"""The agent loop over the shipped fakes: steps, limits, hooks, guards, and how runs end."""
+
+from __future__ import annotations
+
+import pytest
+
+from stockade import Sandbox
+from stockade.agent import (
+    Agent,
+    AgentEvent,
+    CallToolsNode,
+    End,
+    GuardContext,
+    ModelRequestNode,
+    ModelResponded,
+    RunFinished,
+    RunLimits,
+    RunStarted,
+    RunStatus,
+    StepFinished,
+    ToolCalled,
+    ToolDenied,
+    ToolReturned,
+)
+from stockade.exceptions import BudgetExceeded, ModelRateLimited, PolicyDenied, RunKilled, SandboxCrashed
+from stockade.models import FunctionModel, ModelRequest, ModelResponse, ToolCall, Usage
+from stockade.testing import FakeBackend, ScriptedModel, tool_call
+from stockade.tools import ToolContext, default_toolset, tool
+
+FIX = "--- a/calc.py\n+++ b/calc.py\n@@ -1,2 +1,2 @@\n def add(a, b):\n-    return a - b\n+    return a + b\n"
+
+
+@pytest.fixture
+def sbx() -> Sandbox:
+    sandbox = Sandbox.create(backend=FakeBackend())
+    sandbox.files.write("calc.py", "def add(a, b):\n    return a - b\n")
+    return sandbox
+
+
+def test_a_scripted_run_reads_patches_and_finishes_with_the_diff(sbx: Sandbox) -> None:
+    events: list[AgentEvent] = []
+    model = ScriptedModel(
+        [
+            tool_call("read_file", {"path": "calc.py"}),
+            tool_call("apply_patch", {"diff": FIX}),
+            "add() now adds.",
+        ]
+    )
+    result = Agent(model, observers=[events.append]).run_sync("fix add()", sandbox=sbx)
+
+    assert result.status == RunStatus.SUCCESS and result.ok
+    assert result.answer == "add() now adds."
+    assert [len(s.tool_calls) for s in result.steps] == [1, 1, 0]
+    assert "1  def add(a, b):" in result.steps[0].tool_calls[0].observation
+    assert result.diff.endswith("-    return a - b\n+    return a + b\n")
+    assert result.usage.requests == 3 and result.usage.total_tokens > 0
+    assert result.audit_id is None  # set by the audit layer when it is plugged in
+    assert [type(e).__name__ for e in events] == [
+        "RunStarted",
+        *["ModelRequested", "ModelResponded", "ToolCalled", "ToolReturned", "StepFinished"] * 2,
+        "ModelRequested",
+        "ModelResponded",
+        "StepFinished",
+        "RunFinished",
+    ]
+
+
+async def test_iter_steps_node_by_node(sbx: Sandbox) -> None:
+    model = ScriptedModel([tool_call("list_files"), "done"])
+    nodes = []
+    async with Agent(model).iter("look around", sandbox=sbx) as run:
+        async for node in run:
+            nodes.append(node)
+            assert run.state.next.value in ("model_request", "call_tools", "end")
+    assert [type(n) for n in nodes] == [ModelRequestNode, CallToolsNode, ModelRequestNode, End]
+    assert isinstance(nodes[2], ModelRequestNode) and nodes[2].response.text == "done"
+    assert isinstance(nodes[1], CallToolsNode) and nodes[1].records[0].observation == "calc.py  (32 bytes)"
+    assert run.result is not None and run.result.status == RunStatus.SUCCESS
+
+
+def test_tool_errors_go_back_to_the_model_as_observations(sbx: Sandbox) -> None:
+    model = ScriptedModel([tool_call("read_file", {"path": "missing.py"}), "gave up"])
+    result = Agent(model).run_sync("read", sandbox=sbx)
+    record = result.steps[0].tool_calls[0]
+    assert record.is_error and record.error_type == "SandboxFileNotFound"
+    assert record.observation.startswith("error: SandboxFileNotFound:")
+    assert result.status == RunStatus.SUCCESS
+    assert model.requests[1].messages[-1].content == record.observation  # type: ignore[union-attr]
+
+
+def test_malformed_calls_get_a_correction_within_a_budget(sbx: Sandbox) -> None:
+    bad = ToolCall(name="read_file", malformed="the arguments are not valid JSON")
+    model = ScriptedModel(
+        [bad, tool_call("read_file", {}), tool_call("rm_rf"), tool_call("read_file", {"x": 1})]
+    )
+    result = Agent(model, limits=RunLimits(max_malformed=3)).run_sync("go", sandbox=sbx)
+    observations = [s.tool_calls[0].observation for s in result.steps]
+    assert observations[0] == "error: malformed call to read_file: the arguments are not valid JSON"
+    assert observations[1] == "error: invalid arguments for read_file: path: Field required"
+    assert observations[2].startswith("error: there is no tool 'rm_rf'; the tools are: run_code, ")
+    assert result.status == RunStatus.ERROR
+    assert result.error is not None and result.error.startswith("too many malformed tool calls (4)")
+
+
+def deny_writes(ctx: GuardContext, call: ToolCall) -> ToolCall:
+    if call.name in ("write_file", "apply_patch"):
+        raise PolicyDenied("the workspace is read-only in this run", rule="read-only")
+    return call
+
+
+def test_a_guard_denial_is_an_observation_not_a_crash(sbx: Sandbox) -> None:
+    events: list[AgentEvent] = []
+    model = ScriptedModel([tool_call("apply_patch", {"diff": FIX}), "could not write"])
+    result = Agent(model, guards=[deny_writes], observers=[events.append]).run_sync("fix", sandbox=sbx)
+    record = result.steps[0].tool_calls[0]
+    assert record.denied and record.observation == (
+        "denied by policy (rule read-only): the workspace is read-only in this run"
+    )
+    assert result.status == RunStatus.SUCCESS and result.diff == ""
+    assert [e.rule for e in events if isinstance(e, ToolDenied)] == ["read-only"]
+    assert not any(isinstance(e, ToolCalled) for e in events)  # the tool never ran
+
+
+def test_denials_in_a_row_end_the_run_as_denied(sbx: Sandbox) -> None:
+    model = ScriptedModel([tool_call("write_file", {"path": "a", "content": "x"})] * 3)
+    result = Agent(model, guards=[deny_writes], limits=RunLimits(max_denials=3)).run_sync("go", sandbox=sbx)
+    assert result.status == RunStatus.DENIED and len(result.steps) == 3
+
+
+def test_a_guard_may_rewrite_the_call(sbx: Sandbox) -> None:
+    def small_pages(ctx: GuardContext, call: ToolCall) -> ToolCall:
+        assert ctx.tool.name == call.name and ctx.step == 1
+        return (
+            call.model_copy(update={"args": {**call.args, "limit": 1}}) if call.name == "read_file" else call
+        )
+
+    model = ScriptedModel([tool_call("read_file", {"path": "calc.py"}), "ok"])
+    result = Agent(model, guards=[small_pages]).run_sync("read", sandbox=sbx)
+    assert result.steps[0].tool_calls[0].observation.startswith("calc.py: lines 1-1 of 2")
+
+
+def test_max_steps_ends_the_run(sbx: Sandbox) -> None:
+    model = ScriptedModel([tool_call("list_files")] * 10)
+    result = Agent(model, limits=RunLimits(max_steps=2)).run_sync("loop", sandbox=sbx)
+    assert result.status == RunStatus.MAX_STEPS and len(result.steps) == 2
+
+
+def test_the_token_budget_ends_the_run(sbx: Sandbox) -> None:
+    def chatty(request: ModelRequest) -> ModelResponse:
+        usage = Usage(input_tokens=600, output_tokens=10, requests=1)
+        return ModelResponse(tool_calls=(tool_call("list_files"),), usage=usage)
+
+    result = Agent(FunctionModel(chatty), limits=RunLimits(max_tokens=1000)).run_sync("go", sandbox=sbx)
+    assert result.status == RunStatus.BUDGET and result.usage.total_tokens == 1220
+    assert result.error == "the run used its tokens (1000)"
+
+
+def test_wall_time_is_measured_with_an_injectable_clock(sbx: Sandbox) -> None:
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 100.0  # every reading is 100 s later
+        return now[0]
+
+    model = ScriptedModel([tool_call("list_files")] * 10)
+    result = Agent(model, clock=clock, limits=RunLimits(max_wall_s=250)).run_sync("go", sandbox=sbx)
+    assert result.status == RunStatus.BUDGET and result.error == "the run used its wall time (250 s)"
+
+
+def test_dollar_costs_come_from_the_price_table(sbx: Sandbox) -> None:
+    def pricey(request: ModelRequest) -> ModelResponse:
+        usage = Usage(input_tokens=1_000_000, output_tokens=0, requests=1)
+        return ModelResponse(
+            tool_calls=(tool_call("list_files"),), usage=usage, model_name="gpt-4.1-2025-04-14"
+        )
+
+    agent = Agent(FunctionModel(pricey), limits=RunLimits(max_cost_usd=5.0, max_tokens=10**9))
+    result = agent.run_sync("go", sandbox=sbx)
+    assert result.status == RunStatus.BUDGET and result.cost_usd == pytest.approx(6.0)
+
+
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [(RunKilled("stop now", run_id="r"), RunStatus.KILLED), (BudgetExceeded("$ spent"), RunStatus.BUDGET)],
+)
+def test_an_observer_can_stop_the_run(sbx: Sandbox, error: Exception, status: RunStatus) -> None:
+    def stopper(event: AgentEvent) -> None:
+        if isinstance(event, ToolCalled):
+            raise error
+
+    model = ScriptedModel([tool_call("list_files"), "never"])
+    result = Agent(model, observers=[stopper]).run_sync("go", sandbox=sbx)
+    assert result.status == status and result.error is not None and str(error) in result.error
+    assert len(result.steps) == 1  # the interrupted step is kept
+
+
+def test_provider_errors_end_the_run_as_error(sbx: Sandbox) -> None:
+    def limited(request: ModelRequest) -> ModelResponse:
+        raise ModelRateLimited("slow down", provider="test", status_code=429, retry_after=2.0)
+
+    result = Agent(FunctionModel(limited)).run_sync("go", sandbox=sbx)
+    assert result.status == RunStatus.ERROR and result.error == "ModelRateLimited: slow down"
+
+
+def test_a_dead_sandbox_ends_the_run_as_error() -> None:
+    @tool
+    def crash(ctx: ToolContext) -> str:
+        """Crash the sandbox."""
+        raise SandboxCrashed("the supervisor died")
+
+    sandbox = Sandbox.create(backend=FakeBackend())
+    model = ScriptedModel([tool_call("crash"), "never"])
+    result = Agent(model, tools=default_toolset().including(crash)).run_sync("go", sandbox=sandbox)
+    assert result.status == RunStatus.ERROR and result.error == "SandboxCrashed: the supervisor died"
+
+
+def test_long_observations_are_bounded_and_saved_for_paging(sbx: Sandbox) -> None:
+    sbx.files.write("big.txt", "x" * 50_000)
+    model = ScriptedModel([tool_call("read_file", {"path": "big.txt"}), "ok"])
+    result = Agent(model, limits=RunLimits(max_observation_chars=2000)).run_sync("go", sandbox=sbx)
+    record = result.steps[0].tool_calls[0]
+    assert record.saved_to == ".stockade/outputs/1-call_0_0.txt" and record.cut_chars > 45_000
+    assert len(record.observation) < 2200
+    assert sbx.files.read(record.saved_to).endswith("x" * 100)
+
+
+def test_every_event_is_a_frozen_value(sbx: Sandbox) -> None:
+    events: list[AgentEvent] = []
+    Agent(ScriptedModel([tool_call("list_files"), "ok"]), observers=[events.append]).run_sync(
+        "go", sandbox=sbx
+    )
+    kinds: tuple[type, ...] = (RunStarted, ModelResponded, ToolReturned, StepFinished, RunFinished)
+    sample = next(e for e in events if isinstance(e, kinds))
+    with pytest.raises(AttributeError):
+        sample.run_id = "other"  # type: ignore[misc]
+
+
+def test_run_sync_refuses_to_nest_in_a_running_loop(sbx: Sandbox) -> None:
+    import asyncio
+
+    from stockade.exceptions import ConfigurationError
+
+    async def inside() -> None:
+        with pytest.raises(ConfigurationError, match=r"await agent\.run"):
+            Agent(ScriptedModel(["ok"])).run_sync("go", sandbox=sbx)
+
+    asyncio.run(inside())
