@@ -9,6 +9,7 @@ looked through. What cannot be analysed (command substitution, a variable as the
 from __future__ import annotations
 
 import fnmatch
+import functools
 import posixpath
 import shlex
 from collections.abc import Sequence
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 from stockade.policy.schema import CommandRules, Verdict
 
-__all__ = ["CommandDecision", "decide_command", "matches", "simple_commands"]
+__all__ = ["CommandDecision", "analyse", "decide_command", "matches", "simple_commands"]
 
 SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "ash"})
 # Programs that run their arguments as another command; value: how many operands they take first.
@@ -141,9 +142,26 @@ def _flag_matches(flag: str, args: Sequence[str]) -> bool:
     return False
 
 
+@functools.lru_cache(maxsize=1024)
+def _words(pattern: str) -> tuple[str, ...]:
+    return tuple(shlex.split(pattern))
+
+
+@functools.lru_cache(maxsize=4096)
+def _analyse(argv: tuple[str, ...]) -> tuple[tuple[tuple[str, ...], ...], tuple[tuple[str, ...], ...]]:
+    """(wrapper layers, simple commands), cached: agents repeat the same commands."""
+    layers: list[tuple[str, ...]] = []
+    commands = simple_commands(argv, layers)
+    return tuple(layers), tuple(commands)
+
+
+def analyse(argv: Sequence[str]) -> tuple[tuple[tuple[str, ...], ...], tuple[tuple[str, ...], ...]]:
+    return _analyse(tuple(argv))
+
+
 def matches(pattern: str, command: Sequence[str]) -> bool:
     """Whether a simple command matches a pattern such as ``"rm -r"`` or ``"git push"``."""
-    words = shlex.split(pattern)
+    words = _words(pattern)
     if not command or not fnmatch.fnmatchcase(_program(command[0]), words[0]):
         return False
     args = command[1:]
@@ -167,9 +185,8 @@ class CommandDecision:
 
 def decide_command(rules: CommandRules, argv: Sequence[str]) -> CommandDecision:
     """The strictest verdict over every simple command ``argv`` would run."""
-    layers: list[tuple[str, ...]] = []
     try:
-        commands = simple_commands(argv, layers)
+        layers, commands = analyse(argv)
     except UnanalysableError as err:
         return CommandDecision(
             verdict=Verdict.DENY, rule="commands.unanalysable",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from stockade.exceptions import ConfigurationError, TierUnavailable
-from stockade.policy.commands import UnanalysableError, decide_command, matches, simple_commands
+from stockade.policy.commands import UnanalysableError, analyse, decide_command, matches
 from stockade.policy.paths import glob_matches, normalise, readable, writable
 from stockade.policy.schema import Classification, Policy, Role, Verdict
 from stockade.sandbox import _registry
@@ -81,7 +81,7 @@ class PromptDecision:
 
 def command_categories(argv: tuple[str, ...]) -> set[str]:
     try:
-        commands = simple_commands(argv)
+        commands = analyse(argv)[1]
     except UnanalysableError:
         return {"execute"}
     found = {"execute"}
