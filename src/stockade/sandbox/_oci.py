@@ -173,6 +173,36 @@ def tmpfs_sizes(spec: SandboxSpec) -> dict[str, tuple[int, int, int]]:
     }
 
 
+SENTRY_MEMORY = 128 * MiB
+
+
+@dataclass(frozen=True)
+class OwnKernelLimits:
+    """How limits apply when the sandbox runs its own kernel (gVisor).
+
+    gVisor's kernel runs on host threads, plus one host process per task on the ptrace
+    platform, and is itself charged to the sandbox's cgroup; a cgroup limit that is hit
+    kills the whole sandbox rather than one process. So the sandbox kernel enforces the
+    limits per process first (RLIMIT_NPROC counts the sandbox user's processes, the only
+    ones inside: an exact per-sandbox limit; RLIMIT_AS stops one hog with a MemoryError),
+    and the host cgroup bounds the whole sandbox: the memory limit plus ``SENTRY_MEMORY``
+    for gVisor itself, and a pids backstop sized for its threads and stubs.
+    """
+
+    rlimits: dict[str, int]
+    host_memory: int
+    host_pids: int
+
+
+def own_kernel_limits(spec: SandboxSpec) -> OwnKernelLimits:
+    limits = spec.limits
+    return OwnKernelLimits(
+        rlimits={"RLIMIT_NPROC": limits.pids, "RLIMIT_AS": limits.memory_mb * MiB},
+        host_memory=limits.memory_mb * MiB + SENTRY_MEMORY,
+        host_pids=max(4096, limits.pids * 32),
+    )
+
+
 # -- the OCI runtime configuration (runsc without Docker) -----------------------------------
 
 
@@ -184,6 +214,7 @@ def oci_config(
     binds: dict[str, Path],
     cgroup: str,
     annotations: dict[str, str],
+    host: OwnKernelLimits,
 ) -> dict[str, Any]:
     """The ``config.json`` of a bundle: the same limits Docker applies to its containers."""
     limits = spec.limits
@@ -235,9 +266,9 @@ def oci_config(
         "linux": {
             "cgroupsPath": cgroup,
             "resources": {
-                "memory": {"limit": limits.memory_mb * MiB, "swap": limits.memory_mb * MiB},
+                "memory": {"limit": host.host_memory, "swap": host.host_memory},
                 "cpu": {"quota": int(limits.cpus * period), "period": period},
-                "pids": {"limit": limits.pids},
+                "pids": {"limit": host.host_pids},
             },
             "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
             "maskedPaths": ["/proc/kcore", "/proc/keys", "/proc/timer_list", "/sys/firmware"],

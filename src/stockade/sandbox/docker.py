@@ -279,8 +279,10 @@ class _ContainerInstance(SupervisedInstance):
 class DockerBackend(Backend):
     """Containers on a Docker engine. ``runtime="runsc"`` runs them under gVisor.
 
-    ``host_tmpfs`` mounts the workspace and /tmp on this host and binds them in (needs root
-    and a local engine): gVisor's own tmpfs has no inode limit, the host's has.
+    ``own_kernel`` says the runtime brings its own kernel (gVisor): processes are then
+    counted by that kernel (RLIMIT_NPROC), and the workspace and /tmp are tmpfs mounted on
+    this host and bound in (needs root and a local engine), as gVisor's tmpfs cannot limit
+    inodes.
     """
 
     tier = "docker"
@@ -292,14 +294,15 @@ class DockerBackend(Backend):
         runtime: str | None = None,
         base_url: str | None = None,
         tier: str = "docker",
-        host_tmpfs: bool = False,
+        own_kernel: bool = False,
         state_dir: Path | None = None,
     ) -> None:
         self.image = image or os.environ.get("STOCKADE_IMAGE") or DEFAULT_IMAGE
         self.runtime = runtime
         self.base_url = base_url
         self.tier = tier
-        self.host_tmpfs = host_tmpfs and os.geteuid() == 0
+        self.own_kernel = own_kernel
+        self.host_tmpfs = own_kernel and os.geteuid() == 0
         self.state_dir = state_dir or _oci.default_state_dir()
         self.creator = _oci.current_creator()
         self._api_client: Any = None
@@ -331,14 +334,14 @@ class DockerBackend(Backend):
                 setting="network.allow_hosts",
                 fix="use NetworkPolicy(enabled=False), or enabled=True without allow_hosts for full egress",
             )
-        if net.enabled and self.runtime is not None:
+        if net.enabled and self.own_kernel:
             raise exc.LimitNotEnforceable(
                 f"the {self.tier} tier runs without network on this host",
                 setting="network",
                 fix="use tier='docker' for network access",
             )
         weakened: list[str] = []
-        if self.runtime is not None and not self.host_tmpfs:
+        if self.own_kernel and not self.host_tmpfs:
             if not spec.allow_weaker:
                 raise exc.LimitNotEnforceable(
                     "gVisor's in-sandbox tmpfs cannot limit inodes, and host tmpfs mounts need root",
@@ -349,7 +352,7 @@ class DockerBackend(Backend):
         return Enforcement(
             memory=Mechanism.CONTAINER,
             cpus=Mechanism.CONTAINER,
-            pids=Mechanism.CONTAINER,
+            pids=Mechanism.RLIMIT if self.own_kernel else Mechanism.CONTAINER,
             disk=Mechanism.TMPFS,
             network=Mechanism.NONE if net.enabled else Mechanism.NAMESPACE,
             timeout=Mechanism.SUPERVISOR,
@@ -399,6 +402,11 @@ class DockerBackend(Backend):
                     f"rw,exec,nosuid,nodev,size={size},nr_inodes={inodes},mode={mode:o},"
                     f"uid={_oci.SANDBOX_UID},gid={_oci.SANDBOX_UID}"
                 )
+        memory = limits.memory_mb * _oci.MiB
+        pids = limits.pids
+        if self.own_kernel:
+            own = _oci.own_kernel_limits(spec)
+            memory, pids = own.host_memory, own.host_pids
         return api.create_host_config(
             network_mode="bridge" if spec.network.enabled else "none",
             read_only=True,
@@ -406,10 +414,10 @@ class DockerBackend(Backend):
             binds=volume_binds,
             cap_drop=["ALL"],
             security_opt=["no-new-privileges"],
-            mem_limit=limits.memory_mb * _oci.MiB,
-            memswap_limit=limits.memory_mb * _oci.MiB,
+            mem_limit=memory,
+            memswap_limit=memory,
             nano_cpus=int(limits.cpus * 1e9),
-            pids_limit=limits.pids,
+            pids_limit=pids,
             shm_size=limits.tmp_mb * _oci.MiB,
             ulimits=[
                 docker.types.Ulimit(name="core", soft=0, hard=0),
@@ -498,7 +506,8 @@ class DockerBackend(Backend):
         # Removed when the caller forgets to close, and at interpreter exit at the latest.
         weakref.finalize(instance, boundary.kill)
         try:
-            instance.handshake(supervisor_config(spec), START_TIMEOUT_S)
+            rlimits = _oci.own_kernel_limits(spec).rlimits if self.own_kernel else None
+            instance.handshake(supervisor_config(spec, rlimits), START_TIMEOUT_S)
         except exc.SandboxStartError as err:
             said = stream.stderr.decode("utf-8", "replace").strip()
             instance.close()

@@ -77,7 +77,7 @@ class GVisorBackend(Backend):
         from stockade.sandbox.docker import DockerBackend
 
         runtime, image = self._docker_args
-        return DockerBackend(runtime=runtime, image=image, tier=self.tier, host_tmpfs=True)
+        return DockerBackend(runtime=runtime, image=image, tier=self.tier, own_kernel=True)
 
     def _runsc(self) -> RunscBackend:
         rootfs, runsc = self._runsc_args
@@ -245,7 +245,7 @@ class RunscBackend(Backend):
         return Enforcement(
             memory=Mechanism.CONTAINER,
             cpus=Mechanism.CONTAINER,
-            pids=Mechanism.CONTAINER,
+            pids=Mechanism.RLIMIT,
             disk=Mechanism.TMPFS,
             network=Mechanism.NAMESPACE,
             timeout=Mechanism.SUPERVISOR,
@@ -314,6 +314,7 @@ class RunscBackend(Backend):
                 kernel=kernel,
                 binds=binds,
                 cgroup=f"/stockade/{sid}",
+                host=_oci.own_kernel_limits(spec),
                 annotations=annotations,
             )
             (bundle / "config.json").write_text(json.dumps(config))
@@ -346,7 +347,7 @@ class RunscBackend(Backend):
         )
         weakref.finalize(instance, boundary.kill)
         try:
-            instance.handshake(supervisor_config(spec), START_TIMEOUT_S)
+            instance.handshake(supervisor_config(spec, _oci.own_kernel_limits(spec).rlimits), START_TIMEOUT_S)
         except exc.SandboxStartError as err:
             said = _head(bundle / "runsc.log")
             instance.close()

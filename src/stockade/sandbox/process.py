@@ -388,10 +388,13 @@ class ProcessBackend(Backend):
             seccomp_fd = os.memfd_create("stockade-seccomp", 0)
             os.write(seccomp_fd, _seccomp.filter_bpf())
             os.lseek(seccomp_fd, 0, os.SEEK_SET)
+            argv = self._bwrap_argv(spec, rundir, seccomp_fd)
+            if cgroup is not None:
+                argv = _entering(cgroup.delegate(self.host_uid), argv)
             stderr_path = rundir / "bwrap.log"
             with open(stderr_path, "wb") as stderr:
                 proc = subprocess.Popen(
-                    self._bwrap_argv(spec, rundir, seccomp_fd),
+                    argv,
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=stderr,
@@ -403,8 +406,6 @@ class ProcessBackend(Backend):
                     extra_groups=[] if self.is_root else None,
                 )
             os.close(seccomp_fd)
-            if cgroup is not None:
-                _enter_cgroup(cgroup, proc.pid)
             instance = SupervisedInstance(
                 id=sid,
                 tier=self.tier,
@@ -452,34 +453,16 @@ class ProcessBackend(Backend):
         }
 
 
-def _enter_cgroup(cgroup: _cgroups.Cgroup, pid: int) -> None:
-    """Move bwrap and whatever it forked so far into the cgroup.
-
-    The supervisor forks nothing until it gets its first frame, so after this every future
-    process of the sandbox is born inside the cgroup.
-    """
-    cgroup.add(pid)
-    for child in _descendants(pid):
-        with contextlib.suppress(OSError):  # already gone
-            cgroup.add(child)
+# Joins each cgroup (writing 0 moves the writer itself), then becomes bwrap: every process
+# of the sandbox is born inside its cgroup. A shell, not preexec_fn: forking a threaded
+# Python and running Python code before exec can deadlock.
+_ENTER_CGROUPS = (
+    'n=$1; shift; while [ "$n" -gt 0 ]; do echo 0 > "$1" || exit 125; shift; n=$((n-1)); done; exec "$@"'
+)
 
 
-def _descendants(root: int) -> list[int]:
-    tree: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                data = Path(f"/proc/{name}/stat").read_bytes()
-            except OSError:
-                continue
-            ppid = int(data[data.rindex(b")") + 2 :].split()[1])
-            tree.setdefault(ppid, []).append(int(name))
-    out, todo = [], [root]
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
+def _entering(procs_files: list[Path], argv: list[str]) -> list[str]:
+    return ["/bin/sh", "-c", _ENTER_CGROUPS, "sh", str(len(procs_files)), *map(str, procs_files), *argv]
 
 
 def _mount_tmpfs(target: Path, *, size: int, inodes: int, uid: int, mode: int) -> None:

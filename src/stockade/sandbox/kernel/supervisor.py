@@ -21,11 +21,9 @@ import io
 import os
 import resource
 import selectors
-import shutil
 import signal
 import stat
 import sys
-import tarfile
 import time
 from typing import Any, Callable, Optional
 
@@ -672,6 +670,8 @@ class Supervisor:
                 if not h.get("recursive", True):
                     os.rmdir(name, dir_fd=parent)
                 else:
+                    import shutil  # lazily: most sandboxes never remove a tree
+
                     shutil.rmtree(name, dir_fd=parent)
             else:
                 os.unlink(name, dir_fd=parent)
@@ -680,6 +680,8 @@ class Supervisor:
         self.send({"id": rid, "ev": "done"})
 
     def op_put_archive(self, rid: int, h: dict[str, Any], body: bytes) -> None:
+        import tarfile  # lazily: importing it costs more than starting the supervisor
+
         dest = self.workspace.root + "/" + self._rel(h.get("path", ""))
         with tarfile.open(fileobj=io.BytesIO(body), mode="r:*") as tar:
             if hasattr(tarfile, "data_filter"):
@@ -689,6 +691,8 @@ class Supervisor:
         self.send({"id": rid, "ev": "done"})
 
     def op_get_archive(self, rid: int, h: dict[str, Any], body: bytes) -> None:
+        import tarfile
+
         parent, name = self.workspace.resolve(h.get("path", ""), follow_last=True)
         os.close(parent)
         src = self.workspace.root + ("/" + self._rel(h.get("path", "")) if name else "")
@@ -699,6 +703,8 @@ class Supervisor:
 
     def op_reset(self, rid: int, h: dict[str, Any], body: bytes) -> None:
         """Kill everything, empty the workspace and /tmp: the pool's 'never hand out dirty'."""
+        import shutil
+
         for job in list(self.commands.values()):
             job.timed_out = True
             kill_tree(job.shim, include_root=True)
