@@ -37,6 +37,9 @@ __all__ = [
 StringProcessor = Callable[[str], str]
 REDACTED = "[REDACTED]"
 MIN_SECRET_LENGTH = 4
+# Keys, names and ids repeat in nearly every event: their redaction is remembered.
+CACHED_LENGTH = 64
+CACHE_SIZE = 4096
 
 # name -> pattern; the whole match is replaced by [REDACTED:name], except the named group
 # ``keep`` (the scheme word of ``Bearer x``, the name in ``password=x``), which stays.
@@ -126,7 +129,9 @@ class Redactor:
     """The redaction pipeline shared by the audit log, the JSON logs and the spans.
 
     ``Redactor()`` runs registered secrets then ``redact_tokens``; pass ``processors`` to
-    choose the pipeline (``redactor.secrets`` is always available to put in it).
+    choose the pipeline (``redactor.secrets`` is always available to put in it). Processors
+    must be pure: results for short strings (keys, names, ids) are cached, and the cache is
+    dropped whenever a secret is registered.
     """
 
     def __init__(self, processors: Sequence[StringProcessor] | None = None) -> None:
@@ -134,6 +139,8 @@ class Redactor:
         self.processors: tuple[StringProcessor, ...] = (
             (self.secrets, redact_tokens) if processors is None else tuple(processors)
         )
+        self._cache: dict[str, str] = {}
+        self._cached_secrets = 0
 
     def add_secret(self, value: str) -> None:
         """Never write ``value``, wherever it appears (e.g. a token passed to a sandbox's env)."""
@@ -144,9 +151,22 @@ class Redactor:
             self.secrets.add(value)
 
     def text(self, text: str) -> str:
+        short = len(text) <= CACHED_LENGTH
+        if short:
+            if self._cached_secrets != len(self.secrets):
+                self._cache.clear()
+                self._cached_secrets = len(self.secrets)
+            cached = self._cache.get(text)
+            if cached is not None:
+                return cached
+        out = text
         for processor in self.processors:
-            text = processor(text)
-        return text
+            out = processor(out)
+        if short:
+            if len(self._cache) >= CACHE_SIZE:
+                self._cache.clear()
+            self._cache[text] = out
+        return out
 
     def value(self, value: object) -> JSONValue:
         """``value`` as JSON, with every string redacted. Unknown objects become their ``str``."""

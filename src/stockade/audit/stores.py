@@ -236,9 +236,9 @@ class SQLiteStore(AuditStore):
                 sql += " AND run_id = ?"
                 params += (run_id,)
             cursor = conn.execute(sql + " ORDER BY seq", params)
+            make = Row._make
             while batch := cursor.fetchmany(4096):
-                for row in batch:
-                    yield Row(*row)
+                yield from map(make, batch)
         finally:
             conn.close()
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from dataclasses import dataclass, field
 
 from stockade import exceptions as exc
@@ -30,6 +31,35 @@ from stockade.audit.events import GENESIS, Chain
 from stockade.audit.stores import AuditStore, Head
 
 __all__ = ["Problem", "ProblemKind", "VerifyReport", "verify"]
+
+# The end of a canonical body: sorted keys put these scalars last, after "attributes", so
+# the match anchored at the end is the top-level one (quotes inside strings are escaped).
+# Reading them this way is about twice as fast as parsing the body; a body it does not fit
+# is parsed as JSON, and the hash still covers every byte.
+_STRING = r'"(?:[^"\\]|\\.)*"'
+_TAIL = re.compile(
+    rf'"kind":({_STRING}),"prev_hash":"([^"]*)","run_id":({_STRING}),"seq":(-?\d+),'
+    r'"step":-?\d+,"timestamp_ns":-?\d+,"v":\d+}\Z'
+)
+
+
+def _signed_fields(body: str, strings: dict[str, str]) -> tuple[int, str, str, str]:
+    """(seq, prev_hash, run_id, kind) as signed in ``body``; ``ValueError`` if it is not an event."""
+    match = _TAIL.match(body, max(0, body.rfind('"kind":"')))
+    if match is None:
+        data = json.loads(body)
+        try:
+            seq, prev, run, kind = data["seq"], data["prev_hash"], data["run_id"], data["kind"]
+        except (KeyError, TypeError) as error:
+            raise ValueError("not an audit event") from error
+        return seq, prev, run, kind
+    kind_token, prev, run_token, seq = match.groups()
+    for token in (kind_token, run_token):
+        if token not in strings:
+            if len(strings) > 10_000:
+                strings.clear()
+            strings[token] = json.loads(token)
+    return int(seq), prev, strings[run_token], strings[kind_token]
 
 
 class ProblemKind(enum.StrEnum):
@@ -123,6 +153,7 @@ def verify(
         report(0, ProblemKind.WRONG_KEY, f"the chain uses {algorithm}: pass {wanted}")
 
     link = chain.link
+    strings: dict[str, str] = {}  # decoded JSON strings (run ids and kinds repeat)
     expected_seq = 1
     prev = GENESIS
     checked = run_events = edited = last_seq = 0
@@ -131,14 +162,8 @@ def verify(
         if run == run_id:
             run_events += 1
         try:
-            data = json.loads(body)
-            signed_seq, signed_prev, signed_run, signed_kind = (
-                data["seq"],
-                data["prev_hash"],
-                data["run_id"],
-                data["kind"],
-            )
-        except (ValueError, KeyError, TypeError):
+            signed_seq, signed_prev, signed_run, signed_kind = _signed_fields(body, strings)
+        except ValueError:
             report(seq, ProblemKind.UNREADABLE, "the body is not an audit event", run)
             prev, expected_seq, last_seq = stored_hash, seq + 1, seq
             continue
