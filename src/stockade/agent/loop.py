@@ -386,7 +386,8 @@ class AgentRun:
         current = state.current
         assert current is not None, "call_tools without a model response"
         done = {r.call.id for r in current.tool_calls}
-        for call in current.response.tool_calls:
+        calls = current.response.tool_calls
+        for number, call in enumerate(calls, 1):
             if call.id in done:
                 continue  # resumed mid-step: this call already ran
             record = await self._call_one(current.index, call)
@@ -402,7 +403,8 @@ class AgentRun:
             state.current = current
             if state.next == NodeKind.END:
                 break
-            self._checkpoint()
+            if number < len(calls):
+                self._checkpoint()  # the node's own checkpoint follows the last call
         state.steps.append(current)
         state.current = None
         self._emit(StepFinished(run_id=state.run_id, step=current))
