@@ -1,0 +1,301 @@
+"""Tools: plain functions with a JSON schema derived from their signature and docstring.
+
+A tool is declared with ``@tool``; its first parameter may be a ``ToolContext`` (the sandbox,
+the run and the call it serves), which is not part of the schema. The attributes
+``idempotent``, ``risk`` and ``timeout_s`` are for the runtime controls (retry only what is
+idempotent, ask for approval on high risk, bound the call); a tool passes ``timeout_s`` on to
+the sandbox calls it makes.
+
+    @tool(idempotent=True, risk=Risk.LOW)
+    def count_lines(ctx: ToolContext, path: str) -> str:
+        '''Count the lines of a file.
+
+        Args:
+            path: the file, relative to the workspace.
+        '''
+        return str(len(ctx.sandbox.files.read(path).splitlines()))
+
+A ``Toolset`` is what the agent offers the model. It composes by wrapping, never by flags:
+``toolset.filtered(pred)`` keeps some tools, ``toolset.wrapped(wrapper)`` puts a
+``ToolWrapper`` around every call (approval, breakers, audit, output filters):
+
+    async def wrapper(ctx, tool, args, call_next):   # args: the validated pydantic model
+        ...                                          # may raise, rewrite args, or change the result
+        return await call_next(ctx, tool, args)
+
+The first wrapper added is the outermost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import inspect
+import re
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, get_type_hints, overload, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, create_model
+
+from stockade.exceptions import ConfigurationError, InvalidToolCall
+from stockade.models.messages import ToolDefinition
+from stockade.sandbox.facade import Sandbox
+
+__all__ = [
+    "CallNext",
+    "Observable",
+    "Risk",
+    "Tool",
+    "ToolContext",
+    "ToolWrapper",
+    "Toolset",
+    "render",
+    "tool",
+]
+
+
+class Risk(enum.StrEnum):
+    """How much harm a tool can do; the runtime controls decide what each level needs."""
+
+    LOW = "low"  # reads
+    MEDIUM = "medium"  # writes inside the workspace, runs code in the sandbox
+    HIGH = "high"  # arbitrary shell
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolContext:
+    """What a tool call may use: the sandbox, and which run, step and call it serves."""
+
+    sandbox: Sandbox
+    run_id: str = "adhoc"
+    step: int = 0
+    call_id: str = "call"
+    max_observation_chars: int = 12_000
+
+
+@runtime_checkable
+class Observable(Protocol):
+    """A tool result that knows how to show itself to the model."""
+
+    def observation(self) -> str: ...
+
+
+def render(value: object) -> str:
+    """The text the model sees for a tool's return value."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Observable):
+        return value.observation()
+    if isinstance(value, BaseModel):
+        return value.model_dump_json(indent=2)
+    if value is None:
+        return "ok"
+    return str(value)
+
+
+_ARG_LINE = re.compile(r"^\s*(\*{0,2}\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
+
+
+def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
+    """Split a Google-style docstring into the description and per-argument text."""
+    text = inspect.cleandoc(doc)
+    head, _, rest = text.partition("\nArgs:\n")
+    params: dict[str, str] = {}
+    current = ""
+    for line in rest.splitlines():
+        if line and not line[0].isspace():
+            break  # the next section (Returns:, Raises:, ...)
+        match = _ARG_LINE.match(line)
+        if match and (len(line) - len(line.lstrip())) <= 4:
+            current = match.group(1)
+            params[current] = match.group(2).strip()
+        elif current and line.strip():
+            params[current] += " " + line.strip()
+    return head.strip(), params
+
+
+def _strip_titles(schema: dict[str, Any]) -> dict[str, Any]:
+    """pydantic's ``title`` keys are noise in a prompt; drop them everywhere."""
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "title" and isinstance(value, str):
+            continue
+        if isinstance(value, dict):
+            if key == "properties":
+                out[key] = {k: _strip_titles(v) for k, v in value.items()}
+            else:
+                out[key] = _strip_titles(value)
+        elif isinstance(value, list):
+            out[key] = [_strip_titles(v) if isinstance(v, dict) else v for v in value]
+        else:
+            out[key] = value
+    return out
+
+
+class _ArgsBase(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tool:
+    """One callable tool. Build it with ``@tool`` (or ``Tool.from_function``)."""
+
+    name: str
+    description: str
+    function: Callable[..., object]
+    args_model: type[BaseModel]
+    takes_context: bool
+    idempotent: bool = False
+    risk: Risk = Risk.MEDIUM
+    timeout_s: float | None = None
+    parameters: dict[str, JsonValue] = field(default_factory=dict)
+
+    @classmethod
+    def from_function(
+        cls,
+        function: Callable[..., object],
+        *,
+        name: str | None = None,
+        idempotent: bool = False,
+        risk: Risk = Risk.MEDIUM,
+        timeout_s: float | None = None,
+    ) -> Tool:
+        description, arg_docs = _parse_docstring(function.__doc__ or "")
+        hints = get_type_hints(function)
+        fields: dict[str, Any] = {}
+        takes_context = False
+        for index, param in enumerate(inspect.signature(function).parameters.values()):
+            annotation = hints.get(param.name, Any)
+            if index == 0 and annotation is ToolContext:
+                takes_context = True
+                continue
+            if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+                raise ConfigurationError(f"tool {function.__name__}: *args/**kwargs cannot have a schema")
+            default = ... if param.default is param.empty else param.default
+            fields[param.name] = (annotation, Field(default, description=arg_docs.get(param.name)))
+        tool_name = name or function.__name__
+        model = create_model(f"{tool_name}_args", __base__=_ArgsBase, **fields)
+        return cls(
+            name=tool_name,
+            description=description or tool_name,
+            function=function,
+            args_model=model,
+            takes_context=takes_context,
+            idempotent=idempotent,
+            risk=risk,
+            timeout_s=timeout_s,
+            parameters=_strip_titles(model.model_json_schema()),
+        )
+
+    def definition(self) -> ToolDefinition:
+        return ToolDefinition(name=self.name, description=self.description, parameters=self.parameters)
+
+    def validate(self, args: Mapping[str, JsonValue]) -> BaseModel:
+        """Check the model's arguments against the schema; ``InvalidToolCall`` says what is wrong."""
+        try:
+            return self.args_model.model_validate(dict(args))
+        except ValidationError as err:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or '(arguments)'}: {e['msg']}" for e in err.errors()
+            )
+            raise InvalidToolCall(f"invalid arguments for {self.name}: {problems}") from None
+
+    async def invoke(self, ctx: ToolContext, args: BaseModel) -> object:
+        """Run the function: coroutines on the loop, blocking functions in a worker thread."""
+        values = {name: getattr(args, name) for name in type(args).model_fields}
+        prefix = (ctx,) if self.takes_context else ()
+        if inspect.iscoroutinefunction(self.function):
+            return await self.function(*prefix, **values)
+        return await asyncio.to_thread(self.function, *prefix, **values)
+
+
+@overload
+def tool(function: Callable[..., object], /) -> Tool: ...
+@overload
+def tool(
+    *,
+    name: str | None = None,
+    idempotent: bool = False,
+    risk: Risk = Risk.MEDIUM,
+    timeout_s: float | None = None,
+) -> Callable[[Callable[..., object]], Tool]: ...
+
+
+def tool(
+    function: Callable[..., object] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    idempotent: bool = False,
+    risk: Risk = Risk.MEDIUM,
+    timeout_s: float | None = None,
+) -> Tool | Callable[[Callable[..., object]], Tool]:
+    """Declare a tool: ``@tool`` or ``@tool(idempotent=True, risk=Risk.LOW, timeout_s=10)``."""
+
+    def build(fn: Callable[..., object]) -> Tool:
+        return Tool.from_function(fn, name=name, idempotent=idempotent, risk=risk, timeout_s=timeout_s)
+
+    return build(function) if function is not None else build
+
+
+CallNext = Callable[[ToolContext, Tool, BaseModel], Awaitable[object]]
+ToolWrapper = Callable[[ToolContext, Tool, BaseModel, CallNext], Awaitable[object]]
+
+
+async def _invoke(ctx: ToolContext, tool: Tool, args: BaseModel) -> object:
+    return await tool.invoke(ctx, args)
+
+
+class Toolset:
+    """An immutable set of tools plus the wrappers every call goes through."""
+
+    def __init__(self, tools: Iterable[Tool], *, wrappers: tuple[ToolWrapper, ...] = ()) -> None:
+        self._tools: dict[str, Tool] = {}
+        for t in tools:
+            if t.name in self._tools:
+                raise ConfigurationError(f"two tools are named {t.name!r}")
+            self._tools[t.name] = t
+        self._wrappers = wrappers
+
+    def __iter__(self) -> Iterator[Tool]:
+        return iter(self._tools.values())
+
+    def __len__(self) -> int:
+        return len(self._tools)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tools
+
+    def get(self, name: str) -> Tool | None:
+        return self._tools.get(name)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._tools)
+
+    def definitions(self) -> tuple[ToolDefinition, ...]:
+        return tuple(t.definition() for t in self._tools.values())
+
+    def filtered(self, keep: Callable[[Tool], bool]) -> Toolset:
+        return Toolset([t for t in self._tools.values() if keep(t)], wrappers=self._wrappers)
+
+    def including(self, *tools: Tool) -> Toolset:
+        return Toolset([*self._tools.values(), *tools], wrappers=self._wrappers)
+
+    def wrapped(self, wrapper: ToolWrapper) -> Toolset:
+        return Toolset(self._tools.values(), wrappers=(*self._wrappers, wrapper))
+
+    async def call(self, ctx: ToolContext, tool: Tool, args: BaseModel) -> object:
+        """Call ``tool`` through every wrapper, the first added outermost."""
+        call_next: CallNext = _invoke
+        for wrapper in reversed(self._wrappers):
+            call_next = _bind(wrapper, call_next)
+        return await call_next(ctx, tool, args)
+
+
+def _bind(wrapper: ToolWrapper, inner: CallNext) -> CallNext:
+    async def call(ctx: ToolContext, tool: Tool, args: BaseModel) -> object:
+        return await wrapper(ctx, tool, args, inner)
+
+    return call

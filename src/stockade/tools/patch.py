@@ -1,0 +1,231 @@
+"""Unified diffs applied by our own code over ``sandbox.files``, all or nothing.
+
+Why not ``git apply`` inside the sandbox: it needs git in every image and on every tier
+(the container images need not ship it, and the fake backend has no processes at all);
+its error messages name a patch line, not the hunk and the text that differed; and
+checking every file before writing any is simple when the whole transaction is ours.
+
+The parser is forgiving where models are sloppy (hunk line counts are recomputed from the
+body, missing leading spaces on blank context lines are accepted, a hunk that moved is
+found nearby) and strict where it matters: every context and removed line must match.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from stockade.exceptions import PatchRejected, SandboxFileNotFound, StockadeError
+from stockade.sandbox.facade import Sandbox
+
+__all__ = ["FilePatch", "Hunk", "apply_patch_to_sandbox", "apply_to_text", "parse_unified_diff"]
+
+_HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+_NO_NEWLINE = "\\ No newline at end of file"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hunk:
+    header: str
+    old_start: int
+    lines: tuple[str, ...]  # each starts with " ", "-" or "+"
+    old_no_newline: bool = False
+    new_no_newline: bool = False
+
+    @property
+    def old(self) -> list[str]:
+        return [line[1:] for line in self.lines if line[0] in " -"]
+
+    @property
+    def new(self) -> list[str]:
+        return [line[1:] for line in self.lines if line[0] in " +"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class FilePatch:
+    old_path: str | None  # None: the file is created
+    new_path: str | None  # None: the file is deleted
+    hunks: tuple[Hunk, ...]
+
+    @property
+    def path(self) -> str:
+        path = self.new_path or self.old_path
+        assert path is not None
+        return path
+
+
+def _clean_path(raw: str) -> str | None:
+    path = raw.split("\t", 1)[0].strip()
+    if path == "/dev/null":
+        return None
+    if path.startswith(("a/", "b/")):
+        path = path[2:]
+    return path
+
+
+def parse_unified_diff(diff: str) -> list[FilePatch]:
+    """Parse a (possibly multi-file) unified diff; ``PatchRejected`` if it is not one."""
+    lines = diff.splitlines()
+    patches: list[FilePatch] = []
+    i = 0
+    while i < len(lines):
+        if not (lines[i].startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ ")):
+            i += 1
+            continue
+        old_path, new_path = _clean_path(lines[i][4:]), _clean_path(lines[i + 1][4:])
+        i += 2
+        hunks: list[Hunk] = []
+        while i < len(lines) and lines[i].startswith("@@"):
+            match = _HUNK.match(lines[i])
+            if match is None:
+                raise PatchRejected(f"malformed hunk header {lines[i]!r}", path=new_path or old_path or "")
+            header = lines[i]
+            body: list[str] = []
+            old_nl = new_nl = False
+            i += 1
+            while i < len(lines) and not lines[i].startswith(("@@", "--- ", "diff ")):
+                line = lines[i]
+                if line.startswith("\\"):
+                    if body and body[-1][0] == "-":
+                        old_nl = True
+                    elif body and body[-1][0] == "+":
+                        new_nl = True
+                    elif body:
+                        old_nl = new_nl = True
+                elif line == "":
+                    body.append(" ")  # a blank context line whose leading space was stripped
+                elif line[0] in " -+":
+                    body.append(line)
+                else:
+                    break  # trailing prose after the diff
+                i += 1
+            while body and body[-1] == " " and _blank_tail(lines, i):
+                body.pop()
+            hunks.append(
+                Hunk(
+                    header=header,
+                    old_start=int(match.group(1)),
+                    lines=tuple(body),
+                    old_no_newline=old_nl,
+                    new_no_newline=new_nl,
+                )
+            )
+        if not hunks:
+            raise PatchRejected(f"no hunks for {new_path or old_path}", path=new_path or old_path or "")
+        patches.append(FilePatch(old_path=old_path, new_path=new_path, hunks=tuple(hunks)))
+    if not patches:
+        raise PatchRejected("no unified diff found: expected '--- a/path', '+++ b/path' and '@@' hunks")
+    return patches
+
+
+def _blank_tail(lines: list[str], end: int) -> bool:
+    """True when the blank lines before ``end`` were the diff's trailing newlines, not context."""
+    return end >= len(lines) or lines[end].startswith(("--- ", "diff "))
+
+
+def _find(lines: list[str], block: list[str], expected: int, floor: int) -> int | None:
+    """Where ``block`` occurs, nearest to ``expected`` and not before ``floor``."""
+    if not block:
+        return max(min(expected, len(lines)), floor)
+    for exact in (True, False):
+        for distance in range(len(lines) + 1):
+            for pos in {expected - distance, expected + distance}:
+                if pos < floor or pos + len(block) > len(lines):
+                    continue
+                window = lines[pos : pos + len(block)]
+                if window == block if exact else [w.rstrip() for w in window] == [b.rstrip() for b in block]:
+                    return pos
+    return None
+
+
+def apply_to_text(original: str, patch: FilePatch) -> str:
+    """Apply every hunk of ``patch`` to ``original``, or raise ``PatchRejected`` naming the hunk."""
+    ends_with_newline = original.endswith("\n") or original == ""
+    lines = original.split("\n")
+    if original.endswith("\n"):
+        lines.pop()
+    if original == "":
+        lines = []
+    offset = 0
+    floor = 0
+    total = len(patch.hunks)
+    for number, hunk in enumerate(patch.hunks, 1):
+        old, new = hunk.old, hunk.new
+        expected = max(hunk.old_start - 1, 0) + offset if old else hunk.old_start + offset
+        pos = _find(lines, old, expected, floor)
+        if pos is None:
+            raise PatchRejected(
+                _explain(patch.path, number, total, hunk, lines, expected), path=patch.path, hunk=number
+            )
+        at_end = pos + len(old) == len(lines)
+        lines[pos : pos + len(old)] = new
+        offset += len(new) - len(old)
+        floor = pos + len(new)
+        if at_end and (hunk.old_no_newline or hunk.new_no_newline or old):
+            ends_with_newline = not hunk.new_no_newline
+    text = "\n".join(lines)
+    return text + "\n" if ends_with_newline and lines else text
+
+
+def _explain(path: str, number: int, total: int, hunk: Hunk, lines: list[str], expected: int) -> str:  # noqa: PLR0917
+    old = hunk.old
+    where = f"hunk {number} of {total} for {path} ({hunk.header.split('@@')[1].strip()})"
+    mismatch = ""
+    for k, want in enumerate(old):
+        at = expected + k
+        have = lines[at] if 0 <= at < len(lines) else None
+        if have != want:
+            found = "the end of the file" if have is None else repr(have)
+            mismatch = f" At line {at + 1} the hunk expects {want!r} but the file has {found}."
+            break
+    return (
+        f"{where} does not apply: its context and removed lines were not found in the file.{mismatch}"
+        " Nothing was changed. Read the current text with read_file and send a corrected diff."
+    )
+
+
+def apply_patch_to_sandbox(sandbox: Sandbox, diff: str) -> list[tuple[str, int, int]]:
+    """Apply ``diff`` to the workspace: every file is checked before any is written.
+
+    Returns ``(path, added, removed)`` per file. On a write failure the files already
+    written are restored, so the workspace is left as it was.
+    """
+    plan: list[tuple[str, str | None, str | None]] = []  # path, before, after (None: absent)
+    stats: list[tuple[str, int, int]] = []
+    for patch in parse_unified_diff(diff):
+        try:
+            before: str | None = sandbox.files.read(patch.old_path) if patch.old_path else None
+        except SandboxFileNotFound:
+            raise PatchRejected(f"{patch.old_path}: no such file to patch", path=patch.path) from None
+        if patch.old_path is None and sandbox.files.exists(patch.path):
+            raise PatchRejected(
+                f"{patch.path} already exists; the diff creates it from /dev/null", path=patch.path
+            )
+        patched = apply_to_text(before or "", patch)
+        if patch.new_path is None:
+            if patched.strip():
+                raise PatchRejected(f"the diff deletes {patch.path} but leaves text in it", path=patch.path)
+            plan.append((patch.path, before, None))
+        else:
+            if patch.old_path and patch.old_path != patch.new_path:
+                plan.append((patch.old_path, before, None))
+            plan.append((patch.new_path, before if patch.old_path == patch.new_path else None, patched))
+        added = sum(1 for h in patch.hunks for line in h.lines if line[0] == "+")
+        removed = sum(1 for h in patch.hunks for line in h.lines if line[0] == "-")
+        stats.append((patch.path, added, removed))
+    done: list[tuple[str, str | None]] = []
+    try:
+        for target, original, new_text in plan:
+            if new_text is None:
+                sandbox.files.remove(target)
+            else:
+                sandbox.files.write(target, new_text)
+            done.append((target, original))
+    except StockadeError:
+        for target, original in reversed(done):
+            if original is None:
+                sandbox.files.remove(target)
+            else:
+                sandbox.files.write(target, original)
+        raise
+    return stats

@@ -1,0 +1,116 @@
+"""The workspace's changes since the run began, as a unified diff (what ``git diff`` shows).
+
+At the start of a run the agent records a baseline of the workspace's text files in
+``.stockade/baseline.json`` inside the workspace itself, so a run resumed in another
+process (with the workspace carried along) still diffs against its true beginning. The
+diff is computed by our own code from ``sandbox.files``: no git needed in the image, and
+it works on every tier and on the fake backend. Its output is a patch ``apply_patch`` takes.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+
+from stockade.exceptions import SandboxFileNotFound
+from stockade.sandbox.facade import Sandbox
+from stockade.types import EntryType
+
+__all__ = ["BASELINE", "IGNORED_DIRS", "is_ignored", "record_baseline", "snapshot", "workspace_diff"]
+
+BASELINE = ".stockade/baseline.json"
+IGNORED_DIRS = frozenset(
+    {
+        ".git",
+        ".hg",
+        ".svn",
+        "__pycache__",
+        "node_modules",
+        ".venv",
+        "venv",
+        "build",
+        "dist",
+        "target",
+        ".mypy_cache",
+        ".pytest_cache",
+        ".ruff_cache",
+        ".tox",
+        ".nox",
+        ".stockade",
+        ".eggs",
+    }
+)
+MAX_FILES = 5000
+MAX_TEXT_BYTES = 512 * 1024
+MAX_DEPTH = 64
+
+
+def is_ignored(path: str) -> bool:
+    """VCS, caches, dependencies and build output: not the project's own files."""
+    return any(part in IGNORED_DIRS or part.endswith(".egg-info") for part in path.split("/"))
+
+
+def _digest(data: bytes) -> str:
+    """Binary or large files are compared by hash, never shown."""
+    return f"\x00sha256:{hashlib.sha256(data).hexdigest()}:{len(data)}"
+
+
+def snapshot(sandbox: Sandbox) -> dict[str, str]:
+    """path -> text (or a hash marker for binary and large files), ignored folders left out."""
+    files: dict[str, str] = {}
+    for entry in sandbox.files.list("", depth=MAX_DEPTH):
+        if entry.type != EntryType.FILE or is_ignored(entry.path):
+            continue
+        if len(files) >= MAX_FILES:
+            break
+        try:
+            data = sandbox.files.read(entry.path, format="bytes")
+        except SandboxFileNotFound:
+            continue  # removed while we listed
+        if len(data) > MAX_TEXT_BYTES or b"\x00" in data:
+            files[entry.path] = _digest(data)
+            continue
+        try:
+            files[entry.path] = data.decode("utf-8")
+        except UnicodeDecodeError:
+            files[entry.path] = _digest(data)
+    return files
+
+
+def record_baseline(sandbox: Sandbox) -> None:
+    sandbox.files.write(BASELINE, json.dumps(snapshot(sandbox)))
+
+
+def _load_baseline(sandbox: Sandbox) -> dict[str, str]:
+    try:
+        data = json.loads(sandbox.files.read(BASELINE))
+    except SandboxFileNotFound:
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {str(k): str(v) for k, v in data.items()}
+
+
+def workspace_diff(sandbox: Sandbox) -> str:
+    """A unified diff from the baseline to now; empty when nothing changed."""
+    before, after = _load_baseline(sandbox), snapshot(sandbox)
+    chunks: list[str] = []
+    for path in sorted(before.keys() | after.keys()):
+        old, new = before.get(path), after.get(path)
+        if old == new:
+            continue
+        if (old or "").startswith("\x00") or (new or "").startswith("\x00"):
+            chunks.append(f"Binary or large file {path} differs\n")
+            continue
+        old_lines = (old or "").splitlines(keepends=True)
+        new_lines = (new or "").splitlines(keepends=True)
+        diff = difflib.unified_diff(
+            old_lines,
+            new_lines,
+            fromfile=f"a/{path}" if old is not None else "/dev/null",
+            tofile=f"b/{path}" if new is not None else "/dev/null",
+        )
+        for line in diff:
+            chunks.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
+    return "".join(chunks)
