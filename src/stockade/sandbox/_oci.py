@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from stockade import exceptions as exc
-from stockade.sandbox._supervised import WORKSPACE
+from stockade.sandbox._channel import Stream
+from stockade.sandbox._supervised import WORKSPACE, Boundary
 from stockade.sandbox.base import SandboxSpec
 
 KERNEL_SOURCES = ("supervisor.py", "interpreter.py", "protocol.py")
@@ -147,6 +148,12 @@ def current_creator() -> Creator:
         pidns = ""
     host = f"{socket.gethostname()}/{boot}/{pidns}"
     return Creator(host=host, pid=os.getpid(), start_time=_start_time(os.getpid()))
+
+
+def abandon(stream: Stream, boundary: Boundary) -> None:
+    """What a sandbox nobody closed gets when it is garbage collected or the interpreter exits."""
+    stream.close()
+    boundary.kill()
 
 
 # -- host tmpfs ---------------------------------------------------------------------------

@@ -484,6 +484,8 @@ class DockerBackend(Backend):
                     labels=self._labels(spec, sid),
                     stdin_open=True,
                     tty=False,
+                    # Nothing inside needs a graceful stop; an engine shutdown must not wait.
+                    stop_signal="SIGKILL",
                     network_disabled=not spec.network.enabled,
                     host_config=self._host_config(api, spec, kernel, binds),
                     name=f"stockade-{sid}",
@@ -504,7 +506,7 @@ class DockerBackend(Backend):
         )
         instance.container = boundary
         # Removed when the caller forgets to close, and at interpreter exit at the latest.
-        weakref.finalize(instance, boundary.kill)
+        weakref.finalize(instance, _oci.abandon, stream, boundary)
         try:
             rlimits = _oci.own_kernel_limits(spec).rlimits if self.own_kernel else None
             instance.handshake(supervisor_config(spec, rlimits), START_TIMEOUT_S)

@@ -337,15 +337,16 @@ class RunscBackend(Backend):
             _release(bundle, mounts)
             raise
         boundary = _RunscBoundary(self, sid, proc, bundle, mounts)
+        stream = _PipeStream(proc)
         instance = SupervisedInstance(
             id=sid,
             tier=self.tier,
-            stream=_PipeStream(proc),
+            stream=stream,
             boundary=boundary,
             spec=spec,
             enforcement=enforcement,
         )
-        weakref.finalize(instance, boundary.kill)
+        weakref.finalize(instance, _oci.abandon, stream, boundary)
         try:
             instance.handshake(supervisor_config(spec, _oci.own_kernel_limits(spec).rlimits), START_TIMEOUT_S)
         except exc.SandboxStartError as err:

@@ -1,0 +1,153 @@
+"""The Docker tier under faults: a container killed from outside, the engine going away,
+and many create/close cycles that must leave nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stockade import Limits, Sandbox
+from stockade import exceptions as exc
+from tests.conftest import require, require_tier
+
+pytestmark = pytest.mark.docker
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def engine() -> Any:
+    require_tier("docker")
+    import docker
+
+    client = docker.from_env(version="auto")
+    yield client.api
+    client.close()
+
+
+def our_containers(api: Any) -> list[dict[str, Any]]:
+    """Containers this test process created (running or not)."""
+    return [
+        c
+        for c in api.containers(all=True, filters={"label": "stockade.sandbox=1"})
+        if c["Labels"].get("stockade.pid") == str(os.getpid())
+    ]
+
+
+def supervisors_on_host() -> int:
+    """Supervisor processes of runc containers are host processes: count them."""
+    count = 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            count += b"/opt/stockade/boot.py" in cmdline
+    return count
+
+
+def test_a_container_killed_from_outside_is_reported(engine: Any) -> None:
+    sbx = Sandbox.create("docker")
+    assert sbx.commands.run("echo up").stdout == "up\n"
+    (found,) = [c for c in our_containers(engine) if c["Labels"]["stockade.id"] == sbx.id]
+    engine.kill(found["Id"])
+    with pytest.raises(exc.SandboxCrashed, match=r"(stopped|removed) from outside") as caught:
+        sbx.commands.run("echo still here?")
+    assert not caught.value.retryable
+    assert not sbx.alive
+    sbx.close()
+    assert our_containers(engine) == []
+
+
+def test_create_close_cycles_leave_nothing_behind(engine: Any) -> None:
+    for _ in range(3):  # warm up: the client's connection pool, the kernel folder
+        Sandbox.create("docker").close()
+    fds_before = len(os.listdir("/proc/self/fd"))
+    for i in range(200):
+        with Sandbox.create("docker", limits=Limits(timeout_s=10)) as sbx:
+            if i % 50 == 0:
+                assert sbx.commands.run("echo ok").stdout == "ok\n"
+    assert our_containers(engine) == []
+    assert supervisors_on_host() == 0
+    assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
+
+
+def test_an_exception_inside_the_block_still_removes_the_container(engine: Any) -> None:
+    with pytest.raises(RuntimeError), Sandbox.create("docker"):
+        raise RuntimeError("boom")
+    assert our_containers(engine) == []
+
+
+def test_a_forgotten_sandbox_is_removed_when_garbage_collected(engine: Any) -> None:
+    import gc
+
+    Sandbox.create("docker").commands.run("true")
+    gc.collect()
+    assert our_containers(engine) == []
+
+
+def test_gc_removes_containers_of_a_dead_process(engine: Any) -> None:
+    script = (
+        "from stockade import Sandbox; import os; "
+        "s = Sandbox.create('docker'); print(s.id, flush=True); os._exit(0)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    sid = out.stdout.strip()
+    left = [c for c in engine.containers(all=True, filters={"label": f"stockade.id={sid}"})]
+    assert len(left) == 1, "os._exit skips every cleanup: the container is left behind"
+    from stockade.sandbox import _gc
+
+    removed = _gc.collect()
+    assert any(sid in line for line in removed)
+    assert engine.containers(all=True, filters={"label": f"stockade.id={sid}"}) == []
+
+
+def _dockerd_pid() -> int | None:
+    try:
+        pid = int(Path("/var/run/docker.pid").read_text().strip())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return None
+    return pid
+
+
+@pytest.mark.slow
+def test_dockerd_stopping_mid_run_is_retryable_and_leaks_nothing(engine: Any) -> None:
+    pid = _dockerd_pid()
+    require(
+        "a dockerd this test may restart",
+        pid is not None and os.geteuid() == 0,
+        "needs root and /var/run/docker.pid",
+    )
+    assert pid is not None
+    sbx = Sandbox.create("docker")
+    assert sbx.run_code("x = 1").error is None
+    try:
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while _dockerd_pid() is not None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        with pytest.raises(exc.StockadeError) as during:
+            sbx.run_code("x")
+        assert during.value.retryable, repr(during.value)
+        sbx.close()
+        with pytest.raises(exc.BackendUnavailable) as creating:
+            Sandbox.create("docker")
+        assert creating.value.retryable
+    finally:
+        subprocess.run(
+            ["bash", str(ROOT / "scripts/setup-docker.sh")], check=True, timeout=120, capture_output=True
+        )
+    # Back up: the next start removes what could not be removed while the engine was down.
+    with Sandbox.create("docker") as again:
+        assert again.commands.run("echo back").stdout == "back\n"
+    assert our_containers(engine) == []
