@@ -176,7 +176,7 @@ class SupervisedInstance(Instance):
             case GetArchive():
                 return self._file("get_archive", {"path": op.path})[1]
             case Reset():
-                self._file("reset", {})
+                self._file("reset", {"warm": op.warm_interpreter})
                 return None
         raise exc.ConfigurationError(f"unsupported operation {op!r}")  # pragma: no cover
 

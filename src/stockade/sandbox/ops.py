@@ -97,7 +97,13 @@ class GetArchive:
 
 @dataclass(frozen=True, kw_only=True)
 class Reset:
-    """Kill every process, forget interpreter state, empty the workspace and ``/tmp``."""
+    """Kill every process, forget interpreter state, empty the workspace and ``/tmp``.
+
+    ``warm_interpreter`` starts a fresh interpreter right away, so that the next
+    ``run_code`` does not pay for its start (what pools want).
+    """
+
+    warm_interpreter: bool = False
 
 
 Op = (

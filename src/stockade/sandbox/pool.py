@@ -24,7 +24,7 @@ from stockade import exceptions as exc
 from stockade.sandbox import _registry
 from stockade.sandbox.base import Backend, Instance, SandboxSpec
 from stockade.sandbox.facade import Sandbox
-from stockade.sandbox.ops import Reset
+from stockade.sandbox.ops import Reset, RunCode
 from stockade.types import Limits, NetworkPolicy
 
 __all__ = ["PoolStats", "SandboxPool"]
@@ -183,6 +183,11 @@ class SandboxPool:
                     return
                 time.sleep(err.retry_after or 0.5)
                 continue
+            try:
+                instance.execute(RunCode(code=""))  # start its interpreter ahead of demand
+            except exc.StockadeError:
+                instance.close()
+                continue
             self._error = None
             self._count("started")
             with self._lock:
@@ -200,7 +205,7 @@ class SandboxPool:
             self._count("replaced")
             return
         try:
-            member.instance.execute(Reset())
+            member.instance.execute(Reset(warm_interpreter=True))
         except exc.StockadeError:
             member.instance.close()
             self._count("replaced")

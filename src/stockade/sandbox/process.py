@@ -32,6 +32,8 @@ from stockade.types import Enforcement, Mechanism, TierReport
 __all__ = ["ProcessBackend"]
 
 OWNER_FILE = "owner"
+# Imported, not run as a script: only imported modules are loaded from their bytecode.
+SUPERVISOR_BOOT = "import sys; sys.path.insert(0, '/opt/stockade'); import supervisor; supervisor.main()"
 KERNEL_SOURCES = ("supervisor.py", "interpreter.py", "protocol.py")
 SANDBOX_UID = 1000
 DEFAULT_HOST_UID = 61000
@@ -252,6 +254,17 @@ class ProcessBackend(Backend):
         for name in KERNEL_SOURCES:
             shutil.copyfile(src / name, kernel / name)
             os.chmod(kernel / name, 0o644)
+        if self.rootfs is None:
+            # Bytecode compiled by the very python that runs inside: a supervisor that need
+            # not compile itself starts ~10 ms sooner, on every sandbox.
+            subprocess.run(
+                [self.python, "-m", "compileall", "-q", str(kernel)],
+                env={}, check=False, capture_output=True,
+            )  # fmt: skip
+            for pyc in kernel.glob("__pycache__/*"):
+                os.chmod(pyc, 0o644)
+            with contextlib.suppress(FileNotFoundError):
+                os.chmod(kernel / "__pycache__", 0o755)
         etc = shared / "etc"
         etc.mkdir(mode=0o755)
         for name, text in (
@@ -349,7 +362,8 @@ class ProcessBackend(Backend):
             "-E",
             "-s",
             "-B",
-            "/opt/stockade/supervisor.py",
+            "-c",
+            SUPERVISOR_BOOT,
         ]
         return argv
 

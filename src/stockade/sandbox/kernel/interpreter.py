@@ -166,11 +166,26 @@ def _format_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
+_site_loaded = False
+
+
+def preload() -> None:
+    """Import what every interpreter needs, once, in the process that forks interpreters.
+
+    The supervisor starts with -S for speed; user code wants site-packages. Loading them
+    before forking makes each new interpreter (after a timeout or a pool reset) a bare fork.
+    """
+    global _site_loaded
+    if not _site_loaded:
+        import site
+
+        site.main()
+        _site_loaded = True
+
+
 def main(ctl_in: int, ctl_out: int) -> None:
     """Serve run requests on two pipe fds until the supervisor closes them."""
-    import site
-
-    site.main()  # the supervisor starts with -S for speed; user code wants site-packages
+    preload()
     sys.stdout = io.TextIOWrapper(
         io.FileIO(1, "w", closefd=False),
         encoding="utf-8",

@@ -7,9 +7,11 @@ Standard library only: this module runs inside the sandbox too.
 
 from __future__ import annotations
 
-import json
 import struct
-from typing import Any
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
+if TYPE_CHECKING:
+    from typing import Any
 
 PREFIX = struct.Struct(">II")
 MAX_HEADER = 1 << 20
@@ -19,8 +21,44 @@ class FrameError(Exception):
     pass
 
 
-def encode(header: dict[str, Any], body: bytes = b"") -> bytes:
-    head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+try:  # the C halves of json: the json package imports re and enum, slow to start
+    import _json
+
+    class _Context:
+        strict = True
+        object_hook = None
+        object_pairs_hook = None
+        parse_float = float
+        parse_int = int
+        parse_constant = None
+        memo: "dict[Any, Any]" = {}
+
+    _scan = _json.make_scanner(_Context())
+    _encode = _json.make_encoder(
+        None, None, _json.encode_basestring_ascii, None, ":", ",", False, False, False
+    )
+
+    def dumps(obj: "Any") -> str:
+        return "".join(_encode(obj, 0))
+
+    def loads(text: str) -> "Any":
+        value, end = _scan(text, 0)
+        if end != len(text):
+            raise ValueError("extra data after the JSON value")
+        return value
+
+except ImportError:  # pragma: no cover - a Python built without the accelerator
+    import json
+
+    def dumps(obj: "Any") -> str:
+        return json.dumps(obj, separators=(",", ":"))
+
+    def loads(text: str) -> "Any":
+        return json.loads(text)
+
+
+def encode(header: "dict[str, Any]", body: bytes = b"") -> bytes:
+    head = dumps(header).encode()
     return PREFIX.pack(len(head), len(body)) + head + body
 
 
@@ -38,8 +76,8 @@ class FrameReader:
     def feed(self, data: bytes) -> None:
         self._buf += data
 
-    def frames(self) -> list[tuple[dict[str, Any], bytes]]:
-        out: list[tuple[dict[str, Any], bytes]] = []
+    def frames(self) -> "list[tuple[dict[str, Any], bytes]]":
+        out: "list[tuple[dict[str, Any], bytes]]" = []
         while len(self._buf) >= PREFIX.size:
             hlen, blen = PREFIX.unpack_from(self._buf)
             if hlen > MAX_HEADER or blen > self._max_body:
@@ -48,8 +86,8 @@ class FrameReader:
             if len(self._buf) < end:
                 break
             try:
-                header = json.loads(bytes(self._buf[PREFIX.size : PREFIX.size + hlen]))
-            except ValueError as exc:
+                header = loads(bytes(self._buf[PREFIX.size : PREFIX.size + hlen]).decode())
+            except (ValueError, StopIteration, UnicodeDecodeError, RecursionError) as exc:
                 raise FrameError(f"bad frame header: {exc}") from None
             if not isinstance(header, dict):
                 raise FrameError("frame header is not an object")

@@ -14,18 +14,18 @@ Standard library only; runs on any Python >= 3.8 found inside the sandbox.
 
 from __future__ import annotations
 
-import ctypes
+# Start-up time is cold-start time: only C modules and tiny pure-Python ones here
+# (no typing, selectors, ctypes, json, enum-based signal), heavy ones imported lazily.
+import _signal as signal
 import errno
 import fcntl
 import io
 import os
 import resource
-import selectors
-import signal
+import select
 import stat
 import sys
 import time
-from typing import Any, Callable, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,13 +38,66 @@ MAX_READ_FILE = 256 << 20
 MAX_LIST = 100_000
 LINK_HOPS = 40
 
-_libc = ctypes.CDLL(None, use_errno=True)
+EVENT_READ, EVENT_WRITE = select.EPOLLIN, select.EPOLLOUT
+_prctl = None
 
 
 def prctl(option: int, arg: int) -> None:
-    if _libc.prctl(option, arg, 0, 0, 0) != 0:
-        err = ctypes.get_errno()
+    """prctl(2) through _ctypes directly: the ctypes package costs more to import."""
+    global _prctl
+    if _prctl is None:
+        import _ctypes
+
+        class c_long(_ctypes._SimpleCData):
+            _type_ = "l"
+
+        class CFunc(_ctypes.CFuncPtr):
+            _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
+            _restype_ = c_long
+
+        class Lib:
+            _handle = _ctypes.dlopen(None)
+
+        func = CFunc(("prctl", Lib()))
+        func.argtypes = (c_long,) * 5
+        _prctl = func
+    if _prctl(option, arg, 0, 0, 0) != 0:
+        import _ctypes
+
+        err = _ctypes.get_errno()
         raise OSError(err, os.strerror(err))
+
+
+class _Key:
+    __slots__ = ("data", "fd")
+
+    def __init__(self, fd: int, data: object) -> None:
+        self.fd = fd
+        self.data = data
+
+
+class Poller:
+    """The part of selectors we use, on epoll (selectors costs milliseconds to import)."""
+
+    def __init__(self) -> None:
+        self._epoll = select.epoll()
+        self._keys: dict[int, _Key] = {}
+
+    def register(self, fd: int, events: int, data: object) -> None:
+        self._epoll.register(fd, events)
+        self._keys[fd] = _Key(fd, data)
+
+    def unregister(self, fd: int) -> None:
+        if self._keys.pop(fd, None) is None:
+            raise KeyError(fd)
+        self._epoll.unregister(fd)
+
+    def select(self, timeout: "float | None") -> "list[tuple[_Key, int]]":
+        try:
+            ready = self._epoll.poll(-1 if timeout is None else timeout)
+        except InterruptedError:
+            return []
+        return [(self._keys[fd], ev) for fd, ev in ready if fd in self._keys]
 
 
 # ---------------------------------------------------------------------------------------
@@ -302,6 +355,9 @@ class Kernel:
     """The interpreter process and its pipes; one run at a time."""
 
     def __init__(self, sup: "Supervisor") -> None:
+        import interpreter  # type: ignore[import-not-found]
+
+        interpreter.preload()  # once per sandbox; later interpreters are bare forks
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         in_r, in_w = os.pipe()
@@ -311,8 +367,6 @@ class Kernel:
             os.chdir(sup.workspace.root)
             os.environ.clear()
             os.environ.update(sup.env)
-            import interpreter  # type: ignore[import-not-found]
-
             interpreter.main(3, 4)
             os._exit(0)
 
@@ -327,7 +381,7 @@ class Kernel:
         self.queue: list[tuple[Job, bytes]] = []
         for fd in (out_r, err_r, res_r):
             os.set_blocking(fd, False)
-            sup.sel.register(fd, selectors.EVENT_READ, ("kernel", self))
+            sup.sel.register(fd, EVENT_READ, ("kernel", self))
 
     def close(self, sup: "Supervisor") -> None:
         for fd in [self.ctl_r, *self.pipes]:
@@ -344,7 +398,7 @@ class Supervisor:
     def __init__(self, rfd: int, wfd: int) -> None:
         self.rfd = rfd
         self.wfd = wfd
-        self.sel = selectors.DefaultSelector()
+        self.sel = Poller()
         self.reader = FrameReader(max_body=1 << 40)  # the host is trusted
         self.commands: dict[int, CommandJob] = {}
         self.shims: dict[int, CommandJob] = {}
@@ -384,8 +438,8 @@ class Supervisor:
         signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-        self.sel.register(self.rfd, selectors.EVENT_READ, ("host", None))
-        self.sel.register(wake_r, selectors.EVENT_READ, ("wake", None))
+        self.sel.register(self.rfd, EVENT_READ, ("host", None))
+        self.sel.register(wake_r, EVENT_READ, ("wake", None))
         while self.running:
             timeout = self._next_timeout()
             for key, events in self.sel.select(timeout):
@@ -487,12 +541,12 @@ class Supervisor:
         for fd, stream in ((out_r, 1), (err_r, 2)):
             os.set_blocking(fd, False)
             job.open_pipes[fd] = stream
-            self.sel.register(fd, selectors.EVENT_READ, ("out", job))
+            self.sel.register(fd, EVENT_READ, ("out", job))
         if has_stdin:
             job.stdin_fd = in_w
             job.stdin_buf = body
             os.set_blocking(in_w, False)
-            self.sel.register(in_w, selectors.EVENT_WRITE, ("stdin", job))
+            self.sel.register(in_w, EVENT_WRITE, ("stdin", job))
         self.commands[rid] = job
         self.shims[job.shim] = job
 
@@ -721,6 +775,8 @@ class Supervisor:
                         os.unlink(entry, dir_fd=fd)
             finally:
                 os.close(fd)
+        if h.get("warm"):
+            self.kernel = Kernel(self)
         self.send({"id": rid, "ev": "done"})
 
     def _rel(self, path: str) -> str:
