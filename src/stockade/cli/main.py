@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "stockade.cli.audit_cmds",
     "stockade.cli.agent_cmds",
     "stockade.cli.policy_cmds",
+    "stockade.cli.image_cmds",
 )
 
 for _name in COMMAND_MODULES:

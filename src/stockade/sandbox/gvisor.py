@@ -180,11 +180,19 @@ class _RunscBoundary(Boundary):
             if self._dead:
                 return
             self._dead = True
+        # The channel closed the supervisor's stdin first, so a healthy sandbox is already
+        # exiting; a stuck one is killed. Deleting a running sandbox would wait seconds.
+        try:
+            self.proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            self.backend.signal(self.sid, "KILL")
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
         self.backend.destroy(self.sid)
         with contextlib.suppress(ProcessLookupError):
             self.proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
+            self.proc.wait(timeout=5)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         _release(self.bundle, self.mounts)
@@ -268,6 +276,16 @@ class RunscBackend(Backend):
             available=True,
             enforcement=enforcement,
             detail=f"{self.runsc} on rootfs {self.rootfs}",
+        )
+
+    def signal(self, sid: str, name: str) -> None:
+        subprocess.run(
+            self._argv("kill", "--all", sid, name),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=30,
+            check=False,
         )
 
     def destroy(self, sid: str) -> None:
