@@ -24,6 +24,14 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── FileTooLarge              bigger than the transfer cap
     │   └── WorkspaceFull             the workspace's size or inode limit is reached
     ├── PolicyDenied                  a guard refused the action (fed back to the model)
+    ├── ModelError                    the LLM provider failed or refused (``status_code``)
+    │   ├── ModelUnavailable          [retryable] 5xx, overloaded, connection reset
+    │   ├── ModelRateLimited          [retryable] 429; ``retry_after`` from Retry-After
+    │   ├── ModelAuthError            401/403: the key is missing, wrong or not allowed
+    │   └── ModelRequestRejected      400/404/422: the request itself is wrong
+    ├── AuditError                    the audit trail could not do its job
+    │   ├── AuditStoreError           [retryable] the audit store is unreachable or locked
+    │   └── AuditIntegrityError       verify found the chain edited, cut or reordered
     ├── ToolError                     a tool could not do what the model asked (fed back to it)
     │   ├── InvalidToolCall           unknown tool or arguments that fail its schema
     │   └── PatchRejected             a diff does not apply; nothing was changed
@@ -34,10 +42,6 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
         ├── BudgetExceeded            status "budget": steps, wall time, tokens, dollars, $/hour spent
         ├── RunKilled                 status "killed": someone pulled the kill switch
         └── ApprovalRequired          status "paused": a human must decide; resume the run after
-
-    AuditError                        the audit trail could not do its job
-    ├── AuditStoreError               [retryable] the audit store is unreachable or locked
-    └── AuditIntegrityError           verify found the chain edited, cut or reordered
 
 Errors pickle cleanly (they cross process boundaries in the distributed tier).
 """

@@ -9,7 +9,6 @@ Cross-cutting behaviour (retry, audit, policy) wraps these interfaces; it is nev
 from __future__ import annotations
 
 import abc
-import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import overload
@@ -146,9 +145,13 @@ class _ThreadedInstance(AsyncInstance):
         self.enforcement = inner.enforcement
 
     async def aexecute(self, op: Op, sink: OutputSink | None = None) -> OpResult:
+        import asyncio  # lazily: importing stockade must stay cheap
+
         return await asyncio.to_thread(self.inner.handle, op, sink)
 
     async def aclose(self) -> None:
+        import asyncio  # lazily: importing stockade must stay cheap
+
         await asyncio.to_thread(self.inner.close)
 
 
@@ -164,4 +167,6 @@ class ThreadedAsyncBackend(AsyncBackend):
         self.tier = inner.tier
 
     async def astart(self, spec: SandboxSpec) -> AsyncInstance:
+        import asyncio  # lazily: importing stockade must stay cheap
+
         return _ThreadedInstance(await asyncio.to_thread(self.inner.start, spec))

@@ -6,10 +6,8 @@ build those values and shape the results, so that the twins differ only in ``awa
 
 from __future__ import annotations
 
-import asyncio
 import codecs
 import io
-import tarfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -153,6 +151,8 @@ def code_op(code: str, language: str, timeout_s: float | None) -> RunCode | RunC
 
 
 def tar_directory(source: Path) -> bytes:
+    import tarfile
+
     if not source.is_dir():
         raise exc.ConfigurationError(f"workspace {str(source)!r} is not a directory")
     buf = io.BytesIO()
@@ -164,6 +164,8 @@ def tar_directory(source: Path) -> bytes:
 
 def extract_archive(data: bytes, dest: Path) -> None:
     """Unpack what came out of a sandbox: the 'data' filter refuses links out, devices, setuid."""
+    import tarfile
+
     dest.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
         tar.extractall(dest, filter="data")
@@ -364,6 +366,8 @@ class Sandbox:
 
 def _threadsafe(callback: TextCallback | None) -> TextCallback | None:
     """Deliver streamed output on the event loop's thread, not the worker's."""
+    import asyncio  # lazily: importing stockade must stay cheap
+
     if callback is None:
         return None
     loop = asyncio.get_running_loop()
@@ -429,10 +433,14 @@ class AsyncFiles:
         return entry
 
     async def upload_dir(self, source: str | Path, dest: str = "") -> None:
+        import asyncio  # lazily: importing stockade must stay cheap
+
         data = await asyncio.to_thread(tar_directory, Path(source))
         await self._instance.aexecute(PutArchive(path=check_path(dest), data=data))
 
     async def download_dir(self, dest: str | Path, source: str = "") -> None:
+        import asyncio  # lazily: importing stockade must stay cheap
+
         data = await self._instance.aexecute(GetArchive(path=check_path(source)))
         assert isinstance(data, bytes)
         await asyncio.to_thread(extract_archive, data, Path(dest))
@@ -460,6 +468,8 @@ class AsyncSandbox:
         labels: Mapping[str, str] | None = None,
         backend: AsyncBackend | Backend | None = None,
     ) -> AsyncSandbox:
+        import asyncio  # lazily: importing stockade must stay cheap
+
         spec = _spec(limits, network, envs, allow_weaker, labels)
         if backend is None:
             name = await asyncio.to_thread(_choose, tier, trust)
