@@ -1,0 +1,111 @@
+"""What only the process tier does: its host resources, its failure modes, its settings."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stockade import LimitNotEnforceable, NetworkPolicy, Sandbox, SandboxCrashed
+from stockade.sandbox import _cgroups
+from stockade.sandbox.process import collect_garbage
+from stockade.types import Mechanism
+from tests.conftest import require_tier
+
+
+@pytest.fixture(autouse=True)
+def _process_tier() -> None:
+    require_tier("process")
+
+
+def processes_mentioning(fragment: str) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if fragment.encode() in Path(f"/proc/{name}/cmdline").read_bytes():
+                    found.append(int(name))
+            except OSError:
+                continue
+    return found
+
+
+def mounts_of(fragment: str) -> list[str]:
+    return [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if fragment in line]
+
+
+def test_limits_are_enforced_by_cgroups_and_reported() -> None:
+    with Sandbox.create() as sbx:
+        e = sbx.enforcement
+        assert e.memory in (Mechanism.CGROUP_V1, Mechanism.CGROUP_V2)
+        assert e.pids == e.memory and e.disk is Mechanism.TMPFS and e.network is Mechanism.NAMESPACE
+        assert e.weakened == ()
+
+
+def test_a_sandbox_killed_from_outside_is_reported() -> None:
+    sbx = Sandbox.create()
+    boundary = sbx.instance.boundary  # type: ignore[attr-defined]
+    os.kill(boundary.proc.pid, signal.SIGKILL)
+    boundary.proc.wait(timeout=10)
+    with pytest.raises(SandboxCrashed):
+        sbx.commands.run("true")
+    assert not sbx.alive
+    sbx.close()
+
+
+def test_host_allowlists_are_refused_and_host_network_needs_consent() -> None:
+    with pytest.raises(LimitNotEnforceable):
+        Sandbox.create(network=NetworkPolicy(enabled=True, allow_hosts=("example.org",)))
+    with pytest.raises(LimitNotEnforceable):
+        Sandbox.create(network=NetworkPolicy(enabled=True))
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    try:
+        with Sandbox.create(network=NetworkPolicy(enabled=True), allow_weaker=True) as sbx:
+            assert any("network" in w for w in sbx.enforcement.weakened)
+            r = sbx.run_code(f"import socket; socket.create_connection(('127.0.0.1', {port})).close(); 'ok'")
+            assert r.text == "'ok'"
+    finally:
+        server.close()
+
+
+def test_create_close_cycles_leave_nothing_behind() -> None:
+    fds_before = len(os.listdir("/proc/self/fd"))
+    groups_before = set(_cgroups.leftover_groups())
+    ids = []
+    for _ in range(50):
+        with Sandbox.create() as sbx:
+            sbx.commands.run("true")
+            ids.append(sbx.id)
+    assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
+    assert set(_cgroups.leftover_groups()) <= groups_before
+    for sid in ids:
+        assert mounts_of(sid) == [] and processes_mentioning(sid) == []
+
+
+def test_a_crashed_creator_leaves_garbage_that_gc_removes() -> None:
+    code = (
+        "import os, signal\n"
+        "from stockade import Sandbox\n"
+        "sbx = Sandbox.create()\n"
+        "print(sbx.id, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    sid = out.stdout.strip()
+    assert sid.startswith("sbx-")
+    deadline = time.monotonic() + 10
+    while processes_mentioning(sid):
+        assert time.monotonic() < deadline, "bwrap outlived its parent"
+        time.sleep(0.05)
+    removed = collect_garbage()
+    assert any(sid in r for r in removed)
+    assert mounts_of(sid) == [] and sid not in _cgroups.leftover_groups()
