@@ -99,7 +99,9 @@ def test_a_crashed_creator_leaves_garbage_that_gc_removes() -> None:
         "print(sbx.id, flush=True)\n"
         "os.kill(os.getpid(), signal.SIGKILL)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60
+    )
     sid = out.stdout.strip()
     assert sid.startswith("sbx-")
     deadline = time.monotonic() + 10
