@@ -31,6 +31,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   └── ModelRequestRejected      400/404/422: the request itself is wrong
     ├── AuditError                    the audit trail could not do its job
     │   ├── AuditStoreError           [retryable] the audit store is unreachable or locked
+    │   │   └── RunStoreError         [retryable] the run store (checkpoints, traces) is unreachable
     │   └── AuditIntegrityError       verify found the chain edited, cut or reordered
     ├── ToolError                     a tool could not do what the model asked (fed back to it)
     │   ├── InvalidToolCall           unknown tool or arguments that fail its schema
@@ -78,6 +79,7 @@ __all__ = [
     "ResourceContention",
     "RunKilled",
     "RunStopped",
+    "RunStoreError",
     "RuntimeLimit",
     "SandboxClosed",
     "SandboxCrashed",
@@ -334,6 +336,10 @@ class AuditStoreError(AuditError):
     """The audit store is unreachable, locked or failing; the events are kept for the next try."""
 
     retryable = True
+
+
+class RunStoreError(AuditStoreError):
+    """The run store (checkpoints, step traces) is unreachable, locked or failing."""
 
 
 class AuditIntegrityError(AuditError):

@@ -1,0 +1,18 @@
+"""The run store: every agent run's steps, tool calls, retries, approvals and usage, so that
+a run can be inspected (``stockade runs``), resumed after a crash, and replayed
+(``stockade replay``). See ``store`` for how checkpoints stay cheap and ``recorder`` for
+what is written between them."""
+
+from stockade.runs.recorder import RecordedApprovals, RunRecorder
+from stockade.runs.store import ApprovalEntry, RetryEntry, RunStore, RunSummary, RunTrace, open_run_store
+
+__all__ = [
+    "ApprovalEntry",
+    "RecordedApprovals",
+    "RetryEntry",
+    "RunRecorder",
+    "RunStore",
+    "RunSummary",
+    "RunTrace",
+    "open_run_store",
+]

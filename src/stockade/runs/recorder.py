@@ -1,0 +1,127 @@
+"""``RunRecorder``: what a checkpoint does not hold, written to the run store as it happens.
+
+    recorder = RunRecorder(store)
+    agent = Agent(model, checkpointer=store, observers=[recorder],
+                  guards=[policy_guard(engine, recorder.approvals(approvals))])
+    backend = RetryingBackend(backend, Retrier(observer=recorder.runtime))
+
+- as an agent observer: each tool call enters the ledger the moment it returns, and the
+  final diff is kept when the run ends;
+- ``runtime``, a runtime observer: retries, attached to the step and tool call in progress
+  (a retry before the run starts, e.g. of the sandbox start, is kept until the run id is known);
+- ``approvals``: wraps an ``Approvals`` so that each decision, or a pause for one, is recorded.
+
+Runtime observers must not raise; a failed write is raised instead at the next agent event,
+which ends the run (an unrecorded run must not go on as if it were recorded).
+"""
+
+from __future__ import annotations
+
+import time
+
+from stockade import exceptions as exc
+from stockade.agent.events import (
+    AgentEvent,
+    ModelRequested,
+    RunFinished,
+    RunStarted,
+    ToolCalled,
+    ToolReturned,
+)
+from stockade.policy.approval import ApprovalRequest, Approvals
+from stockade.runs.store import ApprovalEntry, RetryEntry, RunStore
+from stockade.runtime.events import RetryScheduled, RuntimeEvent
+
+__all__ = ["RecordedApprovals", "RunRecorder"]
+
+
+class RunRecorder:
+    """Follows one run at a time (the one whose events it receives)."""
+
+    def __init__(self, store: RunStore, *, run_id: str | None = None) -> None:
+        self.store = store
+        self.run_id = run_id
+        self.step = 0
+        self.call_id: str | None = None
+        self._early: list[RetryEntry] = []  # retries before the run id was known
+        self._failure: exc.StockadeError | None = None
+
+    def __call__(self, event: AgentEvent) -> None:
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+        match event:
+            case RunStarted():
+                self.run_id = event.run_id
+                early, self._early = self._early, []
+                for entry in early:
+                    self.store.record_retry(event.run_id, entry)
+            case ModelRequested():
+                self.step, self.call_id = event.step, None
+            case ToolCalled():
+                self.step, self.call_id = event.step, event.call.id
+            case ToolReturned():
+                self.store.record_tool_call(event.run_id, event.step, event.record)
+                self.call_id = None
+            case RunFinished():
+                self.store.record_diff(event.run_id, event.result.diff)
+            case _:
+                pass
+
+    def runtime(self, event: RuntimeEvent) -> None:
+        """A runtime observer (``Retrier(observer=...)``); never raises."""
+        if not isinstance(event, RetryScheduled):
+            return
+        entry = RetryEntry(
+            step=self.step,
+            call_id=self.call_id,
+            subject=event.subject,
+            attempt=event.attempt,
+            delay_s=event.delay_s,
+            reason=event.reason,
+            recorded_ns=time.time_ns(),
+        )
+        if self.run_id is None:
+            self._early.append(entry)
+            return
+        try:
+            self.store.record_retry(self.run_id, entry)
+        except exc.StockadeError as error:
+            self._failure = error
+
+    def approvals(self, inner: Approvals) -> RecordedApprovals:
+        return RecordedApprovals(inner, self)
+
+    def approval(self, request: ApprovalRequest, decision: str) -> None:
+        self.store.record_approval(
+            request.run_id,
+            ApprovalEntry(
+                step=self.step,
+                request_id=request.id,
+                action=request.action,
+                rule=request.rule,
+                reason=request.reason,
+                decision=decision,
+                recorded_ns=time.time_ns(),
+            ),
+        )
+
+
+class RecordedApprovals(Approvals):
+    """The same approvals, each outcome recorded: approved, denied, or pending (the run pauses)."""
+
+    def __init__(self, inner: Approvals, recorder: RunRecorder) -> None:
+        super().__init__(inner.approver, inner.store)
+        self.inner = inner
+        self.recorder = recorder
+
+    def require(self, request: ApprovalRequest) -> None:
+        try:
+            self.inner.require(request)
+        except exc.ApprovalRequired:
+            self.recorder.approval(request, "pending")
+            raise
+        except exc.PolicyDenied:
+            self.recorder.approval(request, "denied")
+            raise
+        self.recorder.approval(request, "approved")
