@@ -111,3 +111,42 @@ def test_a_crashed_creator_leaves_garbage_that_gc_removes() -> None:
     removed = collect_garbage()
     assert any(sid in r for r in removed)
     assert mounts_of(sid) == [] and sid not in _cgroups.leftover_groups()
+
+
+UNPRIVILEGED = """
+from stockade import LimitNotEnforceable, Limits, Sandbox
+try:
+    Sandbox.create()
+    raise SystemExit("created without cgroups and without consent")
+except LimitNotEnforceable as err:
+    assert "allow_weaker" in err.fix
+with Sandbox.create(allow_weaker=True, limits=Limits(memory_mb=128, disk_mb=16)) as sbx:
+    assert sbx.enforcement.memory.value == "rlimit" and sbx.enforcement.weakened
+    r = sbx.commands.run("dd if=/dev/zero of=/workspace/f bs=1M count=40 2>&1")
+    assert "No space left" in r.stdout, r
+    r = sbx.commands.run("python3 -c 'x = bytearray(512 * 1024 * 1024)'")
+    assert "MemoryError" in r.stderr, r
+    assert sbx.run_code("6 * 7").text == "42"
+print("ok")
+"""
+
+
+def test_without_root_weaker_limits_need_consent_and_still_hold() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("this test drops from root to an unprivileged user")
+    src = Path(__file__).resolve().parents[2] / "src"
+    site = (
+        Path(sys.prefix)
+        / "lib"
+        / f"python{sys.version_info.major}.{sys.version_info.minor}"
+        / "site-packages"
+    )
+    nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+    if subprocess.run([*nobody, "test", "-r", str(src / "stockade" / "__init__.py")], check=False).returncode:
+        pytest.skip("the checkout is not readable by an unprivileged user here")
+    env = ["env", "-i", "PATH=/usr/bin:/bin", f"PYTHONPATH={src}:{site}"]
+    out = subprocess.run(
+        [*nobody, *env, "/usr/bin/python3", "-c", UNPRIVILEGED],
+        check=False, capture_output=True, text=True, timeout=120, cwd="/tmp",
+    )  # fmt: skip
+    assert out.stdout.strip() == "ok", out.stderr
