@@ -1,5 +1,8 @@
 """The steppable agent loop. See ``loop`` for the nodes and the extension points
-(observers, guards, tool wrappers, model wrappers, checkpointers)."""
+(observers, guards, tool wrappers, model wrappers, checkpointers), and ``assembly`` for
+``build_agent``: a guarded, limited, audited agent from a policy file in one call."""
+
+from typing import TYPE_CHECKING, Any
 
 from stockade.agent.checkpoint import Checkpointer, JsonFileCheckpointer, MemoryCheckpointer
 from stockade.agent.events import (
@@ -29,16 +32,35 @@ from stockade.agent.loop import (
 )
 from stockade.agent.state import NodeKind, RunState, RunStatus, StepRecord, ToolCallRecord
 
+if TYPE_CHECKING:
+    from stockade.agent.assembly import AgentConfig, AgentSession, GuardedAgent, build_agent
+
+# The assembly imports the policy, runtime and audit layers, which import this package's
+# loop: it loads on first use, so that importing any of them first cannot form a cycle.
+_ASSEMBLY = ("AgentConfig", "AgentSession", "GuardedAgent", "build_agent")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _ASSEMBLY:
+        from stockade.agent import assembly
+
+        return getattr(assembly, name)
+    raise AttributeError(f"module 'stockade.agent' has no attribute {name!r}")
+
+
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
     "Agent",
+    "AgentConfig",
     "AgentEvent",
     "AgentRun",
+    "AgentSession",
     "CallToolsNode",
     "Checkpointer",
     "End",
     "Guard",
     "GuardContext",
+    "GuardedAgent",
     "JsonFileCheckpointer",
     "MemoryCheckpointer",
     "ModelRequestNode",
@@ -59,4 +81,5 @@ __all__ = [
     "ToolCalled",
     "ToolDenied",
     "ToolReturned",
+    "build_agent",
 ]

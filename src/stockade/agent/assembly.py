@@ -1,0 +1,534 @@
+"""One call from a policy file to a guarded, limited, audited agent.
+
+    agent = build_agent(AgentConfig(
+        model="openai:gpt-4.1", policy="policy.toml", audit="sqlite:///.stockade/audit.db",
+        limits=RunLimits(max_steps=20, max_cost_usd=2.0), rate_per_minute=60,
+        dollars_per_hour=5.0, approver=cli_approver,
+    ))
+    with agent:
+        result = agent.run_sync("make the tests pass", workspace="project/")
+
+or, to keep one sandbox across a pause for approval and its resumption:
+
+    with agent.session(workspace="project/") as session:
+        result = session.run_sync("make the tests pass")      # status "paused": someone decides
+        result = session.resume_sync()                        # then it goes on where it stopped
+
+The tier comes from trust: the stricter of ``AgentConfig.trust`` and the policy's
+``[trust] level`` (a caller can tighten the policy, never loosen it) gives the tiers allowed
+(DESIGN.md's table); an explicit ``tier`` outside them, or none available on this host, fails
+closed with ``TierUnavailable`` before any code runs.
+
+The wrappers, outermost first, and why in this order:
+
+    tool call   policy guard        deny (told to the model) or ask a human (the run pauses), before
+                                    anything runs or is counted: a denied call costs no rate budget
+                output filter       the policy sees the final output the model would get
+                runtime controls    kill switch check, action rate limit, the tool's breaker
+                the tool
+    sandbox op  policy guard again  every op, whatever tool issued it (defence in depth); an op of a
+                                    call a human already approved is not asked about twice
+                kill switch         the run's processes die the moment it is pulled
+                audit               each op that reaches the tier, once, whatever retries did below
+                backend breaker     counts an op as failed only after its retries
+                retry               transient failures only (starts and reads; never commands)
+                the tier
+    model       registry check (ApprovedModel) -> spend limit ($/hour) -> breaker -> retry -> adapter
+    observers   audit first (a run refused at its start is still recorded), the prompt filter,
+                the runtime controls (the kill switch between steps), then yours
+
+Every decision lands in the audit trail: model calls, tool calls, denials at either level,
+approvals (asked, granted, refused), retries, breaker changes, rate and spend refusals,
+anomalies, kills, sandbox start and stop, commands and file writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import uuid
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+from stockade.agent.checkpoint import Checkpointer
+from stockade.agent.events import AgentEvent, ModelRequested, RunStarted, ToolCalled, ToolReturned
+from stockade.agent.events import Observer as AgentObserver
+from stockade.agent.loop import DEFAULT_SYSTEM_PROMPT, Agent, Guard, GuardContext, RunLimits, RunResult
+from stockade.agent.state import RunState, RunStatus
+from stockade.audit.agent import AuditObserver
+from stockade.audit.events import EventKind
+from stockade.audit.log import AuditLog
+from stockade.audit.sandbox import AuditedBackend
+from stockade.audit.stores import open_store
+from stockade.exceptions import ApprovalRequired, ConfigurationError, PolicyDenied, TierUnavailable
+from stockade.models.base import Model, resolve_model
+from stockade.models.messages import ToolCall
+from stockade.models.pricing import DEFAULT_PRICES, Price
+from stockade.policy.agent import ApprovedModel, filter_outputs, policy_guard, prompt_filter
+from stockade.policy.approval import ApprovalRequest, Approvals, ApprovalStore, Approver
+from stockade.policy.engine import PolicyEngine
+from stockade.policy.guards import GuardContext as OpContext
+from stockade.policy.guards import GuardedInstance, OpGuard, describe, enforce
+from stockade.policy.load import load_policy
+from stockade.policy.schema import Policy, TrustRules, Verdict
+from stockade.runtime.agent import RuntimeControls
+from stockade.runtime.anomaly import AnomalyMonitor
+from stockade.runtime.breaker import BreakerConfig, Breakers, BreakingBackend
+from stockade.runtime.clock import Clock, SystemClock
+from stockade.runtime.events import (
+    AnomalyFlagged,
+    BreakerChanged,
+    FlakyRerun,
+    KillRequested,
+    LimitHit,
+    RetryScheduled,
+    RuntimeEvent,
+)
+from stockade.runtime.events import Observer as RuntimeObserver
+from stockade.runtime.killswitch import KillSwitch, kill_source_for
+from stockade.runtime.limits import RateLimit, SpendLimit, window_for
+from stockade.runtime.models import BreakerModel, LimitedModel, RetryingModel
+from stockade.runtime.retry import Retrier, RetryingBackend, RetryPolicy
+from stockade.sandbox import _registry
+from stockade.sandbox.base import Backend
+from stockade.sandbox.facade import Sandbox
+from stockade.sandbox.ops import Op
+from stockade.tools.base import Toolset
+from stockade.tools.builtin import default_toolset
+from stockade.types import Limits, NetworkPolicy, Trust
+
+__all__ = ["AgentConfig", "AgentSession", "GuardedAgent", "build_agent", "effective_trust"]
+
+# Weakest to strictest: a caller may tighten the policy's trust, never loosen it.
+_TRUST_ORDER = (Trust.TRUSTED, Trust.INTERNAL, Trust.UNTRUSTED, Trust.MULTI_TENANT)
+
+# The run whose events are being recorded (runtime controls are shared by an agent's runs).
+_current_run: contextvars.ContextVar[str] = contextvars.ContextVar("stockade_run", default="")
+# Set while a tool call a human approved runs: its sandbox ops are covered by that approval.
+_call_approved: contextvars.ContextVar[bool] = contextvars.ContextVar("stockade_approved", default=False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    """Everything ``build_agent`` needs; each field is fixed before any code runs."""
+
+    model: str | Model  # "openai:gpt-4.1", "scripted:turns.json", or a Model
+    policy: str | Path | Policy | None = None  # a .toml/.yaml file or a Policy; None: the defaults
+    role: str | None = None  # required when the policy defines roles
+    trust: Trust | None = None  # tightens the policy's [trust] level
+    tier: str | None = None  # None: the strongest tier trust allows and this host has
+    backend: Backend | None = None  # replaces the tier's backend (tests, fault injection); its
+    #                                 ``tier`` must still be one that trust allows
+    sandbox_limits: Limits | None = None
+    audit: str | AuditLog = "memory:"  # a store URL (sqlite:///PATH, postgresql://...) or a log
+    audit_key: bytes | None = None  # HMAC key of the chain, when ``audit`` is a URL
+    limits: RunLimits = field(default_factory=RunLimits)  # per-run steps, wall time, tokens, dollars
+    rate_per_minute: int | None = None  # tool actions per rolling minute, over all runs
+    dollars_per_hour: float | None = None  # model spend per rolling hour, over all runs
+    limits_redis_url: str | None = None  # share the two windows above across processes
+    prices: Mapping[str, Price] | None = None  # None: DEFAULT_PRICES
+    kill_target: str | None = (
+        None  # kill directory or redis://...; None: $STOCKADE_KILL_DIR or ~/.stockade/kill
+    )
+    approver: Approver | None = None  # decides now (a function, cli_approver); None: always deferred
+    approval_dir: str | Path | None = None  # deferred approvals; None: $STOCKADE_APPROVAL_DIR or default
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    anomaly: bool = True  # the anomaly monitor's default rules
+    tools: Toolset | None = None  # None: default_toolset() (no raw shell)
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    checkpointer: Checkpointer | None = None  # needed to resume a run in another process
+    observers: Sequence[AgentObserver] = ()  # after the built-in ones
+    runtime_observers: Sequence[RuntimeObserver] = ()  # retries, breakers, limits, kills, anomalies
+    clock: Clock | None = None  # rolling windows, breakers, anomaly rules (tests pass a ManualClock)
+
+
+def effective_trust(policy: Policy, trust: Trust | None) -> Trust:
+    """The stricter of the policy's trust and the caller's."""
+    if trust is None:
+        return policy.trust.level
+    return max(policy.trust.level, Trust(trust), key=_TRUST_ORDER.index)
+
+
+def _load(policy: str | Path | Policy | None, trust: Trust | None) -> Policy:
+    if policy is None:  # no file: the caller's trust is the only word (default: untrusted)
+        return Policy(trust=TrustRules(level=Trust(trust) if trust is not None else Trust.UNTRUSTED))
+    loaded = policy if isinstance(policy, Policy) else load_policy(policy)
+    level = effective_trust(loaded, trust)
+    return loaded.model_copy(update={"trust": loaded.trust.model_copy(update={"level": level})})
+
+
+def _choose_tier(engine: PolicyEngine, tier: str | None, backend: Backend | None) -> str:
+    asked = backend.tier if backend is not None else tier
+    if asked is None:
+        return engine.select_tier()
+    allowed = engine.allowed_tiers()
+    if asked not in allowed:
+        level = engine.policy.trust.level.value
+        raise TierUnavailable(
+            f"tier {asked!r} is weaker than trust {level!r} allows (one of: {', '.join(allowed) or 'none'}); "
+            f"use one of those tiers, or, if your own team wrote the code this agent runs, set "
+            f'trust = "trusted" (the policy\'s [trust] level, or --trust trusted)'
+        )
+    return asked
+
+
+class _AuditedApprovals(Approvals):
+    """Records each approval asked, granted or refused; marks the current call approved."""
+
+    def __init__(self, inner: Approvals, log: AuditLog) -> None:
+        super().__init__(inner.approver, inner.store)
+        self.log = log
+
+    def _record(self, request: ApprovalRequest, outcome: str) -> None:
+        self.log.record(
+            EventKind.APPROVAL,
+            run_id=request.run_id,
+            actor="human" if outcome != "pending" else "policy",
+            attributes={
+                "request_id": request.id,
+                "action": request.action,
+                "rule": request.rule,
+                "reason": request.reason,
+                "outcome": outcome,
+            },
+        )
+
+    def require(self, request: ApprovalRequest) -> None:
+        try:
+            super().require(request)
+        except ApprovalRequired:
+            self._record(request, "pending")
+            raise
+        except PolicyDenied:
+            self._record(request, "denied")
+            raise
+        self._record(request, "approved")
+        _call_approved.set(True)
+
+
+def _record_denial(log: AuditLog, run_id: str, level: str, err: PolicyDenied, tool: str = "") -> None:
+    log.record(
+        EventKind.POLICY_DECISION,
+        run_id=run_id,
+        actor="policy",
+        attributes={"decision": "deny", "level": level, "rule": err.rule, "reason": str(err), "tool": tool},
+    )
+
+
+def _call_guard(inner: Guard) -> Guard:
+    def guard(ctx: GuardContext, call: ToolCall) -> ToolCall:
+        _call_approved.set(False)  # a new call: no approval yet (the loop records its denials)
+        return inner(ctx, call)
+
+    return guard
+
+
+def _op_guard(engine: PolicyEngine, approvals: Approvals, log: AuditLog) -> OpGuard:
+    def guard(ctx: OpContext, op: Op) -> Op:
+        decision = engine.op(op, tool=ctx.tool)
+        if decision.verdict is Verdict.APPROVE and _call_approved.get():
+            return op  # a human approved the tool call that issues this op
+        try:
+            enforce(decision, ctx, describe(op), approvals)
+        except PolicyDenied as err:
+            _record_denial(log, ctx.run_id, "sandbox", err, ctx.tool)
+            raise
+        return op
+
+    return guard
+
+
+def _audited_prompt_filter(engine: PolicyEngine, log: AuditLog) -> AgentObserver:
+    inner = prompt_filter(engine)
+
+    def observe(event: AgentEvent) -> None:
+        try:
+            inner(event)
+        except PolicyDenied as err:
+            assert isinstance(event, RunStarted)
+            _record_denial(log, event.run_id, "prompt", err)
+            raise
+
+    return observe
+
+
+def runtime_auditor(log: AuditLog) -> RuntimeObserver:
+    """Runtime events into the audit trail, under the run in progress."""
+
+    def observe(event: RuntimeEvent) -> None:
+        run_id = event.run_id if isinstance(event, KillRequested) else _current_run.get()
+        match event:
+            case RetryScheduled():
+                kind, attrs = EventKind.RETRY, {
+                    "subject": event.subject, "attempt": event.attempt,
+                    "delay_s": event.delay_s, "reason": event.reason,
+                }  # fmt: skip
+            case FlakyRerun():
+                kind, attrs = EventKind.RETRY, {
+                    "subject": event.subject, "flaky_rerun": True,
+                    "first_exit_code": event.first_exit_code, "second_exit_code": event.second_exit_code,
+                }  # fmt: skip
+            case BreakerChanged():
+                kind, attrs = EventKind.BREAKER_CHANGE, {
+                    "breaker": event.name, "old": event.old.value, "new": event.new.value,
+                    "failures": event.failures, "reason": event.reason,
+                }  # fmt: skip
+            case LimitHit():
+                kind = EventKind.RATE_LIMITED if event.kind == "rate" else EventKind.BUDGET
+                attrs = {"limit": event.kind, "key": event.key, "detail": event.detail,
+                         "retry_after": event.retry_after}  # fmt: skip
+            case AnomalyFlagged():
+                kind, attrs = EventKind.ANOMALY, {
+                    "rule": event.rule, "detail": event.detail,
+                    "action": event.action.value, "subject": event.subject,
+                }  # fmt: skip
+            case KillRequested():
+                kind, attrs = EventKind.KILL_SWITCH, {
+                    "reason": event.reason, "killed_instances": event.killed_instances,
+                }  # fmt: skip
+        log.record(kind, run_id=run_id or "(no run)", actor="runtime", attributes=attrs)
+
+    return observe
+
+
+def _fan_out(observers: Sequence[RuntimeObserver]) -> RuntimeObserver:
+    def observe(event: RuntimeEvent) -> None:
+        for observer in observers:
+            observer(event)
+
+    return observe
+
+
+class GuardedAgent:
+    """The agent ``build_agent`` assembles: shared controls, and one ``AgentSession`` per run."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.policy = _load(config.policy, config.trust)
+        self.engine = PolicyEngine(self.policy, role=config.role)
+        self.tier = _choose_tier(self.engine, config.tier, config.backend)
+        if isinstance(config.audit, AuditLog):
+            self.audit_log, self._owns_log = config.audit, False
+        else:
+            self.audit_log = AuditLog(open_store(config.audit), key=config.audit_key)
+            self._owns_log = True
+        log = self.audit_log
+        clock = config.clock or SystemClock()
+        self.runtime_observer = _fan_out((runtime_auditor(log), *config.runtime_observers))
+        self.retrier = Retrier(policy=config.retry, observer=self.runtime_observer, clock=clock)
+        self.breakers = Breakers(config=config.breaker, clock=clock, observer=self.runtime_observer)
+        window = window_for(config.limits_redis_url, clock=clock)
+        self.rate = (
+            RateLimit(per_minute=config.rate_per_minute, window=window, observer=self.runtime_observer)
+            if config.rate_per_minute is not None
+            else None
+        )
+        spend = (
+            SpendLimit(
+                dollars_per_hour=config.dollars_per_hour, window=window, observer=self.runtime_observer
+            )
+            if config.dollars_per_hour is not None
+            else None
+        )
+        self.clock = clock
+        self.prices = config.prices if config.prices is not None else DEFAULT_PRICES
+        self.approvals = _AuditedApprovals(
+            Approvals(config.approver, ApprovalStore(config.approval_dir)), log
+        )
+        base = resolve_model(config.model)
+        limited = LimitedModel(
+            BreakerModel(RetryingModel(base, self.retrier), self.breakers), spend=spend, prices=self.prices
+        )
+        self.model: Model = ApprovedModel(limited, self.engine)  # refuses an unapproved model now
+        self.tools = config.tools if config.tools is not None else default_toolset()
+        self.backend = config.backend or _registry.backend(self.tier)
+
+    # -- runs -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def session(
+        self, *, workspace: str | Path | None = None, run_id: str | None = None
+    ) -> Iterator[AgentSession]:
+        """A sandbox (seeded with a copy of ``workspace``) and everything one run needs."""
+        session = AgentSession(self, run_id or uuid.uuid4().hex)
+        token = _current_run.set(session.run_id)
+        try:
+            with session.open(workspace):
+                yield session
+        finally:
+            _current_run.reset(token)
+            self.audit_log.flush()
+
+    def run_sync(
+        self, task: str, *, workspace: str | Path | None = None, run_id: str | None = None
+    ) -> RunResult:
+        with self.session(workspace=workspace, run_id=run_id) as session:
+            return session.run_sync(task)
+
+    async def run(
+        self, task: str, *, workspace: str | Path | None = None, run_id: str | None = None
+    ) -> RunResult:
+        with self.session(workspace=workspace, run_id=run_id) as session:
+            return await session.run(task)
+
+    def resume_sync(self, run_id: str, *, workspace: str | Path | None = None) -> RunResult:
+        """Continue a paused run from the checkpointer, in a new sandbox seeded with ``workspace``
+        (the run's workspace as it was when it paused: ``AgentSession.save_workspace``)."""
+        with self.session(workspace=workspace, run_id=run_id) as session:
+            return session.resume_sync()
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Flush the audit trail (and close it when this agent opened it)."""
+        if self._owns_log:
+            self.audit_log.close()
+            self.audit_log.store.close()
+        else:
+            self.audit_log.flush()
+
+    def __enter__(self) -> GuardedAgent:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class AgentSession:
+    """One run id: its sandbox (wrapped as the module docstring says), its kill switch, its loop."""
+
+    def __init__(self, owner: GuardedAgent, run_id: str) -> None:
+        self.owner = owner
+        self.run_id = run_id
+        self.step = 0
+        self.last: RunResult | None = None
+        config, log = owner.config, owner.audit_log
+        self.kill_switch = KillSwitch(
+            run_id, [kill_source_for(config.kill_target)], observer=owner.runtime_observer
+        )
+        monitor = (
+            AnomalyMonitor(
+                clock=owner.clock,
+                observer=owner.runtime_observer,
+                breakers=owner.breakers,
+                kill_switch=self.kill_switch,
+            )
+            if config.anomaly
+            else None
+        )
+        self.controls = RuntimeControls(
+            run_id=run_id,
+            breakers=owner.breakers,
+            rate=owner.rate,
+            kill_switch=self.kill_switch,
+            monitor=monitor,
+        )
+        self.agent = Agent(
+            owner.model,
+            tools=self.controls.wrap_tools(filter_outputs(owner.engine, owner.tools)),
+            system_prompt=config.system_prompt,
+            limits=config.limits,
+            guards=[_call_guard(policy_guard(owner.engine, owner.approvals, monitor))],
+            observers=[
+                AuditObserver(log),
+                _audited_prompt_filter(owner.engine, log),
+                self.controls.observe,
+                self._track_step,
+                *config.observers,
+            ],
+            checkpointer=config.checkpointer,
+            prices=owner.prices,
+        )
+        self._raw: Sandbox | None = None
+        self._sandbox: Sandbox | None = None
+
+    def _track_step(self, event: AgentEvent) -> None:
+        if isinstance(event, ModelRequested | ToolCalled):
+            self.step = event.step
+        elif isinstance(event, ToolReturned):
+            _call_approved.set(False)  # the approval covered that call's ops, and no others
+
+    @contextlib.contextmanager
+    def open(self, workspace: str | Path | None) -> Iterator[AgentSession]:
+        owner = self.owner
+        backend = AuditedBackend(
+            BreakingBackend(RetryingBackend(owner.backend, owner.retrier), owner.breakers),
+            owner.audit_log,
+            run_id=self.run_id,
+            step=lambda: self.step,
+        )
+        network = owner.policy.network
+        with Sandbox.create(
+            backend=backend,
+            workspace=workspace,
+            limits=owner.config.sandbox_limits,
+            network=NetworkPolicy(enabled=network.enabled, allow_hosts=network.allow_hosts),
+        ) as raw:
+            self._raw = raw
+            killable = self.controls.protect(raw)
+            guard = _op_guard(owner.engine, owner.approvals, owner.audit_log)
+            ctx = OpContext(run_id=self.run_id, role=owner.engine.role_name)
+            self._sandbox = Sandbox(GuardedInstance(killable.instance, guard, ctx))
+            with self.controls.watch():
+                yield self
+
+    @property
+    def sandbox(self) -> Sandbox:
+        """The sandbox the agent's tools use (policy-guarded, killable, audited)."""
+        if self._sandbox is None:
+            raise ConfigurationError("the session is not open")
+        return self._sandbox
+
+    def save_workspace(self, dest: str | Path) -> None:
+        """Copy the run's workspace to the host (to resume a paused run in another process)."""
+        if self._raw is None:
+            raise ConfigurationError("the session is not open")
+        self._raw.files.download_dir(dest)
+
+    async def _drive(self, task: str | None, resume: str | RunState | None) -> RunResult:
+        async with self.agent.iter(task, sandbox=self.sandbox, resume=resume, run_id=self.run_id) as run:
+            run.state.audit_id = self.run_id  # the audit trail files this run's events under its id
+            async for _ in run:
+                pass
+        assert run.result is not None
+        self.last = run.result
+        return run.result
+
+    async def run(self, task: str) -> RunResult:
+        return await self._drive(task, None)
+
+    async def resume(self) -> RunResult:
+        """Continue the run after a pause (from the checkpointer, else from the last result)."""
+        if self.owner.config.checkpointer is not None:
+            return await self._drive(None, self.run_id)
+        if self.last is None or self.last.status != RunStatus.PAUSED:
+            raise ConfigurationError("nothing to resume: no paused run here and no checkpointer")
+        return await self._drive(None, self.last.state)
+
+    def run_sync(self, task: str) -> RunResult:
+        return _sync(self.run(task))
+
+    def resume_sync(self) -> RunResult:
+        return _sync(self.resume())
+
+
+def _sync(coro: Coroutine[object, object, RunResult]) -> RunResult:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    coro.close()
+    raise ConfigurationError("run_sync() inside a running event loop: use `await session.run(...)`")
+
+
+def build_agent(config: AgentConfig) -> GuardedAgent:
+    """Load the policy, choose the tier by trust (failing closed), open the audit trail, and
+    assemble the wrappers in the order the module docstring gives. Close it (``with``) to flush
+    the audit trail."""
+    return GuardedAgent(config)

@@ -1,0 +1,134 @@
+"""``build_agent`` end to end on the real process tier, from the shipped example policy.
+
+One scripted run tries a denied command (it never reaches the sandbox), then one that needs
+approval (the run pauses, a human approves, it resumes and the command runs); another run
+crosses its dollar budget; afterwards the audit chain verifies and holds every kind of event.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from stockade.agent import AgentConfig, RunLimits, RunStatus, build_agent
+from stockade.audit import AuditLog, SQLiteStore, verify
+from stockade.models import ScriptedModel, tool_call
+from stockade.models.messages import ModelResponse, Usage
+from stockade.policy import ApprovalStore, Choice, load_policy
+from stockade.tools import default_toolset, shell
+from stockade.types import Trust
+from tests.conftest import require_tier
+
+pytestmark = pytest.mark.process
+
+EXAMPLE_POLICY = Path(__file__).parents[2] / "examples" / "policy.toml"
+
+
+@pytest.fixture
+def workspace(tmp_path: Path) -> Path:
+    root = tmp_path / "project"
+    (root / "scratch").mkdir(parents=True)
+    (root / "scratch" / "stale.o").write_text("old object file\n")
+    (root / "app.py").write_text("print('hello')\n")
+    return root
+
+
+def config(
+    tmp_path: Path, model: ScriptedModel, log: AuditLog, limits: RunLimits | None = None
+) -> AgentConfig:
+    return AgentConfig(
+        model=model,
+        policy=EXAMPLE_POLICY,
+        tier="process",
+        audit=log,
+        limits=limits or RunLimits(max_steps=10),
+        tools=default_toolset().including(shell),
+        approval_dir=tmp_path / "approvals",
+        kill_target=str(tmp_path / "kill"),
+    )
+
+
+def test_the_example_policy_loads_and_says_what_the_readme_says() -> None:
+    policy = load_policy(EXAMPLE_POLICY)
+    assert policy.trust.level is Trust.TRUSTED
+    assert "curl" in policy.commands.deny and "rm -r" in policy.commands.approve
+    assert not policy.network.enabled
+    assert policy.models.allows("gpt-4.1") and not policy.models.allows("some-unvetted-model")
+
+
+def test_denied_never_runs_approval_pauses_then_resumes_budget_stops_and_the_chain_verifies(
+    tmp_path: Path, workspace: Path
+) -> None:
+    require_tier("process")
+    store = SQLiteStore(tmp_path / "audit.db")
+    log = AuditLog(store, flush_interval_s=None)
+    model = ScriptedModel(
+        [
+            tool_call("shell", {"command": "curl -s https://example.com -o loot; touch pwned"}),
+            tool_call("shell", {"command": "rm -r scratch"}),
+            tool_call("list_files", {"path": "."}),
+            "cleaned the scratch folder",
+        ]
+    )
+    approvals = ApprovalStore(tmp_path / "approvals")
+    with build_agent(config(tmp_path, model, log)) as agent:
+        with agent.session(workspace=workspace, run_id="cleanup") as session:
+            paused = session.run_sync("clean the scratch folder")
+            assert paused.status == RunStatus.PAUSED
+            assert session.sandbox.files.exists("scratch/stale.o")  # not yet: it waits for a human
+            assert not session.sandbox.files.exists("pwned")  # the denied command never ran
+
+            (request,) = approvals.pending("cleanup")
+            assert "rm -r scratch" in request["action"]
+            approvals.decide("cleanup", request["id"], Choice.APPROVED, by="alice")
+
+            done = session.resume_sync()
+            assert done.status == RunStatus.SUCCESS, done.error
+            assert not session.sandbox.files.exists("scratch")
+        assert "-old object file" in done.diff
+
+        budget_model = ScriptedModel(
+            [
+                ModelResponse(
+                    tool_calls=(tool_call("list_files", {"path": "."}),),
+                    usage=Usage(input_tokens=2_000, output_tokens=500, requests=1),
+                )
+            ]
+            * 5
+            + ["never reached"],
+            name="gpt-4.1",
+        )  # $0.008 a turn at gpt-4.1's price
+    with build_agent(
+        config(tmp_path, budget_model, log, RunLimits(max_steps=10, max_cost_usd=0.015))
+    ) as agent:
+        over = agent.run_sync("look around", workspace=workspace, run_id="spender")
+    assert over.status == RunStatus.BUDGET and len(over.steps) == 2
+
+    report = verify(store)
+    assert report.ok, report.problems
+    events = list(store.events(run_id="cleanup"))
+    kinds = Counter(e.kind.value for e in events)
+    for kind in ("run_start", "model_call", "tool_call", "policy_decision", "approval", "command"):
+        assert kinds[kind] >= 1, (kind, kinds)
+    assert kinds["sandbox_start"] == 1 and kinds["sandbox_stop"] == 1
+    commands = [e.attributes["argv"] for e in events if e.kind.value == "command"]
+    assert all("curl" not in " ".join(argv) for argv in commands)  # type: ignore[arg-type]
+    outcomes = [e.attributes["outcome"] for e in events if e.kind.value == "approval"]
+    assert outcomes[0] == "pending" and "approved" in outcomes
+    assert [e.attributes["status"] for e in store.events(run_id="spender") if e.kind.value == "run_end"] == [
+        "budget"
+    ]
+    store.close()
+
+
+def test_a_tier_weaker_than_trust_allows_fails_before_anything_runs(tmp_path: Path) -> None:
+    from stockade.exceptions import TierUnavailable
+
+    with pytest.raises(TierUnavailable, match="weaker than trust 'untrusted'"):
+        build_agent(
+            AgentConfig(
+                model=ScriptedModel(["hi"]), policy=EXAMPLE_POLICY, trust=Trust.UNTRUSTED, tier="process"
+            )
+        )
