@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "stockade.cli.agent_cmds",
     "stockade.cli.policy_cmds",
     "stockade.cli.image_cmds",
+    "stockade.cli.runs_cmds",
 )
 
 for _name in COMMAND_MODULES:

@@ -1,0 +1,336 @@
+"""``stockade runs list | show`` and ``stockade replay``: read and re-run recorded agent runs.
+
+The store is ``--db`` (or ``STOCKADE_RUNS_DB``, else ``STOCKADE_AUDIT_DB``): by default the
+run tables live in the audit database file. A run id may be given by a unique prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.syntax import Syntax
+from rich.table import Table
+
+from stockade import exceptions as exc
+from stockade.agent.state import RunStatus, StepRecord, ToolCallRecord
+from stockade.runs.store import RetryEntry, RunStore, RunSummary, RunTrace, open_run_store
+
+out = Console()
+err = Console(stderr=True)
+
+DEFAULT_DB = "sqlite:///.stockade/audit.db"
+
+DbOpt = Annotated[
+    str,
+    typer.Option(
+        "--db",
+        envvar=["STOCKADE_RUNS_DB", "STOCKADE_AUDIT_DB"],
+        help="sqlite:///PATH, a file path, or postgresql://...",
+    ),
+]
+NamespaceOpt = Annotated[str, typer.Option("--namespace", help="table prefix of the run store")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
+
+_EXIT_CODE = re.compile(r"exit code (-?\d+)")
+SHOWN_CHARS = 400
+
+
+def _store(db: str, namespace: str) -> RunStore:
+    if "://" not in db or db.startswith("sqlite:///"):
+        path = Path(db.removeprefix("sqlite:///"))
+        if not path.exists():
+            err.print(f"[red]no run store at {escape(str(path))}[/] (set --db or STOCKADE_RUNS_DB)")
+            raise typer.Exit(2)
+    try:
+        return open_run_store(db, namespace=namespace)
+    except exc.StockadeError as error:
+        err.print(f"[red]{escape(str(error))}[/]")
+        raise typer.Exit(2) from error
+
+
+def _resolve(store: RunStore, run_id: str) -> str:
+    matches = store.find(run_id)
+    if run_id in matches:
+        return run_id
+    if len(matches) == 1:
+        return matches[0]
+    err.print(
+        f"[red]no run {escape(run_id)!r}[/]"
+        if not matches
+        else f"[red]{escape(run_id)!r} names several runs:[/] {escape(', '.join(matches))}"
+    )
+    raise typer.Exit(2)
+
+
+def exit_code(record: ToolCallRecord) -> int | None:
+    """The exit code a command or test tool reported in its observation, if any."""
+    match = _EXIT_CODE.search(record.observation[:2000])
+    return int(match.group(1)) if match else None
+
+
+def _when(ns: int) -> str:
+    return datetime.fromtimestamp(ns / 1e9, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _summary_json(s: RunSummary) -> dict[str, object]:
+    return {
+        "run_id": s.run_id,
+        "task": s.task,
+        "model": s.model_name,
+        "status": s.status.value,
+        "steps": s.steps,
+        "input_tokens": s.usage.input_tokens,
+        "output_tokens": s.usage.output_tokens,
+        "requests": s.usage.requests,
+        "cost_usd": s.cost_usd,
+        "elapsed_s": s.elapsed_s,
+        "error": s.error,
+        "created": _when(s.created_ns),
+        "updated": _when(s.updated_ns),
+    }
+
+
+def list_runs(
+    *,
+    db: DbOpt = DEFAULT_DB,
+    namespace: NamespaceOpt = "runs",
+    limit: Annotated[int, typer.Option("-n", "--limit", help="how many runs, newest first")] = 20,
+    status: Annotated[RunStatus | None, typer.Option("--status", help="only runs that ended so")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """The latest runs: id, status, steps, tokens, cost and task."""
+    with _store(db, namespace) as store:
+        runs = store.runs(limit=limit, status=status)
+    if as_json:
+        print(json.dumps([_summary_json(s) for s in runs], ensure_ascii=False))
+        return
+    table = Table("run", "updated", "status", "steps", "tokens", "cost", "task", box=None)
+    for s in runs:
+        colour = "green" if s.status == RunStatus.SUCCESS else "yellow" if not s.status.finished else "red"
+        table.add_row(
+            s.run_id[:12],
+            _when(s.updated_ns),
+            f"[{colour}]{s.status.value}[/]",
+            str(s.steps),
+            str(s.usage.total_tokens),
+            f"${s.cost_usd:.4f}",
+            escape(s.task.splitlines()[0][:60] if s.task else ""),
+        )
+    out.print(table)
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + f"… [{len(text) - limit} more chars]"
+
+
+def _retry_json(r: RetryEntry) -> dict[str, object]:
+    return {"subject": r.subject, "attempt": r.attempt, "delay_s": r.delay_s, "reason": r.reason}
+
+
+def _call_json(trace: RunTrace, step: int, record: ToolCallRecord, limit: int) -> dict[str, object]:
+    return {
+        "tool": record.call.name,
+        "call_id": record.call.id,
+        "args": record.call.args,
+        "idempotency_key": record.idempotency_key,
+        "exit_code": exit_code(record),
+        "duration_s": record.duration_s,
+        "is_error": record.is_error,
+        "error_type": record.error_type,
+        "denied": record.denied,
+        "observation": _cut(record.observation, limit),
+        "cut_chars": record.cut_chars,
+        "retries": [_retry_json(r) for r in trace.retries_of(step, record.call.id)],
+    }
+
+
+def _steps(trace: RunTrace) -> list[StepRecord]:
+    state = trace.state
+    return [*state.steps, *([state.current] if state.current is not None else [])]
+
+
+def trace_json(trace: RunTrace, *, limit: int = SHOWN_CHARS) -> dict[str, object]:
+    state = trace.state
+    return {
+        **_summary_json(trace.summary),
+        "answer": state.answer,
+        "steps": [
+            {
+                "index": step.index,
+                "model_duration_s": step.model_duration_s,
+                "input_tokens": step.response.usage.input_tokens,
+                "output_tokens": step.response.usage.output_tokens,
+                "text": step.response.text,
+                "tool_calls": [_call_json(trace, step.index, r, limit) for r in step.tool_calls],
+                "retries": [
+                    _retry_json(r) for r in trace.retries if r.step == step.index and r.call_id is None
+                ],
+            }
+            for step in _steps(trace)
+        ],
+        "approvals": [
+            {
+                "step": a.step,
+                "request_id": a.request_id,
+                "action": a.action,
+                "rule": a.rule,
+                "decision": a.decision,
+            }
+            for a in trace.approvals
+        ],
+        "diff": trace.diff,
+    }
+
+
+def _print_trace(trace: RunTrace, limit: int) -> None:
+    s, state = trace.summary, trace.state
+    colour = "green" if s.status == RunStatus.SUCCESS else "red"
+    out.print(f"[bold]run {escape(s.run_id)}[/] with {escape(s.model_name)}  [{colour}]{s.status.value}[/]")
+    out.print(f"[bold]task:[/] {escape(state.task)}")
+    out.print(
+        f"{s.steps} steps, {s.usage.input_tokens} in / {s.usage.output_tokens} out tokens, "
+        f"${s.cost_usd:.4f}, {s.elapsed_s:.1f} s"
+    )
+    for step in _steps(trace):
+        usage = step.response.usage
+        out.print(
+            f"\n[cyan]step {step.index}[/] model {step.model_duration_s * 1000:.0f} ms, "
+            f"{usage.input_tokens}/{usage.output_tokens} tokens"
+        )
+        for retry in (r for r in trace.retries if r.step == step.index and r.call_id is None):
+            out.print(
+                f"  [yellow]↻ retry[/] {escape(retry.subject)} in {retry.delay_s:.2f} s: "
+                f"{escape(retry.reason)}"
+            )
+        if step.response.text:
+            out.print(f"  [dim]{escape(_cut(step.response.text, limit))}[/]")
+        for record in step.tool_calls:
+            mark = "[yellow]denied[/]" if record.denied else "[red]✗[/]" if record.is_error else "[green]✓[/]"
+            args = json.dumps(record.call.args, ensure_ascii=False)
+            code = exit_code(record)
+            facts = [f"{record.duration_s * 1000:.0f} ms"]
+            if code is not None:
+                facts.insert(0, f"exit {code}")
+            if record.error_type:
+                facts.append(record.error_type)
+            out.print(f"  {mark} {record.call.name}({escape(_cut(args, 160))})  {', '.join(facts)}")
+            for retry in trace.retries_of(step.index, record.call.id):
+                out.print(
+                    f"      [yellow]↻ retry {retry.attempt}[/] {escape(retry.subject)} after "
+                    f"{retry.delay_s:.2f} s: {escape(retry.reason)}"
+                )
+            shown = _cut(record.observation, limit)
+            out.print("      " + escape(shown).replace("\n", "\n      "), style="dim", highlight=False)
+    for approval in trace.approvals:
+        out.print(
+            f"\n[magenta]approval[/] step {approval.step}: {escape(approval.action)} → {approval.decision}"
+        )
+    if state.error:
+        out.print(f"\n[red]{escape(state.error)}[/]")
+    if state.answer:
+        out.print(f"\n[bold]answer:[/] {escape(state.answer)}")
+    if trace.diff:
+        out.print(Syntax(trace.diff, "diff", theme="ansi_dark", background_color="default"))
+    elif trace.diff is not None:
+        out.print("[dim](the workspace is unchanged)[/]")
+
+
+def show(
+    run_id: Annotated[str, typer.Argument(help="a run id, or a unique prefix of one")],
+    *,
+    db: DbOpt = DEFAULT_DB,
+    namespace: NamespaceOpt = "runs",
+    chars: Annotated[int, typer.Option("--chars", help="characters of each output shown")] = SHOWN_CHARS,
+    as_json: JsonOpt = False,
+) -> None:
+    """Each step of a run: tool, arguments, exit code, duration, retries and output; then the diff."""
+    with _store(db, namespace) as store:
+        trace = store.trace(_resolve(store, run_id))
+    if trace is None:
+        err.print(f"[red]run {escape(run_id)} has no checkpoint[/]")
+        raise typer.Exit(2)
+    if as_json:
+        print(json.dumps(trace_json(trace, limit=chars), ensure_ascii=False))
+    else:
+        _print_trace(trace, chars)
+
+
+def replay(
+    run_id: Annotated[str, typer.Argument(help="a run id, or a unique prefix of one")],
+    *,
+    workspace: Annotated[
+        Path | None, typer.Option("--workspace", "-w", help="the folder the run started from")
+    ] = None,
+    tier: Annotated[str, typer.Option("--tier", "-t", help="process, docker, gvisor or microvm")] = "process",
+    db: DbOpt = DEFAULT_DB,
+    namespace: NamespaceOpt = "runs",
+    as_json: JsonOpt = False,
+) -> None:
+    """Run a recorded run again with its recorded model responses in a fresh sandbox; exit 1 when
+    an observation differs from the recorded one (flaky tests, time-dependent commands)."""
+    from stockade.audit.replay import replay as replay_run
+    from stockade.sandbox.facade import Sandbox
+
+    with _store(db, namespace) as store:
+        state = store.load(_resolve(store, run_id))
+    if state is None:
+        err.print(f"[red]run {escape(run_id)} has no checkpoint[/]")
+        raise typer.Exit(2)
+    try:
+        with Sandbox.create(tier, workspace=workspace) as sandbox:
+            report = asyncio.run(replay_run(state, sandbox=sandbox))
+    except exc.StockadeError as error:
+        err.print(f"[red]error:[/] {escape(str(error))}")
+        raise typer.Exit(2) from None
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "run_id": report.run_id,
+                    "ok": report.ok,
+                    "recorded_status": report.recorded_status.value,
+                    "replayed_status": report.replayed_status.value,
+                    "compared": report.compared,
+                    "differences": [
+                        {
+                            "step": d.step,
+                            "call_id": d.call_id,
+                            "tool": d.tool,
+                            "what": d.what,
+                            "recorded": d.recorded,
+                            "replayed": d.replayed,
+                        }
+                        for d in report.differences
+                    ],
+                },
+                ensure_ascii=False,
+            )
+        )
+    else:
+        out.print(
+            f"replayed {report.compared} tool calls of run {escape(report.run_id)}: "
+            f"recorded {report.recorded_status.value}, replayed {report.replayed_status.value}"
+        )
+        if report.ok:
+            out.print("[green]every observation matches the record[/]")
+        for d in report.differences:
+            out.print(f"\n[red]step {d.step} {escape(d.tool)} ({d.call_id}): {d.what} differs[/]")
+            out.print(f"  [dim]recorded:[/] {escape(_cut(d.recorded, SHOWN_CHARS))}", highlight=False)
+            out.print(f"  [dim]replayed:[/] {escape(_cut(d.replayed, SHOWN_CHARS))}", highlight=False)
+    raise typer.Exit(0 if report.ok else 1)
+
+
+def register(app: typer.Typer) -> None:
+    group = typer.Typer(name="runs", help="List and inspect recorded agent runs.", no_args_is_help=True)
+    group.command("list")(list_runs)
+    group.command("show")(show)
+    app.add_typer(group)
+    app.command("replay")(replay)
