@@ -14,8 +14,9 @@ ROOT=$(cd "$HERE/.." && pwd)
 VENV=${STOCKADE_VENV:-$ROOT/.venv}
 PYTHON=${PYTHON:-python3}
 # bubblewrap + libseccomp2: the process tier; python3/procps/git: what sandboxed code finds
-# on the host's read-only /usr; python3-venv: the virtualenv below.
-PACKAGES=(bubblewrap libseccomp2 python3 python3-venv python3-pytest procps git ca-certificates)
+# on the host's read-only /usr (python3-pytest, python3-matplotlib: what agents and notebooks
+# expect to find); python3-venv: the virtualenv below.
+PACKAGES=(bubblewrap libseccomp2 python3 python3-venv python3-pytest python3-matplotlib procps git ca-certificates)
 
 log() { printf 'bootstrap: %s\n' "$*" >&2; }
 die() { printf 'bootstrap: ERROR: %s\n' "$*" >&2; exit 1; }

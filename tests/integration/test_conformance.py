@@ -326,3 +326,14 @@ def test_async_sandbox_has_the_same_surface(tier: str) -> None:
         assert seen == ["hi\n"]
 
     asyncio.run(main())
+
+
+def test_matplotlib_figures_come_back_as_png(sbx: Sandbox) -> None:
+    if sbx.run_code("import importlib.util; importlib.util.find_spec('matplotlib') is None").text == "True":
+        # Content of the tier's image, not a backend: the process tier's comes from bootstrap.
+        pytest.skip(f"no matplotlib inside the {sbx.tier} tier's image")
+    ex = sbx.run_code("import matplotlib.pyplot as plt\nplt.plot([1, 2, 3], [1, 4, 9])\nplt.show()")
+    assert ex.error is None and len(ex.results) == 1
+    assert ex.results[0].png is not None and ex.results[0].png.startswith("iVBOR")  # PNG, base64
+    ex = sbx.run_code("fig, ax = plt.subplots()\nax.bar([1], [2])\nfig")
+    assert [r.png is not None for r in ex.results] == [True], "a figure is shown once"

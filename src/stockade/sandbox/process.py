@@ -49,7 +49,11 @@ PASSWD = (
 )
 GROUP = "root:x:0:\nsandbox:x:1000:\nnogroup:x:65534:\n"
 HOSTS = "127.0.0.1 localhost sandbox\n::1 localhost\n"
-HOST_ETC = ("ld.so.cache", "alternatives", "ssl", "ca-certificates", "localtime", "mime.types")
+HOST_ETC = (
+    # What programs from the host's /usr read from /etc; the rest of /etc stays out.
+    "ld.so.cache", "alternatives", "ssl", "ca-certificates", "localtime", "mime.types",
+    "matplotlibrc", "fonts", "python3", "python3.11", "python3.12", "python3.13",
+)  # fmt: skip
 
 
 class _BwrapStream:

@@ -116,6 +116,10 @@ class Interpreter:
             if value is not None:
                 self.namespace["_"] = value
                 self._displayed.append(mime_bundle(value))
+                if _is_figure(value):  # shown once, not again with the open figures
+                    plt = sys.modules.get("matplotlib.pyplot")
+                    if plt is not None:
+                        plt.close(value)
         except BaseException as exc:  # SystemExit and KeyboardInterrupt are the code's too
             error = {
                 "name": type(exc).__name__,
