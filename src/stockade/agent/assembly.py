@@ -61,6 +61,7 @@ from stockade.agent.state import RunState, RunStatus
 from stockade.audit.agent import AuditObserver
 from stockade.audit.events import EventKind
 from stockade.audit.log import AuditLog
+from stockade.audit.runtime_events import RuntimeAuditor
 from stockade.audit.sandbox import AuditedBackend
 from stockade.audit.stores import open_store
 from stockade.exceptions import ApprovalRequired, ConfigurationError, PolicyDenied, TierUnavailable
@@ -74,20 +75,14 @@ from stockade.policy.guards import GuardContext as OpContext
 from stockade.policy.guards import GuardedInstance, OpGuard, describe, enforce
 from stockade.policy.load import load_policy
 from stockade.policy.schema import Policy, TrustRules, Verdict
+from stockade.runs.recorder import RunRecorder
+from stockade.runs.store import RunStore
 from stockade.runtime.agent import RuntimeControls
 from stockade.runtime.anomaly import AnomalyMonitor
 from stockade.runtime.breaker import BreakerConfig, Breakers, BreakingBackend
 from stockade.runtime.clock import Clock, SystemClock
-from stockade.runtime.events import (
-    AnomalyFlagged,
-    BreakerChanged,
-    FlakyRerun,
-    KillRequested,
-    LimitHit,
-    RetryScheduled,
-    RuntimeEvent,
-)
 from stockade.runtime.events import Observer as RuntimeObserver
+from stockade.runtime.events import RuntimeEvent
 from stockade.runtime.killswitch import KillSwitch, kill_source_for
 from stockade.runtime.limits import RateLimit, SpendLimit, window_for
 from stockade.runtime.models import BreakerModel, LimitedModel, RetryingModel
@@ -105,8 +100,10 @@ __all__ = ["AgentConfig", "AgentSession", "GuardedAgent", "build_agent", "effect
 # Weakest to strictest: a caller may tighten the policy's trust, never loosen it.
 _TRUST_ORDER = (Trust.TRUSTED, Trust.INTERNAL, Trust.UNTRUSTED, Trust.MULTI_TENANT)
 
-# The run whose events are being recorded (runtime controls are shared by an agent's runs).
-_current_run: contextvars.ContextVar[str] = contextvars.ContextVar("stockade_run", default="")
+# Where runtime events go: the session in progress (the controls are shared by an agent's runs).
+_session_observer: contextvars.ContextVar[RuntimeObserver | None] = contextvars.ContextVar(
+    "stockade_session_observer", default=None
+)
 # Set while a tool call a human approved runs: its sandbox ops are covered by that approval.
 _call_approved: contextvars.ContextVar[bool] = contextvars.ContextVar("stockade_approved", default=False)
 
@@ -140,7 +137,8 @@ class AgentConfig:
     anomaly: bool = True  # the anomaly monitor's default rules
     tools: Toolset | None = None  # None: default_toolset() (no raw shell)
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
-    checkpointer: Checkpointer | None = None  # needed to resume a run in another process
+    checkpointer: Checkpointer | None = None  # to resume in another process; a RunStore
+    #                                          (open_run_store) also records retries, approvals, calls
     observers: Sequence[AgentObserver] = ()  # after the built-in ones
     runtime_observers: Sequence[RuntimeObserver] = ()  # retries, breakers, limits, kills, anomalies
     clock: Clock | None = None  # rolling windows, breakers, anomaly rules (tests pass a ManualClock)
@@ -256,45 +254,6 @@ def _audited_prompt_filter(engine: PolicyEngine, log: AuditLog) -> AgentObserver
     return observe
 
 
-def runtime_auditor(log: AuditLog) -> RuntimeObserver:
-    """Runtime events into the audit trail, under the run in progress."""
-
-    def observe(event: RuntimeEvent) -> None:
-        run_id = event.run_id if isinstance(event, KillRequested) else _current_run.get()
-        match event:
-            case RetryScheduled():
-                kind, attrs = EventKind.RETRY, {
-                    "subject": event.subject, "attempt": event.attempt,
-                    "delay_s": event.delay_s, "reason": event.reason,
-                }  # fmt: skip
-            case FlakyRerun():
-                kind, attrs = EventKind.RETRY, {
-                    "subject": event.subject, "flaky_rerun": True,
-                    "first_exit_code": event.first_exit_code, "second_exit_code": event.second_exit_code,
-                }  # fmt: skip
-            case BreakerChanged():
-                kind, attrs = EventKind.BREAKER_CHANGE, {
-                    "breaker": event.name, "old": event.old.value, "new": event.new.value,
-                    "failures": event.failures, "reason": event.reason,
-                }  # fmt: skip
-            case LimitHit():
-                kind = EventKind.RATE_LIMITED if event.kind == "rate" else EventKind.BUDGET
-                attrs = {"limit": event.kind, "key": event.key, "detail": event.detail,
-                         "retry_after": event.retry_after}  # fmt: skip
-            case AnomalyFlagged():
-                kind, attrs = EventKind.ANOMALY, {
-                    "rule": event.rule, "detail": event.detail,
-                    "action": event.action.value, "subject": event.subject,
-                }  # fmt: skip
-            case KillRequested():
-                kind, attrs = EventKind.KILL_SWITCH, {
-                    "reason": event.reason, "killed_instances": event.killed_instances,
-                }  # fmt: skip
-        log.record(kind, run_id=run_id or "(no run)", actor="runtime", attributes=attrs)
-
-    return observe
-
-
 def _fan_out(observers: Sequence[RuntimeObserver]) -> RuntimeObserver:
     def observe(event: RuntimeEvent) -> None:
         for observer in observers:
@@ -318,7 +277,8 @@ class GuardedAgent:
             self._owns_log = True
         log = self.audit_log
         clock = config.clock or SystemClock()
-        self.runtime_observer = _fan_out((runtime_auditor(log), *config.runtime_observers))
+        self._unattached = RuntimeAuditor(log)  # events outside any session (none expected)
+        self.runtime_observer = _fan_out((self._dispatch, *config.runtime_observers))
         self.retrier = Retrier(policy=config.retry, observer=self.runtime_observer, clock=clock)
         self.breakers = Breakers(config=config.breaker, clock=clock, observer=self.runtime_observer)
         window = window_for(config.limits_redis_url, clock=clock)
@@ -347,6 +307,9 @@ class GuardedAgent:
         self.tools = config.tools if config.tools is not None else default_toolset()
         self.backend = config.backend or _registry.backend(self.tier)
 
+    def _dispatch(self, event: RuntimeEvent) -> None:
+        (_session_observer.get() or self._unattached)(event)
+
     # -- runs -----------------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -355,12 +318,12 @@ class GuardedAgent:
     ) -> Iterator[AgentSession]:
         """A sandbox (seeded with a copy of ``workspace``) and everything one run needs."""
         session = AgentSession(self, run_id or uuid.uuid4().hex)
-        token = _current_run.set(session.run_id)
+        token = _session_observer.set(session.runtime_observer)
         try:
             with session.open(workspace):
                 yield session
         finally:
-            _current_run.reset(token)
+            _session_observer.reset(token)
             self.audit_log.flush()
 
     def run_sync(
@@ -409,8 +372,20 @@ class AgentSession:
         self.step = 0
         self.last: RunResult | None = None
         config, log = owner.config, owner.audit_log
+        auditor = RuntimeAuditor(log, run_id=run_id)
+        observers: list[AgentObserver] = [AuditObserver(log), auditor.track]
+        runtime: list[RuntimeObserver] = [auditor]
+        self.approvals: Approvals = owner.approvals
+        if isinstance(config.checkpointer, RunStore):  # retries, approvals and the ledger too
+            recorder = RunRecorder(config.checkpointer, run_id=run_id)
+            observers.append(recorder)
+            runtime.append(recorder.runtime)
+            self.approvals = recorder.approvals(owner.approvals)
+        self.runtime_observer = _fan_out(runtime)
         self.kill_switch = KillSwitch(
-            run_id, [kill_source_for(config.kill_target)], observer=owner.runtime_observer
+            run_id,
+            [kill_source_for(config.kill_target)],
+            observer=_fan_out((*runtime, *config.runtime_observers)),
         )
         monitor = (
             AnomalyMonitor(
@@ -434,9 +409,9 @@ class AgentSession:
             tools=self.controls.wrap_tools(filter_outputs(owner.engine, owner.tools)),
             system_prompt=config.system_prompt,
             limits=config.limits,
-            guards=[_call_guard(policy_guard(owner.engine, owner.approvals, monitor))],
+            guards=[_call_guard(policy_guard(owner.engine, self.approvals, monitor))],
             observers=[
-                AuditObserver(log),
+                *observers,
                 _audited_prompt_filter(owner.engine, log),
                 self.controls.observe,
                 self._track_step,
@@ -472,7 +447,7 @@ class AgentSession:
         ) as raw:
             self._raw = raw
             killable = self.controls.protect(raw)
-            guard = _op_guard(owner.engine, owner.approvals, owner.audit_log)
+            guard = _op_guard(owner.engine, self.approvals, owner.audit_log)
             ctx = OpContext(run_id=self.run_id, role=owner.engine.role_name)
             self._sandbox = Sandbox(GuardedInstance(killable.instance, guard, ctx))
             with self.controls.watch():

@@ -1,35 +1,43 @@
-"""``stockade agent`` (a task, a model, a workspace) and ``stockade demo`` (no API key needed)."""
+"""``stockade agent`` (a task, a model, a workspace, a policy) and ``stockade demo`` (no API key).
+
+``stockade agent`` assembles its agent with ``stockade.agent.build_agent``: the policy's guards,
+the runtime controls, the audit trail (``--audit-db``) and the run store (``--runs-db``, by
+default the same database) around a sandbox of the tier trust allows.
+"""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import BaseModel, ConfigDict
 from rich.console import Console
 from rich.markup import escape
 from rich.syntax import Syntax
 
 from stockade import exceptions as exc
 from stockade.agent import (
-    Agent,
     AgentEvent,
     ModelResponded,
     RunFinished,
     RunLimits,
     RunResult,
     RunStarted,
+    RunStatus,
     ToolDenied,
     ToolReturned,
 )
 from stockade.runtime.events import RetryScheduled, RuntimeEvent
-from stockade.runtime.retry import Retrier, RetryingBackend
-from stockade.sandbox import _registry
-from stockade.sandbox.facade import Sandbox
 from stockade.tools import default_toolset, shell
+from stockade.types import Trust
 
 out = Console()
 err = Console(stderr=True)
+
+# The same default as ``stockade audit verify`` and ``stockade runs``: the trail is found without flags.
+DEFAULT_DB = "sqlite:///.stockade/audit.db"
 
 
 class Progress:
@@ -97,30 +105,163 @@ def show_result(console: Console, result: RunResult) -> None:
         console.print("[dim](the workspace is unchanged)[/]")
 
 
-def agent(
-    task: Annotated[str, typer.Argument(help="what the agent should do")],
-    workspace: Annotated[Path, typer.Option("--workspace", "-w", help="a folder copied into the sandbox")],
-    model: Annotated[str, typer.Option("--model", "-m", help="PROVIDER:NAME, e.g. openai:gpt-4.1")],
-    tier: Annotated[str, typer.Option("--tier", "-t", help="process, docker, gvisor or microvm")] = "process",
-    max_steps: Annotated[int, typer.Option("--max-steps", help="model requests at most")] = 30,
-    allow_shell: Annotated[bool, typer.Option("--shell/--no-shell", help="offer the raw shell tool")] = False,
-) -> None:
-    """Let a model work on a copy of WORKSPACE in a sandbox; show each step and the final diff.
+class SavedRun(BaseModel):
+    """What ``stockade agent --resume RUN_ID`` needs from the invocation that paused."""
 
-    The host folder is never written: the diff shows what the agent changed.
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str
+    tier: str | None
+    trust: Trust | None
+    policy: str | None
+    role: str | None
+    audit_db: str
+    runs_db: str
+    max_steps: int
+    budget_usd: float | None
+    rate: int | None
+    spend_per_hour: float | None
+    kill_target: str | None
+    allow_shell: bool
+
+
+def _absolute_model(spec: str) -> str:
+    """``scripted:FILE`` names a file: keep it findable from wherever the run is resumed."""
+    provider, _, name = spec.partition(":")
+    return f"scripted:{Path(name).resolve()}" if provider == "scripted" and name else spec
+
+
+def _paused_dir(state_dir: Path, run_id: str) -> Path:
+    if not run_id or "/" in run_id or run_id.startswith("."):
+        raise exc.ConfigurationError(f"invalid run id {run_id!r}")
+    return state_dir / run_id
+
+
+def _tell_how_to_resume(result: RunResult, pending: list[dict[str, str]], saved: Path) -> None:
+    out.print(
+        f"\n[bold yellow]paused[/]: the run waits for a human (its workspace is kept in {escape(str(saved))})"
+    )
+    for request in pending:
+        out.print(f"  {escape(request['action'])}  [dim]({escape(request['reason'])})[/]")
+        out.print(f"    approve: stockade approve {result.run_id} {request['id']}")
+        out.print(f"    deny:    stockade deny {result.run_id} {request['id']}")
+    out.print(f"  then resume: stockade agent --resume {result.run_id}")
+
+
+def agent(
+    task: Annotated[str | None, typer.Argument(help="what the agent should do")] = None,
+    workspace: Annotated[
+        Path | None, typer.Option("--workspace", "-w", help="a folder copied into the sandbox")
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option("--model", "-m", help="PROVIDER:NAME, e.g. openai:gpt-4.1, scripted:turns.json"),
+    ] = None,
+    tier: Annotated[
+        str | None,
+        typer.Option("--tier", "-t", help="process, docker, gvisor or microvm (default: by trust)"),
+    ] = None,
+    trust: Annotated[
+        Trust | None, typer.Option("--trust", help="tightens the policy's trust level (never loosens it)")
+    ] = None,
+    policy: Annotated[
+        Path | None, typer.Option("--policy", "-p", help="a policy file (.toml, .yaml)")
+    ] = None,
+    role: Annotated[str | None, typer.Option("--role", help="the policy role to run under")] = None,
+    audit_db: Annotated[
+        str, typer.Option("--audit-db", envvar="STOCKADE_AUDIT_DB", help="sqlite:///PATH or postgresql://...")
+    ] = DEFAULT_DB,
+    runs_db: Annotated[
+        str | None,
+        typer.Option(
+            "--runs-db", envvar="STOCKADE_RUNS_DB", help="the run store (default: the audit database)"
+        ),
+    ] = None,
+    max_steps: Annotated[int, typer.Option("--max-steps", help="model requests at most")] = 30,
+    budget_usd: Annotated[
+        float | None, typer.Option("--budget-usd", help="dollars this run may spend")
+    ] = None,
+    rate: Annotated[int | None, typer.Option("--rate", help="tool actions per minute at most")] = None,
+    spend_per_hour: Annotated[
+        float | None, typer.Option("--spend-per-hour", help="model dollars per rolling hour at most")
+    ] = None,
+    kill_target: Annotated[
+        str | None,
+        typer.Option("--kill-target", envvar="STOCKADE_KILL_TARGET", help="kill directory or redis://..."),
+    ] = None,
+    allow_shell: Annotated[bool, typer.Option("--shell/--no-shell", help="offer the raw shell tool")] = False,
+    run_id: Annotated[str | None, typer.Option("--run-id", help="name the run (default: random)")] = None,
+    resume: Annotated[str | None, typer.Option("--resume", help="continue a paused run")] = None,
+    state_dir: Annotated[
+        Path, typer.Option("--state-dir", help="where paused runs keep their workspace")
+    ] = Path(".stockade/paused"),
+) -> None:
+    """Let a model work on a copy of WORKSPACE in a sandbox, under a policy; show each step and
+    the final diff. The host folder is never written.
+
+    An action that needs approval is asked on the terminal; without one, the run pauses (exit
+    code 3) and says how to approve it and resume. Exit codes: 0 success, 1 the run ended
+    otherwise, 2 a configuration error, 3 paused.
     """
-    progress = Progress(out)
-    _quiet_stamina()
+    from stockade.agent import AgentConfig, build_agent
+    from stockade.policy import ApprovalStore, cli_approver
+    from stockade.runs import open_run_store
+
     try:
-        backend = RetryingBackend(_registry.backend(tier), Retrier(observer=progress.retry))
-        tools = default_toolset().including(shell) if allow_shell else default_toolset()
-        runner = Agent(model, tools=tools, observers=[progress], limits=RunLimits(max_steps=max_steps))
-        with Sandbox.create(backend=backend, workspace=workspace) as sandbox:
-            result = runner.run_sync(task, sandbox=sandbox)
+        if resume is not None:
+            saved_dir = _paused_dir(state_dir, resume)
+            try:
+                options = SavedRun.model_validate_json((saved_dir / "run.json").read_text())
+            except FileNotFoundError:
+                raise exc.ConfigurationError(f"no paused run {resume!r} in {state_dir}") from None
+            workspace, run_id = saved_dir / "workspace", resume
+        else:
+            if task is None or workspace is None or model is None:
+                raise exc.ConfigurationError("give a TASK, --workspace and --model (or --resume RUN_ID)")
+            options = SavedRun(
+                model=_absolute_model(model), tier=tier, trust=trust,
+                policy=str(policy.resolve()) if policy is not None else None, role=role,
+                audit_db=audit_db, runs_db=runs_db or audit_db, max_steps=max_steps, budget_usd=budget_usd,
+                rate=rate, spend_per_hour=spend_per_hour, kill_target=kill_target, allow_shell=allow_shell,
+            )  # fmt: skip
+        progress = Progress(out)
+        _quiet_stamina()
+        runs = open_run_store(options.runs_db)
+        config = AgentConfig(
+            model=options.model,
+            policy=options.policy,
+            role=options.role,
+            trust=options.trust,
+            tier=options.tier,
+            audit=options.audit_db,
+            limits=RunLimits(max_steps=options.max_steps, max_cost_usd=options.budget_usd),
+            rate_per_minute=options.rate,
+            dollars_per_hour=options.spend_per_hour,
+            kill_target=options.kill_target,
+            approver=cli_approver,
+            tools=default_toolset().including(shell) if options.allow_shell else default_toolset(),
+            checkpointer=runs,
+            observers=[progress],
+            runtime_observers=[progress.retry],
+        )
+        with runs, build_agent(config) as built, built.session(workspace=workspace, run_id=run_id) as session:
+            out.print(
+                f"[dim]run {session.run_id} on the {built.tier} tier, audited in {escape(options.audit_db)}; "
+                f"stop it with: stockade kill {session.run_id}[/]"
+            )
+            result = session.resume_sync() if resume is not None else session.run_sync(task or "")
+            saved = _paused_dir(state_dir, session.run_id)
+            if result.status == RunStatus.PAUSED:
+                shutil.rmtree(saved / "workspace", ignore_errors=True)
+                session.save_workspace(saved / "workspace")
+                (saved / "run.json").write_text(options.model_dump_json(indent=2))
+                _tell_how_to_resume(result, ApprovalStore().pending(session.run_id), saved)
+            elif resume is not None:
+                shutil.rmtree(saved, ignore_errors=True)
     except exc.StockadeError as error:
         err.print(f"[red]error:[/] {escape(str(error))}")
         raise typer.Exit(2) from None
-    raise typer.Exit(0 if result.ok else 1)
+    raise typer.Exit(0 if result.ok else 3 if result.status == RunStatus.PAUSED else 1)
 
 
 def demo(
