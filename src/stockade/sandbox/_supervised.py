@@ -8,7 +8,6 @@ files, output caps, timeouts) behaves identically on every tier because it is th
 from __future__ import annotations
 
 import abc
-import codecs
 import time
 from typing import Any
 
@@ -384,10 +383,6 @@ def _entry(raw: Any) -> EntryInfo:
         mode=_int(raw.get("mode")),
         mtime=float(raw.get("mtime") or 0.0),
     )
-
-
-def decoder() -> codecs.IncrementalDecoder:
-    return codecs.getincrementaldecoder("utf-8")("replace")
 
 
 def supervisor_config(spec: SandboxSpec, rlimits: dict[str, int] | None = None) -> dict[str, Any]:

