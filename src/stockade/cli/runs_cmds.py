@@ -228,7 +228,12 @@ def _print_trace(trace: RunTrace, limit: int) -> None:
                     f"{retry.delay_s:.2f} s: {escape(retry.reason)}"
                 )
             shown = _cut(record.observation, limit)
-            out.print("      " + escape(shown).replace("\n", "\n      "), style="dim", highlight=False)
+            out.print(
+                "      " + escape(shown).replace("\n", "\n      "),
+                style="dim",
+                highlight=False,
+                soft_wrap=True,
+            )
     for approval in trace.approvals:
         out.print(
             f"\n[magenta]approval[/] step {approval.step}: {escape(approval.action)} → {approval.decision}"

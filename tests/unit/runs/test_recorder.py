@@ -10,6 +10,7 @@ import pytest
 from stockade import Sandbox
 from stockade.agent import Agent, AgentEvent, MemoryCheckpointer, Observer, RunStatus, ToolReturned
 from stockade.exceptions import ApprovalRequired, ResourceContention
+from stockade.models.scripted import Turn
 from stockade.policy.approval import ApprovalRequest, Approvals, ApprovalStore, Choice
 from stockade.runs import RunRecorder, RunStore
 from stockade.runtime import Retrier, RetryingBackend, RetryPolicy
@@ -45,7 +46,7 @@ def crash_after(name: str) -> Observer:
     return observer
 
 
-TURNS = [[tool_call("effect", {"name": "a"}), tool_call("effect", {"name": "b"})], "done"]
+TURNS: list[Turn] = [[tool_call("effect", {"name": "a"}), tool_call("effect", {"name": "b"})], "done"]
 
 
 async def test_a_call_that_returned_just_before_a_crash_is_not_run_again(store: RunStore) -> None:
@@ -97,7 +98,7 @@ def test_retries_are_filed_under_the_step_and_call_that_retried(store: RunStore)
 
     recorder = RunRecorder(store)
     retrier = Retrier(policy=RetryPolicy(wait_initial=0.25, wait_jitter=0), observer=recorder.runtime)
-    turns = [
+    turns: list[Turn] = [
         tool_call("write_file", {"path": "a.txt", "content": "x\n"}),
         tool_call("read_file", {"path": "a.txt"}),
         "ok",

@@ -1,0 +1,97 @@
+"""`stockade runs list | show` over a SQLite run store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from stockade import Sandbox
+from stockade.agent import Agent
+from stockade.cli.main import app
+from stockade.exceptions import ResourceContention
+from stockade.models.scripted import Turn
+from stockade.runs import RunRecorder, open_run_store
+from stockade.runtime import Retrier, RetryingBackend, RetryPolicy
+from stockade.sandbox.base import OpResult
+from stockade.sandbox.ops import Op, RunCommand
+from stockade.testing import FakeBackend, MemoryWorkspace, ScriptedModel, tool_call
+from stockade.tools import default_toolset, shell
+from stockade.types import CommandResult
+
+runner = CliRunner()
+
+TURNS: list[Turn] = [
+    tool_call("write_file", {"path": "a.txt", "content": "x\n"}),
+    tool_call("shell", {"command": "cat a.txt"}),
+    "done",
+]
+
+
+def recorded_run(path: Path) -> str:
+    """One run with a write, a command (exit 3, long output) and a retried read of the workspace."""
+    failures = iter([ResourceContention("the host is busy")])
+    workspace = MemoryWorkspace(
+        commands=lambda op: CommandResult(exit_code=3, stdout="y" * 2000, stderr="", duration_s=0.2)
+    )
+
+    def handler(op: Op) -> OpResult:
+        if isinstance(op, RunCommand) and (error := next(failures, None)):
+            raise error
+        return workspace(op)
+
+    with open_run_store(f"sqlite:///{path}") as store:
+        recorder = RunRecorder(store)
+        retrier = Retrier(policy=RetryPolicy(wait_initial=0.5, wait_jitter=0), observer=recorder.runtime)
+        tools = default_toolset().including(shell)
+        agent = Agent(ScriptedModel(TURNS), tools=tools, checkpointer=store, observers=[recorder])
+        backend = RetryingBackend(FakeBackend(handler), retrier, idempotent=(RunCommand,))
+        with Sandbox.create(backend=backend) as sbx:
+            agent.run_sync("write a and show it", sandbox=sbx, run_id="run-abc123")
+    return f"sqlite:///{path}"
+
+
+def test_list_shows_the_run_and_its_status(tmp_path: Path) -> None:
+    db = recorded_run(tmp_path / "audit.db")
+    result = runner.invoke(app, ["runs", "list", "--db", db])
+    assert result.exit_code == 0, result.output
+    assert "run-abc123" in result.output and "success" in result.output
+
+    (run,) = json.loads(runner.invoke(app, ["runs", "list", "--db", db, "--json"]).output)
+    assert (run["run_id"], run["status"], run["steps"]) == ("run-abc123", "success", 3)
+
+
+def test_show_traces_each_step_with_exit_code_retries_and_the_diff(tmp_path: Path) -> None:
+    db = recorded_run(tmp_path / "audit.db")
+    result = runner.invoke(app, ["runs", "show", "run-abc", "--db", db])  # a unique prefix is enough
+    assert result.exit_code == 0, result.output
+    text = result.output
+    assert 'write_file({"path": "a.txt", "content": "x\\n"})' in text
+    assert "exit 3" in text
+    assert "retry 1" in text and "ResourceContention: the host" in text
+    assert "more chars]" in text  # the long output is cut
+    assert "+++ b/a.txt" in text
+
+
+def test_show_json_has_the_whole_trace(tmp_path: Path) -> None:
+    db = recorded_run(tmp_path / "audit.db")
+    trace = json.loads(runner.invoke(app, ["runs", "show", "run-abc123", "--db", db, "--json"]).output)
+    write, command = (step["tool_calls"][0] for step in trace["steps"][:2])
+    assert write["idempotency_key"] == "run-abc123:1:call_0_0"
+    assert command["exit_code"] == 3 and command["duration_s"] > 0
+    assert command["retries"] == [
+        {
+            "subject": "fake:RunCommand",
+            "attempt": 1,
+            "delay_s": 0.5,
+            "reason": "ResourceContention: the host is busy",
+        }
+    ]
+    assert trace["diff"].endswith("+x\n") and trace["answer"] == "done"
+
+
+def test_an_unknown_run_or_store_exits_two(tmp_path: Path) -> None:
+    db = recorded_run(tmp_path / "audit.db")
+    assert runner.invoke(app, ["runs", "show", "nope", "--db", db]).exit_code == 2
+    assert runner.invoke(app, ["runs", "list", "--db", str(tmp_path / "missing.db")]).exit_code == 2
