@@ -1,0 +1,52 @@
+"""Engine failures map once to stockade errors: transient ones are retryable, the rest say how to fix."""
+
+from __future__ import annotations
+
+import pytest
+
+docker = pytest.importorskip("docker")
+requests = pytest.importorskip("requests")
+
+from stockade import exceptions as exc  # noqa: E402
+from stockade.sandbox.docker import engine_error  # noqa: E402
+
+
+def api_error(status: int, explanation: str) -> Exception:
+    response = requests.Response()
+    response.status_code = status
+    return docker.errors.APIError("engine said no", response=response, explanation=explanation)
+
+
+@pytest.mark.parametrize(
+    ("failure", "expected"),
+    [
+        (requests.exceptions.ConnectionError("connection refused"), exc.BackendUnavailable),
+        (FileNotFoundError("/var/run/docker.sock"), exc.BackendUnavailable),
+        (api_error(500, "OCI runtime create failed"), exc.SandboxStartError),
+        (api_error(409, "Conflict. The container name is already in use"), exc.SandboxStartError),
+    ],
+)
+def test_transient_engine_failures_are_retryable(
+    failure: Exception, expected: type[exc.StockadeError]
+) -> None:
+    mapped = engine_error(failure)
+    assert type(mapped) is expected
+    assert mapped.retryable
+
+
+def test_a_missing_image_says_how_to_build_it() -> None:
+    mapped = engine_error(docker.errors.ImageNotFound("No such image: stockade-sandbox:latest"), image="x:1")
+    assert isinstance(mapped, exc.ImageNotFound)
+    assert not mapped.retryable
+    assert "stockade image build --offline" in str(mapped)
+
+
+def test_an_invalid_limit_is_a_configuration_error() -> None:
+    mapped = engine_error(api_error(400, "Minimum memory limit allowed is 6MB"))
+    assert isinstance(mapped, exc.ConfigurationError)
+    assert not mapped.retryable
+
+
+def test_a_missing_runtime_names_the_setup_script() -> None:
+    mapped = engine_error(api_error(400, "Unknown runtime specified runsc"), runtime="runsc")
+    assert isinstance(mapped, exc.ConfigurationError) and "setup-docker.sh" in str(mapped)
