@@ -206,6 +206,9 @@ class SandboxPool:
             return
         try:
             member.instance.execute(Reset(warm_interpreter=True))
+            # A forked interpreter's first run pays for copy-on-write faults; pay it here,
+            # off the next user's path.
+            member.instance.execute(RunCode(code="pass"))
         except exc.StockadeError:
             member.instance.close()
             self._count("replaced")
