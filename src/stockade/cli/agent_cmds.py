@@ -266,21 +266,40 @@ def agent(
 
 def demo(
     tier: Annotated[str, typer.Option("--tier", "-t", help="the sandbox tier")] = "process",
+    audit_db: Annotated[
+        Path | None,
+        typer.Option("--audit-db", help="SQLite file for the demo's audit trail (default: a new temp dir)"),
+    ] = None,
 ) -> None:
-    """A scripted model fixes a real bug in a sample project, in a real sandbox, no API key needed."""
+    """A scripted model fixes a real bug in a sample project, in a real sandbox, no API key needed;
+    the run is recorded in an audit trail, which is verified at the end."""
+    import tempfile
+
+    from stockade.audit import AuditLog, SQLiteStore, verify
     from stockade.demo import run_demo
 
+    db = audit_db or Path(tempfile.mkdtemp(prefix="stockade-demo-")) / "audit.db"
     out.print(
         "[bold]stockade demo[/]: a scripted model fixes the failing test of a sample project in a "
         f"{tier}-tier sandbox (one transient fault is injected and retried on the way)\n"
+        f"[dim]audit trail: {escape(str(db))}[/]\n"
     )
     progress = Progress(out)
     _quiet_stamina()
     try:
-        result = run_demo(tier=tier, observers=[progress], on_retry=progress.retry)
+        with SQLiteStore(db) as store:
+            with AuditLog(store) as log:
+                result = run_demo(tier=tier, observers=[progress], on_retry=progress.retry, audit=log)
+            report = verify(store)
     except exc.StockadeError as error:
         err.print(f"[red]error:[/] {escape(str(error))}")
         raise typer.Exit(2) from None
+    out.print(f"\naudit run id: {result.run_id}")
+    if not report.ok:
+        err.print(f"[red]audit chain broken:[/] {escape(report.summary())}")
+        raise typer.Exit(1)
+    out.print(f"audit chain verified: {report.checked} events")
+    out.print(f"[dim]see them: stockade audit tail --db sqlite:///{escape(str(db))} --run {result.run_id}[/]")
     raise typer.Exit(0 if result.ok else 1)
 
 

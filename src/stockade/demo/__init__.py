@@ -1,7 +1,8 @@
 """``stockade demo``: the main job on the embedded default, with no API key.
 
 A scripted model fixes a real bug in the sample project shipped here (``sample_project/``),
-inside a real process-tier sandbox: the tests fail, it reads the code, patches it with a
+inside a real process-tier sandbox, assembled by ``build_agent`` (policy, runtime controls,
+audit trail): the tests fail, it reads the code, patches it with a
 unified diff, reruns the tests, and they pass. On the way, one workspace read fails with an
 injected transient error (``ResourceContention``) and the retry layer
 (``stockade.runtime.retry``) runs it again.
@@ -16,21 +17,30 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from stockade.agent import Agent, AgentEvent, Observer, RunLimits, RunResult, RunStarted
+from stockade.agent import AgentEvent, Observer, RunLimits, RunResult, RunStarted
+from stockade.agent.assembly import AgentConfig, build_agent
+from stockade.audit.log import AuditLog
 from stockade.exceptions import ResourceContention
 from stockade.models import ScriptedModel, tool_call
+from stockade.policy.schema import CommandRules, Policy, TrustRules
 from stockade.runtime.events import Observer as RuntimeObserver
 from stockade.runtime.events import RuntimeEvent
-from stockade.runtime.retry import Retrier, RetryingBackend, RetryPolicy
+from stockade.runtime.retry import RetryPolicy
 from stockade.sandbox import _registry
 from stockade.sandbox.base import Backend, Instance, OpResult, OutputSink, SandboxSpec
 from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import Op, ReadFile
-from stockade.types import TierReport
+from stockade.types import TierReport, Trust
 
-__all__ = ["SAMPLE_PROJECT", "FaultInjectingBackend", "demo_model", "run_demo", "test_command"]
+__all__ = ["DEMO_POLICY", "SAMPLE_PROJECT", "FaultInjectingBackend", "demo_model", "run_demo", "test_command"]
 
 SAMPLE_PROJECT = Path(__file__).parent / "sample_project"
+# The code the demo runs is ours (a scripted model replaying known steps): trusted, so the
+# embedded default tier is allowed; network tools are denied all the same.
+DEMO_POLICY = Policy(
+    trust=TrustRules(level=Trust.TRUSTED),
+    commands=CommandRules(deny=("curl", "wget", "ssh", "sudo"), approve=("rm -r", "git push")),
+)
 TASK = "The test suite of this project fails. Find the bug, fix it, and make the tests pass."
 
 FIX = """\
@@ -120,23 +130,33 @@ def run_demo(
     observers: Sequence[Observer] = (),
     on_retry: RuntimeObserver | None = None,
     backend: Backend | None = None,
+    audit: str | AuditLog = "memory:",
+    run_id: str | None = None,
 ) -> RunResult:
-    """Run the whole demo; ``backend`` replaces the tier (tests pass a fake)."""
+    """Run the whole demo, recorded in ``audit`` (a store URL or a log); ``backend`` replaces
+    the tier (tests pass a fake)."""
     inner = backend or _registry.backend(tier)
-    retrier = Retrier(policy=RetryPolicy(wait_initial=0.05, wait_jitter=0.05), observer=on_retry or _ignore)
+    with Sandbox.create(backend=inner) as probe:  # which test runner the sandbox has
+        command = test_command(probe)
     faults = FaultInjectingBackend(inner, path="inventory.py")
 
     def arm_on_start(event: AgentEvent) -> None:
         if isinstance(event, RunStarted):
             faults.arm()  # fail during the run, not while the baseline is recorded
 
-    with Sandbox.create(backend=RetryingBackend(faults, retrier), workspace=SAMPLE_PROJECT) as sandbox:
-        agent = Agent(
-            demo_model(test_command(sandbox)),
-            observers=(arm_on_start, *observers),
-            limits=RunLimits(max_steps=10),
-        )
-        return agent.run_sync(TASK, sandbox=sandbox)
+    config = AgentConfig(
+        model=demo_model(command),
+        policy=DEMO_POLICY,
+        backend=faults,
+        audit=audit,
+        limits=RunLimits(max_steps=10),
+        retry=RetryPolicy(wait_initial=0.05, wait_jitter=0.05),
+        observers=(arm_on_start, *observers),
+        runtime_observers=(on_retry,) if on_retry is not None else (),
+        anomaly=False,  # a short scripted run: nothing to watch for, and nothing to flag
+    )
+    with build_agent(config) as agent:
+        return agent.run_sync(TASK, workspace=SAMPLE_PROJECT, run_id=run_id)
 
 
 def _ignore(event: RuntimeEvent) -> None:
