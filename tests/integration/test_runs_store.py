@@ -1,0 +1,122 @@
+"""One suite, both run stores (SQLite and PostgreSQL): checkpoints are append-only rows, load
+returns the latest state, another process resumes where this one stopped."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from stockade import Sandbox
+from stockade.agent import Agent, AgentEvent, RunState, RunStatus, ToolReturned
+from stockade.models.messages import UserMessage
+from stockade.models.scripted import Turn
+from stockade.runs import RunRecorder, RunStore, open_run_store
+from stockade.testing import FakeBackend, ScriptedModel, tool_call
+from tests.integration.run_stores import StoreTarget, run_store_target  # noqa: F401 - a fixture
+
+TURNS: list[Turn] = [
+    tool_call("write_file", {"path": "notes.txt", "content": "one\n"}),
+    [tool_call("read_file", {"path": "notes.txt"}), tool_call("list_files", {})],
+    "done",
+]
+
+
+@pytest.fixture
+def store(run_store_target: StoreTarget) -> Iterator[RunStore]:  # noqa: F811 - the fixture above
+    with open_run_store(run_store_target.url, namespace=run_store_target.namespace) as opened:
+        yield opened
+
+
+def reopen(store: RunStore, target: StoreTarget) -> RunStore:
+    """The same database, as another process would open it."""
+    return open_run_store(target.url, namespace=target.namespace)
+
+
+def count(store: RunStore, table: str, run_id: str) -> int:
+    (row,) = store.db.query(f"SELECT COUNT(*) FROM {store.ns}_{table} WHERE run_id = ?", (run_id,))
+    return int(str(row[0]))
+
+
+async def test_every_checkpoint_loads_back_as_the_live_state(store: RunStore) -> None:
+    sbx = Sandbox.create(backend=FakeBackend())
+    async with Agent(ScriptedModel(TURNS), checkpointer=store).iter("note", sandbox=sbx, run_id="r1") as run:
+        async for _ in run:
+            loaded = store.load("r1")
+            assert loaded is not None and loaded.model_dump() == run.state.model_dump()
+    assert store.load("r1").status == RunStatus.SUCCESS  # type: ignore[union-attr]
+    assert store.load("nope") is None
+
+
+async def test_a_save_appends_rows_and_writes_each_message_and_step_once(store: RunStore) -> None:
+    sbx = Sandbox.create(backend=FakeBackend())
+    saves = 0
+
+    class Counting:
+        def save(self, state: RunState) -> None:
+            nonlocal saves
+            saves += 1
+            store.save(state)
+
+        def load(self, run_id: str) -> RunState | None:
+            return store.load(run_id)
+
+    result = await Agent(ScriptedModel(TURNS), checkpointer=Counting()).run("note", sandbox=sbx, run_id="r1")
+    assert count(store, "checkpoints", "r1") == saves  # one small row per save
+    assert count(store, "messages", "r1") == len(result.state.messages)
+    assert count(store, "steps", "r1") == len(result.steps) == 3
+    assert count(store, "tool_calls", "r1") == 3  # the ledger, by idempotency key
+
+
+async def test_a_rewritten_conversation_is_saved_from_the_first_change(store: RunStore) -> None:
+    sbx = Sandbox.create(backend=FakeBackend())
+    result = await Agent(ScriptedModel(TURNS), checkpointer=store).run("note", sandbox=sbx, run_id="r1")
+    state = result.state
+    state.messages[0] = UserMessage(content="note (the task, compacted)")  # e.g. context compaction
+    del state.messages[3:]
+    store.save(state)
+    loaded = store.load("r1")
+    assert loaded is not None and loaded.messages == state.messages
+
+
+async def test_another_process_resumes_from_the_ledger_and_keeps_numbering(
+    store: RunStore,
+    run_store_target: StoreTarget,  # noqa: F811 - the fixture
+) -> None:
+    ran: list[str] = []
+
+    def note(event: AgentEvent) -> None:
+        if isinstance(event, ToolReturned):
+            ran.append(event.record.call.name)
+
+    def stop_after_read(event: AgentEvent) -> None:
+        if isinstance(event, ToolReturned) and event.record.call.name == "read_file":
+            raise KeyboardInterrupt  # the process goes away mid-step, read_file done, list_files not
+
+    sbx = Sandbox.create(backend=FakeBackend())
+    agent = Agent(
+        ScriptedModel(TURNS), checkpointer=store, observers=[RunRecorder(store), note, stop_after_read]
+    )
+    with pytest.raises(KeyboardInterrupt):
+        await agent.run("note", sandbox=sbx, run_id="r1")
+    checkpoints = count(store, "checkpoints", "r1")
+
+    with reopen(store, run_store_target) as other:
+        agent = Agent(ScriptedModel(TURNS), checkpointer=other, observers=[RunRecorder(other), note])
+        result = await agent.run(resume="r1", sandbox=sbx)
+        assert result.status == RunStatus.SUCCESS
+        assert ran == ["write_file", "read_file", "list_files"]  # each once
+        assert [r.call.name for r in result.steps[1].tool_calls] == ["read_file", "list_files"]
+        assert count(other, "checkpoints", "r1") > checkpoints  # numbering went on, no conflict
+
+
+async def test_runs_are_listed_newest_first_with_their_usage(store: RunStore) -> None:
+    sbx = Sandbox.create(backend=FakeBackend())
+    for run_id in ("first", "second"):
+        await Agent(ScriptedModel(TURNS), checkpointer=store).run("note", sandbox=sbx, run_id=run_id)
+    await Agent(ScriptedModel(["ok"]), checkpointer=store).run("tiny", sandbox=sbx, run_id="third")
+    runs = store.runs()
+    assert [r.run_id for r in runs] == ["third", "second", "first"]
+    assert runs[1].steps == 3 and runs[1].usage.requests == 3 and runs[1].usage.total_tokens > 0
+    assert [r.run_id for r in store.runs(limit=1)] == ["third"]
+    assert store.find("fi") == ["first"] and store.find("%") == []
