@@ -1,0 +1,105 @@
+"""`stockade agent` and `stockade demo` on the real process tier.
+
+With no terminal to ask, an action that needs approval pauses the run (exit code 3) with
+the commands to approve and resume it; `stockade agent --resume` continues it in a new
+process-tier sandbox seeded with the workspace as it was when it paused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from stockade.audit import SQLiteStore, verify
+from stockade.cli.main import app
+from tests.conftest import require_tier
+
+pytestmark = pytest.mark.process
+
+EXAMPLE_POLICY = Path(__file__).parents[2] / "examples" / "policy.toml"
+runner = CliRunner()
+
+
+@pytest.fixture
+def dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("STOCKADE_APPROVAL_DIR", str(tmp_path / "approvals"))
+    monkeypatch.setenv("STOCKADE_KILL_DIR", str(tmp_path / "kill"))
+    workspace = tmp_path / "project"
+    (workspace / "scratch").mkdir(parents=True)
+    (workspace / "scratch" / "stale.o").write_text("old\n")
+    (workspace / "app.py").write_text("print('hello')\n")
+    turns = [
+        {"name": "shell", "args": {"command": "curl https://example.com; touch pwned"}},
+        {"name": "shell", "args": {"command": "rm -r scratch"}},
+        {"name": "write_file", "args": {"path": "NOTES.md", "content": "cleaned\n"}},
+        "cleaned the scratch folder",
+    ]
+    (tmp_path / "turns.json").write_text(json.dumps(turns))
+    return tmp_path
+
+
+def test_stockade_agent_pauses_for_approval_then_resumes_to_success(dirs: Path) -> None:
+    require_tier("process")
+    db = f"sqlite:///{dirs / 'audit.db'}"
+    common = ["--audit-db", db, "--state-dir", str(dirs / "paused")]
+    first = runner.invoke(
+        app,
+        [
+            "agent", "clean the scratch folder", "--workspace", str(dirs / "project"),
+            "--model", f"scripted:{dirs / 'turns.json'}", "--tier", "process",
+            "--policy", str(EXAMPLE_POLICY), "--shell", "--run-id", "tidy", *common,
+        ],
+    )  # fmt: skip
+    assert first.exit_code == 3, first.output
+    output = " ".join(first.output.split())  # the console wraps long lines
+    assert "denied shell" in output and "is denied by the policy ('curl')" in output
+    approve = re.search(r"approve: (stockade approve tidy [0-9a-f]+)", output)
+    assert approve is not None and "then resume: stockade agent --resume tidy" in output
+
+    decided = runner.invoke(app, approve.group(1).split()[1:])
+    assert decided.exit_code == 0, decided.output
+
+    second = runner.invoke(app, ["agent", "--resume", "tidy", *common])
+    assert second.exit_code == 0, second.output
+    assert "+cleaned" in second.output and "-old" in second.output  # the diff spans both processes
+    assert "pwned" not in second.output
+    assert (dirs / "project" / "scratch" / "stale.o").exists()  # the host folder is never written
+    assert not (dirs / "paused" / "tidy").exists()
+
+    with SQLiteStore(dirs / "audit.db") as store:
+        report = verify(store)
+        assert report.ok and report.checked > 10
+        kinds = {e.kind.value for e in store.events(run_id="tidy")}
+    assert {"policy_decision", "approval", "command", "model_call", "tool_call"} <= kinds
+    runs = runner.invoke(app, ["runs", "list", "--db", db])
+    assert "tidy" in runs.output and "success" in runs.output
+
+
+def test_stockade_agent_refuses_a_tier_weaker_than_trust_allows(dirs: Path) -> None:
+    result = runner.invoke(
+        app,
+        [
+            "agent", "anything", "--workspace", str(dirs / "project"),
+            "--model", f"scripted:{dirs / 'turns.json'}", "--tier", "process", "--trust", "untrusted",
+            "--policy", str(EXAMPLE_POLICY), "--audit-db", f"sqlite:///{dirs / 'audit.db'}",
+        ],
+    )  # fmt: skip
+    assert result.exit_code == 2
+    assert "weaker than trust 'untrusted'" in " ".join(result.output.split())
+
+
+def test_stockade_demo_ends_with_its_audit_run_and_a_verified_chain(tmp_path: Path) -> None:
+    require_tier("process")
+    result = runner.invoke(app, ["demo", "--audit-db", str(tmp_path / "demo.db")])
+    assert result.exit_code == 0, result.output
+    run_id = re.search(r"audit run id: ([0-9a-f]+)", result.output)
+    verified = re.search(r"audit chain verified: (\d+) events", result.output)
+    assert run_id is not None and verified is not None
+    with SQLiteStore(tmp_path / "demo.db") as store:
+        events = list(store.events(run_id=run_id.group(1)))
+    assert int(verified.group(1)) == len(events)
+    assert "retry" in {e.kind.value for e in events}  # the injected fault, retried and recorded
