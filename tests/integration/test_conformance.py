@@ -173,7 +173,9 @@ def test_empty_and_huge_code(sbx: Sandbox) -> None:
     assert sbx.run_code(big).text == "20000"
     # Compiling 2 MB of statements needs more than the 256 MiB limit: contained and reported.
     huge = sbx.run_code("x = 0\n" + "x += 1\n" * 300_000 + "x")
-    assert huge.text == "300000" or (huge.error is not None and huge.error.name == "MemoryLimitExceeded")
+    assert huge.text == "300000" or (
+        huge.error is not None and huge.error.name in ("MemoryLimitExceeded", "MemoryError")
+    )
     assert sbx.run_code("1 + 1").text == "2"
 
 

@@ -173,10 +173,44 @@ def _child_setup(stdin_fd: int, out_fd: int, err_fd: int) -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 
-def spawn_shim(target: Callable[[], None], fds: tuple[int, int, int], keep: tuple[int, ...] = ()) -> int:
-    """Fork a subreaper shim that runs ``target`` in a grandchild and mirrors its exit.
+def forked(target: "Callable[[], None]") -> "Callable[[], int]":
+    """A launcher that runs Python code (``target``) in a forked child."""
 
-    The grandchild gets ``fds`` as 0/1/2 and ``keep`` as 3, 4, ...; every other fd is closed.
+    def launch() -> int:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                target()
+            finally:
+                os._exit(127)
+        return pid
+
+    return launch
+
+
+def spawned(argv: "list[str]", env: "dict[str, str]", cwd: str) -> "Callable[[], int]":
+    """A launcher that execs a program with posix_spawn (vfork: no copy of our pages)."""
+
+    def launch() -> int:
+        try:
+            os.chdir(cwd)
+        except OSError as exc:
+            os.write(2, f"stockade: cannot enter {cwd}: {exc.strerror}\n".encode())
+            os._exit(126)
+        os.environ["PATH"] = env.get("PATH", "/usr/local/bin:/usr/bin:/bin")  # posix_spawnp reads ours
+        try:
+            return os.posix_spawnp(argv[0], argv, env)
+        except OSError as exc:
+            os.write(2, f"stockade: {argv[0]}: {exc.strerror}\n".encode())
+            os._exit(127 if exc.errno == errno.ENOENT else 126)
+
+    return launch
+
+
+def spawn_shim(launch: "Callable[[], int]", fds: "tuple[int, int, int]", keep: "tuple[int, ...]" = ()) -> int:
+    """Fork a subreaper shim that starts a child with ``launch`` and mirrors its exit.
+
+    The child gets ``fds`` as 0/1/2 and ``keep`` as 3, 4, ...; every other fd is closed.
     """
     pid = os.fork()
     if pid:
@@ -190,12 +224,7 @@ def spawn_shim(target: Callable[[], None], fds: tuple[int, int, int], keep: tupl
         os.closerange(base, 1 << 20)
         prctl(PR_SET_CHILD_SUBREAPER, 1)
         os.setsid()
-        child = os.fork()
-        if child == 0:
-            try:
-                target()
-            finally:
-                os._exit(127)
+        child = launch()
         os.closerange(0, 1 << 20)  # the shim holds no end of the child's pipes
         status = 0
         while True:
@@ -374,7 +403,7 @@ class Kernel:
             interpreter.main(3, 4)
             os._exit(0)
 
-        self.shim = spawn_shim(target, (sup.devnull, out_w, err_w), keep=(in_r, res_w))
+        self.shim = spawn_shim(forked(target), (sup.devnull, out_w, err_w), keep=(in_r, res_w))
         for fd in (out_w, err_w, in_r, res_w):
             os.close(fd)
         self.ctl_w = in_w
@@ -527,19 +556,7 @@ class Supervisor:
         else:
             in_r, in_w = self.devnull, -1
 
-        def target() -> None:
-            try:
-                os.chdir(cwd)
-            except OSError as exc:
-                os.write(2, f"stockade: cannot enter {cwd}: {exc.strerror}\n".encode())
-                os._exit(126)
-            try:
-                os.execvpe(argv[0], argv, env)
-            except OSError as exc:
-                os.write(2, f"stockade: {argv[0]}: {exc.strerror}\n".encode())
-                os._exit(127 if exc.errno == errno.ENOENT else 126)
-
-        job.shim = spawn_shim(target, (in_r, out_w, err_w))
+        job.shim = spawn_shim(spawned(argv, env, cwd), (in_r, out_w, err_w))
         for fd in (out_w, err_w) + ((in_r,) if has_stdin else ()):
             os.close(fd)
         for fd, stream in ((out_r, 1), (err_r, 2)):
