@@ -123,7 +123,9 @@ def seed(sbx: Sandbox) -> None:
 def bare_step() -> float:
     with Sandbox.create(backend=FakeBackend()) as sbx:
         seed(sbx)
-        agent = Agent(FunctionModel(answer), tools=Toolset([read_file]), limits=RunLimits(max_steps=STEPS + 1))
+        agent = Agent(
+            FunctionModel(answer), tools=Toolset([read_file]), limits=RunLimits(max_steps=STEPS + 1)
+        )
         start = time.perf_counter()
         result = asyncio.run(agent.run("read", sandbox=sbx))
         assert result.ok and len(result.steps) == STEPS + 1, result.error

@@ -132,3 +132,19 @@ def test_a_tier_weaker_than_trust_allows_fails_before_anything_runs(tmp_path: Pa
                 model=ScriptedModel(["hi"]), policy=EXAMPLE_POLICY, trust=Trust.UNTRUSTED, tier="process"
             )
         )
+
+
+def test_the_readme_agents_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    require_tier("process")
+    root = Path(__file__).parents[2]
+    text = (root / "README.md").read_text()
+    block = text.split("## Agents", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "examples").symlink_to(root / "examples")
+    (tmp_path / "src" / "stockade").mkdir(parents=True)
+    (tmp_path / "src" / "stockade" / "demo").symlink_to(root / "src" / "stockade" / "demo")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("STOCKADE_APPROVAL_DIR", str(tmp_path / "approvals"))
+    monkeypatch.setenv("STOCKADE_KILL_DIR", str(tmp_path / "kill"))
+    exec(compile(block, "README.md", "exec"), {})
+    with SQLiteStore(tmp_path / ".stockade" / "audit.db") as store:
+        assert verify(store).ok and store.head() is not None

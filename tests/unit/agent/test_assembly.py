@@ -1,0 +1,116 @@
+"""``build_agent`` over the shipped fakes: trust fails closed, each layer is in its place, and
+every decision lands in the audit trail."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from stockade.agent import AgentConfig, RunLimits, RunStatus, build_agent
+from stockade.agent.assembly import effective_trust
+from stockade.audit import AuditLog, MemoryStore
+from stockade.exceptions import PolicyDenied, TierUnavailable
+from stockade.models import ScriptedModel, tool_call
+from stockade.policy import Policy
+from stockade.policy.approval import Choice
+from stockade.policy.schema import CommandRules, ModelRegistry, PathRules, TrustRules
+from stockade.runtime.clock import ManualClock
+from stockade.sandbox.ops import RunCommand, WriteFile
+from stockade.testing import FakeBackend, MemoryWorkspace
+from stockade.tools import Toolset, apply_patch, shell, write_file
+from stockade.types import Trust
+
+TRUSTED = TrustRules(level=Trust.TRUSTED)
+
+
+def config(tmp_path: Path, model: ScriptedModel, policy: Policy, **overrides: object) -> AgentConfig:
+    base = AgentConfig(
+        model=model,
+        policy=policy,
+        backend=FakeBackend(MemoryWorkspace(), tier="process"),
+        audit=AuditLog(MemoryStore(), flush_interval_s=None),
+        approval_dir=tmp_path / "approvals",
+        kill_target=str(tmp_path / "kill"),
+        clock=ManualClock(),
+    )
+    return replace(base, **overrides)  # type: ignore[arg-type]
+
+
+def kinds(log: AuditLog) -> list[str]:
+    log.flush()
+    return [e.kind.value for e in log.store.events()]
+
+
+def test_a_caller_can_tighten_the_policys_trust_but_never_loosen_it() -> None:
+    internal = Policy(trust=TrustRules(level=Trust.INTERNAL))
+    assert effective_trust(internal, Trust.UNTRUSTED) is Trust.UNTRUSTED
+    assert effective_trust(internal, Trust.TRUSTED) is Trust.INTERNAL
+    assert effective_trust(internal, None) is Trust.INTERNAL
+
+
+def test_a_backend_of_a_tier_trust_does_not_allow_fails_closed(tmp_path: Path) -> None:
+    policy = Policy(trust=TrustRules(level=Trust.INTERNAL))  # LLM code: docker at least
+    with pytest.raises(TierUnavailable, match="weaker than trust 'internal'"):
+        build_agent(config(tmp_path, ScriptedModel(["hi"]), policy))
+
+
+def test_a_model_outside_the_registry_is_refused_before_any_run(tmp_path: Path) -> None:
+    policy = Policy(trust=TRUSTED, models=ModelRegistry(approved=("gpt-4.1*",)))
+    with pytest.raises(PolicyDenied, match="not in the policy's registry"):
+        build_agent(config(tmp_path, ScriptedModel(["hi"], name="unvetted"), policy))
+
+
+def test_an_op_the_call_level_cannot_see_is_denied_at_the_sandbox_and_audited(tmp_path: Path) -> None:
+    policy = Policy(trust=TRUSTED, paths=PathRules(deny=("secrets/**",)))
+    patch = "--- /dev/null\n+++ b/secrets/key\n@@ -0,0 +1 @@\n+stolen\n"  # the path is inside the diff
+    model = ScriptedModel([tool_call("apply_patch", {"diff": patch}), "done"])
+    cfg = config(tmp_path, model, policy, tools=Toolset([apply_patch, write_file]))
+    with build_agent(cfg) as agent:
+        result = agent.run_sync("patch", run_id="r1")
+        backend = cfg.backend
+        assert isinstance(backend, FakeBackend)
+        writes = [op for op in backend.instances[0].ops if isinstance(op, WriteFile)]
+        assert not any(op.path.startswith("secrets") for op in writes)
+        assert "PolicyDenied" in result.steps[0].tool_calls[0].observation
+        events = list(agent.audit_log.store.events(run_id="r1"))
+    denials = [e.attributes for e in events if e.kind.value == "policy_decision"]
+    assert denials and denials[0]["level"] == "sandbox" and str(denials[0]["rule"]).startswith("paths.")
+
+
+def test_an_approval_given_on_the_callback_covers_the_calls_sandbox_op_once(tmp_path: Path) -> None:
+    asked = []
+
+    def approver(request: object) -> Choice:
+        asked.append(request)
+        return Choice.APPROVED
+
+    policy = Policy(trust=TRUSTED, commands=CommandRules(approve=("git push",)))
+    model = ScriptedModel([tool_call("shell", {"command": "git push origin main"}), "pushed"])
+    cfg = config(tmp_path, model, policy, tools=Toolset([shell]), approver=approver)
+    with build_agent(cfg) as agent:
+        result = agent.run_sync("push", run_id="r2")
+        assert result.status == RunStatus.SUCCESS
+        backend = cfg.backend
+        assert isinstance(backend, FakeBackend)
+        ran = [op.argv for op in backend.instances[0].ops if isinstance(op, RunCommand)]
+        assert ran == [("/bin/sh", "-c", "git push origin main")]
+        assert len(asked) == 1  # the op-level guard did not ask again
+        events = list(agent.audit_log.store.events(run_id="r2"))
+    assert [e.attributes["outcome"] for e in events if e.kind.value == "approval"] == ["approved"]
+
+
+def test_runtime_refusals_and_budgets_are_audited_under_the_run(tmp_path: Path) -> None:
+    model = ScriptedModel([tool_call("shell", {"command": "echo again"})] * 4 + ["done"])
+    cfg = config(
+        tmp_path, model, Policy(trust=TRUSTED), tools=Toolset([shell]), rate_per_minute=2,
+        limits=RunLimits(max_steps=3), anomaly=False,
+    )  # fmt: skip
+    with build_agent(cfg) as agent:
+        result = agent.run_sync("loop", run_id="r3")
+        assert result.status == RunStatus.MAX_STEPS
+        events = list(agent.audit_log.store.events(run_id="r3"))
+    limited = [e for e in events if e.kind.value == "rate_limited"]
+    assert len(limited) == 1 and limited[0].attributes["limit"] == "rate"
+    assert {"sandbox_start", "sandbox_stop", "run_start", "run_end"} <= {e.kind.value for e in events}
