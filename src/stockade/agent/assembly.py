@@ -127,9 +127,7 @@ class AgentConfig:
     dollars_per_hour: float | None = None  # model spend per rolling hour, over all runs
     limits_redis_url: str | None = None  # share the two windows above across processes
     prices: Mapping[str, Price] | None = None  # None: DEFAULT_PRICES
-    kill_target: str | None = (
-        None  # kill directory or redis://...; None: $STOCKADE_KILL_DIR or ~/.stockade/kill
-    )
+    kill_target: str | None = None  # kill directory or redis://...; None: the default kill dir
     approver: Approver | None = None  # decides now (a function, cli_approver); None: always deferred
     approval_dir: str | Path | None = None  # deferred approvals; None: $STOCKADE_APPROVAL_DIR or default
     retry: RetryPolicy = field(default_factory=RetryPolicy)
