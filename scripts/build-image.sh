@@ -2,7 +2,7 @@
 # Build the stockade sandbox root filesystem offline (no container registry),
 # with debootstrap from the Debian mirror apt is already configured to use.
 #
-#   * minimal Debian (--variant=minbase) + python3, apt caches and docs stripped;
+#   * minimal Debian (--variant=minbase) + python3 (also as `python`), apt caches and docs stripped;
 #   * user `sandbox` (uid/gid 1000, home /home/sandbox), /workspace owned by
 #     1000:1000, empty /opt/stockade (the SDK mounts its in-sandbox helper there);
 #   * result: a rootfs folder  $STOCKADE_CACHE/rootfs/<key>   (always)
@@ -89,7 +89,7 @@ build_rootfs() {
     trap 'cleanup_tmp "'"$tmp"'"' EXIT
     mkdir -p "$CACHE/debs"
     local t0=$SECONDS
-    debootstrap --variant=minbase --include=python3 --arch="$ARCH" \
+    debootstrap --variant=minbase --include=python3,python-is-python3 --arch="$ARCH" \
         ${keyring:+--keyring="$keyring"} --cache-dir="$CACHE/debs" \
         "$SUITE" "$tmp" "$mirror" >"$CACHE/debootstrap.log" 2>&1 || {
             tail -n 30 "$CACHE/debootstrap.log" >&2
