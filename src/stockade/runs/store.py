@@ -15,17 +15,24 @@ ledger has and the checkpoint lacks back into the step in progress, so a run kil
 after a side effect resumes without doing it again. What no store can close is the instant
 between a tool's side effect and its return; a tool that must be exactly-once there can use
 its ``ToolContext`` (run, step, call id) as its own idempotency key.
+
+Every row passes through a ``Redactor`` before it is written, as audit events do: a run
+resumed from the store sees ``[REDACTED]`` where a secret was, never the secret.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pydantic import BaseModel
+
 from stockade import exceptions as exc
 from stockade.agent.state import RunState, RunStatus, StepRecord, ToolCallRecord
+from stockade.audit.redact import Redactor
 from stockade.audit.stores import check_namespace
 from stockade.models.messages import Message, ToolResultMessage, Usage
 from stockade.runs._db import Database, PostgresDatabase, SQLiteDatabase, Statement
@@ -143,8 +150,9 @@ def _first_change(saved: Sequence[object], now: Sequence[object]) -> int:
 class RunStore:
     """Runs in a SQL database (tables ``<namespace>_*``); implements ``Checkpointer``."""
 
-    def __init__(self, db: Database, *, namespace: str = "runs") -> None:
+    def __init__(self, db: Database, *, namespace: str = "runs", redactor: Redactor | None = None) -> None:
         self.db = db
+        self.redactor = redactor if redactor is not None else Redactor()
         self.ns = check_namespace(namespace)
         self.url = db.url
         self._lock = threading.Lock()
@@ -164,23 +172,17 @@ class RunStore:
             if state.current is not None:
                 new_records.extend((state.current.index, r) for r in state.current.tool_calls)
             ledger = [(i, r) for i, r in new_records if r.idempotency_key not in saved.ledger]
-            body = state.model_dump_json(exclude={"messages", "steps"})
+            body = self._json(state, exclude={"messages", "steps"})
             statements: list[Statement] = [
                 (
                     f"INSERT INTO {ns}_messages VALUES (?, ?, ?) "
                     "ON CONFLICT (run_id, idx) DO UPDATE SET body = excluded.body",
-                    [
-                        (run_id, i, m.model_dump_json())
-                        for i, m in enumerate(state.messages[msg_from:], msg_from)
-                    ],
+                    [(run_id, i, self._json(m)) for i, m in enumerate(state.messages[msg_from:], msg_from)],
                 ),
                 (
                     f"INSERT INTO {ns}_steps VALUES (?, ?, ?) "
                     "ON CONFLICT (run_id, idx) DO UPDATE SET body = excluded.body",
-                    [
-                        (run_id, i, s.model_dump_json())
-                        for i, s in enumerate(state.steps[step_from:], step_from)
-                    ],
+                    [(run_id, i, self._json(s)) for i, s in enumerate(state.steps[step_from:], step_from)],
                 ),
                 (
                     f"INSERT INTO {ns}_checkpoints VALUES (?, ?, ?, ?, ?, ?)",
@@ -197,7 +199,7 @@ class RunStore:
                     [
                         (
                             run_id,
-                            state.task,
+                            self.redactor.text(state.task),
                             state.model_name,
                             state.status.value,
                             len(state.steps),
@@ -206,7 +208,7 @@ class RunStore:
                             state.usage.requests,
                             state.cost_usd,
                             state.elapsed_s,
-                            state.error,
+                            None if state.error is None else self.redactor.text(state.error),
                             now,
                             now,
                         )
@@ -290,8 +292,12 @@ class RunStore:
     def _ledger_sql(self) -> str:
         return f"INSERT INTO {self.ns}_tool_calls VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
 
-    @staticmethod
-    def _ledger_row(run_id: str, step: int, record: ToolCallRecord, now: int) -> tuple[object, ...]:
+    def _json(self, model: BaseModel, *, exclude: set[str] | None = None) -> str:
+        """The model as JSON with every string redacted (keys naming a credential: the whole value)."""
+        data = self.redactor.value(model.model_dump(mode="json", exclude=exclude))
+        return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+    def _ledger_row(self, run_id: str, step: int, record: ToolCallRecord, now: int) -> tuple[object, ...]:
         return (
             record.idempotency_key,
             run_id,
@@ -299,7 +305,7 @@ class RunStore:
             record.call.id,
             record.call.name,
             now,
-            record.model_dump_json(),
+            self._json(record),
         )
 
     def record_tool_call(self, run_id: str, step: int, record: ToolCallRecord) -> None:
@@ -357,7 +363,9 @@ class RunStore:
 
     def record_diff(self, run_id: str, diff: str) -> None:
         """The workspace diff at the end of the run (the one mutable column: the latest end wins)."""
-        self.db.write([(f"UPDATE {self.ns}_runs SET diff = ? WHERE run_id = ?", [(diff, run_id)])])
+        self.db.write(
+            [(f"UPDATE {self.ns}_runs SET diff = ? WHERE run_id = ?", [(self.redactor.text(diff), run_id)])]
+        )
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -486,15 +494,15 @@ def _summary(row: tuple[object, ...]) -> RunSummary:
     )
 
 
-def open_run_store(url: str, *, namespace: str = "runs") -> RunStore:
+def open_run_store(url: str, *, namespace: str = "runs", redactor: Redactor | None = None) -> RunStore:
     """A run store from a URL: ``sqlite:///PATH`` (may be the audit database file), a plain
     file path, ``postgresql://...``, or ``memory:``."""
     if url.startswith(("postgresql://", "postgres://")):
-        return RunStore(PostgresDatabase(url), namespace=namespace)
+        return RunStore(PostgresDatabase(url), namespace=namespace, redactor=redactor)
     if url.startswith("sqlite:///"):
-        return RunStore(SQLiteDatabase(url[len("sqlite:///") :]), namespace=namespace)
+        return RunStore(SQLiteDatabase(url[len("sqlite:///") :]), namespace=namespace, redactor=redactor)
     if url == "memory:":  # tests and one-off tools
-        return RunStore(SQLiteDatabase(":memory:"), namespace=namespace)
+        return RunStore(SQLiteDatabase(":memory:"), namespace=namespace, redactor=redactor)
     if "://" in url:
         raise exc.ConfigurationError(f"unknown run store URL {url!r}: use sqlite:///PATH or postgresql://...")
-    return RunStore(SQLiteDatabase(url), namespace=namespace)
+    return RunStore(SQLiteDatabase(url), namespace=namespace, redactor=redactor)

@@ -9,10 +9,11 @@ import pytest
 
 from stockade import Sandbox
 from stockade.agent import Agent, AgentEvent, MemoryCheckpointer, Observer, RunStatus, ToolReturned
+from stockade.audit import Redactor
 from stockade.exceptions import ApprovalRequired, ResourceContention
 from stockade.models.scripted import Turn
 from stockade.policy.approval import ApprovalRequest, Approvals, ApprovalStore, Choice
-from stockade.runs import RunRecorder, RunStore
+from stockade.runs import RunRecorder, RunStore, open_run_store
 from stockade.runtime import Retrier, RetryingBackend, RetryPolicy
 from stockade.sandbox.base import OpResult, SandboxSpec
 from stockade.sandbox.ops import Op, ReadFile
@@ -148,3 +149,23 @@ def test_each_approval_outcome_is_recorded(store: RunStore, tmp_path: Path) -> N
         (request.id, "pending"),
         (request.id, "approved"),
     ]
+
+
+def test_a_registered_secret_never_reaches_the_run_store(tmp_path: Path) -> None:
+    secret = "hunter2-correct-horse"
+    redactor = Redactor()
+    redactor.add_secret(secret)
+    turns: list[Turn] = [
+        tool_call("write_file", {"path": "config.ini", "content": f"password = {secret}\n"}),
+        tool_call("read_file", {"path": "config.ini"}),
+        f"stored {secret}",
+    ]
+    with open_run_store(f"sqlite:///{tmp_path / 'runs.db'}", redactor=redactor) as store:
+        recorder = RunRecorder(store)
+        with Sandbox.create(backend=FakeBackend()) as sbx:
+            agent = Agent(ScriptedModel(turns), checkpointer=store, observers=[recorder])
+            assert agent.run_sync(f"use the password {secret}", sandbox=sbx, run_id="r").ok
+        state = store.load("r")
+        assert state is not None and state.answer == "stored [REDACTED:secret]"
+    stored = b"".join(p.read_bytes() for p in tmp_path.iterdir())  # the database, its WAL
+    assert secret.encode() not in stored
