@@ -150,3 +150,17 @@ def test_without_root_weaker_limits_need_consent_and_still_hold() -> None:
         check=False, capture_output=True, text=True, timeout=120, cwd="/tmp",
     )  # fmt: skip
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_frozen_supervisor_cannot_hold_the_host_hostage() -> None:
+    sbx = Sandbox.create()
+    boundary = sbx.instance.boundary  # type: ignore[attr-defined]
+    cmdlines = {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in boundary.cgroup.pids()}
+    supervisor = next(pid for pid, cmd in cmdlines.items() if b"supervisor" in cmd and b"bwrap" not in cmd)
+    os.kill(supervisor, signal.SIGSTOP)  # what a hostile process of the same uid cannot do, we can
+    started = time.monotonic()
+    r = sbx.commands.run("echo never", timeout_s=0.2)
+    assert r.timed_out and time.monotonic() - started < 15
+    assert not sbx.alive, "the host took the whole sandbox down"
+    assert processes_mentioning(sbx.id) == []
+    sbx.close()

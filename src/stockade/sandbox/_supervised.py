@@ -229,6 +229,34 @@ class SupervisedInstance(Instance):
     def _timeout(self, value: float | None) -> float:
         return self.spec.limits.timeout_s if value is None else value
 
+    def _stream(
+        self, header: dict[str, Any], body: bytes, timeout: float, sink: OutputSink | None
+    ) -> tuple[dict[str, Any] | None, dict[int, _Collector]]:
+        """Send a request, pass output to ``sink`` as it comes, return the final frame.
+
+        None means the supervisor missed its own deadline by ``GRACE_S``: the sandbox is
+        then taken down whole, and the output seen so far is returned.
+        """
+        cap = self.spec.limits.output_bytes
+        streams = {1: _Collector(cap), 2: _Collector(cap)}
+        call = self.channel.call(header, body)
+        try:
+            for h, chunk in call.frames(time.monotonic() + timeout + GRACE_S):
+                ev = h.get("ev")
+                if ev == "out":
+                    fd = 1 if h.get("fd") == 1 else 2
+                    part = streams[fd].add(chunk)
+                    if sink is not None and part:
+                        sink(fd, part)
+                elif ev in ("exit", "result"):
+                    return h, streams
+                elif ev == "error":
+                    raise exc.ProtocolError(f"supervisor refused {header['op']}: {h.get('message')}")
+        except TimeoutError:
+            self.close()
+            return None, streams
+        raise exc.ProtocolError(f"{header['op']} ended without a report")  # pragma: no cover
+
     def _run_command(self, op: RunCommand, sink: OutputSink | None) -> CommandResult:
         if not op.argv:
             raise exc.ConfigurationError("empty command")
@@ -243,38 +271,22 @@ class SupervisedInstance(Instance):
         }
         oom_before = self.boundary.oom_kills()
         started = time.monotonic()
-        cap = self.spec.limits.output_bytes
-        streams = {1: _Collector(cap), 2: _Collector(cap)}
-        call = self.channel.call(header, op.stdin or b"")
-        try:
-            for h, body in call.frames(started + timeout + GRACE_S):
-                ev = h.get("ev")
-                if ev == "out":
-                    fd = 1 if h.get("fd") == 1 else 2
-                    part = streams[fd].add(body)
-                    if sink is not None and part:
-                        sink(fd, part)
-                elif ev == "exit":
-                    return self._command_result(h, streams, oom_before)
-                elif ev == "error":
-                    raise exc.ProtocolError(f"supervisor refused the command: {h.get('message')}")
-        except TimeoutError:
-            # The supervisor missed its own deadline: take the whole sandbox down.
-            self.close()
-            out, out_cut = streams[1].text(len(streams[1].data))
-            err, _ = streams[2].text(len(streams[2].data))
-            return CommandResult(
-                exit_code=137,
-                stdout=out,
-                stderr=err,
-                duration_s=time.monotonic() - started,
-                timed_out=True,
-                truncated=out_cut,
-                signal=9,
-                stdout_bytes=len(streams[1].data),
-                stderr_bytes=len(streams[2].data),
-            )
-        raise exc.ProtocolError("command ended without an exit report")  # pragma: no cover
+        final, streams = self._stream(header, op.stdin or b"", timeout, sink)
+        if final is not None:
+            return self._command_result(final, streams, oom_before)
+        out, out_cut = streams[1].text(len(streams[1].data))
+        err, _ = streams[2].text(len(streams[2].data))
+        return CommandResult(
+            exit_code=137,
+            stdout=out,
+            stderr=err,
+            duration_s=time.monotonic() - started,
+            timed_out=True,
+            truncated=out_cut,
+            signal=9,
+            stdout_bytes=len(streams[1].data),
+            stderr_bytes=len(streams[2].data),
+        )
 
     def _command_result(
         self, h: dict[str, Any], streams: dict[int, _Collector], oom_before: int | None
@@ -305,35 +317,21 @@ class SupervisedInstance(Instance):
         timeout = self._timeout(op.timeout_s)
         oom_before = self.boundary.oom_kills()
         started = time.monotonic()
-        cap = self.spec.limits.output_bytes
-        streams = {1: _Collector(cap), 2: _Collector(cap)}
-        call = self.channel.call({"op": "code", "timeout": timeout}, op.code.encode("utf-8", "surrogatepass"))
-        try:
-            for h, body in call.frames(started + timeout + GRACE_S):
-                ev = h.get("ev")
-                if ev == "out":
-                    fd = 1 if h.get("fd") == 1 else 2
-                    part = streams[fd].add(body)
-                    if sink is not None and part:
-                        sink(fd, part)
-                elif ev == "result":
-                    return self._execution(h, streams, oom_before)
-                elif ev == "error":
-                    raise exc.ProtocolError(f"supervisor refused run_code: {h.get('message')}")
-        except TimeoutError:
-            self.close()
-            return Execution(
-                logs=Logs(
-                    stdout=streams[1].text(len(streams[1].data))[0],
-                    stderr=streams[2].text(len(streams[2].data))[0],
-                ),
-                error=ExecutionError(
-                    name="TimeoutError", value="the sandbox stopped answering and was killed", traceback=""
-                ),
-                duration_s=time.monotonic() - started,
-                timed_out=True,
-            )
-        raise exc.ProtocolError("run_code ended without a result")  # pragma: no cover
+        header = {"op": "code", "timeout": timeout}
+        final, streams = self._stream(header, op.code.encode("utf-8", "surrogatepass"), timeout, sink)
+        if final is not None:
+            return self._execution(final, streams, oom_before)
+        return Execution(
+            logs=Logs(
+                stdout=streams[1].text(len(streams[1].data))[0],
+                stderr=streams[2].text(len(streams[2].data))[0],
+            ),
+            error=ExecutionError(
+                name="TimeoutError", value="the sandbox stopped answering and was killed", traceback=""
+            ),
+            duration_s=time.monotonic() - started,
+            timed_out=True,
+        )
 
     def _execution(
         self, h: dict[str, Any], streams: dict[int, _Collector], oom_before: int | None
