@@ -101,9 +101,8 @@ def main() -> None:
         rows.append((tier, f"{rate:.0f}/s", peer_text, ratio, f"{pool_latency_ms(tier):.2f} ms"))
     print(f"Throughput, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, Python {sys.version.split()[0]}")
     print()
-    print(
-        "| tier | stockade pool, reset per program | llm-sandbox, reused session | ratio | pool acquire + print(1) p50 |"
-    )
+    columns = ["tier", "stockade pool, reset per program", "llm-sandbox, reused session", "ratio"]
+    print("| " + " | ".join([*columns, "pool acquire + print(1) p50"]) + " |")
     print("|---|---|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
