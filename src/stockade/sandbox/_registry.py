@@ -7,6 +7,7 @@ the first time someone asks for that tier.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import threading
 
 from stockade.exceptions import ConfigurationError, TierUnavailable
@@ -64,10 +65,14 @@ def probe(tier: str) -> TierReport:
         cached = _probes.get(tier)
     if cached is not None:
         return cached
-    try:
-        report = backend(tier).probe()
-    except (TierUnavailable, ConfigurationError) as err:
-        report = TierReport(tier=tier, available=False, detail=str(err), fixes=(TIERS[tier][2],))
+    module_name, _, hint = TIERS[tier]
+    if importlib.util.find_spec(module_name) is None:
+        report = TierReport(tier=tier, available=False, detail="not implemented in this stockade version")
+    else:
+        try:
+            report = backend(tier).probe()
+        except (TierUnavailable, ConfigurationError) as err:
+            report = TierReport(tier=tier, available=False, detail=str(err), fixes=(hint,))
     with _lock:
         _probes[tier] = report
     return report
