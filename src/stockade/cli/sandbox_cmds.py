@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
@@ -48,6 +48,15 @@ def doctor() -> None:
             out.print(f"         [cyan]fix:[/] {escape(fix)}")
 
 
+def _fail(error: exc.StockadeError) -> NoReturn:
+    """Say what went wrong and, when the error knows it, how to fix it; exit 2."""
+    err.print(f"[red]stockade:[/] {escape(str(error))}")
+    fix = getattr(error, "fix", "")
+    if fix:
+        err.print(f"[cyan]fix:[/] {escape(fix)}")
+    raise typer.Exit(2)
+
+
 def _limits(memory: int, cpus: float, pids: int, timeout: float) -> Limits:
     return Limits(memory_mb=memory, cpus=cpus, pids=pids, timeout_s=timeout)
 
@@ -81,8 +90,7 @@ def exec_(
                 stdin=None if sys.stdin.isatty() else sys.stdin.buffer.read(),
             )
     except exc.StockadeError as error:
-        err.print(f"[red]stockade:[/] {error}")
-        raise typer.Exit(2) from None
+        _fail(error)
     if result.timed_out:
         err.print(f"[yellow]stockade: timed out after {timeout}s; every process was killed[/]")
     if result.oom_killed:
@@ -108,8 +116,7 @@ def run_code(
                 code, language, on_stdout=lambda s: out.file.write(s), on_stderr=lambda s: err.file.write(s)
             )
     except exc.StockadeError as error:
-        err.print(f"[red]stockade:[/] {error}")
-        raise typer.Exit(2) from None
+        _fail(error)
     for result in execution.results:
         if result.text is not None:
             out.print(result.text, markup=False, highlight=False)

@@ -1,0 +1,76 @@
+"""The sandbox commands of ``stockade``, run as a user would: a real process, real sandboxes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import require_tier
+
+STOCKADE = [sys.executable, "-m", "stockade.cli.main"]
+
+
+def stockade(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*STOCKADE, *args], input=stdin, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+@pytest.fixture(autouse=True)
+def _process_tier() -> None:
+    require_tier("process")
+
+
+def test_exec_passes_output_and_exit_code_through() -> None:
+    r = stockade("exec", "--", "sh", "-c", "echo out; echo err >&2; exit 7")
+    assert (r.returncode, r.stdout, r.stderr) == (7, "out\n", "err\n")
+
+
+def test_exec_applies_limits_and_says_why_it_stopped() -> None:
+    r = stockade("exec", "--timeout", "0.5", "--", "sleep", "30")
+    assert r.returncode != 0 and "timed out" in r.stderr
+    r = stockade("exec", "--memory", "64", "--", "python3", "-c", "b = bytearray(512 * 1024 * 1024)")
+    assert r.returncode != 0 and ("memory limit" in r.stderr or "MemoryError" in r.stderr)
+
+
+def test_exec_seeds_a_workspace_copy_and_reads_stdin(tmp_path: Path) -> None:
+    (tmp_path / "data.txt").write_text("from the host\n")
+    r = stockade("exec", "--workspace", str(tmp_path), "--", "sh", "-c", "cat data.txt; cat; touch new")
+    assert r.stdout == "from the host\n"  # stdin is empty: not a terminal, nothing piped
+    assert not (tmp_path / "new").exists()
+    r = stockade("exec", "--", "cat", stdin="piped\n")
+    assert r.stdout == "piped\n"
+
+
+def test_exec_refuses_what_this_host_cannot_enforce() -> None:
+    r = stockade("exec", "--network", "--", "true")
+    assert r.returncode == 2 and "allow" in r.stderr.lower()
+
+
+def test_run_code_prints_output_and_the_last_value(tmp_path: Path) -> None:
+    r = stockade("run-code", "-", stdin="print('hi')\n6 * 7\n")
+    assert r.returncode == 0 and r.stdout == "hi\n42\n"
+    script = tmp_path / "fail.py"
+    script.write_text("raise ValueError('nope')\n")
+    r = stockade("run-code", str(script))
+    assert r.returncode == 1 and "ValueError: nope" in r.stderr
+    r = stockade("run-code", "--language", "bash", "-", stdin="echo $((2 + 3))")
+    assert r.stdout == "5\n"
+
+
+def test_doctor_reports_every_tier_and_how_limits_are_enforced() -> None:
+    r = stockade("doctor")
+    assert r.returncode == 0
+    for tier in ("process", "docker", "gvisor", "microvm"):
+        assert tier in r.stdout
+    assert "enforced by: memory=cgroup" in r.stdout.replace("\n", " ").replace("  ", " ")
+
+
+def test_gc_runs_cleanly() -> None:
+    r = stockade("gc")
+    assert r.returncode == 0 and "leftover" in r.stdout
+    assert os.path.exists("/")  # the host is still there
