@@ -141,6 +141,9 @@ class Redactor:
         )
         self._cache: dict[str, str] = {}
         self._cached_secrets = 0
+        self._long: dict[str, str] | None = None  # see ``remembering``
+        self._long_chars = 0
+        self._long_budget = 0
 
     def add_secret(self, value: str) -> None:
         """Never write ``value``, wherever it appears (e.g. a token passed to a sandbox's env)."""
@@ -150,13 +153,35 @@ class Redactor:
         for value in values:
             self.secrets.add(value)
 
+    def remembering(self, *, max_chars: int = 4 * 1024 * 1024) -> Redactor:
+        """The same pipeline and secrets, also remembering the results for long strings, up to
+        ``max_chars`` characters of them (then it starts afresh).
+
+        For a writer that sees the same long text again and again: a run store writes each
+        observation in the tool-call message, the step record and the ledger, and an agent
+        reads the same file many times. Registering a secret on either redactor forgets
+        everything remembered.
+        """
+        twin = Redactor(self.processors)
+        twin.secrets = self.secrets
+        twin._long = {}
+        twin._long_budget = max_chars
+        return twin
+
     def text(self, text: str) -> str:
+        if self._cached_secrets != len(self.secrets):
+            self._cache.clear()
+            if self._long is not None:
+                self._long.clear()
+                self._long_chars = 0
+            self._cached_secrets = len(self.secrets)
         short = len(text) <= CACHED_LENGTH
         if short:
-            if self._cached_secrets != len(self.secrets):
-                self._cache.clear()
-                self._cached_secrets = len(self.secrets)
             cached = self._cache.get(text)
+            if cached is not None:
+                return cached
+        elif self._long is not None:
+            cached = self._long.get(text)
             if cached is not None:
                 return cached
         out = text
@@ -166,6 +191,12 @@ class Redactor:
             if len(self._cache) >= CACHE_SIZE:
                 self._cache.clear()
             self._cache[text] = out
+        elif self._long is not None and len(text) <= self._long_budget:
+            if self._long_chars + len(text) > self._long_budget:
+                self._long.clear()
+                self._long_chars = 0
+            self._long[text] = out
+            self._long_chars += len(text)
         return out
 
     def value(self, value: object) -> JSONValue:

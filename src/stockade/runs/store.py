@@ -139,8 +139,14 @@ def _schema(ns: str, serial: str) -> list[str]:
 
 
 def _first_change(saved: Sequence[object], now: Sequence[object]) -> int:
-    """The index from which ``now`` differs from what was written (identity, not equality:
-    the loop only appends, so this is normally ``len(saved)``, found in a pointer walk)."""
+    """The index from which ``now`` differs from what was written (identity, not equality).
+
+    The loop only appends, so this is normally ``len(saved)``: when the first and last rows
+    written are still in place, the answer comes without walking the run (a save must not
+    cost more late in a run than early); otherwise a pointer walk finds the change."""
+    n = len(saved)
+    if n == 0 or (len(now) >= n and now[0] is saved[0] and now[n - 1] is saved[n - 1]):
+        return n
     for i, (a, b) in enumerate(zip(saved, now, strict=False)):
         if a is not b:
             return i
@@ -152,7 +158,9 @@ class RunStore:
 
     def __init__(self, db: Database, *, namespace: str = "runs", redactor: Redactor | None = None) -> None:
         self.db = db
-        self.redactor = redactor if redactor is not None else Redactor()
+        # Remembering: an observation is written in a message, a step and the ledger, and an
+        # agent reads the same files again and again; each long text is redacted once.
+        self.redactor = (redactor if redactor is not None else Redactor()).remembering()
         self.ns = check_namespace(namespace)
         self.url = db.url
         self._lock = threading.Lock()
@@ -217,8 +225,10 @@ class RunStore:
             ]
             self.db.write([s for s in statements if s[1]])
             saved.seq += 1
-            saved.messages = list(state.messages)
-            saved.steps = list(state.steps)
+            # Only what was added is copied (the saved lists are the written prefix, extended).
+            del saved.messages[msg_from:], saved.steps[step_from:]
+            saved.messages.extend(state.messages[msg_from:])
+            saved.steps.extend(state.steps[step_from:])
             saved.ledger.update(r.idempotency_key for _, r in ledger)
             self._saved[run_id] = saved
 
