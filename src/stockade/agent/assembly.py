@@ -420,6 +420,7 @@ class AgentSession:
         )
         self._raw: Sandbox | None = None
         self._sandbox: Sandbox | None = None
+        self._books: Sandbox | None = None
 
     def _track_step(self, event: AgentEvent) -> None:
         if isinstance(event, ModelRequested | ToolCalled):
@@ -448,6 +449,9 @@ class AgentSession:
             guard = _op_guard(owner.engine, self.approvals, owner.audit_log)
             ctx = OpContext(run_id=self.run_id, role=owner.engine.role_name)
             self._sandbox = Sandbox(GuardedInstance(killable.instance, guard, ctx))
+            # the run's own records (baseline, diff, saved outputs): killable and audited, but
+            # not subject to the model's path rules; the sandbox confines them to the workspace
+            self._books = killable
             with self.controls.watch():
                 yield self
 
@@ -465,7 +469,9 @@ class AgentSession:
         self._raw.files.download_dir(dest)
 
     async def _drive(self, task: str | None, resume: str | RunState | None) -> RunResult:
-        async with self.agent.iter(task, sandbox=self.sandbox, resume=resume, run_id=self.run_id) as run:
+        async with self.agent.iter(
+            task, sandbox=self.sandbox, resume=resume, run_id=self.run_id, bookkeeping=self._books
+        ) as run:
             run.state.audit_id = self.run_id  # the audit trail files this run's events under its id
             async for _ in run:
                 pass

@@ -24,7 +24,10 @@ Extension points (other layers plug in here without editing the loop):
   runs the guards on that call again, so the approval layer answers from its decision;
 - ``tools``: a ``Toolset``, wrapped with ``Toolset.wrapped`` for per-call behaviour;
 - ``model``: any ``Model``, wrapped with ``WrapperModel`` subclasses (retries, spend limits);
-- ``checkpointer``: any ``Checkpointer`` (run stores).
+- ``checkpointer``: any ``Checkpointer`` (run stores);
+- ``bookkeeping=``: the sandbox the run keeps its own records through (the baseline and the
+  diff, saved outputs, test reports), when ``sandbox`` is policy-guarded: the model's path
+  rules are about the model's actions, not the run's records. The default is ``sandbox``.
 
 Anything in a step that raises ``RunStopped`` ends the run with that exception's status.
 Tool errors (``ToolError``, ``WorkspaceError``, ...) are observations for the model; a dead
@@ -212,8 +215,10 @@ class Agent:
         sandbox: Sandbox,
         resume: str | RunState | None = None,
         run_id: str | None = None,
+        bookkeeping: Sandbox | None = None,
     ) -> AsyncIterator[AgentRun]:
         """Start (or resume) a run and hand it over for stepping."""
+        books = bookkeeping if bookkeeping is not None else sandbox
         if resume is None:
             if task is None:
                 raise ConfigurationError("give a task, or resume=RUN_ID to continue a run")
@@ -224,7 +229,7 @@ class Agent:
                 model_name=self.model.name,
                 messages=[UserMessage(content=task)],
             )
-            await asyncio.to_thread(record_baseline, sandbox)
+            await asyncio.to_thread(record_baseline, books)
         else:
             state = self._load(resume)
             if state.status == RunStatus.PAUSED and state.resume_at is not None:
@@ -234,7 +239,7 @@ class Agent:
                     None,
                     None,
                 )
-        run = AgentRun(self, state, sandbox)
+        run = AgentRun(self, state, sandbox, bookkeeping=books)
         await run.begin(resumed=resume is not None)
         yield run
 
@@ -255,8 +260,11 @@ class Agent:
         sandbox: Sandbox,
         resume: str | RunState | None = None,
         run_id: str | None = None,
+        bookkeeping: Sandbox | None = None,
     ) -> RunResult:
-        async with self.iter(task, sandbox=sandbox, resume=resume, run_id=run_id) as run:
+        async with self.iter(
+            task, sandbox=sandbox, resume=resume, run_id=run_id, bookkeeping=bookkeeping
+        ) as run:
             async for _ in run:
                 pass
         assert run.result is not None
@@ -269,21 +277,27 @@ class Agent:
         sandbox: Sandbox,
         resume: str | RunState | None = None,
         run_id: str | None = None,
+        bookkeeping: Sandbox | None = None,
     ) -> RunResult:
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            return asyncio.run(self.run(task, sandbox=sandbox, resume=resume, run_id=run_id))
+            return asyncio.run(
+                self.run(task, sandbox=sandbox, resume=resume, run_id=run_id, bookkeeping=bookkeeping)
+            )
         raise ConfigurationError("run_sync() inside a running event loop: use `await agent.run(...)`")
 
 
 class AgentRun:
     """One run in progress: ``state`` is live; ``result`` is set once it ends."""
 
-    def __init__(self, agent: Agent, state: RunState, sandbox: Sandbox) -> None:
+    def __init__(
+        self, agent: Agent, state: RunState, sandbox: Sandbox, *, bookkeeping: Sandbox | None = None
+    ) -> None:
         self.agent = agent
         self.state = state
         self.sandbox = sandbox
+        self.bookkeeping = bookkeeping if bookkeeping is not None else sandbox
         self.result: RunResult | None = None
 
     # -- driving ------------------------------------------------------------------------
@@ -475,6 +489,7 @@ class AgentRun:
             step=step,
             call_id=call.id,
             max_observation_chars=agent.limits.max_observation_chars,
+            bookkeeping=self.bookkeeping,
         )
         started = time.perf_counter()
         value: object = None
@@ -533,7 +548,7 @@ class AgentRun:
             state.steps.append(state.current)  # a step cut short keeps what it did
             state.current = None
         try:
-            diff = await asyncio.to_thread(workspace_diff, self.sandbox)
+            diff = await asyncio.to_thread(workspace_diff, self.bookkeeping)
         except StockadeError as err:
             diff = f"(the diff is unavailable: {err})"
         self.result = RunResult(

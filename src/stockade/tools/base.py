@@ -65,13 +65,25 @@ class Risk(enum.StrEnum):
 
 @dataclass(frozen=True, kw_only=True)
 class ToolContext:
-    """What a tool call may use: the sandbox, and which run, step and call it serves."""
+    """What a tool call may use: the sandbox, and which run, step and call it serves.
+
+    ``bookkeeping`` is the run's own view of the same sandbox, for the records a tool keeps
+    for the run (saved outputs, test reports, the baseline of the workspace diff): the
+    model's path rules do not apply to it, the sandbox still confines it to the workspace.
+    None: ``sandbox`` serves both.
+    """
 
     sandbox: Sandbox
     run_id: str = "adhoc"
     step: int = 0
     call_id: str = "call"
     max_observation_chars: int = 12_000
+    bookkeeping: Sandbox | None = None
+
+    @property
+    def records(self) -> Sandbox:
+        """The sandbox for the run's own records (see ``bookkeeping``)."""
+        return self.bookkeeping if self.bookkeeping is not None else self.sandbox
 
 
 @runtime_checkable

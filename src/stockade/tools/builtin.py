@@ -114,8 +114,9 @@ def run_tests(ctx: ToolContext, command: str, timeout_s: float | None = None) ->
     parsed = None
     if runner == "pytest":
         try:
-            parsed = parse_junit_xml(ctx.sandbox.files.read(report_path, format="bytes"))
-            ctx.sandbox.files.remove(report_path)
+            # the report is the tool's own record: read it whatever the model may read
+            parsed = parse_junit_xml(ctx.records.files.read(report_path, format="bytes"))
+            ctx.records.files.remove(report_path)
         except (SandboxFileNotFound, SyntaxError):
             parsed = None  # collection crashed before pytest wrote a report: show the output
     elif runner == "unittest":
@@ -227,7 +228,7 @@ def list_files(ctx: ToolContext, path: str = "", depth: int = 2) -> str:
 @tool(idempotent=True, risk=Risk.LOW)
 def git_diff(ctx: ToolContext) -> str:
     """Show every change made to the workspace since the run began, as a unified diff."""
-    return workspace_diff(ctx.sandbox) or "(no changes)"
+    return workspace_diff(ctx.records) or "(no changes)"
 
 
 @tool(risk=Risk.HIGH)

@@ -34,7 +34,7 @@ def bound(ctx: ToolContext, text: str) -> Bounded:
         return Bounded(text=text)
     path = f"{OUTPUT_DIR}/{ctx.step}-{_UNSAFE.sub('_', ctx.call_id)}.txt"
     try:
-        ctx.sandbox.files.write(path, text)
+        ctx.records.files.write(path, text)  # the run's record, not the model's write
         lines = text.count("\n") + 1
         where = f"the full output ({lines} lines) is saved at {path}: page through it with read_file"
         saved: str | None = path

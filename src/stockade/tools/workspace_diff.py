@@ -5,6 +5,12 @@ At the start of a run the agent records a baseline of the workspace's text files
 process (with the workspace carried along) still diffs against its true beginning. The
 diff is computed by our own code from ``sandbox.files``: no git needed in the image, and
 it works on every tier and on the fake backend. Its output is a patch ``apply_patch`` takes.
+
+The baseline and the diff are the run's own bookkeeping: the loop computes them through its
+bookkeeping sandbox, which the model's path rules do not restrict (a policy that lets the
+model read only ``src/**`` must not break the run's diff). They still never leave the
+workspace: the sandbox confines every path, and paths that do not name a file inside the
+workspace (symlinks, anything absolute or with ``..``) are skipped here.
 """
 
 from __future__ import annotations
@@ -51,6 +57,11 @@ def is_ignored(path: str) -> bool:
     return any(part in IGNORED_DIRS or part.endswith(".egg-info") for part in path.split("/"))
 
 
+def _inside(path: str) -> bool:
+    """A plain workspace-relative path (what a listing of the workspace should only hold)."""
+    return not path.startswith("/") and ".." not in path.split("/")
+
+
 def _digest(data: bytes) -> str:
     """Binary or large files are compared by hash, never shown."""
     return f"\x00sha256:{hashlib.sha256(data).hexdigest()}:{len(data)}"
@@ -60,7 +71,7 @@ def snapshot(sandbox: Sandbox) -> dict[str, str]:
     """path -> text (or a hash marker for binary and large files), ignored folders left out."""
     files: dict[str, str] = {}
     for entry in sandbox.files.list("", depth=MAX_DEPTH):
-        if entry.type != EntryType.FILE or is_ignored(entry.path):
+        if entry.type != EntryType.FILE or is_ignored(entry.path) or not _inside(entry.path):
             continue
         if len(files) >= MAX_FILES:
             break

@@ -19,7 +19,7 @@ from stockade.policy.schema import CommandRules, ModelRegistry, PathRules, Trust
 from stockade.runtime.clock import ManualClock
 from stockade.sandbox.ops import RunCommand, WriteFile
 from stockade.testing import FakeBackend, MemoryWorkspace
-from stockade.tools import Toolset, apply_patch, shell, write_file
+from stockade.tools import Toolset, apply_patch, read_file, shell, write_file
 from stockade.types import Trust
 
 TRUSTED = TrustRules(level=Trust.TRUSTED)
@@ -114,3 +114,28 @@ def test_runtime_refusals_and_budgets_are_audited_under_the_run(tmp_path: Path) 
     limited = [e for e in events if e.kind.value == "rate_limited"]
     assert len(limited) == 1 and limited[0].attributes["limit"] == "rate"
     assert {"sandbox_start", "sandbox_stop", "run_start", "run_end"} <= {e.kind.value for e in events}
+
+
+def test_a_policy_that_restricts_reads_does_not_break_the_runs_own_diff(tmp_path: Path) -> None:
+    # The model may only touch src/; the run's baseline and diff are its own bookkeeping.
+    policy = Policy(trust=TRUSTED, paths=PathRules(read=("src/**",), write=("src/**",), deny=("secrets/**",)))
+    workspace = MemoryWorkspace(files={"src/app.py": b"x = 1\n", "secrets/key": b"hunter2\n"})
+    model = ScriptedModel(
+        [
+            tool_call("write_file", {"path": "src/app.py", "content": "x = 2\n"}),
+            tool_call("read_file", {"path": "secrets/key"}),
+            "done",
+        ]
+    )
+    cfg = config(
+        tmp_path, model, policy, backend=FakeBackend(workspace, tier="process"),
+        tools=Toolset([write_file, read_file]),
+    )  # fmt: skip
+    with build_agent(cfg) as agent:
+        result = agent.run_sync("edit", run_id="r4")
+        events = list(agent.audit_log.store.events(run_id="r4"))
+    assert result.status == RunStatus.SUCCESS, result.error
+    assert "-x = 1\n+x = 2\n" in result.diff and "secrets" not in result.diff
+    assert result.steps[1].tool_calls[0].denied  # the model's own reads are still ruled
+    denials = [e.attributes for e in events if e.kind.value == "policy_decision"]
+    assert [d["tool"] for d in denials] == ["read_file"]  # the bookkeeping was never denied

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from stockade import Sandbox
-from stockade.sandbox.ops import RunCommand
+from stockade.sandbox.base import OpResult
+from stockade.sandbox.ops import ListDir, Op, ReadFile, RunCommand
 from stockade.testing import FakeBackend, MemoryWorkspace
 from stockade.tools import (
     Tool,
@@ -19,7 +22,7 @@ from stockade.tools import (
     run_tests,
     write_file,
 )
-from stockade.tools.workspace_diff import record_baseline
+from stockade.tools.workspace_diff import record_baseline, snapshot
 from stockade.types import CommandResult, Execution, Logs
 
 
@@ -171,3 +174,21 @@ async def test_read_file_refuses_nonsense_paging(args: dict[str, object]) -> Non
     sbx.files.write("a.py", "x\n")
     with pytest.raises(ToolError):
         await call(read_file, sbx, args)
+
+
+def test_the_snapshot_reads_only_plain_workspace_paths() -> None:
+    # a listing that (wrongly) names paths outside the workspace never makes the snapshot read them
+    inner = MemoryWorkspace(files={"a.txt": b"a\n"})
+    read: list[str] = []
+
+    def handler(op: Op) -> OpResult:
+        if isinstance(op, ListDir):
+            entries = inner(op)
+            assert isinstance(entries, tuple)
+            return (*entries, *(replace(entries[0], path=p) for p in ("../up", "/etc/passwd", "x/../../y")))
+        if isinstance(op, ReadFile):
+            read.append(op.path)
+        return inner(op)
+
+    assert snapshot(Sandbox.create(backend=FakeBackend(handler))) == {"a.txt": "a\n"}
+    assert read == ["a.txt"]
