@@ -172,6 +172,7 @@ def tail(
         for event in last:
             print(_line(event))
             seen = event.seq
+        sys.stdout.flush()  # a pipe (tail -f | grep) must see these before the first new event
         while follow:
             time.sleep(interval)
             for event in store.events(run_id=run, after_seq=seen):

@@ -72,3 +72,21 @@ def test_a_missing_store_is_an_error_not_a_new_file(tmp_path: Path) -> None:
     result = runner.invoke(app, ["audit", "verify", "--db", str(tmp_path / "none.db")])
     assert result.exit_code == 2
     assert not (tmp_path / "none.db").exists()
+
+
+def test_verify_reports_a_body_that_is_not_an_event_and_goes_on(tmp_path: Path) -> None:
+    db = make_store(tmp_path / "a.db")
+    with sqlite3.connect(tmp_path / "a.db") as conn:
+        conn.execute("DROP TRIGGER audit_events_no_update")
+        conn.execute("UPDATE audit_events SET body = 'not json at all' WHERE seq = 2")
+        conn.execute("UPDATE audit_events SET body = '[2, 3]' WHERE seq = 4")  # JSON, not an event
+
+    result = runner.invoke(app, ["audit", "verify", "--db", db, "--json"])
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.output)
+    # each unreadable event is one finding; the events after it still verify against its hash
+    assert report["problems"] == [
+        {"seq": 2, "kind": "unreadable", "detail": "the body is not an audit event"},
+        {"seq": 4, "kind": "unreadable", "detail": "the body is not an audit event"},
+    ]
+    assert report["checked"] == 5
