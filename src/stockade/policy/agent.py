@@ -7,19 +7,21 @@
     sbx = guarded_sandbox(engine, sbx, run_id=..., approvals=approvals)   # enforcement at the sandbox
 
 ``policy_guard`` decides on the tool call (role, decision boundaries, the command a shell or
-test tool would run, the paths a file tool would touch) so the model hears a clear denial;
+test tool would run, the paths a file tool or a patch would touch) so the model hears a clear
+denial before anything happens;
 ``guarded_sandbox`` decides again on every sandbox op, whatever tool issued it.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 from pydantic import BaseModel
 
 from stockade.agent.events import AgentEvent, RunStarted
 from stockade.agent.loop import Guard, GuardContext
-from stockade.exceptions import PolicyDenied
+from stockade.exceptions import PatchRejected, PolicyDenied
 from stockade.models.base import Model, WrapperModel
 from stockade.models.messages import ModelRequest, ModelResponse, ToolCall
 from stockade.policy.approval import Approvals
@@ -30,6 +32,7 @@ from stockade.runtime.anomaly import AnomalyMonitor
 from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import ReadFile, RunCommand, WriteFile
 from stockade.tools.base import CallNext, Tool, ToolContext, Toolset, render
+from stockade.tools.patch import patch_ops
 
 __all__ = ["ApprovedModel", "filter_outputs", "guarded_sandbox", "policy_guard", "prompt_filter"]
 
@@ -47,6 +50,12 @@ def _call_decision(engine: PolicyEngine, call: ToolCall) -> Decision:
             decisions.append(engine.op(WriteFile(path=path, data=b""), tool=call.name))
         elif call.name in ("read_file",):
             decisions.append(engine.op(ReadFile(path=path), tool=call.name))
+    diff = call.args.get("diff")
+    if call.name == "apply_patch" and isinstance(diff, str):
+        # every path the diff touches: old and new names, renames, deletions; a text that is not
+        # a diff is the tool's to explain (it writes nothing)
+        with contextlib.suppress(PatchRejected):
+            decisions += [engine.op(op, tool=call.name) for op in patch_ops(diff)]
     return strictest(decisions)
 
 

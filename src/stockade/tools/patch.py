@@ -17,8 +17,16 @@ from dataclasses import dataclass
 
 from stockade.exceptions import PatchRejected, SandboxFileNotFound, StockadeError
 from stockade.sandbox.facade import Sandbox
+from stockade.sandbox.ops import Op, ReadFile, Remove, Stat, WriteFile
 
-__all__ = ["FilePatch", "Hunk", "apply_patch_to_sandbox", "apply_to_text", "parse_unified_diff"]
+__all__ = [
+    "FilePatch",
+    "Hunk",
+    "apply_patch_to_sandbox",
+    "apply_to_text",
+    "parse_unified_diff",
+    "patch_ops",
+]
 
 _HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 _NO_NEWLINE = "\\ No newline at end of file"
@@ -182,6 +190,23 @@ def _explain(path: str, number: int, total: int, hunk: Hunk, lines: list[str], e
         f"{where} does not apply: its context and removed lines were not found in the file.{mismatch}"
         " Nothing was changed. Read the current text with read_file and send a corrected diff."
     )
+
+
+def patch_ops(diff: str) -> list[Op]:
+    """The sandbox ops applying ``diff`` would issue (without their data), for a policy to judge
+    every path it touches before anything happens: old and new names, renames, deletions.
+    ``PatchRejected`` if it is not a diff."""
+    ops: list[Op] = []
+    for patch in parse_unified_diff(diff):
+        if patch.old_path is None:
+            ops.append(Stat(path=patch.path))  # a created file must not exist yet
+        else:
+            ops.append(ReadFile(path=patch.old_path))
+            if patch.new_path != patch.old_path:  # deleted, or renamed away
+                ops.append(Remove(path=patch.old_path))
+        if patch.new_path is not None:
+            ops.append(WriteFile(path=patch.new_path, data=b""))
+    return ops
 
 
 def apply_patch_to_sandbox(sandbox: Sandbox, diff: str) -> list[tuple[str, int, int]]:

@@ -19,7 +19,7 @@ from stockade.policy.schema import CommandRules, ModelRegistry, PathRules, Trust
 from stockade.runtime.clock import ManualClock
 from stockade.sandbox.ops import RunCommand, WriteFile
 from stockade.testing import FakeBackend, MemoryWorkspace
-from stockade.tools import Toolset, apply_patch, read_file, shell, write_file
+from stockade.tools import Toolset, apply_patch, read_file, run_code, shell, write_file
 from stockade.types import Trust
 
 TRUSTED = TrustRules(level=Trust.TRUSTED)
@@ -64,11 +64,14 @@ def test_a_model_outside_the_registry_is_refused_before_any_run(tmp_path: Path) 
 
 def test_an_op_the_call_level_cannot_see_is_denied_at_the_sandbox_and_audited(tmp_path: Path) -> None:
     policy = Policy(trust=TRUSTED, paths=PathRules(deny=("secrets/**",)))
-    patch = "--- /dev/null\n+++ b/secrets/key\n@@ -0,0 +1 @@\n+stolen\n"  # the path is inside the diff
-    model = ScriptedModel([tool_call("apply_patch", {"diff": patch}), "done"])
-    cfg = config(tmp_path, model, policy, tools=Toolset([apply_patch, write_file]))
+    # the call-level guard does not look inside run_code's `files`: the sandbox guard does
+    files = {"secrets/key": "stolen"}
+    model = ScriptedModel(
+        [tool_call("run_code", {"language": "python", "code": "1", "files": files}), "done"]
+    )
+    cfg = config(tmp_path, model, policy, tools=Toolset([run_code, write_file]))
     with build_agent(cfg) as agent:
-        result = agent.run_sync("patch", run_id="r1")
+        result = agent.run_sync("write", run_id="r1")
         backend = cfg.backend
         assert isinstance(backend, FakeBackend)
         writes = [op for op in backend.instances[0].ops if isinstance(op, WriteFile)]
@@ -139,3 +142,33 @@ def test_a_policy_that_restricts_reads_does_not_break_the_runs_own_diff(tmp_path
     assert result.steps[1].tool_calls[0].denied  # the model's own reads are still ruled
     denials = [e.attributes for e in events if e.kind.value == "policy_decision"]
     assert [d["tool"] for d in denials] == ["read_file"]  # the bookkeeping was never denied
+
+
+@pytest.mark.parametrize(
+    ("diff", "path"),
+    [
+        ("--- /dev/null\n+++ b/secrets/key\n@@ -0,0 +1 @@\n+stolen\n", "secrets/key"),  # created
+        ("--- a/secrets/key\n+++ /dev/null\n@@ -1 +0,0 @@\n-hunter2\n", "secrets/key"),  # deleted
+        ("--- a/secrets/key\n+++ b/src/key\n@@ -1 +1 @@\n-hunter2\n+hunter2\n", "secrets/key"),  # moved
+        ("--- a/src/app.py\n+++ b/secrets/app.py\n@@ -1 +1 @@\n-x = 1\n+x = 1\n", "secrets/app.py"),  # into
+        ("--- a/src/app.py\n+++ b/src/app.py\n@@ -1 +1 @@\n-x = 1\n+x = 2\n"
+         "--- a/../up.py\n+++ b/../up.py\n@@ -1 +1 @@\n-a\n+b\n", "../up.py"),  # second file escapes
+    ],
+)  # fmt: skip
+def test_every_path_a_patch_touches_is_judged_before_anything_happens(
+    tmp_path: Path, diff: str, path: str
+) -> None:
+    policy = Policy(trust=TRUSTED, paths=PathRules(deny=("secrets/**",)))
+    workspace = MemoryWorkspace(files={"src/app.py": b"x = 1\n", "secrets/key": b"hunter2\n"})
+    model = ScriptedModel([tool_call("apply_patch", {"diff": diff}), "done"])
+    backend = FakeBackend(workspace, tier="process")
+    cfg = config(tmp_path, model, policy, backend=backend, tools=Toolset([apply_patch]))
+    with build_agent(cfg) as agent:
+        result = agent.run_sync("patch", run_id="r5")
+        events = list(agent.audit_log.store.events(run_id="r5"))
+    record = result.steps[0].tool_calls[0]
+    assert record.denied and path in record.observation
+    project = {k: v for k, v in workspace.files.items() if not k.startswith(".stockade/")}
+    assert project == {"src/app.py": b"x = 1\n", "secrets/key": b"hunter2\n"}
+    denials = [e.attributes for e in events if e.kind.value == "policy_decision"]
+    assert [d.get("level", "call") for d in denials] == ["call"]  # the model heard it from the guard
