@@ -31,7 +31,27 @@ TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs millis
 if TYPE_CHECKING:
     from typing import Any, Callable, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+def _trusted_path(entries: "list[str]", here: str) -> "list[str]":
+    """Where the supervisor may import from: its own folder and read-only system folders.
+
+    Never the current directory (``-c`` puts '' first, and we start in the workspace) nor
+    anything the sandbox can write: a module planted there would run inside the supervisor,
+    which outlives every command and a pool's reset.
+    """
+    out = [here]
+    for entry in entries:
+        if not entry.startswith("/") or entry == here:
+            continue
+        probe = entry
+        while not os.path.exists(probe) and probe != "/":
+            probe = os.path.dirname(probe)
+        if not os.access(probe, os.W_OK):
+            out.append(entry)
+    return out
+
+
+sys.path[:] = _trusted_path(sys.path, os.path.dirname(os.path.abspath(__file__)))
 
 from protocol import FrameError, FrameReader, encode  # noqa: E402 - after the path fix above
 
@@ -400,6 +420,7 @@ class Kernel:
             os.chdir(sup.workspace.root)
             os.environ.clear()
             os.environ.update(sup.env)
+            sys.path.insert(1, sup.workspace.root)  # user code imports its own modules, as in a notebook
             interpreter.main(3, 4)
             os._exit(0)
 

@@ -1,0 +1,60 @@
+"""Attacks on the sandbox machinery itself: the supervisor, the protocol, reset, the files API.
+
+The containment suite checks that hostile code stays in; these check that it cannot take
+over the parts of stockade that live beside it (the supervisor outlives every command and a
+pool's reset), cannot crash the host's side of the channel with legitimate-looking output,
+and cannot leave anything behind for the next user of a pooled sandbox.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stockade import Limits, Sandbox, StockadeError
+
+# A module planted in the workspace: if the supervisor ever imports it, every later
+# files.read (the next pool user's included) answers with the attacker's bytes.
+PLANTED_MODULE = """
+import sys
+for name in ("supervisor", "__main__"):
+    module = sys.modules.get(name)
+    if module is not None and hasattr(module, "Supervisor"):
+        def op_read(self, rid, h, body):
+            self.send({"id": rid, "ev": "done", "size": 7}, b"PLANTED")
+        module.Supervisor.op_read = op_read
+raise ImportError("planted")
+"""
+
+
+@pytest.fixture
+def process_sbx() -> Iterator[Sandbox]:
+    from tests.conftest import require_tier
+
+    require_tier("process")
+    with Sandbox.create("process", limits=Limits(memory_mb=256, timeout_s=20, pids=64)) as sandbox:
+        yield sandbox
+
+
+def test_modules_planted_in_the_workspace_never_run_in_the_supervisor(sbx: Sandbox, tmp_path: Path) -> None:
+    for name in ("sitecustomize", "usercustomize", "tarfile", "shutil", "json", "ctypes"):
+        sbx.files.write(f"{name}.py", PLANTED_MODULE)
+    triggers = (
+        lambda: sbx.run_code("1"),  # the first run_code loads site in the supervisor
+        lambda: sbx.files.download_dir(tmp_path / "out"),  # tarfile, lazily
+        lambda: sbx.files.remove("nothing-here"),
+        sbx.reset,
+    )
+    for trigger in triggers:
+        with contextlib.suppress(StockadeError):
+            trigger()
+    sbx.files.write("secret.txt", "mine")
+    assert sbx.files.read("secret.txt") == "mine"
+
+
+def test_user_code_still_imports_its_own_modules(sbx: Sandbox) -> None:
+    sbx.files.write("helper.py", "ANSWER = 42\n")
+    assert sbx.run_code("import helper\nhelper.ANSWER").text == "42"
