@@ -58,3 +58,12 @@ def test_modules_planted_in_the_workspace_never_run_in_the_supervisor(sbx: Sandb
 def test_user_code_still_imports_its_own_modules(sbx: Sandbox) -> None:
     sbx.files.write("helper.py", "ANSWER = 42\n")
     assert sbx.run_code("import helper\nhelper.ANSWER").text == "42"
+
+
+def test_vsock_does_not_reach_the_hypervisor(sbx: Sandbox) -> None:
+    # Network namespaces do not cover vsock: on a VM it reaches the host (CID 2).
+    r = sbx.run_code(
+        "import socket\ntry:\n    socket.socket(40, socket.SOCK_STREAM)\n    outcome = 'CREATED'\n"
+        "except OSError as e:\n    outcome = type(e).__name__\noutcome"
+    )
+    assert r.text is not None and "CREATED" not in r.text

@@ -3,7 +3,7 @@
 Built with libseccomp (through ``pyseccomp``), exported as classic BPF and handed to
 bubblewrap. The list follows Docker's default profile and Flatpak's: mount and namespace
 syscalls, tracing, kernel modules and kexec, BPF, keyrings, raw and packet sockets,
-io_uring, perf, userfaultfd. ``clone3`` answers ENOSYS so that libc falls back to ``clone``,
+io_uring, perf, userfaultfd, vsock. ``clone3`` answers ENOSYS so that libc falls back to ``clone``,
 whose flags can be inspected (the arguments of ``clone3`` live in memory BPF cannot read).
 """
 
@@ -101,7 +101,9 @@ def filter_bpf() -> bytes:
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
     for flag in _bits(NAMESPACE_FLAGS):
         f.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
-    for family in (socket.AF_PACKET, 15):  # 15: AF_KEY (IPsec key management)
+    # 15: AF_KEY (IPsec key management); 40: AF_VSOCK, which no network namespace covers:
+    # on a VM host it reaches the hypervisor (CID 2) from a sandbox without network.
+    for family in (socket.AF_PACKET, 15, 40):
         f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.EQ, family))
     f.add_rule(eperm, "socket", sc.Arg(1, sc.MASKED_EQ, 0xF, socket.SOCK_RAW))
     f.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, TIOCSTI))
