@@ -8,7 +8,8 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     ├── ConfigurationError            you called it wrong, or the policy file is wrong
     │   ├── LimitNotEnforceable       this host cannot enforce a limit you asked for
     │   ├── PolicyFileError           the policy file is invalid; ``problems`` lists each, with its line
-    │   └── ImageNotFound             the sandbox image is not on this host (build it)
+    │   ├── ImageNotFound             the sandbox image is not on this host (build it)
+    │   └── SeedTooLarge              the workspace is bigger than the run store keeps as a run's seed
     ├── TierUnavailable               no tier on this host satisfies the request (fails closed)
     ├── SandboxError                  something about one sandbox
     │   ├── SandboxStartError         [retryable] the sandbox did not come up
@@ -86,6 +87,7 @@ __all__ = [
     "SandboxError",
     "SandboxFileNotFound",
     "SandboxStartError",
+    "SeedTooLarge",
     "StockadeError",
     "TierUnavailable",
     "ToolError",
@@ -141,6 +143,10 @@ class PolicyFileError(ConfigurationError):
     def __init__(self, message: str, *, problems: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.problems = problems
+
+
+class SeedTooLarge(ConfigurationError):
+    """The starting workspace is over the run store's seed cap; raise the cap or shrink it."""
 
 
 class TierUnavailable(StockadeError):

@@ -30,7 +30,7 @@ def record(db: Path, command: str, workspace: Path) -> str:
             ScriptedModel(turns),
             tools=default_toolset().including(shell),
             checkpointer=store,
-            observers=[RunRecorder(store)],
+            observers=[RunRecorder(store, seed=workspace)],
         )
         with Sandbox.create("process", workspace=workspace) as sbx:
             assert agent.run_sync("look around", sandbox=sbx, run_id="run-1").ok
@@ -63,3 +63,14 @@ def test_a_run_whose_output_changes_is_reported_and_exits_one(tmp_path: Path) ->
     (difference,) = report["differences"]
     assert (difference["step"], difference["tool"], difference["what"]) == (2, "shell", "observation")
     assert report["compared"] == 2 and report["replayed_status"] == "success"
+
+
+def test_replay_starts_from_the_workspace_the_run_store_kept(tmp_path: Path) -> None:
+    require_tier("process")
+    workspace = project(tmp_path)
+    db = record(tmp_path / "audit.db", "python3 app.py", workspace)
+    (workspace / "app.py").write_text("print('changed since')\n")  # the folder moved on
+
+    result = runner.invoke(app, ["replay", "run-1", "--db", db])  # no --workspace
+    assert result.exit_code == 0, result.output
+    assert "every observation matches" in result.output

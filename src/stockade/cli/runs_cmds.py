@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
@@ -272,7 +273,10 @@ def replay(
     run_id: Annotated[str, typer.Argument(help="a run id, or a unique prefix of one")],
     *,
     workspace: Annotated[
-        Path | None, typer.Option("--workspace", "-w", help="the folder the run started from")
+        Path | None,
+        typer.Option(
+            "--workspace", "-w", help="the folder to start from (default: the one the run store kept)"
+        ),
     ] = None,
     tier: Annotated[str, typer.Option("--tier", "-t", help="process, docker, gvisor or microvm")] = "process",
     db: DbOpt = DEFAULT_DB,
@@ -284,17 +288,25 @@ def replay(
     from stockade.audit.replay import replay as replay_run
     from stockade.sandbox.facade import Sandbox
 
-    with _store(db, namespace) as store:
-        state = store.load(_resolve(store, run_id))
-    if state is None:
-        err.print(f"[red]run {escape(run_id)} has no checkpoint[/]")
-        raise typer.Exit(2)
-    try:
-        with Sandbox.create(tier, workspace=workspace) as sandbox:
-            report = asyncio.run(replay_run(state, sandbox=sandbox))
-    except exc.StockadeError as error:
-        err.print(f"[red]error:[/] {escape(str(error))}")
-        raise typer.Exit(2) from None
+    with tempfile.TemporaryDirectory(prefix="stockade-seed-") as seed, _store(db, namespace) as store:
+        try:
+            state = store.load(_resolve(store, run_id))
+            if state is None:
+                err.print(f"[red]run {escape(run_id)} has no checkpoint[/]")
+                raise typer.Exit(2)
+            if workspace is None:
+                if store.restore_seed(state.run_id, seed):
+                    workspace = Path(seed)
+                else:
+                    err.print(
+                        "[yellow]the run store kept no starting workspace for this run: replaying in an "
+                        "empty one (give the folder with --workspace)[/]"
+                    )
+            with Sandbox.create(tier, workspace=workspace) as sandbox:
+                report = asyncio.run(replay_run(state, sandbox=sandbox))
+        except exc.StockadeError as error:
+            err.print(f"[red]error:[/] {escape(str(error))}")
+            raise typer.Exit(2) from None
     if as_json:
         print(
             json.dumps(

@@ -1,12 +1,12 @@
 """``RunRecorder``: what a checkpoint does not hold, written to the run store as it happens.
 
-    recorder = RunRecorder(store)
+    recorder = RunRecorder(store, seed="project/")   # seed: the folder the run starts from
     agent = Agent(model, checkpointer=store, observers=[recorder],
                   guards=[policy_guard(engine, recorder.approvals(approvals))])
     backend = RetryingBackend(backend, Retrier(observer=recorder.runtime))
 
-- as an agent observer: each tool call enters the ledger the moment it returns, and the
-  final diff is kept when the run ends;
+- as an agent observer: the starting workspace (``seed``) is kept when the run starts,
+  each tool call enters the ledger the moment it returns, and the final diff when it ends;
 - ``runtime``, a runtime observer: retries, attached to the step and tool call in progress
   (a retry before the run starts, e.g. of the sandbox start, is kept until the run id is known);
 - ``approvals``: wraps an ``Approvals`` so that each decision, or a pause for one, is recorded.
@@ -18,6 +18,7 @@ which ends the run (an unrecorded run must not go on as if it were recorded).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from stockade import exceptions as exc
 from stockade.agent.events import (
@@ -38,8 +39,9 @@ __all__ = ["RecordedApprovals", "RunRecorder"]
 class RunRecorder:
     """Follows one run at a time (the one whose events it receives)."""
 
-    def __init__(self, store: RunStore, *, run_id: str | None = None) -> None:
+    def __init__(self, store: RunStore, *, run_id: str | None = None, seed: str | Path | None = None) -> None:
         self.store = store
+        self.seed = seed  # the folder the run starts from, kept for ``stockade replay``
         self.run_id = run_id
         self.step = 0
         self.call_id: str | None = None
@@ -53,6 +55,8 @@ class RunRecorder:
         match event:
             case RunStarted():
                 self.run_id = event.run_id
+                if self.seed is not None and not event.resumed:
+                    self.store.save_seed(event.run_id, self.seed)
                 early, self._early = self._early, []
                 for entry in early:
                     self.store.record_retry(event.run_id, entry)

@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pydantic import BaseModel
 
@@ -36,6 +37,7 @@ from stockade.audit.redact import Redactor
 from stockade.audit.stores import check_namespace
 from stockade.models.messages import Message, ToolResultMessage, Usage
 from stockade.runs._db import Database, PostgresDatabase, SQLiteDatabase, Statement
+from stockade.runs.seeds import MAX_SEED_BYTES, pack_workspace, unpack_seed
 
 __all__ = ["ApprovalEntry", "RetryEntry", "RunStore", "RunSummary", "RunTrace", "open_run_store"]
 
@@ -105,7 +107,7 @@ class _Saved:
     ledger: set[str] = field(default_factory=set)
 
 
-def _schema(ns: str, serial: str) -> list[str]:
+def _schema(ns: str, serial: str, blob: str) -> list[str]:
     return [
         f"""CREATE TABLE IF NOT EXISTS {ns}_runs (
             run_id TEXT PRIMARY KEY, task TEXT NOT NULL, model_name TEXT NOT NULL,
@@ -135,6 +137,11 @@ def _schema(ns: str, serial: str) -> list[str]:
             action TEXT NOT NULL, rule TEXT NOT NULL, reason TEXT NOT NULL, decision TEXT NOT NULL,
             recorded_ns BIGINT NOT NULL)""",
         f"CREATE INDEX IF NOT EXISTS {ns}_approvals_run ON {ns}_approvals (run_id)",
+        # starting workspaces, content-addressed: identical seeds are stored once
+        f"""CREATE TABLE IF NOT EXISTS {ns}_seeds (
+            digest TEXT PRIMARY KEY, bytes BIGINT NOT NULL, data {blob} NOT NULL)""",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_run_seeds (
+            run_id TEXT PRIMARY KEY, digest TEXT NOT NULL, recorded_ns BIGINT NOT NULL)""",
     ]
 
 
@@ -156,8 +163,16 @@ def _first_change(saved: Sequence[object], now: Sequence[object]) -> int:
 class RunStore:
     """Runs in a SQL database (tables ``<namespace>_*``); implements ``Checkpointer``."""
 
-    def __init__(self, db: Database, *, namespace: str = "runs", redactor: Redactor | None = None) -> None:
+    def __init__(
+        self,
+        db: Database,
+        *,
+        namespace: str = "runs",
+        redactor: Redactor | None = None,
+        max_seed_bytes: int = MAX_SEED_BYTES,
+    ) -> None:
         self.db = db
+        self.max_seed_bytes = max_seed_bytes
         # Remembering: an observation is written in a message, a step and the ledger, and an
         # agent reads the same files again and again; each long text is redacted once.
         self.redactor = (redactor if redactor is not None else Redactor()).remembering()
@@ -165,7 +180,7 @@ class RunStore:
         self.url = db.url
         self._lock = threading.Lock()
         self._saved: dict[str, _Saved] = {}
-        self.db.write([(sql, [()]) for sql in _schema(self.ns, db.serial)])
+        self.db.write([(sql, [()]) for sql in _schema(self.ns, db.serial, db.blob)])
 
     # -- Checkpointer ---------------------------------------------------------------------
 
@@ -376,6 +391,39 @@ class RunStore:
         self.db.write(
             [(f"UPDATE {self.ns}_runs SET diff = ? WHERE run_id = ?", [(self.redactor.text(diff), run_id)])]
         )
+
+    def save_seed(self, run_id: str, workspace: str | Path) -> str:
+        """Keep the folder ``workspace`` as the run's starting workspace; returns its digest.
+
+        ``SeedTooLarge`` past ``max_seed_bytes``. A run keeps its first seed (a resumed run
+        does not replace where it started)."""
+        seed = pack_workspace(workspace, max_bytes=self.max_seed_bytes)
+        self.db.write(
+            [
+                (
+                    f"INSERT INTO {self.ns}_seeds VALUES (?, ?, ?) ON CONFLICT (digest) DO NOTHING",
+                    [(seed.digest, len(seed.data), seed.data)],
+                ),
+                (
+                    f"INSERT INTO {self.ns}_run_seeds VALUES (?, ?, ?) ON CONFLICT (run_id) DO NOTHING",
+                    [(run_id, seed.digest, time.time_ns())],
+                ),
+            ]
+        )
+        return seed.digest
+
+    def restore_seed(self, run_id: str, dest: str | Path) -> bool:
+        """Unpack the run's starting workspace into ``dest``; ``False`` when none was kept."""
+        rows = self.db.query(
+            f"SELECT s.data FROM {self.ns}_run_seeds r JOIN {self.ns}_seeds s ON s.digest = r.digest "
+            "WHERE r.run_id = ?",
+            (run_id,),
+        )
+        if not rows:
+            return False
+        data = rows[0][0]
+        unpack_seed(bytes(data) if isinstance(data, bytes | bytearray | memoryview) else b"", dest)
+        return True
 
     # -- reading ------------------------------------------------------------------------------
 

@@ -1,0 +1,68 @@
+"""A run's starting workspace is kept in the run store: packed identically for identical
+folders (stored once), capped with a clear error, and unpacked to the same files."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from stockade import Sandbox
+from stockade.agent import Agent
+from stockade.exceptions import SeedTooLarge
+from stockade.runs import RunRecorder, RunStore, open_run_store
+from stockade.runs.seeds import pack_workspace
+from stockade.testing import FakeBackend, ScriptedModel
+
+
+def project(root: Path) -> Path:
+    (root / "src").mkdir(parents=True)
+    (root / "src" / "app.py").write_text("print('hello')\n")
+    (root / "run.sh").write_text("#!/bin/sh\necho hi\n")
+    (root / "run.sh").chmod(0o755)
+    return root
+
+
+def seeds_stored(store: RunStore) -> int:
+    return int(str(store.db.query(f"SELECT COUNT(*) FROM {store.ns}_seeds")[0][0]))
+
+
+def test_a_recorded_run_keeps_its_starting_workspace(store: RunStore, tmp_path: Path) -> None:
+    workspace = project(tmp_path / "project")
+    agent = Agent(ScriptedModel(["done"]), checkpointer=store, observers=[RunRecorder(store, seed=workspace)])
+    with Sandbox.create(backend=FakeBackend()) as sbx:
+        assert agent.run_sync("look", sandbox=sbx, run_id="r").ok
+
+    restored = tmp_path / "restored"
+    assert store.restore_seed("r", restored)
+    assert (restored / "src" / "app.py").read_text() == "print('hello')\n"
+    assert (restored / "run.sh").stat().st_mode & 0o111  # still executable
+    assert not store.restore_seed("another-run", tmp_path / "nothing")
+
+
+def test_identical_seeds_are_stored_once(store: RunStore, tmp_path: Path) -> None:
+    first = project(tmp_path / "a")
+    second = project(tmp_path / "b")  # same content, other folder, other times
+    assert store.save_seed("r1", first) == store.save_seed("r2", second)
+    assert seeds_stored(store) == 1
+    (second / "src" / "app.py").write_text("print('changed')\n")
+    store.save_seed("r3", second)
+    assert seeds_stored(store) == 2
+
+
+def test_a_workspace_over_the_cap_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    workspace = project(tmp_path / "project")
+    (workspace / "data.bin").write_bytes(b"x" * 2048)
+    with open_run_store("memory:") as store:
+        store.max_seed_bytes = 1024
+        with pytest.raises(SeedTooLarge, match="over the run store's seed cap of 1,024"):
+            store.save_seed("r", workspace)
+        assert seeds_stored(store) == 0
+
+
+def test_packing_does_not_depend_on_times_or_owners(tmp_path: Path) -> None:
+    workspace = project(tmp_path / "project")
+    before = pack_workspace(workspace).digest
+    os.utime(workspace / "src" / "app.py", (1, 1))
+    assert pack_workspace(workspace).digest == before
