@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from stockade.agent.checkpoint import Checkpointer, JsonFileCheckpointer, MemoryCheckpointer
 from stockade.agent.events import (
     AgentEvent,
+    ModelDenied,
     ModelRequested,
     ModelResponded,
     Observer,
@@ -63,6 +64,7 @@ __all__ = [
     "GuardedAgent",
     "JsonFileCheckpointer",
     "MemoryCheckpointer",
+    "ModelDenied",
     "ModelRequestNode",
     "ModelRequested",
     "ModelResponded",

@@ -54,7 +54,14 @@ from pathlib import Path
 from types import TracebackType
 
 from stockade.agent.checkpoint import Checkpointer
-from stockade.agent.events import AgentEvent, ModelRequested, RunStarted, ToolCalled, ToolReturned
+from stockade.agent.events import (
+    AgentEvent,
+    ModelDenied,
+    ModelRequested,
+    RunStarted,
+    ToolCalled,
+    ToolReturned,
+)
 from stockade.agent.events import Observer as AgentObserver
 from stockade.agent.loop import DEFAULT_SYSTEM_PROMPT, Agent, Guard, GuardContext, RunLimits, RunResult
 from stockade.agent.state import RunState, RunStatus
@@ -206,13 +213,24 @@ class _AuditedApprovals(Approvals):
         _call_approved.set(True)
 
 
-def _record_denial(log: AuditLog, run_id: str, level: str, err: PolicyDenied, tool: str = "") -> None:
-    log.record(
-        EventKind.POLICY_DECISION,
-        run_id=run_id,
-        actor="policy",
-        attributes={"decision": "deny", "level": level, "rule": err.rule, "reason": str(err), "tool": tool},
-    )
+def _record_denial(
+    log: AuditLog, run_id: str, level: str, err: PolicyDenied, tool: str = "", *, step: int = 0
+) -> None:
+    attributes = {"decision": "deny", "level": level, "rule": err.rule, "reason": str(err), "tool": tool}
+    if err.action:
+        attributes["action"] = err.action
+    log.record(EventKind.POLICY_DECISION, run_id=run_id, step=step, actor="policy", attributes=attributes)
+
+
+def _audited_model_refusals(log: AuditLog) -> AgentObserver:
+    """The loop's ``ModelDenied`` as a ``policy_decision`` (level "model"), like the other levels'."""
+
+    def observe(event: AgentEvent) -> None:
+        if isinstance(event, ModelDenied):
+            err = PolicyDenied(event.reason, rule=event.rule, action=f"model {event.model_name}")
+            _record_denial(log, event.run_id, "model", err, step=event.step)
+
+    return observe
 
 
 def _call_guard(inner: Guard) -> Guard:
@@ -301,7 +319,12 @@ class GuardedAgent:
         limited = LimitedModel(
             BreakerModel(RetryingModel(base, self.retrier), self.breakers), spend=spend, prices=self.prices
         )
-        self.model: Model = ApprovedModel(limited, self.engine)  # refuses an unapproved model now
+        try:
+            self.model: Model = ApprovedModel(limited, self.engine)  # refuses an unapproved model now
+        except PolicyDenied as err:  # refused before any run: recorded under no run id
+            _record_denial(log, "", "model", err)
+            self.close()
+            raise
         self.tools = config.tools if config.tools is not None else default_toolset()
         self.backend = config.backend or _registry.backend(self.tier)
 
@@ -410,6 +433,7 @@ class AgentSession:
             guards=[_call_guard(policy_guard(owner.engine, self.approvals, monitor))],
             observers=[
                 *observers,
+                _audited_model_refusals(log),
                 _audited_prompt_filter(owner.engine, log),
                 self.controls.observe,
                 self._track_step,

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AgentEvent",
+    "ModelDenied",
     "ModelRequested",
     "ModelResponded",
     "Observer",
@@ -55,6 +56,18 @@ class ModelResponded:
     step: int
     response: ModelResponse
     duration_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelDenied:
+    """The policy refused the model request (e.g. a model outside the registry served it);
+    the run ends as "denied" right after this event."""
+
+    run_id: str
+    step: int
+    model_name: str
+    reason: str
+    rule: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,6 +114,7 @@ AgentEvent = (
     RunStarted
     | ModelRequested
     | ModelResponded
+    | ModelDenied
     | ToolCalled
     | ToolDenied
     | ToolReturned

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from stockade.agent.checkpoint import Checkpointer
 from stockade.agent.events import (
     AgentEvent,
+    ModelDenied,
     ModelRequested,
     ModelResponded,
     Observer,
@@ -369,7 +370,19 @@ class AgentRun:
         request = ModelRequest(system=state.system, messages=tuple(state.messages), tools=agent._definitions)
         self._emit(ModelRequested(run_id=state.run_id, step=step, request=request))
         started = time.perf_counter()
-        response = await agent.model.request(request)
+        try:
+            response = await agent.model.request(request)
+        except PolicyDenied as err:  # a decision like a tool denial: observers (the audit) see it
+            self._emit(
+                ModelDenied(
+                    run_id=state.run_id,
+                    step=step,
+                    model_name=agent.model.name,
+                    reason=str(err),
+                    rule=err.rule,
+                )
+            )
+            raise
         duration = time.perf_counter() - started
         if any(not c.id for c in response.tool_calls):
             response = response.model_copy(

@@ -12,7 +12,7 @@ from stockade.agent import AgentConfig, RunLimits, RunStatus, build_agent
 from stockade.agent.assembly import effective_trust
 from stockade.audit import AuditLog, MemoryStore
 from stockade.exceptions import PolicyDenied, TierUnavailable
-from stockade.models import ScriptedModel, tool_call
+from stockade.models import FunctionModel, ModelRequest, ModelResponse, ScriptedModel, tool_call
 from stockade.policy import Policy
 from stockade.policy.approval import Choice
 from stockade.policy.schema import CommandRules, ModelRegistry, PathRules, TrustRules
@@ -58,8 +58,29 @@ def test_a_backend_of_a_tier_trust_does_not_allow_fails_closed(tmp_path: Path) -
 
 def test_a_model_outside_the_registry_is_refused_before_any_run(tmp_path: Path) -> None:
     policy = Policy(trust=TRUSTED, models=ModelRegistry(approved=("gpt-4.1*",)))
+    log = AuditLog(MemoryStore(), flush_interval_s=None)
     with pytest.raises(PolicyDenied, match="not in the policy's registry"):
-        build_agent(config(tmp_path, ScriptedModel(["hi"], name="unvetted"), policy))
+        build_agent(config(tmp_path, ScriptedModel(["hi"], name="unvetted"), policy, audit=log))
+    refusals = [e.attributes for e in log.store.events() if e.kind.value == "policy_decision"]
+    assert [(r["level"], r["rule"], r["action"]) for r in refusals] == [
+        ("model", "models.approved", "model unvetted")
+    ]
+
+
+def test_a_model_that_serves_an_unapproved_model_is_refused_and_audited(tmp_path: Path) -> None:
+    # the configured name passes the registry; the name the provider actually served does not
+    def served(request: ModelRequest) -> ModelResponse:
+        return ModelResponse(text="hi", model_name="unvetted")
+
+    policy = Policy(trust=TRUSTED, models=ModelRegistry(approved=("gpt-4.1*",)))
+    with build_agent(config(tmp_path, FunctionModel(served, name="gpt-4.1"), policy)) as agent:
+        result = agent.run_sync("hi", run_id="r6")
+        events = list(agent.audit_log.store.events(run_id="r6"))
+    assert result.status == RunStatus.DENIED
+    refusals = [e for e in events if e.kind.value == "policy_decision"]
+    assert len(refusals) == 1 and refusals[0].step == 1
+    assert refusals[0].attributes["level"] == "model" and refusals[0].attributes["rule"] == "models.approved"
+    assert "unvetted" in str(refusals[0].attributes["reason"])
 
 
 def test_an_op_the_call_level_cannot_see_is_denied_at_the_sandbox_and_audited(tmp_path: Path) -> None:

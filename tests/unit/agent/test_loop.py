@@ -11,6 +11,7 @@ from stockade.agent import (
     CallToolsNode,
     End,
     GuardContext,
+    ModelDenied,
     ModelRequestNode,
     ModelResponded,
     RunFinished,
@@ -200,6 +201,25 @@ def test_provider_errors_end_the_run_as_error(sbx: Sandbox) -> None:
 
     result = Agent(FunctionModel(limited)).run_sync("go", sandbox=sbx)
     assert result.status == RunStatus.ERROR and result.error == "ModelRateLimited: slow down"
+
+
+def test_a_model_request_the_policy_refuses_is_an_event_then_ends_the_run_as_denied(sbx: Sandbox) -> None:
+    def refused(request: ModelRequest) -> ModelResponse:
+        raise PolicyDenied("model 'x' is not approved", rule="models.approved", action="model x")
+
+    seen: list[AgentEvent] = []
+    result = Agent(FunctionModel(refused, name="x"), observers=[seen.append]).run_sync("go", sandbox=sbx)
+    assert result.status == RunStatus.DENIED
+    denied = [e for e in seen if isinstance(e, ModelDenied)]
+    assert denied == [
+        ModelDenied(
+            run_id=result.run_id,
+            step=1,
+            model_name="x",
+            reason="model 'x' is not approved",
+            rule="models.approved",
+        )
+    ]
 
 
 def test_a_dead_sandbox_ends_the_run_as_error() -> None:
