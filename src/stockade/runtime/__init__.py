@@ -8,12 +8,22 @@ from stockade.runtime.clock import Clock, ManualClock, SystemClock
 from stockade.runtime.events import AnomalyAction, BreakerState, Observer, RuntimeEvent
 from stockade.runtime.killswitch import FileKillSource, KillSwitch, MemoryKillSource, RedisKillSource
 from stockade.runtime.limits import Budget, BudgetMeter, LocalWindow, RateLimit, RedisWindow, SpendLimit
-from stockade.runtime.retry import Retrier, RetryingBackend, RetryingInstance, RetryPolicy, is_transient
+from stockade.runtime.retry import (
+    AsyncRetryingBackend,
+    AsyncRetryingInstance,
+    Retrier,
+    RetryingBackend,
+    RetryingInstance,
+    RetryPolicy,
+    is_transient,
+)
 
 __all__ = [
     "ActionRecord",
     "AnomalyAction",
     "AnomalyMonitor",
+    "AsyncRetryingBackend",
+    "AsyncRetryingInstance",
     "BreakerConfig",
     "BreakerState",
     "Breakers",

@@ -22,12 +22,22 @@ import stamina
 from stockade.exceptions import StockadeError
 from stockade.runtime.clock import Clock, SystemClock
 from stockade.runtime.events import FlakyRerun, Observer, RetryScheduled, ignore
-from stockade.sandbox.base import Backend, Instance, OpResult, OutputSink, SandboxSpec
+from stockade.sandbox.base import (
+    AsyncBackend,
+    AsyncInstance,
+    Backend,
+    Instance,
+    OpResult,
+    OutputSink,
+    SandboxSpec,
+)
 from stockade.sandbox.ops import GetArchive, ListDir, Op, ReadFile, Stat
 from stockade.types import CommandResult, TierReport
 
 __all__ = [
     "READ_OPS",
+    "AsyncRetryingBackend",
+    "AsyncRetryingInstance",
     "Retrier",
     "RetryPolicy",
     "RetryingBackend",
@@ -158,6 +168,47 @@ class RetryingBackend(Backend):
     def start(self, spec: SandboxSpec) -> RetryingInstance:
         instance = self.retrier.call(f"{self.tier}:start", lambda: self.inner.start(spec))
         return RetryingInstance(instance, self.retrier, idempotent=self.idempotent)
+
+
+class AsyncRetryingInstance(AsyncInstance):
+    """The async twin of ``RetryingInstance``: the same ops are retried, with stamina's async
+    loop (its waits are ``asyncio.sleep``, so the event loop stays free while backing off)."""
+
+    def __init__(
+        self, inner: AsyncInstance, retrier: Retrier, *, idempotent: tuple[type[Op], ...] = ()
+    ) -> None:
+        self.inner = inner
+        self.retrier = retrier
+        self.retried_ops = READ_OPS + idempotent
+        self.id = inner.id
+        self.tier = inner.tier
+        self.enforcement = inner.enforcement
+
+    async def aexecute(self, op: Op, sink: OutputSink | None = None) -> OpResult:
+        if isinstance(op, self.retried_ops):
+            return await self.retrier.acall(
+                f"{self.tier}:{type(op).__name__}", lambda: self.inner.aexecute(op, sink)
+            )
+        return await self.inner.aexecute(op, sink)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class AsyncRetryingBackend(AsyncBackend):
+    """The async twin of ``RetryingBackend``: a start that fails transiently is tried again."""
+
+    def __init__(
+        self, inner: AsyncBackend, retrier: Retrier, *, idempotent: tuple[type[Op], ...] = ()
+    ) -> None:
+        self.inner = inner
+        self.retrier = retrier
+        self.idempotent = idempotent
+        self.tier = inner.tier
+
+    async def astart(self, spec: SandboxSpec) -> AsyncRetryingInstance:
+        instance = await self.retrier.acall(f"{self.tier}:start", lambda: self.inner.astart(spec))
+        return AsyncRetryingInstance(instance, self.retrier, idempotent=self.idempotent)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,6 +8,8 @@ from stockade import exceptions as exc
 from stockade.runtime.clock import ManualClock
 from stockade.runtime.events import FlakyRerun, RetryScheduled, RuntimeEvent
 from stockade.runtime.retry import (
+    AsyncRetryingBackend,
+    AsyncRetryingInstance,
     Retrier,
     RetryingBackend,
     RetryingInstance,
@@ -151,6 +153,72 @@ def test_sandbox_creation_is_retried(events, clock) -> None:
         assert sbx.files.read("a.txt") == "hi"
     assert backend.starts == 2
     assert isinstance(events[0], RetryScheduled) and events[0].subject == "fake:start"
+
+
+async def test_the_async_instance_retries_reads_but_not_commands_or_writes(events, clock) -> None:
+    flaky_reads = FailsThen(exc.ResourceContention("busy"), times=2, value=b"data")
+
+    def handler(op):  # type: ignore[no-untyped-def]
+        if isinstance(op, ReadFile):
+            return flaky_reads()
+        raise exc.ResourceContention("busy")
+
+    inner = FakeInstance(handler, "fake", 1)  # FakeInstance is an AsyncInstance too
+    instance = AsyncRetryingInstance(inner, retrier(events, clock))
+    assert await instance.aexecute(ReadFile(path="a")) == b"data"
+    with pytest.raises(exc.ResourceContention):
+        await instance.aexecute(RunCommand(argv=("make",)))
+    with pytest.raises(exc.ResourceContention):
+        await instance.aexecute(WriteFile(path="a", data=b""))
+    assert [type(op).__name__ for op in inner.ops] == ["ReadFile"] * 3 + ["RunCommand", "WriteFile"]
+    assert [(e.subject, e.attempt) for e in events if isinstance(e, RetryScheduled)] == [
+        ("fake:ReadFile", 1),
+        ("fake:ReadFile", 2),
+    ]
+
+
+async def test_the_async_instance_gives_up_on_permanent_errors_and_after_three_attempts(
+    events, clock
+) -> None:
+    missing = FailsThen(exc.SandboxFileNotFound("a: no such file"), times=5)
+    busy = FailsThen(exc.ResourceContention("busy"), times=5)
+    for failing, calls in ((missing, 1), (busy, 3)):
+        instance = AsyncRetryingInstance(
+            FakeInstance(lambda op, f=failing: f(), "fake", 1), retrier(events, clock)
+        )  # type: ignore[misc]
+        with pytest.raises(type(failing.error)):
+            await instance.aexecute(ReadFile(path="a"))
+        assert failing.calls == calls
+
+
+async def test_the_async_instance_retries_what_the_caller_marks_idempotent(events, clock) -> None:
+    writes = FailsThen(exc.ResourceContention("busy"), times=1, value=None)
+    inner = FakeInstance(lambda op: writes(), "fake", 1)  # type: ignore[arg-type,return-value]
+    instance = AsyncRetryingInstance(inner, retrier(events, clock), idempotent=(WriteFile,))
+    await instance.aexecute(WriteFile(path="a", data=b""))
+    assert writes.calls == 2
+
+
+async def test_async_sandbox_creation_is_retried(events, clock) -> None:
+    class FlakyStart(FakeBackend):
+        starts = 0
+
+        async def astart(self, spec):  # type: ignore[no-untyped-def]
+            self.starts += 1
+            if self.starts == 1:
+                raise exc.SandboxStartError("bwrap: cannot set up namespace")
+            return await super().astart(spec)
+
+    backend = FlakyStart(MemoryWorkspace())
+    from stockade import AsyncSandbox
+
+    sbx = await AsyncSandbox.create(backend=AsyncRetryingBackend(backend, retrier(events, clock)))
+    async with sbx:
+        await sbx.files.write("a.txt", "hi")
+        assert await sbx.files.read("a.txt") == "hi"
+    assert backend.starts == 2
+    assert isinstance(events[0], RetryScheduled) and events[0].subject == "fake:start"
+    assert isinstance(sbx.instance, AsyncRetryingInstance)
 
 
 def _result(code: int) -> CommandResult:
