@@ -67,3 +67,40 @@ def test_vsock_does_not_reach_the_hypervisor(sbx: Sandbox) -> None:
         "except OSError as e:\n    outcome = type(e).__name__\noutcome"
     )
     assert r.text is not None and "CREATED" not in r.text
+
+
+def test_listing_thousands_of_files_keeps_the_sandbox(sbx: Sandbox) -> None:
+    sbx.commands.run("mkdir many && cd many && seq 1 20000 | xargs touch")
+    assert len(sbx.files.list("many")) == 20000
+    assert sbx.commands.run("echo alive").stdout == "alive\n"
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "'a' * 3_000_000",  # a large repr (cut at 1 MiB)
+        "'é' * 400_000",  # escapes make the JSON far larger than the text
+        "class H:\n    def _repr_html_(self): return 'h' * 40_000_000\nH()",
+        "for i in range(200_000): display(i)",
+    ],
+)
+def test_a_large_result_keeps_the_interpreter_state(sbx: Sandbox, code: str) -> None:
+    sbx.run_code("kept = 'state'")
+    r = sbx.run_code(code)
+    assert r.error is None, r.error
+    assert sbx.run_code("kept").text == "'state'"
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "class E(Exception):\n    def __str__(self): raise RuntimeError('no')\nraise E()",
+        "raise ValueError('v' * 5_000_000)",
+        "import os\nos.close(1)\nos.close(2)",
+    ],
+)
+def test_hostile_errors_and_closed_streams_keep_the_interpreter_state(sbx: Sandbox, code: str) -> None:
+    sbx.run_code("kept = 'state'")
+    r = sbx.run_code(code)
+    assert r.error is None or r.error.name not in ("KernelDied", "TimeoutError")
+    assert sbx.run_code("kept").text == "'state'"

@@ -8,6 +8,7 @@ files, output caps, timeouts) behaves identically on every tier because it is th
 from __future__ import annotations
 
 import abc
+import json
 import time
 from typing import Any
 
@@ -164,8 +165,11 @@ class SupervisedInstance(Instance):
                 raw = self._file("stat", {"path": op.path, "follow": op.follow_symlinks})[0]["entry"]
                 return None if raw is None else _entry(raw)
             case ListDir():
-                h, _ = self._file("list", {"path": op.path, "depth": op.depth})
-                return tuple(_entry(e) for e in h["entries"])
+                _, body = self._file("list", {"path": op.path, "depth": op.depth})
+                entries = _json_body(body)
+                if not isinstance(entries, list):
+                    raise exc.ProtocolError("malformed listing")
+                return tuple(_entry(e) for e in entries)
             case Remove():
                 self._file("remove", {"path": op.path, "recursive": op.recursive})
                 return None
@@ -231,7 +235,7 @@ class SupervisedInstance(Instance):
 
     def _stream(
         self, header: dict[str, Any], body: bytes, timeout: float, sink: OutputSink | None
-    ) -> tuple[dict[str, Any] | None, dict[int, _Collector]]:
+    ) -> tuple[tuple[dict[str, Any], bytes] | None, dict[int, _Collector]]:
         """Send a request, pass output to ``sink`` as it comes, return the final frame.
 
         None means the supervisor missed its own deadline by ``GRACE_S``: the sandbox is
@@ -249,7 +253,7 @@ class SupervisedInstance(Instance):
                     if sink is not None and part:
                         sink(fd, part)
                 elif ev in ("exit", "result"):
-                    return h, streams
+                    return (h, chunk), streams
                 elif ev == "error":
                     raise exc.ProtocolError(f"supervisor refused {header['op']}: {h.get('message')}")
         except TimeoutError:
@@ -273,7 +277,7 @@ class SupervisedInstance(Instance):
         started = time.monotonic()
         final, streams = self._stream(header, op.stdin or b"", timeout, sink)
         if final is not None:
-            return self._command_result(final, streams, oom_before)
+            return self._command_result(final[0], streams, oom_before)
         out, out_cut = streams[1].text(len(streams[1].data))
         err, _ = streams[2].text(len(streams[2].data))
         return CommandResult(
@@ -320,7 +324,7 @@ class SupervisedInstance(Instance):
         header = {"op": "code", "timeout": timeout}
         final, streams = self._stream(header, op.code.encode("utf-8", "surrogatepass"), timeout, sink)
         if final is not None:
-            return self._execution(final, streams, oom_before)
+            return self._execution(*final, streams, oom_before)
         return Execution(
             logs=Logs(
                 stdout=streams[1].text(len(streams[1].data))[0],
@@ -334,16 +338,19 @@ class SupervisedInstance(Instance):
         )
 
     def _execution(
-        self, h: dict[str, Any], streams: dict[int, _Collector], oom_before: int | None
+        self, h: dict[str, Any], body: bytes, streams: dict[int, _Collector], oom_before: int | None
     ) -> Execution:
         out, out_cut = streams[1].text(max(_int(h.get("stdout_bytes")), len(streams[1].data)))
         err, err_cut = streams[2].text(max(_int(h.get("stderr_bytes")), len(streams[2].data)))
+        payload = _json_body(body)
+        if not isinstance(payload, dict):
+            raise exc.ProtocolError("malformed run_code report")
         results = []
-        for raw in h.get("results") or []:
+        for raw in payload.get("results") or []:
             if isinstance(raw, dict):
                 results.append(Result({str(k): str(v) for k, v in raw.items()}))
         error = None
-        raw_err = h.get("error")
+        raw_err = payload.get("error")
         if isinstance(raw_err, dict):
             name = str(raw_err.get("name", "Error"))
             value = str(raw_err.get("value", ""))
@@ -360,6 +367,14 @@ class SupervisedInstance(Instance):
             timed_out=bool(h.get("timed_out")),
             truncated=out_cut or err_cut,
         )
+
+
+def _json_body(body: bytes) -> Any:
+    """A JSON payload from the supervisor (untrusted: any failure is a protocol error)."""
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as err:
+        raise exc.ProtocolError(f"malformed reply body: {str(err)[:200]}") from None
 
 
 def _int(value: Any) -> int:

@@ -20,10 +20,13 @@ import traceback
 import types
 from typing import Any
 
-from protocol import FrameError, FrameReader, encode  # type: ignore[import-not-found]
+from protocol import FrameError, FrameReader, dumps, encode  # type: ignore[import-not-found]
 
 CELL = "<cell>"
 MAX_TEXT = 1 << 20
+# What one run may send back: a larger value is dropped with a note, never the interpreter.
+MAX_VALUE = 32 << 20
+MAX_RESULTS = 96 << 20
 _MIME_METHODS = (
     ("text/html", "_repr_html_"),
     ("text/markdown", "_repr_markdown_"),
@@ -57,10 +60,10 @@ def mime_bundle(obj: Any) -> dict[str, str]:
         if callable(fn) and not isinstance(obj, type):
             try:
                 value = fn()
+                if value is not None:
+                    bundle[mime] = _as_text(value)
             except Exception:
                 continue
-            if value is not None:
-                bundle[mime] = _as_text(value)
     mb = getattr(obj, "_repr_mimebundle_", None)
     if callable(mb) and not isinstance(obj, type):
         try:
@@ -72,7 +75,41 @@ def mime_bundle(obj: Any) -> dict[str, str]:
             pass
     if _is_figure(obj):
         bundle["image/png"] = _figure_png(obj)
+    for mime in [m for m, v in bundle.items() if len(v) > MAX_VALUE and m != "text/plain"]:
+        size = len(bundle.pop(mime))
+        bundle["text/plain"] += f"\n[stockade: {mime} dropped: {size} characters, over the cap]"
     return bundle
+
+
+def _bounded(results: list[dict[str, str]]) -> list[dict[str, str]]:
+    """At most MAX_RESULTS characters of results (a display() loop can make millions)."""
+    out, total = [], 0
+    for i, bundle in enumerate(results):
+        total += sum(len(k) + len(v) for k, v in bundle.items())
+        if total > MAX_RESULTS:
+            note = f"[stockade: {len(results) - i} more results dropped, over the cap]"
+            out.append({"text/plain": note})
+            break
+        out.append(bundle)
+    return out
+
+
+def _safe_str(exc: BaseException) -> str:
+    try:
+        text = str(exc)
+    except BaseException:  # an exception's __str__ is user code too
+        return f"<unprintable {type(exc).__name__}>"
+    return text if len(text) <= MAX_TEXT else text[:MAX_TEXT] + "…"
+
+
+def _error(exc: BaseException) -> dict[str, str]:
+    try:
+        tb = _format_traceback(exc)
+    except BaseException:
+        tb = ""
+    if len(tb) > MAX_TEXT:
+        tb = "…" + tb[-MAX_TEXT:]  # the end says where it failed
+    return {"name": type(exc).__name__, "value": _safe_str(exc), "traceback": tb}
 
 
 def _is_figure(obj: Any) -> bool:
@@ -121,11 +158,7 @@ class Interpreter:
                     if plt is not None:
                         plt.close(value)
         except BaseException as exc:  # SystemExit and KeyboardInterrupt are the code's too
-            error = {
-                "name": type(exc).__name__,
-                "value": str(exc),
-                "traceback": _format_traceback(exc),
-            }
+            error = _error(exc)
         finally:
             for stream in (sys.stdout, sys.stderr):
                 try:
@@ -136,7 +169,7 @@ class Interpreter:
             self._displayed.extend(_open_figures())
         except Exception:
             pass
-        return {"results": self._displayed, "error": error}
+        return {"results": _bounded(self._displayed), "error": error}
 
     def _execute(self, code: str) -> Any:
         flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
@@ -219,7 +252,7 @@ def main(ctl_in: int, ctl_out: int) -> None:
             return
         for header, body in frames:
             reply = interp.run(body.decode("utf-8", "replace"))
-            reply["id"] = header.get("id")
-            data = encode(reply)
+            # In the body, not the header: a header is capped at 1 MiB, results are not.
+            data = encode({"id": header.get("id")}, dumps(reply).encode())
             while data:
                 data = data[os.write(ctl_out, data) :]

@@ -53,7 +53,7 @@ def _trusted_path(entries: "list[str]", here: str) -> "list[str]":
 
 sys.path[:] = _trusted_path(sys.path, os.path.dirname(os.path.abspath(__file__)))
 
-from protocol import FrameError, FrameReader, encode  # noqa: E402 - after the path fix above
+from protocol import FrameError, FrameReader, dumps, encode  # noqa: E402 - after the path fix above
 
 PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
@@ -731,8 +731,10 @@ class Supervisor:
         base = self._rel(path)
         entries: list[dict[str, Any]] = []
         self._walk(fd, base, depth, entries)
+        # The entries go in the body: a header is capped at 1 MiB, a few thousand entries.
         self.send(
-            {"id": rid, "ev": "done", "entries": entries[:MAX_LIST], "truncated": len(entries) > MAX_LIST}
+            {"id": rid, "ev": "done", "truncated": len(entries) > MAX_LIST},
+            dumps(entries[:MAX_LIST]).encode(),
         )
 
     def _walk(self, fd: int, base: str, depth: int, out: list[dict[str, Any]]) -> None:
@@ -940,8 +942,10 @@ class Supervisor:
         if fd in kernel.pipes:
             if data and kernel.job is not None:
                 kernel.job.output(kernel.pipes[fd], data)
-            elif not data:
-                self._drop_kernel("the interpreter process died")
+            elif not data:  # the code closed its stdout or stderr: not a death (the ctl pipe says that)
+                self.sel.unregister(fd)
+                os.close(fd)
+                del kernel.pipes[fd]
             return
         if not data:
             self._drop_kernel("the interpreter process died")
@@ -952,13 +956,13 @@ class Supervisor:
         except FrameError:
             self._drop_kernel("the interpreter sent a malformed reply")
             return
-        for reply, _ in frames:
+        for reply, payload in frames:
             job = kernel.job
             if job is None or reply.get("id") != job.rid:
                 continue
             self._drain_kernel_output(kernel, job)
             kernel.job = None
-            self._finish_code(job, reply.get("results", []), reply.get("error"))
+            self._finish_code(job, payload)
         self._kernel_next()
 
     def _drain_kernel_output(self, kernel: Kernel, job: Job) -> None:
@@ -972,18 +976,18 @@ class Supervisor:
                     break
                 job.output(stream, data)
 
-    def _finish_code(self, job: Job, results: Any, error: Any) -> None:
+    def _finish_code(self, job: Job, payload: bytes) -> None:
+        """Report a run; ``payload`` is the interpreter's JSON (results, error), passed on as is."""
         self.send(
             {
                 "id": job.rid,
                 "ev": "result",
-                "results": results,
-                "error": error,
                 "timed_out": job.timed_out,
                 "duration": time.monotonic() - job.started,
                 "stdout_bytes": job.counts[1],
                 "stderr_bytes": job.counts[2],
-            }
+            },
+            payload,
         )
 
     def _drop_kernel(self, reason: Optional[str]) -> None:
@@ -998,11 +1002,11 @@ class Supervisor:
         self.shims.pop(kernel.shim, None)
         if reason is not None:
             name = "TimeoutError" if job is not None and job.timed_out else "KernelDied"
-            for waiting in ([job] if job else []) + [j for j, _ in kernel.queue]:
-                self._finish_code(waiting, [], {"name": name, "value": reason, "traceback": ""})
         else:
-            for waiting in ([job] if job else []) + [j for j, _ in kernel.queue]:
-                self._finish_code(waiting, [], {"name": "KernelDied", "value": "reset", "traceback": ""})
+            name, reason = "KernelDied", "reset"
+        payload = dumps({"results": [], "error": {"name": name, "value": reason, "traceback": ""}}).encode()
+        for waiting in ([job] if job else []) + [j for j, _ in kernel.queue]:
+            self._finish_code(waiting, payload)
 
     def shutdown(self) -> None:
         self.running = False
