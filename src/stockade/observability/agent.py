@@ -1,16 +1,24 @@
 """``TelemetryObserver``: the agent loop's events as GenAI spans and metrics.
 
-    agent = Agent(model, tools, observers=[TelemetryObserver(telemetry)])
+    traced = TelemetryObserver(telemetry)
+    agent = Agent(model, tools.wrapped(traced.tool_wrapper), observers=[traced])
+    retrier = Retrier(observer=traced.runtime)
+    backend = TracedBackend(backend, telemetry)
 
 An ``invoke_agent`` span per run, with a ``chat {model}`` span per model call and an
 ``execute_tool {tool}`` span per tool call under it; a denied call counts in
 ``stockade.policy.denials``. Spans are opened and closed from the events, so they carry the
 loop's own timing, and parenting is explicit (no reliance on the current context).
+``tool_wrapper`` makes a call's span the current one while the tool runs, so that the
+``sandbox.*`` spans of ``TracedBackend`` nest under it; ``runtime`` counts retries and
+breaker trips and notes them on the current span.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from pydantic import BaseModel
 
 from stockade.agent.events import (
     AgentEvent,
@@ -24,6 +32,8 @@ from stockade.agent.events import (
     ToolReturned,
 )
 from stockade.observability.telemetry import Telemetry
+from stockade.runtime.events import BreakerChanged, RetryScheduled, RuntimeEvent
+from stockade.tools.base import CallNext, Tool, ToolContext
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -51,6 +61,25 @@ class TelemetryObserver:
         return self.telemetry.tracer.start_span(
             name, context=context, kind=kind, attributes=self.telemetry.attributes(attributes)
         )
+
+    async def tool_wrapper(
+        self, ctx: ToolContext, tool: Tool, args: BaseModel, call_next: CallNext
+    ) -> object:
+        """A ``ToolWrapper``: the call's span is current while the tool (and its sandbox ops) run."""
+        from opentelemetry import trace
+
+        span = self._tools.get((ctx.run_id, ctx.call_id))
+        if span is None:
+            return await call_next(ctx, tool, args)
+        with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
+            return await call_next(ctx, tool, args)
+
+    def runtime(self, event: RuntimeEvent) -> None:
+        """A runtime observer: retries and breaker changes as metrics and span events."""
+        if isinstance(event, RetryScheduled):
+            self.telemetry.retry(operation=event.subject, reason=event.reason, attempt=event.attempt)
+        elif isinstance(event, BreakerChanged):
+            self.telemetry.breaker_change(breaker=event.name, state=event.new.value)
 
     def __call__(self, event: AgentEvent) -> None:
         from opentelemetry.trace import Status, StatusCode
