@@ -75,6 +75,9 @@ from stockade.exceptions import ApprovalRequired, ConfigurationError, PolicyDeni
 from stockade.models.base import Model, resolve_model
 from stockade.models.messages import ToolCall
 from stockade.models.pricing import DEFAULT_PRICES, Price
+from stockade.observability.agent import TelemetryObserver
+from stockade.observability.sandbox import TracedBackend
+from stockade.observability.telemetry import Telemetry
 from stockade.policy.agent import ApprovedModel, filter_outputs, policy_guard, prompt_filter
 from stockade.policy.approval import ApprovalRequest, Approvals, ApprovalStore, Approver
 from stockade.policy.engine import PolicyEngine
@@ -147,6 +150,7 @@ class AgentConfig:
     observers: Sequence[AgentObserver] = ()  # after the built-in ones
     runtime_observers: Sequence[RuntimeObserver] = ()  # retries, breakers, limits, kills, anomalies
     clock: Clock | None = None  # rolling windows, breakers, anomaly rules (tests pass a ManualClock)
+    telemetry: Telemetry | None = None  # spans (run > model call / tool call > sandbox op), metrics
 
 
 def effective_trust(policy: Policy, trust: Trust | None) -> Trust:
@@ -402,6 +406,12 @@ class AgentSession:
             observers.append(recorder)
             runtime.append(recorder.runtime)
             self.approvals = recorder.approvals(owner.approvals)
+        tools = owner.tools
+        if config.telemetry is not None:  # a tool call's span is current while it runs
+            traced = TelemetryObserver(config.telemetry)
+            observers.append(traced)
+            runtime.append(traced.runtime)
+            tools = tools.wrapped(traced.tool_wrapper)
         self.runtime_observer = _fan_out(runtime)
         self.kill_switch = KillSwitch(
             run_id,
@@ -427,7 +437,7 @@ class AgentSession:
         )
         self.agent = Agent(
             owner.model,
-            tools=self.controls.wrap_tools(filter_outputs(owner.engine, owner.tools)),
+            tools=self.controls.wrap_tools(filter_outputs(owner.engine, tools)),
             system_prompt=config.system_prompt,
             limits=config.limits,
             guards=[_call_guard(policy_guard(owner.engine, self.approvals, monitor))],
@@ -455,8 +465,10 @@ class AgentSession:
     @contextlib.contextmanager
     def open(self, workspace: str | Path | None) -> Iterator[AgentSession]:
         owner = self.owner
+        telemetry = owner.config.telemetry
+        tier = owner.backend if telemetry is None else TracedBackend(owner.backend, telemetry)
         backend = AuditedBackend(
-            BreakingBackend(RetryingBackend(owner.backend, owner.retrier), owner.breakers),
+            BreakingBackend(RetryingBackend(tier, owner.retrier), owner.breakers),
             owner.audit_log,
             run_id=self.run_id,
             step=lambda: self.step,
