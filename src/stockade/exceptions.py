@@ -36,7 +36,8 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   └── AuditIntegrityError       verify found the chain edited, cut or reordered
     ├── ToolError                     a tool could not do what the model asked (fed back to it)
     │   ├── InvalidToolCall           unknown tool or arguments that fail its schema
-    │   └── PatchRejected             a diff does not apply; nothing was changed
+    │   ├── PatchRejected             a diff does not apply; nothing was changed
+    │   └── ToolTimeout               the call ran past the tool's ``timeout_s``; its sandbox work was cut
     ├── RuntimeLimit                  a runtime control refused the action for now
     │   ├── CircuitOpen               [retryable] too many consecutive failures; retry after cool-down
     │   └── RateLimited               [retryable] too many actions in the window; retry after
@@ -91,6 +92,7 @@ __all__ = [
     "StockadeError",
     "TierUnavailable",
     "ToolError",
+    "ToolTimeout",
     "WorkspaceError",
     "WorkspaceFull",
 ]
@@ -257,6 +259,16 @@ class PatchRejected(ToolError):
         super().__init__(message)
         self.path = path
         self.hunk = hunk
+
+
+class ToolTimeout(ToolError):
+    """The call ran past its tool's ``timeout_s``: it was cancelled, its sandbox commands were
+    bounded by the same deadline, and nothing it asks of the sandbox afterwards runs."""
+
+    def __init__(self, message: str, *, tool: str = "", timeout_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.tool = tool
+        self.timeout_s = timeout_s
 
 
 class ModelError(StockadeError):

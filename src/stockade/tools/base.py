@@ -3,8 +3,9 @@
 A tool is declared with ``@tool``; its first parameter may be a ``ToolContext`` (the sandbox,
 the run and the call it serves), which is not part of the schema. The attributes
 ``idempotent``, ``risk`` and ``timeout_s`` are for the runtime controls (retry only what is
-idempotent, ask for approval on high risk, bound the call); a tool passes ``timeout_s`` on to
-the sandbox calls it makes.
+idempotent, ask for approval on high risk, bound the call). ``timeout_s`` is enforced: a call
+running past it is cancelled and reported as ``ToolTimeout``, and the sandbox it was given
+bounds its commands by the same deadline and refuses anything after it.
 
     @tool(idempotent=True, risk=Risk.LOW)
     def count_lines(ctx: ToolContext, path: str) -> str:
@@ -29,18 +30,21 @@ The first wrapper added is the outermost.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import inspect
 import re
+import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, get_type_hints, overload, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, create_model
 
-from stockade.exceptions import ConfigurationError, InvalidToolCall
+from stockade.exceptions import ConfigurationError, InvalidToolCall, ToolTimeout
 from stockade.models.messages import ToolDefinition
 from stockade.sandbox.facade import Sandbox
+from stockade.tools.deadline import DeadlineInstance
 
 __all__ = [
     "CallNext",
@@ -214,7 +218,39 @@ class Tool:
             raise InvalidToolCall(f"invalid arguments for {self.name}: {problems}") from None
 
     async def invoke(self, ctx: ToolContext, args: BaseModel) -> object:
-        """Run the function: coroutines on the loop, blocking functions in a worker thread."""
+        """Run the function: coroutines on the loop, blocking functions in a worker thread.
+
+        With ``timeout_s``, the call is cancelled when it runs past it (``ToolTimeout``), and
+        its sandbox work is bounded by the same deadline (``DeadlineInstance``)."""
+        timeout = self.timeout_s
+        if timeout is None:
+            return await self._run(ctx, args)
+        deadline = time.monotonic() + timeout
+
+        def bounded(sandbox: Sandbox) -> Sandbox:
+            return Sandbox(
+                DeadlineInstance(sandbox.instance, deadline=deadline, tool=self.name, timeout_s=timeout)
+            )
+
+        call_ctx = dataclasses.replace(
+            ctx,
+            sandbox=bounded(ctx.sandbox),
+            bookkeeping=bounded(ctx.bookkeeping) if ctx.bookkeeping is not None else None,
+        )
+        try:
+            async with asyncio.timeout(timeout) as scope:
+                return await self._run(call_ctx, args)
+        except TimeoutError:
+            if not scope.expired():
+                raise  # the tool's own TimeoutError, not ours
+            raise ToolTimeout(
+                f"{self.name} did not finish within its {timeout:g} s timeout and was stopped; "
+                "its sandbox commands were bounded by the same deadline",
+                tool=self.name,
+                timeout_s=timeout,
+            ) from None
+
+    async def _run(self, ctx: ToolContext, args: BaseModel) -> object:
         values = {name: getattr(args, name) for name in type(args).model_fields}
         prefix = (ctx,) if self.takes_context else ()
         if inspect.iscoroutinefunction(self.function):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import pytest
 
 from stockade import Sandbox
@@ -23,10 +26,19 @@ from stockade.agent import (
     ToolDenied,
     ToolReturned,
 )
-from stockade.exceptions import BudgetExceeded, ModelRateLimited, PolicyDenied, RunKilled, SandboxCrashed
+from stockade.exceptions import (
+    BudgetExceeded,
+    ModelRateLimited,
+    PolicyDenied,
+    RunKilled,
+    SandboxCrashed,
+    ToolTimeout,
+)
 from stockade.models import FunctionModel, ModelRequest, ModelResponse, ToolCall, Usage
-from stockade.testing import FakeBackend, ScriptedModel, tool_call
-from stockade.tools import ToolContext, default_toolset, tool
+from stockade.sandbox.ops import RunCommand
+from stockade.testing import FakeBackend, MemoryWorkspace, ScriptedModel, tool_call
+from stockade.tools import ToolContext, Toolset, default_toolset, tool
+from stockade.types import CommandResult
 
 FIX = "--- a/calc.py\n+++ b/calc.py\n@@ -1,2 +1,2 @@\n def add(a, b):\n-    return a - b\n+    return a + b\n"
 
@@ -265,3 +277,68 @@ def test_run_sync_refuses_to_nest_in_a_running_loop(sbx: Sandbox) -> None:
             Agent(ScriptedModel(["ok"])).run_sync("go", sandbox=sbx)
 
     asyncio.run(inside())
+
+
+def test_a_tool_past_its_timeout_is_stopped_and_the_model_is_told(sbx: Sandbox) -> None:
+    @tool(timeout_s=0.05)
+    async def hang(ctx: ToolContext) -> str:
+        """Wait for something that never comes."""
+        await asyncio.Event().wait()
+        return "never"
+
+    model = ScriptedModel([tool_call("hang"), "gave up"])
+    result = Agent(model, tools=Toolset([hang])).run_sync("go", sandbox=sbx)
+    record = result.steps[0].tool_calls[0]
+    assert result.status == RunStatus.SUCCESS  # a timeout is an observation, not the end of the run
+    assert record.is_error and record.error_type == "ToolTimeout"
+    assert record.observation.startswith("error: ToolTimeout: hang did not finish within its 0.05 s timeout")
+
+
+def test_a_tools_sandbox_commands_are_bounded_by_its_timeout() -> None:
+    asked: list[float | None] = []
+
+    def commands(op: RunCommand) -> CommandResult:
+        asked.append(op.timeout_s)
+        return CommandResult(exit_code=0, stdout="built", stderr="", duration_s=0.0)
+
+    @tool(timeout_s=30)
+    def build(ctx: ToolContext, timeout_s: float | None = None) -> str:
+        """Build the project."""
+        return ctx.sandbox.commands.run("make", timeout_s=timeout_s).stdout
+
+    sandbox = Sandbox.create(backend=FakeBackend(MemoryWorkspace(commands=commands)))
+    calls = [tool_call("build"), tool_call("build", {"timeout_s": 600}), tool_call("build", {"timeout_s": 2})]
+    Agent(ScriptedModel([*calls, "ok"]), tools=Toolset([build])).run_sync("go", sandbox=sandbox)
+    assert len(asked) == 3
+    assert all(t is not None and 0 < t <= 30 for t in asked[:2])  # the tool's deadline caps them
+    assert asked[2] == 2  # a shorter limit is kept
+
+
+def test_nothing_a_timed_out_tool_asks_afterwards_reaches_the_sandbox(sbx: Sandbox) -> None:
+    gate, finished = threading.Event(), threading.Event()
+    refused: list[str] = []
+
+    @tool(timeout_s=0.05)
+    def slow_write(ctx: ToolContext) -> str:
+        """Block, then write (a blocking tool's thread outlives its cancellation)."""
+        gate.wait(10)
+        try:
+            ctx.sandbox.files.write("late.txt", "too late")
+        except ToolTimeout as err:
+            refused.append(str(err))
+        finally:
+            finished.set()
+        return "written"
+
+    def release_after_the_timeout(event: AgentEvent) -> None:
+        if isinstance(event, ToolReturned):
+            assert event.record.error_type == "ToolTimeout"
+            gate.set()  # the cancelled call's thread goes on now, past its deadline
+
+    model = ScriptedModel([tool_call("slow_write"), "ok"])
+    agent = Agent(model, tools=Toolset([slow_write]), observers=[release_after_the_timeout])
+    result = agent.run_sync("go", sandbox=sbx)
+    assert result.steps[0].tool_calls[0].error_type == "ToolTimeout"
+    assert finished.wait(10)
+    assert not sbx.files.exists("late.txt")
+    assert refused and "WriteFile was not started" in refused[0]

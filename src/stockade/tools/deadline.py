@@ -1,0 +1,62 @@
+"""A tool call's deadline, carried down to the sandbox.
+
+Cancelling a tool's coroutine does not stop a blocking function running in a worker thread,
+nor the sandbox command it waits on. So a tool with ``timeout_s`` gets its sandbox through
+``DeadlineInstance``: every command and ``run_code`` is given at most the time left as its own
+``timeout_s`` (the tier kills the whole process tree then), and once the deadline has passed no
+op reaches the sandbox at all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+from stockade.exceptions import ToolTimeout
+from stockade.sandbox.base import Instance, OpResult, OutputSink
+from stockade.sandbox.ops import Op, RunCode, RunCommand
+
+__all__ = ["DeadlineInstance"]
+
+
+class DeadlineInstance(Instance):
+    """The same sandbox, bounded by ``deadline`` (a ``clock()`` reading)."""
+
+    def __init__(
+        self,
+        inner: Instance,
+        *,
+        deadline: float,
+        tool: str,
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.inner = inner
+        self.deadline = deadline
+        self.tool = tool
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self.id = inner.id
+        self.tier = inner.tier
+        self.enforcement = inner.enforcement
+
+    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+        left = self.deadline - self.clock()
+        if left <= 0:
+            raise ToolTimeout(
+                f"{self.tool} ran past its {self.timeout_s:g} s timeout; {type(op).__name__} was not started",
+                tool=self.tool,
+                timeout_s=self.timeout_s,
+            )
+        if isinstance(op, RunCommand | RunCode):
+            bounded = left if op.timeout_s is None else min(op.timeout_s, left)
+            op = dataclasses.replace(op, timeout_s=bounded)
+        return self.inner.handle(op, sink)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.inner.alive
