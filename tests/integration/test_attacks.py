@@ -104,3 +104,27 @@ def test_hostile_errors_and_closed_streams_keep_the_interpreter_state(sbx: Sandb
     r = sbx.run_code(code)
     assert r.error is None or r.error.name not in ("KernelDied", "TimeoutError")
     assert sbx.run_code("kept").text == "'state'"
+
+
+def test_reset_leaves_nothing_for_the_next_user(sbx: Sandbox) -> None:
+    planted = sbx.run_code(
+        "import os\n"
+        "for place in ('/workspace', '/tmp', '/dev/shm'):\n"
+        "    os.makedirs(place + '/deep/er', exist_ok=True)\n"
+        "    open(place + '/deep/er/left', 'w').write('previous user')\n"
+        "    os.chmod(place + '/deep', 0)\n"  # a tree its owner cannot list
+        "os.chdir('/workspace')\n"
+        "for _ in range(2000): os.mkdir('d'); os.chdir('d')\n"  # deeper than any recursion limit
+        "os.chdir('/workspace')\n"
+        "import ctypes\n"
+        "assert ctypes.CDLL(None).shmget(0, 4096, 0o1600) >= 0\n"  # a SysV segment (IPC_CREAT)
+        "os.chmod('/workspace', 0o777)\n"
+        "'planted'"
+    )
+    assert planted.text == "'planted'", planted.error
+    sbx.reset()
+    r = sbx.commands.run(
+        "ls -A /workspace /tmp /dev/shm; stat -c %a /workspace; "
+        "tail -n +2 /proc/sysvipc/shm 2>/dev/null | wc -l"
+    )
+    assert r.stdout.split() == ["/dev/shm:", "/tmp:", "/workspace:", "755", "0"], r.stdout

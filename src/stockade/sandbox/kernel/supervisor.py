@@ -62,15 +62,20 @@ MAX_READ_FILE = 256 << 20
 MAX_LIST = 100_000
 LINK_HOPS = 40
 
+IPC_RMID = 0
+RESET_ROOTS = ("/tmp", "/dev/shm")  # beside the workspace: every place the code can write
+
 EVENT_READ, EVENT_WRITE = select.EPOLLIN, select.EPOLLOUT
-_prctl = None
+_libc_funcs: "dict[str, Any]" = {}
 
 
-def prctl(option: int, arg: int) -> None:
-    """prctl(2) through _ctypes directly: the ctypes package costs more to import."""
-    global _prctl
-    if _prctl is None:
-        import _ctypes
+def libc(name: str, *args: int) -> int:
+    """Call a libc function of integer arguments through _ctypes directly (the ctypes
+    package costs more to import); -1 raises OSError."""
+    import _ctypes
+
+    func = _libc_funcs.get(name)
+    if func is None:
 
         class c_long(_ctypes._SimpleCData):
             _type_ = "l"
@@ -82,14 +87,18 @@ def prctl(option: int, arg: int) -> None:
         class Lib:
             _handle = _ctypes.dlopen(None)
 
-        func = CFunc(("prctl", Lib()))
-        func.argtypes = (c_long,) * 5
-        _prctl = func
-    if _prctl(option, arg, 0, 0, 0) != 0:
-        import _ctypes
-
+        func = CFunc((name, Lib()))
+        func.argtypes = (c_long,) * len(args)
+        _libc_funcs[name] = func
+    result = int(func(*args))
+    if result == -1:
         err = _ctypes.get_errno()
         raise OSError(err, os.strerror(err))
+    return result
+
+
+def prctl(option: int, arg: int) -> None:
+    libc("prctl", option, arg, 0, 0, 0)
 
 
 class _Key:
@@ -463,6 +472,7 @@ class Supervisor:
         self.default_timeout = 30.0
         self.devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         self.running = True
+        self.root_modes: dict[str, int] = {}  # the writable places reset empties, as first seen
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -484,6 +494,11 @@ class Supervisor:
             res = getattr(resource, name)
             resource.setrlimit(res, (int(value), int(value)))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        for root in (self.workspace.root, *RESET_ROOTS):
+            try:
+                self.root_modes[root] = stat.S_IMODE(os.stat(root).st_mode)
+            except OSError:  # a tier without /dev/shm
+                continue
 
     def serve(self) -> None:
         wake_r, wake_w = os.pipe()
@@ -800,25 +815,21 @@ class Supervisor:
         self.send({"id": rid, "ev": "done"}, buf.getvalue())
 
     def op_reset(self, rid: int, h: dict[str, Any], body: bytes) -> None:
-        """Kill everything, empty the workspace and /tmp: the pool's 'never hand out dirty'."""
-        import shutil
-
+        """Kill everything, empty every writable place, drop IPC objects: the pool's 'never
+        hand out dirty'. What one user leaves (a file in /dev/shm, a SysV segment, a mode on
+        the workspace) would otherwise reach the next one."""
         for job in list(self.commands.values()):
             job.timed_out = True
             kill_tree(job.shim, include_root=True)
         self._drop_kernel(None)
         self._sweep_strays()
-        for root in (self.workspace.root, "/tmp"):
-            fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                for entry in os.listdir(fd):
-                    st = os.stat(entry, dir_fd=fd, follow_symlinks=False)
-                    if stat.S_ISDIR(st.st_mode):
-                        shutil.rmtree(entry, dir_fd=fd)
-                    else:
-                        os.unlink(entry, dir_fd=fd)
-            finally:
-                os.close(fd)
+        for root, mode in self.root_modes.items():
+            if stat.S_IMODE(os.stat(root).st_mode) != mode:  # not ours to chmod on some tiers
+                os.chmod(root, mode)
+            for name in _listxattr(root):
+                os.removexattr(root, name)
+            empty_dir(root)
+        remove_sysv_ipc()
         if h.get("warm"):
             self.kernel = Kernel(self)
         self.send({"id": rid, "ev": "done"})
@@ -1014,6 +1025,68 @@ class Supervisor:
             kill_tree(job.shim, include_root=True)
         self._drop_kernel(None)
         kill_tree(os.getpid(), include_root=False)
+
+
+def _listxattr(path: str) -> "list[str]":
+    try:
+        return os.listxattr(path)
+    except OSError:  # no xattr support on this filesystem
+        return []
+
+
+def empty_dir(path: str) -> None:
+    """Remove everything under ``path``, whatever modes the code left on it.
+
+    Iterative and holding one directory open at a time: a tree may be thousands deep.
+    Every process of the sandbox is dead by now, so nothing moves under us.
+    """
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(path, flags)
+    names: list[str] = []  # the path from ``path`` down to ``fd``
+    try:
+        while True:
+            child = None
+            for name in os.listdir(fd):
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                if not stat.S_ISDIR(st.st_mode):
+                    os.unlink(name, dir_fd=fd)
+                    continue
+                if st.st_mode & 0o700 != 0o700:
+                    os.chmod(name, 0o700, dir_fd=fd)
+                child = name
+                break
+            if child is not None:
+                sub = os.open(child, flags, dir_fd=fd)
+                os.close(fd)
+                fd = sub
+                names.append(child)
+                continue
+            if not names:
+                return
+            parent = os.open("..", flags, dir_fd=fd)
+            os.close(fd)
+            fd = parent
+            os.rmdir(names.pop(), dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def remove_sysv_ipc() -> None:
+    """Remove the IPC namespace's SysV shared memory, message queues and semaphores."""
+    for kind in ("shm", "msg", "sem"):
+        try:
+            with open(f"/proc/sysvipc/{kind}") as fh:
+                rows = fh.read().splitlines()[1:]
+        except OSError:  # a kernel without SysV IPC, or a tier that hides it
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) > 1 and fields[1].isdigit():
+                try:
+                    ident = int(fields[1])  # semctl(id, semnum, cmd), the others (id, cmd, buf)
+                    libc(f"{kind}ctl", *((ident, 0, IPC_RMID) if kind == "sem" else (ident, IPC_RMID, 0)))
+                except OSError:
+                    pass
 
 
 def _write_all(fd: int, data: bytes) -> None:
