@@ -128,3 +128,13 @@ def test_reset_leaves_nothing_for_the_next_user(sbx: Sandbox) -> None:
         "tail -n +2 /proc/sysvipc/shm 2>/dev/null | wc -l"
     )
     assert r.stdout.split() == ["/dev/shm:", "/tmp:", "/workspace:", "755", "0"], r.stdout
+
+
+def test_download_dir_refuses_links_out_with_a_typed_error(sbx: Sandbox, tmp_path: Path) -> None:
+    sbx.commands.run("echo kept > a.txt; ln -s /etc/passwd passwd; mkfifo pipe")
+    with pytest.raises(StockadeError):
+        sbx.files.download_dir(tmp_path / "out")
+    sbx.commands.run("rm passwd pipe; cp /bin/true tool; chmod 4755 tool")
+    sbx.files.download_dir(tmp_path / "out")
+    assert (tmp_path / "out/a.txt").read_text() == "kept\n"
+    assert (tmp_path / "out/tool").stat().st_mode & 0o7000 == 0
