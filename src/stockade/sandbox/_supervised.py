@@ -190,6 +190,10 @@ class SupervisedInstance(Instance):
         while True:
             args = {"path": op.path, "max_bytes": op.max_bytes, "offset": offset, "length": TRANSFER_CHUNK}
             h, data = self._file("read", args)
+            if len(data) > TRANSFER_CHUNK or offset + len(data) > op.max_bytes:
+                # The supervisor is untrusted: one that keeps sending must not fill our memory.
+                self.close()
+                raise exc.ProtocolError(f"the supervisor sent more of {op.path!r} than asked for")
             chunks.append(data)
             offset += len(data)
             if len(data) < TRANSFER_CHUNK or offset >= _int(h.get("size")):
