@@ -13,7 +13,6 @@ from stockade.sandbox.kernel.protocol import FrameReader, encode
 from stockade.sandbox.ops import ReadFile
 from stockade.types import Enforcement, Mechanism
 
-
 NONE = Enforcement(
     memory=Mechanism.NONE, cpus=Mechanism.NONE, pids=Mechanism.NONE,
     disk=Mechanism.NONE, network=Mechanism.NONE, timeout=Mechanism.NONE,
