@@ -26,6 +26,18 @@ WRAPPERS = {
     "command": 0, "exec": 0, "builtin": 0, "xargs": 0, "stdbuf": 0, "setsid": 0,
     "timeout": 1, "chroot": 1, "unbuffer": 0,
 }  # fmt: skip
+# Wrapper options that take a value (the next word), so that it is not taken for the program.
+WRAPPER_VALUED: dict[str, frozenset[str]] = {
+    "nice": frozenset({"-n", "--adjustment"}),
+    "ionice": frozenset({"-c", "-n", "-p", "-P", "-u", "--class", "--classdata"}),
+    "timeout": frozenset({"-s", "-k", "--signal", "--kill-after"}),
+    "stdbuf": frozenset({"-i", "-o", "-e", "--input", "--output", "--error"}),
+    "env": frozenset({"-u", "-C", "--unset", "--chdir"}),
+    "sudo": frozenset({"-u", "-g", "-C", "-D", "-h", "-p", "-U", "-r", "-t", "--user", "--group"}),
+    "doas": frozenset({"-u", "-C"}),
+    "xargs": frozenset({"-n", "-L", "-P", "-I", "-d", "-E", "-s", "-a", "--max-args", "--max-procs"}),
+    "chroot": frozenset({"--userspec", "--groups"}),
+}
 UNANALYSABLE = frozenset({"eval", "source", "."})
 OPERATORS = frozenset({";", "&&", "||", "|", "&", "(", ")", "\n", ";;", "|&"})
 REDIRECTS = frozenset({">", ">>", "<", "<<", "<<<", ">&", "<&", "&>", ">|", "&>>"})
@@ -55,8 +67,15 @@ def _unwrap(argv: list[str], layers: list[tuple[str, ...]]) -> list[str]:
         if name in WRAPPERS:
             layers.append(tuple(argv))
             rest = argv[1:]
-            while rest and rest[0].startswith("-"):
-                rest = rest[1:]  # wrapper options; an option taking a value may leave it as the program
+            while rest and rest[0].startswith("-") and rest[0] != "--":
+                option = rest[0]
+                if name == "env" and option.startswith(("-S", "--split-string")):
+                    raise UnanalysableError("env -S splits a string into a command")
+                # an option's value is not the program (``nice -n 5 curl``: the program is curl)
+                takes_value = option in WRAPPER_VALUED.get(name, ()) and "=" not in option
+                rest = rest[2:] if takes_value else rest[1:]
+            if rest and rest[0] == "--":
+                rest = rest[1:]
             while rest and "=" in rest[0] and name == "env":
                 rest = rest[1:]
             argv = rest[WRAPPERS[name] :]
@@ -69,7 +88,11 @@ def _unwrap(argv: list[str], layers: list[tuple[str, ...]]) -> list[str]:
     return argv
 
 
-def _split_script(script: str) -> list[list[str]]:
+Redirect = tuple[str, str]  # (operator, target word)
+
+
+def _split_script(script: str) -> list[tuple[list[str], list[Redirect]]]:
+    """The simple commands of a shell line, each with its redirections."""
     if "`" in script or "$(" in script or "<(" in script or ">(" in script:
         raise UnanalysableError("command substitution")
     lexer = shlex.shlex(script.replace("\n", " ; "), posix=True, punctuation_chars=";&|()<>")
@@ -79,31 +102,32 @@ def _split_script(script: str) -> list[list[str]]:
         tokens = list(lexer)
     except ValueError as err:
         raise UnanalysableError(f"unbalanced quotes ({err})") from None
-    commands: list[list[str]] = [[]]
-    skip_next = False
+    commands: list[tuple[list[str], list[Redirect]]] = [([], [])]
+    pending: str | None = None
     for token in tokens:
-        if skip_next:
-            skip_next = False
-            continue
-        if token in OPERATORS:
-            commands.append([])
+        if pending is not None:
+            commands[-1][1].append((pending, token))  # the redirection's target, not an argument
+            pending = None
+        elif token in OPERATORS:
+            commands.append(([], []))
         elif token in REDIRECTS or (token.rstrip("<>&|") != token and set(token) <= set("<>&|")):
-            skip_next = True  # the redirection's target file, not an argument
+            pending = token
         else:
-            commands[-1].append(token)
-    return [c for c in commands if c]
+            commands[-1][0].append(token)
+    if pending is not None:
+        raise UnanalysableError(f"a redirection ({pending}) without a target")
+    return [c for c in commands if c[0] or c[1]]
 
 
-def simple_commands(
-    argv: Sequence[str], layers: list[tuple[str, ...]] | None = None, _depth: int = 0
-) -> list[tuple[str, ...]]:
-    """Every simple command ``argv`` would run; wrappers met on the way (``sudo ...``,
-    ``sh -c ...``) are appended to ``layers``. Raises ``UnanalysableError`` (a ValueError)."""
-    if layers is None:
-        layers = []
-    if _depth > 8:
+def _walk(
+    argv: Sequence[str], layers: list[tuple[str, ...]], depth: int = 0
+) -> list[tuple[tuple[str, ...], tuple[Redirect, ...], bool]]:
+    """(simple command, its redirections, whether ``xargs`` feeds it) for everything ``argv`` runs."""
+    if depth > 8:
         raise UnanalysableError("shells nested too deep")
+    before = len(layers)
     inner = _unwrap(list(argv), layers)
+    fed = any(_program(layer[0]) == "xargs" for layer in layers[before:] if layer)
     if not inner:
         return []
     if _program(inner[0]) in SHELLS:
@@ -113,14 +137,27 @@ def simple_commands(
             if arg == "-c" or (arg.startswith("-") and not arg.startswith("--") and arg.endswith("c")):
                 if index + 1 >= len(args):
                     raise UnanalysableError("shell -c without a script")
-                found = []
-                for command in _split_script(args[index + 1]):
-                    found.extend(simple_commands(command, layers, _depth + 1))
+                found: list[tuple[tuple[str, ...], tuple[Redirect, ...], bool]] = []
+                for words, redirects in _split_script(args[index + 1]):
+                    if redirects:
+                        found.append(((), tuple(redirects), False))
+                    if words:
+                        found.extend(_walk(words, layers, depth + 1))
                 return found
             if not arg.startswith("-"):
                 raise UnanalysableError("a shell running a script file")
         raise UnanalysableError("an interactive shell")
-    return [tuple(inner)]
+    return [(tuple(inner), (), fed)]
+
+
+def simple_commands(
+    argv: Sequence[str], layers: list[tuple[str, ...]] | None = None, _depth: int = 0
+) -> list[tuple[str, ...]]:
+    """Every simple command ``argv`` would run; wrappers met on the way (``sudo ...``,
+    ``sh -c ...``) are appended to ``layers``. Raises ``UnanalysableError`` (a ValueError)."""
+    if layers is None:
+        layers = []
+    return [command for command, _, _ in _walk(argv, layers, _depth) if command]
 
 
 def _flag_matches(flag: str, args: Sequence[str]) -> bool:

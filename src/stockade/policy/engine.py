@@ -14,8 +14,17 @@ from typing import Literal
 
 from stockade.exceptions import ConfigurationError, TierUnavailable
 from stockade.policy.commands import UnanalysableError, analyse, decide_command, matches
-from stockade.policy.paths import glob_matches, normalise, readable, writable
+from stockade.policy.paths import (
+    GLOB_CHARS,
+    glob_matches,
+    literal_prefix,
+    normalise,
+    readable,
+    tree_allowed,
+    writable,
+)
 from stockade.policy.schema import Classification, Policy, Role, Verdict
+from stockade.policy.targets import WORKSPACE, file_access
 from stockade.sandbox import _registry
 from stockade.sandbox.ops import (
     GetArchive,
@@ -166,7 +175,7 @@ class PolicyEngine:
     def op(self, op: Op, *, tool: str = "") -> Decision:
         match op:
             case RunCommand():
-                decisions = [self.command(op.argv)]
+                decisions = [self.command(op.argv), self.command_files(op.argv, op.cwd, tool=tool)]
                 decisions += [self.category(c) for c in sorted(command_categories(op.argv))]
                 return strictest(decisions)
             case RunCode():
@@ -184,6 +193,49 @@ class PolicyEngine:
     def command(self, argv: tuple[str, ...]) -> Decision:
         d = decide_command(self.policy.commands, argv)
         return Decision(verdict=d.verdict, rule=d.rule, reason=d.reason)
+
+    def command_files(self, argv: tuple[str, ...], cwd: str | None = None, *, tool: str = "") -> Decision:
+        """The path rules over the files a command line would write (redirections, ``tee``,
+        ``cp``/``mv``/``rm`` operands, ``dd of=``, ...) and read (``< f``, ``cat``, ``cp``
+        sources); see ``stockade.policy.targets``."""
+        try:
+            access = file_access(argv, cwd)
+        except UnanalysableError:
+            return ALLOW  # the command rules already deny a line they cannot analyse
+        decisions = [self._target(path, "write", tool) for path in access.writes]
+        for path in access.reads:
+            if normalise(path) is not None:  # reading the sandbox's own image is not the rules' concern
+                decisions.append(self._target(path, "read", tool))
+        if access.unknown and not self._tree("", "write"):
+            decisions.append(
+                Decision(
+                    verdict=Verdict.DENY, rule="paths.write",
+                    reason=f"cannot tell which files this command writes ({access.unknown[0]}); "
+                    "the policy restricts writes: name the files",
+                )
+            )  # fmt: skip
+        if access.writes or access.unknown:
+            decisions.append(self.category("write"))
+        return strictest(decisions)
+
+    def _tree(self, prefix: str, mode: Literal["read", "write"]) -> bool:
+        rules = self.policy.paths
+        globs = rules.read if mode == "read" else rules.write
+        classified = [g for entry in self.policy.data for g in entry.paths]
+        return tree_allowed(globs, rules, prefix, classified=classified)
+
+    def _target(self, word: str, mode: Literal["read", "write"], tool: str) -> Decision:
+        """A file a command names; a shell wildcard is judged by everything it may expand to."""
+        if not GLOB_CHARS & set(word):
+            return self._path(word, mode, tool)
+        relative = word[len(WORKSPACE) :] if word.startswith(WORKSPACE + "/") else word
+        prefix = normalise(literal_prefix(relative)) if not relative.startswith("/") else None
+        if prefix is not None and self._tree(prefix, mode):
+            return ALLOW
+        return Decision(
+            verdict=Verdict.DENY, rule=f"paths.{mode}",
+            reason=f"cannot tell which files `{word}` names under the policy's path rules; name them",
+        )  # fmt: skip
 
     def tool(self, name: str) -> Decision:
         if self.role.tools and name not in self.role.tools:

@@ -13,7 +13,17 @@ from collections.abc import Sequence
 
 from stockade.policy.schema import PathRules
 
-__all__ = ["glob_matches", "normalise", "readable", "writable"]
+__all__ = [
+    "GLOB_CHARS",
+    "glob_matches",
+    "literal_prefix",
+    "normalise",
+    "readable",
+    "tree_allowed",
+    "writable",
+]
+
+GLOB_CHARS = frozenset("*?[")
 
 WORKSPACE = "/workspace"
 
@@ -90,3 +100,39 @@ def readable(rules: PathRules, path: str) -> bool:
 
 def writable(rules: PathRules, path: str) -> bool:
     return _allowed(rules.write, rules, path)
+
+
+def literal_prefix(glob: str) -> str:
+    """The directories of ``glob`` before its first wildcard part (``src/a/*.py`` -> ``src/a``)."""
+    parts: list[str] = []
+    for part in glob.strip("/").split("/"):
+        if GLOB_CHARS & set(part):
+            break
+        parts.append(part)
+    return "/".join(parts)
+
+
+def _under(path: str, base: str) -> bool:
+    return base in ("", path) or path.startswith(base + "/")
+
+
+def tree_allowed(
+    globs: Sequence[str], rules: PathRules, prefix: str, *, classified: Sequence[str] = ()
+) -> bool:
+    """Whether every path under ``prefix`` (normalised) is allowed: a glob covers the whole
+    subtree, and no deny glob nor classified-data glob reaches into it. Conservative: used for
+    what a shell wildcard may expand to, which the rules cannot enumerate."""
+    covered = False
+    for glob in globs:
+        g = glob.strip("/")
+        base = g[:-3] if g.endswith("/**") else ("" if g == "**" else g)
+        if not (GLOB_CHARS & set(base)) and (g == "**" or g.endswith("/**") or base) and _under(prefix, base):
+            covered = True
+            break
+    if not covered:
+        return False
+    for glob in (*rules.deny, *classified):
+        reach = literal_prefix(glob)
+        if _under(prefix, reach) or _under(reach, prefix):
+            return False
+    return True

@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import contextlib
 import posixpath
+import shlex
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,7 +14,7 @@ from stockade.policy.guards import GuardContext, GuardedBackend, op_policy_guard
 from stockade.policy.paths import normalise, readable, writable
 from stockade.policy.schema import PathRules, Policy
 from stockade.sandbox.base import SandboxSpec
-from stockade.sandbox.ops import WriteFile
+from stockade.sandbox.ops import RunCommand, WriteFile
 from stockade.testing import FakeBackend, MemoryWorkspace
 
 RULES = PathRules(read=("**",), write=("src/**", "tests/*.py"), deny=("src/secret", ".git/**"))
@@ -78,3 +80,98 @@ def test_no_denied_path_is_ever_written(paths: list[str]) -> None:
         assert isinstance(op, WriteFile) and oracle_writable(op.path)
         norm = normalise(op.path)
         assert norm is not None and not posixpath.isabs(norm)
+
+
+# Shell lines that write files by name: the command rules read their targets from the parsed
+# argv and redirections, and judge each against the same path rules.
+WRITERS = st.sampled_from(
+    [
+        "echo x > {}", "echo x >> {}", "make &> {}", "ls | tee -a {}", "cp src/a.py {}", "mv src/a.py {}",
+        "rm -rf {}", "touch {}", "dd if=src/a.py of={}", "sed -i s/a/b/ {}", "nice -n 5 truncate -s 0 {}",
+        "env A=1 ln -s {} src/link", "sh -c 'cat < src/a.py > {}'",
+    ]
+)  # fmt: skip
+TARGETS = st.builds(
+    lambda prefix, parts: prefix + "/".join(parts),
+    st.sampled_from(["", "/workspace/", "./"]),
+    st.lists(
+        st.sampled_from(["src", "tests", "secret", ".git", "..", ".", "a.py", "x", "*", "*.py"]),
+        min_size=1,
+        max_size=4,
+    ),
+)
+JOINERS = st.sampled_from([" ; ", " && ", " | ", " || ", "\n"])
+LINES = st.lists(st.tuples(WRITERS, TARGETS), min_size=1, max_size=3)
+
+
+def _every_expansion_writable(target: str) -> bool:
+    """What a wildcard may expand to, sampled: one file name per kind the rules tell apart."""
+    if "*" not in target:
+        return oracle_writable(target)
+    return all(oracle_writable(target.replace("*", name)) for name in ("x", "secret", ".git", "a.py", "t.py"))
+
+
+def _line(parts: list[tuple[str, str]], joiner: str) -> str:
+    return joiner.join(template.format(shlex.quote(target)) for template, target in parts)
+
+
+@given(LINES, JOINERS)
+@settings(max_examples=400, deadline=None)
+def test_no_shell_line_the_policy_allows_writes_a_denied_path(
+    parts: list[tuple[str, str]], joiner: str
+) -> None:
+    engine = PolicyEngine(Policy(paths=RULES))
+    decision = engine.op(RunCommand(argv=("/bin/sh", "-c", _line(parts, joiner))))
+    if decision.allowed:
+        assert all(_every_expansion_writable(target) for _, target in parts)
+
+
+@given(st.lists(st.tuples(LINES, JOINERS), min_size=1, max_size=6))
+@settings(max_examples=150, deadline=None)
+def test_no_command_writing_a_denied_path_ever_reaches_the_sandbox(
+    lines: list[tuple[list[tuple[str, str]], str]],
+) -> None:
+    backend = FakeBackend(MemoryWorkspace())
+    guard = op_policy_guard(PolicyEngine(Policy(paths=RULES)))
+    instance = GuardedBackend(backend, guard, GuardContext()).start(SandboxSpec())
+    targets: dict[str, list[str]] = {}
+    for parts, joiner in lines:
+        line = _line(parts, joiner)
+        targets[line] = [target for _, target in parts]
+        with contextlib.suppress(exc.PolicyDenied):
+            instance.execute(RunCommand(argv=("/bin/sh", "-c", line)))
+    for op in backend.instances[0].ops:
+        assert isinstance(op, RunCommand)
+        assert all(_every_expansion_writable(t) for t in targets[op.argv[2]])
+
+
+@pytest.mark.parametrize(
+    ("line", "allowed"),
+    [
+        ("echo x > src/a.py", True),
+        ("echo x > src/secret/key", False),  # redirections are writes
+        ("cat src/a.py >> README.md", False),
+        ("python3 -m pytest 2>/dev/null > /tmp/log", True),  # the sandbox's scratch files
+        ("echo x > /etc/profile", False),
+        ("ls | tee src/a.py .git/config", False),
+        ("cp src/a.py .git/hooks/pre-commit", False),
+        ("mv src/secret/key src/key", False),  # a move writes (removes) its source
+        ("rm -rf src/build/*", True),  # the wildcard stays inside a writable tree
+        ("rm -rf src/*", False),  # ... which may name src/secret
+        ("dd if=src/a.py of=tests/t.py", True),
+        ("dd if=src/a.py of=.git/x", False),
+        ("ls | xargs rm", False),  # cannot tell what it removes
+        ("echo x > $HOME/f", False),
+        ("cd src; echo x > a.py", False),  # judged in both directories it may run in
+        ("cat < README.md", True),
+    ],
+)
+def test_command_lines_are_judged_by_the_files_they_write(line: str, allowed: bool) -> None:
+    engine = PolicyEngine(Policy(paths=RULES))
+    assert engine.op(RunCommand(argv=("/bin/sh", "-c", line))).allowed is allowed
+
+
+def test_without_path_rules_only_leaving_the_workspace_is_refused() -> None:
+    engine = PolicyEngine(Policy())
+    assert engine.op(RunCommand(argv=("sh", "-c", "rm -rf * && echo x > $OUT && ls | xargs rm"))).allowed
+    assert not engine.op(RunCommand(argv=("sh", "-c", "echo x > ../outside"))).allowed
