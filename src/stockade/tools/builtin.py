@@ -11,6 +11,7 @@ import shlex
 import time
 
 from stockade.exceptions import SandboxFileNotFound, ToolError
+from stockade.sandbox.facade import Sandbox
 from stockade.tools.base import Risk, ToolContext, Toolset, tool
 from stockade.tools.patch import apply_patch_to_sandbox
 from stockade.tools.testreport import TestReport, parse_junit_xml, parse_unittest_output
@@ -225,10 +226,47 @@ def list_files(ctx: ToolContext, path: str = "", depth: int = 2) -> str:
     return "\n".join(shown) or "(empty)"
 
 
+# `git diff HEAD`, plus untracked (not ignored) files as new ones, without touching the index;
+# the run's own records (.stockade/) are left out.
+# Exit 97-99: no git, not a repository, no commit yet; the tool then diffs against the baseline.
+_GIT = "git -c safe.directory=* -c core.fsmonitor= -c core.quotepath=off"
+GIT_HEAD_DIFF = f"""\
+command -v git >/dev/null 2>&1 || exit 97
+{_GIT} rev-parse --is-inside-work-tree >/dev/null 2>&1 || exit 98
+{_GIT} rev-parse --verify -q HEAD >/dev/null 2>&1 || exit 99
+{_GIT} diff --no-color --no-ext-diff HEAD -- || exit 96
+{_GIT} ls-files --others --exclude-standard --exclude=/.stockade/ -z \
+  | xargs -0 -r -n 1 {_GIT} diff --no-color --no-ext-diff --no-index -- /dev/null
+exit 0
+"""
+GIT_TIMEOUT_S = 60.0
+
+
+def _git_head_diff(sandbox: Sandbox) -> str | None:
+    """The diff against git HEAD, or None when the workspace is no git repository with a commit
+    (or the sandbox has no git)."""
+    if not sandbox.files.exists(".git"):
+        return None
+    result = sandbox.commands.run(GIT_HEAD_DIFF, timeout_s=GIT_TIMEOUT_S)
+    if result.exit_code != 0 or result.timed_out:
+        return None
+    if result.truncated:
+        return result.stdout + "\n(the diff was cut by the sandbox's output cap)"
+    return result.stdout
+
+
 @tool(idempotent=True, risk=Risk.LOW)
 def git_diff(ctx: ToolContext) -> str:
-    """Show every change made to the workspace since the run began, as a unified diff."""
-    return workspace_diff(ctx.records) or "(no changes)"
+    """Show the workspace's changes as a unified diff.
+
+    In a git repository: what `git diff HEAD` shows, with untracked files as new files. Otherwise:
+    every change since the run began. The first line says which.
+    """
+    books = ctx.records  # the tool's own reading: it is not a command the model chose
+    against_head = _git_head_diff(books)
+    if against_head is not None:
+        return f"(git diff HEAD; untracked files shown as new)\n{against_head or '(no changes)'}"
+    return f"(changes since the run began; not a git repository)\n{workspace_diff(books) or '(no changes)'}"
 
 
 @tool(risk=Risk.HIGH)

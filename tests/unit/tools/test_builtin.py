@@ -78,9 +78,35 @@ async def test_git_diff_shows_changes_since_the_baseline() -> None:
     await call(write_file, sbx, {"path": "a.txt", "content": "one\n2\n"})
     await call(write_file, sbx, {"path": "b.txt", "content": "new\n"})
     assert await call(git_diff, sbx, {}) == (
+        "(changes since the run began; not a git repository)\n"
         "--- a/a.txt\n+++ b/a.txt\n@@ -1,2 +1,2 @@\n one\n-two\n+2\n"
         "--- /dev/null\n+++ b/b.txt\n@@ -0,0 +1 @@\n+new\n"
     )
+
+
+async def test_git_diff_in_a_git_repository_is_git_diff_head_and_says_so() -> None:
+    head_diff = "--- a/a.txt\n+++ b/a.txt\n@@ -1 +1 @@\n-one\n+1\n"
+    ran: list[tuple[str, ...]] = []
+
+    def commands(op: RunCommand) -> CommandResult:
+        ran.append(op.argv)
+        return CommandResult(exit_code=0, stdout=head_diff, stderr="", duration_s=0.0)
+
+    sbx = make_sandbox(MemoryWorkspace(commands=commands, files={".git/HEAD": b"ref: refs/heads/main\n"}))
+    out = await call(git_diff, sbx, {})
+    assert out == "(git diff HEAD; untracked files shown as new)\n" + head_diff
+    assert len(ran) == 1 and "diff --no-color --no-ext-diff HEAD" in ran[0][-1]
+
+
+async def test_git_diff_falls_back_to_the_baseline_without_git_or_a_commit() -> None:
+    def no_git(op: RunCommand) -> CommandResult:
+        return CommandResult(exit_code=97, stdout="", stderr="", duration_s=0.0)
+
+    sbx = make_sandbox(MemoryWorkspace(commands=no_git, files={".git/HEAD": b"x", "a.txt": b"one\n"}))
+    record_baseline(sbx)
+    sbx.files.write("a.txt", "1\n")
+    out = await call(git_diff, sbx, {})
+    assert str(out).startswith("(changes since the run began; not a git repository)\n--- a/a.txt")
 
 
 async def test_the_workspace_diff_is_a_patch_apply_patch_accepts() -> None:

@@ -1,0 +1,62 @@
+"""git_diff on the real process tier: `git diff HEAD` semantics in a repository, the run's
+baseline elsewhere, and the repository's index left as it was."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from stockade import Sandbox
+from stockade.tools import ToolContext, git_diff
+from stockade.tools.workspace_diff import record_baseline
+from tests.conftest import require, require_tier
+
+pytestmark = pytest.mark.process
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout
+
+
+async def _git_diff(sbx: Sandbox) -> str:
+    return str(await git_diff.invoke(ToolContext(sandbox=sbx), git_diff.validate({})))
+
+
+async def test_in_a_git_repository_git_diff_compares_with_head(tmp_path: Path) -> None:
+    require_tier("process")
+    require("git", shutil.which("git") is not None, "git is not installed on this host")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / "app.py").write_text("x = 1\n")
+    (repo / "old.txt").write_text("before the run\n")
+    (repo / ".gitignore").write_text("*.log\n")
+    _git(repo, "add", ".")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-qm", "init")
+    (repo / "old.txt").write_text("changed before the run\n")  # HEAD sees this; a baseline would not
+    with Sandbox.create(tier="process", workspace=repo) as sbx:
+        record_baseline(sbx)
+        sbx.files.write("app.py", "x = 2\n")
+        sbx.files.write("new.py", "print('new')\n")
+        sbx.files.write("debug.log", "ignored\n")
+        out = await _git_diff(sbx)
+        assert out.startswith("(git diff HEAD; untracked files shown as new)\n")
+        assert "-x = 1\n+x = 2\n" in out
+        assert "+changed before the run\n" in out
+        assert "+++ b/new.py" in out and "+print('new')" in out
+        assert "debug.log" not in out and ".stockade" not in out
+        status = sbx.commands.run("git -c safe.directory=* diff --cached --name-only")
+        assert status.exit_code == 0 and status.stdout == ""  # the index is untouched
+
+
+async def test_outside_a_repository_git_diff_compares_with_the_runs_baseline(tmp_path: Path) -> None:
+    require_tier("process")
+    (tmp_path / "app.py").write_text("x = 1\n")
+    with Sandbox.create(tier="process", workspace=tmp_path) as sbx:
+        record_baseline(sbx)
+        sbx.files.write("app.py", "x = 2\n")
+        out = await _git_diff(sbx)
+    assert out.startswith("(changes since the run began; not a git repository)\n--- a/app.py")
