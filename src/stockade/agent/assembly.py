@@ -56,7 +56,6 @@ from types import TracebackType
 from stockade.agent.checkpoint import Checkpointer
 from stockade.agent.events import (
     AgentEvent,
-    ModelDenied,
     ModelRequested,
     RunStarted,
     ToolCalled,
@@ -226,17 +225,6 @@ def _record_denial(
     log.record(EventKind.POLICY_DECISION, run_id=run_id, step=step, actor="policy", attributes=attributes)
 
 
-def _audited_model_refusals(log: AuditLog) -> AgentObserver:
-    """The loop's ``ModelDenied`` as a ``policy_decision`` (level "model"), like the other levels'."""
-
-    def observe(event: AgentEvent) -> None:
-        if isinstance(event, ModelDenied):
-            err = PolicyDenied(event.reason, rule=event.rule, action=f"model {event.model_name}")
-            _record_denial(log, event.run_id, "model", err, step=event.step)
-
-    return observe
-
-
 def _call_guard(inner: Guard) -> Guard:
     def guard(ctx: GuardContext, call: ToolCall) -> ToolCall:
         _call_approved.set(False)  # a new call: no approval yet (the loop records its denials)
@@ -401,8 +389,9 @@ class AgentSession:
         observers: list[AgentObserver] = [AuditObserver(log), auditor.track]
         runtime: list[RuntimeObserver] = [auditor]
         self.approvals: Approvals = owner.approvals
+        self._recorder: RunRecorder | None = None
         if isinstance(config.checkpointer, RunStore):  # retries, approvals and the ledger too
-            recorder = RunRecorder(config.checkpointer, run_id=run_id)
+            recorder = self._recorder = RunRecorder(config.checkpointer, run_id=run_id)
             observers.append(recorder)
             runtime.append(recorder.runtime)
             self.approvals = recorder.approvals(owner.approvals)
@@ -443,7 +432,6 @@ class AgentSession:
             guards=[_call_guard(policy_guard(owner.engine, self.approvals, monitor))],
             observers=[
                 *observers,
-                _audited_model_refusals(log),
                 _audited_prompt_filter(owner.engine, log),
                 self.controls.observe,
                 self._track_step,
@@ -465,6 +453,8 @@ class AgentSession:
     @contextlib.contextmanager
     def open(self, workspace: str | Path | None) -> Iterator[AgentSession]:
         owner = self.owner
+        if self._recorder is not None and workspace is not None:
+            self._recorder.seed = workspace  # kept with the run, for ``stockade replay``
         telemetry = owner.config.telemetry
         tier = owner.backend if telemetry is None else TracedBackend(owner.backend, telemetry)
         backend = AuditedBackend(

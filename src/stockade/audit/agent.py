@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from stockade.agent.events import (
     AgentEvent,
+    ModelDenied,
     ModelRequested,
     ModelResponded,
     RunFinished,
@@ -72,6 +73,20 @@ class AuditObserver:
                         "output_tokens": response.usage.output_tokens,
                         "tool_calls": [call.name for call in response.tool_calls],
                         "text_chars": len(response.text),
+                    },
+                )
+            case ModelDenied():
+                record(
+                    EventKind.POLICY_DECISION,
+                    run_id=event.run_id,
+                    step=event.step,
+                    actor="policy",
+                    attributes={
+                        "decision": "deny",
+                        "level": "model",
+                        "rule": event.rule,
+                        "reason": event.reason,
+                        "model": event.model_name,
                     },
                 )
             case ToolCalled():

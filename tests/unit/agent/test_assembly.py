@@ -193,3 +193,19 @@ def test_every_path_a_patch_touches_is_judged_before_anything_happens(
     assert project == {"src/app.py": b"x = 1\n", "secrets/key": b"hunter2\n"}
     denials = [e.attributes for e in events if e.kind.value == "policy_decision"]
     assert [d.get("level", "call") for d in denials] == ["call"]  # the model heard it from the guard
+
+
+def test_an_assembled_run_keeps_its_starting_workspace_for_replay(tmp_path: Path) -> None:
+    from stockade.runs import open_run_store
+
+    seed = tmp_path / "project"
+    seed.mkdir()
+    (seed / "app.py").write_text("print('v1')\n")
+    store = open_run_store(f"sqlite:///{tmp_path / 'runs.db'}")
+    cfg = config(tmp_path, ScriptedModel(["done"]), Policy(trust=TRUSTED), checkpointer=store)
+    with build_agent(cfg) as agent:
+        result = agent.run_sync("look", workspace=seed)
+    (seed / "app.py").write_text("print('changed after the run')\n")
+    restored = tmp_path / "restored"
+    store.restore_seed(result.run_id, restored)
+    assert (restored / "app.py").read_text() == "print('v1')\n"
