@@ -8,6 +8,8 @@ and a stale copy can never be mistaken for the current one.
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -24,7 +26,10 @@ from stockade.sandbox.base import SandboxSpec
 
 KERNEL_SOURCES = ("supervisor.py", "interpreter.py", "protocol.py")
 KERNEL_MOUNT = "/opt/stockade"
-SUPERVISOR_ARGV = ("python3", "-S", "-E", "-s", "-B", f"{KERNEL_MOUNT}/boot.py")
+SUPERVISOR_ARGV = (
+    "python3", "-S", "-E", "-s", "-B", "-c",
+    f"import sys; sys.path.insert(0, {KERNEL_MOUNT!r}); import boot; boot.main()",
+)  # fmt: skip
 SANDBOX_UID = 1000
 MiB = 1024 * 1024
 MS_NOSUID, MS_NODEV = 2, 4
@@ -48,23 +53,85 @@ def default_state_dir() -> Path:
 
 # Runs first in every container: stacks the process tier's seccomp filter on top of the
 # engine's profile (which allows ptrace, for one), then becomes the supervisor. Fails closed.
+# Imported (so it and the supervisor load from bytecode the sandbox's python compiled) and
+# built on _ctypes alone: under gVisor, compiling the supervisor, runpy and the ctypes
+# package cost ~30 ms of every start.
 BOOT = """\
-import ctypes, os, runpy, sys
-class _Prog(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-with open("/opt/stockade/seccomp.bpf", "rb") as fh:
-    _code = fh.read()
-_buf = ctypes.create_string_buffer(_code, len(_code))
-_prog = _Prog(len(_code) // 8, ctypes.cast(_buf, ctypes.c_void_p))
-_libc = ctypes.CDLL(None, use_errno=True)
-if _libc.prctl(38, 1, 0, 0, 0) != 0 or _libc.prctl(22, 2, ctypes.byref(_prog), 0, 0) != 0:
-    sys.stderr.write("stockade: cannot install the seccomp filter: %s\\n" % os.strerror(ctypes.get_errno()))
-    sys.exit(121)
-del _code, _buf, _prog, _libc, _Prog, fh
-sys.argv = ["/opt/stockade/supervisor.py"]
-runpy.run_path("/opt/stockade/supervisor.py", run_name="__main__")
+import sys
+import _ctypes
+
+
+class _Long(_ctypes._SimpleCData):
+    _type_ = "l"
+
+
+class _UShort(_ctypes._SimpleCData):
+    _type_ = "H"
+
+
+class _Ptr(_ctypes._SimpleCData):
+    _type_ = "P"
+
+
+class _Char(_ctypes._SimpleCData):
+    _type_ = "c"
+
+
+class _Prog(_ctypes.Structure):
+    _fields_ = [("len", _UShort), ("filter", _Ptr)]
+
+
+class _Func(_ctypes.CFuncPtr):
+    _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
+    _restype_ = _Long
+
+
+class _Libc:
+    _handle = _ctypes.dlopen(None)
+
+
+def main():
+    prctl = _Func(("prctl", _Libc()))
+    prctl.argtypes = (_Long,) * 5
+    with open("/opt/stockade/seccomp.bpf", "rb") as fh:
+        code = fh.read()
+    buf = (_Char * len(code)).from_buffer_copy(code)
+    prog = _Prog(len(code) // 8, _ctypes.addressof(buf))
+    if prctl(38, 1, 0, 0, 0) != 0 or prctl(22, 2, _ctypes.addressof(prog), 0, 0) != 0:
+        import os
+
+        err = os.strerror(_ctypes.get_errno())
+        sys.stderr.write("stockade: cannot install the seccomp filter: %s\\n" % err)
+        sys.exit(121)
+    import supervisor
+
+    supervisor.main()
 """
 
+# Compiles the kernel's sources with the sandbox's own python (bytecode is per Python
+# version): sources from a folder or as JSON on stdin; out {"tag": cache tag, "pyc":
+# {name: base64}}.
+# Unchecked-hash pycs: the folder is named after its content, so they cannot go stale.
+COMPILE = """\
+import base64, json, os, py_compile, sys, tempfile
+if sys.argv[1:]:  # a folder of sources (put there by the engine), else JSON on stdin
+    d = sys.argv[1]
+    names = [n for n in os.listdir(d) if n.endswith(".py")]
+    sources = {n: open(os.path.join(d, n), encoding="utf-8").read() for n in names}
+else:
+    sources = json.load(sys.stdin)
+work = tempfile.mkdtemp()
+out = {}
+for name, text in sources.items():
+    src = os.path.join(work, name)
+    with open(src, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    cfile = py_compile.compile(src, cfile=src + "c", dfile="/opt/stockade/" + name, doraise=True,
+                               invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    with open(cfile, "rb") as fh:
+        out[name] = base64.b64encode(fh.read()).decode()
+json.dump({"tag": sys.implementation.cache_tag, "pyc": out}, sys.stdout)
+"""
 
 _kernel_dirs: dict[Path, Path] = {}
 
@@ -101,6 +168,45 @@ def kernel_dir(state_dir: Path) -> Path:
             (tmp / name).unlink(missing_ok=True)
         tmp.rmdir()
     return target
+
+
+def python_sources(kernel: Path) -> dict[str, str]:
+    """The modules of a kernel folder, to compile with the sandbox's python."""
+    return {p.name: p.read_text() for p in sorted(kernel.glob("*.py"))}
+
+
+def has_bytecode(kernel: Path, key: str) -> bool:
+    """Whether the python identified by ``key`` (an image id, a rootfs) compiled ``kernel``."""
+    return (kernel / f".bytecode-{bytecode_key(key)}").exists()
+
+
+def mark_bytecode(kernel: Path, key: str) -> None:
+    with contextlib.suppress(OSError):
+        (kernel / f".bytecode-{bytecode_key(key)}").touch()
+
+
+def install_bytecode(kernel: Path, key: str, compiled: dict[str, Any]) -> None:
+    """Store what ``COMPILE`` printed as ``__pycache__/<name>.<tag>.pyc``, atomically per file."""
+    tag = str(compiled["tag"])
+    if not tag.replace("-", "").isalnum():
+        raise ValueError(f"odd cache tag {tag!r}")
+    cache = kernel / "__pycache__"
+    cache.mkdir(mode=0o755, exist_ok=True)
+    os.chmod(cache, 0o755)
+    for name, data in compiled["pyc"].items():
+        if name not in python_sources(kernel):
+            raise ValueError(f"unexpected module {name!r}")
+        target = cache / f"{name.removesuffix('.py')}.{tag}.pyc"
+        fd, tmp = tempfile.mkstemp(dir=cache, prefix=".pyc-")
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(base64.b64decode(data))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    mark_bytecode(kernel, key)
+
+
+def bytecode_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)

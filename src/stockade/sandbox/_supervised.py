@@ -150,6 +150,19 @@ class SupervisedInstance(Instance):
 
     def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
         self._check_open()
+        oom_before = self.boundary.oom_kills()
+        try:
+            return self._handle(op, sink)
+        except exc.SandboxCrashed as err:
+            oom_after = self.boundary.oom_kills()
+            if oom_before is not None and oom_after is not None and oom_after > oom_before:
+                raise exc.SandboxCrashed(
+                    f"{err}: the sandbox ran out of memory (memory_mb={self.spec.limits.memory_mb}; "
+                    "files in /workspace, /tmp and /dev/shm are memory and count against it)"
+                ) from None
+            raise
+
+    def _handle(self, op: Op, sink: OutputSink | None) -> OpResult:
         match op:
             case RunCommand():
                 return self._run_command(op, sink)

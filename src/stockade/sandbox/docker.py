@@ -17,14 +17,17 @@ The same class runs gVisor containers (``runtime="runsc"``, see ``gvisor.py``).
 from __future__ import annotations
 
 import contextlib
+import io
+import json
 import os
 import secrets
 import shutil
 import socket
+import tarfile
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +105,31 @@ def _engine(image: str = "", runtime: str | None = None) -> Iterator[None]:
         yield
     except _engine_failures() as err:
         raise engine_error(err, image=image, runtime=runtime) from err
+
+
+def _is_remote(base_url: str | None) -> bool:
+    forced = os.environ.get("STOCKADE_DOCKER_REMOTE")
+    if forced in ("0", "1"):
+        return forced == "1"
+    url = base_url or os.environ.get("DOCKER_HOST") or ""
+    return bool(url) and not url.startswith(("unix://", "/"))
+
+
+def _tar(files: Mapping[str, bytes | str], folder: str = "") -> bytes:
+    """A tar of world-readable files (and their folders) for ``put_archive``."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        dirs = {str(Path(folder, name).parent) for name in files} - {"."}
+        for name in sorted(dirs):
+            info = tarfile.TarInfo(name)
+            info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, int(time.time())
+            tar.addfile(info)
+        for name, data in files.items():
+            raw = data.encode() if isinstance(data, str) else data
+            info = tarfile.TarInfo(str(Path(folder, name)))
+            info.size, info.mode, info.mtime = len(raw), 0o644, int(time.time())
+            tar.addfile(info, io.BytesIO(raw))
+    return buf.getvalue()
 
 
 # -- the attach stream ----------------------------------------------------------------------
@@ -195,9 +223,11 @@ def _retry_pending(api: Any) -> None:
 
 
 class _ContainerBoundary(Boundary):
-    def __init__(self, api: Any, cid: str, rundir: Path | None, mounts: list[Path]) -> None:
+    def __init__(self, api: Any, cid: str, rundir: Path | None, mounts: list[Path], *, remote: bool) -> None:
         self.api = api
         self.cid = cid
+        self.remote = remote
+        self.since = int(time.time()) - 1
         self.rundir = rundir
         self.mounts = mounts
         self._dead = False
@@ -210,7 +240,10 @@ class _ContainerBoundary(Boundary):
 
     def oom_kills(self) -> int | None:
         # The engine reports OOM as a boolean on exit only; the container's memory cgroup
-        # counts every kill, and is readable when the engine runs on this host.
+        # counts every kill, and is readable when the engine runs on this host. A remote
+        # engine's own events count them too, one API call per look.
+        if self.remote:
+            return self._oom_events()
         if not self._oom_resolved:
             self._oom_resolved = True
             unknown: tuple[type[BaseException], ...] = (*_engine_failures(), KeyError, TypeError, ValueError)
@@ -220,6 +253,21 @@ class _ContainerBoundary(Boundary):
                 pid = 0
             self._oom_file = _oci.oom_counter_file(pid) if pid else None
         return None if self._oom_file is None else _oci.read_oom_kills(self._oom_file)
+
+    def _oom_events(self) -> int | None:
+        until = int(time.time()) + 1
+        try:
+            with contextlib.closing(
+                self.api.events(
+                    since=self.since,
+                    until=until,
+                    filters={"container": self.cid, "event": "oom"},
+                    decode=True,
+                )
+            ) as events:
+                return sum(1 for _ in events)
+        except _engine_failures():
+            return None
 
     def kill(self) -> None:
         with self._lock:
@@ -283,6 +331,11 @@ class DockerBackend(Backend):
     counted by that kernel (RLIMIT_NPROC), and the workspace and /tmp are tmpfs mounted on
     this host and bound in (needs root and a local engine), as gVisor's tmpfs cannot limit
     inodes.
+
+    ``remote`` says the engine does not run on this host (default: any ``DOCKER_HOST`` or
+    ``base_url`` that is not a unix socket; ``STOCKADE_DOCKER_REMOTE=1``/``0`` overrides).
+    The supervisor then reaches containers in a Docker volume filled over the API instead
+    of a bind mount of a host folder, and OOM kills are counted from the engine's events.
     """
 
     tier = "docker"
@@ -296,18 +349,21 @@ class DockerBackend(Backend):
         tier: str = "docker",
         own_kernel: bool = False,
         state_dir: Path | None = None,
+        remote: bool | None = None,
     ) -> None:
         self.image = image or os.environ.get("STOCKADE_IMAGE") or DEFAULT_IMAGE
         self.runtime = runtime
         self.base_url = base_url
         self.tier = tier
         self.own_kernel = own_kernel
-        self.host_tmpfs = own_kernel and os.geteuid() == 0
+        self.remote = _is_remote(base_url) if remote is None else remote
+        self.host_tmpfs = own_kernel and os.geteuid() == 0 and not self.remote
         self.state_dir = state_dir or _oci.default_state_dir()
         self.creator = _oci.current_creator()
         self._api_client: Any = None
         self._lock = threading.Lock()
         self._collected = False
+        self._kernel_source: tuple[Path, str] | None = None
 
     def _api(self) -> Any:
         with self._lock:
@@ -388,11 +444,11 @@ class DockerBackend(Backend):
 
     # -- start --------------------------------------------------------------------------
 
-    def _host_config(self, api: Any, spec: SandboxSpec, kernel: Path, binds: dict[str, Path]) -> Any:
+    def _host_config(self, api: Any, spec: SandboxSpec, kernel: str, binds: dict[str, Path]) -> Any:
         docker = _docker()
         limits = spec.limits
         tmpfs: dict[str, str] = {}
-        volume_binds = {str(kernel): {"bind": _oci.KERNEL_MOUNT, "mode": "ro"}}
+        volume_binds = {kernel: {"bind": _oci.KERNEL_MOUNT, "mode": "ro"}}
         for target, (size, inodes, mode) in _oci.tmpfs_sizes(spec).items():
             if target in binds:
                 volume_binds[str(binds[target])] = {"bind": target, "mode": "rw"}
@@ -457,6 +513,95 @@ class DockerBackend(Backend):
             raise
         return rundir, mounts, binds
 
+    # -- the supervisor's files --------------------------------------------------------
+
+    def _kernel(self, api: Any) -> str:
+        """What containers mount at /opt/stockade: the host's kernel folder, or a volume.
+
+        Once per image, its own python compiles the supervisor (a short-lived helper
+        container), so that every start loads bytecode instead of compiling it.
+        """
+        kernel = _oci.kernel_dir(self.state_dir)
+        if self._kernel_source is not None and self._kernel_source[0] == kernel:
+            return self._kernel_source[1]
+        with _engine(self.image, self.runtime):
+            image_id = str(api.inspect_image(self.image)["Id"])
+        if not _oci.has_bytecode(kernel, image_id):
+            self._compile(api, kernel, image_id)
+        source = self._fill_volume(api, kernel, image_id) if self.remote else str(kernel)
+        self._kernel_source = (kernel, source)
+        return source
+
+    def _helper(self, api: Any, command: list[str], binds: dict[str, dict[str, str]]) -> str:
+        """A container that does one chore with the image, labelled like a sandbox for gc."""
+        host_config = api.create_host_config(
+            network_mode="none",
+            binds=binds,
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges"],
+            mem_limit=256 * _oci.MiB,
+            pids_limit=64,
+            runtime=self.runtime,
+        )
+        created = api.create_container(
+            self.image,
+            command=command,
+            user=f"{_oci.SANDBOX_UID}:{_oci.SANDBOX_UID}",
+            network_disabled=True,
+            labels=self._labels(SandboxSpec(), "helper-" + secrets.token_hex(4)),
+            host_config=host_config,
+        )
+        return str(created["Id"])
+
+    def _compile(self, api: Any, kernel: Path, image_id: str) -> None:
+        """Best effort: without bytecode, the supervisor compiles itself on every start."""
+        argv = ["python3", "-S", "-E", "-s", "-c", _oci.COMPILE, "/tmp/stockade-src"]
+        cid = ""
+        try:
+            with _engine(self.image, self.runtime):
+                cid = self._helper(api, argv, {})
+                api.put_archive(cid, "/tmp", _tar(_oci.python_sources(kernel), folder="stockade-src"))
+                api.start(cid)
+                status = api.wait(cid, timeout=START_TIMEOUT_S).get("StatusCode")
+                out = api.logs(cid, stdout=True, stderr=False)
+            if status == 0:
+                _oci.install_bytecode(kernel, image_id, json.loads(out))
+        except (exc.StockadeError, ValueError, KeyError, OSError):
+            pass
+        finally:
+            if cid:
+                _remove(api, cid)
+
+    def _fill_volume(self, api: Any, kernel: Path, image_id: str) -> str:
+        """A volume holding the kernel folder, for engines that cannot see this host's files.
+
+        Named after the folder (so after its content); filled once per image, through a
+        container that is created but never started (the engine writes into its volumes).
+        """
+        name = f"stockade-{kernel.name}"
+        marker = f".bytecode-{_oci.bytecode_key(image_id)}"
+        cid = ""
+        with _engine(self.image, self.runtime):
+            api.create_volume(name, labels={_oci.LABEL: "kernel"})
+            try:
+                cid = self._helper(api, ["true"], {name: {"bind": _oci.KERNEL_MOUNT, "mode": "rw"}})
+                try:
+                    api.get_archive(cid, f"{_oci.KERNEL_MOUNT}/{marker}")[0].close()
+                    return name
+                except _docker().errors.NotFound:
+                    pass
+                files = {p.name: p.read_bytes() for p in sorted(kernel.iterdir()) if p.is_file()}
+                files |= {
+                    f"__pycache__/{p.name}": p.read_bytes() for p in sorted(kernel.glob("__pycache__/*.pyc"))
+                }
+                files.pop(marker, None)
+                files[marker] = b""  # last: a partly filled volume is filled again
+                api.put_archive(cid, _oci.KERNEL_MOUNT, _tar(files))
+            finally:
+                if cid:
+                    _remove(api, cid)
+        return name
+
     def start(self, spec: SandboxSpec) -> SupervisedInstance:
         enforcement = self._plan(spec)
         api = self._api()
@@ -464,7 +609,7 @@ class DockerBackend(Backend):
             self._collected = True
             collect_garbage(api)
         _retry_pending(api)
-        kernel = _oci.kernel_dir(self.state_dir)
+        kernel = self._kernel(api)
         sid = "sbx-" + secrets.token_hex(6)
         rundir: Path | None = None
         mounts: list[Path] = []
@@ -500,7 +645,7 @@ class DockerBackend(Backend):
                 _remove(api, cid)
             _release_mounts(rundir, mounts)
             raise
-        boundary = _ContainerBoundary(api, cid, rundir, mounts)
+        boundary = _ContainerBoundary(api, cid, rundir, mounts, remote=self.remote)
         instance = _ContainerInstance(
             id=sid, tier=self.tier, stream=stream, boundary=boundary, spec=spec, enforcement=enforcement
         )

@@ -38,6 +38,8 @@ __all__ = ["GVisorBackend", "RunscBackend", "collect_garbage", "find_rootfs"]
 Mode = Literal["auto", "docker", "runsc"]
 START_TIMEOUT_S = 30.0
 ROOTFS_MARKER = "etc/stockade-rootfs"
+# Not the process tier's "stockade": its garbage collector owns every cgroup under that one.
+CGROUP_PARENT = "stockade-gvisor"
 
 
 def find_rootfs() -> Path | None:
@@ -167,8 +169,8 @@ class _RunscBoundary(Boundary):
 
     def oom_kills(self) -> int | None:
         for counter in (
-            Path("/sys/fs/cgroup/memory/stockade") / self.sid / "memory.oom_control",
-            Path("/sys/fs/cgroup/stockade") / self.sid / "memory.events",
+            Path("/sys/fs/cgroup/memory", CGROUP_PARENT, self.sid, "memory.oom_control"),
+            Path("/sys/fs/cgroup", CGROUP_PARENT, self.sid, "memory.events"),
         ):
             found = _oci.read_oom_kills(counter)
             if found is not None:
@@ -224,6 +226,7 @@ class RunscBackend(Backend):
         self.root = self.state_dir / "runsc"
         self.creator = _oci.current_creator()
         self._collected = False
+        self._compile_failed = False
 
     def _argv(self, *args: str) -> list[str]:
         return [self.runsc, "--root", str(self.root), f"--platform={self.platform}", "--network=none", *args]
@@ -278,6 +281,26 @@ class RunscBackend(Backend):
             detail=f"{self.runsc} on rootfs {self.rootfs}",
         )
 
+    def _compile(self, kernel: Path) -> None:
+        """Once per rootfs: its python compiles the supervisor, inside gVisor (``runsc do``).
+
+        Best effort: without bytecode the supervisor compiles itself on every start.
+        """
+        assert self.rootfs is not None
+        argv = [self.runsc, f"--platform={self.platform}", "--network=none", "do", "--root", str(self.rootfs)]
+        try:
+            done = subprocess.run(
+                [*argv, "python3", "-S", "-E", "-s", "-c", _oci.COMPILE],
+                input=json.dumps(_oci.python_sources(kernel)).encode(),
+                capture_output=True,
+                env={"PATH": "/usr/bin:/bin"},
+                timeout=START_TIMEOUT_S,
+                check=True,
+            )
+            _oci.install_bytecode(kernel, str(self.rootfs), json.loads(done.stdout))
+        except (OSError, ValueError, KeyError, subprocess.SubprocessError):
+            self._compile_failed = True
+
     def signal(self, sid: str, name: str) -> None:
         subprocess.run(
             self._argv("kill", "--all", sid, name),
@@ -306,6 +329,8 @@ class RunscBackend(Backend):
             self._collected = True
             collect_garbage()
         kernel = _oci.kernel_dir(self.state_dir)
+        if not _oci.has_bytecode(kernel, str(self.rootfs)) and not self._compile_failed:
+            self._compile(kernel)
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         sid = "sbx-" + secrets.token_hex(6)
         bundle = self.state_dir / f"gv-{sid}"
@@ -331,7 +356,7 @@ class RunscBackend(Backend):
                 rootfs=self.rootfs,
                 kernel=kernel,
                 binds=binds,
-                cgroup=f"/stockade/{sid}",
+                cgroup=f"/{CGROUP_PARENT}/{sid}",
                 host=_oci.own_kernel_limits(spec),
                 annotations=annotations,
             )

@@ -334,18 +334,12 @@ class ProcessBackend(Backend):
                 argv += ["--symlink", os.readlink(host), f"/{top}"]
             elif host.is_dir():
                 argv += ["--ro-bind", str(host), f"/{top}"]
-        argv += [
-            "--proc",
-            "/proc",
-            "--dev",
-            "/dev",
-            "--size",
-            str(spec.limits.tmp_mb * MiB),
-            "--tmpfs",
-            "/dev/shm",
-            "--dir",
-            "/etc",
-        ]
+        argv += ["--proc", "/proc", "--dev", "/dev"]
+        if self.is_root:  # a host tmpfs: bwrap's own cannot limit inodes
+            argv += ["--bind", str(rundir / "shm"), "/dev/shm"]
+        else:
+            argv += ["--size", str(spec.limits.tmp_mb * MiB), "--tmpfs", "/dev/shm"]
+        argv += ["--dir", "/etc"]
         for name in ("passwd", "group", "hosts", "hostname", "nsswitch.conf", "resolv.conf"):
             argv += ["--ro-bind", str(self._shared / "etc" / name), f"/etc/{name}"]
         for name in HOST_ETC:
@@ -410,6 +404,7 @@ class ProcessBackend(Backend):
                 for name, size, inodes in (
                     ("workspace", limits.disk_mb * MiB, limits.inodes),
                     ("tmp", limits.tmp_mb * MiB, max(1024, limits.inodes // 4)),
+                    ("shm", limits.tmp_mb * MiB, max(1024, limits.inodes // 4)),
                 ):
                     target = rundir / name
                     target.mkdir()
@@ -582,7 +577,7 @@ def collect_garbage(state_dir: Path | None = None) -> list[str]:
         for rundir in sorted(base.glob("sbx-*")):
             if _owner_alive(rundir):
                 continue
-            for name in ("workspace", "tmp"):
+            for name in ("workspace", "tmp", "shm"):
                 _umount(rundir / name)
             shutil.rmtree(rundir, ignore_errors=True)
             removed.append(f"process sandbox {rundir.name}")

@@ -584,15 +584,43 @@ class Supervisor:
         job = CommandJob(self, rid)
         timeout = h.get("timeout")
         job.deadline = time.monotonic() + float(timeout if timeout else self.default_timeout)
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        has_stdin = bool(h.get("stdin"))
-        if has_stdin:
-            in_r, in_w = os.pipe()
-        else:
-            in_r, in_w = self.devnull, -1
+        made: list[int] = []
+        try:
+            out_r, out_w = os.pipe()
+            made += (out_r, out_w)
+            err_r, err_w = os.pipe()
+            made += (err_r, err_w)
+            has_stdin = bool(h.get("stdin"))
+            if has_stdin:
+                in_r, in_w = os.pipe()
+                made += (in_r, in_w)
+            else:
+                in_r, in_w = self.devnull, -1
+            job.shim = spawn_shim(spawned(argv, env, cwd), (in_r, out_w, err_w))
+        except OSError as exc:
+            # Out of processes or descriptors (a thread or fork bomb the code left behind):
+            # the command could not start, which is a result like any failed exec.
+            for fd in made:
+                os.close(fd)
+            note = (
+                f"stockade: cannot start {argv[0]}: {exc.strerror} "
+                "(the sandbox's process or file limit is reached; reset() or close it)\n"
+            )
+            job.output(2, note.encode())
+            self.send(
+                {
+                    "id": rid,
+                    "ev": "exit",
+                    "exit_code": 126,
+                    "signal": None,
+                    "timed_out": False,
+                    "duration": time.monotonic() - job.started,
+                    "stdout_bytes": 0,
+                    "stderr_bytes": len(note),
+                }
+            )
+            return
 
-        job.shim = spawn_shim(spawned(argv, env, cwd), (in_r, out_w, err_w))
         for fd in (out_w, err_w) + ((in_r,) if has_stdin else ()):
             os.close(fd)
         for fd, stream in ((out_r, 1), (err_r, 2)):
