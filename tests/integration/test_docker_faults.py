@@ -50,7 +50,7 @@ def supervisors_on_host() -> int:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
-            count += b"/opt/stockade/boot.py" in cmdline
+            count += b"import boot; boot.main()" in cmdline
     return count
 
 

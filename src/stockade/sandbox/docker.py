@@ -227,7 +227,7 @@ class _ContainerBoundary(Boundary):
         self.api = api
         self.cid = cid
         self.remote = remote
-        self.since = int(time.time()) - 1
+        self.since = time.time() - 1.0
         self.rundir = rundir
         self.mounts = mounts
         self._dead = False
@@ -255,7 +255,9 @@ class _ContainerBoundary(Boundary):
         return None if self._oom_file is None else _oci.read_oom_kills(self._oom_file)
 
     def _oom_events(self) -> int | None:
-        until = int(time.time()) + 1
+        # ``until`` in the past (to the microsecond) makes the engine replay and return at
+        # once; a future one would hold the call open until then.
+        until = f"{time.time():.6f}"
         try:
             with contextlib.closing(
                 self.api.events(
