@@ -1,0 +1,55 @@
+"""The Docker tier against an engine that cannot see this host's files.
+
+A remote engine (``DOCKER_HOST=tcp://...``) gets the supervisor through a Docker volume
+filled over the API, and counts OOM kills from the engine's events instead of this host's
+cgroups. ``remote=True`` forces that mode on the local engine: the code path is the same,
+and no engine has to listen on TCP (an unauthenticated engine socket is root for whoever
+can reach it, loopback included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from stockade import Limits, Sandbox
+from stockade.sandbox.docker import DockerBackend
+from tests.conftest import require_tier
+
+pytestmark = pytest.mark.docker
+
+
+@pytest.fixture
+def remote() -> Iterator[DockerBackend]:
+    require_tier("docker")
+    yield DockerBackend(remote=True)
+
+
+def mounts_of(backend: DockerBackend, sbx: Sandbox) -> dict[str, dict[str, Any]]:
+    api = backend._api()
+    (found,) = api.containers(filters={"label": f"stockade.id={sbx.id}"})
+    return {m["Destination"]: m for m in api.inspect_container(found["Id"])["Mounts"]}
+
+
+def test_a_remote_engine_gets_the_supervisor_in_a_volume(remote: DockerBackend) -> None:
+    with Sandbox.create(backend=remote, limits=Limits(timeout_s=10)) as sbx:
+        kernel = mounts_of(remote, sbx)["/opt/stockade"]
+        assert kernel["Type"] == "volume" and not kernel["RW"]
+        assert sbx.run_code("x = 41").error is None
+        assert sbx.run_code("x + 1").text == "42"
+        # loaded from bytecode the image's own python compiled
+        cached = sbx.run_code("import sys; print(sys.modules['supervisor'].__cached__)").logs.stdout
+        assert cached.startswith("/opt/stockade/__pycache__/supervisor.")
+        assert sbx.commands.run("touch /opt/stockade/x").exit_code != 0
+        sbx.files.write("a.txt", "hello")
+        assert sbx.commands.run("cat a.txt").stdout == "hello"
+
+
+def test_a_remote_engine_reports_oom_kills_from_its_events(remote: DockerBackend) -> None:
+    with Sandbox.create(backend=remote, limits=Limits(memory_mb=128, timeout_s=20)) as sbx:
+        r = sbx.commands.run("python3 -c \"x = b'a' * (512 << 20); print('allocated')\"")
+        assert "allocated" not in r.stdout
+        assert r.oom_killed
+        assert not sbx.commands.run("true").oom_killed
