@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import platform
+import subprocess
+import sysconfig
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -54,3 +58,42 @@ def test_runsc_without_docker_refuses_network(direct: RunscBackend) -> None:
 def test_the_mode_is_a_setting() -> None:
     assert isinstance(GVisorBackend(mode="runsc").backend(), RunscBackend)
     assert GVisorBackend(mode="runsc", platform="kvm").platform == "kvm"
+
+
+UNPRIVILEGED = """
+from stockade import LimitNotEnforceable, Limits, Sandbox
+from stockade.sandbox.gvisor import GVisorBackend, RunscBackend
+gvisor = GVisorBackend(mode="docker")
+try:
+    Sandbox.create(backend=gvisor)
+    raise SystemExit("created without inode limits and without consent")
+except LimitNotEnforceable as err:
+    assert err.setting == "inodes" and "allow_weaker" in err.fix, err
+with Sandbox.create(backend=gvisor, allow_weaker=True, limits=Limits(memory_mb=128, disk_mb=16)) as sbx:
+    assert any(w.startswith("inodes") for w in sbx.enforcement.weakened), sbx.enforcement
+    r = sbx.commands.run("dd if=/dev/zero of=/workspace/f bs=1M count=40 2>&1; id -u")
+    assert "No space left" in r.stdout and r.stdout.endswith("1000\\n"), r
+    assert sbx.run_code("6 * 7").text == "42"
+assert not RunscBackend().probe().available  # runsc without Docker needs root: it says so
+print("ok")
+"""
+
+
+def test_without_root_gvisor_needs_consent_for_unlimited_inodes() -> None:
+    """An unprivileged user (here: nobody, allowed to use the engine) cannot mount host
+    tmpfs; gVisor's own tmpfs limits size but not inodes, so it takes allow_weaker=True."""
+    require_tier("gvisor")
+    if os.geteuid() != 0:
+        pytest.skip("this test drops from root to an unprivileged user")
+    src = Path(__file__).resolve().parents[2] / "src"
+    site = Path(sysconfig.get_paths()["purelib"])
+    engine_group = Path("/var/run/docker.sock").stat().st_gid
+    nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", f"--groups={engine_group}"]
+    if subprocess.run([*nobody, "test", "-r", str(src / "stockade" / "__init__.py")], check=False).returncode:
+        pytest.skip("the checkout is not readable by an unprivileged user here")
+    env = ["env", "-i", "PATH=/usr/bin:/bin", f"PYTHONPATH={src}:{site}", "HOME=/tmp"]
+    out = subprocess.run(
+        [*nobody, *env, "/usr/bin/python3", "-c", UNPRIVILEGED],
+        check=False, capture_output=True, text=True, timeout=180, cwd="/tmp",
+    )  # fmt: skip
+    assert out.stdout.strip() == "ok", out.stderr
