@@ -133,26 +133,29 @@ for name, text in sources.items():
 json.dump({"tag": sys.implementation.cache_tag, "pyc": out}, sys.stdout)
 """
 
-_kernel_dirs: dict[Path, Path] = {}
+_kernel_dirs: dict[tuple[Path, str], Path] = {}
 
 
-def kernel_dir(state_dir: Path) -> Path:
+def kernel_dir(state_dir: Path, python: str) -> Path:
     """A world-readable folder holding the supervisor, its boot script and the seccomp filter.
 
-    Created once per content (the name is its hash).
+    Created once per content and per ``python`` (an image id, a rootfs): the bytecode in it
+    is compiled by that image's own python, which is as trusted as the image and no more,
+    so one image's bytecode must never load in another image's sandboxes.
     """
     from stockade.sandbox import _seccomp
 
-    known = _kernel_dirs.get(state_dir)
+    known = _kernel_dirs.get((state_dir, python))
     if known is not None and known.is_dir():
         return known
     src = Path(__file__).parent / "kernel"
     blobs = {name: (src / name).read_bytes() for name in KERNEL_SOURCES}
     blobs["boot.py"] = BOOT.encode()
     blobs["seccomp.bpf"] = _seccomp.filter_bpf()
-    digest = hashlib.sha256(b"".join(blobs[n] for n in sorted(blobs))).hexdigest()[:16]
+    content = b"".join(blobs[n] for n in sorted(blobs)) + python.encode()
+    digest = hashlib.sha256(content).hexdigest()[:16]
     target = state_dir / f"kernel-{digest}"
-    _kernel_dirs[state_dir] = target
+    _kernel_dirs[(state_dir, python)] = target
     if target.is_dir():
         return target
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o711)

@@ -328,7 +328,7 @@ class RunscBackend(Backend):
         if not self._collected:
             self._collected = True
             collect_garbage()
-        kernel = _oci.kernel_dir(self.state_dir)
+        kernel = _oci.kernel_dir(self.state_dir, str(self.rootfs))
         if not _oci.has_bytecode(kernel, str(self.rootfs)) and not self._compile_failed:
             self._compile(kernel)
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -587,7 +587,8 @@ def collect_garbage(state_dir: Path | None = None) -> list[str]:
     support = _cgroups.detect()
     if support.mechanism is not Mechanism.NONE:
         for name in _cgroups.leftover_groups():
-            if not (base / name).exists():
+            # only ours: other tiers name their groups differently and gc their own
+            if name.startswith("sbx-") and not (base / name).exists():
                 _cgroups.Cgroup(support.mechanism, name).remove()
                 removed.append(f"cgroup {name}")
     return removed
