@@ -531,6 +531,7 @@ class AgentRun:
             duration_s=duration,
             cut_chars=shown.cut_chars,
             saved_to=shown.saved_to,
+            exit_code=_exit_code(value),
         )
         self._emit(ToolReturned(run_id=state.run_id, step=step, record=record, value=value))
         return record
@@ -589,3 +590,9 @@ class AgentRun:
     def _checkpoint(self) -> None:
         if self.agent.checkpointer is not None:
             self.agent.checkpointer.save(self.state)
+
+
+def _exit_code(value: object) -> int | None:
+    """The exit code a tool's result carries (``Ran``, ``TestReport``), if any."""
+    code = getattr(value, "exit_code", None)
+    return code if isinstance(code, int) and not isinstance(code, bool) else None

@@ -59,6 +59,7 @@ class ToolCallRecord(_Frozen):
     duration_s: float = 0.0
     cut_chars: int = 0
     saved_to: str | None = None
+    exit_code: int | None = None  # when the tool ran a process (shell, run_tests)
 
 
 class StepRecord(_Frozen):

@@ -72,7 +72,9 @@ def _resolve(store: RunStore, run_id: str) -> str:
 
 
 def exit_code(record: ToolCallRecord) -> int | None:
-    """The exit code a command or test tool reported in its observation, if any."""
+    """The exit code a command or test tool reported (recorded, or in its observation), if any."""
+    if record.exit_code is not None:
+        return record.exit_code
     match = _EXIT_CODE.search(record.observation[:2000])
     return int(match.group(1)) if match else None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shlex
 import time
+from dataclasses import dataclass
 
 from stockade.exceptions import SandboxFileNotFound, ToolError
 from stockade.sandbox.facade import Sandbox
@@ -32,6 +33,18 @@ __all__ = [
 
 MAX_LIST_ENTRIES = 400
 REPORT_DIR = ".stockade/reports"
+
+
+@dataclass(frozen=True)
+class Ran:
+    """A command's outcome: text for the model, and the exit code for the run's record."""
+
+    text: str
+    exit_code: int | None = None
+    timed_out: bool = False
+
+    def observation(self) -> str:
+        return self.text
 
 
 def _show_command(result: CommandResult) -> str:
@@ -270,14 +283,15 @@ def git_diff(ctx: ToolContext) -> str:
 
 
 @tool(risk=Risk.HIGH)
-def shell(ctx: ToolContext, command: str, timeout_s: float | None = None) -> str:
+def shell(ctx: ToolContext, command: str, timeout_s: float | None = None) -> Ran:
     """Run a shell command in the sandbox's workspace.
 
     Args:
         command: the command line, run with /bin/sh -c.
         timeout_s: wall-clock limit in seconds (the sandbox default when omitted).
     """
-    return _show_command(ctx.sandbox.commands.run(command, timeout_s=timeout_s))
+    result = ctx.sandbox.commands.run(command, timeout_s=timeout_s)
+    return Ran(_show_command(result), result.exit_code, result.timed_out)
 
 
 def default_toolset() -> Toolset:

@@ -37,7 +37,7 @@ from stockade.exceptions import (
 from stockade.models import FunctionModel, ModelRequest, ModelResponse, ToolCall, Usage
 from stockade.sandbox.ops import RunCommand
 from stockade.testing import FakeBackend, MemoryWorkspace, ScriptedModel, tool_call
-from stockade.tools import ToolContext, Toolset, default_toolset, tool
+from stockade.tools import ToolContext, Toolset, default_toolset, shell, tool
 from stockade.types import CommandResult
 
 FIX = "--- a/calc.py\n+++ b/calc.py\n@@ -1,2 +1,2 @@\n def add(a, b):\n-    return a - b\n+    return a + b\n"
@@ -342,3 +342,14 @@ def test_nothing_a_timed_out_tool_asks_afterwards_reaches_the_sandbox(sbx: Sandb
     assert finished.wait(10)
     assert not sbx.files.exists("late.txt")
     assert refused and "WriteFile was not started" in refused[0]
+
+
+def test_a_command_tools_exit_code_is_recorded_not_parsed() -> None:
+    def commands(op: RunCommand) -> CommandResult:
+        return CommandResult(exit_code=3, stdout="", stderr="boom\n", duration_s=0.01)
+
+    sandbox = Sandbox.create(backend=FakeBackend(MemoryWorkspace(commands=commands)))
+    model = ScriptedModel([tool_call("shell", {"command": "make"}), "it failed"])
+    result = Agent(model, tools=default_toolset().including(shell)).run_sync("build", sandbox=sandbox)
+    [record] = result.steps[0].tool_calls
+    assert record.exit_code == 3 and "exit code 3" in record.observation
