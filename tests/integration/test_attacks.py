@@ -154,3 +154,17 @@ def test_a_thread_bomb_left_behind_makes_commands_fail_as_results_until_reset(ti
             assert "limit is reached" in r.stderr
         sbx.reset()
         assert sbx.commands.run("echo after").stdout == "after\n"
+
+
+def test_reset_removes_posix_message_queues(tier: str) -> None:
+    with Sandbox.create(tier) as sbx:
+        made = sbx.run_code(
+            "import ctypes, os\n"
+            "rt = ctypes.CDLL('librt.so.1', use_errno=True)\n"
+            "rt.mq_open(b'/leftover', os.O_CREAT | os.O_RDWR, 0o600, None) >= 0 "
+            "and os.path.isdir('/dev/mqueue')"
+        )
+        if made.text != "True":
+            pytest.skip(f"no POSIX message queues visible on the {tier} tier")
+        sbx.reset()
+        assert sbx.run_code("import os; os.listdir('/dev/mqueue')").text == "[]"

@@ -334,7 +334,7 @@ class ProcessBackend(Backend):
                 argv += ["--symlink", os.readlink(host), f"/{top}"]
             elif host.is_dir():
                 argv += ["--ro-bind", str(host), f"/{top}"]
-        argv += ["--proc", "/proc", "--dev", "/dev"]
+        argv += ["--proc", "/proc", "--dev", "/dev", "--mqueue", "/dev/mqueue"]
         if self.is_root:  # a host tmpfs: bwrap's own cannot limit inodes
             argv += ["--bind", str(rundir / "shm"), "/dev/shm"]
         else:

@@ -63,7 +63,8 @@ MAX_LIST = 100_000
 LINK_HOPS = 40
 
 IPC_RMID = 0
-RESET_ROOTS = ("/tmp", "/dev/shm")  # beside the workspace: every place the code can write
+# Beside the workspace: every place the code can write (POSIX message queues included).
+RESET_ROOTS = ("/tmp", "/dev/shm", "/dev/mqueue")
 
 EVENT_READ, EVENT_WRITE = select.EPOLLIN, select.EPOLLOUT
 _libc_funcs: "dict[str, Any]" = {}
