@@ -10,6 +10,7 @@ import secrets
 import shutil
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -221,10 +222,14 @@ def test_background_processes_die_when_the_command_exits(sbx: Sandbox) -> None:
 
 def test_closing_leaves_no_process_behind(tier: str) -> None:
     marker = f"{secrets.randbelow(10**6) + 1000}.75"
-    sbx = Sandbox.create(tier)
-    sbx.run_code(f"import subprocess; p = subprocess.Popen(['sleep', '{marker}'])")
-    assert host_processes_with(f"sleep\0{marker}") or tier == "gvisor"
-    sbx.close()
+    with Sandbox.create(tier) as sbx:
+        started = sbx.run_code(f"import subprocess; p = subprocess.Popen(['sleep', '{marker}']); p.pid")
+        assert started.error is None and started.text is not None
+        if tier != "gvisor":  # gVisor's processes live in its own kernel, not the host's
+            deadline = time.monotonic() + 5
+            while not host_processes_with(f"sleep\0{marker}"):
+                assert time.monotonic() < deadline, "the sleep never showed up on the host"
+                time.sleep(0.05)
     assert host_processes_with(f"sleep\0{marker}") == []
 
 

@@ -317,8 +317,8 @@ class SupervisedInstance(Instance):
         out, out_cut = streams[1].text(out_total)
         err, err_cut = streams[2].text(err_total)
         sig = h.get("signal")
-        oom_after = self.boundary.oom_kills()
-        oom = oom_before is not None and oom_after is not None and oom_after > oom_before
+        killed = (sig == 9 or _int(h.get("exit_code")) == 137) and not h.get("timed_out")
+        oom = self._oom_since(oom_before, settle=killed)
         return CommandResult(
             exit_code=_int(h.get("exit_code")),
             stdout=out,
@@ -331,6 +331,23 @@ class SupervisedInstance(Instance):
             stderr_bytes=err_total,
             signal=sig if isinstance(sig, int) else None,
         )
+
+    def _oom_since(self, before: int | None, *, settle: bool) -> bool:
+        """Whether the memory limit killed something since ``before``.
+
+        Some counters lag the kill they count (a remote engine's events): when a process
+        died of SIGKILL we did not send, give the counter a moment before saying no.
+        """
+        if before is None:
+            return False
+        for wait in (0.0, 0.05, 0.1, 0.2, 0.4) if settle else (0.0,):
+            time.sleep(wait)
+            after = self.boundary.oom_kills()
+            if after is None:
+                return False
+            if after > before:
+                return True
+        return False
 
     # -- run_code -----------------------------------------------------------------------
 
@@ -371,8 +388,7 @@ class SupervisedInstance(Instance):
         if isinstance(raw_err, dict):
             name = str(raw_err.get("name", "Error"))
             value = str(raw_err.get("value", ""))
-            oom_after = self.boundary.oom_kills()
-            if name == "KernelDied" and oom_before is not None and (oom_after or 0) > oom_before:
+            if name == "KernelDied" and self._oom_since(oom_before, settle=True):
                 value = "the interpreter was killed by the sandbox's memory limit; its state is lost"
                 name = "MemoryLimitExceeded"
             error = ExecutionError(name=name, value=value, traceback=str(raw_err.get("traceback", "")))
