@@ -168,3 +168,22 @@ def test_reset_removes_posix_message_queues(tier: str) -> None:
             pytest.skip(f"no POSIX message queues visible on the {tier} tier")
         sbx.reset()
         assert sbx.run_code("import os; os.listdir('/dev/mqueue')").text == "[]"
+
+
+def test_code_cannot_kill_or_freeze_its_supervisor(tier: str) -> None:
+    # The supervisor is the sandbox's init (pid 1): signals from inside its pid namespace
+    # that it has no handler for, SIGKILL and SIGSTOP included, never reach it.
+    if tier == "gvisor":
+        # gVisor's kernel lets a process SIGKILL or SIGSTOP its namespace's init; the outcome
+        # there is a contained, typed crash (the host kills a frozen sandbox at its deadline).
+        with Sandbox.create(tier) as sbx, pytest.raises(StockadeError):
+            sbx.commands.run("kill -KILL 1")
+            sbx.commands.run("echo gone", timeout_s=1)
+        return
+    with Sandbox.create(tier) as sbx:
+        sbx.commands.run("kill -STOP 1; kill -KILL 1; kill -TERM 1; kill -INT 1; kill -9 -1")
+        sbx.run_code(
+            "import os, signal\nfor s in (signal.SIGSTOP, signal.SIGKILL, signal.SIGINT):\n    os.kill(1, s)"
+        )
+        assert sbx.commands.run("echo still here", timeout_s=5).stdout == "still here\n"
+        assert sbx.alive

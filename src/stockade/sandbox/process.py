@@ -314,6 +314,7 @@ class ProcessBackend(Backend):
             "--unshare-user",
             "--die-with-parent",
             "--new-session",
+            "--as-pid-1",  # the supervisor is init: code in the sandbox cannot kill or stop it
             "--disable-userns",
             "--uid",
             str(SANDBOX_UID),

@@ -67,6 +67,24 @@ IPC_RMID = 0
 RESET_ROOTS = ("/tmp", "/dev/shm", "/dev/mqueue")
 
 EVENT_READ, EVENT_WRITE = select.EPOLLIN, select.EPOLLOUT
+# Signals whose default would end or stop us; children get the defaults back.
+IGNORED_SIGNALS = (
+    signal.SIGPIPE,
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGALRM,
+    signal.SIGTSTP,
+    signal.SIGTTIN,
+    signal.SIGTTOU,
+    signal.SIGVTALRM,
+    signal.SIGPROF,
+    signal.SIGXCPU,
+    signal.SIGXFSZ,
+)
 _libc_funcs: "dict[str, Any]" = {}
 
 
@@ -197,7 +215,7 @@ def _child_setup(stdin_fd: int, out_fd: int, err_fd: int) -> None:
             fh.write("1000")
     except OSError:
         pass
-    for sig in (signal.SIGCHLD, signal.SIGPIPE, signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGCHLD, *IGNORED_SIGNALS):
         signal.signal(sig, signal.SIG_DFL)
     signal.set_wakeup_fd(-1)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
@@ -507,7 +525,8 @@ class Supervisor:
         os.set_blocking(wake_w, False)
         signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
-        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        for sig in IGNORED_SIGNALS:  # we are the sandbox's init: nothing in it may stop us
+            signal.signal(sig, signal.SIG_IGN)
         self.sel.register(self.rfd, EVENT_READ, ("host", None))
         self.sel.register(wake_r, EVENT_READ, ("wake", None))
         while self.running:
