@@ -164,3 +164,17 @@ def test_a_frozen_supervisor_cannot_hold_the_host_hostage() -> None:
     assert not sbx.alive, "the host took the whole sandbox down"
     assert processes_mentioning(sbx.id) == []
     sbx.close()
+
+
+def test_a_sandbox_nobody_closed_dies_with_its_last_reference() -> None:
+    import gc
+
+    sbx = Sandbox.create()
+    sid = sbx.id
+    assert processes_mentioning(sid)
+    del sbx
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while processes_mentioning(sid) or mounts_of(sid):
+        assert time.monotonic() < deadline, "a dropped sandbox kept running"
+        time.sleep(0.05)

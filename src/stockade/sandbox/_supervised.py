@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import json
 import time
+import weakref
 from typing import Any
 
 from stockade import exceptions as exc
@@ -114,6 +115,8 @@ class SupervisedInstance(Instance):
         self.boundary = boundary
         self.channel = Channel(stream, max_body=max_frame, name=id)
         self._closed = False
+        # A sandbox nobody closed dies with its last reference, or at interpreter exit.
+        self._finalizer = weakref.finalize(self, _tear_down, self.channel, boundary)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -139,8 +142,7 @@ class SupervisedInstance(Instance):
         if self._closed:
             return
         self._closed = True
-        self.channel.close()
-        self.boundary.kill()
+        self._finalizer()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -408,6 +410,11 @@ def _json_body(body: bytes) -> Any:
         return json.loads(body)
     except (ValueError, RecursionError) as err:
         raise exc.ProtocolError(f"malformed reply body: {str(err)[:200]}") from None
+
+
+def _tear_down(channel: Channel, boundary: Boundary) -> None:
+    channel.close()
+    boundary.kill()
 
 
 def _int(value: Any) -> int:
