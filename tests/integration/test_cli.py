@@ -74,3 +74,11 @@ def test_gc_runs_cleanly() -> None:
     r = stockade("gc")
     assert r.returncode == 0 and "leftover" in r.stdout
     assert os.path.exists("/")  # the host is still there
+
+
+def test_the_readme_sandbox_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    block = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(block, "README.md", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[:2] == ["0 42", "42"]
