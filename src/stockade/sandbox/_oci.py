@@ -23,8 +23,8 @@ from stockade import exceptions as exc
 from stockade.sandbox._channel import Stream
 from stockade.sandbox._supervised import WORKSPACE, Boundary
 from stockade.sandbox.base import SandboxSpec
+from stockade.sandbox.kernel import sources as kernel_sources
 
-KERNEL_SOURCES = ("supervisor.py", "interpreter.py", "protocol.py")
 KERNEL_MOUNT = "/opt/stockade"
 SUPERVISOR_ARGV = (
     "python3", "-S", "-E", "-s", "-B", "-c",
@@ -148,8 +148,7 @@ def kernel_dir(state_dir: Path, python: str) -> Path:
     known = _kernel_dirs.get((state_dir, python))
     if known is not None and known.is_dir():
         return known
-    src = Path(__file__).parent / "kernel"
-    blobs = {name: (src / name).read_bytes() for name in KERNEL_SOURCES}
+    blobs = kernel_sources()
     blobs["boot.py"] = BOOT.encode()
     blobs["seccomp.bpf"] = _seccomp.filter_bpf()
     content = b"".join(blobs[n] for n in sorted(blobs)) + python.encode()

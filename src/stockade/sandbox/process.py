@@ -28,6 +28,7 @@ from stockade import exceptions as exc
 from stockade.sandbox import _cgroups, _seccomp
 from stockade.sandbox._supervised import WORKSPACE, Boundary, SupervisedInstance, supervisor_config
 from stockade.sandbox.base import Backend, SandboxSpec
+from stockade.sandbox.kernel import sources as kernel_sources
 from stockade.types import Enforcement, Mechanism, TierReport
 
 __all__ = ["ProcessBackend"]
@@ -35,7 +36,6 @@ __all__ = ["ProcessBackend"]
 OWNER_FILE = "owner"
 # Imported, not run as a script: only imported modules are loaded from their bytecode.
 SUPERVISOR_BOOT = "import sys; sys.path.insert(0, '/opt/stockade'); import supervisor; supervisor.main()"
-KERNEL_SOURCES = ("supervisor.py", "interpreter.py", "protocol.py")
 SANDBOX_UID = 1000
 DEFAULT_HOST_UID = 61000
 MiB = 1024 * 1024
@@ -256,8 +256,7 @@ class ProcessBackend(Backend):
         collect_garbage(self.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
         os.chmod(self.state_dir, 0o711)
-        src = Path(__file__).parent / "kernel"
-        sources = {name: (src / name).read_bytes() for name in KERNEL_SOURCES}
+        sources = kernel_sources()
         etc_files = {
             "passwd": PASSWD,
             "group": GROUP,

@@ -220,9 +220,21 @@ def preload() -> None:
         _site_loaded = True
 
 
+def _forget_kernel_modules() -> None:
+    """Drop our own modules from ``sys.modules``: the user's ``protocol.py`` or ``reaper.py``
+    must import as theirs, not resolve to the supervisor's (the references we hold stay)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or ".") != here]
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if path and os.path.dirname(os.path.abspath(path)) == here:
+            del sys.modules[name]
+
+
 def main(ctl_in: int, ctl_out: int) -> None:
     """Serve run requests on two pipe fds until the supervisor closes them."""
     preload()
+    _forget_kernel_modules()
     sys.stdout = io.TextIOWrapper(
         io.FileIO(1, "w", closefd=False),
         encoding="utf-8",

@@ -1,4 +1,4 @@
-"""The in-sandbox supervisor: one process per sandbox, started by every tier.
+"""The in-sandbox supervisor: one process per sandbox, started by every tier, its init.
 
 It serves the host over stdin/stdout with the framed protocol: commands (fork server),
 ``run_code`` (a persistent interpreter process), and workspace file operations. It lives
@@ -17,8 +17,6 @@ from __future__ import annotations
 # Start-up time is cold-start time: only C modules and tiny pure-Python ones here
 # (no typing, selectors, ctypes, json, enum-based signal), heavy ones imported lazily.
 import _signal as signal
-import errno
-import fcntl
 import io
 import os
 import resource
@@ -29,7 +27,7 @@ import time
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
-    from typing import Any, Callable, Optional
+    from typing import Any, Optional
 
 
 def _trusted_path(entries: "list[str]", here: str) -> "list[str]":
@@ -53,71 +51,38 @@ def _trusted_path(entries: "list[str]", here: str) -> "list[str]":
 
 sys.path[:] = _trusted_path(sys.path, os.path.dirname(os.path.abspath(__file__)))
 
-from protocol import FrameError, FrameReader, dumps, encode  # noqa: E402 - after the path fix above
+# ruff: noqa: E402 - the sibling modules are imported after the path fix above
+from fileops import (
+    PathRefused,
+    Workspace,
+    _entry,
+    _listxattr,
+    _os_error,
+    _write_all,
+    empty_dir,
+    remove_sysv_ipc,
+)
+from protocol import FrameError, FrameReader, dumps, encode
+from reaper import (
+    IGNORED_SIGNALS,
+    PR_SET_CHILD_SUBREAPER,
+    PR_SET_DUMPABLE,
+    _children_map,
+    forked,
+    kill_tree,
+    prctl,
+    spawn_shim,
+    spawned,
+)
 
-PR_SET_DUMPABLE = 4
-PR_SET_CHILD_SUBREAPER = 36
 CHUNK = 1 << 16
 MAX_READ_FILE = 256 << 20
 MAX_LIST = 100_000
-LINK_HOPS = 40
 
-IPC_RMID = 0
 # Beside the workspace: every place the code can write (POSIX message queues included).
 RESET_ROOTS = ("/tmp", "/dev/shm", "/dev/mqueue")
 
 EVENT_READ, EVENT_WRITE = select.EPOLLIN, select.EPOLLOUT
-# Signals whose default would end or stop us; children get the defaults back.
-IGNORED_SIGNALS = (
-    signal.SIGPIPE,
-    signal.SIGINT,
-    signal.SIGTERM,
-    signal.SIGHUP,
-    signal.SIGQUIT,
-    signal.SIGUSR1,
-    signal.SIGUSR2,
-    signal.SIGALRM,
-    signal.SIGTSTP,
-    signal.SIGTTIN,
-    signal.SIGTTOU,
-    signal.SIGVTALRM,
-    signal.SIGPROF,
-    signal.SIGXCPU,
-    signal.SIGXFSZ,
-)
-_libc_funcs: "dict[str, Any]" = {}
-
-
-def libc(name: str, *args: int) -> int:
-    """Call a libc function of integer arguments through _ctypes directly (the ctypes
-    package costs more to import); -1 raises OSError."""
-    import _ctypes
-
-    func = _libc_funcs.get(name)
-    if func is None:
-
-        class c_long(_ctypes._SimpleCData):
-            _type_ = "l"
-
-        class CFunc(_ctypes.CFuncPtr):
-            _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
-            _restype_ = c_long
-
-        class Lib:
-            _handle = _ctypes.dlopen(None)
-
-        func = CFunc((name, Lib()))
-        func.argtypes = (c_long,) * len(args)
-        _libc_funcs[name] = func
-    result = int(func(*args))
-    if result == -1:
-        err = _ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return result
-
-
-def prctl(option: int, arg: int) -> None:
-    libc("prctl", option, arg, 0, 0, 0)
 
 
 class _Key:
@@ -150,250 +115,6 @@ class Poller:
         except InterruptedError:
             return []
         return [(self._keys[fd], ev) for fd, ev in ready if fd in self._keys]
-
-
-# ---------------------------------------------------------------------------------------
-# Process trees
-
-
-def _children_map() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as fh:
-                data = fh.read()
-        except OSError:
-            continue
-        fields = data[data.rindex(b")") + 2 :].split()
-        if fields[0] in (b"Z", b"X"):  # already dead, only waiting to be reaped
-            continue
-        tree.setdefault(int(fields[1]), []).append(int(name))
-    return tree
-
-
-def descendants(root: int) -> list[int]:
-    tree = _children_map()
-    out, todo = [], [root]
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def kill_tree(root: int, include_root: bool) -> None:
-    """SIGKILL every descendant of ``root`` until none is left (fork bombs included).
-
-    A process forked between a scan and the kill is the child of a killed process, so it
-    is reparented to the subreaper (``root``) and found by the next scan.
-    """
-    for _ in range(1000):
-        found = descendants(root)
-        if not found:
-            break
-        for pid in found:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.001)
-    if include_root:
-        try:
-            os.kill(root, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _child_setup(stdin_fd: int, out_fd: int, err_fd: int) -> None:
-    os.dup2(stdin_fd, 0)
-    os.dup2(out_fd, 1)
-    os.dup2(err_fd, 2)
-    try:  # the OOM killer takes user code before the supervisor
-        with open("/proc/self/oom_score_adj", "w") as fh:
-            fh.write("1000")
-    except OSError:
-        pass
-    for sig in (signal.SIGCHLD, *IGNORED_SIGNALS):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.set_wakeup_fd(-1)
-    signal.pthread_sigmask(signal.SIG_SETMASK, [])
-
-
-def forked(target: "Callable[[], None]") -> "Callable[[], int]":
-    """A launcher that runs Python code (``target``) in a forked child."""
-
-    def launch() -> int:
-        pid = os.fork()
-        if pid == 0:
-            try:
-                target()
-            finally:
-                os._exit(127)
-        return pid
-
-    return launch
-
-
-def spawned(argv: "list[str]", env: "dict[str, str]", cwd: str) -> "Callable[[], int]":
-    """A launcher that execs a program with posix_spawn (vfork: no copy of our pages)."""
-
-    def launch() -> int:
-        try:
-            os.chdir(cwd)
-        except OSError as exc:
-            os.write(2, f"stockade: cannot enter {cwd}: {exc.strerror}\n".encode())
-            os._exit(126)
-        os.environ["PATH"] = env.get("PATH", "/usr/local/bin:/usr/bin:/bin")  # posix_spawnp reads ours
-        try:
-            return os.posix_spawnp(argv[0], argv, env)
-        except OSError as exc:
-            os.write(2, f"stockade: {argv[0]}: {exc.strerror}\n".encode())
-            os._exit(127 if exc.errno == errno.ENOENT else 126)
-
-    return launch
-
-
-def spawn_shim(launch: "Callable[[], int]", fds: "tuple[int, int, int]", keep: "tuple[int, ...]" = ()) -> int:
-    """Fork a subreaper shim that starts a child with ``launch`` and mirrors its exit.
-
-    The child gets ``fds`` as 0/1/2 and ``keep`` as 3, 4, ...; every other fd is closed.
-    """
-    pid = os.fork()
-    if pid:
-        return pid
-    try:
-        _child_setup(*fds)
-        base = 3 + len(keep)
-        moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, base) for fd in keep]
-        for i, fd in enumerate(moved):
-            os.dup2(fd, 3 + i)
-        os.closerange(base, 1 << 20)
-        prctl(PR_SET_CHILD_SUBREAPER, 1)
-        os.setsid()
-        child = launch()
-        os.closerange(0, 1 << 20)  # the shim holds no end of the child's pipes
-        status = 0
-        while True:
-            try:
-                pid, st = os.waitpid(-1, 0)
-            except ChildProcessError:
-                break
-            except InterruptedError:
-                continue
-            if pid == child:
-                status = st
-                kill_tree(os.getpid(), include_root=False)
-        if os.WIFSIGNALED(status):
-            sig = os.WTERMSIG(status)
-            if sig not in (signal.SIGKILL, signal.SIGSTOP):
-                signal.signal(sig, signal.SIG_DFL)
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            os.kill(os.getpid(), sig)
-        os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
-    except BaseException:
-        os._exit(126)
-
-
-# ---------------------------------------------------------------------------------------
-# Workspace paths: resolved inside the sandbox, symlinks followed only while they stay in
-
-
-class PathRefused(Exception):
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
-class Workspace:
-    def __init__(self, root: str) -> None:
-        self.root = root
-
-    def _split(self, path: str) -> list[str]:
-        if path.startswith("/"):
-            if path == self.root or path.startswith(self.root + "/"):
-                path = path[len(self.root) :]
-            else:
-                raise PathRefused("escape", f"{path!r} is outside the workspace {self.root}")
-        return [p for p in path.split("/") if p not in ("", ".")]
-
-    def resolve(self, path: str, follow_last: bool, create_dirs: bool = False) -> tuple[int, str]:
-        """Return (fd of the parent directory, final name); '' names the root itself."""
-        queue = self._split(path)
-        stack = [os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
-        hops = 0
-        try:
-            while queue:
-                part = queue.pop(0)
-                if part == "..":
-                    if len(stack) == 1:
-                        raise PathRefused("escape", f"{path!r} leads outside the workspace")
-                    os.close(stack.pop())
-                    continue
-                last = not queue
-                try:
-                    st = os.stat(part, dir_fd=stack[-1], follow_symlinks=False)
-                except FileNotFoundError:
-                    if last:
-                        return stack.pop(), part
-                    if not create_dirs:
-                        raise PathRefused("missing", f"{path!r}: no such directory {part!r}")
-                    os.mkdir(part, 0o755, dir_fd=stack[-1])
-                    st = os.stat(part, dir_fd=stack[-1], follow_symlinks=False)
-                if stat.S_ISLNK(st.st_mode) and (not last or follow_last):
-                    hops += 1
-                    if hops > LINK_HOPS:
-                        raise PathRefused("escape", f"{path!r}: too many levels of symlinks")
-                    target = os.readlink(part, dir_fd=stack[-1])
-                    if target.startswith("/"):
-                        if not (target == self.root or target.startswith(self.root + "/")):
-                            raise PathRefused(
-                                "escape", f"{path!r}: symlink {part!r} leads outside the workspace"
-                            )
-                        while len(stack) > 1:
-                            os.close(stack.pop())
-                        target = target[len(self.root) :]
-                    queue[:0] = [p for p in target.split("/") if p not in ("", ".")]
-                    continue
-                if last:
-                    return stack.pop(), part
-                if not stat.S_ISDIR(st.st_mode):
-                    raise PathRefused("type", f"{path!r}: {part!r} is not a directory")
-                flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-                stack.append(os.open(part, flags, dir_fd=stack[-1]))
-            return stack.pop(), ""
-        finally:
-            for fd in stack:
-                os.close(fd)
-
-
-def _clean(name: str) -> str:
-    """Undecodable bytes in a file name become U+FFFD: the host must never see a lone surrogate."""
-    return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
-
-
-def _entry(path: str, st: os.stat_result) -> dict[str, Any]:
-    path = _clean(path)
-    mode = st.st_mode
-    kind = (
-        "file"
-        if stat.S_ISREG(mode)
-        else "dir"
-        if stat.S_ISDIR(mode)
-        else "symlink"
-        if stat.S_ISLNK(mode)
-        else "other"
-    )
-    return {
-        "path": path,
-        "name": path.rsplit("/", 1)[-1],
-        "type": kind,
-        "size": st.st_size,
-        "mode": stat.S_IMODE(mode),
-        "mtime": st.st_mtime,
-    }
 
 
 # ---------------------------------------------------------------------------------------
@@ -1073,96 +794,6 @@ class Supervisor:
             kill_tree(job.shim, include_root=True)
         self._drop_kernel(None)
         kill_tree(os.getpid(), include_root=False)
-
-
-def _listxattr(path: str) -> "list[str]":
-    try:
-        return os.listxattr(path)
-    except OSError:  # no xattr support on this filesystem
-        return []
-
-
-def empty_dir(path: str) -> None:
-    """Remove everything under ``path``, whatever modes the code left on it.
-
-    Iterative and holding one directory open at a time: a tree may be thousands deep.
-    Every process of the sandbox is dead by now, so nothing moves under us.
-    """
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(path, flags)
-    names: list[str] = []  # the path from ``path`` down to ``fd``
-    try:
-        while True:
-            child = None
-            for name in os.listdir(fd):
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                if not stat.S_ISDIR(st.st_mode):
-                    os.unlink(name, dir_fd=fd)
-                    continue
-                if st.st_mode & 0o700 != 0o700:
-                    os.chmod(name, 0o700, dir_fd=fd)
-                child = name
-                break
-            if child is not None:
-                sub = os.open(child, flags, dir_fd=fd)
-                os.close(fd)
-                fd = sub
-                names.append(child)
-                continue
-            if not names:
-                return
-            parent = os.open("..", flags, dir_fd=fd)
-            os.close(fd)
-            fd = parent
-            os.rmdir(names.pop(), dir_fd=fd)
-    finally:
-        os.close(fd)
-
-
-def remove_sysv_ipc() -> None:
-    """Remove the IPC namespace's SysV shared memory, message queues and semaphores."""
-    for kind in ("shm", "msg", "sem"):
-        try:
-            with open(f"/proc/sysvipc/{kind}") as fh:
-                rows = fh.read().splitlines()[1:]
-        except OSError:  # a kernel without SysV IPC, or a tier that hides it
-            continue
-        for row in rows:
-            fields = row.split()
-            if len(fields) > 1 and fields[1].isdigit():
-                try:
-                    ident = int(fields[1])  # semctl(id, semnum, cmd), the others (id, cmd, buf)
-                    libc(f"{kind}ctl", *((ident, 0, IPC_RMID) if kind == "sem" else (ident, IPC_RMID, 0)))
-                except OSError:
-                    pass
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def _os_error(rid: int, exc: OSError) -> dict[str, Any]:
-    kind = {
-        errno.ENOENT: "missing",
-        errno.ENOTDIR: "type",
-        errno.EISDIR: "type",
-        errno.ELOOP: "escape",
-        errno.ENOSPC: "full",
-        errno.EDQUOT: "full",
-        errno.EEXIST: "exists",
-        errno.EACCES: "permission",
-        errno.EPERM: "permission",
-        errno.ENOTEMPTY: "type",
-        errno.EROFS: "permission",
-    }.get(exc.errno or 0, "os")
-    return {
-        "id": rid,
-        "ev": "error",
-        "kind": kind,
-        "message": f"{exc.strerror}: {exc.filename or ''}".rstrip(": "),
-    }
 
 
 def main() -> None:

@@ -1,0 +1,17 @@
+"""The in-sandbox side of every tier: the supervisor, the interpreter, their protocol.
+
+These modules are copied into each sandbox and run there on whatever Python it has (stdlib
+only, >= 3.8). Host code imports only ``protocol`` from here, and ``sources()`` to copy them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["sources"]
+
+
+def sources() -> dict[str, bytes]:
+    """Every module the sandbox needs, by file name."""
+    here = Path(__file__).parent
+    return {p.name: p.read_bytes() for p in sorted(here.glob("*.py")) if p.name != "__init__.py"}

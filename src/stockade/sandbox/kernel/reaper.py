@@ -1,0 +1,216 @@
+"""Process trees inside the sandbox: subreaper shims, launchers, and killing a whole tree.
+
+Every command and the interpreter run under a *shim*: a forked child that is a child
+subreaper, so whatever the command double-forks is reparented to the shim and dies with it.
+On exit or timeout the whole tree is killed (scan /proc, SIGKILL, repeat until empty).
+Standard library only (C modules where it matters for start-up time).
+"""
+
+from __future__ import annotations
+
+import _signal as signal
+import errno
+import fcntl
+import os
+import resource
+import time
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
+if TYPE_CHECKING:
+    from typing import Any, Callable
+
+
+PR_SET_DUMPABLE = 4
+PR_SET_CHILD_SUBREAPER = 36
+# Signals whose default would end or stop the supervisor; children get the defaults back.
+IGNORED_SIGNALS = (
+    signal.SIGPIPE,
+    signal.SIGINT,
+    signal.SIGTERM,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGALRM,
+    signal.SIGTSTP,
+    signal.SIGTTIN,
+    signal.SIGTTOU,
+    signal.SIGVTALRM,
+    signal.SIGPROF,
+    signal.SIGXCPU,
+    signal.SIGXFSZ,
+)
+_libc_funcs: "dict[str, Any]" = {}
+
+
+def libc(name: str, *args: int) -> int:
+    """Call a libc function of integer arguments through _ctypes directly (the ctypes
+    package costs more to import); -1 raises OSError."""
+    import _ctypes
+
+    func = _libc_funcs.get(name)
+    if func is None:
+
+        class c_long(_ctypes._SimpleCData):
+            _type_ = "l"
+
+        class CFunc(_ctypes.CFuncPtr):
+            _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
+            _restype_ = c_long
+
+        class Lib:
+            _handle = _ctypes.dlopen(None)
+
+        func = CFunc((name, Lib()))
+        func.argtypes = (c_long,) * len(args)
+        _libc_funcs[name] = func
+    result = int(func(*args))
+    if result == -1:
+        err = _ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return result
+
+
+def prctl(option: int, arg: int) -> None:
+    libc("prctl", option, arg, 0, 0, 0)
+
+
+def _children_map() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                data = fh.read()
+        except OSError:
+            continue
+        fields = data[data.rindex(b")") + 2 :].split()
+        if fields[0] in (b"Z", b"X"):  # already dead, only waiting to be reaped
+            continue
+        tree.setdefault(int(fields[1]), []).append(int(name))
+    return tree
+
+
+def descendants(root: int) -> list[int]:
+    tree = _children_map()
+    out, todo = [], [root]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(root: int, include_root: bool) -> None:
+    """SIGKILL every descendant of ``root`` until none is left (fork bombs included).
+
+    A process forked between a scan and the kill is the child of a killed process, so it
+    is reparented to the subreaper (``root``) and found by the next scan.
+    """
+    for _ in range(1000):
+        found = descendants(root)
+        if not found:
+            break
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.001)
+    if include_root:
+        try:
+            os.kill(root, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _child_setup(stdin_fd: int, out_fd: int, err_fd: int) -> None:
+    os.dup2(stdin_fd, 0)
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    try:  # the OOM killer takes user code before the supervisor
+        with open("/proc/self/oom_score_adj", "w") as fh:
+            fh.write("1000")
+    except OSError:
+        pass
+    for sig in (signal.SIGCHLD, *IGNORED_SIGNALS):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.set_wakeup_fd(-1)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
+def forked(target: "Callable[[], None]") -> "Callable[[], int]":
+    """A launcher that runs Python code (``target``) in a forked child."""
+
+    def launch() -> int:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                target()
+            finally:
+                os._exit(127)
+        return pid
+
+    return launch
+
+
+def spawned(argv: "list[str]", env: "dict[str, str]", cwd: str) -> "Callable[[], int]":
+    """A launcher that execs a program with posix_spawn (vfork: no copy of our pages)."""
+
+    def launch() -> int:
+        try:
+            os.chdir(cwd)
+        except OSError as exc:
+            os.write(2, f"stockade: cannot enter {cwd}: {exc.strerror}\n".encode())
+            os._exit(126)
+        os.environ["PATH"] = env.get("PATH", "/usr/local/bin:/usr/bin:/bin")  # posix_spawnp reads ours
+        try:
+            return os.posix_spawnp(argv[0], argv, env)
+        except OSError as exc:
+            os.write(2, f"stockade: {argv[0]}: {exc.strerror}\n".encode())
+            os._exit(127 if exc.errno == errno.ENOENT else 126)
+
+    return launch
+
+
+def spawn_shim(launch: "Callable[[], int]", fds: "tuple[int, int, int]", keep: "tuple[int, ...]" = ()) -> int:
+    """Fork a subreaper shim that starts a child with ``launch`` and mirrors its exit.
+
+    The child gets ``fds`` as 0/1/2 and ``keep`` as 3, 4, ...; every other fd is closed.
+    """
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        _child_setup(*fds)
+        base = 3 + len(keep)
+        moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, base) for fd in keep]
+        for i, fd in enumerate(moved):
+            os.dup2(fd, 3 + i)
+        os.closerange(base, 1 << 20)
+        prctl(PR_SET_CHILD_SUBREAPER, 1)
+        os.setsid()
+        child = launch()
+        os.closerange(0, 1 << 20)  # the shim holds no end of the child's pipes
+        status = 0
+        while True:
+            try:
+                pid, st = os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+            except InterruptedError:
+                continue
+            if pid == child:
+                status = st
+                kill_tree(os.getpid(), include_root=False)
+        if os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+            if sig not in (signal.SIGKILL, signal.SIGSTOP):
+                signal.signal(sig, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            os.kill(os.getpid(), sig)
+        os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+    except BaseException:
+        os._exit(126)
