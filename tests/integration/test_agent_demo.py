@@ -10,7 +10,7 @@ from stockade.demo import SAMPLE_PROJECT, run_demo
 from stockade.runtime.events import RetryScheduled, RuntimeEvent
 from stockade.tools import ToolContext, run_tests
 from stockade.tools.testreport import TestReport
-from tests.conftest import require_tier
+from tests.conftest import require, require_tier
 
 pytestmark = pytest.mark.process
 
@@ -34,8 +34,9 @@ def test_the_demo_fixes_the_sample_project_with_a_retry_on_the_way() -> None:
 async def test_run_tests_reports_each_test_from_the_runner(command: str) -> None:
     require_tier("process")
     with Sandbox.create(tier="process", workspace=SAMPLE_PROJECT) as sbx:
-        if "pytest" in command and not sbx.commands.run(["python3", "-c", "import pytest"]).ok:
-            pytest.skip("the sandbox's python3 has no pytest (Debian package python3-pytest)")
+        if "pytest" in command:
+            has_pytest = sbx.commands.run(["python3", "-c", "import pytest"]).ok
+            require("pytest in the sandbox's python3", has_pytest, "scripts/bootstrap.sh installs python3-pytest")
         ctx = ToolContext(sandbox=sbx, step=1, call_id="t")
         report = await run_tests.invoke(ctx, run_tests.validate({"command": command}))
     assert isinstance(report, TestReport)
