@@ -36,7 +36,7 @@ async def test_run_tests_reports_each_test_from_the_runner(command: str) -> None
     with Sandbox.create(tier="process", workspace=SAMPLE_PROJECT) as sbx:
         if "pytest" in command:
             has_pytest = sbx.commands.run(["python3", "-c", "import pytest"]).ok
-            require("pytest in the sandbox's python3", has_pytest, "scripts/bootstrap.sh installs python3-pytest")
+            require("pytest in the sandbox", has_pytest, "scripts/bootstrap.sh installs python3-pytest")
         ctx = ToolContext(sandbox=sbx, step=1, call_id="t")
         report = await run_tests.invoke(ctx, run_tests.validate({"command": command}))
     assert isinstance(report, TestReport)
