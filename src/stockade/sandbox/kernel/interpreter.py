@@ -224,10 +224,11 @@ def _forget_kernel_modules() -> None:
     """Drop our own modules from ``sys.modules``: the user's ``protocol.py`` or ``reaper.py``
     must import as theirs, not resolve to the supervisor's (the references we hold stay)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or ".") != here]
+    prefix = here + os.sep
+    sys.path[:] = [entry for entry in sys.path if entry.rstrip(os.sep) != here]
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None)
-        if path and os.path.dirname(os.path.abspath(path)) == here:
+        if isinstance(path, str) and path.startswith(prefix):  # absolute: sys.path entry is
             del sys.modules[name]
 
 
