@@ -45,7 +45,7 @@ START_TIMEOUT_S = 30.0
 MiB = 1024 * 1024
 # Guest RAM on top of the memory limit: the guest kernel, its page cache of the root image.
 GUEST_OVERHEAD_MB = 128
-# Busybox applets the init script uses, from the initramfs only (never the guest's rootfs).
+# Loaded by the init script, in this order (dependencies first): the Debian kernel has them as modules.
 MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_blk", "virtio_console")
 MODULE_PATHS = {
     "virtio_ring": "drivers/virtio/virtio_ring.ko",
@@ -84,8 +84,8 @@ for w in $($B cat /proc/cmdline); do
 done
 R=/newroot
 $B mount -t ext4 -o ro,noload,nosuid,nodev /dev/vda $R || fail "cannot mount the root image"
-$B mount -t tmpfs -o nosuid,nodev,size=${ws%:*},nr_inodes=${ws#*:},mode=755,uid=1000,gid=1000 ws $R/workspace \
-  || fail "workspace"
+o=nosuid,nodev,mode=755,uid=1000,gid=1000
+$B mount -t tmpfs -o $o,size=${ws%:*},nr_inodes=${ws#*:} ws $R/workspace || fail "workspace"
 $B mount -t tmpfs -o nosuid,nodev,size=${tmp%:*},nr_inodes=${tmp#*:},mode=1777 tmp $R/tmp || fail "tmp"
 $B mount -t devtmpfs -o nosuid,noexec dev $R/dev || fail "dev"
 $B mkdir -p $R/dev/shm $R/dev/mqueue
@@ -130,6 +130,31 @@ def find_kernel() -> GuestKernel | None:
         if vmlinuz.is_file() and all((modules / "kernel" / p).is_file() for p in MODULE_PATHS.values()):
             return GuestKernel(vmlinuz, modules)
     return None
+
+
+def _clock_args(kernel: GuestKernel) -> str:
+    """Tell the guest the TSC rate instead of letting it calibrate.
+
+    Under TCG the PIT calibration races the emulator: on a busy host it fails, the guest
+    marks its TSC unstable and hangs in early boot (about one boot in four on 2 cores).
+    TCG's TSC is the host's, so the host's rate is the right one; skipping the delay-loop
+    calibration (``lpj``) also saves boot time.
+    """
+    khz = 0
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("cpu MHz"):
+                khz = int(float(line.split(":", 1)[1]) * 1000)
+                break
+    if khz <= 0:
+        return ""
+    hz = 250
+    with contextlib.suppress(OSError, ValueError):
+        config = Path("/boot") / f"config-{kernel.version}"
+        for line in config.read_text().splitlines():
+            if line.startswith("CONFIG_HZ="):
+                hz = int(line.split("=", 1)[1])
+    return f"tsc_early_khz={khz} tsc=reliable no_timer_check lpj={khz * 1000 // hz}"
 
 
 def cache_dir() -> Path:
@@ -210,7 +235,10 @@ def initramfs(state_dir: Path, kernel: GuestKernel, rootfs: Path, busybox: str) 
         "stockade/start.sh": (0o644, START.replace("ARGV", argv).encode()),
     }
     for name in MODULES:
-        files[f"lib/modules/{name}.ko"] = (0o644, (kernel.modules / "kernel" / MODULE_PATHS[name]).read_bytes())
+        files[f"lib/modules/{name}.ko"] = (
+            0o644,
+            (kernel.modules / "kernel" / MODULE_PATHS[name]).read_bytes(),
+        )
     for path in sorted(kdir.rglob("*")):
         if path.is_file() and not path.name.startswith("."):
             files[f"stockade/{path.relative_to(kdir)}"] = (0o644, path.read_bytes())
@@ -391,12 +419,16 @@ class MicroVMBackend(Backend):
                 self._prepared = (image, initrd)
             return self._prepared
 
-    def _argv(self, spec: SandboxSpec, sid: str, image: Path, initrd: Path, fd: int, rundir: Path) -> list[str]:
+    def _argv(
+        self, spec: SandboxSpec, sid: str, *, files: tuple[Path, Path], fd: int, rundir: Path
+    ) -> list[str]:
         assert self.kernel is not None
+        image, initrd = files
         limits = spec.limits
         ws = f"{limits.disk_mb * MiB}:{limits.inodes}"
         tmp = f"{limits.tmp_mb * MiB}:{max(1024, limits.inodes // 4)}"
-        cmdline = f"console=ttyS0 quiet panic=-1 pci=off stockade_ws={ws} stockade_tmp={tmp}"
+        clock = _clock_args(self.kernel)
+        cmdline = f"console=ttyS0 quiet panic=-1 pci=off {clock} stockade_ws={ws} stockade_tmp={tmp}"
         return [
             # Dies with its creator even when this process is killed outright.
             self.setpriv, "--pdeathsig", "KILL", "--",
@@ -425,7 +457,7 @@ class MicroVMBackend(Backend):
         try:
             with open(rundir / "qemu.log", "wb") as log:
                 proc = subprocess.Popen(
-                    self._argv(spec, sid, image, initrd, theirs.fileno(), rundir),
+                    self._argv(spec, sid, files=(image, initrd), fd=theirs.fileno(), rundir=rundir),
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=log,
