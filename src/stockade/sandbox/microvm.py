@@ -405,8 +405,9 @@ class MicroVMBackend(Backend):
             detail=f"QEMU microvm ({self.accel}), kernel {self.kernel.version}, rootfs {self.rootfs}",
         )
 
-    def _prepare(self) -> tuple[Path, Path]:
-        """The root image and the initramfs (built once, then cached by content)."""
+    def prepare(self) -> tuple[Path, Path]:
+        """The root image and the initramfs: built on first use, then cached by content."""
+        self._check()
         with self._lock:
             if self._prepared is None or not all(p.is_file() for p in self._prepared):
                 assert self.rootfs is not None and self.kernel is not None
@@ -448,7 +449,7 @@ class MicroVMBackend(Backend):
     def start(self, spec: SandboxSpec) -> SupervisedInstance:
         self._check()
         enforcement = self._plan(spec)
-        image, initrd = self._prepare()
+        image, initrd = self.prepare()
         sid = "sbx-" + secrets.token_hex(6)
         rundir = self.state_dir / f"vm-{sid}"
         rundir.mkdir(mode=0o700)
