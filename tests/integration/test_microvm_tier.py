@@ -97,3 +97,9 @@ def test_leftovers_of_a_dead_creator_are_collected(tmp_path: Path) -> None:
 def test_a_live_creators_vm_is_left_alone(vm: Sandbox) -> None:
     microvm.collect_garbage()
     assert vm.commands.run("echo alive").stdout == "alive\n"
+
+
+def test_qemu_runs_under_its_own_seccomp_filter(vm: Sandbox) -> None:
+    (pid,) = qemu_processes(vm.id)
+    status = Path(f"/proc/{pid}/status").read_text()
+    assert "Seccomp:\t2" in status

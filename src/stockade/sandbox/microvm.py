@@ -437,6 +437,9 @@ class MicroVMBackend(Backend):
             "-M", "microvm,pit=on,pic=on,rtc=on", "-accel", self.accel, "-cpu", "max",
             "-m", str(limits.memory_mb + GUEST_OVERHEAD_MB), "-smp", str(max(1, math.ceil(limits.cpus))),
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+            # QEMU's own seccomp filter: a guest that breaks into the emulator still cannot
+            # exec, change ids, or use obsolete system calls on the host.
+            "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
             "-kernel", str(self.kernel.vmlinuz), "-initrd", str(initrd), "-append", cmdline,
             "-serial", f"file:{rundir / 'console.log'}",
             "-drive", f"id=root,file={image},format=raw,if=none,readonly=on",
