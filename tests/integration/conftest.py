@@ -11,7 +11,7 @@ from stockade import Limits, Sandbox
 from tests.conftest import require_tier
 
 # Every tier must pass the same conformance and containment suites.
-TIERS = [t for t in os.environ.get("STOCKADE_TEST_TIERS", "process,docker,gvisor").split(",") if t]
+TIERS = [t for t in os.environ.get("STOCKADE_TEST_TIERS", "process,docker,gvisor,microvm").split(",") if t]
 
 
 @pytest.fixture(params=TIERS)

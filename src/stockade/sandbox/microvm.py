@@ -1,0 +1,537 @@
+"""The microVM tier: every sandbox is its own QEMU ``microvm`` guest with its own kernel.
+
+The guest boots the host's Debian kernel with a tiny initramfs (static busybox, the virtio
+modules, the supervisor) that mounts the offline root filesystem read-only from an ext4
+image (built once per rootfs and cached), puts size- and inode-limited tmpfs on /workspace,
+/tmp and /dev/shm, and becomes the usual supervisor as PID 1, uid 1000, no capabilities,
+no_new_privs and the process tier's seccomp filter. The host talks to it over a
+virtio-serial port whose other end is one half of a socketpair handed to QEMU.
+
+No network device exists in the guest; memory is the guest's RAM (plus RLIMIT_AS per
+process, so one hog gets a MemoryError, as on the gVisor tier), CPUs are virtual CPUs,
+processes are counted by RLIMIT_NPROC of the only user inside. The emulator is TCG by
+default: nested KVM is often missing or hangs (``STOCKADE_MICROVM_ACCEL=kvm`` to opt in).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import secrets
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+from stockade import exceptions as exc
+from stockade.sandbox import _oci
+from stockade.sandbox._supervised import Boundary, SupervisedInstance, supervisor_config
+from stockade.sandbox.base import Backend, SandboxSpec
+from stockade.types import Enforcement, Mechanism, TierReport
+
+__all__ = ["MicroVMBackend", "collect_garbage"]
+
+START_TIMEOUT_S = 30.0
+MiB = 1024 * 1024
+# Guest RAM on top of the memory limit: the guest kernel, its page cache of the root image.
+GUEST_OVERHEAD_MB = 128
+# Loaded by the init script, in this order (dependencies first): the Debian kernel has them as modules.
+MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_blk", "virtio_console")
+MODULE_PATHS = {
+    "virtio_ring": "drivers/virtio/virtio_ring.ko",
+    "virtio": "drivers/virtio/virtio.ko",
+    "virtio_mmio": "drivers/virtio/virtio_mmio.ko",
+    "virtio_blk": "drivers/block/virtio_blk.ko",
+    "virtio_console": "drivers/char/virtio_console.ko",
+}
+PORT_NAME = "stockade"
+IMAGE_VERSION = "1"
+
+# PID 1 of the guest until the supervisor replaces it. Reads the limits from the kernel
+# command line; a failure exits, which panics the guest kernel and ends QEMU (-no-reboot).
+INIT = """\
+#!/bin/busybox sh
+B=/bin/busybox
+fail() { echo "stockade-init: $*" >/dev/console; exit 1; }
+$B mount -t devtmpfs dev /dev
+$B mount -t proc proc /proc
+$B mount -t sysfs sys /sys
+for m in MODULES; do $B insmod /lib/modules/$m.ko || fail "insmod $m"; done
+port=""; i=0
+while :; do
+  for f in /sys/class/virtio-ports/*/name; do
+    [ "$($B cat "$f" 2>/dev/null)" = PORT ] && port=${f%/name} && port=${port##*/}
+  done
+  [ -n "$port" ] && [ -e "/dev/$port" ] && [ -e /dev/vda ] && break
+  i=$((i+1)); [ $i -gt 5000 ] && fail "virtio devices missing"
+  $B usleep 1000
+done
+for w in $($B cat /proc/cmdline); do
+  case $w in
+    stockade_ws=*) ws=${w#*=};;
+    stockade_tmp=*) tmp=${w#*=};;
+  esac
+done
+R=/newroot
+$B mount -t ext4 -o ro,noload,nosuid,nodev /dev/vda $R || fail "cannot mount the root image"
+o=nosuid,nodev,mode=755,uid=1000,gid=1000
+$B mount -t tmpfs -o $o,size=${ws%:*},nr_inodes=${ws#*:} ws $R/workspace || fail "workspace"
+$B mount -t tmpfs -o nosuid,nodev,size=${tmp%:*},nr_inodes=${tmp#*:},mode=1777 tmp $R/tmp || fail "tmp"
+$B mount -t devtmpfs -o nosuid,noexec dev $R/dev || fail "dev"
+$B mkdir -p $R/dev/shm $R/dev/mqueue
+$B mount -t tmpfs -o nosuid,nodev,size=${tmp%:*},nr_inodes=${tmp#*:},mode=1777 shm $R/dev/shm || fail "shm"
+$B mount -t mqueue -o nosuid,nodev,noexec mqueue $R/dev/mqueue 2>/dev/null
+$B mount -t proc -o nosuid,nodev,noexec proc $R/proc || fail "proc"
+$B mount -t tmpfs -o nosuid,nodev,mode=755,size=16m kernel $R/opt/stockade || fail "kernel"
+$B cp -a /stockade/. $R/opt/stockade/
+$B mount -o remount,ro,nosuid,nodev kernel $R/opt/stockade
+$B hostname sandbox
+$B ip link set lo up 2>/dev/null
+exec 0<>$R/dev/$port 1>&0 2>/dev/console
+$B umount -l /dev /proc /sys
+exec $B switch_root $R /bin/sh /opt/stockade/start.sh
+"""
+
+# Stage two, in the guest's root: drop every privilege and become the supervisor.
+START = """\
+cd /workspace || exit 1
+exec /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 \\
+  /usr/bin/setpriv --reuid 1000 --regid 1000 --clear-groups --inh-caps=-all --bounding-set=-all \\
+  --no-new-privs -- ARGV
+"""
+
+
+@dataclass(frozen=True)
+class GuestKernel:
+    vmlinuz: Path
+    modules: Path  # /lib/modules/<version>
+
+    @property
+    def version(self) -> str:
+        return self.modules.name
+
+
+def find_kernel() -> GuestKernel | None:
+    """``STOCKADE_MICROVM_KERNEL`` (a vmlinuz), else the newest /boot/vmlinuz-* with modules."""
+    explicit = os.environ.get("STOCKADE_MICROVM_KERNEL")
+    candidates = [Path(explicit)] if explicit else sorted(Path("/boot").glob("vmlinuz-*"), reverse=True)
+    for vmlinuz in candidates:
+        modules = Path("/lib/modules") / vmlinuz.name.removeprefix("vmlinuz-")
+        if vmlinuz.is_file() and all((modules / "kernel" / p).is_file() for p in MODULE_PATHS.values()):
+            return GuestKernel(vmlinuz, modules)
+    return None
+
+
+def _clock_args(kernel: GuestKernel) -> str:
+    """Tell the guest the TSC rate instead of letting it calibrate.
+
+    Under TCG the PIT calibration races the emulator: on a busy host it fails, the guest
+    marks its TSC unstable and hangs in early boot (about one boot in four on 2 cores).
+    TCG's TSC is the host's, so the host's rate is the right one; skipping the delay-loop
+    calibration (``lpj``) also saves boot time.
+    """
+    khz = 0
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("cpu MHz"):
+                khz = int(float(line.split(":", 1)[1]) * 1000)
+                break
+    if khz <= 0:
+        return ""
+    hz = 250
+    with contextlib.suppress(OSError, ValueError):
+        config = Path("/boot") / f"config-{kernel.version}"
+        for line in config.read_text().splitlines():
+            if line.startswith("CONFIG_HZ="):
+                hz = int(line.split("=", 1)[1])
+    return f"tsc_early_khz={khz} tsc=reliable no_timer_check lpj={khz * 1000 // hz}"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("STOCKADE_CACHE") or Path.home() / ".cache" / "stockade") / "microvm"
+
+
+def root_image(rootfs: Path) -> Path:
+    """The rootfs as a read-only ext4 image, built once per rootfs content (its build marker)."""
+    marker = (rootfs / _oci_marker()).read_bytes() if (rootfs / _oci_marker()).is_file() else b""
+    key = hashlib.sha256(repr((str(rootfs), marker, IMAGE_VERSION)).encode()).hexdigest()[:12]
+    target = cache_dir() / f"rootfs-{key}.ext4"
+    if target.is_file():
+        return target
+    mkfs = shutil.which("mkfs.ext4") or "/sbin/mkfs.ext4"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    size, files = 0, 0
+    for folder, dirs, names in os.walk(rootfs):
+        files += len(dirs) + len(names)
+        for name in names:
+            with contextlib.suppress(OSError):
+                size += os.lstat(os.path.join(folder, name)).st_blocks * 512
+    fd, tmp = tempfile.mkstemp(prefix=".rootfs-", suffix=".ext4", dir=target.parent)
+    os.close(fd)
+    try:
+        os.truncate(tmp, int(size * 1.2) + 64 * MiB)
+        subprocess.run(
+            [mkfs, "-q", "-F", "-d", str(rootfs), "-L", "stockade", "-O", "^has_journal", "-m", "0",
+             "-N", str(files + 4096), "-E", "root_owner=0:0", tmp],
+            check=True, capture_output=True, timeout=600,
+        )  # fmt: skip
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except (OSError, subprocess.SubprocessError) as err:
+        Path(tmp).unlink(missing_ok=True)
+        detail = getattr(err, "stderr", b"") or b""
+        raise exc.SandboxStartError(
+            f"cannot build the microVM root image: {err} {detail.decode(errors='replace')[:500]}"
+        ) from None
+    return target
+
+
+def _oci_marker() -> str:
+    from stockade.sandbox.gvisor import ROOTFS_MARKER
+
+    return ROOTFS_MARKER
+
+
+# -- the initramfs ---------------------------------------------------------------------------
+
+
+def _cpio(entries: list[tuple[str, int, bytes]]) -> bytes:
+    """A newc cpio archive of (path, mode, data); directories have mode 0o040xxx."""
+    out = bytearray()
+
+    def put(name: str, mode: int, data: bytes, ino: int) -> None:
+        encoded = name.encode() + b"\0"
+        fields = (ino, mode, 0, 0, 1, 0, len(data), 0, 0, 0, 0, len(encoded), 0)
+        out.extend(b"070701" + b"".join(b"%08X" % f for f in fields) + encoded)
+        out.extend(b"\0" * (-len(out) % 4))
+        out.extend(data)
+        out.extend(b"\0" * (-len(out) % 4))
+
+    for ino, (name, mode, data) in enumerate(entries, start=1):
+        put(name, mode, data, ino)
+    put("TRAILER!!!", 0, b"", 0)
+    return bytes(out)
+
+
+def initramfs(state_dir: Path, kernel: GuestKernel, rootfs: Path, busybox: str) -> Path:
+    """The initramfs for ``kernel`` and ``rootfs``, named after its content, built once."""
+    kdir = _oci.kernel_dir(state_dir, str(rootfs))
+    if not _oci.has_bytecode(kdir, str(rootfs)):
+        _compile(kdir, rootfs)
+    argv = " ".join(shlex.quote(a) for a in _oci.SUPERVISOR_ARGV)
+    files: dict[str, tuple[int, bytes]] = {
+        "init": (0o755, INIT.replace("MODULES", " ".join(MODULES)).replace("PORT", PORT_NAME).encode()),
+        "bin/busybox": (0o755, Path(busybox).read_bytes()),
+        "stockade/start.sh": (0o644, START.replace("ARGV", argv).encode()),
+    }
+    for name in MODULES:
+        files[f"lib/modules/{name}.ko"] = (
+            0o644,
+            (kernel.modules / "kernel" / MODULE_PATHS[name]).read_bytes(),
+        )
+    for path in sorted(kdir.rglob("*")):
+        if path.is_file() and not path.name.startswith("."):
+            files[f"stockade/{path.relative_to(kdir)}"] = (0o644, path.read_bytes())
+    digest = hashlib.sha256(
+        b"".join(hashlib.sha256(n.encode() + d).digest() for n, (_, d) in sorted(files.items()))
+    ).hexdigest()[:16]
+    target = state_dir / f"microvm-initrd-{digest}.cpio"
+    if target.is_file():
+        return target
+    dirs = sorted({str(Path(n).parent) for n in files} | {"dev", "proc", "sys", "newroot", "bin", "lib"})
+    entries: list[tuple[str, int, bytes]] = []
+    for d in dirs:
+        parts = Path(d).parts
+        for i in range(1, len(parts) + 1):
+            sub = "/".join(parts[:i])
+            if sub != "." and (sub, 0o040755, b"") not in entries:
+                entries.append((sub, 0o040755, b""))
+    entries += [(n, 0o100000 | mode, data) for n, (mode, data) in sorted(files.items())]
+    fd, tmp = tempfile.mkstemp(prefix=".initrd-", dir=state_dir)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(_cpio(entries))
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, target)
+    return target
+
+
+def _compile(kdir: Path, rootfs: Path) -> None:
+    """The rootfs's own python compiles the supervisor (in a chroot, once): best effort."""
+    try:
+        done = subprocess.run(
+            ["chroot", str(rootfs), "/usr/bin/python3", "-S", "-E", "-s", "-c", _oci.COMPILE],
+            input=json.dumps(_oci.python_sources(kdir)).encode(),
+            capture_output=True,
+            env={"PATH": "/usr/bin:/bin"},
+            timeout=60,
+            check=True,
+        )
+        _oci.install_bytecode(kdir, str(rootfs), json.loads(done.stdout))
+    except (OSError, ValueError, KeyError, subprocess.SubprocessError):
+        pass
+
+
+# -- the sandbox -----------------------------------------------------------------------------
+
+
+class _SocketStream:
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def recv(self) -> bytes:
+        return self._sock.recv(1 << 20)
+
+    def send(self, data: bytes) -> None:
+        self._sock.sendall(data)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+
+
+class _VMBoundary(Boundary):
+    def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket, rundir: Path) -> None:
+        self.proc = proc
+        self.sock = sock
+        self.rundir = rundir
+        self._dead = False
+        self._lock = threading.Lock()
+
+    def alive(self) -> bool:
+        return not self._dead and self.proc.poll() is None
+
+    def kill(self) -> None:
+        with self._lock:
+            if self._dead:
+                return
+            self._dead = True
+        # The guest is one process on the host: killing QEMU kills every process inside.
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        self.sock.close()
+        shutil.rmtree(self.rundir, ignore_errors=True)
+
+
+class MicroVMBackend(Backend):
+    """QEMU ``microvm`` guests; needs root (reads /boot), the offline rootfs, QEMU and busybox."""
+
+    tier = "microvm"
+
+    def __init__(
+        self,
+        *,
+        rootfs: Path | None = None,
+        kernel: GuestKernel | None = None,
+        qemu: str | None = None,
+        accel: str | None = None,
+        state_dir: Path | None = None,
+    ) -> None:
+        from stockade.sandbox.gvisor import find_rootfs
+
+        self.rootfs = Path(rootfs) if rootfs else find_rootfs()
+        self.kernel = kernel or find_kernel()
+        self.qemu = qemu or shutil.which("qemu-system-x86_64") or ""
+        self.busybox = shutil.which("busybox") or ""
+        self.setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"
+        self.accel = accel or os.environ.get("STOCKADE_MICROVM_ACCEL") or "tcg"
+        self.state_dir = state_dir or _oci.default_state_dir()
+        self._prepared: tuple[Path, Path] | None = None
+        self._lock = threading.Lock()
+        self._collected = False
+
+    def _check(self) -> None:
+        if not self.qemu:
+            raise exc.TierUnavailable("QEMU is not installed: apt-get install qemu-system-x86")
+        if not self.busybox:
+            raise exc.TierUnavailable("busybox is not installed: apt-get install busybox-static")
+        if self.kernel is None:
+            raise exc.TierUnavailable(
+                "no guest kernel with virtio modules in /boot: apt-get install linux-image-cloud-amd64, "
+                "or set STOCKADE_MICROVM_KERNEL"
+            )
+        if os.geteuid() != 0:
+            raise exc.TierUnavailable("the microvm tier needs root here (the kernel and image builds)")
+        if self.rootfs is None or not (self.rootfs / "usr/bin/python3").exists():
+            raise exc.ImageNotFound(
+                "no offline root filesystem with python3 for the microvm tier; build it with "
+                "scripts/build-image.sh, or set STOCKADE_ROOTFS"
+            )
+
+    def _plan(self, spec: SandboxSpec) -> Enforcement:
+        if spec.network.enabled:
+            raise exc.LimitNotEnforceable(
+                "the microvm tier has no network device",
+                setting="network",
+                fix="use tier='docker' for network access",
+            )
+        return Enforcement(
+            memory=Mechanism.VM,
+            cpus=Mechanism.VM,
+            pids=Mechanism.RLIMIT,
+            disk=Mechanism.TMPFS,
+            network=Mechanism.VM,
+            timeout=Mechanism.SUPERVISOR,
+        )
+
+    def probe(self) -> TierReport:
+        try:
+            self._check()
+            enforcement = self._plan(SandboxSpec())
+            self.start(SandboxSpec()).close()
+        except exc.StockadeError as err:
+            return TierReport(
+                tier=self.tier,
+                available=False,
+                detail=str(err),
+                fixes=("bash scripts/setup-microvm.sh",),
+            )
+        assert self.kernel is not None
+        return TierReport(
+            tier=self.tier,
+            available=True,
+            enforcement=enforcement,
+            detail=f"QEMU microvm ({self.accel}), kernel {self.kernel.version}, rootfs {self.rootfs}",
+        )
+
+    def prepare(self) -> tuple[Path, Path]:
+        """The root image and the initramfs: built on first use, then cached by content."""
+        self._check()
+        with self._lock:
+            if self._prepared is None or not all(p.is_file() for p in self._prepared):
+                assert self.rootfs is not None and self.kernel is not None
+                if not self._collected:
+                    self._collected = True
+                    collect_garbage()
+                self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
+                image = root_image(self.rootfs)
+                initrd = initramfs(self.state_dir, self.kernel, self.rootfs, self.busybox)
+                self._prepared = (image, initrd)
+            return self._prepared
+
+    def _argv(
+        self, spec: SandboxSpec, sid: str, *, files: tuple[Path, Path], fd: int, rundir: Path
+    ) -> list[str]:
+        assert self.kernel is not None
+        image, initrd = files
+        limits = spec.limits
+        ws = f"{limits.disk_mb * MiB}:{limits.inodes}"
+        tmp = f"{limits.tmp_mb * MiB}:{max(1024, limits.inodes // 4)}"
+        clock = _clock_args(self.kernel)
+        cmdline = f"console=ttyS0 quiet panic=-1 pci=off {clock} stockade_ws={ws} stockade_tmp={tmp}"
+        return [
+            # Dies with its creator even when this process is killed outright.
+            self.setpriv, "--pdeathsig", "KILL", "--",
+            self.qemu, "-name", f"stockade-{sid}",
+            "-M", "microvm,pit=on,pic=on,rtc=on", "-accel", self.accel, "-cpu", "max",
+            "-m", str(limits.memory_mb + GUEST_OVERHEAD_MB), "-smp", str(max(1, math.ceil(limits.cpus))),
+            "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+            # QEMU's own seccomp filter: a guest that breaks into the emulator still cannot
+            # exec, change ids, or use obsolete system calls on the host.
+            "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+            "-kernel", str(self.kernel.vmlinuz), "-initrd", str(initrd), "-append", cmdline,
+            "-serial", f"file:{rundir / 'console.log'}",
+            "-drive", f"id=root,file={image},format=raw,if=none,readonly=on",
+            "-device", "virtio-blk-device,drive=root",
+            "-device", "virtio-serial-device",
+            "-chardev", f"socket,id=port,fd={fd}",
+            "-device", f"virtserialport,chardev=port,name={PORT_NAME}",
+        ]  # fmt: skip
+
+    def start(self, spec: SandboxSpec) -> SupervisedInstance:
+        self._check()
+        enforcement = self._plan(spec)
+        image, initrd = self.prepare()
+        sid = "sbx-" + secrets.token_hex(6)
+        rundir = self.state_dir / f"vm-{sid}"
+        rundir.mkdir(mode=0o700)
+        mine, theirs = socket.socketpair()
+        proc: subprocess.Popen[bytes] | None = None
+        try:
+            with open(rundir / "qemu.log", "wb") as log:
+                proc = subprocess.Popen(
+                    self._argv(spec, sid, files=(image, initrd), fd=theirs.fileno(), rundir=rundir),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    env={"PATH": "/usr/bin:/bin"},
+                    pass_fds=(theirs.fileno(),),
+                    start_new_session=True,
+                )
+            creator = _oci.current_creator()
+            (rundir / "owner.json").write_text(
+                json.dumps({"pid": proc.pid, "host": creator.host, "creator": creator.token})
+            )
+        except OSError as err:
+            if proc is not None:
+                proc.kill()
+            mine.close()
+            shutil.rmtree(rundir, ignore_errors=True)
+            raise exc.SandboxStartError(f"cannot start QEMU: {err}") from err
+        finally:
+            theirs.close()
+        boundary = _VMBoundary(proc, mine, rundir)
+        stream = _SocketStream(mine)
+        instance = SupervisedInstance(
+            id=sid, tier=self.tier, stream=stream, boundary=boundary, spec=spec, enforcement=enforcement
+        )
+        weakref.finalize(instance, _oci.abandon, stream, boundary)
+        try:
+            instance.handshake(supervisor_config(spec, _oci.own_kernel_limits(spec).rlimits), START_TIMEOUT_S)
+        except exc.SandboxStartError as err:
+            said = _tail(rundir / "console.log") or _tail(rundir / "qemu.log")
+            instance.close()
+            raise exc.SandboxStartError(f"{err}{': ' + said if said else ''}") from None
+        except BaseException:
+            instance.close()
+            raise
+        return instance
+
+
+def _tail(path: Path, limit: int = 2048) -> str:
+    try:
+        return path.read_bytes()[-limit:].decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+
+
+def collect_garbage() -> list[str]:
+    """Kill the QEMU of every microVM whose creating process is gone, and remove its folder."""
+    me = _oci.current_creator()
+    removed: list[str] = []
+    state_dir = _oci.default_state_dir()
+    if not state_dir.is_dir():
+        return removed
+    for rundir in state_dir.glob("vm-sbx-*"):
+        try:
+            owner = json.loads((rundir / "owner.json").read_text())
+        except (OSError, ValueError):
+            if time.time() - rundir.stat().st_mtime < 60:
+                continue  # being started right now
+            owner = {}
+        if me.alive_here(str(owner.get("host", me.host)), str(owner.get("creator", ""))):
+            continue
+        pid = owner.get("pid")
+        sid = rundir.name.removeprefix("vm-")
+        if isinstance(pid, int):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                cmdline = b""
+            if f"stockade-{sid}".encode() in cmdline:  # the pid was not reused
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(rundir, ignore_errors=True)
+        removed.append(f"microvm {sid}")
+    return removed

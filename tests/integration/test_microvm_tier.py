@@ -1,0 +1,105 @@
+"""The microVM tier beyond the shared suites: the guest's shape, and QEMU's lifetime on the host."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stockade import Limits, Sandbox
+from stockade.sandbox import _oci, microvm
+from stockade.types import Mechanism
+from tests.conftest import require_tier
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture
+def vm() -> Iterator[Sandbox]:
+    require_tier("microvm")
+    with Sandbox.create("microvm", limits=Limits(memory_mb=200, cpus=2, disk_mb=48, inodes=3000)) as sandbox:
+        yield sandbox
+
+
+def qemu_processes(sandbox_id: str) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
+            except OSError:
+                continue
+            program = cmdline.split(b"\0")[0]
+            if program.endswith(b"qemu-system-x86_64") and f"stockade-{sandbox_id}".encode() in cmdline:
+                found.append(int(name))
+    return found
+
+
+def test_the_guest_has_the_limits_as_its_hardware(vm: Sandbox) -> None:
+    assert vm.commands.run("nproc").stdout.strip() == "2"
+    mem_kib = int(vm.commands.run("awk '/MemTotal/ {print $2}' /proc/meminfo").stdout)
+    assert mem_kib * 1024 <= (200 + microvm.GUEST_OVERHEAD_MB) * MiB
+    fs = vm.run_code("import os; s = os.statvfs('/workspace'); (s.f_blocks * s.f_frsize, s.f_files)")
+    assert fs.text == f"({48 * MiB}, 3000)"
+
+
+def test_the_guest_has_no_network_device(vm: Sandbox) -> None:
+    devices = vm.commands.run("tail -n +3 /proc/net/dev | cut -d: -f1").stdout.split()
+    assert devices == ["lo"]
+
+
+def test_the_root_filesystem_is_a_read_only_image(vm: Sandbox) -> None:
+    mounts = vm.commands.run("cat /proc/mounts").stdout.splitlines()
+    root = next(line.split() for line in mounts if line.split()[1] == "/")
+    assert root[2] == "ext4" and "ro" in root[3].split(",")
+
+
+def test_the_enforcement_says_how(vm: Sandbox) -> None:
+    e = vm.enforcement
+    assert (e.memory, e.cpus, e.network) == (Mechanism.VM, Mechanism.VM, Mechanism.VM)
+    assert e.weakened == ()
+
+
+def test_closing_ends_the_vm_on_the_host(vm: Sandbox) -> None:
+    assert len(qemu_processes(vm.id)) == 1
+    vm.close()
+    assert qemu_processes(vm.id) == []
+
+
+def test_leftovers_of_a_dead_creator_are_collected(tmp_path: Path) -> None:
+    """A VM whose creating process died (without closing it) is killed by the next collection."""
+    require_tier("microvm")
+    sid = "sbx-0123456789ab"
+    # Stands in for the QEMU of the dead process: the collector matches the name on its argv.
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", f"stockade-{sid}"])
+    while f"stockade-{sid}".encode() not in Path(f"/proc/{stand_in.pid}/cmdline").read_bytes():
+        time.sleep(0.01)  # the kernel fills in the argv just after the exec the parent waited for
+    rundir = _oci.default_state_dir() / f"vm-{sid}"
+    rundir.mkdir(parents=True)
+    # A creator that is not running: no process has this pid.
+    owner = {"pid": stand_in.pid, "host": _oci.current_creator().host, "creator": "999999999:1"}
+    (rundir / "owner.json").write_text(json.dumps(owner))
+    try:
+        assert f"microvm {sid}" in microvm.collect_garbage()
+        assert stand_in.wait(timeout=5) == -9
+        assert not rundir.exists()
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+
+
+def test_a_live_creators_vm_is_left_alone(vm: Sandbox) -> None:
+    microvm.collect_garbage()
+    assert vm.commands.run("echo alive").stdout == "alive\n"
+
+
+def test_qemu_runs_under_its_own_seccomp_filter(vm: Sandbox) -> None:
+    (pid,) = qemu_processes(vm.id)
+    status = Path(f"/proc/{pid}/status").read_text()
+    assert "Seccomp:\t2" in status
