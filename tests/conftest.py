@@ -34,3 +34,19 @@ def tier_available(tier: str) -> tuple[bool, str]:
 def require_tier(tier: str) -> None:
     ok, detail = tier_available(tier)
     require(f"tier {tier!r}", ok, detail)
+
+
+def host_processes(matching: bytes) -> list[int]:
+    """Pids of host processes whose command line contains ``matching`` (NULs between args)."""
+    from pathlib import Path
+
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
+            except OSError:
+                continue  # gone meanwhile
+            if matching in cmdline:
+                found.append(int(name))
+    return found

@@ -17,21 +17,13 @@ from pathlib import Path
 import pytest
 
 from stockade import Limits, Sandbox, WorkspaceFull
+from tests.conftest import host_processes
 
 MiB = 1024 * 1024
 
 
 def host_processes_with(marker: str) -> list[int]:
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if marker.encode() in cmdline:
-                found.append(int(name))
-    return found
+    return host_processes(marker.encode())
 
 
 @pytest.fixture

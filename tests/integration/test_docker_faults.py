@@ -16,7 +16,7 @@ import pytest
 
 from stockade import Limits, Sandbox
 from stockade import exceptions as exc
-from tests.conftest import require, require_tier
+from tests.conftest import host_processes, require, require_tier
 
 pytestmark = pytest.mark.docker
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,15 +43,7 @@ def our_containers(api: Any) -> list[dict[str, Any]]:
 
 def supervisors_on_host() -> int:
     """Supervisor processes of runc containers are host processes: count them."""
-    count = 0
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            count += b"import boot; boot.main()" in cmdline
-    return count
+    return len(host_processes(b"import boot; boot.main()"))
 
 
 def test_a_container_killed_from_outside_is_reported(engine: Any) -> None:

@@ -16,7 +16,7 @@ from stockade import LimitNotEnforceable, NetworkPolicy, Sandbox, SandboxCrashed
 from stockade.sandbox import _cgroups
 from stockade.sandbox.process import collect_garbage
 from stockade.types import Mechanism
-from tests.conftest import require_tier
+from tests.conftest import host_processes, require_tier
 
 
 @pytest.fixture(autouse=True)
@@ -25,15 +25,7 @@ def _process_tier() -> None:
 
 
 def processes_mentioning(fragment: str) -> list[int]:
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                if fragment.encode() in Path(f"/proc/{name}/cmdline").read_bytes():
-                    found.append(int(name))
-            except OSError:
-                continue
-    return found
+    return host_processes(fragment.encode())
 
 
 def mounts_of(fragment: str) -> list[str]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import ctypes
 import hashlib
 import os
 import socket
@@ -19,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stockade import exceptions as exc
+from stockade.sandbox import _host
 from stockade.sandbox._channel import Stream
 from stockade.sandbox._supervised import WORKSPACE, Boundary
 from stockade.sandbox.base import SandboxSpec
@@ -32,9 +31,6 @@ SUPERVISOR_ARGV = (
 )  # fmt: skip
 SANDBOX_UID = 1000
 MiB = 1024 * 1024
-MS_NOSUID, MS_NODEV = 2, 4
-MNT_DETACH = 2
-_libc = ctypes.CDLL(None, use_errno=True)
 
 # Labels (Docker) and annotations (OCI) that mark what stockade started, and by whom.
 LABEL = "stockade.sandbox"
@@ -233,15 +229,7 @@ class Creator:
         pid, _, started = token.partition(":")
         if not pid.isdigit():
             return False
-        return _start_time(int(pid)) == started
-
-
-def _start_time(pid: int) -> str:
-    try:
-        data = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return ""
-    return data[data.rindex(b")") + 2 :].split()[19].decode()
+        return _host.start_time(int(pid)) == started
 
 
 def current_creator() -> Creator:
@@ -255,7 +243,7 @@ def current_creator() -> Creator:
     except OSError:
         pidns = ""
     host = f"{socket.gethostname()}/{boot}/{pidns}"
-    return Creator(host=host, pid=os.getpid(), start_time=_start_time(os.getpid()))
+    return Creator(host=host, pid=os.getpid(), start_time=_host.start_time(os.getpid()))
 
 
 def abandon(stream: Stream, boundary: Boundary) -> None:
@@ -269,14 +257,10 @@ def abandon(stream: Stream, boundary: Boundary) -> None:
 
 def mount_tmpfs(target: Path, *, size: int, inodes: int, mode: int) -> None:
     """A size- and inode-limited tmpfs owned by the sandbox user (needs root)."""
-    opts = f"size={size},nr_inodes={inodes},mode={mode:o},uid={SANDBOX_UID},gid={SANDBOX_UID}".encode()
-    if _libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts) != 0:
-        err = ctypes.get_errno()
-        raise exc.SandboxStartError(f"cannot mount a tmpfs at {target}: {os.strerror(err)}")
+    _host.mount_tmpfs(target, size=size, inodes=inodes, uid=SANDBOX_UID, mode=mode)
 
 
-def umount(target: Path) -> None:
-    _libc.umount2(str(target).encode(), MNT_DETACH)
+umount = _host.umount
 
 
 def tmpfs_sizes(spec: SandboxSpec) -> dict[str, tuple[int, int, int]]:

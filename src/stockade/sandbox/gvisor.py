@@ -29,6 +29,7 @@ from typing import Literal
 
 from stockade import exceptions as exc
 from stockade.sandbox import _oci
+from stockade.sandbox._host import PipeStream
 from stockade.sandbox._supervised import Boundary, SupervisedInstance, supervisor_config
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.types import Enforcement, Mechanism, TierReport
@@ -129,27 +130,6 @@ def _engine_answers() -> bool:
 
 
 # -- runsc without Docker -------------------------------------------------------------------
-
-
-class _PipeStream:
-    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
-        assert proc.stdin is not None and proc.stdout is not None
-        self._proc = proc
-        self._in = proc.stdin.fileno()
-        self._out = proc.stdout.fileno()
-
-    def recv(self) -> bytes:
-        return os.read(self._out, 1 << 20)
-
-    def send(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self._in, view) :]
-
-    def close(self) -> None:
-        if self._proc.stdin is not None:
-            with contextlib.suppress(OSError):
-                self._proc.stdin.close()
 
 
 class _RunscBoundary(Boundary):
@@ -380,7 +360,7 @@ class RunscBackend(Backend):
             _release(bundle, mounts)
             raise
         boundary = _RunscBoundary(self, sid, proc, bundle, mounts)
-        stream = _PipeStream(proc)
+        stream = PipeStream(proc)
         instance = SupervisedInstance(
             id=sid,
             tier=self.tier,

@@ -13,7 +13,6 @@ nothing it leaves in the workspace (setuid bits included) is owned by root.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
 import os
 import secrets
@@ -26,6 +25,7 @@ from pathlib import Path
 
 from stockade import exceptions as exc
 from stockade.sandbox import _cgroups, _seccomp
+from stockade.sandbox._host import PipeStream, mount_tmpfs, start_time, umount
 from stockade.sandbox._supervised import WORKSPACE, Boundary, SupervisedInstance, supervisor_config
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.sandbox.kernel import sources as kernel_sources
@@ -40,9 +40,6 @@ SANDBOX_UID = 1000
 DEFAULT_HOST_UID = 61000
 MiB = 1024 * 1024
 START_TIMEOUT_S = 20.0
-_libc = ctypes.CDLL(None, use_errno=True)
-MNT_DETACH = 2
-MS_NOSUID, MS_NODEV = 2, 4
 PASSWD = (
     "root:x:0:0::/:/usr/sbin/nologin\n"
     "sandbox:x:1000:1000:sandbox:/tmp:/bin/sh\n"
@@ -55,30 +52,6 @@ HOST_ETC = (
     "ld.so.cache", "alternatives", "ssl", "ca-certificates", "localtime", "mime.types",
     "matplotlibrc", "fonts", "python3", "python3.11", "python3.12", "python3.13",
 )  # fmt: skip
-
-
-class _BwrapStream:
-    """The supervisor's stdin/stdout pipes as one byte stream."""
-
-    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
-        assert proc.stdin is not None and proc.stdout is not None
-        self._in = proc.stdin.fileno()
-        self._out = proc.stdout.fileno()
-        self._proc = proc
-
-    def recv(self) -> bytes:
-        return os.read(self._out, 1 << 20)
-
-    def send(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self._in, view) :]
-
-    def close(self) -> None:
-        for stream in (self._proc.stdin,):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
 
 
 class _ProcessBoundary(Boundary):
@@ -112,7 +85,7 @@ class _ProcessBoundary(Boundary):
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         for mount in self.mounts:
-            _umount(mount)
+            umount(mount)
         shutil.rmtree(self.rundir, ignore_errors=True)
 
 
@@ -394,7 +367,7 @@ class ProcessBackend(Backend):
         sid = "sbx-" + secrets.token_hex(6)
         rundir = self.state_dir / sid
         rundir.mkdir(mode=0o711)
-        (rundir / OWNER_FILE).write_text(f"{os.getpid()} {_start_time(os.getpid())}")
+        (rundir / OWNER_FILE).write_text(f"{os.getpid()} {start_time(os.getpid())}")
         mounts: list[Path] = []
         cgroup: _cgroups.Cgroup | None = None
         proc: subprocess.Popen[bytes] | None = None
@@ -408,7 +381,7 @@ class ProcessBackend(Backend):
                 ):
                     target = rundir / name
                     target.mkdir()
-                    _mount_tmpfs(
+                    mount_tmpfs(
                         target,
                         size=size,
                         inodes=inodes,
@@ -445,7 +418,7 @@ class ProcessBackend(Backend):
             instance = SupervisedInstance(
                 id=sid,
                 tier=self.tier,
-                stream=_BwrapStream(proc),
+                stream=PipeStream(proc),
                 boundary=_ProcessBoundary(proc, cgroup, rundir, mounts),
                 spec=spec,
                 enforcement=enforcement,
@@ -485,17 +458,6 @@ def _entering(procs_files: list[Path], argv: list[str]) -> list[str]:
     return ["/bin/sh", "-c", _ENTER_CGROUPS, "sh", str(len(procs_files)), *map(str, procs_files), *argv]
 
 
-def _mount_tmpfs(target: Path, *, size: int, inodes: int, uid: int, mode: int) -> None:
-    opts = f"size={size},nr_inodes={inodes},mode={mode:o},uid={uid},gid={uid}".encode()
-    if _libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts) != 0:
-        err = ctypes.get_errno()
-        raise exc.SandboxStartError(f"cannot mount a tmpfs at {target}: {os.strerror(err)}")
-
-
-def _umount(target: Path) -> None:
-    _libc.umount2(str(target).encode(), MNT_DETACH)
-
-
 def _cleanup(
     proc: subprocess.Popen[bytes] | None, cgroup: _cgroups.Cgroup | None, mounts: list[Path], rundir: Path
 ) -> None:
@@ -508,7 +470,7 @@ def _cleanup(
     if cgroup is not None:
         cgroup.remove()
     for mount in mounts:
-        _umount(mount)
+        umount(mount)
     shutil.rmtree(rundir, ignore_errors=True)
 
 
@@ -551,22 +513,13 @@ def _bubblewrap_bin() -> str:
     return str(path)
 
 
-def _start_time(pid: int) -> str:
-    """The kernel's start time of ``pid``: with the pid, identifies a process across reuse."""
-    try:
-        data = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return ""
-    return data[data.rindex(b")") + 2 :].split()[19].decode()
-
-
 def _owner_alive(rundir: Path) -> bool:
     try:
         pid_text, _, started = (rundir / OWNER_FILE).read_text().partition(" ")
         pid = int(pid_text)
     except (OSError, ValueError):
         return False
-    return _start_time(pid) == started and started != ""
+    return start_time(pid) == started and started != ""
 
 
 def collect_garbage(state_dir: Path | None = None) -> list[str]:
@@ -578,7 +531,7 @@ def collect_garbage(state_dir: Path | None = None) -> list[str]:
             if _owner_alive(rundir):
                 continue
             for name in ("workspace", "tmp", "shm"):
-                _umount(rundir / name)
+                umount(rundir / name)
             shutil.rmtree(rundir, ignore_errors=True)
             removed.append(f"process sandbox {rundir.name}")
         for partial in base.glob(".shared-*"):  # a build interrupted by a crash
