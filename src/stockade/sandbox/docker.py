@@ -521,13 +521,15 @@ class DockerBackend(Backend):
         """What containers mount at /opt/stockade: the host's kernel folder, or a volume.
 
         Once per image, its own python compiles the supervisor (a short-lived helper
-        container), so that every start loads bytecode instead of compiling it.
+        container), so that every start loads bytecode instead of compiling it. Resolved once
+        per backend: no engine round trip on the start path (a tag moved meanwhile is seen
+        by the next backend).
         """
+        if self._kernel_source is not None and self._kernel_source[0].is_dir():
+            return self._kernel_source[1]
         with _engine(self.image, self.runtime):
             image_id = str(api.inspect_image(self.image)["Id"])
         kernel = _oci.kernel_dir(self.state_dir, image_id)
-        if self._kernel_source is not None and self._kernel_source[0] == kernel:
-            return self._kernel_source[1]
         if not _oci.has_bytecode(kernel, image_id):
             self._compile(api, kernel, image_id)
         source = self._fill_volume(api, kernel, image_id) if self.remote else str(kernel)
