@@ -50,3 +50,21 @@ def host_processes(matching: bytes) -> list[int]:
             if matching in cmdline:
                 found.append(int(name))
     return found
+
+
+def processes_of_uid(uid: int) -> list[int]:
+    """Pids of live host processes running as ``uid`` (a zombie only waits for its reaper,
+    which for a sandbox's orphans is the host's init)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if os.stat(f"/proc/{name}").st_uid != uid:
+                    continue
+                with open(f"/proc/{name}/stat", "rb") as fh:
+                    state = fh.read().rsplit(b")", 1)[1].split()[0]
+            except OSError:
+                continue  # gone meanwhile
+            if state not in (b"Z", b"X"):
+                found.append(int(name))
+    return found

@@ -16,7 +16,7 @@ from stockade import LimitNotEnforceable, NetworkPolicy, Sandbox, SandboxCrashed
 from stockade.sandbox import _cgroups
 from stockade.sandbox.process import collect_garbage
 from stockade.types import Mechanism
-from tests.conftest import host_processes, require_tier
+from tests.conftest import processes_of_uid, require_tier
 
 
 @pytest.fixture(autouse=True)
@@ -24,8 +24,17 @@ def _process_tier() -> None:
     require_tier("process")
 
 
-def processes_mentioning(fragment: str) -> list[int]:
-    return host_processes(fragment.encode())
+class Trace:
+    """A process sandbox's host processes, found by its host uid (one per sandbox as root)."""
+
+    def __init__(self, sid: str) -> None:
+        if os.geteuid() != 0:
+            pytest.skip("as another user, sandboxes share that user's uid: their processes look alike")
+        self.uid = os.stat(Path("/run/stockade") / sid).st_uid
+        assert self.uid != 0
+
+    def processes(self) -> list[int]:
+        return processes_of_uid(self.uid)
 
 
 def mounts_of(fragment: str) -> list[str]:
@@ -72,15 +81,15 @@ def test_host_allowlists_are_refused_and_host_network_needs_consent() -> None:
 def test_create_close_cycles_leave_nothing_behind() -> None:
     fds_before = len(os.listdir("/proc/self/fd"))
     groups_before = set(_cgroups.leftover_groups())
-    ids = []
+    traces = []
     for _ in range(50):
         with Sandbox.create() as sbx:
             sbx.commands.run("true")
-            ids.append(sbx.id)
+            traces.append((sbx.id, Trace(sbx.id)))
     assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
     assert set(_cgroups.leftover_groups()) <= groups_before
-    for sid in ids:
-        assert mounts_of(sid) == [] and processes_mentioning(sid) == []
+    for sid, trace in traces:
+        assert mounts_of(sid) == [] and trace.processes() == []
 
 
 def test_a_crashed_creator_leaves_garbage_that_gc_removes() -> None:
@@ -96,8 +105,9 @@ def test_a_crashed_creator_leaves_garbage_that_gc_removes() -> None:
     )
     sid = out.stdout.strip()
     assert sid.startswith("sbx-")
+    trace = Trace(sid)
     deadline = time.monotonic() + 10
-    while processes_mentioning(sid):
+    while trace.processes():
         assert time.monotonic() < deadline, "bwrap outlived its parent"
         time.sleep(0.05)
     removed = collect_garbage()
@@ -146,6 +156,7 @@ def test_without_root_weaker_limits_need_consent_and_still_hold() -> None:
 
 def test_a_frozen_supervisor_cannot_hold_the_host_hostage() -> None:
     sbx = Sandbox.create()
+    trace = Trace(sbx.id)
     boundary = sbx.instance.boundary  # type: ignore[attr-defined]
     cmdlines = {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in boundary.cgroup.pids()}
     supervisor = next(pid for pid, cmd in cmdlines.items() if b"supervisor" in cmd and b"bwrap" not in cmd)
@@ -154,7 +165,7 @@ def test_a_frozen_supervisor_cannot_hold_the_host_hostage() -> None:
     r = sbx.commands.run("echo never", timeout_s=0.2)
     assert r.timed_out and time.monotonic() - started < 15
     assert not sbx.alive, "the host took the whole sandbox down"
-    assert processes_mentioning(sbx.id) == []
+    assert trace.processes() == []
     sbx.close()
 
 
@@ -163,10 +174,11 @@ def test_a_sandbox_nobody_closed_dies_with_its_last_reference() -> None:
 
     sbx = Sandbox.create()
     sid = sbx.id
-    assert processes_mentioning(sid)
+    trace = Trace(sid)
+    assert trace.processes()
     del sbx
     gc.collect()
     deadline = time.monotonic() + 10
-    while processes_mentioning(sid) or mounts_of(sid):
+    while trace.processes() or mounts_of(sid):
         assert time.monotonic() < deadline, "a dropped sandbox kept running"
         time.sleep(0.05)

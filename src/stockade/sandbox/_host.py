@@ -1,11 +1,15 @@
-"""Host-side plumbing the tiers share: tmpfs mounts, process identity, the supervisor's pipes."""
+"""Host-side plumbing the tiers share: tmpfs mounts, process identity, host uids of their own,
+the supervisor's pipes."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import os
+import secrets
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 from stockade import exceptions as exc
@@ -35,6 +39,73 @@ def start_time(pid: int) -> str:
     except OSError:
         return ""
     return data[data.rindex(b")") + 2 :].split()[19].decode()
+
+
+# Host uids for sandboxes: systemd's unused range (above its container ranges, below 2^31), so
+# no account, no dynamic user and no nspawn container of this host has one of them.
+UID_BASE = 0x70000000
+UID_SPAN = 1 << 24
+
+
+@dataclass(frozen=True)
+class UidLease:
+    """A host uid that one sandbox alone runs as, held until ``release``.
+
+    The kernel counts many limits per user (processes, inotify instances and watches, pipe
+    buffers, pending signals, message queue bytes): sandboxes that shared a uid would share
+    those, with each other and with any account of that uid. A lease is a lock file under the
+    state folder, flocked while the sandbox lives; a crashed owner's lock goes with it.
+    """
+
+    uid: int
+    path: Path
+    fd: int
+
+    def release(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+def lease_uid(state_dir: Path) -> UidLease:
+    folder = state_dir / "uids"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for _ in range(100):
+        uid = UID_BASE + secrets.randbelow(UID_SPAN)
+        path = folder / str(uid)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # The file may have been released (unlinked) between our open and our lock.
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                return UidLease(uid, path, fd)
+        except OSError:
+            pass
+        os.close(fd)
+    raise exc.ResourceContention("no free host uid for a sandbox", retry_after=0.1)
+
+
+def collect_uid_leases(state_dir: Path) -> int:
+    """Remove the lock files of leases whose owner is gone (their flock went with it)."""
+    removed = 0
+    folder = state_dir / "uids"
+    if not folder.is_dir():
+        return 0
+    for path in folder.iterdir():
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.unlink(path)  # a racing lease_uid sees the inode change and picks another
+            removed += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
 
 
 class PipeStream:

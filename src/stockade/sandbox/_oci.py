@@ -255,9 +255,9 @@ def abandon(stream: Stream, boundary: Boundary) -> None:
 # -- host tmpfs ---------------------------------------------------------------------------
 
 
-def mount_tmpfs(target: Path, *, size: int, inodes: int, mode: int) -> None:
+def mount_tmpfs(target: Path, *, size: int, inodes: int, mode: int, uid: int = SANDBOX_UID) -> None:
     """A size- and inode-limited tmpfs owned by the sandbox user (needs root)."""
-    _host.mount_tmpfs(target, size=size, inodes=inodes, uid=SANDBOX_UID, mode=mode)
+    _host.mount_tmpfs(target, size=size, inodes=inodes, uid=uid, mode=mode)
 
 
 umount = _host.umount

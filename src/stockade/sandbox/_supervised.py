@@ -194,9 +194,23 @@ class SupervisedInstance(Instance):
             case GetArchive():
                 return self._file("get_archive", {"path": op.path})[1]
             case Reset():
-                self._file("reset", {"warm": op.warm_interpreter})
+                self._reset(op)
                 return None
         raise exc.ConfigurationError(f"unsupported operation {op!r}")  # pragma: no cover
+
+    def _reset(self, op: Reset) -> None:
+        """A sandbox that cannot be made as fresh as it started is never used again."""
+        call = self.channel.call({"op": "reset", "warm": op.warm_interpreter})
+        try:
+            header, _ = call.result(time.monotonic() + FILE_OP_TIMEOUT_S)
+        except TimeoutError:
+            header = {"ev": "error", "message": "the supervisor did not answer in time"}
+        if header.get("ev") != "done":
+            self.close()
+            raise exc.SandboxCrashed(
+                f"sandbox {self.id} could not be reset ({str(header.get('message', ''))[:500]}); "
+                "it was closed: create a new one"
+            )
 
     def _read(self, op: ReadFile) -> bytes:
         """Read in chunks: the supervisor never holds a whole large file in memory."""

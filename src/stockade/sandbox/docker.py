@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from stockade import exceptions as exc
-from stockade.sandbox import _oci
+from stockade.sandbox import _host, _oci
 from stockade.sandbox._supervised import WORKSPACE, Boundary, SupervisedInstance, supervisor_config
 from stockade.sandbox.base import Backend, OpResult, OutputSink, SandboxSpec
 from stockade.sandbox.ops import Op
@@ -223,8 +223,18 @@ def _retry_pending(api: Any) -> None:
 
 
 class _ContainerBoundary(Boundary):
-    def __init__(self, api: Any, cid: str, rundir: Path | None, mounts: list[Path], *, remote: bool) -> None:
+    def __init__(
+        self,
+        api: Any,
+        cid: str,
+        rundir: Path | None,
+        mounts: list[Path],
+        *,
+        remote: bool,
+        lease: _host.UidLease | None = None,
+    ) -> None:
         self.api = api
+        self.lease = lease
         self.cid = cid
         self.remote = remote
         self.since = time.time() - 1.0
@@ -278,6 +288,8 @@ class _ContainerBoundary(Boundary):
             self._dead = True
         _remove(self.api, self.cid)
         _release_mounts(self.rundir, self.mounts)
+        if self.lease is not None:  # last: no process of the sandbox is left with the uid
+            self.lease.release()
 
     def explain(self, err: exc.SandboxCrashed) -> exc.StockadeError:
         """Why the supervisor's stream ended: the engine went away, or the container died."""
@@ -300,6 +312,15 @@ class _ContainerBoundary(Boundary):
                 f"exit code {state.get('ExitCode')}): {err}"
             )
         return err
+
+
+def _etc_files(uid: int) -> dict[str, str]:
+    """The accounts a sandbox sees: its own uid is ``sandbox`` (``whoami``, ``~``, git work)."""
+    return {
+        "passwd": f"root:x:0:0::/:/usr/sbin/nologin\nsandbox:x:{uid}:{uid}:sandbox:/tmp:/bin/sh\n"
+        "nobody:x:65534:65534::/:/usr/sbin/nologin\n",
+        "group": f"root:x:0:\nsandbox:x:{uid}:\nnogroup:x:65534:\n",
+    }
 
 
 def _release_mounts(rundir: Path | None, mounts: list[Path]) -> None:
@@ -446,19 +467,21 @@ class DockerBackend(Backend):
 
     # -- start --------------------------------------------------------------------------
 
-    def _host_config(self, api: Any, spec: SandboxSpec, kernel: str, binds: dict[str, Path]) -> Any:
+    def _host_config(self, api: Any, spec: SandboxSpec, kernel: str, binds: dict[str, Path], uid: int) -> Any:
         docker = _docker()
         limits = spec.limits
         tmpfs: dict[str, str] = {}
         volume_binds = {kernel: {"bind": _oci.KERNEL_MOUNT, "mode": "ro"}}
+        for target, path in binds.items():
+            if target.startswith("/etc/"):
+                volume_binds[str(path)] = {"bind": target, "mode": "ro"}
         for target, (size, inodes, mode) in _oci.tmpfs_sizes(spec).items():
             if target in binds:
                 volume_binds[str(binds[target])] = {"bind": target, "mode": "rw"}
             else:
                 # Docker adds noexec unless told otherwise; every tier lets the workspace run code.
                 tmpfs[target] = (
-                    f"rw,exec,nosuid,nodev,size={size},nr_inodes={inodes},mode={mode:o},"
-                    f"uid={_oci.SANDBOX_UID},gid={_oci.SANDBOX_UID}"
+                    f"rw,exec,nosuid,nodev,size={size},nr_inodes={inodes},mode={mode:o},uid={uid},gid={uid}"
                 )
         memory = limits.memory_mb * _oci.MiB
         pids = limits.pids
@@ -497,19 +520,28 @@ class DockerBackend(Backend):
             _oci.LABEL_HOST: self.creator.host,
         }
 
-    def _host_mounts(self, spec: SandboxSpec, sid: str) -> tuple[Path, list[Path], dict[str, Path]]:
+    def _host_files(self, spec: SandboxSpec, sid: str, uid: int) -> tuple[Path, list[Path], dict[str, Path]]:
+        """The sandbox's files on this host (a local engine only): its passwd and group,
+        which name its uid, and the host tmpfs mounts gVisor needs; root's alone (0700)."""
         rundir = self.state_dir / f"ctr-{sid}"
-        rundir.mkdir(parents=True, mode=0o711)
+        rundir.mkdir(parents=True, mode=0o700)
         (rundir / "creator").write_text(f"{self.creator.host}\n{self.creator.token}\n")
         mounts: list[Path] = []
         binds: dict[str, Path] = {}
         try:
-            for target, (size, inodes, mode) in _oci.tmpfs_sizes(spec).items():
-                path = rundir / target.strip("/")
-                path.mkdir()
-                _oci.mount_tmpfs(path, size=size, inodes=inodes, mode=mode)
-                mounts.append(path)
-                binds[target] = path
+            etc = rundir / "etc"
+            etc.mkdir(mode=0o755)
+            for name, text in _etc_files(uid).items():
+                (etc / name).write_text(text)
+                os.chmod(etc / name, 0o644)
+                binds[f"/etc/{name}"] = etc / name
+            if self.host_tmpfs:
+                for target, (size, inodes, mode) in _oci.tmpfs_sizes(spec).items():
+                    path = rundir / target.strip("/")
+                    path.mkdir()
+                    _oci.mount_tmpfs(path, size=size, inodes=inodes, mode=mode, uid=uid)
+                    mounts.append(path)
+                    binds[target] = path
         except BaseException:
             _release_mounts(rundir, mounts)
             raise
@@ -618,15 +650,18 @@ class DockerBackend(Backend):
         rundir: Path | None = None
         mounts: list[Path] = []
         binds: dict[str, Path] = {}
-        if self.host_tmpfs:
-            rundir, mounts, binds = self._host_mounts(spec, sid)
+        # A uid of its own: the kernel counts processes, inotify instances, pipe buffers...
+        # per user, and uid 1000 may be a real account of this host.
+        lease = _host.lease_uid(self.state_dir)
         cid = ""
         try:
+            if not self.remote:
+                rundir, mounts, binds = self._host_files(spec, sid, lease.uid)
             with _engine(self.image, self.runtime):
                 created = api.create_container(
                     self.image,
                     command=list(_oci.SUPERVISOR_ARGV),
-                    user=f"{_oci.SANDBOX_UID}:{_oci.SANDBOX_UID}",
+                    user=f"{lease.uid}:{lease.uid}",
                     working_dir=WORKSPACE,
                     environment=["PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8"],
                     hostname="sandbox",
@@ -636,7 +671,7 @@ class DockerBackend(Backend):
                     # Nothing inside needs a graceful stop; an engine shutdown must not wait.
                     stop_signal="SIGKILL",
                     network_disabled=not spec.network.enabled,
-                    host_config=self._host_config(api, spec, kernel, binds),
+                    host_config=self._host_config(api, spec, kernel, binds, lease.uid),
                     name=f"stockade-{sid}",
                 )
                 cid = str(created["Id"])
@@ -648,8 +683,9 @@ class DockerBackend(Backend):
             if cid:
                 _remove(api, cid)
             _release_mounts(rundir, mounts)
+            lease.release()
             raise
-        boundary = _ContainerBoundary(api, cid, rundir, mounts, remote=self.remote)
+        boundary = _ContainerBoundary(api, cid, rundir, mounts, remote=self.remote, lease=lease)
         instance = _ContainerInstance(
             id=sid, tier=self.tier, stream=stream, boundary=boundary, spec=spec, enforcement=enforcement
         )
@@ -694,6 +730,7 @@ def collect_garbage(api: Any = None) -> list[str]:
                 removed.append(f"container {found['Id'][:12]} ({sid})")
     state_dir = _oci.default_state_dir()
     if state_dir.is_dir():
+        _host.collect_uid_leases(state_dir)
         for rundir in state_dir.glob("ctr-*"):
             try:
                 host, token = (rundir / "creator").read_text().split("\n")[:2]

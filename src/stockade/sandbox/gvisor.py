@@ -314,7 +314,7 @@ class RunscBackend(Backend):
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         sid = "sbx-" + secrets.token_hex(6)
         bundle = self.state_dir / f"gv-{sid}"
-        bundle.mkdir(mode=0o711)
+        bundle.mkdir(mode=0o700)  # the host side of the sandbox's files: nobody else's to see
         mounts: list[Path] = []
         proc: subprocess.Popen[bytes] | None = None
         try:

@@ -5,10 +5,12 @@
         sbx.run_code("print(1)")
     pool.close()
 
-A returned sandbox is never handed out dirty: a background thread resets it (every process
-killed, interpreter state dropped, workspace and /tmp emptied) or, past ``max_uses`` or when
-it broke, closes it and starts a replacement. Members idle past ``idle_timeout_s`` are
-replaced too, so nothing ages in the pool.
+A returned sandbox is never handed out dirty: it is reset in the background (every process
+killed, every writable place emptied, the settings code can change put back, and a fresh
+supervisor and interpreter exec'd, so nothing of one user's memory reaches the next) or,
+past ``max_uses``, when it broke or when the reset could not make it as fresh as it started,
+closed and replaced. Members are recycled in parallel: one slow reset never holds up the
+others. Members idle past ``idle_timeout_s`` are replaced too, so nothing ages in the pool.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from stockade import exceptions as exc
@@ -80,6 +83,7 @@ class SandboxPool:
         self._counts = {"started": 0, "recycled": 0, "replaced": 0}
         self._closed = threading.Event()
         self._error: exc.StockadeError | None = None
+        self._recyclers = ThreadPoolExecutor(max_workers=size, thread_name_prefix="stockade-pool-reset")
         self._worker = threading.Thread(target=self._run, name="stockade-pool", daemon=True)
         self._worker.start()
 
@@ -104,6 +108,7 @@ class SandboxPool:
         self._closed.set()
         self._returned.put(None)
         self._worker.join(timeout=30)
+        self._recyclers.shutdown(wait=True)
         while True:
             try:
                 self._ready.get_nowait().instance.close()
@@ -156,7 +161,7 @@ class SandboxPool:
             if member is None:
                 continue
             if member is not _WAKE:
-                self._recycle(member)
+                self._recyclers.submit(self._recycle, member)
         # drain: close what comes back after close()
         while True:
             try:
@@ -209,7 +214,7 @@ class SandboxPool:
             # A forked interpreter's first run pays for copy-on-write faults; pay it here,
             # off the next user's path.
             member.instance.execute(RunCode(code="pass"))
-        except exc.StockadeError:
+        except Exception:  # a member we cannot vouch for is never handed out
             member.instance.close()
             self._count("replaced")
             return

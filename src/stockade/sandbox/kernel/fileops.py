@@ -125,30 +125,26 @@ def _listxattr(path: str) -> "list[str]":
 def empty_dir(path: str) -> None:
     """Remove everything under ``path``, whatever modes the code left on it.
 
-    Iterative and holding one directory open at a time: a tree may be thousands deep.
+    Each directory is listed once (linear in the size of the tree: a pool's reset must not
+    stall on a wide one) and one directory is held open at a time (a tree may be thousands
+    deep); ``pending`` keeps, per level, the subdirectories still to empty.
     Every process of the sandbox is dead by now, so nothing moves under us.
     """
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(path, flags)
     names: list[str] = []  # the path from ``path`` down to ``fd``
+    pending: list[list[str]] = [_unlink_files(fd)]
     try:
         while True:
-            child = None
-            for name in os.listdir(fd):
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
-                if not stat.S_ISDIR(st.st_mode):
-                    os.unlink(name, dir_fd=fd)
-                    continue
-                if st.st_mode & 0o700 != 0o700:
-                    os.chmod(name, 0o700, dir_fd=fd)
-                child = name
-                break
-            if child is not None:
+            if pending[-1]:
+                child = pending[-1].pop()
                 sub = os.open(child, flags, dir_fd=fd)
                 os.close(fd)
                 fd = sub
                 names.append(child)
+                pending.append(_unlink_files(fd))
                 continue
+            pending.pop()
             if not names:
                 return
             parent = os.open("..", flags, dir_fd=fd)
@@ -157,6 +153,22 @@ def empty_dir(path: str) -> None:
             os.rmdir(names.pop(), dir_fd=fd)
     finally:
         os.close(fd)
+
+
+def _unlink_files(fd: int) -> list[str]:
+    """Unlink every non-directory in ``fd``; return its subdirectories, made enterable."""
+    subdirs = []
+    with os.scandir(fd) as it:
+        entries = list(it)  # all first: a directory is not changed while it is read
+    for entry in entries:
+        if not entry.is_dir(follow_symlinks=False):
+            os.unlink(entry.name, dir_fd=fd)
+            continue
+        st = entry.stat(follow_symlinks=False)
+        if st.st_mode & 0o700 != 0o700:
+            os.chmod(entry.name, 0o700, dir_fd=fd)
+        subdirs.append(entry.name)
+    return subdirs
 
 
 def remove_sysv_ipc() -> None:

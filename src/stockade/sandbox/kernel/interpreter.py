@@ -234,6 +234,9 @@ def _forget_kernel_modules() -> None:
 
 def main(ctl_in: int, ctl_out: int) -> None:
     """Serve run requests on two pipe fds until the supervisor closes them."""
+    # Before any code runs (so it cannot be forged): who we are, for the supervisor, which
+    # ends every process a run started, but not us, when the run ends.
+    os.write(ctl_out, encode({"ev": "hello", "pid": os.getpid()}))
     preload()
     _forget_kernel_modules()
     sys.stdout = io.TextIOWrapper(

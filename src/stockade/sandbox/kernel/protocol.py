@@ -76,6 +76,12 @@ class FrameReader:
     def feed(self, data: bytes) -> None:
         self._buf += data
 
+    def take_pending(self) -> bytes:
+        """The bytes of frames not yet complete; the reader forgets them."""
+        data = bytes(self._buf)
+        self._buf.clear()
+        return data
+
     def frames(self) -> "list[tuple[dict[str, Any], bytes]]":
         out: "list[tuple[dict[str, Any], bytes]]" = []
         while len(self._buf) >= PREFIX.size:

@@ -102,14 +102,15 @@ def descendants(root: int) -> list[int]:
     return out
 
 
-def kill_tree(root: int, include_root: bool) -> None:
-    """SIGKILL every descendant of ``root`` until none is left (fork bombs included).
+def kill_tree(root: int, include_root: bool, spare: int = 0) -> None:
+    """SIGKILL every descendant of ``root`` until none is left (fork bombs included), but
+    ``spare`` (whose own descendants die all the same).
 
     A process forked between a scan and the kill is the child of a killed process, so it
     is reparented to the subreaper (``root``) and found by the next scan.
     """
     for _ in range(1000):
-        found = descendants(root)
+        found = [pid for pid in descendants(root) if pid != spare]
         if not found:
             break
         for pid in found:

@@ -52,6 +52,7 @@ def _trusted_path(entries: "list[str]", here: str) -> "list[str]":
 sys.path[:] = _trusted_path(sys.path, os.path.dirname(os.path.abspath(__file__)))
 
 # ruff: noqa: E402 - the sibling modules are imported after the path fix above
+import baseline
 from fileops import (
     PathRefused,
     Workspace,
@@ -81,6 +82,9 @@ MAX_LIST = 100_000
 
 # Beside the workspace: every place the code can write (POSIX message queues included).
 RESET_ROOTS = ("/tmp", "/dev/shm", "/dev/mqueue")
+# A reset execs a fresh supervisor and hands it its state on this fd, named by this flag.
+HANDOVER_FD = 3
+RESUME_FLAG = "--stockade-resume"
 
 EVENT_READ, EVENT_WRITE = select.EPOLLIN, select.EPOLLOUT
 
@@ -180,6 +184,7 @@ class Kernel:
         self.ctl_r = res_r
         self.pipes = {out_r: 1, err_r: 2}
         self.reader = FrameReader(max_body=1 << 30)
+        self.pid = 0  # the interpreter's, from its first frame (sent before any code ran)
         self.job: Optional[Job] = None
         self.queue: list[tuple[Job, bytes]] = []
         for fd in (out_r, err_r, res_r):
@@ -213,6 +218,8 @@ class Supervisor:
         self.devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         self.running = True
         self.root_modes: dict[str, int] = {}  # the writable places reset empties, as first seen
+        self.config: dict[str, Any] = {}
+        self.baseline: dict[str, Any] = {}
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -225,7 +232,10 @@ class Supervisor:
             except InterruptedError:
                 continue
 
-    def configure(self, cfg: dict[str, Any]) -> None:
+    def configure(self, cfg: dict[str, Any], carried: Optional[dict[str, Any]] = None) -> None:
+        """Apply the host's ``init`` configuration; ``carried`` is what a reset hands over
+        to the fresh supervisor (the settings and modes as first seen, not as left by code)."""
+        self.config = cfg
         self.env = {str(k): str(v) for k, v in cfg.get("env", {}).items()}
         self.workspace = Workspace(cfg.get("workspace", "/workspace"))
         self.output_cap = int(cfg.get("output_cap", self.output_cap))
@@ -234,11 +244,16 @@ class Supervisor:
             res = getattr(resource, name)
             resource.setrlimit(res, (int(value), int(value)))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if carried is not None:
+            self.root_modes = {str(k): int(v) for k, v in carried["root_modes"].items()}
+            self.baseline = carried["baseline"]
+            return
         for root in (self.workspace.root, *RESET_ROOTS):
             try:
                 self.root_modes[root] = stat.S_IMODE(os.stat(root).st_mode)
             except OSError:  # a tier without /dev/shm
                 continue
+        self.baseline = baseline.snapshot()
 
     def serve(self) -> None:
         wake_r, wake_w = os.pipe()
@@ -290,8 +305,17 @@ class Supervisor:
             self.shutdown()
             return
         self.reader.feed(data)
-        for header, body in self.reader.frames():
+        self.handle(self.reader.frames())
+
+    def handle(self, frames: list[tuple[dict[str, Any], bytes]]) -> None:
+        for i, (header, body) in enumerate(frames):
             rid = header.get("id", 0)
+            if header.get("op") == "reset":
+                # Requests behind the reset are for the fresh supervisor it execs.
+                rest = b"".join(encode(h, b) for h, b in frames[i + 1 :]) + self.reader.take_pending()
+                self.reset(rid, header, rest)
+                self.handle(self.reader.frames())  # reached only when the reset failed
+                return
             try:
                 self.dispatch(rid, header, body)
             except PathRefused as exc:
@@ -583,15 +607,23 @@ class Supervisor:
             tar.add(src, arcname=".", recursive=True)
         self.send({"id": rid, "ev": "done"}, buf.getvalue())
 
-    def op_reset(self, rid: int, h: dict[str, Any], body: bytes) -> None:
-        """Kill everything, empty every writable place, drop IPC objects: the pool's 'never
-        hand out dirty'. What one user leaves (a file in /dev/shm, a SysV segment, a mode on
-        the workspace) would otherwise reach the next one."""
+    def reset(self, rid: int, h: dict[str, Any], rest: bytes) -> None:
+        """Make the sandbox as it was at start-up, then exec a fresh supervisor in our place.
+
+        Kill everything, empty every writable place, drop IPC objects, put back the settings
+        code can change (``baseline``): the pool's 'never hand out dirty'. What one user
+        leaves (a file in /dev/shm, a SysV segment, a mode on the workspace, a sysctl) would
+        otherwise reach the next one. The exec matters as much: our heap has held the last
+        user's output and environment, and every interpreter is a fork of us; a fresh
+        process image (same pid: we stay the sandbox's init) has nothing of theirs.
+        """
         for job in list(self.commands.values()):
             job.timed_out = True
             kill_tree(job.shim, include_root=True)
+        self.commands.clear()
+        self.shims.clear()
         self._drop_kernel(None)
-        self._sweep_strays()
+        kill_tree(os.getpid(), include_root=False)
         for root, mode in self.root_modes.items():
             if stat.S_IMODE(os.stat(root).st_mode) != mode:  # not ours to chmod on some tiers
                 os.chmod(root, mode)
@@ -599,9 +631,39 @@ class Supervisor:
                 os.removexattr(root, name)
             empty_dir(root)
         remove_sysv_ipc()
-        if h.get("warm"):
-            self.kernel = Kernel(self)
-        self.send({"id": rid, "ev": "done"})
+        problems = baseline.restore(self.baseline)
+        if problems:
+            self.send({"id": rid, "ev": "error", "kind": "reset", "message": "; ".join(problems)})
+            self.reader.feed(rest)
+            return
+        while True:  # reap: no zombie of the last user crosses into the new image
+            try:
+                os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+            except InterruptedError:
+                continue
+        self._exec_fresh(rid, bool(h.get("warm")), rest)
+
+    def _exec_fresh(self, rid: int, warm: bool, rest: bytes) -> None:
+        state = {
+            "config": self.config,
+            "carried": {"root_modes": self.root_modes, "baseline": self.baseline},
+            "reply_to": rid,
+            "warm": warm,
+        }
+        handover = os.memfd_create("stockade-reset", 0)
+        _write_all(handover, encode(state, rest))
+        os.lseek(handover, 0, os.SEEK_SET)
+        os.dup2(self.rfd, 0)
+        os.dup2(self.wfd, 1)
+        if handover != HANDOVER_FD:
+            os.dup2(handover, HANDOVER_FD)
+        os.set_inheritable(HANDOVER_FD, True)
+        here = os.path.dirname(os.path.abspath(__file__))
+        boot = f"import sys; sys.path.insert(0, {here!r}); import supervisor; supervisor.main()"
+        python = sys.executable or os.readlink("/proc/self/exe")
+        os.execv(python, [python, "-S", "-E", "-s", "-B", "-c", boot, RESUME_FLAG])
 
     def _rel(self, path: str) -> str:
         parts = self.workspace._split(path)
@@ -737,11 +799,17 @@ class Supervisor:
             self._drop_kernel("the interpreter sent a malformed reply")
             return
         for reply, payload in frames:
+            if reply.get("ev") == "hello":
+                if not kernel.pid and isinstance(reply.get("pid"), int):
+                    kernel.pid = reply["pid"]
+                continue
             job = kernel.job
             if job is None or reply.get("id") != job.rid:
                 continue
             self._drain_kernel_output(kernel, job)
             kernel.job = None
+            # A run's processes end with it, like a command's: none outlives its timeout.
+            kill_tree(kernel.shim, include_root=False, spare=kernel.pid)
             self._finish_code(job, payload)
         self._kernel_next()
 
@@ -811,9 +879,12 @@ def main() -> None:
         pass
     prctl(PR_SET_CHILD_SUBREAPER, 1)
     sup = Supervisor(rfd, wfd)
+    reader = FrameReader(max_body=1 << 40)  # the host is trusted
+    if RESUME_FLAG in sys.argv:
+        _resume(sup, reader)
+        return
     # The first frame configures us; nothing is forked before it, so the host can first
     # move this process into its cgroup.
-    reader = FrameReader(max_body=1 << 30)
     while True:
         chunk = os.read(rfd, 1 << 16)
         if not chunk:
@@ -825,9 +896,25 @@ def main() -> None:
     header, _ = frames[0]
     sup.configure(header.get("config", {}))
     sup.send({"id": header.get("id", 0), "ev": "ready", "pid": os.getpid(), "python": sys.version.split()[0]})
-    for extra_header, extra_body in frames[1:]:
-        sup.dispatch(extra_header.get("id", 0), extra_header, extra_body)
     sup.reader = reader
+    sup.handle(frames[1:])
+    sup.serve()
+
+
+def _resume(sup: Supervisor, reader: FrameReader) -> None:
+    """Take over from the supervisor whose reset exec'd us: its configuration, the settings
+    as first seen, and the requests it had read but not served."""
+    with os.fdopen(HANDOVER_FD, "rb") as fh:
+        handover = FrameReader(max_body=1 << 40)
+        handover.feed(fh.read())
+    ((state, rest),) = handover.frames()
+    sup.configure(state["config"], state["carried"])
+    if state.get("warm"):
+        sup.kernel = Kernel(sup)
+    sup.send({"id": state["reply_to"], "ev": "done"})
+    reader.feed(rest)
+    sup.reader = reader
+    sup.handle(reader.frames())
     sup.serve()
 
 

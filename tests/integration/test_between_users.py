@@ -1,0 +1,199 @@
+"""What a pooled (or reset) sandbox guarantees between two users, on every tier.
+
+Nothing of one user reaches the next: not their files, processes or IPC objects (see
+test_attacks.py), not their bytes in any process's memory, not a setting their code changed
+on the sandbox's init or its namespaces. A sandbox that cannot be made as fresh as it started
+is replaced, never handed out.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+import pytest
+
+from stockade import Limits, Sandbox, SandboxCrashed
+from stockade.sandbox.pool import SandboxPool
+
+# Scans the interpreter's own writable memory for needles. The needles arrive shifted by one
+# (byte + 1), and memory is shifted before the search, so the needles' own copies in this
+# process (shifted once more) never match: a match is the unshifted secret itself.
+SCAN_MEMORY = r"""
+import ctypes
+
+def _scan(needles):
+    shift = bytes((b + 1) % 256 for b in range(256))
+    found = set()
+    with open("/proc/self/maps") as fh:
+        regions = [line.split() for line in fh]
+    for fields in regions:
+        if len(fields) < 2 or not fields[1].startswith("rw"):
+            continue
+        if len(fields) > 5 and not fields[5].startswith("["):
+            continue  # file-backed: a library's data, not a heap
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if hi - lo > 1 << 30:
+            continue
+        data = ctypes.string_at(lo, hi - lo).translate(shift)
+        found.update(n for n in needles if n in data)
+    return len(found)
+"""
+
+
+def _shifted(secret: str) -> str:
+    return bytes((b + 1) % 256 for b in secret.encode()).hex()
+
+
+def _leave_secrets(sbx: Sandbox) -> list[str]:
+    """Everything a user does that passes through the sandbox's machinery, with secrets."""
+    out, env, code, file = (f"{name}-{secrets.token_hex(8)}" for name in ("OUT", "ENV", "CODE", "FILE"))
+    sbx.commands.run(f"for i in $(seq 200); do echo {out}; done", envs={"API_KEY": env})
+    sbx.commands.run("printenv API_KEY", envs={"API_KEY": env})
+    sbx.run_code(f"kept = {code!r}\nprint(kept * 100)")
+    sbx.files.write("notes.txt", file * 1000)
+    assert sbx.files.read("notes.txt").startswith(file)
+    return [out, env, code, file]
+
+
+def _secrets_in_memory(sbx: Sandbox, planted: list[str]) -> int:
+    needles = ", ".join(f"bytes.fromhex({_shifted(s)!r})" for s in planted)
+    sbx.run_code(SCAN_MEMORY)
+    result = sbx.run_code(f"_scan([{needles}])")
+    assert result.error is None, result.error
+    return int(result.text)
+
+
+def test_the_next_pool_user_finds_nothing_of_the_last_in_memory(tier: str) -> None:
+    with SandboxPool(tier, size=1, limits=Limits(timeout_s=30)) as pool:
+        with pool.acquire() as first:
+            planted = _leave_secrets(first)
+            assert _secrets_in_memory(first, planted) > 0, "the scan finds a secret that is there"
+        with pool.acquire() as second:
+            assert second.id == first.id, "recycled, not replaced"
+            assert _secrets_in_memory(second, planted) == 0
+
+
+def test_after_reset_nothing_of_before_is_in_memory(sbx: Sandbox) -> None:
+    planted = _leave_secrets(sbx)
+    sbx.reset()
+    assert _secrets_in_memory(sbx, planted) == 0
+    assert sbx.commands.run("echo alive").stdout == "alive\n"
+
+
+# What code can change about the sandbox's init (it runs as the same uid) and its namespaces.
+TAMPER = r"""
+import os, resource
+changed = []
+try:
+    resource.prlimit(1, resource.RLIMIT_NOFILE, (64, resource.prlimit(1, resource.RLIMIT_NOFILE)[1]))
+    changed.append("nofile")
+except OSError:
+    pass
+try:
+    os.sched_setaffinity(1, {min(os.sched_getaffinity(1))})
+    changed.append("affinity")
+except OSError:
+    pass
+for path, value in (("/proc/sys/fs/mqueue/queues_max", "0"), ("/proc/sys/kernel/msgmnb", "17")):
+    try:
+        with open(path, "w") as fh:
+            fh.write(value)
+        changed.append(path)
+    except OSError:
+        pass
+changed
+"""
+READ_SETTINGS = r"""
+import os, resource
+values = {"nofile": resource.prlimit(1, resource.RLIMIT_NOFILE), "affinity": sorted(os.sched_getaffinity(1))}
+for path in ("/proc/sys/fs/mqueue/queues_max", "/proc/sys/kernel/msgmnb"):
+    try:
+        with open(path) as fh:
+            values[path] = fh.read()
+    except OSError:
+        values[path] = None
+values
+"""
+
+
+def test_settings_code_changed_are_put_back_by_reset(sbx: Sandbox) -> None:
+    before = sbx.run_code(READ_SETTINGS).text
+    sbx.run_code(TAMPER)
+    assert sbx.run_code(READ_SETTINGS).text != before
+    sbx.reset()
+    assert sbx.run_code(READ_SETTINGS).text == before
+
+
+def test_a_sandbox_that_cannot_be_made_fresh_is_replaced_not_handed_out(tier: str) -> None:
+    # Lowering a hard limit cannot be undone without privilege: the reset must say so.
+    lower_hard = "import resource\nresource.prlimit(1, resource.RLIMIT_NOFILE, (64, 64))"
+    with SandboxPool(tier, size=1, limits=Limits(timeout_s=30)) as pool:
+        with pool.acquire() as first:
+            assert first.run_code(lower_hard).error is None
+        with pool.acquire() as second:
+            assert second.id != first.id
+            assert second.run_code("import resource\nresource.prlimit(1, resource.RLIMIT_NOFILE)").text != (
+                "(64, 64)"
+            )
+        assert pool.stats().replaced >= 1
+
+
+def test_reset_of_a_sandbox_that_cannot_be_made_fresh_closes_it(sbx: Sandbox) -> None:
+    sbx.run_code("import resource\nresource.prlimit(1, resource.RLIMIT_NOFILE, (64, 64))")
+    with pytest.raises(SandboxCrashed, match="could not be reset"):
+        sbx.reset()
+    assert not sbx.alive
+
+
+def test_processes_started_by_run_code_end_with_the_call(sbx: Sandbox) -> None:
+    started = sbx.run_code(
+        "import subprocess\n"
+        "p = subprocess.Popen(['sleep', '300'])\n"
+        "q = subprocess.Popen(['sh', '-c', 'sleep 300 & sleep 300'], start_new_session=True)\n"
+        "p.pid"
+    )
+    assert started.error is None
+    # Killed by the end of the call: the next call finds them dead (reaped or zombies).
+    check = sbx.run_code(
+        "import os\n"
+        "def alive(pid):\n"
+        "    try:\n"
+        "        with open(f'/proc/{pid}/stat') as fh:\n"
+        "            return fh.read().rsplit(')', 1)[1].split()[0] not in ('Z', 'X')\n"
+        "    except OSError:\n"
+        "        return False\n"
+        "[p.poll(), alive(p.pid), alive(q.pid)]"
+    )
+    assert check.text == "[-9, False, False]"
+    assert sbx.run_code("kept = 'state'\nkept").text == "'state'", "the interpreter itself lives on"
+    sleepers = sbx.run_code(
+        "import os\n"
+        "def cmdline(pid):\n"
+        "    try:\n"
+        "        with open(f'/proc/{pid}/cmdline', 'rb') as fh:\n"
+        "            return fh.read()\n"
+        "    except OSError:\n"
+        "        return b''\n"
+        "sum(cmdline(p).startswith(b'sleep') for p in os.listdir('/proc') if p.isdigit())"
+    )
+    assert sleepers.text == "0"
+
+
+def test_a_wide_tree_resets_quickly_and_never_holds_up_other_users(tier: str) -> None:
+    limits = Limits(timeout_s=60, inodes=100_000, memory_mb=512)
+    with SandboxPool(tier, size=2, limits=limits) as pool:
+        with pool.acquire() as first:
+            made = first.run_code(
+                "import os\nfor i in range(20000):\n    os.makedirs(f'd{i}/e')\nlen(os.listdir('.'))",
+                timeout_s=60,
+            )
+            assert made.text == "20000"
+        with pool.acquire() as second:
+            second.files.write("x", "y")
+        # While the first member is emptied, the second comes back and is handed out again.
+        started = time.monotonic()
+        with pool.acquire(timeout_s=60) as third:
+            waited = time.monotonic() - started
+            assert third.files.list() == []
+        assert waited < 10, f"acquire waited {waited:.1f}s behind another member's reset"
