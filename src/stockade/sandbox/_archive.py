@@ -19,7 +19,7 @@ which wants the whole archive), gives these guarantees whatever the stream holds
   thousand names of one file cost one copy. ``max_bytes`` caps the file contents (apparent
   sizes) and ``max_entries`` the entries; past either the download stops, ``FileTooLarge``.
 * **Bounded memory.** File data goes straight to disk; one header at a time is held (an
-  extended header at most 64 KiB), and the model keeps one small node per entry.
+  extended header at most 16 KiB), and the model keeps one small node per entry.
 * **All or nothing.** Members are unpacked into a hidden folder inside ``dest``
   (``.stockade-download-*``), then moved into place; an entry of ``dest`` that the download
   replaces is set aside until the end. On any failure (a cap, a refused member, a malformed
@@ -312,7 +312,7 @@ class Extraction:
             with contextlib.suppress(OSError, exc.StockadeError):
                 self._undo(path, slot)
         self._journal.clear()
-        if self._stage_fd >= 0:
+        if self._dest_fd >= 0:
             with contextlib.suppress(OSError):
                 shutil.rmtree(self._stage, dir_fd=self._dest_fd)
         self._close_fds()

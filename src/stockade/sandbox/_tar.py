@@ -19,7 +19,7 @@ from stockade import exceptions as exc
 __all__ = ["BLOCK", "NO_DATA", "Member", "TarReader", "malformed"]
 
 BLOCK = 512
-MAX_EXTENDED = 64 * 1024  # pax and GNU long-name data before one member
+MAX_EXTENDED = 16 * 1024  # pax and GNU long-name data before one member: two 4 KiB paths and more
 MAX_TRAILER = 1024 * 1024  # what may follow the end-of-archive blocks (tar pads to records)
 NO_DATA = (
     tarfile.DIRTYPE,
