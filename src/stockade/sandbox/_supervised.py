@@ -233,9 +233,10 @@ class SupervisedInstance(Instance):
                 args = {"path": op.path, "stage": "next", "tx": tx, "length": TRANSFER_CHUNK}
                 h, data = self._archive_step(op, args)
                 end = h.get("eof") is True
-                if len(data) > TRANSFER_CHUNK or not (data or end):
-                    # The supervisor is untrusted: one that sends too much, or nothing
-                    # forever, must neither fill our memory nor hold us in a loop.
+                if len(data) > TRANSFER_CHUNK or (len(data) < TRANSFER_CHUNK and not end):
+                    # The supervisor is untrusted: one that sends more than asked must not
+                    # fill our memory, nor one that sends less hold us in a loop of trickles
+                    # (an honest one fills every piece but the last).
                     self.close()
                     raise exc.ProtocolError(f"the supervisor sent a malformed piece of {op.path!r}")
                 size += len(data)
