@@ -57,6 +57,8 @@ from stockade.types import DownloadResult, SkippedEntry
 __all__ = ["Extraction", "extract_archive"]
 
 MAX_NAME = 4096  # bytes of a member's name or link target
+MAX_COMPONENT = 255  # bytes of one name in it, as on every Linux filesystem
+MAX_LINK_BYTES = 32 * 1024 * 1024  # link targets of one download together: held until the end
 MAX_DEPTH = 128  # folders in a member's name
 LINK_HOPS = 40  # links followed to resolve one link, as the kernel allows
 LINK_STEPS = 512  # path components walked to resolve one link, links expanded
@@ -103,6 +105,8 @@ def _parts(name: str, what: str = "member") -> Parts:
         raise exc.PathEscapeError(f"the archive's {what} {name!r} leads outside", path=name)
     if len(name.encode("utf-8", "surrogateescape")) > MAX_NAME or len(parts) > MAX_DEPTH:
         raise malformed(f"a {what} name over {MAX_NAME} bytes or {MAX_DEPTH} folders deep")
+    if any(len(p.encode("utf-8", "surrogateescape")) > MAX_COMPONENT for p in parts):
+        raise malformed(f"a {what} name with a part over {MAX_COMPONENT} bytes")
     return parts
 
 
@@ -192,6 +196,7 @@ class _Tally:
     charged: int = 0  # data bytes the archive declared (what max_bytes caps)
     written: int = 0  # bytes written to files
     entries: int = 0
+    link_bytes: int = 0  # link targets, held in the model until the end
     skipped: list[SkippedEntry] = field(default_factory=list)
     skipped_count: int = 0
 
@@ -402,8 +407,13 @@ class Extraction:
                 raise exc.PathEscapeError(
                     f"{at.path!r} is a link out of the folder ({target!r})", path=at.path
                 )
-            if len(target.encode("utf-8", "surrogateescape")) > MAX_NAME:
+            size = len(target.encode("utf-8", "surrogateescape"))
+            if size > MAX_NAME:
                 raise malformed(f"a link target over {MAX_NAME} bytes")
+            self._tally.link_bytes += size
+            if self._tally.link_bytes > MAX_LINK_BYTES:
+                message = f"the download's link targets add up to more than {MAX_LINK_BYTES} bytes"
+                raise exc.FileTooLarge(message, path=at.path)
             self._make_room(at, "link")
             at.entries[at.name] = _Node("link", target=target)
         elif m.type == tarfile.LNKTYPE:

@@ -383,6 +383,9 @@ def test_the_entry_cap_counts_folders_the_names_imply(host: Path) -> None:
         pytest.param(archive(file("a.txt"))[:512], id="cut-after-a-header"),
         pytest.param(archive(file("a.txt")) + b"\1" * (2 * MiB), id="endless-after-the-end"),
         pytest.param(archive(file("x" * 70_000 + ".txt")), id="huge-extended-header"),
+        pytest.param(archive(file("d/" + "x" * 300)), id="a-name-over-255-bytes"),
+        pytest.param(archive(symlink("l", "x/" * 3000)), id="a-link-target-over-4096-bytes"),
+        pytest.param(archive(file("/".join("d" * 200))), id="200-folders-deep"),
     ],
 )
 def test_malformed_archives_are_protocol_errors_and_leave_nothing(host: Path, data: bytes) -> None:
