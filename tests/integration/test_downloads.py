@@ -172,6 +172,22 @@ def test_fifos_and_sockets_are_skipped_and_reported(sbx: Sandbox, host: Path) ->
     still_works(sbx)
 
 
+def test_names_of_any_bytes_and_length_come_out_as_they_are(sbx: Sandbox, host: Path) -> None:
+    names = [b"caf\xe9.txt", b"new\nline", b"d" * 200, "\u00e9t\u00e9 \u2014 = \\ ; '\".txt".encode()]
+    code = (
+        f"import os\nfor n in {names!r}:\n    open(n, 'wb').write(n)\n"
+        f"os.symlink({names[2]!r}, b'to-long')\n'ok'"
+    )
+    assert sbx.run_code(code).text == "'ok'"
+    result = sbx.files.download_dir(host / "out")
+    out = os.fsencode(host / "out")
+    assert sorted(os.listdir(out)) == sorted([*names, b"to-long"])
+    for name in names:
+        with open(os.path.join(out, name), "rb") as fh:
+            assert fh.read() == name
+    assert os.readlink(os.path.join(out, b"to-long")) == names[2] and result.symlinks == 1
+
+
 def test_the_async_twin_has_the_same_guarantees(tier: str, host: Path) -> None:
     async def main() -> None:
         sbx = await AsyncSandbox.create(tier, limits=Limits(memory_mb=256, timeout_s=20, pids=64))

@@ -204,9 +204,10 @@ class TarStream:
         fd = os.open(name, FILE_FLAGS, dir_fd=parent)
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):  # replaced meanwhile
+            if not stat.S_ISREG(st.st_mode):  # replaced meanwhile: send what it is now, or nothing
                 os.close(fd)
-                self._special(info, st)
+                if not stat.S_ISDIR(st.st_mode):
+                    self._special(info, st)
                 return
             if self.total + st.st_size > self.max_bytes:
                 message = "%r is %d bytes: with the %d bytes before it, more than max_bytes=%d" % (
