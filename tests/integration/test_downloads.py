@@ -19,9 +19,11 @@ import pytest
 from stockade import (
     AsyncSandbox,
     FileTooLarge,
+    FileTypeError,
     Limits,
     PathEscapeError,
     Sandbox,
+    SandboxFileNotFound,
     SkippedEntry,
 )
 
@@ -186,6 +188,15 @@ def test_names_of_any_bytes_and_length_come_out_as_they_are(sbx: Sandbox, host: 
         with open(os.path.join(out, name), "rb") as fh:
             assert fh.read() == name
     assert os.readlink(os.path.join(out, b"to-long")) == names[2] and result.symlinks == 1
+
+
+def test_a_source_that_is_no_folder_is_a_typed_error_and_makes_nothing(sbx: Sandbox, host: Path) -> None:
+    sbx.files.write("f.txt", "x")
+    with pytest.raises(FileTypeError):
+        sbx.files.download_dir(host / "out" / "deep", "f.txt")
+    with pytest.raises(SandboxFileNotFound):
+        sbx.files.download_dir(host / "out" / "deep", "missing")
+    assert not (host / "out").exists()
 
 
 def test_the_async_twin_has_the_same_guarantees(tier: str, host: Path) -> None:
