@@ -128,18 +128,19 @@ def test_a_sparse_giant_is_refused_up_front_and_leaves_nothing(sbx: Sandbox, hos
 
 
 def test_a_large_sparse_file_streams_with_bounded_memory_on_both_sides(tier: str, host: Path) -> None:
-    # 200 MB through a sandbox of 128 MB: held whole, the archive would kill its supervisor.
+    # 100 MB through a sandbox of 128 MB: held whole (and copied), the archive would kill its
+    # supervisor; the host would hold it whole too.
     with Sandbox.create(tier, limits=Limits(memory_mb=128, timeout_s=60, pids=64)) as sbx:
-        assert sbx.commands.run("truncate -s 200M sparse.bin").exit_code == 0
+        assert sbx.commands.run("truncate -s 100M sparse.bin").exit_code == 0
         tracemalloc.start()
         try:
             result = sbx.files.download_dir(host / "out", max_bytes=512 * MiB)
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
-        assert result.bytes_written == 200 * MiB
-        assert os.path.getsize(host / "out" / "sparse.bin") == 200 * MiB
-        assert peak < 48 * MiB, f"the host held {peak / MiB:.0f} MiB at once"
+        assert result.bytes_written == 100 * MiB
+        assert os.path.getsize(host / "out" / "sparse.bin") == 100 * MiB
+        assert peak < 40 * MiB, f"the host held {peak / MiB:.0f} MiB at once"
         still_works(sbx)
 
 
