@@ -27,6 +27,7 @@ from stockade.exceptions import (
 from stockade.sandbox import AsyncSandbox, Sandbox
 from stockade.types import (
     CommandResult,
+    DownloadResult,
     Enforcement,
     EntryInfo,
     EntryType,
@@ -37,6 +38,7 @@ from stockade.types import (
     Mechanism,
     NetworkPolicy,
     Result,
+    SkippedEntry,
     TierReport,
     Trust,
 )
@@ -48,6 +50,7 @@ __all__ = [
     "BackendUnavailable",
     "CommandResult",
     "ConfigurationError",
+    "DownloadResult",
     "Enforcement",
     "EntryInfo",
     "EntryType",
@@ -71,6 +74,7 @@ __all__ = [
     "SandboxError",
     "SandboxFileNotFound",
     "SandboxStartError",
+    "SkippedEntry",
     "StockadeError",
     "TierReport",
     "TierUnavailable",

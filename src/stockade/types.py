@@ -10,6 +10,7 @@ from stockade.exceptions import ConfigurationError
 
 __all__ = [
     "CommandResult",
+    "DownloadResult",
     "Enforcement",
     "EntryInfo",
     "EntryType",
@@ -20,6 +21,7 @@ __all__ = [
     "Mechanism",
     "NetworkPolicy",
     "Result",
+    "SkippedEntry",
     "TierReport",
     "Trust",
 ]
@@ -227,3 +229,35 @@ class EntryInfo:
     size: int
     mode: int
     mtime: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class SkippedEntry:
+    """An entry ``files.download_dir`` did not bring to the host: a FIFO, socket or device.
+
+    ``kind`` is ``"fifo"``, ``"socket"``, ``"char device"``, ``"block device"`` or ``"other"``;
+    ``path`` is relative to the downloaded folder.
+    """
+
+    path: str
+    kind: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class DownloadResult:
+    """What one ``files.download_dir`` wrote under ``dest`` on the host.
+
+    ``bytes_written`` counts file contents (a hard-linked file once, as it is stored);
+    ``files`` counts regular files, of which ``hard_links`` are further names of a file of
+    the same download; ``skipped`` lists what was left out (special files), in order, the
+    first thousand of them; ``skipped_count`` counts them all.
+    """
+
+    dest: str
+    bytes_written: int = 0
+    files: int = 0
+    directories: int = 0
+    symlinks: int = 0
+    hard_links: int = 0
+    skipped: tuple[SkippedEntry, ...] = ()
+    skipped_count: int = 0

@@ -8,6 +8,7 @@ files, output caps, timeouts) behaves identically on every tier because it is th
 from __future__ import annotations
 
 import abc
+import contextlib
 import json
 import time
 import weakref
@@ -192,7 +193,7 @@ class SupervisedInstance(Instance):
                 self._file("put_archive", {"path": op.path}, op.data)
                 return None
             case GetArchive():
-                return self._file("get_archive", {"path": op.path})[1]
+                return self._get_archive(op, sink)
             case Reset():
                 self._reset(op)
                 return None
@@ -227,6 +228,55 @@ class SupervisedInstance(Instance):
             offset += len(data)
             if len(data) < TRANSFER_CHUNK or offset >= _int(h.get("size")):
                 return b"".join(chunks)
+
+    def _get_archive(self, op: GetArchive, sink: OutputSink | None) -> bytes:
+        """Pull the archive a chunk at a time: neither side ever holds more than one chunk.
+
+        The sink (the host's extractor) gets each chunk as ``sink(0, chunk)`` and stops the
+        transfer by raising; without a sink the chunks are joined, at most ``max_bytes``.
+        """
+        caps = {"path": op.path, "max_bytes": op.max_bytes, "max_entries": op.max_entries}
+        tx = self._archive_step(op, {**caps, "stage": "open"})[0].get("tx")
+        if not isinstance(tx, str) or not 0 < len(tx) <= 64:
+            raise exc.ProtocolError("the supervisor opened a download without a usable id")
+        kept: list[bytes] = []
+        size = 0
+        over = False
+        try:
+            while True:
+                args = {"path": op.path, "stage": "next", "tx": tx, "length": TRANSFER_CHUNK}
+                h, data = self._archive_step(op, args)
+                end = h.get("eof") is True
+                if len(data) > TRANSFER_CHUNK or (len(data) < TRANSFER_CHUNK and not end):
+                    # The supervisor is untrusted: one that sends more than asked must not
+                    # fill our memory, nor one that sends less hold us in a loop of trickles
+                    # (an honest one fills every piece but the last).
+                    self.close()
+                    raise exc.ProtocolError(f"the supervisor sent a malformed piece of {op.path!r}")
+                size += len(data)
+                if sink is not None:
+                    if data:
+                        sink(0, data)
+                elif size > op.max_bytes:
+                    raise exc.FileTooLarge(
+                        f"the archive of {op.path!r} is over {op.max_bytes} bytes (max_bytes)", path=op.path
+                    )
+                else:
+                    kept.append(data)
+                if end:
+                    over = True
+                    return b"".join(kept)
+        finally:
+            if not over and self.alive:  # tell the supervisor to let go of the transfer
+                with contextlib.suppress(exc.StockadeError):
+                    self._file("get_archive", {"path": op.path, "stage": "close", "tx": tx})
+
+    def _archive_step(self, op: GetArchive, args: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        try:
+            return self._file("get_archive", args)
+        except exc.WorkspaceError as err:  # the sandbox refused: a cap, a missing folder, ...
+            said = str(err).removeprefix(f"get_archive {op.path!r}: ")
+            raise type(err)(f"cannot download {op.path or '/workspace'!r}: {said}", path=op.path) from None
 
     def _write(self, op: WriteFile) -> EntryInfo:
         args: dict[str, Any] = {"path": op.path, "mode": op.mode, "parents": op.parents}

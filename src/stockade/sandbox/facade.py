@@ -7,10 +7,7 @@ build those values and shape the results, so that the twins differ only in ``awa
 from __future__ import annotations
 
 import codecs
-import contextlib
-import errno
 import io
-import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -29,6 +26,8 @@ from stockade.sandbox.base import (
     ThreadedAsyncBackend,
 )
 from stockade.sandbox.ops import (
+    DOWNLOAD_MAX_BYTES,
+    DOWNLOAD_MAX_ENTRIES,
     GetArchive,
     ListDir,
     MakeDir,
@@ -43,6 +42,7 @@ from stockade.sandbox.ops import (
 )
 from stockade.types import (
     CommandResult,
+    DownloadResult,
     Enforcement,
     EntryInfo,
     Execution,
@@ -165,131 +165,6 @@ def tar_directory(source: Path) -> bytes:
     return buf.getvalue()
 
 
-def extract_archive(data: bytes, dest: Path) -> None:
-    """Unpack what came out of a sandbox, which is untrusted, into ``dest`` on the host.
-
-    Our own extractor, not tarfile's filters (whose realpath checks have had bypasses):
-    every member is checked before anything is written; files and directories are created
-    with ``openat`` and ``O_NOFOLLOW`` under ``dest``, so no link is ever followed; a symlink
-    is kept only when it points inside; hard links become copies; devices, FIFOs and
-    sockets are refused; setuid, setgid, sticky and group/other write bits are dropped.
-    """
-    import tarfile
-
-    try:
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
-            members = [(_member_parts(m), m) for m in tar.getmembers()]
-            seen: set[str] = set()
-            for parts, member in members:
-                _check_member(parts, member)
-                if member.islnk() and "/".join(_member_parts(tarfile.TarInfo(member.linkname))) not in seen:
-                    raise exc.PathEscapeError(f"{member.name!r} is a hard link to {member.linkname!r}")
-                seen.add("/".join(parts))
-            dest.mkdir(parents=True, exist_ok=True)
-            dir_modes: list[tuple[list[str], int]] = []
-            for parts, member in members:
-                if not parts:
-                    continue
-                if member.isdir():
-                    os.close(_open_dir(dest, parts, create=True))
-                    dir_modes.append((parts, (member.mode & 0o755) | 0o700))
-                    continue
-                parent = _open_dir(dest, parts[:-1], create=True)
-                try:
-                    _replace_entry(parent, parts[-1])
-                    if member.issym():
-                        os.symlink(member.linkname, parts[-1], dir_fd=parent)
-                        continue
-                    source = tar.extractfile(member)
-                    payload = source.read() if source is not None else b""
-                    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-                    fd = os.open(parts[-1], flags, 0o600, dir_fd=parent)
-                    try:
-                        with os.fdopen(fd, "wb", closefd=False) as fh:
-                            fh.write(payload)
-                        os.fchmod(fd, (member.mode & 0o755) | 0o600)
-                        os.utime(fd, (member.mtime, member.mtime))
-                    finally:
-                        os.close(fd)
-                finally:
-                    os.close(parent)
-            for parts, mode in reversed(dir_modes):
-                fd = _open_dir(dest, parts, create=False)
-                try:
-                    os.fchmod(fd, mode)
-                finally:
-                    os.close(fd)
-    except (tarfile.TarError, KeyError) as err:  # KeyError: a hard link to no member
-        raise exc.ProtocolError(f"the sandbox sent a malformed archive: {err}") from None
-    except OSError as err:
-        raise exc.WorkspaceError(f"cannot unpack into {str(dest)!r}: {err}", path=str(dest)) from None
-
-
-def _member_parts(member: object) -> list[str]:
-    import tarfile
-
-    assert isinstance(member, tarfile.TarInfo)
-    name = member.name
-    parts = [p for p in name.split("/") if p not in ("", ".")]
-    if name.startswith("/") or ".." in parts or any("\x00" in p for p in parts):
-        raise exc.PathEscapeError(f"the archive's member {name!r} leads outside", path=name)
-    return parts
-
-
-def _check_member(parts: list[str], member: object) -> None:
-    import tarfile
-
-    assert isinstance(member, tarfile.TarInfo)
-    name = "/".join(parts)
-    if member.issym():
-        target = member.linkname
-        depth = len(parts) - 1
-        for part in target.split("/"):
-            depth += -1 if part == ".." else 0 if part in ("", ".") else 1
-            if depth < 0:
-                break
-        if target.startswith("/") or depth < 0 or "\x00" in target:
-            raise exc.PathEscapeError(f"{name!r} is a link out of the folder ({target!r})", path=name)
-    elif not (member.isfile() or member.isdir() or member.islnk()):
-        raise exc.FileTypeError(f"{name!r} is a device, FIFO or socket: not copied out", path=name)
-    elif member.islnk() and not parts:
-        raise exc.FileTypeError("a hard link as the archive's root", path=name)
-
-
-def _open_dir(dest: Path, parts: list[str], *, create: bool) -> int:
-    """A directory under ``dest``, reached without following any link."""
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(dest, flags)
-    try:
-        for part in parts:
-            if create:
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(part, 0o700, dir_fd=fd)
-            try:
-                sub = os.open(part, flags, dir_fd=fd)
-            except OSError as err:
-                if err.errno in (errno.ENOTDIR, errno.ELOOP):  # a file or a link in the way
-                    message = f"{part!r} under {str(dest)!r} is not a directory"
-                    raise exc.PathEscapeError(message, path=part) from None
-                raise
-            os.close(fd)
-            fd = sub
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _replace_entry(parent: int, name: str) -> None:
-    """Make room for a member that repeats a name (tar appends); never remove a directory."""
-    try:
-        os.unlink(name, dir_fd=parent)
-    except FileNotFoundError:
-        pass
-    except IsADirectoryError:
-        raise exc.FileTypeError(f"{name!r} is a directory on the host", path=name) from None
-
-
 def _spec(
     limits: Limits | None,
     network: NetworkPolicy | None,
@@ -384,9 +259,31 @@ class Files:
         """Copy a host directory into the workspace."""
         self._instance.execute(PutArchive(path=check_path(dest), data=tar_directory(Path(source))))
 
-    def download_dir(self, dest: str | Path, source: str = "") -> None:
-        """Copy a workspace directory to the host, refusing links out, devices and setuid bits."""
-        extract_archive(self._instance.execute(GetArchive(path=check_path(source))), Path(dest))
+    def download_dir(
+        self,
+        dest: str | Path,
+        source: str = "",
+        *,
+        max_bytes: int = DOWNLOAD_MAX_BYTES,
+        max_entries: int = DOWNLOAD_MAX_ENTRIES,
+    ) -> DownloadResult:
+        """Copy a workspace folder (the whole workspace by default) into ``dest`` on the host.
+
+        All or nothing, and nothing outside ``dest``: no link is followed while writing,
+        symlinks are kept only when they resolve inside ``dest`` by every route, hard links
+        stay hard links, FIFOs, sockets and devices are skipped (and listed in the result),
+        setuid/setgid and group/other write bits are dropped. ``max_bytes`` caps the file
+        contents written (1 GiB by default; a sparse file counts by its apparent size) and
+        ``max_entries`` the entries: past either, ``FileTooLarge`` and nothing is left.
+        """
+        from stockade.sandbox._archive import Extraction
+
+        op = GetArchive(path=check_path(source), max_bytes=max_bytes, max_entries=max_entries)
+        with Extraction(dest, max_bytes=max_bytes, max_entries=max_entries) as unpack:
+            whole = self._instance.execute(op, unpack.sink)
+            if whole:  # a backend that answers with the whole archive (the shipped fakes)
+                unpack.feed(whole)
+            return unpack.finish()
 
 
 class Sandbox:
@@ -557,12 +454,31 @@ class AsyncFiles:
         data = await asyncio.to_thread(tar_directory, Path(source))
         await self._instance.aexecute(PutArchive(path=check_path(dest), data=data))
 
-    async def download_dir(self, dest: str | Path, source: str = "") -> None:
+    async def download_dir(
+        self,
+        dest: str | Path,
+        source: str = "",
+        *,
+        max_bytes: int = DOWNLOAD_MAX_BYTES,
+        max_entries: int = DOWNLOAD_MAX_ENTRIES,
+    ) -> DownloadResult:
+        """See ``Files.download_dir``: the same guarantees, the disk work in a worker thread."""
         import asyncio  # lazily: importing stockade must stay cheap
 
-        data = await self._instance.aexecute(GetArchive(path=check_path(source)))
-        assert isinstance(data, bytes)
-        await asyncio.to_thread(extract_archive, data, Path(dest))
+        from stockade.sandbox._archive import Extraction
+
+        op = GetArchive(path=check_path(source), max_bytes=max_bytes, max_entries=max_entries)
+        unpack = await asyncio.to_thread(Extraction, dest, max_bytes=max_bytes, max_entries=max_entries)
+        try:
+            whole = await self._instance.aexecute(op, unpack.sink)
+            assert isinstance(whole, bytes)
+            if whole:  # a backend that answers with the whole archive (the shipped fakes)
+                await asyncio.to_thread(unpack.feed, whole)
+            return await asyncio.to_thread(unpack.finish)
+        except BaseException:
+            # Shielded: a second cancellation must not leave half a download behind.
+            await asyncio.shield(asyncio.to_thread(unpack.abort))
+            raise
 
 
 class AsyncSandbox:

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 __all__ = [
+    "DOWNLOAD_MAX_BYTES",
+    "DOWNLOAD_MAX_ENTRIES",
     "GetArchive",
     "ListDir",
     "MakeDir",
@@ -88,11 +90,25 @@ class PutArchive:
     path: str = ""
 
 
+# What one download may bring to the host unless the caller says otherwise.
+DOWNLOAD_MAX_BYTES = 1024 * 1024 * 1024
+DOWNLOAD_MAX_ENTRIES = 100_000
+
+
 @dataclass(frozen=True, kw_only=True)
 class GetArchive:
-    """A tar archive of ``path`` (the whole workspace by default)."""
+    """A tar archive of ``path`` (the whole workspace by default), made as it is sent.
+
+    With a sink, ``execute(op, sink)`` streams it: each piece arrives as ``sink(0, chunk)``
+    (at most 4 MiB), the result is ``b""``, and an exception raised by the sink stops the
+    transfer. Without one, the whole archive is the result, and at most ``max_bytes`` long.
+    ``max_bytes`` caps the files' contents (apparent sizes, a hard-linked file once) and
+    ``max_entries`` the number of entries: the sandbox refuses a tree over either.
+    """
 
     path: str = ""
+    max_bytes: int = DOWNLOAD_MAX_BYTES
+    max_entries: int = DOWNLOAD_MAX_ENTRIES
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,25 +1,44 @@
 """download_dir unpacks an archive the sandbox made: hostile archives cannot touch the host.
 
 The sandbox (and its supervisor) are untrusted, so these archives are built by hand, the way
-a subverted supervisor could send them.
+a subverted supervisor could send them. Each attack is judged on the host: nothing outside
+``dest`` changes, nothing of a failed download is left in ``dest``, bytes on disk stay bounded.
 """
 
 from __future__ import annotations
 
+import asyncio
 import io
+import os
+import stat
 import tarfile
+import threading
 from pathlib import Path
 
 import pytest
 
-from stockade import Sandbox, StockadeError
+from stockade import (
+    AsyncSandbox,
+    DownloadResult,
+    FileTooLarge,
+    FileTypeError,
+    PathEscapeError,
+    ProtocolError,
+    Sandbox,
+    SkippedEntry,
+    StockadeError,
+    WorkspaceError,
+)
+from stockade.sandbox._archive import STAGE_PREFIX, Extraction, extract_archive
 from stockade.sandbox.ops import GetArchive, Op
 from stockade.testing import FakeBackend
 
+MiB = 1024 * 1024
 
-def archive(*members: tuple[tarfile.TarInfo, bytes]) -> bytes:
+
+def archive(*members: tuple[tarfile.TarInfo, bytes], format: int = tarfile.PAX_FORMAT) -> bytes:
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
+    with tarfile.open(fileobj=buf, mode="w", format=format) as tar:
         for info, data in members:
             info.size = len(data) if info.isreg() else 0
             tar.addfile(info, io.BytesIO(data) if info.isreg() else None)
@@ -34,74 +53,393 @@ def member(name: str, kind: bytes = tarfile.REGTYPE, *, link: str = "", mode: in
     return info
 
 
-def download(data: bytes, dest: Path) -> None:
+def file(name: str, data: bytes = b"x", mode: int = 0o644) -> tuple[tarfile.TarInfo, bytes]:
+    return member(name, mode=mode), data
+
+
+def folder(name: str) -> tuple[tarfile.TarInfo, bytes]:
+    return member(name, tarfile.DIRTYPE, mode=0o755), b""
+
+
+def symlink(name: str, target: str) -> tuple[tarfile.TarInfo, bytes]:
+    return member(name, tarfile.SYMTYPE, link=target), b""
+
+
+def hardlink(name: str, target: str) -> tuple[tarfile.TarInfo, bytes]:
+    return member(name, tarfile.LNKTYPE, link=target), b""
+
+
+def download(data: bytes, dest: Path, **caps: int) -> DownloadResult:
+    """Through the public API, with a fake sandbox that answers with ``data``."""
+
     def handler(op: Op) -> object:
         assert isinstance(op, GetArchive)
         return data
 
     with Sandbox.create(backend=FakeBackend(handler)) as sbx:
-        sbx.files.download_dir(dest)
+        return sbx.files.download_dir(dest, **caps)
 
 
-def test_files_links_inside_and_hard_links_come_out(tmp_path: Path) -> None:
+def snapshot(root: Path) -> dict[str, tuple[str, str]]:
+    """Every entry under ``root`` (links not followed): kind and content or target."""
+    out: dict[str, tuple[str, str]] = {}
+    if not os.path.lexists(root):
+        return out
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            rel = str(path.relative_to(root))
+            st = path.lstat()
+            if stat.S_ISLNK(st.st_mode):
+                out[rel] = ("link", os.readlink(path))
+            elif stat.S_ISDIR(st.st_mode):
+                out[rel] = ("dir", oct(stat.S_IMODE(st.st_mode)))
+            else:
+                out[rel] = ("file", path.read_bytes().decode(errors="replace"))
+    return out
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Path:
+    """A host folder with a download target beside a secret the sandbox wants."""
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc" / "shadow").write_text("root:secret\n")
+    (tmp_path / "outside").mkdir()
+    return tmp_path
+
+
+def assert_nothing_left(host: Path, before: dict[str, tuple[str, str]]) -> None:
+    assert snapshot(host) == before
+    assert not any(name.startswith(STAGE_PREFIX) for _, _, names in os.walk(host) for name in names)
+
+
+# -- what comes out ------------------------------------------------------------------------
+
+
+def test_files_folders_links_inside_and_hard_links_come_out(tmp_path: Path) -> None:
     data = archive(
-        (member("dir", tarfile.DIRTYPE, mode=0o755), b""),
-        (member("dir/a.txt"), b"alpha"),
-        (member("dir/same.txt", tarfile.LNKTYPE, link="dir/a.txt"), b""),
-        (member("dir/to-a", tarfile.SYMTYPE, link="a.txt"), b""),
-        (member("up", tarfile.SYMTYPE, link="dir/../dir"), b""),
+        folder("dir"),
+        file("dir/a.txt", b"alpha"),
+        hardlink("dir/same.txt", "dir/a.txt"),
+        symlink("dir/to-a", "a.txt"),
+        symlink("up", "dir/../dir"),
+        symlink("self", "."),
     )
-    download(data, tmp_path / "out")
     out = tmp_path / "out"
+    result = download(data, out)
     assert (out / "dir/a.txt").read_text() == "alpha"
     assert (out / "dir/same.txt").read_text() == "alpha"
-    assert (out / "dir/same.txt").stat().st_nlink == 1  # a copy, not a link
+    assert os.stat(out / "dir/same.txt").st_ino == os.stat(out / "dir/a.txt").st_ino  # a link, not a copy
     assert (out / "dir/to-a").read_text() == "alpha"
+    assert (out / "up/a.txt").read_text() == "alpha"
+    assert result == DownloadResult(
+        dest=str(out), bytes_written=5, files=2, directories=1, symlinks=3, hard_links=1
+    )
+    assert sorted(os.listdir(out)) == ["dir", "self", "up"]  # no hidden folder left
+
+
+def test_the_downloaded_folder_merges_into_what_dest_holds(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    (out / "dir").mkdir(parents=True)
+    (out / "dir" / "mine.txt").write_text("mine")
+    (out / "old.txt").write_text("old")
+    download(archive(folder("dir"), file("dir/new.txt", b"new"), file("old.txt", b"replaced")), out)
+    assert (out / "dir" / "mine.txt").read_text() == "mine"
+    assert (out / "dir" / "new.txt").read_text() == "new"
+    assert (out / "old.txt").read_text() == "replaced"
+
+
+def test_names_of_any_length_and_encoding_in_every_tar_format(tmp_path: Path) -> None:
+    deep = "/".join(["d" * 60] * 5) + "/f.txt"  # over ustar's 100 + 155 bytes
+    odd = "caf\udce9-\u00e9t\u00e9.txt"  # an undecodable byte and a non-ASCII name
+    for fmt in (tarfile.PAX_FORMAT, tarfile.GNU_FORMAT):
+        out = tmp_path / f"out-{fmt}"
+        members = [file(deep, b"deep"), symlink("long-link", deep), file("plain.txt", b"p")]
+        if fmt == tarfile.PAX_FORMAT:
+            members.append(file(odd, b"odd"))
+        download(archive(*members, format=fmt), out)
+        assert (out / deep).read_bytes() == b"deep"
+        assert (out / "long-link").read_bytes() == b"deep"
+        if fmt == tarfile.PAX_FORMAT:
+            assert (out / odd).read_bytes() == b"odd"
+            assert os.fsencode(odd) in os.listdir(os.fsencode(out))
+
+
+def test_setuid_sticky_and_group_or_world_write_bits_are_dropped(tmp_path: Path) -> None:
+    download(
+        archive(
+            (member("shared", tarfile.DIRTYPE, mode=0o1777), b""),
+            file("tool", b"#!/bin/sh\n", mode=0o6777),
+            file("private", b"k", mode=0o000),
+        ),
+        tmp_path / "out",
+    )
+    out = tmp_path / "out"
+    assert (out / "tool").stat().st_mode & 0o7777 == 0o755
+    assert (out / "shared").stat().st_mode & 0o7777 == 0o755
+    assert (out / "private").stat().st_mode & 0o7777 == 0o600
+
+
+def test_fifos_sockets_and_devices_are_skipped_and_reported(tmp_path: Path) -> None:
+    data = archive(
+        file("before.txt", b"b"),
+        (member("pipe", tarfile.FIFOTYPE), b""),
+        (member("tty", tarfile.CHRTYPE), b""),
+        (member("disk", tarfile.BLKTYPE), b""),
+        (member("sock", b"s"), b""),
+        (member("odd", b"Z"), b""),
+        file("after.txt", b"a"),
+    )
+    result = download(data, tmp_path / "out")
+    assert sorted(os.listdir(tmp_path / "out")) == ["after.txt", "before.txt"]
+    assert result.skipped == (
+        SkippedEntry(path="pipe", kind="fifo"),
+        SkippedEntry(path="tty", kind="char device"),
+        SkippedEntry(path="disk", kind="block device"),
+        SkippedEntry(path="sock", kind="socket"),
+        SkippedEntry(path="odd", kind="other"),
+    )
+    assert result.skipped_count == 5 and result.files == 2
+
+
+# -- links out, by any route ---------------------------------------------------------------
+
+
+def chain_attack() -> bytes:
+    """``a/up -> ..`` is inside on its own; a chain of it walks out of the folder."""
+    return archive(
+        folder("a"),
+        symlink("a/up", ".."),
+        file("innocent.txt", b"first"),
+        symlink("report.txt", "a/up/a/up/a/up/../../etc/shadow"),
+    )
 
 
 @pytest.mark.parametrize(
     "members",
     [
-        [(member("../escape.txt"), b"x")],
-        [(member("/abs.txt"), b"x")],
-        [(member("lnk", tarfile.SYMTYPE, link="/etc"), b"")],
-        [(member("lnk", tarfile.SYMTYPE, link="../outside"), b"")],
-        [(member("a/lnk", tarfile.SYMTYPE, link="../../outside"), b"")],
-        [(member("pw", tarfile.LNKTYPE, link="/etc/passwd"), b"")],
-        [(member("pw", tarfile.LNKTYPE, link="../outside/x"), b"")],
-        [(member("dev", tarfile.CHRTYPE), b"")],
-        [(member("fifo", tarfile.FIFOTYPE), b"")],
-        # A link inside, then a file written "through" it: never followed.
-        [(member("sub", tarfile.SYMTYPE, link="."), b""), (member("sub/x"), b"x")],
+        pytest.param([symlink("lnk", "/etc")], id="absolute"),
+        pytest.param([symlink("lnk", "../outside")], id="dotdot"),
+        pytest.param([folder("a"), symlink("a/lnk", "../../outside")], id="dotdot-from-a-folder"),
+        pytest.param([folder("a"), symlink("a/up", ".."), symlink("x", "a/up/..")], id="through-a-link"),
+        pytest.param([symlink("x", "y/z/../.."), symlink("y", ".")], id="through-a-later-link"),
+        pytest.param([symlink("x", "y/../etc"), folder("y"), symlink("y", "..")], id="dir-then-link"),
+        pytest.param([file("y"), symlink("y", ".."), symlink("x", "y/etc")], id="file-then-link"),
+        pytest.param([symlink("a", "b"), symlink("b", "a")], id="loop"),
+        pytest.param([symlink("a", "a/..")], id="self-loop"),
+        pytest.param([file("f"), symlink("l", "f/../..")], id="through-a-file"),
+        pytest.param([folder("d"), symlink("l", "d/../../out/d")], id="out-and-back-in"),
+        pytest.param([symlink("l", "missing/../../etc")], id="through-a-missing-folder"),
+        pytest.param([symlink("l", "a\x00\u00e9")], id="nul-in-a-pax-record"),
     ],
 )
-def test_hostile_members_are_refused_before_anything_is_written(
-    tmp_path: Path, members: list[tuple[tarfile.TarInfo, bytes]]
+def test_links_that_leave_by_any_route_are_refused(
+    host: Path, members: list[tuple[tarfile.TarInfo, bytes]]
 ) -> None:
-    victim = tmp_path / "outside"
-    victim.mkdir()
-    with pytest.raises(StockadeError):
-        download(archive((member("first.txt"), b"first"), *members), tmp_path / "out")
-    assert list(victim.iterdir()) == []
-    assert not (tmp_path / "escape.txt").exists()
+    before = snapshot(host)
+    with pytest.raises(StockadeError) as caught:
+        download(archive(file("first.txt", b"first"), *members), host / "out")
+    assert isinstance(caught.value, PathEscapeError | FileTypeError)
+    assert_nothing_left(host, before)
 
 
-def test_a_symlink_already_in_the_destination_is_not_followed(tmp_path: Path) -> None:
-    outside = tmp_path / "outside"
-    outside.mkdir()
+def test_the_symlink_chain_attack_is_refused_and_leaves_nothing(host: Path) -> None:
+    before = snapshot(host)
+    with pytest.raises(PathEscapeError, match=r"report\.txt"):
+        download(chain_attack(), host / "out")
+    assert_nothing_left(host, before)
+    assert (host / "etc" / "shadow").read_text() == "root:secret\n"
+
+
+def test_a_link_replaced_later_by_a_folder_is_not_created(tmp_path: Path) -> None:
     out = tmp_path / "out"
+    download(archive(symlink("y", ".."), folder("y"), file("y/f", b"f")), out)
+    assert (out / "y").is_dir() and not (out / "y").is_symlink()
+    assert (out / "y/f").read_text() == "f"
+
+
+@pytest.mark.parametrize(
+    "members",
+    [
+        pytest.param([file("../escape.txt")], id="dotdot-name"),
+        pytest.param([file("/abs.txt")], id="absolute-name"),
+        pytest.param([file("a/../../escape.txt")], id="dotdot-inside-a-name"),
+        pytest.param([symlink("sub", "."), file("sub/x")], id="write-through-an-archive-link"),
+        pytest.param([symlink("sub", "../outside"), file("sub/x")], id="write-through-a-link-out"),
+        pytest.param([file("f"), file("f/x")], id="write-under-a-file"),
+        pytest.param([folder("d"), file("d")], id="a-folder-replaced-by-a-file"),
+        pytest.param([hardlink("pw", "/etc/passwd")], id="hard-link-absolute"),
+        pytest.param([hardlink("pw", "../etc/shadow")], id="hard-link-dotdot"),
+        pytest.param([hardlink("pw", "not-in-the-archive")], id="hard-link-to-nothing"),
+        pytest.param([symlink("s", "first.txt"), hardlink("h", "s")], id="hard-link-to-a-symlink"),
+        pytest.param([folder("d"), hardlink("h", "d")], id="hard-link-to-a-folder"),
+    ],
+)
+def test_hostile_members_are_refused_and_leave_nothing(
+    host: Path, members: list[tuple[tarfile.TarInfo, bytes]]
+) -> None:
+    before = snapshot(host)
+    with pytest.raises(StockadeError):
+        download(archive(file("first.txt", b"first"), *members), host / "out")
+    assert_nothing_left(host, before)
+
+
+# -- what dest already holds ---------------------------------------------------------------
+
+
+def test_a_symlink_already_in_dest_is_not_written_through(host: Path) -> None:
+    out = host / "out"
     out.mkdir()
-    (out / "d").symlink_to(outside)
-    with pytest.raises(StockadeError):
-        download(archive((member("d/planted"), b"x")), out)
-    assert list(outside.iterdir()) == []
+    (out / "d").symlink_to(host / "outside")
+    before = snapshot(host)
+    with pytest.raises(PathEscapeError):
+        download(archive(file("ok.txt"), folder("d"), file("d/planted", b"x")), out)
+    assert_nothing_left(host, before)
 
 
-def test_setuid_and_world_writable_bits_are_dropped(tmp_path: Path) -> None:
-    download(archive((member("tool", mode=0o6777), b"#!/bin/sh\n")), tmp_path / "out")
-    assert (tmp_path / "out/tool").stat().st_mode & 0o7777 == 0o755
+def test_a_new_link_through_a_link_already_in_dest_is_refused_and_undone(host: Path) -> None:
+    # The archive alone looks harmless (``ext`` is not in it); only the real tree shows that
+    # ``x`` would lead out, after the download is in place: it is all undone.
+    out = host / "out"
+    out.mkdir()
+    (out / "ext").symlink_to(host / "etc")
+    (out / "keep.txt").write_text("the user's own")
+    before = snapshot(host)
+    data = archive(
+        folder("new"), file("new/a.txt", b"a"), file("keep.txt", b"overwritten"), symlink("x", "ext/shadow")
+    )
+    with pytest.raises(PathEscapeError, match="'x'"):
+        download(data, out)
+    assert_nothing_left(host, before)
 
 
-def test_a_malformed_archive_is_a_typed_error(tmp_path: Path) -> None:
-    with pytest.raises(StockadeError):
-        download(b"\x00garbage" * 200, tmp_path / "out")
+def test_a_new_link_through_an_inside_link_of_dest_is_kept(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    (out / "real").mkdir(parents=True)
+    (out / "real" / "f").write_text("f")
+    (out / "alias").symlink_to("real")
+    download(archive(symlink("x", "alias/f")), out)
+    assert (out / "x").read_text() == "f"
+
+
+def test_a_file_where_dest_has_a_folder_is_refused_before_anything_moves(host: Path) -> None:
+    out = host / "out"
+    (out / "taken").mkdir(parents=True)
+    (out / "taken" / "mine").write_text("mine")
+    before = snapshot(host)
+    with pytest.raises(FileTypeError):
+        download(archive(file("a.txt"), file("taken", b"theirs")), out)
+    assert_nothing_left(host, before)
+
+
+# -- bounded -------------------------------------------------------------------------------
+
+
+def test_hard_links_stay_links_so_the_bytes_on_disk_stay_one_copy(tmp_path: Path) -> None:
+    payload = os.urandom(4 * MiB)
+    links = [hardlink(f"copy-{i:02}", "big.bin") for i in range(64)]
+    result = download(archive(file("big.bin", payload), *links), tmp_path / "out", max_bytes=5 * MiB)
+    out = tmp_path / "out"
+    inodes = {os.lstat(p).st_ino: os.lstat(p).st_blocks * 512 for p in out.iterdir()}
+    assert len(inodes) == 1 and sum(inodes.values()) < 5 * MiB
+    assert os.stat(out / "copy-63").st_nlink == 65
+    assert (out / "copy-17").read_bytes() == payload
+    assert result.bytes_written == 4 * MiB and result.hard_links == 64 and result.files == 65
+
+
+def test_the_byte_cap_stops_the_download_with_a_typed_error(host: Path) -> None:
+    before = snapshot(host)
+    data = archive(*(file(f"f{i}", b"\0" * MiB) for i in range(3)))
+    with pytest.raises(FileTooLarge, match="max_bytes=2097152") as caught:
+        download(data, host / "out", max_bytes=2 * MiB)
+    assert "pass a larger max_bytes" in str(caught.value)
+    assert_nothing_left(host, before)
+    assert download(data, host / "out", max_bytes=3 * MiB).bytes_written == 3 * MiB
+
+
+def test_a_huge_declared_size_is_refused_before_any_data(host: Path) -> None:
+    # A header claiming a 10 GB file (a sparse file's apparent size): refused at its header.
+    info = member("sparse.bin")
+    info.size = 10 * 1024**3
+    head = info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+    before = snapshot(host)
+    with pytest.raises(FileTooLarge):
+        download(head + b"\0" * MiB, host / "out")
+    assert_nothing_left(host, before)
+
+
+def test_the_entry_cap_counts_folders_the_names_imply(host: Path) -> None:
+    before = snapshot(host)
+    with pytest.raises(FileTooLarge, match="max_entries=5"):
+        download(archive(file("a/b/c/d/e/f.txt")), host / "out", max_entries=5)
+    assert_nothing_left(host, before)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        pytest.param(b"\x01garbage" * 200, id="garbage"),
+        pytest.param(archive(file("a.txt", b"a" * 5000))[:3000], id="cut-in-a-file"),
+        pytest.param(archive(file("a.txt"))[:512], id="cut-after-a-header"),
+        pytest.param(archive(file("a.txt")) + b"\1" * (2 * MiB), id="endless-after-the-end"),
+        pytest.param(archive(file("x" * 70_000 + ".txt")), id="huge-extended-header"),
+        pytest.param(archive(file("d/" + "x" * 300)), id="a-name-over-255-bytes"),
+        pytest.param(archive(symlink("l", "x/" * 3000)), id="a-link-target-over-4096-bytes"),
+        pytest.param(archive(file("/".join("d" * 200))), id="200-folders-deep"),
+    ],
+)
+def test_malformed_archives_are_protocol_errors_and_leave_nothing(host: Path, data: bytes) -> None:
+    before = snapshot(host)
+    with pytest.raises(ProtocolError):
+        download(data, host / "out")
+    assert_nothing_left(host, before)
+
+
+def test_streamed_in_small_pieces_it_comes_out_the_same(tmp_path: Path) -> None:
+    data = archive(folder("d"), file("d/a.bin", os.urandom(3000)), symlink("l", "d/a.bin"), file("e", b""))
+    whole = extract_archive(data, tmp_path / "whole")
+    with Extraction(tmp_path / "pieces") as unpack:
+        for start in range(0, len(data), 7):
+            unpack.feed(data[start : start + 7])
+        pieces = unpack.finish()
+    assert snapshot(tmp_path / "whole") == snapshot(tmp_path / "pieces")
+    assert (whole.files, whole.symlinks, whole.bytes_written) == (pieces.files, pieces.symlinks, 3000)
+
+
+def test_an_abort_from_another_thread_undoes_and_stops_the_feeder(tmp_path: Path) -> None:
+    unpack = Extraction(tmp_path / "out")
+    unpack.feed(archive(file("a.txt", b"a"), file("b.txt", b"b"))[:2048])
+    aborter = threading.Thread(target=unpack.abort)
+    aborter.start()
+    aborter.join()
+    with pytest.raises(WorkspaceError):
+        unpack.feed(b"\0" * 512)
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_caps_are_configuration_errors(tmp_path: Path) -> None:
+    with pytest.raises(StockadeError, match="max_bytes"):
+        download(archive(file("a")), tmp_path / "out", max_bytes=-1)
+    assert not (tmp_path / "out").exists()
+
+
+# -- the async twin ------------------------------------------------------------------------
+
+
+def test_the_async_twin_gives_the_same_result_and_the_same_refusals(host: Path) -> None:
+    async def main(data: bytes, dest: Path) -> DownloadResult:
+        def handler(op: Op) -> object:
+            return data
+
+        sbx = await AsyncSandbox.create(backend=FakeBackend(handler))
+        try:
+            return await sbx.files.download_dir(dest)
+        finally:
+            await sbx.close()
+
+    before = snapshot(host)
+    with pytest.raises(PathEscapeError):
+        asyncio.run(main(chain_attack(), host / "out"))
+    assert_nothing_left(host, before)
+    result = asyncio.run(main(archive(file("a.txt", b"a"), hardlink("b.txt", "a.txt")), host / "ok"))
+    assert result.hard_links == 1 and (host / "ok" / "b.txt").read_text() == "a"

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import io
+import itertools
+import os
 import queue
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from stockade import ProtocolError
+from stockade import FileTooLarge, ProtocolError, Sandbox, SandboxCrashed
 from stockade.sandbox._supervised import TRANSFER_CHUNK, Boundary, SupervisedInstance
 from stockade.sandbox.base import SandboxSpec
 from stockade.sandbox.kernel.protocol import FrameReader, encode
@@ -56,3 +62,122 @@ def test_a_read_that_never_ends_is_cut_at_the_callers_cap() -> None:
     with pytest.raises(ProtocolError):
         instance.execute(ReadFile(path="big", max_bytes=3 * TRANSFER_CHUNK))
     assert boundary.killed
+
+
+# -- downloads ------------------------------------------------------------------------------
+
+
+class ArchiveSupervisor:
+    """Answers ``get_archive``: ``open`` gets a transfer id, each ``next`` the next piece of
+    ``data`` as long as asked, or what ``pieces`` yields (a reply header and a body; ``None``
+    ends the stream, as a dying supervisor does); ``close`` is acknowledged."""
+
+    def __init__(
+        self, data: bytes = b"", pieces: Iterator[tuple[dict[str, object], bytes] | None] | None = None
+    ) -> None:
+        self._data = data
+        self._pieces = pieces
+        self._replies: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        self._requests = FrameReader(max_body=1 << 30)
+        self.stages: list[str] = []
+
+    def send(self, data: bytes) -> None:
+        self._requests.feed(data)
+        for header, _ in self._requests.frames():
+            stage = str(header.get("stage"))
+            self.stages.append(stage)
+            reply: dict[str, object] = {"id": header["id"], "ev": "done"}
+            body = b""
+            if stage == "open":
+                reply["tx"] = "t1"
+            elif stage == "next" and self._pieces is not None:
+                piece = next(self._pieces)
+                if piece is None:
+                    self._replies.put(b"")
+                    return
+                reply.update(piece[0])
+                body = piece[1]
+            elif stage == "next":
+                body, self._data = self._data[: header["length"]], self._data[header["length"] :]
+                reply["eof"] = not self._data
+            self._replies.put(encode(reply, body))
+
+    def recv(self) -> bytes:
+        return self._replies.get()
+
+    def close(self) -> None:
+        self._replies.put(b"")
+
+
+def tar_of(*files: tuple[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in files:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def sandbox_of(stream: ArchiveSupervisor, boundary: Boundary) -> Sandbox:
+    instance = SupervisedInstance(
+        id="liar", tier="fake", stream=stream, boundary=boundary, spec=SandboxSpec(), enforcement=NONE
+    )
+    return Sandbox(instance)
+
+
+def test_a_download_arrives_in_pieces_of_the_size_asked(tmp_path: Path) -> None:
+    data = tar_of(("a.bin", os.urandom(3 * TRANSFER_CHUNK)), ("b.txt", b"b"))
+    stream = ArchiveSupervisor(data)
+    result = sandbox_of(stream, Killed()).files.download_dir(tmp_path / "out")
+    assert (tmp_path / "out" / "b.txt").read_bytes() == b"b"
+    assert result.files == 2 and result.bytes_written == 3 * TRANSFER_CHUNK + 1
+    assert stream.stages == ["open"] + ["next"] * 4
+
+
+@pytest.mark.parametrize(
+    "piece",
+    [
+        pytest.param(({"eof": False}, b"\0" * (TRANSFER_CHUNK + 1)), id="more-than-asked"),
+        pytest.param(({"eof": False}, b""), id="nothing-but-not-the-end"),
+        pytest.param(({"eof": False}, b"\0" * 512), id="a-trickle"),
+    ],
+)
+def test_a_piece_not_as_asked_kills_the_sandbox(
+    tmp_path: Path, piece: tuple[dict[str, object], bytes]
+) -> None:
+    boundary = Killed()
+    stream = ArchiveSupervisor(pieces=itertools.repeat(piece))
+    with pytest.raises(ProtocolError):
+        sandbox_of(stream, boundary).files.download_dir(tmp_path / "out")
+    assert boundary.killed and not (tmp_path / "out").exists()
+    assert stream.stages.count("next") == 1
+
+
+def test_a_stream_that_never_ends_is_stopped_by_the_host_and_closed(tmp_path: Path) -> None:
+    head = tar_of(("a.txt", b"a"))
+    endless = ArchiveSupervisor(head + b"\1" * (64 * TRANSFER_CHUNK))
+    with pytest.raises(ProtocolError, match="after its end"):
+        sandbox_of(endless, Killed()).files.download_dir(tmp_path / "out")
+    assert endless.stages[-1] == "close" and endless.stages.count("next") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_hosts_cap_stops_a_supervisor_that_ignores_it(tmp_path: Path) -> None:
+    data = tar_of(*((f"f{i}", b"\0" * 1_000_000) for i in range(30)))
+    stream = ArchiveSupervisor(data)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(FileTooLarge):
+        sandbox_of(stream, Killed()).files.download_dir(tmp_path / "out", max_bytes=10_000_000)
+    # Stopped at the eleventh file, a third of the way: the rest is never asked for.
+    assert stream.stages[-1] == "close" and stream.stages.count("next") == 3
+    assert os.listdir(tmp_path / "out") == []
+
+
+def test_a_supervisor_dying_mid_download_leaves_nothing(tmp_path: Path) -> None:
+    data = tar_of(("a.bin", b"a" * TRANSFER_CHUNK), ("b.bin", b"b" * TRANSFER_CHUNK))
+    pieces = iter([({"eof": False}, data[:TRANSFER_CHUNK]), None])
+    (tmp_path / "out").mkdir()
+    with pytest.raises(SandboxCrashed):
+        sandbox_of(ArchiveSupervisor(pieces=pieces), Killed()).files.download_dir(tmp_path / "out")
+    assert os.listdir(tmp_path / "out") == []

@@ -597,15 +597,12 @@ class Supervisor:
         self.send({"id": rid, "ev": "done"})
 
     def op_get_archive(self, rid: int, h: dict[str, Any], body: bytes) -> None:
-        import tarfile
+        """A folder as a tar stream the host pulls a chunk at a time (``stage``: ``open``,
+        then ``next`` until ``eof``, or ``close``); see archive.py."""
+        import archive  # lazily: it imports tarfile, which costs more than starting the supervisor
 
-        parent, name = self.workspace.resolve(h.get("path", ""), follow_last=True)
-        os.close(parent)
-        src = self.workspace.root + ("/" + self._rel(h.get("path", "")) if name else "")
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tar:
-            tar.add(src, arcname=".", recursive=True)
-        self.send({"id": rid, "ev": "done"}, buf.getvalue())
+        reply, data = archive.handle(self.workspace, h)
+        self.send({"id": rid, "ev": "done", **reply}, data)
 
     def reset(self, rid: int, h: dict[str, Any], rest: bytes) -> None:
         """Make the sandbox as it was at start-up, then exec a fresh supervisor in our place.

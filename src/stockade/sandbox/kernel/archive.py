@@ -1,0 +1,245 @@
+"""A workspace folder as a tar stream, made piece by piece as the host pulls it.
+
+``files.download_dir`` asks for the next chunk (at most a few MiB) until the end: memory
+here stays one chunk and one open file whatever the tree holds, a 10 GB sparse file
+included. The host checks every member again (it trusts nothing from inside); the caps here
+only make an honest refusal early and cheap: a tree over the host's ``max_bytes`` (file
+contents by apparent size, a hard-linked file once) or ``max_entries`` is refused as soon
+as the walk sees it, before its data is read.
+
+Entries are walked through directory descriptors with ``O_NOFOLLOW``, never by path: code
+racing the walk cannot point it outside the folder. Symlinks are sent as links, further
+names of a file as hard links, FIFOs, devices and sockets as bare headers (the host skips
+and reports them; tar has no type for sockets, so they carry ``SOCKTYPE``).
+
+Standard library only; runs on any Python >= 3.8 found inside the sandbox.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tarfile
+
+from fileops import PathRefused
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
+if TYPE_CHECKING:
+    from typing import Any
+
+    from fileops import Workspace
+
+BLOCK = 512
+MAX_CHUNK = 16 << 20
+MAX_DEPTH = 128
+MAX_NAME = 4096  # bytes of a member's path: what the host accepts
+OPEN_TRANSFERS = 4  # a host that vanished mid-download leaves at most this many behind
+SOCKTYPE = b"s"
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+HINT = "; pass a larger {} to files.download_dir to allow it"
+
+_transfers: "dict[str, TarStream]" = {}
+_opened = [0]
+
+
+def handle(workspace: "Workspace", h: "dict[str, Any]") -> "tuple[dict[str, Any], bytes]":
+    """One ``get_archive`` request: ``open`` a transfer, take its ``next`` chunk, ``close`` it."""
+    stage = h.get("stage")
+    if stage == "open":
+        root = _open_root(workspace, str(h.get("path", "")))
+        stream = TarStream(root, int(h["max_bytes"]), int(h["max_entries"]))
+        _opened[0] += 1
+        tx = "t%d" % _opened[0]
+        _transfers[tx] = stream
+        while len(_transfers) > OPEN_TRANSFERS:
+            _transfers.pop(next(iter(_transfers))).close()
+        return {"tx": tx}, b""
+    tx = str(h.get("tx", ""))
+    stream = _transfers.get(tx)
+    if stage == "close":
+        if stream is not None:
+            del _transfers[tx]
+            stream.close()
+        return {}, b""
+    if stage != "next":
+        raise PathRefused("internal", "unknown get_archive stage %r" % (stage,))
+    if stream is None:
+        raise PathRefused("internal", "no open download %r" % tx)
+    try:
+        data = stream.read(max(1, min(int(h.get("length", BLOCK)), MAX_CHUNK)))
+    except BaseException:
+        del _transfers[tx]
+        stream.close()
+        raise
+    if stream.finished:
+        del _transfers[tx]
+        stream.close()
+    return {"eof": stream.finished}, data
+
+
+def _open_root(workspace: "Workspace", path: str) -> int:
+    parent, name = workspace.resolve(path, follow_last=True)
+    try:
+        if not name:
+            return os.dup(parent)
+        try:
+            return os.open(name, DIR_FLAGS, dir_fd=parent)
+        except NotADirectoryError:
+            raise PathRefused("type", "%r is not a directory" % path) from None
+    finally:
+        os.close(parent)
+
+
+def _names(fd: int) -> "list[str]":
+    """A folder's names, last first (the walk pops them in order)."""
+    return sorted(os.listdir(fd), reverse=True)
+
+
+class TarStream:
+    """The tar stream of one folder; ``read(n)`` makes just enough of it for ``n`` bytes."""
+
+    def __init__(self, root: int, max_bytes: int, max_entries: int) -> None:
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self.total = 0
+        self.entries = 0
+        self.pending = bytearray()
+        self.dirs: "list[tuple[int, list[str], str]]" = []
+        self.file = -1
+        self.left = 0
+        self.pad = 0
+        self.first_names: "dict[tuple[int, int], str]" = {}  # (dev, ino) -> its first name
+        self.ended = False
+        self.finished = False
+        try:
+            self.dirs.append((root, _names(root), ""))
+        except BaseException:
+            os.close(root)
+            raise
+
+    def read(self, size: int) -> bytes:
+        while len(self.pending) < size and not self.ended:
+            self._step(size - len(self.pending))
+        data = bytes(self.pending[:size])
+        del self.pending[:size]
+        self.finished = self.ended and not self.pending
+        return data
+
+    def close(self) -> None:
+        if self.file >= 0:
+            os.close(self.file)
+            self.file = -1
+        while self.dirs:
+            os.close(self.dirs.pop()[0])
+        self.pending = bytearray()
+
+    def _step(self, want: int) -> None:
+        if self.file >= 0:
+            if self.left:
+                chunk = os.read(self.file, min(self.left, want, 4 << 20))
+                if not chunk:  # the file shrank meanwhile: zeros keep the archive whole
+                    chunk = bytes(min(self.left, want))
+                self.pending += chunk
+                self.left -= len(chunk)
+                return
+            self.pending += bytes(self.pad)
+            os.close(self.file)
+            self.file = -1
+            return
+        if not self.dirs:
+            self.pending += bytes(2 * BLOCK)
+            self.ended = True
+            return
+        fd, names, prefix = self.dirs[-1]
+        if not names:
+            self.dirs.pop()
+            os.close(fd)
+            return
+        name = names.pop()
+        self._member(fd, name, prefix + name)
+
+    def _member(self, parent: int, name: str, arc: str) -> None:
+        try:
+            st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+        except FileNotFoundError:  # removed since the folder was listed
+            return
+        self.entries += 1
+        if self.entries > self.max_entries:
+            message = "the folder has more than max_entries=%d entries" % self.max_entries
+            raise PathRefused("too_large", message + HINT.format("max_entries"))
+        if len(arc.encode("utf-8", "surrogateescape")) > MAX_NAME:
+            raise PathRefused("too_large", "%r... is a path longer than %d bytes" % (arc[:200], MAX_NAME))
+        info = tarfile.TarInfo(arc)
+        info.mode = stat.S_IMODE(st.st_mode)
+        info.mtime = int(st.st_mtime)
+        if stat.S_ISDIR(st.st_mode):
+            if len(self.dirs) >= MAX_DEPTH:
+                raise PathRefused("too_large", "%r is more than %d folders deep" % (arc, MAX_DEPTH))
+            fd = os.open(name, DIR_FLAGS, dir_fd=parent)
+            try:
+                names = _names(fd)
+            except BaseException:
+                os.close(fd)
+                raise
+            info.type = tarfile.DIRTYPE
+            self._header(info)
+            self.dirs.append((fd, names, arc + "/"))
+        elif stat.S_ISLNK(st.st_mode):
+            info.type = tarfile.SYMTYPE
+            info.linkname = os.readlink(name, dir_fd=parent)
+            self._header(info)
+        elif stat.S_ISREG(st.st_mode):
+            self._file(parent, name, arc, info, st)
+        else:
+            self._special(info, st)
+
+    def _file(self, parent: int, name: str, arc: str, info: tarfile.TarInfo, st: os.stat_result) -> None:
+        first = self.first_names.get((st.st_dev, st.st_ino))
+        if first is not None:
+            info.type = tarfile.LNKTYPE
+            info.linkname = first
+            self._header(info)
+            return
+        fd = os.open(name, FILE_FLAGS, dir_fd=parent)
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):  # replaced meanwhile: send what it is now, or nothing
+                os.close(fd)
+                if not stat.S_ISDIR(st.st_mode):
+                    self._special(info, st)
+                return
+            if self.total + st.st_size > self.max_bytes:
+                message = "%r is %d bytes: with the %d bytes before it, more than max_bytes=%d" % (
+                    arc,
+                    st.st_size,
+                    self.total,
+                    self.max_bytes,
+                )
+                raise PathRefused("too_large", message + HINT.format("max_bytes"))
+        except BaseException:
+            os.close(fd)
+            raise
+        self.total += st.st_size
+        if st.st_nlink > 1:
+            self.first_names[(st.st_dev, st.st_ino)] = arc
+        info.size = st.st_size
+        self._header(info)
+        self.file = fd
+        self.left = st.st_size
+        self.pad = -st.st_size % BLOCK
+
+    def _special(self, info: tarfile.TarInfo, st: os.stat_result) -> None:
+        mode = st.st_mode
+        if stat.S_ISFIFO(mode):
+            info.type = tarfile.FIFOTYPE
+        elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+            info.type = tarfile.CHRTYPE if stat.S_ISCHR(mode) else tarfile.BLKTYPE
+            info.devmajor = os.major(st.st_rdev)
+            info.devminor = os.minor(st.st_rdev)
+        else:
+            info.type = SOCKTYPE
+        self._header(info)
+
+    def _header(self, info: tarfile.TarInfo) -> None:
+        self.pending += info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
