@@ -46,6 +46,14 @@ START_TIMEOUT_S = 30.0
 API_TIMEOUT_S = 30.0
 NOFILE = 4096
 STDERR_KEEP = 16 * 1024
+COMPILED = "/tmp/stockade-compiled.json"
+MAX_COMPILED = 16 * 1024 * 1024
+
+
+def _no_logs() -> Any:
+    """No log driver: the protocol runs over the container's stdio, and the engine would
+    otherwise copy every byte of it (files read, results) to a log file on its disk."""
+    return _docker().types.LogConfig(type="none")
 
 
 def _docker() -> Any:
@@ -130,6 +138,22 @@ def _tar(files: Mapping[str, bytes | str], folder: str = "") -> bytes:
             info.size, info.mode, info.mtime = len(raw), 0o644, int(time.time())
             tar.addfile(info, io.BytesIO(raw))
     return buf.getvalue()
+
+
+def _fetch_file(api: Any, cid: str, path: str) -> bytes:
+    """One small file of a container (running or not), through the engine's archive API."""
+    stream, _ = api.get_archive(cid, path)
+    data = bytearray()
+    for chunk in stream:
+        data += chunk
+        if len(data) > MAX_COMPILED + 64 * 1024:
+            raise ValueError(f"{path} is larger than expected")
+    with tarfile.open(fileobj=io.BytesIO(bytes(data))) as tar:
+        member = tar.next()
+        handle = tar.extractfile(member) if member is not None else None
+        if handle is None:
+            raise ValueError(f"{path} is not a file")
+        return handle.read(MAX_COMPILED)
 
 
 # -- the attach stream ----------------------------------------------------------------------
@@ -485,6 +509,7 @@ class DockerBackend(Backend):
             auto_remove=False,
             runtime=self.runtime,
             ipc_mode="private",
+            log_config=_no_logs(),
         )
 
     def _labels(self, spec: SandboxSpec, sid: str) -> dict[str, str]:
@@ -546,6 +571,7 @@ class DockerBackend(Backend):
             mem_limit=256 * _oci.MiB,
             pids_limit=64,
             runtime=self.runtime,
+            log_config=_no_logs(),
         )
         created = api.create_container(
             self.image,
@@ -558,8 +584,13 @@ class DockerBackend(Backend):
         return str(created["Id"])
 
     def _compile(self, api: Any, kernel: Path, image_id: str) -> None:
-        """Best effort: without bytecode, the supervisor compiles itself on every start."""
-        argv = ["python3", "-S", "-E", "-s", "-c", _oci.COMPILE, "/tmp/stockade-src"]
+        """Best effort: without bytecode, the supervisor compiles itself on every start.
+
+        The helper writes its output to a file, fetched from the stopped container: it has
+        no log (``_no_logs``) to read it from.
+        """
+        to_file = f"import sys\nsys.stdout = open({COMPILED!r}, 'w')\n"
+        argv = ["python3", "-S", "-E", "-s", "-c", to_file + _oci.COMPILE, "/tmp/stockade-src"]
         cid = ""
         try:
             with _engine(self.image, self.runtime):
@@ -567,10 +598,10 @@ class DockerBackend(Backend):
                 api.put_archive(cid, "/tmp", _tar(_oci.python_sources(kernel), folder="stockade-src"))
                 api.start(cid)
                 status = api.wait(cid, timeout=START_TIMEOUT_S).get("StatusCode")
-                out = api.logs(cid, stdout=True, stderr=False)
+                out = _fetch_file(api, cid, COMPILED) if status == 0 else b""
             if status == 0:
                 _oci.install_bytecode(kernel, image_id, json.loads(out))
-        except (exc.StockadeError, ValueError, KeyError, OSError):
+        except (exc.StockadeError, ValueError, KeyError, OSError, tarfile.TarError):
             pass
         finally:
             if cid:
