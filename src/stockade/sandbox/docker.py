@@ -33,6 +33,7 @@ from typing import Any
 
 from stockade import exceptions as exc
 from stockade.sandbox import _oci
+from stockade.sandbox._hostinfo import engine_masked_paths
 from stockade.sandbox._supervised import WORKSPACE, Boundary, SupervisedInstance, supervisor_config
 from stockade.sandbox.base import Backend, OpResult, OutputSink, SandboxSpec
 from stockade.sandbox.ops import Op
@@ -48,6 +49,18 @@ NOFILE = 4096
 STDERR_KEEP = 16 * 1024
 COMPILED = "/tmp/stockade-compiled.json"
 MAX_COMPILED = 16 * 1024 * 1024
+
+
+def _hide_the_host(tmpfs: dict[str, str], binds: dict[str, dict[str, str]], *, own_kernel: bool) -> None:
+    """Mounts that keep the engine's names for the container out of it (see ``_hostinfo``).
+
+    The engine's /etc/hostname is a bind of a file named after the container's id: a bind of
+    our own replaces it. gVisor names the cgroups it shows after the container's id whatever
+    the cgroup namespace, unless no cgroup filesystem is mounted: an empty one is.
+    """
+    binds["/dev/null"] = {"bind": "/etc/hostname", "mode": "ro"}
+    if own_kernel:
+        tmpfs["/sys/fs/cgroup"] = "ro,size=4k,nr_inodes=16"
 
 
 def _no_logs() -> Any:
@@ -489,7 +502,8 @@ class DockerBackend(Backend):
         if self.own_kernel:
             own = _oci.own_kernel_limits(spec)
             memory, pids = own.host_memory, own.host_pids
-        return api.create_host_config(
+        _hide_the_host(tmpfs, volume_binds, own_kernel=self.own_kernel)
+        host_config = api.create_host_config(
             network_mode="bridge" if spec.network.enabled else "none",
             read_only=True,
             tmpfs=tmpfs,
@@ -510,7 +524,10 @@ class DockerBackend(Backend):
             runtime=self.runtime,
             ipc_mode="private",
             log_config=_no_logs(),
+            cgroupns="private",  # the container's cgroup paths name its id
         )
+        host_config["MaskedPaths"] = engine_masked_paths()  # docker-py has no parameter for it
+        return host_config
 
     def _labels(self, spec: SandboxSpec, sid: str) -> dict[str, str]:
         return {
