@@ -12,6 +12,7 @@ docs/architecture.md lists what remains visible on each tier.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 # Files that name or fingerprint the host. Those the running kernel lacks are skipped.
@@ -47,13 +48,15 @@ def engine_masked_paths() -> list[str]:
     return [*PROC_FILES, *PROC_DIRS, *SYS_DIRS]
 
 
-def bwrap_masks(proc: Path = Path("/proc")) -> list[str]:
+@functools.cache
+def bwrap_masks(proc: Path = Path("/proc")) -> tuple[str, ...]:
     """bubblewrap arguments that mask the host files of a fresh /proc (after ``--proc``).
 
     The sandbox's /proc is the same kernel's, so what exists in the host's exists there;
     bwrap refuses to mount over a missing path, hence the check. There is no /sys.
     /dev/null is bound as a device, as container runtimes do, so that a masked file reads
     empty (a plain bind is ``nodev``: reading it would fail); writes to it go nowhere.
+    Computed once: the kernel does not change under a running process.
     """
     argv: list[str] = []
     for path in PROC_FILES:
@@ -62,4 +65,4 @@ def bwrap_masks(proc: Path = Path("/proc")) -> list[str]:
     for path in PROC_DIRS:
         if (proc / path.removeprefix("/proc/")).is_dir():
             argv += ["--tmpfs", path, "--remount-ro", path]
-    return argv
+    return tuple(argv)
