@@ -248,3 +248,15 @@ def test_a_forged_report_over_the_byte_cap_only_restarts_the_interpreter(tier: s
         r = sbx.run_code("import forge\nforge.forge(b'{\"results\":[', claimed=1 << 30)")
         assert r.error is not None and r.error.name == "KernelDied", r.error
         assert sbx.run_code("1 + 1").text == "2"
+
+
+def test_the_interpreter_keeps_its_reports_within_what_the_host_accepts(sbx: Sandbox) -> None:
+    many = sbx.run_code("for i in range(25_000): display(i)")
+    assert many.error is None and len(many.results) == 10_000
+    assert "more results dropped" in str(many.results[-1].text)
+    wide = sbx.run_code(
+        "class Wide:\n    def _repr_mimebundle_(self):\n"
+        "        return {f'text/x-{i}': 'v' for i in range(200)}\nWide()"
+    )
+    assert wide.error is None and len(wide.results[0].data) <= 64
+    assert "more MIME types dropped" in str(wide.results[0].text)
