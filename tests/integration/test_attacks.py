@@ -9,12 +9,14 @@ and cannot leave anything behind for the next user of a pooled sandbox.
 from __future__ import annotations
 
 import contextlib
+import gc
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from stockade import Limits, Sandbox, StockadeError
+from stockade import Limits, ProtocolError, Sandbox, StockadeError
 
 # A module planted in the workspace: if the supervisor ever imports it, every later
 # files.read (the next pool user's included) answers with the attacker's bytes.
@@ -194,3 +196,67 @@ def test_user_modules_named_like_the_supervisors_import_as_the_users(sbx: Sandbo
         sbx.files.write(f"{name}.py", f"OWNER = 'user:{name}'\n")
         assert sbx.run_code(f"import {name}; {name}.OWNER").text == f"'user:{name}'"
     assert sbx.commands.run("echo the supervisor is unaffected").ok
+
+
+# Writes a run_code report of its own into the interpreter's reply pipe, as the interpreter
+# would (the pipe's fd and the request id are in the interpreter's main frame).
+FORGE = """
+import os, struct, sys
+
+def forge(body, claimed=None):
+    f = sys._getframe()
+    while not (f.f_code.co_name == "main" and "ctl_out" in f.f_locals):
+        f = f.f_back
+    fd, rid = f.f_locals["ctl_out"], f.f_locals["header"]["id"]
+    head = ('{"id":%d}' % rid).encode()
+    view = memoryview(struct.pack(">II", len(head), len(body) if claimed is None else claimed) + head + body)
+    while view:
+        view = view[os.write(fd, view):]
+"""
+
+
+def _memory_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+def test_a_forged_run_code_report_cannot_swell_the_host(tier: str) -> None:
+    # 30 MB of empty results made 2.5 GB of objects in the host: the host now counts the
+    # report's values before parsing it, refuses it and closes the sandbox.
+    with Sandbox.create(tier, limits=Limits(memory_mb=512, timeout_s=60, pids=64)) as sbx:
+        sbx.files.write("forge.py", FORGE)
+        assert sbx.run_code("import forge\nflood = b'{\"results\":[' + b'{},' * 10_000_000").error is None
+        gc.collect()
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM restarts from the current RSS
+        before = _memory_kb("VmRSS")
+        cpu = time.process_time()
+        with pytest.raises(ProtocolError, match="oversized run_code report"):
+            sbx.run_code("forge.forge(flood + b'{}],\"error\":null}')")
+        grown_mb = (_memory_kb("VmHWM") - before) / 1024
+        assert grown_mb < 150, f"the host grew by {grown_mb:.0f} MiB"
+        assert time.process_time() - cpu < 5.0
+        assert not sbx.alive
+
+
+def test_a_forged_report_over_the_byte_cap_only_restarts_the_interpreter(tier: str) -> None:
+    # The supervisor takes no report over the cap from the interpreter's pipe: the
+    # interpreter is restarted (its state is lost), the sandbox lives on.
+    with Sandbox.create(tier, limits=Limits(memory_mb=256, timeout_s=30, pids=64)) as sbx:
+        sbx.files.write("forge.py", FORGE)
+        r = sbx.run_code("import forge\nforge.forge(b'{\"results\":[', claimed=1 << 30)")
+        assert r.error is not None and r.error.name == "KernelDied", r.error
+        assert sbx.run_code("1 + 1").text == "2"
+
+
+def test_the_interpreter_keeps_its_reports_within_what_the_host_accepts(sbx: Sandbox) -> None:
+    many = sbx.run_code("for i in range(25_000): display(i)")
+    assert many.error is None and len(many.results) == 10_000
+    assert "more results dropped" in str(many.results[-1].text)
+    wide = sbx.run_code(
+        "class Wide:\n    def _repr_mimebundle_(self):\n"
+        "        return {f'text/x-{i}': 'v' for i in range(200)}\nWide()"
+    )
+    assert wide.error is None and len(wide.results[0].data) <= 64
+    assert "more MIME types dropped" in str(wide.results[0].text)

@@ -14,11 +14,13 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from stockade import Limits, Sandbox, StockadeError, WorkspaceFull
 from tests.conftest import host_processes
+from tests.integration.conftest import TIERS
 
 MiB = 1024 * 1024
 
@@ -264,3 +266,34 @@ def test_large_writes_round_trip_and_the_sandbox_stays_usable(sbx: Sandbox) -> N
     sbx.files.write("big.bin", data)
     assert sbx.files.read("big.bin", format="bytes") == data
     assert sbx.commands.run("stat -c %s big.bin").stdout.strip() == str(len(data))
+
+
+def engine_container(sbx: Sandbox) -> dict[str, Any] | None:
+    """The engine's view of a container tier's sandbox; None when no engine runs it."""
+    import docker
+
+    client = docker.from_env(version="auto")
+    try:
+        found = client.api.containers(all=True, filters={"label": f"stockade.id={sbx.id}"})
+        return client.api.inspect_container(found[0]["Id"]) if found else None
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("tier", [t for t in TIERS if t in ("docker", "gvisor")], indirect=True)
+def test_sandbox_traffic_never_lands_on_the_engines_disk(tier: str) -> None:
+    # The protocol runs over the container's stdio: with a log driver, the engine wrote every
+    # byte of it to a log file on the host (8 MiB read three times grew it by 94 MiB).
+    with Sandbox.create(tier, limits=Limits(memory_mb=256, timeout_s=30)) as sbx:
+        info = engine_container(sbx)
+        if info is None:
+            return  # gVisor without an engine: the stream is our own pipes, nothing logs it
+        log = Path(info["LogPath"]) if info["LogPath"] else None
+        size = log.stat().st_size if log is not None and log.exists() else 0
+        sbx.commands.run("head -c 8M /dev/urandom > big.bin")
+        for _ in range(3):
+            assert len(sbx.files.read("big.bin", format="bytes")) == 8 * MiB
+        sbx.run_code("print('x' * 1_000_000)")
+        grown = (log.stat().st_size if log is not None and log.exists() else 0) - size
+        assert grown == 0, f"the engine logged {grown} bytes of the sandbox's traffic"
+        assert info["HostConfig"]["LogConfig"]["Type"] == "none"

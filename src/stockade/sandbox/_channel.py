@@ -3,14 +3,18 @@
 A reader thread decodes frames and routes them, by request id, to the caller waiting for
 them; output callbacks therefore run on the caller's thread, never on the reader's.
 Everything the supervisor sends is untrusted: frames are size-bounded and a malformed one
-kills the channel (and the tier then kills the sandbox).
+kills the channel (and the tier then kills the sandbox). JSON from the supervisor is bounded
+in values as well as in bytes before it is parsed (``loads_bounded``): a few bytes of JSON
+can make a hundred bytes of Python objects.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import queue
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +25,67 @@ from stockade.sandbox.kernel.protocol import FrameError, FrameReader, encode
 
 Frame = tuple[dict[str, Any], bytes]
 _CLOSED: Frame = ({"ev": "__closed__"}, b"")
+
+# A header is a handful of keys (the largest, a command's exit, has nine); its strings may be
+# long (paths in messages), its structure never is.
+MAX_HEADER_VALUES = 1024
+_STRUCTURE = b",:[{"
+_STRING = re.compile(rb'"[^"]*"')  # once escaped quotes are gone; one byte class: a fast loop
+_FEW_STRINGS = 64
+
+
+class JSONTooLarge(ValueError):
+    pass
+
+
+def json_values(raw: bytes, limit: int) -> int:
+    """An upper bound on the JSON values ``raw`` makes; exact when the quick one is over ``limit``.
+
+    Every value but the first follows a ``,``, ``:`` or ``[``, and every string has two
+    quotes, so counting those bytes bounds what a parser allocates, whatever it is given
+    (an invalid text fails at its first error, after parsing a valid prefix, counted too).
+    The quick bound counts inside strings as well; the exact one only outside them, so that
+    text full of commas is one value. Both run in C, in time linear in ``raw``.
+    """
+    quick = sum(raw.count(c) for c in _STRUCTURE) + raw.count(b'"') // 2
+    if quick <= limit:
+        return quick
+    # Without escaped backslashes and quotes, every quote left opens or closes a string.
+    text = raw.replace(b"\\\\", b"").replace(b'\\"', b"") if b"\\" in raw else raw
+    strings = text.count(b'"') // 2
+    if strings > limit:
+        return strings
+    if strings > _FEW_STRINGS:
+        skeleton = _STRING.sub(b"", text)
+        return strings + sum(skeleton.count(c) for c in _STRUCTURE)
+    # Few strings (a flood of empty values): count between them, without copying the text.
+    count, pos = strings, 0
+    while pos >= 0:
+        opening = text.find(b'"', pos)
+        count += sum(text.count(c, pos, len(text) if opening < 0 else opening) for c in _STRUCTURE)
+        closing = text.find(b'"', opening + 1) if opening >= 0 else -1
+        pos = closing + 1 if closing >= 0 else -1
+    return count
+
+
+def loads_bounded(raw: bytes, *, max_bytes: int, max_values: int) -> Any:
+    """``json.loads`` for untrusted text: ``JSONTooLarge`` (a ValueError) before parsing
+    more than ``max_bytes`` or about ``max_values`` values.
+
+    ASCII only, as the supervisor writes it (non-ASCII characters escaped): one character
+    outside Latin-1 would otherwise make Python hold the whole text at four bytes a character,
+    and UTF-16 would hide quotes and backslashes from the count.
+    """
+    if len(raw) > max_bytes:
+        raise JSONTooLarge(f"{len(raw)} bytes of JSON, over the {max_bytes} allowed")
+    values = json_values(raw, max_values)
+    if values > max_values:
+        raise JSONTooLarge(f"over {max_values} JSON values in {len(raw)} bytes")
+    return json.loads(raw.decode("ascii"))
+
+
+def _parse_header(raw: bytes) -> Any:
+    return loads_bounded(raw, max_bytes=len(raw), max_values=MAX_HEADER_VALUES)
 
 
 class Stream(Protocol):
@@ -37,7 +102,7 @@ class Stream(Protocol):
 class Channel:
     def __init__(self, stream: Stream, *, max_body: int, name: str) -> None:
         self._stream = stream
-        self._reader = FrameReader(max_body=max_body)
+        self._reader = FrameReader(max_body=max_body, parse_header=_parse_header)
         self._calls: dict[int, queue.SimpleQueue[Frame]] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()

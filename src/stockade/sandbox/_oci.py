@@ -20,6 +20,7 @@ from typing import Any
 
 from stockade.sandbox import _host
 from stockade.sandbox._channel import Stream
+from stockade.sandbox._hostinfo import engine_masked_paths
 from stockade.sandbox._supervised import WORKSPACE, Boundary
 from stockade.sandbox.base import SandboxSpec
 from stockade.sandbox.kernel import sources as kernel_sources
@@ -370,7 +371,7 @@ def oci_config(
                 "pids": {"limit": host.host_pids},
             },
             "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
-            "maskedPaths": ["/proc/kcore", "/proc/keys", "/proc/timer_list", "/sys/firmware"],
+            "maskedPaths": engine_masked_paths(),
             "readonlyPaths": ["/proc/sys", "/proc/sysrq-trigger"],
         },
     }

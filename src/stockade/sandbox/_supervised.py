@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import json
 import time
 import weakref
 from typing import Any
 
 from stockade import exceptions as exc
-from stockade.sandbox._channel import Channel, Stream
+from stockade.sandbox._channel import Channel, JSONTooLarge, Stream, loads_bounded
 from stockade.sandbox.base import Instance, OpResult, OutputSink, SandboxSpec
+from stockade.sandbox.kernel.protocol import (
+    MAX_BUNDLE_ENTRIES,
+    MAX_CODE_REPLY,
+    MAX_RESULT_COUNT,
+    MAX_RESULT_ENTRIES,
+)
 from stockade.sandbox.ops import (
     GetArchive,
     ListDir,
@@ -48,6 +53,15 @@ GRACE_S = 5.0
 FILE_OP_TIMEOUT_S = 120.0
 TRANSFER_CHUNK = 4 * 1024 * 1024
 WORKSPACE = "/workspace"
+# The largest frame the host needs is a run_code report: files move in TRANSFER_CHUNK pieces.
+MAX_FRAME = MAX_CODE_REPLY
+# What the JSON of a report may make: a list and an object per result, four values per MIME
+# entry (key, value, their separators), the error and the cap's notes. Parsed, the worst
+# report of this size is a few MiB of objects (a 30 MB report of empty results was 2.5 GB).
+MAX_CODE_VALUES = 2 * MAX_RESULT_COUNT + 4 * (MAX_RESULT_ENTRIES + MAX_BUNDLE_ENTRIES) + 64
+# A listing: the supervisor sends at most 100,000 entries of six keys (22 values each).
+MAX_LIST_ENTRIES = 100_001
+MAX_LIST_VALUES = 24 * MAX_LIST_ENTRIES
 
 _ERRORS: dict[str, type[exc.WorkspaceError]] = {
     "escape": exc.PathEscapeError,
@@ -107,7 +121,7 @@ class SupervisedInstance(Instance):
         boundary: Boundary,
         spec: SandboxSpec,
         enforcement: Enforcement,
-        max_frame: int = 512 * 1024 * 1024,
+        max_frame: int = MAX_FRAME,
     ) -> None:
         self.id = id
         self.tier = tier
@@ -182,8 +196,8 @@ class SupervisedInstance(Instance):
                 return None if raw is None else _entry(raw)
             case ListDir():
                 _, body = self._file("list", {"path": op.path, "depth": op.depth})
-                entries = _json_body(body)
-                if not isinstance(entries, list):
+                entries = self._json_body(body, max_values=MAX_LIST_VALUES, what="listing")
+                if not isinstance(entries, list) or len(entries) > MAX_LIST_ENTRIES:
                     raise exc.ProtocolError("malformed listing")
                 return tuple(_entry(e) for e in entries)
             case Remove():
@@ -442,7 +456,7 @@ class SupervisedInstance(Instance):
     ) -> Execution:
         out, out_cut = streams[1].text(max(_int(h.get("stdout_bytes")), len(streams[1].data)))
         err, err_cut = streams[2].text(max(_int(h.get("stderr_bytes")), len(streams[2].data)))
-        payload = _json_body(body)
+        payload = self._json_body(body, max_values=MAX_CODE_VALUES, what="run_code report")
         if not isinstance(payload, dict):
             raise exc.ProtocolError("malformed run_code report")
         results = []
@@ -467,13 +481,20 @@ class SupervisedInstance(Instance):
             truncated=out_cut or err_cut,
         )
 
+    def _json_body(self, body: bytes, *, max_values: int, what: str) -> Any:
+        """A JSON payload from the supervisor, bounded in bytes and values before parsing.
 
-def _json_body(body: bytes) -> Any:
-    """A JSON payload from the supervisor (untrusted: any failure is a protocol error)."""
-    try:
-        return json.loads(body)
-    except (ValueError, RecursionError) as err:
-        raise exc.ProtocolError(f"malformed reply body: {str(err)[:200]}") from None
+        A payload over the bounds is no answer the supervisor and interpreter give: code in
+        the sandbox wrote it (to the interpreter's reply pipe), or took the supervisor over.
+        The sandbox is closed, as for any other lie, and the caller gets a ProtocolError.
+        """
+        try:
+            return loads_bounded(body, max_bytes=MAX_FRAME, max_values=max_values)
+        except JSONTooLarge as err:
+            self.close()
+            raise exc.ProtocolError(f"the sandbox sent an oversized {what} ({err}); it was closed") from None
+        except (ValueError, RecursionError) as err:
+            raise exc.ProtocolError(f"malformed {what}: {str(err)[:200]}") from None
 
 
 def _tear_down(channel: Channel, boundary: Boundary) -> None:

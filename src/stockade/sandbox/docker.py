@@ -33,6 +33,7 @@ from typing import Any
 
 from stockade import exceptions as exc
 from stockade.sandbox import _host, _oci
+from stockade.sandbox._hostinfo import engine_masked_paths
 from stockade.sandbox._supervised import WORKSPACE, Boundary, SupervisedInstance, supervisor_config
 from stockade.sandbox.base import Backend, OpResult, OutputSink, SandboxSpec
 from stockade.sandbox.ops import Op
@@ -46,6 +47,26 @@ START_TIMEOUT_S = 30.0
 API_TIMEOUT_S = 30.0
 NOFILE = 4096
 STDERR_KEEP = 16 * 1024
+COMPILED = "/tmp/stockade-compiled.json"
+MAX_COMPILED = 16 * 1024 * 1024
+
+
+def _hide_the_host(tmpfs: dict[str, str], binds: dict[str, dict[str, str]], *, own_kernel: bool) -> None:
+    """Mounts that keep the engine's names for the container out of it (see ``_hostinfo``).
+
+    The engine's /etc/hostname is a bind of a file named after the container's id: a bind of
+    our own replaces it. gVisor names the cgroups it shows after the container's id whatever
+    the cgroup namespace, unless no cgroup filesystem is mounted: an empty one is.
+    """
+    binds["/dev/null"] = {"bind": "/etc/hostname", "mode": "ro"}
+    if own_kernel:
+        tmpfs["/sys/fs/cgroup"] = "ro,size=4k,nr_inodes=16"
+
+
+def _no_logs() -> Any:
+    """No log driver: the protocol runs over the container's stdio, and the engine would
+    otherwise copy every byte of it (files read, results) to a log file on its disk."""
+    return _docker().types.LogConfig(type="none")
 
 
 def _docker() -> Any:
@@ -130,6 +151,22 @@ def _tar(files: Mapping[str, bytes | str], folder: str = "") -> bytes:
             info.size, info.mode, info.mtime = len(raw), 0o644, int(time.time())
             tar.addfile(info, io.BytesIO(raw))
     return buf.getvalue()
+
+
+def _fetch_file(api: Any, cid: str, path: str) -> bytes:
+    """One small file of a container (running or not), through the engine's archive API."""
+    stream, _ = api.get_archive(cid, path)
+    data = bytearray()
+    for chunk in stream:
+        data += chunk
+        if len(data) > MAX_COMPILED + 64 * 1024:
+            raise ValueError(f"{path} is larger than expected")
+    with tarfile.open(fileobj=io.BytesIO(bytes(data))) as tar:
+        member = tar.next()
+        handle = tar.extractfile(member) if member is not None else None
+        if handle is None:
+            raise ValueError(f"{path} is not a file")
+        return handle.read(MAX_COMPILED)
 
 
 # -- the attach stream ----------------------------------------------------------------------
@@ -488,7 +525,8 @@ class DockerBackend(Backend):
         if self.own_kernel:
             own = _oci.own_kernel_limits(spec)
             memory, pids = own.host_memory, own.host_pids
-        return api.create_host_config(
+        _hide_the_host(tmpfs, volume_binds, own_kernel=self.own_kernel)
+        host_config = api.create_host_config(
             network_mode="bridge" if spec.network.enabled else "none",
             read_only=True,
             tmpfs=tmpfs,
@@ -508,7 +546,11 @@ class DockerBackend(Backend):
             auto_remove=False,
             runtime=self.runtime,
             ipc_mode="private",
+            log_config=_no_logs(),
+            cgroupns="private",  # the container's cgroup paths name its id
         )
+        host_config["MaskedPaths"] = engine_masked_paths()  # docker-py has no parameter for it
+        return host_config
 
     def _labels(self, spec: SandboxSpec, sid: str) -> dict[str, str]:
         return {
@@ -578,6 +620,7 @@ class DockerBackend(Backend):
             mem_limit=256 * _oci.MiB,
             pids_limit=64,
             runtime=self.runtime,
+            log_config=_no_logs(),
         )
         created = api.create_container(
             self.image,
@@ -590,8 +633,13 @@ class DockerBackend(Backend):
         return str(created["Id"])
 
     def _compile(self, api: Any, kernel: Path, image_id: str) -> None:
-        """Best effort: without bytecode, the supervisor compiles itself on every start."""
-        argv = ["python3", "-S", "-E", "-s", "-c", _oci.COMPILE, "/tmp/stockade-src"]
+        """Best effort: without bytecode, the supervisor compiles itself on every start.
+
+        The helper writes its output to a file, fetched from the stopped container: it has
+        no log (``_no_logs``) to read it from.
+        """
+        to_file = f"import sys\nsys.stdout = open({COMPILED!r}, 'w')\n"
+        argv = ["python3", "-S", "-E", "-s", "-c", to_file + _oci.COMPILE, "/tmp/stockade-src"]
         cid = ""
         try:
             with _engine(self.image, self.runtime):
@@ -599,10 +647,10 @@ class DockerBackend(Backend):
                 api.put_archive(cid, "/tmp", _tar(_oci.python_sources(kernel), folder="stockade-src"))
                 api.start(cid)
                 status = api.wait(cid, timeout=START_TIMEOUT_S).get("StatusCode")
-                out = api.logs(cid, stdout=True, stderr=False)
+                out = _fetch_file(api, cid, COMPILED) if status == 0 else b""
             if status == 0:
                 _oci.install_bytecode(kernel, image_id, json.loads(out))
-        except (exc.StockadeError, ValueError, KeyError, OSError):
+        except (exc.StockadeError, ValueError, KeyError, OSError, tarfile.TarError):
             pass
         finally:
             if cid:

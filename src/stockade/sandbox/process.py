@@ -37,6 +37,7 @@ from stockade.sandbox._host import (
     start_time,
     umount,
 )
+from stockade.sandbox._hostinfo import bwrap_masks
 from stockade.sandbox._supervised import WORKSPACE, Boundary, SupervisedInstance, supervisor_config
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.sandbox.kernel import sources as kernel_sources
@@ -334,7 +335,7 @@ class ProcessBackend(Backend):
                 argv += ["--symlink", os.readlink(host), f"/{top}"]
             elif host.is_dir():
                 argv += ["--ro-bind", str(host), f"/{top}"]
-        argv += ["--proc", "/proc", "--dev", "/dev", "--mqueue", "/dev/mqueue"]
+        argv += ["--proc", "/proc", *bwrap_masks(), "--dev", "/dev", "--mqueue", "/dev/mqueue"]
         if self.is_root:  # a host tmpfs: bwrap's own cannot limit inodes
             argv += ["--bind", str(rundir / "shm"), "/dev/shm"]
         else:

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from stockade import ProtocolError, SandboxCrashed
-from stockade.sandbox._channel import Channel
+from stockade.sandbox._channel import Channel, JSONTooLarge, json_values, loads_bounded
 from stockade.sandbox.kernel.protocol import PREFIX, FrameError, FrameReader, encode
 
 
@@ -86,3 +86,78 @@ def test_a_silent_supervisor_times_out() -> None:
 
 def test_protocol_errors_are_not_retryable() -> None:
     assert not ProtocolError.retryable
+
+
+# -- JSON bounded before it is parsed ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "values"),
+    [
+        (b'"a, b: [c] {d}"', 1),  # structure inside a string is text
+        (b'"\\\\", ",", ","', 5),  # three strings, two commas: an escaped backslash ends no string early
+        (b'"\\", [", 1', 2),  # an escaped quote opens none
+        (b"[[],[],[]]", 6),
+        (b'{"a":1,"b":[2,3]}', 8),
+    ],
+)
+def test_json_values_are_counted_outside_strings(text: bytes, values: int) -> None:
+    assert json_values(text, limit=values) <= values  # exactly as many: allowed
+    assert json_values(text, limit=values - 1) > values - 1  # one fewer: refused
+
+
+def test_a_flood_of_tiny_values_is_refused_before_parsing() -> None:
+    flood = b'{"results":[' + b"{}," * 3_000_000 + b'{}],"error":null}'  # ~9 MB, 3M objects
+    started = time.process_time()
+    with pytest.raises(JSONTooLarge):
+        loads_bounded(flood, max_bytes=1 << 30, max_values=100_000)
+    assert time.process_time() - started < 1.0
+
+
+@pytest.mark.parametrize(
+    "flood",
+    [
+        b"[" + b'"ab",' * 1_000_000 + b'"ab"]',  # short strings, 1M of them
+        b"[" + b"[]," * 1_000_000 + b"[]]",  # empty lists
+        b"[" + b"1.5," * 1_000_000 + b"1]",  # floats
+        b'["' + b"\\\\" * 1_000 + b'",' + b"[]," * 1_000_000,  # escapes, then invalid JSON
+    ],
+)
+def test_every_kind_of_flood_is_refused(flood: bytes) -> None:
+    with pytest.raises(JSONTooLarge):
+        loads_bounded(flood, max_bytes=1 << 30, max_values=100_000)
+
+
+def test_large_legitimate_payloads_pass_quickly() -> None:
+    import base64
+    import json
+
+    image = base64.b64encode(bytes(range(256)) * 200_000).decode()  # ~68 MB of base64
+    html = '<td class="x">a, b: [c]</td>\n' * 1_000_000  # commas, colons, quotes escaped
+    for payload in (
+        {"results": [{"text/plain": "x", "image/png": image}]},
+        {"results": [{"text/html": html}]},
+    ):
+        raw = json.dumps(payload).encode()
+        started = time.process_time()
+        assert json_values(raw, limit=1_000) < 1_000
+        assert time.process_time() - started < 1.0  # parsing itself takes longer
+        assert loads_bounded(raw, max_bytes=1 << 30, max_values=1_000) == payload
+
+
+def test_non_ascii_json_is_refused() -> None:
+    # The supervisor escapes every non-ASCII character: anything else is not its output.
+    with pytest.raises(ValueError):
+        loads_bounded('["é"]'.encode(), max_bytes=100, max_values=10)
+    with pytest.raises(ValueError):
+        loads_bounded('["a"]'.encode("utf-16"), max_bytes=100, max_values=10)
+
+
+def test_a_header_of_a_million_values_kills_the_channel() -> None:
+    stream = FakeStream()
+    channel = Channel(stream, max_body=1024, name="test")
+    call = channel.call({"op": "ping"})
+    head = b'{"id":' + str(call.rid).encode() + b',"ev":"done","x":[' + b"[]," * 300_000 + b"[]]}"
+    stream.incoming.put(PREFIX.pack(len(head), 0) + head)
+    with pytest.raises(SandboxCrashed, match="protocol violation"):
+        call.result(time.monotonic() + 5)

@@ -20,11 +20,23 @@ import traceback
 import types
 from typing import Any
 
-from protocol import FrameError, FrameReader, dumps, encode  # type: ignore[import-not-found]
+from protocol import (  # type: ignore[import-not-found]
+    MAX_BUNDLE_ENTRIES,
+    MAX_CODE_REPLY,
+    MAX_RESULT_COUNT,
+    MAX_RESULT_ENTRIES,
+    FrameError,
+    FrameReader,
+    dumps,
+    encode,
+)
 
 CELL = "<cell>"
 MAX_TEXT = 1 << 20
+MAX_NAME = 1000
 # What one run may send back: a larger value is dropped with a note, never the interpreter.
+# MAX_RESULTS counts bytes of JSON (escapes included); with the error's three texts (at
+# most 12 bytes a character escaped) a report stays under protocol.MAX_CODE_REPLY.
 MAX_VALUE = 32 << 20
 MAX_RESULTS = 96 << 20
 _MIME_METHODS = (
@@ -82,11 +94,20 @@ def mime_bundle(obj: Any) -> dict[str, str]:
 
 
 def _bounded(results: list[dict[str, str]]) -> list[dict[str, str]]:
-    """At most MAX_RESULTS characters of results (a display() loop can make millions)."""
-    out, total = [], 0
+    """At most MAX_RESULTS bytes of JSON, MAX_RESULT_COUNT results and MAX_RESULT_ENTRIES
+    MIME entries (a display() loop can make millions): the host refuses a larger report."""
+    out: list[dict[str, str]] = []
+    size = entries = 0
     for i, bundle in enumerate(results):
-        total += sum(len(k) + len(v) for k, v in bundle.items())
-        if total > MAX_RESULTS:
+        if len(bundle) > MAX_BUNDLE_ENTRIES:
+            kept = dict(list(bundle.items())[: MAX_BUNDLE_ENTRIES - 1])
+            note = f"\n[stockade: {len(bundle) - len(kept)} more MIME types dropped, over the cap]"
+            kept["text/plain"] = kept.get("text/plain", "") + note
+            bundle = kept
+        size += len(dumps(bundle)) + 1
+        entries += len(bundle)
+        last = i == MAX_RESULT_COUNT - 1 and len(results) > MAX_RESULT_COUNT
+        if size > MAX_RESULTS or entries > MAX_RESULT_ENTRIES or last:
             note = f"[stockade: {len(results) - i} more results dropped, over the cap]"
             out.append({"text/plain": note})
             break
@@ -109,7 +130,8 @@ def _error(exc: BaseException) -> dict[str, str]:
         tb = ""
     if len(tb) > MAX_TEXT:
         tb = "…" + tb[-MAX_TEXT:]  # the end says where it failed
-    return {"name": type(exc).__name__, "value": _safe_str(exc), "traceback": tb}
+    name = type(exc).__name__
+    return {"name": name[:MAX_NAME], "value": _safe_str(exc), "traceback": tb}
 
 
 def _is_figure(obj: Any) -> bool:
@@ -269,6 +291,10 @@ def main(ctl_in: int, ctl_out: int) -> None:
         for header, body in frames:
             reply = interp.run(body.decode("utf-8", "replace"))
             # In the body, not the header: a header is capped at 1 MiB, results are not.
-            data = encode({"id": header.get("id")}, dumps(reply).encode())
+            payload = dumps(reply).encode()
+            if len(payload) > MAX_CODE_REPLY:  # the caps above keep under it; never send more
+                note = f"the report was {len(payload)} bytes, over the cap"
+                payload = dumps({"results": [], "error": {"name": "ReportTooLarge", "value": note}}).encode()
+            data = encode({"id": header.get("id")}, payload)
             while data:
                 data = data[os.write(ctl_out, data) :]

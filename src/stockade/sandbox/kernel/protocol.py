@@ -11,10 +11,18 @@ import struct
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, Callable, Optional
 
 PREFIX = struct.Struct(">II")
 MAX_HEADER = 1 << 20
+
+# What one run_code report may hold. The interpreter keeps to it (results up to 96 MiB of
+# JSON, error texts cut to 1 Mi characters) and the host enforces it before parsing: code in
+# the sandbox can write to the interpreter's reply pipe, so a report is as untrusted as the code.
+MAX_CODE_REPLY = 128 << 20
+MAX_RESULT_COUNT = 10_000  # results of one run (a display() loop can make millions)
+MAX_RESULT_ENTRIES = 20_000  # MIME entries over all the results of one run
+MAX_BUNDLE_ENTRIES = 64  # MIME entries of one result
 
 
 class FrameError(Exception):
@@ -69,9 +77,11 @@ class FrameReader:
     (the host never trusts the supervisor, which lives with the untrusted code).
     """
 
-    def __init__(self, max_body: int) -> None:
+    def __init__(self, max_body: int, parse_header: "Optional[Callable[[bytes], Any]]" = None) -> None:
         self._buf = bytearray()
         self._max_body = max_body
+        # The host parses headers with its own bounds on their structure; it may raise ValueError.
+        self._parse_header = parse_header
 
     def feed(self, data: bytes) -> None:
         self._buf += data
@@ -91,13 +101,15 @@ class FrameReader:
             end = PREFIX.size + hlen + blen
             if len(self._buf) < end:
                 break
+            with memoryview(self._buf) as view:  # one copy of a large body, not two
+                raw = bytes(view[PREFIX.size : PREFIX.size + hlen])
+                body = bytes(view[PREFIX.size + hlen : end])
             try:
-                header = loads(bytes(self._buf[PREFIX.size : PREFIX.size + hlen]).decode())
+                header = self._parse_header(raw) if self._parse_header else loads(raw.decode())
             except (ValueError, StopIteration, UnicodeDecodeError, RecursionError) as exc:
                 raise FrameError(f"bad frame header: {exc}") from None
             if not isinstance(header, dict):
                 raise FrameError("frame header is not an object")
-            body = bytes(self._buf[PREFIX.size + hlen : end])
             del self._buf[:end]
             out.append((header, body))
         return out

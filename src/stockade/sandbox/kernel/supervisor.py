@@ -63,7 +63,7 @@ from fileops import (
     empty_dir,
     remove_sysv_ipc,
 )
-from protocol import FrameError, FrameReader, dumps, encode
+from protocol import MAX_CODE_REPLY, FrameError, FrameReader, dumps, encode
 from reaper import (
     IGNORED_SIGNALS,
     PR_SET_CHILD_SUBREAPER,
@@ -183,7 +183,8 @@ class Kernel:
         self.ctl_w = in_w
         self.ctl_r = res_r
         self.pipes = {out_r: 1, err_r: 2}
-        self.reader = FrameReader(max_body=1 << 30)
+        # Code can write to the reply pipe too: a larger report is no interpreter's (dropped).
+        self.reader = FrameReader(max_body=MAX_CODE_REPLY)
         self.pid = 0  # the interpreter's, from its first frame (sent before any code ran)
         self.job: Optional[Job] = None
         self.queue: list[tuple[Job, bytes]] = []
