@@ -72,7 +72,7 @@ except LimitNotEnforceable as err:
 with Sandbox.create(backend=gvisor, allow_weaker=True, limits=Limits(memory_mb=128, disk_mb=16)) as sbx:
     assert any(w.startswith("inodes") for w in sbx.enforcement.weakened), sbx.enforcement
     r = sbx.commands.run("dd if=/dev/zero of=/workspace/f bs=1M count=40 2>&1; id -u")
-    assert "No space left" in r.stdout and r.stdout.endswith("1000\\n"), r
+    assert "No space left" in r.stdout and int(r.stdout.split()[-1]) >= 65536, r  # a uid of its own
     assert sbx.run_code("6 * 7").text == "42"
 assert not RunscBackend().probe().available  # runsc without Docker needs root: it says so
 print("ok")

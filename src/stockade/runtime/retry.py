@@ -31,7 +31,7 @@ from stockade.sandbox.base import (
     OutputSink,
     SandboxSpec,
 )
-from stockade.sandbox.ops import GetArchive, ListDir, Op, ReadFile, Stat
+from stockade.sandbox.ops import ListDir, Op, ReadFile, Stat
 from stockade.types import CommandResult, TierReport
 
 __all__ = [
@@ -49,8 +49,9 @@ __all__ = [
 
 T = TypeVar("T")
 
-# Operations that change nothing: safe to repeat after a transient failure.
-READ_OPS: tuple[type[Op], ...] = (ReadFile, Stat, ListDir, GetArchive)
+# Operations that change nothing: safe to repeat after a transient failure. Not GetArchive:
+# it streams into the caller's sink, which a second attempt would feed a second archive.
+READ_OPS: tuple[type[Op], ...] = (ReadFile, Stat, ListDir)
 
 
 def is_transient(err: BaseException) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import resource
+import stat
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
@@ -56,6 +57,11 @@ def _writable_sysctls(dirs: "tuple[str, ...]", recursive: bool) -> "dict[str, st
             except OSError:
                 continue
             if entry.path in SYSCTL_VOLATILE or not os.access(entry.path, os.W_OK):
+                continue
+            try:  # stat, not the entry's type: a device bound over a sysctl hides it (/dev/null)
+                if not stat.S_ISREG(os.stat(entry.path).st_mode):
+                    continue
+            except OSError:
                 continue
             try:
                 with open(entry.path) as fh:
