@@ -6,6 +6,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
 
     StockadeError
     ├── ConfigurationError            you called it wrong, or the policy file is wrong
+    │   ├── InvalidArgument           one argument is wrong: ``argument`` names it, ``fix`` says what to give
     │   ├── LimitNotEnforceable       this host cannot enforce a limit you asked for
     │   ├── PolicyFileError           the policy file is invalid; ``problems`` lists each, with its line
     │   ├── ImageNotFound             the sandbox image is not on this host (build it)
@@ -65,6 +66,7 @@ __all__ = [
     "FileTooLarge",
     "FileTypeError",
     "ImageNotFound",
+    "InvalidArgument",
     "InvalidToolCall",
     "LimitNotEnforceable",
     "ModelAuthError",
@@ -124,6 +126,16 @@ def _rebuild(cls: type[StockadeError], message: str, state: dict[str, Any]) -> S
 
 class ConfigurationError(StockadeError):
     """The caller asked for something invalid; fix the call or the configuration."""
+
+
+class InvalidArgument(ConfigurationError):
+    """One argument or field has a value stockade cannot use. ``argument`` names it (``Limits.pids``,
+    ``trust``, ``--env``) and ``fix`` says what to give instead; the message holds both."""
+
+    def __init__(self, message: str, *, argument: str = "", fix: str = "") -> None:
+        super().__init__(f"{message}; {fix}" if fix else message)
+        self.argument = argument
+        self.fix = fix
 
 
 class LimitNotEnforceable(ConfigurationError):

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from stockade._checks import check_choice
 from stockade.agent.checkpoint import Checkpointer
 from stockade.agent.events import (
     AgentEvent,
@@ -70,7 +71,13 @@ from stockade.audit.log import AuditLog
 from stockade.audit.runtime_events import RuntimeAuditor
 from stockade.audit.sandbox import AuditedBackend
 from stockade.audit.stores import open_store
-from stockade.exceptions import ApprovalRequired, ConfigurationError, PolicyDenied, TierUnavailable
+from stockade.exceptions import (
+    ApprovalRequired,
+    ConfigurationError,
+    InvalidArgument,
+    PolicyDenied,
+    TierUnavailable,
+)
 from stockade.models.base import Model, resolve_model
 from stockade.models.messages import ToolCall
 from stockade.models.pricing import DEFAULT_PRICES, Price
@@ -151,17 +158,28 @@ class AgentConfig:
     clock: Clock | None = None  # rolling windows, breakers, anomaly rules (tests pass a ManualClock)
     telemetry: Telemetry | None = None  # spans (run > model call / tool call > sandbox op), metrics
 
+    def __post_init__(self) -> None:
+        if self.trust is not None:  # "internal" is accepted for Trust.INTERNAL, and kept as the member
+            object.__setattr__(self, "trust", check_choice(Trust, self.trust, argument="AgentConfig.trust"))
+        if self.tier is not None and self.tier not in _registry.TIERS:
+            raise InvalidArgument(
+                f"AgentConfig.tier is {self.tier!r}, which is no tier",
+                argument="AgentConfig.tier",
+                fix=f"give one of {', '.join(_registry.TIERS)}, or None to choose by trust",
+            )
+
 
 def effective_trust(policy: Policy, trust: Trust | None) -> Trust:
     """The stricter of the policy's trust and the caller's."""
     if trust is None:
         return policy.trust.level
-    return max(policy.trust.level, Trust(trust), key=_TRUST_ORDER.index)
+    return max(policy.trust.level, check_choice(Trust, trust, argument="trust"), key=_TRUST_ORDER.index)
 
 
 def _load(policy: str | Path | Policy | None, trust: Trust | None) -> Policy:
     if policy is None:  # no file: the caller's trust is the only word (default: untrusted)
-        return Policy(trust=TrustRules(level=Trust(trust) if trust is not None else Trust.UNTRUSTED))
+        level = check_choice(Trust, trust, argument="trust") if trust is not None else Trust.UNTRUSTED
+        return Policy(trust=TrustRules(level=level))
     loaded = policy if isinstance(policy, Policy) else load_policy(policy)
     level = effective_trust(loaded, trust)
     return loaded.model_copy(update={"trust": loaded.trust.model_copy(update={"level": level})})

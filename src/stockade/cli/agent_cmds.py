@@ -15,7 +15,6 @@ import typer
 from pydantic import BaseModel, ConfigDict
 from rich.console import Console
 from rich.markup import escape
-from rich.syntax import Syntax
 
 from stockade import exceptions as exc
 from stockade.agent import (
@@ -29,12 +28,13 @@ from stockade.agent import (
     ToolDenied,
     ToolReturned,
 )
+from stockade.cli._console import CliConsole, print_diff
 from stockade.runtime.events import RetryScheduled, RuntimeEvent
 from stockade.tools import default_toolset, shell
 from stockade.types import Trust
 
-out = Console()
-err = Console(stderr=True)
+out = CliConsole()
+err = CliConsole(stderr=True)
 
 # The same default as ``stockade audit verify`` and ``stockade runs``: the trail is found without flags.
 DEFAULT_DB = "sqlite:///.stockade/audit.db"
@@ -100,7 +100,7 @@ def show_result(console: Console, result: RunResult) -> None:
     if result.answer:
         console.print(f"[bold]answer:[/] {escape(result.answer)}")
     if result.diff:
-        console.print(Syntax(result.diff, "diff", theme="ansi_dark", background_color="default"))
+        print_diff(console, result.diff)
     else:
         console.print("[dim](the workspace is unchanged)[/]")
 

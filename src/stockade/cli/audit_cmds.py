@@ -16,16 +16,16 @@ from pathlib import Path
 from typing import Annotated, TextIO
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 from stockade import exceptions as exc
 from stockade.audit.events import AuditEvent
 from stockade.audit.stores import AuditStore, open_store
 from stockade.audit.verify import verify as verify_store
+from stockade.cli._console import CliConsole
 
-out = Console()
-err = Console(stderr=True)
+out = CliConsole()
+err = CliConsole(stderr=True)
 
 DEFAULT_DB = "sqlite:///.stockade/audit.db"
 

@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 from stockade import exceptions as exc
+from stockade.cli._console import CliConsole
 
-out = Console()
-err = Console(stderr=True)
+out = CliConsole()
+err = CliConsole(stderr=True)
 
 TargetOpt = Annotated[
     str | None,

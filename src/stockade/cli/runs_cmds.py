@@ -15,17 +15,16 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.markup import escape
-from rich.syntax import Syntax
 from rich.table import Table
 
 from stockade import exceptions as exc
 from stockade.agent.state import RunStatus, StepRecord, ToolCallRecord
+from stockade.cli._console import CliConsole, print_diff
 from stockade.runs.store import RetryEntry, RunStore, RunSummary, RunTrace, open_run_store
 
-out = Console()
-err = Console(stderr=True)
+out = CliConsole()
+err = CliConsole(stderr=True)
 
 DEFAULT_DB = "sqlite:///.stockade/audit.db"
 
@@ -246,7 +245,7 @@ def _print_trace(trace: RunTrace, limit: int) -> None:
     if state.answer:
         out.print(f"\n[bold]answer:[/] {escape(state.answer)}")
     if trace.diff:
-        out.print(Syntax(trace.diff, "diff", theme="ansi_dark", background_color="default"))
+        print_diff(out, trace.diff)
     elif trace.diff is not None:
         out.print("[dim](the workspace is unchanged)[/]")
 

@@ -7,16 +7,16 @@ from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 from stockade import exceptions as exc
+from stockade.cli._console import CliConsole
 from stockade.sandbox import _registry
 from stockade.sandbox.facade import Sandbox
 from stockade.types import Limits, NetworkPolicy
 
-out = Console()
-err = Console(stderr=True)
+out = CliConsole()
+err = CliConsole(stderr=True)
 
 TierOpt = Annotated[str, typer.Option("--tier", "-t", help="process, docker, gvisor or microvm")]
 MemoryOpt = Annotated[int, typer.Option("--memory", help="memory limit in MiB")]
@@ -52,7 +52,7 @@ def _fail(error: exc.StockadeError) -> NoReturn:
     """Say what went wrong and, when the error knows it, how to fix it; exit 2."""
     err.print(f"[red]stockade:[/] {escape(str(error))}")
     fix = getattr(error, "fix", "")
-    if fix:
+    if fix and fix not in str(error):
         err.print(f"[cyan]fix:[/] {escape(fix)}")
     raise typer.Exit(2)
 
@@ -107,8 +107,8 @@ def run_code(
     allow_weaker: WeakerOpt = False,
 ) -> None:
     """Run code in a fresh sandbox; print its output and the value of its last expression."""
-    code = sys.stdin.read() if file == "-" else Path(file).read_text()
     try:
+        code = sys.stdin.read() if file == "-" else _read_source(Path(file))
         with Sandbox.create(
             tier, limits=Limits(memory_mb=memory, timeout_s=timeout), allow_weaker=allow_weaker
         ) as sbx:
@@ -125,6 +125,18 @@ def run_code(
             execution.error.traceback or f"{execution.error.name}: {execution.error.value}", markup=False
         )
         raise typer.Exit(1)
+
+
+def _read_source(path: Path) -> str:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        raise exc.InvalidArgument(
+            f"cannot read FILE {str(path)!r}: {reason}",
+            argument="FILE",
+            fix="give a readable text file, or - to read the code from standard input",
+        ) from None
 
 
 def gc() -> None:

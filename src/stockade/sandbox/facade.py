@@ -17,6 +17,7 @@ from types import TracebackType
 from typing import Literal, overload
 
 from stockade import exceptions as exc
+from stockade._checks import check_choice, check_envs, check_timeout
 from stockade.sandbox import _registry
 from stockade.sandbox._supervised import WORKSPACE
 from stockade.sandbox.base import (
@@ -103,7 +104,9 @@ def command_op(
 ) -> RunCommand:
     argv = ("/bin/sh", "-c", cmd) if isinstance(cmd, str) else tuple(cmd)
     data = stdin.encode() if isinstance(stdin, str) else stdin
-    return RunCommand(argv=argv, cwd=cwd, envs=dict(envs or {}), timeout_s=timeout_s, stdin=data)
+    return RunCommand(
+        argv=argv, cwd=cwd, envs=check_envs(envs), timeout_s=check_timeout(timeout_s), stdin=data
+    )
 
 
 def text_sink(on_stdout: TextCallback | None, on_stderr: TextCallback | None) -> OutputSink | None:
@@ -143,6 +146,7 @@ def as_execution(result: CommandResult) -> Execution:
 
 def code_op(code: str, language: str, timeout_s: float | None) -> RunCode | RunCommand:
     lang = language.lower()
+    timeout_s = check_timeout(timeout_s)
     if lang in ("python", "py"):
         return RunCode(code=code, timeout_s=timeout_s)
     prefix = INTERPRETERS.get(lang)
@@ -297,19 +301,29 @@ def _spec(
     allow_weaker: bool,
     labels: Mapping[str, str] | None,
 ) -> SandboxSpec:
+    if limits is not None and not isinstance(limits, Limits):
+        raise exc.InvalidArgument(
+            f"limits must be a Limits, got {type(limits).__name__}",
+            argument="limits",
+            fix="give Limits(memory_mb=..., timeout_s=...)",
+        )
     return SandboxSpec(
         limits=limits or Limits(),
         network=network or NetworkPolicy(),
-        envs=dict(envs or {}),
+        envs=check_envs(envs),
         allow_weaker=allow_weaker,
         labels=dict(labels or {}),
     )
 
 
 def _choose(tier: str | None, trust: Trust | str | None) -> str:
+    if tier is not None and tier not in _registry.TIERS:
+        raise exc.InvalidArgument(
+            f"unknown tier {tier!r}", argument="tier", fix=f"give one of {', '.join(_registry.TIERS)}"
+        )
     if trust is None:
         return tier or "process"
-    level = Trust(trust)
+    level = check_choice(Trust, trust, argument="trust")
     allowed = _registry.allowed_tiers(level)
     if tier is not None:
         if tier not in allowed:
