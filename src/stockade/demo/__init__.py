@@ -103,7 +103,7 @@ class FaultInjectingBackend(Backend):
 def test_command(sandbox: Sandbox) -> str:
     """pytest when the sandbox's python3 has it, else the standard library's unittest."""
     probe = sandbox.commands.run(["python3", "-c", "import pytest"], timeout_s=30)
-    return "python3 -m pytest -q -p no:cacheprovider" if probe.ok else "python3 -m unittest"
+    return "python3 -m pytest -q -p no:cacheprovider" if probe.ok else "python3 -m unittest -v"
 
 
 test_command.__test__ = False  # type: ignore[attr-defined]  # a helper, not a pytest test
