@@ -39,6 +39,7 @@ from stockade.sandbox.ops import (
     RunCommand,
     Stat,
     WriteFile,
+    as_inline,
 )
 
 __all__ = ["Decision", "PolicyEngine", "PromptDecision", "command_categories"]
@@ -175,8 +176,9 @@ class PolicyEngine:
     def op(self, op: Op, *, tool: str = "") -> Decision:
         match op:
             case RunCommand():
-                decisions = [self.command(op.argv), self.command_files(op.argv, op.cwd, tool=tool)]
-                decisions += [self.category(c) for c in sorted(command_categories(op.argv))]
+                argv = as_inline(op)  # a program on stdin (run_code) is judged as the program
+                decisions = [self.command(argv), self.command_files(argv, op.cwd, tool=tool)]
+                decisions += [self.category(c) for c in sorted(command_categories(argv))]
                 return strictest(decisions)
             case RunCode():
                 return self.category("execute")

@@ -41,6 +41,7 @@ from stockade.sandbox.ops import (
     RunCommand,
     Stat,
     WriteFile,
+    program_command,
 )
 from stockade.types import (
     CommandResult,
@@ -58,17 +59,18 @@ __all__ = ["AsyncSandbox", "Sandbox"]
 
 TextCallback = Callable[[str], object]
 
-# run_code languages other than "python" run as fresh processes: language -> argv prefix.
-INTERPRETERS: dict[str, tuple[str, ...]] = {
-    "bash": ("bash", "-c"),
-    "sh": ("sh", "-c"),
-    "python3": ("python3", "-c"),
-    "node": ("node", "-e"),
-    "javascript": ("node", "-e"),
-    "ruby": ("ruby", "-e"),
-    "perl": ("perl", "-e"),
-    "php": ("php", "-r"),
-    "r": ("Rscript", "-e"),
+# run_code's language names -> the keys of ops.PROGRAM_ON_STDIN ("python" is the persistent
+# interpreter; "python3" a fresh process).
+INTERPRETERS: dict[str, str] = {
+    "bash": "bash",
+    "sh": "sh",
+    "python3": "python3",
+    "node": "node",
+    "javascript": "node",
+    "ruby": "ruby",
+    "perl": "perl",
+    "php": "php",
+    "r": "r",
 }
 
 
@@ -145,16 +147,23 @@ def as_execution(result: CommandResult) -> Execution:
 
 
 def code_op(code: str, language: str, timeout_s: float | None) -> RunCode | RunCommand:
-    lang = language.lower()
+    if not isinstance(code, str):
+        raise exc.InvalidArgument(
+            f"code must be a str, got {type(code).__name__}", argument="code", fix="give the source as text"
+        )
     timeout_s = check_timeout(timeout_s)
+    lang = language.lower() if isinstance(language, str) else ""
     if lang in ("python", "py"):
         return RunCode(code=code, timeout_s=timeout_s)
-    prefix = INTERPRETERS.get(lang)
-    if prefix is None:
-        raise exc.ConfigurationError(
-            f"unknown language {language!r}; use python or one of {', '.join(sorted(INTERPRETERS))}"
+    key = INTERPRETERS.get(lang)
+    if key is None:
+        raise exc.InvalidArgument(
+            f"unknown language {language!r}",
+            argument="language",
+            fix=f"use python or one of {', '.join(sorted(INTERPRETERS))}",
         )
-    return RunCommand(argv=(*prefix, code), timeout_s=timeout_s)
+    # on standard input, never as an argument: the kernel caps one argument at 128 KiB
+    return program_command(key, code, timeout_s)
 
 
 def tar_directory(source: Path) -> bytes:
