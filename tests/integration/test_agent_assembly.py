@@ -148,3 +148,30 @@ def test_the_readme_agents_example_runs(tmp_path: Path, monkeypatch: pytest.Monk
     exec(compile(block, "README.md", "exec"), {})
     with SQLiteStore(tmp_path / ".stockade" / "audit.db") as store:
         assert verify(store).ok and store.head() is not None
+
+
+def test_trust_sets_the_minimum_and_the_cheapest_tier_that_meets_it_is_used(tmp_path: Path) -> None:
+    from stockade import Sandbox
+    from stockade.sandbox import _registry
+
+    require_tier("process")
+    # trusted code is allowed the process tier: no microVM for it unless asked to prefer strength
+    with Sandbox.create(trust="trusted") as sbx:
+        assert sbx.tier == "process"
+    available = [t for t in _registry.STRENGTH if _registry.probe(t).available]
+    assert _registry.select_tier(Trust.TRUSTED, prefer="strongest") == available[-1]
+    if "docker" in available:  # LLM code for an internal user: docker is enough
+        assert _registry.select_tier(Trust.INTERNAL) == "docker"
+
+    model = ScriptedModel(["nothing to do"])
+    with build_agent(
+        AgentConfig(
+            model=model,
+            policy=EXAMPLE_POLICY,  # trust = "trusted"
+            approval_dir=tmp_path / "approvals",
+            kill_target=str(tmp_path / "kill"),
+        )
+    ) as agent:
+        assert agent.tier == "process" and "cheapest" in agent.tier_reason
+        result = agent.run_sync("look")
+    assert result.tier == "process" and result.ok

@@ -57,6 +57,7 @@ def test_stockade_agent_pauses_for_approval_then_resumes_to_success(dirs: Path) 
     assert first.exit_code == 3, first.output
     output = " ".join(first.output.split())  # the console wraps long lines
     assert "denied shell" in output and "is denied by the policy ('curl')" in output
+    assert "on the process tier" in output
     approve = re.search(r"approve: (stockade approve tidy [0-9a-f]+)", output)
     assert approve is not None and "then resume: stockade agent --resume tidy" in output
 
@@ -66,6 +67,7 @@ def test_stockade_agent_pauses_for_approval_then_resumes_to_success(dirs: Path) 
     second = runner.invoke(app, ["agent", "--resume", "tidy", *common])
     assert second.exit_code == 0, second.output
     assert "+cleaned" in second.output and "-old" in second.output  # the diff spans both processes
+    assert "success after" in second.output and "on the process tier" in second.output
     assert "pwned" not in second.output
     assert (dirs / "project" / "scratch" / "stale.o").exists()  # the host folder is never written
     assert not (dirs / "paused" / "tidy").exists()

@@ -104,6 +104,7 @@ from stockade.runtime.limits import RateLimit, SpendLimit, window_for
 from stockade.runtime.models import BreakerModel, LimitedModel, RetryingModel
 from stockade.runtime.retry import Retrier, RetryingBackend, RetryPolicy
 from stockade.sandbox import _registry
+from stockade.sandbox._registry import Preference
 from stockade.sandbox.base import Backend
 from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import Op
@@ -132,7 +133,8 @@ class AgentConfig:
     policy: str | Path | Policy | None = None  # a .toml/.yaml file or a Policy; None: the defaults
     role: str | None = None  # required when the policy defines roles
     trust: Trust | None = None  # tightens the policy's [trust] level
-    tier: str | None = None  # None: the strongest tier trust allows and this host has
+    tier: str | None = None  # None: the cheapest tier trust allows and this host has
+    prefer: Preference | None = None  # "strongest" turns the choice round; None: the policy's
     backend: Backend | None = None  # replaces the tier's backend (tests, fault injection); its
     #                                 ``tier`` must still be one that trust allows
     sandbox_limits: Limits | None = None
@@ -161,6 +163,12 @@ class AgentConfig:
     def __post_init__(self) -> None:
         if self.trust is not None:  # "internal" is accepted for Trust.INTERNAL, and kept as the member
             object.__setattr__(self, "trust", check_choice(Trust, self.trust, argument="AgentConfig.trust"))
+        if self.prefer is not None and self.prefer not in ("cheapest", "strongest"):
+            raise InvalidArgument(
+                f"AgentConfig.prefer is {self.prefer!r}",
+                argument="AgentConfig.prefer",
+                fix='give "cheapest" (the default) or "strongest"',
+            )
         if self.tier is not None and self.tier not in _registry.TIERS:
             raise InvalidArgument(
                 f"AgentConfig.tier is {self.tier!r}, which is no tier",
@@ -185,19 +193,24 @@ def _load(policy: str | Path | Policy | None, trust: Trust | None) -> Policy:
     return loaded.model_copy(update={"trust": loaded.trust.model_copy(update={"level": level})})
 
 
-def _choose_tier(engine: PolicyEngine, tier: str | None, backend: Backend | None) -> str:
+def _choose_tier(
+    engine: PolicyEngine, tier: str | None, backend: Backend | None, prefer: Preference | None = None
+) -> tuple[str, str]:
+    """The tier, and in words why it is that one."""
     asked = backend.tier if backend is not None else tier
+    level = engine.policy.trust.level.value
     if asked is None:
-        return engine.select_tier()
+        order = prefer or engine.policy.trust.prefer
+        chosen = engine.select_tier(order)
+        return chosen, f"the {order} tier trust {level!r} allows on this host"
     allowed = engine.allowed_tiers()
     if asked not in allowed:
-        level = engine.policy.trust.level.value
         raise TierUnavailable(
             f"tier {asked!r} is weaker than trust {level!r} allows (one of: {', '.join(allowed) or 'none'}); "
             f"use one of those tiers, or, if your own team wrote the code this agent runs, set "
             f'trust = "trusted" (the policy\'s [trust] level, or --trust trusted)'
         )
-    return asked
+    return asked, f"{'the backend given' if backend is not None else 'asked for'}; trust {level!r} allows it"
 
 
 class _AuditedApprovals(Approvals):
@@ -295,7 +308,7 @@ class GuardedAgent:
         self.config = config
         self.policy = _load(config.policy, config.trust)
         self.engine = PolicyEngine(self.policy, role=config.role)
-        self.tier = _choose_tier(self.engine, config.tier, config.backend)
+        self.tier, self.tier_reason = _choose_tier(self.engine, config.tier, config.backend, config.prefer)
         if isinstance(config.audit, AuditLog):
             self.audit_log, self._owns_log = config.audit, False
         else:

@@ -154,6 +154,7 @@ class RunResult:
     audit_id: str | None
     error: str | None
     state: RunState
+    tier: str | None = None  # the isolation tier the run's sandbox used
 
     @property
     def ok(self) -> bool:
@@ -576,6 +577,7 @@ class AgentRun:
             audit_id=state.audit_id,
             error=state.error,
             state=state,
+            tier=self.sandbox.tier,
         )
         self._checkpoint()
         self._emit(RunFinished(run_id=state.run_id, result=self.result))

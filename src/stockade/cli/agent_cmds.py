@@ -7,6 +7,7 @@ default the same database) around a sandbox of the tier trust allows.
 
 from __future__ import annotations
 
+import enum
 import shutil
 from pathlib import Path
 from typing import Annotated
@@ -91,8 +92,9 @@ def _short(value: object) -> str:
 
 def show_result(console: Console, result: RunResult) -> None:
     colour = "green" if result.ok else "red"
+    where = f" on the {result.tier} tier" if result.tier else ""
     console.print(
-        f"[bold {colour}]{result.status.value}[/] after {len(result.steps)} steps, "
+        f"[bold {colour}]{result.status.value}[/] after {len(result.steps)} steps{where}, "
         f"{result.usage.total_tokens} tokens, ${result.cost_usd:.4f}"
     )
     if result.error:
@@ -105,6 +107,11 @@ def show_result(console: Console, result: RunResult) -> None:
         console.print("[dim](the workspace is unchanged)[/]")
 
 
+class Prefer(enum.StrEnum):
+    CHEAPEST = "cheapest"
+    STRONGEST = "strongest"
+
+
 class SavedRun(BaseModel):
     """What ``stockade agent --resume RUN_ID`` needs from the invocation that paused."""
 
@@ -113,6 +120,7 @@ class SavedRun(BaseModel):
     model: str
     tier: str | None
     trust: Trust | None
+    prefer: Prefer | None = None
     policy: str | None
     role: str | None
     audit_db: str
@@ -163,6 +171,10 @@ def agent(
     ] = None,
     trust: Annotated[
         Trust | None, typer.Option("--trust", help="tightens the policy's trust level (never loosens it)")
+    ] = None,
+    prefer: Annotated[
+        Prefer | None,
+        typer.Option("--prefer", help="of the tiers trust allows: the cheapest (default) or the strongest"),
     ] = None,
     policy: Annotated[
         Path | None, typer.Option("--policy", "-p", help="a policy file (.toml, .yaml)")
@@ -219,7 +231,7 @@ def agent(
             if task is None or workspace is None or model is None:
                 raise exc.ConfigurationError("give a TASK, --workspace and --model (or --resume RUN_ID)")
             options = SavedRun(
-                model=_absolute_model(model), tier=tier, trust=trust,
+                model=_absolute_model(model), tier=tier, trust=trust, prefer=prefer,
                 policy=str(policy.resolve()) if policy is not None else None, role=role,
                 audit_db=audit_db, runs_db=runs_db or audit_db, max_steps=max_steps, budget_usd=budget_usd,
                 rate=rate, spend_per_hour=spend_per_hour, kill_target=kill_target, allow_shell=allow_shell,
@@ -233,6 +245,7 @@ def agent(
             role=options.role,
             trust=options.trust,
             tier=options.tier,
+            prefer=options.prefer.value if options.prefer is not None else None,
             audit=options.audit_db,
             limits=RunLimits(max_steps=options.max_steps, max_cost_usd=options.budget_usd),
             rate_per_minute=options.rate,
@@ -246,8 +259,8 @@ def agent(
         )
         with runs, build_agent(config) as built, built.session(workspace=workspace, run_id=run_id) as session:
             out.print(
-                f"[dim]run {session.run_id} on the {built.tier} tier, audited in {escape(options.audit_db)}; "
-                f"stop it with: stockade kill {session.run_id}[/]"
+                f"[dim]run {session.run_id} on the {built.tier} tier ({escape(built.tier_reason)}), "
+                f"audited in {escape(options.audit_db)}; stop it with: stockade kill {session.run_id}[/]"
             )
             result = session.resume_sync() if resume is not None else session.run_sync(task or "")
             saved = _paused_dir(state_dir, session.run_id)

@@ -280,21 +280,16 @@ class PolicyEngine:
             allowed = tuple(x for x in allowed if x in self.role.tiers)
         return allowed
 
-    def select_tier(self) -> str:
-        """The strongest tier the trust table and the role allow and this host has; fail closed."""
+    def select_tier(self, prefer: _registry.Preference | None = None) -> str:
+        """The cheapest tier the trust table and the role allow and this host has (trust sets the
+        minimum; ``[trust] prefer = "strongest"`` or ``prefer`` turns the order round); fail closed."""
         allowed = self.allowed_tiers()
         if not allowed:
             raise TierUnavailable(
                 f"role {self.role_name!r} may use no tier that trust {self.policy.trust.level.value!r} allows"
             )
-        tried = []
-        for tier in reversed(_registry.STRENGTH):
-            if tier in allowed:
-                report = _registry.probe(tier)
-                if report.available:
-                    return tier
-                tried.append(f"{tier}: {report.detail}")
-        raise TierUnavailable(
-            f"the policy needs one of {', '.join(allowed)} and none works on this host ({'; '.join(tried)}); "
-            "stockade refuses to fall back to a weaker tier"
+        return _registry.choose(
+            allowed,
+            prefer=prefer or self.policy.trust.prefer,
+            why=f"the policy (trust {self.policy.trust.level.value!r})",
         )

@@ -325,7 +325,7 @@ def _spec(
     )
 
 
-def _choose(tier: str | None, trust: Trust | str | None) -> str:
+def _choose(tier: str | None, trust: Trust | str | None, prefer: _registry.Preference = "cheapest") -> str:
     if tier is not None and tier not in _registry.TIERS:
         raise exc.InvalidArgument(
             f"unknown tier {tier!r}", argument="tier", fix=f"give one of {', '.join(_registry.TIERS)}"
@@ -340,7 +340,7 @@ def _choose(tier: str | None, trust: Trust | str | None) -> str:
                 f"tier {tier!r} is too weak for trust {level.value!r}; allowed: {', '.join(allowed)}"
             )
         return tier
-    return _registry.select_tier(level)
+    return _registry.select_tier(level, prefer=prefer)
 
 
 # -- sync --------------------------------------------------------------------------------
@@ -433,14 +433,16 @@ class Sandbox:
         allow_weaker: bool = False,
         labels: Mapping[str, str] | None = None,
         backend: Backend | None = None,
+        prefer: _registry.Preference = "cheapest",
     ) -> Sandbox:
-        """Start a sandbox on ``tier`` (default ``"process"``), or the tier ``trust`` requires.
+        """Start a sandbox on ``tier`` (default ``"process"``), or the cheapest tier this host has
+        that ``trust`` allows (``prefer="strongest"``: the strongest); ``sbx.tier`` says which.
 
         ``workspace`` seeds the sandbox's workspace with a copy of a host directory; the
         sandbox never writes to the host directory itself (use ``files.download_dir``).
         """
         spec = _spec(limits, network, envs, allow_weaker, labels)
-        chosen = backend or _registry.backend(_choose(tier, trust))
+        chosen = backend or _registry.backend(_choose(tier, trust, prefer))
         instance = chosen.start(spec)
         sbx = cls(instance)
         if workspace is not None:
@@ -609,12 +611,13 @@ class AsyncSandbox:
         allow_weaker: bool = False,
         labels: Mapping[str, str] | None = None,
         backend: AsyncBackend | Backend | None = None,
+        prefer: _registry.Preference = "cheapest",
     ) -> AsyncSandbox:
         import asyncio  # lazily: importing stockade must stay cheap
 
         spec = _spec(limits, network, envs, allow_weaker, labels)
         if backend is None:
-            name = await asyncio.to_thread(_choose, tier, trust)
+            name = await asyncio.to_thread(_choose, tier, trust, prefer)
             backend = await asyncio.to_thread(_registry.backend, name)
         chosen = backend if isinstance(backend, AsyncBackend) else ThreadedAsyncBackend(backend)
         instance = await chosen.astart(spec)
