@@ -98,6 +98,7 @@ def test_stockade_demo_ends_with_its_audit_run_and_a_verified_chain(tmp_path: Pa
     require_tier("process")
     result = runner.invoke(app, ["demo", "--audit-db", str(tmp_path / "demo.db")])
     assert result.exit_code == 0, result.output
+    assert "✓ check passed" in result.output
     run_id = re.search(r"audit run id: ([0-9a-f]+)", result.output)
     verified = re.search(r"audit chain verified: (\d+) events", result.output)
     assert run_id is not None and verified is not None
@@ -105,3 +106,32 @@ def test_stockade_demo_ends_with_its_audit_run_and_a_verified_chain(tmp_path: Pa
         events = list(store.events(run_id=run_id.group(1)))
     assert int(verified.group(1)) == len(events)
     assert "retry" in {e.kind.value for e in events}  # the injected fault, retried and recorded
+
+
+def test_stockade_agent_with_a_check_shows_invalid_calls_and_ends_check_failed(
+    dirs: Path, tmp_path: Path
+) -> None:
+    require_tier("process")
+    from stockade.demo import SAMPLE_PROJECT
+
+    turns = [
+        {"name": "read_file", "args": {"no_such_argument": 1}},
+        {"name": "run_tests", "args": {"command": "python3 -m unittest"}},
+        "all green",
+    ]
+    (tmp_path / "lies.json").write_text(json.dumps(turns))
+    result = runner.invoke(
+        app,
+        [
+            "agent", "make the tests pass", "--workspace", str(SAMPLE_PROJECT),
+            "--model", f"scripted:{tmp_path / 'lies.json'}", "--policy", str(EXAMPLE_POLICY),
+            "--check", "python3 -m unittest", "--max-steps", "3",
+            "--audit-db", f"sqlite:///{tmp_path / 'audit.db'}", "--state-dir", str(tmp_path / "paused"),
+        ],
+    )  # fmt: skip
+    assert result.exit_code == 1, result.output
+    assert "✗ invalid call read_file(no_such_argument=1)" in result.output
+    assert "path: Field required" in result.output
+    assert "✗ check failed python3 -m unittest" in result.output
+    assert "unittest: 2 passed, 1 failed" in result.output
+    assert "check_failed after 3 steps on the process tier" in result.output

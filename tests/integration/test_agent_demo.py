@@ -22,6 +22,7 @@ def test_the_demo_fixes_the_sample_project_with_a_retry_on_the_way() -> None:
     result = run_demo(observers=[events.append], on_retry=retries.append)
 
     assert result.ok, result.error
+    assert result.check is not None and result.check.passed  # "success" is the check's word, too
     reports = [e.value for e in events if isinstance(e, ToolReturned) and isinstance(e.value, TestReport)]
     assert [r.ok for r in reports] == [False, True]  # tests fail, then pass
     assert reports[0].failed[0].endswith("test_restock_includes_items_at_the_threshold")

@@ -141,6 +141,8 @@ class AgentConfig:
     audit: str | AuditLog = "memory:"  # a store URL (sqlite:///PATH, postgresql://...) or a log
     audit_key: bytes | None = None  # HMAC key of the chain, when ``audit`` is a URL
     limits: RunLimits = field(default_factory=RunLimits)  # per-run steps, wall time, tokens, dollars
+    check: str | None = None  # the acceptance check: "success" only when this command passes at the end
+    check_timeout_s: float | None = None  # its wall-clock limit (the sandbox default when None)
     rate_per_minute: int | None = None  # tool actions per rolling minute, over all runs
     dollars_per_hour: float | None = None  # model spend per rolling hour, over all runs
     limits_redis_url: str | None = None  # share the two windows above across processes
@@ -470,6 +472,8 @@ class AgentSession:
             ],
             checkpointer=config.checkpointer,
             prices=owner.prices,
+            check=config.check,
+            check_timeout_s=config.check_timeout_s,
         )
         self._raw: Sandbox | None = None
         self._sandbox: Sandbox | None = None

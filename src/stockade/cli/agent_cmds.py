@@ -20,6 +20,7 @@ from rich.markup import escape
 from stockade import exceptions as exc
 from stockade.agent import (
     AgentEvent,
+    CheckFinished,
     ModelResponded,
     RunFinished,
     RunLimits,
@@ -27,6 +28,7 @@ from stockade.agent import (
     RunStarted,
     RunStatus,
     ToolDenied,
+    ToolRejected,
     ToolReturned,
 )
 from stockade.cli._console import CliConsole, print_diff
@@ -65,8 +67,19 @@ class Progress:
                 f"    {mark} {record.call.name}({escape(args)}) {record.duration_s * 1000:.0f} ms  "
                 f"[dim]{escape(summary[:100])}[/]"
             )
+        elif isinstance(event, ToolRejected):
+            record = event.record
+            args = ", ".join(f"{k}={_short(v)}" for k, v in record.call.args.items())
+            why = record.observation.removeprefix("error: ")
+            name = escape(record.call.name)
+            c.print(f"    [red]✗ invalid call[/] {name}({escape(args)})  [dim]{escape(why)}[/]")
         elif isinstance(event, ToolDenied):
             c.print(f"    [yellow]denied[/] {event.call.name}: {escape(event.reason)}")
+        elif isinstance(event, CheckFinished):
+            check = event.record
+            mark = "[green]✓ check passed[/]" if check.passed else "[red]✗ check failed[/]"
+            took = f"{check.duration_s * 1000:.0f} ms"
+            c.print(f"    {mark} {escape(check.command)} {took}  [dim]{escape(check.summary)}[/]")
         elif isinstance(event, RunFinished):
             show_result(c, event.result)
 
@@ -131,6 +144,8 @@ class SavedRun(BaseModel):
     spend_per_hour: float | None
     kill_target: str | None
     allow_shell: bool
+    check: str | None = None
+    check_timeout: float | None = None
 
 
 def _absolute_model(spec: str) -> str:
@@ -202,6 +217,18 @@ def agent(
         typer.Option("--kill-target", envvar="STOCKADE_KILL_TARGET", help="kill directory or redis://..."),
     ] = None,
     allow_shell: Annotated[bool, typer.Option("--shell/--no-shell", help="offer the raw shell tool")] = False,
+    check: Annotated[
+        str | None,
+        typer.Option(
+            "--check",
+            help="acceptance check: a command run in the sandbox when the model says it is done; "
+            'the run succeeds only if it passes (e.g. "python3 -m pytest -q")',
+        ),
+    ] = None,
+    check_timeout: Annotated[
+        float | None,
+        typer.Option("--check-timeout", help="seconds the check may take (default: the sandbox's)"),
+    ] = None,
     run_id: Annotated[str | None, typer.Option("--run-id", help="name the run (default: random)")] = None,
     resume: Annotated[str | None, typer.Option("--resume", help="continue a paused run")] = None,
     state_dir: Annotated[
@@ -211,9 +238,12 @@ def agent(
     """Let a model work on a copy of WORKSPACE in a sandbox, under a policy; show each step and
     the final diff. The host folder is never written.
 
+    With --check, the run succeeds only when that command passes once the model says it is
+    done; a failing check is shown to the model, which goes on within its budget.
+
     An action that needs approval is asked on the terminal; without one, the run pauses (exit
     code 3) and says how to approve it and resume. Exit codes: 0 success, 1 the run ended
-    otherwise, 2 a configuration error, 3 paused.
+    otherwise (check_failed, max_steps, ...), 2 a configuration error, 3 paused.
     """
     from stockade.agent import AgentConfig, build_agent
     from stockade.policy import ApprovalStore, cli_approver
@@ -235,6 +265,7 @@ def agent(
                 policy=str(policy.resolve()) if policy is not None else None, role=role,
                 audit_db=audit_db, runs_db=runs_db or audit_db, max_steps=max_steps, budget_usd=budget_usd,
                 rate=rate, spend_per_hour=spend_per_hour, kill_target=kill_target, allow_shell=allow_shell,
+                check=check, check_timeout=check_timeout,
             )  # fmt: skip
         progress = Progress(out)
         _quiet_stamina()
@@ -254,6 +285,8 @@ def agent(
             approver=cli_approver,
             tools=default_toolset().including(shell) if options.allow_shell else default_toolset(),
             checkpointer=runs,
+            check=options.check,
+            check_timeout_s=options.check_timeout,
             observers=[progress],
             runtime_observers=[progress.retry],
         )

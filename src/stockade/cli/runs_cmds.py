@@ -178,6 +178,17 @@ def trace_json(trace: RunTrace, *, limit: int = SHOWN_CHARS) -> dict[str, object
             }
             for step in _steps(trace)
         ],
+        "checks": [
+            {
+                "step": c.step,
+                "command": c.command,
+                "passed": c.passed,
+                "exit_code": c.exit_code,
+                "summary": c.summary,
+                "duration_s": c.duration_s,
+            }
+            for c in state.checks
+        ],
         "approvals": [
             {
                 "step": a.step,
@@ -236,6 +247,12 @@ def _print_trace(trace: RunTrace, limit: int) -> None:
                 highlight=False,
                 soft_wrap=True,
             )
+    for check in state.checks:
+        verdict = "[green]passed[/]" if check.passed else "[red]failed[/]"
+        out.print(
+            f"\n[bold]check[/] after step {check.step}: {escape(check.command)} {verdict}  "
+            f"[dim]{escape(check.summary)}[/]"
+        )
     for approval in trace.approvals:
         out.print(
             f"\n[magenta]approval[/] step {approval.step}: {escape(approval.action)} → {approval.decision}"

@@ -3,7 +3,8 @@
 A scripted model fixes a real bug in the sample project shipped here (``sample_project/``),
 inside a real process-tier sandbox, assembled by ``build_agent`` (policy, runtime controls,
 audit trail): the tests fail, it reads the code, patches it with a
-unified diff, reruns the tests, and they pass. On the way, one workspace read fails with an
+unified diff, reruns the tests, and they pass; the run's acceptance check (the same test
+command) confirms it before the run counts as a success. On the way, one workspace read fails with an
 injected transient error (``ResourceContention``) and the retry layer
 (``stockade.runtime.retry``) runs it again.
 
@@ -150,6 +151,7 @@ def run_demo(
         backend=faults,
         audit=audit,
         limits=RunLimits(max_steps=10),
+        check=command,  # "success" means the tests pass, not only that the model said so
         retry=RetryPolicy(wait_initial=0.05, wait_jitter=0.05),
         observers=(arm_on_start, *observers),
         runtime_observers=(on_retry,) if on_retry is not None else (),
