@@ -135,3 +135,35 @@ def test_stockade_agent_with_a_check_shows_invalid_calls_and_ends_check_failed(
     assert "✗ check failed python3 -m unittest" in result.output
     assert "unittest: 2 passed, 1 failed" in result.output
     assert "check_failed after 3 steps on the process tier" in result.output
+
+
+def test_stockade_demo_records_its_run_where_runs_list_looks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    require_tier("process")
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["demo"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / ".stockade" / "audit.db").exists()
+    run_id = re.search(r"audit run id: ([0-9a-f]+)", result.output)
+    assert run_id is not None and f"stockade runs show {run_id.group(1)}" in result.output
+    listed = runner.invoke(app, ["runs", "list", "--json"])
+    (run,) = json.loads(listed.output)
+    assert (run["run_id"], run["status"]) == (run_id.group(1), "success")
+
+
+def test_a_failed_stockade_agent_leaves_no_files_behind(dirs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(dirs)
+    project = str(dirs / "project")
+    failing = [
+        ["agent", "x", "-w", project, "-m", "scripted:missing.json"],  # no such model file
+        ["agent", "x", "-w", str(dirs / "nowhere"), "-m", f"scripted:{dirs / 'turns.json'}"],
+        ["agent", "x", "-w", project, "-m", f"scripted:{dirs / 'turns.json'}", "--tier", "bogus"],
+        ["agent", "x", "-w", project, "-m", f"scripted:{dirs / 'turns.json'}", "--policy", "missing.toml"],
+    ]
+    weaker = ["--policy", str(EXAMPLE_POLICY), "--trust", "untrusted", "--tier", "process"]
+    failing.append(["agent", "x", "-w", project, "-m", f"scripted:{dirs / 'turns.json'}", *weaker])
+    for args in failing:
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, (args, result.output)
+        assert not (dirs / ".stockade").exists(), args

@@ -92,7 +92,7 @@ from stockade.policy.guards import GuardedInstance, OpGuard, describe, enforce
 from stockade.policy.load import load_policy
 from stockade.policy.schema import Policy, TrustRules, Verdict
 from stockade.runs.recorder import RunRecorder
-from stockade.runs.store import RunStore
+from stockade.runs.store import RunStore, open_run_store
 from stockade.runtime.agent import RuntimeControls
 from stockade.runtime.anomaly import AnomalyMonitor
 from stockade.runtime.breaker import BreakerConfig, Breakers, BreakingBackend
@@ -157,6 +157,8 @@ class AgentConfig:
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     checkpointer: Checkpointer | None = None  # to resume in another process; a RunStore
     #                                          (open_run_store) also records retries, approvals, calls
+    record_runs: bool = True  # without a checkpointer: record runs in a run store (`stockade runs`)
+    runs_url: str | None = None  # that run store; None: the audit database, when ``audit`` is a URL
     observers: Sequence[AgentObserver] = ()  # after the built-in ones
     runtime_observers: Sequence[RuntimeObserver] = ()  # retries, breakers, limits, kills, anomalies
     clock: Clock | None = None  # rolling windows, breakers, anomaly rules (tests pass a ManualClock)
@@ -311,11 +313,26 @@ class GuardedAgent:
         self.policy = _load(config.policy, config.trust)
         self.engine = PolicyEngine(self.policy, role=config.role)
         self.tier, self.tier_reason = _choose_tier(self.engine, config.tier, config.backend, config.prefer)
+        # what can be wrong with the configuration fails here, before any file is created
+        base = resolve_model(config.model)
+        self.backend = config.backend or _registry.backend(self.tier)
+        self.tools = config.tools if config.tools is not None else default_toolset()
         if isinstance(config.audit, AuditLog):
             self.audit_log, self._owns_log = config.audit, False
         else:
             self.audit_log = AuditLog(open_store(config.audit), key=config.audit_key)
             self._owns_log = True
+        self.checkpointer: Checkpointer | None = config.checkpointer
+        self._owned_runs: RunStore | None = None
+        runs_url = config.runs_url or (
+            config.audit if isinstance(config.audit, str) and config.audit != "memory:" else None
+        )
+        if self.checkpointer is None and config.record_runs and runs_url is not None:
+            try:  # the runs go where the audit trail goes, so `stockade runs list` finds them
+                self.checkpointer = self._owned_runs = open_run_store(runs_url)
+            except BaseException:
+                self.close()
+                raise
         log = self.audit_log
         clock = config.clock or SystemClock()
         self._unattached = RuntimeAuditor(log)  # events outside any session (none expected)
@@ -340,7 +357,6 @@ class GuardedAgent:
         self.approvals = _AuditedApprovals(
             Approvals(config.approver, ApprovalStore(config.approval_dir)), log
         )
-        base = resolve_model(config.model)
         limited = LimitedModel(
             BreakerModel(RetryingModel(base, self.retrier), self.breakers), spend=spend, prices=self.prices
         )
@@ -350,8 +366,6 @@ class GuardedAgent:
             _record_denial(log, "", "model", err)
             self.close()
             raise
-        self.tools = config.tools if config.tools is not None else default_toolset()
-        self.backend = config.backend or _registry.backend(self.tier)
 
     def _dispatch(self, event: RuntimeEvent) -> None:
         (_session_observer.get() or self._unattached)(event)
@@ -393,7 +407,10 @@ class GuardedAgent:
     # -- lifetime ---------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Flush the audit trail (and close it when this agent opened it)."""
+        """Flush the audit trail (and close it, and the run store, when this agent opened them)."""
+        if self._owned_runs is not None:
+            self._owned_runs.close()
+            self._owned_runs = None
         if self._owns_log:
             self.audit_log.close()
             self.audit_log.store.close()
@@ -423,8 +440,8 @@ class AgentSession:
         runtime: list[RuntimeObserver] = [auditor]
         self.approvals: Approvals = owner.approvals
         self._recorder: RunRecorder | None = None
-        if isinstance(config.checkpointer, RunStore):  # retries, approvals and the ledger too
-            recorder = self._recorder = RunRecorder(config.checkpointer, run_id=run_id)
+        if isinstance(owner.checkpointer, RunStore):  # retries, approvals and the ledger too
+            recorder = self._recorder = RunRecorder(owner.checkpointer, run_id=run_id)
             observers.append(recorder)
             runtime.append(recorder.runtime)
             self.approvals = recorder.approvals(owner.approvals)
@@ -470,7 +487,7 @@ class AgentSession:
                 self._track_step,
                 *config.observers,
             ],
-            checkpointer=config.checkpointer,
+            checkpointer=owner.checkpointer,
             prices=owner.prices,
             check=config.check,
             check_timeout_s=config.check_timeout_s,
@@ -545,7 +562,7 @@ class AgentSession:
 
     async def resume(self) -> RunResult:
         """Continue the run after a pause (from the checkpointer, else from the last result)."""
-        if self.owner.config.checkpointer is not None:
+        if self.owner.checkpointer is not None:
             return await self._drive(None, self.run_id)
         if self.last is None or self.last.status != RunStatus.PAUSED:
             raise ConfigurationError("nothing to resume: no paused run here and no checkpointer")

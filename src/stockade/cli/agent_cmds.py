@@ -41,6 +41,7 @@ err = CliConsole(stderr=True)
 
 # The same default as ``stockade audit verify`` and ``stockade runs``: the trail is found without flags.
 DEFAULT_DB = "sqlite:///.stockade/audit.db"
+DEFAULT_DB_FILE = Path(DEFAULT_DB.removeprefix("sqlite:///"))
 
 
 class Progress:
@@ -247,7 +248,6 @@ def agent(
     """
     from stockade.agent import AgentConfig, build_agent
     from stockade.policy import ApprovalStore, cli_approver
-    from stockade.runs import open_run_store
 
     try:
         if resume is not None:
@@ -269,7 +269,12 @@ def agent(
             )  # fmt: skip
         progress = Progress(out)
         _quiet_stamina()
-        runs = open_run_store(options.runs_db)
+        if workspace is None or not workspace.is_dir():
+            raise exc.InvalidArgument(
+                f"--workspace {str(workspace)!r} is not a folder",
+                argument="--workspace",
+                fix="give the folder the agent works on (a copy of it goes into the sandbox)",
+            )
         config = AgentConfig(
             model=options.model,
             policy=options.policy,
@@ -284,13 +289,13 @@ def agent(
             kill_target=options.kill_target,
             approver=cli_approver,
             tools=default_toolset().including(shell) if options.allow_shell else default_toolset(),
-            checkpointer=runs,
+            runs_url=options.runs_db,
             check=options.check,
             check_timeout_s=options.check_timeout,
             observers=[progress],
             runtime_observers=[progress.retry],
         )
-        with runs, build_agent(config) as built, built.session(workspace=workspace, run_id=run_id) as session:
+        with build_agent(config) as built, built.session(workspace=workspace, run_id=run_id) as session:
             out.print(
                 f"[dim]run {session.run_id} on the {built.tier} tier ({escape(built.tier_reason)}), "
                 f"audited in {escape(options.audit_db)}; stop it with: stockade kill {session.run_id}[/]"
@@ -313,29 +318,35 @@ def agent(
 def demo(
     tier: Annotated[str, typer.Option("--tier", "-t", help="the sandbox tier")] = "process",
     audit_db: Annotated[
-        Path | None,
-        typer.Option("--audit-db", help="SQLite file for the demo's audit trail (default: a new temp dir)"),
-    ] = None,
+        Path,
+        typer.Option(
+            "--audit-db",
+            help="SQLite file for the demo's audit trail and run record (the default is where "
+            "`stockade runs` and `stockade audit` look)",
+        ),
+    ] = DEFAULT_DB_FILE,
 ) -> None:
     """A scripted model fixes a real bug in a sample project, in a real sandbox, no API key needed;
-    the run is recorded in an audit trail, which is verified at the end."""
-    import tempfile
-
+    the run is recorded in an audit trail, which is verified at the end, and in the run store
+    (`stockade runs list`)."""
     from stockade.audit import AuditLog, SQLiteStore, verify
     from stockade.demo import run_demo
+    from stockade.runs import open_run_store
 
-    db = audit_db or Path(tempfile.mkdtemp(prefix="stockade-demo-")) / "audit.db"
+    db = audit_db
     out.print(
         "[bold]stockade demo[/]: a scripted model fixes the failing test of a sample project in a "
         f"{tier}-tier sandbox (one transient fault is injected and retried on the way)\n"
-        f"[dim]audit trail: {escape(str(db))}[/]\n"
+        f"[dim]audit trail and run record: {escape(str(db))}[/]\n"
     )
     progress = Progress(out)
     _quiet_stamina()
     try:
-        with SQLiteStore(db) as store:
+        with SQLiteStore(db) as store, open_run_store(f"sqlite:///{db}") as runs:
             with AuditLog(store) as log:
-                result = run_demo(tier=tier, observers=[progress], on_retry=progress.retry, audit=log)
+                result = run_demo(
+                    tier=tier, observers=[progress], on_retry=progress.retry, audit=log, checkpointer=runs
+                )
             report = verify(store)
     except exc.StockadeError as error:
         err.print(f"[red]error:[/] {escape(str(error))}")
@@ -345,7 +356,9 @@ def demo(
         err.print(f"[red]audit chain broken:[/] {escape(report.summary())}")
         raise typer.Exit(1)
     out.print(f"audit chain verified: {report.checked} events")
-    out.print(f"[dim]see them: stockade audit tail --db sqlite:///{escape(str(db))} --run {result.run_id}[/]")
+    where = "" if db == DEFAULT_DB_FILE else f" --db sqlite:///{escape(str(db))}"
+    out.print(f"[dim]see the run: stockade runs show {result.run_id}{where}[/]")
+    out.print(f"[dim]see its audit events: stockade audit tail{where} --run {result.run_id}[/]")
     raise typer.Exit(0 if result.ok else 1)
 
 

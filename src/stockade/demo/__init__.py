@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from stockade.agent import AgentEvent, Observer, RunLimits, RunResult, RunStarted
+from stockade.agent import AgentEvent, Checkpointer, Observer, RunLimits, RunResult, RunStarted
 from stockade.agent.assembly import AgentConfig, build_agent
 from stockade.audit.log import AuditLog
 from stockade.exceptions import ResourceContention
@@ -133,9 +133,10 @@ def run_demo(
     backend: Backend | None = None,
     audit: str | AuditLog = "memory:",
     run_id: str | None = None,
+    checkpointer: Checkpointer | None = None,
 ) -> RunResult:
-    """Run the whole demo, recorded in ``audit`` (a store URL or a log); ``backend`` replaces
-    the tier (tests pass a fake)."""
+    """Run the whole demo, recorded in ``audit`` (a store URL or a log) and, when given, in a run
+    store (``checkpointer``); ``backend`` replaces the tier (tests pass a fake)."""
     inner = backend or _registry.backend(tier)
     with Sandbox.create(backend=inner) as probe:  # which test runner the sandbox has
         command = test_command(probe)
@@ -150,6 +151,7 @@ def run_demo(
         policy=DEMO_POLICY,
         backend=faults,
         audit=audit,
+        checkpointer=checkpointer,
         limits=RunLimits(max_steps=10),
         check=command,  # "success" means the tests pass, not only that the model said so
         retry=RetryPolicy(wait_initial=0.05, wait_jitter=0.05),
