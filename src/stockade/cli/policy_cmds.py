@@ -2,13 +2,15 @@
 
 ``kill`` writes the kill marker the run's ``KillSwitch`` polls: a file in the kill directory
 (``--target DIR``, ``STOCKADE_KILL_DIR``, default ``~/.stockade/kill``) or a Redis key
-(``--target redis://...``). Approvals live in ``STOCKADE_APPROVAL_DIR`` (default
+(``--target redis://...``), only for a run that is live there (``--force`` otherwise), and
+waits for it to stop. Approvals live in ``STOCKADE_APPROVAL_DIR`` (default
 ``~/.stockade/approvals``); a paused run resumes with
 ``agent.run(resume=RUN_ID, sandbox=...)`` once the decision is in.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -34,16 +36,51 @@ def kill(
     run_id: Annotated[str, typer.Argument(help="the run to stop")],
     reason: Annotated[str, typer.Option("--reason", help="why, for the audit trail")] = "killed from the CLI",
     target: TargetOpt = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force", help="pull the switch even if the run is not live (it dies when it starts or resumes)"
+        ),
+    ] = False,
+    wait: Annotated[float, typer.Option("--wait", help="seconds to wait for the run to stop")] = 5.0,
 ) -> None:
-    """Stop a run now: it ends between steps and its sandbox processes are killed."""
-    from stockade.runtime.killswitch import kill_source_for
+    """Stop a live run now: its sandbox processes are killed and it ends as "killed".
+
+    Exit codes: 0 the run stopped (or, with --force, the switch is set), 1 no live run has that
+    id (nothing was pulled), 3 the switch is pulled but the run was still live after --wait."""
+    from stockade.runtime.killswitch import KILL_TTL_S, kill_source_for
 
     try:
-        kill_source_for(target).kill(run_id, reason)
+        source = kill_source_for(target)
+        live = getattr(source, "live", lambda _: None)(run_id)
+        if live is None and not force:
+            err.print(
+                f"no live run {escape(run_id)}: it finished, never started, or watches another kill "
+                "target; nothing was pulled"
+            )
+            err.print(
+                "[cyan]fix:[/] check the id (stockade runs list), or --force to stop a run of this id "
+                f"when it starts or resumes (the switch expires after {KILL_TTL_S / 3600:g} h)"
+            )
+            raise typer.Exit(1)
+        source.kill(run_id, reason)
     except exc.StockadeError as e:
         err.print(f"[red]error:[/red] {escape(str(e))}")
         raise typer.Exit(2) from None
-    out.print(f"kill switch pulled for run {escape(run_id)}")
+    if live is None:
+        out.print(
+            f"kill switch set for run {escape(run_id)}, which is not live: it stops when it starts or "
+            f"resumes within {KILL_TTL_S / 3600:g} h"
+        )
+        return
+    out.print(f"kill switch pulled for live run {escape(run_id)} ({escape(live)})")
+    deadline = time.monotonic() + max(wait, 0.0)
+    while source.live(run_id) is not None:  # type: ignore[attr-defined]
+        if time.monotonic() >= deadline:
+            err.print(f"run {escape(run_id)} is still live after {wait:g} s; it stops at its next step")
+            raise typer.Exit(3)
+        time.sleep(0.1)
+    out.print(f"run {escape(run_id)} stopped")
 
 
 def check(file: Annotated[Path, typer.Argument(help="a policy file (.toml, .yaml)")]) -> None:

@@ -137,7 +137,8 @@ def test_cli_kill_and_approvals(tmp_path: Path) -> None:
     from stockade.runtime.killswitch import FileKillSource
 
     runner = CliRunner()
-    assert runner.invoke(app, ["kill", "run-9", "--target", str(tmp_path / "kill")]).exit_code == 0
+    forced = runner.invoke(app, ["kill", "run-9", "--target", str(tmp_path / "kill"), "--force"])
+    assert forced.exit_code == 0 and "not live" in forced.output
     assert FileKillSource(tmp_path / "kill").reason("run-9") == "killed from the CLI"
     store = ApprovalStore(tmp_path / "approvals")
     request = ApprovalRequest(run_id="run-9", action="run `git push`", rule="commands.approve", reason="r")
