@@ -45,6 +45,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     └── RunStopped                    a control ends the run with a status
         ├── BudgetExceeded            status "budget": steps, wall time, tokens, dollars, $/hour spent
         ├── RunKilled                 status "killed": someone pulled the kill switch
+        ├── RunInterrupted            status "interrupted": stopped from outside (Ctrl-C, SIGTERM); resumable
         └── ApprovalRequired          status "paused": a human must decide; resume the run after
 
 Errors pickle cleanly (they cross process boundaries in the distributed tier).
@@ -81,6 +82,7 @@ __all__ = [
     "ProtocolError",
     "RateLimited",
     "ResourceContention",
+    "RunInterrupted",
     "RunKilled",
     "RunStopped",
     "RunStoreError",
@@ -338,6 +340,18 @@ class RunKilled(RunStopped):
     """The kill switch of ``run_id`` was pulled (CLI, Redis key, file or API)."""
 
     status = "killed"
+
+    def __init__(self, message: str, *, run_id: str = "", reason: str = "") -> None:
+        super().__init__(message)
+        self.run_id = run_id
+        self.reason = reason
+
+
+class RunInterrupted(RunStopped):
+    """The run was stopped from outside its loop (Ctrl-C, SIGTERM, ``AgentSession.interrupt()``)
+    mid-step: its sandbox was killed, its state kept; resume it to run the interrupted step again."""
+
+    status = "interrupted"
 
     def __init__(self, message: str, *, run_id: str = "", reason: str = "") -> None:
         super().__init__(message)

@@ -64,7 +64,7 @@ from stockade.agent.events import (
 )
 from stockade.agent.events import Observer as AgentObserver
 from stockade.agent.loop import DEFAULT_SYSTEM_PROMPT, Agent, Guard, GuardContext, RunLimits, RunResult
-from stockade.agent.state import RunState, RunStatus
+from stockade.agent.state import RunState
 from stockade.audit.agent import AuditObserver
 from stockade.audit.events import EventKind
 from stockade.audit.log import AuditLog
@@ -560,11 +560,18 @@ class AgentSession:
     async def run(self, task: str) -> RunResult:
         return await self._drive(task, None)
 
+    def interrupt(self, reason: str = "interrupted") -> None:
+        """Stop the run now, from any thread (a signal handler, a UI): the sandbox is killed
+        mid-command and the run ends "interrupted", resumable from its last state. Save the
+        workspace first (``save_workspace``) to resume it in another sandbox."""
+        self.kill_switch.interrupt(reason)
+
     async def resume(self) -> RunResult:
-        """Continue the run after a pause (from the checkpointer, else from the last result)."""
+        """Continue the run after a pause or an interruption (from the checkpointer, else from
+        the last result)."""
         if self.owner.checkpointer is not None:
             return await self._drive(None, self.run_id)
-        if self.last is None or self.last.status != RunStatus.PAUSED:
+        if self.last is None or not self.last.status.resumable:
             raise ConfigurationError("nothing to resume: no paused run here and no checkpointer")
         return await self._drive(None, self.last.state)
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, NoReturn
@@ -10,10 +13,12 @@ import typer
 from rich.markup import escape
 
 from stockade import exceptions as exc
+from stockade._checks import check_envs
 from stockade.cli._console import CliConsole
+from stockade.cli._signals import Interrupted, exit_code, interruptible
 from stockade.sandbox import _registry
 from stockade.sandbox.facade import Sandbox
-from stockade.types import Limits, NetworkPolicy
+from stockade.types import CommandResult, Limits, NetworkPolicy
 
 out = CliConsole()
 err = CliConsole(stderr=True)
@@ -61,6 +66,52 @@ def _limits(memory: int, cpus: float, pids: int, timeout: float) -> Limits:
     return Limits(memory_mb=memory, cpus=cpus, pids=pids, timeout_s=timeout)
 
 
+def _sizes(text: str) -> int:
+    """``1048576``, ``512K``, ``64M``, ``1G`` (binary units) -> bytes."""
+    units = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
+    raw = text.strip().upper().removesuffix("B").removesuffix("I")
+    number, unit = (raw[:-1], raw[-1]) if raw[-1:] in units and raw[-1:] else (raw, "")
+    try:
+        value = float(number) * units[unit]
+    except ValueError:
+        value = -1
+    if not (value >= 1 and math.isfinite(value)):
+        raise exc.InvalidArgument(
+            f"--max-output is {text!r}",
+            argument="--max-output",
+            fix="give a size such as 1048576, 512K, 64M or 1G",
+        )
+    return int(value)
+
+
+def _envs(pairs: list[str]) -> dict[str, str]:
+    """``NAME=value``, or ``NAME`` for the host's value of it (as ``docker run -e`` does)."""
+    envs: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep:
+            host = os.environ.get(name)
+            if host is None:
+                raise exc.InvalidArgument(
+                    f"--env {name!r} has no value and is not set here",
+                    argument="--env",
+                    fix="give NAME=VALUE, or NAME of a variable set in this shell",
+                )
+            value = host
+        envs[name] = value
+    return check_envs(envs, argument="--env")
+
+
+def _human(size: int) -> str:
+    return (
+        f"{size / 1024**2:.1f} MiB"
+        if size >= 1024**2
+        else f"{size / 1024:.1f} KiB"
+        if size >= 1024
+        else f"{size} B"
+    )
+
+
 def exec_(
     command: Annotated[list[str], typer.Argument(help="the command and its arguments (after --)")],
     tier: TierOpt = "process",
@@ -73,29 +124,80 @@ def exec_(
     workspace: Annotated[
         Path | None, typer.Option("--workspace", "-w", help="seed the workspace with a copy of DIR")
     ] = None,
+    env: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--env", "-e", help="NAME=VALUE (or NAME: this shell's value) for the command; repeatable"
+        ),
+    ] = None,
+    max_output: Annotated[
+        str, typer.Option("--max-output", help="keep this much of stdout and of stderr each (e.g. 64M)")
+    ] = "1M",
+    as_json: Annotated[
+        bool,
+        typer.Option("--json", help="print the result (exit code, output, sizes, tier) as JSON at the end"),
+    ] = False,
 ) -> None:
-    """Run one command in a fresh sandbox; its exit code becomes ours."""
+    """Run one command in a fresh sandbox; its exit code becomes ours.
+
+    Output beyond --max-output (stdout and stderr each) is cut, and stderr says so. Ctrl-C,
+    SIGTERM and SIGHUP stop the command and remove the sandbox; the exit code is then 128 + the
+    signal's number."""
     try:
-        with Sandbox.create(
-            tier,
-            limits=_limits(memory, cpus, pids, timeout),
-            network=NetworkPolicy(enabled=network),
-            allow_weaker=allow_weaker,
-            workspace=workspace,
-        ) as sbx:
-            result = sbx.commands.run(
-                command,
-                on_stdout=lambda s: out.file.write(s),
-                on_stderr=lambda s: err.file.write(s),
-                stdin=None if sys.stdin.isatty() else sys.stdin.buffer.read(),
+        with interruptible():
+            limits = Limits(
+                memory_mb=memory, cpus=cpus, pids=pids, timeout_s=timeout, output_bytes=_sizes(max_output)
             )
+            with Sandbox.create(
+                tier,
+                limits=limits,
+                network=NetworkPolicy(enabled=network),
+                envs=_envs(env or []),
+                allow_weaker=allow_weaker,
+                workspace=workspace,
+            ) as sbx:
+                result = sbx.commands.run(
+                    command,
+                    on_stdout=None if as_json else lambda s: out.file.write(s),
+                    on_stderr=None if as_json else lambda s: err.file.write(s),
+                    stdin=None if sys.stdin.isatty() else sys.stdin.buffer.read(),
+                )
+                used = sbx.tier
     except exc.StockadeError as error:
         _fail(error)
+    except Interrupted as stop:
+        err.print(f"[yellow]stockade: stopped by {stop}; the sandbox and everything in it were removed[/]")
+        raise typer.Exit(exit_code(stop.signum)) from None
+    if as_json:
+        print(json.dumps({**_result_json(result), "tier": used}, ensure_ascii=False))
+    if result.truncated:
+        cap = limits.output_bytes
+        for name, size in (("stdout", result.stdout_bytes), ("stderr", result.stderr_bytes)):
+            if size > cap:
+                err.print(
+                    f"[yellow]stockade: {name} was cut: {_human(cap)} of {_human(size)} kept "
+                    f"(raise the cap with --max-output, e.g. --max-output {max(size // 1024**2 + 1, 2)}M)[/]"
+                )
     if result.timed_out:
         err.print(f"[yellow]stockade: timed out after {timeout}s; every process was killed[/]")
     if result.oom_killed:
         err.print(f"[yellow]stockade: killed by the memory limit ({memory} MiB)[/]")
     raise typer.Exit(result.exit_code)
+
+
+def _result_json(result: CommandResult) -> dict[str, object]:
+    return {
+        "exit_code": result.exit_code,
+        "stdout": result.stdout,
+        "stderr": result.stderr,
+        "duration_s": result.duration_s,
+        "timed_out": result.timed_out,
+        "oom_killed": result.oom_killed,
+        "truncated": result.truncated,
+        "stdout_bytes": result.stdout_bytes,
+        "stderr_bytes": result.stderr_bytes,
+        "signal": result.signal,
+    }
 
 
 def run_code(

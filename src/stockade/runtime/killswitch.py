@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from stockade.exceptions import ConfigurationError, RunKilled, StockadeError
+from stockade.exceptions import ConfigurationError, RunInterrupted, RunKilled, StockadeError
 from stockade.runtime.events import KillRequested, Observer, ignore
 from stockade.sandbox.base import Instance, OpResult, OutputSink
 from stockade.sandbox.ops import Op
@@ -238,6 +238,7 @@ class KillSwitch:
         self.poll_s = poll_s
         self.observer = observer
         self._reason: str | None = None
+        self._interrupted = False
         self._instances: list[Instance] = []
         self._lock = threading.Lock()
 
@@ -247,15 +248,28 @@ class KillSwitch:
 
     def kill(self, reason: str = "killed") -> None:
         """Pull the switch: every attached sandbox dies now."""
+        self._pull(reason, interrupted=False)
+
+    def interrupt(self, reason: str = "interrupted") -> None:
+        """Stop the run as ``kill`` does, to be resumed: its ops raise ``RunInterrupted``, and the
+        run ends "interrupted" with its state kept. Safe from any thread or a signal handler's."""
+        self._pull(reason, interrupted=True)
+
+    def _pull(self, reason: str, *, interrupted: bool) -> None:
         with self._lock:
             if self._reason is not None:
                 return
             self._reason = reason
+            self._interrupted = interrupted
             instances, self._instances = self._instances, []
         for instance in instances:
             with contextlib.suppress(Exception):
                 instance.close()
-        self.observer(KillRequested(run_id=self.run_id, reason=reason, killed_instances=len(instances)))
+        self.observer(
+            KillRequested(
+                run_id=self.run_id, reason=reason, killed_instances=len(instances), interrupted=interrupted
+            )
+        )
 
     def poll(self) -> bool:
         """Look at every source once; pull the switch if one says so."""
@@ -275,7 +289,13 @@ class KillSwitch:
         if self.poll():
             raise self._error()
 
-    def _error(self) -> RunKilled:
+    def _error(self) -> RunKilled | RunInterrupted:
+        if self._interrupted:
+            return RunInterrupted(
+                f"run {self.run_id} was interrupted: {self._reason}",
+                run_id=self.run_id,
+                reason=self._reason or "",
+            )
         return RunKilled(
             f"run {self.run_id} was killed: {self._reason}", run_id=self.run_id, reason=self._reason or ""
         )
