@@ -167,3 +167,64 @@ def test_a_failed_stockade_agent_leaves_no_files_behind(dirs: Path, monkeypatch:
         result = runner.invoke(app, args)
         assert result.exit_code == 2, (args, result.output)
         assert not (dirs / ".stockade").exists(), args
+
+
+def test_ctrl_c_stops_a_long_tool_call_at_once_and_the_run_resumes(tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from stockade.runs import open_run_store
+
+    require_tier("process")
+    (tmp_path / "project").mkdir()
+    slow = "if [ -f marker ]; then echo 'second time'; else touch marker; sleep 120; fi"
+    turns = [{"name": "run_code", "args": {"language": "bash", "code": slow}}, "done"]
+    (tmp_path / "turns.json").write_text(json.dumps(turns))
+    env = {
+        **os.environ,
+        "STOCKADE_APPROVAL_DIR": str(tmp_path / "approvals"),
+        "STOCKADE_KILL_DIR": str(tmp_path / "kill"),
+    }
+    agent = [sys.executable, "-m", "stockade.cli.main", "agent"]
+    proc = subprocess.Popen(
+        [*agent, "wait", "-w", "project", "-m", "scripted:turns.json", "--policy", str(EXAMPLE_POLICY),
+         "--run-id", "slow"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        live = tmp_path / "kill" / ".live" / "slow"
+        deadline = time.monotonic() + 60
+        while not live.exists():  # the run watches its kill switch once its sandbox is up
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        time.sleep(1.5)  # the model's first turn is in: the 120 s command runs
+        started = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=30)
+        took = time.monotonic() - started
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130, stdout + stderr
+    assert took < 5, f"took {took:.1f} s"  # not the ~23 s of waiting for the command
+    assert "interrupted" in stdout and "stockade agent --resume slow" in stdout
+    with open_run_store(f"sqlite:///{tmp_path / '.stockade' / 'audit.db'}") as store:
+        assert store.summary("slow").status == "interrupted"  # type: ignore[union-attr]
+    assert not live.exists()  # nothing says it is live any more
+
+    resumed = subprocess.run(
+        [*agent, "--resume", "slow"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "second time" in resumed.stdout or "success" in resumed.stdout
+    with open_run_store(f"sqlite:///{tmp_path / '.stockade' / 'audit.db'}") as store:
+        assert store.summary("slow").status == "success"  # type: ignore[union-attr]

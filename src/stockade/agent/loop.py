@@ -667,6 +667,8 @@ class AgentRun:
             state.current = None
         try:
             diff = await asyncio.to_thread(workspace_diff, self.bookkeeping)
+        except RunStopped:
+            diff = f"(no diff: the run's sandbox was stopped with the run, {state.status.value})"
         except StockadeError as err:
             diff = f"(the diff is unavailable: {err})"
         self.result = RunResult(

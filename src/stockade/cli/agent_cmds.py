@@ -32,6 +32,7 @@ from stockade.agent import (
     ToolReturned,
 )
 from stockade.cli._console import CliConsole, print_diff
+from stockade.cli._signals import Interrupted, exit_code, on_stop, signal_name
 from stockade.runtime.events import RetryScheduled, RuntimeEvent
 from stockade.tools import default_toolset, shell
 from stockade.types import Trust
@@ -243,8 +244,10 @@ def agent(
     done; a failing check is shown to the model, which goes on within its budget.
 
     An action that needs approval is asked on the terminal; without one, the run pauses (exit
-    code 3) and says how to approve it and resume. Exit codes: 0 success, 1 the run ended
-    otherwise (check_failed, max_steps, ...), 2 a configuration error, 3 paused.
+    code 3) and says how to approve it and resume. Ctrl-C, SIGTERM or SIGHUP stop the run within
+    a second, its workspace and state kept: it ends "interrupted" (exit code 128 + the signal's
+    number) and resumes with --resume; a second signal stops at once. Exit codes: 0 success,
+    1 the run ended otherwise (check_failed, max_steps, ...), 2 a configuration error, 3 paused.
     """
     from stockade.agent import AgentConfig, build_agent
     from stockade.policy import ApprovalStore, cli_approver
@@ -300,18 +303,41 @@ def agent(
                 f"[dim]run {session.run_id} on the {built.tier} tier ({escape(built.tier_reason)}), "
                 f"audited in {escape(options.audit_db)}; stop it with: stockade kill {session.run_id}[/]"
             )
-            result = session.resume_sync() if resume is not None else session.run_sync(task or "")
             saved = _paused_dir(state_dir, session.run_id)
+
+            def stop(signum: int) -> None:
+                # keep the workspace as it is now, then stop the run where it is: it resumes from here
+                err.print(f"\n[yellow]{signal_name(signum)}: stopping run {session.run_id}[/]")
+                try:
+                    shutil.rmtree(saved / "workspace", ignore_errors=True)
+                    session.save_workspace(saved / "workspace")
+                except exc.StockadeError as error:
+                    err.print(f"[red]the workspace could not be saved:[/] {escape(str(error))}")
+                session.interrupt(f"stopped by {signal_name(signum)}")
+
+            with on_stop(stop) as stopped_by:
+                result = session.resume_sync() if resume is not None else session.run_sync(task or "")
             if result.status == RunStatus.PAUSED:
                 shutil.rmtree(saved / "workspace", ignore_errors=True)
                 session.save_workspace(saved / "workspace")
                 (saved / "run.json").write_text(options.model_dump_json(indent=2))
                 _tell_how_to_resume(result, ApprovalStore().pending(session.run_id), saved)
+            elif result.status == RunStatus.INTERRUPTED:
+                (saved / "run.json").write_text(options.model_dump_json(indent=2))
+                out.print(
+                    f"\n[bold yellow]interrupted[/]: run {session.run_id} stopped mid-step; its workspace is "
+                    f"kept in {escape(str(saved))}\n  resume it: stockade agent --resume {session.run_id}"
+                )
             elif resume is not None:
                 shutil.rmtree(saved, ignore_errors=True)
     except exc.StockadeError as error:
         err.print(f"[red]error:[/] {escape(str(error))}")
         raise typer.Exit(2) from None
+    except Interrupted as again:  # a second signal: no waiting; the `with` blocks still clean up
+        err.print(f"[red]stopped by {again}[/]")
+        raise typer.Exit(exit_code(again.signum)) from None
+    if result.status == RunStatus.INTERRUPTED and stopped_by:
+        raise typer.Exit(exit_code(stopped_by[0]))
     raise typer.Exit(0 if result.ok else 3 if result.status == RunStatus.PAUSED else 1)
 
 
