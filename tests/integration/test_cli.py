@@ -71,6 +71,10 @@ def test_doctor_reports_every_tier_and_how_limits_are_enforced() -> None:
     for tier in ("process", "docker", "gvisor", "microvm"):
         assert tier in r.stdout
     assert "enforced by: memory=cgroup" in r.stdout.replace("\n", " ").replace("  ", " ")
+    reports = {t["tier"]: t for t in json.loads(stockade("doctor", "--json").stdout)}
+    assert list(reports) == ["process", "docker", "gvisor", "microvm"]
+    assert reports["process"]["available"] is True
+    assert str(reports["process"]["enforcement"]["memory"]).startswith("cgroup")  # type: ignore[index]
 
 
 def test_gc_runs_cleanly() -> None:

@@ -18,7 +18,7 @@ from stockade.cli._console import CliConsole
 from stockade.cli._signals import Interrupted, exit_code, interruptible
 from stockade.sandbox import _registry
 from stockade.sandbox.facade import Sandbox
-from stockade.types import CommandResult, Limits, NetworkPolicy
+from stockade.types import CommandResult, Limits, NetworkPolicy, TierReport
 
 out = CliConsole()
 err = CliConsole(stderr=True)
@@ -34,10 +34,32 @@ WeakerOpt = Annotated[
 NetworkOpt = Annotated[bool, typer.Option("--network/--no-network", help="allow network access")]
 
 
-def doctor() -> None:
+def _report_json(report: TierReport) -> dict[str, object]:
+    e = report.enforcement
+    return {
+        "tier": report.tier,
+        "available": report.available,
+        "detail": report.detail,
+        "enforcement": None
+        if e is None
+        else {
+            name: str(getattr(e, name)) for name in ("memory", "cpus", "pids", "disk", "network", "timeout")
+        },
+        "weakened": list(e.weakened) if e is not None else [],
+        "fixes": list(report.fixes),
+    }
+
+
+def doctor(
+    as_json: Annotated[bool, typer.Option("--json", help="print the tiers as JSON")] = False,
+) -> None:
     """Which tiers work on this host, how each limit is enforced, and how to fix the rest."""
-    for tier in _registry.TIERS:
-        report = _registry.probe(tier)
+    reports = [_registry.probe(tier) for tier in _registry.TIERS]
+    if as_json:
+        print(json.dumps([_report_json(r) for r in reports], ensure_ascii=False))
+        return
+    for report in reports:
+        tier = report.tier
         state = "[green]works[/]" if report.available else "[red]unavailable[/]"
         out.print(f"[bold]{tier:8}[/] {state}  {escape(report.detail)}")
         e = report.enforcement

@@ -174,23 +174,42 @@ class PolicyEngine:
     # -- what the guards ask ------------------------------------------------------------
 
     def op(self, op: Op, *, tool: str = "") -> Decision:
+        parts = self.explain(op, tool=tool)
+        if not parts:
+            return Decision(verdict=Verdict.DENY, rule="ops", reason=f"unknown operation {type(op).__name__}")
+        return strictest(decision for _, decision in parts)
+
+    def explain(self, op: Op, *, tool: str = "") -> tuple[tuple[str, Decision], ...]:
+        """Every check ``op`` goes through, named, with its decision; ``op()`` is the strictest.
+        Empty for an operation the engine does not know (which ``op()`` denies)."""
         match op:
             case RunCommand():
                 argv = as_inline(op)  # a program on stdin (run_code) is judged as the program
-                decisions = [self.command(argv), self.command_files(argv, op.cwd, tool=tool)]
-                decisions += [self.category(c) for c in sorted(command_categories(argv))]
-                return strictest(decisions)
+                return (
+                    ("command rules", self.command(argv)),
+                    ("files the command names", self.command_files(argv, op.cwd, tool=tool)),
+                    *((f"category {c}", self.category(c)) for c in sorted(command_categories(argv))),
+                )
             case RunCode():
-                return self.category("execute")
+                return (("category execute", self.category("execute")),)
             case ReadFile() | Stat() | ListDir() | GetArchive():
-                return strictest([self._path(op.path or ".", "read", tool), self.category("read")])
+                return (
+                    ("paths (read)", self._path(op.path or ".", "read", tool)),
+                    ("category read", self.category("read")),
+                )
             case WriteFile() | MakeDir() | PutArchive():
-                return strictest([self._path(op.path or ".", "write", tool), self.category("write")])
+                return (
+                    ("paths (write)", self._path(op.path or ".", "write", tool)),
+                    ("category write", self.category("write")),
+                )
             case Remove():
-                return strictest([self._path(op.path, "write", tool), self.category("delete")])
+                return (
+                    ("paths (write)", self._path(op.path, "write", tool)),
+                    ("category delete", self.category("delete")),
+                )
             case Reset():
-                return self.category("delete")
-        return Decision(verdict=Verdict.DENY, rule="ops", reason=f"unknown operation {type(op).__name__}")
+                return (("category delete", self.category("delete")),)
+        return ()
 
     def command(self, argv: tuple[str, ...]) -> Decision:
         d = decide_command(self.policy.commands, argv)
