@@ -100,7 +100,8 @@ def test_stockade_demo_ends_with_its_audit_run_and_a_verified_chain(tmp_path: Pa
     assert result.exit_code == 0, result.output
     assert "✓ check passed" in result.output
     # the diff's long line arrives whole: output to a pipe or a file is never cut at 80 columns
-    assert "+    return sorted(name for name, count in stock.items() if count <= threshold)\n" in result.output
+    fixed = "+    return sorted(name for name, count in stock.items() if count <= threshold)\n"
+    assert fixed in result.output
     run_id = re.search(r"audit run id: ([0-9a-f]+)", result.output)
     verified = re.search(r"audit chain verified: (\d+) events", result.output)
     assert run_id is not None and verified is not None
