@@ -74,9 +74,9 @@ def check_number(
         raise InvalidArgument(f"{argument} is out of range: {value!r}", argument=argument, fix=fix)
 
 
-# A wall-clock limit longer than this is a mistake, not a plan (and the host's timers overflow
-# long before float seconds do).
-MAX_TIMEOUT_S = 30 * 24 * 3600.0
+# A week: longer is a mistake, not a plan, and the supervisor's poll timeout (milliseconds in
+# 32 bits) ends at 24.8 days.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 def check_timeout(value: object, *, argument: str = "timeout_s") -> float | None:

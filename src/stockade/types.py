@@ -54,17 +54,18 @@ class Limits:
 
 
 # field: (whole number, lowest, highest, unit). The lowest values are what the sandbox machinery
-# needs (a few processes, an interpreter's memory); the highest are what the kernel accepts
-# (PID_MAX_LIMIT, 64-bit byte counts), so a value that passes here never fails at start.
+# needs (a few processes, an interpreter's memory); the highest are what every tier's kernel,
+# engine and runtime accept (PID_MAX_LIMIT; sizes whose bytes, plus a runtime's overhead, fit
+# 64 bits; a tmpfs's inode count), so a value that passes here never fails at start.
 _LIMIT_RANGES: dict[str, tuple[bool, float, float, str]] = {
-    "memory_mb": (True, 32, 2**43 - 1, "MiB"),
+    "memory_mb": (True, 32, 2**32, "MiB"),
     "cpus": (False, 0, 4096, "cores"),
     "pids": (True, 8, 4_194_304, "processes"),
     "timeout_s": (False, 0, MAX_TIMEOUT_S, "seconds"),
-    "disk_mb": (True, 1, 2**43 - 1, "MiB"),
-    "inodes": (True, 1, 2**62, "inodes"),
-    "tmp_mb": (True, 1, 2**43 - 1, "MiB"),
-    "output_bytes": (True, 1, 2**62, "bytes"),
+    "disk_mb": (True, 1, 2**32, "MiB"),
+    "inodes": (True, 1, 2**31 - 1, "inodes"),
+    "tmp_mb": (True, 1, 2**32, "MiB"),
+    "output_bytes": (True, 1, 2**50, "bytes"),
 }
 
 
