@@ -21,6 +21,8 @@ from rich.table import Table
 from stockade import exceptions as exc
 from stockade.agent.state import RunStatus, StepRecord, ToolCallRecord
 from stockade.cli._console import CliConsole, print_diff
+from stockade.cli._signals import Interrupted, interruptible
+from stockade.cli._signals import exit_code as signal_exit_code
 from stockade.runs.store import RetryEntry, RunStore, RunSummary, RunTrace, open_run_store
 
 out = CliConsole()
@@ -320,11 +322,14 @@ def replay(
                         "[yellow]the run store kept no starting workspace for this run: replaying in an "
                         "empty one (give the folder with --workspace)[/]"
                     )
-            with Sandbox.create(tier, workspace=workspace) as sandbox:
+            with interruptible(), Sandbox.create(tier, workspace=workspace) as sandbox:
                 report = asyncio.run(replay_run(state, sandbox=sandbox))
         except exc.StockadeError as error:
             err.print(f"[red]error:[/] {escape(str(error))}")
             raise typer.Exit(2) from None
+        except Interrupted as stop:
+            err.print(f"[yellow]stopped by {stop}; the sandbox was removed[/]")
+            raise typer.Exit(signal_exit_code(stop.signum)) from None
     if as_json:
         print(
             json.dumps(

@@ -233,14 +233,20 @@ def run_code(
     """Run code in a fresh sandbox; print its output and the value of its last expression."""
     try:
         code = sys.stdin.read() if file == "-" else _read_source(Path(file))
-        with Sandbox.create(
-            tier, limits=Limits(memory_mb=memory, timeout_s=timeout), allow_weaker=allow_weaker
-        ) as sbx:
+        with (
+            interruptible(),
+            Sandbox.create(
+                tier, limits=Limits(memory_mb=memory, timeout_s=timeout), allow_weaker=allow_weaker
+            ) as sbx,
+        ):
             execution = sbx.run_code(
                 code, language, on_stdout=lambda s: out.file.write(s), on_stderr=lambda s: err.file.write(s)
             )
     except exc.StockadeError as error:
         _fail(error)
+    except Interrupted as stop:
+        err.print(f"[yellow]stockade: stopped by {stop}; the sandbox and everything in it were removed[/]")
+        raise typer.Exit(exit_code(stop.signum)) from None
     for result in execution.results:
         if result.text is not None:
             out.print(result.text, markup=False, highlight=False)
