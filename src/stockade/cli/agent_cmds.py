@@ -32,7 +32,7 @@ from stockade.agent import (
     ToolReturned,
 )
 from stockade.cli._console import CliConsole, print_diff
-from stockade.cli._signals import Interrupted, exit_code, on_stop, signal_name
+from stockade.cli._signals import Interrupted, exit_code, interruptible, on_stop, signal_name
 from stockade.runtime.events import RetryScheduled, RuntimeEvent
 from stockade.tools import default_toolset, shell
 from stockade.types import Trust
@@ -298,7 +298,12 @@ def agent(
             observers=[progress],
             runtime_observers=[progress.retry],
         )
-        with build_agent(config) as built, built.session(workspace=workspace, run_id=run_id) as session:
+        # a signal while the sandbox starts or the run is saved: stop, removing what was made
+        with (
+            interruptible(),
+            build_agent(config) as built,
+            built.session(workspace=workspace, run_id=run_id) as session,
+        ):
             out.print(
                 f"[dim]run {session.run_id} on the {built.tier} tier ({escape(built.tier_reason)}), "
                 f"audited in {escape(options.audit_db)}; stop it with: stockade kill {session.run_id}[/]"
@@ -333,7 +338,7 @@ def agent(
     except exc.StockadeError as error:
         err.print(f"[red]error:[/] {escape(str(error))}")
         raise typer.Exit(2) from None
-    except Interrupted as again:  # a second signal: no waiting; the `with` blocks still clean up
+    except Interrupted as again:  # outside the run, or a second signal: no waiting; `with` cleans up
         err.print(f"[red]stopped by {again}[/]")
         raise typer.Exit(exit_code(again.signum)) from None
     if result.status == RunStatus.INTERRUPTED and stopped_by:
