@@ -8,10 +8,50 @@ with ``require(name, available, why)``: on a laptop without it the test skips; i
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+# What stockade keeps in the user's home: kill switches and pending approvals. Tests use their
+# own folders (below), so the suite leaves the home folder of whoever runs it as it found it.
+HOME = Path.home()
+
+
+def _home_state() -> dict[str, tuple[int, int]]:
+    """Every path under ~/.stockade with its size and mtime, and the home folder's own entries
+    (a cache under ~/.cache may be filled: the tiers' images are built there on first use)."""
+    state: dict[str, tuple[int, int]] = {}
+    for entry in os.scandir(HOME):
+        if entry.name != ".cache":
+            state[entry.name] = (0, 0)
+    stockade = HOME / ".stockade"
+    if stockade.exists():
+        for root, dirs, files in os.walk(stockade):
+            for name in dirs + files:
+                path = Path(root, name)
+                info = path.lstat()
+                state[str(path.relative_to(HOME))] = (info.st_size, info.st_mtime_ns)
+    return state
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _home_is_left_untouched() -> Iterator[None]:
+    before = _home_state()
+    yield
+    after = _home_state()
+    changed = sorted(set(before.items()) ^ set(after.items()))
+    assert not changed, f"the tests changed the home folder {HOME}: {changed[:10]}"
+
+
+@pytest.fixture(autouse=True)
+def _own_state_folders(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kill switches and approvals of each test in folders of its own (subprocesses inherit them)."""
+    state = tmp_path_factory.mktemp("stockade-state")
+    monkeypatch.setenv("STOCKADE_KILL_DIR", str(state / "kill"))
+    monkeypatch.setenv("STOCKADE_APPROVAL_DIR", str(state / "approvals"))
 
 
 def require(name: str, available: bool, why: str = "") -> None:

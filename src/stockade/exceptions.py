@@ -6,6 +6,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
 
     StockadeError
     ├── ConfigurationError            you called it wrong, or the policy file is wrong
+    │   ├── InvalidArgument           one argument is wrong: ``argument`` names it, ``fix`` says what to give
     │   ├── LimitNotEnforceable       this host cannot enforce a limit you asked for
     │   ├── PolicyFileError           the policy file is invalid; ``problems`` lists each, with its line
     │   ├── ImageNotFound             the sandbox image is not on this host (build it)
@@ -44,6 +45,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     └── RunStopped                    a control ends the run with a status
         ├── BudgetExceeded            status "budget": steps, wall time, tokens, dollars, $/hour spent
         ├── RunKilled                 status "killed": someone pulled the kill switch
+        ├── RunInterrupted            status "interrupted": stopped from outside (Ctrl-C, SIGTERM); resumable
         └── ApprovalRequired          status "paused": a human must decide; resume the run after
 
 Errors pickle cleanly (they cross process boundaries in the distributed tier).
@@ -65,6 +67,7 @@ __all__ = [
     "FileTooLarge",
     "FileTypeError",
     "ImageNotFound",
+    "InvalidArgument",
     "InvalidToolCall",
     "LimitNotEnforceable",
     "ModelAuthError",
@@ -79,6 +82,7 @@ __all__ = [
     "ProtocolError",
     "RateLimited",
     "ResourceContention",
+    "RunInterrupted",
     "RunKilled",
     "RunStopped",
     "RunStoreError",
@@ -124,6 +128,16 @@ def _rebuild(cls: type[StockadeError], message: str, state: dict[str, Any]) -> S
 
 class ConfigurationError(StockadeError):
     """The caller asked for something invalid; fix the call or the configuration."""
+
+
+class InvalidArgument(ConfigurationError):
+    """One argument or field has a value stockade cannot use. ``argument`` names it (``Limits.pids``,
+    ``trust``, ``--env``) and ``fix`` says what to give instead; the message holds both."""
+
+    def __init__(self, message: str, *, argument: str = "", fix: str = "") -> None:
+        super().__init__(f"{message}; {fix}" if fix else message)
+        self.argument = argument
+        self.fix = fix
 
 
 class LimitNotEnforceable(ConfigurationError):
@@ -326,6 +340,18 @@ class RunKilled(RunStopped):
     """The kill switch of ``run_id`` was pulled (CLI, Redis key, file or API)."""
 
     status = "killed"
+
+    def __init__(self, message: str, *, run_id: str = "", reason: str = "") -> None:
+        super().__init__(message)
+        self.run_id = run_id
+        self.reason = reason
+
+
+class RunInterrupted(RunStopped):
+    """The run was stopped from outside its loop (Ctrl-C, SIGTERM, ``AgentSession.interrupt()``)
+    mid-step: its sandbox was killed, its state kept; resume it to run the interrupted step again."""
+
+    status = "interrupted"
 
     def __init__(self, message: str, *, run_id: str = "", reason: str = "") -> None:
         super().__init__(message)

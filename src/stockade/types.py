@@ -6,7 +6,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from stockade.exceptions import ConfigurationError
+from stockade._checks import MAX_TIMEOUT_S, check_number
 
 __all__ = [
     "CommandResult",
@@ -48,23 +48,27 @@ class Limits:
     output_bytes: int = 1 * MiB
 
     def __post_init__(self) -> None:
-        positive = {
-            "memory_mb": self.memory_mb,
-            "cpus": self.cpus,
-            "pids": self.pids,
-            "timeout_s": self.timeout_s,
-            "disk_mb": self.disk_mb,
-            "inodes": self.inodes,
-            "tmp_mb": self.tmp_mb,
-            "output_bytes": self.output_bytes,
-        }
-        for name, value in positive.items():
-            if not value > 0:
-                raise ConfigurationError(f"Limits.{name} must be > 0, got {value!r}")
-        if self.pids < 8:
-            raise ConfigurationError("Limits.pids must be >= 8: the sandbox machinery needs a few")
-        if self.memory_mb < 32:
-            raise ConfigurationError("Limits.memory_mb must be >= 32: the interpreter needs it")
+        for name, (integer, low, high, unit) in _LIMIT_RANGES.items():
+            check_number(
+                getattr(self, name), argument=f"Limits.{name}", integer=integer, low=low, high=high,
+                unit=unit, low_inclusive=low > 0,
+            )  # fmt: skip
+
+
+# field: (whole number, lowest, highest, unit). The lowest values are what the sandbox machinery
+# needs (a few processes, an interpreter's memory); the highest are what every tier's kernel,
+# engine and runtime accept (PID_MAX_LIMIT; sizes whose bytes, plus a runtime's overhead, fit
+# 64 bits; a tmpfs's inode count), so a value that passes here never fails at start.
+_LIMIT_RANGES: dict[str, tuple[bool, float, float, str]] = {
+    "memory_mb": (True, 32, 2**32, "MiB"),
+    "cpus": (False, 0, 4096, "cores"),
+    "pids": (True, 8, 4_194_304, "processes"),
+    "timeout_s": (False, 0, MAX_TIMEOUT_S, "seconds"),
+    "disk_mb": (True, 1, 2**32, "MiB"),
+    "inodes": (True, 1, 2**31 - 1, "inodes"),
+    "tmp_mb": (True, 1, 2**32, "MiB"),
+    "output_bytes": (True, 1, 2**50, "bytes"),
+}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -134,7 +134,9 @@ def test_a_tier_weaker_than_trust_allows_fails_before_anything_runs(tmp_path: Pa
         )
 
 
-def test_the_readme_agents_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_readme_agents_example_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     require_tier("process")
     root = Path(__file__).parents[2]
     text = (root / "README.md").read_text()
@@ -146,5 +148,41 @@ def test_the_readme_agents_example_runs(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setenv("STOCKADE_APPROVAL_DIR", str(tmp_path / "approvals"))
     monkeypatch.setenv("STOCKADE_KILL_DIR", str(tmp_path / "kill"))
     exec(compile(block, "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    # the model said "all green"; the check ran the tests and said otherwise, as the README says
+    assert printed.startswith("check_failed process unittest: 2 passed, 1 failed"), printed
     with SQLiteStore(tmp_path / ".stockade" / "audit.db") as store:
         assert verify(store).ok and store.head() is not None
+    from typer.testing import CliRunner
+
+    from stockade.cli.main import app
+
+    listed = CliRunner().invoke(app, ["runs", "list"])  # the default store, from the same folder
+    assert (
+        listed.exit_code == 0 and "check_failed" in listed.output and "make the tests pass" in listed.output
+    )
+
+
+def test_trust_sets_the_minimum_and_the_cheapest_tier_that_meets_it_is_used(tmp_path: Path) -> None:
+    from stockade import Sandbox
+    from stockade.sandbox import _registry
+
+    require_tier("process")
+    # trusted code is allowed the process tier: no microVM for it unless asked to prefer strength
+    with Sandbox.create(trust="trusted") as sbx:
+        assert sbx.tier == "process"
+    if _registry.probe("microvm").available:  # (probing docker-backed tiers starts containers)
+        assert _registry.select_tier(Trust.TRUSTED, prefer="strongest") == "microvm"
+
+    model = ScriptedModel(["nothing to do"])
+    with build_agent(
+        AgentConfig(
+            model=model,
+            policy=EXAMPLE_POLICY,  # trust = "trusted"
+            approval_dir=tmp_path / "approvals",
+            kill_target=str(tmp_path / "kill"),
+        )
+    ) as agent:
+        assert agent.tier == "process" and "cheapest" in agent.tier_reason
+        result = agent.run_sync("look")
+    assert result.tier == "process" and result.ok

@@ -57,6 +57,7 @@ def test_stockade_agent_pauses_for_approval_then_resumes_to_success(dirs: Path) 
     assert first.exit_code == 3, first.output
     output = " ".join(first.output.split())  # the console wraps long lines
     assert "denied shell" in output and "is denied by the policy ('curl')" in output
+    assert "on the process tier" in output
     approve = re.search(r"approve: (stockade approve tidy [0-9a-f]+)", output)
     assert approve is not None and "then resume: stockade agent --resume tidy" in output
 
@@ -66,6 +67,7 @@ def test_stockade_agent_pauses_for_approval_then_resumes_to_success(dirs: Path) 
     second = runner.invoke(app, ["agent", "--resume", "tidy", *common])
     assert second.exit_code == 0, second.output
     assert "+cleaned" in second.output and "-old" in second.output  # the diff spans both processes
+    assert "success after" in second.output and "on the process tier" in second.output
     assert "pwned" not in second.output
     assert (dirs / "project" / "scratch" / "stale.o").exists()  # the host folder is never written
     assert not (dirs / "paused" / "tidy").exists()
@@ -96,6 +98,10 @@ def test_stockade_demo_ends_with_its_audit_run_and_a_verified_chain(tmp_path: Pa
     require_tier("process")
     result = runner.invoke(app, ["demo", "--audit-db", str(tmp_path / "demo.db")])
     assert result.exit_code == 0, result.output
+    assert "✓ check passed" in result.output
+    # the diff's long line arrives whole: output to a pipe or a file is never cut at 80 columns
+    fixed = "+    return sorted(name for name, count in stock.items() if count <= threshold)\n"
+    assert fixed in result.output
     run_id = re.search(r"audit run id: ([0-9a-f]+)", result.output)
     verified = re.search(r"audit chain verified: (\d+) events", result.output)
     assert run_id is not None and verified is not None
@@ -103,3 +109,125 @@ def test_stockade_demo_ends_with_its_audit_run_and_a_verified_chain(tmp_path: Pa
         events = list(store.events(run_id=run_id.group(1)))
     assert int(verified.group(1)) == len(events)
     assert "retry" in {e.kind.value for e in events}  # the injected fault, retried and recorded
+
+
+def test_stockade_agent_with_a_check_shows_invalid_calls_and_ends_check_failed(
+    dirs: Path, tmp_path: Path
+) -> None:
+    require_tier("process")
+    from stockade.demo import SAMPLE_PROJECT
+
+    turns = [
+        {"name": "read_file", "args": {"no_such_argument": 1}},
+        {"name": "run_tests", "args": {"command": "python3 -m unittest"}},
+        "all green",
+    ]
+    (tmp_path / "lies.json").write_text(json.dumps(turns))
+    result = runner.invoke(
+        app,
+        [
+            "agent", "make the tests pass", "--workspace", str(SAMPLE_PROJECT),
+            "--model", f"scripted:{tmp_path / 'lies.json'}", "--policy", str(EXAMPLE_POLICY),
+            "--check", "python3 -m unittest", "--max-steps", "3",
+            "--audit-db", f"sqlite:///{tmp_path / 'audit.db'}", "--state-dir", str(tmp_path / "paused"),
+        ],
+    )  # fmt: skip
+    assert result.exit_code == 1, result.output
+    assert "✗ invalid call read_file(no_such_argument=1)" in result.output
+    assert "path: Field required" in result.output
+    assert "✗ check failed python3 -m unittest" in result.output
+    assert "unittest: 2 passed, 1 failed" in result.output
+    assert "check_failed after 3 steps on the process tier" in result.output
+
+
+def test_stockade_demo_records_its_run_where_runs_list_looks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    require_tier("process")
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["demo"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / ".stockade" / "audit.db").exists()
+    run_id = re.search(r"audit run id: ([0-9a-f]+)", result.output)
+    assert run_id is not None and f"stockade runs show {run_id.group(1)}" in result.output
+    listed = runner.invoke(app, ["runs", "list", "--json"])
+    (run,) = json.loads(listed.output)
+    assert (run["run_id"], run["status"]) == (run_id.group(1), "success")
+
+
+def test_a_failed_stockade_agent_leaves_no_files_behind(dirs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(dirs)
+    project = str(dirs / "project")
+    failing = [
+        ["agent", "x", "-w", project, "-m", "scripted:missing.json"],  # no such model file
+        ["agent", "x", "-w", str(dirs / "nowhere"), "-m", f"scripted:{dirs / 'turns.json'}"],
+        ["agent", "x", "-w", project, "-m", f"scripted:{dirs / 'turns.json'}", "--tier", "bogus"],
+        ["agent", "x", "-w", project, "-m", f"scripted:{dirs / 'turns.json'}", "--policy", "missing.toml"],
+    ]
+    weaker = ["--policy", str(EXAMPLE_POLICY), "--trust", "untrusted", "--tier", "process"]
+    failing.append(["agent", "x", "-w", project, "-m", f"scripted:{dirs / 'turns.json'}", *weaker])
+    for args in failing:
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, (args, result.output)
+        assert not (dirs / ".stockade").exists(), args
+
+
+def test_ctrl_c_stops_a_long_tool_call_at_once_and_the_run_resumes(tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from stockade.runs import open_run_store
+
+    require_tier("process")
+    (tmp_path / "project").mkdir()
+    slow = "if [ -f marker ]; then echo 'second time'; else touch marker; sleep 120; fi"
+    turns = [{"name": "run_code", "args": {"language": "bash", "code": slow}}, "done"]
+    (tmp_path / "turns.json").write_text(json.dumps(turns))
+    env = {
+        **os.environ,
+        "STOCKADE_APPROVAL_DIR": str(tmp_path / "approvals"),
+        "STOCKADE_KILL_DIR": str(tmp_path / "kill"),
+    }
+    agent = [sys.executable, "-m", "stockade.cli.main", "agent"]
+    proc = subprocess.Popen(
+        [*agent, "wait", "-w", "project", "-m", "scripted:turns.json", "--policy", str(EXAMPLE_POLICY),
+         "--run-id", "slow"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        live = tmp_path / "kill" / ".live" / "slow"
+        deadline = time.monotonic() + 60
+        while not live.exists():  # the run watches its kill switch once its sandbox is up
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        time.sleep(1.5)  # the model's first turn is in: the 120 s command runs
+        started = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=30)
+        took = time.monotonic() - started
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130, stdout + stderr
+    assert took < 5, f"took {took:.1f} s"  # not the ~23 s of waiting for the command
+    assert "interrupted" in stdout and "stockade agent --resume slow" in stdout
+    with open_run_store(f"sqlite:///{tmp_path / '.stockade' / 'audit.db'}") as store:
+        assert store.summary("slow").status == "interrupted"  # type: ignore[union-attr]
+    assert not live.exists()  # nothing says it is live any more
+
+    resumed = subprocess.run(
+        [*agent, "--resume", "slow"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "second time" in resumed.stdout or "success" in resumed.stdout
+    with open_run_store(f"sqlite:///{tmp_path / '.stockade' / 'audit.db'}") as store:
+        assert store.summary("slow").status == "success"  # type: ignore[union-attr]

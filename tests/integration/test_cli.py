@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -68,6 +71,10 @@ def test_doctor_reports_every_tier_and_how_limits_are_enforced() -> None:
     for tier in ("process", "docker", "gvisor", "microvm"):
         assert tier in r.stdout
     assert "enforced by: memory=cgroup" in r.stdout.replace("\n", " ").replace("  ", " ")
+    reports = {t["tier"]: t for t in json.loads(stockade("doctor", "--json").stdout)}
+    assert list(reports) == ["process", "docker", "gvisor", "microvm"]
+    assert reports["process"]["available"] is True
+    assert str(reports["process"]["enforcement"]["memory"]).startswith("cgroup")  # type: ignore[index]
 
 
 def test_gc_runs_cleanly() -> None:
@@ -82,3 +89,69 @@ def test_the_readme_sandbox_example_runs(capsys: pytest.CaptureFixture[str]) -> 
     exec(compile(block, "README.md", "exec"), {})
     printed = capsys.readouterr().out.splitlines()
     assert printed[:2] == ["0 42", "42"]
+
+
+def test_exec_says_what_was_cut_and_takes_a_larger_cap() -> None:
+    big = "python3 -c \"import sys; sys.stdout.write('x' * (3 * 1024 * 1024))\""
+    r = stockade("exec", "--", "sh", "-c", big)
+    assert r.returncode == 0 and len(r.stdout) == 1024 * 1024
+    assert "stdout was cut: 1.0 MiB of 3.0 MiB kept" in r.stderr and "--max-output" in r.stderr
+    r = stockade("exec", "--max-output", "4M", "--", "sh", "-c", big)
+    assert r.returncode == 0 and len(r.stdout) == 3 * 1024 * 1024 and "cut" not in r.stderr
+    r = stockade("exec", "--max-output", "lots", "--", "true")
+    assert r.returncode == 2 and "--max-output" in r.stderr
+
+
+def test_exec_env_and_json() -> None:
+    r = subprocess.run(
+        [*STOCKADE, "exec", "--env", "GREETING=hello world", "-e", "FROM_HOST", "--json", "--", "sh", "-c",
+         'echo "$GREETING / $FROM_HOST"; exit 4'],
+        env={**os.environ, "FROM_HOST": "host value"},
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert r.returncode == 4, r.stderr
+    result = json.loads(r.stdout)
+    assert result["stdout"] == "hello world / host value\n" and result["exit_code"] == 4
+    assert result["tier"] == "process" and result["truncated"] is False
+    r = stockade("exec", "--env", "A=B=C", "--env", "X", "--", "true")
+    assert r.returncode == 2 and "--env" in r.stderr
+
+
+def _rundirs_of(pid: int) -> list[Path]:
+    from stockade.sandbox.process import OWNER_FILE, _default_state_dir
+
+    base = _default_state_dir(os.geteuid() == 0)
+    found = []
+    for rundir in base.glob("sbx-*"):
+        try:
+            if (rundir / OWNER_FILE).read_text().split()[0] == str(pid):
+                found.append(rundir)
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_exec_stopped_by_a_signal_removes_its_sandbox(signum: int) -> None:
+    from stockade.sandbox import _cgroups
+
+    proc = subprocess.Popen(
+        [*STOCKADE, "exec", "--timeout", "60", "--", "sh", "-c", "echo ready; sleep 60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        (rundir,) = _rundirs_of(proc.pid)
+        sandbox_id = rundir.name
+        started = time.monotonic()
+        proc.send_signal(signum)
+        _, stderr = proc.communicate(timeout=20)
+        took = time.monotonic() - started
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 128 + signum, stderr
+    assert "stopped by SIG" in stderr and took < 5
+    assert not rundir.exists()
+    mounts = Path("/proc/self/mountinfo").read_text()
+    assert sandbox_id not in mounts and sandbox_id not in _cgroups.leftover_groups()

@@ -167,6 +167,22 @@ def test_bash_and_other_languages_run_as_fresh_processes(sbx: Sandbox) -> None:
         sbx.run_code("x", language="cobol")
 
 
+def test_programs_of_any_size_run_with_the_semantics_of_dash_c(sbx: Sandbox) -> None:
+    # 256 KiB of bash: as an argument it would be refused by the kernel (one argument <= 128 KiB)
+    big = "x=0\n" + "x=$((x + 1))\n" * 25_000 + "echo $x"
+    assert len(big.encode()) > 256 * 1024
+    ex = sbx.run_code(big, language="bash")
+    assert (ex.logs.stdout, ex.error) == ("25000\n", None)
+    # the program's own standard input is empty, as under `bash -c`; it is not the program
+    ex = sbx.run_code('read -r line; echo "read: [$line]"\necho after', language="bash")
+    assert ex.logs.stdout == "read: []\nafter\n"
+    ex = sbx.run_code("import sys\nprint(len(sys.stdin.read()), 'x' * 3)", language="python3")
+    assert ex.logs.stdout == "0 xxx\n"
+    assert sbx.run_code("", language="sh").error is None
+    failed = sbx.run_code("echo a\nexit 3\necho b", language="sh")
+    assert failed.logs.stdout == "a\n" and failed.error is not None and failed.error.value == "exit code 3"
+
+
 def test_empty_and_huge_code(sbx: Sandbox) -> None:
     assert sbx.run_code("").error is None
     big = "x = 0\n" + "x += 1\n" * 20_000 + "x"

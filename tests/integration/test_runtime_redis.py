@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 import uuid
 
 import pytest
@@ -63,3 +64,19 @@ def test_a_redis_key_kills_the_run(redis_url: str) -> None:
             switch.check()
     finally:
         source.clear(run_id)
+
+
+def test_a_watched_run_is_live_in_redis_and_leaves_nothing_when_it_ends(redis_url: str) -> None:
+    run_id = f"run-{uuid.uuid4().hex}"
+    source = RedisKillSource(redis_url)
+    switch = KillSwitch(run_id, [RedisKillSource(redis_url)], poll_s=0.01)
+    assert source.live(run_id) is None
+    with switch.watch():
+        assert source.live(run_id) is not None
+        source.kill(run_id, "stop")
+        assert source.client.ttl(source.prefix + run_id) > 0  # a switch expires
+        deadline = time.monotonic() + 5
+        while not switch.killed:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    assert source.live(run_id) is None and source.reason(run_id) is None

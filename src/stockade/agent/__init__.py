@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from stockade.agent.checkpoint import Checkpointer, JsonFileCheckpointer, MemoryCheckpointer
 from stockade.agent.events import (
     AgentEvent,
+    CheckFinished,
     ModelDenied,
     ModelRequested,
     ModelResponded,
@@ -16,6 +17,7 @@ from stockade.agent.events import (
     StepFinished,
     ToolCalled,
     ToolDenied,
+    ToolRejected,
     ToolReturned,
 )
 from stockade.agent.loop import (
@@ -23,6 +25,7 @@ from stockade.agent.loop import (
     Agent,
     AgentRun,
     CallToolsNode,
+    CheckNode,
     End,
     Guard,
     GuardContext,
@@ -31,7 +34,7 @@ from stockade.agent.loop import (
     RunLimits,
     RunResult,
 )
-from stockade.agent.state import NodeKind, RunState, RunStatus, StepRecord, ToolCallRecord
+from stockade.agent.state import CheckRecord, NodeKind, RunState, RunStatus, StepRecord, ToolCallRecord
 
 if TYPE_CHECKING:
     from stockade.agent.assembly import AgentConfig, AgentSession, GuardedAgent, build_agent
@@ -57,6 +60,9 @@ __all__ = [
     "AgentRun",
     "AgentSession",
     "CallToolsNode",
+    "CheckFinished",
+    "CheckNode",
+    "CheckRecord",
     "Checkpointer",
     "End",
     "Guard",
@@ -82,6 +88,7 @@ __all__ = [
     "ToolCallRecord",
     "ToolCalled",
     "ToolDenied",
+    "ToolRejected",
     "ToolReturned",
     "build_agent",
 ]

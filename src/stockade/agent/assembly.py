@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from stockade._checks import check_choice
 from stockade.agent.checkpoint import Checkpointer
 from stockade.agent.events import (
     AgentEvent,
@@ -63,14 +64,20 @@ from stockade.agent.events import (
 )
 from stockade.agent.events import Observer as AgentObserver
 from stockade.agent.loop import DEFAULT_SYSTEM_PROMPT, Agent, Guard, GuardContext, RunLimits, RunResult
-from stockade.agent.state import RunState, RunStatus
+from stockade.agent.state import RunState
 from stockade.audit.agent import AuditObserver
 from stockade.audit.events import EventKind
 from stockade.audit.log import AuditLog
 from stockade.audit.runtime_events import RuntimeAuditor
 from stockade.audit.sandbox import AuditedBackend
 from stockade.audit.stores import open_store
-from stockade.exceptions import ApprovalRequired, ConfigurationError, PolicyDenied, TierUnavailable
+from stockade.exceptions import (
+    ApprovalRequired,
+    ConfigurationError,
+    InvalidArgument,
+    PolicyDenied,
+    TierUnavailable,
+)
 from stockade.models.base import Model, resolve_model
 from stockade.models.messages import ToolCall
 from stockade.models.pricing import DEFAULT_PRICES, Price
@@ -85,7 +92,7 @@ from stockade.policy.guards import GuardedInstance, OpGuard, describe, enforce
 from stockade.policy.load import load_policy
 from stockade.policy.schema import Policy, TrustRules, Verdict
 from stockade.runs.recorder import RunRecorder
-from stockade.runs.store import RunStore
+from stockade.runs.store import RunStore, open_run_store
 from stockade.runtime.agent import RuntimeControls
 from stockade.runtime.anomaly import AnomalyMonitor
 from stockade.runtime.breaker import BreakerConfig, Breakers, BreakingBackend
@@ -97,6 +104,7 @@ from stockade.runtime.limits import RateLimit, SpendLimit, window_for
 from stockade.runtime.models import BreakerModel, LimitedModel, RetryingModel
 from stockade.runtime.retry import Retrier, RetryingBackend, RetryPolicy
 from stockade.sandbox import _registry
+from stockade.sandbox._registry import Preference
 from stockade.sandbox.base import Backend
 from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import Op
@@ -125,13 +133,16 @@ class AgentConfig:
     policy: str | Path | Policy | None = None  # a .toml/.yaml file or a Policy; None: the defaults
     role: str | None = None  # required when the policy defines roles
     trust: Trust | None = None  # tightens the policy's [trust] level
-    tier: str | None = None  # None: the strongest tier trust allows and this host has
+    tier: str | None = None  # None: the cheapest tier trust allows and this host has
+    prefer: Preference | None = None  # "strongest" turns the choice round; None: the policy's
     backend: Backend | None = None  # replaces the tier's backend (tests, fault injection); its
     #                                 ``tier`` must still be one that trust allows
     sandbox_limits: Limits | None = None
     audit: str | AuditLog = "memory:"  # a store URL (sqlite:///PATH, postgresql://...) or a log
     audit_key: bytes | None = None  # HMAC key of the chain, when ``audit`` is a URL
     limits: RunLimits = field(default_factory=RunLimits)  # per-run steps, wall time, tokens, dollars
+    check: str | None = None  # the acceptance check: "success" only when this command passes at the end
+    check_timeout_s: float | None = None  # its wall-clock limit (the sandbox default when None)
     rate_per_minute: int | None = None  # tool actions per rolling minute, over all runs
     dollars_per_hour: float | None = None  # model spend per rolling hour, over all runs
     limits_redis_url: str | None = None  # share the two windows above across processes
@@ -146,40 +157,64 @@ class AgentConfig:
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     checkpointer: Checkpointer | None = None  # to resume in another process; a RunStore
     #                                          (open_run_store) also records retries, approvals, calls
+    record_runs: bool = True  # without a checkpointer: record runs in a run store (`stockade runs`)
+    runs_url: str | None = None  # that run store; None: the audit database, when ``audit`` is a URL
     observers: Sequence[AgentObserver] = ()  # after the built-in ones
     runtime_observers: Sequence[RuntimeObserver] = ()  # retries, breakers, limits, kills, anomalies
     clock: Clock | None = None  # rolling windows, breakers, anomaly rules (tests pass a ManualClock)
     telemetry: Telemetry | None = None  # spans (run > model call / tool call > sandbox op), metrics
+
+    def __post_init__(self) -> None:
+        if self.trust is not None:  # "internal" is accepted for Trust.INTERNAL, and kept as the member
+            object.__setattr__(self, "trust", check_choice(Trust, self.trust, argument="AgentConfig.trust"))
+        if self.prefer is not None and self.prefer not in ("cheapest", "strongest"):
+            raise InvalidArgument(
+                f"AgentConfig.prefer is {self.prefer!r}",
+                argument="AgentConfig.prefer",
+                fix='give "cheapest" (the default) or "strongest"',
+            )
+        if self.tier is not None and self.tier not in _registry.TIERS:
+            raise InvalidArgument(
+                f"AgentConfig.tier is {self.tier!r}, which is no tier",
+                argument="AgentConfig.tier",
+                fix=f"give one of {', '.join(_registry.TIERS)}, or None to choose by trust",
+            )
 
 
 def effective_trust(policy: Policy, trust: Trust | None) -> Trust:
     """The stricter of the policy's trust and the caller's."""
     if trust is None:
         return policy.trust.level
-    return max(policy.trust.level, Trust(trust), key=_TRUST_ORDER.index)
+    return max(policy.trust.level, check_choice(Trust, trust, argument="trust"), key=_TRUST_ORDER.index)
 
 
 def _load(policy: str | Path | Policy | None, trust: Trust | None) -> Policy:
     if policy is None:  # no file: the caller's trust is the only word (default: untrusted)
-        return Policy(trust=TrustRules(level=Trust(trust) if trust is not None else Trust.UNTRUSTED))
+        level = check_choice(Trust, trust, argument="trust") if trust is not None else Trust.UNTRUSTED
+        return Policy(trust=TrustRules(level=level))
     loaded = policy if isinstance(policy, Policy) else load_policy(policy)
     level = effective_trust(loaded, trust)
     return loaded.model_copy(update={"trust": loaded.trust.model_copy(update={"level": level})})
 
 
-def _choose_tier(engine: PolicyEngine, tier: str | None, backend: Backend | None) -> str:
+def _choose_tier(
+    engine: PolicyEngine, tier: str | None, backend: Backend | None, prefer: Preference | None = None
+) -> tuple[str, str]:
+    """The tier, and in words why it is that one."""
     asked = backend.tier if backend is not None else tier
+    level = engine.policy.trust.level.value
     if asked is None:
-        return engine.select_tier()
+        order = prefer or engine.policy.trust.prefer
+        chosen = engine.select_tier(order)
+        return chosen, f"the {order} tier trust {level!r} allows on this host"
     allowed = engine.allowed_tiers()
     if asked not in allowed:
-        level = engine.policy.trust.level.value
         raise TierUnavailable(
             f"tier {asked!r} is weaker than trust {level!r} allows (one of: {', '.join(allowed) or 'none'}); "
             f"use one of those tiers, or, if your own team wrote the code this agent runs, set "
             f'trust = "trusted" (the policy\'s [trust] level, or --trust trusted)'
         )
-    return asked
+    return asked, f"{'the backend given' if backend is not None else 'asked for'}; trust {level!r} allows it"
 
 
 class _AuditedApprovals(Approvals):
@@ -277,12 +312,27 @@ class GuardedAgent:
         self.config = config
         self.policy = _load(config.policy, config.trust)
         self.engine = PolicyEngine(self.policy, role=config.role)
-        self.tier = _choose_tier(self.engine, config.tier, config.backend)
+        self.tier, self.tier_reason = _choose_tier(self.engine, config.tier, config.backend, config.prefer)
+        # what can be wrong with the configuration fails here, before any file is created
+        base = resolve_model(config.model)
+        self.backend = config.backend or _registry.backend(self.tier)
+        self.tools = config.tools if config.tools is not None else default_toolset()
         if isinstance(config.audit, AuditLog):
             self.audit_log, self._owns_log = config.audit, False
         else:
             self.audit_log = AuditLog(open_store(config.audit), key=config.audit_key)
             self._owns_log = True
+        self.checkpointer: Checkpointer | None = config.checkpointer
+        self._owned_runs: RunStore | None = None
+        runs_url = config.runs_url or (
+            config.audit if isinstance(config.audit, str) and config.audit != "memory:" else None
+        )
+        if self.checkpointer is None and config.record_runs and runs_url is not None:
+            try:  # the runs go where the audit trail goes, so `stockade runs list` finds them
+                self.checkpointer = self._owned_runs = open_run_store(runs_url)
+            except BaseException:
+                self.close()
+                raise
         log = self.audit_log
         clock = config.clock or SystemClock()
         self._unattached = RuntimeAuditor(log)  # events outside any session (none expected)
@@ -307,7 +357,6 @@ class GuardedAgent:
         self.approvals = _AuditedApprovals(
             Approvals(config.approver, ApprovalStore(config.approval_dir)), log
         )
-        base = resolve_model(config.model)
         limited = LimitedModel(
             BreakerModel(RetryingModel(base, self.retrier), self.breakers), spend=spend, prices=self.prices
         )
@@ -317,8 +366,6 @@ class GuardedAgent:
             _record_denial(log, "", "model", err)
             self.close()
             raise
-        self.tools = config.tools if config.tools is not None else default_toolset()
-        self.backend = config.backend or _registry.backend(self.tier)
 
     def _dispatch(self, event: RuntimeEvent) -> None:
         (_session_observer.get() or self._unattached)(event)
@@ -360,7 +407,10 @@ class GuardedAgent:
     # -- lifetime ---------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Flush the audit trail (and close it when this agent opened it)."""
+        """Flush the audit trail (and close it, and the run store, when this agent opened them)."""
+        if self._owned_runs is not None:
+            self._owned_runs.close()
+            self._owned_runs = None
         if self._owns_log:
             self.audit_log.close()
             self.audit_log.store.close()
@@ -390,8 +440,8 @@ class AgentSession:
         runtime: list[RuntimeObserver] = [auditor]
         self.approvals: Approvals = owner.approvals
         self._recorder: RunRecorder | None = None
-        if isinstance(config.checkpointer, RunStore):  # retries, approvals and the ledger too
-            recorder = self._recorder = RunRecorder(config.checkpointer, run_id=run_id)
+        if isinstance(owner.checkpointer, RunStore):  # retries, approvals and the ledger too
+            recorder = self._recorder = RunRecorder(owner.checkpointer, run_id=run_id)
             observers.append(recorder)
             runtime.append(recorder.runtime)
             self.approvals = recorder.approvals(owner.approvals)
@@ -437,8 +487,10 @@ class AgentSession:
                 self._track_step,
                 *config.observers,
             ],
-            checkpointer=config.checkpointer,
+            checkpointer=owner.checkpointer,
             prices=owner.prices,
+            check=config.check,
+            check_timeout_s=config.check_timeout_s,
         )
         self._raw: Sandbox | None = None
         self._sandbox: Sandbox | None = None
@@ -508,11 +560,18 @@ class AgentSession:
     async def run(self, task: str) -> RunResult:
         return await self._drive(task, None)
 
+    def interrupt(self, reason: str = "interrupted") -> None:
+        """Stop the run now, from any thread (a signal handler, a UI): the sandbox is killed
+        mid-command and the run ends "interrupted", resumable from its last state. Save the
+        workspace first (``save_workspace``) to resume it in another sandbox."""
+        self.kill_switch.interrupt(reason)
+
     async def resume(self) -> RunResult:
-        """Continue the run after a pause (from the checkpointer, else from the last result)."""
-        if self.owner.config.checkpointer is not None:
+        """Continue the run after a pause or an interruption (from the checkpointer, else from
+        the last result)."""
+        if self.owner.checkpointer is not None:
             return await self._drive(None, self.run_id)
-        if self.last is None or self.last.status != RunStatus.PAUSED:
+        if self.last is None or not self.last.status.resumable:
             raise ConfigurationError("nothing to resume: no paused run here and no checkpointer")
         return await self._drive(None, self.last.state)
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from stockade.agent.state import StepRecord, ToolCallRecord
+from stockade.agent.state import CheckRecord, StepRecord, ToolCallRecord
 from stockade.models.messages import ModelRequest, ModelResponse, ToolCall
 
 if TYPE_CHECKING:
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AgentEvent",
+    "CheckFinished",
     "ModelDenied",
     "ModelRequested",
     "ModelResponded",
@@ -31,6 +32,7 @@ __all__ = [
     "StepFinished",
     "ToolCalled",
     "ToolDenied",
+    "ToolRejected",
     "ToolReturned",
 ]
 
@@ -99,6 +101,26 @@ class ToolReturned:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ToolRejected:
+    """The model's call named no tool, or its arguments failed the tool's schema: nothing ran,
+    and the model is told why (``record.observation``)."""
+
+    run_id: str
+    step: int
+    record: ToolCallRecord
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckFinished:
+    """The acceptance check ran after the model said it was done; ``report`` is the runner's
+    (a ``TestReport``)."""
+
+    run_id: str
+    record: CheckRecord
+    report: object
+
+
+@dataclass(frozen=True, kw_only=True)
 class StepFinished:
     run_id: str
     step: StepRecord
@@ -117,7 +139,9 @@ AgentEvent = (
     | ModelDenied
     | ToolCalled
     | ToolDenied
+    | ToolRejected
     | ToolReturned
+    | CheckFinished
     | StepFinished
     | RunFinished
 )

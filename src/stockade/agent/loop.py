@@ -1,6 +1,8 @@
 """The agent loop: explicit nodes over a serialisable ``RunState``.
 
     prompt -> model_request -> call_tools -> model_request -> ... -> end
+                                 └─ (final answer, with an acceptance check) -> check -> end, or
+                                    back to model_request with the check's result
 
 ``state.next`` names the node to run; each node reads and updates the state, and the state
 is checkpointed after it. Step through a run with ``agent.iter()``:
@@ -29,6 +31,10 @@ Extension points (other layers plug in here without editing the loop):
   diff, saved outputs, test reports), when ``sandbox`` is policy-guarded: the model's path
   rules are about the model's actions, not the run's records. The default is ``sandbox``.
 
+``check=`` is the run's acceptance check, a command run in the sandbox when the model says it is
+done: the run ends "success" only when it passes; when it fails, the model is told the result
+and goes on within its budget, and the run ends "check_failed" if it never passes.
+
 Anything in a step that raises ``RunStopped`` ends the run with that exception's status.
 Tool errors (``ToolError``, ``WorkspaceError``, ...) are observations for the model; a dead
 sandbox (``SandboxCrashed``, ``SandboxClosed``, ``ProtocolError``) or a provider failure ends
@@ -45,9 +51,11 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+from stockade._checks import check_timeout
 from stockade.agent.checkpoint import Checkpointer
 from stockade.agent.events import (
     AgentEvent,
+    CheckFinished,
     ModelDenied,
     ModelRequested,
     ModelResponded,
@@ -57,12 +65,14 @@ from stockade.agent.events import (
     StepFinished,
     ToolCalled,
     ToolDenied,
+    ToolRejected,
     ToolReturned,
 )
-from stockade.agent.state import NodeKind, RunState, RunStatus, StepRecord, ToolCallRecord
+from stockade.agent.state import CheckRecord, NodeKind, RunState, RunStatus, StepRecord, ToolCallRecord
 from stockade.exceptions import (
     ApprovalRequired,
     ConfigurationError,
+    InvalidArgument,
     InvalidToolCall,
     PolicyDenied,
     ProtocolError,
@@ -84,7 +94,7 @@ from stockade.models.messages import (
 from stockade.models.pricing import DEFAULT_PRICES, Price, cost_usd
 from stockade.sandbox.facade import Sandbox
 from stockade.tools.base import Tool, ToolContext, Toolset, render
-from stockade.tools.builtin import default_toolset
+from stockade.tools.builtin import default_toolset, run_test_command
 from stockade.tools.observations import bound
 from stockade.tools.workspace_diff import record_baseline, workspace_diff
 
@@ -93,6 +103,7 @@ __all__ = [
     "Agent",
     "AgentRun",
     "CallToolsNode",
+    "CheckNode",
     "End",
     "Guard",
     "GuardContext",
@@ -121,11 +132,14 @@ class RunLimits:
     max_cost_usd: float | None = None
     max_malformed: int = 3  # corrective observations for malformed or unknown tool calls
     max_denials: int = 3  # policy denials in a row before the run ends as "denied"
+    max_check_failures: int = 3  # failed acceptance checks before the run ends as "check_failed"
     max_observation_chars: int = 12_000
 
     def __post_init__(self) -> None:
-        if self.max_steps < 1 or self.max_wall_s <= 0 or self.max_tokens < 1:
-            raise ConfigurationError("RunLimits: max_steps, max_wall_s and max_tokens must be positive")
+        if self.max_steps < 1 or self.max_wall_s <= 0 or self.max_tokens < 1 or self.max_check_failures < 1:
+            raise ConfigurationError(
+                "RunLimits: max_steps, max_wall_s, max_tokens and max_check_failures must be positive"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,10 +168,16 @@ class RunResult:
     audit_id: str | None
     error: str | None
     state: RunState
+    tier: str | None = None  # the isolation tier the run's sandbox used
 
     @property
     def ok(self) -> bool:
         return self.status == RunStatus.SUCCESS
+
+    @property
+    def check(self) -> CheckRecord | None:
+        """The last run of the acceptance check, if there was one."""
+        return self.state.checks[-1] if self.state.checks else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,11 +194,16 @@ class CallToolsNode:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CheckNode:
+    record: CheckRecord
+
+
+@dataclass(frozen=True, kw_only=True)
 class End:
     result: RunResult
 
 
-Node = ModelRequestNode | CallToolsNode | End
+Node = ModelRequestNode | CallToolsNode | CheckNode | End
 
 
 class Agent:
@@ -196,7 +221,17 @@ class Agent:
         checkpointer: Checkpointer | None = None,
         prices: Mapping[str, Price] = DEFAULT_PRICES,
         clock: Callable[[], float] = time.monotonic,
+        check: str | None = None,
+        check_timeout_s: float | None = None,
     ) -> None:
+        if check is not None and (not isinstance(check, str) or not check.strip()):
+            raise InvalidArgument(
+                f"check is {check!r}",
+                argument="check",
+                fix='give the command that decides whether the task is done, e.g. "python3 -m pytest -q"',
+            )
+        self.check = check
+        self.check_timeout_s = check_timeout(check_timeout_s, argument="check_timeout_s")
         self.model = resolve_model(model)
         self.tools = tools if tools is not None else default_toolset()
         self.system_prompt = system_prompt
@@ -233,7 +268,7 @@ class Agent:
             await asyncio.to_thread(record_baseline, books)
         else:
             state = self._load(resume)
-            if state.status == RunStatus.PAUSED and state.resume_at is not None:
+            if state.status.resumable and state.resume_at is not None:
                 state.status, state.next, state.resume_at, state.error = (
                     RunStatus.RUNNING,
                     state.resume_at,
@@ -336,6 +371,8 @@ class AgentRun:
         try:
             if self.state.next == NodeKind.MODEL_REQUEST:
                 node = await self._model_request()
+            elif self.state.next == NodeKind.CHECK:
+                node = await self._check()
             else:
                 node = await self._call_tools()
         except (RunStopped, PolicyDenied, StockadeError) as err:
@@ -365,7 +402,14 @@ class AgentRun:
         step = len(state.steps) + 1
         over = self._over_budget()
         if over is not None:
-            self._finish(over[0], error=over[1])
+            last = state.checks[-1] if state.checks else None
+            if last is not None and not last.passed and last.step == len(state.steps):
+                # the model's last word was "done" and the check disagreed: that is the outcome
+                self._finish(
+                    RunStatus.CHECK_FAILED, error=f"{over[1]}; the acceptance check fails: {last.summary}"
+                )
+            else:
+                self._finish(over[0], error=over[1])
             return None
         request = ModelRequest(system=state.system, messages=tuple(state.messages), tools=agent._definitions)
         self._emit(ModelRequested(run_id=state.run_id, step=step, request=request))
@@ -405,8 +449,66 @@ class AgentRun:
             state.steps.append(record)
             self._emit(StepFinished(run_id=state.run_id, step=record))
             state.answer = response.text
-            self._finish(RunStatus.SUCCESS)
+            if agent.check is None:
+                self._finish(RunStatus.SUCCESS)
+            else:
+                state.next = NodeKind.CHECK
         return ModelRequestNode(step=step, response=response, duration_s=duration)
+
+    async def _check(self) -> CheckNode:
+        """Run the acceptance check: success if it passes, else tell the model and go on."""
+        state, agent = self.state, self.agent
+        assert agent.check is not None, "a check node without a check"
+        step = len(state.steps)
+        report = await asyncio.to_thread(
+            run_test_command,
+            self.bookkeeping,  # the user's command, not the model's: the model's rules do not apply
+            agent.check,
+            name=f"check-{step}-{len(state.checks) + 1}",
+            timeout_s=agent.check_timeout_s,
+        )
+        shown = report.observation()
+        limit = agent.limits.max_observation_chars
+        if len(shown) > limit:
+            shown = (
+                shown[: limit // 3]
+                + f"\n[… {len(shown) - limit:,} characters cut …]\n"
+                + shown[-(limit * 2 // 3) :]
+            )
+        lines = shown.splitlines()
+        record = CheckRecord(
+            command=agent.check,
+            step=step,
+            passed=report.ok,
+            exit_code=report.exit_code,
+            summary=(lines[1] if len(lines) > 1 else "") or f"exit code {report.exit_code}",
+            observation=shown,
+            duration_s=report.duration_s,
+            timed_out=report.timed_out,
+        )
+        state.checks.append(record)
+        self._emit(CheckFinished(run_id=state.run_id, record=record, report=report))
+        if record.passed:
+            self._finish(RunStatus.SUCCESS)
+            return CheckNode(record=record)
+        failures = sum(1 for c in state.checks if not c.passed)
+        if failures >= agent.limits.max_check_failures:
+            self._finish(
+                RunStatus.CHECK_FAILED,
+                error=f"the acceptance check failed {failures} times: {record.summary}",
+            )
+            return CheckNode(record=record)
+        state.messages.append(
+            UserMessage(
+                content=(
+                    f"The acceptance check `{agent.check}` failed, so the task is not done yet:\n\n"
+                    f"{shown}\n\nKeep working. When you are done, reply without a tool call; "
+                    "the check runs again then."
+                )
+            )
+        )
+        state.next = NodeKind.MODEL_REQUEST
+        return CheckNode(record=record)
 
     async def _call_tools(self) -> CallToolsNode:
         state = self.state
@@ -457,13 +559,15 @@ class AgentRun:
                 self._finish(
                     RunStatus.ERROR, error=f"too many malformed tool calls ({state.malformed_calls}): {err}"
                 )
-            return ToolCallRecord(
+            rejected = ToolCallRecord(
                 call=call,
                 idempotency_key=key,
                 observation=f"error: {err}",
                 is_error=True,
                 error_type=type(err).__name__,
             )
+            self._emit(ToolRejected(run_id=state.run_id, step=step, record=rejected))
+            return rejected
         try:
             guard_ctx = GuardContext(
                 run_id=state.run_id, step=step, tool=tool, sandbox=self.sandbox, state=state
@@ -552,17 +656,19 @@ class AgentRun:
             status = RunStatus.DENIED
         else:
             status = RunStatus.ERROR
-        if status == RunStatus.PAUSED:  # resuming runs the interrupted node again
+        if status.resumable:  # resuming runs the interrupted node again
             self.state.resume_at = self.state.next
         self._finish(status, error=f"{type(err).__name__}: {err}")
 
     async def _end(self) -> End:
         state = self.state
-        if state.current is not None and state.status != RunStatus.PAUSED:
+        if state.current is not None and not state.status.resumable:
             state.steps.append(state.current)  # a step cut short keeps what it did
             state.current = None
         try:
             diff = await asyncio.to_thread(workspace_diff, self.bookkeeping)
+        except RunStopped:
+            diff = f"(no diff: the run's sandbox was stopped with the run, {state.status.value})"
         except StockadeError as err:
             diff = f"(the diff is unavailable: {err})"
         self.result = RunResult(
@@ -576,6 +682,7 @@ class AgentRun:
             audit_id=state.audit_id,
             error=state.error,
             state=state,
+            tier=self.sandbox.tier,
         )
         self._checkpoint()
         self._emit(RunFinished(run_id=state.run_id, result=self.result))

@@ -13,29 +13,37 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from stockade.models.messages import Message, ModelResponse, ToolCall, Usage
 
-__all__ = ["NodeKind", "RunState", "RunStatus", "StepRecord", "ToolCallRecord"]
+__all__ = ["CheckRecord", "NodeKind", "RunState", "RunStatus", "StepRecord", "ToolCallRecord"]
 
 
 class RunStatus(enum.StrEnum):
     RUNNING = "running"
-    SUCCESS = "success"  # the model gave its final answer
+    SUCCESS = "success"  # the model gave its final answer (and the acceptance check, if any, passed)
+    CHECK_FAILED = "check_failed"  # the model said it was done; the acceptance check said otherwise
     MAX_STEPS = "max_steps"
     BUDGET = "budget"  # wall time, tokens or dollars ran out
     KILLED = "killed"
     DENIED = "denied"  # the policy refused the run, or too many actions in a row
     ERROR = "error"  # the provider, the sandbox or too many malformed calls
     PAUSED = "paused"  # waiting for something outside (an approval); resume the run later
+    INTERRUPTED = "interrupted"  # stopped from outside mid-step (Ctrl-C, SIGTERM); resume it later
 
     @property
     def finished(self) -> bool:
-        return self not in (RunStatus.RUNNING, RunStatus.PAUSED)
+        return self not in (RunStatus.RUNNING, RunStatus.PAUSED, RunStatus.INTERRUPTED)
+
+    @property
+    def resumable(self) -> bool:
+        return self in (RunStatus.PAUSED, RunStatus.INTERRUPTED)
 
 
 class NodeKind(enum.StrEnum):
-    """Which node runs next: prompt -> model_request -> call_tools -> model_request ... -> end."""
+    """Which node runs next: prompt -> model_request -> call_tools -> model_request ... -> end;
+    with an acceptance check, a final answer goes to check, which ends the run or asks again."""
 
     MODEL_REQUEST = "model_request"
     CALL_TOOLS = "call_tools"
+    CHECK = "check"
     END = "end"
 
 
@@ -60,6 +68,19 @@ class ToolCallRecord(_Frozen):
     cut_chars: int = 0
     saved_to: str | None = None
     exit_code: int | None = None  # when the tool ran a process (shell, run_tests)
+
+
+class CheckRecord(_Frozen):
+    """One run of the acceptance check, after the model said it was done at ``step``."""
+
+    command: str
+    step: int
+    passed: bool
+    exit_code: int
+    summary: str  # one line: the runner's counts, or the exit code
+    observation: str  # what the model was told (bounded)
+    duration_s: float = 0.0
+    timed_out: bool = False
 
 
 class StepRecord(_Frozen):
@@ -88,6 +109,7 @@ class RunState(BaseModel):
     elapsed_s: float = 0.0
     malformed_calls: int = 0
     consecutive_denials: int = 0
+    checks: list[CheckRecord] = Field(default_factory=list)  # every run of the acceptance check
     answer: str = ""
     error: str | None = None
     audit_id: str | None = None  # set by the audit layer

@@ -4,7 +4,8 @@
 
 One event per moment that matters: ``run_start``, ``model_call`` (when the response
 arrives, with usage and the tool calls asked for), ``policy_decision`` (a denied call),
-``tool_call`` (when it returns: arguments, idempotency key, error, duration, sizes),
+``tool_call`` (when it returns: arguments, idempotency key, error, duration, sizes; also a
+call rejected as invalid), ``check`` (the acceptance check: command, passed, exit code),
 ``step`` and ``run_end``. Arguments and text pass through the log's redactor like any event.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from stockade.agent.events import (
     AgentEvent,
+    CheckFinished,
     ModelDenied,
     ModelRequested,
     ModelResponded,
@@ -20,6 +22,7 @@ from stockade.agent.events import (
     StepFinished,
     ToolCalled,
     ToolDenied,
+    ToolRejected,
     ToolReturned,
 )
 from stockade.audit.events import EventKind
@@ -106,7 +109,7 @@ class AuditObserver:
                         "args": dict(event.call.args),
                     },
                 )
-            case ToolReturned():
+            case ToolReturned() | ToolRejected():
                 r = event.record
                 record(
                     EventKind.TOOL_CALL,
@@ -124,6 +127,22 @@ class AuditObserver:
                         "denied": r.denied,
                         "observation_chars": len(r.observation),
                         "cut_chars": r.cut_chars,
+                    },
+                )
+            case CheckFinished():
+                c = event.record
+                record(
+                    EventKind.CHECK,
+                    run_id=event.run_id,
+                    step=c.step,
+                    actor="check",
+                    duration_s=c.duration_s,
+                    attributes={
+                        "command": _cap(c.command),
+                        "passed": c.passed,
+                        "exit_code": c.exit_code,
+                        "timed_out": c.timed_out,
+                        "summary": _cap(c.summary),
                     },
                 )
             case StepFinished():

@@ -64,6 +64,7 @@ class EventKind(enum.StrEnum):
     SANDBOX_RESET = "sandbox_reset"
     ERROR = "error"
     NOTE = "note"
+    CHECK = "check"
 
 
 def canonical(obj: Mapping[str, Any]) -> bytes:

@@ -140,6 +140,10 @@ class RuntimeAuditor:
             case KillRequested():
                 return (
                     EventKind.KILL_SWITCH,
-                    {"reason": event.reason, "killed_instances": event.killed_instances},
+                    {
+                        "reason": event.reason,
+                        "killed_instances": event.killed_instances,
+                        "interrupted": event.interrupted,
+                    },
                     event.run_id,
                 )

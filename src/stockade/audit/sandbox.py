@@ -2,7 +2,8 @@
 
 ``AuditedBackend(backend, log, run_id=...)`` records ``sandbox_start`` for each sandbox it
 starts and returns ``AuditedInstance``s, which record what changes or runs in the sandbox:
-commands (argv, env *names* never values, exit code, duration, output sizes), ``run_code``
+commands (argv, env *names* never values, exit code, duration, output sizes; a program run
+from standard input, as ``run_code`` runs bash or node, capped, with its digest), ``run_code``
 (the code, capped, and its digest), file writes and removals, resets and ``sandbox_stop``.
 Reads are not recorded: they change nothing. A failed operation is recorded with its error
 class and whether it was retryable, then re-raised.
@@ -18,7 +19,17 @@ from stockade import exceptions as exc
 from stockade.audit.events import EventKind
 from stockade.audit.log import AuditLog
 from stockade.sandbox.base import Backend, Instance, OpResult, OutputSink, SandboxSpec
-from stockade.sandbox.ops import MakeDir, Op, PutArchive, Remove, Reset, RunCode, RunCommand, WriteFile
+from stockade.sandbox.ops import (
+    MakeDir,
+    Op,
+    PutArchive,
+    Remove,
+    Reset,
+    RunCode,
+    RunCommand,
+    WriteFile,
+    as_inline,
+)
 from stockade.types import CommandResult, Execution, TierReport
 
 __all__ = ["AuditedBackend", "AuditedInstance"]
@@ -44,13 +55,19 @@ def describe(op: Op) -> tuple[EventKind, dict[str, object]] | None:
     """The event kind and attributes of an operation, or ``None`` for reads (not recorded)."""
     match op:
         case RunCommand():
-            return EventKind.COMMAND, {
+            attributes: dict[str, object] = {
                 "argv": [_cap(arg) for arg in op.argv],
                 "cwd": op.cwd,
                 "env_names": sorted(op.envs),
                 "timeout_s": op.timeout_s,
                 "stdin_bytes": None if op.stdin is None else len(op.stdin),
             }
+            inline = as_inline(op)
+            if op.stdin is not None and inline != tuple(op.argv):  # run_code's program, on stdin
+                attributes.update(
+                    program=_cap(inline[-1]), program_digest=_digest(op.stdin), language=inline[0]
+                )
+            return EventKind.COMMAND, attributes
         case RunCode():
             code = op.code.encode()
             return EventKind.RUN_CODE, {

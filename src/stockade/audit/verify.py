@@ -108,12 +108,21 @@ class VerifyReport:
     def ok(self) -> bool:
         return not self.problems
 
+    @property
+    def found(self) -> bool:
+        """Whether there was anything to verify: events in the store (of ``run_id``, if given).
+        An empty trail has no problems, and proves nothing."""
+        return self.checked > 0 and (self.run_id is None or self.run_events > 0)
+
     def raise_for_problems(self) -> None:
         if self.problems:
             raise exc.AuditIntegrityError(f"{self.store}: " + "; ".join(str(p) for p in self.problems[:5]))
 
     def summary(self) -> str:
         scope = f"run {self.run_id} ({self.run_events} events) in " if self.run_id is not None else ""
+        if self.ok and not self.found:
+            what = f"no events of run {self.run_id}" if self.checked else "no events at all"
+            return f"{scope}{self.checked} events checked: {what}, nothing to verify"
         state = "intact" if self.ok else f"{len(self.problems)} problem(s)"
         return f"{scope}{self.checked} events checked ({self.algorithm}), head seq {self.last_seq}: {state}"
 

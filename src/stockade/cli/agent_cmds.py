@@ -7,6 +7,7 @@ default the same database) around a sandbox of the tier trust allows.
 
 from __future__ import annotations
 
+import enum
 import shutil
 from pathlib import Path
 from typing import Annotated
@@ -15,11 +16,11 @@ import typer
 from pydantic import BaseModel, ConfigDict
 from rich.console import Console
 from rich.markup import escape
-from rich.syntax import Syntax
 
 from stockade import exceptions as exc
 from stockade.agent import (
     AgentEvent,
+    CheckFinished,
     ModelResponded,
     RunFinished,
     RunLimits,
@@ -27,17 +28,21 @@ from stockade.agent import (
     RunStarted,
     RunStatus,
     ToolDenied,
+    ToolRejected,
     ToolReturned,
 )
+from stockade.cli._console import CliConsole, print_diff
+from stockade.cli._signals import Interrupted, exit_code, interruptible, on_stop, signal_name
 from stockade.runtime.events import RetryScheduled, RuntimeEvent
 from stockade.tools import default_toolset, shell
 from stockade.types import Trust
 
-out = Console()
-err = Console(stderr=True)
+out = CliConsole()
+err = CliConsole(stderr=True)
 
 # The same default as ``stockade audit verify`` and ``stockade runs``: the trail is found without flags.
 DEFAULT_DB = "sqlite:///.stockade/audit.db"
+DEFAULT_DB_FILE = Path(DEFAULT_DB.removeprefix("sqlite:///"))
 
 
 class Progress:
@@ -64,8 +69,19 @@ class Progress:
                 f"    {mark} {record.call.name}({escape(args)}) {record.duration_s * 1000:.0f} ms  "
                 f"[dim]{escape(summary[:100])}[/]"
             )
+        elif isinstance(event, ToolRejected):
+            record = event.record
+            args = ", ".join(f"{k}={_short(v)}" for k, v in record.call.args.items())
+            why = record.observation.removeprefix("error: ")
+            name = escape(record.call.name)
+            c.print(f"    [red]✗ invalid call[/] {name}({escape(args)})  [dim]{escape(why)}[/]")
         elif isinstance(event, ToolDenied):
             c.print(f"    [yellow]denied[/] {event.call.name}: {escape(event.reason)}")
+        elif isinstance(event, CheckFinished):
+            check = event.record
+            mark = "[green]✓ check passed[/]" if check.passed else "[red]✗ check failed[/]"
+            took = f"{check.duration_s * 1000:.0f} ms"
+            c.print(f"    {mark} {escape(check.command)} {took}  [dim]{escape(check.summary)}[/]")
         elif isinstance(event, RunFinished):
             show_result(c, event.result)
 
@@ -91,8 +107,9 @@ def _short(value: object) -> str:
 
 def show_result(console: Console, result: RunResult) -> None:
     colour = "green" if result.ok else "red"
+    where = f" on the {result.tier} tier" if result.tier else ""
     console.print(
-        f"[bold {colour}]{result.status.value}[/] after {len(result.steps)} steps, "
+        f"[bold {colour}]{result.status.value}[/] after {len(result.steps)} steps{where}, "
         f"{result.usage.total_tokens} tokens, ${result.cost_usd:.4f}"
     )
     if result.error:
@@ -100,9 +117,14 @@ def show_result(console: Console, result: RunResult) -> None:
     if result.answer:
         console.print(f"[bold]answer:[/] {escape(result.answer)}")
     if result.diff:
-        console.print(Syntax(result.diff, "diff", theme="ansi_dark", background_color="default"))
+        print_diff(console, result.diff)
     else:
         console.print("[dim](the workspace is unchanged)[/]")
+
+
+class Prefer(enum.StrEnum):
+    CHEAPEST = "cheapest"
+    STRONGEST = "strongest"
 
 
 class SavedRun(BaseModel):
@@ -113,6 +135,7 @@ class SavedRun(BaseModel):
     model: str
     tier: str | None
     trust: Trust | None
+    prefer: Prefer | None = None
     policy: str | None
     role: str | None
     audit_db: str
@@ -123,6 +146,8 @@ class SavedRun(BaseModel):
     spend_per_hour: float | None
     kill_target: str | None
     allow_shell: bool
+    check: str | None = None
+    check_timeout: float | None = None
 
 
 def _absolute_model(spec: str) -> str:
@@ -164,6 +189,10 @@ def agent(
     trust: Annotated[
         Trust | None, typer.Option("--trust", help="tightens the policy's trust level (never loosens it)")
     ] = None,
+    prefer: Annotated[
+        Prefer | None,
+        typer.Option("--prefer", help="of the tiers trust allows: the cheapest (default) or the strongest"),
+    ] = None,
     policy: Annotated[
         Path | None, typer.Option("--policy", "-p", help="a policy file (.toml, .yaml)")
     ] = None,
@@ -190,6 +219,18 @@ def agent(
         typer.Option("--kill-target", envvar="STOCKADE_KILL_TARGET", help="kill directory or redis://..."),
     ] = None,
     allow_shell: Annotated[bool, typer.Option("--shell/--no-shell", help="offer the raw shell tool")] = False,
+    check: Annotated[
+        str | None,
+        typer.Option(
+            "--check",
+            help="acceptance check: a command run in the sandbox when the model says it is done; "
+            'the run succeeds only if it passes (e.g. "python3 -m pytest -q")',
+        ),
+    ] = None,
+    check_timeout: Annotated[
+        float | None,
+        typer.Option("--check-timeout", help="seconds the check may take (default: the sandbox's)"),
+    ] = None,
     run_id: Annotated[str | None, typer.Option("--run-id", help="name the run (default: random)")] = None,
     resume: Annotated[str | None, typer.Option("--resume", help="continue a paused run")] = None,
     state_dir: Annotated[
@@ -199,13 +240,17 @@ def agent(
     """Let a model work on a copy of WORKSPACE in a sandbox, under a policy; show each step and
     the final diff. The host folder is never written.
 
+    With --check, the run succeeds only when that command passes once the model says it is
+    done; a failing check is shown to the model, which goes on within its budget.
+
     An action that needs approval is asked on the terminal; without one, the run pauses (exit
-    code 3) and says how to approve it and resume. Exit codes: 0 success, 1 the run ended
-    otherwise, 2 a configuration error, 3 paused.
+    code 3) and says how to approve it and resume. Ctrl-C, SIGTERM or SIGHUP stop the run within
+    a second, its workspace and state kept: it ends "interrupted" (exit code 128 + the signal's
+    number) and resumes with --resume; a second signal stops at once. Exit codes: 0 success,
+    1 the run ended otherwise (check_failed, max_steps, ...), 2 a configuration error, 3 paused.
     """
     from stockade.agent import AgentConfig, build_agent
     from stockade.policy import ApprovalStore, cli_approver
-    from stockade.runs import open_run_store
 
     try:
         if resume is not None:
@@ -219,20 +264,27 @@ def agent(
             if task is None or workspace is None or model is None:
                 raise exc.ConfigurationError("give a TASK, --workspace and --model (or --resume RUN_ID)")
             options = SavedRun(
-                model=_absolute_model(model), tier=tier, trust=trust,
+                model=_absolute_model(model), tier=tier, trust=trust, prefer=prefer,
                 policy=str(policy.resolve()) if policy is not None else None, role=role,
                 audit_db=audit_db, runs_db=runs_db or audit_db, max_steps=max_steps, budget_usd=budget_usd,
                 rate=rate, spend_per_hour=spend_per_hour, kill_target=kill_target, allow_shell=allow_shell,
+                check=check, check_timeout=check_timeout,
             )  # fmt: skip
         progress = Progress(out)
         _quiet_stamina()
-        runs = open_run_store(options.runs_db)
+        if workspace is None or not workspace.is_dir():
+            raise exc.InvalidArgument(
+                f"--workspace {str(workspace)!r} is not a folder",
+                argument="--workspace",
+                fix="give the folder the agent works on (a copy of it goes into the sandbox)",
+            )
         config = AgentConfig(
             model=options.model,
             policy=options.policy,
             role=options.role,
             trust=options.trust,
             tier=options.tier,
+            prefer=options.prefer.value if options.prefer is not None else None,
             audit=options.audit_db,
             limits=RunLimits(max_steps=options.max_steps, max_cost_usd=options.budget_usd),
             rate_per_minute=options.rate,
@@ -240,56 +292,92 @@ def agent(
             kill_target=options.kill_target,
             approver=cli_approver,
             tools=default_toolset().including(shell) if options.allow_shell else default_toolset(),
-            checkpointer=runs,
+            runs_url=options.runs_db,
+            check=options.check,
+            check_timeout_s=options.check_timeout,
             observers=[progress],
             runtime_observers=[progress.retry],
         )
-        with runs, build_agent(config) as built, built.session(workspace=workspace, run_id=run_id) as session:
+        # a signal while the sandbox starts or the run is saved: stop, removing what was made
+        with (
+            interruptible(),
+            build_agent(config) as built,
+            built.session(workspace=workspace, run_id=run_id) as session,
+        ):
             out.print(
-                f"[dim]run {session.run_id} on the {built.tier} tier, audited in {escape(options.audit_db)}; "
-                f"stop it with: stockade kill {session.run_id}[/]"
+                f"[dim]run {session.run_id} on the {built.tier} tier ({escape(built.tier_reason)}), "
+                f"audited in {escape(options.audit_db)}; stop it with: stockade kill {session.run_id}[/]"
             )
-            result = session.resume_sync() if resume is not None else session.run_sync(task or "")
             saved = _paused_dir(state_dir, session.run_id)
+
+            def stop(signum: int) -> None:
+                # keep the workspace as it is now, then stop the run where it is: it resumes from here
+                err.print(f"\n[yellow]{signal_name(signum)}: stopping run {session.run_id}[/]")
+                try:
+                    shutil.rmtree(saved / "workspace", ignore_errors=True)
+                    session.save_workspace(saved / "workspace")
+                except exc.StockadeError as error:
+                    err.print(f"[red]the workspace could not be saved:[/] {escape(str(error))}")
+                session.interrupt(f"stopped by {signal_name(signum)}")
+
+            with on_stop(stop) as stopped_by:
+                result = session.resume_sync() if resume is not None else session.run_sync(task or "")
             if result.status == RunStatus.PAUSED:
                 shutil.rmtree(saved / "workspace", ignore_errors=True)
                 session.save_workspace(saved / "workspace")
                 (saved / "run.json").write_text(options.model_dump_json(indent=2))
                 _tell_how_to_resume(result, ApprovalStore().pending(session.run_id), saved)
+            elif result.status == RunStatus.INTERRUPTED:
+                (saved / "run.json").write_text(options.model_dump_json(indent=2))
+                out.print(
+                    f"\n[bold yellow]interrupted[/]: run {session.run_id} stopped mid-step; its workspace is "
+                    f"kept in {escape(str(saved))}\n  resume it: stockade agent --resume {session.run_id}"
+                )
             elif resume is not None:
                 shutil.rmtree(saved, ignore_errors=True)
     except exc.StockadeError as error:
         err.print(f"[red]error:[/] {escape(str(error))}")
         raise typer.Exit(2) from None
+    except Interrupted as again:  # outside the run, or a second signal: no waiting; `with` cleans up
+        err.print(f"[red]stopped by {again}[/]")
+        raise typer.Exit(exit_code(again.signum)) from None
+    if result.status == RunStatus.INTERRUPTED and stopped_by:
+        raise typer.Exit(exit_code(stopped_by[0]))
     raise typer.Exit(0 if result.ok else 3 if result.status == RunStatus.PAUSED else 1)
 
 
 def demo(
     tier: Annotated[str, typer.Option("--tier", "-t", help="the sandbox tier")] = "process",
     audit_db: Annotated[
-        Path | None,
-        typer.Option("--audit-db", help="SQLite file for the demo's audit trail (default: a new temp dir)"),
-    ] = None,
+        Path,
+        typer.Option(
+            "--audit-db",
+            help="SQLite file for the demo's audit trail and run record (the default is where "
+            "`stockade runs` and `stockade audit` look)",
+        ),
+    ] = DEFAULT_DB_FILE,
 ) -> None:
     """A scripted model fixes a real bug in a sample project, in a real sandbox, no API key needed;
-    the run is recorded in an audit trail, which is verified at the end."""
-    import tempfile
-
+    the run is recorded in an audit trail, which is verified at the end, and in the run store
+    (`stockade runs list`)."""
     from stockade.audit import AuditLog, SQLiteStore, verify
     from stockade.demo import run_demo
+    from stockade.runs import open_run_store
 
-    db = audit_db or Path(tempfile.mkdtemp(prefix="stockade-demo-")) / "audit.db"
+    db = audit_db
     out.print(
         "[bold]stockade demo[/]: a scripted model fixes the failing test of a sample project in a "
         f"{tier}-tier sandbox (one transient fault is injected and retried on the way)\n"
-        f"[dim]audit trail: {escape(str(db))}[/]\n"
+        f"[dim]audit trail and run record: {escape(str(db))}[/]\n"
     )
     progress = Progress(out)
     _quiet_stamina()
     try:
-        with SQLiteStore(db) as store:
+        with SQLiteStore(db) as store, open_run_store(f"sqlite:///{db}") as runs:
             with AuditLog(store) as log:
-                result = run_demo(tier=tier, observers=[progress], on_retry=progress.retry, audit=log)
+                result = run_demo(
+                    tier=tier, observers=[progress], on_retry=progress.retry, audit=log, checkpointer=runs
+                )
             report = verify(store)
     except exc.StockadeError as error:
         err.print(f"[red]error:[/] {escape(str(error))}")
@@ -299,7 +387,9 @@ def demo(
         err.print(f"[red]audit chain broken:[/] {escape(report.summary())}")
         raise typer.Exit(1)
     out.print(f"audit chain verified: {report.checked} events")
-    out.print(f"[dim]see them: stockade audit tail --db sqlite:///{escape(str(db))} --run {result.run_id}[/]")
+    where = "" if db == DEFAULT_DB_FILE else f" --db sqlite:///{escape(str(db))}"
+    out.print(f"[dim]see the run: stockade runs show {result.run_id}{where}[/]")
+    out.print(f"[dim]see its audit events: stockade audit tail{where} --run {result.run_id}[/]")
     raise typer.Exit(0 if result.ok else 1)
 
 

@@ -6,6 +6,7 @@ The store is ``--db`` (or ``STOCKADE_AUDIT_DB``): ``sqlite:///PATH``, a file pat
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import os
@@ -16,16 +17,16 @@ from pathlib import Path
 from typing import Annotated, TextIO
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 from stockade import exceptions as exc
 from stockade.audit.events import AuditEvent
 from stockade.audit.stores import AuditStore, open_store
 from stockade.audit.verify import verify as verify_store
+from stockade.cli._console import CliConsole
 
-out = Console()
-err = Console(stderr=True)
+out = CliConsole()
+err = CliConsole(stderr=True)
 
 DEFAULT_DB = "sqlite:///.stockade/audit.db"
 
@@ -45,11 +46,32 @@ class ExportFormat(enum.StrEnum):
     JSONL = "jsonl"
 
 
+def _has_audit_tables(path: Path, namespace: str) -> bool:
+    """Whether a SQLite file holds an audit trail, asked read-only: opening a store would create
+    its tables in whatever database the path names."""
+    import sqlite3
+
+    try:
+        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
+            found = db.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (f"{namespace}_events",)
+            ).fetchone()
+    except sqlite3.DatabaseError:
+        return False
+    return found is not None
+
+
 def _store(db: str, namespace: str) -> AuditStore:
     if "://" not in db or db.startswith("sqlite:///"):
         path = Path(db.removeprefix("sqlite:///"))
         if not path.exists():
             err.print(f"[red]no audit store at {escape(str(path))}[/] (set --db or STOCKADE_AUDIT_DB)")
+            raise typer.Exit(2)
+        if not _has_audit_tables(path, namespace):
+            err.print(
+                f"[red]{escape(str(path))} holds no audit trail[/] (no {escape(namespace)}_events table; "
+                "check --db and --namespace)"
+            )
             raise typer.Exit(2)
     try:
         return open_store(db, namespace=namespace)
@@ -77,7 +99,8 @@ def verify(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
 ) -> None:
-    """Check the hash chain: exit 0 when intact, 1 with the problems found (seq and what)."""
+    """Check the hash chain: exit 0 when intact, 1 with the problems found (seq and what), 2 when
+    there is nothing to verify (no trail, no events, no events of --run)."""
     pinned: tuple[int, str] | None = None
     if expect_head is not None:
         seq, _, digest = expect_head.partition(":")
@@ -95,7 +118,8 @@ def verify(
         print(
             json.dumps(
                 {
-                    "ok": report.ok,
+                    "ok": report.ok and report.found,
+                    "found": report.found,
                     "checked": report.checked,
                     "algorithm": report.algorithm,
                     "head": {"seq": report.last_seq, "hash": report.last_hash},
@@ -109,7 +133,7 @@ def verify(
             )
         )
     else:
-        colour = "green" if report.ok else "red"
+        colour = "green" if report.ok and report.found else "red"
         out.print(f"[{colour}]{escape(report.summary())}[/]")
         out.print(f"head: {report.last_seq}:{report.last_hash}")
         for problem in report.problems:
@@ -118,6 +142,12 @@ def verify(
             out.print(f"  ({report.problems_elsewhere} problem(s) in other runs)")
     if not report.ok:
         raise typer.Exit(1)
+    if not report.found:
+        err.print(
+            f"[red]nothing to verify:[/] no events of run {escape(run)}" if run is not None and report.checked
+            else "[red]nothing to verify:[/] the audit trail is empty"
+        )  # fmt: skip
+        raise typer.Exit(2)
 
 
 def _write(event: AuditEvent, stream: TextIO) -> None:

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
-err = Console(stderr=True)
+from stockade.cli._console import CliConsole
+
+err = CliConsole(stderr=True)
 image_app = typer.Typer(help="Build the sandbox image of the docker and gvisor tiers.", no_args_is_help=True)
 
 

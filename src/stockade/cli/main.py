@@ -7,6 +7,7 @@ only assembles them, so a command's dependencies load when that module is import
 from __future__ import annotations
 
 import importlib
+from typing import Annotated
 
 import typer
 
@@ -16,6 +17,25 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from stockade import __version__
+
+        print(f"stockade {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="print the version and exit"),
+    ] = False,
+) -> None:
+    """Run untrusted, agent-written code in enforced isolation tiers."""
+
 
 # One module per group of commands; each defines register(app: typer.Typer) -> None.
 COMMAND_MODULES = (

@@ -1,25 +1,32 @@
-"""``stockade kill | policy check | approve | deny | approvals``: control runs from outside.
+"""``stockade kill | policy check | policy explain | approve | deny | approvals``: control runs
+from outside, and ask a policy what it would decide (and why) before any run does.
 
 ``kill`` writes the kill marker the run's ``KillSwitch`` polls: a file in the kill directory
 (``--target DIR``, ``STOCKADE_KILL_DIR``, default ``~/.stockade/kill``) or a Redis key
-(``--target redis://...``). Approvals live in ``STOCKADE_APPROVAL_DIR`` (default
+(``--target redis://...``), only for a run that is live there (``--force`` otherwise), and
+waits for it to stop. Approvals live in ``STOCKADE_APPROVAL_DIR`` (default
 ``~/.stockade/approvals``); a paused run resumes with
 ``agent.run(resume=RUN_ID, sandbox=...)`` once the decision is in.
 """
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 from stockade import exceptions as exc
+from stockade.cli._console import CliConsole
+from stockade.policy.schema import Verdict
+from stockade.sandbox import _registry
+from stockade.types import Trust
 
-out = Console()
-err = Console(stderr=True)
+out = CliConsole()
+err = CliConsole(stderr=True)
 
 TargetOpt = Annotated[
     str | None,
@@ -34,37 +41,203 @@ def kill(
     run_id: Annotated[str, typer.Argument(help="the run to stop")],
     reason: Annotated[str, typer.Option("--reason", help="why, for the audit trail")] = "killed from the CLI",
     target: TargetOpt = None,
+    force: Annotated[
+        bool,
+        typer.Option(
+            "--force", help="pull the switch even if the run is not live (it dies when it starts or resumes)"
+        ),
+    ] = False,
+    wait: Annotated[float, typer.Option("--wait", help="seconds to wait for the run to stop")] = 5.0,
 ) -> None:
-    """Stop a run now: it ends between steps and its sandbox processes are killed."""
-    from stockade.runtime.killswitch import kill_source_for
+    """Stop a live run now: its sandbox processes are killed and it ends as "killed".
+
+    Exit codes: 0 the run stopped (or, with --force, the switch is set), 1 no live run has that
+    id (nothing was pulled), 3 the switch is pulled but the run was still live after --wait."""
+    from stockade.runtime.killswitch import KILL_TTL_S, kill_source_for
 
     try:
-        kill_source_for(target).kill(run_id, reason)
+        source = kill_source_for(target)
+        live = getattr(source, "live", lambda _: None)(run_id)
+        if live is None and not force:
+            err.print(
+                f"no live run {escape(run_id)}: it finished, never started, or watches another kill "
+                "target; nothing was pulled"
+            )
+            err.print(
+                "[cyan]fix:[/] check the id (stockade runs list), or --force to stop a run of this id "
+                f"when it starts or resumes (the switch expires after {KILL_TTL_S / 3600:g} h)"
+            )
+            raise typer.Exit(1)
+        source.kill(run_id, reason)
     except exc.StockadeError as e:
         err.print(f"[red]error:[/red] {escape(str(e))}")
         raise typer.Exit(2) from None
-    out.print(f"kill switch pulled for run {escape(run_id)}")
+    if live is None:
+        out.print(
+            f"kill switch set for run {escape(run_id)}, which is not live: it stops when it starts or "
+            f"resumes within {KILL_TTL_S / 3600:g} h"
+        )
+        return
+    out.print(f"kill switch pulled for live run {escape(run_id)} ({escape(live)})")
+    deadline = time.monotonic() + max(wait, 0.0)
+    while source.live(run_id) is not None:  # type: ignore[attr-defined]
+        if time.monotonic() >= deadline:
+            err.print(f"run {escape(run_id)} is still live after {wait:g} s; it stops at its next step")
+            raise typer.Exit(3)
+        time.sleep(0.1)
+    out.print(f"run {escape(run_id)} stopped")
 
 
-def check(file: Annotated[Path, typer.Argument(help="a policy file (.toml, .yaml)")]) -> None:
-    """Validate a policy file; every mistake is listed with its line."""
+def check(
+    file: Annotated[Path, typer.Argument(help="a policy file (.toml, .yaml)")],
+    as_json: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
+) -> None:
+    """Validate a policy file; every mistake is listed with its line. Exit 1 if it is invalid."""
     from stockade.policy.load import load_policy
 
     try:
         policy = load_policy(file)
     except exc.PolicyFileError as e:
-        for problem in e.problems:
-            err.print(f"[red]error:[/red] {escape(problem)}")
-        raise typer.Exit(1) from None
+        problems = list(e.problems) or [str(e)]
     except exc.ConfigurationError as e:
-        err.print(f"[red]error:[/red] {escape(str(e))}")
-        raise typer.Exit(1) from None
+        problems = [str(e)]
+    else:
+        problems = []
+    if problems:
+        if as_json:
+            print(json.dumps({"file": str(file), "valid": False, "problems": problems}, ensure_ascii=False))
+        else:
+            for problem in problems:
+                err.print(f"[red]error:[/red] {escape(problem)}")
+        raise typer.Exit(1)
     c = policy.commands
+    if as_json:
+        summary = {
+            "file": str(file),
+            "valid": True,
+            "problems": [],
+            "commands": {"allow": list(c.allow), "deny": list(c.deny), "approve": list(c.approve)},
+            "roles": list(policy.roles),
+            "network": policy.network.enabled,
+            "trust": policy.trust.level.value,
+            "allowed_tiers": list(
+                _registry.allowed_tiers(
+                    policy.trust.level, allow_gvisor_for_untrusted=policy.trust.allow_gvisor_for_untrusted
+                )
+            ),
+        }
+        print(json.dumps(summary, ensure_ascii=False))
+        return
     out.print(
         f"{escape(file.name)}: valid — {len(c.allow)} allowed / {len(c.deny)} denied / "
         f"{len(c.approve)} approval command rules, {len(policy.roles)} role(s), "
         f"network {'on' if policy.network.enabled else 'off'}, trust {policy.trust.level.value}"
     )
+
+
+_EXPLAIN_EXIT = {"allow": 0, "deny": 1, "approve": 3}
+
+
+def explain(
+    file: Annotated[Path, typer.Argument(help="a policy file (.toml, .yaml)")],
+    command: Annotated[
+        str | None, typer.Option("--command", "-c", help="a shell command line the agent would run")
+    ] = None,
+    read: Annotated[str | None, typer.Option("--read", help="a workspace path the agent would read")] = None,
+    write: Annotated[
+        str | None, typer.Option("--write", help="a workspace path the agent would write")
+    ] = None,
+    delete: Annotated[str | None, typer.Option("--delete", help="a workspace path it would delete")] = None,
+    tool: Annotated[
+        str | None, typer.Option("--tool", help="the tool that acts (e.g. shell, run_tests)")
+    ] = None,
+    model: Annotated[str | None, typer.Option("--model", help="a model name the run would call")] = None,
+    prompt: Annotated[str | None, typer.Option("--prompt", help="a task text")] = None,
+    role: Annotated[str | None, typer.Option("--role", help="the role the run has")] = None,
+    trust: Annotated[Trust | None, typer.Option("--trust", help="tighten the policy's trust level")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the decisions as JSON")] = False,
+) -> None:
+    """What the policy would decide about an action, and why: each rule that applies, its verdict
+    and its reason, and the outcome (the strictest). Exit codes: 0 allowed, 1 denied, 3 needs a
+    human's approval, 2 a mistake in the question."""
+    from stockade.agent.assembly import effective_trust
+    from stockade.policy.engine import Decision, PolicyEngine, strictest
+    from stockade.policy.load import load_policy
+    from stockade.sandbox.ops import Op, ReadFile, Remove, RunCommand, WriteFile
+
+    try:
+        policy = load_policy(file)
+        if trust is not None:
+            level = effective_trust(policy, trust)
+            policy = policy.model_copy(update={"trust": policy.trust.model_copy(update={"level": level})})
+        engine = PolicyEngine(policy, role=role)
+    except exc.ConfigurationError as e:
+        err.print(f"[red]error:[/red] {escape(str(e))}")
+        raise typer.Exit(2) from None
+    actions: list[tuple[str, list[tuple[str, Decision]]]] = []
+    ops: list[tuple[str, Op]] = []
+    if command is not None:
+        ops.append((f"run `{command}`", RunCommand(argv=("/bin/sh", "-c", command))))
+    if read is not None:
+        ops.append((f"read {read!r}", ReadFile(path=read)))
+    if write is not None:
+        ops.append((f"write {write!r}", WriteFile(path=write, data=b"")))
+    if delete is not None:
+        ops.append((f"delete {delete!r}", Remove(path=delete)))
+    if tool is not None:
+        actions.append((f"use the tool {tool!r}", [("tool rules", engine.tool(tool))]))
+    for what, op in ops:
+        actions.append((what, list(engine.explain(op, tool=tool or ""))))
+    if model is not None:
+        actions.append((f"call the model {model!r}", [("models.approved", engine.model(model))]))
+    prompted = engine.prompt(prompt, "task") if prompt is not None else None
+    if not actions and prompted is None:
+        err.print("[red]error:[/red] ask about something: --command, --read, --write, --delete, --tool, "
+                  "--model or --prompt")  # fmt: skip
+        raise typer.Exit(2)
+    outcomes = [strictest(d for _, d in parts) for _, parts in actions]
+    if prompted is not None and prompted.verdict == "deny":
+        outcomes.append(
+            Decision(verdict=Verdict.DENY, rule=f"prompts: {', '.join(prompted.rules)}", reason="")
+        )
+    overall = strictest(outcomes).verdict.value
+    if as_json:
+        body: dict[str, object] = {
+            "policy": str(file),
+            "role": role,
+            "trust": policy.trust.level.value,
+            "verdict": overall,
+            "actions": [
+                {
+                    "action": what,
+                    "verdict": outcome.verdict.value,
+                    "rule": outcome.rule,
+                    "reason": outcome.reason,
+                    "checks": [
+                        {"check": name, "verdict": d.verdict.value, "rule": d.rule, "reason": d.reason}
+                        for name, d in parts
+                    ],
+                }
+                for (what, parts), outcome in zip(actions, outcomes, strict=False)
+            ],
+        }
+        if prompted is not None:
+            body["prompt"] = {"verdict": prompted.verdict, "rules": list(prompted.rules)}
+        print(json.dumps(body, ensure_ascii=False))
+        raise typer.Exit(_EXPLAIN_EXIT[overall])
+    out.print(f"[bold]{escape(file.name)}[/], role {escape(role or '-')}, trust {policy.trust.level.value}")
+    colours = {"allow": "green", "approve": "yellow", "deny": "red"}
+    for (what, parts), outcome in zip(actions, outcomes, strict=False):
+        verdict = outcome.verdict.value
+        why = f": {escape(outcome.reason)} [dim]({escape(outcome.rule)})[/]" if verdict != "allow" else ""
+        out.print(f"{escape(what)} → [{colours[verdict]}]{verdict}[/]{why}")
+        for name, d in parts:
+            rule = f" [dim]({escape(d.rule)})[/]" if d.rule else ""
+            out.print(f"    {escape(name)}: {d.verdict.value}{rule} {escape(d.reason)}")
+    if prompted is not None:
+        fired = f" (rules: {escape(', '.join(prompted.rules))})" if prompted.rules else ""
+        out.print(f"the task text → [{colours.get(prompted.verdict, 'yellow')}]{prompted.verdict}[/]{fired}")
+    raise typer.Exit(_EXPLAIN_EXIT[overall])
 
 
 def _decide(run_id: str, request_id: str, approved: bool, by: str, directory: Path | None) -> None:
@@ -116,6 +289,7 @@ def register(app: typer.Typer) -> None:
     app.command("approve")(approve)
     app.command("deny")(deny)
     app.command("approvals")(approvals)
-    policy = typer.Typer(help="Policy files.", no_args_is_help=True)
+    policy = typer.Typer(help="Policy files: check one, or ask what it would decide.", no_args_is_help=True)
     policy.command("check")(check)
+    policy.command("explain")(explain)
     app.add_typer(policy, name="policy")

@@ -15,17 +15,18 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.markup import escape
-from rich.syntax import Syntax
 from rich.table import Table
 
 from stockade import exceptions as exc
 from stockade.agent.state import RunStatus, StepRecord, ToolCallRecord
+from stockade.cli._console import CliConsole, print_diff
+from stockade.cli._signals import Interrupted, interruptible
+from stockade.cli._signals import exit_code as signal_exit_code
 from stockade.runs.store import RetryEntry, RunStore, RunSummary, RunTrace, open_run_store
 
-out = Console()
-err = Console(stderr=True)
+out = CliConsole()
+err = CliConsole(stderr=True)
 
 DEFAULT_DB = "sqlite:///.stockade/audit.db"
 
@@ -179,6 +180,17 @@ def trace_json(trace: RunTrace, *, limit: int = SHOWN_CHARS) -> dict[str, object
             }
             for step in _steps(trace)
         ],
+        "checks": [
+            {
+                "step": c.step,
+                "command": c.command,
+                "passed": c.passed,
+                "exit_code": c.exit_code,
+                "summary": c.summary,
+                "duration_s": c.duration_s,
+            }
+            for c in state.checks
+        ],
         "approvals": [
             {
                 "step": a.step,
@@ -237,6 +249,12 @@ def _print_trace(trace: RunTrace, limit: int) -> None:
                 highlight=False,
                 soft_wrap=True,
             )
+    for check in state.checks:
+        verdict = "[green]passed[/]" if check.passed else "[red]failed[/]"
+        out.print(
+            f"\n[bold]check[/] after step {check.step}: {escape(check.command)} {verdict}  "
+            f"[dim]{escape(check.summary)}[/]"
+        )
     for approval in trace.approvals:
         out.print(
             f"\n[magenta]approval[/] step {approval.step}: {escape(approval.action)} → {approval.decision}"
@@ -246,7 +264,7 @@ def _print_trace(trace: RunTrace, limit: int) -> None:
     if state.answer:
         out.print(f"\n[bold]answer:[/] {escape(state.answer)}")
     if trace.diff:
-        out.print(Syntax(trace.diff, "diff", theme="ansi_dark", background_color="default"))
+        print_diff(out, trace.diff)
     elif trace.diff is not None:
         out.print("[dim](the workspace is unchanged)[/]")
 
@@ -304,11 +322,14 @@ def replay(
                         "[yellow]the run store kept no starting workspace for this run: replaying in an "
                         "empty one (give the folder with --workspace)[/]"
                     )
-            with Sandbox.create(tier, workspace=workspace) as sandbox:
+            with interruptible(), Sandbox.create(tier, workspace=workspace) as sandbox:
                 report = asyncio.run(replay_run(state, sandbox=sandbox))
         except exc.StockadeError as error:
             err.print(f"[red]error:[/] {escape(str(error))}")
             raise typer.Exit(2) from None
+        except Interrupted as stop:
+            err.print(f"[yellow]stopped by {stop}; the sandbox was removed[/]")
+            raise typer.Exit(signal_exit_code(stop.signum)) from None
     if as_json:
         print(
             json.dumps(

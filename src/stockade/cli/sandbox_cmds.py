@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 from stockade import exceptions as exc
+from stockade._checks import check_envs
+from stockade.cli._console import CliConsole
+from stockade.cli._signals import Interrupted, exit_code, interruptible
 from stockade.sandbox import _registry
 from stockade.sandbox.facade import Sandbox
-from stockade.types import Limits, NetworkPolicy
+from stockade.types import CommandResult, Limits, NetworkPolicy, TierReport
 
-out = Console()
-err = Console(stderr=True)
+out = CliConsole()
+err = CliConsole(stderr=True)
 
 TierOpt = Annotated[str, typer.Option("--tier", "-t", help="process, docker, gvisor or microvm")]
 MemoryOpt = Annotated[int, typer.Option("--memory", help="memory limit in MiB")]
@@ -29,10 +34,32 @@ WeakerOpt = Annotated[
 NetworkOpt = Annotated[bool, typer.Option("--network/--no-network", help="allow network access")]
 
 
-def doctor() -> None:
+def _report_json(report: TierReport) -> dict[str, object]:
+    e = report.enforcement
+    return {
+        "tier": report.tier,
+        "available": report.available,
+        "detail": report.detail,
+        "enforcement": None
+        if e is None
+        else {
+            name: str(getattr(e, name)) for name in ("memory", "cpus", "pids", "disk", "network", "timeout")
+        },
+        "weakened": list(e.weakened) if e is not None else [],
+        "fixes": list(report.fixes),
+    }
+
+
+def doctor(
+    as_json: Annotated[bool, typer.Option("--json", help="print the tiers as JSON")] = False,
+) -> None:
     """Which tiers work on this host, how each limit is enforced, and how to fix the rest."""
-    for tier in _registry.TIERS:
-        report = _registry.probe(tier)
+    reports = [_registry.probe(tier) for tier in _registry.TIERS]
+    if as_json:
+        print(json.dumps([_report_json(r) for r in reports], ensure_ascii=False))
+        return
+    for report in reports:
+        tier = report.tier
         state = "[green]works[/]" if report.available else "[red]unavailable[/]"
         out.print(f"[bold]{tier:8}[/] {state}  {escape(report.detail)}")
         e = report.enforcement
@@ -52,13 +79,59 @@ def _fail(error: exc.StockadeError) -> NoReturn:
     """Say what went wrong and, when the error knows it, how to fix it; exit 2."""
     err.print(f"[red]stockade:[/] {escape(str(error))}")
     fix = getattr(error, "fix", "")
-    if fix:
+    if fix and fix not in str(error):
         err.print(f"[cyan]fix:[/] {escape(fix)}")
     raise typer.Exit(2)
 
 
 def _limits(memory: int, cpus: float, pids: int, timeout: float) -> Limits:
     return Limits(memory_mb=memory, cpus=cpus, pids=pids, timeout_s=timeout)
+
+
+def _sizes(text: str) -> int:
+    """``1048576``, ``512K``, ``64M``, ``1G`` (binary units) -> bytes."""
+    units = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
+    raw = text.strip().upper().removesuffix("B").removesuffix("I")
+    number, unit = (raw[:-1], raw[-1]) if raw[-1:] in units and raw[-1:] else (raw, "")
+    try:
+        value = float(number) * units[unit]
+    except ValueError:
+        value = -1
+    if not (value >= 1 and math.isfinite(value)):
+        raise exc.InvalidArgument(
+            f"--max-output is {text!r}",
+            argument="--max-output",
+            fix="give a size such as 1048576, 512K, 64M or 1G",
+        )
+    return int(value)
+
+
+def _envs(pairs: list[str]) -> dict[str, str]:
+    """``NAME=value``, or ``NAME`` for the host's value of it (as ``docker run -e`` does)."""
+    envs: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep:
+            host = os.environ.get(name)
+            if host is None:
+                raise exc.InvalidArgument(
+                    f"--env {name!r} has no value and is not set here",
+                    argument="--env",
+                    fix="give NAME=VALUE, or NAME of a variable set in this shell",
+                )
+            value = host
+        envs[name] = value
+    return check_envs(envs, argument="--env")
+
+
+def _human(size: int) -> str:
+    return (
+        f"{size / 1024**2:.1f} MiB"
+        if size >= 1024**2
+        else f"{size / 1024:.1f} KiB"
+        if size >= 1024
+        else f"{size} B"
+    )
 
 
 def exec_(
@@ -73,29 +146,80 @@ def exec_(
     workspace: Annotated[
         Path | None, typer.Option("--workspace", "-w", help="seed the workspace with a copy of DIR")
     ] = None,
+    env: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--env", "-e", help="NAME=VALUE (or NAME: this shell's value) for the command; repeatable"
+        ),
+    ] = None,
+    max_output: Annotated[
+        str, typer.Option("--max-output", help="keep this much of stdout and of stderr each (e.g. 64M)")
+    ] = "1M",
+    as_json: Annotated[
+        bool,
+        typer.Option("--json", help="print the result (exit code, output, sizes, tier) as JSON at the end"),
+    ] = False,
 ) -> None:
-    """Run one command in a fresh sandbox; its exit code becomes ours."""
+    """Run one command in a fresh sandbox; its exit code becomes ours.
+
+    Output beyond --max-output (stdout and stderr each) is cut, and stderr says so. Ctrl-C,
+    SIGTERM and SIGHUP stop the command and remove the sandbox; the exit code is then 128 + the
+    signal's number."""
     try:
-        with Sandbox.create(
-            tier,
-            limits=_limits(memory, cpus, pids, timeout),
-            network=NetworkPolicy(enabled=network),
-            allow_weaker=allow_weaker,
-            workspace=workspace,
-        ) as sbx:
-            result = sbx.commands.run(
-                command,
-                on_stdout=lambda s: out.file.write(s),
-                on_stderr=lambda s: err.file.write(s),
-                stdin=None if sys.stdin.isatty() else sys.stdin.buffer.read(),
+        with interruptible():
+            limits = Limits(
+                memory_mb=memory, cpus=cpus, pids=pids, timeout_s=timeout, output_bytes=_sizes(max_output)
             )
+            with Sandbox.create(
+                tier,
+                limits=limits,
+                network=NetworkPolicy(enabled=network),
+                envs=_envs(env or []),
+                allow_weaker=allow_weaker,
+                workspace=workspace,
+            ) as sbx:
+                result = sbx.commands.run(
+                    command,
+                    on_stdout=None if as_json else lambda s: out.file.write(s),
+                    on_stderr=None if as_json else lambda s: err.file.write(s),
+                    stdin=None if sys.stdin.isatty() else sys.stdin.buffer.read(),
+                )
+                used = sbx.tier
     except exc.StockadeError as error:
         _fail(error)
+    except Interrupted as stop:
+        err.print(f"[yellow]stockade: stopped by {stop}; the sandbox and everything in it were removed[/]")
+        raise typer.Exit(exit_code(stop.signum)) from None
+    if as_json:
+        print(json.dumps({**_result_json(result), "tier": used}, ensure_ascii=False))
+    if result.truncated:
+        cap = limits.output_bytes
+        for name, size in (("stdout", result.stdout_bytes), ("stderr", result.stderr_bytes)):
+            if size > cap:
+                err.print(
+                    f"[yellow]stockade: {name} was cut: {_human(cap)} of {_human(size)} kept "
+                    f"(raise the cap with --max-output, e.g. --max-output {max(size // 1024**2 + 1, 2)}M)[/]"
+                )
     if result.timed_out:
         err.print(f"[yellow]stockade: timed out after {timeout}s; every process was killed[/]")
     if result.oom_killed:
         err.print(f"[yellow]stockade: killed by the memory limit ({memory} MiB)[/]")
     raise typer.Exit(result.exit_code)
+
+
+def _result_json(result: CommandResult) -> dict[str, object]:
+    return {
+        "exit_code": result.exit_code,
+        "stdout": result.stdout,
+        "stderr": result.stderr,
+        "duration_s": result.duration_s,
+        "timed_out": result.timed_out,
+        "oom_killed": result.oom_killed,
+        "truncated": result.truncated,
+        "stdout_bytes": result.stdout_bytes,
+        "stderr_bytes": result.stderr_bytes,
+        "signal": result.signal,
+    }
 
 
 def run_code(
@@ -107,16 +231,22 @@ def run_code(
     allow_weaker: WeakerOpt = False,
 ) -> None:
     """Run code in a fresh sandbox; print its output and the value of its last expression."""
-    code = sys.stdin.read() if file == "-" else Path(file).read_text()
     try:
-        with Sandbox.create(
-            tier, limits=Limits(memory_mb=memory, timeout_s=timeout), allow_weaker=allow_weaker
-        ) as sbx:
+        code = sys.stdin.read() if file == "-" else _read_source(Path(file))
+        with (
+            interruptible(),
+            Sandbox.create(
+                tier, limits=Limits(memory_mb=memory, timeout_s=timeout), allow_weaker=allow_weaker
+            ) as sbx,
+        ):
             execution = sbx.run_code(
                 code, language, on_stdout=lambda s: out.file.write(s), on_stderr=lambda s: err.file.write(s)
             )
     except exc.StockadeError as error:
         _fail(error)
+    except Interrupted as stop:
+        err.print(f"[yellow]stockade: stopped by {stop}; the sandbox and everything in it were removed[/]")
+        raise typer.Exit(exit_code(stop.signum)) from None
     for result in execution.results:
         if result.text is not None:
             out.print(result.text, markup=False, highlight=False)
@@ -125,6 +255,18 @@ def run_code(
             execution.error.traceback or f"{execution.error.name}: {execution.error.value}", markup=False
         )
         raise typer.Exit(1)
+
+
+def _read_source(path: Path) -> str:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+        raise exc.InvalidArgument(
+            f"cannot read FILE {str(path)!r}: {reason}",
+            argument="FILE",
+            fix="give a readable text file, or - to read the code from standard input",
+        ) from None
 
 
 def gc() -> None:

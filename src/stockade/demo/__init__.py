@@ -3,7 +3,8 @@
 A scripted model fixes a real bug in the sample project shipped here (``sample_project/``),
 inside a real process-tier sandbox, assembled by ``build_agent`` (policy, runtime controls,
 audit trail): the tests fail, it reads the code, patches it with a
-unified diff, reruns the tests, and they pass. On the way, one workspace read fails with an
+unified diff, reruns the tests, and they pass; the run's acceptance check (the same test
+command) confirms it before the run counts as a success. On the way, one workspace read fails with an
 injected transient error (``ResourceContention``) and the retry layer
 (``stockade.runtime.retry``) runs it again.
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from stockade.agent import AgentEvent, Observer, RunLimits, RunResult, RunStarted
+from stockade.agent import AgentEvent, Checkpointer, Observer, RunLimits, RunResult, RunStarted
 from stockade.agent.assembly import AgentConfig, build_agent
 from stockade.audit.log import AuditLog
 from stockade.exceptions import ResourceContention
@@ -103,7 +104,7 @@ class FaultInjectingBackend(Backend):
 def test_command(sandbox: Sandbox) -> str:
     """pytest when the sandbox's python3 has it, else the standard library's unittest."""
     probe = sandbox.commands.run(["python3", "-c", "import pytest"], timeout_s=30)
-    return "python3 -m pytest -q -p no:cacheprovider" if probe.ok else "python3 -m unittest"
+    return "python3 -m pytest -q -p no:cacheprovider" if probe.ok else "python3 -m unittest -v"
 
 
 test_command.__test__ = False  # type: ignore[attr-defined]  # a helper, not a pytest test
@@ -132,9 +133,10 @@ def run_demo(
     backend: Backend | None = None,
     audit: str | AuditLog = "memory:",
     run_id: str | None = None,
+    checkpointer: Checkpointer | None = None,
 ) -> RunResult:
-    """Run the whole demo, recorded in ``audit`` (a store URL or a log); ``backend`` replaces
-    the tier (tests pass a fake)."""
+    """Run the whole demo, recorded in ``audit`` (a store URL or a log) and, when given, in a run
+    store (``checkpointer``); ``backend`` replaces the tier (tests pass a fake)."""
     inner = backend or _registry.backend(tier)
     with Sandbox.create(backend=inner) as probe:  # which test runner the sandbox has
         command = test_command(probe)
@@ -149,7 +151,9 @@ def run_demo(
         policy=DEMO_POLICY,
         backend=faults,
         audit=audit,
+        checkpointer=checkpointer,
         limits=RunLimits(max_steps=10),
+        check=command,  # "success" means the tests pass, not only that the model said so
         retry=RetryPolicy(wait_initial=0.05, wait_jitter=0.05),
         observers=(arm_on_start, *observers),
         runtime_observers=(on_retry,) if on_retry is not None else (),

@@ -39,6 +39,7 @@ from stockade.sandbox.ops import (
     RunCommand,
     Stat,
     WriteFile,
+    as_inline,
 )
 
 __all__ = ["Decision", "PolicyEngine", "PromptDecision", "command_categories"]
@@ -173,22 +174,42 @@ class PolicyEngine:
     # -- what the guards ask ------------------------------------------------------------
 
     def op(self, op: Op, *, tool: str = "") -> Decision:
+        parts = self.explain(op, tool=tool)
+        if not parts:
+            return Decision(verdict=Verdict.DENY, rule="ops", reason=f"unknown operation {type(op).__name__}")
+        return strictest(decision for _, decision in parts)
+
+    def explain(self, op: Op, *, tool: str = "") -> tuple[tuple[str, Decision], ...]:
+        """Every check ``op`` goes through, named, with its decision; ``op()`` is the strictest.
+        Empty for an operation the engine does not know (which ``op()`` denies)."""
         match op:
             case RunCommand():
-                decisions = [self.command(op.argv), self.command_files(op.argv, op.cwd, tool=tool)]
-                decisions += [self.category(c) for c in sorted(command_categories(op.argv))]
-                return strictest(decisions)
+                argv = as_inline(op)  # a program on stdin (run_code) is judged as the program
+                return (
+                    ("command rules", self.command(argv)),
+                    ("files the command names", self.command_files(argv, op.cwd, tool=tool)),
+                    *((f"category {c}", self.category(c)) for c in sorted(command_categories(argv))),
+                )
             case RunCode():
-                return self.category("execute")
+                return (("category execute", self.category("execute")),)
             case ReadFile() | Stat() | ListDir() | GetArchive():
-                return strictest([self._path(op.path or ".", "read", tool), self.category("read")])
+                return (
+                    ("paths (read)", self._path(op.path or ".", "read", tool)),
+                    ("category read", self.category("read")),
+                )
             case WriteFile() | MakeDir() | PutArchive():
-                return strictest([self._path(op.path or ".", "write", tool), self.category("write")])
+                return (
+                    ("paths (write)", self._path(op.path or ".", "write", tool)),
+                    ("category write", self.category("write")),
+                )
             case Remove():
-                return strictest([self._path(op.path, "write", tool), self.category("delete")])
+                return (
+                    ("paths (write)", self._path(op.path, "write", tool)),
+                    ("category delete", self.category("delete")),
+                )
             case Reset():
-                return self.category("delete")
-        return Decision(verdict=Verdict.DENY, rule="ops", reason=f"unknown operation {type(op).__name__}")
+                return (("category delete", self.category("delete")),)
+        return ()
 
     def command(self, argv: tuple[str, ...]) -> Decision:
         d = decide_command(self.policy.commands, argv)
@@ -278,21 +299,16 @@ class PolicyEngine:
             allowed = tuple(x for x in allowed if x in self.role.tiers)
         return allowed
 
-    def select_tier(self) -> str:
-        """The strongest tier the trust table and the role allow and this host has; fail closed."""
+    def select_tier(self, prefer: _registry.Preference | None = None) -> str:
+        """The cheapest tier the trust table and the role allow and this host has (trust sets the
+        minimum; ``[trust] prefer = "strongest"`` or ``prefer`` turns the order round); fail closed."""
         allowed = self.allowed_tiers()
         if not allowed:
             raise TierUnavailable(
                 f"role {self.role_name!r} may use no tier that trust {self.policy.trust.level.value!r} allows"
             )
-        tried = []
-        for tier in reversed(_registry.STRENGTH):
-            if tier in allowed:
-                report = _registry.probe(tier)
-                if report.available:
-                    return tier
-                tried.append(f"{tier}: {report.detail}")
-        raise TierUnavailable(
-            f"the policy needs one of {', '.join(allowed)} and none works on this host ({'; '.join(tried)}); "
-            "stockade refuses to fall back to a weaker tier"
+        return _registry.choose(
+            allowed,
+            prefer=prefer or self.policy.trust.prefer,
+            why=f"the policy (trust {self.policy.trust.level.value!r})",
         )

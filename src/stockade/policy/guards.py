@@ -17,7 +17,7 @@ from stockade.policy.engine import Decision, PolicyEngine
 from stockade.policy.schema import Verdict
 from stockade.runtime.anomaly import AnomalyMonitor
 from stockade.sandbox.base import Backend, Instance, OpResult, OutputSink, SandboxSpec
-from stockade.sandbox.ops import Op, RunCode, RunCommand
+from stockade.sandbox.ops import Op, RunCode, RunCommand, as_inline
 from stockade.types import TierReport
 
 __all__ = [
@@ -55,7 +55,7 @@ def describe(op: Op) -> str:
     """The op in words, for humans approving it and for the model reading a denial."""
     match op:
         case RunCommand():
-            return f"run `{shlex.join(op.argv)}`"
+            return f"run `{shlex.join(as_inline(op))}`"
         case RunCode():
             return f"run Python code ({len(op.code)} chars)"
     path = getattr(op, "path", "")

@@ -172,6 +172,9 @@ class TrustRules(_Strict):
 
     level: Trust = Trust.UNTRUSTED
     allow_gvisor_for_untrusted: bool = False
+    # Trust sets the minimum tier; of the tiers that meet it, the cheapest this host has is used
+    # unless this says "strongest".
+    prefer: Literal["cheapest", "strongest"] = "cheapest"
 
 
 class Policy(_Strict):

@@ -91,6 +91,7 @@ class KillRequested:
     run_id: str
     reason: str
     killed_instances: int = 0
+    interrupted: bool = False  # stopped to be resumed (Ctrl-C, SIGTERM), not killed for good
 
 
 RuntimeEvent = RetryScheduled | FlakyRerun | BreakerChanged | LimitHit | AnomalyFlagged | KillRequested

@@ -6,6 +6,12 @@ A kill is a marker that any process can set: a file (``FileKillSource``), a Redi
 every attached sandbox instance (closing kills the sandbox's whole process tree, mid-command),
 and from then on ``check()`` and every op of an attached instance raise ``RunKilled``.
 The agent calls ``check()`` between steps.
+
+While it watches, a run is marked live in its sources (a heartbeat, refreshed every
+``HEARTBEAT_S``), so that ``stockade kill`` can say whether there is a run to stop. When the
+watch ends (the run ended, paused or died with its process), the mark goes and so does any
+switch pulled for the run: a later run that reuses the id starts clean. A switch nobody acted
+upon expires after ``KILL_TTL_S`` (a run that is resumed within a day still sees it).
 """
 
 from __future__ import annotations
@@ -13,21 +19,26 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import socket
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from stockade.exceptions import ConfigurationError, RunKilled, StockadeError
+from stockade.exceptions import ConfigurationError, RunInterrupted, RunKilled, StockadeError
 from stockade.runtime.events import KillRequested, Observer, ignore
 from stockade.sandbox.base import Instance, OpResult, OutputSink
 from stockade.sandbox.ops import Op
 
 __all__ = [
+    "HEARTBEAT_S",
+    "KILL_TTL_S",
     "FileKillSource",
     "KillSource",
     "KillSwitch",
     "KillableInstance",
+    "LiveRegistry",
     "MemoryKillSource",
     "RedisKillSource",
     "default_kill_dir",
@@ -35,6 +46,10 @@ __all__ = [
 ]
 
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+HEARTBEAT_S = 2.0  # a live run refreshes its mark this often
+LIVE_FOR_S = 10.0  # ... and counts as live this long after the last refresh (its process may have died)
+KILL_TTL_S = 24 * 3600.0  # a switch nobody acted upon is forgotten after this
 
 
 def _checked(run_id: str) -> str:
@@ -52,18 +67,52 @@ class KillSource(Protocol):
     def clear(self, run_id: str) -> None: ...
 
 
+class LiveRegistry(Protocol):
+    """What a kill source knows about the runs watching it (the built-in sources all do)."""
+
+    def mark_live(self, run_id: str, info: str) -> None:
+        """The run is live now (``info``: where it runs); refreshed every ``HEARTBEAT_S``."""
+
+    def unmark_live(self, run_id: str) -> None: ...
+
+    def live(self, run_id: str) -> str | None:
+        """Where the run runs, if it is live (its mark is fresh), else None."""
+
+
+def _here() -> str:
+    return f"pid {os.getpid()} on {socket.gethostname()}"
+
+
 class MemoryKillSource:
-    def __init__(self) -> None:
-        self._killed: dict[str, str] = {}
+    def __init__(self, *, ttl_s: float = KILL_TTL_S) -> None:
+        self.ttl_s = ttl_s
+        self._killed: dict[str, tuple[str, float]] = {}
+        self._live: dict[str, tuple[str, float]] = {}
 
     def reason(self, run_id: str) -> str | None:
-        return self._killed.get(run_id)
+        found = self._killed.get(run_id)
+        if found is None:
+            return None
+        if time.monotonic() - found[1] > self.ttl_s:
+            self._killed.pop(run_id, None)
+            return None
+        return found[0]
 
     def kill(self, run_id: str, reason: str) -> None:
-        self._killed[run_id] = reason
+        self._killed[run_id] = (reason, time.monotonic())
 
     def clear(self, run_id: str) -> None:
         self._killed.pop(run_id, None)
+
+    def mark_live(self, run_id: str, info: str) -> None:
+        self._live[run_id] = (info, time.monotonic())
+
+    def unmark_live(self, run_id: str) -> None:
+        self._live.pop(run_id, None)
+
+    def live(self, run_id: str) -> str | None:
+        found = self._live.get(run_id)
+        return found[0] if found is not None and time.monotonic() - found[1] <= LIVE_FOR_S else None
 
 
 def default_kill_dir() -> Path:
@@ -73,15 +122,22 @@ def default_kill_dir() -> Path:
 
 
 class FileKillSource:
-    """A run is killed when ``<directory>/<run_id>`` exists; the file holds the reason."""
+    """A run is killed when ``<directory>/<run_id>`` exists; the file holds the reason. A live
+    run keeps ``<directory>/.live/<run_id>`` fresh (its mtime is the heartbeat)."""
 
-    def __init__(self, directory: str | Path | None = None) -> None:
+    def __init__(self, directory: str | Path | None = None, *, ttl_s: float = KILL_TTL_S) -> None:
         self.directory = Path(directory) if directory is not None else default_kill_dir()
+        self.ttl_s = ttl_s
 
     def reason(self, run_id: str) -> str | None:
+        target = self.directory / _checked(run_id)
         try:
-            text = (self.directory / _checked(run_id)).read_text(errors="replace").strip()
+            text = target.read_text(errors="replace").strip()
+            age = time.time() - target.stat().st_mtime
         except FileNotFoundError:
+            return None
+        if age > self.ttl_s:  # pulled long ago for a run that never came to see it
+            target.unlink(missing_ok=True)
             return None
         return text or "killed"
 
@@ -95,17 +151,46 @@ class FileKillSource:
     def clear(self, run_id: str) -> None:
         (self.directory / _checked(run_id)).unlink(missing_ok=True)
 
+    def mark_live(self, run_id: str, info: str) -> None:
+        marks = self.directory / ".live"
+        marks.mkdir(parents=True, exist_ok=True)
+        target = marks / _checked(run_id)
+        tmp = marks / f".{target.name}.{os.getpid()}.tmp"
+        tmp.write_text(info)
+        tmp.replace(target)  # a fresh mtime: the heartbeat
+
+    def unmark_live(self, run_id: str) -> None:
+        (self.directory / ".live" / _checked(run_id)).unlink(missing_ok=True)
+
+    def live(self, run_id: str) -> str | None:
+        target = self.directory / ".live" / _checked(run_id)
+        try:
+            info = target.read_text(errors="replace").strip()
+            age = time.time() - target.stat().st_mtime
+        except FileNotFoundError:
+            return None
+        return (info or "live") if age <= LIVE_FOR_S else None
+
 
 class RedisKillSource:
     """A run is killed when the key ``stockade:kill:<run_id>`` exists (value: the reason)."""
 
-    def __init__(self, url: str, *, prefix: str = "stockade:kill:") -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "stockade:kill:",
+        live_prefix: str = "stockade:live:",
+        ttl_s: float = KILL_TTL_S,
+    ) -> None:
         try:
             import redis
         except ModuleNotFoundError:
             raise ConfigurationError('the Redis kill switch needs: pip install "stockade[redis]"') from None
         self.client = redis.Redis.from_url(url, socket_timeout=2.0)
         self.prefix = prefix
+        self.live_prefix = live_prefix
+        self.ttl_s = ttl_s
 
     def reason(self, run_id: str) -> str | None:
         value = self.client.get(self.prefix + _checked(run_id))
@@ -114,10 +199,20 @@ class RedisKillSource:
         return bytes(value).decode(errors="replace") or "killed"  # type: ignore[arg-type]
 
     def kill(self, run_id: str, reason: str) -> None:
-        self.client.set(self.prefix + _checked(run_id), reason or "killed")
+        self.client.set(self.prefix + _checked(run_id), reason or "killed", ex=max(1, int(self.ttl_s)))
 
     def clear(self, run_id: str) -> None:
         self.client.delete(self.prefix + _checked(run_id))
+
+    def mark_live(self, run_id: str, info: str) -> None:
+        self.client.set(self.live_prefix + _checked(run_id), info, ex=int(LIVE_FOR_S))
+
+    def unmark_live(self, run_id: str) -> None:
+        self.client.delete(self.live_prefix + _checked(run_id))
+
+    def live(self, run_id: str) -> str | None:
+        value = self.client.get(self.live_prefix + _checked(run_id))
+        return None if value is None else bytes(value).decode(errors="replace") or "live"  # type: ignore[arg-type]
 
 
 def kill_source_for(target: str | None) -> KillSource:
@@ -143,6 +238,7 @@ class KillSwitch:
         self.poll_s = poll_s
         self.observer = observer
         self._reason: str | None = None
+        self._interrupted = False
         self._instances: list[Instance] = []
         self._lock = threading.Lock()
 
@@ -152,15 +248,28 @@ class KillSwitch:
 
     def kill(self, reason: str = "killed") -> None:
         """Pull the switch: every attached sandbox dies now."""
+        self._pull(reason, interrupted=False)
+
+    def interrupt(self, reason: str = "interrupted") -> None:
+        """Stop the run as ``kill`` does, to be resumed: its ops raise ``RunInterrupted``, and the
+        run ends "interrupted" with its state kept. Safe from any thread or a signal handler's."""
+        self._pull(reason, interrupted=True)
+
+    def _pull(self, reason: str, *, interrupted: bool) -> None:
         with self._lock:
             if self._reason is not None:
                 return
             self._reason = reason
+            self._interrupted = interrupted
             instances, self._instances = self._instances, []
         for instance in instances:
             with contextlib.suppress(Exception):
                 instance.close()
-        self.observer(KillRequested(run_id=self.run_id, reason=reason, killed_instances=len(instances)))
+        self.observer(
+            KillRequested(
+                run_id=self.run_id, reason=reason, killed_instances=len(instances), interrupted=interrupted
+            )
+        )
 
     def poll(self) -> bool:
         """Look at every source once; pull the switch if one says so."""
@@ -180,7 +289,13 @@ class KillSwitch:
         if self.poll():
             raise self._error()
 
-    def _error(self) -> RunKilled:
+    def _error(self) -> RunKilled | RunInterrupted:
+        if self._interrupted:
+            return RunInterrupted(
+                f"run {self.run_id} was interrupted: {self._reason}",
+                run_id=self.run_id,
+                reason=self._reason or "",
+            )
         return RunKilled(
             f"run {self.run_id} was killed: {self._reason}", run_id=self.run_id, reason=self._reason or ""
         )
@@ -194,15 +309,30 @@ class KillSwitch:
         instance.close()
         raise self._error()
 
+    def _each(self, method: str, *args: str) -> None:
+        """Call ``method`` on every source that has it; an unreachable source is skipped."""
+        for source in self.sources:
+            call = getattr(source, method, None)
+            if call is not None:
+                with contextlib.suppress(Exception):
+                    call(self.run_id, *args)
+
     @contextlib.contextmanager
     def watch(self) -> Iterator[KillSwitch]:
-        """Poll the sources in a background thread for the duration of the block."""
+        """Poll the sources in a background thread for the duration of the block, with the run
+        marked live in them; afterwards the mark and any switch pulled for the run are gone."""
         stop = threading.Event()
+        here = _here()
+        self._each("mark_live", here)
 
         def loop() -> None:
+            beat = time.monotonic()
             while not stop.wait(self.poll_s):
                 if self.poll():
                     return
+                if time.monotonic() - beat >= HEARTBEAT_S:
+                    beat = time.monotonic()
+                    self._each("mark_live", here)
 
         thread = threading.Thread(target=loop, name=f"kill-switch-{self.run_id}", daemon=True)
         thread.start()
@@ -211,6 +341,8 @@ class KillSwitch:
         finally:
             stop.set()
             thread.join()
+            self._each("unmark_live")
+            self._each("clear")  # acted upon, or too late to matter: the next run of this id starts clean
 
 
 class KillableInstance(Instance):

@@ -9,12 +9,13 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import threading
+from typing import Literal
 
 from stockade.exceptions import ConfigurationError, TierUnavailable
 from stockade.sandbox.base import Backend
 from stockade.types import TierReport, Trust
 
-# Weakest to strongest isolation.
+# Weakest to strongest isolation, which is also cheapest to dearest to start (docs/benchmarks.md).
 TIERS: dict[str, tuple[str, str, str]] = {
     "process": ("stockade.sandbox.process", "ProcessBackend", "apt-get install bubblewrap"),
     "docker": ("stockade.sandbox.docker", "DockerBackend", 'pip install "stockade[docker]"'),
@@ -85,17 +86,36 @@ def allowed_tiers(trust: Trust, *, allow_gvisor_for_untrusted: bool = False) -> 
     return allowed
 
 
-def select_tier(trust: Trust, *, allow_gvisor_for_untrusted: bool = False) -> str:
-    """The strongest tier this host supports that the trust table allows; fail closed."""
-    allowed = allowed_tiers(trust, allow_gvisor_for_untrusted=allow_gvisor_for_untrusted)
+Preference = Literal["cheapest", "strongest"]
+
+
+def choose(allowed: tuple[str, ...], *, prefer: Preference = "cheapest", why: str) -> str:
+    """Of the ``allowed`` tiers, the cheapest this host supports (or the strongest, if
+    ``prefer="strongest"``); fail closed when none works. ``why`` says what allowed them."""
+    if prefer not in ("cheapest", "strongest"):
+        from stockade.exceptions import InvalidArgument  # lazily: only a wrong call pays for it
+
+        raise InvalidArgument(
+            f"prefer is {prefer!r}", argument="prefer", fix='give "cheapest" (the default) or "strongest"'
+        )
+    order = STRENGTH if prefer == "cheapest" else tuple(reversed(STRENGTH))
     tried = []
-    for tier in reversed(STRENGTH):
+    for tier in order:
         if tier in allowed:
             report = probe(tier)
             if report.available:
                 return tier
             tried.append(f"{tier}: {report.detail}")
     raise TierUnavailable(
-        f"trust {trust.value!r} needs one of {', '.join(allowed)}, and none works on this host "
-        f"({'; '.join(tried)}). stockade refuses to fall back to a weaker tier."
+        f"{why} needs one of {', '.join(allowed) or 'no tier'}, and none works on this host "
+        f"({'; '.join(tried) or 'nothing to try'}). stockade refuses to fall back to a weaker tier."
     )
+
+
+def select_tier(
+    trust: Trust, *, allow_gvisor_for_untrusted: bool = False, prefer: Preference = "cheapest"
+) -> str:
+    """The cheapest tier this host supports that the trust table allows (trust sets the
+    minimum), or the strongest with ``prefer="strongest"``; fail closed."""
+    allowed = allowed_tiers(trust, allow_gvisor_for_untrusted=allow_gvisor_for_untrusted)
+    return choose(allowed, prefer=prefer, why=f"trust {trust.value!r}")

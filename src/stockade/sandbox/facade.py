@@ -14,6 +14,7 @@ from types import TracebackType
 from typing import Literal, overload
 
 from stockade import exceptions as exc
+from stockade._checks import check_choice, check_envs, check_timeout
 from stockade.sandbox import _registry
 from stockade.sandbox._supervised import WORKSPACE
 from stockade.sandbox.base import (
@@ -39,6 +40,7 @@ from stockade.sandbox.ops import (
     RunCommand,
     Stat,
     WriteFile,
+    program_command,
 )
 from stockade.types import (
     CommandResult,
@@ -57,17 +59,18 @@ __all__ = ["AsyncSandbox", "Sandbox"]
 
 TextCallback = Callable[[str], object]
 
-# run_code languages other than "python" run as fresh processes: language -> argv prefix.
-INTERPRETERS: dict[str, tuple[str, ...]] = {
-    "bash": ("bash", "-c"),
-    "sh": ("sh", "-c"),
-    "python3": ("python3", "-c"),
-    "node": ("node", "-e"),
-    "javascript": ("node", "-e"),
-    "ruby": ("ruby", "-e"),
-    "perl": ("perl", "-e"),
-    "php": ("php", "-r"),
-    "r": ("Rscript", "-e"),
+# run_code's language names -> the keys of ops.PROGRAM_ON_STDIN ("python" is the persistent
+# interpreter; "python3" a fresh process).
+INTERPRETERS: dict[str, str] = {
+    "bash": "bash",
+    "sh": "sh",
+    "python3": "python3",
+    "node": "node",
+    "javascript": "node",
+    "ruby": "ruby",
+    "perl": "perl",
+    "php": "php",
+    "r": "r",
 }
 
 
@@ -103,7 +106,9 @@ def command_op(
 ) -> RunCommand:
     argv = ("/bin/sh", "-c", cmd) if isinstance(cmd, str) else tuple(cmd)
     data = stdin.encode() if isinstance(stdin, str) else stdin
-    return RunCommand(argv=argv, cwd=cwd, envs=dict(envs or {}), timeout_s=timeout_s, stdin=data)
+    return RunCommand(
+        argv=argv, cwd=cwd, envs=check_envs(envs), timeout_s=check_timeout(timeout_s), stdin=data
+    )
 
 
 def text_sink(on_stdout: TextCallback | None, on_stderr: TextCallback | None) -> OutputSink | None:
@@ -142,15 +147,23 @@ def as_execution(result: CommandResult) -> Execution:
 
 
 def code_op(code: str, language: str, timeout_s: float | None) -> RunCode | RunCommand:
-    lang = language.lower()
+    if not isinstance(code, str):
+        raise exc.InvalidArgument(
+            f"code must be a str, got {type(code).__name__}", argument="code", fix="give the source as text"
+        )
+    timeout_s = check_timeout(timeout_s)
+    lang = language.lower() if isinstance(language, str) else ""
     if lang in ("python", "py"):
         return RunCode(code=code, timeout_s=timeout_s)
-    prefix = INTERPRETERS.get(lang)
-    if prefix is None:
-        raise exc.ConfigurationError(
-            f"unknown language {language!r}; use python or one of {', '.join(sorted(INTERPRETERS))}"
+    key = INTERPRETERS.get(lang)
+    if key is None:
+        raise exc.InvalidArgument(
+            f"unknown language {language!r}",
+            argument="language",
+            fix=f"use python or one of {', '.join(sorted(INTERPRETERS))}",
         )
-    return RunCommand(argv=(*prefix, code), timeout_s=timeout_s)
+    # on standard input, never as an argument: the kernel caps one argument at 128 KiB
+    return program_command(key, code, timeout_s)
 
 
 def tar_directory(source: Path) -> bytes:
@@ -172,19 +185,29 @@ def _spec(
     allow_weaker: bool,
     labels: Mapping[str, str] | None,
 ) -> SandboxSpec:
+    if limits is not None and not isinstance(limits, Limits):
+        raise exc.InvalidArgument(
+            f"limits must be a Limits, got {type(limits).__name__}",
+            argument="limits",
+            fix="give Limits(memory_mb=..., timeout_s=...)",
+        )
     return SandboxSpec(
         limits=limits or Limits(),
         network=network or NetworkPolicy(),
-        envs=dict(envs or {}),
+        envs=check_envs(envs),
         allow_weaker=allow_weaker,
         labels=dict(labels or {}),
     )
 
 
-def _choose(tier: str | None, trust: Trust | str | None) -> str:
+def _choose(tier: str | None, trust: Trust | str | None, prefer: _registry.Preference = "cheapest") -> str:
+    if tier is not None and tier not in _registry.TIERS:
+        raise exc.InvalidArgument(
+            f"unknown tier {tier!r}", argument="tier", fix=f"give one of {', '.join(_registry.TIERS)}"
+        )
     if trust is None:
         return tier or "process"
-    level = Trust(trust)
+    level = check_choice(Trust, trust, argument="trust")
     allowed = _registry.allowed_tiers(level)
     if tier is not None:
         if tier not in allowed:
@@ -192,7 +215,7 @@ def _choose(tier: str | None, trust: Trust | str | None) -> str:
                 f"tier {tier!r} is too weak for trust {level.value!r}; allowed: {', '.join(allowed)}"
             )
         return tier
-    return _registry.select_tier(level)
+    return _registry.select_tier(level, prefer=prefer)
 
 
 # -- sync --------------------------------------------------------------------------------
@@ -307,14 +330,16 @@ class Sandbox:
         allow_weaker: bool = False,
         labels: Mapping[str, str] | None = None,
         backend: Backend | None = None,
+        prefer: _registry.Preference = "cheapest",
     ) -> Sandbox:
-        """Start a sandbox on ``tier`` (default ``"process"``), or the tier ``trust`` requires.
+        """Start a sandbox on ``tier`` (default ``"process"``), or the cheapest tier this host has
+        that ``trust`` allows (``prefer="strongest"``: the strongest); ``sbx.tier`` says which.
 
         ``workspace`` seeds the sandbox's workspace with a copy of a host directory; the
         sandbox never writes to the host directory itself (use ``files.download_dir``).
         """
         spec = _spec(limits, network, envs, allow_weaker, labels)
-        chosen = backend or _registry.backend(_choose(tier, trust))
+        chosen = backend or _registry.backend(_choose(tier, trust, prefer))
         instance = chosen.start(spec)
         sbx = cls(instance)
         if workspace is not None:
@@ -502,12 +527,13 @@ class AsyncSandbox:
         allow_weaker: bool = False,
         labels: Mapping[str, str] | None = None,
         backend: AsyncBackend | Backend | None = None,
+        prefer: _registry.Preference = "cheapest",
     ) -> AsyncSandbox:
         import asyncio  # lazily: importing stockade must stay cheap
 
         spec = _spec(limits, network, envs, allow_weaker, labels)
         if backend is None:
-            name = await asyncio.to_thread(_choose, tier, trust)
+            name = await asyncio.to_thread(_choose, tier, trust, prefer)
             backend = await asyncio.to_thread(_registry.backend, name)
         chosen = backend if isinstance(backend, AsyncBackend) else ThreadedAsyncBackend(backend)
         instance = await chosen.astart(spec)

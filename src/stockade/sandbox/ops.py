@@ -24,6 +24,8 @@ __all__ = [
     "RunCommand",
     "Stat",
     "WriteFile",
+    "as_inline",
+    "program_command",
 ]
 
 
@@ -34,6 +36,44 @@ class RunCommand:
     envs: Mapping[str, str] = field(default_factory=dict)
     timeout_s: float | None = None
     stdin: bytes | None = None
+
+
+# A shell that reads its whole program from standard input first, then runs it with standard
+# input at /dev/null: what `sh -c PROGRAM` does, without the program being an argument.
+_SHELL_READS_STDIN = 'c=$(cat) && exec </dev/null && eval "$c"'
+
+# run_code's languages other than Python run as fresh processes whose program comes on standard
+# input, never as an argument: the kernel caps one argument at 128 KiB (and all of them at a few
+# MiB). language -> (the argv reading the program from stdin, the inline argv it amounts to).
+# Each of these reads its whole program before running it, so the program's own reads of
+# standard input see its end, as they would under `-c`.
+PROGRAM_ON_STDIN: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "bash": (("bash", "-c", _SHELL_READS_STDIN), ("bash", "-c")),
+    "sh": (("sh", "-c", _SHELL_READS_STDIN), ("sh", "-c")),
+    "python3": (("python3", "-"), ("python3", "-c")),
+    "node": (("node", "-"), ("node", "-e")),
+    "ruby": (("ruby", "-"), ("ruby", "-e")),
+    "perl": (("perl", "-"), ("perl", "-e")),
+    "php": (("php", "-r", "eval(stream_get_contents(STDIN));"), ("php", "-r")),
+    "r": (("Rscript", "-e", "source(file('stdin'))"), ("Rscript", "-e")),
+}
+_INLINE = {reading: inline for reading, inline in PROGRAM_ON_STDIN.values()}
+
+
+def program_command(language: str, code: str, timeout_s: float | None = None) -> RunCommand:
+    """The command running ``code`` in ``language`` (a key of ``PROGRAM_ON_STDIN``)."""
+    reading, _ = PROGRAM_ON_STDIN[language]
+    return RunCommand(argv=reading, stdin=code.encode(), timeout_s=timeout_s)
+
+
+def as_inline(op: RunCommand) -> tuple[str, ...]:
+    """The argv ``op`` amounts to: a program read from standard input by one of the
+    ``PROGRAM_ON_STDIN`` forms is put back inline (``bash -c PROGRAM``), so that policy rules,
+    approvals and the audit trail judge and show the program, not the reader."""
+    inline = _INLINE.get(tuple(op.argv)) if op.stdin is not None else None
+    if inline is None or op.stdin is None:
+        return tuple(op.argv)
+    return (*inline, op.stdin.decode("utf-8", "replace"))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,15 +7,17 @@ guards it by its name.
 
 from __future__ import annotations
 
+import posixpath
 import shlex
 import time
 from dataclasses import dataclass
 
 from stockade.exceptions import SandboxFileNotFound, ToolError
+from stockade.sandbox._supervised import WORKSPACE
 from stockade.sandbox.facade import Sandbox
 from stockade.tools.base import Risk, ToolContext, Toolset, tool
 from stockade.tools.patch import apply_patch_to_sandbox
-from stockade.tools.testreport import TestReport, parse_junit_xml, parse_unittest_output
+from stockade.tools.testreport import TestReport, parse_junit_xml, parse_unittest_output, unittest_counts
 from stockade.tools.workspace_diff import is_ignored, workspace_diff
 from stockade.types import CommandResult, EntryType, Execution
 
@@ -26,6 +28,7 @@ __all__ = [
     "list_files",
     "read_file",
     "run_code",
+    "run_test_command",
     "run_tests",
     "shell",
     "write_file",
@@ -96,46 +99,85 @@ def run_code(
     return _show_execution(ctx.sandbox.run_code(code, language, timeout_s=timeout_s))
 
 
-def _runner(argv: list[str]) -> str:
-    if any(part == "pytest" or part.endswith("/pytest") or part == "py.test" for part in argv):
-        return "pytest"
-    if "unittest" in argv:
-        return "unittest"
+def _words(command: str) -> list[str]:
+    """The words of a shell line, operators apart (``a&&b`` is three words); never raises."""
+    lexer = shlex.shlex(command, posix=True, punctuation_chars=";&|()<>")
+    lexer.whitespace_split = True
+    try:
+        return list(lexer)
+    except ValueError:  # unbalanced quotes: the shell will say so; the words are a guess
+        return command.split()
+
+
+def _runner(command: str) -> str:
+    """Which runner a test command uses, wherever it sits in the line (``cd x && VAR=1 pytest
+    -q | tee log``): pytest, unittest or plain."""
+    words = _words(command)
+    for before, word in zip(["", *words], words, strict=False):
+        program = posixpath.basename(word)
+        if program in _PYTEST_PROGRAMS or (before == "-m" and word == "pytest"):
+            return "pytest"
+    for before, word in zip(["", *words], words, strict=False):
+        if before == "-m" and word.split(".")[0] == "unittest":
+            return "unittest"
     return "plain"
+
+
+# pytest's own programs (Debian also installs pytest-3); `python -m pytest` is matched apart.
+_PYTEST_PROGRAMS = frozenset({"pytest", "py.test", "pytest-3", "py.test-3"})
 
 
 @tool(risk=Risk.MEDIUM)
 def run_tests(ctx: ToolContext, command: str, timeout_s: float | None = None) -> TestReport:
     """Run the test suite and report passed, failed and errored tests with their failure messages.
 
-    pytest and `python -m unittest` are understood; other runners report their plain output.
+    The command runs exactly as given, with /bin/sh -c. pytest is understood wherever it runs
+    in the line; `python -m unittest` too (add -v to get the name of every passing test); other
+    runners report their plain output.
 
     Args:
-        command: the test command, e.g. "python3 -m pytest -q tests" or "python3 -m unittest".
+        command: the test command, e.g. "python3 -m pytest -q tests" or "python3 -m unittest -v".
         timeout_s: wall-clock limit in seconds (the sandbox default when omitted).
     """
-    argv = shlex.split(command)
-    runner = _runner(argv)
-    report_path = f"{REPORT_DIR}/junit-{ctx.step}-{ctx.call_id}.xml"
-    if runner == "pytest":
-        argv += [f"--junitxml={report_path}", "-o", "junit_family=xunit1"]
-    elif runner == "unittest" and not {"-v", "--verbose"} & set(argv):
-        argv.append("-v")
+    return run_test_command(
+        ctx.sandbox, command, records=ctx.records, name=f"{ctx.step}-{ctx.call_id}", timeout_s=timeout_s
+    )
+
+
+def run_test_command(
+    sandbox: Sandbox,
+    command: str,
+    *,
+    records: Sandbox | None = None,
+    name: str = "check",
+    timeout_s: float | None = None,
+) -> TestReport:
+    """Run ``command`` in ``sandbox`` as given and read what its runner reports.
+
+    pytest is asked for a JUnit XML report through ``PYTEST_ADDOPTS``, so the command line is
+    never rewritten: what runs is what the model asked for, what an approval showed and what
+    the audit trail records, pipes, ``&&``, ``cd`` and assignments included. The report is read
+    (and removed) through ``records``, the run's own view of the sandbox.
+    """
+    books = records if records is not None else sandbox
+    runner = _runner(command)
+    report_path = f"{WORKSPACE}/{REPORT_DIR}/junit-{name}.xml"
+    envs = {"PYTEST_ADDOPTS": f"--junitxml={report_path} -o junit_family=xunit1"}
     start = time.monotonic()
-    result = ctx.sandbox.commands.run(shlex.join(argv), timeout_s=timeout_s)
+    result = sandbox.commands.run(command, envs=envs, timeout_s=timeout_s)
     duration = time.monotonic() - start
     output = (result.stdout + ("\n" if result.stdout and result.stderr else "") + result.stderr).strip()
     parsed = None
-    if runner == "pytest":
-        try:
-            # the report is the tool's own record: read it whatever the model may read
-            parsed = parse_junit_xml(ctx.records.files.read(report_path, format="bytes"))
-            ctx.records.files.remove(report_path)
-        except (SandboxFileNotFound, SyntaxError):
-            parsed = None  # collection crashed before pytest wrote a report: show the output
-    elif runner == "unittest":
+    try:
+        # the report is the tool's own record: read it whatever the model may read
+        parsed = parse_junit_xml(books.files.read(report_path, format="bytes"))
+        books.files.remove(report_path)
+        runner = "pytest"
+    except (SandboxFileNotFound, SyntaxError):
+        parsed = None  # not pytest, or it crashed before writing a report: show the output
+    if parsed is None and runner == "unittest":
         parsed = parse_unittest_output(output)
-        if not any(parsed[:3]):
+        if not any(parsed[:4]):
             parsed = None
     if parsed is None:
         return TestReport(
@@ -147,11 +189,18 @@ def run_tests(ctx: ToolContext, command: str, timeout_s: float | None = None) ->
             timed_out=result.timed_out,
         )
     passed, failed, errored, skipped, failures = parsed
+    unnamed = 0
+    if runner == "unittest" and not passed:  # not verbose: the summary counts what it does not name
+        counted = unittest_counts(output)
+        if counted is not None:
+            unnamed = max(counted.ran - len(failed) - len(errored) - counted.not_passed_unnamed, 0)
+            skipped = max(skipped, counted.skipped)
     return TestReport(
         command=command,
         runner=runner,
         exit_code=result.exit_code,
         passed=tuple(passed),
+        passed_unnamed=unnamed,
         failed=tuple(failed),
         errored=tuple(errored),
         skipped=skipped,

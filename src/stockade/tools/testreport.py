@@ -13,7 +13,15 @@ import re
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
-__all__ = ["MAX_REPORT_BYTES", "TestFailure", "TestReport", "parse_junit_xml", "parse_unittest_output"]
+__all__ = [
+    "MAX_REPORT_BYTES",
+    "TestFailure",
+    "TestReport",
+    "UnittestCounts",
+    "parse_junit_xml",
+    "parse_unittest_output",
+    "unittest_counts",
+]
 
 MAX_REPORT_BYTES = 8 * 1024 * 1024
 _SHOWN_OUTPUT = 3000
@@ -36,6 +44,7 @@ class TestReport:
     runner: str  # "pytest", "unittest" or "plain"
     exit_code: int
     passed: tuple[str, ...] = ()
+    passed_unnamed: int = 0  # passing tests the runner counted without naming (unittest without -v)
     failed: tuple[str, ...] = ()
     errored: tuple[str, ...] = ()
     skipped: int = 0
@@ -48,6 +57,10 @@ class TestReport:
     def ok(self) -> bool:
         return self.exit_code == 0 and not self.timed_out
 
+    @property
+    def passed_count(self) -> int:
+        return len(self.passed) + self.passed_unnamed
+
     def observation(self) -> str:
         if self.runner == "plain":
             head = f"$ {self.command}\nexit code {self.exit_code}" + (
@@ -56,7 +69,7 @@ class TestReport:
             return f"{head}\n{self.output}"
         lines = [
             f"$ {self.command}",
-            f"{self.runner}: {len(self.passed)} passed, {len(self.failed)} failed, "
+            f"{self.runner}: {self.passed_count} passed, {len(self.failed)} failed, "
             f"{len(self.errored)} errors, {self.skipped} skipped (exit code {self.exit_code})"
             + (" (timed out)" if self.timed_out else ""),
         ]
@@ -127,4 +140,36 @@ def parse_unittest_output(output: str) -> tuple[list[str], list[str], list[str],
         )
         for kind, name, where, body in _UNITTEST_BLOCK.findall(output)
     ]
+    if not (passed or failed or errored or skipped):  # not verbose: the failure blocks still name them
+        failed = [f.test_id for f in failures if f.kind == "failed"]
+        errored = [f.test_id for f in failures if f.kind == "error"]
     return passed, failed, errored, skipped, failures
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnittestCounts:
+    """The closing summary of a unittest run (``Ran 3 tests`` ... ``FAILED (failures=1)``)."""
+
+    ran: int
+    skipped: int = 0
+    not_passed_unnamed: int = 0  # skipped, expected failures and unexpected successes
+
+
+_UNITTEST_RAN = re.compile(r"^Ran (\d+) tests? in ", re.M)
+_UNITTEST_VERDICT = re.compile(r"^(?:OK|FAILED)(?: \((.*)\))?$", re.M)
+
+
+def unittest_counts(output: str) -> UnittestCounts | None:
+    """The counts of the last unittest summary in ``output``, if there is one."""
+    ran = _UNITTEST_RAN.findall(output)
+    if not ran:
+        return None
+    counts: dict[str, int] = {}
+    verdicts = _UNITTEST_VERDICT.findall(output)
+    for item in (verdicts[-1] if verdicts else "").split(","):
+        key, _, value = item.strip().partition("=")
+        if value.isdigit():
+            counts[key] = int(value)
+    skipped = counts.get("skipped", 0)
+    others = counts.get("expected failures", 0) + counts.get("unexpected successes", 0)
+    return UnittestCounts(ran=int(ran[-1]), skipped=skipped, not_passed_unnamed=skipped + others)

@@ -209,3 +209,28 @@ def test_an_assembled_run_keeps_its_starting_workspace_for_replay(tmp_path: Path
     restored = tmp_path / "restored"
     store.restore_seed(result.run_id, restored)
     assert (restored / "app.py").read_text() == "print('v1')\n"
+
+
+def test_runs_are_recorded_where_the_audit_trail_goes_unless_told_not_to(tmp_path: Path) -> None:
+    from stockade.runs import open_run_store
+
+    db = f"sqlite:///{tmp_path / 'audit.db'}"
+    policy = Policy(trust=TRUSTED)
+    with build_agent(config(tmp_path, ScriptedModel(["done"]), policy, audit=db)) as agent:
+        agent.run_sync("say done", run_id="recorded")
+    unrecorded = config(tmp_path, ScriptedModel(["done"]), policy, audit=db, record_runs=False)
+    with build_agent(unrecorded) as agent:
+        agent.run_sync("say done", run_id="unrecorded")
+    with open_run_store(db) as store:
+        assert [s.run_id for s in store.runs()] == ["recorded"]
+        assert store.summary("recorded").status == RunStatus.SUCCESS  # type: ignore[union-attr]
+
+
+def test_a_configuration_error_creates_no_audit_database(tmp_path: Path) -> None:
+    from stockade.exceptions import ConfigurationError
+
+    db = tmp_path / "records" / "audit.db"
+    bad = config(tmp_path, ScriptedModel(["x"]), Policy(trust=TRUSTED), audit=f"sqlite:///{db}")
+    with pytest.raises(ConfigurationError):
+        build_agent(replace(bad, model="nope:x"))
+    assert not db.exists() and not db.parent.exists()

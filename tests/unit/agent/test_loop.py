@@ -353,3 +353,27 @@ def test_a_command_tools_exit_code_is_recorded_not_parsed() -> None:
     result = Agent(model, tools=default_toolset().including(shell)).run_sync("build", sandbox=sandbox)
     [record] = result.steps[0].tool_calls
     assert record.exit_code == 3 and "exit code 3" in record.observation
+
+
+def test_an_interrupted_run_keeps_its_step_in_progress_and_resumes_it() -> None:
+    from stockade.agent import MemoryCheckpointer
+    from stockade.exceptions import RunInterrupted
+
+    sandbox = Sandbox.create(backend=FakeBackend())
+    calls: list[ToolCalled] = []
+
+    def stopper(event: AgentEvent) -> None:  # the first call is interrupted, as Ctrl-C would
+        if isinstance(event, ToolCalled):
+            calls.append(event)
+            if len(calls) == 1:
+                raise RunInterrupted("stopped by SIGINT", run_id="r")
+
+    checkpoints = MemoryCheckpointer()
+    model = ScriptedModel([tool_call("list_files"), "done"])
+    agent = Agent(model, observers=[stopper], checkpointer=checkpoints)
+    first = agent.run_sync("go", sandbox=sandbox, run_id="r")
+    assert first.status == RunStatus.INTERRUPTED and first.status.resumable and not first.status.finished
+    assert first.steps == () and first.state.current is not None  # the step in progress is kept
+    again = agent.run_sync(sandbox=sandbox, resume="r")
+    assert again.status == RunStatus.SUCCESS and again.answer == "done"
+    assert [c.call.name for c in again.steps[0].tool_calls] == ["list_files"]  # the call ran, once

@@ -90,3 +90,28 @@ def test_verify_reports_a_body_that_is_not_an_event_and_goes_on(tmp_path: Path) 
         {"seq": 4, "kind": "unreadable", "detail": "the body is not an audit event"},
     ]
     assert report["checked"] == 5
+
+
+def test_nothing_found_is_not_intact(tmp_path: Path) -> None:
+    db = make_store(tmp_path / "a.db")
+    typo = runner.invoke(app, ["audit", "verify", "--db", db, "--run", "run-typo"])
+    assert typo.exit_code == 2 and "intact" not in typo.output
+    assert "no events of run run-typo" in typo.output
+    as_json = json.loads(
+        runner.invoke(app, ["audit", "verify", "--db", db, "--run", "run-typo", "--json"]).stdout
+    )
+    assert as_json["ok"] is False and as_json["found"] is False
+    assert runner.invoke(app, ["audit", "verify", "--db", db, "--run", "run-a"]).exit_code == 0
+
+    empty = make_store(tmp_path / "empty.db", events=0)
+    result = runner.invoke(app, ["audit", "verify", "--db", empty])
+    assert result.exit_code == 2 and "the audit trail is empty" in result.output
+
+    other = tmp_path / "other.db"
+    with sqlite3.connect(other) as conn:
+        conn.execute("CREATE TABLE notes (text TEXT)")
+    result = runner.invoke(app, ["audit", "verify", "--db", f"sqlite:///{other}"])
+    assert result.exit_code == 2 and "holds no audit trail" in result.output
+    with sqlite3.connect(other) as conn:  # and verifying did not create one in it
+        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert tables == {"notes"}

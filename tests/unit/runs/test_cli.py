@@ -95,3 +95,18 @@ def test_an_unknown_run_or_store_exits_two(tmp_path: Path) -> None:
     db = recorded_run(tmp_path / "audit.db")
     assert runner.invoke(app, ["runs", "show", "nope", "--db", db]).exit_code == 2
     assert runner.invoke(app, ["runs", "list", "--db", str(tmp_path / "missing.db")]).exit_code == 2
+
+
+def test_piped_output_is_never_wrapped_or_cut(tmp_path: Path) -> None:
+    long_line = "value = " + "'x' + " * 40 + "'end of the line'"
+    turns: list[Turn] = [tool_call("write_file", {"path": "long.py", "content": long_line + "\n"}), "done"]
+    db = tmp_path / "audit.db"
+    with open_run_store(f"sqlite:///{db}") as store:
+        agent = Agent(ScriptedModel(turns), checkpointer=store, observers=[RunRecorder(store)])
+        with Sandbox.create(backend=FakeBackend(MemoryWorkspace())) as sbx:
+            agent.run_sync("write a long line, a long task to describe " * 4, sandbox=sbx, run_id="long")
+    result = runner.invoke(app, ["runs", "show", "long", "--db", f"sqlite:///{db}"])
+    assert result.exit_code == 0, result.output
+    assert f"+{long_line}\n" in result.output  # the diff line arrives whole, not at 80 columns
+    listed = runner.invoke(app, ["runs", "list", "--db", f"sqlite:///{db}"])
+    assert max(len(line) for line in listed.output.splitlines()) > 80  # the table is not squeezed

@@ -89,3 +89,74 @@ def test_an_unreachable_source_does_not_kill_the_run() -> None:
 def test_run_ids_cannot_name_other_files(tmp_path) -> None:
     with pytest.raises(exc.ConfigurationError):
         FileKillSource(tmp_path).kill("../etc", "x")
+
+
+def test_the_kill_cli_says_when_there_is_no_live_run_and_pulls_nothing(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from stockade.cli.main import app
+
+    result = CliRunner().invoke(app, ["kill", "made-up", "--target", str(tmp_path)])
+    assert result.exit_code == 1 and "no live run made-up" in result.output
+    assert FileKillSource(tmp_path).reason("made-up") is None
+
+
+def test_the_kill_cli_stops_a_live_run_and_says_so(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from stockade.cli.main import app
+
+    switch = KillSwitch("live-1", [FileKillSource(tmp_path)], poll_s=0.01)
+    watching, done = threading.Event(), threading.Event()
+
+    def run() -> None:  # a run: it watches its switch until it is pulled, then ends
+        with switch.watch():
+            watching.set()
+            while not switch.killed:
+                done.wait(0.01)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert watching.wait(5)
+    assert FileKillSource(tmp_path).live("live-1") is not None
+    result = CliRunner().invoke(app, ["kill", "live-1", "--target", str(tmp_path), "--reason", "enough"])
+    thread.join(5)
+    assert result.exit_code == 0, result.output
+    assert (
+        "kill switch pulled for live run live-1 (pid" in result.output
+        and "run live-1 stopped" in result.output
+    )
+    # the run ended: its switch is cleared, so a later run that reuses the id is not killed
+    assert (
+        FileKillSource(tmp_path).reason("live-1") is None and FileKillSource(tmp_path).live("live-1") is None
+    )
+    KillSwitch("live-1", [FileKillSource(tmp_path)]).check()
+
+
+def test_a_switch_nobody_acted_upon_expires(tmp_path) -> None:
+    import os
+    import time
+
+    source = FileKillSource(tmp_path, ttl_s=3600)
+    source.kill("gone", "long ago")
+    old = time.time() - 7200
+    os.utime(tmp_path / "gone", (old, old))
+    assert source.reason("gone") is None and not (tmp_path / "gone").exists()
+    memory = MemoryKillSource(ttl_s=0.0)
+    memory.kill("gone", "now")
+    time.sleep(0.01)
+    assert memory.reason("gone") is None
+
+
+def test_a_dead_runs_live_mark_goes_stale(tmp_path) -> None:
+    import os
+    import time
+
+    from stockade.runtime.killswitch import LIVE_FOR_S
+
+    source = FileKillSource(tmp_path)
+    source.mark_live("crashed", "pid 1 on elsewhere")
+    assert source.live("crashed") == "pid 1 on elsewhere"
+    old = time.time() - LIVE_FOR_S - 1
+    os.utime(tmp_path / ".live" / "crashed", (old, old))  # its process died: no more heartbeats
+    assert source.live("crashed") is None

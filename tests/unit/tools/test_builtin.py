@@ -135,8 +135,8 @@ async def test_run_tests_reads_pytests_junit_report() -> None:
     ws = MemoryWorkspace()
 
     def pytest_run(op: RunCommand) -> CommandResult:
-        command = op.argv[-1]
-        assert "--junitxml=.stockade/reports/junit-1-c1.xml" in command
+        assert op.argv == ("/bin/sh", "-c", "python3 -m pytest -q")  # as given: the report comes by env
+        assert "--junitxml=/workspace/.stockade/reports/junit-1-c1.xml" in op.envs["PYTEST_ADDOPTS"]
         ws.files[".stockade/reports/junit-1-c1.xml"] = JUNIT
         return CommandResult(exit_code=1, stdout="1 failed, 1 passed", stderr="", duration_s=0.1)
 
@@ -174,6 +174,61 @@ async def test_run_tests_parses_verbose_unittest_output() -> None:
     report = await call(run_tests, make_sandbox(ws), {"command": "python3 -m unittest"})
     assert (report.passed, report.failed) == (("test_m.T::test_a",), ("test_m.T::test_b",))  # type: ignore[attr-defined]
     assert "AssertionError: 1 != 2" in report.failures[0].message  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "sleep 25; python3 -m pytest -q",
+        "cd sub && PYTHONPATH=src python3 -m pytest -x tests | tee log.txt",
+        "VAR='a b' pytest-3 -q",
+        "(cd sub; py.test)",
+        "make test",  # pytest somewhere below: the report still comes back
+    ],
+)
+async def test_run_tests_runs_the_command_as_given_and_still_reads_the_report(command: str) -> None:
+    ws = MemoryWorkspace()
+    seen: list[RunCommand] = []
+
+    def run(op: RunCommand) -> CommandResult:
+        seen.append(op)
+        ws.files[".stockade/reports/junit-1-c1.xml"] = JUNIT
+        return CommandResult(exit_code=1, stdout="", stderr="", duration_s=0.1)
+
+    ws.commands = run
+    report = await call(run_tests, make_sandbox(ws), {"command": command})
+    assert seen[0].argv == ("/bin/sh", "-c", command)
+    assert report.runner == "pytest" and report.failed == ("test_m::test_bad",)  # type: ignore[attr-defined]
+    assert ".stockade/reports/junit-1-c1.xml" not in ws.files  # the tool's own record is cleaned up
+
+
+UNITTEST_QUIET = """.F.s
+======================================================================
+FAIL: test_b (test_m.T.test_b)
+----------------------------------------------------------------------
+Traceback (most recent call last):
+AssertionError: 1 != 2
+
+----------------------------------------------------------------------
+Ran 4 tests in 0.001s
+
+FAILED (failures=1, skipped=1)
+"""
+
+
+@pytest.mark.parametrize("command", ["python3 -m unittest", "cd proj && python3 -m unittest discover 2>&1"])
+async def test_run_tests_counts_what_a_quiet_unittest_does_not_name(command: str) -> None:
+    seen: list[RunCommand] = []
+
+    def run(op: RunCommand) -> CommandResult:
+        seen.append(op)
+        return CommandResult(exit_code=1, stdout="", stderr=UNITTEST_QUIET, duration_s=0.1)
+
+    report = await call(run_tests, make_sandbox(MemoryWorkspace(commands=run)), {"command": command})
+    assert seen[0].argv[-1] == command  # no -v added behind the model's back
+    assert report.runner == "unittest"  # type: ignore[attr-defined]
+    assert report.failed == ("test_m.T::test_b",) and report.passed_count == 2  # type: ignore[attr-defined]
+    assert "unittest: 2 passed, 1 failed, 0 errors, 1 skipped (exit code 1)" in render(report)
 
 
 async def test_other_runners_report_their_plain_output() -> None:

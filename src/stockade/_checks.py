@@ -1,0 +1,125 @@
+"""Argument checks shared by the SDK's entry points: a wrong value fails at the call that
+passed it, with ``InvalidArgument`` naming the argument and what to give instead, never later
+as a bare ``TypeError``, a JSON error from deep inside, or a sandbox that silently misbehaves."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import TypeVar
+
+from stockade.exceptions import InvalidArgument
+
+__all__ = ["check_choice", "check_envs", "check_number", "check_timeout"]
+
+E = TypeVar("E", bound=StrEnum)
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+def check_choice(enum: type[E], value: object, *, argument: str) -> E:
+    """``value`` as a member of ``enum`` (a member or its string value)."""
+    if isinstance(value, enum):
+        return value
+    choices = ", ".join(repr(member.value) for member in enum)
+    if isinstance(value, str):
+        try:
+            return enum(value)
+        except ValueError:
+            pass
+    raise InvalidArgument(
+        f"{argument} is {_shown(value)}, which is not one of {choices}",
+        argument=argument,
+        fix=f"give one of {choices}",
+    )
+
+
+def check_number(
+    value: object,
+    *,
+    argument: str,
+    integer: bool,
+    low: float,
+    high: float,
+    unit: str = "",
+    low_inclusive: bool = True,
+) -> None:
+    """A finite int (or float, unless ``integer``) within ``low``..``high``; bools are refused."""
+    kind = "a whole number" if integer else "a number"
+    unit_text = f" {unit}" if unit else ""
+    bounds = f"{'from' if low_inclusive else 'above'} {_num(low)} to {_num(high)}{unit_text}"
+    fix = f"give {kind} {bounds}"
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or (integer and not isinstance(value, int))
+    ):
+        raise InvalidArgument(
+            f"{argument} must be {kind}, got {_shown(value)} ({type(value).__name__})",
+            argument=argument,
+            fix=fix,
+        )
+    if not math.isfinite(value):
+        raise InvalidArgument(f"{argument} must be finite, got {value!r}", argument=argument, fix=fix)
+    too_low = value < low if low_inclusive else value <= low
+    if too_low or value > high:
+        raise InvalidArgument(f"{argument} is out of range: {value!r}", argument=argument, fix=fix)
+
+
+# A week: longer is a mistake, not a plan, and the supervisor's poll timeout (milliseconds in
+# 32 bits) ends at 24.8 days.
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def check_timeout(value: object, *, argument: str = "timeout_s") -> float | None:
+    """None (the default applies) or seconds > 0."""
+    if value is None:
+        return None
+    check_number(
+        value,
+        argument=argument,
+        integer=False,
+        low=0,
+        high=MAX_TIMEOUT_S,
+        unit="seconds",
+        low_inclusive=False,
+    )
+    assert isinstance(value, int | float)
+    return float(value)
+
+
+def check_envs(envs: Mapping[str, str] | None, *, argument: str = "envs") -> dict[str, str]:
+    """Environment variables a process can actually receive: ``NAME=value`` splits at the first
+    ``=``, so a name holding one (or a NUL anywhere) cannot be passed and is refused here."""
+    if envs is None:
+        return {}
+    if not isinstance(envs, Mapping):
+        raise InvalidArgument(
+            f"{argument} must be a mapping of names to values, got {type(envs).__name__}",
+            argument=argument,
+            fix='give a dict such as {"NAME": "value"}',
+        )
+    checked: dict[str, str] = {}
+    for name, value in envs.items():
+        if not isinstance(name, str) or not name or "=" in name or "\x00" in name:
+            raise InvalidArgument(
+                f"{argument} has an invalid variable name {_shown(name)}",
+                argument=argument,
+                fix="a name is a non-empty string without '=' or NUL (the value goes on the right)",
+            )
+        if not isinstance(value, str) or "\x00" in value:
+            raise InvalidArgument(
+                f"{argument}[{name!r}] must be a string without NUL, got {_shown(value)}",
+                argument=argument,
+                fix="give the value as text (str(value) for numbers)",
+            )
+        checked[name] = value
+    return checked

@@ -1,0 +1,39 @@
+"""The consoles every command prints through.
+
+On a terminal, long lines wrap at its width. Anywhere else (a file, a pipe, a test runner)
+nothing is wrapped or cut: a line of a diff or of a command's output arrives whole, whatever
+``COLUMNS`` rich would otherwise assume (80).
+"""
+
+from __future__ import annotations
+
+from rich.console import Console, ConsoleDimensions
+from rich.syntax import Syntax
+
+__all__ = ["CliConsole", "print_diff"]
+
+# Wide enough for any line; rich sizes tables and text to their content, so nothing is padded.
+UNBOUNDED_WIDTH = 1_000_000
+
+
+class CliConsole(Console):
+    def __init__(self, *, stderr: bool = False) -> None:
+        super().__init__(stderr=stderr, soft_wrap=True)
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        if not self.is_terminal:
+            return ConsoleDimensions(UNBOUNDED_WIDTH, 25)
+        return Console.size.fget(self)  # type: ignore[attr-defined,no-any-return]
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)  # type: ignore[attr-defined]
+
+
+def print_diff(console: Console, diff: str) -> None:
+    """A unified diff: coloured on a terminal (wrapped, never cropped), plain text elsewhere."""
+    if console.is_terminal:
+        console.print(Syntax(diff, "diff", theme="ansi_dark", background_color="default", word_wrap=True))
+    else:
+        console.file.write(diff if diff.endswith("\n") else diff + "\n")

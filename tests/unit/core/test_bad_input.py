@@ -1,0 +1,101 @@
+"""A wrong value fails where it is passed, with a typed error naming it and what to give instead."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from stockade import ConfigurationError, InvalidArgument, Limits, Sandbox
+from stockade.agent import AgentConfig
+from stockade.cli.main import app
+from stockade.models import ScriptedModel
+from stockade.testing import FakeBackend, MemoryWorkspace
+
+
+def fake_sandbox(**kwargs: Any) -> Sandbox:
+    return Sandbox.create(backend=FakeBackend(MemoryWorkspace()), **kwargs)
+
+
+def test_an_unknown_trust_names_the_argument_and_the_choices() -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        Sandbox.create(trust="bogus")
+    assert caught.value.argument == "trust"
+    for choice in ("trusted", "internal", "untrusted", "multi-tenant"):
+        assert choice in str(caught.value)
+    assert isinstance(caught.value, ConfigurationError)  # still the family callers already catch
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("memory_mb", "512", "whole number"),
+        ("memory_mb", True, "whole number"),
+        ("cpus", "1", "number"),
+        ("timeout_s", math.inf, "finite"),
+        ("timeout_s", math.nan, "finite"),
+        ("pids", 10**9, "4194304"),
+        ("pids", 2, "from 8"),
+        ("memory_mb", 1.5, "whole number"),
+    ],
+)
+def test_limits_name_the_field_and_the_range(field: str, value: object, says: str) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        Limits(**{field: value})
+    assert caught.value.argument == f"Limits.{field}"
+    assert says in str(caught.value) and caught.value.fix in str(caught.value)
+
+
+def test_the_largest_accepted_limits_are_what_the_kernel_takes() -> None:
+    Limits(pids=4_194_304, timeout_s=3600.0, cpus=2, memory_mb=64)  # an int for cpus is fine
+
+
+@pytest.mark.parametrize("name", ["A=B", "", "A\x00"])
+def test_an_environment_name_a_process_cannot_receive_is_refused(name: str) -> None:
+    with pytest.raises(InvalidArgument, match="name") as caught:
+        fake_sandbox(envs={name: "x"})
+    assert caught.value.argument == "envs"
+    with fake_sandbox() as sbx, pytest.raises(InvalidArgument):
+        sbx.commands.run("true", envs={name: "x"})
+
+
+def test_an_environment_value_must_be_text() -> None:
+    with pytest.raises(InvalidArgument, match="string"):
+        fake_sandbox(envs={"N": 1})
+
+
+@pytest.mark.parametrize("timeout", [-1, 0, math.inf, "5"])
+def test_a_call_timeout_is_checked(timeout: object) -> None:
+    with fake_sandbox() as sbx:
+        with pytest.raises(InvalidArgument) as caught:
+            sbx.commands.run("true", timeout_s=timeout)  # type: ignore[arg-type]
+        assert caught.value.argument == "timeout_s"
+        with pytest.raises(InvalidArgument):
+            sbx.run_code("1", timeout_s=timeout)  # type: ignore[arg-type]
+
+
+def test_an_unknown_tier_is_named_as_unknown_not_as_too_weak() -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        AgentConfig(model=ScriptedModel(["hi"]), tier="bogus")
+    assert caught.value.argument == "AgentConfig.tier"
+    assert "weaker" not in str(caught.value) and "process" in str(caught.value)
+    with pytest.raises(InvalidArgument, match="unknown tier"):
+        Sandbox.create("bogus")
+
+
+def test_agent_config_trust_is_checked_and_accepts_the_string() -> None:
+    with pytest.raises(InvalidArgument, match=r"AgentConfig\.trust"):
+        AgentConfig(model=ScriptedModel(["hi"]), trust="bogus")  # type: ignore[arg-type]
+    config = AgentConfig(model=ScriptedModel(["hi"]), trust="trusted")  # type: ignore[arg-type]
+    assert config.trust == "trusted"
+
+
+def test_run_code_on_a_missing_file_says_so_without_a_traceback(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["run-code", str(tmp_path / "missing.py")])
+    assert result.exit_code == 2
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert "missing.py" in result.output and "No such file" in result.output
+    assert "Traceback" not in result.output
