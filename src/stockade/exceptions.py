@@ -10,7 +10,8 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── LimitNotEnforceable       this host cannot enforce a limit you asked for
     │   ├── PolicyFileError           the policy file is invalid; ``problems`` lists each, with its line
     │   ├── ImageNotFound             the sandbox image is not on this host (build it)
-    │   └── SeedTooLarge              the workspace is bigger than the run store keeps as a run's seed
+    │   ├── SeedTooLarge              the workspace is bigger than the run store keeps (a seed, a snapshot)
+    │   └── RunConflict               a new run's id is taken, or the run ended and is kept as it is
     ├── TierUnavailable               no tier on this host satisfies the request (fails closed)
     ├── SandboxError                  something about one sandbox
     │   ├── SandboxStartError         [retryable] the sandbox did not come up
@@ -34,6 +35,8 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     ├── AuditError                    the audit trail could not do its job
     │   ├── AuditStoreError           [retryable] the audit store is unreachable or locked
     │   │   └── RunStoreError         [retryable] the run store (checkpoints, traces) is unreachable
+    │   │       ├── RunLeased         [retryable] another process runs this run; ``retry_after``: its lease
+    │   │       └── RunStoreCorrupt   a stored row does not parse; the message names it
     │   └── AuditIntegrityError       verify found the chain edited, cut or reordered
     ├── ToolError                     a tool could not do what the model asked (fed back to it)
     │   ├── InvalidToolCall           unknown tool or arguments that fail its schema
@@ -82,9 +85,12 @@ __all__ = [
     "ProtocolError",
     "RateLimited",
     "ResourceContention",
+    "RunConflict",
     "RunInterrupted",
     "RunKilled",
+    "RunLeased",
     "RunStopped",
+    "RunStoreCorrupt",
     "RunStoreError",
     "RuntimeLimit",
     "SandboxClosed",
@@ -162,7 +168,13 @@ class PolicyFileError(ConfigurationError):
 
 
 class SeedTooLarge(ConfigurationError):
-    """The starting workspace is over the run store's seed cap; raise the cap or shrink it."""
+    """The workspace is over what the run store keeps of it (a run's seed, or a step's
+    snapshot); the message says which cap, and how to raise it."""
+
+
+class RunConflict(ConfigurationError):
+    """A new run was given the id of a run the store already has, or a run that ended was
+    asked to resume: runs are never reused or overwritten."""
 
 
 class TierUnavailable(StockadeError):
@@ -384,6 +396,18 @@ class AuditStoreError(AuditError):
 
 class RunStoreError(AuditStoreError):
     """The run store (checkpoints, step traces) is unreachable, locked or failing."""
+
+
+class RunLeased(RunStoreError):
+    """Another process holds the run's lease (it runs the run); ``retry_after`` is when the
+    lease expires if that process stops renewing it."""
+
+
+class RunStoreCorrupt(RunStoreError):
+    """A stored row cannot be read back (the message names its table and key): retrying
+    reads the same bytes."""
+
+    retryable = False
 
 
 class AuditIntegrityError(AuditError):

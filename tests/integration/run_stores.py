@@ -16,7 +16,21 @@ from tests.conftest import require
 POSTGRES_URL = os.environ.get(
     "STOCKADE_TEST_POSTGRES_URL", "postgresql://stockade:stockade@127.0.0.1:5432/stockade"
 )
-TABLES = ("runs", "checkpoints", "messages", "steps", "tool_calls", "retries", "approvals")
+TABLES = (
+    "runs",
+    "checkpoints",
+    "messages",
+    "steps",
+    "tool_calls",
+    "retries",
+    "approvals",
+    "seeds",
+    "run_seeds",
+    "leases",
+    "calls_started",
+    "blobs",
+    "workspace",
+)
 
 
 def postgres_reachable() -> tuple[bool, str]:

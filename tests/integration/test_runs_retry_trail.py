@@ -31,16 +31,18 @@ runner = CliRunner()
 
 
 class FailsFirstRead(Instance):
-    """The real sandbox, except that the first read of ``path`` fails as a busy host would."""
+    """The real sandbox, except that the model's first read of ``path`` fails as a busy host
+    would (the read before it is the run store's, keeping the starting workspace)."""
 
     def __init__(self, inner: Instance, path: str) -> None:
-        self.inner, self.path, self.failed = inner, path, False
+        self.inner, self.path, self.reads = inner, path, 0
         self.id, self.tier, self.enforcement = inner.id, inner.tier, inner.enforcement
 
     def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
-        if isinstance(op, ReadFile) and op.path == self.path and not self.failed:
-            self.failed = True
-            raise ResourceContention("injected: the host is busy")
+        if isinstance(op, ReadFile) and op.path == self.path:
+            self.reads += 1
+            if self.reads == 2:
+                raise ResourceContention("injected: the host is busy")
         return self.inner.handle(op, sink)
 
     @property

@@ -4,7 +4,12 @@
 
 from typing import TYPE_CHECKING, Any
 
-from stockade.agent.checkpoint import Checkpointer, JsonFileCheckpointer, MemoryCheckpointer
+from stockade.agent.checkpoint import (
+    Checkpointer,
+    DurableCheckpointer,
+    JsonFileCheckpointer,
+    MemoryCheckpointer,
+)
 from stockade.agent.events import (
     AgentEvent,
     CheckFinished,
@@ -13,6 +18,7 @@ from stockade.agent.events import (
     ModelResponded,
     Observer,
     RunFinished,
+    RunResumed,
     RunStarted,
     StepFinished,
     ToolCalled,
@@ -64,6 +70,7 @@ __all__ = [
     "CheckNode",
     "CheckRecord",
     "Checkpointer",
+    "DurableCheckpointer",
     "End",
     "Guard",
     "GuardContext",
@@ -80,6 +87,7 @@ __all__ = [
     "RunFinished",
     "RunLimits",
     "RunResult",
+    "RunResumed",
     "RunStarted",
     "RunState",
     "RunStatus",

@@ -4,6 +4,12 @@ A ``Checkpointer`` is two methods. The loop calls ``save`` after each node (and 
 tool call within a step, so a resumed step does not repeat calls that already ran) and
 ``load`` when asked to resume a run by id. Run stores (SQLite, Postgres) implement the same
 protocol. ``save`` is called on the event loop's thread and should be quick.
+
+A ``DurableCheckpointer`` (the run stores) also makes a run survive its process: the loop
+claims the run's lease before it runs (one owner per run), records each tool call before it
+runs (``call_started``) and, when it returns, the call with the workspace as it left it
+(``record_workspace``); a resume restores that workspace (``restore_workspace``). See
+``stockade.runs.store`` for what each guarantees.
 """
 
 from __future__ import annotations
@@ -12,12 +18,16 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from stockade.agent.state import RunState
+from stockade.agent.state import RunState, ToolCallRecord
 from stockade.exceptions import ConfigurationError
+from stockade.models.messages import ToolCall
 
-__all__ = ["Checkpointer", "JsonFileCheckpointer", "MemoryCheckpointer"]
+if TYPE_CHECKING:
+    from stockade.sandbox.facade import Sandbox
+
+__all__ = ["Checkpointer", "DurableCheckpointer", "JsonFileCheckpointer", "Lease", "MemoryCheckpointer"]
 
 
 @runtime_checkable
@@ -27,6 +37,34 @@ class Checkpointer(Protocol):
 
     def load(self, run_id: str) -> RunState | None:
         """The last checkpoint of ``run_id``, or None."""
+
+
+class Lease(Protocol):
+    """A run's lease, held while it runs."""
+
+    @property
+    def recovered(self) -> bool:
+        """Whether the run's last process died while running it (this claim took it over)."""
+
+    def release(self) -> None: ...
+
+
+@runtime_checkable
+class DurableCheckpointer(Checkpointer, Protocol):
+    def claim(self, run_id: str, *, new: bool) -> Lease:
+        """Own the run while it runs (``RunLeased`` if another process does; ``RunConflict``
+        for a new run whose id is taken, or a run that ended)."""
+
+    def call_started(self, run_id: str, step: int, call: ToolCall, key: str, *, idempotent: bool) -> None:
+        """``call`` is about to run."""
+
+    def record_workspace(
+        self, run_id: str, sandbox: Sandbox, *, call: tuple[int, ToolCallRecord] | None = None
+    ) -> int:
+        """Keep the workspace as it is now, with the call (step, record) that left it so."""
+
+    def restore_workspace(self, run_id: str, sandbox: Sandbox) -> bool:
+        """Put the run's last kept workspace into ``sandbox``; False when none was kept."""
 
 
 class MemoryCheckpointer:

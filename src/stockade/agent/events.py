@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from stockade.agent.state import CheckRecord, StepRecord, ToolCallRecord
+from stockade.agent.state import CheckRecord, RunState, StepRecord, ToolCallRecord
 from stockade.models.messages import ModelRequest, ModelResponse, ToolCall
 
 if TYPE_CHECKING:
@@ -28,6 +28,7 @@ __all__ = [
     "ModelResponded",
     "Observer",
     "RunFinished",
+    "RunResumed",
     "RunStarted",
     "StepFinished",
     "ToolCalled",
@@ -43,6 +44,22 @@ class RunStarted:
     task: str
     model_name: str
     resumed: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunResumed:
+    """A run continues from its checkpoint (just before ``RunStarted(resumed=True)``).
+
+    ``recovered``: its last process died while running it (no pause, no interruption) and
+    this one took it over. ``state`` is what the run continues from: every step and call it
+    has recorded, calls whose outcome is unknown included (``error_type`` "OutcomeUnknown"),
+    so that a record kept elsewhere (the audit trail) can be reconciled with it."""
+
+    run_id: str
+    previous_status: str
+    recovered: bool
+    workspace_restored: bool
+    state: RunState
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,6 +151,7 @@ class RunFinished:
 
 AgentEvent = (
     RunStarted
+    | RunResumed
     | ModelRequested
     | ModelResponded
     | ModelDenied

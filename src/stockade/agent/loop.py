@@ -26,7 +26,10 @@ Extension points (other layers plug in here without editing the loop):
   runs the guards on that call again, so the approval layer answers from its decision;
 - ``tools``: a ``Toolset``, wrapped with ``Toolset.wrapped`` for per-call behaviour;
 - ``model``: any ``Model``, wrapped with ``WrapperModel`` subclasses (retries, spend limits);
-- ``checkpointer``: any ``Checkpointer`` (run stores);
+- ``checkpointer``: any ``Checkpointer`` (run stores); a ``DurableCheckpointer`` (a run store)
+  also owns the run while it runs (a lease: another process cannot run it at the same time),
+  keeps each call's start and the workspace after each call, and restores that workspace
+  on resume (see "Durable runs" below);
 - ``bookkeeping=``: the sandbox the run keeps its own records through (the baseline and the
   diff, saved outputs, test reports), when ``sandbox`` is policy-guarded: the model's path
   rules are about the model's actions, not the run's records. The default is ``sandbox``.
@@ -34,6 +37,18 @@ Extension points (other layers plug in here without editing the loop):
 ``check=`` is the run's acceptance check, a command run in the sandbox when the model says it is
 done: the run ends "success" only when it passes; when it fails, the model is told the result
 and goes on within its budget, and the run ends "check_failed" if it never passes.
+
+Durable runs. With a ``DurableCheckpointer``, a run survives its process (SIGKILL, a lost
+machine): resume it by id, in any process that reaches the store, with a fresh sandbox.
+What it promises, per tool kind:
+
+- a call that returned is never run again (the ledger has it, with the workspace it left);
+- a call that started and did not return is run again if its tool is ``idempotent``; if not,
+  it is not run again: the model is told its outcome is unknown (``OutcomeUnknown``), and the
+  run store and the audit trail say so. Tools get ``ctx.idempotency_key`` (the same on every
+  attempt) to deduplicate effects outside the sandbox;
+- the workspace continues from the last call that returned, the diff's baseline included;
+  processes and ``run_code`` variables do not survive (the sandbox is new).
 
 Anything in a step that raises ``RunStopped`` ends the run with that exception's status.
 Tool errors (``ToolError``, ``WorkspaceError``, ...) are observations for the model; a dead
@@ -52,7 +67,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from stockade._checks import check_timeout
-from stockade.agent.checkpoint import Checkpointer
+from stockade.agent.checkpoint import Checkpointer, DurableCheckpointer, Lease
 from stockade.agent.events import (
     AgentEvent,
     CheckFinished,
@@ -61,6 +76,7 @@ from stockade.agent.events import (
     ModelResponded,
     Observer,
     RunFinished,
+    RunResumed,
     RunStarted,
     StepFinished,
     ToolCalled,
@@ -76,6 +92,7 @@ from stockade.exceptions import (
     InvalidToolCall,
     PolicyDenied,
     ProtocolError,
+    RunConflict,
     RunStopped,
     SandboxClosed,
     SandboxCrashed,
@@ -255,29 +272,57 @@ class Agent:
     ) -> AsyncIterator[AgentRun]:
         """Start (or resume) a run and hand it over for stepping."""
         books = bookkeeping if bookkeeping is not None else sandbox
-        if resume is None:
-            if task is None:
-                raise ConfigurationError("give a task, or resume=RUN_ID to continue a run")
-            state = RunState(
-                run_id=run_id or uuid.uuid4().hex,
-                task=task,
-                system=self.system_prompt,
-                model_name=self.model.name,
-                messages=[UserMessage(content=task)],
-            )
-            await asyncio.to_thread(record_baseline, books)
-        else:
-            state = self._load(resume)
-            if state.status.resumable and state.resume_at is not None:
+        durable = self.checkpointer if isinstance(self.checkpointer, DurableCheckpointer) else None
+        lease: Lease | None = None
+        try:
+            if resume is None:
+                if task is None:
+                    raise ConfigurationError("give a task, or resume=RUN_ID to continue a run")
+                state = RunState(
+                    run_id=run_id or uuid.uuid4().hex,
+                    task=task,
+                    system=self.system_prompt,
+                    model_name=self.model.name,
+                    messages=[UserMessage(content=task)],
+                )
+                if durable is not None:
+                    lease = await asyncio.to_thread(durable.claim, state.run_id, new=True)
+                elif run_id is not None and self.checkpointer is not None and self.checkpointer.load(run_id):
+                    raise RunConflict(
+                        f"a run {run_id!r} is already checkpointed: give a new run an id of its own"
+                    )
+                await asyncio.to_thread(record_baseline, books)
+                if durable is not None:
+                    await asyncio.to_thread(durable.record_workspace, state.run_id, books)
+                run = AgentRun(self, state, sandbox, bookkeeping=books)
+                await run.begin(resumed=False)
+            else:
+                if durable is not None:  # own the run before reading it: its state is then final
+                    rid = resume.run_id if isinstance(resume, RunState) else resume
+                    lease = await asyncio.to_thread(durable.claim, rid, new=False)
+                state = self._load(resume)
+                if state.status.finished:
+                    raise RunConflict(
+                        f"run {state.run_id} ended ({state.status.value}); a run that ended is kept as "
+                        "it is and never resumed: start a new run"
+                    )
+                previous = state.status
+                restored = durable is not None and await asyncio.to_thread(
+                    durable.restore_workspace, state.run_id, books
+                )
                 state.status, state.next, state.resume_at, state.error = (
                     RunStatus.RUNNING,
-                    state.resume_at,
+                    state.resume_at or state.next,
                     None,
                     None,
                 )
-        run = AgentRun(self, state, sandbox, bookkeeping=books)
-        await run.begin(resumed=resume is not None)
-        yield run
+                run = AgentRun(self, state, sandbox, bookkeeping=books)
+                recovered = lease.recovered if lease is not None else previous == RunStatus.RUNNING
+                await run.begin(resumed=True, previous=previous, recovered=recovered, restored=restored)
+            yield run
+        finally:
+            if lease is not None:
+                await asyncio.to_thread(lease.release)
 
     def _load(self, resume: str | RunState) -> RunState:
         if isinstance(resume, RunState):
@@ -338,8 +383,25 @@ class AgentRun:
 
     # -- driving ------------------------------------------------------------------------
 
-    async def begin(self, *, resumed: bool) -> None:
+    async def begin(
+        self,
+        *,
+        resumed: bool,
+        previous: RunStatus = RunStatus.RUNNING,
+        recovered: bool = False,
+        restored: bool = False,
+    ) -> None:
         try:
+            if resumed:
+                self._emit(
+                    RunResumed(
+                        run_id=self.state.run_id,
+                        previous_status=previous.value,
+                        recovered=recovered,
+                        workspace_restored=restored,
+                        state=self.state,
+                    )
+                )
             self._emit(
                 RunStarted(
                     run_id=self.state.run_id,
@@ -600,6 +662,11 @@ class AgentRun:
             )
         state.consecutive_denials = 0
         self._emit(ToolCalled(run_id=state.run_id, step=step, call=call, tool=tool, idempotency_key=key))
+        durable = self._durable
+        if durable is not None:  # before it runs: a resume must know it may have had effects
+            await asyncio.to_thread(
+                durable.call_started, state.run_id, step, call, key, idempotent=tool.idempotent
+            )
         ctx = ToolContext(
             sandbox=self.sandbox,
             run_id=state.run_id,
@@ -637,6 +704,10 @@ class AgentRun:
             saved_to=shown.saved_to,
             exit_code=_exit_code(value),
         )
+        if durable is not None:  # the call and the workspace it left, kept together
+            await asyncio.to_thread(
+                durable.record_workspace, state.run_id, self.bookkeeping, call=(step, record)
+            )
         self._emit(ToolReturned(run_id=state.run_id, step=step, record=record, value=value))
         return record
 
@@ -693,6 +764,11 @@ class AgentRun:
     def _emit(self, event: AgentEvent) -> None:
         for observer in self.agent.observers:
             observer(event)
+
+    @property
+    def _durable(self) -> DurableCheckpointer | None:
+        checkpointer = self.agent.checkpointer
+        return checkpointer if isinstance(checkpointer, DurableCheckpointer) else None
 
     def _checkpoint(self) -> None:
         if self.agent.checkpointer is not None:

@@ -65,6 +65,7 @@ class EventKind(enum.StrEnum):
     ERROR = "error"
     NOTE = "note"
     CHECK = "check"
+    RUN_CRASH = "run_crash"  # found on resume: the run's process died while running it
 
 
 def canonical(obj: Mapping[str, Any]) -> bytes:

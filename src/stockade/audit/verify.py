@@ -17,6 +17,14 @@ its hash, a MAC over both) updated in the transaction of every batch:
   cannot be told from the truth by anything inside the store. For that, keep the head
   outside (export it to your SIEM, print it in a release log) and pass it as
   ``expected_head``: verification then fails unless the chain reaches it.
+
+A chain can be intact and still miss what happened: events that died in a crashed process's
+buffer were never sealed. Given the run store's ledger (``ledger=``, a ``RunStore``), the
+tool calls of every run the ledger knows are cross-checked against the chain's ``tool_call``
+events by idempotency key: a call in the ledger and not in the trail is ``not_in_trail``, a
+``tool_call`` event the ledger lacks is ``not_in_ledger``. Resuming a crashed run records
+what its trail lost (``AuditObserver``); a run still running may show its last calls as
+``not_in_trail`` until its next batch is written.
 """
 
 from __future__ import annotations
@@ -24,13 +32,15 @@ from __future__ import annotations
 import enum
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 from stockade import exceptions as exc
 from stockade.audit.events import GENESIS, Chain
 from stockade.audit.stores import AuditStore, Head
 
-__all__ = ["Problem", "ProblemKind", "VerifyReport", "verify"]
+__all__ = ["Ledger", "LedgerCall", "Problem", "ProblemKind", "VerifyReport", "verify"]
 
 # The end of a canonical body: sorted keys put these scalars last, after "attributes", so
 # the match anchored at the end is the top-level one (quotes inside strings are escaped).
@@ -73,6 +83,23 @@ class ProblemKind(enum.StrEnum):
     HEAD_FORGED = "head_forged"  # the head record does not match its MAC or the chain's end
     WRONG_KEY = "wrong_key"  # the chain is keyed and no key (or another key) was given
     UNEXPECTED_HEAD = "unexpected_head"  # the chain does not reach the head the caller pinned
+    NOT_IN_TRAIL = "not_in_trail"  # the run store's ledger has a tool call the trail does not
+    NOT_IN_LEDGER = "not_in_ledger"  # a tool_call event of a run the ledger knows, not in its ledger
+
+
+class LedgerCall(NamedTuple):
+    """A tool call as the run store recorded it (denied calls are policy decisions, left out)."""
+
+    run_id: str
+    step: int
+    idempotency_key: str
+    tool: str
+
+
+class Ledger(Protocol):
+    """What ``verify`` cross-checks the chain with (``RunStore`` is one)."""
+
+    def ledger_calls(self, run_id: str | None = None) -> Iterable[LedgerCall]: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,11 +161,13 @@ def verify(
     key: bytes | None = None,
     expected_head: Head | tuple[int, str] | None = None,
     max_problems: int = 1000,
+    ledger: Ledger | None = None,
 ) -> VerifyReport:
     """Check the whole chain of ``store`` (one chain per store; ``run_id`` narrows the report).
 
     With ``run_id``, problems on other runs' events are only counted (``problems_elsewhere``);
     gaps, truncation and head problems are always reported: a deleted event's run is unknown.
+    With ``ledger``, the tool calls it holds are cross-checked with the ``tool_call`` events.
     """
     chain = Chain(key)
     head = store.head()
@@ -166,10 +195,13 @@ def verify(
     expected_seq = 1
     prev = GENESIS
     checked = run_events = edited = last_seq = 0
+    audited: dict[str, int] = {}  # idempotency key of each tool_call event -> its seq
     for seq, run, kind, body, stored_hash in store.rows():
         checked += 1
         if run == run_id:
             run_events += 1
+        if ledger is not None and kind == "tool_call" and (run_id is None or run == run_id):
+            audited.setdefault(_call_key(body), seq)
         try:
             signed_seq, signed_prev, signed_run, signed_kind = _signed_fields(body, strings)
         except ValueError:
@@ -215,6 +247,22 @@ def verify(
     elif checked:
         report(0, ProblemKind.HEAD_FORGED, "events exist but the head record is empty")
 
+    if ledger is not None:
+        known: set[str] = set()
+        for call in ledger.ledger_calls(run_id):
+            known.add(call.run_id)
+            if audited.pop(call.idempotency_key, None) is None:
+                detail = (
+                    f"the run store's ledger has {call.tool} (step {call.step}, "
+                    f"{call.idempotency_key}) and the audit trail has no event of it"
+                )
+                report(0, ProblemKind.NOT_IN_TRAIL, detail, call.run_id)
+        for event_key, seq in audited.items():
+            run = event_key.rsplit(":", 2)[0] if event_key.count(":") >= 2 else ""
+            if run in known:
+                detail = f"a tool_call event ({event_key}) that the run store's ledger does not have"
+                report(seq, ProblemKind.NOT_IN_LEDGER, detail, run)
+
     if expected_head is not None:
         pin_seq, pin_hash = (
             (expected_head.seq, expected_head.hash) if isinstance(expected_head, Head) else expected_head
@@ -237,6 +285,15 @@ def verify(
         problems_truncated=truncated,
         head=head,
     )
+
+
+def _call_key(body: str) -> str:
+    try:
+        attributes = json.loads(body).get("attributes", {})
+    except (ValueError, AttributeError):
+        return ""
+    key = attributes.get("idempotency_key") if isinstance(attributes, dict) else None
+    return key if isinstance(key, str) else ""
 
 
 def _hash_at(store: AuditStore, seq: int) -> str | None:

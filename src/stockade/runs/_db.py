@@ -2,7 +2,11 @@
 
 SQL is written once, with ``?`` placeholders and the syntax SQLite (3.24+) and PostgreSQL
 share (``INSERT ... ON CONFLICT ... DO UPDATE SET x = excluded.x``); the PostgreSQL side
-swaps the placeholders. Each ``write`` is one transaction.
+swaps the placeholders. Each ``write`` is one transaction; its ``require`` is a query run
+first, in the same transaction, that must find a row (the lease of the run being written is
+still the writer's): without one nothing is written and ``write`` returns False. SQLite's
+``BEGIN IMMEDIATE`` already excludes other writers; PostgreSQL locks the row found
+(``FOR UPDATE``), so that a takeover of the lease waits for the write to commit.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ from stockade import exceptions as exc
 if TYPE_CHECKING:
     import psycopg
 
-__all__ = ["Database", "PostgresDatabase", "SQLiteDatabase", "Statement"]
+__all__ = ["Database", "PostgresDatabase", "Requirement", "SQLiteDatabase", "Statement"]
 
 # One statement and the parameter rows it runs with (executemany).
 Statement = tuple[str, Sequence[Sequence[object]]]
+# A query that must find a row for a write to happen, and its parameters.
+Requirement = tuple[str, Sequence[object]]
 Rows = list[tuple[object, ...]]
 
 
@@ -30,8 +36,8 @@ class Database(Protocol):
     serial: str  # the column type of an auto-numbered primary key
     blob: str  # the column type of bytes
 
-    def write(self, statements: Sequence[Statement]) -> None:
-        """Run all ``statements`` in one transaction."""
+    def write(self, statements: Sequence[Statement], *, require: Requirement | None = None) -> bool:
+        """Run all ``statements`` in one transaction (none when ``require`` finds no row: False)."""
 
     def query(self, sql: str, params: Sequence[object] = ()) -> Rows: ...
 
@@ -62,12 +68,15 @@ class SQLiteDatabase:
         except sqlite3.Error as error:
             raise exc.RunStoreError(f"cannot open the run store {self.path}: {error}") from error
 
-    def write(self, statements: Sequence[Statement]) -> None:
+    def write(self, statements: Sequence[Statement], *, require: Requirement | None = None) -> bool:
         with self._lock:
             conn = self._conn
             try:
                 conn.execute("BEGIN IMMEDIATE")
                 try:
+                    if require is not None and conn.execute(require[0], tuple(require[1])).fetchone() is None:
+                        conn.execute("ROLLBACK")
+                        return False
                     for sql, rows in statements:
                         conn.executemany(sql, rows)
                 except BaseException:
@@ -76,6 +85,7 @@ class SQLiteDatabase:
                 conn.execute("COMMIT")
             except sqlite3.Error as error:
                 raise exc.RunStoreError(f"run store {self.path}: {error}") from error
+            return True
 
     def query(self, sql: str, params: Sequence[object] = ()) -> Rows:
         with self._lock:
@@ -87,6 +97,10 @@ class SQLiteDatabase:
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+
+
+class _Unmet(Exception):
+    """A write's requirement found no row: its transaction is rolled back."""
 
 
 def _import_psycopg() -> None:
@@ -137,15 +151,22 @@ class PostgresDatabase:
             self._conn = None
         return exc.RunStoreError(f"run store {self.safe_url}: {error}")
 
-    def write(self, statements: Sequence[Statement]) -> None:
+    def write(self, statements: Sequence[Statement], *, require: Requirement | None = None) -> bool:
         with self._lock:
             try:
                 conn = self._connection()
                 with conn.transaction(), conn.cursor() as cur:
+                    if require is not None:
+                        query = require[0].replace("?", "%s") + " FOR UPDATE"
+                        if cur.execute(query.encode(), tuple(require[1])).fetchone() is None:
+                            raise _Unmet  # leaving the block rolls the transaction back
                     for sql, rows in statements:
                         cur.executemany(sql.replace("?", "%s").encode(), rows)
+            except _Unmet:
+                return False
             except Exception as error:
                 raise self._failure(error) from error
+            return True
 
     def query(self, sql: str, params: Sequence[object] = ()) -> Rows:
         with self._lock:

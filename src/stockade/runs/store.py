@@ -9,12 +9,24 @@ does not grow with the run: a checkpoint row holds the small part of ``RunState`
 conversation and the finished steps are rows of their own, each written once (a save writes
 only the messages and steps added since the last one).
 
-Tool calls are also written to a ledger, keyed by their idempotency key, the moment they
-return (``RunRecorder``), before the loop's next checkpoint. ``load`` folds the calls the
-ledger has and the checkpoint lacks back into the step in progress, so a run killed right
-after a side effect resumes without doing it again. What no store can close is the instant
-between a tool's side effect and its return; a tool that must be exactly-once there can use
-its ``ToolContext`` (run, step, call id) as its own idempotency key.
+It is also what makes a run durable (the loop uses it through ``DurableCheckpointer``):
+
+- **one owner per run**: ``claim`` takes the run's lease (``lease``), refused (``RunLeased``)
+  while another live process holds it, and refused (``RunConflict``) for a new run whose id
+  the store has, or a run that ended; a lease that expired marks its run ``interrupted``;
+- **calls started**: before a tool runs, ``call_started`` records it, with the tool's
+  ``idempotent`` flag;
+- **the ledger**: the moment a call returns, ``record_workspace`` writes it, keyed by its
+  idempotency key, with the workspace as the call left it (``workspace``: what changed,
+  content-addressed), in one transaction, before the loop's next checkpoint;
+- **resume**: ``load`` folds the calls the ledger has and the checkpoint lacks back into the
+  step in progress, so a call that returned is never run again; a call that started and did
+  not return is run again if its tool is idempotent, and otherwise recorded as
+  ``OutcomeUnknown`` (the model is told, and not run again); ``restore_workspace`` puts the
+  workspace of the last recorded call into the resumed run's sandbox.
+
+What no store can close is the instant between a tool's side effect outside the sandbox and
+its return: a tool that must be exactly-once there deduplicates with ``ctx.idempotency_key``.
 
 Every row passes through a ``Redactor`` before it is written, as audit events do: a run
 resumed from the store sees ``[REDACTED]`` where a secret was, never the secret.
@@ -22,24 +34,50 @@ resumed from the store sees ``[REDACTED]`` where a secret was, never the secret.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import time
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from stockade import exceptions as exc
 from stockade.agent.state import RunState, RunStatus, StepRecord, ToolCallRecord
 from stockade.audit.redact import Redactor
 from stockade.audit.stores import check_namespace
-from stockade.models.messages import Message, ToolResultMessage, Usage
-from stockade.runs._db import Database, PostgresDatabase, SQLiteDatabase, Statement
+from stockade.audit.verify import LedgerCall
+from stockade.models.messages import Message, ToolCall, ToolResultMessage, Usage
+from stockade.runs._db import Database, PostgresDatabase, Requirement, SQLiteDatabase, Statement
+from stockade.runs.lease import LEASE_S, LeaseHolder, RunLease, owner_gone, owner_token, wait_time
 from stockade.runs.seeds import MAX_SEED_BYTES, pack_workspace, unpack_seed
+from stockade.runs.workspace import (
+    MAX_WORKSPACE_BYTES,
+    MAX_WORKSPACE_ENTRIES,
+    Entry,
+    WorkspaceTracker,
+    decode_entry,
+    restore,
+)
+from stockade.sandbox.facade import Sandbox
 
-__all__ = ["ApprovalEntry", "RetryEntry", "RunStore", "RunSummary", "RunTrace", "open_run_store"]
+__all__ = [
+    "OUTCOME_UNKNOWN",
+    "ApprovalEntry",
+    "RetryEntry",
+    "RunStore",
+    "RunSummary",
+    "RunTrace",
+    "WorkspaceUsage",
+    "open_run_store",
+]
+
+# The error type of a call that started, did not return, and was not run again.
+OUTCOME_UNKNOWN = "OutcomeUnknown"
+_MESSAGE: TypeAdapter[Message] = TypeAdapter(Message)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +145,16 @@ class _Saved:
     ledger: set[str] = field(default_factory=set)
 
 
+@dataclass(frozen=True, kw_only=True)
+class WorkspaceUsage:
+    """What a run's workspace costs the store: versions recorded, rows, and the bytes of the
+    contents it added (compressed; a content another run stored first is not counted)."""
+
+    versions: int
+    rows: int
+    blob_bytes: int
+
+
 def _schema(ns: str, serial: str, blob: str) -> list[str]:
     return [
         f"""CREATE TABLE IF NOT EXISTS {ns}_runs (
@@ -142,6 +190,23 @@ def _schema(ns: str, serial: str, blob: str) -> list[str]:
             digest TEXT PRIMARY KEY, bytes BIGINT NOT NULL, data {blob} NOT NULL)""",
         f"""CREATE TABLE IF NOT EXISTS {ns}_run_seeds (
             run_id TEXT PRIMARY KEY, digest TEXT NOT NULL, recorded_ns BIGINT NOT NULL)""",
+        # one owner per run (expires_ns 0: released)
+        f"""CREATE TABLE IF NOT EXISTS {ns}_leases (
+            run_id TEXT PRIMARY KEY, owner TEXT NOT NULL, expires_ns BIGINT NOT NULL,
+            acquired_ns BIGINT NOT NULL)""",
+        # tool calls about to run (the ledger says which returned)
+        f"""CREATE TABLE IF NOT EXISTS {ns}_calls_started (
+            idempotency_key TEXT PRIMARY KEY, run_id TEXT NOT NULL, step INTEGER NOT NULL,
+            call_id TEXT NOT NULL, tool TEXT NOT NULL, idempotent INTEGER NOT NULL,
+            attempts INTEGER NOT NULL, started_ns BIGINT NOT NULL)""",
+        f"CREATE INDEX IF NOT EXISTS {ns}_calls_started_run ON {ns}_calls_started (run_id, step)",
+        # workspaces step by step: file contents by SHA-256 (zlib), and per version the paths
+        # that changed (body NULL: removed)
+        f"""CREATE TABLE IF NOT EXISTS {ns}_blobs (
+            digest TEXT PRIMARY KEY, bytes BIGINT NOT NULL, data {blob} NOT NULL)""",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_workspace (
+            run_id TEXT NOT NULL, version BIGINT NOT NULL, path TEXT NOT NULL, body TEXT,
+            blob_bytes BIGINT NOT NULL, PRIMARY KEY (run_id, version, path))""",
     ]
 
 
@@ -170,9 +235,19 @@ class RunStore:
         namespace: str = "runs",
         redactor: Redactor | None = None,
         max_seed_bytes: int = MAX_SEED_BYTES,
+        max_workspace_bytes: int = MAX_WORKSPACE_BYTES,
+        max_workspace_entries: int = MAX_WORKSPACE_ENTRIES,
+        lease_s: float = LEASE_S,
+        lease_wait_s: float = 0.0,
     ) -> None:
+        if lease_s <= 0 or lease_wait_s < 0:
+            raise exc.ConfigurationError("RunStore: lease_s must be positive and lease_wait_s >= 0")
         self.db = db
         self.max_seed_bytes = max_seed_bytes
+        self.max_workspace_bytes = max_workspace_bytes
+        self.max_workspace_entries = max_workspace_entries
+        self.lease_s = lease_s
+        self.lease_wait_s = lease_wait_s  # how long ``claim`` waits for a held lease
         # Remembering: an observation is written in a message, a step and the ledger, and an
         # agent reads the same files again and again; each long text is redacted once.
         self.redactor = (redactor if redactor is not None else Redactor()).remembering()
@@ -180,6 +255,8 @@ class RunStore:
         self.url = db.url
         self._lock = threading.Lock()
         self._saved: dict[str, _Saved] = {}
+        self._leases: dict[str, str] = {}  # run id -> our owner token, while we hold its lease
+        self._trackers: dict[str, WorkspaceTracker] = {}
         self.db.write([(sql, [()]) for sql in _schema(self.ns, db.serial, db.blob)])
 
     # -- Checkpointer ---------------------------------------------------------------------
@@ -238,7 +315,7 @@ class RunStore:
                     ],
                 ),
             ]
-            self.db.write([s for s in statements if s[1]])
+            self._write(run_id, [s for s in statements if s[1]])
             saved.seq += 1
             # Only what was added is copied (the saved lists are the written prefix, extended).
             del saved.messages[msg_from:], saved.steps[step_from:]
@@ -273,33 +350,80 @@ class RunStore:
             + "],"
             + str(body)[1:]
         )
-        state = RunState.model_validate_json(document)
+        try:
+            state = RunState.model_validate_json(document)
+        except ValidationError as error:
+            raise self._corrupt(run_id, _int(seq), messages, steps, error) from None
         saved = _Saved(seq=_int(seq), messages=list(state.messages), steps=list(state.steps))
-        self._fold_ledger(state)
+        unknown = self._fold_ledger(state)
         with self._lock:
             saved.ledger = {r.idempotency_key for s in state.steps for r in s.tool_calls}
             if state.current is not None:
                 saved.ledger.update(r.idempotency_key for r in state.current.tool_calls)
+            saved.ledger -= unknown  # the next checkpoint writes them to the ledger
             self._saved[run_id] = saved
         return state
+
+    def _corrupt(
+        self,
+        run_id: str,
+        seq: int,
+        messages: Sequence[tuple[object, ...]],
+        steps: Sequence[tuple[object, ...]],
+        error: ValidationError,
+    ) -> exc.RunStoreCorrupt:
+        """Name the first row of the checkpoint that does not parse."""
+        where = f"{self.ns}_checkpoints row (run {run_id!r}, seq {seq})"
+        for index, row in enumerate(messages):
+            try:
+                _MESSAGE.validate_json(str(row[0]))
+            except ValidationError as bad:
+                where, error = f"{self.ns}_messages row (run {run_id!r}, idx {index})", bad
+                break
+        else:
+            for index, row in enumerate(steps):
+                try:
+                    StepRecord.model_validate_json(str(row[0]))
+                except ValidationError as bad:
+                    where, error = f"{self.ns}_steps row (run {run_id!r}, idx {index})", bad
+                    break
+        first = error.errors()[0] if error.errors() else {"loc": (), "msg": str(error)}
+        at = ".".join(str(p) for p in first["loc"])
+        return exc.RunStoreCorrupt(
+            f"run store {self._where}: the {where} cannot be read ({at + ': ' if at else ''}{first['msg']}); "
+            "the run cannot be loaded until that row is repaired or the run is removed"
+        )
+
+    @property
+    def _where(self) -> str:
+        db = self.db
+        return db.safe_url if isinstance(db, PostgresDatabase) else db.url
 
     def _recall(self, run_id: str) -> _Saved:
         """A run this process has not written yet: continue its checkpoint numbering."""
         rows = self.db.query(f"SELECT MAX(seq) FROM {self.ns}_checkpoints WHERE run_id = ?", (run_id,))
         return _Saved(seq=_int(rows[0][0]) if rows and rows[0][0] is not None else 0)
 
-    def _fold_ledger(self, state: RunState) -> None:
+    def _fold_ledger(self, state: RunState) -> set[str]:
+        """Fold the calls that returned, or started and must not run again, into the step in
+        progress; returns the keys of the latter (not in the ledger yet)."""
         current = state.current
         if current is None or state.status.finished:
-            return
+            return set()
         recorded = {r.call.id: r for r in self.tool_calls(state.run_id, step=current.index)}
+        started = self._started(state.run_id, current.index)
         done = {r.call.id for r in current.tool_calls}
+        unknown: set[str] = set()
         for call in current.response.tool_calls:
             if call.id in done:
                 continue
             record = recorded.get(call.id)
+            key = f"{state.run_id}:{current.index}:{call.id}"
+            if record is None and started.get(key) is False:
+                record = _outcome_unknown(call, key)
+                unknown.add(key)
             if record is None:
-                break  # the loop runs calls in order: this one runs next
+                break  # the loop runs calls in order: this one runs (again) next
             current = current.model_copy(update={"tool_calls": (*current.tool_calls, record)})
             state.messages.append(
                 ToolResultMessage(
@@ -311,6 +435,15 @@ class RunStore:
             )
             state.consecutive_denials = 0  # the call passed the guards
         state.current = current
+        return unknown
+
+    def _started(self, run_id: str, step: int) -> dict[str, bool]:
+        """The calls of ``step`` that started: idempotency key -> whether their tool is idempotent."""
+        rows = self.db.query(
+            f"SELECT idempotency_key, idempotent FROM {self.ns}_calls_started WHERE run_id = ? AND step = ?",
+            (run_id, step),
+        )
+        return {str(r[0]): bool(r[1]) for r in rows}
 
     # -- what the recorder writes ------------------------------------------------------------
 
@@ -339,8 +472,286 @@ class RunStore:
             saved = self._saved.setdefault(run_id, _Saved())
             if record.idempotency_key in saved.ledger:
                 return
-            self.db.write([(self._ledger_sql(), [self._ledger_row(run_id, step, record, time.time_ns())])])
+            self._write(
+                run_id, [(self._ledger_sql(), [self._ledger_row(run_id, step, record, time.time_ns())])]
+            )
             saved.ledger.add(record.idempotency_key)
+
+    # -- durability: leases, calls started, workspaces -------------------------------------------
+
+    def _fence(self, run_id: str) -> Requirement | None:
+        owner = self._leases.get(run_id)
+        if owner is None:
+            return None  # no lease taken here (a plain checkpointer's use): nothing to check
+        return (f"SELECT 1 FROM {self.ns}_leases WHERE run_id = ? AND owner = ?", (run_id, owner))
+
+    def _write(self, run_id: str, statements: Sequence[Statement]) -> None:
+        """One transaction for ``run_id``, only while this process still holds its lease."""
+        if not self.db.write(statements, require=self._fence(run_id)):
+            raise exc.RunLeased(
+                f"run {run_id} is no longer this process's: its lease expired and another process "
+                "took the run over; this process must stop running it"
+            )
+
+    def claim(self, run_id: str, *, new: bool, wait_s: float | None = None) -> RunLease:
+        """Take the run's lease: for a ``new`` run (``RunConflict`` if the store has the id),
+        or to resume one (``RunConflict`` if it ended). A live lease of another process:
+        wait up to ``wait_s`` (default ``lease_wait_s``), then ``RunLeased``."""
+        ns = self.ns
+        owner = owner_token()
+        deadline = time.monotonic() + (self.lease_wait_s if wait_s is None else wait_s)
+        if new and self._exists(run_id):
+            raise exc.RunConflict(
+                f"the run store already has a run {run_id!r}: a new run needs an id of its own "
+                "(leave the id out for a random one), and a stopped run continues with resume"
+            )
+        while True:
+            now = time.time_ns()
+            if not new:
+                summary = self.summary(run_id)
+                if summary is not None and summary.status.finished:
+                    raise exc.RunConflict(
+                        f"run {run_id} ended ({summary.status.value}); a run that ended is kept as it is "
+                        "and never resumed: start a new run"
+                    )
+            rows = self.db.query(f"SELECT owner, expires_ns FROM {ns}_leases WHERE run_id = ?", (run_id,))
+            previous: LeaseHolder | None = None
+            take: Statement
+            if rows:
+                held_by, expires = str(rows[0][0]), _int(rows[0][1])
+                if new:
+                    raise exc.RunConflict(f"another process has just started a run {run_id!r}")
+                if expires == 0:
+                    reason = "released"
+                elif expires < now:
+                    reason = "expired"
+                elif owner_gone(held_by):
+                    reason = "owner gone"
+                else:
+                    if time.monotonic() < deadline:
+                        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+                        continue
+                    raise exc.RunLeased(
+                        f"run {run_id} is running in another process ({_where_owner(held_by)}); "
+                        f"its lease runs {wait_time(expires, now):.1f} s more unless renewed: wait for "
+                        "it to stop, or stop it (stockade kill)",
+                        retry_after=wait_time(expires, now),
+                    )
+                previous = LeaseHolder(owner=held_by, expires_ns=expires, reason=reason)
+                take = (
+                    f"UPDATE {ns}_leases SET owner = ?, expires_ns = ?, acquired_ns = ? "
+                    "WHERE run_id = ? AND owner = ? AND expires_ns = ?",
+                    [(owner, now + round(self.lease_s * 1e9), now, run_id, held_by, expires)],
+                )
+            else:
+                take = (
+                    f"INSERT INTO {ns}_leases VALUES (?, ?, ?, ?) ON CONFLICT (run_id) DO NOTHING",
+                    [(run_id, owner, now + round(self.lease_s * 1e9), now)],
+                )
+            self.db.write([take])
+            got = self.db.query(f"SELECT owner FROM {ns}_leases WHERE run_id = ?", (run_id,))
+            if got and str(got[0][0]) == owner:
+                break
+            if new:
+                raise exc.RunConflict(f"another process has just started a run {run_id!r}")
+            # another claim won the race: look again (it holds the lease now)
+        with self._lock:
+            self._leases[run_id] = owner
+            if new:
+                self._trackers[run_id] = self._new_tracker()
+        return RunLease(self, run_id, owner, ttl_s=self.lease_s, previous=previous)
+
+    def _exists(self, run_id: str) -> bool:
+        ns = self.ns
+        for table in ("runs", "checkpoints", "leases", "tool_calls"):
+            if self.db.query(f"SELECT 1 FROM {ns}_{table} WHERE run_id = ? LIMIT 1", (run_id,)):
+                return True
+        return False
+
+    def renew_lease(self, run_id: str, owner: str, ttl_s: float) -> bool:
+        """Push the lease's end ``ttl_s`` ahead; False when it is no longer ``owner``'s."""
+        expires = time.time_ns() + round(ttl_s * 1e9)
+        return self.db.write(
+            [
+                (
+                    f"UPDATE {self.ns}_leases SET expires_ns = ? WHERE run_id = ? AND owner = ?",
+                    [(expires, run_id, owner)],
+                )
+            ],
+            require=(f"SELECT 1 FROM {self.ns}_leases WHERE run_id = ? AND owner = ?", (run_id, owner)),
+        )
+
+    def release_lease(self, run_id: str, owner: str) -> None:
+        self.db.write(
+            [
+                (
+                    f"UPDATE {self.ns}_leases SET expires_ns = 0 WHERE run_id = ? AND owner = ?",
+                    [(run_id, owner)],
+                )
+            ]
+        )
+
+    def forget_lease(self, run_id: str, owner: str) -> None:
+        with self._lock:
+            if self._leases.get(run_id) == owner:
+                del self._leases[run_id]
+                self._trackers.pop(run_id, None)
+                self._saved.pop(run_id, None)
+
+    def sweep(self) -> list[str]:
+        """Mark ``interrupted`` the runs still ``running`` whose lease expired or whose process
+        is gone; returns their ids (``runs`` and ``summary`` sweep first)."""
+        ns, now = self.ns, time.time_ns()
+        rows = self.db.query(
+            f"SELECT l.run_id, l.owner, l.expires_ns FROM {ns}_leases l JOIN {ns}_runs r "
+            "ON r.run_id = l.run_id WHERE r.status = ?",
+            (RunStatus.RUNNING.value,),
+        )
+        stale = [str(r[0]) for r in rows if _int(r[2]) < now or owner_gone(str(r[1]))]
+        if stale:
+            why = (
+                "the process running it stopped (its lease in the run store expired); "
+                "resume it: stockade agent --resume RUN_ID"
+            )
+            self.db.write(
+                [
+                    (
+                        f"UPDATE {ns}_runs SET status = ?, error = ? WHERE run_id = ? AND status = ?",
+                        [(RunStatus.INTERRUPTED.value, why, r, RunStatus.RUNNING.value) for r in stale],
+                    )
+                ]
+            )
+        return stale
+
+    def call_started(self, run_id: str, step: int, call: ToolCall, key: str, *, idempotent: bool) -> None:
+        """Record that ``call`` is about to run (again: its attempts are counted)."""
+        self._write(
+            run_id,
+            [
+                (
+                    f"INSERT INTO {self.ns}_calls_started VALUES (?, ?, ?, ?, ?, ?, 1, ?) "
+                    "ON CONFLICT (idempotency_key) DO UPDATE SET "
+                    f"attempts = {self.ns}_calls_started.attempts + 1, started_ns = excluded.started_ns",
+                    [(key, run_id, step, call.id, call.name, int(idempotent), time.time_ns())],
+                )
+            ],
+        )
+
+    def attempts(self, run_id: str) -> dict[str, int]:
+        """How many times each call of the run started: idempotency key -> attempts."""
+        rows = self.db.query(
+            f"SELECT idempotency_key, attempts FROM {self.ns}_calls_started WHERE run_id = ?", (run_id,)
+        )
+        return {str(r[0]): _int(r[1]) for r in rows}
+
+    def _new_tracker(self) -> WorkspaceTracker:
+        return WorkspaceTracker(max_bytes=self.max_workspace_bytes, max_entries=self.max_workspace_entries)
+
+    def _tracker(self, run_id: str) -> WorkspaceTracker:
+        tracker = self._trackers.get(run_id)
+        if tracker is None:  # a run this process did not start or restore: continue from the store
+            entries, version = self._stored_workspace(run_id)
+            tracker = self._trackers[run_id] = self._new_tracker()
+            tracker.entries, tracker.version = entries, version
+        return tracker
+
+    def record_workspace(
+        self, run_id: str, sandbox: Sandbox, *, call: tuple[int, ToolCallRecord] | None = None
+    ) -> int:
+        """Record what changed in the workspace since the last record, and with it, in the same
+        transaction, the call (step, record) that changed it; returns the workspace's version."""
+        tracker = self._tracker(run_id)
+        known = self._known_blob
+        scan = tracker.scan(sandbox, known=known)
+        version = tracker.version + 1 if scan.changed else tracker.version
+        now = time.time_ns()
+        packed = {digest: zlib.compress(data, 6) for digest, data in scan.blobs.items()}
+        added = {
+            path: len(packed.get(e.digest, b"")) if e is not None else 0 for path, e in scan.changes.items()
+        }
+        statements: list[Statement] = [
+            (
+                f"INSERT INTO {self.ns}_blobs VALUES (?, ?, ?) ON CONFLICT (digest) DO NOTHING",
+                [(digest, len(scan.blobs[digest]), data) for digest, data in packed.items()],
+            ),
+            (
+                f"INSERT INTO {self.ns}_workspace VALUES (?, ?, ?, ?, ?)",
+                [
+                    (run_id, version, path, None if e is None else e.encode(), added[path])
+                    for path, e in sorted(scan.changes.items())
+                ],
+            ),
+        ]
+        with self._lock:
+            saved = self._saved.setdefault(run_id, _Saved())
+            ledger = call is not None and call[1].idempotency_key not in saved.ledger
+            if call is not None and ledger:
+                statements.append((self._ledger_sql(), [self._ledger_row(run_id, call[0], call[1], now)]))
+            self._write(run_id, [st for st in statements if st[1]])
+            if call is not None:
+                saved.ledger.add(call[1].idempotency_key)
+            tracker.commit(scan, version)
+        return version
+
+    def _known_blob(self, digest: str) -> bool:
+        return bool(self.db.query(f"SELECT 1 FROM {self.ns}_blobs WHERE digest = ?", (digest,)))
+
+    def _stored_workspace(self, run_id: str) -> tuple[dict[str, Entry], int]:
+        rows = self.db.query(
+            f"SELECT version, path, body FROM {self.ns}_workspace WHERE run_id = ? ORDER BY version, path",
+            (run_id,),
+        )
+        entries: dict[str, Entry] = {}
+        version = 0
+        for row_version, path, body in rows:
+            version = _int(row_version)
+            if body is None:
+                entries.pop(str(path), None)
+                continue
+            try:
+                entries[str(path)] = decode_entry(str(body))
+            except (ValueError, TypeError) as error:
+                raise exc.RunStoreCorrupt(
+                    f"run store {self._where}: the {self.ns}_workspace row (run {run_id!r}, version "
+                    f"{version}, path {str(path)!r}) cannot be read: {error}"
+                ) from None
+        return entries, version
+
+    def _blob(self, digest: str) -> bytes:
+        rows = self.db.query(f"SELECT data FROM {self.ns}_blobs WHERE digest = ?", (digest,))
+        what = f"run store {self._where}: the {self.ns}_blobs row {digest[:16]}…"
+        if not rows:
+            raise exc.RunStoreCorrupt(f"{what} is missing: the workspace cannot be restored")
+        raw = rows[0][0]
+        try:
+            data = zlib.decompress(bytes(raw) if isinstance(raw, bytes | bytearray | memoryview) else b"")
+        except zlib.error as error:
+            raise exc.RunStoreCorrupt(f"{what} cannot be unpacked: {error}") from None
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise exc.RunStoreCorrupt(f"{what} does not hold the content its digest names")
+        return data
+
+    def restore_workspace(self, run_id: str, sandbox: Sandbox) -> bool:
+        """Make the workspace of ``sandbox`` the run's last recorded one (whatever it held);
+        ``False`` when none was recorded (the sandbox is left as it is)."""
+        entries, version = self._stored_workspace(run_id)
+        if version == 0:
+            return False
+        listing = restore(sandbox, entries, self._blob)
+        tracker = self._new_tracker()
+        tracker.restored(entries, version, listing)
+        with self._lock:
+            self._trackers[run_id] = tracker
+        return True
+
+    def workspace_usage(self, run_id: str) -> WorkspaceUsage:
+        rows = self.db.query(
+            "SELECT COUNT(DISTINCT version), COUNT(*), COALESCE(SUM(blob_bytes), 0) "
+            f"FROM {self.ns}_workspace WHERE run_id = ?",
+            (run_id,),
+        )
+        versions, count, blob_bytes = rows[0] if rows else (0, 0, 0)
+        return WorkspaceUsage(versions=_int(versions), rows=_int(count), blob_bytes=_int(blob_bytes))
 
     def record_retry(self, run_id: str, entry: RetryEntry) -> None:
         self.db.write(
@@ -428,7 +839,8 @@ class RunStore:
     # -- reading ------------------------------------------------------------------------------
 
     def runs(self, *, limit: int = 50, status: RunStatus | None = None) -> list[RunSummary]:
-        """The most recently updated runs first."""
+        """The most recently updated runs first (runs whose process died: ``interrupted``)."""
+        self.sweep()
         where, params = ("WHERE status = ?", [status.value]) if status is not None else ("", [])
         rows = self.db.query(
             f"SELECT {_SUMMARY} FROM {self.ns}_runs {where} ORDER BY updated_ns DESC LIMIT ?",
@@ -437,6 +849,7 @@ class RunStore:
         return [_summary(r) for r in rows]
 
     def summary(self, run_id: str) -> RunSummary | None:
+        self.sweep()
         rows = self.db.query(f"SELECT {_SUMMARY} FROM {self.ns}_runs WHERE run_id = ?", (run_id,))
         return _summary(rows[0]) if rows else None
 
@@ -456,8 +869,39 @@ class RunStore:
         if step is not None:
             sql += " AND step = ?"
             params.append(step)
-        rows = self.db.query(sql + " ORDER BY recorded_ns, idempotency_key", params)
-        return [ToolCallRecord.model_validate_json(str(r[0])) for r in rows]
+        rows = self.db.query(
+            sql.replace("SELECT body", "SELECT idempotency_key, body")
+            + " ORDER BY recorded_ns, idempotency_key",
+            params,
+        )
+        records = []
+        for key, body in rows:
+            try:
+                records.append(ToolCallRecord.model_validate_json(str(body)))
+            except ValidationError as error:
+                raise exc.RunStoreCorrupt(
+                    f"run store {self._where}: the {self.ns}_tool_calls row {str(key)!r} cannot be read "
+                    f"({error.errors()[0]['msg'] if error.errors() else error})"
+                ) from None
+        return records
+
+    def ledger_calls(self, run_id: str | None = None) -> list[LedgerCall]:
+        """The ledger as ``audit verify`` cross-checks it: every call but the denied ones."""
+        sql = f"SELECT run_id, step, idempotency_key, tool, body FROM {self.ns}_tool_calls"
+        rows = (
+            self.db.query(sql + " WHERE run_id = ?", (run_id,)) if run_id is not None else self.db.query(sql)
+        )
+        calls = []
+        for run, step, key, tool, body in rows:
+            try:
+                denied = json.loads(str(body)).get("denied") is True
+            except (ValueError, AttributeError):
+                denied = False  # unreadable: cross-checked all the same
+            if not denied:
+                calls.append(
+                    LedgerCall(run_id=str(run), step=_int(step), idempotency_key=str(key), tool=str(tool))
+                )
+        return calls
 
     def retries(self, run_id: str) -> list[RetryEntry]:
         rows = self.db.query(
@@ -534,6 +978,26 @@ def _int(value: object) -> int:
 
 def _float(value: object) -> float:
     return float(str(value))
+
+
+def _where_owner(owner: str) -> str:
+    parts = owner.split("/")
+    return f"pid {parts[2]}" if len(parts) == 5 else "unknown owner"
+
+
+def _outcome_unknown(call: ToolCall, key: str) -> ToolCallRecord:
+    return ToolCallRecord(
+        call=call,
+        idempotency_key=key,
+        observation=(
+            f"error: {OUTCOME_UNKNOWN}: the run stopped while {call.name} was running (its process "
+            f"died or was stopped), and {call.name} is not idempotent, so it was not run again. "
+            "Whether its effects happened is unknown: check before doing it again. Changes it made "
+            "inside the workspace are not there (the workspace is as the last finished call left it)."
+        ),
+        is_error=True,
+        error_type=OUTCOME_UNKNOWN,
+    )
 
 
 def _summary(row: tuple[object, ...]) -> RunSummary:

@@ -85,6 +85,14 @@ class ToolContext:
     bookkeeping: Sandbox | None = None
 
     @property
+    def idempotency_key(self) -> str:
+        """Names this call's effect: the same on every attempt of the call (a resumed run that
+        runs an idempotent call again passes the same key), so a tool that acts outside the
+        sandbox (a payment, a push, an email) can send it along and let the other side
+        deduplicate. The run store's ledger is keyed by it too."""
+        return f"{self.run_id}:{self.step}:{self.call_id}"
+
+    @property
     def records(self) -> Sandbox:
         """The sandbox for the run's own records (see ``bookkeeping``)."""
         return self.bookkeeping if self.bookkeeping is not None else self.sandbox

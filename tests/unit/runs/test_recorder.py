@@ -87,7 +87,9 @@ async def test_a_checkpoint_alone_would_have_run_it_twice() -> None:
 
 
 def test_retries_are_filed_under_the_step_and_call_that_retried(store: RunStore) -> None:
-    failures = iter([ResourceContention("the host is busy")])
+    # the first read of a.txt is the run store's (the workspace after write_file, step 1);
+    # the second is read_file's, in step 2
+    failures = iter([None, ResourceContention("the host is busy")])
     workspace = MemoryWorkspace()
 
     def flaky_reads(op: Op) -> OpResult:

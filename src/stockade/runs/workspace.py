@@ -1,0 +1,218 @@
+"""A run's workspace, kept step by step so that a resumed run continues from it.
+
+After each tool call the loop asks the run store to record the workspace. ``WorkspaceTracker``
+lists it (one request), compares each entry with the last listing (size, mode, mtime) and
+reads only the files that may have changed; their contents are named by SHA-256, and what is
+written is only what changed: a blob per content the store does not have yet, and a row per
+path that changed or went away. A resume folds the rows back into the last recorded state
+and ``restore`` makes a fresh sandbox's workspace exactly that, the diff's baseline
+(``.stockade/baseline.json``) included.
+
+An unchanged size, mode and mtime is trusted only for an entry whose mtime is older than the
+newest one of the listing it was seen in (git's "racily clean" rule): file times advance in
+clock ticks of a few milliseconds, so a file written twice within the tick of a listing is
+read again next time rather than trusted. A change that keeps a file's size and sets its mtime
+back to the old value (``touch -d``) is not seen; nothing of ours does that.
+
+Kept: regular files (content and permission bits) and folders. Not kept: symlinks, FIFOs,
+sockets and devices, owners and times, and everything that is not a file: processes, the
+``run_code`` interpreter's variables, ``/tmp``. A resumed run starts a new interpreter.
+
+The whole workspace is capped (``max_bytes`` of file content, ``max_entries``): past either,
+``SeedTooLarge`` says by how much and how to raise the cap.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import tarfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from stockade import exceptions as exc
+from stockade.sandbox.facade import Sandbox
+from stockade.sandbox.ops import PutArchive
+from stockade.types import EntryInfo, EntryType
+
+__all__ = [
+    "MAX_WORKSPACE_BYTES",
+    "MAX_WORKSPACE_ENTRIES",
+    "Entry",
+    "Scan",
+    "WorkspaceTracker",
+    "decode_entry",
+    "restore",
+]
+
+MAX_WORKSPACE_BYTES = 256 * 1024 * 1024  # of file content, uncompressed
+MAX_WORKSPACE_ENTRIES = 50_000
+MAX_DEPTH = 128
+_BATCH_BYTES = 8 * 1024 * 1024  # what one archive sent to the sandbox holds at most
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One path of a recorded workspace: a file (its content's digest) or a folder."""
+
+    kind: str  # "file" or "dir"
+    mode: int
+    digest: str = ""
+    size: int = 0
+
+    def encode(self) -> str:
+        return json.dumps([self.kind, self.mode, self.digest, self.size], separators=(",", ":"))
+
+
+def decode_entry(text: str) -> Entry:
+    """The entry a stored row holds; ``ValueError`` when it is not one."""
+    kind, mode, digest, size = json.loads(text)
+    if kind not in ("file", "dir") or not isinstance(mode, int) or not isinstance(size, int):
+        raise ValueError(f"not a workspace entry: {text[:80]!r}")
+    return Entry(kind=str(kind), mode=mode, digest=str(digest), size=size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scan:
+    """What changed since the last recorded state: ``changes`` (path -> entry, None: gone)
+    and the contents not recorded before (digest -> bytes)."""
+
+    changes: dict[str, Entry | None]
+    blobs: dict[str, bytes]
+    listing: tuple[EntryInfo, ...]
+    total_bytes: int
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.changes)
+
+
+def _inside(path: str) -> bool:
+    return bool(path) and not path.startswith("/") and ".." not in path.split("/")
+
+
+@dataclass
+class WorkspaceTracker:
+    """The last recorded state of one run's workspace, and how to see what changed since."""
+
+    max_bytes: int = MAX_WORKSPACE_BYTES
+    max_entries: int = MAX_WORKSPACE_ENTRIES
+    entries: dict[str, Entry] = field(default_factory=dict)
+    version: int = 0
+    _seen: dict[str, tuple[int, int, float]] = field(default_factory=dict)  # size, mode, mtime
+    _horizon: float = float("-inf")  # the newest mtime of the last listing
+
+    def scan(self, sandbox: Sandbox, *, known: Callable[[str], bool] = lambda _: False) -> Scan:
+        """List the workspace and read what may have changed; nothing is recorded yet
+        (``commit`` once the store has it). ``known(digest)``: the store has that content."""
+        listing = tuple(
+            e
+            for e in sandbox.files.list("", depth=MAX_DEPTH)
+            if _inside(e.path) and e.type in (EntryType.FILE, EntryType.DIR)
+        )
+        if len(listing) > self.max_entries:
+            raise exc.SeedTooLarge(
+                f"the workspace holds {len(listing):,} files and folders, over the run store's "
+                f"snapshot cap of {self.max_entries:,}: raise it (RunStore(max_workspace_entries=...)), "
+                "or keep build output and dependencies out of the workspace"
+            )
+        total = sum(e.size for e in listing if e.type == EntryType.FILE)
+        if total > self.max_bytes:
+            raise exc.SeedTooLarge(
+                f"the workspace holds {total:,} bytes of files, over the run store's snapshot cap of "
+                f"{self.max_bytes:,}: raise it (RunStore(max_workspace_bytes=...)), or keep build "
+                "output and dependencies out of the workspace"
+            )
+        changes: dict[str, Entry | None] = {}
+        blobs: dict[str, bytes] = {}
+        for info in listing:
+            old = self.entries.get(info.path)
+            mode = info.mode & 0o7777
+            if info.type == EntryType.DIR:
+                entry = Entry(kind="dir", mode=mode)
+            else:
+                seen = self._seen.get(info.path)
+                if (
+                    old is not None
+                    and old.kind == "file"
+                    and seen == (info.size, info.mode, info.mtime)
+                    and info.mtime < self._horizon
+                ):
+                    continue  # unchanged since a listing that came after its last write
+                try:
+                    data = sandbox.files.read(info.path, format="bytes")
+                except exc.SandboxFileNotFound:
+                    continue  # gone since the listing: it is not in this state
+                digest = hashlib.sha256(data).hexdigest()
+                entry = Entry(kind="file", mode=mode, digest=digest, size=len(data))
+                if digest not in blobs and (old is None or old.digest != digest) and not known(digest):
+                    blobs[digest] = data
+            if entry != old:
+                changes[info.path] = entry
+        present = {e.path for e in listing}
+        for path in self.entries.keys() - present:
+            changes[path] = None
+        return Scan(changes=changes, blobs=blobs, listing=listing, total_bytes=total)
+
+    def commit(self, scan: Scan, version: int) -> None:
+        """The store has recorded ``scan`` as ``version``."""
+        for path, entry in scan.changes.items():
+            if entry is None:
+                self.entries.pop(path, None)
+            else:
+                self.entries[path] = entry
+        self._remember(scan.listing)
+        self.version = version
+
+    def restored(self, entries: Mapping[str, Entry], version: int, listing: tuple[EntryInfo, ...]) -> None:
+        """The workspace was just made ``entries`` (by ``restore``), now listed as ``listing``."""
+        self.entries = dict(entries)
+        self.version = version
+        self._remember(listing)
+
+    def _remember(self, listing: tuple[EntryInfo, ...]) -> None:
+        self._seen = {e.path: (e.size, e.mode, e.mtime) for e in listing if e.type == EntryType.FILE}
+        self._horizon = max((e.mtime for e in listing), default=float("-inf"))
+
+
+def restore(
+    sandbox: Sandbox, entries: Mapping[str, Entry], blob: Callable[[str], bytes]
+) -> tuple[EntryInfo, ...]:
+    """Make the workspace of ``sandbox`` exactly ``entries`` (contents from ``blob(digest)``);
+    returns the listing after it."""
+    for top in sandbox.files.list("", depth=1):
+        sandbox.files.remove(top.path)
+    batch: list[tuple[tarfile.TarInfo, bytes | None]] = []
+    size = 0
+    for path in sorted(p for p in entries if _inside(p)):
+        entry = entries[path]
+        info = tarfile.TarInfo(path)
+        info.mode = entry.mode & 0o777
+        if entry.kind == "dir":
+            info.type = tarfile.DIRTYPE
+            info.mode |= 0o700  # the restore writes into it
+            batch.append((info, None))
+            continue
+        data = blob(entry.digest)
+        if len(data) > _BATCH_BYTES:  # alone, in chunks: a frame to the sandbox is bounded
+            sandbox.files.write(path, data, mode=entry.mode & 0o777)
+            continue
+        info.size = len(data)
+        batch.append((info, data))
+        size += len(data)
+        if size >= _BATCH_BYTES:
+            _put(sandbox, batch)
+            batch, size = [], 0
+    _put(sandbox, batch)
+    return tuple(sandbox.files.list("", depth=MAX_DEPTH))
+
+
+def _put(sandbox: Sandbox, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> None:
+    if not members:
+        return
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for info, data in members:
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    sandbox.instance.execute(PutArchive(path="", data=buffer.getvalue()))
