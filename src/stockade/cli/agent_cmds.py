@@ -232,9 +232,11 @@ def agent(
         typer.Option("--check-timeout", help="seconds the check may take (default: the sandbox's)"),
     ] = None,
     run_id: Annotated[str | None, typer.Option("--run-id", help="name the run (default: random)")] = None,
-    resume: Annotated[str | None, typer.Option("--resume", help="continue a paused run")] = None,
+    resume: Annotated[
+        str | None, typer.Option("--resume", help="continue a paused, interrupted or crashed run")
+    ] = None,
     state_dir: Annotated[
-        Path, typer.Option("--state-dir", help="where paused runs keep their workspace")
+        Path, typer.Option("--state-dir", help="where runs keep how they were started, to resume them")
     ] = Path(".stockade/paused"),
 ) -> None:
     """Let a model work on a copy of WORKSPACE in a sandbox, under a policy; show each step and
@@ -246,8 +248,11 @@ def agent(
     An action that needs approval is asked on the terminal; without one, the run pauses (exit
     code 3) and says how to approve it and resume. Ctrl-C, SIGTERM or SIGHUP stop the run within
     a second, its workspace and state kept: it ends "interrupted" (exit code 128 + the signal's
-    number) and resumes with --resume; a second signal stops at once. Exit codes: 0 success,
-    1 the run ended otherwise (check_failed, max_steps, ...), 2 a configuration error, 3 paused.
+    number) and resumes with --resume; a second signal stops at once. A run whose process died
+    (SIGKILL, a lost machine) shows as "interrupted" in `stockade runs list` and resumes the same
+    way, from its last finished tool call and the workspace that call left. Exit codes: 0
+    success, 1 the run ended otherwise (check_failed, max_steps, ...), 2 a configuration error
+    (or the run is running elsewhere), 3 paused.
     """
     from stockade.agent import AgentConfig, build_agent
     from stockade.policy import ApprovalStore, cli_approver
@@ -258,8 +263,11 @@ def agent(
             try:
                 options = SavedRun.model_validate_json((saved_dir / "run.json").read_text())
             except FileNotFoundError:
-                raise exc.ConfigurationError(f"no paused run {resume!r} in {state_dir}") from None
-            workspace, run_id = saved_dir / "workspace", resume
+                raise exc.ConfigurationError(f"no run {resume!r} to resume in {state_dir}") from None
+            # the run store restores the workspace of the last finished call; a folder saved
+            # when the run paused is where the sandbox starts (a store without it needs it)
+            kept = saved_dir / "workspace"
+            workspace, run_id = (kept if kept.is_dir() else None), resume
         else:
             if task is None or workspace is None or model is None:
                 raise exc.ConfigurationError("give a TASK, --workspace and --model (or --resume RUN_ID)")
@@ -272,7 +280,7 @@ def agent(
             )  # fmt: skip
         progress = Progress(out)
         _quiet_stamina()
-        if workspace is None or not workspace.is_dir():
+        if resume is None and (workspace is None or not workspace.is_dir()):
             raise exc.InvalidArgument(
                 f"--workspace {str(workspace)!r} is not a folder",
                 argument="--workspace",
@@ -309,6 +317,12 @@ def agent(
                 f"audited in {escape(options.audit_db)}; stop it with: stockade kill {session.run_id}[/]"
             )
             saved = _paused_dir(state_dir, session.run_id)
+            # how the run was started, kept until it ends: a crash leaves it for --resume (never
+            # over another run's: a taken id is refused when the run starts)
+            mine = resume is None and not (saved / "run.json").exists()
+            if mine:
+                saved.mkdir(parents=True, exist_ok=True)
+                (saved / "run.json").write_text(options.model_dump_json(indent=2))
 
             def stop(signum: int) -> None:
                 # keep the workspace as it is now, then stop the run where it is: it resumes from here
@@ -321,19 +335,23 @@ def agent(
                 session.interrupt(f"stopped by {signal_name(signum)}")
 
             with on_stop(stop) as stopped_by:
-                result = session.resume_sync() if resume is not None else session.run_sync(task or "")
+                try:
+                    result = session.resume_sync() if resume is not None else session.run_sync(task or "")
+                except exc.RunConflict:
+                    if mine:
+                        shutil.rmtree(saved, ignore_errors=True)
+                    raise
             if result.status == RunStatus.PAUSED:
                 shutil.rmtree(saved / "workspace", ignore_errors=True)
                 session.save_workspace(saved / "workspace")
                 (saved / "run.json").write_text(options.model_dump_json(indent=2))
                 _tell_how_to_resume(result, ApprovalStore().pending(session.run_id), saved)
             elif result.status == RunStatus.INTERRUPTED:
-                (saved / "run.json").write_text(options.model_dump_json(indent=2))
                 out.print(
                     f"\n[bold yellow]interrupted[/]: run {session.run_id} stopped mid-step; its workspace is "
                     f"kept in {escape(str(saved))}\n  resume it: stockade agent --resume {session.run_id}"
                 )
-            elif resume is not None:
+            else:
                 shutil.rmtree(saved, ignore_errors=True)
     except exc.StockadeError as error:
         err.print(f"[red]error:[/] {escape(str(error))}")

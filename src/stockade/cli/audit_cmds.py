@@ -2,6 +2,8 @@
 
 The store is ``--db`` (or ``STOCKADE_AUDIT_DB``): ``sqlite:///PATH``, a file path, or
 ``postgresql://...``. A keyed chain needs its key: ``--key-file`` or ``STOCKADE_AUDIT_KEY``.
+``verify`` also cross-checks the chain with the run store's ledger (``--runs-db``; by default
+the audit database, when it holds one).
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ import os
 import sys
 import time
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, TextIO
+from typing import TYPE_CHECKING, Annotated, TextIO
 
 import typer
 from rich.markup import escape
@@ -24,6 +27,9 @@ from stockade.audit.events import AuditEvent
 from stockade.audit.stores import AuditStore, open_store
 from stockade.audit.verify import verify as verify_store
 from stockade.cli._console import CliConsole
+
+if TYPE_CHECKING:
+    from stockade.runs import RunStore
 
 out = CliConsole()
 err = CliConsole(stderr=True)
@@ -49,12 +55,16 @@ class ExportFormat(enum.StrEnum):
 def _has_audit_tables(path: Path, namespace: str) -> bool:
     """Whether a SQLite file holds an audit trail, asked read-only: opening a store would create
     its tables in whatever database the path names."""
+    return _has_table(path, f"{namespace}_events")
+
+
+def _has_table(path: Path, table: str) -> bool:
     import sqlite3
 
     try:
         with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
             found = db.execute(
-                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (f"{namespace}_events",)
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)
             ).fetchone()
     except sqlite3.DatabaseError:
         return False
@@ -80,6 +90,31 @@ def _store(db: str, namespace: str) -> AuditStore:
         raise typer.Exit(2) from error
 
 
+@contextlib.contextmanager
+def _ledger(runs_db: str | None, db: str, namespace: str) -> Iterator[RunStore | None]:
+    """The run store to cross-check with: ``--runs-db``, else the audit database if it has one."""
+    from stockade.runs import open_run_store
+
+    url = runs_db or db
+    if "://" not in url or url.startswith("sqlite:///"):
+        path = Path(url.removeprefix("sqlite:///"))
+        if not path.exists() or not _has_table(path, f"{namespace}_tool_calls"):
+            if runs_db is not None:
+                err.print(
+                    f"[red]no run store at {escape(str(path))}[/] (check --runs-db and --runs-namespace)"
+                )
+                raise typer.Exit(2)
+            yield None
+            return
+    try:
+        store = open_run_store(url, namespace=namespace)
+    except exc.StockadeError as error:
+        err.print(f"[red]{escape(str(error))}[/]")
+        raise typer.Exit(2) from error
+    with store:
+        yield store
+
+
 def _key(key_file: Path | None) -> bytes | None:
     if key_file is not None:
         return key_file.read_bytes().strip()
@@ -98,9 +133,22 @@ def verify(
         typer.Option("--expect-head", help="SEQ:HASH the chain must reach (kept outside the store)"),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
+    runs_db: Annotated[
+        str | None,
+        typer.Option(
+            "--runs-db",
+            envvar="STOCKADE_RUNS_DB",
+            help="the run store whose ledger the chain must agree with (default: --db, if it has one)",
+        ),
+    ] = None,
+    runs_namespace: Annotated[
+        str, typer.Option("--runs-namespace", help="table prefix of the run store")
+    ] = "runs",
 ) -> None:
     """Check the hash chain: exit 0 when intact, 1 with the problems found (seq and what), 2 when
-    there is nothing to verify (no trail, no events, no events of --run)."""
+    there is nothing to verify (no trail, no events, no events of --run). The tool calls of the
+    run store's ledger and the chain's tool_call events must agree: a call in one and not the
+    other is a problem (not_in_trail, not_in_ledger)."""
     pinned: tuple[int, str] | None = None
     if expect_head is not None:
         seq, _, digest = expect_head.partition(":")
@@ -108,9 +156,9 @@ def verify(
             err.print("[red]--expect-head takes SEQ:HASH[/]")
             raise typer.Exit(2)
         pinned = (int(seq), digest)
-    with _store(db, namespace) as store:
+    with _store(db, namespace) as store, _ledger(runs_db, db, runs_namespace) as ledger:
         try:
-            report = verify_store(store, run_id=run, key=_key(key_file), expected_head=pinned)
+            report = verify_store(store, run_id=run, key=_key(key_file), expected_head=pinned, ledger=ledger)
         except exc.StockadeError as error:
             err.print(f"[red]{escape(str(error))}[/]")
             raise typer.Exit(2) from error
@@ -128,6 +176,7 @@ def verify(
                     "problems": [
                         {"seq": p.seq, "kind": p.kind.value, "detail": p.detail} for p in report.problems
                     ],
+                    "ledger": ledger is not None,
                     "problems_elsewhere": report.problems_elsewhere,
                 }
             )

@@ -24,6 +24,7 @@ from stockade.cli._console import CliConsole, print_diff
 from stockade.cli._signals import Interrupted, interruptible
 from stockade.cli._signals import exit_code as signal_exit_code
 from stockade.runs.store import RetryEntry, RunStore, RunSummary, RunTrace, open_run_store
+from stockade.tools.base import Toolset
 
 out = CliConsole()
 err = CliConsole(stderr=True)
@@ -299,6 +300,14 @@ def replay(
         ),
     ] = None,
     tier: Annotated[str, typer.Option("--tier", "-t", help="process, docker, gvisor or microvm")] = "process",
+    tools: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--tools",
+            help="MODULE:ATTR, the run's own tools (a Tool, a list of them or a Toolset), added to the "
+            "built-in ones; repeat it for several",
+        ),
+    ] = None,
     db: DbOpt = DEFAULT_DB,
     namespace: NamespaceOpt = "runs",
     as_json: JsonOpt = False,
@@ -310,6 +319,7 @@ def replay(
 
     with tempfile.TemporaryDirectory(prefix="stockade-seed-") as seed, _store(db, namespace) as store:
         try:
+            toolset = load_tools(tools) if tools else None
             state = store.load(_resolve(store, run_id))
             if state is None:
                 err.print(f"[red]run {escape(run_id)} has no checkpoint[/]")
@@ -323,7 +333,7 @@ def replay(
                         "empty one (give the folder with --workspace)[/]"
                     )
             with interruptible(), Sandbox.create(tier, workspace=workspace) as sandbox:
-                report = asyncio.run(replay_run(state, sandbox=sandbox))
+                report = asyncio.run(replay_run(state, sandbox=sandbox, tools=toolset))
         except exc.StockadeError as error:
             err.print(f"[red]error:[/] {escape(str(error))}")
             raise typer.Exit(2) from None
@@ -366,6 +376,45 @@ def replay(
             out.print(f"  [dim]recorded:[/] {escape(_cut(d.recorded, SHOWN_CHARS))}", highlight=False)
             out.print(f"  [dim]replayed:[/] {escape(_cut(d.replayed, SHOWN_CHARS))}", highlight=False)
     raise typer.Exit(0 if report.ok else 1)
+
+
+def load_tools(specs: list[str]) -> Toolset:
+    """The built-in tools (with ``shell``) and those named ``MODULE:ATTR``: a ``Tool``, an
+    iterable of them, or a ``Toolset`` (its tools; its wrappers are not replayed)."""
+    import importlib
+
+    from stockade.tools import Tool, Toolset, default_toolset, shell
+
+    found: dict[str, Tool] = {t.name: t for t in default_toolset().including(shell)}
+    for spec in specs:
+        module_name, _, attr = spec.partition(":")
+        if not module_name or not attr:
+            raise exc.InvalidArgument(
+                f"--tools {spec!r} is not MODULE:ATTR",
+                argument="--tools",
+                fix="e.g. --tools myproject.tools:TOOLS",
+            )
+        try:
+            value: object = importlib.import_module(module_name)
+            for part in attr.split("."):
+                value = getattr(value, part)
+        except (ImportError, AttributeError) as error:
+            raise exc.InvalidArgument(
+                f"--tools {spec!r}: {error}",
+                argument="--tools",
+                fix="name an importable module (on PYTHONPATH) and an attribute of it",
+            ) from None
+        items = list(value) if isinstance(value, Toolset) else [value] if isinstance(value, Tool) else None
+        if items is None and isinstance(value, list | tuple):
+            items = list(value)
+        if items is None or not all(isinstance(t, Tool) for t in items):
+            raise exc.InvalidArgument(
+                f"--tools {spec!r} is a {type(value).__name__}, not a Tool, a list of Tools or a Toolset",
+                argument="--tools",
+                fix="point at what @tool made (or a list or Toolset of them)",
+            )
+        found.update({t.name: t for t in items if isinstance(t, Tool)})
+    return Toolset(found.values())
 
 
 def register(app: typer.Typer) -> None:

@@ -519,8 +519,6 @@ class RunStore:
             take: Statement
             if rows:
                 held_by, expires = str(rows[0][0]), _int(rows[0][1])
-                if new:
-                    raise exc.RunConflict(f"another process has just started a run {run_id!r}")
                 if expires == 0:
                     reason = "released"
                 elif expires < now:
@@ -528,6 +526,8 @@ class RunStore:
                 elif owner_gone(held_by):
                     reason = "owner gone"
                 else:
+                    if new:
+                        raise exc.RunConflict(f"another process is starting a run {run_id!r}")
                     if time.monotonic() < deadline:
                         time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
                         continue
@@ -559,11 +559,22 @@ class RunStore:
             self._leases[run_id] = owner
             if new:
                 self._trackers[run_id] = self._new_tracker()
-        return RunLease(self, run_id, owner, ttl_s=self.lease_s, previous=previous)
+        if new and previous is not None:
+            # a start that died before its first checkpoint: what it wrote is no run's
+            self._write(
+                run_id,
+                [
+                    (f"DELETE FROM {ns}_{table} WHERE run_id = ?", [(run_id,)])
+                    for table in ("workspace", "calls_started", "run_seeds")
+                ],
+            )
+        return RunLease(self, run_id, owner, ttl_s=self.lease_s, previous=None if new else previous)
 
     def _exists(self, run_id: str) -> bool:
+        """Whether the store has a run of this id (a start that died before its first
+        checkpoint left only a lease: it is no run)."""
         ns = self.ns
-        for table in ("runs", "checkpoints", "leases", "tool_calls"):
+        for table in ("runs", "checkpoints", "tool_calls"):
             if self.db.query(f"SELECT 1 FROM {ns}_{table} WHERE run_id = ? LIMIT 1", (run_id,)):
                 return True
         return False

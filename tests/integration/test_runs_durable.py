@@ -1,0 +1,216 @@
+"""Durable runs, checked from outside: real processes SIGKILLed at random points, on SQLite and
+PostgreSQL, each resumed in a new process with a new process-tier sandbox until it ends.
+
+Each trial kills a run once or twice in a row, at points drawn at random: between steps,
+inside a slow tool before or after its effect, right after a call returned, during a model
+request, or at a random moment chosen by this process. Then, for every trial:
+
+- the run finishes ("success");
+- the final diff holds every step's change exactly once (and nothing the seed already had);
+- no non-idempotent effect outside the sandbox happened twice; idempotent ones at least once;
+- the audit chain is intact and agrees with the run store's ledger.
+
+And two resumes of the same killed run started at once: exactly one runs it.
+
+``STOCKADE_DURABLE_TRIALS`` sets the number of trials per store (default 24);
+``STOCKADE_DURABLE_REPORT`` names a JSON file to write the outcomes to (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stockade.audit import open_store, verify
+from stockade.runs import open_run_store
+from tests.conftest import require_tier
+from tests.integration.run_stores import POSTGRES_URL, StoreTarget, run_store_target  # noqa: F401
+
+pytestmark = pytest.mark.process
+
+CHILD = Path(__file__).with_name("durable_child.py")
+TRIALS = int(os.environ.get("STOCKADE_DURABLE_TRIALS", "24"))
+POINTS = (
+    "step:1",
+    "step:3",
+    "step:5",
+    "model:1",
+    "model:3",
+    "model:6",
+    "before:1",
+    "before:2",
+    "before:4",
+    "after:1",
+    "after:2",
+    "after:5",
+    "returned:1",
+    "returned:4",
+    "returned:7",
+    "timer",
+)
+EXPECTED_DIFF = (
+    "--- /dev/null\n+++ b/journal.txt\n@@ -0,0 +1,3 @@\n+1\n+2\n+3\n"
+    "--- /dev/null\n+++ b/steps/1.txt\n@@ -0,0 +1 @@\n+one\n"
+    "--- /dev/null\n+++ b/steps/4.txt\n@@ -0,0 +1 @@\n+four\n"
+)
+
+
+@pytest.fixture
+def target(run_store_target: StoreTarget) -> Iterator[StoreTarget]:  # noqa: F811 - the fixture
+    """The run store under test; its audit trail lives beside it (tables ``<ns>_audit_*``)."""
+    yield run_store_target
+    if run_store_target.url.startswith("postgresql"):
+        import psycopg
+
+        ns = f"{run_store_target.namespace}_audit"
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+            conn.execute(f"DROP TABLE IF EXISTS {ns}_events, {ns}_head CASCADE".encode())
+            conn.execute(f"DROP FUNCTION IF EXISTS {ns}_append_only() CASCADE".encode())
+
+
+def _seed(work: Path) -> None:
+    seed = work / "seed"
+    (seed / "src").mkdir(parents=True)
+    (seed / "README.md").write_text("# invoices\n")
+    (seed / "src" / "app.py").write_text("print('pay')\n")
+
+
+def _child(
+    mode: str, target: StoreTarget, run_id: str, work: Path, point: str, rng: random.Random
+) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, str(CHILD), mode, target.url, target.namespace, run_id, str(work), point]
+    if point != "timer":
+        argv[-1] = point
+        return subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    argv[-1] = "none"
+    (work / "started").unlink(missing_ok=True)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (work / "started").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(rng.uniform(0.0, 0.6))
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+    out, err = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def _run_trial(target: StoreTarget, run_id: str, work: Path, rng: random.Random) -> dict[str, object]:
+    """Kill the run at one or two random points, then let it finish; return what happened."""
+    _seed(work)
+    kills = rng.sample(POINTS, rng.choice((1, 2)))
+    mode, killed, invocations = "start", [], 0
+    report: dict[str, object] | None = None
+    for point in [*kills, "none", "none"]:
+        invocations += 1
+        done = _child(mode, target, run_id, work, point, rng)
+        if done.returncode == -signal.SIGKILL:
+            killed.append(point)
+            mode = "resume"
+            continue
+        if done.returncode == 5:  # killed before its first checkpoint: start it again
+            mode = "start"
+            continue
+        assert done.returncode == 0, f"{run_id} ({mode}, kill {point}): {done.returncode}\n{done.stderr}"
+        report = json.loads(done.stdout)
+        break
+    assert report is not None, f"{run_id} never finished (kills {kills})"
+    return {"run_id": run_id, "planned": kills, "killed": killed, "invocations": invocations, **report}
+
+
+def _check_trial(target: StoreTarget, outcome: dict[str, object], work: Path) -> dict[str, int]:
+    run_id = str(outcome["run_id"])
+    assert outcome["status"] == "success", outcome
+    assert outcome["diff"] == EXPECTED_DIFF, f"{run_id}: {outcome}"
+    payments = Counter(line.split()[0] for line in (work / "payments.log").read_text().splitlines())
+    assert payments == {"inv-1": 1, "inv-2": 1}, f"{run_id}: a payment repeated or missing: {payments}"
+    notices = Counter(line.split()[0] for line in (work / "notices.log").read_text().splitlines())
+    assert set(notices) == {"paid-inv-1", "all-paid"} and min(notices.values()) >= 1, notices
+    with (
+        open_run_store(target.url, namespace=target.namespace) as store,
+        open_store(target.url, namespace=f"{target.namespace}_audit") as audit,
+    ):
+        report = verify(audit, run_id=run_id, ledger=store)
+        assert report.ok and report.found, f"{run_id}: {[str(p) for p in report.problems]}"
+        calls = store.tool_calls(run_id)
+        unknown = sum(1 for r in calls if r.error_type == "OutcomeUnknown")
+        events = [e for e in audit.events(run_id=run_id)]
+        crashes = sum(1 for e in events if e.kind.value == "run_crash")
+        reconciled = sum(1 for e in events if e.attributes.get("reconciled") is True)
+        summary = store.summary(run_id)
+        assert summary is not None and summary.status.value == "success"
+    return {
+        "outcome_unknown": unknown,
+        "repeated_notices": sum(n - 1 for n in notices.values()),
+        "crash_events": crashes,
+        "reconciled_events": reconciled,
+    }
+
+
+def test_killed_runs_resume_to_the_same_end(target: StoreTarget, tmp_path: Path) -> None:
+    require_tier("process")
+    seed = int(os.environ.get("STOCKADE_DURABLE_SEED", str(random.randrange(1 << 30))))
+    rng = random.Random(seed)
+    results = []
+    for trial in range(TRIALS):
+        work = tmp_path / f"t{trial}"
+        work.mkdir()
+        outcome = _run_trial(target, f"durable-{trial}", work, rng)
+        try:
+            outcome.update(_check_trial(target, outcome, work))
+        except AssertionError as error:
+            raise AssertionError(f"seed {seed}, trial {trial}: {error}") from None
+        results.append(outcome)
+    kills = [k for r in results for k in r["killed"]]  # type: ignore[attr-defined]
+    summary = {
+        "store": target.url.split(":")[0],
+        "seed": seed,
+        "trials": len(results),
+        "kills": len(kills),
+        "twice_in_a_row": sum(1 for r in results if len(r["killed"]) == 2),  # type: ignore[arg-type]
+        "kills_by_point": dict(Counter(k.split(":")[0] for k in kills)),
+        "outcome_unknown_calls": sum(int(r["outcome_unknown"]) for r in results),  # type: ignore[call-overload]
+        "repeated_idempotent_effects": sum(int(r["repeated_notices"]) for r in results),  # type: ignore[call-overload]
+        "crash_events": sum(int(r["crash_events"]) for r in results),  # type: ignore[call-overload]
+        "reconciled_audit_events": sum(int(r["reconciled_events"]) for r in results),  # type: ignore[call-overload]
+        "all_succeeded": True,
+    }
+    print(json.dumps(summary))
+    if os.environ.get("STOCKADE_DURABLE_REPORT"):
+        with open(os.environ["STOCKADE_DURABLE_REPORT"], "a", encoding="utf-8") as out:
+            out.write(json.dumps(summary) + "\n")
+    assert summary["kills"] >= TRIALS  # every trial killed its run at least once
+
+
+def test_two_resumes_of_a_killed_run_one_runs_it(target: StoreTarget, tmp_path: Path) -> None:
+    require_tier("process")
+    for attempt in range(4):
+        work = tmp_path / f"c{attempt}"
+        work.mkdir()
+        _seed(work)
+        run_id = f"contended-{attempt}"
+        argv = [sys.executable, str(CHILD), "start", target.url, target.namespace, run_id, str(work), "after:2"]
+        assert subprocess.run(argv, capture_output=True, timeout=120, check=False).returncode == -signal.SIGKILL
+        argv[2], argv[-1] = "resume", "none"
+        both = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        codes = sorted(p.wait(timeout=120) for p in both)
+        errors = [p.stderr.read() if p.stderr else "" for p in both]
+        assert codes[0] == 0 and codes[1] in (3, 4), (codes, errors)  # one ran; the other was refused
+        loser = next(e for p, e in zip(both, errors, strict=True) if p.returncode != 0)
+        assert "running in another process" in loser or "ended (success)" in loser, loser
+        for p in both:
+            for stream in (p.stdout, p.stderr):
+                if stream is not None:
+                    stream.close()
+        payments = Counter(line.split()[0] for line in (work / "payments.log").read_text().splitlines())
+        assert payments == {"inv-1": 1, "inv-2": 1}, payments
