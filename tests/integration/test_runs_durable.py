@@ -56,7 +56,9 @@ POINTS = (
     "returned:1",
     "returned:4",
     "returned:7",
-    "timer",
+    "timer:1",  # killed by this process at a random moment (three entries: drawn more often)
+    "timer:2",
+    "timer:3",
 )
 EXPECTED_DIFF = (
     "--- /dev/null\n+++ b/journal.txt\n@@ -0,0 +1,3 @@\n+1\n+2\n+3\n"
@@ -89,8 +91,7 @@ def _child(
     mode: str, target: StoreTarget, run_id: str, work: Path, point: str, rng: random.Random
 ) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, str(CHILD), mode, target.url, target.namespace, run_id, str(work), point]
-    if point != "timer":
-        argv[-1] = point
+    if not point.startswith("timer"):
         return subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
     argv[-1] = "none"
     (work / "started").unlink(missing_ok=True)
@@ -199,10 +200,14 @@ def test_two_resumes_of_a_killed_run_one_runs_it(target: StoreTarget, tmp_path: 
         work.mkdir()
         _seed(work)
         run_id = f"contended-{attempt}"
-        argv = [sys.executable, str(CHILD), "start", target.url, target.namespace, run_id, str(work), "after:2"]
-        assert subprocess.run(argv, capture_output=True, timeout=120, check=False).returncode == -signal.SIGKILL
-        argv[2], argv[-1] = "resume", "none"
-        both = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        argv = [sys.executable, str(CHILD), "start", target.url, target.namespace, run_id, str(work)]
+        killed = subprocess.run([*argv, "after:2"], capture_output=True, timeout=120, check=False)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr
+        argv[2] = "resume"
+        both = [
+            subprocess.Popen([*argv, "none"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for _ in range(2)
+        ]
         codes = sorted(p.wait(timeout=120) for p in both)
         errors = [p.stderr.read() if p.stderr else "" for p in both]
         assert codes[0] == 0 and codes[1] in (3, 4), (codes, errors)  # one ran; the other was refused

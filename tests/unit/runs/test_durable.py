@@ -1,0 +1,254 @@
+"""What a durable run promises, on a real SQLite run store and the shipped fake sandbox: one owner
+per run, the call in flight at a crash run again only if its tool is idempotent, the workspace
+continued in a fresh sandbox, the audit trail reconciled with the ledger, and nothing reused or
+overwritten. (The same, with real processes SIGKILLed: tests/integration/test_runs_durable.py.)"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from stockade import Sandbox
+from stockade.agent import Agent, AgentEvent, RunStatus, ToolCalled
+from stockade.audit import AuditLog, MemoryStore, verify
+from stockade.audit.agent import AuditObserver
+from stockade.cli.runs_cmds import load_tools
+from stockade.exceptions import InvalidArgument, RunConflict, RunLeased, RunStoreCorrupt, SeedTooLarge
+from stockade.models.scripted import Turn
+from stockade.runs import RunRecorder, RunStore, open_run_store
+from stockade.testing import FakeBackend, MemoryWorkspace, ScriptedModel, tool_call
+from stockade.tools import ToolContext, default_toolset, tool
+
+
+class Crash(Exception):
+    """A bug (not a stop): it propagates out of the run, like the process dying there."""
+
+
+class Died(BaseException):
+    """The process dying inside a tool: not a tool error the model would be told about."""
+
+
+def sandbox(files: dict[str, bytes] | None = None) -> Sandbox:
+    return Sandbox.create(backend=FakeBackend(MemoryWorkspace(files=dict(files or {}))))
+
+
+def crash_on(name: str) -> object:
+    def observe(event: AgentEvent) -> None:
+        if isinstance(event, ToolCalled) and event.call.name == name:
+            raise Crash(name)
+
+    return observe
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'runs.db'}"
+
+
+def test_a_new_run_with_a_taken_id_is_refused(store: RunStore) -> None:
+    with sandbox() as sbx:
+        Agent(ScriptedModel(["done"]), checkpointer=store).run_sync("a", sandbox=sbx, run_id="r")
+        with pytest.raises(RunConflict, match="already has a run 'r'"):
+            Agent(ScriptedModel(["done"]), checkpointer=store).run_sync("b", sandbox=sbx, run_id="r")
+
+
+def test_a_run_that_ended_is_never_resumed_nor_its_diff_overwritten(store: RunStore) -> None:
+    turns: list[Turn] = [tool_call("write_file", {"path": "a.txt", "content": "a\n"}), "done"]
+    with sandbox() as sbx:
+        agent = Agent(ScriptedModel(turns), checkpointer=store, observers=[RunRecorder(store)])
+        first = agent.run_sync("a", sandbox=sbx, run_id="r")
+        sbx.files.write("a.txt", "changed afterwards\n")
+        with pytest.raises(RunConflict, match=r"run r ended \(success\)"):
+            agent.run_sync(resume="r", sandbox=sbx)
+    trace = store.trace("r")
+    assert trace is not None and trace.diff == first.diff
+
+
+def test_one_process_at_a_time_owns_a_run(db: str) -> None:
+    with open_run_store(db) as mine, open_run_store(db) as theirs:
+        lease = mine.claim("r", new=True)
+        with pytest.raises(RunLeased, match="running in another process") as refused:
+            theirs.claim("r", new=False)
+        assert refused.value.retryable and 0 < (refused.value.retry_after or 0) <= mine.lease_s
+        lease.release()
+        theirs.claim("r", new=False).release()  # released: anyone may take it now
+
+
+def test_a_claim_waits_for_a_lease_that_is_released(db: str) -> None:
+    import threading
+
+    with open_run_store(db) as mine, open_run_store(db, namespace="runs") as theirs:
+        lease = mine.claim("r", new=True)
+        threading.Timer(0.3, lease.release).start()
+        started = time.monotonic()
+        theirs.claim("r", new=False, wait_s=5).release()
+        assert 0.2 < time.monotonic() - started < 4
+
+
+def test_a_run_whose_process_stopped_shows_as_interrupted_and_resumes(store: RunStore) -> None:
+    turns: list[Turn] = [
+        tool_call("list_files"),
+        tool_call("write_file", {"path": "b", "content": "b"}),
+        "done",
+    ]
+    with sandbox() as sbx:
+        with pytest.raises(Crash):
+            Agent(ScriptedModel(turns), checkpointer=store, observers=[crash_on("write_file")]).run_sync(
+                "t", sandbox=sbx, run_id="r"
+            )
+        (summary,) = store.runs()
+        assert summary.status == RunStatus.INTERRUPTED and "stockade agent --resume" in (summary.error or "")
+        result = Agent(ScriptedModel(turns), checkpointer=store).run_sync(resume="r", sandbox=sbx)
+    assert result.ok and "+b" in result.diff
+
+
+def test_a_call_in_flight_runs_again_only_if_its_tool_is_idempotent(store: RunStore) -> None:
+    keys: list[tuple[str, str]] = []
+
+    @tool
+    def pay(ctx: ToolContext, invoice: str) -> str:
+        """Pay.
+
+        Args:
+            invoice: which.
+        """
+        keys.append(("pay", ctx.idempotency_key))
+        raise Died("the process dies after the payment went out")
+
+    @tool(idempotent=True)
+    def notify(ctx: ToolContext, text: str) -> str:
+        """Notify.
+
+        Args:
+            text: what.
+        """
+        keys.append(("notify", ctx.idempotency_key))
+        if len(keys) == 1:
+            raise Died("the process dies after the notice went out")
+        return "sent"
+
+    tools = default_toolset().including(pay, notify)
+    turns: list[Turn] = [tool_call("notify", {"text": "hi"}), tool_call("pay", {"invoice": "42"}), "done"]
+    with sandbox() as sbx:
+        agent = Agent(ScriptedModel(turns), tools=tools, checkpointer=store, observers=[RunRecorder(store)])
+        with pytest.raises(Died):
+            agent.run_sync("t", sandbox=sbx, run_id="r")
+        with pytest.raises(Died):  # notify runs again (idempotent), then pay dies in flight
+            agent.run_sync(resume="r", sandbox=sbx)
+        result = agent.run_sync(resume="r", sandbox=sbx)
+    # notify: twice, with the same key; pay: once, never again
+    assert keys == [("notify", "r:1:call_0_0"), ("notify", "r:1:call_0_0"), ("pay", "r:2:call_1_0")]
+    assert result.ok
+    (paid,) = result.steps[1].tool_calls
+    assert paid.error_type == "OutcomeUnknown" and "not run again" in paid.observation
+    assert [r.error_type for r in store.tool_calls("r")] == [None, "OutcomeUnknown"]
+    assert store.attempts("r") == {"r:1:call_0_0": 2, "r:2:call_1_0": 1}
+
+
+def test_a_resume_in_a_fresh_sandbox_continues_from_the_last_workspace(store: RunStore) -> None:
+    turns: list[Turn] = [
+        tool_call("write_file", {"path": "a.txt", "content": "a\n"}),
+        tool_call("write_file", {"path": "src/b.txt", "content": "b\n"}),
+        tool_call("list_files"),
+        "done",
+    ]
+    seed = {"README.md": b"# project\n"}
+    with sandbox(seed) as first, pytest.raises(Crash):
+        Agent(ScriptedModel(turns), checkpointer=store, observers=[crash_on("list_files")]).run_sync(
+            "t", sandbox=first, run_id="r"
+        )
+    with sandbox() as fresh:  # empty: another machine, say
+        result = Agent(ScriptedModel(turns), checkpointer=store).run_sync(resume="r", sandbox=fresh)
+        assert fresh.files.read("README.md") == "# project\n"
+    assert result.ok
+    assert result.diff == (
+        "--- /dev/null\n+++ b/a.txt\n@@ -0,0 +1 @@\n+a\n--- /dev/null\n+++ b/src/b.txt\n@@ -0,0 +1 @@\n+b\n"
+    )  # the seed's README is not "added": the baseline came back too
+
+
+def test_only_what_changed_is_stored(store: RunStore) -> None:
+    big = "x" * 100_000 + "\n"
+    turns: list[Turn] = [
+        tool_call("write_file", {"path": "big.txt", "content": big}),
+        tool_call("write_file", {"path": "copy.txt", "content": big}),
+        tool_call("write_file", {"path": "small.txt", "content": "s\n"}),
+        "done",
+    ]
+    with sandbox() as sbx:
+        Agent(ScriptedModel(turns), checkpointer=store).run_sync("t", sandbox=sbx, run_id="r")
+    usage = store.workspace_usage("r")
+    (blobs,) = store.db.query("SELECT COUNT(*) FROM runs_blobs")
+    assert blobs[0] == 3  # baseline, big (stored once for two paths), small
+    assert usage.versions == 4 and usage.blob_bytes < 2_000  # compressed
+
+
+def test_a_workspace_over_the_cap_is_a_typed_error_that_says_how_to_raise_it(tmp_path: Path) -> None:
+    with RunStore(open_run_store("memory:").db, max_workspace_bytes=1_000) as store:
+        turns: list[Turn] = [tool_call("write_file", {"path": "big", "content": "x" * 2_000}), "done"]
+        with sandbox() as sbx:
+            result = Agent(ScriptedModel(turns), checkpointer=store).run_sync("t", sandbox=sbx, run_id="r")
+    assert result.status == RunStatus.ERROR
+    assert "SeedTooLarge" in (result.error or "") and "RunStore(max_workspace_bytes=...)" in (
+        result.error or ""
+    )
+    assert SeedTooLarge.__doc__ and "snapshot" in SeedTooLarge.__doc__
+
+
+def test_a_malformed_row_is_an_error_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "runs.db"
+    with open_run_store(f"sqlite:///{path}") as store, sandbox() as sbx:
+        Agent(ScriptedModel(["done"]), checkpointer=store).run_sync("t", sandbox=sbx, run_id="r")
+    with sqlite3.connect(path) as conn:
+        conn.execute(
+            "UPDATE runs_messages SET body = '{\"role\": \"nobody\"}' WHERE run_id = 'r' AND idx = 1"
+        )
+    with (
+        open_run_store(f"sqlite:///{path}") as store,
+        pytest.raises(RunStoreCorrupt, match=r"runs_messages row \(run 'r', idx 1\)") as error,
+    ):
+        store.load("r")
+    assert not error.value.retryable
+
+
+def test_the_trail_is_reconciled_on_resume_and_verify_cross_checks_the_ledger(store: RunStore) -> None:
+    trail = MemoryStore()
+    turns: list[Turn] = [
+        tool_call("write_file", {"path": "a", "content": "a"}),
+        tool_call("list_files"),
+        "done",
+    ]
+    lost = AuditLog(trail, flush_interval_s=None)  # its buffer dies with the "process"
+    with sandbox() as sbx:
+        with pytest.raises(Crash):
+            Agent(
+                ScriptedModel(turns),
+                checkpointer=store,
+                observers=[AuditObserver(lost), RunRecorder(store), crash_on("list_files")],
+            ).run_sync("t", sandbox=sbx, run_id="r")
+        assert lost.pending and not list(trail.rows())
+        gaps = verify(trail, ledger=store)
+        assert [p.kind.value for p in gaps.problems] == ["not_in_trail"]  # write_file, in the ledger only
+        with AuditLog(trail) as log:
+            result = Agent(
+                ScriptedModel(turns), checkpointer=store, observers=[AuditObserver(log), RunRecorder(store)]
+            ).run_sync(resume="r", sandbox=sbx)
+    assert result.ok
+    report = verify(trail, ledger=store)
+    assert report.ok and report.found, report.problems
+    kinds = [(e.kind.value, e.attributes.get("reconciled")) for e in trail.events(run_id="r")]
+    assert ("tool_call", True) in kinds and ("model_call", True) in kinds
+    # the exception left the process alive, and it gave the run up: no crash (a SIGKILL is one:
+    # tests/integration/test_runs_durable.py)
+    assert ("run_crash", None) not in kinds
+
+
+def test_replay_takes_the_runs_own_tools() -> None:
+    tools = load_tools(["stockade.tools.builtin:shell"])
+    assert "shell" in tools and "write_file" in tools
+    with pytest.raises(InvalidArgument, match="not a Tool"):
+        load_tools(["os:path"])
+    with pytest.raises(InvalidArgument, match="MODULE:ATTR"):
+        load_tools(["nothing"])
