@@ -231,3 +231,76 @@ def test_ctrl_c_stops_a_long_tool_call_at_once_and_the_run_resumes(tmp_path: Pat
     assert "second time" in resumed.stdout or "success" in resumed.stdout
     with open_run_store(f"sqlite:///{tmp_path / '.stockade' / 'audit.db'}") as store:
         assert store.summary("slow").status == "success"  # type: ignore[union-attr]
+
+
+def test_a_killed_stockade_agent_shows_interrupted_and_resumes_from_its_workspace(tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    require_tier("process")
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "app.py").write_text("print('hello')\n")
+    turns = [
+        {"name": "write_file", "args": {"path": "NOTES.md", "content": "step one\n"}},
+        {"name": "run_code", "args": {"language": "bash", "code": "touch half-done; sleep 120"}},
+        "done",
+    ]
+    (tmp_path / "turns.json").write_text(json.dumps(turns))
+    env = {
+        **os.environ,
+        "STOCKADE_APPROVAL_DIR": str(tmp_path / "approvals"),
+        "STOCKADE_KILL_DIR": str(tmp_path / "kill"),
+    }
+    agent = [sys.executable, "-m", "stockade.cli.main", "agent"]
+    proc = subprocess.Popen(
+        [*agent, "crash", "-w", "project", "-m", "scripted:turns.json", "--policy", str(EXAMPLE_POLICY),
+         "--run-id", "crashy"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the long command is running once its call is shown... or not yet
+            if "write_file" in line:
+                break
+            assert time.monotonic() < deadline, line
+        time.sleep(1.5)  # the second call (120 s) runs
+        proc.send_signal(signal.SIGKILL)  # no handler, no cleanup, no flush
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+    db = f"sqlite:///{tmp_path / '.stockade' / 'audit.db'}"
+    listed = subprocess.run(
+        [sys.executable, "-m", "stockade.cli.main", "runs", "list", "--db", db, "--json"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    (run,) = json.loads(listed.stdout)
+    assert run["status"] == "interrupted" and "--resume" in run["error"]
+
+    resumed = subprocess.run(
+        [*agent, "--resume", "crashy"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "+++ b/NOTES.md" in resumed.stdout and "half-done" not in resumed.stdout
+    assert "app.py" not in resumed.stdout  # the diff's baseline came back with the workspace
+    again = subprocess.run(
+        [*agent, "--resume", "crashy"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert again.returncode == 2 and "no run 'crashy' to resume" in again.stderr
+    with SQLiteStore(tmp_path / ".stockade" / "audit.db") as trail:
+        kinds = [e.kind.value for e in trail.events(run_id="crashy")]
+    assert "run_crash" in kinds
+    checked = subprocess.run(
+        [sys.executable, "-m", "stockade.cli.main", "audit", "verify", "--db", db],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert checked.returncode == 0, checked.stdout + checked.stderr

@@ -122,6 +122,12 @@ def _run_trial(target: StoreTarget, run_id: str, work: Path, rng: random.Random)
         if done.returncode == 5:  # killed before its first checkpoint: start it again
             mode = "start"
             continue
+        if done.returncode == 4 and mode == "resume":  # the kill came after the run ended
+            with open_run_store(target.url, namespace=target.namespace) as store:
+                trace = store.trace(run_id)
+            assert trace is not None, done.stderr
+            report = {"status": trace.summary.status.value, "diff": trace.diff, "error": trace.summary.error}
+            break
         assert done.returncode == 0, f"{run_id} ({mode}, kill {point}): {done.returncode}\n{done.stderr}"
         report = json.loads(done.stdout)
         break

@@ -605,9 +605,7 @@ class RunStore:
     def forget_lease(self, run_id: str, owner: str) -> None:
         with self._lock:
             if self._leases.get(run_id) == owner:
-                del self._leases[run_id]
-                self._trackers.pop(run_id, None)
-                self._saved.pop(run_id, None)
+                del self._leases[run_id]  # the tracker stays: a resume here may find nothing to restore
 
     def sweep(self) -> list[str]:
         """Mark ``interrupted`` the runs still ``running`` whose lease expired or whose process
@@ -748,6 +746,16 @@ class RunStore:
         entries, version = self._stored_workspace(run_id)
         if version == 0:
             return False
+        # this process recorded it last: if the sandbox still holds it (a pause, resumed in the
+        # same session), nothing needs writing
+        known = self._trackers.get(run_id)
+        if (
+            known is not None
+            and known.version == version
+            and known.entries == entries
+            and not known.scan(sandbox, known=self._known_blob).changed
+        ):
+            return True
         listing = restore(sandbox, entries, self._blob)
         tracker = self._new_tracker()
         tracker.restored(entries, version, listing)
