@@ -12,7 +12,7 @@ request, or at a random moment chosen by this process. Then, for every trial:
 
 And two resumes of the same killed run started at once: exactly one runs it.
 
-``STOCKADE_DURABLE_TRIALS`` sets the number of trials per store (default 24);
+``STOCKADE_DURABLE_TRIALS`` sets the number of trials per store (default 16);
 ``STOCKADE_DURABLE_REPORT`` names a JSON file to write the outcomes to (docs/benchmarks.md).
 """
 
@@ -39,7 +39,7 @@ from tests.integration.run_stores import POSTGRES_URL, StoreTarget, run_store_ta
 pytestmark = pytest.mark.process
 
 CHILD = Path(__file__).with_name("durable_child.py")
-TRIALS = int(os.environ.get("STOCKADE_DURABLE_TRIALS", "24"))
+TRIALS = int(os.environ.get("STOCKADE_DURABLE_TRIALS", "16"))
 POINTS = (
     "step:1",
     "step:3",

@@ -66,6 +66,9 @@ class DurableCheckpointer(Checkpointer, Protocol):
     def restore_workspace(self, run_id: str, sandbox: Sandbox) -> bool:
         """Put the run's last kept workspace into ``sandbox``; False when none was kept."""
 
+    def record_diff(self, run_id: str, diff: str) -> None:
+        """The run's diff as it ends (kept before the checkpoint that says it ended)."""
+
 
 class MemoryCheckpointer:
     """Keeps the serialised JSON, so what is loaded is a copy exactly as another process would see."""

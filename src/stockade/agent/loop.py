@@ -755,8 +755,13 @@ class AgentRun:
             state=state,
             tier=self.sandbox.tier,
         )
-        self._checkpoint()
+        # What is kept of the end (the diff, the audit trail's last events) is kept before the
+        # checkpoint that says the run ended: a run that ended is never resumed to redo it.
+        durable = self._durable
+        if durable is not None:
+            await asyncio.to_thread(durable.record_diff, state.run_id, diff)
         self._emit(RunFinished(run_id=state.run_id, result=self.result))
+        self._checkpoint()
         return End(result=self.result)
 
     # -- plumbing -----------------------------------------------------------------------

@@ -817,9 +817,11 @@ class RunStore:
         )
 
     def record_diff(self, run_id: str, diff: str) -> None:
-        """The workspace diff at the end of the run (the one mutable column: the latest end wins)."""
-        self.db.write(
-            [(f"UPDATE {self.ns}_runs SET diff = ? WHERE run_id = ?", [(self.redactor.text(diff), run_id)])]
+        """The workspace diff at the end of the run (the one mutable column: the latest end
+        wins; a run that ended is never resumed, so its diff stays)."""
+        self._write(
+            run_id,
+            [(f"UPDATE {self.ns}_runs SET diff = ? WHERE run_id = ?", [(self.redactor.text(diff), run_id)])],
         )
 
     def save_seed(self, run_id: str, workspace: str | Path) -> str:
