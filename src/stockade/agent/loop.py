@@ -272,57 +272,73 @@ class Agent:
     ) -> AsyncIterator[AgentRun]:
         """Start (or resume) a run and hand it over for stepping."""
         books = bookkeeping if bookkeeping is not None else sandbox
-        durable = self.checkpointer if isinstance(self.checkpointer, DurableCheckpointer) else None
-        lease: Lease | None = None
+        held: list[Lease] = []  # the run's lease, once claimed (a DurableCheckpointer's)
         try:
             if resume is None:
-                if task is None:
-                    raise ConfigurationError("give a task, or resume=RUN_ID to continue a run")
-                state = RunState(
-                    run_id=run_id or uuid.uuid4().hex,
-                    task=task,
-                    system=self.system_prompt,
-                    model_name=self.model.name,
-                    messages=[UserMessage(content=task)],
-                )
-                if durable is not None:
-                    lease = await asyncio.to_thread(durable.claim, state.run_id, new=True)
-                elif run_id is not None and self.checkpointer is not None and self.checkpointer.load(run_id):
-                    raise RunConflict(
-                        f"a run {run_id!r} is already checkpointed: give a new run an id of its own"
-                    )
-                await asyncio.to_thread(record_baseline, books)
-                if durable is not None:
-                    await asyncio.to_thread(durable.record_workspace, state.run_id, books)
-                run = AgentRun(self, state, sandbox, bookkeeping=books)
-                await run.begin(resumed=False)
+                run = await self._start(task, run_id, sandbox, books, held)
             else:
-                if durable is not None:  # own the run before reading it: its state is then final
-                    rid = resume.run_id if isinstance(resume, RunState) else resume
-                    lease = await asyncio.to_thread(durable.claim, rid, new=False)
-                state = self._load(resume)
-                if state.status.finished:
-                    raise RunConflict(
-                        f"run {state.run_id} ended ({state.status.value}); a run that ended is kept as "
-                        "it is and never resumed: start a new run"
-                    )
-                previous = state.status
-                restored = durable is not None and await asyncio.to_thread(
-                    durable.restore_workspace, state.run_id, books
-                )
-                state.status, state.next, state.resume_at, state.error = (
-                    RunStatus.RUNNING,
-                    state.resume_at or state.next,
-                    None,
-                    None,
-                )
-                run = AgentRun(self, state, sandbox, bookkeeping=books)
-                recovered = lease.recovered if lease is not None else previous == RunStatus.RUNNING
-                await run.begin(resumed=True, previous=previous, recovered=recovered, restored=restored)
+                run = await self._resume(resume, sandbox, books, held)
             yield run
         finally:
-            if lease is not None:
+            for lease in held:
                 await asyncio.to_thread(lease.release)
+
+    @property
+    def _durable(self) -> DurableCheckpointer | None:
+        return self.checkpointer if isinstance(self.checkpointer, DurableCheckpointer) else None
+
+    async def _start(
+        self, task: str | None, run_id: str | None, sandbox: Sandbox, books: Sandbox, held: list[Lease]
+    ) -> AgentRun:
+        if task is None:
+            raise ConfigurationError("give a task, or resume=RUN_ID to continue a run")
+        state = RunState(
+            run_id=run_id or uuid.uuid4().hex,
+            task=task,
+            system=self.system_prompt,
+            model_name=self.model.name,
+            messages=[UserMessage(content=task)],
+        )
+        durable = self._durable
+        if durable is not None:  # RunConflict if the store has the id
+            held.append(await asyncio.to_thread(durable.claim, state.run_id, new=True))
+        elif run_id is not None and self.checkpointer is not None and self.checkpointer.load(run_id):
+            raise RunConflict(f"a run {run_id!r} is already checkpointed: give a new run an id of its own")
+        await asyncio.to_thread(record_baseline, books)
+        if durable is not None:
+            await asyncio.to_thread(durable.record_workspace, state.run_id, books)
+        run = AgentRun(self, state, sandbox, bookkeeping=books)
+        await run.begin(resumed=False)
+        return run
+
+    async def _resume(
+        self, resume: str | RunState, sandbox: Sandbox, books: Sandbox, held: list[Lease]
+    ) -> AgentRun:
+        durable = self._durable
+        if durable is not None:  # own the run before reading it: its state is then final
+            rid = resume.run_id if isinstance(resume, RunState) else resume
+            held.append(await asyncio.to_thread(durable.claim, rid, new=False))
+        state = self._load(resume)
+        if state.status.finished:
+            raise RunConflict(
+                f"run {state.run_id} ended ({state.status.value}); a run that ended is kept as "
+                "it is and never resumed: start a new run"
+            )
+        previous = state.status
+        restored = durable is not None and await asyncio.to_thread(
+            durable.restore_workspace, state.run_id, books
+        )
+        # paused or interrupted: the node it stopped in runs again; crashed: where it was
+        state.status, state.next, state.resume_at, state.error = (
+            RunStatus.RUNNING,
+            state.resume_at or state.next,
+            None,
+            None,
+        )
+        run = AgentRun(self, state, sandbox, bookkeeping=books)
+        recovered = held[0].recovered if held else previous == RunStatus.RUNNING
+        await run.begin(resumed=True, previous=previous, recovered=recovered, restored=restored)
+        return run
 
     def _load(self, resume: str | RunState) -> RunState:
         if isinstance(resume, RunState):
@@ -772,8 +788,7 @@ class AgentRun:
 
     @property
     def _durable(self) -> DurableCheckpointer | None:
-        checkpointer = self.agent.checkpointer
-        return checkpointer if isinstance(checkpointer, DurableCheckpointer) else None
+        return self.agent._durable
 
     def _checkpoint(self) -> None:
         if self.agent.checkpointer is not None:
