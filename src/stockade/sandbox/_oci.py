@@ -268,12 +268,15 @@ def tmpfs_sizes(spec: SandboxSpec) -> dict[str, tuple[int, int, int]]:
     """Mount point -> (bytes, inodes, mode) of the two writable places, as on every tier."""
     limits = spec.limits
     return {
-        WORKSPACE: (limits.disk_mb * MiB, limits.inodes, 0o755),
-        "/tmp": (limits.tmp_mb * MiB, max(1024, limits.inodes // 4), 0o1777),
+        WORKSPACE: (limits.workspace_mb * MiB, limits.inodes, 0o755),
+        "/tmp": (limits.tmp_size_mb * MiB, max(1024, limits.inodes // 4), 0o1777),
     }
 
 
 SENTRY_MEMORY = 128 * MiB
+# gVisor's own host descriptors (its kernel and gofer) besides one per file the sandbox opens
+# on a host mount: what the host's file table holds for a gVisor sandbox, on top of open_files.
+GVISOR_OWN_FILES = 1024
 
 
 @dataclass(frozen=True)
@@ -355,7 +358,7 @@ def oci_config(
             },
             "rlimits": [
                 {"type": "RLIMIT_CORE", "hard": 0, "soft": 0},
-                {"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 4096},
+                {"type": "RLIMIT_NOFILE", "hard": limits.files_per_process, "soft": limits.files_per_process},
             ],
             "noNewPrivileges": True,
         },

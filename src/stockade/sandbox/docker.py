@@ -37,7 +37,7 @@ from stockade.sandbox._hostinfo import engine_masked_paths
 from stockade.sandbox._supervised import WORKSPACE, Boundary, SupervisedInstance, supervisor_config
 from stockade.sandbox.base import Backend, OpResult, OutputSink, SandboxSpec
 from stockade.sandbox.ops import Op
-from stockade.types import Enforcement, Mechanism, TierReport
+from stockade.types import Enforcement, HostShare, Mechanism, TierReport
 
 __all__ = ["DockerBackend", "collect_garbage", "engine_error"]
 
@@ -45,7 +45,6 @@ DEFAULT_IMAGE = "stockade-sandbox:latest"
 BUILD_HINT = "build it offline with `stockade image build --offline` (or scripts/build-image.sh)"
 START_TIMEOUT_S = 30.0
 API_TIMEOUT_S = 30.0
-NOFILE = 4096
 STDERR_KEEP = 16 * 1024
 COMPILED = "/tmp/stockade-compiled.json"
 MAX_COMPILED = 16 * 1024 * 1024
@@ -330,6 +329,7 @@ class _ContainerBoundary(Boundary):
 
     def explain(self, err: exc.SandboxCrashed) -> exc.StockadeError:
         """Why the supervisor's stream ended: the engine went away, or the container died."""
+        output = {"stdout": err.stdout, "stderr": err.stderr}
         try:
             state = self.api.inspect_container(self.cid)["State"]
         except _engine_failures() as failure:
@@ -340,13 +340,17 @@ class _ContainerBoundary(Boundary):
                     "start a new sandbox once it is back",
                     retry_after=1.0,
                 )
-            return exc.SandboxCrashed(f"the container was removed from outside ({err})")
+            gone = f"the container was removed from outside ({err})"
+            return exc.SandboxCrashed(gone, cause="killed", **output)
         if state.get("OOMKilled"):
-            return exc.SandboxCrashed("the container was killed by its memory limit; its state is lost")
+            oom = "the container was killed by its memory limit; its state is lost"
+            return exc.SandboxCrashed(oom, cause="out_of_memory", **output)
         if not state.get("Running"):
             return exc.SandboxCrashed(
                 f"the container stopped from outside (status {state.get('Status')}, "
-                f"exit code {state.get('ExitCode')}): {err}"
+                f"exit code {state.get('ExitCode')}): {err}",
+                cause="killed",
+                **output,
             )
         return err
 
@@ -465,6 +469,16 @@ class DockerBackend(Backend):
                     fix="run as root, or pass allow_weaker=True (inodes then bounded by the memory limit)",
                 )
             weakened.append("inodes: bounded by the memory limit (gVisor tmpfs; size still enforced)")
+        limits = spec.limits
+        if self.own_kernel:  # the container's cgroup holds gVisor's kernel and its gofer too
+            own = _oci.own_kernel_limits(spec)
+            host = HostShare(
+                memory_mb=own.host_memory // _oci.MiB,
+                tasks=own.host_pids,
+                open_files=limits.open_files + _oci.GVISOR_OWN_FILES,
+            )
+        else:
+            host = HostShare(memory_mb=limits.memory_mb, tasks=limits.pids, open_files=limits.open_files)
         return Enforcement(
             memory=Mechanism.CONTAINER,
             cpus=Mechanism.CONTAINER,
@@ -472,6 +486,7 @@ class DockerBackend(Backend):
             disk=Mechanism.TMPFS,
             network=Mechanism.NONE if net.enabled else Mechanism.NAMESPACE,
             timeout=Mechanism.SUPERVISOR,
+            host=host,
             weakened=tuple(weakened),
         )
 
@@ -537,10 +552,12 @@ class DockerBackend(Backend):
             memswap_limit=memory,
             nano_cpus=int(limits.cpus * 1e9),
             pids_limit=pids,
-            shm_size=limits.tmp_mb * _oci.MiB,
+            shm_size=limits.tmp_size_mb * _oci.MiB,
             ulimits=[
                 docker.types.Ulimit(name="core", soft=0, hard=0),
-                docker.types.Ulimit(name="nofile", soft=NOFILE, hard=NOFILE),
+                docker.types.Ulimit(
+                    name="nofile", soft=limits.files_per_process, hard=limits.files_per_process
+                ),
             ],
             init=False,
             auto_remove=False,

@@ -32,7 +32,7 @@ from stockade.sandbox import _oci
 from stockade.sandbox._host import PipeStream
 from stockade.sandbox._supervised import Boundary, SupervisedInstance, supervisor_config
 from stockade.sandbox.base import Backend, SandboxSpec
-from stockade.types import Enforcement, Mechanism, TierReport
+from stockade.types import Enforcement, HostShare, Mechanism, TierReport
 
 __all__ = ["GVisorBackend", "RunscBackend", "collect_garbage", "find_rootfs"]
 
@@ -233,6 +233,7 @@ class RunscBackend(Backend):
                 setting="network",
                 fix="use tier='docker' for network access",
             )
+        own = _oci.own_kernel_limits(spec)
         return Enforcement(
             memory=Mechanism.CONTAINER,
             cpus=Mechanism.CONTAINER,
@@ -240,6 +241,11 @@ class RunscBackend(Backend):
             disk=Mechanism.TMPFS,
             network=Mechanism.NAMESPACE,
             timeout=Mechanism.SUPERVISOR,
+            host=HostShare(
+                memory_mb=own.host_memory // _oci.MiB,
+                tasks=own.host_pids,
+                open_files=spec.limits.open_files + _oci.GVISOR_OWN_FILES,
+            ),
         )
 
     def probe(self) -> TierReport:
