@@ -144,7 +144,8 @@ def _memory_cgroup_peak(sbx: Sandbox) -> int:
     if cgroup is not None and hasattr(cgroup, "peak_memory"):
         return int(cgroup.peak_memory())
     cid = boundary.cid  # a container: the engine's cgroup
-    v1, v2 = Path("/sys/fs/cgroup/memory/docker") / cid, Path("/sys/fs/cgroup/system.slice") / f"docker-{cid}.scope"
+    v1 = Path("/sys/fs/cgroup/memory/docker") / cid
+    v2 = Path("/sys/fs/cgroup/system.slice") / f"docker-{cid}.scope"
     for base in (v1, v2):
         for name in ("memory.max_usage_in_bytes", "memory.peak"):
             if (base / name).exists():
