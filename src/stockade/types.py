@@ -39,7 +39,7 @@ class Limits:
     ``timeout_s`` is the default wall-clock limit of each command or ``run_code`` call;
     ``output_bytes`` caps stdout and stderr each. ``open_files`` bounds the file descriptors
     the whole sandbox can hold: each of its (at most ``pids``) processes may open
-    ``open_files // pids`` (``files_per_process``).
+    ``open_files // pids``, and at least 32 (``files_per_process``, ``total_open_files``).
 
     The workspace, /tmp and /dev/shm are memory (tmpfs), charged to ``memory_mb``: everything
     the sandbox takes from the host's memory, processes and files together, stays within it.
@@ -68,13 +68,6 @@ class Limits:
                 value, argument=f"Limits.{name}", integer=integer, low=low, high=high,
                 unit=unit, low_inclusive=low > 0,
             )  # fmt: skip
-        if self.open_files // self.pids < MIN_FILES_PER_PROCESS:
-            raise InvalidArgument(
-                f"Limits.open_files={self.open_files} leaves {self.open_files // self.pids} descriptors "
-                f"to each of pids={self.pids} processes",
-                argument="Limits.open_files",
-                fix=f"give at least {MIN_FILES_PER_PROCESS * self.pids}, or lower pids",
-            )
         files = self.workspace_mb + 2 * self.tmp_size_mb
         if 4 * files > 3 * self.memory_mb:
             raise InvalidArgument(
@@ -98,8 +91,14 @@ class Limits:
 
     @property
     def files_per_process(self) -> int:
-        """RLIMIT_NOFILE of every process of the sandbox: with ``pids``, ``open_files`` in all."""
-        return self.open_files // self.pids
+        """RLIMIT_NOFILE of every process of the sandbox: ``open_files`` shared by ``pids``
+        processes, but never fewer than 32 each (a shell or Python needs about ten)."""
+        return max(MIN_FILES_PER_PROCESS, self.open_files // self.pids)
+
+    @property
+    def total_open_files(self) -> int:
+        """What the whole sandbox can hold: ``open_files``, or 32 per process when more."""
+        return self.files_per_process * self.pids
 
 
 # field: (whole number, lowest, highest, unit). The lowest values are what the sandbox machinery

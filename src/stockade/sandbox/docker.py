@@ -475,10 +475,12 @@ class DockerBackend(Backend):
             host = HostShare(
                 memory_mb=own.host_memory // _oci.MiB,
                 tasks=own.host_pids,
-                open_files=limits.open_files + _oci.GVISOR_OWN_FILES,
+                open_files=limits.total_open_files + _oci.GVISOR_OWN_FILES,
             )
         else:
-            host = HostShare(memory_mb=limits.memory_mb, tasks=limits.pids, open_files=limits.open_files)
+            host = HostShare(
+                memory_mb=limits.memory_mb, tasks=limits.pids, open_files=limits.total_open_files
+            )
         return Enforcement(
             memory=Mechanism.CONTAINER,
             cpus=Mechanism.CONTAINER,

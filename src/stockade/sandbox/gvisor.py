@@ -244,7 +244,7 @@ class RunscBackend(Backend):
             host=HostShare(
                 memory_mb=own.host_memory // _oci.MiB,
                 tasks=own.host_pids,
-                open_files=spec.limits.open_files + _oci.GVISOR_OWN_FILES,
+                open_files=spec.limits.total_open_files + _oci.GVISOR_OWN_FILES,
             ),
         )
 

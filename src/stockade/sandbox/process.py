@@ -195,7 +195,7 @@ class ProcessBackend(Backend):
             timeout=Mechanism.SUPERVISOR,
             # The cgroup holds all of it: processes (bwrap's own included), their kernel
             # memory, and the tmpfs pages their files are.
-            host=HostShare(memory_mb=limits.memory_mb, tasks=limits.pids, open_files=limits.open_files)
+            host=HostShare(memory_mb=limits.memory_mb, tasks=limits.pids, open_files=limits.total_open_files)
             if cg is not Mechanism.NONE
             else None,
             weakened=tuple(weakened),
