@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from stockade import Limits, Sandbox, SandboxCrashed
+from stockade import Limits, Sandbox, SandboxCrashed, WorkspaceFull
 from stockade.types import Mechanism
 
 MiB = 1024 * 1024
@@ -163,6 +163,18 @@ def test_files_and_processes_together_stay_within_the_stated_memory(tier: str) -
         r = sbx.commands.run(["python3", "-c", "x = bytearray(400 * 2**20)"])
         assert r.exit_code != 0 or r.oom_killed
         assert _memory_cgroup_peak(sbx) <= host.memory_mb * MiB
+
+
+def test_a_full_workspace_is_refused_inside_and_the_sandbox_lives(tier: str) -> None:
+    with Sandbox.create(tier, limits=Limits(memory_mb=256, timeout_s=120)) as sbx:
+        assert Limits(memory_mb=256).workspace_mb == 128
+        r = sbx.commands.run("dd if=/dev/zero of=/workspace/fill bs=1M count=300 2>&1; echo rc=$?")
+        assert "No space left" in r.stdout and not r.oom_killed
+        with pytest.raises(WorkspaceFull):
+            sbx.files.write("more.bin", b"\0" * (8 * MiB))
+        assert sbx.run_code("6 * 7").text == "42"
+        sbx.files.remove("fill")
+        sbx.files.write("more.bin", b"\0" * (8 * MiB))
 
 
 @pytest.fixture

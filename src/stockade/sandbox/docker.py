@@ -428,6 +428,22 @@ class DockerBackend(Backend):
         self._lock = threading.Lock()
         self._collected = False
         self._kernel_source: tuple[Path, str] | None = None
+        self._platform: str | None = None
+
+    def _runtime_platform(self) -> str:
+        """The gVisor platform the engine runs this runtime with (its ``--platform`` argument)."""
+        if self._platform is None:
+            platform = "systrap"  # runsc's own default
+            unknown: tuple[type[BaseException], ...] = (exc.StockadeError, KeyError, *_engine_failures())
+            try:
+                entry = (self._api().info().get("Runtimes") or {}).get(self.runtime or "") or {}
+                for arg in entry.get("runtimeArgs") or entry.get("runtimeargs") or []:
+                    if str(arg).startswith("--platform="):
+                        platform = str(arg).split("=", 1)[1]
+            except unknown:
+                pass
+            self._platform = platform
+        return self._platform
 
     def _api(self) -> Any:
         with self._lock:
@@ -471,7 +487,7 @@ class DockerBackend(Backend):
             weakened.append("inodes: bounded by the memory limit (gVisor tmpfs; size still enforced)")
         limits = spec.limits
         if self.own_kernel:  # the container's cgroup holds gVisor's kernel and its gofer too
-            own = _oci.own_kernel_limits(spec)
+            own = _oci.own_kernel_limits(spec, self._runtime_platform())
             host = HostShare(
                 memory_mb=own.host_memory // _oci.MiB,
                 tasks=own.host_pids,
@@ -540,7 +556,7 @@ class DockerBackend(Backend):
         memory = limits.memory_mb * _oci.MiB
         pids = limits.pids
         if self.own_kernel:
-            own = _oci.own_kernel_limits(spec)
+            own = _oci.own_kernel_limits(spec, self._runtime_platform())
             memory, pids = own.host_memory, own.host_pids
         _hide_the_host(tmpfs, volume_binds, own_kernel=self.own_kernel)
         host_config = api.create_host_config(
@@ -760,7 +776,8 @@ class DockerBackend(Backend):
         # Removed when the caller forgets to close, and at interpreter exit at the latest.
         weakref.finalize(instance, _oci.abandon, stream, boundary)
         try:
-            rlimits = _oci.own_kernel_limits(spec).rlimits if self.own_kernel else None
+            own = _oci.own_kernel_limits(spec, self._runtime_platform()) if self.own_kernel else None
+            rlimits = own.rlimits if own is not None else None
             instance.handshake(supervisor_config(spec, rlimits), START_TIMEOUT_S)
         except exc.SandboxStartError as err:
             said = stream.stderr.decode("utf-8", "replace").strip()
