@@ -93,6 +93,10 @@ class Boundary(abc.ABC):
     def alive(self) -> bool:
         return True
 
+    def death_cause(self) -> str:
+        """Why the sandbox is gone, when the tier can tell (a ``SandboxCrashed`` cause)."""
+        return "unknown"
+
 
 class _Collector:
     """Accumulates one stream of output up to the cap, decoding for callbacks as it comes."""
@@ -183,6 +187,8 @@ class SupervisedInstance(Instance):
                     stdout=err.stdout,
                     stderr=err.stderr,
                 ) from None
+            if err.cause == "unknown":
+                err.cause = self.boundary.death_cause()
             raise
 
     def _handle(self, op: Op, sink: OutputSink | None) -> OpResult:

@@ -319,6 +319,12 @@ class _VMBoundary(Boundary):
     def alive(self) -> bool:
         return not self._dead and self.proc.poll() is None
 
+    def death_cause(self) -> str:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=1)  # the stream may end a moment before the process
+        code = self.proc.poll()  # QEMU ended by a signal nobody here sent
+        return "killed" if not self._dead and code is not None and code < 0 else "unknown"
+
     def oom_kills(self) -> int | None:
         # The host's view: QEMU killed by its cgroup's limit. Kills inside the guest are
         # counted by the guest's kernel, and reported by the supervisor with each result.

@@ -93,6 +93,13 @@ class _ProcessBoundary(Boundary):
     def oom_kills(self) -> int | None:
         return None if self.cgroup is None else self.cgroup.oom_kills()
 
+    def death_cause(self) -> str:
+        # bwrap ended by a signal nobody here sent: the sandbox was killed from outside.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=1)  # the stream may end a moment before the process
+        code = self.proc.poll()
+        return "killed" if not self._dead and code is not None and code < 0 else "unknown"
+
     def kill(self) -> None:
         if self._dead:
             return
