@@ -4,8 +4,8 @@
 #   * apt-installs docker.io and runsc (gVisor) when missing (runsc from
 #     <codename>-backports on bookworm, see "packages" below);
 #   * registers runsc as a Docker runtime in /etc/docker/daemon.json
-#     (runtimeArgs --platform=ptrace, as the KVM platform hangs on nested hosts;
-#     plus --network=none for old runsc on new kernels, see below);
+#     (runtimeArgs --platform=systrap where it runs, else ptrace: the KVM platform
+#     hangs on nested hosts; plus --network=none for old runsc on new kernels, see below);
 #   * picks the storage driver: overlay2 when an overlay mount works on the
 #     data root, vfs otherwise;
 #   * starts dockerd in the background when it is not answering (no systemd
@@ -18,6 +18,7 @@
 #   STOCKADE_DOCKERD_TIMEOUT  seconds to wait for dockerd (default 60)
 #   STOCKADE_STORAGE_DRIVER   force a storage driver (e.g. vfs) instead of probing
 #   STOCKADE_RUNSC_NETWORK    force runsc's --network (none|sandbox) instead of detecting
+#   STOCKADE_GVISOR_PLATFORM  force runsc's --platform (systrap|ptrace) instead of probing
 #   STOCKADE_RUNSC_SOURCE     auto (default) | stable | backports: where runsc comes from
 set -euo pipefail
 
@@ -111,7 +112,17 @@ if [[ -z $runsc_network ]]; then
         log "runsc $runsc_date misdetects network namespaces on kernel $(uname -r): using --network=none"
     fi
 fi
-RUNSC_ARGS=(--platform=ptrace ${runsc_network:+--network=$runsc_network})
+# systrap keeps a bounded number of host tasks per sandbox (ptrace keeps every stub it made).
+platform=${STOCKADE_GVISOR_PLATFORM:-}
+if [[ -z $platform ]]; then
+    if timeout 60 "$RUNSC" --platform=systrap --network=none do true >/dev/null 2>&1; then
+        platform=systrap
+    else
+        platform=ptrace
+        log "runsc's systrap platform does not run here: using ptrace"
+    fi
+fi
+RUNSC_ARGS=(--platform=$platform ${runsc_network:+--network=$runsc_network})
 
 PY=$(command -v /usr/bin/python3 || command -v python3 || true)
 [[ -n $PY ]] || die "python3 is needed to edit $DAEMON_JSON"

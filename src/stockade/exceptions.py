@@ -17,7 +17,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── SandboxStartError         [retryable] the sandbox did not come up
     │   ├── BackendUnavailable        [retryable] the engine (dockerd, ...) is unreachable
     │   ├── ResourceContention        [retryable] the host is out of a shared resource
-    │   ├── SandboxCrashed            the sandbox died under us (killed, OOM of its supervisor)
+    │   ├── SandboxCrashed            the sandbox died under a call; ``cause`` and the output so far
     │   ├── SandboxClosed             the sandbox was closed; create a new one
     │   └── ProtocolError             the in-sandbox supervisor spoke nonsense (it is untrusted)
     ├── WorkspaceError                a files call was refused
@@ -198,7 +198,32 @@ class ResourceContention(SandboxError):
 
 
 class SandboxCrashed(SandboxError):
-    """The sandbox died: killed from outside, or its supervisor ran out of memory."""
+    """The sandbox died under a call.
+
+    ``cause`` says why, when it is known: ``"out_of_memory"`` (its memory limit),
+    ``"killed"`` (from outside the sandbox), ``"unresponsive"`` (it stopped answering and the
+    host took it down), ``"engine"`` (its container engine failed), or ``"unknown"``.
+    ``stdout``/``stderr`` hold what the call had printed before the sandbox died (capped like
+    any output): what happened is seldom clear without them.
+    """
+
+    CAUSES: ClassVar[tuple[str, ...]] = ("out_of_memory", "killed", "unresponsive", "engine", "unknown")
+
+    def __init__(self, message: str, *, cause: str = "unknown", stdout: str = "", stderr: str = "") -> None:
+        super().__init__(message)
+        self.cause = cause if cause in self.CAUSES else "unknown"
+        self.stdout = stdout
+        self.stderr = stderr
+
+    def report(self, max_chars: int = 4000) -> str:
+        """The error, its cause and the end of what the call printed, for a person or a model."""
+        parts = [f"{self.message} (cause: {self.cause})"]
+        for name, text in (("stdout", self.stdout), ("stderr", self.stderr)):
+            if text:
+                tail = text[-max_chars:]
+                cut = f" (last {len(tail)} of {len(text)} characters)" if len(tail) < len(text) else ""
+                parts.append(f"--- {name} before the crash{cut} ---\n{tail}")
+        return "\n".join(parts)
 
 
 class SandboxClosed(SandboxError):

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from stockade._checks import MAX_TIMEOUT_S, check_number
+from stockade.exceptions import InvalidArgument
 
 __all__ = [
     "CommandResult",
@@ -16,6 +17,7 @@ __all__ = [
     "EntryType",
     "Execution",
     "ExecutionError",
+    "HostShare",
     "Limits",
     "Logs",
     "Mechanism",
@@ -27,6 +29,7 @@ __all__ = [
 ]
 
 MiB = 1024 * 1024
+MIN_FILES_PER_PROCESS = 32  # Python and a shell need about 10 each
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,25 +37,68 @@ class Limits:
     """Resource limits of one sandbox. Every tier enforces all of them or says it cannot.
 
     ``timeout_s`` is the default wall-clock limit of each command or ``run_code`` call;
-    ``output_bytes`` caps stdout and stderr each; ``disk_mb``/``inodes`` bound the workspace
-    and ``/tmp`` together with ``tmp_mb``.
+    ``output_bytes`` caps stdout and stderr each. ``open_files`` bounds the file descriptors
+    the whole sandbox can hold: each of its (at most ``pids``) processes may open
+    ``open_files // pids``, and at least 32 (``files_per_process``, ``total_open_files``).
+
+    The workspace, /tmp and /dev/shm are memory (tmpfs), charged to ``memory_mb``: everything
+    the sandbox takes from the host's memory, processes and files together, stays within it.
+    The workspace holds ``disk_mb`` (half of ``memory_mb`` unless given) and ``inodes``; /tmp
+    and /dev/shm hold ``tmp_mb`` each (``memory_mb / 8``, at most 64, unless given). So a
+    full workspace is ``WorkspaceFull`` (ENOSPC inside), not a sandbox killed for memory, and
+    a ``Limits`` whose files could take more than three quarters of ``memory_mb`` is refused.
     """
 
     memory_mb: int = 512
     cpus: float = 1.0
     pids: int = 128
     timeout_s: float = 30.0
-    disk_mb: int = 512
+    disk_mb: int | None = None
     inodes: int = 65536
-    tmp_mb: int = 64
+    tmp_mb: int | None = None
     output_bytes: int = 1 * MiB
+    open_files: int = 16384
 
     def __post_init__(self) -> None:
         for name, (integer, low, high, unit) in _LIMIT_RANGES.items():
+            value = getattr(self, name)
+            if value is None and name in ("disk_mb", "tmp_mb"):
+                continue  # sized from memory_mb
             check_number(
-                getattr(self, name), argument=f"Limits.{name}", integer=integer, low=low, high=high,
+                value, argument=f"Limits.{name}", integer=integer, low=low, high=high,
                 unit=unit, low_inclusive=low > 0,
             )  # fmt: skip
+        files = self.workspace_mb + 2 * self.tmp_size_mb
+        if 4 * files > 3 * self.memory_mb:
+            raise InvalidArgument(
+                f"Limits: the workspace ({self.workspace_mb} MiB) and /tmp and /dev/shm "
+                f"({self.tmp_size_mb} MiB each) are memory, and would leave less than a quarter "
+                f"of memory_mb={self.memory_mb} to the processes",
+                argument="Limits.disk_mb" if self.disk_mb is not None else "Limits.tmp_mb",
+                fix=f"raise memory_mb to at least {-(-4 * files // 3)}, or lower disk_mb or tmp_mb",
+            )
+
+    @property
+    def workspace_mb(self) -> int:
+        """The workspace's size: ``disk_mb``, or half of ``memory_mb`` when not given."""
+        return self.disk_mb if self.disk_mb is not None else self.memory_mb // 2
+
+    @property
+    def tmp_size_mb(self) -> int:
+        """The size of /tmp and of /dev/shm, each: ``tmp_mb``, or an eighth of ``memory_mb``
+        (at most 64 MiB) when not given."""
+        return self.tmp_mb if self.tmp_mb is not None else max(1, min(64, self.memory_mb // 8))
+
+    @property
+    def files_per_process(self) -> int:
+        """RLIMIT_NOFILE of every process of the sandbox: ``open_files`` shared by ``pids``
+        processes, but never fewer than 32 each (a shell or Python needs about ten)."""
+        return max(MIN_FILES_PER_PROCESS, self.open_files // self.pids)
+
+    @property
+    def total_open_files(self) -> int:
+        """What the whole sandbox can hold: ``open_files``, or 32 per process when more."""
+        return self.files_per_process * self.pids
 
 
 # field: (whole number, lowest, highest, unit). The lowest values are what the sandbox machinery
@@ -68,6 +114,7 @@ _LIMIT_RANGES: dict[str, tuple[bool, float, float, str]] = {
     "inodes": (True, 1, 2**31 - 1, "inodes"),
     "tmp_mb": (True, 1, 2**32, "MiB"),
     "output_bytes": (True, 1, 2**50, "bytes"),
+    "open_files": (True, 1, 2**31 - 1, "descriptors"),
 }
 
 
@@ -98,6 +145,22 @@ class Mechanism(enum.StrEnum):
 
 
 @dataclass(frozen=True, kw_only=True)
+class HostShare:
+    """The most one sandbox can take from the host, everything in it together, as held here.
+
+    ``memory_mb`` covers its processes, the kernel's memory for them (open files, page
+    tables) and the files of /workspace, /tmp and /dev/shm, which are memory; a tier with a
+    kernel of its own (gVisor, the microVM) adds that kernel. ``tasks`` counts host
+    processes and threads, ``open_files`` the host's file descriptors. Each is a hard limit
+    on this host (a cgroup or a kernel limit), not an estimate.
+    """
+
+    memory_mb: int
+    tasks: int
+    open_files: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class Enforcement:
     """What is in effect for one sandbox, setting by setting.
 
@@ -111,6 +174,8 @@ class Enforcement:
     disk: Mechanism
     network: Mechanism
     timeout: Mechanism
+    files: Mechanism = Mechanism.RLIMIT
+    host: HostShare | None = None  # None where this host cannot hold the total (rlimits only)
     weakened: tuple[str, ...] = ()
 
 

@@ -183,6 +183,14 @@ def test_processes_started_by_run_code_end_with_the_call(sbx: Sandbox) -> None:
 def test_a_wide_tree_resets_quickly_and_never_holds_up_other_users(tier: str) -> None:
     limits = Limits(timeout_s=60, inodes=100_000, memory_mb=512)
     with SandboxPool(tier, size=2, limits=limits) as pool:
+        # What one ordinary recycle costs here and now (the microVM's, on a busy host, is seconds).
+        with pool.acquire() as warm:
+            warm.files.write("x", "y")
+        started = time.monotonic()
+        with pool.acquire(timeout_s=60):
+            pass
+        with pool.acquire(timeout_s=60):
+            ordinary = time.monotonic() - started
         with pool.acquire() as first:
             made = first.run_code(
                 "import os\nfor i in range(20000):\n    os.makedirs(f'd{i}/e')\nlen(os.listdir('.'))",
@@ -196,4 +204,5 @@ def test_a_wide_tree_resets_quickly_and_never_holds_up_other_users(tier: str) ->
         with pool.acquire(timeout_s=60) as third:
             waited = time.monotonic() - started
             assert third.files.list() == []
-        assert waited < 10, f"acquire waited {waited:.1f}s behind another member's reset"
+        # Before: one recycling thread, and emptying 20,000 folders took 28 s.
+        assert waited < 3 * ordinary + 5, f"acquire waited {waited:.1f}s behind another member's reset"

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -54,10 +55,21 @@ def test_a_sandbox_killed_from_outside_is_reported() -> None:
     boundary = sbx.instance.boundary  # type: ignore[attr-defined]
     os.kill(boundary.proc.pid, signal.SIGKILL)
     boundary.proc.wait(timeout=10)
-    with pytest.raises(SandboxCrashed):
+    with pytest.raises(SandboxCrashed) as crashed:
         sbx.commands.run("true")
+    assert crashed.value.cause == "killed"
     assert not sbx.alive
     sbx.close()
+
+
+def test_a_sandbox_killed_under_a_call_says_so_and_keeps_its_output() -> None:
+    with Sandbox.create() as sbx:
+        boundary = sbx.instance.boundary  # type: ignore[attr-defined]
+        threading.Timer(1.5, os.kill, (boundary.proc.pid, signal.SIGKILL)).start()
+        with pytest.raises(SandboxCrashed) as crashed:
+            sbx.commands.run("echo working on it; sleep 30")
+    assert crashed.value.cause == "killed" and crashed.value.stdout == "working on it\n"
+    assert "cause: killed" in crashed.value.report() and "working on it" in crashed.value.report()
 
 
 def test_host_allowlists_are_refused_and_host_network_needs_consent() -> None:

@@ -697,6 +697,18 @@ class AgentRun:
         try:
             value = await agent.tools.call(ctx, tool, args)
             text = render(value)
+        except SandboxCrashed as err:
+            # The run ends; the call's record says how the sandbox died and what it printed.
+            crashed = ToolCallRecord(
+                call=call,
+                idempotency_key=key,
+                observation=bound(ctx, f"error: SandboxCrashed: {err.report()}").text,
+                is_error=True,
+                error_type="SandboxCrashed",
+                duration_s=time.perf_counter() - started,
+            )
+            self._emit(ToolReturned(run_id=state.run_id, step=step, record=crashed, value=None))
+            raise
         except (RunStopped, *_FATAL):
             raise
         except StockadeError as err:

@@ -229,7 +229,7 @@ class AuditedBackend(Backend):
                 "cpus": limits.cpus,
                 "pids": limits.pids,
                 "timeout_s": limits.timeout_s,
-                "disk_mb": limits.disk_mb,
+                "disk_mb": limits.workspace_mb,
                 "output_bytes": limits.output_bytes,
             },
             "network": {"enabled": spec.network.enabled, "allow_hosts": list(spec.network.allow_hosts)},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -34,17 +35,18 @@ WeakerOpt = Annotated[
 NetworkOpt = Annotated[bool, typer.Option("--network/--no-network", help="allow network access")]
 
 
+_ENFORCED = ("memory", "cpus", "pids", "disk", "files", "network", "timeout")
+
+
 def _report_json(report: TierReport) -> dict[str, object]:
     e = report.enforcement
     return {
         "tier": report.tier,
         "available": report.available,
         "detail": report.detail,
-        "enforcement": None
-        if e is None
-        else {
-            name: str(getattr(e, name)) for name in ("memory", "cpus", "pids", "disk", "network", "timeout")
-        },
+        "enforcement": None if e is None else {name: str(getattr(e, name)) for name in _ENFORCED},
+        # At the default limits: the most one sandbox can take from the host.
+        "host": None if e is None or e.host is None else dataclasses.asdict(e.host),
         "weakened": list(e.weakened) if e is not None else [],
         "fixes": list(report.fixes),
     }
@@ -64,11 +66,15 @@ def doctor(
         out.print(f"[bold]{tier:8}[/] {state}  {escape(report.detail)}")
         e = report.enforcement
         if e is not None:
-            how = ", ".join(
-                f"{name}={getattr(e, name)}"
-                for name in ("memory", "cpus", "pids", "disk", "network", "timeout")
-            )
+            how = ", ".join(f"{name}={getattr(e, name)}" for name in _ENFORCED)
             out.print(f"         enforced by: {how}")
+            if e.host is not None:
+                out.print(
+                    f"         one sandbox at the default limits takes at most {e.host.memory_mb} MiB, "
+                    f"{e.host.tasks} tasks and {e.host.open_files} open files of the host"
+                )
+            else:
+                out.print("         [yellow]what one sandbox can take from the host is not bounded here[/]")
             for weaker in e.weakened:
                 out.print(f"         [yellow]weaker here:[/] {escape(weaker)}")
         for fix in report.fixes:

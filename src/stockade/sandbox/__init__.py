@@ -1,6 +1,16 @@
 """Isolation tiers behind one interface: ``Sandbox``/``AsyncSandbox`` over a ``Backend``."""
 
+from stockade.sandbox._supervised import TIMEOUT_MARGIN_S
 from stockade.sandbox.base import AsyncBackend, AsyncInstance, Backend, Instance, SandboxSpec
 from stockade.sandbox.facade import AsyncSandbox, Sandbox
 
-__all__ = ["AsyncBackend", "AsyncInstance", "AsyncSandbox", "Backend", "Instance", "Sandbox", "SandboxSpec"]
+__all__ = [
+    "TIMEOUT_MARGIN_S",
+    "AsyncBackend",
+    "AsyncInstance",
+    "AsyncSandbox",
+    "Backend",
+    "Instance",
+    "Sandbox",
+    "SandboxSpec",
+]

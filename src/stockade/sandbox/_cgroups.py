@@ -20,6 +20,11 @@ ROOT = Path("/sys/fs/cgroup")
 PARENT = "stockade"
 _V1_CONTROLLERS = ("memory", "pids", "cpu")
 
+# Joins each cgroup (writing 0 moves the writer itself), then becomes the rest of the chain:
+# every process the chain starts is born inside. A shell, not preexec_fn: forking a threaded
+# Python and running Python code before exec can deadlock.
+_ENTER = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo 0 > "$1" || exit 125; shift; n=$((n-1)); done; exec "$@"'
+
 
 @dataclass(frozen=True)
 class CgroupSupport:
@@ -86,6 +91,11 @@ class Cgroup:
         (cpu / "cpu.cfs_period_us").write_text(str(period))
         (cpu / "cpu.cfs_quota_us").write_text(str(quota))
 
+    def entering(self, argv: list[str]) -> list[str]:
+        """``argv``, started inside this cgroup: every process it forks is born in it."""
+        procs = [str(d / "cgroup.procs") for d in self.dirs]
+        return ["/bin/sh", "-c", _ENTER, "sh", str(len(procs)), *procs, *argv]
+
     def add(self, pid: int) -> None:
         for d in self.dirs:
             (d / "cgroup.procs").write_text(str(pid))
@@ -96,6 +106,15 @@ class Cgroup:
             with contextlib.suppress(FileNotFoundError):
                 out.update(int(p) for p in (d / "cgroup.procs").read_text().split())
         return sorted(out)
+
+    def peak_memory(self) -> int:
+        """The most memory the group has held at once, in bytes (0 where unknown)."""
+        name = "memory.peak" if self.mechanism is Mechanism.CGROUP_V2 else "memory.max_usage_in_bytes"
+        folder = self.dirs[0] if self.mechanism is Mechanism.CGROUP_V2 else self._v1("memory")
+        try:
+            return int((folder / name).read_text())
+        except (OSError, ValueError):
+            return 0
 
     def oom_kills(self) -> int:
         if self.mechanism is Mechanism.CGROUP_V2:

@@ -268,25 +268,35 @@ def tmpfs_sizes(spec: SandboxSpec) -> dict[str, tuple[int, int, int]]:
     """Mount point -> (bytes, inodes, mode) of the two writable places, as on every tier."""
     limits = spec.limits
     return {
-        WORKSPACE: (limits.disk_mb * MiB, limits.inodes, 0o755),
-        "/tmp": (limits.tmp_mb * MiB, max(1024, limits.inodes // 4), 0o1777),
+        WORKSPACE: (limits.workspace_mb * MiB, limits.inodes, 0o755),
+        "/tmp": (limits.tmp_size_mb * MiB, max(1024, limits.inodes // 4), 0o1777),
     }
 
 
 SENTRY_MEMORY = 128 * MiB
+# Host tasks of a gVisor sandbox on the systrap platform: its own threads, and per process
+# inside a stub (measured: 125 processes take 260-330 host tasks, given back when they exit).
+GVISOR_OWN_TASKS = 256
+GVISOR_TASKS_PER_PROCESS = 4
+# gVisor's own host descriptors (its kernel and gofer) besides one per file the sandbox opens
+# on a host mount: what the host's file table holds for a gVisor sandbox, on top of open_files.
+GVISOR_OWN_FILES = 1024
 
 
 @dataclass(frozen=True)
 class OwnKernelLimits:
     """How limits apply when the sandbox runs its own kernel (gVisor).
 
-    gVisor's kernel runs on host threads, plus one host process per task on the ptrace
-    platform, and is itself charged to the sandbox's cgroup; a cgroup limit that is hit
-    kills the whole sandbox rather than one process. So the sandbox kernel enforces the
-    limits per process first (RLIMIT_NPROC counts the sandbox user's processes, the only
-    ones inside: an exact per-sandbox limit; RLIMIT_AS stops one hog with a MemoryError),
-    and the host cgroup bounds the whole sandbox: the memory limit plus ``SENTRY_MEMORY``
-    for gVisor itself, and a pids backstop sized for its threads and stubs.
+    gVisor's kernel runs on host threads and host stub processes, and is charged to the
+    sandbox's cgroup; a cgroup limit that is hit kills the whole sandbox rather than one
+    process. So the sandbox kernel enforces the limits per process first (RLIMIT_NPROC counts
+    the sandbox user's processes, the only ones inside: an exact per-sandbox limit; RLIMIT_AS
+    stops one hog with a MemoryError), and the host cgroup bounds the whole sandbox: the
+    memory limit plus ``SENTRY_MEMORY`` for gVisor itself, and host tasks sized by platform.
+    On systrap, gVisor takes about 2.5 host tasks per process it runs and gives them back;
+    on ptrace, about 7, and it keeps them after its processes exit (a pool it never
+    shrinks: three fork storms of 128 processes left 1,800 host tasks), so there only a
+    backstop can be set, far above ``pids``, and a sandbox that reaches it dies.
     """
 
     rlimits: dict[str, int]
@@ -294,12 +304,16 @@ class OwnKernelLimits:
     host_pids: int
 
 
-def own_kernel_limits(spec: SandboxSpec) -> OwnKernelLimits:
+def own_kernel_limits(spec: SandboxSpec, platform: str = "systrap") -> OwnKernelLimits:
     limits = spec.limits
+    if platform == "ptrace":
+        host_pids = max(4096, limits.pids * 32)
+    else:
+        host_pids = limits.pids * GVISOR_TASKS_PER_PROCESS + GVISOR_OWN_TASKS
     return OwnKernelLimits(
         rlimits={"RLIMIT_NPROC": limits.pids, "RLIMIT_AS": limits.memory_mb * MiB},
         host_memory=limits.memory_mb * MiB + SENTRY_MEMORY,
-        host_pids=max(4096, limits.pids * 32),
+        host_pids=host_pids,
     )
 
 
@@ -355,7 +369,7 @@ def oci_config(
             },
             "rlimits": [
                 {"type": "RLIMIT_CORE", "hard": 0, "soft": 0},
-                {"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 4096},
+                {"type": "RLIMIT_NOFILE", "hard": limits.files_per_process, "soft": limits.files_per_process},
             ],
             "noNewPrivileges": True,
         },

@@ -50,6 +50,9 @@ from stockade.types import (
 # Past its own deadline the supervisor has this long to report before the host kills the
 # whole sandbox: the supervisor shares the sandbox with the code and may be starved or dead.
 GRACE_S = 5.0
+# A call past its timeout_s has stopped within this much more, however busy the host: the
+# supervisor kills it at the deadline (it runs at a higher priority than the code).
+TIMEOUT_MARGIN_S = 1.0
 FILE_OP_TIMEOUT_S = 120.0
 TRANSFER_CHUNK = 4 * 1024 * 1024
 WORKSPACE = "/workspace"
@@ -89,6 +92,10 @@ class Boundary(abc.ABC):
 
     def alive(self) -> bool:
         return True
+
+    def death_cause(self) -> str:
+        """Why the sandbox is gone, when the tier can tell (a ``SandboxCrashed`` cause)."""
+        return "unknown"
 
 
 class _Collector:
@@ -175,8 +182,13 @@ class SupervisedInstance(Instance):
             if oom_before is not None and oom_after is not None and oom_after > oom_before:
                 raise exc.SandboxCrashed(
                     f"{err}: the sandbox ran out of memory (memory_mb={self.spec.limits.memory_mb}; "
-                    "files in /workspace, /tmp and /dev/shm are memory and count against it)"
+                    "files in /workspace, /tmp and /dev/shm are memory and count against it)",
+                    cause="out_of_memory",
+                    stdout=err.stdout,
+                    stderr=err.stderr,
                 ) from None
+            if err.cause == "unknown":
+                err.cause = self.boundary.death_cause()
             raise
 
     def _handle(self, op: Op, sink: OutputSink | None) -> OpResult:
@@ -315,7 +327,8 @@ class SupervisedInstance(Instance):
             header, data = call.result(time.monotonic() + FILE_OP_TIMEOUT_S)
         except TimeoutError:
             self.close()
-            raise exc.SandboxCrashed(f"supervisor did not answer a {op} in time") from None
+            message = f"supervisor did not answer a {op} in time"
+            raise exc.SandboxCrashed(message, cause="unresponsive") from None
         if header.get("ev") == "error":
             kind = str(header.get("kind", ""))
             message = str(header.get("message", ""))
@@ -356,6 +369,11 @@ class SupervisedInstance(Instance):
         except TimeoutError:
             self.close()
             return None, streams
+        except exc.SandboxCrashed as err:  # what the call printed explains the death
+            if not (err.stdout or err.stderr):
+                err.stdout = streams[1].text(len(streams[1].data))[0]
+                err.stderr = streams[2].text(len(streams[2].data))[0]
+            raise
         raise exc.ProtocolError(f"{header['op']} ended without a report")  # pragma: no cover
 
     def _run_command(self, op: RunCommand, sink: OutputSink | None) -> CommandResult:
@@ -398,7 +416,8 @@ class SupervisedInstance(Instance):
         err, err_cut = streams[2].text(err_total)
         sig = h.get("signal")
         killed = (sig == 9 or _int(h.get("exit_code")) == 137) and not h.get("timed_out")
-        oom = self._oom_since(oom_before, settle=killed)
+        # A sandbox with a kernel of its own (the microVM) counts its OOM kills itself.
+        oom = _int(h.get("oom_kills")) > 0 or self._oom_since(oom_before, settle=killed)
         return CommandResult(
             exit_code=_int(h.get("exit_code")),
             stdout=out,
@@ -468,7 +487,8 @@ class SupervisedInstance(Instance):
         if isinstance(raw_err, dict):
             name = str(raw_err.get("name", "Error"))
             value = str(raw_err.get("value", ""))
-            if name == "KernelDied" and self._oom_since(oom_before, settle=True):
+            guest_oom = _int(h.get("oom_kills")) > 0
+            if name == "KernelDied" and (guest_oom or self._oom_since(oom_before, settle=True)):
                 value = "the interpreter was killed by the sandbox's memory limit; its state is lost"
                 name = "MemoryLimitExceeded"
             error = ExecutionError(name=name, value=value, traceback=str(raw_err.get("traceback", "")))
@@ -539,5 +559,6 @@ def supervisor_config(spec: SandboxSpec, rlimits: dict[str, int] | None = None) 
         "workspace": WORKSPACE,
         "output_cap": spec.limits.output_bytes,
         "timeout": spec.limits.timeout_s,
-        "rlimits": dict(rlimits or {}),
+        # Descriptors per process, so that the sandbox's processes hold open_files in all.
+        "rlimits": {"RLIMIT_NOFILE": spec.limits.files_per_process, **(rlimits or {})},
     }

@@ -37,7 +37,7 @@ from stockade.sandbox._hostinfo import engine_masked_paths
 from stockade.sandbox._supervised import WORKSPACE, Boundary, SupervisedInstance, supervisor_config
 from stockade.sandbox.base import Backend, OpResult, OutputSink, SandboxSpec
 from stockade.sandbox.ops import Op
-from stockade.types import Enforcement, Mechanism, TierReport
+from stockade.types import Enforcement, HostShare, Mechanism, TierReport
 
 __all__ = ["DockerBackend", "collect_garbage", "engine_error"]
 
@@ -45,7 +45,6 @@ DEFAULT_IMAGE = "stockade-sandbox:latest"
 BUILD_HINT = "build it offline with `stockade image build --offline` (or scripts/build-image.sh)"
 START_TIMEOUT_S = 30.0
 API_TIMEOUT_S = 30.0
-NOFILE = 4096
 STDERR_KEEP = 16 * 1024
 COMPILED = "/tmp/stockade-compiled.json"
 MAX_COMPILED = 16 * 1024 * 1024
@@ -330,6 +329,7 @@ class _ContainerBoundary(Boundary):
 
     def explain(self, err: exc.SandboxCrashed) -> exc.StockadeError:
         """Why the supervisor's stream ended: the engine went away, or the container died."""
+        output = {"stdout": err.stdout, "stderr": err.stderr}
         try:
             state = self.api.inspect_container(self.cid)["State"]
         except _engine_failures() as failure:
@@ -340,13 +340,17 @@ class _ContainerBoundary(Boundary):
                     "start a new sandbox once it is back",
                     retry_after=1.0,
                 )
-            return exc.SandboxCrashed(f"the container was removed from outside ({err})")
+            gone = f"the container was removed from outside ({err})"
+            return exc.SandboxCrashed(gone, cause="killed", **output)
         if state.get("OOMKilled"):
-            return exc.SandboxCrashed("the container was killed by its memory limit; its state is lost")
+            oom = "the container was killed by its memory limit; its state is lost"
+            return exc.SandboxCrashed(oom, cause="out_of_memory", **output)
         if not state.get("Running"):
             return exc.SandboxCrashed(
                 f"the container stopped from outside (status {state.get('Status')}, "
-                f"exit code {state.get('ExitCode')}): {err}"
+                f"exit code {state.get('ExitCode')}): {err}",
+                cause="killed",
+                **output,
             )
         return err
 
@@ -424,6 +428,22 @@ class DockerBackend(Backend):
         self._lock = threading.Lock()
         self._collected = False
         self._kernel_source: tuple[Path, str] | None = None
+        self._platform: str | None = None
+
+    def _runtime_platform(self) -> str:
+        """The gVisor platform the engine runs this runtime with (its ``--platform`` argument)."""
+        if self._platform is None:
+            platform = "systrap"  # runsc's own default
+            unknown: tuple[type[BaseException], ...] = (exc.StockadeError, KeyError, *_engine_failures())
+            try:
+                entry = (self._api().info().get("Runtimes") or {}).get(self.runtime or "") or {}
+                for arg in entry.get("runtimeArgs") or entry.get("runtimeargs") or []:
+                    if str(arg).startswith("--platform="):
+                        platform = str(arg).split("=", 1)[1]
+            except unknown:
+                pass
+            self._platform = platform
+        return self._platform
 
     def _api(self) -> Any:
         with self._lock:
@@ -465,6 +485,18 @@ class DockerBackend(Backend):
                     fix="run as root, or pass allow_weaker=True (inodes then bounded by the memory limit)",
                 )
             weakened.append("inodes: bounded by the memory limit (gVisor tmpfs; size still enforced)")
+        limits = spec.limits
+        if self.own_kernel:  # the container's cgroup holds gVisor's kernel and its gofer too
+            own = _oci.own_kernel_limits(spec, self._runtime_platform())
+            host = HostShare(
+                memory_mb=own.host_memory // _oci.MiB,
+                tasks=own.host_pids,
+                open_files=limits.total_open_files + _oci.GVISOR_OWN_FILES,
+            )
+        else:
+            host = HostShare(
+                memory_mb=limits.memory_mb, tasks=limits.pids, open_files=limits.total_open_files
+            )
         return Enforcement(
             memory=Mechanism.CONTAINER,
             cpus=Mechanism.CONTAINER,
@@ -472,6 +504,7 @@ class DockerBackend(Backend):
             disk=Mechanism.TMPFS,
             network=Mechanism.NONE if net.enabled else Mechanism.NAMESPACE,
             timeout=Mechanism.SUPERVISOR,
+            host=host,
             weakened=tuple(weakened),
         )
 
@@ -523,7 +556,7 @@ class DockerBackend(Backend):
         memory = limits.memory_mb * _oci.MiB
         pids = limits.pids
         if self.own_kernel:
-            own = _oci.own_kernel_limits(spec)
+            own = _oci.own_kernel_limits(spec, self._runtime_platform())
             memory, pids = own.host_memory, own.host_pids
         _hide_the_host(tmpfs, volume_binds, own_kernel=self.own_kernel)
         host_config = api.create_host_config(
@@ -537,10 +570,12 @@ class DockerBackend(Backend):
             memswap_limit=memory,
             nano_cpus=int(limits.cpus * 1e9),
             pids_limit=pids,
-            shm_size=limits.tmp_mb * _oci.MiB,
+            shm_size=limits.tmp_size_mb * _oci.MiB,
             ulimits=[
                 docker.types.Ulimit(name="core", soft=0, hard=0),
-                docker.types.Ulimit(name="nofile", soft=NOFILE, hard=NOFILE),
+                docker.types.Ulimit(
+                    name="nofile", soft=limits.files_per_process, hard=limits.files_per_process
+                ),
             ],
             init=False,
             auto_remove=False,
@@ -741,7 +776,8 @@ class DockerBackend(Backend):
         # Removed when the caller forgets to close, and at interpreter exit at the latest.
         weakref.finalize(instance, _oci.abandon, stream, boundary)
         try:
-            rlimits = _oci.own_kernel_limits(spec).rlimits if self.own_kernel else None
+            own = _oci.own_kernel_limits(spec, self._runtime_platform()) if self.own_kernel else None
+            rlimits = own.rlimits if own is not None else None
             instance.handshake(supervisor_config(spec, rlimits), START_TIMEOUT_S)
         except exc.SandboxStartError as err:
             said = stream.stderr.decode("utf-8", "replace").strip()

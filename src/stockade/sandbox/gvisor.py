@@ -9,8 +9,12 @@ Two ways to get there, chosen by ``mode``:
 
 The workspace and /tmp are tmpfs mounted on the host (size and inode limits the host kernel
 enforces) and bound in: gVisor's own tmpfs cannot limit inodes. ``platform`` is runsc's
-platform for the direct mode (``ptrace`` by default: KVM hangs on nested hosts); with Docker
-the platform is the one registered for the runtime (scripts/setup-docker.sh).
+platform for the direct mode; with Docker it is the one registered for the runtime
+(scripts/setup-docker.sh). ``systrap`` by default: it holds a bounded number of host tasks
+(about 2.5 per process inside, given back when they exit), so the host's task limit can sit
+just above ``pids``; ``ptrace`` starts commands faster on some hosts (twice as fast on nested
+ones) but keeps every stub it ever made, so only a loose backstop holds it. KVM hangs on
+nested hosts.
 """
 
 from __future__ import annotations
@@ -32,13 +36,14 @@ from stockade.sandbox import _oci
 from stockade.sandbox._host import PipeStream
 from stockade.sandbox._supervised import Boundary, SupervisedInstance, supervisor_config
 from stockade.sandbox.base import Backend, SandboxSpec
-from stockade.types import Enforcement, Mechanism, TierReport
+from stockade.types import Enforcement, HostShare, Mechanism, TierReport
 
 __all__ = ["GVisorBackend", "RunscBackend", "collect_garbage", "find_rootfs"]
 
 Mode = Literal["auto", "docker", "runsc"]
 START_TIMEOUT_S = 30.0
 ROOTFS_MARKER = "etc/stockade-rootfs"
+DEFAULT_PLATFORM = "systrap"
 # Not the process tier's "stockade": its garbage collector owns every cgroup under that one.
 CGROUP_PARENT = "stockade-gvisor"
 
@@ -70,7 +75,7 @@ class GVisorBackend(Backend):
         if chosen not in ("auto", "docker", "runsc"):
             raise exc.ConfigurationError(f"gVisor mode must be auto, docker or runsc, not {chosen!r}")
         self.mode: Mode = chosen  # type: ignore[assignment]  # checked just above
-        self.platform = platform or os.environ.get("STOCKADE_GVISOR_PLATFORM") or "ptrace"
+        self.platform = platform or os.environ.get("STOCKADE_GVISOR_PLATFORM") or DEFAULT_PLATFORM
         self._docker_args = (runtime, image)
         self._runsc_args = (rootfs, runsc)
         self._inner: Backend | None = None
@@ -194,7 +199,7 @@ class RunscBackend(Backend):
     def __init__(
         self,
         *,
-        platform: str = "ptrace",
+        platform: str = DEFAULT_PLATFORM,
         rootfs: Path | None = None,
         runsc: str | None = None,
         state_dir: Path | None = None,
@@ -233,6 +238,7 @@ class RunscBackend(Backend):
                 setting="network",
                 fix="use tier='docker' for network access",
             )
+        own = _oci.own_kernel_limits(spec, self.platform)
         return Enforcement(
             memory=Mechanism.CONTAINER,
             cpus=Mechanism.CONTAINER,
@@ -240,6 +246,11 @@ class RunscBackend(Backend):
             disk=Mechanism.TMPFS,
             network=Mechanism.NAMESPACE,
             timeout=Mechanism.SUPERVISOR,
+            host=HostShare(
+                memory_mb=own.host_memory // _oci.MiB,
+                tasks=own.host_pids,
+                open_files=spec.limits.total_open_files + _oci.GVISOR_OWN_FILES,
+            ),
         )
 
     def probe(self) -> TierReport:
@@ -337,7 +348,7 @@ class RunscBackend(Backend):
                 kernel=kernel,
                 binds=binds,
                 cgroup=f"/{CGROUP_PARENT}/{sid}",
-                host=_oci.own_kernel_limits(spec),
+                host=_oci.own_kernel_limits(spec, self.platform),
                 annotations=annotations,
             )
             (bundle / "config.json").write_text(json.dumps(config))
@@ -371,7 +382,8 @@ class RunscBackend(Backend):
         )
         weakref.finalize(instance, _oci.abandon, stream, boundary)
         try:
-            instance.handshake(supervisor_config(spec, _oci.own_kernel_limits(spec).rlimits), START_TIMEOUT_S)
+            config = supervisor_config(spec, _oci.own_kernel_limits(spec, self.platform).rlimits)
+            instance.handshake(config, START_TIMEOUT_S)
         except exc.SandboxStartError as err:
             said = _head(bundle / "runsc.log")
             instance.close()

@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stockade import exceptions as exc
-from stockade.sandbox import _oci
+from stockade.sandbox import _cgroups, _oci
 from stockade.sandbox._supervised import Boundary, SupervisedInstance, supervisor_config
 from stockade.sandbox.base import Backend, SandboxSpec
-from stockade.types import Enforcement, Mechanism, TierReport
+from stockade.types import Enforcement, HostShare, Mechanism, TierReport
 
 __all__ = ["MicroVMBackend", "collect_garbage"]
 
@@ -45,6 +45,12 @@ START_TIMEOUT_S = 30.0
 MiB = 1024 * 1024
 # Guest RAM on top of the memory limit: the guest kernel, its page cache of the root image.
 GUEST_OVERHEAD_MB = 128
+# TCG's cache of translated code (QEMU's default is 1 GiB, most of a sandbox's host memory)
+# and QEMU's own heap, threads and device state: with the guest's RAM, the host cgroup's limit.
+TB_CACHE_MB = 64
+QEMU_OVERHEAD_MB = 96
+QEMU_PIDS = 64  # QEMU's threads: main, RCU, vCPUs, I/O workers
+QEMU_FILES = 256  # QEMU's descriptors (its RLIMIT_NOFILE): the guest's files are not the host's
 # Loaded by the init script, in this order (dependencies first): the Debian kernel has them as modules.
 MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_blk", "virtio_console")
 MODULE_PATHS = {
@@ -300,15 +306,29 @@ class _SocketStream:
 
 
 class _VMBoundary(Boundary):
-    def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket, rundir: Path) -> None:
+    def __init__(
+        self, proc: subprocess.Popen[bytes], sock: socket.socket, rundir: Path, cgroup: _cgroups.Cgroup | None
+    ) -> None:
         self.proc = proc
         self.sock = sock
         self.rundir = rundir
+        self.cgroup = cgroup
         self._dead = False
         self._lock = threading.Lock()
 
     def alive(self) -> bool:
         return not self._dead and self.proc.poll() is None
+
+    def death_cause(self) -> str:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=1)  # the stream may end a moment before the process
+        code = self.proc.poll()  # QEMU ended by a signal nobody here sent
+        return "killed" if not self._dead and code is not None and code < 0 else "unknown"
+
+    def oom_kills(self) -> int | None:
+        # The host's view: QEMU killed by its cgroup's limit. Kills inside the guest are
+        # counted by the guest's kernel, and reported by the supervisor with each result.
+        return None if self.cgroup is None else self.cgroup.oom_kills()
 
     def kill(self) -> None:
         with self._lock:
@@ -321,6 +341,8 @@ class _VMBoundary(Boundary):
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
         self.sock.close()
+        if self.cgroup is not None:
+            self.cgroup.remove()
         shutil.rmtree(self.rundir, ignore_errors=True)
 
 
@@ -345,11 +367,13 @@ class MicroVMBackend(Backend):
         self.qemu = qemu or shutil.which("qemu-system-x86_64") or ""
         self.busybox = shutil.which("busybox") or ""
         self.setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"
+        self.prlimit = shutil.which("prlimit") or "/usr/bin/prlimit"  # util-linux, like setpriv
         self.accel = accel or os.environ.get("STOCKADE_MICROVM_ACCEL") or "tcg"
         self.state_dir = state_dir or _oci.default_state_dir()
         self._prepared: tuple[Path, Path] | None = None
         self._lock = threading.Lock()
         self._collected = False
+        self._cgroups = _cgroups.detect()
 
     def _check(self) -> None:
         if not self.qemu:
@@ -376,6 +400,15 @@ class MicroVMBackend(Backend):
                 setting="network",
                 fix="use tier='docker' for network access",
             )
+        weakened: tuple[str, ...] = ()
+        if self._cgroups.mechanism is Mechanism.NONE:
+            if not spec.allow_weaker:
+                raise exc.LimitNotEnforceable(
+                    f"the microvm tier cannot bound QEMU on the host here: {self._cgroups.detail}",
+                    setting="memory,cpus",
+                    fix="run as root with cgroups, or pass allow_weaker=True (then only the VM bounds it)",
+                )
+            weakened = ("memory, cpus: the guest's RAM and vCPUs; QEMU itself is not bounded on the host",)
         return Enforcement(
             memory=Mechanism.VM,
             cpus=Mechanism.VM,
@@ -383,6 +416,10 @@ class MicroVMBackend(Backend):
             disk=Mechanism.TMPFS,
             network=Mechanism.VM,
             timeout=Mechanism.SUPERVISOR,
+            host=None
+            if weakened
+            else HostShare(memory_mb=host_memory_mb(spec), tasks=QEMU_PIDS, open_files=QEMU_FILES),
+            weakened=weakened,
         )
 
     def probe(self) -> TierReport:
@@ -426,15 +463,16 @@ class MicroVMBackend(Backend):
         assert self.kernel is not None
         image, initrd = files
         limits = spec.limits
-        ws = f"{limits.disk_mb * MiB}:{limits.inodes}"
-        tmp = f"{limits.tmp_mb * MiB}:{max(1024, limits.inodes // 4)}"
+        ws = f"{limits.workspace_mb * MiB}:{limits.inodes}"
+        tmp = f"{limits.tmp_size_mb * MiB}:{max(1024, limits.inodes // 4)}"
         clock = _clock_args(self.kernel)
         cmdline = f"console=ttyS0 quiet panic=-1 pci=off {clock} stockade_ws={ws} stockade_tmp={tmp}"
         return [
             # Dies with its creator even when this process is killed outright.
             self.setpriv, "--pdeathsig", "KILL", "--",
+            self.prlimit, f"--nofile={QEMU_FILES}", "--",
             self.qemu, "-name", f"stockade-{sid}",
-            "-M", "microvm,pit=on,pic=on,rtc=on", "-accel", self.accel, "-cpu", "max",
+            "-M", "microvm,pit=on,pic=on,rtc=on", "-accel", _accel(self.accel), "-cpu", "max",
             "-m", str(limits.memory_mb + GUEST_OVERHEAD_MB), "-smp", str(max(1, math.ceil(limits.cpus))),
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
             # QEMU's own seccomp filter: a guest that breaks into the emulator still cannot
@@ -458,10 +496,17 @@ class MicroVMBackend(Backend):
         rundir.mkdir(mode=0o700)
         mine, theirs = socket.socketpair()
         proc: subprocess.Popen[bytes] | None = None
+        cgroup: _cgroups.Cgroup | None = None
         try:
+            argv = self._argv(spec, sid, files=(image, initrd), fd=theirs.fileno(), rundir=rundir)
+            if self._cgroups.mechanism is not Mechanism.NONE:
+                # The whole VM under one host limit: the guest's RAM, TCG's code cache, QEMU.
+                cgroup = _cgroups.Cgroup(self._cgroups.mechanism, f"vm-{sid}")
+                cgroup.limit(memory_bytes=host_memory_mb(spec) * MiB, cpus=spec.limits.cpus, pids=QEMU_PIDS)
+                argv = cgroup.entering(argv)
             with open(rundir / "qemu.log", "wb") as log:
                 proc = subprocess.Popen(
-                    self._argv(spec, sid, files=(image, initrd), fd=theirs.fileno(), rundir=rundir),
+                    argv,
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=log,
@@ -477,18 +522,22 @@ class MicroVMBackend(Backend):
             if proc is not None:
                 proc.kill()
             mine.close()
+            if cgroup is not None:
+                cgroup.remove()
             shutil.rmtree(rundir, ignore_errors=True)
             raise exc.SandboxStartError(f"cannot start QEMU: {err}") from err
         finally:
             theirs.close()
-        boundary = _VMBoundary(proc, mine, rundir)
+        boundary = _VMBoundary(proc, mine, rundir, cgroup)
         stream = _SocketStream(mine)
         instance = SupervisedInstance(
             id=sid, tier=self.tier, stream=stream, boundary=boundary, spec=spec, enforcement=enforcement
         )
         weakref.finalize(instance, _oci.abandon, stream, boundary)
         try:
-            instance.handshake(supervisor_config(spec, _oci.own_kernel_limits(spec).rlimits), START_TIMEOUT_S)
+            config = supervisor_config(spec, _oci.own_kernel_limits(spec).rlimits)
+            config["report_oom"] = True  # the guest's kernel kills for memory; the host sees nothing
+            instance.handshake(config, START_TIMEOUT_S)
         except exc.SandboxStartError as err:
             said = _tail(rundir / "console.log") or _tail(rundir / "qemu.log")
             instance.close()
@@ -497,6 +546,15 @@ class MicroVMBackend(Backend):
             instance.close()
             raise
         return instance
+
+
+def host_memory_mb(spec: SandboxSpec) -> int:
+    """What one microVM may take from the host: its RAM, TCG's code cache and QEMU."""
+    return spec.limits.memory_mb + GUEST_OVERHEAD_MB + TB_CACHE_MB + QEMU_OVERHEAD_MB
+
+
+def _accel(accel: str) -> str:
+    return f"tcg,tb-size={TB_CACHE_MB}" if accel == "tcg" else accel
 
 
 def _tail(path: Path, limit: int = 2048) -> str:
@@ -534,4 +592,10 @@ def collect_garbage() -> list[str]:
                     os.kill(pid, signal.SIGKILL)
         shutil.rmtree(rundir, ignore_errors=True)
         removed.append(f"microvm {sid}")
+    support = _cgroups.detect()
+    if support.mechanism is not Mechanism.NONE:
+        for name in _cgroups.leftover_groups():
+            if name.startswith("vm-sbx-") and not (state_dir / name).exists():
+                _cgroups.Cgroup(support.mechanism, name).remove()
+                removed.append(f"cgroup {name}")
     return removed

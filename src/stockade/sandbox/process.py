@@ -41,7 +41,7 @@ from stockade.sandbox._hostinfo import bwrap_masks
 from stockade.sandbox._supervised import WORKSPACE, Boundary, SupervisedInstance, supervisor_config
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.sandbox.kernel import sources as kernel_sources
-from stockade.types import Enforcement, Mechanism, TierReport
+from stockade.types import Enforcement, HostShare, Mechanism, TierReport
 
 __all__ = ["ProcessBackend"]
 
@@ -92,6 +92,13 @@ class _ProcessBoundary(Boundary):
 
     def oom_kills(self) -> int | None:
         return None if self.cgroup is None else self.cgroup.oom_kills()
+
+    def death_cause(self) -> str:
+        # bwrap ended by a signal nobody here sent: the sandbox was killed from outside.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=1)  # the stream may end a moment before the process
+        code = self.proc.poll()
+        return "killed" if not self._dead and code is not None and code < 0 else "unknown"
 
     def kill(self) -> None:
         if self._dead:
@@ -185,6 +192,7 @@ class ProcessBackend(Backend):
                 )
             weakened.append("network: the host's network is shared (no allowlist)")
         limited = cg if cg is not Mechanism.NONE else Mechanism.RLIMIT
+        limits = spec.limits
         return Enforcement(
             memory=limited,
             cpus=cg,
@@ -192,6 +200,11 @@ class ProcessBackend(Backend):
             disk=disk,
             network=Mechanism.NAMESPACE if not net.enabled else Mechanism.NONE,
             timeout=Mechanism.SUPERVISOR,
+            # The cgroup holds all of it: processes (bwrap's own included), their kernel
+            # memory, and the tmpfs pages their files are.
+            host=HostShare(memory_mb=limits.memory_mb, tasks=limits.pids, open_files=limits.total_open_files)
+            if cg is not Mechanism.NONE
+            else None,
             weakened=tuple(weakened),
         )
 
@@ -339,7 +352,7 @@ class ProcessBackend(Backend):
         if self.is_root:  # a host tmpfs: bwrap's own cannot limit inodes
             argv += ["--bind", str(rundir / "shm"), "/dev/shm"]
         else:
-            argv += ["--size", str(spec.limits.tmp_mb * MiB), "--tmpfs", "/dev/shm"]
+            argv += ["--size", str(spec.limits.tmp_size_mb * MiB), "--tmpfs", "/dev/shm"]
         argv += ["--dir", "/etc"]
         for name in ("passwd", "group", "hosts", "hostname", "nsswitch.conf", "resolv.conf"):
             argv += ["--ro-bind", str(self._shared / "etc" / name), f"/etc/{name}"]
@@ -354,13 +367,13 @@ class ProcessBackend(Backend):
         else:
             argv += [
                 "--size",
-                str(limits.disk_mb * MiB),
+                str(limits.workspace_mb * MiB),
                 "--perms",
                 "0755",
                 "--tmpfs",
                 WORKSPACE,
                 "--size",
-                str(limits.tmp_mb * MiB),
+                str(limits.tmp_size_mb * MiB),
                 "--tmpfs",
                 "/tmp",
             ]
@@ -403,9 +416,9 @@ class ProcessBackend(Backend):
                     uid = lease.uid
                 os.chown(rundir, uid, uid)  # bwrap, as that uid, binds the mounts from here
                 for name, size, inodes in (
-                    ("workspace", limits.disk_mb * MiB, limits.inodes),
-                    ("tmp", limits.tmp_mb * MiB, max(1024, limits.inodes // 4)),
-                    ("shm", limits.tmp_mb * MiB, max(1024, limits.inodes // 4)),
+                    ("workspace", limits.workspace_mb * MiB, limits.inodes),
+                    ("tmp", limits.tmp_size_mb * MiB, max(1024, limits.inodes // 4)),
+                    ("shm", limits.tmp_size_mb * MiB, max(1024, limits.inodes // 4)),
                 ):
                     target = rundir / name
                     target.mkdir()
@@ -432,7 +445,7 @@ class ProcessBackend(Backend):
                 argv = [self.setpriv, "--reuid", str(uid), "--regid", str(uid),
                         "--clear-groups", "--", *argv]  # fmt: skip
             if cgroup is not None:
-                argv = _entering([d / "cgroup.procs" for d in cgroup.dirs], argv)
+                argv = cgroup.entering(argv)
             stderr_path = rundir / "bwrap.log"
             with open(stderr_path, "wb") as stderr:
                 proc = subprocess.Popen(
@@ -476,18 +489,6 @@ class ProcessBackend(Backend):
         if enforcement.pids is Mechanism.RLIMIT:
             rlimits["RLIMIT_NPROC"] = spec.limits.pids + _user_process_count()
         return supervisor_config(spec, rlimits)
-
-
-# Joins each cgroup (writing 0 moves the writer itself), then becomes the rest of the chain
-# (setpriv, then bwrap): every process of the sandbox is born inside its cgroup. A shell,
-# not preexec_fn: forking a threaded Python and running Python code before exec can deadlock.
-_ENTER_CGROUPS = (
-    'n=$1; shift; while [ "$n" -gt 0 ]; do echo 0 > "$1" || exit 125; shift; n=$((n-1)); done; exec "$@"'
-)
-
-
-def _entering(procs_files: list[Path], argv: list[str]) -> list[str]:
-    return ["/bin/sh", "-c", _ENTER_CGROUPS, "sh", str(len(procs_files)), *map(str, procs_files), *argv]
 
 
 def _memfd(name: str, data: bytes) -> int:

@@ -246,6 +246,23 @@ def test_a_dead_sandbox_ends_the_run_as_error() -> None:
     assert result.status == RunStatus.ERROR and result.error == "SandboxCrashed: the supervisor died"
 
 
+def test_a_crashed_call_is_recorded_with_its_cause_and_output_before_the_run_ends() -> None:
+    @tool
+    def crash(ctx: ToolContext) -> str:
+        """Crash the sandbox."""
+        raise SandboxCrashed("sandbox is gone", cause="out_of_memory", stdout="step 1 done\nstep 2")
+
+    events: list[AgentEvent] = []
+    model = ScriptedModel([tool_call("crash"), "never"])
+    agent = Agent(model, tools=default_toolset().including(crash), observers=[events.append])
+    result = agent.run_sync("go", sandbox=Sandbox.create(backend=FakeBackend()))
+    assert result.status == RunStatus.ERROR
+    (returned,) = [e for e in events if isinstance(e, ToolReturned)]
+    assert returned.record.error_type == "SandboxCrashed" and returned.record.is_error
+    assert "cause: out_of_memory" in returned.record.observation
+    assert "step 1 done\nstep 2" in returned.record.observation
+
+
 def test_long_observations_are_bounded_and_saved_for_paging(sbx: Sandbox) -> None:
     sbx.files.write("big.txt", "x" * 50_000)
     model = ScriptedModel([tool_call("read_file", {"path": "big.txt"}), "ok"])

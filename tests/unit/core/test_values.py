@@ -18,6 +18,31 @@ def test_limits_refuse_nonsense(bad: dict[str, float]) -> None:
         Limits(**bad)  # type: ignore[arg-type]
 
 
+def test_the_workspace_and_tmp_are_sized_below_the_memory_they_are_made_of() -> None:
+    assert (Limits().workspace_mb, Limits().tmp_size_mb) == (256, 64)
+    small = Limits(memory_mb=128)
+    assert (small.workspace_mb, small.tmp_size_mb) == (64, 16)
+    assert Limits(memory_mb=1024, disk_mb=600).workspace_mb == 600
+
+
+@given(st.integers(32, 1 << 20))
+def test_the_default_files_leave_a_quarter_of_memory_to_the_processes(memory_mb: int) -> None:
+    limits = Limits(memory_mb=memory_mb)
+    assert 4 * (limits.workspace_mb + 2 * limits.tmp_size_mb) <= 3 * memory_mb
+
+
+def test_files_that_could_take_the_processes_memory_are_refused_with_the_fix() -> None:
+    with pytest.raises(ConfigurationError, match="raise memory_mb to at least 704") as caught:
+        Limits(memory_mb=512, disk_mb=400)
+    assert caught.value.argument == "Limits.disk_mb"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("open_files", "pids", "each"), [(16384, 128, 128), (2048, 32, 64), (100, 64, 32)])
+def test_open_files_are_shared_by_the_processes(open_files: int, pids: int, each: int) -> None:
+    limits = Limits(open_files=open_files, pids=pids)
+    assert limits.files_per_process == each and limits.total_open_files == each * pids
+
+
 def test_limits_are_frozen() -> None:
     with pytest.raises(AttributeError):
         Limits().memory_mb = 1  # type: ignore[misc]

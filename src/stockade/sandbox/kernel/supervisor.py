@@ -134,6 +134,20 @@ class Job:
         self.counts = {1: 0, 2: 0}
         self.sent = {1: 0, 2: 0}
         self.timed_out = False
+        self.oom_start = sup.oom_kills()
+
+    def report(self) -> "dict[str, Any]":
+        """What every final frame says of the job besides its own outcome."""
+        out = {
+            "id": self.rid,
+            "timed_out": self.timed_out,
+            "duration": time.monotonic() - self.started,
+            "stdout_bytes": self.counts[1],
+            "stderr_bytes": self.counts[2],
+        }
+        if self.sup.report_oom:
+            out["oom_kills"] = self.sup.oom_kills() - self.oom_start
+        return out
 
     def output(self, fd: int, data: bytes) -> None:
         self.counts[fd] += len(data)
@@ -221,6 +235,9 @@ class Supervisor:
         self.root_modes: dict[str, int] = {}  # the writable places reset empties, as first seen
         self.config: dict[str, Any] = {}
         self.baseline: dict[str, Any] = {}
+        # Where the sandbox has a kernel of its own (the microVM), only it counts the
+        # processes its OOM killer took; the host sees no cgroup event.
+        self.report_oom = False
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -237,6 +254,7 @@ class Supervisor:
         """Apply the host's ``init`` configuration; ``carried`` is what a reset hands over
         to the fresh supervisor (the settings and modes as first seen, not as left by code)."""
         self.config = cfg
+        self.report_oom = bool(cfg.get("report_oom"))
         self.env = {str(k): str(v) for k, v in cfg.get("env", {}).items()}
         self.workspace = Workspace(cfg.get("workspace", "/workspace"))
         self.output_cap = int(cfg.get("output_cap", self.output_cap))
@@ -730,18 +748,7 @@ class Supervisor:
         status = job.status or 0
         sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
         code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + (sig or 0)
-        self.send(
-            {
-                "id": job.rid,
-                "ev": "exit",
-                "exit_code": code,
-                "signal": sig,
-                "timed_out": job.timed_out,
-                "duration": time.monotonic() - job.started,
-                "stdout_bytes": job.counts[1],
-                "stderr_bytes": job.counts[2],
-            }
-        )
+        self.send({**job.report(), "ev": "exit", "exit_code": code, "signal": sig})
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
@@ -824,17 +831,7 @@ class Supervisor:
 
     def _finish_code(self, job: Job, payload: bytes) -> None:
         """Report a run; ``payload`` is the interpreter's JSON (results, error), passed on as is."""
-        self.send(
-            {
-                "id": job.rid,
-                "ev": "result",
-                "timed_out": job.timed_out,
-                "duration": time.monotonic() - job.started,
-                "stdout_bytes": job.counts[1],
-                "stderr_bytes": job.counts[2],
-            },
-            payload,
-        )
+        self.send({**job.report(), "ev": "result"}, payload)
 
     def _drop_kernel(self, reason: Optional[str]) -> None:
         kernel = self.kernel
@@ -853,6 +850,19 @@ class Supervisor:
         payload = dumps({"results": [], "error": {"name": name, "value": reason, "traceback": ""}}).encode()
         for waiting in ([job] if job else []) + [j for j, _ in kernel.queue]:
             self._finish_code(waiting, payload)
+
+    def oom_kills(self) -> int:
+        """Processes the sandbox's own kernel has killed for memory, if we report them."""
+        if not self.report_oom:
+            return 0
+        try:
+            with open("/proc/vmstat", "rb") as fh:
+                for line in fh:
+                    if line.startswith(b"oom_kill "):
+                        return int(line.split()[1])
+        except (OSError, ValueError):
+            pass
+        return 0
 
     def shutdown(self) -> None:
         self.running = False

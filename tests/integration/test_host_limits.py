@@ -1,0 +1,229 @@
+"""Limits that hold at the host, on every tier: each judged from the host, not from inside.
+
+What a sandbox can take from the host is stated (``sbx.enforcement.host``) and held: memory
+(its processes, their kernel memory and its files together), host tasks, file descriptors.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from stockade import Limits, Sandbox, SandboxCrashed, WorkspaceFull
+from stockade.types import Mechanism
+
+MiB = 1024 * 1024
+
+
+def host_open_files() -> int:
+    return int(Path("/proc/sys/fs/file-nr").read_text().split()[0])
+
+
+def peak_while(run: Callable[[], object], measure: Callable[[], int]) -> tuple[int, object]:
+    """Run ``run`` in a thread; the highest ``measure`` above its value before, and the result."""
+    base = measure()
+    out: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            out["value"] = run()
+        except Exception as err:  # handed to the caller
+            out["value"] = err
+
+    worker = threading.Thread(target=target)
+    worker.start()
+    peak = base
+    while worker.is_alive():
+        peak = max(peak, measure())
+        time.sleep(0.1)
+    worker.join()
+    return peak - base, out["value"]
+
+
+# Fork up to the process limit; every process opens descriptors until refused, then waits.
+FD_HOG = r"""
+import os, time
+counts = []
+for _ in range(1000):
+    r, w = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        os.close(r)
+        held = []
+        try:
+            while len(held) < 10**6:
+                held.append(os.open("/workspace/f", os.O_RDONLY | os.O_CREAT))
+        except OSError:
+            pass
+        os.write(w, str(len(held)).encode())
+        time.sleep(4)
+        os._exit(0)
+    os.close(w)
+    got = os.read(r, 64)
+    os.close(r)
+    if not got:
+        break
+    counts.append(int(got))
+print(len(counts), sum(counts))
+"""
+
+
+def test_open_files_are_bounded_for_the_whole_sandbox(tier: str) -> None:
+    limits = Limits(open_files=2048, pids=32, timeout_s=60)
+    with Sandbox.create(tier, limits=limits) as sbx:
+        host = sbx.enforcement.host
+        assert host is not None and sbx.enforcement.files is Mechanism.RLIMIT
+        assert sbx.commands.run("ulimit -Hn").stdout.strip() == str(limits.files_per_process)
+        grown, result = peak_while(lambda: sbx.commands.run(["python3", "-c", FD_HOG]), host_open_files)
+        assert not isinstance(result, BaseException), result
+        # Before: 20,000 (process tier) and 4,000 (docker) at default limits, 1.9 M before OOM.
+        assert grown <= host.open_files + 512, f"host file handles grew by {grown}: {result}"
+
+
+BOMB = (
+    "import os, time\n"
+    "for i in range(100000):\n"
+    "    try:\n"
+    "        if os.fork() == 0:\n"
+    "            time.sleep(3); os._exit(0)\n"
+    "    except OSError:\n"
+    "        break\n"
+    "time.sleep(3)\n"
+)
+
+
+def test_fork_bombs_keep_the_host_tasks_within_the_stated_bound(tier: str) -> None:
+    with Sandbox.create(tier, limits=Limits(pids=64, timeout_s=60)) as sbx:
+        host = sbx.enforcement.host
+        assert host is not None
+        tasks = _host_cgroup(sbx, "pids") / "pids.current"
+        assert int(tasks.read_text()) > 0
+        for _ in range(3):  # a kernel that keeps helpers after its processes exit grows each time
+            grown, result = peak_while(
+                lambda: sbx.commands.run(["python3", "-c", BOMB]), lambda: int(tasks.read_text())
+            )
+            assert not isinstance(result, BaseException), result
+            assert result.exit_code == 0, result  # type: ignore[attr-defined]
+        assert int(tasks.read_text()) <= host.tasks
+        assert grown <= host.tasks, f"the sandbox's host tasks grew by {grown}"
+        assert sbx.commands.run("echo alive").stdout == "alive\n"
+
+
+def test_no_new_privileges_on_every_tier(sbx: Sandbox) -> None:
+    code = (
+        "import ctypes\n"
+        "libc = ctypes.CDLL(None)\n"
+        "status = dict(l.split(':', 1) for l in open('/proc/self/status') if ':' in l)\n"
+        "(libc.prctl(39, 0, 0, 0, 0), status.get('NoNewPrivs', '1').strip())"
+    )
+    assert sbx.run_code(code).text == "(1, '1')"
+    as_command = code.replace("(libc", "print((libc") + ")"
+    assert sbx.commands.run(["python3", "-c", as_command]).stdout == "(1, '1')\n"
+
+
+def _host_pid(sbx: Sandbox) -> int:
+    """A host process of the sandbox: bwrap, QEMU, or the container's first process."""
+    boundary = sbx.instance.boundary  # type: ignore[attr-defined]
+    if hasattr(boundary, "proc"):
+        return int(boundary.proc.pid)
+    return int(boundary.api.inspect_container(boundary.cid)["State"]["Pid"])
+
+
+def _host_cgroup(sbx: Sandbox, controller: str) -> Path:
+    """The sandbox's cgroup on the host, read from /proc: whatever the tier or engine made."""
+    for line in Path(f"/proc/{_host_pid(sbx)}/cgroup").read_text().splitlines():
+        _, names, path = line.split(":", 2)
+        if controller in names.split(","):
+            return Path("/sys/fs/cgroup") / controller / path.lstrip("/")
+        if names == "":  # the unified hierarchy
+            return Path("/sys/fs/cgroup") / path.lstrip("/")
+    raise AssertionError(f"no {controller} cgroup")
+
+
+def _memory_cgroup_peak(sbx: Sandbox) -> int:
+    folder = _host_cgroup(sbx, "memory")
+    for name in ("memory.max_usage_in_bytes", "memory.peak"):
+        if (folder / name).exists():
+            return int((folder / name).read_text())
+    raise AssertionError(f"no memory peak in {folder}")
+
+
+def test_files_and_processes_together_stay_within_the_stated_memory(tier: str) -> None:
+    limits = Limits(memory_mb=256, timeout_s=120)
+    with Sandbox.create(tier, limits=limits) as sbx:
+        host = sbx.enforcement.host
+        assert host is not None and host.memory_mb >= limits.memory_mb
+        sbx.commands.run("dd if=/dev/zero of=/workspace/fill bs=1M count=400 2>/dev/null; true")
+        sbx.commands.run("dd if=/dev/zero of=/tmp/fill bs=1M count=100 2>/dev/null; true")
+        r = sbx.commands.run(["python3", "-c", "x = bytearray(400 * 2**20)"])
+        assert r.exit_code != 0 or r.oom_killed
+        assert _memory_cgroup_peak(sbx) <= host.memory_mb * MiB
+
+
+def test_a_full_workspace_is_refused_inside_and_the_sandbox_lives(tier: str) -> None:
+    with Sandbox.create(tier, limits=Limits(memory_mb=256, timeout_s=120)) as sbx:
+        assert Limits(memory_mb=256).workspace_mb == 128
+        r = sbx.commands.run("dd if=/dev/zero of=/workspace/fill bs=1M count=300 2>&1; echo rc=$?")
+        assert "No space left" in r.stdout and not r.oom_killed
+        with pytest.raises(WorkspaceFull):
+            sbx.files.write("more.bin", b"\0" * (8 * MiB))
+        assert sbx.run_code("6 * 7").text == "42"
+        sbx.files.remove("fill")
+        sbx.files.write("more.bin", b"\0" * (8 * MiB))
+
+
+@pytest.fixture
+def busy_host() -> Iterator[None]:
+    """The host's cores kept busy by processes outside any sandbox."""
+    burners = [subprocess.Popen(["python3", "-c", "while True: pass"]) for _ in range(4)]
+    try:
+        yield
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+
+
+# Burns every CPU it can get in many processes, none of which stops on SIGTERM.
+STUBBORN = (
+    "import os, signal\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "for _ in range(16):\n"
+    "    if os.fork() == 0:\n"
+    "        break\n"
+    "while True: pass\n"
+)
+
+
+def test_a_stubborn_program_is_stopped_in_time_on_a_busy_host(tier: str, busy_host: None) -> None:
+    from stockade.sandbox import TIMEOUT_MARGIN_S
+
+    with Sandbox.create(tier, limits=Limits(timeout_s=60)) as sbx:
+        for _ in range(2):
+            started = time.monotonic()
+            r = sbx.commands.run(["python3", "-c", STUBBORN], timeout_s=3)
+            assert r.timed_out and time.monotonic() - started <= 3 + TIMEOUT_MARGIN_S
+            started = time.monotonic()
+            e = sbx.run_code(STUBBORN, timeout_s=3)
+            assert e.timed_out and time.monotonic() - started <= 3 + TIMEOUT_MARGIN_S
+
+
+def test_a_crash_keeps_what_the_call_printed_and_says_why(tier: str) -> None:
+    with Sandbox.create(tier, limits=Limits(timeout_s=60)) as sbx:
+        killer = threading.Timer(2.0, sbx.instance.boundary.kill)  # type: ignore[attr-defined]
+        killer.start()
+        try:
+            with pytest.raises(SandboxCrashed) as caught:
+                sbx.commands.run("echo printed-before; echo on-stderr >&2; sleep 30")
+        finally:
+            killer.cancel()
+        assert "printed-before" in caught.value.stdout and "on-stderr" in caught.value.stderr
+        assert "printed-before" in caught.value.report()
