@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from stockade.server.app import create_app
     from stockade.server.context import ServiceConfig
-    from stockade.server.serve import serve
+    from stockade.server.serving import serve
     from stockade.server.service import Service
     from stockade.server.tenants import Quotas, Tenant, Tenants, new_token
 
 _LAZY = {
     "create_app": "stockade.server.app",
     "ServiceConfig": "stockade.server.context",
-    "serve": "stockade.server.serve",
+    "serve": "stockade.server.serving",
     "Service": "stockade.server.service",
     "Quotas": "stockade.server.tenants",
     "Tenant": "stockade.server.tenants",

@@ -10,7 +10,7 @@ from pathlib import Path
 from stockade import exceptions as exc
 from stockade.audit.log import AuditLog
 from stockade.audit.stores import open_store
-from stockade.runtime.limits import RateLimit, Window, window_for
+from stockade.runtime.limits import LocalWindow, RateLimit, RedisWindow, Window
 from stockade.server.tenants import Principal, Tenant, Tenants
 
 __all__ = ["AuditLogs", "ServiceConfig", "TenantLimits"]
@@ -39,6 +39,7 @@ class ServiceConfig:
     tools: str | None = None  # "module:attribute" of a Toolset replacing the default tools
     audit_key: bytes | None = field(default=None, repr=False)
     visibility_timeout_s: float = 3600.0  # Celery: a delivered run is given again after this
+    queue: str = "stockade"  # the Celery queue, and the prefix of every Redis key of the service
     temp_dir: Path | None = None  # uploads being checked, downloads being packed
 
 
@@ -71,8 +72,8 @@ class TenantLimits:
     """Each tenant's ``rate_per_minute`` over its API calls (and, in runs, its tool actions),
     in a window shared by every process when Redis is configured."""
 
-    def __init__(self, redis: str | None) -> None:
-        self.window: Window = window_for(redis)
+    def __init__(self, redis: str | None, *, namespace: str = "stockade") -> None:
+        self.window: Window = RedisWindow(redis, namespace=namespace) if redis else LocalWindow()
         self._rates: dict[str, RateLimit] = {}
         self._lock = threading.Lock()
 

@@ -177,7 +177,12 @@ def _fix(error: Mapping[str, Any]) -> str:
 def from_validation(errors: Sequence[Mapping[str, Any]], instance: str = "") -> Problem:
     """A request that fails its schema: 400 when the body is not JSON, else 422, each field named."""
     items = [
-        {"field": _field(e.get("loc", ())), "message": str(e.get("msg", "")), "fix": _fix(e)} for e in errors
+        {
+            "field": "body" if e.get("type") == "json_invalid" else _field(e.get("loc", ())),
+            "message": str(e.get("msg", "")),
+            "fix": _fix(e),
+        }
+        for e in errors
     ]
     malformed = any(
         e.get("type") == "json_invalid"

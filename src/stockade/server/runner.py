@@ -125,7 +125,7 @@ class Runner:
         self.approvals = DatabaseApprovals(self.store)
         self.kills = DatabaseKillSource(self.store)
         self.audit = AuditLogs(config.database, key=config.audit_key)
-        self.limits = TenantLimits(config.redis)
+        self.limits = TenantLimits(config.redis, namespace=config.queue)
         self.tools = load_toolset(config.tools)
         self._spend: dict[str, SpendLimit] = {}
         self._sessions: dict[str, AgentSession] = {}

@@ -27,7 +27,7 @@ class Service:
         self.store = ServiceStore(open_database(config.database))
         self.run_store = RunStore(open_database(config.database), namespace="runs")
         self.audit = AuditLogs(config.database, key=config.audit_key)
-        self.limits = TenantLimits(config.redis)
+        self.limits = TenantLimits(config.redis, namespace=config.queue)
         self.approvals = DatabaseApprovals(self.store)
         self.kills = DatabaseKillSource(self.store, poll_s=0.0)
         self.sandboxes = SandboxRegistry(self)
