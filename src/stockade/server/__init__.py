@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from stockade.server.app import create_app
     from stockade.server.context import ServiceConfig
-    from stockade.server.serving import serve
     from stockade.server.service import Service
+    from stockade.server.serving import serve
     from stockade.server.tenants import Quotas, Tenant, Tenants, new_token
 
 _LAZY = {
