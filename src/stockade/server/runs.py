@@ -79,7 +79,9 @@ def _out(service: Service, row: RunRow, *, detail: bool = False) -> RunOut:
         worker=row.worker,
         error=row.error,
     )
-    summary = service.run_store.summary(row.run_id)
+    # the run store's figures for one run at a time: a listing stays one query (each summary
+    # would sweep the store's leases)
+    summary = service.run_store.summary(row.run_id) if detail else None
     if summary is not None:
         out.steps, out.tokens, out.cost_usd = summary.steps, summary.usage.total_tokens, summary.cost_usd
         out.error = row.error or summary.error
