@@ -13,15 +13,7 @@ import pytest
 
 from stockade.client import Client
 from tests.conftest import require_tier
-from tests.integration.service_env import (  # noqa: F401 - fixtures
-    REDIS_URL,
-    Server,
-    Tokens,
-    Worker,
-    postgres_url,
-    redis_queue,
-    write_tenants,
-)
+from tests.integration.service_env import REDIS_URL, Server, Tokens, Worker, write_tenants
 
 pytestmark = [pytest.mark.process, pytest.mark.redis, pytest.mark.postgres, pytest.mark.slow]
 TOOLS = "tests.integration.service_tools:toolset"
