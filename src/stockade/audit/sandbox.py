@@ -18,7 +18,15 @@ from collections.abc import Callable, Mapping
 from stockade import exceptions as exc
 from stockade.audit.events import EventKind
 from stockade.audit.log import AuditLog
-from stockade.sandbox.base import Backend, Instance, OpResult, OutputSink, SandboxSpec
+from stockade.sandbox.base import (
+    Backend,
+    Instance,
+    OpResult,
+    OutputSink,
+    SandboxSpec,
+    WrapperBackend,
+    WrapperInstance,
+)
 from stockade.sandbox.ops import (
     MakeDir,
     Op,
@@ -30,7 +38,7 @@ from stockade.sandbox.ops import (
     WriteFile,
     as_inline,
 )
-from stockade.types import CommandResult, Execution, TierReport
+from stockade.types import CommandResult, Execution
 
 __all__ = ["AuditedBackend", "AuditedInstance"]
 
@@ -128,7 +136,7 @@ def failure(error: BaseException) -> dict[str, object]:
     return {"error": type(error).__name__, "error_message": str(error), "retryable": retryable}
 
 
-class AuditedInstance(Instance):
+class AuditedInstance(WrapperInstance):
     """Records every state-changing operation of ``inner`` into ``log`` under ``run_id``.
 
     ``step`` tells the current agent step (the agent loop passes its own counter).
@@ -136,21 +144,18 @@ class AuditedInstance(Instance):
 
     def __init__(
         self,
-        inner: Instance,
+        wrapped: Instance,
         log: AuditLog,
         *,
         run_id: str,
         step: StepSource = _no_step,
         actor: str = "sandbox",
     ) -> None:
-        self.inner = inner
+        super().__init__(wrapped)
         self.log = log
         self.run_id = run_id
         self.step = step
         self.actor = actor
-        self.id = inner.id
-        self.tier = inner.tier
-        self.enforcement = inner.enforcement
         self._started = time.perf_counter()
         self._ops = 0
         self._stopped = False
@@ -168,26 +173,22 @@ class AuditedInstance(Instance):
     def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
         described = describe(op)
         if described is None:
-            return self.inner.handle(op, sink)
+            return self.wrapped.handle(op, sink)
         kind, attributes = described
         self._ops += 1
         start = time.perf_counter()
         try:
-            result = self.inner.handle(op, sink)
+            result = self.wrapped.handle(op, sink)
         except BaseException as error:
             self._record(kind, time.perf_counter() - start, {**attributes, **failure(error)})
             raise
         self._record(kind, time.perf_counter() - start, {**attributes, **outcome(result)})
         return result
 
-    @property
-    def alive(self) -> bool:
-        return self.inner.alive
-
     def close(self) -> None:
         start = time.perf_counter()
         try:
-            self.inner.close()
+            self.wrapped.close()
         finally:
             if not self._stopped:
                 self._stopped = True
@@ -198,27 +199,23 @@ class AuditedInstance(Instance):
                 )
 
 
-class AuditedBackend(Backend):
+class AuditedBackend(WrapperBackend):
     """Starts ``inner``'s sandboxes as ``AuditedInstance``s and records each start (or failure)."""
 
     def __init__(
         self,
-        inner: Backend,
+        wrapped: Backend,
         log: AuditLog,
         *,
         run_id: str,
         step: StepSource = _no_step,
         actor: str = "sandbox",
     ) -> None:
-        self.inner = inner
+        super().__init__(wrapped)
         self.log = log
         self.run_id = run_id
         self.step = step
         self.actor = actor
-        self.tier = inner.tier
-
-    def probe(self) -> TierReport:
-        return self.inner.probe()
 
     def start(self, spec: SandboxSpec) -> AuditedInstance:
         limits = spec.limits
@@ -239,7 +236,7 @@ class AuditedBackend(Backend):
         }
         start = time.perf_counter()
         try:
-            instance = self.inner.start(spec)
+            instance = self.wrapped.start(spec)
         except BaseException as error:
             self.log.record(
                 EventKind.SANDBOX_START,

@@ -28,10 +28,18 @@ from stockade.runtime.events import Observer as RuntimeObserver
 from stockade.runtime.events import RuntimeEvent
 from stockade.runtime.retry import RetryPolicy
 from stockade.sandbox import _registry
-from stockade.sandbox.base import Backend, Instance, OpResult, OutputSink, SandboxSpec
+from stockade.sandbox.base import (
+    Backend,
+    Instance,
+    OpResult,
+    OutputSink,
+    SandboxSpec,
+    WrapperBackend,
+    WrapperInstance,
+)
 from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import Op, ReadFile
-from stockade.types import TierReport, Trust
+from stockade.types import Trust
 
 __all__ = ["DEMO_POLICY", "SAMPLE_PROJECT", "FaultInjectingBackend", "demo_model", "run_demo", "test_command"]
 
@@ -55,32 +63,23 @@ FIX = """\
 """
 
 
-class _FaultInjectingInstance(Instance):
-    def __init__(self, inner: Instance, fails: Callable[[Op], bool]) -> None:
-        self.inner = inner
+class _FaultInjectingInstance(WrapperInstance):
+    def __init__(self, wrapped: Instance, fails: Callable[[Op], bool]) -> None:
+        super().__init__(wrapped)
         self.fails = fails
-        self.id, self.tier, self.enforcement = inner.id, inner.tier, inner.enforcement
 
     def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
         if self.fails(op):
             raise ResourceContention(f"injected transient fault on {type(op).__name__}")
-        return self.inner.handle(op, sink)
-
-    def close(self) -> None:
-        self.inner.close()
-
-    @property
-    def alive(self) -> bool:
-        return self.inner.alive
+        return self.wrapped.handle(op, sink)
 
 
-class FaultInjectingBackend(Backend):
-    """Starts ``inner``'s sandboxes; once ``arm()`` is called, the next read of ``path`` fails
+class FaultInjectingBackend(WrapperBackend):
+    """Starts ``wrapped``'s sandboxes; once ``arm()`` is called, the next read of ``path`` fails
     transiently, once."""
 
-    def __init__(self, inner: Backend, *, path: str) -> None:
-        self.inner = inner
-        self.tier = inner.tier
+    def __init__(self, wrapped: Backend, *, path: str) -> None:
+        super().__init__(wrapped)
         self.path = path
         self.armed = False
         self.injected = 0
@@ -94,11 +93,8 @@ class FaultInjectingBackend(Backend):
             return True
         return False
 
-    def probe(self) -> TierReport:
-        return self.inner.probe()
-
     def start(self, spec: SandboxSpec) -> Instance:
-        return _FaultInjectingInstance(self.inner.start(spec), self._fails)
+        return _FaultInjectingInstance(self.wrapped.start(spec), self._fails)
 
 
 def test_command(sandbox: Sandbox) -> str:

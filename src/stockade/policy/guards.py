@@ -16,9 +16,16 @@ from stockade.policy.approval import ApprovalRequest, Approvals
 from stockade.policy.engine import Decision, PolicyEngine
 from stockade.policy.schema import Verdict
 from stockade.runtime.anomaly import AnomalyMonitor
-from stockade.sandbox.base import Backend, Instance, OpResult, OutputSink, SandboxSpec
+from stockade.sandbox.base import (
+    Backend,
+    Instance,
+    OpResult,
+    OutputSink,
+    SandboxSpec,
+    WrapperBackend,
+    WrapperInstance,
+)
 from stockade.sandbox.ops import Op, RunCode, RunCommand, as_inline
-from stockade.types import TierReport
 
 __all__ = [
     "GuardContext",
@@ -93,35 +100,21 @@ def op_policy_guard(
     return guard
 
 
-class GuardedInstance(Instance):
-    def __init__(self, inner: Instance, guard: OpGuard, ctx: GuardContext) -> None:
-        self.inner = inner
+class GuardedInstance(WrapperInstance):
+    def __init__(self, wrapped: Instance, guard: OpGuard, ctx: GuardContext) -> None:
+        super().__init__(wrapped)
         self.guard = guard
         self.ctx = ctx
-        self.id = inner.id
-        self.tier = inner.tier
-        self.enforcement = inner.enforcement
 
     def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
-        return self.inner.handle(self.guard(self.ctx, op), sink)
-
-    def close(self) -> None:
-        self.inner.close()
-
-    @property
-    def alive(self) -> bool:
-        return self.inner.alive
+        return self.wrapped.handle(self.guard(self.ctx, op), sink)
 
 
-class GuardedBackend(Backend):
-    def __init__(self, inner: Backend, guard: OpGuard, ctx: GuardContext) -> None:
-        self.inner = inner
+class GuardedBackend(WrapperBackend):
+    def __init__(self, wrapped: Backend, guard: OpGuard, ctx: GuardContext) -> None:
+        super().__init__(wrapped)
         self.guard = guard
         self.ctx = ctx
-        self.tier = inner.tier
-
-    def probe(self) -> TierReport:
-        return self.inner.probe()
 
     def start(self, spec: SandboxSpec) -> GuardedInstance:
-        return GuardedInstance(self.inner.start(spec), self.guard, self.ctx)
+        return GuardedInstance(self.wrapped.start(spec), self.guard, self.ctx)

@@ -30,9 +30,11 @@ from stockade.sandbox.base import (
     OpResult,
     OutputSink,
     SandboxSpec,
+    WrapperBackend,
+    WrapperInstance,
 )
 from stockade.sandbox.ops import ListDir, Op, ReadFile, Stat
-from stockade.types import CommandResult, TierReport
+from stockade.types import CommandResult
 
 __all__ = [
     "READ_OPS",
@@ -129,45 +131,33 @@ class Retrier:
         raise AssertionError("unreachable: stamina re-raises the last error")  # pragma: no cover
 
 
-class RetryingInstance(Instance):
+class RetryingInstance(WrapperInstance):
     """Retries reads after transient failures; side-effecting ops only when the caller lists
     them in ``idempotent`` (e.g. ``(WriteFile, MakeDir)``). Commands are never retried here."""
 
-    def __init__(self, inner: Instance, retrier: Retrier, *, idempotent: tuple[type[Op], ...] = ()) -> None:
-        self.inner = inner
+    def __init__(self, wrapped: Instance, retrier: Retrier, *, idempotent: tuple[type[Op], ...] = ()) -> None:
+        super().__init__(wrapped)
         self.retrier = retrier
         self.retried_ops = READ_OPS + idempotent
-        self.id = inner.id
-        self.tier = inner.tier
-        self.enforcement = inner.enforcement
 
     def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
         if isinstance(op, self.retried_ops):
-            return self.retrier.call(f"{self.tier}:{type(op).__name__}", lambda: self.inner.handle(op, sink))
-        return self.inner.handle(op, sink)
-
-    def close(self) -> None:
-        self.inner.close()
-
-    @property
-    def alive(self) -> bool:
-        return self.inner.alive
+            return self.retrier.call(
+                f"{self.tier}:{type(op).__name__}", lambda: self.wrapped.handle(op, sink)
+            )
+        return self.wrapped.handle(op, sink)
 
 
-class RetryingBackend(Backend):
+class RetryingBackend(WrapperBackend):
     """Sandbox creation is idempotent: a start that fails transiently is tried again."""
 
-    def __init__(self, inner: Backend, retrier: Retrier, *, idempotent: tuple[type[Op], ...] = ()) -> None:
-        self.inner = inner
+    def __init__(self, wrapped: Backend, retrier: Retrier, *, idempotent: tuple[type[Op], ...] = ()) -> None:
+        super().__init__(wrapped)
         self.retrier = retrier
         self.idempotent = idempotent
-        self.tier = inner.tier
-
-    def probe(self) -> TierReport:
-        return self.inner.probe()
 
     def start(self, spec: SandboxSpec) -> RetryingInstance:
-        instance = self.retrier.call(f"{self.tier}:start", lambda: self.inner.start(spec))
+        instance = self.retrier.call(f"{self.tier}:start", lambda: self.wrapped.start(spec))
         return RetryingInstance(instance, self.retrier, idempotent=self.idempotent)
 
 

@@ -3,7 +3,8 @@
 Twin interfaces, as in httpx: ``Backend.start`` / ``Instance.execute`` / ``Instance.close``
 for threads, ``AsyncBackend.astart`` / ``AsyncInstance.aexecute`` / ``AsyncInstance.aclose``
 for asyncio. One class may implement both (``stockade.testing.FakeBackend`` does).
-Cross-cutting behaviour (retry, audit, policy) wraps these interfaces; it is never a flag.
+Cross-cutting behaviour (retry, audit, policy) wraps these interfaces; it is never a flag:
+a wrapper subclasses ``WrapperInstance`` / ``WrapperBackend`` and overrides what it changes.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ __all__ = [
     "OutputSink",
     "SandboxSpec",
     "ThreadedAsyncBackend",
+    "WrapperBackend",
+    "WrapperInstance",
 ]
 
 # Called with (1 for stdout | 2 for stderr, raw bytes) as output arrives.
@@ -98,8 +101,9 @@ class Instance(abc.ABC):
         """Kill every process of the sandbox and release its resources. Idempotent."""
 
     @property
+    @abc.abstractmethod
     def alive(self) -> bool:
-        return True
+        """Whether the sandbox can still run ops (pools hand out only live ones)."""
 
 
 class Backend(abc.ABC):
@@ -114,6 +118,42 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def start(self, spec: SandboxSpec) -> Instance:
         """Start a sandbox, or raise ``LimitNotEnforceable`` / ``SandboxStartError``."""
+
+
+class WrapperInstance(Instance):
+    """Delegates everything to ``wrapped``; a subclass overrides what it changes (usually
+    ``handle``), as ``WrapperModel`` does for models. ``alive`` is the wrapped sandbox's: a
+    dead sandbox under a wrapper must not look alive to a pool."""
+
+    def __init__(self, wrapped: Instance) -> None:
+        self.wrapped = wrapped
+        self.id = wrapped.id
+        self.tier = wrapped.tier
+        self.enforcement = wrapped.enforcement
+
+    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+        return self.wrapped.handle(op, sink)
+
+    def close(self) -> None:
+        self.wrapped.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.wrapped.alive
+
+
+class WrapperBackend(Backend):
+    """Delegates to ``wrapped``; a subclass overrides ``start`` to wrap what it starts."""
+
+    def __init__(self, wrapped: Backend) -> None:
+        self.wrapped = wrapped
+        self.tier = wrapped.tier
+
+    def probe(self) -> TierReport:
+        return self.wrapped.probe()
+
+    def start(self, spec: SandboxSpec) -> Instance:
+        return self.wrapped.start(spec)
 
 
 class AsyncInstance(abc.ABC):
