@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import threading
 import time
 import weakref
 from typing import Any
@@ -79,12 +80,27 @@ def truncation_marker(shown: int, total: int) -> str:
     return f"\n[stockade: output truncated: showing {shown} of {total} bytes]\n"
 
 
+# Guards only the flip of a boundary's ``_dead`` flag, never a kill itself: one for all is enough.
+_KILLING = threading.Lock()
+
+
 class Boundary(abc.ABC):
     """What a tier provides around the supervisor."""
 
-    @abc.abstractmethod
+    _dead = False  # set by the first kill()
+
     def kill(self) -> None:
-        """Kill every process of the sandbox, now. Idempotent."""
+        """Kill every process of the sandbox, now. Idempotent: ``_kill`` runs once, in the
+        first caller's thread (close, the finalizer and a timed-out call may race here)."""
+        with _KILLING:
+            if self._dead:
+                return
+            self._dead = True
+        self._kill()
+
+    @abc.abstractmethod
+    def _kill(self) -> None:
+        """Kill every process of the sandbox and release what the tier holds for it."""
 
     def oom_kills(self) -> int | None:
         """How many processes the sandbox's memory limit has killed so far, if known."""

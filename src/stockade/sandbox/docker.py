@@ -276,8 +276,6 @@ class _ContainerBoundary(Boundary):
         self.since = time.time() - 1.0
         self.rundir = rundir
         self.mounts = mounts
-        self._dead = False
-        self._lock = threading.Lock()
         self._oom_file: Path | None = None
         self._oom_resolved = False
 
@@ -317,11 +315,7 @@ class _ContainerBoundary(Boundary):
         except _engine_failures():
             return None
 
-    def kill(self) -> None:
-        with self._lock:
-            if self._dead:
-                return
-            self._dead = True
+    def _kill(self) -> None:
         _remove(self.api, self.cid)
         _release_mounts(self.rundir, self.mounts)
         if self.lease is not None:  # last: no process of the sandbox is left with the uid

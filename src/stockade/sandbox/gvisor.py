@@ -146,8 +146,6 @@ class _RunscBoundary(Boundary):
         self.proc = proc
         self.bundle = bundle
         self.mounts = mounts
-        self._dead = False
-        self._lock = threading.Lock()
 
     def alive(self) -> bool:
         return not self._dead and self.proc.poll() is None
@@ -162,11 +160,7 @@ class _RunscBoundary(Boundary):
                 return found
         return None
 
-    def kill(self) -> None:
-        with self._lock:
-            if self._dead:
-                return
-            self._dead = True
+    def _kill(self) -> None:
         # The channel closed the supervisor's stdin first, so a healthy sandbox is already
         # exiting; a stuck one is killed. Deleting a running sandbox would wait seconds.
         try:

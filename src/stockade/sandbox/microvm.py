@@ -313,8 +313,6 @@ class _VMBoundary(Boundary):
         self.sock = sock
         self.rundir = rundir
         self.cgroup = cgroup
-        self._dead = False
-        self._lock = threading.Lock()
 
     def alive(self) -> bool:
         return not self._dead and self.proc.poll() is None
@@ -330,11 +328,7 @@ class _VMBoundary(Boundary):
         # counted by the guest's kernel, and reported by the supervisor with each result.
         return None if self.cgroup is None else self.cgroup.oom_kills()
 
-    def kill(self) -> None:
-        with self._lock:
-            if self._dead:
-                return
-            self._dead = True
+    def _kill(self) -> None:
         # The guest is one process on the host: killing QEMU kills every process inside.
         with contextlib.suppress(ProcessLookupError):
             self.proc.kill()

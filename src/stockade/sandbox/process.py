@@ -85,7 +85,6 @@ class _ProcessBoundary(Boundary):
         self.rundir = rundir
         self.mounts = mounts
         self.lease = lease
-        self._dead = False
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -100,10 +99,7 @@ class _ProcessBoundary(Boundary):
         code = self.proc.poll()
         return "killed" if not self._dead and code is not None and code < 0 else "unknown"
 
-    def kill(self) -> None:
-        if self._dead:
-            return
-        self._dead = True
+    def _kill(self) -> None:
         # bwrap's namespace init dies with it (--die-with-parent), and with it every process
         # of the pid namespace; the cgroup sweep then catches anything still exiting.
         with contextlib.suppress(ProcessLookupError):

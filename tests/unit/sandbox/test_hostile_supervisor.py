@@ -50,7 +50,7 @@ class Killed(Boundary):
     def __init__(self) -> None:
         self.killed = False
 
-    def kill(self) -> None:
+    def _kill(self) -> None:
         self.killed = True
 
 
