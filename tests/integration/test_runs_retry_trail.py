@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -38,7 +39,7 @@ class FailsFirstRead(Instance):
         self.inner, self.path, self.reads = inner, path, 0
         self.id, self.tier, self.enforcement = inner.id, inner.tier, inner.enforcement
 
-    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         if isinstance(op, ReadFile) and op.path == self.path:
             self.reads += 1
             if self.reads == 2:

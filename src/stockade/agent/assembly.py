@@ -52,6 +52,7 @@ from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from stockade._checks import check_choice
 from stockade.agent.checkpoint import Checkpointer
@@ -269,7 +270,7 @@ def _call_guard(inner: Guard) -> Guard:
 
 
 def _op_guard(engine: PolicyEngine, approvals: Approvals, log: AuditLog) -> OpGuard:
-    def guard(ctx: OpContext, op: Op) -> Op:
+    def guard(ctx: OpContext, op: Op[Any]) -> Op[Any]:
         decision = engine.op(op, tool=ctx.tool)
         if decision.verdict is Verdict.APPROVE and _call_approved.get():
             return op  # a human approved the tool call that issues this op

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from stockade import exceptions as exc
 from stockade.audit.events import EventKind
@@ -59,7 +60,7 @@ def _digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def describe(op: Op) -> tuple[EventKind, dict[str, object]] | None:
+def describe(op: Op[Any]) -> tuple[EventKind, dict[str, object]] | None:
     """The event kind and attributes of an operation, or ``None`` for reads (not recorded)."""
     match op:
         case RunCommand():
@@ -170,7 +171,7 @@ class AuditedInstance(WrapperInstance):
             attributes={"sandbox_id": self.id, "tier": self.tier, **attributes},
         )
 
-    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         described = describe(op)
         if described is None:
             return self.wrapped.handle(op, sink)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -175,7 +175,7 @@ def explain(
         err.print(f"[red]error:[/red] {escape(str(e))}")
         raise typer.Exit(2) from None
     actions: list[tuple[str, list[tuple[str, Decision]]]] = []
-    ops: list[tuple[str, Op]] = []
+    ops: list[tuple[str, Op[Any]]] = []
     if command is not None:
         ops.append((f"run `{command}`", RunCommand(argv=("/bin/sh", "-c", command))))
     if read is not None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from stockade.agent import AgentEvent, Checkpointer, Observer, RunLimits, RunResult, RunStarted
 from stockade.agent.assembly import AgentConfig, build_agent
@@ -64,11 +65,11 @@ FIX = """\
 
 
 class _FaultInjectingInstance(WrapperInstance):
-    def __init__(self, wrapped: Instance, fails: Callable[[Op], bool]) -> None:
+    def __init__(self, wrapped: Instance, fails: Callable[[Op[Any]], bool]) -> None:
         super().__init__(wrapped)
         self.fails = fails
 
-    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         if self.fails(op):
             raise ResourceContention(f"injected transient fault on {type(op).__name__}")
         return self.wrapped.handle(op, sink)
@@ -87,7 +88,7 @@ class FaultInjectingBackend(WrapperBackend):
     def arm(self) -> None:
         self.armed = True
 
-    def _fails(self, op: Op) -> bool:
+    def _fails(self, op: Op[Any]) -> bool:
         if self.armed and self.injected == 0 and isinstance(op, ReadFile) and op.path == self.path:
             self.injected += 1
             return True

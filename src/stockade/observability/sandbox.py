@@ -9,6 +9,7 @@ either order: ``TracedBackend(AuditedBackend(backend, log, run_id=...), telemetr
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from stockade.observability.telemetry import Telemetry
 from stockade.sandbox.base import (
@@ -40,7 +41,7 @@ _OP_NAMES = {
 }
 
 
-def _request(op: Op) -> dict[str, object]:
+def _request(op: Op[Any]) -> dict[str, object]:
     if isinstance(op, RunCommand):
         return {"process.command_args": list(op.argv), "stockade.env_names": sorted(op.envs) or None}
     if isinstance(op, RunCode):
@@ -72,7 +73,7 @@ class TracedInstance(WrapperInstance):
         super().__init__(wrapped)
         self.telemetry = telemetry
 
-    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         name = _OP_NAMES.get(type(op).__name__, type(op).__name__.lower())
         attributes = {"stockade.sandbox.id": self.id, "stockade.sandbox.tier": self.tier, **_request(op)}
         start = time.perf_counter()

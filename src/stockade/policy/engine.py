@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from stockade.exceptions import ConfigurationError, TierUnavailable
 from stockade.policy.commands import UnanalysableError, analyse, decide_command, matches
@@ -173,13 +173,13 @@ class PolicyEngine:
 
     # -- what the guards ask ------------------------------------------------------------
 
-    def op(self, op: Op, *, tool: str = "") -> Decision:
+    def op(self, op: Op[Any], *, tool: str = "") -> Decision:
         parts = self.explain(op, tool=tool)
         if not parts:
             return Decision(verdict=Verdict.DENY, rule="ops", reason=f"unknown operation {type(op).__name__}")
         return strictest(decision for _, decision in parts)
 
-    def explain(self, op: Op, *, tool: str = "") -> tuple[tuple[str, Decision], ...]:
+    def explain(self, op: Op[Any], *, tool: str = "") -> tuple[tuple[str, Decision], ...]:
         """Every check ``op`` goes through, named, with its decision; ``op()`` is the strictest.
         Empty for an operation the engine does not know (which ``op()`` denies)."""
         match op:

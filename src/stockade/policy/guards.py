@@ -10,6 +10,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from stockade.exceptions import PolicyDenied
 from stockade.policy.approval import ApprovalRequest, Approvals
@@ -46,11 +47,11 @@ class GuardContext:
     tool: str = ""
 
 
-OpGuard = Callable[[GuardContext, Op], Op]
+OpGuard = Callable[[GuardContext, Op[Any]], Op[Any]]
 
 
 def pipeline(guards: Sequence[OpGuard]) -> OpGuard:
-    def run(ctx: GuardContext, op: Op) -> Op:
+    def run(ctx: GuardContext, op: Op[Any]) -> Op[Any]:
         for guard in guards:
             op = guard(ctx, op)
         return op
@@ -58,7 +59,7 @@ def pipeline(guards: Sequence[OpGuard]) -> OpGuard:
     return run
 
 
-def describe(op: Op) -> str:
+def describe(op: Op[Any]) -> str:
     """The op in words, for humans approving it and for the model reading a denial."""
     match op:
         case RunCommand():
@@ -93,7 +94,7 @@ def enforce(
 def op_policy_guard(
     engine: PolicyEngine, approvals: Approvals | None = None, monitor: AnomalyMonitor | None = None
 ) -> OpGuard:
-    def guard(ctx: GuardContext, op: Op) -> Op:
+    def guard(ctx: GuardContext, op: Op[Any]) -> Op[Any]:
         enforce(engine.op(op, tool=ctx.tool), ctx, describe(op), approvals, monitor)
         return op
 
@@ -106,7 +107,7 @@ class GuardedInstance(WrapperInstance):
         self.guard = guard
         self.ctx = ctx
 
-    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         return self.wrapped.handle(self.guard(self.ctx, op), sink)
 
 

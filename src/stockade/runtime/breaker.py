@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from stockade.exceptions import CircuitOpen, PolicyDenied, RuntimeLimit, SandboxError
 from stockade.runtime.clock import Clock, SystemClock
@@ -216,7 +216,7 @@ class BreakerInstance(WrapperInstance):
         super().__init__(wrapped)
         self.breaker = breaker
 
-    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         return self.breaker.call(lambda: self.wrapped.handle(op, sink), error_counts=sandbox_failure)
 
 

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from stockade.exceptions import ConfigurationError, RunInterrupted, RunKilled, StockadeError
 from stockade.runtime.events import KillRequested, Observer, ignore
@@ -352,7 +352,7 @@ class KillableInstance(WrapperInstance):
         super().__init__(wrapped)
         self.switch = switch
 
-    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         if self.switch.killed:
             raise self.switch._error()
         try:

@@ -188,7 +188,7 @@ class SupervisedInstance(Instance):
 
     # -- dispatch -----------------------------------------------------------------------
 
-    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         self._check_open()
         oom_before = self.boundary.oom_kills()
         try:
@@ -207,7 +207,7 @@ class SupervisedInstance(Instance):
                 err.cause = self.boundary.death_cause()
             raise
 
-    def _handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+    def _handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         match op:
             case RunCommand():
                 return self._run_command(op, sink)

@@ -12,22 +12,9 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import overload
+from typing import Any, TypeVar, cast
 
-from stockade.sandbox.ops import (
-    GetArchive,
-    ListDir,
-    MakeDir,
-    Op,
-    PutArchive,
-    ReadFile,
-    Remove,
-    Reset,
-    RunCode,
-    RunCommand,
-    Stat,
-    WriteFile,
-)
+from stockade.sandbox.ops import Op
 from stockade.types import (
     CommandResult,
     Enforcement,
@@ -53,7 +40,9 @@ __all__ = [
 
 # Called with (1 for stdout | 2 for stderr, raw bytes) as output arrives.
 OutputSink = Callable[[int, bytes], None]
+# What the ops of ``stockade.sandbox.ops`` answer, whichever it was: what ``handle`` returns.
 OpResult = CommandResult | Execution | bytes | EntryInfo | tuple[EntryInfo, ...] | None
+R = TypeVar("R")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,26 +63,15 @@ class Instance(abc.ABC):
     tier: str
     enforcement: Enforcement
 
-    @overload
-    def execute(self, op: RunCommand, sink: OutputSink | None = None) -> CommandResult: ...
-    @overload
-    def execute(self, op: RunCode, sink: OutputSink | None = None) -> Execution: ...
-    @overload
-    def execute(self, op: ReadFile | GetArchive, sink: OutputSink | None = None) -> bytes: ...
-    @overload
-    def execute(self, op: WriteFile | MakeDir, sink: OutputSink | None = None) -> EntryInfo: ...
-    @overload
-    def execute(self, op: Stat, sink: OutputSink | None = None) -> EntryInfo | None: ...
-    @overload
-    def execute(self, op: ListDir, sink: OutputSink | None = None) -> tuple[EntryInfo, ...]: ...
-    @overload
-    def execute(self, op: Remove | PutArchive | Reset, sink: OutputSink | None = None) -> None: ...
+    def execute(self, op: Op[R], sink: OutputSink | None = None) -> R:
+        """Run ``op``; what comes back is what the op says (``RunCommand`` -> ``CommandResult``).
 
-    def execute(self, op: Op, sink: OutputSink | None = None) -> OpResult:
-        return self.handle(op, sink)
+        ``sink`` gets output as it arrives (see ``OutputSink``)."""
+        # handle() answers each op with the op's own result type: that is its contract
+        return cast(R, self.handle(op, sink))
 
     @abc.abstractmethod
-    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         """Execute one operation. ``execute`` is its typed front door."""
 
     @abc.abstractmethod
@@ -131,7 +109,7 @@ class WrapperInstance(Instance):
         self.tier = wrapped.tier
         self.enforcement = wrapped.enforcement
 
-    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         return self.wrapped.handle(op, sink)
 
     def close(self) -> None:
@@ -161,8 +139,13 @@ class AsyncInstance(abc.ABC):
     tier: str
     enforcement: Enforcement
 
+    async def aexecute(self, op: Op[R], sink: OutputSink | None = None) -> R:
+        """Run ``op``; what comes back is what the op says, as for ``Instance.execute``."""
+        return cast(R, await self.ahandle(op, sink))
+
     @abc.abstractmethod
-    async def aexecute(self, op: Op, sink: OutputSink | None = None) -> OpResult: ...
+    async def ahandle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
+        """Execute one operation. ``aexecute`` is its typed front door."""
 
     @abc.abstractmethod
     async def aclose(self) -> None: ...
@@ -184,7 +167,7 @@ class _ThreadedInstance(AsyncInstance):
         self.tier = inner.tier
         self.enforcement = inner.enforcement
 
-    async def aexecute(self, op: Op, sink: OutputSink | None = None) -> OpResult:
+    async def ahandle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         import asyncio  # lazily: importing stockade must stay cheap
 
         return await asyncio.to_thread(self.inner.handle, op, sink)

@@ -370,7 +370,7 @@ class _ContainerInstance(SupervisedInstance):
 
     container: _ContainerBoundary
 
-    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         try:
             return super().handle(op, sink)
         except exc.SandboxCrashed as err:

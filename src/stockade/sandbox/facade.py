@@ -432,9 +432,7 @@ class AsyncCommands:
     ) -> CommandResult:
         op = command_op(cmd, cwd, envs, timeout_s, stdin)
         sink = text_sink(_threadsafe(on_stdout), _threadsafe(on_stderr))
-        result = await self._instance.aexecute(op, sink)
-        assert isinstance(result, CommandResult)
-        return result
+        return await self._instance.aexecute(op, sink)
 
 
 class AsyncFiles:
@@ -443,24 +441,17 @@ class AsyncFiles:
 
     async def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> str | bytes:
         data = await self._instance.aexecute(ReadFile(path=check_path(path)))
-        assert isinstance(data, bytes)
         return data if format == "bytes" else data.decode("utf-8", "replace")
 
     async def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> EntryInfo:
         raw = data.encode() if isinstance(data, str) else data
-        entry = await self._instance.aexecute(WriteFile(path=check_path(path), data=raw, mode=mode))
-        assert isinstance(entry, EntryInfo)
-        return entry
+        return await self._instance.aexecute(WriteFile(path=check_path(path), data=raw, mode=mode))
 
     async def list(self, path: str = "", *, depth: int = 1) -> list[EntryInfo]:
-        entries = await self._instance.aexecute(ListDir(path=check_path(path), depth=depth))
-        assert isinstance(entries, tuple)
-        return list(entries)
+        return list(await self._instance.aexecute(ListDir(path=check_path(path), depth=depth)))
 
     async def stat(self, path: str) -> EntryInfo | None:
-        entry = await self._instance.aexecute(Stat(path=check_path(path), follow_symlinks=False))
-        assert entry is None or isinstance(entry, EntryInfo)
-        return entry
+        return await self._instance.aexecute(Stat(path=check_path(path), follow_symlinks=False))
 
     async def exists(self, path: str) -> bool:
         return await self.stat(path) is not None
@@ -469,9 +460,7 @@ class AsyncFiles:
         await self._instance.aexecute(Remove(path=check_path(path)))
 
     async def make_dir(self, path: str) -> EntryInfo:
-        entry = await self._instance.aexecute(MakeDir(path=check_path(path)))
-        assert isinstance(entry, EntryInfo)
-        return entry
+        return await self._instance.aexecute(MakeDir(path=check_path(path)))
 
     async def upload_dir(self, source: str | Path, dest: str = "") -> None:
         import asyncio  # lazily: importing stockade must stay cheap
@@ -496,7 +485,6 @@ class AsyncFiles:
         unpack = await asyncio.to_thread(Extraction, dest, max_bytes=max_bytes, max_entries=max_entries)
         try:
             whole = await self._instance.aexecute(op, unpack.sink)
-            assert isinstance(whole, bytes)
             if whole:  # a backend that answers with the whole archive (the shipped fakes)
                 await asyncio.to_thread(unpack.feed, whole)
             return await asyncio.to_thread(unpack.finish)
@@ -569,11 +557,9 @@ class AsyncSandbox:
     ) -> Execution:
         op = code_op(code, language, timeout_s)
         sink = text_sink(_threadsafe(on_stdout), _threadsafe(on_stderr))
-        result = await self.instance.aexecute(op, sink)
-        if isinstance(result, CommandResult):
-            return as_execution(result)
-        assert isinstance(result, Execution)
-        return result
+        if isinstance(op, RunCode):
+            return await self.instance.aexecute(op, sink)
+        return as_execution(await self.instance.aexecute(op, sink))
 
     async def reset(self) -> None:
         await self.instance.aexecute(Reset())

@@ -16,6 +16,7 @@ import tarfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from stockade import exceptions as exc
 from stockade.models.scripted import FunctionModel, ScriptedModel, tool_call
@@ -64,7 +65,7 @@ __all__ = [
     "tool_call",
 ]
 
-Handler = Callable[[Op], OpResult]
+Handler = Callable[[Op[Any]], OpResult]
 FAKE_ENFORCEMENT = Enforcement(
     memory=Mechanism.NONE,
     cpus=Mechanism.NONE,
@@ -93,7 +94,7 @@ class MemoryWorkspace:
     files: dict[str, bytes] = field(default_factory=dict)
     dirs: set[str] = field(default_factory=set)
 
-    def __call__(self, op: Op) -> OpResult:
+    def __call__(self, op: Op[Any]) -> OpResult:
         match op:
             case RunCommand():
                 return self.commands(op)
@@ -216,10 +217,10 @@ class FakeInstance(Instance, AsyncInstance):
         self.id = f"fake-{number}"
         self.tier = tier
         self.enforcement = FAKE_ENFORCEMENT
-        self.ops: list[Op] = []
+        self.ops: list[Op[Any]] = []
         self.closed = False
 
-    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         if self.closed:
             raise exc.SandboxClosed(f"sandbox {self.id} is closed")
         self.ops.append(op)
@@ -231,7 +232,7 @@ class FakeInstance(Instance, AsyncInstance):
                 sink(2, result.stderr.encode())
         return result
 
-    async def aexecute(self, op: Op, sink: OutputSink | None = None) -> OpResult:
+    async def ahandle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         return self.handle(op, sink)
 
     @property

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
 
 from stockade.exceptions import ToolTimeout
 from stockade.sandbox.base import Instance, OpResult, OutputSink, WrapperInstance
@@ -38,7 +39,7 @@ class DeadlineInstance(WrapperInstance):
         self.timeout_s = timeout_s
         self.clock = clock
 
-    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         left = self.deadline - self.clock()
         if left <= 0:
             raise ToolTimeout(

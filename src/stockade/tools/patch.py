@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from stockade.exceptions import PatchRejected, SandboxFileNotFound, StockadeError
 from stockade.sandbox.facade import Sandbox
@@ -192,11 +193,11 @@ def _explain(path: str, number: int, total: int, hunk: Hunk, lines: list[str], e
     )
 
 
-def patch_ops(diff: str) -> list[Op]:
+def patch_ops(diff: str) -> list[Op[Any]]:
     """The sandbox ops applying ``diff`` would issue (without their data), for a policy to judge
     every path it touches before anything happens: old and new names, renames, deletions.
     ``PatchRejected`` if it is not a diff."""
-    ops: list[Op] = []
+    ops: list[Op[Any]] = []
     for patch in parse_unified_diff(diff):
         if patch.old_path is None:
             ops.append(Stat(path=patch.path))  # a created file must not exist yet

@@ -14,6 +14,7 @@ import stat
 import tarfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -72,7 +73,7 @@ def hardlink(name: str, target: str) -> tuple[tarfile.TarInfo, bytes]:
 def download(data: bytes, dest: Path, **caps: int) -> DownloadResult:
     """Through the public API, with a fake sandbox that answers with ``data``."""
 
-    def handler(op: Op) -> object:
+    def handler(op: Op[Any]) -> object:
         assert isinstance(op, GetArchive)
         return data
 
@@ -428,7 +429,7 @@ def test_bad_caps_are_configuration_errors(tmp_path: Path) -> None:
 
 def test_the_async_twin_gives_the_same_result_and_the_same_refusals(host: Path) -> None:
     async def main(data: bytes, dest: Path) -> DownloadResult:
-        def handler(op: Op) -> object:
+        def handler(op: Op[Any]) -> object:
             return data
 
         sbx = await AsyncSandbox.create(backend=FakeBackend(handler))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -36,7 +37,7 @@ WRAPPER_MODULES = (
 )
 
 
-def _allow(ctx: GuardContext, op: Op) -> Op:
+def _allow(ctx: GuardContext, op: Op[Any]) -> Op[Any]:
     return op
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -262,7 +263,7 @@ def test_the_snapshot_reads_only_plain_workspace_paths() -> None:
     inner = MemoryWorkspace(files={"a.txt": b"a\n"})
     read: list[str] = []
 
-    def handler(op: Op) -> OpResult:
+    def handler(op: Op[Any]) -> OpResult:
         if isinstance(op, ListDir):
             entries = inner(op)
             assert isinstance(entries, tuple)
