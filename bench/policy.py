@@ -28,7 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from stockade import Sandbox
-from stockade.agent import Agent, AgentConfig, RunLimits, build_agent
+from stockade.agent import Agent, RunLimits
+from stockade.assembly import AgentConfig, build_agent
 from stockade.models import FunctionModel, ModelRequest, ModelResponse, ToolCall, Usage
 from stockade.policy import PolicyEngine, load_policy
 from stockade.policy import commands as command_rules

@@ -14,7 +14,8 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from stockade.agent import AgentConfig, RunLimits, build_agent
+from stockade.agent import RunLimits
+from stockade.assembly import AgentConfig, build_agent
 from stockade.audit import AuditLog, MemoryStore, Redactor
 from stockade.models import ScriptedModel, tool_call
 from stockade.observability import Telemetry

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from stockade.agent import AgentConfig, RunLimits, build_agent
+from stockade.agent import RunLimits
+from stockade.assembly import AgentConfig, build_agent
 from stockade.audit import EventKind, SQLiteStore
 from stockade.cli.main import app
 from stockade.exceptions import ResourceContention

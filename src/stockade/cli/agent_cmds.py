@@ -254,7 +254,7 @@ def agent(
     success, 1 the run ended otherwise (check_failed, max_steps, ...), 2 a configuration error
     (or the run is running elsewhere), 3 paused.
     """
-    from stockade.agent import AgentConfig, build_agent
+    from stockade.assembly import AgentConfig, build_agent
     from stockade.policy import ApprovalStore, cli_approver
 
     try:

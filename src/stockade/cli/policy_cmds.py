@@ -160,7 +160,7 @@ def explain(
     """What the policy would decide about an action, and why: each rule that applies, its verdict
     and its reason, and the outcome (the strictest). Exit codes: 0 allowed, 1 denied, 3 needs a
     human's approval, 2 a mistake in the question."""
-    from stockade.agent.assembly import effective_trust
+    from stockade.assembly import effective_trust
     from stockade.policy.engine import Decision, PolicyEngine, strictest
     from stockade.policy.load import load_policy
     from stockade.sandbox.ops import Op, ReadFile, Remove, RunCommand, WriteFile

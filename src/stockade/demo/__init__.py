@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from stockade.agent import AgentEvent, Checkpointer, Observer, RunLimits, RunResult, RunStarted
-from stockade.agent.assembly import AgentConfig, build_agent
+from stockade.assembly import AgentConfig, build_agent
 from stockade.audit.log import AuditLog
 from stockade.exceptions import ResourceContention
 from stockade.models import ScriptedModel, tool_call

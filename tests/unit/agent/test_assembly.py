@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from stockade.agent import AgentConfig, RunLimits, RunStatus, build_agent
-from stockade.agent.assembly import effective_trust
+from stockade.agent import RunLimits, RunStatus
+from stockade.assembly import AgentConfig, build_agent, effective_trust
 from stockade.audit import AuditLog, MemoryStore
 from stockade.exceptions import PolicyDenied, TierUnavailable
 from stockade.models import FunctionModel, ModelRequest, ModelResponse, ScriptedModel, tool_call

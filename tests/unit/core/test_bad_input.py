@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from stockade import ConfigurationError, InvalidArgument, Limits, Sandbox
-from stockade.agent import AgentConfig
+from stockade.assembly import AgentConfig
 from stockade.cli.main import app
 from stockade.models import ScriptedModel
 from stockade.testing import FakeBackend, MemoryWorkspace
