@@ -314,7 +314,7 @@ def replay(
 ) -> None:
     """Run a recorded run again with its recorded model responses in a fresh sandbox; exit 1 when
     an observation differs from the recorded one (flaky tests, time-dependent commands)."""
-    from stockade.audit.replay import replay as replay_run
+    from stockade.runs.replay import replay as replay_run
     from stockade.sandbox.facade import Sandbox
 
     with tempfile.TemporaryDirectory(prefix="stockade-seed-") as seed, _store(db, namespace) as store:
