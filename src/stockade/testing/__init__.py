@@ -6,6 +6,9 @@ same path rules as the real tiers) and answers commands with ``commands(op)``.
 
     backend = FakeBackend(MemoryWorkspace(commands=lambda op: CommandResult(...)))
     with Sandbox.create(backend=backend) as sbx: ...
+
+``FaultInjectingBackend(backend, path=...)`` wraps any backend, the real tiers too, and makes
+a read fail as a busy host would: what retries, audit trails and run stores must survive.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import io
 import posixpath
 import tarfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +32,8 @@ from stockade.sandbox.base import (
     OpResult,
     OutputSink,
     SandboxSpec,
+    WrapperBackend,
+    WrapperInstance,
 )
 from stockade.sandbox.ops import (
     GetArchive,
@@ -58,6 +64,7 @@ __all__ = [
     "CapturedAudit",
     "FakeBackend",
     "FakeInstance",
+    "FaultInjectingBackend",
     "FunctionModel",
     "MemoryWorkspace",
     "ScriptedModel",
@@ -279,3 +286,44 @@ class FakeBackend(Backend, AsyncBackend):
 
     async def astart(self, spec: SandboxSpec) -> FakeInstance:
         return self.start(spec)
+
+
+class _FaultInjectingInstance(WrapperInstance):
+    def __init__(self, wrapped: Instance, backend: FaultInjectingBackend) -> None:
+        super().__init__(wrapped)
+        self.backend = backend
+
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
+        if self.backend.fails(op):
+            raise exc.ResourceContention("injected: the host is busy")
+        return self.wrapped.handle(op, sink)
+
+
+class FaultInjectingBackend(WrapperBackend):
+    """Starts ``wrapped``'s sandboxes; the next read of ``path`` in any of them fails with a
+    transient ``ResourceContention`` (``times`` reads in all). With ``armed=False`` nothing
+    fails until ``arm()`` is called (say, once the run has started). ``injected`` counts."""
+
+    def __init__(self, wrapped: Backend, *, path: str, armed: bool = True, times: int = 1) -> None:
+        super().__init__(wrapped)
+        self.path = path
+        self.armed = armed
+        self.times = times
+        self.injected = 0
+        self._lock = threading.Lock()
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def fails(self, op: Op[Any]) -> bool:
+        """Whether ``op`` is to fail (counted as injected if so)."""
+        if not (self.armed and isinstance(op, ReadFile) and op.path == self.path):
+            return False
+        with self._lock:
+            if self.injected >= self.times:
+                return False
+            self.injected += 1
+            return True
+
+    def start(self, spec: SandboxSpec) -> Instance:
+        return _FaultInjectingInstance(self.wrapped.start(spec), self)

@@ -20,19 +20,19 @@ from stockade.runtime.killswitch import KillSwitch
 from stockade.runtime.retry import Retrier, RetryingBackend
 from stockade.sandbox.base import Backend, Instance, SandboxSpec, WrapperBackend, WrapperInstance
 from stockade.sandbox.ops import Op, RunCommand
-from stockade.testing import FakeBackend, FakeInstance
+from stockade.testing import FakeBackend, FakeInstance, FaultInjectingBackend
 from stockade.tools.deadline import DeadlineInstance
 from stockade.types import CommandResult
 
 # The modules that define wrappers: every subclass they define must be listed below.
 WRAPPER_MODULES = (
     "stockade.audit.sandbox",
-    "stockade.demo",
     "stockade.observability.sandbox",
     "stockade.policy.guards",
     "stockade.runtime.breaker",
     "stockade.runtime.killswitch",
     "stockade.runtime.retry",
+    "stockade.testing",
     "stockade.tools.deadline",
 )
 
@@ -49,8 +49,6 @@ def _traced(inner: Backend) -> Backend:
 
 
 def _faulty(inner: Backend) -> Backend:
-    from stockade.demo import FaultInjectingBackend
-
     return FaultInjectingBackend(inner, path="never-read")
 
 
@@ -133,3 +131,18 @@ def test_a_wrapped_backend_probes_and_names_the_tier_below(name: str) -> None:
     backend = BACKENDS[name](FakeBackend(tier="below"))
     assert backend.tier == "below"
     assert backend.probe() == FakeBackend(tier="below").probe()
+
+
+def test_the_fault_injector_fails_the_reads_it_is_told_to_once_armed() -> None:
+    from stockade.exceptions import ResourceContention
+    from stockade.sandbox.ops import ReadFile, WriteFile
+
+    faults = FaultInjectingBackend(FakeBackend(), path="log.txt", armed=False, times=2)
+    sbx = faults.start(SandboxSpec())
+    sbx.execute(WriteFile(path="log.txt", data=b"x"))
+    assert sbx.execute(ReadFile(path="log.txt")) == b"x"  # not armed yet
+    faults.arm()
+    for _ in range(2):
+        with pytest.raises(ResourceContention, match="injected"):
+            sbx.execute(ReadFile(path="log.txt"))
+    assert sbx.execute(ReadFile(path="log.txt")) == b"x" and faults.injected == 2
