@@ -26,9 +26,10 @@ from pathlib import Path
 
 from stockade import Limits, Sandbox
 from stockade.sandbox import _oci
+from stockade.sandbox._rootfs import find_rootfs
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.sandbox.docker import DEFAULT_IMAGE, DockerBackend
-from stockade.sandbox.gvisor import RunscBackend, find_rootfs
+from stockade.sandbox.gvisor import RunscBackend
 
 
 def timed(fn: Callable[[], object]) -> float:

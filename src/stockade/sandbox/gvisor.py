@@ -34,28 +34,18 @@ from typing import Literal
 from stockade import exceptions as exc
 from stockade.sandbox import _oci
 from stockade.sandbox._host import PipeStream
+from stockade.sandbox._rootfs import find_rootfs
 from stockade.sandbox._supervised import Boundary, SupervisedInstance, supervisor_config
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.types import Enforcement, HostShare, Mechanism, TierReport
 
-__all__ = ["GVisorBackend", "RunscBackend", "collect_garbage", "find_rootfs"]
+__all__ = ["GVisorBackend", "RunscBackend", "collect_garbage"]
 
 Mode = Literal["auto", "docker", "runsc"]
 START_TIMEOUT_S = 30.0
-ROOTFS_MARKER = "etc/stockade-rootfs"
 DEFAULT_PLATFORM = "systrap"
 # Not the process tier's "stockade": its garbage collector owns every cgroup under that one.
 CGROUP_PARENT = "stockade-gvisor"
-
-
-def find_rootfs() -> Path | None:
-    """The offline root filesystem: ``STOCKADE_ROOTFS``, else the newest one built in the cache."""
-    explicit = os.environ.get("STOCKADE_ROOTFS")
-    if explicit:
-        return Path(explicit)
-    cache = Path(os.environ.get("STOCKADE_CACHE") or Path.home() / ".cache" / "stockade") / "rootfs"
-    built = [p for p in cache.glob("*") if (p / ROOTFS_MARKER).is_file()]
-    return max(built, key=lambda p: (p / ROOTFS_MARKER).stat().st_mtime) if built else None
 
 
 class GVisorBackend(Backend):

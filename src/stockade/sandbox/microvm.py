@@ -35,6 +35,7 @@ from pathlib import Path
 
 from stockade import exceptions as exc
 from stockade.sandbox import _cgroups, _oci
+from stockade.sandbox._rootfs import ROOTFS_MARKER, cache_root, find_rootfs
 from stockade.sandbox._supervised import Boundary, SupervisedInstance, supervisor_config
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.types import Enforcement, HostShare, Mechanism, TierReport
@@ -164,12 +165,12 @@ def _clock_args(kernel: GuestKernel) -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("STOCKADE_CACHE") or Path.home() / ".cache" / "stockade") / "microvm"
+    return cache_root() / "microvm"
 
 
 def root_image(rootfs: Path) -> Path:
     """The rootfs as a read-only ext4 image, built once per rootfs content (its build marker)."""
-    marker = (rootfs / _oci_marker()).read_bytes() if (rootfs / _oci_marker()).is_file() else b""
+    marker = (rootfs / ROOTFS_MARKER).read_bytes() if (rootfs / ROOTFS_MARKER).is_file() else b""
     key = hashlib.sha256(repr((str(rootfs), marker, IMAGE_VERSION)).encode()).hexdigest()[:12]
     target = cache_dir() / f"rootfs-{key}.ext4"
     if target.is_file():
@@ -200,12 +201,6 @@ def root_image(rootfs: Path) -> Path:
             f"cannot build the microVM root image: {err} {detail.decode(errors='replace')[:500]}"
         ) from None
     return target
-
-
-def _oci_marker() -> str:
-    from stockade.sandbox.gvisor import ROOTFS_MARKER
-
-    return ROOTFS_MARKER
 
 
 # -- the initramfs ---------------------------------------------------------------------------
@@ -354,8 +349,6 @@ class MicroVMBackend(Backend):
         accel: str | None = None,
         state_dir: Path | None = None,
     ) -> None:
-        from stockade.sandbox.gvisor import find_rootfs
-
         self.rootfs = Path(rootfs) if rootfs else find_rootfs()
         self.kernel = kernel or find_kernel()
         self.qemu = qemu or shutil.which("qemu-system-x86_64") or ""
