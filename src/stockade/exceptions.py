@@ -34,10 +34,10 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   └── ModelRequestRejected      400/404/422: the request itself is wrong
     ├── AuditError                    the audit trail could not do its job
     │   ├── AuditStoreError           [retryable] the audit store is unreachable or locked
-    │   │   └── RunStoreError         [retryable] the run store (checkpoints, traces) is unreachable
-    │   │       ├── RunLeased         [retryable] another process runs this run; ``retry_after``: its lease
-    │   │       └── RunStoreCorrupt   a stored row does not parse; the message names it
     │   └── AuditIntegrityError       verify found the chain edited, cut or reordered
+    ├── RunStoreError                 [retryable] the run store (checkpoints, traces) is unreachable
+    │   ├── RunLeased                 [retryable] another process runs this run; ``retry_after``: its lease
+    │   └── RunStoreCorrupt           a stored row does not parse; the message names it
     ├── ToolError                     a tool could not do what the model asked (fed back to it)
     │   ├── InvalidToolCall           unknown tool or arguments that fail its schema
     │   ├── PatchRejected             a diff does not apply; nothing was changed
@@ -419,8 +419,16 @@ class AuditStoreError(AuditError):
     retryable = True
 
 
-class RunStoreError(AuditStoreError):
-    """The run store (checkpoints, step traces) is unreachable, locked or failing."""
+class AuditIntegrityError(AuditError):
+    """``verify`` found the chain edited, truncated, reordered, or not signed with the given key."""
+
+
+class RunStoreError(StockadeError):
+    """The run store (checkpoints, step traces) is unreachable, locked or failing. It may share
+    a database with the audit trail, but it is not the trail: a run store that fails leaves the
+    trail as it was."""
+
+    retryable = True
 
 
 class RunLeased(RunStoreError):
@@ -433,7 +441,3 @@ class RunStoreCorrupt(RunStoreError):
     reads the same bytes."""
 
     retryable = False
-
-
-class AuditIntegrityError(AuditError):
-    """``verify`` found the chain edited, truncated, reordered, or not signed with the given key."""
