@@ -1,4 +1,4 @@
-"""The stockade error tree.
+"""The stockade error tree, and the signals that stop a run.
 
 Every error says whether retrying the same call can help (``retryable``) and, when the
 cause knows, after how long (``retry_after``, seconds). Native errors (bwrap, docker,
@@ -42,16 +42,22 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── InvalidToolCall           unknown tool or arguments that fail its schema
     │   ├── PatchRejected             a diff does not apply; nothing was changed
     │   └── ToolTimeout               the call ran past the tool's ``timeout_s``; its sandbox work was cut
-    ├── RuntimeLimit                  a runtime control refused the action for now
-    │   ├── CircuitOpen               [retryable] too many consecutive failures; retry after cool-down
-    │   └── RateLimited               [retryable] too many actions in the window; retry after
-    └── RunStopped                    a control ends the run with a status
-        ├── BudgetExceeded            status "budget": steps, wall time, tokens, dollars, $/hour spent
-        ├── RunKilled                 status "killed": someone pulled the kill switch
-        ├── RunInterrupted            status "interrupted": stopped from outside (Ctrl-C, SIGTERM); resumable
-        └── ApprovalRequired          status "paused": a human must decide; resume the run after
+    └── RuntimeLimit                  a runtime control refused the action for now
+        ├── CircuitOpen               [retryable] too many consecutive failures; retry after cool-down
+        └── RateLimited               [retryable] too many actions in the window; retry after
 
-Errors pickle cleanly (they cross process boundaries in the distributed tier).
+A control that ends a run does not fail anything: it raises a ``RunStopped``, control flow
+apart from the error tree, as ``asyncio.CancelledError`` is. It derives from ``BaseException``,
+so that no ``except Exception`` (a tool's, a wrapper's) can swallow a kill or a pause on its
+way to the loop, which ends the run with its ``status``:
+
+    RunStopped                        a control ends the run with a status
+    ├── BudgetExceeded                status "budget": steps, wall time, tokens, dollars, $/hour spent
+    ├── RunKilled                     status "killed": someone pulled the kill switch
+    ├── RunInterrupted                status "interrupted": stopped from outside (Ctrl-C, SIGTERM); resumable
+    └── ApprovalRequired              status "paused": a human must decide; resume the run after
+
+Both pickle cleanly with their state (they cross process boundaries in the distributed tier).
 """
 
 from __future__ import annotations
@@ -108,8 +114,8 @@ __all__ = [
 ]
 
 
-class StockadeError(Exception):
-    """Root of every error stockade raises on purpose."""
+class _Raised(BaseException):
+    """What errors and run signals share: a message, ``retry_after``, and pickling with state."""
 
     retryable: ClassVar[bool] = False
 
@@ -125,11 +131,15 @@ class StockadeError(Exception):
         return self.message
 
 
-def _rebuild(cls: type[StockadeError], message: str, state: dict[str, Any]) -> StockadeError:
+def _rebuild(cls: type[_Raised], message: str, state: dict[str, Any]) -> _Raised:
     err = cls.__new__(cls)
-    Exception.__init__(err, message)
+    BaseException.__init__(err, message)
     err.__dict__.update(state)
     return err
+
+
+class StockadeError(_Raised, Exception):
+    """Root of every error stockade raises on purpose."""
 
 
 class ConfigurationError(StockadeError):
@@ -272,7 +282,9 @@ class PolicyDenied(StockadeError):
 
 
 class RuntimeLimit(StockadeError):
-    """A runtime control (breaker, rate or spend limit, budget, kill switch) stopped the action."""
+    """A runtime control (a circuit breaker, a rate limit) refused this action for now; the
+    run goes on. Controls that end the run (budgets, the spend limit, the kill switch) raise
+    ``RunStopped`` instead."""
 
 
 class CircuitOpen(RuntimeLimit):
@@ -354,10 +366,12 @@ class ModelRequestRejected(ModelError):
     """The provider rejected the request as malformed (400, 404, 422): retrying cannot help."""
 
 
-class RunStopped(StockadeError):
+class RunStopped(_Raised):
     """Raised by a control (guard, observer, tool or model wrapper) to end an agent run.
 
-    The loop ends the run with ``status`` instead of crashing; subclasses name new statuses.
+    Not an error (it derives from ``BaseException``, not ``StockadeError``): the loop ends the
+    run with ``status`` instead of crashing, and nothing on the way may take it for a failure
+    to report, count or retry. Subclasses name new statuses.
     """
 
     status: ClassVar[str] = "killed"

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from stockade.exceptions import CircuitOpen, PolicyDenied, RuntimeLimit, SandboxError
+from stockade.exceptions import CircuitOpen, PolicyDenied, RunStopped, RuntimeLimit, SandboxError
 from stockade.runtime.clock import Clock, SystemClock
 from stockade.runtime.events import BreakerChanged, BreakerState, Observer, ignore
 from stockade.sandbox.base import (
@@ -41,7 +41,9 @@ T = TypeVar("T")
 
 
 def counts_as_failure(err: BaseException) -> bool:
-    return not isinstance(err, PolicyDenied | RuntimeLimit)
+    """Denials, limits and run signals (a kill, a pause for approval) are no failure of the
+    protected thing; anything else is."""
+    return not isinstance(err, PolicyDenied | RuntimeLimit | RunStopped)
 
 
 def sandbox_failure(err: BaseException) -> bool:

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from stockade.exceptions import PatchRejected, SandboxFileNotFound, StockadeError
+from stockade.exceptions import PatchRejected, RunStopped, SandboxFileNotFound, StockadeError
 from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import Op, ReadFile, Remove, Stat, WriteFile
 
@@ -247,7 +247,7 @@ def apply_patch_to_sandbox(sandbox: Sandbox, diff: str) -> list[tuple[str, int, 
             else:
                 sandbox.files.write(target, new_text)
             done.append((target, original))
-    except StockadeError:
+    except (StockadeError, RunStopped):  # a pause for approval too: the call runs again on resume
         for target, original in reversed(done):
             if original is None:
                 sandbox.files.remove(target)

@@ -17,12 +17,20 @@ ALL_ERRORS = [
     for _, obj in inspect.getmembers(exceptions, inspect.isclass)
     if issubclass(obj, exceptions.StockadeError)
 ]
+ALL_SIGNALS = [
+    obj
+    for _, obj in inspect.getmembers(exceptions, inspect.isclass)
+    if issubclass(obj, exceptions.RunStopped)
+]
 
 
-@pytest.mark.parametrize("cls", ALL_ERRORS, ids=lambda c: c.__name__)
-def test_every_error_pickles_with_its_state(cls: type[exceptions.StockadeError]) -> None:
+@pytest.mark.parametrize("cls", ALL_ERRORS + ALL_SIGNALS, ids=lambda c: c.__name__)
+def test_every_error_and_signal_pickles_with_its_state(
+    cls: type[exceptions.StockadeError | exceptions.RunStopped],
+) -> None:
     err = cls.__new__(cls)
-    exceptions.StockadeError.__init__(err, "boom", retry_after=2.5)
+    root = exceptions.RunStopped if issubclass(cls, exceptions.RunStopped) else exceptions.StockadeError
+    root.__init__(err, "boom", retry_after=2.5)
     err.extra = {"kept": True}  # type: ignore[attr-defined]
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is cls
@@ -43,10 +51,40 @@ def test_transient_and_permanent_errors_are_told_apart() -> None:
         assert not cls.retryable, cls
 
 
-def test_every_error_is_drawn_in_the_tree_docstring() -> None:
-    doc = exceptions.__doc__ or ""
-    missing = [cls.__name__ for cls in ALL_ERRORS if cls.__name__ not in doc]
-    assert missing == []
+def _drawn_parents() -> dict[str, str]:
+    """Each class drawn in the module docstring's trees -> the class it is drawn under."""
+    parents: dict[str, str] = {}
+    path: list[str] = []
+    for line in (exceptions.__doc__ or "").splitlines():
+        if not line.startswith("    ") or not line.strip():
+            continue
+        body = line[4:]
+        name = body.lstrip("│├└─ ").split(" ")[0]
+        if not name.isidentifier():
+            continue
+        depth = (len(body) - len(body.lstrip("│├└─ "))) // 4
+        path[depth:] = [name]
+        if depth:
+            parents[name] = path[depth - 1]
+    return parents
+
+
+def test_the_tree_docstring_is_the_class_tree() -> None:
+    drawn = _drawn_parents()
+    assert set(drawn) | {"StockadeError", "RunStopped"} == {c.__name__ for c in ALL_ERRORS + ALL_SIGNALS}
+    for cls in ALL_ERRORS + ALL_SIGNALS:
+        if cls.__name__ in drawn:
+            assert cls.__bases__[0].__name__ == drawn[cls.__name__], cls
+
+
+def test_run_signals_are_control_flow_no_except_exception_can_swallow() -> None:
+    for cls in ALL_SIGNALS:
+        assert not issubclass(cls, Exception) and not issubclass(cls, exceptions.StockadeError), cls
+    with pytest.raises(exceptions.RunKilled):
+        try:
+            raise exceptions.RunKilled("killed", run_id="r")
+        except Exception:  # what a tool or a wrapper may write
+            pytest.fail("a kill was swallowed")
 
 
 def test_the_public_surface_is_pinned() -> None:

@@ -114,3 +114,15 @@ def test_a_backend_breaker_counts_sandbox_failures_not_missing_files(clock) -> N
             instance.execute(ReadFile(path="x"))
     with pytest.raises(exc.CircuitOpen):
         instance.execute(ReadFile(path="missing"))
+
+
+def test_a_pause_for_approval_or_a_kill_is_no_failure_of_the_tool(clock) -> None:
+    breaker = CircuitBreaker("tool:write_file", clock=clock)
+
+    def pauses() -> None:
+        raise exc.ApprovalRequired("waits for a human", request_id="r1")
+
+    for _ in range(10):
+        with pytest.raises(exc.ApprovalRequired):
+            breaker.call(pauses)
+    assert breaker.state is BreakerState.CLOSED
