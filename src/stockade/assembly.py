@@ -88,8 +88,7 @@ from stockade.observability.telemetry import Telemetry
 from stockade.policy.agent import ApprovedModel, filter_outputs, policy_guard, prompt_filter
 from stockade.policy.approval import ApprovalRequest, Approvals, ApprovalStore, Approver
 from stockade.policy.engine import PolicyEngine
-from stockade.policy.guards import GuardContext as OpContext
-from stockade.policy.guards import GuardedInstance, OpGuard, describe, enforce
+from stockade.policy.guards import GuardedInstance, OpContext, OpGuard, describe, enforce
 from stockade.policy.load import load_policy
 from stockade.policy.schema import Policy, TrustRules, Verdict
 from stockade.runs.recorder import RunRecorder

@@ -29,9 +29,9 @@ from stockade.sandbox.base import (
 from stockade.sandbox.ops import Op, RunCode, RunCommand, as_inline
 
 __all__ = [
-    "GuardContext",
     "GuardedBackend",
     "GuardedInstance",
+    "OpContext",
     "OpGuard",
     "describe",
     "enforce",
@@ -41,17 +41,20 @@ __all__ = [
 
 
 @dataclass(frozen=True, kw_only=True)
-class GuardContext:
+class OpContext:
+    """What a guard of sandbox ops knows besides the op: the run, the role, the tool that issued
+    it. (A guard of tool calls gets the loop's ``GuardContext``.)"""
+
     run_id: str = "adhoc"
     role: str | None = None
     tool: str = ""
 
 
-OpGuard = Callable[[GuardContext, Op[Any]], Op[Any]]
+OpGuard = Callable[[OpContext, Op[Any]], Op[Any]]
 
 
 def pipeline(guards: Sequence[OpGuard]) -> OpGuard:
-    def run(ctx: GuardContext, op: Op[Any]) -> Op[Any]:
+    def run(ctx: OpContext, op: Op[Any]) -> Op[Any]:
         for guard in guards:
             op = guard(ctx, op)
         return op
@@ -72,7 +75,7 @@ def describe(op: Op[Any]) -> str:
 
 def enforce(
     decision: Decision,
-    ctx: GuardContext,
+    ctx: OpContext,
     action: str,
     approvals: Approvals | None,
     monitor: AnomalyMonitor | None = None,
@@ -94,7 +97,7 @@ def enforce(
 def op_policy_guard(
     engine: PolicyEngine, approvals: Approvals | None = None, monitor: AnomalyMonitor | None = None
 ) -> OpGuard:
-    def guard(ctx: GuardContext, op: Op[Any]) -> Op[Any]:
+    def guard(ctx: OpContext, op: Op[Any]) -> Op[Any]:
         enforce(engine.op(op, tool=ctx.tool), ctx, describe(op), approvals, monitor)
         return op
 
@@ -102,7 +105,7 @@ def op_policy_guard(
 
 
 class GuardedInstance(WrapperInstance):
-    def __init__(self, wrapped: Instance, guard: OpGuard, ctx: GuardContext) -> None:
+    def __init__(self, wrapped: Instance, guard: OpGuard, ctx: OpContext) -> None:
         super().__init__(wrapped)
         self.guard = guard
         self.ctx = ctx
@@ -112,7 +115,7 @@ class GuardedInstance(WrapperInstance):
 
 
 class GuardedBackend(WrapperBackend):
-    def __init__(self, wrapped: Backend, guard: OpGuard, ctx: GuardContext) -> None:
+    def __init__(self, wrapped: Backend, guard: OpGuard, ctx: OpContext) -> None:
         super().__init__(wrapped)
         self.guard = guard
         self.ctx = ctx

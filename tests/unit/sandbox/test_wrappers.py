@@ -14,7 +14,7 @@ import pytest
 from stockade.audit.log import AuditLog
 from stockade.audit.sandbox import AuditedBackend
 from stockade.audit.stores import MemoryStore
-from stockade.policy.guards import GuardContext, GuardedBackend
+from stockade.policy.guards import GuardedBackend, OpContext
 from stockade.runtime.breaker import Breakers, BreakingBackend
 from stockade.runtime.killswitch import KillSwitch
 from stockade.runtime.retry import Retrier, RetryingBackend
@@ -37,7 +37,7 @@ WRAPPER_MODULES = (
 )
 
 
-def _allow(ctx: GuardContext, op: Op[Any]) -> Op[Any]:
+def _allow(ctx: OpContext, op: Op[Any]) -> Op[Any]:
     return op
 
 
@@ -66,7 +66,7 @@ BACKENDS: dict[str, Callable[[Backend], Backend]] = {
     "AuditedBackend": lambda inner: AuditedBackend(inner, AuditLog(MemoryStore()), run_id="r"),
     "BreakingBackend": lambda inner: BreakingBackend(inner, Breakers()),
     "FaultInjectingBackend": _faulty,
-    "GuardedBackend": lambda inner: GuardedBackend(inner, _allow, GuardContext()),
+    "GuardedBackend": lambda inner: GuardedBackend(inner, _allow, OpContext()),
     "RetryingBackend": lambda inner: RetryingBackend(inner, Retrier()),
     "TracedBackend": _traced,
 }
