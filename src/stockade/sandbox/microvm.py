@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stockade import exceptions as exc
-from stockade.sandbox import _cgroups, _oci
+from stockade.sandbox import _cgroups, _guest
 from stockade.sandbox._rootfs import ROOTFS_MARKER, cache_root, find_rootfs
 from stockade.sandbox._supervised import Boundary, SupervisedInstance, supervisor_config
 from stockade.sandbox.base import Backend, SandboxSpec
@@ -226,10 +226,10 @@ def _cpio(entries: list[tuple[str, int, bytes]]) -> bytes:
 
 def initramfs(state_dir: Path, kernel: GuestKernel, rootfs: Path, busybox: str) -> Path:
     """The initramfs for ``kernel`` and ``rootfs``, named after its content, built once."""
-    kdir = _oci.kernel_dir(state_dir, str(rootfs))
-    if not _oci.has_bytecode(kdir, str(rootfs)):
+    kdir = _guest.kernel_dir(state_dir, str(rootfs))
+    if not _guest.has_bytecode(kdir, str(rootfs)):
         _compile(kdir, rootfs)
-    argv = " ".join(shlex.quote(a) for a in _oci.SUPERVISOR_ARGV)
+    argv = " ".join(shlex.quote(a) for a in _guest.SUPERVISOR_ARGV)
     files: dict[str, tuple[int, bytes]] = {
         "init": (0o755, INIT.replace("MODULES", " ".join(MODULES)).replace("PORT", PORT_NAME).encode()),
         "bin/busybox": (0o755, Path(busybox).read_bytes()),
@@ -270,14 +270,14 @@ def _compile(kdir: Path, rootfs: Path) -> None:
     """The rootfs's own python compiles the supervisor (in a chroot, once): best effort."""
     try:
         done = subprocess.run(
-            ["chroot", str(rootfs), "/usr/bin/python3", "-S", "-E", "-s", "-c", _oci.COMPILE],
-            input=json.dumps(_oci.python_sources(kdir)).encode(),
+            ["chroot", str(rootfs), "/usr/bin/python3", "-S", "-E", "-s", "-c", _guest.COMPILE],
+            input=json.dumps(_guest.python_sources(kdir)).encode(),
             capture_output=True,
             env={"PATH": "/usr/bin:/bin"},
             timeout=60,
             check=True,
         )
-        _oci.install_bytecode(kdir, str(rootfs), json.loads(done.stdout))
+        _guest.install_bytecode(kdir, str(rootfs), json.loads(done.stdout))
     except (OSError, ValueError, KeyError, subprocess.SubprocessError):
         pass
 
@@ -356,7 +356,7 @@ class MicroVMBackend(Backend):
         self.setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"
         self.prlimit = shutil.which("prlimit") or "/usr/bin/prlimit"  # util-linux, like setpriv
         self.accel = accel or os.environ.get("STOCKADE_MICROVM_ACCEL") or "tcg"
-        self.state_dir = state_dir or _oci.default_state_dir()
+        self.state_dir = state_dir or _guest.default_state_dir()
         self._prepared: tuple[Path, Path] | None = None
         self._lock = threading.Lock()
         self._collected = False
@@ -501,7 +501,7 @@ class MicroVMBackend(Backend):
                     pass_fds=(theirs.fileno(),),
                     start_new_session=True,
                 )
-            creator = _oci.current_creator()
+            creator = _guest.current_creator()
             (rundir / "owner.json").write_text(
                 json.dumps({"pid": proc.pid, "host": creator.host, "creator": creator.token})
             )
@@ -520,9 +520,9 @@ class MicroVMBackend(Backend):
         instance = SupervisedInstance(
             id=sid, tier=self.tier, stream=stream, boundary=boundary, spec=spec, enforcement=enforcement
         )
-        weakref.finalize(instance, _oci.abandon, stream, boundary)
+        weakref.finalize(instance, _guest.abandon, stream, boundary)
         try:
-            config = supervisor_config(spec, _oci.own_kernel_limits(spec).rlimits)
+            config = supervisor_config(spec, _guest.own_kernel_limits(spec).rlimits)
             config["report_oom"] = True  # the guest's kernel kills for memory; the host sees nothing
             instance.handshake(config, START_TIMEOUT_S)
         except exc.SandboxStartError as err:
@@ -553,9 +553,9 @@ def _tail(path: Path, limit: int = 2048) -> str:
 
 def collect_garbage() -> list[str]:
     """Kill the QEMU of every microVM whose creating process is gone, and remove its folder."""
-    me = _oci.current_creator()
+    me = _guest.current_creator()
     removed: list[str] = []
-    state_dir = _oci.default_state_dir()
+    state_dir = _guest.default_state_dir()
     if not state_dir.is_dir():
         return removed
     for rundir in state_dir.glob("vm-sbx-*"):

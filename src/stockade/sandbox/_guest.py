@@ -1,5 +1,7 @@
-"""Host-side pieces the container tiers share: the kernel folder, host tmpfs, creator
-identity, and the OCI runtime configuration ``runsc`` runs without Docker.
+"""What the host prepares for a guest: a sandbox with a root filesystem and a python of its
+own (the docker, gVisor and microVM tiers). The kernel folder and its bytecode, compiled by
+the guest's python, the boot script, creator identity, host tmpfs, OOM counters, and the OCI
+runtime configuration ``runsc`` runs without Docker.
 
 The same supervisor runs on every tier; a container sees it as a read-only bind mount of a
 folder named after the hash of its sources, so every process of this host shares one copy
