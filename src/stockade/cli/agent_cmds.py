@@ -34,6 +34,7 @@ from stockade.agent import (
 from stockade.cli._console import CliConsole, print_diff
 from stockade.cli._signals import Interrupted, exit_code, interruptible, on_stop, signal_name
 from stockade.runtime.events import RetryScheduled, RuntimeEvent
+from stockade.sandbox import _registry
 from stockade.tools import default_toolset, shell
 from stockade.types import Trust
 
@@ -184,7 +185,7 @@ def agent(
     ] = None,
     tier: Annotated[
         str | None,
-        typer.Option("--tier", "-t", help="process, docker, gvisor or microvm (default: by trust)"),
+        typer.Option("--tier", "-t", help=f"{_registry.NAMES} (default: by trust)"),
     ] = None,
     trust: Annotated[
         Trust | None, typer.Option("--trust", help="tightens the policy's trust level (never loosens it)")

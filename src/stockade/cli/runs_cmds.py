@@ -24,6 +24,7 @@ from stockade.cli._console import CliConsole, print_diff
 from stockade.cli._signals import Interrupted, interruptible
 from stockade.cli._signals import exit_code as signal_exit_code
 from stockade.runs.store import RetryEntry, RunStore, RunSummary, RunTrace, open_run_store
+from stockade.sandbox import _registry
 from stockade.tools.base import Toolset
 
 out = CliConsole()
@@ -299,7 +300,7 @@ def replay(
             "--workspace", "-w", help="the folder to start from (default: the one the run store kept)"
         ),
     ] = None,
-    tier: Annotated[str, typer.Option("--tier", "-t", help="process, docker, gvisor or microvm")] = "process",
+    tier: Annotated[str, typer.Option("--tier", "-t", help=_registry.NAMES)] = "process",
     tools: Annotated[
         list[str] | None,
         typer.Option(

@@ -24,7 +24,7 @@ from stockade.types import CommandResult, Limits, NetworkPolicy, TierReport
 out = CliConsole()
 err = CliConsole(stderr=True)
 
-TierOpt = Annotated[str, typer.Option("--tier", "-t", help="process, docker, gvisor or microvm")]
+TierOpt = Annotated[str, typer.Option("--tier", "-t", help=_registry.NAMES)]
 MemoryOpt = Annotated[int, typer.Option("--memory", help="memory limit in MiB")]
 CpusOpt = Annotated[float, typer.Option("--cpus", help="CPU limit (cores)")]
 PidsOpt = Annotated[int, typer.Option("--pids", help="process-count limit")]
