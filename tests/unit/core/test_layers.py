@@ -28,3 +28,9 @@ def test_each_package_loads_nothing_above_it() -> None:
         loaded = _loaded_after_import(package)
         above = sorted(m for m in loaded if m.split(".")[:2] in [f.split(".") for f in forbidden])
         assert not above, f"importing {package} loads {above}"
+
+
+def test_the_command_line_loads_no_optional_dependency_until_a_command_needs_it() -> None:
+    optional = ("docker", "psycopg", "redis", "limits", "yaml", "openai", "anthropic", "opentelemetry")
+    loaded = _loaded_after_import("stockade.cli.main")
+    assert sorted(m for m in loaded if m.split(".")[0] in optional) == []
