@@ -25,7 +25,7 @@ from stockade.exceptions import (
     WorkspaceError,
     WorkspaceFull,
 )
-from stockade.sandbox import AsyncSandbox, Sandbox
+from stockade.sandbox import AsyncSandbox, Sandbox, SandboxPool
 from stockade.types import (
     CommandResult,
     DownloadResult,
@@ -77,6 +77,7 @@ __all__ = [
     "SandboxCrashed",
     "SandboxError",
     "SandboxFileNotFound",
+    "SandboxPool",
     "SandboxStartError",
     "SkippedEntry",
     "StockadeError",

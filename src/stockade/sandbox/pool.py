@@ -20,7 +20,6 @@ import queue
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from stockade import exceptions as exc
@@ -83,6 +82,8 @@ class SandboxPool:
         self._counts = {"started": 0, "recycled": 0, "replaced": 0}
         self._closed = threading.Event()
         self._error: exc.StockadeError | None = None
+        from concurrent.futures import ThreadPoolExecutor  # lazily: importing stockade stays cheap
+
         self._recyclers = ThreadPoolExecutor(max_workers=size, thread_name_prefix="stockade-pool-reset")
         self._worker = threading.Thread(target=self._run, name="stockade-pool", daemon=True)
         self._worker.start()
