@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from stockade.audit import SQLiteStore, verify
 from stockade.cli.main import app
-from tests.conftest import require_tier
+from tests.conftest import require_tier, wait_for
 
 pytestmark = pytest.mark.process
 
@@ -199,10 +199,12 @@ def test_ctrl_c_stops_a_long_tool_call_at_once_and_the_run_resumes(tmp_path: Pat
     )  # fmt: skip
     try:
         live = tmp_path / "kill" / ".live" / "slow"
-        deadline = time.monotonic() + 60
-        while not live.exists():  # the run watches its kill switch once its sandbox is up
-            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-            time.sleep(0.05)
+
+        def watching() -> bool:  # the run watches its kill switch once its sandbox is up
+            assert proc.poll() is None, proc.communicate()
+            return live.exists()
+
+        wait_for(watching, what="the run to watch its kill switch", timeout_s=60)
         time.sleep(1.5)  # the model's first turn is in: the 120 s command runs
         started = time.monotonic()
         proc.send_signal(signal.SIGINT)
