@@ -61,7 +61,7 @@ def _secrets_in_memory(sbx: Sandbox, planted: list[str]) -> int:
     needles = ", ".join(f"bytes.fromhex({_shifted(s)!r})" for s in planted)
     sbx.run_code(SCAN_MEMORY)
     result = sbx.run_code(f"_scan([{needles}])")
-    assert result.error is None, result.error
+    assert result.error is None and result.text is not None, result.error
     return int(result.text)
 
 

@@ -75,7 +75,7 @@ def test_doctor_reports_every_tier_and_how_limits_are_enforced() -> None:
     reports = {t["tier"]: t for t in json.loads(stockade("doctor", "--json").stdout)}
     assert list(reports) == list(_registry.TIERS)
     assert reports["process"]["available"] is True
-    assert str(reports["process"]["enforcement"]["memory"]).startswith("cgroup")  # type: ignore[index]
+    assert str(reports["process"]["enforcement"]["memory"]).startswith("cgroup")
 
 
 def test_gc_runs_cleanly() -> None:

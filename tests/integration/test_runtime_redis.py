@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from typing import cast
 
 import pytest
 
@@ -73,6 +74,6 @@ def test_a_watched_run_is_live_in_redis_and_leaves_nothing_when_it_ends(redis_ur
     with switch.watch():
         assert source.live(run_id) is not None
         source.kill(run_id, "stop")
-        assert source.client.ttl(source.prefix + run_id) > 0  # a switch expires
+        assert cast(int, source.client.ttl(source.prefix + run_id)) > 0  # a switch expires
         wait_for(lambda: switch.killed, what="the switch to see the kill", timeout_s=5, interval_s=0.01)
     assert source.live(run_id) is None and source.reason(run_id) is None

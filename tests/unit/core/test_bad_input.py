@@ -44,7 +44,7 @@ def test_an_unknown_trust_names_the_argument_and_the_choices() -> None:
 )
 def test_limits_name_the_field_and_the_range(field: str, value: object, says: str) -> None:
     with pytest.raises(InvalidArgument) as caught:
-        Limits(**{field: value})
+        Limits(**{field: value})  # type: ignore[arg-type]  # wrong on purpose
     assert caught.value.argument == f"Limits.{field}"
     assert says in str(caught.value) and caught.value.fix in str(caught.value)
 

@@ -81,7 +81,7 @@ def _subclasses(cls: type) -> set[str]:
     for name in WRAPPER_MODULES:
         importlib.import_module(name)
     found: set[str] = set()
-    stack = list(cls.__subclasses__())
+    stack: list[type] = list(cls.__subclasses__())
     while stack:
         sub = stack.pop()
         if sub.__module__.startswith("stockade."):
@@ -97,11 +97,12 @@ def test_every_wrapper_of_the_package_is_checked_here() -> None:
     assert _subclasses(WrapperInstance) == started | set(INSTANCES)
 
 
+def _started_by(make: Callable[[Backend], Backend]) -> Callable[[Backend], Instance]:
+    return lambda inner: make(inner).start(SandboxSpec())
+
+
 def _wrapped_instances() -> list[tuple[str, Callable[[Backend], Instance]]]:
-    made: list[tuple[str, Callable[[Backend], Instance]]] = [
-        (name, lambda inner, make=make: make(inner).start(SandboxSpec())) for name, make in BACKENDS.items()
-    ]
-    return made + list(INSTANCES.items())
+    return [(name, _started_by(make)) for name, make in BACKENDS.items()] + list(INSTANCES.items())
 
 
 @pytest.mark.parametrize(

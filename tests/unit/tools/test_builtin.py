@@ -32,8 +32,10 @@ def make_sandbox(workspace: MemoryWorkspace | None = None) -> Sandbox:
     return Sandbox.create(backend=FakeBackend(ws))
 
 
-async def call(t: Tool, sbx: Sandbox, args: dict[str, object], **ctx: object) -> object:
-    context = ToolContext(sandbox=sbx, step=int(ctx.get("step", 1)), call_id=str(ctx.get("call_id", "c1")))
+async def call(
+    t: Tool, sbx: Sandbox, args: dict[str, object], *, step: int = 1, call_id: str = "c1"
+) -> object:
+    context = ToolContext(sandbox=sbx, step=step, call_id=call_id)
     return await t.invoke(context, t.validate(args))  # type: ignore[arg-type]
 
 
