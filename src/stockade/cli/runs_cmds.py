@@ -207,6 +207,30 @@ def trace_json(trace: RunTrace, *, limit: int = SHOWN_CHARS) -> dict[str, object
     }
 
 
+def _print_call(trace: RunTrace, step: int, record: ToolCallRecord, limit: int) -> None:
+    mark = "[yellow]denied[/]" if record.denied else "[red]✗[/]" if record.is_error else "[green]✓[/]"
+    args = json.dumps(record.call.args, ensure_ascii=False)
+    code = exit_code(record)
+    facts = [f"{record.duration_s * 1000:.0f} ms"]
+    if code is not None:
+        facts.insert(0, f"exit {code}")
+    if record.error_type:
+        facts.append(record.error_type)
+    out.print(f"  {mark} {record.call.name}({escape(_cut(args, 160))})  {', '.join(facts)}")
+    for retry in trace.retries_of(step, record.call.id):
+        out.print(
+            f"      [yellow]↻ retry {retry.attempt}[/] {escape(retry.subject)} after "
+            f"{retry.delay_s:.2f} s: {escape(retry.reason)}"
+        )
+    shown = _cut(record.observation, limit)
+    out.print(
+        "      " + escape(shown).replace("\n", "\n      "),
+        style="dim",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
 def _print_trace(trace: RunTrace, limit: int) -> None:
     s, state = trace.summary, trace.state
     colour = "green" if s.status == RunStatus.SUCCESS else "red"
@@ -230,27 +254,7 @@ def _print_trace(trace: RunTrace, limit: int) -> None:
         if step.response.text:
             out.print(f"  [dim]{escape(_cut(step.response.text, limit))}[/]")
         for record in step.tool_calls:
-            mark = "[yellow]denied[/]" if record.denied else "[red]✗[/]" if record.is_error else "[green]✓[/]"
-            args = json.dumps(record.call.args, ensure_ascii=False)
-            code = exit_code(record)
-            facts = [f"{record.duration_s * 1000:.0f} ms"]
-            if code is not None:
-                facts.insert(0, f"exit {code}")
-            if record.error_type:
-                facts.append(record.error_type)
-            out.print(f"  {mark} {record.call.name}({escape(_cut(args, 160))})  {', '.join(facts)}")
-            for retry in trace.retries_of(step.index, record.call.id):
-                out.print(
-                    f"      [yellow]↻ retry {retry.attempt}[/] {escape(retry.subject)} after "
-                    f"{retry.delay_s:.2f} s: {escape(retry.reason)}"
-                )
-            shown = _cut(record.observation, limit)
-            out.print(
-                "      " + escape(shown).replace("\n", "\n      "),
-                style="dim",
-                highlight=False,
-                soft_wrap=True,
-            )
+            _print_call(trace, step.index, record, limit)
     for check in state.checks:
         verdict = "[green]passed[/]" if check.passed else "[red]failed[/]"
         out.print(

@@ -108,69 +108,83 @@ class MemoryWorkspace:
             case RunCode():
                 return self.code(op)
             case ReadFile():
-                path = self._norm(op.path)
-                if path in self.dirs or self._is_dir(path):
-                    raise exc.FileTypeError(f"{op.path!r} is a directory", path=op.path)
-                if path not in self.files:
-                    raise exc.SandboxFileNotFound(f"{op.path!r}: no such file", path=op.path)
-                return self.files[path]
+                return self._read(op)
             case WriteFile():
-                path = self._norm(op.path)
-                if self._is_dir(path):
-                    raise exc.FileTypeError(f"{op.path!r} is a directory", path=op.path)
-                self.files[path] = op.data
-                self._add_parents(path)
-                return self._entry(path)
+                return self._write(op)
             case MakeDir():
-                path = self._norm(op.path)
-                if path in self.files:
-                    raise exc.FileTypeError(f"{op.path!r} exists and is not a directory", path=op.path)
-                self.dirs.add(path)
-                self._add_parents(path)
-                return self._entry(path)
+                return self._make_dir(op)
             case Stat():
                 path = self._norm(op.path)
-                if path in self.files or self._is_dir(path):
-                    return self._entry(path)
-                return None
+                return self._entry(path) if path in self.files or self._is_dir(path) else None
             case ListDir():
                 return self._list(self._norm(op.path), op.depth)
             case Remove():
-                path = self._norm(op.path)
-                if path not in self.files and not self._is_dir(path):
-                    raise exc.SandboxFileNotFound(f"{op.path!r}: no such file", path=op.path)
-                self.files = {
-                    k: v for k, v in self.files.items() if k != path and not k.startswith(path + "/")
-                }
-                self.dirs = {d for d in self.dirs if d != path and not d.startswith(path + "/")}
+                self._remove(op)
                 return None
             case PutArchive():
-                with tarfile.open(fileobj=io.BytesIO(op.data)) as tar:
-                    for member in tar.getmembers():
-                        target = self._norm(posixpath.join(op.path, member.name))
-                        if member.isdir():
-                            self.dirs.add(target)
-                        elif member.isfile():
-                            extracted = tar.extractfile(member)
-                            self.files[target] = extracted.read() if extracted else b""
-                            self._add_parents(target)
+                self._put_archive(op)
                 return None
             case GetArchive():
-                buf = io.BytesIO()
-                base = self._norm(op.path)
-                with tarfile.open(fileobj=buf, mode="w") as tar:
-                    for path, data in sorted(self.files.items()):
-                        if base and not path.startswith(base + "/"):
-                            continue
-                        info = tarfile.TarInfo(path[len(base) + 1 :] if base else path)
-                        info.size = len(data)
-                        tar.addfile(info, io.BytesIO(data))
-                return buf.getvalue()
+                return self._get_archive(op)
             case Reset():
                 self.files.clear()
                 self.dirs.clear()
                 return None
         raise exc.ConfigurationError(f"MemoryWorkspace cannot handle {op!r}")
+
+    def _read(self, op: ReadFile) -> bytes:
+        path = self._norm(op.path)
+        if path in self.dirs or self._is_dir(path):
+            raise exc.FileTypeError(f"{op.path!r} is a directory", path=op.path)
+        if path not in self.files:
+            raise exc.SandboxFileNotFound(f"{op.path!r}: no such file", path=op.path)
+        return self.files[path]
+
+    def _write(self, op: WriteFile) -> EntryInfo:
+        path = self._norm(op.path)
+        if self._is_dir(path):
+            raise exc.FileTypeError(f"{op.path!r} is a directory", path=op.path)
+        self.files[path] = op.data
+        self._add_parents(path)
+        return self._entry(path)
+
+    def _make_dir(self, op: MakeDir) -> EntryInfo:
+        path = self._norm(op.path)
+        if path in self.files:
+            raise exc.FileTypeError(f"{op.path!r} exists and is not a directory", path=op.path)
+        self.dirs.add(path)
+        self._add_parents(path)
+        return self._entry(path)
+
+    def _remove(self, op: Remove) -> None:
+        path = self._norm(op.path)
+        if path not in self.files and not self._is_dir(path):
+            raise exc.SandboxFileNotFound(f"{op.path!r}: no such file", path=op.path)
+        self.files = {k: v for k, v in self.files.items() if k != path and not k.startswith(path + "/")}
+        self.dirs = {d for d in self.dirs if d != path and not d.startswith(path + "/")}
+
+    def _put_archive(self, op: PutArchive) -> None:
+        with tarfile.open(fileobj=io.BytesIO(op.data)) as tar:
+            for member in tar.getmembers():
+                target = self._norm(posixpath.join(op.path, member.name))
+                if member.isdir():
+                    self.dirs.add(target)
+                elif member.isfile():
+                    extracted = tar.extractfile(member)
+                    self.files[target] = extracted.read() if extracted else b""
+                    self._add_parents(target)
+
+    def _get_archive(self, op: GetArchive) -> bytes:
+        buf = io.BytesIO()
+        base = self._norm(op.path)
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for path, data in sorted(self.files.items()):
+                if base and not path.startswith(base + "/"):
+                    continue
+                info = tarfile.TarInfo(path[len(base) + 1 :] if base else path)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        return buf.getvalue()
 
     @staticmethod
     def _norm(path: str) -> str:
