@@ -621,7 +621,7 @@ class AgentRun:
             state.next = NodeKind.MODEL_REQUEST
         return CallToolsNode(step=current.index, records=current.tool_calls)
 
-    async def _call_one(self, step: int, call: ToolCall) -> ToolCallRecord:
+    async def _call_one(self, step: int, call: ToolCall) -> ToolCallRecord:  # noqa: C901 - to split: validate, guard, invoke
         state, agent = self.state, self.agent
         key = f"{state.run_id}:{step}:{call.id}"
         tool = agent.tools.get(call.name)

@@ -174,7 +174,7 @@ def _tell_how_to_resume(result: RunResult, pending: list[dict[str, str]], saved:
     out.print(f"  then resume: stockade agent --resume {result.run_id}")
 
 
-def agent(
+def agent(  # noqa: C901 - a typer command: its options become the run's configuration
     task: Annotated[str | None, typer.Argument(help="what the agent should do")] = None,
     workspace: Annotated[
         Path | None, typer.Option("--workspace", "-w", help="a folder copied into the sandbox")
