@@ -126,7 +126,7 @@ class Cgroup:
                 key, _, value = line.partition(" ")
                 if key == "oom_kill":
                     return int(value)
-        except FileNotFoundError:
+        except OSError:  # removed meanwhile: ENOENT, or ENODEV while the kernel takes it down
             pass
         return 0
 
