@@ -79,6 +79,9 @@ def test_stockade_agent_pauses_for_approval_then_resumes_to_success(dirs: Path) 
     assert {"policy_decision", "approval", "command", "model_call", "tool_call"} <= kinds
     runs = runner.invoke(app, ["runs", "list", "--db", db])
     assert "tidy" in runs.output and "success" in runs.output
+    # The exec inside the sandbox was judged too, under the call whose code started it.
+    shown = runner.invoke(app, ["runs", "show", "tidy", "--db", db])
+    assert "exec approve rm -r scratch (commands.approve: rm -r)" in shown.output, shown.output
 
 
 def test_stockade_agent_refuses_a_tier_weaker_than_trust_allows(dirs: Path) -> None:

@@ -19,10 +19,26 @@ from typing import Any
 import pytest
 
 from stockade import Limits, Sandbox, StockadeError, WorkspaceFull
+from stockade.types import SandboxRules
 from tests.conftest import host_processes, wait_for
 from tests.integration.conftest import TIERS
 
 MiB = 1024 * 1024
+
+
+# The containment that holds without a policy holds with one: the sandbox's own rules (execs
+# judged, programs masked) change nothing of it.
+POLICY = SandboxRules(deny=("curl", "wget", "nc", "ssh"), approve=("rm -r", "git push", "pip install"))
+
+
+@pytest.fixture(params=[None, POLICY], ids=["no-policy", "policy"])
+def sbx(tier: str, request: pytest.FixtureRequest) -> Iterator[Sandbox]:
+    rules = request.param
+    # gVisor holds the masks only, and judges the rest on tool calls (with consent).
+    weaker = rules is not None and tier == "gvisor"
+    limits = Limits(memory_mb=256, timeout_s=20, pids=64)
+    with Sandbox.create(tier, limits=limits, rules=rules, allow_weaker=weaker) as sandbox:
+        yield sandbox
 
 
 def host_processes_with(marker: str) -> list[int]:

@@ -15,7 +15,7 @@ def test_a_returned_sandbox_comes_back_clean(tier: str) -> None:
             sbx.run_code("leftover = 'state'")
             sbx.commands.run("echo tmp > /tmp/t")
         with pool.acquire() as sbx:
-            assert sbx.id == first, "the member was recycled, not replaced"
+            assert sbx.id == first, f"replaced, not recycled: {pool.stats().last_replaced_why}"
             assert sbx.files.list() == []
             assert sbx.run_code("'leftover' in dir()").text == "False"
             assert sbx.commands.run("ls /tmp").stdout == ""

@@ -4,13 +4,16 @@
 starts and returns ``AuditedInstance``s, which record what changes or runs in the sandbox:
 commands (argv, env *names* never values, exit code, duration, output sizes; a program run
 from standard input, as ``run_code`` runs bash or node, capped, with its digest), ``run_code``
-(the code, capped, and its digest), file writes and removals, resets and ``sandbox_stop``.
+(the code, capped, and its digest), file writes and removals, resets and ``sandbox_stop``;
+and, after a command or ``run_code``, each exec the sandbox's rules judged inside (``exec``:
+its argv, the verdict and the rule), in the order they happened.
 Reads are not recorded: they change nothing. A failed operation is recorded with its error
 class and whether it was retryable, then re-raised.
 """
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import time
 from collections.abc import Callable, Mapping
@@ -41,7 +44,10 @@ from stockade.sandbox.ops import (
 )
 from stockade.types import CommandResult, Execution
 
-__all__ = ["AuditedBackend", "AuditedInstance"]
+__all__ = ["AuditedBackend", "AuditedInstance", "current_call"]
+
+# The tool call whose work runs now (set by the agent): the execs its code starts name it.
+current_call: contextvars.ContextVar[str | None] = contextvars.ContextVar("stockade_call", default=None)
 
 # Arguments and code longer than this are cut in the event (their digest is kept whole).
 TEXT_CAP = 16 * 1024
@@ -184,6 +190,20 @@ class AuditedInstance(WrapperInstance):
             self._record(kind, time.perf_counter() - start, {**attributes, **failure(error)})
             raise
         self._record(kind, time.perf_counter() - start, {**attributes, **outcome(result)})
+        if isinstance(result, CommandResult | Execution):
+            for judged in result.execs:  # what the code started, as the sandbox's rules judged it
+                self._record(
+                    EventKind.EXEC,
+                    0.0,
+                    {
+                        "of": kind.value,
+                        "call_id": current_call.get(),
+                        "path": _cap(judged.path),
+                        "argv": [_cap(a) for a in judged.argv],
+                        "verdict": judged.verdict,
+                        "rule": judged.rule,
+                    },
+                )
         return result
 
     def close(self) -> None:

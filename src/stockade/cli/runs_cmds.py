@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shlex
 import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
@@ -31,6 +32,7 @@ out = CliConsole()
 err = CliConsole(stderr=True)
 
 DEFAULT_DB = "sqlite:///.stockade/audit.db"
+EXECS_SHOWN = 50  # per tool call
 
 DbOpt = Annotated[
     str,
@@ -207,7 +209,10 @@ def trace_json(trace: RunTrace, *, limit: int = SHOWN_CHARS) -> dict[str, object
     }
 
 
-def _print_call(trace: RunTrace, step: int, record: ToolCallRecord, limit: int) -> None:
+Execs = dict[str, list[dict[str, object]]]  # by tool call id
+
+
+def _print_call(trace: RunTrace, step: int, record: ToolCallRecord, limit: int, execs: Execs) -> None:
     mark = "[yellow]denied[/]" if record.denied else "[red]✗[/]" if record.is_error else "[green]✓[/]"
     args = json.dumps(record.call.args, ensure_ascii=False)
     code = exit_code(record)
@@ -222,6 +227,13 @@ def _print_call(trace: RunTrace, step: int, record: ToolCallRecord, limit: int) 
             f"      [yellow]↻ retry {retry.attempt}[/] {escape(retry.subject)} after "
             f"{retry.delay_s:.2f} s: {escape(retry.reason)}"
         )
+    for judged in execs.get(record.call.id, [])[:EXECS_SHOWN]:  # what its code ran, judged inside
+        argv = judged.get("argv")
+        words = shlex.join(str(a) for a in argv) if isinstance(argv, list) else ""
+        verdict = str(judged.get("verdict"))
+        colour = {"allow": "dim", "approve": "green", "deny": "red", "refuse": "red"}.get(verdict, "")
+        rule = f" ({judged.get('rule')})" if judged.get("rule") else ""
+        out.print(f"      [{colour}]exec {verdict}[/] {escape(_cut(words, 160))}{escape(rule)}")
     shown = _cut(record.observation, limit)
     out.print(
         "      " + escape(shown).replace("\n", "\n      "),
@@ -231,7 +243,7 @@ def _print_call(trace: RunTrace, step: int, record: ToolCallRecord, limit: int) 
     )
 
 
-def _print_trace(trace: RunTrace, limit: int) -> None:
+def _print_trace(trace: RunTrace, limit: int, execs: Execs | None = None) -> None:
     s, state = trace.summary, trace.state
     colour = "green" if s.status == RunStatus.SUCCESS else "red"
     out.print(f"[bold]run {escape(s.run_id)}[/] with {escape(s.model_name)}  [{colour}]{s.status.value}[/]")
@@ -254,7 +266,7 @@ def _print_trace(trace: RunTrace, limit: int) -> None:
         if step.response.text:
             out.print(f"  [dim]{escape(_cut(step.response.text, limit))}[/]")
         for record in step.tool_calls:
-            _print_call(trace, step.index, record, limit)
+            _print_call(trace, step.index, record, limit, execs or {})
     for check in state.checks:
         verdict = "[green]passed[/]" if check.passed else "[red]failed[/]"
         out.print(
@@ -289,10 +301,36 @@ def show(
     if trace is None:
         err.print(f"[red]run {escape(run_id)} has no checkpoint[/]")
         raise typer.Exit(2)
+    execs = _execs_by_call(db, trace.summary.run_id)
     if as_json:
-        print(json.dumps(trace_json(trace, limit=chars), ensure_ascii=False))
+        shown = trace_json(trace, limit=chars)
+        shown["execs"] = execs  # by tool call id: what the sandbox's rules judged inside
+        print(json.dumps(shown, ensure_ascii=False))
     else:
-        _print_trace(trace, chars)
+        _print_trace(trace, chars, execs)
+
+
+def _execs_by_call(db: str, run_id: str) -> Execs:
+    """The execs the sandbox judged during the run (audit ``exec`` events, when the audit trail
+    shares the run store's database), by the tool call whose code started them."""
+    from stockade.audit.events import EventKind
+    from stockade.audit.stores import open_store
+
+    found: Execs = {}
+    try:
+        store = open_store(db)
+    except Exception:  # no audit trail there: nothing to show
+        return found
+    try:
+        for event in store.events(run_id=run_id):
+            if event.kind == EventKind.EXEC:
+                call = str(event.attributes.get("call_id") or "")
+                found.setdefault(call, []).append(dict(event.attributes))
+    except Exception:  # a database without audit tables
+        return {}
+    finally:
+        store.close()
+    return found
 
 
 def replay(

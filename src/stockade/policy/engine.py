@@ -41,6 +41,7 @@ from stockade.sandbox.ops import (
     WriteFile,
     as_inline,
 )
+from stockade.types import SandboxRules
 
 __all__ = ["Decision", "PolicyEngine", "PromptDecision", "command_categories"]
 
@@ -257,6 +258,32 @@ class PolicyEngine:
             verdict=Verdict.DENY, rule=f"paths.{mode}",
             reason=f"cannot tell which files `{word}` names under the policy's path rules; name them",
         )  # fmt: skip
+
+    def sandbox_rules(self) -> SandboxRules:
+        """The policy as the sandbox itself enforces it, on any code, by any route: the command
+        rules (and the decisions over command categories) judged at each exec, the write rules
+        held by the kernel, and what this role may not read left out of the sandbox."""
+        p = self.policy
+        deny, approve = list(p.commands.deny), list(p.commands.approve)
+        for pattern, category in _CATEGORIES:
+            verdict = self.category(category).verdict
+            if verdict is Verdict.DENY:
+                deny.append(pattern)
+            elif verdict is Verdict.APPROVE:
+                approve.append(pattern)
+        hidden = list(p.paths.deny)
+        for entry in p.data:
+            access = p.data_access.get(entry.tier)
+            if access is not None and (self.role_name is None or self.role_name not in access.read):
+                hidden += entry.paths
+        return SandboxRules(
+            deny=tuple(dict.fromkeys(deny)),
+            approve=tuple(dict.fromkeys(approve)),
+            allow=p.commands.allow,
+            write=p.paths.write,
+            read=p.paths.read,
+            hide=tuple(dict.fromkeys(hidden)),
+        )
 
     def tool(self, name: str) -> Decision:
         if self.role.tools and name not in self.role.tools:

@@ -19,9 +19,11 @@ from stockade.types import (
     CommandResult,
     Enforcement,
     EntryInfo,
+    ExecRecord,
     Execution,
     Limits,
     NetworkPolicy,
+    SandboxRules,
     TierReport,
 )
 
@@ -54,6 +56,10 @@ class SandboxSpec:
     envs: Mapping[str, str] = field(default_factory=dict)
     allow_weaker: bool = False
     labels: Mapping[str, str] = field(default_factory=dict)
+    rules: SandboxRules | None = None
+    # Asked, on the host, about an exec the rules send for approval; True lets it run.
+    # Without one, such an exec is refused.
+    approver: Callable[[ExecRecord], bool] | None = None
 
 
 class Instance(abc.ABC):

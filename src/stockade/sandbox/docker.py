@@ -27,12 +27,12 @@ import tarfile
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from stockade import exceptions as exc
-from stockade.sandbox import _guest, _host
+from stockade.sandbox import _guest, _host, _rules
 from stockade.sandbox._hostinfo import engine_masked_paths
 from stockade.sandbox._supervised import WORKSPACE, Boundary, SupervisedInstance, supervisor_config
 from stockade.sandbox.base import Backend, OpResult, OutputSink, SandboxSpec
@@ -531,7 +531,16 @@ class DockerBackend(Backend):
 
     # -- start --------------------------------------------------------------------------
 
-    def _host_config(self, api: Any, spec: SandboxSpec, kernel: str, binds: dict[str, Path], uid: int) -> Any:
+    def _host_config(
+        self,
+        api: Any,
+        spec: SandboxSpec,
+        kernel: str,
+        binds: dict[str, Path],
+        *,
+        uid: int,
+        masks: Sequence[str],
+    ) -> Any:
         docker = _docker()
         limits = spec.limits
         tmpfs: dict[str, str] = {}
@@ -553,11 +562,16 @@ class DockerBackend(Backend):
             own = _guest.own_kernel_limits(spec, self._runtime_platform())
             memory, pids = own.host_memory, own.host_pids
         _hide_the_host(tmpfs, volume_binds, own_kernel=self.own_kernel)
+        bind_list = [f"{src}:{v['bind']}:{v['mode']}" for src, v in volume_binds.items()]
+        if self.own_kernel and masks:
+            # gVisor does not apply MaskedPaths: an empty file no one may read takes their place.
+            empty = str(_guest.unreadable_file(self.state_dir))
+            bind_list += [f"{empty}:{path}:ro" for path in masks]
         host_config = api.create_host_config(
             network_mode="bridge" if spec.network.enabled else "none",
             read_only=True,
             tmpfs=tmpfs,
-            binds=volume_binds,
+            binds=bind_list,
             cap_drop=["ALL"],
             security_opt=["no-new-privileges"],
             mem_limit=memory,
@@ -578,7 +592,8 @@ class DockerBackend(Backend):
             log_config=_no_logs(),
             cgroupns="private",  # the container's cgroup paths name its id
         )
-        host_config["MaskedPaths"] = engine_masked_paths()  # docker-py has no parameter for it
+        # docker-py has no parameter for it; the programs the rules deny are masked alike
+        host_config["MaskedPaths"] = [*engine_masked_paths(), *masks]
         return host_config
 
     def _labels(self, spec: SandboxSpec, sid: str) -> dict[str, str]:
@@ -715,8 +730,18 @@ class DockerBackend(Backend):
                     _remove(api, cid)
         return name
 
+    def _image_root(self) -> Path | None:
+        """The folder the image was made from (the offline build's), to find programs in."""
+        if self.image.partition(":")[0] != DEFAULT_IMAGE.partition(":")[0]:
+            return None
+        from stockade.sandbox._rootfs import find_rootfs
+
+        return find_rootfs()
+
     def start(self, spec: SandboxSpec) -> SupervisedInstance:
         enforcement = self._plan(spec)
+        # gVisor's kernel has neither Landlock nor seccomp user notification.
+        rules = _rules.plan(spec, root=self._image_root(), can_mask=True, can_confine=not self.own_kernel)
         api = self._api()
         if not self._collected:
             self._collected = True
@@ -748,7 +773,7 @@ class DockerBackend(Backend):
                     # Nothing inside needs a graceful stop; an engine shutdown must not wait.
                     stop_signal="SIGKILL",
                     network_disabled=not spec.network.enabled,
-                    host_config=self._host_config(api, spec, kernel, binds, lease.uid),
+                    host_config=self._host_config(api, spec, kernel, binds, uid=lease.uid, masks=rules.masks),
                     name=f"stockade-{sid}",
                 )
                 cid = str(created["Id"])
@@ -772,7 +797,7 @@ class DockerBackend(Backend):
         try:
             own = _guest.own_kernel_limits(spec, self._runtime_platform()) if self.own_kernel else None
             rlimits = own.rlimits if own is not None else None
-            instance.handshake(supervisor_config(spec, rlimits), START_TIMEOUT_S)
+            instance.handshake(supervisor_config(spec, rlimits), START_TIMEOUT_S, rules)
         except exc.SandboxStartError as err:
             said = stream.stderr.decode("utf-8", "replace").strip()
             instance.close()

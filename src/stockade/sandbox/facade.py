@@ -47,11 +47,13 @@ from stockade.types import (
     DownloadResult,
     Enforcement,
     EntryInfo,
+    ExecRecord,
     Execution,
     ExecutionError,
     Limits,
     Logs,
     NetworkPolicy,
+    SandboxRules,
     Trust,
 )
 
@@ -166,15 +168,28 @@ def code_op(code: str, language: str, timeout_s: float | None) -> RunCode | RunC
     return program_command(key, code, timeout_s)
 
 
-def tar_directory(source: Path) -> bytes:
+def tar_directory(source: Path, hide: Sequence[str] = (), read: Sequence[str] = ("**",)) -> bytes:
+    """``source`` as a tar archive: what ``read`` names (workspace globs), but what ``hide``
+    names (a folder left out is left out with what it holds)."""
     import tarfile
+
+    from stockade._globs import covers, glob_matches, may_hold
 
     if not source.is_dir():
         raise exc.ConfigurationError(f"workspace {str(source)!r} is not a directory")
+    everything = "**" in (g.strip("/") for g in read)
+
+    def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        if hide and covers(hide, info.name):
+            return None
+        if everything or glob_matches(read, info.name) or (info.isdir() and may_hold(read, info.name)):
+            return info
+        return None
+
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for child in sorted(source.iterdir()):
-            tar.add(child, arcname=child.name, recursive=True)
+            tar.add(child, arcname=child.name, recursive=True, filter=keep)
     return buf.getvalue()
 
 
@@ -184,6 +199,9 @@ def _spec(
     envs: Mapping[str, str] | None,
     allow_weaker: bool,
     labels: Mapping[str, str] | None,
+    *,
+    rules: SandboxRules | None = None,
+    approver: Callable[[ExecRecord], bool] | None = None,
 ) -> SandboxSpec:
     if limits is not None and not isinstance(limits, Limits):
         raise exc.InvalidArgument(
@@ -197,6 +215,8 @@ def _spec(
         envs=check_envs(envs),
         allow_weaker=allow_weaker,
         labels=dict(labels or {}),
+        rules=rules,
+        approver=approver,
     )
 
 
@@ -278,9 +298,13 @@ class Files:
     def make_dir(self, path: str) -> EntryInfo:
         return self._instance.execute(MakeDir(path=check_path(path)))
 
-    def upload_dir(self, source: str | Path, dest: str = "") -> None:
-        """Copy a host directory into the workspace."""
-        self._instance.execute(PutArchive(path=check_path(dest), data=tar_directory(Path(source))))
+    def upload_dir(
+        self, source: str | Path, dest: str = "", *, hide: Sequence[str] = (), read: Sequence[str] = ("**",)
+    ) -> None:
+        """Copy a host directory into the workspace: what ``read`` names, but what ``hide``
+        names (workspace globs)."""
+        data = tar_directory(Path(source), hide, read)
+        self._instance.execute(PutArchive(path=check_path(dest), data=data))
 
     def download_dir(
         self,
@@ -331,20 +355,27 @@ class Sandbox:
         labels: Mapping[str, str] | None = None,
         backend: Backend | None = None,
         prefer: _registry.Preference = "cheapest",
+        rules: SandboxRules | None = None,
+        approver: Callable[[ExecRecord], bool] | None = None,
     ) -> Sandbox:
         """Start a sandbox on ``tier`` (default ``"process"``), or the cheapest tier this host has
         that ``trust`` allows (``prefer="strongest"``: the strongest); ``sbx.tier`` says which.
 
         ``workspace`` seeds the sandbox's workspace with a copy of a host directory; the
         sandbox never writes to the host directory itself (use ``files.download_dir``).
+        ``rules`` are enforced on the code by the sandbox itself (``SandboxRules``: commands
+        judged at each exec, read-only paths, denied programs masked, paths left out of the
+        copy); ``approver`` is asked, on the host, about an exec the rules send for approval.
         """
-        spec = _spec(limits, network, envs, allow_weaker, labels)
+        spec = _spec(limits, network, envs, allow_weaker, labels, rules=rules, approver=approver)
         chosen = backend or _registry.backend(_choose(tier, trust, prefer))
         instance = chosen.start(spec)
         sbx = cls(instance)
         if workspace is not None:
             try:
-                sbx.files.upload_dir(workspace)
+                sbx.files.upload_dir(
+                    workspace, hide=rules.hide if rules else (), read=rules.read if rules else ("**",)
+                )
             except BaseException:
                 instance.close()
                 raise
@@ -462,10 +493,12 @@ class AsyncFiles:
     async def make_dir(self, path: str) -> EntryInfo:
         return await self._instance.aexecute(MakeDir(path=check_path(path)))
 
-    async def upload_dir(self, source: str | Path, dest: str = "") -> None:
+    async def upload_dir(
+        self, source: str | Path, dest: str = "", *, hide: Sequence[str] = (), read: Sequence[str] = ("**",)
+    ) -> None:
         import asyncio  # lazily: importing stockade must stay cheap
 
-        data = await asyncio.to_thread(tar_directory, Path(source))
+        data = await asyncio.to_thread(tar_directory, Path(source), hide, read)
         await self._instance.aexecute(PutArchive(path=check_path(dest), data=data))
 
     async def download_dir(
@@ -516,10 +549,12 @@ class AsyncSandbox:
         labels: Mapping[str, str] | None = None,
         backend: AsyncBackend | Backend | None = None,
         prefer: _registry.Preference = "cheapest",
+        rules: SandboxRules | None = None,
+        approver: Callable[[ExecRecord], bool] | None = None,
     ) -> AsyncSandbox:
         import asyncio  # lazily: importing stockade must stay cheap
 
-        spec = _spec(limits, network, envs, allow_weaker, labels)
+        spec = _spec(limits, network, envs, allow_weaker, labels, rules=rules, approver=approver)
         if backend is None:
             name = await asyncio.to_thread(_choose, tier, trust, prefer)
             backend = await asyncio.to_thread(_registry.backend, name)
@@ -528,7 +563,8 @@ class AsyncSandbox:
         sbx = cls(instance)
         if workspace is not None:
             try:
-                await sbx.files.upload_dir(workspace)
+                seed = rules or SandboxRules()
+                await sbx.files.upload_dir(workspace, hide=seed.hide, read=seed.read)
             except BaseException:
                 await instance.aclose()
                 raise

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Literal
 
 from stockade import exceptions as exc
-from stockade.sandbox import _guest
+from stockade.sandbox import _guest, _rules
 from stockade.sandbox._host import PipeStream
 from stockade.sandbox._rootfs import find_rootfs
 from stockade.sandbox._supervised import Boundary, SupervisedInstance, supervisor_config
@@ -300,6 +300,8 @@ class RunscBackend(Backend):
         self._check()
         assert self.rootfs is not None
         enforcement = self._plan(spec)
+        # gVisor's kernel has neither Landlock nor seccomp user notification: masks only.
+        rules = _rules.plan(spec, root=self.rootfs, can_mask=True, can_confine=False)
         if not self._collected:
             self._collected = True
             collect_garbage()
@@ -334,6 +336,7 @@ class RunscBackend(Backend):
                 cgroup=f"/{CGROUP_PARENT}/{sid}",
                 host=_guest.own_kernel_limits(spec, self.platform),
                 annotations=annotations,
+                masks=rules.masks,
             )
             (bundle / "config.json").write_text(json.dumps(config))
             with open(bundle / "runsc.log", "wb") as log:
@@ -367,7 +370,7 @@ class RunscBackend(Backend):
         weakref.finalize(instance, _guest.abandon, stream, boundary)
         try:
             config = supervisor_config(spec, _guest.own_kernel_limits(spec, self.platform).rlimits)
-            instance.handshake(config, START_TIMEOUT_S)
+            instance.handshake(config, START_TIMEOUT_S, rules)
         except exc.SandboxStartError as err:
             said = _head(bundle / "runsc.log")
             instance.close()

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stockade import exceptions as exc
-from stockade.sandbox import _cgroups, _guest
+from stockade.sandbox import _cgroups, _guest, _rules
 from stockade.sandbox._rootfs import ROOTFS_MARKER, cache_root, find_rootfs
 from stockade.sandbox._supervised import Boundary, SupervisedInstance, supervisor_config
 from stockade.sandbox.base import Backend, SandboxSpec
@@ -87,10 +87,16 @@ for w in $($B cat /proc/cmdline); do
   case $w in
     stockade_ws=*) ws=${w#*=};;
     stockade_tmp=*) tmp=${w#*=};;
+    stockade_mask=*) masks=${w#*=};;
   esac
 done
 R=/newroot
 $B mount -t ext4 -o ro,noload,nosuid,nodev /dev/vda $R || fail "cannot mount the root image"
+# Programs the rules deny: /dev/null in their place, without its device: no read, no run.
+for p in $(echo "${masks:-}" | $B tr , ' '); do
+  [ -f "$R$p" ] || continue
+  $B mount -o bind /dev/null "$R$p" && $B mount -o remount,bind,ro,nodev,noexec "$R$p" || fail "mask $p"
+done
 o=nosuid,nodev,mode=755,uid=1000,gid=1000
 $B mount -t tmpfs -o $o,size=${ws%:*},nr_inodes=${ws#*:} ws $R/workspace || fail "workspace"
 $B mount -t tmpfs -o nosuid,nodev,size=${tmp%:*},nr_inodes=${tmp#*:},mode=1777 tmp $R/tmp || fail "tmp"
@@ -445,7 +451,14 @@ class MicroVMBackend(Backend):
             return self._prepared
 
     def _argv(
-        self, spec: SandboxSpec, sid: str, *, files: tuple[Path, Path], fd: int, rundir: Path
+        self,
+        spec: SandboxSpec,
+        sid: str,
+        *,
+        files: tuple[Path, Path],
+        fd: int,
+        rundir: Path,
+        masks: tuple[str, ...] = (),
     ) -> list[str]:
         assert self.kernel is not None
         image, initrd = files
@@ -454,6 +467,8 @@ class MicroVMBackend(Backend):
         tmp = f"{limits.tmp_size_mb * MiB}:{max(1024, limits.inodes // 4)}"
         clock = _clock_args(self.kernel)
         cmdline = f"console=ttyS0 quiet panic=-1 pci=off {clock} stockade_ws={ws} stockade_tmp={tmp}"
+        if masks:
+            cmdline += f" stockade_mask={','.join(masks)}"
         return [
             # Dies with its creator even when this process is killed outright.
             self.setpriv, "--pdeathsig", "KILL", "--",
@@ -477,6 +492,7 @@ class MicroVMBackend(Backend):
     def start(self, spec: SandboxSpec) -> SupervisedInstance:
         self._check()
         enforcement = self._plan(spec)
+        rules = _rules.plan(spec, root=self.rootfs, can_mask=True, can_confine=True)
         image, initrd = self.prepare()
         sid = "sbx-" + secrets.token_hex(6)
         rundir = self.state_dir / f"vm-{sid}"
@@ -485,7 +501,9 @@ class MicroVMBackend(Backend):
         proc: subprocess.Popen[bytes] | None = None
         cgroup: _cgroups.Cgroup | None = None
         try:
-            argv = self._argv(spec, sid, files=(image, initrd), fd=theirs.fileno(), rundir=rundir)
+            argv = self._argv(
+                spec, sid, files=(image, initrd), fd=theirs.fileno(), rundir=rundir, masks=rules.masks
+            )
             if self._cgroups.mechanism is not Mechanism.NONE:
                 # The whole VM under one host limit: the guest's RAM, TCG's code cache, QEMU.
                 cgroup = _cgroups.Cgroup(self._cgroups.mechanism, f"vm-{sid}")
@@ -524,7 +542,7 @@ class MicroVMBackend(Backend):
         try:
             config = supervisor_config(spec, _guest.own_kernel_limits(spec).rlimits)
             config["report_oom"] = True  # the guest's kernel kills for memory; the host sees nothing
-            instance.handshake(config, START_TIMEOUT_S)
+            instance.handshake(config, START_TIMEOUT_S, rules)
         except exc.SandboxStartError as err:
             said = _tail(rundir / "console.log") or _tail(rundir / "qemu.log")
             instance.close()

@@ -45,6 +45,29 @@ def test_commands_are_judged_as_argv(argv: list[str], verdict: Verdict) -> None:
     assert decide_command(RULES, argv).verdict is verdict
 
 
+@pytest.mark.parametrize(
+    ("pattern", "argv", "carries"),
+    [
+        ("rm -r", ["rm", "-fR", "x"], True),
+        ("rm -r", ["rm", "-R", "x"], True),
+        ("rm -r", ["rm", "-r", "-f", "x"], True),
+        ("rm -r", ["rm", "--recursive", "x"], True),
+        ("rm -r", ["/bin/rm", "-vrf", "x"], True),
+        ("rm -r", ["rm", "-f", "x"], False),
+        ("rm -r", ["rm", "--", "-r"], False),  # a file named -r
+        ("cp -r", ["cp", "-a", "src", "dst"], True),
+        ("git push", ["git", "-C", "repo", "push"], True),
+        ("git push -f", ["git", "push", "--force-with-lease"], True),
+        ("git push", ["git", "pull"], False),
+        ("chmod -R", ["chmod", "--recursive", "777", "x"], True),
+    ],
+)
+def test_a_flag_matches_its_other_spellings(pattern: str, argv: list[str], carries: bool) -> None:
+    from stockade.policy.commands import matches
+
+    assert matches(pattern, argv) is carries
+
+
 def test_an_allowlist_refuses_every_other_program() -> None:
     rules = CommandRules(allow=("python*", "pytest", "ls"))
     assert decide_command(rules, ["sh", "-c", "ls && python3 -m pytest"]).verdict is Verdict.ALLOW
