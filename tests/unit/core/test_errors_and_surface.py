@@ -98,11 +98,11 @@ def test_run_signals_are_control_flow_no_except_exception_can_swallow() -> None:
 PUBLIC: dict[str, set[str]] = {
     "stockade": {
         "AsyncSandbox", "BackendUnavailable", "CommandResult", "ConfigurationError", "DownloadResult",
-        "Enforcement", "EntryInfo", "EntryType", "Execution", "ExecutionError", "FileTooLarge",
+        "Enforcement", "EntryInfo", "EntryType", "ExecRecord", "Execution", "ExecutionError", "FileTooLarge",
         "FileTypeError", "HostShare", "InvalidArgument", "LimitNotEnforceable", "Limits", "Logs", "Mechanism",
         "NetworkPolicy", "PathEscapeError", "PolicyDenied", "ProtocolError", "ResourceContention",
         "Result", "Sandbox", "SandboxClosed", "SandboxCrashed", "SandboxError", "SandboxFileNotFound",
-        "SandboxPool", "SandboxStartError", "SkippedEntry", "StockadeError", "TierReport",
+        "SandboxPool", "SandboxRules", "SandboxStartError", "SkippedEntry", "StockadeError", "TierReport",
         "TierUnavailable", "Trust", "WorkspaceError", "WorkspaceFull", "__version__",
     },
     "stockade.sandbox": {
