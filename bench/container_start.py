@@ -25,10 +25,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from stockade import Limits, Sandbox
-from stockade.sandbox import _oci
+from stockade.sandbox import _guest
+from stockade.sandbox._rootfs import find_rootfs
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.sandbox.docker import DEFAULT_IMAGE, DockerBackend
-from stockade.sandbox.gvisor import RunscBackend, find_rootfs
+from stockade.sandbox.gvisor import RunscBackend
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -49,14 +50,14 @@ def raw_runsc(rootfs: Path, workdir: Path) -> Callable[[], object]:
     """``runsc run`` on a bundle with the same rootfs and nothing else."""
     bundle = workdir / "bundle"
     bundle.mkdir()
-    config = _oci.oci_config(
+    config = _guest.oci_config(
         SandboxSpec(),
         rootfs=rootfs,
         kernel=workdir,
         binds={},
         cgroup="",
         annotations={},
-        host=_oci.own_kernel_limits(SandboxSpec()),
+        host=_guest.own_kernel_limits(SandboxSpec()),
     )
     config["process"]["args"] = ["python3", "-c", "print(1)"]
     config["process"]["cwd"] = "/"

@@ -27,12 +27,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from stockade import Sandbox
-from stockade.agent import Agent, AgentConfig, RunLimits, build_agent
+from stockade import Sandbox, _globs
+from stockade.agent import Agent, RunLimits
+from stockade.assembly import AgentConfig, build_agent
 from stockade.models import FunctionModel, ModelRequest, ModelResponse, ToolCall, Usage
 from stockade.policy import PolicyEngine, load_policy
 from stockade.policy import commands as command_rules
-from stockade.policy import paths as path_rules
 from stockade.sandbox.ops import ReadFile, RunCommand, WriteFile
 from stockade.testing import FakeBackend
 from stockade.tools import Toolset, read_file
@@ -55,7 +55,7 @@ REPEAT = 2_000
 def clear_caches() -> None:
     command_rules._analyse.cache_clear()
     command_rules._words.cache_clear()
-    path_rules._compile.cache_clear()
+    _globs._compile.cache_clear()
 
 
 def per_call(fn: Callable[[], object], *, uncached: bool, rounds: int = 7) -> float:

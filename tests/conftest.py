@@ -8,10 +8,14 @@ with ``require(name, available, why)``: on a laptop without it the test skips; i
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
+
+T = TypeVar("T")
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -62,6 +66,21 @@ def require(name: str, available: bool, why: str = "") -> None:
     if IN_CI:
         pytest.fail(f"{message} (CI=true: missing backends fail instead of skipping)")
     pytest.skip(message)
+
+
+def wait_for(
+    condition: Callable[[], T], *, what: str, timeout_s: float = 10.0, interval_s: float = 0.02
+) -> T:
+    """Poll ``condition`` until it returns something true, and return that. Past ``timeout_s``
+    the test fails, saying ``what`` it waited for. ``condition`` may raise to stop early."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            pytest.fail(f"waited {timeout_s:g} s for {what}")
+        time.sleep(interval_s)
 
 
 def tier_available(tier: str) -> tuple[bool, str]:

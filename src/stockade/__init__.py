@@ -25,13 +25,14 @@ from stockade.exceptions import (
     WorkspaceError,
     WorkspaceFull,
 )
-from stockade.sandbox import AsyncSandbox, Sandbox
+from stockade.sandbox import AsyncSandbox, Sandbox, SandboxPool
 from stockade.types import (
     CommandResult,
     DownloadResult,
     Enforcement,
     EntryInfo,
     EntryType,
+    ExecRecord,
     Execution,
     ExecutionError,
     HostShare,
@@ -40,6 +41,7 @@ from stockade.types import (
     Mechanism,
     NetworkPolicy,
     Result,
+    SandboxRules,
     SkippedEntry,
     TierReport,
     Trust,
@@ -56,6 +58,7 @@ __all__ = [
     "Enforcement",
     "EntryInfo",
     "EntryType",
+    "ExecRecord",
     "Execution",
     "ExecutionError",
     "FileTooLarge",
@@ -77,6 +80,8 @@ __all__ = [
     "SandboxCrashed",
     "SandboxError",
     "SandboxFileNotFound",
+    "SandboxPool",
+    "SandboxRules",
     "SandboxStartError",
     "SkippedEntry",
     "StockadeError",

@@ -1,4 +1,4 @@
-"""The stockade error tree.
+"""The stockade error tree, and the signals that stop a run.
 
 Every error says whether retrying the same call can help (``retryable``) and, when the
 cause knows, after how long (``retry_after``, seconds). Native errors (bwrap, docker,
@@ -34,10 +34,10 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   └── ModelRequestRejected      400/404/422: the request itself is wrong
     ├── AuditError                    the audit trail could not do its job
     │   ├── AuditStoreError           [retryable] the audit store is unreachable or locked
-    │   │   └── RunStoreError         [retryable] the run store (checkpoints, traces) is unreachable
-    │   │       ├── RunLeased         [retryable] another process runs this run; ``retry_after``: its lease
-    │   │       └── RunStoreCorrupt   a stored row does not parse; the message names it
     │   └── AuditIntegrityError       verify found the chain edited, cut or reordered
+    ├── RunStoreError                 [retryable] the run store (checkpoints, traces) is unreachable
+    │   ├── RunLeased                 [retryable] another process runs this run; ``retry_after``: its lease
+    │   └── RunStoreCorrupt           a stored row does not parse; the message names it
     ├── ToolError                     a tool could not do what the model asked (fed back to it)
     │   ├── InvalidToolCall           unknown tool or arguments that fail its schema
     │   ├── PatchRejected             a diff does not apply; nothing was changed
@@ -46,17 +46,23 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── CircuitOpen               [retryable] too many consecutive failures; retry after cool-down
     │   ├── RateLimited               [retryable] too many actions in the window; retry after
     │   └── QuotaExceeded             a tenant's quota (live sandboxes, CPUs, memory) is full; free some
-    ├── ServiceError                  the HTTP service (``stockade serve``) refused or could not answer
-    │   ├── AuthenticationError       no API token, or one the service does not know (HTTP 401)
-    │   ├── ResourceNotFound          no such sandbox, run or request, or not the caller's (HTTP 404)
-    │   └── ServiceUnavailable        [retryable] the service cannot be reached, or answered 5xx
-    └── RunStopped                    a control ends the run with a status
-        ├── BudgetExceeded            status "budget": steps, wall time, tokens, dollars, $/hour spent
-        ├── RunKilled                 status "killed": someone pulled the kill switch
-        ├── RunInterrupted            status "interrupted": stopped from outside (Ctrl-C, SIGTERM); resumable
-        └── ApprovalRequired          status "paused": a human must decide; resume the run after
+    └── ServiceError                  the HTTP service (``stockade serve``) refused or could not answer
+        ├── AuthenticationError       no API token, or one the service does not know (HTTP 401)
+        ├── ResourceNotFound          no such sandbox, run or request, or not the caller's (HTTP 404)
+        └── ServiceUnavailable        [retryable] the service cannot be reached, or answered 5xx
 
-Errors pickle cleanly (they cross process boundaries in the distributed tier).
+A control that ends a run does not fail anything: it raises a ``RunStopped``, control flow
+apart from the error tree, as ``asyncio.CancelledError`` is. It derives from ``BaseException``,
+so that no ``except Exception`` (a tool's, a wrapper's) can swallow a kill or a pause on its
+way to the loop, which ends the run with its ``status``:
+
+    RunStopped                        a control ends the run with a status
+    ├── BudgetExceeded                status "budget": steps, wall time, tokens, dollars, $/hour spent
+    ├── RunKilled                     status "killed": someone pulled the kill switch
+    ├── RunInterrupted                status "interrupted": stopped from outside (Ctrl-C, SIGTERM); resumable
+    └── ApprovalRequired              status "paused": a human must decide; resume the run after
+
+Both pickle cleanly with their state (they cross process boundaries in the distributed tier).
 """
 
 from __future__ import annotations
@@ -118,8 +124,8 @@ __all__ = [
 ]
 
 
-class StockadeError(Exception):
-    """Root of every error stockade raises on purpose."""
+class _Raised(BaseException):
+    """What errors and run signals share: a message, ``retry_after``, and pickling with state."""
 
     retryable: ClassVar[bool] = False
 
@@ -135,11 +141,15 @@ class StockadeError(Exception):
         return self.message
 
 
-def _rebuild(cls: type[StockadeError], message: str, state: dict[str, Any]) -> StockadeError:
+def _rebuild(cls: type[_Raised], message: str, state: dict[str, Any]) -> _Raised:
     err = cls.__new__(cls)
-    Exception.__init__(err, message)
+    BaseException.__init__(err, message)
     err.__dict__.update(state)
     return err
+
+
+class StockadeError(_Raised, Exception):
+    """Root of every error stockade raises on purpose."""
 
 
 class ConfigurationError(StockadeError):
@@ -282,7 +292,9 @@ class PolicyDenied(StockadeError):
 
 
 class RuntimeLimit(StockadeError):
-    """A runtime control (breaker, rate or spend limit, budget, kill switch) stopped the action."""
+    """A runtime control (a circuit breaker, a rate limit) refused this action for now; the
+    run goes on. Controls that end the run (budgets, the spend limit, the kill switch) raise
+    ``RunStopped`` instead."""
 
 
 class CircuitOpen(RuntimeLimit):
@@ -400,10 +412,12 @@ class ModelRequestRejected(ModelError):
     """The provider rejected the request as malformed (400, 404, 422): retrying cannot help."""
 
 
-class RunStopped(StockadeError):
+class RunStopped(_Raised):
     """Raised by a control (guard, observer, tool or model wrapper) to end an agent run.
 
-    The loop ends the run with ``status`` instead of crashing; subclasses name new statuses.
+    Not an error (it derives from ``BaseException``, not ``StockadeError``): the loop ends the
+    run with ``status`` instead of crashing, and nothing on the way may take it for a failure
+    to report, count or retry. Subclasses name new statuses.
     """
 
     status: ClassVar[str] = "killed"
@@ -465,8 +479,16 @@ class AuditStoreError(AuditError):
     retryable = True
 
 
-class RunStoreError(AuditStoreError):
-    """The run store (checkpoints, step traces) is unreachable, locked or failing."""
+class AuditIntegrityError(AuditError):
+    """``verify`` found the chain edited, truncated, reordered, or not signed with the given key."""
+
+
+class RunStoreError(StockadeError):
+    """The run store (checkpoints, step traces) is unreachable, locked or failing. It may share
+    a database with the audit trail, but it is not the trail: a run store that fails leaves the
+    trail as it was."""
+
+    retryable = True
 
 
 class RunLeased(RunStoreError):
@@ -479,7 +501,3 @@ class RunStoreCorrupt(RunStoreError):
     reads the same bytes."""
 
     retryable = False
-
-
-class AuditIntegrityError(AuditError):
-    """``verify`` found the chain edited, truncated, reordered, or not signed with the given key."""

@@ -15,6 +15,7 @@ __all__ = [
     "Enforcement",
     "EntryInfo",
     "EntryType",
+    "ExecRecord",
     "Execution",
     "ExecutionError",
     "HostShare",
@@ -23,6 +24,7 @@ __all__ = [
     "Mechanism",
     "NetworkPolicy",
     "Result",
+    "SandboxRules",
     "SkippedEntry",
     "TierReport",
     "Trust",
@@ -141,7 +143,57 @@ class Mechanism(enum.StrEnum):
     SUPERVISOR = "supervisor"
     CONTAINER = "container"
     VM = "vm"
+    LANDLOCK = "landlock"  # the kernel's access control, applied to every process of the code
+    SECCOMP_NOTIFY = "seccomp-notify"  # the kernel stops every exec until the supervisor rules
+    MASK = "mask"  # what is denied is not there: an empty, unreadable file in its place
     NONE = "none"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SandboxRules:
+    """What the sandbox itself enforces of a policy, whatever code runs in it and by what route.
+
+    ``deny``, ``approve`` and ``allow`` are command patterns (``"curl"``, ``"rm -r"``,
+    ``"git push"``), judged at every exec inside the sandbox with the argv the kernel was
+    given: denied, it fails (exit 126, ``denied by policy: RULE`` on its stderr); to be
+    approved, it waits at its exec while the host asks the sandbox's ``approver``. A
+    non-empty ``allow`` lets only what it names run, and nothing in a writable place can be
+    executed. A program denied whatever its arguments is also masked: it cannot be read,
+    copied or run under any name. ``write`` names the workspace paths code may change
+    (``dir/**``, ``dir``, a file; ``**`` is everything): the rest of the workspace is
+    read-only to code, by the kernel. Only what ``read`` names, and nothing ``hide`` names,
+    enters the sandbox when a folder seeds it: what the rules do not let the run read is not
+    there to be read, by any program.
+    """
+
+    deny: tuple[str, ...] = ()
+    approve: tuple[str, ...] = ()
+    allow: tuple[str, ...] = ()
+    write: tuple[str, ...] = ("**",)
+    read: tuple[str, ...] = ("**",)
+    hide: tuple[str, ...] = ()
+
+    @property
+    def judges_execs(self) -> bool:
+        return bool(self.deny or self.approve or self.allow)
+
+    @property
+    def confines_writes(self) -> bool:
+        return "**" not in (w.strip("/") for w in self.write)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExecRecord:
+    """One exec the sandbox judged: the program run, its argv, and the verdict.
+
+    ``verdict`` is ``"allow"``, ``"deny"``, ``"approve"`` (a human said yes) or ``"refuse"``
+    (a human said no, or nobody could be asked); ``rule`` names the rule that decided.
+    """
+
+    path: str
+    argv: tuple[str, ...]
+    verdict: str
+    rule: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,6 +227,11 @@ class Enforcement:
     network: Mechanism
     timeout: Mechanism
     files: Mechanism = Mechanism.RLIMIT
+    # The policy, from inside (SandboxRules): how execs are judged, how the workspace's
+    # read-only paths are held, how denied programs are kept from running.
+    commands: Mechanism = Mechanism.NONE
+    paths: Mechanism = Mechanism.NONE
+    programs: Mechanism = Mechanism.NONE
     host: HostShare | None = None  # None where this host cannot hold the total (rlimits only)
     weakened: tuple[str, ...] = ()
 
@@ -218,6 +275,7 @@ class CommandResult:
     stdout_bytes: int = 0
     stderr_bytes: int = 0
     signal: int | None = None
+    execs: tuple[ExecRecord, ...] = ()  # what the sandbox's rules judged (with SandboxRules)
 
     @property
     def ok(self) -> bool:
@@ -271,6 +329,7 @@ class Execution:
     duration_s: float = 0.0
     timed_out: bool = False
     truncated: bool = False
+    execs: tuple[ExecRecord, ...] = ()  # what the sandbox's rules judged (with SandboxRules)
 
     @property
     def text(self) -> str | None:

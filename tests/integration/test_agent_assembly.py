@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from stockade.agent import AgentConfig, RunLimits, RunStatus, build_agent
+from stockade.agent import RunLimits, RunStatus
+from stockade.assembly import AgentConfig, build_agent
 from stockade.audit import AuditLog, SQLiteStore, verify
 from stockade.models import ScriptedModel, tool_call
 from stockade.models.messages import ModelResponse, Usage

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from stockade.audit import SQLiteStore, verify
 from stockade.cli.main import app
-from tests.conftest import require_tier
+from tests.conftest import require_tier, wait_for
 
 pytestmark = pytest.mark.process
 
@@ -79,6 +79,9 @@ def test_stockade_agent_pauses_for_approval_then_resumes_to_success(dirs: Path) 
     assert {"policy_decision", "approval", "command", "model_call", "tool_call"} <= kinds
     runs = runner.invoke(app, ["runs", "list", "--db", db])
     assert "tidy" in runs.output and "success" in runs.output
+    # The exec inside the sandbox was judged too, under the call whose code started it.
+    shown = runner.invoke(app, ["runs", "show", "tidy", "--db", db])
+    assert "exec approve rm -r scratch (commands.approve: rm -r)" in shown.output, shown.output
 
 
 def test_stockade_agent_refuses_a_tier_weaker_than_trust_allows(dirs: Path) -> None:
@@ -199,10 +202,12 @@ def test_ctrl_c_stops_a_long_tool_call_at_once_and_the_run_resumes(tmp_path: Pat
     )  # fmt: skip
     try:
         live = tmp_path / "kill" / ".live" / "slow"
-        deadline = time.monotonic() + 60
-        while not live.exists():  # the run watches its kill switch once its sandbox is up
-            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
-            time.sleep(0.05)
+
+        def watching() -> bool:  # the run watches its kill switch once its sandbox is up
+            assert proc.poll() is None, proc.communicate()
+            return live.exists()
+
+        wait_for(watching, what="the run to watch its kill switch", timeout_s=60)
         time.sleep(1.5)  # the model's first turn is in: the 120 s command runs
         started = time.monotonic()
         proc.send_signal(signal.SIGINT)

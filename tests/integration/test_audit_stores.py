@@ -88,7 +88,7 @@ def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
                 conn.execute("DROP TRIGGER IF EXISTS audit_events_no_delete")
                 conn.execute(statement.format(events="audit_events", head="audit_head"))
 
-        store = SQLiteStore(path)
+        store: AuditStore = SQLiteStore(path)
         yield Target(store, lambda: SQLiteStore(path), sqlite_sql)
         store.close()
         return

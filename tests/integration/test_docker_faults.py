@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,7 @@ import pytest
 
 from stockade import Limits, Sandbox
 from stockade import exceptions as exc
-from tests.conftest import host_processes, require, require_tier
+from tests.conftest import host_processes, require, require_tier, wait_for
 
 pytestmark = pytest.mark.docker
 ROOT = Path(__file__).resolve().parents[2]
@@ -127,9 +126,7 @@ def test_dockerd_stopping_mid_run_is_retryable_and_leaks_nothing(engine: Any) ->
     assert sbx.run_code("x = 1").error is None
     try:
         os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 60
-        while _dockerd_pid() is not None and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_for(lambda: _dockerd_pid() is None, what="dockerd to stop", timeout_s=60, interval_s=0.2)
         with pytest.raises(exc.StockadeError) as during:
             sbx.run_code("x")
         assert during.value.retryable, repr(during.value)

@@ -10,13 +10,12 @@ import os
 import pwd
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from stockade import Limits, Sandbox
-from tests.conftest import host_processes
+from tests.conftest import host_processes, wait_for
 
 # Tiers whose code runs as host processes (gVisor's and the microVM's run inside their kernel).
 HOST_PROCESS_TIERS = ["process", "docker"]
@@ -28,13 +27,10 @@ def _host_uid_of(sbx: Sandbox, marker: str) -> set[int]:
     sleeper = threading.Thread(target=sbx.commands.run, args=(["sleep", marker],))
     sleeper.start()
     try:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            pids = host_processes(f"sleep\0{marker}".encode())
-            if pids:
-                return {os.stat(f"/proc/{pid}").st_uid for pid in pids}
-            time.sleep(0.02)
-        raise AssertionError("the command never showed on the host")
+        pids = wait_for(
+            lambda: host_processes(f"sleep\0{marker}".encode()), what="the command on the host", timeout_s=20
+        )
+        return {os.stat(f"/proc/{pid}").st_uid for pid in pids}
     finally:
         sleeper.join()
 

@@ -6,16 +6,15 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from stockade import Limits, Sandbox
-from stockade.sandbox import _oci, microvm
+from stockade.sandbox import _guest, microvm
 from stockade.types import Mechanism
-from tests.conftest import require_tier
+from tests.conftest import require_tier, wait_for
 
 MiB = 1024 * 1024
 
@@ -78,12 +77,16 @@ def test_leftovers_of_a_dead_creator_are_collected(tmp_path: Path) -> None:
     sid = "sbx-0123456789ab"
     # Stands in for the QEMU of the dead process: the collector matches the name on its argv.
     stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", f"stockade-{sid}"])
-    while f"stockade-{sid}".encode() not in Path(f"/proc/{stand_in.pid}/cmdline").read_bytes():
-        time.sleep(0.01)  # the kernel fills in the argv just after the exec the parent waited for
-    rundir = _oci.default_state_dir() / f"vm-{sid}"
+    # the kernel fills in the argv just after the exec the parent waited for
+    wait_for(
+        lambda: f"stockade-{sid}".encode() in Path(f"/proc/{stand_in.pid}/cmdline").read_bytes(),
+        what="the stand-in's argv",
+        interval_s=0.01,
+    )
+    rundir = _guest.default_state_dir() / f"vm-{sid}"
     rundir.mkdir(parents=True)
     # A creator that is not running: no process has this pid.
-    owner = {"pid": stand_in.pid, "host": _oci.current_creator().host, "creator": "999999999:1"}
+    owner = {"pid": stand_in.pid, "host": _guest.current_creator().host, "creator": "999999999:1"}
     (rundir / "owner.json").write_text(json.dumps(owner))
     try:
         assert f"microvm {sid}" in microvm.collect_garbage()

@@ -20,6 +20,7 @@ import pytest
 from stockade.exceptions import (
     ConfigurationError,
     ModelAuthError,
+    ModelError,
     ModelRateLimited,
     ModelRequestRejected,
     ModelUnavailable,
@@ -201,7 +202,11 @@ async def test_openai_final_answer(server: WireServer) -> None:
     ],
 )
 async def test_openai_errors_map_to_the_error_tree(
-    server: WireServer, status: int, headers: dict[str, str], kind: type, retry_after: float | None
+    server: WireServer,
+    status: int,
+    headers: dict[str, str],
+    kind: type[ModelError],
+    retry_after: float | None,
 ) -> None:
     server.replies.append(Reply(status, openai_error("nope"), headers))
     model = OpenAIModel("gpt-4.1", base_url=server.url + "/v1", api_key="k")
@@ -285,7 +290,11 @@ async def test_anthropic_tool_use_and_usage_travel_both_ways(server: WireServer)
     ],
 )
 async def test_anthropic_errors_map_to_the_error_tree(
-    server: WireServer, status: int, headers: dict[str, str], kind: type, retry_after: float | None
+    server: WireServer,
+    status: int,
+    headers: dict[str, str],
+    kind: type[ModelError],
+    retry_after: float | None,
 ) -> None:
     body = {"type": "error", "error": {"type": "some_error", "message": "nope"}}
     server.replies.append(Reply(status, body, headers))

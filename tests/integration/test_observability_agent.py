@@ -14,7 +14,8 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from stockade.agent import AgentConfig, RunLimits, build_agent
+from stockade.agent import RunLimits
+from stockade.assembly import AgentConfig, build_agent
 from stockade.audit import AuditLog, MemoryStore, Redactor
 from stockade.models import ScriptedModel, tool_call
 from stockade.observability import Telemetry
@@ -92,12 +93,9 @@ def test_a_run_is_one_span_tree_and_the_secret_is_in_no_span(tmp_path: Path) -> 
         texts += [str(v) for e in span.events for v in (e.attributes or {}).values()]
         assert not any(SECRET in text for text in texts), span.name
 
-    names = {
-        m.name
-        for rm in metrics.get_metrics_data().resource_metrics
-        for sm in rm.scope_metrics
-        for m in sm.metrics
-    }
+    data = metrics.get_metrics_data()
+    assert data is not None
+    names = {m.name for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
     assert {
         "gen_ai.client.operation.duration",
         "stockade.tool.duration",

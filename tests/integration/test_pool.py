@@ -2,19 +2,9 @@
 
 from __future__ import annotations
 
-import time
-
 from stockade import Limits
 from stockade.sandbox.pool import SandboxPool
-
-
-def wait_until(predicate: object, timeout_s: float = 30.0) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if predicate():  # type: ignore[operator]
-            return
-        time.sleep(0.02)
-    raise AssertionError("condition not reached in time")
+from tests.conftest import wait_for
 
 
 def test_a_returned_sandbox_comes_back_clean(tier: str) -> None:
@@ -25,7 +15,7 @@ def test_a_returned_sandbox_comes_back_clean(tier: str) -> None:
             sbx.run_code("leftover = 'state'")
             sbx.commands.run("echo tmp > /tmp/t")
         with pool.acquire() as sbx:
-            assert sbx.id == first, "the member was recycled, not replaced"
+            assert sbx.id == first, f"replaced, not recycled: {pool.stats().last_replaced_why}"
             assert sbx.files.list() == []
             assert sbx.run_code("'leftover' in dir()").text == "False"
             assert sbx.commands.run("ls /tmp").stdout == ""
@@ -42,7 +32,7 @@ def test_members_are_replaced_after_max_uses(tier: str) -> None:
 
 def test_a_broken_member_is_replaced_not_handed_out(tier: str) -> None:
     with SandboxPool(tier, size=2) as pool:
-        wait_until(lambda: pool.stats().ready == 2)
+        wait_for(lambda: pool.stats().ready == 2, what="a full pool", timeout_s=30)
         with pool.acquire() as sbx:
             sbx.instance.close()  # dies while in use
         with pool.acquire() as a, pool.acquire() as b:
@@ -53,12 +43,14 @@ def test_a_broken_member_is_replaced_not_handed_out(tier: str) -> None:
 
 def test_the_pool_refills_in_the_background(tier: str) -> None:
     with SandboxPool(tier, size=2) as pool:
-        wait_until(lambda: pool.stats().ready == 2)
+        wait_for(lambda: pool.stats().ready == 2, what="a full pool", timeout_s=30)
         with pool.acquire():
-            wait_until(lambda: pool.stats().ready + pool.stats().in_use >= 2)
+            wait_for(lambda: pool.stats().ready + pool.stats().in_use >= 2, what="the refill", timeout_s=30)
 
 
 def test_idle_members_are_replaced(tier: str) -> None:
     with SandboxPool(tier, size=1, idle_timeout_s=0.3) as pool:
-        wait_until(lambda: pool.stats().started >= 1)
-        wait_until(lambda: pool.stats().replaced >= 1 and pool.stats().ready == 1)
+        wait_for(lambda: pool.stats().started >= 1, what="a start", timeout_s=30)
+        wait_for(
+            lambda: pool.stats().replaced >= 1 and pool.stats().ready == 1, what="a replacement", timeout_s=30
+        )

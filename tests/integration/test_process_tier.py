@@ -17,7 +17,7 @@ from stockade import LimitNotEnforceable, NetworkPolicy, Sandbox, SandboxCrashed
 from stockade.sandbox import _cgroups
 from stockade.sandbox.process import collect_garbage
 from stockade.types import Mechanism
-from tests.conftest import processes_of_uid, require_tier
+from tests.conftest import processes_of_uid, require_tier, wait_for
 
 
 @pytest.fixture(autouse=True)
@@ -118,10 +118,7 @@ def test_a_crashed_creator_leaves_garbage_that_gc_removes() -> None:
     sid = out.stdout.strip()
     assert sid.startswith("sbx-")
     trace = Trace(sid)
-    deadline = time.monotonic() + 10
-    while trace.processes():
-        assert time.monotonic() < deadline, "bwrap outlived its parent"
-        time.sleep(0.05)
+    wait_for(lambda: not trace.processes(), what="bwrap to die with its parent")
     removed = collect_garbage()
     assert any(sid in r for r in removed)
     assert mounts_of(sid) == [] and sid not in _cgroups.leftover_groups()
@@ -190,7 +187,4 @@ def test_a_sandbox_nobody_closed_dies_with_its_last_reference() -> None:
     assert trace.processes()
     del sbx
     gc.collect()
-    deadline = time.monotonic() + 10
-    while trace.processes() or mounts_of(sid):
-        assert time.monotonic() < deadline, "a dropped sandbox kept running"
-        time.sleep(0.05)
+    wait_for(lambda: not trace.processes() and not mounts_of(sid), what="a dropped sandbox to stop")

@@ -28,6 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -168,7 +169,7 @@ def test_killed_runs_resume_to_the_same_end(target: StoreTarget, tmp_path: Path)
     require_tier("process")
     seed = int(os.environ.get("STOCKADE_DURABLE_SEED", str(random.randrange(1 << 30))))
     rng = random.Random(seed)
-    results = []
+    results: list[dict[str, Any]] = []
     for trial in range(TRIALS):
         work = tmp_path / f"t{trial}"
         work.mkdir()
@@ -178,18 +179,18 @@ def test_killed_runs_resume_to_the_same_end(target: StoreTarget, tmp_path: Path)
         except AssertionError as error:
             raise AssertionError(f"seed {seed}, trial {trial}: {error}") from None
         results.append(outcome)
-    kills = [k for r in results for k in r["killed"]]  # type: ignore[attr-defined]
-    summary = {
+    kills = [k for r in results for k in r["killed"]]
+    summary: dict[str, Any] = {
         "store": target.url.split(":")[0],
         "seed": seed,
         "trials": len(results),
         "kills": len(kills),
-        "twice_in_a_row": sum(1 for r in results if len(r["killed"]) == 2),  # type: ignore[arg-type]
+        "twice_in_a_row": sum(1 for r in results if len(r["killed"]) == 2),
         "kills_by_point": dict(Counter(k.split(":")[0] for k in kills)),
-        "outcome_unknown_calls": sum(int(r["outcome_unknown"]) for r in results),  # type: ignore[call-overload]
-        "repeated_idempotent_effects": sum(int(r["repeated_notices"]) for r in results),  # type: ignore[call-overload]
-        "crash_events": sum(int(r["crash_events"]) for r in results),  # type: ignore[call-overload]
-        "reconciled_audit_events": sum(int(r["reconciled_events"]) for r in results),  # type: ignore[call-overload]
+        "outcome_unknown_calls": sum(int(r["outcome_unknown"]) for r in results),
+        "repeated_idempotent_effects": sum(int(r["repeated_notices"]) for r in results),
+        "crash_events": sum(int(r["crash_events"]) for r in results),
+        "reconciled_audit_events": sum(int(r["reconciled_events"]) for r in results),
         "all_succeeded": True,
     }
     print(json.dumps(summary))

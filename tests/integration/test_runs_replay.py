@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from stockade import Sandbox
 from stockade.agent import Agent
 from stockade.cli.main import app
+from stockade.models.scripted import Turn
 from stockade.runs import RunRecorder, open_run_store
 from stockade.testing import ScriptedModel, tool_call
 from stockade.tools import default_toolset, shell
@@ -20,7 +21,7 @@ runner = CliRunner()
 
 
 def record(db: Path, command: str, workspace: Path) -> str:
-    turns = [
+    turns: list[Turn] = [
         tool_call("read_file", {"path": "app.py"}),
         tool_call("shell", {"command": command}),
         "done",

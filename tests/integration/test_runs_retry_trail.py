@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
-from stockade.agent import AgentConfig, RunLimits, build_agent
+from stockade.agent import RunLimits
+from stockade.assembly import AgentConfig, build_agent
 from stockade.audit import EventKind, SQLiteStore
 from stockade.cli.main import app
 from stockade.exceptions import ResourceContention
@@ -19,9 +21,16 @@ from stockade.models import ScriptedModel, tool_call
 from stockade.runs import open_run_store
 from stockade.runtime import RetryPolicy
 from stockade.sandbox import _registry
-from stockade.sandbox.base import Backend, Instance, OpResult, OutputSink, SandboxSpec
+from stockade.sandbox.base import (
+    Backend,
+    Instance,
+    OpResult,
+    OutputSink,
+    SandboxSpec,
+    WrapperBackend,
+    WrapperInstance,
+)
 from stockade.sandbox.ops import Op, ReadFile
-from stockade.types import TierReport
 from tests.conftest import require_tier
 
 pytestmark = pytest.mark.process
@@ -30,38 +39,29 @@ EXAMPLE_POLICY = Path(__file__).parents[2] / "examples" / "policy.toml"
 runner = CliRunner()
 
 
-class FailsFirstRead(Instance):
+class FailsSecondRead(WrapperInstance):
     """The real sandbox, except that the model's first read of ``path`` fails as a busy host
     would (the read before it is the run store's, keeping the starting workspace)."""
 
-    def __init__(self, inner: Instance, path: str) -> None:
-        self.inner, self.path, self.reads = inner, path, 0
-        self.id, self.tier, self.enforcement = inner.id, inner.tier, inner.enforcement
+    def __init__(self, wrapped: Instance, path: str) -> None:
+        super().__init__(wrapped)
+        self.path, self.reads = path, 0
 
-    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         if isinstance(op, ReadFile) and op.path == self.path:
             self.reads += 1
             if self.reads == 2:
                 raise ResourceContention("injected: the host is busy")
-        return self.inner.handle(op, sink)
-
-    @property
-    def alive(self) -> bool:
-        return self.inner.alive
-
-    def close(self) -> None:
-        self.inner.close()
+        return self.wrapped.handle(op, sink)
 
 
-class FlakyBackend(Backend):
-    def __init__(self, inner: Backend, path: str) -> None:
-        self.inner, self.path, self.tier = inner, path, inner.tier
-
-    def probe(self) -> TierReport:
-        return self.inner.probe()
+class FlakyBackend(WrapperBackend):
+    def __init__(self, wrapped: Backend, path: str) -> None:
+        super().__init__(wrapped)
+        self.path = path
 
     def start(self, spec: SandboxSpec) -> Instance:
-        return FailsFirstRead(self.inner.start(spec), self.path)
+        return FailsSecondRead(self.wrapped.start(spec), self.path)
 
 
 def test_a_retried_read_is_in_the_run_store_and_the_verified_audit_trail(tmp_path: Path) -> None:

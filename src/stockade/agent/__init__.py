@@ -1,8 +1,7 @@
 """The steppable agent loop. See ``loop`` for the nodes and the extension points
-(observers, guards, tool wrappers, model wrappers, checkpointers), and ``assembly`` for
-``build_agent``: a guarded, limited, audited agent from a policy file in one call."""
-
-from typing import TYPE_CHECKING, Any
+(observers, guards, tool wrappers, model wrappers, checkpointers). ``stockade.assembly``,
+above this package and the control layers it puts around the loop (policy, runtime, audit),
+has ``build_agent``: a guarded, limited, audited agent from a policy file in one call."""
 
 from stockade.agent.checkpoint import (
     Checkpointer,
@@ -42,29 +41,11 @@ from stockade.agent.loop import (
 )
 from stockade.agent.state import CheckRecord, NodeKind, RunState, RunStatus, StepRecord, ToolCallRecord
 
-if TYPE_CHECKING:
-    from stockade.agent.assembly import AgentConfig, AgentSession, GuardedAgent, build_agent
-
-# The assembly imports the policy, runtime and audit layers, which import this package's
-# loop: it loads on first use, so that importing any of them first cannot form a cycle.
-_ASSEMBLY = ("AgentConfig", "AgentSession", "GuardedAgent", "build_agent")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _ASSEMBLY:
-        from stockade.agent import assembly
-
-        return getattr(assembly, name)
-    raise AttributeError(f"module 'stockade.agent' has no attribute {name!r}")
-
-
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
     "Agent",
-    "AgentConfig",
     "AgentEvent",
     "AgentRun",
-    "AgentSession",
     "CallToolsNode",
     "CheckFinished",
     "CheckNode",
@@ -74,7 +55,6 @@ __all__ = [
     "End",
     "Guard",
     "GuardContext",
-    "GuardedAgent",
     "JsonFileCheckpointer",
     "MemoryCheckpointer",
     "ModelDenied",
@@ -98,5 +78,4 @@ __all__ = [
     "ToolDenied",
     "ToolRejected",
     "ToolReturned",
-    "build_agent",
 ]

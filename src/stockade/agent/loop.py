@@ -50,11 +50,14 @@ What it promises, per tool kind:
 - the workspace continues from the last call that returned, the diff's baseline included;
   processes and ``run_code`` variables do not survive (the sandbox is new).
 
-Anything in a step that raises ``RunStopped`` ends the run with that exception's status.
-Tool errors (``ToolError``, ``WorkspaceError``, ...) are observations for the model; a dead
-sandbox (``SandboxCrashed``, ``SandboxClosed``, ``ProtocolError``) or a provider failure ends
-the run with status "error". Anything else is a bug and propagates; the last checkpoint
-stays resumable.
+Anything in a step that raises ``RunStopped`` (control flow, not an error: a budget, the kill
+switch, an approval to wait for) ends the run with that exception's status. Whatever a tool
+raises is an observation for the model (``ToolError``, ``WorkspaceError``, a tool's own bug
+alike), except a dead sandbox (``SandboxCrashed``, ``SandboxClosed``, ``ProtocolError``): that
+ends the run with status "error", as any other ``StockadeError`` does (a provider failure, a
+failing store), and a ``PolicyDenied`` of the model call ends it "denied". Anything else,
+raised outside a tool (an observer's, a model adapter's or a checkpointer's bug), propagates;
+the last checkpoint stays resumable.
 """
 
 from __future__ import annotations
@@ -86,7 +89,6 @@ from stockade.agent.events import (
 )
 from stockade.agent.state import CheckRecord, NodeKind, RunState, RunStatus, StepRecord, ToolCallRecord
 from stockade.exceptions import (
-    ApprovalRequired,
     ConfigurationError,
     InvalidArgument,
     InvalidToolCall,
@@ -619,7 +621,7 @@ class AgentRun:
             state.next = NodeKind.MODEL_REQUEST
         return CallToolsNode(step=current.index, records=current.tool_calls)
 
-    async def _call_one(self, step: int, call: ToolCall) -> ToolCallRecord:
+    async def _call_one(self, step: int, call: ToolCall) -> ToolCallRecord:  # noqa: C901 - to split: validate, guard, invoke
         state, agent = self.state, self.agent
         key = f"{state.run_id}:{step}:{call.id}"
         tool = agent.tools.get(call.name)
@@ -658,9 +660,7 @@ class AgentRun:
                 if rewritten is None:
                     raise PolicyDenied(f"a guard rewrote the call to an unknown tool {call.name!r}")
                 tool, args = rewritten, rewritten.validate(call.args)
-        except ApprovalRequired:
-            raise  # the run pauses; this call runs again when it resumes
-        except PolicyDenied as err:
+        except PolicyDenied as err:  # (ApprovalRequired passes: the run pauses, the call runs on resume)
             state.consecutive_denials += 1
             self._emit(ToolDenied(run_id=state.run_id, step=step, call=call, reason=str(err), rule=err.rule))
             if state.consecutive_denials >= agent.limits.max_denials:
@@ -709,7 +709,7 @@ class AgentRun:
             )
             self._emit(ToolReturned(run_id=state.run_id, step=step, record=crashed, value=None))
             raise
-        except (RunStopped, *_FATAL):
+        except _FATAL:  # the run cannot go on (RunStopped passes too: it is no Exception)
             raise
         except StockadeError as err:
             text, error_type = f"error: {type(err).__name__}: {err}", type(err).__name__
@@ -746,11 +746,9 @@ class AgentRun:
         self.state.error = error
         self.state.next = NodeKind.END
 
-    def _stop(self, err: StockadeError) -> None:
+    def _stop(self, err: StockadeError | RunStopped) -> None:
         if isinstance(err, RunStopped):
             status = RunStatus(err.status)
-        elif isinstance(err, ApprovalRequired):
-            status = RunStatus.PAUSED
         elif isinstance(err, PolicyDenied):
             status = RunStatus.DENIED
         else:

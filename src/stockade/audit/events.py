@@ -66,6 +66,7 @@ class EventKind(enum.StrEnum):
     NOTE = "note"
     CHECK = "check"
     RUN_CRASH = "run_crash"  # found on resume: the run's process died while running it
+    EXEC = "exec"  # a program the sandbox's rules judged at its exec, inside the sandbox
 
 
 def canonical(obj: Mapping[str, Any]) -> bytes:

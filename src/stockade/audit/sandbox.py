@@ -4,21 +4,33 @@
 starts and returns ``AuditedInstance``s, which record what changes or runs in the sandbox:
 commands (argv, env *names* never values, exit code, duration, output sizes; a program run
 from standard input, as ``run_code`` runs bash or node, capped, with its digest), ``run_code``
-(the code, capped, and its digest), file writes and removals, resets and ``sandbox_stop``.
+(the code, capped, and its digest), file writes and removals, resets and ``sandbox_stop``;
+and, after a command or ``run_code``, each exec the sandbox's rules judged inside (``exec``:
+its argv, the verdict and the rule), in the order they happened.
 Reads are not recorded: they change nothing. A failed operation is recorded with its error
 class and whether it was retryable, then re-raised.
 """
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from stockade import exceptions as exc
 from stockade.audit.events import EventKind
 from stockade.audit.log import AuditLog
-from stockade.sandbox.base import Backend, Instance, OpResult, OutputSink, SandboxSpec
+from stockade.sandbox.base import (
+    Backend,
+    Instance,
+    OpResult,
+    OutputSink,
+    SandboxSpec,
+    WrapperBackend,
+    WrapperInstance,
+)
 from stockade.sandbox.ops import (
     MakeDir,
     Op,
@@ -30,9 +42,12 @@ from stockade.sandbox.ops import (
     WriteFile,
     as_inline,
 )
-from stockade.types import CommandResult, Execution, TierReport
+from stockade.types import CommandResult, Execution
 
-__all__ = ["AuditedBackend", "AuditedInstance"]
+__all__ = ["AuditedBackend", "AuditedInstance", "current_call"]
+
+# The tool call whose work runs now (set by the agent): the execs its code starts name it.
+current_call: contextvars.ContextVar[str | None] = contextvars.ContextVar("stockade_call", default=None)
 
 # Arguments and code longer than this are cut in the event (their digest is kept whole).
 TEXT_CAP = 16 * 1024
@@ -51,7 +66,7 @@ def _digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def describe(op: Op) -> tuple[EventKind, dict[str, object]] | None:
+def describe(op: Op[Any]) -> tuple[EventKind, dict[str, object]] | None:
     """The event kind and attributes of an operation, or ``None`` for reads (not recorded)."""
     match op:
         case RunCommand():
@@ -128,7 +143,7 @@ def failure(error: BaseException) -> dict[str, object]:
     return {"error": type(error).__name__, "error_message": str(error), "retryable": retryable}
 
 
-class AuditedInstance(Instance):
+class AuditedInstance(WrapperInstance):
     """Records every state-changing operation of ``inner`` into ``log`` under ``run_id``.
 
     ``step`` tells the current agent step (the agent loop passes its own counter).
@@ -136,21 +151,18 @@ class AuditedInstance(Instance):
 
     def __init__(
         self,
-        inner: Instance,
+        wrapped: Instance,
         log: AuditLog,
         *,
         run_id: str,
         step: StepSource = _no_step,
         actor: str = "sandbox",
     ) -> None:
-        self.inner = inner
+        super().__init__(wrapped)
         self.log = log
         self.run_id = run_id
         self.step = step
         self.actor = actor
-        self.id = inner.id
-        self.tier = inner.tier
-        self.enforcement = inner.enforcement
         self._started = time.perf_counter()
         self._ops = 0
         self._stopped = False
@@ -165,29 +177,39 @@ class AuditedInstance(Instance):
             attributes={"sandbox_id": self.id, "tier": self.tier, **attributes},
         )
 
-    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         described = describe(op)
         if described is None:
-            return self.inner.handle(op, sink)
+            return self.wrapped.handle(op, sink)
         kind, attributes = described
         self._ops += 1
         start = time.perf_counter()
         try:
-            result = self.inner.handle(op, sink)
+            result = self.wrapped.handle(op, sink)
         except BaseException as error:
             self._record(kind, time.perf_counter() - start, {**attributes, **failure(error)})
             raise
         self._record(kind, time.perf_counter() - start, {**attributes, **outcome(result)})
+        if isinstance(result, CommandResult | Execution):
+            for judged in result.execs:  # what the code started, as the sandbox's rules judged it
+                self._record(
+                    EventKind.EXEC,
+                    0.0,
+                    {
+                        "of": kind.value,
+                        "call_id": current_call.get(),
+                        "path": _cap(judged.path),
+                        "argv": [_cap(a) for a in judged.argv],
+                        "verdict": judged.verdict,
+                        "rule": judged.rule,
+                    },
+                )
         return result
-
-    @property
-    def alive(self) -> bool:
-        return self.inner.alive
 
     def close(self) -> None:
         start = time.perf_counter()
         try:
-            self.inner.close()
+            self.wrapped.close()
         finally:
             if not self._stopped:
                 self._stopped = True
@@ -198,27 +220,23 @@ class AuditedInstance(Instance):
                 )
 
 
-class AuditedBackend(Backend):
+class AuditedBackend(WrapperBackend):
     """Starts ``inner``'s sandboxes as ``AuditedInstance``s and records each start (or failure)."""
 
     def __init__(
         self,
-        inner: Backend,
+        wrapped: Backend,
         log: AuditLog,
         *,
         run_id: str,
         step: StepSource = _no_step,
         actor: str = "sandbox",
     ) -> None:
-        self.inner = inner
+        super().__init__(wrapped)
         self.log = log
         self.run_id = run_id
         self.step = step
         self.actor = actor
-        self.tier = inner.tier
-
-    def probe(self) -> TierReport:
-        return self.inner.probe()
 
     def start(self, spec: SandboxSpec) -> AuditedInstance:
         limits = spec.limits
@@ -239,7 +257,7 @@ class AuditedBackend(Backend):
         }
         start = time.perf_counter()
         try:
-            instance = self.inner.start(spec)
+            instance = self.wrapped.start(spec)
         except BaseException as error:
             self.log.record(
                 EventKind.SANDBOX_START,

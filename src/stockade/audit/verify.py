@@ -154,7 +154,7 @@ class VerifyReport:
         return f"{scope}{self.checked} events checked ({self.algorithm}), head seq {self.last_seq}: {state}"
 
 
-def verify(
+def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be broken
     store: AuditStore,
     *,
     run_id: str | None = None,

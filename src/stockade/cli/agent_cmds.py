@@ -34,6 +34,7 @@ from stockade.agent import (
 from stockade.cli._console import CliConsole, print_diff
 from stockade.cli._signals import Interrupted, exit_code, interruptible, on_stop, signal_name
 from stockade.runtime.events import RetryScheduled, RuntimeEvent
+from stockade.sandbox import _registry
 from stockade.tools import default_toolset, shell
 from stockade.types import Trust
 
@@ -173,7 +174,7 @@ def _tell_how_to_resume(result: RunResult, pending: list[dict[str, str]], saved:
     out.print(f"  then resume: stockade agent --resume {result.run_id}")
 
 
-def agent(
+def agent(  # noqa: C901 - a typer command: its options become the run's configuration
     task: Annotated[str | None, typer.Argument(help="what the agent should do")] = None,
     workspace: Annotated[
         Path | None, typer.Option("--workspace", "-w", help="a folder copied into the sandbox")
@@ -184,7 +185,7 @@ def agent(
     ] = None,
     tier: Annotated[
         str | None,
-        typer.Option("--tier", "-t", help="process, docker, gvisor or microvm (default: by trust)"),
+        typer.Option("--tier", "-t", help=f"{_registry.NAMES} (default: by trust)"),
     ] = None,
     trust: Annotated[
         Trust | None, typer.Option("--trust", help="tightens the policy's trust level (never loosens it)")
@@ -254,7 +255,7 @@ def agent(
     success, 1 the run ended otherwise (check_failed, max_steps, ...), 2 a configuration error
     (or the run is running elsewhere), 3 paused.
     """
-    from stockade.agent import AgentConfig, build_agent
+    from stockade.assembly import AgentConfig, build_agent
     from stockade.policy import ApprovalStore, cli_approver
 
     try:

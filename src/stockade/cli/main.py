@@ -1,7 +1,9 @@
 """``stockade``: the command-line face of the SDK.
 
-Each group of commands lives in its own module exposing ``register(app)``; this module
-only assembles them, so a command's dependencies load when that module is imported.
+Each group of commands lives in its own module exposing ``register(app)``; this module only
+assembles them. Every module is imported at start (``--help`` lists every command), and with
+them the SDK's core; the optional dependencies (docker-py, the database drivers, the model
+providers' SDKs, OpenTelemetry) load only inside the commands that use them.
 """
 
 from __future__ import annotations

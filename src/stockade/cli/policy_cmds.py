@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -24,6 +24,10 @@ from stockade.cli._console import CliConsole
 from stockade.policy.schema import Verdict
 from stockade.sandbox import _registry
 from stockade.types import Trust
+
+if TYPE_CHECKING:
+    from stockade.policy.engine import Decision
+    from stockade.sandbox.ops import Op
 
 out = CliConsole()
 err = CliConsole(stderr=True)
@@ -160,10 +164,9 @@ def explain(
     """What the policy would decide about an action, and why: each rule that applies, its verdict
     and its reason, and the outcome (the strictest). Exit codes: 0 allowed, 1 denied, 3 needs a
     human's approval, 2 a mistake in the question."""
-    from stockade.agent.assembly import effective_trust
+    from stockade.assembly import effective_trust
     from stockade.policy.engine import Decision, PolicyEngine, strictest
     from stockade.policy.load import load_policy
-    from stockade.sandbox.ops import Op, ReadFile, Remove, RunCommand, WriteFile
 
     try:
         policy = load_policy(file)
@@ -175,18 +178,9 @@ def explain(
         err.print(f"[red]error:[/red] {escape(str(e))}")
         raise typer.Exit(2) from None
     actions: list[tuple[str, list[tuple[str, Decision]]]] = []
-    ops: list[tuple[str, Op]] = []
-    if command is not None:
-        ops.append((f"run `{command}`", RunCommand(argv=("/bin/sh", "-c", command))))
-    if read is not None:
-        ops.append((f"read {read!r}", ReadFile(path=read)))
-    if write is not None:
-        ops.append((f"write {write!r}", WriteFile(path=write, data=b"")))
-    if delete is not None:
-        ops.append((f"delete {delete!r}", Remove(path=delete)))
     if tool is not None:
         actions.append((f"use the tool {tool!r}", [("tool rules", engine.tool(tool))]))
-    for what, op in ops:
+    for what, op in _asked_ops(command, read, write, delete):
         actions.append((what, list(engine.explain(op, tool=tool or ""))))
     if model is not None:
         actions.append((f"call the model {model!r}", [("models.approved", engine.model(model))]))
@@ -208,16 +202,7 @@ def explain(
             "trust": policy.trust.level.value,
             "verdict": overall,
             "actions": [
-                {
-                    "action": what,
-                    "verdict": outcome.verdict.value,
-                    "rule": outcome.rule,
-                    "reason": outcome.reason,
-                    "checks": [
-                        {"check": name, "verdict": d.verdict.value, "rule": d.rule, "reason": d.reason}
-                        for name, d in parts
-                    ],
-                }
+                _action_json(what, parts, outcome)
                 for (what, parts), outcome in zip(actions, outcomes, strict=False)
             ],
         }
@@ -238,6 +223,37 @@ def explain(
         fired = f" (rules: {escape(', '.join(prompted.rules))})" if prompted.rules else ""
         out.print(f"the task text → [{colours.get(prompted.verdict, 'yellow')}]{prompted.verdict}[/]{fired}")
     raise typer.Exit(_EXPLAIN_EXIT[overall])
+
+
+def _asked_ops(
+    command: str | None, read: str | None, write: str | None, delete: str | None
+) -> list[tuple[str, Op[Any]]]:
+    """The sandbox ops ``policy explain`` was asked about, each with how to say it."""
+    from stockade.sandbox.ops import ReadFile, Remove, RunCommand, WriteFile
+
+    ops: list[tuple[str, Op[Any]]] = []
+    if command is not None:
+        ops.append((f"run `{command}`", RunCommand(argv=("/bin/sh", "-c", command))))
+    if read is not None:
+        ops.append((f"read {read!r}", ReadFile(path=read)))
+    if write is not None:
+        ops.append((f"write {write!r}", WriteFile(path=write, data=b"")))
+    if delete is not None:
+        ops.append((f"delete {delete!r}", Remove(path=delete)))
+    return ops
+
+
+def _action_json(what: str, parts: list[tuple[str, Decision]], outcome: Decision) -> dict[str, object]:
+    return {
+        "action": what,
+        "verdict": outcome.verdict.value,
+        "rule": outcome.rule,
+        "reason": outcome.reason,
+        "checks": [
+            {"check": name, "verdict": d.verdict.value, "rule": d.rule, "reason": d.reason}
+            for name, d in parts
+        ],
+    }
 
 
 def _decide(run_id: str, request_id: str, approved: bool, by: str, directory: Path | None) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shlex
 import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,12 +25,14 @@ from stockade.cli._console import CliConsole, print_diff
 from stockade.cli._signals import Interrupted, interruptible
 from stockade.cli._signals import exit_code as signal_exit_code
 from stockade.runs.store import RetryEntry, RunStore, RunSummary, RunTrace, open_run_store
+from stockade.sandbox import _registry
 from stockade.tools.base import Toolset
 
 out = CliConsole()
 err = CliConsole(stderr=True)
 
 DEFAULT_DB = "sqlite:///.stockade/audit.db"
+EXECS_SHOWN = 50  # per tool call
 
 DbOpt = Annotated[
     str,
@@ -206,7 +209,41 @@ def trace_json(trace: RunTrace, *, limit: int = SHOWN_CHARS) -> dict[str, object
     }
 
 
-def _print_trace(trace: RunTrace, limit: int) -> None:
+Execs = dict[str, list[dict[str, object]]]  # by tool call id
+
+
+def _print_call(trace: RunTrace, step: int, record: ToolCallRecord, limit: int, execs: Execs) -> None:
+    mark = "[yellow]denied[/]" if record.denied else "[red]✗[/]" if record.is_error else "[green]✓[/]"
+    args = json.dumps(record.call.args, ensure_ascii=False)
+    code = exit_code(record)
+    facts = [f"{record.duration_s * 1000:.0f} ms"]
+    if code is not None:
+        facts.insert(0, f"exit {code}")
+    if record.error_type:
+        facts.append(record.error_type)
+    out.print(f"  {mark} {record.call.name}({escape(_cut(args, 160))})  {', '.join(facts)}")
+    for retry in trace.retries_of(step, record.call.id):
+        out.print(
+            f"      [yellow]↻ retry {retry.attempt}[/] {escape(retry.subject)} after "
+            f"{retry.delay_s:.2f} s: {escape(retry.reason)}"
+        )
+    for judged in execs.get(record.call.id, [])[:EXECS_SHOWN]:  # what its code ran, judged inside
+        argv = judged.get("argv")
+        words = shlex.join(str(a) for a in argv) if isinstance(argv, list) else ""
+        verdict = str(judged.get("verdict"))
+        colour = {"allow": "dim", "approve": "green", "deny": "red", "refuse": "red"}.get(verdict, "")
+        rule = f" ({judged.get('rule')})" if judged.get("rule") else ""
+        out.print(f"      [{colour}]exec {verdict}[/] {escape(_cut(words, 160))}{escape(rule)}")
+    shown = _cut(record.observation, limit)
+    out.print(
+        "      " + escape(shown).replace("\n", "\n      "),
+        style="dim",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+def _print_trace(trace: RunTrace, limit: int, execs: Execs | None = None) -> None:
     s, state = trace.summary, trace.state
     colour = "green" if s.status == RunStatus.SUCCESS else "red"
     out.print(f"[bold]run {escape(s.run_id)}[/] with {escape(s.model_name)}  [{colour}]{s.status.value}[/]")
@@ -229,27 +266,7 @@ def _print_trace(trace: RunTrace, limit: int) -> None:
         if step.response.text:
             out.print(f"  [dim]{escape(_cut(step.response.text, limit))}[/]")
         for record in step.tool_calls:
-            mark = "[yellow]denied[/]" if record.denied else "[red]✗[/]" if record.is_error else "[green]✓[/]"
-            args = json.dumps(record.call.args, ensure_ascii=False)
-            code = exit_code(record)
-            facts = [f"{record.duration_s * 1000:.0f} ms"]
-            if code is not None:
-                facts.insert(0, f"exit {code}")
-            if record.error_type:
-                facts.append(record.error_type)
-            out.print(f"  {mark} {record.call.name}({escape(_cut(args, 160))})  {', '.join(facts)}")
-            for retry in trace.retries_of(step.index, record.call.id):
-                out.print(
-                    f"      [yellow]↻ retry {retry.attempt}[/] {escape(retry.subject)} after "
-                    f"{retry.delay_s:.2f} s: {escape(retry.reason)}"
-                )
-            shown = _cut(record.observation, limit)
-            out.print(
-                "      " + escape(shown).replace("\n", "\n      "),
-                style="dim",
-                highlight=False,
-                soft_wrap=True,
-            )
+            _print_call(trace, step.index, record, limit, execs or {})
     for check in state.checks:
         verdict = "[green]passed[/]" if check.passed else "[red]failed[/]"
         out.print(
@@ -284,10 +301,36 @@ def show(
     if trace is None:
         err.print(f"[red]run {escape(run_id)} has no checkpoint[/]")
         raise typer.Exit(2)
+    execs = _execs_by_call(db, trace.summary.run_id)
     if as_json:
-        print(json.dumps(trace_json(trace, limit=chars), ensure_ascii=False))
+        shown = trace_json(trace, limit=chars)
+        shown["execs"] = execs  # by tool call id: what the sandbox's rules judged inside
+        print(json.dumps(shown, ensure_ascii=False))
     else:
-        _print_trace(trace, chars)
+        _print_trace(trace, chars, execs)
+
+
+def _execs_by_call(db: str, run_id: str) -> Execs:
+    """The execs the sandbox judged during the run (audit ``exec`` events, when the audit trail
+    shares the run store's database), by the tool call whose code started them."""
+    from stockade.audit.events import EventKind
+    from stockade.audit.stores import open_store
+
+    found: Execs = {}
+    try:
+        store = open_store(db)
+    except Exception:  # no audit trail there: nothing to show
+        return found
+    try:
+        for event in store.events(run_id=run_id):
+            if event.kind == EventKind.EXEC:
+                call = str(event.attributes.get("call_id") or "")
+                found.setdefault(call, []).append(dict(event.attributes))
+    except Exception:  # a database without audit tables
+        return {}
+    finally:
+        store.close()
+    return found
 
 
 def replay(
@@ -299,7 +342,7 @@ def replay(
             "--workspace", "-w", help="the folder to start from (default: the one the run store kept)"
         ),
     ] = None,
-    tier: Annotated[str, typer.Option("--tier", "-t", help="process, docker, gvisor or microvm")] = "process",
+    tier: Annotated[str, typer.Option("--tier", "-t", help=_registry.NAMES)] = "process",
     tools: Annotated[
         list[str] | None,
         typer.Option(
@@ -314,7 +357,7 @@ def replay(
 ) -> None:
     """Run a recorded run again with its recorded model responses in a fresh sandbox; exit 1 when
     an observation differs from the recorded one (flaky tests, time-dependent commands)."""
-    from stockade.audit.replay import replay as replay_run
+    from stockade.runs.replay import replay as replay_run
     from stockade.sandbox.facade import Sandbox
 
     with tempfile.TemporaryDirectory(prefix="stockade-seed-") as seed, _store(db, namespace) as store:

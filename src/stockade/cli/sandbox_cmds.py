@@ -17,14 +17,14 @@ from stockade import exceptions as exc
 from stockade._checks import check_envs
 from stockade.cli._console import CliConsole
 from stockade.cli._signals import Interrupted, exit_code, interruptible
-from stockade.sandbox import _registry
+from stockade.sandbox import _registry, _rules
 from stockade.sandbox.facade import Sandbox
 from stockade.types import CommandResult, Limits, NetworkPolicy, TierReport
 
 out = CliConsole()
 err = CliConsole(stderr=True)
 
-TierOpt = Annotated[str, typer.Option("--tier", "-t", help="process, docker, gvisor or microvm")]
+TierOpt = Annotated[str, typer.Option("--tier", "-t", help=_registry.NAMES)]
 MemoryOpt = Annotated[int, typer.Option("--memory", help="memory limit in MiB")]
 CpusOpt = Annotated[float, typer.Option("--cpus", help="CPU limit (cores)")]
 PidsOpt = Annotated[int, typer.Option("--pids", help="process-count limit")]
@@ -47,6 +47,7 @@ def _report_json(report: TierReport) -> dict[str, object]:
         "enforcement": None if e is None else {name: str(getattr(e, name)) for name in _ENFORCED},
         # At the default limits: the most one sandbox can take from the host.
         "host": None if e is None or e.host is None else dataclasses.asdict(e.host),
+        "policy": {name: str(how) for name, how in _rules.TIER_SUPPORT.get(report.tier, {}).items()},
         "weakened": list(e.weakened) if e is not None else [],
         "fixes": list(report.fixes),
     }
@@ -68,6 +69,9 @@ def doctor(
         if e is not None:
             how = ", ".join(f"{name}={getattr(e, name)}" for name in _ENFORCED)
             out.print(f"         enforced by: {how}")
+            policy = _rules.TIER_SUPPORT.get(tier, {})
+            inside = ", ".join(f"{name}={how}" for name, how in policy.items())
+            out.print(f"         a policy, inside the sandbox: {inside}")
             if e.host is not None:
                 out.print(
                     f"         one sandbox at the default limits takes at most {e.host.memory_mb} MiB, "

@@ -15,25 +15,24 @@ needs nothing beyond the standard library.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from stockade.agent import AgentEvent, Checkpointer, Observer, RunLimits, RunResult, RunStarted
-from stockade.agent.assembly import AgentConfig, build_agent
+from stockade.assembly import AgentConfig, build_agent
 from stockade.audit.log import AuditLog
-from stockade.exceptions import ResourceContention
 from stockade.models import ScriptedModel, tool_call
 from stockade.policy.schema import CommandRules, Policy, TrustRules
 from stockade.runtime.events import Observer as RuntimeObserver
 from stockade.runtime.events import RuntimeEvent
 from stockade.runtime.retry import RetryPolicy
 from stockade.sandbox import _registry
-from stockade.sandbox.base import Backend, Instance, OpResult, OutputSink, SandboxSpec
+from stockade.sandbox.base import Backend
 from stockade.sandbox.facade import Sandbox
-from stockade.sandbox.ops import Op, ReadFile
-from stockade.types import TierReport, Trust
+from stockade.testing import FaultInjectingBackend
+from stockade.types import Trust
 
-__all__ = ["DEMO_POLICY", "SAMPLE_PROJECT", "FaultInjectingBackend", "demo_model", "run_demo", "test_command"]
+__all__ = ["DEMO_POLICY", "SAMPLE_PROJECT", "demo_model", "run_demo", "test_command"]
 
 SAMPLE_PROJECT = Path(__file__).parent / "sample_project"
 # The code the demo runs is ours (a scripted model replaying known steps): trusted, so the
@@ -53,52 +52,6 @@ FIX = """\
 -    return sorted(name for name, count in stock.items() if count < threshold)
 +    return sorted(name for name, count in stock.items() if count <= threshold)
 """
-
-
-class _FaultInjectingInstance(Instance):
-    def __init__(self, inner: Instance, fails: Callable[[Op], bool]) -> None:
-        self.inner = inner
-        self.fails = fails
-        self.id, self.tier, self.enforcement = inner.id, inner.tier, inner.enforcement
-
-    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
-        if self.fails(op):
-            raise ResourceContention(f"injected transient fault on {type(op).__name__}")
-        return self.inner.handle(op, sink)
-
-    def close(self) -> None:
-        self.inner.close()
-
-    @property
-    def alive(self) -> bool:
-        return self.inner.alive
-
-
-class FaultInjectingBackend(Backend):
-    """Starts ``inner``'s sandboxes; once ``arm()`` is called, the next read of ``path`` fails
-    transiently, once."""
-
-    def __init__(self, inner: Backend, *, path: str) -> None:
-        self.inner = inner
-        self.tier = inner.tier
-        self.path = path
-        self.armed = False
-        self.injected = 0
-
-    def arm(self) -> None:
-        self.armed = True
-
-    def _fails(self, op: Op) -> bool:
-        if self.armed and self.injected == 0 and isinstance(op, ReadFile) and op.path == self.path:
-            self.injected += 1
-            return True
-        return False
-
-    def probe(self) -> TierReport:
-        return self.inner.probe()
-
-    def start(self, spec: SandboxSpec) -> Instance:
-        return _FaultInjectingInstance(self.inner.start(spec), self._fails)
 
 
 def test_command(sandbox: Sandbox) -> str:
@@ -140,7 +93,7 @@ def run_demo(
     inner = backend or _registry.backend(tier)
     with Sandbox.create(backend=inner) as probe:  # which test runner the sandbox has
         command = test_command(probe)
-    faults = FaultInjectingBackend(inner, path="inventory.py")
+    faults = FaultInjectingBackend(inner, path="inventory.py", armed=False)
 
     def arm_on_start(event: AgentEvent) -> None:
         if isinstance(event, RunStarted):

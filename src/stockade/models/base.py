@@ -92,13 +92,7 @@ def resolve_model(spec: str | Model) -> Model:
         )
     import importlib
 
-    try:
-        module = importlib.import_module(entry.module)
-        model_cls: type[Model] = getattr(module, entry.cls)
-        return model_cls(name)  # type: ignore[call-arg]  # each adapter takes the model name first
-    except ModuleNotFoundError as err:
-        if err.name is not None and err.name.split(".")[0] == provider:
-            raise ConfigurationError(
-                f"model {spec!r} needs the {provider} SDK: pip install 'stockade[{entry.extra}]'"
-            ) from None
-        raise
+    # An adapter whose SDK is missing raises ConfigurationError on import, naming the extra.
+    module = importlib.import_module(entry.module)
+    model_cls: type[Model] = getattr(module, entry.cls)
+    return model_cls(name)  # type: ignore[call-arg]  # each adapter takes the model name first

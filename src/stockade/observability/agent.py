@@ -105,26 +105,7 @@ class TelemetryObserver:
                     event.run_id, "chat", {"gen_ai.operation.name": "chat", "stockade.step": event.step}
                 )
             case ModelResponded():
-                response = event.response
-                span = self._models.pop((event.run_id, event.step), None)
-                metric = {"gen_ai.operation.name": "chat", "gen_ai.request.model": response.model_name}
-                if span is not None:
-                    span.update_name(f"chat {response.model_name}")
-                    span.set_attributes(
-                        t.attributes(
-                            {
-                                "gen_ai.request.model": response.model_name,
-                                "gen_ai.response.model": response.model_name,
-                                "gen_ai.response.finish_reasons": [response.finish_reason],
-                                "gen_ai.usage.input_tokens": response.usage.input_tokens,
-                                "gen_ai.usage.output_tokens": response.usage.output_tokens,
-                            }
-                        )
-                    )
-                    span.end()
-                t.operation_duration.record(event.duration_s, metric)
-                t.token_usage.record(response.usage.input_tokens, {**metric, "gen_ai.token.type": "input"})
-                t.token_usage.record(response.usage.output_tokens, {**metric, "gen_ai.token.type": "output"})
+                self._model_responded(event)
             case ToolCalled():
                 self._tools[(event.run_id, event.call.id)] = self._child(
                     event.run_id,
@@ -159,18 +140,46 @@ class TelemetryObserver:
             case StepFinished():
                 pass
             case RunFinished():
-                run = self._runs.pop(event.run_id, None)
-                if run is not None:
-                    result = event.result
-                    run.set_attributes(
-                        t.attributes(
-                            {
-                                "stockade.status": str(result.status),
-                                "gen_ai.usage.input_tokens": result.usage.input_tokens,
-                                "gen_ai.usage.output_tokens": result.usage.output_tokens,
-                            }
-                        )
-                    )
-                    if not result.ok:
-                        run.set_status(Status(StatusCode.ERROR, str(result.status)))
-                    run.end()
+                self._run_finished(event)
+
+    def _model_responded(self, event: ModelResponded) -> None:
+        t, response = self.telemetry, event.response
+        span = self._models.pop((event.run_id, event.step), None)
+        metric = {"gen_ai.operation.name": "chat", "gen_ai.request.model": response.model_name}
+        if span is not None:
+            span.update_name(f"chat {response.model_name}")
+            span.set_attributes(
+                t.attributes(
+                    {
+                        "gen_ai.request.model": response.model_name,
+                        "gen_ai.response.model": response.model_name,
+                        "gen_ai.response.finish_reasons": [response.finish_reason],
+                        "gen_ai.usage.input_tokens": response.usage.input_tokens,
+                        "gen_ai.usage.output_tokens": response.usage.output_tokens,
+                    }
+                )
+            )
+            span.end()
+        t.operation_duration.record(event.duration_s, metric)
+        t.token_usage.record(response.usage.input_tokens, {**metric, "gen_ai.token.type": "input"})
+        t.token_usage.record(response.usage.output_tokens, {**metric, "gen_ai.token.type": "output"})
+
+    def _run_finished(self, event: RunFinished) -> None:
+        from opentelemetry.trace import Status, StatusCode
+
+        run = self._runs.pop(event.run_id, None)
+        if run is None:
+            return
+        result = event.result
+        run.set_attributes(
+            self.telemetry.attributes(
+                {
+                    "stockade.status": str(result.status),
+                    "gen_ai.usage.input_tokens": result.usage.input_tokens,
+                    "gen_ai.usage.output_tokens": result.usage.output_tokens,
+                }
+            )
+        )
+        if not result.ok:
+            run.set_status(Status(StatusCode.ERROR, str(result.status)))
+        run.end()

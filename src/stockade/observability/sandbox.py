@@ -9,11 +9,20 @@ either order: ``TracedBackend(AuditedBackend(backend, log, run_id=...), telemetr
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from stockade.observability.telemetry import Telemetry
-from stockade.sandbox.base import Backend, Instance, OpResult, OutputSink, SandboxSpec
+from stockade.sandbox.base import (
+    Backend,
+    Instance,
+    OpResult,
+    OutputSink,
+    SandboxSpec,
+    WrapperBackend,
+    WrapperInstance,
+)
 from stockade.sandbox.ops import Op, RunCode, RunCommand
-from stockade.types import CommandResult, Execution, TierReport
+from stockade.types import CommandResult, Execution
 
 __all__ = ["TracedBackend", "TracedInstance"]
 
@@ -32,7 +41,7 @@ _OP_NAMES = {
 }
 
 
-def _request(op: Op) -> dict[str, object]:
+def _request(op: Op[Any]) -> dict[str, object]:
     if isinstance(op, RunCommand):
         return {"process.command_args": list(op.argv), "stockade.env_names": sorted(op.envs) or None}
     if isinstance(op, RunCode):
@@ -59,22 +68,19 @@ def _response(result: OpResult) -> dict[str, object]:
     return {}
 
 
-class TracedInstance(Instance):
-    def __init__(self, inner: Instance, telemetry: Telemetry) -> None:
-        self.inner = inner
+class TracedInstance(WrapperInstance):
+    def __init__(self, wrapped: Instance, telemetry: Telemetry) -> None:
+        super().__init__(wrapped)
         self.telemetry = telemetry
-        self.id = inner.id
-        self.tier = inner.tier
-        self.enforcement = inner.enforcement
 
-    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         name = _OP_NAMES.get(type(op).__name__, type(op).__name__.lower())
         attributes = {"stockade.sandbox.id": self.id, "stockade.sandbox.tier": self.tier, **_request(op)}
         start = time.perf_counter()
         outcome = "error"
         try:
             with self.telemetry.span(f"sandbox.{name}", attributes) as span:
-                result = self.inner.handle(op, sink)
+                result = self.wrapped.handle(op, sink)
                 span.set_attributes(self.telemetry.attributes(_response(result)))
                 outcome = "ok"
                 return result
@@ -88,28 +94,20 @@ class TracedInstance(Instance):
                 },
             )
 
-    @property
-    def alive(self) -> bool:
-        return self.inner.alive
-
     def close(self) -> None:
         with self.telemetry.span(
             "sandbox.stop", {"stockade.sandbox.id": self.id, "stockade.sandbox.tier": self.tier}
         ):
-            self.inner.close()
+            self.wrapped.close()
 
 
-class TracedBackend(Backend):
-    def __init__(self, inner: Backend, telemetry: Telemetry) -> None:
-        self.inner = inner
+class TracedBackend(WrapperBackend):
+    def __init__(self, wrapped: Backend, telemetry: Telemetry) -> None:
+        super().__init__(wrapped)
         self.telemetry = telemetry
-        self.tier = inner.tier
-
-    def probe(self) -> TierReport:
-        return self.inner.probe()
 
     def start(self, spec: SandboxSpec) -> TracedInstance:
         with self.telemetry.span("sandbox.start", {"stockade.sandbox.tier": self.tier}) as span:
-            instance = self.inner.start(spec)
+            instance = self.wrapped.start(spec)
             span.set_attribute("stockade.sandbox.id", instance.id)
         return TracedInstance(instance, self.telemetry)

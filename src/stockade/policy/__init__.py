@@ -10,7 +10,7 @@ from stockade.policy.approval import (
     cli_approver,
 )
 from stockade.policy.engine import Decision, PolicyEngine
-from stockade.policy.guards import GuardContext, GuardedBackend, GuardedInstance, op_policy_guard, pipeline
+from stockade.policy.guards import GuardedBackend, GuardedInstance, OpContext, op_policy_guard, pipeline
 from stockade.policy.load import load_policy, parse_policy
 from stockade.policy.schema import Policy, Verdict
 
@@ -21,9 +21,9 @@ __all__ = [
     "Approvals",
     "Choice",
     "Decision",
-    "GuardContext",
     "GuardedBackend",
     "GuardedInstance",
+    "OpContext",
     "Policy",
     "PolicyEngine",
     "Verdict",

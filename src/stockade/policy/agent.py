@@ -26,8 +26,7 @@ from stockade.models.base import Model, WrapperModel
 from stockade.models.messages import ModelRequest, ModelResponse, ToolCall
 from stockade.policy.approval import Approvals
 from stockade.policy.engine import Decision, PolicyEngine, strictest
-from stockade.policy.guards import GuardContext as OpContext
-from stockade.policy.guards import GuardedInstance, enforce, op_policy_guard
+from stockade.policy.guards import GuardedInstance, OpContext, enforce, op_policy_guard
 from stockade.runtime.anomaly import AnomalyMonitor
 from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import ReadFile, RunCommand, WriteFile

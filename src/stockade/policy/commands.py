@@ -8,7 +8,6 @@ looked through. What cannot be analysed (command substitution, a variable as the
 
 from __future__ import annotations
 
-import fnmatch
 import functools
 import posixpath
 import shlex
@@ -16,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from stockade.policy.schema import CommandRules, Verdict
+from stockade.sandbox.kernel import execrules
 
 __all__ = ["CommandDecision", "analyse", "decide_command", "matches", "simple_commands"]
 
@@ -41,7 +41,6 @@ WRAPPER_VALUED: dict[str, frozenset[str]] = {
 UNANALYSABLE = frozenset({"eval", "source", "."})
 OPERATORS = frozenset({";", "&&", "||", "|", "&", "(", ")", "\n", ";;", "|&"})
 REDIRECTS = frozenset({">", ">>", "<", "<<", "<<<", ">&", "<&", "&>", ">|", "&>>"})
-FLAG_ALIASES = {"-r": ("-R", "--recursive"), "-f": ("--force",)}
 
 
 class UnanalysableError(ValueError):
@@ -160,25 +159,6 @@ def simple_commands(
     return [command for command, _, _ in _walk(argv, layers, _depth) if command]
 
 
-def _flag_matches(flag: str, args: Sequence[str]) -> bool:
-    accepted = (flag, *FLAG_ALIASES.get(flag, ()))
-    for arg in args:
-        if arg in accepted or (flag.startswith("--") and arg.startswith(flag + "=")):
-            return True
-        if (
-            len(flag) == 2 and not flag.startswith("--") and arg.startswith("-")
-            and not arg.startswith("--") and arg[1:].isalpha() and flag[1] in arg[1:]
-        ):  # fmt: skip
-            return True
-        if (
-            flag.startswith("-")
-            and not flag.startswith("--")
-            and any(a.startswith("--") and a in accepted for a in (arg,))
-        ):
-            return True
-    return False
-
-
 @functools.lru_cache(maxsize=1024)
 def _words(pattern: str) -> tuple[str, ...]:
     return tuple(shlex.split(pattern))
@@ -197,19 +177,9 @@ def analyse(argv: Sequence[str]) -> tuple[tuple[tuple[str, ...], ...], tuple[tup
 
 
 def matches(pattern: str, command: Sequence[str]) -> bool:
-    """Whether a simple command matches a pattern such as ``"rm -r"`` or ``"git push"``."""
-    words = _words(pattern)
-    if not command or not fnmatch.fnmatchcase(_program(command[0]), words[0]):
-        return False
-    args = command[1:]
-    positional = [a for a in args if not a.startswith("-")]
-    for word in words[1:]:
-        if word.startswith("-"):
-            if not _flag_matches(word, args):
-                return False
-        elif not any(fnmatch.fnmatchcase(a, word) for a in positional):
-            return False
-    return True
+    """Whether a simple command matches a pattern such as ``"rm -r"`` or ``"git push"``
+    (the same judge the supervisor applies to every exec inside the sandbox)."""
+    return execrules.matches(_words(pattern), command)
 
 
 @dataclass(frozen=True, kw_only=True)

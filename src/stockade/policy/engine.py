@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from stockade.exceptions import ConfigurationError, TierUnavailable
 from stockade.policy.commands import UnanalysableError, analyse, decide_command, matches
@@ -41,6 +41,7 @@ from stockade.sandbox.ops import (
     WriteFile,
     as_inline,
 )
+from stockade.types import SandboxRules
 
 __all__ = ["Decision", "PolicyEngine", "PromptDecision", "command_categories"]
 
@@ -173,13 +174,13 @@ class PolicyEngine:
 
     # -- what the guards ask ------------------------------------------------------------
 
-    def op(self, op: Op, *, tool: str = "") -> Decision:
+    def op(self, op: Op[Any], *, tool: str = "") -> Decision:
         parts = self.explain(op, tool=tool)
         if not parts:
             return Decision(verdict=Verdict.DENY, rule="ops", reason=f"unknown operation {type(op).__name__}")
         return strictest(decision for _, decision in parts)
 
-    def explain(self, op: Op, *, tool: str = "") -> tuple[tuple[str, Decision], ...]:
+    def explain(self, op: Op[Any], *, tool: str = "") -> tuple[tuple[str, Decision], ...]:
         """Every check ``op`` goes through, named, with its decision; ``op()`` is the strictest.
         Empty for an operation the engine does not know (which ``op()`` denies)."""
         match op:
@@ -257,6 +258,32 @@ class PolicyEngine:
             verdict=Verdict.DENY, rule=f"paths.{mode}",
             reason=f"cannot tell which files `{word}` names under the policy's path rules; name them",
         )  # fmt: skip
+
+    def sandbox_rules(self) -> SandboxRules:
+        """The policy as the sandbox itself enforces it, on any code, by any route: the command
+        rules (and the decisions over command categories) judged at each exec, the write rules
+        held by the kernel, and what this role may not read left out of the sandbox."""
+        p = self.policy
+        deny, approve = list(p.commands.deny), list(p.commands.approve)
+        for pattern, category in _CATEGORIES:
+            verdict = self.category(category).verdict
+            if verdict is Verdict.DENY:
+                deny.append(pattern)
+            elif verdict is Verdict.APPROVE:
+                approve.append(pattern)
+        hidden = list(p.paths.deny)
+        for entry in p.data:
+            access = p.data_access.get(entry.tier)
+            if access is not None and (self.role_name is None or self.role_name not in access.read):
+                hidden += entry.paths
+        return SandboxRules(
+            deny=tuple(dict.fromkeys(deny)),
+            approve=tuple(dict.fromkeys(approve)),
+            allow=p.commands.allow,
+            write=p.paths.write,
+            read=p.paths.read,
+            hide=tuple(dict.fromkeys(hidden)),
+        )
 
     def tool(self, name: str) -> Decision:
         if self.role.tools and name not in self.role.tools:

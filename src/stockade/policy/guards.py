@@ -10,20 +10,28 @@ from __future__ import annotations
 import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from stockade.exceptions import PolicyDenied
 from stockade.policy.approval import ApprovalRequest, Approvals
 from stockade.policy.engine import Decision, PolicyEngine
 from stockade.policy.schema import Verdict
 from stockade.runtime.anomaly import AnomalyMonitor
-from stockade.sandbox.base import Backend, Instance, OpResult, OutputSink, SandboxSpec
+from stockade.sandbox.base import (
+    Backend,
+    Instance,
+    OpResult,
+    OutputSink,
+    SandboxSpec,
+    WrapperBackend,
+    WrapperInstance,
+)
 from stockade.sandbox.ops import Op, RunCode, RunCommand, as_inline
-from stockade.types import TierReport
 
 __all__ = [
-    "GuardContext",
     "GuardedBackend",
     "GuardedInstance",
+    "OpContext",
     "OpGuard",
     "describe",
     "enforce",
@@ -33,17 +41,20 @@ __all__ = [
 
 
 @dataclass(frozen=True, kw_only=True)
-class GuardContext:
+class OpContext:
+    """What a guard of sandbox ops knows besides the op: the run, the role, the tool that issued
+    it. (A guard of tool calls gets the loop's ``GuardContext``.)"""
+
     run_id: str = "adhoc"
     role: str | None = None
     tool: str = ""
 
 
-OpGuard = Callable[[GuardContext, Op], Op]
+OpGuard = Callable[[OpContext, Op[Any]], Op[Any]]
 
 
 def pipeline(guards: Sequence[OpGuard]) -> OpGuard:
-    def run(ctx: GuardContext, op: Op) -> Op:
+    def run(ctx: OpContext, op: Op[Any]) -> Op[Any]:
         for guard in guards:
             op = guard(ctx, op)
         return op
@@ -51,7 +62,7 @@ def pipeline(guards: Sequence[OpGuard]) -> OpGuard:
     return run
 
 
-def describe(op: Op) -> str:
+def describe(op: Op[Any]) -> str:
     """The op in words, for humans approving it and for the model reading a denial."""
     match op:
         case RunCommand():
@@ -64,7 +75,7 @@ def describe(op: Op) -> str:
 
 def enforce(
     decision: Decision,
-    ctx: GuardContext,
+    ctx: OpContext,
     action: str,
     approvals: Approvals | None,
     monitor: AnomalyMonitor | None = None,
@@ -86,42 +97,28 @@ def enforce(
 def op_policy_guard(
     engine: PolicyEngine, approvals: Approvals | None = None, monitor: AnomalyMonitor | None = None
 ) -> OpGuard:
-    def guard(ctx: GuardContext, op: Op) -> Op:
+    def guard(ctx: OpContext, op: Op[Any]) -> Op[Any]:
         enforce(engine.op(op, tool=ctx.tool), ctx, describe(op), approvals, monitor)
         return op
 
     return guard
 
 
-class GuardedInstance(Instance):
-    def __init__(self, inner: Instance, guard: OpGuard, ctx: GuardContext) -> None:
-        self.inner = inner
+class GuardedInstance(WrapperInstance):
+    def __init__(self, wrapped: Instance, guard: OpGuard, ctx: OpContext) -> None:
+        super().__init__(wrapped)
         self.guard = guard
         self.ctx = ctx
-        self.id = inner.id
-        self.tier = inner.tier
-        self.enforcement = inner.enforcement
 
-    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
-        return self.inner.handle(self.guard(self.ctx, op), sink)
-
-    def close(self) -> None:
-        self.inner.close()
-
-    @property
-    def alive(self) -> bool:
-        return self.inner.alive
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
+        return self.wrapped.handle(self.guard(self.ctx, op), sink)
 
 
-class GuardedBackend(Backend):
-    def __init__(self, inner: Backend, guard: OpGuard, ctx: GuardContext) -> None:
-        self.inner = inner
+class GuardedBackend(WrapperBackend):
+    def __init__(self, wrapped: Backend, guard: OpGuard, ctx: OpContext) -> None:
+        super().__init__(wrapped)
         self.guard = guard
         self.ctx = ctx
-        self.tier = inner.tier
-
-    def probe(self) -> TierReport:
-        return self.inner.probe()
 
     def start(self, spec: SandboxSpec) -> GuardedInstance:
-        return GuardedInstance(self.inner.start(spec), self.guard, self.ctx)
+        return GuardedInstance(self.wrapped.start(spec), self.guard, self.ctx)

@@ -6,11 +6,10 @@ path under ``src``). A path that leads out of the workspace is never readable no
 
 from __future__ import annotations
 
-import functools
 import posixpath
-import re
 from collections.abc import Sequence
 
+from stockade._globs import glob_matches
 from stockade.policy.schema import PathRules
 
 __all__ = [
@@ -46,43 +45,6 @@ def normalise(path: str) -> str | None:
             depth += 1
     norm = posixpath.normpath("/" + path).lstrip("/")
     return "" if norm == "." else norm
-
-
-@functools.lru_cache(maxsize=512)
-def _compile(glob: str) -> re.Pattern[str]:
-    out = []
-    i = 0
-    while i < len(glob):
-        if glob.startswith("**/", i):
-            out.append("(?:.*/)?")
-            i += 3
-        elif glob.startswith("**", i):
-            out.append(".*")
-            i += 2
-        elif glob[i] == "*":
-            out.append("[^/]*")
-            i += 1
-        elif glob[i] == "?":
-            out.append("[^/]")
-            i += 1
-        else:
-            out.append(re.escape(glob[i]))
-            i += 1
-    return re.compile("".join(out), re.DOTALL)
-
-
-def glob_matches(globs: Sequence[str], path: str) -> bool:
-    """``path`` (normalised) matches a glob, or lies under a directory one matches."""
-    for glob in globs:
-        pattern = _compile(glob.strip("/"))
-        if pattern.fullmatch(path):
-            return True
-        parent = path
-        while "/" in parent:
-            parent = parent.rsplit("/", 1)[0]
-            if pattern.fullmatch(parent) and not any(c in glob for c in "*?"):
-                return True  # a plain directory ("secrets") also covers everything below it
-    return False
 
 
 def _allowed(globs: Sequence[str], rules: PathRules, path: str) -> bool:

@@ -144,7 +144,7 @@ def _scratch(path: str) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)
-def _file_access(argv: tuple[str, ...], cwd: str) -> FileAccess:
+def _file_access(argv: tuple[str, ...], cwd: str) -> FileAccess:  # noqa: C901 - one walk of a shell line: redirects, cd, each program
     layers: list[tuple[str, ...]] = []
     entries = _walk(argv, layers)
     cwds = frozenset({cwd})

@@ -1,7 +1,7 @@
 """The run store: every agent run's steps, tool calls, retries, approvals and usage, so that
 a run can be inspected (``stockade runs``), resumed after a crash, and replayed
-(``stockade replay``). See ``store`` for how checkpoints stay cheap and ``recorder`` for
-what is written between them."""
+(``stockade replay``). See ``store`` for how checkpoints stay cheap, ``recorder`` for
+what is written between them and ``replay`` for running a stored run again."""
 
 from stockade.runs.recorder import RecordedApprovals, RunRecorder
 from stockade.runs.store import ApprovalEntry, RetryEntry, RunStore, RunSummary, RunTrace, open_run_store

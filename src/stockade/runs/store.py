@@ -493,7 +493,7 @@ class RunStore:
                 "took the run over; this process must stop running it"
             )
 
-    def claim(self, run_id: str, *, new: bool, wait_s: float | None = None) -> RunLease:
+    def claim(self, run_id: str, *, new: bool, wait_s: float | None = None) -> RunLease:  # noqa: C901 - waits through the lease's states
         """Take the run's lease: for a ``new`` run (``RunConflict`` if the store has the id),
         or to resume one (``RunConflict`` if it ended). A live lease of another process:
         wait up to ``wait_s`` (default ``lease_wait_s``), then ``RunLeased``."""

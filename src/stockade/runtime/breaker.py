@@ -11,14 +11,21 @@ from __future__ import annotations
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from stockade.exceptions import CircuitOpen, PolicyDenied, RuntimeLimit, SandboxError
+from stockade.exceptions import CircuitOpen, PolicyDenied, RunStopped, RuntimeLimit, SandboxError
 from stockade.runtime.clock import Clock, SystemClock
 from stockade.runtime.events import BreakerChanged, BreakerState, Observer, ignore
-from stockade.sandbox.base import Backend, Instance, OpResult, OutputSink, SandboxSpec
+from stockade.sandbox.base import (
+    Backend,
+    Instance,
+    OpResult,
+    OutputSink,
+    SandboxSpec,
+    WrapperBackend,
+    WrapperInstance,
+)
 from stockade.sandbox.ops import Op
-from stockade.types import TierReport
 
 __all__ = [
     "BreakerConfig",
@@ -34,7 +41,9 @@ T = TypeVar("T")
 
 
 def counts_as_failure(err: BaseException) -> bool:
-    return not isinstance(err, PolicyDenied | RuntimeLimit)
+    """Denials, limits and run signals (a kill, a pause for approval) are no failure of the
+    protected thing; anything else is."""
+    return not isinstance(err, PolicyDenied | RuntimeLimit | RunStopped)
 
 
 def sandbox_failure(err: BaseException) -> bool:
@@ -202,38 +211,24 @@ class Breakers:
         return {name: b.state for name, b in made.items()}
 
 
-class BreakerInstance(Instance):
+class BreakerInstance(WrapperInstance):
     """Every op of a sandbox through the backend's breaker (a crash or a protocol error counts)."""
 
-    def __init__(self, inner: Instance, breaker: CircuitBreaker) -> None:
-        self.inner = inner
+    def __init__(self, wrapped: Instance, breaker: CircuitBreaker) -> None:
+        super().__init__(wrapped)
         self.breaker = breaker
-        self.id = inner.id
-        self.tier = inner.tier
-        self.enforcement = inner.enforcement
 
-    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
-        return self.breaker.call(lambda: self.inner.handle(op, sink), error_counts=sandbox_failure)
-
-    def close(self) -> None:
-        self.inner.close()
-
-    @property
-    def alive(self) -> bool:
-        return self.inner.alive
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
+        return self.breaker.call(lambda: self.wrapped.handle(op, sink), error_counts=sandbox_failure)
 
 
-class BreakingBackend(Backend):
+class BreakingBackend(WrapperBackend):
     """A backend whose starts and ops go through the breaker ``backend:<tier>``."""
 
-    def __init__(self, inner: Backend, breakers: Breakers) -> None:
-        self.inner = inner
-        self.breaker = breakers.get(f"backend:{inner.tier}")
-        self.tier = inner.tier
-
-    def probe(self) -> TierReport:
-        return self.inner.probe()
+    def __init__(self, wrapped: Backend, breakers: Breakers) -> None:
+        super().__init__(wrapped)
+        self.breaker = breakers.get(f"backend:{wrapped.tier}")
 
     def start(self, spec: SandboxSpec) -> BreakerInstance:
-        started = self.breaker.call(lambda: self.inner.start(spec), error_counts=sandbox_failure)
+        started = self.breaker.call(lambda: self.wrapped.start(spec), error_counts=sandbox_failure)
         return BreakerInstance(started, self.breaker)

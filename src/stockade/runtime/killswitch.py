@@ -24,11 +24,11 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from stockade.exceptions import ConfigurationError, RunInterrupted, RunKilled, StockadeError
 from stockade.runtime.events import KillRequested, Observer, ignore
-from stockade.sandbox.base import Instance, OpResult, OutputSink
+from stockade.sandbox.base import Instance, OpResult, OutputSink, WrapperInstance
 from stockade.sandbox.ops import Op
 
 __all__ = [
@@ -345,21 +345,18 @@ class KillSwitch:
             self._each("clear")  # acted upon, or too late to matter: the next run of this id starts clean
 
 
-class KillableInstance(Instance):
+class KillableInstance(WrapperInstance):
     """An instance whose ops stop with ``RunKilled`` once its run is killed."""
 
-    def __init__(self, inner: Instance, switch: KillSwitch) -> None:
-        self.inner = inner
+    def __init__(self, wrapped: Instance, switch: KillSwitch) -> None:
+        super().__init__(wrapped)
         self.switch = switch
-        self.id = inner.id
-        self.tier = inner.tier
-        self.enforcement = inner.enforcement
 
-    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         if self.switch.killed:
             raise self.switch._error()
         try:
-            result = self.inner.handle(op, sink)
+            result = self.wrapped.handle(op, sink)
         except StockadeError as err:
             if self.switch.killed:
                 raise self.switch._error() from err
@@ -367,10 +364,3 @@ class KillableInstance(Instance):
         if self.switch.killed:  # the command "finished" because we killed it
             raise self.switch._error()
         return result
-
-    def close(self) -> None:
-        self.inner.close()
-
-    @property
-    def alive(self) -> bool:
-        return self.inner.alive

@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import stamina
 
@@ -30,9 +30,11 @@ from stockade.sandbox.base import (
     OpResult,
     OutputSink,
     SandboxSpec,
+    WrapperBackend,
+    WrapperInstance,
 )
 from stockade.sandbox.ops import ListDir, Op, ReadFile, Stat
-from stockade.types import CommandResult, TierReport
+from stockade.types import CommandResult
 
 __all__ = [
     "READ_OPS",
@@ -51,7 +53,7 @@ T = TypeVar("T")
 
 # Operations that change nothing: safe to repeat after a transient failure. Not GetArchive:
 # it streams into the caller's sink, which a second attempt would feed a second archive.
-READ_OPS: tuple[type[Op], ...] = (ReadFile, Stat, ListDir)
+READ_OPS: tuple[type[Op[Any]], ...] = (ReadFile, Stat, ListDir)
 
 
 def is_transient(err: BaseException) -> bool:
@@ -129,45 +131,37 @@ class Retrier:
         raise AssertionError("unreachable: stamina re-raises the last error")  # pragma: no cover
 
 
-class RetryingInstance(Instance):
+class RetryingInstance(WrapperInstance):
     """Retries reads after transient failures; side-effecting ops only when the caller lists
     them in ``idempotent`` (e.g. ``(WriteFile, MakeDir)``). Commands are never retried here."""
 
-    def __init__(self, inner: Instance, retrier: Retrier, *, idempotent: tuple[type[Op], ...] = ()) -> None:
-        self.inner = inner
+    def __init__(
+        self, wrapped: Instance, retrier: Retrier, *, idempotent: tuple[type[Op[Any]], ...] = ()
+    ) -> None:
+        super().__init__(wrapped)
         self.retrier = retrier
         self.retried_ops = READ_OPS + idempotent
-        self.id = inner.id
-        self.tier = inner.tier
-        self.enforcement = inner.enforcement
 
-    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         if isinstance(op, self.retried_ops):
-            return self.retrier.call(f"{self.tier}:{type(op).__name__}", lambda: self.inner.handle(op, sink))
-        return self.inner.handle(op, sink)
-
-    def close(self) -> None:
-        self.inner.close()
-
-    @property
-    def alive(self) -> bool:
-        return self.inner.alive
+            return self.retrier.call(
+                f"{self.tier}:{type(op).__name__}", lambda: self.wrapped.handle(op, sink)
+            )
+        return self.wrapped.handle(op, sink)
 
 
-class RetryingBackend(Backend):
+class RetryingBackend(WrapperBackend):
     """Sandbox creation is idempotent: a start that fails transiently is tried again."""
 
-    def __init__(self, inner: Backend, retrier: Retrier, *, idempotent: tuple[type[Op], ...] = ()) -> None:
-        self.inner = inner
+    def __init__(
+        self, wrapped: Backend, retrier: Retrier, *, idempotent: tuple[type[Op[Any]], ...] = ()
+    ) -> None:
+        super().__init__(wrapped)
         self.retrier = retrier
         self.idempotent = idempotent
-        self.tier = inner.tier
-
-    def probe(self) -> TierReport:
-        return self.inner.probe()
 
     def start(self, spec: SandboxSpec) -> RetryingInstance:
-        instance = self.retrier.call(f"{self.tier}:start", lambda: self.inner.start(spec))
+        instance = self.retrier.call(f"{self.tier}:start", lambda: self.wrapped.start(spec))
         return RetryingInstance(instance, self.retrier, idempotent=self.idempotent)
 
 
@@ -176,7 +170,7 @@ class AsyncRetryingInstance(AsyncInstance):
     loop (its waits are ``asyncio.sleep``, so the event loop stays free while backing off)."""
 
     def __init__(
-        self, inner: AsyncInstance, retrier: Retrier, *, idempotent: tuple[type[Op], ...] = ()
+        self, inner: AsyncInstance, retrier: Retrier, *, idempotent: tuple[type[Op[Any]], ...] = ()
     ) -> None:
         self.inner = inner
         self.retrier = retrier
@@ -185,12 +179,12 @@ class AsyncRetryingInstance(AsyncInstance):
         self.tier = inner.tier
         self.enforcement = inner.enforcement
 
-    async def aexecute(self, op: Op, sink: OutputSink | None = None) -> OpResult:
+    async def ahandle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         if isinstance(op, self.retried_ops):
             return await self.retrier.acall(
-                f"{self.tier}:{type(op).__name__}", lambda: self.inner.aexecute(op, sink)
+                f"{self.tier}:{type(op).__name__}", lambda: self.inner.ahandle(op, sink)
             )
-        return await self.inner.aexecute(op, sink)
+        return await self.inner.ahandle(op, sink)
 
     async def aclose(self) -> None:
         await self.inner.aclose()
@@ -200,7 +194,7 @@ class AsyncRetryingBackend(AsyncBackend):
     """The async twin of ``RetryingBackend``: a start that fails transiently is tried again."""
 
     def __init__(
-        self, inner: AsyncBackend, retrier: Retrier, *, idempotent: tuple[type[Op], ...] = ()
+        self, inner: AsyncBackend, retrier: Retrier, *, idempotent: tuple[type[Op[Any]], ...] = ()
     ) -> None:
         self.inner = inner
         self.retrier = retrier

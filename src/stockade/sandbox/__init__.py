@@ -1,8 +1,17 @@
 """Isolation tiers behind one interface: ``Sandbox``/``AsyncSandbox`` over a ``Backend``."""
 
 from stockade.sandbox._supervised import TIMEOUT_MARGIN_S
-from stockade.sandbox.base import AsyncBackend, AsyncInstance, Backend, Instance, SandboxSpec
+from stockade.sandbox.base import (
+    AsyncBackend,
+    AsyncInstance,
+    Backend,
+    Instance,
+    SandboxSpec,
+    WrapperBackend,
+    WrapperInstance,
+)
 from stockade.sandbox.facade import AsyncSandbox, Sandbox
+from stockade.sandbox.pool import PoolStats, SandboxPool
 
 __all__ = [
     "TIMEOUT_MARGIN_S",
@@ -11,6 +20,10 @@ __all__ = [
     "AsyncSandbox",
     "Backend",
     "Instance",
+    "PoolStats",
     "Sandbox",
+    "SandboxPool",
     "SandboxSpec",
+    "WrapperBackend",
+    "WrapperInstance",
 ]

@@ -27,10 +27,12 @@ TIERS: dict[str, tuple[str, str, str]] = {
     "microvm": ("stockade.sandbox.microvm", "MicroVMBackend", "apt-get install qemu-system-x86"),
 }
 STRENGTH = tuple(TIERS)
+# The tiers in words, for help texts: "process, docker, gvisor or microvm".
+NAMES = f"{', '.join(STRENGTH[:-1])} or {STRENGTH[-1]}"
 
 # The minimum tier for each kind of trust, and the tiers that satisfy it.
 _ALLOWED: dict[Trust, tuple[str, ...]] = {
-    Trust.TRUSTED: ("process", "docker", "gvisor", "microvm"),
+    Trust.TRUSTED: STRENGTH,
     Trust.INTERNAL: ("docker", "gvisor", "microvm"),
     Trust.UNTRUSTED: ("microvm",),
     Trust.MULTI_TENANT: ("microvm",),

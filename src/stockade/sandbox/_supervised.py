@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
+import threading
 import time
 import weakref
 from typing import Any
 
 from stockade import exceptions as exc
+from stockade.sandbox import _rules
 from stockade.sandbox._channel import Channel, JSONTooLarge, Stream, loads_bounded
 from stockade.sandbox.base import Instance, OpResult, OutputSink, SandboxSpec
 from stockade.sandbox.kernel.protocol import (
@@ -79,12 +82,27 @@ def truncation_marker(shown: int, total: int) -> str:
     return f"\n[stockade: output truncated: showing {shown} of {total} bytes]\n"
 
 
+# Guards only the flip of a boundary's ``_dead`` flag, never a kill itself: one for all is enough.
+_KILLING = threading.Lock()
+
+
 class Boundary(abc.ABC):
     """What a tier provides around the supervisor."""
 
-    @abc.abstractmethod
+    _dead = False  # set by the first kill()
+
     def kill(self) -> None:
-        """Kill every process of the sandbox, now. Idempotent."""
+        """Kill every process of the sandbox, now. Idempotent: ``_kill`` runs once, in the
+        first caller's thread (close, the finalizer and a timed-out call may race here)."""
+        with _KILLING:
+            if self._dead:
+                return
+            self._dead = True
+        self._kill()
+
+    @abc.abstractmethod
+    def _kill(self) -> None:
+        """Kill every process of the sandbox and release what the tier holds for it."""
 
     def oom_kills(self) -> int | None:
         """How many processes the sandbox's memory limit has killed so far, if known."""
@@ -142,8 +160,13 @@ class SupervisedInstance(Instance):
 
     # -- lifecycle ----------------------------------------------------------------------
 
-    def handshake(self, config: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        """Send the configuration frame and wait for ``ready``."""
+    def handshake(
+        self, config: dict[str, Any], timeout_s: float, rules: _rules.RulesPlan | None = None
+    ) -> dict[str, Any]:
+        """Send the configuration frame and wait for ``ready``; with ``rules``, check that
+        the kernel inside holds them (or say, with ``allow_weaker``, what is weaker)."""
+        if rules is not None and rules.config is not None:
+            config = {**config, "rules": rules.config}
         try:
             header, _ = self.channel.call({"op": "init", "config": config}).result(
                 time.monotonic() + timeout_s
@@ -154,6 +177,18 @@ class SupervisedInstance(Instance):
             raise exc.SandboxStartError(f"sandbox failed to start: {err}") from None
         if header.get("ev") != "ready":
             raise exc.SandboxStartError(f"unexpected first reply: {header!r}")
+        if rules is not None:
+            weaker = _rules.check_ready(self.spec, rules, header.get("rules"))
+            weakened = (*self.enforcement.weakened, *rules.weakened, *weaker)
+            held = {k: v for k, v in rules.enforcement.items() if not any(w.startswith(k) for w in weaker)}
+            e = self.enforcement
+            self.enforcement = dataclasses.replace(
+                e,
+                commands=held.get("commands", e.commands),
+                paths=held.get("paths", e.paths),
+                programs=held.get("programs", e.programs),
+                weakened=weakened,
+            )
         return header
 
     @property
@@ -172,7 +207,7 @@ class SupervisedInstance(Instance):
 
     # -- dispatch -----------------------------------------------------------------------
 
-    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         self._check_open()
         oom_before = self.boundary.oom_kills()
         try:
@@ -191,7 +226,7 @@ class SupervisedInstance(Instance):
                 err.cause = self.boundary.death_cause()
             raise
 
-    def _handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+    def _handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         match op:
             case RunCommand():
                 return self._run_command(op, sink)
@@ -362,6 +397,8 @@ class SupervisedInstance(Instance):
                     part = streams[fd].add(chunk)
                     if sink is not None and part:
                         sink(fd, part)
+                elif ev == "approve":
+                    self._approve(h)
                 elif ev in ("exit", "result"):
                     return (h, chunk), streams
                 elif ev == "error":
@@ -375,6 +412,18 @@ class SupervisedInstance(Instance):
                 err.stderr = streams[2].text(len(streams[2].data))[0]
             raise
         raise exc.ProtocolError(f"{header['op']} ended without a report")  # pragma: no cover
+
+    def _approve(self, h: dict[str, Any]) -> None:
+        """An exec inside waits for a human: ask the sandbox's approver, answer the supervisor."""
+        (record,) = _rules.exec_records({"execs": [h]})
+        approver = self.spec.approver
+        try:
+            allow = bool(approver(record)) if approver is not None else False
+        except Exception:  # an approver that fails says no
+            allow = False
+        call = self.channel.call({"op": "verdict", "req": _int(h.get("req")), "allow": allow})
+        with contextlib.suppress(TimeoutError):
+            call.result(time.monotonic() + FILE_OP_TIMEOUT_S)
 
     def _run_command(self, op: RunCommand, sink: OutputSink | None) -> CommandResult:
         if not op.argv:
@@ -429,6 +478,7 @@ class SupervisedInstance(Instance):
             stdout_bytes=out_total,
             stderr_bytes=err_total,
             signal=sig if isinstance(sig, int) else None,
+            execs=_rules.exec_records(h),
         )
 
     def _oom_since(self, before: int | None, *, settle: bool) -> bool:
@@ -499,6 +549,7 @@ class SupervisedInstance(Instance):
             duration_s=float(h.get("duration") or 0.0),
             timed_out=bool(h.get("timed_out")),
             truncated=out_cut or err_cut,
+            execs=_rules.exec_records(h),
         )
 
     def _json_body(self, body: bytes, *, max_values: int, what: str) -> Any:

@@ -3,7 +3,8 @@
 Twin interfaces, as in httpx: ``Backend.start`` / ``Instance.execute`` / ``Instance.close``
 for threads, ``AsyncBackend.astart`` / ``AsyncInstance.aexecute`` / ``AsyncInstance.aclose``
 for asyncio. One class may implement both (``stockade.testing.FakeBackend`` does).
-Cross-cutting behaviour (retry, audit, policy) wraps these interfaces; it is never a flag.
+Cross-cutting behaviour (retry, audit, policy) wraps these interfaces; it is never a flag:
+a wrapper subclasses ``WrapperInstance`` / ``WrapperBackend`` and overrides what it changes.
 """
 
 from __future__ import annotations
@@ -11,29 +12,18 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import overload
+from typing import Any, TypeVar, cast
 
-from stockade.sandbox.ops import (
-    GetArchive,
-    ListDir,
-    MakeDir,
-    Op,
-    PutArchive,
-    ReadFile,
-    Remove,
-    Reset,
-    RunCode,
-    RunCommand,
-    Stat,
-    WriteFile,
-)
+from stockade.sandbox.ops import Op
 from stockade.types import (
     CommandResult,
     Enforcement,
     EntryInfo,
+    ExecRecord,
     Execution,
     Limits,
     NetworkPolicy,
+    SandboxRules,
     TierReport,
 )
 
@@ -46,11 +36,15 @@ __all__ = [
     "OutputSink",
     "SandboxSpec",
     "ThreadedAsyncBackend",
+    "WrapperBackend",
+    "WrapperInstance",
 ]
 
 # Called with (1 for stdout | 2 for stderr, raw bytes) as output arrives.
 OutputSink = Callable[[int, bytes], None]
+# What the ops of ``stockade.sandbox.ops`` answer, whichever it was: what ``handle`` returns.
 OpResult = CommandResult | Execution | bytes | EntryInfo | tuple[EntryInfo, ...] | None
+R = TypeVar("R")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +56,10 @@ class SandboxSpec:
     envs: Mapping[str, str] = field(default_factory=dict)
     allow_weaker: bool = False
     labels: Mapping[str, str] = field(default_factory=dict)
+    rules: SandboxRules | None = None
+    # Asked, on the host, about an exec the rules send for approval; True lets it run.
+    # Without one, such an exec is refused.
+    approver: Callable[[ExecRecord], bool] | None = None
 
 
 class Instance(abc.ABC):
@@ -71,26 +69,15 @@ class Instance(abc.ABC):
     tier: str
     enforcement: Enforcement
 
-    @overload
-    def execute(self, op: RunCommand, sink: OutputSink | None = None) -> CommandResult: ...
-    @overload
-    def execute(self, op: RunCode, sink: OutputSink | None = None) -> Execution: ...
-    @overload
-    def execute(self, op: ReadFile | GetArchive, sink: OutputSink | None = None) -> bytes: ...
-    @overload
-    def execute(self, op: WriteFile | MakeDir, sink: OutputSink | None = None) -> EntryInfo: ...
-    @overload
-    def execute(self, op: Stat, sink: OutputSink | None = None) -> EntryInfo | None: ...
-    @overload
-    def execute(self, op: ListDir, sink: OutputSink | None = None) -> tuple[EntryInfo, ...]: ...
-    @overload
-    def execute(self, op: Remove | PutArchive | Reset, sink: OutputSink | None = None) -> None: ...
+    def execute(self, op: Op[R], sink: OutputSink | None = None) -> R:
+        """Run ``op``; what comes back is what the op says (``RunCommand`` -> ``CommandResult``).
 
-    def execute(self, op: Op, sink: OutputSink | None = None) -> OpResult:
-        return self.handle(op, sink)
+        ``sink`` gets output as it arrives (see ``OutputSink``)."""
+        # handle() answers each op with the op's own result type: that is its contract
+        return cast(R, self.handle(op, sink))
 
     @abc.abstractmethod
-    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         """Execute one operation. ``execute`` is its typed front door."""
 
     @abc.abstractmethod
@@ -98,8 +85,9 @@ class Instance(abc.ABC):
         """Kill every process of the sandbox and release its resources. Idempotent."""
 
     @property
+    @abc.abstractmethod
     def alive(self) -> bool:
-        return True
+        """Whether the sandbox can still run ops (pools hand out only live ones)."""
 
 
 class Backend(abc.ABC):
@@ -116,13 +104,54 @@ class Backend(abc.ABC):
         """Start a sandbox, or raise ``LimitNotEnforceable`` / ``SandboxStartError``."""
 
 
+class WrapperInstance(Instance):
+    """Delegates everything to ``wrapped``; a subclass overrides what it changes (usually
+    ``handle``), as ``WrapperModel`` does for models. ``alive`` is the wrapped sandbox's: a
+    dead sandbox under a wrapper must not look alive to a pool."""
+
+    def __init__(self, wrapped: Instance) -> None:
+        self.wrapped = wrapped
+        self.id = wrapped.id
+        self.tier = wrapped.tier
+        self.enforcement = wrapped.enforcement
+
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
+        return self.wrapped.handle(op, sink)
+
+    def close(self) -> None:
+        self.wrapped.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.wrapped.alive
+
+
+class WrapperBackend(Backend):
+    """Delegates to ``wrapped``; a subclass overrides ``start`` to wrap what it starts."""
+
+    def __init__(self, wrapped: Backend) -> None:
+        self.wrapped = wrapped
+        self.tier = wrapped.tier
+
+    def probe(self) -> TierReport:
+        return self.wrapped.probe()
+
+    def start(self, spec: SandboxSpec) -> Instance:
+        return self.wrapped.start(spec)
+
+
 class AsyncInstance(abc.ABC):
     id: str
     tier: str
     enforcement: Enforcement
 
+    async def aexecute(self, op: Op[R], sink: OutputSink | None = None) -> R:
+        """Run ``op``; what comes back is what the op says, as for ``Instance.execute``."""
+        return cast(R, await self.ahandle(op, sink))
+
     @abc.abstractmethod
-    async def aexecute(self, op: Op, sink: OutputSink | None = None) -> OpResult: ...
+    async def ahandle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
+        """Execute one operation. ``aexecute`` is its typed front door."""
 
     @abc.abstractmethod
     async def aclose(self) -> None: ...
@@ -144,7 +173,7 @@ class _ThreadedInstance(AsyncInstance):
         self.tier = inner.tier
         self.enforcement = inner.enforcement
 
-    async def aexecute(self, op: Op, sink: OutputSink | None = None) -> OpResult:
+    async def ahandle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         import asyncio  # lazily: importing stockade must stay cheap
 
         return await asyncio.to_thread(self.inner.handle, op, sink)

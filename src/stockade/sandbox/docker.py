@@ -27,12 +27,12 @@ import tarfile
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from stockade import exceptions as exc
-from stockade.sandbox import _host, _oci
+from stockade.sandbox import _guest, _host, _rules
 from stockade.sandbox._hostinfo import engine_masked_paths
 from stockade.sandbox._supervised import WORKSPACE, Boundary, SupervisedInstance, supervisor_config
 from stockade.sandbox.base import Backend, OpResult, OutputSink, SandboxSpec
@@ -276,8 +276,6 @@ class _ContainerBoundary(Boundary):
         self.since = time.time() - 1.0
         self.rundir = rundir
         self.mounts = mounts
-        self._dead = False
-        self._lock = threading.Lock()
         self._oom_file: Path | None = None
         self._oom_resolved = False
 
@@ -297,8 +295,8 @@ class _ContainerBoundary(Boundary):
                 pid = int(self.api.inspect_container(self.cid)["State"]["Pid"] or 0)
             except unknown:
                 pid = 0
-            self._oom_file = _oci.oom_counter_file(pid) if pid else None
-        return None if self._oom_file is None else _oci.read_oom_kills(self._oom_file)
+            self._oom_file = _guest.oom_counter_file(pid) if pid else None
+        return None if self._oom_file is None else _guest.read_oom_kills(self._oom_file)
 
     def _oom_events(self) -> int | None:
         # ``until`` in the past (to the microsecond) makes the engine replay and return at
@@ -317,11 +315,7 @@ class _ContainerBoundary(Boundary):
         except _engine_failures():
             return None
 
-    def kill(self) -> None:
-        with self._lock:
-            if self._dead:
-                return
-            self._dead = True
+    def _kill(self) -> None:
         _remove(self.api, self.cid)
         _release_mounts(self.rundir, self.mounts)
         if self.lease is not None:  # last: no process of the sandbox is left with the uid
@@ -366,7 +360,7 @@ def _etc_files(uid: int) -> dict[str, str]:
 
 def _release_mounts(rundir: Path | None, mounts: list[Path]) -> None:
     for mount in mounts:
-        _oci.umount(mount)
+        _guest.umount(mount)
     if rundir is not None:
         shutil.rmtree(rundir, ignore_errors=True)
 
@@ -376,7 +370,7 @@ class _ContainerInstance(SupervisedInstance):
 
     container: _ContainerBoundary
 
-    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         try:
             return super().handle(op, sink)
         except exc.SandboxCrashed as err:
@@ -422,8 +416,8 @@ class DockerBackend(Backend):
         self.own_kernel = own_kernel
         self.remote = _is_remote(base_url) if remote is None else remote
         self.host_tmpfs = own_kernel and os.geteuid() == 0 and not self.remote
-        self.state_dir = state_dir or _oci.default_state_dir()
-        self.creator = _oci.current_creator()
+        self.state_dir = state_dir or _guest.default_state_dir()
+        self.creator = _guest.current_creator()
         self._api_client: Any = None
         self._lock = threading.Lock()
         self._collected = False
@@ -487,11 +481,11 @@ class DockerBackend(Backend):
             weakened.append("inodes: bounded by the memory limit (gVisor tmpfs; size still enforced)")
         limits = spec.limits
         if self.own_kernel:  # the container's cgroup holds gVisor's kernel and its gofer too
-            own = _oci.own_kernel_limits(spec, self._runtime_platform())
+            own = _guest.own_kernel_limits(spec, self._runtime_platform())
             host = HostShare(
-                memory_mb=own.host_memory // _oci.MiB,
+                memory_mb=own.host_memory // _guest.MiB,
                 tasks=own.host_pids,
-                open_files=limits.total_open_files + _oci.GVISOR_OWN_FILES,
+                open_files=limits.total_open_files + _guest.GVISOR_OWN_FILES,
             )
         else:
             host = HostShare(
@@ -537,15 +531,24 @@ class DockerBackend(Backend):
 
     # -- start --------------------------------------------------------------------------
 
-    def _host_config(self, api: Any, spec: SandboxSpec, kernel: str, binds: dict[str, Path], uid: int) -> Any:
+    def _host_config(
+        self,
+        api: Any,
+        spec: SandboxSpec,
+        kernel: str,
+        binds: dict[str, Path],
+        *,
+        uid: int,
+        masks: Sequence[str],
+    ) -> Any:
         docker = _docker()
         limits = spec.limits
         tmpfs: dict[str, str] = {}
-        volume_binds = {kernel: {"bind": _oci.KERNEL_MOUNT, "mode": "ro"}}
+        volume_binds = {kernel: {"bind": _guest.KERNEL_MOUNT, "mode": "ro"}}
         for target, path in binds.items():
             if target.startswith("/etc/"):
                 volume_binds[str(path)] = {"bind": target, "mode": "ro"}
-        for target, (size, inodes, mode) in _oci.tmpfs_sizes(spec).items():
+        for target, (size, inodes, mode) in _guest.tmpfs_sizes(spec).items():
             if target in binds:
                 volume_binds[str(binds[target])] = {"bind": target, "mode": "rw"}
             else:
@@ -553,24 +556,29 @@ class DockerBackend(Backend):
                 tmpfs[target] = (
                     f"rw,exec,nosuid,nodev,size={size},nr_inodes={inodes},mode={mode:o},uid={uid},gid={uid}"
                 )
-        memory = limits.memory_mb * _oci.MiB
+        memory = limits.memory_mb * _guest.MiB
         pids = limits.pids
         if self.own_kernel:
-            own = _oci.own_kernel_limits(spec, self._runtime_platform())
+            own = _guest.own_kernel_limits(spec, self._runtime_platform())
             memory, pids = own.host_memory, own.host_pids
         _hide_the_host(tmpfs, volume_binds, own_kernel=self.own_kernel)
+        bind_list = [f"{src}:{v['bind']}:{v['mode']}" for src, v in volume_binds.items()]
+        if self.own_kernel and masks:
+            # gVisor does not apply MaskedPaths: an empty file no one may read takes their place.
+            empty = str(_guest.unreadable_file(self.state_dir))
+            bind_list += [f"{empty}:{path}:ro" for path in masks]
         host_config = api.create_host_config(
             network_mode="bridge" if spec.network.enabled else "none",
             read_only=True,
             tmpfs=tmpfs,
-            binds=volume_binds,
+            binds=bind_list,
             cap_drop=["ALL"],
             security_opt=["no-new-privileges"],
             mem_limit=memory,
             memswap_limit=memory,
             nano_cpus=int(limits.cpus * 1e9),
             pids_limit=pids,
-            shm_size=limits.tmp_size_mb * _oci.MiB,
+            shm_size=limits.tmp_size_mb * _guest.MiB,
             ulimits=[
                 docker.types.Ulimit(name="core", soft=0, hard=0),
                 docker.types.Ulimit(
@@ -584,17 +592,18 @@ class DockerBackend(Backend):
             log_config=_no_logs(),
             cgroupns="private",  # the container's cgroup paths name its id
         )
-        host_config["MaskedPaths"] = engine_masked_paths()  # docker-py has no parameter for it
+        # docker-py has no parameter for it; the programs the rules deny are masked alike
+        host_config["MaskedPaths"] = [*engine_masked_paths(), *masks]
         return host_config
 
     def _labels(self, spec: SandboxSpec, sid: str) -> dict[str, str]:
         return {
             **{str(k): str(v) for k, v in spec.labels.items()},
-            _oci.LABEL: "1",
-            _oci.LABEL_ID: sid,
-            _oci.LABEL_PID: str(self.creator.pid),
-            _oci.LABEL_CREATOR: self.creator.token,
-            _oci.LABEL_HOST: self.creator.host,
+            _guest.LABEL: "1",
+            _guest.LABEL_ID: sid,
+            _guest.LABEL_PID: str(self.creator.pid),
+            _guest.LABEL_CREATOR: self.creator.token,
+            _guest.LABEL_HOST: self.creator.host,
         }
 
     def _host_files(self, spec: SandboxSpec, sid: str, uid: int) -> tuple[Path, list[Path], dict[str, Path]]:
@@ -613,10 +622,10 @@ class DockerBackend(Backend):
                 os.chmod(etc / name, 0o644)
                 binds[f"/etc/{name}"] = etc / name
             if self.host_tmpfs:
-                for target, (size, inodes, mode) in _oci.tmpfs_sizes(spec).items():
+                for target, (size, inodes, mode) in _guest.tmpfs_sizes(spec).items():
                     path = rundir / target.strip("/")
                     path.mkdir()
-                    _oci.mount_tmpfs(path, size=size, inodes=inodes, mode=mode, uid=uid)
+                    _guest.mount_tmpfs(path, size=size, inodes=inodes, mode=mode, uid=uid)
                     mounts.append(path)
                     binds[target] = path
         except BaseException:
@@ -638,8 +647,8 @@ class DockerBackend(Backend):
             return self._kernel_source[1]
         with _engine(self.image, self.runtime):
             image_id = str(api.inspect_image(self.image)["Id"])
-        kernel = _oci.kernel_dir(self.state_dir, image_id)
-        if not _oci.has_bytecode(kernel, image_id):
+        kernel = _guest.kernel_dir(self.state_dir, image_id)
+        if not _guest.has_bytecode(kernel, image_id):
             self._compile(api, kernel, image_id)
         source = self._fill_volume(api, kernel, image_id) if self.remote else str(kernel)
         self._kernel_source = (kernel, source)
@@ -652,7 +661,7 @@ class DockerBackend(Backend):
             binds=binds,
             cap_drop=["ALL"],
             security_opt=["no-new-privileges"],
-            mem_limit=256 * _oci.MiB,
+            mem_limit=256 * _guest.MiB,
             pids_limit=64,
             runtime=self.runtime,
             log_config=_no_logs(),
@@ -660,7 +669,7 @@ class DockerBackend(Backend):
         created = api.create_container(
             self.image,
             command=command,
-            user=f"{_oci.SANDBOX_UID}:{_oci.SANDBOX_UID}",
+            user=f"{_guest.SANDBOX_UID}:{_guest.SANDBOX_UID}",
             network_disabled=True,
             labels=self._labels(SandboxSpec(), "helper-" + secrets.token_hex(4)),
             host_config=host_config,
@@ -674,17 +683,17 @@ class DockerBackend(Backend):
         no log (``_no_logs``) to read it from.
         """
         to_file = f"import sys\nsys.stdout = open({COMPILED!r}, 'w')\n"
-        argv = ["python3", "-S", "-E", "-s", "-c", to_file + _oci.COMPILE, "/tmp/stockade-src"]
+        argv = ["python3", "-S", "-E", "-s", "-c", to_file + _guest.COMPILE, "/tmp/stockade-src"]
         cid = ""
         try:
             with _engine(self.image, self.runtime):
                 cid = self._helper(api, argv, {})
-                api.put_archive(cid, "/tmp", _tar(_oci.python_sources(kernel), folder="stockade-src"))
+                api.put_archive(cid, "/tmp", _tar(_guest.python_sources(kernel), folder="stockade-src"))
                 api.start(cid)
                 status = api.wait(cid, timeout=START_TIMEOUT_S).get("StatusCode")
                 out = _fetch_file(api, cid, COMPILED) if status == 0 else b""
             if status == 0:
-                _oci.install_bytecode(kernel, image_id, json.loads(out))
+                _guest.install_bytecode(kernel, image_id, json.loads(out))
         except (exc.StockadeError, ValueError, KeyError, OSError, tarfile.TarError):
             pass
         finally:
@@ -698,14 +707,14 @@ class DockerBackend(Backend):
         container that is created but never started (the engine writes into its volumes).
         """
         name = f"stockade-{kernel.name}"
-        marker = f".bytecode-{_oci.bytecode_key(image_id)}"
+        marker = f".bytecode-{_guest.bytecode_key(image_id)}"
         cid = ""
         with _engine(self.image, self.runtime):
-            api.create_volume(name, labels={_oci.LABEL: "kernel"})
+            api.create_volume(name, labels={_guest.LABEL: "kernel"})
             try:
-                cid = self._helper(api, ["true"], {name: {"bind": _oci.KERNEL_MOUNT, "mode": "rw"}})
+                cid = self._helper(api, ["true"], {name: {"bind": _guest.KERNEL_MOUNT, "mode": "rw"}})
                 try:
-                    api.get_archive(cid, f"{_oci.KERNEL_MOUNT}/{marker}")[0].close()
+                    api.get_archive(cid, f"{_guest.KERNEL_MOUNT}/{marker}")[0].close()
                     return name
                 except _docker().errors.NotFound:
                     pass
@@ -715,14 +724,24 @@ class DockerBackend(Backend):
                 }
                 files.pop(marker, None)
                 files[marker] = b""  # last: a partly filled volume is filled again
-                api.put_archive(cid, _oci.KERNEL_MOUNT, _tar(files))
+                api.put_archive(cid, _guest.KERNEL_MOUNT, _tar(files))
             finally:
                 if cid:
                     _remove(api, cid)
         return name
 
+    def _image_root(self) -> Path | None:
+        """The folder the image was made from (the offline build's), to find programs in."""
+        if self.image.partition(":")[0] != DEFAULT_IMAGE.partition(":")[0]:
+            return None
+        from stockade.sandbox._rootfs import find_rootfs
+
+        return find_rootfs()
+
     def start(self, spec: SandboxSpec) -> SupervisedInstance:
         enforcement = self._plan(spec)
+        # gVisor's kernel has neither Landlock nor seccomp user notification.
+        rules = _rules.plan(spec, root=self._image_root(), can_mask=True, can_confine=not self.own_kernel)
         api = self._api()
         if not self._collected:
             self._collected = True
@@ -743,7 +762,7 @@ class DockerBackend(Backend):
             with _engine(self.image, self.runtime):
                 created = api.create_container(
                     self.image,
-                    command=list(_oci.SUPERVISOR_ARGV),
+                    command=list(_guest.SUPERVISOR_ARGV),
                     user=f"{lease.uid}:{lease.uid}",
                     working_dir=WORKSPACE,
                     environment=["PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8"],
@@ -754,7 +773,7 @@ class DockerBackend(Backend):
                     # Nothing inside needs a graceful stop; an engine shutdown must not wait.
                     stop_signal="SIGKILL",
                     network_disabled=not spec.network.enabled,
-                    host_config=self._host_config(api, spec, kernel, binds, lease.uid),
+                    host_config=self._host_config(api, spec, kernel, binds, uid=lease.uid, masks=rules.masks),
                     name=f"stockade-{sid}",
                 )
                 cid = str(created["Id"])
@@ -774,11 +793,11 @@ class DockerBackend(Backend):
         )
         instance.container = boundary
         # Removed when the caller forgets to close, and at interpreter exit at the latest.
-        weakref.finalize(instance, _oci.abandon, stream, boundary)
+        weakref.finalize(instance, _guest.abandon, stream, boundary)
         try:
-            own = _oci.own_kernel_limits(spec, self._runtime_platform()) if self.own_kernel else None
+            own = _guest.own_kernel_limits(spec, self._runtime_platform()) if self.own_kernel else None
             rlimits = own.rlimits if own is not None else None
-            instance.handshake(supervisor_config(spec, rlimits), START_TIMEOUT_S)
+            instance.handshake(supervisor_config(spec, rlimits), START_TIMEOUT_S, rules)
         except exc.SandboxStartError as err:
             said = stream.stderr.decode("utf-8", "replace").strip()
             instance.close()
@@ -791,7 +810,7 @@ class DockerBackend(Backend):
 
 def collect_garbage(api: Any = None) -> list[str]:
     """Remove containers (and host mounts) of stockade processes that no longer run."""
-    me = _oci.current_creator()
+    me = _guest.current_creator()
     removed: list[str] = []
     if api is None:
         try:
@@ -801,18 +820,18 @@ def collect_garbage(api: Any = None) -> list[str]:
     live_ids: set[str] = set()
     if api is not None:
         try:
-            containers = api.containers(all=True, filters={"label": f"{_oci.LABEL}=1"})
+            containers = api.containers(all=True, filters={"label": f"{_guest.LABEL}=1"})
         except _engine_failures():
             containers = []
         for found in containers:
             labels = found.get("Labels") or {}
-            sid = labels.get(_oci.LABEL_ID, "")
-            if me.alive_here(labels.get(_oci.LABEL_HOST, ""), labels.get(_oci.LABEL_CREATOR, "")):
+            sid = labels.get(_guest.LABEL_ID, "")
+            if me.alive_here(labels.get(_guest.LABEL_HOST, ""), labels.get(_guest.LABEL_CREATOR, "")):
                 live_ids.add(sid)
                 continue
             if _remove(api, found["Id"]):
                 removed.append(f"container {found['Id'][:12]} ({sid})")
-    state_dir = _oci.default_state_dir()
+    state_dir = _guest.default_state_dir()
     if state_dir.is_dir():
         _host.collect_uid_leases(state_dir)
         for rundir in state_dir.glob("ctr-*"):

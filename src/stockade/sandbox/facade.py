@@ -47,11 +47,13 @@ from stockade.types import (
     DownloadResult,
     Enforcement,
     EntryInfo,
+    ExecRecord,
     Execution,
     ExecutionError,
     Limits,
     Logs,
     NetworkPolicy,
+    SandboxRules,
     Trust,
 )
 
@@ -166,15 +168,28 @@ def code_op(code: str, language: str, timeout_s: float | None) -> RunCode | RunC
     return program_command(key, code, timeout_s)
 
 
-def tar_directory(source: Path) -> bytes:
+def tar_directory(source: Path, hide: Sequence[str] = (), read: Sequence[str] = ("**",)) -> bytes:
+    """``source`` as a tar archive: what ``read`` names (workspace globs), but what ``hide``
+    names (a folder left out is left out with what it holds)."""
     import tarfile
+
+    from stockade._globs import covers, glob_matches, may_hold
 
     if not source.is_dir():
         raise exc.ConfigurationError(f"workspace {str(source)!r} is not a directory")
+    everything = "**" in (g.strip("/") for g in read)
+
+    def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        if hide and covers(hide, info.name):
+            return None
+        if everything or glob_matches(read, info.name) or (info.isdir() and may_hold(read, info.name)):
+            return info
+        return None
+
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for child in sorted(source.iterdir()):
-            tar.add(child, arcname=child.name, recursive=True)
+            tar.add(child, arcname=child.name, recursive=True, filter=keep)
     return buf.getvalue()
 
 
@@ -184,6 +199,9 @@ def _spec(
     envs: Mapping[str, str] | None,
     allow_weaker: bool,
     labels: Mapping[str, str] | None,
+    *,
+    rules: SandboxRules | None = None,
+    approver: Callable[[ExecRecord], bool] | None = None,
 ) -> SandboxSpec:
     if limits is not None and not isinstance(limits, Limits):
         raise exc.InvalidArgument(
@@ -197,6 +215,8 @@ def _spec(
         envs=check_envs(envs),
         allow_weaker=allow_weaker,
         labels=dict(labels or {}),
+        rules=rules,
+        approver=approver,
     )
 
 
@@ -278,9 +298,13 @@ class Files:
     def make_dir(self, path: str) -> EntryInfo:
         return self._instance.execute(MakeDir(path=check_path(path)))
 
-    def upload_dir(self, source: str | Path, dest: str = "") -> None:
-        """Copy a host directory into the workspace."""
-        self._instance.execute(PutArchive(path=check_path(dest), data=tar_directory(Path(source))))
+    def upload_dir(
+        self, source: str | Path, dest: str = "", *, hide: Sequence[str] = (), read: Sequence[str] = ("**",)
+    ) -> None:
+        """Copy a host directory into the workspace: what ``read`` names, but what ``hide``
+        names (workspace globs)."""
+        data = tar_directory(Path(source), hide, read)
+        self._instance.execute(PutArchive(path=check_path(dest), data=data))
 
     def download_dir(
         self,
@@ -331,20 +355,27 @@ class Sandbox:
         labels: Mapping[str, str] | None = None,
         backend: Backend | None = None,
         prefer: _registry.Preference = "cheapest",
+        rules: SandboxRules | None = None,
+        approver: Callable[[ExecRecord], bool] | None = None,
     ) -> Sandbox:
         """Start a sandbox on ``tier`` (default ``"process"``), or the cheapest tier this host has
         that ``trust`` allows (``prefer="strongest"``: the strongest); ``sbx.tier`` says which.
 
         ``workspace`` seeds the sandbox's workspace with a copy of a host directory; the
         sandbox never writes to the host directory itself (use ``files.download_dir``).
+        ``rules`` are enforced on the code by the sandbox itself (``SandboxRules``: commands
+        judged at each exec, read-only paths, denied programs masked, paths left out of the
+        copy); ``approver`` is asked, on the host, about an exec the rules send for approval.
         """
-        spec = _spec(limits, network, envs, allow_weaker, labels)
+        spec = _spec(limits, network, envs, allow_weaker, labels, rules=rules, approver=approver)
         chosen = backend or _registry.backend(_choose(tier, trust, prefer))
         instance = chosen.start(spec)
         sbx = cls(instance)
         if workspace is not None:
             try:
-                sbx.files.upload_dir(workspace)
+                sbx.files.upload_dir(
+                    workspace, hide=rules.hide if rules else (), read=rules.read if rules else ("**",)
+                )
             except BaseException:
                 instance.close()
                 raise
@@ -432,9 +463,7 @@ class AsyncCommands:
     ) -> CommandResult:
         op = command_op(cmd, cwd, envs, timeout_s, stdin)
         sink = text_sink(_threadsafe(on_stdout), _threadsafe(on_stderr))
-        result = await self._instance.aexecute(op, sink)
-        assert isinstance(result, CommandResult)
-        return result
+        return await self._instance.aexecute(op, sink)
 
 
 class AsyncFiles:
@@ -443,24 +472,17 @@ class AsyncFiles:
 
     async def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> str | bytes:
         data = await self._instance.aexecute(ReadFile(path=check_path(path)))
-        assert isinstance(data, bytes)
         return data if format == "bytes" else data.decode("utf-8", "replace")
 
     async def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> EntryInfo:
         raw = data.encode() if isinstance(data, str) else data
-        entry = await self._instance.aexecute(WriteFile(path=check_path(path), data=raw, mode=mode))
-        assert isinstance(entry, EntryInfo)
-        return entry
+        return await self._instance.aexecute(WriteFile(path=check_path(path), data=raw, mode=mode))
 
     async def list(self, path: str = "", *, depth: int = 1) -> list[EntryInfo]:
-        entries = await self._instance.aexecute(ListDir(path=check_path(path), depth=depth))
-        assert isinstance(entries, tuple)
-        return list(entries)
+        return list(await self._instance.aexecute(ListDir(path=check_path(path), depth=depth)))
 
     async def stat(self, path: str) -> EntryInfo | None:
-        entry = await self._instance.aexecute(Stat(path=check_path(path), follow_symlinks=False))
-        assert entry is None or isinstance(entry, EntryInfo)
-        return entry
+        return await self._instance.aexecute(Stat(path=check_path(path), follow_symlinks=False))
 
     async def exists(self, path: str) -> bool:
         return await self.stat(path) is not None
@@ -469,14 +491,14 @@ class AsyncFiles:
         await self._instance.aexecute(Remove(path=check_path(path)))
 
     async def make_dir(self, path: str) -> EntryInfo:
-        entry = await self._instance.aexecute(MakeDir(path=check_path(path)))
-        assert isinstance(entry, EntryInfo)
-        return entry
+        return await self._instance.aexecute(MakeDir(path=check_path(path)))
 
-    async def upload_dir(self, source: str | Path, dest: str = "") -> None:
+    async def upload_dir(
+        self, source: str | Path, dest: str = "", *, hide: Sequence[str] = (), read: Sequence[str] = ("**",)
+    ) -> None:
         import asyncio  # lazily: importing stockade must stay cheap
 
-        data = await asyncio.to_thread(tar_directory, Path(source))
+        data = await asyncio.to_thread(tar_directory, Path(source), hide, read)
         await self._instance.aexecute(PutArchive(path=check_path(dest), data=data))
 
     async def download_dir(
@@ -496,7 +518,6 @@ class AsyncFiles:
         unpack = await asyncio.to_thread(Extraction, dest, max_bytes=max_bytes, max_entries=max_entries)
         try:
             whole = await self._instance.aexecute(op, unpack.sink)
-            assert isinstance(whole, bytes)
             if whole:  # a backend that answers with the whole archive (the shipped fakes)
                 await asyncio.to_thread(unpack.feed, whole)
             return await asyncio.to_thread(unpack.finish)
@@ -528,10 +549,12 @@ class AsyncSandbox:
         labels: Mapping[str, str] | None = None,
         backend: AsyncBackend | Backend | None = None,
         prefer: _registry.Preference = "cheapest",
+        rules: SandboxRules | None = None,
+        approver: Callable[[ExecRecord], bool] | None = None,
     ) -> AsyncSandbox:
         import asyncio  # lazily: importing stockade must stay cheap
 
-        spec = _spec(limits, network, envs, allow_weaker, labels)
+        spec = _spec(limits, network, envs, allow_weaker, labels, rules=rules, approver=approver)
         if backend is None:
             name = await asyncio.to_thread(_choose, tier, trust, prefer)
             backend = await asyncio.to_thread(_registry.backend, name)
@@ -540,7 +563,8 @@ class AsyncSandbox:
         sbx = cls(instance)
         if workspace is not None:
             try:
-                await sbx.files.upload_dir(workspace)
+                seed = rules or SandboxRules()
+                await sbx.files.upload_dir(workspace, hide=seed.hide, read=seed.read)
             except BaseException:
                 await instance.aclose()
                 raise
@@ -569,11 +593,9 @@ class AsyncSandbox:
     ) -> Execution:
         op = code_op(code, language, timeout_s)
         sink = text_sink(_threadsafe(on_stdout), _threadsafe(on_stderr))
-        result = await self.instance.aexecute(op, sink)
-        if isinstance(result, CommandResult):
-            return as_execution(result)
-        assert isinstance(result, Execution)
-        return result
+        if isinstance(op, RunCode):
+            return await self.instance.aexecute(op, sink)
+        return as_execution(await self.instance.aexecute(op, sink))
 
     async def reset(self) -> None:
         await self.instance.aexecute(Reset())

@@ -32,30 +32,20 @@ from pathlib import Path
 from typing import Literal
 
 from stockade import exceptions as exc
-from stockade.sandbox import _oci
+from stockade.sandbox import _guest, _rules
 from stockade.sandbox._host import PipeStream
+from stockade.sandbox._rootfs import find_rootfs
 from stockade.sandbox._supervised import Boundary, SupervisedInstance, supervisor_config
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.types import Enforcement, HostShare, Mechanism, TierReport
 
-__all__ = ["GVisorBackend", "RunscBackend", "collect_garbage", "find_rootfs"]
+__all__ = ["GVisorBackend", "RunscBackend", "collect_garbage"]
 
 Mode = Literal["auto", "docker", "runsc"]
 START_TIMEOUT_S = 30.0
-ROOTFS_MARKER = "etc/stockade-rootfs"
 DEFAULT_PLATFORM = "systrap"
 # Not the process tier's "stockade": its garbage collector owns every cgroup under that one.
 CGROUP_PARENT = "stockade-gvisor"
-
-
-def find_rootfs() -> Path | None:
-    """The offline root filesystem: ``STOCKADE_ROOTFS``, else the newest one built in the cache."""
-    explicit = os.environ.get("STOCKADE_ROOTFS")
-    if explicit:
-        return Path(explicit)
-    cache = Path(os.environ.get("STOCKADE_CACHE") or Path.home() / ".cache" / "stockade") / "rootfs"
-    built = [p for p in cache.glob("*") if (p / ROOTFS_MARKER).is_file()]
-    return max(built, key=lambda p: (p / ROOTFS_MARKER).stat().st_mtime) if built else None
 
 
 class GVisorBackend(Backend):
@@ -146,8 +136,6 @@ class _RunscBoundary(Boundary):
         self.proc = proc
         self.bundle = bundle
         self.mounts = mounts
-        self._dead = False
-        self._lock = threading.Lock()
 
     def alive(self) -> bool:
         return not self._dead and self.proc.poll() is None
@@ -157,16 +145,12 @@ class _RunscBoundary(Boundary):
             Path("/sys/fs/cgroup/memory", CGROUP_PARENT, self.sid, "memory.oom_control"),
             Path("/sys/fs/cgroup", CGROUP_PARENT, self.sid, "memory.events"),
         ):
-            found = _oci.read_oom_kills(counter)
+            found = _guest.read_oom_kills(counter)
             if found is not None:
                 return found
         return None
 
-    def kill(self) -> None:
-        with self._lock:
-            if self._dead:
-                return
-            self._dead = True
+    def _kill(self) -> None:
         # The channel closed the supervisor's stdin first, so a healthy sandbox is already
         # exiting; a stuck one is killed. Deleting a running sandbox would wait seconds.
         try:
@@ -187,7 +171,7 @@ class _RunscBoundary(Boundary):
 
 def _release(bundle: Path, mounts: list[Path]) -> None:
     for mount in mounts:
-        _oci.umount(mount)
+        _guest.umount(mount)
     shutil.rmtree(bundle, ignore_errors=True)
 
 
@@ -207,9 +191,9 @@ class RunscBackend(Backend):
         self.platform = platform
         self.rootfs = Path(rootfs) if rootfs else find_rootfs()
         self.runsc = runsc or shutil.which("runsc") or ""
-        self.state_dir = state_dir or _oci.default_state_dir()
+        self.state_dir = state_dir or _guest.default_state_dir()
         self.root = self.state_dir / "runsc"
-        self.creator = _oci.current_creator()
+        self.creator = _guest.current_creator()
         self._collected = False
         self._compile_failed = False
 
@@ -238,7 +222,7 @@ class RunscBackend(Backend):
                 setting="network",
                 fix="use tier='docker' for network access",
             )
-        own = _oci.own_kernel_limits(spec, self.platform)
+        own = _guest.own_kernel_limits(spec, self.platform)
         return Enforcement(
             memory=Mechanism.CONTAINER,
             cpus=Mechanism.CONTAINER,
@@ -247,9 +231,9 @@ class RunscBackend(Backend):
             network=Mechanism.NAMESPACE,
             timeout=Mechanism.SUPERVISOR,
             host=HostShare(
-                memory_mb=own.host_memory // _oci.MiB,
+                memory_mb=own.host_memory // _guest.MiB,
                 tasks=own.host_pids,
-                open_files=spec.limits.total_open_files + _oci.GVISOR_OWN_FILES,
+                open_files=spec.limits.total_open_files + _guest.GVISOR_OWN_FILES,
             ),
         )
 
@@ -281,14 +265,14 @@ class RunscBackend(Backend):
         argv = [self.runsc, f"--platform={self.platform}", "--network=none", "do", "--root", str(self.rootfs)]
         try:
             done = subprocess.run(
-                [*argv, "python3", "-S", "-E", "-s", "-c", _oci.COMPILE],
-                input=json.dumps(_oci.python_sources(kernel)).encode(),
+                [*argv, "python3", "-S", "-E", "-s", "-c", _guest.COMPILE],
+                input=json.dumps(_guest.python_sources(kernel)).encode(),
                 capture_output=True,
                 env={"PATH": "/usr/bin:/bin"},
                 timeout=START_TIMEOUT_S,
                 check=True,
             )
-            _oci.install_bytecode(kernel, str(self.rootfs), json.loads(done.stdout))
+            _guest.install_bytecode(kernel, str(self.rootfs), json.loads(done.stdout))
         except (OSError, ValueError, KeyError, subprocess.SubprocessError):
             self._compile_failed = True
 
@@ -316,11 +300,13 @@ class RunscBackend(Backend):
         self._check()
         assert self.rootfs is not None
         enforcement = self._plan(spec)
+        # gVisor's kernel has neither Landlock nor seccomp user notification: masks only.
+        rules = _rules.plan(spec, root=self.rootfs, can_mask=True, can_confine=False)
         if not self._collected:
             self._collected = True
             collect_garbage()
-        kernel = _oci.kernel_dir(self.state_dir, str(self.rootfs))
-        if not _oci.has_bytecode(kernel, str(self.rootfs)) and not self._compile_failed:
+        kernel = _guest.kernel_dir(self.state_dir, str(self.rootfs))
+        if not _guest.has_bytecode(kernel, str(self.rootfs)) and not self._compile_failed:
             self._compile(kernel)
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         sid = "sbx-" + secrets.token_hex(6)
@@ -330,26 +316,27 @@ class RunscBackend(Backend):
         proc: subprocess.Popen[bytes] | None = None
         try:
             binds: dict[str, Path] = {}
-            for target, (size, inodes, mode) in _oci.tmpfs_sizes(spec).items():
+            for target, (size, inodes, mode) in _guest.tmpfs_sizes(spec).items():
                 path = bundle / target.strip("/")
                 path.mkdir()
-                _oci.mount_tmpfs(path, size=size, inodes=inodes, mode=mode)
+                _guest.mount_tmpfs(path, size=size, inodes=inodes, mode=mode)
                 mounts.append(path)
                 binds[target] = path
             annotations = {
-                _oci.LABEL: "1",
-                _oci.LABEL_ID: sid,
-                _oci.LABEL_CREATOR: self.creator.token,
-                _oci.LABEL_HOST: self.creator.host,
+                _guest.LABEL: "1",
+                _guest.LABEL_ID: sid,
+                _guest.LABEL_CREATOR: self.creator.token,
+                _guest.LABEL_HOST: self.creator.host,
             }
-            config = _oci.oci_config(
+            config = _guest.oci_config(
                 spec,
                 rootfs=self.rootfs,
                 kernel=kernel,
                 binds=binds,
                 cgroup=f"/{CGROUP_PARENT}/{sid}",
-                host=_oci.own_kernel_limits(spec, self.platform),
+                host=_guest.own_kernel_limits(spec, self.platform),
                 annotations=annotations,
+                masks=rules.masks,
             )
             (bundle / "config.json").write_text(json.dumps(config))
             with open(bundle / "runsc.log", "wb") as log:
@@ -380,10 +367,10 @@ class RunscBackend(Backend):
             spec=spec,
             enforcement=enforcement,
         )
-        weakref.finalize(instance, _oci.abandon, stream, boundary)
+        weakref.finalize(instance, _guest.abandon, stream, boundary)
         try:
-            config = supervisor_config(spec, _oci.own_kernel_limits(spec, self.platform).rlimits)
-            instance.handshake(config, START_TIMEOUT_S)
+            config = supervisor_config(spec, _guest.own_kernel_limits(spec, self.platform).rlimits)
+            instance.handshake(config, START_TIMEOUT_S, rules)
         except exc.SandboxStartError as err:
             said = _head(bundle / "runsc.log")
             instance.close()
@@ -406,9 +393,9 @@ def collect_garbage() -> list[str]:
 
     (gVisor containers under Docker are collected with the Docker tier's containers.)
     """
-    me = _oci.current_creator()
+    me = _guest.current_creator()
     removed: list[str] = []
-    state_dir = _oci.default_state_dir()
+    state_dir = _guest.default_state_dir()
     if not state_dir.is_dir():
         return removed
     backend = RunscBackend(state_dir=state_dir)
@@ -419,7 +406,9 @@ def collect_garbage() -> list[str]:
             notes = {}
         if not notes and time.time() - bundle.stat().st_mtime < 60:
             continue  # being written by a process that is starting it
-        if me.alive_here(str(notes.get(_oci.LABEL_HOST, me.host)), str(notes.get(_oci.LABEL_CREATOR, ""))):
+        if me.alive_here(
+            str(notes.get(_guest.LABEL_HOST, me.host)), str(notes.get(_guest.LABEL_CREATOR, ""))
+        ):
             continue
         sid = bundle.name.removeprefix("gv-")
         if backend.runsc:

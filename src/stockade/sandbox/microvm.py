@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stockade import exceptions as exc
-from stockade.sandbox import _cgroups, _oci
+from stockade.sandbox import _cgroups, _guest, _rules
+from stockade.sandbox._rootfs import ROOTFS_MARKER, cache_root, find_rootfs
 from stockade.sandbox._supervised import Boundary, SupervisedInstance, supervisor_config
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.types import Enforcement, HostShare, Mechanism, TierReport
@@ -86,10 +87,16 @@ for w in $($B cat /proc/cmdline); do
   case $w in
     stockade_ws=*) ws=${w#*=};;
     stockade_tmp=*) tmp=${w#*=};;
+    stockade_mask=*) masks=${w#*=};;
   esac
 done
 R=/newroot
 $B mount -t ext4 -o ro,noload,nosuid,nodev /dev/vda $R || fail "cannot mount the root image"
+# Programs the rules deny: /dev/null in their place, without its device: no read, no run.
+for p in $(echo "${masks:-}" | $B tr , ' '); do
+  [ -f "$R$p" ] || continue
+  $B mount -o bind /dev/null "$R$p" && $B mount -o remount,bind,ro,nodev,noexec "$R$p" || fail "mask $p"
+done
 o=nosuid,nodev,mode=755,uid=1000,gid=1000
 $B mount -t tmpfs -o $o,size=${ws%:*},nr_inodes=${ws#*:} ws $R/workspace || fail "workspace"
 $B mount -t tmpfs -o nosuid,nodev,size=${tmp%:*},nr_inodes=${tmp#*:},mode=1777 tmp $R/tmp || fail "tmp"
@@ -164,12 +171,12 @@ def _clock_args(kernel: GuestKernel) -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("STOCKADE_CACHE") or Path.home() / ".cache" / "stockade") / "microvm"
+    return cache_root() / "microvm"
 
 
 def root_image(rootfs: Path) -> Path:
     """The rootfs as a read-only ext4 image, built once per rootfs content (its build marker)."""
-    marker = (rootfs / _oci_marker()).read_bytes() if (rootfs / _oci_marker()).is_file() else b""
+    marker = (rootfs / ROOTFS_MARKER).read_bytes() if (rootfs / ROOTFS_MARKER).is_file() else b""
     key = hashlib.sha256(repr((str(rootfs), marker, IMAGE_VERSION)).encode()).hexdigest()[:12]
     target = cache_dir() / f"rootfs-{key}.ext4"
     if target.is_file():
@@ -202,12 +209,6 @@ def root_image(rootfs: Path) -> Path:
     return target
 
 
-def _oci_marker() -> str:
-    from stockade.sandbox.gvisor import ROOTFS_MARKER
-
-    return ROOTFS_MARKER
-
-
 # -- the initramfs ---------------------------------------------------------------------------
 
 
@@ -231,10 +232,10 @@ def _cpio(entries: list[tuple[str, int, bytes]]) -> bytes:
 
 def initramfs(state_dir: Path, kernel: GuestKernel, rootfs: Path, busybox: str) -> Path:
     """The initramfs for ``kernel`` and ``rootfs``, named after its content, built once."""
-    kdir = _oci.kernel_dir(state_dir, str(rootfs))
-    if not _oci.has_bytecode(kdir, str(rootfs)):
+    kdir = _guest.kernel_dir(state_dir, str(rootfs))
+    if not _guest.has_bytecode(kdir, str(rootfs)):
         _compile(kdir, rootfs)
-    argv = " ".join(shlex.quote(a) for a in _oci.SUPERVISOR_ARGV)
+    argv = " ".join(shlex.quote(a) for a in _guest.SUPERVISOR_ARGV)
     files: dict[str, tuple[int, bytes]] = {
         "init": (0o755, INIT.replace("MODULES", " ".join(MODULES)).replace("PORT", PORT_NAME).encode()),
         "bin/busybox": (0o755, Path(busybox).read_bytes()),
@@ -275,14 +276,14 @@ def _compile(kdir: Path, rootfs: Path) -> None:
     """The rootfs's own python compiles the supervisor (in a chroot, once): best effort."""
     try:
         done = subprocess.run(
-            ["chroot", str(rootfs), "/usr/bin/python3", "-S", "-E", "-s", "-c", _oci.COMPILE],
-            input=json.dumps(_oci.python_sources(kdir)).encode(),
+            ["chroot", str(rootfs), "/usr/bin/python3", "-S", "-E", "-s", "-c", _guest.COMPILE],
+            input=json.dumps(_guest.python_sources(kdir)).encode(),
             capture_output=True,
             env={"PATH": "/usr/bin:/bin"},
             timeout=60,
             check=True,
         )
-        _oci.install_bytecode(kdir, str(rootfs), json.loads(done.stdout))
+        _guest.install_bytecode(kdir, str(rootfs), json.loads(done.stdout))
     except (OSError, ValueError, KeyError, subprocess.SubprocessError):
         pass
 
@@ -313,8 +314,6 @@ class _VMBoundary(Boundary):
         self.sock = sock
         self.rundir = rundir
         self.cgroup = cgroup
-        self._dead = False
-        self._lock = threading.Lock()
 
     def alive(self) -> bool:
         return not self._dead and self.proc.poll() is None
@@ -330,11 +329,7 @@ class _VMBoundary(Boundary):
         # counted by the guest's kernel, and reported by the supervisor with each result.
         return None if self.cgroup is None else self.cgroup.oom_kills()
 
-    def kill(self) -> None:
-        with self._lock:
-            if self._dead:
-                return
-            self._dead = True
+    def _kill(self) -> None:
         # The guest is one process on the host: killing QEMU kills every process inside.
         with contextlib.suppress(ProcessLookupError):
             self.proc.kill()
@@ -360,8 +355,6 @@ class MicroVMBackend(Backend):
         accel: str | None = None,
         state_dir: Path | None = None,
     ) -> None:
-        from stockade.sandbox.gvisor import find_rootfs
-
         self.rootfs = Path(rootfs) if rootfs else find_rootfs()
         self.kernel = kernel or find_kernel()
         self.qemu = qemu or shutil.which("qemu-system-x86_64") or ""
@@ -369,7 +362,7 @@ class MicroVMBackend(Backend):
         self.setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"
         self.prlimit = shutil.which("prlimit") or "/usr/bin/prlimit"  # util-linux, like setpriv
         self.accel = accel or os.environ.get("STOCKADE_MICROVM_ACCEL") or "tcg"
-        self.state_dir = state_dir or _oci.default_state_dir()
+        self.state_dir = state_dir or _guest.default_state_dir()
         self._prepared: tuple[Path, Path] | None = None
         self._lock = threading.Lock()
         self._collected = False
@@ -458,7 +451,14 @@ class MicroVMBackend(Backend):
             return self._prepared
 
     def _argv(
-        self, spec: SandboxSpec, sid: str, *, files: tuple[Path, Path], fd: int, rundir: Path
+        self,
+        spec: SandboxSpec,
+        sid: str,
+        *,
+        files: tuple[Path, Path],
+        fd: int,
+        rundir: Path,
+        masks: tuple[str, ...] = (),
     ) -> list[str]:
         assert self.kernel is not None
         image, initrd = files
@@ -467,6 +467,8 @@ class MicroVMBackend(Backend):
         tmp = f"{limits.tmp_size_mb * MiB}:{max(1024, limits.inodes // 4)}"
         clock = _clock_args(self.kernel)
         cmdline = f"console=ttyS0 quiet panic=-1 pci=off {clock} stockade_ws={ws} stockade_tmp={tmp}"
+        if masks:
+            cmdline += f" stockade_mask={','.join(masks)}"
         return [
             # Dies with its creator even when this process is killed outright.
             self.setpriv, "--pdeathsig", "KILL", "--",
@@ -490,6 +492,7 @@ class MicroVMBackend(Backend):
     def start(self, spec: SandboxSpec) -> SupervisedInstance:
         self._check()
         enforcement = self._plan(spec)
+        rules = _rules.plan(spec, root=self.rootfs, can_mask=True, can_confine=True)
         image, initrd = self.prepare()
         sid = "sbx-" + secrets.token_hex(6)
         rundir = self.state_dir / f"vm-{sid}"
@@ -498,7 +501,9 @@ class MicroVMBackend(Backend):
         proc: subprocess.Popen[bytes] | None = None
         cgroup: _cgroups.Cgroup | None = None
         try:
-            argv = self._argv(spec, sid, files=(image, initrd), fd=theirs.fileno(), rundir=rundir)
+            argv = self._argv(
+                spec, sid, files=(image, initrd), fd=theirs.fileno(), rundir=rundir, masks=rules.masks
+            )
             if self._cgroups.mechanism is not Mechanism.NONE:
                 # The whole VM under one host limit: the guest's RAM, TCG's code cache, QEMU.
                 cgroup = _cgroups.Cgroup(self._cgroups.mechanism, f"vm-{sid}")
@@ -514,7 +519,7 @@ class MicroVMBackend(Backend):
                     pass_fds=(theirs.fileno(),),
                     start_new_session=True,
                 )
-            creator = _oci.current_creator()
+            creator = _guest.current_creator()
             (rundir / "owner.json").write_text(
                 json.dumps({"pid": proc.pid, "host": creator.host, "creator": creator.token})
             )
@@ -533,11 +538,11 @@ class MicroVMBackend(Backend):
         instance = SupervisedInstance(
             id=sid, tier=self.tier, stream=stream, boundary=boundary, spec=spec, enforcement=enforcement
         )
-        weakref.finalize(instance, _oci.abandon, stream, boundary)
+        weakref.finalize(instance, _guest.abandon, stream, boundary)
         try:
-            config = supervisor_config(spec, _oci.own_kernel_limits(spec).rlimits)
+            config = supervisor_config(spec, _guest.own_kernel_limits(spec).rlimits)
             config["report_oom"] = True  # the guest's kernel kills for memory; the host sees nothing
-            instance.handshake(config, START_TIMEOUT_S)
+            instance.handshake(config, START_TIMEOUT_S, rules)
         except exc.SandboxStartError as err:
             said = _tail(rundir / "console.log") or _tail(rundir / "qemu.log")
             instance.close()
@@ -566,9 +571,9 @@ def _tail(path: Path, limit: int = 2048) -> str:
 
 def collect_garbage() -> list[str]:
     """Kill the QEMU of every microVM whose creating process is gone, and remove its folder."""
-    me = _oci.current_creator()
+    me = _guest.current_creator()
     removed: list[str] = []
-    state_dir = _oci.default_state_dir()
+    state_dir = _guest.default_state_dir()
     if not state_dir.is_dir():
         return removed
     for rundir in state_dir.glob("vm-sbx-*"):
@@ -592,10 +597,5 @@ def collect_garbage() -> list[str]:
                     os.kill(pid, signal.SIGKILL)
         shutil.rmtree(rundir, ignore_errors=True)
         removed.append(f"microvm {sid}")
-    support = _cgroups.detect()
-    if support.mechanism is not Mechanism.NONE:
-        for name in _cgroups.leftover_groups():
-            if name.startswith("vm-sbx-") and not (state_dir / name).exists():
-                _cgroups.Cgroup(support.mechanism, name).remove()
-                removed.append(f"cgroup {name}")
+    removed += _cgroups.collect("vm-sbx-", lambda name: (state_dir / name).exists())
     return removed

@@ -1,13 +1,18 @@
 """The operations a sandbox instance executes: one value per kind of request.
 
 The facade (``Sandbox``) turns friendly calls into these; backends, wrappers (retry, audit,
-policy) and the shipped ``FakeBackend`` all see the same small set of values.
+policy) and the shipped ``FakeBackend`` all see the same small set of values. Each is an
+``Op[R]``, where ``R`` is what the sandbox answers (``RunCommand`` is an ``Op[CommandResult]``),
+so that ``instance.execute(op)`` and ``await instance.aexecute(op)`` are typed by the op.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from stockade.types import CommandResult, EntryInfo, Execution
 
 __all__ = [
     "DOWNLOAD_MAX_BYTES",
@@ -28,9 +33,17 @@ __all__ = [
     "program_command",
 ]
 
+R_co = TypeVar("R_co", covariant=True)
+
+
+class Op(Generic[R_co]):
+    """A request a sandbox answers with an ``R_co``. Code that handles any op takes ``Op[Any]``."""
+
+    __slots__ = ()
+
 
 @dataclass(frozen=True, kw_only=True)
-class RunCommand:
+class RunCommand(Op[CommandResult]):
     argv: tuple[str, ...]
     cwd: str | None = None
     envs: Mapping[str, str] = field(default_factory=dict)
@@ -77,7 +90,7 @@ def as_inline(op: RunCommand) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunCode:
+class RunCode(Op[Execution]):
     """Run Python in the sandbox's persistent interpreter."""
 
     code: str
@@ -85,13 +98,13 @@ class RunCode:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ReadFile:
+class ReadFile(Op[bytes]):
     path: str
     max_bytes: int = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True, kw_only=True)
-class WriteFile:
+class WriteFile(Op[EntryInfo]):
     path: str
     data: bytes
     mode: int = 0o644
@@ -99,31 +112,31 @@ class WriteFile:
 
 
 @dataclass(frozen=True, kw_only=True)
-class MakeDir:
+class MakeDir(Op[EntryInfo]):
     path: str
     parents: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
-class Stat:
+class Stat(Op[EntryInfo | None]):
     path: str
     follow_symlinks: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
-class ListDir:
+class ListDir(Op[tuple[EntryInfo, ...]]):
     path: str = ""
     depth: int = 1
 
 
 @dataclass(frozen=True, kw_only=True)
-class Remove:
+class Remove(Op[None]):
     path: str
     recursive: bool = True
 
 
 @dataclass(frozen=True, kw_only=True)
-class PutArchive:
+class PutArchive(Op[None]):
     """Extract a tar archive into ``path`` (a directory of the workspace)."""
 
     data: bytes
@@ -136,7 +149,7 @@ DOWNLOAD_MAX_ENTRIES = 100_000
 
 
 @dataclass(frozen=True, kw_only=True)
-class GetArchive:
+class GetArchive(Op[bytes]):
     """A tar archive of ``path`` (the whole workspace by default), made as it is sent.
 
     With a sink, ``execute(op, sink)`` streams it: each piece arrives as ``sink(0, chunk)``
@@ -152,7 +165,7 @@ class GetArchive:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Reset:
+class Reset(Op[None]):
     """Kill every process, forget interpreter state, empty the workspace and ``/tmp``.
 
     ``warm_interpreter`` starts a fresh interpreter right away, so that the next
@@ -160,18 +173,3 @@ class Reset:
     """
 
     warm_interpreter: bool = False
-
-
-Op = (
-    RunCommand
-    | RunCode
-    | ReadFile
-    | WriteFile
-    | MakeDir
-    | Stat
-    | ListDir
-    | Remove
-    | PutArchive
-    | GetArchive
-    | Reset
-)

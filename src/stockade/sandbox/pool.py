@@ -20,7 +20,6 @@ import queue
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from stockade import exceptions as exc
@@ -40,6 +39,7 @@ class PoolStats:
     started: int
     recycled: int
     replaced: int
+    last_replaced_why: str = ""  # the last member replaced instead of reset: why
 
 
 @dataclass
@@ -81,8 +81,11 @@ class SandboxPool:
         self._in_use = 0
         self._pending = 0  # starts under way, counted so the refill does not overshoot
         self._counts = {"started": 0, "recycled": 0, "replaced": 0}
+        self._why = ""
         self._closed = threading.Event()
         self._error: exc.StockadeError | None = None
+        from concurrent.futures import ThreadPoolExecutor  # lazily: importing stockade stays cheap
+
         self._recyclers = ThreadPoolExecutor(max_workers=size, thread_name_prefix="stockade-pool-reset")
         self._worker = threading.Thread(target=self._run, name="stockade-pool", daemon=True)
         self._worker.start()
@@ -101,7 +104,9 @@ class SandboxPool:
 
     def stats(self) -> PoolStats:
         with self._lock:
-            return PoolStats(ready=self._ready.qsize(), in_use=self._in_use, **self._counts)
+            return PoolStats(
+                ready=self._ready.qsize(), in_use=self._in_use, **self._counts, last_replaced_why=self._why
+            )
 
     def close(self) -> None:
         """Close every member. Sandboxes still acquired are closed when they come back."""
@@ -144,7 +149,12 @@ class SandboxPool:
                 self._returned.put(_WAKE)  # let the worker top the pool up
                 return member
             member.instance.close()  # broke while waiting: drop it, the worker replaces it
-            self._count("replaced")
+            self._replaced("it broke while waiting")
+
+    def _replaced(self, why: str) -> None:
+        with self._lock:
+            self._counts["replaced"] += 1
+            self._why = why[:500]
 
     def _count(self, name: str) -> None:
         with self._lock:
@@ -207,16 +217,16 @@ class SandboxPool:
             return
         if member.uses >= self.max_uses or not member.instance.alive:
             member.instance.close()
-            self._count("replaced")
+            self._replaced("max_uses reached" if member.instance.alive else "it died")
             return
         try:
             member.instance.execute(Reset(warm_interpreter=True))
             # A forked interpreter's first run pays for copy-on-write faults; pay it here,
             # off the next user's path.
             member.instance.execute(RunCode(code="pass"))
-        except Exception:  # a member we cannot vouch for is never handed out
+        except Exception as err:  # a member we cannot vouch for is never handed out
             member.instance.close()
-            self._count("replaced")
+            self._replaced(f"its reset failed: {type(err).__name__}: {err}")
             return
         member.idle_since = time.monotonic()
         self._count("recycled")
@@ -232,7 +242,7 @@ class SandboxPool:
                 break
             if now - member.idle_since > self.idle_timeout_s or not member.instance.alive:
                 member.instance.close()
-                self._count("replaced")
+                self._replaced("idle too long, or dead")
             else:
                 keep.append(member)
         for member in keep:

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from stockade import exceptions as exc
-from stockade.sandbox import _cgroups, _seccomp
+from stockade.sandbox import _cgroups, _rules, _seccomp
 from stockade.sandbox._host import (
     PipeStream,
     UidLease,
@@ -85,7 +85,6 @@ class _ProcessBoundary(Boundary):
         self.rundir = rundir
         self.mounts = mounts
         self.lease = lease
-        self._dead = False
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -100,10 +99,7 @@ class _ProcessBoundary(Boundary):
         code = self.proc.poll()
         return "killed" if not self._dead and code is not None and code < 0 else "unknown"
 
-    def kill(self) -> None:
-        if self._dead:
-            return
-        self._dead = True
+    def _kill(self) -> None:
         # bwrap's namespace init dies with it (--die-with-parent), and with it every process
         # of the pid namespace; the cgroup sweep then catches anything still exiting.
         with contextlib.suppress(ProcessLookupError):
@@ -318,8 +314,12 @@ class ProcessBackend(Backend):
         except OSError:  # another process built the same folder first: theirs is identical
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def _bwrap_options(self, spec: SandboxSpec, rundir: Path, seccomp_fd: int) -> list[str]:
-        """bwrap's options (they name the run folder: they go in a file descriptor, not argv)."""
+    def _bwrap_options(
+        self, spec: SandboxSpec, rundir: Path, seccomp_fd: int, masks: tuple[str, ...] = ()
+    ) -> list[str]:
+        """bwrap's options (they name the run folder: they go in a file descriptor, not argv).
+        ``masks``: programs the rules deny, each covered by /dev/null bound without its device
+        (nodev): it can be neither read, nor copied, nor run."""
         limits = spec.limits
         root = self.rootfs or Path("/")
         argv = [
@@ -377,6 +377,8 @@ class ProcessBackend(Backend):
                 "--tmpfs",
                 "/tmp",
             ]
+        for path in masks:
+            argv += ["--ro-bind", "/dev/null", path]
         argv += [
             "--ro-bind",
             str(self._shared / "kernel"),
@@ -397,6 +399,7 @@ class ProcessBackend(Backend):
         if not self.bwrap:
             raise exc.TierUnavailable("bubblewrap is not installed: apt-get install bubblewrap")
         enforcement = self._plan(spec)
+        rules = _rules.plan(spec, root=self.rootfs or Path("/"), can_mask=True, can_confine=True)
         self._prepare()
         sid = "sbx-" + secrets.token_hex(6)
         rundir = self.state_dir / sid
@@ -435,7 +438,8 @@ class ProcessBackend(Backend):
                 cgroup.limit(memory_bytes=limits.memory_mb * MiB, cpus=limits.cpus, pids=limits.pids)
             seccomp_fd = _memfd("stockade-seccomp", _seccomp.filter_bpf())
             fds.append(seccomp_fd)
-            options = b"".join(o.encode() + b"\0" for o in self._bwrap_options(spec, rundir, seccomp_fd))
+            bwrap = self._bwrap_options(spec, rundir, seccomp_fd, rules.masks)
+            options = b"".join(o.encode() + b"\0" for o in bwrap)
             options_fd = _memfd("stockade-bwrap", options)
             fds.append(options_fd)
             argv = [self.bwrap, "--args", str(options_fd), *_supervisor_command(self.python)]
@@ -475,11 +479,14 @@ class ProcessBackend(Backend):
             for fd in fds:
                 os.close(fd)
         try:
-            instance.handshake(self._supervisor_config(spec, enforcement), START_TIMEOUT_S)
+            instance.handshake(self._supervisor_config(spec, enforcement), START_TIMEOUT_S, rules)
         except exc.SandboxStartError as err:
             log = _read_head(rundir / "bwrap.log")
             instance.close()
             raise exc.SandboxStartError(f"{err}{': ' + log if log else ''}") from None
+        except BaseException:  # the kernel inside cannot hold the rules: nothing is left
+            instance.close()
+            raise
         return instance
 
     def _supervisor_config(self, spec: SandboxSpec, enforcement: Enforcement) -> dict[str, object]:
@@ -584,11 +591,5 @@ def collect_garbage(state_dir: Path | None = None) -> list[str]:
         for partial in base.glob(".shared-*"):  # a build interrupted by a crash
             if time.time() - partial.stat().st_mtime > 3600:
                 shutil.rmtree(partial, ignore_errors=True)
-    support = _cgroups.detect()
-    if support.mechanism is not Mechanism.NONE:
-        for name in _cgroups.leftover_groups():
-            # only ours: other tiers name their groups differently and gc their own
-            if name.startswith("sbx-") and not (base / name).exists():
-                _cgroups.Cgroup(support.mechanism, name).remove()
-                removed.append(f"cgroup {name}")
+    removed += _cgroups.collect("sbx-", lambda name: (base / name).exists())
     return removed

@@ -6,6 +6,9 @@ same path rules as the real tiers) and answers commands with ``commands(op)``.
 
     backend = FakeBackend(MemoryWorkspace(commands=lambda op: CommandResult(...)))
     with Sandbox.create(backend=backend) as sbx: ...
+
+``FaultInjectingBackend(backend, path=...)`` wraps any backend, the real tiers too, and makes
+a read fail as a busy host would: what retries, audit trails and run stores must survive.
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ from __future__ import annotations
 import io
 import posixpath
 import tarfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from stockade import exceptions as exc
 from stockade.models.scripted import FunctionModel, ScriptedModel, tool_call
@@ -27,6 +32,8 @@ from stockade.sandbox.base import (
     OpResult,
     OutputSink,
     SandboxSpec,
+    WrapperBackend,
+    WrapperInstance,
 )
 from stockade.sandbox.ops import (
     GetArchive,
@@ -57,6 +64,7 @@ __all__ = [
     "CapturedAudit",
     "FakeBackend",
     "FakeInstance",
+    "FaultInjectingBackend",
     "FunctionModel",
     "MemoryWorkspace",
     "ScriptedModel",
@@ -64,7 +72,7 @@ __all__ = [
     "tool_call",
 ]
 
-Handler = Callable[[Op], OpResult]
+Handler = Callable[[Op[Any]], OpResult]
 FAKE_ENFORCEMENT = Enforcement(
     memory=Mechanism.NONE,
     cpus=Mechanism.NONE,
@@ -93,76 +101,90 @@ class MemoryWorkspace:
     files: dict[str, bytes] = field(default_factory=dict)
     dirs: set[str] = field(default_factory=set)
 
-    def __call__(self, op: Op) -> OpResult:
+    def __call__(self, op: Op[Any]) -> OpResult:
         match op:
             case RunCommand():
                 return self.commands(op)
             case RunCode():
                 return self.code(op)
             case ReadFile():
-                path = self._norm(op.path)
-                if path in self.dirs or self._is_dir(path):
-                    raise exc.FileTypeError(f"{op.path!r} is a directory", path=op.path)
-                if path not in self.files:
-                    raise exc.SandboxFileNotFound(f"{op.path!r}: no such file", path=op.path)
-                return self.files[path]
+                return self._read(op)
             case WriteFile():
-                path = self._norm(op.path)
-                if self._is_dir(path):
-                    raise exc.FileTypeError(f"{op.path!r} is a directory", path=op.path)
-                self.files[path] = op.data
-                self._add_parents(path)
-                return self._entry(path)
+                return self._write(op)
             case MakeDir():
-                path = self._norm(op.path)
-                if path in self.files:
-                    raise exc.FileTypeError(f"{op.path!r} exists and is not a directory", path=op.path)
-                self.dirs.add(path)
-                self._add_parents(path)
-                return self._entry(path)
+                return self._make_dir(op)
             case Stat():
                 path = self._norm(op.path)
-                if path in self.files or self._is_dir(path):
-                    return self._entry(path)
-                return None
+                return self._entry(path) if path in self.files or self._is_dir(path) else None
             case ListDir():
                 return self._list(self._norm(op.path), op.depth)
             case Remove():
-                path = self._norm(op.path)
-                if path not in self.files and not self._is_dir(path):
-                    raise exc.SandboxFileNotFound(f"{op.path!r}: no such file", path=op.path)
-                self.files = {
-                    k: v for k, v in self.files.items() if k != path and not k.startswith(path + "/")
-                }
-                self.dirs = {d for d in self.dirs if d != path and not d.startswith(path + "/")}
+                self._remove(op)
                 return None
             case PutArchive():
-                with tarfile.open(fileobj=io.BytesIO(op.data)) as tar:
-                    for member in tar.getmembers():
-                        target = self._norm(posixpath.join(op.path, member.name))
-                        if member.isdir():
-                            self.dirs.add(target)
-                        elif member.isfile():
-                            extracted = tar.extractfile(member)
-                            self.files[target] = extracted.read() if extracted else b""
-                            self._add_parents(target)
+                self._put_archive(op)
                 return None
             case GetArchive():
-                buf = io.BytesIO()
-                base = self._norm(op.path)
-                with tarfile.open(fileobj=buf, mode="w") as tar:
-                    for path, data in sorted(self.files.items()):
-                        if base and not path.startswith(base + "/"):
-                            continue
-                        info = tarfile.TarInfo(path[len(base) + 1 :] if base else path)
-                        info.size = len(data)
-                        tar.addfile(info, io.BytesIO(data))
-                return buf.getvalue()
+                return self._get_archive(op)
             case Reset():
                 self.files.clear()
                 self.dirs.clear()
                 return None
         raise exc.ConfigurationError(f"MemoryWorkspace cannot handle {op!r}")
+
+    def _read(self, op: ReadFile) -> bytes:
+        path = self._norm(op.path)
+        if path in self.dirs or self._is_dir(path):
+            raise exc.FileTypeError(f"{op.path!r} is a directory", path=op.path)
+        if path not in self.files:
+            raise exc.SandboxFileNotFound(f"{op.path!r}: no such file", path=op.path)
+        return self.files[path]
+
+    def _write(self, op: WriteFile) -> EntryInfo:
+        path = self._norm(op.path)
+        if self._is_dir(path):
+            raise exc.FileTypeError(f"{op.path!r} is a directory", path=op.path)
+        self.files[path] = op.data
+        self._add_parents(path)
+        return self._entry(path)
+
+    def _make_dir(self, op: MakeDir) -> EntryInfo:
+        path = self._norm(op.path)
+        if path in self.files:
+            raise exc.FileTypeError(f"{op.path!r} exists and is not a directory", path=op.path)
+        self.dirs.add(path)
+        self._add_parents(path)
+        return self._entry(path)
+
+    def _remove(self, op: Remove) -> None:
+        path = self._norm(op.path)
+        if path not in self.files and not self._is_dir(path):
+            raise exc.SandboxFileNotFound(f"{op.path!r}: no such file", path=op.path)
+        self.files = {k: v for k, v in self.files.items() if k != path and not k.startswith(path + "/")}
+        self.dirs = {d for d in self.dirs if d != path and not d.startswith(path + "/")}
+
+    def _put_archive(self, op: PutArchive) -> None:
+        with tarfile.open(fileobj=io.BytesIO(op.data)) as tar:
+            for member in tar.getmembers():
+                target = self._norm(posixpath.join(op.path, member.name))
+                if member.isdir():
+                    self.dirs.add(target)
+                elif member.isfile():
+                    extracted = tar.extractfile(member)
+                    self.files[target] = extracted.read() if extracted else b""
+                    self._add_parents(target)
+
+    def _get_archive(self, op: GetArchive) -> bytes:
+        buf = io.BytesIO()
+        base = self._norm(op.path)
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for path, data in sorted(self.files.items()):
+                if base and not path.startswith(base + "/"):
+                    continue
+                info = tarfile.TarInfo(path[len(base) + 1 :] if base else path)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        return buf.getvalue()
 
     @staticmethod
     def _norm(path: str) -> str:
@@ -216,10 +238,10 @@ class FakeInstance(Instance, AsyncInstance):
         self.id = f"fake-{number}"
         self.tier = tier
         self.enforcement = FAKE_ENFORCEMENT
-        self.ops: list[Op] = []
+        self.ops: list[Op[Any]] = []
         self.closed = False
 
-    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         if self.closed:
             raise exc.SandboxClosed(f"sandbox {self.id} is closed")
         self.ops.append(op)
@@ -231,7 +253,7 @@ class FakeInstance(Instance, AsyncInstance):
                 sink(2, result.stderr.encode())
         return result
 
-    async def aexecute(self, op: Op, sink: OutputSink | None = None) -> OpResult:
+    async def ahandle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         return self.handle(op, sink)
 
     @property
@@ -278,3 +300,44 @@ class FakeBackend(Backend, AsyncBackend):
 
     async def astart(self, spec: SandboxSpec) -> FakeInstance:
         return self.start(spec)
+
+
+class _FaultInjectingInstance(WrapperInstance):
+    def __init__(self, wrapped: Instance, backend: FaultInjectingBackend) -> None:
+        super().__init__(wrapped)
+        self.backend = backend
+
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
+        if self.backend.fails(op):
+            raise exc.ResourceContention("injected: the host is busy")
+        return self.wrapped.handle(op, sink)
+
+
+class FaultInjectingBackend(WrapperBackend):
+    """Starts ``wrapped``'s sandboxes; the next read of ``path`` in any of them fails with a
+    transient ``ResourceContention`` (``times`` reads in all). With ``armed=False`` nothing
+    fails until ``arm()`` is called (say, once the run has started). ``injected`` counts."""
+
+    def __init__(self, wrapped: Backend, *, path: str, armed: bool = True, times: int = 1) -> None:
+        super().__init__(wrapped)
+        self.path = path
+        self.armed = armed
+        self.times = times
+        self.injected = 0
+        self._lock = threading.Lock()
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def fails(self, op: Op[Any]) -> bool:
+        """Whether ``op`` is to fail (counted as injected if so)."""
+        if not (self.armed and isinstance(op, ReadFile) and op.path == self.path):
+            return False
+        with self._lock:
+            if self.injected >= self.times:
+                return False
+            self.injected += 1
+            return True
+
+    def start(self, spec: SandboxSpec) -> Instance:
+        return _FaultInjectingInstance(self.wrapped.start(spec), self)

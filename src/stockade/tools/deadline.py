@@ -12,36 +12,34 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
 
 from stockade.exceptions import ToolTimeout
-from stockade.sandbox.base import Instance, OpResult, OutputSink
+from stockade.sandbox.base import Instance, OpResult, OutputSink, WrapperInstance
 from stockade.sandbox.ops import Op, RunCode, RunCommand
 
 __all__ = ["DeadlineInstance"]
 
 
-class DeadlineInstance(Instance):
+class DeadlineInstance(WrapperInstance):
     """The same sandbox, bounded by ``deadline`` (a ``clock()`` reading)."""
 
     def __init__(
         self,
-        inner: Instance,
+        wrapped: Instance,
         *,
         deadline: float,
         tool: str,
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.inner = inner
+        super().__init__(wrapped)
         self.deadline = deadline
         self.tool = tool
         self.timeout_s = timeout_s
         self.clock = clock
-        self.id = inner.id
-        self.tier = inner.tier
-        self.enforcement = inner.enforcement
 
-    def handle(self, op: Op, sink: OutputSink | None) -> OpResult:
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         left = self.deadline - self.clock()
         if left <= 0:
             raise ToolTimeout(
@@ -52,11 +50,4 @@ class DeadlineInstance(Instance):
         if isinstance(op, RunCommand | RunCode):
             bounded = left if op.timeout_s is None else min(op.timeout_s, left)
             op = dataclasses.replace(op, timeout_s=bounded)
-        return self.inner.handle(op, sink)
-
-    def close(self) -> None:
-        self.inner.close()
-
-    @property
-    def alive(self) -> bool:
-        return self.inner.alive
+        return self.wrapped.handle(op, sink)

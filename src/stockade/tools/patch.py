@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
-from stockade.exceptions import PatchRejected, SandboxFileNotFound, StockadeError
+from stockade.exceptions import PatchRejected, RunStopped, SandboxFileNotFound, StockadeError
 from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import Op, ReadFile, Remove, Stat, WriteFile
 
@@ -84,46 +85,51 @@ def parse_unified_diff(diff: str) -> list[FilePatch]:
         i += 2
         hunks: list[Hunk] = []
         while i < len(lines) and lines[i].startswith("@@"):
-            match = _HUNK.match(lines[i])
-            if match is None:
-                raise PatchRejected(f"malformed hunk header {lines[i]!r}", path=new_path or old_path or "")
-            header = lines[i]
-            body: list[str] = []
-            old_nl = new_nl = False
-            i += 1
-            while i < len(lines) and not lines[i].startswith(("@@", "--- ", "diff ")):
-                line = lines[i]
-                if line.startswith("\\"):
-                    if body and body[-1][0] == "-":
-                        old_nl = True
-                    elif body and body[-1][0] == "+":
-                        new_nl = True
-                    elif body:
-                        old_nl = new_nl = True
-                elif line == "":
-                    body.append(" ")  # a blank context line whose leading space was stripped
-                elif line[0] in " -+":
-                    body.append(line)
-                else:
-                    break  # trailing prose after the diff
-                i += 1
-            while body and body[-1] == " " and _blank_tail(lines, i):
-                body.pop()
-            hunks.append(
-                Hunk(
-                    header=header,
-                    old_start=int(match.group(1)),
-                    lines=tuple(body),
-                    old_no_newline=old_nl,
-                    new_no_newline=new_nl,
-                )
-            )
+            hunk, i = _read_hunk(lines, i, new_path or old_path or "")
+            hunks.append(hunk)
         if not hunks:
             raise PatchRejected(f"no hunks for {new_path or old_path}", path=new_path or old_path or "")
         patches.append(FilePatch(old_path=old_path, new_path=new_path, hunks=tuple(hunks)))
     if not patches:
         raise PatchRejected("no unified diff found: expected '--- a/path', '+++ b/path' and '@@' hunks")
     return patches
+
+
+def _read_hunk(lines: list[str], i: int, path: str) -> tuple[Hunk, int]:
+    """The hunk whose header is ``lines[i]``, and the index of the line after it."""
+    match = _HUNK.match(lines[i])
+    if match is None:
+        raise PatchRejected(f"malformed hunk header {lines[i]!r}", path=path)
+    header = lines[i]
+    body: list[str] = []
+    old_nl = new_nl = False
+    i += 1
+    while i < len(lines) and not lines[i].startswith(("@@", "--- ", "diff ")):
+        line = lines[i]
+        if line.startswith("\\"):
+            if body and body[-1][0] == "-":
+                old_nl = True
+            elif body and body[-1][0] == "+":
+                new_nl = True
+            elif body:
+                old_nl = new_nl = True
+        elif line == "":
+            body.append(" ")  # a blank context line whose leading space was stripped
+        elif line[0] in " -+":
+            body.append(line)
+        else:
+            break  # trailing prose after the diff
+        i += 1
+    while body and body[-1] == " " and _blank_tail(lines, i):
+        body.pop()
+    hunk = Hunk(
+        header=header,
+        old_start=int(match.group(1)),
+        lines=tuple(body),
+        old_no_newline=old_nl,
+        new_no_newline=new_nl,
+    )
+    return hunk, i
 
 
 def _blank_tail(lines: list[str], end: int) -> bool:
@@ -192,11 +198,11 @@ def _explain(path: str, number: int, total: int, hunk: Hunk, lines: list[str], e
     )
 
 
-def patch_ops(diff: str) -> list[Op]:
+def patch_ops(diff: str) -> list[Op[Any]]:
     """The sandbox ops applying ``diff`` would issue (without their data), for a policy to judge
     every path it touches before anything happens: old and new names, renames, deletions.
     ``PatchRejected`` if it is not a diff."""
-    ops: list[Op] = []
+    ops: list[Op[Any]] = []
     for patch in parse_unified_diff(diff):
         if patch.old_path is None:
             ops.append(Stat(path=patch.path))  # a created file must not exist yet
@@ -246,7 +252,7 @@ def apply_patch_to_sandbox(sandbox: Sandbox, diff: str) -> list[tuple[str, int, 
             else:
                 sandbox.files.write(target, new_text)
             done.append((target, original))
-    except StockadeError:
+    except (StockadeError, RunStopped):  # a pause for approval too: the call runs again on resume
         for target, original in reversed(done):
             if original is None:
                 sandbox.files.remove(target)

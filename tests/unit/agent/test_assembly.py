@@ -7,12 +7,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from pydantic import JsonValue
 
-from stockade.agent import AgentConfig, RunLimits, RunStatus, build_agent
-from stockade.agent.assembly import effective_trust
+from stockade.agent import RunLimits, RunStatus
+from stockade.assembly import AgentConfig, build_agent, effective_trust
 from stockade.audit import AuditLog, MemoryStore
 from stockade.exceptions import PolicyDenied, TierUnavailable
-from stockade.models import FunctionModel, ModelRequest, ModelResponse, ScriptedModel, tool_call
+from stockade.models import FunctionModel, Model, ModelRequest, ModelResponse, ScriptedModel, tool_call
 from stockade.policy import Policy
 from stockade.policy.approval import Choice
 from stockade.policy.schema import CommandRules, ModelRegistry, PathRules, TrustRules
@@ -25,7 +26,7 @@ from stockade.types import Trust
 TRUSTED = TrustRules(level=Trust.TRUSTED)
 
 
-def config(tmp_path: Path, model: ScriptedModel, policy: Policy, **overrides: object) -> AgentConfig:
+def config(tmp_path: Path, model: Model, policy: Policy, **overrides: object) -> AgentConfig:
     base = AgentConfig(
         model=model,
         policy=policy,
@@ -86,7 +87,7 @@ def test_a_model_that_serves_an_unapproved_model_is_refused_and_audited(tmp_path
 def test_an_op_the_call_level_cannot_see_is_denied_at_the_sandbox_and_audited(tmp_path: Path) -> None:
     policy = Policy(trust=TRUSTED, paths=PathRules(deny=("secrets/**",)))
     # the call-level guard does not look inside run_code's `files`: the sandbox guard does
-    files = {"secrets/key": "stolen"}
+    files: dict[str, JsonValue] = {"secrets/key": "stolen"}
     model = ScriptedModel(
         [tool_call("run_code", {"language": "python", "code": "1", "files": files}), "done"]
     )

@@ -7,15 +7,14 @@ import pytest
 from stockade import Sandbox
 from stockade.agent import (
     Agent,
-    AgentConfig,
     AgentEvent,
     CheckFinished,
     CheckNode,
     RunLimits,
     RunStatus,
     ToolRejected,
-    build_agent,
 )
+from stockade.assembly import AgentConfig, build_agent
 from stockade.audit import AuditLog, MemoryStore
 from stockade.exceptions import InvalidArgument
 from stockade.models import ToolCall

@@ -24,10 +24,11 @@ from stockade.agent import (
 )
 from stockade.exceptions import ApprovalRequired, ConfigurationError
 from stockade.models import ToolCall
+from stockade.models.scripted import Turn
 from stockade.testing import FakeBackend, ScriptedModel, tool_call
 from stockade.tools import ToolContext, default_toolset, tool
 
-TURNS = [
+TURNS: list[Turn] = [
     tool_call("write_file", {"path": "notes.txt", "content": "one\n"}),
     tool_call("read_file", {"path": "notes.txt"}),
     "done",
@@ -106,7 +107,7 @@ async def test_a_step_resumed_mid_way_does_not_repeat_calls_that_already_ran() -
         if isinstance(event, ToolCalled) and event.call.args == {"name": "b"}:
             raise Crash  # a bug, not a stop: it propagates and the last checkpoint stays
 
-    turns = [[tool_call("effect", {"name": "a"}), tool_call("effect", {"name": "b"})], "done"]
+    turns: list[Turn] = [[tool_call("effect", {"name": "a"}), tool_call("effect", {"name": "b"})], "done"]
     tools = default_toolset().including(effect)
     saved = MemoryCheckpointer()
     sbx = Sandbox.create(backend=FakeBackend())

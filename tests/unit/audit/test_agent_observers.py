@@ -8,12 +8,12 @@ from stockade.agent import Agent
 from stockade.audit import EventKind, verify
 from stockade.audit.agent import AuditObserver
 from stockade.models.messages import ToolCall
-from stockade.models.scripted import ScriptedModel
+from stockade.models.scripted import ScriptedModel, Turn
 from stockade.sandbox import Sandbox
 from stockade.testing import FakeBackend, capture_audit
 from tests.conftest import require
 
-SCRIPT = [ToolCall(name="write_file", args={"path": "a.py", "content": "x = 1"}), "done"]
+SCRIPT: list[Turn] = [ToolCall(name="write_file", args={"path": "a.py", "content": "x = 1"}), "done"]
 
 
 def test_a_run_becomes_audit_events() -> None:

@@ -91,7 +91,7 @@ def test_an_agent_run_with_a_model_call_and_a_tool_call_follows_the_genai_conven
     assert tool["gen_ai.tool.name"] == "run_code" and tool["gen_ai.tool.call.id"] == "call-1"
     root = spans["invoke_agent coder"]
     assert spans["chat gpt-4o"].parent is not None
-    assert spans["chat gpt-4o"].parent.span_id == root.context.span_id  # type: ignore[union-attr]
+    assert spans["chat gpt-4o"].parent.span_id == root.context.span_id
 
     tokens = captured.metric_points("gen_ai.client.token.usage")
     assert sorted(p.sum for p in tokens) == [30, 120]

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from stockade import ConfigurationError, InvalidArgument, Limits, Sandbox
-from stockade.agent import AgentConfig
+from stockade.assembly import AgentConfig
 from stockade.cli.main import app
 from stockade.models import ScriptedModel
 from stockade.testing import FakeBackend, MemoryWorkspace
@@ -44,7 +44,7 @@ def test_an_unknown_trust_names_the_argument_and_the_choices() -> None:
 )
 def test_limits_name_the_field_and_the_range(field: str, value: object, says: str) -> None:
     with pytest.raises(InvalidArgument) as caught:
-        Limits(**{field: value})
+        Limits(**{field: value})  # type: ignore[arg-type]  # wrong on purpose
     assert caught.value.argument == f"Limits.{field}"
     assert says in str(caught.value) and caught.value.fix in str(caught.value)
 

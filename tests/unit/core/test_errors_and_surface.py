@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import pickle
 import subprocess
@@ -9,33 +10,47 @@ import sys
 
 import pytest
 
-import stockade
 from stockade import exceptions
 
-ALL_ERRORS = [
+ALL_ERRORS: list[type[exceptions.StockadeError]] = [
     obj
     for _, obj in inspect.getmembers(exceptions, inspect.isclass)
     if issubclass(obj, exceptions.StockadeError)
 ]
+ALL_SIGNALS: list[type[exceptions.RunStopped]] = [
+    obj
+    for _, obj in inspect.getmembers(exceptions, inspect.isclass)
+    if issubclass(obj, exceptions.RunStopped)
+]
 
 
-@pytest.mark.parametrize("cls", ALL_ERRORS, ids=lambda c: c.__name__)
-def test_every_error_pickles_with_its_state(cls: type[exceptions.StockadeError]) -> None:
+ALL_RAISED: list[type[exceptions.StockadeError | exceptions.RunStopped]] = [*ALL_ERRORS, *ALL_SIGNALS]
+
+
+@pytest.mark.parametrize("cls", ALL_RAISED, ids=lambda c: c.__name__)
+def test_every_error_and_signal_pickles_with_its_state(
+    cls: type[exceptions.StockadeError | exceptions.RunStopped],
+) -> None:
     err = cls.__new__(cls)
-    exceptions.StockadeError.__init__(err, "boom", retry_after=2.5)
-    err.extra = {"kept": True}  # type: ignore[attr-defined]
+    root = exceptions.RunStopped if issubclass(cls, exceptions.RunStopped) else exceptions.StockadeError
+    root.__init__(err, "boom", retry_after=2.5)
+    err.__dict__["extra"] = {"kept": True}
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is cls
     assert str(back) == "boom" and back.retry_after == 2.5
-    assert back.extra == {"kept": True}  # type: ignore[attr-defined]
+    assert back.__dict__["extra"] == {"kept": True}
     assert back.retryable is cls.retryable
 
 
 def test_transient_and_permanent_errors_are_told_apart() -> None:
-    transient = {exceptions.SandboxStartError, exceptions.BackendUnavailable, exceptions.ResourceContention}
+    transient: set[type[exceptions.StockadeError]] = {
+        exceptions.SandboxStartError,
+        exceptions.BackendUnavailable,
+        exceptions.ResourceContention,
+    }
     for cls in transient:
         assert cls.retryable, cls
-    permanent = {
+    permanent: set[type[exceptions.StockadeError]] = {
         exceptions.PolicyDenied, exceptions.PathEscapeError, exceptions.SandboxFileNotFound,
         exceptions.ConfigurationError, exceptions.LimitNotEnforceable, exceptions.TierUnavailable,
     }  # fmt: skip
@@ -43,19 +58,80 @@ def test_transient_and_permanent_errors_are_told_apart() -> None:
         assert not cls.retryable, cls
 
 
-def test_every_error_is_drawn_in_the_tree_docstring() -> None:
-    doc = exceptions.__doc__ or ""
-    missing = [cls.__name__ for cls in ALL_ERRORS if cls.__name__ not in doc]
-    assert missing == []
+def _drawn_parents() -> dict[str, str]:
+    """Each class drawn in the module docstring's trees -> the class it is drawn under."""
+    parents: dict[str, str] = {}
+    path: list[str] = []
+    for line in (exceptions.__doc__ or "").splitlines():
+        if not line.startswith("    ") or not line.strip():
+            continue
+        body = line[4:]
+        name = body.lstrip("│├└─ ").split(" ")[0]
+        if not name.isidentifier():
+            continue
+        depth = (len(body) - len(body.lstrip("│├└─ "))) // 4
+        path[depth:] = [name]
+        if depth:
+            parents[name] = path[depth - 1]
+    return parents
 
 
-def test_the_public_surface_is_pinned() -> None:
-    assert set(stockade.__all__) >= {
-        "Sandbox", "AsyncSandbox", "Limits", "NetworkPolicy", "CommandResult", "Execution",
-        "StockadeError", "PathEscapeError", "LimitNotEnforceable", "Trust",
-    }  # fmt: skip
-    for name in stockade.__all__:
-        assert hasattr(stockade, name), name
+def test_the_tree_docstring_is_the_class_tree() -> None:
+    drawn = _drawn_parents()
+    assert set(drawn) | {"StockadeError", "RunStopped"} == {c.__name__ for c in ALL_RAISED}
+    for cls in ALL_RAISED:
+        if cls.__name__ in drawn:
+            assert cls.__bases__[0].__name__ == drawn[cls.__name__], cls
+
+
+def test_run_signals_are_control_flow_no_except_exception_can_swallow() -> None:
+    for cls in ALL_SIGNALS:
+        assert not issubclass(cls, Exception) and not issubclass(cls, exceptions.StockadeError), cls
+    with pytest.raises(exceptions.RunKilled):
+        try:
+            raise exceptions.RunKilled("killed", run_id="r")
+        except Exception:  # what a tool or a wrapper may write
+            pytest.fail("a kill was swallowed")
+
+
+# What users import, name by name: a name added or removed is a decision, made here too.
+PUBLIC: dict[str, set[str]] = {
+    "stockade": {
+        "AsyncSandbox", "BackendUnavailable", "CommandResult", "ConfigurationError", "DownloadResult",
+        "Enforcement", "EntryInfo", "EntryType", "ExecRecord", "Execution", "ExecutionError", "FileTooLarge",
+        "FileTypeError", "HostShare", "InvalidArgument", "LimitNotEnforceable", "Limits", "Logs", "Mechanism",
+        "NetworkPolicy", "PathEscapeError", "PolicyDenied", "ProtocolError", "ResourceContention",
+        "Result", "Sandbox", "SandboxClosed", "SandboxCrashed", "SandboxError", "SandboxFileNotFound",
+        "SandboxPool", "SandboxRules", "SandboxStartError", "SkippedEntry", "StockadeError", "TierReport",
+        "TierUnavailable", "Trust", "WorkspaceError", "WorkspaceFull", "__version__",
+    },
+    "stockade.sandbox": {
+        "TIMEOUT_MARGIN_S", "AsyncBackend", "AsyncInstance", "AsyncSandbox", "Backend", "Instance",
+        "PoolStats", "Sandbox", "SandboxPool", "SandboxSpec", "WrapperBackend", "WrapperInstance",
+    },
+    "stockade.agent": {
+        "DEFAULT_SYSTEM_PROMPT", "Agent", "AgentEvent", "AgentRun", "CallToolsNode", "CheckFinished",
+        "CheckNode", "CheckRecord", "Checkpointer", "DurableCheckpointer", "End", "Guard", "GuardContext",
+        "JsonFileCheckpointer", "MemoryCheckpointer", "ModelDenied", "ModelRequestNode", "ModelRequested",
+        "ModelResponded", "Node", "NodeKind", "Observer", "RunFinished", "RunLimits", "RunResult",
+        "RunResumed", "RunStarted", "RunState", "RunStatus", "StepFinished", "StepRecord", "ToolCallRecord",
+        "ToolCalled", "ToolDenied", "ToolRejected", "ToolReturned",
+    },
+    "stockade.assembly": {"AgentConfig", "AgentSession", "GuardedAgent", "build_agent", "effective_trust"},
+    "stockade.testing": {
+        "CapturedAudit", "FakeBackend", "FakeInstance", "FaultInjectingBackend", "FunctionModel",
+        "MemoryWorkspace", "ScriptedModel", "capture_audit", "tool_call",
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("module", sorted(PUBLIC))
+def test_the_public_surface_is_pinned(module: str) -> None:
+    exported = importlib.import_module(module).__all__
+    assert len(set(exported)) == len(exported), "a name is exported twice"
+    assert set(exported) == PUBLIC[module]
+    for name in exported:
+        assert hasattr(importlib.import_module(module), name), name
 
 
 def test_import_has_no_side_effects_and_loads_no_optional_dependency() -> None:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from stockade import exceptions as exc
 from stockade.policy.commands import decide_command
 from stockade.policy.engine import PolicyEngine
-from stockade.policy.guards import GuardContext, GuardedBackend, op_policy_guard
+from stockade.policy.guards import GuardedBackend, OpContext, op_policy_guard
 from stockade.policy.schema import CommandRules, Policy, Verdict
 from stockade.sandbox.base import SandboxSpec
 from stockade.sandbox.ops import RunCommand
@@ -45,6 +45,29 @@ def test_commands_are_judged_as_argv(argv: list[str], verdict: Verdict) -> None:
     assert decide_command(RULES, argv).verdict is verdict
 
 
+@pytest.mark.parametrize(
+    ("pattern", "argv", "carries"),
+    [
+        ("rm -r", ["rm", "-fR", "x"], True),
+        ("rm -r", ["rm", "-R", "x"], True),
+        ("rm -r", ["rm", "-r", "-f", "x"], True),
+        ("rm -r", ["rm", "--recursive", "x"], True),
+        ("rm -r", ["/bin/rm", "-vrf", "x"], True),
+        ("rm -r", ["rm", "-f", "x"], False),
+        ("rm -r", ["rm", "--", "-r"], False),  # a file named -r
+        ("cp -r", ["cp", "-a", "src", "dst"], True),
+        ("git push", ["git", "-C", "repo", "push"], True),
+        ("git push -f", ["git", "push", "--force-with-lease"], True),
+        ("git push", ["git", "pull"], False),
+        ("chmod -R", ["chmod", "--recursive", "777", "x"], True),
+    ],
+)
+def test_a_flag_matches_its_other_spellings(pattern: str, argv: list[str], carries: bool) -> None:
+    from stockade.policy.commands import matches
+
+    assert matches(pattern, argv) is carries
+
+
 def test_an_allowlist_refuses_every_other_program() -> None:
     rules = CommandRules(allow=("python*", "pytest", "ls"))
     assert decide_command(rules, ["sh", "-c", "ls && python3 -m pytest"]).verdict is Verdict.ALLOW
@@ -77,7 +100,7 @@ def test_no_denied_argv_ever_reaches_the_sandbox(commands: list[list[str]]) -> N
     backend = FakeBackend(MemoryWorkspace())
     engine = PolicyEngine(Policy(commands=RULES))
     guard = op_policy_guard(engine)
-    instance = GuardedBackend(backend, guard, GuardContext(run_id="prop")).start(SandboxSpec())
+    instance = GuardedBackend(backend, guard, OpContext(run_id="prop")).start(SandboxSpec())
     for argv in commands:
         with contextlib.suppress(exc.PolicyDenied):
             instance.execute(RunCommand(argv=tuple(argv)))
@@ -96,7 +119,7 @@ def test_a_program_run_from_stdin_is_judged_shown_and_audited_as_the_program() -
     log = AuditLog(MemoryStore(), flush_interval_s=None)
     engine = PolicyEngine(Policy(commands=CommandRules(deny=("curl",), allow=("echo", "ls"))))
     guarded = GuardedBackend(
-        AuditedBackend(backend, log, run_id="r"), op_policy_guard(engine), GuardContext(run_id="r")
+        AuditedBackend(backend, log, run_id="r"), op_policy_guard(engine), OpContext(run_id="r")
     )
     with Sandbox.create(backend=guarded) as sbx:
         assert sbx.run_code("echo hi && ls", language="bash").error is None  # allowed programs pass

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from stockade import exceptions as exc
 from stockade.policy.engine import PolicyEngine
-from stockade.policy.guards import GuardContext, GuardedBackend, op_policy_guard
+from stockade.policy.guards import GuardedBackend, OpContext, op_policy_guard
 from stockade.policy.paths import normalise, readable, writable
 from stockade.policy.schema import PathRules, Policy
 from stockade.sandbox.base import SandboxSpec
@@ -72,7 +72,7 @@ def test_path_rules_agree_with_an_independent_oracle(path: str) -> None:
 def test_no_denied_path_is_ever_written(paths: list[str]) -> None:
     backend = FakeBackend(MemoryWorkspace())
     guard = op_policy_guard(PolicyEngine(Policy(paths=RULES)))
-    instance = GuardedBackend(backend, guard, GuardContext()).start(SandboxSpec())
+    instance = GuardedBackend(backend, guard, OpContext()).start(SandboxSpec())
     for path in paths:
         with contextlib.suppress(exc.PolicyDenied, exc.WorkspaceError):
             instance.execute(WriteFile(path=path, data=b"x"))
@@ -133,7 +133,7 @@ def test_no_command_writing_a_denied_path_ever_reaches_the_sandbox(
 ) -> None:
     backend = FakeBackend(MemoryWorkspace())
     guard = op_policy_guard(PolicyEngine(Policy(paths=RULES)))
-    instance = GuardedBackend(backend, guard, GuardContext()).start(SandboxSpec())
+    instance = GuardedBackend(backend, guard, OpContext()).start(SandboxSpec())
     targets: dict[str, list[str]] = {}
     for parts, joiner in lines:
         line = _line(parts, joiner)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from typer.testing import CliRunner
 
@@ -36,7 +37,7 @@ def recorded_run(path: Path) -> str:
         commands=lambda op: CommandResult(exit_code=3, stdout="y" * 2000, stderr="", duration_s=0.2)
     )
 
-    def handler(op: Op) -> OpResult:
+    def handler(op: Op[Any]) -> OpResult:
         if isinstance(op, RunCommand) and (error := next(failures, None)):
             raise error
         return workspace(op)

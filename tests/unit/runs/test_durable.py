@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from stockade import Sandbox
-from stockade.agent import Agent, AgentEvent, RunStatus, ToolCalled
+from stockade.agent import Agent, AgentEvent, Observer, RunStatus, ToolCalled
 from stockade.audit import AuditLog, MemoryStore, verify
 from stockade.audit.agent import AuditObserver
 from stockade.cli.runs_cmds import load_tools
@@ -35,7 +35,7 @@ def sandbox(files: dict[str, bytes] | None = None) -> Sandbox:
     return Sandbox.create(backend=FakeBackend(MemoryWorkspace(files=dict(files or {}))))
 
 
-def crash_on(name: str) -> object:
+def crash_on(name: str) -> Observer:
     def observe(event: AgentEvent) -> None:
         if isinstance(event, ToolCalled) and event.call.name == name:
             raise Crash(name)

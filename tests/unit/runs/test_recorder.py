@@ -4,6 +4,7 @@ repeating it; retries, approvals and the diff are recorded where ``stockade runs
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -92,7 +93,7 @@ def test_retries_are_filed_under_the_step_and_call_that_retried(store: RunStore)
     failures = iter([None, ResourceContention("the host is busy")])
     workspace = MemoryWorkspace()
 
-    def flaky_reads(op: Op) -> OpResult:
+    def flaky_reads(op: Op[Any]) -> OpResult:
         if isinstance(op, ReadFile) and op.path == "a.txt":
             error = next(failures, None)
             if error is not None:

@@ -6,9 +6,9 @@ from collections.abc import Iterator
 
 from stockade import Sandbox
 from stockade.agent import Agent
-from stockade.audit.replay import normalise, recorded_model, replay
 from stockade.models.scripted import Turn
 from stockade.runs import RunStore
+from stockade.runs.replay import normalise, recorded_model, replay
 from stockade.sandbox.ops import RunCommand
 from stockade.testing import FakeBackend, MemoryWorkspace, ScriptedModel, tool_call
 from stockade.tools import default_toolset, shell

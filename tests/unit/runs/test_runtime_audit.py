@@ -3,6 +3,8 @@ the run, step and tool call it happened in; the chain verifies after the run."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from stockade import Sandbox
@@ -38,7 +40,7 @@ def reads_failing_once() -> FakeBackend:
     failures = iter([ResourceContention("the host is busy")])
     workspace = MemoryWorkspace()
 
-    def handler(op: Op) -> OpResult:
+    def handler(op: Op[Any]) -> OpResult:
         if isinstance(op, ReadFile) and op.path == "a.txt" and (error := next(failures, None)):
             raise error
         return workspace(op)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from stockade import Sandbox
 from stockade.agent import Agent, MemoryCheckpointer, RunStatus
 from stockade.models.messages import ModelResponse, Usage
@@ -93,7 +95,7 @@ def test_a_denied_command_never_reaches_the_sandbox() -> None:
     ]
 
 
-def test_a_command_waiting_for_approval_pauses_the_run_and_resumes_once_approved(tmp_path) -> None:
+def test_a_command_waiting_for_approval_pauses_the_run_and_resumes_once_approved(tmp_path: Path) -> None:
     engine = PolicyEngine(Policy(commands=CommandRules(approve=("git push",))))
     store = ApprovalStore(tmp_path)
     checkpoints = MemoryCheckpointer()
@@ -115,7 +117,7 @@ def test_a_command_waiting_for_approval_pauses_the_run_and_resumes_once_approved
     assert commands_run(backend) == [("/bin/sh", "-c", "git push origin main")]
 
 
-def test_an_approval_callback_decides_at_once(tmp_path) -> None:
+def test_an_approval_callback_decides_at_once(tmp_path: Path) -> None:
     engine = PolicyEngine(Policy(commands=CommandRules(approve=("git push",))))
     asked = []
 
@@ -132,7 +134,7 @@ def test_an_approval_callback_decides_at_once(tmp_path) -> None:
     assert result.status == RunStatus.SUCCESS and commands_run(backend) == [] and len(asked) == 1
 
 
-def test_a_kill_file_stops_the_run_between_steps(tmp_path) -> None:
+def test_a_kill_file_stops_the_run_between_steps(tmp_path: Path) -> None:
     switch = KillSwitch("r5", [FileKillSource(tmp_path)])
     controls = RuntimeControls(run_id="r5", kill_switch=switch)
     model = ScriptedModel([tool_call("shell", {"command": "echo 1"})] * 5 + ["done"])

@@ -11,7 +11,7 @@ from stockade.runtime.anomaly import (
 )
 from stockade.runtime.breaker import Breakers
 from stockade.runtime.clock import ManualClock
-from stockade.runtime.events import AnomalyAction, AnomalyFlagged, BreakerState
+from stockade.runtime.events import AnomalyAction, AnomalyFlagged, BreakerState, RuntimeEvent
 from stockade.runtime.killswitch import KillSwitch
 
 
@@ -19,7 +19,9 @@ def failing(fingerprint: str = "run_tests:{}") -> ActionRecord:
     return ActionRecord(subject="tool:run_tests", fingerprint=fingerprint, ok=False)
 
 
-def test_the_same_failing_action_repeated_opens_its_breaker(clock: ManualClock, events) -> None:
+def test_the_same_failing_action_repeated_opens_its_breaker(
+    clock: ManualClock, events: list[RuntimeEvent]
+) -> None:
     breakers = Breakers(clock=clock)
     monitor = AnomalyMonitor(
         rules=[RepeatedFailure(times=3)], clock=clock, breakers=breakers, observer=events.append

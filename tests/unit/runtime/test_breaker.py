@@ -15,18 +15,25 @@ def boom() -> None:
     raise exc.ToolError("tool failed")
 
 
+def state(breaker: CircuitBreaker) -> BreakerState:
+    """The breaker's state now (a call, so that mypy does not carry one assert to the next)."""
+    return breaker.state
+
+
 def fail(breaker: CircuitBreaker, times: int) -> None:
     for _ in range(times):
         with pytest.raises(exc.ToolError):
             breaker.call(boom)
 
 
-def test_opens_after_five_consecutive_failures_and_refuses_with_a_typed_error(clock, events) -> None:
+def test_opens_after_five_consecutive_failures_and_refuses_with_a_typed_error(
+    clock: ManualClock, events: list[RuntimeEvent]
+) -> None:
     breaker = CircuitBreaker("tool:run_tests", clock=clock, observer=events.append)
     fail(breaker, 4)
-    assert breaker.state is BreakerState.CLOSED
+    assert state(breaker) is BreakerState.CLOSED
     fail(breaker, 1)
-    assert breaker.state is BreakerState.OPEN
+    assert state(breaker) is BreakerState.OPEN
     with pytest.raises(exc.CircuitOpen) as refused:
         breaker.call(lambda: "never runs")
     assert refused.value.retryable and refused.value.name == "tool:run_tests"
@@ -42,24 +49,24 @@ def test_opens_after_five_consecutive_failures_and_refuses_with_a_typed_error(cl
     ]
 
 
-def test_a_success_resets_the_count(clock) -> None:
+def test_a_success_resets_the_count(clock: ManualClock) -> None:
     breaker = CircuitBreaker("t", clock=clock)
     fail(breaker, 4)
     breaker.call(lambda: None)
     fail(breaker, 4)
-    assert breaker.state is BreakerState.CLOSED
+    assert state(breaker) is BreakerState.CLOSED
 
 
 def test_half_opens_after_the_cool_down_and_one_trial_decides(clock: ManualClock) -> None:
     breaker = CircuitBreaker("t", BreakerConfig(threshold=2, cooldown_s=10), clock=clock)
     fail(breaker, 2)
     clock.advance(10)
-    assert breaker.state is BreakerState.HALF_OPEN
+    assert state(breaker) is BreakerState.HALF_OPEN
     fail(breaker, 1)  # the trial failed: open again for a full cool-down
-    assert breaker.state is BreakerState.OPEN
+    assert state(breaker) is BreakerState.OPEN
     clock.advance(10)
     assert breaker.call(lambda: "back") == "back"
-    assert breaker.state is BreakerState.CLOSED
+    assert state(breaker) is BreakerState.CLOSED
 
 
 def test_half_open_lets_only_one_trial_through_at_a_time(clock: ManualClock) -> None:
@@ -71,7 +78,7 @@ def test_half_open_lets_only_one_trial_through_at_a_time(clock: ManualClock) -> 
         breaker.before()
 
 
-def test_policy_denials_are_not_failures_of_the_tool(clock) -> None:
+def test_policy_denials_are_not_failures_of_the_tool(clock: ManualClock) -> None:
     breaker = CircuitBreaker("t", BreakerConfig(threshold=1), clock=clock)
 
     def denied() -> None:
@@ -79,17 +86,17 @@ def test_policy_denials_are_not_failures_of_the_tool(clock) -> None:
 
     with pytest.raises(exc.PolicyDenied):
         breaker.call(denied)
-    assert breaker.state is BreakerState.CLOSED
+    assert state(breaker) is BreakerState.CLOSED
 
 
-def test_a_result_can_count_as_a_failure(clock) -> None:
+def test_a_result_can_count_as_a_failure(clock: ManualClock) -> None:
     breaker = CircuitBreaker("t", BreakerConfig(threshold=2), clock=clock)
     for _ in range(2):
         breaker.call(lambda: 1, failed=lambda code: code != 0)
-    assert breaker.state is BreakerState.OPEN
+    assert state(breaker) is BreakerState.OPEN
 
 
-def test_one_breaker_per_name(clock, events: list[RuntimeEvent]) -> None:
+def test_one_breaker_per_name(clock: ManualClock, events: list[RuntimeEvent]) -> None:
     breakers = Breakers(config=BreakerConfig(threshold=1), clock=clock, observer=events.append)
     assert breakers.get("tool:a") is breakers.get("tool:a")
     fail(breakers.get("tool:a"), 1)
@@ -97,7 +104,7 @@ def test_one_breaker_per_name(clock, events: list[RuntimeEvent]) -> None:
     assert breakers.get("tool:b").state is BreakerState.CLOSED
 
 
-def test_a_backend_breaker_counts_sandbox_failures_not_missing_files(clock) -> None:
+def test_a_backend_breaker_counts_sandbox_failures_not_missing_files(clock: ManualClock) -> None:
     def handler(op):  # type: ignore[no-untyped-def]
         if op.path == "missing":
             raise exc.SandboxFileNotFound("missing")
@@ -114,3 +121,15 @@ def test_a_backend_breaker_counts_sandbox_failures_not_missing_files(clock) -> N
             instance.execute(ReadFile(path="x"))
     with pytest.raises(exc.CircuitOpen):
         instance.execute(ReadFile(path="missing"))
+
+
+def test_a_pause_for_approval_or_a_kill_is_no_failure_of_the_tool(clock: ManualClock) -> None:
+    breaker = CircuitBreaker("tool:write_file", clock=clock)
+
+    def pauses() -> None:
+        raise exc.ApprovalRequired("waits for a human", request_id="r1")
+
+    for _ in range(10):
+        with pytest.raises(exc.ApprovalRequired):
+            breaker.call(pauses)
+    assert state(breaker) is BreakerState.CLOSED

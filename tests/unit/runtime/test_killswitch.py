@@ -1,18 +1,19 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 
 from stockade import exceptions as exc
-from stockade.runtime.events import KillRequested
+from stockade.runtime.events import KillRequested, RuntimeEvent
 from stockade.runtime.killswitch import FileKillSource, KillSwitch, MemoryKillSource
 from stockade.sandbox.ops import RunCommand
 from stockade.testing import FakeInstance
 from stockade.types import CommandResult
 
 
-def test_a_kill_file_stops_the_run_between_steps(tmp_path) -> None:
+def test_a_kill_file_stops_the_run_between_steps(tmp_path: Path) -> None:
     source = FileKillSource(tmp_path)
     switch = KillSwitch("run-1", [source])
     switch.check()
@@ -22,12 +23,12 @@ def test_a_kill_file_stops_the_run_between_steps(tmp_path) -> None:
     assert killed.value.status == "killed" and killed.value.reason == "operator said so"
 
 
-def test_another_run_is_not_affected(tmp_path) -> None:
+def test_another_run_is_not_affected(tmp_path: Path) -> None:
     FileKillSource(tmp_path).kill("run-2", "x")
     KillSwitch("run-1", [FileKillSource(tmp_path)]).check()
 
 
-def test_killing_closes_every_attached_sandbox_and_refuses_further_ops(events) -> None:
+def test_killing_closes_every_attached_sandbox_and_refuses_further_ops(events: list[RuntimeEvent]) -> None:
     switch = KillSwitch("run-1", observer=events.append)
     inner = FakeInstance(lambda op: CommandResult(exit_code=0, stdout="", stderr="", duration_s=0), "fake", 1)
     instance = switch.attach(inner)
@@ -86,12 +87,12 @@ def test_an_unreachable_source_does_not_kill_the_run() -> None:
     KillSwitch("run-1", [Broken()]).check()
 
 
-def test_run_ids_cannot_name_other_files(tmp_path) -> None:
+def test_run_ids_cannot_name_other_files(tmp_path: Path) -> None:
     with pytest.raises(exc.ConfigurationError):
         FileKillSource(tmp_path).kill("../etc", "x")
 
 
-def test_the_kill_cli_says_when_there_is_no_live_run_and_pulls_nothing(tmp_path) -> None:
+def test_the_kill_cli_says_when_there_is_no_live_run_and_pulls_nothing(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
     from stockade.cli.main import app
@@ -101,7 +102,7 @@ def test_the_kill_cli_says_when_there_is_no_live_run_and_pulls_nothing(tmp_path)
     assert FileKillSource(tmp_path).reason("made-up") is None
 
 
-def test_the_kill_cli_stops_a_live_run_and_says_so(tmp_path) -> None:
+def test_the_kill_cli_stops_a_live_run_and_says_so(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
     from stockade.cli.main import app
@@ -133,7 +134,7 @@ def test_the_kill_cli_stops_a_live_run_and_says_so(tmp_path) -> None:
     KillSwitch("live-1", [FileKillSource(tmp_path)]).check()
 
 
-def test_a_switch_nobody_acted_upon_expires(tmp_path) -> None:
+def test_a_switch_nobody_acted_upon_expires(tmp_path: Path) -> None:
     import os
     import time
 
@@ -148,7 +149,7 @@ def test_a_switch_nobody_acted_upon_expires(tmp_path) -> None:
     assert memory.reason("gone") is None
 
 
-def test_a_dead_runs_live_mark_goes_stale(tmp_path) -> None:
+def test_a_dead_runs_live_mark_goes_stale(tmp_path: Path) -> None:
     import os
     import time
 

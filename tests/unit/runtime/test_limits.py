@@ -1,15 +1,20 @@
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 
 from stockade import exceptions as exc
 from stockade.models.pricing import Price
 from stockade.runtime.clock import ManualClock
-from stockade.runtime.events import LimitHit
+from stockade.runtime.events import LimitHit, RuntimeEvent
 from stockade.runtime.limits import Budget, BudgetMeter, LocalWindow, RateLimit, SpendLimit, load_prices
 
 
-def test_rate_limit_refuses_the_action_over_the_rolling_minute(clock: ManualClock, events) -> None:
+def test_rate_limit_refuses_the_action_over_the_rolling_minute(
+    clock: ManualClock, events: list[RuntimeEvent]
+) -> None:
     limit = RateLimit(per_minute=3, window=LocalWindow(clock), observer=events.append)
     for _ in range(3):
         limit.acquire("run-1")
@@ -31,7 +36,9 @@ def test_rate_limits_are_per_key(clock: ManualClock) -> None:
         limit.acquire("a")
 
 
-def test_spend_limit_stops_after_crossing_dollars_per_hour(clock: ManualClock, events) -> None:
+def test_spend_limit_stops_after_crossing_dollars_per_hour(
+    clock: ManualClock, events: list[RuntimeEvent]
+) -> None:
     spend = SpendLimit(dollars_per_hour=1.0, window=LocalWindow(clock), observer=events.append)
     spend.check()
     spend.record(0.6)
@@ -46,7 +53,7 @@ def test_spend_limit_stops_after_crossing_dollars_per_hour(clock: ManualClock, e
     spend.check()
 
 
-def test_prices_are_editable(tmp_path) -> None:
+def test_prices_are_editable(tmp_path: Path) -> None:
     table = tmp_path / "prices.toml"
     table.write_text('[models."my-local"]\ninput_per_mtok = 1.5\noutput_per_mtok = 3\n')
     prices = load_prices(table)
@@ -74,7 +81,9 @@ def test_budget_counts_steps(clock: ManualClock) -> None:
         (Budget(max_dollars=0.5), lambda m, c: m.charge(dollars=0.51), "dollars"),
     ],
 )
-def test_budget_ceilings(budget, use, kind, clock: ManualClock) -> None:
+def test_budget_ceilings(
+    budget: Budget, use: Callable[[BudgetMeter, ManualClock], object], kind: str, clock: ManualClock
+) -> None:
     meter = BudgetMeter(budget=budget, clock=clock)
     meter.check()
     use(meter, clock)

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from typing import Any, cast
 
 import pytest
 
@@ -17,7 +19,8 @@ from stockade.runtime.retry import (
     is_transient,
     run_tests_allowing_flaky,
 )
-from stockade.sandbox.ops import ReadFile, RunCommand, WriteFile
+from stockade.sandbox.base import OpResult
+from stockade.sandbox.ops import Op, ReadFile, RunCommand, WriteFile
 from stockade.testing import FakeBackend, FakeInstance, MemoryWorkspace
 from stockade.types import CommandResult
 
@@ -33,6 +36,11 @@ class FailsThen:
         if self.calls <= self.times:
             raise self.error
         return self.value
+
+
+def answers(call: FailsThen) -> Callable[[Op[Any]], OpResult]:
+    """A handler for ``FakeInstance`` answering every op with ``call()``."""
+    return lambda op: cast(OpResult, call())
 
 
 def retrier(events: list[RuntimeEvent], clock: ManualClock, **policy: float) -> Retrier:
@@ -59,7 +67,9 @@ def test_one_classification_decides_what_is_retried(error: BaseException, transi
     assert is_transient(error) is transient
 
 
-def test_a_transient_failure_is_retried_and_each_retry_reported(events, clock) -> None:
+def test_a_transient_failure_is_retried_and_each_retry_reported(
+    events: list[RuntimeEvent], clock: ManualClock
+) -> None:
     call = FailsThen(exc.SandboxStartError("engine hiccup"), times=2)
     assert retrier(events, clock).call("sandbox:start", call) == "ok"
     assert call.calls == 3
@@ -69,7 +79,9 @@ def test_a_transient_failure_is_retried_and_each_retry_reported(events, clock) -
     assert first.subject == "sandbox:start" and "engine hiccup" in first.reason and first.delay_s > 0
 
 
-def test_three_attempts_by_default_then_the_error_surfaces(events, clock) -> None:
+def test_three_attempts_by_default_then_the_error_surfaces(
+    events: list[RuntimeEvent], clock: ManualClock
+) -> None:
     call = FailsThen(exc.BackendUnavailable("down"), times=10)
     with pytest.raises(exc.BackendUnavailable):
         retrier(events, clock).call("x", call)
@@ -77,14 +89,14 @@ def test_three_attempts_by_default_then_the_error_surfaces(events, clock) -> Non
     assert len(events) == 2
 
 
-def test_a_permanent_failure_is_never_retried(events, clock) -> None:
+def test_a_permanent_failure_is_never_retried(events: list[RuntimeEvent], clock: ManualClock) -> None:
     call = FailsThen(exc.SandboxFileNotFound("nope"), times=1)
     with pytest.raises(exc.SandboxFileNotFound):
         retrier(events, clock).call("x", call)
     assert call.calls == 1 and events == []
 
 
-def test_retry_after_is_the_delay(events, clock) -> None:
+def test_retry_after_is_the_delay(events: list[RuntimeEvent], clock: ManualClock) -> None:
     call = FailsThen(exc.ModelRateLimited("429", retry_after=7.5), times=1)
     retrier(events, clock, wait_max=1.0).call("model:x", call)
     assert isinstance(events[0], RetryScheduled) and events[0].delay_s == 7.5
@@ -98,7 +110,7 @@ def test_backoff_grows_exponentially_with_bounded_jitter() -> None:
     assert RetryPolicy(wait_max=3.0).backoff(50, rng) == 3.0
 
 
-def test_no_retry_starts_after_the_deadline(events, clock) -> None:
+def test_no_retry_starts_after_the_deadline(events: list[RuntimeEvent], clock: ManualClock) -> None:
     def slow_failure() -> None:
         clock.advance(8.0)
         raise exc.SandboxStartError("slow")
@@ -108,7 +120,9 @@ def test_no_retry_starts_after_the_deadline(events, clock) -> None:
     assert len(events) == 1  # 8s + backoff fits in 10s once; 16s does not
 
 
-def test_an_instance_retries_reads_but_not_commands_or_writes(events, clock) -> None:
+def test_an_instance_retries_reads_but_not_commands_or_writes(
+    events: list[RuntimeEvent], clock: ManualClock
+) -> None:
     flaky_reads = FailsThen(exc.ResourceContention("busy"), times=1, value=b"data")
 
     def handler(op):  # type: ignore[no-untyped-def]
@@ -126,16 +140,18 @@ def test_an_instance_retries_reads_but_not_commands_or_writes(events, clock) -> 
     assert [type(op).__name__ for op in inner.ops] == ["ReadFile", "ReadFile", "RunCommand", "WriteFile"]
 
 
-def test_the_caller_may_mark_a_side_effecting_op_idempotent(events, clock) -> None:
+def test_the_caller_may_mark_a_side_effecting_op_idempotent(
+    events: list[RuntimeEvent], clock: ManualClock
+) -> None:
     writes = FailsThen(exc.ResourceContention("busy"), times=1, value=None)
-    inner = FakeInstance(lambda op: writes(), "fake", 1)  # type: ignore[arg-type,return-value]
+    inner = FakeInstance(answers(writes), "fake", 1)
     RetryingInstance(inner, retrier(events, clock), idempotent=(WriteFile,)).execute(
         WriteFile(path="a", data=b"")
     )
     assert writes.calls == 2
 
 
-def test_sandbox_creation_is_retried(events, clock) -> None:
+def test_sandbox_creation_is_retried(events: list[RuntimeEvent], clock: ManualClock) -> None:
     class FlakyStart(FakeBackend):
         starts = 0
 
@@ -155,7 +171,9 @@ def test_sandbox_creation_is_retried(events, clock) -> None:
     assert isinstance(events[0], RetryScheduled) and events[0].subject == "fake:start"
 
 
-async def test_the_async_instance_retries_reads_but_not_commands_or_writes(events, clock) -> None:
+async def test_the_async_instance_retries_reads_but_not_commands_or_writes(
+    events: list[RuntimeEvent], clock: ManualClock
+) -> None:
     flaky_reads = FailsThen(exc.ResourceContention("busy"), times=2, value=b"data")
 
     def handler(op):  # type: ignore[no-untyped-def]
@@ -178,28 +196,28 @@ async def test_the_async_instance_retries_reads_but_not_commands_or_writes(event
 
 
 async def test_the_async_instance_gives_up_on_permanent_errors_and_after_three_attempts(
-    events, clock
+    events: list[RuntimeEvent], clock: ManualClock
 ) -> None:
     missing = FailsThen(exc.SandboxFileNotFound("a: no such file"), times=5)
     busy = FailsThen(exc.ResourceContention("busy"), times=5)
     for failing, calls in ((missing, 1), (busy, 3)):
-        instance = AsyncRetryingInstance(
-            FakeInstance(lambda op, f=failing: f(), "fake", 1), retrier(events, clock)
-        )  # type: ignore[misc]
+        instance = AsyncRetryingInstance(FakeInstance(answers(failing), "fake", 1), retrier(events, clock))
         with pytest.raises(type(failing.error)):
             await instance.aexecute(ReadFile(path="a"))
         assert failing.calls == calls
 
 
-async def test_the_async_instance_retries_what_the_caller_marks_idempotent(events, clock) -> None:
+async def test_the_async_instance_retries_what_the_caller_marks_idempotent(
+    events: list[RuntimeEvent], clock: ManualClock
+) -> None:
     writes = FailsThen(exc.ResourceContention("busy"), times=1, value=None)
-    inner = FakeInstance(lambda op: writes(), "fake", 1)  # type: ignore[arg-type,return-value]
+    inner = FakeInstance(answers(writes), "fake", 1)
     instance = AsyncRetryingInstance(inner, retrier(events, clock), idempotent=(WriteFile,))
     await instance.aexecute(WriteFile(path="a", data=b""))
     assert writes.calls == 2
 
 
-async def test_async_sandbox_creation_is_retried(events, clock) -> None:
+async def test_async_sandbox_creation_is_retried(events: list[RuntimeEvent], clock: ManualClock) -> None:
     class FlakyStart(FakeBackend):
         starts = 0
 
@@ -225,7 +243,7 @@ def _result(code: int) -> CommandResult:
     return CommandResult(exit_code=code, stdout="", stderr="", duration_s=0.1)
 
 
-def test_a_failing_test_run_is_rerun_once_when_flakiness_is_accepted(events) -> None:
+def test_a_failing_test_run_is_rerun_once_when_flakiness_is_accepted(events: list[RuntimeEvent]) -> None:
     outcomes = iter([_result(1), _result(0)])
     run = run_tests_allowing_flaky(lambda: next(outcomes), allow_flaky=True, observer=events.append)
     assert run.result.ok and run.reran and run.flaky
@@ -233,7 +251,7 @@ def test_a_failing_test_run_is_rerun_once_when_flakiness_is_accepted(events) -> 
     assert events == [FlakyRerun(subject="run_tests", first_exit_code=1, second_exit_code=0)]
 
 
-def test_a_failing_test_run_is_not_rerun_by_default(events) -> None:
+def test_a_failing_test_run_is_not_rerun_by_default(events: list[RuntimeEvent]) -> None:
     calls = []
 
     def run() -> CommandResult:

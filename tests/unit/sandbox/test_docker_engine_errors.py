@@ -14,7 +14,8 @@ from stockade.sandbox.docker import engine_error  # noqa: E402
 def api_error(status: int, explanation: str) -> Exception:
     response = requests.Response()
     response.status_code = status
-    return docker.errors.APIError("engine said no", response=response, explanation=explanation)
+    error: Exception = docker.errors.APIError("engine said no", response=response, explanation=explanation)
+    return error
 
 
 @pytest.mark.parametrize(

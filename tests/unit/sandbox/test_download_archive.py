@@ -14,6 +14,7 @@ import stat
 import tarfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,7 +31,8 @@ from stockade import (
     WorkspaceError,
 )
 from stockade.sandbox._archive import STAGE_PREFIX, Extraction, extract_archive
-from stockade.sandbox.ops import GetArchive, Op
+from stockade.sandbox.base import OpResult
+from stockade.sandbox.ops import DOWNLOAD_MAX_BYTES, DOWNLOAD_MAX_ENTRIES, GetArchive, Op
 from stockade.testing import FakeBackend
 
 MiB = 1024 * 1024
@@ -69,15 +71,17 @@ def hardlink(name: str, target: str) -> tuple[tarfile.TarInfo, bytes]:
     return member(name, tarfile.LNKTYPE, link=target), b""
 
 
-def download(data: bytes, dest: Path, **caps: int) -> DownloadResult:
+def download(
+    data: bytes, dest: Path, *, max_bytes: int = DOWNLOAD_MAX_BYTES, max_entries: int = DOWNLOAD_MAX_ENTRIES
+) -> DownloadResult:
     """Through the public API, with a fake sandbox that answers with ``data``."""
 
-    def handler(op: Op) -> object:
+    def handler(op: Op[Any]) -> OpResult:
         assert isinstance(op, GetArchive)
         return data
 
     with Sandbox.create(backend=FakeBackend(handler)) as sbx:
-        return sbx.files.download_dir(dest, **caps)
+        return sbx.files.download_dir(dest, max_bytes=max_bytes, max_entries=max_entries)
 
 
 def snapshot(root: Path) -> dict[str, tuple[str, str]]:
@@ -428,7 +432,7 @@ def test_bad_caps_are_configuration_errors(tmp_path: Path) -> None:
 
 def test_the_async_twin_gives_the_same_result_and_the_same_refusals(host: Path) -> None:
     async def main(data: bytes, dest: Path) -> DownloadResult:
-        def handler(op: Op) -> object:
+        def handler(op: Op[Any]) -> OpResult:
             return data
 
         sbx = await AsyncSandbox.create(backend=FakeBackend(handler))

@@ -50,7 +50,7 @@ class Killed(Boundary):
     def __init__(self) -> None:
         self.killed = False
 
-    def kill(self) -> None:
+    def _kill(self) -> None:
         self.killed = True
 
 
@@ -177,7 +177,9 @@ def test_the_hosts_cap_stops_a_supervisor_that_ignores_it(tmp_path: Path) -> Non
 
 def test_a_supervisor_dying_mid_download_leaves_nothing(tmp_path: Path) -> None:
     data = tar_of(("a.bin", b"a" * TRANSFER_CHUNK), ("b.bin", b"b" * TRANSFER_CHUNK))
-    pieces = iter([({"eof": False}, data[:TRANSFER_CHUNK]), None])
+    pieces: Iterator[tuple[dict[str, object], bytes] | None] = iter(
+        [({"eof": False}, data[:TRANSFER_CHUNK]), None]
+    )
     (tmp_path / "out").mkdir()
     with pytest.raises(SandboxCrashed):
         sandbox_of(ArchiveSupervisor(pieces=pieces), Killed()).files.download_dir(tmp_path / "out")

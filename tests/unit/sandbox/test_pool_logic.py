@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from stockade import ResourceContention
 from stockade.sandbox.pool import SandboxPool
 from stockade.testing import FakeBackend
+from tests.conftest import wait_for
 
 
 def test_a_pool_hands_out_reset_members_and_counts() -> None:
@@ -18,9 +17,10 @@ def test_a_pool_hands_out_reset_members_and_counts() -> None:
             sbx.files.write("a.txt", "x")
         with pool.acquire() as sbx:
             assert sbx.files.list() == []
-        deadline = time.monotonic() + 5
-        while pool.stats().in_use and time.monotonic() < deadline:
-            time.sleep(0.01)  # the worker recycles returned members in the background
+        # the worker recycles returned members in the background
+        wait_for(
+            lambda: not pool.stats().in_use, what="the member to be recycled", timeout_s=5, interval_s=0.01
+        )
         stats = pool.stats()
         assert stats.recycled >= 1 and stats.in_use == 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -31,8 +32,10 @@ def make_sandbox(workspace: MemoryWorkspace | None = None) -> Sandbox:
     return Sandbox.create(backend=FakeBackend(ws))
 
 
-async def call(t: Tool, sbx: Sandbox, args: dict[str, object], **ctx: object) -> object:
-    context = ToolContext(sandbox=sbx, step=int(ctx.get("step", 1)), call_id=str(ctx.get("call_id", "c1")))
+async def call(
+    t: Tool, sbx: Sandbox, args: dict[str, object], *, step: int = 1, call_id: str = "c1"
+) -> object:
+    context = ToolContext(sandbox=sbx, step=step, call_id=call_id)
     return await t.invoke(context, t.validate(args))  # type: ignore[arg-type]
 
 
@@ -262,7 +265,7 @@ def test_the_snapshot_reads_only_plain_workspace_paths() -> None:
     inner = MemoryWorkspace(files={"a.txt": b"a\n"})
     read: list[str] = []
 
-    def handler(op: Op) -> OpResult:
+    def handler(op: Op[Any]) -> OpResult:
         if isinstance(op, ListDir):
             entries = inner(op)
             assert isinstance(entries, tuple)

@@ -17,7 +17,7 @@ import time
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
-    from typing import Any, Callable
+    from typing import Any, Callable, Optional
 
 
 PR_SET_DUMPABLE = 4
@@ -44,15 +44,13 @@ IGNORED_SIGNALS = (
 # cgroup (or kernel) the supervisor wins the CPU, and nothing changes for the host.
 USER_NICE = 19
 _libc_funcs: "dict[str, Any]" = {}
+_libc_types: "list[Any]" = []
 
 
-def libc(name: str, *args: int) -> int:
-    """Call a libc function of integer arguments through _ctypes directly (the ctypes
-    package costs more to import); -1 raises OSError."""
-    import _ctypes
-
-    func = _libc_funcs.get(name)
-    if func is None:
+def _types() -> "tuple[Any, Any, Any]":
+    """c_long, a cdecl function type and libc's handle: made once (classes cost to make)."""
+    if not _libc_types:
+        import _ctypes
 
         class c_long(_ctypes._SimpleCData):
             _type_ = "l"
@@ -64,9 +62,24 @@ def libc(name: str, *args: int) -> int:
         class Lib:
             _handle = _ctypes.dlopen(None)
 
-        func = CFunc((name, Lib()))
+        _libc_types.extend((c_long, CFunc, Lib()))
+    c_long, cfunc, lib = _libc_types
+    return c_long, cfunc, lib
+
+
+def libc(name: str, *args: int) -> int:
+    """Call a libc function of integer arguments through _ctypes directly (the ctypes
+    package costs more to import); -1 raises OSError. Prototypes are kept, so that a fork
+    (a shim) finds those its parent made."""
+    import _ctypes
+
+    key = f"{name}/{len(args)}"  # a variadic function (syscall) gets one prototype per arity
+    func = _libc_funcs.get(key)
+    if func is None:
+        c_long, cfunc, lib = _types()
+        func = cfunc((name, lib))
         func.argtypes = (c_long,) * len(args)
-        _libc_funcs[name] = func
+        _libc_funcs[key] = func
     result = int(func(*args))
     if result == -1:
         err = _ctypes.get_errno()
@@ -188,16 +201,25 @@ def spawned(argv: "list[str]", env: "dict[str, str]", cwd: str) -> "Callable[[],
     return launch
 
 
-def spawn_shim(launch: "Callable[[], int]", fds: "tuple[int, int, int]", keep: "tuple[int, ...]" = ()) -> int:
+def spawn_shim(
+    launch: "Callable[[], int]",
+    fds: "tuple[int, int, int]",
+    keep: "tuple[int, ...]" = (),
+    confine: "Optional[Callable[[], None]]" = None,
+) -> int:
     """Fork a subreaper shim that starts a child with ``launch`` and mirrors its exit.
 
     The child gets ``fds`` as 0/1/2 and ``keep`` as 3, 4, ...; every other fd is closed.
+    ``confine`` runs in the shim first: what it sets up (a Landlock domain, a seccomp
+    filter) holds for the child and everything the child starts.
     """
     pid = os.fork()
     if pid:
         return pid
     try:
         _child_setup(*fds)
+        if confine is not None:
+            confine()
         base = 3 + len(keep)
         moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, base) for fd in keep]
         for i, fd in enumerate(moved):

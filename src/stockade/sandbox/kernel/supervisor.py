@@ -17,6 +17,7 @@ from __future__ import annotations
 # Start-up time is cold-start time: only C modules and tiny pure-Python ones here
 # (no typing, selectors, ctypes, json, enum-based signal), heavy ones imported lazily.
 import _signal as signal
+import fcntl
 import io
 import os
 import resource
@@ -84,6 +85,7 @@ MAX_LIST = 100_000
 RESET_ROOTS = ("/tmp", "/dev/shm", "/dev/mqueue")
 # A reset execs a fresh supervisor and hands it its state on this fd, named by this flag.
 HANDOVER_FD = 3
+LISTENER_FD = 4  # the exec judge's listener, across the same exec
 RESUME_FLAG = "--stockade-resume"
 
 EVENT_READ, EVENT_WRITE = select.EPOLLIN, select.EPOLLOUT
@@ -135,6 +137,8 @@ class Job:
         self.sent = {1: 0, 2: 0}
         self.timed_out = False
         self.oom_start = sup.oom_kills()
+        self.execs: "list[dict[str, Any]]" = []  # what the rules judged (kernel/rules.py)
+        self.exec_count = 0
 
     def report(self) -> "dict[str, Any]":
         """What every final frame says of the job besides its own outcome."""
@@ -147,6 +151,9 @@ class Job:
         }
         if self.sup.report_oom:
             out["oom_kills"] = self.sup.oom_kills() - self.oom_start
+        if self.exec_count:
+            out["execs"] = self.execs
+            out["exec_count"] = self.exec_count
         return out
 
     def output(self, fd: int, data: bytes) -> None:
@@ -191,7 +198,9 @@ class Kernel:
             interpreter.main(3, 4)
             os._exit(0)
 
-        self.shim = spawn_shim(forked(target), (sup.devnull, out_w, err_w), keep=(in_r, res_w))
+        self.shim = spawn_shim(
+            forked(target), (sup.devnull, out_w, err_w), keep=(in_r, res_w), confine=sup.confine
+        )
         for fd in (out_w, err_w, in_r, res_w):
             os.close(fd)
         self.ctl_w = in_w
@@ -238,6 +247,8 @@ class Supervisor:
         # Where the sandbox has a kernel of its own (the microVM), only it counts the
         # processes its OOM killer took; the host sees no cgroup event.
         self.report_oom = False
+        self.rules: Optional[Any] = None  # the policy, enforced on the code (kernel/rules.py)
+        self.confine: "Optional[Any]" = None
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -263,6 +274,14 @@ class Supervisor:
             res = getattr(resource, name)
             resource.setrlimit(res, (int(value), int(value)))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if cfg.get("rules"):
+            import rules  # type: ignore[import-not-found]
+
+            listener = carried.get("listener", -1) if carried is not None else -1
+            self.rules = rules.Rules(self, cfg["rules"], listener=listener)
+            self.confine = self.rules.confine
+            if self.rules.listener >= 0:
+                self.sel.register(self.rules.listener, EVENT_READ, ("exec", None))
         if carried is not None:
             self.root_modes = {str(k): int(v) for k, v in carried["root_modes"].items()}
             self.baseline = carried["baseline"]
@@ -304,6 +323,9 @@ class Supervisor:
                     self._on_stdin(obj)
                 elif kind == "kernel":
                     self._on_kernel(obj, fd)
+                elif kind == "exec":
+                    assert self.rules is not None
+                    self.rules.on_exec(fd)
             self._reap()
             self._check_deadlines()
 
@@ -355,6 +377,43 @@ class Supervisor:
             raise PathRefused("internal", f"unknown op {op!r}")
         handler(rid, h, body)
 
+    def op_verdict(self, rid: int, h: dict[str, Any], body: bytes) -> None:
+        """The host's answer to an exec that waits for approval."""
+        if self.rules is not None:
+            self.rules.on_verdict(int(h.get("req", 0)), bool(h.get("allow")))
+        self.send({"id": rid, "ev": "done"})
+
+    def job_of(self, pid: int) -> "Optional[Job]":
+        """The job whose code ``pid`` is: its shim leads its session (one look), else the shim
+        it descends from (or was reparented to), up the parents."""
+        for hop in range(64):
+            job = self.shims.get(pid)
+            if job is not None:
+                return job
+            if self.kernel is not None and pid == self.kernel.shim:
+                return self.kernel.job
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as fh:
+                    data = fh.read()
+                fields = data[data.rindex(b")") + 2 :].split()
+                parent, session = int(fields[1]), int(fields[3])
+            except (OSError, ValueError, IndexError):
+                return None
+            if hop == 0 and session != pid:
+                by_session = self._job_led_by(session)
+                if by_session is not None:
+                    return by_session
+            pid = parent
+            if pid <= 1:
+                return None
+        return None
+
+    def _job_led_by(self, shim: int) -> "Optional[Job]":
+        job = self.shims.get(shim)
+        if job is None and self.kernel is not None and shim == self.kernel.shim:
+            return self.kernel.job
+        return job
+
     def op_ping(self, rid: int, h: dict[str, Any], body: bytes) -> None:
         self.send({"id": rid, "ev": "done", "pid": os.getpid()})
 
@@ -380,7 +439,7 @@ class Supervisor:
                 made += (in_r, in_w)
             else:
                 in_r, in_w = self.devnull, -1
-            job.shim = spawn_shim(spawned(argv, env, cwd), (in_r, out_w, err_w))
+            job.shim = spawn_shim(spawned(argv, env, cwd), (in_r, out_w, err_w), confine=self.confine)
         except OSError as exc:
             # Out of processes or descriptors (a thread or fork bomb the code left behind):
             # the command could not start, which is a result like any failed exec.
@@ -668,17 +727,25 @@ class Supervisor:
             "reply_to": rid,
             "warm": warm,
         }
-        handover = os.memfd_create("stockade-reset", 0)
+        listener = self.rules.listener if self.rules is not None else -1
+        if listener >= 0:
+            # The exec judge goes on: the fresh supervisor keeps listening on the same fd.
+            state["carried"]["listener"] = LISTENER_FD
+        handover = _unnamed_file()
         _write_all(handover, encode(state, rest))
         os.lseek(handover, 0, os.SEEK_SET)
+        # Every fd to its place without one overwriting another: all out of the way first.
+        moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, 16) if fd >= 0 else -1 for fd in (handover, listener)]
         os.dup2(self.rfd, 0)
         os.dup2(self.wfd, 1)
-        if handover != HANDOVER_FD:
-            os.dup2(handover, HANDOVER_FD)
-        os.set_inheritable(HANDOVER_FD, True)
+        os.dup2(moved[0], HANDOVER_FD)
+        if listener >= 0:
+            os.dup2(moved[1], LISTENER_FD)
         here = os.path.dirname(os.path.abspath(__file__))
         boot = f"import sys; sys.path.insert(0, {here!r}); import supervisor; supervisor.main()"
         python = sys.executable or os.readlink("/proc/self/exe")
+        if self.rules is not None and self.rules.listener >= 0:
+            self.rules.let_own_exec_through(LISTENER_FD)  # our exec waits for the judge: us
         os.execv(python, [python, "-S", "-E", "-s", "-B", "-c", boot, RESUME_FLAG])
 
     def _rel(self, path: str) -> str:
@@ -748,6 +815,8 @@ class Supervisor:
         status = job.status or 0
         sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
         code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + (sig or 0)
+        if self.rules is not None:
+            self.rules.expire(job)
         self.send({**job.report(), "ev": "exit", "exit_code": code, "signal": sig})
 
     def _check_deadlines(self) -> None:
@@ -831,6 +900,8 @@ class Supervisor:
 
     def _finish_code(self, job: Job, payload: bytes) -> None:
         """Report a run; ``payload`` is the interpreter's JSON (results, error), passed on as is."""
+        if self.rules is not None:
+            self.rules.expire(job)
         self.send({**job.report(), "ev": "result"}, payload)
 
     def _drop_kernel(self, reason: Optional[str]) -> None:
@@ -903,10 +974,24 @@ def main() -> None:
             break
     header, _ = frames[0]
     sup.configure(header.get("config", {}))
-    sup.send({"id": header.get("id", 0), "ev": "ready", "pid": os.getpid(), "python": sys.version.split()[0]})
+    ready = {"id": header.get("id", 0), "ev": "ready", "pid": os.getpid(), "python": sys.version.split()[0]}
+    if sup.rules is not None:
+        ready["rules"] = sup.rules.report()
+    sup.send(ready)
     sup.reader = reader
     sup.handle(frames[1:])
     sup.serve()
+
+
+def _unnamed_file() -> int:
+    """A file with no name, to hand state over an exec (not a memfd: an allowlist forbids
+    those to everything, us included)."""
+    for folder in ("/dev/shm", "/tmp"):
+        try:
+            return os.open(folder, os.O_TMPFILE | os.O_RDWR, 0o600)
+        except OSError:
+            continue
+    return os.memfd_create("stockade-reset", 0)
 
 
 def _resume(sup: Supervisor, reader: FrameReader) -> None:

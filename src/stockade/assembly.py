@@ -47,11 +47,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import shlex
 import uuid
 from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from stockade._checks import check_choice
 from stockade.agent.checkpoint import Checkpointer
@@ -69,7 +71,7 @@ from stockade.audit.agent import AuditObserver
 from stockade.audit.events import EventKind
 from stockade.audit.log import AuditLog
 from stockade.audit.runtime_events import RuntimeAuditor
-from stockade.audit.sandbox import AuditedBackend
+from stockade.audit.sandbox import AuditedBackend, current_call
 from stockade.audit.stores import open_store
 from stockade.exceptions import (
     ApprovalRequired,
@@ -87,8 +89,7 @@ from stockade.observability.telemetry import Telemetry
 from stockade.policy.agent import ApprovedModel, filter_outputs, policy_guard, prompt_filter
 from stockade.policy.approval import ApprovalBook, ApprovalRequest, Approvals, ApprovalStore, Approver
 from stockade.policy.engine import PolicyEngine
-from stockade.policy.guards import GuardContext as OpContext
-from stockade.policy.guards import GuardedInstance, OpGuard, describe, enforce
+from stockade.policy.guards import GuardedInstance, OpContext, OpGuard, describe, enforce
 from stockade.policy.load import load_policy
 from stockade.policy.schema import Policy, TrustRules, Verdict
 from stockade.runs.recorder import RunRecorder
@@ -110,7 +111,7 @@ from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import Op
 from stockade.tools.base import Toolset
 from stockade.tools.builtin import default_toolset
-from stockade.types import Limits, NetworkPolicy, Trust
+from stockade.types import ExecRecord, Limits, NetworkPolicy, Trust
 
 __all__ = ["AgentConfig", "AgentSession", "GuardedAgent", "build_agent", "effective_trust"]
 
@@ -138,6 +139,9 @@ class AgentConfig:
     backend: Backend | None = None  # replaces the tier's backend (tests, fault injection); its
     #                                 ``tier`` must still be one that trust allows
     sandbox_limits: Limits | None = None
+    # The sandbox enforces the policy's command, write and read rules on any code it runs; a
+    # tier that cannot refuses to start, unless this accepts the tool-call judging alone there.
+    allow_weaker: bool = False
     audit: str | AuditLog = "memory:"  # a store URL (sqlite:///PATH, postgresql://...) or a log
     audit_key: bytes | None = None  # HMAC key of the chain, when ``audit`` is a URL
     limits: RunLimits = field(default_factory=RunLimits)  # per-run steps, wall time, tokens, dollars
@@ -265,13 +269,14 @@ def _record_denial(
 def _call_guard(inner: Guard) -> Guard:
     def guard(ctx: GuardContext, call: ToolCall) -> ToolCall:
         _call_approved.set(False)  # a new call: no approval yet (the loop records its denials)
+        current_call.set(call.id)  # what its code runs inside the sandbox is recorded under it
         return inner(ctx, call)
 
     return guard
 
 
 def _op_guard(engine: PolicyEngine, approvals: Approvals, log: AuditLog) -> OpGuard:
-    def guard(ctx: OpContext, op: Op) -> Op:
+    def guard(ctx: OpContext, op: Op[Any]) -> Op[Any]:
         decision = engine.op(op, tool=ctx.tool)
         if decision.verdict is Verdict.APPROVE and _call_approved.get():
             return op  # a human approved the tool call that issues this op
@@ -523,6 +528,9 @@ class AgentSession:
             workspace=workspace,
             limits=owner.config.sandbox_limits,
             network=NetworkPolicy(enabled=network.enabled, allow_hosts=network.allow_hosts),
+            rules=owner.engine.sandbox_rules(),
+            approver=self._approve_exec,
+            allow_weaker=owner.config.allow_weaker,
         ) as raw:
             self._raw = raw
             killable = self.controls.protect(raw)
@@ -534,6 +542,24 @@ class AgentSession:
             self._books = killable
             with self.controls.watch():
                 yield self
+
+    def _approve_exec(self, record: ExecRecord) -> bool:
+        """An exec inside the sandbox that the rules send for approval: the approvals of the
+        run decide (a human approving the tool call approves what its code runs for it; a
+        deferred approval refuses now and lets the same exec run once it is given)."""
+        if _call_approved.get():
+            return True
+        request = ApprovalRequest(
+            run_id=self.run_id,
+            action=f"run `{shlex.join(record.argv)}`",
+            rule=record.rule,
+            reason=f"code in the sandbox starts {record.path}, which needs a human's approval",
+        )
+        try:
+            self.approvals.require(request)
+        except (PolicyDenied, ApprovalRequired):
+            return False
+        return True
 
     @property
     def sandbox(self) -> Sandbox:

@@ -1,5 +1,7 @@
-"""Host-side pieces the container tiers share: the kernel folder, host tmpfs, creator
-identity, and the OCI runtime configuration ``runsc`` runs without Docker.
+"""What the host prepares for a guest: a sandbox with a root filesystem and a python of its
+own (the docker, gVisor and microVM tiers). The kernel folder and its bytecode, compiled by
+the guest's python, the boot script, creator identity, host tmpfs, OOM counters, and the OCI
+runtime configuration ``runsc`` runs without Docker.
 
 The same supervisor runs on every tier; a container sees it as a read-only bind mount of a
 folder named after the hash of its sources, so every process of this host shares one copy
@@ -14,6 +16,7 @@ import hashlib
 import os
 import socket
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -256,6 +259,19 @@ def abandon(stream: Stream, boundary: Boundary) -> None:
 # -- host tmpfs ---------------------------------------------------------------------------
 
 
+def unreadable_file(state_dir: Path) -> Path:
+    """An empty file only root may read: bound over a denied program, it cannot run nor be
+    copied (the sandbox's user is never root)."""
+    path = state_dir / "unreadable"
+    if not path.exists():
+        state_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
+        fd = os.open(state_dir / f".unreadable-{os.getpid()}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0)
+        os.close(fd)
+        os.chmod(state_dir / f".unreadable-{os.getpid()}", 0)
+        os.replace(state_dir / f".unreadable-{os.getpid()}", path)
+    return path
+
+
 def mount_tmpfs(target: Path, *, size: int, inodes: int, mode: int, uid: int = SANDBOX_UID) -> None:
     """A size- and inode-limited tmpfs owned by the sandbox user (needs root)."""
     _host.mount_tmpfs(target, size=size, inodes=inodes, uid=uid, mode=mode)
@@ -329,6 +345,7 @@ def oci_config(
     cgroup: str,
     annotations: dict[str, str],
     host: OwnKernelLimits,
+    masks: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The ``config.json`` of a bundle: the same limits Docker applies to its containers."""
     limits = spec.limits
@@ -352,6 +369,10 @@ def oci_config(
                 "options": ["rbind", "rw", "nosuid", "nodev"],
             }
         )
+    if masks:  # gVisor does not apply maskedPaths: an empty file no one may read instead
+        empty = str(unreadable_file(default_state_dir()))
+        for path in masks:
+            mounts.append({"destination": path, "type": "bind", "source": empty, "options": ["bind", "ro"]})
     return {
         "ociVersion": "1.0.2",
         "process": {

@@ -1,0 +1,84 @@
+"""What enforcing a policy inside the sandbox costs: a command, and a cold start, with a
+20-rule policy against none, side by side in one run (interleaved, so that the machine's
+load falls on both alike).
+
+The policy: 10 programs denied (masked, and judged at each exec), 6 argv patterns that need
+approval, 4 more denied with arguments, and write rules (Landlock). A command is what an
+agent runs most: ``commands.run("true")`` (one exec, the shell's), and a small pipeline
+(three execs). Cold start is ``Sandbox.create`` and its first command's output back.
+
+    python bench/policy_inside.py [tier] [rounds]     # prints a markdown table
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+from stockade import Limits, Sandbox
+from stockade.types import SandboxRules
+
+RULES = SandboxRules(
+    deny=(
+        "curl", "wget", "nc", "ssh", "scp", "sudo", "su", "telnet", "ftp", "socat",
+        "git push -f", "pip install --index-url", "npm publish", "docker run",
+    ),
+    approve=("rm -r", "git push", "pip install", "npm install", "apt-get install", "chmod -R"),
+    write=("src/**", "tests/**", "build/**"),
+)  # fmt: skip
+LIMITS = Limits(timeout_s=30)
+PIPELINE = "ls / | grep -c usr | cat"
+
+
+def p50(samples: list[float]) -> float:
+    return statistics.median(samples) * 1000
+
+
+def measure(tier: str, rounds: int) -> dict[str, dict[str, list[float]]]:
+    found: dict[str, dict[str, list[float]]] = {
+        name: {"command": [], "pipeline": [], "cold start": []} for name in ("none", "policy")
+    }
+    variants: dict[str, SandboxRules | None] = {"none": None, "policy": RULES}
+    sandboxes = {name: Sandbox.create(tier, limits=LIMITS, rules=rules) for name, rules in variants.items()}
+    try:
+        for _ in range(rounds):
+            for name, sbx in sandboxes.items():  # interleaved: the same load on both
+                found[name]["command"].append(timed(lambda s=sbx: s.commands.run("true")))
+                found[name]["pipeline"].append(timed(lambda s=sbx: s.commands.run(PIPELINE)))
+        for _ in range(max(5, rounds // 10)):
+            for name, rules in variants.items():
+                found[name]["cold start"].append(timed(lambda r=rules: cold_start(tier, r)))
+    finally:
+        for sbx in sandboxes.values():
+            sbx.close()
+    return found
+
+
+def cold_start(tier: str, rules: SandboxRules | None) -> None:
+    with Sandbox.create(tier, limits=LIMITS, rules=rules) as fresh:
+        fresh.commands.run("true")
+
+
+def timed(action: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    action()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    tier = sys.argv[1] if len(sys.argv) > 1 else "process"
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 200
+    found = measure(tier, rounds)
+    print(f"| {tier} tier, p50 | no policy | 20-rule policy inside | ratio / difference |")
+    print("|---|---|---|---|")
+    for what in ("command", "pipeline", "cold start"):
+        none, policy = p50(found["none"][what]), p50(found["policy"][what])
+        print(
+            f"| {what} | {none:.2f} ms | {policy:.2f} ms | {policy / none:.3f}x / {policy - none:+.2f} ms |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""The host's half of ``SandboxRules``: what the supervisor is told, what the tier masks, and
+whether the kernel inside can hold the rest.
+
+The supervisor enforces the rules on the code (``kernel/rules.py``: Landlock for writes,
+seccomp user notification for execs). Programs denied whatever their arguments are masked
+by the tier itself, before anything starts: an empty, unreadable file in their place, so
+that they cannot run, nor be copied, under any name. A tier whose kernel cannot hold a rule
+refuses, like a limit, unless the caller accepts less (``allow_weaker``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import hashlib
+import os
+import shlex
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stockade import exceptions as exc
+from stockade.sandbox.base import SandboxSpec
+from stockade.types import ExecRecord, Mechanism
+
+WORKSPACE = "/workspace"
+# Where programs live in an image; their copies under other names are found by content.
+PROGRAM_DIRS = ("usr/local/bin", "usr/bin", "bin", "usr/sbin", "sbin", "usr/libexec", "usr/lib/git-core")
+MULTI_CALL = ("busybox", "toybox")  # one binary, many programs: denied with any of them
+
+
+# How each tier holds a policy's rules from inside (its kernel may still lack them: checked
+# at start). gVisor's kernel has neither Landlock nor seccomp user notification.
+_FULL = {"commands": Mechanism.SECCOMP_NOTIFY, "paths": Mechanism.LANDLOCK, "programs": Mechanism.MASK}
+TIER_SUPPORT: dict[str, dict[str, Mechanism]] = {
+    "process": _FULL,
+    "docker": _FULL,
+    "gvisor": {"commands": Mechanism.NONE, "paths": Mechanism.NONE, "programs": Mechanism.MASK},
+    "microvm": _FULL,
+}
+
+
+@dataclass(frozen=True)
+class RulesPlan:
+    """How one sandbox will hold its rules: the supervisor's part and the tier's masks."""
+
+    config: dict[str, Any] | None
+    masks: tuple[str, ...]
+    enforcement: dict[str, Mechanism]
+    weakened: tuple[str, ...]
+
+
+def write_targets(globs: Iterable[str]) -> list[str] | None:
+    """Absolute paths the code may write (folders end with ``/``); None: everything.
+
+    Raises ``LimitNotEnforceable`` for a glob the kernel cannot hold as a path (a wildcard
+    inside a name: ``src/*.py``): Landlock and mounts grant folders and files, not patterns.
+    """
+    out: list[str] = []
+    for glob in globs:
+        g = glob.strip().strip("/")
+        if g in ("**", ""):
+            return None
+        folder = g[:-3] if g.endswith("/**") else g
+        if any(c in folder for c in "*?["):
+            raise exc.LimitNotEnforceable(
+                f"the write rule {glob!r} is a pattern the kernel cannot hold (it grants folders and files)",
+                setting="paths.write",
+                fix="write it as folders (src/**) or files, or pass allow_weaker=True "
+                "(then only the tool calls' paths are judged)",
+            )
+        out.append(f"{WORKSPACE}/{folder}" + ("/" if g.endswith("/**") else ""))
+    return out
+
+
+def _words(patterns: Iterable[str]) -> list[list[str]]:
+    return [shlex.split(p) for p in patterns]
+
+
+def plan(spec: SandboxSpec, *, root: Path | None, can_mask: bool, can_confine: bool) -> RulesPlan:
+    """The rules of ``spec`` for a tier: ``root`` is the image the masks are looked up in
+    (None: by name only), ``can_confine`` whether the tier's kernel runs Landlock and seccomp
+    user notification at all (gVisor does not)."""
+    rules = spec.rules
+    if rules is None:
+        return RulesPlan(None, (), {}, ())
+    weakened: list[str] = []
+    enforcement: dict[str, Mechanism] = {}
+    try:
+        write = write_targets(rules.write)
+    except exc.LimitNotEnforceable as err:
+        if not spec.allow_weaker:
+            raise
+        weakened.append(f"paths.write: {err}; judged on tool calls only")
+        write = None
+    denied = [w for w in _words(rules.deny) if len(w) == 1]
+    names = tuple(sorted(w[0] for w in denied))
+    masks = _masks(str(root) if root else "", names) if can_mask and denied else ()
+    if masks or (can_mask and denied):
+        enforcement["programs"] = Mechanism.MASK
+    # Programs denied whatever their arguments are masked on every tier; what depends on
+    # the arguments (or on approval, or on an allowlist) needs each exec judged.
+    argv_rules = bool(rules.approve or rules.allow or any(len(w) > 1 for w in _words(rules.deny)))
+    needs_kernel = write is not None or argv_rules
+    if needs_kernel and not can_confine:
+        what = "write rules (Landlock)" if write is not None else "command rules (seccomp user notification)"
+        if not spec.allow_weaker:
+            raise exc.LimitNotEnforceable(
+                f"this tier's kernel has no {what}: code could walk around the policy here",
+                setting="paths.write" if write is not None else "commands",
+                fix="use the process, docker or microvm tier, or pass allow_weaker=True "
+                "(then the policy judges tool calls only, and masks denied programs)",
+            )
+        weakened.append(f"{what}: not held by this tier's kernel; judged on tool calls only")
+        return RulesPlan(None, masks, enforcement, tuple(weakened))
+    if not can_confine:  # masks hold every rule there is
+        return RulesPlan(None, masks, enforcement, tuple(weakened))
+    config: dict[str, Any] = {
+        "commands": {
+            "deny": _words(rules.deny),
+            "approve": _words(rules.approve),
+            "allow": _words(rules.allow),
+        }
+        if rules.judges_execs
+        else {},
+        "write": write,
+        "approver": spec.approver is not None,
+    }
+    if write is not None:
+        enforcement["paths"] = Mechanism.LANDLOCK
+    if rules.judges_execs:
+        enforcement["commands"] = Mechanism.SECCOMP_NOTIFY
+    return RulesPlan(config, masks, enforcement, tuple(weakened))
+
+
+def check_ready(spec: SandboxSpec, plan_: RulesPlan, report: Any) -> tuple[str, ...]:
+    """What the supervisor said its kernel can do, against what the rules need: raise
+    ``LimitNotEnforceable`` (or, with ``allow_weaker``, say what is weaker)."""
+    if plan_.config is None:
+        return ()
+    got = report if isinstance(report, dict) else {}
+    missing = []
+    if plan_.config["write"] is not None and not got.get("landlock"):
+        missing.append(("paths.write", "Landlock (the kernel's write rules)"))
+    if plan_.config["commands"] and not got.get("notify"):
+        missing.append(("commands", "seccomp user notification (judging each exec)"))
+    if missing and not spec.allow_weaker:
+        setting, what = missing[0]
+        raise exc.LimitNotEnforceable(
+            f"the kernel inside this sandbox has no {what}",
+            setting=setting,
+            fix="use a kernel with it (Linux >= 5.13 for Landlock, >= 5.5 for notification), "
+            "or pass allow_weaker=True (then the policy judges tool calls only)",
+        )
+    return tuple(f"{setting}: {what} missing; judged on tool calls only" for setting, what in missing)
+
+
+def exec_records(header: dict[str, Any]) -> tuple[ExecRecord, ...]:
+    """The execs a final frame reports (untrusted: bounded, and every field made text)."""
+    raw = header.get("execs")
+    if not isinstance(raw, list):
+        return ()
+    out = []
+    for item in raw[:1000]:
+        if not isinstance(item, dict):
+            continue
+        argv = item.get("argv")
+        out.append(
+            ExecRecord(
+                path=str(item.get("path", ""))[:4096],
+                argv=tuple(str(a)[:4096] for a in argv[:64]) if isinstance(argv, list) else (),
+                verdict=str(item.get("verdict", ""))[:16],
+                rule=str(item.get("rule", ""))[:512],
+            )
+        )
+    return tuple(out)
+
+
+# -- masks ------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=64)
+def _masks(root: str, names: tuple[str, ...]) -> tuple[str, ...]:
+    """``program_masks``, once per image and names: an image does not change under us."""
+    return tuple(program_masks(Path(root) if root else None, list(names)))
+
+
+def program_masks(root: Path | None, names: list[str]) -> list[str]:
+    """Paths (inside the sandbox) to mask so that the programs ``names`` (globs) cannot run:
+    every file of the image named so, every other name of the same file or of a copy of it,
+    and a multi-call binary (busybox: its applets cannot be told apart from the file).
+    Without an image to look in, the usual places of each name."""
+    if root is None or not root.is_dir():
+        return sorted({f"/{d}/{n}" for d in PROGRAM_DIRS for n in names if not any(c in n for c in "*?[")})
+    files: list[tuple[str, os.stat_result, str]] = []  # inside path, its file's stat, host path
+    for folder in PROGRAM_DIRS:
+        base = root / folder
+        if base.is_symlink() or not base.is_dir():
+            continue  # /bin -> usr/bin: the same files
+        for entry in os.scandir(base):
+            try:
+                if entry.is_symlink():
+                    continue  # it leads to a file that is masked, or to none
+                files.append((f"/{folder}/{entry.name}", entry.stat(), entry.path))
+            except OSError:
+                continue
+    targets = {
+        inside: st
+        for inside, st, _ in files
+        if any(fnmatch.fnmatchcase(inside.rsplit("/", 1)[1], n) for n in names)
+        or inside.rsplit("/", 1)[1] in MULTI_CALL
+    }
+    same_file = {(st.st_dev, st.st_ino) for st in targets.values()}
+    sizes = {st.st_size for st in targets.values()}
+    digests: set[str] | None = None
+    for inside, st, host in files:
+        if inside in targets or not (st.st_mode & 0o111):
+            continue
+        if (st.st_dev, st.st_ino) in same_file:
+            targets[inside] = st  # a hard link: another name of the same file
+        elif st.st_size in sizes:
+            if digests is None:
+                digests = {d for i, _, p in files if i in targets and (d := _digest(Path(p))) is not None}
+            if _digest(Path(host)) in digests:
+                targets[inside] = st  # a copy under another name
+    return sorted(targets)
+
+
+def _digest(path: Path) -> str | None:
+    try:
+        h = hashlib.sha256()
+        with path.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        return h.hexdigest()
+    except OSError:
+        return None

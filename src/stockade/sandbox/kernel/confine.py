@@ -1,0 +1,257 @@
+"""The policy's rules, enforced on the code by the kernel: what every shim does before it
+starts the code, and how the supervisor hears of each exec.
+
+* **Writes**: a Landlock ruleset lets the code write only beneath the workspace paths the
+  rules allow, and in /tmp, /dev/shm and the devices: the rest of the workspace is
+  read-only to every process the code starts, whatever language or route it takes.
+* **Execs**: a seccomp filter sends every ``execve``/``execveat`` to a user-space listener:
+  the calling thread waits in the kernel until the supervisor answers (run it, or fail it).
+  The supervisor installs the filter on itself, so that every process of the sandbox
+  inherits it, and holds the listener; it execs only at a reset, and answers that itself.
+
+Both need no privilege (``no_new_privs`` is set on every tier), and neither can be undone
+by the code: Landlock domains and seccomp filters only ever add up. Standard library only;
+no ctypes (it costs milliseconds to import): buffers are ``array``s, calls go through
+``reaper.libc``.
+"""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import os
+import stat
+import struct
+
+from reaper import libc
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
+if TYPE_CHECKING:
+    from typing import List, Optional, Sequence, Tuple
+
+SYS_LANDLOCK_CREATE_RULESET = 444
+SYS_LANDLOCK_ADD_RULE = 445
+SYS_LANDLOCK_RESTRICT_SELF = 446
+SYS_SECCOMP = 317
+SYS_GETPID = 39
+LANDLOCK_CREATE_RULESET_VERSION = 1
+LANDLOCK_RULE_PATH_BENEATH = 1
+# Landlock's filesystem rights (ABI 1, then REFER in 2, TRUNCATE in 3).
+FS_EXECUTE = 1 << 0
+FS_WRITE_FILE = 1 << 1
+FS_REMOVE_DIR = 1 << 4
+FS_REMOVE_FILE = 1 << 5
+FS_MAKE = sum(1 << bit for bit in range(6, 13))  # char, dir, reg, sock, fifo, block, sym
+FS_REFER = 1 << 13
+FS_TRUNCATE = 1 << 14
+FILE_RIGHTS = FS_WRITE_FILE | FS_TRUNCATE  # the rights that apply to a file, not a folder
+
+SECCOMP_SET_MODE_FILTER = 1
+SECCOMP_FILTER_FLAG_NEW_LISTENER = 1 << 3
+SECCOMP_GET_ACTION_AVAIL = 2
+SECCOMP_RET_USER_NOTIF = 0x7FC00000
+SECCOMP_RET_ALLOW = 0x7FFF0000
+SECCOMP_RET_KILL_PROCESS = 0x80000000
+AUDIT_ARCH_X86_64 = 0xC000003E
+NR_EXECVE, NR_EXECVEAT, NR_MEMFD_CREATE = 59, 322, 319
+SECCOMP_RET_ERRNO = 0x00050000
+SECCOMP_USER_NOTIF_FLAG_CONTINUE = 1
+# ioctl numbers: _IOWR('!', 0, struct seccomp_notif), _IOWR('!', 1, seccomp_notif_resp),
+# _IOW('!', 2, __u64).
+NOTIF_RECV = 0xC0502100
+NOTIF_SEND = 0xC0182101
+NOTIF_ID_VALID = 0x40082102
+NOTIF = struct.Struct("=QIIiIQ6Q")  # id, pid, flags, nr, arch, ip, args[6]
+RESP = struct.Struct("=QqiI")  # id, val, error, flags
+
+MAX_ARGS = 4096
+MAX_ARG_BYTES = 256 * 1024
+
+
+def _address(buf: "array.array[int]") -> int:
+    return buf.buffer_info()[0]
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version, 0 where it has none."""
+    try:
+        return libc("syscall", SYS_LANDLOCK_CREATE_RULESET, 0, 0, LANDLOCK_CREATE_RULESET_VERSION)
+    except OSError:
+        return 0
+
+
+def write_rights(abi: int) -> int:
+    rights = FS_WRITE_FILE | FS_REMOVE_DIR | FS_REMOVE_FILE | FS_MAKE
+    if abi >= 2:
+        rights |= FS_REFER
+    if abi >= 3:
+        rights |= FS_TRUNCATE
+    return rights
+
+
+def ruleset(abi: int, writable: "Optional[Sequence[str]]", executable: "Optional[Sequence[str]]") -> int:
+    """A Landlock ruleset: writes only beneath ``writable`` (folders or files), execution of the
+    files ``executable`` lists only (None: no such rule). A path that does not exist gets no
+    rule: nothing beneath it is writable, it cannot be run. Built once, applied by every shim
+    (``restrict``): a rule holds the inode it was given, so the caller rebuilds it when one of
+    the paths is replaced."""
+    handled = write_rights(abi) if writable is not None else 0
+    if executable is not None:
+        handled |= FS_EXECUTE
+    attr = array.array("B", struct.pack("=Q", handled))  # the fs rights: the older, smaller struct
+    fd = libc("syscall", SYS_LANDLOCK_CREATE_RULESET, _address(attr), len(attr), 0)
+    try:
+        grants = [(p, handled & ~FS_EXECUTE) for p in writable or ()]
+        grants += [(p, FS_EXECUTE) for p in executable or ()]
+        for path, rights in grants:
+            try:
+                target = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                if not stat.S_ISDIR(os.fstat(target).st_mode):
+                    rights &= FILE_RIGHTS | FS_EXECUTE  # what applies to a file, not a folder
+                rule = array.array("B", struct.pack("=Qi", rights, target))  # packed, as the kernel's
+                libc("syscall", SYS_LANDLOCK_ADD_RULE, fd, LANDLOCK_RULE_PATH_BENEATH, _address(rule), 0)
+            finally:
+                os.close(target)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def restrict(ruleset_fd: int) -> None:
+    """Put this process, and all it starts, under the ruleset: for good."""
+    libc("syscall", SYS_LANDLOCK_RESTRICT_SELF, ruleset_fd, 0)
+
+
+def warm() -> None:
+    """Make the call prototypes and the filter a shim needs, so that forks find them made."""
+    for arity in (2, 3, 4, 5):
+        libc("syscall", SYS_GETPID, *([0] * (arity - 1)))  # harmless: only the prototype matters
+    _FILTERS[False] = array.array("B", exec_filter(False))
+    _FILTERS[True] = array.array("B", exec_filter(True))
+
+
+_FILTERS: "dict[bool, array.array[int]]" = {}
+
+
+def exec_filter(no_memfd: bool = False) -> bytes:
+    """The BPF program: execve and execveat go to the listener, other architectures die.
+    ``no_memfd``: memfd_create fails (EPERM), so that no file outside Landlock's view (a memfd
+    has no path) can be run under an allowlist."""
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+    program = [
+        (ld, 0, 0, 4),  # the architecture
+        (jeq, 0, 6, AUDIT_ARCH_X86_64),
+        (ld, 0, 0, 0),  # the system call number
+        (jge, 4, 0, 0x40000000),  # the x32 ABI
+        (jeq, 4, 0, NR_EXECVE),
+        (jeq, 3, 0, NR_EXECVEAT),
+        (jeq, 3, 0, NR_MEMFD_CREATE if no_memfd else NR_EXECVE),
+        (ret, 0, 0, SECCOMP_RET_ALLOW),
+        (ret, 0, 0, SECCOMP_RET_KILL_PROCESS),
+        (ret, 0, 0, SECCOMP_RET_USER_NOTIF),
+        (ret, 0, 0, SECCOMP_RET_ERRNO | 1),
+    ]
+    return b"".join(struct.pack("=HBBI", *insn) for insn in program)
+
+
+def notify_available() -> bool:
+    if os.uname().machine != "x86_64":
+        return False
+    action = array.array("B", struct.pack("=I", SECCOMP_RET_USER_NOTIF))
+    try:
+        libc("syscall", SYS_SECCOMP, SECCOMP_GET_ACTION_AVAIL, 0, _address(action))
+    except OSError:
+        return False
+    return True
+
+
+def install_exec_listener(no_memfd: bool = False) -> int:
+    """Put every exec of this process and its descendants under a listener; return its fd."""
+    code = _FILTERS.get(no_memfd) or array.array("B", exec_filter(no_memfd))
+    prog = array.array("B", struct.pack("=HxxxxxxQ", len(code) // 8, _address(code)))
+    flags = SECCOMP_FILTER_FLAG_NEW_LISTENER
+    return libc("syscall", SYS_SECCOMP, SECCOMP_SET_MODE_FILTER, flags, _address(prog))
+
+
+# -- the supervisor's side: one notification ------------------------------------------------
+
+
+def receive(listener: int) -> "Optional[Tuple[int, int, int, Tuple[int, ...]]]":
+    """The next exec waiting: (notification id, pid, syscall number, args), or None if the
+    listener has nothing (the target died meanwhile, or every process of it is gone)."""
+    buf = bytearray(NOTIF.size)
+    try:
+        fcntl.ioctl(listener, NOTIF_RECV, buf, True)
+    except OSError:
+        return None
+    nid, pid, _, nr, _, _, *args = NOTIF.unpack(buf)
+    return nid, pid, nr, tuple(args)
+
+
+def still_waiting(listener: int, nid: int) -> bool:
+    try:
+        fcntl.ioctl(listener, NOTIF_ID_VALID, struct.pack("=Q", nid))
+    except OSError:
+        return False
+    return True
+
+
+def answer(listener: int, nid: int, allow: bool, errno_: int = 1) -> None:
+    """Let the exec go on, or fail it with ``errno_`` (EPERM by default)."""
+    if allow:
+        resp = RESP.pack(nid, 0, 0, SECCOMP_USER_NOTIF_FLAG_CONTINUE)
+    else:
+        resp = RESP.pack(nid, 0, -errno_, 0)
+    try:
+        fcntl.ioctl(listener, NOTIF_SEND, bytearray(resp), True)
+    except OSError:
+        pass  # the caller died meanwhile
+
+
+def _read_string(mem: int, address: int) -> str:
+    out = b""
+    while len(out) < MAX_ARG_BYTES:
+        chunk = os.pread(mem, 4096 - address % 4096 if not out else 4096, address + len(out))
+        if not chunk:
+            break
+        end = chunk.find(b"\0")
+        if end >= 0:
+            return (out + chunk[:end]).decode("utf-8", "surrogateescape")
+        out += chunk
+    raise OSError("an argument too long to judge")
+
+
+def read_exec(pid: int, nr: int, args: "Tuple[int, ...]") -> "Tuple[str, List[str]]":
+    """The path and argv an exec asked for, from the caller's memory, the path made absolute
+    (a relative one is relative to the caller's working folder, or to execveat's folder)."""
+    if nr == NR_EXECVE:
+        path_at, argv_at, base = args[0], args[1], f"/proc/{pid}/cwd"
+    else:
+        dirfd = args[0] if args[0] < (1 << 31) else args[0] - (1 << 64)
+        path_at, argv_at = args[1], args[2]
+        base = f"/proc/{pid}/cwd" if dirfd == -100 else f"/proc/{pid}/fd/{dirfd}"  # AT_FDCWD
+    mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        path = _read_string(mem, path_at) if path_at else ""
+        argv: "List[str]" = []
+        pointers: "List[int]" = []
+        while argv_at and len(pointers) < MAX_ARGS:  # the pointer array, 64 at a time
+            chunk = os.pread(mem, 512, argv_at + 8 * len(pointers))
+            batch = struct.unpack(f"={len(chunk) // 8}Q", chunk[: len(chunk) // 8 * 8])
+            if 0 in batch:
+                pointers.extend(batch[: batch.index(0)])
+                break
+            if not batch:
+                break
+            pointers.extend(batch)
+        for pointer in pointers[:MAX_ARGS]:
+            argv.append(_read_string(mem, pointer))
+    finally:
+        os.close(mem)
+    if not path.startswith("/"):
+        path = os.path.join(os.readlink(base), path) if path else os.readlink(base)
+    return os.path.normpath(path), argv

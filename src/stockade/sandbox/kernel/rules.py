@@ -1,0 +1,403 @@
+"""The sandbox's rules, inside: what the supervisor does with the policy the host sent.
+
+Every shim confines the code it starts (``confine``): writes only where the rules allow
+(Landlock), and every exec stopped in the kernel until the supervisor judges it (seccomp
+user notification). The supervisor judges each exec here (``on_exec``) with the argv the
+kernel was given, records it on the job whose code ran it, and answers: run, or fail with
+EACCES and a line on the program's stderr. An exec that needs approval waits while the
+host asks (``approve`` frames); the host's answer comes back as a ``verdict`` request.
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import confine
+import execrules
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
+if TYPE_CHECKING:
+    from typing import Any, Dict, List, Optional, Set, Tuple
+
+# What stays writable whatever the rules say: the scratch places and the devices.
+ALWAYS_WRITABLE = ("/tmp", "/dev", "/proc")
+# Where the programs a rule names are looked for, to know their copies by their content.
+PROGRAM_DIRS = ("/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin")
+MAX_RECORDS = 1000
+EPERM, ENOENT = 1, 2
+STRICTNESS = {"allow": 0, "approve": 1, "deny": 2}
+
+
+class Rules:
+    def __init__(self, sup: "Any", cfg: "Dict[str, Any]", listener: int = -1) -> None:
+        self.sup = sup
+        commands = cfg.get("commands") or {}
+        self.commands = {
+            kind: [list(map(str, words)) for words in commands.get(kind, [])]
+            for kind in ("deny", "approve", "allow")
+        }
+        self.judging = any(self.commands.values())
+        self.write = cfg.get("write")  # None: the whole workspace is writable
+        self.approver = bool(cfg.get("approver"))
+        allow = self.commands["allow"]
+        self.executable = self._allowed_files(allow) if allow else None
+        needs_landlock = self.write is not None or self.executable is not None
+        self.landlock = confine.landlock_abi() if needs_landlock else 0
+        self._ruleset = -1  # built once (below), applied by every shim
+        self._inodes: "Dict[str, Tuple[int, int]]" = {}
+        self._index = {kind: self._indexed(patterns) for kind, patterns in self.commands.items()}
+        self.notify = self.judging and confine.notify_available()
+        self.listener = listener
+        self.pending: "Dict[int, Tuple[int, int, int, Any, Dict[str, Any], Tuple[Any, ...]]]" = {}
+        self.requests = 0
+        self._decided: "Dict[Tuple[Any, ...], str]" = {}  # (pid, file, argv) -> verdict
+        self._names: "Dict[Tuple[int, int, int], str]" = {}  # file -> the name it has
+        self._identity: "Dict[Tuple[int, int, int, int], str]" = {}  # (dev, ino, size, mtime) -> digest
+        self._known: "Dict[str, Set[str]]" = {}  # content digest -> program names
+        self._sizes: "Dict[int, List[str]]" = {}  # size -> paths of the programs rules name
+        if self.notify:
+            self._index_programs()
+            if self.listener < 0:
+                # On ourselves: every process of the sandbox descends from us and inherits it;
+                # we exec only at a reset, and answer that exec ourselves (let_own_exec_through).
+                self.listener = confine.install_exec_listener(no_memfd=self.executable is not None)
+        if self.write is not None:
+            for path in self.write:
+                if path.endswith("/"):  # a folder the rules let code write: it must exist
+                    try:
+                        os.makedirs(path, exist_ok=True)
+                    except OSError:
+                        pass
+        if self.landlock:
+            self._build_ruleset()
+        # What each shim calls, prepared here once: a fork then finds it ready.
+        from reaper import PR_SET_DUMPABLE, prctl
+
+        prctl(PR_SET_DUMPABLE, 0)
+        if self.landlock or self.notify:
+            confine.warm()
+
+    def _writable(self) -> "Optional[List[str]]":
+        if self.write is None:
+            return None
+        return [p.rstrip("/") or "/" for p in (*self.write, *ALWAYS_WRITABLE)]
+
+    def _build_ruleset(self) -> None:
+        if self._ruleset >= 0:
+            os.close(self._ruleset)
+        writable = self._writable()
+        self._ruleset = confine.ruleset(self.landlock, writable, self.executable)
+        self._inodes = {}
+        for path in writable or ():
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            self._inodes[path] = (st.st_dev, st.st_ino)
+
+    def _current_ruleset(self) -> int:
+        """The ruleset, rebuilt if a written folder was replaced (a rule holds its inode)."""
+        for path, inode in self._inodes.items():
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) != inode:
+                self._build_ruleset()
+                break
+        return self._ruleset
+
+    def report(self) -> "Dict[str, Any]":
+        """What the host is told at start: which rules the kernel here can enforce."""
+        return {"landlock": self.landlock, "notify": self.notify}
+
+    # -- in each shim, before the code ----------------------------------------------------
+
+    def confine(self) -> None:
+        if self.notify:
+            # The supervisor reads each exec's arguments from the caller's memory: the shim
+            # (a fork of the non-dumpable supervisor) makes its children readable to it.
+            from reaper import PR_SET_DUMPABLE, prctl
+
+            prctl(PR_SET_DUMPABLE, 1)
+        if self.landlock:
+            confine.restrict(self._current_ruleset())
+
+    # -- in the supervisor ------------------------------------------------------------------
+
+    def let_own_exec_through(self, listener: int) -> None:
+        """Answer the judge's question about our own exec (a reset's): the exec waits in the
+        kernel, holding our one thread (and the GIL), until someone does. A forked helper
+        does, then ends; any other exec waiting is refused (every other process is dead)."""
+        me = os.getpid()
+        if os.fork() != 0:
+            return
+        try:
+            import select
+
+            while True:
+                select.select([listener], [], [], 30)
+                got = confine.receive(listener)
+                if got is None:
+                    continue
+                nid, pid, _, _ = got
+                confine.answer(listener, nid, pid == me, EPERM)
+                if pid == me:
+                    break
+        finally:
+            os._exit(0)
+
+    def on_exec(self, listener: int) -> None:
+        got = confine.receive(listener)
+        if got is None:
+            return
+        nid, pid, nr, args = got
+        try:
+            path, argv = confine.read_exec(pid, nr, args)
+        except (OSError, ValueError):
+            confine.answer(listener, nid, False)  # cannot tell what it runs: no
+            return
+        if not confine.still_waiting(listener, nid):
+            return  # gone (and its pid maybe reused): nothing to answer
+        target = self._in_view(pid, path)
+        try:
+            st = os.stat(target)
+        except OSError:
+            # What the kernel would say (a PATH search goes on to the next folder). Never
+            # "go on" unjudged: the file could appear between this look and the exec.
+            confine.answer(listener, nid, False, ENOENT)
+            return
+        key = (pid, st.st_dev, st.st_ino, tuple(argv))
+        if key in self._decided:  # the same exec tried again by another name (/bin, /usr/bin)
+            verdict = self._decided[key]
+            confine.answer(listener, nid, verdict == "allow", EPERM)
+            return
+        verdict, rule = self.judge(pid, path, argv, st)
+        job = self.sup.job_of(pid)
+        record = {"path": path, "argv": argv[:64], "verdict": verdict, "rule": rule or ""}
+        if verdict != "approve":
+            self._remember(key, verdict)
+        if verdict == "approve":
+            if not self.approver or job is None:
+                record["verdict"] = "refuse"
+                record["rule"] = (rule or "") + " (nobody to ask)"
+                self._refuse(listener, nid, pid, record)
+            else:
+                self.requests += 1
+                self.pending[self.requests] = (listener, nid, pid, job, record, key)
+                self.sup.send({"id": job.rid, "ev": "approve", "req": self.requests, **record})
+        elif verdict == "deny":
+            self._refuse(listener, nid, pid, record)
+        else:
+            confine.answer(listener, nid, True)
+        self._record(job, record)
+
+    def on_verdict(self, request: int, allow: bool) -> None:
+        """The host's answer to an approval it was asked for."""
+        parked = self.pending.pop(request, None)
+        if parked is None:
+            return
+        listener, nid, pid, _, record, key = parked
+        self._remember(key, "allow" if allow else "refuse")
+        if not confine.still_waiting(listener, nid):
+            return
+        if allow:
+            record["verdict"] = "approve"
+            confine.answer(listener, nid, True)
+        else:
+            record["verdict"] = "refuse"
+            self._refuse(listener, nid, pid, record)
+
+    def _remember(self, key: "Tuple[Any, ...]", verdict: str) -> None:
+        if len(self._decided) > 256:
+            self._decided.clear()
+        self._decided[key] = verdict
+
+    def _refuse(self, listener: int, nid: int, pid: int, record: "Dict[str, Any]") -> None:
+        why = "needs approval and was refused" if record["verdict"] == "refuse" else "denied by policy"
+        line = f"stockade: {os.path.basename(record['path'])}: {why}: {record['rule']}\n"
+        try:  # on the program's own stderr, where a person or a model will look
+            fd = os.open(f"/proc/{pid}/fd/2", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                os.write(fd, line.encode("utf-8", "replace"))
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+        # EPERM, not EACCES: a PATH search (execvp) stops at it instead of asking again
+        # for /bin/rm after /usr/bin/rm; shells report it and exit 126.
+        confine.answer(listener, nid, False, EPERM)
+
+    def _record(self, job: "Any", record: "Dict[str, Any]") -> None:
+        if job is None:
+            return
+        job.exec_count += 1
+        if len(job.execs) < MAX_RECORDS:
+            job.execs.append(record)
+
+    # -- judging ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _indexed(patterns: "List[List[str]]") -> "Tuple[Dict[str, List[List[str]]], List[List[str]]]":
+        """Patterns by their program's name, and those whose program is a glob."""
+        literal: "Dict[str, List[List[str]]]" = {}
+        globs: "List[List[str]]" = []
+        for words in patterns:
+            if execrules.GLOB_CHARS & set(words[0]):
+                globs.append(words)
+            else:
+                literal.setdefault(words[0], []).append(words)
+        return literal, globs
+
+    def _patterns(self, kind: str, name: str) -> "List[List[str]]":
+        literal, globs = self._index[kind]
+        found = literal.get(name, [])
+        if globs:
+            found = found + [w for w in globs if execrules._glob(name, w[0])]
+        return found
+
+    def judge(
+        self, pid: int, path: str, argv: "List[str]", st: "Optional[os.stat_result]" = None
+    ) -> "Tuple[str, Optional[str]]":
+        """The strictest verdict over every name the program goes by: the path it was run as,
+        the file that path leads to, the name it was given (argv[0]: a multi-call binary's
+        applet), and the names of the programs its content is a copy of. ``python -m X`` is
+        also judged as X."""
+        target = self._in_view(pid, path)
+        if st is None:
+            st = os.stat(target)
+        files = {os.path.basename(path), self._real_name(target, st)}
+        if st.st_size in self._sizes:
+            files |= self._copies_of(target)
+        args = argv[1:]
+        candidates = [(name, args) for name in files | ({os.path.basename(argv[0])} if argv else set())]
+        inner = execrules.subject(argv)
+        if inner and len(inner) < len(argv):  # python3 -m X
+            candidates.append((os.path.basename(inner[0]), inner[1:]))
+        for kind, verdict in (("deny", "deny"), ("approve", "approve")):
+            for name, rest in candidates:
+                for words in self._patterns(kind, name):
+                    if execrules.matches(words, [name, *rest]):
+                        if verdict == "deny" or not self._allow_refuses(files, args):
+                            return verdict, f"commands.{kind}: " + " ".join(words)
+                        return "deny", "commands.allow"
+        if self._allow_refuses(files, args):
+            return "deny", "commands.allow"
+        return "allow", None
+
+    def _allow_refuses(self, files: "Set[str]", args: "List[str]") -> bool:
+        """Under an allowlist, what the file is (never the name it was given) must be listed."""
+        if not self.commands["allow"]:
+            return False
+        for name in files:
+            if any(execrules.matches(words, [name, *args]) for words in self._patterns("allow", name)):
+                return False
+        return True
+
+    def _real_name(self, target: str, st: "os.stat_result") -> str:
+        """The name of the file ``target`` leads to (symlinks followed), cached by the file."""
+        key = (st.st_dev, st.st_ino, st.st_mtime_ns)
+        name = self._names.get(key)
+        if name is None:
+            if len(self._names) > 4096:
+                self._names.clear()
+            name = self._names[key] = os.path.basename(os.path.realpath(target))
+        return name
+
+    def _in_view(self, pid: int, path: str) -> str:
+        """``path`` as the caller sees it (/proc/self is the caller's, not ours)."""
+        for own in ("/proc/self/", "/proc/thread-self/"):
+            if path.startswith(own):
+                return f"/proc/{pid}/" + path[len(own) :]
+        return path
+
+    @staticmethod
+    def _allowed_files(allow: "List[List[str]]") -> "List[str]":
+        """What an allowlist lets run, as files: the programs it names, the interpreters their
+        scripts name, and the ELF loader. Landlock then lets nothing else be executed, from
+        any path, a copy or a file the code wrote itself included."""
+        import fnmatch
+
+        globs = [words[0] for words in allow]
+        files: "Set[str]" = set()
+        for folder in PROGRAM_DIRS:
+            try:
+                names = os.listdir(folder)
+            except OSError:
+                continue
+            for name in names:
+                if any(fnmatch.fnmatchcase(name, g) for g in globs):
+                    files.add(os.path.realpath(os.path.join(folder, name)))
+        for path in list(files):
+            try:
+                with open(path, "rb") as fh:
+                    head = fh.read(256)
+            except OSError:
+                continue
+            if head.startswith(b"#!"):
+                words = head[2:].split(b"\n", 1)[0].split()
+                if words:
+                    files.add(os.path.realpath(words[0].decode("utf-8", "replace")))
+        for loader in ("/lib64/ld-linux-x86-64.so.2", "/lib/ld-linux-aarch64.so.1", "/lib/ld-linux.so.2"):
+            if os.path.exists(loader):
+                files.add(os.path.realpath(loader))
+        return sorted(files)
+
+    def _index_programs(self) -> None:
+        """The sizes of the programs the rules name: a file of another size is no copy."""
+        # A program denied whatever its arguments is masked: no copy of it can exist.
+        names = {words[0] for words in self.commands["approve"] if words}
+        names |= {words[0] for words in self.commands["deny"] if len(words) > 1}
+        for folder in PROGRAM_DIRS:
+            for name in names:
+                if any(c in name for c in "*?["):
+                    continue
+                path = os.path.join(folder, name)
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    continue
+                self._sizes.setdefault(st.st_size, []).append(path)
+
+    def _digest(self, path: str) -> "Optional[str]":
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        digest = self._identity.get(key)
+        if digest is None:
+            import hashlib  # lazily: it loads OpenSSL, and few execs ever need it
+
+            h = hashlib.sha256()
+            try:
+                with open(path, "rb") as fh:
+                    for chunk in iter(lambda: fh.read(1 << 20), b""):
+                        h.update(chunk)
+            except OSError:
+                return None
+            digest = self._identity[key] = h.hexdigest()
+        return digest
+
+    def _copies_of(self, path: str) -> "Set[str]":
+        """Names of the programs the rules name whose content ``path`` holds."""
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            return set()
+        found: "Set[str]" = set()
+        for original in self._sizes.get(size, ()):
+            if original == path:
+                continue
+            digest = self._digest(original)
+            if digest is not None and digest == self._digest(path):
+                found.add(os.path.basename(original))
+        return found
+
+    def expire(self, job: "Any") -> None:
+        """A job ended: its approvals still waiting are refused (their callers are gone)."""
+        for request, parked in list(self.pending.items()):
+            if parked[3] is job:
+                self.pending.pop(request)
+                confine.answer(parked[0], parked[1], False, EPERM)

@@ -1,0 +1,275 @@
+"""The policy, enforced by the sandbox itself: what the rules deny cannot happen from any code,
+in any language, by any route. Every tier; gVisor's kernel holds only the masks, and refuses
+the rest unless the caller accepts less.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stockade import LimitNotEnforceable, Limits, Sandbox
+from stockade.types import ExecRecord, Mechanism, SandboxRules
+
+LIMITS = Limits(memory_mb=256, timeout_s=30, pids=64)
+CONFINES = ("process", "docker", "microvm")  # a kernel with Landlock and seccomp user notification
+
+# `uname` is in every image and says "Linux": a route that ran it shows it.
+DENIED_ROUTES = {
+    "sh": "uname",
+    "absolute path": "/usr/bin/uname",
+    "/bin": "/bin/uname",
+    "env": "env uname",
+    "xargs": "echo -a | xargs uname",
+    "find -exec": "find /workspace -maxdepth 0 -exec uname \\;",
+    "python subprocess": "python3 -c 'import subprocess; subprocess.run([\"uname\"])'",
+    "python os.system": "python3 -c 'import os; os.system(\"uname\")'",
+    "python execv": 'python3 -c \'import os; os.execv("/usr/bin/uname", ["x"])\'',
+    "awk system": "awk 'BEGIN { system(\"uname\") }'",
+    "perl exec": "perl -e 'exec \"/usr/bin/uname\"'",
+    "symlink": "ln -sf /usr/bin/uname /tmp/u; /tmp/u",
+    "copy": "cp /usr/bin/uname /tmp/c; chmod +x /tmp/c; /tmp/c",
+    "cat copy": "cat /usr/bin/uname > /tmp/k; chmod +x /tmp/k; /tmp/k",
+    "ld.so": "/lib64/ld-linux-x86-64.so.2 /usr/bin/uname",
+}
+
+
+@pytest.fixture
+def denying(tier: str) -> Iterator[Sandbox]:
+    with Sandbox.create(tier, limits=LIMITS, rules=SandboxRules(deny=("uname",))) as sbx:
+        yield sbx
+
+
+@pytest.mark.parametrize("route", list(DENIED_ROUTES))
+def test_a_denied_program_runs_by_no_route(denying: Sandbox, route: str) -> None:
+    r = denying.commands.run(DENIED_ROUTES[route] + "; echo done")
+    assert "Linux" not in r.stdout, (r.stdout, r.stderr)
+    assert r.stdout.strip().endswith("done")
+    assert denying.enforcement.programs is Mechanism.MASK
+
+
+def test_a_denied_program_cannot_be_read_from_run_code(denying: Sandbox) -> None:
+    e = denying.run_code("open('/usr/bin/uname', 'rb').read()[:4]")
+    assert e.error is not None or e.text in ("b''", None)
+
+
+def _rules_or_refusal(tier: str, rules: SandboxRules, **kw: object) -> Sandbox | None:
+    """The sandbox, or None where the tier's kernel cannot hold the rules (and says so)."""
+    if tier not in CONFINES:
+        with pytest.raises(LimitNotEnforceable):
+            Sandbox.create(tier, limits=LIMITS, rules=rules)
+        return None
+    return Sandbox.create(tier, limits=LIMITS, rules=rules, **kw)  # type: ignore[arg-type]
+
+
+RECURSIVE_ROUTES = {
+    "rm -r": "rm -r gone",
+    "rm -fR": "rm -fR gone",
+    "rm --recursive": "rm --recursive gone",
+    "env": "env rm -r gone",
+    "sh -c": "sh -c 'rm -rf gone'",
+    "find -exec": "find . -maxdepth 1 -name gone -exec rm -r {} +",
+    "python subprocess": 'python3 -c \'import subprocess; subprocess.run(["rm", "-r", "gone"])\'',
+    "copy": "cp /bin/rm /tmp/del; /tmp/del -r gone",
+    "python -c os.execv": 'python3 -c \'import os; os.execv("/bin/rm", ["rm", "-r", "gone"])\'',
+}
+
+
+@pytest.mark.parametrize("route", list(RECURSIVE_ROUTES))
+def test_an_exec_that_needs_approval_is_refused_when_nobody_approves(tier: str, route: str) -> None:
+    sbx = _rules_or_refusal(tier, SandboxRules(approve=("rm -r",)))
+    if sbx is None:
+        return
+    with sbx:
+        sbx.commands.run("mkdir -p gone/inner && touch gone/inner/f")
+        r = sbx.commands.run(RECURSIVE_ROUTES[route])
+        assert sbx.files.exists("gone/inner/f"), route
+        assert "needs approval and was refused: commands.approve: rm -r" in r.stderr
+        assert any(e.verdict == "refuse" for e in r.execs)
+        assert sbx.enforcement.commands is Mechanism.SECCOMP_NOTIFY
+
+
+def test_an_exec_waits_for_the_hosts_approver_and_runs_when_it_says_yes(tier: str) -> None:
+    asked: list[ExecRecord] = []
+
+    def approver(record: ExecRecord) -> bool:
+        asked.append(record)
+        return record.argv[-1] == "yes"
+
+    sbx = _rules_or_refusal(tier, SandboxRules(approve=("rm -r",)), approver=approver)
+    if sbx is None:
+        return
+    with sbx:
+        sbx.commands.run("mkdir yes no")
+        r = sbx.run_code(
+            "import subprocess\n"
+            "def rm(d):\n"
+            "    try:\n"
+            "        return subprocess.run(['rm', '-r', d]).returncode\n"
+            "    except PermissionError:\n"
+            "        return 'refused'\n"
+            "[rm('yes'), rm('no')]"
+        )
+        assert r.text == "[0, 'refused']", r
+        assert not sbx.files.exists("yes") and sbx.files.exists("no")
+        assert [a.argv for a in asked] == [("rm", "-r", "yes"), ("rm", "-r", "no")]
+        assert [e.verdict for e in r.execs if e.argv[0] == "rm"] == ["approve", "refuse"]
+
+
+WRITE_ROUTES = {
+    "shell redirect": "echo x > README",
+    "python": 'python3 -c \'open("README", "w").write("x")\'',
+    "dd": "dd if=/dev/zero of=README bs=1 count=1",
+    "cp": "cp /etc/hostname README",
+    "truncate": "truncate -s 0 keep.txt",
+    "rm": "rm keep.txt",
+    "mv out": "mv src/a.py a.py",
+    "mkdir": "mkdir newdir",
+    "ln": "ln -s src link",
+}
+
+
+@pytest.mark.parametrize("route", list(WRITE_ROUTES))
+def test_paths_outside_the_write_rules_are_read_only_to_code(tier: str, route: str) -> None:
+    sbx = _rules_or_refusal(tier, SandboxRules(write=("src/**",)))
+    if sbx is None:
+        return
+    with sbx:
+        sbx.files.write("keep.txt", "kept")
+        sbx.files.write("src/a.py", "a")
+        # Names and contents; mode bits and times are not Landlock's (see docs/architecture.md)
+        before = {e.path: (e.type, e.size, sbx.files.read(e.path) if e.type == "file" else "")
+                  for e in sbx.files.list(depth=3)}  # fmt: skip
+        sbx.commands.run(WRITE_ROUTES[route])
+        sbx.run_code(f"import subprocess; subprocess.run({WRITE_ROUTES[route]!r}, shell=True)")
+        after = {e.path: (e.type, e.size, sbx.files.read(e.path) if e.type == "file" else "")
+                 for e in sbx.files.list(depth=3)}  # fmt: skip
+        assert after == before, route
+        assert sbx.commands.run("echo ok > src/b.py && echo t > /tmp/t && cat src/b.py").stdout == "ok\n"
+        assert sbx.enforcement.paths is Mechanism.LANDLOCK
+
+
+def test_hidden_paths_never_enter_the_sandbox(sbx_tier_workspace: tuple[str, Path]) -> None:
+    tier, folder = sbx_tier_workspace
+    rules = SandboxRules(hide=("secrets/**", ".env"))
+    with Sandbox.create(tier, limits=LIMITS, rules=rules, workspace=folder) as sbx:
+        names = {e.path for e in sbx.files.list(depth=5)}
+        assert "src/app.py" in names and not any(n.startswith(("secrets", ".env")) for n in names)
+        r = sbx.commands.run("cat secrets/key .env; grep -r TOPSECRET / 2>/dev/null | head -3")
+        assert "TOPSECRET" not in r.stdout
+        e = sbx.run_code("open('secrets/key').read()")
+        assert e.error is not None and e.error.name == "FileNotFoundError"
+
+
+@pytest.fixture
+def sbx_tier_workspace(tier: str, tmp_path: Path) -> tuple[str, Path]:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "app.py").write_text("print('hi')\n")
+    (tmp_path / "secrets").mkdir()
+    (tmp_path / "secrets" / "key").write_text("TOPSECRET-1\n")
+    (tmp_path / ".env").write_text("TOKEN=TOPSECRET-2\n")
+    return tier, tmp_path
+
+
+def test_gvisor_holds_the_masks_and_with_consent_judges_the_rest_on_tool_calls_only() -> None:
+    from tests.conftest import require_tier
+
+    require_tier("gvisor")
+    rules = SandboxRules(deny=("uname",), approve=("rm -r",), write=("src/**",))
+    with Sandbox.create("gvisor", limits=LIMITS, rules=rules, allow_weaker=True) as sbx:
+        assert sbx.enforcement.programs is Mechanism.MASK
+        assert sbx.enforcement.commands is Mechanism.NONE and sbx.enforcement.paths is Mechanism.NONE
+        assert any("judged on tool calls only" in w for w in sbx.enforcement.weakened)
+        assert "Linux" not in sbx.commands.run("uname; /usr/bin/uname").stdout
+
+
+# -- any policy, any route -------------------------------------------------------------------
+
+PROGRAMS = {"uname": "Linux", "id": "uid=", "arch": "x86_64"}
+ROUTE_TEMPLATES = (
+    "{p}",
+    "/usr/bin/{p}",
+    "env {p}",
+    "sh -c '{p}'",
+    "echo | xargs {p}",
+    "python3 -c 'import subprocess; subprocess.run([\"{p}\"])'",
+    "python3 -c 'import os; os.system(\"{p}\")'",
+    "perl -e 'system(\"{p}\")'",
+    "cp /usr/bin/{p} /tmp/x && /tmp/x",
+    "ln -sf /usr/bin/{p} /tmp/l && /tmp/l",
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    denied=st.sampled_from(sorted(PROGRAMS)),
+    noise=st.lists(st.sampled_from(["curl", "wget", "rm -r", "git push", "nc"]), max_size=3),
+    route=st.sampled_from(ROUTE_TEMPLATES),
+    language=st.sampled_from(["command", "run_code bash", "run_code python"]),
+)
+def test_no_route_runs_a_denied_program_under_any_policy(
+    denied: str, noise: list[str], route: str, language: str
+) -> None:
+    from tests.conftest import require_tier
+
+    require_tier("process")
+    rules = SandboxRules(deny=(denied, *noise))
+    line = route.format(p=denied)
+    with Sandbox.create("process", limits=LIMITS, rules=rules) as sbx:
+        if language == "command":
+            out = sbx.commands.run(line).stdout
+        elif language == "run_code bash":
+            out = sbx.run_code(line, language="bash").logs.stdout
+        else:
+            out = sbx.run_code(f"import subprocess\nsubprocess.run({line!r}, shell=True)").logs.stdout
+    assert PROGRAMS[denied] not in out, (line, language, out)
+
+
+# -- the agent's sandbox: the policy file of the examples --------------------------------------
+
+
+def test_the_example_policy_holds_against_code_in_run_code(tmp_path: Path) -> None:
+    from tests.conftest import require_tier
+
+    require_tier("process")
+    from stockade.assembly import AgentConfig, build_agent
+    from stockade.audit.events import EventKind
+    from stockade.audit.log import AuditLog
+    from stockade.audit.stores import MemoryStore
+    from stockade.models import ScriptedModel, tool_call
+
+    (tmp_path / "build").mkdir()
+    (tmp_path / "build" / "out.o").write_text("object")
+    (tmp_path / "secrets").mkdir()
+    (tmp_path / "secrets" / "key").write_text("TOPSECRET-KEY")
+    (tmp_path / ".env").write_text("TOKEN=TOPSECRET-ENV")
+    model = ScriptedModel(
+        [
+            tool_call(
+                "run_code",
+                {"code": "import subprocess; subprocess.run(['rm', '-rf', 'build'])", "language": "python"},
+            ),
+            tool_call("run_code", {"code": "print(open('secrets/key').read())", "language": "python"}),
+            tool_call(
+                "run_code",
+                {"code": "import os; print(os.popen('cat .env; curl -V').read())", "language": "python"},
+            ),
+            "done",
+        ]
+    )
+    log = AuditLog(MemoryStore())
+    policy = Path(__file__).parents[2] / "examples" / "policy.toml"
+    config = AgentConfig(model=model, policy=policy, audit=log, tier="process", record_runs=False)
+    with build_agent(config) as agent:
+        result = agent.run_sync("tidy up", workspace=tmp_path)
+    observations = [c.observation for s in result.steps for c in s.tool_calls]
+    assert "needs approval and was refused: commands.approve: rm -r" in observations[0]
+    assert "FileNotFoundError" in observations[1] and "TOPSECRET" not in " ".join(observations)
+    assert (tmp_path / "build" / "out.o").exists()  # the host folder is a seed: never written anyway
+    execs = [e for e in log.store.events() if e.kind == EventKind.EXEC]
+    refused = [e.attributes["argv"] for e in execs if e.attributes["verdict"] == "refuse"]
+    assert ["rm", "-rf", "build"] in refused
