@@ -79,8 +79,6 @@ _KINDS: tuple[tuple[type[exc.StockadeError], _Kind], ...] = (
     (exc.AuditStoreError, _Kind(status=503, title="Store unavailable", fix="retry")),
     (exc.AuditIntegrityError, _Kind(status=500, title="Audit trail broken")),
     (exc.ToolError, _Kind(status=422, title="Tool call failed")),
-    (exc.BudgetExceeded, _Kind(status=429, title="Budget spent")),
-    (exc.RunStopped, _Kind(status=409, title="Run stopped")),
     (exc.RuntimeLimit, _Kind(status=429, title="Refused by a runtime control")),
     (exc.StockadeError, _Kind(status=500, title="Internal error")),
 )

@@ -29,7 +29,8 @@ from pathlib import Path
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from stockade import exceptions as exc
-from stockade.agent import AgentConfig, AgentSession, RunLimits, build_agent
+from stockade.agent import RunLimits
+from stockade.assembly import AgentConfig, AgentSession, build_agent
 from stockade.models.base import Model, resolve_model
 from stockade.models.messages import ModelResponse, ToolCall
 from stockade.models.scripted import ScriptedModel

@@ -36,7 +36,7 @@ from fastapi.responses import StreamingResponse
 
 from stockade import exceptions as exc
 from stockade.audit.sandbox import AuditedBackend
-from stockade.policy.guards import GuardContext, GuardedBackend, op_policy_guard
+from stockade.policy.guards import GuardedBackend, OpContext, op_policy_guard
 from stockade.runs.lease import owner_gone, owner_token
 from stockade.sandbox import _registry
 from stockade.sandbox.facade import Sandbox
@@ -134,11 +134,11 @@ class SandboxRegistry:
                     _registry.backend(tier), log, run_id=sandbox_id, actor=f"api:{principal.token_id}"
                 ),
                 op_policy_guard(engine),
-                GuardContext(run_id=sandbox_id, role=principal.role),
+                OpContext(run_id=sandbox_id, role=principal.role),
             )
             sandbox = Sandbox.create(
                 backend=backend, limits=limits, network=network, envs=request.envs,
-                allow_weaker=request.allow_weaker, labels=request.labels,
+                rules=engine.sandbox_rules(), allow_weaker=request.allow_weaker, labels=request.labels,
             )  # fmt: skip
         except BaseException:
             service.store.release_sandbox(sandbox_id)
