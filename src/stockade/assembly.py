@@ -87,7 +87,7 @@ from stockade.observability.agent import TelemetryObserver
 from stockade.observability.sandbox import TracedBackend
 from stockade.observability.telemetry import Telemetry
 from stockade.policy.agent import ApprovedModel, filter_outputs, policy_guard, prompt_filter
-from stockade.policy.approval import ApprovalRequest, Approvals, ApprovalStore, Approver
+from stockade.policy.approval import ApprovalBook, ApprovalRequest, Approvals, ApprovalStore, Approver
 from stockade.policy.engine import PolicyEngine
 from stockade.policy.guards import GuardedInstance, OpContext, OpGuard, describe, enforce
 from stockade.policy.load import load_policy
@@ -100,7 +100,7 @@ from stockade.runtime.breaker import BreakerConfig, Breakers, BreakingBackend
 from stockade.runtime.clock import Clock, SystemClock
 from stockade.runtime.events import Observer as RuntimeObserver
 from stockade.runtime.events import RuntimeEvent
-from stockade.runtime.killswitch import KillSwitch, kill_source_for
+from stockade.runtime.killswitch import KillSource, KillSwitch, kill_source_for
 from stockade.runtime.limits import RateLimit, SpendLimit, window_for
 from stockade.runtime.models import BreakerModel, LimitedModel, RetryingModel
 from stockade.runtime.retry import Retrier, RetryingBackend, RetryPolicy
@@ -154,6 +154,8 @@ class AgentConfig:
     kill_target: str | None = None  # kill directory or redis://...; None: the default kill dir
     approver: Approver | None = None  # decides now (a function, cli_approver); None: always deferred
     approval_dir: str | Path | None = None  # deferred approvals; None: $STOCKADE_APPROVAL_DIR or default
+    approval_store: ApprovalBook | None = None  # replaces approval_dir (a service's database)
+    kill_source: KillSource | None = None  # replaces kill_target (a service's database)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     anomaly: bool = True  # the anomaly monitor's default rules
@@ -360,7 +362,7 @@ class GuardedAgent:
         self.clock = clock
         self.prices = config.prices if config.prices is not None else DEFAULT_PRICES
         self.approvals = _AuditedApprovals(
-            Approvals(config.approver, ApprovalStore(config.approval_dir)), log
+            Approvals(config.approver, config.approval_store or ApprovalStore(config.approval_dir)), log
         )
         limited = LimitedModel(
             BreakerModel(RetryingModel(base, self.retrier), self.breakers), spend=spend, prices=self.prices
@@ -459,7 +461,7 @@ class AgentSession:
         self.runtime_observer = _fan_out(runtime)
         self.kill_switch = KillSwitch(
             run_id,
-            [kill_source_for(config.kill_target)],
+            [config.kill_source or kill_source_for(config.kill_target)],
             observer=_fan_out((*runtime, *config.runtime_observers)),
         )
         monitor = (

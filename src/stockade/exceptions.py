@@ -42,9 +42,14 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── InvalidToolCall           unknown tool or arguments that fail its schema
     │   ├── PatchRejected             a diff does not apply; nothing was changed
     │   └── ToolTimeout               the call ran past the tool's ``timeout_s``; its sandbox work was cut
-    └── RuntimeLimit                  a runtime control refused the action for now
-        ├── CircuitOpen               [retryable] too many consecutive failures; retry after cool-down
-        └── RateLimited               [retryable] too many actions in the window; retry after
+    ├── RuntimeLimit                  a runtime control refused the action for now
+    │   ├── CircuitOpen               [retryable] too many consecutive failures; retry after cool-down
+    │   ├── RateLimited               [retryable] too many actions in the window; retry after
+    │   └── QuotaExceeded             a tenant's quota (live sandboxes, CPUs, memory) is full; free some
+    └── ServiceError                  the HTTP service (``stockade serve``) refused or could not answer
+        ├── AuthenticationError       no API token, or one the service does not know (HTTP 401)
+        ├── ResourceNotFound          no such sandbox, run or request, or not the caller's (HTTP 404)
+        └── ServiceUnavailable        [retryable] the service cannot be reached, or answered 5xx
 
 A control that ends a run does not fail anything: it raises a ``RunStopped``, control flow
 apart from the error tree, as ``asyncio.CancelledError`` is. It derives from ``BaseException``,
@@ -69,6 +74,7 @@ __all__ = [
     "AuditError",
     "AuditIntegrityError",
     "AuditStoreError",
+    "AuthenticationError",
     "BackendUnavailable",
     "BudgetExceeded",
     "CircuitOpen",
@@ -89,8 +95,10 @@ __all__ = [
     "PolicyDenied",
     "PolicyFileError",
     "ProtocolError",
+    "QuotaExceeded",
     "RateLimited",
     "ResourceContention",
+    "ResourceNotFound",
     "RunConflict",
     "RunInterrupted",
     "RunKilled",
@@ -105,6 +113,8 @@ __all__ = [
     "SandboxFileNotFound",
     "SandboxStartError",
     "SeedTooLarge",
+    "ServiceError",
+    "ServiceUnavailable",
     "StockadeError",
     "TierUnavailable",
     "ToolError",
@@ -305,6 +315,42 @@ class RateLimited(RuntimeLimit):
     def __init__(self, message: str, *, key: str = "", retry_after: float | None = None) -> None:
         super().__init__(message, retry_after=retry_after)
         self.key = key
+
+
+class QuotaExceeded(RuntimeLimit):
+    """A tenant's quota is full: ``quota`` names it (``sandboxes``, ``cpus``, ``memory_mb``),
+    ``limit`` is its size and ``used`` what is taken. Retrying helps only once something of
+    the tenant's is deleted, so it is not ``retryable``."""
+
+    def __init__(self, message: str, *, quota: str = "", limit: float = 0, used: float = 0) -> None:
+        super().__init__(message)
+        self.quota = quota
+        self.limit = limit
+        self.used = used
+
+
+class ServiceError(StockadeError):
+    """The HTTP service refused a request, or could not answer it."""
+
+
+class AuthenticationError(ServiceError):
+    """The request had no API token, or one the service does not know (or that was revoked)."""
+
+
+class ResourceNotFound(ServiceError):
+    """No such sandbox, run or approval request, for this caller: another tenant's ids are
+    answered the same way, so that they cannot be probed."""
+
+    def __init__(self, message: str, *, kind: str = "", id: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.id = id
+
+
+class ServiceUnavailable(ServiceError):
+    """The service could not be reached, or failed (HTTP 5xx); ``retry_after`` when it said."""
+
+    retryable = True
 
 
 class ToolError(StockadeError):
