@@ -16,7 +16,14 @@ from stockade.agent import Agent, AgentEvent, Observer, RunStatus, ToolCalled
 from stockade.audit import AuditLog, MemoryStore, verify
 from stockade.audit.agent import AuditObserver
 from stockade.cli.runs_cmds import load_tools
-from stockade.exceptions import ApprovalRequired, InvalidArgument, RunConflict, RunLeased, RunStoreCorrupt, SeedTooLarge
+from stockade.exceptions import (
+    ApprovalRequired,
+    InvalidArgument,
+    RunConflict,
+    RunLeased,
+    RunStoreCorrupt,
+    SeedTooLarge,
+)
 from stockade.models.scripted import Turn
 from stockade.runs import RunRecorder, RunStore, open_run_store
 from stockade.testing import FakeBackend, MemoryWorkspace, ScriptedModel, tool_call
