@@ -47,6 +47,9 @@ What it promises, per tool kind:
   it is not run again: the model is told its outcome is unknown (``OutcomeUnknown``), and the
   run store and the audit trail say so. Tools get ``ctx.idempotency_key`` (the same on every
   attempt) to deduplicate effects outside the sandbox;
+- a call that stopped at an approval (``ApprovalRequired`` from inside it: the sandbox's op
+  guard, or the tool asking) did not do what it asked about: it is run again on resume, from
+  the workspace before it, so a tool asks before its effects, not after;
 - the workspace continues from the last call that returned, the diff's baseline included;
   processes and ``run_code`` variables do not survive (the sandbox is new).
 
@@ -89,6 +92,7 @@ from stockade.agent.events import (
 )
 from stockade.agent.state import CheckRecord, NodeKind, RunState, RunStatus, StepRecord, ToolCallRecord
 from stockade.exceptions import (
+    ApprovalRequired,
     ConfigurationError,
     InvalidArgument,
     InvalidToolCall,
@@ -708,6 +712,12 @@ class AgentRun:
                 duration_s=time.perf_counter() - started,
             )
             self._emit(ToolReturned(run_id=state.run_id, step=step, record=crashed, value=None))
+            raise
+        except ApprovalRequired:
+            # The call stopped before the action it asks about (an op guard's, or the tool's own
+            # question): it runs again on resume, guards and all, so the decision is applied.
+            if durable is not None:
+                await asyncio.to_thread(durable.call_parked, state.run_id, key)
             raise
         except _FATAL:  # the run cannot go on (RunStopped passes too: it is no Exception)
             raise

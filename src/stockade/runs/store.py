@@ -646,6 +646,12 @@ class RunStore:
             ],
         )
 
+    def call_parked(self, run_id: str, key: str) -> None:
+        """The call stopped at an approval before its effect: forget that it started, so a
+        resume runs it again (its attempts start over)."""
+        sql = f"DELETE FROM {self.ns}_calls_started WHERE idempotency_key = ? AND run_id = ?"
+        self._write(run_id, [(sql, [(key, run_id)])])
+
     def attempts(self, run_id: str) -> dict[str, int]:
         """How many times each call of the run started: idempotency key -> attempts."""
         rows = self.db.query(
