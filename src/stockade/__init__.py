@@ -20,12 +20,16 @@ from stockade.exceptions import (
     SandboxError,
     SandboxFileNotFound,
     SandboxStartError,
+    SnapshotCorrupt,
+    SnapshotError,
+    SnapshotIncompatible,
+    SnapshotNotFound,
     StockadeError,
     TierUnavailable,
     WorkspaceError,
     WorkspaceFull,
 )
-from stockade.sandbox import AsyncSandbox, Sandbox, SandboxPool
+from stockade.sandbox import AsyncSandbox, Sandbox, SandboxPool, SnapshotStore
 from stockade.types import (
     CommandResult,
     DownloadResult,
@@ -43,6 +47,8 @@ from stockade.types import (
     Result,
     SandboxRules,
     SkippedEntry,
+    Snapshot,
+    SnapshotKind,
     TierReport,
     Trust,
 )
@@ -84,6 +90,13 @@ __all__ = [
     "SandboxRules",
     "SandboxStartError",
     "SkippedEntry",
+    "Snapshot",
+    "SnapshotCorrupt",
+    "SnapshotError",
+    "SnapshotIncompatible",
+    "SnapshotKind",
+    "SnapshotNotFound",
+    "SnapshotStore",
     "StockadeError",
     "TierReport",
     "TierUnavailable",

@@ -19,7 +19,11 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── ResourceContention        [retryable] the host is out of a shared resource
     │   ├── SandboxCrashed            the sandbox died under a call; ``cause`` and the output so far
     │   ├── SandboxClosed             the sandbox was closed; create a new one
-    │   └── ProtocolError             the in-sandbox supervisor spoke nonsense (it is untrusted)
+    │   ├── ProtocolError             the in-sandbox supervisor spoke nonsense (it is untrusted)
+    │   └── SnapshotError             a snapshot cannot be taken, kept or restored (the store is full)
+    │       ├── SnapshotNotFound      no snapshot (or paused sandbox) with that id in the store
+    │       ├── SnapshotCorrupt       its bytes do not match its hash (modified, truncated): refused
+    │       └── SnapshotIncompatible  it cannot be restored here (another tier, kernel or QEMU)
     ├── WorkspaceError                a files call was refused
     │   ├── PathEscapeError           the path leads outside the workspace
     │   ├── SandboxFileNotFound       nothing at that path
@@ -115,6 +119,10 @@ __all__ = [
     "SeedTooLarge",
     "ServiceError",
     "ServiceUnavailable",
+    "SnapshotCorrupt",
+    "SnapshotError",
+    "SnapshotIncompatible",
+    "SnapshotNotFound",
     "StockadeError",
     "TierUnavailable",
     "ToolError",
@@ -252,6 +260,26 @@ class SandboxClosed(SandboxError):
 
 class ProtocolError(SandboxError):
     """The in-sandbox supervisor sent something malformed; the sandbox is torn down."""
+
+
+class SnapshotError(SandboxError):
+    """A snapshot could not be taken, kept or restored; the message says why (a full store
+    names its limit)."""
+
+
+class SnapshotNotFound(SnapshotError):
+    """The store has no snapshot with that id, or no paused sandbox with that id: never
+    taken, deleted, already resumed, or collected."""
+
+
+class SnapshotCorrupt(SnapshotError):
+    """What the store holds under a snapshot's id does not hash to it: a file was modified
+    or cut. Nothing was restored from it."""
+
+
+class SnapshotIncompatible(SnapshotError):
+    """The snapshot cannot be restored as asked: its memory needs the tier, kernel, QEMU and
+    machine it was taken with, or the caller asked for limits its memory does not have."""
 
 
 class WorkspaceError(StockadeError):

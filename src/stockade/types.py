@@ -26,6 +26,8 @@ __all__ = [
     "Result",
     "SandboxRules",
     "SkippedEntry",
+    "Snapshot",
+    "SnapshotKind",
     "TierReport",
     "Trust",
 ]
@@ -389,3 +391,34 @@ class DownloadResult:
     hard_links: int = 0
     skipped: tuple[SkippedEntry, ...] = ()
     skipped_count: int = 0
+
+
+class SnapshotKind(enum.StrEnum):
+    """What a snapshot keeps of a sandbox.
+
+    ``files``: the workspace, /tmp (where ``pip install --user`` puts packages, as ``$HOME``
+    is /tmp) and the environment; a restored sandbox starts fresh processes on them.
+    ``memory``: all of that and the memory of every process, so the interpreter's variables
+    and its threads go on where they were (gVisor without Docker, the microVM).
+    """
+
+    FILES = "files"
+    MEMORY = "memory"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Snapshot:
+    """A saved sandbox, kept in a snapshot store (``stockade.sandbox.SnapshotStore``) under
+    ``id``, the hash of what it is made of: restoring checks every byte against it.
+
+    ``Sandbox.create(snapshot=...)`` starts a new sandbox from it (as many as wanted);
+    ``source`` is the sandbox it was taken from, ``store`` the folder that keeps it.
+    """
+
+    id: str
+    kind: SnapshotKind
+    tier: str
+    source: str
+    taken_at: float
+    size_bytes: int
+    store: str

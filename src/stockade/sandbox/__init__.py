@@ -12,6 +12,7 @@ from stockade.sandbox.base import (
 )
 from stockade.sandbox.facade import AsyncSandbox, Sandbox
 from stockade.sandbox.pool import PoolStats, SandboxPool
+from stockade.sandbox.snapshots import SnapshotStore
 
 __all__ = [
     "TIMEOUT_MARGIN_S",
@@ -24,6 +25,7 @@ __all__ = [
     "Sandbox",
     "SandboxPool",
     "SandboxSpec",
+    "SnapshotStore",
     "WrapperBackend",
     "WrapperInstance",
 ]

@@ -189,7 +189,7 @@ class Call:
                 if frame is _CLOSED:
                     raise SandboxCrashed(f"sandbox is gone: {self._channel.error}")
                 yield frame
-                if frame[0].get("ev") in ("done", "exit", "result", "error", "ready"):
+                if frame[0].get("ev") in ("done", "exit", "result", "error", "ready", "hello"):
                     return
         finally:
             self._channel._forget(self.rid)

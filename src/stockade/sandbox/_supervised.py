@@ -10,9 +10,15 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import hashlib
+import os
+import re
+import secrets
 import threading
 import time
 import weakref
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from stockade import exceptions as exc
@@ -26,10 +32,12 @@ from stockade.sandbox.kernel.protocol import (
     MAX_RESULT_ENTRIES,
 )
 from stockade.sandbox.ops import (
+    Area,
     GetArchive,
     ListDir,
     MakeDir,
     Op,
+    Pause,
     PutArchive,
     ReadFile,
     Remove,
@@ -37,8 +45,10 @@ from stockade.sandbox.ops import (
     RunCode,
     RunCommand,
     Stat,
+    TakeSnapshot,
     WriteFile,
 )
+from stockade.sandbox.snapshots import SnapshotStore
 from stockade.types import (
     CommandResult,
     Enforcement,
@@ -46,8 +56,15 @@ from stockade.types import (
     EntryType,
     Execution,
     ExecutionError,
+    HostShare,
+    Limits,
     Logs,
+    Mechanism,
+    NetworkPolicy,
     Result,
+    SandboxRules,
+    Snapshot,
+    SnapshotKind,
 )
 
 # Past its own deadline the supervisor has this long to report before the host kills the
@@ -68,6 +85,10 @@ MAX_CODE_VALUES = 2 * MAX_RESULT_COUNT + 4 * (MAX_RESULT_ENTRIES + MAX_BUNDLE_EN
 # A listing: the supervisor sends at most 100,000 entries of six keys (22 values each).
 MAX_LIST_ENTRIES = 100_001
 MAX_LIST_VALUES = 24 * MAX_LIST_ENTRIES
+# What a files snapshot may hold: any workspace a sandbox can have (its tmpfs bounds it).
+SNAPSHOT_MAX_BYTES = 1 << 40
+SNAPSHOT_MAX_ENTRIES = 1 << 24
+_SANDBOX_ID = re.compile(r"^sbx-[0-9a-f]{12}$")
 
 _ERRORS: dict[str, type[exc.WorkspaceError]] = {
     "escape": exc.PathEscapeError,
@@ -155,6 +176,10 @@ class SupervisedInstance(Instance):
         self.boundary = boundary
         self.channel = Channel(stream, max_body=max_frame, name=id)
         self._closed = False
+        # Calls in flight, and whether a snapshot holds new ones back until it is taken.
+        self._gate = threading.Condition()
+        self._active = 0
+        self._frozen = False
         # A sandbox nobody closed dies with its last reference, or at interpreter exit.
         self._finalizer = weakref.finalize(self, _tear_down, self.channel, boundary)
 
@@ -177,6 +202,8 @@ class SupervisedInstance(Instance):
             raise exc.SandboxStartError(f"sandbox failed to start: {err}") from None
         if header.get("ev") != "ready":
             raise exc.SandboxStartError(f"unexpected first reply: {header!r}")
+        if self.spec.snapshot is not None:
+            self.seed(self.spec.snapshot)
         if rules is not None:
             weaker = _rules.check_ready(self.spec, rules, header.get("rules"))
             weakened = (*self.enforcement.weakened, *rules.weakened, *weaker)
@@ -208,6 +235,20 @@ class SupervisedInstance(Instance):
     # -- dispatch -----------------------------------------------------------------------
 
     def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
+        if isinstance(op, TakeSnapshot | Pause):
+            return self._snapshot(op)
+        with self._gate:
+            while self._frozen:
+                self._gate.wait()
+            self._active += 1
+        try:
+            return self._guarded(op, sink)
+        finally:
+            with self._gate:
+                self._active -= 1
+                self._gate.notify_all()
+
+    def _guarded(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         self._check_open()
         oom_before = self.boundary.oom_kills()
         try:
@@ -251,7 +292,7 @@ class SupervisedInstance(Instance):
                 self._file("remove", {"path": op.path, "recursive": op.recursive})
                 return None
             case PutArchive():
-                self._file("put_archive", {"path": op.path}, op.data)
+                self._file("put_archive", {"path": op.path, **_area(op.area)}, op.data)
                 return None
             case GetArchive():
                 return self._get_archive(op, sink)
@@ -296,7 +337,7 @@ class SupervisedInstance(Instance):
         The sink (the host's extractor) gets each chunk as ``sink(0, chunk)`` and stops the
         transfer by raising; without a sink the chunks are joined, at most ``max_bytes``.
         """
-        caps = {"path": op.path, "max_bytes": op.max_bytes, "max_entries": op.max_entries}
+        caps = {"path": op.path, "max_bytes": op.max_bytes, "max_entries": op.max_entries, **_area(op.area)}
         tx = self._archive_step(op, {**caps, "stage": "open"})[0].get("tx")
         if not isinstance(tx, str) or not 0 < len(tx) <= 64:
             raise exc.ProtocolError("the supervisor opened a download without a usable id")
@@ -305,7 +346,13 @@ class SupervisedInstance(Instance):
         over = False
         try:
             while True:
-                args = {"path": op.path, "stage": "next", "tx": tx, "length": TRANSFER_CHUNK}
+                args = {
+                    "path": op.path,
+                    "stage": "next",
+                    "tx": tx,
+                    "length": TRANSFER_CHUNK,
+                    **_area(op.area),
+                }
                 h, data = self._archive_step(op, args)
                 end = h.get("eof") is True
                 if len(data) > TRANSFER_CHUNK or (len(data) < TRANSFER_CHUNK and not end):
@@ -330,7 +377,7 @@ class SupervisedInstance(Instance):
         finally:
             if not over and self.alive:  # tell the supervisor to let go of the transfer
                 with contextlib.suppress(exc.StockadeError):
-                    self._file("get_archive", {"path": op.path, "stage": "close", "tx": tx})
+                    self._file("get_archive", {"path": op.path, "stage": "close", "tx": tx, **_area(op.area)})
 
     def _archive_step(self, op: GetArchive, args: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
         try:
@@ -372,6 +419,106 @@ class SupervisedInstance(Instance):
                 raise exc.ProtocolError(f"supervisor could not {op} {path!r}: {message}")
             raise _ERRORS.get(kind, exc.WorkspaceError)(f"{op} {path!r}: {message}", path=path)
         return header, data
+
+    # -- snapshots ----------------------------------------------------------------------
+
+    def memory_snapshots(self) -> str | None:
+        """None when this sandbox can keep the memory of its processes in a snapshot, else
+        why it cannot (a tier that can overrides this and ``save_memory``)."""
+        return f"the {self.tier} tier keeps files only in a snapshot (workspace, /tmp, environment)"
+
+    def save_memory(self, store: SnapshotStore, *, stop: bool) -> tuple[dict[str, str], dict[str, Any]]:
+        """The tier's memory image of the sandbox, as objects of ``store`` (role -> digest)
+        and what the tier needs to restore it; ``stop``: the sandbox need not run on."""
+        raise exc.LimitNotEnforceable(self.memory_snapshots() or "no memory snapshots here")
+
+    def _snapshot(self, op: TakeSnapshot | Pause) -> Snapshot:
+        """Take a snapshot between calls: new calls wait, running ones are waited for."""
+        self._check_open()
+        why = self.memory_snapshots()
+        if op.memory and why is not None:
+            raise exc.LimitNotEnforceable(
+                f"{why}; this snapshot must keep the memory of the processes",
+                setting="snapshot memory",
+                fix="pass memory=None to keep the files, or use the microvm tier (or gvisor without Docker)",
+            )
+        with self._quiet():
+            self._check_open()
+            memory = op.memory is not False and why is None
+            if memory:
+                blobs, tier_state = self.save_memory(op.store, stop=isinstance(op, Pause))
+                tier_state = {**tier_state, "enforcement": enforcement_state(self.enforcement)}
+            else:
+                blobs, tier_state = self.save_files(op.store), {}
+            snapshot = op.store.save(
+                kind=SnapshotKind.MEMORY if memory else SnapshotKind.FILES,
+                tier=self.tier,
+                source=self.id,
+                spec=spec_state(self.spec),
+                blobs=blobs,
+                tier_state=tier_state,
+                ref=("paused", self.id) if isinstance(op, Pause) else ("kept", ""),
+            )
+        if isinstance(op, Pause):
+            self.close()
+        return snapshot
+
+    @contextlib.contextmanager
+    def _quiet(self) -> Iterator[None]:
+        with self._gate:
+            while self._frozen:
+                self._gate.wait()
+            self._frozen = True
+            try:
+                while self._active:
+                    self._gate.wait()
+            except BaseException:
+                self._frozen = False
+                self._gate.notify_all()
+                raise
+        try:
+            yield
+        finally:
+            with self._gate:
+                self._frozen = False
+                self._gate.notify_all()
+
+    def save_files(self, store: SnapshotStore) -> dict[str, str]:
+        """The workspace and /tmp, each a tar object of ``store``, streamed from the sandbox."""
+        blobs: dict[str, str] = {}
+        area: Area
+        for area in ("workspace", "tmp"):
+            path = store.temp_path(area)
+            digest = hashlib.sha256()
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                with os.fdopen(fd, "wb") as fh:
+
+                    def sink(_: int, chunk: bytes, fh: Any = fh, digest: Any = digest) -> None:
+                        digest.update(chunk)
+                        fh.write(chunk)
+
+                    op = GetArchive(area=area, max_bytes=SNAPSHOT_MAX_BYTES, max_entries=SNAPSHOT_MAX_ENTRIES)
+                    self._get_archive(op, sink)
+            except BaseException:
+                path.unlink(missing_ok=True)
+                raise
+            blobs[area] = store.add_file(path, digest=digest.hexdigest())
+        return blobs
+
+    def seed(self, snapshot: Snapshot) -> None:
+        """Put a snapshot's files (workspace, /tmp) into this fresh sandbox, checked first."""
+        store = SnapshotStore(Path(snapshot.store))
+        manifest = store.verify(snapshot)
+        missing = [a for a in ("workspace", "tmp") if a not in manifest.blobs]
+        if missing:
+            raise exc.SnapshotIncompatible(
+                f"snapshot {snapshot.id} keeps the {snapshot.tier} tier's memory, not files: "
+                f"restore it on the {snapshot.tier} tier"
+            )
+        for area in ("workspace", "tmp"):
+            data = store.check_object(manifest.blobs[area]).read_bytes()
+            self._file("put_archive", {"path": "", **_area(area)}, data)
 
     # -- commands -----------------------------------------------------------------------
 
@@ -568,6 +715,11 @@ class SupervisedInstance(Instance):
             raise exc.ProtocolError(f"malformed {what}: {str(err)[:200]}") from None
 
 
+def _area(area: Area) -> dict[str, str]:
+    """The protocol's ``root`` for an area (the workspace is the default: no key)."""
+    return {} if area == "workspace" else {"root": area}
+
+
 def _tear_down(channel: Channel, boundary: Boundary) -> None:
     channel.close()
     boundary.kill()
@@ -613,3 +765,63 @@ def supervisor_config(spec: SandboxSpec, rlimits: dict[str, int] | None = None) 
         # Descriptors per process, so that the sandbox's processes hold open_files in all.
         "rlimits": {"RLIMIT_NOFILE": spec.limits.files_per_process, **(rlimits or {})},
     }
+
+
+def sandbox_id(spec: SandboxSpec) -> str:
+    """The id of a sandbox being started: the spec's (a paused one resumes under its own),
+    else a new one. It names host folders and cgroups: only ``sbx-`` and 12 hex digits."""
+    if spec.sandbox_id is None:
+        return "sbx-" + secrets.token_hex(6)
+    if not _SANDBOX_ID.match(spec.sandbox_id):
+        raise exc.InvalidArgument(f"{spec.sandbox_id!r} is no sandbox id", argument="sandbox_id")
+    return spec.sandbox_id
+
+
+# -- what a snapshot keeps of a sandbox's settings (JSON, in its manifest) -------------------
+
+
+def spec_state(spec: SandboxSpec) -> dict[str, Any]:
+    return {
+        "limits": dataclasses.asdict(spec.limits),
+        "network": {"enabled": spec.network.enabled, "allow_hosts": list(spec.network.allow_hosts)},
+        "envs": dict(spec.envs),
+        "allow_weaker": spec.allow_weaker,
+        "labels": dict(spec.labels),
+        "rules": None
+        if spec.rules is None
+        else {k: list(v) for k, v in dataclasses.asdict(spec.rules).items()},
+    }
+
+
+def spec_from_state(state: dict[str, Any]) -> SandboxSpec:
+    """The settings a snapshot's sandbox had (the approver, a callable, is the caller's)."""
+    try:
+        rules = state.get("rules")
+        network = state.get("network") or {}
+        return SandboxSpec(
+            limits=Limits(**state.get("limits", {})),
+            network=NetworkPolicy(
+                enabled=bool(network.get("enabled")), allow_hosts=tuple(network.get("allow_hosts") or ())
+            ),
+            envs={str(k): str(v) for k, v in dict(state.get("envs") or {}).items()},
+            allow_weaker=bool(state.get("allow_weaker")),
+            labels={str(k): str(v) for k, v in dict(state.get("labels") or {}).items()},
+            rules=None if rules is None else SandboxRules(**{k: tuple(v) for k, v in rules.items()}),
+        )
+    except (TypeError, ValueError, exc.ConfigurationError) as err:
+        raise exc.SnapshotIncompatible(f"the snapshot's settings do not fit this stockade: {err}") from None
+
+
+def enforcement_state(enforcement: Enforcement) -> dict[str, Any]:
+    return dataclasses.asdict(enforcement)
+
+
+def enforcement_from_state(state: dict[str, Any]) -> Enforcement:
+    fields = dict(state)
+    host = fields.pop("host", None)
+    weakened = tuple(str(w) for w in fields.pop("weakened", ()))
+    return Enforcement(
+        **{k: Mechanism(str(v)) for k, v in fields.items()},
+        host=None if host is None else HostShare(**host),
+        weakened=weakened,
+    )

@@ -24,6 +24,7 @@ from stockade.types import (
     Limits,
     NetworkPolicy,
     SandboxRules,
+    Snapshot,
     TierReport,
 )
 
@@ -43,7 +44,7 @@ __all__ = [
 # Called with (1 for stdout | 2 for stderr, raw bytes) as output arrives.
 OutputSink = Callable[[int, bytes], None]
 # What the ops of ``stockade.sandbox.ops`` answer, whichever it was: what ``handle`` returns.
-OpResult = CommandResult | Execution | bytes | EntryInfo | tuple[EntryInfo, ...] | None
+OpResult = CommandResult | Execution | bytes | EntryInfo | tuple[EntryInfo, ...] | Snapshot | None
 R = TypeVar("R")
 
 
@@ -60,6 +61,11 @@ class SandboxSpec:
     # Asked, on the host, about an exec the rules send for approval; True lets it run.
     # Without one, such an exec is refused.
     approver: Callable[[ExecRecord], bool] | None = None
+    # Start from this snapshot: its memory where the tier took it and can restore it, else
+    # a fresh sandbox holding its files.
+    snapshot: Snapshot | None = None
+    # The id to give the sandbox (a paused one comes back under its own); a new one if None.
+    sandbox_id: str | None = None
 
 
 class Instance(abc.ABC):

@@ -34,7 +34,13 @@ from typing import Any
 from stockade import exceptions as exc
 from stockade.sandbox import _guest, _host, _rules
 from stockade.sandbox._hostinfo import engine_masked_paths
-from stockade.sandbox._supervised import WORKSPACE, Boundary, SupervisedInstance, supervisor_config
+from stockade.sandbox._supervised import (
+    WORKSPACE,
+    Boundary,
+    SupervisedInstance,
+    sandbox_id,
+    supervisor_config,
+)
 from stockade.sandbox.base import Backend, OpResult, OutputSink, SandboxSpec
 from stockade.sandbox.ops import Op
 from stockade.types import Enforcement, HostShare, Mechanism, TierReport
@@ -748,7 +754,7 @@ class DockerBackend(Backend):
             collect_garbage(api)
         _retry_pending(api)
         kernel = self._kernel(api)
-        sid = "sbx-" + secrets.token_hex(6)
+        sid = sandbox_id(spec)
         rundir: Path | None = None
         mounts: list[Path] = []
         binds: dict[str, Path] = {}

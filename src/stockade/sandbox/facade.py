@@ -7,6 +7,7 @@ build those values and shape the results, so that the twins differ only in ``awa
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import io
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Literal, overload
 from stockade import exceptions as exc
 from stockade._checks import check_choice, check_envs, check_timeout
 from stockade.sandbox import _registry
-from stockade.sandbox._supervised import WORKSPACE
+from stockade.sandbox._supervised import WORKSPACE, spec_from_state
 from stockade.sandbox.base import (
     AsyncBackend,
     AsyncInstance,
@@ -25,6 +26,7 @@ from stockade.sandbox.base import (
     OutputSink,
     SandboxSpec,
     ThreadedAsyncBackend,
+    _ThreadedInstance,
 )
 from stockade.sandbox.ops import (
     DOWNLOAD_MAX_BYTES,
@@ -32,6 +34,7 @@ from stockade.sandbox.ops import (
     GetArchive,
     ListDir,
     MakeDir,
+    Pause,
     PutArchive,
     ReadFile,
     Remove,
@@ -39,9 +42,11 @@ from stockade.sandbox.ops import (
     RunCode,
     RunCommand,
     Stat,
+    TakeSnapshot,
     WriteFile,
     program_command,
 )
+from stockade.sandbox.snapshots import SnapshotStore
 from stockade.types import (
     CommandResult,
     DownloadResult,
@@ -54,6 +59,8 @@ from stockade.types import (
     Logs,
     NetworkPolicy,
     SandboxRules,
+    Snapshot,
+    SnapshotKind,
     Trust,
 )
 
@@ -220,6 +227,52 @@ def _spec(
     )
 
 
+def _from_snapshot(
+    snapshot: Snapshot | str,
+    store: SnapshotStore | None,
+    tier: str | None,
+    spec: SandboxSpec,
+    given: Mapping[str, object],
+    *,
+    sandbox_id: str | None = None,
+) -> tuple[str, SandboxSpec]:
+    """The tier and settings of a sandbox started from ``snapshot``: the snapshot's, but what
+    the caller gave (``given``: only what was not None). Memory keeps its machine: a snapshot
+    of memory refuses other limits, and restores on another tier only its files, if it has them.
+    """
+    if not isinstance(snapshot, Snapshot | str):
+        raise exc.InvalidArgument(
+            f"snapshot must be a Snapshot or its id, got {type(snapshot).__name__}", argument="snapshot"
+        )
+    chosen = store or (SnapshotStore(Path(snapshot.store)) if isinstance(snapshot, Snapshot) else None)
+    chosen = chosen or SnapshotStore.default()
+    manifest = chosen.load(snapshot)
+    value = manifest.snapshot
+    kept = spec_from_state(manifest.spec)
+    if value.kind is SnapshotKind.MEMORY and (tier is None or tier == value.tier):
+        changed = sorted(k for k, v in given.items() if v is not None and k != "envs")
+        if changed or given.get("envs"):
+            raise exc.SnapshotIncompatible(
+                f"snapshot {value.id} keeps a running sandbox's memory: its {', '.join(changed) or 'envs'} "
+                "cannot change (take a files snapshot, memory=False, to start from it with other settings)"
+            )
+    limits = given.get("limits")
+    network = given.get("network")
+    envs = given.get("envs")
+    merged = SandboxSpec(
+        limits=limits if isinstance(limits, Limits) else kept.limits,
+        network=network if isinstance(network, NetworkPolicy) else kept.network,
+        envs={**kept.envs, **(envs if isinstance(envs, Mapping) else {})},
+        allow_weaker=spec.allow_weaker or kept.allow_weaker,
+        labels={**kept.labels, **spec.labels},
+        rules=spec.rules if spec.rules is not None else kept.rules,
+        approver=spec.approver,
+        snapshot=value,
+        sandbox_id=sandbox_id,
+    )
+    return tier or value.tier, merged
+
+
 def _choose(tier: str | None, trust: Trust | str | None, prefer: _registry.Preference = "cheapest") -> str:
     if tier is not None and tier not in _registry.TIERS:
         raise exc.InvalidArgument(
@@ -357,6 +410,8 @@ class Sandbox:
         prefer: _registry.Preference = "cheapest",
         rules: SandboxRules | None = None,
         approver: Callable[[ExecRecord], bool] | None = None,
+        snapshot: Snapshot | str | None = None,
+        store: SnapshotStore | None = None,
     ) -> Sandbox:
         """Start a sandbox on ``tier`` (default ``"process"``), or the cheapest tier this host has
         that ``trust`` allows (``prefer="strongest"``: the strongest); ``sbx.tier`` says which.
@@ -366,8 +421,15 @@ class Sandbox:
         ``rules`` are enforced on the code by the sandbox itself (``SandboxRules``: commands
         judged at each exec, read-only paths, denied programs masked, paths left out of the
         copy); ``approver`` is asked, on the host, about an exec the rules send for approval.
+
+        ``snapshot`` (a ``Snapshot`` or its id, in ``store``) starts the sandbox from a snapshot,
+        as many times as wanted: on its tier and with its settings unless others are given;
+        a memory snapshot goes on where its sandbox was, processes and variables included.
         """
         spec = _spec(limits, network, envs, allow_weaker, labels, rules=rules, approver=approver)
+        if snapshot is not None:
+            given = {"limits": limits, "network": network, "envs": envs}
+            tier, spec = _from_snapshot(snapshot, store, tier, spec, given)
         chosen = backend or _registry.backend(_choose(tier, trust, prefer))
         instance = chosen.start(spec)
         sbx = cls(instance)
@@ -417,6 +479,42 @@ class Sandbox:
     def reset(self) -> None:
         """Kill every process, drop interpreter state, empty the workspace and /tmp."""
         self.instance.execute(Reset())
+
+    def snapshot(self, *, memory: bool | None = None, store: SnapshotStore | None = None) -> Snapshot:
+        """Save the sandbox and go on; ``Sandbox.create(snapshot=...)`` starts copies of it.
+
+        The workspace, /tmp (installed packages) and environment always; the memory of every
+        process where the tier can (``snapshot.kind`` says which). ``memory=True`` requires
+        it (``LimitNotEnforceable`` on a tier that cannot), ``memory=False`` keeps files only.
+        Kept in ``store`` (``SnapshotStore.default()``) until deleted from it.
+        """
+        return self.instance.execute(TakeSnapshot(store=store or SnapshotStore.default(), memory=memory))
+
+    def pause(self, *, memory: bool | None = None, store: SnapshotStore | None = None) -> Snapshot:
+        """Save the sandbox as ``snapshot`` does and stop it: ``Sandbox.resume(sbx.id)``, in this
+        process or another one of this host, brings it back as it was."""
+        return self.instance.execute(Pause(store=store or SnapshotStore.default(), memory=memory))
+
+    @classmethod
+    def resume(
+        cls,
+        sandbox_id: str,
+        *,
+        store: SnapshotStore | None = None,
+        backend: Backend | None = None,
+        approver: Callable[[ExecRecord], bool] | None = None,
+    ) -> Sandbox:
+        """The paused sandbox ``sandbox_id``, running again under its id. One resume wins:
+        the others (and a second one) get ``SnapshotNotFound``."""
+        chosen = store or SnapshotStore.default()
+        with chosen.claim("paused", sandbox_id) as ref:
+            tier, spec = _from_snapshot(
+                ref["snapshot"], chosen, None, _spec(None, None, None, False, None), {}, sandbox_id=sandbox_id
+            )
+            spec = dataclasses.replace(spec, approver=approver)
+            instance = (backend or _registry.backend(tier)).start(spec)
+        chosen.delete(ref["snapshot"])
+        return cls(instance)
 
     def close(self) -> None:
         self.instance.close()
@@ -551,10 +649,16 @@ class AsyncSandbox:
         prefer: _registry.Preference = "cheapest",
         rules: SandboxRules | None = None,
         approver: Callable[[ExecRecord], bool] | None = None,
+        snapshot: Snapshot | str | None = None,
+        store: SnapshotStore | None = None,
     ) -> AsyncSandbox:
+        """See ``Sandbox.create``."""
         import asyncio  # lazily: importing stockade must stay cheap
 
         spec = _spec(limits, network, envs, allow_weaker, labels, rules=rules, approver=approver)
+        if snapshot is not None:
+            given = {"limits": limits, "network": network, "envs": envs}
+            tier, spec = await asyncio.to_thread(_from_snapshot, snapshot, store, tier, spec, given)
         if backend is None:
             name = await asyncio.to_thread(_choose, tier, trust, prefer)
             backend = await asyncio.to_thread(_registry.backend, name)
@@ -599,6 +703,35 @@ class AsyncSandbox:
 
     async def reset(self) -> None:
         await self.instance.aexecute(Reset())
+
+    async def snapshot(self, *, memory: bool | None = None, store: SnapshotStore | None = None) -> Snapshot:
+        """See ``Sandbox.snapshot``."""
+        return await self.instance.aexecute(
+            TakeSnapshot(store=store or SnapshotStore.default(), memory=memory)
+        )
+
+    async def pause(self, *, memory: bool | None = None, store: SnapshotStore | None = None) -> Snapshot:
+        """See ``Sandbox.pause``."""
+        return await self.instance.aexecute(Pause(store=store or SnapshotStore.default(), memory=memory))
+
+    @classmethod
+    async def resume(
+        cls,
+        sandbox_id: str,
+        *,
+        store: SnapshotStore | None = None,
+        backend: AsyncBackend | Backend | None = None,
+        approver: Callable[[ExecRecord], bool] | None = None,
+    ) -> AsyncSandbox:
+        """See ``Sandbox.resume``."""
+        import asyncio  # lazily: importing stockade must stay cheap
+
+        if backend is not None and not isinstance(backend, Backend):
+            raise exc.InvalidArgument("resume takes a blocking Backend", argument="backend")
+        sync = await asyncio.to_thread(
+            Sandbox.resume, sandbox_id, store=store, backend=backend, approver=approver
+        )
+        return cls(_ThreadedInstance(sync.instance))
 
     async def close(self) -> None:
         await self.instance.aclose()

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 import shutil
 import subprocess
 import threading
@@ -35,7 +34,7 @@ from stockade import exceptions as exc
 from stockade.sandbox import _guest, _rules
 from stockade.sandbox._host import PipeStream
 from stockade.sandbox._rootfs import find_rootfs
-from stockade.sandbox._supervised import Boundary, SupervisedInstance, supervisor_config
+from stockade.sandbox._supervised import Boundary, SupervisedInstance, sandbox_id, supervisor_config
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.types import Enforcement, HostShare, Mechanism, TierReport
 
@@ -309,7 +308,7 @@ class RunscBackend(Backend):
         if not _guest.has_bytecode(kernel, str(self.rootfs)) and not self._compile_failed:
             self._compile(kernel)
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        sid = "sbx-" + secrets.token_hex(6)
+        sid = sandbox_id(spec)
         bundle = self.state_dir / f"gv-{sid}"
         bundle.mkdir(mode=0o700)  # the host side of the sandbox's files: nobody else's to see
         mounts: list[Path] = []

@@ -20,7 +20,6 @@ import hashlib
 import json
 import math
 import os
-import secrets
 import shlex
 import shutil
 import signal
@@ -36,7 +35,7 @@ from pathlib import Path
 from stockade import exceptions as exc
 from stockade.sandbox import _cgroups, _guest, _rules
 from stockade.sandbox._rootfs import ROOTFS_MARKER, cache_root, find_rootfs
-from stockade.sandbox._supervised import Boundary, SupervisedInstance, supervisor_config
+from stockade.sandbox._supervised import Boundary, SupervisedInstance, sandbox_id, supervisor_config
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.types import Enforcement, HostShare, Mechanism, TierReport
 
@@ -494,7 +493,7 @@ class MicroVMBackend(Backend):
         enforcement = self._plan(spec)
         rules = _rules.plan(spec, root=self.rootfs, can_mask=True, can_confine=True)
         image, initrd = self.prepare()
-        sid = "sbx-" + secrets.token_hex(6)
+        sid = sandbox_id(spec)
         rundir = self.state_dir / f"vm-{sid}"
         rundir.mkdir(mode=0o700)
         mine, theirs = socket.socketpair()

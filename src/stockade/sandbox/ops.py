@@ -10,17 +10,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, Literal, TypeVar
 
-from stockade.types import CommandResult, EntryInfo, Execution
+from stockade.sandbox.snapshots import SnapshotStore
+from stockade.types import CommandResult, EntryInfo, Execution, Snapshot
 
 __all__ = [
     "DOWNLOAD_MAX_BYTES",
     "DOWNLOAD_MAX_ENTRIES",
+    "Area",
     "GetArchive",
     "ListDir",
     "MakeDir",
     "Op",
+    "Pause",
     "PutArchive",
     "ReadFile",
     "Remove",
@@ -28,12 +31,16 @@ __all__ = [
     "RunCode",
     "RunCommand",
     "Stat",
+    "TakeSnapshot",
     "WriteFile",
     "as_inline",
     "program_command",
 ]
 
 R_co = TypeVar("R_co", covariant=True)
+# The writable places an archive may be taken from or put into: the workspace (paths are
+# relative to it), or /tmp (for snapshots: where HOME is, so packages installed --user).
+Area = Literal["workspace", "tmp"]
 
 
 class Op(Generic[R_co]):
@@ -137,10 +144,11 @@ class Remove(Op[None]):
 
 @dataclass(frozen=True, kw_only=True)
 class PutArchive(Op[None]):
-    """Extract a tar archive into ``path`` (a directory of the workspace)."""
+    """Extract a tar archive into ``path`` (a directory of the workspace, or of /tmp)."""
 
     data: bytes
     path: str = ""
+    area: Area = "workspace"
 
 
 # What one download may bring to the host unless the caller says otherwise.
@@ -162,6 +170,7 @@ class GetArchive(Op[bytes]):
     path: str = ""
     max_bytes: int = DOWNLOAD_MAX_BYTES
     max_entries: int = DOWNLOAD_MAX_ENTRIES
+    area: Area = "workspace"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,3 +182,25 @@ class Reset(Op[None]):
     """
 
     warm_interpreter: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class TakeSnapshot(Op[Snapshot]):
+    """Save the sandbox into ``store`` and let it go on; the snapshot is kept until deleted.
+
+    ``memory``: ``None`` keeps the memory of every process where the tier can, the files
+    elsewhere; ``True`` requires it (``LimitNotEnforceable`` where the tier cannot);
+    ``False`` keeps the files only. Calls running meanwhile are waited for.
+    """
+
+    store: SnapshotStore
+    memory: bool | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pause(Op[Snapshot]):
+    """Save the sandbox as ``TakeSnapshot`` does, then stop it: it is kept under its id until
+    ``Sandbox.resume(id)`` (in any process of this host) brings it back."""
+
+    store: SnapshotStore
+    memory: bool | None = None

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -38,7 +37,13 @@ from stockade.sandbox._host import (
     umount,
 )
 from stockade.sandbox._hostinfo import bwrap_masks
-from stockade.sandbox._supervised import WORKSPACE, Boundary, SupervisedInstance, supervisor_config
+from stockade.sandbox._supervised import (
+    WORKSPACE,
+    Boundary,
+    SupervisedInstance,
+    sandbox_id,
+    supervisor_config,
+)
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.sandbox.kernel import sources as kernel_sources
 from stockade.types import Enforcement, HostShare, Mechanism, TierReport
@@ -401,7 +406,7 @@ class ProcessBackend(Backend):
         enforcement = self._plan(spec)
         rules = _rules.plan(spec, root=self.rootfs or Path("/"), can_mask=True, can_confine=True)
         self._prepare()
-        sid = "sbx-" + secrets.token_hex(6)
+        sid = sandbox_id(spec)
         rundir = self.state_dir / sid
         rundir.mkdir(mode=0o700)
         (rundir / OWNER_FILE).write_text(f"{os.getpid()} {start_time(os.getpid())}")

@@ -102,12 +102,15 @@ PUBLIC: dict[str, set[str]] = {
         "FileTypeError", "HostShare", "InvalidArgument", "LimitNotEnforceable", "Limits", "Logs", "Mechanism",
         "NetworkPolicy", "PathEscapeError", "PolicyDenied", "ProtocolError", "ResourceContention",
         "Result", "Sandbox", "SandboxClosed", "SandboxCrashed", "SandboxError", "SandboxFileNotFound",
-        "SandboxPool", "SandboxRules", "SandboxStartError", "SkippedEntry", "StockadeError", "TierReport",
+        "SandboxPool", "SandboxRules", "SandboxStartError", "SkippedEntry", "Snapshot", "SnapshotCorrupt",
+        "SnapshotError", "SnapshotIncompatible", "SnapshotKind", "SnapshotNotFound", "SnapshotStore",
+        "StockadeError", "TierReport",
         "TierUnavailable", "Trust", "WorkspaceError", "WorkspaceFull", "__version__",
     },
     "stockade.sandbox": {
         "TIMEOUT_MARGIN_S", "AsyncBackend", "AsyncInstance", "AsyncSandbox", "Backend", "Instance",
-        "PoolStats", "Sandbox", "SandboxPool", "SandboxSpec", "WrapperBackend", "WrapperInstance",
+        "PoolStats", "Sandbox", "SandboxPool", "SandboxSpec", "SnapshotStore", "WrapperBackend",
+        "WrapperInstance",
     },
     "stockade.agent": {
         "DEFAULT_SYSTEM_PROMPT", "Agent", "AgentEvent", "AgentRun", "CallToolsNode", "CheckFinished",

@@ -666,7 +666,8 @@ class Supervisor:
     def op_put_archive(self, rid: int, h: dict[str, Any], body: bytes) -> None:
         import tarfile  # lazily: importing it costs more than starting the supervisor
 
-        dest = self.workspace.root + "/" + self._rel(h.get("path", ""))
+        area = self._area(h)
+        dest = area.root + "/" + "/".join(area._split(h.get("path", "")))
         with tarfile.open(fileobj=io.BytesIO(body), mode="r:*") as tar:
             if hasattr(tarfile, "data_filter"):
                 tar.extractall(dest, filter="data")
@@ -679,8 +680,12 @@ class Supervisor:
         then ``next`` until ``eof``, or ``close``); see archive.py."""
         import archive  # lazily: it imports tarfile, which costs more than starting the supervisor
 
-        reply, data = archive.handle(self.workspace, h)
+        reply, data = archive.handle(self._area(h), h)
         self.send({"id": rid, "ev": "done", **reply}, data)
+
+    def _area(self, h: dict[str, Any]) -> Workspace:
+        """Where an archive is taken or put: the workspace, or /tmp (a snapshot's files)."""
+        return Workspace("/tmp") if h.get("root") == "tmp" else self.workspace
 
     def reset(self, rid: int, h: dict[str, Any], rest: bytes) -> None:
         """Make the sandbox as it was at start-up, then exec a fresh supervisor in our place.
@@ -963,13 +968,24 @@ def main() -> None:
         _resume(sup, reader)
         return
     # The first frame configures us; nothing is forked before it, so the host can first
-    # move this process into its cgroup.
+    # move this process into its cgroup. A host that keeps a snapshot of sandboxes before
+    # they are configured (the microVM's boot image) first says hello: we load what every
+    # interpreter needs and answer, and the snapshot is taken while we wait for the rest.
+    frames: list[tuple[dict[str, Any], bytes]] = []
     while True:
-        chunk = os.read(rfd, 1 << 16)
-        if not chunk:
-            return
-        reader.feed(chunk)
-        frames = reader.frames()
+        if not frames:
+            chunk = os.read(rfd, 1 << 16)
+            if not chunk:
+                return
+            reader.feed(chunk)
+            frames = reader.frames()
+        if frames and frames[0][0].get("op") == "hello":
+            import interpreter  # type: ignore[import-not-found]
+
+            interpreter.preload()
+            sup.send({"id": frames[0][0].get("id", 0), "ev": "hello", "pid": os.getpid()})
+            frames = frames[1:]
+            continue
         if frames:
             break
     header, _ = frames[0]

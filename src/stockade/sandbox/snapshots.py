@@ -1,0 +1,477 @@
+"""Where snapshots are kept: a content-addressed folder on this host.
+
+    STORE/
+      objects/<sha256>            the bytes: a tar of /workspace or /tmp, a memory image
+      snapshots/<sha256>.json     a manifest: what one snapshot is made of; its id is its hash
+      refs/<kind>/<name>          what keeps a snapshot: a paused sandbox (``paused``), a
+                                  snapshot a caller took (``kept``), a microVM's boot image (``boot``)
+      verified/<sha256>           the object's identity (inode, size, times) when last hashed
+      tmp/                        what is being written
+
+Every object is named by the SHA-256 of its bytes and every manifest by the SHA-256 of its
+text, so a snapshot is its id: before anything is restored, the manifest and each object are
+hashed again (``SnapshotCorrupt`` on any difference). Hashing a memory image of a few hundred
+MiB on every start would cost more than the start, so a full hash is recorded with the
+object's inode, size, modification and change times, and skipped while they are unchanged:
+any write to the file changes its change time, which only the clock can set back.
+
+Objects are kept once, whatever shares them (every fork of one snapshot, two snapshots of
+one workspace). ``collect`` (``stockade gc``) removes what no ref keeps; the store holds at
+most ``max_bytes`` (disk blocks), dropping the boot images used longest ago first, and
+refuses a snapshot that would not fit otherwise. The folder is root's alone (0700): a
+snapshot holds the sandbox's environment and memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from stockade import exceptions as exc
+from stockade.types import Snapshot, SnapshotKind
+
+__all__ = ["FORMAT", "Manifest", "SnapshotStore"]
+
+FORMAT = 1
+MiB = 1024 * 1024
+DEFAULT_MAX_MB = 20 * 1024
+ID_PREFIX = "snap-"
+ID_HEX = 32  # 128 bits of the manifest's hash name a snapshot
+# Unreferenced files younger than this are being written by someone: collect leaves them.
+GRACE_S = 120.0
+CHUNK = 4 * MiB
+REF_KINDS = ("paused", "kept", "boot")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A snapshot as stored: its public value and the manifest's fields (``blobs`` maps a
+    role, such as ``workspace`` or ``memory``, to an object's digest)."""
+
+    snapshot: Snapshot
+    data: Mapping[str, Any]
+
+    @property
+    def blobs(self) -> dict[str, str]:
+        return {str(k): str(v) for k, v in dict(self.data.get("blobs") or {}).items()}
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        return dict(self.data.get("spec") or {})
+
+    @property
+    def tier_state(self) -> dict[str, Any]:
+        """What the tier recorded to restore the memory (its machine, its image layout)."""
+        return dict(self.data.get("tier_state") or {})
+
+
+@dataclass(frozen=True)
+class SnapshotStore:
+    """A snapshot store: ``SnapshotStore.default()`` unless told otherwise."""
+
+    root: Path
+    max_bytes: int = DEFAULT_MAX_MB * MiB
+
+    @classmethod
+    def default(cls) -> SnapshotStore:
+        """``STOCKADE_SNAPSHOT_DIR`` (else /var/lib/stockade/snapshots as root, else
+        ~/.local/share/stockade/snapshots), at most ``STOCKADE_SNAPSHOT_MAX_MB`` MiB."""
+        explicit = os.environ.get("STOCKADE_SNAPSHOT_DIR")
+        if explicit:
+            root = Path(explicit)
+        elif os.geteuid() == 0:
+            root = Path("/var/lib/stockade/snapshots")
+        else:
+            root = Path.home() / ".local/share/stockade/snapshots"
+        limit = os.environ.get("STOCKADE_SNAPSHOT_MAX_MB", "")
+        if limit and not limit.isdigit():
+            raise exc.InvalidArgument(
+                f"STOCKADE_SNAPSHOT_MAX_MB is {limit!r}", argument="STOCKADE_SNAPSHOT_MAX_MB", fix="give MiB"
+            )
+        return cls(root, (int(limit) if limit else DEFAULT_MAX_MB) * MiB)
+
+    # -- layout -------------------------------------------------------------------------
+
+    def _dir(self, name: str) -> Path:
+        path = self.root / name
+        if not path.is_dir():
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.chmod(self.root, 0o700)
+            path.mkdir(exist_ok=True, mode=0o700)
+        return path
+
+    def object_path(self, digest: str) -> Path:
+        if not _DIGEST.match(digest):
+            raise exc.SnapshotCorrupt(f"a snapshot names an object {digest[:80]!r}, which is no SHA-256")
+        return self.root / "objects" / digest
+
+    def temp_path(self, hint: str = "blob") -> Path:
+        """A fresh path to write an object to, before ``add_file`` names it by its hash."""
+        return self._dir("tmp") / f"{hint}-{os.getpid()}-{secrets.token_hex(6)}"
+
+    # -- objects ------------------------------------------------------------------------
+
+    def add_bytes(self, data: bytes) -> str:
+        path = self.temp_path()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        return self.add_file(path, digest=hashlib.sha256(data).hexdigest())
+
+    def add_stream(self, chunks: Iterator[bytes]) -> str:
+        path = self.temp_path()
+        digest = hashlib.sha256()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                for chunk in chunks:
+                    digest.update(chunk)
+                    fh.write(chunk)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        return self.add_file(path, digest=digest.hexdigest())
+
+    def add_file(self, path: Path, *, digest: str | None = None) -> str:
+        """Move ``path`` (a file of this store's ``tmp``) into the objects, named by its hash."""
+        digest = digest or _hash_file(path)
+        target = self._dir("objects") / digest
+        os.chmod(path, 0o400)
+        if target.exists():
+            path.unlink()
+            with contextlib.suppress(OSError):
+                os.utime(target)  # used again: collect and eviction see it as new
+        else:
+            os.replace(path, target)
+        self._stamp(digest, target)
+        return digest
+
+    def check_object(self, digest: str) -> Path:
+        """The object's path, once its bytes are known to hash to ``digest``."""
+        path = self.object_path(digest)
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            raise exc.SnapshotCorrupt(
+                f"object {digest[:16]} of the snapshot is missing from {self.root}"
+            ) from None
+        stamp = self.root / "verified" / digest
+        with contextlib.suppress(OSError):
+            if stamp.read_text() == _identity(st):
+                return path
+        if _hash_file(path) != digest:
+            raise exc.SnapshotCorrupt(
+                f"object {digest[:16]} of the snapshot was modified (its bytes no longer hash to its "
+                "name); nothing was restored from it"
+            )
+        self._stamp(digest, path)
+        return path
+
+    def _stamp(self, digest: str, path: Path) -> None:
+        stamp = self._dir("verified") / digest
+        tmp = stamp.with_name(f".{digest}-{secrets.token_hex(4)}")
+        tmp.write_text(_identity(path.stat()))
+        os.replace(tmp, stamp)
+
+    # -- manifests ----------------------------------------------------------------------
+
+    def save(
+        self,
+        *,
+        kind: SnapshotKind,
+        tier: str,
+        source: str,
+        spec: Mapping[str, Any],
+        blobs: Mapping[str, str],
+        tier_state: Mapping[str, Any] | None = None,
+        ref: tuple[str, str] | None = None,
+    ) -> Snapshot:
+        """Write the manifest of a snapshot made of ``blobs`` (already added), keep it under
+        ``ref`` (kind, name; an empty name is the snapshot's id), and make room for it. A
+        snapshot that does not fit is removed."""
+        size = sum(_disk_size(self.object_path(d)) for d in set(blobs.values()))
+        data = {
+            "format": FORMAT,
+            "kind": kind.value,
+            "tier": tier,
+            "source": source,
+            "taken_at": round(time.time(), 6),
+            "size_bytes": size,
+            "spec": dict(spec),
+            "blobs": dict(blobs),
+            "tier_state": dict(tier_state or {}),
+        }
+        text = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+        digest = hashlib.sha256(text).hexdigest()
+        target = self._dir("snapshots") / f"{digest}.json"
+        tmp = self.temp_path("manifest")
+        tmp.write_bytes(text)
+        os.chmod(tmp, 0o400)
+        os.replace(tmp, target)
+        snapshot = _value(digest, data, self.root)
+        if ref is not None:
+            ref = (ref[0], ref[1] or snapshot.id)
+            self.set_ref(ref[0], ref[1], snapshot.id)
+        try:
+            self._make_room(keep=snapshot.id)
+        except exc.SnapshotError:
+            self.delete(snapshot.id)
+            raise
+        return snapshot
+
+    def load(self, snapshot: Snapshot | str) -> Manifest:
+        """The manifest of a snapshot, its text checked against its hash (``SnapshotCorrupt``)."""
+        sid = snapshot.id if isinstance(snapshot, Snapshot) else str(snapshot)
+        path = self._manifest_path(sid)
+        text = path.read_bytes()
+        digest = path.name.removesuffix(".json")
+        if hashlib.sha256(text).hexdigest() != digest:
+            raise exc.SnapshotCorrupt(f"the manifest of snapshot {sid} was modified; nothing was restored")
+        try:
+            data = json.loads(text)
+        except ValueError:  # pragma: no cover - a text that hashes right was written by us
+            raise exc.SnapshotCorrupt(f"the manifest of snapshot {sid} does not parse") from None
+        if data.get("format") != FORMAT:
+            raise exc.SnapshotIncompatible(f"snapshot {sid} has format {data.get('format')!r}, not {FORMAT}")
+        return Manifest(_value(digest, data, self.root), data)
+
+    def verify(self, snapshot: Snapshot | str) -> Manifest:
+        """``load`` and hash every object (``SnapshotCorrupt`` on the first that differs)."""
+        manifest = self.load(snapshot)
+        for digest in sorted(set(manifest.blobs.values())):
+            self.check_object(digest)
+        return manifest
+
+    def get(self, snapshot_id: str) -> Snapshot:
+        return self.load(snapshot_id).snapshot
+
+    def snapshots(self) -> list[Snapshot]:
+        """Every snapshot a ref keeps (paused sandboxes, kept snapshots), newest first."""
+        found: dict[str, Snapshot] = {}
+        for kind in ("paused", "kept"):
+            for _, sid in self.refs(kind):
+                with contextlib.suppress(exc.SnapshotError, OSError):
+                    found[sid] = self.load(sid).snapshot
+        return sorted(found.values(), key=lambda s: s.taken_at, reverse=True)
+
+    def delete(self, snapshot: Snapshot | str) -> None:
+        """Forget a snapshot: its refs and manifest go now, its objects at the next ``collect``
+        unless another snapshot shares them."""
+        sid = snapshot.id if isinstance(snapshot, Snapshot) else str(snapshot)
+        for kind in REF_KINDS:
+            for name, target in self.refs(kind):
+                if target == sid:
+                    self.drop_ref(kind, name)
+        with contextlib.suppress(exc.SnapshotNotFound):
+            self._manifest_path(sid).unlink(missing_ok=True)
+
+    def _manifest_path(self, sid: str) -> Path:
+        hexpart = sid.removeprefix(ID_PREFIX)
+        if not sid.startswith(ID_PREFIX) or len(hexpart) != ID_HEX or not _DIGEST.match(hexpart + "0" * 32):
+            raise exc.SnapshotNotFound(f"{sid!r} is no snapshot id (snap- and 32 hex digits)")
+        matches = list((self.root / "snapshots").glob(f"{hexpart}*.json"))
+        if len(matches) != 1:
+            raise exc.SnapshotNotFound(f"no snapshot {sid} in {self.root}")
+        return matches[0]
+
+    # -- refs ---------------------------------------------------------------------------
+
+    def _ref(self, kind: str, name: str) -> Path:
+        if kind not in REF_KINDS or not _NAME.match(name):
+            raise exc.InvalidArgument(f"bad snapshot ref {kind}/{name}", argument="ref")
+        return self._dir("refs") / kind / name
+
+    def set_ref(self, kind: str, name: str, snapshot_id: str, **extra: str) -> None:
+        path = self._ref(kind, name)
+        path.parent.mkdir(exist_ok=True, mode=0o700)
+        tmp = path.with_name(f".{name}-{secrets.token_hex(4)}")
+        tmp.write_text(json.dumps({"snapshot": snapshot_id, **extra}))
+        os.replace(tmp, path)
+
+    def ref(self, kind: str, name: str) -> dict[str, str] | None:
+        """What the ref holds (``snapshot``, and what its writer added), or None."""
+        path = self._ref(kind, name)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # used: the boot image evicted last
+        return {str(k): str(v) for k, v in data.items()}
+
+    def drop_ref(self, kind: str, name: str) -> None:
+        self._ref(kind, name).unlink(missing_ok=True)
+
+    def refs(self, kind: str) -> list[tuple[str, str]]:
+        folder = self.root / "refs" / kind
+        out = []
+        if folder.is_dir():
+            for path in sorted(folder.iterdir()):
+                if path.name.startswith("."):
+                    continue
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    out.append((path.name, str(json.loads(path.read_text())["snapshot"])))
+        return out
+
+    @contextlib.contextmanager
+    def claim(self, kind: str, name: str) -> Iterator[dict[str, str]]:
+        """Take a ref for oneself (a resume): one claimer wins, the others get
+        ``SnapshotNotFound``. The ref is gone when the block ends well, back when it raises."""
+        path = self._ref(kind, name)
+        claimed = path.with_name(f".{name}.claimed-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            os.rename(path, claimed)
+        except FileNotFoundError:
+            raise exc.SnapshotNotFound(f"nothing {kind} under {name!r} in {self.root}") from None
+        try:
+            data = json.loads(claimed.read_text())
+            yield {str(k): str(v) for k, v in data.items()}
+        except BaseException:
+            os.rename(claimed, path)
+            raise
+        claimed.unlink(missing_ok=True)
+
+    # -- room and collection ------------------------------------------------------------
+
+    def size(self) -> int:
+        folder = self.root / "objects"
+        return sum(_disk_size(p) for p in folder.iterdir()) if folder.is_dir() else 0
+
+    def _make_room(self, keep: str) -> None:
+        """Evict boot images, least recently used first, until the store fits its limit.
+        Objects written in the last ``GRACE_S`` may be another process's snapshot in the
+        making: they stay, and count."""
+        if self.size() <= self.max_bytes:
+            return
+        boots = []
+        for name, sid in self.refs("boot"):
+            with contextlib.suppress(OSError):
+                boots.append(((self.root / "refs" / "boot" / name).stat().st_mtime, name, sid))
+        for _, _, sid in sorted(boots):
+            if sid != keep:
+                objects: frozenset[str] = frozenset()
+                with contextlib.suppress(exc.SnapshotError, OSError):
+                    objects = frozenset(self.load(sid).blobs.values())
+                self.delete(sid)
+                self.collect(keep=keep, evicted=objects)
+                if self.size() <= self.max_bytes:
+                    return
+        total = self.size()
+        if total > self.max_bytes:
+            raise exc.SnapshotError(
+                f"the snapshot store {self.root} is full ({total // MiB} MiB of "
+                f"{self.max_bytes // MiB} MiB): delete snapshots or paused sandboxes, "
+                "or raise STOCKADE_SNAPSHOT_MAX_MB"
+            )
+
+    def collect(
+        self, *, grace_s: float = GRACE_S, keep: str = "", evicted: frozenset[str] = frozenset()
+    ) -> list[str]:
+        """Remove what nothing keeps: refs to missing snapshots, snapshots no ref keeps, objects
+        no snapshot uses, writes a crash left. Files younger than ``grace_s`` are being written,
+        except the ``evicted`` objects (of a snapshot deleted to make room)."""
+        if not self.root.is_dir():
+            return []
+        now = time.time()
+
+        def old(path: Path) -> bool:
+            try:
+                return now - path.lstat().st_mtime >= grace_s
+            except FileNotFoundError:
+                return False
+
+        removed: list[str] = []
+        kept = self._live_refs(removed) | ({keep} if keep else set())
+        used = self._live_manifests(kept, old, removed)
+        for sub in ("objects", "verified"):
+            for path in _entries(self.root / sub):
+                name = path.name.lstrip(".").split("-")[0]
+                if name not in used and (old(path) or sub == "verified" or name in evicted):
+                    path.unlink(missing_ok=True)
+                    if sub == "objects":
+                        removed.append(f"snapshot object {name[:16]}")
+        for path in _entries(self.root / "tmp"):
+            if now - path.lstat().st_mtime > max(grace_s, 3600.0):
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+                removed.append(f"unfinished snapshot write {path.name}")
+        return removed
+
+    def _live_refs(self, removed: list[str]) -> set[str]:
+        """The snapshots refs keep; refs to missing snapshots are dropped."""
+        kept: set[str] = set()
+        for kind in REF_KINDS:
+            for name, sid in self.refs(kind):
+                try:
+                    self._manifest_path(sid)
+                    kept.add(sid)
+                except exc.SnapshotNotFound:
+                    self.drop_ref(kind, name)
+                    removed.append(f"snapshot ref {kind}/{name} (its snapshot is gone)")
+        return kept
+
+    def _live_manifests(self, kept: set[str], old: Callable[[Path], bool], removed: list[str]) -> set[str]:
+        """The objects of the snapshots kept (or too young to judge); the others are removed."""
+        used: set[str] = set()
+        for path in _entries(self.root / "snapshots"):
+            sid = ID_PREFIX + path.name[:ID_HEX]
+            if sid not in kept and old(path):
+                path.unlink(missing_ok=True)
+                removed.append(f"snapshot {sid}")
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                used.update(str(d) for d in dict(json.loads(path.read_bytes()).get("blobs") or {}).values())
+        return used
+
+
+def _entries(folder: Path) -> list[Path]:
+    return sorted(folder.iterdir()) if folder.is_dir() else []
+
+
+def _value(digest: str, data: Mapping[str, Any], root: Path) -> Snapshot:
+    return Snapshot(
+        id=ID_PREFIX + digest[:ID_HEX],
+        kind=SnapshotKind(str(data.get("kind"))),
+        tier=str(data.get("tier")),
+        source=str(data.get("source", "")),
+        taken_at=float(data.get("taken_at") or 0.0),
+        size_bytes=int(data.get("size_bytes") or 0),
+        store=str(root),
+    )
+
+
+def _hash_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        _hash_into(fh, digest)
+    return digest.hexdigest()
+
+
+def _hash_into(fh: BinaryIO, digest: Any) -> None:
+    while True:
+        chunk = fh.read(CHUNK)
+        if not chunk:
+            return
+        digest.update(chunk)
+
+
+def _identity(st: os.stat_result) -> str:
+    return f"{st.st_dev} {st.st_ino} {st.st_size} {st.st_mtime_ns} {st.st_ctime_ns}"
+
+
+def _disk_size(path: Path) -> int:
+    try:
+        return path.stat().st_blocks * 512
+    except FileNotFoundError:
+        return 0
