@@ -50,6 +50,19 @@ def _home_is_left_untouched() -> Iterator[None]:
     assert not changed, f"the tests changed the home folder {HOME}: {changed[:10]}"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _own_snapshot_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Snapshots (and the microVM's boot images) in a folder of the session's own, set before
+    any tier is created (a backend keeps the store it was made with)."""
+    before = os.environ.get("STOCKADE_SNAPSHOT_DIR")
+    os.environ["STOCKADE_SNAPSHOT_DIR"] = str(tmp_path_factory.mktemp("snapshots"))
+    yield
+    if before is None:
+        os.environ.pop("STOCKADE_SNAPSHOT_DIR", None)
+    else:
+        os.environ["STOCKADE_SNAPSHOT_DIR"] = before
+
+
 @pytest.fixture(autouse=True)
 def _own_state_folders(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Kill switches and approvals of each test in folders of its own (subprocesses inherit them)."""

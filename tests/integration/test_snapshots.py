@@ -21,6 +21,7 @@ from stockade import (
     Limits,
     Sandbox,
     SnapshotCorrupt,
+    SnapshotIncompatible,
     SnapshotKind,
     SnapshotNotFound,
     SnapshotStore,
@@ -117,3 +118,71 @@ def test_collection_removes_what_nothing_keeps(store: SnapshotStore) -> None:
     assert [s.id for s in store.snapshots()] == [kept.id]
     with pytest.raises(SnapshotNotFound):
         store.load(dropped)
+
+
+# -- memory: the microVM (QEMU migration to a file) ------------------------------------------
+
+MEMORY_TIERS = [t for t in ("microvm",) if t in TIERS]
+COUNTER = """
+import threading, time
+x = 41
+ticks = [0]
+def tick():
+    while True:
+        ticks[0] += 1
+        time.sleep(0.05)
+threading.Thread(target=tick, daemon=True).start()
+time.sleep(0.3)
+"""
+
+
+@pytest.mark.parametrize("tier", MEMORY_TIERS)
+def test_a_paused_sandbox_resumes_with_its_memory(tier: str, store: SnapshotStore) -> None:
+    """A Python variable and a thread that keeps running survive a pause, a process exit, a resume."""
+    require_tier(tier)
+    paused = _child(
+        f"""
+        sbx = Sandbox.create({tier!r}, limits=Limits(memory_mb=256, pids=64))
+        sbx.files.write("a.txt", "kept")
+        sbx.run_code({COUNTER!r})
+        before = int(sbx.run_code("ticks[0]").text)
+        snap = sbx.pause(store=store)
+        print(json.dumps({{"id": sbx.id, "kind": snap.kind, "before": before}}))
+        """,
+        store,
+    )
+    assert paused["kind"] == "memory"
+    with Sandbox.resume(str(paused["id"]), store=store) as sbx:
+        assert sbx.run_code("x + 1").text == "42"
+        first = int(str(sbx.run_code("ticks[0]").text))
+        later = int(str(sbx.run_code("import time; time.sleep(0.5); ticks[0]").text))
+        assert int(str(paused["before"])) <= first < later  # the thread went on where it was
+        assert sbx.files.read("a.txt") == "kept"
+        with pytest.raises(SnapshotIncompatible):
+            Sandbox.create(snapshot=sbx.snapshot(store=store), store=store, limits=Limits(memory_mb=300))
+
+
+@pytest.mark.parametrize("tier", MEMORY_TIERS)
+def test_forks_of_one_memory_snapshot_are_distinct(tier: str, store: SnapshotStore) -> None:
+    """Each guest restored from one snapshot draws its own randomness (the kernel reseeded
+    before anything runs): random bytes, temporary names, its boot id, its clock."""
+    require_tier(tier)
+    with Sandbox.create(tier, limits=LIMITS) as sbx:
+        sbx.run_code("import os, random, tempfile, time, uuid")
+        snap = sbx.snapshot(store=store)
+    assert snap.kind is SnapshotKind.MEMORY
+    probe = (
+        "(os.urandom(16).hex(), random.random(), tempfile.mktemp(), uuid.uuid4().hex,"
+        " open('/proc/sys/kernel/random/boot_id').read(), round(time.time()))"
+    )
+    seen = []
+    forks = [Sandbox.create(snapshot=snap, store=store) for _ in range(2)]
+    try:
+        for fork in forks:
+            assert fork.run_code("x = 1").error is None
+            seen.append(fork.run_code(probe).text)
+            seen.append(fork.commands.run("head -c 16 /dev/urandom | od -An -tx1; mktemp").stdout)
+    finally:
+        for fork in forks:
+            fork.close()
+    assert len(set(seen)) == len(seen)

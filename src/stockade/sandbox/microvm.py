@@ -16,10 +16,13 @@ default: nested KVM is often missing or hangs (``STOCKADE_MICROVM_ACCEL=kvm`` to
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import fcntl
 import hashlib
 import json
 import math
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -29,15 +32,24 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from stockade import exceptions as exc
-from stockade.sandbox import _cgroups, _guest, _rules
+from stockade.sandbox import _cgroups, _guest, _qmp, _rules
 from stockade.sandbox._rootfs import ROOTFS_MARKER, cache_root, find_rootfs
-from stockade.sandbox._supervised import Boundary, SupervisedInstance, sandbox_id, supervisor_config
+from stockade.sandbox._supervised import (
+    Boundary,
+    SupervisedInstance,
+    enforcement_from_state,
+    sandbox_id,
+    supervisor_config,
+)
 from stockade.sandbox.base import Backend, SandboxSpec
-from stockade.types import Enforcement, HostShare, Mechanism, TierReport
+from stockade.sandbox.snapshots import SnapshotStore
+from stockade.types import Enforcement, HostShare, Mechanism, SnapshotKind, TierReport
 
 __all__ = ["MicroVMBackend", "collect_garbage"]
 
@@ -62,6 +74,10 @@ MODULE_PATHS = {
 }
 PORT_NAME = "stockade"
 IMAGE_VERSION = "1"
+# Part of every boot image's and memory snapshot's machine key: raise it when what the guest
+# does around a snapshot changes (the helper, its messages).
+SNAPSHOT_VERSION = "1"
+CTL_NAME = f"{PORT_NAME}-ctl"
 
 # PID 1 of the guest until the supervisor replaces it. Reads the limits from the kernel
 # command line; a failure exits, which panics the guest kernel and ends QEMU (-no-reboot).
@@ -73,12 +89,14 @@ $B mount -t devtmpfs dev /dev
 $B mount -t proc proc /proc
 $B mount -t sysfs sys /sys
 for m in MODULES; do $B insmod /lib/modules/$m.ko || fail "insmod $m"; done
-port=""; i=0
+port=""; ctl=""; i=0
 while :; do
   for f in /sys/class/virtio-ports/*/name; do
-    [ "$($B cat "$f" 2>/dev/null)" = PORT ] && port=${f%/name} && port=${port##*/}
+    n=$($B cat "$f" 2>/dev/null); d=${f%/name}; d=${d##*/}
+    [ "$n" = PORT ] && port=$d
+    [ "$n" = PORT-ctl ] && ctl=$d
   done
-  [ -n "$port" ] && [ -e "/dev/$port" ] && [ -e /dev/vda ] && break
+  [ -n "$port" ] && [ -e "/dev/$port" ] && [ -n "$ctl" ] && [ -e "/dev/$ctl" ] && [ -e /dev/vda ] && break
   i=$((i+1)); [ $i -gt 5000 ] && fail "virtio devices missing"
   $B usleep 1000
 done
@@ -109,17 +127,78 @@ $B cp -a /stockade/. $R/opt/stockade/
 $B mount -o remount,ro,nosuid,nodev kernel $R/opt/stockade
 $B hostname sandbox
 $B ip link set lo up 2>/dev/null
-exec 0<>$R/dev/$port 1>&0 2>/dev/console
+exec 4<>$R/dev/$port 3<>$R/dev/$ctl 0</dev/null 1>/dev/console 2>/dev/console
 $B umount -l /dev /proc /sys
 exec $B switch_root $R /bin/sh /opt/stockade/start.sh
 """
 
-# Stage two, in the guest's root: drop every privilege and become the supervisor.
+# Stage two, in the guest's root. The sandbox gets a pid namespace of its own, whose init is
+# the supervisor, without any privilege (as on every tier: code cannot signal its init). This
+# shell's place, PID 1 of the guest, goes to the guest's root helper: out of the sandbox's
+# sight, it reseeds the kernel's randomness and sets the clock when a snapshot is restored.
 START = """\
 cd /workspace || exit 1
-exec /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 \\
+/usr/bin/unshare --pid --fork --mount --propagation private --mount-proc \\
+  /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 \\
   /usr/bin/setpriv --reuid 1000 --regid 1000 --clear-groups --inh-caps=-all --bounding-set=-all \\
-  --no-new-privs -- ARGV
+  --no-new-privs -- ARGV 0<&4 1<&4 3<&- 4<&- &
+exec /usr/bin/nice -n 10 /usr/bin/python3 -S -E -s -I /opt/stockade/guestd.py 4<&-
+"""
+
+# The guest's PID 1 once the sandbox runs (root, outside the sandbox's pid namespace). It
+# reads the host's orders on its own port (fd 3, a device only root may open): "S", a time in
+# nanoseconds and 32 random bytes: mix them into the kernel's pool, credit them, reseed the
+# generator (so two guests restored from one snapshot draw different numbers from the first
+# byte on) and set the clock (a snapshot's clock stopped when it was taken); it answers "K".
+# "U" says it listens. When the sandbox's init ends, so does it (and with it the VM).
+GUESTD = """\
+import fcntl, os, signal, struct, time
+
+RNDADDENTROPY = 0x40085203
+RNDRESEEDCRNG = 0x5207
+MESSAGE = 41
+
+
+def reap(*_):
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            os._exit(0)
+        if pid == 0:
+            return
+
+
+def seed(data):
+    ns = struct.unpack(">Q", data[:8])[0]
+    with open("/dev/urandom", "wb", buffering=0) as fh:
+        fcntl.ioctl(fh, RNDADDENTROPY, struct.pack("ii", 256, 32) + data[8:40])
+        fcntl.ioctl(fh, RNDRESEEDCRNG)
+    time.clock_settime_ns(time.CLOCK_REALTIME, ns)
+
+
+signal.signal(signal.SIGCHLD, reap)
+reap()
+os.write(3, b"U")
+buf = b""
+while True:
+    data = os.read(3, 4096)
+    if not data:
+        time.sleep(0.05)
+        continue
+    buf += data
+    while buf:
+        if buf[:1] != b"S":
+            buf = buf[1:]
+            continue
+        if len(buf) < MESSAGE:
+            break
+        try:
+            seed(buf[1:MESSAGE])
+            os.write(3, b"K")
+        except OSError:
+            os.write(3, b"E")
+        buf = buf[MESSAGE:]
 """
 
 
@@ -239,6 +318,7 @@ def initramfs(state_dir: Path, kernel: GuestKernel, rootfs: Path, busybox: str) 
         "init": (0o755, INIT.replace("MODULES", " ".join(MODULES)).replace("PORT", PORT_NAME).encode()),
         "bin/busybox": (0o755, Path(busybox).read_bytes()),
         "stockade/start.sh": (0o644, START.replace("ARGV", argv).encode()),
+        "stockade/guestd.py": (0o644, GUESTD.encode()),
     }
     for name in MODULES:
         files[f"lib/modules/{name}.ko"] = (
@@ -307,12 +387,63 @@ class _SocketStream:
 
 class _VMBoundary(Boundary):
     def __init__(
-        self, proc: subprocess.Popen[bytes], sock: socket.socket, rundir: Path, cgroup: _cgroups.Cgroup | None
+        self,
+        proc: subprocess.Popen[bytes],
+        sock: socket.socket,
+        rundir: Path,
+        cgroup: _cgroups.Cgroup | None,
+        *,
+        ctl: socket.socket,
+        qmp: socket.socket,
     ) -> None:
         self.proc = proc
         self.sock = sock
         self.rundir = rundir
         self.cgroup = cgroup
+        self.ctl = ctl
+        self.qmp = qmp
+        self._monitor: _qmp.Monitor | None = None
+
+    def monitor(self) -> _qmp.Monitor:
+        if self._monitor is None:
+            self._monitor = _qmp.Monitor(self.qmp)
+        return self._monitor
+
+    def wait_up(self, timeout_s: float) -> None:
+        """Wait for the guest's root helper to say it listens (``U``)."""
+        self._expect(b"U", timeout_s)
+
+    def reseed(self, timeout_s: float = 10.0) -> None:
+        """Fresh randomness and the time for the guest's kernel, before anything else runs in
+        a guest restored from a snapshot (its generator's state is the snapshot's)."""
+        message = b"S" + time.time_ns().to_bytes(8, "big") + secrets.token_bytes(32)
+        try:
+            self.ctl.sendall(message)
+        except OSError as err:
+            raise exc.SandboxStartError(f"cannot reach the restored guest's helper: {err}") from None
+        self._expect(b"K", timeout_s)
+
+    def _expect(self, byte: bytes, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise exc.SandboxStartError(
+                    f"the guest's helper did not answer {byte!r} within {timeout_s:g} s"
+                )
+            self.ctl.settimeout(left)
+            try:
+                data = self.ctl.recv(64)
+            except TimeoutError:
+                continue
+            except OSError as err:
+                raise exc.SandboxStartError(f"the guest's helper is gone: {err}") from None
+            if not data:
+                raise exc.SandboxStartError("the guest's helper is gone")
+            if data.rstrip(b"U").endswith(b"E"):
+                raise exc.SandboxStartError("the guest could not be reseeded")
+            if byte in data:
+                return
 
     def alive(self) -> bool:
         return not self._dead and self.proc.poll() is None
@@ -334,7 +465,8 @@ class _VMBoundary(Boundary):
             self.proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
-        self.sock.close()
+        for sock in (self.sock, self.ctl, self.qmp):
+            sock.close()
         if self.cgroup is not None:
             self.cgroup.remove()
         shutil.rmtree(self.rundir, ignore_errors=True)
@@ -353,6 +485,8 @@ class MicroVMBackend(Backend):
         qemu: str | None = None,
         accel: str | None = None,
         state_dir: Path | None = None,
+        boot_snapshots: bool | None = None,
+        snapshot_store: SnapshotStore | None = None,
     ) -> None:
         self.rootfs = Path(rootfs) if rootfs else find_rootfs()
         self.kernel = kernel or find_kernel()
@@ -366,6 +500,15 @@ class MicroVMBackend(Backend):
         self._lock = threading.Lock()
         self._collected = False
         self._cgroups = _cgroups.detect()
+        # Start from a boot image (a guest snapshotted at its supervisor's hello) unless told not to.
+        self.boot_snapshots = (
+            boot_snapshots
+            if boot_snapshots is not None
+            else os.environ.get("STOCKADE_MICROVM_SNAPSHOTS", "1") != "0"
+        )
+        self.snapshot_store = snapshot_store or SnapshotStore.default()
+        self._boot_failed: dict[str, str] = {}
+        self._boot_locks: dict[str, threading.Lock] = {}
 
     def _check(self) -> None:
         if not self.qemu:
@@ -449,6 +592,17 @@ class MicroVMBackend(Backend):
                 self._prepared = (image, initrd)
             return self._prepared
 
+    def _cmdline(self, spec: SandboxSpec, masks: tuple[str, ...]) -> str:
+        assert self.kernel is not None
+        limits = spec.limits
+        ws = f"{limits.workspace_mb * MiB}:{limits.inodes}"
+        tmp = f"{limits.tmp_size_mb * MiB}:{max(1024, limits.inodes // 4)}"
+        clock = _clock_args(self.kernel)
+        cmdline = f"console=ttyS0 quiet panic=-1 pci=off {clock} stockade_ws={ws} stockade_tmp={tmp}"
+        if masks:
+            cmdline += f" stockade_mask={','.join(masks)}"
+        return cmdline
+
     def _argv(
         self,
         spec: SandboxSpec,
@@ -458,28 +612,26 @@ class MicroVMBackend(Backend):
         fd: int,
         rundir: Path,
         masks: tuple[str, ...] = (),
+        machine: Machine | None = None,
     ) -> list[str]:
+        """QEMU's command line; ``machine`` adds the monitor, the helper's port, the RAM's file
+        and the wait for a snapshot to restore (without it: the bare guest, for benchmarks)."""
         assert self.kernel is not None
         image, initrd = files
-        limits = spec.limits
-        ws = f"{limits.workspace_mb * MiB}:{limits.inodes}"
-        tmp = f"{limits.tmp_size_mb * MiB}:{max(1024, limits.inodes // 4)}"
-        clock = _clock_args(self.kernel)
-        cmdline = f"console=ttyS0 quiet panic=-1 pci=off {clock} stockade_ws={ws} stockade_tmp={tmp}"
-        if masks:
-            cmdline += f" stockade_mask={','.join(masks)}"
-        return [
+        memory = spec.limits.memory_mb + GUEST_OVERHEAD_MB
+        argv = [
             # Dies with its creator even when this process is killed outright.
             self.setpriv, "--pdeathsig", "KILL", "--",
             self.prlimit, f"--nofile={QEMU_FILES}", "--",
             self.qemu, "-name", f"stockade-{sid}",
             "-M", "microvm,pit=on,pic=on,rtc=on", "-accel", _accel(self.accel), "-cpu", "max",
-            "-m", str(limits.memory_mb + GUEST_OVERHEAD_MB), "-smp", str(max(1, math.ceil(limits.cpus))),
+            "-m", str(memory), "-smp", str(max(1, math.ceil(spec.limits.cpus))),
             "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
             # QEMU's own seccomp filter: a guest that breaks into the emulator still cannot
             # exec, change ids, or use obsolete system calls on the host.
             "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
-            "-kernel", str(self.kernel.vmlinuz), "-initrd", str(initrd), "-append", cmdline,
+            "-kernel", str(self.kernel.vmlinuz), "-initrd", str(initrd),
+            "-append", self._cmdline(spec, masks),
             "-serial", f"file:{rundir / 'console.log'}",
             "-drive", f"id=root,file={image},format=raw,if=none,readonly=on",
             "-device", "virtio-blk-device,drive=root",
@@ -487,21 +639,53 @@ class MicroVMBackend(Backend):
             "-chardev", f"socket,id=port,fd={fd}",
             "-device", f"virtserialport,chardev=port,name={PORT_NAME}",
         ]  # fmt: skip
+        if machine is not None:
+            argv += [
+                "-chardev", f"socket,id=ctl,fd={machine.ctl_fd}",
+                "-device", f"virtserialport,chardev=ctl,name={CTL_NAME}",
+                "-chardev", f"socket,id=qmp,fd={machine.qmp_fd}", "-mon", "chardev=qmp,mode=control",
+            ]  # fmt: skip
+            # Always a backend named "ram": a snapshot's RAM is named by it, and must find its
+            # name again in whichever guest restores it (booted, or from a boot image).
+            if machine.ram is not None:
+                share = "on" if machine.ram_shared else "off"
+                ram = f"memory-backend-file,id=ram,size={memory}M,mem-path={machine.ram},share={share}"
+            else:
+                ram = f"memory-backend-ram,id=ram,size={memory}M"
+            argv += ["-object", ram, "-machine", "memory-backend=ram"]
+            if machine.incoming:
+                argv += ["-incoming", "defer"]
+        return argv
 
-    def start(self, spec: SandboxSpec) -> SupervisedInstance:
-        self._check()
-        enforcement = self._plan(spec)
-        rules = _rules.plan(spec, root=self.rootfs, can_mask=True, can_confine=True)
+    def _launch(
+        self, spec: SandboxSpec, sid: str, masks: tuple[str, ...], plan: Launch
+    ) -> tuple[_VMBoundary, _SocketStream]:
+        """Start QEMU for sandbox ``sid`` (booting, or waiting for a snapshot to restore)."""
         image, initrd = self.prepare()
-        sid = sandbox_id(spec)
         rundir = self.state_dir / f"vm-{sid}"
         rundir.mkdir(mode=0o700)
         mine, theirs = socket.socketpair()
+        ctl, ctl_theirs = socket.socketpair()
+        qmp, qmp_theirs = socket.socketpair()
         proc: subprocess.Popen[bytes] | None = None
         cgroup: _cgroups.Cgroup | None = None
+        keep = (theirs.fileno(), ctl_theirs.fileno(), qmp_theirs.fileno(), *plan.fds)
         try:
+            machine = Machine(
+                ctl_fd=ctl_theirs.fileno(),
+                qmp_fd=qmp_theirs.fileno(),
+                ram=plan.ram,
+                ram_shared=plan.ram_shared,
+                incoming=plan.incoming,
+            )
             argv = self._argv(
-                spec, sid, files=(image, initrd), fd=theirs.fileno(), rundir=rundir, masks=rules.masks
+                spec,
+                sid,
+                files=(image, initrd),
+                fd=theirs.fileno(),
+                rundir=rundir,
+                masks=masks,
+                machine=machine,
             )
             if self._cgroups.mechanism is not Mechanism.NONE:
                 # The whole VM under one host limit: the guest's RAM, TCG's code cache, QEMU.
@@ -515,7 +699,7 @@ class MicroVMBackend(Backend):
                     stdout=log,
                     stderr=log,
                     env={"PATH": "/usr/bin:/bin"},
-                    pass_fds=(theirs.fileno(),),
+                    pass_fds=keep,
                     start_new_session=True,
                 )
             creator = _guest.current_creator()
@@ -525,31 +709,277 @@ class MicroVMBackend(Backend):
         except OSError as err:
             if proc is not None:
                 proc.kill()
-            mine.close()
+            for sock in (mine, ctl, qmp):
+                sock.close()
             if cgroup is not None:
                 cgroup.remove()
             shutil.rmtree(rundir, ignore_errors=True)
             raise exc.SandboxStartError(f"cannot start QEMU: {err}") from err
         finally:
-            theirs.close()
-        boundary = _VMBoundary(proc, mine, rundir, cgroup)
-        stream = _SocketStream(mine)
-        instance = SupervisedInstance(
+            for sock in (theirs, ctl_theirs, qmp_theirs):
+                sock.close()
+        boundary = _VMBoundary(proc, mine, rundir, cgroup, ctl=ctl, qmp=qmp)
+        return boundary, _SocketStream(mine)
+
+    def _instance(
+        self,
+        sid: str,
+        *,
+        spec: SandboxSpec,
+        enforcement: Enforcement,
+        boundary: _VMBoundary,
+        stream: _SocketStream,
+        masks: tuple[str, ...],
+    ) -> _VMInstance:
+        instance = _VMInstance(
             id=sid, tier=self.tier, stream=stream, boundary=boundary, spec=spec, enforcement=enforcement
         )
+        instance.vm = boundary
+        instance.masks = masks
+        instance.machine_key = self._machine_key(spec, masks)
         weakref.finalize(instance, _guest.abandon, stream, boundary)
+        return instance
+
+    def start(self, spec: SandboxSpec) -> SupervisedInstance:
+        self._check()
+        if (
+            spec.snapshot is not None
+            and spec.snapshot.kind is SnapshotKind.MEMORY
+            and spec.snapshot.tier == self.tier
+        ):
+            return self._restore(spec)
+        enforcement = self._plan(spec)
+        rules = _rules.plan(spec, root=self.rootfs, can_mask=True, can_confine=True)
+        sid = sandbox_id(spec)
+        boot = self._boot_image(spec, rules.masks) if self.boot_snapshots else None
+        if boot is not None:
+            ram, device = boot
+            fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                boundary, stream = self._launch(
+                    spec, sid, rules.masks, Launch(ram=ram, ram_shared=False, incoming=True, fds=(fd,))
+                )
+                instance = self._instance(
+                    sid,
+                    spec=spec,
+                    enforcement=enforcement,
+                    boundary=boundary,
+                    stream=stream,
+                    masks=rules.masks,
+                )
+                try:
+                    boundary.monitor().load(fd, ignore_shared=True)
+                    boundary.reseed()
+                except BaseException:
+                    instance.close()
+                    raise
+            finally:
+                os.close(fd)
+        else:
+            boundary, stream = self._launch(spec, sid, rules.masks, Launch())
+            instance = self._instance(
+                sid, spec=spec, enforcement=enforcement, boundary=boundary, stream=stream, masks=rules.masks
+            )
         try:
             config = supervisor_config(spec, _guest.own_kernel_limits(spec).rlimits)
             config["report_oom"] = True  # the guest's kernel kills for memory; the host sees nothing
             instance.handshake(config, START_TIMEOUT_S, rules)
         except exc.SandboxStartError as err:
-            said = _tail(rundir / "console.log") or _tail(rundir / "qemu.log")
+            said = _tail(boundary.rundir / "console.log") or _tail(boundary.rundir / "qemu.log")
             instance.close()
             raise exc.SandboxStartError(f"{err}{': ' + said if said else ''}") from None
         except BaseException:
             instance.close()
             raise
         return instance
+
+    # -- snapshots ---------------------------------------------------------------------------
+
+    def _machine_key(self, spec: SandboxSpec, masks: tuple[str, ...]) -> str:
+        """Everything that makes one guest's memory fit another QEMU: the kernel, initramfs,
+        root image, QEMU itself, the RAM, vCPUs and kernel command line. A change of any of
+        them makes snapshots taken before unusable here (and boot images rebuilt)."""
+        assert self.kernel is not None
+        image, initrd = self.prepare()
+        parts = [
+            SNAPSHOT_VERSION,
+            _identity(self.kernel.vmlinuz),
+            initrd.name,
+            image.name,
+            _identity(Path(self.qemu)),
+            self.accel,
+            str(spec.limits.memory_mb + GUEST_OVERHEAD_MB),
+            str(max(1, math.ceil(spec.limits.cpus))),
+            self._cmdline(spec, masks),
+        ]
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+    def _boot_image(self, spec: SandboxSpec, masks: tuple[str, ...]) -> tuple[Path, Path] | None:
+        """The boot image for sandboxes shaped like ``spec`` (its RAM file and device state,
+        checked), built on first use: a guest booted to its supervisor, which said hello and
+        waits for its configuration. None (boot cold) if it cannot be built here."""
+        key = self._machine_key(spec, masks)
+        name = "microvm-" + key[:32]
+        with self._lock:
+            if key in self._boot_failed:
+                return None
+            lock = self._boot_locks.setdefault(key, threading.Lock())
+        store = self.snapshot_store
+        with lock:
+            try:
+                found = store.ref("boot", name)
+                if found is None:
+                    with _flock(store.temp_path(f"boot-{key[:16]}").with_name(f"boot-{key[:16]}.lock")):
+                        found = store.ref("boot", name) or self._build_boot_image(spec, masks, name)
+                manifest = store.load(found["snapshot"])
+                blobs = manifest.blobs
+                return store.check_object(blobs["ram"]), store.check_object(blobs["device"])
+            except exc.SnapshotError as err:
+                with self._lock:
+                    self._boot_failed[key] = str(err)
+                return None
+
+    def _build_boot_image(self, spec: SandboxSpec, masks: tuple[str, ...], name: str) -> dict[str, str]:
+        store = self.snapshot_store
+        ram = store.temp_path("ram")
+        device = store.temp_path("device")
+        # A guest of its own, never handed out: its RAM is the file, written through.
+        template = dataclasses.replace(spec, envs={}, rules=None, snapshot=None, sandbox_id=None)
+        sid = sandbox_id(template)
+        try:
+            boundary, stream = self._launch(template, sid, masks, Launch(ram=ram, ram_shared=True))
+            instance = SupervisedInstance(
+                id=sid,
+                tier=self.tier,
+                stream=stream,
+                boundary=boundary,
+                spec=template,
+                enforcement=self._plan(spec),
+            )
+            try:
+                header, _ = instance.channel.call({"op": "hello"}).result(time.monotonic() + START_TIMEOUT_S)
+                if header.get("ev") != "hello":
+                    raise exc.SnapshotError(f"the boot image's supervisor answered {header!r}")
+                boundary.wait_up(START_TIMEOUT_S)
+                with open(device, "wb") as out:
+                    boundary.monitor().save(out, ignore_shared=True)
+            finally:
+                instance.close()
+            blobs = {"ram": store.add_file(ram), "device": store.add_file(device)}
+        except (TimeoutError, exc.SandboxError) as err:
+            raise exc.SnapshotError(f"cannot build the microVM boot image: {err}") from None
+        finally:
+            ram.unlink(missing_ok=True)
+            device.unlink(missing_ok=True)
+        snapshot = store.save(
+            kind=SnapshotKind.MEMORY,
+            tier=self.tier,
+            source=sid,
+            spec={},
+            blobs=blobs,
+            tier_state={"boot": True},
+            ref=("boot", name),
+        )
+        return {"snapshot": snapshot.id}
+
+    def _restore(self, spec: SandboxSpec) -> _VMInstance:
+        """A sandbox from a memory snapshot: the same machine, its memory loaded, then reseeded."""
+        assert spec.snapshot is not None
+        store = SnapshotStore(Path(spec.snapshot.store))
+        manifest = store.verify(spec.snapshot)
+        state = manifest.tier_state
+        masks = tuple(str(m) for m in state.get("masks") or ())
+        if state.get("machine") != self._machine_key(spec, masks):
+            raise exc.SnapshotIncompatible(
+                f"snapshot {spec.snapshot.id} was taken with another kernel, initramfs, root image, QEMU "
+                "or machine than this host has now: its memory cannot be restored"
+            )
+        enforcement = enforcement_from_state(dict(state.get("enforcement") or {}))
+        sid = sandbox_id(spec)
+        memory = store.check_object(manifest.blobs["memory"])
+        fd = os.open(memory, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            boundary, stream = self._launch(spec, sid, masks, Launch(incoming=True, fds=(fd,)))
+            instance = self._instance(
+                sid, spec=spec, enforcement=enforcement, boundary=boundary, stream=stream, masks=masks
+            )
+            try:
+                boundary.monitor().load(fd)
+                boundary.reseed()
+            except BaseException:
+                instance.close()
+                raise
+        finally:
+            os.close(fd)
+        return instance
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The parts of QEMU's command line a snapshot needs (see ``MicroVMBackend._argv``)."""
+
+    ctl_fd: int
+    qmp_fd: int
+    ram: Path | None = None
+    ram_shared: bool = False
+    incoming: bool = False
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How to start QEMU: boot, or wait for a snapshot (``incoming``) read from one of ``fds``;
+    ``ram``: the guest's RAM is this file (shared: written through, for a boot image; else
+    copy on write, for guests restored from it)."""
+
+    ram: Path | None = None
+    ram_shared: bool = False
+    incoming: bool = False
+    fds: tuple[int, ...] = ()
+
+
+class _VMInstance(SupervisedInstance):
+    """A microVM sandbox: its memory can be kept in a snapshot (QEMU's migration to a file)."""
+
+    vm: _VMBoundary
+    machine_key: str
+    masks: tuple[str, ...]
+
+    def memory_snapshots(self) -> str | None:
+        return None
+
+    def save_memory(self, store: SnapshotStore, *, stop: bool) -> tuple[dict[str, str], dict[str, Any]]:
+        path = store.temp_path("memory")
+        try:
+            with open(path, "wb") as out:
+                monitor = self.vm.monitor()
+                try:
+                    monitor.save(out)
+                finally:
+                    if not stop:
+                        monitor.command("cont")
+            digest = store.add_file(path)
+        finally:
+            path.unlink(missing_ok=True)
+        return {"memory": digest}, {"machine": self.machine_key, "masks": list(self.masks)}
+
+
+def _identity(path: Path) -> str:
+    try:
+        st = path.stat()
+    except OSError:
+        return f"{path}:missing"
+    return f"{path}:{st.st_size}:{st.st_mtime_ns}"
+
+
+@contextlib.contextmanager
+def _flock(path: Path) -> Iterator[None]:
+    """One process at a time builds a boot image (another waits, then finds it built)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def host_memory_mb(spec: SandboxSpec) -> int:
