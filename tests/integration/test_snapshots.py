@@ -20,12 +20,16 @@ from stockade import (
     LimitNotEnforceable,
     Limits,
     Sandbox,
+    SandboxPool,
     SnapshotCorrupt,
     SnapshotIncompatible,
     SnapshotKind,
     SnapshotNotFound,
     SnapshotStore,
 )
+from stockade.audit import AuditedBackend, EventKind, verify
+from stockade.sandbox.process import ProcessBackend
+from stockade.testing import capture_audit
 from tests.conftest import require_tier
 from tests.integration.conftest import TIERS
 
@@ -186,3 +190,31 @@ def test_forks_of_one_memory_snapshot_are_distinct(tier: str, store: SnapshotSto
         for fork in forks:
             fork.close()
     assert len(set(seen)) == len(seen)
+
+
+def test_taking_and_restoring_are_audited(store: SnapshotStore) -> None:
+    require_tier("process")
+    with capture_audit() as audit:
+        backend = AuditedBackend(ProcessBackend(), audit, run_id="run-1")
+        with Sandbox.create(backend=backend, limits=LIMITS) as sbx:
+            snap = sbx.snapshot(store=store)
+        with Sandbox.create(snapshot=snap, backend=backend):
+            pass
+        taken = audit.of(EventKind.SNAPSHOT_TAKE)[0]
+        assert taken.attributes["snapshot_id"] == snap.id and taken.attributes["kind"] == "files"
+        restored = audit.of(EventKind.SNAPSHOT_RESTORE)[0]
+        assert restored.attributes["snapshot_id"] == snap.id
+        assert restored.attributes["source"] == snap.source
+        assert verify(audit.store).ok
+
+
+def test_a_pool_filled_from_a_snapshot_hands_out_its_files(store: SnapshotStore) -> None:
+    require_tier("process")
+    with Sandbox.create("process", limits=LIMITS) as sbx:
+        sbx.files.write("prepared.txt", "ready")
+        snap = sbx.snapshot(store=store)
+    with SandboxPool(size=2, snapshot=snap, store=store) as pool:
+        for _ in range(3):
+            with pool.acquire() as member:
+                assert member.files.read("prepared.txt") == "ready"
+                member.files.write("prepared.txt", "dirty")

@@ -67,6 +67,8 @@ class EventKind(enum.StrEnum):
     CHECK = "check"
     RUN_CRASH = "run_crash"  # found on resume: the run's process died while running it
     EXEC = "exec"  # a program the sandbox's rules judged at its exec, inside the sandbox
+    SNAPSHOT_TAKE = "snapshot_take"  # a sandbox saved (snapshot, or pause), with the snapshot's id
+    SNAPSHOT_RESTORE = "snapshot_restore"  # a sandbox started from a snapshot (resume, fork)
 
 
 def canonical(obj: Mapping[str, Any]) -> bytes:

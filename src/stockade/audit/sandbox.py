@@ -1,7 +1,8 @@
 """Audited sandboxes: a wrapper around any tier, not a flag on it.
 
 ``AuditedBackend(backend, log, run_id=...)`` records ``sandbox_start`` for each sandbox it
-starts and returns ``AuditedInstance``s, which record what changes or runs in the sandbox:
+starts (and ``snapshot_restore`` when it started from a snapshot) and returns
+``AuditedInstance``s, which record what changes or runs in the sandbox (snapshots taken too):
 commands (argv, env *names* never values, exit code, duration, output sizes; a program run
 from standard input, as ``run_code`` runs bash or node, capped, with its digest), ``run_code``
 (the code, capped, and its digest), file writes and removals, resets and ``sandbox_stop``;
@@ -34,15 +35,17 @@ from stockade.sandbox.base import (
 from stockade.sandbox.ops import (
     MakeDir,
     Op,
+    Pause,
     PutArchive,
     Remove,
     Reset,
     RunCode,
     RunCommand,
+    TakeSnapshot,
     WriteFile,
     as_inline,
 )
-from stockade.types import CommandResult, Execution
+from stockade.types import CommandResult, Execution, Snapshot
 
 __all__ = ["AuditedBackend", "AuditedInstance", "current_call"]
 
@@ -112,10 +115,15 @@ def describe(op: Op[Any]) -> tuple[EventKind, dict[str, object]] | None:
             return EventKind.FILE_REMOVE, {"path": op.path, "recursive": op.recursive}
         case Reset():
             return EventKind.SANDBOX_RESET, {}
+        case TakeSnapshot() | Pause():
+            op_name = "pause" if isinstance(op, Pause) else "snapshot"
+            return EventKind.SNAPSHOT_TAKE, {"op": op_name, "memory": op.memory, "store": str(op.store.root)}
     return None
 
 
 def outcome(result: OpResult) -> dict[str, object]:
+    if isinstance(result, Snapshot):
+        return {"snapshot_id": result.id, "kind": result.kind.value, "size_bytes": result.size_bytes}
     if isinstance(result, CommandResult):
         return {
             "exit_code": result.exit_code,
@@ -280,4 +288,20 @@ class AuditedBackend(WrapperBackend):
                 "weakened": list(instance.enforcement.weakened),
             },
         )
+        if spec.snapshot is not None:
+            snap = spec.snapshot
+            self.log.record(
+                EventKind.SNAPSHOT_RESTORE,
+                run_id=self.run_id,
+                step=self.step(),
+                actor=self.actor,
+                duration_s=0.0,
+                attributes={
+                    "sandbox_id": instance.id,
+                    "tier": self.tier,
+                    "snapshot_id": snap.id,
+                    "kind": snap.kind.value,
+                    "source": snap.source,
+                },
+            )
         return AuditedInstance(instance, self.log, run_id=self.run_id, step=self.step, actor=self.actor)

@@ -1,4 +1,5 @@
-"""Garbage collection of what a crashed process left behind, for every tier.
+"""Garbage collection of what a crashed process left behind, for every tier, and of the
+snapshot store: snapshots nothing keeps (deleted, resumed, boot images of an old kernel).
 
 Each tier module may define ``collect_garbage() -> list[str]``; ``collect`` runs those of the
 tiers whose module imports (a missing optional dependency means that tier left nothing).
@@ -21,4 +22,7 @@ def collect() -> list[str]:
         collector = getattr(module, "collect_garbage", None)
         if collector is not None:
             removed += collector()
+    from stockade.sandbox.snapshots import SnapshotStore
+
+    removed += SnapshotStore.default().collect()
     return removed

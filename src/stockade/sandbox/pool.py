@@ -11,6 +11,11 @@ supervisor and interpreter exec'd, so nothing of one user's memory reaches the n
 past ``max_uses``, when it broke or when the reset could not make it as fresh as it started,
 closed and replaced. Members are recycled in parallel: one slow reset never holds up the
 others. Members idle past ``idle_timeout_s`` are replaced too, so nothing ages in the pool.
+
+A pool filled from a snapshot (``snapshot=``) hands out sandboxes as the snapshot has them
+(files, and memory where the tier keeps it); a returned one is replaced by a new one from
+the snapshot, never reset (a reset would empty what the snapshot put there). On the microVM
+every pool refills from the tier's boot image anyway.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ from dataclasses import dataclass
 from stockade import exceptions as exc
 from stockade.sandbox import _registry
 from stockade.sandbox.base import Backend, Instance, SandboxSpec
-from stockade.sandbox.facade import Sandbox
+from stockade.sandbox.facade import Sandbox, _from_snapshot
 from stockade.sandbox.ops import Reset, RunCode
-from stockade.types import Limits, NetworkPolicy
+from stockade.sandbox.snapshots import SnapshotStore
+from stockade.types import Limits, NetworkPolicy, Snapshot
 
 __all__ = ["PoolStats", "SandboxPool"]
 
@@ -62,19 +68,24 @@ class SandboxPool:
         envs: Mapping[str, str] | None = None,
         allow_weaker: bool = False,
         backend: Backend | None = None,
+        snapshot: Snapshot | str | None = None,
+        store: SnapshotStore | None = None,
     ) -> None:
         if size < 1 or max_uses < 1 or idle_timeout_s <= 0:
             raise exc.ConfigurationError("SandboxPool needs size >= 1, max_uses >= 1, idle_timeout_s > 0")
         self.size = size
         self.max_uses = max_uses
         self.idle_timeout_s = idle_timeout_s
-        self._backend = backend or _registry.backend(tier)
         self._spec = SandboxSpec(
             limits=limits or Limits(),
             network=network or NetworkPolicy(),
             envs=dict(envs or {}),
             allow_weaker=allow_weaker,
         )
+        if snapshot is not None:
+            given = {"limits": limits, "network": network, "envs": envs}
+            tier, self._spec = _from_snapshot(snapshot, store, None, self._spec, given)
+        self._backend = backend or _registry.backend(tier)
         self._ready: queue.Queue[_Member] = queue.Queue()
         self._returned: queue.Queue[_Member | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -218,6 +229,11 @@ class SandboxPool:
         if member.uses >= self.max_uses or not member.instance.alive:
             member.instance.close()
             self._replaced("max_uses reached" if member.instance.alive else "it died")
+            return
+        if self._spec.snapshot is not None:
+            # A reset would empty what the snapshot holds: a new member starts from it instead.
+            member.instance.close()
+            self._replaced("fresh from its snapshot")
             return
         try:
             member.instance.execute(Reset(warm_interpreter=True))
