@@ -75,6 +75,8 @@ def main() -> None:
         cold = microvm.MicroVMBackend(boot_snapshots=False)
         warm = microvm.MicroVMBackend(snapshot_store=store)
         first_print(warm)  # builds the boot image: once per machine shape, not counted
+        if warm._boot_failed:
+            raise SystemExit(f"no boot image: {warm._boot_failed}")
         rows: dict[str, list[float]] = {}
         for _ in range(args.runs):
             rows.setdefault("microvm cold: create + run_code print(1)", []).append(first_print(cold))

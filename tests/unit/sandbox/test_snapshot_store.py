@@ -1,0 +1,103 @@
+"""The snapshot store on its own: content addresses, checks, refs, room and collection."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from stockade import SnapshotCorrupt, SnapshotError, SnapshotKind, SnapshotNotFound, SnapshotStore
+from stockade.sandbox._supervised import spec_from_state, spec_state
+from stockade.sandbox.base import SandboxSpec
+from stockade.types import Limits, SandboxRules
+
+
+def _snapshot(store: SnapshotStore, data: bytes, *, ref: tuple[str, str] = ("kept", "")) -> str:
+    digest = store.add_bytes(data)
+    blobs = {"workspace": digest}
+    snap = store.save(
+        kind=SnapshotKind.FILES, tier="process", source="sbx-0123456789ab", spec={}, blobs=blobs, ref=ref
+    )
+    return snap.id
+
+
+def test_objects_are_named_by_their_hash_and_kept_once(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path)
+    first = _snapshot(store, b"same bytes")
+    second = _snapshot(store, b"same bytes", ref=("paused", "sbx-0123456789ab"))
+    assert len(os.listdir(tmp_path / "objects")) == 1
+    assert store.verify(first).blobs == store.verify(second).blobs
+    assert {s.id for s in store.snapshots()} == {first, second}
+
+
+def test_a_modified_manifest_or_object_is_refused(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path)
+    sid = _snapshot(store, b"payload")
+    (obj,) = (tmp_path / "objects").iterdir()
+    os.chmod(obj, 0o600)
+    obj.write_bytes(b"PAYLOAD")
+    with pytest.raises(SnapshotCorrupt):
+        store.verify(sid)
+    (manifest,) = (tmp_path / "snapshots").iterdir()
+    os.chmod(manifest, 0o600)
+    manifest.write_text(manifest.read_text().replace("process", "docker"))
+    with pytest.raises(SnapshotCorrupt):
+        store.load(sid)
+    with pytest.raises(SnapshotNotFound):
+        store.load("snap-" + "0" * 32)
+    with pytest.raises(SnapshotNotFound):
+        store.load("../../etc/passwd")
+
+
+def test_one_claim_wins_and_a_failed_one_gives_the_ref_back(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path)
+    _snapshot(store, b"x", ref=("paused", "sbx-0123456789ab"))
+    with pytest.raises(RuntimeError), store.claim("paused", "sbx-0123456789ab"):
+        raise RuntimeError("the restore failed")
+    with store.claim("paused", "sbx-0123456789ab") as ref:
+        assert ref["snapshot"].startswith("snap-")
+        with pytest.raises(SnapshotNotFound), store.claim("paused", "sbx-0123456789ab"):
+            pass
+    assert store.ref("paused", "sbx-0123456789ab") is None
+
+
+def test_a_full_store_evicts_boot_images_then_refuses(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path, max_bytes=64 * 1024)
+    boot = _snapshot(store, os.urandom(40 * 1024), ref=("boot", "microvm-shape"))
+    for obj in (tmp_path / "objects").iterdir():
+        os.utime(obj, (0, 0))  # long written: no longer in the grace period
+    kept = _snapshot(store, os.urandom(40 * 1024))
+    assert store.ref("boot", "microvm-shape") is None
+    with pytest.raises(SnapshotNotFound):
+        store.load(boot)
+    with pytest.raises(SnapshotError, match="full"):
+        _snapshot(store, os.urandom(40 * 1024))
+    assert [s.id for s in store.snapshots()] == [kept]
+
+
+def test_collection_keeps_what_refs_keep(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path)
+    kept = _snapshot(store, b"kept")
+    gone = _snapshot(store, b"gone")
+    store.delete(gone)
+    removed = store.collect(grace_s=0)
+    assert removed and all("gone" not in r for r in removed)
+    assert len(os.listdir(tmp_path / "objects")) == 1
+    store.verify(kept)
+
+
+def test_a_spec_survives_its_manifest() -> None:
+    spec = SandboxSpec(
+        limits=Limits(memory_mb=300, pids=20),
+        envs={"A": "1"},
+        rules=SandboxRules(deny=("curl",)),
+        labels={"k": "v"},
+    )
+    back = spec_from_state(spec_state(spec))
+    assert (back.limits, back.envs, back.rules, back.labels) == (
+        spec.limits,
+        spec.envs,
+        spec.rules,
+        spec.labels,
+    )
