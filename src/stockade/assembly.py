@@ -21,7 +21,8 @@ closed with ``TierUnavailable`` before any code runs.
 
 The wrappers, outermost first, and why in this order:
 
-    tool call   policy guard        deny (told to the model) or ask a human (the run pauses), before
+    tool call   runtime guard       a killed run, or one whose breaker tripped, goes no further
+                policy guard        deny (told to the model) or ask a human (the run pauses), before
                                     anything runs or is counted: a denied call costs no rate budget
                 output filter       the policy sees the final output the model would get
                 runtime controls    kill switch check, action rate limit, the tool's breaker
@@ -100,6 +101,7 @@ from stockade.runtime.breaker import BreakerConfig, Breakers, BreakingBackend
 from stockade.runtime.clock import Clock, SystemClock
 from stockade.runtime.events import Observer as RuntimeObserver
 from stockade.runtime.events import RuntimeEvent
+from stockade.runtime.failures import DEFAULT_FAILURES, AgentBreaker
 from stockade.runtime.killswitch import KillSource, KillSwitch, kill_source_for
 from stockade.runtime.limits import RateLimit, SpendLimit, window_for
 from stockade.runtime.models import BreakerModel, LimitedModel, RetryingModel
@@ -157,7 +159,10 @@ class AgentConfig:
     approval_store: ApprovalBook | None = None  # replaces approval_dir (a service's database)
     kill_source: KillSource | None = None  # replaces kill_target (a service's database)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
-    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)  # per provider, backend and tool
+    # the agent's own breaker: this many failed actions in a row (errors, code that raised,
+    # failed commands and test runs, denials) stop the run "broken", resumable; None: off
+    max_consecutive_failures: int | None = DEFAULT_FAILURES
     anomaly: bool = True  # the anomaly monitor's default rules
     tools: Toolset | None = None  # None: default_toolset() (no raw shell)
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
@@ -459,10 +464,9 @@ class AgentSession:
             runtime.append(traced.runtime)
             tools = tools.wrapped(traced.tool_wrapper)
         self.runtime_observer = _fan_out(runtime)
+        reported = _fan_out((*runtime, *config.runtime_observers))
         self.kill_switch = KillSwitch(
-            run_id,
-            [config.kill_source or kill_source_for(config.kill_target)],
-            observer=_fan_out((*runtime, *config.runtime_observers)),
+            run_id, [config.kill_source or kill_source_for(config.kill_target)], observer=reported
         )
         monitor = (
             AnomalyMonitor(
@@ -480,13 +484,18 @@ class AgentSession:
             rate=owner.rate,
             kill_switch=self.kill_switch,
             monitor=monitor,
+            failures=(
+                AgentBreaker(threshold=config.max_consecutive_failures, observer=reported)
+                if config.max_consecutive_failures is not None
+                else None
+            ),
         )
         self.agent = Agent(
             owner.model,
             tools=self.controls.wrap_tools(filter_outputs(owner.engine, tools)),
             system_prompt=config.system_prompt,
             limits=config.limits,
-            guards=[_call_guard(policy_guard(owner.engine, self.approvals, monitor))],
+            guards=[self.controls.guard, _call_guard(policy_guard(owner.engine, self.approvals, monitor))],
             observers=[
                 *observers,
                 _audited_prompt_filter(owner.engine, log),

@@ -60,6 +60,7 @@ way to the loop, which ends the run with its ``status``:
     ├── BudgetExceeded                status "budget": steps, wall time, tokens, dollars, $/hour spent
     ├── RunKilled                     status "killed": someone pulled the kill switch
     ├── RunInterrupted                status "interrupted": stopped from outside (Ctrl-C, SIGTERM); resumable
+    ├── CircuitBroken                 status "broken": the agent's actions failed N times in a row; resumable
     └── ApprovalRequired              status "paused": a human must decide; resume the run after
 
 Both pickle cleanly with their state (they cross process boundaries in the distributed tier).
@@ -77,6 +78,7 @@ __all__ = [
     "AuthenticationError",
     "BackendUnavailable",
     "BudgetExceeded",
+    "CircuitBroken",
     "CircuitOpen",
     "ConfigurationError",
     "FileTooLarge",
@@ -454,6 +456,17 @@ class RunInterrupted(RunStopped):
         super().__init__(message)
         self.run_id = run_id
         self.reason = reason
+
+
+class CircuitBroken(RunStopped):
+    """The agent's circuit breaker tripped: its last ``len(failures)`` actions all failed (each
+    named in ``failures`` with its error). The run stops, resumable once a person has looked."""
+
+    status = "broken"
+
+    def __init__(self, message: str, *, failures: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.failures = failures
 
 
 class ApprovalRequired(RunStopped):

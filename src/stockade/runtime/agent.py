@@ -1,13 +1,18 @@
 """The runtime controls plugged into an ``Agent``, each through the loop's own extension points.
 
     controls = RuntimeControls(run_id="run-1", rate=RateLimit(per_minute=60),
-                               kill_switch=KillSwitch("run-1", [FileKillSource()]))
-    agent = Agent(model, tools=controls.wrap_tools(default_toolset()), observers=[controls.observe])
+                               kill_switch=KillSwitch("run-1", [FileKillSource()]),
+                               failures=AgentBreaker(threshold=5))
+    agent = Agent(model, tools=controls.wrap_tools(default_toolset()), guards=[controls.guard],
+                  observers=[controls.observe])
     with controls.watch():                                  # polls the kill sources
         agent.run_sync(task, sandbox=controls.protect(sbx), run_id="run-1")
 
 - ``observe`` (an agent observer): pulls the kill switch check before every model request and
-  tool call (the run stops between steps with status "killed"), feeds the anomaly monitor;
+  tool call (the run stops between steps with status "killed"), counts failed actions for the
+  agent's breaker (``failures``: the run stops "broken") and feeds the anomaly monitor;
+- ``guard`` (a loop guard, put first): a killed or broken run stops before the next tool call
+  is judged or recorded;
 - ``wrap_tools``: a tool wrapper that applies the action rate limit and the tool's breaker
   (refusals reach the model as observations; the tool never runs);
 - ``protect``: a sandbox whose processes die the moment the switch is pulled.
@@ -31,9 +36,12 @@ from stockade.agent.events import (
     ToolDenied,
     ToolReturned,
 )
+from stockade.agent.loop import GuardContext
+from stockade.models.messages import ToolCall
 from stockade.models.pricing import DEFAULT_PRICES, cost_usd
 from stockade.runtime.anomaly import ActionRecord, AnomalyMonitor
 from stockade.runtime.breaker import Breakers
+from stockade.runtime.failures import AgentBreaker
 from stockade.runtime.killswitch import KillSwitch
 from stockade.runtime.limits import RateLimit
 from stockade.sandbox.facade import Sandbox
@@ -55,12 +63,15 @@ class RuntimeControls:
     rate: RateLimit | None = None
     kill_switch: KillSwitch | None = None
     monitor: AnomalyMonitor | None = None
+    failures: AgentBreaker | None = None  # the agent's breaker: N failed actions in a row stop the run
 
-    # -- observer -----------------------------------------------------------------------
+    # -- observer and guard -------------------------------------------------------------
 
     def observe(self, event: AgentEvent) -> None:
         if isinstance(event, ModelRequested | ToolCalled) and self.kill_switch is not None:
             self.kill_switch.check()
+        if self.failures is not None:
+            self.failures.observe(event)
         if self.monitor is None:
             return
         match event:
@@ -70,7 +81,7 @@ class RuntimeControls:
                     ActionRecord(
                         subject=f"tool:{record.call.name}",
                         fingerprint=fingerprint(record.call.name, record.call.args),
-                        ok=not record.is_error,
+                        ok=not record.failed,
                         output_bytes=len(record.observation.encode()),
                     )
                 )
@@ -94,6 +105,14 @@ class RuntimeControls:
                 )
             case _:
                 pass
+
+    def guard(self, ctx: GuardContext, call: ToolCall) -> ToolCall:
+        """A loop guard: a killed or broken run goes no further."""
+        if self.kill_switch is not None:
+            self.kill_switch.check()
+        if self.failures is not None:
+            self.failures.check()
+        return call
 
     # -- tools --------------------------------------------------------------------------
 
