@@ -25,7 +25,8 @@ The wrappers, outermost first, and why in this order:
                 policy guard        deny (told to the model) or ask a human (the run pauses), before
                                     anything runs or is counted: a denied call costs no rate budget
                 output filter       the policy sees the final output the model would get
-                runtime controls    kill switch check, action rate limit, the tool's breaker
+                runtime controls    kill switch check, action rate limits (per run, per tenant: wait
+                                    for the window, or stop the run), the tool's breaker
                 the tool
     sandbox op  policy guard again  every op, whatever tool issued it (defence in depth); an op of a
                                     call a human already approved is not asked about twice
@@ -34,7 +35,8 @@ The wrappers, outermost first, and why in this order:
                 backend breaker     counts an op as failed only after its retries
                 retry               transient failures only (starts and reads; never commands)
                 the tier
-    model       registry check (ApprovedModel) -> spend limit ($/hour) -> breaker -> retry -> adapter
+    model       registry check (ApprovedModel) -> spend limit ($/hour: stop, or wait) -> breaker ->
+                retry -> adapter
     observers   audit first (a run refused at its start is still recorded), the prompt filter,
                 the runtime controls (the kill switch between steps), then yours
 
@@ -103,7 +105,7 @@ from stockade.runtime.events import Observer as RuntimeObserver
 from stockade.runtime.events import RuntimeEvent
 from stockade.runtime.failures import DEFAULT_FAILURES, AgentBreaker
 from stockade.runtime.killswitch import KillSource, KillSwitch, kill_source_for
-from stockade.runtime.limits import RateLimit, SpendLimit, window_for
+from stockade.runtime.limits import OnLimit, RateLimit, SpendLimit, window_for
 from stockade.runtime.models import BreakerModel, LimitedModel, RetryingModel
 from stockade.runtime.retry import Retrier, RetryingBackend, RetryPolicy
 from stockade.sandbox import _registry
@@ -149,9 +151,13 @@ class AgentConfig:
     limits: RunLimits = field(default_factory=RunLimits)  # per-run steps, wall time, tokens, dollars
     check: str | None = None  # the acceptance check: "success" only when this command passes at the end
     check_timeout_s: float | None = None  # its wall-clock limit (the sandbox default when None)
-    rate_per_minute: int | None = None  # tool actions per rolling minute, over all runs
-    dollars_per_hour: float | None = None  # model spend per rolling hour, over all runs
-    limits_redis_url: str | None = None  # share the two windows above across processes
+    tenant: str = "default"  # who shares the limits below (and whose runs a kill-all stops)
+    rate_per_minute: int | None = None  # tool actions per rolling minute, over all runs of the tenant
+    run_rate_per_minute: int | None = None  # tool actions per rolling minute, per run
+    dollars_per_hour: float | None = None  # model spend per rolling hour, over all runs of the tenant
+    limits_redis_url: str | None = None  # share the windows across processes and hosts (redis://...)
+    on_rate_limit: OnLimit = OnLimit.WAIT  # a refused action waits for the window, or "stop"s the run
+    on_spend_limit: OnLimit = OnLimit.STOP  # a full spend window stops the run, or "wait"s for it
     prices: Mapping[str, Price] | None = None  # None: DEFAULT_PRICES
     kill_target: str | None = None  # kill directory or redis://...; None: the default kill dir
     approver: Approver | None = None  # decides now (a function, cli_approver); None: always deferred
@@ -184,6 +190,9 @@ class AgentConfig:
                 argument="AgentConfig.prefer",
                 fix='give "cheapest" (the default) or "strongest"',
             )
+        for name in ("on_rate_limit", "on_spend_limit"):
+            chosen = check_choice(OnLimit, getattr(self, name), argument=f"AgentConfig.{name}")
+            object.__setattr__(self, name, chosen)
         if self.tier is not None and self.tier not in _registry.TIERS:
             raise InvalidArgument(
                 f"AgentConfig.tier is {self.tier!r}, which is no tier",
@@ -352,11 +361,13 @@ class GuardedAgent:
         self.retrier = Retrier(policy=config.retry, observer=self.runtime_observer, clock=clock)
         self.breakers = Breakers(config=config.breaker, clock=clock, observer=self.runtime_observer)
         window = window_for(config.limits_redis_url, clock=clock)
-        self.rate = (
-            RateLimit(per_minute=config.rate_per_minute, window=window, observer=self.runtime_observer)
-            if config.rate_per_minute is not None
-            else None
-        )
+
+        def rate(per_minute: int | None) -> RateLimit | None:
+            if per_minute is None:
+                return None
+            return RateLimit(per_minute=per_minute, window=window, observer=self.runtime_observer)
+
+        self.rate, self.run_rate = rate(config.rate_per_minute), rate(config.run_rate_per_minute)
         spend = (
             SpendLimit(
                 dollars_per_hour=config.dollars_per_hour, window=window, observer=self.runtime_observer
@@ -370,7 +381,12 @@ class GuardedAgent:
             Approvals(config.approver, config.approval_store or ApprovalStore(config.approval_dir)), log
         )
         limited = LimitedModel(
-            BreakerModel(RetryingModel(base, self.retrier), self.breakers), spend=spend, prices=self.prices
+            BreakerModel(RetryingModel(base, self.retrier), self.breakers),
+            spend=spend,
+            prices=self.prices,
+            key=f"tenant:{config.tenant}",
+            on_spend_limit=config.on_spend_limit,
+            clock=clock,
         )
         try:
             self.model: Model = ApprovedModel(limited, self.engine)  # refuses an unapproved model now
@@ -482,6 +498,10 @@ class AgentSession:
             run_id=run_id,
             breakers=owner.breakers,
             rate=owner.rate,
+            rate_key=f"tenant:{config.tenant}",
+            run_rate=owner.run_rate,
+            on_rate_limit=config.on_rate_limit,
+            clock=owner.clock,
             kill_switch=self.kill_switch,
             monitor=monitor,
             failures=(

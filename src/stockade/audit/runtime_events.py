@@ -12,7 +12,8 @@ event per runtime event:
     RetryScheduled -> retry (subject, attempt, delay_s, reason)
     FlakyRerun     -> retry (flaky: true, both exit codes)
     BreakerChanged -> breaker_change (name, old, new, failures, reason)
-    LimitHit       -> rate_limited (kind "rate") or budget (spend, budget), decision "deny"
+    LimitHit       -> rate_limited (kind "rate") or budget (spend, budget), decision "deny", or
+                      "wait" when the run waits for the window (``action``: refuse, wait, stop)
     AnomalyFlagged -> anomaly (rule, detail, action)
     KillRequested  -> kill_switch (reason, killed instances), under the killed run's id
 
@@ -118,7 +119,8 @@ class RuntimeAuditor:
                 return (
                     kind,
                     {
-                        "decision": "deny",
+                        "decision": "wait" if event.action == "wait" else "deny",
+                        "action": event.action,
                         "limit": event.kind,
                         "key": event.key,
                         "detail": event.detail,

@@ -217,7 +217,10 @@ def agent(  # noqa: C901 - a typer command: its options become the run's configu
     budget_usd: Annotated[
         float | None, typer.Option("--budget-usd", help="dollars this run may spend")
     ] = None,
-    rate: Annotated[int | None, typer.Option("--rate", help="tool actions per minute at most")] = None,
+    rate: Annotated[
+        int | None,
+        typer.Option("--rate", help="tool actions per minute at most, over all runs; a refused action waits"),
+    ] = None,
     spend_per_hour: Annotated[
         float | None, typer.Option("--spend-per-hour", help="model dollars per rolling hour at most")
     ] = None,

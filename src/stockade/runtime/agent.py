@@ -13,8 +13,12 @@
   agent's breaker (``failures``: the run stops "broken") and feeds the anomaly monitor;
 - ``guard`` (a loop guard, put first): a killed or broken run stops before the next tool call
   is judged or recorded;
-- ``wrap_tools``: a tool wrapper that applies the action rate limit and the tool's breaker
-  (refusals reach the model as observations; the tool never runs);
+- ``wrap_tools``: a tool wrapper that applies the action rate limits, per run (``run_rate``)
+  and shared by every run of ``rate_key`` (``rate``; across processes with a ``RedisWindow``):
+  a refused action waits for the window (``on_rate_limit="wait"``, the kill switch still
+  stops it) or stops the run (``"stop"``, status "budget"); the model never hears of a
+  refusal, so no model call is spent on one. Then the tool's breaker (a tool that keeps
+  raising is refused for a while);
 - ``protect``: a sandbox whose processes die the moment the switch is pulled.
 """
 
@@ -41,9 +45,10 @@ from stockade.models.messages import ToolCall
 from stockade.models.pricing import DEFAULT_PRICES, cost_usd
 from stockade.runtime.anomaly import ActionRecord, AnomalyMonitor
 from stockade.runtime.breaker import Breakers
+from stockade.runtime.clock import Clock, SystemClock
 from stockade.runtime.failures import AgentBreaker
 from stockade.runtime.killswitch import KillSwitch
-from stockade.runtime.limits import RateLimit
+from stockade.runtime.limits import LimitGate, OnLimit, RateLimit
 from stockade.sandbox.facade import Sandbox
 from stockade.tools.base import CallNext, Tool, ToolContext, Toolset
 
@@ -60,7 +65,11 @@ def fingerprint(name: str, args: object) -> str:
 class RuntimeControls:
     run_id: str
     breakers: Breakers = field(default_factory=Breakers)
-    rate: RateLimit | None = None
+    rate: RateLimit | None = None  # shared by every run of ``rate_key``
+    rate_key: str = "global"
+    run_rate: RateLimit | None = None  # this run's own
+    on_rate_limit: OnLimit = OnLimit.WAIT
+    clock: Clock = field(default_factory=SystemClock)  # what a wait for a window waits on
     kill_switch: KillSwitch | None = None
     monitor: AnomalyMonitor | None = None
     failures: AgentBreaker | None = None  # the agent's breaker: N failed actions in a row stop the run
@@ -121,10 +130,22 @@ class RuntimeControls:
     ) -> object:
         if self.kill_switch is not None:
             self.kill_switch.check()
-        if self.rate is not None:
-            self.rate.acquire(self.run_id)
+        await self._admit(self.run_rate, f"run:{self.run_id}")
+        await self._admit(self.rate, self.rate_key)
         breaker = self.breakers.get(f"tool:{tool.name}")
         return await breaker.acall(lambda: call_next(ctx, tool, args))
+
+    async def _admit(self, limit: RateLimit | None, key: str) -> None:
+        if limit is None:
+            return
+        gate = LimitGate(on_limit=OnLimit(self.on_rate_limit), clock=self.clock, observer=limit.observer)
+        await gate.admit(
+            kind="rate",
+            key=key,
+            probe=lambda: limit.take(key),
+            describe=lambda _: limit.describe(key),
+            interrupted=self.kill_switch.check if self.kill_switch is not None else None,
+        )
 
     def wrap_tools(self, tools: Toolset) -> Toolset:
         return tools.wrapped(self.tool_wrapper)

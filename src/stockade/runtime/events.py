@@ -70,12 +70,14 @@ class BreakerChanged:
 
 @dataclass(frozen=True, kw_only=True)
 class LimitHit:
-    """A rate limit, spend limit or budget refused an action."""
+    """A rate limit, spend limit or budget refused an action. ``action`` says what came of it:
+    "refuse" (the caller was told), "wait" (the run waits for the window), "stop" (the run ends)."""
 
     kind: str
     key: str
     detail: str
     retry_after: float | None = None
+    action: str = "refuse"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,6 +17,7 @@ upon expires after ``KILL_TTL_S`` (a run that is resumed within a day still sees
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import re
 import socket
@@ -41,6 +42,7 @@ __all__ = [
     "LiveRegistry",
     "MemoryKillSource",
     "RedisKillSource",
+    "check_watched",
     "default_kill_dir",
     "kill_source_for",
 ]
@@ -50,6 +52,20 @@ _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 HEARTBEAT_S = 2.0  # a live run refreshes its mark this often
 LIVE_FOR_S = 10.0  # ... and counts as live this long after the last refresh (its process may have died)
 KILL_TTL_S = 24 * 3600.0  # a switch nobody acted upon is forgotten after this
+
+
+# The switch watched in this context (``KillSwitch.watch``): a wait deep in a wrapper that does
+# not know its run (a model waiting for a spend window) still stops when the run is killed.
+_watched: contextvars.ContextVar[KillSwitch | None] = contextvars.ContextVar(
+    "stockade_kill_switch", default=None
+)
+
+
+def check_watched() -> None:
+    """Raise ``RunKilled`` (or ``RunInterrupted``) if the switch watched here was pulled."""
+    switch = _watched.get()
+    if switch is not None:
+        switch.check()
 
 
 def _checked(run_id: str) -> str:
@@ -336,9 +352,11 @@ class KillSwitch:
 
         thread = threading.Thread(target=loop, name=f"kill-switch-{self.run_id}", daemon=True)
         thread.start()
+        token = _watched.set(self)
         try:
             yield self
         finally:
+            _watched.reset(token)
             stop.set()
             thread.join()
             self._each("unmark_live")
