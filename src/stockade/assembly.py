@@ -81,6 +81,7 @@ from stockade.exceptions import (
     ConfigurationError,
     InvalidArgument,
     PolicyDenied,
+    StockadeError,
     TierUnavailable,
 )
 from stockade.models.base import Model, resolve_model
@@ -89,7 +90,7 @@ from stockade.models.pricing import DEFAULT_PRICES, Price
 from stockade.observability.agent import TelemetryObserver
 from stockade.observability.sandbox import TracedBackend
 from stockade.observability.telemetry import Telemetry
-from stockade.policy.agent import ApprovedModel, filter_outputs, policy_guard, prompt_filter
+from stockade.policy.agent import ApprovedModel, FlagSink, filter_outputs, policy_guard, prompt_filter
 from stockade.policy.approval import ApprovalBook, ApprovalRequest, Approvals, ApprovalStore, Approver
 from stockade.policy.engine import PolicyEngine
 from stockade.policy.guards import GuardedInstance, OpContext, OpGuard, describe, enforce
@@ -98,7 +99,7 @@ from stockade.policy.schema import Policy, TrustRules, Verdict
 from stockade.runs.recorder import RunRecorder
 from stockade.runs.store import RunStore, open_run_store
 from stockade.runtime.agent import RuntimeControls
-from stockade.runtime.anomaly import AnomalyMonitor
+from stockade.runtime.anomaly import AnomalyMonitor, Finding, configured_rules
 from stockade.runtime.breaker import BreakerConfig, Breakers, BreakingBackend
 from stockade.runtime.clock import Clock, SystemClock
 from stockade.runtime.events import Observer as RuntimeObserver
@@ -169,7 +170,10 @@ class AgentConfig:
     # the agent's own breaker: this many failed actions in a row (errors, code that raised,
     # failed commands and test runs, denials) stop the run "broken", resumable; None: off
     max_consecutive_failures: int | None = DEFAULT_FAILURES
-    anomaly: bool = True  # the anomaly monitor's default rules
+    anomaly: bool = True  # the anomaly monitor, with the policy's [anomaly] rules (False: off)
+    # where a run an anomaly rule kills keeps its workspace for review (<dir>/<run id>/workspace);
+    # None: in the run store, when there is one (stockade runs workspace RUN DEST)
+    incident_dir: str | Path | None = None
     tools: Toolset | None = None  # None: default_toolset() (no raw shell)
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     checkpointer: Checkpointer | None = None  # to resume in another process; a RunStore
@@ -304,8 +308,8 @@ def _op_guard(engine: PolicyEngine, approvals: Approvals, log: AuditLog) -> OpGu
     return guard
 
 
-def _audited_prompt_filter(engine: PolicyEngine, log: AuditLog) -> AgentObserver:
-    inner = prompt_filter(engine)
+def _audited_prompt_filter(engine: PolicyEngine, log: AuditLog, on_flag: FlagSink) -> AgentObserver:
+    inner = prompt_filter(engine, on_flag=on_flag)
 
     def observe(event: AgentEvent) -> None:
         try:
@@ -333,6 +337,7 @@ class GuardedAgent:
         self.config = config
         self.policy = _load(config.policy, config.trust)
         self.engine = PolicyEngine(self.policy, role=config.role)
+        self.anomaly_rules = configured_rules(self.policy.anomaly.settings())
         self.tier, self.tier_reason = _choose_tier(self.engine, config.tier, config.backend, config.prefer)
         # what can be wrong with the configuration fails here, before any file is created
         base = resolve_model(config.model)
@@ -486,12 +491,14 @@ class AgentSession:
         )
         monitor = (
             AnomalyMonitor(
+                rules=owner.anomaly_rules,
                 clock=owner.clock,
                 observer=owner.runtime_observer,
                 breakers=owner.breakers,
                 kill_switch=self.kill_switch,
+                on_kill=self._isolate,
             )
-            if config.anomaly
+            if config.anomaly and owner.policy.anomaly.enabled
             else None
         )
         self.controls = RuntimeControls(
@@ -502,6 +509,8 @@ class AgentSession:
             run_rate=owner.run_rate,
             on_rate_limit=config.on_rate_limit,
             clock=owner.clock,
+            retrier=owner.retrier,
+            observer=reported,
             kill_switch=self.kill_switch,
             monitor=monitor,
             failures=(
@@ -512,13 +521,13 @@ class AgentSession:
         )
         self.agent = Agent(
             owner.model,
-            tools=self.controls.wrap_tools(filter_outputs(owner.engine, tools)),
+            tools=self.controls.wrap_tools(filter_outputs(owner.engine, tools, on_flag=self.controls.flag)),
             system_prompt=config.system_prompt,
             limits=config.limits,
             guards=[self.controls.guard, _call_guard(policy_guard(owner.engine, self.approvals, monitor))],
             observers=[
                 *observers,
-                _audited_prompt_filter(owner.engine, log),
+                _audited_prompt_filter(owner.engine, log, self.controls.flag),
                 self.controls.observe,
                 self._track_step,
                 *config.observers,
@@ -531,6 +540,27 @@ class AgentSession:
         self._raw: Sandbox | None = None
         self._sandbox: Sandbox | None = None
         self._books: Sandbox | None = None
+
+    def _isolate(self, finding: Finding) -> str:
+        """An anomaly rule says kill: an incident. The workspace is kept for review first, then
+        the monitor pulls the kill switch with the reason returned (the sandbox dies with it)."""
+        return (
+            f"incident: anomaly rule {finding.rule!r} fired ({finding.detail}); the run was "
+            f"isolated: its sandbox killed, {self._keep_workspace()}"
+        )
+
+    def _keep_workspace(self) -> str:
+        incident_dir = self.owner.config.incident_dir
+        if incident_dir is not None and self._raw is not None:
+            dest = Path(incident_dir) / self.run_id / "workspace"
+            try:
+                self._raw.files.download_dir(dest)
+            except StockadeError as err:
+                return f"its workspace could not be kept in {dest} ({err})"
+            return f"its workspace kept in {dest}"
+        if isinstance(self.owner.checkpointer, RunStore):  # as its last tool call left it
+            return f"its workspace kept in the run store (stockade runs workspace {self.run_id} DEST)"
+        return "its workspace not kept (no run store, no incident_dir)"
 
     def _track_step(self, event: AgentEvent) -> None:
         if isinstance(event, ModelRequested | ToolCalled):

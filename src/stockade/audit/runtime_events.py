@@ -15,6 +15,7 @@ event per runtime event:
     LimitHit       -> rate_limited (kind "rate") or budget (spend, budget), decision "deny", or
                       "wait" when the run waits for the window (``action``: refuse, wait, stop)
     AnomalyFlagged -> anomaly (rule, detail, action)
+    PromptFlagged  -> policy_decision (decision "flag", level "prompt", rules, source, tool)
     KillRequested  -> kill_switch (reason, killed instances), under the killed run's id
 
 Runtime observers must not raise (a control never fails because its reporting did): a
@@ -33,6 +34,7 @@ from stockade.runtime.events import (
     FlakyRerun,
     KillRequested,
     LimitHit,
+    PromptFlagged,
     RetryScheduled,
     RuntimeEvent,
 )
@@ -136,6 +138,18 @@ class RuntimeAuditor:
                         "detail": event.detail,
                         "action": event.action.value,
                         "subject": event.subject,
+                    },
+                    self.run_id,
+                )
+            case PromptFlagged():
+                return (
+                    EventKind.POLICY_DECISION,
+                    {
+                        "decision": "flag",
+                        "level": "prompt",
+                        "rules": list(event.rules),
+                        "source": event.source,
+                        "tool": event.tool,
                     },
                     self.run_id,
                 )

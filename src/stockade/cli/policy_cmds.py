@@ -26,7 +26,7 @@ from stockade.sandbox import _registry
 from stockade.types import Trust
 
 if TYPE_CHECKING:
-    from stockade.policy.engine import Decision
+    from stockade.policy.engine import Decision, PolicyEngine
     from stockade.sandbox.ops import Op
 
 out = CliConsole()
@@ -142,6 +142,17 @@ def check(
 _EXPLAIN_EXIT = {"allow": 0, "deny": 1, "approve": 3}
 
 
+def _tool_checks(engine: PolicyEngine, tool: str) -> list[tuple[str, Decision]]:
+    """The rules about using a tool: the role's, and its risk when it is a built-in tool."""
+    from stockade.tools import default_toolset, shell
+
+    checks = [("tool rules", engine.tool(tool))]
+    known = default_toolset().including(shell).get(tool)
+    if known is not None:  # a built-in tool: its declared risk is known
+        checks.append((f"risk ({known.risk.value})", engine.risk(known.risk.value, tool=tool)))
+    return checks
+
+
 def explain(
     file: Annotated[Path, typer.Argument(help="a policy file (.toml, .yaml)")],
     command: Annotated[
@@ -179,7 +190,7 @@ def explain(
         raise typer.Exit(2) from None
     actions: list[tuple[str, list[tuple[str, Decision]]]] = []
     if tool is not None:
-        actions.append((f"use the tool {tool!r}", [("tool rules", engine.tool(tool))]))
+        actions.append((f"use the tool {tool!r}", _tool_checks(engine, tool)))
     for what, op in _asked_ops(command, read, write, delete):
         actions.append((what, list(engine.explain(op, tool=tool or ""))))
     if model is not None:

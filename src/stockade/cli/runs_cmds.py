@@ -1,4 +1,5 @@
-"""``stockade runs list | show`` and ``stockade replay``: read and re-run recorded agent runs.
+"""``stockade runs list | show | workspace`` and ``stockade replay``: read and re-run recorded
+agent runs, and take out the workspace a run left (a run an anomaly rule killed, for review).
 
 The store is ``--db`` (or ``STOCKADE_RUNS_DB``, else ``STOCKADE_AUDIT_DB``): by default the
 run tables live in the audit database file. A run id may be given by a unique prefix.
@@ -278,7 +279,11 @@ def _print_trace(trace: RunTrace, limit: int, execs: Execs | None = None) -> Non
             f"\n[magenta]approval[/] step {approval.step}: {escape(approval.action)} → {approval.decision}"
         )
     if state.error:
-        out.print(f"\n[red]{escape(state.error)}[/]")
+        label = {RunStatus.KILLED: "killed", RunStatus.BROKEN: "broken"}.get(s.status, "")
+        if "incident: anomaly rule" in state.error:
+            label = "incident"
+        out.print(f"\n[bold red]{label}[/]: " if label else "\n", end="")
+        out.print(f"[red]{escape(state.error)}[/]")
     if state.answer:
         out.print(f"\n[bold]answer:[/] {escape(state.answer)}")
     if trace.diff:
@@ -460,9 +465,29 @@ def load_tools(specs: list[str]) -> Toolset:
     return Toolset(found.values())
 
 
+def workspace(
+    run_id: Annotated[str, typer.Argument(help="a run id, or a unique prefix of one")],
+    dest: Annotated[Path, typer.Argument(help="a new folder to write the workspace into")],
+    *,
+    db: DbOpt = DEFAULT_DB,
+    namespace: NamespaceOpt = "runs",
+) -> None:
+    """Write the workspace a run left (as its last tool call left it) into a new folder: to
+    review a run that was stopped (killed by an anomaly rule, broken), or to start again from it."""
+    with _store(db, namespace) as store:
+        resolved = _resolve(store, run_id)
+        try:
+            files = store.export_workspace(resolved, dest)
+        except exc.StockadeError as error:
+            err.print(f"[red]{escape(str(error))}[/]")
+            raise typer.Exit(2) from error
+    out.print(f"{files} files of run {escape(resolved)} written to {escape(str(dest))}")
+
+
 def register(app: typer.Typer) -> None:
     group = typer.Typer(name="runs", help="List and inspect recorded agent runs.", no_args_is_help=True)
     group.command("list")(list_runs)
     group.command("show")(show)
+    group.command("workspace")(workspace)
     app.add_typer(group)
     app.command("replay")(replay)

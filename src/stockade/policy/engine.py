@@ -294,6 +294,15 @@ class PolicyEngine:
         category = TOOL_CATEGORIES.get(name)
         return self.category(category) if category is not None else ALLOW
 
+    def risk(self, level: str, *, tool: str = "") -> Decision:
+        """What a call of a tool of this risk level needs (``[risk]``)."""
+        verdict = getattr(self.policy.risk, level, Verdict.ALLOW)
+        if verdict is Verdict.ALLOW:
+            return ALLOW
+        what = f"{tool!r} is a {level}-risk tool" if tool else f"a {level}-risk tool"
+        needs = "every call of it needs a human's approval" if verdict is Verdict.APPROVE else "it is denied"
+        return Decision(verdict=verdict, rule=f"risk.{level}", reason=f"{what}: {needs}")
+
     def model(self, name: str) -> Decision:
         if self.policy.models.allows(name):
             return ALLOW

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 import time
 import zlib
@@ -60,6 +61,7 @@ from stockade.runs.workspace import (
     Entry,
     WorkspaceTracker,
     decode_entry,
+    relative_path,
     restore,
 )
 from stockade.sandbox.facade import Sandbox
@@ -768,6 +770,32 @@ class RunStore:
         with self._lock:
             self._trackers[run_id] = tracker
         return True
+
+    def export_workspace(self, run_id: str, dest: str | Path) -> int:
+        """Write the run's last recorded workspace into ``dest``, a new folder on the host (for
+        review: a run an anomaly rule killed keeps it here); returns the files written.
+        ``ConfigurationError`` when ``dest`` exists or the run recorded no workspace."""
+        entries, version = self._stored_workspace(run_id)
+        if version == 0:
+            raise exc.ConfigurationError(f"run {run_id!r} recorded no workspace in {self._where}")
+        root = Path(dest)
+        try:
+            root.mkdir(parents=True)
+        except FileExistsError:
+            raise exc.ConfigurationError(f"{root} exists: give a new folder") from None
+        written = 0
+        for path in sorted(p for p in entries if relative_path(p)):  # parents sort before children
+            entry, target = entries[path], root / path
+            if entry.kind == "dir":
+                target.mkdir(mode=0o700, exist_ok=True)
+                continue
+            target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # the folder is new and only this writes in it: no link can be there to follow
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, entry.mode & 0o755)
+            with os.fdopen(fd, "wb") as out:
+                out.write(self._blob(entry.digest))
+            written += 1
+        return written
 
     def workspace_usage(self, run_id: str) -> WorkspaceUsage:
         rows = self.db.query(

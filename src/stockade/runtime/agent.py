@@ -18,7 +18,11 @@
   a refused action waits for the window (``on_rate_limit="wait"``, the kill switch still
   stops it) or stops the run (``"stop"``, status "budget"); the model never hears of a
   refusal, so no model call is spent on one. Then the tool's breaker (a tool that keeps
-  raising is refused for a while);
+  raising is refused for a while), and, for a tool declared ``idempotent``, retries of
+  transient failures (``retrier``; a tool that is not idempotent is never run twice);
+- ``flag`` (``on_flag`` of the policy's prompt filters): a prompt rule flagged the task or a
+  tool's output: recorded (``observer``), logged (the ``stockade.runtime`` logger) and counted
+  by the anomaly monitor;
 - ``protect``: a sandbox whose processes die the moment the switch is pulled.
 """
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -41,18 +46,28 @@ from stockade.agent.events import (
     ToolReturned,
 )
 from stockade.agent.loop import GuardContext
+from stockade.exceptions import RunStopped, RuntimeLimit
 from stockade.models.messages import ToolCall
 from stockade.models.pricing import DEFAULT_PRICES, cost_usd
 from stockade.runtime.anomaly import ActionRecord, AnomalyMonitor
 from stockade.runtime.breaker import Breakers
 from stockade.runtime.clock import Clock, SystemClock
+from stockade.runtime.events import Observer, PromptFlagged, ignore
 from stockade.runtime.failures import AgentBreaker
 from stockade.runtime.killswitch import KillSwitch
 from stockade.runtime.limits import LimitGate, OnLimit, RateLimit
+from stockade.runtime.retry import Retrier, is_transient
 from stockade.sandbox.facade import Sandbox
 from stockade.tools.base import CallNext, Tool, ToolContext, Toolset
 
 __all__ = ["RuntimeControls"]
+
+log = logging.getLogger("stockade.runtime")
+
+
+def _transient(err: BaseException) -> bool:
+    """What a tool call is retried for: a transient failure, not a control's refusal."""
+    return is_transient(err) and not isinstance(err, RuntimeLimit | RunStopped)
 
 
 def fingerprint(name: str, args: object) -> str:
@@ -73,6 +88,8 @@ class RuntimeControls:
     kill_switch: KillSwitch | None = None
     monitor: AnomalyMonitor | None = None
     failures: AgentBreaker | None = None  # the agent's breaker: N failed actions in a row stop the run
+    retrier: Retrier | None = None  # retries transient failures of idempotent tools
+    observer: Observer = ignore  # what the controls report themselves (flags)
 
     # -- observer and guard -------------------------------------------------------------
 
@@ -133,7 +150,13 @@ class RuntimeControls:
         await self._admit(self.run_rate, f"run:{self.run_id}")
         await self._admit(self.rate, self.rate_key)
         breaker = self.breakers.get(f"tool:{tool.name}")
-        return await breaker.acall(lambda: call_next(ctx, tool, args))
+        retrier = self.retrier
+        if retrier is None or not tool.idempotent:
+            return await breaker.acall(lambda: call_next(ctx, tool, args))
+        subject = f"tool:{tool.name}"
+        return await breaker.acall(
+            lambda: retrier.acall(subject, lambda: call_next(ctx, tool, args), transient=_transient)
+        )
 
     async def _admit(self, limit: RateLimit | None, key: str) -> None:
         if limit is None:
@@ -149,6 +172,19 @@ class RuntimeControls:
 
     def wrap_tools(self, tools: Toolset) -> Toolset:
         return tools.wrapped(self.tool_wrapper)
+
+    # -- flags ----------------------------------------------------------------------------
+
+    def flag(self, event: PromptFlagged) -> None:
+        """A prompt rule flagged the task or a tool's output: record, log, count."""
+        where = "the task" if event.source == "task" else f"the output of {event.tool or 'a tool'}"
+        log.warning("run %s: prompt rule(s) %s flagged %s", self.run_id, ", ".join(event.rules), where)
+        self.observer(event)
+        if self.monitor is not None:
+            subject = "prompt:task" if event.source == "task" else f"tool:{event.tool}"
+            self.monitor.observe(
+                ActionRecord(subject=subject, fingerprint=f"flag:{','.join(event.rules)}", flagged=True)
+            )
 
     # -- sandbox ------------------------------------------------------------------------
 

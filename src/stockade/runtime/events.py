@@ -20,6 +20,7 @@ __all__ = [
     "KillRequested",
     "LimitHit",
     "Observer",
+    "PromptFlagged",
     "RetryScheduled",
     "RuntimeEvent",
     "fan_out",
@@ -89,6 +90,16 @@ class AnomalyFlagged:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PromptFlagged:
+    """Prompt rules whose action is "flag" matched the task (``source`` "task") or a tool's
+    output ("tool_output", ``tool``): recorded, logged and counted; the run goes on."""
+
+    rules: tuple[str, ...]
+    source: str
+    tool: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
 class KillRequested:
     run_id: str
     reason: str
@@ -96,7 +107,9 @@ class KillRequested:
     interrupted: bool = False  # stopped to be resumed (Ctrl-C, SIGTERM), not killed for good
 
 
-RuntimeEvent = RetryScheduled | FlakyRerun | BreakerChanged | LimitHit | AnomalyFlagged | KillRequested
+RuntimeEvent = (
+    RetryScheduled | FlakyRerun | BreakerChanged | LimitHit | AnomalyFlagged | PromptFlagged | KillRequested
+)
 Observer = Callable[[RuntimeEvent], None]
 
 
