@@ -487,7 +487,10 @@ class AgentSession:
         self.runtime_observer = _fan_out(runtime)
         reported = _fan_out((*runtime, *config.runtime_observers))
         self.kill_switch = KillSwitch(
-            run_id, [config.kill_source or kill_source_for(config.kill_target)], observer=reported
+            run_id,
+            [config.kill_source or kill_source_for(config.kill_target)],
+            observer=reported,
+            tenant=config.tenant,
         )
         monitor = (
             AnomalyMonitor(

@@ -13,7 +13,7 @@ from typing import cast
 import pytest
 
 from stockade import exceptions as exc
-from stockade.runtime.killswitch import KillSwitch, RedisKillSource
+from stockade.runtime.killswitch import KillSwitch, RedisKillSource, kill_all
 from stockade.runtime.limits import RateLimit, RedisWindow, SpendLimit
 from tests.conftest import require, wait_for
 
@@ -127,3 +127,18 @@ def test_runs_that_wait_share_the_window_and_all_finish(redis_url: str) -> None:
     assert [r["status"] for r in results] == ["success", "success"]
     assert sum(int(str(r["commands"])) for r in results) == 4
     assert max(float(str(r["seconds"])) for r in results) >= 0.9  # someone waited for the window
+
+
+def test_a_kill_all_of_a_tenant_reaches_its_runs_through_redis(redis_url: str) -> None:
+    tenant = f"t-{uuid.uuid4().hex}"
+    ours = [KillSwitch(f"run-{uuid.uuid4().hex}", [RedisKillSource(redis_url)], poll_s=0.01, tenant=tenant)
+            for _ in range(2)]  # fmt: skip
+    theirs = KillSwitch(f"run-{uuid.uuid4().hex}", [RedisKillSource(redis_url)], poll_s=0.01, tenant="other")
+    with ours[0].watch(), ours[1].watch(), theirs.watch():
+        pulled = kill_all(RedisKillSource(redis_url), "stop them", tenant=tenant)
+        assert sorted(r.run_id for r in pulled) == sorted(s.run_id for s in ours)
+        deadline = time.monotonic() + 5
+        while not all(s.killed for s in ours):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not theirs.killed

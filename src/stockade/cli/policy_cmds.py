@@ -4,9 +4,9 @@ from outside, and ask a policy what it would decide (and why) before any run doe
 ``kill`` writes the kill marker the run's ``KillSwitch`` polls: a file in the kill directory
 (``--target DIR``, ``STOCKADE_KILL_DIR``, default ``~/.stockade/kill``) or a Redis key
 (``--target redis://...``), only for a run that is live there (``--force`` otherwise), and
-waits for it to stop. Approvals live in ``STOCKADE_APPROVAL_DIR`` (default
-``~/.stockade/approvals``); a paused run resumes with
-``agent.run(resume=RUN_ID, sandbox=...)`` once the decision is in.
+waits for it to stop; ``kill --all`` does so for every live run (``--tenant``: of one tenant).
+Approvals live in ``STOCKADE_APPROVAL_DIR`` (default ``~/.stockade/approvals``); a paused run
+resumes with ``agent.run(resume=RUN_ID, sandbox=...)`` once the decision is in.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ ApprovalDirOpt = Annotated[
 
 
 def kill(
-    run_id: Annotated[str, typer.Argument(help="the run to stop")],
+    run_id: Annotated[str | None, typer.Argument(help="the run to stop")] = None,
     reason: Annotated[str, typer.Option("--reason", help="why, for the audit trail")] = "killed from the CLI",
     target: TargetOpt = None,
     force: Annotated[
@@ -52,13 +52,27 @@ def kill(
         ),
     ] = False,
     wait: Annotated[float, typer.Option("--wait", help="seconds to wait for the run to stop")] = 5.0,
+    every: Annotated[bool, typer.Option("--all", help="stop every run live at the target now")] = False,
+    tenant: Annotated[
+        str | None, typer.Option("--tenant", help="with --all: only the runs of this tenant")
+    ] = None,
 ) -> None:
-    """Stop a live run now: its sandbox processes are killed and it ends as "killed".
+    """Stop a live run now: its sandbox processes are killed and it ends as "killed". With --all,
+    every live run (of --tenant only, when given): for the operator who needs it all stopped.
 
     Exit codes: 0 the run stopped (or, with --force, the switch is set), 1 no live run has that
     id (nothing was pulled), 3 the switch is pulled but the run was still live after --wait."""
     from stockade.runtime.killswitch import KILL_TTL_S, kill_source_for
 
+    if every or tenant is not None:
+        if run_id is not None or not every:
+            err.print("[red]error:[/red] give a RUN_ID, or --all (with --tenant to stop one tenant's runs)")
+            raise typer.Exit(2)
+        _kill_all(target, reason, tenant, wait)
+        return
+    if run_id is None:
+        err.print("[red]error:[/red] give the RUN_ID to stop, or --all")
+        raise typer.Exit(2)
     try:
         source = kill_source_for(target)
         live = getattr(source, "live", lambda _: None)(run_id)
@@ -90,6 +104,31 @@ def kill(
             raise typer.Exit(3)
         time.sleep(0.1)
     out.print(f"run {escape(run_id)} stopped")
+
+
+def _kill_all(target: str | None, reason: str, tenant: str | None, wait: float) -> None:
+    from stockade.runtime.killswitch import kill_all, kill_source_for
+
+    try:
+        source = kill_source_for(target)
+        pulled = kill_all(source, reason, tenant=tenant)
+    except exc.StockadeError as e:
+        err.print(f"[red]error:[/red] {escape(str(e))}")
+        raise typer.Exit(2) from None
+    whose = f" of tenant {escape(tenant)}" if tenant is not None else ""
+    if not pulled:
+        err.print(f"no live run{whose}: nothing was pulled")
+        raise typer.Exit(1)
+    for run in pulled:
+        out.print(f"kill switch pulled for live run {escape(run.run_id)} ({escape(str(run))})")
+    deadline = time.monotonic() + max(wait, 0.0)
+    live = [r.run_id for r in pulled]
+    while live := [r for r in live if source.live(r) is not None]:  # type: ignore[attr-defined]
+        if time.monotonic() >= deadline:
+            err.print(f"{len(live)} run(s) still live after {wait:g} s: {escape(', '.join(live))}")
+            raise typer.Exit(3)
+        time.sleep(0.1)
+    out.print(f"{len(pulled)} run(s){whose} stopped")
 
 
 def check(
