@@ -73,11 +73,13 @@ from stockade.agent.state import RunState
 from stockade.audit.agent import AuditObserver
 from stockade.audit.events import EventKind
 from stockade.audit.log import AuditLog
+from stockade.audit.redact import Redactor
 from stockade.audit.runtime_events import RuntimeAuditor
 from stockade.audit.sandbox import AuditedBackend, current_call
 from stockade.audit.stores import open_store
 from stockade.exceptions import (
     ApprovalRequired,
+    ComplianceNotMet,
     ConfigurationError,
     InvalidArgument,
     PolicyDenied,
@@ -92,6 +94,7 @@ from stockade.observability.sandbox import TracedBackend
 from stockade.observability.telemetry import Telemetry
 from stockade.policy.agent import ApprovedModel, FlagSink, filter_outputs, policy_guard, prompt_filter
 from stockade.policy.approval import ApprovalBook, ApprovalRequest, Approvals, ApprovalStore, Approver
+from stockade.policy.compliance import Setup, check_compliance, kill_target_reachable, microvm_on_host
 from stockade.policy.engine import PolicyEngine
 from stockade.policy.guards import GuardedInstance, OpContext, OpGuard, describe, enforce
 from stockade.policy.load import load_policy
@@ -149,6 +152,9 @@ class AgentConfig:
     allow_weaker: bool = False
     audit: str | AuditLog = "memory:"  # a store URL (sqlite:///PATH, postgresql://...) or a log
     audit_key: bytes | None = None  # HMAC key of the chain, when ``audit`` is a URL
+    # redact personal data (e-mails, phones, IPs, cards, ...) from the audit trail a URL opens;
+    # None: when the policy declares the gdpr compliance profile
+    redact_personal_data: bool | None = None
     limits: RunLimits = field(default_factory=RunLimits)  # per-run steps, wall time, tokens, dollars
     check: str | None = None  # the acceptance check: "success" only when this command passes at the end
     check_timeout_s: float | None = None  # its wall-clock limit (the sandbox default when None)
@@ -233,12 +239,55 @@ def _choose_tier(
         return chosen, f"the {order} tier trust {level!r} allows on this host"
     allowed = engine.allowed_tiers()
     if asked not in allowed:
+        hint = (
+            "a declared compliance profile needs the strongest isolation"
+            if engine.policy.compliance.profiles
+            else 'or, if your own team wrote the code this agent runs, set trust = "trusted" (the '
+            "policy's [trust] level, or --trust trusted)"
+        )
         raise TierUnavailable(
-            f"tier {asked!r} is weaker than trust {level!r} allows (one of: {', '.join(allowed) or 'none'}); "
-            f"use one of those tiers, or, if your own team wrote the code this agent runs, set "
-            f'trust = "trusted" (the policy\'s [trust] level, or --trust trusted)'
+            f"tier {asked!r} is weaker than {engine.why_tiers()} allows (one of: "
+            f"{', '.join(allowed) or 'none'}); use one of those tiers; {hint}"
         )
     return asked, f"{'the backend given' if backend is not None else 'asked for'}; trust {level!r} allows it"
+
+
+def _compliance_setup(agent: GuardedAgent, runs_url: str | None) -> Setup:
+    """What the compliance requirements see of this configuration and host."""
+    config = agent.config
+    log = config.audit if isinstance(config.audit, AuditLog) else None
+    telemetry = config.telemetry
+    asked = config.backend.tier if config.backend is not None else config.tier
+    return Setup(
+        audit_url=log.store.url if log is not None else str(config.audit),
+        audit_keyed=log.chain.keyed if log is not None else config.audit_key is not None,
+        audit_redacts_personal_data=(
+            log.redactor.redacts_personal_data if log is not None else agent.redacts_personal_data
+        ),
+        telemetry_redacts_personal_data=telemetry.redactor.redacts_personal_data if telemetry else None,
+        runs_erasable=isinstance(config.checkpointer, RunStore)
+        or (config.checkpointer is None and config.record_runs and runs_url is not None),
+        kill_switch=kill_target_reachable(config.kill_target),
+        anomaly_monitor=config.anomaly,
+        failure_breaker=config.max_consecutive_failures,
+        microvm=microvm_on_host(asked) if asked is not None else microvm_on_host(),
+    )
+
+
+def _require_compliance(agent: GuardedAgent, runs_url: str | None) -> None:
+    report = check_compliance(agent.policy, _compliance_setup(agent, runs_url), role=agent.config.role)
+    if report.ok:
+        return
+    unmet = tuple(
+        f"{f.requirement.control}: {f.requirement.text}: {f.detail} (fix: {f.requirement.fix})"
+        for f in report.unmet
+    )
+    raise ComplianceNotMet(
+        f"the policy declares compliance profiles {', '.join(report.profiles)}, and "
+        f"{len(unmet)} of their {len(report.findings)} requirements are not met (checkpoints, not "
+        "certifications; stockade policy check --compliance lists them all):\n  " + "\n  ".join(unmet),
+        unmet=unmet,
+    )
 
 
 class _AuditedApprovals(Approvals):
@@ -338,6 +387,13 @@ class GuardedAgent:
         self.policy = _load(config.policy, config.trust)
         self.engine = PolicyEngine(self.policy, role=config.role)
         self.anomaly_rules = configured_rules(self.policy.anomaly.settings())
+        runs_url = config.runs_url or (
+            config.audit if isinstance(config.audit, str) and config.audit != "memory:" else None
+        )
+        pii = config.redact_personal_data
+        self.redacts_personal_data = pii if pii is not None else "gdpr" in self.policy.compliance.profiles
+        if self.policy.compliance.profiles:  # configuration is enforced before anything starts
+            _require_compliance(self, runs_url)
         self.tier, self.tier_reason = _choose_tier(self.engine, config.tier, config.backend, config.prefer)
         # what can be wrong with the configuration fails here, before any file is created
         base = resolve_model(config.model)
@@ -346,13 +402,11 @@ class GuardedAgent:
         if isinstance(config.audit, AuditLog):
             self.audit_log, self._owns_log = config.audit, False
         else:
-            self.audit_log = AuditLog(open_store(config.audit), key=config.audit_key)
+            redactor = Redactor(personal_data=self.redacts_personal_data)
+            self.audit_log = AuditLog(open_store(config.audit), key=config.audit_key, redactor=redactor)
             self._owns_log = True
         self.checkpointer: Checkpointer | None = config.checkpointer
         self._owned_runs: RunStore | None = None
-        runs_url = config.runs_url or (
-            config.audit if isinstance(config.audit, str) and config.audit != "memory:" else None
-        )
         if self.checkpointer is None and config.record_runs and runs_url is not None:
             try:  # the runs go where the audit trail goes, so `stockade runs list` finds them
                 self.checkpointer = self._owned_runs = open_run_store(runs_url)
@@ -407,10 +461,11 @@ class GuardedAgent:
 
     @contextlib.contextmanager
     def session(
-        self, *, workspace: str | Path | None = None, run_id: str | None = None
+        self, *, workspace: str | Path | None = None, run_id: str | None = None, subject: str | None = None
     ) -> Iterator[AgentSession]:
-        """A sandbox (seeded with a copy of ``workspace``) and everything one run needs."""
-        session = AgentSession(self, run_id or uuid.uuid4().hex)
+        """A sandbox (seeded with a copy of ``workspace``) and everything one run needs.
+        ``subject``: whose personal data the run holds, recorded so that it can be erased."""
+        session = AgentSession(self, run_id or uuid.uuid4().hex, subject=subject)
         token = _session_observer.set(session.runtime_observer)
         try:
             with session.open(workspace):
@@ -420,15 +475,25 @@ class GuardedAgent:
             self.audit_log.flush()
 
     def run_sync(
-        self, task: str, *, workspace: str | Path | None = None, run_id: str | None = None
+        self,
+        task: str,
+        *,
+        workspace: str | Path | None = None,
+        run_id: str | None = None,
+        subject: str | None = None,
     ) -> RunResult:
-        with self.session(workspace=workspace, run_id=run_id) as session:
+        with self.session(workspace=workspace, run_id=run_id, subject=subject) as session:
             return session.run_sync(task)
 
     async def run(
-        self, task: str, *, workspace: str | Path | None = None, run_id: str | None = None
+        self,
+        task: str,
+        *,
+        workspace: str | Path | None = None,
+        run_id: str | None = None,
+        subject: str | None = None,
     ) -> RunResult:
-        with self.session(workspace=workspace, run_id=run_id) as session:
+        with self.session(workspace=workspace, run_id=run_id, subject=subject) as session:
             return await session.run(task)
 
     def resume_sync(self, run_id: str, *, workspace: str | Path | None = None) -> RunResult:
@@ -462,7 +527,7 @@ class GuardedAgent:
 class AgentSession:
     """One run id: its sandbox (wrapped as the module docstring says), its kill switch, its loop."""
 
-    def __init__(self, owner: GuardedAgent, run_id: str) -> None:
+    def __init__(self, owner: GuardedAgent, run_id: str, *, subject: str | None = None) -> None:
         self.owner = owner
         self.run_id = run_id
         self.step = 0
@@ -474,10 +539,14 @@ class AgentSession:
         self.approvals: Approvals = owner.approvals
         self._recorder: RunRecorder | None = None
         if isinstance(owner.checkpointer, RunStore):  # retries, approvals and the ledger too
-            recorder = self._recorder = RunRecorder(owner.checkpointer, run_id=run_id)
+            recorder = self._recorder = RunRecorder(owner.checkpointer, run_id=run_id, subject=subject)
             observers.append(recorder)
             runtime.append(recorder.runtime)
             self.approvals = recorder.approvals(owner.approvals)
+        elif subject is not None:
+            raise ConfigurationError(
+                "a run's data subject is recorded in a run store: give audit= a database URL, or runs_url="
+            )
         tools = owner.tools
         if config.telemetry is not None:  # a tool call's span is current while it runs
             traced = TelemetryObserver(config.telemetry)

@@ -11,6 +11,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── PolicyFileError           the policy file is invalid; ``problems`` lists each, with its line
     │   ├── ImageNotFound             the sandbox image is not on this host (build it)
     │   ├── SeedTooLarge              the workspace is bigger than the run store keeps (a seed, a snapshot)
+    │   ├── ComplianceNotMet          a declared compliance profile is not met; ``unmet``: what, and the fix
     │   └── RunConflict               a new run's id is taken, or the run ended and is kept as it is
     ├── TierUnavailable               no tier on this host satisfies the request (fails closed)
     ├── SandboxError                  something about one sandbox
@@ -80,6 +81,7 @@ __all__ = [
     "BudgetExceeded",
     "CircuitBroken",
     "CircuitOpen",
+    "ComplianceNotMet",
     "ConfigurationError",
     "FileTooLarge",
     "FileTypeError",
@@ -197,6 +199,15 @@ class SeedTooLarge(ConfigurationError):
 class RunConflict(ConfigurationError):
     """A new run was given the id of a run the store already has, or a run that ended was
     asked to resume: runs are never reused or overwritten."""
+
+
+class ComplianceNotMet(ConfigurationError):
+    """A compliance profile the policy declares has requirements the policy, the configuration
+    or the host does not meet; nothing was started. ``unmet``: each, with how to fix it."""
+
+    def __init__(self, message: str, *, unmet: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.unmet = unmet
 
 
 class TierUnavailable(StockadeError):

@@ -8,6 +8,7 @@ default the same database) around a sandbox of the tier trust allows.
 from __future__ import annotations
 
 import enum
+import os
 import shutil
 from pathlib import Path
 from typing import Annotated
@@ -304,6 +305,7 @@ def agent(  # noqa: C901 - a typer command: its options become the run's configu
             tier=options.tier,
             prefer=options.prefer.value if options.prefer is not None else None,
             audit=options.audit_db,
+            audit_key=os.environ.get("STOCKADE_AUDIT_KEY", "").encode() or None,  # as `stockade audit`
             limits=RunLimits(max_steps=options.max_steps, max_cost_usd=options.budget_usd),
             rate_per_minute=options.rate,
             dollars_per_hour=options.spend_per_hour,

@@ -21,13 +21,14 @@ from rich.markup import escape
 
 from stockade import exceptions as exc
 from stockade.cli._console import CliConsole
-from stockade.policy.schema import Verdict
+from stockade.policy.schema import Policy, Verdict
 from stockade.sandbox import _registry
 from stockade.types import Trust
 
 if TYPE_CHECKING:
     from stockade.policy.engine import Decision, PolicyEngine
     from stockade.sandbox.ops import Op
+    from stockade.policy.compliance import ComplianceReport
 
 out = CliConsole()
 err = CliConsole(stderr=True)
@@ -134,8 +135,35 @@ def _kill_all(target: str | None, reason: str, tenant: str | None, wait: float) 
 def check(
     file: Annotated[Path, typer.Argument(help="a policy file (.toml, .yaml)")],
     as_json: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
+    compliance: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--compliance",
+            help="check a compliance profile's requirements (soc2, hipaa, gdpr; repeat it, or "
+            '"declared" for the policy\'s own): every one, met or not, and how to fix it',
+        ),
+    ] = None,
+    role: Annotated[str | None, typer.Option("--role", help="the role runs start under")] = None,
+    audit_db: Annotated[
+        str, typer.Option("--audit-db", envvar="STOCKADE_AUDIT_DB", help="where the audit trail goes")
+    ] = "sqlite:///.stockade/audit.db",
+    kill_target: Annotated[
+        str | None,
+        typer.Option("--kill-target", envvar="STOCKADE_KILL_TARGET", help="kill directory, or redis://..."),
+    ] = None,
+    host: Annotated[
+        bool,
+        typer.Option(
+            "--host/--no-host",
+            help="probe this host's microVM tier (starts one; --no-host reports it unchecked, not met)",
+        ),
+    ] = True,
 ) -> None:
-    """Validate a policy file; every mistake is listed with its line. Exit 1 if it is invalid."""
+    """Validate a policy file; every mistake is listed with its line. Exit 1 if it is invalid.
+
+    With --compliance, also check each requirement of the profiles against the policy, the
+    configuration `stockade agent` would start with (the audit database and STOCKADE_AUDIT_KEY,
+    the kill target) and this host. Checkpoints, not certifications. Exit 1 if one is not met."""
     from stockade.policy.load import load_policy
 
     try:
@@ -153,6 +181,9 @@ def check(
             for problem in problems:
                 err.print(f"[red]error:[/red] {escape(problem)}")
         raise typer.Exit(1)
+    if compliance:
+        _check_compliance(policy, compliance, role, audit_db, kill_target, host, as_json)
+        return
     c = policy.commands
     if as_json:
         summary = {
@@ -163,11 +194,14 @@ def check(
             "roles": list(policy.roles),
             "network": policy.network.enabled,
             "trust": policy.trust.level.value,
-            "allowed_tiers": list(
-                _registry.allowed_tiers(
+            "compliance": list(policy.compliance.profiles),
+            "allowed_tiers": [
+                tier
+                for tier in _registry.allowed_tiers(
                     policy.trust.level, allow_gvisor_for_untrusted=policy.trust.allow_gvisor_for_untrusted
                 )
-            ),
+                if tier == "microvm" or not policy.compliance.profiles
+            ],
         }
         print(json.dumps(summary, ensure_ascii=False))
         return
@@ -176,6 +210,88 @@ def check(
         f"{len(c.approve)} approval command rules, {len(policy.roles)} role(s), "
         f"network {'on' if policy.network.enabled else 'off'}, trust {policy.trust.level.value}"
     )
+    if policy.compliance.profiles:
+        out.print(
+            f"declares compliance profiles {', '.join(policy.compliance.profiles)} (the microvm tier only); "
+            "check their requirements with --compliance declared"
+        )
+
+
+def _check_compliance(
+    policy: Policy,
+    asked: list[str],
+    role: str | None,
+    audit_db: str,
+    kill_target: str | None,
+    host: bool,
+    as_json: bool,
+) -> None:
+    import os
+
+    from stockade.policy.compliance import (
+        PROFILES,
+        Setup,
+        check_compliance,
+        kill_target_reachable,
+        microvm_on_host,
+    )
+
+    profiles = [p for a in asked for p in (policy.compliance.profiles if a == "declared" else a.split(","))]
+    unknown = sorted({p for p in profiles if p not in PROFILES})
+    if unknown or not profiles:
+        err.print(f"[red]error:[/red] no profile {', '.join(unknown) or '(none declared)'}; "
+                  f"the profiles are: {', '.join(PROFILES)}")  # fmt: skip
+        raise typer.Exit(2)
+    setup = Setup(  # what `stockade agent` would start with
+        audit_url=audit_db,
+        audit_keyed=bool(os.environ.get("STOCKADE_AUDIT_KEY")),
+        audit_redacts_personal_data="gdpr" in policy.compliance.profiles,
+        runs_erasable=audit_db != "memory:",
+        kill_switch=kill_target_reachable(kill_target),
+        anomaly_monitor=True,
+        failure_breaker=5,
+        microvm=microvm_on_host() if host else (False, "not checked (--no-host)"),
+    )
+    try:
+        report = check_compliance(policy, setup, role=role, profiles=profiles)
+    except exc.ConfigurationError as e:
+        err.print(f"[red]error:[/red] {escape(str(e))}")
+        raise typer.Exit(2) from None
+    if as_json:
+        print(json.dumps(_report_json(report), ensure_ascii=False))
+        raise typer.Exit(0 if report.ok else 1)
+    out.print("[dim]compliance checkpoints, not certifications: they check what stockade can see[/]")
+    for profile in report.profiles:
+        findings = [f for f in report.findings if f.requirement.profile == profile]
+        met = sum(f.met for f in findings)
+        colour = "green" if met == len(findings) else "red"
+        out.print(f"\n[bold]{profile}[/]: [{colour}]{met} of {len(findings)} requirements met[/]")
+        for f in findings:
+            mark = "[green]met[/]    " if f.met else "[red]not met[/]"
+            out.print(f"  {mark} {escape(f.requirement.control)}: {escape(f.requirement.text)}")
+            out.print(f"          [dim]{escape(f.detail)}[/]")
+            if not f.met:
+                out.print(f"          [cyan]fix:[/] {escape(f.requirement.fix)}")
+    raise typer.Exit(0 if report.ok else 1)
+
+
+def _report_json(report: ComplianceReport) -> dict[str, object]:
+    return {
+        "checkpoints_not_certifications": True,
+        "ok": report.ok,
+        "requirements": [
+            {
+                "id": f.requirement.id,
+                "profile": f.requirement.profile,
+                "control": f.requirement.control,
+                "requirement": f.requirement.text,
+                "met": f.met,
+                "detail": f.detail,
+                "fix": None if f.met else f.requirement.fix,
+            }
+            for f in report.findings
+        ],
+    }
 
 
 _EXPLAIN_EXIT = {"allow": 0, "deny": 1, "approve": 3}

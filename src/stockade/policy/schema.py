@@ -32,6 +32,7 @@ __all__ = [
     "AnomalyRules",
     "Classification",
     "CommandRules",
+    "ComplianceRules",
     "DataAccess",
     "DataTier",
     "Decisions",
@@ -242,6 +243,19 @@ class AnomalyRules(_Strict):
         }
 
 
+ProfileName = Literal["soc2", "hipaa", "gdpr"]
+
+
+class ComplianceRules(_Strict):
+    """Compliance profiles the deployment must meet (``stockade.policy.compliance``): each is a
+    list of checkable requirements, checked at start-up (``build_agent`` refuses to start when
+    one is not met). Checkpoints, not certifications. A declared profile raises the minimum
+    tier to the microVM. ``retention_days``: how long run data is kept (GDPR Art. 5(1)(e))."""
+
+    profiles: tuple[ProfileName, ...] = ()
+    retention_days: int | None = Field(default=None, ge=1)
+
+
 class Policy(_Strict):
     version: Literal[1] = 1
     commands: CommandRules = CommandRules()
@@ -256,6 +270,7 @@ class Policy(_Strict):
     trust: TrustRules = TrustRules()
     risk: RiskRules = RiskRules()
     anomaly: AnomalyRules = AnomalyRules()
+    compliance: ComplianceRules = ComplianceRules()
 
     @model_validator(mode="after")
     def _roles_exist(self) -> Policy:
