@@ -118,3 +118,18 @@ def test_a_declared_profile_runs_on_the_microvm(tmp_path: Path) -> None:
         result = agent.run_sync("compute", run_id="on-microvm")
     assert result.status == RunStatus.SUCCESS and result.tier == "microvm"
     assert "42" in result.steps[0].tool_calls[0].observation
+
+
+@pytest.mark.process
+def test_the_readme_runtime_controls_example_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    require_tier("process")
+    root = Path(__file__).parents[2]
+    text = (root / "README.md").read_text()
+    block = text.split("## Runtime controls", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "examples").symlink_to(root / "examples")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert printed.startswith("broken CircuitBroken: the agent's last 3 actions failed in a row"), printed
