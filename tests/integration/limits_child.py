@@ -16,10 +16,10 @@ import time
 import uuid
 from dataclasses import replace
 
-from stockade.agent import AgentConfig, build_agent
+from stockade.assembly import AgentConfig, build_agent
 from stockade.audit import AuditLog, MemoryStore
 from stockade.policy.schema import Policy, TrustRules
-from stockade.runtime.limits import RateLimit, RedisWindow
+from stockade.runtime.limits import OnLimit, RateLimit, RedisWindow
 from stockade.sandbox.ops import RunCommand
 from stockade.testing import FakeBackend, MemoryWorkspace, ScriptedModel, tool_call
 from stockade.tools import Toolset, shell
@@ -38,7 +38,7 @@ config = AgentConfig(
     anomaly=False,
     tenant=tenant,
     limits_redis_url=url,
-    on_rate_limit=on_limit,  # type: ignore[arg-type]
+    on_rate_limit=OnLimit(on_limit),
 )
 if scope == "tenant":
     config = replace(config, rate_per_minute=3)

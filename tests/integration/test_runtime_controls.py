@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from stockade.agent import AgentConfig, RunStatus, build_agent
+from stockade.agent import RunStatus
+from stockade.assembly import AgentConfig, build_agent
 from stockade.audit import SQLiteStore
 from stockade.cli.main import app
 from stockade.models import ScriptedModel, tool_call

@@ -26,9 +26,9 @@ from stockade.sandbox import _registry
 from stockade.types import Trust
 
 if TYPE_CHECKING:
+    from stockade.policy.compliance import ComplianceReport
     from stockade.policy.engine import Decision, PolicyEngine
     from stockade.sandbox.ops import Op
-    from stockade.policy.compliance import ComplianceReport
 
 out = CliConsole()
 err = CliConsole(stderr=True)

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from stockade.agent import AgentConfig, RunStatus, build_agent
+from stockade.agent import RunStatus
+from stockade.assembly import AgentConfig, build_agent
 from stockade.audit import SQLiteStore
 from stockade.cli.main import app
 from stockade.exceptions import ComplianceNotMet, TierUnavailable
 from stockade.models import ScriptedModel, tool_call
-from stockade.policy import PolicyEngine, load_policy
+from stockade.policy import Policy, PolicyEngine, load_policy
 from stockade.policy.compliance import PROFILES, Setup, check_compliance
 from stockade.runs import open_run_store
 from stockade.runtime.clock import ManualClock
@@ -119,7 +120,7 @@ def test_a_declared_profile_raises_the_minimum_tier_to_the_microvm(tmp_path: Pat
     assert PolicyEngine(policy).allowed_tiers() == ("microvm",)
     plain = load_policy(write(tmp_path, 'version = 1\n[trust]\nlevel = "trusted"\n'))
     assert "process" in PolicyEngine(plain).allowed_tiers()
-    from stockade.agent.assembly import _choose_tier
+    from stockade.assembly import _choose_tier
 
     with pytest.raises(TierUnavailable, match="compliance profiles soc2"):
         _choose_tier(PolicyEngine(policy), "process", None)
@@ -139,7 +140,7 @@ def test_every_requirement_says_what_it_found() -> None:
     assert "no role is given" in {f.detail for f in no_role.unmet}
 
 
-def load_policy_text(text: str) -> object:
+def load_policy_text(text: str) -> Policy:
     from stockade.policy import parse_policy
 
     return parse_policy(text)

@@ -9,6 +9,7 @@ import pytest
 
 from stockade import Sandbox
 from stockade.agent import Agent
+from stockade.agent.events import Observer as AgentObserver
 from stockade.audit import AuditLog, MemoryStore, verify
 from stockade.audit.agent import AuditObserver
 from stockade.exceptions import RunConflict
@@ -21,7 +22,7 @@ SAME = tool_call("write_file", {"path": "shared.txt", "content": "the same in bo
 
 def run(store: RunStore, log: AuditLog, run_id: str, subject: str, own: str) -> None:
     model = ScriptedModel([SAME, tool_call("write_file", {"path": "own.txt", "content": own}), "done"])
-    observers = [AuditObserver(log), RunRecorder(store, subject=subject)]
+    observers: list[AgentObserver] = [AuditObserver(log), RunRecorder(store, subject=subject)]
     agent = Agent(model, tools=default_toolset(), checkpointer=store, observers=observers)
     with Sandbox.create(backend=FakeBackend(MemoryWorkspace())) as sbx:
         agent.run_sync("write", sandbox=sbx, run_id=run_id)
@@ -42,7 +43,8 @@ def test_erasing_a_subjects_runs_keeps_what_others_share_and_the_chain(
     store.export_workspace("bob-1", tmp_path / "bob")  # bob's copy of the shared content is intact
     assert (tmp_path / "bob" / "shared.txt").read_text() == "the same in both runs\n"
     assert (tmp_path / "bob" / "own.txt").read_text() == "bob's notes\n"
-    contents = {zlib.decompress(bytes(r[0])) for r in store.db.query(f"SELECT data FROM {store.ns}_blobs")}
+    rows = store.db.query(f"SELECT data FROM {store.ns}_blobs")
+    contents = {zlib.decompress(r[0]) for r in rows if isinstance(r[0], bytes)}
     assert b"alice's notes\n" not in contents  # her own file is gone; what bob shares stays
     assert {b"bob's notes\n", b"the same in both runs\n"} <= contents
     log.flush()

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from stockade.agent import AgentConfig, RunStatus, build_agent
+from stockade.agent import RunStatus
+from stockade.assembly import AgentConfig, build_agent
 from stockade.audit import SQLiteStore
 from stockade.audit.events import AuditEvent
 from stockade.models import ScriptedModel, tool_call

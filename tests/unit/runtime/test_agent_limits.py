@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from stockade.agent import AgentConfig, RunStatus, build_agent
+from stockade.agent import RunStatus
+from stockade.assembly import AgentConfig, build_agent
 from stockade.audit import AuditLog, MemoryStore
 from stockade.audit.events import AuditEvent
 from stockade.exceptions import InvalidArgument

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from stockade.agent import AgentConfig, RunResult, RunStatus, build_agent
+from stockade.agent import RunResult, RunStatus
+from stockade.assembly import AgentConfig, build_agent
 from stockade.audit import AuditLog, MemoryStore
 from stockade.cli.main import app
 from stockade.models import ScriptedModel, tool_call
@@ -18,6 +19,7 @@ from stockade.sandbox.ops import RunCommand
 from stockade.testing import FakeBackend, MemoryWorkspace
 from stockade.tools import Toolset, shell
 from stockade.types import CommandResult, Trust
+from tests.conftest import wait_for
 
 
 def slow(op: RunCommand) -> CommandResult:
@@ -48,10 +50,7 @@ def start_run(tmp_path: Path, tenant: str, run_id: str, results: dict[str, RunRe
 
 
 def wait_live(source: FileKillSource, count: int) -> None:
-    deadline = time.monotonic() + 10
-    while len(source.live_runs()) < count:
-        assert time.monotonic() < deadline, source.live_runs()
-        time.sleep(0.02)
+    wait_for(lambda: len(source.live_runs()) >= count, what=f"{count} live runs")
 
 
 def test_kill_all_of_a_tenant_then_of_the_host(tmp_path: Path) -> None:
@@ -99,8 +98,5 @@ def test_kill_all_pulls_only_what_is_live(tmp_path: Path) -> None:
         assert runs["old-style"] == LiveRun(run_id="old-style", where="pid 1 on elsewhere")
         assert runs["a-1"].tenant == "a" and "tenant a" in (source.live("a-1") or "")
         assert [r.run_id for r in kill_all(source, "stop", tenant="a")] == ["a-1"]
-        deadline = time.monotonic() + 5
-        while not alive.killed:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_for(lambda: alive.killed, what="the switch to see the kill", timeout_s=5)
     assert source.reason("old-style") is None
