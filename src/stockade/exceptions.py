@@ -11,6 +11,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── PolicyFileError           the policy file is invalid; ``problems`` lists each, with its line
     │   ├── ImageNotFound             the sandbox image is not on this host (build it)
     │   ├── SeedTooLarge              the workspace is bigger than the run store keeps (a seed, a snapshot)
+    │   ├── ComplianceNotMet          a declared compliance profile is not met; ``unmet``: what, and the fix
     │   └── RunConflict               a new run's id is taken, or the run ended and is kept as it is
     ├── TierUnavailable               no tier on this host satisfies the request (fails closed)
     ├── SandboxError                  something about one sandbox
@@ -60,6 +61,7 @@ way to the loop, which ends the run with its ``status``:
     ├── BudgetExceeded                status "budget": steps, wall time, tokens, dollars, $/hour spent
     ├── RunKilled                     status "killed": someone pulled the kill switch
     ├── RunInterrupted                status "interrupted": stopped from outside (Ctrl-C, SIGTERM); resumable
+    ├── CircuitBroken                 status "broken": the agent's actions failed N times in a row; resumable
     └── ApprovalRequired              status "paused": a human must decide; resume the run after
 
 Both pickle cleanly with their state (they cross process boundaries in the distributed tier).
@@ -77,7 +79,9 @@ __all__ = [
     "AuthenticationError",
     "BackendUnavailable",
     "BudgetExceeded",
+    "CircuitBroken",
     "CircuitOpen",
+    "ComplianceNotMet",
     "ConfigurationError",
     "FileTooLarge",
     "FileTypeError",
@@ -195,6 +199,15 @@ class SeedTooLarge(ConfigurationError):
 class RunConflict(ConfigurationError):
     """A new run was given the id of a run the store already has, or a run that ended was
     asked to resume: runs are never reused or overwritten."""
+
+
+class ComplianceNotMet(ConfigurationError):
+    """A compliance profile the policy declares has requirements the policy, the configuration
+    or the host does not meet; nothing was started. ``unmet``: each, with how to fix it."""
+
+    def __init__(self, message: str, *, unmet: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.unmet = unmet
 
 
 class TierUnavailable(StockadeError):
@@ -454,6 +467,17 @@ class RunInterrupted(RunStopped):
         super().__init__(message)
         self.run_id = run_id
         self.reason = reason
+
+
+class CircuitBroken(RunStopped):
+    """The agent's circuit breaker tripped: its last ``len(failures)`` actions all failed (each
+    named in ``failures`` with its error). The run stops, resumable once a person has looked."""
+
+    status = "broken"
+
+    def __init__(self, message: str, *, failures: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.failures = failures
 
 
 class ApprovalRequired(RunStopped):

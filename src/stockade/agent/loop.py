@@ -118,7 +118,7 @@ from stockade.models.messages import (
 )
 from stockade.models.pricing import DEFAULT_PRICES, Price, cost_usd
 from stockade.sandbox.facade import Sandbox
-from stockade.tools.base import Tool, ToolContext, Toolset, render
+from stockade.tools.base import Tool, ToolContext, Toolset, render, reported_failure
 from stockade.tools.builtin import default_toolset, run_test_command
 from stockade.tools.observations import bound
 from stockade.tools.workspace_diff import record_baseline, workspace_diff
@@ -663,6 +663,7 @@ class AgentRun:
                 idempotency_key=key,
                 observation=f"error: {err}",
                 is_error=True,
+                failed=True,
                 error_type=type(err).__name__,
             )
             self._emit(ToolRejected(run_id=state.run_id, step=step, record=rejected))
@@ -700,6 +701,7 @@ class AgentRun:
                 idempotency_key=key,
                 observation=f"denied by policy{rule}: {err}",
                 is_error=True,
+                failed=True,
                 error_type="PolicyDenied",
                 denied=True,
             )
@@ -739,6 +741,7 @@ class AgentRun:
                 idempotency_key=key,
                 observation=bound(ctx, f"error: SandboxCrashed: {err.report()}").text,
                 is_error=True,
+                failed=True,
                 error_type="SandboxCrashed",
                 duration_s=time.perf_counter() - started,
             )
@@ -767,6 +770,7 @@ class AgentRun:
             idempotency_key=key,
             observation=shown.text,
             is_error=error_type is not None,
+            failed=error_type is not None or reported_failure(value),
             error_type=error_type,
             duration_s=duration,
             cut_chars=shown.cut_chars,
