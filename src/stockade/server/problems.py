@@ -76,6 +76,7 @@ _KINDS: tuple[tuple[type[exc.StockadeError], _Kind], ...] = (
     (exc.ModelError, _Kind(status=502, title="Model provider failed")),
     (exc.RunLeased, _Kind(status=409, title="Run is running elsewhere")),
     (exc.RunStoreCorrupt, _Kind(status=500, title="Run store row unreadable")),
+    (exc.RunStoreError, _Kind(status=503, title="Store unavailable", fix="retry")),
     (exc.AuditStoreError, _Kind(status=503, title="Store unavailable", fix="retry")),
     (exc.AuditIntegrityError, _Kind(status=500, title="Audit trail broken")),
     (exc.ToolError, _Kind(status=422, title="Tool call failed")),

@@ -118,6 +118,10 @@ def _int(value: object) -> int:
     return int(str(value))
 
 
+def _milli(cpus: float) -> int:
+    return round(cpus * 1000)
+
+
 _RUN_COLUMNS = (
     "run_id, tenant, role, spec, status, error, labels, submitted_ns, started_ns, finished_ns, attempts, "
     "worker"
@@ -306,16 +310,19 @@ class ServiceStore:
         ns = self.ns
         self.db.write([(f"INSERT INTO {ns}_tenants VALUES (?) ON CONFLICT (tenant) DO NOTHING", [(tenant,)])])
         totals = f"FROM {ns}_sandboxes WHERE tenant = ?"
+        # CPUs are added up in thousandths, as integers: 0.1 + 0.2 is not above a quota of 0.3
         self.db.write(
             [
                 (
-                    f"INSERT INTO {ns}_sandboxes SELECT ?, ?, ?, ?, ?, ?, ? WHERE "
-                    f"(SELECT COUNT(*) {totals}) < ? AND (SELECT COALESCE(SUM(cpus), 0) {totals}) + ? <= ? "
+                    f"INSERT INTO {ns}_sandboxes SELECT ?, ?, ?, ?, ?, ?, ? "
+                    f"WHERE (SELECT COUNT(*) {totals}) < ? "
+                    f"AND (SELECT ROUND(COALESCE(SUM(cpus), 0) * 1000) {totals}) + ? <= ? "
                     f"AND (SELECT COALESCE(SUM(memory_mb), 0) {totals}) + ? <= ?",
                     [
                         (
                             sandbox_id, tenant, owner, tier, cpus, memory_mb, time.time_ns(),
-                            tenant, max_sandboxes, tenant, cpus, max_cpus, tenant, memory_mb, max_memory_mb,
+                            tenant, max_sandboxes, tenant, _milli(cpus), _milli(max_cpus), tenant, memory_mb,
+                            max_memory_mb,
                         )
                     ],
                 )
@@ -329,8 +336,8 @@ class ServiceStore:
         )[0]
         if _int(count) >= max_sandboxes:
             quota, limit, used = "sandboxes", float(max_sandboxes), float(_int(count))
-        elif float(str(used_cpus)) + cpus > max_cpus:
-            quota, limit, used = "cpus", max_cpus, float(str(used_cpus))
+        elif _milli(float(str(used_cpus))) + _milli(cpus) > _milli(max_cpus):
+            quota, limit, used = "cpus", max_cpus, _milli(float(str(used_cpus))) / 1000
         else:
             quota, limit, used = "memory_mb", float(max_memory_mb), float(str(used_memory))
         raise exc.QuotaExceeded(
