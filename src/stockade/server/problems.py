@@ -53,6 +53,7 @@ _KINDS: tuple[tuple[type[exc.StockadeError], _Kind], ...] = (
     (exc.BackendUnavailable, _Kind(status=503, title="Sandbox engine unavailable", fix="retry")),
     (exc.ResourceContention, _Kind(status=503, title="Host busy", fix="retry")),
     (exc.SandboxCrashed, _Kind(status=502, title="Sandbox crashed", fix="create a new sandbox")),
+    (exc.SandboxGone, _Kind(status=410, title="Sandbox gone", fix="create a new sandbox")),
     (exc.SandboxClosed, _Kind(status=410, title="Sandbox closed", fix="create a new sandbox")),
     (exc.ProtocolError, _Kind(status=502, title="Sandbox spoke nonsense", fix="create a new sandbox")),
     (
