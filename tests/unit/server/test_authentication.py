@@ -97,3 +97,15 @@ async def test_another_tenants_ids_and_missing_ones_are_answered_alike(
     for path in ("/v1/sandboxes/sbx_00000000000000000000000000000000", "/v1/runs/0123"):
         response = await http.get(path, headers=bearer(setup.other))
         assert response.status_code == 404 and response.json()["error"] == "ResourceNotFound"
+
+
+async def test_a_request_a_peer_forwarded_is_not_counted_twice(
+    http: httpx2.AsyncClient, setup: Setup
+) -> None:
+    # the peer that forwarded it counted it against the tenant's rate; a guessed key counts here
+    peer = {**bearer(setup.acme), "x-stockade-hop": setup.service.sandboxes.hop_key}
+    for _ in range(5):
+        assert (await http.get("/v1/sandboxes", headers=peer)).status_code == 200
+    guessed = {**bearer(setup.acme), "x-stockade-hop": "guess"}
+    statuses = [(await http.get("/v1/sandboxes", headers=guessed)).status_code for _ in range(4)]
+    assert statuses == [200, 200, 200, 429]
