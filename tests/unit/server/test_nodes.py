@@ -171,3 +171,13 @@ async def test_a_live_peer_that_does_not_answer_is_503_to_retry(up: Up) -> None:
     assert [r.sandbox_id for r in store.sandboxes()] == ["sbx_" + "c" * 32]  # not buried on a hunch
     listed = await up.http.get("/v1/sandboxes", headers=bearer(up.acme))
     assert listed.status_code == 200 and listed.json() == []  # a peer that cannot answer lists nothing
+
+
+def test_the_advertised_address_is_the_listening_one_or_the_machines_name() -> None:
+    import socket
+
+    from stockade.server.serving import advertised
+
+    assert advertised("127.0.0.1", 8080) == "http://127.0.0.1:8080"
+    assert advertised("::1", 8080) == "http://[::1]:8080"
+    assert advertised("0.0.0.0", 9000) == f"http://{socket.getfqdn()}:9000"
