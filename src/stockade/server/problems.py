@@ -53,8 +53,15 @@ _KINDS: tuple[tuple[type[exc.StockadeError], _Kind], ...] = (
     (exc.BackendUnavailable, _Kind(status=503, title="Sandbox engine unavailable", fix="retry")),
     (exc.ResourceContention, _Kind(status=503, title="Host busy", fix="retry")),
     (exc.SandboxCrashed, _Kind(status=502, title="Sandbox crashed", fix="create a new sandbox")),
+    (exc.SandboxGone, _Kind(status=410, title="Sandbox gone", fix="create a new sandbox")),
     (exc.SandboxClosed, _Kind(status=410, title="Sandbox closed", fix="create a new sandbox")),
     (exc.ProtocolError, _Kind(status=502, title="Sandbox spoke nonsense", fix="create a new sandbox")),
+    (exc.SnapshotNotFound, _Kind(status=404, title="No such snapshot")),
+    # what the store holds under the id was modified, or needs another host: the caller's fix
+    (exc.SnapshotCorrupt, _Kind(status=422, title="Snapshot modified: refused", fix="take a new snapshot")),
+    (exc.SnapshotIncompatible, _Kind(status=422, title="Snapshot cannot be restored here")),
+    # QEMU or runsc failed, or the store is full: the message says which
+    (exc.SnapshotError, _Kind(status=500, title="Snapshot not taken, kept or restored")),
     (
         exc.PathEscapeError,
         _Kind(
@@ -76,6 +83,7 @@ _KINDS: tuple[tuple[type[exc.StockadeError], _Kind], ...] = (
     (exc.ModelError, _Kind(status=502, title="Model provider failed")),
     (exc.RunLeased, _Kind(status=409, title="Run is running elsewhere")),
     (exc.RunStoreCorrupt, _Kind(status=500, title="Run store row unreadable")),
+    (exc.RunStoreError, _Kind(status=503, title="Store unavailable", fix="retry")),
     (exc.AuditStoreError, _Kind(status=503, title="Store unavailable", fix="retry")),
     (exc.AuditIntegrityError, _Kind(status=500, title="Audit trail broken")),
     (exc.ToolError, _Kind(status=422, title="Tool call failed")),
