@@ -221,8 +221,20 @@ class SandboxPool:
             self._ready.put(_Member(instance, idle_since=time.monotonic()))
 
     def _recycle(self, member: _Member) -> None:
+        # Counted as pending until it is back in the queue or closed: were it neither in use
+        # nor pending while its reset runs, a refill meanwhile would start a sandbox too many
+        # and the next user would get that one instead of the recycled member.
         with self._lock:
             self._in_use -= 1
+            self._pending += 1
+        try:
+            self._recycle_or_replace(member)
+        finally:
+            with self._lock:
+                self._pending -= 1
+            self._returned.put(_WAKE)  # a replaced member's successor starts now, not at the next tick
+
+    def _recycle_or_replace(self, member: _Member) -> None:
         if self._closed.is_set():
             member.instance.close()
             return
