@@ -1,8 +1,8 @@
 """Snapshots on every tier: pause, exit, resume in another process; fork from one snapshot;
 a modified snapshot refused; collection of what nothing keeps.
 
-Files (workspace, /tmp, the environment) survive on every tier; the memory tiers (the
-microVM, gVisor without Docker) keep the interpreter's variables and its threads too.
+Files (workspace, /tmp, the environment) survive on every tier; the memory tier (the
+microVM) keeps the interpreter's variables and its threads too.
 """
 
 from __future__ import annotations
