@@ -20,6 +20,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── ResourceContention        [retryable] the host is out of a shared resource
     │   ├── SandboxCrashed            the sandbox died under a call; ``cause`` and the output so far
     │   ├── SandboxClosed             the sandbox was closed; create a new one
+    │   │   └── SandboxGone           the service's process that held it died; its quota is free
     │   └── ProtocolError             the in-sandbox supervisor spoke nonsense (it is untrusted)
     ├── WorkspaceError                a files call was refused
     │   ├── PathEscapeError           the path leads outside the workspace
@@ -115,6 +116,7 @@ __all__ = [
     "SandboxCrashed",
     "SandboxError",
     "SandboxFileNotFound",
+    "SandboxGone",
     "SandboxStartError",
     "SeedTooLarge",
     "ServiceError",
@@ -261,6 +263,16 @@ class SandboxCrashed(SandboxError):
 
 class SandboxClosed(SandboxError):
     """The sandbox is closed; create a new one."""
+
+
+class SandboxGone(SandboxClosed):
+    """The service's API process that held the sandbox died (or stopped answering for longer
+    than a node may), and the sandbox with it; its share of the tenant's quota is free again.
+    Create a new one. ``id`` names the sandbox."""
+
+    def __init__(self, message: str, *, id: str = "") -> None:
+        super().__init__(message)
+        self.id = id
 
 
 class ProtocolError(SandboxError):
