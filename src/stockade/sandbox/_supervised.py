@@ -54,7 +54,8 @@ from stockade.types import (
 # whole sandbox: the supervisor shares the sandbox with the code and may be starved or dead.
 GRACE_S = 5.0
 # A call past its timeout_s has stopped within this much more, however busy the host: the
-# supervisor kills it at the deadline (it runs at a higher priority than the code).
+# supervisor kills it at the deadline (it runs at a higher priority than the code). Each
+# sandbox states its own (``Enforcement.timeout_margin_s``): this, but on an emulated microVM.
 TIMEOUT_MARGIN_S = 1.0
 FILE_OP_TIMEOUT_S = 120.0
 TRANSFER_CHUNK = 4 * 1024 * 1024
