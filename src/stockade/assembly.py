@@ -547,6 +547,12 @@ class AgentSession:
             raise ConfigurationError(
                 "a run's data subject is recorded in a run store: give audit= a database URL, or runs_url="
             )
+        # A run about a data subject: its events' attributes sealed under a key of the run that
+        # erasing the subject forgets (stockade.audit.sealing); a resumed one stays sealed.
+        if subject is not None:
+            log.seal_run(run_id, subject)
+        else:
+            log.continue_sealing(run_id)
         tools = owner.tools
         if config.telemetry is not None:  # a tool call's span is current while it runs
             traced = TelemetryObserver(config.telemetry)

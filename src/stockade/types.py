@@ -236,6 +236,9 @@ class Enforcement:
     programs: Mechanism = Mechanism.NONE
     host: HostShare | None = None  # None where this host cannot hold the total (rlimits only)
     weakened: tuple[str, ...] = ()
+    # A call past its timeout_s has stopped within this much more, however busy the host is
+    # (the supervisor kills it at the deadline, running above the code's priority).
+    timeout_margin_s: float = 1.0
 
 
 class Trust(enum.StrEnum):

@@ -110,7 +110,7 @@ def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
     finally:
         store.close()
         with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
-            conn.execute(f"DROP TABLE IF EXISTS {ns}_events, {ns}_head".encode())
+            conn.execute(f"DROP TABLE IF EXISTS {ns}_events, {ns}_head, {ns}_run_keys".encode())
             conn.execute(f"DROP FUNCTION IF EXISTS {ns}_append_only".encode())
 
 
@@ -277,3 +277,21 @@ def test_two_writers_on_two_connections_make_one_chain(target: Target) -> None:
     report = verify(target.store)
     assert report.ok, report.problems
     assert report.checked == 400
+
+
+def test_a_sealed_run_is_erased_by_forgetting_its_key(target: Target) -> None:
+    with AuditLog(target.store, key=KEY, flush_interval_s=None) as log:
+        log.seal_run("run-a", "alice")
+        for run_id in ("run-a", "run-b"):
+            log.record(EventKind.TOOL_CALL, run_id=run_id, attributes={"tool": "t", "note": "alice's record"})
+    assert "alice's record" not in target.rows()[0][1]
+    assert [e.attributes["note"] for e in target.store.events()] == ["alice's record"] * 2
+    before = target.rows()
+    assert target.store.erase_keys(subject="alice") == ["run-a"]
+    reopened = target.reopen()  # the key is gone for every reader, not just this connection
+    try:
+        assert [e.attributes for e in reopened.events(run_id="run-a")] == [{"tool": "t", "$erased": True}]
+        assert [e.attributes["note"] for e in reopened.events(run_id="run-b")] == ["alice's record"]
+        assert target.rows() == before and verify(reopened, key=KEY).ok
+    finally:
+        reopened.close()

@@ -77,7 +77,7 @@ def target(run_store_target: StoreTarget) -> Iterator[StoreTarget]:  # noqa: F81
 
         ns = f"{run_store_target.namespace}_audit"
         with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
-            conn.execute(f"DROP TABLE IF EXISTS {ns}_events, {ns}_head CASCADE".encode())
+            conn.execute(f"DROP TABLE IF EXISTS {ns}_events, {ns}_head, {ns}_run_keys CASCADE".encode())
             conn.execute(f"DROP FUNCTION IF EXISTS {ns}_append_only() CASCADE".encode())
 
 

@@ -119,8 +119,10 @@ class AuditEvent:
         return None if self.duration_ns is None else self.duration_ns / 1e9
 
     def to_json(self) -> dict[str, JSONValue]:
-        """The event as one JSON object (the export format): the body, its hash, a readable time."""
+        """The event as one JSON object (the export format): the body, its hash, a readable time.
+        (A sealed run's attributes are exported opened: ``body`` holds the ciphertext.)"""
         out: dict[str, JSONValue] = json.loads(self.body)
+        out["attributes"] = dict(self.attributes)  # a sealed run's, as opened (or marked erased)
         out["hash"] = self.hash
         out["time"] = self.timestamp.isoformat()
         return out

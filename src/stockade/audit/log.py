@@ -18,6 +18,7 @@ from types import TracebackType
 from stockade import exceptions as exc
 from stockade.audit.events import AuditEvent, Chain, Draft, EventKind
 from stockade.audit.redact import Redactor
+from stockade.audit.sealing import Sealer
 from stockade.audit.stores import AuditStore
 
 __all__ = ["AuditLog"]
@@ -53,6 +54,24 @@ class AuditLog:
         self._wake = threading.Event()
         self._flusher: threading.Thread | None = None
         self._closed = False
+        self._sealers: dict[str, Sealer] = {}
+
+    def seal_run(self, run_id: str, subject: str) -> None:
+        """From now on, seal the attributes of ``run_id``'s events: the run holds personal data
+        of ``subject``, which ``store.erase_keys(subject=...)`` can later make unreadable
+        without touching the chain (``stockade.audit.sealing``)."""
+        if run_id not in self._sealers:
+            self._sealers[run_id] = Sealer(run_id, self.store.run_key(run_id, subject))
+
+    def continue_sealing(self, run_id: str) -> bool:
+        """Seal ``run_id``'s events if its earlier events were (a resumed run about a subject);
+        whether they are. A run whose key was erased is not sealed again: it has no key."""
+        if run_id not in self._sealers:
+            key = self.store.run_keys([run_id]).get(run_id)
+            if key is None:
+                return False
+            self._sealers[run_id] = Sealer(run_id, key)
+        return True
 
     def record(
         self,
@@ -67,6 +86,10 @@ class AuditLog:
     ) -> None:
         """Queue one event. ``attributes`` are redacted and made JSON here, on this thread."""
         redact = self.redactor
+        attrs = redact.attributes(attributes) if attributes else {}
+        sealer = self._sealers.get(run_id)
+        if sealer is not None and attrs:
+            attrs = sealer.seal(attrs)
         draft = Draft(
             run_id=redact.text(run_id),
             kind=EventKind(kind),
@@ -74,7 +97,7 @@ class AuditLog:
             actor=redact.text(actor),
             timestamp_ns=self.clock() if timestamp_ns is None else timestamp_ns,
             duration_ns=None if duration_s is None else round(duration_s * 1e9),
-            attributes=redact.attributes(attributes) if attributes else {},
+            attributes=attrs,
         )
         self._enqueue(draft)
 

@@ -8,11 +8,13 @@ on many hosts still produce one linear chain. Requires PostgreSQL 14 or newer.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Collection, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from stockade import exceptions as exc
 from stockade.audit.events import GENESIS, AuditEvent, Chain, Draft
+from stockade.audit.sealing import new_key
 from stockade.audit.stores import AuditStore, Head, Row, check_chain, check_namespace, seal_batch
 
 if TYPE_CHECKING:
@@ -48,6 +50,12 @@ def _schema(ns: str) -> list[str]:
             algorithm TEXT NOT NULL,
             mac TEXT NOT NULL)""",
         f"INSERT INTO {ns}_head VALUES (1, 0, '{GENESIS}', '', '') ON CONFLICT (id) DO NOTHING",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_run_keys (
+            run_id TEXT PRIMARY KEY,
+            subject TEXT NOT NULL,
+            key BYTEA NOT NULL,
+            created_ns BIGINT NOT NULL)""",
+        f"CREATE INDEX IF NOT EXISTS {ns}_run_keys_subject ON {ns}_run_keys (subject)",
         f"""CREATE OR REPLACE FUNCTION {ns}_append_only() RETURNS trigger LANGUAGE plpgsql AS $$
             BEGIN RAISE EXCEPTION 'audit events are append-only'; END $$""",
         f"""CREATE OR REPLACE TRIGGER {ns}_events_no_change BEFORE UPDATE OR DELETE ON {ns}_events
@@ -165,11 +173,64 @@ class PostgresStore(AuditStore):
         finally:
             conn.close()
 
+    def run_key(self, run_id: str, subject: str) -> bytes:
+        ns = self.ns
+        with self._lock:
+            conn = self._connection()
+            try:
+                with conn.transaction():
+                    conn.execute(
+                        f"INSERT INTO {ns}_run_keys VALUES (%s, %s, %s, %s) "
+                        "ON CONFLICT (run_id) DO NOTHING".encode(),
+                        (run_id, subject, new_key(), time.time_ns()),
+                    )
+                    row = conn.execute(f"SELECT key FROM {ns}_run_keys WHERE run_id = %s".encode(), (run_id,))
+                    found = row.fetchone()
+            except Exception as error:
+                raise self._failure(error) from error
+        assert found is not None
+        return _bytes(found[0])
+
+    def run_keys(self, run_ids: Collection[str]) -> dict[str, bytes]:
+        runs = list(run_ids)
+        if not runs:
+            return {}
+        with self._lock:
+            conn = self._connection()
+            try:
+                with conn.transaction():
+                    rows = conn.execute(
+                        f"SELECT run_id, key FROM {self.ns}_run_keys WHERE run_id = ANY(%s)".encode(), (runs,)
+                    ).fetchall()
+            except Exception as error:
+                raise self._failure(error) from error
+        return {str(r): _bytes(k) for r, k in rows}
+
+    def erase_keys(self, *, run_ids: Collection[str] = (), subject: str | None = None) -> list[str]:
+        with self._lock:
+            conn = self._connection()
+            try:
+                with conn.transaction():
+                    rows = conn.execute(
+                        f"DELETE FROM {self.ns}_run_keys WHERE run_id = ANY(%s) OR subject = %s "
+                        "RETURNING run_id".encode(),
+                        (list(run_ids), subject),
+                    ).fetchall()
+            except Exception as error:
+                raise self._failure(error) from error
+        return [str(r[0]) for r in rows]
+
     def close(self) -> None:
         with self._lock:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+
+
+def _bytes(value: object) -> bytes:
+    if not isinstance(value, bytes | bytearray | memoryview):
+        raise exc.AuditStoreError(f"a run key is stored as {type(value).__name__}, not bytes")
+    return bytes(value)
 
 
 def _head(row: tuple[object, ...] | None) -> Head | None:

@@ -7,21 +7,27 @@ the database can drop triggers, which is what ``verify`` and a keyed chain are f
 Each store keeps one chain and a *head* record (last seq, its hash, the chain algorithm and a
 MAC over them) updated in the same transaction as every batch. The head is what reveals a
 truncated tail; see ``stockade.audit.verify`` for what it can and cannot prove.
+
+Beside the chain, a store keeps the keys of sealed runs (``stockade.audit.sealing``): a table
+that is not append-only, so that erasing a data subject can forget them.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import re
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 from stockade import exceptions as exc
 from stockade.audit.events import GENESIS, AuditEvent, Chain, Draft
+from stockade.audit.sealing import SEALED, new_key, open_attributes
 
 __all__ = ["AuditStore", "Head", "MemoryStore", "Row", "SQLiteStore", "open_store"]
 
@@ -69,9 +75,33 @@ class AuditStore(abc.ABC):
         """The head record, or ``None`` for an empty store."""
 
     def events(self, *, run_id: str | None = None, after_seq: int = 0) -> Iterator[AuditEvent]:
-        """Stored events, parsed (unverified: use ``verify`` to trust them)."""
+        """Stored events, parsed (unverified: use ``verify`` to trust them). A sealed run's
+        attributes are opened with its key, or marked ``$erased`` once the key is gone."""
+        keys: dict[str, bytes | None] = {}
         for row in self.rows(run_id=run_id, after_seq=after_seq):
-            yield AuditEvent.from_body(row.body.encode(), row.hash)
+            event = AuditEvent.from_body(row.body.encode(), row.hash)
+            if SEALED in event.attributes:
+                if event.run_id not in keys:
+                    keys[event.run_id] = self.run_keys([event.run_id]).get(event.run_id)
+                opened = open_attributes(event.run_id, event.attributes, keys[event.run_id])
+                event = dataclasses.replace(event, attributes=opened)
+            yield event
+
+    # -- the keys of sealed runs (stockade.audit.sealing): kept apart from the chain, erasable --
+
+    @abc.abstractmethod
+    def run_key(self, run_id: str, subject: str) -> bytes:
+        """The key the events of ``run_id``, a run about data subject ``subject``, are sealed
+        with; made and kept on first use."""
+
+    @abc.abstractmethod
+    def run_keys(self, run_ids: Collection[str]) -> dict[str, bytes]:
+        """The keys of these runs that are still kept (an erased run has none)."""
+
+    @abc.abstractmethod
+    def erase_keys(self, *, run_ids: Collection[str] = (), subject: str | None = None) -> list[str]:
+        """Forget the keys of these runs, and of every run of ``subject``: what their events
+        said can never be read again, and the chain verifies as before. Returns the runs."""
 
     def close(self) -> None:  # noqa: B027 - stores without resources need nothing here
         """Release connections. Idempotent."""
@@ -110,7 +140,23 @@ class MemoryStore(AuditStore):
     def __init__(self) -> None:
         self._rows: list[Row] = []
         self._head: Head | None = None
+        self._keys: dict[str, tuple[str, bytes]] = {}  # run id -> (subject, key)
         self._lock = threading.Lock()
+
+    def run_key(self, run_id: str, subject: str) -> bytes:
+        with self._lock:
+            return self._keys.setdefault(run_id, (subject, new_key()))[1]
+
+    def run_keys(self, run_ids: Collection[str]) -> dict[str, bytes]:
+        with self._lock:
+            return {r: self._keys[r][1] for r in run_ids if r in self._keys}
+
+    def erase_keys(self, *, run_ids: Collection[str] = (), subject: str | None = None) -> list[str]:
+        with self._lock:
+            gone = [r for r, (s, _) in self._keys.items() if r in set(run_ids) or s == subject]
+            for run in gone:
+                del self._keys[run]
+            return gone
 
     def append(self, drafts: Sequence[Draft], chain: Chain) -> list[AuditEvent]:
         with self._lock:
@@ -148,6 +194,13 @@ def _sqlite_schema(ns: str) -> str:
         mac TEXT NOT NULL
     );
     INSERT OR IGNORE INTO {ns}_head VALUES (1, 0, '{GENESIS}', '', '');
+    CREATE TABLE IF NOT EXISTS {ns}_run_keys (
+        run_id TEXT PRIMARY KEY,
+        subject TEXT NOT NULL,
+        key BLOB NOT NULL,
+        created_ns INTEGER NOT NULL
+    );
+    CREATE INDEX IF NOT EXISTS {ns}_run_keys_subject ON {ns}_run_keys (subject);
     CREATE TRIGGER IF NOT EXISTS {ns}_events_no_update BEFORE UPDATE ON {ns}_events
         BEGIN SELECT RAISE(ABORT, 'audit events are append-only'); END;
     CREATE TRIGGER IF NOT EXISTS {ns}_events_no_delete BEFORE DELETE ON {ns}_events
@@ -175,6 +228,7 @@ class SQLiteStore(AuditStore):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._conn = self._connect()
+        self._conn.execute("PRAGMA secure_delete=ON")  # an erased key is overwritten, not left in a free page
         self._conn.executescript(_sqlite_schema(self.ns))
 
     def _connect(self) -> sqlite3.Connection:
@@ -241,6 +295,54 @@ class SQLiteStore(AuditStore):
                 yield from map(make, batch)
         finally:
             conn.close()
+
+    def run_key(self, run_id: str, subject: str) -> bytes:
+        ns = self.ns
+        with self._lock:
+            try:
+                self._conn.execute(
+                    f"INSERT OR IGNORE INTO {ns}_run_keys VALUES (?, ?, ?, ?)",
+                    (run_id, subject, new_key(), time.time_ns()),
+                )
+                sql = f"SELECT key FROM {ns}_run_keys WHERE run_id = ?"
+                row = self._conn.execute(sql, (run_id,)).fetchone()
+            except sqlite3.Error as error:
+                raise exc.AuditStoreError(f"audit store {self.path}: {error}") from error
+        return bytes(row[0])
+
+    def run_keys(self, run_ids: Collection[str]) -> dict[str, bytes]:
+        runs = list(run_ids)
+        if not runs:
+            return {}
+        with self._lock:
+            try:
+                marks = ",".join("?" * len(runs))
+                sql = f"SELECT run_id, key FROM {self.ns}_run_keys WHERE run_id IN ({marks})"
+                rows = self._conn.execute(sql, runs).fetchall()
+            except sqlite3.Error as error:
+                raise exc.AuditStoreError(f"audit store {self.path}: {error}") from error
+        return {str(r): bytes(k) for r, k in rows}
+
+    def erase_keys(self, *, run_ids: Collection[str] = (), subject: str | None = None) -> list[str]:
+        runs = list(run_ids)
+        where = f"run_id IN ({','.join('?' * len(runs))})" if runs else "0"
+        ns, params = self.ns, [*runs, subject]
+        with self._lock:
+            try:
+                self._conn.execute("BEGIN IMMEDIATE")
+                try:
+                    sql = f"SELECT run_id FROM {ns}_run_keys WHERE {where} OR subject = ?"
+                    gone = [str(r[0]) for r in self._conn.execute(sql, params)]
+                    self._conn.execute(f"DELETE FROM {ns}_run_keys WHERE {where} OR subject = ?", params)
+                except BaseException:
+                    self._conn.execute("ROLLBACK")
+                    raise
+                self._conn.execute("COMMIT")
+                # the key's bytes must not linger in free pages of the file
+                self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            except sqlite3.Error as error:
+                raise exc.AuditStoreError(f"audit store {self.path}: {error}") from error
+        return gone
 
     def close(self) -> None:
         with self._lock:

@@ -496,26 +496,40 @@ def erase(
     ] = None,
     db: DbOpt = DEFAULT_DB,
     namespace: NamespaceOpt = "runs",
+    audit_db: Annotated[
+        str | None, typer.Option("--audit-db", help="the audit store of these runs (default: --db)")
+    ] = None,
 ) -> None:
-    """Erase runs from the run store: their steps, calls, outputs, workspaces and seeds (what no
-    other run shares). The audit trail is not touched, so its chain still verifies; it keeps
-    the runs' events, redacted as they were written."""
+    """Erase runs: from the run store, their steps, calls, outputs, workspaces and seeds (what no
+    other run shares); in the audit store, the keys their events were sealed with (runs about a
+    data subject), so that what those events said can never be read again. The audit chain is
+    not touched: it verifies as before."""
     import time
+
+    from stockade.audit.stores import open_store
 
     with _store(db, namespace) as store:
         chosen = [_resolve(store, r) for r in run_ids or []]
         if subject is not None or older_than is not None:
             before = time.time_ns() - round(older_than * 86400e9) if older_than is not None else None
             chosen += store.runs_of(subject=subject, before_ns=before)
-        if not chosen:
+        if not chosen and subject is None:
             err.print("nothing to erase: give run ids, --subject or --older-than (or none matched)")
-            raise typer.Exit(1 if (subject or older_than is not None) else 2)
+            raise typer.Exit(1 if older_than is not None else 2)
         try:
             erased = store.erase(chosen)
+            with open_store(audit_db or db) as audit:
+                sealed = audit.erase_keys(run_ids=chosen, subject=subject)
         except exc.StockadeError as error:
             err.print(f"[red]{escape(str(error))}[/]")
             raise typer.Exit(2) from error
-    out.print(f"erased {erased} run(s) from {escape(db)}; the audit trail is unchanged")
+    if not erased and not sealed:
+        err.print(f"nothing to erase: no run of {subject!r} in {escape(db)}")
+        raise typer.Exit(1)
+    out.print(
+        f"erased {erased} run(s) from {escape(db)}; the audit events of {len(sealed)} sealed run(s) "
+        "can no longer be read (the chain is unchanged and still verifies)"
+    )
 
 
 def register(app: typer.Typer) -> None:

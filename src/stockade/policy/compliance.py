@@ -215,7 +215,14 @@ def _retention(engine: PolicyEngine, setup: Setup) -> tuple[bool, str]:
 def _erasure(engine: PolicyEngine, setup: Setup) -> tuple[bool, str]:
     if not setup.runs_erasable:
         return False, "runs are not recorded in a run store, so no subject's run data can be erased"
-    return True, "runs go to a run store: stockade runs erase --subject ID (the audit chain is untouched)"
+    try:
+        import cryptography  # noqa: F401 - the runs' audit events are sealed with it
+    except ImportError:
+        return False, 'a subject\'s audit events cannot be sealed: pip install "stockade[gdpr]"'
+    return True, (
+        "runs go to a run store and a subject's audit events are sealed under keys of their own: "
+        "stockade runs erase --subject ID forgets both (the audit chain verifies as before)"
+    )
 
 
 # -- profiles ---------------------------------------------------------------------------------

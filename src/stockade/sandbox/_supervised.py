@@ -71,7 +71,8 @@ from stockade.types import (
 # whole sandbox: the supervisor shares the sandbox with the code and may be starved or dead.
 GRACE_S = 5.0
 # A call past its timeout_s has stopped within this much more, however busy the host: the
-# supervisor kills it at the deadline (it runs at a higher priority than the code).
+# supervisor kills it at the deadline (it runs at a higher priority than the code). Each
+# sandbox states its own (``Enforcement.timeout_margin_s``): this, but on an emulated microVM.
 TIMEOUT_MARGIN_S = 1.0
 FILE_OP_TIMEOUT_S = 120.0
 TRANSFER_CHUNK = 4 * 1024 * 1024
@@ -820,8 +821,13 @@ def enforcement_from_state(state: dict[str, Any]) -> Enforcement:
     fields = dict(state)
     host = fields.pop("host", None)
     weakened = tuple(str(w) for w in fields.pop("weakened", ()))
-    return Enforcement(
-        **{k: Mechanism(str(v)) for k, v in fields.items()},
-        host=None if host is None else HostShare(**host),
-        weakened=weakened,
-    )
+    try:
+        margin = float(fields.pop("timeout_margin_s", TIMEOUT_MARGIN_S))
+        return Enforcement(
+            **{k: Mechanism(str(v)) for k, v in fields.items()},
+            host=None if host is None else HostShare(**host),
+            weakened=weakened,
+            timeout_margin_s=margin,
+        )
+    except (TypeError, ValueError) as err:
+        raise exc.SnapshotIncompatible(f"the snapshot's enforcement does not fit here: {err}") from None

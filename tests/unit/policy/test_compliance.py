@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from stockade.agent import RunStatus
 from stockade.assembly import AgentConfig, build_agent
 from stockade.audit import SQLiteStore
+from stockade.audit.sealing import CLEAR
 from stockade.cli.main import app
 from stockade.exceptions import ComplianceNotMet, TierUnavailable
 from stockade.models import ScriptedModel, tool_call
@@ -82,15 +83,22 @@ def test_a_compliant_setup_starts_on_the_microvm_and_records_what_gdpr_asks(tmp_
     assert result.status == RunStatus.SUCCESS, result.error
     with SQLiteStore(tmp_path / "audit.db") as store:
         bodies = [row.body for row in store.rows()]
+        opened = json.dumps([e.attributes for e in store.events(run_id="c1")])
     assert bodies and not any("jane.doe@example.com" in b or "7946 0958" in b for b in bodies)
-    assert any("[REDACTED:email]" in b for b in bodies)
+    assert "[REDACTED:email]" in opened  # personal data redacted, then the run's events sealed
+    assert "records/17.txt" in opened and not any("records/17.txt" in b for b in bodies)
     db = f"sqlite:///{tmp_path / 'audit.db'}"
     with open_run_store(db) as runs:
         assert runs.runs_of(subject="p-17") == ["c1"]
     erased = CliRunner().invoke(app, ["runs", "erase", "--subject", "p-17", "--db", db])
     assert erased.exit_code == 0 and "erased 1 run(s)" in erased.output, erased.output
+    assert "the audit events of 1 sealed run(s) can no longer be read" in erased.output
     with open_run_store(db) as runs:
         assert runs.summary("c1") is None and runs.tool_calls("c1") == []
+    with SQLiteStore(tmp_path / "audit.db") as store:  # what the events said is gone, they stay
+        events = list(store.events(run_id="c1"))
+    assert events and all(set(e.attributes) <= CLEAR | {"$erased"} for e in events)
+    assert "records/17.txt" not in json.dumps([e.attributes for e in events])
     (tmp_path / "key").write_bytes(KEY)
     verified = CliRunner().invoke(app, ["audit", "verify", "--db", db, "--key-file", str(tmp_path / "key")])
     assert verified.exit_code == 0 and "intact" in verified.output, verified.output

@@ -7,10 +7,22 @@ from pathlib import Path
 
 import pytest
 
-from stockade import SnapshotCorrupt, SnapshotError, SnapshotKind, SnapshotNotFound, SnapshotStore
-from stockade.sandbox._supervised import spec_from_state, spec_state
+from stockade import (
+    SnapshotCorrupt,
+    SnapshotError,
+    SnapshotIncompatible,
+    SnapshotKind,
+    SnapshotNotFound,
+    SnapshotStore,
+)
+from stockade.sandbox._supervised import (
+    enforcement_from_state,
+    enforcement_state,
+    spec_from_state,
+    spec_state,
+)
 from stockade.sandbox.base import SandboxSpec
-from stockade.types import Limits, SandboxRules
+from stockade.types import Enforcement, HostShare, Limits, Mechanism, SandboxRules
 
 
 def _snapshot(store: SnapshotStore, data: bytes, *, ref: tuple[str, str] = ("kept", "")) -> str:
@@ -101,3 +113,20 @@ def test_a_spec_survives_its_manifest() -> None:
         spec.rules,
         spec.labels,
     )
+
+
+def test_an_enforcement_survives_its_manifest_and_an_unknown_one_is_refused() -> None:
+    vm = Mechanism.VM
+    enforcement = Enforcement(
+        memory=vm, cpus=vm, pids=Mechanism.RLIMIT, disk=Mechanism.TMPFS, network=vm,
+        timeout=Mechanism.SUPERVISOR, host=HostShare(memory_mb=400, tasks=64, open_files=256),
+        weakened=("cpus: shared",), timeout_margin_s=2.5,
+    )  # fmt: skip
+    state = enforcement_state(enforcement)
+    assert enforcement_from_state(state) == enforcement
+    older = {k: v for k, v in state.items() if k != "timeout_margin_s"}  # kept before it was stated
+    assert enforcement_from_state(older).timeout_margin_s == 1.0
+    with pytest.raises(SnapshotIncompatible):
+        enforcement_from_state({**state, "memory": "telepathy"})
+    with pytest.raises(SnapshotIncompatible):
+        enforcement_from_state({**state, "a_setting_from_the_future": "vm"})
