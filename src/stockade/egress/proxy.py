@@ -527,7 +527,9 @@ class EgressProxy:
         target = _Target(host=host, port=port, address=address, scheme=scheme, path=path)
         try:
             status, sent, received, keep = await self._exchange(conn, client, request, target, credential)
-        except _Refused as refused:
+        except _Refused as refused:  # a redirect refused, or a limit reached mid-way
+            with contextlib.suppress(Exception):
+                await _refuse(conn, client, refused)
             self._emit(_denied(record, refused, started))
             return False
         except (TimeoutError, OSError, ssl.SSLError) as err:
