@@ -95,10 +95,15 @@ def attach(
     uid: int | None = None,
     root: Path | None = None,
     resolver: Resolver | None = None,
+    shared: bool = False,
 ) -> Attachment:
     """Start ``spec``'s proxy on ``folder/proxy.sock``; ``root`` is the sandbox's root
     filesystem (its system trust bundle is extended with the sandbox's CA), ``uid`` the
-    host uid that owns the folder (the sandbox's), root's when ``None``."""
+    host uid that owns the folder (the sandbox's), root's when ``None``.
+
+    ``shared``: the sandbox's uid is no host uid of its own (gVisor run directly), so the
+    socket is open to every uid that can reach it; the caller puts ``folder`` where only
+    the sandbox can (a folder of root's, 0700, that the sandbox sees only as the mount)."""
     folder.mkdir(mode=0o700)
     try:
         proxy = EgressProxy(spec.network, observer=spec.egress_observer, resolver=resolver)
@@ -108,7 +113,9 @@ def attach(
         raise
     attachment = Attachment(proxy=proxy, folder=folder)
     try:
-        os.chmod(folder / SOCKET, 0o600)
+        os.chmod(folder / SOCKET, 0o666 if shared else 0o600)
+        if shared:
+            os.chmod(folder, 0o711)
         ca = proxy.ca_pem
         if ca is not None:
             (folder / CA).write_bytes(ca)
