@@ -387,11 +387,11 @@ class MicroVMBackend(Backend):
             )
 
     def _plan(self, spec: SandboxSpec) -> Enforcement:
-        if spec.network.enabled:
+        if spec.network.enabled or spec.network.egress:
             raise exc.LimitNotEnforceable(
-                "the microvm tier has no network device",
+                "the microvm tier has no network device, and no egress proxy yet",
                 setting="network",
-                fix="use tier='docker' for network access",
+                fix="use tier='gvisor' or 'docker' for a network allowlist",
             )
         weakened: tuple[str, ...] = ()
         if self._cgroups.mechanism is Mechanism.NONE:
