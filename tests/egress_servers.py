@@ -31,6 +31,7 @@ HTTP_ADDRESS = "127.0.0.2"
 HTTPS_ADDRESS = "127.0.0.3"
 TOKEN = "tok-" + hashlib.sha256(b"stockade egress test token").hexdigest()[:24]
 WHEEL_NAME = "tinypkg-1.0-py3-none-any.whl"
+HTML = {"Content-Type": "text/html"}
 
 
 def tiny_wheel() -> bytes:
@@ -87,11 +88,11 @@ def _handler(seen: Seen, wheel: bytes, scheme: str) -> type[http.server.BaseHTTP
             elif url.path == "/echo-auth":  # a server that reflects the credential back
                 self._send(200, f"you sent: {auth}".encode(), {"X-Echo": auth or ""})
             elif url.path in ("/simple/", "/simple"):
-                self._send(200, b'<html><body><a href="/simple/tinypkg/">tinypkg</a></body></html>')
+                self._send(200, b'<html><body><a href="/simple/tinypkg/">tinypkg</a></body></html>', HTML)
             elif url.path == "/simple/tinypkg/":
                 digest = hashlib.sha256(wheel).hexdigest()
                 link = f'<a href="/files/{WHEEL_NAME}#sha256={digest}">{WHEEL_NAME}</a>'
-                self._send(200, f"<html><body>{link}</body></html>".encode())
+                self._send(200, f"<html><body>{link}</body></html>".encode(), HTML)
             elif url.path == f"/files/{WHEEL_NAME}":
                 self._send(200, wheel, {"Content-Type": "application/octet-stream"})
             else:

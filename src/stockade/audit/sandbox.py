@@ -259,7 +259,7 @@ class AuditedBackend(WrapperBackend):
             "network": {
                 "enabled": spec.network.enabled,
                 "allow": [_spell(r) for r in spec.network.host_rules],
-                "credentials": [c.name for c in spec.network.credentials],  # names, never values
+                "credential_names": [c.name for c in spec.network.credentials],  # never values
             },
             "env_names": sorted(spec.envs),
             "labels": dict(spec.labels),
@@ -308,7 +308,13 @@ class AuditedBackend(WrapperBackend):
                 duration_s=record.duration_s,
                 attributes={
                     "call_id": current_call.get(),
-                    **{k: v for k, v in dataclasses.asdict(record).items() if k != "duration_s"},
+                    **{
+                        k: v
+                        for k, v in dataclasses.asdict(record).items()
+                        if k not in ("duration_s", "credential")
+                    },
+                    # its name: a key named "credential" is redacted as if it held the secret
+                    "credential_name": record.credential,
                 },
             )
             if then is not None:
