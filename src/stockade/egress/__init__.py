@@ -1,8 +1,8 @@
 """Controlled egress: a sandbox reaches the hosts its policy allows, through a proxy on the
 host, and the credentials for them never enter it.
 
-    from stockade import NetworkPolicy, Credential, Sandbox
-    from stockade.egress import EnvSecret
+    from stockade import Sandbox
+    from stockade.egress import Credential, EnvSecret, NetworkPolicy
 
     network = NetworkPolicy(
         allow_hosts=("pypi.org", "files.pythonhosted.org", "*.github.com"),

@@ -86,6 +86,8 @@ class Relay:
                 client.close()
                 continue
             client.setblocking(False)
+            # No Nagle: a reply relayed in pieces would wait for the client's delayed ACK (40 ms).
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             a, b = _End(client), _End(upstream)
             a.peer, b.peer = b, a
             for end in (a, b):
