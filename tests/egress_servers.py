@@ -39,7 +39,9 @@ def tiny_wheel() -> bytes:
     files = {
         "tinypkg/__init__.py": b"VALUE = 42\n",
         "tinypkg-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: tinypkg\nVersion: 1.0\n",
-        "tinypkg-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        "tinypkg-1.0.dist-info/WHEEL": (
+            b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
     }
     record = "".join(f"{name},,\n" for name in files) + "tinypkg-1.0.dist-info/RECORD,,\n"
     files["tinypkg-1.0.dist-info/RECORD"] = record.encode()
@@ -56,54 +58,65 @@ class Seen:
     paths: list[str] = field(default_factory=list)
 
 
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    seen: Seen
+    wheel: bytes
+    scheme: str
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _send(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        self.seen.paths.append(self.path)
+        auth = self.headers.get("Authorization")
+        if auth is not None:
+            self.seen.authorizations.append(auth)
+        url = urllib.parse.urlsplit(self.path)
+        query = dict(urllib.parse.parse_qsl(url.query))
+        if url.path == "/redirect":
+            self._send(302, b"", {"Location": query["to"]})
+        elif url.path == "/big":
+            self._send(200, b"x" * int(query.get("n", "1048576")))
+        elif url.path == "/auth":  # whether a credential came, never its value
+            self._send(200, f"{self.scheme} authorized={auth is not None}".encode())
+        elif url.path == "/echo-auth":  # a server that reflects the credential back
+            self._send(200, f"you sent: {auth}".encode(), {"X-Echo": auth or ""})
+        elif url.path.startswith(("/simple", "/files/")):
+            self._index(url.path)
+        else:
+            self._send(200, f"{self.scheme} hello {url.path}".encode())
+
+    def _index(self, path: str) -> None:
+        """A package index (PEP 503) of one wheel."""
+        if path in ("/simple/", "/simple"):
+            self._send(200, b'<html><body><a href="/simple/tinypkg/">tinypkg</a></body></html>', HTML)
+        elif path == "/simple/tinypkg/":
+            digest = hashlib.sha256(self.wheel).hexdigest()
+            link = f'<a href="/files/{WHEEL_NAME}#sha256={digest}">{WHEEL_NAME}</a>'
+            self._send(200, f"<html><body>{link}</body></html>".encode(), HTML)
+        elif path == f"/files/{WHEEL_NAME}":
+            self._send(200, self.wheel, {"Content-Type": "application/octet-stream"})
+        else:
+            self._send(404, b"not found")
+
+    def do_POST(self) -> None:
+        size = int(self.headers.get("Content-Length", "0"))
+        data = self.rfile.read(size)
+        self._send(200, f"got {len(data)} bytes".encode())
+
+
 def _handler(seen: Seen, wheel: bytes, scheme: str) -> type[http.server.BaseHTTPRequestHandler]:
-    class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-        def _send(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
-            self.send_response(status)
-            for key, value in (headers or {}).items():
-                self.send_header(key, value)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(body)
-
-        def do_GET(self) -> None:
-            seen.paths.append(self.path)
-            auth = self.headers.get("Authorization")
-            if auth is not None:
-                seen.authorizations.append(auth)
-            url = urllib.parse.urlsplit(self.path)
-            query = dict(urllib.parse.parse_qsl(url.query))
-            if url.path == "/redirect":
-                self._send(302, b"", {"Location": query["to"]})
-            elif url.path == "/big":
-                self._send(200, b"x" * int(query.get("n", "1048576")))
-            elif url.path == "/auth":  # whether a credential came, never its value
-                self._send(200, f"{scheme} authorized={auth is not None}".encode())
-            elif url.path == "/echo-auth":  # a server that reflects the credential back
-                self._send(200, f"you sent: {auth}".encode(), {"X-Echo": auth or ""})
-            elif url.path in ("/simple/", "/simple"):
-                self._send(200, b'<html><body><a href="/simple/tinypkg/">tinypkg</a></body></html>', HTML)
-            elif url.path == "/simple/tinypkg/":
-                digest = hashlib.sha256(wheel).hexdigest()
-                link = f'<a href="/files/{WHEEL_NAME}#sha256={digest}">{WHEEL_NAME}</a>'
-                self._send(200, f"<html><body>{link}</body></html>".encode(), HTML)
-            elif url.path == f"/files/{WHEEL_NAME}":
-                self._send(200, wheel, {"Content-Type": "application/octet-stream"})
-            else:
-                self._send(200, f"{scheme} hello {url.path}".encode())
-
-        def do_POST(self) -> None:
-            size = int(self.headers.get("Content-Length", "0"))
-            data = self.rfile.read(size)
-            self._send(200, f"got {len(data)} bytes".encode())
-
-    return Handler
+    return type("Handler", (_Handler,), {"seen": seen, "wheel": wheel, "scheme": scheme})
 
 
 class _Threaded(socketserver.ThreadingMixIn, http.server.HTTPServer):

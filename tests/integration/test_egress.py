@@ -73,7 +73,8 @@ sys.path.insert(0, "/workspace/lib")
 http_port, https_port = int(sys.argv[1]), int(sys.argv[2])
 out = {}
 out["urllib_http"] = urllib.request.urlopen(f"http://pkg.test:{http_port}/a", timeout=20).read().decode()
-out["urllib_https"] = urllib.request.urlopen(f"https://api.test:{https_port}/auth", timeout=20).read().decode()
+auth = f"https://api.test:{https_port}/auth"
+out["urllib_https"] = urllib.request.urlopen(auth, timeout=20).read().decode()
 import requests
 out["requests_http"] = requests.get(f"http://pkg.test:{http_port}/b", timeout=20).text
 out["requests_https"] = requests.get(f"https://api.test:{https_port}/auth", timeout=20).text
@@ -127,7 +128,7 @@ def test_allowed_requests_work_and_everything_else_is_refused(
             assert r.exit_code == 0, r.stderr
             out = json.loads(r.stdout)
             pip = sbx.commands.run(
-                f"PYTHONPATH=/workspace/lib python3 -m pip --disable-pip-version-check --no-cache-dir install "
+                "PYTHONPATH=/workspace/lib python3 -m pip --disable-pip-version-check --no-cache-dir install "
                 f"--target /workspace/site --index-url http://pkg.test:{local.http_port}/simple/ "
                 f"--trusted-host pkg.test:{local.http_port} tinypkg "
                 "&& PYTHONPATH=/workspace/site python3 -c 'import tinypkg; print(tinypkg.VALUE)'"
