@@ -15,7 +15,7 @@ Each sandbox gets a proxy of its own (``EgressProxy``), reachable only from insi
 ``docs/architecture.md`` for how each tier gets there, and ``proxy.py`` for what it allows.
 """
 
-from stockade.egress._attach import PROXY_PORT, SANDBOX_DIR, Attachment, attach, proxy_env
+from stockade.egress._attach import PROXY_PORT, SANDBOX_DIR, Attachment, attach, attach_port, proxy_env
 from stockade.egress._rules import Judge, Verdict
 from stockade.egress.proxy import EgressObserver, EgressProxy, Resolver, SystemResolver
 from stockade.egress.secrets import EnvSecret, FileSecret, register_scheme, secret_source
@@ -38,6 +38,7 @@ __all__ = [
     "SystemResolver",
     "Verdict",
     "attach",
+    "attach_port",
     "proxy_env",
     "register_scheme",
     "secret_source",

@@ -16,16 +16,18 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from stockade.egress import _loop
+from stockade.egress._mux import Mux
 from stockade.egress.proxy import EgressProxy, Resolver
 from stockade.sandbox.base import SandboxSpec
 
-__all__ = ["PROXY_PORT", "SANDBOX_DIR", "Attachment", "attach", "proxy_env"]
+__all__ = ["PROXY_PORT", "SANDBOX_DIR", "Attachment", "attach", "attach_port", "proxy_env"]
 
 PROXY_PORT = 3128
 SANDBOX_DIR = "/run/stockade-egress"
@@ -43,6 +45,7 @@ class Attachment:
     folder: Path
     env: dict[str, str] = field(default_factory=dict)
     relay: dict[str, Any] = field(default_factory=dict)
+    mux: Mux | None = None  # the microVM's streams over its egress port
     _closed: bool = False
 
     @property
@@ -54,11 +57,13 @@ class Attachment:
             return
         self._closed = True
         with contextlib.suppress(Exception):  # a loop already gone has nothing left to cut
+            if self.mux is not None:
+                _loop.call(self.mux.close(), timeout_s=10)
             _loop.call(self.proxy.close(), timeout_s=10)
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def proxy_env(ca_file: str | None, *, port: int = PROXY_PORT) -> dict[str, str]:
+def proxy_env(ca_file: str | None, *, port: int = PROXY_PORT, folder: str = SANDBOX_DIR) -> dict[str, str]:
     """The variables every common client reads: curl, pip, requests, urllib, git, node."""
     url = f"http://127.0.0.1:{port}"
     env = {
@@ -68,10 +73,10 @@ def proxy_env(ca_file: str | None, *, port: int = PROXY_PORT) -> dict[str, str]:
         "NO_PROXY": "localhost,127.0.0.1,::1", "no_proxy": "localhost,127.0.0.1,::1",
     }  # fmt: skip
     if ca_file is not None:
-        bundle = f"{SANDBOX_DIR}/{BUNDLE}"
+        bundle = f"{folder}/{BUNDLE}"
         env.update(
             SSL_CERT_FILE=bundle, REQUESTS_CA_BUNDLE=bundle, CURL_CA_BUNDLE=bundle, PIP_CERT=bundle,
-            GIT_SSL_CAINFO=bundle, NODE_EXTRA_CA_CERTS=f"{SANDBOX_DIR}/{CA}",
+            GIT_SSL_CAINFO=bundle, NODE_EXTRA_CA_CERTS=f"{folder}/{CA}",
         )  # fmt: skip
     return env
 
@@ -127,6 +132,36 @@ def attach(
                 os.chown(path, uid, uid)
         attachment.env = proxy_env(ca.decode() if ca is not None else None)
         attachment.relay = {"listen": PROXY_PORT, "socket": f"{SANDBOX_DIR}/{SOCKET}"}
+    except BaseException:
+        attachment.close()
+        raise
+    return attachment
+
+
+GUEST_PORT_FD = 9  # where the microVM's init opens the egress port for the supervisor
+GUEST_DIR = "/tmp/.stockade-egress"  # the trust files in a microVM (its root is read-only)
+
+
+async def _start_mux(mux: Mux) -> None:
+    mux.start()
+
+
+def attach_port(
+    spec: SandboxSpec, folder: Path, port: socket.socket, *, root: Path | None = None
+) -> Attachment:
+    """``attach`` for a sandbox whose way out is a byte stream (the microVM's virtio-serial
+    port, ``port`` being our end): its streams go to the proxy's socket in ``folder``."""
+    attachment = attach(spec, folder, root=root)
+    try:
+        attachment.mux = Mux(port, str(attachment.socket_path))
+        _loop.call(_start_mux(attachment.mux))
+        relay: dict[str, Any] = {"listen": PROXY_PORT, "fd": GUEST_PORT_FD}
+        ca = attachment.proxy.ca_pem
+        if ca is not None:  # no folder is bound into a VM: the supervisor writes the trust files
+            relay["dir"] = GUEST_DIR
+            relay["files"] = {name: (folder / name).read_text() for name in (CA, BUNDLE)}
+            attachment.env = proxy_env(ca.decode(), folder=GUEST_DIR)
+        attachment.relay = relay
     except BaseException:
         attachment.close()
         raise

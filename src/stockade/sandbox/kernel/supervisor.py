@@ -289,7 +289,7 @@ class Supervisor:
         if cfg.get("egress"):
             import egress  # type: ignore[import-not-found]
 
-            self.egress = egress.Relay(self.sel, cfg["egress"])
+            self.egress = egress.make(self.sel, cfg["egress"])
         if carried is not None:
             self.root_modes = {str(k): int(v) for k, v in carried["root_modes"].items()}
             self.baseline = carried["baseline"]
