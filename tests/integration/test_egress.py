@@ -238,3 +238,55 @@ def test_the_proxy_dies_with_the_sandbox(egress_tier: str, local: Servers) -> No
     assert socket_path.exists()
     sbx.close()
     assert not socket_path.exists() and attachment.proxy.ca is None and not attachment.proxy._secrets
+
+
+def test_an_agent_gets_its_roles_credential_through_the_proxy(
+    local: Servers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """build_agent: the policy's [network] and [credentials], bound by the role, on the
+    process tier; the egress events are in the audit trail, the token nowhere in it."""
+    require_tier("process")
+    from stockade.agent import RunLimits, RunStatus
+    from stockade.assembly import AgentConfig, build_agent
+    from stockade.audit import AuditLog, SQLiteStore
+    from stockade.models import ScriptedModel, tool_call
+
+    monkeypatch.setenv("STOCKADE_TEST_API_TOKEN", TOKEN)
+    policy = tmp_path / "policy.toml"
+    policy.write_text(
+        f"""
+[trust]
+level = "trusted"
+[network]
+allow = [{{ host = "api.test", ports = [{local.https_port}] }}]
+allow_addresses = ["127.0.0.3/32"]
+resolve = {{ "api.test" = ["127.0.0.3"] }}
+upstream_ca = "{local.ca_file}"
+[credentials.api]
+source = "env:STOCKADE_TEST_API_TOKEN"
+hosts = ["api.test"]
+[roles.ci]
+credentials = ["api"]
+[roles.reader]
+"""
+    )
+    code = f"import urllib.request; print(urllib.request.urlopen('https://api.test:{local.https_port}/auth').read())"
+    store = SQLiteStore(tmp_path / "audit.db")
+    # The reader gets no credential, so no opened TLS: a tunnel to a server its sandbox does
+    # not trust (the test CA is not in it), where the ci role's proxy answered with its own CA.
+    for role, expected in (("ci", "authorized=True"), ("reader", "certificate")):
+        model = ScriptedModel([tool_call("run_code", {"code": code, "language": "python"}), "done"])
+        config = AgentConfig(
+            model=model, policy=policy, role=role, tier="process", audit=AuditLog(store, flush_interval_s=None),
+            limits=RunLimits(max_steps=4), approval_dir=tmp_path / "approvals", kill_target=str(tmp_path / "kill"),
+        )  # fmt: skip
+        with build_agent(config) as agent, agent.session(workspace=None, run_id=f"run-{role}") as session:
+            result = session.run_sync("call the API")
+        assert result.status == RunStatus.SUCCESS, result
+        outputs = [m for m in result.state.messages if expected in repr(m)]
+        assert outputs, (role, result.state.messages)
+    events = [e for e in store.events() if e.kind == EventKind.EGRESS]
+    by_run = {(e.run_id, e.attributes["method"], e.attributes["credential_name"]) for e in events}
+    assert ("run-ci", "GET", "api") in by_run and ("run-reader", "CONNECT", "") in by_run
+    assert not any(run == "run-reader" and name for run, _, name in by_run)
+    assert TOKEN.encode() not in (tmp_path / "audit.db").read_bytes()

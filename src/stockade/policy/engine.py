@@ -355,6 +355,7 @@ class PolicyEngine:
             enabled=n.enabled,
             rules=tuple(rules),
             allow_addresses=n.allow_addresses,
+            resolve=dict(n.resolve),
             credentials=tuple(credentials) if rules else (),
             max_requests_per_minute=n.max_requests_per_minute,
             max_bytes_per_minute=n.max_bytes_per_minute,

@@ -131,6 +131,7 @@ class NetworkRules(_Strict):
     allow: tuple[str | HostAllow, ...] = ()
     allow_hosts: tuple[str, ...] = ()
     allow_addresses: tuple[str, ...] = ()
+    resolve: dict[str, tuple[str, ...]] = {}  # names pinned to addresses (internal names)
     max_requests_per_minute: int = Field(default=600, ge=1)
     max_bytes_per_minute: int = Field(default=1024 * 1024 * 1024, ge=1)
     upstream_ca: str | None = None
