@@ -277,9 +277,15 @@ credentials = ["api"]
     for role, expected in (("ci", "authorized=True"), ("reader", "certificate")):
         model = ScriptedModel([tool_call("run_code", {"code": code, "language": "python"}), "done"])
         config = AgentConfig(
-            model=model, policy=policy, role=role, tier="process", audit=AuditLog(store, flush_interval_s=None),
-            limits=RunLimits(max_steps=4), approval_dir=tmp_path / "approvals", kill_target=str(tmp_path / "kill"),
-        )  # fmt: skip
+            model=model,
+            policy=policy,
+            role=role,
+            tier="process",
+            audit=AuditLog(store, flush_interval_s=None),
+            limits=RunLimits(max_steps=4),
+            approval_dir=tmp_path / "approvals",
+            kill_target=str(tmp_path / "kill"),
+        )
         with build_agent(config) as agent, agent.session(workspace=None, run_id=f"run-{role}") as session:
             result = session.run_sync("call the API")
         assert result.status == RunStatus.SUCCESS, result

@@ -8,9 +8,10 @@ no_new_privs and the process tier's seccomp filter. The host talks to it over a
 virtio-serial port whose other end is one half of a socketpair handed to QEMU.
 
 No network device exists in the guest: with an allowlist, a second virtio-serial port
-carries its connections to the egress proxy (``stockade.egress``). Memory is the guest's RAM (plus RLIMIT_AS per
-process, so one hog gets a MemoryError, as on the gVisor tier), CPUs are virtual CPUs,
-processes are counted by RLIMIT_NPROC of the only user inside. The emulator is TCG by
+carries its connections to the egress proxy (``stockade.egress``). Memory is the guest's
+RAM (plus RLIMIT_AS per process, so one hog gets a MemoryError, as on the gVisor tier),
+CPUs are virtual CPUs, processes are counted by RLIMIT_NPROC of the only user inside. The
+emulator is TCG by
 default: nested KVM is often missing or hangs (``STOCKADE_MICROVM_ACCEL=kvm`` to opt in).
 """
 
