@@ -58,6 +58,8 @@ class Mux:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
         self._drop_all()
+        if self._writer is not None:
+            self._writer.close()
         with contextlib.suppress(OSError):
             self.port.close()
 
@@ -75,6 +77,7 @@ class Mux:
             return
         finally:
             self._drop_all()
+            self._writer.close()
 
     def _on_frame(self, kind: int, sid: int, payload: bytes) -> None:
         if kind == HELLO:  # a fresh relay (the sandbox was reset): nothing of before goes on
