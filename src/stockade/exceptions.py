@@ -11,6 +11,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── PolicyFileError           the policy file is invalid; ``problems`` lists each, with its line
     │   ├── ImageNotFound             the sandbox image is not on this host (build it)
     │   ├── SeedTooLarge              the workspace is bigger than the run store keeps (a seed, a snapshot)
+    │   ├── ComplianceNotMet          a declared compliance profile is not met; ``unmet``: what, and the fix
     │   └── RunConflict               a new run's id is taken, or the run ended and is kept as it is
     ├── TierUnavailable               no tier on this host satisfies the request (fails closed)
     ├── SandboxError                  something about one sandbox
@@ -19,6 +20,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── ResourceContention        [retryable] the host is out of a shared resource
     │   ├── SandboxCrashed            the sandbox died under a call; ``cause`` and the output so far
     │   ├── SandboxClosed             the sandbox was closed; create a new one
+    │   │   └── SandboxGone           the service's process that held it died; its quota is free
     │   └── ProtocolError             the in-sandbox supervisor spoke nonsense (it is untrusted)
     ├── WorkspaceError                a files call was refused
     │   ├── PathEscapeError           the path leads outside the workspace
@@ -42,9 +44,14 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── InvalidToolCall           unknown tool or arguments that fail its schema
     │   ├── PatchRejected             a diff does not apply; nothing was changed
     │   └── ToolTimeout               the call ran past the tool's ``timeout_s``; its sandbox work was cut
-    └── RuntimeLimit                  a runtime control refused the action for now
-        ├── CircuitOpen               [retryable] too many consecutive failures; retry after cool-down
-        └── RateLimited               [retryable] too many actions in the window; retry after
+    ├── RuntimeLimit                  a runtime control refused the action for now
+    │   ├── CircuitOpen               [retryable] too many consecutive failures; retry after cool-down
+    │   ├── RateLimited               [retryable] too many actions in the window; retry after
+    │   └── QuotaExceeded             a tenant's quota (live sandboxes, CPUs, memory) is full; free some
+    └── ServiceError                  the HTTP service (``stockade serve``) refused or could not answer
+        ├── AuthenticationError       no API token, or one the service does not know (HTTP 401)
+        ├── ResourceNotFound          no such sandbox, run or request, or not the caller's (HTTP 404)
+        └── ServiceUnavailable        [retryable] the service cannot be reached, or answered 5xx
 
 A control that ends a run does not fail anything: it raises a ``RunStopped``, control flow
 apart from the error tree, as ``asyncio.CancelledError`` is. It derives from ``BaseException``,
@@ -55,6 +62,7 @@ way to the loop, which ends the run with its ``status``:
     ├── BudgetExceeded                status "budget": steps, wall time, tokens, dollars, $/hour spent
     ├── RunKilled                     status "killed": someone pulled the kill switch
     ├── RunInterrupted                status "interrupted": stopped from outside (Ctrl-C, SIGTERM); resumable
+    ├── CircuitBroken                 status "broken": the agent's actions failed N times in a row; resumable
     └── ApprovalRequired              status "paused": a human must decide; resume the run after
 
 Both pickle cleanly with their state (they cross process boundaries in the distributed tier).
@@ -69,9 +77,12 @@ __all__ = [
     "AuditError",
     "AuditIntegrityError",
     "AuditStoreError",
+    "AuthenticationError",
     "BackendUnavailable",
     "BudgetExceeded",
+    "CircuitBroken",
     "CircuitOpen",
+    "ComplianceNotMet",
     "ConfigurationError",
     "FileTooLarge",
     "FileTypeError",
@@ -89,8 +100,10 @@ __all__ = [
     "PolicyDenied",
     "PolicyFileError",
     "ProtocolError",
+    "QuotaExceeded",
     "RateLimited",
     "ResourceContention",
+    "ResourceNotFound",
     "RunConflict",
     "RunInterrupted",
     "RunKilled",
@@ -103,8 +116,11 @@ __all__ = [
     "SandboxCrashed",
     "SandboxError",
     "SandboxFileNotFound",
+    "SandboxGone",
     "SandboxStartError",
     "SeedTooLarge",
+    "ServiceError",
+    "ServiceUnavailable",
     "StockadeError",
     "TierUnavailable",
     "ToolError",
@@ -187,6 +203,15 @@ class RunConflict(ConfigurationError):
     asked to resume: runs are never reused or overwritten."""
 
 
+class ComplianceNotMet(ConfigurationError):
+    """A compliance profile the policy declares has requirements the policy, the configuration
+    or the host does not meet; nothing was started. ``unmet``: each, with how to fix it."""
+
+    def __init__(self, message: str, *, unmet: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.unmet = unmet
+
+
 class TierUnavailable(StockadeError):
     """No isolation tier on this host satisfies the request; stockade fails closed."""
 
@@ -238,6 +263,16 @@ class SandboxCrashed(SandboxError):
 
 class SandboxClosed(SandboxError):
     """The sandbox is closed; create a new one."""
+
+
+class SandboxGone(SandboxClosed):
+    """The service's API process that held the sandbox died (or stopped answering for longer
+    than a node may), and the sandbox with it; its share of the tenant's quota is free again.
+    Create a new one. ``id`` names the sandbox."""
+
+    def __init__(self, message: str, *, id: str = "") -> None:
+        super().__init__(message)
+        self.id = id
 
 
 class ProtocolError(SandboxError):
@@ -305,6 +340,42 @@ class RateLimited(RuntimeLimit):
     def __init__(self, message: str, *, key: str = "", retry_after: float | None = None) -> None:
         super().__init__(message, retry_after=retry_after)
         self.key = key
+
+
+class QuotaExceeded(RuntimeLimit):
+    """A tenant's quota is full: ``quota`` names it (``sandboxes``, ``cpus``, ``memory_mb``),
+    ``limit`` is its size and ``used`` what is taken. Retrying helps only once something of
+    the tenant's is deleted, so it is not ``retryable``."""
+
+    def __init__(self, message: str, *, quota: str = "", limit: float = 0, used: float = 0) -> None:
+        super().__init__(message)
+        self.quota = quota
+        self.limit = limit
+        self.used = used
+
+
+class ServiceError(StockadeError):
+    """The HTTP service refused a request, or could not answer it."""
+
+
+class AuthenticationError(ServiceError):
+    """The request had no API token, or one the service does not know (or that was revoked)."""
+
+
+class ResourceNotFound(ServiceError):
+    """No such sandbox, run or approval request, for this caller: another tenant's ids are
+    answered the same way, so that they cannot be probed."""
+
+    def __init__(self, message: str, *, kind: str = "", id: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.id = id
+
+
+class ServiceUnavailable(ServiceError):
+    """The service could not be reached, or failed (HTTP 5xx); ``retry_after`` when it said."""
+
+    retryable = True
 
 
 class ToolError(StockadeError):
@@ -408,6 +479,17 @@ class RunInterrupted(RunStopped):
         super().__init__(message)
         self.run_id = run_id
         self.reason = reason
+
+
+class CircuitBroken(RunStopped):
+    """The agent's circuit breaker tripped: its last ``len(failures)`` actions all failed (each
+    named in ``failures`` with its error). The run stops, resumable once a person has looked."""
+
+    status = "broken"
+
+    def __init__(self, message: str, *, failures: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.failures = failures
 
 
 class ApprovalRequired(RunStopped):

@@ -10,6 +10,7 @@ import pytest
 from stockade import Limits, Sandbox
 from stockade.sandbox import _registry
 from tests.conftest import require_tier
+from tests.integration.service_env import postgres_url, redis_queue  # noqa: F401 - the service's fixtures
 
 # Every tier must pass the same conformance and containment suites.
 TIERS = [t for t in os.environ.get("STOCKADE_TEST_TIERS", ",".join(_registry.TIERS)).split(",") if t]

@@ -58,6 +58,9 @@ class DurableCheckpointer(Checkpointer, Protocol):
     def call_started(self, run_id: str, step: int, call: ToolCall, key: str, *, idempotent: bool) -> None:
         """``call`` is about to run."""
 
+    def call_parked(self, run_id: str, key: str) -> None:
+        """The call ``key`` stopped at an approval, before what it asked about: not in flight."""
+
     def record_workspace(
         self, run_id: str, sandbox: Sandbox, *, call: tuple[int, ToolCallRecord] | None = None
     ) -> int:

@@ -47,6 +47,7 @@ COMMAND_MODULES = (
     "stockade.cli.policy_cmds",
     "stockade.cli.image_cmds",
     "stockade.cli.runs_cmds",
+    "stockade.cli.service_cmds",
 )
 
 for _name in COMMAND_MODULES:

@@ -1,13 +1,21 @@
 """Policy as data: a validated file of rules, a decision engine over it, guards that enforce
 it, and human approval. ``stockade.policy.agent`` plugs it into an agent run."""
 
-from stockade.policy.approval import ApprovalRequest, Approvals, ApprovalStore, Choice, cli_approver
+from stockade.policy.approval import (
+    ApprovalBook,
+    ApprovalRequest,
+    Approvals,
+    ApprovalStore,
+    Choice,
+    cli_approver,
+)
 from stockade.policy.engine import Decision, PolicyEngine
 from stockade.policy.guards import GuardedBackend, GuardedInstance, OpContext, op_policy_guard, pipeline
 from stockade.policy.load import load_policy, parse_policy
 from stockade.policy.schema import Policy, Verdict
 
 __all__ = [
+    "ApprovalBook",
     "ApprovalRequest",
     "ApprovalStore",
     "Approvals",

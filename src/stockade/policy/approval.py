@@ -18,10 +18,12 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 from stockade.exceptions import ApprovalRequired, ConfigurationError, PolicyDenied
 
 __all__ = [
+    "ApprovalBook",
     "ApprovalRequest",
     "ApprovalStore",
     "Approvals",
@@ -56,6 +58,21 @@ Approver = Callable[[ApprovalRequest], Choice | None]  # None: nobody can decide
 def default_approval_dir() -> Path:
     configured = os.environ.get("STOCKADE_APPROVAL_DIR")
     return Path(configured) if configured else Path.home() / ".stockade" / "approvals"
+
+
+class ApprovalBook(Protocol):
+    """Where pending requests and decisions are kept: ``ApprovalStore`` (JSON files, one
+    machine), or a database shared by the workers of a service (``stockade.distributed``)."""
+
+    def submit(self, request: ApprovalRequest) -> None:
+        """Keep ``request`` as pending (a request already kept is left as it is)."""
+
+    def decide(self, run_id: str, request_id: str, choice: Choice, *, by: str = "") -> None:
+        """Record a decision; ``ConfigurationError`` when there is no such request."""
+
+    def decision(self, request: ApprovalRequest) -> Choice | None: ...
+
+    def pending(self, run_id: str | None = None) -> list[dict[str, str]]: ...
 
 
 class ApprovalStore:
@@ -109,7 +126,7 @@ class ApprovalStore:
 
 
 class Approvals:
-    def __init__(self, approver: Approver | None = None, store: ApprovalStore | None = None) -> None:
+    def __init__(self, approver: Approver | None = None, store: ApprovalBook | None = None) -> None:
         self.approver = approver
         self.store = store
 

@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -174,3 +175,17 @@ def leftover_groups() -> list[str]:
         if base.is_dir():
             names.update(p.name for p in base.iterdir() if p.is_dir())
     return sorted(names)
+
+
+def collect(prefix: str, owned: Callable[[str], bool]) -> list[str]:
+    """Remove the sandbox cgroups named ``prefix...`` that ``owned(name)`` no longer claims
+    (each tier names its groups apart, and collects its own)."""
+    removed: list[str] = []
+    support = detect()
+    if support.mechanism is Mechanism.NONE:
+        return removed
+    for name in leftover_groups():
+        if name.startswith(prefix) and not owned(name):
+            Cgroup(support.mechanism, name).remove()
+            removed.append(f"cgroup {name}")
+    return removed

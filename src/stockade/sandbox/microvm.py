@@ -643,10 +643,5 @@ def collect_garbage() -> list[str]:
                     os.kill(pid, signal.SIGKILL)
         shutil.rmtree(rundir, ignore_errors=True)
         removed.append(f"microvm {sid}")
-    support = _cgroups.detect()
-    if support.mechanism is not Mechanism.NONE:
-        for name in _cgroups.leftover_groups():
-            if name.startswith("vm-sbx-") and not (state_dir / name).exists():
-                _cgroups.Cgroup(support.mechanism, name).remove()
-                removed.append(f"cgroup {name}")
+    removed += _cgroups.collect("vm-sbx-", lambda name: (state_dir / name).exists())
     return removed

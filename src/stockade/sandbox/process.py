@@ -614,11 +614,5 @@ def collect_garbage(state_dir: Path | None = None) -> list[str]:
         for partial in base.glob(".shared-*"):  # a build interrupted by a crash
             if time.time() - partial.stat().st_mtime > 3600:
                 shutil.rmtree(partial, ignore_errors=True)
-    support = _cgroups.detect()
-    if support.mechanism is not Mechanism.NONE:
-        for name in _cgroups.leftover_groups():
-            # only ours: other tiers name their groups differently and gc their own
-            if name.startswith("sbx-") and not (base / name).exists():
-                _cgroups.Cgroup(support.mechanism, name).remove()
-                removed.append(f"cgroup {name}")
+    removed += _cgroups.collect("sbx-", lambda name: (base / name).exists())
     return removed

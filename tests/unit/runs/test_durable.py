@@ -16,7 +16,14 @@ from stockade.agent import Agent, AgentEvent, Observer, RunStatus, ToolCalled
 from stockade.audit import AuditLog, MemoryStore, verify
 from stockade.audit.agent import AuditObserver
 from stockade.cli.runs_cmds import load_tools
-from stockade.exceptions import InvalidArgument, RunConflict, RunLeased, RunStoreCorrupt, SeedTooLarge
+from stockade.exceptions import (
+    ApprovalRequired,
+    InvalidArgument,
+    RunConflict,
+    RunLeased,
+    RunStoreCorrupt,
+    SeedTooLarge,
+)
 from stockade.models.scripted import Turn
 from stockade.runs import RunRecorder, RunStore, open_run_store
 from stockade.testing import FakeBackend, MemoryWorkspace, ScriptedModel, tool_call
@@ -146,6 +153,37 @@ def test_a_call_in_flight_runs_again_only_if_its_tool_is_idempotent(store: RunSt
     assert paid.error_type == "OutcomeUnknown" and "not run again" in paid.observation
     assert [r.error_type for r in store.tool_calls("r")] == [None, "OutcomeUnknown"]
     assert store.attempts("r") == {"r:1:call_0_0": 2, "r:2:call_1_0": 1}
+
+
+def test_a_call_that_stopped_at_an_approval_runs_on_resume_not_outcome_unknown(store: RunStore) -> None:
+    decided: list[bool] = []
+    deployed: list[str] = []
+
+    @tool
+    def deploy(ctx: ToolContext, target: str) -> str:
+        """Deploy.
+
+        Args:
+            target: where.
+        """
+        ctx.sandbox.files.write("deploy.log", f"deploying {target}\n")
+        if not decided:
+            raise ApprovalRequired(f"deploying to {target} needs a human", action=f"deploy {target}")
+        deployed.append(ctx.idempotency_key)
+        return f"deployed to {target}"
+
+    tools = default_toolset().including(deploy)
+    turns: list[Turn] = [tool_call("deploy", {"target": "prod"}), "done"]
+    with sandbox() as sbx:
+        agent = Agent(ScriptedModel(turns), tools=tools, checkpointer=store, observers=[RunRecorder(store)])
+        paused = agent.run_sync("t", sandbox=sbx, run_id="r")
+        assert paused.status == RunStatus.PAUSED and deployed == []
+        decided.append(True)  # a human approves
+        result = agent.run_sync(resume="r", sandbox=sbx)
+    assert result.ok and deployed == ["r:1:call_0_0"]
+    (call,) = result.steps[0].tool_calls
+    assert call.error_type is None and call.observation == "deployed to prod"
+    assert store.attempts("r") == {"r:1:call_0_0": 1}  # the paused attempt is not counted as one
 
 
 def test_a_resume_in_a_fresh_sandbox_continues_from_the_last_workspace(store: RunStore) -> None:

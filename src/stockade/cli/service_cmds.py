@@ -1,0 +1,163 @@
+"""``stockade serve`` (the HTTP API), ``stockade worker`` (a Celery worker for its runs) and
+``stockade token new`` (an API token for a tenant and role)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from stockade import exceptions as exc
+from stockade.cli._console import CliConsole
+
+out = CliConsole()
+err = CliConsole(stderr=True)
+
+TenantsOption = Annotated[
+    Path,
+    typer.Option("--tenants", envvar="STOCKADE_TENANTS", help="the tenants file (TOML): tenants, tokens"),
+]
+DbOption = Annotated[
+    str,
+    typer.Option("--db", envvar="STOCKADE_DB", help="sqlite:///PATH (embedded) or postgresql://... (shared)"),
+]
+ToolsOption = Annotated[
+    str | None, typer.Option("--tools", help="MODULE:ATTRIBUTE of a Toolset replacing the default tools")
+]
+QueueOption = Annotated[
+    str, typer.Option("--queue", envvar="STOCKADE_QUEUE", help="the Celery queue (and Redis key prefix)")
+]
+VisibilityOption = Annotated[
+    float,
+    typer.Option(
+        "--visibility-timeout", help="seconds before Redis gives an unfinished run to another worker"
+    ),
+]
+
+
+def _config(tenants: Path, db: str, redis: str | None, **options: object) -> object:
+    from stockade.server import ServiceConfig, Tenants
+
+    key = os.environ.get("STOCKADE_AUDIT_KEY")
+    return ServiceConfig(
+        tenants=Tenants.load(tenants), database=db, redis=redis or None,
+        audit_key=key.encode() if key else None, **options,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def serve(
+    tenants: TenantsOption,
+    db: DbOption = "sqlite:///.stockade/service.db",
+    redis: Annotated[
+        str | None,
+        typer.Option("--redis", envvar="STOCKADE_REDIS", help="redis://...: runs go to `stockade worker`s"),
+    ] = None,
+    host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port")] = 8080,
+    run_threads: Annotated[int, typer.Option("--run-threads", help="runs at once, without Redis")] = 2,
+    idle_timeout: Annotated[
+        float, typer.Option("--idle-timeout", help="seconds before an unused sandbox is closed")
+    ] = 300.0,
+    tools: ToolsOption = None,
+    visibility_timeout: VisibilityOption = 3600.0,
+    queue: QueueOption = "stockade",
+    advertise_url: Annotated[
+        str | None,
+        typer.Option(
+            "--advertise-url", envvar="STOCKADE_ADVERTISE_URL",
+            help="where the other API processes reach this one (default: http://HOST:PORT)",
+        ),
+    ] = None,
+) -> None:  # fmt: skip
+    """Serve the API: sandboxes and runs for the tenants of TENANTS. Without --redis every run
+    runs in this process (SQLite is enough); with it, runs go to `stockade worker` processes
+    (use a PostgreSQL --db that they share). Several servers may share one database: a
+    request for a sandbox reaches the server that holds it (--advertise-url)."""
+    from stockade.server import serve as run_server
+
+    try:
+        config = _config(
+            tenants, db, redis, run_threads=run_threads, sandbox_idle_timeout_s=idle_timeout, tools=tools,
+            visibility_timeout_s=visibility_timeout, queue=queue, advertise_url=advertise_url,
+        )  # fmt: skip
+        mode = (
+            f"runs on workers through {redis}" if redis else f"runs in this process ({run_threads} at a time)"
+        )
+        err.print(f"[dim]stockade serve on http://{host}:{port} ({escape(mode)}); API docs at /docs[/]")
+        run_server(config, host=host, port=port)  # type: ignore[arg-type]
+    except exc.StockadeError as error:
+        err.print(f"[red]error:[/] {escape(str(error))}")
+        for problem in getattr(error, "problems", ()):
+            err.print(f"  {escape(problem)}")
+        raise typer.Exit(2) from None
+
+
+def worker(
+    tenants: TenantsOption,
+    redis: Annotated[str, typer.Option("--redis", envvar="STOCKADE_REDIS", help="the broker: redis://...")],
+    db: DbOption = "sqlite:///.stockade/service.db",
+    concurrency: Annotated[int, typer.Option("--concurrency", "-c", help="runs at once")] = 2,
+    pool: Annotated[str, typer.Option("--pool", help="prefork, threads or solo")] = "prefork",
+    name: Annotated[
+        str | None, typer.Option("--name", help="the worker's name (default: host and pid)")
+    ] = None,
+    tools: ToolsOption = None,
+    visibility_timeout: VisibilityOption = 3600.0,
+    queue: QueueOption = "stockade",
+) -> None:
+    """Run the service's runs (Celery over Redis). A run whose worker dies resumes on another
+    from its last recorded step; the database (--db, PostgreSQL) must be the server's."""
+    try:
+        from stockade.distributed.worker import run_worker
+    except ModuleNotFoundError as missing:
+        err.print(f'[red]error:[/] {missing}: pip install "stockade[celery,server,postgres]"')
+        raise typer.Exit(2) from None
+    try:
+        config = _config(
+            tenants, db, redis, tools=tools, visibility_timeout_s=visibility_timeout, queue=queue
+        )
+        run_worker(config, concurrency=concurrency, pool=pool, name=name)  # type: ignore[arg-type]
+    except exc.StockadeError as error:
+        err.print(f"[red]error:[/] {escape(str(error))}")
+        raise typer.Exit(2) from None
+
+
+token_app = typer.Typer(help="API tokens of the service's tenants", no_args_is_help=True)
+
+
+@token_app.command("new")
+def token_new(
+    tenant: Annotated[str, typer.Option("--tenant", help="the tenant the token acts for")],
+    role: Annotated[str | None, typer.Option("--role", help="a role of the tenant's policy")] = None,
+    append: Annotated[
+        Path | None, typer.Option("--append", help="add the token's record to this tenants file")
+    ] = None,
+) -> None:
+    """Make a token: it is printed once (keep it); the tenants file keeps only its hash."""
+    from stockade.server.tenants import TENANT_ID, Tenants, new_token
+
+    if not TENANT_ID.match(tenant):
+        err.print(f"[red]error:[/] tenant id {tenant!r} must match {TENANT_ID.pattern}")
+        raise typer.Exit(2)
+    token, record = new_token(tenant, role)
+    lines = Tenants(tenants={}, tokens={}).toml_lines(record)
+    if append is not None:
+        with append.open("a") as file:
+            file.write("\n" + lines)
+        try:
+            Tenants.load(append)
+        except exc.StockadeError as error:
+            err.print(f"[yellow]the tenants file does not load yet:[/] {escape(str(error))}")
+    else:
+        err.print("[dim]add to the tenants file:[/]")
+        err.print(escape(lines), end="")
+    print(token)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)
+    app.command("worker")(worker)
+    app.add_typer(token_app, name="token")

@@ -1,0 +1,225 @@
+"""``Client``: one service, one token; its sandboxes and its runs.
+
+client = Client("http://127.0.0.1:8080", token)        # or STOCKADE_URL / STOCKADE_TOKEN
+run = client.runs.submit("make the tests pass", workspace="project/", model="openai:gpt-4.1")
+for event in run.events():                              # live: model calls, tool calls, ...
+    print(event.kind, event.data.get("attributes", {}))
+run.wait().status                                       # "success", "paused", ...
+print(run.diff())
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stockade.client._http import Http
+from stockade.client.sandbox import RemoteSandbox
+from stockade.sandbox.facade import tar_directory
+
+__all__ = ["Client", "RemoteRun", "RunEvent", "Runs"]
+
+_ENDED = frozenset({"success", "check_failed", "max_steps", "budget", "killed", "denied", "error"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunEvent:
+    """One event of a run's stream: an audit event (``seq`` > 0), or ``status`` / ``end``."""
+
+    kind: str
+    seq: int
+    data: dict[str, Any]
+
+
+class RemoteRun:
+    """A run of the service, by id; ``info`` is its last known state (``refresh()``)."""
+
+    def __init__(self, client: Client, info: Mapping[str, Any]) -> None:
+        self.client = client
+        self.info = dict(info)
+
+    @property
+    def id(self) -> str:
+        return str(self.info["run_id"])
+
+    @property
+    def status(self) -> str:
+        return str(self.info["status"])
+
+    def refresh(self) -> RemoteRun:
+        self.info = self.client.http.request("GET", f"/v1/runs/{self.id}").json()
+        return self
+
+    def wait(self, *, timeout_s: float = 600.0, poll_s: float = 0.25, until_paused: bool = True) -> RemoteRun:
+        """Until the run ends (or waits for someone: paused for an approval, or broken: its
+        actions kept failing); ``TimeoutError`` past ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.refresh()
+            if self.status in _ENDED or (until_paused and self.status in ("paused", "broken")):
+                return self
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"run {self.id} is still {self.status} after {timeout_s:.0f} s")
+            time.sleep(poll_s)
+
+    def events(self, *, after: int = 0) -> Iterator[RunEvent]:
+        """The run's events as they happen, until it ends or pauses (Server-Sent Events)."""
+        with self.client.http.stream(
+            "GET", f"/v1/runs/{self.id}/events", params={"after": after}, timeout=None
+        ) as response:
+            kind, seq, data = "message", 0, ""
+            for line in response.iter_lines():
+                if line.startswith("event:"):
+                    kind = line[6:].strip()
+                elif line.startswith("id:"):
+                    seq = int(line[3:].strip() or 0)
+                elif line.startswith("data:"):
+                    data += line[5:].strip()
+                elif line == "" and data:
+                    yield RunEvent(kind=kind, seq=seq, data=json.loads(data))
+                    if kind == "end":
+                        return
+                    kind, seq, data = "message", 0, ""
+
+    def approvals(self) -> list[dict[str, str]]:
+        found: list[dict[str, str]] = self.client.http.request("GET", f"/v1/runs/{self.id}/approvals").json()
+        return found
+
+    def approve(self, request_id: str) -> RemoteRun:
+        return self._decide(request_id, "approve")
+
+    def deny(self, request_id: str) -> RemoteRun:
+        return self._decide(request_id, "deny")
+
+    def _decide(self, request_id: str, decision: str) -> RemoteRun:
+        self.info = self.client.http.request(
+            "POST", f"/v1/runs/{self.id}/approvals/{request_id}", json={"decision": decision}
+        ).json()
+        return self
+
+    def kill(self, reason: str = "killed through the API") -> RemoteRun:
+        self.info = self.client.http.request(
+            "POST", f"/v1/runs/{self.id}/kill", json={"reason": reason}
+        ).json()
+        return self
+
+    def diff(self) -> str:
+        return self.client.http.request("GET", f"/v1/runs/{self.id}/diff").text
+
+    def artifacts(self, dest: str | Path) -> Path:
+        """Unpack the run's final workspace into ``dest`` (tarfile's ``data`` filter)."""
+        data = self.client.http.request("GET", f"/v1/runs/{self.id}/artifacts").content
+        dest = Path(dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:
+            tar.extractall(dest, filter="data")
+        return dest
+
+    def __repr__(self) -> str:
+        return f"<RemoteRun {self.id} {self.status}>"
+
+
+class Runs:
+    def __init__(self, client: Client) -> None:
+        self.client = client
+
+    def upload_workspace(self, folder: str | Path) -> str:
+        """Send a folder (as a tar); returns the id a run's ``workspace`` takes."""
+        response = self.client.http.request(
+            "POST", "/v1/workspaces", content=tar_directory(Path(folder)),
+            headers={"Content-Type": "application/x-tar"},
+        )  # fmt: skip
+        return str(response.json()["id"])
+
+    def submit(
+        self,
+        task: str,
+        *,
+        model: str | None = None,
+        scripted: Sequence[object] | None = None,
+        workspace: str | Path | None = None,
+        tier: str | None = None,
+        trust: str | None = None,
+        max_steps: int | None = None,
+        max_cost_usd: float | None = None,
+        check: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        idempotency_key: str | None = None,
+    ) -> RemoteRun:
+        """Queue an agent task; ``workspace`` is a local folder (uploaded) or an uploaded id."""
+        workspace_id: str | None = None
+        if workspace is not None:
+            path = Path(workspace)
+            workspace_id = self.upload_workspace(path) if path.is_dir() else str(workspace)
+        body: dict[str, Any] = {
+            "task": task, "model": model, "scripted": list(scripted) if scripted is not None else None,
+            "workspace": workspace_id, "tier": tier, "trust": trust, "check": check,
+            "labels": dict(labels or {}), "idempotency_key": idempotency_key,
+        }  # fmt: skip
+        limits = {
+            k: v for k, v in (("max_steps", max_steps), ("max_cost_usd", max_cost_usd)) if v is not None
+        }
+        if limits:
+            body["limits"] = limits
+        response = self.client.http.request(
+            "POST", "/v1/runs", json={k: v for k, v in body.items() if v is not None}
+        )
+        return RemoteRun(self.client, response.json())
+
+    def get(self, run_id: str) -> RemoteRun:
+        return RemoteRun(self.client, self.client.http.request("GET", f"/v1/runs/{run_id}").json())
+
+    def list(
+        self, *, status: str | None = None, label: str | None = None, limit: int = 50
+    ) -> list[RemoteRun]:
+        params: dict[str, Any] = {"limit": limit}
+        if status is not None:
+            params["status"] = status
+        if label is not None:
+            params["label"] = label
+        return [
+            RemoteRun(self.client, r)
+            for r in self.client.http.request("GET", "/v1/runs", params=params).json()
+        ]
+
+
+class Client:
+    """The service at ``url`` (``STOCKADE_URL``), with ``token`` (``STOCKADE_TOKEN``)."""
+
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout_s: float = 120.0,
+        transport: Any = None,
+    ) -> None:
+        self.http = Http(url, token, timeout_s=timeout_s, transport=transport)
+        self.runs = Runs(self)
+
+    def sandbox(self, tier: str | None = None, **options: Any) -> RemoteSandbox:
+        """``RemoteSandbox.create(tier, ..., client=self)``."""
+        return RemoteSandbox.create(tier, client=self, **options)
+
+    def sandboxes(self) -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = self.http.request("GET", "/v1/sandboxes").json()
+        return found
+
+    def verify_audit(self) -> dict[str, Any]:
+        found: dict[str, Any] = self.http.request("GET", "/v1/audit/verify").json()
+        return found
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -1,0 +1,376 @@
+"""``RemoteSandbox``: ``stockade.Sandbox``'s surface, over the service's API.
+
+    from stockade.client import RemoteSandbox as Sandbox     # the one line that changes
+
+    with Sandbox.create(tier="process", limits=Limits(memory_mb=512)) as sbx:
+        sbx.commands.run("echo hi", on_stdout=print)
+        sbx.run_code("x = 41\\nx + 1").text
+        sbx.files.write("a.txt", "hello"); sbx.files.download_dir("out/")
+
+The service's URL and token come from ``STOCKADE_URL`` and ``STOCKADE_TOKEN`` unless a
+``Client`` is given. Results are the SDK's values (``CommandResult``, ``Execution``,
+``EntryInfo``, ``DownloadResult``) and errors its classes; ``files.download_dir`` unpacks
+with the same checks as the local one (nothing outside ``dest``, all or nothing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal, overload
+
+from stockade import exceptions as exc
+from stockade.client._http import error_from
+from stockade.sandbox.facade import tar_directory
+from stockade.sandbox.ops import DOWNLOAD_MAX_BYTES, DOWNLOAD_MAX_ENTRIES
+from stockade.types import (
+    CommandResult,
+    DownloadResult,
+    Enforcement,
+    EntryInfo,
+    EntryType,
+    Execution,
+    ExecutionError,
+    HostShare,
+    Limits,
+    Logs,
+    Mechanism,
+    NetworkPolicy,
+    Result,
+    Trust,
+)
+
+if TYPE_CHECKING:
+    from stockade.client.client import Client
+
+__all__ = ["RemoteSandbox"]
+
+TextCallback = Callable[[str], object]
+
+
+def command_result(data: Mapping[str, Any]) -> CommandResult:
+    fields = {f.name for f in dataclasses.fields(CommandResult)}
+    return CommandResult(**{k: v for k, v in data.items() if k in fields})
+
+
+def execution(data: Mapping[str, Any]) -> Execution:
+    error = data.get("error")
+    return Execution(
+        results=tuple(Result(data=dict(r["data"])) for r in data.get("results", ())),
+        logs=Logs(**data.get("logs", {})),
+        error=ExecutionError(**error) if error else None,
+        duration_s=float(data.get("duration_s", 0.0)),
+        timed_out=bool(data.get("timed_out", False)),
+        truncated=bool(data.get("truncated", False)),
+    )
+
+
+def entry(data: Mapping[str, Any]) -> EntryInfo:
+    return EntryInfo(
+        path=data["path"], name=data["name"], type=EntryType(data["type"]), size=int(data["size"]),
+        mode=int(data["mode"]), mtime=float(data["mtime"]),
+    )  # fmt: skip
+
+
+def enforcement(data: Mapping[str, Any]) -> Enforcement:
+    host = data.get("host")
+    names = ("memory", "cpus", "pids", "disk", "network", "timeout", "files")
+    return Enforcement(
+        **{name: Mechanism(data[name]) for name in names if name in data},
+        host=HostShare(**host) if host else None,
+        weakened=tuple(data.get("weakened", ())),
+    )
+
+
+def _limits(limits: Limits | None) -> dict[str, Any] | None:
+    if limits is None:
+        return None
+    if not isinstance(limits, Limits):
+        raise exc.InvalidArgument(
+            f"limits must be a Limits, got {type(limits).__name__}", argument="limits",
+            fix="give Limits(memory_mb=..., timeout_s=...)",
+        )  # fmt: skip
+    return {k: v for k, v in dataclasses.asdict(limits).items() if v is not None}
+
+
+def create_body(
+    tier: str | None, *, trust: Trust | str | None, limits: Limits | None, network: NetworkPolicy | None,
+    envs: Mapping[str, str] | None, allow_weaker: bool, labels: Mapping[str, str] | None,
+    prefer: str | None, idle_timeout_s: float | None,
+) -> dict[str, Any]:  # fmt: skip
+    """The body of ``POST /v1/sandboxes``."""
+    body: dict[str, Any] = {
+        "tier": tier, "trust": str(trust) if trust is not None else None, "limits": _limits(limits),
+        "envs": dict(envs or {}), "allow_weaker": allow_weaker, "labels": dict(labels or {}),
+        "prefer": prefer, "idle_timeout_s": idle_timeout_s,
+    }  # fmt: skip
+    if network is not None:
+        body["network"] = {"enabled": network.enabled, "allow_hosts": list(network.allow_hosts)}
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def command_body(
+    cmd: str | Sequence[str], *, cwd: str | None, envs: Mapping[str, str] | None, timeout_s: float | None,
+    stdin: str | bytes | None,
+) -> dict[str, Any]:  # fmt: skip
+    return {
+        "cmd": cmd if isinstance(cmd, str) else list(cmd), "cwd": cwd, "envs": dict(envs or {}),
+        "timeout_s": timeout_s,
+        "stdin": stdin.decode("utf-8", "surrogateescape") if isinstance(stdin, bytes) else stdin,
+    }  # fmt: skip
+
+
+def streamed_line(
+    line: str, on_stdout: TextCallback | None, on_stderr: TextCallback | None
+) -> dict[str, Any] | None:
+    """One NDJSON line of a streamed command: output to its callback (None), the result (the
+    result), or the problem that ended it (raised as the SDK's error)."""
+    if not line:
+        return None
+    item = json.loads(line)
+    kind = item.get("type")
+    if kind in ("stdout", "stderr"):
+        callback = on_stdout if kind == "stdout" else on_stderr
+        if callback is not None:
+            callback(item["data"])
+        return None
+    if kind == "result":
+        result: dict[str, Any] = item["result"]
+        return result
+    if kind == "error":
+        problem = item["problem"]
+        raise error_from(problem, int(problem.get("status", 500)))
+    return None
+
+
+def ended_without_result() -> exc.ServiceUnavailable:
+    return exc.ServiceUnavailable("the service ended the stream without a result")
+
+
+class RemoteCommands:
+    def __init__(self, sandbox: RemoteSandbox) -> None:
+        self._sbx = sandbox
+
+    def run(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        cwd: str | None = None,
+        envs: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+        stdin: str | bytes | None = None,
+        on_stdout: TextCallback | None = None,
+        on_stderr: TextCallback | None = None,
+    ) -> CommandResult:
+        """As ``Sandbox.commands.run``: a non-zero exit is a result; output streams to the
+        callbacks while the command runs."""
+        body = command_body(cmd, cwd=cwd, envs=envs, timeout_s=timeout_s, stdin=stdin)
+        data = self._sbx._call("commands", body, on_stdout, on_stderr)
+        return command_result(data)
+
+
+class RemoteFiles:
+    def __init__(self, sandbox: RemoteSandbox) -> None:
+        self._sbx = sandbox
+
+    @property
+    def _base(self) -> str:
+        return f"/v1/sandboxes/{self._sbx.id}"
+
+    @overload
+    def read(self, path: str, *, format: Literal["text"] = "text") -> str: ...
+    @overload
+    def read(self, path: str, *, format: Literal["bytes"]) -> bytes: ...
+
+    def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> str | bytes:
+        data = self._sbx.client.http.request(
+            "GET", f"{self._base}/files/content", params={"path": path}
+        ).content
+        return data if format == "bytes" else data.decode("utf-8", "replace")
+
+    def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> EntryInfo:
+        raw = data.encode() if isinstance(data, str) else data
+        response = self._sbx.client.http.request(
+            "PUT", f"{self._base}/files/content", params={"path": path, "mode": mode}, content=raw,
+            headers={"Content-Type": "application/octet-stream"},
+        )  # fmt: skip
+        return entry(response.json())
+
+    def list(self, path: str = "", *, depth: int = 1) -> list[EntryInfo]:
+        response = self._sbx.client.http.request(
+            "GET", f"{self._base}/files", params={"path": path, "depth": depth}
+        )
+        return [entry(e) for e in response.json()]
+
+    def stat(self, path: str) -> EntryInfo | None:
+        try:
+            response = self._sbx.client.http.request("GET", f"{self._base}/files/stat", params={"path": path})
+        except exc.SandboxFileNotFound:
+            return None
+        return entry(response.json())
+
+    def exists(self, path: str) -> bool:
+        return self.stat(path) is not None
+
+    def remove(self, path: str) -> None:
+        self._sbx.client.http.request("DELETE", f"{self._base}/files", params={"path": path})
+
+    def make_dir(self, path: str) -> EntryInfo:
+        return entry(
+            self._sbx.client.http.request("POST", f"{self._base}/files/dir", params={"path": path}).json()
+        )
+
+    def upload_dir(
+        self, source: str | Path, dest: str = "", *, hide: Sequence[str] = (), read: Sequence[str] = ("**",)
+    ) -> None:
+        """Copy a local directory into the workspace (sent as a tar, checked by the server): what
+        ``read`` names, but what ``hide`` names (globs, as ``Sandbox.files.upload_dir``)."""
+        self._sbx.client.http.request(
+            "PUT", f"{self._base}/archive", params={"path": dest},
+            content=tar_directory(Path(source), hide, read), headers={"Content-Type": "application/x-tar"},
+        )  # fmt: skip
+
+    def download_dir(
+        self, dest: str | Path, source: str = "", *, max_bytes: int = DOWNLOAD_MAX_BYTES,
+        max_entries: int = DOWNLOAD_MAX_ENTRIES,
+    ) -> DownloadResult:  # fmt: skip
+        """As ``Sandbox.files.download_dir``: all or nothing, nothing outside ``dest``."""
+        from stockade.sandbox._archive import Extraction
+
+        data = self._sbx.client.http.request(
+            "GET", f"{self._base}/archive",
+            params={"path": source, "max_bytes": max_bytes, "max_entries": max_entries},
+        ).content  # fmt: skip
+        with Extraction(dest, max_bytes=max_bytes, max_entries=max_entries) as unpack:
+            unpack.feed(data)
+            return unpack.finish()
+
+
+class RemoteSandbox:
+    """One sandbox of the service. Use ``RemoteSandbox.create(...)`` as a context manager."""
+
+    def __init__(self, client: Client, info: Mapping[str, Any]) -> None:
+        self.client = client
+        self.info = dict(info)
+        self.commands = RemoteCommands(self)
+        self.files = RemoteFiles(self)
+        self._closed = False
+        self._owns_client = False  # made by ``create`` for this sandbox alone: closed with it
+
+    @classmethod
+    def create(
+        cls,
+        tier: str | None = None,
+        *,
+        trust: Trust | str | None = None,
+        limits: Limits | None = None,
+        network: NetworkPolicy | None = None,
+        envs: Mapping[str, str] | None = None,
+        workspace: str | Path | None = None,
+        allow_weaker: bool = False,
+        labels: Mapping[str, str] | None = None,
+        prefer: Literal["cheapest", "strongest"] | None = None,
+        idle_timeout_s: float | None = None,
+        client: Client | None = None,
+    ) -> RemoteSandbox:
+        """As ``Sandbox.create``; the tier is chosen (and checked against your role) by the service."""
+        from stockade.client.client import Client
+
+        body = create_body(
+            tier, trust=trust, limits=limits, network=network, envs=envs, allow_weaker=allow_weaker,
+            labels=labels, prefer=prefer, idle_timeout_s=idle_timeout_s,
+        )  # fmt: skip
+        own = client is None
+        client = client or Client()
+        try:
+            info = client.http.request("POST", "/v1/sandboxes", json=body)
+        except BaseException:
+            if own:
+                client.close()
+            raise
+        sbx = cls(client, info.json())
+        sbx._owns_client = own
+        if workspace is not None:
+            try:
+                sbx.files.upload_dir(workspace)
+            except BaseException:
+                sbx.close()
+                raise
+        return sbx
+
+    @property
+    def id(self) -> str:
+        return str(self.info["id"])
+
+    @property
+    def tier(self) -> str:
+        return str(self.info["tier"])
+
+    @property
+    def enforcement(self) -> Enforcement:
+        return enforcement(self.info["enforcement"])
+
+    @property
+    def alive(self) -> bool:
+        if self._closed:
+            return False
+        try:
+            info = self.client.http.request("GET", f"/v1/sandboxes/{self.id}").json()
+        except exc.ResourceNotFound:
+            return False
+        return bool(info.get("state") == "running")
+
+    def _call(
+        self, what: str, body: dict[str, Any], on_stdout: TextCallback | None, on_stderr: TextCallback | None
+    ) -> dict[str, Any]:
+        path = f"/v1/sandboxes/{self.id}/{what}"
+        if on_stdout is None and on_stderr is None:
+            data: dict[str, Any] = self.client.http.request("POST", path, json=body).json()
+            return data
+        with self.client.http.stream("POST", path, json={**body, "stream": True}) as response:
+            for line in response.iter_lines():
+                result = streamed_line(line, on_stdout, on_stderr)
+                if result is not None:
+                    return result
+        raise ended_without_result()
+
+    def run_code(
+        self, code: str, language: str = "python", *, timeout_s: float | None = None,
+        on_stdout: TextCallback | None = None, on_stderr: TextCallback | None = None,
+    ) -> Execution:  # fmt: skip
+        """As ``Sandbox.run_code``: Python state persists between calls; other languages run fresh."""
+        body = {"code": code, "language": language, "timeout_s": timeout_s}
+        return execution(self._call("code", body, on_stdout, on_stderr))
+
+    def reset(self) -> None:
+        self.client.http.request("POST", f"/v1/sandboxes/{self.id}/reset")
+
+    def kill(self) -> None:
+        """Stop it now, even mid-command (a command in flight ends with ``SandboxClosed``)."""
+        self.client.http.request("POST", f"/v1/sandboxes/{self.id}/kill")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            with contextlib.suppress(exc.ResourceNotFound, exc.SandboxClosed):  # closed already (idle, gone)
+                self.client.http.request("DELETE", f"/v1/sandboxes/{self.id}")
+        finally:
+            if self._owns_client:
+                self.client.close()
+
+    def __enter__(self) -> RemoteSandbox:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc_val: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<RemoteSandbox {self.id} tier={self.tier}>"

@@ -1,0 +1,92 @@
+"""The Celery application and its one task, ``stockade.run``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from celery import Celery, Task
+
+from stockade import exceptions as exc
+from stockade.server.context import ServiceConfig
+from stockade.server.runner import Runner
+
+__all__ = ["RUN_TASK", "configure", "make_app"]
+
+log = logging.getLogger("stockade.worker")
+RUN_TASK = "stockade.run"
+
+
+class _Process:
+    """This process's configuration and runner (one per pool child, made after the fork)."""
+
+    config: ServiceConfig | None = None
+    runner: Runner | None = None
+    pid = 0
+    lock = threading.Lock()
+
+
+def make_app(broker: str, *, visibility_timeout_s: float = 3600.0, queue: str = "stockade") -> Celery:
+    app = Celery("stockade", broker=broker, set_as_current=False)
+    app.conf.update(
+        task_acks_late=True,  # acknowledged when the run stops: a dead worker's run is given again
+        task_reject_on_worker_lost=True,  # ... also when only the pool's child died
+        worker_prefetch_multiplier=1,  # a worker holds no more runs than it runs
+        task_default_queue=queue,
+        task_serializer="json",
+        accept_content=["json"],
+        task_ignore_result=True,  # the state is in the database, not in a result backend
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={
+            "visibility_timeout": visibility_timeout_s,
+            # look for abandoned messages often: a dead worker's run is back within a few seconds
+            # of its visibility timeout, not up to 100 s later (kombu's defaults)
+            "unacked_restore_interval": max(1, min(10, int(visibility_timeout_s / 4))),
+            "unacked_restore_throttle": 1,
+            "global_keyprefix": f"{queue}:",
+        },
+        worker_hijack_root_logger=False,
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+    )
+    app.task(name=RUN_TASK, bind=True, max_retries=None)(_run)
+    return app
+
+
+def configure(config: ServiceConfig) -> None:
+    """The configuration the worker's runs use (set before the pool forks)."""
+    _Process.config = config
+
+
+def _runner_here() -> Runner:
+    """One runner per process, made after the fork (connections are not shared across it)."""
+    with _Process.lock:
+        if _Process.runner is None or _Process.pid != os.getpid():
+            if _Process.config is None:
+                raise exc.ConfigurationError("the worker is not configured: start it with `stockade worker`")
+            _Process.runner = Runner(_Process.config, name=f"{os.uname().nodename}:{os.getpid()}")
+            _Process.pid = os.getpid()
+        return _Process.runner
+
+
+def _run(task: Task, run_id: str, *_: Any) -> str:
+    runner = _runner_here()
+    assert _Process.config is not None
+    row = runner.store.run(run_id)
+    tenant = _Process.config.tenants.tenants.get(row.tenant) if row is not None else None
+    try:
+        outcome = runner.execute(run_id, tenant)
+    except exc.RunLeased as leased:  # another worker runs it: look again when its lease would end
+        delay = (leased.retry_after or 5.0) + 1.0
+        log.info("run %s is leased elsewhere; again in %.0f s", run_id, delay)
+        raise task.retry(countdown=delay) from None
+    except exc.StockadeError as error:
+        if not error.retryable:
+            raise
+        retries = int(task.request.retries or 0)
+        delay = error.retry_after or min(60.0, 2.0 * 2 ** min(retries, 5))
+        log.warning("run %s: %s; again in %.0f s", run_id, error, delay)
+        raise task.retry(countdown=delay) from None
+    log.info("run %s: %s", run_id, outcome.status)
+    return outcome.status

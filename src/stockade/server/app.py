@@ -1,0 +1,123 @@
+"""The FastAPI application: routes, the problem handlers, and the service's lifetime."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from stockade import __version__
+from stockade import exceptions as exc
+from stockade.server import problems
+from stockade.server.routing import Peers, SandboxRouting
+from stockade.server.runs import router as runs_router
+from stockade.server.sandboxes import router as sandboxes_router
+from stockade.server.service import Service
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("stockade.server")
+PROBLEM = "application/problem+json"
+# Blocking calls (sandbox ops, the database) run on threads: enough for a few hundred clients.
+THREADS = 256
+
+
+def _respond(problem: problems.Problem) -> Response:
+    return Response(
+        content=problem.content(),
+        status_code=problem.status,
+        media_type=PROBLEM,
+        headers=dict(problem.headers),
+    )
+
+
+def create_app(service: Service) -> FastAPI:
+    """The API over ``service``; the app starts and closes it with its own lifetime."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        anyio.to_thread.current_default_thread_limiter().total_tokens = THREADS
+        service.start()
+        try:
+            yield
+        finally:
+            await peers.aclose()
+            await anyio.to_thread.run_sync(service.close)
+
+    app = FastAPI(
+        title="stockade",
+        version=__version__,
+        summary="Sandboxes and agent runs for untrusted, model-written code, per tenant.",
+        description=(
+            "Every /v1 request needs `Authorization: Bearer <token>`. Errors are RFC 9457 problem "
+            "documents (`application/problem+json`) naming the field at fault and the fix. Command "
+            "output streams as NDJSON; a run's events as Server-Sent Events."
+        ),
+        lifespan=lifespan,
+        responses={
+            401: {"description": "no token, or a wrong one", "content": {PROBLEM: {}}},
+            404: {"description": "no such thing, or not yours", "content": {PROBLEM: {}}},
+            422: {
+                "description": "a field is wrong: the problem names it and the fix",
+                "content": {PROBLEM: {}},
+            },
+        },
+    )
+    peers = Peers()
+    app.state.service = service
+    app.state.peers = peers
+    app.add_middleware(SandboxRouting, service=service, peers=peers)  # a sandbox held by a peer: there
+    app.include_router(sandboxes_router)
+    app.include_router(runs_router)
+
+    @app.exception_handler(exc.StockadeError)
+    async def stockade_error(request: Request, error: exc.StockadeError) -> Response:
+        problem = problems.from_error(error, request.url.path)
+        if problem.status >= 500:
+            log.warning("%s %s: %s", request.method, request.url.path, error)
+        return _respond(problem)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, error: RequestValidationError) -> Response:
+        return _respond(problems.from_validation(list(error.errors()), request.url.path))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> Response:
+        body = problems.problem_body(
+            status=error.status_code, type_="about:blank", title=str(error.detail), detail=str(error.detail),
+            instance=request.url.path,
+            fix="see /docs for the API's routes" if error.status_code in (404, 405) else "",
+        )  # fmt: skip
+        return Response(
+            content=problems.Problem(status=error.status_code, body=body, headers={}).content(),
+            status_code=error.status_code, media_type=PROBLEM, headers=dict(error.headers or {}),
+        )  # fmt: skip
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, error: Exception) -> Response:
+        log.exception("%s %s failed", request.method, request.url.path)
+        problem = problems.from_error(
+            exc.StockadeError(f"internal error ({type(error).__name__}); the server's log has the details"),
+            request.url.path,
+        )
+        return _respond(problem)
+
+    @app.get("/healthz", tags=["service"], summary="Alive (no token needed)")
+    async def healthz() -> dict[str, Any]:
+        return {"ok": True, "version": __version__, "mode": "embedded" if service.embedded else "distributed"}
+
+    @app.get("/problems/{slug}", tags=["service"], summary="What a problem type means")
+    async def problem_type(slug: str) -> JSONResponse:
+        described = problems.describe(slug)
+        if described is None:
+            raise exc.ResourceNotFound(f"no problem type {slug!r}", kind="problem", id=slug)
+        return JSONResponse(described)
+
+    return app

@@ -1,0 +1,71 @@
+"""What a principal's role allows, asked before anything runs: tiers (by the tenant policy's
+trust and the role's list), the network, models and tools."""
+
+from __future__ import annotations
+
+from stockade import exceptions as exc
+from stockade.policy.engine import PolicyEngine
+from stockade.policy.schema import Policy
+from stockade.server.tenants import Principal
+from stockade.types import NetworkPolicy, Trust
+
+__all__ = ["check_model", "check_network", "choose_tier", "effective_policy", "engine_for"]
+
+# Weakest to strictest: a request may tighten the tenant's trust, never loosen it.
+_TRUST_ORDER = (Trust.TRUSTED, Trust.INTERNAL, Trust.UNTRUSTED, Trust.MULTI_TENANT)
+
+
+def effective_policy(principal: Principal, trust: Trust | None) -> Policy:
+    policy = principal.tenant.policy
+    if trust is None:
+        return policy
+    level = max(policy.trust.level, trust, key=_TRUST_ORDER.index)
+    return policy.model_copy(update={"trust": policy.trust.model_copy(update={"level": level})})
+
+
+def engine_for(principal: Principal, trust: Trust | None = None) -> PolicyEngine:
+    return PolicyEngine(effective_policy(principal, trust), role=principal.role)
+
+
+def choose_tier(engine: PolicyEngine, tier: str | None, prefer: str | None = None) -> tuple[str, str]:
+    """The tier to use and why; ``PolicyDenied`` (403) for a tier the role or trust forbids."""
+    allowed = engine.allowed_tiers()
+    level = engine.policy.trust.level.value
+    if tier is None:
+        order = "strongest" if prefer == "strongest" else engine.policy.trust.prefer
+        return engine.select_tier("strongest" if order == "strongest" else "cheapest"), (
+            f"the {order} tier trust {level!r} and role {engine.role_name!r} allow on this host"
+        )
+    if tier not in allowed:
+        raise exc.PolicyDenied(
+            f"tier {tier!r} is not allowed for role {engine.role_name!r} under trust {level!r}; "
+            f"allowed: {', '.join(allowed) or 'none'}",
+            rule="trust"
+            if engine.role.tiers == () or tier in engine.role.tiers
+            else f"roles.{engine.role_name}.tiers",
+            action=f"use tier {tier}",
+        )
+    return tier, f"asked for; trust {level!r} and role {engine.role_name!r} allow it"
+
+
+def check_network(engine: PolicyEngine, network: NetworkPolicy) -> None:
+    rules = engine.policy.network
+    if network.enabled and not rules.enabled:
+        raise exc.PolicyDenied(
+            "the tenant's policy keeps the network off; leave network.enabled false",
+            rule="network.enabled",
+            action="enable the network",
+        )
+    extra = [h for h in network.allow_hosts if rules.allow_hosts and h not in rules.allow_hosts]
+    if extra or (network.enabled and rules.allow_hosts and not network.allow_hosts):
+        raise exc.PolicyDenied(
+            f"the tenant's policy lets the network reach only {', '.join(rules.allow_hosts)}",
+            rule="network.allow_hosts",
+            action="reach " + (", ".join(extra) or "any host"),
+        )
+
+
+def check_model(engine: PolicyEngine, name: str) -> None:
+    decision = engine.model(name)
+    if not decision.allowed:
+        raise exc.PolicyDenied(decision.reason, rule=decision.rule, action=f"use model {name}")

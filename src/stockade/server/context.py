@@ -1,0 +1,102 @@
+"""What every request of one service process shares: the configuration, the database, the
+tenants' audit trails and limits, the live sandboxes and where runs go."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stockade import exceptions as exc
+from stockade.audit.log import AuditLog
+from stockade.audit.stores import open_store
+from stockade.runtime.limits import LocalWindow, RateLimit, RedisWindow, Window
+from stockade.server.tenants import Principal, Tenant, Tenants
+
+__all__ = ["AuditLogs", "ServiceConfig", "TenantLimits"]
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServiceConfig:
+    """How ``stockade serve`` (and ``stockade worker``) run.
+
+    ``database``: where the run store, the audit trails and the service's tables live
+    (``sqlite:///PATH`` embedded, ``postgresql://...`` distributed). ``redis``: the Celery
+    broker and the shared rate and spend windows; None runs every run in the server's
+    process (``run_threads`` at a time), the embedded default."""
+
+    tenants: Tenants
+    database: str = "sqlite:///.stockade/service.db"
+    redis: str | None = None
+    run_threads: int = 2
+    max_upload_bytes: int = 64 * MiB
+    max_file_bytes: int = 64 * MiB
+    sandbox_idle_timeout_s: float = 300.0
+    max_sandbox_idle_timeout_s: float = 3600.0
+    event_poll_s: float = 0.2
+    tools: str | None = None  # "module:attribute" of a Toolset replacing the default tools
+    audit_key: bytes | None = field(default=None, repr=False)
+    visibility_timeout_s: float = 3600.0  # Celery: a delivered run is given again after this
+    queue: str = "stockade"  # the Celery queue, and the prefix of every Redis key of the service
+    temp_dir: Path | None = None  # uploads being checked, downloads being packed
+    # where this API process's peers reach it (requests for its sandboxes are forwarded there);
+    # ``serve`` fills it from its host and port when left out
+    advertise_url: str | None = None
+
+
+class AuditLogs:
+    """One audit log per tenant (a chain of its own), opened on first use."""
+
+    def __init__(self, database: str, *, key: bytes | None = None) -> None:
+        self.database = database
+        self.key = key
+        self._logs: dict[str, AuditLog] = {}
+        self._lock = threading.Lock()
+
+    def get(self, tenant: Tenant) -> AuditLog:
+        with self._lock:
+            log = self._logs.get(tenant.id)
+            if log is None:
+                log = AuditLog(open_store(self.database, namespace=tenant.audit_namespace), key=self.key)
+                self._logs[tenant.id] = log
+            return log
+
+    def close(self) -> None:
+        with self._lock:
+            logs, self._logs = list(self._logs.values()), {}
+        for log in logs:
+            log.close()
+            log.store.close()
+
+
+class TenantLimits:
+    """Each tenant's ``rate_per_minute`` over its API calls (and, in runs, its tool actions),
+    in a window shared by every process when Redis is configured."""
+
+    def __init__(self, redis: str | None, *, namespace: str = "stockade") -> None:
+        self.window: Window = RedisWindow(redis, namespace=namespace) if redis else LocalWindow()
+        self._rates: dict[str, RateLimit] = {}
+        self._lock = threading.Lock()
+
+    def rate(self, tenant: Tenant) -> RateLimit | None:
+        if tenant.rate_per_minute is None:
+            return None
+        with self._lock:
+            limit = self._rates.get(tenant.id)
+            if limit is None or limit.per_minute != tenant.rate_per_minute:
+                limit = RateLimit(per_minute=tenant.rate_per_minute, window=self.window, name="api")
+                self._rates[tenant.id] = limit
+            return limit
+
+    def admit(self, principal: Principal) -> None:
+        """``RateLimited`` when the tenant's calls this minute are used up."""
+        limit = self.rate(principal.tenant)
+        if limit is not None:
+            limit.acquire(f"tenant:{principal.tenant.id}")
+
+
+def check_tenants(tenants: Tenants) -> None:
+    if not tenants.tenants:
+        raise exc.ConfigurationError("the service has no tenants: give a tenants file (--tenants)")

@@ -1,0 +1,42 @@
+"""The dependencies every route declares: the service, and the authenticated principal."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated
+
+from fastapi import Depends, Request
+
+from stockade import exceptions as exc
+from stockade.server.tenants import Principal
+
+HOP_HEADER = "x-stockade-hop"  # a request a peer API process forwarded: its value, our hop key
+
+if TYPE_CHECKING:
+    from stockade.server.service import Service
+
+__all__ = ["HOP_HEADER", "Caller", "authenticate", "get_service"]
+
+
+def get_service(request: Request) -> Service:
+    service: Service = request.app.state.service
+    return service
+
+
+def authenticate(request: Request) -> Principal:
+    """The request's principal, admitted by its tenant's rate limit; before any work is done."""
+    service = get_service(request)
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise exc.AuthenticationError(
+            "this request has no API token: send `Authorization: Bearer stk_…` (make one with "
+            "`stockade token new`)"
+        )
+    principal = service.tenants.authenticate(token.strip())
+    hop = request.headers.get(HOP_HEADER)
+    if hop is None or not service.sandboxes.is_peer(hop):  # a peer's forward was counted there
+        service.limits.admit(principal)
+    return principal
+
+
+Caller = Annotated[Principal, Depends(authenticate)]

@@ -1,0 +1,262 @@
+"""Run one submitted run to its next stop: start it, or resume it from the run store.
+
+The same code runs in the server's threads (embedded) and in Celery workers (distributed),
+and it is safe to call twice for the same run, at once or in turn: the run store's lease
+lets one process run it (another gets ``RunLeased``, retryable after the lease), a run the
+store has is resumed from its last recorded step (each tool call returned is never run
+again; a non-idempotent one cut mid-way is ``OutcomeUnknown``), and a run that ended is left
+as it is. That is what lets a broker deliver a run again after its worker died.
+
+The agent is assembled with ``build_agent`` from the run's spec and its tenant: the tenant's
+policy under the token's role, its audit trail (a chain of its own), its spend limit (per
+tenant, over every run, shared through Redis when configured) and its rate limit on tool
+actions; approvals and kill switches in the service's database.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import socket
+import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from stockade import exceptions as exc
+from stockade.agent import RunLimits
+from stockade.assembly import AgentConfig, AgentSession, build_agent
+from stockade.models.base import Model, resolve_model
+from stockade.models.messages import ModelResponse, ToolCall
+from stockade.models.scripted import ScriptedModel
+from stockade.runs.seeds import pack_workspace, unpack_seed
+from stockade.runs.store import RunStore
+from stockade.runtime.limits import RateLimit, SpendLimit
+from stockade.runtime.models import LimitedModel
+from stockade.server.context import AuditLogs, ServiceConfig, TenantLimits
+from stockade.server.schemas import RunSubmit
+from stockade.server.state import TERMINAL, DatabaseApprovals, DatabaseKillSource, ServiceStore, open_database
+from stockade.server.tenants import Tenant
+from stockade.tools.base import CallNext, Tool, ToolContext, Toolset
+from stockade.tools.builtin import default_toolset
+
+__all__ = ["RunOutcome", "Runner", "load_toolset", "scripted_model"]
+
+log = logging.getLogger("stockade.runner")
+
+_TURNS: TypeAdapter[list[str | ToolCall | list[ToolCall] | ModelResponse]] = TypeAdapter(
+    list[str | ToolCall | list[ToolCall] | ModelResponse]
+)
+MAX_ARTIFACT_BYTES = 64 * 1024 * 1024
+
+
+def scripted_model(turns: list[object]) -> ScriptedModel:
+    """A scripted model from the turns a request carries (never a file of the server's)."""
+    try:
+        parsed = _TURNS.validate_python(turns)
+    except ValidationError as error:
+        first = error.errors()[0]
+        raise exc.InvalidArgument(
+            f"scripted turn {'.'.join(str(p) for p in first['loc'])}: {first['msg']}",
+            argument="scripted",
+            fix='give a list of turns: "answer", {"name": TOOL, "args": {...}}, or a list of those',
+        ) from None
+    return ScriptedModel(parsed, name="scripted")
+
+
+def build_model(spec: RunSubmit) -> Model:
+    if spec.scripted is not None:
+        return scripted_model(list(spec.scripted))
+    if spec.model is None:
+        raise exc.InvalidArgument("no model", argument="model", fix="give model (PROVIDER:NAME) or scripted")
+    if spec.model.startswith("scripted:"):
+        raise exc.InvalidArgument(
+            "scripted:FILE names a file of the server's",
+            argument="model",
+            fix="send the turns themselves in `scripted`",
+        )
+    return resolve_model(spec.model)
+
+
+def load_toolset(reference: str | None) -> Toolset:
+    """The default tools, or the ``Toolset`` at ``module:attribute`` (a worker's own tools)."""
+    if reference is None:
+        return default_toolset()
+    module, _, attribute = reference.partition(":")
+    try:
+        found = getattr(importlib.import_module(module), attribute or "toolset")
+    except (ImportError, AttributeError) as error:
+        raise exc.ConfigurationError(f"cannot load the tools {reference!r}: {error}") from None
+    toolset = found() if callable(found) and not isinstance(found, Toolset) else found
+    if not isinstance(toolset, Toolset):
+        raise exc.ConfigurationError(f"{reference!r} is not a Toolset")
+    return toolset
+
+
+def _tenant_rate(rate: RateLimit, key: str) -> object:
+    async def wrapper(ctx: ToolContext, tool: Tool, args: BaseModel, call_next: CallNext) -> object:
+        rate.acquire(key)
+        return await call_next(ctx, tool, args)
+
+    return wrapper
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOutcome:
+    run_id: str
+    status: str
+    error: str | None = None
+
+
+class Runner:
+    """Everything runs of one process share: the database, audit logs, limits, tools."""
+
+    def __init__(self, config: ServiceConfig, *, name: str | None = None) -> None:
+        self.config = config
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}"
+        db = open_database(config.database)
+        self.store = ServiceStore(db)
+        # a connection of its own: the run store's writes are fenced transactions
+        self.runs = RunStore(open_database(config.database), namespace="runs")
+        self.approvals = DatabaseApprovals(self.store)
+        self.kills = DatabaseKillSource(self.store)
+        self.audit = AuditLogs(config.database, key=config.audit_key)
+        self.limits = TenantLimits(config.redis, namespace=config.queue)
+        self.tools = load_toolset(config.tools)
+        self._spend: dict[str, SpendLimit] = {}
+        self._sessions: dict[str, AgentSession] = {}
+        self._lock = threading.Lock()
+
+    def interrupt_all(self, reason: str) -> None:
+        """Stop every run of this process where it is (they end "interrupted", resumable)."""
+        with self._lock:
+            sessions = list(self._sessions.values())
+        for session in sessions:
+            session.interrupt(reason)
+
+    def close(self) -> None:
+        self.audit.close()
+        self.runs.close()
+        self.store.close()
+
+    def _model(self, spec: RunSubmit, tenant: Tenant) -> Model:
+        model = build_model(spec)
+        if tenant.dollars_per_hour is None:
+            return model
+        spend = self._spend.get(tenant.id)
+        if spend is None or spend.dollars_per_hour != tenant.dollars_per_hour:
+            spend = SpendLimit(dollars_per_hour=tenant.dollars_per_hour, window=self.limits.window)
+            self._spend[tenant.id] = spend
+        return LimitedModel(model, spend=spend, key=f"tenant:{tenant.id}")
+
+    def _toolset(self, tenant: Tenant) -> Toolset:
+        rate = self.limits.rate(tenant)
+        if rate is None:
+            return self.tools
+        return self.tools.wrapped(_tenant_rate(rate, f"tools:{tenant.id}"))  # type: ignore[arg-type]
+
+    @contextlib.contextmanager
+    def _seed(self, tenant: Tenant, digest: str | None) -> Iterator[Path | None]:
+        with tempfile.TemporaryDirectory(prefix="stockade-run-", dir=self.config.temp_dir) as tmp:
+            if digest is None:
+                yield None
+                return
+            data = self.store.workspace(tenant.id, digest)
+            if data is None:
+                raise exc.ResourceNotFound(f"no workspace {digest!r}", kind="workspace", id=digest)
+            unpack_seed(data, Path(tmp) / "workspace")
+            yield Path(tmp) / "workspace"
+
+    def execute(self, run_id: str, tenant: Tenant | None) -> RunOutcome:
+        """Run ``run_id`` until it ends or pauses. Raises ``RunLeased`` (another process runs
+        it: retry after ``retry_after``) and retryable errors (the store, the tier); any other
+        error ends the run as "error"."""
+        row = self.store.run(run_id)
+        if row is None:
+            return RunOutcome(run_id=run_id, status="missing", error="no such run")
+        if row.status in TERMINAL:
+            return RunOutcome(run_id=run_id, status=row.status, error=row.error)
+        if tenant is None:
+            self.store.set_status(run_id, "error", error=f"tenant {row.tenant!r} is no longer configured")
+            return RunOutcome(run_id=run_id, status="error")
+        summary = self.runs.summary(run_id)
+        if summary is not None and summary.status.finished:
+            self.store.set_status(run_id, summary.status.value, error=summary.error)
+            return RunOutcome(run_id=run_id, status=summary.status.value, error=summary.error)
+        resume = summary is not None
+        try:
+            spec = RunSubmit.model_validate(row.spec)
+            config = AgentConfig(
+                model=self._model(spec, tenant),
+                policy=tenant.policy,
+                role=row.role,
+                trust=spec.trust,
+                tier=spec.tier,
+                sandbox_limits=spec.sandbox_limits.build() if spec.sandbox_limits is not None else None,
+                audit=self.audit.get(tenant),
+                limits=RunLimits(
+                    max_steps=spec.limits.max_steps, max_wall_s=spec.limits.max_wall_s,
+                    max_tokens=spec.limits.max_tokens, max_cost_usd=spec.limits.max_cost_usd,
+                ),
+                check=spec.check,
+                check_timeout_s=spec.check_timeout_s,
+                approver=None,
+                approval_store=self.approvals,
+                kill_source=self.kills,
+                tools=self._toolset(tenant),
+                checkpointer=self.runs,
+            )  # fmt: skip
+        except exc.StockadeError as error:
+            self.store.set_status(run_id, "error", error=str(error))
+            return RunOutcome(run_id=run_id, status="error", error=str(error))
+        self.store.set_status(run_id, "running", worker=self.name, started=True, error=None)
+        try:
+            with (
+                self._seed(tenant, spec.workspace) as seed,
+                build_agent(config) as agent,
+                agent.session(workspace=seed, run_id=run_id) as session,
+            ):
+                with self._lock:
+                    self._sessions[run_id] = session
+                try:
+                    result = session.resume_sync() if resume else session.run_sync(spec.task)
+                finally:
+                    with self._lock:
+                        self._sessions.pop(run_id, None)
+                if result.status.finished:
+                    self._keep_artifacts(run_id, session)
+        except exc.RunLeased:
+            raise
+        except exc.RunConflict:
+            # it ended meanwhile (another delivery finished it): the store says how
+            summary = self.runs.summary(run_id)
+            status = summary.status.value if summary is not None else "error"
+            self.store.set_status(run_id, status, error=summary.error if summary else "run conflict")
+            return RunOutcome(run_id=run_id, status=status)
+        except exc.StockadeError as error:
+            if error.retryable:
+                self.store.set_status(run_id, "queued", error=str(error))
+                raise
+            self.store.set_status(run_id, "error", error=str(error))
+            return RunOutcome(run_id=run_id, status="error", error=str(error))
+        status = result.status.value
+        # a kill pulled before the run watched its switch (queued): the switch is cleared with
+        # the session, so the service's own status keeps the word
+        self.store.set_status(run_id, status, error=result.error)
+        return RunOutcome(run_id=run_id, status=status, error=result.error)
+
+    def _keep_artifacts(self, run_id: str, session: AgentSession) -> None:
+        """The final workspace, packed (what ``GET /v1/runs/{id}/artifacts`` returns)."""
+        with tempfile.TemporaryDirectory(prefix="stockade-artifacts-", dir=self.config.temp_dir) as tmp:
+            try:
+                session.save_workspace(Path(tmp) / "out")
+                seed = pack_workspace(Path(tmp) / "out", max_bytes=MAX_ARTIFACT_BYTES)
+            except exc.StockadeError as error:
+                log.warning("run %s: its artifacts were not kept: %s", run_id, error)
+                return
+            self.store.put_artifacts(run_id, seed.digest, seed.data, len(seed.data))

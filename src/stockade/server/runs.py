@@ -1,0 +1,358 @@
+"""Runs over HTTP: submit an agent task, follow it, decide its approvals, kill it, fetch its
+diff and its final workspace.
+
+A run's live events are its audit trail (``GET /v1/runs/{id}/events``, Server-Sent Events):
+each audit event of the run as it is written, ``id`` its sequence number (reconnect with
+``Last-Event-ID`` to continue), ``event`` its kind (model_call, tool_call, policy_decision,
+approval, retry, kill_switch, ...) and ``data`` its JSON body; ``event: status`` whenever
+the run's status changes, and ``event: end`` once it has ended or paused and every event of
+it has been sent. The stream reads the database, not a worker: it works whichever worker
+runs the run, and after a worker died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import tempfile
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import anyio
+from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi.responses import StreamingResponse
+
+from stockade import exceptions as exc
+from stockade.audit.events import EventKind
+from stockade.audit.verify import verify
+from stockade.policy.approval import Choice
+from stockade.runs.seeds import pack_workspace
+from stockade.server.authz import check_model, choose_tier, engine_for
+from stockade.server.deps import Caller, get_service
+from stockade.server.runner import build_model
+from stockade.server.sandboxes import _body
+from stockade.server.schemas import ApprovalDecision, KillRequest, RunOut, RunSubmit, WorkspaceOut
+from stockade.server.service import Service
+from stockade.server.state import TERMINAL, RunRow
+from stockade.server.tenants import Principal
+from stockade.server.uploads import unpack_archive
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["runs"])
+
+# a run that waits for someone (an approval; a look at why its actions kept failing): its stream ends too
+_WAITING = frozenset({"paused", "broken"})
+
+
+def _row(service: Service, principal: Principal, run_id: str) -> RunRow:
+    row = service.store.run(run_id)
+    if row is None or row.tenant != principal.tenant.id:
+        raise exc.ResourceNotFound(f"no run {run_id!r}", kind="run", id=run_id)
+    return row
+
+
+def _status(service: Service, row: RunRow) -> str:
+    """The service's status, corrected by the run store's sweep: a run whose worker died is
+    "interrupted" until a worker takes it up again."""
+    if row.status == "running":
+        summary = service.run_store.summary(row.run_id)
+        if summary is not None and summary.status.value == "interrupted":
+            return "interrupted"
+    return row.status
+
+
+def _out(service: Service, row: RunRow, *, detail: bool = False) -> RunOut:
+    spec = row.spec
+    out = RunOut(
+        run_id=row.run_id,
+        status=_status(service, row),
+        task=str(spec.get("task", "")),
+        model=str(spec.get("model") or "scripted"),
+        labels=row.labels,
+        submitted_at=row.submitted_ns / 1e9,
+        started_at=row.started_ns / 1e9 if row.started_ns else None,
+        finished_at=row.finished_ns / 1e9 if row.finished_ns else None,
+        attempts=row.attempts,
+        worker=row.worker,
+        error=row.error,
+    )
+    # the run store's figures for one run at a time: a listing stays one query (each summary
+    # would sweep the store's leases)
+    summary = service.run_store.summary(row.run_id) if detail else None
+    if summary is not None:
+        out.steps, out.tokens, out.cost_usd = summary.steps, summary.usage.total_tokens, summary.cost_usd
+        out.error = row.error or summary.error
+    if detail:
+        if summary is not None and summary.status.finished:
+            state = service.run_store.load(row.run_id)
+            out.answer = state.answer if state is not None else None
+        out.pending_approvals = service.approvals.pending(row.run_id)
+    return out
+
+
+async def _blocking(function: Any) -> Any:
+    return await anyio.to_thread.run_sync(function)
+
+
+# -- workspaces --------------------------------------------------------------------------------
+
+
+@router.post("/v1/workspaces", status_code=201, response_model=WorkspaceOut, tags=["runs"],
+             summary="Upload a workspace (a tar or tar.gz) for runs to start from")  # fmt: skip
+async def upload_workspace(request: Request, caller: Caller) -> WorkspaceOut:
+    service = get_service(request)
+    cap = service.config.max_upload_bytes
+    data = await _body(request, cap)
+
+    def work() -> WorkspaceOut:
+        with tempfile.TemporaryDirectory(prefix="stockade-workspace-", dir=service.config.temp_dir) as tmp:
+            files = unpack_archive(data, Path(tmp) / "in", max_bytes=cap)
+            seed = pack_workspace(Path(tmp) / "in", max_bytes=cap)
+        service.store.put_workspace(caller.tenant.id, seed.digest, seed.data, len(seed.data))
+        return WorkspaceOut(id=seed.digest, bytes=len(seed.data), files=files)
+
+    out: WorkspaceOut = await _blocking(work)
+    return out
+
+
+# -- runs ---------------------------------------------------------------------------------------
+
+
+def _authorise(service: Service, caller: Principal, body: RunSubmit) -> None:
+    """What the role allows, asked before the run is queued: the model, the tier, the workspace."""
+    engine = engine_for(caller, body.trust)
+    model = build_model(body)  # a model spec that cannot be resolved fails here, not on a worker
+    check_model(engine, model.name.removeprefix("scripted:") if body.scripted is None else model.name)
+    if body.tier is not None:
+        choose_tier(engine, body.tier)
+    elif not engine.allowed_tiers():
+        raise exc.PolicyDenied(f"role {caller.role!r} may use no tier", rule=f"roles.{caller.role}.tiers")
+    if body.sandbox_limits is not None:
+        body.sandbox_limits.build()
+    if body.workspace is not None and service.store.workspace(caller.tenant.id, body.workspace) is None:
+        raise exc.InvalidArgument(
+            f"no workspace {body.workspace!r}",
+            argument="workspace",
+            fix="upload it first (POST /v1/workspaces) and give the id it returns",
+        )
+
+
+@router.post("/v1/runs", status_code=202, response_model=RunOut, summary="Submit an agent task")
+async def submit_run(body: RunSubmit, request: Request, response: Response, caller: Caller) -> RunOut:
+    service = get_service(request)
+
+    def work() -> RunOut:
+        spec = body.model_dump(mode="json")
+        if body.idempotency_key is not None:
+            existing = service.store.run_by_key(caller.tenant.id, body.idempotency_key)
+            if existing is not None:
+                if existing.spec != spec:
+                    raise exc.RunConflict(
+                        f"idempotency key {body.idempotency_key!r} was used for another run "
+                        f"({existing.run_id}) with a different request; use a new key"
+                    )
+                response.status_code = 200
+                return _out(service, existing)
+        _authorise(service, caller, body)
+        run_id = uuid.uuid4().hex
+        added = service.store.add_run(
+            run_id=run_id, tenant=caller.tenant.id, role=caller.role, spec=spec, labels=dict(body.labels),
+            max_active=caller.tenant.quotas.runs, idem_key=body.idempotency_key,
+        )  # fmt: skip
+        if not added:
+            quota = caller.tenant.quotas.runs
+            raise exc.QuotaExceeded(
+                f"tenant {caller.tenant.id!r} has {quota} runs queued or running, its quota",
+                quota="runs", limit=quota, used=quota,
+            )  # fmt: skip
+        service.executor.submit(run_id)
+        row = service.store.run(run_id)
+        assert row is not None
+        return _out(service, row)
+
+    out: RunOut = await _blocking(work)
+    return out
+
+
+@router.get("/v1/runs", response_model=list[RunOut], summary="Your runs, newest first")
+async def list_runs(
+    request: Request, caller: Caller,
+    status: Annotated[str | None, Query(description="queued, running, paused, success, ...")] = None,
+    label: Annotated[str | None, Query(description="KEY=VALUE")] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+) -> list[RunOut]:  # fmt: skip
+    service = get_service(request)
+    pair: tuple[str, str] | None = None
+    if label is not None:
+        key, sep, value = label.partition("=")
+        if not sep:
+            raise exc.InvalidArgument(
+                "label must be KEY=VALUE", argument="label", fix="give e.g. label=team=core"
+            )
+        pair = (key, value)
+
+    def work() -> list[RunOut]:
+        rows = service.store.runs(caller.tenant.id, status=status, label=pair, limit=limit)
+        return [_out(service, r) for r in rows]
+
+    found: list[RunOut] = await _blocking(work)
+    return found
+
+
+@router.get("/v1/runs/{run_id}", response_model=RunOut, summary="One run")
+async def get_run(run_id: str, request: Request, caller: Caller) -> RunOut:
+    service = get_service(request)
+    out: RunOut = await _blocking(lambda: _out(service, _row(service, caller, run_id), detail=True))
+    return out
+
+
+@router.get("/v1/runs/{run_id}/events", summary="The run's events, live (Server-Sent Events)",
+            response_class=StreamingResponse)  # fmt: skip
+async def run_events(
+    run_id: str, request: Request, caller: Caller,
+    after: Annotated[int, Query(ge=0, description="send events after this sequence number")] = 0,
+    last_event_id: Annotated[str | None, Header()] = None,
+) -> StreamingResponse:  # fmt: skip
+    service = get_service(request)
+    await _blocking(lambda: _row(service, caller, run_id))
+    namespace = caller.tenant.audit_namespace
+    await _blocking(lambda: service.audit.get(caller.tenant))  # its tables exist
+    start = max(after, int(last_event_id) if last_event_id and last_event_id.isdigit() else 0)
+
+    async def stream() -> AsyncIterator[bytes]:
+        seq, last_status = start, None
+        while True:
+            status = await _blocking(lambda: _status(service, _row(service, caller, run_id)))
+            rows = await _blocking(functools.partial(service.store.audit_rows, namespace, run_id, seq))
+            for number, kind, body in rows:
+                seq = number
+                yield f"id: {number}\nevent: {kind}\ndata: {body}\n\n".encode()
+            if status != last_status:
+                last_status = status
+                yield f"event: status\ndata: {json.dumps({'run_id': run_id, 'status': status})}\n\n".encode()
+            if (status in TERMINAL or status in _WAITING) and not rows:
+                yield f"event: end\ndata: {json.dumps({'run_id': run_id, 'status': status})}\n\n".encode()
+                return
+            if await request.is_disconnected():
+                return
+            if not rows:
+                await asyncio.sleep(service.config.event_poll_s)
+
+    return StreamingResponse(
+        stream(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+    )
+
+
+@router.get("/v1/runs/{run_id}/approvals", summary="The run's approval requests and decisions")
+async def list_approvals(run_id: str, request: Request, caller: Caller) -> list[dict[str, str]]:
+    service = get_service(request)
+
+    def work() -> list[dict[str, str]]:
+        _row(service, caller, run_id)
+        return service.approvals.requests(run_id)
+
+    found: list[dict[str, str]] = await _blocking(work)
+    return found
+
+
+@router.post("/v1/runs/{run_id}/approvals/{request_id}", response_model=RunOut,
+             summary="Approve or deny a pending action; the run goes on")  # fmt: skip
+async def decide(
+    run_id: str, request_id: str, body: ApprovalDecision, request: Request, caller: Caller
+) -> RunOut:
+    service = get_service(request)
+
+    def work() -> RunOut:
+        row = _row(service, caller, run_id)
+        choice = Choice.APPROVED if body.decision == "approve" else Choice.DENIED
+        service.approvals.decide(run_id, request_id, choice, by=f"token:{caller.token_id}")
+        service.audit.get(caller.tenant).record(
+            EventKind.APPROVAL, run_id=run_id, actor=f"human:token:{caller.token_id}",
+            attributes={"request_id": request_id, "outcome": choice.value, "through": "api"},
+        )  # fmt: skip
+        if row.status == "paused" and service.store.set_status(run_id, "queued", only_from=("paused",)):
+            service.executor.submit(run_id, reason="decided")
+        updated = service.store.run(run_id)
+        assert updated is not None
+        return _out(service, updated, detail=True)
+
+    out: RunOut = await _blocking(work)
+    return out
+
+
+@router.post("/v1/runs/{run_id}/kill", response_model=RunOut, summary="Kill a run, wherever it runs")
+async def kill_run(run_id: str, request: Request, caller: Caller, body: KillRequest | None = None) -> RunOut:
+    service = get_service(request)
+    reason = (body or KillRequest()).reason
+
+    def work() -> RunOut:
+        row = _row(service, caller, run_id)
+        if row.status in TERMINAL:
+            return _out(service, row, detail=True)
+        service.audit.get(caller.tenant).record(
+            EventKind.KILL_SWITCH, run_id=run_id, actor=f"human:token:{caller.token_id}",
+            attributes={"reason": reason, "through": "api"},
+        )  # fmt: skip
+        # not running anywhere: it ends here; running: its worker's switch sees the mark
+        if not service.store.set_status(
+            run_id, "killed", error=reason, only_from=("queued", "paused", "interrupted", "broken")
+        ):
+            service.kills.kill(run_id, reason)
+        updated = service.store.run(run_id)
+        assert updated is not None
+        return _out(service, updated, detail=True)
+
+    out: RunOut = await _blocking(work)
+    return out
+
+
+@router.get("/v1/runs/{run_id}/diff", summary="The run's workspace diff (at its end)",
+            response_class=Response)  # fmt: skip
+async def run_diff(run_id: str, request: Request, caller: Caller) -> Response:
+    service = get_service(request)
+
+    def work() -> str:
+        _row(service, caller, run_id)
+        trace = service.run_store.trace(run_id)
+        return trace.diff or "" if trace is not None else ""
+
+    return Response(content=await _blocking(work), media_type="text/x-diff; charset=utf-8")
+
+
+@router.get("/v1/runs/{run_id}/artifacts", summary="The run's final workspace (tar.gz)",
+            response_class=Response)  # fmt: skip
+async def run_artifacts(run_id: str, request: Request, caller: Caller) -> Response:
+    service = get_service(request)
+
+    def work() -> bytes:
+        _row(service, caller, run_id)
+        data = service.store.artifacts(run_id)
+        if data is None:
+            raise exc.ResourceNotFound(
+                f"run {run_id} has no artifacts (yet): they are kept when it ends",
+                kind="artifacts",
+                id=run_id,
+            )
+        return data
+
+    return Response(content=await _blocking(work), media_type="application/gzip")
+
+
+@router.get("/v1/audit/verify", tags=["audit"], summary="Verify your audit trail's hash chain")
+async def verify_audit(request: Request, caller: Caller) -> dict[str, Any]:
+    service = get_service(request)
+
+    def work() -> dict[str, Any]:
+        log = service.audit.get(caller.tenant)
+        log.flush()
+        report = verify(log.store, key=service.config.audit_key)
+        return {"ok": report.ok, "checked": report.checked, "summary": report.summary()}
+
+    found: dict[str, Any] = await _blocking(work)
+    return found

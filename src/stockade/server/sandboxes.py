@@ -1,0 +1,607 @@
+"""Sandboxes over HTTP: ``stockade.Sandbox`` behind ``/v1/sandboxes``.
+
+A sandbox lives in the API process that made it (its supervisor's byte stream is here);
+its record, the process that holds it and its share of the tenant's quota are in the
+database, so quotas hold across API processes, and a request that reaches another process is
+forwarded to the one that holds the sandbox (``server/routing.py``). Each process says it is
+alive every ``BEAT_S``; one silent for ``DEAD_AFTER_S`` (or, on this machine, whose pid is
+gone) is dead: any peer buries it, its sandboxes answer ``SandboxGone`` (410) and their quota
+is free. Every op goes through the tenant policy's guard (under the token's role) and
+the tenant's audit trail (``run_id`` = the sandbox's id), then the tier. A sandbox with no
+call for its ``idle_timeout_s`` is closed and its quota freed.
+
+Command output streams as NDJSON (``"stream": true``): one JSON object a line,
+``{"type": "stdout"|"stderr", "data": TEXT}`` as the output comes, then
+``{"type": "result", "result": {...CommandResult or Execution...}}`` or
+``{"type": "error", "problem": {...}}`` last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import io
+import json
+import logging
+import secrets
+import shutil
+import tarfile
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import anyio
+from fastapi import APIRouter, Query, Request, Response
+from fastapi.responses import StreamingResponse
+
+from stockade import exceptions as exc
+from stockade.audit.sandbox import AuditedBackend
+from stockade.policy.guards import GuardedBackend, OpContext, op_policy_guard
+from stockade.runs.lease import owner_gone, owner_token
+from stockade.sandbox import _registry
+from stockade.sandbox.facade import Sandbox
+from stockade.server.authz import check_network, choose_tier, engine_for
+from stockade.server.deps import Caller, get_service
+from stockade.server.problems import from_error
+from stockade.server.schemas import CodeRequest, CommandRequest, SandboxCreate, SandboxOut
+from stockade.server.state import Node, Placement
+from stockade.server.tenants import Principal
+from stockade.server.uploads import unpack_archive
+from stockade.types import CommandResult, EntryInfo, Execution, Limits
+
+__all__ = ["BEAT_S", "DEAD_AFTER_S", "Held", "SandboxRegistry", "router"]
+
+log = logging.getLogger("stockade.server")
+router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
+
+BEAT_S = 2.0  # how often a process says it is alive
+DEAD_AFTER_S = 15.0  # silent this long, a process is dead (as a run's lease): clocks may differ a little
+SWEEP_S = 5.0  # how often a process looks for dead peers
+ENDED_KEPT_S = 86400.0  # a lost sandbox answers "gone" this long, then "not found"
+
+
+@dataclass(kw_only=True)
+class Held:
+    id: str
+    tenant: str
+    sandbox: Sandbox
+    tier_reason: str
+    limits: Limits
+    labels: dict[str, str]
+    idle_timeout_s: float
+    created_at: float = field(default_factory=time.time)
+    last_used_at: float = field(default_factory=time.time)
+    busy: int = 0
+    state: Literal["running", "killed"] = "running"
+
+    def out(self) -> SandboxOut:
+        enforcement = self.sandbox.enforcement
+        return SandboxOut(
+            id=self.id,
+            tier=self.sandbox.tier,
+            tier_reason=self.tier_reason,
+            state=self.state,
+            limits=dataclasses.asdict(self.limits),
+            enforcement=json.loads(json.dumps(dataclasses.asdict(enforcement), default=str)),
+            labels=self.labels,
+            idle_timeout_s=self.idle_timeout_s,
+            created_at=self.created_at,
+            last_used_at=self.last_used_at,
+        )
+
+
+class SandboxRegistry:
+    """The live sandboxes of this process, by id; this process's row among its peers; the
+    thread that reaps idle sandboxes, says this process is alive and buries dead peers."""
+
+    def __init__(self, service: Any) -> None:
+        from stockade.server.service import Service
+
+        assert isinstance(service, Service)
+        self.service = service
+        self.owner = owner_token()
+        self.url = service.config.advertise_url or ""
+        self.hop_key = secrets.token_urlsafe(32)  # marks a peer's forwarded request (no second rate count)
+        self._held: dict[str, Held] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._reaper: threading.Thread | None = None
+        self.service.store.register_node(self.owner, self.url, self.hop_key)
+        self.sweep()
+
+    def start(self) -> None:
+        self._reaper = threading.Thread(target=self._reap_loop, name="stockade-sandbox-reaper", daemon=True)
+        self._reaper.start()
+
+    # -- peers ----------------------------------------------------------------------------------
+
+    def holds(self, sandbox_id: str) -> bool:
+        with self._lock:
+            return sandbox_id in self._held
+
+    def is_peer(self, hop: str) -> bool:
+        """Whether a request's hop header is this process's key (a peer forwarded it)."""
+        return hmac.compare_digest(hop.encode(), self.hop_key.encode())
+
+    def locate(self, sandbox_id: str) -> Placement | None:
+        return self.service.store.locate(sandbox_id)
+
+    @staticmethod
+    def alive(owner: str, node: Node | None) -> bool:
+        """Whether a process is alive: it has a row, has beaten lately, and (on this machine)
+        still runs."""
+        if node is None or owner_gone(owner):
+            return False
+        return time.time_ns() - node.beat_ns <= DEAD_AFTER_S * 1e9
+
+    def sweep(self) -> list[str]:
+        """Bury every process found dead (its sandboxes lost, their quota freed); their owners."""
+        store = self.service.store
+        nodes = {n.owner: n for n in store.nodes()}
+        dead = [o for o in store.owners() if o != self.owner and not self.alive(o, nodes.get(o))]
+        for owner in dead:
+            lost = store.bury(owner)
+            log.warning("API process %s is dead: %d of its sandboxes lost, their quota freed", owner, lost)
+        store.purge_ended(time.time_ns() - int(ENDED_KEPT_S * 1e9))
+        return dead
+
+    def peers_of(self, principal: Principal) -> list[Node]:
+        """The live processes other than this one that hold sandboxes of the caller's tenant."""
+        store = self.service.store
+        nodes = {n.owner: n for n in store.nodes()}
+        owners = store.tenant_owners(principal.tenant.id)
+        return [nodes[o] for o in owners if o != self.owner and self.alive(o, nodes.get(o))]
+
+    def _beat(self) -> None:
+        if self.service.store.beat(self.owner):
+            return
+        # A peer found this process dead (it stalled, or lost the database past DEAD_AFTER_S):
+        # its sandboxes were declared lost and their quota given back, so they close here too.
+        with self._lock:
+            held, self._held = list(self._held.values()), {}
+        log.warning("this API process was found dead by a peer; closing its %d sandboxes", len(held))
+        for h in held:
+            with contextlib.suppress(Exception):
+                h.sandbox.close()
+        self.service.store.register_node(self.owner, self.url, self.hop_key)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def create(self, principal: Principal, request: SandboxCreate) -> Held:
+        service, tenant = self.service, principal.tenant
+        engine = engine_for(principal, request.trust)
+        tier, why = choose_tier(engine, request.tier, request.prefer)
+        network = request.network.build() if request.network is not None else None
+        if network is not None:
+            check_network(engine, network)
+        limits = request.limits.build() if request.limits is not None else Limits()
+        idle = min(request.idle_timeout_s or service.config.sandbox_idle_timeout_s,
+                   service.config.max_sandbox_idle_timeout_s)  # fmt: skip
+        sandbox_id = f"sbx_{uuid.uuid4().hex}"
+        quotas = tenant.quotas
+
+        def reserve() -> None:
+            service.store.reserve_sandbox(
+                sandbox_id=sandbox_id, tenant=tenant.id, owner=self.owner, tier=tier, cpus=limits.cpus,
+                memory_mb=limits.memory_mb, max_sandboxes=quotas.sandboxes, max_cpus=quotas.cpus,
+                max_memory_mb=quotas.memory_mb,
+            )  # fmt: skip
+
+        try:
+            reserve()
+        except exc.QuotaExceeded:
+            if not self.sweep():  # a dead process may hold the quota: bury it, and try once more
+                raise
+            reserve()
+        try:
+            log = service.audit.get(tenant)
+            backend = GuardedBackend(
+                AuditedBackend(
+                    _registry.backend(tier), log, run_id=sandbox_id, actor=f"api:{principal.token_id}"
+                ),
+                op_policy_guard(engine),
+                OpContext(run_id=sandbox_id, role=principal.role),
+            )
+            sandbox = Sandbox.create(
+                backend=backend, limits=limits, network=network, envs=request.envs,
+                rules=engine.sandbox_rules(), allow_weaker=request.allow_weaker, labels=request.labels,
+            )  # fmt: skip
+        except BaseException:
+            service.store.release_sandbox(sandbox_id)
+            raise
+        held = Held(
+            id=sandbox_id, tenant=tenant.id, sandbox=sandbox, tier_reason=why, limits=limits,
+            labels=dict(request.labels), idle_timeout_s=idle,
+        )  # fmt: skip
+        with self._lock:
+            self._held[sandbox_id] = held
+        return held
+
+    def get(self, principal: Principal, sandbox_id: str) -> Held:
+        """The caller's sandbox; another tenant's, or none, is ``ResourceNotFound`` alike."""
+        with self._lock:
+            held = self._held.get(sandbox_id)
+        if held is None or held.tenant != principal.tenant.id:
+            raise exc.ResourceNotFound(f"no sandbox {sandbox_id!r}", kind="sandbox", id=sandbox_id)
+        return held
+
+    def of(self, principal: Principal) -> list[Held]:
+        with self._lock:
+            return [h for h in self._held.values() if h.tenant == principal.tenant.id]
+
+    @contextlib.contextmanager
+    def use(self, principal: Principal, sandbox_id: str) -> Iterator[Sandbox]:
+        """The sandbox for one call: counted busy (the reaper leaves it), its clock reset."""
+        held = self.get(principal, sandbox_id)
+        if held.state == "killed":
+            raise exc.SandboxClosed(f"sandbox {sandbox_id} was killed; create a new one")
+        with self._lock:
+            held.busy += 1
+        try:
+            yield held.sandbox
+        finally:
+            with self._lock:
+                held.busy -= 1
+                held.last_used_at = time.time()
+
+    def _close(self, held: Held) -> None:
+        with contextlib.suppress(Exception):
+            held.sandbox.close()
+        self.service.store.release_sandbox(held.id)
+
+    def kill(self, principal: Principal, sandbox_id: str) -> Held:
+        """Stop it now, mid-command too; it stays listed (``killed``) until deleted."""
+        held = self.get(principal, sandbox_id)
+        held.state = "killed"
+        with contextlib.suppress(Exception):
+            held.sandbox.close()
+        self.service.store.end_sandbox(held.id, "killed")  # its quota is free; peers still find it
+        return held
+
+    def delete(self, principal: Principal, sandbox_id: str) -> None:
+        held = self.get(principal, sandbox_id)
+        with self._lock:
+            self._held.pop(sandbox_id, None)
+        self._close(held)
+
+    def _reap_loop(self) -> None:
+        beat_at = sweep_at = time.monotonic()
+        while not self._stop.wait(min(1.0, BEAT_S)):
+            try:
+                now = time.monotonic()
+                if now - beat_at >= BEAT_S:
+                    beat_at = now
+                    self._beat()
+                self.reap()
+                if now - sweep_at >= SWEEP_S:
+                    sweep_at = now
+                    self.sweep()
+            except Exception:  # the database away for a moment: the next round tries again
+                log.exception("the sandbox reaper's round failed")
+
+    def reap(self) -> list[str]:
+        now = time.time()
+        with self._lock:
+            idle = [h for h in self._held.values() if h.busy == 0 and now - h.last_used_at > h.idle_timeout_s]
+            for held in idle:
+                del self._held[held.id]
+        for held in idle:
+            self._close(held)
+        return [h.id for h in idle]
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._reaper is not None:
+            self._reaper.join()
+        with self._lock:
+            held, self._held = list(self._held.values()), {}
+        for h in held:
+            self._close(h)
+        self.service.store.forget_node(self.owner)
+
+
+def _registry_of(request: Request) -> SandboxRegistry:
+    return get_service(request).sandboxes
+
+
+async def _blocking(function: Callable[[], Any]) -> Any:
+    return await anyio.to_thread.run_sync(function)
+
+
+# -- routes -------------------------------------------------------------------------------
+
+
+@router.post("", status_code=201, response_model=SandboxOut, summary="Create a sandbox")
+async def create_sandbox(body: SandboxCreate, request: Request, caller: Caller) -> SandboxOut:
+    registry = _registry_of(request)
+    held: Held = await _blocking(lambda: registry.create(caller, body))
+    return held.out()
+
+
+@router.get("", response_model=list[SandboxOut], summary="List your sandboxes")
+async def list_sandboxes(request: Request, caller: Caller) -> list[SandboxOut]:
+    from stockade.server.routing import HOP_HEADER, peers_of
+
+    registry = _registry_of(request)
+    found = [h.out() for h in registry.of(caller)]
+    if HOP_HEADER not in request.headers:  # a peer asks only for this process's own
+        found += await peers_of(request, caller)
+    return found
+
+
+@router.get("/{sandbox_id}", response_model=SandboxOut, summary="One sandbox")
+async def get_sandbox(sandbox_id: str, request: Request, caller: Caller) -> SandboxOut:
+    return _registry_of(request).get(caller, sandbox_id).out()
+
+
+@router.post("/{sandbox_id}/kill", response_model=SandboxOut, summary="Stop a sandbox now, mid-command too")
+async def kill_sandbox(sandbox_id: str, request: Request, caller: Caller) -> SandboxOut:
+    registry = _registry_of(request)
+    held: Held = await _blocking(lambda: registry.kill(caller, sandbox_id))
+    return held.out()
+
+
+@router.delete("/{sandbox_id}", status_code=204, summary="Close and forget a sandbox")
+async def delete_sandbox(sandbox_id: str, request: Request, caller: Caller) -> Response:
+    registry = _registry_of(request)
+    await _blocking(lambda: registry.delete(caller, sandbox_id))
+    return Response(status_code=204)
+
+
+def _as_json(value: CommandResult | Execution) -> dict[str, Any]:
+    return dataclasses.asdict(value)
+
+
+def _streamed(
+    request: Request, work: Callable[[Callable[[str], object], Callable[[str], object]], Any]
+) -> StreamingResponse:
+    """Run ``work(on_stdout, on_stderr)`` in a thread and stream what it prints, then its result."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+    def push(kind: str) -> Callable[[str], object]:
+        return lambda text: loop.call_soon_threadsafe(queue.put_nowait, (kind, text))
+
+    def run() -> None:
+        try:
+            result = work(push("stdout"), push("stderr"))
+            loop.call_soon_threadsafe(queue.put_nowait, ("result", _as_json(result)))
+        except exc.StockadeError as error:
+            loop.call_soon_threadsafe(queue.put_nowait, ("error", from_error(error, request.url.path).body))
+        except BaseException as error:  # never leave the stream hanging
+            problem = from_error(
+                exc.StockadeError(f"internal error: {type(error).__name__}"), request.url.path
+            )
+            loop.call_soon_threadsafe(queue.put_nowait, ("error", problem.body))
+
+    async def lines() -> AsyncIterator[bytes]:
+        task = asyncio.ensure_future(anyio.to_thread.run_sync(run))
+        try:
+            while True:
+                kind, payload = await queue.get()
+                if kind in ("stdout", "stderr"):
+                    line = {"type": kind, "data": payload}
+                elif kind == "result":
+                    line = {"type": "result", "result": payload}
+                else:
+                    line = {"type": "error", "problem": payload}
+                yield json.dumps(line, ensure_ascii=False).encode() + b"\n"
+                if kind in ("result", "error"):
+                    break
+        finally:
+            await task
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+@router.post("/{sandbox_id}/commands", summary="Run a command (JSON, or NDJSON streamed while it runs)",
+             response_model=None)  # fmt: skip
+async def run_command(
+    sandbox_id: str, body: CommandRequest, request: Request, caller: Caller
+) -> dict[str, Any] | StreamingResponse:
+    registry = _registry_of(request)
+
+    def work(
+        on_stdout: Callable[[str], object] | None, on_stderr: Callable[[str], object] | None
+    ) -> CommandResult:
+        with registry.use(caller, sandbox_id) as sandbox:
+            return sandbox.commands.run(
+                body.cmd, cwd=body.cwd, envs=body.envs or None, timeout_s=body.timeout_s, stdin=body.stdin,
+                on_stdout=on_stdout, on_stderr=on_stderr,
+            )  # fmt: skip
+
+    registry.get(caller, sandbox_id)  # 404 before a stream starts
+    if body.stream:
+        return _streamed(request, work)
+    result: CommandResult = await _blocking(lambda: work(None, None))
+    return _as_json(result)
+
+
+@router.post("/{sandbox_id}/code", summary="run_code (JSON, or NDJSON streamed while it runs)",
+             response_model=None)  # fmt: skip
+async def run_code(
+    sandbox_id: str, body: CodeRequest, request: Request, caller: Caller
+) -> dict[str, Any] | StreamingResponse:
+    registry = _registry_of(request)
+
+    def work(
+        on_stdout: Callable[[str], object] | None, on_stderr: Callable[[str], object] | None
+    ) -> Execution:
+        with registry.use(caller, sandbox_id) as sandbox:
+            return sandbox.run_code(
+                body.code, body.language, timeout_s=body.timeout_s, on_stdout=on_stdout, on_stderr=on_stderr
+            )
+
+    registry.get(caller, sandbox_id)
+    if body.stream:
+        return _streamed(request, work)
+    result: Execution = await _blocking(lambda: work(None, None))
+    return _as_json(result)
+
+
+@router.post("/{sandbox_id}/reset", status_code=204, summary="Kill every process, empty the workspace")
+async def reset_sandbox(sandbox_id: str, request: Request, caller: Caller) -> Response:
+    registry = _registry_of(request)
+
+    def work() -> None:
+        with registry.use(caller, sandbox_id) as sandbox:
+            sandbox.reset()
+
+    await _blocking(work)
+    return Response(status_code=204)
+
+
+# -- files ----------------------------------------------------------------------------------
+
+PathQuery = Annotated[str, Query(description="relative to the workspace, or under /workspace")]
+
+
+def _entry(entry: EntryInfo) -> dict[str, Any]:
+    return dataclasses.asdict(entry)
+
+
+@router.get("/{sandbox_id}/files", summary="List a folder")
+async def list_files(
+    sandbox_id: str,
+    request: Request,
+    caller: Caller,
+    path: PathQuery = "",
+    depth: Annotated[int, Query(ge=1, le=32)] = 1,
+) -> list[dict[str, Any]]:
+    registry = _registry_of(request)
+
+    def work() -> list[EntryInfo]:
+        with registry.use(caller, sandbox_id) as sandbox:
+            return sandbox.files.list(path, depth=depth)
+
+    return [_entry(e) for e in await _blocking(work)]
+
+
+@router.get("/{sandbox_id}/files/stat", summary="One entry (404 when there is none)")
+async def stat_file(sandbox_id: str, request: Request, caller: Caller, path: PathQuery) -> dict[str, Any]:
+    registry = _registry_of(request)
+
+    def work() -> EntryInfo | None:
+        with registry.use(caller, sandbox_id) as sandbox:
+            return sandbox.files.stat(path)
+
+    entry = await _blocking(work)
+    if entry is None:
+        raise exc.SandboxFileNotFound(f"nothing at {path!r}", path=path)
+    return _entry(entry)
+
+
+@router.get("/{sandbox_id}/files/content", summary="Read a file", response_class=Response)
+async def read_file(sandbox_id: str, request: Request, caller: Caller, path: PathQuery) -> Response:
+    registry = _registry_of(request)
+
+    def work() -> bytes:
+        with registry.use(caller, sandbox_id) as sandbox:
+            return sandbox.files.read(path, format="bytes")
+
+    return Response(content=await _blocking(work), media_type="application/octet-stream")
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    """The request body, refused past ``limit`` bytes while it arrives (413)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise exc.FileTooLarge(f"the upload declares {int(declared):,} bytes, over the cap of {limit:,}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise exc.FileTooLarge(f"the upload is over the cap of {limit:,} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@router.put("/{sandbox_id}/files/content", summary="Write a file (the body is its content)")
+async def write_file(
+    sandbox_id: str, request: Request, caller: Caller, path: PathQuery,
+    mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o644,
+) -> dict[str, Any]:  # fmt: skip
+    registry = _registry_of(request)
+    registry.get(caller, sandbox_id)
+    data = await _body(request, get_service(request).config.max_file_bytes)
+
+    def work() -> EntryInfo:
+        with registry.use(caller, sandbox_id) as sandbox:
+            return sandbox.files.write(path, data, mode=mode)
+
+    return _entry(await _blocking(work))
+
+
+@router.delete("/{sandbox_id}/files", status_code=204, summary="Remove a file or folder")
+async def remove_file(sandbox_id: str, request: Request, caller: Caller, path: PathQuery) -> Response:
+    registry = _registry_of(request)
+
+    def work() -> None:
+        with registry.use(caller, sandbox_id) as sandbox:
+            sandbox.files.remove(path)
+
+    await _blocking(work)
+    return Response(status_code=204)
+
+
+@router.post("/{sandbox_id}/files/dir", summary="Make a folder (and its parents)")
+async def make_dir(sandbox_id: str, request: Request, caller: Caller, path: PathQuery) -> dict[str, Any]:
+    registry = _registry_of(request)
+
+    def work() -> EntryInfo:
+        with registry.use(caller, sandbox_id) as sandbox:
+            return sandbox.files.make_dir(path)
+
+    return _entry(await _blocking(work))
+
+
+@router.put("/{sandbox_id}/archive", status_code=204, summary="Upload a folder (a tar) into the workspace")
+async def upload_archive(sandbox_id: str, request: Request, caller: Caller, path: PathQuery = "") -> Response:
+    service = get_service(request)
+    registry = _registry_of(request)
+    registry.get(caller, sandbox_id)
+    data = await _body(request, service.config.max_upload_bytes)
+
+    def work() -> None:
+        with tempfile.TemporaryDirectory(prefix="stockade-upload-", dir=service.config.temp_dir) as tmp:
+            unpack_archive(data, Path(tmp) / "in", max_bytes=service.config.max_upload_bytes)
+            with registry.use(caller, sandbox_id) as sandbox:
+                sandbox.files.upload_dir(Path(tmp) / "in", path)
+
+    await _blocking(work)
+    return Response(status_code=204)
+
+
+@router.get("/{sandbox_id}/archive", summary="Download a folder as a tar (checked on the server first)",
+            response_class=Response)  # fmt: skip
+async def download_archive(
+    sandbox_id: str, request: Request, caller: Caller, path: PathQuery = "",
+    max_bytes: Annotated[int | None, Query(ge=1)] = None,
+    max_entries: Annotated[int, Query(ge=1, le=1_000_000)] = 100_000,
+) -> Response:  # fmt: skip
+    service = get_service(request)
+    registry = _registry_of(request)
+    cap = min(max_bytes or service.config.max_upload_bytes, service.config.max_upload_bytes)
+
+    def work() -> bytes:
+        # the sandbox's tar is untrusted: it is unpacked with every check of files.download_dir
+        # (nothing outside the folder, links resolved inside), then packed again from the host
+        with tempfile.TemporaryDirectory(prefix="stockade-download-", dir=service.config.temp_dir) as tmp:
+            dest = Path(tmp) / "out"
+            with registry.use(caller, sandbox_id) as sandbox:
+                sandbox.files.download_dir(dest, path, max_bytes=cap, max_entries=max_entries)
+            buffer = io.BytesIO()
+            with tarfile.open(fileobj=buffer, mode="w") as tar:
+                for child in sorted(dest.iterdir()):
+                    tar.add(child, arcname=child.name, recursive=True)
+            shutil.rmtree(dest, ignore_errors=True)
+            return buffer.getvalue()
+
+    return Response(content=await _blocking(work), media_type="application/x-tar")

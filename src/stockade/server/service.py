@@ -1,0 +1,63 @@
+"""One service process: its stores, its sandboxes, and where its runs go."""
+
+from __future__ import annotations
+
+import logging
+
+from stockade.runs.store import RunStore
+from stockade.server.context import AuditLogs, ServiceConfig, TenantLimits, check_tenants
+from stockade.server.executor import Executor, InProcessExecutor
+from stockade.server.runner import Runner
+from stockade.server.sandboxes import SandboxRegistry
+from stockade.server.state import DatabaseApprovals, DatabaseKillSource, ServiceStore, open_database
+
+__all__ = ["Service"]
+
+log = logging.getLogger("stockade.server")
+
+
+class Service:
+    """``executor`` None: runs go to Celery workers when ``config.redis`` is set, else to
+    threads of this process (the embedded default)."""
+
+    def __init__(self, config: ServiceConfig, *, executor: Executor | None = None) -> None:
+        check_tenants(config.tenants)
+        self.config = config
+        self.tenants = config.tenants
+        self.store = ServiceStore(open_database(config.database))
+        self.run_store = RunStore(open_database(config.database), namespace="runs")
+        self.audit = AuditLogs(config.database, key=config.audit_key)
+        self.limits = TenantLimits(config.redis, namespace=config.queue)
+        self.approvals = DatabaseApprovals(self.store)
+        self.kills = DatabaseKillSource(self.store, poll_s=0.0)
+        self.sandboxes = SandboxRegistry(self)
+        self._runner: Runner | None = None
+        if executor is None and config.redis:
+            import importlib  # the distributed tier is optional; the core never imports Celery
+
+            distributed = importlib.import_module("stockade.distributed.executor")
+            executor = distributed.CeleryExecutor(config)
+        elif executor is None:
+            self._runner = Runner(config, name="embedded")
+            executor = InProcessExecutor(self._runner, config.tenants, threads=config.run_threads)
+        self.executor = executor
+
+    @property
+    def embedded(self) -> bool:
+        return self._runner is not None
+
+    def start(self) -> None:
+        self.sandboxes.start()
+        if self.embedded:  # runs this process had when it stopped (or died) go on
+            for row in self.store.unfinished_runs():
+                log.info("run %s (%s) continues", row.run_id, row.status)
+                self.executor.submit(row.run_id, reason="restart")
+
+    def close(self) -> None:
+        self.sandboxes.close()
+        self.executor.close()
+        if self._runner is not None:
+            self._runner.close()
+        self.audit.close()
+        self.run_store.close()
+        self.store.close()

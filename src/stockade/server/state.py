@@ -1,0 +1,681 @@
+"""What the service keeps in its database, beside the run store and the audit trails.
+
+One database holds everything (``sqlite:///PATH`` embedded, ``postgresql://...`` at scale):
+the run store (``runs_*``), each tenant's audit trail (``audit_t_<tenant>_*``) and, here, the
+service's own tables (``svc_*``):
+
+- ``svc_runs``: who submitted each run, what it asked for (the spec) and where it is
+  (queued, running, paused, ..., as the service knows it; the run store has the details);
+- ``svc_workspaces``: uploaded workspaces, packed, by tenant and digest (stored once);
+- ``svc_artifacts``: a finished run's final workspace, packed;
+- ``svc_sandboxes``: the live sandboxes, the API process that holds each (its ``owner``) and
+  what they hold of their tenant's quota;
+- ``svc_nodes``: the API processes, each with the address its peers forward requests to and
+  its last heartbeat (a sandbox lives in the process that made it: see ``server/routing.py``);
+- ``svc_ended``: sandboxes killed (still listed by their process until deleted) or lost with
+  their process ("gone"), so that a request for one is answered that, not "not found";
+- ``svc_approvals``: pending requests and decisions (``DatabaseApprovals``);
+- ``svc_kills`` / ``svc_live``: kill switches and live runs (``DatabaseKillSource``).
+
+Quotas hold across API processes: a reservation is one transaction that locks its
+tenant's row first (``FOR UPDATE`` on PostgreSQL, ``BEGIN IMMEDIATE`` on SQLite), then
+inserts only if the tenant's totals stay within the quota.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from stockade import exceptions as exc
+from stockade.policy.approval import ApprovalRequest, Choice
+from stockade.runs._db import Database, PostgresDatabase, SQLiteDatabase
+from stockade.runtime.killswitch import LIVE_FOR_S
+
+__all__ = [
+    "DatabaseApprovals",
+    "DatabaseKillSource",
+    "Node",
+    "Placement",
+    "RunRow",
+    "SandboxRow",
+    "ServiceStore",
+    "open_database",
+]
+
+# The service's view of a run, before the run store has it and after it ended.
+QUEUED = "queued"
+TERMINAL = frozenset({"success", "check_failed", "max_steps", "budget", "killed", "denied", "error"})
+
+
+def open_database(url: str) -> Database:
+    """``postgresql://...``, ``sqlite:///PATH`` or a plain path."""
+    if url.startswith(("postgresql://", "postgres://")):
+        return PostgresDatabase(url)
+    if url.startswith("sqlite:///"):
+        return SQLiteDatabase(url[len("sqlite:///") :])
+    if "://" in url:
+        raise exc.InvalidArgument(
+            f"unknown database URL {url!r}", argument="database", fix="use sqlite:///PATH or postgresql://..."
+        )
+    return SQLiteDatabase(url)
+
+
+def _schema(ns: str, blob: str) -> list[str]:
+    return [
+        f"""CREATE TABLE IF NOT EXISTS {ns}_runs (
+            run_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, role TEXT, spec TEXT NOT NULL,
+            status TEXT NOT NULL, error TEXT, labels TEXT NOT NULL, submitted_ns BIGINT NOT NULL,
+            started_ns BIGINT, finished_ns BIGINT, attempts INTEGER NOT NULL, worker TEXT, idem_key TEXT)""",
+        f"CREATE INDEX IF NOT EXISTS {ns}_runs_tenant ON {ns}_runs (tenant, submitted_ns)",
+        f"CREATE UNIQUE INDEX IF NOT EXISTS {ns}_runs_idem ON {ns}_runs (tenant, idem_key)",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_workspaces (
+            tenant TEXT NOT NULL, digest TEXT NOT NULL, bytes BIGINT NOT NULL, data {blob} NOT NULL,
+            created_ns BIGINT NOT NULL, PRIMARY KEY (tenant, digest))""",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_artifacts (
+            run_id TEXT PRIMARY KEY, digest TEXT NOT NULL, bytes BIGINT NOT NULL, data {blob} NOT NULL)""",
+        f"CREATE TABLE IF NOT EXISTS {ns}_tenants (tenant TEXT PRIMARY KEY)",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_sandboxes (
+            sandbox_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, owner TEXT NOT NULL, tier TEXT NOT NULL,
+            cpus DOUBLE PRECISION NOT NULL, memory_mb BIGINT NOT NULL, created_ns BIGINT NOT NULL)""",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_nodes (
+            owner TEXT PRIMARY KEY, url TEXT NOT NULL, hop_key TEXT NOT NULL, beat_ns BIGINT NOT NULL)""",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_ended (
+            sandbox_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, owner TEXT NOT NULL, reason TEXT NOT NULL,
+            ended_ns BIGINT NOT NULL)""",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_approvals (
+            run_id TEXT NOT NULL, request_id TEXT NOT NULL, action TEXT NOT NULL, rule TEXT NOT NULL,
+            reason TEXT NOT NULL, status TEXT NOT NULL, decided_by TEXT NOT NULL, updated_ns BIGINT NOT NULL,
+            PRIMARY KEY (run_id, request_id))""",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_kills (
+            run_id TEXT PRIMARY KEY, reason TEXT NOT NULL, created_ns BIGINT NOT NULL)""",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_live (
+            run_id TEXT PRIMARY KEY, info TEXT NOT NULL, beat_ns BIGINT NOT NULL)""",
+    ]
+
+
+TABLES = ("runs", "workspaces", "artifacts", "tenants", "sandboxes", "nodes", "ended", "approvals", "kills",
+          "live")  # fmt: skip
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunRow:
+    run_id: str
+    tenant: str
+    role: str | None
+    spec: dict[str, object]
+    status: str
+    error: str | None
+    labels: dict[str, str]
+    submitted_ns: int
+    started_ns: int | None
+    finished_ns: int | None
+    attempts: int
+    worker: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SandboxRow:
+    sandbox_id: str
+    tenant: str
+    owner: str
+    tier: str
+    cpus: float
+    memory_mb: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Node:
+    """An API process: where its peers reach it, the key that marks their requests, and when
+    it last said it was alive."""
+
+    owner: str
+    url: str
+    hop_key: str
+    beat_ns: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where a sandbox is: its tenant, the process that holds it (``node`` None when that
+    process has no row: it never registered, or was found dead), and ``ended`` when it was
+    killed ("killed") or lost with its process ("lost")."""
+
+    sandbox_id: str
+    tenant: str
+    owner: str
+    node: Node | None
+    ended: str | None = None
+
+
+def _int(value: object) -> int:
+    return int(str(value))
+
+
+def _milli(cpus: float) -> int:
+    return round(cpus * 1000)
+
+
+_RUN_COLUMNS = (
+    "run_id, tenant, role, spec, status, error, labels, submitted_ns, started_ns, finished_ns, attempts, "
+    "worker"
+)
+
+
+def _run(row: tuple[object, ...]) -> RunRow:
+    return RunRow(
+        run_id=str(row[0]),
+        tenant=str(row[1]),
+        role=None if row[2] is None else str(row[2]),
+        spec=json.loads(str(row[3])),
+        status=str(row[4]),
+        error=None if row[5] is None else str(row[5]),
+        labels=json.loads(str(row[6])),
+        submitted_ns=_int(row[7]),
+        started_ns=None if row[8] is None else _int(row[8]),
+        finished_ns=None if row[9] is None else _int(row[9]),
+        attempts=_int(row[10]),
+        worker=None if row[11] is None else str(row[11]),
+    )
+
+
+class ServiceStore:
+    """The service's tables in ``db`` (``<ns>_*``)."""
+
+    def __init__(self, db: Database, *, namespace: str = "svc") -> None:
+        self.db = db
+        self.ns = namespace
+        self.db.write([(sql, [()]) for sql in _schema(namespace, db.blob)])
+
+    # -- runs ---------------------------------------------------------------------------
+
+    def add_run(
+        self, *, run_id: str, tenant: str, role: str | None, spec: dict[str, object], labels: dict[str, str],
+        max_active: int, idem_key: str | None = None,
+    ) -> bool:  # fmt: skip
+        """Record a submitted run, if the tenant has fewer than ``max_active`` runs queued or
+        running; False when it has (nothing written). ``RunConflict`` when the id is taken."""
+        ns, now = self.ns, time.time_ns()
+        if self.run(run_id) is not None:
+            raise exc.RunConflict(f"a run {run_id!r} exists already")
+        active = "('queued', 'running', 'interrupted')"
+        statements = [
+            (f"INSERT INTO {ns}_tenants VALUES (?) ON CONFLICT (tenant) DO NOTHING", [(tenant,)]),
+        ]
+        self.db.write(statements)
+        self.db.write(
+            [
+                (
+                    f"INSERT INTO {ns}_runs ({_RUN_COLUMNS}, idem_key) "
+                    "SELECT ?, ?, ?, ?, ?, NULL, ?, ?, NULL, NULL, 0, NULL, ? "
+                    f"WHERE (SELECT COUNT(*) FROM {ns}_runs WHERE tenant = ? AND status IN {active}) < ? "
+                    "ON CONFLICT DO NOTHING",
+                    [
+                        (
+                            run_id, tenant, role, json.dumps(spec), QUEUED, json.dumps(labels), now, idem_key,
+                            tenant, max_active,
+                        )
+                    ],
+                )
+            ],
+            require=(f"SELECT 1 FROM {ns}_tenants WHERE tenant = ?", (tenant,)),
+        )  # fmt: skip
+        row = self.run(run_id)
+        if row is None:
+            if idem_key is not None and self.run_by_key(tenant, idem_key) is not None:
+                raise exc.RunConflict(
+                    f"a run with idempotency key {idem_key!r} was submitted at the same time"
+                )
+            return False
+        return True
+
+    def run_by_key(self, tenant: str, idem_key: str) -> RunRow | None:
+        rows = self.db.query(
+            f"SELECT {_RUN_COLUMNS} FROM {self.ns}_runs WHERE tenant = ? AND idem_key = ?", (tenant, idem_key)
+        )
+        return _run(rows[0]) if rows else None
+
+    def run(self, run_id: str) -> RunRow | None:
+        rows = self.db.query(f"SELECT {_RUN_COLUMNS} FROM {self.ns}_runs WHERE run_id = ?", (run_id,))
+        return _run(rows[0]) if rows else None
+
+    def runs(
+        self, tenant: str, *, status: str | None = None, label: tuple[str, str] | None = None,
+        limit: int = 50, before_ns: int | None = None,
+    ) -> list[RunRow]:  # fmt: skip
+        sql = f"SELECT {_RUN_COLUMNS} FROM {self.ns}_runs WHERE tenant = ?"
+        params: list[object] = [tenant]
+        if status is not None:
+            sql += " AND status = ?"
+            params.append(status)
+        if before_ns is not None:
+            sql += " AND submitted_ns < ?"
+            params.append(before_ns)
+        # labels are filtered here: a JSON column has no portable index
+        rows = self.db.query(
+            sql + " ORDER BY submitted_ns DESC LIMIT ?", [*params, limit * (20 if label else 1)]
+        )
+        found = [_run(r) for r in rows]
+        if label is not None:
+            found = [r for r in found if r.labels.get(label[0]) == label[1]]
+        return found[:limit]
+
+    def set_status(
+        self, run_id: str, status: str, *, error: str | None = None, worker: str | None = None,
+        started: bool = False, only_from: Sequence[str] | None = None,
+    ) -> bool:  # fmt: skip
+        """Move a run to ``status`` (only from one of ``only_from`` when given); False when it
+        was not in one of them."""
+        now = time.time_ns()
+        sets = ["status = ?", "error = ?"]
+        params: list[object] = [status, error]
+        if worker is not None:
+            sets.append("worker = ?")
+            params.append(worker)
+        if started:
+            sets += ["started_ns = COALESCE(started_ns, ?)", "attempts = attempts + 1"]
+            params.append(now)
+        if status in TERMINAL:
+            sets.append("finished_ns = ?")
+            params.append(now)
+        where = "run_id = ?"
+        params.append(run_id)
+        require = None
+        if only_from:
+            marks = ", ".join("?" for _ in only_from)
+            where += f" AND status IN ({marks})"
+            params.extend(only_from)
+            require = (
+                f"SELECT 1 FROM {self.ns}_runs WHERE run_id = ? AND status IN ({marks})",
+                [run_id, *only_from],
+            )
+        return self.db.write(
+            [(f"UPDATE {self.ns}_runs SET {', '.join(sets)} WHERE {where}", [params])], require=require
+        )
+
+    def unfinished_runs(self) -> list[RunRow]:
+        rows = self.db.query(
+            f"SELECT {_RUN_COLUMNS} FROM {self.ns}_runs WHERE status IN ('queued', 'running', 'interrupted') "
+            "ORDER BY submitted_ns"
+        )
+        return [_run(r) for r in rows]
+
+    # -- workspaces and artifacts -----------------------------------------------------------
+
+    def put_workspace(self, tenant: str, digest: str, data: bytes, size: int) -> None:
+        self.db.write(
+            [
+                (
+                    f"INSERT INTO {self.ns}_workspaces VALUES (?, ?, ?, ?, ?) "
+                    "ON CONFLICT (tenant, digest) DO NOTHING",
+                    [(tenant, digest, size, data, time.time_ns())],
+                )
+            ]
+        )
+
+    def workspace(self, tenant: str, digest: str) -> bytes | None:
+        rows = self.db.query(
+            f"SELECT data FROM {self.ns}_workspaces WHERE tenant = ? AND digest = ?", (tenant, digest)
+        )
+        return _bytes(rows[0][0]) if rows else None
+
+    def put_artifacts(self, run_id: str, digest: str, data: bytes, size: int) -> None:
+        self.db.write(
+            [
+                (
+                    f"INSERT INTO {self.ns}_artifacts VALUES (?, ?, ?, ?) ON CONFLICT (run_id) DO UPDATE "
+                    "SET digest = excluded.digest, bytes = excluded.bytes, data = excluded.data",
+                    [(run_id, digest, size, data)],
+                )
+            ]
+        )
+
+    def artifacts(self, run_id: str) -> bytes | None:
+        rows = self.db.query(f"SELECT data FROM {self.ns}_artifacts WHERE run_id = ?", (run_id,))
+        return _bytes(rows[0][0]) if rows else None
+
+    # -- sandboxes: quotas ------------------------------------------------------------------
+
+    def reserve_sandbox(
+        self, *, sandbox_id: str, tenant: str, owner: str, tier: str, cpus: float, memory_mb: int,
+        max_sandboxes: int, max_cpus: float, max_memory_mb: int,
+    ) -> None:  # fmt: skip
+        """Hold a share of the tenant's quota for a sandbox about to start; ``QuotaExceeded``."""
+        ns = self.ns
+        self.db.write([(f"INSERT INTO {ns}_tenants VALUES (?) ON CONFLICT (tenant) DO NOTHING", [(tenant,)])])
+        totals = f"FROM {ns}_sandboxes WHERE tenant = ?"
+        # CPUs are added up in thousandths, as integers: 0.1 + 0.2 is not above a quota of 0.3
+        self.db.write(
+            [
+                (
+                    f"INSERT INTO {ns}_sandboxes SELECT ?, ?, ?, ?, ?, ?, ? "
+                    f"WHERE (SELECT COUNT(*) {totals}) < ? "
+                    f"AND (SELECT ROUND(COALESCE(SUM(cpus), 0) * 1000) {totals}) + ? <= ? "
+                    f"AND (SELECT COALESCE(SUM(memory_mb), 0) {totals}) + ? <= ?",
+                    [
+                        (
+                            sandbox_id, tenant, owner, tier, cpus, memory_mb, time.time_ns(),
+                            tenant, max_sandboxes, tenant, _milli(cpus), _milli(max_cpus), tenant, memory_mb,
+                            max_memory_mb,
+                        )
+                    ],
+                )
+            ],
+            require=(f"SELECT 1 FROM {ns}_tenants WHERE tenant = ?", (tenant,)),
+        )  # fmt: skip
+        if self.db.query(f"SELECT 1 FROM {ns}_sandboxes WHERE sandbox_id = ?", (sandbox_id,)):
+            return
+        count, used_cpus, used_memory = self.db.query(
+            f"SELECT COUNT(*), COALESCE(SUM(cpus), 0), COALESCE(SUM(memory_mb), 0) {totals}", (tenant,)
+        )[0]
+        if _int(count) >= max_sandboxes:
+            quota, limit, used = "sandboxes", float(max_sandboxes), float(_int(count))
+        elif _milli(float(str(used_cpus))) + _milli(cpus) > _milli(max_cpus):
+            quota, limit, used = "cpus", max_cpus, _milli(float(str(used_cpus))) / 1000
+        else:
+            quota, limit, used = "memory_mb", float(max_memory_mb), float(str(used_memory))
+        raise exc.QuotaExceeded(
+            f"tenant {tenant!r} holds {used:g} of its {limit:g} {quota}; this sandbox would need "
+            f"{ {'sandboxes': 1, 'cpus': cpus, 'memory_mb': memory_mb}[quota] } more: delete a sandbox, "
+            "or ask for smaller limits",
+            quota=quota,
+            limit=limit,
+            used=used,
+        )
+
+    def release_sandbox(self, sandbox_id: str) -> None:
+        """Forget a sandbox: its share of the quota is free, and it was never there."""
+        self.db.write(
+            [
+                (f"DELETE FROM {self.ns}_sandboxes WHERE sandbox_id = ?", [(sandbox_id,)]),
+                (f"DELETE FROM {self.ns}_ended WHERE sandbox_id = ?", [(sandbox_id,)]),
+            ]
+        )
+
+    def end_sandbox(self, sandbox_id: str, reason: str) -> None:
+        """Free a sandbox's share of the quota, and remember why it ended (``killed``)."""
+        ns = self.ns
+        self.db.write(
+            [
+                (
+                    f"INSERT INTO {ns}_ended SELECT sandbox_id, tenant, owner, ?, ? FROM {ns}_sandboxes "
+                    "WHERE sandbox_id = ? ON CONFLICT (sandbox_id) DO NOTHING",
+                    [(reason, time.time_ns(), sandbox_id)],
+                ),
+                (f"DELETE FROM {ns}_sandboxes WHERE sandbox_id = ?", [(sandbox_id,)]),
+            ]
+        )
+
+    # -- API processes: where each sandbox is ---------------------------------------------------
+
+    def register_node(self, owner: str, url: str, hop_key: str) -> None:
+        self.db.write(
+            [
+                (
+                    f"INSERT INTO {self.ns}_nodes VALUES (?, ?, ?, ?) ON CONFLICT (owner) DO UPDATE "
+                    "SET url = excluded.url, hop_key = excluded.hop_key, beat_ns = excluded.beat_ns",
+                    [(owner, url, hop_key, time.time_ns())],
+                )
+            ]
+        )
+
+    def beat(self, owner: str) -> bool:
+        """Say ``owner`` is alive; False when its row is gone (a peer found it dead)."""
+        table = f"{self.ns}_nodes"
+        return self.db.write(
+            [(f"UPDATE {table} SET beat_ns = ? WHERE owner = ?", [(time.time_ns(), owner)])],
+            require=(f"SELECT 1 FROM {table} WHERE owner = ?", (owner,)),
+        )
+
+    def nodes(self) -> list[Node]:
+        rows = self.db.query(f"SELECT owner, url, hop_key, beat_ns FROM {self.ns}_nodes")
+        return [Node(owner=str(r[0]), url=str(r[1]), hop_key=str(r[2]), beat_ns=_int(r[3])) for r in rows]
+
+    def owners(self) -> list[str]:
+        """Every process that holds a sandbox, or a killed one, or has a row of its own."""
+        ns = self.ns
+        rows = self.db.query(
+            f"SELECT owner FROM {ns}_sandboxes UNION SELECT owner FROM {ns}_ended WHERE reason = 'killed' "
+            f"UNION SELECT owner FROM {ns}_nodes"
+        )
+        return [str(r[0]) for r in rows]
+
+    def bury(self, owner: str) -> int:
+        """``owner`` is dead: its sandboxes are lost (their quota freed, each remembered as
+        "lost"), and so is its row. Returns how many sandboxes it held."""
+        ns, now = self.ns, time.time_ns()
+        held = self.db.query(f"SELECT COUNT(*) FROM {ns}_sandboxes WHERE owner = ?", (owner,))
+        self.db.write(
+            [
+                (
+                    f"INSERT INTO {ns}_ended SELECT sandbox_id, tenant, owner, 'lost', ? FROM {ns}_sandboxes "
+                    "WHERE owner = ? ON CONFLICT (sandbox_id) DO NOTHING",
+                    [(now, owner)],
+                ),
+                (f"UPDATE {ns}_ended SET reason = 'lost' WHERE owner = ?", [(owner,)]),
+                (f"DELETE FROM {ns}_sandboxes WHERE owner = ?", [(owner,)]),
+                (f"DELETE FROM {ns}_nodes WHERE owner = ?", [(owner,)]),
+            ]
+        )
+        return _int(held[0][0]) if held else 0
+
+    def forget_node(self, owner: str) -> None:
+        """A process stopping cleanly: its row goes (its sandboxes were closed first)."""
+        self.db.write(
+            [
+                (f"DELETE FROM {self.ns}_nodes WHERE owner = ?", [(owner,)]),
+                (f"DELETE FROM {self.ns}_ended WHERE owner = ? AND reason = 'killed'", [(owner,)]),
+            ]
+        )
+
+    def locate(self, sandbox_id: str) -> Placement | None:
+        """Where ``sandbox_id`` is, or was; None when the service never had it (or forgot it)."""
+        ns = self.ns
+        node = "n.owner, n.url, n.hop_key, n.beat_ns"
+        for table, reason in ((f"{ns}_sandboxes", "NULL"), (f"{ns}_ended", "s.reason")):
+            rows = self.db.query(
+                f"SELECT s.tenant, s.owner, {reason}, {node} FROM {table} s "
+                f"LEFT JOIN {ns}_nodes n ON n.owner = s.owner WHERE s.sandbox_id = ?",
+                (sandbox_id,),
+            )
+            if rows:
+                r = rows[0]
+                found = None
+                if r[3] is not None:
+                    found = Node(owner=str(r[3]), url=str(r[4]), hop_key=str(r[5]), beat_ns=_int(r[6]))
+                return Placement(
+                    sandbox_id=sandbox_id, tenant=str(r[0]), owner=str(r[1]), node=found,
+                    ended=None if r[2] is None else str(r[2]),
+                )  # fmt: skip
+        return None
+
+    def tenant_owners(self, tenant: str) -> list[str]:
+        """The processes that hold a sandbox of ``tenant`` (live or killed)."""
+        ns = self.ns
+        rows = self.db.query(
+            f"SELECT owner FROM {ns}_sandboxes WHERE tenant = ? UNION "
+            f"SELECT owner FROM {ns}_ended WHERE tenant = ? AND reason = 'killed'",
+            (tenant, tenant),
+        )
+        return [str(r[0]) for r in rows]
+
+    def purge_ended(self, before_ns: int) -> None:
+        """Forget sandboxes lost before ``before_ns``: after that, they are simply not found."""
+        self.db.write(
+            [(f"DELETE FROM {self.ns}_ended WHERE reason = 'lost' AND ended_ns < ?", [(before_ns,)])]
+        )
+
+    def sandboxes(self, *, owner: str | None = None) -> list[SandboxRow]:
+        sql = f"SELECT sandbox_id, tenant, owner, tier, cpus, memory_mb FROM {self.ns}_sandboxes"
+        rows = self.db.query(sql + " WHERE owner = ?", (owner,)) if owner else self.db.query(sql)
+        return [
+            SandboxRow(
+                sandbox_id=str(r[0]), tenant=str(r[1]), owner=str(r[2]), tier=str(r[3]),
+                cpus=float(str(r[4])), memory_mb=_int(r[5]),
+            )
+            for r in rows
+        ]  # fmt: skip
+
+    # -- audit (read) ------------------------------------------------------------------------
+
+    def audit_rows(
+        self, namespace: str, run_id: str, after_seq: int, limit: int = 500
+    ) -> list[tuple[int, str, str]]:
+        """A tenant's audit events of one run after ``after_seq``: (seq, kind, body). Read
+        here, on the service's connection, rather than by the audit store's reader, which
+        opens a connection per call: an event stream polls."""
+        rows = self.db.query(
+            f"SELECT seq, kind, body FROM {namespace}_events WHERE run_id = ? AND seq > ? "
+            "ORDER BY seq LIMIT ?",
+            (run_id, after_seq, limit),
+        )
+        return [(_int(r[0]), str(r[1]), str(r[2])) for r in rows]
+
+    def close(self) -> None:
+        self.db.close()
+
+
+def _bytes(value: object) -> bytes:
+    return bytes(value) if isinstance(value, bytes | bytearray | memoryview) else b""
+
+
+class DatabaseApprovals:
+    """``ApprovalBook`` in the service's database: a decision made through the API reaches the
+    run on whichever worker resumes it."""
+
+    def __init__(self, store: ServiceStore) -> None:
+        self.db = store.db
+        self.table = f"{store.ns}_approvals"
+
+    def submit(self, request: ApprovalRequest) -> None:
+        self.db.write(
+            [
+                (
+                    f"INSERT INTO {self.table} VALUES (?, ?, ?, ?, ?, 'pending', '', ?) "
+                    "ON CONFLICT (run_id, request_id) DO NOTHING",
+                    [
+                        (
+                            request.run_id,
+                            request.id,
+                            request.action,
+                            request.rule,
+                            request.reason,
+                            time.time_ns(),
+                        )
+                    ],
+                )
+            ]
+        )
+
+    def decide(self, run_id: str, request_id: str, choice: Choice, *, by: str = "") -> None:
+        if not self.db.query(
+            f"SELECT 1 FROM {self.table} WHERE run_id = ? AND request_id = ?", (run_id, request_id)
+        ):
+            raise exc.ResourceNotFound(
+                f"no approval request {request_id!r} for run {run_id!r}", kind="approval", id=request_id
+            )
+        self.db.write(
+            [
+                (
+                    f"UPDATE {self.table} SET status = ?, decided_by = ?, updated_ns = ? "
+                    "WHERE run_id = ? AND request_id = ?",
+                    [(choice.value, by, time.time_ns(), run_id, request_id)],
+                )
+            ]
+        )
+
+    def decision(self, request: ApprovalRequest) -> Choice | None:
+        rows = self.db.query(
+            f"SELECT status FROM {self.table} WHERE run_id = ? AND request_id = ?",
+            (request.run_id, request.id),
+        )
+        status = str(rows[0][0]) if rows else None
+        return Choice(status) if status in (Choice.APPROVED, Choice.DENIED) else None
+
+    def requests(self, run_id: str) -> list[dict[str, str]]:
+        rows = self.db.query(
+            f"SELECT request_id, action, rule, reason, status, decided_by FROM {self.table} WHERE run_id = ? "
+            "ORDER BY updated_ns",
+            (run_id,),
+        )
+        keys = ("id", "action", "rule", "reason", "status", "by")
+        return [{**dict(zip(keys, map(str, r), strict=True)), "run_id": run_id} for r in rows]
+
+    def pending(self, run_id: str | None = None) -> list[dict[str, str]]:
+        if run_id is None:
+            return []  # the service asks by run: a tenant sees only its own
+        return [r for r in self.requests(run_id) if r["status"] == "pending"]
+
+
+class DatabaseKillSource:
+    """Kill switches and live marks in the service's database, for every worker.
+
+    A run's ``KillSwitch`` asks ``reason`` ten times a second; one source serves every run of
+    its process and reads the (small) table of pulled switches at most every ``poll_s``, so
+    a worker costs the database one query per ``poll_s`` however many runs it holds. Live
+    marks are written at most every ``beat_s`` per run (they count for ``LIVE_FOR_S``)."""
+
+    def __init__(self, store: ServiceStore, *, poll_s: float = 0.5, beat_s: float = 4.0) -> None:
+        self.db = store.db
+        self.kills = f"{store.ns}_kills"
+        self.marks = f"{store.ns}_live"
+        self.poll_s = poll_s
+        self.beat_s = beat_s
+        self._lock = threading.Lock()
+        self._read_at = 0.0
+        self._pulled: dict[str, str] = {}
+        self._beats: dict[str, float] = {}
+
+    def reason(self, run_id: str) -> str | None:
+        with self._lock:
+            if time.monotonic() - self._read_at >= self.poll_s:
+                rows = self.db.query(f"SELECT run_id, reason FROM {self.kills}")
+                self._pulled = {str(r[0]): str(r[1]) for r in rows}
+                self._read_at = time.monotonic()
+            return self._pulled.get(run_id)
+
+    def kill(self, run_id: str, reason: str) -> None:
+        self.db.write(
+            [
+                (
+                    f"INSERT INTO {self.kills} VALUES (?, ?, ?) "
+                    "ON CONFLICT (run_id) DO UPDATE SET reason = excluded.reason",
+                    [(run_id, reason or "killed", time.time_ns())],
+                )
+            ]
+        )
+
+    def clear(self, run_id: str) -> None:
+        self.db.write([(f"DELETE FROM {self.kills} WHERE run_id = ?", [(run_id,)])])
+        with self._lock:
+            self._pulled.pop(run_id, None)
+
+    def mark_live(self, run_id: str, info: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._beats.get(run_id, -1e9) < self.beat_s:
+                return
+            self._beats[run_id] = now
+        self.db.write(
+            [
+                (
+                    f"INSERT INTO {self.marks} VALUES (?, ?, ?) ON CONFLICT (run_id) DO UPDATE "
+                    "SET info = excluded.info, beat_ns = excluded.beat_ns",
+                    [(run_id, info, time.time_ns())],
+                )
+            ]
+        )
+
+    def unmark_live(self, run_id: str) -> None:
+        with self._lock:
+            self._beats.pop(run_id, None)
+        self.db.write([(f"DELETE FROM {self.marks} WHERE run_id = ?", [(run_id,)])])
+
+    def live(self, run_id: str) -> str | None:
+        rows = self.db.query(f"SELECT info, beat_ns FROM {self.marks} WHERE run_id = ?", (run_id,))
+        if not rows or time.time_ns() - _int(rows[0][1]) > LIVE_FOR_S * 1e9:
+            return None
+        return str(rows[0][0])

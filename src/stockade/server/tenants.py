@@ -1,0 +1,220 @@
+"""Tenants, their quotas and policies, and the API tokens bound to them.
+
+A tenants file (TOML) names each tenant, its policy file (whose roles the tokens name), its
+quotas and its rate and spend limits, and lists the tokens, stored hashed:
+
+    [tenants.acme]
+    policy = "acme-policy.toml"     # relative to this file; left out: the default policy
+    sandboxes = 10                   # live sandboxes at once
+    cpus = 8.0                       # their CPUs, added up
+    memory_mb = 8192                 # their memory, added up
+    runs = 100                       # runs queued or running at once
+    rate_per_minute = 600            # API calls and tool actions per rolling minute
+    dollars_per_hour = 5.0           # model spend per rolling hour, over every run
+
+    [[tokens]]
+    id = "3f9a1c0b7d2e"
+    sha256 = "…"                     # of the token's secret part
+    tenant = "acme"
+    role = "developer"               # a role of acme's policy (required when it has roles)
+
+A token is ``stk_<id>_<secret>``: the id finds its record (it is not secret), and the
+secret's SHA-256 is compared with the stored one in constant time. An unknown id is
+compared against a dummy digest, so that a wrong token costs the same whatever is wrong
+with it. ``new_token`` makes one (``stockade token new``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from stockade import exceptions as exc
+from stockade.policy.load import load_policy
+from stockade.policy.schema import Policy
+
+__all__ = ["Principal", "Quotas", "Tenant", "Tenants", "TokenRecord", "new_token", "parse_token"]
+
+TENANT_ID = re.compile(r"^[a-z][a-z0-9_]{0,23}$")  # also a table-name prefix (audit namespaces)
+_TOKEN = re.compile(r"^stk_([0-9a-f]{12})_([A-Za-z0-9_-]{20,128})$")
+_DUMMY = hashlib.sha256(b"stockade: no such token").hexdigest()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Quotas:
+    """What one tenant may hold at once."""
+
+    sandboxes: int = 10
+    cpus: float = 8.0
+    memory_mb: int = 8192
+    runs: int = 100
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tenant:
+    id: str
+    policy: Policy = field(default_factory=Policy)
+    quotas: Quotas = field(default_factory=Quotas)
+    rate_per_minute: int | None = None
+    dollars_per_hour: float | None = None
+
+    @property
+    def audit_namespace(self) -> str:
+        """The tables of this tenant's audit trail: a chain of its own."""
+        return f"audit_t_{self.id}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenRecord:
+    id: str
+    sha256: str
+    tenant: str
+    role: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Principal:
+    """Who a request is from: a tenant, under one role of its policy."""
+
+    tenant: Tenant
+    role: str | None
+    token_id: str
+
+
+class _TenantEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    policy: str | None = None
+    sandboxes: int = Field(default=10, ge=0)
+    cpus: float = Field(default=8.0, ge=0)
+    memory_mb: int = Field(default=8192, ge=0)
+    runs: int = Field(default=100, ge=0)
+    rate_per_minute: int | None = Field(default=None, gt=0)
+    dollars_per_hour: float | None = Field(default=None, gt=0)
+
+
+class _TokenEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: str = Field(pattern=r"^[0-9a-f]{12}$")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    tenant: str
+    role: str | None = None
+
+
+class _File(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tenants: dict[str, _TenantEntry] = {}
+    tokens: list[_TokenEntry] = []
+
+
+def _digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def parse_token(token: str) -> tuple[str, str] | None:
+    """``(id, secret)`` of a well-formed token, else None."""
+    match = _TOKEN.match(token)
+    return (match.group(1), match.group(2)) if match else None
+
+
+def new_token(tenant: str, role: str | None = None) -> tuple[str, TokenRecord]:
+    """A fresh token (shown once) and the record to keep (its secret hashed)."""
+    token_id, secret = secrets.token_hex(6), secrets.token_urlsafe(32)
+    return f"stk_{token_id}_{secret}", TokenRecord(
+        id=token_id, sha256=_digest(secret), tenant=tenant, role=role
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Tenants:
+    tenants: Mapping[str, Tenant]
+    tokens: Mapping[str, TokenRecord]
+
+    def __post_init__(self) -> None:
+        for tenant_id in self.tenants:
+            if not TENANT_ID.match(tenant_id):
+                raise exc.InvalidArgument(
+                    f"tenant id {tenant_id!r} is not valid",
+                    argument="tenants",
+                    fix=f"use lowercase letters, digits and _ ({TENANT_ID.pattern})",
+                )
+        for record in self.tokens.values():
+            tenant = self.tenants.get(record.tenant)
+            if tenant is None:
+                raise exc.InvalidArgument(
+                    f"token {record.id} names tenant {record.tenant!r}, which is not defined",
+                    argument="tokens.tenant",
+                    fix=f"define [tenants.{record.tenant}] or use one of {', '.join(self.tenants) or 'none'}",
+                )
+            roles = tenant.policy.roles
+            if roles and record.role not in roles:
+                raise exc.InvalidArgument(
+                    f"token {record.id} has role {record.role!r}, which tenant {record.tenant!r}'s policy "
+                    "does not define",
+                    argument="tokens.role",
+                    fix=f"give one of {', '.join(roles)}",
+                )
+
+    @classmethod
+    def load(cls, path: str | Path) -> Tenants:
+        path = Path(path)
+        try:
+            raw = tomllib.loads(path.read_text())
+        except OSError as error:
+            raise exc.ConfigurationError(f"cannot read the tenants file {path}: {error}") from None
+        except tomllib.TOMLDecodeError as error:
+            raise exc.ConfigurationError(f"{path}: not valid TOML: {error}") from None
+        try:
+            parsed = _File.model_validate(raw)
+        except ValidationError as error:
+            problems = tuple(
+                f"{path}: {'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in error.errors()
+            )
+            raise exc.PolicyFileError(f"{path} is not a valid tenants file", problems=problems) from None
+        tenants = {}
+        for tenant_id, entry in parsed.tenants.items():
+            policy = load_policy(path.parent / entry.policy) if entry.policy else Policy()
+            tenants[tenant_id] = Tenant(
+                id=tenant_id,
+                policy=policy,
+                quotas=Quotas(
+                    sandboxes=entry.sandboxes, cpus=entry.cpus, memory_mb=entry.memory_mb, runs=entry.runs
+                ),
+                rate_per_minute=entry.rate_per_minute,
+                dollars_per_hour=entry.dollars_per_hour,
+            )
+        tokens = {
+            t.id: TokenRecord(id=t.id, sha256=t.sha256, tenant=t.tenant, role=t.role) for t in parsed.tokens
+        }
+        return cls(tenants=tenants, tokens=tokens)
+
+    def authenticate(self, token: str) -> Principal:
+        """The principal of ``token``; ``AuthenticationError`` for any token it is not."""
+        parsed = parse_token(token)
+        token_id, secret = parsed if parsed is not None else ("", token)
+        record = self.tokens.get(token_id)
+        expected = record.sha256 if record is not None else _DUMMY
+        matches = hmac.compare_digest(_digest(secret), expected)
+        if record is None or not matches:
+            raise exc.AuthenticationError(
+                "the API token is not one this service knows: send `Authorization: Bearer stk_…` with a "
+                "token made by `stockade token new`"
+            )
+        return Principal(tenant=self.tenants[record.tenant], role=record.role, token_id=record.id)
+
+    def toml_lines(self, record: TokenRecord) -> str:
+        """The lines that add ``record`` to a tenants file."""
+        role = f'\nrole = "{record.role}"' if record.role else ""
+        return (
+            f'[[tokens]]\nid = "{record.id}"\nsha256 = "{record.sha256}"\ntenant = "{record.tenant}"{role}\n'
+        )

@@ -1,0 +1,200 @@
+"""The service under test: real ``stockade serve`` (uvicorn on 127.0.0.1, a free port) and real
+``stockade worker`` processes, on SQLite or on a PostgreSQL schema of the test's own, with a
+Redis queue (and key prefix) of its own. Everything is removed afterwards: processes (their
+whole process groups), the schema, the Redis keys."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import require
+from tests.integration.run_stores import POSTGRES_URL, postgres_reachable
+
+REPO = Path(__file__).resolve().parents[2]
+REDIS_URL = os.environ.get("STOCKADE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+POLICY = """\
+version = 1
+[trust]
+level = "trusted"
+[models]
+approved = ["scripted*"]
+[commands]
+approve = ["rm -r"]
+[roles.dev]
+tiers = ["process"]
+[roles.viewer]
+tiers = ["process"]
+tools = ["read_file", "list_files"]
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Tokens:
+    acme: str
+    acme_viewer: str
+    other: str
+
+
+def write_tenants(
+    folder: Path, *, sandboxes: int = 3, memory_mb: int = 2048, runs: int = 50
+) -> tuple[Path, Tokens]:
+    from stockade.server.tenants import Tenants, new_token
+
+    (folder / "policy.toml").write_text(POLICY)
+    acme, acme_record = new_token("acme", "dev")
+    viewer, viewer_record = new_token("acme", "viewer")
+    other, other_record = new_token("other", "dev")
+    lines = [
+        f'[tenants.acme]\npolicy = "policy.toml"\nsandboxes = {sandboxes}\ncpus = 4\n'
+        f"memory_mb = {memory_mb}\nruns = {runs}\n",
+        '[tenants.other]\npolicy = "policy.toml"\n',
+    ]
+    empty = Tenants(tenants={}, tokens={})
+    lines += [empty.toml_lines(r) for r in (acme_record, viewer_record, other_record)]
+    path = folder / "tenants.toml"
+    path.write_text("\n".join(lines))
+    Tenants.load(path)
+    return path, Tokens(acme=acme, acme_viewer=viewer, other=other)
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")])
+    env.update(extra or {})
+    return env
+
+
+class Process:
+    """A child in a process group of its own: stopped with SIGTERM, then SIGKILL, whole."""
+
+    def __init__(
+        self, argv: list[str], log: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+    ):
+        self.log = log
+        self._out = log.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "stockade.cli.main", *argv], stdout=self._out, stderr=subprocess.STDOUT,
+            env=_env(env), cwd=cwd, start_new_session=True,
+        )  # fmt: skip
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def kill_group(self, sig: int = signal.SIGKILL) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # to the service, as a supervisor would
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout_s)
+        self.kill_group(signal.SIGKILL)  # what is left of the group (a pool's children)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        self._out.close()
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+class Server(Process):
+    def __init__(self, tenants: Path, db: str, folder: Path, *, redis: str | None = None,
+                 queue: str = "stockade", extra: list[str] | None = None):  # fmt: skip
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = ["serve", "--tenants", str(tenants), "--db", db, "--port", str(self.port), "--queue", queue]
+        if redis:
+            argv += ["--redis", redis, "--visibility-timeout", "5"]
+        super().__init__([*argv, *(extra or [])], folder / f"server-{self.port}.log", cwd=folder)
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        import httpx2
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the server exited: {self.output()[-3000:]}")
+            try:
+                if httpx2.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx2.TransportError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"the server did not start: {self.output()[-3000:]}")
+
+
+class Worker(Process):
+    def __init__(self, tenants: Path, db: str, redis: str, queue: str, folder: Path, name: str,
+                 tools: str | None = None, env: dict[str, str] | None = None):  # fmt: skip
+        argv = ["worker", "--tenants", str(tenants), "--db", db, "--redis", redis, "--queue", queue,
+                "--concurrency", "1", "--name", f"{name}@{queue}", "--visibility-timeout", "5"]  # fmt: skip
+        if tools:
+            argv += ["--tools", tools]
+        super().__init__(argv, folder / f"worker-{name}.log", env=env, cwd=folder)
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    """A PostgreSQL URL whose tables land in a schema of this test's own (dropped afterwards)."""
+    ok, why = postgres_reachable()
+    require("postgres", ok, why)
+    import psycopg
+
+    schema = f"svc_{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}".encode())
+    sep = "&" if "?" in POSTGRES_URL else "?"
+    try:
+        yield f"{POSTGRES_URL}{sep}options=-csearch_path%3D{schema}"
+    finally:
+        with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA {schema} CASCADE".encode())
+
+
+@pytest.fixture
+def redis_queue() -> Iterator[str]:
+    """A Celery queue name (and Redis key prefix) of this test's own; its keys are deleted after."""
+    try:
+        import redis
+
+        client = redis.Redis.from_url(REDIS_URL, socket_timeout=2)
+        client.ping()
+        ok, why = True, ""
+    except Exception as error:
+        ok, why = False, f"{REDIS_URL}: {error}"
+    require("redis", ok, why)
+    queue = f"stockade_test_{uuid.uuid4().hex[:10]}"
+    try:
+        yield queue
+    finally:
+        for pattern in (f"{queue}*", f"*{queue}*"):
+            keys = list(client.scan_iter(match=pattern, count=1000))
+            if keys:
+                client.delete(*keys)
+        client.close()

@@ -1,0 +1,326 @@
+"""``stockade serve`` embedded (SQLite, runs in the server's process), through real HTTP and the
+Python client: sandboxes, runs, tenants, quotas, and bad input answered with a clear 4xx."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2
+import pytest
+
+from stockade import Limits
+from stockade import exceptions as exc
+from stockade.client import Client, RemoteSandbox
+from tests.conftest import require_tier
+from tests.integration.service_env import Server, Tokens, write_tenants
+
+pytestmark = [pytest.mark.process]
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Tokens, Path]]:
+    require_tier("process")
+    folder = tmp_path_factory.mktemp("service")
+    tenants, tokens = write_tenants(folder)
+    server = Server(tenants, f"sqlite:///{folder / 'service.db'}", folder)
+    try:
+        yield server, tokens, folder
+    finally:
+        server.stop()
+    # uvicorn stops cleanly on SIGTERM, then re-raises it (exit by the signal)
+    assert server.proc.returncode in (0, -15), server.output()[-3000:]
+    assert "Traceback" not in server.output(), server.output()[-3000:]
+
+
+@pytest.fixture
+def acme(service: tuple[Server, Tokens, Path]) -> Iterator[Client]:
+    server, tokens, _ = service
+    with Client(server.url, tokens.acme) as client:
+        yield client
+
+
+def raw(service: tuple[Server, Tokens, Path], token: str | None = None) -> httpx2.Client:
+    server, tokens, _ = service
+    headers = {"Authorization": f"Bearer {token if token is not None else tokens.acme}"}
+    return httpx2.Client(base_url=server.url, headers=headers, timeout=60)
+
+
+def tar_of(members: list[tarfile.TarInfo], contents: dict[str, bytes] | None = None) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT, encoding="utf-8",
+                      errors="surrogateescape") as tar:  # fmt: skip
+        for info in members:
+            data = (contents or {}).get(info.name, b"")
+            info.size = len(data) if info.isfile() else 0
+            tar.addfile(info, io.BytesIO(data) if info.isfile() else None)
+    return buffer.getvalue()
+
+
+def member(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.linkname = link
+    return info
+
+
+# -- sandboxes -------------------------------------------------------------------------------
+
+
+def test_a_remote_sandbox_is_a_sandbox(acme: Client, tmp_path: Path) -> None:
+    with RemoteSandbox.create(tier="process", limits=Limits(memory_mb=256, timeout_s=20), client=acme) as sbx:
+        assert sbx.tier == "process" and sbx.alive
+        chunks: list[tuple[float, str]] = []
+        result = sbx.commands.run(
+            "for i in 1 2 3; do echo $i; sleep 0.3; done; echo oops >&2; exit 3",
+            on_stdout=lambda text: chunks.append((time.monotonic(), text)),
+        )
+        assert result.exit_code == 3 and result.stdout == "1\n2\n3\n" and result.stderr == "oops\n"
+        assert "".join(t for _, t in chunks) == "1\n2\n3\n"
+        assert chunks[-1][0] - chunks[0][0] > 0.4  # streamed while it ran, not at the end
+        assert sbx.run_code("x = 41").error is None
+        assert sbx.run_code("x + 1").text == "42"  # state persists between calls
+        assert sbx.run_code("echo 42", "bash").logs.stdout == "42\n"
+        sbx.files.write("src/a.py", "print('hi')\n")
+        assert sbx.files.read("src/a.py") == "print('hi')\n"
+        assert [e.name for e in sbx.files.list("src")] == ["a.py"]
+        assert sbx.files.exists("src/a.py") and not sbx.files.exists("nope")
+        (tmp_path / "up" / "d").mkdir(parents=True)
+        (tmp_path / "up" / "d" / "f.txt").write_text("data")
+        sbx.files.upload_dir(tmp_path / "up", "up")
+        got = sbx.files.download_dir(tmp_path / "down", "up")
+        assert got.files == 1 and (tmp_path / "down" / "d" / "f.txt").read_text() == "data"
+        sbx.files.remove("src/a.py")
+        with pytest.raises(exc.SandboxFileNotFound):
+            sbx.files.read("src/a.py")
+        with pytest.raises(exc.PathEscapeError) as escaped:
+            sbx.files.write("../outside.txt", "x")
+        assert escaped.value.path == "../outside.txt"
+    with pytest.raises(exc.ResourceNotFound):
+        acme.http.request("GET", f"/v1/sandboxes/{sbx.id}")
+
+
+def test_a_killed_sandbox_stops_mid_command(acme: Client) -> None:
+    import threading
+
+    sbx = RemoteSandbox.create(tier="process", client=acme)
+    failure: list[BaseException] = []
+
+    def long_command() -> None:
+        try:
+            sbx.commands.run("sleep 30")
+        except BaseException as error:
+            failure.append(error)
+
+    thread = threading.Thread(target=long_command)
+    thread.start()
+    time.sleep(1.0)
+    started = time.monotonic()
+    sbx.kill()
+    thread.join(15)
+    assert time.monotonic() - started < 10 and failure
+    assert isinstance(failure[0], exc.SandboxError), failure
+    assert not sbx.alive
+    sbx.close()
+
+
+def test_another_tenant_sees_nothing_and_gets_404(service: tuple[Server, Tokens, Path], acme: Client) -> None:
+    server, tokens, _ = service
+    with RemoteSandbox.create(tier="process", client=acme) as sbx, Client(server.url, tokens.other) as other:
+        for method, path in (("GET", ""), ("DELETE", ""), ("POST", "/kill"), ("GET", "/files")):
+            with pytest.raises(exc.ResourceNotFound):
+                other.http.request(method, f"/v1/sandboxes/{sbx.id}{path}")
+        assert other.sandboxes() == []
+        run = acme.runs.submit("noop", scripted=["done"])
+        with pytest.raises(exc.ResourceNotFound):
+            other.runs.get(run.id)
+        with pytest.raises(exc.ResourceNotFound):
+            other.http.request("POST", f"/v1/runs/{run.id}/kill", json={})
+        assert all(r.id != run.id for r in other.runs.list())
+        assert sbx.alive and run.wait().status == "success"
+
+
+def test_the_role_is_asked_before_anything_runs(service: tuple[Server, Tokens, Path]) -> None:
+    with raw(service) as http:
+        refused = http.post("/v1/sandboxes", json={"tier": "docker"})
+        assert refused.status_code == 403
+        assert refused.headers["content-type"] == "application/problem+json"
+        assert refused.json()["error"] == "PolicyDenied" and "process" in refused.json()["detail"]
+        network = http.post("/v1/sandboxes", json={"tier": "process", "network": {"enabled": True}})
+        assert network.status_code == 403 and network.json()["rule"] == "network.enabled"
+        model = http.post("/v1/runs", json={"task": "x", "model": "openai:gpt-4.1"})
+        assert model.status_code in (403, 422), model.text  # not approved (or no SDK): never queued
+    server, _, _ = service
+    with Client(server.url, service[1].acme_viewer) as viewer:
+        write = {"name": "write_file", "args": {"path": "a", "content": "x"}}
+        run = viewer.runs.submit("write", scripted=[write, "done"])
+        run.wait()
+        assert run.diff() == ""  # the viewer's role has no write_file: denied, nothing written
+
+
+def test_quotas_hold(service: tuple[Server, Tokens, Path], acme: Client) -> None:
+    held = [RemoteSandbox.create(tier="process", limits=Limits(memory_mb=256), client=acme) for _ in range(3)]
+    try:
+        with pytest.raises(exc.QuotaExceeded) as full:
+            RemoteSandbox.create(tier="process", limits=Limits(memory_mb=256), client=acme)
+        assert full.value.quota == "sandboxes"
+    finally:
+        for sbx in held:
+            sbx.close()
+    with pytest.raises(exc.QuotaExceeded) as memory:
+        RemoteSandbox.create(tier="process", limits=Limits(memory_mb=4096), client=acme)
+    assert memory.value.quota == "memory_mb"
+    RemoteSandbox.create(tier="process", client=acme).close()  # freed
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+def test_bad_input_gets_a_clear_4xx_and_the_audit_trail_still_verifies(
+    service: tuple[Server, Tokens, Path], acme: Client, tmp_path: Path
+) -> None:
+    server, _, folder = service
+    before = sorted(p.name for p in folder.iterdir())
+    with RemoteSandbox.create(tier="process", client=acme) as sbx, raw(service) as http:
+        base = f"/v1/sandboxes/{sbx.id}"
+        cases: list[tuple[httpx2.Response, int, str]] = [
+            (http.post("/v1/sandboxes", content=b'{"tier": ', headers={"Content-Type": "application/json"}),
+             400, "body"),
+            (http.post("/v1/sandboxes", json={"tier": "process", "colour": "red"}), 422, "colour"),
+            (http.post("/v1/sandboxes", json={"limits": {"memory_mb": 1}}), 422, "Limits.memory_mb"),
+            (http.post("/v1/runs", json={"task": ""}), 422, "task"),
+            (http.put(f"{base}/archive", content=tar_of([member("../evil.txt")], {"../evil.txt": b"x"})),
+             422, ""),
+            (http.put(f"{base}/archive", content=tar_of([member("link", tarfile.SYMTYPE, "/etc/passwd")])),
+             422, ""),
+            (http.put(f"{base}/archive", content=tar_of([member("a/../../b", tarfile.SYMTYPE, "x")])),
+             422, ""),
+            (http.put(f"{base}/archive", content=tar_of([member("name-\udcff.txt")])), 422, "body"),
+            (http.put(f"{base}/archive", content=b"not a tar at all" * 10), 422, "body"),
+            (http.post("/v1/workspaces", content=tar_of([member("up/../../x")])), 422, ""),
+            (http.put(f"{base}/files/content", params={"path": "big"}, content=b"x" * (64 * 1024 * 1024 + 1)),
+             413, ""),
+            (http.post("/v1/workspaces", content=gzip.compress(b"not a tar, gzipped")), 422, "body"),
+        ]  # fmt: skip
+        for response, status, field in cases:
+            assert response.status_code == status, (response.request.url, response.text)
+            body = response.json()
+            assert response.headers["content-type"] == "application/problem+json"
+            assert body["status"] == status and body["detail"] and body["type"].startswith("/problems/")
+            if field:
+                assert body["field"] == field, body
+            if status == 422 and "archive" in str(response.request.url):
+                assert body["fix"] or body["error"] in ("PathEscapeError",), body
+        assert sbx.files.list("") == []  # nothing of it reached the workspace
+        for headers in ({}, {"Authorization": "Bearer stk_000000000000_wrongwrongwrongwrongwrong"},
+                        {"Authorization": "Basic abc"}):  # fmt: skip
+            anonymous = httpx2.get(server.url + "/v1/sandboxes", headers=headers)
+            assert anonymous.status_code == 401 and anonymous.json()["error"] == "AuthenticationError"
+            assert anonymous.headers["www-authenticate"].startswith("Bearer")
+        assert http.get("/v1/nothing").status_code == 404
+    assert sorted(p.name for p in folder.iterdir()) == before  # nothing new beside the service's files
+    assert not Path("/evil.txt").exists() and not (folder.parent / "evil.txt").exists()
+    report = acme.verify_audit()
+    assert report["ok"], report
+
+
+def test_openapi_is_generated(service: tuple[Server, Tokens, Path]) -> None:
+    server, _, _ = service
+    spec = httpx2.get(server.url + "/openapi.json").json()
+    assert {"/v1/sandboxes", "/v1/runs", "/v1/runs/{run_id}/events"} <= set(spec["paths"])
+    problem = httpx2.get(server.url + "/problems/path-escape").json()
+    assert problem["status"] == 422 and problem["error"] == "PathEscapeError"
+
+
+# -- runs -------------------------------------------------------------------------------------
+
+
+def test_a_run_is_submitted_followed_and_its_diff_and_artifacts_fetched(acme: Client, tmp_path: Path) -> None:
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "app.py").write_text("print('v1')\n")
+    turns = [
+        {"name": "read_file", "args": {"path": "app.py"}},
+        {"name": "write_file", "args": {"path": "app.py", "content": "print('v2')\n"}},
+        "updated app.py",
+    ]
+    run = acme.runs.submit("update app.py", scripted=turns, workspace=tmp_path / "project",
+                           labels={"team": "core"}, idempotency_key="update-1")  # fmt: skip
+    again = acme.runs.submit("update app.py", scripted=turns, workspace=tmp_path / "project",
+                             labels={"team": "core"}, idempotency_key="update-1")  # fmt: skip
+    assert again.id == run.id  # the same submission twice is one run
+    kinds = [event.kind for event in run.events()]
+    assert kinds[0] == "status" and kinds[-1] == "end"
+    assert {"run_start", "model_call", "tool_call", "run_end"} <= set(kinds)
+    done = run.wait()
+    assert done.status == "success" and done.info["answer"] == "updated app.py" and done.info["steps"] == 3
+    assert "-print('v1')" in run.diff() and "+print('v2')" in run.diff()
+    assert (run.artifacts(tmp_path / "out") / "app.py").read_text() == "print('v2')\n"
+    assert [r.id for r in acme.runs.list(label="team=core")] == [run.id]
+    assert (tmp_path / "project" / "app.py").read_text() == "print('v1')\n"  # the upload was copied
+    with pytest.raises(exc.RunConflict):
+        acme.runs.submit("another task", scripted=["done"], idempotency_key="update-1")
+
+
+def test_a_pending_approval_pauses_the_run_until_decided(acme: Client) -> None:
+    turns = [
+        {"name": "write_file", "args": {"path": "d/f.txt", "content": "x"}},
+        {"name": "run_code", "args": {"code": "rm -r d", "language": "bash"}},
+        "removed",
+    ]
+    run = acme.runs.submit("clean up", scripted=turns)
+    assert run.wait().status == "paused"
+    [request] = run.refresh().info["pending_approvals"]
+    assert "rm -r" in request["action"]
+    events = [e.kind for e in run.events()]
+    assert "approval" in events and events[-1] == "end"
+    run.approve(request["id"])
+    assert run.wait().status == "success"
+    assert [a["status"] for a in run.approvals()] == ["approved"]
+
+
+def test_a_run_is_killed_through_the_api(acme: Client) -> None:
+    sleep = {"name": "run_code", "args": {"code": "import time; time.sleep(60)", "language": "python"}}
+    run = acme.runs.submit("sleep", scripted=[sleep, "never"])
+    deadline = time.monotonic() + 30
+    while run.refresh().status != "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    time.sleep(1.0)
+    started = time.monotonic()
+    run.kill("enough")
+    assert run.wait(timeout_s=30).status == "killed"
+    assert time.monotonic() - started < 15
+    assert any(e.kind == "kill_switch" for e in run.events())
+
+
+def test_runs_go_on_after_the_server_restarts(tmp_path: Path) -> None:
+    require_tier("process")
+    tenants, tokens = write_tenants(tmp_path)
+    db = f"sqlite:///{tmp_path / 'service.db'}"
+    server = Server(tenants, db, tmp_path)
+    try:
+        with Client(server.url, tokens.acme) as client:
+            run = client.runs.submit("slow", scripted=[
+                {"name": "write_file", "args": {"path": "a.txt", "content": "a"}},
+                {"name": "run_code", "args": {"code": "import time; time.sleep(4)", "language": "python"}},
+                "done"])  # fmt: skip
+            deadline = time.monotonic() + 30
+            while run.refresh().info["steps"] < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            time.sleep(1.0)
+    finally:
+        server.stop()  # SIGTERM: the run in progress ends "interrupted", resumable
+    server = Server(tenants, db, tmp_path)
+    try:
+        with Client(server.url, tokens.acme) as client:
+            done = client.runs.get(run.id).wait(timeout_s=60)
+            assert done.status == "success" and done.info["attempts"] == 2, done.info["error"]
+            assert "+a" in done.diff()
+            assert client.verify_audit()["ok"]
+    finally:
+        server.stop()
