@@ -251,7 +251,7 @@ def test_an_agent_gets_its_roles_credential_through_the_proxy(
     from stockade.audit import AuditLog, SQLiteStore
     from stockade.models import ScriptedModel, tool_call
 
-    monkeypatch.setenv("STOCKADE_TEST_API_TOKEN", TOKEN)
+    monkeypatch.setenv("EGRESS_TEST_API_TOKEN", TOKEN)
     policy = tmp_path / "policy.toml"
     policy.write_text(
         f"""
@@ -263,7 +263,7 @@ allow_addresses = ["127.0.0.3/32"]
 resolve = {{ "api.test" = ["127.0.0.3"] }}
 upstream_ca = "{local.ca_file}"
 [credentials.api]
-source = "env:STOCKADE_TEST_API_TOKEN"
+source = "env:EGRESS_TEST_API_TOKEN"
 hosts = ["api.test"]
 [roles.ci]
 credentials = ["api"]
