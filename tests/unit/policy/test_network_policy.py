@@ -72,3 +72,27 @@ def test_mistakes_are_reported(text: str, problem: str) -> None:
     with pytest.raises(exc.PolicyFileError) as bad:
         parse_policy(text)
     assert any(problem in p for p in bad.value.problems), bad.value.problems
+
+
+def test_the_readmes_network_section_is_what_the_code_does() -> None:
+    from pathlib import Path
+
+    text = (Path(__file__).parents[3] / "README.md").read_text()
+    section = text.split("## The network: an allowlist", 1)[1].split("\n## ", 1)[0]
+    toml = section.split("```toml\n", 1)[1].split("```", 1)[0]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    policy = parse_policy("version = 1\n" + toml + '\n[roles.dev]\ntools = ["read_file"]\n')
+    ci = PolicyEngine(policy, role="ci").network_policy()
+    assert [(r.host, r.ports, r.methods) for r in ci.host_rules] == [
+        ("pypi.org", (80, 443), ()),
+        ("files.pythonhosted.org", (80, 443), ()),
+        ("api.github.com", (443,), ("GET",)),
+    ]
+    assert [(c.name, c.hosts, c.style) for c in ci.credentials] == [("github", ("api.github.com",), "bearer")]
+    dev = PolicyEngine(policy, role="dev").network_policy()
+    assert [r.host for r in dev.host_rules] == ["pypi.org", "files.pythonhosted.org"]
+    assert dev.credentials == ()
+    namespace: dict[str, object] = {}
+    exec(code.split("with ", 1)[0], namespace)  # the sandbox itself needs the internet: not here
+    assert namespace["allow"].egress  # type: ignore[attr-defined]
+    compile(code, "README.md", "exec")
