@@ -296,3 +296,52 @@ credentials = ["api"]
     assert ("run-ci", "GET", "api") in by_run and ("run-reader", "CONNECT", "") in by_run
     assert not any(run == "run-reader" and name for run, _, name in by_run)
     assert TOKEN.encode() not in (tmp_path / "audit.db").read_bytes()
+
+
+def test_a_service_sandbox_gets_the_tenants_rules_and_credential_for_the_hosts_it_names(
+    local: Servers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stockade serve: a remote sandbox names hosts; the tenant's policy gives their rules
+    and the role's credential, added by the proxy in the server's process."""
+    require_tier("process")
+    from stockade import exceptions as exc
+    from stockade.client import Client, RemoteSandbox
+    from tests.integration.service_env import Server, write_tenants
+
+    monkeypatch.setenv("EGRESS_TEST_API_TOKEN", TOKEN)  # the server's environment: the host's
+    tenants, tokens = write_tenants(tmp_path)
+    (tmp_path / "policy.toml").write_text(
+        f"""version = 1
+[trust]
+level = "trusted"
+[network]
+allow = [{{ host = "api.test", ports = [{local.https_port}] }}]
+allow_addresses = ["127.0.0.3/32"]
+resolve = {{ "api.test" = ["127.0.0.3"] }}
+upstream_ca = "{local.ca_file}"
+[credentials.api]
+source = "env:EGRESS_TEST_API_TOKEN"
+hosts = ["api.test"]
+roles = ["dev"]
+[roles.dev]
+tiers = ["process"]
+[roles.viewer]
+tiers = ["process"]
+"""
+    )
+    server = Server(tenants, f"sqlite:///{tmp_path / 'service.db'}", tmp_path)
+    try:
+        with Client(server.url, tokens.acme) as client:
+            with pytest.raises(exc.PolicyDenied, match=r"api\.test"):
+                RemoteSandbox.create(tier="process", network=NetworkPolicy(allow_hosts=("pkg.test",)),
+                                     client=client)  # fmt: skip
+            network = NetworkPolicy(allow_hosts=("api.test",))
+            with RemoteSandbox.create(tier="process", limits=LIMITS, network=network, client=client) as sbx:
+                url = f"https://api.test:{local.https_port}/auth"
+                fetch = f"import urllib.request; print(urllib.request.urlopen('{url}').read())"
+                r = sbx.commands.run(f'python3 -c "{fetch}"; env')
+        assert "authorized=True" in r.stdout, r.stdout + r.stderr
+        assert TOKEN not in r.stdout + r.stderr
+    finally:
+        server.stop()
+    assert "Traceback" not in server.output(), server.output()[-3000:]
