@@ -67,6 +67,7 @@ class EventKind(enum.StrEnum):
     CHECK = "check"
     RUN_CRASH = "run_crash"  # found on resume: the run's process died while running it
     EXEC = "exec"  # a program the sandbox's rules judged at its exec, inside the sandbox
+    EGRESS = "egress"  # a request through the sandbox's egress proxy, allowed or refused
 
 
 def canonical(obj: Mapping[str, Any]) -> bytes:

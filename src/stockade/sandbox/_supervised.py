@@ -91,6 +91,9 @@ class Boundary(abc.ABC):
     """What a tier provides around the supervisor."""
 
     _dead = False  # set by the first kill()
+    # The sandbox's egress proxy (stockade.egress), when it has one: closed first on kill,
+    # so its connections and credentials are gone before anything else is torn down.
+    egress: Any = None
 
     def kill(self) -> None:
         """Kill every process of the sandbox, now. Idempotent: ``_kill`` runs once, in the
@@ -99,6 +102,8 @@ class Boundary(abc.ABC):
             if self._dead:
                 return
             self._dead = True
+        if self.egress is not None:
+            self.egress.close()
         self._kill()
 
     @abc.abstractmethod
@@ -595,8 +600,11 @@ def _entry(raw: Any) -> EntryInfo:
     )
 
 
-def supervisor_config(spec: SandboxSpec, rlimits: dict[str, int] | None = None) -> dict[str, Any]:
-    """The ``init`` frame every tier sends: the environment, caps and default timeout."""
+def supervisor_config(
+    spec: SandboxSpec, rlimits: dict[str, int] | None = None, egress: Any = None
+) -> dict[str, Any]:
+    """The ``init`` frame every tier sends: the environment, caps and default timeout; with
+    ``egress`` (a ``stockade.egress.Attachment``), the proxy's variables and the relay."""
     env = {
         "PATH": "/usr/local/bin:/usr/bin:/bin",
         "HOME": "/tmp",
@@ -605,8 +613,10 @@ def supervisor_config(spec: SandboxSpec, rlimits: dict[str, int] | None = None) 
         "TMPDIR": "/tmp",
         "MPLBACKEND": "Agg",
     }
+    if egress is not None:
+        env.update(egress.env)
     env.update(spec.envs)
-    return {
+    config: dict[str, Any] = {
         "env": env,
         "workspace": WORKSPACE,
         "output_cap": spec.limits.output_bytes,
@@ -614,3 +624,6 @@ def supervisor_config(spec: SandboxSpec, rlimits: dict[str, int] | None = None) 
         # Descriptors per process, so that the sandbox's processes hold open_files in all.
         "rlimits": {"RLIMIT_NOFILE": spec.limits.files_per_process, **(rlimits or {})},
     }
+    if egress is not None:
+        config["egress"] = egress.relay
+    return config

@@ -17,6 +17,7 @@ from typing import Any, TypeVar, cast
 from stockade.sandbox.ops import Op
 from stockade.types import (
     CommandResult,
+    EgressRecord,
     Enforcement,
     EntryInfo,
     ExecRecord,
@@ -60,6 +61,8 @@ class SandboxSpec:
     # Asked, on the host, about an exec the rules send for approval; True lets it run.
     # Without one, such an exec is refused.
     approver: Callable[[ExecRecord], bool] | None = None
+    # Told, on the host, of every request through the sandbox's egress proxy (the audit).
+    egress_observer: Callable[[EgressRecord], None] | None = None
 
 
 class Instance(abc.ABC):

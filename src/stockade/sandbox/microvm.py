@@ -7,9 +7,11 @@ image (built once per rootfs and cached), puts size- and inode-limited tmpfs on 
 no_new_privs and the process tier's seccomp filter. The host talks to it over a
 virtio-serial port whose other end is one half of a socketpair handed to QEMU.
 
-No network device exists in the guest; memory is the guest's RAM (plus RLIMIT_AS per
-process, so one hog gets a MemoryError, as on the gVisor tier), CPUs are virtual CPUs,
-processes are counted by RLIMIT_NPROC of the only user inside. The emulator is TCG by
+No network device exists in the guest: with an allowlist, a second virtio-serial port
+carries its connections to the egress proxy (``stockade.egress``). Memory is the guest's
+RAM (plus RLIMIT_AS per process, so one hog gets a MemoryError, as on the gVisor tier),
+CPUs are virtual CPUs, processes are counted by RLIMIT_NPROC of the only user inside. The
+emulator is TCG by
 default: nested KVM is often missing or hangs (``STOCKADE_MICROVM_ACCEL=kvm`` to opt in).
 """
 
@@ -32,6 +34,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from stockade import exceptions as exc
 from stockade.sandbox import _cgroups, _guest, _rules
@@ -78,12 +81,16 @@ $B mount -t devtmpfs dev /dev
 $B mount -t proc proc /proc
 $B mount -t sysfs sys /sys
 for m in MODULES; do $B insmod /lib/modules/$m.ko || fail "insmod $m"; done
-port=""; i=0
+egress=""; $B grep -q stockade_egress=1 /proc/cmdline && egress=1
+port=""; eport=""; i=0
 while :; do
   for f in /sys/class/virtio-ports/*/name; do
-    [ "$($B cat "$f" 2>/dev/null)" = PORT ] && port=${f%/name} && port=${port##*/}
+    n="$($B cat "$f" 2>/dev/null)"; d=${f%/name}; d=${d##*/}
+    [ "$n" = PORT ] && port=$d
+    [ "$n" = PORT-egress ] && eport=$d
   done
-  [ -n "$port" ] && [ -e "/dev/$port" ] && [ -e /dev/vda ] && break
+  ok=1; [ -n "$egress" ] && { [ -n "$eport" ] && [ -e "/dev/$eport" ] || ok=""; }
+  [ -n "$port" ] && [ -e "/dev/$port" ] && [ -e /dev/vda ] && [ -n "$ok" ] && break
   i=$((i+1)); [ $i -gt 5000 ] && fail "virtio devices missing"
   $B usleep 1000
 done
@@ -115,6 +122,8 @@ $B mount -o remount,ro,nosuid,nodev kernel $R/opt/stockade
 $B hostname sandbox
 $B ip link set lo up 2>/dev/null
 exec 0<>$R/dev/$port 1>&0 2>/dev/console
+# The egress port (only with an allowlist): the supervisor's relay reads it as fd 9.
+[ -n "$eport" ] && exec 9<>$R/dev/$eport
 $B umount -l /dev /proc /sys
 exec $B switch_root $R /bin/sh /opt/stockade/start.sh
 """
@@ -391,11 +400,11 @@ class MicroVMBackend(Backend):
             )
 
     def _plan(self, spec: SandboxSpec) -> Enforcement:
-        if spec.network.enabled:
+        if spec.network.unrestricted:
             raise exc.LimitNotEnforceable(
-                "the microvm tier has no network device",
+                "the microvm tier has no network device: only an allowlist, through its egress proxy",
                 setting="network",
-                fix="use tier='docker' for network access",
+                fix="list the hosts (NetworkPolicy(allow_hosts=...)), or use tier='docker'",
             )
         weakened: tuple[str, ...] = ()
         if self._cgroups.mechanism is Mechanism.NONE:
@@ -411,7 +420,7 @@ class MicroVMBackend(Backend):
             cpus=Mechanism.VM,
             pids=Mechanism.RLIMIT,
             disk=Mechanism.TMPFS,
-            network=Mechanism.VM,
+            network=Mechanism.PROXY if spec.network.egress else Mechanism.VM,
             timeout=Mechanism.SUPERVISOR,
             host=None
             if weakened
@@ -464,6 +473,7 @@ class MicroVMBackend(Backend):
         fd: int,
         rundir: Path,
         masks: tuple[str, ...] = (),
+        egress_fd: int | None = None,
     ) -> list[str]:
         assert self.kernel is not None
         image, initrd = files
@@ -474,6 +484,11 @@ class MicroVMBackend(Backend):
         cmdline = f"console=ttyS0 quiet panic=-1 pci=off {clock} stockade_ws={ws} stockade_tmp={tmp}"
         if masks:
             cmdline += f" stockade_mask={','.join(masks)}"
+        egress: list[str] = []
+        if egress_fd is not None:  # a second port: the only way out, to the egress proxy
+            cmdline += " stockade_egress=1"
+            egress = ["-chardev", f"socket,id=egress,fd={egress_fd}",
+                      "-device", f"virtserialport,chardev=egress,name={PORT_NAME}-egress"]  # fmt: skip
         return [
             # Dies with its creator even when this process is killed outright.
             self.setpriv, "--pdeathsig", "KILL", "--",
@@ -492,6 +507,7 @@ class MicroVMBackend(Backend):
             "-device", "virtio-serial-device",
             "-chardev", f"socket,id=port,fd={fd}",
             "-device", f"virtserialport,chardev=port,name={PORT_NAME}",
+            *egress,
         ]  # fmt: skip
 
     def start(self, spec: SandboxSpec) -> SupervisedInstance:
@@ -506,9 +522,18 @@ class MicroVMBackend(Backend):
         proc: subprocess.Popen[bytes] | None = None
         cgroup: _cgroups.Cgroup | None = None
         try:
+            egress, guest_end = _egress_port(spec, rundir, self.rootfs)
+        except BaseException:
+            mine.close()
+            theirs.close()
+            shutil.rmtree(rundir, ignore_errors=True)
+            raise
+        passed = (theirs.fileno(),) if guest_end is None else (theirs.fileno(), guest_end.fileno())
+        try:
             argv = self._argv(
-                spec, sid, files=(image, initrd), fd=theirs.fileno(), rundir=rundir, masks=rules.masks
-            )
+                spec, sid, files=(image, initrd), fd=theirs.fileno(), rundir=rundir, masks=rules.masks,
+                egress_fd=None if guest_end is None else guest_end.fileno(),
+            )  # fmt: skip
             if self._cgroups.mechanism is not Mechanism.NONE:
                 # The whole VM under one host limit: the guest's RAM, TCG's code cache, QEMU.
                 cgroup = _cgroups.Cgroup(self._cgroups.mechanism, f"vm-{sid}")
@@ -521,7 +546,7 @@ class MicroVMBackend(Backend):
                     stdout=log,
                     stderr=log,
                     env={"PATH": "/usr/bin:/bin"},
-                    pass_fds=(theirs.fileno(),),
+                    pass_fds=passed,
                     start_new_session=True,
                 )
             creator = _guest.current_creator()
@@ -532,20 +557,25 @@ class MicroVMBackend(Backend):
             if proc is not None:
                 proc.kill()
             mine.close()
+            if egress is not None:
+                egress.close()
             if cgroup is not None:
                 cgroup.remove()
             shutil.rmtree(rundir, ignore_errors=True)
             raise exc.SandboxStartError(f"cannot start QEMU: {err}") from err
         finally:
             theirs.close()
+            if guest_end is not None:
+                guest_end.close()
         boundary = _VMBoundary(proc, mine, rundir, cgroup)
+        boundary.egress = egress
         stream = _SocketStream(mine)
         instance = SupervisedInstance(
             id=sid, tier=self.tier, stream=stream, boundary=boundary, spec=spec, enforcement=enforcement
         )
         weakref.finalize(instance, _guest.abandon, stream, boundary)
         try:
-            config = supervisor_config(spec, _guest.own_kernel_limits(spec).rlimits)
+            config = supervisor_config(spec, _guest.own_kernel_limits(spec).rlimits, egress)
             config["report_oom"] = True  # the guest's kernel kills for memory; the host sees nothing
             instance.handshake(config, START_TIMEOUT_S, rules)
         except exc.SandboxStartError as err:
@@ -556,6 +586,22 @@ class MicroVMBackend(Backend):
             instance.close()
             raise
         return instance
+
+
+def _egress_port(spec: SandboxSpec, rundir: Path, rootfs: Path | None) -> tuple[Any, socket.socket | None]:
+    """With an allowlist: the sandbox's egress proxy, serving the streams of a socketpair
+    whose other end (returned, for QEMU) becomes the guest's egress port."""
+    if not spec.network.egress:
+        return None, None
+    from stockade.egress import attach_port
+
+    host_end, guest_end = socket.socketpair()
+    try:
+        return attach_port(spec, rundir / "egress", host_end, root=rootfs), guest_end
+    except BaseException:
+        host_end.close()
+        guest_end.close()
+        raise
 
 
 def host_memory_mb(spec: SandboxSpec) -> int:
