@@ -5,7 +5,8 @@
 #     <codename>-backports on bookworm, see "packages" below);
 #   * registers runsc as a Docker runtime in /etc/docker/daemon.json
 #     (runtimeArgs --platform=systrap where it runs, else ptrace: the KVM platform
-#     hangs on nested hosts; plus --network=none for old runsc on new kernels, see below);
+#     hangs on nested hosts; plus --network=none for old runsc on new kernels, see below;
+#     --host-uds=open for the egress proxy's socket);
 #   * picks the storage driver: overlay2 when an overlay mount works on the
 #     data root, vfs otherwise;
 #   * starts dockerd in the background when it is not answering (no systemd
@@ -122,7 +123,9 @@ if [[ -z $platform ]]; then
         log "runsc's systrap platform does not run here: using ptrace"
     fi
 fi
-RUNSC_ARGS=(--platform=$platform ${runsc_network:+--network=$runsc_network})
+# --host-uds=open lets a sandbox connect to a host Unix socket bound into it: stockade binds
+# exactly one, its egress proxy's, and only for a sandbox with a network allowlist.
+RUNSC_ARGS=(--platform=$platform ${runsc_network:+--network=$runsc_network} --host-uds=open)
 
 PY=$(command -v /usr/bin/python3 || command -v python3 || true)
 [[ -n $PY ]] || die "python3 is needed to edit $DAEMON_JSON"

@@ -119,7 +119,7 @@ from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import Op
 from stockade.tools.base import Toolset
 from stockade.tools.builtin import default_toolset
-from stockade.types import ExecRecord, Limits, NetworkPolicy, Trust
+from stockade.types import ExecRecord, Limits, Trust
 
 __all__ = ["AgentConfig", "AgentSession", "GuardedAgent", "build_agent", "effective_trust"]
 
@@ -659,12 +659,11 @@ class AgentSession:
             run_id=self.run_id,
             step=lambda: self.step,
         )
-        network = owner.policy.network
         with Sandbox.create(
             backend=backend,
             workspace=workspace,
             limits=owner.config.sandbox_limits,
-            network=NetworkPolicy(enabled=network.enabled, allow_hosts=network.allow_hosts),
+            network=owner.engine.network_policy(),  # the role's hosts and credentials
             rules=owner.engine.sandbox_rules(),
             approver=self._approve_exec,
             allow_weaker=owner.config.allow_weaker,

@@ -5,19 +5,23 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal, Protocol
 
 from stockade._checks import MAX_TIMEOUT_S, check_number
 from stockade.exceptions import InvalidArgument
 
 __all__ = [
     "CommandResult",
+    "Credential",
     "DownloadResult",
+    "EgressRecord",
     "Enforcement",
     "EntryInfo",
     "EntryType",
     "ExecRecord",
     "Execution",
     "ExecutionError",
+    "HostRule",
     "HostShare",
     "Limits",
     "Logs",
@@ -25,6 +29,7 @@ __all__ = [
     "NetworkPolicy",
     "Result",
     "SandboxRules",
+    "SecretSource",
     "SkippedEntry",
     "Snapshot",
     "SnapshotKind",
@@ -122,16 +127,170 @@ _LIMIT_RANGES: dict[str, tuple[bool, float, float, str]] = {
 }
 
 
+class SecretSource(Protocol):
+    """Where a credential's value comes from, read on the host when a sandbox's egress proxy
+    starts (``stockade.egress.EnvSecret``, ``FileSecret``, or your own, e.g. a vault)."""
+
+    def read(self) -> str: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostRule:
+    """One destination code in a sandbox may reach through its egress proxy.
+
+    ``host`` is a name (``pypi.org``), a wildcard for the names below one (``*.github.com``:
+    ``api.github.com``, not ``github.com``), or an IP literal (``10.0.0.5``, ``::1``), which
+    also allows that address. ``ports``: where (80 is plain HTTP, any other port is reached
+    with CONNECT and must carry TLS). ``methods``: empty for any; else only these (for HTTPS
+    the proxy then opens the TLS, with the sandbox's own CA, to see them).
+    """
+
+    host: str
+    ports: tuple[int, ...] = (80, 443)
+    methods: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        host = self.host.strip().lower().rstrip(".")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        if not host or any(c in host for c in "/ @?#") or "*" in host.removeprefix("*."):
+            raise InvalidArgument(
+                f"HostRule: {self.host!r} is not a host name, *.suffix or IP address",
+                argument="HostRule.host",
+                fix='give a name ("pypi.org"), a wildcard ("*.github.com") or an address',
+            )
+        for port in self.ports:
+            check_number(port, argument="HostRule.ports", integer=True, low=1, high=65535, unit="port")
+        object.__setattr__(self, "host", host)
+        object.__setattr__(self, "methods", tuple(m.upper() for m in self.methods))
+
+    @classmethod
+    def parse(cls, text: str) -> HostRule:
+        """``"pypi.org"``, ``"*.github.com"``, ``"example.com:8443"``, ``"[::1]:8080"``."""
+        host, port = text.strip(), ""
+        if host.startswith("["):
+            inside, _, rest = host[1:].partition("]")
+            host, port = inside, rest.removeprefix(":")
+        elif host.count(":") == 1:
+            host, port = host.split(":")
+        if port:
+            if not port.isdigit():
+                raise InvalidArgument(
+                    f"{text!r}: the port must be a number", argument="allow_hosts", fix='"host:443"'
+                )
+            return cls(host=host, ports=(int(port),))
+        return cls(host=host)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Credential:
+    """A secret the egress proxy adds to requests for ``hosts``; it never enters the sandbox.
+
+    ``style``: ``"bearer"`` (``Authorization: Bearer VALUE``), ``"basic"`` (``Authorization:
+    Basic`` of ``username:VALUE``) or ``"header"`` (``HEADER: VALUE``, e.g. ``X-Api-Key``).
+    Over HTTPS the proxy opens the TLS with a certificate authority made for the sandbox
+    alone (only that sandbox trusts it) to add the header; plain HTTP never carries it.
+    """
+
+    name: str
+    hosts: tuple[str, ...]
+    source: SecretSource
+    style: Literal["bearer", "basic", "header"] = "bearer"
+    header: str = "Authorization"
+    username: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.hosts:
+            raise InvalidArgument(
+                f"credential {self.name!r} names no host", argument="Credential.hosts",
+                fix='give the hosts it is for: hosts=("api.github.com",)',
+            )  # fmt: skip
+        for host in self.hosts:
+            HostRule(host=host)  # the same patterns, checked the same way
+
+    def __repr__(self) -> str:  # the source may hold the secret itself (a literal): never shown
+        return f"Credential(name={self.name!r}, hosts={self.hosts!r}, style={self.style!r})"
+
+
 @dataclass(frozen=True, kw_only=True)
 class NetworkPolicy:
     """Network access of a sandbox: none by default.
 
-    ``enabled=True`` with no ``allow_hosts`` means unrestricted egress; a tier that cannot
-    enforce an allowlist refuses one rather than granting more.
+    With ``allow_hosts`` or ``rules``, code reaches only those hosts, over HTTP and HTTPS,
+    through an egress proxy stockade runs for the sandbox (its only route out: no other
+    address, no DNS). IP literals and addresses that are not public (private, loopback,
+    link-local, the metadata service, their IPv6 forms) are refused, names that resolve to
+    one of them too, unless ``allow_addresses`` (networks, ``"10.1.0.0/16"``) lets them.
+    ``resolve`` pins names to addresses on the proxy's side (like ``curl --resolve``).
+    ``credentials`` are added by the proxy to the requests for their hosts. Past
+    ``max_requests_per_minute`` or ``max_bytes_per_minute`` (both directions) requests are
+    refused. ``upstream_ca`` is a file of certificates the proxy trusts, besides the
+    system's, for the servers it opens TLS to (credentials, method rules).
+
+    ``enabled=True`` without any allowed host means unrestricted egress (the host's
+    network, where a tier can give it); a tier that cannot enforce a setting refuses it.
     """
 
     enabled: bool = False
     allow_hosts: tuple[str, ...] = ()
+    rules: tuple[HostRule, ...] = ()
+    allow_addresses: tuple[str, ...] = ()
+    resolve: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    credentials: tuple[Credential, ...] = ()
+    max_requests_per_minute: int = 600
+    max_bytes_per_minute: int = 1024 * MiB
+    upstream_ca: str | None = None
+
+    def __post_init__(self) -> None:
+        self.host_rules  # noqa: B018  (parses allow_hosts: a bad one fails here, not at start)
+        check_number(
+            self.max_requests_per_minute, argument="NetworkPolicy.max_requests_per_minute",
+            integer=True, low=1, high=10**9, unit="requests",
+        )  # fmt: skip
+        check_number(
+            self.max_bytes_per_minute, argument="NetworkPolicy.max_bytes_per_minute",
+            integer=True, low=1, high=2**50, unit="bytes",
+        )  # fmt: skip
+
+    @property
+    def host_rules(self) -> tuple[HostRule, ...]:
+        """Every allowed destination: ``allow_hosts`` parsed, then ``rules``."""
+        return (*(HostRule.parse(h) for h in self.allow_hosts), *self.rules)
+
+    @property
+    def egress(self) -> bool:
+        """Whether this sandbox goes out through an allowlist proxy."""
+        return bool(self.allow_hosts or self.rules)
+
+    @property
+    def unrestricted(self) -> bool:
+        """Whether this asks for the host's network, with no allowlist."""
+        return self.enabled and not self.egress
+
+
+@dataclass(frozen=True, kw_only=True)
+class EgressRecord:
+    """One request through a sandbox's proxy, as the audit trail keeps it.
+
+    ``method`` is ``CONNECT`` for a tunnel (then ``sni`` is what the TLS asked for and
+    ``path`` is empty); ``decision`` is ``"allow"`` or ``"deny"``; ``rule`` the rule that
+    decided; ``status`` what the client got (0 when a tunnel was cut); ``bytes_out`` went
+    to the server, ``bytes_in`` came back. ``credential`` names the one added, if any.
+    """
+
+    host: str
+    port: int
+    method: str
+    path: str = ""
+    sni: str = ""
+    status: int = 0
+    bytes_out: int = 0
+    bytes_in: int = 0
+    decision: str = "allow"
+    rule: str = ""
+    reason: str = ""
+    credential: str = ""
+    duration_s: float = 0.0
 
 
 class Mechanism(enum.StrEnum):
@@ -148,6 +307,7 @@ class Mechanism(enum.StrEnum):
     LANDLOCK = "landlock"  # the kernel's access control, applied to every process of the code
     SECCOMP_NOTIFY = "seccomp-notify"  # the kernel stops every exec until the supervisor rules
     MASK = "mask"  # what is denied is not there: an empty, unreadable file in its place
+    PROXY = "proxy"  # no route out but an allowlist proxy on the host (stockade.egress)
     NONE = "none"
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from stockade import Limits, Sandbox, StockadeError, WorkspaceFull
-from stockade.types import SandboxRules
+from stockade.types import NetworkPolicy, SandboxRules
 from tests.conftest import host_processes, wait_for
 from tests.integration.conftest import TIERS
 
@@ -31,13 +31,18 @@ MiB = 1024 * 1024
 POLICY = SandboxRules(deny=("curl", "wget", "nc", "ssh"), approve=("rm -r", "git push", "pip install"))
 
 
-@pytest.fixture(params=[None, POLICY], ids=["no-policy", "policy"])
+# And with a network allowlist: the egress proxy opens those hosts, over HTTP(S), and nothing else.
+ALLOWLIST = NetworkPolicy(allow_hosts=("pypi.org", "files.pythonhosted.org", "*.github.com"))
+
+
+@pytest.fixture(params=[None, POLICY, ALLOWLIST], ids=["no-policy", "policy", "allowlist"])
 def sbx(tier: str, request: pytest.FixtureRequest) -> Iterator[Sandbox]:
-    rules = request.param
+    rules = request.param if isinstance(request.param, SandboxRules) else None
+    network = request.param if isinstance(request.param, NetworkPolicy) else NetworkPolicy()
     # gVisor holds the masks only, and judges the rest on tool calls (with consent).
     weaker = rules is not None and tier == "gvisor"
     limits = Limits(memory_mb=256, timeout_s=20, pids=64)
-    with Sandbox.create(tier, limits=limits, rules=rules, allow_weaker=weaker) as sandbox:
+    with Sandbox.create(tier, limits=limits, rules=rules, network=network, allow_weaker=weaker) as sandbox:
         yield sandbox
 
 

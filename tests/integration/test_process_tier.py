@@ -72,9 +72,10 @@ def test_a_sandbox_killed_under_a_call_says_so_and_keeps_its_output() -> None:
     assert "cause: killed" in crashed.value.report() and "working on it" in crashed.value.report()
 
 
-def test_host_allowlists_are_refused_and_host_network_needs_consent() -> None:
-    with pytest.raises(LimitNotEnforceable):
-        Sandbox.create(network=NetworkPolicy(enabled=True, allow_hosts=("example.org",)))
+def test_an_allowlist_goes_through_the_proxy_and_host_network_needs_consent() -> None:
+    allowlist = NetworkPolicy(enabled=True, allow_hosts=("example.org",))
+    with Sandbox.create(network=allowlist) as sbx:  # the egress proxy: tests/integration/test_egress.py
+        assert sbx.enforcement.network is Mechanism.PROXY and not sbx.enforcement.weakened
     with pytest.raises(LimitNotEnforceable):
         Sandbox.create(network=NetworkPolicy(enabled=True))
     server = socket.socket()

@@ -152,6 +152,8 @@ def test_the_role_is_asked_before_anything_runs(service: tuple[Server, Tokens, P
         assert refused.json()["error"] == "PolicyDenied" and "process" in refused.json()["detail"]
         network = http.post("/v1/sandboxes", json={"tier": "process", "network": {"enabled": True}})
         assert network.status_code == 403 and network.json()["rule"] == "network.enabled"
+        hosts = http.post("/v1/sandboxes", json={"tier": "process", "network": {"allow_hosts": ["a.test"]}})
+        assert hosts.status_code == 403 and hosts.json()["rule"] == "network.enabled"  # a way out too
         model = http.post("/v1/runs", json={"task": "x", "model": "openai:gpt-4.1"})
         assert model.status_code in (403, 422), model.text  # not approved (or no SDK): never queued
     server, _, _ = service

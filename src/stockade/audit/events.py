@@ -69,6 +69,7 @@ class EventKind(enum.StrEnum):
     EXEC = "exec"  # a program the sandbox's rules judged at its exec, inside the sandbox
     SNAPSHOT_TAKE = "snapshot_take"  # a sandbox saved (snapshot, or pause), with the snapshot's id
     SNAPSHOT_RESTORE = "snapshot_restore"  # a sandbox started from a snapshot (resume, fork)
+    EGRESS = "egress"  # a request through the sandbox's egress proxy, allowed or refused
 
 
 def canonical(obj: Mapping[str, Any]) -> bytes:

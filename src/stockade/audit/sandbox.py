@@ -15,6 +15,7 @@ class and whether it was retryable, then re-raised.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import hashlib
 import time
 from collections.abc import Callable, Mapping
@@ -45,7 +46,7 @@ from stockade.sandbox.ops import (
     WriteFile,
     as_inline,
 )
-from stockade.types import CommandResult, Execution, Snapshot
+from stockade.types import CommandResult, EgressRecord, Execution, HostRule, Snapshot
 
 __all__ = ["AuditedBackend", "AuditedInstance", "current_call"]
 
@@ -119,6 +120,11 @@ def describe(op: Op[Any]) -> tuple[EventKind, dict[str, object]] | None:
             op_name = "pause" if isinstance(op, Pause) else "snapshot"
             return EventKind.SNAPSHOT_TAKE, {"op": op_name, "memory": op.memory, "store": str(op.store.root)}
     return None
+
+
+def _spell(rule: HostRule) -> str:
+    text = rule.host + ("" if rule.ports == (80, 443) else ":" + ",".join(map(str, rule.ports)))
+    return text + (" " + ",".join(rule.methods) if rule.methods else "")
 
 
 def outcome(result: OpResult) -> dict[str, object]:
@@ -258,11 +264,17 @@ class AuditedBackend(WrapperBackend):
                 "disk_mb": limits.workspace_mb,
                 "output_bytes": limits.output_bytes,
             },
-            "network": {"enabled": spec.network.enabled, "allow_hosts": list(spec.network.allow_hosts)},
+            "network": {
+                "enabled": spec.network.enabled,
+                "allow": [_spell(r) for r in spec.network.host_rules],
+                "credential_names": [c.name for c in spec.network.credentials],  # never values
+            },
             "env_names": sorted(spec.envs),
             "labels": dict(spec.labels),
             "allow_weaker": spec.allow_weaker,
         }
+        if spec.network.egress:
+            spec = dataclasses.replace(spec, egress_observer=self._egress_observer(spec))
         start = time.perf_counter()
         try:
             instance = self.wrapped.start(spec)
@@ -305,3 +317,31 @@ class AuditedBackend(WrapperBackend):
                 },
             )
         return AuditedInstance(instance, self.log, run_id=self.run_id, step=self.step, actor=self.actor)
+
+    def _egress_observer(self, spec: SandboxSpec) -> Callable[[EgressRecord], None]:
+        """Each request through the sandbox's proxy, as an ``egress`` event (on the proxy's
+        thread: the log queues it); then the observer the caller gave, if any."""
+        then = spec.egress_observer
+
+        def observe(record: EgressRecord) -> None:
+            self.log.record(
+                EventKind.EGRESS,
+                run_id=self.run_id,
+                step=self.step(),
+                actor=self.actor,
+                duration_s=record.duration_s,
+                attributes={
+                    "call_id": current_call.get(),
+                    **{
+                        k: v
+                        for k, v in dataclasses.asdict(record).items()
+                        if k not in ("duration_s", "credential")
+                    },
+                    # its name: a key named "credential" is redacted as if it held the secret
+                    "credential_name": record.credential,
+                },
+            )
+            if then is not None:
+                then(record)
+
+        return observe

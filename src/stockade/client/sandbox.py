@@ -98,6 +98,30 @@ def _limits(limits: Limits | None) -> dict[str, Any] | None:
     return {k: v for k, v in dataclasses.asdict(limits).items() if v is not None}
 
 
+def _network(network: NetworkPolicy) -> dict[str, Any]:
+    """What the service is told of a network: on or off, and the hosts. The rest (ports and
+    methods, addresses, limits, credentials) is the tenant policy's to say; the service
+    applies its own, so a client's would be dropped without a word: refused instead."""
+    extra = [
+        name
+        for name in ("rules", "allow_addresses", "resolve", "credentials", "upstream_ca",
+                     "max_requests_per_minute", "max_bytes_per_minute")
+        if getattr(network, name) != getattr(_NO_NETWORK, name)
+    ]  # fmt: skip
+    if extra:
+        raise exc.InvalidArgument(
+            f"a remote sandbox's network is its hosts alone; {', '.join(extra)} come from the "
+            "tenant's policy on the service",
+            argument="network",
+            fix='NetworkPolicy(allow_hosts=("pypi.org",)); put ports, methods and credentials in the '
+            "tenant's policy ([network] allow, [credentials])",
+        )
+    return {"enabled": network.enabled, "allow_hosts": list(network.allow_hosts)}
+
+
+_NO_NETWORK = NetworkPolicy()
+
+
 def create_body(
     tier: str | None, *, trust: Trust | str | None, limits: Limits | None, network: NetworkPolicy | None,
     envs: Mapping[str, str] | None, allow_weaker: bool, labels: Mapping[str, str] | None,
@@ -110,7 +134,7 @@ def create_body(
         "prefer": prefer, "idle_timeout_s": idle_timeout_s,
     }  # fmt: skip
     if network is not None:
-        body["network"] = {"enabled": network.enabled, "allow_hosts": list(network.allow_hosts)}
+        body["network"] = _network(network)
     return {k: v for k, v in body.items() if v is not None}
 
 

@@ -144,12 +144,13 @@ def _least_privilege(engine: PolicyEngine, setup: Setup) -> tuple[bool, str]:
 
 
 def _egress(engine: PolicyEngine, setup: Setup) -> tuple[bool, str]:
-    network = engine.policy.network
+    network = engine.network_policy()  # the role's: [network] allow, allow_hosts
+    if network.egress:
+        hosts = dict.fromkeys(rule.host for rule in network.host_rules)
+        return True, f"only to {', '.join(hosts)}, through the egress proxy"
     if not network.enabled:
         return True, "the network is off"
-    if not network.allow_hosts:
-        return False, "the network is on for any host"
-    return True, f"only to {', '.join(network.allow_hosts)}"
+    return False, "the network is on for any host"
 
 
 def _deploys(engine: PolicyEngine, setup: Setup) -> tuple[bool, str]:
@@ -232,7 +233,7 @@ _AUDIT_FIX = (
     "(or postgresql://...) and audit_key=<16+ bytes> (the CLI: STOCKADE_AUDIT_KEY)"
 )
 _ROLES_FIX = "define [roles.NAME] with the tools = [...] each needs, and start runs with role=NAME"
-_EGRESS_FIX = 'set [network] enabled = false, or allow_hosts = ["the.hosts.you.need"]'
+_EGRESS_FIX = 'set [network] enabled = false, or allow = ["the.hosts.you.need"]'
 _ISOLATION_FIX = "run on a host with the microVM tier (stockade doctor says what it misses)"
 
 PROFILES: dict[str, tuple[Requirement, ...]] = {

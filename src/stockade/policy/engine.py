@@ -41,7 +41,7 @@ from stockade.sandbox.ops import (
     WriteFile,
     as_inline,
 )
-from stockade.types import SandboxRules
+from stockade.types import Credential, HostRule, NetworkPolicy, SandboxRules
 
 __all__ = ["Decision", "PolicyEngine", "PromptDecision", "command_categories"]
 
@@ -325,8 +325,51 @@ class PolicyEngine:
         return PromptDecision(verdict=verdict, rules=tuple(fired))
 
     def credentials(self, names: Iterable[str]) -> tuple[str, ...]:
-        """The credentials (env names) this role is bound to, of those offered."""
-        return tuple(n for n in names if n in self.role.credentials)
+        """The credentials this role is bound to, of those named."""
+        granted = set(self._credential_names())
+        return tuple(n for n in names if n in granted)
+
+    def _credential_names(self) -> list[str]:
+        out = []
+        for name, rule in self.policy.credentials.items():
+            if self.role_name is None:
+                if not rule.roles:
+                    out.append(name)
+            elif name in self.role.credentials or self.role_name in rule.roles:
+                out.append(name)
+        return out
+
+    def network_policy(self) -> NetworkPolicy:
+        """The sandbox's network for this role: the hosts it may reach (through the egress
+        proxy), with their ports and methods, and the credentials the proxy adds for it."""
+        from stockade.egress.secrets import secret_source
+
+        n = self.policy.network
+        rules: list[HostRule] = [HostRule.parse(h) for h in n.allow_hosts]
+        for item in n.allow:
+            if isinstance(item, str):
+                rules.append(HostRule.parse(item))
+            elif not item.roles or self.role_name in item.roles:
+                rules.append(HostRule(host=item.host, ports=item.ports, methods=item.methods))
+        credentials = []
+        for name in self._credential_names():
+            c = self.policy.credentials[name]
+            credentials.append(
+                Credential(
+                    name=name, hosts=c.hosts, source=secret_source(c.source), style=c.style,
+                    header=c.header, username=c.username,
+                )
+            )  # fmt: skip
+        return NetworkPolicy(
+            enabled=n.enabled,
+            rules=tuple(rules),
+            allow_addresses=n.allow_addresses,
+            resolve=dict(n.resolve),
+            credentials=tuple(credentials) if rules else (),
+            max_requests_per_minute=n.max_requests_per_minute,
+            max_bytes_per_minute=n.max_bytes_per_minute,
+            upstream_ca=n.upstream_ca,
+        )
 
     def allowed_tiers(self) -> tuple[str, ...]:
         """The tiers trust allows (DESIGN.md's table), of those the role may use; a declared

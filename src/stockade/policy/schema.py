@@ -33,9 +33,11 @@ __all__ = [
     "Classification",
     "CommandRules",
     "ComplianceRules",
+    "CredentialRule",
     "DataAccess",
     "DataTier",
     "Decisions",
+    "HostAllow",
     "ModelRegistry",
     "NetworkRules",
     "PathRules",
@@ -95,15 +97,102 @@ class PathRules(_Strict):
     deny: tuple[str, ...] = ()
 
 
-class NetworkRules(_Strict):
-    enabled: bool = False
-    allow_hosts: tuple[str, ...] = ()
+def _check_host(host: str) -> str:
+    from stockade.exceptions import InvalidArgument
+    from stockade.types import HostRule
+
+    try:
+        HostRule.parse(host)
+    except InvalidArgument as err:
+        raise ValueError(str(err)) from None
+    return host
+
+
+class HostAllow(_Strict):
+    """One allowed destination with its ports and methods, for some roles (empty: all)."""
+
+    host: str
+    ports: tuple[int, ...] = (80, 443)
+    methods: tuple[str, ...] = ()
+    roles: tuple[str, ...] = ()
 
     @model_validator(mode="after")
-    def _hosts_need_network(self) -> NetworkRules:
-        if self.allow_hosts and not self.enabled:
-            raise ValueError("allow_hosts is set but the network is off: set enabled = true")
+    def _valid(self) -> HostAllow:
+        from stockade.exceptions import InvalidArgument
+        from stockade.types import HostRule
+
+        try:
+            HostRule(host=self.host, ports=self.ports, methods=self.methods)
+        except InvalidArgument as err:
+            raise ValueError(str(err)) from None
         return self
+
+
+class NetworkRules(_Strict):
+    """Off by default. ``allow`` lists the hosts code may reach over HTTP(S), through the
+    sandbox's egress proxy: ``"pypi.org"``, ``"*.github.com"``, ``"host:8443"``, or a table
+    with ports, methods and roles. ``enabled = true`` without ``allow`` is the host's whole
+    network (only the docker tier, or the process tier with ``allow_weaker``, give it).
+    ``allow_hosts`` is an older name of ``allow``."""
+
+    enabled: bool = False
+    allow: tuple[str | HostAllow, ...] = ()
+    allow_hosts: tuple[str, ...] = ()
+    allow_addresses: tuple[str, ...] = ()
+    resolve: dict[str, tuple[str, ...]] = {}  # names pinned to addresses (internal names)
+    max_requests_per_minute: int = Field(default=600, ge=1)
+    max_bytes_per_minute: int = Field(default=1024 * 1024 * 1024, ge=1)
+    upstream_ca: str | None = None
+
+    @field_validator("allow_hosts")
+    @classmethod
+    def _hosts(cls, hosts: tuple[str, ...]) -> tuple[str, ...]:
+        for host in hosts:
+            _check_host(host)
+        return hosts
+
+    @field_validator("allow")
+    @classmethod
+    def _allow(cls, items: tuple[str | HostAllow, ...]) -> tuple[str | HostAllow, ...]:
+        for item in items:
+            if isinstance(item, str):
+                _check_host(item)
+        return items
+
+    @field_validator("allow_addresses")
+    @classmethod
+    def _networks(cls, networks: tuple[str, ...]) -> tuple[str, ...]:
+        import ipaddress
+
+        for text in networks:
+            try:
+                ipaddress.ip_network(text, strict=False)
+            except ValueError as err:
+                raise ValueError(f"{text!r} is not an address or network: {err}") from None
+        return networks
+
+
+class CredentialRule(_Strict):
+    """A secret the egress proxy adds to requests for ``hosts``; it never enters a sandbox.
+
+    ``source``: ``"env:VAR"`` (the host's environment), ``"file:PATH"``, or a scheme
+    registered with ``stockade.egress.register_scheme``. A run gets it when its role lists
+    it in ``credentials``, or is named in ``roles`` (a policy without roles: when ``roles``
+    is empty)."""
+
+    source: str = Field(pattern=r"^[a-z][a-z0-9_-]*:.+")
+    hosts: tuple[str, ...] = Field(min_length=1)
+    style: Literal["bearer", "basic", "header"] = "bearer"
+    header: str = "Authorization"
+    username: str = ""
+    roles: tuple[str, ...] = ()
+
+    @field_validator("hosts")
+    @classmethod
+    def _hosts(cls, hosts: tuple[str, ...]) -> tuple[str, ...]:
+        for host in hosts:
+            _check_host(host)
+        return hosts
 
 
 class DataTier(_Strict):
@@ -140,7 +229,8 @@ class Decisions(_Strict):
 
 
 class Role(_Strict):
-    """What a run started under this role may use. ``tools``/``tiers`` empty: any."""
+    """What a run started under this role may use. ``tools``/``tiers`` empty: any.
+    ``credentials`` names the ``[credentials]`` its sandbox's egress proxy adds."""
 
     tools: tuple[str, ...] = ()
     tiers: tuple[str, ...] = ()
@@ -261,6 +351,7 @@ class Policy(_Strict):
     commands: CommandRules = CommandRules()
     paths: PathRules = PathRules()
     network: NetworkRules = NetworkRules()
+    credentials: dict[str, CredentialRule] = {}
     data: tuple[DataTier, ...] = ()
     data_access: dict[Classification, DataAccess] = {}
     decisions: Decisions = Decisions()
@@ -278,4 +369,17 @@ class Policy(_Strict):
             for role in (*access.read, *access.write):
                 if self.roles and role not in self.roles:
                     raise ValueError(f"data_access.{tier.value} names role {role!r}, which is not in [roles]")
+        for name, granted in self.roles.items():
+            for credential in granted.credentials:
+                if credential not in self.credentials:
+                    raise ValueError(
+                        f"roles.{name}.credentials names {credential!r}, which is not in [credentials]"
+                    )
+        named = [(f"credentials.{k}", c.roles) for k, c in self.credentials.items()]
+        allows = [a for a in self.network.allow if isinstance(a, HostAllow)]
+        named += [(f"network.allow ({a.host})", a.roles) for a in allows]
+        for where, roles in named:
+            for role in roles:
+                if role not in self.roles:
+                    raise ValueError(f"{where} names role {role!r}, which is not in [roles]")
         return self

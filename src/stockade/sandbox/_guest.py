@@ -35,6 +35,7 @@ SUPERVISOR_ARGV = (
 )  # fmt: skip
 SANDBOX_UID = 1000
 MiB = 1024 * 1024
+EGRESS_DIR = "/run/stockade-egress"  # stockade.egress.SANDBOX_DIR: the proxy's socket, read-only
 
 # Labels (Docker) and annotations (OCI) that mark what stockade started, and by whom.
 LABEL = "stockade.sandbox"
@@ -366,7 +367,7 @@ def oci_config(
                 "destination": target,
                 "type": "bind",
                 "source": str(source),
-                "options": ["rbind", "rw", "nosuid", "nodev"],
+                "options": ["rbind", "ro" if target == EGRESS_DIR else "rw", "nosuid", "nodev"],
             }
         )
     if masks:  # gVisor does not apply maskedPaths: an empty file no one may read instead

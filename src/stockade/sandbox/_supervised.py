@@ -56,6 +56,7 @@ from stockade.types import (
     EntryType,
     Execution,
     ExecutionError,
+    HostRule,
     HostShare,
     Limits,
     Logs,
@@ -112,6 +113,9 @@ class Boundary(abc.ABC):
     """What a tier provides around the supervisor."""
 
     _dead = False  # set by the first kill()
+    # The sandbox's egress proxy (stockade.egress), when it has one: closed first on kill,
+    # so its connections and credentials are gone before anything else is torn down.
+    egress: Any = None
 
     def kill(self) -> None:
         """Kill every process of the sandbox, now. Idempotent: ``_kill`` runs once, in the
@@ -120,6 +124,8 @@ class Boundary(abc.ABC):
             if self._dead:
                 return
             self._dead = True
+        if self.egress is not None:
+            self.egress.close()
         self._kill()
 
     @abc.abstractmethod
@@ -436,12 +442,20 @@ class SupervisedInstance(Instance):
     def _snapshot(self, op: TakeSnapshot | Pause) -> Snapshot:
         """Take a snapshot between calls: new calls wait, running ones are waited for."""
         self._check_open()
+        if self.spec.network.credentials:
+            raise exc.LimitNotEnforceable(
+                "a sandbox with brokered credentials cannot be snapshotted: its credentials stay "
+                "on the host and are never written to the snapshot store",
+                setting="snapshot",
+                fix="snapshot a sandbox made without credentials, and give network= with them to "
+                "Sandbox.create(snapshot=...)",
+            )
         why = self.memory_snapshots()
         if op.memory and why is not None:
             raise exc.LimitNotEnforceable(
                 f"{why}; this snapshot must keep the memory of the processes",
                 setting="snapshot memory",
-                fix="pass memory=None to keep the files, or use the microvm tier (or gvisor without Docker)",
+                fix="pass memory=None to keep the files, or use the microvm tier",
             )
         with self._quiet():
             self._check_open()
@@ -747,8 +761,11 @@ def _entry(raw: Any) -> EntryInfo:
     )
 
 
-def supervisor_config(spec: SandboxSpec, rlimits: dict[str, int] | None = None) -> dict[str, Any]:
-    """The ``init`` frame every tier sends: the environment, caps and default timeout."""
+def supervisor_config(
+    spec: SandboxSpec, rlimits: dict[str, int] | None = None, egress: Any = None
+) -> dict[str, Any]:
+    """The ``init`` frame every tier sends: the environment, caps and default timeout; with
+    ``egress`` (a ``stockade.egress.Attachment``), the proxy's variables and the relay."""
     env = {
         "PATH": "/usr/local/bin:/usr/bin:/bin",
         "HOME": "/tmp",
@@ -757,8 +774,10 @@ def supervisor_config(spec: SandboxSpec, rlimits: dict[str, int] | None = None) 
         "TMPDIR": "/tmp",
         "MPLBACKEND": "Agg",
     }
+    if egress is not None:
+        env.update(egress.env)
     env.update(spec.envs)
-    return {
+    config: dict[str, Any] = {
         "env": env,
         "workspace": WORKSPACE,
         "output_cap": spec.limits.output_bytes,
@@ -766,6 +785,9 @@ def supervisor_config(spec: SandboxSpec, rlimits: dict[str, int] | None = None) 
         # Descriptors per process, so that the sandbox's processes hold open_files in all.
         "rlimits": {"RLIMIT_NOFILE": spec.limits.files_per_process, **(rlimits or {})},
     }
+    if egress is not None:
+        config["egress"] = egress.relay
+    return config
 
 
 def sandbox_id(spec: SandboxSpec) -> str:
@@ -784,7 +806,7 @@ def sandbox_id(spec: SandboxSpec) -> str:
 def spec_state(spec: SandboxSpec) -> dict[str, Any]:
     return {
         "limits": dataclasses.asdict(spec.limits),
-        "network": {"enabled": spec.network.enabled, "allow_hosts": list(spec.network.allow_hosts)},
+        "network": _network_state(spec.network),
         "envs": dict(spec.envs),
         "allow_weaker": spec.allow_weaker,
         "labels": dict(spec.labels),
@@ -801,16 +823,53 @@ def spec_from_state(state: dict[str, Any]) -> SandboxSpec:
         network = state.get("network") or {}
         return SandboxSpec(
             limits=Limits(**state.get("limits", {})),
-            network=NetworkPolicy(
-                enabled=bool(network.get("enabled")), allow_hosts=tuple(network.get("allow_hosts") or ())
-            ),
+            network=_network_from_state(network),
             envs={str(k): str(v) for k, v in dict(state.get("envs") or {}).items()},
             allow_weaker=bool(state.get("allow_weaker")),
             labels={str(k): str(v) for k, v in dict(state.get("labels") or {}).items()},
             rules=None if rules is None else SandboxRules(**{k: tuple(v) for k, v in rules.items()}),
         )
-    except (TypeError, ValueError, exc.ConfigurationError) as err:
+    except (TypeError, ValueError, KeyError, exc.ConfigurationError) as err:
         raise exc.SnapshotIncompatible(f"the snapshot's settings do not fit this stockade: {err}") from None
+
+
+def _network_state(network: NetworkPolicy) -> dict[str, Any]:
+    """All of the policy but its credentials: their sources may hold the secrets themselves,
+    and a sandbox that has some is not snapshotted (``SupervisedInstance._snapshot``)."""
+    return {
+        "enabled": network.enabled,
+        "allow_hosts": list(network.allow_hosts),
+        "rules": [
+            {"host": r.host, "ports": list(r.ports), "methods": list(r.methods)} for r in network.rules
+        ],
+        "allow_addresses": list(network.allow_addresses),
+        "resolve": {name: list(addresses) for name, addresses in network.resolve.items()},
+        "max_requests_per_minute": network.max_requests_per_minute,
+        "max_bytes_per_minute": network.max_bytes_per_minute,
+        "upstream_ca": network.upstream_ca,
+    }
+
+
+def _network_from_state(state: dict[str, Any]) -> NetworkPolicy:
+    defaults = NetworkPolicy()
+    upstream_ca = state.get("upstream_ca")
+    return NetworkPolicy(
+        enabled=bool(state.get("enabled")),
+        allow_hosts=tuple(str(h) for h in state.get("allow_hosts") or ()),
+        rules=tuple(
+            HostRule(
+                host=str(r["host"]),
+                ports=tuple(int(p) for p in r.get("ports") or (80, 443)),
+                methods=tuple(str(m) for m in r.get("methods") or ()),
+            )
+            for r in state.get("rules") or ()
+        ),
+        allow_addresses=tuple(str(a) for a in state.get("allow_addresses") or ()),
+        resolve={str(k): tuple(str(a) for a in v) for k, v in dict(state.get("resolve") or {}).items()},
+        max_requests_per_minute=int(state.get("max_requests_per_minute", defaults.max_requests_per_minute)),
+        max_bytes_per_minute=int(state.get("max_bytes_per_minute", defaults.max_bytes_per_minute)),
+        upstream_ca=None if upstream_ca is None else str(upstream_ca),
+    )
 
 
 def enforcement_state(enforcement: Enforcement) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from typing import Any, TypeVar, cast
 from stockade.sandbox.ops import Op
 from stockade.types import (
     CommandResult,
+    EgressRecord,
     Enforcement,
     EntryInfo,
     ExecRecord,
@@ -66,6 +67,8 @@ class SandboxSpec:
     snapshot: Snapshot | None = None
     # The id to give the sandbox (a paused one comes back under its own); a new one if None.
     sandbox_id: str | None = None
+    # Told, on the host, of every request through the sandbox's egress proxy (the audit).
+    egress_observer: Callable[[EgressRecord], None] | None = None
 
 
 class Instance(abc.ABC):

@@ -54,6 +54,7 @@ API_TIMEOUT_S = 30.0
 STDERR_KEEP = 16 * 1024
 COMPILED = "/tmp/stockade-compiled.json"
 MAX_COMPILED = 16 * 1024 * 1024
+EGRESS_DIR = "/run/stockade-egress"  # stockade.egress.SANDBOX_DIR (not imported: it is lazy)
 
 
 def _hide_the_host(tmpfs: dict[str, str], binds: dict[str, dict[str, str]], *, own_kernel: bool) -> None:
@@ -463,14 +464,9 @@ class DockerBackend(Backend):
 
     def _plan(self, spec: SandboxSpec) -> Enforcement:
         net = spec.network
-        if net.enabled and net.allow_hosts:
-            raise exc.LimitNotEnforceable(
-                f"the {self.tier} tier does not enforce host allowlists (it would need DNS pinning and "
-                "egress filtering per sandbox); it refuses rather than grant more",
-                setting="network.allow_hosts",
-                fix="use NetworkPolicy(enabled=False), or enabled=True without allow_hosts for full egress",
-            )
-        if net.enabled and self.own_kernel:
+        if net.egress:
+            self._check_egress()
+        if net.unrestricted and self.own_kernel:
             raise exc.LimitNotEnforceable(
                 f"the {self.tier} tier runs without network on this host",
                 setting="network",
@@ -502,11 +498,39 @@ class DockerBackend(Backend):
             cpus=Mechanism.CONTAINER,
             pids=Mechanism.RLIMIT if self.own_kernel else Mechanism.CONTAINER,
             disk=Mechanism.TMPFS,
-            network=Mechanism.NONE if net.enabled else Mechanism.NAMESPACE,
+            network=Mechanism.PROXY if net.egress else Mechanism.NONE if net.enabled else Mechanism.NAMESPACE,
             timeout=Mechanism.SUPERVISOR,
             host=host,
             weakened=tuple(weakened),
         )
+
+    def _check_egress(self) -> None:
+        """An allowlist needs the proxy's socket bound in: a local engine, and for gVisor a
+        runtime that lets the sandbox connect to a host socket it was given."""
+        if self.remote:
+            raise exc.LimitNotEnforceable(
+                f"the {self.tier} tier enforces a network allowlist on a local engine only: the "
+                "sandbox reaches its egress proxy through a socket of this host",
+                setting="network.allow_hosts",
+                fix="run the engine on this host, or NetworkPolicy() for no network",
+            )
+        if self.own_kernel and not self._runtime_args(("--host-uds=open", "--host-uds=all")):
+            raise exc.LimitNotEnforceable(
+                f"the Docker runtime {self.runtime!r} does not let gVisor connect to the egress proxy's "
+                "socket (its runtimeArgs lack --host-uds=open)",
+                setting="network.allow_hosts",
+                fix="add --host-uds=open to the runtime's runtimeArgs (scripts/setup-docker.sh), "
+                "or use STOCKADE_GVISOR_MODE=runsc",
+            )
+
+    def _runtime_args(self, wanted: tuple[str, ...]) -> bool:
+        unknown: tuple[type[BaseException], ...] = (exc.StockadeError, KeyError, *_engine_failures())
+        try:
+            entry = (self._api().info().get("Runtimes") or {}).get(self.runtime or "") or {}
+        except unknown:
+            return False
+        args = entry.get("runtimeArgs") or entry.get("runtimeargs") or []
+        return any(str(arg) in wanted for arg in args)
 
     def probe(self) -> TierReport:
         fixes = ("bash scripts/setup-docker.sh", "stockade image build --offline")
@@ -552,7 +576,7 @@ class DockerBackend(Backend):
         tmpfs: dict[str, str] = {}
         volume_binds = {kernel: {"bind": _guest.KERNEL_MOUNT, "mode": "ro"}}
         for target, path in binds.items():
-            if target.startswith("/etc/"):
+            if target.startswith(("/etc/", EGRESS_DIR)):
                 volume_binds[str(path)] = {"bind": target, "mode": "ro"}
         for target, (size, inodes, mode) in _guest.tmpfs_sizes(spec).items():
             if target in binds:
@@ -574,7 +598,7 @@ class DockerBackend(Backend):
             empty = str(_guest.unreadable_file(self.state_dir))
             bind_list += [f"{empty}:{path}:ro" for path in masks]
         host_config = api.create_host_config(
-            network_mode="bridge" if spec.network.enabled else "none",
+            network_mode="bridge" if spec.network.unrestricted else "none",
             read_only=True,
             tmpfs=tmpfs,
             binds=bind_list,
@@ -762,9 +786,15 @@ class DockerBackend(Backend):
         # per user, and uid 1000 may be a real account of this host.
         lease = _host.lease_uid(self.state_dir)
         cid = ""
+        egress = None
         try:
             if not self.remote:
                 rundir, mounts, binds = self._host_files(spec, sid, lease.uid)
+            if spec.network.egress and rundir is not None:
+                from stockade.egress import attach
+
+                egress = attach(spec, rundir / "egress", uid=lease.uid, root=self._image_root())
+                binds[EGRESS_DIR] = egress.folder
             with _engine(self.image, self.runtime):
                 created = api.create_container(
                     self.image,
@@ -778,7 +808,7 @@ class DockerBackend(Backend):
                     tty=False,
                     # Nothing inside needs a graceful stop; an engine shutdown must not wait.
                     stop_signal="SIGKILL",
-                    network_disabled=not spec.network.enabled,
+                    network_disabled=not spec.network.unrestricted,
                     host_config=self._host_config(api, spec, kernel, binds, uid=lease.uid, masks=rules.masks),
                     name=f"stockade-{sid}",
                 )
@@ -788,12 +818,15 @@ class DockerBackend(Backend):
                 stream = _AttachStream(raw, sock)
                 api.start(cid)
         except BaseException:
+            if egress is not None:
+                egress.close()
             if cid:
                 _remove(api, cid)
             _release_mounts(rundir, mounts)
             lease.release()
             raise
         boundary = _ContainerBoundary(api, cid, rundir, mounts, remote=self.remote, lease=lease)
+        boundary.egress = egress
         instance = _ContainerInstance(
             id=sid, tier=self.tier, stream=stream, boundary=boundary, spec=spec, enforcement=enforcement
         )
@@ -803,7 +836,7 @@ class DockerBackend(Backend):
         try:
             own = _guest.own_kernel_limits(spec, self._runtime_platform()) if self.own_kernel else None
             rlimits = own.rlimits if own is not None else None
-            instance.handshake(supervisor_config(spec, rlimits), START_TIMEOUT_S, rules)
+            instance.handshake(supervisor_config(spec, rlimits, egress), START_TIMEOUT_S, rules)
         except exc.SandboxStartError as err:
             said = stream.stderr.decode("utf-8", "replace").strip()
             instance.close()

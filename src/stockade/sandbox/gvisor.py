@@ -28,7 +28,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from stockade import exceptions as exc
 from stockade.sandbox import _guest, _rules
@@ -168,7 +168,9 @@ class _RunscBoundary(Boundary):
         _release(self.bundle, self.mounts)
 
 
-def _release(bundle: Path, mounts: list[Path]) -> None:
+def _release(bundle: Path, mounts: list[Path], egress: Any = None) -> None:
+    if egress is not None:
+        egress.close()
     for mount in mounts:
         _guest.umount(mount)
     shutil.rmtree(bundle, ignore_errors=True)
@@ -196,8 +198,19 @@ class RunscBackend(Backend):
         self._collected = False
         self._compile_failed = False
 
-    def _argv(self, *args: str) -> list[str]:
-        return [self.runsc, "--root", str(self.root), f"--platform={self.platform}", "--network=none", *args]
+    def _argv(self, *args: str, egress: bool = False) -> list[str]:
+        # --host-uds=open: the sandbox may connect to a host socket bound into it (the egress
+        # proxy's, the only one there is).
+        uds = ["--host-uds=open"] if egress else []
+        return [
+            self.runsc,
+            "--root",
+            str(self.root),
+            f"--platform={self.platform}",
+            "--network=none",
+            *uds,
+            *args,
+        ]
 
     def _check(self) -> None:
         if not self.runsc:
@@ -215,11 +228,11 @@ class RunscBackend(Backend):
             )
 
     def _plan(self, spec: SandboxSpec) -> Enforcement:
-        if spec.network.enabled:
+        if spec.network.unrestricted:
             raise exc.LimitNotEnforceable(
-                "the gvisor tier runs without network",
+                "the gvisor tier gives no network but through an allowlist proxy",
                 setting="network",
-                fix="use tier='docker' for network access",
+                fix="list the hosts (NetworkPolicy(allow_hosts=...)), or use tier='docker'",
             )
         own = _guest.own_kernel_limits(spec, self.platform)
         return Enforcement(
@@ -227,7 +240,7 @@ class RunscBackend(Backend):
             cpus=Mechanism.CONTAINER,
             pids=Mechanism.RLIMIT,
             disk=Mechanism.TMPFS,
-            network=Mechanism.NAMESPACE,
+            network=Mechanism.PROXY if spec.network.egress else Mechanism.NAMESPACE,
             timeout=Mechanism.SUPERVISOR,
             host=HostShare(
                 memory_mb=own.host_memory // _guest.MiB,
@@ -313,6 +326,7 @@ class RunscBackend(Backend):
         bundle.mkdir(mode=0o700)  # the host side of the sandbox's files: nobody else's to see
         mounts: list[Path] = []
         proc: subprocess.Popen[bytes] | None = None
+        egress = None
         try:
             binds: dict[str, Path] = {}
             for target, (size, inodes, mode) in _guest.tmpfs_sizes(spec).items():
@@ -321,6 +335,11 @@ class RunscBackend(Backend):
                 _guest.mount_tmpfs(path, size=size, inodes=inodes, mode=mode)
                 mounts.append(path)
                 binds[target] = path
+            if spec.network.egress:  # in the bundle (root's, 0700): only the sandbox reaches it
+                from stockade.egress import attach
+
+                egress = attach(spec, bundle / "egress", root=self.rootfs, shared=True)
+                binds[_guest.EGRESS_DIR] = egress.folder
             annotations = {
                 _guest.LABEL: "1",
                 _guest.LABEL_ID: sid,
@@ -340,7 +359,7 @@ class RunscBackend(Backend):
             (bundle / "config.json").write_text(json.dumps(config))
             with open(bundle / "runsc.log", "wb") as log:
                 proc = subprocess.Popen(
-                    self._argv("run", "--bundle", str(bundle), sid),
+                    self._argv("run", "--bundle", str(bundle), sid, egress=egress is not None),
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=log,
@@ -351,12 +370,13 @@ class RunscBackend(Backend):
         except OSError as err:
             if proc is not None:
                 proc.kill()
-            _release(bundle, mounts)
+            _release(bundle, mounts, egress)
             raise exc.SandboxStartError(f"cannot start runsc: {err}") from err
         except BaseException:
-            _release(bundle, mounts)
+            _release(bundle, mounts, egress)
             raise
         boundary = _RunscBoundary(self, sid, proc, bundle, mounts)
+        boundary.egress = egress
         stream = PipeStream(proc)
         instance = SupervisedInstance(
             id=sid,
@@ -368,7 +388,7 @@ class RunscBackend(Backend):
         )
         weakref.finalize(instance, _guest.abandon, stream, boundary)
         try:
-            config = supervisor_config(spec, _guest.own_kernel_limits(spec, self.platform).rlimits)
+            config = supervisor_config(spec, _guest.own_kernel_limits(spec, self.platform).rlimits, egress)
             instance.handshake(config, START_TIMEOUT_S, rules)
         except exc.SandboxStartError as err:
             said = _head(bundle / "runsc.log")

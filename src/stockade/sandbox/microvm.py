@@ -7,9 +7,11 @@ image (built once per rootfs and cached), puts size- and inode-limited tmpfs on 
 no_new_privs and the process tier's seccomp filter. The host talks to it over a
 virtio-serial port whose other end is one half of a socketpair handed to QEMU.
 
-No network device exists in the guest; memory is the guest's RAM (plus RLIMIT_AS per
-process, so one hog gets a MemoryError, as on the gVisor tier), CPUs are virtual CPUs,
-processes are counted by RLIMIT_NPROC of the only user inside. The emulator is TCG by
+No network device exists in the guest: with an allowlist, a second virtio-serial port
+carries its connections to the egress proxy (``stockade.egress``). Memory is the guest's
+RAM (plus RLIMIT_AS per process, so one hog gets a MemoryError, as on the gVisor tier),
+CPUs are virtual CPUs, processes are counted by RLIMIT_NPROC of the only user inside. The
+emulator is TCG by
 default: nested KVM is often missing or hangs (``STOCKADE_MICROVM_ACCEL=kvm`` to opt in).
 """
 
@@ -97,14 +99,18 @@ $B mount -t devtmpfs dev /dev
 $B mount -t proc proc /proc
 $B mount -t sysfs sys /sys
 for m in MODULES; do $B insmod /lib/modules/$m.ko || fail "insmod $m"; done
-port=""; ctl=""; i=0
+egress=""; $B grep -q stockade_egress=1 /proc/cmdline && egress=1
+port=""; ctl=""; eport=""; i=0
 while :; do
   for f in /sys/class/virtio-ports/*/name; do
-    n=$($B cat "$f" 2>/dev/null); d=${f%/name}; d=${d##*/}
+    n="$($B cat "$f" 2>/dev/null)"; d=${f%/name}; d=${d##*/}
     [ "$n" = PORT ] && port=$d
     [ "$n" = PORT-ctl ] && ctl=$d
+    [ "$n" = PORT-egress ] && eport=$d
   done
-  [ -n "$port" ] && [ -e "/dev/$port" ] && [ -n "$ctl" ] && [ -e "/dev/$ctl" ] && [ -e /dev/vda ] && break
+  ok=1; [ -n "$egress" ] && { [ -n "$eport" ] && [ -e "/dev/$eport" ] || ok=""; }
+  [ -n "$ctl" ] && [ -e "/dev/$ctl" ] || ok=""
+  [ -n "$port" ] && [ -e "/dev/$port" ] && [ -e /dev/vda ] && [ -n "$ok" ] && break
   i=$((i+1)); [ $i -gt 5000 ] && fail "virtio devices missing"
   $B usleep 1000
 done
@@ -136,6 +142,8 @@ $B mount -o remount,ro,nosuid,nodev kernel $R/opt/stockade
 $B hostname sandbox
 $B ip link set lo up 2>/dev/null
 exec 4<>$R/dev/$port 3<>$R/dev/$ctl 0</dev/null 1>/dev/console 2>/dev/console
+# The egress port (only with an allowlist): the supervisor's relay reads it as fd 9.
+[ -n "$eport" ] && exec 9<>$R/dev/$eport
 $B umount -l /dev /proc /sys
 exec $B switch_root $R /bin/sh /opt/stockade/start.sh
 """
@@ -150,7 +158,7 @@ cd /workspace || exit 1
   /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 \\
   /usr/bin/setpriv --reuid 1000 --regid 1000 --clear-groups --inh-caps=-all --bounding-set=-all \\
   --no-new-privs -- ARGV 0<&4 1<&4 3<&- 4<&- &
-exec /usr/bin/nice -n 10 /usr/bin/python3 -S -E -s -I /opt/stockade/guestd.py 4<&-
+exec /usr/bin/nice -n 10 /usr/bin/python3 -S -E -s -I /opt/stockade/guestd.py 4<&- 9<&-
 """
 
 # The guest's PID 1 once the sandbox runs (root, outside the sandbox's pid namespace). It
@@ -537,11 +545,11 @@ class MicroVMBackend(Backend):
             )
 
     def _plan(self, spec: SandboxSpec) -> Enforcement:
-        if spec.network.enabled:
+        if spec.network.unrestricted:
             raise exc.LimitNotEnforceable(
-                "the microvm tier has no network device",
+                "the microvm tier has no network device: only an allowlist, through its egress proxy",
                 setting="network",
-                fix="use tier='docker' for network access",
+                fix="list the hosts (NetworkPolicy(allow_hosts=...)), or use tier='docker'",
             )
         weakened: tuple[str, ...] = ()
         if self._cgroups.mechanism is Mechanism.NONE:
@@ -557,7 +565,7 @@ class MicroVMBackend(Backend):
             cpus=Mechanism.VM,
             pids=Mechanism.RLIMIT,
             disk=Mechanism.TMPFS,
-            network=Mechanism.VM,
+            network=Mechanism.PROXY if spec.network.egress else Mechanism.VM,
             timeout=Mechanism.SUPERVISOR,
             host=None
             if weakened
@@ -613,6 +621,8 @@ class MicroVMBackend(Backend):
         cmdline = f"console=ttyS0 quiet panic=-1 pci=off {clock} stockade_ws={ws} stockade_tmp={tmp}"
         if masks:
             cmdline += f" stockade_mask={','.join(masks)}"
+        if spec.network.egress:  # the guest waits for its egress port (see _argv)
+            cmdline += " stockade_egress=1"
         return cmdline
 
     def _argv(
@@ -625,12 +635,17 @@ class MicroVMBackend(Backend):
         rundir: Path,
         masks: tuple[str, ...] = (),
         machine: Machine | None = None,
+        egress_fd: int | None = None,
     ) -> list[str]:
         """QEMU's command line; ``machine`` adds the monitor, the helper's port, the RAM's file
         and the wait for a snapshot to restore (without it: the bare guest, for benchmarks)."""
         assert self.kernel is not None
         image, initrd = files
         memory = spec.limits.memory_mb + GUEST_OVERHEAD_MB
+        egress: list[str] = []
+        if egress_fd is not None:  # a second port: the only way out, to the egress proxy
+            egress = ["-chardev", f"socket,id=egress,fd={egress_fd}",
+                      "-device", f"virtserialport,chardev=egress,name={PORT_NAME}-egress"]  # fmt: skip
         argv = [
             # Dies with its creator even when this process is killed outright.
             self.setpriv, "--pdeathsig", "KILL", "--",
@@ -650,6 +665,7 @@ class MicroVMBackend(Backend):
             "-device", "virtio-serial-device",
             "-chardev", f"socket,id=port,fd={fd}",
             "-device", f"virtserialport,chardev=port,name={PORT_NAME}",
+            *egress,
         ]  # fmt: skip
         if machine is not None:
             argv += [
@@ -683,6 +699,15 @@ class MicroVMBackend(Backend):
         cgroup: _cgroups.Cgroup | None = None
         keep = (theirs.fileno(), ctl_theirs.fileno(), qmp_theirs.fileno(), *plan.fds)
         try:
+            egress, guest_end = _egress_port(spec, rundir, self.rootfs)
+        except BaseException:
+            for sock in (mine, theirs, ctl, ctl_theirs, qmp, qmp_theirs):
+                sock.close()
+            shutil.rmtree(rundir, ignore_errors=True)
+            raise
+        if guest_end is not None:
+            keep = (*keep, guest_end.fileno())
+        try:
             machine = Machine(
                 ctl_fd=ctl_theirs.fileno(),
                 qmp_fd=qmp_theirs.fileno(),
@@ -698,6 +723,7 @@ class MicroVMBackend(Backend):
                 rundir=rundir,
                 masks=masks,
                 machine=machine,
+                egress_fd=None if guest_end is None else guest_end.fileno(),
             )
             if self._cgroups.mechanism is not Mechanism.NONE:
                 # The whole VM under one host limit: the guest's RAM, TCG's code cache, QEMU.
@@ -723,6 +749,8 @@ class MicroVMBackend(Backend):
                 proc.kill()
             for sock in (mine, ctl, qmp):
                 sock.close()
+            if egress is not None:
+                egress.close()
             if cgroup is not None:
                 cgroup.remove()
             shutil.rmtree(rundir, ignore_errors=True)
@@ -730,7 +758,10 @@ class MicroVMBackend(Backend):
         finally:
             for sock in (theirs, ctl_theirs, qmp_theirs):
                 sock.close()
+            if guest_end is not None:
+                guest_end.close()
         boundary = _VMBoundary(proc, mine, rundir, cgroup, ctl=ctl, qmp=qmp)
+        boundary.egress = egress
         return boundary, _SocketStream(mine)
 
     def _instance(
@@ -763,7 +794,10 @@ class MicroVMBackend(Backend):
         enforcement = self._plan(spec)
         rules = _rules.plan(spec, root=self.rootfs, can_mask=True, can_confine=True)
         sid = sandbox_id(spec)
-        boot = self._boot_image(spec, rules.masks) if self.boot_snapshots else None
+        # A sandbox with an allowlist boots cold: a boot image's guest would need an egress
+        # proxy of its own, with the credentials of a sandbox it is not.
+        cold = not self.boot_snapshots or spec.network.egress
+        boot = None if cold else self._boot_image(spec, rules.masks)
         if boot is not None:
             ram, device = boot
             fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
@@ -793,7 +827,7 @@ class MicroVMBackend(Backend):
                 sid, spec=spec, enforcement=enforcement, boundary=boundary, stream=stream, masks=rules.masks
             )
         try:
-            config = supervisor_config(spec, _guest.own_kernel_limits(spec).rlimits)
+            config = supervisor_config(spec, _guest.own_kernel_limits(spec).rlimits, boundary.egress)
             config["report_oom"] = True  # the guest's kernel kills for memory; the host sees nothing
             instance.handshake(config, START_TIMEOUT_S, rules)
         except exc.SandboxStartError as err:
@@ -959,6 +993,9 @@ class _VMInstance(SupervisedInstance):
     masks: tuple[str, ...]
 
     def memory_snapshots(self) -> str | None:
+        if self.spec.network.egress:
+            # its relay's streams live in the guest's memory, their other ends in this process
+            return "a microVM with an egress allowlist keeps files only in a snapshot"
         return None
 
     def save_memory(self, store: SnapshotStore, *, stop: bool) -> tuple[dict[str, str], dict[str, Any]]:
@@ -994,6 +1031,22 @@ def _flock(path: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+def _egress_port(spec: SandboxSpec, rundir: Path, rootfs: Path | None) -> tuple[Any, socket.socket | None]:
+    """With an allowlist: the sandbox's egress proxy, serving the streams of a socketpair
+    whose other end (returned, for QEMU) becomes the guest's egress port."""
+    if not spec.network.egress:
+        return None, None
+    from stockade.egress import attach_port
+
+    host_end, guest_end = socket.socketpair()
+    try:
+        return attach_port(spec, rundir / "egress", host_end, root=rootfs), guest_end
+    except BaseException:
+        host_end.close()
+        guest_end.close()
+        raise
 
 
 def host_memory_mb(spec: SandboxSpec) -> int:

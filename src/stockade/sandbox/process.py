@@ -24,6 +24,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from stockade import exceptions as exc
 from stockade.sandbox import _cgroups, _rules, _seccomp
@@ -46,7 +47,7 @@ from stockade.sandbox._supervised import (
 )
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.sandbox.kernel import sources as kernel_sources
-from stockade.types import Enforcement, HostShare, Mechanism, TierReport
+from stockade.types import Enforcement, HostShare, Mechanism, NetworkPolicy, TierReport
 
 __all__ = ["ProcessBackend"]
 
@@ -61,6 +62,7 @@ def _supervisor_command(python: str) -> list[str]:
 
 SANDBOX_UID = 1000
 MiB = 1024 * 1024
+EGRESS_DIR = "/run/stockade-egress"  # stockade.egress.SANDBOX_DIR (not imported: it is lazy)
 START_TIMEOUT_S = 20.0
 PASSWD = (
     "root:x:0:0::/:/usr/sbin/nologin\n"
@@ -178,13 +180,7 @@ class ProcessBackend(Backend):
                 )
             weakened.append("inodes: bounded by the memory limit (tmpfs size still enforced)")
         net = spec.network
-        if net.enabled and net.allow_hosts:
-            raise exc.LimitNotEnforceable(
-                "the process tier cannot enforce a host allowlist: it has the host's network or none",
-                setting="network.allow_hosts",
-                fix="use tier='docker' or 'gvisor' for allowlists, or NetworkPolicy(enabled=False)",
-            )
-        if net.enabled:
+        if net.unrestricted:
             if not spec.allow_weaker:
                 raise exc.LimitNotEnforceable(
                     "network access on the process tier shares the host's network stack",
@@ -199,7 +195,7 @@ class ProcessBackend(Backend):
             cpus=cg,
             pids=limited,
             disk=disk,
-            network=Mechanism.NAMESPACE if not net.enabled else Mechanism.NONE,
+            network=_network_mechanism(net),
             timeout=Mechanism.SUPERVISOR,
             # The cgroup holds all of it: processes (bwrap's own included), their kernel
             # memory, and the tmpfs pages their files are.
@@ -344,7 +340,7 @@ class ProcessBackend(Backend):
             "ALL",
             "--clearenv",
         ]
-        if spec.network.enabled:
+        if spec.network.unrestricted:
             argv.append("--share-net")
         argv += ["--ro-bind", str(root / "usr"), "/usr"]
         for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
@@ -365,7 +361,7 @@ class ProcessBackend(Backend):
             host_etc = root / "etc" / name
             if host_etc.exists():
                 argv += ["--ro-bind", str(host_etc), f"/etc/{name}"]
-        if spec.network.enabled and (Path("/etc/resolv.conf")).exists():
+        if spec.network.unrestricted and (Path("/etc/resolv.conf")).exists():
             argv += ["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"]
         if self.is_root:
             argv += ["--bind", str(rundir / "workspace"), WORKSPACE, "--bind", str(rundir / "tmp"), "/tmp"]
@@ -384,6 +380,8 @@ class ProcessBackend(Backend):
             ]
         for path in masks:
             argv += ["--ro-bind", "/dev/null", path]
+        if spec.network.egress:  # the proxy's socket: the only way out of a network of its own
+            argv += ["--ro-bind", str(rundir / "egress"), EGRESS_DIR]
         argv += [
             "--ro-bind",
             str(self._shared / "kernel"),
@@ -416,6 +414,7 @@ class ProcessBackend(Backend):
         lease: UidLease | None = None
         uid = self.host_uid
         fds: list[int] = []
+        egress = None
         try:
             limits = spec.limits
             if self.is_root:
@@ -438,6 +437,7 @@ class ProcessBackend(Backend):
                         mode=0o755 if name == "workspace" else 0o1777,
                     )
                     mounts.append(target)
+            egress = _attach_egress(spec, rundir, uid)
             if self._cgroups.mechanism is not Mechanism.NONE:
                 cgroup = _cgroups.Cgroup(self._cgroups.mechanism, sid)
                 cgroup.limit(memory_bytes=limits.memory_mb * MiB, cpus=limits.cpus, pids=limits.pids)
@@ -466,25 +466,27 @@ class ProcessBackend(Backend):
                     close_fds=True,
                     pass_fds=tuple(fds),
                 )
+            boundary = _ProcessBoundary(proc, cgroup, rundir, mounts, lease)
+            boundary.egress = egress
             instance = SupervisedInstance(
                 id=sid,
                 tier=self.tier,
                 stream=PipeStream(proc),
-                boundary=_ProcessBoundary(proc, cgroup, rundir, mounts, lease),
+                boundary=boundary,
                 spec=spec,
                 enforcement=enforcement,
             )
         except exc.StockadeError:
-            _cleanup(proc, cgroup, mounts, rundir, lease)
+            _cleanup(proc, cgroup, mounts, rundir, lease, egress=egress)
             raise
         except OSError as err:
-            _cleanup(proc, cgroup, mounts, rundir, lease)
+            _cleanup(proc, cgroup, mounts, rundir, lease, egress=egress)
             raise exc.SandboxStartError(f"cannot start bubblewrap: {err}") from err
         finally:
             for fd in fds:
                 os.close(fd)
         try:
-            instance.handshake(self._supervisor_config(spec, enforcement), START_TIMEOUT_S, rules)
+            instance.handshake(self._supervisor_config(spec, enforcement, egress), START_TIMEOUT_S, rules)
         except exc.SandboxStartError as err:
             log = _read_head(rundir / "bwrap.log")
             instance.close()
@@ -494,13 +496,30 @@ class ProcessBackend(Backend):
             raise
         return instance
 
-    def _supervisor_config(self, spec: SandboxSpec, enforcement: Enforcement) -> dict[str, object]:
+    def _supervisor_config(
+        self, spec: SandboxSpec, enforcement: Enforcement, egress: object = None
+    ) -> dict[str, object]:
         rlimits: dict[str, int] = {}
         if enforcement.memory is Mechanism.RLIMIT:
             rlimits["RLIMIT_AS"] = spec.limits.memory_mb * MiB
         if enforcement.pids is Mechanism.RLIMIT:
             rlimits["RLIMIT_NPROC"] = spec.limits.pids + _user_process_count()
-        return supervisor_config(spec, rlimits)
+        return supervisor_config(spec, rlimits, egress)
+
+
+def _network_mechanism(net: NetworkPolicy) -> Mechanism:
+    if net.egress:
+        return Mechanism.PROXY  # a network namespace whose only way out is the proxy's socket
+    return Mechanism.NONE if net.unrestricted else Mechanism.NAMESPACE
+
+
+def _attach_egress(spec: SandboxSpec, rundir: Path, uid: int | None) -> Any:
+    """The sandbox's egress proxy (``stockade.egress``), when its network has an allowlist."""
+    if not spec.network.egress:
+        return None
+    from stockade.egress import attach
+
+    return attach(spec, rundir / "egress", uid=uid)
 
 
 def _memfd(name: str, data: bytes) -> int:
@@ -516,7 +535,11 @@ def _cleanup(
     mounts: list[Path],
     rundir: Path,
     lease: UidLease | None,
+    *,
+    egress: Any = None,
 ) -> None:
+    if egress is not None:
+        egress.close()
     if proc is not None:
         try:
             proc.send_signal(signal.SIGKILL)

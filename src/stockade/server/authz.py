@@ -3,6 +3,8 @@ trust and the role's list), the network, models and tools."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from stockade import exceptions as exc
 from stockade.policy.engine import PolicyEngine
 from stockade.policy.schema import Policy
@@ -48,21 +50,48 @@ def choose_tier(engine: PolicyEngine, tier: str | None, prefer: str | None = Non
     return tier, f"asked for; trust {level!r} and role {engine.role_name!r} allow it"
 
 
-def check_network(engine: PolicyEngine, network: NetworkPolicy) -> None:
-    rules = engine.policy.network
-    if network.enabled and not rules.enabled:
+def check_network(engine: PolicyEngine, network: NetworkPolicy) -> NetworkPolicy:
+    """The network a sandbox asked for, if the tenant's policy gives it (``PolicyDenied``
+    otherwise): its hosts must be among those the role may reach (``[network] allow``), or
+    the policy must give the whole network. What it gets is the policy's own rules for those
+    hosts (ports, methods, addresses, limits, and the credentials the proxy adds), never
+    more than the request names."""
+    granted = engine.network_policy()
+    if (network.enabled or network.egress) and not (granted.enabled or granted.egress):
         raise exc.PolicyDenied(
-            "the tenant's policy keeps the network off; leave network.enabled false",
+            "the tenant's policy keeps the network off; leave network.enabled false and allow_hosts empty",
             rule="network.enabled",
             action="enable the network",
         )
-    extra = [h for h in network.allow_hosts if rules.allow_hosts and h not in rules.allow_hosts]
-    if extra or (network.enabled and rules.allow_hosts and not network.allow_hosts):
-        raise exc.PolicyDenied(
-            f"the tenant's policy lets the network reach only {', '.join(rules.allow_hosts)}",
-            rule="network.allow_hosts",
-            action="reach " + (", ".join(extra) or "any host"),
+    if not network.egress:
+        if network.enabled and not granted.unrestricted:
+            raise exc.PolicyDenied(
+                f"the tenant's policy lets the network reach only {_spell(granted)}",
+                rule="network.allow_hosts",
+                action="reach any host",
+            )
+        return network
+    if granted.unrestricted:  # the whole network is allowed: any list narrows it
+        return dataclasses.replace(
+            network,
+            max_requests_per_minute=min(network.max_requests_per_minute, granted.max_requests_per_minute),
+            max_bytes_per_minute=min(network.max_bytes_per_minute, granted.max_bytes_per_minute),
         )
+    wanted = {rule.host for rule in network.host_rules}
+    extra = sorted(wanted - {rule.host for rule in granted.host_rules})
+    if extra:
+        raise exc.PolicyDenied(
+            f"the tenant's policy lets the network reach only {_spell(granted)}",
+            rule="network.allow_hosts",
+            action="reach " + ", ".join(extra),
+        )
+    rules = tuple(rule for rule in granted.host_rules if rule.host in wanted)
+    credentials = tuple(c for c in granted.credentials if any(h in wanted for h in c.hosts))
+    return dataclasses.replace(granted, enabled=True, rules=rules, credentials=credentials)
+
+
+def _spell(granted: NetworkPolicy) -> str:
+    return ", ".join(dict.fromkeys(rule.host for rule in granted.host_rules)) or "no host"
 
 
 def check_model(engine: PolicyEngine, name: str) -> None:

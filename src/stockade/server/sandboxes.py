@@ -179,8 +179,8 @@ class SandboxRegistry:
         engine = engine_for(principal, request.trust)
         tier, why = choose_tier(engine, request.tier, request.prefer)
         network = request.network.build() if request.network is not None else None
-        if network is not None:
-            check_network(engine, network)
+        if network is not None:  # the policy's own rules for the hosts asked for, with credentials
+            network = check_network(engine, network)
         limits = request.limits.build() if request.limits is not None else Limits()
         idle = min(request.idle_timeout_s or service.config.sandbox_idle_timeout_s,
                    service.config.max_sandbox_idle_timeout_s)  # fmt: skip

@@ -201,3 +201,20 @@ def test_retention_erases_runs_older_than_the_period(tmp_path: Path) -> None:
     assert kept.exit_code == 1  # nothing is 30 days old
     gone = CliRunner().invoke(app, ["runs", "erase", "--older-than", "0", "--db", db])
     assert gone.exit_code == 0 and "erased 1 run(s)" in gone.output
+
+
+@pytest.mark.parametrize(
+    ("network", "met", "detail"),
+    [
+        ("", True, "the network is off"),
+        ("[network]\nenabled = true\n", False, "the network is on for any host"),
+        ('[network]\nallow = ["pypi.org"]\n', True, "only to pypi.org, through the egress proxy"),
+        ('[network]\nenabled = true\nallow_hosts = ["pypi.org"]\n', True, "only to pypi.org"),
+    ],
+)
+def test_egress_is_met_by_an_allowlist_in_either_spelling(network: str, met: bool, detail: str) -> None:
+    policy = load_policy_text(f"version = 1\n{network}")
+    setup_ = Setup(audit_url="memory:", audit_keyed=True, audit_redacts_personal_data=True)
+    report = check_compliance(policy, setup_, profiles=["soc2"])
+    (egress,) = [f for f in report.findings if "allowlisted hosts" in f.requirement.text]
+    assert egress.met is met and detail in egress.detail

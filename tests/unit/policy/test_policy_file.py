@@ -42,6 +42,10 @@ tools = ["read_file"]
 deny = ["network"]
 approve = ["vcs_push"]
 
+[credentials.GITHUB_TOKEN]
+source = "env:GITHUB_TOKEN"
+hosts = ["api.github.com"]
+
 [roles.developer]
 tools = ["run_code", "run_tests", "read_file", "write_file", "apply_patch"]
 tiers = ["docker", "gvisor", "microvm"]
@@ -66,7 +70,7 @@ YAML = """\
 commands:
   deny: [curl]
 network:
-  allow_hosts: [pypi.org]
+  allow_hosts: [pypi.org/simple]
 roles:
   dev:
     tools: [run_code]
@@ -90,10 +94,10 @@ def test_every_mistake_is_reported_with_its_line_and_field() -> None:
     assert bad.value.problems[1].startswith("p.toml:6: prompts.0.patterns: pattern '(' is not a valid")
     with pytest.raises(exc.PolicyFileError) as bad:
         parse_policy(YAML, format="yaml", source="p.yaml")
-    assert bad.value.problems == (
-        "p.yaml:3: network: allow_hosts is set but the network is off: set enabled = true",
-        "p.yaml:8: roles.dev.bogus: Extra inputs are not permitted",
+    assert bad.value.problems[0].startswith(
+        "p.yaml:4: network.allow_hosts: HostRule: 'pypi.org/simple' is not a host"
     )
+    assert bad.value.problems[1] == "p.yaml:8: roles.dev.bogus: Extra inputs are not permitted"
 
 
 def test_the_engine_applies_roles_data_classes_decisions_models_and_prompts() -> None:
@@ -126,12 +130,12 @@ def test_an_untrusted_policy_fails_closed_when_the_host_lacks_the_tier() -> None
 def test_cli_policy_check(tmp_path: Path) -> None:
     good, bad = tmp_path / "good.toml", tmp_path / "bad.toml"
     good.write_text(EXAMPLE)
-    bad.write_text("[network]\nallow_hosts = ['x']\n")
+    bad.write_text("[network]\nallow = ['x/y']\n")
     runner = CliRunner()
     ok = runner.invoke(app, ["policy", "check", str(good)])
     assert ok.exit_code == 0 and "valid" in ok.output
     failed = runner.invoke(app, ["policy", "check", str(bad)])
-    assert failed.exit_code == 1 and "bad.toml:1: network" in failed.output
+    assert failed.exit_code == 1 and "bad.toml:2: network.allow" in failed.output
 
 
 def test_cli_kill_and_approvals(tmp_path: Path) -> None:

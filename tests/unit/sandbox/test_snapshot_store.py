@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from stockade import (
     SnapshotNotFound,
     SnapshotStore,
 )
+from stockade.egress.secrets import EnvSecret
 from stockade.sandbox._supervised import (
     enforcement_from_state,
     enforcement_state,
@@ -22,7 +25,16 @@ from stockade.sandbox._supervised import (
     spec_state,
 )
 from stockade.sandbox.base import SandboxSpec
-from stockade.types import Enforcement, HostShare, Limits, Mechanism, SandboxRules
+from stockade.types import (
+    Credential,
+    Enforcement,
+    HostRule,
+    HostShare,
+    Limits,
+    Mechanism,
+    NetworkPolicy,
+    SandboxRules,
+)
 
 
 def _snapshot(store: SnapshotStore, data: bytes, *, ref: tuple[str, str] = ("kept", "")) -> str:
@@ -130,3 +142,20 @@ def test_an_enforcement_survives_its_manifest_and_an_unknown_one_is_refused() ->
         enforcement_from_state({**state, "memory": "telepathy"})
     with pytest.raises(SnapshotIncompatible):
         enforcement_from_state({**state, "a_setting_from_the_future": "vm"})
+
+
+def test_a_network_policy_survives_its_manifest_but_its_credentials_are_never_written() -> None:
+    network = NetworkPolicy(
+        allow_hosts=("pypi.org",),
+        rules=(HostRule(host="api.example.com", ports=(443, 8443), methods=("GET",)),),
+        allow_addresses=("10.1.0.0/16",),
+        resolve={"api.example.com": ("10.1.0.5",)},
+        max_requests_per_minute=30,
+        credentials=(
+            Credential(name="gh", hosts=("api.example.com",), source=EnvSecret("S3CRET_OF_A_TEST")),
+        ),
+    )
+    state = spec_state(SandboxSpec(network=network))
+    assert "S3CRET" not in json.dumps(state) and "credentials" not in state["network"]
+    back = spec_from_state(state).network
+    assert back == dataclasses.replace(network, credentials=())

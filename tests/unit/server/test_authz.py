@@ -7,7 +7,15 @@ from __future__ import annotations
 import pytest
 
 from stockade import exceptions as exc
-from stockade.policy.schema import ModelRegistry, NetworkRules, Policy, Role, TrustRules
+from stockade.policy.schema import (
+    CredentialRule,
+    HostAllow,
+    ModelRegistry,
+    NetworkRules,
+    Policy,
+    Role,
+    TrustRules,
+)
 from stockade.server.authz import check_model, check_network, choose_tier, effective_policy, engine_for
 from stockade.server.tenants import Principal, Tenant
 from stockade.types import NetworkPolicy, Trust
@@ -102,6 +110,35 @@ def test_no_network_at_all_when_the_tenant_keeps_it_off() -> None:
     with pytest.raises(exc.PolicyDenied) as denied:
         check_network(closed, NetworkPolicy(enabled=True, allow_hosts=("pypi.org",)))
     assert denied.value.rule == "network.enabled"
+
+
+def test_an_allowlist_asked_for_with_the_network_off_is_still_refused() -> None:
+    # allow_hosts without enabled still opens a way out (the egress proxy): the same rule holds
+    closed = engine_for(principal(policy=Policy(roles={"dev": Role()})))
+    with pytest.raises(exc.PolicyDenied) as denied:
+        check_network(closed, NetworkPolicy(allow_hosts=("evil.example",)))
+    assert denied.value.rule == "network.enabled"
+
+
+def test_the_sandbox_gets_the_policys_rules_and_credentials_for_the_hosts_it_names() -> None:
+    policy = Policy(
+        roles={"ci": Role(credentials=("gh",)), "dev": Role()},
+        network=NetworkRules(
+            allow=(
+                "pypi.org",
+                HostAllow(host="api.github.com", ports=(443,), methods=("GET",), roles=("ci",)),
+            )
+        ),
+        credentials={"gh": CredentialRule(source="env:GH_TOKEN", hosts=("api.github.com",))},
+    )
+    got = check_network(engine_for(principal("ci", policy)), NetworkPolicy(allow_hosts=("api.github.com",)))
+    assert [(r.host, r.ports, r.methods) for r in got.host_rules] == [("api.github.com", (443,), ("GET",))]
+    assert [c.name for c in got.credentials] == ["gh"]
+    only_pypi = check_network(engine_for(principal("ci", policy)), NetworkPolicy(allow_hosts=("pypi.org",)))
+    assert [r.host for r in only_pypi.host_rules] == ["pypi.org"] and only_pypi.credentials == ()
+    with pytest.raises(exc.PolicyDenied) as denied:  # another role's host
+        check_network(engine_for(principal("dev", policy)), NetworkPolicy(allow_hosts=("api.github.com",)))
+    assert denied.value.rule == "network.allow_hosts" and "pypi.org" in str(denied.value)
 
 
 def test_only_registered_models_are_allowed() -> None:

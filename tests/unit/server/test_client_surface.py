@@ -77,3 +77,22 @@ def test_properties_stay_properties() -> None:
         for name, value in public(local).items():
             if isinstance(value, property) and name not in LOCAL_ONLY:
                 assert isinstance(public(remote)[name], property), f"{remote.__name__}.{name}"
+
+
+def test_a_remote_network_is_its_hosts_and_the_rest_is_refused_not_dropped() -> None:
+    from stockade.client.sandbox import create_body
+    from stockade.exceptions import InvalidArgument
+    from stockade.types import HostRule, NetworkPolicy
+
+    def body(network: NetworkPolicy) -> dict[str, object]:
+        return create_body(
+            None, network=network, trust=None, limits=None, envs=None, allow_weaker=False, labels=None,
+            prefer=None, idle_timeout_s=None,
+        )  # fmt: skip
+
+    assert body(NetworkPolicy(allow_hosts=("pypi.org",)))["network"] == {
+        "enabled": False,
+        "allow_hosts": ["pypi.org"],
+    }
+    with pytest.raises(InvalidArgument, match="rules"):  # ports and methods: the tenant's policy
+        body(NetworkPolicy(rules=(HostRule(host="pypi.org", ports=(8443,)),)))

@@ -115,6 +115,9 @@ class Poller:
             raise KeyError(fd)
         self._epoll.unregister(fd)
 
+    def modify(self, fd: int, events: int) -> None:
+        self._epoll.modify(fd, events)
+
     def select(self, timeout: "float | None") -> "list[tuple[_Key, int]]":
         try:
             ready = self._epoll.poll(-1 if timeout is None else timeout)
@@ -249,6 +252,7 @@ class Supervisor:
         self.report_oom = False
         self.rules: Optional[Any] = None  # the policy, enforced on the code (kernel/rules.py)
         self.confine: "Optional[Any]" = None
+        self.egress: "Optional[Any]" = None  # the relay to the egress proxy (kernel/egress.py)
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -282,6 +286,10 @@ class Supervisor:
             self.confine = self.rules.confine
             if self.rules.listener >= 0:
                 self.sel.register(self.rules.listener, EVENT_READ, ("exec", None))
+        if cfg.get("egress"):
+            import egress  # type: ignore[import-not-found]
+
+            self.egress = egress.make(self.sel, cfg["egress"])
         if carried is not None:
             self.root_modes = {str(k): int(v) for k, v in carried["root_modes"].items()}
             self.baseline = carried["baseline"]
@@ -326,6 +334,8 @@ class Supervisor:
                 elif kind == "exec":
                     assert self.rules is not None
                     self.rules.on_exec(fd)
+                elif kind == "egress":
+                    obj.on_event(fd, events)
             self._reap()
             self._check_deadlines()
 

@@ -1,0 +1,406 @@
+"""The sandbox's end of its egress proxy: a relay in the supervisor's event loop.
+
+The sandbox has no network but its own loopback. The relay listens there (127.0.0.1:3128,
+where HTTP_PROXY points) and carries each connection, byte for byte, to the proxy on the
+host: a Unix socket the tier binds into the sandbox (``Relay``), or, in the microVM, streams
+over a virtio-serial port of its own (``MuxRelay``). It decides nothing (the proxy does),
+so code that connects to the socket itself, or kills nothing (the supervisor is init and
+ignores signals), gains nothing.
+
+It runs in the supervisor (not a process of its own) so that code cannot kill it, and at
+the supervisor's priority, above the code's. Each direction holds at most ``BUF`` bytes:
+a slow reader slows its writer, the supervisor's memory stays bounded.
+Stdlib only, any python >= 3.8, like the rest of this folder.
+"""
+
+import errno
+import os
+import select
+import socket
+
+BUF = 256 * 1024
+CHUNK = 64 * 1024
+IN = select.EPOLLIN
+OUT = select.EPOLLOUT
+MAX_PAIRS = 256  # connections at once; the host's proxy caps them too
+
+
+class _End:
+    __slots__ = ("eof_in", "events", "out", "peer", "shut_pending", "sock")
+
+    def __init__(self, sock):
+        self.sock = sock
+        self.out = bytearray()  # waiting to be written to this end
+        self.eof_in = False  # this end will send nothing more
+        self.shut_pending = False  # shut our writing side once ``out`` is written
+        self.events = 0
+        self.peer = None
+
+
+class Relay:
+    """Listens on the sandbox's loopback; each connection goes to the host's socket."""
+
+    def __init__(self, sel, config):
+        self.sel = sel
+        self.target = str(config["socket"])
+        self.ends = {}
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", int(config.get("listen", 3128))))
+        self.listener.listen(128)
+        self.listener.setblocking(False)
+        sel.register(self.listener.fileno(), IN, ("egress", self))
+
+    def on_event(self, fd, events):
+        if fd == self.listener.fileno():
+            self._accept()
+            return
+        end = self.ends.get(fd)
+        if end is None:
+            return
+        try:
+            if events & (IN | select.EPOLLHUP | select.EPOLLERR):
+                self._read(end)
+            if end.sock.fileno() in self.ends and events & OUT:
+                self._flush(end)
+        except OSError:
+            self._drop(end)
+            return
+        self._settle(end)
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # out of descriptors: the connection waits in the backlog
+                return
+            if len(self.ends) >= 2 * MAX_PAIRS:
+                client.close()
+                continue
+            upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                upstream.setblocking(False)
+                upstream.connect(self.target)
+            except OSError:
+                upstream.close()
+                client.close()
+                continue
+            client.setblocking(False)
+            # No Nagle: a reply relayed in pieces would wait for the client's delayed ACK (40 ms).
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            a, b = _End(client), _End(upstream)
+            a.peer, b.peer = b, a
+            for end in (a, b):
+                self.ends[end.sock.fileno()] = end
+                end.events = IN
+                self.sel.register(end.sock.fileno(), IN, ("egress", self))
+
+    def _read(self, end):
+        peer = end.peer
+        if end.eof_in or len(peer.out) >= BUF:
+            return
+        try:
+            data = end.sock.recv(CHUNK)
+        except (BlockingIOError, InterruptedError):
+            return
+        if data:
+            peer.out += data
+            self._flush(peer)
+            return
+        end.eof_in = True
+        peer.shut_pending = True
+        self._flush(peer)
+
+    def _flush(self, end):
+        while end.out:
+            try:
+                sent = end.sock.send(end.out[:CHUNK] if len(end.out) > CHUNK else end.out)
+            except (BlockingIOError, InterruptedError):
+                return
+            del end.out[:sent]
+        if end.shut_pending:
+            end.shut_pending = False
+            try:
+                end.sock.shutdown(socket.SHUT_WR)
+            except OSError as exc:
+                if exc.errno != errno.ENOTCONN:
+                    raise
+
+    def _settle(self, end):
+        """Watch what each end can do next, and close the pair once both ways are done."""
+        for e in (end, end.peer):
+            if e.sock.fileno() not in self.ends:
+                return
+        if end.eof_in and end.peer.eof_in and not end.out and not end.peer.out:
+            self._drop(end)
+            return
+        for e in (end, end.peer):
+            want = 0
+            if not e.eof_in and len(e.peer.out) < BUF:
+                want |= IN
+            if e.out:
+                want |= OUT
+            if want != e.events:
+                e.events = want
+                self.sel.modify(e.sock.fileno(), want)
+
+    def _drop(self, end):
+        for e in (end, end.peer):
+            fd = e.sock.fileno()
+            if fd in self.ends:
+                del self.ends[fd]
+                try:
+                    self.sel.unregister(fd)
+                except KeyError:
+                    pass
+            e.sock.close()
+
+    def close(self):
+        for end in list(self.ends.values()):
+            self._drop(end)
+        try:
+            self.sel.unregister(self.listener.fileno())
+        except KeyError:
+            pass
+        self.listener.close()
+
+
+# -- the microVM: every connection over one virtio-serial port ------------------------------
+#
+# A frame is a 9-byte header (type, stream id: 4 bytes, length: 4 bytes, big-endian) and
+# its payload. The guest opens streams; each side may have WINDOW bytes of a stream in
+# flight and returns credit (ACK) as it delivers them, so neither side ever holds more
+# than WINDOW per stream. HELLO (a fresh relay, after a reset) drops every stream.
+OPEN, DATA, EOF, CLOSE, ACK, HELLO = 1, 2, 3, 4, 5, 6
+WINDOW = 256 * 1024
+HEADER = 9
+PORT_HIGH = 1024 * 1024  # stop reading the code's sockets while this much waits for the port
+MUX_STREAMS = 64
+
+
+def frame(kind, sid, payload=b""):
+    return bytes((kind,)) + sid.to_bytes(4, "big") + len(payload).to_bytes(4, "big") + payload
+
+
+class _Stream:
+    __slots__ = ("credit", "delivered", "eof_host", "eof_in", "events", "out", "sid", "sock")
+
+    def __init__(self, sid, sock):
+        self.sid = sid
+        self.sock = sock
+        self.out = bytearray()  # from the host, waiting for the code's socket
+        self.credit = WINDOW  # what we may still send the host
+        self.delivered = 0  # written to the code's socket since our last ACK
+        self.eof_in = False
+        self.eof_host = False
+        self.events = 0
+
+
+class MuxRelay:
+    """Listens on the sandbox's loopback; every connection is a stream over one port."""
+
+    def __init__(self, sel, config):
+        self.sel = sel
+        self.port = int(config["fd"])
+        os.set_blocking(self.port, False)
+        self.port_out = bytearray()
+        self.port_in = bytearray()
+        self.port_events = IN
+        self.streams = {}  # sid -> _Stream
+        self.by_fd = {}
+        self.next_sid = 1
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", int(config.get("listen", 3128))))
+        self.listener.listen(128)
+        self.listener.setblocking(False)
+        sel.register(self.listener.fileno(), IN, ("egress", self))
+        sel.register(self.port, IN, ("egress", self))
+        self._send(frame(HELLO, 0))
+
+    # -- events ----------------------------------------------------------------------------
+
+    def on_event(self, fd, events):
+        if fd == self.listener.fileno():
+            self._accept()
+        elif fd == self.port:
+            if events & OUT:
+                self._flush_port()
+            if events & (IN | select.EPOLLHUP | select.EPOLLERR):
+                self._read_port()
+        else:
+            stream = self.by_fd.get(fd)
+            if stream is not None:
+                try:
+                    if events & OUT:
+                        self._flush(stream)
+                    if events & (IN | select.EPOLLHUP | select.EPOLLERR):
+                        self._read(stream)
+                except OSError:
+                    self._drop(stream, tell=True)
+        self._settle()
+
+    def _accept(self):
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError, OSError):
+                return
+            if len(self.streams) >= MUX_STREAMS:
+                client.close()
+                continue
+            client.setblocking(False)
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sid = self.next_sid
+            self.next_sid = self.next_sid % 0xFFFFFFF0 + 1
+            stream = _Stream(sid, client)
+            self.streams[sid] = stream
+            self.by_fd[client.fileno()] = stream
+            stream.events = IN
+            self.sel.register(client.fileno(), IN, ("egress", self))
+            self._send(frame(OPEN, sid))
+
+    def _read(self, stream):
+        if stream.eof_in or stream.credit <= 0 or len(self.port_out) >= PORT_HIGH:
+            return
+        try:
+            data = stream.sock.recv(min(CHUNK, stream.credit))
+        except (BlockingIOError, InterruptedError):
+            return
+        if data:
+            stream.credit -= len(data)
+            self._send(frame(DATA, stream.sid, data))
+        else:
+            stream.eof_in = True
+            self._send(frame(EOF, stream.sid))
+        self._maybe_done(stream)
+
+    def _flush(self, stream):
+        while stream.out:
+            try:
+                sent = stream.sock.send(stream.out[:CHUNK])
+            except (BlockingIOError, InterruptedError):
+                break
+            del stream.out[:sent]
+            stream.delivered += sent
+        if stream.delivered >= WINDOW // 4 or (stream.delivered and not stream.out):
+            self._send(frame(ACK, stream.sid, stream.delivered.to_bytes(4, "big")))
+            stream.delivered = 0
+        if stream.eof_host and not stream.out:
+            try:
+                stream.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+            self._maybe_done(stream)
+
+    def _read_port(self):
+        while True:
+            try:
+                data = os.read(self.port, 1 << 20)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                return
+            if not data:
+                break
+            self.port_in += data
+        buf = self.port_in
+        pos = 0
+        while len(buf) - pos >= HEADER:
+            kind = buf[pos]
+            sid = int.from_bytes(buf[pos + 1 : pos + 5], "big")
+            size = int.from_bytes(buf[pos + 5 : pos + 9], "big")
+            if len(buf) - pos - HEADER < size:
+                break
+            payload = bytes(buf[pos + HEADER : pos + HEADER + size])
+            pos += HEADER + size
+            self._on_frame(kind, sid, payload)
+        del buf[:pos]
+
+    def _on_frame(self, kind, sid, payload):
+        stream = self.streams.get(sid)
+        if stream is None:
+            return  # a stream we dropped: what was in flight for it goes nowhere
+        if kind == DATA:
+            stream.out += payload
+            try:
+                self._flush(stream)
+            except OSError:
+                self._drop(stream, tell=True)
+        elif kind == EOF:
+            stream.eof_host = True
+            try:
+                self._flush(stream)
+            except OSError:
+                self._drop(stream, tell=True)
+        elif kind == ACK and len(payload) == 4:
+            stream.credit += int.from_bytes(payload, "big")
+        elif kind == CLOSE:
+            self._drop(stream, tell=False)
+
+    # -- the port ---------------------------------------------------------------------------
+
+    def _send(self, data):
+        self.port_out += data
+        self._flush_port()
+
+    def _flush_port(self):
+        while self.port_out:
+            try:
+                sent = os.write(self.port, self.port_out[:CHUNK])
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self.port_out.clear()
+                return
+            del self.port_out[:sent]
+
+    def _maybe_done(self, stream):
+        if stream.eof_in and stream.eof_host and not stream.out and stream.sid in self.streams:
+            self._drop(stream, tell=True)
+
+    def _drop(self, stream, tell):
+        if self.streams.pop(stream.sid, None) is None:
+            return
+        fd = stream.sock.fileno()
+        self.by_fd.pop(fd, None)
+        try:
+            self.sel.unregister(fd)
+        except KeyError:
+            pass
+        stream.sock.close()
+        if tell:
+            self._send(frame(CLOSE, stream.sid))
+
+    def _settle(self):
+        """What each socket waits for next (reading stops without credit or room)."""
+        room = len(self.port_out) < PORT_HIGH
+        for stream in list(self.streams.values()):
+            want = 0
+            if not stream.eof_in and stream.credit > 0 and room:
+                want |= IN
+            if stream.out:
+                want |= OUT
+            if want != stream.events:
+                stream.events = want
+                self.sel.modify(stream.sock.fileno(), want)
+        want = IN | (OUT if self.port_out else 0)
+        if want != self.port_events:
+            self.port_events = want
+            self.sel.modify(self.port, want)
+
+
+def make(sel, config):
+    """The relay the host asked for: to a socket bound in, or over the microVM's port.
+    ``files`` (the sandbox's trust bundle, where no folder is bound in) go to ``dir``."""
+    if config.get("files"):
+        folder = str(config["dir"])
+        os.makedirs(folder, mode=0o755, exist_ok=True)
+        for name, text in config["files"].items():
+            path = os.path.join(folder, os.path.basename(name))
+            with open(path, "w") as fh:
+                fh.write(text)
+            os.chmod(path, 0o444)
+    return MuxRelay(sel, config) if "fd" in config else Relay(sel, config)

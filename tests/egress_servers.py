@@ -1,0 +1,243 @@
+"""Local servers for the egress tests: HTTP and HTTPS on 127.0.0.x under made-up names.
+
+``Servers`` starts an HTTP server on 127.0.0.2 (``pkg.test``: pages, redirects, big bodies,
+a package index) and an HTTPS server on 127.0.0.3 (``api.test``, a certificate from a test
+CA) that remembers every ``Authorization`` it got. ``policy()`` builds the sandbox's
+``NetworkPolicy``: the proxy's resolver maps the made-up names (``resolve``), and the two
+addresses are allowed explicitly (loopback is refused otherwise).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import http.server
+import io
+import ipaddress
+import socketserver
+import ssl
+import threading
+import urllib.parse
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stockade.types import Credential, HostRule, NetworkPolicy
+
+HTTP_ADDRESS = "127.0.0.2"
+HTTPS_ADDRESS = "127.0.0.3"
+TOKEN = "tok-" + hashlib.sha256(b"stockade egress test token").hexdigest()[:24]
+WHEEL_NAME = "tinypkg-1.0-py3-none-any.whl"
+HTML = {"Content-Type": "text/html"}
+
+
+def tiny_wheel() -> bytes:
+    """A wheel of one module, ``tinypkg`` (``tinypkg.VALUE == 42``), built here."""
+    files = {
+        "tinypkg/__init__.py": b"VALUE = 42\n",
+        "tinypkg-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: tinypkg\nVersion: 1.0\n",
+        "tinypkg-1.0.dist-info/WHEEL": (
+            b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+    record = "".join(f"{name},,\n" for name in files) + "tinypkg-1.0.dist-info/RECORD,,\n"
+    files["tinypkg-1.0.dist-info/RECORD"] = record.encode()
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for name, data in files.items():
+            zf.writestr(name, data)
+    return buf.getvalue()
+
+
+@dataclass
+class Seen:
+    authorizations: list[str] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    seen: Seen
+    wheel: bytes
+    scheme: str
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _send(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        self.seen.paths.append(self.path)
+        auth = self.headers.get("Authorization")
+        if auth is not None:
+            self.seen.authorizations.append(auth)
+        url = urllib.parse.urlsplit(self.path)
+        query = dict(urllib.parse.parse_qsl(url.query))
+        if url.path == "/redirect":
+            self._send(302, b"", {"Location": query["to"]})
+        elif url.path == "/big":
+            self._send(200, b"x" * int(query.get("n", "1048576")))
+        elif url.path == "/auth":  # whether a credential came, never its value
+            self._send(200, f"{self.scheme} authorized={auth is not None}".encode())
+        elif url.path == "/echo-auth":  # a server that reflects the credential back
+            self._send(200, f"you sent: {auth}".encode(), {"X-Echo": auth or ""})
+        elif url.path.startswith(("/simple", "/files/")):
+            self._index(url.path)
+        else:
+            self._send(200, f"{self.scheme} hello {url.path}".encode())
+
+    def _index(self, path: str) -> None:
+        """A package index (PEP 503) of one wheel."""
+        if path in ("/simple/", "/simple"):
+            self._send(200, b'<html><body><a href="/simple/tinypkg/">tinypkg</a></body></html>', HTML)
+        elif path == "/simple/tinypkg/":
+            digest = hashlib.sha256(self.wheel).hexdigest()
+            link = f'<a href="/files/{WHEEL_NAME}#sha256={digest}">{WHEEL_NAME}</a>'
+            self._send(200, f"<html><body>{link}</body></html>".encode(), HTML)
+        elif path == f"/files/{WHEEL_NAME}":
+            self._send(200, self.wheel, {"Content-Type": "application/octet-stream"})
+        else:
+            self._send(404, b"not found")
+
+    def do_POST(self) -> None:
+        size = int(self.headers.get("Content-Length", "0"))
+        data = self.rfile.read(size)
+        self._send(200, f"got {len(data)} bytes".encode())
+
+
+def _handler(seen: Seen, wheel: bytes, scheme: str) -> type[http.server.BaseHTTPRequestHandler]:
+    return type("Handler", (_Handler,), {"seen": seen, "wheel": wheel, "scheme": scheme})
+
+
+class _Threaded(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+def _test_ca(folder: Path) -> tuple[Path, ssl.SSLContext]:
+    """A CA (its certificate written to ``folder/test-ca.pem``) and a server context for
+    ``api.test`` signed by it."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "egress test CA")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    names = [
+        x509.DNSName("api.test"),
+        x509.DNSName("other.test"),
+        x509.IPAddress(ipaddress.ip_address(HTTPS_ADDRESS)),
+    ]
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "api.test")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    ca_file = folder / "test-ca.pem"
+    ca_file.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    chain = folder / "server.pem"
+    chain.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        + cert.public_bytes(serialization.Encoding.PEM)
+    )
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(chain)
+    return ca_file, ctx
+
+
+@dataclass
+class Servers:
+    http_port: int
+    https_port: int
+    ca_file: Path  # the test CA, which signed api.test's certificate
+    http_seen: Seen
+    https_seen: Seen
+
+    def policy(self, **changes: Any) -> NetworkPolicy:
+        """The allowlist of the tests: both servers by name, the credential for api.test."""
+        settings: dict[str, Any] = {
+            "allow_hosts": (f"pkg.test:{self.http_port}",),
+            "rules": (HostRule(host="api.test", ports=(self.https_port,)),),
+            "allow_addresses": (f"{HTTP_ADDRESS}/32", f"{HTTPS_ADDRESS}/32"),
+            "resolve": {
+                "pkg.test": (HTTP_ADDRESS,),
+                "api.test": (HTTPS_ADDRESS,),
+                "other.test": (HTTPS_ADDRESS,),  # served, but not allowed
+                "metadata.test": ("169.254.169.254",),
+                "loopback.test": ("127.0.0.1",),
+                "private.test": ("10.0.0.1",),
+                "mixed.test": ("93.184.216.34", "192.168.1.1"),
+                "v6.test": ("::1",),
+            },
+            "credentials": (Credential(name="api", hosts=("api.test",), source=_Literal(TOKEN)),),
+            "upstream_ca": str(self.ca_file),
+        }
+        settings.update(changes)
+        return NetworkPolicy(**settings)
+
+
+@dataclass(frozen=True)
+class _Literal:
+    value: str
+
+    def read(self) -> str:
+        return self.value
+
+
+@contextmanager
+def servers(folder: Path) -> Iterator[Servers]:
+    wheel = tiny_wheel()
+    http_seen, https_seen = Seen(), Seen()
+    plain = _Threaded((HTTP_ADDRESS, 0), _handler(http_seen, wheel, "http"))
+    secure = _Threaded((HTTPS_ADDRESS, 0), _handler(https_seen, wheel, "https"))
+    ca_file, ctx = _test_ca(folder)
+    secure.socket = ctx.wrap_socket(secure.socket, server_side=True)
+    threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in (plain, secure)]
+    for thread in threads:
+        thread.start()
+    try:
+        yield Servers(
+            http_port=plain.server_address[1],
+            https_port=secure.server_address[1],
+            ca_file=ca_file,
+            http_seen=http_seen,
+            https_seen=https_seen,
+        )
+    finally:
+        for server in (plain, secure):
+            server.shutdown()
+            server.server_close()
+        for thread in threads:
+            thread.join(5)

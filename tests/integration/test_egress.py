@@ -1,0 +1,347 @@
+"""Controlled egress on every tier: the allowlist proxy is the only way out of a sandbox.
+
+Local HTTP and HTTPS servers answer on 127.0.0.2 and 127.0.0.3 under made-up names that the
+proxy's resolver maps (tests/egress_servers.py). From inside: urllib, requests, pip (both
+copied into the workspace from this environment, where the image has none) and curl
+(where the tier has it) reach what is allowed; every other route is refused, each with the
+reason the code can read; the credential reaches the server and is nowhere in the sandbox.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stockade import Limits, Sandbox
+from stockade.audit.events import EventKind
+from stockade.audit.sandbox import AuditedBackend
+from stockade.sandbox import _registry
+from stockade.sandbox.ops import PutArchive
+from stockade.testing import capture_audit
+from stockade.types import NetworkPolicy
+from tests.conftest import require_tier
+from tests.egress_servers import TOKEN, Servers, servers
+from tests.integration.conftest import TIERS
+
+LIMITS = Limits(memory_mb=512, timeout_s=120, pids=64)
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    with servers(tmp_path_factory.mktemp("egress")) as found:
+        yield found
+
+
+def _libraries() -> bytes:
+    """requests (and what it needs) and pip from this environment, as a tar for lib/."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name in ("requests", "urllib3", "idna", "certifi", "charset_normalizer", "pip"):
+            spec = importlib.util.find_spec(name)
+            assert spec is not None and spec.origin is not None, name
+            folder = Path(spec.origin).parent
+            tar.add(folder, arcname=f"lib/{name}", filter=lambda i: None if "__pycache__" in i.name else i)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def libraries() -> bytes:
+    return _libraries()
+
+
+@pytest.fixture(params=TIERS)
+def egress_tier(request: pytest.FixtureRequest) -> str:
+    name = str(request.param)
+    require_tier(name)
+    return name
+
+
+def _sandbox(tier: str, network: NetworkPolicy) -> Sandbox:
+    return Sandbox.create(tier, limits=LIMITS, network=network)
+
+
+CLIENTS = """
+import json, os, ssl, sys, urllib.request, urllib.error
+sys.path.insert(0, "/workspace/lib")
+http_port, https_port = int(sys.argv[1]), int(sys.argv[2])
+out = {}
+out["urllib_http"] = urllib.request.urlopen(f"http://pkg.test:{http_port}/a", timeout=20).read().decode()
+auth = f"https://api.test:{https_port}/auth"
+out["urllib_https"] = urllib.request.urlopen(auth, timeout=20).read().decode()
+import requests
+out["requests_http"] = requests.get(f"http://pkg.test:{http_port}/b", timeout=20).text
+out["requests_https"] = requests.get(f"https://api.test:{https_port}/auth", timeout=20).text
+out["echo"] = requests.get(f"https://api.test:{https_port}/echo-auth", timeout=20).text
+def refused(url):
+    try:
+        urllib.request.urlopen(url, timeout=20).read()
+    except urllib.error.HTTPError as e:
+        return [e.code, e.read().decode()]
+    except Exception as e:
+        return [0, type(e).__name__ + ": " + str(e)]
+    return [200, "allowed"]
+out["other"] = refused(f"http://other.test:{http_port}/")
+out["metadata_name"] = refused(f"http://metadata.test:{http_port}/")
+out["metadata_ip"] = refused("http://169.254.169.254/latest/meta-data/")
+out["literal"] = refused(f"http://127.0.0.2:{http_port}/")
+out["https_other"] = refused(f"https://other.test:{https_port}/")
+out["redirect"] = refused(f"http://pkg.test:{http_port}/redirect?to=http://169.254.169.254/")
+print(json.dumps(out))
+"""
+
+NO_ROUTE = """
+import json, socket, sys
+out = {}
+for name, target in [("server", ("127.0.0.2", int(sys.argv[1]))), ("metadata", ("169.254.169.254", 80)),
+                     ("public", ("93.184.216.34", 443)), ("v6", ("::1", int(sys.argv[1])))]:
+    try:
+        socket.create_connection(target, timeout=3).close()
+        out[name] = "connected"
+    except OSError as e:
+        out[name] = type(e).__name__
+try:
+    socket.getaddrinfo("pkg.test", 80)
+    out["dns"] = "resolved"
+except OSError as e:
+    out["dns"] = type(e).__name__
+print(json.dumps(out))
+"""
+
+
+def test_allowed_requests_work_and_everything_else_is_refused(
+    egress_tier: str, local: Servers, libraries: bytes
+) -> None:
+    with capture_audit() as audit:
+        backend = AuditedBackend(_registry.backend(egress_tier), audit, run_id="egress")
+        hosts = (f"pkg.test:{local.http_port}", f"metadata.test:{local.http_port}")
+        with Sandbox.create(backend=backend, limits=LIMITS, network=local.policy(allow_hosts=hosts)) as sbx:
+            sbx.instance.execute(PutArchive(data=libraries))
+            sbx.files.write("clients.py", CLIENTS)
+            r = sbx.commands.run(f"python3 clients.py {local.http_port} {local.https_port}")
+            assert r.exit_code == 0, r.stderr
+            out = json.loads(r.stdout)
+            pip = sbx.commands.run(
+                "PYTHONPATH=/workspace/lib python3 -m pip --disable-pip-version-check --no-cache-dir install "
+                f"--target /workspace/site --index-url http://pkg.test:{local.http_port}/simple/ "
+                f"--trusted-host pkg.test:{local.http_port} tinypkg "
+                "&& PYTHONPATH=/workspace/site python3 -c 'import tinypkg; print(tinypkg.VALUE)'",
+                timeout_s=400,  # pip is slow under the microVM's emulated CPU (minutes under TCG)
+            )
+            assert pip.exit_code == 0 and pip.stdout.strip().endswith("42"), pip.stdout + pip.stderr
+            sbx.files.write("noroute.py", NO_ROUTE)
+            routes = json.loads(sbx.commands.run(f"python3 noroute.py {local.http_port}").stdout)
+            leaks = sbx.commands.run(LEAK_SCAN, timeout_s=60)
+    assert out["urllib_http"] == "http hello /a" and out["requests_http"] == "http hello /b"
+    assert out["urllib_https"] == out["requests_https"] == "https authorized=True"
+    assert TOKEN not in out["echo"] and "[REDACTED]" in out["echo"]  # a server echoing it back
+    assert f"Bearer {TOKEN}" in local.https_seen.authorizations  # the token reached the server
+    for case in ("other", "metadata_name", "metadata_ip", "literal", "redirect"):
+        code, text = out[case]
+        assert code == 403 and "stockade egress:" in text and "(rule: " in text, (case, text)
+    assert "is a link-local address" in out["metadata_name"][1]
+    assert out["https_other"][0] in (0, 403)  # CONNECT refused: urllib raises a tunnel error
+    assert "403" in out["https_other"][1] or out["https_other"][0] == 403
+    assert set(routes.values()) <= {"OSError", "gaierror", "ConnectionRefusedError", "TimeoutError"}, routes
+    assert "connected" not in routes.values() and routes["dns"] == "gaierror"
+    assert leaks.exit_code == 0 and leaks.stdout.strip() == "clean", leaks.stdout + leaks.stderr
+    # Every request is an audit event; the token is in none of them.
+    egress = audit.of(EventKind.EGRESS)
+    assert {e.attributes["decision"] for e in egress} == {"allow", "deny"}
+    assert any(e.attributes["credential_name"] == "api" for e in egress)
+    assert all(TOKEN not in json.dumps(e.attributes) for e in audit.events)
+
+
+# Looks for the token everywhere code can look: every process's environment and memory (of
+# those it may read), and every file the sandbox was given or could write.
+LEAK_SCAN = f"""python3 - <<'EOF'
+import os, re
+token = {TOKEN[::-1]!r}[::-1].encode()  # only this process holds it whole: not searched
+found = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    if int(pid) == os.getpid():
+        continue
+    try:
+        if token in open(f"/proc/{{pid}}/environ", "rb").read():
+            found.append(("environ", pid))
+        mem = open(f"/proc/{{pid}}/mem", "rb", 0)
+        for line in open(f"/proc/{{pid}}/maps"):
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            if "r" not in line.split()[1] or end - start > 1 << 30:
+                continue
+            try:
+                mem.seek(start)
+                if token in mem.read(end - start):
+                    found.append(("memory", pid, line.split()[-1]))
+            except (OSError, OverflowError, ValueError):
+                pass
+    except OSError:
+        pass
+for top in ("/workspace", "/tmp", "/dev/shm", "/etc", "/run", "/opt"):  # the rest is the read-only image
+    for folder, dirs, files in os.walk(top):
+        for name in files:
+            path = os.path.join(folder, name)
+            try:
+                if token in open(path, "rb").read():
+                    found.append(("file", path))
+            except OSError:
+                pass
+print(found if found else "clean")
+EOF"""
+
+
+def test_curl_goes_through_the_proxy(egress_tier: str, local: Servers) -> None:
+    with _sandbox(egress_tier, local.policy()) as sbx:
+        if sbx.commands.run("command -v curl").exit_code != 0:
+            pytest.skip(f"the {egress_tier} tier's image has no curl")
+        r = sbx.commands.run(
+            f"curl -sS http://pkg.test:{local.http_port}/c && echo && "
+            f"curl -sS https://api.test:{local.https_port}/auth && echo && "
+            f"curl -sS -o /dev/null -w '%{{http_code}}' http://other.test:{local.http_port}/; echo; "
+            f"curl -sS https://other.test:{local.https_port}/ 2>&1; echo"
+        )
+    lines = r.stdout.splitlines()
+    assert lines[:3] == ["http hello /c", "https authorized=True", "403"], r.stdout + r.stderr
+    assert "403" in lines[3]  # curl: CONNECT tunnel failed, response 403
+
+
+def test_a_tunnel_to_an_allowed_host_with_another_sni_is_closed(egress_tier: str, local: Servers) -> None:
+    code = f"""
+import socket, ssl
+s = socket.create_connection(("127.0.0.1", 3128), timeout=10)
+s.sendall(b"CONNECT api.test:{local.https_port} HTTP/1.1\\r\\nHost: api.test\\r\\n\\r\\n")
+print(s.recv(200).split(b"\\r\\n")[0].decode())
+ctx = ssl.create_default_context()
+ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+try:
+    ctx.wrap_socket(s, server_hostname="other.test")
+    print("handshake")
+except (OSError, ssl.SSLError) as e:
+    print("closed")
+"""
+    with _sandbox(egress_tier, local.policy(credentials=())) as sbx:
+        sbx.files.write("sni.py", code)
+        r = sbx.commands.run("python3 sni.py")
+    assert r.stdout.splitlines() == ["HTTP/1.1 200 Connection established", "closed"], r.stdout + r.stderr
+
+
+def test_the_proxy_dies_with_the_sandbox(egress_tier: str, local: Servers) -> None:
+    sbx = _sandbox(egress_tier, local.policy())
+    boundary = sbx.instance.boundary  # type: ignore[attr-defined]
+    attachment = boundary.egress
+    socket_path = attachment.socket_path
+    assert socket_path.exists()
+    sbx.close()
+    assert not socket_path.exists() and attachment.proxy.ca is None and not attachment.proxy._secrets
+
+
+def test_an_agent_gets_its_roles_credential_through_the_proxy(
+    local: Servers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """build_agent: the policy's [network] and [credentials], bound by the role, on the
+    process tier; the egress events are in the audit trail, the token nowhere in it."""
+    require_tier("process")
+    from stockade.agent import RunLimits, RunStatus
+    from stockade.assembly import AgentConfig, build_agent
+    from stockade.audit import AuditLog, SQLiteStore
+    from stockade.models import ScriptedModel, tool_call
+
+    monkeypatch.setenv("EGRESS_TEST_API_TOKEN", TOKEN)
+    policy = tmp_path / "policy.toml"
+    policy.write_text(
+        f"""
+[trust]
+level = "trusted"
+[network]
+allow = [{{ host = "api.test", ports = [{local.https_port}] }}]
+allow_addresses = ["127.0.0.3/32"]
+resolve = {{ "api.test" = ["127.0.0.3"] }}
+upstream_ca = "{local.ca_file}"
+[credentials.api]
+source = "env:EGRESS_TEST_API_TOKEN"
+hosts = ["api.test"]
+[roles.ci]
+credentials = ["api"]
+[roles.reader]
+"""
+    )
+    code = f"import urllib.request; print(urllib.request.urlopen('https://api.test:{local.https_port}/auth').read())"
+    store = SQLiteStore(tmp_path / "audit.db")
+    # The reader gets no credential, so no opened TLS: a tunnel to a server its sandbox does
+    # not trust (the test CA is not in it), where the ci role's proxy answered with its own CA.
+    for role, expected in (("ci", "authorized=True"), ("reader", "certificate")):
+        model = ScriptedModel([tool_call("run_code", {"code": code, "language": "python"}), "done"])
+        config = AgentConfig(
+            model=model,
+            policy=policy,
+            role=role,
+            tier="process",
+            audit=AuditLog(store, flush_interval_s=None),
+            limits=RunLimits(max_steps=4),
+            approval_dir=tmp_path / "approvals",
+            kill_target=str(tmp_path / "kill"),
+        )
+        with build_agent(config) as agent, agent.session(workspace=None, run_id=f"run-{role}") as session:
+            result = session.run_sync("call the API")
+        assert result.status == RunStatus.SUCCESS, result
+        outputs = [m for m in result.state.messages if expected in repr(m)]
+        assert outputs, (role, result.state.messages)
+    events = [e for e in store.events() if e.kind == EventKind.EGRESS]
+    by_run = {(e.run_id, e.attributes["method"], e.attributes["credential_name"]) for e in events}
+    assert ("run-ci", "GET", "api") in by_run and ("run-reader", "CONNECT", "") in by_run
+    assert not any(run == "run-reader" and name for run, _, name in by_run)
+    assert TOKEN.encode() not in (tmp_path / "audit.db").read_bytes()
+
+
+def test_a_service_sandbox_gets_the_tenants_rules_and_credential_for_the_hosts_it_names(
+    local: Servers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """stockade serve: a remote sandbox names hosts; the tenant's policy gives their rules
+    and the role's credential, added by the proxy in the server's process."""
+    require_tier("process")
+    from stockade import exceptions as exc
+    from stockade.client import Client, RemoteSandbox
+    from tests.integration.service_env import Server, write_tenants
+
+    monkeypatch.setenv("EGRESS_TEST_API_TOKEN", TOKEN)  # the server's environment: the host's
+    tenants, tokens = write_tenants(tmp_path)
+    (tmp_path / "policy.toml").write_text(
+        f"""version = 1
+[trust]
+level = "trusted"
+[network]
+allow = [{{ host = "api.test", ports = [{local.https_port}] }}]
+allow_addresses = ["127.0.0.3/32"]
+resolve = {{ "api.test" = ["127.0.0.3"] }}
+upstream_ca = "{local.ca_file}"
+[credentials.api]
+source = "env:EGRESS_TEST_API_TOKEN"
+hosts = ["api.test"]
+roles = ["dev"]
+[roles.dev]
+tiers = ["process"]
+[roles.viewer]
+tiers = ["process"]
+"""
+    )
+    server = Server(tenants, f"sqlite:///{tmp_path / 'service.db'}", tmp_path)
+    try:
+        with Client(server.url, tokens.acme) as client:
+            with pytest.raises(exc.PolicyDenied, match=r"api\.test"):
+                RemoteSandbox.create(tier="process", network=NetworkPolicy(allow_hosts=("pkg.test",)),
+                                     client=client)  # fmt: skip
+            network = NetworkPolicy(allow_hosts=("api.test",))
+            with RemoteSandbox.create(tier="process", limits=LIMITS, network=network, client=client) as sbx:
+                url = f"https://api.test:{local.https_port}/auth"
+                fetch = f"import urllib.request; print(urllib.request.urlopen('{url}').read())"
+                r = sbx.commands.run(f'python3 -c "{fetch}"; env')
+        assert "authorized=True" in r.stdout, r.stdout + r.stderr
+        assert TOKEN not in r.stdout + r.stderr
+    finally:
+        server.stop()
+    assert "Traceback" not in server.output(), server.output()[-3000:]

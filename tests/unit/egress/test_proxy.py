@@ -1,0 +1,226 @@
+"""The egress proxy on its own, on the host: what it lets through, what it refuses and why.
+
+The clients are the standard library's (urllib, ssl, sockets) against local servers on
+127.0.0.x under made-up names; the sandbox tiers run the same proxy behind their relay
+(tests/integration/test_egress.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import socket
+import ssl
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stockade.egress import EgressProxy, HostRule, NetworkPolicy, _loop
+from stockade.types import EgressRecord
+from tests.egress_servers import TOKEN, Servers, servers
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    with servers(tmp_path_factory.mktemp("egress")) as found:
+        yield found
+
+
+class Running:
+    def __init__(self, policy: NetworkPolicy) -> None:
+        self.records: list[EgressRecord] = []
+        self.proxy = EgressProxy(policy, observer=self.records.append)
+        self.port = _loop.call(self.proxy.start_tcp())
+
+    def opener(self, trust: list[Path | bytes] | None = None) -> urllib.request.OpenerDirector:
+        ctx = ssl.create_default_context()
+        for item in trust or []:
+            if isinstance(item, bytes):
+                ctx.load_verify_locations(cadata=item.decode())
+            else:
+                ctx.load_verify_locations(str(item))
+        url = f"http://127.0.0.1:{self.port}"
+        return urllib.request.build_opener(
+            urllib.request.ProxyHandler({"http": url, "https": url}), urllib.request.HTTPSHandler(context=ctx)
+        )
+
+    def close(self) -> None:
+        _loop.call(self.proxy.close())
+
+
+@contextlib.contextmanager
+def running(policy: NetworkPolicy) -> Iterator[Running]:
+    proxy = Running(policy)
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+def refused(opener: urllib.request.OpenerDirector, url: str) -> tuple[int, str]:
+    with pytest.raises(urllib.error.HTTPError) as info:
+        opener.open(url, timeout=10).read()
+    return info.value.code, info.value.read().decode()
+
+
+def test_an_allowed_host_is_reached_and_recorded(local: Servers) -> None:
+    with running(local.policy()) as proxy:
+        body = proxy.opener().open(f"http://pkg.test:{local.http_port}/page?q=1", timeout=10).read()
+    assert body == b"http hello /page"
+    (record,) = proxy.records
+    assert (record.host, record.method, record.path, record.status, record.decision) == (
+        "pkg.test", "GET", "/page?q=1", 200, "allow",
+    )  # fmt: skip
+    assert record.rule == f"allow: pkg.test:{local.http_port}" and record.bytes_in == len(body)
+
+
+@pytest.mark.parametrize(
+    ("host", "rule"),
+    [
+        ("other.test", "allow (no rule)"),  # a name no rule allows
+        ("127.0.0.2", "allow (no rule)"),  # an IP literal, even of an allowed address
+        ("169.254.169.254", "allow (no rule)"),  # the metadata service
+        ("[::ffff:169.254.169.254]", "allow (no rule)"),
+        ("[::1]", "allow (no rule)"),
+    ],
+)
+def test_names_and_addresses_not_allowed_are_refused(local: Servers, host: str, rule: str) -> None:
+    with running(local.policy()) as proxy:
+        code, body = refused(proxy.opener(), f"http://{host}:{local.http_port}/")
+    assert code == 403 and f"(rule: {rule})" in body
+    assert proxy.records[-1].decision == "deny" and proxy.records[-1].rule == rule
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("metadata.test", "link-local"),
+        ("loopback.test", "loopback"),
+        ("private.test", "private"),
+        ("mixed.test", "private"),  # one public answer and one private: a rebinding, refused
+        ("v6.test", "loopback"),
+    ],
+)
+def test_allowed_names_that_resolve_to_private_addresses_are_refused(
+    local: Servers, name: str, kind: str
+) -> None:
+    policy = local.policy(allow_hosts=(f"{name}:{local.http_port}",))
+    with running(policy) as proxy:
+        code, body = refused(proxy.opener(), f"http://{name}:{local.http_port}/")
+    assert code == 403 and f"is a {kind} address" in body and "(rule: addresses (not public))" in body
+
+
+def test_a_port_not_allowed_is_refused(local: Servers) -> None:
+    with running(local.policy()) as proxy:
+        code, body = refused(proxy.opener(), f"http://pkg.test:{local.http_port + 1}/")
+    assert code == 403 and "port" in body
+
+
+def test_methods_are_held_where_a_rule_names_them(local: Servers) -> None:
+    policy = local.policy(
+        allow_hosts=(), rules=(HostRule(host="pkg.test", ports=(local.http_port,), methods=("GET",)),)
+    )
+    with running(policy) as proxy:
+        opener = proxy.opener()
+        assert opener.open(f"http://pkg.test:{local.http_port}/", timeout=10).read() == b"http hello /"
+        request = urllib.request.Request(f"http://pkg.test:{local.http_port}/", data=b"x" * 10, method="POST")
+        code, body = refused(opener, request)  # type: ignore[arg-type]  # urllib takes either
+    assert code == 403 and "POST to pkg.test is not allowed" in body
+
+
+def test_a_redirect_to_a_denied_host_is_refused(local: Servers) -> None:
+    with running(local.policy()) as proxy:
+        url = f"http://pkg.test:{local.http_port}/redirect?to=http://169.254.169.254/latest/meta-data"
+        code, body = refused(proxy.opener(), url)
+    assert code == 403 and "redirect" in body
+    assert proxy.records[-1].rule.startswith("redirect")
+
+
+def test_the_requests_per_minute_are_a_limit(local: Servers) -> None:
+    with running(local.policy(max_requests_per_minute=2)) as proxy:
+        opener = proxy.opener()
+        for _ in range(2):
+            opener.open(f"http://pkg.test:{local.http_port}/", timeout=10).read()
+        code, body = refused(opener, f"http://pkg.test:{local.http_port}/")
+    assert code == 429 and "max_requests_per_minute" in body
+
+
+def test_the_bytes_per_minute_are_a_limit(local: Servers) -> None:
+    with running(local.policy(max_bytes_per_minute=100_000)) as proxy:
+        opener = proxy.opener()
+        with pytest.raises((http.client.HTTPException, OSError)):  # cut mid-body
+            opener.open(f"http://pkg.test:{local.http_port}/big?n=1000000", timeout=10).read()
+    assert proxy.records[-1].rule == "max_bytes_per_minute"
+
+
+def test_https_with_a_credential_reaches_the_server_and_the_secret_never_comes_back(local: Servers) -> None:
+    with running(local.policy()) as proxy:
+        ca = proxy.proxy.ca_pem
+        assert ca is not None
+        opener = proxy.opener([ca])  # the client trusts the sandbox's CA only (and the system's)
+        body = opener.open(f"https://api.test:{local.https_port}/auth", timeout=10).read()
+        echoed = opener.open(f"https://api.test:{local.https_port}/echo-auth", timeout=10)
+        echoed_body = echoed.read().decode()
+        echoed_header = echoed.headers["X-Echo"]
+    assert body == b"https authorized=True"
+    assert f"Bearer {TOKEN}" in local.https_seen.authorizations
+    assert TOKEN not in echoed_body and TOKEN not in echoed_header and "[REDACTED]" in echoed_body
+    assert all(TOKEN not in repr(r) for r in proxy.records)
+    assert [r.credential for r in proxy.records if r.method == "GET"] == ["api", "api"]
+
+
+def test_https_without_a_credential_is_a_tunnel_to_the_server_itself(local: Servers) -> None:
+    with running(local.policy(credentials=())) as proxy:
+        assert proxy.proxy.ca_pem is None  # nothing to open: no CA at all
+        body = (
+            proxy.opener([local.ca_file]).open(f"https://api.test:{local.https_port}/auth", timeout=10).read()
+        )
+    assert body == b"https authorized=False"
+    (record,) = proxy.records
+    assert (record.method, record.sni, record.status) == ("CONNECT", "api.test", 200)
+
+
+def _tunnel(port: int, target: str) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(4096)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    return sock
+
+
+def test_a_tunnel_whose_sni_differs_from_its_host_is_closed(local: Servers) -> None:
+    with running(local.policy(credentials=())) as proxy:
+        sock = _tunnel(proxy.port, f"api.test:{local.https_port}")
+        ctx = ssl.create_default_context(cafile=str(local.ca_file))
+        with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
+            ctx.wrap_socket(sock, server_hostname="other.test")  # served there, but not allowed
+        sock.close()
+    assert proxy.records[-1].rule == "tls (sni)" and proxy.records[-1].sni == "other.test"
+
+
+def test_a_tunnel_must_carry_tls(local: Servers) -> None:
+    with running(local.policy(credentials=())) as proxy:
+        sock = _tunnel(proxy.port, f"api.test:{local.https_port}")
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: api.test\r\n\r\n")
+        assert sock.recv(100) == b""
+        sock.close()
+    assert proxy.records[-1].rule == "tls (sni)" and "TLS" in proxy.records[-1].reason
+
+
+def test_closing_cuts_open_tunnels(local: Servers) -> None:
+    proxy = Running(local.policy(credentials=()))
+    sock = _tunnel(proxy.port, f"api.test:{local.https_port}")
+    ctx = ssl.create_default_context(cafile=str(local.ca_file))
+    tls = ctx.wrap_socket(sock, server_hostname="api.test")
+    proxy.close()
+    tls.settimeout(5)
+    with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
+        tls.sendall(b"GET /auth HTTP/1.1\r\nHost: api.test\r\n\r\n")
+        if not tls.recv(100):
+            raise ConnectionError("closed")
+    tls.close()
