@@ -28,7 +28,7 @@ from stockade.models import ScriptedModel, tool_call
 from stockade.policy.schema import Policy, TrustRules
 from stockade.runtime.clock import ManualClock
 from stockade.runtime.killswitch import KillSwitch, kill_all, kill_source_for
-from stockade.runtime.limits import LocalWindow, RateLimit
+from stockade.runtime.limits import LocalWindow, OnLimit, RateLimit
 from stockade.sandbox.ops import RunCommand
 from stockade.server.app import create_app
 from stockade.server.context import ServiceConfig
@@ -256,7 +256,7 @@ async def test_the_api_and_the_runs_actions_count_apart_in_the_tenants_window(
         model=model, policy=Policy(trust=TrustRules(level=Trust.TRUSTED)),
         backend=FakeBackend(MemoryWorkspace(), tier="process"), audit=AuditLog(MemoryStore()),
         tools=Toolset([shell]), kill_target=str(tmp_path / "kill"), anomaly=False, tenant="acme",
-        rate_per_minute=3, on_rate_limit="stop", limits_window=setup.service.limits.window,
+        rate_per_minute=3, on_rate_limit=OnLimit.STOP, limits_window=setup.service.limits.window,
     )  # fmt: skip
     with build_agent(config) as agent:
         assert (await agent.run("echo", run_id="r-1")).status == RunStatus.SUCCESS
@@ -274,7 +274,7 @@ def test_a_window_given_is_shared_by_agents_and_wins_over_a_redis_url(tmp_path: 
             model=ScriptedModel([tool_call("shell", {"command": "echo hi"})] * 2 + ["done"]),
             policy=Policy(trust=TrustRules(level=Trust.TRUSTED)), backend=backend,
             audit=AuditLog(MemoryStore()), tools=Toolset([shell]), kill_target=str(tmp_path / "kill"),
-            anomaly=False, tenant="acme", rate_per_minute=3, rate_period_s=10.0, on_rate_limit="stop",
+            anomaly=False, tenant="acme", rate_per_minute=3, rate_period_s=10.0, on_rate_limit=OnLimit.STOP,
             limits_window=window, limits_redis_url="redis://127.0.0.1:1/0",  # never reached
             clock=clock,
         )  # fmt: skip
