@@ -41,12 +41,14 @@ class Cluster:
         return row
 
     def wait_status(self, run_id: str, *statuses: str, timeout_s: float = 60.0) -> RunRow:
-        return wait_for(
-            lambda: (row := self.row(run_id)).status in statuses and row,
-            what=f"run {run_id} to be {' or '.join(statuses)}",
-            timeout_s=timeout_s,
-            interval_s=0.1,
-        )
+        def reached() -> RunRow | None:
+            row = self.row(run_id)
+            return row if row.status in statuses else None
+
+        found = wait_for(reached, what=f"run {run_id} to be {' or '.join(statuses)}", timeout_s=timeout_s,
+                         interval_s=0.1)  # fmt: skip
+        assert found is not None
+        return found
 
     def events(self, tenant: str, run_id: str) -> list[tuple[str, dict[str, object]]]:
         rows = self.store.audit_rows(f"audit_t_{tenant}", run_id, 0, limit=10_000)
