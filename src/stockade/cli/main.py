@@ -49,6 +49,7 @@ COMMAND_MODULES = (
     "stockade.cli.runs_cmds",
     "stockade.cli.service_cmds",
     "stockade.cli.mcp_cmds",
+    "stockade.cli.viewer_cmds",
 )
 
 for _name in COMMAND_MODULES:

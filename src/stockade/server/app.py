@@ -19,6 +19,7 @@ from stockade.server import problems
 from stockade.server.runs import router as runs_router
 from stockade.server.sandboxes import router as sandboxes_router
 from stockade.server.service import Service
+from stockade.server.viewer import ServiceAuth, viewer_router
 
 __all__ = ["create_app"]
 
@@ -71,6 +72,7 @@ def create_app(service: Service) -> FastAPI:
     app.state.service = service
     app.include_router(sandboxes_router)
     app.include_router(runs_router)
+    app.include_router(viewer_router(ServiceAuth(service)))  # the run viewer, /ui
 
     @app.exception_handler(exc.StockadeError)
     async def stockade_error(request: Request, error: exc.StockadeError) -> Response:
