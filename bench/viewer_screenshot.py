@@ -29,7 +29,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "run-viewer.png")
     parser.add_argument("--port", type=int, default=8799)
-    out = parser.parse_args().out.resolve()
+    options = parser.parse_args()
+    out = options.out.resolve()
     with tempfile.TemporaryDirectory(prefix="stockade-shot-") as tmp:
         os.environ["STOCKADE_KILL_DIR"] = f"{tmp}/kill"  # nothing of this lands in the home folder
         os.environ["STOCKADE_APPROVAL_DIR"] = f"{tmp}/approvals"
@@ -44,10 +45,8 @@ def main() -> None:
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
         }
-        ui = subprocess.Popen(
-            [sys.executable, "-m", "stockade.cli.main", "ui", "--db", db, "--port", str(parser.parse_args().port)],
-            stderr=subprocess.PIPE, text=True, env=env,
-        )  # fmt: skip
+        command = [sys.executable, "-m", "stockade.cli.main", "ui", "--db", db, "--port", str(options.port)]
+        ui = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=env)
         try:
             assert ui.stderr is not None
             line = ui.stderr.readline()
@@ -70,7 +69,7 @@ def shoot(login: str, run_id: str, out: Path) -> None:
         try:
             page = browser.new_page(viewport={"width": 1180, "height": 900}, device_scale_factor=1)
             page.goto(login)
-            page.goto(login.split("/ui/")[0] + f"/ui/runs/{run_id}")
+            page.goto(login.split("/ui/", maxsplit=1)[0] + f"/ui/runs/{run_id}")
             page.wait_for_selector(".timeline .entry")
             page.locator(".entry.k-tool details").first.evaluate("node => node.open = true")
             page.screenshot(path=str(out), full_page=True)

@@ -176,6 +176,45 @@ def test_a_stdio_session_waits_for_stockade_approve(project: Path) -> None:
     _ended_and_verified(project, run_id)
 
 
+def test_a_stdio_session_of_the_2026_protocol_asks_with_its_result(project: Path) -> None:
+    """No server-to-client request exists on 2026-07-28: the question is an InputRequiredResult,
+    the answer comes with the client's retry of the call (the SDK's client does it)."""
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "stockade.cli.main", *_args(project)],
+        env=_env(),
+        cwd=str(project),
+    )
+    asked: list[str] = []
+
+    async def answer(
+        context: ClientRequestContext, params: types.ElicitRequestParams
+    ) -> types.ElicitResult | types.ErrorData:
+        asked.append(params.message)
+        return types.ElicitResult(action="accept", content={"approve": "keep" not in params.message})
+
+    async def session() -> tuple[str, types.CallToolResult, types.CallToolResult]:
+        async with Client(params, elicitation_callback=answer, read_timeout_seconds=120) as client:
+            assert client.session.protocol_version == "2026-07-28"
+            ran = await client.call_tool(
+                "run_code", {"code": "mkdir t && rm -r t && echo yes", "language": "bash"}
+            )
+            kept = await client.call_tool(
+                "run_code", {"code": "mkdir keep && rm -r keep", "language": "bash"}
+            )
+            return str((await _session_info(client))["run_id"]), ran, kept
+
+    run_id, ran, kept = asyncio.run(session())
+    assert not ran.is_error and "yes" in _text(ran), _text(ran)
+    assert kept.is_error and "a human denied" in _text(kept), _text(kept)
+    assert len(asked) == 2 and "rm -r t" in asked[0]
+    with open_store(f"sqlite:///{project / 'audit.db'}") as store:
+        outcomes = [
+            e.attributes.get("outcome") for e in store.events(run_id=run_id) if e.kind == EventKind.APPROVAL
+        ]
+    assert outcomes == ["pending", "approved", "pending", "denied"], outcomes
+
+
 def test_a_stdio_call_nobody_approves_is_denied(project: Path) -> None:
     params = StdioServerParameters(
         command=sys.executable,

@@ -11,10 +11,11 @@ are the agent's own. This module only speaks the protocol:
 - ``resources/list``, ``resources/read``: ``stockade://workspace/<path>`` for each file the
   policy lets the session read, ``stockade://session/diff`` (the session's changes) and
   ``stockade://session`` (its run id, for ``stockade kill`` or ``stockade runs show``);
-- an action the policy sends for approval is asked through the client (``elicitation/create``,
-  a yes/no form) when the client supports it; otherwise the call waits for ``stockade approve
-  RUN REQUEST`` (or the run viewer's button) for ``approval_wait_s``, and is denied, with the
-  reason recorded, when nobody decided.
+- an action the policy sends for approval is asked through the client when it supports
+  elicitation (a yes/no form: ``elicitation/create`` on the handshake versions; on 2026-07-28,
+  an ``InputRequiredResult`` whose answer comes with the client's retry of the call);
+  otherwise the call waits for ``stockade approve RUN REQUEST`` (or the run viewer's button)
+  for ``approval_wait_s``, and is denied, with the reason recorded, when nobody decided.
 
 Sessions. Over stdio the process serves one client: that is the session. Over HTTP a session
 is the transport's (``Mcp-Session-Id``, the handshake protocol versions); it ends when the
@@ -25,6 +26,7 @@ so that it falls back to a session (``server/discover`` is refused there).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import sys
@@ -37,6 +39,7 @@ import anyio
 import mcp_types as types
 from mcp.server import Server, ServerRequestContext
 from mcp.shared.exceptions import MCPError
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from stockade import exceptions as exc
@@ -188,14 +191,36 @@ class McpFace:
 
     async def _call_tool(
         self, ctx: ServerRequestContext[Any, Any], params: types.CallToolRequestParams
-    ) -> types.CallToolResult:
+    ) -> types.CallToolResult | types.InputRequiredResult:
         session = self._session(ctx)
-        outcome = await session.call(params.name, params.arguments or {})
+        held = session.paused
+        if held is None:
+            outcome = await session.call(params.name, params.arguments or {})
+        elif params.input_responses and await self._answered(session, held, params.input_responses):
+            session.paused = None
+            outcome = await session.resume()
+        else:  # an action still waits for its answer: the session asks again
+            outcome = held
         while isinstance(outcome, Paused):
+            if _asks_by_retry(ctx):  # 2026-07-28: the question rides the result, the answer the retry
+                session.paused = outcome
+                return _input_required(outcome)
             for pending in outcome.approvals:
                 await self._ask(ctx, session, pending)
             outcome = await session.resume()
         return _result(outcome)
+
+    async def _answered(self, session: McpSession, held: Paused, responses: Any) -> bool:
+        """Record the decisions the client's retry carries; whether every request has one."""
+        for pending in held.approvals:
+            answer = responses.get(pending.request_id)
+            if not isinstance(answer, types.ElicitResult):
+                return False
+            approved = answer.action == "accept" and (answer.content or {}).get("approve") is True
+            choice = Choice.APPROVED if approved else Choice.DENIED
+            by = f"mcp client {session.client} (elicitation: {answer.action})"
+            await anyio.to_thread.run_sync(functools.partial(session.decide, pending, choice, by=by))
+        return True
 
     async def _ask(
         self, ctx: ServerRequestContext[Any, Any], session: McpSession, pending: PendingApproval
@@ -205,8 +230,7 @@ class McpFace:
         caps = ctx.session.client_capabilities
         if caps is not None and caps.elicitation is not None and ctx.session.can_send_request:
             answer = await ctx.session.elicit_form(
-                message=f"stockade: {pending.action} needs your approval ({pending.reason}; "
-                f"rule {pending.rule})",
+                message=_message(pending),
                 requested_schema=_APPROVE_SCHEMA,
                 related_request_id=ctx.request_id,
             )
@@ -278,6 +302,32 @@ class McpFace:
         return types.ReadResourceResult(
             contents=[types.TextResourceContents(uri=uri, text=text, mime_type=mime)]
         )
+
+
+def _message(pending: PendingApproval) -> str:
+    return f"stockade: {pending.action} needs your approval ({pending.reason}; rule {pending.rule})"
+
+
+def _asks_by_retry(ctx: ServerRequestContext[Any, Any]) -> bool:
+    """A 2026-07-28 client that can ask its user: no server-to-client request exists there."""
+    caps = ctx.session.client_capabilities
+    return (
+        ctx.session.protocol_version in MODERN_PROTOCOL_VERSIONS
+        and caps is not None
+        and caps.elicitation is not None
+    )
+
+
+def _input_required(paused: Paused) -> types.InputRequiredResult:
+    return types.InputRequiredResult(
+        input_requests={
+            p.request_id: types.ElicitRequest(
+                params=types.ElicitRequestFormParams(message=_message(p), requested_schema=_APPROVE_SCHEMA)
+            )
+            for p in paused.approvals
+        },
+        request_state=paused.approvals[0].run_id if paused.approvals else "paused",
+    )
 
 
 def _version() -> str:

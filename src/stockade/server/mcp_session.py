@@ -201,6 +201,7 @@ class McpSession:
         self._failure: BaseException | None = None
         self.result: RunResult | None = None
         self.closed = False
+        self.paused: Paused | None = None  # asked of a 2026-07-28 client, until its retry answers
         self._thread = threading.Thread(target=self._main, name=f"stockade-mcp-{self.run_id}", daemon=True)
         self._thread.start()
 
