@@ -5,17 +5,23 @@ the run on, a tool output holding ``<script>`` shown as text, and the roles and 
 
 from __future__ import annotations
 
+import asyncio
+import os
+import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx2
+import mcp_types as types
 import pytest
 
 from stockade.client import Client
+from stockade.policy.approval import ApprovalStore
 from stockade.server.tenants import Tenants, new_token
 from tests.conftest import require_tier, wait_for
-from tests.integration.service_env import Server
+from tests.integration.service_env import REPO, Server
 from tests.integration.viewer_env import XSS, Ui, chromium, record_runs
 
 if TYPE_CHECKING:
@@ -36,6 +42,15 @@ tiers = ["process"]
 [roles.watcher]
 tiers = ["process"]
 can_approve = false
+"""
+MCP_POLICY = """\
+version = 1
+[trust]
+level = "trusted"
+[models]
+approved = ["mcp"]
+[commands]
+approve = ["rm -r"]
 """
 WAIT_MS = 30_000
 
@@ -220,3 +235,50 @@ def test_another_tenant_sees_no_such_run(service: tuple[Server, Tokens], page: P
     response = page.goto(f"{server.url}/ui/runs/{run.id}")
     assert response is not None and response.status == 404
     expect(page.locator("h1")).to_contain_text("No run")
+
+
+# -- a laptop: an MCP session waits, the local viewer's button lets it go on ----------------------
+
+
+def test_approving_in_stockade_ui_lets_a_waiting_mcp_session_go_on(page: Page, tmp_path: Path) -> None:
+    from mcp import Client, StdioServerParameters
+    from playwright.sync_api import expect
+
+    require_tier("process")
+    (tmp_path / "policy.toml").write_text(MCP_POLICY)
+    db = tmp_path / "audit.db"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "stockade.cli.main", "mcp", "--policy", str(tmp_path / "policy.toml"), "--audit-db",
+              f"sqlite:///{db}"],
+        env=env, cwd=str(tmp_path),
+    )  # fmt: skip
+    outcome: list[str] = []
+
+    async def session() -> None:
+        async with Client(params, read_timeout_seconds=120) as client:
+            result = await client.call_tool(
+                "run_code", {"code": "mkdir b && rm -r b && echo let-go", "language": "bash"}
+            )
+            block = result.content[0]
+            outcome.append(block.text if isinstance(block, types.TextContent) else repr(block))
+
+    thread = threading.Thread(target=asyncio.run, args=(session(),))
+    thread.start()
+    try:
+        approvals = ApprovalStore(Path(os.environ["STOCKADE_APPROVAL_DIR"]))
+        pending = wait_for(approvals.pending, what="the MCP call to wait for approval", timeout_s=60)
+        run_id = pending[0]["run_id"]
+        ui = Ui(db, tmp_path)
+        try:
+            page.goto(f"{ui.url}/ui/login?key={ui.key}")
+            page.goto(f"{ui.url}/ui/runs/{run_id}")
+            expect(page.locator(".pending")).to_contain_text("rm -r b")
+            page.click("button.approve")
+            expect(page.locator(".entry.k-tool", has_text="let-go")).to_be_visible(timeout=WAIT_MS)
+        finally:
+            ui.stop()
+    finally:
+        thread.join(60)
+    assert outcome and "let-go" in outcome[0], outcome

@@ -45,8 +45,9 @@ __all__ = [
     "timeline",
 ]
 
-# A run in one of these is done changing (paused or interrupted: until someone acts).
-SETTLED = frozenset(s.value for s in RunStatus if s.finished) | {"paused", "interrupted"}
+# A run in one of these is done changing. A paused or interrupted run is followed too: a
+# decision (here, or anywhere else) or a restart sends it on.
+SETTLED = frozenset(s.value for s in RunStatus if s.finished)
 STATUSES = ("queued", *(s.value for s in RunStatus))
 OBSERVATION_CHARS = 20_000  # of one tool call's observation, on the page
 LISTED = 1000  # runs read to filter one page of the list
