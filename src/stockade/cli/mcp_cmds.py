@@ -88,12 +88,14 @@ def mcp(
     policy sends for approval is asked through the client when it can ask its user, else it
     waits for `stockade approve` (up to --approval-wait seconds; then it is denied)."""
     import anyio
+    import stamina.instrumentation
 
     from stockade.agent import RunLimits
     from stockade.assembly import AgentConfig
     from stockade.server.mcp_server import McpFace, serve_http, serve_stdio
     from stockade.server.mcp_session import MODEL_NAME, McpAgent
 
+    stamina.instrumentation.set_on_retry_hooks([])  # retries are in the audit trail; stdout is the protocol's
     if workspace is not None and not workspace.is_dir():
         err.print(f"[red]error:[/] --workspace {escape(str(workspace))} is not a folder")
         raise typer.Exit(2)
@@ -115,6 +117,11 @@ def mcp(
         idle_timeout_s=idle_timeout if transport is TransportName.HTTP else None,
     )  # fmt: skip
     where = f"http://{host}:{port}/mcp" if transport is TransportName.HTTP else "stdio"
+    if transport is TransportName.HTTP and host not in ("127.0.0.1", "localhost", "::1"):
+        err.print(
+            f"[yellow]warning: {escape(host)} is not this machine alone, and the MCP endpoint asks no token: "
+            "whoever reaches it runs code in sandboxes under this policy[/]"
+        )
     err.print(
         f"[dim]stockade mcp on {escape(where)}: the {agent.agent.tier} tier "
         f"({escape(agent.agent.tier_reason)}), audited in {escape(audit_db)}[/]"

@@ -341,7 +341,13 @@ async def serve_stdio(face: McpFace) -> None:
     from mcp.server.stdio import stdio_server
 
     async with stdio_server() as (read, write):
-        await face.server.run(read, write, face.server.create_initialization_options())
+        # the protocol has stdout (taken above); a stray print (a library's log line) would
+        # corrupt it, so from here stdout is stderr
+        real, sys.stdout = sys.stdout, sys.stderr
+        try:
+            await face.server.run(read, write, face.server.create_initialization_options())
+        finally:
+            sys.stdout = real
 
 
 def http_app(face: McpFace, *, host: str = "127.0.0.1", path: str = "/mcp") -> ASGIApp:
