@@ -21,10 +21,12 @@ closed with ``TierUnavailable`` before any code runs.
 
 The wrappers, outermost first, and why in this order:
 
-    tool call   policy guard        deny (told to the model) or ask a human (the run pauses), before
+    tool call   runtime guard       a killed run, or one whose breaker tripped, goes no further
+                policy guard        deny (told to the model) or ask a human (the run pauses), before
                                     anything runs or is counted: a denied call costs no rate budget
                 output filter       the policy sees the final output the model would get
-                runtime controls    kill switch check, action rate limit, the tool's breaker
+                runtime controls    kill switch check, action rate limits (per run, per tenant: wait
+                                    for the window, or stop the run), the tool's breaker
                 the tool
     sandbox op  policy guard again  every op, whatever tool issued it (defence in depth); an op of a
                                     call a human already approved is not asked about twice
@@ -33,7 +35,8 @@ The wrappers, outermost first, and why in this order:
                 backend breaker     counts an op as failed only after its retries
                 retry               transient failures only (starts and reads; never commands)
                 the tier
-    model       registry check (ApprovedModel) -> spend limit ($/hour) -> breaker -> retry -> adapter
+    model       registry check (ApprovedModel) -> spend limit ($/hour: stop, or wait) -> breaker ->
+                retry -> adapter
     observers   audit first (a run refused at its start is still recorded), the prompt filter,
                 the runtime controls (the kill switch between steps), then yours
 
@@ -70,14 +73,17 @@ from stockade.agent.state import RunState
 from stockade.audit.agent import AuditObserver
 from stockade.audit.events import EventKind
 from stockade.audit.log import AuditLog
+from stockade.audit.redact import Redactor
 from stockade.audit.runtime_events import RuntimeAuditor
 from stockade.audit.sandbox import AuditedBackend, current_call
 from stockade.audit.stores import open_store
 from stockade.exceptions import (
     ApprovalRequired,
+    ComplianceNotMet,
     ConfigurationError,
     InvalidArgument,
     PolicyDenied,
+    StockadeError,
     TierUnavailable,
 )
 from stockade.models.base import Model, resolve_model
@@ -86,8 +92,9 @@ from stockade.models.pricing import DEFAULT_PRICES, Price
 from stockade.observability.agent import TelemetryObserver
 from stockade.observability.sandbox import TracedBackend
 from stockade.observability.telemetry import Telemetry
-from stockade.policy.agent import ApprovedModel, filter_outputs, policy_guard, prompt_filter
+from stockade.policy.agent import ApprovedModel, FlagSink, filter_outputs, policy_guard, prompt_filter
 from stockade.policy.approval import ApprovalBook, ApprovalRequest, Approvals, ApprovalStore, Approver
+from stockade.policy.compliance import Setup, check_compliance, kill_target_reachable, microvm_on_host
 from stockade.policy.engine import PolicyEngine
 from stockade.policy.guards import GuardedInstance, OpContext, OpGuard, describe, enforce
 from stockade.policy.load import load_policy
@@ -95,13 +102,14 @@ from stockade.policy.schema import Policy, TrustRules, Verdict
 from stockade.runs.recorder import RunRecorder
 from stockade.runs.store import RunStore, open_run_store
 from stockade.runtime.agent import RuntimeControls
-from stockade.runtime.anomaly import AnomalyMonitor
+from stockade.runtime.anomaly import AnomalyMonitor, Finding, configured_rules
 from stockade.runtime.breaker import BreakerConfig, Breakers, BreakingBackend
 from stockade.runtime.clock import Clock, SystemClock
 from stockade.runtime.events import Observer as RuntimeObserver
 from stockade.runtime.events import RuntimeEvent
+from stockade.runtime.failures import DEFAULT_FAILURES, AgentBreaker
 from stockade.runtime.killswitch import KillSource, KillSwitch, kill_source_for
-from stockade.runtime.limits import RateLimit, SpendLimit, window_for
+from stockade.runtime.limits import OnLimit, RateLimit, SpendLimit, window_for
 from stockade.runtime.models import BreakerModel, LimitedModel, RetryingModel
 from stockade.runtime.retry import Retrier, RetryingBackend, RetryPolicy
 from stockade.sandbox import _registry
@@ -144,12 +152,19 @@ class AgentConfig:
     allow_weaker: bool = False
     audit: str | AuditLog = "memory:"  # a store URL (sqlite:///PATH, postgresql://...) or a log
     audit_key: bytes | None = None  # HMAC key of the chain, when ``audit`` is a URL
+    # redact personal data (e-mails, phones, IPs, cards, ...) from the audit trail a URL opens;
+    # None: when the policy declares the gdpr compliance profile
+    redact_personal_data: bool | None = None
     limits: RunLimits = field(default_factory=RunLimits)  # per-run steps, wall time, tokens, dollars
     check: str | None = None  # the acceptance check: "success" only when this command passes at the end
     check_timeout_s: float | None = None  # its wall-clock limit (the sandbox default when None)
-    rate_per_minute: int | None = None  # tool actions per rolling minute, over all runs
-    dollars_per_hour: float | None = None  # model spend per rolling hour, over all runs
-    limits_redis_url: str | None = None  # share the two windows above across processes
+    tenant: str = "default"  # who shares the limits below (and whose runs a kill-all stops)
+    rate_per_minute: int | None = None  # tool actions per rolling minute, over all runs of the tenant
+    run_rate_per_minute: int | None = None  # tool actions per rolling minute, per run
+    dollars_per_hour: float | None = None  # model spend per rolling hour, over all runs of the tenant
+    limits_redis_url: str | None = None  # share the windows across processes and hosts (redis://...)
+    on_rate_limit: OnLimit = OnLimit.WAIT  # a refused action waits for the window, or "stop"s the run
+    on_spend_limit: OnLimit = OnLimit.STOP  # a full spend window stops the run, or "wait"s for it
     prices: Mapping[str, Price] | None = None  # None: DEFAULT_PRICES
     kill_target: str | None = None  # kill directory or redis://...; None: the default kill dir
     approver: Approver | None = None  # decides now (a function, cli_approver); None: always deferred
@@ -157,8 +172,14 @@ class AgentConfig:
     approval_store: ApprovalBook | None = None  # replaces approval_dir (a service's database)
     kill_source: KillSource | None = None  # replaces kill_target (a service's database)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
-    breaker: BreakerConfig = field(default_factory=BreakerConfig)
-    anomaly: bool = True  # the anomaly monitor's default rules
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)  # per provider, backend and tool
+    # the agent's own breaker: this many failed actions in a row (errors, code that raised,
+    # failed commands and test runs, denials) stop the run "broken", resumable; None: off
+    max_consecutive_failures: int | None = DEFAULT_FAILURES
+    anomaly: bool = True  # the anomaly monitor, with the policy's [anomaly] rules (False: off)
+    # where a run an anomaly rule kills keeps its workspace for review (<dir>/<run id>/workspace);
+    # None: in the run store, when there is one (stockade runs workspace RUN DEST)
+    incident_dir: str | Path | None = None
     tools: Toolset | None = None  # None: default_toolset() (no raw shell)
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     checkpointer: Checkpointer | None = None  # to resume in another process; a RunStore
@@ -179,6 +200,9 @@ class AgentConfig:
                 argument="AgentConfig.prefer",
                 fix='give "cheapest" (the default) or "strongest"',
             )
+        for name in ("on_rate_limit", "on_spend_limit"):
+            chosen = check_choice(OnLimit, getattr(self, name), argument=f"AgentConfig.{name}")
+            object.__setattr__(self, name, chosen)
         if self.tier is not None and self.tier not in _registry.TIERS:
             raise InvalidArgument(
                 f"AgentConfig.tier is {self.tier!r}, which is no tier",
@@ -215,12 +239,55 @@ def _choose_tier(
         return chosen, f"the {order} tier trust {level!r} allows on this host"
     allowed = engine.allowed_tiers()
     if asked not in allowed:
+        hint = (
+            "a declared compliance profile needs the strongest isolation"
+            if engine.policy.compliance.profiles
+            else 'or, if your own team wrote the code this agent runs, set trust = "trusted" (the '
+            "policy's [trust] level, or --trust trusted)"
+        )
         raise TierUnavailable(
-            f"tier {asked!r} is weaker than trust {level!r} allows (one of: {', '.join(allowed) or 'none'}); "
-            f"use one of those tiers, or, if your own team wrote the code this agent runs, set "
-            f'trust = "trusted" (the policy\'s [trust] level, or --trust trusted)'
+            f"tier {asked!r} is weaker than {engine.why_tiers()} allows (one of: "
+            f"{', '.join(allowed) or 'none'}); use one of those tiers; {hint}"
         )
     return asked, f"{'the backend given' if backend is not None else 'asked for'}; trust {level!r} allows it"
+
+
+def _compliance_setup(agent: GuardedAgent, runs_url: str | None) -> Setup:
+    """What the compliance requirements see of this configuration and host."""
+    config = agent.config
+    log = config.audit if isinstance(config.audit, AuditLog) else None
+    telemetry = config.telemetry
+    asked = config.backend.tier if config.backend is not None else config.tier
+    return Setup(
+        audit_url=log.store.url if log is not None else str(config.audit),
+        audit_keyed=log.chain.keyed if log is not None else config.audit_key is not None,
+        audit_redacts_personal_data=(
+            log.redactor.redacts_personal_data if log is not None else agent.redacts_personal_data
+        ),
+        telemetry_redacts_personal_data=telemetry.redactor.redacts_personal_data if telemetry else None,
+        runs_erasable=isinstance(config.checkpointer, RunStore)
+        or (config.checkpointer is None and config.record_runs and runs_url is not None),
+        kill_switch=kill_target_reachable(config.kill_target),
+        anomaly_monitor=config.anomaly,
+        failure_breaker=config.max_consecutive_failures,
+        microvm=microvm_on_host(asked) if asked is not None else microvm_on_host(),
+    )
+
+
+def _require_compliance(agent: GuardedAgent, runs_url: str | None) -> None:
+    report = check_compliance(agent.policy, _compliance_setup(agent, runs_url), role=agent.config.role)
+    if report.ok:
+        return
+    unmet = tuple(
+        f"{f.requirement.control}: {f.requirement.text}: {f.detail} (fix: {f.requirement.fix})"
+        for f in report.unmet
+    )
+    raise ComplianceNotMet(
+        f"the policy declares compliance profiles {', '.join(report.profiles)}, and "
+        f"{len(unmet)} of their {len(report.findings)} requirements are not met (checkpoints, not "
+        "certifications; stockade policy check --compliance lists them all):\n  " + "\n  ".join(unmet),
+        unmet=unmet,
+    )
 
 
 class _AuditedApprovals(Approvals):
@@ -290,8 +357,8 @@ def _op_guard(engine: PolicyEngine, approvals: Approvals, log: AuditLog) -> OpGu
     return guard
 
 
-def _audited_prompt_filter(engine: PolicyEngine, log: AuditLog) -> AgentObserver:
-    inner = prompt_filter(engine)
+def _audited_prompt_filter(engine: PolicyEngine, log: AuditLog, on_flag: FlagSink) -> AgentObserver:
+    inner = prompt_filter(engine, on_flag=on_flag)
 
     def observe(event: AgentEvent) -> None:
         try:
@@ -319,6 +386,14 @@ class GuardedAgent:
         self.config = config
         self.policy = _load(config.policy, config.trust)
         self.engine = PolicyEngine(self.policy, role=config.role)
+        self.anomaly_rules = configured_rules(self.policy.anomaly.settings())
+        runs_url = config.runs_url or (
+            config.audit if isinstance(config.audit, str) and config.audit != "memory:" else None
+        )
+        pii = config.redact_personal_data
+        self.redacts_personal_data = pii if pii is not None else "gdpr" in self.policy.compliance.profiles
+        if self.policy.compliance.profiles:  # configuration is enforced before anything starts
+            _require_compliance(self, runs_url)
         self.tier, self.tier_reason = _choose_tier(self.engine, config.tier, config.backend, config.prefer)
         # what can be wrong with the configuration fails here, before any file is created
         base = resolve_model(config.model)
@@ -327,13 +402,11 @@ class GuardedAgent:
         if isinstance(config.audit, AuditLog):
             self.audit_log, self._owns_log = config.audit, False
         else:
-            self.audit_log = AuditLog(open_store(config.audit), key=config.audit_key)
+            redactor = Redactor(personal_data=self.redacts_personal_data)
+            self.audit_log = AuditLog(open_store(config.audit), key=config.audit_key, redactor=redactor)
             self._owns_log = True
         self.checkpointer: Checkpointer | None = config.checkpointer
         self._owned_runs: RunStore | None = None
-        runs_url = config.runs_url or (
-            config.audit if isinstance(config.audit, str) and config.audit != "memory:" else None
-        )
         if self.checkpointer is None and config.record_runs and runs_url is not None:
             try:  # the runs go where the audit trail goes, so `stockade runs list` finds them
                 self.checkpointer = self._owned_runs = open_run_store(runs_url)
@@ -347,11 +420,13 @@ class GuardedAgent:
         self.retrier = Retrier(policy=config.retry, observer=self.runtime_observer, clock=clock)
         self.breakers = Breakers(config=config.breaker, clock=clock, observer=self.runtime_observer)
         window = window_for(config.limits_redis_url, clock=clock)
-        self.rate = (
-            RateLimit(per_minute=config.rate_per_minute, window=window, observer=self.runtime_observer)
-            if config.rate_per_minute is not None
-            else None
-        )
+
+        def rate(per_minute: int | None) -> RateLimit | None:
+            if per_minute is None:
+                return None
+            return RateLimit(per_minute=per_minute, window=window, observer=self.runtime_observer)
+
+        self.rate, self.run_rate = rate(config.rate_per_minute), rate(config.run_rate_per_minute)
         spend = (
             SpendLimit(
                 dollars_per_hour=config.dollars_per_hour, window=window, observer=self.runtime_observer
@@ -365,7 +440,12 @@ class GuardedAgent:
             Approvals(config.approver, config.approval_store or ApprovalStore(config.approval_dir)), log
         )
         limited = LimitedModel(
-            BreakerModel(RetryingModel(base, self.retrier), self.breakers), spend=spend, prices=self.prices
+            BreakerModel(RetryingModel(base, self.retrier), self.breakers),
+            spend=spend,
+            prices=self.prices,
+            key=f"tenant:{config.tenant}",
+            on_spend_limit=config.on_spend_limit,
+            clock=clock,
         )
         try:
             self.model: Model = ApprovedModel(limited, self.engine)  # refuses an unapproved model now
@@ -381,10 +461,11 @@ class GuardedAgent:
 
     @contextlib.contextmanager
     def session(
-        self, *, workspace: str | Path | None = None, run_id: str | None = None
+        self, *, workspace: str | Path | None = None, run_id: str | None = None, subject: str | None = None
     ) -> Iterator[AgentSession]:
-        """A sandbox (seeded with a copy of ``workspace``) and everything one run needs."""
-        session = AgentSession(self, run_id or uuid.uuid4().hex)
+        """A sandbox (seeded with a copy of ``workspace``) and everything one run needs.
+        ``subject``: whose personal data the run holds, recorded so that it can be erased."""
+        session = AgentSession(self, run_id or uuid.uuid4().hex, subject=subject)
         token = _session_observer.set(session.runtime_observer)
         try:
             with session.open(workspace):
@@ -394,15 +475,25 @@ class GuardedAgent:
             self.audit_log.flush()
 
     def run_sync(
-        self, task: str, *, workspace: str | Path | None = None, run_id: str | None = None
+        self,
+        task: str,
+        *,
+        workspace: str | Path | None = None,
+        run_id: str | None = None,
+        subject: str | None = None,
     ) -> RunResult:
-        with self.session(workspace=workspace, run_id=run_id) as session:
+        with self.session(workspace=workspace, run_id=run_id, subject=subject) as session:
             return session.run_sync(task)
 
     async def run(
-        self, task: str, *, workspace: str | Path | None = None, run_id: str | None = None
+        self,
+        task: str,
+        *,
+        workspace: str | Path | None = None,
+        run_id: str | None = None,
+        subject: str | None = None,
     ) -> RunResult:
-        with self.session(workspace=workspace, run_id=run_id) as session:
+        with self.session(workspace=workspace, run_id=run_id, subject=subject) as session:
             return await session.run(task)
 
     def resume_sync(self, run_id: str, *, workspace: str | Path | None = None) -> RunResult:
@@ -436,7 +527,7 @@ class GuardedAgent:
 class AgentSession:
     """One run id: its sandbox (wrapped as the module docstring says), its kill switch, its loop."""
 
-    def __init__(self, owner: GuardedAgent, run_id: str) -> None:
+    def __init__(self, owner: GuardedAgent, run_id: str, *, subject: str | None = None) -> None:
         self.owner = owner
         self.run_id = run_id
         self.step = 0
@@ -448,10 +539,14 @@ class AgentSession:
         self.approvals: Approvals = owner.approvals
         self._recorder: RunRecorder | None = None
         if isinstance(owner.checkpointer, RunStore):  # retries, approvals and the ledger too
-            recorder = self._recorder = RunRecorder(owner.checkpointer, run_id=run_id)
+            recorder = self._recorder = RunRecorder(owner.checkpointer, run_id=run_id, subject=subject)
             observers.append(recorder)
             runtime.append(recorder.runtime)
             self.approvals = recorder.approvals(owner.approvals)
+        elif subject is not None:
+            raise ConfigurationError(
+                "a run's data subject is recorded in a run store: give audit= a database URL, or runs_url="
+            )
         tools = owner.tools
         if config.telemetry is not None:  # a tool call's span is current while it runs
             traced = TelemetryObserver(config.telemetry)
@@ -459,37 +554,52 @@ class AgentSession:
             runtime.append(traced.runtime)
             tools = tools.wrapped(traced.tool_wrapper)
         self.runtime_observer = _fan_out(runtime)
+        reported = _fan_out((*runtime, *config.runtime_observers))
         self.kill_switch = KillSwitch(
             run_id,
             [config.kill_source or kill_source_for(config.kill_target)],
-            observer=_fan_out((*runtime, *config.runtime_observers)),
+            observer=reported,
+            tenant=config.tenant,
         )
         monitor = (
             AnomalyMonitor(
+                rules=owner.anomaly_rules,
                 clock=owner.clock,
                 observer=owner.runtime_observer,
                 breakers=owner.breakers,
                 kill_switch=self.kill_switch,
+                on_kill=self._isolate,
             )
-            if config.anomaly
+            if config.anomaly and owner.policy.anomaly.enabled
             else None
         )
         self.controls = RuntimeControls(
             run_id=run_id,
             breakers=owner.breakers,
             rate=owner.rate,
+            rate_key=f"tenant:{config.tenant}",
+            run_rate=owner.run_rate,
+            on_rate_limit=config.on_rate_limit,
+            clock=owner.clock,
+            retrier=owner.retrier,
+            observer=reported,
             kill_switch=self.kill_switch,
             monitor=monitor,
+            failures=(
+                AgentBreaker(threshold=config.max_consecutive_failures, observer=reported)
+                if config.max_consecutive_failures is not None
+                else None
+            ),
         )
         self.agent = Agent(
             owner.model,
-            tools=self.controls.wrap_tools(filter_outputs(owner.engine, tools)),
+            tools=self.controls.wrap_tools(filter_outputs(owner.engine, tools, on_flag=self.controls.flag)),
             system_prompt=config.system_prompt,
             limits=config.limits,
-            guards=[_call_guard(policy_guard(owner.engine, self.approvals, monitor))],
+            guards=[self.controls.guard, _call_guard(policy_guard(owner.engine, self.approvals, monitor))],
             observers=[
                 *observers,
-                _audited_prompt_filter(owner.engine, log),
+                _audited_prompt_filter(owner.engine, log, self.controls.flag),
                 self.controls.observe,
                 self._track_step,
                 *config.observers,
@@ -502,6 +612,27 @@ class AgentSession:
         self._raw: Sandbox | None = None
         self._sandbox: Sandbox | None = None
         self._books: Sandbox | None = None
+
+    def _isolate(self, finding: Finding) -> str:
+        """An anomaly rule says kill: an incident. The workspace is kept for review first, then
+        the monitor pulls the kill switch with the reason returned (the sandbox dies with it)."""
+        return (
+            f"incident: anomaly rule {finding.rule!r} fired ({finding.detail}); the run was "
+            f"isolated: its sandbox killed, {self._keep_workspace()}"
+        )
+
+    def _keep_workspace(self) -> str:
+        incident_dir = self.owner.config.incident_dir
+        if incident_dir is not None and self._raw is not None:
+            dest = Path(incident_dir) / self.run_id / "workspace"
+            try:
+                self._raw.files.download_dir(dest)
+            except StockadeError as err:
+                return f"its workspace could not be kept in {dest} ({err})"
+            return f"its workspace kept in {dest}"
+        if isinstance(self.owner.checkpointer, RunStore):  # as its last tool call left it
+            return f"its workspace kept in the run store (stockade runs workspace {self.run_id} DEST)"
+        return "its workspace not kept (no run store, no incident_dir)"
 
     def _track_step(self, event: AgentEvent) -> None:
         if isinstance(event, ModelRequested | ToolCalled):

@@ -11,6 +11,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── PolicyFileError           the policy file is invalid; ``problems`` lists each, with its line
     │   ├── ImageNotFound             the sandbox image is not on this host (build it)
     │   ├── SeedTooLarge              the workspace is bigger than the run store keeps (a seed, a snapshot)
+    │   ├── ComplianceNotMet          a declared compliance profile is not met; ``unmet``: what, and the fix
     │   └── RunConflict               a new run's id is taken, or the run ended and is kept as it is
     ├── TierUnavailable               no tier on this host satisfies the request (fails closed)
     ├── SandboxError                  something about one sandbox
@@ -19,6 +20,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── ResourceContention        [retryable] the host is out of a shared resource
     │   ├── SandboxCrashed            the sandbox died under a call; ``cause`` and the output so far
     │   ├── SandboxClosed             the sandbox was closed; create a new one
+    │   │   └── SandboxGone           the service's process that held it died; its quota is free
     │   └── ProtocolError             the in-sandbox supervisor spoke nonsense (it is untrusted)
     ├── WorkspaceError                a files call was refused
     │   ├── PathEscapeError           the path leads outside the workspace
@@ -60,6 +62,7 @@ way to the loop, which ends the run with its ``status``:
     ├── BudgetExceeded                status "budget": steps, wall time, tokens, dollars, $/hour spent
     ├── RunKilled                     status "killed": someone pulled the kill switch
     ├── RunInterrupted                status "interrupted": stopped from outside (Ctrl-C, SIGTERM); resumable
+    ├── CircuitBroken                 status "broken": the agent's actions failed N times in a row; resumable
     └── ApprovalRequired              status "paused": a human must decide; resume the run after
 
 Both pickle cleanly with their state (they cross process boundaries in the distributed tier).
@@ -77,7 +80,9 @@ __all__ = [
     "AuthenticationError",
     "BackendUnavailable",
     "BudgetExceeded",
+    "CircuitBroken",
     "CircuitOpen",
+    "ComplianceNotMet",
     "ConfigurationError",
     "FileTooLarge",
     "FileTypeError",
@@ -111,6 +116,7 @@ __all__ = [
     "SandboxCrashed",
     "SandboxError",
     "SandboxFileNotFound",
+    "SandboxGone",
     "SandboxStartError",
     "SeedTooLarge",
     "ServiceError",
@@ -197,6 +203,15 @@ class RunConflict(ConfigurationError):
     asked to resume: runs are never reused or overwritten."""
 
 
+class ComplianceNotMet(ConfigurationError):
+    """A compliance profile the policy declares has requirements the policy, the configuration
+    or the host does not meet; nothing was started. ``unmet``: each, with how to fix it."""
+
+    def __init__(self, message: str, *, unmet: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.unmet = unmet
+
+
 class TierUnavailable(StockadeError):
     """No isolation tier on this host satisfies the request; stockade fails closed."""
 
@@ -248,6 +263,16 @@ class SandboxCrashed(SandboxError):
 
 class SandboxClosed(SandboxError):
     """The sandbox is closed; create a new one."""
+
+
+class SandboxGone(SandboxClosed):
+    """The service's API process that held the sandbox died (or stopped answering for longer
+    than a node may), and the sandbox with it; its share of the tenant's quota is free again.
+    Create a new one. ``id`` names the sandbox."""
+
+    def __init__(self, message: str, *, id: str = "") -> None:
+        super().__init__(message)
+        self.id = id
 
 
 class ProtocolError(SandboxError):
@@ -454,6 +479,17 @@ class RunInterrupted(RunStopped):
         super().__init__(message)
         self.run_id = run_id
         self.reason = reason
+
+
+class CircuitBroken(RunStopped):
+    """The agent's circuit breaker tripped: its last ``len(failures)`` actions all failed (each
+    named in ``failures`` with its error). The run stops, resumable once a person has looked."""
+
+    status = "broken"
+
+    def __init__(self, message: str, *, failures: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.failures = failures
 
 
 class ApprovalRequired(RunStopped):

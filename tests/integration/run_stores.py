@@ -30,6 +30,7 @@ TABLES = (
     "calls_started",
     "blobs",
     "workspace",
+    "subjects",
 )
 
 

@@ -120,3 +120,19 @@ async def test_runs_are_listed_newest_first_with_their_usage(store: RunStore) ->
     assert runs[1].steps == 3 and runs[1].usage.requests == 3 and runs[1].usage.total_tokens > 0
     assert [r.run_id for r in store.runs(limit=1)] == ["third"]
     assert store.find("fi") == ["first"] and store.find("%") == []
+
+
+def test_a_subjects_runs_are_erased_and_nothing_else(store: RunStore) -> None:
+    for run_id, subject in (("mine", "alice"), ("theirs", "bob")):
+        agent = Agent(
+            ScriptedModel(TURNS), checkpointer=store, observers=[RunRecorder(store, subject=subject)]
+        )
+        with Sandbox.create(backend=FakeBackend()) as sbx:
+            agent.run_sync("write notes", sandbox=sbx, run_id=run_id)
+    assert store.runs_of(subject="alice") == ["mine"]
+    assert store.erase(store.runs_of(subject="alice")) == 1
+    for table in ("runs", "checkpoints", "messages", "steps", "tool_calls", "workspace", "subjects"):
+        assert count(store, table, "mine") == 0, table
+        assert count(store, table, "theirs") > 0, table
+    assert store.load("mine") is None and store.load("theirs") is not None
+    assert store.runs_of(before_ns=2**62) == ["theirs"]

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 from typing import cast
 
 import pytest
 
 from stockade import exceptions as exc
-from stockade.runtime.killswitch import KillSwitch, RedisKillSource
+from stockade.runtime.killswitch import KillSwitch, RedisKillSource, kill_all
 from stockade.runtime.limits import RateLimit, RedisWindow, SpendLimit
 from tests.conftest import require, wait_for
 
@@ -77,3 +81,61 @@ def test_a_watched_run_is_live_in_redis_and_leaves_nothing_when_it_ends(redis_ur
         assert cast(int, source.client.ttl(source.prefix + run_id)) > 0  # a switch expires
         wait_for(lambda: switch.killed, what="the switch to see the kill", timeout_s=5, interval_s=0.01)
     assert source.live(run_id) is None and source.reason(run_id) is None
+
+
+CHILD = Path(__file__).with_name("limits_child.py")
+
+
+def run_children(redis_url: str, tenant: str, *args: str, count: int = 3) -> list[dict[str, object]]:
+    """``count`` agent runs at once, each in a process of its own, sharing one Redis."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{root / 'src'}:{root}"}
+    children = [
+        subprocess.Popen(
+            [sys.executable, str(CHILD), redis_url, tenant, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(count)
+    ]
+    results = []
+    for child in children:
+        out, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def test_a_tenants_rate_is_shared_by_its_runs_in_every_process(redis_url: str) -> None:
+    # three processes, three runs of one tenant, three actions each; 3 a minute for the tenant
+    results = run_children(redis_url, f"t-{uuid.uuid4().hex}", "tenant", "stop", "3")
+    assert sum(int(str(r["commands"])) for r in results) == 3
+    assert sorted(str(r["status"]) for r in results).count("budget") >= 2
+
+
+def test_a_runs_own_rate_is_its_own_in_every_process(redis_url: str) -> None:
+    results = run_children(redis_url, f"t-{uuid.uuid4().hex}", "run", "stop", "3")
+    assert [r["commands"] for r in results] == [3, 3, 3]
+    assert {r["status"] for r in results} == {"success"}
+
+
+def test_runs_that_wait_share_the_window_and_all_finish(redis_url: str) -> None:
+    # two actions per 2 s for the tenant, two processes with two actions each: one pair waits
+    results = run_children(redis_url, f"t-{uuid.uuid4().hex}", "none", "wait", "2", "2", count=2)
+    assert [r["status"] for r in results] == ["success", "success"]
+    assert sum(int(str(r["commands"])) for r in results) == 4
+    assert max(float(str(r["seconds"])) for r in results) >= 0.9  # someone waited for the window
+
+
+def test_a_kill_all_of_a_tenant_reaches_its_runs_through_redis(redis_url: str) -> None:
+    tenant = f"t-{uuid.uuid4().hex}"
+    ours = [KillSwitch(f"run-{uuid.uuid4().hex}", [RedisKillSource(redis_url)], poll_s=0.01, tenant=tenant)
+            for _ in range(2)]  # fmt: skip
+    theirs = KillSwitch(f"run-{uuid.uuid4().hex}", [RedisKillSource(redis_url)], poll_s=0.01, tenant="other")
+    with ours[0].watch(), ours[1].watch(), theirs.watch():
+        pulled = kill_all(RedisKillSource(redis_url), "stop them", tenant=tenant)
+        assert sorted(r.run_id for r in pulled) == sorted(s.run_id for s in ours)
+        wait_for(lambda: all(s.killed for s in ours), what="the tenant's runs to see the kill", timeout_s=5)
+        assert not theirs.killed

@@ -72,6 +72,8 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+from pydantic import BaseModel
+
 from stockade._checks import check_timeout
 from stockade.agent.checkpoint import Checkpointer, DurableCheckpointer, Lease
 from stockade.agent.events import (
@@ -116,7 +118,7 @@ from stockade.models.messages import (
 )
 from stockade.models.pricing import DEFAULT_PRICES, Price, cost_usd
 from stockade.sandbox.facade import Sandbox
-from stockade.tools.base import Tool, ToolContext, Toolset, render
+from stockade.tools.base import Tool, ToolContext, Toolset, render, reported_failure
 from stockade.tools.builtin import default_toolset, run_test_command
 from stockade.tools.observations import bound
 from stockade.tools.workspace_diff import record_baseline, workspace_diff
@@ -625,9 +627,22 @@ class AgentRun:
             state.next = NodeKind.MODEL_REQUEST
         return CallToolsNode(step=current.index, records=current.tool_calls)
 
-    async def _call_one(self, step: int, call: ToolCall) -> ToolCallRecord:  # noqa: C901 - to split: validate, guard, invoke
+    async def _call_one(self, step: int, call: ToolCall) -> ToolCallRecord:
+        """One tool call: validated, then guarded, then invoked; a refusal at either of the
+        first two is the call's record (an observation for the model), not an error."""
+        key = f"{self.state.run_id}:{step}:{call.id}"
+        validated = self._validate(step, call, key)
+        if isinstance(validated, ToolCallRecord):
+            return validated
+        guarded = self._guard(step, call, key, *validated)
+        if isinstance(guarded, ToolCallRecord):
+            return guarded
+        return await self._invoke(step, key, *guarded)
+
+    def _validate(self, step: int, call: ToolCall, key: str) -> tuple[Tool, BaseModel] | ToolCallRecord:
+        """The call's tool and its arguments, or the record of a malformed call (too many of
+        them in a run end it)."""
         state, agent = self.state, self.agent
-        key = f"{state.run_id}:{step}:{call.id}"
         tool = agent.tools.get(call.name)
         try:
             if call.malformed is not None:
@@ -636,7 +651,7 @@ class AgentRun:
                 raise InvalidToolCall(
                     f"there is no tool {call.name!r}; the tools are: {', '.join(agent.tools.names)}"
                 )
-            args = tool.validate(call.args)
+            return tool, tool.validate(call.args)
         except InvalidToolCall as err:
             state.malformed_calls += 1
             if state.malformed_calls > agent.limits.max_malformed:
@@ -648,10 +663,19 @@ class AgentRun:
                 idempotency_key=key,
                 observation=f"error: {err}",
                 is_error=True,
+                failed=True,
                 error_type=type(err).__name__,
             )
             self._emit(ToolRejected(run_id=state.run_id, step=step, record=rejected))
             return rejected
+
+    def _guard(
+        self, step: int, call: ToolCall, key: str, tool: Tool, args: BaseModel
+    ) -> tuple[ToolCall, Tool, BaseModel] | ToolCallRecord:
+        """The call as the guards let it through (possibly rewritten, then checked again), or
+        the record of a denial (``max_denials`` in a row end the run). ``ApprovalRequired``
+        passes: the run pauses, and the guards see the call again on resume."""
+        state, agent = self.state, self.agent
         try:
             guard_ctx = GuardContext(
                 run_id=state.run_id, step=step, tool=tool, sandbox=self.sandbox, state=state
@@ -664,7 +688,7 @@ class AgentRun:
                 if rewritten is None:
                     raise PolicyDenied(f"a guard rewrote the call to an unknown tool {call.name!r}")
                 tool, args = rewritten, rewritten.validate(call.args)
-        except PolicyDenied as err:  # (ApprovalRequired passes: the run pauses, the call runs on resume)
+        except PolicyDenied as err:
             state.consecutive_denials += 1
             self._emit(ToolDenied(run_id=state.run_id, step=step, call=call, reason=str(err), rule=err.rule))
             if state.consecutive_denials >= agent.limits.max_denials:
@@ -677,10 +701,19 @@ class AgentRun:
                 idempotency_key=key,
                 observation=f"denied by policy{rule}: {err}",
                 is_error=True,
+                failed=True,
                 error_type="PolicyDenied",
                 denied=True,
             )
         state.consecutive_denials = 0
+        return call, tool, args
+
+    async def _invoke(
+        self, step: int, key: str, call: ToolCall, tool: Tool, args: BaseModel
+    ) -> ToolCallRecord:
+        """Run the call; whatever the tool raises is its observation, except what ends the run
+        (a dead sandbox, a stop). Durable runs record its start before and its workspace after."""
+        state, agent = self.state, self.agent
         self._emit(ToolCalled(run_id=state.run_id, step=step, call=call, tool=tool, idempotency_key=key))
         durable = self._durable
         if durable is not None:  # before it runs: a resume must know it may have had effects
@@ -708,6 +741,7 @@ class AgentRun:
                 idempotency_key=key,
                 observation=bound(ctx, f"error: SandboxCrashed: {err.report()}").text,
                 is_error=True,
+                failed=True,
                 error_type="SandboxCrashed",
                 duration_s=time.perf_counter() - started,
             )
@@ -736,6 +770,7 @@ class AgentRun:
             idempotency_key=key,
             observation=shown.text,
             is_error=error_type is not None,
+            failed=error_type is not None or reported_failure(value),
             error_type=error_type,
             duration_s=duration,
             cut_chars=shown.cut_chars,

@@ -27,14 +27,18 @@ class RunStatus(enum.StrEnum):
     ERROR = "error"  # the provider, the sandbox or too many malformed calls
     PAUSED = "paused"  # waiting for something outside (an approval); resume the run later
     INTERRUPTED = "interrupted"  # stopped from outside mid-step (Ctrl-C, SIGTERM); resume it later
+    BROKEN = "broken"  # its actions failed too many times in a row; a person looks, then resumes it
 
     @property
     def finished(self) -> bool:
-        return self not in (RunStatus.RUNNING, RunStatus.PAUSED, RunStatus.INTERRUPTED)
+        return self not in (RunStatus.RUNNING, *_RESUMABLE)
 
     @property
     def resumable(self) -> bool:
-        return self in (RunStatus.PAUSED, RunStatus.INTERRUPTED)
+        return self in _RESUMABLE
+
+
+_RESUMABLE = (RunStatus.PAUSED, RunStatus.INTERRUPTED, RunStatus.BROKEN)
 
 
 class NodeKind(enum.StrEnum):
@@ -64,6 +68,9 @@ class ToolCallRecord(_Frozen):
     is_error: bool = False
     error_type: str | None = None
     denied: bool = False
+    # the action failed: an error, a denial, or a result that says so (code that raised, a
+    # command or a test run that failed); what the runtime controls count
+    failed: bool = False
     duration_s: float = 0.0
     cut_chars: int = 0
     saved_to: str | None = None

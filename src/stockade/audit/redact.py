@@ -12,6 +12,12 @@ dict; add your own to the pipeline. Two more rules need no pipeline entry:
 
 ``redact_tokens`` catches what looks like a credential even when nobody registered it:
 ``sk-...`` API keys, GitHub tokens, AWS access key ids, ``Bearer ...``, JWTs, private key blocks.
+
+``redact_personal_data`` (``Redactor(personal_data=True)``; what the GDPR compliance profile
+turns on) replaces what looks like personal data: e-mail addresses, phone numbers, IP
+addresses, payment card numbers (Luhn-checked), IBANs and US social security numbers. Patterns
+find shapes, not meaning: a name, an address in words or an identifier of your own domain
+passes; add a processor for those.
 """
 
 from __future__ import annotations
@@ -26,11 +32,13 @@ from stockade import exceptions as exc
 from stockade.audit.events import JSONValue
 
 __all__ = [
+    "PERSONAL_DATA_PATTERNS",
     "REDACTED",
     "TOKEN_PATTERNS",
     "Redactor",
     "SecretValues",
     "StringProcessor",
+    "redact_personal_data",
     "redact_tokens",
 ]
 
@@ -94,6 +102,53 @@ def redact_tokens(text: str) -> str:
     return text
 
 
+# name -> pattern, replaced by [REDACTED:name] (cards only when their digits pass Luhn's check)
+PERSONAL_DATA_PATTERNS: dict[str, str] = {
+    "email": r"\b[A-Za-z0-9._%+\-]+@[A-Za-z0-9\-]+(?:\.[A-Za-z0-9\-]+)*\.[A-Za-z]{2,}\b",
+    "iban": r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]{4}){2,7}(?: ?[A-Z0-9]{1,3})?\b",
+    "card": r"\b\d(?:[ \-]?\d){12,18}\b",
+    "ssn": r"\b\d{3}-\d{2}-\d{4}\b",
+    "phone": r"(?:\+\d{1,3}[ .\-]?)?(?:\(\d{2,4}\)[ .\-]?|\b\d{2,4}[ .\-])\d{3,4}[ .\-]\d{3,4}\b",
+    "ip": (
+        r"\b(?:(?:25[0-5]|2[0-4]\d|1?\d?\d)\.){3}(?:25[0-5]|2[0-4]\d|1?\d?\d)\b"
+        r"|\b(?:[0-9A-Fa-f]{1,4}:){7}[0-9A-Fa-f]{1,4}\b"
+    ),
+}
+_PERSONAL = _compile(PERSONAL_DATA_PATTERNS)
+_ANY_PERSONAL = re.compile(r"@|\d{3}|[0-9A-Fa-f]{1,4}:[0-9A-Fa-f]{1,4}:")
+
+
+def _luhn(digits: str) -> bool:
+    total = 0
+    for i, ch in enumerate(reversed(digits)):
+        n = int(ch)
+        if i % 2:
+            n = n * 2 - 9 if n > 4 else n * 2
+        total += n
+    return total % 10 == 0
+
+
+def _personal(name: str) -> Callable[[re.Match[str]], str]:
+    def replace(match: re.Match[str]) -> str:
+        if name == "card" and not _luhn(re.sub(r"\D", "", match.group(0))):
+            return match.group(0)  # a long number, not a card
+        return f"[REDACTED:{name}]"
+
+    return replace
+
+
+_PERSONAL_REPLACERS = [(pattern, _personal(name)) for name, pattern in _PERSONAL]
+
+
+def redact_personal_data(text: str) -> str:
+    """Replace what looks like personal data by ``[REDACTED:<kind>]`` (see the module's doc)."""
+    if not _ANY_PERSONAL.search(text):
+        return text
+    for pattern, replace in _PERSONAL_REPLACERS:
+        text = pattern.sub(replace, text)
+    return text
+
+
 class SecretValues:
     """Registered secret values, replaced wherever they occur. Thread-safe."""
 
@@ -128,22 +183,29 @@ class SecretValues:
 class Redactor:
     """The redaction pipeline shared by the audit log, the JSON logs and the spans.
 
-    ``Redactor()`` runs registered secrets then ``redact_tokens``; pass ``processors`` to
-    choose the pipeline (``redactor.secrets`` is always available to put in it). Processors
-    must be pure: results for short strings (keys, names, ids) are cached, and the cache is
-    dropped whenever a secret is registered.
+    ``Redactor()`` runs registered secrets then ``redact_tokens`` (then ``redact_personal_data``
+    with ``personal_data=True``); pass ``processors`` to choose the pipeline (``redactor.secrets``
+    is always available to put in it). Processors must be pure: results for short strings (keys,
+    names, ids) are cached, and the cache is dropped whenever a secret is registered.
     """
 
-    def __init__(self, processors: Sequence[StringProcessor] | None = None) -> None:
+    def __init__(
+        self, processors: Sequence[StringProcessor] | None = None, *, personal_data: bool = False
+    ) -> None:
         self.secrets = SecretValues()
-        self.processors: tuple[StringProcessor, ...] = (
-            (self.secrets, redact_tokens) if processors is None else tuple(processors)
-        )
+        default: tuple[StringProcessor, ...] = (self.secrets, redact_tokens)
+        if personal_data:
+            default += (redact_personal_data,)
+        self.processors: tuple[StringProcessor, ...] = default if processors is None else tuple(processors)
         self._cache: dict[str, str] = {}
         self._cached_secrets = 0
         self._long: dict[str, str] | None = None  # see ``remembering``
         self._long_chars = 0
         self._long_budget = 0
+
+    @property
+    def redacts_personal_data(self) -> bool:
+        return redact_personal_data in self.processors
 
     def add_secret(self, value: str) -> None:
         """Never write ``value``, wherever it appears (e.g. a token passed to a sandbox's env)."""

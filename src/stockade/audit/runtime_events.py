@@ -12,8 +12,10 @@ event per runtime event:
     RetryScheduled -> retry (subject, attempt, delay_s, reason)
     FlakyRerun     -> retry (flaky: true, both exit codes)
     BreakerChanged -> breaker_change (name, old, new, failures, reason)
-    LimitHit       -> rate_limited (kind "rate") or budget (spend, budget), decision "deny"
+    LimitHit       -> rate_limited (kind "rate") or budget (spend, budget), decision "deny", or
+                      "wait" when the run waits for the window (``action``: refuse, wait, stop)
     AnomalyFlagged -> anomaly (rule, detail, action)
+    PromptFlagged  -> policy_decision (decision "flag", level "prompt", rules, source, tool)
     KillRequested  -> kill_switch (reason, killed instances), under the killed run's id
 
 Runtime observers must not raise (a control never fails because its reporting did): a
@@ -32,6 +34,7 @@ from stockade.runtime.events import (
     FlakyRerun,
     KillRequested,
     LimitHit,
+    PromptFlagged,
     RetryScheduled,
     RuntimeEvent,
 )
@@ -118,7 +121,8 @@ class RuntimeAuditor:
                 return (
                     kind,
                     {
-                        "decision": "deny",
+                        "decision": "wait" if event.action == "wait" else "deny",
+                        "action": event.action,
                         "limit": event.kind,
                         "key": event.key,
                         "detail": event.detail,
@@ -134,6 +138,18 @@ class RuntimeAuditor:
                         "detail": event.detail,
                         "action": event.action.value,
                         "subject": event.subject,
+                    },
+                    self.run_id,
+                )
+            case PromptFlagged():
+                return (
+                    EventKind.POLICY_DECISION,
+                    {
+                        "decision": "flag",
+                        "level": "prompt",
+                        "rules": list(event.rules),
+                        "source": event.source,
+                        "tool": event.tool,
                     },
                     self.run_id,
                 )

@@ -8,6 +8,7 @@ default the same database) around a sandbox of the tier trust allows.
 from __future__ import annotations
 
 import enum
+import os
 import shutil
 from pathlib import Path
 from typing import Annotated
@@ -34,6 +35,7 @@ from stockade.agent import (
 from stockade.cli._console import CliConsole, print_diff
 from stockade.cli._signals import Interrupted, exit_code, interruptible, on_stop, signal_name
 from stockade.runtime.events import RetryScheduled, RuntimeEvent
+from stockade.runtime.failures import DEFAULT_FAILURES
 from stockade.sandbox import _registry
 from stockade.tools import default_toolset, shell
 from stockade.types import Trust
@@ -149,6 +151,7 @@ class SavedRun(BaseModel):
     allow_shell: bool
     check: str | None = None
     check_timeout: float | None = None
+    max_failures: int | None = DEFAULT_FAILURES
 
 
 def _absolute_model(spec: str) -> str:
@@ -208,10 +211,17 @@ def agent(  # noqa: C901 - a typer command: its options become the run's configu
         ),
     ] = None,
     max_steps: Annotated[int, typer.Option("--max-steps", help="model requests at most")] = 30,
+    max_failures: Annotated[
+        int,
+        typer.Option("--max-failures", help='failed actions in a row that stop the run "broken" (0: never)'),
+    ] = DEFAULT_FAILURES,
     budget_usd: Annotated[
         float | None, typer.Option("--budget-usd", help="dollars this run may spend")
     ] = None,
-    rate: Annotated[int | None, typer.Option("--rate", help="tool actions per minute at most")] = None,
+    rate: Annotated[
+        int | None,
+        typer.Option("--rate", help="tool actions per minute at most, over all runs; a refused action waits"),
+    ] = None,
     spend_per_hour: Annotated[
         float | None, typer.Option("--spend-per-hour", help="model dollars per rolling hour at most")
     ] = None,
@@ -277,7 +287,7 @@ def agent(  # noqa: C901 - a typer command: its options become the run's configu
                 policy=str(policy.resolve()) if policy is not None else None, role=role,
                 audit_db=audit_db, runs_db=runs_db or audit_db, max_steps=max_steps, budget_usd=budget_usd,
                 rate=rate, spend_per_hour=spend_per_hour, kill_target=kill_target, allow_shell=allow_shell,
-                check=check, check_timeout=check_timeout,
+                check=check, check_timeout=check_timeout, max_failures=max_failures or None,
             )  # fmt: skip
         progress = Progress(out)
         _quiet_stamina()
@@ -295,6 +305,7 @@ def agent(  # noqa: C901 - a typer command: its options become the run's configu
             tier=options.tier,
             prefer=options.prefer.value if options.prefer is not None else None,
             audit=options.audit_db,
+            audit_key=os.environ.get("STOCKADE_AUDIT_KEY", "").encode() or None,  # as `stockade audit`
             limits=RunLimits(max_steps=options.max_steps, max_cost_usd=options.budget_usd),
             rate_per_minute=options.rate,
             dollars_per_hour=options.spend_per_hour,
@@ -304,6 +315,7 @@ def agent(  # noqa: C901 - a typer command: its options become the run's configu
             runs_url=options.runs_db,
             check=options.check,
             check_timeout_s=options.check_timeout,
+            max_consecutive_failures=options.max_failures,
             observers=[progress],
             runtime_observers=[progress.retry],
         )
@@ -351,6 +363,14 @@ def agent(  # noqa: C901 - a typer command: its options become the run's configu
                 out.print(
                     f"\n[bold yellow]interrupted[/]: run {session.run_id} stopped mid-step; its workspace is "
                     f"kept in {escape(str(saved))}\n  resume it: stockade agent --resume {session.run_id}"
+                )
+            elif result.status == RunStatus.BROKEN:
+                shutil.rmtree(saved / "workspace", ignore_errors=True)
+                session.save_workspace(saved / "workspace")
+                out.print(
+                    f"\n[bold red]broken[/]: run {session.run_id}'s actions kept failing; it is stopped, its "
+                    f"workspace kept in {escape(str(saved))}\n  {escape(result.error or '')}\n"
+                    f"  once the cause is fixed, resume it: stockade agent --resume {session.run_id}"
                 )
             else:
                 shutil.rmtree(saved, ignore_errors=True)

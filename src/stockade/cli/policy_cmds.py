@@ -4,9 +4,9 @@ from outside, and ask a policy what it would decide (and why) before any run doe
 ``kill`` writes the kill marker the run's ``KillSwitch`` polls: a file in the kill directory
 (``--target DIR``, ``STOCKADE_KILL_DIR``, default ``~/.stockade/kill``) or a Redis key
 (``--target redis://...``), only for a run that is live there (``--force`` otherwise), and
-waits for it to stop. Approvals live in ``STOCKADE_APPROVAL_DIR`` (default
-``~/.stockade/approvals``); a paused run resumes with
-``agent.run(resume=RUN_ID, sandbox=...)`` once the decision is in.
+waits for it to stop; ``kill --all`` does so for every live run (``--tenant``: of one tenant).
+Approvals live in ``STOCKADE_APPROVAL_DIR`` (default ``~/.stockade/approvals``); a paused run
+resumes with ``agent.run(resume=RUN_ID, sandbox=...)`` once the decision is in.
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ from rich.markup import escape
 
 from stockade import exceptions as exc
 from stockade.cli._console import CliConsole
-from stockade.policy.schema import Verdict
+from stockade.policy.schema import Policy, Verdict
 from stockade.sandbox import _registry
 from stockade.types import Trust
 
 if TYPE_CHECKING:
-    from stockade.policy.engine import Decision
+    from stockade.policy.compliance import ComplianceReport
+    from stockade.policy.engine import Decision, PolicyEngine
     from stockade.sandbox.ops import Op
 
 out = CliConsole()
@@ -42,7 +43,7 @@ ApprovalDirOpt = Annotated[
 
 
 def kill(
-    run_id: Annotated[str, typer.Argument(help="the run to stop")],
+    run_id: Annotated[str | None, typer.Argument(help="the run to stop")] = None,
     reason: Annotated[str, typer.Option("--reason", help="why, for the audit trail")] = "killed from the CLI",
     target: TargetOpt = None,
     force: Annotated[
@@ -52,13 +53,27 @@ def kill(
         ),
     ] = False,
     wait: Annotated[float, typer.Option("--wait", help="seconds to wait for the run to stop")] = 5.0,
+    every: Annotated[bool, typer.Option("--all", help="stop every run live at the target now")] = False,
+    tenant: Annotated[
+        str | None, typer.Option("--tenant", help="with --all: only the runs of this tenant")
+    ] = None,
 ) -> None:
-    """Stop a live run now: its sandbox processes are killed and it ends as "killed".
+    """Stop a live run now: its sandbox processes are killed and it ends as "killed". With --all,
+    every live run (of --tenant only, when given): for the operator who needs it all stopped.
 
     Exit codes: 0 the run stopped (or, with --force, the switch is set), 1 no live run has that
     id (nothing was pulled), 3 the switch is pulled but the run was still live after --wait."""
     from stockade.runtime.killswitch import KILL_TTL_S, kill_source_for
 
+    if every or tenant is not None:
+        if run_id is not None or not every:
+            err.print("[red]error:[/red] give a RUN_ID, or --all (with --tenant to stop one tenant's runs)")
+            raise typer.Exit(2)
+        _kill_all(target, reason, tenant, wait)
+        return
+    if run_id is None:
+        err.print("[red]error:[/red] give the RUN_ID to stop, or --all")
+        raise typer.Exit(2)
     try:
         source = kill_source_for(target)
         live = getattr(source, "live", lambda _: None)(run_id)
@@ -92,11 +107,63 @@ def kill(
     out.print(f"run {escape(run_id)} stopped")
 
 
+def _kill_all(target: str | None, reason: str, tenant: str | None, wait: float) -> None:
+    from stockade.runtime.killswitch import kill_all, kill_source_for
+
+    try:
+        source = kill_source_for(target)
+        pulled = kill_all(source, reason, tenant=tenant)
+    except exc.StockadeError as e:
+        err.print(f"[red]error:[/red] {escape(str(e))}")
+        raise typer.Exit(2) from None
+    whose = f" of tenant {escape(tenant)}" if tenant is not None else ""
+    if not pulled:
+        err.print(f"no live run{whose}: nothing was pulled")
+        raise typer.Exit(1)
+    for run in pulled:
+        out.print(f"kill switch pulled for live run {escape(run.run_id)} ({escape(str(run))})")
+    deadline = time.monotonic() + max(wait, 0.0)
+    live = [r.run_id for r in pulled]
+    while live := [r for r in live if source.live(r) is not None]:  # type: ignore[attr-defined]
+        if time.monotonic() >= deadline:
+            err.print(f"{len(live)} run(s) still live after {wait:g} s: {escape(', '.join(live))}")
+            raise typer.Exit(3)
+        time.sleep(0.1)
+    out.print(f"{len(pulled)} run(s){whose} stopped")
+
+
 def check(
     file: Annotated[Path, typer.Argument(help="a policy file (.toml, .yaml)")],
     as_json: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
+    compliance: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--compliance",
+            help="check a compliance profile's requirements (soc2, hipaa, gdpr; repeat it, or "
+            '"declared" for the policy\'s own): every one, met or not, and how to fix it',
+        ),
+    ] = None,
+    role: Annotated[str | None, typer.Option("--role", help="the role runs start under")] = None,
+    audit_db: Annotated[
+        str, typer.Option("--audit-db", envvar="STOCKADE_AUDIT_DB", help="where the audit trail goes")
+    ] = "sqlite:///.stockade/audit.db",
+    kill_target: Annotated[
+        str | None,
+        typer.Option("--kill-target", envvar="STOCKADE_KILL_TARGET", help="kill directory, or redis://..."),
+    ] = None,
+    host: Annotated[
+        bool,
+        typer.Option(
+            "--host/--no-host",
+            help="probe this host's microVM tier (starts one; --no-host reports it unchecked, not met)",
+        ),
+    ] = True,
 ) -> None:
-    """Validate a policy file; every mistake is listed with its line. Exit 1 if it is invalid."""
+    """Validate a policy file; every mistake is listed with its line. Exit 1 if it is invalid.
+
+    With --compliance, also check each requirement of the profiles against the policy, the
+    configuration `stockade agent` would start with (the audit database and STOCKADE_AUDIT_KEY,
+    the kill target) and this host. Checkpoints, not certifications. Exit 1 if one is not met."""
     from stockade.policy.load import load_policy
 
     try:
@@ -114,6 +181,9 @@ def check(
             for problem in problems:
                 err.print(f"[red]error:[/red] {escape(problem)}")
         raise typer.Exit(1)
+    if compliance:
+        _check_compliance(policy, compliance, role, audit_db, kill_target, host, as_json)
+        return
     c = policy.commands
     if as_json:
         summary = {
@@ -124,11 +194,14 @@ def check(
             "roles": list(policy.roles),
             "network": policy.network.enabled,
             "trust": policy.trust.level.value,
-            "allowed_tiers": list(
-                _registry.allowed_tiers(
+            "compliance": list(policy.compliance.profiles),
+            "allowed_tiers": [
+                tier
+                for tier in _registry.allowed_tiers(
                     policy.trust.level, allow_gvisor_for_untrusted=policy.trust.allow_gvisor_for_untrusted
                 )
-            ),
+                if tier == "microvm" or not policy.compliance.profiles
+            ],
         }
         print(json.dumps(summary, ensure_ascii=False))
         return
@@ -137,9 +210,102 @@ def check(
         f"{len(c.approve)} approval command rules, {len(policy.roles)} role(s), "
         f"network {'on' if policy.network.enabled else 'off'}, trust {policy.trust.level.value}"
     )
+    if policy.compliance.profiles:
+        out.print(
+            f"declares compliance profiles {', '.join(policy.compliance.profiles)} (the microvm tier only); "
+            "check their requirements with --compliance declared"
+        )
+
+
+def _check_compliance(
+    policy: Policy,
+    asked: list[str],
+    role: str | None,
+    audit_db: str,
+    kill_target: str | None,
+    host: bool,
+    as_json: bool,
+) -> None:
+    import os
+
+    from stockade.policy.compliance import (
+        PROFILES,
+        Setup,
+        check_compliance,
+        kill_target_reachable,
+        microvm_on_host,
+    )
+
+    profiles = [p for a in asked for p in (policy.compliance.profiles if a == "declared" else a.split(","))]
+    unknown = sorted({p for p in profiles if p not in PROFILES})
+    if unknown or not profiles:
+        err.print(f"[red]error:[/red] no profile {', '.join(unknown) or '(none declared)'}; "
+                  f"the profiles are: {', '.join(PROFILES)}")  # fmt: skip
+        raise typer.Exit(2)
+    setup = Setup(  # what `stockade agent` would start with
+        audit_url=audit_db,
+        audit_keyed=bool(os.environ.get("STOCKADE_AUDIT_KEY")),
+        audit_redacts_personal_data="gdpr" in policy.compliance.profiles,
+        runs_erasable=audit_db != "memory:",
+        kill_switch=kill_target_reachable(kill_target),
+        anomaly_monitor=True,
+        failure_breaker=5,
+        microvm=microvm_on_host() if host else (False, "not checked (--no-host)"),
+    )
+    try:
+        report = check_compliance(policy, setup, role=role, profiles=profiles)
+    except exc.ConfigurationError as e:
+        err.print(f"[red]error:[/red] {escape(str(e))}")
+        raise typer.Exit(2) from None
+    if as_json:
+        print(json.dumps(_report_json(report), ensure_ascii=False))
+        raise typer.Exit(0 if report.ok else 1)
+    out.print("[dim]compliance checkpoints, not certifications: they check what stockade can see[/]")
+    for profile in report.profiles:
+        findings = [f for f in report.findings if f.requirement.profile == profile]
+        met = sum(f.met for f in findings)
+        colour = "green" if met == len(findings) else "red"
+        out.print(f"\n[bold]{profile}[/]: [{colour}]{met} of {len(findings)} requirements met[/]")
+        for f in findings:
+            mark = "[green]met[/]    " if f.met else "[red]not met[/]"
+            out.print(f"  {mark} {escape(f.requirement.control)}: {escape(f.requirement.text)}")
+            out.print(f"          [dim]{escape(f.detail)}[/]")
+            if not f.met:
+                out.print(f"          [cyan]fix:[/] {escape(f.requirement.fix)}")
+    raise typer.Exit(0 if report.ok else 1)
+
+
+def _report_json(report: ComplianceReport) -> dict[str, object]:
+    return {
+        "checkpoints_not_certifications": True,
+        "ok": report.ok,
+        "requirements": [
+            {
+                "id": f.requirement.id,
+                "profile": f.requirement.profile,
+                "control": f.requirement.control,
+                "requirement": f.requirement.text,
+                "met": f.met,
+                "detail": f.detail,
+                "fix": None if f.met else f.requirement.fix,
+            }
+            for f in report.findings
+        ],
+    }
 
 
 _EXPLAIN_EXIT = {"allow": 0, "deny": 1, "approve": 3}
+
+
+def _tool_checks(engine: PolicyEngine, tool: str) -> list[tuple[str, Decision]]:
+    """The rules about using a tool: the role's, and its risk when it is a built-in tool."""
+    from stockade.tools import default_toolset, shell
+
+    checks = [("tool rules", engine.tool(tool))]
+    known = default_toolset().including(shell).get(tool)
+    if known is not None:  # a built-in tool: its declared risk is known
+        checks.append((f"risk ({known.risk.value})", engine.risk(known.risk.value, tool=tool)))
+    return checks
 
 
 def explain(
@@ -179,7 +345,7 @@ def explain(
         raise typer.Exit(2) from None
     actions: list[tuple[str, list[tuple[str, Decision]]]] = []
     if tool is not None:
-        actions.append((f"use the tool {tool!r}", [("tool rules", engine.tool(tool))]))
+        actions.append((f"use the tool {tool!r}", _tool_checks(engine, tool)))
     for what, op in _asked_ops(command, read, write, delete):
         actions.append((what, list(engine.explain(op, tool=tool or ""))))
     if model is not None:

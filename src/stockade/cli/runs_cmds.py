@@ -1,4 +1,6 @@
-"""``stockade runs list | show`` and ``stockade replay``: read and re-run recorded agent runs.
+"""``stockade runs list | show | workspace | erase`` and ``stockade replay``: read and re-run
+recorded agent runs, take out the workspace a run left (a run an anomaly rule killed, for
+review), and erase runs (a data subject's, or those older than the retention period).
 
 The store is ``--db`` (or ``STOCKADE_RUNS_DB``, else ``STOCKADE_AUDIT_DB``): by default the
 run tables live in the audit database file. A run id may be given by a unique prefix.
@@ -278,7 +280,11 @@ def _print_trace(trace: RunTrace, limit: int, execs: Execs | None = None) -> Non
             f"\n[magenta]approval[/] step {approval.step}: {escape(approval.action)} → {approval.decision}"
         )
     if state.error:
-        out.print(f"\n[red]{escape(state.error)}[/]")
+        label = {RunStatus.KILLED: "killed", RunStatus.BROKEN: "broken"}.get(s.status, "")
+        if "incident: anomaly rule" in state.error:
+            label = "incident"
+        out.print(f"\n[bold red]{label}[/]: " if label else "\n", end="")
+        out.print(f"[red]{escape(state.error)}[/]")
     if state.answer:
         out.print(f"\n[bold]answer:[/] {escape(state.answer)}")
     if trace.diff:
@@ -460,9 +466,63 @@ def load_tools(specs: list[str]) -> Toolset:
     return Toolset(found.values())
 
 
+def workspace(
+    run_id: Annotated[str, typer.Argument(help="a run id, or a unique prefix of one")],
+    dest: Annotated[Path, typer.Argument(help="a new folder to write the workspace into")],
+    *,
+    db: DbOpt = DEFAULT_DB,
+    namespace: NamespaceOpt = "runs",
+) -> None:
+    """Write the workspace a run left (as its last tool call left it) into a new folder: to
+    review a run that was stopped (killed by an anomaly rule, broken), or to start again from it."""
+    with _store(db, namespace) as store:
+        resolved = _resolve(store, run_id)
+        try:
+            files = store.export_workspace(resolved, dest)
+        except exc.StockadeError as error:
+            err.print(f"[red]{escape(str(error))}[/]")
+            raise typer.Exit(2) from error
+    out.print(f"{files} files of run {escape(resolved)} written to {escape(str(dest))}")
+
+
+def erase(
+    run_ids: Annotated[list[str] | None, typer.Argument(help="run ids (or unique prefixes)")] = None,
+    *,
+    subject: Annotated[
+        str | None, typer.Option("--subject", help="every run of this data subject (GDPR Art. 17)")
+    ] = None,
+    older_than: Annotated[
+        float | None, typer.Option("--older-than", help="every run last updated this many days ago or more")
+    ] = None,
+    db: DbOpt = DEFAULT_DB,
+    namespace: NamespaceOpt = "runs",
+) -> None:
+    """Erase runs from the run store: their steps, calls, outputs, workspaces and seeds (what no
+    other run shares). The audit trail is not touched, so its chain still verifies; it keeps
+    the runs' events, redacted as they were written."""
+    import time
+
+    with _store(db, namespace) as store:
+        chosen = [_resolve(store, r) for r in run_ids or []]
+        if subject is not None or older_than is not None:
+            before = time.time_ns() - round(older_than * 86400e9) if older_than is not None else None
+            chosen += store.runs_of(subject=subject, before_ns=before)
+        if not chosen:
+            err.print("nothing to erase: give run ids, --subject or --older-than (or none matched)")
+            raise typer.Exit(1 if (subject or older_than is not None) else 2)
+        try:
+            erased = store.erase(chosen)
+        except exc.StockadeError as error:
+            err.print(f"[red]{escape(str(error))}[/]")
+            raise typer.Exit(2) from error
+    out.print(f"erased {erased} run(s) from {escape(db)}; the audit trail is unchanged")
+
+
 def register(app: typer.Typer) -> None:
     group = typer.Typer(name="runs", help="List and inspect recorded agent runs.", no_args_is_help=True)
     group.command("list")(list_runs)
     group.command("show")(show)
+    group.command("workspace")(workspace)
+    group.command("erase")(erase)
     app.add_typer(group)
     app.command("replay")(replay)

@@ -64,16 +64,24 @@ def serve(
     tools: ToolsOption = None,
     visibility_timeout: VisibilityOption = 3600.0,
     queue: QueueOption = "stockade",
-) -> None:
+    advertise_url: Annotated[
+        str | None,
+        typer.Option(
+            "--advertise-url", envvar="STOCKADE_ADVERTISE_URL",
+            help="where the other API processes reach this one (default: http://HOST:PORT)",
+        ),
+    ] = None,
+) -> None:  # fmt: skip
     """Serve the API: sandboxes and runs for the tenants of TENANTS. Without --redis every run
     runs in this process (SQLite is enough); with it, runs go to `stockade worker` processes
-    (use a PostgreSQL --db that they share)."""
+    (use a PostgreSQL --db that they share). Several servers may share one database: a
+    request for a sandbox reaches the server that holds it (--advertise-url)."""
     from stockade.server import serve as run_server
 
     try:
         config = _config(
             tenants, db, redis, run_threads=run_threads, sandbox_idle_timeout_s=idle_timeout, tools=tools,
-            visibility_timeout_s=visibility_timeout, queue=queue,
+            visibility_timeout_s=visibility_timeout, queue=queue, advertise_url=advertise_url,
         )  # fmt: skip
         mode = (
             f"runs on workers through {redis}" if redis else f"runs in this process ({run_threads} at a time)"

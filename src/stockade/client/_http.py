@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 from stockade import exceptions as exc
@@ -17,7 +17,7 @@ try:
 except ModuleNotFoundError:  # pragma: no cover - the extra is missing
     httpx = None  # type: ignore[assignment]
 
-__all__ = ["Http", "raise_for_problem"]
+__all__ = ["AsyncHttp", "Http", "araise_for_problem", "error_from", "raise_for_problem"]
 
 # attributes a problem carries back into the error object
 _ATTRIBUTES = ("path", "rule", "action", "quota", "limit", "used", "cause", "kind", "id", "request_id",
@@ -57,18 +57,51 @@ def error_from(body: Mapping[str, Any], status: int) -> exc.StockadeError:
     return error
 
 
-def raise_for_problem(response: httpx.Response) -> None:
-    if response.status_code < 400:
-        return
+def _raise_problem(status: int, headers: Mapping[str, str], content: bytes) -> None:
     try:
-        body = json.loads(response.read())
+        body = json.loads(content)
     except ValueError:
         body = {}
     if not isinstance(body, dict):
         body = {}
-    if not body.get("retry_after") and response.headers.get("retry-after", "").isdigit():
-        body["retry_after"] = int(response.headers["retry-after"])
-    raise error_from(body, response.status_code)
+    if not body.get("retry_after") and headers.get("retry-after", "").isdigit():
+        body["retry_after"] = int(headers["retry-after"])
+    raise error_from(body, status)
+
+
+def raise_for_problem(response: httpx.Response) -> None:
+    if response.status_code >= 400:
+        _raise_problem(response.status_code, response.headers, response.read())
+
+
+async def araise_for_problem(response: httpx.Response) -> None:
+    if response.status_code >= 400:
+        _raise_problem(response.status_code, response.headers, await response.aread())
+
+
+def _settings(url: str | None, token: str | None) -> tuple[str, str]:
+    """The service's URL and the token, from the arguments or the environment."""
+    if httpx is None:
+        raise exc.ConfigurationError('the client needs httpx2: pip install "stockade[server]"')
+    url = url or os.environ.get("STOCKADE_URL")
+    token = token or os.environ.get("STOCKADE_TOKEN")
+    if not url:
+        raise exc.InvalidArgument(
+            "no service URL",
+            argument="url",
+            fix="pass url=... or set STOCKADE_URL (e.g. http://127.0.0.1:8080)",
+        )
+    if not token:
+        raise exc.InvalidArgument(
+            "no API token",
+            argument="token",
+            fix="pass token=... or set STOCKADE_TOKEN (stockade token new)",
+        )
+    return url.rstrip("/"), token
+
+
+def _unreachable(url: str, error: Exception) -> exc.ServiceUnavailable:
+    return exc.ServiceUnavailable(f"the service at {url} cannot be reached: {error}")
 
 
 class Http:
@@ -76,23 +109,7 @@ class Http:
 
     def __init__(self, url: str | None, token: str | None, *, timeout_s: float = 120.0,
                  transport: Any = None) -> None:  # fmt: skip
-        if httpx is None:
-            raise exc.ConfigurationError('the client needs httpx2: pip install "stockade[server]"')
-        url = url or os.environ.get("STOCKADE_URL")
-        token = token or os.environ.get("STOCKADE_TOKEN")
-        if not url:
-            raise exc.InvalidArgument(
-                "no service URL",
-                argument="url",
-                fix="pass url=... or set STOCKADE_URL (e.g. http://127.0.0.1:8080)",
-            )
-        if not token:
-            raise exc.InvalidArgument(
-                "no API token",
-                argument="token",
-                fix="pass token=... or set STOCKADE_TOKEN (stockade token new)",
-            )
-        self.url = url.rstrip("/")
+        self.url, token = _settings(url, token)
         self._client = httpx.Client(
             base_url=self.url, headers={"Authorization": f"Bearer {token}"},
             timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport,
@@ -102,7 +119,7 @@ class Http:
         try:
             response = self._client.request(method, path, **kwargs)
         except httpx.TransportError as error:
-            raise exc.ServiceUnavailable(f"the service at {self.url} cannot be reached: {error}") from None
+            raise _unreachable(self.url, error) from None
         raise_for_problem(response)
         return response
 
@@ -113,7 +130,39 @@ class Http:
                 raise_for_problem(response)
                 yield response
         except httpx.TransportError as error:
-            raise exc.ServiceUnavailable(f"the service at {self.url} cannot be reached: {error}") from None
+            raise _unreachable(self.url, error) from None
 
     def close(self) -> None:
         self._client.close()
+
+
+class AsyncHttp:
+    """``Http`` on asyncio: the same requests, the same errors, on ``httpx2.AsyncClient``."""
+
+    def __init__(self, url: str | None, token: str | None, *, timeout_s: float = 120.0,
+                 transport: Any = None) -> None:  # fmt: skip
+        self.url, token = _settings(url, token)
+        self._client = httpx.AsyncClient(
+            base_url=self.url, headers={"Authorization": f"Bearer {token}"},
+            timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport,
+        )  # fmt: skip
+
+    async def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = await self._client.request(method, path, **kwargs)
+        except httpx.TransportError as error:
+            raise _unreachable(self.url, error) from None
+        await araise_for_problem(response)
+        return response
+
+    @asynccontextmanager
+    async def stream(self, method: str, path: str, **kwargs: Any) -> AsyncIterator[httpx.Response]:
+        try:
+            async with self._client.stream(method, path, **kwargs) as response:
+                await araise_for_problem(response)
+                yield response
+        except httpx.TransportError as error:
+            raise _unreachable(self.url, error) from None
+
+    async def aclose(self) -> None:
+        await self._client.aclose()

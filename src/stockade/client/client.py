@@ -57,11 +57,12 @@ class RemoteRun:
         return self
 
     def wait(self, *, timeout_s: float = 600.0, poll_s: float = 0.25, until_paused: bool = True) -> RemoteRun:
-        """Until the run ends (or pauses for an approval); ``TimeoutError`` past ``timeout_s``."""
+        """Until the run ends (or waits for someone: paused for an approval, or broken: its
+        actions kept failing); ``TimeoutError`` past ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
             self.refresh()
-            if self.status in _ENDED or (until_paused and self.status == "paused"):
+            if self.status in _ENDED or (until_paused and self.status in ("paused", "broken")):
                 return self
             if time.monotonic() > deadline:
                 raise TimeoutError(f"run {self.id} is still {self.status} after {timeout_s:.0f} s")

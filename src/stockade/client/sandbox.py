@@ -97,6 +97,60 @@ def _limits(limits: Limits | None) -> dict[str, Any] | None:
     return {k: v for k, v in dataclasses.asdict(limits).items() if v is not None}
 
 
+def create_body(
+    tier: str | None, *, trust: Trust | str | None, limits: Limits | None, network: NetworkPolicy | None,
+    envs: Mapping[str, str] | None, allow_weaker: bool, labels: Mapping[str, str] | None,
+    prefer: str | None, idle_timeout_s: float | None,
+) -> dict[str, Any]:  # fmt: skip
+    """The body of ``POST /v1/sandboxes``."""
+    body: dict[str, Any] = {
+        "tier": tier, "trust": str(trust) if trust is not None else None, "limits": _limits(limits),
+        "envs": dict(envs or {}), "allow_weaker": allow_weaker, "labels": dict(labels or {}),
+        "prefer": prefer, "idle_timeout_s": idle_timeout_s,
+    }  # fmt: skip
+    if network is not None:
+        body["network"] = {"enabled": network.enabled, "allow_hosts": list(network.allow_hosts)}
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def command_body(
+    cmd: str | Sequence[str], *, cwd: str | None, envs: Mapping[str, str] | None, timeout_s: float | None,
+    stdin: str | bytes | None,
+) -> dict[str, Any]:  # fmt: skip
+    return {
+        "cmd": cmd if isinstance(cmd, str) else list(cmd), "cwd": cwd, "envs": dict(envs or {}),
+        "timeout_s": timeout_s,
+        "stdin": stdin.decode("utf-8", "surrogateescape") if isinstance(stdin, bytes) else stdin,
+    }  # fmt: skip
+
+
+def streamed_line(
+    line: str, on_stdout: TextCallback | None, on_stderr: TextCallback | None
+) -> dict[str, Any] | None:
+    """One NDJSON line of a streamed command: output to its callback (None), the result (the
+    result), or the problem that ended it (raised as the SDK's error)."""
+    if not line:
+        return None
+    item = json.loads(line)
+    kind = item.get("type")
+    if kind in ("stdout", "stderr"):
+        callback = on_stdout if kind == "stdout" else on_stderr
+        if callback is not None:
+            callback(item["data"])
+        return None
+    if kind == "result":
+        result: dict[str, Any] = item["result"]
+        return result
+    if kind == "error":
+        problem = item["problem"]
+        raise error_from(problem, int(problem.get("status", 500)))
+    return None
+
+
+def ended_without_result() -> exc.ServiceUnavailable:
+    return exc.ServiceUnavailable("the service ended the stream without a result")
+
+
 class RemoteCommands:
     def __init__(self, sandbox: RemoteSandbox) -> None:
         self._sbx = sandbox
@@ -114,11 +168,7 @@ class RemoteCommands:
     ) -> CommandResult:
         """As ``Sandbox.commands.run``: a non-zero exit is a result; output streams to the
         callbacks while the command runs."""
-        body = {
-            "cmd": cmd if isinstance(cmd, str) else list(cmd), "cwd": cwd, "envs": dict(envs or {}),
-            "timeout_s": timeout_s,
-            "stdin": stdin.decode("utf-8", "surrogateescape") if isinstance(stdin, bytes) else stdin,
-        }  # fmt: skip
+        body = command_body(cmd, cwd=cwd, envs=envs, timeout_s=timeout_s, stdin=stdin)
         data = self._sbx._call("commands", body, on_stdout, on_stderr)
         return command_result(data)
 
@@ -174,11 +224,14 @@ class RemoteFiles:
             self._sbx.client.http.request("POST", f"{self._base}/files/dir", params={"path": path}).json()
         )
 
-    def upload_dir(self, source: str | Path, dest: str = "") -> None:
-        """Copy a local directory into the workspace (sent as a tar, checked by the server)."""
+    def upload_dir(
+        self, source: str | Path, dest: str = "", *, hide: Sequence[str] = (), read: Sequence[str] = ("**",)
+    ) -> None:
+        """Copy a local directory into the workspace (sent as a tar, checked by the server): what
+        ``read`` names, but what ``hide`` names (globs, as ``Sandbox.files.upload_dir``)."""
         self._sbx.client.http.request(
-            "PUT", f"{self._base}/archive", params={"path": dest}, content=tar_directory(Path(source)),
-            headers={"Content-Type": "application/x-tar"},
+            "PUT", f"{self._base}/archive", params={"path": dest},
+            content=tar_directory(Path(source), hide, read), headers={"Content-Type": "application/x-tar"},
         )  # fmt: skip
 
     def download_dir(
@@ -206,6 +259,7 @@ class RemoteSandbox:
         self.commands = RemoteCommands(self)
         self.files = RemoteFiles(self)
         self._closed = False
+        self._owns_client = False  # made by ``create`` for this sandbox alone: closed with it
 
     @classmethod
     def create(
@@ -226,18 +280,20 @@ class RemoteSandbox:
         """As ``Sandbox.create``; the tier is chosen (and checked against your role) by the service."""
         from stockade.client.client import Client
 
+        body = create_body(
+            tier, trust=trust, limits=limits, network=network, envs=envs, allow_weaker=allow_weaker,
+            labels=labels, prefer=prefer, idle_timeout_s=idle_timeout_s,
+        )  # fmt: skip
+        own = client is None
         client = client or Client()
-        body: dict[str, Any] = {
-            "tier": tier, "trust": str(trust) if trust is not None else None, "limits": _limits(limits),
-            "envs": dict(envs or {}), "allow_weaker": allow_weaker, "labels": dict(labels or {}),
-            "prefer": prefer, "idle_timeout_s": idle_timeout_s,
-        }  # fmt: skip
-        if network is not None:
-            body["network"] = {"enabled": network.enabled, "allow_hosts": list(network.allow_hosts)}
-        info = client.http.request(
-            "POST", "/v1/sandboxes", json={k: v for k, v in body.items() if v is not None}
-        )
+        try:
+            info = client.http.request("POST", "/v1/sandboxes", json=body)
+        except BaseException:
+            if own:
+                client.close()
+            raise
         sbx = cls(client, info.json())
+        sbx._owns_client = own
         if workspace is not None:
             try:
                 sbx.files.upload_dir(workspace)
@@ -275,24 +331,12 @@ class RemoteSandbox:
         if on_stdout is None and on_stderr is None:
             data: dict[str, Any] = self.client.http.request("POST", path, json=body).json()
             return data
-        callbacks = {"stdout": on_stdout, "stderr": on_stderr}
         with self.client.http.stream("POST", path, json={**body, "stream": True}) as response:
             for line in response.iter_lines():
-                if not line:
-                    continue
-                item = json.loads(line)
-                kind = item.get("type")
-                if kind in callbacks:
-                    callback = callbacks[kind]
-                    if callback is not None:
-                        callback(item["data"])
-                elif kind == "result":
-                    result: dict[str, Any] = item["result"]
+                result = streamed_line(line, on_stdout, on_stderr)
+                if result is not None:
                     return result
-                elif kind == "error":
-                    problem = item["problem"]
-                    raise error_from(problem, int(problem.get("status", 500)))
-        raise exc.ServiceUnavailable("the service ended the stream without a result")
+        raise ended_without_result()
 
     def run_code(
         self, code: str, language: str = "python", *, timeout_s: float | None = None,
@@ -313,8 +357,12 @@ class RemoteSandbox:
         if self._closed:
             return
         self._closed = True
-        with contextlib.suppress(exc.ResourceNotFound):  # closed already (its idle timeout)
-            self.client.http.request("DELETE", f"/v1/sandboxes/{self.id}")
+        try:
+            with contextlib.suppress(exc.ResourceNotFound, exc.SandboxClosed):  # closed already (idle, gone)
+                self.client.http.request("DELETE", f"/v1/sandboxes/{self.id}")
+        finally:
+            if self._owns_client:
+                self.client.close()
 
     def __enter__(self) -> RemoteSandbox:
         return self

@@ -6,10 +6,14 @@
                   guards=[policy_guard(engine, approvals)], observers=[prompt_filter(engine)])
     sbx = guarded_sandbox(engine, sbx, run_id=..., approvals=approvals)   # enforcement at the sandbox
 
-``policy_guard`` decides on the tool call (role, decision boundaries, the command a shell or
-test tool would run, the paths a file tool or a patch would touch) so the model hears a clear
-denial before anything happens;
+``policy_guard`` decides on the tool call (role, decision boundaries, the tool's risk, the
+command a shell or test tool would run, the paths a file tool or a patch would touch) so the
+model hears a clear denial before anything happens;
 ``guarded_sandbox`` decides again on every sandbox op, whatever tool issued it.
+
+A prompt rule whose action is "flag" does not stop anything: ``prompt_filter`` and
+``filter_outputs`` hand a ``PromptFlagged`` to ``on_flag`` (``RuntimeControls.flag`` records,
+logs and counts it).
 """
 
 from __future__ import annotations
@@ -28,18 +32,29 @@ from stockade.policy.approval import Approvals
 from stockade.policy.engine import Decision, PolicyEngine, strictest
 from stockade.policy.guards import GuardedInstance, OpContext, enforce, op_policy_guard
 from stockade.runtime.anomaly import AnomalyMonitor
+from stockade.runtime.events import PromptFlagged
 from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import ReadFile, RunCommand, WriteFile
 from stockade.tools.base import CallNext, Tool, ToolContext, Toolset, render
 from stockade.tools.patch import patch_ops
 
-__all__ = ["ApprovedModel", "filter_outputs", "guarded_sandbox", "policy_guard", "prompt_filter"]
+__all__ = [
+    "ApprovedModel",
+    "FlagSink",
+    "filter_outputs",
+    "guarded_sandbox",
+    "policy_guard",
+    "prompt_filter",
+]
 
 COMMAND_TOOLS = ("shell", "run_tests", "run_command")
+FlagSink = Callable[[PromptFlagged], None]
 
 
-def _call_decision(engine: PolicyEngine, call: ToolCall) -> Decision:
+def _call_decision(engine: PolicyEngine, call: ToolCall, risk: str | None = None) -> Decision:
     decisions = [engine.tool(call.name)]
+    if risk is not None:
+        decisions.append(engine.risk(risk, tool=call.name))
     command = call.args.get("command")
     if call.name in COMMAND_TOOLS and isinstance(command, str):
         decisions.append(engine.op(RunCommand(argv=("/bin/sh", "-c", command)), tool=call.name))
@@ -66,7 +81,8 @@ def policy_guard(
     def guard(ctx: GuardContext, call: ToolCall) -> ToolCall:
         action = f"{call.name}({', '.join(f'{k}={v!r}' for k, v in call.args.items())})"
         op_ctx = OpContext(run_id=ctx.run_id, role=engine.role_name, tool=call.name)
-        enforce(_call_decision(engine, call), op_ctx, action[:500], approvals, monitor)
+        decision = _call_decision(engine, call, ctx.tool.risk.value if ctx.tool.name == call.name else None)
+        enforce(decision, op_ctx, action[:500], approvals, monitor)
         return call
 
     return guard
@@ -80,12 +96,15 @@ def guarded_sandbox(
     return Sandbox(GuardedInstance(sandbox.instance, op_policy_guard(engine, approvals), ctx))
 
 
-def filter_outputs(engine: PolicyEngine, tools: Toolset) -> Toolset:
-    """Tool outputs matching a ``deny`` prompt rule are withheld from the model."""
+def filter_outputs(engine: PolicyEngine, tools: Toolset, *, on_flag: FlagSink | None = None) -> Toolset:
+    """Tool outputs matching a ``deny`` prompt rule are withheld from the model; ``flag`` rules
+    are reported to ``on_flag``."""
 
     async def wrapper(ctx: ToolContext, tool: Tool, args: BaseModel, call_next: CallNext) -> object:
         value = await call_next(ctx, tool, args)
         verdict = engine.prompt(render(value), "tool_output")
+        if verdict.verdict == "flag" and on_flag is not None:
+            on_flag(PromptFlagged(rules=verdict.rules, source="tool_output", tool=tool.name))
         if verdict.verdict == "deny":
             raise PolicyDenied(
                 f"the output of {tool.name} was withheld: it matched {', '.join(verdict.rules)}",
@@ -97,12 +116,15 @@ def filter_outputs(engine: PolicyEngine, tools: Toolset) -> Toolset:
     return tools.wrapped(wrapper)
 
 
-def prompt_filter(engine: PolicyEngine) -> Callable[[AgentEvent], None]:
-    """An agent observer: a task prompt matching a ``deny`` rule ends the run as "denied"."""
+def prompt_filter(engine: PolicyEngine, *, on_flag: FlagSink | None = None) -> Callable[[AgentEvent], None]:
+    """An agent observer: a task prompt matching a ``deny`` rule ends the run as "denied"; one
+    matching a ``flag`` rule is reported to ``on_flag``."""
 
     def observe(event: AgentEvent) -> None:
         if isinstance(event, RunStarted) and not event.resumed:
             verdict = engine.prompt(event.task, "task")
+            if verdict.verdict == "flag" and on_flag is not None:
+                on_flag(PromptFlagged(rules=verdict.rules, source="task"))
             if verdict.verdict == "deny":
                 raise PolicyDenied(
                     f"the task was refused: it matched {', '.join(verdict.rules)}",

@@ -294,6 +294,15 @@ class PolicyEngine:
         category = TOOL_CATEGORIES.get(name)
         return self.category(category) if category is not None else ALLOW
 
+    def risk(self, level: str, *, tool: str = "") -> Decision:
+        """What a call of a tool of this risk level needs (``[risk]``)."""
+        verdict = getattr(self.policy.risk, level, Verdict.ALLOW)
+        if verdict is Verdict.ALLOW:
+            return ALLOW
+        what = f"{tool!r} is a {level}-risk tool" if tool else f"a {level}-risk tool"
+        needs = "every call of it needs a human's approval" if verdict is Verdict.APPROVE else "it is denied"
+        return Decision(verdict=verdict, rule=f"risk.{level}", reason=f"{what}: {needs}")
+
     def model(self, name: str) -> Decision:
         if self.policy.models.allows(name):
             return ALLOW
@@ -320,22 +329,30 @@ class PolicyEngine:
         return tuple(n for n in names if n in self.role.credentials)
 
     def allowed_tiers(self) -> tuple[str, ...]:
+        """The tiers trust allows (DESIGN.md's table), of those the role may use; a declared
+        compliance profile means the strongest: the microVM only."""
         t = self.policy.trust
         allowed = _registry.allowed_tiers(t.level, allow_gvisor_for_untrusted=t.allow_gvisor_for_untrusted)
         if self.role.tiers:
             allowed = tuple(x for x in allowed if x in self.role.tiers)
+        if self.policy.compliance.profiles:
+            allowed = tuple(x for x in allowed if x == "microvm")
         return allowed
+
+    def why_tiers(self) -> str:
+        """In words, what decides ``allowed_tiers``."""
+        why = f"trust {self.policy.trust.level.value!r}"
+        profiles = self.policy.compliance.profiles
+        if profiles:
+            why += f" and compliance profiles {', '.join(profiles)} (the microvm tier only)"
+        return why
 
     def select_tier(self, prefer: _registry.Preference | None = None) -> str:
         """The cheapest tier the trust table and the role allow and this host has (trust sets the
         minimum; ``[trust] prefer = "strongest"`` or ``prefer`` turns the order round); fail closed."""
         allowed = self.allowed_tiers()
         if not allowed:
-            raise TierUnavailable(
-                f"role {self.role_name!r} may use no tier that trust {self.policy.trust.level.value!r} allows"
-            )
+            raise TierUnavailable(f"role {self.role_name!r} may use no tier that {self.why_tiers()} allows")
         return _registry.choose(
-            allowed,
-            prefer=prefer or self.policy.trust.prefer,
-            why=f"the policy (trust {self.policy.trust.level.value!r})",
+            allowed, prefer=prefer or self.policy.trust.prefer, why=f"the policy ({self.why_tiers()})"
         )

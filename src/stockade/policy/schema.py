@@ -9,6 +9,11 @@ closed on everything it cannot analyse.
     [paths]
     write = ["src/**", "tests/**"]
     deny = [".git/**", "secrets/**"]
+    [risk]
+    high = "approve"            # every call of a high-risk tool (the raw shell) asks a human
+    [anomaly.repeated_failure]
+    times = 3
+    action = "kill"             # an incident: the run stops, its sandbox dies, its workspace is kept
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from stockade.types import Trust
 
 __all__ = [
+    "AnomalyRules",
     "Classification",
     "CommandRules",
+    "ComplianceRules",
     "DataAccess",
     "DataTier",
     "Decisions",
@@ -34,6 +41,7 @@ __all__ = [
     "PathRules",
     "Policy",
     "PromptRule",
+    "RiskRules",
     "Role",
     "TrustRules",
     "Verdict",
@@ -180,6 +188,77 @@ class TrustRules(_Strict):
     prefer: Literal["cheapest", "strongest"] = "cheapest"
 
 
+class RiskRules(_Strict):
+    """What a call of a tool needs, by the tool's declared risk (``Tool.risk``): ``high =
+    "approve"`` sends every call of a high-risk tool (the raw shell) to a human first."""
+
+    low: Verdict = Verdict.ALLOW
+    medium: Verdict = Verdict.ALLOW
+    high: Verdict = Verdict.ALLOW
+
+
+AnomalyActionName = Literal["warn", "require_approval", "open_breaker", "kill"]
+
+
+class AnomalyRule(_Strict):
+    """One rule of the anomaly monitor; what is not given keeps the rule's default."""
+
+    enabled: bool = True
+    action: AnomalyActionName | None = None
+    window_s: float | None = Field(default=None, gt=0)
+
+
+class CountingRule(AnomalyRule):
+    times: int | None = Field(default=None, ge=1)
+
+
+class BurstRule(AnomalyRule):
+    actions: int | None = Field(default=None, ge=1)
+
+
+class CostRule(AnomalyRule):
+    dollars: float | None = Field(default=None, gt=0)
+
+
+class FloodRule(AnomalyRule):
+    max_bytes: int | None = Field(default=None, ge=1)
+
+
+class AnomalyRules(_Strict):
+    """The anomaly monitor's rules (``stockade.runtime.anomaly``): thresholds, windows and
+    actions (warn, require_approval, open_breaker, kill). A failed action is one whose tool
+    raised or whose result said so (code that raised, a failed command or test run)."""
+
+    enabled: bool = True
+    repeated_failure: CountingRule = CountingRule()  # the same action failed `times` in a row
+    burst: BurstRule = BurstRule()  # more than `actions` within `window_s`
+    cost_spike: CostRule = CostRule()  # more than `dollars` within `window_s`
+    repeated_denials: CountingRule = CountingRule()  # `times` denials within `window_s`
+    output_flood: FloodRule = FloodRule()  # more than `max_bytes` of output within `window_s`
+    flagged_content: CountingRule = CountingRule()  # `times` prompt-rule flags within `window_s`
+
+    def settings(self) -> dict[str, dict[str, object]]:
+        """Per rule, what the policy sets (for ``stockade.runtime.anomaly.configured_rules``)."""
+        return {
+            name: getattr(self, name).model_dump(exclude_none=True)
+            for name in type(self).model_fields
+            if name != "enabled"
+        }
+
+
+ProfileName = Literal["soc2", "hipaa", "gdpr"]
+
+
+class ComplianceRules(_Strict):
+    """Compliance profiles the deployment must meet (``stockade.policy.compliance``): each is a
+    list of checkable requirements, checked at start-up (``build_agent`` refuses to start when
+    one is not met). Checkpoints, not certifications. A declared profile raises the minimum
+    tier to the microVM. ``retention_days``: how long run data is kept (GDPR Art. 5(1)(e))."""
+
+    profiles: tuple[ProfileName, ...] = ()
+    retention_days: int | None = Field(default=None, ge=1)
+
+
 class Policy(_Strict):
     version: Literal[1] = 1
     commands: CommandRules = CommandRules()
@@ -192,6 +271,9 @@ class Policy(_Strict):
     models: ModelRegistry = ModelRegistry()
     prompts: tuple[PromptRule, ...] = ()
     trust: TrustRules = TrustRules()
+    risk: RiskRules = RiskRules()
+    anomaly: AnomalyRules = AnomalyRules()
+    compliance: ComplianceRules = ComplianceRules()
 
     @model_validator(mode="after")
     def _roles_exist(self) -> Policy:

@@ -5,7 +5,8 @@
                   guards=[policy_guard(engine, recorder.approvals(approvals))])
     backend = RetryingBackend(backend, Retrier(observer=recorder.runtime))
 
-- as an agent observer: the starting workspace (``seed``) is kept when the run starts,
+- as an agent observer: the starting workspace (``seed``) is kept when the run starts, and
+  the data subject whose personal data the run holds (``subject``), so it can be erased;
   each tool call enters the ledger the moment it returns, and the final diff when it ends;
 - ``runtime``, a runtime observer: retries, attached to the step and tool call in progress
   (a retry before the run starts, e.g. of the sandbox start, is kept until the run id is known);
@@ -39,9 +40,17 @@ __all__ = ["RecordedApprovals", "RunRecorder"]
 class RunRecorder:
     """Follows one run at a time (the one whose events it receives)."""
 
-    def __init__(self, store: RunStore, *, run_id: str | None = None, seed: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        store: RunStore,
+        *,
+        run_id: str | None = None,
+        seed: str | Path | None = None,
+        subject: str | None = None,
+    ) -> None:
         self.store = store
         self.seed = seed  # the folder the run starts from, kept for ``stockade replay``
+        self.subject = subject  # whose personal data the run holds (``RunStore.runs_of``)
         self.run_id = run_id
         self.step = 0
         self.call_id: str | None = None
@@ -57,6 +66,8 @@ class RunRecorder:
                 self.run_id = event.run_id
                 if self.seed is not None and not event.resumed:
                     self.store.save_seed(event.run_id, self.seed)
+                if self.subject is not None:
+                    self.store.tag_subject(event.run_id, self.subject)
                 early, self._early = self._early, []
                 for entry in early:
                     self.store.record_retry(event.run_id, entry)

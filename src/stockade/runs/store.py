@@ -30,12 +30,18 @@ its return: a tool that must be exactly-once there deduplicates with ``ctx.idemp
 
 Every row passes through a ``Redactor`` before it is written, as audit events do: a run
 resumed from the store sees ``[REDACTED]`` where a secret was, never the secret.
+
+A run's data can be erased (``erase``: the run's rows, and the workspace contents and seeds no
+other run shares), by run, by data subject (``tag_subject``, ``runs_of``) or by age: a subject's
+right to erasure, a retention period. The audit trail is another store: erasing runs leaves
+its chain as it was, so it still verifies.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 import time
 import zlib
@@ -60,6 +66,7 @@ from stockade.runs.workspace import (
     Entry,
     WorkspaceTracker,
     decode_entry,
+    relative_path,
     restore,
 )
 from stockade.sandbox.facade import Sandbox
@@ -207,7 +214,18 @@ def _schema(ns: str, serial: str, blob: str) -> list[str]:
         f"""CREATE TABLE IF NOT EXISTS {ns}_workspace (
             run_id TEXT NOT NULL, version BIGINT NOT NULL, path TEXT NOT NULL, body TEXT,
             blob_bytes BIGINT NOT NULL, PRIMARY KEY (run_id, version, path))""",
+        # whose personal data a run holds (a data subject), so that it can be erased
+        f"""CREATE TABLE IF NOT EXISTS {ns}_subjects (
+            run_id TEXT NOT NULL, subject TEXT NOT NULL, PRIMARY KEY (run_id, subject))""",
+        f"CREATE INDEX IF NOT EXISTS {ns}_subjects_subject ON {ns}_subjects (subject)",
     ]
+
+
+# The tables holding rows of a run (``erase`` empties them of it); blobs and seeds are shared.
+_RUN_TABLES = (
+    "runs", "checkpoints", "messages", "steps", "tool_calls", "retries", "approvals", "run_seeds",
+    "leases", "calls_started", "workspace", "subjects",
+)  # fmt: skip
 
 
 def _first_change(saved: Sequence[object], now: Sequence[object]) -> int:
@@ -768,6 +786,115 @@ class RunStore:
         with self._lock:
             self._trackers[run_id] = tracker
         return True
+
+    def export_workspace(self, run_id: str, dest: str | Path) -> int:
+        """Write the run's last recorded workspace into ``dest``, a new folder on the host (for
+        review: a run an anomaly rule killed keeps it here); returns the files written.
+        ``ConfigurationError`` when ``dest`` exists or the run recorded no workspace."""
+        entries, version = self._stored_workspace(run_id)
+        if version == 0:
+            raise exc.ConfigurationError(f"run {run_id!r} recorded no workspace in {self._where}")
+        root = Path(dest)
+        try:
+            root.mkdir(parents=True)
+        except FileExistsError:
+            raise exc.ConfigurationError(f"{root} exists: give a new folder") from None
+        written = 0
+        for path in sorted(p for p in entries if relative_path(p)):  # parents sort before children
+            entry, target = entries[path], root / path
+            if entry.kind == "dir":
+                target.mkdir(mode=0o700, exist_ok=True)
+                continue
+            target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # the folder is new and only this writes in it: no link can be there to follow
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, entry.mode & 0o755)
+            with os.fdopen(fd, "wb") as out:
+                out.write(self._blob(entry.digest))
+            written += 1
+        return written
+
+    # -- erasure ------------------------------------------------------------------------------
+
+    def tag_subject(self, run_id: str, subject: str) -> None:
+        """Record that the run holds personal data of ``subject`` (erase it with ``runs_of``)."""
+        if not subject:
+            raise exc.ConfigurationError("a data subject needs a name or an id")
+        self.db.write(
+            [
+                (
+                    f"INSERT INTO {self.ns}_subjects VALUES (?, ?) ON CONFLICT (run_id, subject) DO NOTHING",
+                    [(run_id, subject)],
+                )
+            ]
+        )
+
+    def runs_of(self, *, subject: str | None = None, before_ns: int | None = None) -> list[str]:
+        """The runs of a data subject, and/or the runs last updated before ``before_ns``."""
+        if subject is None and before_ns is None:
+            raise exc.ConfigurationError("say whose runs (subject) or up to when (before_ns)")
+        sql = f"SELECT r.run_id FROM {self.ns}_runs r WHERE 1 = 1"
+        params: list[object] = []
+        if subject is not None:
+            sql += f" AND r.run_id IN (SELECT run_id FROM {self.ns}_subjects WHERE subject = ?)"
+            params.append(subject)
+        if before_ns is not None:
+            sql += " AND r.updated_ns < ?"
+            params.append(before_ns)
+        return [str(row[0]) for row in self.db.query(sql + " ORDER BY r.run_id", params)]
+
+    def erase(self, run_ids: Sequence[str]) -> int:
+        """Remove every row of these runs, and the workspace contents and seeds that no other run
+        shares; returns the runs erased. A run still running is refused (``RunConflict``)."""
+        ns, runs = self.ns, list(dict.fromkeys(run_ids))
+        if not runs:
+            return 0
+        self.sweep()
+        marks = ",".join("?" * len(runs))
+        live = self.db.query(
+            f"SELECT run_id FROM {ns}_runs WHERE status = ? AND run_id IN ({marks})",
+            [RunStatus.RUNNING.value, *runs],
+        )
+        if live:
+            raise exc.RunConflict(f"run {live[0][0]} is running: stop it before erasing it")
+        blobs = {
+            decode_entry(str(body)).digest
+            for (body,) in self.db.query(
+                f"SELECT body FROM {ns}_workspace WHERE body IS NOT NULL AND run_id IN ({marks})", runs
+            )
+        }
+        seeds = {
+            str(d)
+            for (d,) in self.db.query(f"SELECT digest FROM {ns}_run_seeds WHERE run_id IN ({marks})", runs)
+        }
+        found = self.db.query(f"SELECT COUNT(*) FROM {ns}_runs WHERE run_id IN ({marks})", runs)
+        statements: list[Statement] = [
+            (f"DELETE FROM {ns}_{table} WHERE run_id IN ({marks})", [runs]) for table in _RUN_TABLES
+        ]
+        self.db.write(statements)
+        self.db.write([st for st in self._unshared(blobs - {""}, seeds) if st[1]])
+        with self._lock:
+            for run_id in runs:
+                self._saved.pop(run_id, None)
+                self._trackers.pop(run_id, None)
+        return _int(found[0][0]) if found else 0
+
+    def _unshared(self, blobs: set[str], seeds: set[str]) -> list[Statement]:
+        """Deletions of the contents and seeds (of erased runs) that no run refers to any more."""
+        ns = self.ns
+        gone_blobs = [
+            (d,)
+            for d in sorted(blobs)
+            if not self.db.query(f"SELECT 1 FROM {ns}_workspace WHERE body LIKE ? LIMIT 1", (f'%"{d}"%',))
+        ]
+        gone_seeds = [
+            (d,)
+            for d in sorted(seeds)
+            if not self.db.query(f"SELECT 1 FROM {ns}_run_seeds WHERE digest = ? LIMIT 1", (d,))
+        ]
+        return [
+            (f"DELETE FROM {ns}_blobs WHERE digest = ?", gone_blobs),
+            (f"DELETE FROM {ns}_seeds WHERE digest = ?", gone_seeds),
+        ]
 
     def workspace_usage(self, run_id: str) -> WorkspaceUsage:
         rows = self.db.query(

@@ -43,6 +43,7 @@ __all__ = [
     "Scan",
     "WorkspaceTracker",
     "decode_entry",
+    "relative_path",
     "restore",
 ]
 
@@ -88,7 +89,8 @@ class Scan:
         return bool(self.changes)
 
 
-def _inside(path: str) -> bool:
+def relative_path(path: str) -> bool:
+    """Whether a stored path stays in the workspace (relative, no ``..``)."""
     return bool(path) and not path.startswith("/") and ".." not in path.split("/")
 
 
@@ -109,7 +111,7 @@ class WorkspaceTracker:
         listing = tuple(
             e
             for e in sandbox.files.list("", depth=MAX_DEPTH)
-            if _inside(e.path) and e.type in (EntryType.FILE, EntryType.DIR)
+            if relative_path(e.path) and e.type in (EntryType.FILE, EntryType.DIR)
         )
         if len(listing) > self.max_entries:
             raise exc.SeedTooLarge(
@@ -185,7 +187,7 @@ def restore(
         sandbox.files.remove(top.path)
     batch: list[tuple[tarfile.TarInfo, bytes | None]] = []
     size = 0
-    for path in sorted(p for p in entries if _inside(p)):
+    for path in sorted(p for p in entries if relative_path(p)):
         entry = entries[path]
         info = tarfile.TarInfo(path)
         info.mode = entry.mode & 0o777

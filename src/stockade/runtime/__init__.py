@@ -6,6 +6,7 @@ from stockade.runtime.anomaly import ActionRecord, AnomalyMonitor
 from stockade.runtime.breaker import BreakerConfig, Breakers, BreakingBackend, CircuitBreaker
 from stockade.runtime.clock import Clock, ManualClock, SystemClock
 from stockade.runtime.events import AnomalyAction, BreakerState, Observer, RuntimeEvent
+from stockade.runtime.failures import AgentBreaker
 from stockade.runtime.killswitch import FileKillSource, KillSwitch, MemoryKillSource, RedisKillSource
 from stockade.runtime.limits import Budget, BudgetMeter, LocalWindow, RateLimit, RedisWindow, SpendLimit
 from stockade.runtime.retry import (
@@ -20,6 +21,7 @@ from stockade.runtime.retry import (
 
 __all__ = [
     "ActionRecord",
+    "AgentBreaker",
     "AnomalyAction",
     "AnomalyMonitor",
     "AsyncRetryingBackend",

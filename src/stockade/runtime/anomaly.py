@@ -4,15 +4,25 @@ Each rule looks at the new action and the recent history and returns a reason wh
 each rule carries its action: warn, require approval (the next action waits for a human),
 open the breaker of the action's subject, or kill the run. A rule that fired stays quiet for
 its window, so a flood is reported once, not once per action.
+
+An action failed when its tool raised or its result said so (code that raised, a failed
+command or test run): ``ActionRecord.ok`` is False for both. Text that a prompt rule flagged
+is fed in too (``flagged``), for ``FlaggedContent``. ``configured_rules`` builds the rules from
+settings (thresholds, windows, actions, on/off), as the policy file's ``[anomaly]`` gives them.
+
+A kill is an incident: ``on_kill`` (when given) isolates the run, keeping what must be kept for
+review, and returns the reason the run is killed with; without it the kill switch is pulled.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from stockade.exceptions import ConfigurationError
 from stockade.runtime.breaker import Breakers
 from stockade.runtime.clock import Clock, SystemClock
 from stockade.runtime.events import AnomalyAction, AnomalyFlagged, Observer, ignore
@@ -24,10 +34,12 @@ __all__ = [
     "Burst",
     "CostSpike",
     "Finding",
+    "FlaggedContent",
     "OutputFlood",
     "RepeatedDenials",
     "RepeatedFailure",
     "Rule",
+    "configured_rules",
     "default_rules",
 ]
 
@@ -41,6 +53,7 @@ class ActionRecord:
     fingerprint: str
     ok: bool = True
     denied: bool = False
+    flagged: bool = False  # a prompt rule flagged the task or a tool's output (not an action)
     dollars: float = 0.0
     output_bytes: int = 0
 
@@ -92,7 +105,9 @@ class Burst:
     name: str = "burst"
 
     def check(self, new: Seen, history: Sequence[Seen]) -> str | None:
-        recent = sum(1 for s in history if s.at > new.at - self.window_s)
+        if new.record.flagged:
+            return None  # a flag is no action
+        recent = sum(1 for s in history if not s.record.flagged and s.at > new.at - self.window_s)
         if recent > self.actions:
             return f"{recent} actions within {self.window_s:g}s"
         return None
@@ -148,11 +163,53 @@ class OutputFlood:
         return None
 
 
-Rule = RepeatedFailure | Burst | CostSpike | RepeatedDenials | OutputFlood
+@dataclass(frozen=True, kw_only=True)
+class FlaggedContent:
+    """``times`` flags of prompt rules within ``window_s``: the task or the tools' outputs keep
+    matching what the policy watches for (a prompt injection, data that should not be there)."""
+
+    times: int = 3
+    window_s: float = 600.0
+    action: AnomalyAction = AnomalyAction.REQUIRE_APPROVAL
+    name: str = "flagged_content"
+
+    def check(self, new: Seen, history: Sequence[Seen]) -> str | None:
+        if not new.record.flagged:
+            return None
+        flags = sum(1 for s in history if s.record.flagged and s.at > new.at - self.window_s)
+        if flags >= self.times:
+            return f"{flags} flags of prompt rules within {self.window_s:g}s"
+        return None
+
+
+Rule = RepeatedFailure | Burst | CostSpike | RepeatedDenials | OutputFlood | FlaggedContent
 
 
 def default_rules() -> tuple[Rule, ...]:
-    return (RepeatedFailure(), Burst(), CostSpike(), RepeatedDenials(), OutputFlood())
+    return (RepeatedFailure(), Burst(), CostSpike(), RepeatedDenials(), OutputFlood(), FlaggedContent())
+
+
+def configured_rules(settings: Mapping[str, Mapping[str, object]]) -> tuple[Rule, ...]:
+    """The default rules with ``settings[name]`` applied: ``enabled`` (False drops the rule) and
+    any of the rule's own fields (``times``, ``window_s``, ``action``, ...)."""
+    defaults = {rule.name: rule for rule in default_rules()}
+    unknown = sorted(set(settings) - set(defaults))
+    if unknown:
+        known = ", ".join(defaults)
+        raise ConfigurationError(f"no anomaly rule {', '.join(unknown)}; the rules are: {known}")
+    rules: list[Rule] = []
+    for name, rule in defaults.items():
+        changes = dict(settings.get(name, {}))
+        if not changes.pop("enabled", True):
+            continue
+        fields = {f.name for f in dataclasses.fields(rule)} - {"name"}
+        wrong = sorted(set(changes) - fields)
+        if wrong:
+            raise ConfigurationError(f"anomaly rule {name} has no setting {', '.join(wrong)}")
+        if "action" in changes:
+            changes["action"] = AnomalyAction(str(changes["action"]))
+        rules.append(dataclasses.replace(rule, **changes))  # type: ignore[arg-type]
+    return tuple(rules)
 
 
 @dataclass(kw_only=True)
@@ -164,6 +221,7 @@ class AnomalyMonitor:
     observer: Observer = ignore
     breakers: Breakers | None = None
     kill_switch: KillSwitch | None = None
+    on_kill: Callable[[Finding], str] | None = None  # isolates the run; returns the kill's reason
     history_s: float = 600.0
     approval_reason: str | None = None
     _history: deque[Seen] = field(default_factory=deque)
@@ -175,7 +233,8 @@ class AnomalyMonitor:
             now = self.clock.monotonic()
             new = Seen(at=now, record=record)
             self._history.append(new)
-            while self._history and self._history[0].at < now - self.history_s:
+            kept = max(self.history_s, *(rule.window_s for rule in self.rules))
+            while self._history and self._history[0].at < now - kept:
                 self._history.popleft()
             history = tuple(self._history)
             findings = []
@@ -205,7 +264,10 @@ class AnomalyMonitor:
             case AnomalyAction.OPEN_BREAKER if self.breakers is not None:
                 self.breakers.get(finding.subject).trip(f"anomaly {finding.rule}: {finding.detail}")
             case AnomalyAction.KILL if self.kill_switch is not None:
-                self.kill_switch.kill(f"anomaly {finding.rule}: {finding.detail}")
+                reason = f"anomaly {finding.rule}: {finding.detail}"
+                if self.on_kill is not None:
+                    reason = self.on_kill(finding)
+                self.kill_switch.kill(reason)
             case _:
                 pass
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from typing import Protocol
 
-__all__ = ["Clock", "ManualClock", "SystemClock"]
+__all__ = ["Clock", "ManualClock", "SystemClock", "asleep"]
 
 
 class Clock(Protocol):
@@ -24,6 +25,10 @@ class SystemClock:
     def sleep(self, seconds: float) -> None:
         if seconds > 0:
             time.sleep(seconds)
+
+    async def asleep(self, seconds: float) -> None:
+        if seconds > 0:
+            await asyncio.sleep(seconds)
 
 
 class ManualClock:
@@ -45,3 +50,16 @@ class ManualClock:
     def sleep(self, seconds: float) -> None:
         self.slept.append(seconds)
         self.advance(max(seconds, 0.0))
+
+    async def asleep(self, seconds: float) -> None:
+        self.sleep(seconds)
+
+
+async def asleep(clock: Clock, seconds: float) -> None:
+    """Wait on ``clock`` without holding up the event loop (a clock of your own without an
+    ``asleep`` method sleeps in a worker thread)."""
+    native = getattr(clock, "asleep", None)
+    if native is not None:
+        await native(seconds)
+    else:
+        await asyncio.to_thread(clock.sleep, seconds)

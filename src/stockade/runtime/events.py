@@ -20,6 +20,7 @@ __all__ = [
     "KillRequested",
     "LimitHit",
     "Observer",
+    "PromptFlagged",
     "RetryScheduled",
     "RuntimeEvent",
     "fan_out",
@@ -70,12 +71,14 @@ class BreakerChanged:
 
 @dataclass(frozen=True, kw_only=True)
 class LimitHit:
-    """A rate limit, spend limit or budget refused an action."""
+    """A rate limit, spend limit or budget refused an action. ``action`` says what came of it:
+    "refuse" (the caller was told), "wait" (the run waits for the window), "stop" (the run ends)."""
 
     kind: str
     key: str
     detail: str
     retry_after: float | None = None
+    action: str = "refuse"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +90,16 @@ class AnomalyFlagged:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PromptFlagged:
+    """Prompt rules whose action is "flag" matched the task (``source`` "task") or a tool's
+    output ("tool_output", ``tool``): recorded, logged and counted; the run goes on."""
+
+    rules: tuple[str, ...]
+    source: str
+    tool: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
 class KillRequested:
     run_id: str
     reason: str
@@ -94,7 +107,9 @@ class KillRequested:
     interrupted: bool = False  # stopped to be resumed (Ctrl-C, SIGTERM), not killed for good
 
 
-RuntimeEvent = RetryScheduled | FlakyRerun | BreakerChanged | LimitHit | AnomalyFlagged | KillRequested
+RuntimeEvent = (
+    RetryScheduled | FlakyRerun | BreakerChanged | LimitHit | AnomalyFlagged | PromptFlagged | KillRequested
+)
 Observer = Callable[[RuntimeEvent], None]
 
 

@@ -12,17 +12,23 @@ While it watches, a run is marked live in its sources (a heartbeat, refreshed ev
 watch ends (the run ended, paused or died with its process), the mark goes and so does any
 switch pulled for the run: a later run that reuses the id starts clean. A switch nobody acted
 upon expires after ``KILL_TTL_S`` (a run that is resumed within a day still sees it).
+
+The live marks say where each run runs and for which tenant, so that an operator can stop
+every run of a tenant, or every run there is, at once: ``kill_all`` (``stockade kill --all``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import json
 import os
 import re
 import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -39,9 +45,12 @@ __all__ = [
     "KillSwitch",
     "KillableInstance",
     "LiveRegistry",
+    "LiveRun",
     "MemoryKillSource",
     "RedisKillSource",
+    "check_watched",
     "default_kill_dir",
+    "kill_all",
     "kill_source_for",
 ]
 
@@ -50,6 +59,20 @@ _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 HEARTBEAT_S = 2.0  # a live run refreshes its mark this often
 LIVE_FOR_S = 10.0  # ... and counts as live this long after the last refresh (its process may have died)
 KILL_TTL_S = 24 * 3600.0  # a switch nobody acted upon is forgotten after this
+
+
+# The switch watched in this context (``KillSwitch.watch``): a wait deep in a wrapper that does
+# not know its run (a model waiting for a spend window) still stops when the run is killed.
+_watched: contextvars.ContextVar[KillSwitch | None] = contextvars.ContextVar(
+    "stockade_kill_switch", default=None
+)
+
+
+def check_watched() -> None:
+    """Raise ``RunKilled`` (or ``RunInterrupted``) if the switch watched here was pulled."""
+    switch = _watched.get()
+    if switch is not None:
+        switch.check()
 
 
 def _checked(run_id: str) -> str:
@@ -71,16 +94,51 @@ class LiveRegistry(Protocol):
     """What a kill source knows about the runs watching it (the built-in sources all do)."""
 
     def mark_live(self, run_id: str, info: str) -> None:
-        """The run is live now (``info``: where it runs); refreshed every ``HEARTBEAT_S``."""
+        """The run is live now (``info``: where it runs, see ``LiveRun``); refreshed every
+        ``HEARTBEAT_S``."""
 
     def unmark_live(self, run_id: str) -> None: ...
 
     def live(self, run_id: str) -> str | None:
-        """Where the run runs, if it is live (its mark is fresh), else None."""
+        """Where the run runs, in words, if it is live (its mark is fresh), else None."""
+
+    def live_runs(self) -> list[LiveRun]:
+        """Every run live now."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LiveRun:
+    """A run whose kill switch is watched now: where it runs, and for which tenant."""
+
+    run_id: str
+    where: str
+    tenant: str | None = None
+
+    def encode(self) -> str:
+        return json.dumps({"where": self.where, "tenant": self.tenant})
+
+    @classmethod
+    def decode(cls, run_id: str, info: str) -> LiveRun:
+        """A mark as written by ``encode``; any other text is where the run runs."""
+        try:
+            data = json.loads(info)
+        except ValueError:
+            data = None
+        if isinstance(data, dict) and isinstance(data.get("where"), str):
+            tenant = data.get("tenant")
+            return cls(run_id=run_id, where=data["where"], tenant=tenant if isinstance(tenant, str) else None)
+        return cls(run_id=run_id, where=info or "live")
+
+    def __str__(self) -> str:
+        return self.where + (f", tenant {self.tenant}" if self.tenant is not None else "")
 
 
 def _here() -> str:
     return f"pid {os.getpid()} on {socket.gethostname()}"
+
+
+def _shown(run_id: str, info: str | None) -> str | None:
+    return None if info is None else str(LiveRun.decode(run_id, info))
 
 
 class MemoryKillSource:
@@ -112,7 +170,16 @@ class MemoryKillSource:
 
     def live(self, run_id: str) -> str | None:
         found = self._live.get(run_id)
-        return found[0] if found is not None and time.monotonic() - found[1] <= LIVE_FOR_S else None
+        fresh = found is not None and time.monotonic() - found[1] <= LIVE_FOR_S
+        return _shown(run_id, found[0]) if found is not None and fresh else None
+
+    def live_runs(self) -> list[LiveRun]:
+        now = time.monotonic()
+        return [
+            LiveRun.decode(run_id, info)
+            for run_id, (info, at) in sorted(self._live.items())
+            if now - at <= LIVE_FOR_S
+        ]
 
 
 def default_kill_dir() -> Path:
@@ -162,14 +229,31 @@ class FileKillSource:
     def unmark_live(self, run_id: str) -> None:
         (self.directory / ".live" / _checked(run_id)).unlink(missing_ok=True)
 
-    def live(self, run_id: str) -> str | None:
+    def _mark(self, run_id: str) -> str | None:
         target = self.directory / ".live" / _checked(run_id)
         try:
             info = target.read_text(errors="replace").strip()
             age = time.time() - target.stat().st_mtime
         except FileNotFoundError:
             return None
-        return (info or "live") if age <= LIVE_FOR_S else None
+        return info if age <= LIVE_FOR_S else None
+
+    def live(self, run_id: str) -> str | None:
+        return _shown(run_id, self._mark(run_id))
+
+    def live_runs(self) -> list[LiveRun]:
+        try:
+            names = sorted(os.listdir(self.directory / ".live"))
+        except FileNotFoundError:
+            return []
+        found = []
+        for name in names:
+            if name.startswith(".") or not _RUN_ID.match(name):
+                continue  # a mark being written
+            info = self._mark(name)
+            if info is not None:
+                found.append(LiveRun.decode(name, info))
+        return found
 
 
 class RedisKillSource:
@@ -212,7 +296,30 @@ class RedisKillSource:
 
     def live(self, run_id: str) -> str | None:
         value = self.client.get(self.live_prefix + _checked(run_id))
-        return None if value is None else bytes(value).decode(errors="replace") or "live"  # type: ignore[arg-type]
+        return None if value is None else _shown(run_id, bytes(value).decode(errors="replace"))  # type: ignore[arg-type]
+
+    def live_runs(self) -> list[LiveRun]:
+        found = []
+        for key in self.client.scan_iter(match=self.live_prefix + "*", count=500):
+            run_id = bytes(key).decode(errors="replace")[len(self.live_prefix) :]
+            value = self.client.get(key)
+            if value is not None:  # not expired meanwhile
+                found.append(LiveRun.decode(run_id, bytes(value).decode(errors="replace")))  # type: ignore[arg-type]
+        return sorted(found, key=lambda run: run.run_id)
+
+
+def kill_all(source: KillSource, reason: str, *, tenant: str | None = None) -> list[LiveRun]:
+    """Pull the switch of every run live in ``source`` now (of ``tenant`` only, when given);
+    returns them. A run that starts afterwards is not stopped."""
+    registry = getattr(source, "live_runs", None)
+    if registry is None:
+        raise ConfigurationError(f"{type(source).__name__} does not know which runs are live")
+    pulled: list[LiveRun] = []
+    for run in registry():
+        if tenant is None or run.tenant == tenant:
+            source.kill(run.run_id, reason)
+            pulled.append(run)
+    return pulled
 
 
 def kill_source_for(target: str | None) -> KillSource:
@@ -232,8 +339,10 @@ class KillSwitch:
         *,
         poll_s: float = 0.1,
         observer: Observer = ignore,
+        tenant: str | None = None,
     ) -> None:
         self.run_id = _checked(run_id)
+        self.tenant = tenant  # in the live mark: a kill-all of the tenant stops this run
         self.sources = tuple(sources)
         self.poll_s = poll_s
         self.observer = observer
@@ -322,7 +431,7 @@ class KillSwitch:
         """Poll the sources in a background thread for the duration of the block, with the run
         marked live in them; afterwards the mark and any switch pulled for the run are gone."""
         stop = threading.Event()
-        here = _here()
+        here = LiveRun(run_id=self.run_id, where=_here(), tenant=self.tenant).encode()
         self._each("mark_live", here)
 
         def loop() -> None:
@@ -336,9 +445,11 @@ class KillSwitch:
 
         thread = threading.Thread(target=loop, name=f"kill-switch-{self.run_id}", daemon=True)
         thread.start()
+        token = _watched.set(self)
         try:
             yield self
         finally:
+            _watched.reset(token)
             stop.set()
             thread.join()
             self._each("unmark_live")

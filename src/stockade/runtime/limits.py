@@ -4,21 +4,28 @@ Rolling windows live in a ``Window``: ``LocalWindow`` (exact, in memory, one pro
 an injectable clock) or ``RedisWindow`` (shared by every process and host that points at the
 same Redis, via the ``limits`` library's sliding-window counter). ``window_for(url)`` picks.
 Money is counted in integer micro-dollars so that windows only ever add integers.
+
+A limit is keyed: the key says who shares it (``run:<id>`` for one run, ``tenant:<name>`` for
+every run of a tenant, in every process that reaches the same Redis). What a refusal does to
+an agent run is the ``LimitGate``'s choice (``OnLimit``): wait for the window to free up, or
+stop the run (``BudgetExceeded``). Either way the model is not asked again for nothing.
 """
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 import tomllib
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from stockade.exceptions import BudgetExceeded, ConfigurationError, RateLimited
 from stockade.models.pricing import DEFAULT_PRICES, Price
-from stockade.runtime.clock import Clock, SystemClock
+from stockade.runtime.clock import Clock, SystemClock, asleep
 from stockade.runtime.events import LimitHit, Observer, ignore
 
 if TYPE_CHECKING:
@@ -27,8 +34,10 @@ if TYPE_CHECKING:
 __all__ = [
     "Budget",
     "BudgetMeter",
+    "LimitGate",
     "LocalWindow",
     "MeterState",
+    "OnLimit",
     "RateLimit",
     "RedisWindow",
     "SpendLimit",
@@ -194,11 +203,20 @@ class RateLimit:
         self.observer = observer
         self.period_s = period_s
 
+    def take(self, key: str = "global") -> Verdict:
+        """Count one action if it fits now; say so either way (nothing is reported)."""
+        return self.window.hit(f"{self.name}:{key}", 1, limit=self.per_minute, period_s=self.period_s)
+
+    def describe(self, key: str) -> str:
+        per = "minute" if self.period_s == 60.0 else f"{self.period_s:g} s"
+        return f"{self.per_minute} {self.name} per {per} reached for {key!r}"
+
     def acquire(self, key: str = "global") -> None:
-        verdict = self.window.hit(f"{self.name}:{key}", 1, limit=self.per_minute, period_s=self.period_s)
+        """Count one action, or report the refusal and raise ``RateLimited``."""
+        verdict = self.take(key)
         if verdict.allowed:
             return
-        detail = f"{self.per_minute} {self.name} per minute reached for {key!r}"
+        detail = self.describe(key)
         self.observer(LimitHit(kind="rate", key=key, detail=detail, retry_after=verdict.retry_after))
         raise RateLimited(
             f"{detail}; retry in {verdict.retry_after:.1f}s", key=key, retry_after=verdict.retry_after
@@ -243,23 +261,89 @@ class SpendLimit:
         self.observer = observer
         self.period_s = period_s
 
-    def _refuse(self, key: str, verdict: Verdict) -> BudgetExceeded:
+    def describe(self, key: str, verdict: Verdict) -> str:
         spent = verdict.used / MICRO
-        detail = f"spend ${spent:.4f} reached the limit of ${self.dollars_per_hour:.2f}/hour for {key!r}"
+        return f"spend ${spent:.4f} reached the limit of ${self.dollars_per_hour:.2f}/hour for {key!r}"
+
+    def _refuse(self, key: str, verdict: Verdict) -> BudgetExceeded:
+        detail = self.describe(key, verdict)
         self.observer(LimitHit(kind="spend", key=key, detail=detail, retry_after=verdict.retry_after))
         return BudgetExceeded(detail, kind="dollars_per_hour", retry_after=verdict.retry_after)
 
+    def peek(self, key: str = "global") -> Verdict:
+        """Whether more spending fits now (nothing is reported)."""
+        return self.window.peek(f"spend:{key}", limit=self.limit, period_s=self.period_s)
+
     def check(self, key: str = "global") -> None:
-        verdict = self.window.peek(f"spend:{key}", limit=self.limit, period_s=self.period_s)
+        verdict = self.peek(key)
         if not verdict.allowed:
             raise self._refuse(key, verdict)
 
+    def charge(self, dollars: float, key: str = "global") -> Verdict:
+        """Count money already spent, never raising: what was paid for is used; the next
+        ``check`` refuses once the window is full."""
+        cost = max(round(dollars * MICRO), 0)
+        return self.window.add(f"spend:{key}", cost, limit=self.limit, period_s=self.period_s)
+
     def record(self, dollars: float, key: str = "global") -> None:
         """Count money already spent; raise when it crossed the limit."""
-        cost = max(round(dollars * MICRO), 0)
-        verdict = self.window.add(f"spend:{key}", cost, limit=self.limit, period_s=self.period_s)
+        verdict = self.charge(dollars, key)
         if not verdict.allowed:
             raise self._refuse(key, verdict)
+
+
+class OnLimit(enum.StrEnum):
+    """What an agent run does when a limit refuses its next action."""
+
+    WAIT = "wait"  # wait for the window to free up (the default for rate limits)
+    STOP = "stop"  # end the run, status "budget" (the default for spend limits)
+
+
+# A waiting run looks at its kill switch this often.
+WAIT_SLICE_S = 0.5
+
+
+@dataclass(kw_only=True)
+class LimitGate:
+    """Applies a limit to an agent's next action: through at once, after waiting for the window
+    (``OnLimit.WAIT``; ``interrupted`` is called between slices of the wait, e.g. the kill
+    switch's ``check``), or not at all: the run stops (``OnLimit.STOP``, ``BudgetExceeded``).
+    Each refusal is reported once (``LimitHit`` with the action taken)."""
+
+    on_limit: OnLimit
+    clock: Clock = field(default_factory=SystemClock)
+    observer: Observer = ignore
+
+    async def admit(
+        self,
+        *,
+        kind: str,
+        key: str,
+        probe: Callable[[], Verdict],
+        describe: Callable[[Verdict], str],
+        interrupted: Callable[[], None] | None = None,
+    ) -> None:
+        """``probe`` answers whether the action may go now (and counts it when it may)."""
+        verdict = probe()
+        if verdict.allowed:
+            return
+        detail = describe(verdict)
+        wait = max(verdict.retry_after, 0.0)
+        self.observer(
+            LimitHit(kind=kind, key=key, detail=detail, retry_after=wait, action=self.on_limit.value)
+        )
+        if self.on_limit is OnLimit.STOP:
+            what = "rate_per_minute" if kind == "rate" else "dollars_per_hour"
+            raise BudgetExceeded(f"{detail}; the run stops (on_limit=stop)", kind=what, retry_after=wait)
+        while not verdict.allowed:
+            left = max(verdict.retry_after, 0.01)
+            while left > 0:  # in slices, so that a kill stops the wait
+                if interrupted is not None:
+                    interrupted()
+                chunk = min(left, WAIT_SLICE_S)
+                await asleep(self.clock, chunk)
+                left -= chunk
+            verdict = probe()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -13,7 +13,9 @@ from stockade.models.base import Model, WrapperModel
 from stockade.models.messages import ModelRequest, ModelResponse
 from stockade.models.pricing import DEFAULT_PRICES, Price, cost_usd
 from stockade.runtime.breaker import Breakers
-from stockade.runtime.limits import BudgetMeter, RateLimit, SpendLimit
+from stockade.runtime.clock import Clock, SystemClock
+from stockade.runtime.killswitch import check_watched
+from stockade.runtime.limits import BudgetMeter, LimitGate, OnLimit, RateLimit, SpendLimit
 from stockade.runtime.retry import Retrier
 
 __all__ = ["BreakerModel", "LimitedModel", "RetryingModel"]
@@ -46,9 +48,14 @@ class BreakerModel(WrapperModel):
 
 
 class LimitedModel(WrapperModel):
-    """Refuses a request when the rate limit, the spend limit or the run's budget says so, and
-    charges each response's tokens and dollars (from ``prices``) to them. ``key`` scopes the
-    shared limits (a tenant, a user, "global")."""
+    """Holds a request back while the spend limit, the rate limit or the run's budget says so,
+    and charges each response's tokens and dollars (from ``prices``) to them. ``key`` scopes the
+    shared limits (a tenant, a user, "global").
+
+    A full window stops the run (``on_spend_limit``, default "stop": ``BudgetExceeded``) or
+    waits until it frees up ("wait"; a kill switch watched in this context still stops the
+    wait); requests over ``rate`` wait by default. The check comes before the request: a
+    response that was paid for is always used, never thrown away."""
 
     def __init__(
         self,
@@ -59,6 +66,9 @@ class LimitedModel(WrapperModel):
         meter: BudgetMeter | None = None,
         prices: Mapping[str, Price] = DEFAULT_PRICES,
         key: str = "global",
+        on_spend_limit: OnLimit = OnLimit.STOP,
+        on_rate_limit: OnLimit = OnLimit.WAIT,
+        clock: Clock | None = None,
     ) -> None:
         super().__init__(wrapped)
         self.rate = rate
@@ -66,20 +76,34 @@ class LimitedModel(WrapperModel):
         self.meter = meter
         self.prices = prices
         self.key = key
+        self.on_spend_limit = OnLimit(on_spend_limit)
+        self.on_rate_limit = OnLimit(on_rate_limit)
+        self.clock = clock or SystemClock()
 
     async def request(self, request: ModelRequest) -> ModelResponse:
         if self.meter is not None:
             self.meter.check()
-        if self.spend is not None:
-            self.spend.check(self.key)
-        if self.rate is not None:
-            self.rate.acquire(self.key)
+        spend, rate, key = self.spend, self.rate, self.key
+        if spend is not None:
+            await LimitGate(on_limit=self.on_spend_limit, clock=self.clock, observer=spend.observer).admit(
+                kind="spend",
+                key=key,
+                probe=lambda: spend.peek(key),
+                describe=lambda verdict: spend.describe(key, verdict),
+                interrupted=check_watched,
+            )
+        if rate is not None:
+            await LimitGate(on_limit=self.on_rate_limit, clock=self.clock, observer=rate.observer).admit(
+                kind="rate",
+                key=key,
+                probe=lambda: rate.take(key),
+                describe=lambda _: rate.describe(key),
+                interrupted=check_watched,
+            )
         response = await self.wrapped.request(request)
         dollars = cost_usd(response.model_name or self.name, response.usage, self.prices)
         if self.meter is not None:
             self.meter.charge(tokens=response.usage.total_tokens, dollars=dollars)
-        if self.spend is not None:
-            self.spend.record(dollars, self.key)
-        if self.meter is not None:
-            self.meter.check()
+        if spend is not None:
+            spend.charge(dollars, key)
         return response

@@ -92,14 +92,16 @@ class Retrier:
     clock: Clock = field(default_factory=SystemClock)
     rng: random.Random = field(default_factory=random.Random)
 
-    def _decider(self, subject: str) -> Callable[[Exception], bool | float]:
+    def _decider(
+        self, subject: str, transient: Callable[[BaseException], bool]
+    ) -> Callable[[Exception], bool | float]:
         deadline = self.clock.monotonic() + self.policy.deadline_s
         attempt = 0
 
         def decide(err: Exception) -> bool | float:
             nonlocal attempt
             attempt += 1
-            if attempt >= self.policy.attempts or not is_transient(err):
+            if attempt >= self.policy.attempts or not transient(err):
                 return False
             after = getattr(err, "retry_after", None)
             delay = float(after) if after is not None else self.policy.backoff(attempt, self.rng)
@@ -114,17 +116,27 @@ class Retrier:
 
         return decide
 
-    def call(self, subject: str, fn: Callable[[], T]) -> T:
+    def call(
+        self, subject: str, fn: Callable[[], T], *, transient: Callable[[BaseException], bool] = is_transient
+    ) -> T:
+        """Run ``fn``, again after each failure ``transient`` accepts, within the policy."""
         for attempt in stamina.retry_context(
-            on=self._decider(subject), attempts=self.policy.attempts, timeout=None
+            on=self._decider(subject, transient), attempts=self.policy.attempts, timeout=None
         ):
             with attempt:
                 return fn()
         raise AssertionError("unreachable: stamina re-raises the last error")  # pragma: no cover
 
-    async def acall(self, subject: str, fn: Callable[[], Awaitable[T]]) -> T:
+    async def acall(
+        self,
+        subject: str,
+        fn: Callable[[], Awaitable[T]],
+        *,
+        transient: Callable[[BaseException], bool] = is_transient,
+    ) -> T:
+        """``call`` for coroutines."""
         async for attempt in stamina.retry_context(
-            on=self._decider(subject), attempts=self.policy.attempts, timeout=None
+            on=self._decider(subject, transient), attempts=self.policy.attempts, timeout=None
         ):
             with attempt:
                 return await fn()

@@ -21,14 +21,21 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from stockade.exceptions import ProtocolError, SandboxCrashed
-from stockade.sandbox.kernel.protocol import FrameError, FrameReader, encode
+from stockade.sandbox.kernel.protocol import (
+    MAX_EXEC_ARGV,
+    MAX_EXEC_RECORDS,
+    FrameError,
+    FrameReader,
+    encode,
+)
 
 Frame = tuple[dict[str, Any], bytes]
 _CLOSED: Frame = ({"ev": "__closed__"}, b"")
 
-# A header is a handful of keys (the largest, a command's exit, has nine); its strings may be
-# long (paths in messages), its structure never is.
-MAX_HEADER_VALUES = 1024
+# A header is a handful of keys; its strings may be long (paths in messages), its structure
+# is small, but for the execs a command's exit reports: up to MAX_EXEC_RECORDS records of
+# {path, argv, verdict, rule}, each at most 2 * MAX_EXEC_ARGV + 16 values as json_values counts.
+MAX_HEADER_VALUES = 1024 + MAX_EXEC_RECORDS * (2 * MAX_EXEC_ARGV + 16)
 _STRUCTURE = b",:[{"
 _STRING = re.compile(rb'"[^"]*"')  # once escaped quotes are gone; one byte class: a fast loop
 _FEW_STRINGS = 64

@@ -22,6 +22,7 @@ from typing import Any
 
 from stockade import exceptions as exc
 from stockade.sandbox.base import SandboxSpec
+from stockade.sandbox.kernel.protocol import MAX_EXEC_ARGV, MAX_EXEC_RECORDS
 from stockade.types import ExecRecord, Mechanism
 
 WORKSPACE = "/workspace"
@@ -162,14 +163,14 @@ def exec_records(header: dict[str, Any]) -> tuple[ExecRecord, ...]:
     if not isinstance(raw, list):
         return ()
     out = []
-    for item in raw[:1000]:
+    for item in raw[:MAX_EXEC_RECORDS]:
         if not isinstance(item, dict):
             continue
         argv = item.get("argv")
         out.append(
             ExecRecord(
                 path=str(item.get("path", ""))[:4096],
-                argv=tuple(str(a)[:4096] for a in argv[:64]) if isinstance(argv, list) else (),
+                argv=tuple(str(a)[:4096] for a in argv[:MAX_EXEC_ARGV]) if isinstance(argv, list) else (),
                 verdict=str(item.get("verdict", ""))[:16],
                 rule=str(item.get("rule", ""))[:512],
             )

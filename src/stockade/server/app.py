@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 from stockade import __version__
 from stockade import exceptions as exc
 from stockade.server import problems
+from stockade.server.routing import Peers, SandboxRouting
 from stockade.server.runs import router as runs_router
 from stockade.server.sandboxes import router as sandboxes_router
 from stockade.server.service import Service
@@ -48,6 +49,7 @@ def create_app(service: Service) -> FastAPI:
         try:
             yield
         finally:
+            await peers.aclose()
             await anyio.to_thread.run_sync(service.close)
 
     app = FastAPI(
@@ -69,7 +71,10 @@ def create_app(service: Service) -> FastAPI:
             },
         },
     )
+    peers = Peers()
     app.state.service = service
+    app.state.peers = peers
+    app.add_middleware(SandboxRouting, service=service, peers=peers)  # a sandbox held by a peer: there
     app.include_router(sandboxes_router)
     app.include_router(runs_router)
     app.include_router(viewer_router(ServiceAuth(service)))  # the run viewer, /ui

@@ -41,6 +41,9 @@ class ServiceConfig:
     visibility_timeout_s: float = 3600.0  # Celery: a delivered run is given again after this
     queue: str = "stockade"  # the Celery queue, and the prefix of every Redis key of the service
     temp_dir: Path | None = None  # uploads being checked, downloads being packed
+    # where this API process's peers reach it (requests for its sandboxes are forwarded there);
+    # ``serve`` fills it from its host and port when left out
+    advertise_url: str | None = None
 
 
 class AuditLogs:

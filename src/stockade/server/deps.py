@@ -9,10 +9,12 @@ from fastapi import Depends, Request
 from stockade import exceptions as exc
 from stockade.server.tenants import Principal
 
+HOP_HEADER = "x-stockade-hop"  # a request a peer API process forwarded: its value, our hop key
+
 if TYPE_CHECKING:
     from stockade.server.service import Service
 
-__all__ = ["Caller", "authenticate", "get_service"]
+__all__ = ["HOP_HEADER", "Caller", "authenticate", "get_service"]
 
 
 def get_service(request: Request) -> Service:
@@ -31,7 +33,9 @@ def authenticate(request: Request) -> Principal:
             "`stockade token new`)"
         )
     principal = service.tenants.authenticate(token.strip())
-    service.limits.admit(principal)
+    hop = request.headers.get(HOP_HEADER)
+    if hop is None or not service.sandboxes.is_peer(hop):  # a peer's forward was counted there
+        service.limits.admit(principal)
     return principal
 
 

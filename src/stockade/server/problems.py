@@ -53,6 +53,7 @@ _KINDS: tuple[tuple[type[exc.StockadeError], _Kind], ...] = (
     (exc.BackendUnavailable, _Kind(status=503, title="Sandbox engine unavailable", fix="retry")),
     (exc.ResourceContention, _Kind(status=503, title="Host busy", fix="retry")),
     (exc.SandboxCrashed, _Kind(status=502, title="Sandbox crashed", fix="create a new sandbox")),
+    (exc.SandboxGone, _Kind(status=410, title="Sandbox gone", fix="create a new sandbox")),
     (exc.SandboxClosed, _Kind(status=410, title="Sandbox closed", fix="create a new sandbox")),
     (exc.ProtocolError, _Kind(status=502, title="Sandbox spoke nonsense", fix="create a new sandbox")),
     (
@@ -76,6 +77,7 @@ _KINDS: tuple[tuple[type[exc.StockadeError], _Kind], ...] = (
     (exc.ModelError, _Kind(status=502, title="Model provider failed")),
     (exc.RunLeased, _Kind(status=409, title="Run is running elsewhere")),
     (exc.RunStoreCorrupt, _Kind(status=500, title="Run store row unreadable")),
+    (exc.RunStoreError, _Kind(status=503, title="Store unavailable", fix="retry")),
     (exc.AuditStoreError, _Kind(status=503, title="Store unavailable", fix="retry")),
     (exc.AuditIntegrityError, _Kind(status=500, title="Audit trail broken")),
     (exc.ToolError, _Kind(status=422, title="Tool call failed")),

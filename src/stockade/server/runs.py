@@ -44,7 +44,8 @@ __all__ = ["decide_approval", "router", "run_status"]
 
 router = APIRouter(tags=["runs"])
 
-_WAITING = frozenset({"paused"})  # a run that waits for someone: its stream ends too
+# a run that waits for someone (an approval; a look at why its actions kept failing): its stream ends too
+_WAITING = frozenset({"paused", "broken"})
 
 
 def _row(service: Service, principal: Principal, run_id: str) -> RunRow:
@@ -304,7 +305,7 @@ async def kill_run(run_id: str, request: Request, caller: Caller, body: KillRequ
         )  # fmt: skip
         # not running anywhere: it ends here; running: its worker's switch sees the mark
         if not service.store.set_status(
-            run_id, "killed", error=reason, only_from=("queued", "paused", "interrupted")
+            run_id, "killed", error=reason, only_from=("queued", "paused", "interrupted", "broken")
         ):
             service.kills.kill(run_id, reason)
         updated = service.store.run(run_id)

@@ -1,8 +1,12 @@
 """Sandboxes over HTTP: ``stockade.Sandbox`` behind ``/v1/sandboxes``.
 
 A sandbox lives in the API process that made it (its supervisor's byte stream is here);
-its record and its share of the tenant's quota are in the database, so quotas hold across
-API processes. Every op goes through the tenant policy's guard (under the token's role) and
+its record, the process that holds it and its share of the tenant's quota are in the
+database, so quotas hold across API processes, and a request that reaches another process is
+forwarded to the one that holds the sandbox (``server/routing.py``). Each process says it is
+alive every ``BEAT_S``; one silent for ``DEAD_AFTER_S`` (or, on this machine, whose pid is
+gone) is dead: any peer buries it, its sandboxes answer ``SandboxGone`` (410) and their quota
+is free. Every op goes through the tenant policy's guard (under the token's role) and
 the tenant's audit trail (``run_id`` = the sandbox's id), then the tier. A sandbox with no
 call for its ``idle_timeout_s`` is closed and its quota freed.
 
@@ -17,8 +21,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import io
 import json
+import logging
+import secrets
 import shutil
 import tarfile
 import tempfile
@@ -44,13 +51,20 @@ from stockade.server.authz import check_network, choose_tier, engine_for
 from stockade.server.deps import Caller, get_service
 from stockade.server.problems import from_error
 from stockade.server.schemas import CodeRequest, CommandRequest, SandboxCreate, SandboxOut
+from stockade.server.state import Node, Placement
 from stockade.server.tenants import Principal
 from stockade.server.uploads import unpack_archive
 from stockade.types import CommandResult, EntryInfo, Execution, Limits
 
-__all__ = ["Held", "SandboxRegistry", "router"]
+__all__ = ["BEAT_S", "DEAD_AFTER_S", "Held", "SandboxRegistry", "router"]
 
+log = logging.getLogger("stockade.server")
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
+
+BEAT_S = 2.0  # how often a process says it is alive
+DEAD_AFTER_S = 15.0  # silent this long, a process is dead (as a run's lease): clocks may differ a little
+SWEEP_S = 5.0  # how often a process looks for dead peers
+ENDED_KEPT_S = 86400.0  # a lost sandbox answers "gone" this long, then "not found"
 
 
 @dataclass(kw_only=True)
@@ -84,7 +98,8 @@ class Held:
 
 
 class SandboxRegistry:
-    """The live sandboxes of this process, by id, and their idle reaper."""
+    """The live sandboxes of this process, by id; this process's row among its peers; the
+    thread that reaps idle sandboxes, says this process is alive and buries dead peers."""
 
     def __init__(self, service: Any) -> None:
         from stockade.server.service import Service
@@ -92,21 +107,70 @@ class SandboxRegistry:
         assert isinstance(service, Service)
         self.service = service
         self.owner = owner_token()
+        self.url = service.config.advertise_url or ""
+        self.hop_key = secrets.token_urlsafe(32)  # marks a peer's forwarded request (no second rate count)
         self._held: dict[str, Held] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
-        self._forget_dead_owners()
-
-    def _forget_dead_owners(self) -> None:
-        """Quota held by sandboxes of an API process that died (on this machine) is freed."""
-        for row in self.service.store.sandboxes():
-            if owner_gone(row.owner):
-                self.service.store.release_sandbox(row.sandbox_id)
+        self.service.store.register_node(self.owner, self.url, self.hop_key)
+        self.sweep()
 
     def start(self) -> None:
         self._reaper = threading.Thread(target=self._reap_loop, name="stockade-sandbox-reaper", daemon=True)
         self._reaper.start()
+
+    # -- peers ----------------------------------------------------------------------------------
+
+    def holds(self, sandbox_id: str) -> bool:
+        with self._lock:
+            return sandbox_id in self._held
+
+    def is_peer(self, hop: str) -> bool:
+        """Whether a request's hop header is this process's key (a peer forwarded it)."""
+        return hmac.compare_digest(hop.encode(), self.hop_key.encode())
+
+    def locate(self, sandbox_id: str) -> Placement | None:
+        return self.service.store.locate(sandbox_id)
+
+    @staticmethod
+    def alive(owner: str, node: Node | None) -> bool:
+        """Whether a process is alive: it has a row, has beaten lately, and (on this machine)
+        still runs."""
+        if node is None or owner_gone(owner):
+            return False
+        return time.time_ns() - node.beat_ns <= DEAD_AFTER_S * 1e9
+
+    def sweep(self) -> list[str]:
+        """Bury every process found dead (its sandboxes lost, their quota freed); their owners."""
+        store = self.service.store
+        nodes = {n.owner: n for n in store.nodes()}
+        dead = [o for o in store.owners() if o != self.owner and not self.alive(o, nodes.get(o))]
+        for owner in dead:
+            lost = store.bury(owner)
+            log.warning("API process %s is dead: %d of its sandboxes lost, their quota freed", owner, lost)
+        store.purge_ended(time.time_ns() - int(ENDED_KEPT_S * 1e9))
+        return dead
+
+    def peers_of(self, principal: Principal) -> list[Node]:
+        """The live processes other than this one that hold sandboxes of the caller's tenant."""
+        store = self.service.store
+        nodes = {n.owner: n for n in store.nodes()}
+        owners = store.tenant_owners(principal.tenant.id)
+        return [nodes[o] for o in owners if o != self.owner and self.alive(o, nodes.get(o))]
+
+    def _beat(self) -> None:
+        if self.service.store.beat(self.owner):
+            return
+        # A peer found this process dead (it stalled, or lost the database past DEAD_AFTER_S):
+        # its sandboxes were declared lost and their quota given back, so they close here too.
+        with self._lock:
+            held, self._held = list(self._held.values()), {}
+        log.warning("this API process was found dead by a peer; closing its %d sandboxes", len(held))
+        for h in held:
+            with contextlib.suppress(Exception):
+                h.sandbox.close()
+        self.service.store.register_node(self.owner, self.url, self.hop_key)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -122,11 +186,20 @@ class SandboxRegistry:
                    service.config.max_sandbox_idle_timeout_s)  # fmt: skip
         sandbox_id = f"sbx_{uuid.uuid4().hex}"
         quotas = tenant.quotas
-        service.store.reserve_sandbox(
-            sandbox_id=sandbox_id, tenant=tenant.id, owner=self.owner, tier=tier, cpus=limits.cpus,
-            memory_mb=limits.memory_mb, max_sandboxes=quotas.sandboxes, max_cpus=quotas.cpus,
-            max_memory_mb=quotas.memory_mb,
-        )  # fmt: skip
+
+        def reserve() -> None:
+            service.store.reserve_sandbox(
+                sandbox_id=sandbox_id, tenant=tenant.id, owner=self.owner, tier=tier, cpus=limits.cpus,
+                memory_mb=limits.memory_mb, max_sandboxes=quotas.sandboxes, max_cpus=quotas.cpus,
+                max_memory_mb=quotas.memory_mb,
+            )  # fmt: skip
+
+        try:
+            reserve()
+        except exc.QuotaExceeded:
+            if not self.sweep():  # a dead process may hold the quota: bury it, and try once more
+                raise
+            reserve()
         try:
             log = service.audit.get(tenant)
             backend = GuardedBackend(
@@ -187,7 +260,9 @@ class SandboxRegistry:
         """Stop it now, mid-command too; it stays listed (``killed``) until deleted."""
         held = self.get(principal, sandbox_id)
         held.state = "killed"
-        self._close(held)
+        with contextlib.suppress(Exception):
+            held.sandbox.close()
+        self.service.store.end_sandbox(held.id, "killed")  # its quota is free; peers still find it
         return held
 
     def delete(self, principal: Principal, sandbox_id: str) -> None:
@@ -197,8 +272,19 @@ class SandboxRegistry:
         self._close(held)
 
     def _reap_loop(self) -> None:
-        while not self._stop.wait(1.0):
-            self.reap()
+        beat_at = sweep_at = time.monotonic()
+        while not self._stop.wait(min(1.0, BEAT_S)):
+            try:
+                now = time.monotonic()
+                if now - beat_at >= BEAT_S:
+                    beat_at = now
+                    self._beat()
+                self.reap()
+                if now - sweep_at >= SWEEP_S:
+                    sweep_at = now
+                    self.sweep()
+            except Exception:  # the database away for a moment: the next round tries again
+                log.exception("the sandbox reaper's round failed")
 
     def reap(self) -> list[str]:
         now = time.time()
@@ -218,6 +304,7 @@ class SandboxRegistry:
             held, self._held = list(self._held.values()), {}
         for h in held:
             self._close(h)
+        self.service.store.forget_node(self.owner)
 
 
 def _registry_of(request: Request) -> SandboxRegistry:
@@ -240,7 +327,13 @@ async def create_sandbox(body: SandboxCreate, request: Request, caller: Caller) 
 
 @router.get("", response_model=list[SandboxOut], summary="List your sandboxes")
 async def list_sandboxes(request: Request, caller: Caller) -> list[SandboxOut]:
-    return [h.out() for h in _registry_of(request).of(caller)]
+    from stockade.server.routing import HOP_HEADER, peers_of
+
+    registry = _registry_of(request)
+    found = [h.out() for h in registry.of(caller)]
+    if HOP_HEADER not in request.headers:  # a peer asks only for this process's own
+        found += await peers_of(request, caller)
+    return found
 
 
 @router.get("/{sandbox_id}", response_model=SandboxOut, summary="One sandbox")

@@ -8,7 +8,12 @@ service's own tables (``svc_*``):
   (queued, running, paused, ..., as the service knows it; the run store has the details);
 - ``svc_workspaces``: uploaded workspaces, packed, by tenant and digest (stored once);
 - ``svc_artifacts``: a finished run's final workspace, packed;
-- ``svc_sandboxes``: the live sandboxes and what they hold of their tenant's quota;
+- ``svc_sandboxes``: the live sandboxes, the API process that holds each (its ``owner``) and
+  what they hold of their tenant's quota;
+- ``svc_nodes``: the API processes, each with the address its peers forward requests to and
+  its last heartbeat (a sandbox lives in the process that made it: see ``server/routing.py``);
+- ``svc_ended``: sandboxes killed (still listed by their process until deleted) or lost with
+  their process ("gone"), so that a request for one is answered that, not "not found";
 - ``svc_approvals``: pending requests and decisions (``DatabaseApprovals``);
 - ``svc_kills`` / ``svc_live``: kill switches and live runs (``DatabaseKillSource``).
 
@@ -33,6 +38,8 @@ from stockade.runtime.killswitch import LIVE_FOR_S
 __all__ = [
     "DatabaseApprovals",
     "DatabaseKillSource",
+    "Node",
+    "Placement",
     "RunRow",
     "SandboxRow",
     "ServiceStore",
@@ -74,6 +81,11 @@ def _schema(ns: str, blob: str) -> list[str]:
         f"""CREATE TABLE IF NOT EXISTS {ns}_sandboxes (
             sandbox_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, owner TEXT NOT NULL, tier TEXT NOT NULL,
             cpus DOUBLE PRECISION NOT NULL, memory_mb BIGINT NOT NULL, created_ns BIGINT NOT NULL)""",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_nodes (
+            owner TEXT PRIMARY KEY, url TEXT NOT NULL, hop_key TEXT NOT NULL, beat_ns BIGINT NOT NULL)""",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_ended (
+            sandbox_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, owner TEXT NOT NULL, reason TEXT NOT NULL,
+            ended_ns BIGINT NOT NULL)""",
         f"""CREATE TABLE IF NOT EXISTS {ns}_approvals (
             run_id TEXT NOT NULL, request_id TEXT NOT NULL, action TEXT NOT NULL, rule TEXT NOT NULL,
             reason TEXT NOT NULL, status TEXT NOT NULL, decided_by TEXT NOT NULL, updated_ns BIGINT NOT NULL,
@@ -85,7 +97,8 @@ def _schema(ns: str, blob: str) -> list[str]:
     ]
 
 
-TABLES = ("runs", "workspaces", "artifacts", "tenants", "sandboxes", "approvals", "kills", "live")
+TABLES = ("runs", "workspaces", "artifacts", "tenants", "sandboxes", "nodes", "ended", "approvals", "kills",
+          "live")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,8 +127,36 @@ class SandboxRow:
     memory_mb: int
 
 
+@dataclass(frozen=True, kw_only=True)
+class Node:
+    """An API process: where its peers reach it, the key that marks their requests, and when
+    it last said it was alive."""
+
+    owner: str
+    url: str
+    hop_key: str
+    beat_ns: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where a sandbox is: its tenant, the process that holds it (``node`` None when that
+    process has no row: it never registered, or was found dead), and ``ended`` when it was
+    killed ("killed") or lost with its process ("lost")."""
+
+    sandbox_id: str
+    tenant: str
+    owner: str
+    node: Node | None
+    ended: str | None = None
+
+
 def _int(value: object) -> int:
     return int(str(value))
+
+
+def _milli(cpus: float) -> int:
+    return round(cpus * 1000)
 
 
 _RUN_COLUMNS = (
@@ -306,16 +347,19 @@ class ServiceStore:
         ns = self.ns
         self.db.write([(f"INSERT INTO {ns}_tenants VALUES (?) ON CONFLICT (tenant) DO NOTHING", [(tenant,)])])
         totals = f"FROM {ns}_sandboxes WHERE tenant = ?"
+        # CPUs are added up in thousandths, as integers: 0.1 + 0.2 is not above a quota of 0.3
         self.db.write(
             [
                 (
-                    f"INSERT INTO {ns}_sandboxes SELECT ?, ?, ?, ?, ?, ?, ? WHERE "
-                    f"(SELECT COUNT(*) {totals}) < ? AND (SELECT COALESCE(SUM(cpus), 0) {totals}) + ? <= ? "
+                    f"INSERT INTO {ns}_sandboxes SELECT ?, ?, ?, ?, ?, ?, ? "
+                    f"WHERE (SELECT COUNT(*) {totals}) < ? "
+                    f"AND (SELECT ROUND(COALESCE(SUM(cpus), 0) * 1000) {totals}) + ? <= ? "
                     f"AND (SELECT COALESCE(SUM(memory_mb), 0) {totals}) + ? <= ?",
                     [
                         (
                             sandbox_id, tenant, owner, tier, cpus, memory_mb, time.time_ns(),
-                            tenant, max_sandboxes, tenant, cpus, max_cpus, tenant, memory_mb, max_memory_mb,
+                            tenant, max_sandboxes, tenant, _milli(cpus), _milli(max_cpus), tenant, memory_mb,
+                            max_memory_mb,
                         )
                     ],
                 )
@@ -329,8 +373,8 @@ class ServiceStore:
         )[0]
         if _int(count) >= max_sandboxes:
             quota, limit, used = "sandboxes", float(max_sandboxes), float(_int(count))
-        elif float(str(used_cpus)) + cpus > max_cpus:
-            quota, limit, used = "cpus", max_cpus, float(str(used_cpus))
+        elif _milli(float(str(used_cpus))) + _milli(cpus) > _milli(max_cpus):
+            quota, limit, used = "cpus", max_cpus, _milli(float(str(used_cpus))) / 1000
         else:
             quota, limit, used = "memory_mb", float(max_memory_mb), float(str(used_memory))
         raise exc.QuotaExceeded(
@@ -343,7 +387,126 @@ class ServiceStore:
         )
 
     def release_sandbox(self, sandbox_id: str) -> None:
-        self.db.write([(f"DELETE FROM {self.ns}_sandboxes WHERE sandbox_id = ?", [(sandbox_id,)])])
+        """Forget a sandbox: its share of the quota is free, and it was never there."""
+        self.db.write(
+            [
+                (f"DELETE FROM {self.ns}_sandboxes WHERE sandbox_id = ?", [(sandbox_id,)]),
+                (f"DELETE FROM {self.ns}_ended WHERE sandbox_id = ?", [(sandbox_id,)]),
+            ]
+        )
+
+    def end_sandbox(self, sandbox_id: str, reason: str) -> None:
+        """Free a sandbox's share of the quota, and remember why it ended (``killed``)."""
+        ns = self.ns
+        self.db.write(
+            [
+                (
+                    f"INSERT INTO {ns}_ended SELECT sandbox_id, tenant, owner, ?, ? FROM {ns}_sandboxes "
+                    "WHERE sandbox_id = ? ON CONFLICT (sandbox_id) DO NOTHING",
+                    [(reason, time.time_ns(), sandbox_id)],
+                ),
+                (f"DELETE FROM {ns}_sandboxes WHERE sandbox_id = ?", [(sandbox_id,)]),
+            ]
+        )
+
+    # -- API processes: where each sandbox is ---------------------------------------------------
+
+    def register_node(self, owner: str, url: str, hop_key: str) -> None:
+        self.db.write(
+            [
+                (
+                    f"INSERT INTO {self.ns}_nodes VALUES (?, ?, ?, ?) ON CONFLICT (owner) DO UPDATE "
+                    "SET url = excluded.url, hop_key = excluded.hop_key, beat_ns = excluded.beat_ns",
+                    [(owner, url, hop_key, time.time_ns())],
+                )
+            ]
+        )
+
+    def beat(self, owner: str) -> bool:
+        """Say ``owner`` is alive; False when its row is gone (a peer found it dead)."""
+        table = f"{self.ns}_nodes"
+        return self.db.write(
+            [(f"UPDATE {table} SET beat_ns = ? WHERE owner = ?", [(time.time_ns(), owner)])],
+            require=(f"SELECT 1 FROM {table} WHERE owner = ?", (owner,)),
+        )
+
+    def nodes(self) -> list[Node]:
+        rows = self.db.query(f"SELECT owner, url, hop_key, beat_ns FROM {self.ns}_nodes")
+        return [Node(owner=str(r[0]), url=str(r[1]), hop_key=str(r[2]), beat_ns=_int(r[3])) for r in rows]
+
+    def owners(self) -> list[str]:
+        """Every process that holds a sandbox, or a killed one, or has a row of its own."""
+        ns = self.ns
+        rows = self.db.query(
+            f"SELECT owner FROM {ns}_sandboxes UNION SELECT owner FROM {ns}_ended WHERE reason = 'killed' "
+            f"UNION SELECT owner FROM {ns}_nodes"
+        )
+        return [str(r[0]) for r in rows]
+
+    def bury(self, owner: str) -> int:
+        """``owner`` is dead: its sandboxes are lost (their quota freed, each remembered as
+        "lost"), and so is its row. Returns how many sandboxes it held."""
+        ns, now = self.ns, time.time_ns()
+        held = self.db.query(f"SELECT COUNT(*) FROM {ns}_sandboxes WHERE owner = ?", (owner,))
+        self.db.write(
+            [
+                (
+                    f"INSERT INTO {ns}_ended SELECT sandbox_id, tenant, owner, 'lost', ? FROM {ns}_sandboxes "
+                    "WHERE owner = ? ON CONFLICT (sandbox_id) DO NOTHING",
+                    [(now, owner)],
+                ),
+                (f"UPDATE {ns}_ended SET reason = 'lost' WHERE owner = ?", [(owner,)]),
+                (f"DELETE FROM {ns}_sandboxes WHERE owner = ?", [(owner,)]),
+                (f"DELETE FROM {ns}_nodes WHERE owner = ?", [(owner,)]),
+            ]
+        )
+        return _int(held[0][0]) if held else 0
+
+    def forget_node(self, owner: str) -> None:
+        """A process stopping cleanly: its row goes (its sandboxes were closed first)."""
+        self.db.write(
+            [
+                (f"DELETE FROM {self.ns}_nodes WHERE owner = ?", [(owner,)]),
+                (f"DELETE FROM {self.ns}_ended WHERE owner = ? AND reason = 'killed'", [(owner,)]),
+            ]
+        )
+
+    def locate(self, sandbox_id: str) -> Placement | None:
+        """Where ``sandbox_id`` is, or was; None when the service never had it (or forgot it)."""
+        ns = self.ns
+        node = "n.owner, n.url, n.hop_key, n.beat_ns"
+        for table, reason in ((f"{ns}_sandboxes", "NULL"), (f"{ns}_ended", "s.reason")):
+            rows = self.db.query(
+                f"SELECT s.tenant, s.owner, {reason}, {node} FROM {table} s "
+                f"LEFT JOIN {ns}_nodes n ON n.owner = s.owner WHERE s.sandbox_id = ?",
+                (sandbox_id,),
+            )
+            if rows:
+                r = rows[0]
+                found = None
+                if r[3] is not None:
+                    found = Node(owner=str(r[3]), url=str(r[4]), hop_key=str(r[5]), beat_ns=_int(r[6]))
+                return Placement(
+                    sandbox_id=sandbox_id, tenant=str(r[0]), owner=str(r[1]), node=found,
+                    ended=None if r[2] is None else str(r[2]),
+                )  # fmt: skip
+        return None
+
+    def tenant_owners(self, tenant: str) -> list[str]:
+        """The processes that hold a sandbox of ``tenant`` (live or killed)."""
+        ns = self.ns
+        rows = self.db.query(
+            f"SELECT owner FROM {ns}_sandboxes WHERE tenant = ? UNION "
+            f"SELECT owner FROM {ns}_ended WHERE tenant = ? AND reason = 'killed'",
+            (tenant, tenant),
+        )
+        return [str(r[0]) for r in rows]
+
+    def purge_ended(self, before_ns: int) -> None:
+        """Forget sandboxes lost before ``before_ns``: after that, they are simply not found."""
+        self.db.write(
+            [(f"DELETE FROM {self.ns}_ended WHERE reason = 'lost' AND ended_ns < ?", [(before_ns,)])]
+        )
 
     def sandboxes(self, *, owner: str | None = None) -> list[SandboxRow]:
         sql = f"SELECT sandbox_id, tenant, owner, tier, cpus, memory_mb FROM {self.ns}_sandboxes"

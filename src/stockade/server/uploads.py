@@ -1,95 +1,253 @@
 """Uploaded archives, checked before anything is written, then unpacked into a folder of ours.
 
-A workspace arrives as a tar (optionally gzipped). Every member is judged first, on the
-archive alone: a name that is absolute, climbs with ``..``, or is not UTF-8 is refused, as is
-a symlink whose target leaves the archive's root, a hard link, a device or a FIFO, and the
-contents are counted against ``max_bytes`` and ``max_entries``. Only an archive with no such
-member is unpacked, into a fresh temporary folder, with tarfile's ``data`` filter as the
-second line (it resolves each destination and refuses one outside the folder).
+A workspace arrives as a tar, plain or compressed (gzip, bzip2, xz). Every member is judged
+first, on the archive alone, as it streams by: a name that is absolute, climbs with ``..``
+or is not UTF-8 is refused (``PathEscapeError``, ``InvalidArgument``), as is a hard link, a
+device, a FIFO or a sparse file (``FileTypeError``), and a symlink whose target leaves the
+archive's root when resolved the way the kernel would, through the archive's other symlinks
+(``PathEscapeError``; a name that is a symlink and something else too is refused, so that
+the links resolve alike whatever the order they are made in). The contents are counted
+against ``max_bytes`` and the entries against ``max_entries`` (``FileTooLarge``).
+
+Bombs stop early. The members' sizes are read from their headers, so a 1 TB file is refused
+before a byte of it is decompressed; the entries are counted as they come, so a million
+empty files stop at the cap; and the decompressed stream is metered: the bytes read may
+not exceed what the members seen so far explain (their contents, and a few KiB of headers
+each), nor one header exceed ``HEADER_ROOM``, so a gzip of a gigabyte of long-name header
+costs a megabyte, not a gigabyte. Only an archive with no refused member is unpacked, into a
+fresh folder, with tarfile's ``data`` filter as the second line (it resolves each
+destination and refuses one outside the folder); a failure there removes the folder.
 """
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import io
+import lzma
 import posixpath
+import shutil
 import tarfile
+import zlib
+from collections import deque
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stockade import exceptions as exc
 
-__all__ = ["MAX_ENTRIES", "check_archive", "unpack_archive"]
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
+
+__all__ = ["ENTRY_ROOM", "HEADER_ROOM", "MAX_ENTRIES", "check_archive", "unpack_archive"]
 
 MAX_ENTRIES = 100_000
+ENTRY_ROOM = 8 * 1024  # headers and padding of one entry, on average: a long name and link included
+HEADER_ROOM = 1024 * 1024  # the most one member's headers (pax, GNU long names) may take
+_SLACK = 4 * tarfile.RECORDSIZE + 64 * 1024  # read-ahead, the end-of-archive blocks and records
+_LINK_HOPS = 40  # symlinks followed while resolving one target (the kernel's ELOOP limit)
+_BLOCK = tarfile.BLOCKSIZE
 
 
-def _inside(base: str, target: str) -> bool:
-    """Whether ``target`` (relative to the folder of ``base``) stays in the archive's root."""
-    joined = posixpath.normpath(posixpath.join(posixpath.dirname(base), target))
-    return not (joined == ".." or joined.startswith("../") or joined.startswith("/"))
+def _padded(size: int) -> int:
+    return -(-size // _BLOCK) * _BLOCK
 
 
-def check_archive(data: bytes, *, max_bytes: int, max_entries: int = MAX_ENTRIES) -> list[tarfile.TarInfo]:
-    """The members of a tar (or tar.gz) that may be unpacked; an error naming the first
-    member that may not."""
-    try:
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:
-            members = tar.getmembers()
-    except (tarfile.TarError, EOFError, OSError) as error:
-        raise exc.InvalidArgument(
-            f"the upload is not a tar archive ({error})",
-            argument="body",
-            fix="send a tar or tar.gz of the folder (Content-Type: application/x-tar)",
-        ) from None
-    if len(members) > max_entries:
-        raise exc.FileTooLarge(f"the archive holds {len(members):,} entries, over the cap of {max_entries:,}")
-    total = 0
-    for member in members:
-        name = member.name
+def _not_a_tar(why: object) -> exc.InvalidArgument:
+    return exc.InvalidArgument(
+        f"the upload is not a tar archive ({why})",
+        argument="body",
+        fix="send a tar, tar.gz, tar.bz2 or tar.xz of the folder (Content-Type: application/x-tar)",
+    )
+
+
+class _Meter(io.RawIOBase):
+    """The decompressed archive, read under a bound that grows only with what the members seen
+    so far explain: past it, ``FileTooLarge``."""
+
+    def __init__(self, source: io.BufferedIOBase) -> None:
+        super().__init__()
+        self.source = source
+        self.read_bytes = 0
+        self.explained = HEADER_ROOM + _SLACK  # and every member's padded data and ENTRY_ROOM, so far
+        self.step_end = HEADER_ROOM + _SLACK  # the next member's headers must end before this
+
+    def readable(self) -> bool:
+        return True
+
+    def member(self, member: tarfile.TarInfo) -> None:
+        """A member was read: its data may follow, and the next member's headers."""
+        data = _padded(member.size) if member.isreg() else 0
+        self.explained += data + ENTRY_ROOM
+        self.step_end = self.read_bytes + data + HEADER_ROOM + _SLACK
+
+    def readinto(self, buffer: WriteableBuffer) -> int:
+        limit = min(self.explained, self.step_end)
+        if self.read_bytes >= limit:
+            raise exc.FileTooLarge(
+                f"the archive expands past what its members explain ({self.read_bytes:,} bytes read): "
+                "a compression bomb, or an archive with oversized headers"
+            )
+        view = memoryview(buffer).cast("B")
+        want = min(len(view), limit - self.read_bytes)
         try:
-            name.encode("utf-8")
-        except UnicodeEncodeError:
-            shown = name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-            raise exc.InvalidArgument(
-                f"the archive member {shown!r} has a name that is not UTF-8",
-                argument="body",
-                fix="rename the file with a UTF-8 name",
-            ) from None
-        parts = name.split("/")
-        if name.startswith("/") or ".." in parts or "\x00" in name:
-            raise exc.PathEscapeError(f"the archive member {name!r} leads outside the workspace", path=name)
-        if member.issym():
-            if member.linkname.startswith("/") or not _inside(name, member.linkname):
-                raise exc.PathEscapeError(
-                    f"the archive's symlink {name!r} points outside the workspace ({member.linkname!r})",
-                    path=name,
+            data = self.source.read(want)
+        except (OSError, EOFError, lzma.LZMAError, zlib.error) as error:
+            raise _not_a_tar(f"its compression is broken: {error}") from None
+        view[: len(data)] = data
+        self.read_bytes += len(data)
+        return len(data)
+
+
+def _decompressed(data: bytes) -> io.BufferedIOBase:
+    """``data`` as a stream of tar bytes: decompressed by us, a bounded piece per read."""
+    raw = io.BytesIO(data)
+    if data[:2] == b"\x1f\x8b":
+        return gzip.GzipFile(fileobj=raw, mode="rb")
+    if data[:3] == b"BZh":
+        return bz2.BZ2File(raw, mode="rb")
+    if data[:6] == b"\xfd7zXZ\x00":
+        return lzma.LZMAFile(raw, mode="rb")
+    return raw
+
+
+def _members(data: bytes) -> Iterator[tuple[tarfile.TarInfo, _Meter]]:
+    """The members of the archive in order, each with the meter to tell about it."""
+    meter = _Meter(_decompressed(data))
+    stream = io.BufferedReader(meter, buffer_size=tarfile.RECORDSIZE)
+    try:
+        with tarfile.open(fileobj=stream, mode="r|", encoding="utf-8", errors="surrogateescape") as tar:
+            for member in tar:
+                yield member, meter
+    except (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError) as error:
+        raise _not_a_tar(error) from None
+    except OSError as error:  # a compressed stream that is not one (a bad gzip header)
+        raise _not_a_tar(error) from None
+
+
+def _escapes(link: str, target: str, links: Mapping[str, str]) -> bool:
+    """Whether symlink ``link`` (a normalised member name) leads outside the archive's root
+    once its ``target`` is resolved from its folder, through the archive's own ``links`` as
+    the kernel would (followed, ``..`` applied where they lead); a loop counts as outside."""
+    if target.startswith("/"):
+        return True
+    pending = deque([*link.split("/")[:-1], *target.split("/")])
+    where: list[str] = []
+    hops = 0
+    while pending:
+        part = pending.popleft()
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not where:
+                return True
+            where.pop()
+            continue
+        found = links.get("/".join([*where, part]))
+        if found is None:
+            where.append(part)
+            continue
+        hops += 1
+        if hops > _LINK_HOPS or found.startswith("/"):
+            return True
+        pending.extendleft(reversed(found.split("/")))
+    return False
+
+
+def _judge(member: tarfile.TarInfo) -> str:
+    """The member's normalised name, or the error that refuses it."""
+    name = member.name
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        raise exc.InvalidArgument(
+            f"the archive member {shown!r} has a name that is not UTF-8",
+            argument="body",
+            fix="rename the file with a UTF-8 name",
+        ) from None
+    if name.startswith("/") or ".." in name.split("/") or "\x00" in name:
+        raise exc.PathEscapeError(f"the archive member {name!r} leads outside the workspace", path=name)
+    if member.islnk():
+        raise exc.FileTypeError(
+            f"the archive member {name!r} is a hard link; uploads take files, folders and symlinks "
+            "inside the workspace",
+            path=name,
+        )
+    if member.issparse():
+        raise exc.FileTypeError(
+            f"the archive member {name!r} is a sparse file; pack it as a plain file (tar without -S)",
+            path=name,
+        )
+    if not (member.isreg() or member.isdir() or member.issym()):
+        raise exc.FileTypeError(
+            f"the archive member {name!r} is a device, FIFO or other special file; uploads take "
+            "files, folders and symlinks",
+            path=name,
+        )
+    normal = posixpath.normpath(name)
+    if member.issym() and normal == ".":
+        raise exc.PathEscapeError(f"the archive's symlink {name!r} would replace the workspace", path=name)
+    return normal
+
+
+def check_archive(data: bytes, *, max_bytes: int, max_entries: int = MAX_ENTRIES) -> int:
+    """Judge every member of a tar (plain, gzip, bzip2 or xz) without writing anything; the
+    number of its entries. Raises an error naming the first member that may not be unpacked."""
+    count = total = 0
+    links: dict[str, str] = {}
+    kinds: dict[str, bool] = {}  # every name seen: whether it was a symlink
+    for member, meter in _members(data):
+        count += 1
+        if count > max_entries:
+            raise exc.FileTooLarge(f"the archive holds more than {max_entries:,} entries, its cap")
+        name = _judge(member)
+        if member.isreg():
+            total += member.size
+            if total > max_bytes:
+                raise exc.FileTooLarge(
+                    f"the archive's files add up to more than {max_bytes:,} bytes", path=member.name
                 )
-        elif member.islnk():
-            raise exc.FileTypeError(
-                f"the archive member {name!r} is a hard link; uploads take files, folders and symlinks "
-                "inside the workspace",
-                path=name,
+        symlink = member.issym()
+        if name in kinds and (symlink or kinds[name]):
+            raise exc.PathEscapeError(
+                f"the archive names {member.name!r} twice, once as a symlink: give each link one entry",
+                path=member.name,
             )
-        elif not (member.isfile() or member.isdir()):
-            raise exc.FileTypeError(
-                f"the archive member {name!r} is a device, FIFO or other special file; uploads take "
-                "files, folders and symlinks",
-                path=name,
+        kinds[name] = symlink
+        if symlink:
+            links[name] = member.linkname
+        meter.member(member)
+    for name, target in links.items():
+        if _escapes(name, target, links):
+            raise exc.PathEscapeError(
+                f"the archive's symlink {name!r} points outside the workspace ({target!r})", path=name
             )
-        total += member.size if member.isfile() else 0
-        if total > max_bytes:
-            raise exc.FileTooLarge(f"the archive's files add up to more than {max_bytes:,} bytes", path=name)
-    return members
+    return count
 
 
 def unpack_archive(data: bytes, dest: Path, *, max_bytes: int, max_entries: int = MAX_ENTRIES) -> int:
-    """Check ``data`` and unpack it into ``dest`` (an empty folder); returns the files unpacked."""
-    members = check_archive(data, max_bytes=max_bytes, max_entries=max_entries)
-    dest.mkdir(parents=True, exist_ok=True)
+    """Check ``data`` and unpack it into ``dest`` (made here; removed again on failure);
+    returns the files unpacked. Nothing is written when the check refuses the archive."""
+    check_archive(data, max_bytes=max_bytes, max_entries=max_entries)
+    dest.mkdir(parents=True)
+    files = 0
     try:
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:
+        # the check bounded what decompressing costs: the whole archive may be read again
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:*", errors="surrogateescape") as tar:
+            members = tar.getmembers()
             tar.extractall(dest, members=members, filter="data")
-    except (tarfile.TarError, OSError) as error:
+            files = sum(1 for m in members if m.isreg())
+    except (tarfile.AbsolutePathError, tarfile.OutsideDestinationError, tarfile.AbsoluteLinkError,
+            tarfile.LinkOutsideDestinationError) as error:  # fmt: skip
+        shutil.rmtree(dest, ignore_errors=True)
+        raise exc.PathEscapeError(f"the archive leads outside the workspace: {error}") from None
+    except (tarfile.TarError, OSError, EOFError, zlib.error, lzma.LZMAError) as error:
+        shutil.rmtree(dest, ignore_errors=True)
         raise exc.InvalidArgument(
             f"the archive could not be unpacked: {error}", argument="body", fix="send a well-formed tar"
         ) from None
-    return sum(1 for m in members if m.isfile())
+    except BaseException:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise
+    return files

@@ -11,12 +11,14 @@ Extension points other layers code against:
 from stockade.tools.base import (
     CallNext,
     Observable,
+    Outcome,
     Risk,
     Tool,
     ToolContext,
     Toolset,
     ToolWrapper,
     render,
+    reported_failure,
     tool,
 )
 from stockade.tools.builtin import (
@@ -38,6 +40,7 @@ __all__ = [
     "Bounded",
     "CallNext",
     "Observable",
+    "Outcome",
     "Risk",
     "TestFailure",
     "TestReport",
@@ -52,6 +55,7 @@ __all__ = [
     "list_files",
     "read_file",
     "render",
+    "reported_failure",
     "run_code",
     "run_tests",
     "shell",

@@ -49,12 +49,14 @@ from stockade.tools.deadline import DeadlineInstance
 __all__ = [
     "CallNext",
     "Observable",
+    "Outcome",
     "Risk",
     "Tool",
     "ToolContext",
     "ToolWrapper",
     "Toolset",
     "render",
+    "reported_failure",
     "tool",
 ]
 
@@ -103,6 +105,21 @@ class Observable(Protocol):
     """A tool result that knows how to show itself to the model."""
 
     def observation(self) -> str: ...
+
+
+@runtime_checkable
+class Outcome(Protocol):
+    """A tool result that says whether the action did what it was asked: a command that exited
+    0 (``Ran``, ``CommandResult``), code that did not raise (``CodeRan``), a test run that passed
+    (``TestReport``). The runtime controls count ``ok`` False as a failure, as an error."""
+
+    @property
+    def ok(self) -> bool: ...
+
+
+def reported_failure(value: object) -> bool:
+    """Whether a tool's result reports that its action failed (``Outcome.ok`` is False)."""
+    return isinstance(value, Outcome) and value.ok is False
 
 
 def render(value: object) -> str:

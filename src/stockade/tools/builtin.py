@@ -22,6 +22,8 @@ from stockade.tools.workspace_diff import is_ignored, workspace_diff
 from stockade.types import CommandResult, EntryType, Execution
 
 __all__ = [
+    "CodeRan",
+    "Ran",
     "apply_patch",
     "default_toolset",
     "git_diff",
@@ -45,6 +47,22 @@ class Ran:
     text: str
     exit_code: int | None = None
     timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """Whether the command did what it was asked (exit code 0, in time)."""
+        return (self.exit_code is None or self.exit_code == 0) and not self.timed_out
+
+    def observation(self) -> str:
+        return self.text
+
+
+@dataclass(frozen=True)
+class CodeRan:
+    """What ``run_code`` shows the model, and whether the code ran without raising."""
+
+    text: str
+    ok: bool
 
     def observation(self) -> str:
         return self.text
@@ -85,7 +103,7 @@ def run_code(
     code: str,
     files: dict[str, str] | None = None,
     timeout_s: float | None = None,
-) -> str:
+) -> CodeRan:
     """Run code in the sandbox. Python keeps its state between calls; other languages run fresh.
 
     Args:
@@ -96,7 +114,8 @@ def run_code(
     """
     for path, content in (files or {}).items():
         ctx.sandbox.files.write(path, content)
-    return _show_execution(ctx.sandbox.run_code(code, language, timeout_s=timeout_s))
+    execution = ctx.sandbox.run_code(code, language, timeout_s=timeout_s)
+    return CodeRan(_show_execution(execution), ok=execution.error is None and not execution.timed_out)
 
 
 def _words(command: str) -> list[str]:

@@ -82,3 +82,21 @@ def test_the_redactor_is_also_a_structlog_processor() -> None:
     assert redactor.structlog_processor(None, "info", {"event": "login hunter2hunter2"}) == {
         "event": "login [REDACTED:secret]"
     }
+
+
+def test_personal_data_is_redacted_when_asked_and_ordinary_numbers_are_not() -> None:
+    from stockade.audit.redact import redact_personal_data
+
+    text = (
+        "mail jane.doe@example.co.uk, call +44 20 7946 0958 or (555) 123-4567 from 192.168.1.20; "
+        "card 4111 1111 1111 1111, iban DE89 3704 0044 0532 0130 00, ssn 123-45-6789"
+    )
+    assert redact_personal_data(text) == (
+        "mail [REDACTED:email], call [REDACTED:phone] or [REDACTED:phone] from [REDACTED:ip]; "
+        "card [REDACTED:card], iban [REDACTED:iban], ssn [REDACTED:ssn]"
+    )
+    ordinary = "pytest 8.3.4: 12 passed in 0.53s at 2026-12-01 15:08:13, line 1234, id 1234567890123"
+    assert redact_personal_data(ordinary) == ordinary
+    assert Redactor(personal_data=True).text("ask jane@example.com") == "ask [REDACTED:email]"
+    assert Redactor().text("ask jane@example.com") == "ask jane@example.com"  # only when asked
+    assert Redactor(personal_data=True).redacts_personal_data and not Redactor().redacts_personal_data

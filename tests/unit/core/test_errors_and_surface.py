@@ -118,6 +118,9 @@ PUBLIC: dict[str, set[str]] = {
         "ToolCalled", "ToolDenied", "ToolRejected", "ToolReturned",
     },
     "stockade.assembly": {"AgentConfig", "AgentSession", "GuardedAgent", "build_agent", "effective_trust"},
+    "stockade.client": {
+        "AsyncClient", "AsyncRemoteSandbox", "Client", "RemoteRun", "RemoteSandbox", "RunEvent", "Runs",
+    },
     "stockade.testing": {
         "CapturedAudit", "FakeBackend", "FakeInstance", "FaultInjectingBackend", "FunctionModel",
         "MemoryWorkspace", "ScriptedModel", "capture_audit", "tool_call",

@@ -9,7 +9,14 @@ import pytest
 
 from stockade import ProtocolError, SandboxCrashed
 from stockade.sandbox._channel import Channel, JSONTooLarge, json_values, loads_bounded
-from stockade.sandbox.kernel.protocol import PREFIX, FrameError, FrameReader, encode
+from stockade.sandbox.kernel.protocol import (
+    MAX_EXEC_ARGV,
+    MAX_EXEC_RECORDS,
+    PREFIX,
+    FrameError,
+    FrameReader,
+    encode,
+)
 
 
 class FakeStream:
@@ -161,3 +168,16 @@ def test_a_header_of_a_million_values_kills_the_channel() -> None:
     stream.incoming.put(PREFIX.pack(len(head), 0) + head)
     with pytest.raises(SandboxCrashed, match="protocol violation"):
         call.result(time.monotonic() + 5)
+
+
+def test_the_largest_exec_report_a_command_can_make_is_read() -> None:
+    # A command that runs many programs under the policy's rules: its exit reports as many
+    # exec records as the supervisor keeps, each with as many arguments as it keeps.
+    stream = FakeStream()
+    channel = Channel(stream, max_body=1024, name="test")
+    call = channel.call({"op": "exec"})
+    record = {"path": "/usr/bin/ls", "argv": ["a,b"] * MAX_EXEC_ARGV, "verdict": "allow", "rule": ""}
+    execs = [record] * MAX_EXEC_RECORDS
+    stream.incoming.put(encode({"id": call.rid, "ev": "exit", "execs": execs, "exec_count": 5000}))
+    header, _ = call.result(time.monotonic() + 5)
+    assert len(header["execs"]) == MAX_EXEC_RECORDS and channel.open

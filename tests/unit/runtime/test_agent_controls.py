@@ -16,7 +16,7 @@ from stockade.runtime.agent import RuntimeControls
 from stockade.runtime.breaker import Breakers
 from stockade.runtime.clock import ManualClock
 from stockade.runtime.killswitch import FileKillSource, KillSwitch
-from stockade.runtime.limits import LocalWindow, RateLimit, SpendLimit
+from stockade.runtime.limits import LocalWindow, OnLimit, RateLimit, SpendLimit
 from stockade.runtime.models import LimitedModel
 from stockade.sandbox.ops import ReadFile, RunCommand
 from stockade.testing import FakeBackend, MemoryWorkspace
@@ -41,16 +41,33 @@ def test_a_run_that_keeps_failing_trips_the_breaker(clock: ManualClock) -> None:
     assert all("CircuitOpen" in o for o in observations[5:]) and len(observations) == 8
 
 
-def test_a_runaway_loop_hits_the_rate_limit(clock: ManualClock) -> None:
+def test_a_runaway_loop_waits_for_the_rate_limit_without_asking_the_model_again(
+    clock: ManualClock,
+) -> None:
     backend = FakeBackend(MemoryWorkspace())
     model = ScriptedModel([tool_call("shell", {"command": "echo again"})] * 25 + ["done"])
-    controls = RuntimeControls(run_id="r2", rate=RateLimit(per_minute=10, window=LocalWindow(clock)))
+    limit = RateLimit(per_minute=10, window=LocalWindow(clock))
+    controls = RuntimeControls(run_id="r2", run_rate=limit, clock=clock)
+    agent = Agent(model, tools=controls.wrap_tools(Toolset([shell])), observers=[controls.observe])
+    started = clock.monotonic()
+    with Sandbox.create(backend=backend) as sbx:
+        result = agent.run_sync("loop", sandbox=sbx, run_id="r2")
+    assert result.status == RunStatus.SUCCESS
+    assert len(commands_run(backend)) == 25 and len(model.requests) == 26  # no request was wasted
+    assert not [c for s in result.steps for c in s.tool_calls if c.is_error]
+    assert clock.monotonic() - started >= 120  # actions 11 and 21 waited for their minute
+
+
+def test_a_runaway_loop_told_to_stop_ends_at_the_limit(clock: ManualClock) -> None:
+    backend = FakeBackend(MemoryWorkspace())
+    model = ScriptedModel([tool_call("shell", {"command": "echo again"})] * 25 + ["done"])
+    limit = RateLimit(per_minute=10, window=LocalWindow(clock))
+    controls = RuntimeControls(run_id="r2", run_rate=limit, clock=clock, on_rate_limit=OnLimit.STOP)
     agent = Agent(model, tools=controls.wrap_tools(Toolset([shell])), observers=[controls.observe])
     with Sandbox.create(backend=backend) as sbx:
         result = agent.run_sync("loop", sandbox=sbx, run_id="r2")
-    assert len(commands_run(backend)) == 10
-    refused = [c for s in result.steps for c in s.tool_calls if c.error_type == "RateLimited"]
-    assert len(refused) == 15
+    assert result.status == RunStatus.BUDGET and "10 actions per minute" in (result.error or "")
+    assert len(commands_run(backend)) == 10 and len(model.requests) == 11
 
 
 def test_a_run_crossing_its_dollars_per_hour_stops_with_status_budget(clock: ManualClock) -> None:
@@ -67,7 +84,8 @@ def test_a_run_crossing_its_dollars_per_hour_stops_with_status_budget(clock: Man
         result = Agent(model, tools=Toolset([shell])).run_sync("spend", sandbox=sbx)
     assert result.status == RunStatus.BUDGET
     assert "0.02" in (result.error or "")
-    assert len(commands_run(backend)) == 2  # turn 3 crossed $0.02 and never ran its command
+    # turn 3 crossed $0.02: what was paid for is used, and no fourth request is sent
+    assert len(commands_run(backend)) == 3 and len(model.wrapped.requests) == 3  # type: ignore[attr-defined]
 
 
 def test_a_denied_command_never_reaches_the_sandbox() -> None:

@@ -19,12 +19,14 @@ from stockade.tools import (
     list_files,
     read_file,
     render,
+    reported_failure,
     run_code,
     run_tests,
+    shell,
     write_file,
 )
 from stockade.tools.workspace_diff import record_baseline, snapshot
-from stockade.types import CommandResult, Execution, Logs
+from stockade.types import CommandResult, Execution, ExecutionError, Logs
 
 
 def make_sandbox(workspace: MemoryWorkspace | None = None) -> Sandbox:
@@ -246,8 +248,21 @@ async def test_run_code_writes_files_then_runs() -> None:
     ws = MemoryWorkspace(code=lambda op: Execution(logs=Logs(stdout="hi\n")))
     sbx = make_sandbox(ws)
     out = await call(run_code, sbx, {"language": "python", "code": "print('hi')", "files": {"d.txt": "x"}})
-    assert out == "stdout:\nhi\n"
+    assert render(out) == "stdout:\nhi\n" and not reported_failure(out)
     assert sbx.files.read("d.txt") == "x"
+
+
+async def test_code_that_raised_and_a_command_that_failed_report_failure() -> None:
+    error = ExecutionError(name="ZeroDivisionError", value="division by zero", traceback="...")
+    ws = MemoryWorkspace(
+        code=lambda op: Execution(error=error),
+        commands=lambda op: CommandResult(exit_code=1, stdout="", stderr="no", duration_s=0.0),
+    )
+    sbx = make_sandbox(ws)
+    raised = await call(run_code, sbx, {"language": "python", "code": "1/0"})
+    assert reported_failure(raised) and "ZeroDivisionError" in render(raised)
+    assert reported_failure(await call(shell, sbx, {"command": "false"}))
+    assert reported_failure(await call(run_tests, sbx, {"command": "make check"}))
 
 
 @pytest.mark.parametrize("args", [{"path": "a.py", "offset": -1}, {"path": "a.py", "limit": 0}])

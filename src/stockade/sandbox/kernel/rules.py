@@ -15,6 +15,7 @@ import os
 
 import confine
 import execrules
+from protocol import MAX_EXEC_ARGV, MAX_EXEC_RECORDS
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
 ALWAYS_WRITABLE = ("/tmp", "/dev", "/proc")
 # Where the programs a rule names are looked for, to know their copies by their content.
 PROGRAM_DIRS = ("/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin")
-MAX_RECORDS = 1000
 EPERM, ENOENT = 1, 2
 STRICTNESS = {"allow": 0, "approve": 1, "deny": 2}
 
@@ -175,7 +175,7 @@ class Rules:
             return
         verdict, rule = self.judge(pid, path, argv, st)
         job = self.sup.job_of(pid)
-        record = {"path": path, "argv": argv[:64], "verdict": verdict, "rule": rule or ""}
+        record = {"path": path, "argv": argv[:MAX_EXEC_ARGV], "verdict": verdict, "rule": rule or ""}
         if verdict != "approve":
             self._remember(key, verdict)
         if verdict == "approve":
@@ -233,7 +233,7 @@ class Rules:
         if job is None:
             return
         job.exec_count += 1
-        if len(job.execs) < MAX_RECORDS:
+        if len(job.execs) < MAX_EXEC_RECORDS:
             job.execs.append(record)
 
     # -- judging ----------------------------------------------------------------------------

@@ -1,0 +1,149 @@
+"""Quotas in the service's database (``ServiceStore``, on a real SQLite file): the arithmetic of
+live sandboxes, CPUs and memory, what the refusal says, and reservations racing from several
+connections (as from several API processes)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stockade import exceptions as exc
+from stockade.server.state import ServiceStore, open_database
+from stockade.server.tenants import Quotas
+
+QUOTAS = Quotas(sandboxes=3, cpus=2.0, memory_mb=1024)
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'service.db'}"
+
+
+@pytest.fixture
+def store(db_path: str) -> Iterator[ServiceStore]:
+    opened = ServiceStore(open_database(db_path))
+    yield opened
+    opened.close()
+
+
+def reserve(
+    store: ServiceStore, sandbox_id: str, *, cpus: float = 0.5, memory_mb: int = 256, tenant: str = "acme",
+    quotas: Quotas = QUOTAS,
+) -> None:  # fmt: skip
+    store.reserve_sandbox(
+        sandbox_id=sandbox_id, tenant=tenant, owner="owner-1", tier="process", cpus=cpus,
+        memory_mb=memory_mb, max_sandboxes=quotas.sandboxes, max_cpus=quotas.cpus,
+        max_memory_mb=quotas.memory_mb,
+    )  # fmt: skip
+
+
+def held(store: ServiceStore, tenant: str = "acme") -> list[str]:
+    return sorted(r.sandbox_id for r in store.sandboxes() if r.tenant == tenant)
+
+
+def test_the_count_is_a_quota_and_a_release_frees_its_place(store: ServiceStore) -> None:
+    for i in range(3):
+        reserve(store, f"s{i}", cpus=0.1, memory_mb=10)
+    with pytest.raises(exc.QuotaExceeded) as full:
+        reserve(store, "s3", cpus=0.1, memory_mb=10)
+    assert (full.value.quota, full.value.limit, full.value.used) == ("sandboxes", 3, 3)
+    assert not full.value.retryable and "delete a sandbox" in str(full.value)
+    store.release_sandbox("s1")
+    store.release_sandbox("s1")  # twice: harmless
+    reserve(store, "s3", cpus=0.1, memory_mb=10)
+    assert held(store) == ["s0", "s2", "s3"]
+
+
+def test_cpus_add_up_exactly_to_the_quota(store: ServiceStore) -> None:
+    tenths = Quotas(sandboxes=10, cpus=0.3, memory_mb=1024)
+    for i in range(3):  # 0.1 + 0.1 + 0.1 is 0.30000000000000004 in floating point
+        reserve(store, f"s{i}", cpus=0.1, memory_mb=1, quotas=tenths)
+    with pytest.raises(exc.QuotaExceeded) as over:
+        reserve(store, "s3", cpus=0.001, memory_mb=1, quotas=tenths)
+    assert over.value.quota == "cpus" and over.value.limit == 0.3 and over.value.used == pytest.approx(0.3)
+    assert "0.3 of its 0.3 cpus" in str(over.value)
+
+
+def test_cpus_past_the_quota_are_refused_with_what_is_used(store: ServiceStore) -> None:
+    reserve(store, "a", cpus=1.5)
+    with pytest.raises(exc.QuotaExceeded) as over:
+        reserve(store, "b", cpus=0.75)
+    assert (over.value.quota, over.value.limit, over.value.used) == ("cpus", 2.0, 1.5)
+    reserve(store, "b", cpus=0.5)  # exactly at the quota: taken
+
+
+def test_memory_past_the_quota_is_refused(store: ServiceStore) -> None:
+    reserve(store, "a", memory_mb=1000)
+    with pytest.raises(exc.QuotaExceeded) as over:
+        reserve(store, "b", memory_mb=25)
+    assert (over.value.quota, over.value.limit, over.value.used) == ("memory_mb", 1024, 1000)
+    reserve(store, "b", memory_mb=24)
+    assert held(store) == ["a", "b"]
+
+
+def test_one_sandbox_bigger_than_the_whole_quota_is_refused_on_an_empty_tenant(store: ServiceStore) -> None:
+    with pytest.raises(exc.QuotaExceeded) as over:
+        reserve(store, "a", cpus=4.0)
+    assert over.value.quota == "cpus" and over.value.used == 0
+    nothing = Quotas(sandboxes=0, cpus=8.0, memory_mb=8192)
+    with pytest.raises(exc.QuotaExceeded) as none:
+        reserve(store, "b", quotas=nothing)
+    assert none.value.quota == "sandboxes"
+    assert held(store) == []
+
+
+def test_tenants_have_quotas_of_their_own(store: ServiceStore) -> None:
+    for i in range(3):
+        reserve(store, f"a{i}")
+    for i in range(3):
+        reserve(store, f"b{i}", tenant="other")
+    assert len(held(store)) == 3 and len(held(store, "other")) == 3
+
+
+def test_reservations_racing_from_several_connections_never_exceed_the_quota(db_path: str) -> None:
+    stores = [ServiceStore(open_database(db_path)) for _ in range(6)]
+    quotas = Quotas(sandboxes=5, cpus=100.0, memory_mb=100_000)
+    won: list[str] = []
+    refused: list[str] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(len(stores))
+
+    def contend(n: int, store: ServiceStore) -> None:
+        barrier.wait()
+        for i in range(4):
+            sandbox_id = f"s{n}-{i}"
+            try:
+                reserve(store, sandbox_id, quotas=quotas)
+            except exc.QuotaExceeded:
+                with lock:
+                    refused.append(sandbox_id)
+            else:
+                with lock:
+                    won.append(sandbox_id)
+
+    threads = [threading.Thread(target=contend, args=(n, s)) for n, s in enumerate(stores)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        assert len(won) == 5 and len(refused) == 19
+        assert held(stores[0]) == sorted(won)
+    finally:
+        for store in stores:
+            store.close()
+
+
+def test_runs_queued_or_running_are_a_quota(store: ServiceStore) -> None:
+    spec: dict[str, object] = {"task": "t"}
+    for i in range(2):
+        assert store.add_run(run_id=f"r{i}", tenant="acme", role=None, spec=spec, labels={}, max_active=2)
+    assert not store.add_run(run_id="r2", tenant="acme", role=None, spec=spec, labels={}, max_active=2)
+    assert store.run("r2") is None  # refused: nothing written
+    assert store.set_status("r0", "success")
+    assert store.add_run(run_id="r2", tenant="acme", role=None, spec=spec, labels={}, max_active=2)
+    with pytest.raises(exc.RunConflict):
+        store.add_run(run_id="r2", tenant="acme", role=None, spec=spec, labels={}, max_active=9)
