@@ -1,11 +1,22 @@
 #!/usr/bin/env bash
-# The headless browser of the run viewer's tests: Debian's chromium (no browser download; the
-# tests drive it with Playwright, installed with the dev extra, pointed at /usr/bin/chromium).
+# The headless browser of the run viewer's tests: Debian's chromium (no browser download) and
+# Playwright from PyPI in the virtualenv (the dev extra; installed here if it is missing). The
+# tests drive /usr/bin/chromium through Playwright's executable_path, so Playwright's own
+# browser builds are never fetched.
 #
-#   scripts/setup-browser.sh        idempotent; root installs it, another user is told how
+#   scripts/setup-browser.sh        idempotent; root installs chromium, another user is told how
 set -euo pipefail
 
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+ROOT=$(cd "$HERE/.." && pwd)
+VENV=${STOCKADE_VENV:-$ROOT/.venv}
+
 log() { printf 'setup-browser: %s\n' "$*" >&2; }
+
+if [[ -x $VENV/bin/python ]] && ! "$VENV/bin/python" -c 'import playwright.sync_api' 2>/dev/null; then
+    log "installing playwright into $VENV (PyPI; no browser download)"
+    "$VENV/bin/python" -m pip install -q "playwright>=1.45" >&2
+fi
 
 if dpkg-query -W -f='${Status}' chromium 2>/dev/null | grep -q 'ok installed' && [[ -x /usr/bin/chromium ]]; then
     exit 0

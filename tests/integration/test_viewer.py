@@ -20,7 +20,7 @@ def ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Ui, str, str]
     require_tier("process")
     folder = tmp_path_factory.mktemp("viewer")
     busy, stopped = record_runs(folder / "audit.db", folder / "ws")
-    server = Ui(folder / "audit.db", folder)
+    server = Ui(folder / "audit.db", folder, folder / "approvals")
     try:
         yield server, busy, stopped
     finally:

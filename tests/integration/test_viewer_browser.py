@@ -76,7 +76,7 @@ def finished(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Ui, str
     require_tier("process")
     folder = tmp_path_factory.mktemp("viewer-browser")
     busy, _ = record_runs(folder / "audit.db", folder / "ws")
-    ui = Ui(folder / "audit.db", folder)
+    ui = Ui(folder / "audit.db", folder, folder / "approvals")
     try:
         yield ui, busy
     finally:
@@ -267,10 +267,12 @@ def test_approving_in_stockade_ui_lets_a_waiting_mcp_session_go_on(page: Page, t
     thread = threading.Thread(target=asyncio.run, args=(session(),))
     thread.start()
     try:
-        approvals = ApprovalStore(Path(os.environ["STOCKADE_APPROVAL_DIR"]))
-        pending = wait_for(approvals.pending, what="the MCP call to wait for approval", timeout_s=60)
+        approval_dir = Path(os.environ["STOCKADE_APPROVAL_DIR"])  # where `stockade mcp` keeps them
+        pending = wait_for(
+            ApprovalStore(approval_dir).pending, what="the MCP call to wait for approval", timeout_s=60
+        )
         run_id = pending[0]["run_id"]
-        ui = Ui(db, tmp_path)
+        ui = Ui(db, tmp_path, approval_dir)
         try:
             page.goto(f"{ui.url}/ui/login?key={ui.key}")
             page.goto(f"{ui.url}/ui/runs/{run_id}")

@@ -39,8 +39,9 @@ POLICY = Policy(
 
 
 def record_runs(db: Path, workspace: Path) -> tuple[str, str]:
-    """Two finished runs in ``db``: one that did a bit of everything (and printed a script
-    tag), one the policy stopped; their ids."""
+    """Two finished runs in ``db`` (their approvals and kill switches next to it, in
+    ``approvals`` and ``kill``): one that did a bit of everything (and printed a script tag),
+    one the policy stopped; their ids."""
     workspace.mkdir(exist_ok=True)
     (workspace / "app.py").write_text("def greet(name):\n    return 'hi ' + name\n")
     turns: list[object] = [
@@ -69,13 +70,16 @@ def record_runs(db: Path, workspace: Path) -> tuple[str, str]:
 
 
 class Ui(Process):
-    """``stockade ui`` on a free port; ``key`` is the one it printed."""
+    """``stockade ui`` on a free port, reading the approvals in ``approvals`` (never the default
+    in the home folder); ``key`` is the one it printed."""
 
-    def __init__(self, db: Path, folder: Path) -> None:
+    def __init__(self, db: Path, folder: Path, approvals: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         super().__init__(
-            ["ui", "--db", f"sqlite:///{db}", "--port", str(self.port)], folder / "ui.log", cwd=folder
+            ["ui", "--db", f"sqlite:///{db}", "--port", str(self.port), "--approval-dir", str(approvals)],
+            folder / "ui.log",
+            cwd=folder,
         )
         try:
             found = wait_for(
