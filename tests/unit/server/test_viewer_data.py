@@ -187,3 +187,22 @@ def test_every_kind_of_event_is_a_line_of_the_timeline() -> None:
         and tool.text
         and "5 characters" in tool.text
     )
+
+
+def test_a_limit_that_waits_is_not_a_failure_and_an_open_breaker_is() -> None:
+    log = AuditLog(MemoryStore(), flush_interval_s=None)
+    r = "run-2"
+    log.record(EventKind.RATE_LIMITED, run_id=r, step=1, attributes={"limit": "rate", "action": "wait"})
+    log.record(EventKind.BUDGET, run_id=r, step=1, attributes={"limit": "spend", "action": "stop"})
+    log.record(
+        EventKind.BREAKER_CHANGE,
+        run_id=r,
+        step=1,
+        attributes={"name": "agent", "old": "closed", "new": "open", "failures": 5, "reason": "r"},
+    )
+    log.flush()
+    steps, _ = timeline(log.store.events(run_id=r))
+    waited, stopped, broke = [e for s in steps for e in s.entries]
+    assert not waited.failed and waited.facts == ("waits for its window",)
+    assert stopped.failed and stopped.facts == ("stops the run",)
+    assert broke.failed and broke.facts == ("5 failures in a row",)

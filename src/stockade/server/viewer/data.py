@@ -45,7 +45,7 @@ __all__ = [
     "timeline",
 ]
 
-# A run in one of these is done changing. A paused or interrupted run is followed too: a
+# A run in one of these is done changing. A paused, interrupted or broken run is followed too: a
 # decision (here, or anywhere else) or a restart sends it on.
 SETTLED = frozenset(s.value for s in RunStatus if s.finished)
 STATUSES = ("queued", *(s.value for s in RunStatus))
@@ -312,21 +312,28 @@ def _entry(event: AuditEvent, records: dict[str, ToolCallRecord], texts: dict[in
                 failed=verdict in ("deny", "refuse"),
             )
         case EventKind.RATE_LIMITED | EventKind.BUDGET:
+            # a limit either holds the action until its window allows it or stops the run
+            waits = a.get("action") == "wait"
+            then = ("waits for its window",) if waits else ("stops the run",) if a.get("action") else ()
             return Entry(
                 seq=seq,
                 kind="limit",
                 title=f"{kind.value.replace('_', ' ')}: {_str(a.get('limit'))}",
                 when=when,
+                facts=then,
                 text=_str(a.get("detail")) or None,
-                failed=True,
+                failed=not waits,
             )
         case EventKind.BREAKER_CHANGE:
+            failures = a.get("failures")
             return Entry(
                 seq=seq,
                 kind="breaker",
                 title=f"breaker {_str(a.get('name'))}: {_str(a.get('old'))} → {_str(a.get('new'))}",
                 when=when,
+                facts=(f"{failures} failures in a row",) if isinstance(failures, int) and failures else (),
                 text=_str(a.get("reason")) or None,
+                failed=a.get("new") == "open",
             )
         case EventKind.CHECK:
             passed = a.get("passed") is True
