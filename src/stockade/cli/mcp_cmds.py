@@ -15,6 +15,7 @@ from rich.markup import escape
 from stockade import exceptions as exc
 from stockade.cli._console import CliConsole
 from stockade.cli._signals import Interrupted, interruptible
+from stockade.runtime.failures import DEFAULT_FAILURES
 from stockade.sandbox import _registry
 from stockade.types import Trust
 
@@ -75,6 +76,10 @@ def mcp(
     max_denials: Annotated[
         int, typer.Option("--max-denials", help="denied calls in a row that end a session")
     ] = 3,
+    max_failures: Annotated[
+        int,
+        typer.Option("--max-failures", help='failed calls in a row that end a session "broken" (0: never)'),
+    ] = DEFAULT_FAILURES,
     host: Annotated[str, typer.Option("--host", help="http: the address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="http: the port")] = 8765,
     idle_timeout: Annotated[
@@ -105,6 +110,7 @@ def mcp(
             policy=policy, role=role, trust=trust, tier=tier, audit=audit_db, runs_url=runs_db,
             limits=RunLimits(max_steps=max_steps, max_wall_s=max_wall, max_denials=max_denials),
             rate_per_minute=rate, dollars_per_hour=spend_per_hour, kill_target=kill_target,
+            max_consecutive_failures=max_failures or None,
         )  # fmt: skip
         agent = McpAgent(config, workspace=workspace)
     except exc.StockadeError as error:

@@ -108,3 +108,36 @@ def test_denials_in_a_row_end_the_session_as_a_run_would(agent: McpAgent) -> Non
     assert isinstance(second, CallResult) and "ended denied" in second.text  # its own denial, then the end
     assert isinstance(third, Ended) and third.status == "denied"
     agent.close()
+
+
+@pytest.mark.parametrize("threshold", [2, None])
+def test_failed_calls_in_a_row_end_the_session_broken_unless_the_breaker_is_off(
+    tmp_path: Path, threshold: int | None
+) -> None:
+    config = AgentConfig(
+        model=MODEL_NAME,
+        policy=POLICY,
+        backend=FakeBackend(MemoryWorkspace(), tier="process"),
+        audit=AuditLog(MemoryStore(), flush_interval_s=None),
+        approval_dir=tmp_path / "approvals",
+        kill_target=str(tmp_path / "kill"),
+        max_consecutive_failures=threshold,
+    )
+    agent = McpAgent(config)
+    session = agent.session("one", client="test 1.0")
+
+    async def work() -> list[object]:
+        return [await session.call("read_file", {"path": f"missing-{i}"}) for i in range(4)]
+
+    outcomes = asyncio.run(work())
+    try:
+        if threshold is None:
+            assert all(isinstance(o, CallResult) and o.is_error for o in outcomes)
+            assert session.info()["status"] == "running"
+        else:
+            last = outcomes[1]
+            assert isinstance(last, CallResult) and "ended broken" in last.text, last
+            assert all(isinstance(o, Ended) and o.status == "broken" for o in outcomes[2:])
+            assert not session.sandbox_alive
+    finally:
+        agent.close()
