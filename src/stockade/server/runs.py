@@ -32,7 +32,7 @@ from stockade.audit.verify import verify
 from stockade.policy.approval import Choice
 from stockade.runs.seeds import pack_workspace
 from stockade.runtime.killswitch import kill_all
-from stockade.server.authz import check_model, choose_tier, engine_for
+from stockade.server.authz import check_approver, check_model, choose_tier, engine_for
 from stockade.server.deps import Caller, get_service
 from stockade.server.runner import build_model
 from stockade.server.sandboxes import _body
@@ -51,7 +51,7 @@ from stockade.server.state import TERMINAL, RunRow
 from stockade.server.tenants import Principal
 from stockade.server.uploads import unpack_archive
 
-__all__ = ["router"]
+__all__ = ["decide_approval", "router", "run_status"]
 
 router = APIRouter(tags=["runs"])
 
@@ -278,23 +278,27 @@ async def decide(
     run_id: str, request_id: str, body: ApprovalDecision, request: Request, caller: Caller
 ) -> RunOut:
     service = get_service(request)
-
-    def work() -> RunOut:
-        row = _row(service, caller, run_id)
-        choice = Choice.APPROVED if body.decision == "approve" else Choice.DENIED
-        service.approvals.decide(run_id, request_id, choice, by=f"token:{caller.token_id}")
-        service.audit.get(caller.tenant).record(
-            EventKind.APPROVAL, run_id=run_id, actor=f"human:token:{caller.token_id}",
-            attributes={"request_id": request_id, "outcome": choice.value, "through": "api"},
-        )  # fmt: skip
-        if row.status == "paused" and service.store.set_status(run_id, "queued", only_from=("paused",)):
-            service.executor.submit(run_id, reason="decided")
-        updated = service.store.run(run_id)
-        assert updated is not None
-        return _out(service, updated, detail=True)
-
-    out: RunOut = await _blocking(work)
+    choice = Choice.APPROVED if body.decision == "approve" else Choice.DENIED
+    out: RunOut = await _blocking(lambda: decide_approval(service, caller, run_id, request_id, choice))
     return out
+
+
+def decide_approval(
+    service: Service, caller: Principal, run_id: str, request_id: str, choice: Choice, *, through: str = "api"
+) -> RunOut:
+    """Record a decision (if the caller's role may decide) and send a paused run on."""
+    row = _row(service, caller, run_id)
+    check_approver(caller)
+    service.approvals.decide(run_id, request_id, choice, by=f"token:{caller.token_id}")
+    service.audit.get(caller.tenant).record(
+        EventKind.APPROVAL, run_id=run_id, actor=f"human:token:{caller.token_id}",
+        attributes={"request_id": request_id, "outcome": choice.value, "through": through},
+    )  # fmt: skip
+    if row.status == "paused" and service.store.set_status(run_id, "queued", only_from=("paused",)):
+        service.executor.submit(run_id, reason="decided")
+    updated = service.store.run(run_id)
+    assert updated is not None
+    return _out(service, updated, detail=True)
 
 
 @router.post("/v1/runs/{run_id}/kill", response_model=RunOut, summary="Kill a run, wherever it runs")
@@ -432,3 +436,8 @@ async def verify_audit(request: Request, caller: Caller) -> dict[str, Any]:
 
     found: dict[str, Any] = await _blocking(work)
     return found
+
+
+def run_status(service: Service, row: RunRow) -> str:
+    """The status a client is shown (the run store's correction included)."""
+    return _status(service, row)
