@@ -63,6 +63,17 @@ def _own_snapshot_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[No
         os.environ["STOCKADE_SNAPSHOT_DIR"] = before
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _suite_state_folders(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The same for what runs before a test's own folders exist: a module's fixtures (a server,
+    ``stockade ui``) and the processes they start would otherwise default to the home folder."""
+    state = tmp_path_factory.mktemp("stockade-suite-state")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("STOCKADE_KILL_DIR", str(state / "kill"))
+        patch.setenv("STOCKADE_APPROVAL_DIR", str(state / "approvals"))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _own_state_folders(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Kill switches and approvals of each test in folders of its own (subprocesses inherit them)."""

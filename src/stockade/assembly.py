@@ -109,7 +109,7 @@ from stockade.runtime.events import Observer as RuntimeObserver
 from stockade.runtime.events import RuntimeEvent
 from stockade.runtime.failures import DEFAULT_FAILURES, AgentBreaker
 from stockade.runtime.killswitch import KillSource, KillSwitch, kill_source_for
-from stockade.runtime.limits import OnLimit, RateLimit, SpendLimit, window_for
+from stockade.runtime.limits import OnLimit, RateLimit, SpendLimit, Window, window_for
 from stockade.runtime.models import BreakerModel, LimitedModel, RetryingModel
 from stockade.runtime.retry import Retrier, RetryingBackend, RetryPolicy
 from stockade.sandbox import _registry
@@ -163,6 +163,10 @@ class AgentConfig:
     run_rate_per_minute: int | None = None  # tool actions per rolling minute, per run
     dollars_per_hour: float | None = None  # model spend per rolling hour, over all runs of the tenant
     limits_redis_url: str | None = None  # share the windows across processes and hosts (redis://...)
+    # a window already shared (a service's, for every run of its process or, on Redis, of every
+    # process): wins over limits_redis_url
+    limits_window: Window | None = None
+    rate_period_s: float = 60.0  # the rolling window of both rate limits (a minute unless shortened)
     on_rate_limit: OnLimit = OnLimit.WAIT  # a refused action waits for the window, or "stop"s the run
     on_spend_limit: OnLimit = OnLimit.STOP  # a full spend window stops the run, or "wait"s for it
     prices: Mapping[str, Price] | None = None  # None: DEFAULT_PRICES
@@ -203,6 +207,12 @@ class AgentConfig:
         for name in ("on_rate_limit", "on_spend_limit"):
             chosen = check_choice(OnLimit, getattr(self, name), argument=f"AgentConfig.{name}")
             object.__setattr__(self, name, chosen)
+        if self.rate_period_s <= 0:
+            raise InvalidArgument(
+                f"AgentConfig.rate_period_s is {self.rate_period_s!r}",
+                argument="AgentConfig.rate_period_s",
+                fix="give the rate limits' window in seconds, more than 0 (60: a minute)",
+            )
         if self.tier is not None and self.tier not in _registry.TIERS:
             raise InvalidArgument(
                 f"AgentConfig.tier is {self.tier!r}, which is no tier",
@@ -419,12 +429,21 @@ class GuardedAgent:
         self.runtime_observer = _fan_out((self._dispatch, *config.runtime_observers))
         self.retrier = Retrier(policy=config.retry, observer=self.runtime_observer, clock=clock)
         self.breakers = Breakers(config=config.breaker, clock=clock, observer=self.runtime_observer)
-        window = window_for(config.limits_redis_url, clock=clock)
+        window = (
+            config.limits_window
+            if config.limits_window is not None
+            else window_for(config.limits_redis_url, clock=clock)
+        )
 
         def rate(per_minute: int | None) -> RateLimit | None:
             if per_minute is None:
                 return None
-            return RateLimit(per_minute=per_minute, window=window, observer=self.runtime_observer)
+            return RateLimit(
+                per_minute=per_minute,
+                window=window,
+                observer=self.runtime_observer,
+                period_s=config.rate_period_s,
+            )
 
         self.rate, self.run_rate = rate(config.rate_per_minute), rate(config.run_rate_per_minute)
         spend = (

@@ -48,6 +48,8 @@ COMMAND_MODULES = (
     "stockade.cli.image_cmds",
     "stockade.cli.runs_cmds",
     "stockade.cli.service_cmds",
+    "stockade.cli.mcp_cmds",
+    "stockade.cli.viewer_cmds",
 )
 
 for _name in COMMAND_MODULES:

@@ -2,9 +2,11 @@
 from outside, and ask a policy what it would decide (and why) before any run does.
 
 ``kill`` writes the kill marker the run's ``KillSwitch`` polls: a file in the kill directory
-(``--target DIR``, ``STOCKADE_KILL_DIR``, default ``~/.stockade/kill``) or a Redis key
-(``--target redis://...``), only for a run that is live there (``--force`` otherwise), and
-waits for it to stop; ``kill --all`` does so for every live run (``--tenant``: of one tenant).
+(``--target DIR``, ``STOCKADE_KILL_DIR``, default ``~/.stockade/kill``), a Redis key
+(``--target redis://...``) or a row of a service's database (``--target`` the URL ``stockade
+serve --db`` was given: ``sqlite:///PATH``, ``postgresql://...``), only for a run that is live
+there (``--force`` otherwise), and waits for it to stop; ``kill --all`` does so for every live
+run (``--tenant``: of one tenant).
 Approvals live in ``STOCKADE_APPROVAL_DIR`` (default ``~/.stockade/approvals``); a paused run
 resumes with ``agent.run(resume=RUN_ID, sandbox=...)`` once the decision is in.
 """
@@ -35,7 +37,11 @@ err = CliConsole(stderr=True)
 
 TargetOpt = Annotated[
     str | None,
-    typer.Option("--target", envvar="STOCKADE_KILL_TARGET", help="kill directory, or redis://... URL"),
+    typer.Option(
+        "--target",
+        envvar="STOCKADE_KILL_TARGET",
+        help="kill directory, redis://... URL, or a service's database (sqlite:///PATH, postgresql://...)",
+    ),
 ]
 ApprovalDirOpt = Annotated[
     Path | None, typer.Option("--dir", envvar="STOCKADE_APPROVAL_DIR", help="the approvals directory")

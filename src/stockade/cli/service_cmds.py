@@ -135,6 +135,9 @@ def token_new(
     append: Annotated[
         Path | None, typer.Option("--append", help="add the token's record to this tenants file")
     ] = None,
+    admin: Annotated[
+        bool, typer.Option("--admin", help="an operator's token: it may kill every tenant's runs")
+    ] = False,
 ) -> None:
     """Make a token: it is printed once (keep it); the tenants file keeps only its hash."""
     from stockade.server.tenants import TENANT_ID, Tenants, new_token
@@ -142,7 +145,7 @@ def token_new(
     if not TENANT_ID.match(tenant):
         err.print(f"[red]error:[/] tenant id {tenant!r} must match {TENANT_ID.pattern}")
         raise typer.Exit(2)
-    token, record = new_token(tenant, role)
+    token, record = new_token(tenant, role, admin=admin)
     lines = Tenants(tenants={}, tokens={}).toml_lines(record)
     if append is not None:
         with append.open("a") as file:

@@ -109,6 +109,11 @@ class RemoteRun:
         ).json()
         return self
 
+    def resume(self) -> RemoteRun:
+        """Resume a run its breaker stopped ("broken"), once someone has looked at why."""
+        self.info = self.client.http.request("POST", f"/v1/runs/{self.id}/resume").json()
+        return self
+
     def diff(self) -> str:
         return self.client.http.request("GET", f"/v1/runs/{self.id}/diff").text
 
@@ -171,6 +176,20 @@ class Runs:
             "POST", "/v1/runs", json={k: v for k, v in body.items() if v is not None}
         )
         return RemoteRun(self.client, response.json())
+
+    def kill_all(
+        self, reason: str = "killed through the API (kill-all)", *, tenant: str | None = None,
+        all_tenants: bool = False,
+    ) -> list[dict[str, Any]]:  # fmt: skip
+        """Pull the switch of every live run of this token's tenant (an admin token: of
+        ``tenant``, or of ``all_tenants``); returns them (run_id, tenant, where)."""
+        body: dict[str, Any] = {"reason": reason, "all_tenants": all_tenants}
+        if tenant is not None:
+            body["tenant"] = tenant
+        killed: list[dict[str, Any]] = self.client.http.request("POST", "/v1/runs/kill", json=body).json()[
+            "killed"
+        ]
+        return killed
 
     def get(self, run_id: str) -> RemoteRun:
         return RemoteRun(self.client, self.client.http.request("GET", f"/v1/runs/{run_id}").json())

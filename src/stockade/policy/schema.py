@@ -230,11 +230,14 @@ class Decisions(_Strict):
 
 class Role(_Strict):
     """What a run started under this role may use. ``tools``/``tiers`` empty: any.
-    ``credentials`` names the ``[credentials]`` its sandbox's egress proxy adds."""
+    ``credentials`` names the ``[credentials]`` its sandbox's egress proxy adds.
+    ``can_approve``: whether a person holding this role may approve or deny the actions a run
+    waits for (the service's API and its run viewer)."""
 
     tools: tuple[str, ...] = ()
     tiers: tuple[str, ...] = ()
     credentials: tuple[str, ...] = ()
+    can_approve: bool = True
 
 
 class ModelRegistry(_Strict):

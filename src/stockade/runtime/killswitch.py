@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib
 import json
 import os
 import re
@@ -322,10 +323,21 @@ def kill_all(source: KillSource, reason: str, *, tenant: str | None = None) -> l
     return pulled
 
 
+# A service's database (``stockade serve --db``): its runs watch switches kept there.
+_DATABASE_URLS = ("sqlite:///", "postgresql://", "postgres://")
+
+
 def kill_source_for(target: str | None) -> KillSource:
-    """``redis://...`` -> Redis; a path or None -> the kill directory."""
+    """``redis://...`` -> Redis; a service's database (``sqlite:///PATH``, ``postgresql://...``)
+    -> its switches; a path or None -> the kill directory."""
     if target and target.startswith(("redis://", "rediss://", "unix://")):
         return RedisKillSource(target)
+    if target and target.startswith(_DATABASE_URLS):
+        # the service's tables are the server's business: imported only for such a target, so
+        # the runtime layer depends on nothing above it
+        state = importlib.import_module("stockade.server.state")
+        source: KillSource = state.database_kill_source(target)
+        return source
     return FileKillSource(target)
 
 

@@ -11,7 +11,15 @@ from stockade.policy.schema import Policy
 from stockade.server.tenants import Principal
 from stockade.types import NetworkPolicy, Trust
 
-__all__ = ["check_model", "check_network", "choose_tier", "effective_policy", "engine_for"]
+__all__ = [
+    "check_approver",
+    "check_model",
+    "check_network",
+    "choose_tier",
+    "effective_policy",
+    "engine_for",
+    "may_approve",
+]
 
 # Weakest to strictest: a request may tighten the tenant's trust, never loosen it.
 _TRUST_ORDER = (Trust.TRUSTED, Trust.INTERNAL, Trust.UNTRUSTED, Trust.MULTI_TENANT)
@@ -98,3 +106,18 @@ def check_model(engine: PolicyEngine, name: str) -> None:
     decision = engine.model(name)
     if not decision.allowed:
         raise exc.PolicyDenied(decision.reason, rule=decision.rule, action=f"use model {name}")
+
+
+def check_approver(principal: Principal) -> None:
+    """``PolicyDenied`` (403) unless the principal's role may decide approvals."""
+    engine = engine_for(principal)
+    if not engine.role.can_approve:
+        raise exc.PolicyDenied(
+            f"role {engine.role_name!r} may not approve or deny actions",
+            rule=f"roles.{engine.role_name}.can_approve",
+            action="decide an approval",
+        )
+
+
+def may_approve(principal: Principal) -> bool:
+    return engine_for(principal).role.can_approve

@@ -16,6 +16,7 @@ from stockade.server.tenants import Principal, Tenant, Tenants
 __all__ = ["AuditLogs", "ServiceConfig", "TenantLimits"]
 
 MiB = 1024 * 1024
+API_RATE = "api"  # the name of the API's rate limit, which keys its counters in the window
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,8 +73,11 @@ class AuditLogs:
 
 
 class TenantLimits:
-    """Each tenant's ``rate_per_minute`` over its API calls (and, in runs, its tool actions),
-    in a window shared by every process when Redis is configured."""
+    """Each tenant's ``rate_per_minute`` over its API calls, in a window shared by every
+    process when Redis is configured. Its runs count their tool actions in the same
+    ``window`` (``AgentConfig.limits_window``) against a counter of their own: a limit's name
+    keys the window (``api:tenant:<id>`` here, ``actions:tenant:<id>`` for the runs), so
+    polling a run never holds up its actions, nor the reverse."""
 
     def __init__(self, redis: str | None, *, namespace: str = "stockade") -> None:
         self.window: Window = RedisWindow(redis, namespace=namespace) if redis else LocalWindow()
@@ -85,8 +89,14 @@ class TenantLimits:
             return None
         with self._lock:
             limit = self._rates.get(tenant.id)
-            if limit is None or limit.per_minute != tenant.rate_per_minute:
-                limit = RateLimit(per_minute=tenant.rate_per_minute, window=self.window, name="api")
+            if limit is None or (limit.per_minute, limit.period_s) != (
+                tenant.rate_per_minute,
+                tenant.rate_period_s,
+            ):
+                limit = RateLimit(
+                    per_minute=tenant.rate_per_minute, window=self.window, name=API_RATE,
+                    period_s=tenant.rate_period_s,
+                )  # fmt: skip
                 self._rates[tenant.id] = limit
             return limit
 

@@ -8,9 +8,12 @@ again; a non-idempotent one cut mid-way is ``OutcomeUnknown``), and a run that e
 as it is. That is what lets a broker deliver a run again after its worker died.
 
 The agent is assembled with ``build_agent`` from the run's spec and its tenant: the tenant's
-policy under the token's role, its audit trail (a chain of its own), its spend limit (per
-tenant, over every run, shared through Redis when configured) and its rate limit on tool
-actions; approvals and kill switches in the service's database.
+policy under the token's role, its audit trail (a chain of its own), approvals and kill
+switches in the service's database, and the tenant's limits as any agent has them
+(``AgentConfig.tenant``, ``rate_per_minute``, ``dollars_per_hour``) in the service's window
+(``TenantLimits.window``: one per process, or Redis shared by every process). So a tool action
+over the tenant's rate waits for the window and a full spend window stops the run ("budget"),
+neither shown to the model; and the run's live mark names its tenant, for a kill-all.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from stockade import exceptions as exc
 from stockade.agent import RunLimits
@@ -36,13 +39,11 @@ from stockade.models.messages import ModelResponse, ToolCall
 from stockade.models.scripted import ScriptedModel
 from stockade.runs.seeds import pack_workspace, unpack_seed
 from stockade.runs.store import RunStore
-from stockade.runtime.limits import RateLimit, SpendLimit
-from stockade.runtime.models import LimitedModel
 from stockade.server.context import AuditLogs, ServiceConfig, TenantLimits
 from stockade.server.schemas import RunSubmit
 from stockade.server.state import TERMINAL, DatabaseApprovals, DatabaseKillSource, ServiceStore, open_database
 from stockade.server.tenants import Tenant
-from stockade.tools.base import CallNext, Tool, ToolContext, Toolset
+from stockade.tools.base import Toolset
 from stockade.tools.builtin import default_toolset
 
 __all__ = ["RunOutcome", "Runner", "load_toolset", "scripted_model"]
@@ -98,14 +99,6 @@ def load_toolset(reference: str | None) -> Toolset:
     return toolset
 
 
-def _tenant_rate(rate: RateLimit, key: str) -> object:
-    async def wrapper(ctx: ToolContext, tool: Tool, args: BaseModel, call_next: CallNext) -> object:
-        rate.acquire(key)
-        return await call_next(ctx, tool, args)
-
-    return wrapper
-
-
 @dataclass(frozen=True, kw_only=True)
 class RunOutcome:
     run_id: str
@@ -128,7 +121,6 @@ class Runner:
         self.audit = AuditLogs(config.database, key=config.audit_key)
         self.limits = TenantLimits(config.redis, namespace=config.queue)
         self.tools = load_toolset(config.tools)
-        self._spend: dict[str, SpendLimit] = {}
         self._sessions: dict[str, AgentSession] = {}
         self._lock = threading.Lock()
 
@@ -143,22 +135,6 @@ class Runner:
         self.audit.close()
         self.runs.close()
         self.store.close()
-
-    def _model(self, spec: RunSubmit, tenant: Tenant) -> Model:
-        model = build_model(spec)
-        if tenant.dollars_per_hour is None:
-            return model
-        spend = self._spend.get(tenant.id)
-        if spend is None or spend.dollars_per_hour != tenant.dollars_per_hour:
-            spend = SpendLimit(dollars_per_hour=tenant.dollars_per_hour, window=self.limits.window)
-            self._spend[tenant.id] = spend
-        return LimitedModel(model, spend=spend, key=f"tenant:{tenant.id}")
-
-    def _toolset(self, tenant: Tenant) -> Toolset:
-        rate = self.limits.rate(tenant)
-        if rate is None:
-            return self.tools
-        return self.tools.wrapped(_tenant_rate(rate, f"tools:{tenant.id}"))  # type: ignore[arg-type]
 
     @contextlib.contextmanager
     def _seed(self, tenant: Tenant, digest: str | None) -> Iterator[Path | None]:
@@ -192,7 +168,7 @@ class Runner:
         try:
             spec = RunSubmit.model_validate(row.spec)
             config = AgentConfig(
-                model=self._model(spec, tenant),
+                model=build_model(spec),
                 policy=tenant.policy,
                 role=row.role,
                 trust=spec.trust,
@@ -208,8 +184,13 @@ class Runner:
                 approver=None,
                 approval_store=self.approvals,
                 kill_source=self.kills,
-                tools=self._toolset(tenant),
+                tools=self.tools,
                 checkpointer=self.runs,
+                tenant=tenant.id,
+                rate_per_minute=tenant.rate_per_minute,
+                rate_period_s=tenant.rate_period_s,
+                dollars_per_hour=tenant.dollars_per_hour,
+                limits_window=self.limits.window,
             )  # fmt: skip
         except exc.StockadeError as error:
             self.store.set_status(run_id, "error", error=str(error))

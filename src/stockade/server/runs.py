@@ -1,5 +1,6 @@
-"""Runs over HTTP: submit an agent task, follow it, decide its approvals, kill it, fetch its
-diff and its final workspace.
+"""Runs over HTTP: submit an agent task, follow it, decide its approvals, kill it (or every
+live run of the tenant at once), resume it once its breaker stopped it, fetch its diff and its
+final workspace.
 
 A run's live events are its audit trail (``GET /v1/runs/{id}/events``, Server-Sent Events):
 each audit event of the run as it is written, ``id`` its sequence number (reconnect with
@@ -30,17 +31,27 @@ from stockade.audit.events import EventKind
 from stockade.audit.verify import verify
 from stockade.policy.approval import Choice
 from stockade.runs.seeds import pack_workspace
-from stockade.server.authz import check_model, choose_tier, engine_for
+from stockade.runtime.killswitch import kill_all
+from stockade.server.authz import check_approver, check_model, choose_tier, engine_for
 from stockade.server.deps import Caller, get_service
 from stockade.server.runner import build_model
 from stockade.server.sandboxes import _body
-from stockade.server.schemas import ApprovalDecision, KillRequest, RunOut, RunSubmit, WorkspaceOut
+from stockade.server.schemas import (
+    ApprovalDecision,
+    KillAllOut,
+    KillAllRequest,
+    KilledRun,
+    KillRequest,
+    RunOut,
+    RunSubmit,
+    WorkspaceOut,
+)
 from stockade.server.service import Service
 from stockade.server.state import TERMINAL, RunRow
 from stockade.server.tenants import Principal
 from stockade.server.uploads import unpack_archive
 
-__all__ = ["router"]
+__all__ = ["decide_approval", "router", "run_status"]
 
 router = APIRouter(tags=["runs"])
 
@@ -267,23 +278,27 @@ async def decide(
     run_id: str, request_id: str, body: ApprovalDecision, request: Request, caller: Caller
 ) -> RunOut:
     service = get_service(request)
-
-    def work() -> RunOut:
-        row = _row(service, caller, run_id)
-        choice = Choice.APPROVED if body.decision == "approve" else Choice.DENIED
-        service.approvals.decide(run_id, request_id, choice, by=f"token:{caller.token_id}")
-        service.audit.get(caller.tenant).record(
-            EventKind.APPROVAL, run_id=run_id, actor=f"human:token:{caller.token_id}",
-            attributes={"request_id": request_id, "outcome": choice.value, "through": "api"},
-        )  # fmt: skip
-        if row.status == "paused" and service.store.set_status(run_id, "queued", only_from=("paused",)):
-            service.executor.submit(run_id, reason="decided")
-        updated = service.store.run(run_id)
-        assert updated is not None
-        return _out(service, updated, detail=True)
-
-    out: RunOut = await _blocking(work)
+    choice = Choice.APPROVED if body.decision == "approve" else Choice.DENIED
+    out: RunOut = await _blocking(lambda: decide_approval(service, caller, run_id, request_id, choice))
     return out
+
+
+def decide_approval(
+    service: Service, caller: Principal, run_id: str, request_id: str, choice: Choice, *, through: str = "api"
+) -> RunOut:
+    """Record a decision (if the caller's role may decide) and send a paused run on."""
+    row = _row(service, caller, run_id)
+    check_approver(caller)
+    service.approvals.decide(run_id, request_id, choice, by=f"token:{caller.token_id}")
+    service.audit.get(caller.tenant).record(
+        EventKind.APPROVAL, run_id=run_id, actor=f"human:token:{caller.token_id}",
+        attributes={"request_id": request_id, "outcome": choice.value, "through": through},
+    )  # fmt: skip
+    if row.status == "paused" and service.store.set_status(run_id, "queued", only_from=("paused",)):
+        service.executor.submit(run_id, reason="decided")
+    updated = service.store.run(run_id)
+    assert updated is not None
+    return _out(service, updated, detail=True)
 
 
 @router.post("/v1/runs/{run_id}/kill", response_model=RunOut, summary="Kill a run, wherever it runs")
@@ -304,6 +319,71 @@ async def kill_run(run_id: str, request: Request, caller: Caller, body: KillRequ
             run_id, "killed", error=reason, only_from=("queued", "paused", "interrupted", "broken")
         ):
             service.kills.kill(run_id, reason)
+        updated = service.store.run(run_id)
+        assert updated is not None
+        return _out(service, updated, detail=True)
+
+    out: RunOut = await _blocking(work)
+    return out
+
+
+@router.post("/v1/runs/kill", response_model=KillAllOut,
+             summary="Kill every live run of your tenant (an admin token: another's, or all)")  # fmt: skip
+async def kill_all_runs(request: Request, caller: Caller, body: KillAllRequest | None = None) -> KillAllOut:
+    service = get_service(request)
+    asked = body or KillAllRequest()
+    if asked.all_tenants and asked.tenant is not None:
+        raise exc.InvalidArgument(
+            "give tenant or all_tenants, not both", argument="tenant", fix="leave tenant out with all_tenants"
+        )
+    tenant = None if asked.all_tenants else (asked.tenant or caller.tenant.id)
+    if tenant != caller.tenant.id and not caller.admin:
+        whose = "every tenant" if tenant is None else f"tenant {tenant!r}"
+        raise exc.PolicyDenied(
+            f"only an admin token may kill the runs of {whose}; this token acts for tenant "
+            f"{caller.tenant.id!r} (leave tenant and all_tenants out to kill its runs)",
+            rule="tokens.admin",
+            action=f"kill the runs of {whose}",
+        )
+    if tenant is not None and tenant not in service.tenants.tenants:
+        raise exc.ResourceNotFound(f"no tenant {tenant!r}", kind="tenant", id=tenant)
+
+    def work() -> KillAllOut:
+        # the switches of the runs live now, wherever they run (a run that starts afterwards
+        # is not stopped: the switch is per run, as `stockade kill --all`)
+        pulled = kill_all(service.kills, asked.reason, tenant=tenant)
+        for run in pulled:
+            owner = service.tenants.tenants.get(run.tenant or "")
+            if owner is not None:  # each kill in the trail of the run's own tenant
+                service.audit.get(owner).record(
+                    EventKind.KILL_SWITCH, run_id=run.run_id, actor=f"human:token:{caller.token_id}",
+                    attributes={"reason": asked.reason, "through": "api", "scope": "all"},
+                )  # fmt: skip
+        return KillAllOut(killed=[KilledRun(run_id=r.run_id, tenant=r.tenant, where=r.where) for r in pulled])
+
+    out: KillAllOut = await _blocking(work)
+    return out
+
+
+@router.post("/v1/runs/{run_id}/resume", response_model=RunOut,
+             summary="Resume a run its breaker stopped (broken), once someone has looked")  # fmt: skip
+async def resume_run(run_id: str, request: Request, caller: Caller) -> RunOut:
+    service = get_service(request)
+
+    def work() -> RunOut:
+        row = _row(service, caller, run_id)
+        if row.status != "broken":
+            raise exc.RunConflict(
+                f"run {run_id} is {_status(service, row)}: only a broken run is resumed here (a paused "
+                "one goes on once its approvals are decided; an interrupted one when a worker takes it up)"
+            )
+        service.audit.get(caller.tenant).record(
+            EventKind.NOTE, run_id=run_id, actor=f"human:token:{caller.token_id}",
+            attributes={"action": "resume", "status": "broken", "through": "api"},
+        )  # fmt: skip
+        # the runner resumes it from its last step, the breaker closed (AgentSession.resume)
+        if service.store.set_status(run_id, "queued", only_from=("broken",)):
+            service.executor.submit(run_id, reason="resumed")
         updated = service.store.run(run_id)
         assert updated is not None
         return _out(service, updated, detail=True)
@@ -356,3 +436,8 @@ async def verify_audit(request: Request, caller: Caller) -> dict[str, Any]:
 
     found: dict[str, Any] = await _blocking(work)
     return found
+
+
+def run_status(service: Service, row: RunRow) -> str:
+    """The status a client is shown (the run store's correction included)."""
+    return _status(service, row)

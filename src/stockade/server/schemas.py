@@ -13,7 +13,10 @@ __all__ = [
     "ApprovalDecision",
     "CodeRequest",
     "CommandRequest",
+    "KillAllOut",
+    "KillAllRequest",
     "KillRequest",
+    "KilledRun",
     "LimitsIn",
     "NetworkIn",
     "RunLimitsIn",
@@ -162,3 +165,22 @@ class ApprovalDecision(_In):
 
 class KillRequest(_In):
     reason: str = Field(default="killed through the API", max_length=500)
+
+
+class KillAllRequest(_In):
+    """Every live run of the caller's tenant; an admin token may name another ``tenant``, or
+    ask for ``all_tenants``."""
+
+    reason: str = Field(default="killed through the API (kill-all)", max_length=500)
+    tenant: str | None = Field(default=None, description="another tenant's runs (an admin token only)")
+    all_tenants: bool = Field(default=False, description="every tenant's runs (an admin token only)")
+
+
+class KilledRun(BaseModel):
+    run_id: str
+    tenant: str | None
+    where: str
+
+
+class KillAllOut(BaseModel):
+    killed: list[KilledRun]

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from stockade import exceptions as exc
 from stockade.policy.approval import ApprovalRequest, Choice
 from stockade.runs._db import Database, PostgresDatabase, SQLiteDatabase
-from stockade.runtime.killswitch import LIVE_FOR_S
+from stockade.runtime.killswitch import LIVE_FOR_S, LiveRun
 
 __all__ = [
     "DatabaseApprovals",
@@ -43,6 +43,7 @@ __all__ = [
     "RunRow",
     "SandboxRow",
     "ServiceStore",
+    "database_kill_source",
     "open_database",
 ]
 
@@ -678,4 +679,19 @@ class DatabaseKillSource:
         rows = self.db.query(f"SELECT info, beat_ns FROM {self.marks} WHERE run_id = ?", (run_id,))
         if not rows or time.time_ns() - _int(rows[0][1]) > LIVE_FOR_S * 1e9:
             return None
-        return str(rows[0][0])
+        return str(LiveRun.decode(run_id, str(rows[0][0])))
+
+    def live_runs(self) -> list[LiveRun]:
+        """Every run whose mark is fresh, wherever it runs (``kill_all``)."""
+        fresh = time.time_ns() - int(LIVE_FOR_S * 1e9)
+        rows = self.db.query(
+            f"SELECT run_id, info FROM {self.marks} WHERE beat_ns >= ? ORDER BY run_id", (fresh,)
+        )
+        return [LiveRun.decode(str(r[0]), str(r[1])) for r in rows]
+
+
+def database_kill_source(url: str) -> DatabaseKillSource:
+    """The kill switches of the service whose database is ``url`` (``sqlite:///PATH`` or
+    ``postgresql://...``): what ``stockade kill --target URL`` pulls. Its tables are made if
+    missing, as the service would."""
+    return DatabaseKillSource(ServiceStore(open_database(url)), poll_s=0.0)

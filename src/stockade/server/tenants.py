@@ -9,7 +9,8 @@ quotas and its rate and spend limits, and lists the tokens, stored hashed:
     cpus = 8.0                       # their CPUs, added up
     memory_mb = 8192                 # their memory, added up
     runs = 100                       # runs queued or running at once
-    rate_per_minute = 600            # API calls and tool actions per rolling minute
+    rate_per_minute = 600            # API calls, and tool actions of its runs, per rolling minute
+    rate_period_s = 60               # that window, in seconds (a minute unless shortened)
     dollars_per_hour = 5.0           # model spend per rolling hour, over every run
 
     [[tokens]]
@@ -17,6 +18,7 @@ quotas and its rate and spend limits, and lists the tokens, stored hashed:
     sha256 = "…"                     # of the token's secret part
     tenant = "acme"
     role = "developer"               # a role of acme's policy (required when it has roles)
+    admin = false                    # true: an operator's token, which may kill other tenants' runs
 
 A token is ``stk_<id>_<secret>``: the id finds its record (it is not secret), and the
 secret's SHA-256 is compared with the stored one in constant time. An unknown id is
@@ -64,6 +66,7 @@ class Tenant:
     policy: Policy = field(default_factory=Policy)
     quotas: Quotas = field(default_factory=Quotas)
     rate_per_minute: int | None = None
+    rate_period_s: float = 60.0
     dollars_per_hour: float | None = None
 
     @property
@@ -78,15 +81,19 @@ class TokenRecord:
     sha256: str
     tenant: str
     role: str | None = None
+    admin: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
 class Principal:
-    """Who a request is from: a tenant, under one role of its policy."""
+    """Who a request is from: a tenant, under one role of its policy. ``admin``: an operator's
+    token (the tenants file says so, never a tenant's policy), which may act on every tenant's
+    runs where a route allows it (a kill-all)."""
 
     tenant: Tenant
     role: str | None
     token_id: str
+    admin: bool = False
 
 
 class _TenantEntry(BaseModel):
@@ -98,6 +105,7 @@ class _TenantEntry(BaseModel):
     memory_mb: int = Field(default=8192, ge=0)
     runs: int = Field(default=100, ge=0)
     rate_per_minute: int | None = Field(default=None, gt=0)
+    rate_period_s: float = Field(default=60.0, ge=1)  # Redis windows count whole seconds
     dollars_per_hour: float | None = Field(default=None, gt=0)
 
 
@@ -108,6 +116,7 @@ class _TokenEntry(BaseModel):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     tenant: str
     role: str | None = None
+    admin: bool = False
 
 
 class _File(BaseModel):
@@ -127,11 +136,11 @@ def parse_token(token: str) -> tuple[str, str] | None:
     return (match.group(1), match.group(2)) if match else None
 
 
-def new_token(tenant: str, role: str | None = None) -> tuple[str, TokenRecord]:
+def new_token(tenant: str, role: str | None = None, *, admin: bool = False) -> tuple[str, TokenRecord]:
     """A fresh token (shown once) and the record to keep (its secret hashed)."""
     token_id, secret = secrets.token_hex(6), secrets.token_urlsafe(32)
     return f"stk_{token_id}_{secret}", TokenRecord(
-        id=token_id, sha256=_digest(secret), tenant=tenant, role=role
+        id=token_id, sha256=_digest(secret), tenant=tenant, role=role, admin=admin
     )
 
 
@@ -191,10 +200,12 @@ class Tenants:
                     sandboxes=entry.sandboxes, cpus=entry.cpus, memory_mb=entry.memory_mb, runs=entry.runs
                 ),
                 rate_per_minute=entry.rate_per_minute,
+                rate_period_s=entry.rate_period_s,
                 dollars_per_hour=entry.dollars_per_hour,
             )
         tokens = {
-            t.id: TokenRecord(id=t.id, sha256=t.sha256, tenant=t.tenant, role=t.role) for t in parsed.tokens
+            t.id: TokenRecord(id=t.id, sha256=t.sha256, tenant=t.tenant, role=t.role, admin=t.admin)
+            for t in parsed.tokens
         }
         return cls(tenants=tenants, tokens=tokens)
 
@@ -210,11 +221,15 @@ class Tenants:
                 "the API token is not one this service knows: send `Authorization: Bearer stk_…` with a "
                 "token made by `stockade token new`"
             )
-        return Principal(tenant=self.tenants[record.tenant], role=record.role, token_id=record.id)
+        return Principal(
+            tenant=self.tenants[record.tenant], role=record.role, token_id=record.id, admin=record.admin
+        )
 
     def toml_lines(self, record: TokenRecord) -> str:
         """The lines that add ``record`` to a tenants file."""
         role = f'\nrole = "{record.role}"' if record.role else ""
+        admin = "\nadmin = true" if record.admin else ""
         return (
-            f'[[tokens]]\nid = "{record.id}"\nsha256 = "{record.sha256}"\ntenant = "{record.tenant}"{role}\n'
+            f'[[tokens]]\nid = "{record.id}"\nsha256 = "{record.sha256}"\ntenant = "{record.tenant}"{role}'
+            f"{admin}\n"
         )

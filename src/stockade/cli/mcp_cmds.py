@@ -1,0 +1,148 @@
+"""``stockade mcp``: the agent tools as an MCP server, a sandbox per client session.
+
+Its standard output is the protocol (stdio): everything it says goes to standard error.
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from stockade import exceptions as exc
+from stockade.cli._console import CliConsole
+from stockade.cli._signals import Interrupted, interruptible
+from stockade.runtime.failures import DEFAULT_FAILURES
+from stockade.sandbox import _registry
+from stockade.types import Trust
+
+err = CliConsole(stderr=True)
+
+DEFAULT_DB = "sqlite:///.stockade/audit.db"
+
+
+class TransportName(enum.StrEnum):
+    STDIO = "stdio"
+    HTTP = "http"
+
+
+def mcp(
+    transport: Annotated[
+        TransportName,
+        typer.Option("--transport", help="stdio (one client) or http (streamable HTTP, sessions)"),
+    ] = TransportName.STDIO,
+    policy: Annotated[
+        Path | None, typer.Option("--policy", "-p", help="the policy file (TOML or YAML)")
+    ] = None,
+    role: Annotated[str | None, typer.Option("--role", help="a role of the policy")] = None,
+    trust: Annotated[Trust | None, typer.Option("--trust", help="tightens the policy's trust level")] = None,
+    tier: Annotated[str | None, typer.Option("--tier", "-t", help=_registry.NAMES)] = None,
+    workspace: Annotated[
+        Path | None,
+        typer.Option("--workspace", "-w", help="a folder each session starts from (a copy of it)"),
+    ] = None,
+    audit_db: Annotated[
+        str, typer.Option("--audit-db", envvar="STOCKADE_AUDIT_DB", help="the audit trail (and run store)")
+    ] = DEFAULT_DB,
+    runs_db: Annotated[
+        str | None, typer.Option("--runs-db", help="the run store (default: --audit-db)")
+    ] = None,
+    rate: Annotated[
+        int | None, typer.Option("--rate-per-minute", help="tool calls per rolling minute, all sessions")
+    ] = None,
+    spend_per_hour: Annotated[
+        float | None,
+        typer.Option(
+            "--dollars-per-hour", help="model spend per rolling hour (the client's model costs nothing here)"
+        ),
+    ] = None,
+    kill_target: Annotated[
+        str | None, typer.Option("--kill-target", help="kill directory or redis://... (stockade kill)")
+    ] = None,
+    approval_wait: Annotated[
+        float,
+        typer.Option(
+            "--approval-wait",
+            help="seconds a call waits for `stockade approve` when the client cannot ask its user",
+        ),
+    ] = 300.0,
+    max_steps: Annotated[int, typer.Option("--max-calls", help="tool calls in one session")] = 10_000,
+    max_wall: Annotated[
+        float, typer.Option("--max-session-s", help="seconds one session may last")
+    ] = 86_400.0,
+    max_denials: Annotated[
+        int, typer.Option("--max-denials", help="denied calls in a row that end a session")
+    ] = 3,
+    max_failures: Annotated[
+        int,
+        typer.Option("--max-failures", help='failed calls in a row that end a session "broken" (0: never)'),
+    ] = DEFAULT_FAILURES,
+    host: Annotated[str, typer.Option("--host", help="http: the address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="http: the port")] = 8765,
+    idle_timeout: Annotated[
+        float, typer.Option("--idle-timeout", help="http: seconds before an unused session ends")
+    ] = 1800.0,
+) -> None:
+    """Serve the agent tools (run_code, run_tests, read_file, write_file, apply_patch,
+    list_files, git_diff) to an MCP client: each client session gets a sandbox of its own under
+    the policy, with its rate limit, kill switch and audit trail, recorded as a run
+    (`stockade runs show`). Workspace files and the session's diff are resources. An action the
+    policy sends for approval is asked through the client when it can ask its user, else it
+    waits for `stockade approve` (up to --approval-wait seconds; then it is denied)."""
+    import anyio
+    import stamina.instrumentation
+
+    from stockade.agent import RunLimits
+    from stockade.assembly import AgentConfig
+    from stockade.server.mcp_server import McpFace, serve_http, serve_stdio
+    from stockade.server.mcp_session import MODEL_NAME, McpAgent
+
+    stamina.instrumentation.set_on_retry_hooks([])  # retries are in the audit trail; stdout is the protocol's
+    if workspace is not None and not workspace.is_dir():
+        err.print(f"[red]error:[/] --workspace {escape(str(workspace))} is not a folder")
+        raise typer.Exit(2)
+    try:
+        config = AgentConfig(
+            model=MODEL_NAME,  # replaced by the client: see McpAgent
+            policy=policy, role=role, trust=trust, tier=tier, audit=audit_db, runs_url=runs_db,
+            limits=RunLimits(max_steps=max_steps, max_wall_s=max_wall, max_denials=max_denials),
+            rate_per_minute=rate, dollars_per_hour=spend_per_hour, kill_target=kill_target,
+            max_consecutive_failures=max_failures or None,
+        )  # fmt: skip
+        agent = McpAgent(config, workspace=workspace)
+    except exc.StockadeError as error:
+        err.print(f"[red]error:[/] {escape(str(error))}")
+        for problem in getattr(error, "problems", ()):
+            err.print(f"  {escape(problem)}")
+        raise typer.Exit(2) from None
+    face = McpFace(
+        agent, transport=transport.value, approval_wait_s=approval_wait,
+        idle_timeout_s=idle_timeout if transport is TransportName.HTTP else None,
+    )  # fmt: skip
+    where = f"http://{host}:{port}/mcp" if transport is TransportName.HTTP else "stdio"
+    if transport is TransportName.HTTP and host not in ("127.0.0.1", "localhost", "::1"):
+        err.print(
+            f"[yellow]warning: {escape(host)} is not this machine alone, and the MCP endpoint asks no token: "
+            "whoever reaches it runs code in sandboxes under this policy[/]"
+        )
+    err.print(
+        f"[dim]stockade mcp on {escape(where)}: the {agent.agent.tier} tier "
+        f"({escape(agent.agent.tier_reason)}), audited in {escape(audit_db)}[/]"
+    )
+    try:
+        with interruptible():
+            if transport is TransportName.HTTP:
+                serve_http(face, host=host, port=port)
+            else:
+                anyio.run(serve_stdio, face)
+    except Interrupted:
+        pass
+    finally:
+        face.close()  # every session's run ends and its sandbox is removed
+
+
+def register(app: typer.Typer) -> None:
+    app.command("mcp")(mcp)

@@ -1,0 +1,374 @@
+"""``stockade mcp``: the agent tools as an MCP server (the official ``mcp`` SDK), over stdio or
+streamable HTTP, with a sandbox per client session.
+
+A thin shell over ``mcp_session``: each MCP session is an agent run whose model is the client
+(``McpSession``), so the policy, the limits, the kill switch, approvals and the audit trail
+are the agent's own. This module only speaks the protocol:
+
+- ``tools/list``, ``tools/call``: the toolset's tools (run_code, run_tests, read_file,
+  write_file, apply_patch, list_files, git_diff); a call's observation is the result, an
+  error or a denial is ``isError`` with the reason the model of a run would read;
+- ``resources/list``, ``resources/read``: ``stockade://workspace/<path>`` for each file the
+  policy lets the session read, ``stockade://session/diff`` (the session's changes) and
+  ``stockade://session`` (its run id, for ``stockade kill`` or ``stockade runs show``);
+- an action the policy sends for approval is asked through the client when it supports
+  elicitation (a yes/no form: ``elicitation/create`` on the handshake versions; on 2026-07-28,
+  an ``InputRequiredResult`` whose answer comes with the client's retry of the call);
+  otherwise the call waits for ``stockade approve RUN REQUEST`` (or the run viewer's button)
+  for ``approval_wait_s``, and is denied, with the reason recorded, when nobody decided.
+
+Sessions. Over stdio the process serves one client: that is the session. Over HTTP a session
+is the transport's (``Mcp-Session-Id``, the handshake protocol versions); it ends when the
+client deletes it, when it has been idle for ``idle_timeout_s``, or when the server stops.
+The 2026-07-28 protocol has no sessions over HTTP: a client that probes for it is answered
+so that it falls back to a session (``server/discover`` is refused there).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+import threading
+import time
+import urllib.parse
+from typing import Any, Literal
+
+import anyio
+import mcp_types as types
+from mcp.server import Server, ServerRequestContext
+from mcp.shared.exceptions import MCPError
+from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from stockade import exceptions as exc
+from stockade.policy.approval import Choice
+from stockade.server.mcp_session import (
+    CallResult,
+    Ended,
+    McpAgent,
+    McpSession,
+    Outcome,
+    Paused,
+    PendingApproval,
+)
+
+__all__ = ["McpFace", "http_app", "serve_http", "serve_stdio"]
+
+log = logging.getLogger("stockade.mcp")
+
+Transport = Literal["stdio", "http"]
+WORKSPACE = "stockade://workspace/"
+DIFF = "stockade://session/diff"
+INFO = "stockade://session"
+SESSION_HEADER = "mcp-session-id"
+MAX_RESOURCES = 2000  # files listed as resources (the workspace diff's own cap is larger)
+_APPROVE_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "approve": {
+            "type": "boolean",
+            "title": "Approve",
+            "description": "Let the action run (false: deny it; the model is told)",
+        }
+    },
+    "required": ["approve"],
+}
+
+
+def _text(text: str, *, error: bool) -> types.CallToolResult:
+    return types.CallToolResult(content=[types.TextContent(text=text)], is_error=error)
+
+
+def _result(outcome: Outcome) -> types.CallToolResult:
+    if isinstance(outcome, CallResult):
+        return _text(outcome.text, error=outcome.is_error)
+    if isinstance(outcome, Ended):
+        why = f": {outcome.error}" if outcome.error else ""
+        return _text(
+            f"this MCP session's run has ended ({outcome.status}{why}); start a new session", error=True
+        )
+    return _text("the call waits for an approval", error=True)  # not reached: Paused is answered first
+
+
+class McpFace:
+    """The MCP server over one ``McpAgent``."""
+
+    def __init__(
+        self, agent: McpAgent, *, transport: Transport, approval_wait_s: float = 300.0,
+        idle_timeout_s: float | None = 1800.0,
+    ) -> None:  # fmt: skip
+        self.agent = agent
+        self.transport = transport
+        self.approval_wait_s = approval_wait_s
+        self.idle_timeout_s = idle_timeout_s
+        self._used: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._reaper: threading.Thread | None = None
+        self.server: Server[Any] = Server(
+            "stockade",
+            version=_version(),
+            instructions=(
+                "Tools that run code in a sandbox of their own, under a policy: every call is judged, "
+                "limited and recorded in an audit trail. Read stockade://session/diff for what changed."
+            ),
+            on_list_tools=self._list_tools,
+            on_call_tool=self._call_tool,
+            on_list_resources=self._list_resources,
+            on_read_resource=self._read_resource,
+        )
+        if transport == "http":
+            self.server.add_request_handler("server/discover", types.RequestParams, self._no_discover)
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    def _key(self, ctx: ServerRequestContext[Any, Any]) -> str:
+        if self.transport == "stdio":
+            return "stdio"  # one client per process
+        request = ctx.request
+        key = (
+            request.headers.get(SESSION_HEADER)
+            if request is not None and hasattr(request, "headers")
+            else None
+        )
+        if not key:
+            raise MCPError(
+                types.INVALID_REQUEST,
+                "stockade keeps a sandbox per MCP session: connect with a session (the initialize handshake)",
+            )
+        return str(key)
+
+    def _session(self, ctx: ServerRequestContext[Any, Any]) -> McpSession:
+        key = self._key(ctx)
+        params = ctx.session.client_params
+        info = params.client_info if params is not None else None
+        client = f"{info.name} {info.version}" if info is not None else "an MCP client"
+        self._used[key] = time.monotonic()
+        return self.agent.session(key, client=client)
+
+    def end_session(self, key: str) -> None:
+        session = self.agent.forget(key)
+        self._used.pop(key, None)
+        if session is not None:
+            session.end()
+
+    def start_reaper(self) -> None:
+        """End HTTP sessions idle for ``idle_timeout_s`` (their sandboxes go with them)."""
+        if self.idle_timeout_s is None or self._reaper is not None:
+            return
+
+        def reap() -> None:
+            assert self.idle_timeout_s is not None
+            while not self._stop.wait(min(30.0, self.idle_timeout_s / 4)):
+                now = time.monotonic()
+                for key, used in list(self._used.items()):
+                    if now - used > self.idle_timeout_s:
+                        log.info("MCP session %s idle for %.0f s: ended", key, now - used)
+                        self.end_session(key)
+
+        self._reaper = threading.Thread(target=reap, name="stockade-mcp-reaper", daemon=True)
+        self._reaper.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.agent.close()
+
+    # -- handlers ------------------------------------------------------------------------------
+
+    async def _no_discover(self, ctx: ServerRequestContext[Any, Any], params: types.RequestParams) -> None:
+        raise MCPError(
+            types.METHOD_NOT_FOUND,
+            "this server keeps a sandbox per session: connect with the initialize handshake",
+        )
+
+    async def _list_tools(
+        self, ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams | None
+    ) -> types.ListToolsResult:
+        return types.ListToolsResult(
+            tools=[types.Tool(name=n, description=d, input_schema=s) for n, d, s in self.agent.tools]
+        )
+
+    async def _call_tool(
+        self, ctx: ServerRequestContext[Any, Any], params: types.CallToolRequestParams
+    ) -> types.CallToolResult | types.InputRequiredResult:
+        session = self._session(ctx)
+        held = session.paused
+        if held is None:
+            outcome = await session.call(params.name, params.arguments or {})
+        elif params.input_responses and await self._answered(session, held, params.input_responses):
+            session.paused = None
+            outcome = await session.resume()
+        else:  # an action still waits for its answer: the session asks again
+            outcome = held
+        while isinstance(outcome, Paused):
+            if _asks_by_retry(ctx):  # 2026-07-28: the question rides the result, the answer the retry
+                session.paused = outcome
+                return _input_required(outcome)
+            for pending in outcome.approvals:
+                await self._ask(ctx, session, pending)
+            outcome = await session.resume()
+        return _result(outcome)
+
+    async def _answered(self, session: McpSession, held: Paused, responses: Any) -> bool:
+        """Record the decisions the client's retry carries; whether every request has one."""
+        for pending in held.approvals:
+            answer = responses.get(pending.request_id)
+            if not isinstance(answer, types.ElicitResult):
+                return False
+            approved = answer.action == "accept" and (answer.content or {}).get("approve") is True
+            choice = Choice.APPROVED if approved else Choice.DENIED
+            by = f"mcp client {session.client} (elicitation: {answer.action})"
+            await anyio.to_thread.run_sync(functools.partial(session.decide, pending, choice, by=by))
+        return True
+
+    async def _ask(
+        self, ctx: ServerRequestContext[Any, Any], session: McpSession, pending: PendingApproval
+    ) -> None:
+        """Get a decision: from the client's user (elicitation), else from whoever runs
+        ``stockade approve`` within ``approval_wait_s``; nobody: denied, and the reason kept."""
+        caps = ctx.session.client_capabilities
+        if caps is not None and caps.elicitation is not None and ctx.session.can_send_request:
+            answer = await ctx.session.elicit_form(
+                message=_message(pending),
+                requested_schema=_APPROVE_SCHEMA,
+                related_request_id=ctx.request_id,
+            )
+            approved = answer.action == "accept" and (answer.content or {}).get("approve") is True
+            choice = Choice.APPROVED if approved else Choice.DENIED
+            by = f"mcp client {session.client} (elicitation: {answer.action})"
+            await anyio.to_thread.run_sync(lambda: session.decide(pending, choice, by=by))
+            return
+        print(
+            f"stockade mcp: {pending.action} waits for approval: stockade approve {pending.run_id} "
+            f"{pending.request_id} (or deny); {self.approval_wait_s:g} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        deadline = time.monotonic() + self.approval_wait_s
+        while time.monotonic() < deadline:
+            if await anyio.to_thread.run_sync(lambda: session.decision(pending)) is not None:
+                return
+            await anyio.sleep(0.25)
+        await anyio.to_thread.run_sync(
+            lambda: session.decide(pending, Choice.DENIED, by=f"nobody within {self.approval_wait_s:g} s")
+        )
+
+    async def _list_resources(
+        self, ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams | None
+    ) -> types.ListResourcesResult:
+        session = self._session(ctx)
+        try:
+            paths = await anyio.to_thread.run_sync(session.list_files)
+        except exc.StockadeError as error:
+            raise MCPError(types.INTERNAL_ERROR, f"the workspace cannot be listed: {error}") from None
+        resources = [
+            types.Resource(
+                uri=INFO, name="session", description="this session's run id, tier and status (JSON)",
+                mime_type="application/json",
+            ),
+            types.Resource(
+                uri=DIFF, name="session diff", description="what this session changed in the workspace",
+                mime_type="text/x-diff",
+            )
+        ]  # fmt: skip
+        resources += [
+            types.Resource(uri=WORKSPACE + urllib.parse.quote(path), name=path, mime_type="text/plain")
+            for path in paths[:MAX_RESOURCES]
+        ]
+        return types.ListResourcesResult(resources=resources)
+
+    async def _read_resource(
+        self, ctx: ServerRequestContext[Any, Any], params: types.ReadResourceRequestParams
+    ) -> types.ReadResourceResult:
+        session = self._session(ctx)
+        uri = str(params.uri)
+        try:
+            if uri == INFO:
+                text, mime = json.dumps(session.info()), "application/json"
+            elif uri == DIFF:
+                text = await anyio.to_thread.run_sync(session.diff)
+                mime = "text/x-diff"
+            elif uri.startswith(WORKSPACE):
+                path = urllib.parse.unquote(uri.removeprefix(WORKSPACE))
+                data = await anyio.to_thread.run_sync(lambda: session.read_file(path))
+                text, mime = data.decode("utf-8", errors="replace"), "text/plain"
+            else:
+                raise MCPError(types.INVALID_PARAMS, f"no resource {uri!r}: use {WORKSPACE}PATH or {DIFF}")
+        except exc.PolicyDenied as error:
+            raise MCPError(types.INVALID_PARAMS, f"denied by policy: {error}") from None
+        except exc.StockadeError as error:
+            raise MCPError(types.INVALID_PARAMS, f"{type(error).__name__}: {error}") from None
+        return types.ReadResourceResult(
+            contents=[types.TextResourceContents(uri=uri, text=text, mime_type=mime)]
+        )
+
+
+def _message(pending: PendingApproval) -> str:
+    return f"stockade: {pending.action} needs your approval ({pending.reason}; rule {pending.rule})"
+
+
+def _asks_by_retry(ctx: ServerRequestContext[Any, Any]) -> bool:
+    """A 2026-07-28 client that can ask its user: no server-to-client request exists there."""
+    caps = ctx.session.client_capabilities
+    return (
+        ctx.session.protocol_version in MODERN_PROTOCOL_VERSIONS
+        and caps is not None
+        and caps.elicitation is not None
+    )
+
+
+def _input_required(paused: Paused) -> types.InputRequiredResult:
+    return types.InputRequiredResult(
+        input_requests={
+            p.request_id: types.ElicitRequest(
+                params=types.ElicitRequestFormParams(message=_message(p), requested_schema=_APPROVE_SCHEMA)
+            )
+            for p in paused.approvals
+        },
+        request_state=paused.approvals[0].run_id if paused.approvals else "paused",
+    )
+
+
+def _version() -> str:
+    from stockade import __version__
+
+    return __version__
+
+
+async def serve_stdio(face: McpFace) -> None:
+    """Serve the one client on this process's stdin/stdout until it closes them."""
+    from mcp.server.stdio import stdio_server
+
+    async with stdio_server() as (read, write):
+        # the protocol has stdout (taken above); a stray print (a library's log line) would
+        # corrupt it, so from here stdout is stderr
+        real, sys.stdout = sys.stdout, sys.stderr
+        try:
+            await face.server.run(read, write, face.server.create_initialization_options())
+        finally:
+            sys.stdout = real
+
+
+def http_app(face: McpFace, *, host: str = "127.0.0.1", path: str = "/mcp") -> ASGIApp:
+    """The streamable HTTP app: the SDK's, and the end of a session (``DELETE``) ends its run."""
+    inner = face.server.streamable_http_app(
+        streamable_http_path=path, host=host, session_idle_timeout=face.idle_timeout_s
+    )
+    face.start_reaper()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await inner(scope, receive, send)
+        if scope["type"] == "http" and scope.get("method") == "DELETE":
+            headers = dict(scope.get("headers") or [])
+            key = headers.get(SESSION_HEADER.encode())
+            if key:
+                await anyio.to_thread.run_sync(face.end_session, key.decode("latin-1"))
+
+    return app
+
+
+def serve_http(face: McpFace, *, host: str, port: int, log_level: str = "warning") -> None:
+    import uvicorn
+
+    uvicorn.run(http_app(face, host=host), host=host, port=port, log_level=log_level)

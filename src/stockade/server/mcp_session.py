@@ -1,0 +1,391 @@
+"""An MCP client session as an agent run: the client is the model, its tool calls are the steps.
+
+``stockade mcp`` does not call tools itself. Each MCP session is one ``AgentSession`` of a
+``GuardedAgent`` (``build_agent``), driven by a ``Model`` whose "responses" are the tool calls
+the MCP client sends. So a call goes through exactly what a step of an agent run goes
+through: the policy's guards (deny, or ask a human), the runtime controls (kill switch,
+rate limit, breakers, anomalies), the sandbox's own enforcement, the audit trail and the
+run store; the session shows in ``stockade runs``, the run viewer and ``stockade audit``
+like any run.
+
+    owner = McpAgent(AgentConfig(model=..., policy="policy.toml", audit="sqlite:///..."))
+    session = owner.open_session(client="claude-desktop 1.0", workspace="project/")
+    outcome = await session.call("write_file", {"path": "a.py", "content": "..."})
+    ...
+    await session.aclose()        # the run ends "success", the sandbox is removed
+
+A session runs its loop in a thread of its own (the loop's ``run_sync``/``resume_sync``, a
+sandbox that starts and stops on that thread): the MCP server's event loop only passes calls
+in and outcomes out. An action the policy sends for approval pauses the run, as it pauses
+any run: the outcome is ``Paused`` with the pending requests; whoever decides (the MCP
+client through elicitation, ``stockade approve``, the run viewer) writes the decision to the
+approval book and the session resumes, which runs the parked call again under the decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextvars
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import JsonValue
+
+from stockade import exceptions as exc
+from stockade.agent.loop import RunResult
+from stockade.agent.state import RunStatus
+from stockade.assembly import AgentConfig, AgentSession, GuardedAgent, build_agent
+from stockade.models.base import Model
+from stockade.models.messages import ModelRequest, ModelResponse, ToolCall, ToolResultMessage
+from stockade.policy.approval import ApprovalRequest, Choice
+
+__all__ = [
+    "MODEL_NAME",
+    "CallResult",
+    "ClientModel",
+    "Ended",
+    "McpAgent",
+    "McpSession",
+    "Outcome",
+    "Paused",
+    "PendingApproval",
+]
+
+log = logging.getLogger("stockade.mcp")
+
+_END = object()  # put in a session's inbox: the client went away
+
+
+@dataclass(frozen=True, kw_only=True)
+class CallResult:
+    """What the tool call returned (its observation, as the model of a run would see it)."""
+
+    text: str
+    is_error: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class PendingApproval:
+    run_id: str
+    request_id: str
+    action: str
+    rule: str
+    reason: str
+
+    def request(self) -> ApprovalRequest:
+        return ApprovalRequest(run_id=self.run_id, action=self.action, rule=self.rule, reason=self.reason)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Paused:
+    """The call waits for a human decision on ``approvals``; then ``McpSession.resume``."""
+
+    approvals: tuple[PendingApproval, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ended:
+    """The session's run ended (killed, denied too often, out of budget, ...): no more calls."""
+
+    status: str
+    error: str | None
+
+
+Outcome = CallResult | Paused | Ended
+
+
+@dataclass
+class _Call:
+    call: ToolCall
+    future: concurrent.futures.Future[Outcome] = field(default_factory=concurrent.futures.Future)
+
+
+# The session whose loop runs on this thread (its asyncio.run copies the context).
+_running: contextvars.ContextVar[McpSession | None] = contextvars.ContextVar(
+    "stockade_mcp_session", default=None
+)
+
+MODEL_NAME = "mcp"  # what the policy's [models] approved list must allow
+
+
+class ClientModel(Model):
+    """The MCP clients, seen by the loop as its model (one for the agent, as its wrappers are:
+    each session's loop reaches its own client). A request reports the observation of the
+    call in flight to its caller, then waits for the client's next tool call: one per step."""
+
+    name = MODEL_NAME
+
+    async def request(self, request: ModelRequest) -> ModelResponse:
+        session = _running.get()
+        if session is None:
+            raise exc.ConfigurationError("the MCP client model runs only inside an MCP session")
+        session._deliver(request.messages)
+        item = await session._next()
+        name = MODEL_NAME  # what the policy's registry judges; the client is in the run's task
+        if item is _END or not isinstance(item, _Call):
+            return ModelResponse(
+                text="the MCP client ended its session", finish_reason="stop", model_name=name
+            )
+        session._current = item
+        return ModelResponse(tool_calls=(item.call,), finish_reason="tool_calls", model_name=name)
+
+
+class McpAgent:
+    """One ``GuardedAgent`` for the MCP server (its rate and spend windows, breakers and audit
+    trail are shared by every session), and the sessions it holds."""
+
+    def __init__(self, config: AgentConfig, *, workspace: str | Path | None = None) -> None:
+        """``config.model`` is replaced: the model of an MCP session is its client."""
+        config = dataclasses.replace(config, model=ClientModel())
+        self.config = config
+        self.workspace = workspace
+        self._sessions: dict[str, McpSession] = {}
+        self._lock = threading.Lock()
+        self.agent: GuardedAgent = build_agent(config)
+
+    @property
+    def tools(self) -> list[tuple[str, str, dict[str, JsonValue]]]:
+        """(name, description, JSON schema of the arguments) of each tool the sessions offer."""
+        return [(d.name, d.description, d.parameters) for d in self.agent.tools.definitions()]
+
+    def session(self, key: str, *, client: str) -> McpSession:
+        """The session of ``key`` (an MCP session id, or the one stdio client), started on first use."""
+        with self._lock:
+            found = self._sessions.get(key)
+            if found is None:  # one that ended stays, to say so, until the client leaves
+                found = McpSession(self, client=client, key=key)
+                self._sessions[key] = found
+            return found
+
+    def find(self, key: str) -> McpSession | None:
+        with self._lock:
+            return self._sessions.get(key)
+
+    def forget(self, key: str) -> McpSession | None:
+        with self._lock:
+            return self._sessions.pop(key, None)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """End every session (their runs end, their sandboxes are removed), then the agent."""
+        with self._lock:
+            sessions, self._sessions = list(self._sessions.values()), {}
+        for session in sessions:
+            session.end()
+        for session in sessions:
+            session.join(timeout_s)
+        self.agent.close()
+
+
+class McpSession:
+    """One MCP client session: a run of its own, in a thread of its own, with one sandbox."""
+
+    def __init__(self, owner: McpAgent, *, client: str, key: str) -> None:
+        self.owner = owner
+        self.key = key
+        self.client = client
+        self.run_id = f"mcp-{uuid.uuid4().hex[:20]}"
+        self._inbox: queue.Queue[object] = queue.Queue()
+        self._control: queue.Queue[concurrent.futures.Future[Outcome] | None] = queue.Queue()
+        self._current: _Call | None = None
+        self._ids = itertools.count(1)
+        self._started = threading.Event()
+        self._agent_session: AgentSession | None = None
+        self._failure: BaseException | None = None
+        self.result: RunResult | None = None
+        self.closed = False
+        self.paused: Paused | None = None  # asked of a 2026-07-28 client, until its retry answers
+        self._thread = threading.Thread(target=self._main, name=f"stockade-mcp-{self.run_id}", daemon=True)
+        self._thread.start()
+
+    # -- the MCP side (any thread, or the server's event loop) ------------------------------------
+
+    async def call(self, name: str, args: Mapping[str, JsonValue]) -> Outcome:
+        """Run one tool call as the session's next step (calls of a session run one at a time)."""
+        await asyncio.to_thread(self._started.wait)
+        if self.closed:
+            return self._ended()
+        item = _Call(call=ToolCall(id=f"mcp_{next(self._ids)}", name=name, args=dict(args)))
+        self._inbox.put(item)
+        return await asyncio.wrap_future(item.future)
+
+    async def resume(self) -> Outcome:
+        """Continue after the pending approvals were decided: the parked call runs again."""
+        future: concurrent.futures.Future[Outcome] = concurrent.futures.Future()
+        self._control.put(future)
+        return await asyncio.wrap_future(future)
+
+    def decide(self, pending: PendingApproval, choice: Choice, *, by: str) -> None:
+        """Record a decision in the approval book the run reads (as ``stockade approve`` does)."""
+        store = self.owner.agent.approvals.store
+        if store is None:
+            raise exc.ConfigurationError("this MCP server has no approval book")
+        store.decide(pending.run_id, pending.request_id, choice, by=by)
+
+    def decision(self, pending: PendingApproval) -> Choice | None:
+        store = self.owner.agent.approvals.store
+        return store.decision(pending.request()) if store is not None else None
+
+    def end(self) -> None:
+        """The client went away: the run ends (its sandbox is removed) on the session's thread."""
+        self._inbox.put(_END)
+        self._control.put(None)
+
+    def join(self, timeout_s: float | None = None) -> None:
+        self._thread.join(timeout_s)
+
+    async def aclose(self) -> None:
+        self.end()
+        await asyncio.to_thread(self.join, 60.0)
+
+    @property
+    def sandbox_alive(self) -> bool:
+        session = self._agent_session
+        return session is not None and not self.closed and session.sandbox.alive
+
+    def info(self) -> dict[str, object]:
+        agent = self.owner.agent
+        return {
+            "run_id": self.run_id,
+            "client": self.client,
+            "tier": agent.tier,
+            "tier_reason": agent.tier_reason,
+            "status": self._ended().status if self.closed else "running",
+            "kill": f"stockade kill {self.run_id}",
+        }
+
+    def read_file(self, path: str) -> bytes:
+        """A workspace file, through the session's policy-guarded sandbox (the read rules hold)."""
+        return self._open().sandbox.files.read(path, format="bytes")
+
+    def list_files(self) -> list[str]:
+        """The workspace's files, as the model's path rules let it see them."""
+        from stockade.tools.workspace_diff import snapshot
+
+        return sorted(snapshot(self._open().sandbox))
+
+    def diff(self) -> str:
+        """The session's changes to the workspace, as a unified diff."""
+        from stockade.tools.workspace_diff import workspace_diff
+
+        session = self._open()
+        books = session._books if session._books is not None else session.sandbox
+        return workspace_diff(books)
+
+    # -- the session's thread ---------------------------------------------------------------------
+
+    async def _next(self) -> object:
+        """The client's next call; a kill pulled meanwhile stops the run now (it would otherwise
+        wait for the call: an idle client is the usual state of an MCP session)."""
+        while True:
+            try:
+                return await asyncio.to_thread(self._inbox.get, True, 0.25)
+            except queue.Empty:
+                if self._agent_session is not None:
+                    self._agent_session.kill_switch.check()
+
+    def _open(self) -> AgentSession:
+        self._started.wait()
+        if self._agent_session is None or self.closed:
+            raise exc.SandboxClosed(f"MCP session {self.run_id} has ended")
+        return self._agent_session
+
+    def _main(self) -> None:
+        owner = self.owner
+        try:
+            with owner.agent.session(workspace=owner.workspace, run_id=self.run_id) as session:
+                self._agent_session = session
+                self._started.set()
+                _running.set(self)
+                result = session.run_sync(f"MCP session of {self.client}")
+                while result.status is RunStatus.PAUSED:
+                    self._answer(self._paused(session))
+                    future = self._control.get()
+                    if future is None:  # the client left while an action waited: it stays undecided
+                        break
+                    self._resuming = future
+                    result = session.resume_sync()
+                self.result = result
+        except BaseException as error:  # reported to the calls in flight, and logged
+            self._failure = error
+            log.exception("MCP session %s failed", self.run_id)
+        finally:
+            self.closed = True
+            self._started.set()
+            self._answer(self._last_word())
+            self._drain()
+
+    _resuming: concurrent.futures.Future[Outcome] | None = None
+
+    def _paused(self, session: AgentSession) -> Paused:
+        store = session.approvals.store
+        pending = store.pending(self.run_id) if store is not None else []
+        return Paused(
+            approvals=tuple(
+                PendingApproval(
+                    run_id=self.run_id,
+                    request_id=r["id"],
+                    action=r["action"],
+                    rule=r["rule"],
+                    reason=r["reason"],
+                )
+                for r in pending
+            )
+        )
+
+    def _deliver(self, messages: tuple[object, ...]) -> None:
+        """The loop asks its model again: the call in flight returned; tell its caller."""
+        current = self._current
+        if current is None:
+            return
+        for message in reversed(messages):
+            if isinstance(message, ToolResultMessage) and message.call_id == current.call.id:
+                self._answer(CallResult(text=message.content, is_error=message.is_error))
+                return
+
+    def _answer(self, outcome: Outcome) -> None:
+        """Resolve whoever waits for the call in flight (its caller, or a resume's)."""
+        for waiting in (self._resuming, self._current.future if self._current is not None else None):
+            if waiting is not None and not waiting.done():
+                waiting.set_result(outcome)
+        self._resuming = None
+        if not isinstance(outcome, Paused):
+            self._current = None
+
+    def _last_word(self) -> Outcome:
+        """For the call in flight when the run ended: its own result when it returned one (a
+        denial that ended the run, a kill mid-command), with the end said; else the end."""
+        ended, current = self._ended(), self._current
+        if current is not None and self.result is not None:
+            for message in reversed(self.result.state.messages):
+                if isinstance(message, ToolResultMessage) and message.call_id == current.call.id:
+                    why = f": {ended.error}" if ended.error else ""
+                    text = f"{message.content}\n(the session's run ended {ended.status}{why})"
+                    return CallResult(text=text, is_error=True)
+        return ended
+
+    def _ended(self) -> Ended:
+        if self._failure is not None:
+            return Ended(status="error", error=f"{type(self._failure).__name__}: {self._failure}")
+        result = self.result
+        if result is None:
+            return Ended(status="ended", error="the MCP session has ended")
+        return Ended(status=result.status.value, error=result.error)
+
+    def _drain(self) -> None:
+        """Calls that arrived after the run ended are told so."""
+        ended = self._ended()
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Call) and not item.future.done():
+                item.future.set_result(ended)

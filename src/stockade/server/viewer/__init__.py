@@ -1,0 +1,12 @@
+"""The run viewer: the runs, each as a timeline, its approvals, its diff and its audit chain.
+
+Served by ``stockade serve`` (``/ui``, a tenant signs in with an API token) and by
+``stockade ui`` on a laptop (127.0.0.1, the local SQLite stores). ``data`` reads the stores;
+``web`` renders the pages. Needs the ``server`` extra (FastAPI, Jinja2).
+"""
+
+from __future__ import annotations
+
+from stockade.server.viewer.web import KeyAuth, ServiceAuth, ViewerAuth, viewer_router
+
+__all__ = ["KeyAuth", "ServiceAuth", "ViewerAuth", "viewer_router"]

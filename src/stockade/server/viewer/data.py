@@ -1,0 +1,649 @@
+"""What the run viewer shows, read from the stores that already hold it: the run store (runs,
+steps, the ledger with each call's observation, the final diff), the audit trail (every
+model call, tool call, denial, approval, retry, kill, anomaly and judged exec, in order; and
+its chain's verification) and the approval book (what waits for a decision).
+
+Two sources: ``LocalRuns`` (a laptop's SQLite file, for ``stockade ui``) and ``ServiceRuns``
+(one tenant's runs in the service's database, for ``stockade serve``). Both build the same
+values (``RunRow``, ``RunView``) with ``timeline``; the pages only render them. Nothing here
+decides anything: an approval goes to the same book (locally, as ``stockade approve``) or
+the same function (``runs.decide_approval``, as the API) that would take it otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from stockade import exceptions as exc
+from stockade.agent.state import RunStatus, ToolCallRecord
+from stockade.audit.events import AuditEvent, EventKind
+from stockade.audit.stores import AuditStore, open_store
+from stockade.audit.verify import verify
+from stockade.policy.approval import ApprovalStore, Choice
+from stockade.runs.store import RunStore, RunTrace, open_run_store
+
+if TYPE_CHECKING:
+    from stockade.server.service import Service
+    from stockade.server.tenants import Principal
+
+__all__ = [
+    "Entry",
+    "Filters",
+    "LocalRuns",
+    "Pending",
+    "RunRow",
+    "RunSource",
+    "RunView",
+    "ServiceRuns",
+    "Step",
+    "Verification",
+    "timeline",
+]
+
+# A run in one of these is done changing. A paused, interrupted or broken run is followed too: a
+# decision (here, or anywhere else) or a restart sends it on.
+SETTLED = frozenset(s.value for s in RunStatus if s.finished)
+STATUSES = ("queued", *(s.value for s in RunStatus))
+OBSERVATION_CHARS = 20_000  # of one tool call's observation, on the page
+LISTED = 1000  # runs read to filter one page of the list
+
+
+@dataclass(frozen=True, kw_only=True)
+class Filters:
+    status: str | None = None
+    model: str | None = None  # a part of the model's name
+    since: datetime | None = None  # UTC
+    until: datetime | None = None
+    limit: int = 100
+
+    def keeps(self, row: RunRow) -> bool:
+        if self.model and self.model.lower() not in row.model.lower():
+            return False
+        if self.since is not None and row.created < self.since.timestamp():
+            return False
+        return not (self.until is not None and row.created > self.until.timestamp())
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunRow:
+    run_id: str
+    status: str
+    model: str
+    task: str
+    created: float  # seconds since the epoch
+    updated: float
+    steps: int | None = None
+    tokens: int | None = None
+    cost_usd: float | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Entry:
+    """One line of the timeline. Every text here is untrusted (the model's, the code's): the
+    templates escape it."""
+
+    seq: int
+    # run, model, tool, denial, approval, retry, kill, anomaly, exec, limit, breaker, check, sandbox, note
+    kind: str
+    title: str
+    when: str
+    facts: tuple[str, ...] = ()
+    args: str | None = None
+    text: str | None = None
+    failed: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Step:
+    index: int  # 0: before the first step or after the last
+    entries: tuple[Entry, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pending:
+    request_id: str
+    action: str
+    rule: str
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Verification:
+    ok: bool | None  # None: nothing to verify (no events)
+    summary: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunView:
+    row: RunRow
+    steps: tuple[Step, ...]
+    pending: tuple[Pending, ...]
+    diff: str | None
+    answer: str | None
+    verification: Verification | None
+    last_seq: int
+    live: bool = field(default=False)
+
+
+class RunSource(Protocol):
+    """The runs one viewer session may see."""
+
+    label: str  # who is looking ("tenant acme, role dev"; "this machine")
+    can_decide: bool
+
+    def runs(self, filters: Filters) -> list[RunRow]: ...
+
+    def run(self, run_id: str, *, verified: bool = True) -> RunView | None: ...
+
+    def changes(self, run_id: str, after_seq: int) -> tuple[int, str] | None:
+        """(the last audit seq of the run, its status); None when there is no such run."""
+
+    def decide(self, run_id: str, request_id: str, choice: Choice) -> None: ...
+
+
+# -- the timeline ---------------------------------------------------------------------------------
+
+
+def _ms(seconds: float | None) -> str | None:
+    return None if seconds is None else f"{seconds * 1000:,.0f} ms"
+
+
+def _when(ns: int) -> str:
+    return datetime.fromtimestamp(ns / 1e9, tz=UTC).strftime("%H:%M:%S.%f")[:-3]
+
+
+def _pretty(value: object) -> str:
+    return json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True)
+
+
+def _cut(text: str, limit: int = OBSERVATION_CHARS) -> str:
+    return text if len(text) <= limit else text[:limit] + f"\n… [{len(text) - limit} more characters]"
+
+
+def _str(value: object) -> str:
+    return "" if value is None else str(value)
+
+
+def _tool_entry(event: AuditEvent, records: dict[str, ToolCallRecord]) -> Entry:
+    a = event.attributes
+    record = records.get(_str(a.get("idempotency_key"))) or records.get(_str(a.get("call_id")))
+    facts = [f for f in (_ms(event.duration_s),) if f]
+    code = record.exit_code if record is not None else None
+    if code is not None:
+        facts.insert(0, f"exit {code}")
+    if a.get("error_type"):
+        facts.append(_str(a.get("error_type")))
+    if a.get("outcome") == "unknown":
+        facts.append("outcome unknown (cut by a crash)")
+    if a.get("reconciled"):
+        facts.append("recorded on resume")
+    observation = record.observation if record is not None else None
+    if observation is None and a.get("observation_chars"):
+        observation = f"({a.get('observation_chars')} characters, not in the run store)"
+    return Entry(
+        seq=event.seq,
+        kind="tool",
+        title=_str(a.get("tool")) or "tool call",
+        when=_when(event.timestamp_ns),
+        facts=tuple(facts),
+        args=_pretty(a.get("args", {})),
+        text=_cut(observation) if observation else None,
+        failed=bool(a.get("is_error")),
+    )
+
+
+def _entry(event: AuditEvent, records: dict[str, ToolCallRecord], texts: dict[int, str]) -> Entry | None:  # noqa: C901 - a branch per kind of event
+    a, kind, when, seq = event.attributes, event.kind, _when(event.timestamp_ns), event.seq
+    match kind:
+        case EventKind.MODEL_CALL:
+            calls = a.get("tool_calls")
+            asked = ", ".join(str(c) for c in calls) if isinstance(calls, list) and calls else "final answer"
+            facts: tuple[str, ...] = (
+                _ms(event.duration_s) or "",
+                f"{a.get('input_tokens', 0)} in / {a.get('output_tokens', 0)} out tokens",
+                f"→ {asked}",
+            )
+            return Entry(
+                seq=seq,
+                kind="model",
+                title=f"model call ({_str(a.get('model'))})",
+                when=when,
+                facts=facts,
+                text=texts.get(event.step) or None,
+            )
+        case EventKind.TOOL_CALL:
+            return _tool_entry(event, records)
+        case EventKind.POLICY_DECISION:
+            decision = _str(a.get("decision"))
+            what = _str(a.get("tool") or a.get("action") or a.get("model") or a.get("level"))
+            return Entry(
+                seq=seq,
+                kind="denial" if decision == "deny" else "note",
+                when=when,
+                title=f"{'denied' if decision == 'deny' else decision or 'policy'}: {what}",
+                facts=tuple(
+                    f
+                    for f in (f"rule {_str(a.get('rule'))}" if a.get("rule") else "", _str(a.get("level")))
+                    if f
+                ),
+                args=_pretty(a["args"]) if "args" in a else None,
+                text=_str(a.get("reason")) or None,
+                failed=decision == "deny",
+            )
+        case EventKind.APPROVAL:
+            outcome = _str(a.get("outcome"))
+            title = {"pending": "waits for approval", "approved": "approved", "denied": "denied"}.get(
+                outcome, outcome
+            )
+            action = _str(a.get("action"))
+            facts = tuple(
+                f
+                for f in (
+                    f"by {event.actor}" if outcome != "pending" else "",
+                    f"rule {a.get('rule')}" if a.get("rule") else "",
+                    f"through {a.get('through')}" if a.get("through") else "",
+                )
+                if f
+            )
+            return Entry(
+                seq=seq,
+                kind="approval",
+                title=f"{title}: {action}" if action else title,
+                when=when,
+                facts=facts,
+                text=_str(a.get("reason")) or None,
+                failed=outcome == "denied",
+            )
+        case EventKind.RETRY:
+            if a.get("flaky"):
+                text = f"exit {a.get('first_exit_code')} then {a.get('second_exit_code')}"
+                return Entry(
+                    seq=seq,
+                    kind="retry",
+                    title=f"flaky, run again: {_str(a.get('subject'))}",
+                    when=when,
+                    text=text,
+                )
+            return Entry(
+                seq=seq,
+                kind="retry",
+                title=f"retry {a.get('attempt')}: {_str(a.get('subject'))}",
+                when=when,
+                facts=(f"after {float(str(a.get('delay_s') or 0)):.2f} s",),
+                text=_str(a.get("reason")) or None,
+            )
+        case EventKind.KILL_SWITCH:
+            verb = "interrupted" if a.get("interrupted") else "killed"
+            return Entry(
+                seq=seq,
+                kind="kill",
+                title=verb,
+                when=when,
+                text=_str(a.get("reason")) or None,
+                facts=(f"by {event.actor}",),
+                failed=True,
+            )
+        case EventKind.ANOMALY:
+            return Entry(
+                seq=seq,
+                kind="anomaly",
+                title=f"anomaly: {_str(a.get('rule'))}",
+                when=when,
+                facts=(f"action {_str(a.get('action'))}",),
+                text=_str(a.get("detail")) or None,
+                failed=True,
+            )
+        case EventKind.EXEC:
+            argv = a.get("argv")
+            words = " ".join(str(w) for w in argv) if isinstance(argv, list) else _str(argv)
+            verdict = _str(a.get("verdict"))
+            return Entry(
+                seq=seq,
+                kind="exec",
+                title=f"exec {verdict}: {words}",
+                when=when,
+                facts=(f"rule {a.get('rule')}",) if a.get("rule") else (),
+                failed=verdict in ("deny", "refuse"),
+            )
+        case EventKind.RATE_LIMITED | EventKind.BUDGET:
+            # a limit either holds the action until its window allows it or stops the run
+            waits = a.get("action") == "wait"
+            then = ("waits for its window",) if waits else ("stops the run",) if a.get("action") else ()
+            return Entry(
+                seq=seq,
+                kind="limit",
+                title=f"{kind.value.replace('_', ' ')}: {_str(a.get('limit'))}",
+                when=when,
+                facts=then,
+                text=_str(a.get("detail")) or None,
+                failed=not waits,
+            )
+        case EventKind.BREAKER_CHANGE:
+            failures = a.get("failures")
+            return Entry(
+                seq=seq,
+                kind="breaker",
+                title=f"breaker {_str(a.get('name'))}: {_str(a.get('old'))} → {_str(a.get('new'))}",
+                when=when,
+                facts=(f"{failures} failures in a row",) if isinstance(failures, int) and failures else (),
+                text=_str(a.get("reason")) or None,
+                failed=a.get("new") == "open",
+            )
+        case EventKind.CHECK:
+            passed = a.get("passed") is True
+            return Entry(
+                seq=seq,
+                kind="check",
+                title=f"check {'passed' if passed else 'failed'}: {_str(a.get('command'))}",
+                when=when,
+                facts=(f"exit {a.get('exit_code')}", _ms(event.duration_s) or ""),
+                text=_str(a.get("summary")) or None,
+                failed=not passed,
+            )
+        case EventKind.RUN_START:
+            return Entry(
+                seq=seq,
+                kind="run",
+                title="run started" + (" (resumed)" if a.get("resumed") else ""),
+                when=when,
+                text=_str(a.get("task")) or None,
+            )
+        case EventKind.RUN_END:
+            return Entry(
+                seq=seq,
+                kind="run",
+                title=f"run ended: {_str(a.get('status'))}",
+                when=when,
+                text=_str(a.get("error")) or None,
+                failed=a.get("status") != "success",
+            )
+        case EventKind.SANDBOX_START | EventKind.SANDBOX_STOP:
+            verb = "started" if kind == EventKind.SANDBOX_START else "stopped"
+            tier = _str(a.get("tier"))
+            return Entry(
+                seq=seq, kind="sandbox", title=f"sandbox {verb}" + (f" ({tier})" if tier else ""), when=when
+            )
+        case EventKind.RUN_CRASH | EventKind.ERROR | EventKind.NOTE:
+            detail = _str(a.get("detail") or a.get("error") or a.get("message"))
+            return Entry(
+                seq=seq,
+                kind="note",
+                title=kind.value.replace("_", " "),
+                when=when,
+                text=detail or None,
+                failed=kind != EventKind.NOTE,
+            )
+        case _:
+            # commands, code, file writes: the sandbox ops under a tool call, which the call shows
+            return None
+
+
+def timeline(
+    events: Iterable[AuditEvent], records: Sequence[ToolCallRecord] = (), texts: dict[int, str] | None = None
+) -> tuple[tuple[Step, ...], int]:
+    """The run's audit events as steps of entries (in the trail's order), and the last seq.
+    ``records`` (the run store's ledger) give each call its observation and exit code;
+    ``texts`` the model's words at each step."""
+    by_key: dict[str, ToolCallRecord] = {}
+    for record in records:
+        by_key[record.idempotency_key] = record
+        by_key.setdefault(record.call.id, record)
+    steps: list[Step] = []
+    last = 0
+    for event in events:
+        last = max(last, event.seq)
+        entry = _entry(event, by_key, texts or {})
+        if entry is None:
+            continue
+        # events outside any step (approvals, a pause, a resume, the end) go with the step they
+        # happened in: the one before them
+        index = event.step or (steps[-1].index if steps else 0)
+        if steps and steps[-1].index == index:
+            steps[-1] = Step(index=index, entries=(*steps[-1].entries, entry))
+        else:
+            steps.append(Step(index=index, entries=(entry,)))
+    return tuple(steps), last
+
+
+def _texts(trace: RunTrace | None) -> dict[int, str]:
+    if trace is None:
+        return {}
+    state = trace.state
+    steps = [*state.steps, *([state.current] if state.current is not None else [])]
+    return {s.index: _cut(s.response.text, 4000) for s in steps if s.response.text}
+
+
+def _records(runs: RunStore, run_id: str, trace: RunTrace | None) -> list[ToolCallRecord]:
+    """The ledger (calls as they return, live) and the checkpoint's (denied calls too)."""
+    records = list(runs.tool_calls(run_id))
+    if trace is not None:
+        state = trace.state
+        for step in [*state.steps, *([state.current] if state.current is not None else [])]:
+            records.extend(step.tool_calls)
+    return records
+
+
+def _verification(store: AuditStore, run_id: str, key: bytes | None, runs: RunStore) -> Verification:
+    try:
+        report = verify(store, run_id=run_id, key=key, ledger=runs)
+    except exc.StockadeError as error:
+        return Verification(ok=False, summary=f"cannot verify: {error}")
+    if not report.found:
+        return Verification(ok=None, summary=report.summary())
+    if report.ok:
+        return Verification(ok=True, summary=report.summary())
+    shown = "; ".join(str(p) for p in report.problems[:3])
+    return Verification(ok=False, summary=f"{report.summary()}: {shown}")
+
+
+def _row_of(trace: RunTrace) -> RunRow:
+    s = trace.summary
+    return RunRow(
+        run_id=s.run_id,
+        status=s.status.value,
+        model=s.model_name,
+        task=s.task,
+        created=s.created_ns / 1e9,
+        updated=s.updated_ns / 1e9,
+        steps=s.steps,
+        tokens=s.usage.total_tokens,
+        cost_usd=s.cost_usd,
+        error=s.error,
+    )
+
+
+def _view(
+    row: RunRow,
+    trace: RunTrace | None,
+    runs: RunStore,
+    store: AuditStore,
+    pending: list[dict[str, str]],
+    *,
+    key: bytes | None,
+    verified: bool,
+) -> RunView:
+    steps, last = timeline(store.events(run_id=row.run_id), _records(runs, row.run_id, trace), _texts(trace))
+    settled = row.status in SETTLED
+    return RunView(
+        row=row,
+        steps=steps,
+        last_seq=last,
+        live=not settled,
+        pending=tuple(
+            Pending(
+                request_id=p["id"],
+                action=p.get("action", ""),
+                rule=p.get("rule", ""),
+                reason=p.get("reason", ""),
+            )
+            for p in pending
+        ),
+        diff=trace.diff if trace is not None else None,
+        answer=(trace.state.answer or None) if trace is not None else None,
+        verification=_verification(store, row.run_id, key, runs) if verified else None,
+    )
+
+
+# -- a laptop: stockade ui -------------------------------------------------------------------------
+
+
+class LocalRuns:
+    """The runs of one SQLite run store and the audit trail beside it (``.stockade/audit.db``)."""
+
+    label = "this machine"
+    can_decide = True
+
+    def __init__(
+        self,
+        db: str,
+        *,
+        namespace: str = "runs",
+        approvals: str | Path | None = None,
+        key: bytes | None = None,
+    ) -> None:
+        self.db = db
+        self.runs_store = open_run_store(db, namespace=namespace)
+        self.audit = open_store(db)
+        self.approvals = ApprovalStore(approvals)
+        self.key = key
+
+    def close(self) -> None:
+        self.runs_store.close()
+        self.audit.close()
+
+    def runs(self, filters: Filters) -> list[RunRow]:
+        try:
+            status = RunStatus(filters.status) if filters.status else None
+        except ValueError:
+            return []
+        rows = []
+        for s in self.runs_store.runs(limit=LISTED, status=status):
+            row = RunRow(
+                run_id=s.run_id,
+                status=s.status.value,
+                model=s.model_name,
+                task=s.task,
+                created=s.created_ns / 1e9,
+                updated=s.updated_ns / 1e9,
+                steps=s.steps,
+                tokens=s.usage.total_tokens,
+                cost_usd=s.cost_usd,
+                error=s.error,
+            )
+            if filters.keeps(row):
+                rows.append(row)
+        return rows[: filters.limit]
+
+    def run(self, run_id: str, *, verified: bool = True) -> RunView | None:
+        trace = self.runs_store.trace(run_id)
+        if trace is None:
+            return None
+        pending = self.approvals.pending(run_id)
+        return _view(
+            _row_of(trace), trace, self.runs_store, self.audit, pending, key=self.key, verified=verified
+        )
+
+    def changes(self, run_id: str, after_seq: int) -> tuple[int, str] | None:
+        summary = self.runs_store.summary(run_id)
+        if summary is None:
+            return None
+        last = after_seq
+        for row in self.audit.rows(run_id=run_id, after_seq=after_seq):
+            last = row.seq
+        return last, summary.status.value
+
+    def decide(self, run_id: str, request_id: str, choice: Choice) -> None:
+        """What ``stockade approve`` does: a paused run finds it when resumed (an MCP session
+        waiting for its approval goes on now)."""
+        self.approvals.decide(run_id, request_id, choice, by="run viewer")
+
+
+# -- the service: one tenant's runs ---------------------------------------------------------------
+
+
+class ServiceRuns:
+    """What one principal of ``stockade serve`` may see: its tenant's runs, nothing else."""
+
+    def __init__(self, service: Service, principal: Principal) -> None:
+        from stockade.server.authz import may_approve
+
+        self.service = service
+        self.principal = principal
+        self.label = f"tenant {principal.tenant.id}" + (f", role {principal.role}" if principal.role else "")
+        self.can_decide = may_approve(principal)
+
+    def _row(self, run_id: str) -> RunRow | None:
+        from stockade.server.runs import run_status
+
+        row = self.service.store.run(run_id)
+        if row is None or row.tenant != self.principal.tenant.id:
+            return None  # another tenant's run is no run at all
+        spec = row.spec
+        summary = self.service.run_store.summary(run_id)
+        return RunRow(
+            run_id=row.run_id,
+            status=run_status(self.service, row),
+            model=str(spec.get("model") or "scripted"),
+            task=str(spec.get("task", "")),
+            created=row.submitted_ns / 1e9,
+            updated=(row.finished_ns or row.started_ns or row.submitted_ns) / 1e9,
+            steps=summary.steps if summary is not None else None,
+            tokens=summary.usage.total_tokens if summary is not None else None,
+            cost_usd=summary.cost_usd if summary is not None else None,
+            error=row.error or (summary.error if summary is not None else None),
+        )
+
+    def runs(self, filters: Filters) -> list[RunRow]:
+        from stockade.server.runs import run_status
+
+        until = int(filters.until.timestamp() * 1e9) if filters.until is not None else None
+        rows = self.service.store.runs(
+            self.principal.tenant.id, status=filters.status, limit=LISTED, before_ns=until
+        )
+        found = []
+        for r in rows:
+            row = RunRow(
+                run_id=r.run_id,
+                status=run_status(self.service, r),
+                model=str(r.spec.get("model") or "scripted"),
+                task=str(r.spec.get("task", "")),
+                created=r.submitted_ns / 1e9,
+                updated=(r.finished_ns or r.started_ns or r.submitted_ns) / 1e9,
+                error=r.error,
+            )
+            if filters.keeps(row):
+                found.append(row)
+        return found[: filters.limit]
+
+    def run(self, run_id: str, *, verified: bool = True) -> RunView | None:
+        row = self._row(run_id)
+        if row is None:
+            return None
+        service = self.service
+        trace = service.run_store.trace(run_id)
+        log = service.audit.get(self.principal.tenant)
+        log.flush()
+        pending = service.approvals.pending(run_id)
+        return _view(
+            row, trace, service.run_store, log.store, pending, key=service.config.audit_key, verified=verified
+        )
+
+    def changes(self, run_id: str, after_seq: int) -> tuple[int, str] | None:
+        row = self._row(run_id)
+        if row is None:
+            return None
+        service = self.service
+        service.audit.get(self.principal.tenant)  # its tables exist
+        rows = service.store.audit_rows(self.principal.tenant.audit_namespace, run_id, after_seq)
+        return (rows[-1][0] if rows else after_seq), row.status
+
+    def decide(self, run_id: str, request_id: str, choice: Choice) -> None:
+        from stockade.server.runs import decide_approval
+
+        decide_approval(self.service, self.principal, run_id, request_id, choice, through="run viewer")

@@ -1,0 +1,391 @@
+"""The run viewer's pages: server-rendered (Jinja2, autoescaped), a little plain JavaScript for
+live updates, no asset from anywhere else.
+
+    /ui/                      the runs, filtered by status, model and time
+    /ui/runs/{id}             one run: its timeline, its approvals, its diff, its chain
+    /ui/runs/{id}/body        the same page's body, for the live updates
+    /ui/runs/{id}/events      Server-Sent Events: "changed" when the run's trail grows, "end"
+    /ui/runs/{id}/approvals/{request}   POST approve or deny (the role decides who may)
+    /ui/login, /ui/logout     a token for the viewer: an API token (the service), or the key
+                              ``stockade ui`` prints (a laptop)
+
+Everything the model or its code produced is untrusted: the templates escape it, and every page
+carries a Content-Security-Policy that runs no script but the viewer's own file, so a tool
+output holding ``<script>`` is text. The cookie is HttpOnly and SameSite=Strict; forms carry a
+token derived from it (CSRF).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import hmac
+import importlib.resources
+import json
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
+from typing import Annotated, Any, Protocol
+from urllib.parse import quote, urlencode
+
+import anyio
+from fastapi import APIRouter, Form, Request
+from fastapi.responses import Response, StreamingResponse
+
+from stockade import __version__
+from stockade import exceptions as exc
+from stockade.policy.approval import Choice
+from stockade.server.viewer.data import SETTLED, STATUSES, Filters, RunSource, RunView
+
+__all__ = ["CSP", "KeyAuth", "ServiceAuth", "ViewerAuth", "local_app", "viewer_router"]
+
+COOKIE = "stockade_viewer"
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
+    "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
+HEADERS = {
+    "Content-Security-Policy": CSP,
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+STATIC = {
+    "viewer.css": "text/css; charset=utf-8",
+    "viewer.js": "text/javascript; charset=utf-8",
+    "icon.svg": "image/svg+xml",
+}
+POLL_S = 0.5
+
+
+class ViewerAuth(Protocol):
+    """Turns the viewer's cookie into the runs its holder may see."""
+
+    hint: str  # what to paste at sign-in
+
+    def source(self, credential: str) -> RunSource:
+        """``AuthenticationError`` for a credential that is not one."""
+
+    def release(self, source: RunSource) -> None: ...
+
+
+class KeyAuth:
+    """``stockade ui``: one source, and a key printed at start (a laptop's other users can
+    reach 127.0.0.1 too)."""
+
+    hint = "the key `stockade ui` printed"
+
+    def __init__(self, source: RunSource, key: str) -> None:
+        self._source = source
+        self.key = key
+
+    def source(self, credential: str) -> RunSource:
+        if not hmac.compare_digest(credential.encode(), self.key.encode()):
+            raise exc.AuthenticationError("that is not this viewer's key: use the one `stockade ui` printed")
+        return self._source
+
+    def release(self, source: RunSource) -> None:
+        pass
+
+
+class ServiceAuth:
+    """``stockade serve``: an API token; its tenant's runs, its role's buttons."""
+
+    hint = "an API token (stk_…), from `stockade token new`"
+
+    def __init__(self, service: Any) -> None:
+        self.service = service
+
+    def source(self, credential: str) -> RunSource:
+        from stockade.server.viewer.data import ServiceRuns
+
+        principal = self.service.tenants.authenticate(credential)
+        self.service.limits.admit(principal)
+        return ServiceRuns(self.service, principal)
+
+    def release(self, source: RunSource) -> None:
+        pass
+
+
+def _templates() -> Any:
+    import jinja2
+
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("stockade.server.viewer", "templates"),
+        autoescape=True,  # every template, whatever its name: nothing is rendered raw
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["when"] = lambda ts: datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
+    env.filters["diff_class"] = _diff_class
+    return env
+
+
+def _diff_class(line: str) -> str:
+    if line.startswith(("+++", "---")):
+        return "file"
+    if line.startswith("@@"):
+        return "hunk"
+    return {"+": "add", "-": "del"}.get(line[:1], "ctx")
+
+
+def _csrf(credential: str) -> str:
+    return hmac.new(credential.encode(), b"stockade viewer form", hashlib.sha256).hexdigest()
+
+
+def _parse_time(value: str | None, field: str) -> datetime | None:
+    if not value:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise exc.InvalidArgument(
+            f"{field} {value!r} is not a date and time",
+            argument=field,
+            fix="give e.g. 2026-01-31T14:00 (UTC)",
+        ) from None
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
+
+
+class _Viewer:
+    """The routes' bodies, over one ``auth``."""
+
+    def __init__(self, auth: ViewerAuth, prefix: str, secure_cookie: bool) -> None:
+        self.auth = auth
+        self.prefix = prefix
+        self.secure_cookie = secure_cookie
+        self.env = _templates()
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def page(self, template: str, status: int = 200, **values: Any) -> Response:
+        html = self.env.get_template(template).render(prefix=self.prefix, version=__version__, **values)
+        return Response(html, status_code=status, media_type="text/html; charset=utf-8", headers=HEADERS)
+
+    def redirect(self, url: str, *, cookie: str | None = None, clear: bool = False) -> Response:
+        response = Response(status_code=303, headers={**HEADERS, "Location": url})
+        if cookie is not None:
+            response.set_cookie(
+                COOKIE,
+                cookie,
+                httponly=True,
+                samesite="strict",
+                secure=self.secure_cookie,
+                path=self.prefix,
+                max_age=12 * 3600,
+            )
+        if clear:
+            response.delete_cookie(COOKIE, path=self.prefix)
+        return response
+
+    def target(self, next: str) -> str:
+        """Where to go after signing in: a page of the viewer, nowhere else (no open redirect)."""
+        return next if next.startswith(self.prefix + "/") and "//" not in next else f"{self.prefix}/"
+
+    async def signed_in(self, request: Request) -> tuple[RunSource, str] | None:
+        credential = request.cookies.get(COOKIE)
+        if not credential:
+            return None
+        try:
+            return await _blocking(lambda: self.auth.source(credential)), credential
+        except exc.AuthenticationError:
+            return None
+
+    def to_login(self, request: Request) -> Response:
+        return self.redirect(f"{self.prefix}/login?{urlencode({'next': request.url.path})}")
+
+    def failed(self, status: int, message: str, source: RunSource, credential: str) -> Response:
+        return self.page("error.html", status, message=message, source=source, csrf=_csrf(credential))
+
+    # -- sign-in -------------------------------------------------------------------------------
+
+    async def login_form(self, key: str | None = None, next: str = "") -> Response:
+        target = self.target(next)
+        if key:  # the link `stockade ui` prints
+            try:
+                await _blocking(lambda: self.auth.source(key))
+            except exc.AuthenticationError as error:
+                return self.page("login.html", 401, error=str(error), hint=self.auth.hint, next=target)
+            return self.redirect(target, cookie=key)
+        return self.page("login.html", error=None, hint=self.auth.hint, next=target)
+
+    async def login(self, token: Annotated[str, Form()] = "", next: Annotated[str, Form()] = "") -> Response:
+        target = self.target(next)
+        try:
+            await _blocking(lambda: self.auth.source(token.strip()))
+        except exc.StockadeError as error:
+            return self.page("login.html", 401, error=str(error), hint=self.auth.hint, next=target)
+        return self.redirect(target, cookie=token.strip())
+
+    async def logout(self) -> Response:
+        return self.redirect(f"{self.prefix}/login", clear=True)
+
+    async def static(self, name: str) -> Response:
+        media = STATIC.get(name)
+        if media is None:
+            return Response("not found", status_code=404, headers=HEADERS)
+        body = importlib.resources.files("stockade.server.viewer").joinpath("static", name).read_bytes()
+        return Response(body, media_type=media, headers={**HEADERS, "Cache-Control": "max-age=300"})
+
+    # -- the runs ------------------------------------------------------------------------------
+
+    async def runs(
+        self,
+        request: Request,
+        status: str = "",
+        model: str = "",
+        since: str = "",
+        until: str = "",
+        limit: int = 100,
+    ) -> Response:
+        who = await self.signed_in(request)
+        if who is None:
+            return self.to_login(request)
+        source, credential = who
+        form = {"status": status, "model": model, "since": since, "until": until}
+        values: dict[str, Any] = {
+            "source": source,
+            "csrf": _csrf(credential),
+            "statuses": STATUSES,
+            "form": form,
+        }
+        try:
+            filters = Filters(
+                status=status or None,
+                model=model or None,
+                since=_parse_time(since, "since"),
+                until=_parse_time(until, "until"),
+                limit=max(1, min(limit, 1000)),
+            )
+        except exc.InvalidArgument as error:
+            return self.page("runs.html", 400, runs=[], error=str(error), **values)
+        found = await _blocking(lambda: source.runs(filters))
+        return self.page("runs.html", runs=found, error=None, **values)
+
+    async def view(
+        self, request: Request, run_id: str, *, verified: bool
+    ) -> tuple[RunView, RunSource, str] | Response:
+        who = await self.signed_in(request)
+        if who is None:
+            return self.to_login(request)
+        source, credential = who
+        found: RunView | None = await _blocking(lambda: source.run(run_id, verified=verified))
+        if found is None:
+            return self.page("missing.html", 404, run_id=run_id, source=source, csrf=_csrf(credential))
+        return found, source, credential
+
+    async def run_page(self, request: Request, run_id: str) -> Response:
+        got = await self.view(request, run_id, verified=True)
+        if isinstance(got, Response):
+            return got
+        run, source, credential = got
+        base = f"{self.prefix}/runs/{quote(run_id)}"
+        return self.page(
+            "run.html",
+            run=run,
+            source=source,
+            csrf=_csrf(credential),
+            events=f"{base}/events",
+            body=f"{base}/body",
+        )
+
+    async def run_body(self, request: Request, run_id: str, verified: int = 0) -> Response:
+        got = await self.view(request, run_id, verified=bool(verified))
+        if isinstance(got, Response):
+            return got
+        run, source, credential = got
+        return self.page("_run_body.html", run=run, source=source, csrf=_csrf(credential))
+
+    async def run_events(self, request: Request, run_id: str, after: int = 0) -> Response:
+        who = await self.signed_in(request)
+        if who is None:
+            return Response("sign in first", status_code=401, headers=HEADERS)
+        return StreamingResponse(
+            _changes(request, who[0], run_id, after),
+            media_type="text/event-stream",
+            headers={**HEADERS, "X-Accel-Buffering": "no"},
+        )
+
+    async def decide(
+        self,
+        request: Request,
+        run_id: str,
+        request_id: str,
+        decision: Annotated[str, Form()] = "",
+        csrf: Annotated[str, Form()] = "",
+    ) -> Response:
+        who = await self.signed_in(request)
+        if who is None:
+            return self.to_login(request)
+        source, credential = who
+        if not hmac.compare_digest(csrf, _csrf(credential)):
+            return self.failed(403, "the form is stale or forged: reload the page", source, credential)
+        if decision not in ("approve", "deny"):
+            return self.failed(400, "decide approve or deny", source, credential)
+        choice = Choice.APPROVED if decision == "approve" else Choice.DENIED
+        try:
+            await _blocking(lambda: source.decide(run_id, request_id, choice))
+        except exc.PolicyDenied as error:
+            return self.failed(403, str(error), source, credential)
+        except exc.ResourceNotFound as error:
+            return self.failed(404, str(error), source, credential)
+        except exc.StockadeError as error:
+            return self.failed(400, str(error), source, credential)
+        return self.redirect(f"{self.prefix}/runs/{quote(run_id)}")
+
+
+async def _blocking(function: Callable[[], Any]) -> Any:
+    return await anyio.to_thread.run_sync(function)
+
+
+async def _changes(request: Request, source: RunSource, run_id: str, after: int) -> AsyncIterator[bytes]:
+    """``changed`` each time the run's trail grows or its status moves; ``end`` once it settled."""
+    seq, status = after, None
+    while True:
+        changed = await _blocking(functools.partial(source.changes, run_id, seq))
+        if changed is None:
+            yield b"event: end\ndata: {}\n\n"
+            return
+        last, now = changed
+        if last != seq or now != status:
+            seq, status = last, now
+            yield f"event: changed\ndata: {json.dumps({'seq': seq, 'status': status})}\n\n".encode()
+        elif now in SETTLED:
+            yield f"event: end\ndata: {json.dumps({'seq': seq, 'status': status})}\n\n".encode()
+            return
+        if await request.is_disconnected():
+            return
+        await asyncio.sleep(POLL_S)
+
+
+def viewer_router(auth: ViewerAuth, *, prefix: str = "/ui", secure_cookie: bool = False) -> APIRouter:
+    """The viewer's routes; ``auth`` says whose runs a cookie shows."""
+    viewer = _Viewer(auth, prefix, secure_cookie)
+    router = APIRouter(prefix=prefix, include_in_schema=False)
+    get, post = ["GET"], ["POST"]
+    router.add_api_route("/login", viewer.login_form, methods=get)
+    router.add_api_route("/login", viewer.login, methods=post)
+    router.add_api_route("/logout", viewer.logout, methods=post)
+    router.add_api_route("/static/{name}", viewer.static, methods=get)
+    router.add_api_route("/", viewer.runs, methods=get)
+    router.add_api_route("/runs/{run_id}", viewer.run_page, methods=get)
+    router.add_api_route("/runs/{run_id}/body", viewer.run_body, methods=get)
+    router.add_api_route("/runs/{run_id}/events", viewer.run_events, methods=get)
+    router.add_api_route("/runs/{run_id}/approvals/{request_id}", viewer.decide, methods=post)
+    return router
+
+
+def local_app(source: RunSource, key: str) -> Any:
+    """``stockade ui``: the viewer alone, over one machine's stores, behind ``key``."""
+    from fastapi import FastAPI
+
+    app = FastAPI(title="stockade runs", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app.include_router(viewer_router(KeyAuth(source, key)))
+
+    @app.get("/", include_in_schema=False)
+    async def root() -> Response:
+        return Response(status_code=303, headers={**HEADERS, "Location": "/ui/"})
+
+    return app

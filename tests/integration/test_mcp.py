@@ -1,0 +1,308 @@
+"""``stockade mcp`` through the official MCP Python client, over stdio and streamable HTTP: a
+session writes a file, runs the tests, is denied something, has an action approved (through
+the client's elicitation, or ``stockade approve`` while the call waits), and ends with its
+sandbox gone and its audit chain verified."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import mcp_types as types
+import pytest
+from mcp import Client, StdioServerParameters
+from mcp.client.session import ClientRequestContext
+
+from stockade.audit.events import EventKind
+from stockade.audit.stores import open_store
+from stockade.audit.verify import verify
+from stockade.policy.approval import ApprovalStore
+from stockade.runs.store import RunSummary, open_run_store
+from tests.conftest import require_tier, wait_for
+from tests.integration.service_env import REPO, Process, free_port
+
+pytestmark = [pytest.mark.process]
+
+POLICY = """\
+version = 1
+[trust]
+level = "trusted"
+[models]
+approved = ["mcp"]
+[commands]
+approve = ["rm -r"]
+[paths]
+deny = ["secrets/**"]
+"""
+TEST = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    require_tier("process")
+    (tmp_path / "policy.toml").write_text(POLICY)
+    (tmp_path / "ws").mkdir()
+    (tmp_path / "ws" / "calc.py").write_text("def add(a, b):\n    return a + b\n")
+    return tmp_path
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)])}
+
+
+def _args(project: Path, *extra: str) -> list[str]:
+    return [
+        "mcp", "--policy", str(project / "policy.toml"), "--workspace", str(project / "ws"),
+        "--audit-db", f"sqlite:///{project / 'audit.db'}", *extra,
+    ]  # fmt: skip
+
+
+def _text(result: types.CallToolResult) -> str:
+    block = result.content[0]
+    assert isinstance(block, types.TextContent)
+    return block.text
+
+
+async def _session_info(client: Client) -> dict[str, Any]:
+    read = await client.read_resource("stockade://session")
+    block = read.contents[0]
+    assert isinstance(block, types.TextResourceContents)
+    info: dict[str, Any] = json.loads(block.text)
+    return info
+
+
+async def _work(client: Client) -> str:
+    """What both transports do: write, test, be denied; the session's run id."""
+    names = {t.name for t in (await client.list_tools()).tools}
+    assert names == {
+        "run_code",
+        "run_tests",
+        "read_file",
+        "write_file",
+        "apply_patch",
+        "list_files",
+        "git_diff",
+    }
+    wrote = await client.call_tool("write_file", {"path": "test_calc.py", "content": TEST})
+    assert not wrote.is_error, _text(wrote)
+    tested = await client.call_tool("run_tests", {"command": "python3 -m pytest -q"})
+    assert not tested.is_error and "1 passed" in _text(tested), _text(tested)
+    denied = await client.call_tool("write_file", {"path": "secrets/token", "content": "x"})
+    assert denied.is_error and "denied by policy" in _text(denied) and "paths" in _text(denied)
+    resources = {str(r.uri) for r in (await client.list_resources()).resources}
+    assert {"stockade://workspace/test_calc.py", "stockade://session/diff"} <= resources
+    diff = (await client.read_resource("stockade://session/diff")).contents[0]
+    assert isinstance(diff, types.TextResourceContents) and "+++ b/test_calc.py" in diff.text
+    info = await _session_info(client)
+    assert info["tier"] == "process" and info["status"] == "running"
+    return str(info["run_id"])
+
+
+def _ended_and_verified(project: Path, run_id: str) -> None:
+    """The session's run ended, its sandbox was stopped, and the chain verifies with the ledger."""
+    url = f"sqlite:///{project / 'audit.db'}"
+    with open_run_store(url) as runs:
+
+        def ended() -> RunSummary | None:
+            summary = runs.summary(run_id)
+            return summary if summary is not None and summary.status.finished else None
+
+        summary = wait_for(ended, what="the run to end")
+        assert summary is not None and summary.status.value == "success", summary
+        calls = [c.call.name for c in runs.tool_calls(run_id)]
+        assert calls[:2] == ["write_file", "run_tests"], calls
+        with open_store(url) as store:
+
+            def stopped() -> list[EventKind]:  # the sandbox is removed after the run's end is recorded
+                kinds = [e.kind for e in store.events(run_id=run_id)]
+                return kinds if EventKind.SANDBOX_STOP in kinds else []
+
+            kinds = wait_for(stopped, what="the session's sandbox to stop")
+            assert EventKind.SANDBOX_START in kinds
+            assert EventKind.POLICY_DECISION in kinds and EventKind.APPROVAL in kinds
+            report = verify(store, run_id=run_id, ledger=runs)
+    assert report.ok and report.found, report.problems
+
+
+# -- stdio --------------------------------------------------------------------------------------
+
+
+async def _approve_when_asked(approvals: Path, project: Path) -> str:
+    """What a person does: sees the pending action, runs `stockade approve RUN REQUEST`."""
+    while True:
+        pending = ApprovalStore(approvals).pending()
+        if pending:
+            request = pending[0]
+            done = await asyncio.to_thread(
+                subprocess.run,
+                [sys.executable, "-m", "stockade.cli.main", "approve", request["run_id"], request["id"]],
+                env=_env(), capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            assert done.returncode == 0, done.stderr
+            return request["action"]
+        await asyncio.sleep(0.1)
+
+
+def test_a_stdio_session_waits_for_stockade_approve(project: Path) -> None:
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "stockade.cli.main", *_args(project)],
+        env=_env(),
+        cwd=str(project),
+    )
+
+    async def session() -> str:
+        async with Client(params, read_timeout_seconds=120) as client:  # no elicitation: it waits
+            run_id = await _work(client)
+            approver = asyncio.create_task(
+                _approve_when_asked(Path(os.environ["STOCKADE_APPROVAL_DIR"]), project)
+            )
+            ran = await client.call_tool(
+                "run_code", {"code": "mkdir -p build && rm -r build && echo removed", "language": "bash"}
+            )
+            assert "rm -r build" in await asyncio.wait_for(approver, 5)
+            assert not ran.is_error and "removed" in _text(ran), _text(ran)
+            return run_id
+
+    run_id = asyncio.run(session())
+    _ended_and_verified(project, run_id)
+
+
+def test_a_stdio_session_of_the_2026_protocol_asks_with_its_result(project: Path) -> None:
+    """No server-to-client request exists on 2026-07-28: the question is an InputRequiredResult,
+    the answer comes with the client's retry of the call (the SDK's client does it)."""
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "stockade.cli.main", *_args(project)],
+        env=_env(),
+        cwd=str(project),
+    )
+    asked: list[str] = []
+
+    async def answer(
+        context: ClientRequestContext, params: types.ElicitRequestParams
+    ) -> types.ElicitResult | types.ErrorData:
+        asked.append(params.message)
+        return types.ElicitResult(action="accept", content={"approve": "keep" not in params.message})
+
+    async def session() -> tuple[str, types.CallToolResult, types.CallToolResult]:
+        async with Client(params, elicitation_callback=answer, read_timeout_seconds=120) as client:
+            assert client.session.protocol_version == "2026-07-28"
+            ran = await client.call_tool(
+                "run_code", {"code": "mkdir t && rm -r t && echo yes", "language": "bash"}
+            )
+            kept = await client.call_tool(
+                "run_code", {"code": "mkdir keep && rm -r keep", "language": "bash"}
+            )
+            return str((await _session_info(client))["run_id"]), ran, kept
+
+    run_id, ran, kept = asyncio.run(session())
+    assert not ran.is_error and "yes" in _text(ran), _text(ran)
+    assert kept.is_error and "a human denied" in _text(kept), _text(kept)
+    assert len(asked) == 2 and "rm -r t" in asked[0]
+    with open_store(f"sqlite:///{project / 'audit.db'}") as store:
+        outcomes = [
+            e.attributes.get("outcome") for e in store.events(run_id=run_id) if e.kind == EventKind.APPROVAL
+        ]
+    assert outcomes == ["pending", "approved", "pending", "denied"], outcomes
+
+
+def test_a_stdio_call_nobody_approves_is_denied(project: Path) -> None:
+    params = StdioServerParameters(
+        command=sys.executable,
+        args=["-m", "stockade.cli.main", *_args(project, "--approval-wait", "1")],
+        env=_env(),
+        cwd=str(project),
+    )
+
+    async def session() -> types.CallToolResult:
+        async with Client(params, read_timeout_seconds=120) as client:
+            return await client.call_tool("run_code", {"code": "rm -r nothing-here", "language": "bash"})
+
+    refused = asyncio.run(session())
+    assert refused.is_error and "a human denied" in _text(refused), _text(refused)
+
+
+# -- streamable HTTP ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def http_server(project: Path) -> Iterator[str]:
+    port = free_port()
+    server = Process(
+        _args(project, "--transport", "http", "--port", str(port)), project / "mcp.log", cwd=project
+    )
+    url = f"http://127.0.0.1:{port}/mcp"
+    try:
+
+        def up() -> bool:
+            assert server.proc.poll() is None, server.output()
+            try:
+                httpx2.get(url, timeout=1)
+            except httpx2.TransportError:
+                return False
+            return True
+
+        wait_for(up, what="stockade mcp to listen", timeout_s=30)
+        yield url
+    finally:
+        server.stop()
+    assert "Traceback" not in server.output(), server.output()[-3000:]
+
+
+def test_an_http_session_asks_its_user_through_elicitation(project: Path, http_server: str) -> None:
+    asked: list[str] = []
+
+    async def answer(
+        context: ClientRequestContext, params: types.ElicitRequestParams
+    ) -> types.ElicitResult | types.ErrorData:
+        assert isinstance(params, types.ElicitRequestFormParams)
+        asked.append(params.message)
+        approve = "build" in params.message  # yes to the build folder, no to the rest
+        return types.ElicitResult(action="accept", content={"approve": approve})
+
+    async def session() -> str:
+        async with Client(http_server, elicitation_callback=answer, read_timeout_seconds=120) as client:
+            run_id = await _work(client)
+            ran = await client.call_tool(
+                "run_code", {"code": "mkdir build && rm -r build && echo ok", "language": "bash"}
+            )
+            assert not ran.is_error and "ok" in _text(ran), _text(ran)
+            refused = await client.call_tool(
+                "run_code", {"code": "rm -r /workspace/calc.py", "language": "bash"}
+            )
+            assert refused.is_error and "a human denied" in _text(refused), _text(refused)
+            listing = await client.call_tool("list_files", {})
+            assert "calc.py" in _text(listing)  # the denied removal did not happen
+            return run_id
+
+    run_id = asyncio.run(session())
+    assert len(asked) == 2 and "rm -r build" in asked[0]
+    _ended_and_verified(project, run_id)  # the client's DELETE ended the session
+
+
+def test_a_killed_http_session_ends_and_says_so(project: Path, http_server: str) -> None:
+    async def session() -> tuple[str, types.CallToolResult]:
+        async with Client(http_server, read_timeout_seconds=120) as client:
+            run_id = str((await _session_info(client))["run_id"])
+            killed = await asyncio.to_thread(
+                subprocess.run, [sys.executable, "-m", "stockade.cli.main", "kill", run_id],
+                env=_env(), capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            assert killed.returncode == 0, killed.stdout + killed.stderr
+            time.sleep(0.5)
+            return run_id, await client.call_tool("run_code", {"code": "print(1)", "language": "python"})
+
+    run_id, after = asyncio.run(session())
+    assert after.is_error and "killed" in _text(after), _text(after)
+    with open_run_store(f"sqlite:///{project / 'audit.db'}") as runs:
+        summary = runs.summary(run_id)
+        assert summary is not None and summary.status.value == "killed"

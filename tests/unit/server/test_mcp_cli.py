@@ -1,0 +1,76 @@
+"""``stockade mcp`` and ``stockade ui`` in process: over stdio the protocol, and nothing else,
+reaches standard output; what they refuse to start with exits 2 saying why. No sandbox is
+started: the handshake needs none, and the tier is named (so nothing probes the host)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import stamina.instrumentation
+from typer.testing import CliRunner
+
+from stockade.cli.main import app
+
+runner = CliRunner()
+
+POLICY = """\
+version = 1
+[trust]
+level = "trusted"
+[models]
+approved = ["mcp"]
+"""
+
+
+@pytest.fixture(autouse=True)
+def _stamina_hooks_restored() -> Iterator[None]:
+    """``stockade mcp`` turns stamina's retry log off for its process; give the suite its own back."""
+    hooks = stamina.instrumentation.get_on_retry_hooks()
+    yield
+    stamina.instrumentation.set_on_retry_hooks(hooks)
+
+
+def _messages(*messages: dict[str, object]) -> str:
+    return "".join(json.dumps(m) + "\n" for m in messages)
+
+
+def test_over_stdio_only_the_protocol_reaches_stdout(tmp_path: Path) -> None:
+    (tmp_path / "policy.toml").write_text(POLICY)
+    (tmp_path / "ws").mkdir()
+    hello = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}
+    # the handshake only: it is answered before the next line is read, whereas a request still
+    # in flight when the client closes stdin (as here, at once) may go unanswered
+    given = _messages(
+        {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": hello},
+        {"jsonrpc": "2.0", "method": "notifications/initialized"},
+    )
+    result = runner.invoke(
+        app,
+        ["mcp", "--policy", str(tmp_path / "policy.toml"), "--tier", "process", "--workspace",
+         str(tmp_path / "ws"), "--audit-db", f"sqlite:///{tmp_path / 'audit.db'}", "--max-failures", "0"],
+        input=given,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    [answer] = [json.loads(line) for line in result.stdout.splitlines()]  # every line is JSON-RPC
+    assert answer["id"] == 1 and answer["result"]["serverInfo"]["name"] == "stockade"
+    assert answer["result"]["capabilities"]["tools"] is not None
+    assert "stockade mcp on stdio: the process tier" in result.stderr
+
+
+def test_what_mcp_refuses_to_start_with(tmp_path: Path) -> None:
+    (tmp_path / "policy.toml").write_text(POLICY)
+    not_a_folder = runner.invoke(app, ["mcp", "--policy", str(tmp_path / "policy.toml"), "--workspace",
+                                       str(tmp_path / "missing")])  # fmt: skip
+    assert not_a_folder.exit_code == 2 and "is not a folder" in not_a_folder.stderr
+    (tmp_path / "strict.toml").write_text('version = 1\n[trust]\nlevel = "untrusted"\n')
+    weak = runner.invoke(app, ["mcp", "--policy", str(tmp_path / "strict.toml"), "--tier", "process",
+                               "--audit-db", f"sqlite:///{tmp_path / 'audit.db'}"])  # fmt: skip
+    assert weak.exit_code == 2 and "weaker than" in weak.stderr, weak.stderr
+
+
+def test_ui_needs_a_run_store(tmp_path: Path) -> None:
+    missing = runner.invoke(app, ["ui", "--db", str(tmp_path / "nothing.db")])
+    assert missing.exit_code == 2 and "no run store" in missing.stderr

@@ -1,0 +1,141 @@
+"""The MCP protocol shell (``McpFace``) through the official client, in process, over the shipped
+fakes: tools and resources listed and read, calls as the agent's steps, approvals asked through
+elicitation (a server request on the handshake versions, an InputRequiredResult on 2026-07-28)
+or waited for, and a session without one refused over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import mcp_types as types
+import pytest
+from mcp import Client
+from mcp.client.session import ClientRequestContext
+
+from stockade.assembly import AgentConfig
+from stockade.audit import AuditLog, MemoryStore
+from stockade.policy import Policy
+from stockade.policy.approval import Choice
+from stockade.policy.schema import CommandRules, ModelRegistry, PathRules, TrustRules
+from stockade.server.mcp_server import McpFace
+from stockade.server.mcp_session import MODEL_NAME, McpAgent
+from stockade.testing import FakeBackend, MemoryWorkspace
+from stockade.types import Trust
+
+POLICY = Policy(
+    trust=TrustRules(level=Trust.TRUSTED),
+    paths=PathRules(deny=("secrets/**",)),
+    commands=CommandRules(approve=("rm -r",)),
+    models=ModelRegistry(approved=(MODEL_NAME,)),
+)
+
+
+def face(tmp_path: Path, *, wait_s: float = 5.0, transport: str = "stdio") -> McpFace:
+    config = AgentConfig(
+        model=MODEL_NAME,
+        policy=POLICY,
+        backend=FakeBackend(MemoryWorkspace(), tier="process"),
+        audit=AuditLog(MemoryStore(), flush_interval_s=None),
+        approval_dir=tmp_path / "approvals",
+        kill_target=str(tmp_path / "kill"),
+    )
+    return McpFace(McpAgent(config), transport=transport, approval_wait_s=wait_s)  # type: ignore[arg-type]
+
+
+def text(result: types.CallToolResult) -> str:
+    block = result.content[0]
+    assert isinstance(block, types.TextContent)
+    return block.text
+
+
+def yes_to(word: str) -> object:
+    async def answer(
+        context: ClientRequestContext, params: types.ElicitRequestParams
+    ) -> types.ElicitResult | types.ErrorData:
+        return types.ElicitResult(action="accept", content={"approve": word in params.message})
+
+    return answer
+
+
+@pytest.mark.parametrize("mode", ["legacy", "auto"])
+def test_a_session_through_the_protocol(tmp_path: Path, mode: str) -> None:
+    server = face(tmp_path)
+
+    async def session() -> None:
+        async with Client(server.server, mode=mode, elicitation_callback=yes_to("keep")) as client:  # type: ignore[arg-type]
+            tools = {t.name for t in (await client.list_tools()).tools}
+            assert "apply_patch" in tools and "run_tests" in tools
+            wrote = await client.call_tool("write_file", {"path": "a.txt", "content": "hi <b>\n"})
+            assert not wrote.is_error, text(wrote)
+            denied = await client.call_tool("write_file", {"path": "secrets/x", "content": "x"})
+            assert denied.is_error and "denied by policy" in text(denied)
+            kept = await client.call_tool("run_code", {"code": "rm -r keep", "language": "bash"})
+            assert not kept.is_error, text(kept)  # approved through the client
+            refused = await client.call_tool("run_code", {"code": "rm -r other", "language": "bash"})
+            assert refused.is_error and "a human denied" in text(refused)
+            uris = {str(r.uri) for r in (await client.list_resources()).resources}
+            assert {"stockade://session", "stockade://session/diff", "stockade://workspace/a.txt"} <= uris
+            read = (await client.read_resource("stockade://workspace/a.txt")).contents[0]
+            assert isinstance(read, types.TextResourceContents) and read.text == "hi <b>\n"
+            diff = (await client.read_resource("stockade://session/diff")).contents[0]
+            assert isinstance(diff, types.TextResourceContents) and "+hi <b>" in diff.text
+            info = (await client.read_resource("stockade://session")).contents[0]
+            assert isinstance(info, types.TextResourceContents)
+            assert json.loads(info.text)["status"] == "running"
+            with pytest.raises(Exception, match="denied by policy"):
+                await client.read_resource("stockade://workspace/secrets/x")
+            with pytest.raises(Exception, match="no resource"):
+                await client.read_resource("stockade://elsewhere")
+
+    asyncio.run(session())
+    server.close()
+    ends = [
+        e.attributes["status"]
+        for e in server.agent.agent.audit_log.store.events()
+        if e.kind.value == "run_end"
+    ]
+    assert ends == ["paused", "paused", "success"]  # each approval paused the run; the session ended it
+
+
+def test_without_elicitation_a_call_waits_for_a_decision_then_is_denied(tmp_path: Path) -> None:
+    server = face(tmp_path, wait_s=0.5)
+
+    async def session() -> tuple[types.CallToolResult, types.CallToolResult]:
+        async with Client(server.server, mode="legacy") as client:
+            refused = await client.call_tool("run_code", {"code": "rm -r a", "language": "bash"})
+
+            async def approve_soon() -> None:
+                while True:
+                    held = server.agent.find("stdio")
+                    assert held is not None
+                    store = held.owner.agent.approvals.store
+                    assert store is not None
+                    for request in store.pending(held.run_id):
+                        store.decide(held.run_id, request["id"], Choice.APPROVED, by="test")
+                        return
+                    await asyncio.sleep(0.02)
+
+            server.approval_wait_s = 30
+            helper = asyncio.create_task(approve_soon())
+            allowed = await client.call_tool("run_code", {"code": "rm -r b", "language": "bash"})
+            await helper
+            return refused, allowed
+
+    refused, allowed = asyncio.run(session())
+    server.close()
+    assert refused.is_error and "a human denied" in text(refused), text(refused)
+    assert not allowed.is_error, text(allowed)
+
+
+def test_over_http_a_call_needs_a_session(tmp_path: Path) -> None:
+    server = face(tmp_path, transport="http")
+
+    async def session() -> None:
+        async with Client(server.server, mode="2026-07-28") as client:
+            with pytest.raises(Exception, match="sandbox per MCP session"):
+                await client.call_tool("list_files", {})
+
+    asyncio.run(session())
+    server.close()

@@ -1,0 +1,143 @@
+"""``McpSession`` over the shipped fakes: an MCP session is an agent run whose model is the
+client; calls, denials, approvals (a pause, a decision, the parked call run again), the end."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from stockade.agent import RunLimits
+from stockade.assembly import AgentConfig
+from stockade.audit import AuditLog, MemoryStore
+from stockade.policy import Policy
+from stockade.policy.approval import Choice
+from stockade.policy.schema import CommandRules, ModelRegistry, PathRules, TrustRules
+from stockade.server.mcp_session import MODEL_NAME, CallResult, Ended, McpAgent, Paused
+from stockade.testing import FakeBackend, MemoryWorkspace
+from stockade.types import Trust
+
+POLICY = Policy(
+    trust=TrustRules(level=Trust.TRUSTED),
+    paths=PathRules(deny=("secrets/**",)),
+    commands=CommandRules(approve=("rm -r",)),
+    models=ModelRegistry(approved=(MODEL_NAME,)),
+)
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> McpAgent:
+    log = AuditLog(MemoryStore(), flush_interval_s=None)
+    config = AgentConfig(
+        model=MODEL_NAME,
+        policy=POLICY,
+        backend=FakeBackend(MemoryWorkspace(), tier="process"),
+        audit=log,
+        approval_dir=tmp_path / "approvals",
+        kill_target=str(tmp_path / "kill"),
+        limits=RunLimits(max_denials=2),
+    )
+    return McpAgent(config)
+
+
+def test_calls_run_as_steps_and_the_end_ends_the_run(agent: McpAgent) -> None:
+    session = agent.session("one", client="test 1.0")
+    assert agent.session("one", client="test 1.0") is session  # the same client, the same session
+
+    async def work() -> list[object]:
+        wrote = await session.call("write_file", {"path": "a.txt", "content": "hello"})
+        read = await session.call("read_file", {"path": "a.txt"})
+        denied = await session.call("write_file", {"path": "secrets/k", "content": "x"})
+        missing = await session.call("no_such_tool", {})
+        return [wrote, read, denied, missing]
+
+    wrote, read, denied, missing = asyncio.run(work())
+    assert isinstance(wrote, CallResult) and not wrote.is_error
+    assert isinstance(read, CallResult) and "hello" in read.text
+    assert isinstance(denied, CallResult) and denied.is_error and "denied by policy" in denied.text
+    assert isinstance(missing, CallResult) and missing.is_error and "no tool" in missing.text
+    assert "a.txt" in session.list_files() and "+hello" in session.diff()
+    assert session.info()["status"] == "running"
+    asyncio.run(session.aclose())
+    assert session.result is not None and session.result.status.value == "success"
+    assert not session.sandbox_alive
+    after = asyncio.run(session.call("read_file", {"path": "a.txt"}))
+    assert isinstance(after, Ended) and after.status == "success"
+    agent.close()
+    kinds = [e.kind.value for e in agent.agent.audit_log.store.events(run_id=session.run_id)]
+    assert kinds[0] == "sandbox_start" and "policy_decision" in kinds and kinds[-1] == "sandbox_stop"
+
+
+def test_an_approval_pauses_and_the_decision_runs_the_parked_call(agent: McpAgent) -> None:
+    session = agent.session("one", client="test")
+    command = {"code": "rm -r build", "language": "bash"}
+
+    async def work() -> tuple[object, object, object]:
+        paused = await session.call("run_code", command)
+        assert isinstance(paused, Paused) and len(paused.approvals) == 1
+        pending = paused.approvals[0]
+        assert session.decision(pending) is None and "rm -r build" in pending.action
+        session.decide(pending, Choice.APPROVED, by="test")
+        resumed = await session.resume()
+        again = await session.call("run_code", {"code": "rm -r other", "language": "bash"})
+        assert isinstance(again, Paused)
+        session.decide(again.approvals[0], Choice.DENIED, by="test")
+        return paused, resumed, await session.resume()
+
+    _, resumed, refused = asyncio.run(work())
+    assert isinstance(resumed, CallResult) and not resumed.is_error, resumed
+    assert isinstance(refused, CallResult) and refused.is_error and "a human denied" in refused.text
+    agent.close()
+    outcomes = [
+        e.attributes["outcome"]
+        for e in agent.agent.audit_log.store.events(run_id=session.run_id)
+        if e.kind.value == "approval"
+    ]
+    assert outcomes == ["pending", "approved", "pending", "denied"]
+
+
+def test_denials_in_a_row_end_the_session_as_a_run_would(agent: McpAgent) -> None:
+    session = agent.session("one", client="test")
+
+    async def work() -> list[object]:
+        return [await session.call("write_file", {"path": f"secrets/{n}", "content": "x"}) for n in range(3)]
+
+    first, second, third = asyncio.run(work())
+    assert isinstance(first, CallResult) and first.is_error
+    assert isinstance(second, CallResult) and "ended denied" in second.text  # its own denial, then the end
+    assert isinstance(third, Ended) and third.status == "denied"
+    agent.close()
+
+
+@pytest.mark.parametrize("threshold", [2, None])
+def test_failed_calls_in_a_row_end_the_session_broken_unless_the_breaker_is_off(
+    tmp_path: Path, threshold: int | None
+) -> None:
+    config = AgentConfig(
+        model=MODEL_NAME,
+        policy=POLICY,
+        backend=FakeBackend(MemoryWorkspace(), tier="process"),
+        audit=AuditLog(MemoryStore(), flush_interval_s=None),
+        approval_dir=tmp_path / "approvals",
+        kill_target=str(tmp_path / "kill"),
+        max_consecutive_failures=threshold,
+    )
+    agent = McpAgent(config)
+    session = agent.session("one", client="test 1.0")
+
+    async def work() -> list[object]:
+        return [await session.call("read_file", {"path": f"missing-{i}"}) for i in range(4)]
+
+    outcomes = asyncio.run(work())
+    try:
+        if threshold is None:
+            assert all(isinstance(o, CallResult) and o.is_error for o in outcomes)
+            assert session.info()["status"] == "running"
+        else:
+            last = outcomes[1]
+            assert isinstance(last, CallResult) and "ended broken" in last.text, last
+            assert all(isinstance(o, Ended) and o.status == "broken" for o in outcomes[2:])
+            assert not session.sandbox_alive
+    finally:
+        agent.close()

@@ -1,0 +1,208 @@
+"""What the run viewer reads, over the shipped fakes: recorded runs as rows and timelines, the
+filters, the chain's verification, pending approvals and their decision; every kind of audit
+event as a line of the timeline."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+
+from stockade.assembly import AgentConfig, build_agent
+from stockade.audit import AuditLog, MemoryStore
+from stockade.audit.events import EventKind
+from stockade.models import ScriptedModel, tool_call
+from stockade.policy import Policy
+from stockade.policy.approval import ApprovalStore, Choice
+from stockade.policy.schema import CommandRules, PathRules, TrustRules
+from stockade.server.viewer.data import Filters, LocalRuns, timeline
+from stockade.testing import FakeBackend, MemoryWorkspace
+from stockade.types import Trust
+
+POLICY = Policy(
+    trust=TrustRules(level=Trust.TRUSTED),
+    paths=PathRules(deny=("secrets/**",)),
+    commands=CommandRules(approve=("rm -r",)),
+)
+
+
+def record(tmp_path: Path, name: str, turns: list[object]) -> str:
+    config = AgentConfig(
+        model=ScriptedModel(turns, name=name),  # type: ignore[arg-type]
+        policy=POLICY,
+        backend=FakeBackend(MemoryWorkspace(), tier="process"),
+        audit=f"sqlite:///{tmp_path / 'a.db'}",
+        approval_dir=tmp_path / "approvals",
+        kill_target=str(tmp_path / "kill"),
+    )
+    with build_agent(config) as agent:
+        return agent.run_sync(f"the {name} run").run_id
+
+
+def test_recorded_runs_read_as_rows_and_timelines(tmp_path: Path) -> None:
+    done = record(
+        tmp_path,
+        "scripted-busy",
+        [
+            tool_call("write_file", {"path": "a.txt", "content": "hello\n"}),
+            tool_call("write_file", {"path": "secrets/k", "content": "x"}),
+            "done",
+        ],
+    )
+    paused = record(
+        tmp_path, "scripted-careful", [tool_call("run_code", {"code": "rm -r x", "language": "bash"})]
+    )
+    source = LocalRuns(f"sqlite:///{tmp_path / 'a.db'}", approvals=tmp_path / "approvals")
+    try:
+        assert {r.run_id for r in source.runs(Filters())} == {done, paused}
+        assert [r.run_id for r in source.runs(Filters(status="paused"))] == [paused]
+        assert [r.run_id for r in source.runs(Filters(model="busy"))] == [done]
+        assert source.runs(Filters(since=datetime(2999, 1, 1, tzinfo=UTC))) == []
+        assert source.runs(Filters(status="no-such-status")) == []
+
+        view = source.run(done)
+        assert view is not None and view.row.status == "success" and not view.live
+        entries = [e for step in view.steps for e in step.entries]
+        kinds = {e.kind for e in entries}
+        assert {"run", "sandbox", "model", "tool", "denial"} <= kinds
+        wrote = next(e for e in entries if e.kind == "tool")
+        assert wrote.title == "write_file" and '"path": "a.txt"' in (wrote.args or "") and wrote.text
+        assert view.diff is not None and "+hello" in view.diff
+        assert view.verification is not None and view.verification.ok is True
+        last, status = source.changes(done, 0) or (0, "")
+        assert last == view.last_seq and status == "success"
+        assert source.changes(done, last) == (last, "success")
+        assert source.run("nope") is None and source.changes("nope", 0) is None
+
+        waiting = source.run(paused, verified=False)
+        assert waiting is not None and waiting.verification is None and len(waiting.pending) == 1
+        request = waiting.pending[0]
+        assert "rm -r x" in request.action
+        source.decide(paused, request.request_id, Choice.APPROVED)
+        assert ApprovalStore(tmp_path / "approvals").pending(paused) == []
+    finally:
+        source.close()
+
+
+def test_every_kind_of_event_is_a_line_of_the_timeline() -> None:
+    log = AuditLog(MemoryStore(), flush_interval_s=None)
+    r = "run-1"
+    log.record(EventKind.RUN_START, run_id=r, attributes={"task": "t", "resumed": False})
+    log.record(
+        EventKind.MODEL_CALL,
+        run_id=r,
+        step=1,
+        duration_s=0.5,
+        attributes={"model": "m", "input_tokens": 10, "output_tokens": 2, "tool_calls": ["run_code"]},
+    )
+    log.record(
+        EventKind.RETRY,
+        run_id=r,
+        step=1,
+        attributes={"subject": "read", "attempt": 1, "delay_s": 0.1, "reason": "busy"},
+    )
+    log.record(
+        EventKind.RETRY,
+        run_id=r,
+        step=1,
+        attributes={"subject": "tests", "flaky": True, "first_exit_code": 1, "second_exit_code": 0},
+    )
+    log.record(
+        EventKind.EXEC,
+        run_id=r,
+        step=1,
+        attributes={"argv": ["rm", "-r", "x"], "verdict": "deny", "rule": "commands.deny"},
+    )
+    log.record(EventKind.COMMAND, run_id=r, step=1, attributes={"argv": ["ls"]})  # under its call: not shown
+    log.record(
+        EventKind.TOOL_CALL,
+        run_id=r,
+        step=1,
+        duration_s=0.01,
+        attributes={
+            "tool": "run_code",
+            "call_id": "c1",
+            "idempotency_key": "k",
+            "args": {"code": "<b>"},
+            "is_error": True,
+            "error_type": "Boom",
+            "observation_chars": 5,
+            "outcome": "unknown",
+            "reconciled": True,
+        },
+    )
+    log.record(
+        EventKind.APPROVAL,
+        run_id=r,
+        actor="human",
+        attributes={"outcome": "approved", "action": "a", "through": "api"},
+    )
+    log.record(
+        EventKind.POLICY_DECISION, run_id=r, step=2, attributes={"decision": "flag", "level": "prompt"}
+    )
+    log.record(EventKind.KILL_SWITCH, run_id=r, step=2, actor="human", attributes={"reason": "stop"})
+    log.record(
+        EventKind.ANOMALY, run_id=r, step=2, attributes={"rule": "loop", "detail": "d", "action": "kill"}
+    )
+    log.record(EventKind.RATE_LIMITED, run_id=r, step=2, attributes={"limit": "rate", "detail": "slow down"})
+    log.record(
+        EventKind.BREAKER_CHANGE,
+        run_id=r,
+        step=2,
+        attributes={"name": "tools", "old": "closed", "new": "open", "reason": "5 failures"},
+    )
+    log.record(
+        EventKind.CHECK,
+        run_id=r,
+        step=2,
+        duration_s=1.0,
+        attributes={"command": "pytest", "passed": False, "exit_code": 1, "summary": "1 failed"},
+    )
+    log.record(EventKind.RUN_CRASH, run_id=r, attributes={"detail": "died"})
+    log.record(EventKind.RUN_END, run_id=r, attributes={"status": "killed", "error": "stop"})
+    log.flush()
+    steps, last = timeline(log.store.events(run_id=r))
+    assert last == 16 and [s.index for s in steps] == [0, 1, 2]
+    titles = [e.title for s in steps for e in s.entries]
+    assert titles == [
+        "run started",
+        "model call (m)",
+        "retry 1: read",
+        "flaky, run again: tests",
+        "exec deny: rm -r x",
+        "run_code",
+        "approved: a",
+        "flag: prompt",
+        "killed",
+        "anomaly: loop",
+        "rate limited: rate",
+        "breaker tools: closed → open",
+        "check failed: pytest",
+        "run crash",
+        "run ended: killed",
+    ]
+    tool = steps[1].entries[4]
+    assert (
+        tool.failed
+        and "outcome unknown (cut by a crash)" in tool.facts
+        and tool.text
+        and "5 characters" in tool.text
+    )
+
+
+def test_a_limit_that_waits_is_not_a_failure_and_an_open_breaker_is() -> None:
+    log = AuditLog(MemoryStore(), flush_interval_s=None)
+    r = "run-2"
+    log.record(EventKind.RATE_LIMITED, run_id=r, step=1, attributes={"limit": "rate", "action": "wait"})
+    log.record(EventKind.BUDGET, run_id=r, step=1, attributes={"limit": "spend", "action": "stop"})
+    log.record(
+        EventKind.BREAKER_CHANGE,
+        run_id=r,
+        step=1,
+        attributes={"name": "agent", "old": "closed", "new": "open", "failures": 5, "reason": "r"},
+    )
+    log.flush()
+    steps, _ = timeline(log.store.events(run_id=r))
+    waited, stopped, broke = [e for s in steps for e in s.entries]
+    assert not waited.failed and waited.facts == ("waits for its window",)
+    assert stopped.failed and stopped.facts == ("stops the run",)
+    assert broke.failed and broke.facts == ("5 failures in a row",)

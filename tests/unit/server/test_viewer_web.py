@@ -1,0 +1,111 @@
+"""The run viewer's pages in process (uvicorn on 127.0.0.1 in a thread, runs recorded over the
+shipped fakes): sign-in and its cookie, the list, a run's page and body with untrusted text
+escaped under the CSP, the event stream, decisions with their CSRF token, static files."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2
+import pytest
+import uvicorn
+
+from stockade.models import tool_call
+from stockade.policy.approval import ApprovalStore
+from stockade.server.viewer.data import LocalRuns
+from stockade.server.viewer.web import _csrf, local_app
+from tests.unit.server.test_viewer_data import record
+
+XSS = "<script>alert(1)</script>"
+KEY = "a-key-for-the-tests"
+
+
+@pytest.fixture(scope="module")
+def viewer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, str, Path]]:
+    folder = tmp_path_factory.mktemp("web")
+    done = record(folder, "scripted-busy", [tool_call("write_file", {"path": "x.html", "content": XSS}), XSS])
+    paused = record(
+        folder, "scripted-careful", [tool_call("run_code", {"code": "rm -r x", "language": "bash"})]
+    )
+    source = LocalRuns(f"sqlite:///{folder / 'a.db'}", approvals=folder / "approvals")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(local_app(source, KEY), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield url, done, paused, folder
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        source.close()
+
+
+def client(url: str) -> httpx2.Client:
+    return httpx2.Client(base_url=url, timeout=10, cookies={"stockade_viewer": KEY})
+
+
+def test_sign_in(viewer: tuple[str, str, str, Path]) -> None:
+    url, done, _, _ = viewer
+    with httpx2.Client(base_url=url, timeout=10) as anonymous:
+        assert anonymous.get("/").headers["location"] == "/ui/"
+        assert anonymous.get("/ui/").headers["location"].startswith("/ui/login")
+        form = anonymous.get("/ui/login")
+        assert form.status_code == 200 and "Sign in" in form.text and form.headers["content-security-policy"]
+        assert anonymous.get("/ui/login", params={"key": "wrong"}).status_code == 401
+        assert anonymous.post("/ui/login", data={"token": "wrong"}).status_code == 401
+        signed = anonymous.get("/ui/login", params={"key": KEY, "next": f"/ui/runs/{done}"})
+        assert signed.status_code == 303 and signed.headers["location"] == f"/ui/runs/{done}"
+        assert "httponly" in signed.headers["set-cookie"].lower()
+        out = anonymous.post("/ui/logout")
+        assert out.status_code == 303 and 'stockade_viewer=""' in out.headers["set-cookie"]
+
+
+def test_pages_escape_and_forbid_scripts(viewer: tuple[str, str, str, Path]) -> None:
+    url, done, paused, _ = viewer
+    with client(url) as c:
+        listing = c.get("/ui/", params={"status": "success"})
+        assert done[:16] in listing.text and paused[:16] not in listing.text
+        assert c.get("/ui/", params={"until": "nonsense"}).status_code == 400
+        page = c.get(f"/ui/runs/{done}")
+        assert XSS not in page.text and "&lt;script&gt;alert(1)&lt;/script&gt;" in page.text
+        assert page.headers["content-security-policy"].startswith("default-src 'none'")
+        body = c.get(f"/ui/runs/{done}/body", params={"verified": 1})
+        assert "✓ verifies" in body.text and XSS not in body.text
+        assert c.get("/ui/runs/nothing").status_code == 404
+        assert c.get("/ui/runs/nothing/body").status_code == 404
+        assert c.get("/ui/static/viewer.js").headers["content-type"].startswith("text/javascript")
+        assert c.get("/ui/static/icon.svg").status_code == 200
+        assert c.get("/ui/static/other.js").status_code == 404
+        with c.stream("GET", f"/ui/runs/{done}/events") as events:
+            lines = [line for line in events.iter_lines() if line.startswith("event:")]
+        assert lines == ["event: changed", "event: end"]
+        with c.stream("GET", "/ui/runs/nothing/events") as events:
+            assert [line for line in events.iter_lines() if line.startswith("event:")] == ["event: end"]
+
+
+def test_a_decision_needs_its_form_token(viewer: tuple[str, str, str, Path]) -> None:
+    url, _, paused, folder = viewer
+    with client(url) as c:
+        page = c.get(f"/ui/runs/{paused}")
+        assert "Approve" in page.text and 'data-live="1"' in page.text
+        request_id = ApprovalStore(folder / "approvals").pending(paused)[0]["id"]
+        target = f"/ui/runs/{paused}/approvals/{request_id}"
+        assert c.post(target, data={"decision": "approve", "csrf": "forged"}).status_code == 403
+        assert c.post(target, data={"decision": "maybe", "csrf": _csrf(KEY)}).status_code == 400
+        missing = c.post(f"/ui/runs/{paused}/approvals/nope", data={"decision": "deny", "csrf": _csrf(KEY)})
+        assert missing.status_code == 400
+        done = c.post(target, data={"decision": "deny", "csrf": _csrf(KEY)})
+        assert done.status_code == 303 and done.headers["location"] == f"/ui/runs/{paused}"
+    assert ApprovalStore(folder / "approvals").pending(paused) == []
