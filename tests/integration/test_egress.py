@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from stockade import Limits, Sandbox
+from stockade import LimitNotEnforceable, Limits, Sandbox, SnapshotStore
 from stockade.audit.events import EventKind
 from stockade.audit.sandbox import AuditedBackend
 from stockade.sandbox import _registry
@@ -345,3 +345,27 @@ tiers = ["process"]
     finally:
         server.stop()
     assert "Traceback" not in server.output(), server.output()[-3000:]
+
+
+def test_a_snapshot_keeps_the_allowlist_but_not_credentials(local: Servers, tmp_path: Path) -> None:
+    """A fork from a files snapshot goes out through a proxy of its own, with the same rules;
+    a sandbox holding credentials is not snapshotted (a credential's source may be the secret)."""
+    require_tier("process")
+    store = SnapshotStore(tmp_path / "snapshots")
+    with _sandbox("process", local.policy()) as sbx, pytest.raises(LimitNotEnforceable, match="credentials"):
+        sbx.snapshot(store=store)
+    code = f"""
+import urllib.error, urllib.request
+print(urllib.request.urlopen("http://pkg.test:{local.http_port}/s", timeout=20).read().decode())
+try:
+    urllib.request.urlopen("http://other.test:{local.http_port}/", timeout=20)
+except urllib.error.HTTPError as err:
+    print(err.code)
+"""
+    with _sandbox("process", local.policy(credentials=())) as sbx:
+        sbx.files.write("get.py", code)
+        snap = sbx.snapshot(store=store)
+    assert TOKEN not in json.dumps(store.load(snap).spec)
+    with Sandbox.create(snapshot=snap, store=store) as fork:
+        r = fork.commands.run("python3 get.py")
+    assert r.stdout.split() == ["http", "hello", "/s", "403"], r.stdout + r.stderr
