@@ -26,6 +26,7 @@ CACHE=${STOCKADE_CACHE:-${HOME:-/root}/.cache/stockade}
 SUITE=${STOCKADE_SUITE:-bookworm}
 IMAGE_REPO=${STOCKADE_IMAGE:-stockade-sandbox}
 MARKER=etc/stockade-rootfs          # written last, relative to the rootfs
+PACKAGES=python3,python-is-python3,python3-matplotlib,curl,ca-certificates
 
 log() { printf 'build-image: %s\n' "$*" >&2; }
 die() { printf 'build-image: ERROR: %s\n' "$*" >&2; exit 1; }
@@ -82,14 +83,16 @@ build_rootfs() {
     fi
     [[ -f /usr/share/keyrings/debian-archive-keyring.gpg ]] \
         && keyring=/usr/share/keyrings/debian-archive-keyring.gpg
-    log "debootstrap $SUITE/$ARCH (minbase + python3) from $mirror"
+    log "debootstrap $SUITE/$ARCH (minbase + $PACKAGES) from $mirror"
 
     local tmp=$ROOTFS.tmp
     cleanup_tmp "$tmp"
     trap 'cleanup_tmp "'"$tmp"'"' EXIT
     mkdir -p "$CACHE/debs"
     local t0=$SECONDS
-    debootstrap --variant=minbase --include=python3,python-is-python3 --arch="$ARCH" \
+    # python3 and what code interpreters and agents expect to find: matplotlib (figures come
+    # back as PNG), curl and the CA bundle (through the egress proxy, where a policy allows)
+    debootstrap --variant=minbase --include="$PACKAGES" --arch="$ARCH" \
         ${keyring:+--keyring="$keyring"} --cache-dir="$CACHE/debs" \
         "$SUITE" "$tmp" "$mirror" >"$CACHE/debootstrap.log" 2>&1 || {
             tail -n 30 "$CACHE/debootstrap.log" >&2

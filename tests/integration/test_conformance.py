@@ -22,6 +22,7 @@ from stockade import (
     SandboxFileNotFound,
 )
 from stockade.types import EntryType
+from tests.conftest import require
 
 # -- commands ------------------------------------------------------------------------------
 
@@ -347,9 +348,9 @@ def test_async_sandbox_has_the_same_surface(tier: str) -> None:
 
 
 def test_matplotlib_figures_come_back_as_png(sbx: Sandbox) -> None:
-    if sbx.run_code("import importlib.util; importlib.util.find_spec('matplotlib') is None").text == "True":
-        # Content of the tier's image, not a backend: the process tier's comes from bootstrap.
-        pytest.skip(f"no matplotlib inside the {sbx.tier} tier's image")
+    # scripts/build-image.sh puts it in the image; the process tier's comes from bootstrap
+    missing = sbx.run_code("import importlib.util; importlib.util.find_spec('matplotlib') is None").text
+    require("matplotlib", missing == "False", f"not inside the {sbx.tier} tier's image")
     ex = sbx.run_code("import matplotlib.pyplot as plt\nplt.plot([1, 2, 3], [1, 4, 9])\nplt.show()")
     assert ex.error is None and len(ex.results) == 1
     assert ex.results[0].png is not None and ex.results[0].png.startswith("iVBOR")  # PNG, base64

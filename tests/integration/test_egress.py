@@ -3,7 +3,7 @@
 Local HTTP and HTTPS servers answer on 127.0.0.2 and 127.0.0.3 under made-up names that the
 proxy's resolver maps (tests/egress_servers.py). From inside: urllib, requests, pip (both
 copied into the workspace from this environment, where the image has none) and curl
-(where the tier has it) reach what is allowed; every other route is refused, each with the
+(in every image: scripts/build-image.sh) reach what is allowed; every other route is refused, each with the
 reason the code can read; the credential reaches the server and is nowhere in the sandbox.
 """
 
@@ -25,7 +25,7 @@ from stockade.sandbox import _registry
 from stockade.sandbox.ops import PutArchive
 from stockade.testing import capture_audit
 from stockade.types import NetworkPolicy
-from tests.conftest import require_tier
+from tests.conftest import require, require_tier
 from tests.egress_servers import TOKEN, Servers, servers
 from tests.integration.conftest import TIERS
 
@@ -197,8 +197,8 @@ EOF"""
 
 def test_curl_goes_through_the_proxy(egress_tier: str, local: Servers) -> None:
     with _sandbox(egress_tier, local.policy()) as sbx:
-        if sbx.commands.run("command -v curl").exit_code != 0:
-            pytest.skip(f"the {egress_tier} tier's image has no curl")
+        has_curl = sbx.commands.run("command -v curl").exit_code == 0
+        require("curl", has_curl, f"not in the {egress_tier} tier's image (scripts/build-image.sh)")
         r = sbx.commands.run(
             f"curl -sS http://pkg.test:{local.http_port}/c && echo && "
             f"curl -sS https://api.test:{local.https_port}/auth && echo && "
