@@ -2,7 +2,8 @@
 # Build the stockade sandbox root filesystem offline (no container registry),
 # with debootstrap from the Debian mirror apt is already configured to use.
 #
-#   * minimal Debian (--variant=minbase) + python3 (also as `python`), apt caches and docs stripped;
+#   * minimal Debian (--variant=minbase) + python3 (also as `python`), curl, the CA bundle,
+#     matplotlib and numpy (PyPI wheels, with the project's pip), apt caches and docs stripped;
 #   * user `sandbox` (uid/gid 1000, home /home/sandbox), /workspace owned by
 #     1000:1000, empty /opt/stockade (the SDK mounts its in-sandbox helper there);
 #   * result: a rootfs folder  $STOCKADE_CACHE/rootfs/<key>   (always)
@@ -22,11 +23,15 @@
 set -euo pipefail
 
 SCRIPT=$(readlink -f "${BASH_SOURCE[0]}")
+ROOT=$(cd "$(dirname "$SCRIPT")/.." && pwd)
 CACHE=${STOCKADE_CACHE:-${HOME:-/root}/.cache/stockade}
 SUITE=${STOCKADE_SUITE:-bookworm}
 IMAGE_REPO=${STOCKADE_IMAGE:-stockade-sandbox}
 MARKER=etc/stockade-rootfs          # written last, relative to the rootfs
-PACKAGES=python3,python-is-python3,python3-matplotlib,curl,ca-certificates
+PACKAGES=python3,python-is-python3,curl,ca-certificates
+# From PyPI's wheels, not Debian's packages: Debian's matplotlib depends on scipy, sympy and
+# tk (a 1.2 GB image); the wheels are 140 MB with numpy.
+WHEELS="matplotlib==3.11.2 numpy==2.4.6"
 
 log() { printf 'build-image: %s\n' "$*" >&2; }
 die() { printf 'build-image: ERROR: %s\n' "$*" >&2; exit 1; }
@@ -90,8 +95,8 @@ build_rootfs() {
     trap 'cleanup_tmp "'"$tmp"'"' EXIT
     mkdir -p "$CACHE/debs"
     local t0=$SECONDS
-    # python3 and what code interpreters and agents expect to find: matplotlib (figures come
-    # back as PNG), curl and the CA bundle (through the egress proxy, where a policy allows)
+    # python3 and what agents expect to find: curl and the CA bundle (through the egress
+    # proxy, where a policy allows); matplotlib below (figures come back as PNG)
     debootstrap --variant=minbase --include="$PACKAGES" --arch="$ARCH" \
         ${keyring:+--keyring="$keyring"} --cache-dir="$CACHE/debs" \
         "$SUITE" "$tmp" "$mirror" >"$CACHE/debootstrap.log" 2>&1 || {
@@ -99,6 +104,7 @@ build_rootfs() {
             die "debootstrap failed (full log: $CACHE/debootstrap.log)"
         }
     log "debootstrap took $((SECONDS - t0)) s"
+    install_wheels "$tmp"
 
     # user, workspace, helper mount point
     chroot "$tmp" groupadd --gid 1000 sandbox
@@ -128,6 +134,27 @@ build_rootfs() {
         cleanup_tmp "$old"
     done
     log "rootfs built in $((SECONDS - t0)) s: $ROOTFS ($(du -sh "$ROOTFS" | cut -f1))"
+}
+
+install_wheels() {   # WHEELS into the rootfs's /usr/local, for its own python3
+    local root=$1 pyver pip
+    pyver=$(chroot "$root" python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+    pip=${STOCKADE_VENV:-$ROOT/.venv}/bin/python
+    [[ -x $pip ]] || pip=python3
+    "$pip" -m pip --version >/dev/null 2>&1 || die "no pip to install $WHEELS into the image: run scripts/bootstrap.sh first"
+    log "installing $WHEELS (wheels for python $pyver) into the rootfs"
+    local arch=x86_64
+    [[ $ARCH == arm64 ]] && arch=aarch64
+    "$pip" -m pip install --quiet --no-cache-dir --disable-pip-version-check --no-compile \
+        --only-binary=:all: --python-version "$pyver" --implementation cp --abi "cp${pyver/./}" \
+        --platform "manylinux2014_$arch" --platform "manylinux_2_28_$arch" --platform "manylinux_2_34_$arch" \
+        --target "$root/usr/local/lib/python$pyver/dist-packages" $WHEELS 2>&1 \
+        | grep -v -e '^WARNING: Location' -e 'dependency resolver' -e ' requires .* but you have ' >&2 || true
+    [[ -d $root/usr/local/lib/python$pyver/dist-packages/matplotlib ]] || die "pip install $WHEELS failed"
+    rm -rf "$root/usr/local/lib/python$pyver/dist-packages/bin"
+    # compiled by the image's own python: /usr is read-only in a sandbox, so an uncompiled
+    # module would be compiled again on every import (seconds for numpy on an emulated VM)
+    chroot "$root" python3 -m compileall -q -j 0 "/usr/local/lib/python$pyver/dist-packages" >/dev/null || true
 }
 
 cleanup_tmp() {   # unmount anything debootstrap left mounted, then delete
