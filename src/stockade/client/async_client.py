@@ -10,6 +10,8 @@ from typing import Any
 
 from stockade.client._http import AsyncHttp
 from stockade.client.async_sandbox import AsyncRemoteSandbox
+from stockade.client.sandbox import snapshot_id
+from stockade.types import Snapshot
 
 __all__ = ["AsyncClient"]
 
@@ -34,6 +36,15 @@ class AsyncClient:
     async def sandboxes(self) -> list[dict[str, Any]]:
         found: list[dict[str, Any]] = (await self.http.request("GET", "/v1/sandboxes")).json()
         return found
+
+    async def snapshots(self) -> list[dict[str, Any]]:
+        """See ``Client.snapshots``."""
+        found: list[dict[str, Any]] = (await self.http.request("GET", "/v1/snapshots")).json()
+        return found
+
+    async def delete_snapshot(self, snapshot: Snapshot | str) -> None:
+        """See ``Client.delete_snapshot``."""
+        await self.http.request("DELETE", f"/v1/snapshots/{snapshot_id(snapshot)}")
 
     async def verify_audit(self) -> dict[str, Any]:
         found: dict[str, Any] = (await self.http.request("GET", "/v1/audit/verify")).json()

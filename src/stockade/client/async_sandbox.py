@@ -31,6 +31,7 @@ from stockade.client.sandbox import (
     enforcement,
     entry,
     execution,
+    snapshot_value,
     streamed_line,
 )
 from stockade.sandbox.facade import tar_directory
@@ -43,6 +44,7 @@ from stockade.types import (
     Execution,
     Limits,
     NetworkPolicy,
+    Snapshot,
     Trust,
 )
 
@@ -181,6 +183,7 @@ class AsyncRemoteSandbox:
         prefer: Literal["cheapest", "strongest"] | None = None,
         idle_timeout_s: float | None = None,
         client: AsyncClient | None = None,
+        snapshot: Snapshot | str | None = None,
     ) -> AsyncRemoteSandbox:
         """As ``AsyncSandbox.create``; the tier is chosen (and checked against your role) by the
         service. Without ``client``, one is made from ``STOCKADE_URL`` and ``STOCKADE_TOKEN``."""
@@ -188,7 +191,7 @@ class AsyncRemoteSandbox:
 
         body = create_body(
             tier, trust=trust, limits=limits, network=network, envs=envs, allow_weaker=allow_weaker,
-            labels=labels, prefer=prefer, idle_timeout_s=idle_timeout_s,
+            labels=labels, prefer=prefer, idle_timeout_s=idle_timeout_s, snapshot=snapshot,
         )  # fmt: skip
         own = client is None
         client = client or AsyncClient()
@@ -244,6 +247,38 @@ class AsyncRemoteSandbox:
 
     async def reset(self) -> None:
         await self.client.http.request("POST", f"/v1/sandboxes/{self.id}/reset")
+
+    async def snapshot(self, *, memory: bool | None = None) -> Snapshot:
+        """See ``RemoteSandbox.snapshot``."""
+        path = f"/v1/sandboxes/{self.id}/snapshot"
+        response = await self.client.http.request("POST", path, json={"memory": memory})
+        return snapshot_value(response.json(), self.client.http.url)
+
+    async def pause(self, *, memory: bool | None = None) -> Snapshot:
+        """See ``RemoteSandbox.pause``."""
+        path = f"/v1/sandboxes/{self.id}/pause"
+        response = await self.client.http.request("POST", path, json={"memory": memory})
+        self._closed = True
+        if self._owns_client:
+            await self.client.aclose()
+        return snapshot_value(response.json(), self.client.http.url)
+
+    @classmethod
+    async def resume(cls, sandbox_id: str, *, client: AsyncClient | None = None) -> AsyncRemoteSandbox:
+        """See ``RemoteSandbox.resume``."""
+        from stockade.client.async_client import AsyncClient
+
+        own = client is None
+        client = client or AsyncClient()
+        try:
+            info = await client.http.request("POST", f"/v1/sandboxes/{sandbox_id}/resume")
+        except BaseException:
+            if own:
+                await client.aclose()
+            raise
+        sbx = cls(client, info.json())
+        sbx._owns_client = own
+        return sbx
 
     async def kill(self) -> None:
         """Stop it now, even mid-command (a command in flight ends with ``SandboxClosed``)."""

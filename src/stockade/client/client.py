@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from stockade.client._http import Http
-from stockade.client.sandbox import RemoteSandbox
+from stockade.client.sandbox import RemoteSandbox, snapshot_id
 from stockade.sandbox.facade import tar_directory
+from stockade.types import Snapshot
 
 __all__ = ["Client", "RemoteRun", "RunEvent", "Runs"]
 
@@ -229,6 +230,16 @@ class Client:
     def sandboxes(self) -> list[dict[str, Any]]:
         found: list[dict[str, Any]] = self.http.request("GET", "/v1/sandboxes").json()
         return found
+
+    def snapshots(self) -> list[dict[str, Any]]:
+        """Your tenant's snapshots and paused sandboxes (``paused``: the sandbox's id)."""
+        found: list[dict[str, Any]] = self.http.request("GET", "/v1/snapshots").json()
+        return found
+
+    def delete_snapshot(self, snapshot: Snapshot | str) -> None:
+        """Forget a snapshot (a paused sandbox's: the sandbox is gone with it); its disk is
+        free of your ``snapshot_mb`` quota."""
+        self.http.request("DELETE", f"/v1/snapshots/{snapshot_id(snapshot)}")
 
     def verify_audit(self) -> dict[str, Any]:
         found: dict[str, Any] = self.http.request("GET", "/v1/audit/verify").json()

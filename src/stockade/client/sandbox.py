@@ -41,6 +41,8 @@ from stockade.types import (
     Mechanism,
     NetworkPolicy,
     Result,
+    Snapshot,
+    SnapshotKind,
     Trust,
 )
 
@@ -87,6 +89,25 @@ def enforcement(data: Mapping[str, Any]) -> Enforcement:
     )
 
 
+def snapshot_value(data: Mapping[str, Any], url: str) -> Snapshot:
+    """A snapshot the service keeps (``store`` is the service's URL: it never leaves it)."""
+    return Snapshot(
+        id=str(data["id"]), kind=SnapshotKind(data["kind"]), tier=str(data["tier"]),
+        source=str(data.get("source", "")), taken_at=float(data.get("taken_at", 0.0)),
+        size_bytes=int(data.get("size_bytes", 0)), store=url,
+    )  # fmt: skip
+
+
+def snapshot_id(snapshot: Snapshot | str) -> str:
+    if isinstance(snapshot, Snapshot):
+        return snapshot.id
+    if isinstance(snapshot, str):
+        return snapshot
+    raise exc.InvalidArgument(
+        f"snapshot must be a Snapshot or its id, got {type(snapshot).__name__}", argument="snapshot"
+    )
+
+
 def _limits(limits: Limits | None) -> dict[str, Any] | None:
     if limits is None:
         return None
@@ -125,13 +146,14 @@ _NO_NETWORK = NetworkPolicy()
 def create_body(
     tier: str | None, *, trust: Trust | str | None, limits: Limits | None, network: NetworkPolicy | None,
     envs: Mapping[str, str] | None, allow_weaker: bool, labels: Mapping[str, str] | None,
-    prefer: str | None, idle_timeout_s: float | None,
+    prefer: str | None, idle_timeout_s: float | None, snapshot: Snapshot | str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The body of ``POST /v1/sandboxes``."""
     body: dict[str, Any] = {
         "tier": tier, "trust": str(trust) if trust is not None else None, "limits": _limits(limits),
         "envs": dict(envs or {}), "allow_weaker": allow_weaker, "labels": dict(labels or {}),
         "prefer": prefer, "idle_timeout_s": idle_timeout_s,
+        "snapshot": snapshot_id(snapshot) if snapshot is not None else None,
     }  # fmt: skip
     if network is not None:
         body["network"] = _network(network)
@@ -301,13 +323,16 @@ class RemoteSandbox:
         prefer: Literal["cheapest", "strongest"] | None = None,
         idle_timeout_s: float | None = None,
         client: Client | None = None,
+        snapshot: Snapshot | str | None = None,
     ) -> RemoteSandbox:
-        """As ``Sandbox.create``; the tier is chosen (and checked against your role) by the service."""
+        """As ``Sandbox.create``; the tier is chosen (and checked against your role) by the service.
+        ``snapshot`` (one of your tenant's, or its id) starts it from a snapshot, as many times
+        as wanted: on its tier and with its settings unless others are given."""
         from stockade.client.client import Client
 
         body = create_body(
             tier, trust=trust, limits=limits, network=network, envs=envs, allow_weaker=allow_weaker,
-            labels=labels, prefer=prefer, idle_timeout_s=idle_timeout_s,
+            labels=labels, prefer=prefer, idle_timeout_s=idle_timeout_s, snapshot=snapshot,
         )  # fmt: skip
         own = client is None
         client = client or Client()
@@ -373,6 +398,41 @@ class RemoteSandbox:
 
     def reset(self) -> None:
         self.client.http.request("POST", f"/v1/sandboxes/{self.id}/reset")
+
+    def snapshot(self, *, memory: bool | None = None) -> Snapshot:
+        """As ``Sandbox.snapshot``: save the sandbox and go on. Kept by the service, in your
+        tenant's store, until deleted (``client.delete_snapshot``)."""
+        path = f"/v1/sandboxes/{self.id}/snapshot"
+        response = self.client.http.request("POST", path, json={"memory": memory})
+        return snapshot_value(response.json(), self.client.http.url)
+
+    def pause(self, *, memory: bool | None = None) -> Snapshot:
+        """As ``Sandbox.pause``: save and stop it; ``RemoteSandbox.resume(sbx.id)``, from any
+        client of your tenant, brings it back. Paused, it holds none of your live quota."""
+        path = f"/v1/sandboxes/{self.id}/pause"
+        response = self.client.http.request("POST", path, json={"memory": memory})
+        self._closed = True  # nothing to delete any more; a client made for it is closed
+        if self._owns_client:
+            self.client.close()
+        return snapshot_value(response.json(), self.client.http.url)
+
+    @classmethod
+    def resume(cls, sandbox_id: str, *, client: Client | None = None) -> RemoteSandbox:
+        """As ``Sandbox.resume``: the paused sandbox ``sandbox_id``, running again under its id.
+        One resume wins: the others get ``SnapshotNotFound``."""
+        from stockade.client.client import Client
+
+        own = client is None
+        client = client or Client()
+        try:
+            info = client.http.request("POST", f"/v1/sandboxes/{sandbox_id}/resume")
+        except BaseException:
+            if own:
+                client.close()
+            raise
+        sbx = cls(client, info.json())
+        sbx._owns_client = own
+        return sbx
 
     def kill(self) -> None:
         """Stop it now, even mid-command (a command in flight ends with ``SandboxClosed``)."""

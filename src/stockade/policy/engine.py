@@ -31,6 +31,7 @@ from stockade.sandbox.ops import (
     ListDir,
     MakeDir,
     Op,
+    Pause,
     PutArchive,
     ReadFile,
     Remove,
@@ -38,6 +39,7 @@ from stockade.sandbox.ops import (
     RunCode,
     RunCommand,
     Stat,
+    TakeSnapshot,
     WriteFile,
     as_inline,
 )
@@ -210,6 +212,11 @@ class PolicyEngine:
                 )
             case Reset():
                 return (("category delete", self.category("delete")),)
+            case TakeSnapshot() | Pause():
+                # Every file is copied, into the host's store and not to the caller; whatever
+                # starts from it runs under the rules its creator gives (the service: the
+                # tenant's policy again), so the paths' read rules are not the question here.
+                return (("category read", self.category("read")),)
         return ()
 
     def command(self, argv: tuple[str, ...]) -> Decision:

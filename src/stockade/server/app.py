@@ -20,6 +20,7 @@ from stockade.server.routing import Peers, SandboxRouting
 from stockade.server.runs import router as runs_router
 from stockade.server.sandboxes import router as sandboxes_router
 from stockade.server.service import Service
+from stockade.server.snapshots import router as snapshots_router
 from stockade.server.viewer import ServiceAuth, viewer_router
 
 __all__ = ["create_app"]
@@ -76,6 +77,7 @@ def create_app(service: Service) -> FastAPI:
     app.state.peers = peers
     app.add_middleware(SandboxRouting, service=service, peers=peers)  # a sandbox held by a peer: there
     app.include_router(sandboxes_router)
+    app.include_router(snapshots_router)
     app.include_router(runs_router)
     app.include_router(viewer_router(ServiceAuth(service)))  # the run viewer, /ui
 

@@ -45,6 +45,10 @@ class ServiceConfig:
     # where this API process's peers reach it (requests for its sandboxes are forwarded there);
     # ``serve`` fills it from its host and port when left out
     advertise_url: str | None = None
+    # where the tenants' snapshots and paused sandboxes are kept (a store per tenant below
+    # it); None: ``snapshots`` beside a SQLite database, else ``.stockade/snapshots``. API
+    # processes that share this folder restore each other's snapshots; others cannot
+    snapshot_dir: Path | None = None
 
 
 class AuditLogs:

@@ -43,18 +43,28 @@ from fastapi.responses import StreamingResponse
 
 from stockade import exceptions as exc
 from stockade.audit.sandbox import AuditedBackend
+from stockade.policy.engine import PolicyEngine
 from stockade.policy.guards import GuardedBackend, OpContext, op_policy_guard
 from stockade.runs.lease import owner_gone, owner_token
-from stockade.sandbox import _registry
+from stockade.sandbox._supervised import spec_from_state
+from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.sandbox.facade import Sandbox
 from stockade.server.authz import check_network, choose_tier, engine_for
 from stockade.server.deps import Caller, get_service
 from stockade.server.problems import from_error
-from stockade.server.schemas import CodeRequest, CommandRequest, SandboxCreate, SandboxOut
+from stockade.server.schemas import (
+    CodeRequest,
+    CommandRequest,
+    SandboxCreate,
+    SandboxOut,
+    SnapshotOut,
+    SnapshotRequest,
+)
+from stockade.server.snapshots import snapshot_out
 from stockade.server.state import Node, Placement
 from stockade.server.tenants import Principal
 from stockade.server.uploads import unpack_archive
-from stockade.types import CommandResult, EntryInfo, Execution, Limits
+from stockade.types import CommandResult, EntryInfo, Execution, Limits, NetworkPolicy, SnapshotKind
 
 __all__ = ["BEAT_S", "DEAD_AFTER_S", "Held", "SandboxRegistry", "router"]
 
@@ -174,24 +184,26 @@ class SandboxRegistry:
 
     # -- lifecycle ----------------------------------------------------------------------------
 
-    def create(self, principal: Principal, request: SandboxCreate) -> Held:
-        service, tenant = self.service, principal.tenant
-        engine = engine_for(principal, request.trust)
-        tier, why = choose_tier(engine, request.tier, request.prefer)
-        network = request.network.build() if request.network is not None else None
-        if network is not None:  # the policy's own rules for the hosts asked for, with credentials
-            network = check_network(engine, network)
-        limits = request.limits.build() if request.limits is not None else Limits()
-        idle = min(request.idle_timeout_s or service.config.sandbox_idle_timeout_s,
-                   service.config.max_sandbox_idle_timeout_s)  # fmt: skip
-        sandbox_id = f"sbx_{uuid.uuid4().hex}"
-        quotas = tenant.quotas
+    def _backend(self, principal: Principal, engine: PolicyEngine, tier: str, sandbox_id: str) -> Backend:
+        """The tier's backend for one sandbox: the tenant's policy under the token's role, then
+        the tenant's audit trail (``run_id`` = the sandbox's id)."""
+        log = self.service.audit.get(principal.tenant)
+        return GuardedBackend(
+            AuditedBackend(
+                self.service.backends(tier), log, run_id=sandbox_id, actor=f"api:{principal.token_id}"
+            ),
+            op_policy_guard(engine),
+            OpContext(run_id=sandbox_id, role=principal.role),
+        )
+
+    def _reserve(self, principal: Principal, sandbox_id: str, tier: str, limits: Limits) -> None:
+        store, quota = self.service.store, principal.tenant.quotas
 
         def reserve() -> None:
-            service.store.reserve_sandbox(
-                sandbox_id=sandbox_id, tenant=tenant.id, owner=self.owner, tier=tier, cpus=limits.cpus,
-                memory_mb=limits.memory_mb, max_sandboxes=quotas.sandboxes, max_cpus=quotas.cpus,
-                max_memory_mb=quotas.memory_mb,
+            store.reserve_sandbox(
+                sandbox_id=sandbox_id, tenant=principal.tenant.id, owner=self.owner, tier=tier,
+                cpus=limits.cpus, memory_mb=limits.memory_mb, max_sandboxes=quota.sandboxes,
+                max_cpus=quota.cpus, max_memory_mb=quota.memory_mb,
             )  # fmt: skip
 
         try:
@@ -200,29 +212,148 @@ class SandboxRegistry:
             if not self.sweep():  # a dead process may hold the quota: bury it, and try once more
                 raise
             reserve()
+
+    @staticmethod
+    def _network(engine: PolicyEngine, kept: SandboxSpec) -> NetworkPolicy | None:
+        """A snapshot's network, judged again by the tenant's policy as it is now."""
+        if not (kept.network.enabled or kept.network.egress):
+            return None
+        return check_network(engine, kept.network)
+
+    def _hold(self, held: Held) -> Held:
+        with self._lock:
+            self._held[held.id] = held
+        return held
+
+    def create(self, principal: Principal, request: SandboxCreate) -> Held:
+        service, tenant = self.service, principal.tenant
+        engine = engine_for(principal, request.trust)
+        kept: SandboxSpec | None = None
+        memory = False
+        if request.snapshot is not None:
+            with service.snapshots.errors(tenant, request.snapshot) as store:
+                manifest = store.load(request.snapshot)
+                kept = spec_from_state(manifest.spec)
+            memory = manifest.snapshot.kind is SnapshotKind.MEMORY
+        asked = request.tier or (manifest.snapshot.tier if kept is not None else None)
+        tier, why = choose_tier(engine, asked, request.prefer)
+        network = request.network.build() if request.network is not None else None
+        if network is not None:  # the policy's own rules for the hosts asked for, with credentials
+            network = check_network(engine, network)
+        elif kept is not None:
+            judged = self._network(engine, kept)  # refused if the policy no longer gives it
+            network = None if memory else judged  # a memory snapshot keeps its own (no credentials)
+        given = request.limits.build() if request.limits is not None else None
+        limits = given or (kept.limits if kept is not None else Limits())
+        idle = min(request.idle_timeout_s or service.config.sandbox_idle_timeout_s,
+                   service.config.max_sandbox_idle_timeout_s)  # fmt: skip
+        sandbox_id = f"sbx_{uuid.uuid4().hex}"
+        self._reserve(principal, sandbox_id, tier, limits)
         try:
-            log = service.audit.get(tenant)
-            backend = GuardedBackend(
-                AuditedBackend(
-                    _registry.backend(tier), log, run_id=sandbox_id, actor=f"api:{principal.token_id}"
-                ),
-                op_policy_guard(engine),
-                OpContext(run_id=sandbox_id, role=principal.role),
-            )
-            sandbox = Sandbox.create(
-                backend=backend, limits=limits, network=network, envs=request.envs,
-                rules=engine.sandbox_rules(), allow_weaker=request.allow_weaker, labels=request.labels,
-            )  # fmt: skip
+            backend = self._backend(principal, engine, tier, sandbox_id)
+            if request.snapshot is not None:
+                with service.snapshots.errors(tenant, request.snapshot) as store:
+                    sandbox = Sandbox.create(
+                        tier, backend=backend, limits=given, network=network, envs=request.envs or None,
+                        rules=engine.sandbox_rules(), allow_weaker=request.allow_weaker,
+                        labels=request.labels, snapshot=request.snapshot, store=store,
+                    )  # fmt: skip
+                why = f"{why}; started from snapshot {request.snapshot}"
+            else:
+                sandbox = Sandbox.create(
+                    backend=backend, limits=limits, network=network, envs=request.envs,
+                    rules=engine.sandbox_rules(), allow_weaker=request.allow_weaker, labels=request.labels,
+                )  # fmt: skip
         except BaseException:
             service.store.release_sandbox(sandbox_id)
             raise
+        labels = {**(kept.labels if kept is not None else {}), **request.labels}
         held = Held(
             id=sandbox_id, tenant=tenant.id, sandbox=sandbox, tier_reason=why, limits=limits,
-            labels=dict(request.labels), idle_timeout_s=idle,
+            labels=labels, idle_timeout_s=idle,
         )  # fmt: skip
+        return self._hold(held)
+
+    # -- snapshots ----------------------------------------------------------------------------
+
+    def snapshot(self, principal: Principal, sandbox_id: str, memory: bool | None) -> SnapshotOut:
+        """Save the sandbox into its tenant's store and let it run on."""
+        tenant, snapshots = principal.tenant, self.service.snapshots
+        self.get(principal, sandbox_id)
+        snapshots.check_room(tenant)
+        with (
+            self.use(principal, sandbox_id) as sandbox,
+            snapshots.errors(tenant, sandbox_id, "sandbox") as store,
+        ):
+            taken = sandbox.snapshot(memory=memory, store=store)
+            store.set_ref("kept", taken.id, taken.id, source=sandbox_id)  # named by the API's id
+        snapshots.record(tenant, taken.id)
+        return snapshot_out(taken, source=sandbox_id)
+
+    def pause(self, principal: Principal, sandbox_id: str, memory: bool | None) -> SnapshotOut:
+        """Save the sandbox and stop it: kept under its id until ``resume``; its share of the
+        live quota (count, CPUs, memory) is free meanwhile, its disk counts as snapshots."""
+        tenant, snapshots = principal.tenant, self.service.snapshots
+        held = self.get(principal, sandbox_id)
+        snapshots.check_room(tenant)
+        with (
+            self.use(principal, sandbox_id) as sandbox,
+            snapshots.errors(tenant, sandbox_id, "sandbox") as store,
+        ):
+            taken = sandbox.pause(memory=memory, store=store)
+            # the tier keeps it under its own id for the sandbox; the API's id names it here
+            store.set_ref("paused", sandbox_id, taken.id)
+            if sandbox.id != sandbox_id:
+                store.drop_ref("paused", sandbox.id)
         with self._lock:
-            self._held[sandbox_id] = held
-        return held
+            self._held.pop(sandbox_id, None)
+        with contextlib.suppress(Exception):
+            held.sandbox.close()
+        self.service.store.release_sandbox(sandbox_id)
+        snapshots.record(tenant, sandbox_id)
+        return snapshot_out(taken, source=sandbox_id, paused=sandbox_id)
+
+    def resume(self, principal: Principal, sandbox_id: str) -> Held:
+        """A paused sandbox, running again under its id (on this process). One resume wins."""
+        service, tenant, snapshots = self.service, principal.tenant, self.service.snapshots
+        if self.holds(sandbox_id):
+            self.get(principal, sandbox_id)  # another tenant's: not found
+            raise exc.SnapshotNotFound(f"sandbox {sandbox_id} is running, not paused")
+        what = "paused sandbox"
+        with snapshots.errors(tenant, sandbox_id, what) as store:
+            ref = store.ref("paused", sandbox_id)
+            if ref is None:
+                raise exc.SnapshotNotFound(sandbox_id)
+            manifest = store.load(ref["snapshot"])
+            kept = spec_from_state(manifest.spec)
+        tier = manifest.snapshot.tier
+        engine = engine_for(principal)
+        choose_tier(engine, tier)  # the role may still use its tier
+        network = self._network(engine, kept)
+        if manifest.snapshot.kind is SnapshotKind.MEMORY:
+            network = None
+        self._reserve(principal, sandbox_id, tier, kept.limits)
+        try:
+            backend = self._backend(principal, engine, tier, sandbox_id)
+            with (
+                snapshots.errors(tenant, sandbox_id, what) as store,
+                store.claim("paused", sandbox_id) as ref,
+            ):
+                sandbox = Sandbox.create(
+                    tier, backend=backend, network=network, rules=engine.sandbox_rules(),
+                    snapshot=ref["snapshot"], store=store,
+                )  # fmt: skip
+            store.delete(ref["snapshot"])
+        except BaseException:
+            service.store.release_sandbox(sandbox_id)
+            raise
+        snapshots.forget(tenant, sandbox_id)
+        held = Held(
+            id=sandbox_id, tenant=tenant.id, sandbox=sandbox,
+            tier_reason=f"resumed from its pause, on its {tier} tier", limits=kept.limits,
+            labels=dict(kept.labels), idle_timeout_s=service.config.sandbox_idle_timeout_s,
+        )  # fmt: skip
+        return self._hold(held)
 
     def get(self, principal: Principal, sandbox_id: str) -> Held:
         """The caller's sandbox; another tenant's, or none, is ``ResourceNotFound`` alike."""
@@ -345,6 +476,35 @@ async def get_sandbox(sandbox_id: str, request: Request, caller: Caller) -> Sand
 async def kill_sandbox(sandbox_id: str, request: Request, caller: Caller) -> SandboxOut:
     registry = _registry_of(request)
     held: Held = await _blocking(lambda: registry.kill(caller, sandbox_id))
+    return held.out()
+
+
+@router.post("/{sandbox_id}/snapshot", status_code=201, response_model=SnapshotOut,
+             summary="Save the sandbox (files, or memory where the tier can) and let it run on")  # fmt: skip
+async def take_snapshot(
+    sandbox_id: str, request: Request, caller: Caller, body: SnapshotRequest | None = None
+) -> SnapshotOut:
+    registry = _registry_of(request)
+    memory = body.memory if body is not None else None
+    taken: SnapshotOut = await _blocking(lambda: registry.snapshot(caller, sandbox_id, memory))
+    return taken
+
+
+@router.post("/{sandbox_id}/pause", response_model=SnapshotOut,
+             summary="Save the sandbox and stop it; POST .../resume brings it back under its id")  # fmt: skip
+async def pause_sandbox(
+    sandbox_id: str, request: Request, caller: Caller, body: SnapshotRequest | None = None
+) -> SnapshotOut:
+    registry = _registry_of(request)
+    memory = body.memory if body is not None else None
+    paused: SnapshotOut = await _blocking(lambda: registry.pause(caller, sandbox_id, memory))
+    return paused
+
+
+@router.post("/{sandbox_id}/resume", response_model=SandboxOut, summary="Run a paused sandbox again")
+async def resume_sandbox(sandbox_id: str, request: Request, caller: Caller) -> SandboxOut:
+    registry = _registry_of(request)
+    held: Held = await _blocking(lambda: registry.resume(caller, sandbox_id))
     return held.out()
 
 

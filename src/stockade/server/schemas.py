@@ -24,6 +24,8 @@ __all__ = [
     "RunSubmit",
     "SandboxCreate",
     "SandboxOut",
+    "SnapshotOut",
+    "SnapshotRequest",
     "WorkspaceOut",
 ]
 
@@ -70,6 +72,28 @@ class SandboxCreate(_In):
     allow_weaker: bool = False
     labels: Labels = Field(default_factory=dict, max_length=32)
     idle_timeout_s: float | None = Field(default=None, gt=0, description="closed after this long unused")
+    snapshot: str | None = Field(
+        default=None, pattern=r"^snap-[0-9a-f]{32}$",
+        description="start from this snapshot of yours (its tier and settings unless others are given)",
+    )  # fmt: skip
+
+
+class SnapshotRequest(_In):
+    memory: bool | None = Field(
+        default=None,
+        description="true: keep the processes' memory (422 on a tier that cannot); false: files only; "
+        "null: memory where the tier can",
+    )
+
+
+class SnapshotOut(BaseModel):
+    id: str
+    kind: Literal["files", "memory"]
+    tier: str
+    source: str = Field(description="the sandbox it was taken from")
+    taken_at: float
+    size_bytes: int
+    paused: str | None = Field(default=None, description="the paused sandbox it keeps: resume it by this id")
 
 
 class SandboxOut(BaseModel):

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from stockade.runs.store import RunStore
+from stockade.sandbox import _registry
+from stockade.sandbox.base import Backend
 from stockade.server.context import AuditLogs, ServiceConfig, TenantLimits, check_tenants
 from stockade.server.executor import Executor, InProcessExecutor
 from stockade.server.runner import Runner
 from stockade.server.sandboxes import SandboxRegistry
+from stockade.server.snapshots import TenantSnapshots
 from stockade.server.state import DatabaseApprovals, DatabaseKillSource, ServiceStore, open_database
 
 __all__ = ["Service"]
@@ -18,9 +22,16 @@ log = logging.getLogger("stockade.server")
 
 class Service:
     """``executor`` None: runs go to Celery workers when ``config.redis`` is set, else to
-    threads of this process (the embedded default)."""
+    threads of this process (the embedded default). ``backends`` gives the backend of a tier
+    for the API's sandboxes (the tier registry's unless told)."""
 
-    def __init__(self, config: ServiceConfig, *, executor: Executor | None = None) -> None:
+    def __init__(
+        self,
+        config: ServiceConfig,
+        *,
+        executor: Executor | None = None,
+        backends: Callable[[str], Backend] | None = None,
+    ) -> None:
         check_tenants(config.tenants)
         self.config = config
         self.tenants = config.tenants
@@ -30,6 +41,9 @@ class Service:
         self.limits = TenantLimits(config.redis, namespace=config.queue)
         self.approvals = DatabaseApprovals(self.store)
         self.kills = DatabaseKillSource(self.store, poll_s=0.0)
+        self.snapshots = TenantSnapshots(self)
+        # the tier backends of the API's sandboxes (``stockade.testing.FakeBackend`` in tests)
+        self.backends: Callable[[str], Backend] = backends or _registry.backend
         self.sandboxes = SandboxRegistry(self)
         self._runner: Runner | None = None
         if executor is None and config.redis:

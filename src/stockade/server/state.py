@@ -14,6 +14,9 @@ service's own tables (``svc_*``):
   its last heartbeat (a sandbox lives in the process that made it: see ``server/routing.py``);
 - ``svc_ended``: sandboxes killed (still listed by their process until deleted) or lost with
   their process ("gone"), so that a request for one is answered that, not "not found";
+- ``svc_snapshots``: which snapshot store (an id of its folder, and the address of the process
+  that wrote there) keeps each tenant's snapshot or paused sandbox, so that a process that
+  does not share that folder says where it is instead of "not found";
 - ``svc_approvals``: pending requests and decisions (``DatabaseApprovals``);
 - ``svc_kills`` / ``svc_live``: kill switches and live runs (``DatabaseKillSource``).
 
@@ -87,6 +90,9 @@ def _schema(ns: str, blob: str) -> list[str]:
         f"""CREATE TABLE IF NOT EXISTS {ns}_ended (
             sandbox_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, owner TEXT NOT NULL, reason TEXT NOT NULL,
             ended_ns BIGINT NOT NULL)""",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_snapshots (
+            tenant TEXT NOT NULL, name TEXT NOT NULL, store_id TEXT NOT NULL, url TEXT NOT NULL,
+            taken_ns BIGINT NOT NULL, PRIMARY KEY (tenant, name))""",
         f"""CREATE TABLE IF NOT EXISTS {ns}_approvals (
             run_id TEXT NOT NULL, request_id TEXT NOT NULL, action TEXT NOT NULL, rule TEXT NOT NULL,
             reason TEXT NOT NULL, status TEXT NOT NULL, decided_by TEXT NOT NULL, updated_ns BIGINT NOT NULL,
@@ -98,8 +104,8 @@ def _schema(ns: str, blob: str) -> list[str]:
     ]
 
 
-TABLES = ("runs", "workspaces", "artifacts", "tenants", "sandboxes", "nodes", "ended", "approvals", "kills",
-          "live")  # fmt: skip
+TABLES = ("runs", "workspaces", "artifacts", "tenants", "sandboxes", "nodes", "ended", "snapshots",
+          "approvals", "kills", "live")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -519,6 +525,32 @@ class ServiceStore:
             )
             for r in rows
         ]  # fmt: skip
+
+    # -- snapshots: which store keeps them -------------------------------------------------------
+
+    def record_snapshot(self, tenant: str, name: str, store_id: str, url: str) -> None:
+        """``name`` (a snapshot id, or a paused sandbox's) of ``tenant`` is kept in the store
+        ``store_id``, written by the process at ``url``."""
+        self.db.write(
+            [
+                (
+                    f"INSERT INTO {self.ns}_snapshots VALUES (?, ?, ?, ?, ?) ON CONFLICT (tenant, name) "
+                    "DO UPDATE SET store_id = excluded.store_id, url = excluded.url, "
+                    "taken_ns = excluded.taken_ns",
+                    [(tenant, name, store_id, url, time.time_ns())],
+                )
+            ]
+        )
+
+    def snapshot_place(self, tenant: str, name: str) -> tuple[str, str] | None:
+        """(store id, url) of a tenant's snapshot or paused sandbox, or None."""
+        rows = self.db.query(
+            f"SELECT store_id, url FROM {self.ns}_snapshots WHERE tenant = ? AND name = ?", (tenant, name)
+        )
+        return (str(rows[0][0]), str(rows[0][1])) if rows else None
+
+    def forget_snapshot(self, tenant: str, name: str) -> None:
+        self.db.write([(f"DELETE FROM {self.ns}_snapshots WHERE tenant = ? AND name = ?", [(tenant, name)])])
 
     # -- audit (read) ------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ quotas and its rate and spend limits, and lists the tokens, stored hashed:
     rate_per_minute = 600            # API calls, and tool actions of its runs, per rolling minute
     rate_period_s = 60               # that window, in seconds (a minute unless shortened)
     dollars_per_hour = 5.0           # model spend per rolling hour, over every run
+    snapshot_mb = 10240              # disk of its snapshots and paused sandboxes
 
     [[tokens]]
     id = "3f9a1c0b7d2e"
@@ -58,6 +59,8 @@ class Quotas:
     cpus: float = 8.0
     memory_mb: int = 8192
     runs: int = 100
+    # the disk its snapshots and paused sandboxes take (a paused sandbox holds no live share)
+    snapshot_mb: int = 10240
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +107,7 @@ class _TenantEntry(BaseModel):
     cpus: float = Field(default=8.0, ge=0)
     memory_mb: int = Field(default=8192, ge=0)
     runs: int = Field(default=100, ge=0)
+    snapshot_mb: int = Field(default=10240, ge=0)
     rate_per_minute: int | None = Field(default=None, gt=0)
     rate_period_s: float = Field(default=60.0, ge=1)  # Redis windows count whole seconds
     dollars_per_hour: float | None = Field(default=None, gt=0)
@@ -197,7 +201,11 @@ class Tenants:
                 id=tenant_id,
                 policy=policy,
                 quotas=Quotas(
-                    sandboxes=entry.sandboxes, cpus=entry.cpus, memory_mb=entry.memory_mb, runs=entry.runs
+                    sandboxes=entry.sandboxes,
+                    cpus=entry.cpus,
+                    memory_mb=entry.memory_mb,
+                    runs=entry.runs,
+                    snapshot_mb=entry.snapshot_mb,
                 ),
                 rate_per_minute=entry.rate_per_minute,
                 rate_period_s=entry.rate_period_s,

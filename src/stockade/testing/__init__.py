@@ -7,6 +7,9 @@ same path rules as the real tiers) and answers commands with ``commands(op)``.
     backend = FakeBackend(MemoryWorkspace(commands=lambda op: CommandResult(...)))
     with Sandbox.create(backend=backend) as sbx: ...
 
+A ``MemoryWorkspace`` sandbox can be snapshotted, paused and started from a snapshot (its
+files only, ``snapshot.kind`` "files"), in a real ``SnapshotStore``, as the real tiers do.
+
 ``FaultInjectingBackend(backend, path=...)`` wraps any backend, the real tiers too, and makes
 a read fail as a busy host would: what retries, audit trails and run stores must survive.
 """
@@ -40,6 +43,7 @@ from stockade.sandbox.ops import (
     ListDir,
     MakeDir,
     Op,
+    Pause,
     PutArchive,
     ReadFile,
     Remove,
@@ -47,6 +51,7 @@ from stockade.sandbox.ops import (
     RunCode,
     RunCommand,
     Stat,
+    TakeSnapshot,
     WriteFile,
 )
 from stockade.testing.audit import CapturedAudit, capture_audit
@@ -57,6 +62,8 @@ from stockade.types import (
     EntryType,
     Execution,
     Mechanism,
+    Snapshot,
+    SnapshotKind,
     TierReport,
 )
 
@@ -233,9 +240,10 @@ class MemoryWorkspace:
 
 
 class FakeInstance(Instance, AsyncInstance):
-    def __init__(self, handler: Handler, tier: str, number: int) -> None:
+    def __init__(self, handler: Handler, tier: str, number: int, *, spec: SandboxSpec | None = None) -> None:
         self.handler = handler
-        self.id = f"fake-{number}"
+        self.spec = spec or SandboxSpec()
+        self.id = self.spec.sandbox_id or f"fake-{number}"
         self.tier = tier
         self.enforcement = FAKE_ENFORCEMENT
         self.ops: list[Op[Any]] = []
@@ -245,6 +253,8 @@ class FakeInstance(Instance, AsyncInstance):
         if self.closed:
             raise exc.SandboxClosed(f"sandbox {self.id} is closed")
         self.ops.append(op)
+        if isinstance(op, TakeSnapshot | Pause) and isinstance(self.handler, MemoryWorkspace):
+            return self._snapshot(op)
         result = self.handler(op)
         if sink is not None and isinstance(result, CommandResult):
             if result.stdout:
@@ -252,6 +262,37 @@ class FakeInstance(Instance, AsyncInstance):
             if result.stderr:
                 sink(2, result.stderr.encode())
         return result
+
+    def _snapshot(self, op: TakeSnapshot | Pause) -> Snapshot:
+        """The workspace's files as one object of the store, as a files snapshot of a real tier."""
+        from stockade.sandbox._supervised import spec_state
+
+        if op.memory:
+            raise exc.LimitNotEnforceable(
+                "the fake keeps files only in a snapshot", setting="snapshot memory", fix="pass memory=None"
+            )
+        assert isinstance(self.handler, MemoryWorkspace)
+        digest = op.store.add_bytes(self.handler._get_archive(GetArchive()))
+        pause = isinstance(op, Pause)
+        snapshot = op.store.save(
+            kind=SnapshotKind.FILES, tier=self.tier, source=self.id, spec=spec_state(self.spec),
+            blobs={"workspace": digest}, ref=("paused", self.id) if pause else ("kept", ""),
+        )  # fmt: skip
+        if pause:
+            self.close()
+        return snapshot
+
+    def seed(self, snapshot: Snapshot) -> None:
+        """Put a snapshot's files into this fresh sandbox, every byte checked first."""
+        from pathlib import Path
+
+        from stockade.sandbox.snapshots import SnapshotStore
+
+        store = SnapshotStore(Path(snapshot.store))
+        manifest = store.verify(snapshot)
+        if "workspace" not in manifest.blobs:
+            raise exc.SnapshotIncompatible(f"snapshot {snapshot.id} was not taken by a fake sandbox")
+        self.handler(PutArchive(data=store.check_object(manifest.blobs["workspace"]).read_bytes()))
 
     async def ahandle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         return self.handle(op, sink)
@@ -293,7 +334,9 @@ class FakeBackend(Backend, AsyncBackend):
     def start(self, spec: SandboxSpec) -> FakeInstance:
         handler = self._factory() if self._factory is not None else self._handler
         assert handler is not None
-        instance = FakeInstance(handler, self.tier, len(self.instances) + 1)
+        instance = FakeInstance(handler, self.tier, len(self.instances) + 1, spec=spec)
+        if spec.snapshot is not None and isinstance(handler, MemoryWorkspace):
+            instance.seed(spec.snapshot)
         self.instances.append(instance)
         self.specs.append(spec)
         return instance

@@ -14,11 +14,9 @@ from stockade.client.async_sandbox import AsyncRemoteCommands, AsyncRemoteFiles
 from stockade.client.sandbox import RemoteCommands, RemoteFiles
 from stockade.sandbox.facade import AsyncCommands, AsyncFiles, Commands, Files
 
-# what only a local sandbox can take: the engine itself, and the host-side hooks of the policy
-LOCAL_ONLY = {"backend", "rules", "approver", "instance"}
-# Snapshots are local for now: the service has no endpoints for them yet (whose tenant owns a
-# snapshot, which API process's store holds it). Remove from here when it has.
-LOCAL_ONLY |= {"snapshot", "pause", "resume", "store"}
+# what only a local sandbox can take: the engine itself, the host-side hooks of the policy, and
+# a snapshot store (the service keeps each tenant's snapshots in a store of its own)
+LOCAL_ONLY = {"backend", "rules", "approver", "instance", "store"}
 
 PAIRS = [
     (Sandbox, RemoteSandbox),

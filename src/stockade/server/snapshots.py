@@ -1,0 +1,184 @@
+"""Snapshots over HTTP: each tenant's own snapshot store, and ``/v1/snapshots``.
+
+A tenant's snapshots and paused sandboxes are kept in a store of its own
+(``SnapshotStore(<snapshot_dir>/<tenant>)``), so another tenant's snapshot id is not found,
+exactly as an id that never was (404), and nothing is shared across tenants (not even an
+object two tenants' workspaces have in common). The store holds at most the tenant's
+``snapshot_mb`` quota; a paused sandbox is only disk: it holds no share of the live quota
+(sandboxes, CPUs, memory) until it is resumed.
+
+Several API processes: a snapshot is written by the process that holds the sandbox, into its
+``snapshot_dir``. Processes that share that folder (one host, or a shared file system) restore
+each other's snapshots. Each store folder has an id of its own (``store-id``), and the
+database says which store keeps each tenant's snapshot (``svc_snapshots``): a process that
+does not share it answers ``SnapshotNotFound`` naming the process that has it, rather than a
+bare "not found".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fastapi import APIRouter, Request, Response
+
+from stockade import exceptions as exc
+from stockade.sandbox.snapshots import MiB, SnapshotStore
+from stockade.server.deps import Caller, get_service
+from stockade.server.schemas import SnapshotOut
+from stockade.server.tenants import Tenant
+from stockade.types import Snapshot
+
+if TYPE_CHECKING:
+    from stockade.server.service import Service
+
+__all__ = ["TenantSnapshots", "router"]
+
+router = APIRouter(prefix="/v1/snapshots", tags=["snapshots"])
+
+
+def default_dir(database: str) -> Path:
+    """Beside a SQLite database; else ``.stockade/snapshots`` of the current folder."""
+    if database.startswith("sqlite:///"):
+        return Path(database[len("sqlite:///") :]).parent / "snapshots"
+    if "://" not in database:
+        return Path(database).parent / "snapshots"
+    return Path(".stockade/snapshots")
+
+
+def snapshot_out(snapshot: Snapshot, *, source: str | None = None, paused: str | None = None) -> SnapshotOut:
+    return SnapshotOut(
+        id=snapshot.id, kind=snapshot.kind.value, tier=snapshot.tier, source=source or snapshot.source,
+        taken_at=snapshot.taken_at, size_bytes=snapshot.size_bytes, paused=paused,
+    )  # fmt: skip
+
+
+class TenantSnapshots:
+    """The tenants' snapshot stores of one service process."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.root = service.config.snapshot_dir or default_dir(service.config.database)
+        self._store_id: str | None = None
+
+    def store(self, tenant: Tenant) -> SnapshotStore:
+        return SnapshotStore(self.root / tenant.id, max_bytes=tenant.quotas.snapshot_mb * MiB)
+
+    @property
+    def store_id(self) -> str:
+        """The id of this snapshot folder: the same for every process that shares it."""
+        if self._store_id is None:
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            path = self.root / "store-id"
+            with contextlib.suppress(FileExistsError):
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as fh:
+                    fh.write(secrets.token_hex(16))
+            self._store_id = path.read_text().strip()
+        return self._store_id
+
+    def record(self, tenant: Tenant, name: str) -> None:
+        url = self.service.config.advertise_url or ""
+        self.service.store.record_snapshot(tenant.id, name, self.store_id, url)
+
+    def forget(self, tenant: Tenant, name: str) -> None:
+        self.service.store.forget_snapshot(tenant.id, name)
+
+    def not_found(self, tenant: Tenant, name: str, what: str) -> exc.SnapshotNotFound:
+        """ "Not found", or where it is when another process's store keeps it."""
+        place = self.service.store.snapshot_place(tenant.id, name)
+        if place is not None and place[0] != self.store_id:
+            where = f"the API process at {place[1]}" if place[1] else "another API process"
+            return exc.SnapshotNotFound(
+                f"{what} {name} is kept in the snapshot store of {where}, which this process does not "
+                "share: give every API process the same snapshot folder (serve --snapshot-dir, a shared "
+                "folder), or send this request to that process"
+            )
+        return exc.SnapshotNotFound(f"no {what} {name!r}")
+
+    @contextlib.contextmanager
+    def errors(self, tenant: Tenant, name: str = "", what: str = "snapshot") -> Iterator[SnapshotStore]:
+        """The tenant's store; its errors as the tenant should read them: "not found" says where
+        it is if another store keeps it, a full store is the ``snapshot_mb`` quota, and no
+        message names the server's folders."""
+        store = self.store(tenant)
+        try:
+            yield store
+        except exc.SnapshotNotFound:
+            raise self.not_found(tenant, name, what) from None
+        except exc.SnapshotError as error:
+            if type(error) is exc.SnapshotError and store.size() > store.max_bytes:
+                raise self.full(tenant, store) from None
+            text = str(error).replace(str(store.root), "the tenant's snapshot store")
+            raise type(error)(text) from None
+
+    def full(self, tenant: Tenant, store: SnapshotStore) -> exc.QuotaExceeded:
+        used = store.size() / MiB
+        return exc.QuotaExceeded(
+            f"tenant {tenant.id!r} keeps {used:.0f} MiB of snapshots and paused sandboxes, its "
+            f"snapshot_mb quota is {tenant.quotas.snapshot_mb}: delete a snapshot (DELETE /v1/snapshots/ID)",
+            quota="snapshot_mb",
+            limit=float(tenant.quotas.snapshot_mb),
+            used=round(used, 3),
+        )
+
+    def check_room(self, tenant: Tenant) -> SnapshotStore:
+        """The tenant's store, or ``QuotaExceeded`` when it is full already."""
+        store = self.store(tenant)
+        if store.size() >= store.max_bytes:
+            raise self.full(tenant, store)
+        return store
+
+    def listing(self, tenant: Tenant) -> list[SnapshotOut]:
+        store = self.store(tenant)
+        found: dict[str, SnapshotOut] = {}
+        for kind in ("kept", "paused"):
+            for name, sid in store.refs(kind):
+                with contextlib.suppress(exc.SnapshotError, OSError):
+                    snapshot = store.load(sid).snapshot
+                    ref = store.ref(kind, name) or {}
+                    paused = name if kind == "paused" else None
+                    found[sid] = snapshot_out(snapshot, source=paused or ref.get("source"), paused=paused)
+        return sorted(found.values(), key=lambda s: s.taken_at, reverse=True)
+
+    def delete(self, tenant: Tenant, snapshot_id: str) -> None:
+        with self.errors(tenant, snapshot_id) as store:
+            store.load(snapshot_id)
+            paused = [name for name, sid in store.refs("paused") if sid == snapshot_id]
+            store.delete(snapshot_id)
+        for name in [snapshot_id, *paused]:
+            self.forget(tenant, name)
+
+
+def _snapshots(request: Request) -> TenantSnapshots:
+    return get_service(request).snapshots
+
+
+@router.get("", response_model=list[SnapshotOut], summary="Your snapshots and paused sandboxes")
+async def list_snapshots(request: Request, caller: Caller) -> list[SnapshotOut]:
+    import anyio
+
+    snapshots = _snapshots(request)
+    listed: list[SnapshotOut] = await anyio.to_thread.run_sync(snapshots.listing, caller.tenant)
+    return listed
+
+
+@router.get("/{snapshot_id}", response_model=SnapshotOut, summary="One snapshot")
+async def get_snapshot(snapshot_id: str, request: Request, caller: Caller) -> SnapshotOut:
+    for item in _snapshots(request).listing(caller.tenant):
+        if item.id == snapshot_id:
+            return item
+    raise _snapshots(request).not_found(caller.tenant, snapshot_id, "snapshot")
+
+
+@router.delete("/{snapshot_id}", status_code=204, summary="Delete a snapshot (a paused sandbox's too)")
+async def delete_snapshot(snapshot_id: str, request: Request, caller: Caller) -> Response:
+    import anyio
+
+    snapshots = _snapshots(request)
+    await anyio.to_thread.run_sync(lambda: snapshots.delete(caller.tenant, snapshot_id))
+    return Response(status_code=204)

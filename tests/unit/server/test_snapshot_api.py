@@ -1,0 +1,243 @@
+"""Snapshots through the service (the real application through httpx2's ASGI transport, real
+SQLite, real snapshot stores, the shipped ``FakeBackend`` as the tier): a snapshot forks
+sandboxes, a pause frees the live quota and a resume from another client brings the sandbox
+back under its id, a tenant never reaches another's snapshots, the errors are the SDK's,
+the trail records them, and a process that does not share the store says where it is."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx2
+import pytest
+
+from stockade import exceptions as exc
+from stockade.audit.events import EventKind
+from stockade.client import AsyncClient, AsyncRemoteSandbox
+from stockade.policy.schema import Policy
+from stockade.server.app import create_app
+from stockade.server.context import ServiceConfig
+from stockade.server.service import Service
+from stockade.server.tenants import Quotas, Tenant, Tenants, new_token
+from stockade.testing import FakeBackend
+from stockade.types import SnapshotKind
+
+
+@dataclass(frozen=True)
+class Up:
+    service: Service
+    client: Callable[[str], AsyncClient]
+    acme: str
+    other: str
+
+
+TRUSTED = Policy.model_validate({"trust": {"level": "trusted"}})  # the process tier (a fake here)
+
+
+def make_tenants(acme: Quotas) -> tuple[Tenants, str, str]:
+    acme_token, acme_record = new_token("acme")
+    other_token, other_record = new_token("other")
+    tenants = Tenants(
+        tenants={
+            "acme": Tenant(id="acme", quotas=acme, policy=TRUSTED),
+            "other": Tenant(id="other", policy=TRUSTED),
+        },
+        tokens={acme_record.id: acme_record, other_record.id: other_record},
+    )
+    return tenants, acme_token, other_token
+
+
+@dataclass
+class Services:
+    """Services on one database (as API processes), each with its ASGI clients."""
+
+    database: str
+    tmp: Path
+    backend: FakeBackend
+    opened: list[Service]
+    clients: list[AsyncClient]
+
+    def start(self, tenants: Tenants, snapshot_dir: Path, url: str = "http://service") -> Service:
+        config = ServiceConfig(
+            tenants=tenants, database=self.database, temp_dir=self.tmp, snapshot_dir=snapshot_dir,
+            advertise_url=url,
+        )  # fmt: skip
+        service = Service(config, backends=lambda tier: self.backend)
+        self.opened.append(service)
+        return service
+
+    def client(self, service: Service, token: str) -> AsyncClient:
+        transport = httpx2.ASGITransport(app=create_app(service))
+        client = AsyncClient("http://service", token, transport=transport)
+        self.clients.append(client)
+        return client
+
+
+@pytest.fixture
+async def services(tmp_path: Path) -> AsyncIterator[Services]:
+    made = Services(
+        database=f"sqlite:///{tmp_path / 'service.db'}", tmp=tmp_path, backend=FakeBackend(tier="process"),
+        opened=[], clients=[],
+    )  # fmt: skip
+    try:
+        yield made
+    finally:
+        for client in made.clients:
+            await client.aclose()
+        for service in made.opened:
+            service.close()
+
+
+@pytest.fixture
+def up(services: Services, tmp_path: Path) -> Up:
+    tenants, acme, other = make_tenants(Quotas(sandboxes=1, snapshot_mb=64))
+    service = services.start(tenants, tmp_path / "snapshots")
+    return Up(service=service, client=lambda token: services.client(service, token), acme=acme, other=other)
+
+
+async def test_a_snapshot_starts_sandboxes_that_each_have_its_files(up: Up) -> None:
+    client = up.client(up.acme)
+    sbx = await AsyncRemoteSandbox.create("process", client=client, labels={"job": "prep"})
+    await sbx.files.write("data/input.txt", "prepared")
+    snap = await sbx.snapshot()
+    assert snap.id.startswith("snap-") and snap.kind is SnapshotKind.FILES and snap.tier == "process"
+    assert snap.source == sbx.id and snap.store == "http://service"  # the service keeps it
+    await sbx.files.write("data/input.txt", "changed after")
+    await sbx.close()
+    for given in (snap, snap.id):  # the value, or its id
+        async with await AsyncRemoteSandbox.create(client=client, snapshot=given) as fork:
+            assert fork.id != sbx.id and fork.tier == "process"
+            assert await fork.files.read("data/input.txt") == "prepared"
+            assert fork.info["labels"] == {"job": "prep"} and "snapshot" in fork.info["tier_reason"]
+            await fork.files.write("data/input.txt", "mine")
+    listed = await client.snapshots()
+    assert [(s["id"], s["source"], s["paused"]) for s in listed] == [(snap.id, sbx.id, None)]
+    await client.delete_snapshot(snap)
+    with pytest.raises(exc.SnapshotNotFound):
+        await AsyncRemoteSandbox.create(client=client, snapshot=snap.id)
+
+
+async def test_a_pause_frees_the_live_quota_and_another_client_resumes_it(up: Up) -> None:
+    first, second = up.client(up.acme), up.client(up.acme)
+    sbx = await AsyncRemoteSandbox.create("process", client=first)
+    await sbx.files.write("notes.txt", "before the night")
+    with pytest.raises(exc.QuotaExceeded) as full:  # a quota of one live sandbox
+        await AsyncRemoteSandbox.create("process", client=first)
+    assert full.value.quota == "sandboxes"
+    paused = await sbx.pause()
+    assert paused.source == sbx.id and paused.kind is SnapshotKind.FILES
+    assert await first.sandboxes() == []  # paused: not live, no share of the quota
+    assert [(s["id"], s["paused"]) for s in await first.snapshots()] == [(paused.id, sbx.id)]
+    async with await AsyncRemoteSandbox.create("process", client=first) as meanwhile:
+        assert await meanwhile.files.exists("notes.txt") is False
+    back = await AsyncRemoteSandbox.resume(sbx.id, client=second)
+    try:
+        assert back.id == sbx.id and back.tier == "process"
+        assert await back.files.read("notes.txt") == "before the night"
+        assert [s["id"] for s in await second.sandboxes()] == [sbx.id]
+        assert await second.snapshots() == []  # the pause's snapshot went with the resume
+        with pytest.raises(exc.SnapshotNotFound, match="running, not paused"):
+            await AsyncRemoteSandbox.resume(sbx.id, client=first)
+    finally:
+        await back.close()
+    with pytest.raises(exc.SnapshotNotFound):  # one resume wins; a closed sandbox is no paused one
+        await AsyncRemoteSandbox.resume(sbx.id, client=first)
+
+
+async def test_another_tenant_finds_none_of_them(up: Up) -> None:
+    acme, other = up.client(up.acme), up.client(up.other)
+    sbx = await AsyncRemoteSandbox.create("process", client=acme)
+    snap = await sbx.snapshot()
+    with pytest.raises(exc.ResourceNotFound):  # their sandbox: 404, as any
+        await AsyncRemoteSandbox(other, sbx.info).snapshot()
+    paused = await sbx.pause()
+    for attempt in (
+        lambda: AsyncRemoteSandbox.create(client=other, snapshot=snap.id),
+        lambda: AsyncRemoteSandbox.resume(sbx.id, client=other),
+        lambda: other.delete_snapshot(paused.id),
+        lambda: other.http.request("GET", f"/v1/snapshots/{snap.id}"),
+    ):
+        with pytest.raises(exc.SnapshotNotFound) as missing:
+            await attempt()
+        assert missing.value.problem["status"] == 404  # type: ignore[attr-defined]
+    assert await other.snapshots() == []
+    unknown = "snap-" + "0" * 32
+    with pytest.raises(exc.SnapshotNotFound) as never:  # the same answer as for one that never was
+        await AsyncRemoteSandbox.create(client=acme, snapshot=unknown)
+    assert never.value.problem["title"] == "No such snapshot"  # type: ignore[attr-defined]
+    back = await AsyncRemoteSandbox.resume(sbx.id, client=acme)  # still theirs to resume
+    await back.close()
+
+
+async def test_errors_are_the_sdk_s_problems_and_name_no_server_folder(up: Up, tmp_path: Path) -> None:
+    client = up.client(up.acme)
+    async with await AsyncRemoteSandbox.create("process", client=client) as sbx:
+        with pytest.raises(exc.LimitNotEnforceable) as memory:
+            await sbx.snapshot(memory=True)
+        assert memory.value.problem["status"] == 422  # type: ignore[attr-defined]
+        await sbx.files.write("a.txt", "x")
+        snap = await sbx.snapshot()
+    for obj in (tmp_path / "snapshots" / "acme" / "objects").iterdir():
+        obj.chmod(0o600)
+        obj.write_bytes(b"tampered")
+    with pytest.raises(exc.SnapshotCorrupt) as corrupt:
+        await AsyncRemoteSandbox.create(client=client, snapshot=snap)
+    assert corrupt.value.problem["status"] == 422  # type: ignore[attr-defined]
+    assert str(tmp_path) not in str(corrupt.value)
+    response = await client.http._client.post("/v1/sandboxes", json={"snapshot": "latest"})
+    assert response.status_code == 422 and response.json()["field"] == "snapshot"
+
+
+async def test_a_full_snapshot_quota_is_refused_as_a_quota(services: Services, tmp_path: Path) -> None:
+    tenants, acme, _ = make_tenants(Quotas(snapshot_mb=0))
+    client = services.client(services.start(tenants, tmp_path / "snapshots"), acme)
+    async with await AsyncRemoteSandbox.create("process", client=client) as sbx:
+        await sbx.files.write("a.txt", "x" * 10_000)
+        with pytest.raises(exc.QuotaExceeded) as full:
+            await sbx.snapshot()
+    assert (full.value.quota, full.value.limit) == ("snapshot_mb", 0)
+    assert full.value.problem["status"] == 429  # type: ignore[attr-defined]
+    assert await client.snapshots() == []
+
+
+async def test_the_tenant_s_trail_records_taking_and_restoring(up: Up) -> None:
+    client = up.client(up.acme)
+    sbx = await AsyncRemoteSandbox.create("process", client=client)
+    snap = await sbx.snapshot()
+    paused = await sbx.pause()
+    back = await AsyncRemoteSandbox.resume(sbx.id, client=client)
+    await back.close()
+    log = up.service.audit.get(up.service.tenants.tenants["acme"])
+    log.flush()
+    events = [e for e in log.store.events(run_id=sbx.id) if e.kind.value.startswith("snapshot")]
+    taken = [e.attributes.get("op") for e in events if e.kind is EventKind.SNAPSHOT_TAKE]
+    assert taken == ["snapshot", "pause"]
+    assert [e.attributes.get("snapshot_id") for e in events] == [snap.id, paused.id, paused.id]
+    assert [e.kind for e in events][-1] is EventKind.SNAPSHOT_RESTORE  # the resume, under the same id
+    assert (await client.verify_audit())["ok"] is True
+
+
+async def test_processes_that_do_not_share_the_store_say_where_a_snapshot_is(
+    services: Services, tmp_path: Path
+) -> None:
+    tenants, acme, _ = make_tenants(Quotas())
+    a = services.start(tenants, tmp_path / "store-a", url="http://10.1.1.1:8080")
+    apart = services.start(tenants, tmp_path / "store-b", url="http://10.1.1.2:8080")
+    shared = services.start(tenants, tmp_path / "store-a", url="http://10.1.1.3:8080")
+    on_a = services.client(a, acme)
+    sbx = await AsyncRemoteSandbox.create("process", client=on_a)
+    await sbx.files.write("f.txt", "from a")
+    snap = await sbx.snapshot()
+    await sbx.pause()
+    with pytest.raises(exc.SnapshotNotFound, match=r"http://10\.1\.1\.1:8080.*does not share"):
+        await AsyncRemoteSandbox.create(client=services.client(apart, acme), snapshot=snap.id)
+    with pytest.raises(exc.SnapshotNotFound, match=r"snapshot-dir"):
+        await AsyncRemoteSandbox.resume(sbx.id, client=services.client(apart, acme))
+    on_shared = services.client(shared, acme)
+    async with await AsyncRemoteSandbox.create(client=on_shared, snapshot=snap.id) as fork:
+        assert await fork.files.read("f.txt") == "from a"
+    back = await AsyncRemoteSandbox.resume(sbx.id, client=on_shared)
+    assert await back.files.read("f.txt") == "from a"
+    await back.close()
