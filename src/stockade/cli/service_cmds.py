@@ -71,6 +71,14 @@ def serve(
             help="where the other API processes reach this one (default: http://HOST:PORT)",
         ),
     ] = None,
+    snapshot_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--snapshot-dir", envvar="STOCKADE_SERVICE_SNAPSHOT_DIR",
+            help="the tenants' snapshots and paused sandboxes (a folder per tenant); servers that share "
+            "it restore each other's (default: snapshots/ beside a SQLite --db, else .stockade/snapshots)",
+        ),
+    ] = None,
 ) -> None:  # fmt: skip
     """Serve the API: sandboxes and runs for the tenants of TENANTS. Without --redis every run
     runs in this process (SQLite is enough); with it, runs go to `stockade worker` processes
@@ -82,6 +90,7 @@ def serve(
         config = _config(
             tenants, db, redis, run_threads=run_threads, sandbox_idle_timeout_s=idle_timeout, tools=tools,
             visibility_timeout_s=visibility_timeout, queue=queue, advertise_url=advertise_url,
+            snapshot_dir=snapshot_dir,
         )  # fmt: skip
         mode = (
             f"runs on workers through {redis}" if redis else f"runs in this process ({run_threads} at a time)"
