@@ -332,21 +332,20 @@ class SandboxRegistry:
         network = self._network(engine, kept)
         if manifest.snapshot.kind is SnapshotKind.MEMORY:
             network = None
-        self._reserve(principal, sandbox_id, tier, kept.limits)
-        try:
-            backend = self._backend(principal, engine, tier, sandbox_id)
-            with (
-                snapshots.errors(tenant, sandbox_id, what) as store,
-                store.claim("paused", sandbox_id) as ref,
-            ):
+        backend = self._backend(principal, engine, tier, sandbox_id)
+        # The claim first: only the resume that wins it (on any process sharing the store)
+        # reserves the quota under the sandbox's id; a refusal puts the ref back, still paused.
+        with snapshots.errors(tenant, sandbox_id, what) as store, store.claim("paused", sandbox_id) as ref:
+            self._reserve(principal, sandbox_id, tier, kept.limits)
+            try:
                 sandbox = Sandbox.create(
                     tier, backend=backend, network=network, rules=engine.sandbox_rules(),
                     snapshot=ref["snapshot"], store=store,
                 )  # fmt: skip
-            store.delete(ref["snapshot"])
-        except BaseException:
-            service.store.release_sandbox(sandbox_id)
-            raise
+            except BaseException:
+                service.store.release_sandbox(sandbox_id)
+                raise
+        store.delete(ref["snapshot"])
         snapshots.forget(tenant, sandbox_id)
         held = Held(
             id=sandbox_id, tenant=tenant.id, sandbox=sandbox,

@@ -210,3 +210,16 @@ def test_cli_version() -> None:
 
     result = CliRunner().invoke(app, ["--version"])
     assert result.exit_code == 0 and result.output == f"stockade {stockade.__version__}\n"
+
+
+def test_a_snapshot_is_judged_as_reading_the_sandbox(tmp_path: Path) -> None:
+    from stockade.sandbox.ops import Pause, TakeSnapshot
+    from stockade.sandbox.snapshots import SnapshotStore
+
+    store = SnapshotStore(tmp_path / "snapshots")
+    allowed = PolicyEngine(parse_policy("version = 1\n"))
+    reads_denied = PolicyEngine(parse_policy('version = 1\n[decisions]\ndeny = ["read"]\n'))
+    for op in (TakeSnapshot(store=store), Pause(store=store, memory=False)):
+        assert allowed.op(op).allowed  # no longer an unknown operation, denied as such
+        denied = reads_denied.op(op)
+        assert denied.verdict is Verdict.DENY and "read" in denied.rule

@@ -132,6 +132,8 @@ async def test_a_pause_frees_the_live_quota_and_another_client_resumes_it(up: Up
     assert [(s["id"], s["paused"]) for s in await first.snapshots()] == [(paused.id, sbx.id)]
     async with await AsyncRemoteSandbox.create("process", client=first) as meanwhile:
         assert await meanwhile.files.exists("notes.txt") is False
+        with pytest.raises(exc.QuotaExceeded):  # a resume needs its place back: it stays paused
+            await AsyncRemoteSandbox.resume(sbx.id, client=second)
     back = await AsyncRemoteSandbox.resume(sbx.id, client=second)
     try:
         assert back.id == sbx.id and back.tier == "process"
