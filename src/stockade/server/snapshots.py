@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import anyio
 from fastapi import APIRouter, Request, Response
 
 from stockade import exceptions as exc
@@ -160,8 +161,6 @@ def _snapshots(request: Request) -> TenantSnapshots:
 
 @router.get("", response_model=list[SnapshotOut], summary="Your snapshots and paused sandboxes")
 async def list_snapshots(request: Request, caller: Caller) -> list[SnapshotOut]:
-    import anyio
-
     snapshots = _snapshots(request)
     listed: list[SnapshotOut] = await anyio.to_thread.run_sync(snapshots.listing, caller.tenant)
     return listed
@@ -169,7 +168,8 @@ async def list_snapshots(request: Request, caller: Caller) -> list[SnapshotOut]:
 
 @router.get("/{snapshot_id}", response_model=SnapshotOut, summary="One snapshot")
 async def get_snapshot(snapshot_id: str, request: Request, caller: Caller) -> SnapshotOut:
-    for item in _snapshots(request).listing(caller.tenant):
+    listed = await anyio.to_thread.run_sync(_snapshots(request).listing, caller.tenant)
+    for item in listed:
         if item.id == snapshot_id:
             return item
     raise _snapshots(request).not_found(caller.tenant, snapshot_id, "snapshot")
@@ -177,8 +177,6 @@ async def get_snapshot(snapshot_id: str, request: Request, caller: Caller) -> Sn
 
 @router.delete("/{snapshot_id}", status_code=204, summary="Delete a snapshot (a paused sandbox's too)")
 async def delete_snapshot(snapshot_id: str, request: Request, caller: Caller) -> Response:
-    import anyio
-
     snapshots = _snapshots(request)
     await anyio.to_thread.run_sync(lambda: snapshots.delete(caller.tenant, snapshot_id))
     return Response(status_code=204)
