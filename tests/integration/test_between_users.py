@@ -70,11 +70,11 @@ def test_the_next_pool_user_finds_nothing_of_the_last_in_memory(tier: str) -> No
         with pool.acquire() as first:
             planted = _leave_secrets(first)
             assert _secrets_in_memory(first, planted) > 0, "the scan finds a secret that is there"
-        # The pool keeps `size` members ready, so a fresh one started while the first was out:
-        # once the first is back, recycled (not replaced), take both and scan the first.
+        # A pool of one: once the first user's sandbox is back, recycled (not replaced), the
+        # next user gets that very sandbox.
         wait_for(lambda: pool.stats().recycled >= 1, what="the first member to be recycled")
-        with pool.acquire() as one, pool.acquire() as other:
-            (second,) = [sbx for sbx in (one, other) if sbx.id == first.id]
+        with pool.acquire() as second:
+            assert second.id == first.id and pool.stats().started == 1
             assert _secrets_in_memory(second, planted) == 0
 
 

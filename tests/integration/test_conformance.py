@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import os
 
 import pytest
@@ -54,6 +55,12 @@ def test_sandbox_envs_are_visible_to_every_command(tier: str) -> None:
     with Sandbox.create(tier, envs={"PROJECT": "stockade"}) as sbx:
         assert sbx.commands.run("echo $PROJECT").stdout == "stockade\n"
         assert sbx.run_code("import os; os.environ['PROJECT']").text == "'stockade'"
+
+
+def test_numeric_libraries_start_one_thread_per_cpu_given_not_per_host_core(sbx: Sandbox) -> None:
+    threads = str(max(1, math.ceil(Limits().cpus)))  # the fixture's sandbox keeps the default
+    r = sbx.commands.run("echo $OMP_NUM_THREADS $OPENBLAS_NUM_THREADS $MKL_NUM_THREADS")
+    assert r.stdout.split() == [threads] * 3
 
 
 def test_output_streams_to_callbacks_as_it_comes(sbx: Sandbox) -> None:
@@ -351,7 +358,9 @@ def test_matplotlib_figures_come_back_as_png(sbx: Sandbox) -> None:
     # scripts/build-image.sh puts it in the image; the process tier's comes from bootstrap
     missing = sbx.run_code("import importlib.util; importlib.util.find_spec('matplotlib') is None").text
     require("matplotlib", missing == "False", f"not inside the {sbx.tier} tier's image")
-    ex = sbx.run_code("import matplotlib.pyplot as plt\nplt.plot([1, 2, 3], [1, 4, 9])\nplt.show()")
+    # the first import takes seconds on an emulated microVM
+    plot = "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3], [1, 4, 9])\nplt.show()"
+    ex = sbx.run_code(plot, timeout_s=180)
     assert ex.error is None and len(ex.results) == 1
     assert ex.results[0].png is not None and ex.results[0].png.startswith("iVBOR")  # PNG, base64
     ex = sbx.run_code("fig, ax = plt.subplots()\nax.bar([1], [2])\nfig")

@@ -11,6 +11,7 @@ import abc
 import contextlib
 import dataclasses
 import hashlib
+import math
 import os
 import re
 import secrets
@@ -774,6 +775,10 @@ def supervisor_config(
         "TMPDIR": "/tmp",
         "MPLBACKEND": "Agg",
     }
+    # Numeric libraries start a thread per core they see (the host's, on most tiers): on a
+    # large host that is more threads than the sandbox's pids allow. One per CPU it was given.
+    threads = str(max(1, math.ceil(spec.limits.cpus)))
+    env.update(OMP_NUM_THREADS=threads, OPENBLAS_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
     if egress is not None:
         env.update(egress.env)
     env.update(spec.envs)

@@ -344,8 +344,16 @@ def initramfs(state_dir: Path, kernel: GuestKernel, rootfs: Path, busybox: str) 
     for path in sorted(kdir.rglob("*")):
         if path.is_file() and not path.name.startswith("."):
             files[f"stockade/{path.relative_to(kdir)}"] = (0o644, path.read_bytes())
+    # Named after what it runs, not its bytecode: marshal's output is not reproducible (it
+    # depends on reference counts), and a compile may fail under load. Two builds of the same
+    # sources get one name, so a memory snapshot's machine key (which names the initramfs)
+    # holds in every process and after a rebuild.
     digest = hashlib.sha256(
-        b"".join(hashlib.sha256(n.encode() + d).digest() for n, (_, d) in sorted(files.items()))
+        b"".join(
+            hashlib.sha256(n.encode() + d).digest()
+            for n, (_, d) in sorted(files.items())
+            if "/__pycache__/" not in n
+        )
     ).hexdigest()[:16]
     target = state_dir / f"microvm-initrd-{digest}.cpio"
     if target.is_file():
