@@ -18,7 +18,6 @@ from __future__ import annotations
 # (no typing, selectors, ctypes, json, enum-based signal), heavy ones imported lazily.
 import _signal as signal
 import fcntl
-import io
 import os
 import resource
 import select
@@ -54,10 +53,10 @@ sys.path[:] = _trusted_path(sys.path, os.path.dirname(os.path.abspath(__file__))
 
 # ruff: noqa: E402 - the sibling modules are imported after the path fix above
 import baseline
+import files
 from fileops import (
     PathRefused,
     Workspace,
-    _entry,
     _listxattr,
     _os_error,
     _write_all,
@@ -78,8 +77,6 @@ from reaper import (
 )
 
 CHUNK = 1 << 16
-MAX_READ_FILE = 256 << 20
-MAX_LIST = 100_000
 
 # Beside the workspace: every place the code can write (POSIX message queues included).
 RESET_ROOTS = ("/tmp", "/dev/shm", "/dev/mqueue")
@@ -382,6 +379,10 @@ class Supervisor:
 
     def dispatch(self, rid: int, h: dict[str, Any], body: bytes) -> None:
         op = h.get("op")
+        on_file = files.OPS.get(op)
+        if on_file is not None:
+            on_file(self, rid, h, body)
+            return
         handler = getattr(self, f"op_{op}", None)
         if handler is None:
             raise PathRefused("internal", f"unknown op {op!r}")
@@ -502,201 +503,6 @@ class Supervisor:
         self._drop_kernel(None)
         self.send({"id": rid, "ev": "done"})
 
-    def op_read(self, rid: int, h: dict[str, Any], body: bytes) -> None:
-        parent, name = self.workspace.resolve(h["path"], follow_last=True)
-        try:
-            if not name:
-                raise PathRefused("type", f"{h['path']!r} is a directory")
-            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-            fd = os.open(name, flags, dir_fd=parent)
-        finally:
-            os.close(parent)
-        with os.fdopen(fd, "rb") as fh:
-            st = os.fstat(fh.fileno())
-            if stat.S_ISDIR(st.st_mode):
-                raise PathRefused("type", f"{h['path']!r} is a directory")
-            if not stat.S_ISREG(st.st_mode):
-                raise PathRefused("type", f"{h['path']!r} is not a regular file")
-            limit = int(h.get("max_bytes", MAX_READ_FILE))
-            if st.st_size > limit:
-                raise PathRefused("too_large", f"{h['path']!r} is {st.st_size} bytes (cap {limit})")
-            offset = int(h.get("offset", 0))
-            length = min(int(h.get("length", limit + 1)), limit + 1 - offset)
-            data = os.pread(fh.fileno(), max(length, 0), offset)
-            if offset + len(data) > limit:
-                raise PathRefused("too_large", f"{h['path']!r} grew past the cap {limit}")
-        self.send({"id": rid, "ev": "done", "size": st.st_size}, data)
-
-    def op_write(self, rid: int, h: dict[str, Any], body: bytes) -> None:
-        """Write a file atomically (temp file + rename). Large files come in stages:
-        ``open`` (creates the temp file), ``append``..., then ``commit`` or ``abort``;
-        no stage means all at once. Staging keeps our memory small: the workspace is
-        a tmpfs charged to the same memory limit as the code."""
-        path = h["path"]
-        stage = h.get("stage", "")
-        parent, name = self.workspace.resolve(path, follow_last=True, create_dirs=h.get("parents", True))
-        try:
-            if not name:
-                raise PathRefused("type", f"{path!r} is a directory")
-            tmp = str(h.get("tmp") or f".{name}.stockade-{os.getpid()}-{rid}"[:255])
-            if "/" in tmp or not tmp.startswith("."):
-                raise PathRefused("internal", "bad temporary name")
-            mode = int(h.get("mode", 0o644)) & 0o777  # never setuid/setgid/sticky
-            if stage == "abort":
-                try:
-                    os.unlink(tmp, dir_fd=parent)
-                except FileNotFoundError:
-                    pass
-                self.send({"id": rid, "ev": "done"})
-                return
-            if stage in ("", "open"):
-                try:
-                    st = os.stat(name, dir_fd=parent, follow_symlinks=False)
-                    if stat.S_ISDIR(st.st_mode):
-                        raise PathRefused("type", f"{path!r} is a directory")
-                except FileNotFoundError:
-                    pass
-                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-                fd = os.open(tmp, flags, mode, dir_fd=parent)
-            else:
-                fd = os.open(tmp, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
-            try:
-                _write_all(fd, body)
-                os.fchmod(fd, mode)
-            except BaseException:
-                os.close(fd)
-                os.unlink(tmp, dir_fd=parent)
-                raise
-            os.close(fd)
-            if stage in ("open", "append"):
-                self.send({"id": rid, "ev": "done", "tmp": tmp})
-                return
-            os.rename(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
-            st = os.stat(name, dir_fd=parent, follow_symlinks=False)
-        finally:
-            os.close(parent)
-        self.send({"id": rid, "ev": "done", "entry": _entry(self._rel(path), st)})
-
-    def op_mkdir(self, rid: int, h: dict[str, Any], body: bytes) -> None:
-        path = h["path"]
-        parent, name = self.workspace.resolve(path, follow_last=True, create_dirs=h.get("parents", True))
-        try:
-            if name:
-                try:
-                    os.mkdir(name, 0o755, dir_fd=parent)
-                except FileExistsError:
-                    st = os.stat(name, dir_fd=parent, follow_symlinks=False)
-                    if not stat.S_ISDIR(st.st_mode):
-                        raise PathRefused("type", f"{path!r} exists and is not a directory")
-                st = os.stat(name, dir_fd=parent, follow_symlinks=False)
-            else:
-                st = os.fstat(parent)
-        finally:
-            os.close(parent)
-        self.send({"id": rid, "ev": "done", "entry": _entry(self._rel(path), st)})
-
-    def op_stat(self, rid: int, h: dict[str, Any], body: bytes) -> None:
-        try:
-            parent, name = self.workspace.resolve(h["path"], follow_last=h.get("follow", True))
-        except PathRefused as exc:
-            if exc.kind == "missing":
-                self.send({"id": rid, "ev": "done", "entry": None})
-                return
-            raise
-        try:
-            st = os.stat(name, dir_fd=parent, follow_symlinks=False) if name else os.fstat(parent)
-            entry: Optional[dict[str, Any]] = _entry(self._rel(h["path"]), st)
-        except FileNotFoundError:
-            entry = None
-        finally:
-            os.close(parent)
-        self.send({"id": rid, "ev": "done", "entry": entry})
-
-    def op_list(self, rid: int, h: dict[str, Any], body: bytes) -> None:
-        path = h["path"]
-        depth = int(h.get("depth", 1))
-        parent, name = self.workspace.resolve(path, follow_last=True)
-        try:
-            flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-            try:
-                fd = os.open(name, flags, dir_fd=parent) if name else os.dup(parent)
-            except NotADirectoryError:
-                raise PathRefused("type", f"{path!r} is not a directory") from None
-        finally:
-            os.close(parent)
-        base = self._rel(path)
-        entries: list[dict[str, Any]] = []
-        self._walk(fd, base, depth, entries)
-        # The entries go in the body: a header is capped at 1 MiB, a few thousand entries.
-        self.send(
-            {"id": rid, "ev": "done", "truncated": len(entries) > MAX_LIST},
-            dumps(entries[:MAX_LIST]).encode(),
-        )
-
-    def _walk(self, fd: int, base: str, depth: int, out: list[dict[str, Any]]) -> None:
-        try:
-            with os.scandir(fd) as it:
-                items = sorted(it, key=lambda e: e.name)
-            for item in items:
-                if len(out) > MAX_LIST:
-                    return
-                st = item.stat(follow_symlinks=False)
-                rel = f"{base}/{item.name}" if base else item.name
-                out.append(_entry(rel, st))
-                if depth > 1 and stat.S_ISDIR(st.st_mode):
-                    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-                    try:
-                        sub = os.open(item.name, flags, dir_fd=fd)
-                    except OSError:
-                        continue
-                    self._walk(sub, rel, depth - 1, out)
-        finally:
-            os.close(fd)
-
-    def op_remove(self, rid: int, h: dict[str, Any], body: bytes) -> None:
-        path = h["path"]
-        parent, name = self.workspace.resolve(path, follow_last=False)
-        try:
-            if not name:
-                raise PathRefused("type", "refusing to remove the workspace root")
-            st = os.stat(name, dir_fd=parent, follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                if not h.get("recursive", True):
-                    os.rmdir(name, dir_fd=parent)
-                else:
-                    import shutil  # lazily: most sandboxes never remove a tree
-
-                    shutil.rmtree(name, dir_fd=parent)
-            else:
-                os.unlink(name, dir_fd=parent)
-        finally:
-            os.close(parent)
-        self.send({"id": rid, "ev": "done"})
-
-    def op_put_archive(self, rid: int, h: dict[str, Any], body: bytes) -> None:
-        import tarfile  # lazily: importing it costs more than starting the supervisor
-
-        area = self._area(h)
-        dest = area.root + "/" + "/".join(area._split(h.get("path", "")))
-        with tarfile.open(fileobj=io.BytesIO(body), mode="r:*") as tar:
-            if hasattr(tarfile, "data_filter"):
-                tar.extractall(dest, filter="data")
-            else:
-                tar.extractall(dest)
-        self.send({"id": rid, "ev": "done"})
-
-    def op_get_archive(self, rid: int, h: dict[str, Any], body: bytes) -> None:
-        """A folder as a tar stream the host pulls a chunk at a time (``stage``: ``open``,
-        then ``next`` until ``eof``, or ``close``); see archive.py."""
-        import archive  # lazily: it imports tarfile, which costs more than starting the supervisor
-
-        reply, data = archive.handle(self._area(h), h)
-        self.send({"id": rid, "ev": "done", **reply}, data)
-
-    def _area(self, h: dict[str, Any]) -> Workspace:
-        """Where an archive is taken or put: the workspace, or /tmp (a snapshot's files)."""
-        return Workspace("/tmp") if h.get("root") == "tmp" else self.workspace
-
     def reset(self, rid: int, h: dict[str, Any], rest: bytes) -> None:
         """Make the sandbox as it was at start-up, then exec a fresh supervisor in our place.
 
@@ -762,10 +568,6 @@ class Supervisor:
         if self.rules is not None and self.rules.listener >= 0:
             self.rules.let_own_exec_through(LISTENER_FD)  # our exec waits for the judge: us
         os.execv(python, [python, "-S", "-E", "-s", "-B", "-c", boot, RESUME_FLAG])
-
-    def _rel(self, path: str) -> str:
-        parts = self.workspace._split(path)
-        return "/".join(parts)
 
     # -- commands ------------------------------------------------------------------------
 
