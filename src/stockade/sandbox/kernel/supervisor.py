@@ -178,7 +178,7 @@ class CommandJob(Job):
         return self.status is not None and not self.open_pipes
 
 
-class Kernel:
+class Interpreter:
     """The interpreter process and its pipes; one run at a time."""
 
     def __init__(self, sup: "Supervisor") -> None:
@@ -213,7 +213,7 @@ class Kernel:
         self.queue: list[tuple[Job, bytes]] = []
         for fd in (out_r, err_r, res_r):
             os.set_blocking(fd, False)
-            sup.sel.register(fd, EVENT_READ, ("kernel", self))
+            sup.sel.register(fd, EVENT_READ, ("interpreter", self))
 
     def close(self, sup: "Supervisor") -> None:
         for fd in [self.ctl_r, *self.pipes]:
@@ -234,7 +234,7 @@ class Supervisor:
         self.reader = FrameReader(max_body=1 << 40)  # the host is trusted
         self.commands: dict[int, CommandJob] = {}
         self.shims: dict[int, CommandJob] = {}
-        self.kernel: Optional[Kernel] = None
+        self.interpreter: Optional[Interpreter] = None
         self.env: dict[str, str] = {}
         self.workspace = Workspace("/workspace")
         self.output_cap = 1 << 20
@@ -326,8 +326,8 @@ class Supervisor:
                     self._on_output(obj, fd)
                 elif kind == "stdin":
                     self._on_stdin(obj)
-                elif kind == "kernel":
-                    self._on_kernel(obj, fd)
+                elif kind == "interpreter":
+                    self._on_interpreter(obj, fd)
                 elif kind == "exec":
                     assert self.rules is not None
                     self.rules.on_exec(fd)
@@ -338,8 +338,8 @@ class Supervisor:
 
     def _next_timeout(self) -> Optional[float]:
         deadlines = [j.deadline for j in self.commands.values() if j.deadline]
-        if self.kernel and self.kernel.job and self.kernel.job.deadline:
-            deadlines.append(self.kernel.job.deadline)
+        if self.interpreter and self.interpreter.job and self.interpreter.job.deadline:
+            deadlines.append(self.interpreter.job.deadline)
         if not deadlines:
             return None
         return max(0.0, min(deadlines) - time.monotonic())
@@ -401,8 +401,8 @@ class Supervisor:
             job = self.shims.get(pid)
             if job is not None:
                 return job
-            if self.kernel is not None and pid == self.kernel.shim:
-                return self.kernel.job
+            if self.interpreter is not None and pid == self.interpreter.shim:
+                return self.interpreter.job
             try:
                 with open(f"/proc/{pid}/stat", "rb") as fh:
                     data = fh.read()
@@ -421,8 +421,8 @@ class Supervisor:
 
     def _job_led_by(self, shim: int) -> "Optional[Job]":
         job = self.shims.get(shim)
-        if job is None and self.kernel is not None and shim == self.kernel.shim:
-            return self.kernel.job
+        if job is None and self.interpreter is not None and shim == self.interpreter.shim:
+            return self.interpreter.job
         return job
 
     def op_ping(self, rid: int, h: dict[str, Any], body: bytes) -> None:
@@ -490,17 +490,19 @@ class Supervisor:
         self.shims[job.shim] = job
 
     def op_code(self, rid: int, h: dict[str, Any], body: bytes) -> None:
-        if self.kernel is None:
-            self.kernel = Kernel(self)
+        if self.interpreter is None:
+            self.interpreter = Interpreter(self)
         job = Job(self, rid)
         timeout = h.get("timeout")
         job.deadline = None
         job.timeout = float(timeout if timeout else self.default_timeout)  # type: ignore[attr-defined]
-        self.kernel.queue.append((job, body))
-        self._kernel_next()
+        self.interpreter.queue.append((job, body))
+        self._interpreter_next()
 
     def op_kill_kernel(self, rid: int, h: dict[str, Any], body: bytes) -> None:
-        self._drop_kernel(None)
+        # "kernel" in the op's name (and in the error "KernelDied") is the protocol's old word
+        # for the interpreter process, kept on the wire so hosts and guests of any age agree.
+        self._drop_interpreter(None)
         self.send({"id": rid, "ev": "done"})
 
     def reset(self, rid: int, h: dict[str, Any], rest: bytes) -> None:
@@ -518,7 +520,7 @@ class Supervisor:
             kill_tree(job.shim, include_root=True)
         self.commands.clear()
         self.shims.clear()
-        self._drop_kernel(None)
+        self._drop_interpreter(None)
         kill_tree(os.getpid(), include_root=False)
         for root, mode in self.root_modes.items():
             if stat.S_IMODE(os.stat(root).st_mode) != mode:  # not ours to chmod on some tiers
@@ -613,14 +615,14 @@ class Supervisor:
                 self._close_stdin(job)
                 self._sweep_strays()
                 self._maybe_finish(job)
-            elif self.kernel is not None and pid == self.kernel.shim:
-                self._drop_kernel("the interpreter process died")
+            elif self.interpreter is not None and pid == self.interpreter.shim:
+                self._drop_interpreter("the interpreter process died")
 
     def _sweep_strays(self) -> None:
         """Kill children of ours that are no shim: orphans of a shim someone killed."""
         known = set(self.shims)
-        if self.kernel is not None:
-            known.add(self.kernel.shim)
+        if self.interpreter is not None:
+            known.add(self.interpreter.shim)
         for pid in _children_map().get(os.getpid(), []):
             if pid not in known:
                 kill_tree(pid, include_root=True)
@@ -643,69 +645,69 @@ class Supervisor:
                 job.timed_out = True
                 job.deadline = None
                 kill_tree(job.shim, include_root=True)
-        kernel = self.kernel
-        if kernel and kernel.job and kernel.job.deadline and now >= kernel.job.deadline:
-            kernel.job.timed_out = True
-            self._drop_kernel("timed out; the interpreter was restarted and its state is lost")
+        interp = self.interpreter
+        if interp and interp.job and interp.job.deadline and now >= interp.job.deadline:
+            interp.job.timed_out = True
+            self._drop_interpreter("timed out; the interpreter was restarted and its state is lost")
 
     # -- the interpreter -----------------------------------------------------------------
 
-    def _kernel_next(self) -> None:
-        kernel = self.kernel
-        if kernel is None or kernel.job is not None or not kernel.queue:
+    def _interpreter_next(self) -> None:
+        interp = self.interpreter
+        if interp is None or interp.job is not None or not interp.queue:
             return
-        job, body = kernel.queue.pop(0)
-        kernel.job = job
+        job, body = interp.queue.pop(0)
+        interp.job = job
         job.started = time.monotonic()
         job.deadline = job.started + job.timeout  # type: ignore[attr-defined]
         data = encode({"id": job.rid}, body)
-        os.set_blocking(kernel.ctl_w, True)
+        os.set_blocking(interp.ctl_w, True)
         try:
-            os.write(kernel.ctl_w, data) if len(data) < 65536 else _write_all(kernel.ctl_w, data)
+            os.write(interp.ctl_w, data) if len(data) < 65536 else _write_all(interp.ctl_w, data)
         except OSError:
-            self._drop_kernel("the interpreter process died")
+            self._drop_interpreter("the interpreter process died")
 
-    def _on_kernel(self, kernel: Kernel, fd: int) -> None:
-        if kernel is not self.kernel:
+    def _on_interpreter(self, interp: Interpreter, fd: int) -> None:
+        if interp is not self.interpreter:
             return
         try:
             data = os.read(fd, CHUNK)
         except BlockingIOError:
             return
-        if fd in kernel.pipes:
-            if data and kernel.job is not None:
-                kernel.job.output(kernel.pipes[fd], data)
+        if fd in interp.pipes:
+            if data and interp.job is not None:
+                interp.job.output(interp.pipes[fd], data)
             elif not data:  # the code closed its stdout or stderr: not a death (the ctl pipe says that)
                 self.sel.unregister(fd)
                 os.close(fd)
-                del kernel.pipes[fd]
+                del interp.pipes[fd]
             return
         if not data:
-            self._drop_kernel("the interpreter process died")
+            self._drop_interpreter("the interpreter process died")
             return
-        kernel.reader.feed(data)
+        interp.reader.feed(data)
         try:
-            frames = kernel.reader.frames()
+            frames = interp.reader.frames()
         except FrameError:
-            self._drop_kernel("the interpreter sent a malformed reply")
+            self._drop_interpreter("the interpreter sent a malformed reply")
             return
         for reply, payload in frames:
             if reply.get("ev") == "hello":
-                if not kernel.pid and isinstance(reply.get("pid"), int):
-                    kernel.pid = reply["pid"]
+                if not interp.pid and isinstance(reply.get("pid"), int):
+                    interp.pid = reply["pid"]
                 continue
-            job = kernel.job
+            job = interp.job
             if job is None or reply.get("id") != job.rid:
                 continue
-            self._drain_kernel_output(kernel, job)
-            kernel.job = None
+            self._drain_interpreter_output(interp, job)
+            interp.job = None
             # A run's processes end with it, like a command's: none outlives its timeout.
-            kill_tree(kernel.shim, include_root=False, spare=kernel.pid)
+            kill_tree(interp.shim, include_root=False, spare=interp.pid)
             self._finish_code(job, payload)
-        self._kernel_next()
+        self._interpreter_next()
 
-    def _drain_kernel_output(self, kernel: Kernel, job: Job) -> None:
-        for fd, stream in kernel.pipes.items():
+    def _drain_interpreter_output(self, interp: Interpreter, job: Job) -> None:
+        for fd, stream in interp.pipes.items():
             while True:
                 try:
                     data = os.read(fd, CHUNK)
@@ -721,22 +723,22 @@ class Supervisor:
             self.rules.expire(job)
         self.send({**job.report(), "ev": "result"}, payload)
 
-    def _drop_kernel(self, reason: Optional[str]) -> None:
-        kernel = self.kernel
-        if kernel is None:
+    def _drop_interpreter(self, reason: Optional[str]) -> None:
+        interp = self.interpreter
+        if interp is None:
             return
-        self.kernel = None
-        job = kernel.job
+        self.interpreter = None
+        job = interp.job
         if job is not None:
-            self._drain_kernel_output(kernel, job)
-        kernel.close(self)
-        self.shims.pop(kernel.shim, None)
+            self._drain_interpreter_output(interp, job)
+        interp.close(self)
+        self.shims.pop(interp.shim, None)
         if reason is not None:
             name = "TimeoutError" if job is not None and job.timed_out else "KernelDied"
         else:
             name, reason = "KernelDied", "reset"
         payload = dumps({"results": [], "error": {"name": name, "value": reason, "traceback": ""}}).encode()
-        for waiting in ([job] if job else []) + [j for j, _ in kernel.queue]:
+        for waiting in ([job] if job else []) + [j for j, _ in interp.queue]:
             self._finish_code(waiting, payload)
 
     def oom_kills(self) -> int:
@@ -756,7 +758,7 @@ class Supervisor:
         self.running = False
         for job in list(self.commands.values()):
             kill_tree(job.shim, include_root=True)
-        self._drop_kernel(None)
+        self._drop_interpreter(None)
         kill_tree(os.getpid(), include_root=False)
 
 
@@ -831,7 +833,7 @@ def _resume(sup: Supervisor, reader: FrameReader) -> None:
     ((state, rest),) = handover.frames()
     sup.configure(state["config"], state["carried"])
     if state.get("warm"):
-        sup.kernel = Kernel(sup)
+        sup.interpreter = Interpreter(sup)
     sup.send({"id": state["reply_to"], "ev": "done"})
     reader.feed(rest)
     sup.reader = reader
