@@ -63,18 +63,19 @@ from fileops import (
     empty_dir,
     remove_sysv_ipc,
 )
-from protocol import MAX_CODE_REPLY, FrameError, FrameReader, dumps, encode
+from jobs import CommandJob, Job
+from protocol import FrameReader, dumps, encode
 from reaper import (
     IGNORED_SIGNALS,
     PR_SET_CHILD_SUBREAPER,
     PR_SET_DUMPABLE,
     _children_map,
-    forked,
     kill_tree,
     prctl,
     spawn_shim,
     spawned,
 )
+from runcode import Interpreter
 
 CHUNK = 1 << 16
 
@@ -121,109 +122,6 @@ class Poller:
         except InterruptedError:
             return []
         return [(self._keys[fd], ev) for fd, ev in ready if fd in self._keys]
-
-
-# ---------------------------------------------------------------------------------------
-# Jobs
-
-
-class Job:
-    def __init__(self, sup: "Supervisor", rid: int) -> None:
-        self.sup = sup
-        self.rid = rid
-        self.started = time.monotonic()
-        self.deadline: Optional[float] = None
-        self.counts = {1: 0, 2: 0}
-        self.sent = {1: 0, 2: 0}
-        self.timed_out = False
-        self.oom_start = sup.oom_kills()
-        self.execs: "list[dict[str, Any]]" = []  # what the rules judged (kernel/rules.py)
-        self.exec_count = 0
-
-    def report(self) -> "dict[str, Any]":
-        """What every final frame says of the job besides its own outcome."""
-        out = {
-            "id": self.rid,
-            "timed_out": self.timed_out,
-            "duration": time.monotonic() - self.started,
-            "stdout_bytes": self.counts[1],
-            "stderr_bytes": self.counts[2],
-        }
-        if self.sup.report_oom:
-            out["oom_kills"] = self.sup.oom_kills() - self.oom_start
-        if self.exec_count:
-            out["execs"] = self.execs
-            out["exec_count"] = self.exec_count
-        return out
-
-    def output(self, fd: int, data: bytes) -> None:
-        self.counts[fd] += len(data)
-        room = self.sup.output_cap - self.sent[fd]
-        if room > 0:
-            part = data[:room]
-            self.sent[fd] += len(part)
-            self.sup.send({"id": self.rid, "ev": "out", "fd": fd}, part)
-
-
-class CommandJob(Job):
-    def __init__(self, sup: "Supervisor", rid: int) -> None:
-        super().__init__(sup, rid)
-        self.shim = 0
-        self.status: Optional[int] = None
-        self.open_pipes: dict[int, int] = {}
-        self.stdin_fd = -1
-        self.stdin_buf = b""
-
-    def finished(self) -> bool:
-        return self.status is not None and not self.open_pipes
-
-
-class Interpreter:
-    """The interpreter process and its pipes; one run at a time."""
-
-    def __init__(self, sup: "Supervisor") -> None:
-        import interpreter  # type: ignore[import-not-found]
-
-        interpreter.preload()  # once per sandbox; later interpreters are bare forks
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        in_r, in_w = os.pipe()
-        res_r, res_w = os.pipe()
-
-        def target() -> None:
-            os.chdir(sup.workspace.root)
-            os.environ.clear()
-            os.environ.update(sup.env)
-            sys.path.insert(1, sup.workspace.root)  # user code imports its own modules, as in a notebook
-            interpreter.main(3, 4)
-            os._exit(0)
-
-        self.shim = spawn_shim(
-            forked(target), (sup.devnull, out_w, err_w), keep=(in_r, res_w), confine=sup.confine
-        )
-        for fd in (out_w, err_w, in_r, res_w):
-            os.close(fd)
-        self.ctl_w = in_w
-        self.ctl_r = res_r
-        self.pipes = {out_r: 1, err_r: 2}
-        # Code can write to the reply pipe too: a larger report is no interpreter's (dropped).
-        self.reader = FrameReader(max_body=MAX_CODE_REPLY)
-        self.pid = 0  # the interpreter's, from its first frame (sent before any code ran)
-        self.job: Optional[Job] = None
-        self.queue: list[tuple[Job, bytes]] = []
-        for fd in (out_r, err_r, res_r):
-            os.set_blocking(fd, False)
-            sup.sel.register(fd, EVENT_READ, ("interpreter", self))
-
-    def close(self, sup: "Supervisor") -> None:
-        for fd in [self.ctl_r, *self.pipes]:
-            try:
-                sup.sel.unregister(fd)
-            except (KeyError, ValueError):
-                pass
-            os.close(fd)
-        os.close(self.ctl_w)
-        kill_tree(self.shim, include_root=True)
 
 
 class Supervisor:
@@ -327,7 +225,7 @@ class Supervisor:
                 elif kind == "stdin":
                     self._on_stdin(obj)
                 elif kind == "interpreter":
-                    self._on_interpreter(obj, fd)
+                    obj.on_readable(fd)
                 elif kind == "exec":
                     assert self.rules is not None
                     self.rules.on_exec(fd)
@@ -497,12 +395,12 @@ class Supervisor:
         job.deadline = None
         job.timeout = float(timeout if timeout else self.default_timeout)  # type: ignore[attr-defined]
         self.interpreter.queue.append((job, body))
-        self._interpreter_next()
+        self.interpreter.next_run()
 
     def op_kill_kernel(self, rid: int, h: dict[str, Any], body: bytes) -> None:
         # "kernel" in the op's name (and in the error "KernelDied") is the protocol's old word
         # for the interpreter process, kept on the wire so hosts and guests of any age agree.
-        self._drop_interpreter(None)
+        self.drop_interpreter(None)
         self.send({"id": rid, "ev": "done"})
 
     def reset(self, rid: int, h: dict[str, Any], rest: bytes) -> None:
@@ -520,7 +418,7 @@ class Supervisor:
             kill_tree(job.shim, include_root=True)
         self.commands.clear()
         self.shims.clear()
-        self._drop_interpreter(None)
+        self.drop_interpreter(None)
         kill_tree(os.getpid(), include_root=False)
         for root, mode in self.root_modes.items():
             if stat.S_IMODE(os.stat(root).st_mode) != mode:  # not ours to chmod on some tiers
@@ -616,7 +514,7 @@ class Supervisor:
                 self._sweep_strays()
                 self._maybe_finish(job)
             elif self.interpreter is not None and pid == self.interpreter.shim:
-                self._drop_interpreter("the interpreter process died")
+                self.drop_interpreter("the interpreter process died")
 
     def _sweep_strays(self) -> None:
         """Kill children of ours that are no shim: orphans of a shim someone killed."""
@@ -648,89 +546,24 @@ class Supervisor:
         interp = self.interpreter
         if interp and interp.job and interp.job.deadline and now >= interp.job.deadline:
             interp.job.timed_out = True
-            self._drop_interpreter("timed out; the interpreter was restarted and its state is lost")
+            self.drop_interpreter("timed out; the interpreter was restarted and its state is lost")
 
     # -- the interpreter -----------------------------------------------------------------
 
-    def _interpreter_next(self) -> None:
-        interp = self.interpreter
-        if interp is None or interp.job is not None or not interp.queue:
-            return
-        job, body = interp.queue.pop(0)
-        interp.job = job
-        job.started = time.monotonic()
-        job.deadline = job.started + job.timeout  # type: ignore[attr-defined]
-        data = encode({"id": job.rid}, body)
-        os.set_blocking(interp.ctl_w, True)
-        try:
-            os.write(interp.ctl_w, data) if len(data) < 65536 else _write_all(interp.ctl_w, data)
-        except OSError:
-            self._drop_interpreter("the interpreter process died")
-
-    def _on_interpreter(self, interp: Interpreter, fd: int) -> None:
-        if interp is not self.interpreter:
-            return
-        try:
-            data = os.read(fd, CHUNK)
-        except BlockingIOError:
-            return
-        if fd in interp.pipes:
-            if data and interp.job is not None:
-                interp.job.output(interp.pipes[fd], data)
-            elif not data:  # the code closed its stdout or stderr: not a death (the ctl pipe says that)
-                self.sel.unregister(fd)
-                os.close(fd)
-                del interp.pipes[fd]
-            return
-        if not data:
-            self._drop_interpreter("the interpreter process died")
-            return
-        interp.reader.feed(data)
-        try:
-            frames = interp.reader.frames()
-        except FrameError:
-            self._drop_interpreter("the interpreter sent a malformed reply")
-            return
-        for reply, payload in frames:
-            if reply.get("ev") == "hello":
-                if not interp.pid and isinstance(reply.get("pid"), int):
-                    interp.pid = reply["pid"]
-                continue
-            job = interp.job
-            if job is None or reply.get("id") != job.rid:
-                continue
-            self._drain_interpreter_output(interp, job)
-            interp.job = None
-            # A run's processes end with it, like a command's: none outlives its timeout.
-            kill_tree(interp.shim, include_root=False, spare=interp.pid)
-            self._finish_code(job, payload)
-        self._interpreter_next()
-
-    def _drain_interpreter_output(self, interp: Interpreter, job: Job) -> None:
-        for fd, stream in interp.pipes.items():
-            while True:
-                try:
-                    data = os.read(fd, CHUNK)
-                except (BlockingIOError, OSError):
-                    break
-                if not data:
-                    break
-                job.output(stream, data)
-
-    def _finish_code(self, job: Job, payload: bytes) -> None:
+    def finish_code(self, job: Job, payload: bytes) -> None:
         """Report a run; ``payload`` is the interpreter's JSON (results, error), passed on as is."""
         if self.rules is not None:
             self.rules.expire(job)
         self.send({**job.report(), "ev": "result"}, payload)
 
-    def _drop_interpreter(self, reason: Optional[str]) -> None:
+    def drop_interpreter(self, reason: Optional[str]) -> None:
         interp = self.interpreter
         if interp is None:
             return
         self.interpreter = None
         job = interp.job
         if job is not None:
-            self._drain_interpreter_output(interp, job)
+            interp.drain(job)
         interp.close(self)
         self.shims.pop(interp.shim, None)
         if reason is not None:
@@ -739,7 +572,7 @@ class Supervisor:
             name, reason = "KernelDied", "reset"
         payload = dumps({"results": [], "error": {"name": name, "value": reason, "traceback": ""}}).encode()
         for waiting in ([job] if job else []) + [j for j, _ in interp.queue]:
-            self._finish_code(waiting, payload)
+            self.finish_code(waiting, payload)
 
     def oom_kills(self) -> int:
         """Processes the sandbox's own kernel has killed for memory, if we report them."""
@@ -758,7 +591,7 @@ class Supervisor:
         self.running = False
         for job in list(self.commands.values()):
             kill_tree(job.shim, include_root=True)
-        self._drop_interpreter(None)
+        self.drop_interpreter(None)
         kill_tree(os.getpid(), include_root=False)
 
 
