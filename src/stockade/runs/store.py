@@ -59,6 +59,7 @@ from stockade.audit.verify import LedgerCall
 from stockade.models.messages import Message, ToolCall, ToolResultMessage, Usage
 from stockade.runs._db import Database, PostgresDatabase, Requirement, SQLiteDatabase, Statement
 from stockade.runs.lease import LEASE_S, LeaseHolder, RunLease, owner_gone, owner_token, wait_time
+from stockade.runs.records import ApprovalEntry, RetryEntry, RunSummary, RunTrace, WorkspaceUsage
 from stockade.runs.seeds import MAX_SEED_BYTES, pack_workspace, unpack_seed
 from stockade.runs.workspace import (
     MAX_WORKSPACE_BYTES,
@@ -87,61 +88,6 @@ OUTCOME_UNKNOWN = "OutcomeUnknown"
 _MESSAGE: TypeAdapter[Message] = TypeAdapter(Message)
 
 
-@dataclass(frozen=True, kw_only=True)
-class RunSummary:
-    """One line of ``stockade runs list``."""
-
-    run_id: str
-    task: str
-    model_name: str
-    status: RunStatus
-    steps: int
-    usage: Usage
-    cost_usd: float
-    elapsed_s: float
-    error: str | None
-    created_ns: int
-    updated_ns: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class RetryEntry:
-    """A transient failure that was tried again, and where in the run it happened."""
-
-    step: int
-    call_id: str | None
-    subject: str
-    attempt: int
-    delay_s: float
-    reason: str
-    recorded_ns: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class ApprovalEntry:
-    step: int
-    request_id: str
-    action: str
-    rule: str
-    reason: str
-    decision: str  # approved, denied, pending
-    recorded_ns: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunTrace:
-    """Everything ``stockade runs show`` prints: the state, what happened around it, the diff."""
-
-    summary: RunSummary
-    state: RunState
-    retries: tuple[RetryEntry, ...]
-    approvals: tuple[ApprovalEntry, ...]
-    diff: str | None
-
-    def retries_of(self, step: int, call_id: str) -> tuple[RetryEntry, ...]:
-        return tuple(r for r in self.retries if r.step == step and r.call_id == call_id)
-
-
 @dataclass
 class _Saved:
     """What this process has already written for one run (the rows need not be written again)."""
@@ -150,16 +96,6 @@ class _Saved:
     messages: list[Message] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
     ledger: set[str] = field(default_factory=set)
-
-
-@dataclass(frozen=True, kw_only=True)
-class WorkspaceUsage:
-    """What a run's workspace costs the store: versions recorded, rows, and the bytes of the
-    contents it added (compressed; a content another run stored first is not counted)."""
-
-    versions: int
-    rows: int
-    blob_bytes: int
 
 
 def _schema(ns: str, serial: str, blob: str) -> list[str]:
