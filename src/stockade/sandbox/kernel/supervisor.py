@@ -9,6 +9,9 @@ Every command and the interpreter run under a *shim*: a forked child that is a c
 subreaper, so whatever the command double-forks is reparented to the shim and dies with it.
 On exit or timeout the whole tree is killed (scan /proc, SIGKILL, repeat until empty).
 
+This module is the event loop, the dispatch and the commands; the file operations are
+``files.py``, the jobs ``jobs.py``, the interpreter process and its queue ``runcode.py``.
+
 Standard library only; runs on any Python >= 3.8 found inside the sandbox.
 """
 
