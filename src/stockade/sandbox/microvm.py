@@ -24,7 +24,6 @@ import hashlib
 import json
 import math
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -38,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from stockade import exceptions as exc
-from stockade.sandbox import _cgroups, _guest, _qmp, _rules
+from stockade.sandbox import _cgroups, _guest, _rules
 from stockade.sandbox._microvm_image import (
     PORT_NAME,
     GuestKernel,
@@ -47,10 +46,10 @@ from stockade.sandbox._microvm_image import (
     initramfs,
     root_image,
 )
+from stockade.sandbox._microvm_instance import SocketStream, VMBoundary, VMInstance
 from stockade.sandbox._rootfs import find_rootfs
 from stockade.sandbox._supervised import (
     TIMEOUT_MARGIN_S,
-    Boundary,
     SupervisedInstance,
     enforcement_from_state,
     sandbox_id,
@@ -85,109 +84,7 @@ SNAPSHOT_VERSION = "1"
 CTL_NAME = f"{PORT_NAME}-ctl"
 
 
-# -- the sandbox -----------------------------------------------------------------------------
-
-
-class _SocketStream:
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-
-    def recv(self) -> bytes:
-        return self._sock.recv(1 << 20)
-
-    def send(self, data: bytes) -> None:
-        self._sock.sendall(data)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-
-
-class _VMBoundary(Boundary):
-    def __init__(
-        self,
-        proc: subprocess.Popen[bytes],
-        sock: socket.socket,
-        rundir: Path,
-        cgroup: _cgroups.Cgroup | None,
-        *,
-        ctl: socket.socket,
-        qmp: socket.socket,
-    ) -> None:
-        self.proc = proc
-        self.sock = sock
-        self.rundir = rundir
-        self.cgroup = cgroup
-        self.ctl = ctl
-        self.qmp = qmp
-        self._monitor: _qmp.Monitor | None = None
-
-    def monitor(self) -> _qmp.Monitor:
-        if self._monitor is None:
-            self._monitor = _qmp.Monitor(self.qmp)
-        return self._monitor
-
-    def wait_up(self, timeout_s: float) -> None:
-        """Wait for the guest's root helper to say it listens (``U``)."""
-        self._expect(b"U", timeout_s)
-
-    def reseed(self, timeout_s: float = 10.0) -> None:
-        """Fresh randomness and the time for the guest's kernel, before anything else runs in
-        a guest restored from a snapshot (its generator's state is the snapshot's)."""
-        message = b"S" + time.time_ns().to_bytes(8, "big") + secrets.token_bytes(32)
-        try:
-            self.ctl.sendall(message)
-        except OSError as err:
-            raise exc.SandboxStartError(f"cannot reach the restored guest's helper: {err}") from None
-        self._expect(b"K", timeout_s)
-
-    def _expect(self, byte: bytes, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise exc.SandboxStartError(
-                    f"the guest's helper did not answer {byte!r} within {timeout_s:g} s"
-                )
-            self.ctl.settimeout(left)
-            try:
-                data = self.ctl.recv(64)
-            except TimeoutError:
-                continue
-            except OSError as err:
-                raise exc.SandboxStartError(f"the guest's helper is gone: {err}") from None
-            if not data:
-                raise exc.SandboxStartError("the guest's helper is gone")
-            if data.rstrip(b"U").endswith(b"E"):
-                raise exc.SandboxStartError("the guest could not be reseeded")
-            if byte in data:
-                return
-
-    def alive(self) -> bool:
-        return not self._dead and self.proc.poll() is None
-
-    def death_cause(self) -> str:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=1)  # the stream may end a moment before the process
-        code = self.proc.poll()  # QEMU ended by a signal nobody here sent
-        return "killed" if not self._dead and code is not None and code < 0 else "unknown"
-
-    def oom_kills(self) -> int | None:
-        # The host's view: QEMU killed by its cgroup's limit. Kills inside the guest are
-        # counted by the guest's kernel, and reported by the supervisor with each result.
-        return None if self.cgroup is None else self.cgroup.oom_kills()
-
-    def _kill(self) -> None:
-        # The guest is one process on the host: killing QEMU kills every process inside.
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
-        for sock in (self.sock, self.ctl, self.qmp):
-            sock.close()
-        if self.cgroup is not None:
-            self.cgroup.remove()
-        shutil.rmtree(self.rundir, ignore_errors=True)
+# -- the backend -----------------------------------------------------------------------------
 
 
 class MicroVMBackend(Backend):
@@ -389,7 +286,7 @@ class MicroVMBackend(Backend):
 
     def _launch(
         self, spec: SandboxSpec, sid: str, masks: tuple[str, ...], plan: Launch
-    ) -> tuple[_VMBoundary, _SocketStream]:
+    ) -> tuple[VMBoundary, SocketStream]:
         """Start QEMU for sandbox ``sid`` (booting, or waiting for a snapshot to restore)."""
         image, initrd = self.prepare()
         rundir = self.state_dir / f"vm-{sid}"
@@ -462,9 +359,9 @@ class MicroVMBackend(Backend):
                 sock.close()
             if guest_end is not None:
                 guest_end.close()
-        boundary = _VMBoundary(proc, mine, rundir, cgroup, ctl=ctl, qmp=qmp)
+        boundary = VMBoundary(proc, mine, rundir, cgroup, ctl=ctl, qmp=qmp)
         boundary.egress = egress
-        return boundary, _SocketStream(mine)
+        return boundary, SocketStream(mine)
 
     def _instance(
         self,
@@ -472,11 +369,11 @@ class MicroVMBackend(Backend):
         *,
         spec: SandboxSpec,
         enforcement: Enforcement,
-        boundary: _VMBoundary,
-        stream: _SocketStream,
+        boundary: VMBoundary,
+        stream: SocketStream,
         masks: tuple[str, ...],
-    ) -> _VMInstance:
-        instance = _VMInstance(
+    ) -> VMInstance:
+        instance = VMInstance(
             id=sid, tier=self.tier, stream=stream, boundary=boundary, spec=spec, enforcement=enforcement
         )
         instance.vm = boundary
@@ -630,7 +527,7 @@ class MicroVMBackend(Backend):
         )
         return {"snapshot": snapshot.id}
 
-    def _restore(self, spec: SandboxSpec) -> _VMInstance:
+    def _restore(self, spec: SandboxSpec) -> VMInstance:
         """A sandbox from a memory snapshot: the same machine, its memory loaded, then reseeded."""
         assert spec.snapshot is not None
         store = SnapshotStore(Path(spec.snapshot.store))
@@ -685,35 +582,6 @@ class Launch:
     ram_shared: bool = False
     incoming: bool = False
     fds: tuple[int, ...] = ()
-
-
-class _VMInstance(SupervisedInstance):
-    """A microVM sandbox: its memory can be kept in a snapshot (QEMU's migration to a file)."""
-
-    vm: _VMBoundary
-    machine_key: str
-    masks: tuple[str, ...]
-
-    def memory_snapshots(self) -> str | None:
-        if self.spec.network.egress:
-            # its relay's streams live in the guest's memory, their other ends in this process
-            return "a microVM with an egress allowlist keeps files only in a snapshot"
-        return None
-
-    def save_memory(self, store: SnapshotStore, *, stop: bool) -> tuple[dict[str, str], dict[str, Any]]:
-        path = store.temp_path("memory")
-        try:
-            with open(path, "wb") as out:
-                monitor = self.vm.monitor()
-                try:
-                    monitor.save(out)
-                finally:
-                    if not stop:
-                        monitor.command("cont")
-            digest = store.add_file(path)
-        finally:
-            path.unlink(missing_ok=True)
-        return {"memory": digest}, {"machine": self.machine_key, "masks": list(self.masks)}
 
 
 def _identity(path: Path) -> str:
