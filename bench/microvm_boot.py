@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from stockade import Sandbox
-from stockade.sandbox import microvm
+from stockade.sandbox import _microvm_image, microvm
 from stockade.sandbox.base import SandboxSpec
 
 RAW_INIT = """\
@@ -52,18 +52,18 @@ WITH_PYTHON = (
 )
 
 
-def raw_initrd(kernel: microvm.GuestKernel, workdir: Path, step: str, busybox: str) -> Path:
-    init = RAW_INIT.replace("MODULES", " ".join(microvm.MODULES)).replace("STEP", step)
+def raw_initrd(kernel: _microvm_image.GuestKernel, workdir: Path, step: str, busybox: str) -> Path:
+    init = RAW_INIT.replace("MODULES", " ".join(_microvm_image.MODULES)).replace("STEP", step)
     entries: list[tuple[str, int, bytes]] = [
         (d, 0o040755, b"") for d in ("bin", "dev", "sys", "lib", "lib/modules", "newroot")
     ]
     entries.append(("init", 0o100755, init.encode()))
     entries.append(("bin/busybox", 0o100755, Path(busybox).read_bytes()))
-    for name in microvm.MODULES:
-        data = (kernel.modules / "kernel" / microvm.MODULE_PATHS[name]).read_bytes()
+    for name in _microvm_image.MODULES:
+        data = (kernel.modules / "kernel" / _microvm_image.MODULE_PATHS[name]).read_bytes()
         entries.append((f"lib/modules/{name}.ko", 0o100644, data))
     path = workdir / f"raw-{abs(hash(step))}.cpio"
-    path.write_bytes(microvm._cpio(entries))
+    path.write_bytes(_microvm_image._cpio(entries))
     return path
 
 

@@ -192,7 +192,7 @@ def test_code_cannot_kill_or_freeze_its_supervisor(tier: str) -> None:
 
 
 def test_user_modules_named_like_the_supervisors_import_as_the_users(sbx: Sandbox) -> None:
-    for name in ("protocol", "interpreter", "reaper", "fileops", "supervisor"):
+    for name in ("protocol", "interpreter", "reaper", "fileops", "files", "jobs", "runcode", "supervisor"):
         sbx.files.write(f"{name}.py", f"OWNER = 'user:{name}'\n")
         assert sbx.run_code(f"import {name}; {name}.OWNER").text == f"'user:{name}'"
     assert sbx.commands.run("echo the supervisor is unaffected").ok

@@ -386,7 +386,7 @@ def agent(  # noqa: C901 - a typer command: its options become the run's configu
 
 
 def demo(
-    tier: Annotated[str, typer.Option("--tier", "-t", help="the sandbox tier")] = "process",
+    tier: Annotated[str, typer.Option("--tier", "-t", help=_registry.NAMES)] = "process",
     audit_db: Annotated[
         Path,
         typer.Option(

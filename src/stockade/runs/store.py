@@ -56,9 +56,11 @@ from stockade.agent.state import RunState, RunStatus, StepRecord, ToolCallRecord
 from stockade.audit.redact import Redactor
 from stockade.audit.stores import check_namespace
 from stockade.audit.verify import LedgerCall
-from stockade.models.messages import Message, ToolCall, ToolResultMessage, Usage
+from stockade.models.messages import Message, ToolCall, ToolResultMessage
 from stockade.runs._db import Database, PostgresDatabase, Requirement, SQLiteDatabase, Statement
+from stockade.runs._schema import RUN_TABLES, SUMMARY_COLUMNS, as_float, as_int, schema, summary_from_row
 from stockade.runs.lease import LEASE_S, LeaseHolder, RunLease, owner_gone, owner_token, wait_time
+from stockade.runs.records import ApprovalEntry, RetryEntry, RunSummary, RunTrace, WorkspaceUsage
 from stockade.runs.seeds import MAX_SEED_BYTES, pack_workspace, unpack_seed
 from stockade.runs.workspace import (
     MAX_WORKSPACE_BYTES,
@@ -87,61 +89,6 @@ OUTCOME_UNKNOWN = "OutcomeUnknown"
 _MESSAGE: TypeAdapter[Message] = TypeAdapter(Message)
 
 
-@dataclass(frozen=True, kw_only=True)
-class RunSummary:
-    """One line of ``stockade runs list``."""
-
-    run_id: str
-    task: str
-    model_name: str
-    status: RunStatus
-    steps: int
-    usage: Usage
-    cost_usd: float
-    elapsed_s: float
-    error: str | None
-    created_ns: int
-    updated_ns: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class RetryEntry:
-    """A transient failure that was tried again, and where in the run it happened."""
-
-    step: int
-    call_id: str | None
-    subject: str
-    attempt: int
-    delay_s: float
-    reason: str
-    recorded_ns: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class ApprovalEntry:
-    step: int
-    request_id: str
-    action: str
-    rule: str
-    reason: str
-    decision: str  # approved, denied, pending
-    recorded_ns: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunTrace:
-    """Everything ``stockade runs show`` prints: the state, what happened around it, the diff."""
-
-    summary: RunSummary
-    state: RunState
-    retries: tuple[RetryEntry, ...]
-    approvals: tuple[ApprovalEntry, ...]
-    diff: str | None
-
-    def retries_of(self, step: int, call_id: str) -> tuple[RetryEntry, ...]:
-        return tuple(r for r in self.retries if r.step == step and r.call_id == call_id)
-
-
 @dataclass
 class _Saved:
     """What this process has already written for one run (the rows need not be written again)."""
@@ -150,82 +97,6 @@ class _Saved:
     messages: list[Message] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
     ledger: set[str] = field(default_factory=set)
-
-
-@dataclass(frozen=True, kw_only=True)
-class WorkspaceUsage:
-    """What a run's workspace costs the store: versions recorded, rows, and the bytes of the
-    contents it added (compressed; a content another run stored first is not counted)."""
-
-    versions: int
-    rows: int
-    blob_bytes: int
-
-
-def _schema(ns: str, serial: str, blob: str) -> list[str]:
-    return [
-        f"""CREATE TABLE IF NOT EXISTS {ns}_runs (
-            run_id TEXT PRIMARY KEY, task TEXT NOT NULL, model_name TEXT NOT NULL,
-            status TEXT NOT NULL, steps INTEGER NOT NULL, input_tokens BIGINT NOT NULL,
-            output_tokens BIGINT NOT NULL, requests BIGINT NOT NULL, cost_usd DOUBLE PRECISION NOT NULL,
-            elapsed_s DOUBLE PRECISION NOT NULL, error TEXT, diff TEXT,
-            created_ns BIGINT NOT NULL, updated_ns BIGINT NOT NULL)""",
-        f"""CREATE TABLE IF NOT EXISTS {ns}_checkpoints (
-            run_id TEXT NOT NULL, seq BIGINT NOT NULL, created_ns BIGINT NOT NULL,
-            messages INTEGER NOT NULL, steps INTEGER NOT NULL, body TEXT NOT NULL,
-            PRIMARY KEY (run_id, seq))""",
-        f"""CREATE TABLE IF NOT EXISTS {ns}_messages (
-            run_id TEXT NOT NULL, idx INTEGER NOT NULL, body TEXT NOT NULL, PRIMARY KEY (run_id, idx))""",
-        f"""CREATE TABLE IF NOT EXISTS {ns}_steps (
-            run_id TEXT NOT NULL, idx INTEGER NOT NULL, body TEXT NOT NULL, PRIMARY KEY (run_id, idx))""",
-        f"""CREATE TABLE IF NOT EXISTS {ns}_tool_calls (
-            idempotency_key TEXT PRIMARY KEY, run_id TEXT NOT NULL, step INTEGER NOT NULL,
-            call_id TEXT NOT NULL, tool TEXT NOT NULL, recorded_ns BIGINT NOT NULL, body TEXT NOT NULL)""",
-        f"CREATE INDEX IF NOT EXISTS {ns}_tool_calls_run ON {ns}_tool_calls (run_id, step)",
-        f"""CREATE TABLE IF NOT EXISTS {ns}_retries (
-            id {serial}, run_id TEXT NOT NULL, step INTEGER NOT NULL, call_id TEXT,
-            subject TEXT NOT NULL, attempt INTEGER NOT NULL, delay_s DOUBLE PRECISION NOT NULL,
-            reason TEXT NOT NULL, recorded_ns BIGINT NOT NULL)""",
-        f"CREATE INDEX IF NOT EXISTS {ns}_retries_run ON {ns}_retries (run_id)",
-        f"""CREATE TABLE IF NOT EXISTS {ns}_approvals (
-            id {serial}, run_id TEXT NOT NULL, step INTEGER NOT NULL, request_id TEXT NOT NULL,
-            action TEXT NOT NULL, rule TEXT NOT NULL, reason TEXT NOT NULL, decision TEXT NOT NULL,
-            recorded_ns BIGINT NOT NULL)""",
-        f"CREATE INDEX IF NOT EXISTS {ns}_approvals_run ON {ns}_approvals (run_id)",
-        # starting workspaces, content-addressed: identical seeds are stored once
-        f"""CREATE TABLE IF NOT EXISTS {ns}_seeds (
-            digest TEXT PRIMARY KEY, bytes BIGINT NOT NULL, data {blob} NOT NULL)""",
-        f"""CREATE TABLE IF NOT EXISTS {ns}_run_seeds (
-            run_id TEXT PRIMARY KEY, digest TEXT NOT NULL, recorded_ns BIGINT NOT NULL)""",
-        # one owner per run (expires_ns 0: released)
-        f"""CREATE TABLE IF NOT EXISTS {ns}_leases (
-            run_id TEXT PRIMARY KEY, owner TEXT NOT NULL, expires_ns BIGINT NOT NULL,
-            acquired_ns BIGINT NOT NULL)""",
-        # tool calls about to run (the ledger says which returned)
-        f"""CREATE TABLE IF NOT EXISTS {ns}_calls_started (
-            idempotency_key TEXT PRIMARY KEY, run_id TEXT NOT NULL, step INTEGER NOT NULL,
-            call_id TEXT NOT NULL, tool TEXT NOT NULL, idempotent INTEGER NOT NULL,
-            attempts INTEGER NOT NULL, started_ns BIGINT NOT NULL)""",
-        f"CREATE INDEX IF NOT EXISTS {ns}_calls_started_run ON {ns}_calls_started (run_id, step)",
-        # workspaces step by step: file contents by SHA-256 (zlib), and per version the paths
-        # that changed (body NULL: removed)
-        f"""CREATE TABLE IF NOT EXISTS {ns}_blobs (
-            digest TEXT PRIMARY KEY, bytes BIGINT NOT NULL, data {blob} NOT NULL)""",
-        f"""CREATE TABLE IF NOT EXISTS {ns}_workspace (
-            run_id TEXT NOT NULL, version BIGINT NOT NULL, path TEXT NOT NULL, body TEXT,
-            blob_bytes BIGINT NOT NULL, PRIMARY KEY (run_id, version, path))""",
-        # whose personal data a run holds (a data subject), so that it can be erased
-        f"""CREATE TABLE IF NOT EXISTS {ns}_subjects (
-            run_id TEXT NOT NULL, subject TEXT NOT NULL, PRIMARY KEY (run_id, subject))""",
-        f"CREATE INDEX IF NOT EXISTS {ns}_subjects_subject ON {ns}_subjects (subject)",
-    ]
-
-
-# The tables holding rows of a run (``erase`` empties them of it); blobs and seeds are shared.
-_RUN_TABLES = (
-    "runs", "checkpoints", "messages", "steps", "tool_calls", "retries", "approvals", "run_seeds",
-    "leases", "calls_started", "workspace", "subjects",
-)  # fmt: skip
 
 
 def _first_change(saved: Sequence[object], now: Sequence[object]) -> int:
@@ -275,7 +146,7 @@ class RunStore:
         self._saved: dict[str, _Saved] = {}
         self._leases: dict[str, str] = {}  # run id -> our owner token, while we hold its lease
         self._trackers: dict[str, WorkspaceTracker] = {}
-        self.db.write([(sql, [()]) for sql in _schema(self.ns, db.serial, db.blob)])
+        self.db.write([(sql, [()]) for sql in schema(self.ns, db.serial, db.blob)])
 
     # -- Checkpointer ---------------------------------------------------------------------
 
@@ -371,8 +242,8 @@ class RunStore:
         try:
             state = RunState.model_validate_json(document)
         except ValidationError as error:
-            raise self._corrupt(run_id, _int(seq), messages, steps, error) from None
-        saved = _Saved(seq=_int(seq), messages=list(state.messages), steps=list(state.steps))
+            raise self._corrupt(run_id, as_int(seq), messages, steps, error) from None
+        saved = _Saved(seq=as_int(seq), messages=list(state.messages), steps=list(state.steps))
         unknown = self._fold_ledger(state)
         with self._lock:
             saved.ledger = {r.idempotency_key for s in state.steps for r in s.tool_calls}
@@ -420,7 +291,7 @@ class RunStore:
     def _recall(self, run_id: str) -> _Saved:
         """A run this process has not written yet: continue its checkpoint numbering."""
         rows = self.db.query(f"SELECT MAX(seq) FROM {self.ns}_checkpoints WHERE run_id = ?", (run_id,))
-        return _Saved(seq=_int(rows[0][0]) if rows and rows[0][0] is not None else 0)
+        return _Saved(seq=as_int(rows[0][0]) if rows and rows[0][0] is not None else 0)
 
     def _fold_ledger(self, state: RunState) -> set[str]:
         """Fold the calls that returned, or started and must not run again, into the step in
@@ -536,7 +407,7 @@ class RunStore:
             previous: LeaseHolder | None = None
             take: Statement
             if rows:
-                held_by, expires = str(rows[0][0]), _int(rows[0][1])
+                held_by, expires = str(rows[0][0]), as_int(rows[0][1])
                 if expires == 0:
                     reason = "released"
                 elif expires < now:
@@ -634,7 +505,7 @@ class RunStore:
             "ON r.run_id = l.run_id WHERE r.status = ?",
             (RunStatus.RUNNING.value,),
         )
-        stale = [str(r[0]) for r in rows if _int(r[2]) < now or owner_gone(str(r[1]))]
+        stale = [str(r[0]) for r in rows if as_int(r[2]) < now or owner_gone(str(r[1]))]
         if stale:
             why = (
                 "the process running it stopped (its lease in the run store expired); "
@@ -675,7 +546,7 @@ class RunStore:
         rows = self.db.query(
             f"SELECT idempotency_key, attempts FROM {self.ns}_calls_started WHERE run_id = ?", (run_id,)
         )
-        return {str(r[0]): _int(r[1]) for r in rows}
+        return {str(r[0]): as_int(r[1]) for r in rows}
 
     def _new_tracker(self) -> WorkspaceTracker:
         return WorkspaceTracker(max_bytes=self.max_workspace_bytes, max_entries=self.max_workspace_entries)
@@ -737,7 +608,7 @@ class RunStore:
         entries: dict[str, Entry] = {}
         version = 0
         for row_version, path, body in rows:
-            version = _int(row_version)
+            version = as_int(row_version)
             if body is None:
                 entries.pop(str(path), None)
                 continue
@@ -868,7 +739,7 @@ class RunStore:
         }
         found = self.db.query(f"SELECT COUNT(*) FROM {ns}_runs WHERE run_id IN ({marks})", runs)
         statements: list[Statement] = [
-            (f"DELETE FROM {ns}_{table} WHERE run_id IN ({marks})", [runs]) for table in _RUN_TABLES
+            (f"DELETE FROM {ns}_{table} WHERE run_id IN ({marks})", [runs]) for table in RUN_TABLES
         ]
         self.db.write(statements)
         self.db.write([st for st in self._unshared(blobs - {""}, seeds) if st[1]])
@@ -876,7 +747,7 @@ class RunStore:
             for run_id in runs:
                 self._saved.pop(run_id, None)
                 self._trackers.pop(run_id, None)
-        return _int(found[0][0]) if found else 0
+        return as_int(found[0][0]) if found else 0
 
     def _unshared(self, blobs: set[str], seeds: set[str]) -> list[Statement]:
         """Deletions of the contents and seeds (of erased runs) that no run refers to any more."""
@@ -903,7 +774,7 @@ class RunStore:
             (run_id,),
         )
         versions, count, blob_bytes = rows[0] if rows else (0, 0, 0)
-        return WorkspaceUsage(versions=_int(versions), rows=_int(count), blob_bytes=_int(blob_bytes))
+        return WorkspaceUsage(versions=as_int(versions), rows=as_int(count), blob_bytes=as_int(blob_bytes))
 
     def record_retry(self, run_id: str, entry: RetryEntry) -> None:
         self.db.write(
@@ -997,15 +868,15 @@ class RunStore:
         self.sweep()
         where, params = ("WHERE status = ?", [status.value]) if status is not None else ("", [])
         rows = self.db.query(
-            f"SELECT {_SUMMARY} FROM {self.ns}_runs {where} ORDER BY updated_ns DESC LIMIT ?",
+            f"SELECT {SUMMARY_COLUMNS} FROM {self.ns}_runs {where} ORDER BY updated_ns DESC LIMIT ?",
             [*params, limit],
         )
-        return [_summary(r) for r in rows]
+        return [summary_from_row(r) for r in rows]
 
     def summary(self, run_id: str) -> RunSummary | None:
         self.sweep()
-        rows = self.db.query(f"SELECT {_SUMMARY} FROM {self.ns}_runs WHERE run_id = ?", (run_id,))
-        return _summary(rows[0]) if rows else None
+        rows = self.db.query(f"SELECT {SUMMARY_COLUMNS} FROM {self.ns}_runs WHERE run_id = ?", (run_id,))
+        return summary_from_row(rows[0]) if rows else None
 
     def find(self, prefix: str) -> list[str]:
         """Run ids starting with ``prefix`` (the CLI accepts a unique prefix)."""
@@ -1053,7 +924,7 @@ class RunStore:
                 denied = False  # unreadable: cross-checked all the same
             if not denied:
                 calls.append(
-                    LedgerCall(run_id=str(run), step=_int(step), idempotency_key=str(key), tool=str(tool))
+                    LedgerCall(run_id=str(run), step=as_int(step), idempotency_key=str(key), tool=str(tool))
                 )
         return calls
 
@@ -1065,13 +936,13 @@ class RunStore:
         )
         return [
             RetryEntry(
-                step=_int(r[0]),
+                step=as_int(r[0]),
                 call_id=None if r[1] is None else str(r[1]),
                 subject=str(r[2]),
-                attempt=_int(r[3]),
-                delay_s=_float(r[4]),
+                attempt=as_int(r[3]),
+                delay_s=as_float(r[4]),
                 reason=str(r[5]),
-                recorded_ns=_int(r[6]),
+                recorded_ns=as_int(r[6]),
             )
             for r in rows
         ]
@@ -1084,13 +955,13 @@ class RunStore:
         )
         return [
             ApprovalEntry(
-                step=_int(r[0]),
+                step=as_int(r[0]),
                 request_id=str(r[1]),
                 action=str(r[2]),
                 rule=str(r[3]),
                 reason=str(r[4]),
                 decision=str(r[5]),
-                recorded_ns=_int(r[6]),
+                recorded_ns=as_int(r[6]),
             )
             for r in rows
         ]
@@ -1120,20 +991,6 @@ class RunStore:
         self.close()
 
 
-_SUMMARY = (
-    "run_id, task, model_name, status, steps, input_tokens, output_tokens, requests, cost_usd, "
-    "elapsed_s, error, created_ns, updated_ns"
-)
-
-
-def _int(value: object) -> int:
-    return int(str(value))
-
-
-def _float(value: object) -> float:
-    return float(str(value))
-
-
 def _where_owner(owner: str) -> str:
     parts = owner.split("/")
     return f"pid {parts[2]}" if len(parts) == 5 else "unknown owner"
@@ -1151,22 +1008,6 @@ def _outcome_unknown(call: ToolCall, key: str) -> ToolCallRecord:
         ),
         is_error=True,
         error_type=OUTCOME_UNKNOWN,
-    )
-
-
-def _summary(row: tuple[object, ...]) -> RunSummary:
-    return RunSummary(
-        run_id=str(row[0]),
-        task=str(row[1]),
-        model_name=str(row[2]),
-        status=RunStatus(str(row[3])),
-        steps=_int(row[4]),
-        usage=Usage(input_tokens=_int(row[5]), output_tokens=_int(row[6]), requests=_int(row[7])),
-        cost_usd=_float(row[8]),
-        elapsed_s=_float(row[9]),
-        error=None if row[10] is None else str(row[10]),
-        created_ns=_int(row[11]),
-        updated_ns=_int(row[12]),
     )
 
 

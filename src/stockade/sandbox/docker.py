@@ -22,17 +22,27 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import tarfile
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from stockade import exceptions as exc
 from stockade.sandbox import _guest, _host, _rules
+from stockade.sandbox._docker_engine import (
+    AttachStream,
+    docker_py,
+    engine_error,
+    engine_failures,
+    is_remote,
+    mapped_engine_errors,
+    no_logs,
+    remove_container,
+    retry_removals,
+)
 from stockade.sandbox._hostinfo import engine_masked_paths
 from stockade.sandbox._supervised import (
     WORKSPACE,
@@ -48,10 +58,8 @@ from stockade.types import Enforcement, HostShare, Mechanism, TierReport
 __all__ = ["DockerBackend", "collect_garbage", "engine_error"]
 
 DEFAULT_IMAGE = "stockade-sandbox:latest"
-BUILD_HINT = "build it offline with `stockade image build --offline` (or scripts/build-image.sh)"
 START_TIMEOUT_S = 30.0
 API_TIMEOUT_S = 30.0
-STDERR_KEEP = 16 * 1024
 COMPILED = "/tmp/stockade-compiled.json"
 MAX_COMPILED = 16 * 1024 * 1024
 EGRESS_DIR = "/run/stockade-egress"  # stockade.egress.SANDBOX_DIR (not imported: it is lazy)
@@ -67,79 +75,6 @@ def _hide_the_host(tmpfs: dict[str, str], binds: dict[str, dict[str, str]], *, o
     binds["/dev/null"] = {"bind": "/etc/hostname", "mode": "ro"}
     if own_kernel:
         tmpfs["/sys/fs/cgroup"] = "ro,size=4k,nr_inodes=16"
-
-
-def _no_logs() -> Any:
-    """No log driver: the protocol runs over the container's stdio, and the engine would
-    otherwise copy every byte of it (files read, results) to a log file on its disk."""
-    return _docker().types.LogConfig(type="none")
-
-
-def _docker() -> Any:
-    try:
-        import docker
-    except ImportError:
-        raise exc.TierUnavailable('the docker tier needs docker-py: pip install "stockade[docker]"') from None
-    return docker
-
-
-def engine_error(err: BaseException, *, image: str = "", runtime: str | None = None) -> exc.StockadeError:
-    """The one translation of a docker-py / transport failure into a stockade error."""
-    if isinstance(err, exc.StockadeError):
-        return err
-    docker = _docker()
-    errors = docker.errors
-    detail = str(getattr(err, "explanation", None) or err)
-    if isinstance(err, errors.ImageNotFound) or (
-        isinstance(err, errors.NotFound) and "image" in detail.lower() and "container" not in detail.lower()
-    ):
-        return exc.ImageNotFound(f"the sandbox image {image!r} is not on this Docker host; {BUILD_HINT}")
-    if isinstance(err, errors.APIError):
-        status = err.status_code or 0
-        if status == 409:
-            return exc.SandboxStartError(f"Docker refused a conflicting request: {detail}")
-        if status == 400 and "runtime" in detail.lower():
-            return exc.ConfigurationError(
-                f"Docker has no runtime {runtime!r}: {detail}; register it (scripts/setup-docker.sh)"
-            )
-        if status == 400:
-            return exc.ConfigurationError(f"Docker rejected the sandbox settings: {detail}")
-        if status == 404:
-            return exc.SandboxCrashed(f"the container is gone: {detail}")
-        if status >= 500 or status == 0:
-            return exc.SandboxStartError(f"the Docker engine failed: {detail}")
-        return exc.ConfigurationError(f"Docker refused the request ({status}): {detail}")
-    if isinstance(err, errors.DockerException | OSError) or _is_transport_error(err):
-        return exc.BackendUnavailable(f"the Docker engine is unreachable: {detail}", retry_after=1.0)
-    return exc.SandboxStartError(f"unexpected Docker failure: {type(err).__name__}: {detail}")
-
-
-def _is_transport_error(err: BaseException) -> bool:
-    import requests
-
-    return isinstance(err, requests.exceptions.RequestException)
-
-
-def _engine_failures() -> tuple[type[BaseException], ...]:
-    import requests
-
-    return (_docker().errors.DockerException, requests.exceptions.RequestException, OSError)
-
-
-@contextlib.contextmanager
-def _engine(image: str = "", runtime: str | None = None) -> Iterator[None]:
-    try:
-        yield
-    except _engine_failures() as err:
-        raise engine_error(err, image=image, runtime=runtime) from err
-
-
-def _is_remote(base_url: str | None) -> bool:
-    forced = os.environ.get("STOCKADE_DOCKER_REMOTE")
-    if forced in ("0", "1"):
-        return forced == "1"
-    url = base_url or os.environ.get("DOCKER_HOST") or ""
-    return bool(url) and not url.startswith(("unix://", "/"))
 
 
 def _tar(files: Mapping[str, bytes | str], folder: str = "") -> bytes:
@@ -175,96 +110,6 @@ def _fetch_file(api: Any, cid: str, path: str) -> bytes:
         return handle.read(MAX_COMPILED)
 
 
-# -- the attach stream ----------------------------------------------------------------------
-
-
-class _AttachStream:
-    """The container's stdin/stdout over the engine's hijacked attach connection.
-
-    Without a TTY the engine multiplexes stdout and stderr in frames of an 8-byte header
-    (stream, 0, 0, 0, big-endian size) and a payload; stdout is the supervisor's protocol,
-    stderr is kept (bounded) to explain a failed start.
-    """
-
-    def __init__(self, sock: socket.socket, keepalive: object) -> None:
-        self._sock = sock
-        self._keepalive = keepalive  # the HTTP response owning the socket must outlive it
-        self._buf = bytearray()
-        self.stderr = bytearray()
-
-    def recv(self) -> bytes:
-        while True:
-            out = self._demux()
-            if out:
-                return out
-            data = self._sock.recv(1 << 20)
-            if not data:
-                return b""
-            self._buf += data
-
-    def _demux(self) -> bytes:
-        buf = self._buf
-        out = bytearray()
-        pos = 0
-        while len(buf) - pos >= 8:
-            size = int.from_bytes(buf[pos + 4 : pos + 8], "big")
-            end = pos + 8 + size
-            if end > len(buf):
-                break
-            if buf[pos] == 1:
-                out += buf[pos + 8 : end]
-            elif len(self.stderr) < STDERR_KEEP:
-                self.stderr += buf[pos + 8 : end][: STDERR_KEEP - len(self.stderr)]
-            pos = end
-        del buf[:pos]
-        return bytes(out)
-
-    def send(self, data: bytes) -> None:
-        self._sock.sendall(data)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        # The socket only closes once the HTTP response's file object lets go of it.
-        for closable in (self._keepalive, self._sock):
-            with contextlib.suppress(OSError, AttributeError):
-                closable.close()  # type: ignore[attr-defined]
-
-
-# -- removal, now or later ------------------------------------------------------------------
-
-# Containers whose removal failed (engine down): retried on the next start and at exit.
-_pending: set[str] = set()
-_pending_lock = threading.Lock()
-
-
-def _remove(api: Any, cid: str) -> bool:
-    docker = _docker()
-    try:
-        api.remove_container(cid, force=True, v=True)
-    except docker.errors.NotFound:
-        pass
-    except docker.errors.APIError as err:
-        if "already in progress" not in str(err):
-            with _pending_lock:
-                _pending.add(cid)
-            return False
-    except _engine_failures():
-        with _pending_lock:
-            _pending.add(cid)
-        return False
-    with _pending_lock:
-        _pending.discard(cid)
-    return True
-
-
-def _retry_pending(api: Any) -> None:
-    with _pending_lock:
-        todo = list(_pending)
-    for cid in todo:
-        _remove(api, cid)
-
-
 class _ContainerBoundary(Boundary):
     def __init__(
         self,
@@ -297,7 +142,7 @@ class _ContainerBoundary(Boundary):
             return self._oom_events()
         if not self._oom_resolved:
             self._oom_resolved = True
-            unknown: tuple[type[BaseException], ...] = (*_engine_failures(), KeyError, TypeError, ValueError)
+            unknown: tuple[type[BaseException], ...] = (*engine_failures(), KeyError, TypeError, ValueError)
             try:
                 pid = int(self.api.inspect_container(self.cid)["State"]["Pid"] or 0)
             except unknown:
@@ -319,11 +164,11 @@ class _ContainerBoundary(Boundary):
                 )
             ) as events:
                 return sum(1 for _ in events)
-        except _engine_failures():
+        except engine_failures():
             return None
 
     def _kill(self) -> None:
-        _remove(self.api, self.cid)
+        remove_container(self.api, self.cid)
         _release_mounts(self.rundir, self.mounts)
         if self.lease is not None:  # last: no process of the sandbox is left with the uid
             self.lease.release()
@@ -333,7 +178,7 @@ class _ContainerBoundary(Boundary):
         output = {"stdout": err.stdout, "stderr": err.stderr}
         try:
             state = self.api.inspect_container(self.cid)["State"]
-        except _engine_failures() as failure:
+        except engine_failures() as failure:
             mapped = engine_error(failure)
             if isinstance(mapped, exc.BackendUnavailable | exc.SandboxStartError):
                 return exc.BackendUnavailable(
@@ -421,7 +266,7 @@ class DockerBackend(Backend):
         self.base_url = base_url
         self.tier = tier
         self.own_kernel = own_kernel
-        self.remote = _is_remote(base_url) if remote is None else remote
+        self.remote = is_remote(base_url) if remote is None else remote
         self.host_tmpfs = own_kernel and os.geteuid() == 0 and not self.remote
         self.state_dir = state_dir or _guest.default_state_dir()
         self.creator = _guest.current_creator()
@@ -435,7 +280,7 @@ class DockerBackend(Backend):
         """The gVisor platform the engine runs this runtime with (its ``--platform`` argument)."""
         if self._platform is None:
             platform = "systrap"  # runsc's own default
-            unknown: tuple[type[BaseException], ...] = (exc.StockadeError, KeyError, *_engine_failures())
+            unknown: tuple[type[BaseException], ...] = (exc.StockadeError, KeyError, *engine_failures())
             try:
                 entry = (self._api().info().get("Runtimes") or {}).get(self.runtime or "") or {}
                 for arg in entry.get("runtimeArgs") or entry.get("runtimeargs") or []:
@@ -449,8 +294,8 @@ class DockerBackend(Backend):
     def _api(self) -> Any:
         with self._lock:
             if self._api_client is None:
-                docker = _docker()
-                with _engine(self.image, self.runtime):
+                docker = docker_py()
+                with mapped_engine_errors(self.image, self.runtime):
                     if self.base_url:
                         client = docker.APIClient(
                             base_url=self.base_url, version="auto", timeout=API_TIMEOUT_S
@@ -524,7 +369,7 @@ class DockerBackend(Backend):
             )
 
     def _runtime_args(self, wanted: tuple[str, ...]) -> bool:
-        unknown: tuple[type[BaseException], ...] = (exc.StockadeError, KeyError, *_engine_failures())
+        unknown: tuple[type[BaseException], ...] = (exc.StockadeError, KeyError, *engine_failures())
         try:
             entry = (self._api().info().get("Runtimes") or {}).get(self.runtime or "") or {}
         except unknown:
@@ -536,7 +381,7 @@ class DockerBackend(Backend):
         fixes = ("bash scripts/setup-docker.sh", "stockade image build --offline")
         try:
             api = self._api()
-            with _engine(self.image, self.runtime):
+            with mapped_engine_errors(self.image, self.runtime):
                 info = api.info()
                 api.inspect_image(self.image)
             if self.runtime is not None and self.runtime not in (info.get("Runtimes") or {}):
@@ -571,7 +416,7 @@ class DockerBackend(Backend):
         uid: int,
         masks: Sequence[str],
     ) -> Any:
-        docker = _docker()
+        docker = docker_py()
         limits = spec.limits
         tmpfs: dict[str, str] = {}
         volume_binds = {kernel: {"bind": _guest.KERNEL_MOUNT, "mode": "ro"}}
@@ -619,7 +464,7 @@ class DockerBackend(Backend):
             auto_remove=False,
             runtime=self.runtime,
             ipc_mode="private",
-            log_config=_no_logs(),
+            log_config=no_logs(),
             cgroupns="private",  # the container's cgroup paths name its id
         )
         # docker-py has no parameter for it; the programs the rules deny are masked alike
@@ -675,7 +520,7 @@ class DockerBackend(Backend):
         """
         if self._kernel_source is not None and self._kernel_source[0].is_dir():
             return self._kernel_source[1]
-        with _engine(self.image, self.runtime):
+        with mapped_engine_errors(self.image, self.runtime):
             image_id = str(api.inspect_image(self.image)["Id"])
         kernel = _guest.kernel_dir(self.state_dir, image_id)
         if not _guest.has_bytecode(kernel, image_id):
@@ -694,7 +539,7 @@ class DockerBackend(Backend):
             mem_limit=256 * _guest.MiB,
             pids_limit=64,
             runtime=self.runtime,
-            log_config=_no_logs(),
+            log_config=no_logs(),
         )
         created = api.create_container(
             self.image,
@@ -710,13 +555,13 @@ class DockerBackend(Backend):
         """Best effort: without bytecode, the supervisor compiles itself on every start.
 
         The helper writes its output to a file, fetched from the stopped container: it has
-        no log (``_no_logs``) to read it from.
+        no log (``no_logs``) to read it from.
         """
         to_file = f"import sys\nsys.stdout = open({COMPILED!r}, 'w')\n"
         argv = ["python3", "-S", "-E", "-s", "-c", to_file + _guest.COMPILE, "/tmp/stockade-src"]
         cid = ""
         try:
-            with _engine(self.image, self.runtime):
+            with mapped_engine_errors(self.image, self.runtime):
                 cid = self._helper(api, argv, {})
                 api.put_archive(cid, "/tmp", _tar(_guest.python_sources(kernel), folder="stockade-src"))
                 api.start(cid)
@@ -728,7 +573,7 @@ class DockerBackend(Backend):
             pass
         finally:
             if cid:
-                _remove(api, cid)
+                remove_container(api, cid)
 
     def _fill_volume(self, api: Any, kernel: Path, image_id: str) -> str:
         """A volume holding the kernel folder, for engines that cannot see this host's files.
@@ -739,14 +584,14 @@ class DockerBackend(Backend):
         name = f"stockade-{kernel.name}"
         marker = f".bytecode-{_guest.bytecode_key(image_id)}"
         cid = ""
-        with _engine(self.image, self.runtime):
+        with mapped_engine_errors(self.image, self.runtime):
             api.create_volume(name, labels={_guest.LABEL: "kernel"})
             try:
                 cid = self._helper(api, ["true"], {name: {"bind": _guest.KERNEL_MOUNT, "mode": "rw"}})
                 try:
                     api.get_archive(cid, f"{_guest.KERNEL_MOUNT}/{marker}")[0].close()
                     return name
-                except _docker().errors.NotFound:
+                except docker_py().errors.NotFound:
                     pass
                 files = {p.name: p.read_bytes() for p in sorted(kernel.iterdir()) if p.is_file()}
                 files |= {
@@ -757,7 +602,7 @@ class DockerBackend(Backend):
                 api.put_archive(cid, _guest.KERNEL_MOUNT, _tar(files))
             finally:
                 if cid:
-                    _remove(api, cid)
+                    remove_container(api, cid)
         return name
 
     def _image_root(self) -> Path | None:
@@ -776,7 +621,7 @@ class DockerBackend(Backend):
         if not self._collected:
             self._collected = True
             collect_garbage(api)
-        _retry_pending(api)
+        retry_removals(api)
         kernel = self._kernel(api)
         sid = sandbox_id(spec)
         rundir: Path | None = None
@@ -795,7 +640,7 @@ class DockerBackend(Backend):
 
                 egress = attach(spec, rundir / "egress", uid=lease.uid, root=self._image_root())
                 binds[EGRESS_DIR] = egress.folder
-            with _engine(self.image, self.runtime):
+            with mapped_engine_errors(self.image, self.runtime):
                 created = api.create_container(
                     self.image,
                     command=list(_guest.SUPERVISOR_ARGV),
@@ -815,13 +660,13 @@ class DockerBackend(Backend):
                 cid = str(created["Id"])
                 sock = api.attach_socket(cid, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1})
                 raw = getattr(sock, "_sock", sock)
-                stream = _AttachStream(raw, sock)
+                stream = AttachStream(raw, sock)
                 api.start(cid)
         except BaseException:
             if egress is not None:
                 egress.close()
             if cid:
-                _remove(api, cid)
+                remove_container(api, cid)
             _release_mounts(rundir, mounts)
             lease.release()
             raise
@@ -860,7 +705,7 @@ def collect_garbage(api: Any = None) -> list[str]:
     if api is not None:
         try:
             containers = api.containers(all=True, filters={"label": f"{_guest.LABEL}=1"})
-        except _engine_failures():
+        except engine_failures():
             containers = []
         for found in containers:
             labels = found.get("Labels") or {}
@@ -868,7 +713,7 @@ def collect_garbage(api: Any = None) -> list[str]:
             if me.alive_here(labels.get(_guest.LABEL_HOST, ""), labels.get(_guest.LABEL_CREATOR, "")):
                 live_ids.add(sid)
                 continue
-            if _remove(api, found["Id"]):
+            if remove_container(api, found["Id"]):
                 removed.append(f"container {found['Id'][:12]} ({sid})")
     state_dir = _guest.default_state_dir()
     if state_dir.is_dir():

@@ -24,13 +24,10 @@ import hashlib
 import json
 import math
 import os
-import secrets
-import shlex
 import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 import weakref
@@ -40,11 +37,19 @@ from pathlib import Path
 from typing import Any
 
 from stockade import exceptions as exc
-from stockade.sandbox import _cgroups, _guest, _qmp, _rules
-from stockade.sandbox._rootfs import ROOTFS_MARKER, cache_root, find_rootfs
+from stockade.sandbox import _cgroups, _guest, _rules
+from stockade.sandbox._microvm_image import (
+    PORT_NAME,
+    GuestKernel,
+    clock_args,
+    find_kernel,
+    initramfs,
+    root_image,
+)
+from stockade.sandbox._microvm_instance import SocketStream, VMBoundary, VMInstance
+from stockade.sandbox._rootfs import find_rootfs
 from stockade.sandbox._supervised import (
     TIMEOUT_MARGIN_S,
-    Boundary,
     SupervisedInstance,
     enforcement_from_state,
     sandbox_id,
@@ -73,427 +78,13 @@ TB_CACHE_MB = 64
 QEMU_OVERHEAD_MB = 96
 QEMU_PIDS = 64  # QEMU's threads: main, RCU, vCPUs, I/O workers
 QEMU_FILES = 256  # QEMU's descriptors (its RLIMIT_NOFILE): the guest's files are not the host's
-# Loaded by the init script, in this order (dependencies first): the Debian kernel has them as modules.
-MODULES = ("virtio_ring", "virtio", "virtio_mmio", "virtio_blk", "virtio_console")
-MODULE_PATHS = {
-    "virtio_ring": "drivers/virtio/virtio_ring.ko",
-    "virtio": "drivers/virtio/virtio.ko",
-    "virtio_mmio": "drivers/virtio/virtio_mmio.ko",
-    "virtio_blk": "drivers/block/virtio_blk.ko",
-    "virtio_console": "drivers/char/virtio_console.ko",
-}
-PORT_NAME = "stockade"
-IMAGE_VERSION = "1"
 # Part of every boot image's and memory snapshot's machine key: raise it when what the guest
 # does around a snapshot changes (the helper, its messages).
 SNAPSHOT_VERSION = "1"
 CTL_NAME = f"{PORT_NAME}-ctl"
 
-# PID 1 of the guest until the supervisor replaces it. Reads the limits from the kernel
-# command line; a failure exits, which panics the guest kernel and ends QEMU (-no-reboot).
-INIT = """\
-#!/bin/busybox sh
-B=/bin/busybox
-fail() { echo "stockade-init: $*" >/dev/console; exit 1; }
-$B mount -t devtmpfs dev /dev
-$B mount -t proc proc /proc
-$B mount -t sysfs sys /sys
-for m in MODULES; do $B insmod /lib/modules/$m.ko || fail "insmod $m"; done
-egress=""; $B grep -q stockade_egress=1 /proc/cmdline && egress=1
-port=""; ctl=""; eport=""; i=0
-while :; do
-  for f in /sys/class/virtio-ports/*/name; do
-    n="$($B cat "$f" 2>/dev/null)"; d=${f%/name}; d=${d##*/}
-    [ "$n" = PORT ] && port=$d
-    [ "$n" = PORT-ctl ] && ctl=$d
-    [ "$n" = PORT-egress ] && eport=$d
-  done
-  ok=1; [ -n "$egress" ] && { [ -n "$eport" ] && [ -e "/dev/$eport" ] || ok=""; }
-  [ -n "$ctl" ] && [ -e "/dev/$ctl" ] || ok=""
-  [ -n "$port" ] && [ -e "/dev/$port" ] && [ -e /dev/vda ] && [ -n "$ok" ] && break
-  i=$((i+1)); [ $i -gt 5000 ] && fail "virtio devices missing"
-  $B usleep 1000
-done
-for w in $($B cat /proc/cmdline); do
-  case $w in
-    stockade_ws=*) ws=${w#*=};;
-    stockade_tmp=*) tmp=${w#*=};;
-    stockade_mask=*) masks=${w#*=};;
-  esac
-done
-R=/newroot
-$B mount -t ext4 -o ro,noload,nosuid,nodev /dev/vda $R || fail "cannot mount the root image"
-# Programs the rules deny: /dev/null in their place, without its device: no read, no run.
-for p in $(echo "${masks:-}" | $B tr , ' '); do
-  [ -f "$R$p" ] || continue
-  $B mount -o bind /dev/null "$R$p" && $B mount -o remount,bind,ro,nodev,noexec "$R$p" || fail "mask $p"
-done
-o=nosuid,nodev,mode=755,uid=1000,gid=1000
-$B mount -t tmpfs -o $o,size=${ws%:*},nr_inodes=${ws#*:} ws $R/workspace || fail "workspace"
-$B mount -t tmpfs -o nosuid,nodev,size=${tmp%:*},nr_inodes=${tmp#*:},mode=1777 tmp $R/tmp || fail "tmp"
-$B mount -t devtmpfs -o nosuid,noexec dev $R/dev || fail "dev"
-$B mkdir -p $R/dev/shm $R/dev/mqueue
-$B mount -t tmpfs -o nosuid,nodev,size=${tmp%:*},nr_inodes=${tmp#*:},mode=1777 shm $R/dev/shm || fail "shm"
-$B mount -t mqueue -o nosuid,nodev,noexec mqueue $R/dev/mqueue 2>/dev/null
-$B mount -t proc -o nosuid,nodev,noexec proc $R/proc || fail "proc"
-$B mount -t tmpfs -o nosuid,nodev,mode=755,size=16m kernel $R/opt/stockade || fail "kernel"
-$B cp -a /stockade/. $R/opt/stockade/
-$B mount -o remount,ro,nosuid,nodev kernel $R/opt/stockade
-$B hostname sandbox
-$B ip link set lo up 2>/dev/null
-exec 4<>$R/dev/$port 3<>$R/dev/$ctl 0</dev/null 1>/dev/console 2>/dev/console
-# The egress port (only with an allowlist): the supervisor's relay reads it as fd 9.
-[ -n "$eport" ] && exec 9<>$R/dev/$eport
-$B umount -l /dev /proc /sys
-exec $B switch_root $R /bin/sh /opt/stockade/start.sh
-"""
 
-# Stage two, in the guest's root. The sandbox gets a pid namespace of its own, whose init is
-# the supervisor, without any privilege (as on every tier: code cannot signal its init). This
-# shell's place, PID 1 of the guest, goes to the guest's root helper: out of the sandbox's
-# sight, it reseeds the kernel's randomness and sets the clock when a snapshot is restored.
-START = """\
-cd /workspace || exit 1
-/usr/bin/unshare --pid --fork --mount --propagation private --mount-proc \\
-  /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin LANG=C.UTF-8 \\
-  /usr/bin/setpriv --reuid 1000 --regid 1000 --clear-groups --inh-caps=-all --bounding-set=-all \\
-  --no-new-privs -- ARGV 0<&4 1<&4 3<&- 4<&- &
-exec /usr/bin/nice -n 10 /usr/bin/python3 -S -E -s -I /opt/stockade/guestd.py 4<&- 9<&-
-"""
-
-# The guest's PID 1 once the sandbox runs (root, outside the sandbox's pid namespace). It
-# reads the host's orders on its own port (fd 3, a device only root may open): "S", a time in
-# nanoseconds and 32 random bytes: mix them into the kernel's pool, credit them, reseed the
-# generator (so two guests restored from one snapshot draw different numbers from the first
-# byte on) and set the clock (a snapshot's clock stopped when it was taken); it answers "K".
-# "U" says it listens. When the sandbox's init ends, so does it (and with it the VM).
-GUESTD = """\
-import fcntl, os, signal, struct, time
-
-RNDADDENTROPY = 0x40085203
-RNDRESEEDCRNG = 0x5207
-MESSAGE = 41
-
-
-def reap(*_):
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            os._exit(0)
-        if pid == 0:
-            return
-
-
-def seed(data):
-    ns = struct.unpack(">Q", data[:8])[0]
-    with open("/dev/urandom", "wb", buffering=0) as fh:
-        fcntl.ioctl(fh, RNDADDENTROPY, struct.pack("ii", 256, 32) + data[8:40])
-        fcntl.ioctl(fh, RNDRESEEDCRNG)
-    time.clock_settime_ns(time.CLOCK_REALTIME, ns)
-
-
-signal.signal(signal.SIGCHLD, reap)
-reap()
-os.write(3, b"U")
-buf = b""
-while True:
-    data = os.read(3, 4096)
-    if not data:
-        time.sleep(0.05)
-        continue
-    buf += data
-    while buf:
-        if buf[:1] != b"S":
-            buf = buf[1:]
-            continue
-        if len(buf) < MESSAGE:
-            break
-        try:
-            seed(buf[1:MESSAGE])
-            os.write(3, b"K")
-        except OSError:
-            os.write(3, b"E")
-        buf = buf[MESSAGE:]
-"""
-
-
-@dataclass(frozen=True)
-class GuestKernel:
-    vmlinuz: Path
-    modules: Path  # /lib/modules/<version>
-
-    @property
-    def version(self) -> str:
-        return self.modules.name
-
-
-def find_kernel() -> GuestKernel | None:
-    """``STOCKADE_MICROVM_KERNEL`` (a vmlinuz), else the newest /boot/vmlinuz-* with modules."""
-    explicit = os.environ.get("STOCKADE_MICROVM_KERNEL")
-    candidates = [Path(explicit)] if explicit else sorted(Path("/boot").glob("vmlinuz-*"), reverse=True)
-    for vmlinuz in candidates:
-        modules = Path("/lib/modules") / vmlinuz.name.removeprefix("vmlinuz-")
-        if vmlinuz.is_file() and all((modules / "kernel" / p).is_file() for p in MODULE_PATHS.values()):
-            return GuestKernel(vmlinuz, modules)
-    return None
-
-
-def _clock_args(kernel: GuestKernel) -> str:
-    """Tell the guest the TSC rate instead of letting it calibrate.
-
-    Under TCG the PIT calibration races the emulator: on a busy host it fails, the guest
-    marks its TSC unstable and hangs in early boot (about one boot in four on 2 cores).
-    TCG's TSC is the host's, so the host's rate is the right one; skipping the delay-loop
-    calibration (``lpj``) also saves boot time.
-    """
-    khz = 0
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("cpu MHz"):
-                khz = int(float(line.split(":", 1)[1]) * 1000)
-                break
-    if khz <= 0:
-        return ""
-    hz = 250
-    with contextlib.suppress(OSError, ValueError):
-        config = Path("/boot") / f"config-{kernel.version}"
-        for line in config.read_text().splitlines():
-            if line.startswith("CONFIG_HZ="):
-                hz = int(line.split("=", 1)[1])
-    return f"tsc_early_khz={khz} tsc=reliable no_timer_check lpj={khz * 1000 // hz}"
-
-
-def cache_dir() -> Path:
-    return cache_root() / "microvm"
-
-
-def root_image(rootfs: Path) -> Path:
-    """The rootfs as a read-only ext4 image, built once per rootfs content (its build marker)."""
-    marker = (rootfs / ROOTFS_MARKER).read_bytes() if (rootfs / ROOTFS_MARKER).is_file() else b""
-    key = hashlib.sha256(repr((str(rootfs), marker, IMAGE_VERSION)).encode()).hexdigest()[:12]
-    target = cache_dir() / f"rootfs-{key}.ext4"
-    if target.is_file():
-        return target
-    mkfs = shutil.which("mkfs.ext4") or "/sbin/mkfs.ext4"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    size, files = 0, 0
-    for folder, dirs, names in os.walk(rootfs):
-        files += len(dirs) + len(names)
-        for name in names:
-            with contextlib.suppress(OSError):
-                size += os.lstat(os.path.join(folder, name)).st_blocks * 512
-    fd, tmp = tempfile.mkstemp(prefix=".rootfs-", suffix=".ext4", dir=target.parent)
-    os.close(fd)
-    try:
-        os.truncate(tmp, int(size * 1.2) + 64 * MiB)
-        subprocess.run(
-            [mkfs, "-q", "-F", "-d", str(rootfs), "-L", "stockade", "-O", "^has_journal", "-m", "0",
-             "-N", str(files + 4096), "-E", "root_owner=0:0", tmp],
-            check=True, capture_output=True, timeout=600,
-        )  # fmt: skip
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except (OSError, subprocess.SubprocessError) as err:
-        Path(tmp).unlink(missing_ok=True)
-        detail = getattr(err, "stderr", b"") or b""
-        raise exc.SandboxStartError(
-            f"cannot build the microVM root image: {err} {detail.decode(errors='replace')[:500]}"
-        ) from None
-    return target
-
-
-# -- the initramfs ---------------------------------------------------------------------------
-
-
-def _cpio(entries: list[tuple[str, int, bytes]]) -> bytes:
-    """A newc cpio archive of (path, mode, data); directories have mode 0o040xxx."""
-    out = bytearray()
-
-    def put(name: str, mode: int, data: bytes, ino: int) -> None:
-        encoded = name.encode() + b"\0"
-        fields = (ino, mode, 0, 0, 1, 0, len(data), 0, 0, 0, 0, len(encoded), 0)
-        out.extend(b"070701" + b"".join(b"%08X" % f for f in fields) + encoded)
-        out.extend(b"\0" * (-len(out) % 4))
-        out.extend(data)
-        out.extend(b"\0" * (-len(out) % 4))
-
-    for ino, (name, mode, data) in enumerate(entries, start=1):
-        put(name, mode, data, ino)
-    put("TRAILER!!!", 0, b"", 0)
-    return bytes(out)
-
-
-def initramfs(state_dir: Path, kernel: GuestKernel, rootfs: Path, busybox: str) -> Path:
-    """The initramfs for ``kernel`` and ``rootfs``, named after its content, built once."""
-    kdir = _guest.kernel_dir(state_dir, str(rootfs))
-    if not _guest.has_bytecode(kdir, str(rootfs)):
-        _compile(kdir, rootfs)
-    argv = " ".join(shlex.quote(a) for a in _guest.SUPERVISOR_ARGV)
-    files: dict[str, tuple[int, bytes]] = {
-        "init": (0o755, INIT.replace("MODULES", " ".join(MODULES)).replace("PORT", PORT_NAME).encode()),
-        "bin/busybox": (0o755, Path(busybox).read_bytes()),
-        "stockade/start.sh": (0o644, START.replace("ARGV", argv).encode()),
-        "stockade/guestd.py": (0o644, GUESTD.encode()),
-    }
-    for name in MODULES:
-        files[f"lib/modules/{name}.ko"] = (
-            0o644,
-            (kernel.modules / "kernel" / MODULE_PATHS[name]).read_bytes(),
-        )
-    for path in sorted(kdir.rglob("*")):
-        if path.is_file() and not path.name.startswith("."):
-            files[f"stockade/{path.relative_to(kdir)}"] = (0o644, path.read_bytes())
-    # Named after what it runs, not its bytecode: marshal's output is not reproducible (it
-    # depends on reference counts), and a compile may fail under load. Two builds of the same
-    # sources get one name, so a memory snapshot's machine key (which names the initramfs)
-    # holds in every process and after a rebuild.
-    digest = hashlib.sha256(
-        b"".join(
-            hashlib.sha256(n.encode() + d).digest()
-            for n, (_, d) in sorted(files.items())
-            if "/__pycache__/" not in n
-        )
-    ).hexdigest()[:16]
-    target = state_dir / f"microvm-initrd-{digest}.cpio"
-    if target.is_file():
-        return target
-    dirs = sorted({str(Path(n).parent) for n in files} | {"dev", "proc", "sys", "newroot", "bin", "lib"})
-    entries: list[tuple[str, int, bytes]] = []
-    for d in dirs:
-        parts = Path(d).parts
-        for i in range(1, len(parts) + 1):
-            sub = "/".join(parts[:i])
-            if sub != "." and (sub, 0o040755, b"") not in entries:
-                entries.append((sub, 0o040755, b""))
-    entries += [(n, 0o100000 | mode, data) for n, (mode, data) in sorted(files.items())]
-    fd, tmp = tempfile.mkstemp(prefix=".initrd-", dir=state_dir)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(_cpio(entries))
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, target)
-    return target
-
-
-def _compile(kdir: Path, rootfs: Path) -> None:
-    """The rootfs's own python compiles the supervisor (in a chroot, once): best effort."""
-    try:
-        done = subprocess.run(
-            ["chroot", str(rootfs), "/usr/bin/python3", "-S", "-E", "-s", "-c", _guest.COMPILE],
-            input=json.dumps(_guest.python_sources(kdir)).encode(),
-            capture_output=True,
-            env={"PATH": "/usr/bin:/bin"},
-            timeout=60,
-            check=True,
-        )
-        _guest.install_bytecode(kdir, str(rootfs), json.loads(done.stdout))
-    except (OSError, ValueError, KeyError, subprocess.SubprocessError):
-        pass
-
-
-# -- the sandbox -----------------------------------------------------------------------------
-
-
-class _SocketStream:
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-
-    def recv(self) -> bytes:
-        return self._sock.recv(1 << 20)
-
-    def send(self, data: bytes) -> None:
-        self._sock.sendall(data)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-
-
-class _VMBoundary(Boundary):
-    def __init__(
-        self,
-        proc: subprocess.Popen[bytes],
-        sock: socket.socket,
-        rundir: Path,
-        cgroup: _cgroups.Cgroup | None,
-        *,
-        ctl: socket.socket,
-        qmp: socket.socket,
-    ) -> None:
-        self.proc = proc
-        self.sock = sock
-        self.rundir = rundir
-        self.cgroup = cgroup
-        self.ctl = ctl
-        self.qmp = qmp
-        self._monitor: _qmp.Monitor | None = None
-
-    def monitor(self) -> _qmp.Monitor:
-        if self._monitor is None:
-            self._monitor = _qmp.Monitor(self.qmp)
-        return self._monitor
-
-    def wait_up(self, timeout_s: float) -> None:
-        """Wait for the guest's root helper to say it listens (``U``)."""
-        self._expect(b"U", timeout_s)
-
-    def reseed(self, timeout_s: float = 10.0) -> None:
-        """Fresh randomness and the time for the guest's kernel, before anything else runs in
-        a guest restored from a snapshot (its generator's state is the snapshot's)."""
-        message = b"S" + time.time_ns().to_bytes(8, "big") + secrets.token_bytes(32)
-        try:
-            self.ctl.sendall(message)
-        except OSError as err:
-            raise exc.SandboxStartError(f"cannot reach the restored guest's helper: {err}") from None
-        self._expect(b"K", timeout_s)
-
-    def _expect(self, byte: bytes, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise exc.SandboxStartError(
-                    f"the guest's helper did not answer {byte!r} within {timeout_s:g} s"
-                )
-            self.ctl.settimeout(left)
-            try:
-                data = self.ctl.recv(64)
-            except TimeoutError:
-                continue
-            except OSError as err:
-                raise exc.SandboxStartError(f"the guest's helper is gone: {err}") from None
-            if not data:
-                raise exc.SandboxStartError("the guest's helper is gone")
-            if data.rstrip(b"U").endswith(b"E"):
-                raise exc.SandboxStartError("the guest could not be reseeded")
-            if byte in data:
-                return
-
-    def alive(self) -> bool:
-        return not self._dead and self.proc.poll() is None
-
-    def death_cause(self) -> str:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=1)  # the stream may end a moment before the process
-        code = self.proc.poll()  # QEMU ended by a signal nobody here sent
-        return "killed" if not self._dead and code is not None and code < 0 else "unknown"
-
-    def oom_kills(self) -> int | None:
-        # The host's view: QEMU killed by its cgroup's limit. Kills inside the guest are
-        # counted by the guest's kernel, and reported by the supervisor with each result.
-        return None if self.cgroup is None else self.cgroup.oom_kills()
-
-    def _kill(self) -> None:
-        # The guest is one process on the host: killing QEMU kills every process inside.
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
-        for sock in (self.sock, self.ctl, self.qmp):
-            sock.close()
-        if self.cgroup is not None:
-            self.cgroup.remove()
-        shutil.rmtree(self.rundir, ignore_errors=True)
+# -- the backend -----------------------------------------------------------------------------
 
 
 class MicroVMBackend(Backend):
@@ -625,7 +216,7 @@ class MicroVMBackend(Backend):
         limits = spec.limits
         ws = f"{limits.workspace_mb * MiB}:{limits.inodes}"
         tmp = f"{limits.tmp_size_mb * MiB}:{max(1024, limits.inodes // 4)}"
-        clock = _clock_args(self.kernel)
+        clock = clock_args(self.kernel)
         cmdline = f"console=ttyS0 quiet panic=-1 pci=off {clock} stockade_ws={ws} stockade_tmp={tmp}"
         if masks:
             cmdline += f" stockade_mask={','.join(masks)}"
@@ -695,7 +286,7 @@ class MicroVMBackend(Backend):
 
     def _launch(
         self, spec: SandboxSpec, sid: str, masks: tuple[str, ...], plan: Launch
-    ) -> tuple[_VMBoundary, _SocketStream]:
+    ) -> tuple[VMBoundary, SocketStream]:
         """Start QEMU for sandbox ``sid`` (booting, or waiting for a snapshot to restore)."""
         image, initrd = self.prepare()
         rundir = self.state_dir / f"vm-{sid}"
@@ -768,9 +359,9 @@ class MicroVMBackend(Backend):
                 sock.close()
             if guest_end is not None:
                 guest_end.close()
-        boundary = _VMBoundary(proc, mine, rundir, cgroup, ctl=ctl, qmp=qmp)
+        boundary = VMBoundary(proc, mine, rundir, cgroup, ctl=ctl, qmp=qmp)
         boundary.egress = egress
-        return boundary, _SocketStream(mine)
+        return boundary, SocketStream(mine)
 
     def _instance(
         self,
@@ -778,11 +369,11 @@ class MicroVMBackend(Backend):
         *,
         spec: SandboxSpec,
         enforcement: Enforcement,
-        boundary: _VMBoundary,
-        stream: _SocketStream,
+        boundary: VMBoundary,
+        stream: SocketStream,
         masks: tuple[str, ...],
-    ) -> _VMInstance:
-        instance = _VMInstance(
+    ) -> VMInstance:
+        instance = VMInstance(
             id=sid, tier=self.tier, stream=stream, boundary=boundary, spec=spec, enforcement=enforcement
         )
         instance.vm = boundary
@@ -936,7 +527,7 @@ class MicroVMBackend(Backend):
         )
         return {"snapshot": snapshot.id}
 
-    def _restore(self, spec: SandboxSpec) -> _VMInstance:
+    def _restore(self, spec: SandboxSpec) -> VMInstance:
         """A sandbox from a memory snapshot: the same machine, its memory loaded, then reseeded."""
         assert spec.snapshot is not None
         store = SnapshotStore(Path(spec.snapshot.store))
@@ -991,35 +582,6 @@ class Launch:
     ram_shared: bool = False
     incoming: bool = False
     fds: tuple[int, ...] = ()
-
-
-class _VMInstance(SupervisedInstance):
-    """A microVM sandbox: its memory can be kept in a snapshot (QEMU's migration to a file)."""
-
-    vm: _VMBoundary
-    machine_key: str
-    masks: tuple[str, ...]
-
-    def memory_snapshots(self) -> str | None:
-        if self.spec.network.egress:
-            # its relay's streams live in the guest's memory, their other ends in this process
-            return "a microVM with an egress allowlist keeps files only in a snapshot"
-        return None
-
-    def save_memory(self, store: SnapshotStore, *, stop: bool) -> tuple[dict[str, str], dict[str, Any]]:
-        path = store.temp_path("memory")
-        try:
-            with open(path, "wb") as out:
-                monitor = self.vm.monitor()
-                try:
-                    monitor.save(out)
-                finally:
-                    if not stop:
-                        monitor.command("cont")
-            digest = store.add_file(path)
-        finally:
-            path.unlink(missing_ok=True)
-        return {"memory": digest}, {"machine": self.machine_key, "masks": list(self.masks)}
 
 
 def _identity(path: Path) -> str:

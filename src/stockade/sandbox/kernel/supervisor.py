@@ -9,6 +9,9 @@ Every command and the interpreter run under a *shim*: a forked child that is a c
 subreaper, so whatever the command double-forks is reparented to the shim and dies with it.
 On exit or timeout the whole tree is killed (scan /proc, SIGKILL, repeat until empty).
 
+This module is the event loop, the dispatch and the commands; the file operations are
+``files.py``, the jobs ``jobs.py``, the interpreter process and its queue ``runcode.py``.
+
 Standard library only; runs on any Python >= 3.8 found inside the sandbox.
 """
 
@@ -18,7 +21,6 @@ from __future__ import annotations
 # (no typing, selectors, ctypes, json, enum-based signal), heavy ones imported lazily.
 import _signal as signal
 import fcntl
-import io
 import os
 import resource
 import select
@@ -54,32 +56,31 @@ sys.path[:] = _trusted_path(sys.path, os.path.dirname(os.path.abspath(__file__))
 
 # ruff: noqa: E402 - the sibling modules are imported after the path fix above
 import baseline
+import files
 from fileops import (
     PathRefused,
     Workspace,
-    _entry,
     _listxattr,
     _os_error,
     _write_all,
     empty_dir,
     remove_sysv_ipc,
 )
-from protocol import MAX_CODE_REPLY, FrameError, FrameReader, dumps, encode
+from jobs import CommandJob, Job
+from protocol import FrameReader, dumps, encode
 from reaper import (
     IGNORED_SIGNALS,
     PR_SET_CHILD_SUBREAPER,
     PR_SET_DUMPABLE,
     _children_map,
-    forked,
     kill_tree,
     prctl,
     spawn_shim,
     spawned,
 )
+from runcode import Interpreter
 
 CHUNK = 1 << 16
-MAX_READ_FILE = 256 << 20
-MAX_LIST = 100_000
 
 # Beside the workspace: every place the code can write (POSIX message queues included).
 RESET_ROOTS = ("/tmp", "/dev/shm", "/dev/mqueue")
@@ -126,109 +127,6 @@ class Poller:
         return [(self._keys[fd], ev) for fd, ev in ready if fd in self._keys]
 
 
-# ---------------------------------------------------------------------------------------
-# Jobs
-
-
-class Job:
-    def __init__(self, sup: "Supervisor", rid: int) -> None:
-        self.sup = sup
-        self.rid = rid
-        self.started = time.monotonic()
-        self.deadline: Optional[float] = None
-        self.counts = {1: 0, 2: 0}
-        self.sent = {1: 0, 2: 0}
-        self.timed_out = False
-        self.oom_start = sup.oom_kills()
-        self.execs: "list[dict[str, Any]]" = []  # what the rules judged (kernel/rules.py)
-        self.exec_count = 0
-
-    def report(self) -> "dict[str, Any]":
-        """What every final frame says of the job besides its own outcome."""
-        out = {
-            "id": self.rid,
-            "timed_out": self.timed_out,
-            "duration": time.monotonic() - self.started,
-            "stdout_bytes": self.counts[1],
-            "stderr_bytes": self.counts[2],
-        }
-        if self.sup.report_oom:
-            out["oom_kills"] = self.sup.oom_kills() - self.oom_start
-        if self.exec_count:
-            out["execs"] = self.execs
-            out["exec_count"] = self.exec_count
-        return out
-
-    def output(self, fd: int, data: bytes) -> None:
-        self.counts[fd] += len(data)
-        room = self.sup.output_cap - self.sent[fd]
-        if room > 0:
-            part = data[:room]
-            self.sent[fd] += len(part)
-            self.sup.send({"id": self.rid, "ev": "out", "fd": fd}, part)
-
-
-class CommandJob(Job):
-    def __init__(self, sup: "Supervisor", rid: int) -> None:
-        super().__init__(sup, rid)
-        self.shim = 0
-        self.status: Optional[int] = None
-        self.open_pipes: dict[int, int] = {}
-        self.stdin_fd = -1
-        self.stdin_buf = b""
-
-    def finished(self) -> bool:
-        return self.status is not None and not self.open_pipes
-
-
-class Kernel:
-    """The interpreter process and its pipes; one run at a time."""
-
-    def __init__(self, sup: "Supervisor") -> None:
-        import interpreter  # type: ignore[import-not-found]
-
-        interpreter.preload()  # once per sandbox; later interpreters are bare forks
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        in_r, in_w = os.pipe()
-        res_r, res_w = os.pipe()
-
-        def target() -> None:
-            os.chdir(sup.workspace.root)
-            os.environ.clear()
-            os.environ.update(sup.env)
-            sys.path.insert(1, sup.workspace.root)  # user code imports its own modules, as in a notebook
-            interpreter.main(3, 4)
-            os._exit(0)
-
-        self.shim = spawn_shim(
-            forked(target), (sup.devnull, out_w, err_w), keep=(in_r, res_w), confine=sup.confine
-        )
-        for fd in (out_w, err_w, in_r, res_w):
-            os.close(fd)
-        self.ctl_w = in_w
-        self.ctl_r = res_r
-        self.pipes = {out_r: 1, err_r: 2}
-        # Code can write to the reply pipe too: a larger report is no interpreter's (dropped).
-        self.reader = FrameReader(max_body=MAX_CODE_REPLY)
-        self.pid = 0  # the interpreter's, from its first frame (sent before any code ran)
-        self.job: Optional[Job] = None
-        self.queue: list[tuple[Job, bytes]] = []
-        for fd in (out_r, err_r, res_r):
-            os.set_blocking(fd, False)
-            sup.sel.register(fd, EVENT_READ, ("kernel", self))
-
-    def close(self, sup: "Supervisor") -> None:
-        for fd in [self.ctl_r, *self.pipes]:
-            try:
-                sup.sel.unregister(fd)
-            except (KeyError, ValueError):
-                pass
-            os.close(fd)
-        os.close(self.ctl_w)
-        kill_tree(self.shim, include_root=True)
-
-
 class Supervisor:
     def __init__(self, rfd: int, wfd: int) -> None:
         self.rfd = rfd
@@ -237,7 +135,7 @@ class Supervisor:
         self.reader = FrameReader(max_body=1 << 40)  # the host is trusted
         self.commands: dict[int, CommandJob] = {}
         self.shims: dict[int, CommandJob] = {}
-        self.kernel: Optional[Kernel] = None
+        self.interpreter: Optional[Interpreter] = None
         self.env: dict[str, str] = {}
         self.workspace = Workspace("/workspace")
         self.output_cap = 1 << 20
@@ -329,8 +227,8 @@ class Supervisor:
                     self._on_output(obj, fd)
                 elif kind == "stdin":
                     self._on_stdin(obj)
-                elif kind == "kernel":
-                    self._on_kernel(obj, fd)
+                elif kind == "interpreter":
+                    obj.on_readable(fd)
                 elif kind == "exec":
                     assert self.rules is not None
                     self.rules.on_exec(fd)
@@ -341,8 +239,8 @@ class Supervisor:
 
     def _next_timeout(self) -> Optional[float]:
         deadlines = [j.deadline for j in self.commands.values() if j.deadline]
-        if self.kernel and self.kernel.job and self.kernel.job.deadline:
-            deadlines.append(self.kernel.job.deadline)
+        if self.interpreter and self.interpreter.job and self.interpreter.job.deadline:
+            deadlines.append(self.interpreter.job.deadline)
         if not deadlines:
             return None
         return max(0.0, min(deadlines) - time.monotonic())
@@ -382,6 +280,10 @@ class Supervisor:
 
     def dispatch(self, rid: int, h: dict[str, Any], body: bytes) -> None:
         op = h.get("op")
+        on_file = files.OPS.get(op)
+        if on_file is not None:
+            on_file(self, rid, h, body)
+            return
         handler = getattr(self, f"op_{op}", None)
         if handler is None:
             raise PathRefused("internal", f"unknown op {op!r}")
@@ -400,8 +302,8 @@ class Supervisor:
             job = self.shims.get(pid)
             if job is not None:
                 return job
-            if self.kernel is not None and pid == self.kernel.shim:
-                return self.kernel.job
+            if self.interpreter is not None and pid == self.interpreter.shim:
+                return self.interpreter.job
             try:
                 with open(f"/proc/{pid}/stat", "rb") as fh:
                     data = fh.read()
@@ -420,8 +322,8 @@ class Supervisor:
 
     def _job_led_by(self, shim: int) -> "Optional[Job]":
         job = self.shims.get(shim)
-        if job is None and self.kernel is not None and shim == self.kernel.shim:
-            return self.kernel.job
+        if job is None and self.interpreter is not None and shim == self.interpreter.shim:
+            return self.interpreter.job
         return job
 
     def op_ping(self, rid: int, h: dict[str, Any], body: bytes) -> None:
@@ -489,213 +391,20 @@ class Supervisor:
         self.shims[job.shim] = job
 
     def op_code(self, rid: int, h: dict[str, Any], body: bytes) -> None:
-        if self.kernel is None:
-            self.kernel = Kernel(self)
+        if self.interpreter is None:
+            self.interpreter = Interpreter(self)
         job = Job(self, rid)
         timeout = h.get("timeout")
         job.deadline = None
         job.timeout = float(timeout if timeout else self.default_timeout)  # type: ignore[attr-defined]
-        self.kernel.queue.append((job, body))
-        self._kernel_next()
+        self.interpreter.queue.append((job, body))
+        self.interpreter.next_run()
 
     def op_kill_kernel(self, rid: int, h: dict[str, Any], body: bytes) -> None:
-        self._drop_kernel(None)
+        # "kernel" in the op's name (and in the error "KernelDied") is the protocol's old word
+        # for the interpreter process, kept on the wire so hosts and guests of any age agree.
+        self.drop_interpreter(None)
         self.send({"id": rid, "ev": "done"})
-
-    def op_read(self, rid: int, h: dict[str, Any], body: bytes) -> None:
-        parent, name = self.workspace.resolve(h["path"], follow_last=True)
-        try:
-            if not name:
-                raise PathRefused("type", f"{h['path']!r} is a directory")
-            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-            fd = os.open(name, flags, dir_fd=parent)
-        finally:
-            os.close(parent)
-        with os.fdopen(fd, "rb") as fh:
-            st = os.fstat(fh.fileno())
-            if stat.S_ISDIR(st.st_mode):
-                raise PathRefused("type", f"{h['path']!r} is a directory")
-            if not stat.S_ISREG(st.st_mode):
-                raise PathRefused("type", f"{h['path']!r} is not a regular file")
-            limit = int(h.get("max_bytes", MAX_READ_FILE))
-            if st.st_size > limit:
-                raise PathRefused("too_large", f"{h['path']!r} is {st.st_size} bytes (cap {limit})")
-            offset = int(h.get("offset", 0))
-            length = min(int(h.get("length", limit + 1)), limit + 1 - offset)
-            data = os.pread(fh.fileno(), max(length, 0), offset)
-            if offset + len(data) > limit:
-                raise PathRefused("too_large", f"{h['path']!r} grew past the cap {limit}")
-        self.send({"id": rid, "ev": "done", "size": st.st_size}, data)
-
-    def op_write(self, rid: int, h: dict[str, Any], body: bytes) -> None:
-        """Write a file atomically (temp file + rename). Large files come in stages:
-        ``open`` (creates the temp file), ``append``..., then ``commit`` or ``abort``;
-        no stage means all at once. Staging keeps our memory small: the workspace is
-        a tmpfs charged to the same memory limit as the code."""
-        path = h["path"]
-        stage = h.get("stage", "")
-        parent, name = self.workspace.resolve(path, follow_last=True, create_dirs=h.get("parents", True))
-        try:
-            if not name:
-                raise PathRefused("type", f"{path!r} is a directory")
-            tmp = str(h.get("tmp") or f".{name}.stockade-{os.getpid()}-{rid}"[:255])
-            if "/" in tmp or not tmp.startswith("."):
-                raise PathRefused("internal", "bad temporary name")
-            mode = int(h.get("mode", 0o644)) & 0o777  # never setuid/setgid/sticky
-            if stage == "abort":
-                try:
-                    os.unlink(tmp, dir_fd=parent)
-                except FileNotFoundError:
-                    pass
-                self.send({"id": rid, "ev": "done"})
-                return
-            if stage in ("", "open"):
-                try:
-                    st = os.stat(name, dir_fd=parent, follow_symlinks=False)
-                    if stat.S_ISDIR(st.st_mode):
-                        raise PathRefused("type", f"{path!r} is a directory")
-                except FileNotFoundError:
-                    pass
-                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-                fd = os.open(tmp, flags, mode, dir_fd=parent)
-            else:
-                fd = os.open(tmp, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
-            try:
-                _write_all(fd, body)
-                os.fchmod(fd, mode)
-            except BaseException:
-                os.close(fd)
-                os.unlink(tmp, dir_fd=parent)
-                raise
-            os.close(fd)
-            if stage in ("open", "append"):
-                self.send({"id": rid, "ev": "done", "tmp": tmp})
-                return
-            os.rename(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
-            st = os.stat(name, dir_fd=parent, follow_symlinks=False)
-        finally:
-            os.close(parent)
-        self.send({"id": rid, "ev": "done", "entry": _entry(self._rel(path), st)})
-
-    def op_mkdir(self, rid: int, h: dict[str, Any], body: bytes) -> None:
-        path = h["path"]
-        parent, name = self.workspace.resolve(path, follow_last=True, create_dirs=h.get("parents", True))
-        try:
-            if name:
-                try:
-                    os.mkdir(name, 0o755, dir_fd=parent)
-                except FileExistsError:
-                    st = os.stat(name, dir_fd=parent, follow_symlinks=False)
-                    if not stat.S_ISDIR(st.st_mode):
-                        raise PathRefused("type", f"{path!r} exists and is not a directory")
-                st = os.stat(name, dir_fd=parent, follow_symlinks=False)
-            else:
-                st = os.fstat(parent)
-        finally:
-            os.close(parent)
-        self.send({"id": rid, "ev": "done", "entry": _entry(self._rel(path), st)})
-
-    def op_stat(self, rid: int, h: dict[str, Any], body: bytes) -> None:
-        try:
-            parent, name = self.workspace.resolve(h["path"], follow_last=h.get("follow", True))
-        except PathRefused as exc:
-            if exc.kind == "missing":
-                self.send({"id": rid, "ev": "done", "entry": None})
-                return
-            raise
-        try:
-            st = os.stat(name, dir_fd=parent, follow_symlinks=False) if name else os.fstat(parent)
-            entry: Optional[dict[str, Any]] = _entry(self._rel(h["path"]), st)
-        except FileNotFoundError:
-            entry = None
-        finally:
-            os.close(parent)
-        self.send({"id": rid, "ev": "done", "entry": entry})
-
-    def op_list(self, rid: int, h: dict[str, Any], body: bytes) -> None:
-        path = h["path"]
-        depth = int(h.get("depth", 1))
-        parent, name = self.workspace.resolve(path, follow_last=True)
-        try:
-            flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-            try:
-                fd = os.open(name, flags, dir_fd=parent) if name else os.dup(parent)
-            except NotADirectoryError:
-                raise PathRefused("type", f"{path!r} is not a directory") from None
-        finally:
-            os.close(parent)
-        base = self._rel(path)
-        entries: list[dict[str, Any]] = []
-        self._walk(fd, base, depth, entries)
-        # The entries go in the body: a header is capped at 1 MiB, a few thousand entries.
-        self.send(
-            {"id": rid, "ev": "done", "truncated": len(entries) > MAX_LIST},
-            dumps(entries[:MAX_LIST]).encode(),
-        )
-
-    def _walk(self, fd: int, base: str, depth: int, out: list[dict[str, Any]]) -> None:
-        try:
-            with os.scandir(fd) as it:
-                items = sorted(it, key=lambda e: e.name)
-            for item in items:
-                if len(out) > MAX_LIST:
-                    return
-                st = item.stat(follow_symlinks=False)
-                rel = f"{base}/{item.name}" if base else item.name
-                out.append(_entry(rel, st))
-                if depth > 1 and stat.S_ISDIR(st.st_mode):
-                    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-                    try:
-                        sub = os.open(item.name, flags, dir_fd=fd)
-                    except OSError:
-                        continue
-                    self._walk(sub, rel, depth - 1, out)
-        finally:
-            os.close(fd)
-
-    def op_remove(self, rid: int, h: dict[str, Any], body: bytes) -> None:
-        path = h["path"]
-        parent, name = self.workspace.resolve(path, follow_last=False)
-        try:
-            if not name:
-                raise PathRefused("type", "refusing to remove the workspace root")
-            st = os.stat(name, dir_fd=parent, follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode):
-                if not h.get("recursive", True):
-                    os.rmdir(name, dir_fd=parent)
-                else:
-                    import shutil  # lazily: most sandboxes never remove a tree
-
-                    shutil.rmtree(name, dir_fd=parent)
-            else:
-                os.unlink(name, dir_fd=parent)
-        finally:
-            os.close(parent)
-        self.send({"id": rid, "ev": "done"})
-
-    def op_put_archive(self, rid: int, h: dict[str, Any], body: bytes) -> None:
-        import tarfile  # lazily: importing it costs more than starting the supervisor
-
-        area = self._area(h)
-        dest = area.root + "/" + "/".join(area._split(h.get("path", "")))
-        with tarfile.open(fileobj=io.BytesIO(body), mode="r:*") as tar:
-            if hasattr(tarfile, "data_filter"):
-                tar.extractall(dest, filter="data")
-            else:
-                tar.extractall(dest)
-        self.send({"id": rid, "ev": "done"})
-
-    def op_get_archive(self, rid: int, h: dict[str, Any], body: bytes) -> None:
-        """A folder as a tar stream the host pulls a chunk at a time (``stage``: ``open``,
-        then ``next`` until ``eof``, or ``close``); see archive.py."""
-        import archive  # lazily: it imports tarfile, which costs more than starting the supervisor
-
-        reply, data = archive.handle(self._area(h), h)
-        self.send({"id": rid, "ev": "done", **reply}, data)
-
-    def _area(self, h: dict[str, Any]) -> Workspace:
-        """Where an archive is taken or put: the workspace, or /tmp (a snapshot's files)."""
-        return Workspace("/tmp") if h.get("root") == "tmp" else self.workspace
 
     def reset(self, rid: int, h: dict[str, Any], rest: bytes) -> None:
         """Make the sandbox as it was at start-up, then exec a fresh supervisor in our place.
@@ -712,7 +421,7 @@ class Supervisor:
             kill_tree(job.shim, include_root=True)
         self.commands.clear()
         self.shims.clear()
-        self._drop_kernel(None)
+        self.drop_interpreter(None)
         kill_tree(os.getpid(), include_root=False)
         for root, mode in self.root_modes.items():
             if stat.S_IMODE(os.stat(root).st_mode) != mode:  # not ours to chmod on some tiers
@@ -763,10 +472,6 @@ class Supervisor:
             self.rules.let_own_exec_through(LISTENER_FD)  # our exec waits for the judge: us
         os.execv(python, [python, "-S", "-E", "-s", "-B", "-c", boot, RESUME_FLAG])
 
-    def _rel(self, path: str) -> str:
-        parts = self.workspace._split(path)
-        return "/".join(parts)
-
     # -- commands ------------------------------------------------------------------------
 
     def _on_output(self, job: CommandJob, fd: int) -> None:
@@ -811,14 +516,14 @@ class Supervisor:
                 self._close_stdin(job)
                 self._sweep_strays()
                 self._maybe_finish(job)
-            elif self.kernel is not None and pid == self.kernel.shim:
-                self._drop_kernel("the interpreter process died")
+            elif self.interpreter is not None and pid == self.interpreter.shim:
+                self.drop_interpreter("the interpreter process died")
 
     def _sweep_strays(self) -> None:
         """Kill children of ours that are no shim: orphans of a shim someone killed."""
         known = set(self.shims)
-        if self.kernel is not None:
-            known.add(self.kernel.shim)
+        if self.interpreter is not None:
+            known.add(self.interpreter.shim)
         for pid in _children_map().get(os.getpid(), []):
             if pid not in known:
                 kill_tree(pid, include_root=True)
@@ -841,101 +546,36 @@ class Supervisor:
                 job.timed_out = True
                 job.deadline = None
                 kill_tree(job.shim, include_root=True)
-        kernel = self.kernel
-        if kernel and kernel.job and kernel.job.deadline and now >= kernel.job.deadline:
-            kernel.job.timed_out = True
-            self._drop_kernel("timed out; the interpreter was restarted and its state is lost")
+        interp = self.interpreter
+        if interp and interp.job and interp.job.deadline and now >= interp.job.deadline:
+            interp.job.timed_out = True
+            self.drop_interpreter("timed out; the interpreter was restarted and its state is lost")
 
     # -- the interpreter -----------------------------------------------------------------
 
-    def _kernel_next(self) -> None:
-        kernel = self.kernel
-        if kernel is None or kernel.job is not None or not kernel.queue:
-            return
-        job, body = kernel.queue.pop(0)
-        kernel.job = job
-        job.started = time.monotonic()
-        job.deadline = job.started + job.timeout  # type: ignore[attr-defined]
-        data = encode({"id": job.rid}, body)
-        os.set_blocking(kernel.ctl_w, True)
-        try:
-            os.write(kernel.ctl_w, data) if len(data) < 65536 else _write_all(kernel.ctl_w, data)
-        except OSError:
-            self._drop_kernel("the interpreter process died")
-
-    def _on_kernel(self, kernel: Kernel, fd: int) -> None:
-        if kernel is not self.kernel:
-            return
-        try:
-            data = os.read(fd, CHUNK)
-        except BlockingIOError:
-            return
-        if fd in kernel.pipes:
-            if data and kernel.job is not None:
-                kernel.job.output(kernel.pipes[fd], data)
-            elif not data:  # the code closed its stdout or stderr: not a death (the ctl pipe says that)
-                self.sel.unregister(fd)
-                os.close(fd)
-                del kernel.pipes[fd]
-            return
-        if not data:
-            self._drop_kernel("the interpreter process died")
-            return
-        kernel.reader.feed(data)
-        try:
-            frames = kernel.reader.frames()
-        except FrameError:
-            self._drop_kernel("the interpreter sent a malformed reply")
-            return
-        for reply, payload in frames:
-            if reply.get("ev") == "hello":
-                if not kernel.pid and isinstance(reply.get("pid"), int):
-                    kernel.pid = reply["pid"]
-                continue
-            job = kernel.job
-            if job is None or reply.get("id") != job.rid:
-                continue
-            self._drain_kernel_output(kernel, job)
-            kernel.job = None
-            # A run's processes end with it, like a command's: none outlives its timeout.
-            kill_tree(kernel.shim, include_root=False, spare=kernel.pid)
-            self._finish_code(job, payload)
-        self._kernel_next()
-
-    def _drain_kernel_output(self, kernel: Kernel, job: Job) -> None:
-        for fd, stream in kernel.pipes.items():
-            while True:
-                try:
-                    data = os.read(fd, CHUNK)
-                except (BlockingIOError, OSError):
-                    break
-                if not data:
-                    break
-                job.output(stream, data)
-
-    def _finish_code(self, job: Job, payload: bytes) -> None:
+    def finish_code(self, job: Job, payload: bytes) -> None:
         """Report a run; ``payload`` is the interpreter's JSON (results, error), passed on as is."""
         if self.rules is not None:
             self.rules.expire(job)
         self.send({**job.report(), "ev": "result"}, payload)
 
-    def _drop_kernel(self, reason: Optional[str]) -> None:
-        kernel = self.kernel
-        if kernel is None:
+    def drop_interpreter(self, reason: Optional[str]) -> None:
+        interp = self.interpreter
+        if interp is None:
             return
-        self.kernel = None
-        job = kernel.job
+        self.interpreter = None
+        job = interp.job
         if job is not None:
-            self._drain_kernel_output(kernel, job)
-        kernel.close(self)
-        self.shims.pop(kernel.shim, None)
+            interp.drain(job)
+        interp.close(self)
+        self.shims.pop(interp.shim, None)
         if reason is not None:
             name = "TimeoutError" if job is not None and job.timed_out else "KernelDied"
         else:
             name, reason = "KernelDied", "reset"
         payload = dumps({"results": [], "error": {"name": name, "value": reason, "traceback": ""}}).encode()
-        for waiting in ([job] if job else []) + [j for j, _ in kernel.queue]:
-            self._finish_code(waiting, payload)
+        for waiting in ([job] if job else []) + [j for j, _ in interp.queue]:
+            self.finish_code(waiting, payload)
 
     def oom_kills(self) -> int:
         """Processes the sandbox's own kernel has killed for memory, if we report them."""
@@ -954,7 +594,7 @@ class Supervisor:
         self.running = False
         for job in list(self.commands.values()):
             kill_tree(job.shim, include_root=True)
-        self._drop_kernel(None)
+        self.drop_interpreter(None)
         kill_tree(os.getpid(), include_root=False)
 
 
@@ -1029,7 +669,7 @@ def _resume(sup: Supervisor, reader: FrameReader) -> None:
     ((state, rest),) = handover.frames()
     sup.configure(state["config"], state["carried"])
     if state.get("warm"):
-        sup.kernel = Kernel(sup)
+        sup.interpreter = Interpreter(sup)
     sup.send({"id": state["reply_to"], "ev": "done"})
     reader.feed(rest)
     sup.reader = reader

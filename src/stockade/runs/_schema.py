@@ -1,0 +1,109 @@
+"""The run store's tables: their SQL (one schema for SQLite and PostgreSQL, every table
+named ``<namespace>_*``), which of them hold a run's rows, and how a row of ``_runs`` becomes
+a ``RunSummary``.
+
+Apart from ``store.py``, which says what is written when, so that the layout of the data can
+be read in one place.
+"""
+
+from __future__ import annotations
+
+from stockade.agent.state import RunStatus
+from stockade.models.messages import Usage
+from stockade.runs.records import RunSummary
+
+
+def schema(ns: str, serial: str, blob: str) -> list[str]:
+    return [
+        f"""CREATE TABLE IF NOT EXISTS {ns}_runs (
+            run_id TEXT PRIMARY KEY, task TEXT NOT NULL, model_name TEXT NOT NULL,
+            status TEXT NOT NULL, steps INTEGER NOT NULL, input_tokens BIGINT NOT NULL,
+            output_tokens BIGINT NOT NULL, requests BIGINT NOT NULL, cost_usd DOUBLE PRECISION NOT NULL,
+            elapsed_s DOUBLE PRECISION NOT NULL, error TEXT, diff TEXT,
+            created_ns BIGINT NOT NULL, updated_ns BIGINT NOT NULL)""",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_checkpoints (
+            run_id TEXT NOT NULL, seq BIGINT NOT NULL, created_ns BIGINT NOT NULL,
+            messages INTEGER NOT NULL, steps INTEGER NOT NULL, body TEXT NOT NULL,
+            PRIMARY KEY (run_id, seq))""",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_messages (
+            run_id TEXT NOT NULL, idx INTEGER NOT NULL, body TEXT NOT NULL, PRIMARY KEY (run_id, idx))""",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_steps (
+            run_id TEXT NOT NULL, idx INTEGER NOT NULL, body TEXT NOT NULL, PRIMARY KEY (run_id, idx))""",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_tool_calls (
+            idempotency_key TEXT PRIMARY KEY, run_id TEXT NOT NULL, step INTEGER NOT NULL,
+            call_id TEXT NOT NULL, tool TEXT NOT NULL, recorded_ns BIGINT NOT NULL, body TEXT NOT NULL)""",
+        f"CREATE INDEX IF NOT EXISTS {ns}_tool_calls_run ON {ns}_tool_calls (run_id, step)",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_retries (
+            id {serial}, run_id TEXT NOT NULL, step INTEGER NOT NULL, call_id TEXT,
+            subject TEXT NOT NULL, attempt INTEGER NOT NULL, delay_s DOUBLE PRECISION NOT NULL,
+            reason TEXT NOT NULL, recorded_ns BIGINT NOT NULL)""",
+        f"CREATE INDEX IF NOT EXISTS {ns}_retries_run ON {ns}_retries (run_id)",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_approvals (
+            id {serial}, run_id TEXT NOT NULL, step INTEGER NOT NULL, request_id TEXT NOT NULL,
+            action TEXT NOT NULL, rule TEXT NOT NULL, reason TEXT NOT NULL, decision TEXT NOT NULL,
+            recorded_ns BIGINT NOT NULL)""",
+        f"CREATE INDEX IF NOT EXISTS {ns}_approvals_run ON {ns}_approvals (run_id)",
+        # starting workspaces, content-addressed: identical seeds are stored once
+        f"""CREATE TABLE IF NOT EXISTS {ns}_seeds (
+            digest TEXT PRIMARY KEY, bytes BIGINT NOT NULL, data {blob} NOT NULL)""",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_run_seeds (
+            run_id TEXT PRIMARY KEY, digest TEXT NOT NULL, recorded_ns BIGINT NOT NULL)""",
+        # one owner per run (expires_ns 0: released)
+        f"""CREATE TABLE IF NOT EXISTS {ns}_leases (
+            run_id TEXT PRIMARY KEY, owner TEXT NOT NULL, expires_ns BIGINT NOT NULL,
+            acquired_ns BIGINT NOT NULL)""",
+        # tool calls about to run (the ledger says which returned)
+        f"""CREATE TABLE IF NOT EXISTS {ns}_calls_started (
+            idempotency_key TEXT PRIMARY KEY, run_id TEXT NOT NULL, step INTEGER NOT NULL,
+            call_id TEXT NOT NULL, tool TEXT NOT NULL, idempotent INTEGER NOT NULL,
+            attempts INTEGER NOT NULL, started_ns BIGINT NOT NULL)""",
+        f"CREATE INDEX IF NOT EXISTS {ns}_calls_started_run ON {ns}_calls_started (run_id, step)",
+        # workspaces step by step: file contents by SHA-256 (zlib), and per version the paths
+        # that changed (body NULL: removed)
+        f"""CREATE TABLE IF NOT EXISTS {ns}_blobs (
+            digest TEXT PRIMARY KEY, bytes BIGINT NOT NULL, data {blob} NOT NULL)""",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_workspace (
+            run_id TEXT NOT NULL, version BIGINT NOT NULL, path TEXT NOT NULL, body TEXT,
+            blob_bytes BIGINT NOT NULL, PRIMARY KEY (run_id, version, path))""",
+        # whose personal data a run holds (a data subject), so that it can be erased
+        f"""CREATE TABLE IF NOT EXISTS {ns}_subjects (
+            run_id TEXT NOT NULL, subject TEXT NOT NULL, PRIMARY KEY (run_id, subject))""",
+        f"CREATE INDEX IF NOT EXISTS {ns}_subjects_subject ON {ns}_subjects (subject)",
+    ]
+
+
+# The tables holding rows of a run (``erase`` empties them of it); blobs and seeds are shared.
+RUN_TABLES = (
+    "runs", "checkpoints", "messages", "steps", "tool_calls", "retries", "approvals", "run_seeds",
+    "leases", "calls_started", "workspace", "subjects",
+)  # fmt: skip
+
+
+SUMMARY_COLUMNS = (
+    "run_id, task, model_name, status, steps, input_tokens, output_tokens, requests, cost_usd, "
+    "elapsed_s, error, created_ns, updated_ns"
+)
+
+
+def as_int(value: object) -> int:
+    return int(str(value))
+
+
+def as_float(value: object) -> float:
+    return float(str(value))
+
+
+def summary_from_row(row: tuple[object, ...]) -> RunSummary:
+    return RunSummary(
+        run_id=str(row[0]),
+        task=str(row[1]),
+        model_name=str(row[2]),
+        status=RunStatus(str(row[3])),
+        steps=as_int(row[4]),
+        usage=Usage(input_tokens=as_int(row[5]), output_tokens=as_int(row[6]), requests=as_int(row[7])),
+        cost_usd=as_float(row[8]),
+        elapsed_s=as_float(row[9]),
+        error=None if row[10] is None else str(row[10]),
+        created_ns=as_int(row[11]),
+        updated_ns=as_int(row[12]),
+    )

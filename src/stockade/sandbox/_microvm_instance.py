@@ -1,0 +1,155 @@
+"""One running microVM as the host holds it: the QEMU process and its cgroup (the
+``Boundary``: alive, OOM kills, kill), the control port to the guest's root helper (``U``:
+it listens; ``S``: reseed and set the clock), the QMP monitor, and the instance whose memory a
+snapshot keeps (QEMU's migration to a file).
+
+Apart from ``microvm.py``, which plans, launches, and restores guests (the QEMU command line,
+boot images), because this is what lives as long as one sandbox does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from stockade import exceptions as exc
+from stockade.sandbox import _cgroups, _qmp
+from stockade.sandbox._supervised import Boundary, SupervisedInstance
+from stockade.sandbox.snapshots import SnapshotStore
+
+
+class SocketStream:
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def recv(self) -> bytes:
+        return self._sock.recv(1 << 20)
+
+    def send(self, data: bytes) -> None:
+        self._sock.sendall(data)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+
+
+class VMBoundary(Boundary):
+    def __init__(
+        self,
+        proc: subprocess.Popen[bytes],
+        sock: socket.socket,
+        rundir: Path,
+        cgroup: _cgroups.Cgroup | None,
+        *,
+        ctl: socket.socket,
+        qmp: socket.socket,
+    ) -> None:
+        self.proc = proc
+        self.sock = sock
+        self.rundir = rundir
+        self.cgroup = cgroup
+        self.ctl = ctl
+        self.qmp = qmp
+        self._monitor: _qmp.Monitor | None = None
+
+    def monitor(self) -> _qmp.Monitor:
+        if self._monitor is None:
+            self._monitor = _qmp.Monitor(self.qmp)
+        return self._monitor
+
+    def wait_up(self, timeout_s: float) -> None:
+        """Wait for the guest's root helper to say it listens (``U``)."""
+        self._expect(b"U", timeout_s)
+
+    def reseed(self, timeout_s: float = 10.0) -> None:
+        """Fresh randomness and the time for the guest's kernel, before anything else runs in
+        a guest restored from a snapshot (its generator's state is the snapshot's)."""
+        message = b"S" + time.time_ns().to_bytes(8, "big") + secrets.token_bytes(32)
+        try:
+            self.ctl.sendall(message)
+        except OSError as err:
+            raise exc.SandboxStartError(f"cannot reach the restored guest's helper: {err}") from None
+        self._expect(b"K", timeout_s)
+
+    def _expect(self, byte: bytes, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise exc.SandboxStartError(
+                    f"the guest's helper did not answer {byte!r} within {timeout_s:g} s"
+                )
+            self.ctl.settimeout(left)
+            try:
+                data = self.ctl.recv(64)
+            except TimeoutError:
+                continue
+            except OSError as err:
+                raise exc.SandboxStartError(f"the guest's helper is gone: {err}") from None
+            if not data:
+                raise exc.SandboxStartError("the guest's helper is gone")
+            if data.rstrip(b"U").endswith(b"E"):
+                raise exc.SandboxStartError("the guest could not be reseeded")
+            if byte in data:
+                return
+
+    def alive(self) -> bool:
+        return not self._dead and self.proc.poll() is None
+
+    def death_cause(self) -> str:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=1)  # the stream may end a moment before the process
+        code = self.proc.poll()  # QEMU ended by a signal nobody here sent
+        return "killed" if not self._dead and code is not None and code < 0 else "unknown"
+
+    def oom_kills(self) -> int | None:
+        # The host's view: QEMU killed by its cgroup's limit. Kills inside the guest are
+        # counted by the guest's kernel, and reported by the supervisor with each result.
+        return None if self.cgroup is None else self.cgroup.oom_kills()
+
+    def _kill(self) -> None:
+        # The guest is one process on the host: killing QEMU kills every process inside.
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        for sock in (self.sock, self.ctl, self.qmp):
+            sock.close()
+        if self.cgroup is not None:
+            self.cgroup.remove()
+        shutil.rmtree(self.rundir, ignore_errors=True)
+
+
+class VMInstance(SupervisedInstance):
+    """A microVM sandbox: its memory can be kept in a snapshot (QEMU's migration to a file)."""
+
+    vm: VMBoundary
+    machine_key: str
+    masks: tuple[str, ...]
+
+    def memory_snapshots(self) -> str | None:
+        if self.spec.network.egress:
+            # its relay's streams live in the guest's memory, their other ends in this process
+            return "a microVM with an egress allowlist keeps files only in a snapshot"
+        return None
+
+    def save_memory(self, store: SnapshotStore, *, stop: bool) -> tuple[dict[str, str], dict[str, Any]]:
+        path = store.temp_path("memory")
+        try:
+            with open(path, "wb") as out:
+                monitor = self.vm.monitor()
+                try:
+                    monitor.save(out)
+                finally:
+                    if not stop:
+                        monitor.command("cont")
+            digest = store.add_file(path)
+        finally:
+            path.unlink(missing_ok=True)
+        return {"memory": digest}, {"machine": self.machine_key, "masks": list(self.masks)}

@@ -1,0 +1,146 @@
+"""``run_code`` on the supervisor's side: the interpreter process it keeps (a forked shim,
+three pipes) and the queue of runs waiting for it, one run at a time.
+
+Apart from the supervisor, which serves the host, runs commands and owns the event loop,
+because this is the only state that lives across runs (and the only part a reset or a
+timeout throws away). What runs inside the interpreter process is ``interpreter.py``.
+
+Standard library only; runs on any Python >= 3.8 found inside the sandbox.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from select import EPOLLIN as EVENT_READ
+
+from fileops import _write_all
+from protocol import MAX_CODE_REPLY, FrameError, FrameReader, encode
+from reaper import forked, kill_tree, spawn_shim
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
+if TYPE_CHECKING:
+    from typing import Optional
+
+    from jobs import Job
+    from supervisor import Supervisor
+
+CHUNK = 1 << 16
+
+
+class Interpreter:
+    """The interpreter process and its pipes; one run at a time."""
+
+    def __init__(self, sup: "Supervisor") -> None:
+        self.sup = sup
+        import interpreter  # type: ignore[import-not-found]
+
+        interpreter.preload()  # once per sandbox; later interpreters are bare forks
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        in_r, in_w = os.pipe()
+        res_r, res_w = os.pipe()
+
+        def target() -> None:
+            os.chdir(sup.workspace.root)
+            os.environ.clear()
+            os.environ.update(sup.env)
+            sys.path.insert(1, sup.workspace.root)  # user code imports its own modules, as in a notebook
+            interpreter.main(3, 4)
+            os._exit(0)
+
+        self.shim = spawn_shim(
+            forked(target), (sup.devnull, out_w, err_w), keep=(in_r, res_w), confine=sup.confine
+        )
+        for fd in (out_w, err_w, in_r, res_w):
+            os.close(fd)
+        self.ctl_w = in_w
+        self.ctl_r = res_r
+        self.pipes = {out_r: 1, err_r: 2}
+        # Code can write to the reply pipe too: a larger report is no interpreter's (dropped).
+        self.reader = FrameReader(max_body=MAX_CODE_REPLY)
+        self.pid = 0  # the interpreter's, from its first frame (sent before any code ran)
+        self.job: Optional[Job] = None
+        self.queue: list[tuple[Job, bytes]] = []
+        for fd in (out_r, err_r, res_r):
+            os.set_blocking(fd, False)
+            sup.sel.register(fd, EVENT_READ, ("interpreter", self))
+
+    def next_run(self) -> None:
+        """Send the first queued run to the interpreter process, unless one is running."""
+        if self.job is not None or not self.queue:
+            return
+        job, body = self.queue.pop(0)
+        self.job = job
+        job.started = time.monotonic()
+        job.deadline = job.started + job.timeout  # type: ignore[attr-defined]
+        data = encode({"id": job.rid}, body)
+        os.set_blocking(self.ctl_w, True)
+        try:
+            os.write(self.ctl_w, data) if len(data) < 65536 else _write_all(self.ctl_w, data)
+        except OSError:
+            self.sup.drop_interpreter("the interpreter process died")
+
+    def on_readable(self, fd: int) -> None:
+        """Output of the code on its stdout or stderr, or a frame on the reply pipe."""
+        sup = self.sup
+        if self is not sup.interpreter:
+            return
+        try:
+            data = os.read(fd, CHUNK)
+        except BlockingIOError:
+            return
+        if fd in self.pipes:
+            if data and self.job is not None:
+                self.job.output(self.pipes[fd], data)
+            elif not data:  # the code closed its stdout or stderr: not a death (the ctl pipe says that)
+                sup.sel.unregister(fd)
+                os.close(fd)
+                del self.pipes[fd]
+            return
+        if not data:
+            sup.drop_interpreter("the interpreter process died")
+            return
+        self.reader.feed(data)
+        try:
+            frames = self.reader.frames()
+        except FrameError:
+            sup.drop_interpreter("the interpreter sent a malformed reply")
+            return
+        for reply, payload in frames:
+            if reply.get("ev") == "hello":
+                if not self.pid and isinstance(reply.get("pid"), int):
+                    self.pid = reply["pid"]
+                continue
+            job = self.job
+            if job is None or reply.get("id") != job.rid:
+                continue
+            self.drain(job)
+            self.job = None
+            # A run's processes end with it, like a command's: none outlives its timeout.
+            kill_tree(self.shim, include_root=False, spare=self.pid)
+            sup.finish_code(job, payload)
+        self.next_run()
+
+    def drain(self, job: "Job") -> None:
+        """Pass on to ``job`` what its code wrote and we have not read yet."""
+        for fd, stream in self.pipes.items():
+            while True:
+                try:
+                    data = os.read(fd, CHUNK)
+                except (BlockingIOError, OSError):
+                    break
+                if not data:
+                    break
+                job.output(stream, data)
+
+    def close(self, sup: "Supervisor") -> None:
+        for fd in [self.ctl_r, *self.pipes]:
+            try:
+                sup.sel.unregister(fd)
+            except (KeyError, ValueError):
+                pass
+            os.close(fd)
+        os.close(self.ctl_w)
+        kill_tree(self.shim, include_root=True)
