@@ -17,6 +17,7 @@ import ipaddress
 import socketserver
 import ssl
 import threading
+import time
 import urllib.parse
 import zipfile
 from collections.abc import Iterator
@@ -52,10 +53,22 @@ def tiny_wheel() -> bytes:
     return buf.getvalue()
 
 
+@dataclass(frozen=True)
+class Hit:
+    """One request as the server got it: when (``time.monotonic()``), where, which credential."""
+
+    at: float
+    path: str
+    authorization: str | None
+
+
 @dataclass
 class Seen:
     authorizations: list[str] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
+    hits: list[Hit] = field(default_factory=list)
+    # When a slow stream (``/stream``) lost its client before its last chunk: the proxy cut it.
+    cut: list[float] = field(default_factory=list)
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -77,8 +90,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def do_GET(self) -> None:
-        self.seen.paths.append(self.path)
         auth = self.headers.get("Authorization")
+        self.seen.hits.append(Hit(at=time.monotonic(), path=self.path, authorization=auth))
+        self.seen.paths.append(self.path)
         if auth is not None:
             self.seen.authorizations.append(auth)
         url = urllib.parse.urlsplit(self.path)
@@ -91,10 +105,29 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._send(200, f"{self.scheme} authorized={auth is not None}".encode())
         elif url.path == "/echo-auth":  # a server that reflects the credential back
             self._send(200, f"you sent: {auth}".encode(), {"X-Echo": auth or ""})
+        elif url.path == "/stream":
+            self._stream(int(query.get("chunks", "10")), float(query.get("every", "0.1")))
         elif url.path.startswith(("/simple", "/files/")):
             self._index(url.path)
         else:
             self._send(200, f"{self.scheme} hello {url.path}".encode())
+
+    def _stream(self, chunks: int, every: float) -> None:
+        """A slow answer: ``chunks`` chunks, one every ``every`` seconds (chunked encoding)."""
+        self.send_response(200)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        try:
+            for i in range(chunks):
+                data = f"chunk {i}\n".encode()
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+                time.sleep(every)
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except OSError:  # ssl.SSLError too: the client (the proxy) went away mid-stream
+            self.seen.cut.append(time.monotonic())
+            self.close_connection = True
 
     def _index(self, path: str) -> None:
         """A package index (PEP 503) of one wheel."""

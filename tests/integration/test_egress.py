@@ -12,9 +12,14 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import logging
+import socket
 import tarfile
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -240,19 +245,10 @@ def test_the_proxy_dies_with_the_sandbox(egress_tier: str, local: Servers) -> No
     assert not socket_path.exists() and attachment.proxy.ca is None and not attachment.proxy._secrets
 
 
-def test_an_agent_gets_its_roles_credential_through_the_proxy(
-    local: Servers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """build_agent: the policy's [network] and [credentials], bound by the role, on the
-    process tier; the egress events are in the audit trail, the token nowhere in it."""
-    require_tier("process")
-    from stockade.agent import RunLimits, RunStatus
-    from stockade.assembly import AgentConfig, build_agent
-    from stockade.audit import AuditLog, SQLiteStore
-    from stockade.models import ScriptedModel, tool_call
-
-    monkeypatch.setenv("EGRESS_TEST_API_TOKEN", TOKEN)
-    policy = tmp_path / "policy.toml"
+def _agent_policy(local: Servers, folder: Path) -> Path:
+    """api.test with its credential (from $EGRESS_TEST_API_TOKEN) for role ci; role reader
+    gets the host but no credential."""
+    policy = folder / "policy.toml"
     policy.write_text(
         f"""
 [trust]
@@ -270,6 +266,22 @@ credentials = ["api"]
 [roles.reader]
 """
     )
+    return policy
+
+
+def test_an_agent_gets_its_roles_credential_through_the_proxy(
+    local: Servers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """build_agent: the policy's [network] and [credentials], bound by the role, on the
+    process tier; the egress events are in the audit trail, the token nowhere in it."""
+    require_tier("process")
+    from stockade.agent import RunLimits, RunStatus
+    from stockade.assembly import AgentConfig, build_agent
+    from stockade.audit import AuditLog, SQLiteStore
+    from stockade.models import ScriptedModel, tool_call
+
+    monkeypatch.setenv("EGRESS_TEST_API_TOKEN", TOKEN)
+    policy = _agent_policy(local, tmp_path)
     code = f"import urllib.request; print(urllib.request.urlopen('https://api.test:{local.https_port}/auth').read())"
     store = SQLiteStore(tmp_path / "audit.db")
     # The reader gets no credential, so no opened TLS: a tunnel to a server its sandbox does
@@ -295,6 +307,134 @@ credentials = ["api"]
     by_run = {(e.run_id, e.attributes["method"], e.attributes["credential_name"]) for e in events}
     assert ("run-ci", "GET", "api") in by_run and ("run-reader", "CONNECT", "") in by_run
     assert not any(run == "run-reader" and name for run, _, name in by_run)
+    assert TOKEN.encode() not in (tmp_path / "audit.db").read_bytes()
+
+
+# Code that keeps calling the API with the role's credential: slow streamed answers (one
+# chunk every 0.1 s for a second), one after the other, until the run is killed.
+STREAMING = """
+import urllib.request
+url = "https://api.test:{port}/stream?chunks=10&every=0.1"
+while True:
+    with urllib.request.urlopen(url, timeout=30) as answer:
+        for line in answer:
+            pass
+"""
+
+# A request the proxy had already sent upstream when the switch acted may reach the server's
+# handler a little later (its thread is scheduled on a loaded machine): this long after the
+# kill, the server has seen every such request. Any credential it sees later came after the kill.
+IN_FLIGHT_S = 0.5
+# The server notices a cut stream at one of its next writes (one every 0.1 s): well before the
+# answer would have ended (1 s after it began), though a loaded machine may be slow to say so.
+CUT_WITHIN_S = 1.0
+
+
+def _attachment(instance: object) -> Any:
+    """The egress attachment of the tier's instance under the run's wrappers."""
+    while not hasattr(instance, "boundary"):
+        instance = instance.wrapped  # type: ignore[attr-defined]
+    return instance.boundary.egress
+
+
+@pytest.mark.process
+def test_a_killed_runs_credential_is_cut_mid_request(
+    local: Servers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The run's kill switch, pulled while code in its sandbox streams answers from the API
+    with the role's credential: the proxy closes the moment the switch acts, not when the
+    tool call ends. The request in flight is cut, no credentialed request reaches the server
+    after the kill, the proxy's socket and secrets are gone, and the audit trail verifies."""
+    require_tier("process")
+    from stockade.agent import RunLimits, RunStatus
+    from stockade.assembly import AgentConfig, build_agent
+    from stockade.audit import AuditLog, SQLiteStore, verify
+    from stockade.models import ScriptedModel, tool_call
+    from stockade.runtime.events import KillRequested, RuntimeEvent
+    from stockade.runtime.killswitch import FileKillSource
+
+    monkeypatch.setenv("EGRESS_TEST_API_TOKEN", TOKEN)
+    run_id = "run-egress-kill"
+    kill_dir = tmp_path / "kill"
+    code = STREAMING.format(port=local.https_port)
+    model = ScriptedModel([tool_call("run_code", {"code": code, "language": "python"}), "done"])
+    before = len(local.https_seen.hits)
+    found: dict[str, Any] = {}
+
+    def credentialed() -> list[float]:
+        return [h.at for h in local.https_seen.hits[before:] if h.authorization == f"Bearer {TOKEN}"]
+
+    def at_kill(event: RuntimeEvent) -> None:
+        # Called by the switch right after it closed the run's sandbox: what is left of the
+        # proxy at the kill moment, before the tool call has even returned.
+        if isinstance(event, KillRequested):
+            found["killed_at"] = time.monotonic()
+            attachment = found["attachment"]
+            found["socket_at_kill"] = attachment.socket_path.exists()
+            found["secrets_at_kill"] = bool(attachment.proxy._secrets)
+            found["ca_at_kill"] = attachment.proxy.ca
+
+    def pull() -> None:
+        # Mid-request: after the server has seen the credential a few times (three answers).
+        deadline = time.monotonic() + 120
+        while len(credentialed()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # into the third answer's stream
+        found["pulled_at"] = time.monotonic()
+        FileKillSource(kill_dir).kill(run_id, "test: pulled mid-request")  # as `stockade kill` does
+
+    store = SQLiteStore(tmp_path / "audit.db")
+    config = AgentConfig(
+        model=model,
+        policy=_agent_policy(local, tmp_path),
+        role="ci",
+        tier="process",
+        audit=AuditLog(store, flush_interval_s=None),
+        limits=RunLimits(max_steps=4),
+        approval_dir=tmp_path / "approvals",
+        kill_target=str(kill_dir),
+        runtime_observers=[at_kill],
+    )
+    killer = threading.Thread(target=pull, name="test-kill", daemon=True)
+    with build_agent(config) as agent, agent.session(workspace=None, run_id=run_id) as session:
+        found["attachment"] = _attachment(session.sandbox.instance)
+        killer.start()
+        result = session.run_sync("stream from the API")
+    killer.join(10)
+    time.sleep(IN_FLIGHT_S)  # a straggler would have reached the server by now
+    assert result.status == RunStatus.KILLED, result
+    assert "pulled mid-request" in (result.error or ""), result.error
+    pulled_at, killed_at = found["pulled_at"], found["killed_at"]
+    # the switch acted within a few polls (every 0.1 s) of being pulled, mid-call
+    assert killed_at - pulled_at < 2.0, killed_at - pulled_at
+    # At the kill moment the proxy was already closed: socket gone, credentials and CA dropped.
+    assert found["socket_at_kill"] is False and found["secrets_at_kill"] is False
+    assert found["ca_at_kill"] is None
+    hits = credentialed()
+    assert len([at for at in hits if at < pulled_at]) >= 3, hits  # the credential got through before
+    late = [at - killed_at for at in hits if at > killed_at + IN_FLIGHT_S]
+    assert late == [], f"credentialed requests {late} s after the kill"
+    # The answer streaming at the kill lost its client (the proxy) before its last chunk.
+    cut = [at - pulled_at for at in local.https_seen.cut if at >= pulled_at]
+    assert cut and min(cut) < killed_at - pulled_at + CUT_WITHIN_S, (cut, killed_at - pulled_at)
+    # Nothing listens any more where the sandbox reached its proxy.
+    attachment = found["attachment"]
+    assert not attachment.socket_path.exists() and not attachment.folder.exists()
+    with pytest.raises(OSError), socket.socket(socket.AF_UNIX) as probe:
+        probe.connect(str(attachment.socket_path))
+    assert attachment.proxy._server is None or not attachment.proxy._server.is_serving()
+    # Cutting the connections in flight is the proxy's way to close, not an error of its loop.
+    assert not [r for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.ERROR]
+    # The trail holds the credentialed requests and the kill, verifies, and never the token.
+    report = verify(store)
+    assert report.ok, report
+    events = list(store.events(run_id=run_id))
+    egress = [e.attributes for e in events if e.kind == EventKind.EGRESS]
+    done = [a for a in egress if a["credential_name"] == "api" and a["status"] == 200]
+    assert len(done) >= 2, egress  # the answers streamed to their end before the kill
+    in_flight = [a for a in egress if a["credential_name"] == "api" and a["status"] == 0]
+    assert len(in_flight) == 1 and "closed mid-request" in str(in_flight[0]["reason"]), egress
+    assert any(e.kind == EventKind.KILL_SWITCH for e in events)
     assert TOKEN.encode() not in (tmp_path / "audit.db").read_bytes()
 
 

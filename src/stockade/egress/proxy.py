@@ -329,6 +329,12 @@ class EgressProxy:
             await self._serve(client)
         except (TimeoutError, OSError, EOFError, ssl.SSLError, asyncio.IncompleteReadError):
             pass  # the client or the server went away: the record says what was done
+        except asyncio.CancelledError:
+            # ``close`` (the sandbox killed) cut this connection: that is the end of it, not a
+            # failure. Let through, the cancellation would be logged as an unhandled error of
+            # the connection's callback (asyncio before 3.12 asks a cancelled task its exception).
+            if not self._closed:
+                raise
         except Exception as err:
             if not isinstance(err, _h11().ProtocolError):  # a client speaking nonsense: closed
                 raise
@@ -533,6 +539,15 @@ class EgressProxy:
                 await _refuse(conn, client, refused)
             self._emit(_denied(record, refused, started))
             return False
+        except asyncio.CancelledError:
+            # The proxy closed (the sandbox killed) mid-request: the request was made, with its
+            # credential, so the trail keeps it, cut (status 0; its bytes were not counted).
+            self._emit(replace(
+                record, status=0, reason="cut: the sandbox's proxy was closed mid-request",
+                credential=credential.name if credential is not None else "",
+                duration_s=time.monotonic() - started,
+            ))  # fmt: skip
+            raise
         except (TimeoutError, OSError, ssl.SSLError) as err:
             with contextlib.suppress(Exception):
                 await _refuse(conn, client, _Refused(502, Verdict(

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import logging
 import socket
 import ssl
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -224,3 +226,33 @@ def test_closing_cuts_open_tunnels(local: Servers) -> None:
         if not tls.recv(100):
             raise ConnectionError("closed")
     tls.close()
+
+
+def test_closing_cuts_a_credentialed_request_mid_answer_and_records_it(
+    local: Servers, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What a killed run's sandbox does to its proxy: the answer streaming with the credential
+    stops at once, the trail keeps the request as cut, and the close is no error of the loop."""
+    proxy = Running(local.policy())
+    ca = proxy.proxy.ca_pem
+    assert ca is not None
+    answer = proxy.opener([ca]).open(
+        f"https://api.test:{local.https_port}/stream?chunks=100&every=0.05", timeout=10
+    )
+    assert answer.readline() == b"chunk 0\n"
+    cut_before = len(local.https_seen.cut)
+    proxy.close()
+    with pytest.raises((http.client.IncompleteRead, ConnectionError, ssl.SSLError, OSError)):
+        while answer.readline():  # what the proxy had relayed already, then the cut
+            pass
+        raise ConnectionError("the answer ended without its last chunk")
+    answer.close()
+    (record,) = [r for r in proxy.records if r.method == "GET"]
+    assert (record.status, record.credential) == (0, "api") and "closed mid-request" in record.reason
+    assert proxy.proxy.ca is None and not proxy.proxy._secrets
+    for _ in range(40):  # the server notices at its next writes (one every 0.05 s)
+        if len(local.https_seen.cut) > cut_before:
+            break
+        time.sleep(0.05)
+    assert len(local.https_seen.cut) > cut_before  # the upstream connection was cut too
+    assert not [r for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.ERROR]
