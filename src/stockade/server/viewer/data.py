@@ -25,7 +25,7 @@ from stockade.audit.events import AuditEvent, EventKind
 from stockade.audit.stores import AuditStore, open_store
 from stockade.audit.verify import verify
 from stockade.policy.approval import ApprovalStore, Choice
-from stockade.runs.store import RunStore, RunTrace, open_run_store
+from stockade.runs.store import RunStore, RunSummary, RunTrace, open_run_store
 
 if TYPE_CHECKING:
     from stockade.server.service import Service
@@ -443,7 +443,10 @@ def _verification(store: AuditStore, run_id: str, key: bytes | None, runs: RunSt
 
 
 def _row_of(trace: RunTrace) -> RunRow:
-    s = trace.summary
+    return _row(trace.summary)
+
+
+def _row(s: RunSummary) -> RunRow:
     return RunRow(
         run_id=s.run_id,
         status=s.status.value,
@@ -524,18 +527,7 @@ class LocalRuns:
             return []
         rows = []
         for s in self.runs_store.runs(limit=LISTED, status=status):
-            row = RunRow(
-                run_id=s.run_id,
-                status=s.status.value,
-                model=s.model_name,
-                task=s.task,
-                created=s.created_ns / 1e9,
-                updated=s.updated_ns / 1e9,
-                steps=s.steps,
-                tokens=s.usage.total_tokens,
-                cost_usd=s.cost_usd,
-                error=s.error,
-            )
+            row = _row(s)
             if filters.keeps(row):
                 rows.append(row)
         return rows[: filters.limit]
