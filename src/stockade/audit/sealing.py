@@ -19,6 +19,7 @@ Needs the ``gdpr`` extra (``cryptography``), imported on first use.
 from __future__ import annotations
 
 import base64
+import json
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -81,8 +82,6 @@ def open_attributes(run_id: str, attributes: Mapping[str, Any], key: bytes | Non
         return dict(attributes)
     if key is None:
         return {**clear, ERASED: True}
-    import json
-
     try:
         data = base64.b64decode(sealed, validate=True)
         plain = _aesgcm(key).decrypt(data[:_NONCE], data[_NONCE:], run_id.encode())

@@ -85,7 +85,7 @@ def enforcement(data: Mapping[str, Any]) -> Enforcement:
         **{name: Mechanism(data[name]) for name in names if name in data},
         host=HostShare(**host) if host else None,
         weakened=tuple(data.get("weakened", ())),
-        timeout_margin_s=float(data.get("timeout_margin_s", 1.0)),
+        timeout_margin_s=float(data.get("timeout_margin_s", Enforcement.timeout_margin_s)),
     )
 
 

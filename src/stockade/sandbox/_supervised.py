@@ -75,7 +75,7 @@ GRACE_S = 5.0
 # A call past its timeout_s has stopped within this much more, however busy the host: the
 # supervisor kills it at the deadline (it runs at a higher priority than the code). Each
 # sandbox states its own (``Enforcement.timeout_margin_s``): this, but on an emulated microVM.
-TIMEOUT_MARGIN_S = 1.0
+TIMEOUT_MARGIN_S = Enforcement.timeout_margin_s  # 1 s
 FILE_OP_TIMEOUT_S = 120.0
 TRANSFER_CHUNK = 4 * 1024 * 1024
 WORKSPACE = "/workspace"
