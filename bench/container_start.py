@@ -125,7 +125,7 @@ def main() -> None:
     rows = []
     try:
         for name, backend in backends.items():
-            Sandbox.create(backend=backend).close()  # warm: image cache, kernel folder, gc
+            Sandbox.create(backend=backend).close()  # warm: image cache, supervisor folder, gc
             raws[name]()
             raw_t, open_t, closed_t = [], [], []
             start_only = ours(backend, close=False)

@@ -59,7 +59,7 @@ def test_a_container_killed_from_outside_is_reported(engine: Any) -> None:
 
 
 def test_create_close_cycles_leave_nothing_behind(engine: Any) -> None:
-    for _ in range(3):  # warm up: the client's connection pool, the kernel folder
+    for _ in range(3):  # warm up: the client's connection pool, the supervisor folder
         Sandbox.create("docker").close()
     fds_before = len(os.listdir("/proc/self/fd"))
     for i in range(200):

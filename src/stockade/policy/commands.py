@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from stockade.policy.schema import CommandRules, Verdict
-from stockade.sandbox.kernel import execrules
+from stockade.sandbox.supervisor import execrules
 
 __all__ = ["CommandDecision", "analyse", "decide_command", "matches", "simple_commands"]
 

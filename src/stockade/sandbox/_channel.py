@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from stockade.exceptions import ProtocolError, SandboxCrashed
-from stockade.sandbox.kernel.protocol import (
+from stockade.sandbox.supervisor.protocol import (
     MAX_EXEC_ARGV,
     MAX_EXEC_RECORDS,
     FrameError,

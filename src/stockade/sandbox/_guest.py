@@ -1,5 +1,5 @@
 """What the host prepares for a guest: a sandbox with a root filesystem and a python of its
-own (the docker, gVisor and microVM tiers). The kernel folder and its bytecode, compiled by
+own (the docker, gVisor and microVM tiers). The supervisor folder and its bytecode, compiled by
 the guest's python, the boot script, creator identity, host tmpfs, OOM counters, and the OCI
 runtime configuration ``runsc`` runs without Docker.
 
@@ -26,12 +26,12 @@ from stockade.sandbox._channel import Stream
 from stockade.sandbox._hostinfo import engine_masked_paths
 from stockade.sandbox._supervised import WORKSPACE, Boundary
 from stockade.sandbox.base import SandboxSpec
-from stockade.sandbox.kernel import sources as kernel_sources
+from stockade.sandbox.supervisor import sources as supervisor_sources
 
-KERNEL_MOUNT = "/opt/stockade"
+SUPERVISOR_MOUNT = "/opt/stockade"
 SUPERVISOR_ARGV = (
     "python3", "-S", "-E", "-s", "-B", "-c",
-    f"import sys; sys.path.insert(0, {KERNEL_MOUNT!r}); import boot; boot.main()",
+    f"import sys; sys.path.insert(0, {SUPERVISOR_MOUNT!r}); import boot; boot.main()",
 )  # fmt: skip
 SANDBOX_UID = 1000
 MiB = 1024 * 1024
@@ -109,7 +109,7 @@ def main():
     supervisor.main()
 """
 
-# Compiles the kernel's sources with the sandbox's own python (bytecode is per Python
+# Compiles the supervisor's sources with the sandbox's own python (bytecode is per Python
 # version): sources from a folder or as JSON on stdin; out {"tag": cache tag, "pyc":
 # {name: base64}}.
 # Unchecked-hash pycs: the folder is named after its content, so they cannot go stale.
@@ -134,10 +134,10 @@ for name, text in sources.items():
 json.dump({"tag": sys.implementation.cache_tag, "pyc": out}, sys.stdout)
 """
 
-_kernel_dirs: dict[tuple[Path, str], Path] = {}
+_supervisor_dirs: dict[tuple[Path, str], Path] = {}
 
 
-def kernel_dir(state_dir: Path, python: str) -> Path:
+def supervisor_dir(state_dir: Path, python: str) -> Path:
     """A world-readable folder holding the supervisor, its boot script and the seccomp filter.
 
     Created once per content and per ``python`` (an image id, a rootfs): the bytecode in it
@@ -146,20 +146,20 @@ def kernel_dir(state_dir: Path, python: str) -> Path:
     """
     from stockade.sandbox import _seccomp
 
-    known = _kernel_dirs.get((state_dir, python))
+    known = _supervisor_dirs.get((state_dir, python))
     if known is not None and known.is_dir():
         return known
-    blobs = kernel_sources()
+    blobs = supervisor_sources()
     blobs["boot.py"] = BOOT.encode()
     blobs["seccomp.bpf"] = _seccomp.filter_bpf()
     content = b"".join(blobs[n] for n in sorted(blobs)) + python.encode()
     digest = hashlib.sha256(content).hexdigest()[:16]
-    target = state_dir / f"kernel-{digest}"
-    _kernel_dirs[(state_dir, python)] = target
+    target = state_dir / f"supervisor-{digest}"
+    _supervisor_dirs[(state_dir, python)] = target
     if target.is_dir():
         return target
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
-    tmp = Path(tempfile.mkdtemp(prefix=".kernel-", dir=state_dir))
+    tmp = Path(tempfile.mkdtemp(prefix=".supervisor-", dir=state_dir))
     for name, data in blobs.items():
         (tmp / name).write_bytes(data)
         os.chmod(tmp / name, 0o644)
@@ -173,31 +173,31 @@ def kernel_dir(state_dir: Path, python: str) -> Path:
     return target
 
 
-def python_sources(kernel: Path) -> dict[str, str]:
-    """The modules of a kernel folder, to compile with the sandbox's python."""
-    return {p.name: p.read_text() for p in sorted(kernel.glob("*.py"))}
+def python_sources(folder: Path) -> dict[str, str]:
+    """The modules of a supervisor folder, to compile with the sandbox's python."""
+    return {p.name: p.read_text() for p in sorted(folder.glob("*.py"))}
 
 
-def has_bytecode(kernel: Path, key: str) -> bool:
+def has_bytecode(folder: Path, key: str) -> bool:
     """Whether the python identified by ``key`` (an image id, a rootfs) compiled ``kernel``."""
-    return (kernel / f".bytecode-{bytecode_key(key)}").exists()
+    return (folder / f".bytecode-{bytecode_key(key)}").exists()
 
 
-def mark_bytecode(kernel: Path, key: str) -> None:
+def mark_bytecode(folder: Path, key: str) -> None:
     with contextlib.suppress(OSError):
-        (kernel / f".bytecode-{bytecode_key(key)}").touch()
+        (folder / f".bytecode-{bytecode_key(key)}").touch()
 
 
-def install_bytecode(kernel: Path, key: str, compiled: dict[str, Any]) -> None:
+def install_bytecode(folder: Path, key: str, compiled: dict[str, Any]) -> None:
     """Store what ``COMPILE`` printed as ``__pycache__/<name>.<tag>.pyc``, atomically per file."""
     tag = str(compiled["tag"])
     if not tag.replace("-", "").isalnum():
         raise ValueError(f"odd cache tag {tag!r}")
-    cache = kernel / "__pycache__"
+    cache = folder / "__pycache__"
     cache.mkdir(mode=0o755, exist_ok=True)
     os.chmod(cache, 0o755)
     for name, data in compiled["pyc"].items():
-        if name not in python_sources(kernel):
+        if name not in python_sources(folder):
             raise ValueError(f"unexpected module {name!r}")
         target = cache / f"{name.removesuffix('.py')}.{tag}.pyc"
         fd, tmp = tempfile.mkstemp(dir=cache, prefix=".pyc-")
@@ -205,7 +205,7 @@ def install_bytecode(kernel: Path, key: str, compiled: dict[str, Any]) -> None:
             fh.write(base64.b64decode(data))
         os.chmod(tmp, 0o644)
         os.replace(tmp, target)
-    mark_bytecode(kernel, key)
+    mark_bytecode(folder, key)
 
 
 def bytecode_key(key: str) -> str:
@@ -341,7 +341,7 @@ def oci_config(
     spec: SandboxSpec,
     *,
     rootfs: Path,
-    kernel: Path,
+    folder: Path,
     binds: dict[str, Path],
     cgroup: str,
     annotations: dict[str, str],
@@ -355,9 +355,9 @@ def oci_config(
         {"destination": "/proc", "type": "proc", "source": "proc"},
         {"destination": "/dev", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "mode=755"]},
         {
-            "destination": KERNEL_MOUNT,
+            "destination": SUPERVISOR_MOUNT,
             "type": "bind",
-            "source": str(kernel),
+            "source": str(folder),
             "options": ["rbind", "ro", "nosuid", "nodev"],
         },
     ]

@@ -84,9 +84,9 @@ $B mkdir -p $R/dev/shm $R/dev/mqueue
 $B mount -t tmpfs -o nosuid,nodev,size=${tmp%:*},nr_inodes=${tmp#*:},mode=1777 shm $R/dev/shm || fail "shm"
 $B mount -t mqueue -o nosuid,nodev,noexec mqueue $R/dev/mqueue 2>/dev/null
 $B mount -t proc -o nosuid,nodev,noexec proc $R/proc || fail "proc"
-$B mount -t tmpfs -o nosuid,nodev,mode=755,size=16m kernel $R/opt/stockade || fail "kernel"
+$B mount -t tmpfs -o nosuid,nodev,mode=755,size=16m supervisor $R/opt/stockade || fail "supervisor"
 $B cp -a /stockade/. $R/opt/stockade/
-$B mount -o remount,ro,nosuid,nodev kernel $R/opt/stockade
+$B mount -o remount,ro,nosuid,nodev supervisor $R/opt/stockade
 $B hostname sandbox
 $B ip link set lo up 2>/dev/null
 exec 4<>$R/dev/$port 3<>$R/dev/$ctl 0</dev/null 1>/dev/console 2>/dev/console
@@ -274,7 +274,7 @@ def _cpio(entries: list[tuple[str, int, bytes]]) -> bytes:
 
 def initramfs(state_dir: Path, kernel: GuestKernel, rootfs: Path, busybox: str) -> Path:
     """The initramfs for ``kernel`` and ``rootfs``, named after its content, built once."""
-    kdir = _guest.kernel_dir(state_dir, str(rootfs))
+    kdir = _guest.supervisor_dir(state_dir, str(rootfs))
     if not _guest.has_bytecode(kdir, str(rootfs)):
         _compile(kdir, rootfs)
     argv = " ".join(shlex.quote(a) for a in _guest.SUPERVISOR_ARGV)

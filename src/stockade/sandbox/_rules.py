@@ -1,7 +1,7 @@
 """The host's half of ``SandboxRules``: what the supervisor is told, what the tier masks, and
 whether the kernel inside can hold the rest.
 
-The supervisor enforces the rules on the code (``kernel/rules.py``: Landlock for writes,
+The supervisor enforces the rules on the code (``supervisor/rules.py``: Landlock for writes,
 seccomp user notification for execs). Programs denied whatever their arguments are masked
 by the tier itself, before anything starts: an empty, unreadable file in their place, so
 that they cannot run, nor be copied, under any name. A tier whose kernel cannot hold a rule
@@ -22,7 +22,7 @@ from typing import Any
 
 from stockade import exceptions as exc
 from stockade.sandbox.base import SandboxSpec
-from stockade.sandbox.kernel.protocol import MAX_EXEC_ARGV, MAX_EXEC_RECORDS
+from stockade.sandbox.supervisor.protocol import MAX_EXEC_ARGV, MAX_EXEC_RECORDS
 from stockade.types import ExecRecord, Mechanism
 
 WORKSPACE = "/workspace"

@@ -26,12 +26,6 @@ from stockade import exceptions as exc
 from stockade.sandbox import _rules
 from stockade.sandbox._channel import Channel, JSONTooLarge, Stream, loads_bounded
 from stockade.sandbox.base import Instance, OpResult, OutputSink, SandboxSpec
-from stockade.sandbox.kernel.protocol import (
-    MAX_BUNDLE_ENTRIES,
-    MAX_CODE_REPLY,
-    MAX_RESULT_COUNT,
-    MAX_RESULT_ENTRIES,
-)
 from stockade.sandbox.ops import (
     Area,
     GetArchive,
@@ -50,6 +44,12 @@ from stockade.sandbox.ops import (
     WriteFile,
 )
 from stockade.sandbox.snapshots import SnapshotStore
+from stockade.sandbox.supervisor.protocol import (
+    MAX_BUNDLE_ENTRIES,
+    MAX_CODE_REPLY,
+    MAX_RESULT_COUNT,
+    MAX_RESULT_ENTRIES,
+)
 from stockade.types import (
     CommandResult,
     Enforcement,

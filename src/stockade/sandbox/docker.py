@@ -273,7 +273,7 @@ class DockerBackend(Backend):
         self._api_client: Any = None
         self._lock = threading.Lock()
         self._collected = False
-        self._kernel_source: tuple[Path, str] | None = None
+        self._supervisor_source: tuple[Path, str] | None = None
         self._platform: str | None = None
 
     def _runtime_platform(self) -> str:
@@ -410,7 +410,7 @@ class DockerBackend(Backend):
         self,
         api: Any,
         spec: SandboxSpec,
-        kernel: str,
+        folder: str,
         binds: dict[str, Path],
         *,
         uid: int,
@@ -419,7 +419,7 @@ class DockerBackend(Backend):
         docker = docker_py()
         limits = spec.limits
         tmpfs: dict[str, str] = {}
-        volume_binds = {kernel: {"bind": _guest.KERNEL_MOUNT, "mode": "ro"}}
+        volume_binds = {folder: {"bind": _guest.SUPERVISOR_MOUNT, "mode": "ro"}}
         for target, path in binds.items():
             if target.startswith(("/etc/", EGRESS_DIR)):
                 volume_binds[str(path)] = {"bind": target, "mode": "ro"}
@@ -510,23 +510,23 @@ class DockerBackend(Backend):
 
     # -- the supervisor's files --------------------------------------------------------
 
-    def _kernel(self, api: Any) -> str:
-        """What containers mount at /opt/stockade: the host's kernel folder, or a volume.
+    def _supervisor_mount(self, api: Any) -> str:
+        """What containers mount at /opt/stockade: the host's supervisor folder, or a volume.
 
         Once per image, its own python compiles the supervisor (a short-lived helper
         container), so that every start loads bytecode instead of compiling it. Resolved once
         per backend: no engine round trip on the start path (a tag moved meanwhile is seen
         by the next backend).
         """
-        if self._kernel_source is not None and self._kernel_source[0].is_dir():
-            return self._kernel_source[1]
+        if self._supervisor_source is not None and self._supervisor_source[0].is_dir():
+            return self._supervisor_source[1]
         with mapped_engine_errors(self.image, self.runtime):
             image_id = str(api.inspect_image(self.image)["Id"])
-        kernel = _guest.kernel_dir(self.state_dir, image_id)
-        if not _guest.has_bytecode(kernel, image_id):
-            self._compile(api, kernel, image_id)
-        source = self._fill_volume(api, kernel, image_id) if self.remote else str(kernel)
-        self._kernel_source = (kernel, source)
+        folder = _guest.supervisor_dir(self.state_dir, image_id)
+        if not _guest.has_bytecode(folder, image_id):
+            self._compile(api, folder, image_id)
+        source = self._fill_volume(api, folder, image_id) if self.remote else str(folder)
+        self._supervisor_source = (folder, source)
         return source
 
     def _helper(self, api: Any, command: list[str], binds: dict[str, dict[str, str]]) -> str:
@@ -551,7 +551,7 @@ class DockerBackend(Backend):
         )
         return str(created["Id"])
 
-    def _compile(self, api: Any, kernel: Path, image_id: str) -> None:
+    def _compile(self, api: Any, folder: Path, image_id: str) -> None:
         """Best effort: without bytecode, the supervisor compiles itself on every start.
 
         The helper writes its output to a file, fetched from the stopped container: it has
@@ -563,43 +563,43 @@ class DockerBackend(Backend):
         try:
             with mapped_engine_errors(self.image, self.runtime):
                 cid = self._helper(api, argv, {})
-                api.put_archive(cid, "/tmp", _tar(_guest.python_sources(kernel), folder="stockade-src"))
+                api.put_archive(cid, "/tmp", _tar(_guest.python_sources(folder), folder="stockade-src"))
                 api.start(cid)
                 status = api.wait(cid, timeout=START_TIMEOUT_S).get("StatusCode")
                 out = _fetch_file(api, cid, COMPILED) if status == 0 else b""
             if status == 0:
-                _guest.install_bytecode(kernel, image_id, json.loads(out))
+                _guest.install_bytecode(folder, image_id, json.loads(out))
         except (exc.StockadeError, ValueError, KeyError, OSError, tarfile.TarError):
             pass
         finally:
             if cid:
                 remove_container(api, cid)
 
-    def _fill_volume(self, api: Any, kernel: Path, image_id: str) -> str:
-        """A volume holding the kernel folder, for engines that cannot see this host's files.
+    def _fill_volume(self, api: Any, folder: Path, image_id: str) -> str:
+        """A volume holding the supervisor folder, for engines that cannot see this host's files.
 
         Named after the folder (so after its content); filled once per image, through a
         container that is created but never started (the engine writes into its volumes).
         """
-        name = f"stockade-{kernel.name}"
+        name = f"stockade-{folder.name}"
         marker = f".bytecode-{_guest.bytecode_key(image_id)}"
         cid = ""
         with mapped_engine_errors(self.image, self.runtime):
-            api.create_volume(name, labels={_guest.LABEL: "kernel"})
+            api.create_volume(name, labels={_guest.LABEL: "supervisor"})
             try:
-                cid = self._helper(api, ["true"], {name: {"bind": _guest.KERNEL_MOUNT, "mode": "rw"}})
+                cid = self._helper(api, ["true"], {name: {"bind": _guest.SUPERVISOR_MOUNT, "mode": "rw"}})
                 try:
-                    api.get_archive(cid, f"{_guest.KERNEL_MOUNT}/{marker}")[0].close()
+                    api.get_archive(cid, f"{_guest.SUPERVISOR_MOUNT}/{marker}")[0].close()
                     return name
                 except docker_py().errors.NotFound:
                     pass
-                files = {p.name: p.read_bytes() for p in sorted(kernel.iterdir()) if p.is_file()}
+                files = {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
                 files |= {
-                    f"__pycache__/{p.name}": p.read_bytes() for p in sorted(kernel.glob("__pycache__/*.pyc"))
+                    f"__pycache__/{p.name}": p.read_bytes() for p in sorted(folder.glob("__pycache__/*.pyc"))
                 }
                 files.pop(marker, None)
                 files[marker] = b""  # last: a partly filled volume is filled again
-                api.put_archive(cid, _guest.KERNEL_MOUNT, _tar(files))
+                api.put_archive(cid, _guest.SUPERVISOR_MOUNT, _tar(files))
             finally:
                 if cid:
                     remove_container(api, cid)
@@ -622,7 +622,7 @@ class DockerBackend(Backend):
             self._collected = True
             collect_garbage(api)
         retry_removals(api)
-        kernel = self._kernel(api)
+        folder = self._supervisor_mount(api)
         sid = sandbox_id(spec)
         rundir: Path | None = None
         mounts: list[Path] = []
@@ -654,7 +654,7 @@ class DockerBackend(Backend):
                     # Nothing inside needs a graceful stop; an engine shutdown must not wait.
                     stop_signal="SIGKILL",
                     network_disabled=not spec.network.unrestricted,
-                    host_config=self._host_config(api, spec, kernel, binds, uid=lease.uid, masks=rules.masks),
+                    host_config=self._host_config(api, spec, folder, binds, uid=lease.uid, masks=rules.masks),
                     name=f"stockade-{sid}",
                 )
                 cid = str(created["Id"])

@@ -268,7 +268,7 @@ class RunscBackend(Backend):
             detail=f"{self.runsc} on rootfs {self.rootfs}",
         )
 
-    def _compile(self, kernel: Path) -> None:
+    def _compile(self, folder: Path) -> None:
         """Once per rootfs: its python compiles the supervisor, inside gVisor (``runsc do``).
 
         Best effort: without bytecode the supervisor compiles itself on every start.
@@ -278,13 +278,13 @@ class RunscBackend(Backend):
         try:
             done = subprocess.run(
                 [*argv, "python3", "-S", "-E", "-s", "-c", _guest.COMPILE],
-                input=json.dumps(_guest.python_sources(kernel)).encode(),
+                input=json.dumps(_guest.python_sources(folder)).encode(),
                 capture_output=True,
                 env={"PATH": "/usr/bin:/bin"},
                 timeout=START_TIMEOUT_S,
                 check=True,
             )
-            _guest.install_bytecode(kernel, str(self.rootfs), json.loads(done.stdout))
+            _guest.install_bytecode(folder, str(self.rootfs), json.loads(done.stdout))
         except (OSError, ValueError, KeyError, subprocess.SubprocessError):
             self._compile_failed = True
 
@@ -317,9 +317,9 @@ class RunscBackend(Backend):
         if not self._collected:
             self._collected = True
             collect_garbage()
-        kernel = _guest.kernel_dir(self.state_dir, str(self.rootfs))
-        if not _guest.has_bytecode(kernel, str(self.rootfs)) and not self._compile_failed:
-            self._compile(kernel)
+        folder = _guest.supervisor_dir(self.state_dir, str(self.rootfs))
+        if not _guest.has_bytecode(folder, str(self.rootfs)) and not self._compile_failed:
+            self._compile(folder)
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         sid = sandbox_id(spec)
         bundle = self.state_dir / f"gv-{sid}"
@@ -349,7 +349,7 @@ class RunscBackend(Backend):
             config = _guest.oci_config(
                 spec,
                 rootfs=self.rootfs,
-                kernel=kernel,
+                folder=folder,
                 binds=binds,
                 cgroup=f"/{CGROUP_PARENT}/{sid}",
                 host=_guest.own_kernel_limits(spec, self.platform),

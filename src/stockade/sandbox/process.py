@@ -46,7 +46,7 @@ from stockade.sandbox._supervised import (
     supervisor_config,
 )
 from stockade.sandbox.base import Backend, SandboxSpec
-from stockade.sandbox.kernel import sources as kernel_sources
+from stockade.sandbox.supervisor import sources as supervisor_sources
 from stockade.types import Enforcement, HostShare, Mechanism, NetworkPolicy, TierReport
 
 __all__ = ["ProcessBackend"]
@@ -257,7 +257,7 @@ class ProcessBackend(Backend):
         return Path(self.python)
 
     def _prepare(self) -> None:
-        """Once per process: the read-only files every sandbox binds (kernel, /etc).
+        """Once per process: the read-only files every sandbox binds (supervisor, /etc).
 
         The folder is named after a hash of its content, so every process of this host
         shares one copy and a stale copy is never mistaken for the current one.
@@ -267,7 +267,7 @@ class ProcessBackend(Backend):
         collect_garbage(self.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
         os.chmod(self.state_dir, 0o711)
-        sources = kernel_sources()
+        sources = supervisor_sources()
         etc_files = {
             "passwd": PASSWD,
             "group": GROUP,
@@ -288,22 +288,22 @@ class ProcessBackend(Backend):
     def _build_shared(self, target: Path, sources: dict[str, bytes], etc_files: dict[str, str]) -> None:
         tmp = Path(tempfile.mkdtemp(prefix=".shared-", dir=self.state_dir))
         os.chmod(tmp, 0o755)
-        kernel = tmp / "kernel"
-        kernel.mkdir(mode=0o755)
+        folder = tmp / "supervisor"
+        folder.mkdir(mode=0o755)
         for name, data in sources.items():
-            (kernel / name).write_bytes(data)
-            os.chmod(kernel / name, 0o644)
+            (folder / name).write_bytes(data)
+            os.chmod(folder / name, 0o644)
         if self.rootfs is None:
             # Bytecode compiled by the very python that runs inside: a supervisor that need
             # not compile itself starts ~10 ms sooner, on every sandbox.
             subprocess.run(
-                [self.python, "-m", "compileall", "-q", str(kernel)],
+                [self.python, "-m", "compileall", "-q", str(folder)],
                 env={}, check=False, capture_output=True,
             )  # fmt: skip
-            for pyc in kernel.glob("__pycache__/*"):
+            for pyc in folder.glob("__pycache__/*"):
                 os.chmod(pyc, 0o644)
             with contextlib.suppress(FileNotFoundError):
-                os.chmod(kernel / "__pycache__", 0o755)
+                os.chmod(folder / "__pycache__", 0o755)
         etc = tmp / "etc"
         etc.mkdir(mode=0o755)
         for name, text in etc_files.items():
@@ -384,7 +384,7 @@ class ProcessBackend(Backend):
             argv += ["--ro-bind", str(rundir / "egress"), EGRESS_DIR]
         argv += [
             "--ro-bind",
-            str(self._shared / "kernel"),
+            str(self._shared / "supervisor"),
             "/opt/stockade",
             # Everything but the workspace, /tmp and /dev/shm becomes read-only.
             "--remount-ro",

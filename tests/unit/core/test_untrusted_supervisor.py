@@ -9,7 +9,7 @@ import pytest
 
 from stockade import ProtocolError, SandboxCrashed
 from stockade.sandbox._channel import Channel, JSONTooLarge, json_values, loads_bounded
-from stockade.sandbox.kernel.protocol import (
+from stockade.sandbox.supervisor.protocol import (
     MAX_EXEC_ARGV,
     MAX_EXEC_RECORDS,
     PREFIX,

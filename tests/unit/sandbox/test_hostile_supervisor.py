@@ -16,8 +16,8 @@ import pytest
 from stockade import FileTooLarge, ProtocolError, Sandbox, SandboxCrashed
 from stockade.sandbox._supervised import MAX_FRAME, TRANSFER_CHUNK, Boundary, SupervisedInstance
 from stockade.sandbox.base import SandboxSpec
-from stockade.sandbox.kernel.protocol import MAX_RESULT_COUNT, FrameReader, encode
 from stockade.sandbox.ops import ReadFile, RunCode
+from stockade.sandbox.supervisor.protocol import MAX_RESULT_COUNT, FrameReader, encode
 from stockade.types import Enforcement, Execution, Mechanism
 
 NONE = Enforcement(

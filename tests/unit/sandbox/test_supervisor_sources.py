@@ -7,15 +7,15 @@ import sys
 
 import pytest
 
-from stockade.sandbox.kernel import sources
+from stockade.sandbox.supervisor import sources
 
-KERNEL = sorted(sources())
+MODULES = sorted(sources())
 
 
-@pytest.mark.parametrize("name", KERNEL)
-def test_a_kernel_module_parses_as_python_3_8_and_imports_only_the_stdlib(name: str) -> None:
+@pytest.mark.parametrize("name", MODULES)
+def test_a_supervisor_module_parses_as_python_3_8_and_imports_only_the_stdlib(name: str) -> None:
     tree = ast.parse(sources()[name], filename=name, feature_version=(3, 8))
-    siblings = {n.removesuffix(".py") for n in KERNEL}
+    siblings = {n.removesuffix(".py") for n in MODULES}
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     foreign = {m for m in imported if m.split(".")[0] not in sys.stdlib_module_names and m not in siblings}

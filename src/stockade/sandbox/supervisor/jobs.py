@@ -29,7 +29,7 @@ class Job:
         self.sent = {1: 0, 2: 0}
         self.timed_out = False
         self.oom_start = sup.oom_kills()
-        self.execs: "list[dict[str, Any]]" = []  # what the rules judged (kernel/rules.py)
+        self.execs: "list[dict[str, Any]]" = []  # what the rules judged (supervisor/rules.py)
         self.exec_count = 0
 
     def report(self) -> "dict[str, Any]":

@@ -148,9 +148,9 @@ class Supervisor:
         # Where the sandbox has a kernel of its own (the microVM), only it counts the
         # processes its OOM killer took; the host sees no cgroup event.
         self.report_oom = False
-        self.rules: Optional[Any] = None  # the policy, enforced on the code (kernel/rules.py)
+        self.rules: Optional[Any] = None  # the policy, enforced on the code (supervisor/rules.py)
         self.confine: "Optional[Any]" = None
-        self.egress: "Optional[Any]" = None  # the relay to the egress proxy (kernel/egress.py)
+        self.egress: "Optional[Any]" = None  # the relay to the egress proxy (supervisor/egress.py)
 
     # -- plumbing ------------------------------------------------------------------------
 

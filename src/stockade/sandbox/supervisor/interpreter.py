@@ -242,7 +242,7 @@ def preload() -> None:
         _site_loaded = True
 
 
-def _forget_kernel_modules() -> None:
+def _forget_supervisor_modules() -> None:
     """Drop our own modules from ``sys.modules``: the user's ``protocol.py`` or ``reaper.py``
     must import as theirs, not resolve to the supervisor's (the references we hold stay)."""
     here = os.path.dirname(os.path.abspath(__file__))
@@ -260,7 +260,7 @@ def main(ctl_in: int, ctl_out: int) -> None:
     # ends every process a run started, but not us, when the run ends.
     os.write(ctl_out, encode({"ev": "hello", "pid": os.getpid()}))
     preload()
-    _forget_kernel_modules()
+    _forget_supervisor_modules()
     sys.stdout = io.TextIOWrapper(
         io.FileIO(1, "w", closefd=False),
         encoding="utf-8",

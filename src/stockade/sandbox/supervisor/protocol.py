@@ -24,7 +24,7 @@ MAX_RESULT_COUNT = 10_000  # results of one run (a display() loop can make milli
 MAX_RESULT_ENTRIES = 20_000  # MIME entries over all the results of one run
 MAX_BUNDLE_ENTRIES = 64  # MIME entries of one result
 
-# The execs a command's final frame reports (kernel/rules.py): at most this many records, each
+# The execs a command's final frame reports (supervisor/rules.py): at most this many records, each
 # {path, argv, verdict, rule} with at most MAX_EXEC_ARGV arguments. The host's bound on the
 # values of a header (sandbox/_channel.py) is made from these, so a report always fits.
 MAX_EXEC_RECORDS = 1000
