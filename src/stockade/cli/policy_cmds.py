@@ -118,14 +118,23 @@ def _kill_all(target: str | None, reason: str, tenant: str | None, wait: float) 
 
     try:
         source = kill_source_for(target)
-        pulled = kill_all(source, reason, tenant=tenant)
+        # a service's database also holds the runs waiting for a worker or an approval: they
+        # end where they are, or a worker would start them next
+        end_waiting = getattr(source, "end_waiting", None)
+        ended = end_waiting(reason, tenant=tenant) if end_waiting is not None else []
+        pulled = [
+            r for r in kill_all(source, reason, tenant=tenant) if r.run_id not in {e.run_id for e in ended}
+        ]
     except exc.StockadeError as e:
         err.print(f"[red]error:[/red] {escape(str(e))}")
         raise typer.Exit(2) from None
     whose = f" of tenant {escape(tenant)}" if tenant is not None else ""
-    if not pulled:
-        err.print(f"no live run{whose}: nothing was pulled")
+    if not pulled and not ended:
+        what = "live run" if end_waiting is None else "live or waiting run"
+        err.print(f"no {what}{whose}: nothing was pulled")
         raise typer.Exit(1)
+    for run in ended:
+        out.print(f"run {escape(run.run_id)} ended ({escape(str(run))})")
     for run in pulled:
         out.print(f"kill switch pulled for live run {escape(run.run_id)} ({escape(str(run))})")
     deadline = time.monotonic() + max(wait, 0.0)
@@ -135,7 +144,7 @@ def _kill_all(target: str | None, reason: str, tenant: str | None, wait: float) 
             err.print(f"{len(live)} run(s) still live after {wait:g} s: {escape(', '.join(live))}")
             raise typer.Exit(3)
         time.sleep(0.1)
-    out.print(f"{len(pulled)} run(s){whose} stopped")
+    out.print(f"{len(pulled) + len(ended)} run(s){whose} stopped")
 
 
 def check(

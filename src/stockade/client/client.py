@@ -182,8 +182,10 @@ class Runs:
         self, reason: str = "killed through the API (kill-all)", *, tenant: str | None = None,
         all_tenants: bool = False,
     ) -> list[dict[str, Any]]:  # fmt: skip
-        """Pull the switch of every live run of this token's tenant (an admin token: of
-        ``tenant``, or of ``all_tenants``); returns them (run_id, tenant, where)."""
+        """Stop every run of this token's tenant (an admin token: of ``tenant``, or of
+        ``all_tenants``): the live ones' switches are pulled, the waiting ones (queued, paused,
+        interrupted, broken) end at once; returns them (run_id, tenant, where: a live run's
+        host and process, or what a waiting one was)."""
         body: dict[str, Any] = {"reason": reason, "all_tenants": all_tenants}
         if tenant is not None:
             body["tenant"] = tenant

@@ -349,9 +349,14 @@ async def kill_all_runs(request: Request, caller: Caller, body: KillAllRequest |
         raise exc.ResourceNotFound(f"no tenant {tenant!r}", kind="tenant", id=tenant)
 
     def work() -> KillAllOut:
-        # the switches of the runs live now, wherever they run (a run that starts afterwards
-        # is not stopped: the switch is per run, as `stockade kill --all`)
-        pulled = kill_all(service.kills, asked.reason, tenant=tenant)
+        # the runs that wait end where they are (or a worker would start them next), then the
+        # switches of the runs live now, wherever they run; a run submitted afterwards is not
+        # stopped, as with `stockade kill --all`
+        ended = service.kills.end_waiting(asked.reason, tenant=tenant)
+        seen = {r.run_id for r in ended}
+        pulled = ended + [
+            r for r in kill_all(service.kills, asked.reason, tenant=tenant) if r.run_id not in seen
+        ]
         for run in pulled:
             owner = service.tenants.tenants.get(run.tenant or "")
             if owner is not None:  # each kill in the trail of the run's own tenant

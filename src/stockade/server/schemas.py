@@ -203,7 +203,10 @@ class KillAllRequest(_In):
 class KilledRun(BaseModel):
     run_id: str
     tenant: str | None
-    where: str
+    where: str = Field(
+        description="where the live run ran (its host and process), or what the run was waiting as "
+        "(queued, paused, interrupted, broken): such a run ends at once"
+    )
 
 
 class KillAllOut(BaseModel):

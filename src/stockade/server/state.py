@@ -52,6 +52,9 @@ __all__ = [
 
 # The service's view of a run, before the run store has it and after it ended.
 QUEUED = "queued"
+# Runs that wait for something (a worker, an approval, a person): a kill-all ends them where
+# they are, or a worker would start them right after.
+WAITING = ("queued", "paused", "interrupted", "broken")
 TERMINAL = frozenset({"success", "check_failed", "max_steps", "budget", "killed", "denied", "error"})
 
 
@@ -302,6 +305,16 @@ class ServiceStore:
         return self.db.write(
             [(f"UPDATE {self.ns}_runs SET {', '.join(sets)} WHERE {where}", [params])], require=require
         )
+
+    def waiting_runs(self, tenant: str | None = None) -> list[RunRow]:
+        """The runs of ``tenant`` (of every tenant, when None) that wait to run or to go on."""
+        marks = ", ".join("?" for _ in WAITING)
+        sql = f"SELECT {_RUN_COLUMNS} FROM {self.ns}_runs WHERE status IN ({marks})"
+        params: list[object] = list(WAITING)
+        if tenant is not None:
+            sql += " AND tenant = ?"
+            params.append(tenant)
+        return [_run(r) for r in self.db.query(sql + " ORDER BY submitted_ns", params)]
 
     def unfinished_runs(self) -> list[RunRow]:
         rows = self.db.query(
@@ -652,6 +665,7 @@ class DatabaseKillSource:
     marks are written at most every ``beat_s`` per run (they count for ``LIVE_FOR_S``)."""
 
     def __init__(self, store: ServiceStore, *, poll_s: float = 0.5, beat_s: float = 4.0) -> None:
+        self.store = store
         self.db = store.db
         self.kills = f"{store.ns}_kills"
         self.marks = f"{store.ns}_live"
@@ -712,6 +726,20 @@ class DatabaseKillSource:
         if not rows or time.time_ns() - _int(rows[0][1]) > LIVE_FOR_S * 1e9:
             return None
         return str(LiveRun.decode(run_id, str(rows[0][0])))
+
+    def end_waiting(self, reason: str, *, tenant: str | None = None) -> list[LiveRun]:
+        """End every run of ``tenant`` (of every tenant, when None) that waits: queued, paused
+        for an approval, interrupted or broken. A kill-all pulls the switches of the live runs;
+        without this, a worker would take up the queued ones right after. A run a worker took
+        meanwhile has its switch pulled instead. Returns them, ``where`` saying what each was."""
+        ended = []
+        for row in self.store.waiting_runs(tenant):
+            if self.store.set_status(row.run_id, "killed", error=reason, only_from=WAITING):
+                ended.append(LiveRun(run_id=row.run_id, where=row.status, tenant=row.tenant))
+            else:  # taken up meanwhile: its switch stops it
+                self.kill(row.run_id, reason)
+                ended.append(LiveRun(run_id=row.run_id, where="started meanwhile", tenant=row.tenant))
+        return ended
 
     def live_runs(self) -> list[LiveRun]:
         """Every run whose mark is fresh, wherever it runs (``kill_all``)."""

@@ -33,7 +33,7 @@ from stockade.sandbox.ops import RunCommand
 from stockade.server.app import create_app
 from stockade.server.context import ServiceConfig
 from stockade.server.service import Service
-from stockade.server.state import DatabaseKillSource
+from stockade.server.state import DatabaseKillSource, RunRow, ServiceStore
 from stockade.server.tenants import Tenant, Tenants, new_token
 from stockade.testing import FakeBackend, MemoryWorkspace
 from stockade.tools import Toolset, shell
@@ -161,6 +161,68 @@ async def test_only_an_admin_token_names_another_tenant_or_all(
     every = await http.post("/v1/runs/kill", headers=bearer(setup.admin), json={"all_tenants": True})
     assert sorted(r["run_id"] for r in every.json()["killed"]) == ["acme-1", "acme-2", "old-1", "other-1"]
     wait_for(lambda: len(killed(switches)) == 4, what="every run to see the kill")
+
+
+async def test_a_kill_all_ends_the_tenants_waiting_runs_before_a_worker_takes_them(
+    http: httpx2.AsyncClient, setup: Setup
+) -> None:
+    async def submit(token: str) -> str:
+        made = await http.post("/v1/runs", headers=bearer(token), json={"task": "t", "scripted": ["done"]})
+        assert made.status_code == 202, made.text
+        return str(made.json()["run_id"])
+
+    queued = [await submit(setup.acme), await submit(setup.acme)]
+    other = await submit(setup.other)
+    store = setup.service.store
+    assert store.set_status(queued[1], "paused", only_from=("queued",))  # waiting for an approval
+    response = await http.post("/v1/runs/kill", headers=bearer(setup.acme), json={"reason": "breach"})
+    assert response.status_code == 200, response.text
+    found = {r["run_id"]: r["where"] for r in response.json()["killed"]}
+    assert found == {queued[0]: "queued", queued[1]: "paused"}
+    for run_id in queued:  # ended where they were: no worker can take them up
+        row = store.run(run_id)
+        assert row is not None and row.status == "killed" and row.error == "breach"
+    assert (store.run(other) or pytest.fail("gone")).status == "queued"
+    log = setup.service.audit.get(setup.service.tenants.tenants["acme"])
+    log.flush()
+    assert sorted(e.run_id for e in log.store.events() if e.kind.value == "kill_switch") == sorted(queued)
+
+
+class TakenMeanwhile(ServiceStore):
+    """A store whose waiting runs a worker takes up just after they are read."""
+
+    def waiting_runs(self, tenant: str | None = None) -> list[RunRow]:
+        found = super().waiting_runs(tenant)
+        for row in found:
+            assert self.set_status(row.run_id, "running", only_from=("queued",))
+        return found
+
+
+def test_a_run_taken_up_while_a_kill_all_ends_it_has_its_switch_pulled(setup: Setup) -> None:
+    store = TakenMeanwhile(setup.service.store.db)
+    assert store.add_run(run_id="acme-q", tenant="acme", role=None, spec={}, labels={}, max_active=10)
+    source = DatabaseKillSource(store, poll_s=0.0)
+    ended = source.end_waiting("breach", tenant="acme")
+    assert [(r.run_id, r.where) for r in ended] == [("acme-q", "started meanwhile")]
+    assert source.reason("acme-q") == "breach"  # its worker's switch stops it
+    assert (store.run("acme-q") or pytest.fail("gone")).status == "running"
+
+
+def test_stockade_kill_all_ends_the_waiting_runs_of_a_services_database(setup: Setup) -> None:
+    store = setup.service.store
+    for run_id, tenant in (("acme-q", "acme"), ("other-q", "other")):
+        assert store.add_run(run_id=run_id, tenant=tenant, role=None, spec={}, labels={}, max_active=10)
+    target = ["--target", setup.database]
+    done = CliRunner().invoke(app, ["kill", "--all", "--tenant", "acme", *target, "--reason", "breach"])
+    assert done.exit_code == 0, done.output
+    assert (
+        "run acme-q ended (queued, tenant acme)" in done.output
+        and "1 run(s) of tenant acme stopped" in done.output
+    )
+    assert (store.run("acme-q") or pytest.fail("gone")).status == "killed"
+    assert (store.run("other-q") or pytest.fail("gone")).status == "queued"
+    again = CliRunner().invoke(app, ["kill", "--all", "--tenant", "acme", *target])
+    assert again.exit_code == 1 and "no live or waiting run of tenant acme" in again.output
 
 
 def slow(op: RunCommand) -> CommandResult:
