@@ -6,12 +6,15 @@ sandbox gone and its audit chain verified."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,9 @@ import httpx2
 import mcp_types as types
 import pytest
 from mcp import Client, StdioServerParameters
+from mcp.client._transport import TransportStreams
 from mcp.client.session import ClientRequestContext
+from mcp.client.streamable_http import streamable_http_client
 
 from stockade.audit.events import EventKind
 from stockade.audit.stores import open_store
@@ -234,12 +239,33 @@ def test_a_stdio_call_nobody_approves_is_denied(project: Path) -> None:
 # -- streamable HTTP ----------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class HttpServer:
+    url: str
+    token: str
+
+    def client(self, **options: Any) -> Client:
+        """A client that sends the server's bearer token, as a configured MCP host would."""
+        return Client(self._streams(), **options)
+
+    @contextlib.asynccontextmanager
+    async def _streams(self) -> AsyncIterator[TransportStreams]:
+        bearer = {"Authorization": f"Bearer {self.token}"}
+        async with (
+            httpx2.AsyncClient(headers=bearer, timeout=120) as http,
+            streamable_http_client(self.url, http_client=http) as streams,
+        ):
+            yield streams
+
+
 @pytest.fixture
-def http_server(project: Path) -> Iterator[str]:
+def http_server(project: Path) -> Iterator[HttpServer]:
     port = free_port()
+    token = secrets.token_urlsafe(32)
     server = Process(
-        _args(project, "--transport", "http", "--port", str(port)), project / "mcp.log", cwd=project
-    )
+        _args(project, "--transport", "http", "--port", str(port)), project / "mcp.log", cwd=project,
+        env={"STOCKADE_MCP_TOKEN": token},
+    )  # fmt: skip
     url = f"http://127.0.0.1:{port}/mcp"
     try:
 
@@ -252,13 +278,29 @@ def http_server(project: Path) -> Iterator[str]:
             return True
 
         wait_for(up, what="stockade mcp to listen", timeout_s=30)
-        yield url
+        yield HttpServer(url=url, token=token)
     finally:
         server.stop()
     assert "Traceback" not in server.output(), server.output()[-3000:]
+    assert token not in server.output()  # never logged
 
 
-def test_an_http_session_asks_its_user_through_elicitation(project: Path, http_server: str) -> None:
+def test_an_http_request_without_the_token_is_refused(http_server: HttpServer) -> None:
+    for headers in ({}, {"Authorization": "Bearer " + "x" * 43}):
+        refused = httpx2.post(
+            http_server.url, headers=headers, json={"jsonrpc": "2.0", "id": 1, "method": "ping"}, timeout=10
+        )
+        assert refused.status_code == 401 and refused.headers["www-authenticate"].startswith("Bearer")
+
+    async def anonymous() -> None:
+        async with Client(http_server.url, read_timeout_seconds=30) as client:
+            await client.list_tools()
+
+    with pytest.raises(Exception):  # noqa: B017 - the SDK's error for a 401 varies by version
+        asyncio.run(anonymous())
+
+
+def test_an_http_session_asks_its_user_through_elicitation(project: Path, http_server: HttpServer) -> None:
     asked: list[str] = []
 
     async def answer(
@@ -270,7 +312,7 @@ def test_an_http_session_asks_its_user_through_elicitation(project: Path, http_s
         return types.ElicitResult(action="accept", content={"approve": approve})
 
     async def session() -> str:
-        async with Client(http_server, elicitation_callback=answer, read_timeout_seconds=120) as client:
+        async with http_server.client(elicitation_callback=answer, read_timeout_seconds=120) as client:
             run_id = await _work(client)
             ran = await client.call_tool(
                 "run_code", {"code": "mkdir build && rm -r build && echo ok", "language": "bash"}
@@ -289,9 +331,9 @@ def test_an_http_session_asks_its_user_through_elicitation(project: Path, http_s
     _ended_and_verified(project, run_id)  # the client's DELETE ended the session
 
 
-def test_a_killed_http_session_ends_and_says_so(project: Path, http_server: str) -> None:
+def test_a_killed_http_session_ends_and_says_so(project: Path, http_server: HttpServer) -> None:
     async def session() -> tuple[str, types.CallToolResult]:
-        async with Client(http_server, read_timeout_seconds=120) as client:
+        async with http_server.client(read_timeout_seconds=120) as client:
             run_id = str((await _session_info(client))["run_id"])
             killed = await asyncio.to_thread(
                 subprocess.run, [sys.executable, "-m", "stockade.cli.main", "kill", run_id],

@@ -6,6 +6,7 @@ Its standard output is the protocol (stdio): everything it says goes to standard
 from __future__ import annotations
 
 import enum
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -20,6 +21,8 @@ from stockade.sandbox import _registry
 from stockade.types import Trust
 
 err = CliConsole(stderr=True)
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 DEFAULT_DB = "sqlite:///.stockade/audit.db"
 
@@ -85,6 +88,14 @@ def mcp(
     idle_timeout: Annotated[
         float, typer.Option("--idle-timeout", help="http: seconds before an unused session ends")
     ] = 1800.0,
+    token_env: Annotated[
+        str,
+        typer.Option(
+            "--token-env",
+            help="http: the environment variable holding the bearer token clients must send "
+            "(required when --host is not this machine alone)",
+        ),
+    ] = "STOCKADE_MCP_TOKEN",
 ) -> None:
     """Serve the agent tools (run_code, run_tests, read_file, write_file, apply_patch,
     list_files, git_diff) to an MCP client: each client session gets a sandbox of its own under
@@ -97,10 +108,24 @@ def mcp(
 
     from stockade.agent import RunLimits
     from stockade.assembly import AgentConfig
-    from stockade.server.mcp_server import McpFace, serve_http, serve_stdio
+    from stockade.server.mcp_server import MIN_TOKEN_CHARS, McpFace, serve_http, serve_stdio
     from stockade.server.mcp_session import MODEL_NAME, McpAgent
 
     stamina.instrumentation.set_on_retry_hooks([])  # retries are in the audit trail; stdout is the protocol's
+    token = (os.environ.get(token_env) or None) if transport is TransportName.HTTP else None
+    if transport is TransportName.HTTP and token is None and host not in LOOPBACK:
+        err.print(
+            f"[red]error:[/] {escape(host)} is not this machine alone, and ${escape(token_env)} holds no "
+            "token: whoever reached the endpoint would run code in sandboxes under this policy"
+        )
+        err.print(
+            f"[cyan]fix:[/] export {escape(token_env)}=$(python -c 'import secrets; "
+            "print(secrets.token_urlsafe(32))'); clients send Authorization: Bearer <it>"
+        )
+        raise typer.Exit(2)
+    if token is not None and len(token) < MIN_TOKEN_CHARS:
+        err.print(f"[red]error:[/] ${escape(token_env)} is shorter than {MIN_TOKEN_CHARS} characters")
+        raise typer.Exit(2)
     if workspace is not None and not workspace.is_dir():
         err.print(f"[red]error:[/] --workspace {escape(str(workspace))} is not a folder")
         raise typer.Exit(2)
@@ -123,11 +148,8 @@ def mcp(
         idle_timeout_s=idle_timeout if transport is TransportName.HTTP else None,
     )  # fmt: skip
     where = f"http://{host}:{port}/mcp" if transport is TransportName.HTTP else "stdio"
-    if transport is TransportName.HTTP and host not in ("127.0.0.1", "localhost", "::1"):
-        err.print(
-            f"[yellow]warning: {escape(host)} is not this machine alone, and the MCP endpoint asks no token: "
-            "whoever reaches it runs code in sandboxes under this policy[/]"
-        )
+    if token is not None:
+        where += f" (bearer token from ${token_env})"
     err.print(
         f"[dim]stockade mcp on {escape(where)}: the {agent.agent.tier} tier "
         f"({escape(agent.agent.tier_reason)}), audited in {escape(audit_db)}[/]"
@@ -135,7 +157,7 @@ def mcp(
     try:
         with interruptible():
             if transport is TransportName.HTTP:
-                serve_http(face, host=host, port=port)
+                serve_http(face, host=host, port=port, token=token)
             else:
                 anyio.run(serve_stdio, face)
     except Interrupted:

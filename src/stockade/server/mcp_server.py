@@ -27,6 +27,7 @@ so that it falls back to a session (``server/discover`` is refused there).
 from __future__ import annotations
 
 import functools
+import hmac
 import json
 import logging
 import sys
@@ -40,6 +41,7 @@ import mcp_types as types
 from mcp.server import Server, ServerRequestContext
 from mcp.shared.exceptions import MCPError
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from stockade import exceptions as exc
@@ -350,14 +352,45 @@ async def serve_stdio(face: McpFace) -> None:
             sys.stdout = real
 
 
-def http_app(face: McpFace, *, host: str = "127.0.0.1", path: str = "/mcp") -> ASGIApp:
-    """The streamable HTTP app: the SDK's, and the end of a session (``DELETE``) ends its run."""
+# A bearer token shorter than this is refused: it guards running code on this machine.
+MIN_TOKEN_CHARS = 16
+
+
+def http_app(
+    face: McpFace, *, host: str = "127.0.0.1", path: str = "/mcp", token: str | None = None
+) -> ASGIApp:
+    """The streamable HTTP app: the SDK's, and the end of a session (``DELETE``) ends its run.
+    With ``token``, every request must carry ``Authorization: Bearer <token>`` (401 otherwise).
+
+    The token is checked here, not with the SDK's bearer middleware: that one is the resource
+    server of an OAuth authorization server (its metadata routes name an issuer), and a static
+    shared secret has none to name."""
+    if token is not None and len(token) < MIN_TOKEN_CHARS:
+        raise exc.InvalidArgument(
+            f"the MCP token has {len(token)} characters: at least {MIN_TOKEN_CHARS}",
+            argument="token",
+            fix="make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'",
+        )
     inner = face.server.streamable_http_app(
         streamable_http_path=path, host=host, session_idle_timeout=face.idle_timeout_s
     )
     face.start_reaper()
+    expected = None if token is None else f"Bearer {token}".encode()
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if expected is not None and scope["type"] == "http":
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, expected):
+                refused = JSONResponse(
+                    {
+                        "error": "Unauthorized",
+                        "detail": "this MCP endpoint needs Authorization: Bearer <token>",
+                    },
+                    status_code=401,
+                    headers={"WWW-Authenticate": 'Bearer realm="stockade mcp"'},
+                )
+                await refused(scope, receive, send)
+                return
         await inner(scope, receive, send)
         if scope["type"] == "http" and scope.get("method") == "DELETE":
             headers = dict(scope.get("headers") or [])
@@ -368,7 +401,9 @@ def http_app(face: McpFace, *, host: str = "127.0.0.1", path: str = "/mcp") -> A
     return app
 
 
-def serve_http(face: McpFace, *, host: str, port: int, log_level: str = "warning") -> None:
+def serve_http(
+    face: McpFace, *, host: str, port: int, token: str | None = None, log_level: str = "warning"
+) -> None:
     import uvicorn
 
-    uvicorn.run(http_app(face, host=host), host=host, port=port, log_level=log_level)
+    uvicorn.run(http_app(face, host=host, token=token), host=host, port=port, log_level=log_level)

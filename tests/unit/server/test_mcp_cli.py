@@ -74,3 +74,15 @@ def test_what_mcp_refuses_to_start_with(tmp_path: Path) -> None:
 def test_ui_needs_a_run_store(tmp_path: Path) -> None:
     missing = runner.invoke(app, ["ui", "--db", str(tmp_path / "nothing.db")])
     assert missing.exit_code == 2 and "no run store" in missing.stderr
+
+
+def test_http_beyond_this_machine_needs_a_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "policy.toml").write_text(POLICY)
+    args = ["mcp", "--policy", str(tmp_path / "policy.toml"), "--transport", "http", "--host", "0.0.0.0"]
+    monkeypatch.delenv("STOCKADE_MCP_TOKEN", raising=False)
+    open_to_all = runner.invoke(app, args)
+    assert open_to_all.exit_code == 2 and "holds no token" in open_to_all.stderr, open_to_all.stderr
+    assert "Authorization: Bearer" in open_to_all.stderr  # the fix says how clients send it
+    monkeypatch.setenv("STOCKADE_MCP_TOKEN", "short")
+    weak = runner.invoke(app, args)
+    assert weak.exit_code == 2 and "shorter than 16 characters" in weak.stderr, weak.stderr

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 from pathlib import Path
 
+import httpx2
 import mcp_types as types
 import pytest
 from mcp import Client
@@ -16,10 +18,11 @@ from mcp.client.session import ClientRequestContext
 
 from stockade.assembly import AgentConfig
 from stockade.audit import AuditLog, MemoryStore
+from stockade.exceptions import InvalidArgument
 from stockade.policy import Policy
 from stockade.policy.approval import Choice
 from stockade.policy.schema import CommandRules, ModelRegistry, PathRules, TrustRules
-from stockade.server.mcp_server import McpFace
+from stockade.server.mcp_server import McpFace, http_app
 from stockade.server.mcp_session import MODEL_NAME, McpAgent
 from stockade.testing import FakeBackend, MemoryWorkspace
 from stockade.types import Trust
@@ -139,3 +142,23 @@ def test_over_http_a_call_needs_a_session(tmp_path: Path) -> None:
 
     asyncio.run(session())
     server.close()
+
+
+async def test_over_http_a_token_is_asked_of_every_request(tmp_path: Path) -> None:
+    server = face(tmp_path, transport="http")
+    token = "t" * 8 + secrets.token_urlsafe(16)
+    with pytest.raises(InvalidArgument, match="at least 16"):
+        http_app(server, token="short")
+    app = http_app(server, token=token)
+    try:
+        async with httpx2.AsyncClient(
+            transport=httpx2.ASGITransport(app=app), base_url="http://127.0.0.1"
+        ) as http:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": token}):
+                refused = await http.post(
+                    "/mcp", headers=headers, json={"jsonrpc": "2.0", "id": 1, "method": "ping"}
+                )
+                assert refused.status_code == 401, refused.text
+                assert refused.headers["www-authenticate"].startswith("Bearer")
+    finally:
+        server.close()
