@@ -175,3 +175,37 @@ def test_the_readme_async_example_runs(
     block = next(b.split("```", 1)[0] for b in readme.split("```python\n") if "AsyncRemoteSandbox as" in b)
     exec(compile(block, "README.md", "exec"), {})
     assert capsys.readouterr().out.splitlines() == ["streamed", "42"]
+
+
+async def test_a_run_through_the_async_client(client: AsyncClient, tmp_path: Path) -> None:
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "app.py").write_text("print('v1')\n")
+    turns = [
+        {"name": "write_file", "args": {"path": "app.py", "content": "print('v2')\n"}},
+        {"name": "run_code", "args": {"code": "rm -r build; true", "language": "bash"}},
+        "updated app.py",
+    ]
+    run = await client.runs.submit("update app.py", scripted=turns, workspace=tmp_path / "project",
+                                   labels={"team": "async"})  # fmt: skip
+    kinds = [event.kind async for event in run.events()]
+    assert kinds[0] == "status" and kinds[-1] == "end" and "approval" in kinds
+    assert (await run.wait()).status == "paused"
+    [request] = (await run.refresh()).info["pending_approvals"]
+    assert "rm -r" in request["action"]
+    await run.approve(request["id"])
+    done = await run.wait()
+    assert done.status == "success" and done.info["answer"] == "updated app.py"
+    assert [a["status"] for a in await run.approvals()] == ["approved"]
+    assert "+print('v2')" in await run.diff()
+    assert ((await run.artifacts(tmp_path / "out")) / "app.py").read_text() == "print('v2')\n"
+    assert [r.id for r in await client.runs.list(label="team=async")] == [run.id]
+    assert (await client.runs.get(run.id)).status == "success"
+
+
+async def test_a_kill_all_through_the_async_client_ends_a_waiting_run(client: AsyncClient) -> None:
+    turns = [{"name": "run_code", "args": {"code": "rm -r nothing", "language": "bash"}}, "never"]
+    run = await client.runs.submit("wait for an approval", scripted=turns)
+    assert (await run.wait()).status == "paused"
+    killed = await client.runs.kill_all("incident")
+    assert [(k["run_id"], k["where"]) for k in killed] == [(run.id, "paused")]
+    assert (await run.refresh()).status == "killed"

@@ -12,9 +12,19 @@ Errors are the SDK's own classes (``stockade.exceptions``), raised from the serv
 documents; ``ServiceUnavailable`` when the service cannot be reached.
 """
 
-from stockade.client.async_client import AsyncClient
+from stockade.client.async_client import AsyncClient, AsyncRemoteRun, AsyncRuns
 from stockade.client.async_sandbox import AsyncRemoteSandbox
 from stockade.client.client import Client, RemoteRun, RunEvent, Runs
 from stockade.client.sandbox import RemoteSandbox
 
-__all__ = ["AsyncClient", "AsyncRemoteSandbox", "Client", "RemoteRun", "RemoteSandbox", "RunEvent", "Runs"]
+__all__ = [
+    "AsyncClient",
+    "AsyncRemoteRun",
+    "AsyncRemoteSandbox",
+    "AsyncRuns",
+    "Client",
+    "RemoteRun",
+    "RemoteSandbox",
+    "RunEvent",
+    "Runs",
+]

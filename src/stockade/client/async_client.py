@@ -1,19 +1,187 @@
-"""``AsyncClient``: ``Client`` on asyncio, for its sandboxes (``AsyncRemoteSandbox``).
+"""``AsyncClient``: ``Client`` on asyncio: its sandboxes (``AsyncRemoteSandbox``) and its runs.
 
 async with AsyncClient("http://127.0.0.1:8080", token) as client:  # or STOCKADE_URL, _TOKEN
     sandboxes = await asyncio.gather(*(client.sandbox("process") for _ in range(50)))
+    run = await client.runs.submit("make the tests pass", workspace="project/", model="openai:gpt-4.1")
+    async for event in run.events():
+        print(event.kind)
+    print((await run.wait()).status, await run.diff())
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from stockade.client._http import AsyncHttp
 from stockade.client.async_sandbox import AsyncRemoteSandbox
+from stockade.client.client import (
+    TAR_HEADERS,
+    EventLines,
+    RunEvent,
+    kill_all_body,
+    list_params,
+    settled,
+    submit_body,
+    unpack_artifacts,
+)
 from stockade.client.sandbox import snapshot_id
+from stockade.sandbox.facade import tar_directory
 from stockade.types import Snapshot
 
-__all__ = ["AsyncClient"]
+__all__ = ["AsyncClient", "AsyncRemoteRun", "AsyncRuns"]
+
+
+class AsyncRemoteRun:
+    """``RemoteRun`` on asyncio: a run of the service, by id; ``info`` is its last known state."""
+
+    def __init__(self, client: AsyncClient, info: Mapping[str, Any]) -> None:
+        self.client = client
+        self.info = dict(info)
+
+    @property
+    def id(self) -> str:
+        return str(self.info["run_id"])
+
+    @property
+    def status(self) -> str:
+        return str(self.info["status"])
+
+    async def refresh(self) -> AsyncRemoteRun:
+        self.info = (await self.client.http.request("GET", f"/v1/runs/{self.id}")).json()
+        return self
+
+    async def wait(
+        self, *, timeout_s: float = 600.0, poll_s: float = 0.25, until_paused: bool = True
+    ) -> AsyncRemoteRun:
+        """See ``RemoteRun.wait``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            await self.refresh()
+            if settled(self.status, until_paused=until_paused):
+                return self
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"run {self.id} is still {self.status} after {timeout_s:.0f} s")
+            await asyncio.sleep(poll_s)
+
+    async def events(self, *, after: int = 0) -> AsyncIterator[RunEvent]:
+        """The run's events as they happen, until it ends or pauses (Server-Sent Events)."""
+        async with self.client.http.stream(
+            "GET", f"/v1/runs/{self.id}/events", params={"after": after}, timeout=None
+        ) as response:
+            lines = EventLines()
+            async for line in response.aiter_lines():
+                event = lines.feed(line)
+                if event is not None:
+                    yield event
+                    if lines.done:
+                        return
+
+    async def approvals(self) -> list[dict[str, str]]:
+        found: list[dict[str, str]] = (
+            await self.client.http.request("GET", f"/v1/runs/{self.id}/approvals")
+        ).json()
+        return found
+
+    async def approve(self, request_id: str) -> AsyncRemoteRun:
+        return await self._decide(request_id, "approve")
+
+    async def deny(self, request_id: str) -> AsyncRemoteRun:
+        return await self._decide(request_id, "deny")
+
+    async def _decide(self, request_id: str, decision: str) -> AsyncRemoteRun:
+        path = f"/v1/runs/{self.id}/approvals/{request_id}"
+        self.info = (await self.client.http.request("POST", path, json={"decision": decision})).json()
+        return self
+
+    async def kill(self, reason: str = "killed through the API") -> AsyncRemoteRun:
+        self.info = (
+            await self.client.http.request("POST", f"/v1/runs/{self.id}/kill", json={"reason": reason})
+        ).json()
+        return self
+
+    async def resume(self) -> AsyncRemoteRun:
+        """See ``RemoteRun.resume``."""
+        self.info = (await self.client.http.request("POST", f"/v1/runs/{self.id}/resume")).json()
+        return self
+
+    async def diff(self) -> str:
+        return (await self.client.http.request("GET", f"/v1/runs/{self.id}/diff")).text
+
+    async def artifacts(self, dest: str | Path) -> Path:
+        """Unpack the run's final workspace into ``dest`` (in a thread: it writes files)."""
+        data = (await self.client.http.request("GET", f"/v1/runs/{self.id}/artifacts")).content
+        return await asyncio.to_thread(unpack_artifacts, data, dest)
+
+    def __repr__(self) -> str:
+        return f"<AsyncRemoteRun {self.id} {self.status}>"
+
+
+class AsyncRuns:
+    """``Runs`` on asyncio."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self.client = client
+
+    async def upload_workspace(self, folder: str | Path) -> str:
+        """Send a folder (as a tar, made in a thread); returns the id a run's ``workspace`` takes."""
+        data = await asyncio.to_thread(tar_directory, Path(folder))
+        response = await self.client.http.request("POST", "/v1/workspaces", content=data, headers=TAR_HEADERS)
+        return str(response.json()["id"])
+
+    async def submit(
+        self,
+        task: str,
+        *,
+        model: str | None = None,
+        scripted: Sequence[object] | None = None,
+        workspace: str | Path | None = None,
+        tier: str | None = None,
+        trust: str | None = None,
+        max_steps: int | None = None,
+        max_cost_usd: float | None = None,
+        check: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        idempotency_key: str | None = None,
+    ) -> AsyncRemoteRun:
+        """See ``Runs.submit``."""
+        workspace_id: str | None = None
+        if workspace is not None:
+            path = Path(workspace)
+            workspace_id = await self.upload_workspace(path) if path.is_dir() else str(workspace)
+        body = submit_body(
+            task, model=model, scripted=scripted, workspace_id=workspace_id, tier=tier, trust=trust,
+            max_steps=max_steps, max_cost_usd=max_cost_usd, check=check, labels=labels,
+            idempotency_key=idempotency_key,
+        )  # fmt: skip
+        return AsyncRemoteRun(
+            self.client, (await self.client.http.request("POST", "/v1/runs", json=body)).json()
+        )
+
+    async def kill_all(
+        self, reason: str = "killed through the API (kill-all)", *, tenant: str | None = None,
+        all_tenants: bool = False,
+    ) -> list[dict[str, Any]]:  # fmt: skip
+        """See ``Runs.kill_all``."""
+        body = kill_all_body(reason, tenant, all_tenants)
+        killed: list[dict[str, Any]] = (
+            await self.client.http.request("POST", "/v1/runs/kill", json=body)
+        ).json()["killed"]
+        return killed
+
+    async def get(self, run_id: str) -> AsyncRemoteRun:
+        return AsyncRemoteRun(
+            self.client, (await self.client.http.request("GET", f"/v1/runs/{run_id}")).json()
+        )
+
+    async def list(
+        self, *, status: str | None = None, label: str | None = None, limit: int = 50
+    ) -> list[AsyncRemoteRun]:
+        found = await self.client.http.request("GET", "/v1/runs", params=list_params(status, label, limit))
+        return [AsyncRemoteRun(self.client, r) for r in found.json()]
 
 
 class AsyncClient:
@@ -28,6 +196,7 @@ class AsyncClient:
         transport: Any = None,
     ) -> None:
         self.http = AsyncHttp(url, token, timeout_s=timeout_s, transport=transport)
+        self.runs = AsyncRuns(self)
 
     async def sandbox(self, tier: str | None = None, **options: Any) -> AsyncRemoteSandbox:
         """``await AsyncRemoteSandbox.create(tier, ..., client=self)``."""

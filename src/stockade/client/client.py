@@ -38,6 +38,82 @@ class RunEvent:
     data: dict[str, Any]
 
 
+# What the sync and async clients share: the requests' bodies and the answers' parsing; each
+# only sends them its way.
+
+
+def settled(status: str, *, until_paused: bool) -> bool:
+    """Whether ``wait`` is done: the run ended, or waits for someone (paused for an approval,
+    or broken: its actions kept failing)."""
+    return status in _ENDED or (until_paused and status in ("paused", "broken"))
+
+
+class EventLines:
+    """Server-Sent Events, a line at a time, into ``RunEvent``s; ``done`` after ``end``."""
+
+    def __init__(self) -> None:
+        self.kind, self.seq, self.data = "message", 0, ""
+        self.done = False
+
+    def feed(self, line: str) -> RunEvent | None:
+        if line.startswith("event:"):
+            self.kind = line[6:].strip()
+        elif line.startswith("id:"):
+            self.seq = int(line[3:].strip() or 0)
+        elif line.startswith("data:"):
+            self.data += line[5:].strip()
+        elif line == "" and self.data:
+            event = RunEvent(kind=self.kind, seq=self.seq, data=json.loads(self.data))
+            self.done = self.kind == "end"
+            self.kind, self.seq, self.data = "message", 0, ""
+            return event
+        return None
+
+
+def unpack_artifacts(data: bytes, dest: str | Path) -> Path:
+    """A run's final workspace (a tar) into ``dest`` (tarfile's ``data`` filter)."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:
+        tar.extractall(dest, filter="data")
+    return dest
+
+
+def submit_body(
+    task: str, *, model: str | None, scripted: Sequence[object] | None, workspace_id: str | None,
+    tier: str | None, trust: str | None, max_steps: int | None, max_cost_usd: float | None,
+    check: str | None, labels: Mapping[str, str] | None, idempotency_key: str | None,
+) -> dict[str, Any]:  # fmt: skip
+    body: dict[str, Any] = {
+        "task": task, "model": model, "scripted": list(scripted) if scripted is not None else None,
+        "workspace": workspace_id, "tier": tier, "trust": trust, "check": check,
+        "labels": dict(labels or {}), "idempotency_key": idempotency_key,
+    }  # fmt: skip
+    limits = {k: v for k, v in (("max_steps", max_steps), ("max_cost_usd", max_cost_usd)) if v is not None}
+    if limits:
+        body["limits"] = limits
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def kill_all_body(reason: str, tenant: str | None, all_tenants: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"reason": reason, "all_tenants": all_tenants}
+    if tenant is not None:
+        body["tenant"] = tenant
+    return body
+
+
+def list_params(status: str | None, label: str | None, limit: int) -> dict[str, Any]:
+    params: dict[str, Any] = {"limit": limit}
+    if status is not None:
+        params["status"] = status
+    if label is not None:
+        params["label"] = label
+    return params
+
+
+TAR_HEADERS = {"Content-Type": "application/x-tar"}
+
+
 class RemoteRun:
     """A run of the service, by id; ``info`` is its last known state (``refresh()``)."""
 
@@ -63,7 +139,7 @@ class RemoteRun:
         deadline = time.monotonic() + timeout_s
         while True:
             self.refresh()
-            if self.status in _ENDED or (until_paused and self.status in ("paused", "broken")):
+            if settled(self.status, until_paused=until_paused):
                 return self
             if time.monotonic() > deadline:
                 raise TimeoutError(f"run {self.id} is still {self.status} after {timeout_s:.0f} s")
@@ -74,19 +150,13 @@ class RemoteRun:
         with self.client.http.stream(
             "GET", f"/v1/runs/{self.id}/events", params={"after": after}, timeout=None
         ) as response:
-            kind, seq, data = "message", 0, ""
+            lines = EventLines()
             for line in response.iter_lines():
-                if line.startswith("event:"):
-                    kind = line[6:].strip()
-                elif line.startswith("id:"):
-                    seq = int(line[3:].strip() or 0)
-                elif line.startswith("data:"):
-                    data += line[5:].strip()
-                elif line == "" and data:
-                    yield RunEvent(kind=kind, seq=seq, data=json.loads(data))
-                    if kind == "end":
+                event = lines.feed(line)
+                if event is not None:
+                    yield event
+                    if lines.done:
                         return
-                    kind, seq, data = "message", 0, ""
 
     def approvals(self) -> list[dict[str, str]]:
         found: list[dict[str, str]] = self.client.http.request("GET", f"/v1/runs/{self.id}/approvals").json()
@@ -120,12 +190,9 @@ class RemoteRun:
 
     def artifacts(self, dest: str | Path) -> Path:
         """Unpack the run's final workspace into ``dest`` (tarfile's ``data`` filter)."""
-        data = self.client.http.request("GET", f"/v1/runs/{self.id}/artifacts").content
-        dest = Path(dest)
-        dest.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:
-            tar.extractall(dest, filter="data")
-        return dest
+        return unpack_artifacts(
+            self.client.http.request("GET", f"/v1/runs/{self.id}/artifacts").content, dest
+        )
 
     def __repr__(self) -> str:
         return f"<RemoteRun {self.id} {self.status}>"
@@ -138,9 +205,8 @@ class Runs:
     def upload_workspace(self, folder: str | Path) -> str:
         """Send a folder (as a tar); returns the id a run's ``workspace`` takes."""
         response = self.client.http.request(
-            "POST", "/v1/workspaces", content=tar_directory(Path(folder)),
-            headers={"Content-Type": "application/x-tar"},
-        )  # fmt: skip
+            "POST", "/v1/workspaces", content=tar_directory(Path(folder)), headers=TAR_HEADERS
+        )
         return str(response.json()["id"])
 
     def submit(
@@ -163,19 +229,12 @@ class Runs:
         if workspace is not None:
             path = Path(workspace)
             workspace_id = self.upload_workspace(path) if path.is_dir() else str(workspace)
-        body: dict[str, Any] = {
-            "task": task, "model": model, "scripted": list(scripted) if scripted is not None else None,
-            "workspace": workspace_id, "tier": tier, "trust": trust, "check": check,
-            "labels": dict(labels or {}), "idempotency_key": idempotency_key,
-        }  # fmt: skip
-        limits = {
-            k: v for k, v in (("max_steps", max_steps), ("max_cost_usd", max_cost_usd)) if v is not None
-        }
-        if limits:
-            body["limits"] = limits
-        response = self.client.http.request(
-            "POST", "/v1/runs", json={k: v for k, v in body.items() if v is not None}
-        )
+        body = submit_body(
+            task, model=model, scripted=scripted, workspace_id=workspace_id, tier=tier, trust=trust,
+            max_steps=max_steps, max_cost_usd=max_cost_usd, check=check, labels=labels,
+            idempotency_key=idempotency_key,
+        )  # fmt: skip
+        response = self.client.http.request("POST", "/v1/runs", json=body)
         return RemoteRun(self.client, response.json())
 
     def kill_all(
@@ -186,9 +245,7 @@ class Runs:
         ``all_tenants``): the live ones' switches are pulled, the waiting ones (queued, paused,
         interrupted, broken) end at once; returns them (run_id, tenant, where: a live run's
         host and process, or what a waiting one was)."""
-        body: dict[str, Any] = {"reason": reason, "all_tenants": all_tenants}
-        if tenant is not None:
-            body["tenant"] = tenant
+        body = kill_all_body(reason, tenant, all_tenants)
         killed: list[dict[str, Any]] = self.client.http.request("POST", "/v1/runs/kill", json=body).json()[
             "killed"
         ]
@@ -200,11 +257,7 @@ class Runs:
     def list(
         self, *, status: str | None = None, label: str | None = None, limit: int = 50
     ) -> list[RemoteRun]:
-        params: dict[str, Any] = {"limit": limit}
-        if status is not None:
-            params["status"] = status
-        if label is not None:
-            params["label"] = label
+        params = list_params(status, label, limit)
         return [
             RemoteRun(self.client, r)
             for r in self.client.http.request("GET", "/v1/runs", params=params).json()

@@ -122,7 +122,8 @@ PUBLIC: dict[str, set[str]] = {
     },
     "stockade.assembly": {"AgentConfig", "AgentSession", "GuardedAgent", "build_agent", "effective_trust"},
     "stockade.client": {
-        "AsyncClient", "AsyncRemoteSandbox", "Client", "RemoteRun", "RemoteSandbox", "RunEvent", "Runs",
+        "AsyncClient", "AsyncRemoteRun", "AsyncRemoteSandbox", "AsyncRuns", "Client", "RemoteRun",
+        "RemoteSandbox", "RunEvent", "Runs",
     },
     "stockade.testing": {
         "CapturedAudit", "FakeBackend", "FakeInstance", "FaultInjectingBackend", "FunctionModel",

@@ -9,7 +9,16 @@ import inspect
 import pytest
 
 from stockade import AsyncSandbox, Sandbox
-from stockade.client import AsyncRemoteSandbox, RemoteSandbox
+from stockade.client import (
+    AsyncClient,
+    AsyncRemoteRun,
+    AsyncRemoteSandbox,
+    AsyncRuns,
+    Client,
+    RemoteRun,
+    RemoteSandbox,
+    Runs,
+)
 from stockade.client.async_sandbox import AsyncRemoteCommands, AsyncRemoteFiles
 from stockade.client.sandbox import RemoteCommands, RemoteFiles
 from stockade.sandbox.facade import AsyncCommands, AsyncFiles, Commands, Files
@@ -94,3 +103,31 @@ def test_a_remote_network_is_its_hosts_and_the_rest_is_refused_not_dropped() -> 
     }
     with pytest.raises(InvalidArgument, match="rules"):  # ports and methods: the tenant's policy
         body(NetworkPolicy(rules=(HostRule(host="pypi.org", ports=(8443,)),)))
+
+
+# The async client is the sync one with ``await``: the same methods (``events`` an async
+# iterator), the same parameters and defaults; ``close``/``__enter__`` are asyncio's.
+SYNC_ASYNC = [(Client, AsyncClient), (Runs, AsyncRuns), (RemoteRun, AsyncRemoteRun)]
+CONTEXT = {"close", "__enter__", "__exit__", "sandbox"}  # sandbox(): checked with the sandboxes above
+
+
+@pytest.mark.parametrize(("sync", "async_"), SYNC_ASYNC, ids=lambda c: c.__name__)
+def test_the_async_client_is_the_sync_one_awaited(sync: type, async_: type) -> None:
+    theirs = public(async_)
+    for name, value in public(sync).items():
+        if name in CONTEXT or name == "__repr__":
+            continue
+        assert name in theirs, f"{async_.__name__} lacks {name}"
+        if isinstance(value, property):
+            assert isinstance(theirs[name], property), f"{async_.__name__}.{name}"
+            continue
+        other = theirs[name]
+        assert callable(value) and callable(other), name
+        if inspect.isgeneratorfunction(value):
+            assert inspect.isasyncgenfunction(other), f"{async_.__name__}.{name} is not an async iterator"
+        else:
+            assert inspect.iscoroutinefunction(other), f"{async_.__name__}.{name} is not async"
+        mine, there = inspect.signature(value).parameters, inspect.signature(other).parameters
+        assert list(mine) == list(there), f"{async_.__name__}.{name}"
+        for param in mine.values():
+            assert there[param.name].default == param.default, f"{async_.__name__}.{name}({param.name})"
