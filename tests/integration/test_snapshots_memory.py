@@ -94,7 +94,7 @@ def test_a_paused_gvisor_sandbox_resumes_with_its_memory(
         f"""
         sbx = Sandbox.create("gvisor", limits=Limits(memory_mb=256, pids=64))
         sbx.files.write("a.txt", "kept")
-        sbx.commands.run("echo scratch > /tmp/t")
+        sbx.commands.run("echo scratch > /tmp/t && ln -s /usr/bin/python3 py")
         sbx.run_code({COUNTER!r})
         before = int(sbx.run_code("ticks[0]").text)
         snap = sbx.pause(store=store)
@@ -110,7 +110,10 @@ def test_a_paused_gvisor_sandbox_resumes_with_its_memory(
         later = int(str(sbx.run_code("import time; time.sleep(0.5); ticks[0]").text))
         assert int(str(paused["before"])) <= first < later  # the thread went on where it was
         assert sbx.files.read("a.txt") == "kept"
-        assert sbx.commands.run("cat /tmp/t; echo more >> /tmp/t").stdout == "scratch\n"
+        assert (
+            sbx.commands.run("cat /tmp/t; echo more >> /tmp/t; ./py -c 'print(6 * 7)'").stdout
+            == "scratch\n42\n"
+        )
         assert sbx.files.read("a.txt") == "kept"
         again = sbx.snapshot(store=store)  # a restored sandbox snapshots like any other
         assert again.kind is SnapshotKind.MEMORY

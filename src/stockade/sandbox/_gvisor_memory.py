@@ -140,9 +140,10 @@ def unpack_area(source: Path, dest: Path, *, max_bytes: int, max_entries: int) -
     """Unpack a packed area into a new sandbox's (empty) tmpfs, as the sandbox's user owns it.
 
     The extractor made for sandboxes' downloads does it: nothing is written outside ``dest``
-    and no link leads out of it, whatever the tar holds (it was checked against its hash,
-    but came from a sandbox's files)."""
-    with Extraction(dest, max_bytes=max_bytes, max_entries=max_entries) as unpack:
+    whatever the tar holds (it was checked against its hash, but came from a sandbox's files).
+    Its links are the sandbox's, to anywhere (a virtualenv's python links to /usr/bin): only
+    the sandbox follows them, in its own root (this host never does, here or in ``pack_area``)."""
+    with Extraction(dest, max_bytes=max_bytes, max_entries=max_entries, links_anywhere=True) as unpack:
         with open(source, "rb") as fh:
             while chunk := fh.read(CHUNK):
                 unpack.feed(chunk)
