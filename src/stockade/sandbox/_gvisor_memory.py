@@ -40,6 +40,9 @@ SNAPSHOT_VERSION = "1"
 RUNSC_TIMEOUT_S = 300.0
 IMAGE_ROLE = "memory"  # the role of checkpoint.img; any other file of the image: memory-<name>
 MAIN_IMAGE = "checkpoint.img"
+# Uncompressed: a checkpoint takes a quarter of the time (0.2 s against 0.7 s for an idle
+# interpreter) for four times the bytes (21 MB against 5.6 MB), less than a microVM's RAM.
+COMPRESSION = "--compression=none"
 
 
 class RunscInstance(SupervisedInstance):
@@ -67,7 +70,7 @@ class RunscInstance(SupervisedInstance):
         try:
             blobs = {area: pack_area(self.bundle / area, store) for area in AREAS}
             leave = () if stop else ("--leave-running",)
-            self.backend.runsc_call("checkpoint", "--image-path", str(image), *leave, self.id)
+            self.backend.runsc_call("checkpoint", COMPRESSION, "--image-path", str(image), *leave, self.id)
             checkpointed = True
             if stop:
                 self.runsc.checkpointed = True
