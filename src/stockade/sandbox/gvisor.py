@@ -15,6 +15,9 @@ platform for the direct mode; with Docker it is the one registered for the runti
 just above ``pids``; ``ptrace`` starts commands faster on some hosts (twice as fast on nested
 ones) but keeps every stub it ever made, so only a loose backstop holds it. KVM hangs on
 nested hosts.
+
+Snapshots keep memory in the direct mode only (``runsc checkpoint``, ``_gvisor_memory.py``);
+under Docker they keep files. Either mode restores a memory snapshot, with runsc.
 """
 
 from __future__ import annotations
