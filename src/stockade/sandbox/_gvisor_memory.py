@@ -31,7 +31,7 @@ from stockade.sandbox._supervised import SupervisedInstance
 from stockade.sandbox.snapshots import CHUNK, SnapshotStore
 
 if TYPE_CHECKING:
-    from stockade.sandbox.gvisor import RunscBackend, _RunscBoundary
+    from stockade.sandbox.gvisor import RunscBackend
 
 AREAS = ("workspace", "tmp")
 # Part of every gVisor memory snapshot's machine key: raise it when what the host does
@@ -49,7 +49,6 @@ class RunscInstance(SupervisedInstance):
     """A gVisor sandbox that stockade's ``runsc`` runs: its memory can be kept."""
 
     backend: RunscBackend
-    runsc: _RunscBoundary
     bundle: Path
     machine_key: str
     egress: Any  # the sandbox's egress proxy (``stockade.egress``), or None
@@ -61,19 +60,15 @@ class RunscInstance(SupervisedInstance):
         return None
 
     def save_memory(self, store: SnapshotStore, *, stop: bool) -> tuple[dict[str, str], dict[str, Any]]:
-        """Pause the sandbox, pack its files, checkpoint it; then resume it, unless ``stop``
-        (a checkpoint without ``--leave-running`` ends the sandbox)."""
+        """Pause the sandbox, pack its files, checkpoint it, resume it (with ``stop``, the
+        checkpoint is without ``--leave-running``: the sandbox ends as it resumes)."""
         self.backend.runsc_call("pause", self.id)
-        checkpointed = False
         image = store.temp_path("gvisor")
         image.mkdir(mode=0o700)
         try:
             blobs = {area: pack_area(self.bundle / area, store) for area in AREAS}
             leave = () if stop else ("--leave-running",)
             self.backend.runsc_call("checkpoint", COMPRESSION, "--image-path", str(image), *leave, self.id)
-            checkpointed = True
-            if stop:
-                self.runsc.checkpointed = True
             names: dict[str, str] = {}
             for entry in sorted(image.iterdir()):
                 if not entry.is_file() or entry.is_symlink():
@@ -85,8 +80,9 @@ class RunscInstance(SupervisedInstance):
                 raise exc.SnapshotError(f"runsc checkpoint wrote no {MAIN_IMAGE}")
         finally:
             shutil.rmtree(image, ignore_errors=True)
-            if not (stop and checkpointed):
-                self.backend.runsc_call("resume", self.id, check=False)
+            # Also after a checkpoint that stopped it: a paused kernel cannot end, and would
+            # hold its runsc (and ``runsc delete``, seconds) until it is resumed.
+            self.backend.runsc_call("resume", self.id, check=False)
         return blobs, {"machine": self.machine_key, "image": names}
 
 

@@ -164,7 +164,6 @@ class _RunscBoundary(Boundary):
         self.proc = proc
         self.bundle = bundle
         self.mounts = mounts
-        self.checkpointed = False  # stopped by ``runsc checkpoint`` (a pause)
 
     def alive(self) -> bool:
         return not self._dead and self.proc.poll() is None
@@ -182,11 +181,6 @@ class _RunscBoundary(Boundary):
     def _kill(self) -> None:
         # The channel closed the supervisor's stdin first, so a healthy sandbox is already
         # exiting; a stuck one is killed. Deleting a running sandbox would wait seconds.
-        # After a checkpoint that stopped it, ``runsc run`` waits on for a sandbox that is
-        # gone: killed first, or ``delete`` waits five seconds for it.
-        if self.checkpointed:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
         try:
             self.proc.wait(timeout=0.5)
         except subprocess.TimeoutExpired:
@@ -517,7 +511,6 @@ class RunscBackend(Backend):
             enforcement=enforcement,
         )
         instance.backend = self
-        instance.runsc = boundary
         instance.bundle = bundle
         instance.egress = egress
         instance.machine_key = _gvisor_memory.machine_key(self, folder, masks)
