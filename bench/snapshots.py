@@ -1,7 +1,7 @@
 """Snapshots: a microVM started from its boot image against a cold boot, and what pause,
-resume, snapshot and fork cost on the process tier and the microVM.
+resume, snapshot and fork cost on the process tier, gVisor and the microVM.
 
-    python bench/snapshots.py [--runs N]
+    python bench/snapshots.py [--runs N] [--tiers process,gvisor,microvm]
 
 Side by side in one run, interleaved (drift hits every row alike):
 * microVM cold: ``MicroVMBackend(boot_snapshots=False)``: create + ``run_code("print(1)")``;
@@ -9,7 +9,9 @@ Side by side in one run, interleaved (drift hits every row alike):
   before the runs, and not counted);
 * per tier: ``snapshot()`` of a sandbox holding a 1 MiB workspace and a started interpreter,
   ``pause()``, ``Sandbox.resume(id)`` + ``run_code``, and a fork: ``Sandbox.create(snapshot=...)``
-  + ``run_code``.
+  + ``run_code``;
+* gVisor runs on stockade's own runsc (``STOCKADE_GVISOR_MODE=runsc``, where it keeps memory),
+  against its own cold start (create + ``run_code``) and its files snapshots (``memory=False``).
 Prints markdown tables (medians) and the machine's load.
 """
 
@@ -40,25 +42,36 @@ def first_print(backend: microvm.MicroVMBackend) -> float:
         return time.perf_counter() - start
 
 
-def lifecycle(tier: str, store: SnapshotStore, rows: dict[str, list[float]]) -> None:
+def cold(tier: str, rows: dict[str, list[float]]) -> None:
+    start = time.perf_counter()
+    with Sandbox.create(tier, limits=Limits(memory_mb=256)) as sbx:
+        sbx.run_code("print(1)")
+    rows[f"{tier} cold: create + run_code"].append(time.perf_counter() - start)
+
+
+def lifecycle(
+    tier: str, store: SnapshotStore, rows: dict[str, list[float]], *, memory: bool | None = None
+) -> None:
+    label = f"{tier} (files)" if memory is False else tier
     sbx = Sandbox.create(tier, limits=Limits(memory_mb=256))
     try:
         sbx.files.write("data.bin", os.urandom(1 << 20))
         sbx.run_code("x = 41")
         start = time.perf_counter()
-        snap = sbx.snapshot(store=store)
-        rows[f"{tier} snapshot ({snap.kind})"].append(time.perf_counter() - start)
+        snap = sbx.snapshot(store=store, memory=memory)
+        rows[f"{label} snapshot ({snap.kind})"].append(time.perf_counter() - start)
         start = time.perf_counter()
         with Sandbox.create(snapshot=snap, store=store) as fork:
             fork.run_code("print(1)")
-            rows[f"{tier} fork: create from the snapshot + run_code"].append(time.perf_counter() - start)
-        start = time.perf_counter()
-        sbx.pause(store=store)
-        rows[f"{tier} pause"].append(time.perf_counter() - start)
-        start = time.perf_counter()
-        sbx = Sandbox.resume(sbx.id, store=store)
-        sbx.run_code("print(1)")
-        rows[f"{tier} resume + run_code"].append(time.perf_counter() - start)
+            rows[f"{label} fork: create from the snapshot + run_code"].append(time.perf_counter() - start)
+        if memory is not False:
+            start = time.perf_counter()
+            sbx.pause(store=store)
+            rows[f"{label} pause"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            sbx = Sandbox.resume(sbx.id, store=store)
+            sbx.run_code("print(1)")
+            rows[f"{label} resume + run_code"].append(time.perf_counter() - start)
         store.delete(snap)
     finally:
         sbx.close()
@@ -69,30 +82,38 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--tiers", default="process,microvm")
     args = parser.parse_args()
+    tiers = args.tiers.split(",")
+    os.environ["STOCKADE_GVISOR_MODE"] = "runsc"  # gVisor under Docker keeps files only
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["STOCKADE_SNAPSHOT_DIR"] = tmp  # the tiers' own boot images too, gone after
         store = SnapshotStore(Path(tmp))
-        cold = microvm.MicroVMBackend(boot_snapshots=False)
-        warm = microvm.MicroVMBackend(snapshot_store=store)
-        first_print(warm)  # builds the boot image: once per machine shape, not counted
-        if warm._boot_failed:
-            raise SystemExit(f"no boot image: {warm._boot_failed}")
         rows: dict[str, list[float]] = {}
+        if "microvm" in tiers:
+            cold_vm = microvm.MicroVMBackend(boot_snapshots=False)
+            warm = microvm.MicroVMBackend(snapshot_store=store)
+            first_print(warm)  # builds the boot image: once per machine shape, not counted
+            if warm._boot_failed:
+                raise SystemExit(f"no boot image: {warm._boot_failed}")
+            for _ in range(args.runs):
+                rows.setdefault("microvm cold: create + run_code print(1)", []).append(first_print(cold_vm))
+                rows.setdefault("microvm from its boot image: create + run_code print(1)", []).append(
+                    first_print(warm)
+                )
         for _ in range(args.runs):
-            rows.setdefault("microvm cold: create + run_code print(1)", []).append(first_print(cold))
-            rows.setdefault("microvm from its boot image: create + run_code print(1)", []).append(
-                first_print(warm)
-            )
-        for _ in range(args.runs):
-            for tier in args.tiers.split(","):
-                for name in (
-                    f"{tier} snapshot (files)" if tier == "process" else f"{tier} snapshot (memory)",
-                    f"{tier} fork: create from the snapshot + run_code",
-                    f"{tier} pause",
-                    f"{tier} resume + run_code",
-                ):
-                    rows.setdefault(name, [])
-                lifecycle(tier, store, rows)
+            for tier in tiers:
+                kinds: tuple[bool | None, ...] = (None, False) if tier == "gvisor" else (None,)
+                if tier == "gvisor":
+                    rows.setdefault(f"{tier} cold: create + run_code", [])
+                    cold(tier, rows)
+                for memory in kinds:
+                    label = f"{tier} (files)" if memory is False else tier
+                    kept = "files" if tier == "process" or memory is False else "memory"
+                    rows.setdefault(f"{label} snapshot ({kept})", [])
+                    rows.setdefault(f"{label} fork: create from the snapshot + run_code", [])
+                    if memory is not False:
+                        rows.setdefault(f"{label} pause", [])
+                        rows.setdefault(f"{label} resume + run_code", [])
+                    lifecycle(tier, store, rows, memory=memory)
     load = os.getloadavg()
     print(f"{args.runs} runs, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}\n")
     print("| measurement | median | min | max |")
@@ -101,9 +122,10 @@ def main() -> None:
         if values:
             med, low, high = statistics.median(values), min(values), max(values)
             print(f"| {name} | {med * 1000:.0f} ms | {low * 1000:.0f} ms | {high * 1000:.0f} ms |")
-    cold_med = statistics.median(rows["microvm cold: create + run_code print(1)"])
-    warm_med = statistics.median(rows["microvm from its boot image: create + run_code print(1)"])
-    print(f"\nboot image against cold boot: {cold_med / warm_med:.1f}x faster")
+    if "microvm" in tiers:
+        cold_med = statistics.median(rows["microvm cold: create + run_code print(1)"])
+        warm_med = statistics.median(rows["microvm from its boot image: create + run_code print(1)"])
+        print(f"\nboot image against cold boot: {cold_med / warm_med:.1f}x faster")
 
 
 if __name__ == "__main__":

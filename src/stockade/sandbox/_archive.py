@@ -213,13 +213,18 @@ class Extraction:
         *,
         max_bytes: int = DOWNLOAD_MAX_BYTES,
         max_entries: int = DOWNLOAD_MAX_ENTRIES,
+        links_anywhere: bool = False,
     ) -> None:
+        """``links_anywhere``: for a folder only a sandbox ever sees (the tmpfs a gVisor
+        sandbox is restored on), whose links may point anywhere, as the sandbox's own do.
+        They are still created last and never followed while writing."""
         for name, value in (("max_bytes", max_bytes), ("max_entries", max_entries)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise exc.ConfigurationError(f"{name} must be an int >= 0, got {value!r}")
         self.dest = Path(dest)
         self.max_bytes = max_bytes
         self.max_entries = max_entries
+        self.links_anywhere = links_anywhere
         self._lock = threading.Lock()
         self._reader = TarReader(self._member, self._data, self._end)
         self._root = _Node.folder()
@@ -403,7 +408,7 @@ class Extraction:
             at.entries[at.name] = _Node.folder(_dir_mode(m.mode))
         elif m.type == tarfile.SYMTYPE:
             target = m.linkname
-            if not target or "\x00" in target or target.startswith("/"):
+            if not target or "\x00" in target or (target.startswith("/") and not self.links_anywhere):
                 raise exc.PathEscapeError(
                     f"{at.path!r} is a link out of the folder ({target!r})", path=at.path
                 )
@@ -513,7 +518,7 @@ class Extraction:
     def _commit(self) -> DownloadResult:
         self._reader.close()
         links, folders = self._walk()
-        for parts, node in links:
+        for parts, node in [] if self.links_anywhere else links:
             start = [self._root, *(self._lookup(parts[:i]) for i in range(1, len(parts)))]
             why = _leaves(start, node.target, _model_child)
             if why is not None:
@@ -531,7 +536,8 @@ class Extraction:
             finally:
                 os.close(fd)
         self._move(self._plan())
-        self._check_on_host(links)
+        if not self.links_anywhere:
+            self._check_on_host(links)
         self._journal.clear()  # from here on, the download stands
         self._made.clear()
         self._done = True

@@ -456,7 +456,8 @@ class SupervisedInstance(Instance):
             raise exc.LimitNotEnforceable(
                 f"{why}; this snapshot must keep the memory of the processes",
                 setting="snapshot memory",
-                fix="pass memory=None to keep the files, or use the microvm tier",
+                fix="pass memory=None to keep the files, or use the microvm tier (or gvisor run by "
+                "stockade's own runsc, STOCKADE_GVISOR_MODE=runsc)",
             )
         with self._quiet():
             self._check_open()
@@ -521,6 +522,12 @@ class SupervisedInstance(Instance):
                 raise
             blobs[area] = store.add_file(path, digest=digest.hexdigest())
         return blobs
+
+    def reseed(self) -> None:
+        """First thing in a sandbox restored from a memory snapshot: the interpreter's next run
+        draws new seeds for the generators in its memory (Python reseeds them at a fork; a
+        restore is none), so forks of one snapshot do not repeat each other's numbers."""
+        self._file("reseed", {})
 
     def seed(self, snapshot: Snapshot) -> None:
         """Put a snapshot's files (workspace, /tmp) into this fresh sandbox, checked first."""

@@ -222,6 +222,14 @@ class _ContainerInstance(SupervisedInstance):
 
     container: _ContainerBoundary
 
+    def memory_snapshots(self) -> str | None:
+        if self.tier == "gvisor":
+            return (
+                "gVisor under Docker keeps files only in a snapshot (memory needs stockade's own "
+                "runsc: STOCKADE_GVISOR_MODE=runsc)"
+            )
+        return super().memory_snapshots()
+
     def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         try:
             return super().handle(op, sink)

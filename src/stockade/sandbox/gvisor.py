@@ -15,6 +15,9 @@ platform for the direct mode; with Docker it is the one registered for the runti
 just above ``pids``; ``ptrace`` starts commands faster on some hosts (twice as fast on nested
 ones) but keeps every stub it ever made, so only a loose backstop holds it. KVM hangs on
 nested hosts.
+
+Snapshots keep memory in the direct mode only (``runsc checkpoint``, ``_gvisor_memory.py``);
+under Docker they keep files. Either mode restores a memory snapshot, with runsc.
 """
 
 from __future__ import annotations
@@ -31,12 +34,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 from stockade import exceptions as exc
-from stockade.sandbox import _guest, _rules
+from stockade.sandbox import _guest, _gvisor_memory, _rules
+from stockade.sandbox._gvisor_memory import RunscInstance
 from stockade.sandbox._host import PipeStream
 from stockade.sandbox._rootfs import find_rootfs
-from stockade.sandbox._supervised import Boundary, SupervisedInstance, sandbox_id, supervisor_config
+from stockade.sandbox._supervised import (
+    Boundary,
+    SupervisedInstance,
+    enforcement_from_state,
+    sandbox_id,
+    supervisor_config,
+)
 from stockade.sandbox.base import Backend, SandboxSpec
-from stockade.types import Enforcement, HostShare, Mechanism, TierReport
+from stockade.sandbox.snapshots import SnapshotStore
+from stockade.types import Enforcement, HostShare, Mechanism, SnapshotKind, TierReport
 
 __all__ = ["GVisorBackend", "RunscBackend", "collect_garbage"]
 
@@ -68,6 +79,7 @@ class GVisorBackend(Backend):
         self._docker_args = (runtime, image)
         self._runsc_args = (rootfs, runsc)
         self._inner: Backend | None = None
+        self._restorer: RunscBackend | None = None
         self._lock = threading.Lock()
 
     def _docker(self) -> Backend:
@@ -98,17 +110,34 @@ class GVisorBackend(Backend):
         except exc.StockadeError as err:
             return TierReport(tier=self.tier, available=False, detail=str(err))
         report = inner.probe()
-        how = "Docker runtime" if not isinstance(inner, RunscBackend) else f"runsc --platform={self.platform}"
+        if isinstance(inner, RunscBackend):
+            how = f"runsc --platform={self.platform}"
+            kept = "snapshots keep memory (runsc checkpoint)"
+        else:
+            how = "Docker runtime"
+            kept = "snapshots keep files only (memory needs STOCKADE_GVISOR_MODE=runsc)"
         return TierReport(
             tier=self.tier,
             available=report.available,
             enforcement=report.enforcement,
-            detail=f"{how}: {report.detail}",
+            detail=f"{how}: {report.detail}; {kept}",
             fixes=report.fixes,
         )
 
     def start(self, spec: SandboxSpec) -> SupervisedInstance:
-        started = self.backend().start(spec)
+        inner = self.backend()
+        if (
+            spec.snapshot is not None
+            and spec.snapshot.kind is SnapshotKind.MEMORY
+            and spec.snapshot.tier == self.tier
+            and not isinstance(inner, RunscBackend)
+        ):
+            # A memory image is runsc's (Docker's gVisor keeps files only): restored by runsc.
+            with self._lock:
+                if self._restorer is None:
+                    self._restorer = self._runsc()
+            inner = self._restorer
+        started = inner.start(spec)
         assert isinstance(started, SupervisedInstance)
         return started
 
@@ -308,12 +337,106 @@ class RunscBackend(Backend):
             check=False,
         )
 
+    def runsc_call(self, *args: str, check: bool = True) -> None:
+        """``runsc pause``, ``resume`` or ``checkpoint`` on a sandbox (``SnapshotError``)."""
+        try:
+            done = subprocess.run(
+                self._argv(*args),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                env={"PATH": "/usr/bin:/bin"},
+                timeout=_gvisor_memory.RUNSC_TIMEOUT_S,
+                check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired) as err:
+            if check:
+                raise exc.SnapshotError(f"runsc {args[0]} failed: {err}") from None
+            return
+        if check and done.returncode != 0:
+            said = done.stderr.decode("utf-8", "replace").strip().splitlines() or ["no reason given"]
+            raise exc.SnapshotError(f"runsc {args[0]} failed: {said[-1][:500]}")
+
     def start(self, spec: SandboxSpec) -> SupervisedInstance:
         self._check()
         assert self.rootfs is not None
+        if (
+            spec.snapshot is not None
+            and spec.snapshot.kind is SnapshotKind.MEMORY
+            and spec.snapshot.tier == self.tier
+        ):
+            return self._restore(spec)
         enforcement = self._plan(spec)
         # gVisor's kernel has neither Landlock nor seccomp user notification: masks only.
         rules = _rules.plan(spec, root=self.rootfs, can_mask=True, can_confine=False)
+        instance = self._launch(spec, sandbox_id(spec), enforcement, masks=rules.masks, command=("run",))
+        try:
+            rlimits = _guest.own_kernel_limits(spec, self.platform).rlimits
+            config = supervisor_config(spec, rlimits, instance.egress)
+            instance.handshake(config, START_TIMEOUT_S, rules)
+        except exc.SandboxStartError as err:
+            said = _head(instance.bundle / "runsc.log")
+            instance.close()
+            raise exc.SandboxStartError(f"{err}{': ' + said if said else ''}") from None
+        except BaseException:
+            instance.close()
+            raise
+        return instance
+
+    def _restore(self, spec: SandboxSpec) -> RunscInstance:
+        """A sandbox from a memory snapshot: its files unpacked into new tmpfs, its kernel
+        restored on them, the interpreter's generators reseeded before anything runs."""
+        assert spec.snapshot is not None and self.rootfs is not None
+        store = SnapshotStore(Path(spec.snapshot.store))
+        manifest = store.verify(spec.snapshot)
+        state = manifest.tier_state
+        masks = _rules.plan(spec, root=self.rootfs, can_mask=True, can_confine=False).masks
+        folder = _guest.supervisor_dir(self.state_dir, str(self.rootfs))
+        if state.get("machine") != _gvisor_memory.machine_key(self, folder, masks):
+            raise exc.SnapshotIncompatible(
+                f"snapshot {spec.snapshot.id} was taken with another runsc, platform, root filesystem "
+                "or stockade than this host has now: its memory cannot be restored"
+            )
+        names = {str(k): str(v) for k, v in dict(state.get("image") or {}).items()}
+        image = _gvisor_memory.image_dir(store, manifest.blobs, names)
+        try:
+            enforcement = enforcement_from_state(dict(state.get("enforcement") or {}))
+            instance = self._launch(
+                spec,
+                sandbox_id(spec),
+                enforcement,
+                masks=masks,
+                command=("restore", "--image-path", str(image)),
+                files={area: store.check_object(manifest.blobs[area]) for area in _gvisor_memory.AREAS},
+            )
+            try:
+                instance.reseed()
+            except exc.StockadeError as err:
+                said = _head(instance.bundle / "runsc.log")
+                instance.close()
+                raise exc.SandboxStartError(
+                    f"the restored sandbox does not answer: {err}{': ' + said if said else ''}"
+                ) from None
+            except BaseException:
+                instance.close()
+                raise
+        finally:
+            shutil.rmtree(image, ignore_errors=True)
+        return instance
+
+    def _launch(
+        self,
+        spec: SandboxSpec,
+        sid: str,
+        enforcement: Enforcement,
+        *,
+        masks: tuple[str, ...],
+        command: tuple[str, ...],
+        files: dict[str, Path] | None = None,
+    ) -> RunscInstance:
+        """Write the bundle (tmpfs, with ``files`` unpacked in them; the egress proxy;
+        config.json) and start ``runsc run`` or ``restore`` on it, stdio to the supervisor."""
+        assert self.rootfs is not None
         if not self._collected:
             self._collected = True
             collect_garbage()
@@ -321,7 +444,6 @@ class RunscBackend(Backend):
         if not _guest.has_bytecode(folder, str(self.rootfs)) and not self._compile_failed:
             self._compile(folder)
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        sid = sandbox_id(spec)
         bundle = self.state_dir / f"gv-{sid}"
         bundle.mkdir(mode=0o700)  # the host side of the sandbox's files: nobody else's to see
         mounts: list[Path] = []
@@ -335,6 +457,8 @@ class RunscBackend(Backend):
                 _guest.mount_tmpfs(path, size=size, inodes=inodes, mode=mode)
                 mounts.append(path)
                 binds[target] = path
+                if files is not None:
+                    _gvisor_memory.unpack_area(files[path.name], path, max_bytes=size, max_entries=inodes)
             if spec.network.egress:  # in the bundle (root's, 0700): only the sandbox reaches it
                 from stockade.egress import attach
 
@@ -354,12 +478,12 @@ class RunscBackend(Backend):
                 cgroup=f"/{CGROUP_PARENT}/{sid}",
                 host=_guest.own_kernel_limits(spec, self.platform),
                 annotations=annotations,
-                masks=rules.masks,
+                masks=masks,
             )
             (bundle / "config.json").write_text(json.dumps(config))
             with open(bundle / "runsc.log", "wb") as log:
                 proc = subprocess.Popen(
-                    self._argv("run", "--bundle", str(bundle), sid, egress=egress is not None),
+                    self._argv(*command, "--bundle", str(bundle), sid, egress=egress is not None),
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=log,
@@ -378,7 +502,7 @@ class RunscBackend(Backend):
         boundary = _RunscBoundary(self, sid, proc, bundle, mounts)
         boundary.egress = egress
         stream = PipeStream(proc)
-        instance = SupervisedInstance(
+        instance = RunscInstance(
             id=sid,
             tier=self.tier,
             stream=stream,
@@ -386,17 +510,11 @@ class RunscBackend(Backend):
             spec=spec,
             enforcement=enforcement,
         )
+        instance.backend = self
+        instance.bundle = bundle
+        instance.egress = egress
+        instance.machine_key = _gvisor_memory.machine_key(self, folder, masks)
         weakref.finalize(instance, _guest.abandon, stream, boundary)
-        try:
-            config = supervisor_config(spec, _guest.own_kernel_limits(spec, self.platform).rlimits, egress)
-            instance.handshake(config, START_TIMEOUT_S, rules)
-        except exc.SandboxStartError as err:
-            said = _head(bundle / "runsc.log")
-            instance.close()
-            raise exc.SandboxStartError(f"{err}{': ' + said if said else ''}") from None
-        except BaseException:
-            instance.close()
-            raise
         return instance
 
 

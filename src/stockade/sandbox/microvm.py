@@ -553,6 +553,7 @@ class MicroVMBackend(Backend):
             try:
                 boundary.monitor().load(fd)
                 boundary.reseed()
+                instance.reseed()  # the kernel's generator is new; the interpreter's are the snapshot's
             except BaseException:
                 instance.close()
                 raise

@@ -242,6 +242,25 @@ def preload() -> None:
         _site_loaded = True
 
 
+def reseed() -> None:
+    """New seeds for the generators that live in this process's memory, after a restore from
+    a memory snapshot: every sandbox restored from one snapshot has the same memory, so
+    ``random`` and ``tempfile``'s names would repeat from fork to fork. Python reseeds them at
+    ``fork()``; a restore is no fork. ``os.urandom`` is already fresh (the kernel's)."""
+    rnd = sys.modules.get("random")
+    if rnd is not None:
+        rnd.seed()  # from os.urandom
+    tmp = sys.modules.get("tempfile")
+    if tmp is not None:
+        tmp._name_sequence = None  # made again, from a fresh random.Random(), at its next use
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        try:
+            numpy_random.seed()
+        except Exception:
+            pass
+
+
 def _forget_supervisor_modules() -> None:
     """Drop our own modules from ``sys.modules``: the user's ``protocol.py`` or ``reaper.py``
     must import as theirs, not resolve to the supervisor's (the references we hold stay)."""
@@ -289,6 +308,8 @@ def main(ctl_in: int, ctl_out: int) -> None:
         except FrameError:
             return
         for header, body in frames:
+            if header.get("reseed"):
+                reseed()
             reply = interp.run(body.decode("utf-8", "replace"))
             # In the body, not the header: a header is capped at 1 MiB, results are not.
             payload = dumps(reply).encode()

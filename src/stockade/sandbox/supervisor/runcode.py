@@ -75,7 +75,11 @@ class Interpreter:
         self.job = job
         job.started = time.monotonic()
         job.deadline = job.started + job.timeout  # type: ignore[attr-defined]
-        data = encode({"id": job.rid}, body)
+        header: dict[str, object] = {"id": job.rid}
+        if self.sup.reseed:
+            header["reseed"] = True
+            self.sup.reseed = False
+        data = encode(header, body)
         os.set_blocking(self.ctl_w, True)
         try:
             os.write(self.ctl_w, data) if len(data) < 65536 else _write_all(self.ctl_w, data)

@@ -151,6 +151,9 @@ class Supervisor:
         self.rules: Optional[Any] = None  # the policy, enforced on the code (supervisor/rules.py)
         self.confine: "Optional[Any]" = None
         self.egress: "Optional[Any]" = None  # the relay to the egress proxy (supervisor/egress.py)
+        # Restored from a memory snapshot: the interpreter's next run first draws new seeds
+        # (every sandbox restored from one snapshot would otherwise share its generators).
+        self.reseed = False
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -328,6 +331,11 @@ class Supervisor:
 
     def op_ping(self, rid: int, h: dict[str, Any], body: bytes) -> None:
         self.send({"id": rid, "ev": "done", "pid": os.getpid()})
+
+    def op_reseed(self, rid: int, h: dict[str, Any], body: bytes) -> None:
+        """Sent by the host first thing after a restore from a memory snapshot."""
+        self.reseed = self.interpreter is not None  # a later interpreter is forked, and reseeds then
+        self.send({"id": rid, "ev": "done"})
 
     def op_exec(self, rid: int, h: dict[str, Any], body: bytes) -> None:
         argv = [str(a) for a in h["argv"]]

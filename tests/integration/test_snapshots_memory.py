@@ -1,0 +1,214 @@
+"""Memory snapshots on gVisor run by stockade's own runsc (``runsc checkpoint``/``restore``):
+the interpreter's variables and a thread that keeps running survive a pause, the exit of the
+process that paused, and a resume in another; forks of one snapshot draw their own
+randomness; a modified snapshot is refused. Under Docker, gVisor keeps files only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stockade import (
+    LimitNotEnforceable,
+    Limits,
+    NetworkPolicy,
+    Sandbox,
+    SnapshotCorrupt,
+    SnapshotIncompatible,
+    SnapshotKind,
+    SnapshotNotFound,
+    SnapshotStore,
+)
+from stockade.sandbox._guest import default_state_dir
+from stockade.sandbox.gvisor import GVisorBackend, RunscBackend
+from tests.conftest import require, require_tier
+
+ROOT = Path(__file__).parents[2]
+LIMITS = Limits(memory_mb=256, timeout_s=20, pids=64)
+COUNTER = """
+import threading, time
+x = 41
+ticks = [0]
+def tick():
+    while True:
+        ticks[0] += 1
+        time.sleep(0.05)
+threading.Thread(target=tick, daemon=True).start()
+time.sleep(0.3)
+"""
+
+
+@pytest.fixture(scope="module")
+def runsc() -> GVisorBackend:
+    require_tier("gvisor")
+    report = RunscBackend().probe()
+    require("gVisor run by stockade's own runsc", report.available, report.detail)
+    return GVisorBackend(mode="runsc")
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> SnapshotStore:
+    return SnapshotStore(tmp_path / "snapshots")
+
+
+def _bundles() -> set[str]:
+    folder = default_state_dir()
+    return {p.name for p in folder.glob("gv-sbx-*")} if folder.is_dir() else set()
+
+
+@pytest.fixture
+def no_sandbox_left() -> Iterator[None]:
+    before = _bundles()
+    yield
+    assert _bundles() <= before
+
+
+def _child(code: str, store: SnapshotStore) -> dict[str, object]:
+    """Run ``code`` in a new Python process that runs gVisor without Docker; it prints one
+    JSON line, returned here."""
+    program = "import json, sys\nfrom pathlib import Path\nfrom stockade import *\n"
+    program += f"store = SnapshotStore(Path({str(store.root)!r}))\n" + textwrap.dedent(code)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "STOCKADE_GVISOR_MODE": "runsc"}
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_a_paused_gvisor_sandbox_resumes_with_its_memory(
+    runsc: GVisorBackend, store: SnapshotStore, no_sandbox_left: None
+) -> None:
+    """A variable, a thread that keeps counting and the files survive a pause, the exit of
+    the process that paused, and a resume in this one (whatever mode its gVisor tier has)."""
+    paused = _child(
+        f"""
+        sbx = Sandbox.create("gvisor", limits=Limits(memory_mb=256, pids=64))
+        sbx.files.write("a.txt", "kept")
+        sbx.commands.run("echo scratch > /tmp/t && ln -s /usr/bin/python3 py")
+        sbx.run_code({COUNTER!r})
+        before = int(sbx.run_code("ticks[0]").text)
+        snap = sbx.pause(store=store)
+        print(json.dumps({{"id": sbx.id, "kind": snap.kind, "before": before, "alive": sbx.alive}}))
+        """,
+        store,
+    )
+    assert paused["kind"] == "memory" and paused["alive"] is False
+    with Sandbox.resume(str(paused["id"]), store=store) as sbx:
+        assert sbx.id == paused["id"]
+        assert sbx.run_code("x + 1").text == "42"
+        first = int(str(sbx.run_code("ticks[0]").text))
+        later = int(str(sbx.run_code("import time; time.sleep(0.5); ticks[0]").text))
+        assert int(str(paused["before"])) <= first < later  # the thread went on where it was
+        assert sbx.files.read("a.txt") == "kept"
+        assert (
+            sbx.commands.run("cat /tmp/t; echo more >> /tmp/t; ./py -c 'print(6 * 7)'").stdout
+            == "scratch\n42\n"
+        )
+        assert sbx.files.read("a.txt") == "kept"
+        again = sbx.snapshot(store=store)  # a restored sandbox snapshots like any other
+        assert again.kind is SnapshotKind.MEMORY
+        with pytest.raises(SnapshotIncompatible):
+            Sandbox.create(snapshot=again, store=store, limits=Limits(memory_mb=300))
+    with pytest.raises(SnapshotNotFound):
+        Sandbox.resume(str(paused["id"]), store=store)
+
+
+def test_forks_of_one_gvisor_memory_snapshot_are_distinct(
+    runsc: GVisorBackend, store: SnapshotStore, no_sandbox_left: None
+) -> None:
+    """Each sandbox restored from one snapshot has its own randomness, in the kernel (gVisor's
+    comes from the host) and in the interpreter (``random``, ``tempfile``: reseeded), and its
+    own state from then on."""
+    with Sandbox.create(backend=runsc, limits=LIMITS) as sbx:
+        sbx.run_code("import os, random, tempfile, uuid\nx = 1\nrandom.random(); tempfile.mktemp()")
+        snap = sbx.snapshot(store=store)
+        assert sbx.run_code("x").text == "1"  # the sandbox snapshotted runs on
+    assert snap.kind is SnapshotKind.MEMORY and snap.tier == "gvisor"
+    probes = {
+        "urandom": "os.urandom(16).hex()",
+        "random": "random.random()",
+        "mktemp": "tempfile.mktemp()",
+        "uuid4": "uuid.uuid4().hex",
+    }
+    seen: dict[str, list[str]] = {name: [] for name in (*probes, "shell")}
+    forks = [Sandbox.create(snapshot=snap, store=store, backend=runsc) for _ in range(2)]
+    try:
+        for i, fork in enumerate(forks):
+            assert fork.run_code(f"x += {i + 1}; x").text == str(2 + i)  # each goes on alone
+            for name, expr in probes.items():
+                seen[name].append(str(fork.run_code(expr).text))
+            seen["shell"].append(fork.commands.run("head -c 16 /dev/urandom | od -An -tx1; mktemp").stdout)
+    finally:
+        for fork in forks:
+            fork.close()
+    for name, values in seen.items():
+        assert len(set(values)) == len(values), f"{name} repeats across forks: {values}"
+
+
+def test_a_modified_gvisor_memory_snapshot_is_refused(
+    runsc: GVisorBackend, store: SnapshotStore, no_sandbox_left: None
+) -> None:
+    with Sandbox.create(backend=runsc, limits=LIMITS) as sbx:
+        sbx.run_code("x = 1")
+        sbx.files.write("a.txt", "kept")
+        snap = sbx.snapshot(store=store)
+    manifest = store.load(snap)
+    assert {"memory", "workspace", "tmp"} <= set(manifest.blobs)
+    for role in ("memory", "workspace"):
+        victim = store.object_path(manifest.blobs[role])
+        original = victim.read_bytes()
+        os.chmod(victim, 0o600)
+        data = bytearray(original)
+        data[len(data) // 2] ^= 1
+        victim.write_bytes(bytes(data))
+        with pytest.raises(SnapshotCorrupt):
+            Sandbox.create(snapshot=snap, store=store, backend=runsc)
+        victim.write_bytes(original)
+    with Sandbox.create(snapshot=snap, store=store, backend=runsc) as fork:  # made whole again
+        assert fork.run_code("x").text == "1"
+
+
+def test_a_gvisor_memory_snapshot_gives_its_files_to_another_tier(
+    runsc: GVisorBackend, store: SnapshotStore, no_sandbox_left: None
+) -> None:
+    require_tier("process")
+    with Sandbox.create(backend=runsc, limits=LIMITS) as sbx:
+        sbx.files.write("notes/a.txt", "kept")
+        sbx.commands.run("ln -s notes/a.txt link && echo t > /tmp/t")
+        snap = sbx.snapshot(store=store)
+    with Sandbox.create("process", snapshot=snap, store=store) as other:
+        assert other.commands.run("cat link /tmp/t").stdout == "keptt\n"
+
+
+def test_gvisor_under_docker_keeps_files_only(store: SnapshotStore) -> None:
+    require_tier("gvisor")
+    docker = GVisorBackend(mode="docker")
+    report = docker.probe()
+    require("gVisor as a Docker runtime", report.available, report.detail)
+    assert "snapshots keep files only" in report.detail
+    with Sandbox.create(backend=docker, limits=LIMITS) as sbx:
+        sbx.files.write("a.txt", "kept")
+        with pytest.raises(LimitNotEnforceable, match="STOCKADE_GVISOR_MODE=runsc"):
+            sbx.snapshot(store=store, memory=True)
+        assert sbx.snapshot(store=store).kind is SnapshotKind.FILES
+
+
+def test_a_gvisor_sandbox_with_an_allowlist_keeps_files_only(
+    runsc: GVisorBackend, store: SnapshotStore
+) -> None:
+    """Its relay's connections end in this process's egress proxy: no image can hold them."""
+    network = NetworkPolicy(allow_hosts=("example.com",))
+    with Sandbox.create(backend=runsc, limits=LIMITS, network=network) as sbx:
+        with pytest.raises(LimitNotEnforceable, match="allowlist"):
+            sbx.snapshot(store=store, memory=True)
+        assert sbx.snapshot(store=store).kind is SnapshotKind.FILES
