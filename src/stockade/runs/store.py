@@ -120,13 +120,23 @@ class RunStore:
         self._erasure = Erasure(db, self.ns)
         self.db.write([(sql, [()]) for sql in schema(self.ns, db.serial, db.blob)])
 
+    # The workspace caps are the workspace history's: set here, they apply to the runs it
+    # starts tracking from then on, as they did when they were the store's own.
     @property
     def max_workspace_bytes(self) -> int:
         return self._workspaces.max_bytes
 
+    @max_workspace_bytes.setter
+    def max_workspace_bytes(self, value: int) -> None:
+        self._workspaces.max_bytes = value
+
     @property
     def max_workspace_entries(self) -> int:
         return self._workspaces.max_entries
+
+    @max_workspace_entries.setter
+    def max_workspace_entries(self, value: int) -> None:
+        self._workspaces.max_entries = value
 
     # -- Checkpointer ---------------------------------------------------------------------
 
