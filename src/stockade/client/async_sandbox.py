@@ -34,7 +34,7 @@ from stockade.client.sandbox import (
     snapshot_value,
     streamed_line,
 )
-from stockade.sandbox._requests import tar_directory
+from stockade.sandbox.facade import tar_directory
 from stockade.sandbox.ops import DOWNLOAD_MAX_BYTES, DOWNLOAD_MAX_ENTRIES
 from stockade.types import (
     CommandResult,

@@ -21,7 +21,7 @@ from typing import Any
 
 from stockade.client._http import Http
 from stockade.client.sandbox import RemoteSandbox, snapshot_id
-from stockade.sandbox._requests import tar_directory
+from stockade.sandbox.facade import tar_directory
 from stockade.types import Snapshot
 
 __all__ = ["Client", "RemoteRun", "RunEvent", "Runs"]

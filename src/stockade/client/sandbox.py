@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 
 from stockade import exceptions as exc
 from stockade.client._http import error_from
-from stockade.sandbox._requests import tar_directory
+from stockade.sandbox.facade import tar_directory
 from stockade.sandbox.ops import DOWNLOAD_MAX_BYTES, DOWNLOAD_MAX_ENTRIES
 from stockade.types import (
     CommandResult,
