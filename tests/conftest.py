@@ -93,10 +93,31 @@ def require(name: str, available: bool, why: str = "") -> None:
 
 
 def wait_for(
-    condition: Callable[[], T], *, what: str, timeout_s: float = 10.0, interval_s: float = 0.02
+    condition: Callable[[], T],
+    *,
+    what: str | Callable[[], str],
+    timeout_s: float = 10.0,
+    interval_s: float = 0.02,
 ) -> T:
     """Poll ``condition`` until it returns something true, and return that. Past ``timeout_s``
-    the test fails, saying ``what`` it waited for. ``condition`` may raise to stop early."""
+    the test fails, saying ``what`` it waited for (a callable: asked then, so that it can tell
+    the state things were left in). ``condition`` may raise to stop early."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            pytest.fail(f"waited {timeout_s:g} s for {what() if callable(what) else what}")
+        time.sleep(interval_s)
+
+
+async def wait_for_async(
+    condition: Callable[[], T], *, what: str, timeout_s: float = 10.0, interval_s: float = 0.02
+) -> T:
+    """``wait_for`` on an event loop: the loop runs on between polls."""
+    import asyncio
+
     deadline = time.monotonic() + timeout_s
     while True:
         value = condition()
@@ -104,7 +125,7 @@ def wait_for(
             return value
         if time.monotonic() >= deadline:
             pytest.fail(f"waited {timeout_s:g} s for {what}")
-        time.sleep(interval_s)
+        await asyncio.sleep(interval_s)
 
 
 def tier_available(tier: str) -> tuple[bool, str]:

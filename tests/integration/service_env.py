@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import require
+from tests.conftest import require, wait_for
 from tests.integration.run_stores import POSTGRES_URL, postgres_reachable
 
 REPO = Path(__file__).resolve().parents[2]
@@ -137,17 +136,20 @@ class Server(Process):
     def wait_ready(self, timeout_s: float = 30.0) -> None:
         import httpx2
 
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        def healthy() -> bool:
             if self.proc.poll() is not None:
                 raise AssertionError(f"the server exited: {self.output()[-3000:]}")
             try:
-                if httpx2.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return
+                return httpx2.get(self.url + "/healthz", timeout=1).status_code == 200
             except httpx2.TransportError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"the server did not start: {self.output()[-3000:]}")
+                return False
+
+        wait_for(
+            healthy,
+            what=lambda: f"the server to start: {self.output()[-3000:]}",
+            timeout_s=timeout_s,
+            interval_s=0.1,
+        )
 
 
 class Worker(Process):

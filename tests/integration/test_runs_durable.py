@@ -34,7 +34,7 @@ import pytest
 
 from stockade.audit import open_store, verify
 from stockade.runs import open_run_store
-from tests.conftest import require_tier
+from tests.conftest import require_tier, wait_for
 from tests.integration.run_stores import POSTGRES_URL, StoreTarget, run_store_target  # noqa: F401
 
 pytestmark = pytest.mark.process
@@ -97,9 +97,12 @@ def _child(
     argv[-1] = "none"
     (work / "started").unlink(missing_ok=True)
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not (work / "started").exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.005)
+    wait_for(
+        lambda: (work / "started").exists() or proc.poll() is not None,
+        what="the child to start its run",
+        timeout_s=60,
+        interval_s=0.005,
+    )
     time.sleep(rng.uniform(0.0, 0.6))
     if proc.poll() is None:
         proc.send_signal(signal.SIGKILL)

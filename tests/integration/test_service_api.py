@@ -16,7 +16,7 @@ import pytest
 from stockade import Limits
 from stockade import exceptions as exc
 from stockade.client import Client, RemoteSandbox
-from tests.conftest import require_tier
+from tests.conftest import require_tier, wait_for
 from tests.integration.service_env import Server, Tokens, write_tenants
 
 pytestmark = [pytest.mark.process]
@@ -287,10 +287,7 @@ def test_a_pending_approval_pauses_the_run_until_decided(acme: Client) -> None:
 def test_a_run_is_killed_through_the_api(acme: Client) -> None:
     sleep = {"name": "run_code", "args": {"code": "import time; time.sleep(60)", "language": "python"}}
     run = acme.runs.submit("sleep", scripted=[sleep, "never"])
-    deadline = time.monotonic() + 30
-    while run.refresh().status != "running":
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    wait_for(lambda: run.refresh().status == "running", what="the run to start", timeout_s=30, interval_s=0.1)
     time.sleep(1.0)
     started = time.monotonic()
     run.kill("enough")
@@ -310,10 +307,12 @@ def test_runs_go_on_after_the_server_restarts(tmp_path: Path) -> None:
                 {"name": "write_file", "args": {"path": "a.txt", "content": "a"}},
                 {"name": "run_code", "args": {"code": "import time; time.sleep(4)", "language": "python"}},
                 "done"])  # fmt: skip
-            deadline = time.monotonic() + 30
-            while run.refresh().info["steps"] < 1:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+            wait_for(
+                lambda: run.refresh().info["steps"] >= 1,
+                what="the run's first step",
+                timeout_s=30,
+                interval_s=0.1,
+            )
             time.sleep(1.0)
     finally:
         server.stop()  # SIGTERM: the run in progress ends "interrupted", resumable

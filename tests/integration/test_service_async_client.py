@@ -14,7 +14,7 @@ import pytest
 from stockade import Limits
 from stockade import exceptions as exc
 from stockade.client import AsyncClient, AsyncRemoteSandbox
-from tests.conftest import require_tier
+from tests.conftest import require_tier, wait_for_async
 from tests.integration.service_env import Server, Tokens, write_tenants
 
 pytestmark = [pytest.mark.process]
@@ -118,10 +118,7 @@ async def test_a_kill_from_another_task_stops_a_command_in_flight(client: AsyncC
     try:
         lines: list[str] = []
         running = asyncio.create_task(sbx.commands.run("echo started; sleep 30", on_stdout=lines.append))
-        deadline = time.monotonic() + 15
-        while not lines:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
+        await wait_for_async(lambda: lines, what="the command's first line", timeout_s=15, interval_s=0.05)
         started = time.monotonic()
         await sbx.kill()
         with pytest.raises(exc.SandboxError):

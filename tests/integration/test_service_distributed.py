@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from stockade.client import Client
-from tests.conftest import require_tier
+from tests.conftest import require_tier, wait_for
 from tests.integration.service_env import REDIS_URL, Server, Tokens, Worker, write_tenants
 
 pytestmark = [pytest.mark.process, pytest.mark.redis, pytest.mark.postgres, pytest.mark.slow]
@@ -59,10 +59,9 @@ def test_runs_go_through_workers_with_kills_and_approvals(cluster: Cluster) -> N
         # a kill reaches the run on whichever worker holds it
         sleep = {"name": "run_code", "args": {"code": "import time; time.sleep(60)", "language": "python"}}
         slow = client.runs.submit("sleep", scripted=[sleep, "never"])
-        deadline = time.monotonic() + 60
-        while slow.refresh().status != "running":
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_for(
+            lambda: slow.refresh().status == "running", what="the run to start", timeout_s=60, interval_s=0.1
+        )
         time.sleep(1.5)
         slow.kill("stop it")
         assert slow.wait(timeout_s=30).status == "killed"
@@ -88,10 +87,12 @@ def test_a_worker_sigkilled_mid_run_and_the_run_resumes_on_the_other(cluster: Cl
     with Client(cluster.server.url, cluster.tokens.acme) as client:
         run = client.runs.submit("pay the invoices", scripted=turns)
         marker = cluster.effects / "slow-started"
-        deadline = time.monotonic() + 60
-        while not marker.exists():
-            assert time.monotonic() < deadline, run.refresh().info
-            time.sleep(0.05)
+        wait_for(
+            marker.exists,
+            what=lambda: f"the slow step to start: {run.refresh().info}",
+            timeout_s=60,
+            interval_s=0.05,
+        )
         pid, _ = marker.read_text().split()
         victim = next(w for w in cluster.workers if os.getpgid(int(pid)) == w.pid)
         survivor = next(w for w in cluster.workers if w is not victim)

@@ -22,7 +22,7 @@ from stockade import exceptions as exc
 if TYPE_CHECKING:
     import psycopg
 
-__all__ = ["Database", "PostgresDatabase", "Requirement", "SQLiteDatabase", "Statement"]
+__all__ = ["Database", "PostgresDatabase", "Requirement", "SQLiteDatabase", "Statement", "display_url"]
 
 # One statement and the parameter rows it runs with (executemany).
 Statement = tuple[str, Sequence[Sequence[object]]]
@@ -182,3 +182,8 @@ class PostgresDatabase:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+
+
+def display_url(db: Database) -> str:
+    """The database as error messages name it (a PostgreSQL URL without its password)."""
+    return db.safe_url if isinstance(db, PostgresDatabase) else db.url

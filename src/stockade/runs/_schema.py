@@ -2,8 +2,8 @@
 named ``<namespace>_*``), which of them hold a run's rows, and how a row of ``_runs`` becomes
 a ``RunSummary``.
 
-Apart from ``store.py``, which says what is written when, so that the layout of the data can
-be read in one place.
+Apart from ``store.py`` and its collaborators, which say what is written when, so that the
+layout of the data can be read in one place.
 """
 
 from __future__ import annotations

@@ -3,11 +3,15 @@
 A tier only has to start the supervisor inside its boundary, hand over a byte stream to it,
 and know how to kill the whole sandbox (``Boundary``). Everything else (commands, run_code,
 files, output caps, timeouts) behaves identically on every tier because it is this code.
+
+Here: the requests (one method per op, sent and waited for), snapshots between calls, and
+the instance's life. The replies are decoded in ``_replies``, the boundary is ``_boundary``'s,
+and what a snapshot keeps of the settings is ``_snapshot_state``'s (all importable from here,
+where the tiers have always found them).
 """
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import dataclasses
 import hashlib
@@ -24,7 +28,25 @@ from typing import Any
 
 from stockade import exceptions as exc
 from stockade.sandbox import _rules
+from stockade.sandbox._boundary import Boundary
 from stockade.sandbox._channel import Channel, JSONTooLarge, Stream, loads_bounded
+from stockade.sandbox._replies import (
+    WORKSPACE_ERRORS,
+    OutputCollector,
+    area_args,
+    command_result,
+    entry_info,
+    execution,
+    int_field,
+    timed_out_command,
+    timed_out_execution,
+)
+from stockade.sandbox._snapshot_state import (
+    enforcement_from_state,
+    enforcement_state,
+    spec_from_state,
+    spec_state,
+)
 from stockade.sandbox.base import Instance, OpResult, OutputSink, SandboxSpec
 from stockade.sandbox.ops import (
     Area,
@@ -54,17 +76,7 @@ from stockade.types import (
     CommandResult,
     Enforcement,
     EntryInfo,
-    EntryType,
     Execution,
-    ExecutionError,
-    HostRule,
-    HostShare,
-    Limits,
-    Logs,
-    Mechanism,
-    NetworkPolicy,
-    Result,
-    SandboxRules,
     Snapshot,
     SnapshotKind,
 )
@@ -93,76 +105,22 @@ SNAPSHOT_MAX_BYTES = 1 << 40
 SNAPSHOT_MAX_ENTRIES = 1 << 24
 _SANDBOX_ID = re.compile(r"^sbx-[0-9a-f]{12}$")
 
-_ERRORS: dict[str, type[exc.WorkspaceError]] = {
-    "escape": exc.PathEscapeError,
-    "missing": exc.SandboxFileNotFound,
-    "type": exc.FileTypeError,
-    "too_large": exc.FileTooLarge,
-    "full": exc.WorkspaceFull,
-}
-
-
-def truncation_marker(shown: int, total: int) -> str:
-    return f"\n[stockade: output truncated: showing {shown} of {total} bytes]\n"
-
-
-# Guards only the flip of a boundary's ``_dead`` flag, never a kill itself: one for all is enough.
-_KILLING = threading.Lock()
-
-
-class Boundary(abc.ABC):
-    """What a tier provides around the supervisor."""
-
-    _dead = False  # set by the first kill()
-    # The sandbox's egress proxy (stockade.egress), when it has one: closed first on kill,
-    # so its connections and credentials are gone before anything else is torn down.
-    egress: Any = None
-
-    def kill(self) -> None:
-        """Kill every process of the sandbox, now. Idempotent: ``_kill`` runs once, in the
-        first caller's thread (close, the finalizer and a timed-out call may race here)."""
-        with _KILLING:
-            if self._dead:
-                return
-            self._dead = True
-        if self.egress is not None:
-            self.egress.close()
-        self._kill()
-
-    @abc.abstractmethod
-    def _kill(self) -> None:
-        """Kill every process of the sandbox and release what the tier holds for it."""
-
-    def oom_kills(self) -> int | None:
-        """How many processes the sandbox's memory limit has killed so far, if known."""
-        return None
-
-    def alive(self) -> bool:
-        return True
-
-    def death_cause(self) -> str:
-        """Why the sandbox is gone, when the tier can tell (a ``SandboxCrashed`` cause)."""
-        return "unknown"
-
-
-class _Collector:
-    """Accumulates one stream of output up to the cap, decoding for callbacks as it comes."""
-
-    def __init__(self, cap: int) -> None:
-        self.cap = cap
-        self.data = bytearray()
-
-    def add(self, chunk: bytes) -> bytes:
-        room = self.cap - len(self.data)
-        part = chunk[: max(room, 0)]
-        self.data += part
-        return part
-
-    def text(self, total: int) -> tuple[str, bool]:
-        out = self.data.decode("utf-8", "replace")
-        if total > len(self.data):
-            return out + truncation_marker(len(self.data), total), True
-        return out, False
+__all__ = [
+    "FILE_OP_TIMEOUT_S",
+    "GRACE_S",
+    "MAX_FRAME",
+    "TIMEOUT_MARGIN_S",
+    "TRANSFER_CHUNK",
+    "WORKSPACE",
+    "Boundary",
+    "SupervisedInstance",
+    "enforcement_from_state",
+    "enforcement_state",
+    "sandbox_id",
+    "spec_from_state",
+    "spec_state",
+    "supervisor_config",
+]
 
 
 class SupervisedInstance(Instance):
@@ -286,21 +244,21 @@ class SupervisedInstance(Instance):
             case WriteFile():
                 return self._write(op)
             case MakeDir():
-                return _entry(self._file("mkdir", {"path": op.path, "parents": op.parents})[0]["entry"])
+                return entry_info(self._file("mkdir", {"path": op.path, "parents": op.parents})[0]["entry"])
             case Stat():
                 raw = self._file("stat", {"path": op.path, "follow": op.follow_symlinks})[0]["entry"]
-                return None if raw is None else _entry(raw)
+                return None if raw is None else entry_info(raw)
             case ListDir():
                 _, body = self._file("list", {"path": op.path, "depth": op.depth})
                 entries = self._json_body(body, max_values=MAX_LIST_VALUES, what="listing")
                 if not isinstance(entries, list) or len(entries) > MAX_LIST_ENTRIES:
                     raise exc.ProtocolError("malformed listing")
-                return tuple(_entry(e) for e in entries)
+                return tuple(entry_info(e) for e in entries)
             case Remove():
                 self._file("remove", {"path": op.path, "recursive": op.recursive})
                 return None
             case PutArchive():
-                self._file("put_archive", {"path": op.path, **_area(op.area)}, op.data)
+                self._file("put_archive", {"path": op.path, **area_args(op.area)}, op.data)
                 return None
             case GetArchive():
                 return self._get_archive(op, sink)
@@ -336,7 +294,7 @@ class SupervisedInstance(Instance):
                 raise exc.ProtocolError(f"the supervisor sent more of {op.path!r} than asked for")
             chunks.append(data)
             offset += len(data)
-            if len(data) < TRANSFER_CHUNK or offset >= _int(h.get("size")):
+            if len(data) < TRANSFER_CHUNK or offset >= int_field(h.get("size")):
                 return b"".join(chunks)
 
     def _get_archive(self, op: GetArchive, sink: OutputSink | None) -> bytes:
@@ -345,7 +303,12 @@ class SupervisedInstance(Instance):
         The sink (the host's extractor) gets each chunk as ``sink(0, chunk)`` and stops the
         transfer by raising; without a sink the chunks are joined, at most ``max_bytes``.
         """
-        caps = {"path": op.path, "max_bytes": op.max_bytes, "max_entries": op.max_entries, **_area(op.area)}
+        caps = {
+            "path": op.path,
+            "max_bytes": op.max_bytes,
+            "max_entries": op.max_entries,
+            **area_args(op.area),
+        }
         tx = self._archive_step(op, {**caps, "stage": "open"})[0].get("tx")
         if not isinstance(tx, str) or not 0 < len(tx) <= 64:
             raise exc.ProtocolError("the supervisor opened a download without a usable id")
@@ -359,7 +322,7 @@ class SupervisedInstance(Instance):
                     "stage": "next",
                     "tx": tx,
                     "length": TRANSFER_CHUNK,
-                    **_area(op.area),
+                    **area_args(op.area),
                 }
                 h, data = self._archive_step(op, args)
                 end = h.get("eof") is True
@@ -385,7 +348,9 @@ class SupervisedInstance(Instance):
         finally:
             if not over and self.alive:  # tell the supervisor to let go of the transfer
                 with contextlib.suppress(exc.StockadeError):
-                    self._file("get_archive", {"path": op.path, "stage": "close", "tx": tx, **_area(op.area)})
+                    self._file(
+                        "get_archive", {"path": op.path, "stage": "close", "tx": tx, **area_args(op.area)}
+                    )
 
     def _archive_step(self, op: GetArchive, args: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
         try:
@@ -397,7 +362,7 @@ class SupervisedInstance(Instance):
     def _write(self, op: WriteFile) -> EntryInfo:
         args: dict[str, Any] = {"path": op.path, "mode": op.mode, "parents": op.parents}
         if len(op.data) <= TRANSFER_CHUNK:
-            return _entry(self._file("write", args, op.data)[0]["entry"])
+            return entry_info(self._file("write", args, op.data)[0]["entry"])
         view = memoryview(op.data)
         h, _ = self._file("write", {**args, "stage": "open"}, bytes(view[:TRANSFER_CHUNK]))
         tmp = h.get("tmp")
@@ -405,7 +370,7 @@ class SupervisedInstance(Instance):
             for start in range(TRANSFER_CHUNK, len(view), TRANSFER_CHUNK):
                 chunk = bytes(view[start : start + TRANSFER_CHUNK])
                 self._file("write", {**args, "stage": "append", "tmp": tmp}, chunk)
-            return _entry(self._file("write", {**args, "stage": "commit", "tmp": tmp})[0]["entry"])
+            return entry_info(self._file("write", {**args, "stage": "commit", "tmp": tmp})[0]["entry"])
         except exc.WorkspaceError:
             if self.alive:
                 self._file("write", {**args, "stage": "abort", "tmp": tmp})
@@ -425,7 +390,7 @@ class SupervisedInstance(Instance):
             path = str(args.get("path", ""))
             if kind == "internal":
                 raise exc.ProtocolError(f"supervisor could not {op} {path!r}: {message}")
-            raise _ERRORS.get(kind, exc.WorkspaceError)(f"{op} {path!r}: {message}", path=path)
+            raise WORKSPACE_ERRORS.get(kind, exc.WorkspaceError)(f"{op} {path!r}: {message}", path=path)
         return header, data
 
     # -- snapshots ----------------------------------------------------------------------
@@ -541,7 +506,7 @@ class SupervisedInstance(Instance):
             )
         for area in ("workspace", "tmp"):
             data = store.check_object(manifest.blobs[area]).read_bytes()
-            self._file("put_archive", {"path": "", **_area(area)}, data)
+            self._file("put_archive", {"path": "", **area_args(area)}, data)
 
     # -- commands -----------------------------------------------------------------------
 
@@ -550,14 +515,14 @@ class SupervisedInstance(Instance):
 
     def _stream(
         self, header: dict[str, Any], body: bytes, timeout: float, sink: OutputSink | None
-    ) -> tuple[tuple[dict[str, Any], bytes] | None, dict[int, _Collector]]:
+    ) -> tuple[tuple[dict[str, Any], bytes] | None, dict[int, OutputCollector]]:
         """Send a request, pass output to ``sink`` as it comes, return the final frame.
 
         None means the supervisor missed its own deadline by ``GRACE_S``: the sandbox is
         then taken down whole, and the output seen so far is returned.
         """
         cap = self.spec.limits.output_bytes
-        streams = {1: _Collector(cap), 2: _Collector(cap)}
+        streams = {1: OutputCollector(cap), 2: OutputCollector(cap)}
         call = self.channel.call(header, body)
         try:
             for h, chunk in call.frames(time.monotonic() + timeout + GRACE_S):
@@ -591,7 +556,7 @@ class SupervisedInstance(Instance):
             allow = bool(approver(record)) if approver is not None else False
         except Exception:  # an approver that fails says no
             allow = False
-        call = self.channel.call({"op": "verdict", "req": _int(h.get("req")), "allow": allow})
+        call = self.channel.call({"op": "verdict", "req": int_field(h.get("req")), "allow": allow})
         with contextlib.suppress(TimeoutError):
             call.result(time.monotonic() + FILE_OP_TIMEOUT_S)
 
@@ -611,45 +576,10 @@ class SupervisedInstance(Instance):
         started = time.monotonic()
         final, streams = self._stream(header, op.stdin or b"", timeout, sink)
         if final is not None:
-            return self._command_result(final[0], streams, oom_before)
-        out, out_cut = streams[1].text(len(streams[1].data))
-        err, _ = streams[2].text(len(streams[2].data))
-        return CommandResult(
-            exit_code=137,
-            stdout=out,
-            stderr=err,
-            duration_s=time.monotonic() - started,
-            timed_out=True,
-            truncated=out_cut,
-            signal=9,
-            stdout_bytes=len(streams[1].data),
-            stderr_bytes=len(streams[2].data),
-        )
-
-    def _command_result(
-        self, h: dict[str, Any], streams: dict[int, _Collector], oom_before: int | None
-    ) -> CommandResult:
-        out_total = max(_int(h.get("stdout_bytes")), len(streams[1].data))
-        err_total = max(_int(h.get("stderr_bytes")), len(streams[2].data))
-        out, out_cut = streams[1].text(out_total)
-        err, err_cut = streams[2].text(err_total)
-        sig = h.get("signal")
-        killed = (sig == 9 or _int(h.get("exit_code")) == 137) and not h.get("timed_out")
-        # A sandbox with a kernel of its own (the microVM) counts its OOM kills itself.
-        oom = _int(h.get("oom_kills")) > 0 or self._oom_since(oom_before, settle=killed)
-        return CommandResult(
-            exit_code=_int(h.get("exit_code")),
-            stdout=out,
-            stderr=err,
-            duration_s=float(h.get("duration") or 0.0),
-            timed_out=bool(h.get("timed_out")),
-            oom_killed=oom,
-            truncated=out_cut or err_cut,
-            stdout_bytes=out_total,
-            stderr_bytes=err_total,
-            signal=sig if isinstance(sig, int) else None,
-            execs=_rules.exec_records(h),
-        )
+            return command_result(
+                final[0], streams, lambda settle: self._oom_since(oom_before, settle=settle)
+            )
+        return timed_out_command(streams, time.monotonic() - started)
 
     def _oom_since(self, before: int | None, *, settle: bool) -> bool:
         """Whether the memory limit killed something since ``before``.
@@ -677,50 +607,10 @@ class SupervisedInstance(Instance):
         header = {"op": "code", "timeout": timeout}
         final, streams = self._stream(header, op.code.encode("utf-8", "surrogatepass"), timeout, sink)
         if final is not None:
-            return self._execution(*final, streams, oom_before)
-        return Execution(
-            logs=Logs(
-                stdout=streams[1].text(len(streams[1].data))[0],
-                stderr=streams[2].text(len(streams[2].data))[0],
-            ),
-            error=ExecutionError(
-                name="TimeoutError", value="the sandbox stopped answering and was killed", traceback=""
-            ),
-            duration_s=time.monotonic() - started,
-            timed_out=True,
-        )
-
-    def _execution(
-        self, h: dict[str, Any], body: bytes, streams: dict[int, _Collector], oom_before: int | None
-    ) -> Execution:
-        out, out_cut = streams[1].text(max(_int(h.get("stdout_bytes")), len(streams[1].data)))
-        err, err_cut = streams[2].text(max(_int(h.get("stderr_bytes")), len(streams[2].data)))
-        payload = self._json_body(body, max_values=MAX_CODE_VALUES, what="run_code report")
-        if not isinstance(payload, dict):
-            raise exc.ProtocolError("malformed run_code report")
-        results = []
-        for raw in payload.get("results") or []:
-            if isinstance(raw, dict):
-                results.append(Result({str(k): str(v) for k, v in raw.items()}))
-        error = None
-        raw_err = payload.get("error")
-        if isinstance(raw_err, dict):
-            name = str(raw_err.get("name", "Error"))
-            value = str(raw_err.get("value", ""))
-            guest_oom = _int(h.get("oom_kills")) > 0
-            if name == "KernelDied" and (guest_oom or self._oom_since(oom_before, settle=True)):
-                value = "the interpreter was killed by the sandbox's memory limit; its state is lost"
-                name = "MemoryLimitExceeded"
-            error = ExecutionError(name=name, value=value, traceback=str(raw_err.get("traceback", "")))
-        return Execution(
-            results=tuple(results),
-            logs=Logs(stdout=out, stderr=err),
-            error=error,
-            duration_s=float(h.get("duration") or 0.0),
-            timed_out=bool(h.get("timed_out")),
-            truncated=out_cut or err_cut,
-            execs=_rules.exec_records(h),
-        )
+            h, body = final
+            payload = self._json_body(body, max_values=MAX_CODE_VALUES, what="run_code report")
+            return execution(h, payload, streams, lambda settle: self._oom_since(oom_before, settle=settle))
+        return timed_out_execution(streams, time.monotonic() - started)
 
     def _json_body(self, body: bytes, *, max_values: int, what: str) -> Any:
         """A JSON payload from the supervisor, bounded in bytes and values before parsing.
@@ -738,35 +628,9 @@ class SupervisedInstance(Instance):
             raise exc.ProtocolError(f"malformed {what}: {str(err)[:200]}") from None
 
 
-def _area(area: Area) -> dict[str, str]:
-    """The protocol's ``root`` for an area (the workspace is the default: no key)."""
-    return {} if area == "workspace" else {"root": area}
-
-
 def _tear_down(channel: Channel, boundary: Boundary) -> None:
     channel.close()
     boundary.kill()
-
-
-def _int(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
-def _entry(raw: Any) -> EntryInfo:
-    if not isinstance(raw, dict):
-        raise exc.ProtocolError(f"malformed entry {raw!r}")
-    try:
-        kind = EntryType(str(raw.get("type")))
-    except ValueError:
-        kind = EntryType.OTHER
-    return EntryInfo(
-        path=str(raw.get("path", "")),
-        name=str(raw.get("name", "")),
-        type=kind,
-        size=_int(raw.get("size")),
-        mode=_int(raw.get("mode")),
-        mtime=float(raw.get("mtime") or 0.0),
-    )
 
 
 def supervisor_config(
@@ -810,95 +674,3 @@ def sandbox_id(spec: SandboxSpec) -> str:
     if not _SANDBOX_ID.match(spec.sandbox_id):
         raise exc.InvalidArgument(f"{spec.sandbox_id!r} is no sandbox id", argument="sandbox_id")
     return spec.sandbox_id
-
-
-# -- what a snapshot keeps of a sandbox's settings (JSON, in its manifest) -------------------
-
-
-def spec_state(spec: SandboxSpec) -> dict[str, Any]:
-    return {
-        "limits": dataclasses.asdict(spec.limits),
-        "network": _network_state(spec.network),
-        "envs": dict(spec.envs),
-        "allow_weaker": spec.allow_weaker,
-        "labels": dict(spec.labels),
-        "rules": None
-        if spec.rules is None
-        else {k: list(v) for k, v in dataclasses.asdict(spec.rules).items()},
-    }
-
-
-def spec_from_state(state: dict[str, Any]) -> SandboxSpec:
-    """The settings a snapshot's sandbox had (the approver, a callable, is the caller's)."""
-    try:
-        rules = state.get("rules")
-        network = state.get("network") or {}
-        return SandboxSpec(
-            limits=Limits(**state.get("limits", {})),
-            network=_network_from_state(network),
-            envs={str(k): str(v) for k, v in dict(state.get("envs") or {}).items()},
-            allow_weaker=bool(state.get("allow_weaker")),
-            labels={str(k): str(v) for k, v in dict(state.get("labels") or {}).items()},
-            rules=None if rules is None else SandboxRules(**{k: tuple(v) for k, v in rules.items()}),
-        )
-    except (TypeError, ValueError, KeyError, exc.ConfigurationError) as err:
-        raise exc.SnapshotIncompatible(f"the snapshot's settings do not fit this stockade: {err}") from None
-
-
-def _network_state(network: NetworkPolicy) -> dict[str, Any]:
-    """All of the policy but its credentials: their sources may hold the secrets themselves,
-    and a sandbox that has some is not snapshotted (``SupervisedInstance._snapshot``)."""
-    return {
-        "enabled": network.enabled,
-        "allow_hosts": list(network.allow_hosts),
-        "rules": [
-            {"host": r.host, "ports": list(r.ports), "methods": list(r.methods)} for r in network.rules
-        ],
-        "allow_addresses": list(network.allow_addresses),
-        "resolve": {name: list(addresses) for name, addresses in network.resolve.items()},
-        "max_requests_per_minute": network.max_requests_per_minute,
-        "max_bytes_per_minute": network.max_bytes_per_minute,
-        "upstream_ca": network.upstream_ca,
-    }
-
-
-def _network_from_state(state: dict[str, Any]) -> NetworkPolicy:
-    defaults = NetworkPolicy()
-    upstream_ca = state.get("upstream_ca")
-    return NetworkPolicy(
-        enabled=bool(state.get("enabled")),
-        allow_hosts=tuple(str(h) for h in state.get("allow_hosts") or ()),
-        rules=tuple(
-            HostRule(
-                host=str(r["host"]),
-                ports=tuple(int(p) for p in r.get("ports") or (80, 443)),
-                methods=tuple(str(m) for m in r.get("methods") or ()),
-            )
-            for r in state.get("rules") or ()
-        ),
-        allow_addresses=tuple(str(a) for a in state.get("allow_addresses") or ()),
-        resolve={str(k): tuple(str(a) for a in v) for k, v in dict(state.get("resolve") or {}).items()},
-        max_requests_per_minute=int(state.get("max_requests_per_minute", defaults.max_requests_per_minute)),
-        max_bytes_per_minute=int(state.get("max_bytes_per_minute", defaults.max_bytes_per_minute)),
-        upstream_ca=None if upstream_ca is None else str(upstream_ca),
-    )
-
-
-def enforcement_state(enforcement: Enforcement) -> dict[str, Any]:
-    return dataclasses.asdict(enforcement)
-
-
-def enforcement_from_state(state: dict[str, Any]) -> Enforcement:
-    fields = dict(state)
-    host = fields.pop("host", None)
-    weakened = tuple(str(w) for w in fields.pop("weakened", ()))
-    try:
-        margin = float(fields.pop("timeout_margin_s", TIMEOUT_MARGIN_S))
-        return Enforcement(
-            **{k: Mechanism(str(v)) for k, v in fields.items()},
-            host=None if host is None else HostShare(**host),
-            weakened=weakened,
-            timeout_margin_s=margin,
-        )
-    except (TypeError, ValueError) as err:
-        raise exc.SnapshotIncompatible(f"the snapshot's enforcement does not fit here: {err}") from None

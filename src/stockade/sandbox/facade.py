@@ -1,389 +1,49 @@
 """``Sandbox`` and ``AsyncSandbox``: the API users hold, the same on every tier.
 
-Both turn friendly calls into ``ops`` values for an ``Instance``; the shared helpers below
-build those values and shape the results, so that the twins differ only in ``await``.
+Both turn friendly calls into ``ops`` values for an ``Instance``: ``_requests`` builds those
+values and shapes the results, so that the twins differ only in ``await``; ``_namespaces``
+holds their ``commands`` and ``files``, ``_startup`` the settings and tier a sandbox starts
+with (from a snapshot too).
 """
 
 from __future__ import annotations
 
-import codecs
 import dataclasses
-import io
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Literal, overload
 
 from stockade import exceptions as exc
-from stockade._checks import check_choice, check_envs, check_timeout
 from stockade.sandbox import _registry
-from stockade.sandbox._supervised import WORKSPACE, spec_from_state
+from stockade.sandbox._namespaces import AsyncCommands, AsyncFiles, Commands, Files, threadsafe
+from stockade.sandbox._requests import TextCallback, as_execution, code_op, text_sink
+
+# Kept importable from here, where the client and the tests have always found them.
+from stockade.sandbox._requests import check_path as check_path  # noqa: PLC0414
+from stockade.sandbox._requests import tar_directory as tar_directory  # noqa: PLC0414
+from stockade.sandbox._startup import choose_tier, from_snapshot, sandbox_spec
 from stockade.sandbox.base import (
     AsyncBackend,
     AsyncInstance,
     Backend,
     Instance,
-    OutputSink,
-    SandboxSpec,
     ThreadedAsyncBackend,
     _ThreadedInstance,
 )
-from stockade.sandbox.ops import (
-    DOWNLOAD_MAX_BYTES,
-    DOWNLOAD_MAX_ENTRIES,
-    GetArchive,
-    ListDir,
-    MakeDir,
-    Pause,
-    PutArchive,
-    ReadFile,
-    Remove,
-    Reset,
-    RunCode,
-    RunCommand,
-    Stat,
-    TakeSnapshot,
-    WriteFile,
-    program_command,
-)
+from stockade.sandbox.ops import Pause, Reset, RunCode, TakeSnapshot
 from stockade.sandbox.snapshots import SnapshotStore
 from stockade.types import (
-    CommandResult,
-    DownloadResult,
     Enforcement,
-    EntryInfo,
     ExecRecord,
     Execution,
-    ExecutionError,
     Limits,
-    Logs,
     NetworkPolicy,
     SandboxRules,
     Snapshot,
-    SnapshotKind,
     Trust,
 )
 
 __all__ = ["AsyncSandbox", "Sandbox"]
-
-TextCallback = Callable[[str], object]
-
-# run_code's language names -> the keys of ops.PROGRAM_ON_STDIN ("python" is the persistent
-# interpreter; "python3" a fresh process).
-INTERPRETERS: dict[str, str] = {
-    "bash": "bash",
-    "sh": "sh",
-    "python3": "python3",
-    "node": "node",
-    "javascript": "node",
-    "ruby": "ruby",
-    "perl": "perl",
-    "php": "php",
-    "r": "r",
-}
-
-
-# -- shared helpers ----------------------------------------------------------------------
-
-
-def check_path(path: str) -> str:
-    """Refuse, before anything reaches the sandbox, paths that cannot be in the workspace."""
-    if not isinstance(path, str):
-        raise exc.ConfigurationError(f"paths are str, got {type(path).__name__}")
-    if "\x00" in path:
-        raise exc.PathEscapeError(f"{path!r} contains a NUL byte", path=path)
-    if path.startswith("/") and not (path == WORKSPACE or path.startswith(WORKSPACE + "/")):
-        raise exc.PathEscapeError(f"{path!r} is outside the workspace ({WORKSPACE})", path=path)
-    relative = path[len(WORKSPACE) :] if path.startswith(WORKSPACE) else path
-    depth = 0
-    for part in relative.split("/"):
-        if part == "..":
-            depth -= 1
-            if depth < 0:
-                raise exc.PathEscapeError(f"{path!r} leads outside the workspace", path=path)
-        elif part not in ("", "."):
-            depth += 1
-    return path
-
-
-def command_op(
-    cmd: str | Sequence[str],
-    cwd: str | None,
-    envs: Mapping[str, str] | None,
-    timeout_s: float | None,
-    stdin: str | bytes | None,
-) -> RunCommand:
-    argv = ("/bin/sh", "-c", cmd) if isinstance(cmd, str) else tuple(cmd)
-    data = stdin.encode() if isinstance(stdin, str) else stdin
-    return RunCommand(
-        argv=argv, cwd=cwd, envs=check_envs(envs), timeout_s=check_timeout(timeout_s), stdin=data
-    )
-
-
-def text_sink(on_stdout: TextCallback | None, on_stderr: TextCallback | None) -> OutputSink | None:
-    """Adapt byte chunks to text callbacks; a UTF-8 character split across chunks survives."""
-    if on_stdout is None and on_stderr is None:
-        return None
-    callbacks = {1: on_stdout, 2: on_stderr}
-    decoders = {fd: codecs.getincrementaldecoder("utf-8")("replace") for fd in (1, 2)}
-
-    def sink(fd: int, data: bytes) -> None:
-        callback = callbacks.get(fd)
-        if callback is not None:
-            text = decoders[fd].decode(data)
-            if text:
-                callback(text)
-
-    return sink
-
-
-def as_execution(result: CommandResult) -> Execution:
-    """A fresh-process run_code (bash, node, ...) reported like a Python one."""
-    error = None
-    if result.timed_out:
-        error = ExecutionError(name="TimeoutError", value="the code ran past its timeout", traceback="")
-    elif result.exit_code != 0:
-        error = ExecutionError(
-            name="NonZeroExit", value=f"exit code {result.exit_code}", traceback=result.stderr
-        )
-    return Execution(
-        logs=Logs(stdout=result.stdout, stderr=result.stderr),
-        error=error,
-        duration_s=result.duration_s,
-        timed_out=result.timed_out,
-        truncated=result.truncated,
-    )
-
-
-def code_op(code: str, language: str, timeout_s: float | None) -> RunCode | RunCommand:
-    if not isinstance(code, str):
-        raise exc.InvalidArgument(
-            f"code must be a str, got {type(code).__name__}", argument="code", fix="give the source as text"
-        )
-    timeout_s = check_timeout(timeout_s)
-    lang = language.lower() if isinstance(language, str) else ""
-    if lang in ("python", "py"):
-        return RunCode(code=code, timeout_s=timeout_s)
-    key = INTERPRETERS.get(lang)
-    if key is None:
-        raise exc.InvalidArgument(
-            f"unknown language {language!r}",
-            argument="language",
-            fix=f"use python or one of {', '.join(sorted(INTERPRETERS))}",
-        )
-    # on standard input, never as an argument: the kernel caps one argument at 128 KiB
-    return program_command(key, code, timeout_s)
-
-
-def tar_directory(source: Path, hide: Sequence[str] = (), read: Sequence[str] = ("**",)) -> bytes:
-    """``source`` as a tar archive: what ``read`` names (workspace globs), but what ``hide``
-    names (a folder left out is left out with what it holds)."""
-    import tarfile
-
-    from stockade._globs import covers, glob_matches, may_hold
-
-    if not source.is_dir():
-        raise exc.ConfigurationError(f"workspace {str(source)!r} is not a directory")
-    everything = "**" in (g.strip("/") for g in read)
-
-    def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
-        if hide and covers(hide, info.name):
-            return None
-        if everything or glob_matches(read, info.name) or (info.isdir() and may_hold(read, info.name)):
-            return info
-        return None
-
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for child in sorted(source.iterdir()):
-            tar.add(child, arcname=child.name, recursive=True, filter=keep)
-    return buf.getvalue()
-
-
-def _spec(
-    limits: Limits | None,
-    network: NetworkPolicy | None,
-    envs: Mapping[str, str] | None,
-    allow_weaker: bool,
-    labels: Mapping[str, str] | None,
-    *,
-    rules: SandboxRules | None = None,
-    approver: Callable[[ExecRecord], bool] | None = None,
-) -> SandboxSpec:
-    if limits is not None and not isinstance(limits, Limits):
-        raise exc.InvalidArgument(
-            f"limits must be a Limits, got {type(limits).__name__}",
-            argument="limits",
-            fix="give Limits(memory_mb=..., timeout_s=...)",
-        )
-    return SandboxSpec(
-        limits=limits or Limits(),
-        network=network or NetworkPolicy(),
-        envs=check_envs(envs),
-        allow_weaker=allow_weaker,
-        labels=dict(labels or {}),
-        rules=rules,
-        approver=approver,
-    )
-
-
-def _from_snapshot(
-    snapshot: Snapshot | str,
-    store: SnapshotStore | None,
-    tier: str | None,
-    spec: SandboxSpec,
-    given: Mapping[str, object],
-    *,
-    sandbox_id: str | None = None,
-) -> tuple[str, SandboxSpec]:
-    """The tier and settings of a sandbox started from ``snapshot``: the snapshot's, but what
-    the caller gave (``given``: only what was not None). Memory keeps its machine: a snapshot
-    of memory refuses other limits, and restores on another tier only its files, if it has them.
-    """
-    if not isinstance(snapshot, Snapshot | str):
-        raise exc.InvalidArgument(
-            f"snapshot must be a Snapshot or its id, got {type(snapshot).__name__}", argument="snapshot"
-        )
-    chosen = store or (SnapshotStore(Path(snapshot.store)) if isinstance(snapshot, Snapshot) else None)
-    chosen = chosen or SnapshotStore.default()
-    manifest = chosen.load(snapshot)
-    value = manifest.snapshot
-    kept = spec_from_state(manifest.spec)
-    if value.kind is SnapshotKind.MEMORY and (tier is None or tier == value.tier):
-        changed = sorted(k for k, v in given.items() if v is not None and k != "envs")
-        if changed or given.get("envs"):
-            raise exc.SnapshotIncompatible(
-                f"snapshot {value.id} keeps a running sandbox's memory: its {', '.join(changed) or 'envs'} "
-                "cannot change (take a files snapshot, memory=False, to start from it with other settings)"
-            )
-    limits = given.get("limits")
-    network = given.get("network")
-    envs = given.get("envs")
-    merged = SandboxSpec(
-        limits=limits if isinstance(limits, Limits) else kept.limits,
-        network=network if isinstance(network, NetworkPolicy) else kept.network,
-        envs={**kept.envs, **(envs if isinstance(envs, Mapping) else {})},
-        allow_weaker=spec.allow_weaker or kept.allow_weaker,
-        labels={**kept.labels, **spec.labels},
-        rules=spec.rules if spec.rules is not None else kept.rules,
-        approver=spec.approver,
-        snapshot=value,
-        sandbox_id=sandbox_id,
-    )
-    return tier or value.tier, merged
-
-
-def _choose(tier: str | None, trust: Trust | str | None, prefer: _registry.Preference = "cheapest") -> str:
-    if tier is not None and tier not in _registry.TIERS:
-        raise exc.InvalidArgument(
-            f"unknown tier {tier!r}", argument="tier", fix=f"give one of {', '.join(_registry.TIERS)}"
-        )
-    if trust is None:
-        return tier or "process"
-    level = check_choice(Trust, trust, argument="trust")
-    allowed = _registry.allowed_tiers(level)
-    if tier is not None:
-        if tier not in allowed:
-            raise exc.TierUnavailable(
-                f"tier {tier!r} is too weak for trust {level.value!r}; allowed: {', '.join(allowed)}"
-            )
-        return tier
-    return _registry.select_tier(level, prefer=prefer)
-
-
-# -- sync --------------------------------------------------------------------------------
-
-
-class Commands:
-    def __init__(self, instance: Instance) -> None:
-        self._instance = instance
-
-    def run(
-        self,
-        cmd: str | Sequence[str],
-        *,
-        cwd: str | None = None,
-        envs: Mapping[str, str] | None = None,
-        timeout_s: float | None = None,
-        stdin: str | bytes | None = None,
-        on_stdout: TextCallback | None = None,
-        on_stderr: TextCallback | None = None,
-    ) -> CommandResult:
-        """Run ``cmd`` (a shell string, or an argv list run without a shell).
-
-        A non-zero exit, a timeout or an OOM kill is reported in the result, never raised.
-        """
-        op = command_op(cmd, cwd, envs, timeout_s, stdin)
-        return self._instance.execute(op, text_sink(on_stdout, on_stderr))
-
-
-class Files:
-    """The workspace (``/workspace`` inside). Paths are relative to it, or absolute under it."""
-
-    def __init__(self, instance: Instance) -> None:
-        self._instance = instance
-
-    @overload
-    def read(self, path: str, *, format: Literal["text"] = "text") -> str: ...
-    @overload
-    def read(self, path: str, *, format: Literal["bytes"]) -> bytes: ...
-
-    def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> str | bytes:
-        data = self._instance.execute(ReadFile(path=check_path(path)))
-        return data if format == "bytes" else data.decode("utf-8", "replace")
-
-    def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> EntryInfo:
-        raw = data.encode() if isinstance(data, str) else data
-        return self._instance.execute(WriteFile(path=check_path(path), data=raw, mode=mode))
-
-    def list(self, path: str = "", *, depth: int = 1) -> list[EntryInfo]:
-        return list(self._instance.execute(ListDir(path=check_path(path), depth=depth)))
-
-    def stat(self, path: str) -> EntryInfo | None:
-        return self._instance.execute(Stat(path=check_path(path), follow_symlinks=False))
-
-    def exists(self, path: str) -> bool:
-        return self.stat(path) is not None
-
-    def remove(self, path: str) -> None:
-        self._instance.execute(Remove(path=check_path(path)))
-
-    def make_dir(self, path: str) -> EntryInfo:
-        return self._instance.execute(MakeDir(path=check_path(path)))
-
-    def upload_dir(
-        self, source: str | Path, dest: str = "", *, hide: Sequence[str] = (), read: Sequence[str] = ("**",)
-    ) -> None:
-        """Copy a host directory into the workspace: what ``read`` names, but what ``hide``
-        names (workspace globs)."""
-        data = tar_directory(Path(source), hide, read)
-        self._instance.execute(PutArchive(path=check_path(dest), data=data))
-
-    def download_dir(
-        self,
-        dest: str | Path,
-        source: str = "",
-        *,
-        max_bytes: int = DOWNLOAD_MAX_BYTES,
-        max_entries: int = DOWNLOAD_MAX_ENTRIES,
-    ) -> DownloadResult:
-        """Copy a workspace folder (the whole workspace by default) into ``dest`` on the host.
-
-        All or nothing, and nothing outside ``dest``: no link is followed while writing,
-        symlinks are kept only when they resolve inside ``dest`` by every route, hard links
-        stay hard links, FIFOs, sockets and devices are skipped (and listed in the result),
-        setuid/setgid and group/other write bits are dropped. ``max_bytes`` caps the file
-        contents written (1 GiB by default; a sparse file counts by its apparent size) and
-        ``max_entries`` the entries: past either, ``FileTooLarge`` and nothing is left.
-        """
-        from stockade.sandbox._archive import Extraction
-
-        op = GetArchive(path=check_path(source), max_bytes=max_bytes, max_entries=max_entries)
-        with Extraction(dest, max_bytes=max_bytes, max_entries=max_entries) as unpack:
-            whole = self._instance.execute(op, unpack.sink)
-            if whole:  # a backend that answers with the whole archive (the shipped fakes)
-                unpack.feed(whole)
-            return unpack.finish()
 
 
 class Sandbox:
@@ -426,11 +86,11 @@ class Sandbox:
         as many times as wanted: on its tier and with its settings unless others are given;
         a memory snapshot goes on where its sandbox was, processes and variables included.
         """
-        spec = _spec(limits, network, envs, allow_weaker, labels, rules=rules, approver=approver)
+        spec = sandbox_spec(limits, network, envs, allow_weaker, labels, rules=rules, approver=approver)
         if snapshot is not None:
             given = {"limits": limits, "network": network, "envs": envs}
-            tier, spec = _from_snapshot(snapshot, store, tier, spec, given)
-        chosen = backend or _registry.backend(_choose(tier, trust, prefer))
+            tier, spec = from_snapshot(snapshot, store, tier, spec, given)
+        chosen = backend or _registry.backend(choose_tier(tier, trust, prefer))
         instance = chosen.start(spec)
         sbx = cls(instance)
         if workspace is not None:
@@ -508,8 +168,13 @@ class Sandbox:
         the others (and a second one) get ``SnapshotNotFound``."""
         chosen = store or SnapshotStore.default()
         with chosen.claim("paused", sandbox_id) as ref:
-            tier, spec = _from_snapshot(
-                ref["snapshot"], chosen, None, _spec(None, None, None, False, None), {}, sandbox_id=sandbox_id
+            tier, spec = from_snapshot(
+                ref["snapshot"],
+                chosen,
+                None,
+                sandbox_spec(None, None, None, False, None),
+                {},
+                sandbox_id=sandbox_id,
             )
             spec = dataclasses.replace(spec, approver=approver)
             instance = (backend or _registry.backend(tier)).start(spec)
@@ -532,97 +197,6 @@ class Sandbox:
 
 
 # -- async -------------------------------------------------------------------------------
-
-
-def _threadsafe(callback: TextCallback | None) -> TextCallback | None:
-    """Deliver streamed output on the event loop's thread, not the worker's."""
-    import asyncio  # lazily: importing stockade must stay cheap
-
-    if callback is None:
-        return None
-    loop = asyncio.get_running_loop()
-    return lambda text: loop.call_soon_threadsafe(callback, text)
-
-
-class AsyncCommands:
-    def __init__(self, instance: AsyncInstance) -> None:
-        self._instance = instance
-
-    async def run(
-        self,
-        cmd: str | Sequence[str],
-        *,
-        cwd: str | None = None,
-        envs: Mapping[str, str] | None = None,
-        timeout_s: float | None = None,
-        stdin: str | bytes | None = None,
-        on_stdout: TextCallback | None = None,
-        on_stderr: TextCallback | None = None,
-    ) -> CommandResult:
-        op = command_op(cmd, cwd, envs, timeout_s, stdin)
-        sink = text_sink(_threadsafe(on_stdout), _threadsafe(on_stderr))
-        return await self._instance.aexecute(op, sink)
-
-
-class AsyncFiles:
-    def __init__(self, instance: AsyncInstance) -> None:
-        self._instance = instance
-
-    async def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> str | bytes:
-        data = await self._instance.aexecute(ReadFile(path=check_path(path)))
-        return data if format == "bytes" else data.decode("utf-8", "replace")
-
-    async def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> EntryInfo:
-        raw = data.encode() if isinstance(data, str) else data
-        return await self._instance.aexecute(WriteFile(path=check_path(path), data=raw, mode=mode))
-
-    async def list(self, path: str = "", *, depth: int = 1) -> list[EntryInfo]:
-        return list(await self._instance.aexecute(ListDir(path=check_path(path), depth=depth)))
-
-    async def stat(self, path: str) -> EntryInfo | None:
-        return await self._instance.aexecute(Stat(path=check_path(path), follow_symlinks=False))
-
-    async def exists(self, path: str) -> bool:
-        return await self.stat(path) is not None
-
-    async def remove(self, path: str) -> None:
-        await self._instance.aexecute(Remove(path=check_path(path)))
-
-    async def make_dir(self, path: str) -> EntryInfo:
-        return await self._instance.aexecute(MakeDir(path=check_path(path)))
-
-    async def upload_dir(
-        self, source: str | Path, dest: str = "", *, hide: Sequence[str] = (), read: Sequence[str] = ("**",)
-    ) -> None:
-        import asyncio  # lazily: importing stockade must stay cheap
-
-        data = await asyncio.to_thread(tar_directory, Path(source), hide, read)
-        await self._instance.aexecute(PutArchive(path=check_path(dest), data=data))
-
-    async def download_dir(
-        self,
-        dest: str | Path,
-        source: str = "",
-        *,
-        max_bytes: int = DOWNLOAD_MAX_BYTES,
-        max_entries: int = DOWNLOAD_MAX_ENTRIES,
-    ) -> DownloadResult:
-        """See ``Files.download_dir``: the same guarantees, the disk work in a worker thread."""
-        import asyncio  # lazily: importing stockade must stay cheap
-
-        from stockade.sandbox._archive import Extraction
-
-        op = GetArchive(path=check_path(source), max_bytes=max_bytes, max_entries=max_entries)
-        unpack = await asyncio.to_thread(Extraction, dest, max_bytes=max_bytes, max_entries=max_entries)
-        try:
-            whole = await self._instance.aexecute(op, unpack.sink)
-            if whole:  # a backend that answers with the whole archive (the shipped fakes)
-                await asyncio.to_thread(unpack.feed, whole)
-            return await asyncio.to_thread(unpack.finish)
-        except BaseException:
-            # Shielded: a second cancellation must not leave half a download behind.
-            await asyncio.shield(asyncio.to_thread(unpack.abort))
-            raise
 
 
 class AsyncSandbox:
@@ -655,12 +229,12 @@ class AsyncSandbox:
         """See ``Sandbox.create``."""
         import asyncio  # lazily: importing stockade must stay cheap
 
-        spec = _spec(limits, network, envs, allow_weaker, labels, rules=rules, approver=approver)
+        spec = sandbox_spec(limits, network, envs, allow_weaker, labels, rules=rules, approver=approver)
         if snapshot is not None:
             given = {"limits": limits, "network": network, "envs": envs}
-            tier, spec = await asyncio.to_thread(_from_snapshot, snapshot, store, tier, spec, given)
+            tier, spec = await asyncio.to_thread(from_snapshot, snapshot, store, tier, spec, given)
         if backend is None:
-            name = await asyncio.to_thread(_choose, tier, trust, prefer)
+            name = await asyncio.to_thread(choose_tier, tier, trust, prefer)
             backend = await asyncio.to_thread(_registry.backend, name)
         chosen = backend if isinstance(backend, AsyncBackend) else ThreadedAsyncBackend(backend)
         instance = await chosen.astart(spec)
@@ -696,7 +270,7 @@ class AsyncSandbox:
         on_stderr: TextCallback | None = None,
     ) -> Execution:
         op = code_op(code, language, timeout_s)
-        sink = text_sink(_threadsafe(on_stdout), _threadsafe(on_stderr))
+        sink = text_sink(threadsafe(on_stdout), threadsafe(on_stderr))
         if isinstance(op, RunCode):
             return await self.instance.aexecute(op, sink)
         return as_execution(await self.instance.aexecute(op, sink))

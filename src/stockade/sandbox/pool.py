@@ -29,8 +29,9 @@ from dataclasses import dataclass
 
 from stockade import exceptions as exc
 from stockade.sandbox import _registry
+from stockade.sandbox._startup import from_snapshot
 from stockade.sandbox.base import Backend, Instance, SandboxSpec
-from stockade.sandbox.facade import Sandbox, _from_snapshot
+from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import Reset, RunCode
 from stockade.sandbox.snapshots import SnapshotStore
 from stockade.types import Limits, NetworkPolicy, Snapshot
@@ -84,7 +85,7 @@ class SandboxPool:
         )
         if snapshot is not None:
             given = {"limits": limits, "network": network, "envs": envs}
-            tier, self._spec = _from_snapshot(snapshot, store, None, self._spec, given)
+            tier, self._spec = from_snapshot(snapshot, store, None, self._spec, given)
         self._backend = backend or _registry.backend(tier)
         self._ready: queue.Queue[_Member] = queue.Queue()
         self._returned: queue.Queue[_Member | None] = queue.Queue()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from stockade.models import tool_call
 from stockade.policy.approval import ApprovalStore
 from stockade.server.viewer.data import LocalRuns
 from stockade.server.viewer.web import _csrf, local_app
+from tests.conftest import wait_for
 from tests.unit.server.test_viewer_data import record
 
 XSS = "<script>alert(1)</script>"
@@ -41,9 +41,7 @@ def viewer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str,
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_for(lambda: server.started, what="the viewer to start", timeout_s=10)
     try:
         yield url, done, paused, folder
     finally:

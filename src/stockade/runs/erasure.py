@@ -1,0 +1,101 @@
+"""Erasing runs: by run, by data subject (``tag_subject``, ``runs_of``) or by age.
+
+A subject's right to erasure, a retention period: ``erase`` removes every row of the runs,
+and the workspace contents and seeds that no other run shares. The audit trail is another
+store: erasing runs leaves its chain as it was, so it still verifies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from stockade import exceptions as exc
+from stockade.agent.state import RunStatus
+from stockade.runs._db import Database, Statement
+from stockade.runs._schema import RUN_TABLES, as_int
+from stockade.runs.workspace import decode_entry
+
+__all__ = ["Erasure"]
+
+
+class Erasure:
+    """The ``<namespace>_subjects`` table, and the deletion of runs' rows."""
+
+    def __init__(self, db: Database, ns: str) -> None:
+        self.db = db
+        self.ns = ns
+
+    def tag_subject(self, run_id: str, subject: str) -> None:
+        """Record that the run holds personal data of ``subject`` (erase it with ``runs_of``)."""
+        if not subject:
+            raise exc.ConfigurationError("a data subject needs a name or an id")
+        self.db.write(
+            [
+                (
+                    f"INSERT INTO {self.ns}_subjects VALUES (?, ?) ON CONFLICT (run_id, subject) DO NOTHING",
+                    [(run_id, subject)],
+                )
+            ]
+        )
+
+    def runs_of(self, *, subject: str | None = None, before_ns: int | None = None) -> list[str]:
+        """The runs of a data subject, and/or the runs last updated before ``before_ns``."""
+        if subject is None and before_ns is None:
+            raise exc.ConfigurationError("say whose runs (subject) or up to when (before_ns)")
+        sql = f"SELECT r.run_id FROM {self.ns}_runs r WHERE 1 = 1"
+        params: list[object] = []
+        if subject is not None:
+            sql += f" AND r.run_id IN (SELECT run_id FROM {self.ns}_subjects WHERE subject = ?)"
+            params.append(subject)
+        if before_ns is not None:
+            sql += " AND r.updated_ns < ?"
+            params.append(before_ns)
+        return [str(row[0]) for row in self.db.query(sql + " ORDER BY r.run_id", params)]
+
+    def erase(self, runs: Sequence[str]) -> int:
+        """Remove every row of ``runs`` (distinct ids, none empty), and the workspace contents
+        and seeds that no other run shares; returns the runs erased. A run still running is
+        refused (``RunConflict``): sweep the runs whose owner is gone first."""
+        ns = self.ns
+        marks = ",".join("?" * len(runs))
+        live = self.db.query(
+            f"SELECT run_id FROM {ns}_runs WHERE status = ? AND run_id IN ({marks})",
+            [RunStatus.RUNNING.value, *runs],
+        )
+        if live:
+            raise exc.RunConflict(f"run {live[0][0]} is running: stop it before erasing it")
+        blobs = {
+            decode_entry(str(body)).digest
+            for (body,) in self.db.query(
+                f"SELECT body FROM {ns}_workspace WHERE body IS NOT NULL AND run_id IN ({marks})", runs
+            )
+        }
+        seeds = {
+            str(d)
+            for (d,) in self.db.query(f"SELECT digest FROM {ns}_run_seeds WHERE run_id IN ({marks})", runs)
+        }
+        found = self.db.query(f"SELECT COUNT(*) FROM {ns}_runs WHERE run_id IN ({marks})", runs)
+        statements: list[Statement] = [
+            (f"DELETE FROM {ns}_{table} WHERE run_id IN ({marks})", [runs]) for table in RUN_TABLES
+        ]
+        self.db.write(statements)
+        self.db.write([st for st in self._unshared(blobs - {""}, seeds) if st[1]])
+        return as_int(found[0][0]) if found else 0
+
+    def _unshared(self, blobs: set[str], seeds: set[str]) -> list[Statement]:
+        """Deletions of the contents and seeds (of erased runs) that no run refers to any more."""
+        ns = self.ns
+        gone_blobs = [
+            (d,)
+            for d in sorted(blobs)
+            if not self.db.query(f"SELECT 1 FROM {ns}_workspace WHERE body LIKE ? LIMIT 1", (f'%"{d}"%',))
+        ]
+        gone_seeds = [
+            (d,)
+            for d in sorted(seeds)
+            if not self.db.query(f"SELECT 1 FROM {ns}_run_seeds WHERE digest = ? LIMIT 1", (d,))
+        ]
+        return [
+            (f"DELETE FROM {ns}_blobs WHERE digest = ?", gone_blobs),
+            (f"DELETE FROM {ns}_seeds WHERE digest = ?", gone_seeds),
+        ]

@@ -1,0 +1,143 @@
+"""The ledger: the tool calls of each run that returned, and the calls that started.
+
+A call's row is keyed by its idempotency key and written once, the moment the call returns
+(or with the checkpoint that holds it, whichever comes first). The calls started
+(``<namespace>_calls_started``) are what a resume reads to tell a call that returned from
+one that started and did not: run again if its tool is idempotent, ``OutcomeUnknown``
+otherwise (``checkpoints``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+
+from pydantic import BaseModel, ValidationError
+
+from stockade import exceptions as exc
+from stockade.agent.state import ToolCallRecord
+from stockade.audit.redact import Redactor
+from stockade.audit.verify import LedgerCall
+from stockade.models.messages import ToolCall
+from stockade.runs._db import Database, Statement
+from stockade.runs._schema import as_int
+
+__all__ = ["CallLedger", "redacted_json"]
+
+
+def redacted_json(redactor: Redactor, model: BaseModel, *, exclude: set[str] | None = None) -> str:
+    """The model as JSON with every string redacted (keys naming a credential: the whole value)."""
+    data = redactor.value(model.model_dump(mode="json", exclude=exclude))
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+class CallLedger:
+    """The ``<namespace>_tool_calls`` and ``<namespace>_calls_started`` tables."""
+
+    def __init__(
+        self,
+        db: Database,
+        ns: str,
+        redactor: Redactor,
+        *,
+        write: Callable[[str, Sequence[Statement]], None],
+        where: str,
+    ) -> None:
+        self.db = db
+        self.ns = ns
+        self.redactor = redactor
+        self._write = write  # fenced by the run's lease
+        self._where = where
+
+    def insert_sql(self) -> str:
+        return f"INSERT INTO {self.ns}_tool_calls VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
+
+    def row(self, run_id: str, step: int, record: ToolCallRecord, now: int) -> tuple[object, ...]:
+        return (
+            record.idempotency_key,
+            run_id,
+            step,
+            record.call.id,
+            record.call.name,
+            now,
+            redacted_json(self.redactor, record),
+        )
+
+    def tool_calls(self, run_id: str, *, step: int | None = None) -> list[ToolCallRecord]:
+        """The ledger of ``run_id`` (in the order the calls returned)."""
+        sql = f"SELECT body FROM {self.ns}_tool_calls WHERE run_id = ?"
+        params: list[object] = [run_id]
+        if step is not None:
+            sql += " AND step = ?"
+            params.append(step)
+        rows = self.db.query(
+            sql.replace("SELECT body", "SELECT idempotency_key, body")
+            + " ORDER BY recorded_ns, idempotency_key",
+            params,
+        )
+        records = []
+        for key, body in rows:
+            try:
+                records.append(ToolCallRecord.model_validate_json(str(body)))
+            except ValidationError as error:
+                raise exc.RunStoreCorrupt(
+                    f"run store {self._where}: the {self.ns}_tool_calls row {str(key)!r} cannot be read "
+                    f"({error.errors()[0]['msg'] if error.errors() else error})"
+                ) from None
+        return records
+
+    def ledger_calls(self, run_id: str | None = None) -> list[LedgerCall]:
+        """The ledger as ``audit verify`` cross-checks it: every call but the denied ones."""
+        sql = f"SELECT run_id, step, idempotency_key, tool, body FROM {self.ns}_tool_calls"
+        rows = (
+            self.db.query(sql + " WHERE run_id = ?", (run_id,)) if run_id is not None else self.db.query(sql)
+        )
+        calls = []
+        for run, step, key, tool, body in rows:
+            try:
+                denied = json.loads(str(body)).get("denied") is True
+            except (ValueError, AttributeError):
+                denied = False  # unreadable: cross-checked all the same
+            if not denied:
+                calls.append(
+                    LedgerCall(run_id=str(run), step=as_int(step), idempotency_key=str(key), tool=str(tool))
+                )
+        return calls
+
+    # -- calls started -------------------------------------------------------------------------
+
+    def started(self, run_id: str, step: int) -> dict[str, bool]:
+        """The calls of ``step`` that started: idempotency key -> whether their tool is idempotent."""
+        rows = self.db.query(
+            f"SELECT idempotency_key, idempotent FROM {self.ns}_calls_started WHERE run_id = ? AND step = ?",
+            (run_id, step),
+        )
+        return {str(r[0]): bool(r[1]) for r in rows}
+
+    def call_started(self, run_id: str, step: int, call: ToolCall, key: str, *, idempotent: bool) -> None:
+        """Record that ``call`` is about to run (again: its attempts are counted)."""
+        self._write(
+            run_id,
+            [
+                (
+                    f"INSERT INTO {self.ns}_calls_started VALUES (?, ?, ?, ?, ?, ?, 1, ?) "
+                    "ON CONFLICT (idempotency_key) DO UPDATE SET "
+                    f"attempts = {self.ns}_calls_started.attempts + 1, started_ns = excluded.started_ns",
+                    [(key, run_id, step, call.id, call.name, int(idempotent), time.time_ns())],
+                )
+            ],
+        )
+
+    def call_parked(self, run_id: str, key: str) -> None:
+        """The call stopped at an approval before its effect: forget that it started, so a
+        resume runs it again (its attempts start over)."""
+        sql = f"DELETE FROM {self.ns}_calls_started WHERE idempotency_key = ? AND run_id = ?"
+        self._write(run_id, [(sql, [(key, run_id)])])
+
+    def attempts(self, run_id: str) -> dict[str, int]:
+        """How many times each call of the run started: idempotency key -> attempts."""
+        rows = self.db.query(
+            f"SELECT idempotency_key, attempts FROM {self.ns}_calls_started WHERE run_id = ?", (run_id,)
+        )
+        return {str(r[0]): as_int(r[1]) for r in rows}

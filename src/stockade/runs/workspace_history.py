@@ -1,0 +1,233 @@
+"""The recorded workspaces of the runs: versions of each run's workspace, and its seed.
+
+After a tool call, ``record`` writes what changed in the workspace (rows of
+``<namespace>_workspace``, contents in ``<namespace>_blobs``, named by SHA-256 and
+compressed) in one transaction with the call's ledger row; ``restore`` puts the last recorded
+version into a resumed run's sandbox, ``export`` into a folder on the host. A run's seed is
+the folder it started from (``seeds``). See ``workspace`` for how a change is found.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+import zlib
+from pathlib import Path
+
+from stockade import exceptions as exc
+from stockade.agent.state import ToolCallRecord
+from stockade.runs._db import Database, Statement
+from stockade.runs._schema import as_int
+from stockade.runs.checkpoints import Checkpoints
+from stockade.runs.records import WorkspaceUsage
+from stockade.runs.seeds import pack_workspace, unpack_seed
+from stockade.runs.workspace import Entry, WorkspaceTracker, decode_entry, relative_path, restore
+from stockade.sandbox.facade import Sandbox
+
+__all__ = ["WorkspaceHistory"]
+
+
+class WorkspaceHistory:
+    """The ``<namespace>_workspace``, ``_blobs``, ``_seeds`` and ``_run_seeds`` tables, and the
+    last recorded state of each run this process records (its ``WorkspaceTracker``)."""
+
+    def __init__(
+        self,
+        db: Database,
+        ns: str,
+        checkpoints: Checkpoints,
+        *,
+        max_bytes: int,
+        max_entries: int,
+        where: str,
+    ) -> None:
+        self.db = db
+        self.ns = ns
+        self.checkpoints = checkpoints  # a call's ledger row is written with its workspace
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self._where = where
+        self._lock = threading.Lock()
+        self._trackers: dict[str, WorkspaceTracker] = {}
+
+    def start(self, run_id: str) -> None:
+        """A new run: its workspace has no recorded state yet."""
+        with self._lock:
+            self._trackers[run_id] = self._new_tracker()
+
+    def forget(self, run_id: str) -> None:
+        with self._lock:
+            self._trackers.pop(run_id, None)
+
+    def _new_tracker(self) -> WorkspaceTracker:
+        return WorkspaceTracker(max_bytes=self.max_bytes, max_entries=self.max_entries)
+
+    def _tracker(self, run_id: str) -> WorkspaceTracker:
+        tracker = self._trackers.get(run_id)
+        if tracker is None:  # a run this process did not start or restore: continue from the store
+            entries, version = self._stored(run_id)
+            tracker = self._trackers[run_id] = self._new_tracker()
+            tracker.entries, tracker.version = entries, version
+        return tracker
+
+    def record(self, run_id: str, sandbox: Sandbox, *, call: tuple[int, ToolCallRecord] | None = None) -> int:
+        """Record what changed in the workspace since the last record, and with it, in the same
+        transaction, the call (step, record) that changed it; returns the workspace's version."""
+        tracker = self._tracker(run_id)
+        scan = tracker.scan(sandbox, known=self._known_blob)
+        version = tracker.version + 1 if scan.changed else tracker.version
+        now = time.time_ns()
+        packed = {digest: zlib.compress(data, 6) for digest, data in scan.blobs.items()}
+        added = {
+            path: len(packed.get(e.digest, b"")) if e is not None else 0 for path, e in scan.changes.items()
+        }
+        statements: list[Statement] = [
+            (
+                f"INSERT INTO {self.ns}_blobs VALUES (?, ?, ?) ON CONFLICT (digest) DO NOTHING",
+                [(digest, len(scan.blobs[digest]), data) for digest, data in packed.items()],
+            ),
+            (
+                f"INSERT INTO {self.ns}_workspace VALUES (?, ?, ?, ?, ?)",
+                [
+                    (run_id, version, path, None if e is None else e.encode(), added[path])
+                    for path, e in sorted(scan.changes.items())
+                ],
+            ),
+        ]
+        self.checkpoints.write_with_call(
+            run_id, statements, call, now=now, then=lambda: tracker.commit(scan, version)
+        )
+        return version
+
+    def _known_blob(self, digest: str) -> bool:
+        return bool(self.db.query(f"SELECT 1 FROM {self.ns}_blobs WHERE digest = ?", (digest,)))
+
+    def _stored(self, run_id: str) -> tuple[dict[str, Entry], int]:
+        rows = self.db.query(
+            f"SELECT version, path, body FROM {self.ns}_workspace WHERE run_id = ? ORDER BY version, path",
+            (run_id,),
+        )
+        entries: dict[str, Entry] = {}
+        version = 0
+        for row_version, path, body in rows:
+            version = as_int(row_version)
+            if body is None:
+                entries.pop(str(path), None)
+                continue
+            try:
+                entries[str(path)] = decode_entry(str(body))
+            except (ValueError, TypeError) as error:
+                raise exc.RunStoreCorrupt(
+                    f"run store {self._where}: the {self.ns}_workspace row (run {run_id!r}, version "
+                    f"{version}, path {str(path)!r}) cannot be read: {error}"
+                ) from None
+        return entries, version
+
+    def _blob(self, digest: str) -> bytes:
+        rows = self.db.query(f"SELECT data FROM {self.ns}_blobs WHERE digest = ?", (digest,))
+        what = f"run store {self._where}: the {self.ns}_blobs row {digest[:16]}…"
+        if not rows:
+            raise exc.RunStoreCorrupt(f"{what} is missing: the workspace cannot be restored")
+        raw = rows[0][0]
+        try:
+            data = zlib.decompress(bytes(raw) if isinstance(raw, bytes | bytearray | memoryview) else b"")
+        except zlib.error as error:
+            raise exc.RunStoreCorrupt(f"{what} cannot be unpacked: {error}") from None
+        if hashlib.sha256(data).hexdigest() != digest:
+            raise exc.RunStoreCorrupt(f"{what} does not hold the content its digest names")
+        return data
+
+    def restore(self, run_id: str, sandbox: Sandbox) -> bool:
+        """Make the workspace of ``sandbox`` the run's last recorded one (whatever it held);
+        ``False`` when none was recorded (the sandbox is left as it is)."""
+        entries, version = self._stored(run_id)
+        if version == 0:
+            return False
+        # this process recorded it last: if the sandbox still holds it (a pause, resumed in the
+        # same session), nothing needs writing
+        known = self._trackers.get(run_id)
+        if (
+            known is not None
+            and known.version == version
+            and known.entries == entries
+            and not known.scan(sandbox, known=self._known_blob).changed
+        ):
+            return True
+        listing = restore(sandbox, entries, self._blob)
+        tracker = self._new_tracker()
+        tracker.restored(entries, version, listing)
+        with self._lock:
+            self._trackers[run_id] = tracker
+        return True
+
+    def export(self, run_id: str, dest: str | Path) -> int:
+        """Write the run's last recorded workspace into ``dest``, a new folder on the host;
+        returns the files written. ``ConfigurationError`` when ``dest`` exists or the run
+        recorded no workspace."""
+        entries, version = self._stored(run_id)
+        if version == 0:
+            raise exc.ConfigurationError(f"run {run_id!r} recorded no workspace in {self._where}")
+        root = Path(dest)
+        try:
+            root.mkdir(parents=True)
+        except FileExistsError:
+            raise exc.ConfigurationError(f"{root} exists: give a new folder") from None
+        written = 0
+        for path in sorted(p for p in entries if relative_path(p)):  # parents sort before children
+            entry, target = entries[path], root / path
+            if entry.kind == "dir":
+                target.mkdir(mode=0o700, exist_ok=True)
+                continue
+            target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            # the folder is new and only this writes in it: no link can be there to follow
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, entry.mode & 0o755)
+            with os.fdopen(fd, "wb") as out:
+                out.write(self._blob(entry.digest))
+            written += 1
+        return written
+
+    def usage(self, run_id: str) -> WorkspaceUsage:
+        rows = self.db.query(
+            "SELECT COUNT(DISTINCT version), COUNT(*), COALESCE(SUM(blob_bytes), 0) "
+            f"FROM {self.ns}_workspace WHERE run_id = ?",
+            (run_id,),
+        )
+        versions, count, blob_bytes = rows[0] if rows else (0, 0, 0)
+        return WorkspaceUsage(versions=as_int(versions), rows=as_int(count), blob_bytes=as_int(blob_bytes))
+
+    # -- seeds: the folder a run started from ----------------------------------------------------
+
+    def save_seed(self, run_id: str, workspace: str | Path, *, max_bytes: int) -> str:
+        """Keep the folder ``workspace`` as the run's starting workspace; returns its digest.
+
+        ``SeedTooLarge`` past ``max_bytes``. A run keeps its first seed (a resumed run does
+        not replace where it started)."""
+        seed = pack_workspace(workspace, max_bytes=max_bytes)
+        self.db.write(
+            [
+                (
+                    f"INSERT INTO {self.ns}_seeds VALUES (?, ?, ?) ON CONFLICT (digest) DO NOTHING",
+                    [(seed.digest, len(seed.data), seed.data)],
+                ),
+                (
+                    f"INSERT INTO {self.ns}_run_seeds VALUES (?, ?, ?) ON CONFLICT (run_id) DO NOTHING",
+                    [(run_id, seed.digest, time.time_ns())],
+                ),
+            ]
+        )
+        return seed.digest
+
+    def restore_seed(self, run_id: str, dest: str | Path) -> bool:
+        """Unpack the run's starting workspace into ``dest``; ``False`` when none was kept."""
+        rows = self.db.query(
+            f"SELECT s.data FROM {self.ns}_run_seeds r JOIN {self.ns}_seeds s ON s.digest = r.digest "
+            "WHERE r.run_id = ?",
+            (run_id,),
+        )
+        if not rows:
+            return False
+        data = rows[0][0]
+        unpack_seed(bytes(data) if isinstance(data, bytes | bytearray | memoryview) else b"", dest)
+        return True

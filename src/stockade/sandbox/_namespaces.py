@@ -1,0 +1,215 @@
+"""``sbx.commands`` and ``sbx.files``: the namespaces of ``Sandbox`` and their asyncio twins
+(``AsyncSandbox``'s), each a thin layer that builds ``ops`` values (``_requests``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Literal, overload
+
+from stockade.sandbox._requests import TextCallback, check_path, command_op, tar_directory, text_sink
+from stockade.sandbox.base import AsyncInstance, Instance
+from stockade.sandbox.ops import (
+    DOWNLOAD_MAX_BYTES,
+    DOWNLOAD_MAX_ENTRIES,
+    GetArchive,
+    ListDir,
+    MakeDir,
+    PutArchive,
+    ReadFile,
+    Remove,
+    Stat,
+    WriteFile,
+)
+from stockade.types import CommandResult, DownloadResult, EntryInfo
+
+__all__ = ["AsyncCommands", "AsyncFiles", "Commands", "Files", "threadsafe"]
+
+
+# -- sync --------------------------------------------------------------------------------
+
+
+class Commands:
+    def __init__(self, instance: Instance) -> None:
+        self._instance = instance
+
+    def run(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        cwd: str | None = None,
+        envs: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+        stdin: str | bytes | None = None,
+        on_stdout: TextCallback | None = None,
+        on_stderr: TextCallback | None = None,
+    ) -> CommandResult:
+        """Run ``cmd`` (a shell string, or an argv list run without a shell).
+
+        A non-zero exit, a timeout or an OOM kill is reported in the result, never raised.
+        """
+        op = command_op(cmd, cwd, envs, timeout_s, stdin)
+        return self._instance.execute(op, text_sink(on_stdout, on_stderr))
+
+
+class Files:
+    """The workspace (``/workspace`` inside). Paths are relative to it, or absolute under it."""
+
+    def __init__(self, instance: Instance) -> None:
+        self._instance = instance
+
+    @overload
+    def read(self, path: str, *, format: Literal["text"] = "text") -> str: ...
+    @overload
+    def read(self, path: str, *, format: Literal["bytes"]) -> bytes: ...
+
+    def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> str | bytes:
+        data = self._instance.execute(ReadFile(path=check_path(path)))
+        return data if format == "bytes" else data.decode("utf-8", "replace")
+
+    def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> EntryInfo:
+        raw = data.encode() if isinstance(data, str) else data
+        return self._instance.execute(WriteFile(path=check_path(path), data=raw, mode=mode))
+
+    def list(self, path: str = "", *, depth: int = 1) -> list[EntryInfo]:
+        return list(self._instance.execute(ListDir(path=check_path(path), depth=depth)))
+
+    def stat(self, path: str) -> EntryInfo | None:
+        return self._instance.execute(Stat(path=check_path(path), follow_symlinks=False))
+
+    def exists(self, path: str) -> bool:
+        return self.stat(path) is not None
+
+    def remove(self, path: str) -> None:
+        self._instance.execute(Remove(path=check_path(path)))
+
+    def make_dir(self, path: str) -> EntryInfo:
+        return self._instance.execute(MakeDir(path=check_path(path)))
+
+    def upload_dir(
+        self, source: str | Path, dest: str = "", *, hide: Sequence[str] = (), read: Sequence[str] = ("**",)
+    ) -> None:
+        """Copy a host directory into the workspace: what ``read`` names, but what ``hide``
+        names (workspace globs)."""
+        data = tar_directory(Path(source), hide, read)
+        self._instance.execute(PutArchive(path=check_path(dest), data=data))
+
+    def download_dir(
+        self,
+        dest: str | Path,
+        source: str = "",
+        *,
+        max_bytes: int = DOWNLOAD_MAX_BYTES,
+        max_entries: int = DOWNLOAD_MAX_ENTRIES,
+    ) -> DownloadResult:
+        """Copy a workspace folder (the whole workspace by default) into ``dest`` on the host.
+
+        All or nothing, and nothing outside ``dest``: no link is followed while writing,
+        symlinks are kept only when they resolve inside ``dest`` by every route, hard links
+        stay hard links, FIFOs, sockets and devices are skipped (and listed in the result),
+        setuid/setgid and group/other write bits are dropped. ``max_bytes`` caps the file
+        contents written (1 GiB by default; a sparse file counts by its apparent size) and
+        ``max_entries`` the entries: past either, ``FileTooLarge`` and nothing is left.
+        """
+        from stockade.sandbox._archive import Extraction
+
+        op = GetArchive(path=check_path(source), max_bytes=max_bytes, max_entries=max_entries)
+        with Extraction(dest, max_bytes=max_bytes, max_entries=max_entries) as unpack:
+            whole = self._instance.execute(op, unpack.sink)
+            if whole:  # a backend that answers with the whole archive (the shipped fakes)
+                unpack.feed(whole)
+            return unpack.finish()
+
+
+# -- async -------------------------------------------------------------------------------
+
+
+def threadsafe(callback: TextCallback | None) -> TextCallback | None:
+    """Deliver streamed output on the event loop's thread, not the worker's."""
+    import asyncio  # lazily: importing stockade must stay cheap
+
+    if callback is None:
+        return None
+    loop = asyncio.get_running_loop()
+    return lambda text: loop.call_soon_threadsafe(callback, text)
+
+
+class AsyncCommands:
+    def __init__(self, instance: AsyncInstance) -> None:
+        self._instance = instance
+
+    async def run(
+        self,
+        cmd: str | Sequence[str],
+        *,
+        cwd: str | None = None,
+        envs: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+        stdin: str | bytes | None = None,
+        on_stdout: TextCallback | None = None,
+        on_stderr: TextCallback | None = None,
+    ) -> CommandResult:
+        op = command_op(cmd, cwd, envs, timeout_s, stdin)
+        sink = text_sink(threadsafe(on_stdout), threadsafe(on_stderr))
+        return await self._instance.aexecute(op, sink)
+
+
+class AsyncFiles:
+    def __init__(self, instance: AsyncInstance) -> None:
+        self._instance = instance
+
+    async def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> str | bytes:
+        data = await self._instance.aexecute(ReadFile(path=check_path(path)))
+        return data if format == "bytes" else data.decode("utf-8", "replace")
+
+    async def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> EntryInfo:
+        raw = data.encode() if isinstance(data, str) else data
+        return await self._instance.aexecute(WriteFile(path=check_path(path), data=raw, mode=mode))
+
+    async def list(self, path: str = "", *, depth: int = 1) -> list[EntryInfo]:
+        return list(await self._instance.aexecute(ListDir(path=check_path(path), depth=depth)))
+
+    async def stat(self, path: str) -> EntryInfo | None:
+        return await self._instance.aexecute(Stat(path=check_path(path), follow_symlinks=False))
+
+    async def exists(self, path: str) -> bool:
+        return await self.stat(path) is not None
+
+    async def remove(self, path: str) -> None:
+        await self._instance.aexecute(Remove(path=check_path(path)))
+
+    async def make_dir(self, path: str) -> EntryInfo:
+        return await self._instance.aexecute(MakeDir(path=check_path(path)))
+
+    async def upload_dir(
+        self, source: str | Path, dest: str = "", *, hide: Sequence[str] = (), read: Sequence[str] = ("**",)
+    ) -> None:
+        import asyncio  # lazily: importing stockade must stay cheap
+
+        data = await asyncio.to_thread(tar_directory, Path(source), hide, read)
+        await self._instance.aexecute(PutArchive(path=check_path(dest), data=data))
+
+    async def download_dir(
+        self,
+        dest: str | Path,
+        source: str = "",
+        *,
+        max_bytes: int = DOWNLOAD_MAX_BYTES,
+        max_entries: int = DOWNLOAD_MAX_ENTRIES,
+    ) -> DownloadResult:
+        """See ``Files.download_dir``: the same guarantees, the disk work in a worker thread."""
+        import asyncio  # lazily: importing stockade must stay cheap
+
+        from stockade.sandbox._archive import Extraction
+
+        op = GetArchive(path=check_path(source), max_bytes=max_bytes, max_entries=max_entries)
+        unpack = await asyncio.to_thread(Extraction, dest, max_bytes=max_bytes, max_entries=max_entries)
+        try:
+            whole = await self._instance.aexecute(op, unpack.sink)
+            if whole:  # a backend that answers with the whole archive (the shipped fakes)
+                await asyncio.to_thread(unpack.feed, whole)
+            return await asyncio.to_thread(unpack.finish)
+        except BaseException:
+            # Shielded: a second cancellation must not leave half a download behind.
+            await asyncio.shield(asyncio.to_thread(unpack.abort))
+            raise

@@ -1,0 +1,185 @@
+"""What the supervisor answers, decoded: every field is data from inside the sandbox.
+
+``SupervisedInstance`` sends the requests and waits; this module turns its replies into the
+values callers get (``CommandResult``, ``Execution``, ``EntryInfo``, the ``WorkspaceError``
+a refusal names), trusting no field: a wrong type reads as zero or empty, and the output
+kept is what the host counted, never more than its cap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from stockade import exceptions as exc
+from stockade.sandbox import _rules
+from stockade.sandbox.ops import Area
+from stockade.types import CommandResult, EntryInfo, EntryType, Execution, ExecutionError, Logs, Result
+
+__all__ = [
+    "WORKSPACE_ERRORS",
+    "OutputCollector",
+    "area_args",
+    "command_result",
+    "entry_info",
+    "execution",
+    "int_field",
+    "timed_out_command",
+    "timed_out_execution",
+    "truncation_marker",
+]
+
+# What a refusal of a file operation raises, by the kind the supervisor names.
+WORKSPACE_ERRORS: dict[str, type[exc.WorkspaceError]] = {
+    "escape": exc.PathEscapeError,
+    "missing": exc.SandboxFileNotFound,
+    "type": exc.FileTypeError,
+    "too_large": exc.FileTooLarge,
+    "full": exc.WorkspaceFull,
+}
+
+# Whether the memory limit killed something since the call began (``settle``: wait for a
+# counter that lags the kill it counts).
+OomCheck = Callable[[bool], bool]
+
+
+def truncation_marker(shown: int, total: int) -> str:
+    return f"\n[stockade: output truncated: showing {shown} of {total} bytes]\n"
+
+
+class OutputCollector:
+    """Accumulates one stream of output up to the cap, decoding for callbacks as it comes."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.data = bytearray()
+
+    def add(self, chunk: bytes) -> bytes:
+        room = self.cap - len(self.data)
+        part = chunk[: max(room, 0)]
+        self.data += part
+        return part
+
+    def text(self, total: int) -> tuple[str, bool]:
+        out = self.data.decode("utf-8", "replace")
+        if total > len(self.data):
+            return out + truncation_marker(len(self.data), total), True
+        return out, False
+
+
+def area_args(area: Area) -> dict[str, str]:
+    """The protocol's ``root`` for an area (the workspace is the default: no key)."""
+    return {} if area == "workspace" else {"root": area}
+
+
+def int_field(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def entry_info(raw: Any) -> EntryInfo:
+    if not isinstance(raw, dict):
+        raise exc.ProtocolError(f"malformed entry {raw!r}")
+    try:
+        kind = EntryType(str(raw.get("type")))
+    except ValueError:
+        kind = EntryType.OTHER
+    return EntryInfo(
+        path=str(raw.get("path", "")),
+        name=str(raw.get("name", "")),
+        type=kind,
+        size=int_field(raw.get("size")),
+        mode=int_field(raw.get("mode")),
+        mtime=float(raw.get("mtime") or 0.0),
+    )
+
+
+def command_result(
+    h: dict[str, Any], streams: dict[int, OutputCollector], oom_since: OomCheck
+) -> CommandResult:
+    """A command's report (``exit``), with the output the host collected."""
+    out_total = max(int_field(h.get("stdout_bytes")), len(streams[1].data))
+    err_total = max(int_field(h.get("stderr_bytes")), len(streams[2].data))
+    out, out_cut = streams[1].text(out_total)
+    err, err_cut = streams[2].text(err_total)
+    sig = h.get("signal")
+    killed = (sig == 9 or int_field(h.get("exit_code")) == 137) and not h.get("timed_out")
+    # A sandbox with a kernel of its own (the microVM) counts its OOM kills itself.
+    oom = int_field(h.get("oom_kills")) > 0 or oom_since(killed)
+    return CommandResult(
+        exit_code=int_field(h.get("exit_code")),
+        stdout=out,
+        stderr=err,
+        duration_s=float(h.get("duration") or 0.0),
+        timed_out=bool(h.get("timed_out")),
+        oom_killed=oom,
+        truncated=out_cut or err_cut,
+        stdout_bytes=out_total,
+        stderr_bytes=err_total,
+        signal=sig if isinstance(sig, int) else None,
+        execs=_rules.exec_records(h),
+    )
+
+
+def timed_out_command(streams: dict[int, OutputCollector], duration_s: float) -> CommandResult:
+    """A command whose sandbox was killed when the supervisor missed its deadline."""
+    out, out_cut = streams[1].text(len(streams[1].data))
+    err, _ = streams[2].text(len(streams[2].data))
+    return CommandResult(
+        exit_code=137,
+        stdout=out,
+        stderr=err,
+        duration_s=duration_s,
+        timed_out=True,
+        truncated=out_cut,
+        signal=9,
+        stdout_bytes=len(streams[1].data),
+        stderr_bytes=len(streams[2].data),
+    )
+
+
+def execution(
+    h: dict[str, Any], payload: Any, streams: dict[int, OutputCollector], oom_since: OomCheck
+) -> Execution:
+    """A ``run_code`` report (``result``: its header and its JSON payload, already bounded)."""
+    out, out_cut = streams[1].text(max(int_field(h.get("stdout_bytes")), len(streams[1].data)))
+    err, err_cut = streams[2].text(max(int_field(h.get("stderr_bytes")), len(streams[2].data)))
+    if not isinstance(payload, dict):
+        raise exc.ProtocolError("malformed run_code report")
+    results = []
+    for raw in payload.get("results") or []:
+        if isinstance(raw, dict):
+            results.append(Result({str(k): str(v) for k, v in raw.items()}))
+    error = None
+    raw_err = payload.get("error")
+    if isinstance(raw_err, dict):
+        name = str(raw_err.get("name", "Error"))
+        value = str(raw_err.get("value", ""))
+        guest_oom = int_field(h.get("oom_kills")) > 0
+        if name == "KernelDied" and (guest_oom or oom_since(True)):
+            value = "the interpreter was killed by the sandbox's memory limit; its state is lost"
+            name = "MemoryLimitExceeded"
+        error = ExecutionError(name=name, value=value, traceback=str(raw_err.get("traceback", "")))
+    return Execution(
+        results=tuple(results),
+        logs=Logs(stdout=out, stderr=err),
+        error=error,
+        duration_s=float(h.get("duration") or 0.0),
+        timed_out=bool(h.get("timed_out")),
+        truncated=out_cut or err_cut,
+        execs=_rules.exec_records(h),
+    )
+
+
+def timed_out_execution(streams: dict[int, OutputCollector], duration_s: float) -> Execution:
+    """A ``run_code`` whose sandbox was killed when the supervisor missed its deadline."""
+    return Execution(
+        logs=Logs(
+            stdout=streams[1].text(len(streams[1].data))[0],
+            stderr=streams[2].text(len(streams[2].data))[0],
+        ),
+        error=ExecutionError(
+            name="TimeoutError", value="the sandbox stopped answering and was killed", traceback=""
+        ),
+        duration_s=duration_s,
+        timed_out=True,
+    )

@@ -1,0 +1,160 @@
+"""What the facades share: friendly calls turned into ``ops`` values, and results shaped.
+
+``Sandbox`` and ``AsyncSandbox`` (and their ``commands`` and ``files``) build their requests
+here, so that the twins differ only in ``await``.
+"""
+
+from __future__ import annotations
+
+import codecs
+import io
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from stockade import exceptions as exc
+from stockade._checks import check_envs, check_timeout
+from stockade.sandbox._supervised import WORKSPACE
+from stockade.sandbox.base import OutputSink
+from stockade.sandbox.ops import RunCode, RunCommand, program_command
+from stockade.types import CommandResult, Execution, ExecutionError, Logs
+
+__all__ = [
+    "INTERPRETERS",
+    "TextCallback",
+    "as_execution",
+    "check_path",
+    "code_op",
+    "command_op",
+    "tar_directory",
+    "text_sink",
+]
+
+TextCallback = Callable[[str], object]
+
+# run_code's language names -> the keys of ops.PROGRAM_ON_STDIN ("python" is the persistent
+# interpreter; "python3" a fresh process).
+INTERPRETERS: dict[str, str] = {
+    "bash": "bash",
+    "sh": "sh",
+    "python3": "python3",
+    "node": "node",
+    "javascript": "node",
+    "ruby": "ruby",
+    "perl": "perl",
+    "php": "php",
+    "r": "r",
+}
+
+
+def check_path(path: str) -> str:
+    """Refuse, before anything reaches the sandbox, paths that cannot be in the workspace."""
+    if not isinstance(path, str):
+        raise exc.ConfigurationError(f"paths are str, got {type(path).__name__}")
+    if "\x00" in path:
+        raise exc.PathEscapeError(f"{path!r} contains a NUL byte", path=path)
+    if path.startswith("/") and not (path == WORKSPACE or path.startswith(WORKSPACE + "/")):
+        raise exc.PathEscapeError(f"{path!r} is outside the workspace ({WORKSPACE})", path=path)
+    relative = path[len(WORKSPACE) :] if path.startswith(WORKSPACE) else path
+    depth = 0
+    for part in relative.split("/"):
+        if part == "..":
+            depth -= 1
+            if depth < 0:
+                raise exc.PathEscapeError(f"{path!r} leads outside the workspace", path=path)
+        elif part not in ("", "."):
+            depth += 1
+    return path
+
+
+def command_op(
+    cmd: str | Sequence[str],
+    cwd: str | None,
+    envs: Mapping[str, str] | None,
+    timeout_s: float | None,
+    stdin: str | bytes | None,
+) -> RunCommand:
+    argv = ("/bin/sh", "-c", cmd) if isinstance(cmd, str) else tuple(cmd)
+    data = stdin.encode() if isinstance(stdin, str) else stdin
+    return RunCommand(
+        argv=argv, cwd=cwd, envs=check_envs(envs), timeout_s=check_timeout(timeout_s), stdin=data
+    )
+
+
+def text_sink(on_stdout: TextCallback | None, on_stderr: TextCallback | None) -> OutputSink | None:
+    """Adapt byte chunks to text callbacks; a UTF-8 character split across chunks survives."""
+    if on_stdout is None and on_stderr is None:
+        return None
+    callbacks = {1: on_stdout, 2: on_stderr}
+    decoders = {fd: codecs.getincrementaldecoder("utf-8")("replace") for fd in (1, 2)}
+
+    def sink(fd: int, data: bytes) -> None:
+        callback = callbacks.get(fd)
+        if callback is not None:
+            text = decoders[fd].decode(data)
+            if text:
+                callback(text)
+
+    return sink
+
+
+def as_execution(result: CommandResult) -> Execution:
+    """A fresh-process run_code (bash, node, ...) reported like a Python one."""
+    error = None
+    if result.timed_out:
+        error = ExecutionError(name="TimeoutError", value="the code ran past its timeout", traceback="")
+    elif result.exit_code != 0:
+        error = ExecutionError(
+            name="NonZeroExit", value=f"exit code {result.exit_code}", traceback=result.stderr
+        )
+    return Execution(
+        logs=Logs(stdout=result.stdout, stderr=result.stderr),
+        error=error,
+        duration_s=result.duration_s,
+        timed_out=result.timed_out,
+        truncated=result.truncated,
+    )
+
+
+def code_op(code: str, language: str, timeout_s: float | None) -> RunCode | RunCommand:
+    if not isinstance(code, str):
+        raise exc.InvalidArgument(
+            f"code must be a str, got {type(code).__name__}", argument="code", fix="give the source as text"
+        )
+    timeout_s = check_timeout(timeout_s)
+    lang = language.lower() if isinstance(language, str) else ""
+    if lang in ("python", "py"):
+        return RunCode(code=code, timeout_s=timeout_s)
+    key = INTERPRETERS.get(lang)
+    if key is None:
+        raise exc.InvalidArgument(
+            f"unknown language {language!r}",
+            argument="language",
+            fix=f"use python or one of {', '.join(sorted(INTERPRETERS))}",
+        )
+    # on standard input, never as an argument: the kernel caps one argument at 128 KiB
+    return program_command(key, code, timeout_s)
+
+
+def tar_directory(source: Path, hide: Sequence[str] = (), read: Sequence[str] = ("**",)) -> bytes:
+    """``source`` as a tar archive: what ``read`` names (workspace globs), but what ``hide``
+    names (a folder left out is left out with what it holds)."""
+    import tarfile
+
+    from stockade._globs import covers, glob_matches, may_hold
+
+    if not source.is_dir():
+        raise exc.ConfigurationError(f"workspace {str(source)!r} is not a directory")
+    everything = "**" in (g.strip("/") for g in read)
+
+    def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        if hide and covers(hide, info.name):
+            return None
+        if everything or glob_matches(read, info.name) or (info.isdir() and may_hold(read, info.name)):
+            return info
+        return None
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for child in sorted(source.iterdir()):
+            tar.add(child, arcname=child.name, recursive=True, filter=keep)
+    return buf.getvalue()

@@ -1,0 +1,110 @@
+"""How a sandbox starts: its settings (``SandboxSpec``), its tier (by name or by trust), and
+the settings of a sandbox started from a snapshot or resumed from a pause."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from stockade import exceptions as exc
+from stockade._checks import check_choice, check_envs
+from stockade.sandbox import _registry
+from stockade.sandbox._supervised import spec_from_state
+from stockade.sandbox.base import SandboxSpec
+from stockade.sandbox.snapshots import SnapshotStore
+from stockade.types import ExecRecord, Limits, NetworkPolicy, SandboxRules, Snapshot, SnapshotKind, Trust
+
+__all__ = ["choose_tier", "from_snapshot", "sandbox_spec"]
+
+
+def sandbox_spec(
+    limits: Limits | None,
+    network: NetworkPolicy | None,
+    envs: Mapping[str, str] | None,
+    allow_weaker: bool,
+    labels: Mapping[str, str] | None,
+    *,
+    rules: SandboxRules | None = None,
+    approver: Callable[[ExecRecord], bool] | None = None,
+) -> SandboxSpec:
+    if limits is not None and not isinstance(limits, Limits):
+        raise exc.InvalidArgument(
+            f"limits must be a Limits, got {type(limits).__name__}",
+            argument="limits",
+            fix="give Limits(memory_mb=..., timeout_s=...)",
+        )
+    return SandboxSpec(
+        limits=limits or Limits(),
+        network=network or NetworkPolicy(),
+        envs=check_envs(envs),
+        allow_weaker=allow_weaker,
+        labels=dict(labels or {}),
+        rules=rules,
+        approver=approver,
+    )
+
+
+def from_snapshot(
+    snapshot: Snapshot | str,
+    store: SnapshotStore | None,
+    tier: str | None,
+    spec: SandboxSpec,
+    given: Mapping[str, object],
+    *,
+    sandbox_id: str | None = None,
+) -> tuple[str, SandboxSpec]:
+    """The tier and settings of a sandbox started from ``snapshot``: the snapshot's, but what
+    the caller gave (``given``: only what was not None). Memory keeps its machine: a snapshot
+    of memory refuses other limits, and restores on another tier only its files, if it has them.
+    """
+    if not isinstance(snapshot, Snapshot | str):
+        raise exc.InvalidArgument(
+            f"snapshot must be a Snapshot or its id, got {type(snapshot).__name__}", argument="snapshot"
+        )
+    chosen = store or (SnapshotStore(Path(snapshot.store)) if isinstance(snapshot, Snapshot) else None)
+    chosen = chosen or SnapshotStore.default()
+    manifest = chosen.load(snapshot)
+    value = manifest.snapshot
+    kept = spec_from_state(manifest.spec)
+    if value.kind is SnapshotKind.MEMORY and (tier is None or tier == value.tier):
+        changed = sorted(k for k, v in given.items() if v is not None and k != "envs")
+        if changed or given.get("envs"):
+            raise exc.SnapshotIncompatible(
+                f"snapshot {value.id} keeps a running sandbox's memory: its {', '.join(changed) or 'envs'} "
+                "cannot change (take a files snapshot, memory=False, to start from it with other settings)"
+            )
+    limits = given.get("limits")
+    network = given.get("network")
+    envs = given.get("envs")
+    merged = SandboxSpec(
+        limits=limits if isinstance(limits, Limits) else kept.limits,
+        network=network if isinstance(network, NetworkPolicy) else kept.network,
+        envs={**kept.envs, **(envs if isinstance(envs, Mapping) else {})},
+        allow_weaker=spec.allow_weaker or kept.allow_weaker,
+        labels={**kept.labels, **spec.labels},
+        rules=spec.rules if spec.rules is not None else kept.rules,
+        approver=spec.approver,
+        snapshot=value,
+        sandbox_id=sandbox_id,
+    )
+    return tier or value.tier, merged
+
+
+def choose_tier(
+    tier: str | None, trust: Trust | str | None, prefer: _registry.Preference = "cheapest"
+) -> str:
+    if tier is not None and tier not in _registry.TIERS:
+        raise exc.InvalidArgument(
+            f"unknown tier {tier!r}", argument="tier", fix=f"give one of {', '.join(_registry.TIERS)}"
+        )
+    if trust is None:
+        return tier or "process"
+    level = check_choice(Trust, trust, argument="trust")
+    allowed = _registry.allowed_tiers(level)
+    if tier is not None:
+        if tier not in allowed:
+            raise exc.TierUnavailable(
+                f"tier {tier!r} is too weak for trust {level.value!r}; allowed: {', '.join(allowed)}"
+            )
+        return tier
+    return _registry.select_tier(level, prefer=prefer)
