@@ -7,7 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from stockade import ConfigurationError, Limits, PathEscapeError
-from stockade.sandbox.facade import check_path, text_sink
+from stockade.sandbox._requests import text_sink
+from stockade.sandbox.facade import check_path
 
 
 @pytest.mark.parametrize(

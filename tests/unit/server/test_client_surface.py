@@ -21,7 +21,7 @@ from stockade.client import (
 )
 from stockade.client.async_sandbox import AsyncRemoteCommands, AsyncRemoteFiles
 from stockade.client.sandbox import RemoteCommands, RemoteFiles
-from stockade.sandbox.facade import AsyncCommands, AsyncFiles, Commands, Files
+from stockade.sandbox._namespaces import AsyncCommands, AsyncFiles, Commands, Files
 
 # what only a local sandbox can take: the engine itself, the host-side hooks of the policy, and
 # a snapshot store (the service keeps each tenant's snapshots in a store of its own)
