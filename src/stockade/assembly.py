@@ -100,6 +100,7 @@ from stockade.policy.guards import GuardedInstance, OpContext, OpGuard, describe
 from stockade.policy.load import load_policy
 from stockade.policy.schema import Policy, TrustRules, Verdict
 from stockade.runs.recorder import RunRecorder
+from stockade.runs.snapshots import RunSnapshots
 from stockade.runs.store import RunStore, open_run_store
 from stockade.runtime.agent import RuntimeControls
 from stockade.runtime.anomaly import AnomalyMonitor, Finding, configured_rules
@@ -117,9 +118,10 @@ from stockade.sandbox._registry import Preference
 from stockade.sandbox.base import Backend
 from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import Op
+from stockade.sandbox.snapshots import SnapshotStore
 from stockade.tools.base import Toolset
 from stockade.tools.builtin import default_toolset
-from stockade.types import ExecRecord, Limits, Trust
+from stockade.types import ExecRecord, Limits, NetworkPolicy, Snapshot, SnapshotKind, Trust
 
 __all__ = ["AgentConfig", "AgentSession", "GuardedAgent", "build_agent", "effective_trust"]
 
@@ -189,6 +191,13 @@ class AgentConfig:
     checkpointer: Checkpointer | None = None  # to resume in another process; a RunStore
     #                                          (open_run_store) also records retries, approvals, calls
     record_runs: bool = True  # without a checkpointer: record runs in a run store (`stockade runs`)
+    # A run that pauses keeps its sandbox (a snapshot: its memory where the tier can, else its
+    # files) and resumes from it in any process of this host; needs a checkpointer.
+    keep_sandbox: bool = True
+    # and after every tool call too, so that a crashed or killed run resumes from its last
+    # call's sandbox; off: a microVM's memory snapshot costs seconds and its RAM in disk each time
+    keep_sandbox_each_call: bool = False
+    snapshot_store: SnapshotStore | None = None  # where they are kept; None: SnapshotStore.default()
     runs_url: str | None = None  # that run store; None: the audit database, when ``audit`` is a URL
     observers: Sequence[AgentObserver] = ()  # after the built-in ones
     runtime_observers: Sequence[RuntimeObserver] = ()  # retries, breakers, limits, kills, anomalies
@@ -423,6 +432,13 @@ class GuardedAgent:
             except BaseException:
                 self.close()
                 raise
+        self.keeper = (
+            RunSnapshots(
+                config.snapshot_store or SnapshotStore.default(), each_call=config.keep_sandbox_each_call
+            )
+            if config.keep_sandbox and self.checkpointer is not None
+            else None
+        )
         log = self.audit_log
         clock = config.clock or SystemClock()
         self._unattached = RuntimeAuditor(log)  # events outside any session (none expected)
@@ -633,6 +649,7 @@ class AgentSession:
             prices=owner.prices,
             check=config.check,
             check_timeout_s=config.check_timeout_s,
+            keeper=owner.keeper,
         )
         self._raw: Sandbox | None = None
         self._sandbox: Sandbox | None = None
@@ -678,14 +695,24 @@ class AgentSession:
             run_id=self.run_id,
             step=lambda: self.step,
         )
+        limits = owner.config.sandbox_limits
+        wanted = owner.engine.network_policy()  # the role's hosts and credentials
+        network: NetworkPolicy | None = wanted
+        kept = self._kept_sandbox(backend.tier, limits, wanted)
+        if kept is not None:  # a paused run's sandbox: the snapshot's files, not the seed
+            workspace = None
+            if kept.kind is SnapshotKind.MEMORY:  # its machine as it was (checked the same)
+                limits, network = None, None
         with Sandbox.create(
             backend=backend,
             workspace=workspace,
-            limits=owner.config.sandbox_limits,
-            network=owner.engine.network_policy(),  # the role's hosts and credentials
+            limits=limits,
+            network=network,
             rules=owner.engine.sandbox_rules(),
             approver=self._approve_exec,
             allow_weaker=owner.config.allow_weaker,
+            snapshot=kept,
+            store=None if owner.keeper is None else owner.keeper.store,
         ) as raw:
             self._raw = raw
             killable = self.controls.protect(raw)
@@ -697,6 +724,16 @@ class AgentSession:
             self._books = killable
             with self.controls.watch():
                 yield self
+
+    def _kept_sandbox(self, tier: str, limits: Limits | None, network: NetworkPolicy) -> Snapshot | None:
+        """The snapshot this run kept of its sandbox when it paused, if a sandbox started from it
+        would be the one the run would get now: the same tier for memory, the same limits and
+        network (the policy's as it is now); else the run resumes with its files, from the run
+        store, as a run without a snapshot does."""
+        keeper = self.owner.keeper
+        if keeper is None:
+            return None
+        return keeper.restorable(self.run_id, tier=tier, limits=limits or Limits(), network=network)
 
     def _approve_exec(self, record: ExecRecord) -> bool:
         """An exec inside the sandbox that the rules send for approval: the approvals of the
