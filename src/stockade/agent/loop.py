@@ -51,7 +51,10 @@ What it promises, per tool kind:
   guard, or the tool asking) did not do what it asked about: it is run again on resume, from
   the workspace before it, so a tool asks before its effects, not after;
 - the workspace continues from the last call that returned, the diff's baseline included;
-  processes and ``run_code`` variables do not survive (the sandbox is new).
+  processes and ``run_code`` variables do not survive (the sandbox is new), unless a
+  ``keeper`` kept the sandbox (a snapshot, with its memory where the tier can) when the run
+  paused or after its last call, and the session started the new sandbox from it (see
+  ``stockade.runs.snapshots``).
 
 Anything in a step that raises ``RunStopped`` (control flow, not an error: a budget, the kill
 switch, an approval to wait for) ends the run with that exception's status. Whatever a tool
