@@ -91,23 +91,25 @@ def test_a_run_paused_for_approval_resumes_in_another_process_with_its_sandbox(
         audit.close()
 
 
-def test_an_interrupted_run_resumes_from_its_last_calls_sandbox(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tier", KEPT_TIERS)
+def test_an_interrupted_run_resumes_from_its_last_calls_sandbox(tier: str, tmp_path: Path) -> None:
     """Its sandbox died with the interruption: what it resumes from was kept after the call
-    before (``keep_sandbox_each_call``), /tmp included, which the run store does not keep."""
-    require_tier("process")
+    before (``keep_sandbox_each_call``): the variable on the microVM, /tmp on every tier."""
+    require_tier(tier)
     store = SnapshotStore(tmp_path / "snapshots")
-    stopped = child("start", "interrupt", "process", tmp_path, "each-call")
+    stopped = child("start", "interrupt", tier, tmp_path, "each-call")
     assert stopped["status"] == "interrupted", stopped
     kept = store.get(str(stopped["snapshot"]))
     assert store.ref("run", RUN_ID) == {"snapshot": kept.id}
     assert len(store.refs("run")) == 1 and not store.refs("kept")  # one per run, replaced per call
 
-    done = child("resume", "interrupt", "process", tmp_path, "each-call")
+    done = child("resume", "interrupt", tier, tmp_path, "each-call")
     assert done["status"] == "success", done
     seen = observations(done)
     assert "OutcomeUnknown" in seen[1]  # the sleep was cut short, and is not run again
+    assert ("42" in seen[2]) is (tier == "microvm"), seen[2]
     assert "tmp kept" in seen[3] and "notes kept" in seen[3], seen[3]
-    assert store.refs("run") == []
+    assert store.refs("run") == [] and os.listdir(store.root / "objects") == []
 
 
 def test_erasing_a_paused_run_removes_the_sandbox_it_kept(tmp_path: Path) -> None:
