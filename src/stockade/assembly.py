@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import logging
 import shlex
 import uuid
 from collections.abc import Coroutine, Iterator, Mapping, Sequence
@@ -83,6 +84,8 @@ from stockade.exceptions import (
     ConfigurationError,
     InvalidArgument,
     PolicyDenied,
+    SnapshotIncompatible,
+    SnapshotNotFound,
     StockadeError,
     TierUnavailable,
 )
@@ -121,9 +124,11 @@ from stockade.sandbox.ops import Op
 from stockade.sandbox.snapshots import SnapshotStore
 from stockade.tools.base import Toolset
 from stockade.tools.builtin import default_toolset
-from stockade.types import ExecRecord, Limits, NetworkPolicy, Snapshot, SnapshotKind, Trust
+from stockade.types import ExecRecord, Limits, SnapshotKind, Trust
 
 __all__ = ["AgentConfig", "AgentSession", "GuardedAgent", "build_agent", "effective_trust"]
+
+log = logging.getLogger(__name__)
 
 # Weakest to strictest: a caller may tighten the policy's trust, never loosen it.
 _TRUST_ORDER = (Trust.TRUSTED, Trust.INTERNAL, Trust.UNTRUSTED, Trust.MULTI_TENANT)
@@ -532,8 +537,9 @@ class GuardedAgent:
             return await session.run(task)
 
     def resume_sync(self, run_id: str, *, workspace: str | Path | None = None) -> RunResult:
-        """Continue a paused run from the checkpointer, in a new sandbox seeded with ``workspace``
-        (the run's workspace as it was when it paused: ``AgentSession.save_workspace``)."""
+        """Continue a paused run from the checkpointer, in a new sandbox: the one the run kept when
+        it paused (``keep_sandbox``), else one seeded with ``workspace`` (the run's workspace as
+        it was when it paused: ``AgentSession.save_workspace``)."""
         with self.session(workspace=workspace, run_id=run_id) as session:
             return session.resume_sync()
 
@@ -695,25 +701,7 @@ class AgentSession:
             run_id=self.run_id,
             step=lambda: self.step,
         )
-        limits = owner.config.sandbox_limits
-        wanted = owner.engine.network_policy()  # the role's hosts and credentials
-        network: NetworkPolicy | None = wanted
-        kept = self._kept_sandbox(backend.tier, limits, wanted)
-        if kept is not None:  # a paused run's sandbox: the snapshot's files, not the seed
-            workspace = None
-            if kept.kind is SnapshotKind.MEMORY:  # its machine as it was (checked the same)
-                limits, network = None, None
-        with Sandbox.create(
-            backend=backend,
-            workspace=workspace,
-            limits=limits,
-            network=network,
-            rules=owner.engine.sandbox_rules(),
-            approver=self._approve_exec,
-            allow_weaker=owner.config.allow_weaker,
-            snapshot=kept,
-            store=None if owner.keeper is None else owner.keeper.store,
-        ) as raw:
+        with self._start(backend, workspace) as raw:
             self._raw = raw
             killable = self.controls.protect(raw)
             guard = _op_guard(owner.engine, self.approvals, owner.audit_log)
@@ -725,15 +713,48 @@ class AgentSession:
             with self.controls.watch():
                 yield self
 
-    def _kept_sandbox(self, tier: str, limits: Limits | None, network: NetworkPolicy) -> Snapshot | None:
-        """The snapshot this run kept of its sandbox when it paused, if a sandbox started from it
-        would be the one the run would get now: the same tier for memory, the same limits and
-        network (the policy's as it is now); else the run resumes with its files, from the run
-        store, as a run without a snapshot does."""
-        keeper = self.owner.keeper
-        if keeper is None:
-            return None
-        return keeper.restorable(self.run_id, tier=tier, limits=limits or Limits(), network=network)
+    def _start(self, backend: Backend, workspace: str | Path | None) -> Sandbox:
+        """The run's sandbox: from the snapshot the run kept when it paused, if a sandbox started
+        from it is the one the run gets now (``RunSnapshots.restorable``: the policy's network
+        and rules as they are now), else new (the run store puts its files back, as for a run
+        without a snapshot)."""
+        owner = self.owner
+        limits, allow_weaker = owner.config.sandbox_limits, owner.config.allow_weaker
+        network = owner.engine.network_policy()  # the role's hosts and credentials
+        rules = owner.engine.sandbox_rules()
+        keeper = owner.keeper
+        kept = None
+        if keeper is not None:
+            wanted = limits or Limits()
+            kept = keeper.restorable(
+                self.run_id, tier=backend.tier, limits=wanted, network=network, rules=rules
+            )
+        if keeper is not None and kept is not None:
+            # its files are the snapshot's, not the seed's; a memory snapshot's machine is as it
+            # was (restorable checked that it is the one the run gets now)
+            memory = kept.kind is SnapshotKind.MEMORY
+            try:
+                return Sandbox.create(
+                    backend=backend,
+                    snapshot=kept,
+                    store=keeper.store,
+                    limits=None if memory else limits,
+                    network=None if memory else network,
+                    rules=rules,
+                    approver=self._approve_exec,
+                    allow_weaker=allow_weaker,
+                )
+            except (SnapshotIncompatible, SnapshotNotFound) as err:  # another QEMU since, a gc
+                log.warning("run %s: its kept sandbox was not restored (%s): files only", self.run_id, err)
+        return Sandbox.create(
+            backend=backend,
+            workspace=workspace,
+            limits=limits,
+            network=network,
+            rules=rules,
+            approver=self._approve_exec,
+            allow_weaker=allow_weaker,
+        )
 
     def _approve_exec(self, record: ExecRecord) -> bool:
         """An exec inside the sandbox that the rules send for approval: the approvals of the

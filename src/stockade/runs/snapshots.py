@@ -28,7 +28,7 @@ from stockade import exceptions as exc
 from stockade.sandbox._supervised import spec_from_state
 from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.snapshots import SnapshotStore
-from stockade.types import Limits, NetworkPolicy, Snapshot, SnapshotKind
+from stockade.types import Limits, NetworkPolicy, SandboxRules, Snapshot, SnapshotKind
 
 __all__ = ["RunSnapshots", "erase_run_snapshots", "ref_name"]
 
@@ -83,12 +83,19 @@ class RunSnapshots:
             return None
 
     def restorable(
-        self, run_id: str, *, tier: str, limits: Limits, network: NetworkPolicy
+        self,
+        run_id: str,
+        *,
+        tier: str,
+        limits: Limits,
+        network: NetworkPolicy,
+        rules: SandboxRules | None = None,
     ) -> Snapshot | None:
-        """What the run kept, if a sandbox of ``tier`` with ``limits`` and ``network`` (what the
-        resumed run would get) can start from it: a files snapshot always, a memory one only
-        on its own tier with the same limits and network (its machine goes on as it was, and a
-        network the policy no longer gives must not come back with it)."""
+        """What the run kept, if a sandbox of ``tier`` with ``limits``, ``network`` and ``rules``
+        (what the resumed run would get) can start from it: a files snapshot always, a memory
+        one only on its own tier with the same settings (its machine goes on as it was, its
+        supervisor with the rules it was given: a network or a rule the policy no longer has
+        must not come back with it)."""
         kept = self.kept(run_id)
         if kept is None or kept.kind is not SnapshotKind.MEMORY:
             return kept
@@ -97,11 +104,11 @@ class RunSnapshots:
         except exc.SnapshotError as err:
             log.warning("run %s: its kept sandbox cannot be restored (%s)", run_id, err)
             return None
-        if kept.tier == tier and spec.limits == limits and spec.network == network:
+        if kept.tier == tier and (spec.limits, spec.network, spec.rules) == (limits, network, rules):
             return kept
         log.warning(
-            "run %s: its sandbox was kept on %s with other limits or network than it gets now: "
-            "it resumes with its files",
+            "run %s: its sandbox was kept on %s with other limits, network or rules than it gets "
+            "now: it resumes with its files",
             run_id,
             kept.tier,
         )
