@@ -57,19 +57,19 @@ class RunSnapshots:
         goes. None when the sandbox cannot be kept (dead, credentials, a full store)."""
         if not sandbox.alive:
             return None
+        name = ref_name(run_id)
         try:
             taken = sandbox.snapshot(store=self.store)
-        except (exc.StockadeError, exc.RunStopped) as err:
+            before = self.store.ref(REF, name)
+            # The run's ref first, then the caller's ref the op made goes: never unreferenced.
+            self.store.set_ref(REF, name, taken.id)
+            self.store.drop_ref("kept", taken.id)
+        except (exc.StockadeError, exc.RunStopped, OSError) as err:
             # The run still pauses: resumed, it gets its files back from the run store.
             log.warning("run %s: its sandbox was not kept (%s: %s)", run_id, type(err).__name__, err)
             return None
-        name = ref_name(run_id)
-        before = self.store.ref(REF, name)
-        # The run's ref first, then the caller's ref the op made goes: never unreferenced.
-        self.store.set_ref(REF, name, taken.id)
-        self.store.drop_ref("kept", taken.id)
         if before is not None and before.get("snapshot") not in (None, taken.id):
-            _drop(self.store, before["snapshot"])  # now: a snapshot per call must not pile up
+            self._forget(run_id, before["snapshot"])  # now: a snapshot per call must not pile up
         return taken.id
 
     def kept(self, run_id: str) -> Snapshot | None:
@@ -120,7 +120,15 @@ class RunSnapshots:
         ref = _ref(self.store, run_id)
         if ref is not None:
             self.store.drop_ref(REF, ref_name(run_id))
-            _drop(self.store, ref["snapshot"])
+            self._forget(run_id, ref["snapshot"])
+
+    def _forget(self, run_id: str, snapshot_id: str) -> None:
+        """Drop a snapshot the run no longer refers to; a failure leaves it to ``stockade gc``
+        (nothing keeps it), and never fails the run."""
+        try:
+            _drop(self.store, snapshot_id)
+        except (exc.StockadeError, OSError) as err:
+            log.warning("run %s: snapshot %s left for gc (%s)", run_id, snapshot_id, err)
 
 
 def erase_run_snapshots(store: SnapshotStore, run_ids: Sequence[str]) -> int:
