@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import logging
 import shlex
 import uuid
 from collections.abc import Coroutine, Iterator, Mapping, Sequence
@@ -83,6 +84,8 @@ from stockade.exceptions import (
     ConfigurationError,
     InvalidArgument,
     PolicyDenied,
+    SnapshotIncompatible,
+    SnapshotNotFound,
     StockadeError,
     TierUnavailable,
 )
@@ -100,6 +103,7 @@ from stockade.policy.guards import GuardedInstance, OpContext, OpGuard, describe
 from stockade.policy.load import load_policy
 from stockade.policy.schema import Policy, TrustRules, Verdict
 from stockade.runs.recorder import RunRecorder
+from stockade.runs.snapshots import RunSnapshots
 from stockade.runs.store import RunStore, open_run_store
 from stockade.runtime.agent import RuntimeControls
 from stockade.runtime.anomaly import AnomalyMonitor, Finding, configured_rules
@@ -117,11 +121,14 @@ from stockade.sandbox._registry import Preference
 from stockade.sandbox.base import Backend
 from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import Op
+from stockade.sandbox.snapshots import SnapshotStore
 from stockade.tools.base import Toolset
 from stockade.tools.builtin import default_toolset
-from stockade.types import ExecRecord, Limits, Trust
+from stockade.types import ExecRecord, Limits, SnapshotKind, Trust
 
 __all__ = ["AgentConfig", "AgentSession", "GuardedAgent", "build_agent", "effective_trust"]
+
+log = logging.getLogger(__name__)
 
 # Weakest to strictest: a caller may tighten the policy's trust, never loosen it.
 _TRUST_ORDER = (Trust.TRUSTED, Trust.INTERNAL, Trust.UNTRUSTED, Trust.MULTI_TENANT)
@@ -189,6 +196,13 @@ class AgentConfig:
     checkpointer: Checkpointer | None = None  # to resume in another process; a RunStore
     #                                          (open_run_store) also records retries, approvals, calls
     record_runs: bool = True  # without a checkpointer: record runs in a run store (`stockade runs`)
+    # A run that pauses keeps its sandbox (a snapshot: its memory where the tier can, else its
+    # files) and resumes from it in any process of this host; needs a checkpointer.
+    keep_sandbox: bool = True
+    # and after every tool call too, so that a crashed or killed run resumes from its last
+    # call's sandbox; off: a microVM's memory snapshot costs seconds and its RAM in disk each time
+    keep_sandbox_each_call: bool = False
+    snapshot_store: SnapshotStore | None = None  # where they are kept; None: SnapshotStore.default()
     runs_url: str | None = None  # that run store; None: the audit database, when ``audit`` is a URL
     observers: Sequence[AgentObserver] = ()  # after the built-in ones
     runtime_observers: Sequence[RuntimeObserver] = ()  # retries, breakers, limits, kills, anomalies
@@ -423,6 +437,13 @@ class GuardedAgent:
             except BaseException:
                 self.close()
                 raise
+        self.keeper = (
+            RunSnapshots(
+                config.snapshot_store or SnapshotStore.default(), each_call=config.keep_sandbox_each_call
+            )
+            if config.keep_sandbox and self.checkpointer is not None
+            else None
+        )
         log = self.audit_log
         clock = config.clock or SystemClock()
         self._unattached = RuntimeAuditor(log)  # events outside any session (none expected)
@@ -516,8 +537,9 @@ class GuardedAgent:
             return await session.run(task)
 
     def resume_sync(self, run_id: str, *, workspace: str | Path | None = None) -> RunResult:
-        """Continue a paused run from the checkpointer, in a new sandbox seeded with ``workspace``
-        (the run's workspace as it was when it paused: ``AgentSession.save_workspace``)."""
+        """Continue a paused run from the checkpointer, in a new sandbox: the one the run kept when
+        it paused (``keep_sandbox``), else one seeded with ``workspace`` (the run's workspace as
+        it was when it paused: ``AgentSession.save_workspace``)."""
         with self.session(workspace=workspace, run_id=run_id) as session:
             return session.resume_sync()
 
@@ -633,6 +655,7 @@ class AgentSession:
             prices=owner.prices,
             check=config.check,
             check_timeout_s=config.check_timeout_s,
+            keeper=owner.keeper,
         )
         self._raw: Sandbox | None = None
         self._sandbox: Sandbox | None = None
@@ -678,15 +701,7 @@ class AgentSession:
             run_id=self.run_id,
             step=lambda: self.step,
         )
-        with Sandbox.create(
-            backend=backend,
-            workspace=workspace,
-            limits=owner.config.sandbox_limits,
-            network=owner.engine.network_policy(),  # the role's hosts and credentials
-            rules=owner.engine.sandbox_rules(),
-            approver=self._approve_exec,
-            allow_weaker=owner.config.allow_weaker,
-        ) as raw:
+        with self._start(backend, workspace) as raw:
             self._raw = raw
             killable = self.controls.protect(raw)
             guard = _op_guard(owner.engine, self.approvals, owner.audit_log)
@@ -697,6 +712,49 @@ class AgentSession:
             self._books = killable
             with self.controls.watch():
                 yield self
+
+    def _start(self, backend: Backend, workspace: str | Path | None) -> Sandbox:
+        """The run's sandbox: from the snapshot the run kept when it paused, if a sandbox started
+        from it is the one the run gets now (``RunSnapshots.restorable``: the policy's network
+        and rules as they are now), else new (the run store puts its files back, as for a run
+        without a snapshot)."""
+        owner = self.owner
+        limits, allow_weaker = owner.config.sandbox_limits, owner.config.allow_weaker
+        network = owner.engine.network_policy()  # the role's hosts and credentials
+        rules = owner.engine.sandbox_rules()
+        keeper = owner.keeper
+        kept = None
+        if keeper is not None:
+            wanted = limits or Limits()
+            kept = keeper.restorable(
+                self.run_id, tier=backend.tier, limits=wanted, network=network, rules=rules
+            )
+        if keeper is not None and kept is not None:
+            # its files are the snapshot's, not the seed's; a memory snapshot's machine is as it
+            # was (restorable checked that it is the one the run gets now)
+            memory = kept.kind is SnapshotKind.MEMORY
+            try:
+                return Sandbox.create(
+                    backend=backend,
+                    snapshot=kept,
+                    store=keeper.store,
+                    limits=None if memory else limits,
+                    network=None if memory else network,
+                    rules=rules,
+                    approver=self._approve_exec,
+                    allow_weaker=allow_weaker,
+                )
+            except (SnapshotIncompatible, SnapshotNotFound) as err:  # another QEMU since, a gc
+                log.warning("run %s: its kept sandbox was not restored (%s): files only", self.run_id, err)
+        return Sandbox.create(
+            backend=backend,
+            workspace=workspace,
+            limits=limits,
+            network=network,
+            rules=rules,
+            approver=self._approve_exec,
+            allow_weaker=allow_weaker,
+        )
 
     def _approve_exec(self, record: ExecRecord) -> bool:
         """An exec inside the sandbox that the rules send for approval: the approvals of the

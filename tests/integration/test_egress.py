@@ -23,14 +23,14 @@ from typing import Any
 
 import pytest
 
-from stockade import LimitNotEnforceable, Limits, Sandbox, SnapshotStore
+from stockade import LimitNotEnforceable, Limits, Sandbox, SnapshotKind, SnapshotStore
 from stockade.audit.events import EventKind
 from stockade.audit.sandbox import AuditedBackend
 from stockade.sandbox import _registry
 from stockade.sandbox.ops import PutArchive
 from stockade.testing import capture_audit
 from stockade.types import NetworkPolicy
-from tests.conftest import require, require_tier
+from tests.conftest import host_processes, require, require_tier
 from tests.egress_servers import TOKEN, Servers, servers
 from tests.integration.conftest import TIERS
 
@@ -509,3 +509,32 @@ except urllib.error.HTTPError as err:
     with Sandbox.create(snapshot=snap, store=store) as fork:
         r = fork.commands.run("python3 get.py")
     assert r.stdout.split() == ["http", "hello", "/s", "403"], r.stdout + r.stderr
+
+
+def _restored(sandbox: Sandbox) -> bool:
+    """Whether the microVM's QEMU started from a saved state (a boot image or a snapshot)
+    rather than booting its kernel."""
+    (pid,) = host_processes(f"stockade-{sandbox.id}\0".encode())
+    return b"\0-incoming\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def test_a_microvm_with_an_allowlist_keeps_files_only_and_boots_cold(local: Servers, tmp_path: Path) -> None:
+    """Its relay's streams live half in the guest, half in this process: its snapshot keeps
+    files, and it and its forks boot (a boot image's guest would need a proxy of its own)."""
+    require_tier("microvm")
+    store = SnapshotStore(tmp_path / "snapshots")
+    url = f"http://pkg.test:{local.http_port}/m"
+    get = f"import urllib.request\nprint(urllib.request.urlopen({url!r}, timeout=20).read().decode())"
+    with _sandbox("microvm", local.policy(credentials=())) as sbx:
+        assert not _restored(sbx)
+        sbx.files.write("get.py", get)
+        sbx.run_code("x = 41")
+        with pytest.raises(LimitNotEnforceable, match="egress allowlist keeps files only"):
+            sbx.snapshot(store=store, memory=True)
+        snap = sbx.snapshot(store=store)
+    assert snap.kind is SnapshotKind.FILES and snap.tier == "microvm"
+    with Sandbox.create(snapshot=snap, store=store) as fork:
+        assert not _restored(fork)
+        assert fork.run_code("'x' in globals()").text == "False"  # a new interpreter
+        r = fork.commands.run("python3 get.py")
+    assert r.stdout.split() == ["http", "hello", "/m"], r.stdout + r.stderr  # its own proxy, same rules

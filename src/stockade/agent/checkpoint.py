@@ -10,6 +10,11 @@ claims the run's lease before it runs (one owner per run), records each tool cal
 runs (``call_started``) and, when it returns, the call with the workspace as it left it
 (``record_workspace``); a resume restores that workspace (``restore_workspace``). See
 ``stockade.runs.store`` for what each guarantees.
+
+A ``SandboxKeeper`` (``stockade.runs.snapshots.RunSnapshots``) keeps the run's sandbox itself
+(a snapshot: its memory where the tier can) when the run pauses, and after every tool call
+when it is asked to; the run's state names it (``RunState.snapshot``) and the session that
+resumes the run starts its sandbox from it.
 """
 
 from __future__ import annotations
@@ -27,7 +32,14 @@ from stockade.models.messages import ToolCall
 if TYPE_CHECKING:
     from stockade.sandbox.facade import Sandbox
 
-__all__ = ["Checkpointer", "DurableCheckpointer", "JsonFileCheckpointer", "Lease", "MemoryCheckpointer"]
+__all__ = [
+    "Checkpointer",
+    "DurableCheckpointer",
+    "JsonFileCheckpointer",
+    "Lease",
+    "MemoryCheckpointer",
+    "SandboxKeeper",
+]
 
 
 @runtime_checkable
@@ -71,6 +83,21 @@ class DurableCheckpointer(Checkpointer, Protocol):
 
     def record_diff(self, run_id: str, diff: str) -> None:
         """The run's diff as it ends (kept before the checkpoint that says it ended)."""
+
+
+class SandboxKeeper(Protocol):
+    """Keeps a run's sandbox between its process and the next one (snapshots)."""
+
+    @property
+    def each_call(self) -> bool:
+        """Keep the sandbox after every tool call that returned too (a crash resumes from it)."""
+
+    def keep(self, run_id: str, sandbox: Sandbox) -> str | None:
+        """Keep ``sandbox`` as the run's, instead of what was kept before; its id, or None when
+        it could not be kept (a dead sandbox, a full store): what was kept before stays."""
+
+    def release(self, run_id: str) -> None:
+        """The run no longer needs what was kept (it ended, or it resumed from it)."""
 
 
 class MemoryCheckpointer:

@@ -51,7 +51,10 @@ What it promises, per tool kind:
   guard, or the tool asking) did not do what it asked about: it is run again on resume, from
   the workspace before it, so a tool asks before its effects, not after;
 - the workspace continues from the last call that returned, the diff's baseline included;
-  processes and ``run_code`` variables do not survive (the sandbox is new).
+  processes and ``run_code`` variables do not survive (the sandbox is new), unless a
+  ``keeper`` kept the sandbox (a snapshot, with its memory where the tier can) when the run
+  paused or after its last call, and the session started the new sandbox from it (see
+  ``stockade.runs.snapshots``).
 
 Anything in a step that raises ``RunStopped`` (control flow, not an error: a budget, the kill
 switch, an approval to wait for) ends the run with that exception's status. Whatever a tool
@@ -75,7 +78,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from stockade._checks import check_timeout
-from stockade.agent.checkpoint import Checkpointer, DurableCheckpointer, Lease
+from stockade.agent.checkpoint import Checkpointer, DurableCheckpointer, Lease, SandboxKeeper
 from stockade.agent.events import (
     AgentEvent,
     CheckFinished,
@@ -248,6 +251,7 @@ class Agent:
         clock: Callable[[], float] = time.monotonic,
         check: str | None = None,
         check_timeout_s: float | None = None,
+        keeper: SandboxKeeper | None = None,
     ) -> None:
         if check is not None and (not isinstance(check, str) or not check.strip()):
             raise InvalidArgument(
@@ -266,6 +270,7 @@ class Agent:
         self.checkpointer = checkpointer
         self.prices = prices
         self.clock = clock
+        self.keeper = keeper
         self._definitions = self.tools.definitions()
 
     @asynccontextmanager
@@ -336,6 +341,11 @@ class Agent:
         restored = durable is not None and await asyncio.to_thread(
             durable.restore_workspace, state.run_id, books
         )
+        if self.keeper is not None:
+            # The sandbox started from what was kept (or is the one it was taken of): the run goes
+            # on from here, and a later crash must not bring back memory older than its workspace.
+            await asyncio.to_thread(self.keeper.release, state.run_id)
+            state.snapshot = None
         # paused or interrupted: the node it stopped in runs again; crashed: where it was
         state.status, state.next, state.resume_at, state.error = (
             RunStatus.RUNNING,
@@ -781,6 +791,10 @@ class AgentRun:
             await asyncio.to_thread(
                 durable.record_workspace, state.run_id, self.bookkeeping, call=(step, record)
             )
+        keeper = agent.keeper
+        if keeper is not None and keeper.each_call:  # after the ledger: they agree on the files
+            kept = await asyncio.to_thread(keeper.keep, state.run_id, self.bookkeeping)
+            state.snapshot = kept or state.snapshot
         self._emit(ToolReturned(run_id=state.run_id, step=step, record=record, value=value))
         return record
 
@@ -831,9 +845,23 @@ class AgentRun:
         durable = self._durable
         if durable is not None:
             await asyncio.to_thread(durable.record_diff, state.run_id, diff)
+        await self._keep_sandbox()
         self._emit(RunFinished(run_id=state.run_id, result=self.result))
         self._checkpoint()
         return End(result=self.result)
+
+    async def _keep_sandbox(self) -> None:
+        """A run that can be resumed keeps its sandbox (a killed one is dead by now: what was
+        kept after its last call stays); one that ended lets go of what it kept."""
+        keeper, state = self.agent.keeper, self.state
+        if keeper is None:
+            return
+        if state.status.resumable:
+            kept = await asyncio.to_thread(keeper.keep, state.run_id, self.bookkeeping)
+            state.snapshot = kept or state.snapshot
+        else:
+            await asyncio.to_thread(keeper.release, state.run_id)
+            state.snapshot = None
 
     # -- plumbing -----------------------------------------------------------------------
 

@@ -120,3 +120,6 @@ class RunState(BaseModel):
     answer: str = ""
     error: str | None = None
     audit_id: str | None = None  # set by the audit layer
+    # the snapshot of the run's sandbox kept when it last paused (or after its last call, when
+    # asked): a resume starts from it; None once the run resumed from it or ended
+    snapshot: str | None = None

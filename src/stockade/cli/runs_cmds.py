@@ -499,14 +499,24 @@ def erase(
     audit_db: Annotated[
         str | None, typer.Option("--audit-db", help="the audit store of these runs (default: --db)")
     ] = None,
+    snapshot_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--snapshot-dir",
+            help="where the runs kept their paused sandboxes (default: $STOCKADE_SNAPSHOT_DIR, "
+            "else the host's snapshot store)",
+        ),
+    ] = None,
 ) -> None:
     """Erase runs: from the run store, their steps, calls, outputs, workspaces and seeds (what no
-    other run shares); in the audit store, the keys their events were sealed with (runs about a
-    data subject), so that what those events said can never be read again. The audit chain is
-    not touched: it verifies as before."""
+    other run shares); the snapshots of their sandboxes a paused run kept; in the audit store,
+    the keys their events were sealed with (runs about a data subject), so that what those
+    events said can never be read again. The audit chain is not touched: it verifies as before."""
     import time
 
     from stockade.audit.stores import open_store
+    from stockade.runs.snapshots import erase_run_snapshots
+    from stockade.sandbox.snapshots import SnapshotStore
 
     with _store(db, namespace) as store:
         chosen = [_resolve(store, r) for r in run_ids or []]
@@ -518,6 +528,8 @@ def erase(
             raise typer.Exit(1 if older_than is not None else 2)
         try:
             erased = store.erase(chosen)
+            snapshots = SnapshotStore(snapshot_dir) if snapshot_dir is not None else SnapshotStore.default()
+            kept = erase_run_snapshots(snapshots, chosen)
             with open_store(audit_db or db) as audit:
                 sealed = audit.erase_keys(run_ids=chosen, subject=subject)
         except exc.StockadeError as error:
@@ -527,7 +539,9 @@ def erase(
         err.print(f"nothing to erase: no run of {subject!r} in {escape(db)}")
         raise typer.Exit(1)
     out.print(
-        f"erased {erased} run(s) from {escape(db)}; the audit events of {len(sealed)} sealed run(s) "
+        f"erased {erased} run(s) from {escape(db)}"
+        + (f", with the {kept} sandbox snapshot(s) they kept" if kept else "")
+        + f"; the audit events of {len(sealed)} sealed run(s) "
         "can no longer be read (the chain is unchanged and still verifies)"
     )
 

@@ -16,7 +16,8 @@ back to the old value (``touch -d``) is not seen; nothing of ours does that.
 
 Kept: regular files (content and permission bits) and folders. Not kept: symlinks, FIFOs,
 sockets and devices, owners and times, and everything that is not a file: processes, the
-``run_code`` interpreter's variables, ``/tmp``. A resumed run starts a new interpreter.
+``run_code`` interpreter's variables, ``/tmp``. A resumed run starts a new interpreter, unless
+it resumes from a snapshot of its sandbox (``stockade.runs.snapshots``).
 
 The whole workspace is capped (``max_bytes`` of file content, ``max_entries``): past either,
 ``SeedTooLarge`` says by how much and how to raise the cap.

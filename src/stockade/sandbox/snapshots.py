@@ -4,7 +4,8 @@
       objects/<sha256>            the bytes: a tar of /workspace or /tmp, a memory image
       snapshots/<sha256>.json     a manifest: what one snapshot is made of; its id is its hash
       refs/<kind>/<name>          what keeps a snapshot: a paused sandbox (``paused``), a
-                                  snapshot a caller took (``kept``), a microVM's boot image (``boot``)
+                                  snapshot a caller took (``kept``), a microVM's boot image (``boot``),
+                                  the sandbox of an agent run that paused (``run``, by run id)
       verified/<sha256>           the object's identity (inode, size, times) when last hashed
       tmp/                        what is being written
 
@@ -50,7 +51,7 @@ ID_HEX = 32  # 128 bits of the manifest's hash name a snapshot
 # Unreferenced files younger than this are being written by someone: collect leaves them.
 GRACE_S = 120.0
 CHUNK = 4 * MiB
-REF_KINDS = ("paused", "kept", "boot")
+REF_KINDS = ("paused", "kept", "boot", "run")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 

@@ -186,6 +186,9 @@ class Runner:
                 kill_source=self.kills,
                 tools=self.tools,
                 checkpointer=self.runs,
+                # not yet: a run's sandbox would go to this host's store, outside the tenant's
+                # snapshot_mb quota and out of reach of the worker that resumes it elsewhere
+                keep_sandbox=False,
                 tenant=tenant.id,
                 rate_per_minute=tenant.rate_per_minute,
                 rate_period_s=tenant.rate_period_s,

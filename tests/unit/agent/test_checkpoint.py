@@ -156,3 +156,49 @@ def test_resuming_an_unknown_run_says_so(tmp_path: Path) -> None:
         agent.run_sync(resume="nope", sandbox=Sandbox.create(backend=FakeBackend()))
     with pytest.raises(ConfigurationError, match="cannot name a checkpoint file"):
         JsonFileCheckpointer(tmp_path).load("../etc/passwd")
+
+
+class RecordingKeeper:
+    """A ``SandboxKeeper`` that keeps nothing and says what it was asked."""
+
+    def __init__(self, *, each_call: bool = False) -> None:
+        self.each_call = each_call
+        self.calls: list[str] = []
+
+    def keep(self, run_id: str, sandbox: Sandbox) -> str | None:
+        self.calls.append("keep")
+        return f"snap-{len(self.calls)}"
+
+    def release(self, run_id: str) -> None:
+        self.calls.append("release")
+
+
+def test_a_paused_run_keeps_its_sandbox_and_lets_it_go_when_it_resumes_and_ends() -> None:
+    approved: set[str] = set()
+
+    def needs_approval(ctx: GuardContext, call: ToolCall) -> ToolCall:
+        if call.name == "read_file" and ctx.run_id not in approved:
+            raise ApprovalRequired("reading needs a human", rule="reads", request_id="req-1")
+        return call
+
+    saved, keeper = MemoryCheckpointer(), RecordingKeeper()
+    sbx = Sandbox.create(backend=FakeBackend())
+    agent = Agent(ScriptedModel(TURNS), guards=[needs_approval], checkpointer=saved, keeper=keeper)
+    paused = agent.run_sync("note", sandbox=sbx, run_id="r")
+    assert paused.status == RunStatus.PAUSED and keeper.calls == ["keep"]
+    assert saved.load("r").snapshot == "snap-1"  # type: ignore[union-attr]  # the checkpoint names it
+
+    approved.add("r")
+    result = agent.run_sync(resume="r", sandbox=sbx)
+    assert result.status == RunStatus.SUCCESS and keeper.calls == ["keep", "release", "release"]
+    assert saved.load("r").snapshot is None  # type: ignore[union-attr]
+
+
+def test_a_run_that_asks_keeps_its_sandbox_after_every_call() -> None:
+    keeper = RecordingKeeper(each_call=True)
+    sbx = Sandbox.create(backend=FakeBackend())
+    result = Agent(ScriptedModel(TURNS), checkpointer=MemoryCheckpointer(), keeper=keeper).run_sync(
+        "note", sandbox=sbx, run_id="r"
+    )
+    assert result.status == RunStatus.SUCCESS and keeper.calls == ["keep", "keep", "release"]
+    assert result.state.snapshot is None
