@@ -12,6 +12,7 @@ agent runs most: ``commands.run("true")`` (one exec, the shell's), and a small p
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -47,7 +48,7 @@ def measure(tier: str, rounds: int) -> dict[str, dict[str, list[float]]]:
             for name, sbx in sandboxes.items():  # interleaved: the same load on both
                 found[name]["command"].append(timed(lambda s=sbx: s.commands.run("true")))
                 found[name]["pipeline"].append(timed(lambda s=sbx: s.commands.run(PIPELINE)))
-        for _ in range(max(5, rounds // 10)):
+        for _ in range(max(10, rounds // 5)):
             for name, rules in variants.items():
                 found[name]["cold start"].append(timed(lambda r=rules: cold_start(tier, r)))
     finally:
@@ -70,7 +71,9 @@ def timed(action: Callable[[], object]) -> float:
 def main() -> None:
     tier = sys.argv[1] if len(sys.argv) > 1 else "process"
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 200
+    before = os.getloadavg()[0]
     found = measure(tier, rounds)
+    print(f"load average (1 min) {before:.2f} before, {os.getloadavg()[0]:.2f} after\n")
     print(f"| {tier} tier, p50 | no policy | 20-rule policy inside | ratio / difference |")
     print("|---|---|---|---|")
     for what in ("command", "pipeline", "cold start"):
