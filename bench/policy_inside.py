@@ -6,8 +6,9 @@ The policy: 10 programs denied (masked, and judged at each exec), 6 argv pattern
 approval, 4 more denied with arguments, and write rules (Landlock). A command is what an
 agent runs most: ``commands.run("true")`` (one exec, the shell's), and a small pipeline
 (three execs). Cold start is ``Sandbox.create``, its first command's output back, and its
-close; it is also given as CPU time (this process's and the sandbox's: bwrap is our child and
-waits for everything inside), which a loaded machine stretches far less than the wall time.
+close; its host part is also given as CPU time (this process's and bwrap's, which a loaded
+machine stretches far less than wall time; the sandbox's own processes are killed at close,
+never reaped by us, so they are not in it).
 
     python bench/policy_inside.py [tier] [rounds]     # prints a markdown table
 """
@@ -34,7 +35,7 @@ RULES = SandboxRules(
 )  # fmt: skip
 LIMITS = Limits(timeout_s=30)
 PIPELINE = "ls / | grep -c usr | cat"
-WHAT = ("command", "pipeline", "cold start", "cold start CPU")
+WHAT = ("command", "pipeline", "cold start", "cold start, host CPU")
 
 
 def p50(samples: list[float]) -> float:
@@ -56,7 +57,7 @@ def measure(tier: str, rounds: int) -> dict[str, dict[str, list[float]]]:
             for name, rules in variants.items():
                 cpu = cpu_time()
                 found[name]["cold start"].append(timed(lambda r=rules: cold_start(tier, r)))
-                found[name]["cold start CPU"].append(cpu_time() - cpu)
+                found[name]["cold start, host CPU"].append(cpu_time() - cpu)
     finally:
         for sbx in sandboxes.values():
             sbx.close()
@@ -69,7 +70,7 @@ def cold_start(tier: str, rules: SandboxRules | None) -> None:
 
 
 def cpu_time() -> float:
-    """CPU seconds of this process and of its children that ended (the sandboxes closed)."""
+    """CPU seconds of this process and of the children it reaped (bwrap, setpriv)."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
