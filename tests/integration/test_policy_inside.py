@@ -125,6 +125,23 @@ def test_an_exec_that_needs_approval_is_refused_when_nobody_approves(
     assert sbx.enforcement.commands is Mechanism.SECCOMP_NOTIFY
 
 
+def test_every_allowed_exec_is_recorded_with_its_argv_each_time(approving: Sandbox | None) -> None:
+    """The judge answers an allowed exec before recording it, and keeps its verdicts: the
+    record is still made for each exec, the same one again included, with the argv judged;
+    a PATH search's misses (nothing ran) are not records."""
+    if approving is None:  # the tier said it cannot hold the rule
+        return
+    line = "/bin/true one; /bin/true one; env true two"
+    for _ in range(2):  # the second time, every verdict is known
+        r = approving.commands.run(line)
+        assert r.exit_code == 0
+        argvs = [list(e.argv) for e in r.execs]
+        once = [["/bin/true", "one"], ["/bin/true", "one"], ["env", "true", "two"], ["true", "two"]]
+        assert argvs[1:] == once  # env's PATH search: a miss (nothing ran) is no record
+        assert all(e.verdict == "allow" for e in r.execs)
+        assert r.execs[-1].path.endswith("/true")
+
+
 def test_an_exec_waits_for_the_hosts_approver_and_runs_when_it_says_yes(tier: str) -> None:
     asked: list[ExecRecord] = []
 

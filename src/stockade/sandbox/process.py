@@ -320,7 +320,8 @@ class ProcessBackend(Backend):
     ) -> list[str]:
         """bwrap's options (they name the run folder: they go in a file descriptor, not argv).
         ``masks``: programs the rules deny, each covered by /dev/null bound without its device
-        (nodev): it can be neither read, nor copied, nor run."""
+        (nodev), or their folder by a copy in which they are empty files only root may read
+        (``_rules.mask_binds``): they can be neither read, nor copied, nor run."""
         limits = spec.limits
         root = self.rootfs or Path("/")
         argv = [
@@ -378,8 +379,9 @@ class ProcessBackend(Backend):
                 "--tmpfs",
                 "/tmp",
             ]
-        for path in masks:
-            argv += ["--ro-bind", "/dev/null", path]
+        cache = _rules.MASKED_FOLDERS if self.is_root else None
+        for source, path in _rules.mask_binds(root, masks, cache):
+            argv += ["--ro-bind", source, path]
         if spec.network.egress:  # the proxy's socket: the only way out of a network of its own
             argv += ["--ro-bind", str(rundir / "egress"), EGRESS_DIR]
         argv += [

@@ -11,13 +11,14 @@ starts the code, and how the supervisor hears of each exec.
 
 Both need no privilege (``no_new_privs`` is set on every tier), and neither can be undone
 by the code: Landlock domains and seccomp filters only ever add up. Standard library only;
-no ctypes (it costs milliseconds to import): buffers are ``array``s, calls go through
+neither ctypes nor array (each costs milliseconds to import: array loads collections):
+buffers are ``bytearray``s pinned by ``_ctypes`` (``_pinned``), calls go through
 ``reaper.libc``.
 """
 
 from __future__ import annotations
 
-import array
+import errno
 import fcntl
 import os
 import stat
@@ -27,7 +28,7 @@ from reaper import libc
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
-    from typing import List, Optional, Sequence, Tuple
+    from typing import Any, List, Optional, Sequence, Tuple
 
 SYS_LANDLOCK_CREATE_RULESET = 444
 SYS_LANDLOCK_ADD_RULE = 445
@@ -68,8 +69,23 @@ MAX_ARGS = 4096
 MAX_ARG_BYTES = 256 * 1024
 
 
-def _address(buf: "array.array[int]") -> int:
-    return buf.buffer_info()[0]
+_BYTE: "List[Any]" = []  # the one-byte C type, made once (a class costs to make)
+
+
+def _pinned(data: bytes) -> "Tuple[Any, int]":
+    """A C-visible copy of ``data`` and its address: the first must be kept while the
+    kernel may read the second (the buffer cannot move or be freed under it)."""
+    import _ctypes
+
+    if not _BYTE:
+
+        class c_char(_ctypes._SimpleCData):
+            _type_ = "c"
+
+        _BYTE.append(c_char)
+    buf = bytearray(data)
+    view = _BYTE[0].from_buffer(buf)  # holds buf, and locks its size
+    return view, _ctypes.addressof(view)
 
 
 def landlock_abi() -> int:
@@ -98,8 +114,9 @@ def ruleset(abi: int, writable: "Optional[Sequence[str]]", executable: "Optional
     handled = write_rights(abi) if writable is not None else 0
     if executable is not None:
         handled |= FS_EXECUTE
-    attr = array.array("B", struct.pack("=Q", handled))  # the fs rights: the older, smaller struct
-    fd = libc("syscall", SYS_LANDLOCK_CREATE_RULESET, _address(attr), len(attr), 0)
+    # Each pinned buffer stays bound (``_held``) until the call that reads it returns.
+    _held, address = _pinned(struct.pack("=Q", handled))  # the fs rights: the older, smaller struct
+    fd = libc("syscall", SYS_LANDLOCK_CREATE_RULESET, address, 8, 0)
     try:
         grants = [(p, handled & ~FS_EXECUTE) for p in writable or ()]
         grants += [(p, FS_EXECUTE) for p in executable or ()]
@@ -111,8 +128,8 @@ def ruleset(abi: int, writable: "Optional[Sequence[str]]", executable: "Optional
             try:
                 if not stat.S_ISDIR(os.fstat(target).st_mode):
                     rights &= FILE_RIGHTS | FS_EXECUTE  # what applies to a file, not a folder
-                rule = array.array("B", struct.pack("=Qi", rights, target))  # packed, as the kernel's
-                libc("syscall", SYS_LANDLOCK_ADD_RULE, fd, LANDLOCK_RULE_PATH_BENEATH, _address(rule), 0)
+                _held, address = _pinned(struct.pack("=Qi", rights, target))  # packed, as the kernel's
+                libc("syscall", SYS_LANDLOCK_ADD_RULE, fd, LANDLOCK_RULE_PATH_BENEATH, address, 0)
             finally:
                 os.close(target)
     except BaseException:
@@ -130,11 +147,18 @@ def warm() -> None:
     """Make the call prototypes and the filter a shim needs, so that forks find them made."""
     for arity in (2, 3, 4, 5):
         libc("syscall", SYS_GETPID, *([0] * (arity - 1)))  # harmless: only the prototype matters
-    _FILTERS[False] = array.array("B", exec_filter(False))
-    _FILTERS[True] = array.array("B", exec_filter(True))
+    for no_memfd in (False, True):
+        _FILTERS[no_memfd] = _filter_program(no_memfd)
 
 
-_FILTERS: "dict[bool, array.array[int]]" = {}
+_FILTERS: "dict[bool, Tuple[Any, Any, int]]" = {}  # no_memfd -> (code, sock_fprog, its address)
+
+
+def _filter_program(no_memfd: bool) -> "Tuple[Any, Any, int]":
+    code = exec_filter(no_memfd)
+    held, address = _pinned(code)
+    prog, prog_address = _pinned(struct.pack("=HxxxxxxQ", len(code) // 8, address))
+    return held, prog, prog_address
 
 
 def exec_filter(no_memfd: bool = False) -> bytes:
@@ -161,9 +185,9 @@ def exec_filter(no_memfd: bool = False) -> bytes:
 def notify_available() -> bool:
     if os.uname().machine != "x86_64":
         return False
-    action = array.array("B", struct.pack("=I", SECCOMP_RET_USER_NOTIF))
+    _held, address = _pinned(struct.pack("=I", SECCOMP_RET_USER_NOTIF))
     try:
-        libc("syscall", SYS_SECCOMP, SECCOMP_GET_ACTION_AVAIL, 0, _address(action))
+        libc("syscall", SYS_SECCOMP, SECCOMP_GET_ACTION_AVAIL, 0, address)
     except OSError:
         return False
     return True
@@ -171,10 +195,9 @@ def notify_available() -> bool:
 
 def install_exec_listener(no_memfd: bool = False) -> int:
     """Put every exec of this process and its descendants under a listener; return its fd."""
-    code = _FILTERS.get(no_memfd) or array.array("B", exec_filter(no_memfd))
-    prog = array.array("B", struct.pack("=HxxxxxxQ", len(code) // 8, _address(code)))
+    program = _FILTERS.get(no_memfd) or _filter_program(no_memfd)
     flags = SECCOMP_FILTER_FLAG_NEW_LISTENER
-    return libc("syscall", SYS_SECCOMP, SECCOMP_SET_MODE_FILTER, flags, _address(prog))
+    return libc("syscall", SYS_SECCOMP, SECCOMP_SET_MODE_FILTER, flags, program[2])
 
 
 # -- the supervisor's side: one notification ------------------------------------------------
@@ -183,7 +206,7 @@ def install_exec_listener(no_memfd: bool = False) -> int:
 def receive(listener: int) -> "Optional[Tuple[int, int, int, Tuple[int, ...]]]":
     """The next exec waiting: (notification id, pid, syscall number, args), or None if the
     listener has nothing (the target died meanwhile, or every process of it is gone)."""
-    buf = bytearray(NOTIF.size)
+    buf = bytearray(NOTIF.size)  # zeroed each time: the kernel refuses one that is not
     try:
         fcntl.ioctl(listener, NOTIF_RECV, buf, True)
     except OSError:
@@ -207,9 +230,20 @@ def answer(listener: int, nid: int, allow: bool, errno_: int = 1) -> None:
     else:
         resp = RESP.pack(nid, 0, -errno_, 0)
     try:
-        fcntl.ioctl(listener, NOTIF_SEND, bytearray(resp), True)
+        fcntl.ioctl(listener, NOTIF_SEND, resp)  # read by the kernel only: bytes will do
     except OSError:
         pass  # the caller died meanwhile
+
+
+def open_memory(listener: int, nid: int, pid: int) -> int:
+    """The caller's memory, opened while it still waits: a pid that died and came back as
+    another process between the notification and the open fails the check after the open
+    (``OSError``), so that what is read afterwards is the caller's own."""
+    mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+    if not still_waiting(listener, nid):
+        os.close(mem)
+        raise OSError(errno.ESRCH, "the exec is no longer waiting")
+    return mem
 
 
 def _read_string(mem: int, address: int) -> str:
@@ -225,33 +259,35 @@ def _read_string(mem: int, address: int) -> str:
     raise OSError("an argument too long to judge")
 
 
-def read_exec(pid: int, nr: int, args: "Tuple[int, ...]") -> "Tuple[str, List[str]]":
-    """The path and argv an exec asked for, from the caller's memory, the path made absolute
-    (a relative one is relative to the caller's working folder, or to execveat's folder)."""
+def read_path(mem: int, pid: int, nr: int, args: "Tuple[int, ...]") -> str:
+    """The path an exec asked for, made absolute (a relative one is relative to the caller's
+    working folder, or to execveat's folder)."""
     if nr == NR_EXECVE:
-        path_at, argv_at, base = args[0], args[1], f"/proc/{pid}/cwd"
+        path_at, base = args[0], f"/proc/{pid}/cwd"
     else:
         dirfd = args[0] if args[0] < (1 << 31) else args[0] - (1 << 64)
-        path_at, argv_at = args[1], args[2]
+        path_at = args[1]
         base = f"/proc/{pid}/cwd" if dirfd == -100 else f"/proc/{pid}/fd/{dirfd}"  # AT_FDCWD
-    mem = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        path = _read_string(mem, path_at) if path_at else ""
-        argv: "List[str]" = []
-        pointers: "List[int]" = []
-        while argv_at and len(pointers) < MAX_ARGS:  # the pointer array, 64 at a time
-            chunk = os.pread(mem, 512, argv_at + 8 * len(pointers))
-            batch = struct.unpack(f"={len(chunk) // 8}Q", chunk[: len(chunk) // 8 * 8])
-            if 0 in batch:
-                pointers.extend(batch[: batch.index(0)])
-                break
-            if not batch:
-                break
-            pointers.extend(batch)
-        for pointer in pointers[:MAX_ARGS]:
-            argv.append(_read_string(mem, pointer))
-    finally:
-        os.close(mem)
+    path = _read_string(mem, path_at) if path_at else ""
     if not path.startswith("/"):
         path = os.path.join(os.readlink(base), path) if path else os.readlink(base)
-    return os.path.normpath(path), argv
+    return os.path.normpath(path)
+
+
+def read_argv(mem: int, nr: int, args: "Tuple[int, ...]") -> "List[str]":
+    """The argv an exec asked for, from the caller's memory."""
+    argv_at = args[1] if nr == NR_EXECVE else args[2]
+    argv: "List[str]" = []
+    pointers: "List[int]" = []
+    while argv_at and len(pointers) < MAX_ARGS:  # the pointer array, 64 at a time
+        chunk = os.pread(mem, 512, argv_at + 8 * len(pointers))
+        batch = struct.unpack(f"={len(chunk) // 8}Q", chunk[: len(chunk) // 8 * 8])
+        if 0 in batch:
+            pointers.extend(batch[: batch.index(0)])
+            break
+        if not batch:
+            break
+        pointers.extend(batch)
+    for pointer in pointers[:MAX_ARGS]:
+        argv.append(_read_string(mem, pointer))
+    return argv

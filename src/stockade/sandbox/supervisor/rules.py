@@ -52,6 +52,8 @@ class Rules:
         self.pending: "Dict[int, Tuple[int, int, int, Any, Dict[str, Any], Tuple[Any, ...]]]" = {}
         self.requests = 0
         self._decided: "Dict[Tuple[Any, ...], str]" = {}  # (pid, file, argv) -> verdict
+        # (path, file, its size and time, argv) -> the judge's verdict and rule
+        self._verdicts: "Dict[Tuple[Any, ...], Tuple[str, Optional[str]]]" = {}
         self._names: "Dict[Tuple[int, int, int], str]" = {}  # file -> the name it has
         self._identity: "Dict[Tuple[int, int, int, int], str]" = {}  # (dev, ino, size, mtime) -> digest
         self._known: "Dict[str, Set[str]]" = {}  # content digest -> program names
@@ -149,35 +151,60 @@ class Rules:
             os._exit(0)
 
     def on_exec(self, listener: int) -> None:
+        """Judge one exec. The caller waits in the kernel meanwhile, so an allowed exec is
+        answered as soon as its verdict and job are known, and recorded after: the argv
+        recorded is the one judged, read before. The job is looked up first, as the caller
+        may have run, ended and been reaped by the time the record is made."""
         got = confine.receive(listener)
         if got is None:
             return
         nid, pid, nr, args = got
         try:
-            path, argv = confine.read_exec(pid, nr, args)
+            mem = confine.open_memory(listener, nid, pid)
+        except OSError:
+            confine.answer(listener, nid, False)  # gone, or cannot tell what it runs: no
+            return
+        try:
+            path = confine.read_path(mem, pid, nr, args)
+            target = self._in_view(pid, path)
+            try:
+                st = os.stat(target)
+            except OSError:
+                # What the kernel would say (a PATH search goes on to the next folder). Never
+                # "go on" unjudged: the file could appear between this look and the exec.
+                # Nothing runs, nothing is recorded: its argv need not be read.
+                confine.answer(listener, nid, False, ENOENT)
+                return
+            argv = confine.read_argv(mem, nr, args)
         except (OSError, ValueError):
             confine.answer(listener, nid, False)  # cannot tell what it runs: no
             return
-        if not confine.still_waiting(listener, nid):
-            return  # gone (and its pid maybe reused): nothing to answer
-        target = self._in_view(pid, path)
-        try:
-            st = os.stat(target)
-        except OSError:
-            # What the kernel would say (a PATH search goes on to the next folder). Never
-            # "go on" unjudged: the file could appear between this look and the exec.
-            confine.answer(listener, nid, False, ENOENT)
-            return
+        finally:
+            os.close(mem)
         key = (pid, st.st_dev, st.st_ino, tuple(argv))
-        if key in self._decided:  # the same exec tried again by another name (/bin, /usr/bin)
-            verdict = self._decided[key]
+        verdict = self._decided.get(key)
+        if verdict is not None:  # the same exec tried again by another name (/bin, /usr/bin)
             confine.answer(listener, nid, verdict == "allow", EPERM)
             return
-        verdict, rule = self.judge(pid, path, argv, st)
+        # The same program, file and argv again (a loop, a build): the same verdict.
+        seen = (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, key[3])
+        if path.startswith("/proc/"):  # /proc/self/... is another file for each caller
+            seen = None
+        judged = self._verdicts.get(seen) if seen is not None else None
+        if judged is None:
+            judged = self.judge(pid, path, argv, st)
+            if seen is not None and judged[0] != "approve":  # an approval is asked each time
+                if len(self._verdicts) > 1024:
+                    self._verdicts.clear()
+                self._verdicts[seen] = judged
+        verdict, rule = judged
         job = self.sup.job_of(pid)
-        record = {"path": path, "argv": argv[:MAX_EXEC_ARGV], "verdict": verdict, "rule": rule or ""}
-        if verdict != "approve":
+        if verdict == "allow":
+            confine.answer(listener, nid, True)
             self._remember(key, verdict)
+            self._record(job, {"path": path, "argv": argv[:MAX_EXEC_ARGV], "verdict": verdict, "rule": ""})
+            return
+        record = {"path": path, "argv": argv[:MAX_EXEC_ARGV], "verdict": verdict, "rule": rule or ""}
         if verdict == "approve":
             if not self.approver or job is None:
                 record["verdict"] = "refuse"
@@ -187,10 +214,9 @@ class Rules:
                 self.requests += 1
                 self.pending[self.requests] = (listener, nid, pid, job, record, key)
                 self.sup.send({"id": job.rid, "ev": "approve", "req": self.requests, **record})
-        elif verdict == "deny":
-            self._refuse(listener, nid, pid, record)
         else:
-            confine.answer(listener, nid, True)
+            self._refuse(listener, nid, pid, record)
+            self._remember(key, verdict)
         self._record(job, record)
 
     def on_verdict(self, request: int, allow: bool) -> None:

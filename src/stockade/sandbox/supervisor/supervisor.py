@@ -301,6 +301,15 @@ class Supervisor:
     def job_of(self, pid: int) -> "Optional[Job]":
         """The job whose code ``pid`` is: its shim leads its session (one look), else the shim
         it descends from (or was reparented to), up the parents."""
+        if pid not in self.shims:
+            try:  # one system call, no file: the common case (code the shim started)
+                session = os.getsid(pid)
+            except OSError:
+                session = pid
+            if session != pid:
+                by_session = self._job_led_by(session)
+                if by_session is not None:
+                    return by_session
         for hop in range(64):
             job = self.shims.get(pid)
             if job is not None:
