@@ -8,6 +8,8 @@ with ``require(name, available, why)``: on a laptop without it the test skips; i
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -71,7 +73,16 @@ def _suite_state_folders(tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("STOCKADE_KILL_DIR", str(state / "kill"))
         patch.setenv("STOCKADE_APPROVAL_DIR", str(state / "approvals"))
-        yield
+        # the process tier's masked program folders: where a sandbox's uid can reach them
+        # (not below pytest's private folder), on /usr's file system when the temporary
+        # folder is (hard links), else each program is bound on its own
+        masks = Path(tempfile.mkdtemp(prefix="stockade-masks-"))
+        masks.chmod(0o755)
+        patch.setenv("STOCKADE_MASK_CACHE", str(masks))
+        try:
+            yield
+        finally:
+            shutil.rmtree(masks, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

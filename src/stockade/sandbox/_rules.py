@@ -10,6 +10,7 @@ refuses, like a limit, unless the caller accepts less (``allow_weaker``).
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 import hashlib
@@ -17,6 +18,7 @@ import os
 import shlex
 import shutil
 import tempfile
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -250,10 +252,34 @@ def _digest(path: Path) -> str | None:
 
 # -- binding the masks ------------------------------------------------------------------------
 
-# Where a host that runs as root keeps its masked copies of program folders: on the file
-# system of the programs themselves (/usr), as hard links need.
-MASKED_FOLDERS = Path("/var/cache/stockade")
+# A masked copy no sandbox has used for this long is removed (each use touches it), unless a
+# live sandbox lists it; a build left half-done by a crash, after an hour.
+MASKED_UNUSED_S = 7 * 86400
 _masked: dict[tuple[Any, ...], Path] = {}  # (folder, its identity, names) -> the masked copy
+
+
+def masked_folders() -> Path:
+    """Where a host that runs as root keeps its masked copies of program folders:
+    ``STOCKADE_MASK_CACHE``, else /var/cache/stockade, on the file system of the programs
+    themselves (/usr), as hard links need (elsewhere, each program is bound instead)."""
+    return Path(os.environ.get("STOCKADE_MASK_CACHE") or "/var/cache/stockade")
+
+
+def collect_masked(cache: Path, in_use: set[str], *, now: float | None = None) -> list[str]:
+    """Remove the masked copies in ``cache`` unused for ``MASKED_UNUSED_S`` that no live
+    sandbox lists in ``in_use`` (removing one in use would empty a folder under a sandbox)."""
+    now = time.time() if now is None else now
+    removed: list[str] = []
+    for kind, age in (("masked-", MASKED_UNUSED_S), (".masked-", 3600.0)):
+        for copy in cache.glob(kind + "*"):
+            try:
+                idle = now - copy.stat().st_mtime
+            except OSError:
+                continue
+            if idle > age and str(copy) not in in_use:
+                shutil.rmtree(copy, ignore_errors=True)
+                removed.append(f"masked copy {copy.name}")
+    return removed
 
 
 def mask_binds(root: Path, masks: Iterable[str], cache: Path | None) -> list[tuple[str, str]]:
@@ -296,6 +322,7 @@ def masked_folder(folder: Path, names: frozenset[str], cache: Path | None) -> Pa
     key = (str(folder), st.st_dev, st.st_ino, st.st_mtime_ns, tuple(sorted(names)))
     known = _masked.get(key)
     if known is not None and known.is_dir():
+        _touch(known)
         return known
     target = cache / ("masked-" + hashlib.sha256(repr(key).encode()).hexdigest()[:16])
     if not target.is_dir():
@@ -304,8 +331,16 @@ def masked_folder(folder: Path, names: frozenset[str], cache: Path | None) -> Pa
             _build_masked(folder, names, st.st_mode & 0o7777, cache, target)
         except OSError:
             return None
+    else:
+        _touch(target)
     _masked[key] = target
     return target
+
+
+def _touch(copy: Path) -> None:
+    """Marks the copy used now: ``collect_masked`` keeps what was used lately."""
+    with contextlib.suppress(OSError):
+        os.utime(copy)
 
 
 def _build_masked(folder: Path, names: frozenset[str], mode: int, cache: Path, target: Path) -> None:

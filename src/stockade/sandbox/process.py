@@ -52,6 +52,7 @@ from stockade.types import Enforcement, HostShare, Mechanism, NetworkPolicy, Tie
 __all__ = ["ProcessBackend"]
 
 OWNER_FILE = "owner"
+MASKS_FILE = "masks"  # the masked copies a sandbox binds (_rules.mask_binds), one per line
 # Imported, not run as a script: only imported modules are loaded from their bytecode.
 SUPERVISOR_BOOT = "import sys; sys.path.insert(0, '/opt/stockade'); import supervisor; supervisor.main()"
 
@@ -315,6 +316,14 @@ class ProcessBackend(Backend):
         except OSError:  # another process built the same folder first: theirs is identical
             shutil.rmtree(tmp, ignore_errors=True)
 
+    def _mask_options(self, root: Path, masks: tuple[str, ...], rundir: Path) -> list[str]:
+        cache = _rules.masked_folders() if self.is_root else None
+        binds = _rules.mask_binds(root, masks, cache)
+        if cache is not None:  # the copies this sandbox binds: garbage collection keeps them
+            copies = [source for source, _ in binds if source != "/dev/null"]
+            (rundir / MASKS_FILE).write_text("".join(f"{copy}\n" for copy in copies))
+        return [option for source, path in binds for option in ("--ro-bind", source, path)]
+
     def _bwrap_options(
         self, spec: SandboxSpec, rundir: Path, seccomp_fd: int, masks: tuple[str, ...] = ()
     ) -> list[str]:
@@ -379,9 +388,7 @@ class ProcessBackend(Backend):
                 "--tmpfs",
                 "/tmp",
             ]
-        cache = _rules.MASKED_FOLDERS if self.is_root else None
-        for source, path in _rules.mask_binds(root, masks, cache):
-            argv += ["--ro-bind", source, path]
+        argv += self._mask_options(root, masks, rundir)
         if spec.network.egress:  # the proxy's socket: the only way out of a network of its own
             argv += ["--ro-bind", str(rundir / "egress"), EGRESS_DIR]
         argv += [
@@ -609,9 +616,12 @@ def collect_garbage(state_dir: Path | None = None) -> list[str]:
     """Remove sandboxes (mounts, run folders, cgroups) whose creating process is gone."""
     base = state_dir or _default_state_dir(os.geteuid() == 0)
     removed: list[str] = []
+    in_use: set[str] = set()
     if base.is_dir():
         for rundir in sorted(base.glob("sbx-*")):
             if _owner_alive(rundir):
+                with contextlib.suppress(OSError):
+                    in_use.update((rundir / MASKS_FILE).read_text().split())
                 continue
             for name in ("workspace", "tmp", "shm"):
                 umount(rundir / name)
@@ -622,4 +632,6 @@ def collect_garbage(state_dir: Path | None = None) -> list[str]:
             if time.time() - partial.stat().st_mtime > 3600:
                 shutil.rmtree(partial, ignore_errors=True)
     removed += _cgroups.collect("sbx-", lambda name: (base / name).exists())
+    if os.geteuid() == 0:
+        removed += _rules.collect_masked(_rules.masked_folders(), in_use)
     return removed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,22 @@ def test_without_a_copy_each_program_is_covered_by_dev_null(folder: Path, tmp_pa
     assert _rules.mask_binds(tmp_path, masks, tmp_path / "cache") == expected
     alone = _rules.mask_binds(tmp_path, ["/usr/bin/curl"], tmp_path / "cache")
     assert alone == [("/dev/null", "/usr/bin/curl")]  # one mask: its own bind costs the same
+
+
+def test_copies_unused_for_a_week_go_unless_a_live_sandbox_binds_them(folder: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    old, listed, recent = (
+        Path(_rules.masked_folder(folder, frozenset(names), cache) or pytest.fail("no copy"))
+        for names in ({"curl", "wget"}, {"curl", "ls"}, {"wget", "ls"})
+    )
+    partial = cache / ".masked-crashed"
+    partial.mkdir()
+    week_ago = time.time() - _rules.MASKED_UNUSED_S - 60
+    for copy in (old, listed, partial):
+        os.utime(copy, (week_ago, week_ago))
+    removed = _rules.collect_masked(cache, {str(listed)})
+    assert sorted(removed) == sorted(f"masked copy {p.name}" for p in (old, partial))
+    assert not old.exists() and not partial.exists()
+    assert listed.is_dir() and recent.is_dir()  # a live sandbox binds one; the other was used lately
+    again = _rules.masked_folder(folder, frozenset({"curl", "ls"}), cache)
+    assert again == listed and time.time() - listed.stat().st_mtime < 60  # each use touches it
