@@ -34,15 +34,20 @@ class Interpreter:
 
     def __init__(self, sup: "Supervisor") -> None:
         self.sup = sup
-        import interpreter  # type: ignore[import-not-found]
-
-        interpreter.preload()  # once per sandbox; later interpreters are bare forks
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         in_r, in_w = os.pipe()
         res_r, res_w = os.pipe()
 
         def target() -> None:
+            # Imported and site loaded here, in the interpreter process, not in the
+            # supervisor before forking: a fork copies every page its parent has written
+            # (a few ms in a VM for the ~10 MB site's imports write), and every later
+            # interpreter starts from a fresh supervisor anyway (a reset execs one). Before
+            # the workspace joins sys.path, so that site imports nothing of the sandbox's.
+            import interpreter  # type: ignore[import-not-found]
+
+            interpreter.preload()
             os.chdir(sup.workspace.root)
             os.environ.clear()
             os.environ.update(sup.env)
