@@ -1,6 +1,6 @@
 """Cold start and run_code latency of the container tiers, against the raw mechanisms.
 
-    python bench/container_start.py [--runs N]
+    python bench/container_start.py [--runs N] [--only runsc]
 
 Measured in one run, interleaved (so drift hits both sides alike):
 * raw: ``docker run --rm --network none IMAGE python3 -c 'print(1)'`` (runc, then
@@ -108,7 +108,9 @@ def run_code_p50(backend: Backend, n: int = 300) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=10)
-    runs = parser.parse_args().runs
+    parser.add_argument("--only", default="", help="measure only the tiers whose name contains this")
+    args = parser.parse_args()
+    runs = args.runs
     rootfs = find_rootfs()
     workdir = Path(tempfile.mkdtemp(prefix="stockade-bench-"))
     backends: dict[str, Backend] = {
@@ -125,6 +127,8 @@ def main() -> None:
     rows = []
     try:
         for name, backend in backends.items():
+            if args.only not in name:
+                continue
             Sandbox.create(backend=backend).close()  # warm: image cache, supervisor folder, gc
             raws[name]()
             raw_t, open_t, closed_t = [], [], []
