@@ -46,18 +46,18 @@ def raw_docker(runtime: str | None) -> Callable[[], object]:
     return lambda: subprocess.run(argv, check=True, capture_output=True)
 
 
-def raw_runsc(rootfs: Path, workdir: Path) -> Callable[[], object]:
-    """``runsc run`` on a bundle with the same rootfs and nothing else."""
+def raw_runsc(rootfs: Path, workdir: Path, platform: str) -> Callable[[], object]:
+    """``runsc run`` on a bundle with the same rootfs and nothing else, on the tier's platform."""
     bundle = workdir / "bundle"
     bundle.mkdir()
     config = _guest.oci_config(
         SandboxSpec(),
         rootfs=rootfs,
-        kernel=workdir,
+        folder=workdir,
         binds={},
         cgroup="",
         annotations={},
-        host=_guest.own_kernel_limits(SandboxSpec()),
+        host=_guest.own_kernel_limits(SandboxSpec(), platform),
     )
     config["process"]["args"] = ["python3", "-c", "print(1)"]
     config["process"]["cwd"] = "/"
@@ -71,7 +71,7 @@ def raw_runsc(rootfs: Path, workdir: Path) -> Callable[[], object]:
             "runsc",
             "--root",
             str(root),
-            "--platform=ptrace",
+            f"--platform={platform}",
             "--network=none",
             "run",
             "--bundle",
@@ -122,8 +122,9 @@ def main() -> None:
         "gvisor via docker (runsc)": raw_docker("runsc"),
     }
     if rootfs is not None and shutil.which("runsc"):
-        backends["gvisor, runsc without docker"] = RunscBackend(rootfs=rootfs)
-        raws["gvisor, runsc without docker"] = raw_runsc(rootfs, workdir)
+        runsc = RunscBackend(rootfs=rootfs)
+        backends["gvisor, runsc without docker"] = runsc
+        raws["gvisor, runsc without docker"] = raw_runsc(rootfs, workdir, runsc.platform)
     rows = []
     try:
         for name, backend in backends.items():
