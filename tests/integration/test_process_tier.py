@@ -220,3 +220,12 @@ def test_a_spare_is_a_sandbox_of_its_own_with_fresh_randomness() -> None:
         assert len(set(column)) == 3
     for sid, trace in zip(ids, traces, strict=True):
         assert mounts_of(sid) == [] and trace.processes() == []
+
+
+def test_the_sandboxs_code_runs_below_the_supervisors_priority() -> None:
+    # Below the supervisor, which then always gets the CPU to enforce a deadline in time.
+    with Sandbox.create() as sbx:
+        assert sbx.run_code("import os\nos.nice(0)").text == "19"
+        assert sbx.commands.run(["nice"]).stdout == "19\n"
+        sbx.run_code("import os\nos._exit(0)")  # the interpreter dies: the next run starts another
+        assert sbx.run_code("import os\nos.nice(0)").text == "19"
