@@ -41,10 +41,10 @@ class Interpreter:
 
         def target() -> None:
             # Imported and site loaded here, in the interpreter process, not in the
-            # supervisor before forking: a fork copies every page its parent has written
-            # (a few ms in a VM for the ~10 MB site's imports write), and every later
-            # interpreter starts from a fresh supervisor anyway (a reset execs one). Before
-            # the workspace joins sys.path, so that site imports nothing of the sandbox's.
+            # supervisor before forking: a fork write-protects every page its parent has
+            # written, milliseconds in a VM for what site's imports write. The price: an
+            # interpreter started again by this supervisor (after a timeout) loads site
+            # again. Before the workspace joins sys.path: site imports nothing of the sandbox's.
             import interpreter  # type: ignore[import-not-found]
 
             interpreter.preload()
