@@ -11,6 +11,7 @@ Standard library only; runs on any Python >= 3.8 found inside the sandbox.
 from __future__ import annotations
 
 import os
+import select
 import sys
 import time
 from select import EPOLLIN as EVENT_READ
@@ -71,6 +72,18 @@ class Interpreter:
         for fd in (out_r, err_r, res_r):
             os.set_blocking(fd, False)
             sup.sel.register(fd, EVENT_READ, ("interpreter", self))
+
+    def wait_started(self, timeout: float) -> None:
+        """Block until the interpreter process has said hello (its site loaded, ready for
+        code), it died, or ``timeout``: a reset that promises a warm interpreter answers
+        only then, so that a pool hands out a sandbox whose first run does not wait."""
+        deadline = time.monotonic() + timeout
+        while not self.pid and self is self.sup.interpreter:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if select.select([self.ctl_r], [], [], left)[0]:
+                self.on_readable(self.ctl_r)
 
     def next_run(self) -> None:
         """Send the first queued run to the interpreter process, unless one is running."""
