@@ -2,8 +2,11 @@
 
     python bench/process_tier.py [--rounds N]
 
-Prints a markdown table. Every figure is set against the raw mechanism measured in the same
-run: plain python3, a strict bwrap running python3, and a persistent interpreter in bwrap.
+Prints a markdown table. Every figure is set against the raw mechanism doing the same work,
+measured in the same run: a strict bwrap running ``python3 -c 'print(1)'`` for a cold start
+(create + the first ``print(1)`` back, through ``run_code`` and through a command; close is
+its own row), a persistent interpreter in bwrap for ``run_code`` on a live sandbox. The cold
+starts are interleaved round by round, so that a change of the machine's load moves both sides.
 """
 
 from __future__ import annotations
@@ -14,10 +17,13 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from stockade import Sandbox
+from stockade.sandbox import SpareBackend
 from stockade.sandbox.pool import SandboxPool
+from stockade.sandbox.process import ProcessBackend
 
 RAW_BWRAP = [
     "bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
@@ -61,6 +67,74 @@ def raw_persistent_interpreter(rounds: int) -> list[float]:
     return out
 
 
+def cold_starts(rounds: int) -> dict[str, list[float]]:
+    """The same work on each side, interleaved: one round runs each once, in turn.
+
+    "code" and "command" are ``Sandbox.create()`` and the first ``print(1)`` back (through
+    ``run_code``, which starts the sandbox's interpreter, and through a command); "create"
+    is the part of "code" until the sandbox is ready, "close" the close after it; "spare"
+    is create + ``run_code`` through a ``SpareBackend`` whose spare is ready.
+    """
+    out: dict[str, list[float]] = {
+        k: [] for k in ("plain", "raw", "code", "create", "command", "close", "spare")
+    }
+    spare = SpareBackend(ProcessBackend())
+
+    def raw(argv: list[str]) -> float:
+        t = time.perf_counter()
+        done = subprocess.run(argv, env={}, check=True, capture_output=True)
+        elapsed = time.perf_counter() - t
+        assert done.stdout == b"1\n"
+        return elapsed
+
+    def by_code() -> None:
+        t = time.perf_counter()
+        sbx = Sandbox.create()
+        ready = time.perf_counter()
+        ex = sbx.run_code("print(1)")
+        done = time.perf_counter()
+        assert ex.logs.stdout == "1\n", ex
+        out["code"].append(done - t)
+        out["create"].append(ready - t)
+        t = time.perf_counter()
+        sbx.close()
+        out["close"].append(time.perf_counter() - t)
+
+    def by_command() -> None:
+        t = time.perf_counter()
+        sbx = Sandbox.create()
+        result = sbx.commands.run(PRINT1)
+        out["command"].append(time.perf_counter() - t)
+        assert result.stdout == "1\n", result
+        sbx.close()
+
+    def from_spare() -> None:
+        # Timed once the spare is ready (a create after a pause), and its successor is
+        # waited for untimed, so that no start in the background overlaps the next round.
+        spare.wait_ready(30)
+        t = time.perf_counter()
+        sbx = Sandbox.create(backend=spare)
+        ex = sbx.run_code("print(1)")
+        out["spare"].append(time.perf_counter() - t)
+        assert ex.logs.stdout == "1\n", ex
+        sbx.close()
+        spare.wait_ready(30)
+
+    with Sandbox.create() as sbx:  # the first use builds the seccomp filter and the shared files
+        sbx.run_code("print(1)")
+    Sandbox.create(backend=spare).close()  # the first spare
+    try:
+        for _ in range(rounds):
+            out["raw"].append(raw([*RAW_BWRAP, *PRINT1]))
+            by_code()
+            out["plain"].append(raw(PRINT1))
+            by_command()
+            from_spare()
+    finally:
+        spare.close()
+    return out
+
+
 def sandbox_memory_kb(sbx: Sandbox) -> int:
     """Proportional set size of every process of the sandbox (its cgroup), in KiB."""
     boundary = sbx.instance.boundary  # type: ignore[attr-defined]
@@ -93,6 +167,7 @@ def idle_memory_mb(count: int, warm: bool) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--cold-only", action="store_true", help="only the cold start rows")
     args = parser.parse_args()
     n = args.rounds
     rows: list[tuple[str, str, str, str]] = []
@@ -100,26 +175,45 @@ def main() -> None:
     def add(name: str, value: str, ratio: str = "", note: str = "") -> None:
         rows.append((name, value, ratio, note))
 
-    plain = timed(lambda: subprocess.run(PRINT1, env={}, check=True, capture_output=True), n)
-    bwrap = timed(lambda: subprocess.run([*RAW_BWRAP, *PRINT1], env={}, check=True, capture_output=True), n)
-
-    def first_output() -> None:
-        sbx = Sandbox.create()
-        assert sbx.commands.run(["echo", "1"]).stdout == "1\n"
-        created.append(sbx)
-
-    created: list[Sandbox] = []
-    first_output()  # the first use builds the seccomp filter and the shared files
-    ours = timed(first_output, n)
-    closing = timed(lambda: created.pop().close(), n)
-    add("python3 -c print(1), no sandbox", f"{p50(plain):.1f} ms")
-    add("raw strict bwrap + python3 -c print(1)", f"{p50(bwrap):.1f} ms", "1.00x", "mechanism")
+    load_before = os.getloadavg()
+    cold = cold_starts(n)
+    raw = cold["raw"]
+    add("python3 -c print(1), no sandbox", f"{p50(cold['plain']):.1f} ms")
+    add("raw strict bwrap + python3 -c print(1)", f"{p50(raw):.1f} ms", "1.00x", "mechanism")
     add(
-        "cold start: create sandbox + first command's output", f"{p50(ours):.1f} ms",
-        f"{p50(ours) / p50(bwrap):.2f}x", "target 1.3x",
+        "cold start: create + run_code('print(1)') output", f"{p50(cold['code']):.1f} ms",
+        f"{p50(cold['code']) / p50(raw):.2f}x", "target 1.3x",
     )  # fmt: skip
-    add("close (kill everything, free cgroup, tmpfs, folders)", f"{p50(closing):.1f} ms")
+    add(
+        "... of which create (supervisor ready)", f"{p50(cold['create']):.1f} ms",
+        f"{p50(cold['create']) / p50(raw):.2f}x",
+    )  # fmt: skip
+    add(
+        "cold start: create + commands.run python3 -c print(1)", f"{p50(cold['command']):.1f} ms",
+        f"{p50(cold['command']) / p50(raw):.2f}x", "target 1.3x",
+    )  # fmt: skip
+    add("close (kill everything, free cgroup, tmpfs, folders)", f"{p50(cold['close']):.1f} ms")
+    add(
+        "create from a ready spare (SpareBackend) + run_code('print(1)')", f"{p50(cold['spare']):.1f} ms",
+        f"{p50(cold['spare']) / p50(raw):.2f}x", "at or below raw",
+    )  # fmt: skip
+    if not args.cold_only:
+        live_rows(n, add)
+    load_after = os.getloadavg()
+    print(
+        f"Process tier, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, "
+        f"Python {sys.version.split()[0]}, "
+        f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after"
+    )
+    print()
+    print("| measurement | value | ratio | note |")
+    print("|---|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
 
+
+def live_rows(n: int, add: Callable[..., None]) -> None:
+    """run_code and commands on a live sandbox, idle memory, a pool's latency."""
     raw_loop = raw_persistent_interpreter(n * 10)
     with Sandbox.create() as sbx:
         sbx.run_code("x = 0")
@@ -151,15 +245,6 @@ def main() -> None:
             pooled_t.append(time.perf_counter() - t)
             time.sleep(0.02)  # the caller's own work between uses (not timed)
     add("pool acquire + run_code('print(1)') + release, p50", f"{p50(pooled_t):.2f} ms", "", "target < 5 ms")
-
-    print(
-        f"Process tier, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, Python {sys.version.split()[0]}"
-    )
-    print()
-    print("| measurement | value | ratio | note |")
-    print("|---|---|---|---|")
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
 
 
 if __name__ == "__main__":

@@ -189,3 +189,43 @@ def test_a_sandbox_nobody_closed_dies_with_its_last_reference() -> None:
     del sbx
     gc.collect()
     wait_for(lambda: not trace.processes() and not mounts_of(sid), what="a dropped sandbox to stop")
+
+
+def test_a_spare_is_a_sandbox_of_its_own_with_fresh_randomness() -> None:
+    from stockade.sandbox import SpareBackend
+    from stockade.sandbox.process import ProcessBackend
+
+    spare = SpareBackend(ProcessBackend())
+    probe = (
+        "import os, random, tempfile\n"
+        "open('mine', 'w').write('x')\n"
+        "print(os.urandom(8).hex(), random.random(), hash('stockade'), tempfile.mktemp())"
+    )
+    seen, ids, traces = [], [], []
+    try:
+        for i in range(3):
+            # The first create is a cold one; each later one takes the spare started after it.
+            assert spare.wait_ready(30) == (i > 0)
+            with Sandbox.create(backend=spare) as sbx:
+                assert sbx.commands.run(["ls"]).stdout == ""  # nothing of the one before
+                ex = sbx.run_code(probe)
+                assert ex.error is None, ex.error
+                seen.append(ex.logs.stdout.split())
+                ids.append(sbx.id)
+                traces.append(Trace(sbx.id))
+    finally:
+        spare.close()
+    assert len(set(ids)) == 3
+    for column in zip(*seen, strict=True):  # urandom, random's seed, the hash seed, temp names
+        assert len(set(column)) == 3
+    for sid, trace in zip(ids, traces, strict=True):
+        assert mounts_of(sid) == [] and trace.processes() == []
+
+
+def test_the_sandboxs_code_runs_below_the_supervisors_priority() -> None:
+    # Below the supervisor, which then always gets the CPU to enforce a deadline in time.
+    with Sandbox.create() as sbx:
+        assert sbx.run_code("import os\nos.nice(0)").text == "19"
+        assert sbx.commands.run(["nice"]).stdout == "19\n"
+        sbx.run_code("import os\nos._exit(0)")  # the interpreter dies: the next run starts another
+        assert sbx.run_code("import os\nos.nice(0)").text == "19"

@@ -13,6 +13,7 @@ from stockade.sandbox.base import (
 from stockade.sandbox.facade import AsyncSandbox, Sandbox
 from stockade.sandbox.pool import PoolStats, SandboxPool
 from stockade.sandbox.snapshots import SnapshotStore
+from stockade.sandbox.spare import SpareBackend
 
 __all__ = [
     "TIMEOUT_MARGIN_S",
@@ -26,6 +27,7 @@ __all__ = [
     "SandboxPool",
     "SandboxSpec",
     "SnapshotStore",
+    "SpareBackend",
     "WrapperBackend",
     "WrapperInstance",
 ]

@@ -109,8 +109,8 @@ PUBLIC: dict[str, set[str]] = {
     },
     "stockade.sandbox": {
         "TIMEOUT_MARGIN_S", "AsyncBackend", "AsyncInstance", "AsyncSandbox", "Backend", "Instance",
-        "PoolStats", "Sandbox", "SandboxPool", "SandboxSpec", "SnapshotStore", "WrapperBackend",
-        "WrapperInstance",
+        "PoolStats", "Sandbox", "SandboxPool", "SandboxSpec", "SnapshotStore", "SpareBackend",
+        "WrapperBackend", "WrapperInstance",
     },
     "stockade.agent": {
         "DEFAULT_SYSTEM_PROMPT", "Agent", "AgentEvent", "AgentRun", "CallToolsNode", "CheckFinished",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,3 +22,21 @@ def test_a_supervisor_module_parses_as_python_3_8_and_imports_only_the_stdlib(na
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     foreign = {m for m in imported if m.split(".")[0] not in sys.stdlib_module_names and m not in siblings}
     assert not foreign, f"{name} imports {sorted(foreign)}: the sandbox has only the standard library"
+
+
+def test_the_interpreter_module_imports_nothing_heavy(tmp_path: Path) -> None:
+    # It is imported on every sandbox's first run_code: what it imports is that call's wait.
+    for name, data in sources().items():
+        (tmp_path / name).write_bytes(data)
+    probe = (
+        "import sys; sys.path.insert(0, sys.argv[1]); before = set(sys.modules); import interpreter; "
+        "print(' '.join(sorted(set(sys.modules) - before)))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-S", "-E", "-s", "-B", "-c", probe, str(tmp_path)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    loaded = set(done.stdout.split())
+    assert "interpreter" in loaded
+    heavy = {"ast", "inspect", "typing", "traceback", "base64", "re", "json", "asyncio", "site", "enum"}
+    assert not loaded & heavy

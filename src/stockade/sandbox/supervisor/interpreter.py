@@ -4,21 +4,20 @@ One process keeps a namespace between calls. The value of a trailing expression 
 as a MIME bundle (``text/plain``, plus ``text/html``/``image/png``/... when the object knows
 how to show itself); open matplotlib figures come back as ``image/png``; an exception comes
 back as (name, value, traceback) with this module's frames removed.
-Standard library only.
+Standard library only, and little of it at import: this module is imported on the first
+``run_code`` of every sandbox, so what it imports is that call's wait (``ast``, ``inspect``,
+``traceback``, ``base64`` and ``typing`` cost ~25 ms together, more than the interpreter
+process itself). Only C modules here; the rest is imported where it is used.
 """
 
 from __future__ import annotations
 
-import ast
-import base64
+import _ast
 import builtins
-import inspect
 import io
 import os
 import sys
-import traceback
 import types
-from typing import Any
 
 from protocol import (  # type: ignore[import-not-found]
     MAX_BUNDLE_ENTRIES,
@@ -30,6 +29,10 @@ from protocol import (  # type: ignore[import-not-found]
     dumps,
     encode,
 )
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
+if TYPE_CHECKING:
+    from typing import Any
 
 CELL = "<cell>"
 MAX_TEXT = 1 << 20
@@ -50,9 +53,15 @@ _MIME_METHODS = (
 )
 
 
+def _b64(data: bytes) -> str:
+    import binascii  # C, unlike base64 (which imports re)
+
+    return binascii.b2a_base64(data, newline=False).decode()
+
+
 def _as_text(value: Any) -> str:
     if isinstance(value, bytes):
-        return base64.b64encode(value).decode()
+        return _b64(value)
     if isinstance(value, str):
         return value
     import json
@@ -142,7 +151,7 @@ def _is_figure(obj: Any) -> bool:
 def _figure_png(fig: Any) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", bbox_inches="tight")
-    return base64.b64encode(buf.getvalue()).decode()
+    return _b64(buf.getvalue())
 
 
 def _open_figures() -> list[dict[str, str]]:
@@ -194,12 +203,13 @@ class Interpreter:
         return {"results": _bounded(self._displayed), "error": error}
 
     def _execute(self, code: str) -> Any:
-        flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
-        tree = compile(code, CELL, "exec", flags | ast.PyCF_ONLY_AST, dont_inherit=True)
-        assert isinstance(tree, ast.Module)
+        # _ast, not ast: the same node classes and flags, without ast's imports.
+        flags = _ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+        tree = compile(code, CELL, "exec", flags | _ast.PyCF_ONLY_AST, dont_inherit=True)
+        assert isinstance(tree, _ast.Module)
         last = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)  # type: ignore[attr-defined]
+        if tree.body and isinstance(tree.body[-1], _ast.Expr):
+            last = _ast.Expression(tree.body.pop().value)
         body = compile(tree, CELL, "exec", flags, dont_inherit=True)
         _await(eval(body, self.namespace))
         if last is None:
@@ -208,7 +218,7 @@ class Interpreter:
 
 
 def _await(value: Any) -> Any:
-    if inspect.iscoroutine(value):
+    if isinstance(value, types.CoroutineType):  # inspect.iscoroutine, without importing inspect
         import asyncio
 
         return asyncio.run(value)
@@ -216,6 +226,11 @@ def _await(value: Any) -> Any:
 
 
 def _format_traceback(exc: BaseException) -> str:
+    # Imported on the first error, with the workspace on sys.path: a traceback.py of the
+    # code's own stands in for it, as for the code's imports. That only spoils the code's
+    # own report, which the host treats as untrusted anyway (json and asyncio are alike).
+    import traceback
+
     tb: types.TracebackType | None = exc.__traceback__
     # Drop this module's frames: the code's own frames start at the first <cell> frame.
     while tb is not None and tb.tb_frame.f_code.co_filename != CELL:

@@ -11,6 +11,7 @@ Standard library only; runs on any Python >= 3.8 found inside the sandbox.
 from __future__ import annotations
 
 import os
+import select
 import sys
 import time
 from select import EPOLLIN as EVENT_READ
@@ -34,15 +35,20 @@ class Interpreter:
 
     def __init__(self, sup: "Supervisor") -> None:
         self.sup = sup
-        import interpreter  # type: ignore[import-not-found]
-
-        interpreter.preload()  # once per sandbox; later interpreters are bare forks
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         in_r, in_w = os.pipe()
         res_r, res_w = os.pipe()
 
         def target() -> None:
+            # Imported and site loaded here, in the interpreter process, not in the
+            # supervisor before forking: a fork write-protects every page its parent has
+            # written, milliseconds in a VM for what site's imports write. The price: an
+            # interpreter started again by this supervisor (after a timeout) loads site
+            # again. Before the workspace joins sys.path: site imports nothing of the sandbox's.
+            import interpreter  # type: ignore[import-not-found]
+
+            interpreter.preload()
             os.chdir(sup.workspace.root)
             os.environ.clear()
             os.environ.update(sup.env)
@@ -66,6 +72,18 @@ class Interpreter:
         for fd in (out_r, err_r, res_r):
             os.set_blocking(fd, False)
             sup.sel.register(fd, EVENT_READ, ("interpreter", self))
+
+    def wait_started(self, timeout: float) -> None:
+        """Block until the interpreter process has said hello (its site loaded, ready for
+        code), it died, or ``timeout``: a reset that promises a warm interpreter answers
+        only then, so that a pool hands out a sandbox whose first run does not wait."""
+        deadline = time.monotonic() + timeout
+        while not self.pid and self is self.sup.interpreter:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if select.select([self.ctl_r], [], [], left)[0]:
+                self.on_readable(self.ctl_r)
 
     def next_run(self) -> None:
         """Send the first queued run to the interpreter process, unless one is running."""

@@ -88,6 +88,8 @@ RESET_ROOTS = ("/tmp", "/dev/shm", "/dev/mqueue")
 HANDOVER_FD = 3
 LISTENER_FD = 4  # the exec judge's listener, across the same exec
 RESUME_FLAG = "--stockade-resume"
+# How long a reset waits for the warm interpreter it promised (then answers all the same).
+WARM_START_S = 10.0
 
 EVENT_READ, EVENT_WRITE = select.EPOLLIN, select.EPOLLOUT
 
@@ -687,6 +689,7 @@ def _resume(sup: Supervisor, reader: FrameReader) -> None:
     sup.configure(state["config"], state["carried"])
     if state.get("warm"):
         sup.interpreter = Interpreter(sup)
+        sup.interpreter.wait_started(WARM_START_S)
     sup.send({"id": state["reply_to"], "ev": "done"})
     reader.feed(rest)
     sup.reader = reader
