@@ -10,6 +10,12 @@ ignores signals), gains nothing.
 It runs in the supervisor (not a process of its own) so that code cannot kill it, and at
 the supervisor's priority, above the code's. Each direction holds at most ``BUF`` bytes:
 a slow reader slows its writer, the supervisor's memory stays bounded.
+
+``Relay`` keeps ``warm`` connections to the proxy open ahead of need: a client's connection
+is paired with one the proxy has already accepted (and started serving), so a request does
+not wait for the proxy's accept. A warm connection is used only while younger than
+``WARM_MAX_AGE_S`` (the proxy closes one that sends nothing for 30 s) and is refilled after
+each use, not after the proxy closed it: an idle sandbox holds nothing open for long.
 Stdlib only, any python >= 3.8, like the rest of this folder.
 """
 
@@ -17,12 +23,14 @@ import errno
 import os
 import select
 import socket
+import time
 
 BUF = 256 * 1024
 CHUNK = 64 * 1024
 IN = select.EPOLLIN
 OUT = select.EPOLLOUT
 MAX_PAIRS = 256  # connections at once; the host's proxy caps them too
+WARM_MAX_AGE_S = 20.0  # well inside the proxy's 30 s for a connection's first request
 
 
 class _End:
@@ -35,6 +43,18 @@ class _End:
         self.shut_pending = False  # shut our writing side once ``out`` is written
         self.events = 0
         self.peer = None
+
+
+def _quiet(sock):
+    """Whether a warm connection is still open with nothing said on it (the proxy may have
+    closed it, or refused it with a 503, since the poller last looked)."""
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return True  # nothing to read: open and quiet
+    except OSError:
+        return False
+    return False  # closed (nothing but EOF) or answered
 
 
 class Relay:
@@ -50,10 +70,16 @@ class Relay:
         self.listener.listen(128)
         self.listener.setblocking(False)
         sel.register(self.listener.fileno(), IN, ("egress", self))
+        self.warm = max(0, int(config.get("warm", 0)))
+        self.idle = {}  # fd -> (socket, when connected): warm connections not yet given out
+        self._refill()
 
     def on_event(self, fd, events):
         if fd == self.listener.fileno():
             self._accept()
+            return
+        if fd in self.idle:  # the proxy closed (or answered) a connection nobody used: gone
+            self._forget(fd)
             return
         end = self.ends.get(fd)
         if end is None:
@@ -79,12 +105,8 @@ class Relay:
             if len(self.ends) >= 2 * MAX_PAIRS:
                 client.close()
                 continue
-            upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                upstream.setblocking(False)
-                upstream.connect(self.target)
-            except OSError:
-                upstream.close()
+            upstream = self._take_warm() or self._connect()
+            if upstream is None:
                 client.close()
                 continue
             client.setblocking(False)
@@ -96,6 +118,44 @@ class Relay:
                 self.ends[end.sock.fileno()] = end
                 end.events = IN
                 self.sel.register(end.sock.fileno(), IN, ("egress", self))
+            self._refill()
+
+    def _connect(self):
+        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            upstream.setblocking(False)
+            upstream.connect(self.target)
+        except OSError:  # the proxy is gone, or its backlog is full
+            upstream.close()
+            return None
+        return upstream
+
+    def _take_warm(self):
+        """The oldest warm connection still young enough; stale ones are closed on the way."""
+        now = time.monotonic()
+        for fd, (sock, since) in list(self.idle.items()):
+            if now - since < WARM_MAX_AGE_S and _quiet(sock):
+                del self.idle[fd]
+                self.sel.unregister(fd)  # registered again as an end of its pair
+                return sock
+            self._forget(fd)
+        return None
+
+    def _refill(self):
+        while len(self.idle) < self.warm and len(self.ends) + len(self.idle) < 2 * MAX_PAIRS:
+            sock = self._connect()
+            if sock is None:
+                return
+            self.idle[sock.fileno()] = (sock, time.monotonic())
+            self.sel.register(sock.fileno(), IN, ("egress", self))
+
+    def _forget(self, fd):
+        sock, _ = self.idle.pop(fd)
+        try:
+            self.sel.unregister(fd)
+        except KeyError:
+            pass
+        sock.close()
 
     def _read(self, end):
         peer = end.peer
@@ -160,6 +220,8 @@ class Relay:
     def close(self):
         for end in list(self.ends.values()):
             self._drop(end)
+        for fd in list(self.idle):
+            self._forget(fd)
         try:
             self.sel.unregister(self.listener.fileno())
         except KeyError:
