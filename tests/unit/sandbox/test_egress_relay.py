@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import select
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -114,3 +115,67 @@ def test_a_warm_connection_the_proxy_refused_is_not_handed_out(proxy: socket.soc
         warm.close()
     finally:
         relay.close()
+
+
+def test_streams_over_the_port_carry_megabytes_both_ways_intact(tmp_path: Path) -> None:
+    """The microVM's relay and the host's demultiplexer over a socketpair (the port, without
+    the VM): a download and an upload of a few MiB, byte for byte, under the flow control."""
+    import hashlib
+    import threading
+
+    from stockade.egress import _loop
+    from stockade.egress._mux import Mux
+
+    size = 3 * 1024 * 1024 + 17
+    pattern = hashlib.sha256(b"x").digest() * (size // 32 + 1)
+    target = str(tmp_path / "proxy.sock")
+    uploads: list[bytes] = []
+
+    def serve(server: socket.socket) -> None:  # the proxy's stand-in: an upload, then a download
+        conn, _ = server.accept()
+        with conn:
+            got = bytearray()
+            while len(got) < size:
+                got += conn.recv(1 << 16)
+            uploads.append(bytes(got))
+            conn.sendall(pattern[:size])
+
+    host_end, guest_end = socket.socketpair()
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(target)
+        server.listen(4)
+        threading.Thread(target=serve, args=(server,), daemon=True).start()
+        mux = Mux(host_end, target)
+        _loop.call(_start(mux))
+        poller = Poller()
+        port = _free_port()
+        relay = egress.MuxRelay(poller, {"fd": guest_end.fileno(), "listen": port})
+        received = bytearray()
+
+        def client() -> None:
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+                conn.sendall(pattern[:size])
+                while len(received) < size:
+                    data = conn.recv(1 << 16)
+                    if not data:
+                        break
+                    received.extend(data)
+
+        thread = threading.Thread(target=client, daemon=True)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 60
+            while thread.is_alive() and time.monotonic() < deadline:
+                poller.pump(1)
+        finally:
+            relay.close()
+            _loop.call(mux.close())
+            guest_end.close()
+    thread.join(5)
+    assert uploads == [pattern[:size]]
+    assert bytes(received) == pattern[:size]
+    assert not poller.data
+
+
+async def _start(mux: object) -> None:
+    mux.start()  # type: ignore[attr-defined]
