@@ -3,6 +3,7 @@ worker`` processes (Celery), and a worker SIGKILLed in the middle of a run."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -114,3 +115,126 @@ def test_a_worker_sigkilled_mid_run_and_the_run_resumes_on_the_other(cluster: Cl
         assert [e.data["attributes"]["tool"] for e in unknown] == ["slow_step"]  # not run again
         assert client.verify_audit()["ok"]
         assert resumed_in < 60, resumed_in
+
+
+# The code of the egress run: the API with the role's credential, a host the policy does not
+# name, and where the token could be in the sandbox (tests/integration/test_egress.py's scan).
+FETCH = """
+import json, urllib.error, urllib.request
+out = {{"auth": urllib.request.urlopen("https://api.test:{port}/auth", timeout=30).read().decode(),
+       "echo": urllib.request.urlopen("https://api.test:{port}/echo-auth", timeout=30).read().decode()}}
+try:
+    urllib.request.urlopen("http://other.test:{port}/", timeout=30)
+    out["other"] = [200, "allowed"]
+except urllib.error.HTTPError as err:
+    out["other"] = [err.code, err.read().decode()]
+open("fetched.json", "w").write(json.dumps(out, sort_keys=True) + "\\n")
+"""
+
+
+def _tables_text(url: str) -> str:
+    """Every row of every table of the test's schema, as text (the run store, the trail)."""
+    import psycopg
+
+    with psycopg.connect(url) as conn:
+        names = [row[0] for row in conn.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema()"
+        )]  # fmt: skip
+        return "\n".join(
+            str(row[0]) for name in names for row in conn.execute(f'SELECT t::text FROM "{name}" t'.encode())
+        )
+
+
+def test_a_worker_run_reaches_an_allowed_host_with_the_workers_credential(
+    tmp_path: Path, postgres_url: str, redis_queue: str
+) -> None:
+    """A run submitted to the service and run by a real worker: its code fetches from a local
+    HTTPS server under a made-up name through the allowlist, and the proxy (in the worker)
+    adds the credential the worker's environment holds. The token reaches the server, never
+    the sandbox, the run's trail or the database; a host not allowed is refused and audited."""
+    require_tier("process")
+    from tests.egress_servers import TOKEN, servers
+    from tests.integration.test_egress import LEAK_SCAN
+
+    tenants, tokens = write_tenants(tmp_path)
+    with servers(tmp_path) as local:
+        (tmp_path / "policy.toml").write_text(
+            f"""version = 1
+[trust]
+level = "trusted"
+[models]
+approved = ["scripted*"]
+[network]
+allow = [{{ host = "api.test", ports = [{local.https_port}] }}]
+allow_addresses = ["127.0.0.3/32"]
+resolve = {{ "api.test" = ["127.0.0.3"], "other.test" = ["127.0.0.3"] }}
+upstream_ca = "{local.ca_file}"
+[credentials.api]
+source = "env:EGRESS_TEST_API_TOKEN"
+hosts = ["api.test"]
+roles = ["dev"]
+[roles.dev]
+tiers = ["process"]
+[roles.viewer]
+tiers = ["process"]
+"""
+        )
+        # The token is in the worker's environment only: the server never holds it.
+        server = Server(tenants, postgres_url, tmp_path, redis=REDIS_URL, queue=redis_queue)
+        worker = None
+        try:
+            worker = Worker(tenants, postgres_url, REDIS_URL, redis_queue, tmp_path, "egress",
+                            env={"EGRESS_TEST_API_TOKEN": TOKEN})  # fmt: skip
+            turns = [
+                {
+                    "name": "run_code",
+                    "args": {"code": FETCH.format(port=local.https_port), "language": "python"},
+                },
+                {
+                    "name": "run_code",
+                    "args": {"code": "exec > scan.txt 2>&1\n" + LEAK_SCAN, "language": "bash"},
+                },
+                "fetched",
+            ]
+            with Client(server.url, tokens.acme) as client:
+                run = client.runs.submit("fetch from the API", scripted=turns)
+                done = run.wait(timeout_s=180)
+                assert done.status == "success", (done.info, worker.output()[-3000:])
+                pid = int(done.info["worker"].rsplit(":", 1)[1])
+                assert os.getpgid(pid) == worker.pid, done.info  # run by the worker's pool
+                diff = run.diff()
+                events = [e.data for e in run.events() if e.kind != "end"]
+                worker.stop()
+                # A worker whose environment lacks the credential: the run stops, saying which.
+                bare = Worker(tenants, postgres_url, REDIS_URL, redis_queue, tmp_path, "bare")
+                try:
+                    missing = client.runs.submit("fetch without the token", scripted=turns).wait(
+                        timeout_s=120
+                    )
+                    assert missing.status == "error", (missing.info, bare.output()[-3000:])
+                    assert "EGRESS_TEST_API_TOKEN" in str(missing.info.get("error")), missing.info
+                finally:
+                    bare.stop()
+                assert client.verify_audit()["ok"]
+        finally:
+            if worker is not None:
+                worker.stop()
+            server.stop()
+        seen = list(local.https_seen.authorizations)
+    fetched = next(line for line in diff.splitlines() if line.startswith('+{"auth"'))
+    out = json.loads(fetched[1:])
+    assert out["auth"] == "https authorized=True", out
+    assert "[REDACTED]" in out["echo"], out  # the server echoed it back: scrubbed on the way in
+    code, text = out["other"]
+    assert code == 403 and "stockade egress:" in text and "(rule: " in text, out
+    assert "+clean" in diff.splitlines(), diff  # the scan of the sandbox's processes and files
+    assert f"Bearer {TOKEN}" in seen  # the token reached the server
+    egress = [e["attributes"] for e in events if e.get("kind") == "egress"]
+    allowed = [a for a in egress if a["decision"] == "allow" and a["host"] == "api.test"]
+    assert allowed and all(a["credential_name"] == "api" and a["status"] == 200 for a in allowed), egress
+    denied = [a for a in egress if a["decision"] == "deny"]
+    assert [(a["host"], a["status"]) for a in denied] == [("other.test", 403)], egress
+    assert TOKEN not in diff and TOKEN not in json.dumps(events)
+    assert TOKEN not in _tables_text(postgres_url)  # the run store and the trail, all of it
+    assert TOKEN not in server.output() + worker.output()
+    assert "Traceback" not in server.output() + worker.output(), worker.output()[-3000:]

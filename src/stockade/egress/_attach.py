@@ -34,6 +34,9 @@ SANDBOX_DIR = "/run/stockade-egress"
 SOCKET = "proxy.sock"
 BUNDLE = "ca-bundle.pem"
 CA = "ca.pem"
+# Connections the relay keeps open to the proxy ahead of need (supervisor/egress.py): a
+# request then skips the proxy's accept. Two: one for the next request while one is in use.
+WARM_CONNECTIONS = 2
 SYSTEM_BUNDLES = ("etc/ssl/certs/ca-certificates.crt", "etc/pki/tls/certs/ca-bundle.crt", "etc/ssl/cert.pem")
 
 
@@ -131,7 +134,11 @@ def attach(
             for path in (folder, *folder.iterdir()):
                 os.chown(path, uid, uid)
         attachment.env = proxy_env(ca.decode() if ca is not None else None)
-        attachment.relay = {"listen": PROXY_PORT, "socket": f"{SANDBOX_DIR}/{SOCKET}"}
+        attachment.relay = {
+            "listen": PROXY_PORT,
+            "socket": f"{SANDBOX_DIR}/{SOCKET}",
+            "warm": WARM_CONNECTIONS,
+        }
     except BaseException:
         attachment.close()
         raise

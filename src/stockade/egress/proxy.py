@@ -54,6 +54,8 @@ HEAD_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 15.0
 MAX_CONNECTIONS = 128  # at once, per sandbox
 MAX_REDIRECT_BASE = 8192
+RESOLVE_TTL_S = 15.0  # below most records' own TTL; getaddrinfo does not say theirs
+RESOLVE_CACHE_SIZE = 1024  # names per sandbox
 HOP_BY_HOP = frozenset(
     (b"connection", b"keep-alive", b"proxy-connection", b"proxy-authorization", b"proxy-authenticate",
      b"te", b"trailer", b"transfer-encoding", b"upgrade")
@@ -80,16 +82,46 @@ class Resolver(Protocol):
 
 
 class SystemResolver:
-    """The host's resolver, with ``pinned`` names answered first (``NetworkPolicy.resolve``)."""
+    """The host's resolver, with ``pinned`` names answered first (``NetworkPolicy.resolve``).
 
-    def __init__(self, pinned: Mapping[str, Sequence[str]] | None = None) -> None:
+    Answers are kept ``ttl_s`` (a burst of requests to one host, as ``pip install`` makes,
+    asks the host's resolver once: its ``getaddrinfo`` runs in a thread, and a host without a
+    caching resolver sends a query each time). Safe against rebinding: the proxy checks every
+    answer each time, cached or not, and connects to an address it checked; a cache only
+    keeps the answers the same for a while. Failures are not kept."""
+
+    def __init__(
+        self,
+        pinned: Mapping[str, Sequence[str]] | None = None,
+        *,
+        ttl_s: float = RESOLVE_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.pinned = {k.lower().rstrip("."): list(v) for k, v in (pinned or {}).items()}
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._cache: dict[tuple[str, int], tuple[float, list[str]]] = {}
 
     async def resolve(self, host: str, port: int) -> list[str]:
         if host in self.pinned:
             return list(self.pinned[host])
         if ip_literal(host) is not None:
             return [host]
+        now = self.clock()
+        kept = self._cache.get((host, port))
+        if kept is not None and kept[0] > now:
+            return list(kept[1])
+        found = await self.lookup(host, port)
+        if found and self.ttl_s > 0:
+            if len(self._cache) >= RESOLVE_CACHE_SIZE:  # bounded: the expired go, else all
+                self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
+                if len(self._cache) >= RESOLVE_CACHE_SIZE:
+                    self._cache.clear()
+            self._cache[(host, port)] = (now + self.ttl_s, list(found))
+        return found
+
+    async def lookup(self, host: str, port: int) -> list[str]:
+        """Ask the host's resolver (``getaddrinfo``, in the loop's thread pool)."""
         loop = asyncio.get_running_loop()
         try:
             infos = await loop.getaddrinfo(host, port, type=1)  # SOCK_STREAM

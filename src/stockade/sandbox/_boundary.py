@@ -5,12 +5,35 @@ from __future__ import annotations
 
 import abc
 import threading
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
-__all__ = ["Boundary"]
+__all__ = ["Boundary", "EgressHandle"]
 
 # Guards only the flip of a boundary's ``_dead`` flag, never a kill itself: one for all is enough.
 _KILLING = threading.Lock()
+
+
+class EgressHandle(Protocol):
+    """What a boundary needs of its sandbox's egress proxy (``stockade.egress.Attachment``).
+
+    Stated here, on the boundary's side, because ``stockade.egress`` is imported only when a
+    sandbox has an allowlist (its parser is an extra): the tiers depend on these three, not
+    on the proxy."""
+
+    @property
+    def env(self) -> Mapping[str, str]:
+        """The variables that point the sandbox's programs at the proxy and its trust bundle."""
+        ...
+
+    @property
+    def relay(self) -> Mapping[str, Any]:
+        """The supervisor's relay configuration (the ``egress`` of its ``init`` frame)."""
+        ...
+
+    def close(self) -> None:
+        """End the proxy now: its connections cut, its credentials dropped. Idempotent."""
+        ...
 
 
 class Boundary(abc.ABC):
@@ -19,7 +42,7 @@ class Boundary(abc.ABC):
     _dead = False  # set by the first kill()
     # The sandbox's egress proxy (stockade.egress), when it has one: closed first on kill,
     # so its connections and credentials are gone before anything else is torn down.
-    egress: Any = None
+    egress: EgressHandle | None = None
 
     def kill(self) -> None:
         """Kill every process of the sandbox, now. Idempotent: ``_kill`` runs once, in the

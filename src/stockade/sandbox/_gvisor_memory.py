@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from stockade import exceptions as exc
 from stockade.sandbox import _guest
 from stockade.sandbox._archive import Extraction
+from stockade.sandbox._boundary import EgressHandle
 from stockade.sandbox._supervised import SupervisedInstance
 from stockade.sandbox.snapshots import CHUNK, SnapshotStore
 
@@ -51,7 +52,7 @@ class RunscInstance(SupervisedInstance):
     backend: RunscBackend
     bundle: Path
     machine_key: str
-    egress: Any  # the sandbox's egress proxy (``stockade.egress``), or None
+    egress: EgressHandle | None  # the sandbox's egress proxy (``stockade.egress``)
 
     def memory_snapshots(self) -> str | None:
         if self.spec.network.egress:

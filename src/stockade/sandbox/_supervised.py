@@ -28,7 +28,7 @@ from typing import Any
 
 from stockade import exceptions as exc
 from stockade.sandbox import _rules
-from stockade.sandbox._boundary import Boundary
+from stockade.sandbox._boundary import Boundary, EgressHandle
 from stockade.sandbox._channel import Channel, JSONTooLarge, Stream, loads_bounded
 from stockade.sandbox._replies import (
     WORKSPACE_ERRORS,
@@ -634,7 +634,7 @@ def _tear_down(channel: Channel, boundary: Boundary) -> None:
 
 
 def supervisor_config(
-    spec: SandboxSpec, rlimits: dict[str, int] | None = None, egress: Any = None
+    spec: SandboxSpec, rlimits: dict[str, int] | None = None, egress: EgressHandle | None = None
 ) -> dict[str, Any]:
     """The ``init`` frame every tier sends: the environment, caps and default timeout; with
     ``egress`` (a ``stockade.egress.Attachment``), the proxy's variables and the relay."""
@@ -662,7 +662,7 @@ def supervisor_config(
         "rlimits": {"RLIMIT_NOFILE": spec.limits.files_per_process, **(rlimits or {})},
     }
     if egress is not None:
-        config["egress"] = egress.relay
+        config["egress"] = dict(egress.relay)
     return config
 
 

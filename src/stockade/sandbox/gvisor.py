@@ -31,10 +31,11 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from stockade import exceptions as exc
 from stockade.sandbox import _guest, _gvisor_memory, _rules
+from stockade.sandbox._boundary import EgressHandle
 from stockade.sandbox._gvisor_memory import RunscInstance
 from stockade.sandbox._host import PipeStream
 from stockade.sandbox._rootfs import find_rootfs
@@ -197,7 +198,7 @@ class _RunscBoundary(Boundary):
         _release(self.bundle, self.mounts)
 
 
-def _release(bundle: Path, mounts: list[Path], egress: Any = None) -> None:
+def _release(bundle: Path, mounts: list[Path], egress: EgressHandle | None = None) -> None:
     if egress is not None:
         egress.close()
     for mount in mounts:

@@ -34,10 +34,10 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from stockade import exceptions as exc
 from stockade.sandbox import _cgroups, _guest, _rules
+from stockade.sandbox._boundary import EgressHandle
 from stockade.sandbox._microvm_image import (
     PORT_NAME,
     GuestKernel,
@@ -604,7 +604,9 @@ def _flock(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _egress_port(spec: SandboxSpec, rundir: Path, rootfs: Path | None) -> tuple[Any, socket.socket | None]:
+def _egress_port(
+    spec: SandboxSpec, rundir: Path, rootfs: Path | None
+) -> tuple[EgressHandle | None, socket.socket | None]:
     """With an allowlist: the sandbox's egress proxy, serving the streams of a socketpair
     whose other end (returned, for QEMU) becomes the guest's egress port."""
     if not spec.network.egress:

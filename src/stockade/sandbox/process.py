@@ -24,10 +24,10 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from stockade import exceptions as exc
 from stockade.sandbox import _cgroups, _rules, _seccomp
+from stockade.sandbox._boundary import EgressHandle
 from stockade.sandbox._host import (
     PipeStream,
     UidLease,
@@ -506,7 +506,7 @@ class ProcessBackend(Backend):
         return instance
 
     def _supervisor_config(
-        self, spec: SandboxSpec, enforcement: Enforcement, egress: object = None
+        self, spec: SandboxSpec, enforcement: Enforcement, egress: EgressHandle | None = None
     ) -> dict[str, object]:
         rlimits: dict[str, int] = {}
         if enforcement.memory is Mechanism.RLIMIT:
@@ -522,7 +522,7 @@ def _network_mechanism(net: NetworkPolicy) -> Mechanism:
     return Mechanism.NONE if net.unrestricted else Mechanism.NAMESPACE
 
 
-def _attach_egress(spec: SandboxSpec, rundir: Path, uid: int | None) -> Any:
+def _attach_egress(spec: SandboxSpec, rundir: Path, uid: int | None) -> EgressHandle | None:
     """The sandbox's egress proxy (``stockade.egress``), when its network has an allowlist."""
     if not spec.network.egress:
         return None
@@ -545,7 +545,7 @@ def _cleanup(
     rundir: Path,
     lease: UidLease | None,
     *,
-    egress: Any = None,
+    egress: EgressHandle | None = None,
 ) -> None:
     if egress is not None:
         egress.close()

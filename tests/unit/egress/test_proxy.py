@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from stockade.egress import EgressProxy, HostRule, NetworkPolicy, _loop
+from stockade.egress import EgressProxy, HostRule, NetworkPolicy, SystemResolver, _loop
 from stockade.types import EgressRecord
 from tests.egress_servers import TOKEN, Servers, servers
 
@@ -256,3 +256,50 @@ def test_closing_cuts_a_credentialed_request_mid_answer_and_records_it(
         time.sleep(0.05)
     assert len(local.https_seen.cut) > cut_before  # the upstream connection was cut too
     assert not [r for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.ERROR]
+
+
+class ScriptedResolver(SystemResolver):
+    """The system resolver's cache over answers the test gives, one per lookup."""
+
+    def __init__(self, answers: list[list[str]]) -> None:
+        self.now = 0.0
+        super().__init__(ttl_s=15.0, clock=lambda: self.now)
+        self.answers = answers
+        self.asked = 0
+
+    async def lookup(self, host: str, port: int) -> list[str]:
+        self.asked += 1
+        return self.answers.pop(0)
+
+
+def test_the_resolver_keeps_answers_for_its_ttl_and_never_failures() -> None:
+    resolver = ScriptedResolver([[], ["93.184.216.34"], ["93.184.216.35"]])
+    assert _loop.call(resolver.resolve("example.test", 443)) == []  # not kept: asked again
+    for _ in range(3):
+        assert _loop.call(resolver.resolve("example.test", 443)) == ["93.184.216.34"]
+    assert resolver.asked == 2
+    resolver.now += 16.0
+    assert _loop.call(resolver.resolve("example.test", 443)) == ["93.184.216.35"]
+    assert resolver.asked == 3
+
+
+def test_a_cached_name_that_rebinds_to_a_private_address_is_refused(local: Servers) -> None:
+    """The cache changes when the resolver is asked, not what is checked: every answer, kept
+    or fresh, is judged before the proxy connects to it."""
+    resolver = ScriptedResolver([["127.0.0.2"], ["169.254.169.254"]])
+    policy = local.policy(allow_hosts=(f"rebind.test:{local.http_port}",), allow_addresses=("127.0.0.2/32",))
+    proxy = EgressProxy(policy, resolver=resolver)
+    port = _loop.call(proxy.start_tcp())
+    url = f"http://127.0.0.1:{port}"
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({"http": url}))
+    try:
+        for _ in range(2):
+            assert (
+                opener.open(f"http://rebind.test:{local.http_port}/r", timeout=10).read() == b"http hello /r"
+            )
+        resolver.now += 16.0
+        code, body = refused(opener, f"http://rebind.test:{local.http_port}/r")
+    finally:
+        _loop.call(proxy.close())
+    assert resolver.asked == 2
+    assert code == 403 and "is a link-local address" in body
