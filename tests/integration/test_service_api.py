@@ -16,6 +16,7 @@ import pytest
 from stockade import Limits
 from stockade import exceptions as exc
 from stockade.client import Client, RemoteSandbox
+from stockade.sandbox.snapshots import SnapshotStore
 from tests.conftest import require_tier, wait_for
 from tests.integration.service_env import Server, Tokens, write_tenants
 
@@ -267,10 +268,14 @@ def test_a_run_is_submitted_followed_and_its_diff_and_artifacts_fetched(acme: Cl
         acme.runs.submit("another task", scripted=["done"], idempotency_key="update-1")
 
 
-def test_a_pending_approval_pauses_the_run_until_decided(acme: Client) -> None:
+def test_a_pending_approval_pauses_the_run_until_decided(
+    service: tuple[Server, Tokens, Path], acme: Client
+) -> None:
     turns = [
         {"name": "write_file", "args": {"path": "d/f.txt", "content": "x"}},
+        {"name": "run_code", "args": {"code": "echo kept-in-tmp > /tmp/mark", "language": "bash"}},
         {"name": "run_code", "args": {"code": "rm -r d", "language": "bash"}},
+        {"name": "run_code", "args": {"code": "cat /tmp/mark", "language": "bash"}},
         "removed",
     ]
     run = acme.runs.submit("clean up", scripted=turns)
@@ -279,9 +284,21 @@ def test_a_pending_approval_pauses_the_run_until_decided(acme: Client) -> None:
     assert "rm -r" in request["action"]
     events = [e.kind for e in run.events()]
     assert "approval" in events and events[-1] == "end"
+    # the paused run's sandbox is kept in the tenant's own snapshot store (its snapshot_mb)
+    tenant_store = SnapshotStore(service[2] / "snapshots" / "acme")
+    assert tenant_store.ref("run", run.id) is not None
     run.approve(request["id"])
-    assert run.wait().status == "success"
+    done = run.wait()
+    assert done.status == "success"
     assert [a["status"] for a in run.approvals()] == ["approved"]
+    # resumed from it (its /tmp, which the run store does not keep, came back with it), then released
+    commands = {
+        e.data["attributes"]["program"]: e.data["attributes"] for e in run.events() if e.kind == "command"
+    }
+    wrote, read = commands["echo kept-in-tmp > /tmp/mark"], commands["cat /tmp/mark"]
+    assert read["sandbox_id"] != wrote["sandbox_id"]  # another sandbox, started from the kept one
+    assert read["exit_code"] == 0 and read["stdout_bytes"] == len("kept-in-tmp\n")
+    assert tenant_store.ref("run", run.id) is None
 
 
 def test_a_run_is_killed_through_the_api(acme: Client) -> None:

@@ -30,6 +30,15 @@ ToolsOption = Annotated[
 QueueOption = Annotated[
     str, typer.Option("--queue", envvar="STOCKADE_QUEUE", help="the Celery queue (and Redis key prefix)")
 ]
+SnapshotDirOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--snapshot-dir", envvar="STOCKADE_SERVICE_SNAPSHOT_DIR",
+        help="the tenants' snapshots, paused sandboxes and paused runs' sandboxes (a folder per tenant); "
+        "processes that share it restore each other's (default: snapshots/ beside a SQLite --db, else "
+        ".stockade/snapshots)",
+    ),
+]  # fmt: skip
 VisibilityOption = Annotated[
     float,
     typer.Option(
@@ -71,14 +80,7 @@ def serve(
             help="where the other API processes reach this one (default: http://HOST:PORT)",
         ),
     ] = None,
-    snapshot_dir: Annotated[
-        Path | None,
-        typer.Option(
-            "--snapshot-dir", envvar="STOCKADE_SERVICE_SNAPSHOT_DIR",
-            help="the tenants' snapshots and paused sandboxes (a folder per tenant); servers that share "
-            "it restore each other's (default: snapshots/ beside a SQLite --db, else .stockade/snapshots)",
-        ),
-    ] = None,
+    snapshot_dir: SnapshotDirOption = None,
 ) -> None:  # fmt: skip
     """Serve the API: sandboxes and runs for the tenants of TENANTS. Without --redis every run
     runs in this process (SQLite is enough); with it, runs go to `stockade worker` processes
@@ -116,9 +118,12 @@ def worker(
     tools: ToolsOption = None,
     visibility_timeout: VisibilityOption = 3600.0,
     queue: QueueOption = "stockade",
+    snapshot_dir: SnapshotDirOption = None,
 ) -> None:
     """Run the service's runs (Celery over Redis). A run whose worker dies resumes on another
-    from its last recorded step; the database (--db, PostgreSQL) must be the server's."""
+    from its last recorded step; the database (--db, PostgreSQL) must be the server's. A run
+    paused for an approval keeps its sandbox under --snapshot-dir: a worker that shares that
+    folder resumes it with its sandbox, another with its files."""
     try:
         from stockade.distributed.worker import run_worker
     except ModuleNotFoundError as missing:
@@ -126,8 +131,9 @@ def worker(
         raise typer.Exit(2) from None
     try:
         config = _config(
-            tenants, db, redis, tools=tools, visibility_timeout_s=visibility_timeout, queue=queue
-        )
+            tenants, db, redis, tools=tools, visibility_timeout_s=visibility_timeout, queue=queue,
+            snapshot_dir=snapshot_dir,
+        )  # fmt: skip
         run_worker(config, concurrency=concurrency, pool=pool, name=name)  # type: ignore[arg-type]
     except exc.StockadeError as error:
         err.print(f"[red]error:[/] {escape(str(error))}")

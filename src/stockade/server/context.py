@@ -11,6 +11,7 @@ from stockade import exceptions as exc
 from stockade.audit.log import AuditLog
 from stockade.audit.stores import open_store
 from stockade.runtime.limits import LocalWindow, RateLimit, RedisWindow, Window
+from stockade.sandbox.snapshots import SnapshotStore
 from stockade.server.tenants import Principal, Tenant, Tenants
 
 __all__ = ["AuditLogs", "ServiceConfig", "TenantLimits"]
@@ -49,6 +50,23 @@ class ServiceConfig:
     # it); None: ``snapshots`` beside a SQLite database, else ``.stockade/snapshots``. API
     # processes that share this folder restore each other's snapshots; others cannot
     snapshot_dir: Path | None = None
+
+    @property
+    def snapshot_root(self) -> Path:
+        """``snapshot_dir``, or its default: beside a SQLite database, else
+        ``.stockade/snapshots`` of the current folder."""
+        if self.snapshot_dir is not None:
+            return self.snapshot_dir
+        if self.database.startswith("sqlite:///"):
+            return Path(self.database[len("sqlite:///") :]).parent / "snapshots"
+        if "://" not in self.database:
+            return Path(self.database).parent / "snapshots"
+        return Path(".stockade/snapshots")
+
+    def snapshot_store(self, tenant: Tenant) -> SnapshotStore:
+        """The tenant's snapshots, paused sandboxes and paused runs' sandboxes, within its
+        ``snapshot_mb``."""
+        return SnapshotStore(self.snapshot_root / tenant.id, max_bytes=tenant.quotas.snapshot_mb * MiB)
 
 
 class AuditLogs:

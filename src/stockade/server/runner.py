@@ -186,9 +186,9 @@ class Runner:
                 kill_source=self.kills,
                 tools=self.tools,
                 checkpointer=self.runs,
-                # not yet: a run's sandbox would go to this host's store, outside the tenant's
-                # snapshot_mb quota and out of reach of the worker that resumes it elsewhere
-                keep_sandbox=False,
+                # a paused run's sandbox is kept in the tenant's store, within its snapshot_mb;
+                # a worker that cannot see that folder resumes the run with its files
+                snapshot_store=self.config.snapshot_store(tenant),
                 tenant=tenant.id,
                 rate_per_minute=tenant.rate_per_minute,
                 rate_period_s=tenant.rate_period_s,

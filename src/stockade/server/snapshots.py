@@ -21,7 +21,6 @@ import contextlib
 import os
 import secrets
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
@@ -42,15 +41,6 @@ __all__ = ["TenantSnapshots", "router"]
 router = APIRouter(prefix="/v1/snapshots", tags=["snapshots"])
 
 
-def default_dir(database: str) -> Path:
-    """Beside a SQLite database; else ``.stockade/snapshots`` of the current folder."""
-    if database.startswith("sqlite:///"):
-        return Path(database[len("sqlite:///") :]).parent / "snapshots"
-    if "://" not in database:
-        return Path(database).parent / "snapshots"
-    return Path(".stockade/snapshots")
-
-
 def snapshot_out(snapshot: Snapshot, *, source: str | None = None, paused: str | None = None) -> SnapshotOut:
     return SnapshotOut(
         id=snapshot.id, kind=snapshot.kind.value, tier=snapshot.tier, source=source or snapshot.source,
@@ -63,11 +53,11 @@ class TenantSnapshots:
 
     def __init__(self, service: Service) -> None:
         self.service = service
-        self.root = service.config.snapshot_dir or default_dir(service.config.database)
+        self.root = service.config.snapshot_root
         self._store_id: str | None = None
 
     def store(self, tenant: Tenant) -> SnapshotStore:
-        return SnapshotStore(self.root / tenant.id, max_bytes=tenant.quotas.snapshot_mb * MiB)
+        return self.service.config.snapshot_store(tenant)
 
     @property
     def store_id(self) -> str:
