@@ -319,8 +319,8 @@ class ProcessBackend(Backend):
     def _mask_options(self, root: Path, masks: tuple[str, ...], rundir: Path) -> list[str]:
         cache = _rules.masked_folders() if self.is_root else None
         binds = _rules.mask_binds(root, masks, cache)
-        if cache is not None:  # the copies this sandbox binds: garbage collection keeps them
-            copies = [source for source, _ in binds if source != "/dev/null"]
+        copies = [source for source, _ in binds if source != "/dev/null"]
+        if copies:  # the copies this sandbox binds: garbage collection keeps them
             (rundir / MASKS_FILE).write_text("".join(f"{copy}\n" for copy in copies))
         return [option for source, path in binds for option in ("--ro-bind", source, path)]
 
