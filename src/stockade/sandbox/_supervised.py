@@ -4,10 +4,10 @@ A tier only has to start the supervisor inside its boundary, hand over a byte st
 and know how to kill the whole sandbox (``Boundary``). Everything else (commands, run_code,
 files, output caps, timeouts) behaves identically on every tier because it is this code.
 
-Here: the requests (one method per op, sent and waited for), snapshots between calls, and
-the instance's life. The replies are decoded in ``_replies``, the boundary is ``_boundary``'s,
-and what a snapshot keeps of the settings is ``_snapshot_state``'s (all importable from here,
-where the tiers have always found them).
+Here: commands and run_code, snapshots between calls, and the instance's life. The file
+requests are ``_transfers``'s, the replies are decoded in ``_replies``, the boundary is
+``_boundary``'s, and what a snapshot keeps of the settings is ``_snapshot_state``'s (all
+importable from here, where the tiers have always found them).
 """
 
 from __future__ import annotations
@@ -29,13 +29,11 @@ from typing import Any
 from stockade import exceptions as exc
 from stockade.sandbox import _rules
 from stockade.sandbox._boundary import Boundary, EgressHandle
-from stockade.sandbox._channel import Channel, JSONTooLarge, Stream, loads_bounded
+from stockade.sandbox._channel import Channel, Stream
 from stockade.sandbox._replies import (
-    WORKSPACE_ERRORS,
     OutputCollector,
     area_args,
     command_result,
-    entry_info,
     execution,
     int_field,
     timed_out_command,
@@ -47,6 +45,7 @@ from stockade.sandbox._snapshot_state import (
     spec_from_state,
     spec_state,
 )
+from stockade.sandbox._transfers import FILE_OP_TIMEOUT_S, MAX_FRAME, TRANSFER_CHUNK, FileRequests
 from stockade.sandbox.base import Instance, OpResult, OutputSink, SandboxSpec
 from stockade.sandbox.ops import (
     Area,
@@ -68,14 +67,12 @@ from stockade.sandbox.ops import (
 from stockade.sandbox.snapshots import SnapshotStore
 from stockade.sandbox.supervisor.protocol import (
     MAX_BUNDLE_ENTRIES,
-    MAX_CODE_REPLY,
     MAX_RESULT_COUNT,
     MAX_RESULT_ENTRIES,
 )
 from stockade.types import (
     CommandResult,
     Enforcement,
-    EntryInfo,
     Execution,
     Snapshot,
     SnapshotKind,
@@ -88,18 +85,11 @@ GRACE_S = 5.0
 # supervisor kills it at the deadline (it runs at a higher priority than the code). Each
 # sandbox states its own (``Enforcement.timeout_margin_s``): this, but on an emulated microVM.
 TIMEOUT_MARGIN_S = Enforcement.timeout_margin_s  # 1 s
-FILE_OP_TIMEOUT_S = 120.0
-TRANSFER_CHUNK = 4 * 1024 * 1024
 WORKSPACE = "/workspace"
-# The largest frame the host needs is a run_code report: files move in TRANSFER_CHUNK pieces.
-MAX_FRAME = MAX_CODE_REPLY
 # What the JSON of a report may make: a list and an object per result, four values per MIME
 # entry (key, value, their separators), the error and the cap's notes. Parsed, the worst
 # report of this size is a few MiB of objects (a 30 MB report of empty results was 2.5 GB).
 MAX_CODE_VALUES = 2 * MAX_RESULT_COUNT + 4 * (MAX_RESULT_ENTRIES + MAX_BUNDLE_ENTRIES) + 64
-# A listing: the supervisor sends at most 100,000 entries of six keys (22 values each).
-MAX_LIST_ENTRIES = 100_001
-MAX_LIST_VALUES = 24 * MAX_LIST_ENTRIES
 # What a files snapshot may hold: any workspace a sandbox can have (its tmpfs bounds it).
 SNAPSHOT_MAX_BYTES = 1 << 40
 SNAPSHOT_MAX_ENTRIES = 1 << 24
@@ -141,6 +131,7 @@ class SupervisedInstance(Instance):
         self.enforcement = enforcement
         self.boundary = boundary
         self.channel = Channel(stream, max_body=max_frame, name=id)
+        self.files = FileRequests(self.channel, close=self.close, alive=lambda: self.alive)
         self._closed = False
         # Calls in flight, and whether a snapshot holds new ones back until it is taken.
         self._gate = threading.Condition()
@@ -240,28 +231,23 @@ class SupervisedInstance(Instance):
             case RunCode():
                 return self._run_code(op, sink)
             case ReadFile():
-                return self._read(op)
+                return self.files.read(op)
             case WriteFile():
-                return self._write(op)
+                return self.files.write(op)
             case MakeDir():
-                return entry_info(self._file("mkdir", {"path": op.path, "parents": op.parents})[0]["entry"])
+                return self.files.make_dir(op)
             case Stat():
-                raw = self._file("stat", {"path": op.path, "follow": op.follow_symlinks})[0]["entry"]
-                return None if raw is None else entry_info(raw)
+                return self.files.stat(op)
             case ListDir():
-                _, body = self._file("list", {"path": op.path, "depth": op.depth})
-                entries = self._json_body(body, max_values=MAX_LIST_VALUES, what="listing")
-                if not isinstance(entries, list) or len(entries) > MAX_LIST_ENTRIES:
-                    raise exc.ProtocolError("malformed listing")
-                return tuple(entry_info(e) for e in entries)
+                return self.files.list_dir(op)
             case Remove():
-                self._file("remove", {"path": op.path, "recursive": op.recursive})
+                self.files.request("remove", {"path": op.path, "recursive": op.recursive})
                 return None
             case PutArchive():
-                self._file("put_archive", {"path": op.path, **area_args(op.area)}, op.data)
+                self.files.request("put_archive", {"path": op.path, **area_args(op.area)}, op.data)
                 return None
             case GetArchive():
-                return self._get_archive(op, sink)
+                return self.files.get_archive(op, sink)
             case Reset():
                 self._reset(op)
                 return None
@@ -280,118 +266,6 @@ class SupervisedInstance(Instance):
                 f"sandbox {self.id} could not be reset ({str(header.get('message', ''))[:500]}); "
                 "it was closed: create a new one"
             )
-
-    def _read(self, op: ReadFile) -> bytes:
-        """Read in chunks: the supervisor never holds a whole large file in memory."""
-        chunks: list[bytes] = []
-        offset = 0
-        while True:
-            args = {"path": op.path, "max_bytes": op.max_bytes, "offset": offset, "length": TRANSFER_CHUNK}
-            h, data = self._file("read", args)
-            if len(data) > TRANSFER_CHUNK or offset + len(data) > op.max_bytes:
-                # The supervisor is untrusted: one that keeps sending must not fill our memory.
-                self.close()
-                raise exc.ProtocolError(f"the supervisor sent more of {op.path!r} than asked for")
-            chunks.append(data)
-            offset += len(data)
-            if len(data) < TRANSFER_CHUNK or offset >= int_field(h.get("size")):
-                return b"".join(chunks)
-
-    def _get_archive(self, op: GetArchive, sink: OutputSink | None) -> bytes:
-        """Pull the archive a chunk at a time: neither side ever holds more than one chunk.
-
-        The sink (the host's extractor) gets each chunk as ``sink(0, chunk)`` and stops the
-        transfer by raising; without a sink the chunks are joined, at most ``max_bytes``.
-        """
-        caps = {
-            "path": op.path,
-            "max_bytes": op.max_bytes,
-            "max_entries": op.max_entries,
-            **area_args(op.area),
-        }
-        tx = self._archive_step(op, {**caps, "stage": "open"})[0].get("tx")
-        if not isinstance(tx, str) or not 0 < len(tx) <= 64:
-            raise exc.ProtocolError("the supervisor opened a download without a usable id")
-        kept: list[bytes] = []
-        size = 0
-        over = False
-        try:
-            while True:
-                args = {
-                    "path": op.path,
-                    "stage": "next",
-                    "tx": tx,
-                    "length": TRANSFER_CHUNK,
-                    **area_args(op.area),
-                }
-                h, data = self._archive_step(op, args)
-                end = h.get("eof") is True
-                if len(data) > TRANSFER_CHUNK or (len(data) < TRANSFER_CHUNK and not end):
-                    # The supervisor is untrusted: one that sends more than asked must not
-                    # fill our memory, nor one that sends less hold us in a loop of trickles
-                    # (an honest one fills every piece but the last).
-                    self.close()
-                    raise exc.ProtocolError(f"the supervisor sent a malformed piece of {op.path!r}")
-                size += len(data)
-                if sink is not None:
-                    if data:
-                        sink(0, data)
-                elif size > op.max_bytes:
-                    raise exc.FileTooLarge(
-                        f"the archive of {op.path!r} is over {op.max_bytes} bytes (max_bytes)", path=op.path
-                    )
-                else:
-                    kept.append(data)
-                if end:
-                    over = True
-                    return b"".join(kept)
-        finally:
-            if not over and self.alive:  # tell the supervisor to let go of the transfer
-                with contextlib.suppress(exc.StockadeError):
-                    self._file(
-                        "get_archive", {"path": op.path, "stage": "close", "tx": tx, **area_args(op.area)}
-                    )
-
-    def _archive_step(self, op: GetArchive, args: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
-        try:
-            return self._file("get_archive", args)
-        except exc.WorkspaceError as err:  # the sandbox refused: a cap, a missing folder, ...
-            said = str(err).removeprefix(f"get_archive {op.path!r}: ")
-            raise type(err)(f"cannot download {op.path or '/workspace'!r}: {said}", path=op.path) from None
-
-    def _write(self, op: WriteFile) -> EntryInfo:
-        args: dict[str, Any] = {"path": op.path, "mode": op.mode, "parents": op.parents}
-        if len(op.data) <= TRANSFER_CHUNK:
-            return entry_info(self._file("write", args, op.data)[0]["entry"])
-        view = memoryview(op.data)
-        h, _ = self._file("write", {**args, "stage": "open"}, bytes(view[:TRANSFER_CHUNK]))
-        tmp = h.get("tmp")
-        try:
-            for start in range(TRANSFER_CHUNK, len(view), TRANSFER_CHUNK):
-                chunk = bytes(view[start : start + TRANSFER_CHUNK])
-                self._file("write", {**args, "stage": "append", "tmp": tmp}, chunk)
-            return entry_info(self._file("write", {**args, "stage": "commit", "tmp": tmp})[0]["entry"])
-        except exc.WorkspaceError:
-            if self.alive:
-                self._file("write", {**args, "stage": "abort", "tmp": tmp})
-            raise
-
-    def _file(self, op: str, args: dict[str, Any], body: bytes = b"") -> tuple[dict[str, Any], bytes]:
-        call = self.channel.call({"op": op, **args}, body)
-        try:
-            header, data = call.result(time.monotonic() + FILE_OP_TIMEOUT_S)
-        except TimeoutError:
-            self.close()
-            message = f"supervisor did not answer a {op} in time"
-            raise exc.SandboxCrashed(message, cause="unresponsive") from None
-        if header.get("ev") == "error":
-            kind = str(header.get("kind", ""))
-            message = str(header.get("message", ""))
-            path = str(args.get("path", ""))
-            if kind == "internal":
-                raise exc.ProtocolError(f"supervisor could not {op} {path!r}: {message}")
-            raise WORKSPACE_ERRORS.get(kind, exc.WorkspaceError)(f"{op} {path!r}: {message}", path=path)
-        return header, data
 
     # -- snapshots ----------------------------------------------------------------------
 
@@ -481,7 +355,7 @@ class SupervisedInstance(Instance):
                         fh.write(chunk)
 
                     op = GetArchive(area=area, max_bytes=SNAPSHOT_MAX_BYTES, max_entries=SNAPSHOT_MAX_ENTRIES)
-                    self._get_archive(op, sink)
+                    self.files.get_archive(op, sink)
             except BaseException:
                 path.unlink(missing_ok=True)
                 raise
@@ -492,7 +366,7 @@ class SupervisedInstance(Instance):
         """First thing in a sandbox restored from a memory snapshot: the interpreter's next run
         draws new seeds for the generators in its memory (Python reseeds them at a fork; a
         restore is none), so forks of one snapshot do not repeat each other's numbers."""
-        self._file("reseed", {})
+        self.files.request("reseed", {})
 
     def seed(self, snapshot: Snapshot) -> None:
         """Put a snapshot's files (workspace, /tmp) into this fresh sandbox, checked first."""
@@ -506,7 +380,7 @@ class SupervisedInstance(Instance):
             )
         for area in ("workspace", "tmp"):
             data = store.check_object(manifest.blobs[area]).read_bytes()
-            self._file("put_archive", {"path": "", **area_args(area)}, data)
+            self.files.request("put_archive", {"path": "", **area_args(area)}, data)
 
     # -- commands -----------------------------------------------------------------------
 
@@ -608,24 +482,9 @@ class SupervisedInstance(Instance):
         final, streams = self._stream(header, op.code.encode("utf-8", "surrogatepass"), timeout, sink)
         if final is not None:
             h, body = final
-            payload = self._json_body(body, max_values=MAX_CODE_VALUES, what="run_code report")
+            payload = self.files.json_body(body, max_values=MAX_CODE_VALUES, what="run_code report")
             return execution(h, payload, streams, lambda settle: self._oom_since(oom_before, settle=settle))
         return timed_out_execution(streams, time.monotonic() - started)
-
-    def _json_body(self, body: bytes, *, max_values: int, what: str) -> Any:
-        """A JSON payload from the supervisor, bounded in bytes and values before parsing.
-
-        A payload over the bounds is no answer the supervisor and interpreter give: code in
-        the sandbox wrote it (to the interpreter's reply pipe), or took the supervisor over.
-        The sandbox is closed, as for any other lie, and the caller gets a ProtocolError.
-        """
-        try:
-            return loads_bounded(body, max_bytes=MAX_FRAME, max_values=max_values)
-        except JSONTooLarge as err:
-            self.close()
-            raise exc.ProtocolError(f"the sandbox sent an oversized {what} ({err}); it was closed") from None
-        except (ValueError, RecursionError) as err:
-            raise exc.ProtocolError(f"malformed {what}: {str(err)[:200]}") from None
 
 
 def _tear_down(channel: Channel, boundary: Boundary) -> None:

@@ -1,0 +1,182 @@
+"""The file requests of a supervised sandbox: each op's request, the chunking of large files
+and archives, and the checks on what comes back.
+
+The supervisor lives with the untrusted code, so everything it sends is bounded before it is
+kept: a chunk longer than asked for, a trickle of short pieces, a listing or report past its
+caps closes the sandbox (``close``) and raises ``ProtocolError``. Kept apart from the rest of
+``SupervisedInstance`` because this is where host memory meets sandbox bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+from stockade import exceptions as exc
+from stockade.sandbox._channel import Channel, JSONTooLarge, loads_bounded
+from stockade.sandbox._replies import WORKSPACE_ERRORS, area_args, entry_info, int_field
+from stockade.sandbox.base import OutputSink
+from stockade.sandbox.ops import GetArchive, ListDir, MakeDir, ReadFile, Stat, WriteFile
+from stockade.sandbox.supervisor.protocol import MAX_CODE_REPLY
+from stockade.types import EntryInfo
+
+FILE_OP_TIMEOUT_S = 120.0
+TRANSFER_CHUNK = 4 * 1024 * 1024
+# The largest frame the host needs is a run_code report: files move in TRANSFER_CHUNK pieces.
+MAX_FRAME = MAX_CODE_REPLY
+# A listing: the supervisor sends at most 100,000 entries of six keys (22 values each).
+MAX_LIST_ENTRIES = 100_001
+MAX_LIST_VALUES = 24 * MAX_LIST_ENTRIES
+
+
+class FileRequests:
+    """One sandbox's file ops over its channel; ``close`` ends the sandbox when it lies."""
+
+    def __init__(self, channel: Channel, *, close: Callable[[], None], alive: Callable[[], bool]) -> None:
+        self._channel = channel
+        self._close = close
+        self._alive = alive
+
+    def request(self, op: str, args: dict[str, Any], body: bytes = b"") -> tuple[dict[str, Any], bytes]:
+        """One request and its answer; the supervisor's refusals as typed workspace errors."""
+        call = self._channel.call({"op": op, **args}, body)
+        try:
+            header, data = call.result(time.monotonic() + FILE_OP_TIMEOUT_S)
+        except TimeoutError:
+            self._close()
+            message = f"supervisor did not answer a {op} in time"
+            raise exc.SandboxCrashed(message, cause="unresponsive") from None
+        if header.get("ev") == "error":
+            kind = str(header.get("kind", ""))
+            message = str(header.get("message", ""))
+            path = str(args.get("path", ""))
+            if kind == "internal":
+                raise exc.ProtocolError(f"supervisor could not {op} {path!r}: {message}")
+            raise WORKSPACE_ERRORS.get(kind, exc.WorkspaceError)(f"{op} {path!r}: {message}", path=path)
+        return header, data
+
+    def make_dir(self, op: MakeDir) -> EntryInfo:
+        return entry_info(self.request("mkdir", {"path": op.path, "parents": op.parents})[0]["entry"])
+
+    def stat(self, op: Stat) -> EntryInfo | None:
+        raw = self.request("stat", {"path": op.path, "follow": op.follow_symlinks})[0]["entry"]
+        return None if raw is None else entry_info(raw)
+
+    def list_dir(self, op: ListDir) -> tuple[EntryInfo, ...]:
+        _, body = self.request("list", {"path": op.path, "depth": op.depth})
+        entries = self.json_body(body, max_values=MAX_LIST_VALUES, what="listing")
+        if not isinstance(entries, list) or len(entries) > MAX_LIST_ENTRIES:
+            raise exc.ProtocolError("malformed listing")
+        return tuple(entry_info(e) for e in entries)
+
+    def read(self, op: ReadFile) -> bytes:
+        """Read in chunks: the supervisor never holds a whole large file in memory."""
+        chunks: list[bytes] = []
+        offset = 0
+        while True:
+            args = {"path": op.path, "max_bytes": op.max_bytes, "offset": offset, "length": TRANSFER_CHUNK}
+            h, data = self.request("read", args)
+            if len(data) > TRANSFER_CHUNK or offset + len(data) > op.max_bytes:
+                # The supervisor is untrusted: one that keeps sending must not fill our memory.
+                self._close()
+                raise exc.ProtocolError(f"the supervisor sent more of {op.path!r} than asked for")
+            chunks.append(data)
+            offset += len(data)
+            if len(data) < TRANSFER_CHUNK or offset >= int_field(h.get("size")):
+                return b"".join(chunks)
+
+    def get_archive(self, op: GetArchive, sink: OutputSink | None) -> bytes:
+        """Pull the archive a chunk at a time: neither side ever holds more than one chunk.
+
+        The sink (the host's extractor) gets each chunk as ``sink(0, chunk)`` and stops the
+        transfer by raising; without a sink the chunks are joined, at most ``max_bytes``.
+        """
+        caps = {
+            "path": op.path,
+            "max_bytes": op.max_bytes,
+            "max_entries": op.max_entries,
+            **area_args(op.area),
+        }
+        tx = self._archive_step(op, {**caps, "stage": "open"})[0].get("tx")
+        if not isinstance(tx, str) or not 0 < len(tx) <= 64:
+            raise exc.ProtocolError("the supervisor opened a download without a usable id")
+        kept: list[bytes] = []
+        size = 0
+        over = False
+        try:
+            while True:
+                args = {
+                    "path": op.path,
+                    "stage": "next",
+                    "tx": tx,
+                    "length": TRANSFER_CHUNK,
+                    **area_args(op.area),
+                }
+                h, data = self._archive_step(op, args)
+                end = h.get("eof") is True
+                if len(data) > TRANSFER_CHUNK or (len(data) < TRANSFER_CHUNK and not end):
+                    # The supervisor is untrusted: one that sends more than asked must not
+                    # fill our memory, nor one that sends less hold us in a loop of trickles
+                    # (an honest one fills every piece but the last).
+                    self._close()
+                    raise exc.ProtocolError(f"the supervisor sent a malformed piece of {op.path!r}")
+                size += len(data)
+                if sink is not None:
+                    if data:
+                        sink(0, data)
+                elif size > op.max_bytes:
+                    raise exc.FileTooLarge(
+                        f"the archive of {op.path!r} is over {op.max_bytes} bytes (max_bytes)", path=op.path
+                    )
+                else:
+                    kept.append(data)
+                if end:
+                    over = True
+                    return b"".join(kept)
+        finally:
+            if not over and self._alive():  # tell the supervisor to let go of the transfer
+                with contextlib.suppress(exc.StockadeError):
+                    self.request(
+                        "get_archive", {"path": op.path, "stage": "close", "tx": tx, **area_args(op.area)}
+                    )
+
+    def _archive_step(self, op: GetArchive, args: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        try:
+            return self.request("get_archive", args)
+        except exc.WorkspaceError as err:  # the sandbox refused: a cap, a missing folder, ...
+            said = str(err).removeprefix(f"get_archive {op.path!r}: ")
+            raise type(err)(f"cannot download {op.path or '/workspace'!r}: {said}", path=op.path) from None
+
+    def write(self, op: WriteFile) -> EntryInfo:
+        args: dict[str, Any] = {"path": op.path, "mode": op.mode, "parents": op.parents}
+        if len(op.data) <= TRANSFER_CHUNK:
+            return entry_info(self.request("write", args, op.data)[0]["entry"])
+        view = memoryview(op.data)
+        h, _ = self.request("write", {**args, "stage": "open"}, bytes(view[:TRANSFER_CHUNK]))
+        tmp = h.get("tmp")
+        try:
+            for start in range(TRANSFER_CHUNK, len(view), TRANSFER_CHUNK):
+                chunk = bytes(view[start : start + TRANSFER_CHUNK])
+                self.request("write", {**args, "stage": "append", "tmp": tmp}, chunk)
+            return entry_info(self.request("write", {**args, "stage": "commit", "tmp": tmp})[0]["entry"])
+        except exc.WorkspaceError:
+            if self._alive():
+                self.request("write", {**args, "stage": "abort", "tmp": tmp})
+            raise
+
+    def json_body(self, body: bytes, *, max_values: int, what: str) -> Any:
+        """A JSON payload from the supervisor, bounded in bytes and values before parsing.
+
+        A payload over the bounds is no answer the supervisor and interpreter give: code in
+        the sandbox wrote it (to the interpreter's reply pipe), or took the supervisor over.
+        The sandbox is closed, as for any other lie, and the caller gets a ProtocolError.
+        """
+        try:
+            return loads_bounded(body, max_bytes=MAX_FRAME, max_values=max_values)
+        except JSONTooLarge as err:
+            self._close()
+            raise exc.ProtocolError(f"the sandbox sent an oversized {what} ({err}); it was closed") from None
+        except (ValueError, RecursionError) as err:
+            raise exc.ProtocolError(f"malformed {what}: {str(err)[:200]}") from None
