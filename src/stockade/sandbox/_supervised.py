@@ -22,7 +22,7 @@ import secrets
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +174,29 @@ class SupervisedInstance(Instance):
                 weakened=weakened,
             )
         return header
+
+    def start(
+        self,
+        config: Callable[[], dict[str, Any]],
+        timeout_s: float,
+        rules: _rules.RulesPlan | None,
+        *,
+        log: Callable[[], str],
+    ) -> None:
+        """The handshake, or the sandbox closed: one that did not start is never handed out.
+
+        ``config`` is built inside (working out limits can fail too); a start error carries
+        what the tier's own log says (bubblewrap's, runsc's, the container's, the console).
+        """
+        try:
+            self.handshake(config(), timeout_s, rules)
+        except exc.SandboxStartError as err:
+            said = log()
+            self.close()
+            raise exc.SandboxStartError(f"{err}{': ' + said if said else ''}") from None
+        except BaseException:  # the kernel inside cannot hold the rules, or we were interrupted
+            self.close()
+            raise
 
     @property
     def alive(self) -> bool:

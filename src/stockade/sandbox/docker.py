@@ -686,17 +686,15 @@ class DockerBackend(Backend):
         instance.container = boundary
         # Removed when the caller forgets to close, and at interpreter exit at the latest.
         weakref.finalize(instance, _guest.abandon, stream, boundary)
-        try:
+
+        def config() -> dict[str, Any]:
             own = _guest.own_kernel_limits(spec, self._runtime_platform()) if self.own_kernel else None
-            rlimits = own.rlimits if own is not None else None
-            instance.handshake(supervisor_config(spec, rlimits, egress), START_TIMEOUT_S, rules)
-        except exc.SandboxStartError as err:
-            said = stream.stderr.decode("utf-8", "replace").strip()
-            instance.close()
-            raise exc.SandboxStartError(f"{err}{': ' + said if said else ''}") from None
-        except BaseException:
-            instance.close()
-            raise
+            return supervisor_config(spec, own.rlimits if own is not None else None, egress)
+
+        def log() -> str:
+            return stream.stderr.decode("utf-8", "replace").strip()
+
+        instance.start(config, START_TIMEOUT_S, rules, log=log)
         return instance
 
 

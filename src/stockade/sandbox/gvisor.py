@@ -31,7 +31,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from stockade import exceptions as exc
 from stockade.sandbox import _guest, _gvisor_memory, _rules
@@ -371,17 +371,12 @@ class RunscBackend(Backend):
         # gVisor's kernel has neither Landlock nor seccomp user notification: masks only.
         rules = _rules.plan(spec, root=self.rootfs, can_mask=True, can_confine=False)
         instance = self._launch(spec, sandbox_id(spec), enforcement, masks=rules.masks, command=("run",))
-        try:
+
+        def config() -> dict[str, Any]:
             rlimits = _guest.own_kernel_limits(spec, self.platform).rlimits
-            config = supervisor_config(spec, rlimits, instance.egress)
-            instance.handshake(config, START_TIMEOUT_S, rules)
-        except exc.SandboxStartError as err:
-            said = _head(instance.bundle / "runsc.log")
-            instance.close()
-            raise exc.SandboxStartError(f"{err}{': ' + said if said else ''}") from None
-        except BaseException:
-            instance.close()
-            raise
+            return supervisor_config(spec, rlimits, instance.egress)
+
+        instance.start(config, START_TIMEOUT_S, rules, log=lambda: _head(instance.bundle / "runsc.log"))
         return instance
 
     def _restore(self, spec: SandboxSpec) -> RunscInstance:

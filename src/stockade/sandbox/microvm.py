@@ -34,6 +34,7 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from stockade import exceptions as exc
 from stockade.sandbox import _cgroups, _guest, _rules
@@ -425,17 +426,16 @@ class MicroVMBackend(Backend):
             instance = self._instance(
                 sid, spec=spec, enforcement=enforcement, boundary=boundary, stream=stream, masks=rules.masks
             )
-        try:
+
+        def config() -> dict[str, Any]:
             config = supervisor_config(spec, _guest.own_kernel_limits(spec).rlimits, boundary.egress)
             config["report_oom"] = True  # the guest's kernel kills for memory; the host sees nothing
-            instance.handshake(config, START_TIMEOUT_S, rules)
-        except exc.SandboxStartError as err:
-            said = _tail(boundary.rundir / "console.log") or _tail(boundary.rundir / "qemu.log")
-            instance.close()
-            raise exc.SandboxStartError(f"{err}{': ' + said if said else ''}") from None
-        except BaseException:
-            instance.close()
-            raise
+            return config
+
+        def log() -> str:
+            return _tail(boundary.rundir / "console.log") or _tail(boundary.rundir / "qemu.log")
+
+        instance.start(config, START_TIMEOUT_S, rules, log=log)
         return instance
 
     # -- snapshots ---------------------------------------------------------------------------

@@ -494,15 +494,12 @@ class ProcessBackend(Backend):
         finally:
             for fd in fds:
                 os.close(fd)
-        try:
-            instance.handshake(self._supervisor_config(spec, enforcement, egress), START_TIMEOUT_S, rules)
-        except exc.SandboxStartError as err:
-            log = _read_head(rundir / "bwrap.log")
-            instance.close()
-            raise exc.SandboxStartError(f"{err}{': ' + log if log else ''}") from None
-        except BaseException:  # the kernel inside cannot hold the rules: nothing is left
-            instance.close()
-            raise
+        instance.start(
+            lambda: self._supervisor_config(spec, enforcement, egress),
+            START_TIMEOUT_S,
+            rules,
+            log=lambda: _read_head(rundir / "bwrap.log"),
+        )
         return instance
 
     def _supervisor_config(

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from stockade import FileTooLarge, ProtocolError, Sandbox, SandboxCrashed
+from stockade import exceptions as exc
 from stockade.sandbox._supervised import MAX_FRAME, TRANSFER_CHUNK, Boundary, SupervisedInstance
 from stockade.sandbox.base import SandboxSpec
 from stockade.sandbox.ops import ReadFile, RunCode
@@ -241,3 +242,41 @@ def test_a_legitimate_report_at_the_caps_is_accepted() -> None:
     )  # fmt: skip
     result = instance.execute(RunCode(code="1"))
     assert isinstance(result, Execution) and len(result.results) == MAX_RESULT_COUNT
+
+
+# -- start ----------------------------------------------------------------------------------
+
+
+class WrongGreeting(EndlessFile):
+    """A supervisor whose first answer is not ``ready``."""
+
+    def send(self, data: bytes) -> None:
+        self._requests.feed(data)
+        for header, _ in self._requests.frames():
+            self._replies.put(encode({"id": header["id"], "ev": "done"}, b""))
+
+
+def test_a_sandbox_that_does_not_start_is_closed_and_its_tiers_log_is_in_the_error() -> None:
+    boundary = Killed()
+    instance = SupervisedInstance(
+        id="mute", tier="fake", stream=WrongGreeting(), boundary=boundary,
+        spec=SandboxSpec(), enforcement=NONE,
+    )  # fmt: skip
+    with pytest.raises(exc.SandboxStartError, match=r"unexpected first reply.*: bwrap: no permission"):
+        instance.start(dict, 5.0, None, log=lambda: "bwrap: no permission")
+    assert boundary.killed and not instance.alive
+
+
+def test_a_config_that_cannot_be_made_closes_the_sandbox_too() -> None:
+    boundary = Killed()
+    instance = SupervisedInstance(
+        id="mute", tier="fake", stream=WrongGreeting(), boundary=boundary,
+        spec=SandboxSpec(), enforcement=NONE,
+    )  # fmt: skip
+
+    def config() -> dict[str, object]:
+        raise exc.LimitNotEnforceable("no such limit here")
+
+    with pytest.raises(exc.LimitNotEnforceable):
+        instance.start(config, 5.0, None, log=lambda: "")
+    assert boundary.killed
