@@ -22,6 +22,7 @@ from stockade import (
     SandboxClosed,
     SandboxFileNotFound,
 )
+from stockade import exceptions as exc
 from stockade.types import EntryType
 from tests.conftest import require
 
@@ -200,6 +201,21 @@ def test_empty_and_huge_code(sbx: Sandbox) -> None:
     assert huge.text == "300000" or (
         huge.error is not None and huge.error.name in ("MemoryLimitExceeded", "MemoryError")
     )
+    assert sbx.run_code("1 + 1").text == "2"
+
+
+def test_command_lines_past_the_kernels_limits_are_refused_and_the_sandbox_stays(sbx: Sandbox) -> None:
+    # One argument over 128 KiB: the kernel refuses the exec, as in any shell.
+    long = sbx.commands.run("echo " + "x" * 200_000)
+    assert long.exit_code == 126 and "too long" in long.stderr
+    # Megabytes: refused before they are sent, typed; before, the supervisor took the frame
+    # for a broken peer and the sandbox was lost.
+    for argv in ("echo " + "x" * (4 << 20), ["echo", *["x" * 1000] * 3000], "echo " + "\x01" * (1 << 19)):
+        with pytest.raises(exc.InvalidArgument, match="stdin or a file"):
+            sbx.commands.run(argv)
+    with pytest.raises(exc.InvalidArgument):
+        sbx.files.write("d/" + "a" * (2 << 20), "x")
+    assert sbx.commands.run(["wc", "-c"], stdin=b"y" * (4 << 20)).stdout.strip() == str(4 << 20)
     assert sbx.run_code("1 + 1").text == "2"
 
 

@@ -20,10 +20,12 @@ import time
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from stockade.exceptions import ProtocolError, SandboxCrashed
+from stockade.exceptions import InvalidArgument, ProtocolError, SandboxCrashed
 from stockade.sandbox.supervisor.protocol import (
     MAX_EXEC_ARGV,
     MAX_EXEC_RECORDS,
+    MAX_HEADER,
+    PREFIX,
     FrameError,
     FrameReader,
     encode,
@@ -124,6 +126,18 @@ class Channel:
 
     def call(self, header: dict[str, Any], body: bytes = b"") -> Call:
         rid = next(self._ids)
+        frame = encode({**header, "id": rid}, body)
+        head = PREFIX.unpack_from(frame)[0]
+        if head > MAX_HEADER:
+            # The supervisor would take it for a broken peer and end the sandbox: a caller's
+            # mistake (a megabyte command line) must not cost it its sandbox.
+            raise InvalidArgument(
+                f"the {header.get('op', '')} request is {head} bytes of arguments, over the {MAX_HEADER} "
+                "a request may carry",
+                argument="request",
+                fix="pass large input through stdin or a file (the kernel runs no command whose "
+                "arguments and environment pass 2 MiB, nor with one argument over 128 KiB)",
+            )
         q: queue.SimpleQueue[Frame] = queue.SimpleQueue()
         with self._lock:
             if self.error is not None:
@@ -131,7 +145,7 @@ class Channel:
             self._calls[rid] = q
         try:
             with self._send_lock:
-                self._stream.send(encode({**header, "id": rid}, body))
+                self._stream.send(frame)
         except OSError as exc:
             self._fail(f"cannot write to the supervisor: {exc}")
             raise SandboxCrashed(f"sandbox is gone: {self.error}") from None
