@@ -43,6 +43,7 @@ from typing import Any, Protocol, TypeVar
 
 from stockade.egress._rules import Judge, Verdict, ip_literal
 from stockade.egress._tls import MAX_HELLO, SandboxCA, server_name
+from stockade.egress._upstream import Pool, UpstreamKey
 from stockade.types import Credential, EgressRecord, NetworkPolicy
 
 __all__ = ["EgressObserver", "EgressProxy", "EgressRecord", "Resolver", "SystemResolver"]
@@ -200,6 +201,10 @@ class _Plain:
     def close(self) -> None:
         self.writer.close()
 
+    def alive(self) -> bool:
+        """Open both ways as far as we know (the server has not closed it, nor have we)."""
+        return not self.reader.at_eof() and self.reader.exception() is None and not self.writer.is_closing()
+
 
 class _ServerTLS:
     """TLS answered over a stream whose first bytes were already read (the ClientHello)."""
@@ -311,6 +316,7 @@ class EgressProxy:
         )
         self.ca: SandboxCA | None = SandboxCA(intercepted) if intercepted else None
         self._upstream_tls: ssl.SSLContext | None = None
+        self.upstreams: Pool[_Plain] = Pool()  # connections to servers, kept between this sandbox's requests
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -338,6 +344,7 @@ class EgressProxy:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        self.upstreams.close()
         self._secrets.clear()
         self.ca = None
 
@@ -599,8 +606,52 @@ class EgressProxy:
         self, conn: Any, client: _Stream, request: Any, target: _Target, credential: Credential | None
     ) -> tuple[int, int, int, bool]:
         """Send ``request`` (its body as it comes) to ``target`` and its response back:
-        (status, bytes out, bytes in, whether the client connection may go on)."""
+        (status, bytes out, bytes in, whether the client connection may go on).
+
+        A request without a body may go over a connection kept from an earlier request of
+        this sandbox to the same place (``_upstream``); if the server had closed that one
+        before answering, the request goes once more, on a new connection (nothing of it
+        reached the client yet). A request with a body always gets a new connection: its
+        body is read from the client as it is sent, so it could not be sent twice."""
         h11 = _h11()
+        key = UpstreamKey(
+            address=target.address, port=target.port, scheme=target.scheme, host=target.host,
+            credential=credential.name if credential is not None else "",
+        )  # fmt: skip
+        bodiless = not _has_body(request.headers)
+        held = self.upstreams.take(key) if bodiless else None
+        while True:
+            if held is None:
+                upstream, up = await self._open(target), None
+            else:
+                upstream, up = held
+            reused, held, keep = up is not None, None, False
+            if up is None:
+                up = h11.Connection(h11.CLIENT, max_incomplete_event_size=HEAD_LIMIT)
+            try:
+                try:
+                    sent, response = await self._send_request(
+                        conn, client, request, target, credential, upstream=upstream, up=up
+                    )
+                except (OSError, ConnectionError, h11.RemoteProtocolError):
+                    if reused:
+                        continue  # closed while kept (the finally closes it): again, on a new one
+                    raise
+                if reused and response.status_code == 408:
+                    continue  # the server's "you were idle too long", sent before it closed
+                status, received = await self._send_response(
+                    conn, client, response, target, credential, upstream=upstream, up=up
+                )
+                keep = up.our_state is h11.DONE and up.their_state is h11.DONE
+                return status, sent, received, True
+            finally:
+                if keep:
+                    up.start_next_cycle()
+                    self.upstreams.give(key, upstream, up)
+                else:
+                    upstream.close()
+
+    async def _open(self, target: _Target) -> _Plain:
         tls = self._upstream_context() if target.scheme == "https" else None
         up_reader, up_writer = await _within(
             asyncio.open_connection(
@@ -609,41 +660,70 @@ class EgressProxy:
             ),
             CONNECT_TIMEOUT_S,
         )  # fmt: skip
-        upstream = _Plain(up_reader, up_writer)
-        try:
-            headers = _forwarded_headers(request.headers, target.host, target.port, target.scheme)
-            secret = self._secrets.get(credential.name) if credential is not None else None
-            secrets: list[bytes] = []
-            if credential is not None and secret:
-                injected = _credential_value(credential, secret)
-                secrets = [secret.encode(), injected]
-                name = credential.header.lower().encode()
-                # The reply is scrubbed of the secret: it must come back as plain bytes.
-                headers = [(k, v) for k, v in headers if k.lower() not in (name, b"accept-encoding")]
-                headers += [(credential.header.encode(), injected), (b"Accept-Encoding", b"identity")]
-            up = h11.Connection(h11.CLIENT, max_incomplete_event_size=HEAD_LIMIT)
-            await upstream.send(
-                up.send(h11.Request(method=request.method, target=target.path.encode(), headers=headers))
-            )
-            sent = await self._relay_body(conn, client, up, upstream)
-            response = await _within(_next_event(up, upstream), HEAD_TIMEOUT_S * 4)
-            while isinstance(response, h11.InformationalResponse):  # 100 Continue and the like
-                response = await _next_event(up, upstream)
-            if not isinstance(response, h11.Response):
-                raise ConnectionError("the server closed without answering")
-            self._check_redirect(response, target)
-            out_headers = [
-                (k, _scrub_all(v, secrets)) for k, v in response.headers if k.lower() not in HOP_BY_HOP
-            ]
-            if secrets:  # scrubbing changes the length
-                out_headers = [(k, v) for k, v in out_headers if k.lower() != b"content-length"]
-            await client.send(conn.send(h11.Response(
-                status_code=response.status_code, headers=out_headers, reason=response.reason
-            )))  # fmt: skip
-            received = await self._relay_body(up, upstream, conn, client, scrub=_Scrubber(secrets))
-            return response.status_code, sent, received, True
-        finally:
-            upstream.close()
+        return _Plain(up_reader, up_writer)
+
+    def _secrets_for(self, credential: Credential | None) -> tuple[str | None, list[bytes]]:
+        secret = self._secrets.get(credential.name) if credential is not None else None
+        if credential is None or not secret:
+            return None, []
+        return secret, [secret.encode(), _credential_value(credential, secret)]
+
+    async def _send_request(
+        self,
+        conn: Any,
+        client: _Stream,
+        request: Any,
+        target: _Target,
+        credential: Credential | None,
+        *,
+        upstream: _Plain,
+        up: Any,
+    ) -> tuple[int, Any]:
+        """The request (head and body) to the server, and the head of its answer."""
+        h11 = _h11()
+        headers = _forwarded_headers(request.headers, target.host, target.port, target.scheme)
+        secret, secrets = self._secrets_for(credential)
+        if credential is not None and secret:
+            name = credential.header.lower().encode()
+            # The reply is scrubbed of the secret: it must come back as plain bytes.
+            headers = [(k, v) for k, v in headers if k.lower() not in (name, b"accept-encoding")]
+            headers += [(credential.header.encode(), secrets[1]), (b"Accept-Encoding", b"identity")]
+        await upstream.send(
+            up.send(h11.Request(method=request.method, target=target.path.encode(), headers=headers))
+        )
+        sent = await self._relay_body(conn, client, up, upstream)
+        response = await _within(_next_event(up, upstream), HEAD_TIMEOUT_S * 4)
+        while isinstance(response, h11.InformationalResponse):  # 100 Continue and the like
+            response = await _next_event(up, upstream)
+        if not isinstance(response, h11.Response):
+            raise ConnectionError("the server closed without answering")
+        return sent, response
+
+    async def _send_response(
+        self,
+        conn: Any,
+        client: _Stream,
+        response: Any,
+        target: _Target,
+        credential: Credential | None,
+        *,
+        upstream: _Plain,
+        up: Any,
+    ) -> tuple[int, int]:
+        """The answer, checked and scrubbed, to the client: (status, body bytes received)."""
+        h11 = _h11()
+        _, secrets = self._secrets_for(credential)
+        self._check_redirect(response, target)
+        out_headers = [
+            (k, _scrub_all(v, secrets)) for k, v in response.headers if k.lower() not in HOP_BY_HOP
+        ]
+        if secrets:  # scrubbing changes the length
+            out_headers = [(k, v) for k, v in out_headers if k.lower() != b"content-length"]
+        await client.send(conn.send(h11.Response(
+            status_code=response.status_code, headers=out_headers, reason=response.reason
+        )))  # fmt: skip
+        received = await self._relay_body(up, upstream, conn, client, scrub=_Scrubber(secrets))
+        return response.status_code, received
 
     async def _relay_body(
         self, src: Any, src_stream: _Stream, dst: Any, dst_stream: _Stream, *, scrub: _Scrubber | None = None
@@ -864,6 +944,15 @@ def _forwarded_headers(headers: Any, host: str, port: int, scheme: str) -> list[
         if any(k.lower() == b"transfer-encoding" for k, _ in headers):
             out.append((b"Transfer-Encoding", b"chunked"))  # h11 re-frames the body it forwards
     return out
+
+
+def _has_body(headers: Any) -> bool:
+    """Whether a request comes with a body (h11 has checked its framing headers)."""
+    for key, value in headers:
+        lower = key.lower()
+        if lower == b"transfer-encoding" or (lower == b"content-length" and bytes(value).strip() != b"0"):
+            return True
+    return False
 
 
 def _credential_value(credential: Credential, secret: str) -> bytes:
