@@ -12,7 +12,6 @@ import http.client
 import logging
 import socket
 import ssl
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ import pytest
 
 from stockade.egress import EgressProxy, HostRule, NetworkPolicy, SystemResolver, _loop
 from stockade.types import EgressRecord
+from tests.conftest import wait_for
 from tests.egress_servers import TOKEN, Servers, servers
 
 
@@ -250,11 +250,10 @@ def test_closing_cuts_a_credentialed_request_mid_answer_and_records_it(
     (record,) = [r for r in proxy.records if r.method == "GET"]
     assert (record.status, record.credential) == (0, "api") and "closed mid-request" in record.reason
     assert proxy.proxy.ca is None and not proxy.proxy._secrets
-    for _ in range(40):  # the server notices at its next writes (one every 0.05 s)
-        if len(local.https_seen.cut) > cut_before:
-            break
-        time.sleep(0.05)
-    assert len(local.https_seen.cut) > cut_before  # the upstream connection was cut too
+    # the upstream connection was cut too: the server notices at its next writes (one every 0.05 s)
+    wait_for(
+        lambda: len(local.https_seen.cut) > cut_before, what="the server to see its answer cut", timeout_s=5
+    )
     assert not [r for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.ERROR]
 
 
