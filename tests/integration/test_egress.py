@@ -428,7 +428,7 @@ def test_a_killed_runs_credential_is_cut_mid_request(
     assert not attachment.socket_path.exists() and not attachment.folder.exists()
     with pytest.raises(OSError), socket.socket(socket.AF_UNIX) as probe:
         probe.connect(str(attachment.socket_path))
-    assert attachment.proxy._server is None or not attachment.proxy._server.is_serving()
+    assert not attachment.proxy.serving
     # Cutting the connections in flight is the proxy's way to close, not an error of its loop.
     assert not [r for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.ERROR]
     # The trail holds the credentialed requests and the kill, verifies, and never the token.

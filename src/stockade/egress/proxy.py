@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import socket
 import ssl
 import time
 import urllib.parse
@@ -317,8 +318,9 @@ class EgressProxy:
         self.ca: SandboxCA | None = SandboxCA(intercepted) if intercepted else None
         self._upstream_tls: ssl.SSLContext | None = None
         self.upstreams: Pool[_Plain] = Pool()  # connections to servers, kept between this sandbox's requests
-        self._server: asyncio.AbstractServer | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._listener: socket.socket | None = None
+        self._connections: set[asyncio.Task[None]] = set()  # every accepted connection's task
+        self._tasks: set[asyncio.Task[None]] = set()  # those being served (the limit counts them)
         self._closed = False
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -329,21 +331,83 @@ class EgressProxy:
         return self.ca.pem if self.ca is not None else None
 
     async def start(self, path: str) -> None:
-        self._server = await asyncio.start_unix_server(self._accept, path=path, limit=HEAD_LIMIT)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(path)
+        except BaseException:
+            sock.close()
+            raise
+        self._listen(sock)
 
     async def start_tcp(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        self._server = await asyncio.start_server(self._accept, host=host, port=port, limit=HEAD_LIMIT)
-        return int(self._server.sockets[0].getsockname()[1])
+        sock = socket.create_server((host, port))
+        self._listen(sock)
+        return int(sock.getsockname()[1])
+
+    @property
+    def serving(self) -> bool:
+        """Whether the proxy still accepts connections (until ``close``)."""
+        return self._listener is not None and not self._closed
+
+    def _listen(self, sock: socket.socket) -> None:
+        sock.listen(self.max_connections)
+        sock.setblocking(False)
+        self._listener = sock
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._accept_ready, sock)
+
+    def _accept_ready(self, sock: socket.socket) -> None:
+        """Accept what waits, each connection into a task of its own that closes it.
+
+        Not asyncio's ``Server`` (nor ``sock_accept``): a connection accepted but not yet set
+        up when they are closed is dropped half-made, its socket closed only by the garbage
+        collector, with a ``ResourceWarning`` (Python 3.11: ``Server._attach`` asserts and the
+        error is swallowed; a cancelled ``sock_accept`` loses the socket it had accepted). The
+        relay's warm connections arrive at a sandbox's start, so a sandbox closed right after
+        it started met that. Here an accepted socket belongs to its task at once."""
+        loop = asyncio.get_running_loop()
+        for _ in range(self.max_connections):
+            try:
+                conn, _ = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # out of descriptors: the connection waits in the backlog a while
+                loop.remove_reader(sock.fileno())
+                loop.call_later(0.1, self._listen_again, sock)
+                return
+            task = loop.create_task(self._connection(conn))
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+
+    def _listen_again(self, sock: socket.socket) -> None:
+        if not self._closed:
+            asyncio.get_running_loop().add_reader(sock.fileno(), self._accept_ready, sock)
+
+    async def _connection(self, conn: socket.socket) -> None:
+        if self._closed:
+            conn.close()
+            return
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=HEAD_LIMIT, loop=loop)
+        protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
+        try:
+            transport, _ = await loop.connect_accepted_socket(lambda: protocol, conn)
+        except BaseException:
+            conn.close()
+            raise
+        await self._accept(reader, asyncio.StreamWriter(transport, protocol, reader, loop))
 
     async def close(self) -> None:
         self._closed = True
-        if self._server is not None:
-            self._server.close()
+        if self._listener is not None and self._listener.fileno() >= 0:
+            asyncio.get_running_loop().remove_reader(self._listener.fileno())
+            self._listener.close()
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        # Those accepted but not yet served see the proxy closed and close their connection.
+        pending = [*tasks, *self._connections]
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
         self.upstreams.close()
         self._secrets.clear()
         self.ca = None
