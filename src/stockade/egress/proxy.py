@@ -434,8 +434,7 @@ class EgressProxy:
             pass  # the client or the server went away: the record says what was done
         except asyncio.CancelledError:
             # ``close`` (the sandbox killed) cut this connection: that is the end of it, not a
-            # failure. Let through, the cancellation would be logged as an unhandled error of
-            # the connection's callback (asyncio before 3.12 asks a cancelled task its exception).
+            # failure to report (a cancellation from elsewhere still cancels the task).
             if not self._closed:
                 raise
         except Exception as err:
