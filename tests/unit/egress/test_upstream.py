@@ -7,7 +7,9 @@ still open, and answers with keep-alive unless told to close without saying so.
 from __future__ import annotations
 
 import http.server
+import statistics
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -158,3 +160,17 @@ def test_kept_connections_close_when_idle_and_when_the_sandbox_ends(
     second.close()
     wait_for(lambda: server.open == 0, what="the kept connection closed with its proxy", timeout_s=5)
     assert len(second.proxy.upstreams) == 0
+
+
+def test_a_kept_connection_waits_for_no_delayed_ack(server: Counting, proxies: list[Proxy]) -> None:
+    """The test's server writes an answer's head and body apart, with Nagle on (as
+    http.server does): on a kept connection whose ACKs the kernel delays, the body would
+    wait 40 ms for the head's ACK. The proxy asks for quick ACKs: no request waits that."""
+    proxy = proxies[0]
+    took = []
+    for _ in range(9):
+        started = time.perf_counter()
+        proxy.get("/quick")
+        took.append(time.perf_counter() - started)
+    assert server.accepted == 1
+    assert statistics.median(took) < 0.030, took
