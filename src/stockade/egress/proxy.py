@@ -56,6 +56,7 @@ HEAD_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 15.0
 MAX_CONNECTIONS = 128  # at once, per sandbox
 QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)  # Linux
+IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"))
 MAX_REDIRECT_BASE = 8192
 RESOLVE_TTL_S = 15.0  # below most records' own TTL; getaddrinfo does not say theirs
 RESOLVE_CACHE_SIZE = 1024  # names per sandbox
@@ -682,18 +683,20 @@ class EgressProxy:
         """Send ``request`` (its body as it comes) to ``target`` and its response back:
         (status, bytes out, bytes in, whether the client connection may go on).
 
-        A request without a body may go over a connection kept from an earlier request of
-        this sandbox to the same place (``_upstream``); if the server had closed that one
-        before answering, the request goes once more, on a new connection (nothing of it
-        reached the client yet). A request with a body always gets a new connection: its
-        body is read from the client as it is sent, so it could not be sent twice."""
+        An idempotent request without a body may go over a connection kept from an earlier
+        request of this sandbox to the same place (``_upstream``); if the server had closed
+        that one before answering, the request goes once more, on a new connection (nothing
+        of it reached the client yet). Any other request gets a new connection: a body is
+        read from the client as it is sent, so it could not be sent twice, and a POST must
+        not reach a server twice."""
         h11 = _h11()
         key = UpstreamKey(
             address=target.address, port=target.port, scheme=target.scheme, host=target.host,
             credential=credential.name if credential is not None else "",
         )  # fmt: skip
-        bodiless = not _has_body(request.headers)
-        held = self.upstreams.take(key) if bodiless else None
+        # Sent again only if it may be (RFC 9110: idempotent) and can be (no body to read twice).
+        repeatable = request.method.upper() in IDEMPOTENT and not _has_body(request.headers)
+        held = self.upstreams.take(key) if repeatable else None
         while True:
             if held is None:
                 upstream, up = await self._open(target), None
@@ -707,8 +710,8 @@ class EgressProxy:
                     sent, response = await self._send_request(
                         conn, client, request, target, credential, upstream=upstream, up=up
                     )
-                except (OSError, ConnectionError, h11.RemoteProtocolError):
-                    if reused:
+                except (OSError, h11.RemoteProtocolError) as err:
+                    if reused and not isinstance(err, TimeoutError):
                         continue  # closed while kept (the finally closes it): again, on a new one
                     raise
                 if reused and response.status_code == 408:
@@ -765,7 +768,11 @@ class EgressProxy:
         await upstream.send(
             up.send(h11.Request(method=request.method, target=target.path.encode(), headers=headers))
         )
-        sent = await self._relay_body(conn, client, up, upstream)
+        if conn.their_state is h11.SEND_BODY:
+            sent = await self._relay_body(conn, client, up, upstream)
+        else:  # read already: sent once, on a kept connection the server then closed
+            await upstream.send(up.send(h11.EndOfMessage()))
+            sent = 0
         upstream.quickack()
         response = await _within(_next_event(up, upstream), HEAD_TIMEOUT_S * 4)
         while isinstance(response, h11.InformationalResponse):  # 100 Continue and the like

@@ -29,6 +29,10 @@ class Counting(http.server.ThreadingHTTPServer):
     accepted = 0
     open = 0
     close_silently = False  # end each connection after its answer, without "Connection: close"
+    # What a connection's second request gets: "" an answer, "drop" none (the connection is
+    # closed unanswered, as by a server's idle timeout racing the request), "408" that status.
+    on_second = ""
+    requests = 0
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -48,6 +52,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.server.open -= 1
 
     def _answer(self) -> None:
+        self.server.requests += 1
+        self.served = getattr(self, "served", 0) + 1
+        if self.served == 2 and self.server.on_second == "drop":
+            self.close_connection = True
+            return
+        if self.served == 2 and self.server.on_second == "408":
+            self.send_response(408)
+            self.send_header("Content-Length", "0")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.close_connection = True
+            return
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else f"{self.command} {self.path}".encode()
         self.send_response(200)
@@ -88,9 +104,10 @@ class Proxy:
         url = f"http://127.0.0.1:{_loop.call(self.proxy.start_tcp())}"
         self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({"http": url}))
 
-    def get(self, path: str, data: bytes | None = None) -> bytes:
+    def get(self, path: str, data: bytes | None = None, method: str | None = None) -> bytes:
         """One request on a new client connection (as urllib makes them)."""
-        with self.opener.open(f"http://up.test:{self.port}{path}", data=data, timeout=10) as answer:
+        request = urllib.request.Request(f"http://up.test:{self.port}{path}", data=data, method=method)
+        with self.opener.open(request, timeout=10) as answer:
             body: bytes = answer.read()
         return body
 
@@ -174,3 +191,28 @@ def test_a_kept_connection_waits_for_no_delayed_ack(server: Counting, proxies: l
         took.append(time.perf_counter() - started)
     assert server.accepted == 1
     assert statistics.median(took) < 0.030, took
+
+
+@pytest.mark.parametrize("second", ["drop", "408"])
+def test_a_kept_connection_the_server_ends_as_it_is_used_is_replaced_once(
+    server: Counting, proxies: list[Proxy], second: str
+) -> None:
+    """The server ends a kept connection just as the proxy sends on it (it closes it
+    unanswered, or says 408): the request goes again, on a new connection, and the client
+    sees one answer; the trail one request."""
+    server.on_second = second
+    proxy = proxies[0]
+    assert proxy.get("/one") == b"GET /one"
+    assert proxy.get("/two") == b"GET /two"
+    assert server.accepted == 2 and server.requests == 3
+    wait_for(lambda: len(proxy.records) == 2, what="a record of each request")
+    assert [(r.path, r.status) for r in proxy.records] == [("/one", 200), ("/two", 200)]
+
+
+def test_a_post_never_goes_over_a_kept_connection(server: Counting, proxies: list[Proxy]) -> None:
+    """Not idempotent: were the kept connection closed under it, it could not be sent again."""
+    server.on_second = "drop"
+    proxy = proxies[0]
+    proxy.get("/one")
+    assert proxy.get("/form", data=b"", method="POST") == b"POST /form"
+    assert server.accepted == 2 and server.requests == 2
