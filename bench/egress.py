@@ -5,7 +5,7 @@ names. The same client script (the sandbox's python, urllib, a new connection pe
 as urllib makes them) runs on the host straight to the server (direct), on the host
 through the proxy, and inside a sandbox of the tier, where its only way out is the relay on
 the sandbox's loopback and the proxy behind it; the sandbox twice, its relay with warm
-connections to the proxy (as shipped) and without (a connection per request). The
+connections to the proxy (``WARM``; shipped off) and without (a connection per request). The
 difference of the medians is what the proxy path adds per request. Every way runs once per
 round (interleaved), so a busy host weighs on all of them alike. Throughput is one large
 download read in 1 MiB pieces: plain HTTP through the proxy, and HTTPS through a CONNECT

@@ -30,7 +30,7 @@ from stockade.sandbox import _registry
 from stockade.sandbox.ops import PutArchive
 from stockade.testing import capture_audit
 from stockade.types import NetworkPolicy
-from tests.conftest import host_processes, require, require_tier
+from tests.conftest import host_processes, require, require_tier, wait_for
 from tests.egress_servers import TOKEN, Servers, servers
 from tests.integration.conftest import TIERS
 
@@ -376,12 +376,18 @@ def test_a_killed_runs_credential_is_cut_mid_request(
 
     def pull() -> None:
         # Mid-request: after the server has seen the credential a few times (three answers).
-        deadline = time.monotonic() + 120
-        while len(credentialed()) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.3)  # into the third answer's stream
-        found["pulled_at"] = time.monotonic()
-        FileKillSource(kill_dir).kill(run_id, "test: pulled mid-request")  # as `stockade kill` does
+        # Pulled even if they never come, so the run ends (the assertions below then say why).
+        try:
+            wait_for(
+                lambda: len(credentialed()) >= 3,
+                what="three credentialed requests at the server",
+                timeout_s=120,
+                interval_s=0.05,
+            )
+            time.sleep(0.3)  # into the third answer's stream
+        finally:
+            found["pulled_at"] = time.monotonic()
+            FileKillSource(kill_dir).kill(run_id, "test: pulled mid-request")  # as `stockade kill` does
 
     store = SQLiteStore(tmp_path / "audit.db")
     config = AgentConfig(
@@ -422,7 +428,7 @@ def test_a_killed_runs_credential_is_cut_mid_request(
     assert not attachment.socket_path.exists() and not attachment.folder.exists()
     with pytest.raises(OSError), socket.socket(socket.AF_UNIX) as probe:
         probe.connect(str(attachment.socket_path))
-    assert attachment.proxy._server is None or not attachment.proxy._server.is_serving()
+    assert not attachment.proxy.serving
     # Cutting the connections in flight is the proxy's way to close, not an error of its loop.
     assert not [r for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.ERROR]
     # The trail holds the credentialed requests and the kill, verifies, and never the token.

@@ -36,7 +36,8 @@ BUNDLE = "ca-bundle.pem"
 CA = "ca.pem"
 # Connections the relay keeps open to the proxy ahead of need (supervisor/egress.py), so a
 # request skips the proxy's accept. Off: measured on an idle machine they gained nothing
-# (added p50 on the process tier 1.11 ms cold, 1.43 ms warm; docker 1.41 and 1.40 ms), and
+# (added p50 on the process tier 1.11 ms cold, 1.43 ms warm; docker 1.41 and 1.40 ms), nor
+# again on gVisor and docker once refilled off the request's path (docs/benchmarks.md), and
 # each is a connection the proxy holds open for nothing; bench/egress.py turns them on.
 WARM_CONNECTIONS = 0
 SYSTEM_BUNDLES = ("etc/ssl/certs/ca-certificates.crt", "etc/pki/tls/certs/ca-bundle.crt", "etc/ssl/cert.pem")

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import socket
 import ssl
 import time
 import urllib.parse
@@ -43,6 +44,7 @@ from typing import Any, Protocol, TypeVar
 
 from stockade.egress._rules import Judge, Verdict, ip_literal
 from stockade.egress._tls import MAX_HELLO, SandboxCA, server_name
+from stockade.egress._upstream import Pool, UpstreamKey
 from stockade.types import Credential, EgressRecord, NetworkPolicy
 
 __all__ = ["EgressObserver", "EgressProxy", "EgressRecord", "Resolver", "SystemResolver"]
@@ -53,6 +55,8 @@ HEAD_LIMIT = 64 * 1024  # request or response head: bigger is refused
 HEAD_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 15.0
 MAX_CONNECTIONS = 128  # at once, per sandbox
+QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)  # Linux
+IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"))
 MAX_REDIRECT_BASE = 8192
 RESOLVE_TTL_S = 15.0  # below most records' own TTL; getaddrinfo does not say theirs
 RESOLVE_CACHE_SIZE = 1024  # names per sandbox
@@ -200,6 +204,20 @@ class _Plain:
     def close(self) -> None:
         self.writer.close()
 
+    def quickack(self) -> None:
+        """ACK what comes next at once. On a kept connection the kernel has learnt to delay
+        its ACKs (request, answer, request: it waits to send one with the next request), and
+        a server that writes an answer in two pieces with Nagle on holds the second until the
+        first is ACKed: 40 ms per request. A new connection starts in quick-ACK mode."""
+        sock = self.writer.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6) and QUICKACK is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, QUICKACK, 1)
+
+    def alive(self) -> bool:
+        """Open both ways as far as we know (the server has not closed it, nor have we)."""
+        return not self.reader.at_eof() and self.reader.exception() is None and not self.writer.is_closing()
+
 
 class _ServerTLS:
     """TLS answered over a stream whose first bytes were already read (the ClientHello)."""
@@ -311,8 +329,10 @@ class EgressProxy:
         )
         self.ca: SandboxCA | None = SandboxCA(intercepted) if intercepted else None
         self._upstream_tls: ssl.SSLContext | None = None
-        self._server: asyncio.AbstractServer | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.upstreams: Pool[_Plain] = Pool()  # connections to servers, kept between this sandbox's requests
+        self._listener: socket.socket | None = None
+        self._connections: set[asyncio.Task[None]] = set()  # every accepted connection's task
+        self._tasks: set[asyncio.Task[None]] = set()  # those being served (the limit counts them)
         self._closed = False
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -323,21 +343,84 @@ class EgressProxy:
         return self.ca.pem if self.ca is not None else None
 
     async def start(self, path: str) -> None:
-        self._server = await asyncio.start_unix_server(self._accept, path=path, limit=HEAD_LIMIT)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(path)
+        except BaseException:
+            sock.close()
+            raise
+        self._listen(sock)
 
     async def start_tcp(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        self._server = await asyncio.start_server(self._accept, host=host, port=port, limit=HEAD_LIMIT)
-        return int(self._server.sockets[0].getsockname()[1])
+        sock = socket.create_server((host, port))
+        self._listen(sock)
+        return int(sock.getsockname()[1])
+
+    @property
+    def serving(self) -> bool:
+        """Whether the proxy still accepts connections (until ``close``)."""
+        return self._listener is not None and not self._closed
+
+    def _listen(self, sock: socket.socket) -> None:
+        sock.listen(self.max_connections)
+        sock.setblocking(False)
+        self._listener = sock
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._accept_ready, sock)
+
+    def _accept_ready(self, sock: socket.socket) -> None:
+        """Accept what waits, each connection into a task of its own that closes it.
+
+        Not asyncio's ``Server`` (nor ``sock_accept``): a connection accepted but not yet set
+        up when they are closed is dropped half-made, its socket closed only by the garbage
+        collector, with a ``ResourceWarning`` (Python 3.11: ``Server._attach`` asserts and the
+        error is swallowed; a cancelled ``sock_accept`` loses the socket it had accepted). The
+        relay's warm connections arrive at a sandbox's start, so a sandbox closed right after
+        it started met that. Here an accepted socket belongs to its task at once."""
+        loop = asyncio.get_running_loop()
+        for _ in range(self.max_connections):
+            try:
+                conn, _ = sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # out of descriptors: the connection waits in the backlog a while
+                loop.remove_reader(sock.fileno())
+                loop.call_later(0.1, self._listen_again, sock)
+                return
+            task = loop.create_task(self._connection(conn))
+            self._connections.add(task)
+            task.add_done_callback(self._connections.discard)
+
+    def _listen_again(self, sock: socket.socket) -> None:
+        if not self._closed:
+            asyncio.get_running_loop().add_reader(sock.fileno(), self._accept_ready, sock)
+
+    async def _connection(self, conn: socket.socket) -> None:
+        if self._closed:
+            conn.close()
+            return
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=HEAD_LIMIT, loop=loop)
+        protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
+        try:
+            transport, _ = await loop.connect_accepted_socket(lambda: protocol, conn)
+        except BaseException:
+            conn.close()
+            raise
+        await self._accept(reader, asyncio.StreamWriter(transport, protocol, reader, loop))
 
     async def close(self) -> None:
         self._closed = True
-        if self._server is not None:
-            self._server.close()
+        if self._listener is not None and self._listener.fileno() >= 0:
+            asyncio.get_running_loop().remove_reader(self._listener.fileno())
+            self._listener.close()
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        # Those accepted but not yet served see the proxy closed and close their connection.
+        pending = [*tasks, *self._connections]
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        self.upstreams.close()
         self._secrets.clear()
         self.ca = None
 
@@ -363,8 +446,7 @@ class EgressProxy:
             pass  # the client or the server went away: the record says what was done
         except asyncio.CancelledError:
             # ``close`` (the sandbox killed) cut this connection: that is the end of it, not a
-            # failure. Let through, the cancellation would be logged as an unhandled error of
-            # the connection's callback (asyncio before 3.12 asks a cancelled task its exception).
+            # failure to report (a cancellation from elsewhere still cancels the task).
             if not self._closed:
                 raise
         except Exception as err:
@@ -599,8 +681,54 @@ class EgressProxy:
         self, conn: Any, client: _Stream, request: Any, target: _Target, credential: Credential | None
     ) -> tuple[int, int, int, bool]:
         """Send ``request`` (its body as it comes) to ``target`` and its response back:
-        (status, bytes out, bytes in, whether the client connection may go on)."""
+        (status, bytes out, bytes in, whether the client connection may go on).
+
+        An idempotent request without a body may go over a connection kept from an earlier
+        request of this sandbox to the same place (``_upstream``); if the server had closed
+        that one before answering, the request goes once more, on a new connection (nothing
+        of it reached the client yet). Any other request gets a new connection: a body is
+        read from the client as it is sent, so it could not be sent twice, and a POST must
+        not reach a server twice."""
         h11 = _h11()
+        key = UpstreamKey(
+            address=target.address, port=target.port, scheme=target.scheme, host=target.host,
+            credential=credential.name if credential is not None else "",
+        )  # fmt: skip
+        # Sent again only if it may be (RFC 9110: idempotent) and can be (no body to read twice).
+        repeatable = request.method.upper() in IDEMPOTENT and not _has_body(request.headers)
+        held = self.upstreams.take(key) if repeatable else None
+        while True:
+            if held is None:
+                upstream, up = await self._open(target), None
+            else:
+                upstream, up = held
+            reused, held, keep = up is not None, None, False
+            if up is None:
+                up = h11.Connection(h11.CLIENT, max_incomplete_event_size=HEAD_LIMIT)
+            try:
+                try:
+                    sent, response = await self._send_request(
+                        conn, client, request, target, credential, upstream=upstream, up=up
+                    )
+                except (OSError, h11.RemoteProtocolError) as err:
+                    if reused and not isinstance(err, TimeoutError):
+                        continue  # closed while kept (the finally closes it): again, on a new one
+                    raise
+                if reused and response.status_code == 408:
+                    continue  # the server's "you were idle too long", sent before it closed
+                status, received = await self._send_response(
+                    conn, client, response, target, credential, upstream=upstream, up=up
+                )
+                keep = up.our_state is h11.DONE and up.their_state is h11.DONE
+                return status, sent, received, True
+            finally:
+                if keep:
+                    up.start_next_cycle()
+                    self.upstreams.give(key, upstream, up)
+                else:
+                    upstream.close()
+
+    async def _open(self, target: _Target) -> _Plain:
         tls = self._upstream_context() if target.scheme == "https" else None
         up_reader, up_writer = await _within(
             asyncio.open_connection(
@@ -609,41 +737,75 @@ class EgressProxy:
             ),
             CONNECT_TIMEOUT_S,
         )  # fmt: skip
-        upstream = _Plain(up_reader, up_writer)
-        try:
-            headers = _forwarded_headers(request.headers, target.host, target.port, target.scheme)
-            secret = self._secrets.get(credential.name) if credential is not None else None
-            secrets: list[bytes] = []
-            if credential is not None and secret:
-                injected = _credential_value(credential, secret)
-                secrets = [secret.encode(), injected]
-                name = credential.header.lower().encode()
-                # The reply is scrubbed of the secret: it must come back as plain bytes.
-                headers = [(k, v) for k, v in headers if k.lower() not in (name, b"accept-encoding")]
-                headers += [(credential.header.encode(), injected), (b"Accept-Encoding", b"identity")]
-            up = h11.Connection(h11.CLIENT, max_incomplete_event_size=HEAD_LIMIT)
-            await upstream.send(
-                up.send(h11.Request(method=request.method, target=target.path.encode(), headers=headers))
-            )
+        return _Plain(up_reader, up_writer)
+
+    def _secrets_for(self, credential: Credential | None) -> tuple[str | None, list[bytes]]:
+        secret = self._secrets.get(credential.name) if credential is not None else None
+        if credential is None or not secret:
+            return None, []
+        return secret, [secret.encode(), _credential_value(credential, secret)]
+
+    async def _send_request(
+        self,
+        conn: Any,
+        client: _Stream,
+        request: Any,
+        target: _Target,
+        credential: Credential | None,
+        *,
+        upstream: _Plain,
+        up: Any,
+    ) -> tuple[int, Any]:
+        """The request (head and body) to the server, and the head of its answer."""
+        h11 = _h11()
+        headers = _forwarded_headers(request.headers, target.host, target.port, target.scheme)
+        secret, secrets = self._secrets_for(credential)
+        if credential is not None and secret:
+            name = credential.header.lower().encode()
+            # The reply is scrubbed of the secret: it must come back as plain bytes.
+            headers = [(k, v) for k, v in headers if k.lower() not in (name, b"accept-encoding")]
+            headers += [(credential.header.encode(), secrets[1]), (b"Accept-Encoding", b"identity")]
+        await upstream.send(
+            up.send(h11.Request(method=request.method, target=target.path.encode(), headers=headers))
+        )
+        if conn.their_state is h11.SEND_BODY:
             sent = await self._relay_body(conn, client, up, upstream)
-            response = await _within(_next_event(up, upstream), HEAD_TIMEOUT_S * 4)
-            while isinstance(response, h11.InformationalResponse):  # 100 Continue and the like
-                response = await _next_event(up, upstream)
-            if not isinstance(response, h11.Response):
-                raise ConnectionError("the server closed without answering")
-            self._check_redirect(response, target)
-            out_headers = [
-                (k, _scrub_all(v, secrets)) for k, v in response.headers if k.lower() not in HOP_BY_HOP
-            ]
-            if secrets:  # scrubbing changes the length
-                out_headers = [(k, v) for k, v in out_headers if k.lower() != b"content-length"]
-            await client.send(conn.send(h11.Response(
-                status_code=response.status_code, headers=out_headers, reason=response.reason
-            )))  # fmt: skip
-            received = await self._relay_body(up, upstream, conn, client, scrub=_Scrubber(secrets))
-            return response.status_code, sent, received, True
-        finally:
-            upstream.close()
+        else:  # read already: sent once, on a kept connection the server then closed
+            await upstream.send(up.send(h11.EndOfMessage()))
+            sent = 0
+        upstream.quickack()
+        response = await _within(_next_event(up, upstream), HEAD_TIMEOUT_S * 4)
+        while isinstance(response, h11.InformationalResponse):  # 100 Continue and the like
+            response = await _next_event(up, upstream)
+        if not isinstance(response, h11.Response):
+            raise ConnectionError("the server closed without answering")
+        return sent, response
+
+    async def _send_response(
+        self,
+        conn: Any,
+        client: _Stream,
+        response: Any,
+        target: _Target,
+        credential: Credential | None,
+        *,
+        upstream: _Plain,
+        up: Any,
+    ) -> tuple[int, int]:
+        """The answer, checked and scrubbed, to the client: (status, body bytes received)."""
+        h11 = _h11()
+        _, secrets = self._secrets_for(credential)
+        self._check_redirect(response, target)
+        out_headers = [
+            (k, _scrub_all(v, secrets)) for k, v in response.headers if k.lower() not in HOP_BY_HOP
+        ]
+        if secrets:  # scrubbing changes the length
+            out_headers = [(k, v) for k, v in out_headers if k.lower() != b"content-length"]
+        await client.send(conn.send(h11.Response(
+            status_code=response.status_code, headers=out_headers, reason=response.reason
+        )))  # fmt: skip
+        received = await self._relay_body(up, upstream, conn, client, scrub=_Scrubber(secrets))
+        return response.status_code, received
 
     async def _relay_body(
         self, src: Any, src_stream: _Stream, dst: Any, dst_stream: _Stream, *, scrub: _Scrubber | None = None
@@ -864,6 +1026,15 @@ def _forwarded_headers(headers: Any, host: str, port: int, scheme: str) -> list[
         if any(k.lower() == b"transfer-encoding" for k, _ in headers):
             out.append((b"Transfer-Encoding", b"chunked"))  # h11 re-frames the body it forwards
     return out
+
+
+def _has_body(headers: Any) -> bool:
+    """Whether a request comes with a body (h11 has checked its framing headers)."""
+    for key, value in headers:
+        lower = key.lower()
+        if lower == b"transfer-encoding" or (lower == b"content-length" and bytes(value).strip() != b"0"):
+            return True
+    return False
 
 
 def _credential_value(credential: Credential, secret: str) -> bytes:

@@ -7,12 +7,13 @@ The clients are the standard library's (urllib, ssl, sockets) against local serv
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import gc
 import http.client
 import logging
 import socket
 import ssl
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ import pytest
 
 from stockade.egress import EgressProxy, HostRule, NetworkPolicy, SystemResolver, _loop
 from stockade.types import EgressRecord
+from tests.conftest import wait_for
 from tests.egress_servers import TOKEN, Servers, servers
 
 
@@ -250,11 +252,10 @@ def test_closing_cuts_a_credentialed_request_mid_answer_and_records_it(
     (record,) = [r for r in proxy.records if r.method == "GET"]
     assert (record.status, record.credential) == (0, "api") and "closed mid-request" in record.reason
     assert proxy.proxy.ca is None and not proxy.proxy._secrets
-    for _ in range(40):  # the server notices at its next writes (one every 0.05 s)
-        if len(local.https_seen.cut) > cut_before:
-            break
-        time.sleep(0.05)
-    assert len(local.https_seen.cut) > cut_before  # the upstream connection was cut too
+    # the upstream connection was cut too: the server notices at its next writes (one every 0.05 s)
+    wait_for(
+        lambda: len(local.https_seen.cut) > cut_before, what="the server to see its answer cut", timeout_s=5
+    )
     assert not [r for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.ERROR]
 
 
@@ -303,3 +304,32 @@ def test_a_cached_name_that_rebinds_to_a_private_address_is_refused(local: Serve
         _loop.call(proxy.close())
     assert resolver.asked == 2
     assert code == 403 and "is a link-local address" in body
+
+
+def test_connections_that_arrive_as_the_proxy_closes_are_closed_at_once(tmp_path: Path) -> None:
+    """What the relay's warm connections do to a sandbox closed right after it started: the
+    proxy has accepted them but not yet set them up when it closes. Each is closed then (the
+    client reads the end), not left to the garbage collector (a ResourceWarning)."""
+    proxy = EgressProxy(NetworkPolicy(allow_hosts=("pkg.test",)))
+    path = str(tmp_path / "proxy.sock")
+    _loop.call(proxy.start(path))
+
+    async def connect_then_close() -> list[socket.socket]:
+        clients = []
+        for _ in range(4):
+            client = socket.socket(socket.AF_UNIX)
+            client.setblocking(False)
+            client.connect(path)
+            clients.append(client)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # the proxy's accept ran in between, its connections not set up
+        await proxy.close()
+        return clients
+
+    clients = _loop.call(connect_then_close())
+    for client in clients:
+        with client:
+            client.settimeout(5)
+            while client.recv(4096):  # a 503 at most, then the end
+                pass
+    gc.collect()  # a connection dropped half-made would warn here

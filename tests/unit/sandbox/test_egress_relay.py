@@ -75,10 +75,11 @@ def test_warm_connections_are_open_before_the_code_connects_and_refilled(
         assert len(relay.idle) == 2
         with socket.create_connection(("127.0.0.1", port), timeout=2) as client:
             poller.pump()
+            assert len(relay.idle) == 1  # not refilled in the accept: a connect on the request's path
             client.sendall(b"GET / HTTP/1.1\r\n\r\n")
             poller.pump()
             assert first.recv(100) == b"GET / HTTP/1.1\r\n\r\n"  # the oldest warm connection
-            third = _accepted(proxy)  # refilled after the use
+            third = _accepted(proxy)  # refilled once the request was on its way
             assert len(relay.idle) == 2
             first.sendall(b"answer")
             poller.pump()

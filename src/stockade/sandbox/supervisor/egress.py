@@ -13,9 +13,10 @@ a slow reader slows its writer, the supervisor's memory stays bounded.
 
 ``Relay`` keeps ``warm`` connections to the proxy open ahead of need: a client's connection
 is paired with one the proxy has already accepted (and started serving), so a request does
-not wait for the proxy's accept. A warm connection is used only while younger than
-``WARM_MAX_AGE_S`` (the proxy closes one that sends nothing for 30 s) and is refilled after
-each use, not after the proxy closed it: an idle sandbox holds nothing open for long.
+not wait for the connect and the proxy's accept. A warm connection is used only while
+younger than ``WARM_MAX_AGE_S`` (the proxy closes one that sends nothing for 30 s) and is
+refilled after each use (once the client's first bytes are on their way, off the request's
+path), not after the proxy closed it: an idle sandbox holds nothing open for long.
 Stdlib only, any python >= 3.8, like the rest of this folder.
 """
 
@@ -35,10 +36,11 @@ WARM_MAX_AGE_S = 20.0  # well inside the proxy's 30 s for a connection's first r
 
 
 class _End:
-    __slots__ = ("eof_in", "events", "out", "peer", "shut_pending", "sock")
+    __slots__ = ("client", "eof_in", "events", "out", "peer", "shut_pending", "sock")
 
-    def __init__(self, sock):
+    def __init__(self, sock, client=False):
         self.sock = sock
+        self.client = client  # the code's end (the other is the proxy's)
         self.out = bytearray()  # waiting to be written to this end
         self.eof_in = False  # this end will send nothing more
         self.shut_pending = False  # shut our writing side once ``out`` is written
@@ -113,13 +115,12 @@ class Relay:
             client.setblocking(False)
             # No Nagle: a reply relayed in pieces would wait for the client's delayed ACK (40 ms).
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            a, b = _End(client), _End(upstream)
+            a, b = _End(client, client=True), _End(upstream)
             a.peer, b.peer = b, a
             for end in (a, b):
                 self.ends[end.sock.fileno()] = end
                 end.events = IN
                 self.sel.register(end.sock.fileno(), IN, ("egress", self))
-            self._refill()
 
     def _connect(self):
         upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -169,6 +170,11 @@ class Relay:
         if data:
             peer.out += data
             self._flush(peer)
+            if end.client:
+                # Refilled once the request is on its way, while the proxy works on it: a
+                # connect here (about 0.1 ms on gVisor, whose host sockets go through its
+                # gofer) would be on the request's path.
+                self._refill()
             return
         end.eof_in = True
         peer.shut_pending = True
@@ -217,8 +223,10 @@ class Relay:
                 except KeyError:
                     pass
             e.sock.close()
+        self._refill()  # a client that sent nothing took one too
 
     def close(self):
+        self.warm = 0  # nothing refilled on the way out
         for end in list(self.ends.values()):
             self._drop(end)
         for fd in list(self.idle):
