@@ -6,12 +6,18 @@ user notification). The supervisor judges each exec here (``on_exec``) with the 
 kernel was given, records it on the job whose code ran it, and answers: run, or fail with
 EACCES and a line on the program's stderr. An exec that needs approval waits while the
 host asks (``approve`` frames); the host's answer comes back as a ``verdict`` request.
+
+Most execs never reach Python: where the host shipped the compiled judge (``judge.so``, from
+``judge.c``), a thread of ours in C owns the listener, answers at once the execs the rules
+allow whatever their arguments, and writes their records to a pipe drained when a job ends
+(``drain``). Everything else it forwards here unchanged, on another pipe (``events``).
 Standard library only.
 """
 
 from __future__ import annotations
 
 import os
+import struct
 
 import confine
 import execrules
@@ -27,17 +33,16 @@ ALWAYS_WRITABLE = ("/tmp", "/dev", "/proc")
 PROGRAM_DIRS = ("/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin")
 EPERM, ENOENT = 1, 2
 STRICTNESS = {"allow": 0, "approve": 1, "deny": 2}
+JUDGE_LIBRARY = "judge.so"  # the compiled fast path, beside this module when the host built it
+F_SETPIPE_SZ = 1031
+RECORDS_PIPE = 1 << 20  # room for a few thousand records between two drains
+RECORD_HEAD = struct.Struct("=IiiI")  # its length, pid, session, argv words kept
 
 
 class Rules:
     def __init__(self, sup: "Any", cfg: "Dict[str, Any]", listener: int = -1) -> None:
         self.sup = sup
-        commands = cfg.get("commands") or {}
-        self.commands = {
-            kind: [list(map(str, words)) for words in commands.get(kind, [])]
-            for kind in ("deny", "approve", "allow")
-        }
-        self.judging = any(self.commands.values())
+        self._load(cfg)
         self.write = cfg.get("write")  # None: the whole workspace is writable
         self.approver = bool(cfg.get("approver"))
         allow = self.commands["allow"]
@@ -46,7 +51,6 @@ class Rules:
         self.landlock = confine.landlock_abi() if needs_landlock else 0
         self._ruleset = -1  # built once (below), applied by every shim
         self._inodes: "Dict[str, Tuple[int, int]]" = {}
-        self._index = {kind: self._indexed(patterns) for kind, patterns in self.commands.items()}
         self.notify = self.judging and confine.notify_available()
         self.listener = listener
         self.pending: "Dict[int, Tuple[int, int, int, Any, Dict[str, Any], Tuple[Any, ...]]]" = {}
@@ -54,10 +58,6 @@ class Rules:
         self._decided: "Dict[Tuple[Any, ...], str]" = {}  # (pid, file, argv) -> verdict
         # (path, file, its size and time, argv) -> the judge's verdict and rule
         self._verdicts: "Dict[Tuple[Any, ...], Tuple[str, Optional[str]]]" = {}
-        self._names: "Dict[Tuple[int, int, int], str]" = {}  # file -> the name it has
-        self._identity: "Dict[Tuple[int, int, int, int], str]" = {}  # (dev, ino, size, mtime) -> digest
-        self._known: "Dict[str, Set[str]]" = {}  # content digest -> program names
-        self._sizes: "Dict[int, List[str]]" = {}  # size -> paths of the programs rules name
         if self.notify:
             self._index_programs()
             if self.listener < 0:
@@ -79,6 +79,35 @@ class Rules:
         prctl(PR_SET_DUMPABLE, 0)
         if self.landlock or self.notify:
             confine.warm()
+        # What the supervisor's loop waits on for execs: the listener, or the fast path's
+        # forwards when it runs.
+        self.events = self.listener
+        self._fast: "Optional[Tuple[int, int, int, Any]]" = None  # forwards, records, stop, done
+        if self.notify and cfg.get("judge") != "python":
+            self._start_fast()
+
+    def _load(self, cfg: "Dict[str, Any]") -> None:
+        """The command rules, indexed, and what the judge learns of files as it goes."""
+        commands = cfg.get("commands") or {}
+        self.commands = {
+            kind: [list(map(str, words)) for words in commands.get(kind, [])]
+            for kind in ("deny", "approve", "allow")
+        }
+        self.judging = any(self.commands.values())
+        self._index = {kind: self._indexed(patterns) for kind, patterns in self.commands.items()}
+        self._names: "Dict[Tuple[int, int, int], str]" = {}  # file -> the name it has
+        self._identity: "Dict[Tuple[int, int, int, int], str]" = {}  # (dev, ino, size, mtime) -> digest
+        self._known: "Dict[str, Set[str]]" = {}  # content digest -> program names
+        self._sizes: "Dict[int, List[str]]" = {}  # size -> paths of the programs rules name
+
+    @classmethod
+    def judge_only(cls, cfg: "Dict[str, Any]") -> "Rules":
+        """The judge alone, nothing installed on this process (no listener, no Landlock, no
+        thread): what the tests hold judge.c's fast path against."""
+        rules = cls.__new__(cls)
+        rules._load(cfg)
+        rules._index_programs()
+        return rules
 
     def _writable(self) -> "Optional[List[str]]":
         if self.write is None:
@@ -132,6 +161,7 @@ class Rules:
         """Answer the judge's question about our own exec (a reset's): the exec waits in the
         kernel, holding our one thread (and the GIL), until someone does. A forked helper
         does, then ends; any other exec waiting is refused (every other process is dead)."""
+        self.stop_fast()  # else its thread could take our exec's notification
         me = os.getpid()
         if os.fork() != 0:
             return
@@ -150,14 +180,33 @@ class Rules:
         finally:
             os._exit(0)
 
-    def on_exec(self, listener: int) -> None:
-        """Judge one exec. The caller waits in the kernel meanwhile, so an allowed exec is
-        answered as soon as its verdict and job are known, and recorded after: the argv
-        recorded is the one judged, read before. The job is looked up first, as the caller
-        may have run, ended and been reaped by the time the record is made."""
-        got = confine.receive(listener)
-        if got is None:
+    def on_exec(self, fd: int) -> None:
+        """Judge one exec: from the listener, or forwarded by the fast path (whose records
+        come first, to keep the job's execs in order)."""
+        listener = self.listener
+        if self._fast is not None and fd == self._fast[0]:
+            try:
+                data = os.read(fd, confine.NOTIF.size)
+            except BlockingIOError:
+                return
+            if len(data) != confine.NOTIF.size:
+                return
+            nid, pid, _, nr, _, _, *args = confine.NOTIF.unpack(data)
+            self.drain()
+            if nid == 0:  # the fast path stopped on a broken listener: we take it back
+                self._fast_gone()
+                return
+            self._judge_exec(listener, (nid, pid, nr, tuple(args)))
             return
+        got = confine.receive(listener)
+        if got is not None:
+            self._judge_exec(listener, got)
+
+    def _judge_exec(self, listener: int, got: "Tuple[int, int, int, Tuple[int, ...]]") -> None:
+        """The caller waits in the kernel meanwhile, so an allowed exec is answered as soon as
+        its verdict and job are known, and recorded after: the argv recorded is the one
+        judged, read before. The job is looked up first, as the caller may have run, ended
+        and been reaped by the time the record is made."""
         nid, pid, nr, args = got
         try:
             mem = confine.open_memory(listener, nid, pid)
@@ -422,8 +471,122 @@ class Rules:
         return found
 
     def expire(self, job: "Any") -> None:
-        """A job ended: its approvals still waiting are refused (their callers are gone)."""
+        """A job ended: the fast path's records are taken in (the job's report lists them),
+        its approvals still waiting are refused (their callers are gone)."""
+        self.drain(job)
         for request, parked in list(self.pending.items()):
             if parked[3] is job:
                 self.pending.pop(request)
                 confine.answer(parked[0], parked[1], False, EPERM)
+
+    # -- the compiled fast path (judge.c) ---------------------------------------------------
+
+    def _fast_config(self) -> bytes:
+        """The rules as judge.c reads them: NUL-ended entries, a letter and its text."""
+        entries = [f"M{MAX_EXEC_ARGV}"]
+        for kind in ("deny", "approve"):
+            entries += [f"P{words[0]}" for words in self.commands[kind] if words]
+        if self.commands["allow"]:
+            entries.append("L")
+            entries += [f"A{words[0]}" for words in self.commands["allow"] if len(words) == 1]
+        entries += [f"S{size}" for size in self._sizes]
+        return b"".join(e.encode("utf-8", "surrogateescape") + b"\0" for e in entries)
+
+    def _start_fast(self) -> None:
+        """Start judge.c on a thread of ours, if the host shipped it and it loads: else every
+        exec stays with the Python judge (never with no judge)."""
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), JUDGE_LIBRARY)
+        if not os.path.exists(path):
+            return
+        try:
+            import _ctypes
+            import _thread
+
+            entry = _ctypes.dlsym(_ctypes.dlopen(path, os.RTLD_NOW | os.RTLD_LOCAL), "stockade_judge")
+        except (OSError, AttributeError, ImportError):
+            return
+        config = self._fast_config()
+        if b"\0\0" in config or config.count(b"\0") > 1000:
+            return  # an empty program name, or more rules than it holds: all to Python
+        forward_r, forward_w = os.pipe2(os.O_CLOEXEC)
+        records_r, records_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)  # a full pipe: to Python
+        stop_r, stop_w = os.pipe2(os.O_CLOEXEC)
+        os.set_blocking(forward_r, False)
+        try:
+            import fcntl
+
+            fcntl.fcntl(records_w, F_SETPIPE_SZ, RECORDS_PIPE)
+        except OSError:
+            pass  # the default room: a drain comes sooner (via a forward), no record is lost
+        done = _thread.allocate_lock()
+        done.acquire()
+        args = (self.listener, forward_w, records_w, stop_r, config, len(config))
+
+        def run() -> None:
+            try:  # the GIL is released for the whole call: judge.c never touches Python
+                _ctypes.call_function(entry, args)
+            finally:
+                done.release()
+
+        _thread.start_new_thread(run, ())
+        self._fast = (forward_r, records_r, stop_w, done)
+        self.events = forward_r
+
+    def stop_fast(self) -> None:
+        """Stop the fast path (before our own exec at a reset): the listener is ours again."""
+        fast = self._fast
+        if fast is None:
+            return
+        os.write(fast[2], b"q")
+        fast[3].acquire()  # the thread has returned from judge.c
+        self.drain()
+        self._fast = None
+        self.events = self.listener
+
+    def _fast_gone(self) -> None:
+        """judge.c gave the listener up (it broke under it): judge everything here."""
+        forward_r = self.events
+        self._fast = None
+        self.events = self.listener
+        try:
+            self.sup.sel.unregister(forward_r)
+            self.sup.sel.register(self.listener, 1, ("exec", None))  # 1: EVENT_READ
+        except (KeyError, ValueError, OSError):
+            pass
+
+    def drain(self, ending: "Any" = None) -> None:
+        """Take in the records of the execs judge.c let run, onto their jobs. ``ending``: the
+        job that just ended (its shim is no longer ours to look up)."""
+        fast = self._fast
+        if fast is None:
+            return
+        data = b""
+        while True:
+            try:
+                chunk = os.read(fast[1], RECORDS_PIPE)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            data += chunk
+        at = 0
+        while at + RECORD_HEAD.size <= len(data):
+            size, _pid, session, _kept = RECORD_HEAD.unpack_from(data, at)
+            words = data[at + RECORD_HEAD.size : at + size].split(b"\0")[:-1]
+            at += size
+            text = [w.decode("utf-8", "surrogateescape") for w in words]
+            job = self._job_led_by(session, ending)
+            self._record(job, {"path": text[0], "argv": text[1:], "verdict": "allow", "rule": ""})
+
+    def _job_led_by(self, session: int, ending: "Any") -> "Any":
+        """The job whose shim leads ``session`` (judge.c let only such sessions' execs by)."""
+        sup = self.sup
+        job = sup._job_led_by(session)
+        if job is not None:
+            return job
+        for running in sup.commands.values():
+            if running.shim == session:
+                return running
+        if ending is not None and getattr(ending, "shim", session) == session:
+            return ending  # a command's ended job, or the interpreter's (its shim is the only one)
+        return None

@@ -187,8 +187,8 @@ class Supervisor:
             listener = carried.get("listener", -1) if carried is not None else -1
             self.rules = rules.Rules(self, cfg["rules"], listener=listener)
             self.confine = self.rules.confine
-            if self.rules.listener >= 0:
-                self.sel.register(self.rules.listener, EVENT_READ, ("exec", None))
+            if self.rules.events >= 0:  # the listener, or the compiled judge's forwards
+                self.sel.register(self.rules.events, EVENT_READ, ("exec", None))
         if cfg.get("egress"):
             import egress  # type: ignore[import-not-found]
 
