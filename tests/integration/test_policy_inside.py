@@ -349,3 +349,18 @@ def test_the_compiled_judge_and_the_python_judge_record_the_same_execs(
         ("/usr/bin/ls", ("ls", "/"), "allow"),
     ]
     assert from_code == [("/bin/true", ("/bin/true", "code"))]
+
+
+def test_the_exec_judge_holds_across_a_reset(tier: str) -> None:
+    """A reset execs a fresh supervisor: the compiled judge stops first (its thread would
+    otherwise take that exec's notification), and the fresh one judges and records again."""
+    if tier not in CONFINES:
+        return
+    with Sandbox.create(tier, limits=LIMITS, rules=SandboxRules(approve=("rm -r",))) as sbx:
+        for _ in range(2):
+            sbx.reset()
+            r = sbx.commands.run("/bin/true x; rm -r nothing")
+            assert [(e.argv, e.verdict) for e in r.execs[1:3]] == [
+                (("/bin/true", "x"), "allow"),
+                (("rm", "-r", "nothing"), "refuse"),
+            ]
