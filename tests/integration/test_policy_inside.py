@@ -325,13 +325,14 @@ def test_the_compiled_judge_and_the_python_judge_record_the_same_execs(
 ) -> None:
     """Where the host built the compiled judge, the execs it lets run are recorded by it (a
     pipe the supervisor drains at the job's end): the same records, in the same order, as
-    when every exec is judged in Python, past the pipe's room and the report's cap too."""
+    when every exec is judged in Python, past the pipe's room (64 KiB: then an exec goes to
+    Python, which drains first) and the report's cap too."""
     if tier not in CONFINES:
         return  # no exec judge there (test_gvisor_holds_the_masks_...)
     rounds = 30 if tier == "microvm" else 1100  # more than a report keeps (MAX_EXEC_RECORDS)
     line = (
-        "/bin/true one; ls / > /dev/null; i=0; "
-        f"while [ $i -lt {rounds} ]; do /bin/true $i; i=$((i+1)); done; "
+        f"/bin/true one; ls / > /dev/null; i=0; p={'x' * 100}; "
+        f"while [ $i -lt {rounds} ]; do /bin/true $i $p; i=$((i+1)); done; "
         'rm -r nothing; python3 -c \'import subprocess; subprocess.run(["true", "a b"])\''
     )
     seen: dict[str, tuple[list[Any], list[Any]]] = {}

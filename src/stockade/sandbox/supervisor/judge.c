@@ -32,7 +32,10 @@ typedef int i32;
 #define SYS_rt_sigprocmask 14
 #define SYS_ioctl 16
 #define SYS_pread64 17
+#define SYS_mmap 9
 #define SYS_getpid 39
+#define SYS_clone 56
+#define SYS_exit 60
 #define SYS_getsid 124
 #define SYS_openat 257
 #define SYS_readlinkat 267
@@ -56,6 +59,10 @@ typedef int i32;
 #define MAX_SIZES 512
 #define MAX_ARGS 4096
 #define RECORD_MAX 4096 /* PIPE_BUF: a write this size is whole or not at all */
+#define CONFIG_MAX 65536
+#define STACK_SIZE (256 * 1024)
+/* A thread of the supervisor's process: its memory, files, handlers (all signals blocked). */
+#define THREAD_FLAGS (0x100 | 0x200 | 0x400 | 0x800 | 0x10000 | 0x40000)
 #define PATH_MAX_ 4096
 
 struct notif {
@@ -309,7 +316,7 @@ int stockade_fast_allows(const char *cfg, int len, const char *path_name, const 
 
 struct ctx {
     struct rules rules;
-    int listener, forward_fd, record_fd;
+    int listener, forward_fd, record_fd, control;
     long me;
     char record[RECORD_MAX];
     char path[PATH_MAX_ + 8];
@@ -530,41 +537,74 @@ out:
     return done;
 }
 
-/* The thread's whole life: judge until a byte arrives on ``control``. Returns 0 when told to
- * stop, -1 on a listener that broke (then a notification of id 0 tells the supervisor to
- * take the listener back). */
-__attribute__((visibility("default"))) int stockade_judge(int listener, int forward_fd, int record_fd,
-                                                          int control, const char *cfg, int len)
+static struct ctx c;
+static char config[CONFIG_MAX];
+
+/* The thread's whole life: judge until a byte arrives on ``control``, then say so with a
+ * notification of id 0 on the forward pipe, and end. A listener that broke ends it too (the
+ * supervisor then takes the listener back). Nothing here touches Python or the C library. */
+__attribute__((visibility("hidden"), used, noinline, noreturn)) void stockade_judge_thread(void)
 {
-    static struct ctx c;
-    u64 all = ~0UL;
-    sc(SYS_rt_sigprocmask, 0 /* SIG_BLOCK */, (long)&all, 0, 8, 0, 0); /* signals: the main thread's */
-    parse(&c.rules, cfg, len);
-    c.listener = listener;
-    c.forward_fd = forward_fd;
-    c.record_fd = record_fd;
-    c.me = sc(SYS_getpid, 0, 0, 0, 0, 0, 0);
     struct notif n;
     for (;;) {
-        struct pollfd_ fds[2] = {{listener, POLLIN, 0}, {control, POLLIN, 0}};
+        struct pollfd_ fds[2] = {{c.listener, POLLIN, 0}, {c.control, POLLIN, 0}};
         long r = sc(SYS_poll, (long)fds, 2, -1, 0, 0, 0);
         if (r == -EINTR)
             continue;
-        if (r < 0)
-            break;
-        if (fds[1].revents)
-            return 0;
-        if (fds[0].revents & ~POLLIN)
+        if (r < 0 || fds[1].revents || (fds[0].revents & ~POLLIN))
             break;
         if (!(fds[0].revents & POLLIN))
             continue;
         memset(&n, 0, sizeof n); /* the kernel refuses a buffer that is not zeroed */
-        if (sc(SYS_ioctl, listener, (long)NOTIF_RECV, (long)&n, 0, 0, 0) != 0)
+        if (sc(SYS_ioctl, c.listener, (long)NOTIF_RECV, (long)&n, 0, 0, 0) != 0)
             continue; /* the caller died meanwhile */
         if (!judge(&c, &n))
             forward(&c, &n);
     }
     memset(&n, 0, sizeof n);
     forward(&c, &n);
-    return -1;
+    for (;;)
+        sc(SYS_exit, 0, 0, 0, 0, 0, 0); /* this thread only */
+}
+
+static long start_thread(void *stack_top)
+{
+    long ret;
+    register long r10 __asm__("r10") = 0; /* no child tid */
+    register long r8 __asm__("r8") = 0;   /* no TLS of its own: it never uses any */
+    __asm__ volatile("syscall\n\t"
+                     "test %%rax, %%rax\n\t"
+                     "jnz 1f\n\t"
+                     "xor %%ebp, %%ebp\n\t"
+                     "call stockade_judge_thread\n\t"
+                     "1:\n\t"
+                     : "=a"(ret)
+                     : "a"(SYS_clone), "D"(THREAD_FLAGS), "S"(stack_top), "d"(0), "r"(r10), "r"(r8)
+                     : "rcx", "r11", "memory");
+    return ret;
+}
+
+/* Start the judge on a thread of this process (a raw clone: no Python thread, so no GIL
+ * to hand over at start, and no C library). Returns 0, or -1 (then nothing started). */
+__attribute__((visibility("default"))) int stockade_judge(int listener, int forward_fd, int record_fd,
+                                                          int control, const char *cfg, int len)
+{
+    if (len < 0 || len > CONFIG_MAX)
+        return -1;
+    memcpy(config, cfg, (unsigned long)len);
+    parse(&c.rules, config, len);
+    c.listener = listener;
+    c.forward_fd = forward_fd;
+    c.record_fd = record_fd;
+    c.control = control;
+    c.me = sc(SYS_getpid, 0, 0, 0, 0, 0, 0);
+    long stack = sc(SYS_mmap, 0, STACK_SIZE, 3 /* read, write */,
+                    0x22 | 0x20000 /* private, anonymous, stack */, -1, 0);
+    if (stack < 0 && stack > -4096)
+        return -1;
+    u64 all = ~0UL, old = 0;
+    sc(SYS_rt_sigprocmask, 0 /* SIG_BLOCK */, (long)&all, (long)&old, 8, 0, 0);
+    long tid = start_thread((void *)(stack + STACK_SIZE));
+    sc(SYS_rt_sigprocmask, 2 /* SIG_SETMASK */, (long)&old, 0, 8, 0, 0);
+    return tid > 0 ? 0 : -1;
 }

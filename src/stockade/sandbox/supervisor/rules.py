@@ -35,7 +35,10 @@ EPERM, ENOENT = 1, 2
 STRICTNESS = {"allow": 0, "approve": 1, "deny": 2}
 JUDGE_LIBRARY = "judge.so"  # the compiled fast path, beside this module when the host built it
 F_SETPIPE_SZ = 1031
-RECORDS_PIPE = 1 << 20  # room for a few thousand records between two drains
+# The records' pipe keeps its default room (64 KiB: over a thousand records between two
+# drains; a full pipe sends the exec to Python, which drains first). Not more: pipe pages
+# count against the sandbox user's limit, which every sandbox of the host shares.
+RECORDS_READ = 1 << 16
 RECORD_HEAD = struct.Struct("=IiiI")  # its length, pid, session, argv words kept
 
 
@@ -82,7 +85,7 @@ class Rules:
         # What the supervisor's loop waits on for execs: the listener, or the fast path's
         # forwards when it runs.
         self.events = self.listener
-        self._fast: "Optional[Tuple[int, int, int, Any]]" = None  # forwards, records, stop, done
+        self._fast: "Optional[Tuple[int, int, int]]" = None  # its forwards, records, stop
         if self.notify and cfg.get("judge") != "python":
             self._start_fast()
 
@@ -500,7 +503,6 @@ class Rules:
             return
         try:
             import _ctypes
-            import _thread
 
             entry = _ctypes.dlsym(_ctypes.dlopen(path, os.RTLD_NOW | os.RTLD_LOCAL), "stockade_judge")
         except (OSError, AttributeError, ImportError):
@@ -512,33 +514,48 @@ class Rules:
         records_r, records_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)  # a full pipe: to Python
         stop_r, stop_w = os.pipe2(os.O_CLOEXEC)
         os.set_blocking(forward_r, False)
-        try:
-            import fcntl
+        import fcntl
 
-            fcntl.fcntl(records_w, F_SETPIPE_SZ, RECORDS_PIPE)
-        except OSError:
-            pass  # the default room: a drain comes sooner (via a forward), no record is lost
-        done = _thread.allocate_lock()
-        done.acquire()
-        args = (self.listener, forward_w, records_w, stop_r, config, len(config))
-
-        def run() -> None:
-            try:  # the GIL is released for the whole call: judge.c never touches Python
-                _ctypes.call_function(entry, args)
-            finally:
-                done.release()
-
-        _thread.start_new_thread(run, ())
-        self._fast = (forward_r, records_r, stop_w, done)
+        for small in (forward_w, stop_w):  # one page each is room enough (see stop_fast)
+            try:
+                fcntl.fcntl(small, F_SETPIPE_SZ, 4096)
+            except OSError:
+                pass
+        # A thread of its own making (a raw clone), that never takes the GIL: the call
+        # returns once it runs, and it owns the listener from then on.
+        if _ctypes.call_function(entry, (self.listener, forward_w, records_w, stop_r, config, len(config))):
+            for fd in (forward_r, forward_w, records_r, records_w, stop_r, stop_w):
+                os.close(fd)
+            return
+        self._fast = (forward_r, records_r, stop_w)
         self.events = forward_r
 
     def stop_fast(self) -> None:
-        """Stop the fast path (before our own exec at a reset): the listener is ours again."""
+        """Stop the fast path (before our own exec at a reset): the listener is ours again.
+        Until the thread says it stopped (a notification of id 0), what it forwards is
+        refused: a reset has killed every process, and a full pipe would hold the thread."""
         fast = self._fast
         if fast is None:
             return
+        import select
+
         os.write(fast[2], b"q")
-        fast[3].acquire()  # the thread has returned from judge.c
+        deadline = 50  # tenths of a second: a thread that does not answer dies with our exec
+        stopped = False
+        while not stopped and deadline > 0:
+            if not select.select([fast[0]], [], [], 0.1)[0]:
+                deadline -= 1
+                continue
+            try:
+                data = os.read(fast[0], confine.NOTIF.size * 51)  # whole notifications
+            except BlockingIOError:
+                continue
+            for at in range(0, len(data) - confine.NOTIF.size + 1, confine.NOTIF.size):
+                nid = confine.NOTIF.unpack_from(data, at)[0]
+                if nid:
+                    confine.answer(self.listener, nid, False, EPERM)
+                else:
+                    stopped = True
         self.drain()
         self._fast = None
         self.events = self.listener
@@ -563,7 +580,7 @@ class Rules:
         data = b""
         while True:
             try:
-                chunk = os.read(fast[1], RECORDS_PIPE)
+                chunk = os.read(fast[1], RECORDS_READ)
             except BlockingIOError:
                 break
             if not chunk:

@@ -464,6 +464,8 @@ class Supervisor:
         self._exec_fresh(rid, bool(h.get("warm")), rest)
 
     def _exec_fresh(self, rid: int, warm: bool, rest: bytes) -> None:
+        if self.rules is not None:
+            self.rules.stop_fast()  # the compiled judge's thread, before the fds below move
         state = {
             "config": self.config,
             "carried": {"root_modes": self.root_modes, "baseline": self.baseline},
