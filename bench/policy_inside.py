@@ -39,7 +39,8 @@ RULES = SandboxRules(
 )  # fmt: skip
 LIMITS = Limits(timeout_s=30)
 PIPELINE = "ls / | grep -c usr | cat"
-WHAT = ("command", "pipeline", "cold start", "cold start, host CPU")
+WHAT = ("command", "pipeline", "an exec, in a loop of 100", "cold start", "cold start, host CPU")
+LOOP = "i=0; while [ $i -lt 100 ]; do /bin/true $i; i=$((i+1)); done"
 
 
 def p50(samples: list[float]) -> float:
@@ -62,11 +63,20 @@ def create(tier: str, name: str) -> Sandbox:
 def measure(tier: str, rounds: int) -> dict[str, dict[str, list[float]]]:
     found: dict[str, dict[str, list[float]]] = {name: {what: [] for what in WHAT} for name in VARIANTS}
     sandboxes = {name: create(tier, name) for name in VARIANTS}
+    # The supervisor's threads (the compiled judge is one): on the tiers where it is PID 1.
+    threads = {
+        name: sbx.commands.run("ls /proc/1/task | wc -l").stdout.strip() for name, sbx in sandboxes.items()
+    }
+    print(f"supervisor threads: {threads}")
     try:
         for _ in range(rounds):
             for name, sbx in sandboxes.items():  # interleaved: the same load on both
                 found[name]["command"].append(timed(lambda s=sbx: s.commands.run("true")))
                 found[name]["pipeline"].append(timed(lambda s=sbx: s.commands.run(PIPELINE)))
+                if len(found[name]["pipeline"]) % 10 == 1:  # the judge alone, without the round trip
+                    found[name]["an exec, in a loop of 100"].append(
+                        timed(lambda s=sbx: s.commands.run(LOOP)) / 100
+                    )
         for _ in range(max(10, rounds // 5)):
             for name in VARIANTS:
                 cpu = cpu_time()
