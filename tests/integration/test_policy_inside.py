@@ -365,3 +365,4 @@ def test_the_exec_judge_holds_across_a_reset(tier: str) -> None:
                 (("/bin/true", "x"), "allow"),
                 (("rm", "-r", "nothing"), "refuse"),
             ]
+

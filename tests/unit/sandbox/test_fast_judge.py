@@ -144,3 +144,83 @@ def test_what_the_fast_path_answers_itself(
     assert bool(said) is fast
     if fast:
         assert verdict == ("allow", None)
+
+
+CONFINE_PROBE = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import rules
+
+ws = sys.argv[2]
+
+
+class Sup:
+    pass
+
+
+r = rules.Rules(Sup(), {"write": [ws + "/src/"], "judge": sys.argv[3]})
+
+
+def shim():
+    # a shim's life: confined, then what the code can write
+    rd, wr = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        got = {}
+        try:
+            r.confine()
+            # /tmp is always writable to code: "outside" is a temp folder that is not
+            outside = "/var/tmp/stockade-probe-%d" % os.getpid()
+            for name, path in (("src/new", os.path.join(ws, "src/new")), ("outside", outside)):
+                try:
+                    with open(path, "w"):
+                        got[name] = True
+                    if name == "outside":
+                        os.unlink(path)
+                except OSError:
+                    got[name] = False
+        except OSError as exc:
+            got["error"] = str(exc)
+        os.write(wr, json.dumps(got).encode())
+        os._exit(0)
+    os.close(wr)
+    data = os.read(rd, 4096)
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
+first = shim()
+os.rename(ws + "/src", ws + "/old")  # the written folder replaced: the ruleset holds the old one
+os.mkdir(ws + "/src")
+print(json.dumps({"compiled": r._confine_c is not None, "landlock": r.landlock, "shims": [first, shim()]}))
+"""
+
+
+@pytest.mark.parametrize("judge", ["compiled", "python"])
+def test_a_shim_is_confined_alike_by_the_compiled_and_the_python_path(tmp_path: Path, judge: str) -> None:
+    """stockade_confine (judge.c) makes the shim dumpable and puts it under the Landlock
+    ruleset, and leaves it to Python when a written folder was replaced since the ruleset was
+    built (a rule holds the folder's inode): the code can write the new folder, never
+    outside it."""
+    import json
+    import subprocess
+
+    built = _judge.build()
+    if built is None:
+        pytest.skip("no C compiler on this host")
+    folder = tmp_path / "supervisor"
+    folder.mkdir()
+    for module in SUPERVISOR.glob("*.py"):
+        shutil.copy(module, folder / module.name)
+    shutil.copy(built, folder / _judge.LIBRARY)
+    workspace = tmp_path / "ws"
+    (workspace / "src").mkdir(parents=True)
+    done = subprocess.run(
+        [sys.executable, "-c", CONFINE_PROBE, str(folder), str(workspace), judge],
+        capture_output=True, text=True, check=True, timeout=60,
+    )  # fmt: skip
+    got = json.loads(done.stdout)
+    if not got["landlock"]:
+        pytest.skip("no Landlock in this kernel")
+    assert got["compiled"] is (judge == "compiled")
+    assert got["shims"] == [{"src/new": True, "outside": False}] * 2

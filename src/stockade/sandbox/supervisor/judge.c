@@ -27,6 +27,7 @@ typedef int i32;
 #define SYS_read 0
 #define SYS_write 1
 #define SYS_close 3
+#define SYS_stat 4
 #define SYS_fstat 5
 #define SYS_poll 7
 #define SYS_rt_sigprocmask 14
@@ -39,6 +40,9 @@ typedef int i32;
 #define SYS_getsid 124
 #define SYS_openat 257
 #define SYS_readlinkat 267
+#define SYS_prctl 157
+#define SYS_landlock_restrict_self 446
+#define PR_SET_DUMPABLE 4
 
 #define AT_FDCWD (-100)
 #define O_RDONLY 0
@@ -607,4 +611,36 @@ __attribute__((visibility("default"))) int stockade_judge(int listener, int forw
     long tid = start_thread((void *)(stack + STACK_SIZE));
     sc(SYS_rt_sigprocmask, 2 /* SIG_SETMASK */, (long)&old, 0, 8, 0, 0);
     return tid > 0 ? 0 : -1;
+}
+
+/* -- in each shim, before the code ------------------------------------------------------ */
+
+/* What Rules.confine does, in one call from the forked shim (in Python, each call and each
+ * stat there touches objects the fork shares, and every page touched is copied: about
+ * 0.2 ms): dumpable (so the judge can read the code's memory), then the Landlock domain.
+ * ``inodes``: for each written path, its device and inode when the ruleset was built (two
+ * u64), then the path, NUL-ended. A path that now leads elsewhere (the folder was replaced:
+ * the ruleset's rule holds the old one) returns 1 before anything is done, and the caller
+ * does it all in Python, rebuilding the ruleset. 0: done; -errno: failed. */
+__attribute__((visibility("default"))) int stockade_confine(int dumpable, int ruleset, const char *inodes,
+                                                            int len)
+{
+    const char *at = inodes, *end = inodes + len;
+    u64 st[18];
+    while (at + 16 < end) {
+        u64 want[2];
+        memcpy(want, at, 16);
+        const char *path = at + 16;
+        at = path + slen(path) + 1;
+        if (sc(SYS_stat, (long)path, (long)st, 0, 0, 0, 0) != 0)
+            continue; /* as in Python: a path that is not there holds no rule */
+        if (st[0] != want[0] || st[1] != want[1])
+            return 1;
+    }
+    long r;
+    if (dumpable && (r = sc(SYS_prctl, PR_SET_DUMPABLE, 1, 0, 0, 0, 0)) != 0)
+        return (int)r;
+    if (ruleset >= 0 && (r = sc(SYS_landlock_restrict_self, ruleset, 0, 0, 0, 0, 0)) != 0)
+        return (int)r;
+    return 0;
 }

@@ -54,6 +54,8 @@ class Rules:
         self.landlock = confine.landlock_abi() if needs_landlock else 0
         self._ruleset = -1  # built once (below), applied by every shim
         self._inodes: "Dict[str, Tuple[int, int]]" = {}
+        self._inode_blob = b""  # the same, as judge.c's stockade_confine reads them
+        self._confine_c: "Any" = None  # that function, where the host shipped judge.so
         self.notify = self.judging and confine.notify_available()
         self.listener = listener
         self.pending: "Dict[int, Tuple[int, int, int, Any, Dict[str, Any], Tuple[Any, ...]]]" = {}
@@ -86,8 +88,8 @@ class Rules:
         # forwards when it runs.
         self.events = self.listener
         self._fast: "Optional[Tuple[int, int, int]]" = None  # its forwards, records, stop
-        if self.notify and cfg.get("judge") != "python":
-            self._start_fast()
+        if (self.notify or self.landlock) and cfg.get("judge") != "python":
+            self._load_compiled()
 
     def _load(self, cfg: "Dict[str, Any]") -> None:
         """The command rules, indexed, and what the judge learns of files as it goes."""
@@ -129,6 +131,10 @@ class Rules:
             except OSError:
                 continue
             self._inodes[path] = (st.st_dev, st.st_ino)
+        self._inode_blob = b"".join(
+            struct.pack("=QQ", dev, ino) + path.encode("utf-8", "surrogateescape") + b"\0"
+            for path, (dev, ino) in self._inodes.items()
+        )
 
     def _current_ruleset(self) -> int:
         """The ruleset, rebuilt if a written folder was replaced (a rule holds its inode)."""
@@ -149,6 +155,18 @@ class Rules:
     # -- in each shim, before the code ----------------------------------------------------
 
     def confine(self) -> None:
+        compiled = self._confine_c
+        if compiled is not None:
+            import _ctypes
+
+            ruleset = self._ruleset if self.landlock else -1
+            blob = self._inode_blob
+            done = _ctypes.call_function(compiled, (1 if self.notify else 0, ruleset, blob, len(blob)))
+            if done == 0:
+                return
+            if done < 0:
+                raise OSError(-done, os.strerror(-done))
+            # 1: a written folder was replaced: nothing done yet, all of it below
         if self.notify:
             # The supervisor reads each exec's arguments from the caller's memory: the shim
             # (a fork of the non-dumpable supervisor) makes its children readable to it.
@@ -495,18 +513,28 @@ class Rules:
         entries += [f"S{size}" for size in self._sizes]
         return b"".join(e.encode("utf-8", "surrogateescape") + b"\0" for e in entries)
 
-    def _start_fast(self) -> None:
-        """Start judge.c on a thread of ours, if the host shipped it and it loads: else every
-        exec stays with the Python judge (never with no judge)."""
+    def _load_compiled(self) -> None:
+        """judge.c's functions, if the host shipped it and it loads: the exec judge's fast
+        path (started here) and the shims' confinement. Else all of it stays in Python."""
         path = os.path.join(os.path.dirname(os.path.abspath(__file__)), JUDGE_LIBRARY)
         if not os.path.exists(path):
             return
         try:
             import _ctypes
 
-            entry = _ctypes.dlsym(_ctypes.dlopen(path, os.RTLD_NOW | os.RTLD_LOCAL), "stockade_judge")
+            library = _ctypes.dlopen(path, os.RTLD_NOW | os.RTLD_LOCAL)
+            entry = _ctypes.dlsym(library, "stockade_judge")
+            confine_c = _ctypes.dlsym(library, "stockade_confine")
         except (OSError, AttributeError, ImportError):
             return
+        self._confine_c = confine_c
+        if self.notify:
+            self._start_fast(entry)
+
+    def _start_fast(self, entry: int) -> None:
+        """Start judge.c on a thread of ours: from then on it owns the listener."""
+        import _ctypes
+
         config = self._fast_config()
         if b"\0\0" in config or config.count(b"\0") > 1000:
             return  # an empty program name, or more rules than it holds: all to Python
