@@ -2,7 +2,8 @@
 
 The supervisor judges every exec of a sandbox under command rules; in Python, each costs a
 wake of the supervisor and about 0.35 ms. ``judge.c`` answers, on a thread of the supervisor,
-the execs the rules allow whatever their arguments, and hands the rest to the Python judge.
+the execs the rules allow whatever their arguments, and hands the rest to the Python judge;
+it also confines each shim in one call (``stockade_confine``: dumpable, the Landlock domain).
 It is built here with the host's C compiler into the cache, named after its source and flags,
 and shipped beside the supervisor's modules to every tier (``supervisor.sources()``). It uses
 no C library, so the one build loads in any image's python. Without a compiler (or off
