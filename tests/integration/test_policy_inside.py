@@ -333,6 +333,8 @@ def test_the_compiled_judge_and_the_python_judge_record_the_same_execs(
     line = (
         f"/bin/true one; ls / > /dev/null; i=0; p={'x' * 100}; "
         f"while [ $i -lt {rounds} ]; do /bin/true $i $p; i=$((i+1)); done; "
+        # a path too long for one record (over 4 KiB with its argv): the Python judge's
+        f"d=/tmp/{'/'.join(['d' * 250] * 15)}; mkdir -p $d; cp /bin/true $d/t; $d/t long; "
         'rm -r nothing; python3 -c \'import subprocess; subprocess.run(["true", "a b"])\''
     )
     seen: dict[str, tuple[list[Any], list[Any]]] = {}
@@ -344,8 +346,8 @@ def test_the_compiled_judge_and_the_python_judge_record_the_same_execs(
         seen[judge] = ([(x.path, x.argv, x.verdict) for x in r.execs], [(x.path, x.argv) for x in e.execs])
     assert seen["compiled"] == seen["python"]
     records, from_code = seen["compiled"]
-    assert records[:3] == [
-        ("/bin/sh", ("/bin/sh", "-c", line), "allow"),
+    assert records[0][0] == "/bin/sh"  # its argv as the host bounds a record's text
+    assert records[1:3] == [
         ("/bin/true", ("/bin/true", "one"), "allow"),
         ("/usr/bin/ls", ("ls", "/"), "allow"),
     ]
@@ -365,4 +367,3 @@ def test_the_exec_judge_holds_across_a_reset(tier: str) -> None:
                 (("/bin/true", "x"), "allow"),
                 (("rm", "-r", "nothing"), "refuse"),
             ]
-

@@ -488,6 +488,8 @@ static int judge(struct ctx *c, const struct notif *n)
     /* The argv, as the record keeps it: path, then up to max_argv words, NUL-ended each. */
     char *rec = c->record;
     long at = 16;
+    if (at + len + 1 > RECORD_MAX)
+        goto out; /* a path too long for a record: Python's */
     memcpy(rec + at, c->path, (unsigned long)len + 1);
     at += len + 1;
     long argc = 0, kept = 0;
