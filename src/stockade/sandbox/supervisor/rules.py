@@ -617,6 +617,8 @@ class Rules:
         at = 0
         while at + RECORD_HEAD.size <= len(data):
             size, _pid, session, _kept = RECORD_HEAD.unpack_from(data, at)
+            if size <= RECORD_HEAD.size:
+                break  # never written so by judge.c; stop rather than loop
             words = data[at + RECORD_HEAD.size : at + size].split(b"\0")[:-1]
             at += size
             text = [w.decode("utf-8", "surrogateescape") for w in words]
