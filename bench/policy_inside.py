@@ -10,6 +10,10 @@ close; its host part is also given as CPU time (this process's and bwrap's, whic
 machine stretches far less than wall time; the sandbox's own processes are killed at close,
 never reaped by us, so they are not in it).
 
+The policy runs twice: with the compiled exec judge (the default where the host has a C
+compiler: the execs the rules allow whatever their arguments never wake Python) and with every
+exec judged in Python (``STOCKADE_EXEC_JUDGE=python``), both interleaved with no policy.
+
     python bench/policy_inside.py [tier] [rounds]     # prints a markdown table
 """
 
@@ -35,28 +39,48 @@ RULES = SandboxRules(
 )  # fmt: skip
 LIMITS = Limits(timeout_s=30)
 PIPELINE = "ls / | grep -c usr | cat"
-WHAT = ("command", "pipeline", "cold start", "cold start, host CPU")
+WHAT = ("command", "pipeline", "an exec, in a loop of 100", "cold start", "cold start, host CPU")
+LOOP = "i=0; while [ $i -lt 100 ]; do /bin/true $i; i=$((i+1)); done"
 
 
 def p50(samples: list[float]) -> float:
     return statistics.median(samples) * 1000
 
 
+VARIANTS: dict[str, SandboxRules | None] = {"none": None, "python": RULES, "policy": RULES}
+
+
+def create(tier: str, name: str) -> Sandbox:
+    """A sandbox of the variant ``name``: "python" judges every exec in Python."""
+    if name == "python":
+        os.environ["STOCKADE_EXEC_JUDGE"] = "python"
+    try:
+        return Sandbox.create(tier, limits=LIMITS, rules=VARIANTS[name])
+    finally:
+        os.environ.pop("STOCKADE_EXEC_JUDGE", None)
+
+
 def measure(tier: str, rounds: int) -> dict[str, dict[str, list[float]]]:
-    found: dict[str, dict[str, list[float]]] = {
-        name: {what: [] for what in WHAT} for name in ("none", "policy")
+    found: dict[str, dict[str, list[float]]] = {name: {what: [] for what in WHAT} for name in VARIANTS}
+    sandboxes = {name: create(tier, name) for name in VARIANTS}
+    # The supervisor's threads (the compiled judge is one): on the tiers where it is PID 1.
+    threads = {
+        name: sbx.commands.run("ls /proc/1/task | wc -l").stdout.strip() for name, sbx in sandboxes.items()
     }
-    variants: dict[str, SandboxRules | None] = {"none": None, "policy": RULES}
-    sandboxes = {name: Sandbox.create(tier, limits=LIMITS, rules=rules) for name, rules in variants.items()}
+    print(f"supervisor threads: {threads}")
     try:
         for _ in range(rounds):
             for name, sbx in sandboxes.items():  # interleaved: the same load on both
                 found[name]["command"].append(timed(lambda s=sbx: s.commands.run("true")))
                 found[name]["pipeline"].append(timed(lambda s=sbx: s.commands.run(PIPELINE)))
+                if len(found[name]["pipeline"]) % 10 == 1:  # the judge alone, without the round trip
+                    found[name]["an exec, in a loop of 100"].append(
+                        timed(lambda s=sbx: s.commands.run(LOOP)) / 100
+                    )
         for _ in range(max(10, rounds // 5)):
-            for name, rules in variants.items():
+            for name in VARIANTS:
                 cpu = cpu_time()
-                found[name]["cold start"].append(timed(lambda r=rules: cold_start(tier, r)))
+                found[name]["cold start"].append(timed(lambda n=name: cold_start(tier, n)))
                 found[name]["cold start, host CPU"].append(cpu_time() - cpu)
     finally:
         for sbx in sandboxes.values():
@@ -64,8 +88,8 @@ def measure(tier: str, rounds: int) -> dict[str, dict[str, list[float]]]:
     return found
 
 
-def cold_start(tier: str, rules: SandboxRules | None) -> None:
-    with Sandbox.create(tier, limits=LIMITS, rules=rules) as fresh:
+def cold_start(tier: str, name: str) -> None:
+    with create(tier, name) as fresh:
         fresh.commands.run("true")
 
 
@@ -87,13 +111,15 @@ def main() -> None:
     before = os.getloadavg()[0]
     found = measure(tier, rounds)
     print(f"load average (1 min) {before:.2f} before, {os.getloadavg()[0]:.2f} after\n")
-    print(f"| {tier} tier, p50 | no policy | 20-rule policy inside | ratio / difference |")
-    print("|---|---|---|---|")
+    print(
+        f"| {tier} tier, p50 | no policy | policy, Python judge | policy, compiled judge "
+        "| Python judge vs none | compiled judge vs none |"
+    )
+    print("|---|---|---|---|---|---|")
     for what in WHAT:
-        none, policy = p50(found["none"][what]), p50(found["policy"][what])
-        print(
-            f"| {what} | {none:.2f} ms | {policy:.2f} ms | {policy / none:.3f}x / {policy - none:+.2f} ms |"
-        )
+        none, python, policy = (p50(found[name][what]) for name in ("none", "python", "policy"))
+        versus = [f"{got / none:.3f}x / {got - none:+.2f} ms" for got in (python, policy)]
+        print(f"| {what} | {none:.2f} ms | {python:.2f} ms | {policy:.2f} ms | {versus[0]} | {versus[1]} |")
 
 
 if __name__ == "__main__":

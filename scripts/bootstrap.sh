@@ -15,8 +15,10 @@ VENV=${STOCKADE_VENV:-$ROOT/.venv}
 PYTHON=${PYTHON:-python3}
 # bubblewrap + libseccomp2: the process tier; python3/procps/git: what sandboxed code finds
 # on the host's read-only /usr (python3-pytest, python3-matplotlib: what agents and notebooks
-# expect to find); python3-venv: the virtualenv below.
-PACKAGES=(bubblewrap libseccomp2 python3 python3-venv python3-pytest python3-matplotlib procps git ca-certificates)
+# expect to find); python3-venv: the virtualenv below; gcc: the exec judge's compiled fast
+# path (src/stockade/sandbox/supervisor/judge.c, built below into the cache; without it every
+# exec under command rules is judged in Python, slower).
+PACKAGES=(bubblewrap libseccomp2 python3 python3-venv python3-pytest python3-matplotlib procps git ca-certificates gcc)
 
 log() { printf 'bootstrap: %s\n' "$*" >&2; }
 die() { printf 'bootstrap: ERROR: %s\n' "$*" >&2; exit 1; }
@@ -39,9 +41,16 @@ fi
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
     || die "$PYTHON is older than 3.11; set PYTHON=/path/to/python3.11+"
 
+# The exec judge's library, built once per source into the cache (a no-op when it is there).
+build_judge() {
+    "$VENV/bin/python" -c 'import platform, sys; from stockade.sandbox import _judge; sys.exit(_judge.build() is None and platform.machine() == "x86_64")' \
+        || die "cannot build the exec judge (src/stockade/sandbox/supervisor/judge.c) with gcc"
+}
+
 stamp="$VENV/.stockade-installed"
 want=$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)
 if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
+    build_judge
     exit 0
 fi
 [[ -x $VENV/bin/python ]] || { log "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
@@ -49,3 +58,4 @@ log "installing stockade and its extras into $VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip >&2
 "$VENV/bin/python" -m pip install -q -e "$ROOT[all,dev]" >&2 || die "pip install failed"
 echo "$want" > "$stamp"
+build_judge

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -317,3 +318,52 @@ def test_the_example_policy_holds_against_code_in_run_code(tmp_path: Path) -> No
     execs = [e for e in log.store.events() if e.kind == EventKind.EXEC]
     refused = [e.attributes["argv"] for e in execs if e.attributes["verdict"] == "refuse"]
     assert ["rm", "-rf", "build"] in refused
+
+
+def test_the_compiled_judge_and_the_python_judge_record_the_same_execs(
+    tier: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the host built the compiled judge, the execs it lets run are recorded by it (a
+    pipe the supervisor drains at the job's end): the same records, in the same order, as
+    when every exec is judged in Python, past the pipe's room (64 KiB: then an exec goes to
+    Python, which drains first) and the report's cap too."""
+    if tier not in CONFINES:
+        return  # no exec judge there (test_gvisor_holds_the_masks_...)
+    rounds = 30 if tier == "microvm" else 1100  # more than a report keeps (MAX_EXEC_RECORDS)
+    line = (
+        f"/bin/true one; ls / > /dev/null; i=0; p={'x' * 100}; "
+        f"while [ $i -lt {rounds} ]; do /bin/true $i $p; i=$((i+1)); done; "
+        # a path too long for one record (over 4 KiB with its argv): the Python judge's
+        f"d=/tmp/{'/'.join(['d' * 250] * 15)}; mkdir -p $d; cp /bin/true $d/t; $d/t long; "
+        'rm -r nothing; python3 -c \'import subprocess; subprocess.run(["true", "a b"])\''
+    )
+    seen: dict[str, tuple[list[Any], list[Any]]] = {}
+    for judge in ("compiled", "python"):
+        monkeypatch.setenv("STOCKADE_EXEC_JUDGE", judge)
+        with Sandbox.create(tier, limits=LIMITS, rules=SandboxRules(approve=("rm -r",))) as sbx:
+            r = sbx.commands.run(line)
+            e = sbx.run_code("import subprocess; subprocess.run(['/bin/true', 'code'])")
+        seen[judge] = ([(x.path, x.argv, x.verdict) for x in r.execs], [(x.path, x.argv) for x in e.execs])
+    assert seen["compiled"] == seen["python"]
+    records, from_code = seen["compiled"]
+    assert records[0][0] == "/bin/sh"  # its argv as the host bounds a record's text
+    assert records[1:3] == [
+        ("/bin/true", ("/bin/true", "one"), "allow"),
+        ("/usr/bin/ls", ("ls", "/"), "allow"),
+    ]
+    assert from_code == [("/bin/true", ("/bin/true", "code"))]
+
+
+def test_the_exec_judge_holds_across_a_reset(tier: str) -> None:
+    """A reset execs a fresh supervisor: the compiled judge stops first (its thread would
+    otherwise take that exec's notification), and the fresh one judges and records again."""
+    if tier not in CONFINES:
+        return
+    with Sandbox.create(tier, limits=LIMITS, rules=SandboxRules(approve=("rm -r",))) as sbx:
+        for _ in range(2):
+            sbx.reset()
+            r = sbx.commands.run("/bin/true x; rm -r nothing")
+            assert [(e.argv, e.verdict) for e in r.execs[1:3]] == [
+                (("/bin/true", "x"), "allow"),
+                (("rm", "-r", "nothing"), "refuse"),
+            ]

@@ -138,6 +138,9 @@ def plan(spec: SandboxSpec, *, root: Path | None, can_mask: bool, can_confine: b
         else {},
         "write": write,
         "approver": spec.approver is not None,
+        # STOCKADE_EXEC_JUDGE=python: every exec judged in Python (the compiled fast path off),
+        # to compare the two (bench/policy_inside.py) or to rule the fast path out.
+        "judge": "python" if os.environ.get("STOCKADE_EXEC_JUDGE") == "python" else "compiled",
     }
     if write is not None:
         enforcement["paths"] = Mechanism.LANDLOCK

@@ -12,6 +12,13 @@ __all__ = ["sources"]
 
 
 def sources() -> dict[str, bytes]:
-    """Every module the sandbox needs, by file name."""
+    """Every module the sandbox needs, by file name, and the exec judge's compiled fast path
+    where this host could build it (``judge.so``: without it the supervisor judges in Python)."""
+    from stockade.sandbox import _judge
+
     here = Path(__file__).parent
-    return {p.name: p.read_bytes() for p in sorted(here.glob("*.py")) if p.name != "__init__.py"}
+    found = {p.name: p.read_bytes() for p in sorted(here.glob("*.py")) if p.name != "__init__.py"}
+    compiled = _judge.library()
+    if compiled is not None:
+        found[_judge.LIBRARY] = compiled
+    return found

@@ -6,12 +6,18 @@ user notification). The supervisor judges each exec here (``on_exec``) with the 
 kernel was given, records it on the job whose code ran it, and answers: run, or fail with
 EACCES and a line on the program's stderr. An exec that needs approval waits while the
 host asks (``approve`` frames); the host's answer comes back as a ``verdict`` request.
+
+Most execs never reach Python: where the host shipped the compiled judge (``judge.so``, from
+``judge.c``), a thread of ours in C owns the listener, answers at once the execs the rules
+allow whatever their arguments, and writes their records to a pipe drained when a job ends
+(``drain``). Everything else it forwards here unchanged, on another pipe (``events``).
 Standard library only.
 """
 
 from __future__ import annotations
 
 import os
+import struct
 
 import confine
 import execrules
@@ -27,17 +33,19 @@ ALWAYS_WRITABLE = ("/tmp", "/dev", "/proc")
 PROGRAM_DIRS = ("/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin")
 EPERM, ENOENT = 1, 2
 STRICTNESS = {"allow": 0, "approve": 1, "deny": 2}
+JUDGE_LIBRARY = "judge.so"  # the compiled fast path, beside this module when the host built it
+F_SETPIPE_SZ = 1031
+# The records' pipe keeps its default room (64 KiB: over a thousand records between two
+# drains; a full pipe sends the exec to Python, which drains first). Not more: pipe pages
+# count against the sandbox user's limit, which every sandbox of the host shares.
+RECORDS_READ = 1 << 16
+RECORD_HEAD = struct.Struct("=IiiI")  # its length, pid, session, argv words kept
 
 
 class Rules:
     def __init__(self, sup: "Any", cfg: "Dict[str, Any]", listener: int = -1) -> None:
         self.sup = sup
-        commands = cfg.get("commands") or {}
-        self.commands = {
-            kind: [list(map(str, words)) for words in commands.get(kind, [])]
-            for kind in ("deny", "approve", "allow")
-        }
-        self.judging = any(self.commands.values())
+        self._load(cfg)
         self.write = cfg.get("write")  # None: the whole workspace is writable
         self.approver = bool(cfg.get("approver"))
         allow = self.commands["allow"]
@@ -46,7 +54,8 @@ class Rules:
         self.landlock = confine.landlock_abi() if needs_landlock else 0
         self._ruleset = -1  # built once (below), applied by every shim
         self._inodes: "Dict[str, Tuple[int, int]]" = {}
-        self._index = {kind: self._indexed(patterns) for kind, patterns in self.commands.items()}
+        self._inode_blob = b""  # the same, as judge.c's stockade_confine reads them
+        self._confine_c: "Any" = None  # that function, where the host shipped judge.so
         self.notify = self.judging and confine.notify_available()
         self.listener = listener
         self.pending: "Dict[int, Tuple[int, int, int, Any, Dict[str, Any], Tuple[Any, ...]]]" = {}
@@ -54,10 +63,6 @@ class Rules:
         self._decided: "Dict[Tuple[Any, ...], str]" = {}  # (pid, file, argv) -> verdict
         # (path, file, its size and time, argv) -> the judge's verdict and rule
         self._verdicts: "Dict[Tuple[Any, ...], Tuple[str, Optional[str]]]" = {}
-        self._names: "Dict[Tuple[int, int, int], str]" = {}  # file -> the name it has
-        self._identity: "Dict[Tuple[int, int, int, int], str]" = {}  # (dev, ino, size, mtime) -> digest
-        self._known: "Dict[str, Set[str]]" = {}  # content digest -> program names
-        self._sizes: "Dict[int, List[str]]" = {}  # size -> paths of the programs rules name
         if self.notify:
             self._index_programs()
             if self.listener < 0:
@@ -79,6 +84,35 @@ class Rules:
         prctl(PR_SET_DUMPABLE, 0)
         if self.landlock or self.notify:
             confine.warm()
+        # What the supervisor's loop waits on for execs: the listener, or the fast path's
+        # forwards when it runs.
+        self.events = self.listener
+        self._fast: "Optional[Tuple[int, int, int]]" = None  # its forwards, records, stop
+        if (self.notify or self.landlock) and cfg.get("judge") != "python":
+            self._load_compiled()
+
+    def _load(self, cfg: "Dict[str, Any]") -> None:
+        """The command rules, indexed, and what the judge learns of files as it goes."""
+        commands = cfg.get("commands") or {}
+        self.commands = {
+            kind: [list(map(str, words)) for words in commands.get(kind, [])]
+            for kind in ("deny", "approve", "allow")
+        }
+        self.judging = any(self.commands.values())
+        self._index = {kind: self._indexed(patterns) for kind, patterns in self.commands.items()}
+        self._names: "Dict[Tuple[int, int, int], str]" = {}  # file -> the name it has
+        self._identity: "Dict[Tuple[int, int, int, int], str]" = {}  # (dev, ino, size, mtime) -> digest
+        self._known: "Dict[str, Set[str]]" = {}  # content digest -> program names
+        self._sizes: "Dict[int, List[str]]" = {}  # size -> paths of the programs rules name
+
+    @classmethod
+    def judge_only(cls, cfg: "Dict[str, Any]") -> "Rules":
+        """The judge alone, nothing installed on this process (no listener, no Landlock, no
+        thread): what the tests hold judge.c's fast path against."""
+        rules = cls.__new__(cls)
+        rules._load(cfg)
+        rules._index_programs()
+        return rules
 
     def _writable(self) -> "Optional[List[str]]":
         if self.write is None:
@@ -97,6 +131,10 @@ class Rules:
             except OSError:
                 continue
             self._inodes[path] = (st.st_dev, st.st_ino)
+        self._inode_blob = b"".join(
+            struct.pack("=QQ", dev, ino) + path.encode("utf-8", "surrogateescape") + b"\0"
+            for path, (dev, ino) in self._inodes.items()
+        )
 
     def _current_ruleset(self) -> int:
         """The ruleset, rebuilt if a written folder was replaced (a rule holds its inode)."""
@@ -117,6 +155,18 @@ class Rules:
     # -- in each shim, before the code ----------------------------------------------------
 
     def confine(self) -> None:
+        compiled = self._confine_c
+        if compiled is not None:
+            import _ctypes
+
+            ruleset = self._ruleset if self.landlock else -1
+            blob = self._inode_blob
+            done = _ctypes.call_function(compiled, (1 if self.notify else 0, ruleset, blob, len(blob)))
+            if done == 0:
+                return
+            if done < 0:
+                raise OSError(-done, os.strerror(-done))
+            # 1: a written folder was replaced: nothing done yet, all of it below
         if self.notify:
             # The supervisor reads each exec's arguments from the caller's memory: the shim
             # (a fork of the non-dumpable supervisor) makes its children readable to it.
@@ -132,6 +182,7 @@ class Rules:
         """Answer the judge's question about our own exec (a reset's): the exec waits in the
         kernel, holding our one thread (and the GIL), until someone does. A forked helper
         does, then ends; any other exec waiting is refused (every other process is dead)."""
+        self.stop_fast()  # else its thread could take our exec's notification
         me = os.getpid()
         if os.fork() != 0:
             return
@@ -150,14 +201,33 @@ class Rules:
         finally:
             os._exit(0)
 
-    def on_exec(self, listener: int) -> None:
-        """Judge one exec. The caller waits in the kernel meanwhile, so an allowed exec is
-        answered as soon as its verdict and job are known, and recorded after: the argv
-        recorded is the one judged, read before. The job is looked up first, as the caller
-        may have run, ended and been reaped by the time the record is made."""
-        got = confine.receive(listener)
-        if got is None:
+    def on_exec(self, fd: int) -> None:
+        """Judge one exec: from the listener, or forwarded by the fast path (whose records
+        come first, to keep the job's execs in order)."""
+        listener = self.listener
+        if self._fast is not None and fd == self._fast[0]:
+            try:
+                data = os.read(fd, confine.NOTIF.size)
+            except BlockingIOError:
+                return
+            if len(data) != confine.NOTIF.size:
+                return
+            nid, pid, _, nr, _, _, *args = confine.NOTIF.unpack(data)
+            self.drain()
+            if nid == 0:  # the fast path stopped on a broken listener: we take it back
+                self._fast_gone()
+                return
+            self._judge_exec(listener, (nid, pid, nr, tuple(args)))
             return
+        got = confine.receive(listener)
+        if got is not None:
+            self._judge_exec(listener, got)
+
+    def _judge_exec(self, listener: int, got: "Tuple[int, int, int, Tuple[int, ...]]") -> None:
+        """The caller waits in the kernel meanwhile, so an allowed exec is answered as soon as
+        its verdict and job are known, and recorded after: the argv recorded is the one
+        judged, read before. The job is looked up first, as the caller may have run, ended
+        and been reaped by the time the record is made."""
         nid, pid, nr, args = got
         try:
             mem = confine.open_memory(listener, nid, pid)
@@ -422,8 +492,148 @@ class Rules:
         return found
 
     def expire(self, job: "Any") -> None:
-        """A job ended: its approvals still waiting are refused (their callers are gone)."""
+        """A job ended: the fast path's records are taken in (the job's report lists them),
+        its approvals still waiting are refused (their callers are gone)."""
+        self.drain(job)
         for request, parked in list(self.pending.items()):
             if parked[3] is job:
                 self.pending.pop(request)
                 confine.answer(parked[0], parked[1], False, EPERM)
+
+    # -- the compiled fast path (judge.c) ---------------------------------------------------
+
+    def _fast_config(self) -> bytes:
+        """The rules as judge.c reads them: NUL-ended entries, a letter and its text."""
+        entries = [f"M{MAX_EXEC_ARGV}"]
+        for kind in ("deny", "approve"):
+            entries += [f"P{words[0]}" for words in self.commands[kind] if words]
+        if self.commands["allow"]:
+            entries.append("L")
+            entries += [f"A{words[0]}" for words in self.commands["allow"] if len(words) == 1]
+        entries += [f"S{size}" for size in self._sizes]
+        return b"".join(e.encode("utf-8", "surrogateescape") + b"\0" for e in entries)
+
+    def _load_compiled(self) -> None:
+        """judge.c's functions, if the host shipped it and it loads: the exec judge's fast
+        path (started here) and the shims' confinement. Else all of it stays in Python."""
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), JUDGE_LIBRARY)
+        if not os.path.exists(path):
+            return
+        try:
+            import _ctypes
+
+            library = _ctypes.dlopen(path, os.RTLD_NOW | os.RTLD_LOCAL)
+            entry = _ctypes.dlsym(library, "stockade_judge")
+            confine_c = _ctypes.dlsym(library, "stockade_confine")
+        except (OSError, AttributeError, ImportError):
+            return
+        self._confine_c = confine_c
+        if self.notify:
+            self._start_fast(entry)
+
+    def _start_fast(self, entry: int) -> None:
+        """Start judge.c on a thread of ours: from then on it owns the listener."""
+        import _ctypes
+
+        config = self._fast_config()
+        if b"\0\0" in config or config.count(b"\0") > 1000:
+            return  # an empty program name, or more rules than it holds: all to Python
+        forward_r, forward_w = os.pipe2(os.O_CLOEXEC)
+        records_r, records_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)  # a full pipe: to Python
+        stop_r, stop_w = os.pipe2(os.O_CLOEXEC)
+        os.set_blocking(forward_r, False)
+        import fcntl
+
+        for small in (forward_w, stop_w):  # one page each is room enough (see stop_fast)
+            try:
+                fcntl.fcntl(small, F_SETPIPE_SZ, 4096)
+            except OSError:
+                pass
+        # A thread of its own making (a raw clone), that never takes the GIL: the call
+        # returns once it runs, and it owns the listener from then on.
+        if _ctypes.call_function(entry, (self.listener, forward_w, records_w, stop_r, config, len(config))):
+            for fd in (forward_r, forward_w, records_r, records_w, stop_r, stop_w):
+                os.close(fd)
+            return
+        self._fast = (forward_r, records_r, stop_w)
+        self.events = forward_r
+
+    def stop_fast(self) -> None:
+        """Stop the fast path (before our own exec at a reset): the listener is ours again.
+        Until the thread says it stopped (a notification of id 0), what it forwards is
+        refused: a reset has killed every process, and a full pipe would hold the thread."""
+        fast = self._fast
+        if fast is None:
+            return
+        import select
+
+        os.write(fast[2], b"q")
+        deadline = 50  # tenths of a second: a thread that does not answer dies with our exec
+        stopped = False
+        while not stopped and deadline > 0:
+            if not select.select([fast[0]], [], [], 0.1)[0]:
+                deadline -= 1
+                continue
+            try:
+                data = os.read(fast[0], confine.NOTIF.size * 51)  # whole notifications
+            except BlockingIOError:
+                continue
+            for at in range(0, len(data) - confine.NOTIF.size + 1, confine.NOTIF.size):
+                nid = confine.NOTIF.unpack_from(data, at)[0]
+                if nid:
+                    confine.answer(self.listener, nid, False, EPERM)
+                else:
+                    stopped = True
+        self.drain()
+        self._fast = None
+        self.events = self.listener
+
+    def _fast_gone(self) -> None:
+        """judge.c gave the listener up (it broke under it): judge everything here."""
+        forward_r = self.events
+        self._fast = None
+        self.events = self.listener
+        try:
+            self.sup.sel.unregister(forward_r)
+            self.sup.sel.register(self.listener, 1, ("exec", None))  # 1: EVENT_READ
+        except (KeyError, ValueError, OSError):
+            pass
+
+    def drain(self, ending: "Any" = None) -> None:
+        """Take in the records of the execs judge.c let run, onto their jobs. ``ending``: the
+        job that just ended (its shim is no longer ours to look up)."""
+        fast = self._fast
+        if fast is None:
+            return
+        data = b""
+        while True:
+            try:
+                chunk = os.read(fast[1], RECORDS_READ)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            data += chunk
+        at = 0
+        while at + RECORD_HEAD.size <= len(data):
+            size, _pid, session, _kept = RECORD_HEAD.unpack_from(data, at)
+            if size <= RECORD_HEAD.size:
+                break  # never written so by judge.c; stop rather than loop
+            words = data[at + RECORD_HEAD.size : at + size].split(b"\0")[:-1]
+            at += size
+            text = [w.decode("utf-8", "surrogateescape") for w in words]
+            job = self._job_led_by(session, ending)
+            self._record(job, {"path": text[0], "argv": text[1:], "verdict": "allow", "rule": ""})
+
+    def _job_led_by(self, session: int, ending: "Any") -> "Any":
+        """The job whose shim leads ``session`` (judge.c let only such sessions' execs by)."""
+        sup = self.sup
+        job = sup._job_led_by(session)
+        if job is not None:
+            return job
+        for running in sup.commands.values():
+            if running.shim == session:
+                return running
+        if ending is not None and getattr(ending, "shim", session) == session:
+            return ending  # a command's ended job, or the interpreter's (its shim is the only one)
+        return None

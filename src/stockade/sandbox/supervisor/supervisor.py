@@ -187,8 +187,8 @@ class Supervisor:
             listener = carried.get("listener", -1) if carried is not None else -1
             self.rules = rules.Rules(self, cfg["rules"], listener=listener)
             self.confine = self.rules.confine
-            if self.rules.listener >= 0:
-                self.sel.register(self.rules.listener, EVENT_READ, ("exec", None))
+            if self.rules.events >= 0:  # the listener, or the compiled judge's forwards
+                self.sel.register(self.rules.events, EVENT_READ, ("exec", None))
         if cfg.get("egress"):
             import egress  # type: ignore[import-not-found]
 
@@ -464,6 +464,8 @@ class Supervisor:
         self._exec_fresh(rid, bool(h.get("warm")), rest)
 
     def _exec_fresh(self, rid: int, warm: bool, rest: bytes) -> None:
+        if self.rules is not None:
+            self.rules.stop_fast()  # the compiled judge's thread, before the fds below move
         state = {
             "config": self.config,
             "carried": {"root_modes": self.root_modes, "baseline": self.baseline},

@@ -1,0 +1,74 @@
+"""The exec judge's compiled fast path (``supervisor/judge.c``), built once per host.
+
+The supervisor judges every exec of a sandbox under command rules; in Python, each costs a
+wake of the supervisor and about 0.35 ms. ``judge.c`` answers, on a thread of the supervisor,
+the execs the rules allow whatever their arguments, and hands the rest to the Python judge;
+it also confines each shim in one call (``stockade_confine``: dumpable, the Landlock domain).
+It is built here with the host's C compiler into the cache, named after its source and flags,
+and shipped beside the supervisor's modules to every tier (``supervisor.sources()``). It uses
+no C library, so the one build loads in any image's python. Without a compiler (or off
+x86_64) there is no library, and every tier judges in Python: slower, never weaker.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from stockade.sandbox._rootfs import cache_root
+
+__all__ = ["FLAGS", "LIBRARY", "SOURCE", "build", "library"]
+
+SOURCE = Path(__file__).parent / "supervisor" / "judge.c"
+LIBRARY = "judge.so"  # its name beside the supervisor's modules
+FLAGS = (
+    "-O2", "-shared", "-fPIC", "-nostdlib", "-ffreestanding", "-fno-builtin",
+    "-fno-stack-protector", "-fvisibility=hidden", "-Wall", "-Werror",
+)  # fmt: skip
+
+
+def build(folder: Path | None = None) -> Path | None:
+    """The library, compiled into ``folder`` (the cache) unless it is there; None without a
+    compiler or off x86_64 (the listener it serves is x86_64 only)."""
+    if platform.machine() != "x86_64":
+        return None
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + repr(FLAGS).encode()).hexdigest()[:16]
+    folder = folder or cache_root() / "judge"
+    target = folder / f"judge-{digest}.so"
+    if target.is_file():
+        return target
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".judge-", suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, timeout=120, check=False
+        )
+        if done.returncode != 0:
+            return None
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)  # whole or not at all: another process may be building it too
+    except (OSError, subprocess.SubprocessError):
+        return None
+    finally:
+        with_tmp = Path(tmp)
+        if with_tmp.exists():
+            with_tmp.unlink()
+    return target
+
+
+@functools.cache
+def library() -> bytes | None:
+    """The library's bytes, built on first use in this process (once per host in the cache)."""
+    path = build()
+    return path.read_bytes() if path is not None else None

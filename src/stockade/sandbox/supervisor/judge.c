@@ -1,0 +1,648 @@
+/* The exec judge's fast path: a thread of the supervisor, in C, that answers the execs the
+ * rules allow whatever their arguments, so that the common exec never wakes Python.
+ *
+ * It owns the seccomp listener (supervisor/rules.py starts it on a thread of its own, with the
+ * GIL released). For each exec it reads the path and argv from the caller's memory, as the
+ * Python judge does (the memory opened first, then the notification checked still valid, so
+ * that what is read is the caller's own), and answers CONTINUE only when no name the program
+ * goes by can match any deny or approve rule: the path's name, the name of the file it leads
+ * to, argv[0]'s name; not a copy of a program a rule names (no file of that size), not
+ * `python -m`, and under an allowlist a file the allowlist names alone. Before it answers,
+ * the exec's record (path and argv) goes into a pipe the supervisor drains when the job ends:
+ * a record that cannot be written whole is not dropped, the exec goes to Python instead.
+ * Everything else, and anything it cannot read or is unsure of, goes to the Python judge
+ * unchanged (the notification itself, on another pipe). Names with bytes outside ASCII and
+ * patterns with a bracket go to Python too: its glob rules (one character, not one byte)
+ * decide those.
+ *
+ * Freestanding: no libc (system calls inline), so that one build loads on any image's
+ * python, whatever its C library. x86_64 only, like the listener itself.
+ */
+
+typedef unsigned long u64;
+typedef long i64;
+typedef unsigned int u32;
+typedef int i32;
+
+#define SYS_read 0
+#define SYS_write 1
+#define SYS_close 3
+#define SYS_stat 4
+#define SYS_fstat 5
+#define SYS_poll 7
+#define SYS_rt_sigprocmask 14
+#define SYS_ioctl 16
+#define SYS_pread64 17
+#define SYS_mmap 9
+#define SYS_getpid 39
+#define SYS_clone 56
+#define SYS_exit 60
+#define SYS_getsid 124
+#define SYS_openat 257
+#define SYS_readlinkat 267
+#define SYS_prctl 157
+#define SYS_landlock_restrict_self 446
+#define PR_SET_DUMPABLE 4
+
+#define AT_FDCWD (-100)
+#define O_RDONLY 0
+#define O_CLOEXEC 02000000
+#define O_PATH 010000000
+#define ENOENT 2
+#define ENOTDIR 20
+#define EINTR 4
+#define POLLIN 1
+
+#define NOTIF_RECV 0xC0502100UL
+#define NOTIF_SEND 0xC0182101UL
+#define NOTIF_ID_VALID 0x40082102UL
+#define FLAG_CONTINUE 1
+#define NR_EXECVE 59
+
+#define MAX_PATTERNS 512
+#define MAX_SIZES 512
+#define MAX_ARGS 4096
+#define RECORD_MAX 4096 /* PIPE_BUF: a write this size is whole or not at all */
+#define CONFIG_MAX 65536
+#define STACK_SIZE (256 * 1024)
+/* A thread of the supervisor's process: its memory, files, handlers (all signals blocked). */
+#define THREAD_FLAGS (0x100 | 0x200 | 0x400 | 0x800 | 0x10000 | 0x40000)
+#define PATH_MAX_ 4096
+
+struct notif {
+    u64 id;
+    u32 pid;
+    u32 flags;
+    i32 nr;
+    u32 arch;
+    u64 ip;
+    u64 args[6];
+};
+
+struct resp {
+    u64 id;
+    i64 val;
+    i32 error;
+    u32 flags;
+};
+
+struct pollfd_ {
+    i32 fd;
+    short events;
+    short revents;
+};
+
+static inline long sc(long n, long a, long b, long c, long d, long e, long f)
+{
+    long ret;
+    register long r10 __asm__("r10") = d;
+    register long r8 __asm__("r8") = e;
+    register long r9 __asm__("r9") = f;
+    __asm__ volatile("syscall"
+                     : "=a"(ret)
+                     : "a"(n), "D"(a), "S"(b), "d"(c), "r"(r10), "r"(r8), "r"(r9)
+                     : "rcx", "r11", "memory");
+    return ret;
+}
+
+/* What the compiler may call for struct copies and zeroing. */
+__attribute__((visibility("hidden"))) void *memset(void *d, int c, unsigned long n)
+{
+    unsigned char *p = d;
+    while (n--)
+        *p++ = (unsigned char)c;
+    return d;
+}
+
+__attribute__((visibility("hidden"))) void *memcpy(void *d, const void *s, unsigned long n)
+{
+    unsigned char *p = d;
+    const unsigned char *q = s;
+    while (n--)
+        *p++ = *q++;
+    return d;
+}
+
+static unsigned long slen(const char *s)
+{
+    unsigned long n = 0;
+    while (s[n])
+        n++;
+    return n;
+}
+
+static int starts(const char *s, const char *prefix)
+{
+    while (*prefix)
+        if (*s++ != *prefix++)
+            return 0;
+    return 1;
+}
+
+static int same(const char *a, const char *b)
+{
+    while (*a && *a == *b)
+        a++, b++;
+    return *a == *b;
+}
+
+static char *put_num(char *out, u64 v)
+{
+    char tmp[24];
+    int n = 0;
+    do
+        tmp[n++] = (char)('0' + v % 10);
+    while (v /= 10);
+    while (n)
+        *out++ = tmp[--n];
+    *out = 0;
+    return out;
+}
+
+static const char *base(const char *path)
+{
+    const char *b = path;
+    for (; *path; path++)
+        if (*path == '/')
+            b = path + 1;
+    return b;
+}
+
+/* -- the rules, as the supervisor hands them over ---------------------------------------- */
+
+struct rules {
+    const char *named[MAX_PATTERNS]; /* the programs of every deny and approve rule */
+    int n_named;
+    const char *allowed[MAX_PATTERNS]; /* the allowlist's rules of one word (no argv) */
+    int n_allowed;
+    int allowlist;                     /* an allowlist is in force */
+    u64 sizes[MAX_SIZES];              /* sizes of the programs whose copies are judged */
+    int n_sizes;
+    int max_argv;                      /* argv words a record keeps */
+    int ok;
+};
+
+static u64 parse_num(const char *s)
+{
+    u64 v = 0;
+    while (*s >= '0' && *s <= '9')
+        v = v * 10 + (u64)(*s++ - '0');
+    return v;
+}
+
+/* Entries separated by NULs, each a letter and its text: P a deny/approve program, A a
+ * one-word allow rule, L an allowlist is in force, S a program size, M the argv kept. */
+static void parse(struct rules *r, const char *cfg, int len)
+{
+    const char *end = cfg + len;
+    r->n_named = r->n_allowed = r->n_sizes = r->allowlist = 0;
+    r->max_argv = 64;
+    r->ok = 1;
+    while (cfg < end) {
+        const char *text = cfg + 1;
+        switch (*cfg) {
+        case 'P':
+            if (r->n_named == MAX_PATTERNS)
+                r->ok = 0;
+            else
+                r->named[r->n_named++] = text;
+            break;
+        case 'A':
+            if (r->n_allowed == MAX_PATTERNS)
+                r->ok = 0;
+            else
+                r->allowed[r->n_allowed++] = text;
+            break;
+        case 'L':
+            r->allowlist = 1;
+            break;
+        case 'S':
+            if (r->n_sizes == MAX_SIZES)
+                r->ok = 0;
+            else
+                r->sizes[r->n_sizes++] = parse_num(text);
+            break;
+        case 'M':
+            r->max_argv = (int)parse_num(text);
+            break;
+        default:
+            r->ok = 0; /* something this build does not know: judge nothing here */
+        }
+        cfg += slen(cfg) + 1;
+    }
+}
+
+enum { NO = 0, YES = 1, MAYBE = 2 };
+
+/* fnmatch.fnmatchcase over an ASCII name: '*' and '?'; a bracket is Python's to judge. */
+static int glob(const char *name, const char *pat)
+{
+    const char *p;
+    for (p = pat; *p; p++)
+        if (*p == '[')
+            return MAYBE;
+    const char *star = 0, *resume = 0;
+    while (*name) {
+        if (*pat == '*') {
+            star = pat++;
+            resume = name;
+        } else if (*pat && (*pat == '?' || *pat == *name)) {
+            pat++;
+            name++;
+        } else if (star) {
+            pat = star + 1;
+            name = ++resume;
+        } else {
+            return NO;
+        }
+    }
+    while (*pat == '*')
+        pat++;
+    return *pat ? NO : YES;
+}
+
+static int ascii(const char *s)
+{
+    for (; *s; s++)
+        if ((unsigned char)*s >= 0x80)
+            return 0;
+    return 1;
+}
+
+/* Whether the Python judge could say anything but "allow" of a program by these names,
+ * whatever its arguments: 1 when it surely allows (then the exec runs at once). */
+__attribute__((visibility("default"))) int stockade_fast_allows(const char *cfg, int len,
+                                                                 const char *path_name,
+                                                                 const char *file_name,
+                                                                 const char *argv0, const char *argv1,
+                                                                 int argc, u64 size);
+
+static int allows(const struct rules *r, const char *names[3], int n_names, const char *argv0,
+                  const char *argv1, int argc, u64 size)
+{
+    int i, j;
+    if (!r->ok)
+        return 0;
+    for (i = 0; i < n_names; i++)
+        if (!ascii(names[i]))
+            return 0;
+    if (argc > 2 && starts(base(argv0), "python") && same(argv1, "-m"))
+        return 0; /* judged as the module it runs */
+    for (i = 0; i < r->n_sizes; i++)
+        if (r->sizes[i] == size)
+            return 0; /* it may be a copy of a program a rule names */
+    for (i = 0; i < n_names; i++)
+        for (j = 0; j < r->n_named; j++)
+            if (glob(names[i], r->named[j]) != NO)
+                return 0;
+    if (r->allowlist) {
+        /* What the file is (its path's name, the name of the file it leads to), never
+         * the name it was given, must be on the list. */
+        for (i = 0; i < 2 && i < n_names; i++)
+            for (j = 0; j < r->n_allowed; j++)
+                if (glob(names[i], r->allowed[j]) == YES)
+                    return 1;
+        return 0;
+    }
+    return 1;
+}
+
+int stockade_fast_allows(const char *cfg, int len, const char *path_name, const char *file_name,
+                         const char *argv0, const char *argv1, int argc, u64 size)
+{
+    static struct rules r; /* for the tests only: one caller at a time */
+    const char *names[3] = {path_name, file_name, argc > 0 ? base(argv0) : ""};
+    parse(&r, cfg, len);
+    return allows(&r, names, argc > 0 ? 3 : 2, argv0, argv1, argc, size);
+}
+
+/* -- one exec ----------------------------------------------------------------------------- */
+
+struct ctx {
+    struct rules rules;
+    int listener, forward_fd, record_fd, control;
+    long me;
+    char record[RECORD_MAX];
+    char path[PATH_MAX_ + 8];
+    char real[PATH_MAX_ + 8];
+    char scratch[PATH_MAX_ + 64];
+    u64 pointers[512];
+};
+
+/* A NUL-ended string from the caller's memory into out[0..cap); its length, or -1. */
+static long read_string(int mem, u64 at, char *out, long cap)
+{
+    long got = 0;
+    while (got < cap) {
+        long want = 4096 - (long)((at + (u64)got) % 4096);
+        if (!got && want > 256)
+            want = 256; /* most words are short: a small first read, then whole pages */
+        if (want > cap - got)
+            want = cap - got;
+        long n = sc(SYS_pread64, mem, (long)(out + got), want, (long)(at + (u64)got), 0, 0);
+        if (n <= 0)
+            return -1;
+        for (long i = 0; i < n; i++)
+            if (out[got + i] == 0)
+                return got + i;
+        got += n;
+    }
+    return -1;
+}
+
+/* Whether an absolute path is already what os.path.normpath makes of it: no empty, "." or
+ * ".." part after its leading "/". */
+static int normal(const char *path)
+{
+    const char *part = path + 1, *p;
+    for (p = part;; p++) {
+        if (*p == '/' || *p == 0) {
+            long n = p - part;
+            if (n == 0 || (n == 1 && part[0] == '.') || (n == 2 && part[0] == '.' && part[1] == '.'))
+                return 0;
+            if (*p == 0)
+                return 1;
+            part = p + 1;
+        }
+    }
+}
+
+static void forward(struct ctx *c, const struct notif *n)
+{
+    const char *p = (const char *)n;
+    long left = sizeof *n;
+    while (left > 0) {
+        long w = sc(SYS_write, c->forward_fd, (long)p, left, 0, 0, 0);
+        if (w == -EINTR)
+            continue;
+        if (w <= 0)
+            return; /* the supervisor is gone */
+        p += w;
+        left -= w;
+    }
+}
+
+static void answer(struct ctx *c, u64 id, int error)
+{
+    struct resp r;
+    r.id = id;
+    r.val = 0;
+    r.error = error ? -error : 0;
+    r.flags = error ? 0 : FLAG_CONTINUE;
+    sc(SYS_ioctl, c->listener, (long)NOTIF_SEND, (long)&r, 0, 0, 0);
+}
+
+/* The session leader's parent: a shim's is the supervisor (then the job is known later). */
+static long parent_of(struct ctx *c, long pid)
+{
+    char *s = c->scratch;
+    char *e = put_num(s + 6, (u64)pid);
+    memcpy(s, "/proc/", 6);
+    memcpy(e, "/stat", 6);
+    long fd = sc(SYS_openat, AT_FDCWD, (long)s, O_RDONLY | O_CLOEXEC, 0, 0, 0);
+    if (fd < 0)
+        return -1;
+    char buf[512];
+    long n = sc(SYS_read, fd, (long)buf, sizeof buf - 1, 0, 0, 0);
+    sc(SYS_close, fd, 0, 0, 0, 0, 0);
+    if (n <= 0)
+        return -1;
+    buf[n] = 0;
+    long close_paren = -1;
+    for (long i = 0; i < n; i++)
+        if (buf[i] == ')')
+            close_paren = i;
+    if (close_paren < 0 || close_paren + 4 >= n)
+        return -1;
+    /* ") S PPID ..." */
+    const char *q = buf + close_paren + 2;
+    while (*q && *q != ' ')
+        q++;
+    if (*q != ' ')
+        return -1;
+    return (long)parse_num(q + 1);
+}
+
+/* 1: answered here; 0: the Python judge must see it. */
+static int judge(struct ctx *c, const struct notif *n)
+{
+    if (n->nr != NR_EXECVE)
+        return 0;
+    long pid = (long)n->pid;
+    char *s = c->scratch;
+    memcpy(s, "/proc/", 6);
+    char *e = put_num(s + 6, (u64)pid);
+    memcpy(e, "/mem", 5);
+    long mem = sc(SYS_openat, AT_FDCWD, (long)s, O_RDONLY | O_CLOEXEC, 0, 0, 0);
+    if (mem < 0)
+        return 0;
+    int done = 0;
+    /* The memory is the caller's only if the notification is still waiting after the open
+     * (a pid that died and came back as another process fails this). */
+    if (sc(SYS_ioctl, c->listener, (long)NOTIF_ID_VALID, (long)&n->id, 0, 0, 0) != 0)
+        goto out;
+    long len = read_string((int)mem, n->args[0], c->path, PATH_MAX_);
+    if (len < 0)
+        goto out;
+    if (c->path[0] != '/') {
+        /* Relative to the caller's working folder, as os.path.join(readlink(cwd), path). */
+        if (len == 0)
+            goto out;
+        memcpy(e, "/cwd", 5);
+        long m = sc(SYS_readlinkat, AT_FDCWD, (long)s, (long)c->real, PATH_MAX_, 0, 0);
+        if (m <= 0 || c->real[0] != '/' || m + 1 + len >= PATH_MAX_)
+            goto out;
+        if (m == 1)
+            m = 0; /* the root: "/" + path */
+        c->real[m] = '/';
+        memcpy(c->real + m + 1, c->path, (unsigned long)len + 1);
+        memcpy(c->path, c->real, (unsigned long)(m + 1 + len + 1));
+        len = m + 1 + len;
+    }
+    if (!normal(c->path) || starts(c->path, "/proc/"))
+        goto out;
+    long fd = sc(SYS_openat, AT_FDCWD, (long)c->path, O_PATH | O_CLOEXEC, 0, 0, 0);
+    if (fd == -ENOENT || fd == -ENOTDIR) {
+        /* What the kernel would say; a PATH search goes on to its next folder. Nothing
+         * runs, nothing is recorded, as in the Python judge. */
+        answer(c, n->id, ENOENT);
+        done = 1;
+        goto out;
+    }
+    if (fd < 0)
+        goto out;
+    u64 st[18];
+    long ok = sc(SYS_fstat, fd, (long)st, 0, 0, 0, 0);
+    memcpy(s, "/proc/self/fd/", 14);
+    put_num(s + 14, (u64)fd);
+    long m = sc(SYS_readlinkat, AT_FDCWD, (long)s, (long)c->real, PATH_MAX_, 0, 0);
+    sc(SYS_close, fd, 0, 0, 0, 0, 0);
+    if (ok != 0 || m <= 0 || m >= PATH_MAX_)
+        goto out;
+    c->real[m] = 0;
+    static const char deleted[] = " (deleted)";
+    if (m >= (long)sizeof deleted - 1 && same(c->real + m - (sizeof deleted - 1), deleted))
+        goto out;
+    u64 size = st[6];
+
+    /* The argv, as the record keeps it: path, then up to max_argv words, NUL-ended each. */
+    char *rec = c->record;
+    long at = 16;
+    if (at + len + 1 > RECORD_MAX)
+        goto out; /* a path too long for a record: Python's */
+    memcpy(rec + at, c->path, (unsigned long)len + 1);
+    at += len + 1;
+    long argc = 0, kept = 0;
+    const char *argv0 = "", *argv1 = "";
+    u64 argv_at = n->args[1];
+    while (argv_at && argc < MAX_ARGS) {
+        long got = sc(SYS_pread64, mem, (long)c->pointers, sizeof c->pointers,
+                      (long)(argv_at + 8 * (u64)argc), 0, 0);
+        if (got < 8)
+            goto out;
+        long count = got / 8, i, end = 0;
+        for (i = 0; i < count; i++) {
+            if (!c->pointers[i]) {
+                end = 1;
+                break;
+            }
+            if (kept < c->rules.max_argv) {
+                long l = read_string((int)mem, c->pointers[i], rec + at, RECORD_MAX - at);
+                if (l < 0)
+                    goto out; /* too long for a record: Python's */
+                if (kept == 0)
+                    argv0 = rec + at;
+                if (kept == 1)
+                    argv1 = rec + at;
+                at += l + 1;
+                kept++;
+            }
+            argc++;
+        }
+        if (end)
+            break;
+    }
+    if (argc > kept && kept < 2)
+        goto out; /* a record too short to judge by: Python's */
+    const char *names[3] = {base(c->path), base(c->real), base(argv0)};
+    if (!allows(&c->rules, names, argc > 0 ? 3 : 2, argv0, argv1, (int)argc, size))
+        goto out;
+    /* The job is known from the session its shim leads (a child of ours); a process that
+     * left it is Python's to place, walking its parents while it lives. */
+    long sid = sc(SYS_getsid, pid, 0, 0, 0, 0, 0);
+    if (sid <= 0 || parent_of(c, sid) != c->me)
+        goto out;
+    u32 head[4] = {(u32)at, (u32)pid, (u32)sid, (u32)kept};
+    memcpy(rec, head, sizeof head);
+    if (sc(SYS_write, c->record_fd, (long)rec, at, 0, 0, 0) != at)
+        goto out; /* full: Python records it (it drains first) */
+    answer(c, n->id, 0);
+    done = 1;
+out:
+    sc(SYS_close, mem, 0, 0, 0, 0, 0);
+    return done;
+}
+
+static struct ctx c;
+static char config[CONFIG_MAX];
+
+/* The thread's whole life: judge until a byte arrives on ``control``, then say so with a
+ * notification of id 0 on the forward pipe, and end. A listener that broke ends it too (the
+ * supervisor then takes the listener back). Nothing here touches Python or the C library. */
+__attribute__((visibility("hidden"), used, noinline, noreturn)) void stockade_judge_thread(void)
+{
+    struct notif n;
+    for (;;) {
+        struct pollfd_ fds[2] = {{c.listener, POLLIN, 0}, {c.control, POLLIN, 0}};
+        long r = sc(SYS_poll, (long)fds, 2, -1, 0, 0, 0);
+        if (r == -EINTR)
+            continue;
+        if (r < 0 || fds[1].revents || (fds[0].revents & ~POLLIN))
+            break;
+        if (!(fds[0].revents & POLLIN))
+            continue;
+        memset(&n, 0, sizeof n); /* the kernel refuses a buffer that is not zeroed */
+        if (sc(SYS_ioctl, c.listener, (long)NOTIF_RECV, (long)&n, 0, 0, 0) != 0)
+            continue; /* the caller died meanwhile */
+        if (!judge(&c, &n))
+            forward(&c, &n);
+    }
+    memset(&n, 0, sizeof n);
+    forward(&c, &n);
+    for (;;)
+        sc(SYS_exit, 0, 0, 0, 0, 0, 0); /* this thread only */
+}
+
+static long start_thread(void *stack_top)
+{
+    long ret;
+    register long r10 __asm__("r10") = 0; /* no child tid */
+    register long r8 __asm__("r8") = 0;   /* no TLS of its own: it never uses any */
+    __asm__ volatile("syscall\n\t"
+                     "test %%rax, %%rax\n\t"
+                     "jnz 1f\n\t"
+                     "xor %%ebp, %%ebp\n\t"
+                     "call stockade_judge_thread\n\t"
+                     "1:\n\t"
+                     : "=a"(ret)
+                     : "a"(SYS_clone), "D"(THREAD_FLAGS), "S"(stack_top), "d"(0), "r"(r10), "r"(r8)
+                     : "rcx", "r11", "memory");
+    return ret;
+}
+
+/* Start the judge on a thread of this process (a raw clone: no Python thread, so no GIL
+ * to hand over at start, and no C library). Returns 0, or -1 (then nothing started). */
+__attribute__((visibility("default"))) int stockade_judge(int listener, int forward_fd, int record_fd,
+                                                          int control, const char *cfg, int len)
+{
+    if (len < 0 || len > CONFIG_MAX)
+        return -1;
+    memcpy(config, cfg, (unsigned long)len);
+    parse(&c.rules, config, len);
+    c.listener = listener;
+    c.forward_fd = forward_fd;
+    c.record_fd = record_fd;
+    c.control = control;
+    c.me = sc(SYS_getpid, 0, 0, 0, 0, 0, 0);
+    long stack = sc(SYS_mmap, 0, STACK_SIZE, 3 /* read, write */,
+                    0x22 | 0x20000 /* private, anonymous, stack */, -1, 0);
+    if (stack < 0 && stack > -4096)
+        return -1;
+    u64 all = ~0UL, old = 0;
+    sc(SYS_rt_sigprocmask, 0 /* SIG_BLOCK */, (long)&all, (long)&old, 8, 0, 0);
+    long tid = start_thread((void *)(stack + STACK_SIZE));
+    sc(SYS_rt_sigprocmask, 2 /* SIG_SETMASK */, (long)&old, 0, 8, 0, 0);
+    return tid > 0 ? 0 : -1;
+}
+
+/* -- in each shim, before the code ------------------------------------------------------ */
+
+/* What Rules.confine does, in one call from the forked shim (in Python, each call and each
+ * stat there touches objects the fork shares, and every page touched is copied: about
+ * 0.2 ms): dumpable (so the judge can read the code's memory), then the Landlock domain.
+ * ``inodes``: for each written path, its device and inode when the ruleset was built (two
+ * u64), then the path, NUL-ended. A path that now leads elsewhere (the folder was replaced:
+ * the ruleset's rule holds the old one) returns 1 before anything is done, and the caller
+ * does it all in Python, rebuilding the ruleset. 0: done; -errno: failed. */
+__attribute__((visibility("default"))) int stockade_confine(int dumpable, int ruleset, const char *inodes,
+                                                            int len)
+{
+    const char *at = inodes, *end = inodes + len;
+    u64 st[18];
+    while (at + 16 < end) {
+        u64 want[2];
+        memcpy(want, at, 16);
+        const char *path = at + 16;
+        at = path + slen(path) + 1;
+        if (sc(SYS_stat, (long)path, (long)st, 0, 0, 0, 0) != 0)
+            continue; /* as in Python: a path that is not there holds no rule */
+        if (st[0] != want[0] || st[1] != want[1])
+            return 1;
+    }
+    long r;
+    if (dumpable && (r = sc(SYS_prctl, PR_SET_DUMPABLE, 1, 0, 0, 0, 0)) != 0)
+        return (int)r;
+    if (ruleset >= 0 && (r = sc(SYS_landlock_restrict_self, ruleset, 0, 0, 0, 0, 0)) != 0)
+        return (int)r;
+    return 0;
+}

@@ -1,0 +1,226 @@
+"""The exec judge's compiled fast path (supervisor/judge.c) never lets run what the Python
+judge (supervisor/rules.py) would not: held against it on random rules and execs.
+
+judge.c's decision is ``stockade_fast_allows`` over the names an exec goes by (its path's
+name, the name of the file it leads to, argv[0]) and the file's size; the exec is then the
+Python judge's own, on a real file reached by a real path (a symlink when the two names
+differ), with the same rules.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from stockade.sandbox import _judge
+
+SUPERVISOR = Path(_judge.SOURCE).parent
+
+NAMES = ["rm", "ls", "git", "python3", "sh", "true", "cp", "pip", "cat", "x", "ré"]
+GLOBS = ["r*", "*", "?s", "g?t", "[rl]s", "py*", "*t", "c?"]
+WORDS = ["-r", "-f", "-R", "--force", "push", "install", "-m", "pip", "x", "--"]
+CONTENTS = ["small", "/usr/bin/rm", "/usr/bin/ls", "/usr/bin/true", "/usr/bin/git"]
+
+
+@pytest.fixture(scope="module")
+def judges() -> Iterator[tuple[Any, Any]]:
+    built = _judge.build()
+    if built is None:
+        pytest.skip("no C compiler on this host: every exec is judged in Python")
+    lib = ctypes.CDLL(str(built))
+    fast = lib.stockade_fast_allows
+    fast.argtypes = [ctypes.c_char_p, ctypes.c_int, *[ctypes.c_char_p] * 4, ctypes.c_int, ctypes.c_uint64]
+    fast.restype = ctypes.c_int
+    sys.path.insert(0, str(SUPERVISOR))  # the supervisor's modules import each other by name
+    try:
+        yield fast, importlib.import_module("rules")
+    finally:
+        sys.path.remove(str(SUPERVISOR))
+
+
+def _decide(judges: tuple[Any, Any], workdir: Path, case: dict[str, Any]) -> tuple[int, tuple[str, Any]]:
+    fast, rules_module = judges
+    rules = rules_module.Rules.judge_only({"commands": case["rules"]})
+    folder = workdir / "bin"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir()
+    real = folder / case["file"]
+    content = case["content"]
+    if content == "small":
+        real.write_bytes(b"#!/bin/true\n")
+    else:
+        shutil.copyfile(content, real)
+    path = folder / case["path"] if case["path"] != case["file"] else real
+    if path != real:
+        path.symlink_to(real.name)
+    argv: list[str] = case["argv"]
+    enc = [w.encode("utf-8", "surrogateescape") for w in argv]
+    config = rules._fast_config()
+    size = real.stat().st_size
+    said = fast(
+        config, len(config), path.name.encode(), real.name.encode(),
+        enc[0] if enc else b"", enc[1] if len(enc) > 1 else b"", len(argv), size,
+    )  # fmt: skip
+    verdict = rules.judge(os.getpid(), str(path), argv)
+    return int(said), verdict
+
+
+patterns = st.builds(
+    lambda program, words: " ".join([program, *words]).split(),
+    st.sampled_from(NAMES + GLOBS),
+    st.lists(st.sampled_from([w for w in WORDS if w != "--"]), max_size=2),
+)
+cases = st.fixed_dictionaries(
+    {
+        "rules": st.fixed_dictionaries(
+            {
+                "deny": st.lists(patterns, max_size=4),
+                "approve": st.lists(patterns, max_size=3),
+                "allow": st.one_of(st.just([]), st.lists(patterns, min_size=1, max_size=4)),
+            }
+        ),
+        "path": st.sampled_from(NAMES),
+        "file": st.sampled_from(NAMES),
+        "content": st.sampled_from(CONTENTS),
+        "argv": st.one_of(
+            st.just([]),
+            st.builds(
+                lambda first, rest: [first, *rest],
+                st.sampled_from([*NAMES, "/usr/bin/rm", "./x", "python3.11", ""]),
+                st.lists(st.sampled_from(WORDS), max_size=4),
+            ),
+        ),
+    }
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=cases)
+def test_the_fast_path_allows_only_what_the_python_judge_allows(
+    judges: tuple[Any, Any], tmp_path: Path, case: dict[str, Any]
+) -> None:
+    said, verdict = _decide(judges, tmp_path, case)
+    if said:
+        assert verdict == ("allow", None), case
+
+
+@pytest.mark.parametrize(
+    ("rules", "path", "argv", "fast"),
+    [
+        # the common case: a program no rule names, whatever its arguments
+        ({"deny": [["rm", "-r"]], "approve": [["git", "push"]]}, "ls", ["ls", "-r"], True),
+        ({"deny": [["curl"]]}, "cat", ["cat", "x"], True),
+        # a program a rule names goes to Python, whatever its arguments
+        ({"deny": [["rm", "-r"]]}, "rm", ["rm", "x"], False),
+        # argv[0] is a name too (busybox), and python -m runs the module
+        ({"deny": [["rm", "-r"]]}, "ls", ["rm", "x"], False),
+        ({"approve": [["pip", "install"]]}, "python3", ["python3", "-m", "pip", "install"], False),
+        # globs, and the brackets left to Python
+        ({"deny": [["r*"]]}, "ls", ["ls"], True),
+        ({"deny": [["?s"]]}, "ls", ["ls"], False),
+        ({"deny": [["[rl]s"]]}, "cat", ["cat"], False),
+        # an allowlist: only what it names alone, by what the file is
+        ({"allow": [["ls"]]}, "ls", ["anything"], True),
+        ({"allow": [["git", "status"]]}, "git", ["git", "status"], False),
+        ({"allow": [["ls"]]}, "cat", ["ls"], False),
+    ],
+)
+def test_what_the_fast_path_answers_itself(
+    judges: tuple[Any, Any], tmp_path: Path, rules: dict[str, Any], path: str, argv: list[str], fast: bool
+) -> None:
+    full = {"deny": [], "approve": [], "allow": [], **rules}
+    case = {"rules": full, "path": path, "file": path, "content": "small", "argv": argv}
+    said, verdict = _decide(judges, tmp_path, case)
+    assert bool(said) is fast
+    if fast:
+        assert verdict == ("allow", None)
+
+
+CONFINE_PROBE = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import rules
+
+ws = sys.argv[2]
+
+
+class Sup:
+    pass
+
+
+r = rules.Rules(Sup(), {"write": [ws + "/src/"], "judge": sys.argv[3]})
+
+
+def shim():
+    # a shim's life: confined, then what the code can write
+    rd, wr = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        got = {}
+        try:
+            r.confine()
+            # /tmp is always writable to code: "outside" is a temp folder that is not
+            outside = "/var/tmp/stockade-probe-%d" % os.getpid()
+            for name, path in (("src/new", os.path.join(ws, "src/new")), ("outside", outside)):
+                try:
+                    with open(path, "w"):
+                        got[name] = True
+                    if name == "outside":
+                        os.unlink(path)
+                except OSError:
+                    got[name] = False
+        except OSError as exc:
+            got["error"] = str(exc)
+        os.write(wr, json.dumps(got).encode())
+        os._exit(0)
+    os.close(wr)
+    data = os.read(rd, 4096)
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
+first = shim()
+os.rename(ws + "/src", ws + "/old")  # the written folder replaced: the ruleset holds the old one
+os.mkdir(ws + "/src")
+print(json.dumps({"compiled": r._confine_c is not None, "landlock": r.landlock, "shims": [first, shim()]}))
+"""
+
+
+@pytest.mark.parametrize("judge", ["compiled", "python"])
+def test_a_shim_is_confined_alike_by_the_compiled_and_the_python_path(tmp_path: Path, judge: str) -> None:
+    """stockade_confine (judge.c) makes the shim dumpable and puts it under the Landlock
+    ruleset, and leaves it to Python when a written folder was replaced since the ruleset was
+    built (a rule holds the folder's inode): the code can write the new folder, never
+    outside it."""
+    import json
+    import subprocess
+
+    built = _judge.build()
+    if built is None:
+        pytest.skip("no C compiler on this host")
+    folder = tmp_path / "supervisor"
+    folder.mkdir()
+    for module in SUPERVISOR.glob("*.py"):
+        shutil.copy(module, folder / module.name)
+    shutil.copy(built, folder / _judge.LIBRARY)
+    workspace = tmp_path / "ws"
+    (workspace / "src").mkdir(parents=True)
+    done = subprocess.run(
+        [sys.executable, "-c", CONFINE_PROBE, str(folder), str(workspace), judge],
+        capture_output=True, text=True, check=True, timeout=60,
+    )  # fmt: skip
+    got = json.loads(done.stdout)
+    if not got["landlock"]:
+        pytest.skip("no Landlock in this kernel")
+    assert got["compiled"] is (judge == "compiled")
+    assert got["shims"] == [{"src/new": True, "outside": False}] * 2
