@@ -20,6 +20,7 @@ from __future__ import annotations
 # Start-up time is cold-start time: only C modules and tiny pure-Python ones here
 # (no typing, selectors, ctypes, json, enum-based signal), heavy ones imported lazily.
 import _signal as signal
+import errno
 import fcntl
 import os
 import resource
@@ -424,7 +425,16 @@ class Supervisor:
 
     def op_code(self, rid: int, h: dict[str, Any], body: bytes) -> None:
         if self.interpreter is None:
-            self.interpreter = Interpreter(self)
+            try:
+                self.interpreter = Interpreter(self)
+            except OSError as exc:
+                if exc.errno != errno.ESRCH:  # out of processes or fds: as any failed start
+                    raise
+                # No zygote, and we may not fork one (we have served someone else): the
+                # run's answer, as when code kills its interpreter, until a reset.
+                error = {"name": "KernelDied", "value": exc.strerror, "traceback": ""}
+                self.finish_code(Job(self, rid), dumps({"results": [], "error": error}).encode())
+                return
         job = Job(self, rid)
         timeout = h.get("timeout")
         job.deadline = None

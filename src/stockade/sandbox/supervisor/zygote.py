@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 # What a request carries: the interpreter's stdout, stderr, control-in and reply-out ends.
 FDS = 4
 PID = 8  # bytes of a reply: the shim's pid, or minus an errno
+PING_S = 5.0  # how long a reset waits for the zygote to say it is there
 # States of /proc/<pid>/stat in which a zygote cannot serve (stopped, traced, dead).
 NOT_SERVING = (b"T", b"t", b"Z", b"X", b"x")
 
@@ -65,16 +66,29 @@ class Zygote:
             return ["the zygote is dead or stopped"]
         import baseline
 
-        return baseline.differences(base, self.pid)
+        problems = baseline.differences(base, self.pid)
+        if not problems:
+            try:  # a signal sent just before the reset may not have taken effect yet
+                self._ask(b"P", (), PING_S)
+            except OSError as exc:
+                problems.append(f"the zygote does not answer: {exc.strerror}")
+        return problems
 
     def spawn(self, fds: "tuple[int, ...]", timeout: float) -> int:
         """A new interpreter's shim (our child by now), started on ``fds``; OSError if the
         zygote cannot (out of processes) or does not answer (dead, stopped)."""
         if not self.serving():
             raise OSError(errno.ESRCH, "the interpreter's zygote is gone")
-        rights = array.array("i", fds).tobytes()
+        pid = self._ask(b"F", fds, timeout)
+        if pid < 0:
+            raise OSError(-pid, f"the interpreter could not start: {os.strerror(-pid)}")
+        return pid
+
+    def _ask(self, what: bytes, fds: "tuple[int, ...]", timeout: float) -> int:
+        """One request and its answer; a zygote that fails to answer is stopped."""
+        rights = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
         try:
-            self.sock.sendmsg([b"F"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, rights)])
+            self.sock.sendmsg([what], rights)
             reply = b""
             while len(reply) < PID:
                 if not select.select([self.sock], [], [], timeout)[0]:
@@ -86,10 +100,7 @@ class Zygote:
         except OSError:
             self.stop()
             raise
-        pid = int.from_bytes(reply, "big", signed=True)
-        if pid < 0:
-            raise OSError(-pid, f"the interpreter could not start: {os.strerror(-pid)}")
-        return pid
+        return int.from_bytes(reply, "big", signed=True)
 
     def stop(self) -> None:
         """Kill it (the supervisor's reaping then says it is gone)."""
@@ -163,6 +174,9 @@ def _serve(
             continue
         if not msg:
             return  # the supervisor closed its end: it is gone or replacing us
+        if msg == b"P":
+            sock.sendall(bytes(PID))
+            continue
         fds: "list[int]" = []
         for level, kind, data in ancillary:
             if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
