@@ -715,11 +715,11 @@ def main() -> None:
         interpreter.preload()
         sup.send({"id": header.get("id", 0), "ev": "hello", "pid": os.getpid()})
     sup.configure(header.get("config", {}))
-    sup.start_zygote()
     ready = {"id": header.get("id", 0), "ev": "ready", "pid": os.getpid(), "python": sys.version.split()[0]}
     if sup.rules is not None:
         ready["rules"] = sup.rules.report()
     sup.send(ready)
+    sup.start_zygote()  # after answering (off the create's path), before reading any request
     sup.reader = reader
     sup.serve()
 
