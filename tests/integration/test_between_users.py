@@ -243,7 +243,7 @@ def _settings(pid):
     with open(f"/proc/{pid}/stat", "rb") as fh:
         data = fh.read()
     return {
-        "state": data[data.rindex(b")") + 2 :].split()[0].decode(),
+        "stopped or dead": data[data.rindex(b")") + 2 :].split()[0] in b"TtZXx",  # not: running or asleep
         "nofile": resource.prlimit(pid, resource.RLIMIT_NOFILE),
         "nice": os.getpriority(os.PRIO_PROCESS, pid),
         "affinity": sorted(os.sched_getaffinity(pid)),
@@ -252,7 +252,7 @@ def _settings(pid):
 
 _supervisor, _found = _zygotes()
 me = _settings(os.getpid())
-del me["state"], me["nice"]  # ours (running; nice 19 like all code) say nothing of the zygote's
+del me["stopped or dead"], me["nice"]  # ours (running; nice 19 like all code) say nothing of the zygote's
 {"zygotes": [_settings(pid) for pid in _found], "interpreter": me}
 """
 # What code of the zygote's uid can do to it; the reset must notice each and replace it.

@@ -2,12 +2,13 @@
 
 A fresh supervisor forks it right after its configuration, before it reads any request that
 could carry a user's data. The zygote loads what an interpreter needs (``interpreter.py``,
-``site``) and then only forks interpreters, one per request on a socketpair, each taking the
-pipes the supervisor sends with the request. A reset kills every process but these two,
-checks that code left the zygote as it started (alive, not stopped, same rlimits, nice value,
-CPU affinity and scheduling policy: code runs as its uid and can change all of them), and
-asks it for the next interpreter: no exec, no Python start. A zygote that is not as it
-started is dropped, and the supervisor execs a fresh copy of itself, which forks a new one.
+``site``) on its first request, and only ever forks interpreters, one per request on a
+socketpair, each taking the pipes the supervisor sends with the request. A reset kills every
+process but these two, checks that code left the zygote as it started (alive, not stopped,
+same rlimits, nice value, CPU affinity and scheduling policy: code runs as its uid and can
+change all of them), and asks it for the next interpreter: no exec, no Python start. A
+zygote that is not as it started is dropped, and the supervisor execs a fresh copy of
+itself, which forks a new one.
 
 Each interpreter is forked through a short-lived middle process, so that its shim is
 reparented to the supervisor (a child subreaper) and reaped, timed out and killed there as
@@ -157,16 +158,10 @@ def _serve(
 ) -> None:
     for sig in IGNORED_SIGNALS:  # SIGKILL and SIGSTOP remain: the reset checks for them
         signal.signal(sig, signal.SIG_IGN)
-    import interpreter  # type: ignore[import-not-found]
     from runcode import become_interpreter
 
-    interpreter.preload()
-    import gc
-
-    gc.collect()
-    if hasattr(gc, "freeze"):  # 3.7+: the forks' collections leave our pages shared
-        gc.freeze()
     target = become_interpreter(workspace, env)
+    loaded = False
     while True:
         try:
             msg, ancillary, _, _ = sock.recvmsg(1, _socket.CMSG_SPACE(4 * FDS))
@@ -183,10 +178,27 @@ def _serve(
                 got = array.array("i")
                 got.frombytes(data[: len(data) - len(data) % got.itemsize])
                 fds.extend(got)
+        if not loaded:
+            _load()
+            loaded = True
         reply = _fork_one(fds, target, confine, devnull) if len(fds) == FDS else -errno.EINVAL
         for fd in fds:
             os.close(fd)
         sock.sendall(reply.to_bytes(PID, "big", signed=True))
+
+
+def _load() -> None:
+    """What every interpreter needs, once, on the first request: not at the sandbox's start,
+    where it would take the CPU from the create and the first command (and a sandbox that
+    never runs code would pay it for nothing)."""
+    import interpreter  # type: ignore[import-not-found]
+
+    interpreter.preload()
+    import gc
+
+    gc.collect()
+    if hasattr(gc, "freeze"):  # 3.7+: the forks' collections leave our pages shared
+        gc.freeze()
 
 
 def _fork_one(
