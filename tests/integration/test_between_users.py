@@ -213,8 +213,9 @@ def test_a_wide_tree_resets_quickly_and_never_holds_up_other_users(tier: str) ->
         assert waited < 3 * ordinary + 5, f"acquire waited {waited:.1f}s behind another member's reset"
 
 
-# The zygote (supervisor/zygote.py): the supervisor's one other child, which forks every
-# interpreter. Found from inside as the supervisor's child that is not this interpreter's shim.
+# The zygote (supervisor/zygote.py) forks every interpreter's shim: the interpreter's parent
+# is its shim, the shim's the zygote, the zygote's the supervisor, whose children (no command
+# runs meanwhile) must be the zygote alone.
 FIND_ZYGOTE = r"""
 import os
 
@@ -224,11 +225,10 @@ def _parent(pid):
     return int(data[data.rindex(b")") + 2 :].split()[1])
 
 def _zygotes():
-    shim = os.getppid()
-    supervisor = _parent(shim)
+    supervisor = _parent(_parent(os.getppid()))
     found = []
     for name in os.listdir("/proc"):
-        if name.isdigit() and int(name) != shim:
+        if name.isdigit():
             try:
                 if _parent(int(name)) == supervisor:
                     found.append(int(name))

@@ -10,10 +10,11 @@ change all of them), and asks it for the next interpreter: no exec, no Python st
 zygote that is not as it started is dropped, and the supervisor execs a fresh copy of
 itself, which forks a new one.
 
-Each interpreter is forked through a short-lived middle process, so that its shim is
-reparented to the supervisor (a child subreaper) and reaped, timed out and killed there as
-before. ``random`` and ``tempfile`` reseed in every fork; the hash seed is the zygote's,
-shared by the interpreters it forks (a Python start per interpreter is what it saves).
+Each interpreter's shim is the zygote's child, which reaps it; the supervisor learns of an
+interpreter's death from its reply pipe (closed) and kills, times out and finds its
+processes by the shim's pid, as before. ``random`` and ``tempfile`` reseed in every fork;
+the hash seed is the zygote's, shared by the interpreters it forks (a Python start per
+interpreter is what it saves).
 
 Standard library only (C modules where it matters for start-up time).
 """
@@ -158,6 +159,7 @@ def _serve(
 ) -> None:
     for sig in IGNORED_SIGNALS:  # SIGKILL and SIGSTOP remain: the reset checks for them
         signal.signal(sig, signal.SIG_IGN)
+    signal.signal(signal.SIGCHLD, _reap)  # runs while we wait for a request (recvmsg resumes)
     from runcode import become_interpreter
 
     target = become_interpreter(workspace, env)
@@ -204,39 +206,20 @@ def _load() -> None:
 def _fork_one(
     fds: "list[int]", target: "Callable[[], None]", confine: "Optional[Callable[[], None]]", devnull: int
 ) -> int:
-    """Start one interpreter under a shim, through a middle process that ends at once: the
-    shim is then the supervisor's child (its nearest subreaper), not ours."""
+    """Start one interpreter under a shim (our child: we reap it when it ends)."""
     out_w, err_w, in_r, res_w = fds
-    r, w = os.pipe()
     try:
-        middle = os.fork()
+        return spawn_shim(forked(target), (devnull, out_w, err_w), keep=(in_r, res_w), confine=confine)
     except OSError as exc:
-        os.close(r)
-        os.close(w)
         return -(exc.errno or errno.EAGAIN)
-    if middle == 0:
-        try:
-            os.close(r)
-            try:
-                shim = spawn_shim(
-                    forked(target), (devnull, out_w, err_w), keep=(in_r, res_w), confine=confine
-                )
-            except OSError as exc:
-                shim = -(exc.errno or errno.EAGAIN)
-            os.write(w, shim.to_bytes(PID, "big", signed=True))
-        finally:
-            os._exit(0)
-    os.close(w)
+
+
+def _reap(*_: object) -> None:
+    """SIGCHLD: a shim ended (its interpreter died, or the supervisor killed it)."""
     while True:
         try:
-            os.waitpid(middle, 0)
-            break
-        except InterruptedError:
-            continue
+            pid, _status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            break
-    try:
-        data = os.read(r, PID)
-    finally:
-        os.close(r)
-    return int.from_bytes(data, "big", signed=True) if len(data) == PID else -errno.EIO
+            return
+        if pid == 0:
+            return
