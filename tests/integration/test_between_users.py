@@ -8,6 +8,7 @@ is replaced, never handed out.
 
 from __future__ import annotations
 
+import ast
 import secrets
 import time
 
@@ -210,3 +211,143 @@ def test_a_wide_tree_resets_quickly_and_never_holds_up_other_users(tier: str) ->
             assert third.files.list() == []
         # Before: one recycling thread, and emptying 20,000 folders took 28 s.
         assert waited < 3 * ordinary + 5, f"acquire waited {waited:.1f}s behind another member's reset"
+
+
+# The zygote (supervisor/zygote.py) forks every interpreter's shim: the interpreter's parent
+# is its shim, the shim's the zygote, the zygote's the supervisor, whose children (no command
+# runs meanwhile) must be the zygote alone.
+FIND_ZYGOTE = r"""
+import os
+
+def _parent(pid):
+    with open(f"/proc/{pid}/stat", "rb") as fh:
+        data = fh.read()
+    return int(data[data.rindex(b")") + 2 :].split()[1])
+
+def _zygotes():
+    supervisor = _parent(_parent(os.getppid()))
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if _parent(int(name)) == supervisor:
+                    found.append(int(name))
+            except (OSError, ValueError):
+                continue
+    return supervisor, found
+"""
+READ_PROCESSES = r"""
+import resource
+
+def _settings(pid):
+    with open(f"/proc/{pid}/stat", "rb") as fh:
+        data = fh.read()
+    return {
+        "stopped or dead": data[data.rindex(b")") + 2 :].split()[0] in b"TtZXx",  # not: running or asleep
+        "nofile": resource.prlimit(pid, resource.RLIMIT_NOFILE),
+        "nice": os.getpriority(os.PRIO_PROCESS, pid),
+        "affinity": sorted(os.sched_getaffinity(pid)),
+        "policy": os.sched_getscheduler(pid),
+    }
+
+_supervisor, _found = _zygotes()
+me = _settings(os.getpid())
+del me["stopped or dead"], me["nice"]  # ours (running; nice 19 like all code) say nothing of the zygote's
+{"zygotes": [_settings(pid) for pid in _found], "interpreter": me}
+"""
+# What code of the zygote's uid can do to it; the reset must notice each and replace it.
+ZYGOTE_TAMPERS = {
+    "killed": "os.kill(_found[0], 9)",
+    "stopped": "os.kill(_found[0], 19)",
+    "open files limit lowered": (
+        "resource.prlimit(_found[0], resource.RLIMIT_NOFILE, "
+        "(64, resource.prlimit(_found[0], resource.RLIMIT_NOFILE)[1]))"
+    ),
+    "nice raised": "os.setpriority(os.PRIO_PROCESS, _found[0], 10)",
+    "CPU affinity narrowed": "os.sched_setaffinity(_found[0], {min(os.sched_getaffinity(_found[0]))})",
+    "scheduled idle": "os.sched_setscheduler(_found[0], os.SCHED_IDLE, os.sched_param(0))",
+}
+# One CPU has nothing to narrow; gVisor has no SCHED_IDLE (EINVAL).
+TAMPERS_A_TIER_MAY_REFUSE = ("CPU affinity narrowed", "scheduled idle")
+
+
+def _processes(sbx: Sandbox) -> dict[str, object]:
+    result = sbx.run_code(FIND_ZYGOTE + READ_PROCESSES)
+    assert result.error is None, result.error
+    value = ast.literal_eval(result.text or "")
+    assert isinstance(value, dict)
+    return value
+
+
+def test_code_cannot_read_the_supervisor_nor_the_zygote(sbx: Sandbox) -> None:
+    # Both are non-dumpable: /proc/<pid>/mem is refused to code of their uid, which otherwise
+    # could read the supervisor's heap (every earlier user's traffic). (gVisor lets it read
+    # their environ: the environment they were started with, the same for every user.)
+    result = sbx.run_code(
+        FIND_ZYGOTE + "def _refused(pid, what):\n"
+        "    try:\n"
+        "        with open(f'/proc/{pid}/{what}', 'rb') as fh:\n"
+        "            fh.read(1)\n"
+        "        return False\n"
+        "    except OSError:\n"
+        "        return True\n"
+        "_supervisor, _found = _zygotes()\n"
+        "[len(_found)] + [_refused(p, 'mem') for p in [_supervisor, *_found]]"
+    )
+    assert result.error is None, result.error
+    assert result.text == "[1, True, True]", "one zygote, and the memory of neither readable"
+
+
+def test_a_zygote_code_changed_is_replaced_at_reset(sbx: Sandbox) -> None:
+    started = _processes(sbx)
+    assert len(started["zygotes"]) == 1  # type: ignore[arg-type]
+    for what, tamper in ZYGOTE_TAMPERS.items():
+        done = sbx.run_code(FIND_ZYGOTE + "import os, resource\n_supervisor, _found = _zygotes()\n" + tamper)
+        if done.error is not None and what in TAMPERS_A_TIER_MAY_REFUSE:
+            continue
+        assert done.error is None, (what, done.error)
+        sbx.reset()
+        assert _processes(sbx) == started, f"after the zygote was {what}"
+
+
+def test_consecutive_users_draw_fresh_randomness(sbx: Sandbox) -> None:
+    # Python reseeds random (and tempfile's names) in every fork: the zygote's interpreters
+    # share nothing but the hash seed (see docs/architecture.md, the reset).
+    draw = (
+        "import os, random, tempfile\n"
+        "with tempfile.NamedTemporaryFile() as fh:\n"
+        "    name = fh.name\n"
+        "(os.urandom(16).hex(), random.random(), name)"
+    )
+    first = sbx.run_code(draw).text
+    sbx.reset()
+    second = sbx.run_code(draw).text
+    assert first is not None and second is not None
+    assert all(a != b for a, b in zip(ast.literal_eval(first), ast.literal_eval(second), strict=True))
+
+
+def test_a_user_who_kills_the_zygote_gets_no_interpreter_forked_from_the_supervisor(sbx: Sandbox) -> None:
+    # After a reset the supervisor's heap has held the last user's traffic: an interpreter
+    # forked from it would hand that to this user. Without the zygote, no new interpreter.
+    planted = _leave_secrets(sbx)
+    sbx.reset()
+    killed = sbx.run_code(
+        FIND_ZYGOTE + "_supervisor, _found = _zygotes()\nos.kill(_found[0], 9)\nos._exit(0)"
+    )
+    assert killed.error is not None  # the interpreter ended itself
+    scan = sbx.run_code(SCAN_MEMORY)
+    assert scan.error is not None and "zygote" in scan.error.value, scan.error
+    sbx.reset()  # a new supervisor and zygote: interpreters again
+    assert _secrets_in_memory(sbx, planted) == 0
+
+
+def test_a_fork_bomb_does_not_keep_the_zygote_from_the_next_interpreter(sbx: Sandbox) -> None:
+    # The zygote is one of the sandbox's processes (its pids limit counts it); a fork bomb
+    # takes every other slot until its call ends, and the next call gets an interpreter.
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    assert sbx.run_code(bomb, timeout_s=3).error is not None
+    assert sbx.run_code("1 + 1").text == "2"
+    sbx.run_code(bomb, timeout_s=3)
+    sbx.reset()
+    assert sbx.run_code("1 + 1").text == "2"
+    assert len(_processes(sbx)["zygotes"]) == 1  # type: ignore[arg-type]

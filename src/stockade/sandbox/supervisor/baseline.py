@@ -118,3 +118,26 @@ def restore(base: "dict[str, Any]") -> "list[str]":
             except OSError as exc:
                 problems.append(f"{path} cannot be put back: {exc.strerror}")
     return problems
+
+
+def differences(base: "dict[str, Any]", pid: int) -> "list[str]":
+    """How another process's settings (the zygote's) differ from ``base``; empty: none.
+
+    Code runs as its uid too, so it can change them as it can ours (``prlimit``,
+    ``setpriority``, ``sched_setaffinity``, ``sched_setscheduler``), and every process it
+    forks inherits them. Nothing is put back here: the caller replaces the process."""
+    problems: "list[str]" = []
+    try:
+        for name, limits in base["rlimits"].items():
+            now = list(resource.prlimit(pid, getattr(resource, name)))
+            if now != limits:
+                problems.append(f"its {name} is {tuple(now)}")
+        if os.getpriority(os.PRIO_PROCESS, pid) != base["nice"]:
+            problems.append("its nice value was changed")
+        if sorted(os.sched_getaffinity(pid)) != base["affinity"]:
+            problems.append("its CPU affinity was changed")
+        if os.sched_getscheduler(pid) != base["policy"]:
+            problems.append("its scheduling policy was changed")
+    except (OSError, ValueError) as exc:  # gone, or a kernel that will not tell: not as it was
+        problems.append(f"its settings cannot be read: {exc}")
+    return problems

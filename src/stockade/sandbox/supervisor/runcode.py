@@ -10,6 +10,7 @@ Standard library only; runs on any Python >= 3.8 found inside the sandbox.
 
 from __future__ import annotations
 
+import errno
 import os
 import select
 import sys
@@ -22,12 +23,56 @@ from reaper import forked, kill_tree, spawn_shim
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
-    from typing import Optional
+    from typing import Callable, Optional
 
     from jobs import Job
     from supervisor import Supervisor
 
 CHUNK = 1 << 16
+START_S = 10.0  # how long the zygote may take to fork an interpreter (it may still be loading site)
+
+
+def become_interpreter(workspace: str, env: "dict[str, str]") -> "Callable[[], None]":
+    """What the interpreter process runs, forked by the zygote (or the supervisor)."""
+
+    def target() -> None:
+        # Imported and site loaded in the zygote before it forks (a no-op then), or here
+        # when the supervisor forks: a fork write-protects every page its parent has
+        # written, milliseconds in a VM for what site's imports write. Before the
+        # workspace joins sys.path: site imports nothing of the sandbox's.
+        import interpreter  # type: ignore[import-not-found]
+
+        interpreter.preload()
+        os.chdir(workspace)
+        os.environ.clear()
+        os.environ.update(env)
+        sys.path.insert(1, workspace)  # user code imports its own modules, as in a notebook
+        interpreter.main(3, 4)
+        os._exit(0)
+
+    return target
+
+
+def _start(sup: "Supervisor", fds: "tuple[int, int, int, int]") -> int:
+    """The new interpreter's shim, forked by the zygote; by the supervisor only while it
+    has served no one else (its heap holds what earlier users' commands and files passed
+    through it, and a fork would hand that to this user's code)."""
+    zygote = sup.zygote
+    if zygote is not None:
+        try:
+            return zygote.spawn(fds, START_S)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.ENOMEM):  # out of processes: the zygote is fine
+                raise
+            sup.zygote = None
+    if not sup.clean:
+        raise OSError(
+            errno.ESRCH,
+            "the interpreter cannot start: its zygote is gone (code killed it); reset the sandbox",
+        )
+    out_w, err_w, in_r, res_w = fds
+    target = become_interpreter(sup.workspace.root, sup.env)
+    return spawn_shim(forked(target), (sup.devnull, out_w, err_w), keep=(in_r, res_w), confine=sup.confine)
 
 
 class Interpreter:
@@ -39,26 +84,12 @@ class Interpreter:
         err_r, err_w = os.pipe()
         in_r, in_w = os.pipe()
         res_r, res_w = os.pipe()
-
-        def target() -> None:
-            # Imported and site loaded here, in the interpreter process, not in the
-            # supervisor before forking: a fork write-protects every page its parent has
-            # written, milliseconds in a VM for what site's imports write. The price: an
-            # interpreter started again by this supervisor (after a timeout) loads site
-            # again. Before the workspace joins sys.path: site imports nothing of the sandbox's.
-            import interpreter  # type: ignore[import-not-found]
-
-            interpreter.preload()
-            os.chdir(sup.workspace.root)
-            os.environ.clear()
-            os.environ.update(sup.env)
-            sys.path.insert(1, sup.workspace.root)  # user code imports its own modules, as in a notebook
-            interpreter.main(3, 4)
-            os._exit(0)
-
-        self.shim = spawn_shim(
-            forked(target), (sup.devnull, out_w, err_w), keep=(in_r, res_w), confine=sup.confine
-        )
+        try:
+            self.shim = _start(sup, (out_w, err_w, in_r, res_w))
+        except OSError:
+            for fd in (out_r, out_w, err_r, err_w, in_r, in_w, res_r, res_w):
+                os.close(fd)
+            raise
         for fd in (out_w, err_w, in_r, res_w):
             os.close(fd)
         self.ctl_w = in_w

@@ -20,6 +20,7 @@ from __future__ import annotations
 # Start-up time is cold-start time: only C modules and tiny pure-Python ones here
 # (no typing, selectors, ctypes, json, enum-based signal), heavy ones imported lazily.
 import _signal as signal
+import errno
 import fcntl
 import os
 import resource
@@ -67,7 +68,7 @@ from fileops import (
     remove_sysv_ipc,
 )
 from jobs import CommandJob, Job
-from protocol import FrameReader, dumps, encode
+from protocol import PREFIX, FrameReader, dumps, encode, loads
 from reaper import (
     IGNORED_SIGNALS,
     PR_SET_CHILD_SUBREAPER,
@@ -79,6 +80,8 @@ from reaper import (
     spawned,
 )
 from runcode import Interpreter
+from zygote import Zygote
+from zygote import start as start_zygote
 
 CHUNK = 1 << 16
 
@@ -156,6 +159,10 @@ class Supervisor:
         # Restored from a memory snapshot: the interpreter's next run first draws new seeds
         # (every sandbox restored from one snapshot would otherwise share its generators).
         self.reseed = False
+        self.zygote: Optional[Zygote] = None  # forks every interpreter (supervisor/zygote.py)
+        # Has this process image served only the current user? A reset that keeps it (and
+        # the zygote) makes it False: from then on no interpreter may be forked from us.
+        self.clean = True
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -203,6 +210,13 @@ class Supervisor:
             except OSError:  # a tier without /dev/shm
                 continue
         self.baseline = baseline.snapshot()
+
+    def start_zygote(self) -> None:
+        """Fork the zygote: right after the configuration, before any request is read."""
+        ruleset = getattr(self.rules, "_ruleset", -1)  # what confine() applies in each shim
+        self.zygote = start_zygote(
+            (self.devnull, ruleset), self.workspace.root, self.env, self.confine, self.devnull
+        )
 
     def serve(self) -> None:
         wake_r, wake_w = os.pipe()
@@ -268,7 +282,7 @@ class Supervisor:
                 # Requests behind the reset are for the fresh supervisor it execs.
                 rest = b"".join(encode(h, b) for h, b in frames[i + 1 :]) + self.reader.take_pending()
                 self.reset(rid, header, rest)
-                self.handle(self.reader.frames())  # reached only when the reset failed
+                self.handle(self.reader.frames())  # not reached when the reset exec'd
                 return
             try:
                 self.dispatch(rid, header, body)
@@ -411,7 +425,16 @@ class Supervisor:
 
     def op_code(self, rid: int, h: dict[str, Any], body: bytes) -> None:
         if self.interpreter is None:
-            self.interpreter = Interpreter(self)
+            try:
+                self.interpreter = Interpreter(self)
+            except OSError as exc:
+                if exc.errno != errno.ESRCH:  # out of processes or fds: as any failed start
+                    raise
+                # No zygote, and we may not fork one (we have served someone else): the
+                # run's answer, as when code kills its interpreter, until a reset.
+                error = {"name": "KernelDied", "value": exc.strerror, "traceback": ""}
+                self.finish_code(Job(self, rid), dumps({"results": [], "error": error}).encode())
+                return
         job = Job(self, rid)
         timeout = h.get("timeout")
         job.deadline = None
@@ -426,22 +449,27 @@ class Supervisor:
         self.send({"id": rid, "ev": "done"})
 
     def reset(self, rid: int, h: dict[str, Any], rest: bytes) -> None:
-        """Make the sandbox as it was at start-up, then exec a fresh supervisor in our place.
+        """Make the sandbox as it was at start-up, for the next user.
 
-        Kill everything, empty every writable place, drop IPC objects, put back the settings
-        code can change (``baseline``): the pool's 'never hand out dirty'. What one user
-        leaves (a file in /dev/shm, a SysV segment, a mode on the workspace, a sysctl) would
-        otherwise reach the next one. The exec matters as much: our heap has held the last
-        user's output and environment, and every interpreter is a fork of us; a fresh
-        process image (same pid: we stay the sandbox's init) has nothing of theirs.
+        Kill everything but the zygote, empty every writable place, drop IPC objects, put
+        back the settings code can change (``baseline``): the pool's 'never hand out dirty'.
+        What one user leaves (a file in /dev/shm, a SysV segment, a mode on the workspace, a
+        sysctl) would otherwise reach the next one. Our heap has held the last user's output
+        and environment: no interpreter is forked from us any more but from the zygote,
+        which holds nothing of any user, and we are non-dumpable (code cannot read us). A
+        zygote that code changed (killed, stopped, its limits or scheduling) is dropped and
+        we exec a fresh copy of ourselves (same pid: we stay the sandbox's init), which
+        forks a new one; so does a sandbox under a policy or egress relay, whose state
+        (approvals, connections) the exec renews.
         """
         for job in list(self.commands.values()):
             job.timed_out = True
             kill_tree(job.shim, include_root=True)
-        self.commands.clear()
-        self.shims.clear()
+        self._forget_commands()
         self.drop_interpreter(None)
-        kill_tree(os.getpid(), include_root=False)
+        zygote = self.zygote if self.zygote is not None and self.zygote.alive else None
+        # Code first (a fork bomb's included): the zygote then has processes to fork with.
+        kill_tree(os.getpid(), include_root=False, spare=zygote.pid if zygote is not None else 0)
         for root, mode in self.root_modes.items():
             if stat.S_IMODE(os.stat(root).st_mode) != mode:  # not ours to chmod on some tiers
                 os.chmod(root, mode)
@@ -454,6 +482,19 @@ class Supervisor:
             self.send({"id": rid, "ev": "error", "kind": "reset", "message": "; ".join(problems)})
             self.reader.feed(rest)
             return
+        self._reap()
+        in_place = self.rules is None and self.egress is None
+        if in_place and self.zygote is not None and not self.zygote.problems(self.baseline):
+            self.clean = False
+            if h.get("warm"):
+                self.interpreter = Interpreter(self)
+                self.interpreter.wait_started(WARM_START_S)
+            self.send({"id": rid, "ev": "done"})
+            self.reader.feed(rest)
+            return
+        if self.zygote is not None:
+            self.zygote.stop()
+            self.zygote = None
         while True:  # reap: no zombie of the last user crosses into the new image
             try:
                 os.waitpid(-1, 0)
@@ -462,6 +503,17 @@ class Supervisor:
             except InterruptedError:
                 continue
         self._exec_fresh(rid, bool(h.get("warm")), rest)
+
+    def _forget_commands(self) -> None:
+        """Close the pipes of every command (their processes are killed): no exec does now."""
+        for job in self.commands.values():
+            for fd in job.open_pipes:
+                self.sel.unregister(fd)
+                os.close(fd)
+            job.open_pipes.clear()
+            self._close_stdin(job)
+        self.commands.clear()
+        self.shims.clear()
 
     def _exec_fresh(self, rid: int, warm: bool, rest: bytes) -> None:
         if self.rules is not None:
@@ -539,12 +591,16 @@ class Supervisor:
                 self._maybe_finish(job)
             elif self.interpreter is not None and pid == self.interpreter.shim:
                 self.drop_interpreter("the interpreter process died")
+            elif self.zygote is not None and pid == self.zygote.pid:
+                self.zygote.alive = False  # its pid is free again: never spare nor signal it
 
     def _sweep_strays(self) -> None:
         """Kill children of ours that are no shim: orphans of a shim someone killed."""
         known = set(self.shims)
         if self.interpreter is not None:
             known.add(self.interpreter.shim)
+        if self.zygote is not None and self.zygote.alive:
+            known.add(self.zygote.pid)
         for pid in _children_map().get(os.getpid(), []):
             if pid not in known:
                 kill_tree(pid, include_root=True)
@@ -642,32 +698,46 @@ def main() -> None:
     # move this process into its cgroup. A host that keeps a snapshot of sandboxes before
     # they are configured (the microVM's boot image) first says hello: we load what every
     # interpreter needs and answer, and the snapshot is taken while we wait for the rest.
-    frames: list[tuple[dict[str, Any], bytes]] = []
+    # One frame at a time, to the byte: the zygote is forked after the configuration, and
+    # must not hold a request read ahead of it (its memory reaches every interpreter).
     while True:
+        prefix = _read_exactly(rfd, PREFIX.size)
+        if len(prefix) < PREFIX.size:
+            return
+        hlen, blen = PREFIX.unpack(prefix)
+        reader.feed(prefix + _read_exactly(rfd, hlen + blen))
+        frames = reader.frames()
         if not frames:
-            chunk = os.read(rfd, 1 << 16)
-            if not chunk:
-                return
-            reader.feed(chunk)
-            frames = reader.frames()
-        if frames and frames[0][0].get("op") == "hello":
-            import interpreter  # type: ignore[import-not-found]
-
-            interpreter.preload()
-            sup.send({"id": frames[0][0].get("id", 0), "ev": "hello", "pid": os.getpid()})
-            frames = frames[1:]
-            continue
-        if frames:
+            return
+        header = frames[0][0]
+        if header.get("op") != "hello":
             break
-    header, _ = frames[0]
+        import interpreter  # type: ignore[import-not-found]
+
+        interpreter.preload()
+        sup.send({"id": header.get("id", 0), "ev": "hello", "pid": os.getpid()})
     sup.configure(header.get("config", {}))
     ready = {"id": header.get("id", 0), "ev": "ready", "pid": os.getpid(), "python": sys.version.split()[0]}
     if sup.rules is not None:
         ready["rules"] = sup.rules.report()
     sup.send(ready)
+    sup.start_zygote()  # after answering (off the create's path), before reading any request
     sup.reader = reader
-    sup.handle(frames[1:])
     sup.serve()
+
+
+def _read_exactly(fd: int, size: int) -> bytes:
+    """``size`` bytes from ``fd``, fewer only at its end; never a byte more."""
+    data = b""
+    while len(data) < size:
+        try:
+            chunk = os.read(fd, size - len(data))
+        except InterruptedError:
+            continue
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 def _unnamed_file() -> int:
@@ -684,11 +754,14 @@ def _unnamed_file() -> int:
 def _resume(sup: Supervisor, reader: FrameReader) -> None:
     """Take over from the supervisor whose reset exec'd us: its configuration, the settings
     as first seen, and the requests it had read but not served."""
-    with os.fdopen(HANDOVER_FD, "rb") as fh:
-        handover = FrameReader(max_body=1 << 40)
-        handover.feed(fh.read())
-    ((state, rest),) = handover.frames()
+    # The state first, the requests behind the reset (its body) after the zygote is forked.
+    prefix = _read_exactly(HANDOVER_FD, PREFIX.size)
+    hlen, blen = PREFIX.unpack(prefix)
+    state = loads(_read_exactly(HANDOVER_FD, hlen).decode())
     sup.configure(state["config"], state["carried"])
+    sup.start_zygote()
+    rest = _read_exactly(HANDOVER_FD, blen)
+    os.close(HANDOVER_FD)
     if state.get("warm"):
         sup.interpreter = Interpreter(sup)
         sup.interpreter.wait_started(WARM_START_S)

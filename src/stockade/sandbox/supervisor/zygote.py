@@ -1,0 +1,225 @@
+"""The zygote: the process every interpreter is forked from, and that holds nothing of any user.
+
+A fresh supervisor forks it right after its configuration, before it reads any request that
+could carry a user's data. The zygote loads what an interpreter needs (``interpreter.py``,
+``site``) on its first request, and only ever forks interpreters, one per request on a
+socketpair, each taking the pipes the supervisor sends with the request. A reset kills every
+process but these two, checks that code left the zygote as it started (alive, not stopped,
+same rlimits, nice value, CPU affinity and scheduling policy: code runs as its uid and can
+change all of them), and asks it for the next interpreter: no exec, no Python start. A
+zygote that is not as it started is dropped, and the supervisor execs a fresh copy of
+itself, which forks a new one.
+
+Each interpreter's shim is the zygote's child, which reaps it; the supervisor learns of an
+interpreter's death from its reply pipe (closed) and kills, times out and finds its
+processes by the shim's pid, as before. ``random`` and ``tempfile`` reseed in every fork;
+the hash seed is the zygote's, shared by the interpreters it forks (a Python start per
+interpreter is what it saves).
+
+Standard library only (C modules where it matters for start-up time).
+"""
+
+from __future__ import annotations
+
+import _signal as signal
+import _socket
+import array
+import errno
+import os
+import select
+
+from reaper import IGNORED_SIGNALS, forked, spawn_shim
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
+if TYPE_CHECKING:
+    from typing import Any, Callable, Optional
+
+# What a request carries: the interpreter's stdout, stderr, control-in and reply-out ends.
+FDS = 4
+PID = 8  # bytes of a reply: the shim's pid, or minus an errno
+PING_S = 5.0  # how long a reset waits for the zygote to say it is there
+# States of /proc/<pid>/stat in which a zygote cannot serve (stopped, traced, dead).
+NOT_SERVING = (b"T", b"t", b"Z", b"X", b"x")
+
+
+class Zygote:
+    """The supervisor's handle on its zygote."""
+
+    def __init__(self, pid: int, sock: "Any") -> None:
+        self.pid = pid
+        self.sock = sock
+        self.alive = True  # until the supervisor reaps it
+
+    def serving(self) -> bool:
+        """Alive and not stopped (code of our uid can SIGSTOP or SIGKILL it)."""
+        if not self.alive:
+            return False
+        try:
+            with open(f"/proc/{self.pid}/stat", "rb") as fh:
+                data = fh.read()
+        except OSError:
+            return False
+        return data[data.rindex(b")") + 2 :].split()[0] not in NOT_SERVING
+
+    def problems(self, base: "dict[str, Any]") -> "list[str]":
+        """How the zygote differs from how it started; empty: it may fork the next user's
+        interpreter. Everything checked here is inherited by what it forks."""
+        if not self.serving():
+            return ["the zygote is dead or stopped"]
+        import baseline
+
+        problems = baseline.differences(base, self.pid)
+        if not problems:
+            try:  # a signal sent just before the reset may not have taken effect yet
+                self._ask(b"P", (), PING_S)
+            except OSError as exc:
+                problems.append(f"the zygote does not answer: {exc.strerror}")
+        return problems
+
+    def spawn(self, fds: "tuple[int, ...]", timeout: float) -> int:
+        """A new interpreter's shim (our child by now), started on ``fds``; OSError if the
+        zygote cannot (out of processes) or does not answer (dead, stopped)."""
+        if not self.serving():
+            raise OSError(errno.ESRCH, "the interpreter's zygote is gone")
+        pid = self._ask(b"F", fds, timeout)
+        if pid < 0:
+            raise OSError(-pid, f"the interpreter could not start: {os.strerror(-pid)}")
+        return pid
+
+    def _ask(self, what: bytes, fds: "tuple[int, ...]", timeout: float) -> int:
+        """One request and its answer; a zygote that fails to answer is stopped."""
+        rights = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
+        try:
+            self.sock.sendmsg([what], rights)
+            reply = b""
+            while len(reply) < PID:
+                if not select.select([self.sock], [], [], timeout)[0]:
+                    raise OSError(errno.ETIMEDOUT, "the interpreter's zygote did not answer")
+                chunk = self.sock.recv(PID - len(reply))
+                if not chunk:
+                    raise OSError(errno.ESRCH, "the interpreter's zygote is gone")
+                reply += chunk
+        except OSError:
+            self.stop()
+            raise
+        return int.from_bytes(reply, "big", signed=True)
+
+    def stop(self) -> None:
+        """Kill it (the supervisor's reaping then says it is gone)."""
+        if self.alive:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.sock.fileno() >= 0:
+            self.sock.close()
+        self.alive = False
+
+
+def start(
+    keep: "tuple[int, ...]",
+    workspace: str,
+    env: "dict[str, str]",
+    confine: "Optional[Callable[[], None]]",
+    devnull: int,
+) -> "Optional[Zygote]":
+    """Fork the zygote; ``keep`` are the fds it needs besides its socket (``devnull``, the
+    policy's Landlock ruleset). None if the fork fails: interpreters are then forked by the
+    supervisor itself, as long as it has served nobody else (see Supervisor.clean)."""
+    ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    try:
+        pid = os.fork()
+    except OSError:
+        ours.close()
+        theirs.close()
+        return None
+    if pid == 0:
+        try:
+            ours.close()
+            _close_all_but({0, 1, 2, theirs.fileno(), devnull, *keep})
+            _serve(theirs, workspace, env, confine, devnull)
+        finally:
+            os._exit(0)
+    theirs.close()
+    return Zygote(pid, ours)
+
+
+def _close_all_but(keep: "set[int]") -> None:
+    """The host's pipes, the exec judge's listener, the egress relay: none is the zygote's."""
+    low = 0
+    for fd in sorted(k for k in keep if k >= 0):
+        if fd > low:  # never closerange(0, 0): CPython then closes every fd (close_range(0, ~0))
+            os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, 1 << 20)
+
+
+def _serve(
+    sock: "Any", workspace: str, env: "dict[str, str]", confine: "Optional[Callable[[], None]]", devnull: int
+) -> None:
+    for sig in IGNORED_SIGNALS:  # SIGKILL and SIGSTOP remain: the reset checks for them
+        signal.signal(sig, signal.SIG_IGN)
+    signal.signal(signal.SIGCHLD, _reap)  # runs while we wait for a request (recvmsg resumes)
+    from runcode import become_interpreter
+
+    target = become_interpreter(workspace, env)
+    loaded = False
+    while True:
+        try:
+            msg, ancillary, _, _ = sock.recvmsg(1, _socket.CMSG_SPACE(4 * FDS))
+        except InterruptedError:
+            continue
+        if not msg:
+            return  # the supervisor closed its end: it is gone or replacing us
+        if msg == b"P":
+            sock.sendall(bytes(PID))
+            continue
+        fds: "list[int]" = []
+        for level, kind, data in ancillary:
+            if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+                got = array.array("i")
+                got.frombytes(data[: len(data) - len(data) % got.itemsize])
+                fds.extend(got)
+        if not loaded:
+            _load()
+            loaded = True
+        reply = _fork_one(fds, target, confine, devnull) if len(fds) == FDS else -errno.EINVAL
+        for fd in fds:
+            os.close(fd)
+        sock.sendall(reply.to_bytes(PID, "big", signed=True))
+
+
+def _load() -> None:
+    """What every interpreter needs, once, on the first request: not at the sandbox's start,
+    where it would take the CPU from the create and the first command (and a sandbox that
+    never runs code would pay it for nothing)."""
+    import interpreter  # type: ignore[import-not-found]
+
+    interpreter.preload()
+    import gc
+
+    gc.collect()
+    if hasattr(gc, "freeze"):  # 3.7+: the forks' collections leave our pages shared
+        gc.freeze()
+
+
+def _fork_one(
+    fds: "list[int]", target: "Callable[[], None]", confine: "Optional[Callable[[], None]]", devnull: int
+) -> int:
+    """Start one interpreter under a shim (our child: we reap it when it ends)."""
+    out_w, err_w, in_r, res_w = fds
+    try:
+        return spawn_shim(forked(target), (devnull, out_w, err_w), keep=(in_r, res_w), confine=confine)
+    except OSError as exc:
+        return -(exc.errno or errno.EAGAIN)
+
+
+def _reap(*_: object) -> None:
+    """SIGCHLD: a shim ended (its interpreter died, or the supervisor killed it)."""
+    while True:
+        try:
+            pid, _status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
