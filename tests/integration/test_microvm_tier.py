@@ -6,12 +6,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from stockade import Limits, Sandbox
+from stockade import Limits, Sandbox, SnapshotStore
 from stockade.sandbox import _guest, microvm
 from stockade.types import Mechanism
 from tests.conftest import require_tier, wait_for
@@ -106,3 +107,71 @@ def test_qemu_runs_under_its_own_seccomp_filter(vm: Sandbox) -> None:
     (pid,) = qemu_processes(vm.id)
     status = Path(f"/proc/{pid}/status").read_text()
     assert "Seccomp:\t2" in status
+
+
+# -- starts from the boot image --------------------------------------------------------------
+
+DRAWS = (
+    "import os, random, tempfile, time, uuid\n"
+    "(os.urandom(16).hex(), random.random(), tempfile.mktemp(), uuid.uuid4().hex,"
+    " open('/proc/sys/kernel/random/boot_id').read(), time.time())"
+)
+
+
+def test_a_qemu_started_ahead_becomes_the_next_sandbox_and_ends_with_close(tmp_path: Path) -> None:
+    """The next start takes the QEMU started ahead (its guest run for the first time then,
+    reseeded first): each guest draws its own randomness, has its own id and the host's
+    time. Closing the backend ends the one waiting."""
+    require_tier("microvm")
+    backend = microvm.MicroVMBackend(snapshot_store=SnapshotStore(tmp_path / "store"))
+    draws = []
+    try:
+        with Sandbox.create("microvm", backend=backend) as first:
+            draws.append(eval(first.run_code(DRAWS).text or ""))
+            ahead = backend.wait_ahead(120)
+            assert ahead is not None and ahead != first.id
+            assert len(qemu_processes(ahead)) == 1  # waiting before anyone asked
+        with Sandbox.create("microvm", backend=backend) as second:
+            assert second.id == ahead
+            draws.append(eval(second.run_code(DRAWS).text or ""))
+        with Sandbox.create("microvm", backend=backend, envs={"WHO": "third"}) as third:
+            assert third.run_code("import os; os.environ['WHO']").text == "'third'"
+            draws.append(eval(third.run_code(DRAWS).text or ""))
+        for column in list(zip(*draws, strict=True))[:5]:  # urandom, random, temp names, uuid, boot id
+            assert len(set(column)) == len(column), column
+        for _, _, _, _, _, clock in draws:
+            assert abs(clock - time.time()) < 60
+        waiting = backend.wait_ahead(120)
+        assert waiting is not None
+    finally:
+        backend.close()
+    assert qemu_processes(waiting) == []
+    assert not (_guest.default_state_dir() / f"vm-{waiting}").exists()
+
+
+def test_a_modified_boot_image_is_refused_and_the_qemu_that_loaded_it_dropped(tmp_path: Path) -> None:
+    """A byte of the boot image's RAM changed after a QEMU was started ahead on it: that QEMU
+    is never handed out, and no guest starts from the image (the sandbox boots cold)."""
+    require_tier("microvm")
+    store = SnapshotStore(tmp_path / "store")
+    backend = microvm.MicroVMBackend(snapshot_store=store)
+    try:
+        with Sandbox.create("microvm", backend=backend):
+            pass
+        ahead = backend.wait_ahead(120)
+        assert ahead is not None
+        ((_, ref),) = store.refs("boot")
+        ram = store.object_path(store.load(ref).blobs["ram"])
+        os.chmod(ram, 0o600)
+        with open(ram, "r+b") as fh:
+            fh.seek(ram.stat().st_size // 2)
+            byte = fh.read(1)
+            fh.seek(-1, os.SEEK_CUR)
+            fh.write(bytes([byte[0] ^ 1]))
+        with Sandbox.create("microvm", backend=backend) as cold:
+            assert cold.id != ahead
+            assert cold.run_code("1 + 1").text == "2"
+        assert qemu_processes(ahead) == []
+        assert backend.wait_ahead(0) is None  # nothing is started ahead from a refused image
+    finally:
+        backend.close()

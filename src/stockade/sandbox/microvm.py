@@ -57,6 +57,7 @@ from stockade.sandbox._supervised import (
 )
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.sandbox.snapshots import SnapshotStore
+from stockade.sandbox.spare import in_background
 from stockade.types import Enforcement, HostShare, Mechanism, SnapshotKind, TierReport
 
 __all__ = ["MicroVMBackend", "collect_garbage"]
@@ -102,6 +103,7 @@ class MicroVMBackend(Backend):
         state_dir: Path | None = None,
         boot_snapshots: bool | None = None,
         snapshot_store: SnapshotStore | None = None,
+        start_ahead: bool | None = None,
     ) -> None:
         self.rootfs = Path(rootfs) if rootfs else find_rootfs()
         self.kernel = kernel or find_kernel()
@@ -124,6 +126,13 @@ class MicroVMBackend(Backend):
         self.snapshot_store = snapshot_store or SnapshotStore.default()
         self._boot_failed: dict[str, str] = {}
         self._boot_locks: dict[str, threading.Lock] = {}
+        # One QEMU started ahead for the shape last started from a boot image, waiting with
+        # that image's state loaded and its guest not yet run (see ``_Ahead``).
+        self.start_ahead = (
+            start_ahead if start_ahead is not None else os.environ.get("STOCKADE_MICROVM_AHEAD", "1") != "0"
+        )
+        self._ahead = _Ahead()
+        weakref.finalize(self, self._ahead.close)  # dies with this backend, or at exit
 
     def _check(self) -> None:
         if not self.qemu:
@@ -392,35 +401,30 @@ class MicroVMBackend(Backend):
             return self._restore(spec)
         enforcement = self._plan(spec)
         rules = _rules.plan(spec, root=self.rootfs, can_mask=True, can_confine=True)
-        sid = sandbox_id(spec)
         # A sandbox with an allowlist boots cold: a boot image's guest would need an egress
         # proxy of its own, with the credentials of a sandbox it is not.
         cold = not self.boot_snapshots or spec.network.egress
         boot = None if cold else self._boot_image(spec, rules.masks)
         if boot is not None:
-            ram, device = boot
-            fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
+            waiting = self._waiting_guest(spec, rules.masks, boot)
+            boundary, stream = waiting.boundary, waiting.stream
+            instance = self._instance(
+                waiting.sid,
+                spec=spec,
+                enforcement=enforcement,
+                boundary=boundary,
+                stream=stream,
+                masks=rules.masks,
+            )
             try:
-                boundary, stream = self._launch(
-                    spec, sid, rules.masks, Launch(ram=ram, ram_shared=False, incoming=True, fds=(fd,))
-                )
-                instance = self._instance(
-                    sid,
-                    spec=spec,
-                    enforcement=enforcement,
-                    boundary=boundary,
-                    stream=stream,
-                    masks=rules.masks,
-                )
-                try:
-                    boundary.monitor().load(fd, ignore_shared=True)
-                    boundary.reseed()
-                except BaseException:
-                    instance.close()
-                    raise
-            finally:
-                os.close(fd)
+                # The guest runs from here on: its first act is the reseed, before any request.
+                boundary.monitor().command("cont")
+                boundary.reseed()
+            except BaseException:
+                instance.close()
+                raise
         else:
+            sid = sandbox_id(spec)
             boundary, stream = self._launch(spec, sid, rules.masks, Launch())
             instance = self._instance(
                 sid, spec=spec, enforcement=enforcement, boundary=boundary, stream=stream, masks=rules.masks
@@ -437,6 +441,77 @@ class MicroVMBackend(Backend):
             instance.close()
             raise
         return instance
+
+    def close(self) -> None:
+        """Stop the QEMU started ahead, and start no other. Idempotent; sandboxes live on."""
+        self._ahead.close()
+
+    def wait_ahead(self, timeout_s: float) -> str | None:
+        """Wait for the QEMU being started ahead; the id of the sandbox it will be (the next
+        one started from a boot image without an id of its own), or None if none is ready
+        within ``timeout_s`` (for benchmarks and tests)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._ahead.lock:
+                held, filling = self._ahead.held, self._ahead.filling
+            if held is not None:
+                return held[1].sid
+            if not filling or time.monotonic() > deadline:
+                return None
+            time.sleep(0.01)
+
+    # -- starts from a boot image --------------------------------------------------------------
+
+    def _waiting_guest(self, spec: SandboxSpec, masks: tuple[str, ...], boot: tuple[Path, Path]) -> _Waiting:
+        """A QEMU holding the boot image's state, its guest not yet run: the one started
+        ahead for this shape when there is one (and the image is still the one it loaded),
+        else one started now. Then the next is started ahead, in the background."""
+        shape = (self._machine_key(spec, masks), str(spec.limits.cpus), str(boot[0]), str(boot[1]))
+        waiting = None
+        if self.start_ahead and spec.sandbox_id is None:  # a sandbox named by the caller is started for it
+            waiting = self._ahead.take(shape)
+            if waiting is not None and not (waiting.files == _files_identity(boot) and waiting.alive()):
+                waiting.discard()  # the image changed (or was replaced) since, or QEMU died
+                waiting = None
+        if waiting is None:
+            waiting = self._start_waiting(spec, sandbox_id(spec), masks, boot)
+        if self.start_ahead and self._ahead.begin(shape):
+            neutral = dataclasses.replace(spec, envs={}, rules=None, snapshot=None, sandbox_id=None)
+            in_background(lambda: self._fill_ahead(neutral, masks, boot, shape))
+        return waiting
+
+    def _start_waiting(
+        self, spec: SandboxSpec, sid: str, masks: tuple[str, ...], boot: tuple[Path, Path]
+    ) -> _Waiting:
+        """Start QEMU for ``sid`` on the boot image: its RAM the image's file, mapped copy on
+        write; its device state loaded; its guest stopped where the image was taken."""
+        ram, device = boot
+        fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            # Before QEMU opens them: a write, or another file at either path, changes these.
+            files = _files_identity(boot)
+            boundary, stream = self._launch(
+                spec, sid, masks, Launch(ram=ram, ram_shared=False, incoming=True, fds=(fd,))
+            )
+            try:
+                boundary.monitor().load(fd, ignore_shared=True, run=False)
+            except BaseException:
+                boundary.kill()
+                raise
+        finally:
+            os.close(fd)
+        return _Waiting(sid=sid, boundary=boundary, stream=stream, files=files)
+
+    def _fill_ahead(
+        self, spec: SandboxSpec, masks: tuple[str, ...], boot: tuple[Path, Path], shape: tuple[str, ...]
+    ) -> None:
+        try:
+            waiting = self._start_waiting(spec, sandbox_id(spec), masks, boot)
+        except BaseException:  # the next start starts its own QEMU, and says why if that fails
+            self._ahead.done()
+            raise
+        if not self._ahead.put(shape, waiting):
+            waiting.discard()
 
     # -- snapshots ---------------------------------------------------------------------------
 
@@ -482,6 +557,7 @@ class MicroVMBackend(Backend):
             except exc.SnapshotError as err:
                 with self._lock:
                     self._boot_failed[key] = str(err)
+                self._ahead.drop()  # it may hold what was refused
                 return None
 
     def _build_boot_image(self, spec: SandboxSpec, masks: tuple[str, ...], name: str) -> dict[str, str]:
@@ -563,6 +639,79 @@ class MicroVMBackend(Backend):
 
 
 @dataclass(frozen=True)
+class _Waiting:
+    """A QEMU holding a boot image's state, its guest stopped and never run since the image
+    was taken: no sandbox's yet (no reseed, no configuration); ``files``: the identities of
+    the image's RAM file and device state when QEMU opened them."""
+
+    sid: str
+    boundary: VMBoundary
+    stream: SocketStream
+    files: tuple[tuple[int, ...], ...]
+
+    def alive(self) -> bool:
+        return self.boundary.alive()
+
+    def discard(self) -> None:
+        self.boundary.kill()
+
+
+class _Ahead:
+    """The QEMU started ahead (at most one, for the shape last asked for), and whether one is
+    being started. Apart from the backend, so that the backend's finalizer can close it.
+
+    What it trades: one idle QEMU per backend (its own memory, not the guest's RAM, which is
+    the image's file until written) and its start (~40 ms of CPU) in the background after
+    each start, for the time QEMU takes to start and load the image's state (~60 ms on 2
+    cores): the guest itself runs only for a sandbox, and is reseeded first, as before."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.held: tuple[tuple[str, ...], _Waiting] | None = None
+        self.filling = False
+        self.closed = False
+
+    def take(self, shape: tuple[str, ...]) -> _Waiting | None:
+        with self.lock:
+            held, self.held = self.held, None
+        if held is not None and held[0] != shape:  # another shape is asked for now
+            held[1].discard()
+            return None
+        return None if held is None else held[1]
+
+    def begin(self, shape: tuple[str, ...]) -> bool:
+        """Whether to start one ahead now: none is held or being started, and not closed."""
+        with self.lock:
+            if self.closed or self.filling or self.held is not None:
+                return False
+            self.filling = True
+            return True
+
+    def put(self, shape: tuple[str, ...], waiting: _Waiting) -> bool:
+        with self.lock:
+            self.filling = False
+            if self.closed or self.held is not None:
+                return False
+            self.held = (shape, waiting)
+            return True
+
+    def done(self) -> None:
+        with self.lock:
+            self.filling = False
+
+    def drop(self) -> None:
+        with self.lock:
+            held, self.held = self.held, None
+        if held is not None:
+            held[1].discard()
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+        self.drop()
+
+
+@dataclass(frozen=True)
 class Machine:
     """The parts of QEMU's command line a snapshot needs (see ``MicroVMBackend._argv``)."""
 
@@ -583,6 +732,20 @@ class Launch:
     ram_shared: bool = False
     incoming: bool = False
     fds: tuple[int, ...] = ()
+
+
+def _files_identity(paths: tuple[Path, ...]) -> tuple[tuple[int, ...], ...]:
+    """Which files ``paths`` are, and their state: device, inode, size, modification and
+    change times (any write changes the change time, which only the clock can set back)."""
+    out: list[tuple[int, ...]] = []
+    for path in paths:
+        try:
+            st = path.stat()
+        except OSError:
+            out.append(())
+            continue
+        out.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+    return tuple(out)
 
 
 def _identity(path: Path) -> str:
