@@ -123,7 +123,7 @@ def test_a_qemu_started_ahead_becomes_the_next_sandbox_and_ends_with_close(tmp_p
     reseeded first): each guest draws its own randomness, has its own id and the host's
     time. Closing the backend ends the one waiting."""
     require_tier("microvm")
-    backend = microvm.MicroVMBackend(snapshot_store=SnapshotStore(tmp_path / "store"))
+    backend = microvm.MicroVMBackend(snapshot_store=SnapshotStore(tmp_path / "store"), ready_images=False)
     draws = []
     try:
         with Sandbox.create("microvm", backend=backend) as first:
@@ -173,5 +173,36 @@ def test_a_modified_boot_image_is_refused_and_the_qemu_that_loaded_it_dropped(tm
             assert cold.run_code("1 + 1").text == "2"
         assert qemu_processes(ahead) == []
         assert backend.wait_ahead(0) is None  # nothing is started ahead from a refused image
+    finally:
+        backend.close()
+
+
+def test_a_configuration_seen_before_starts_from_its_ready_image(tmp_path: Path) -> None:
+    """After a first start, the boot image configured as that sandbox was, its interpreter
+    started, is kept (a ready image): the next sandboxes of that configuration start from it,
+    their interpreter already there (the template's: the same pid in each), each with its own
+    randomness; another configuration starts as before."""
+    require_tier("microvm")
+    store = SnapshotStore(tmp_path / "store")
+    backend = microvm.MicroVMBackend(snapshot_store=store)
+    pid = "import os; os.getpid()"
+    try:
+        with Sandbox.create("microvm", backend=backend, envs={"WHO": "a"}) as first:
+            assert first.run_code("1").text == "1"
+        backend.wait_ahead(180)
+        assert any(name.startswith("microvm-ready-") for name, _ in store.refs("boot"))
+        seen, pids = [], set()
+        for _ in range(2):
+            with Sandbox.create("microvm", backend=backend, envs={"WHO": "a"}) as clone:
+                pids.add(clone.run_code(pid).text)
+                seen.append(eval(clone.run_code(DRAWS).text or ""))
+                assert clone.run_code("import os; os.environ['WHO']").text == "'a'"
+                assert clone.files.list() == []
+                clone.files.write("mine.txt", "x")
+        assert len(pids) == 1  # the ready image's interpreter, in both
+        for column in list(zip(*seen, strict=True))[:5]:
+            assert len(set(column)) == len(column), column
+        with Sandbox.create("microvm", backend=backend, envs={"WHO": "b"}) as other:
+            assert other.run_code("import os; os.environ['WHO']").text == "'b'"
     finally:
         backend.close()

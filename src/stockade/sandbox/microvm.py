@@ -34,6 +34,7 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from stockade import exceptions as exc
 from stockade.sandbox import _cgroups, _guest, _rules
@@ -52,10 +53,12 @@ from stockade.sandbox._supervised import (
     TIMEOUT_MARGIN_S,
     SupervisedInstance,
     enforcement_from_state,
+    enforcement_state,
     sandbox_id,
     supervisor_config,
 )
 from stockade.sandbox.base import Backend, SandboxSpec
+from stockade.sandbox.ops import RunCode
 from stockade.sandbox.snapshots import SnapshotStore
 from stockade.sandbox.spare import in_background
 from stockade.types import Enforcement, HostShare, Mechanism, SnapshotKind, TierReport
@@ -104,6 +107,7 @@ class MicroVMBackend(Backend):
         boot_snapshots: bool | None = None,
         snapshot_store: SnapshotStore | None = None,
         start_ahead: bool | None = None,
+        ready_images: bool | None = None,
     ) -> None:
         self.rootfs = Path(rootfs) if rootfs else find_rootfs()
         self.kernel = kernel or find_kernel()
@@ -133,6 +137,12 @@ class MicroVMBackend(Backend):
         )
         self._ahead = _Ahead()
         weakref.finalize(self, self._ahead.close)  # dies with this backend, or at exit
+        # Start sandboxes whose configuration was seen before from a ready image of it.
+        self.ready_images = (
+            ready_images if ready_images is not None else os.environ.get("STOCKADE_MICROVM_READY", "1") != "0"
+        )
+        # Ready images being built (by key), in the background after a start (see ``_ready_image``).
+        self._ready_building: set[str] = set()
 
     def _check(self) -> None:
         if not self.qemu:
@@ -405,6 +415,13 @@ class MicroVMBackend(Backend):
         # proxy of its own, with the credentials of a sandbox it is not.
         cold = not self.boot_snapshots or spec.network.egress
         boot = None if cold else self._boot_image(spec, rules.masks)
+        config = supervisor_config(spec, _guest.own_kernel_limits(spec).rlimits, None)
+        config["report_oom"] = True  # the guest's kernel kills for memory; the host sees nothing
+        readyable = boot is not None and self._readyable(spec, rules)
+        if readyable:
+            ready = self._ready_image(spec, rules.masks, config)
+            if ready is not None:
+                return self._from_ready_image(spec, rules.masks, ready)
         if boot is not None:
             waiting = self._waiting_guest(spec, rules.masks, boot)
             boundary, stream = waiting.boundary, waiting.stream
@@ -430,8 +447,9 @@ class MicroVMBackend(Backend):
                 sid, spec=spec, enforcement=enforcement, boundary=boundary, stream=stream, masks=rules.masks
             )
         try:
-            config = supervisor_config(spec, _guest.own_kernel_limits(spec).rlimits, boundary.egress)
-            config["report_oom"] = True  # the guest's kernel kills for memory; the host sees nothing
+            if boundary.egress is not None:
+                config = supervisor_config(spec, _guest.own_kernel_limits(spec).rlimits, boundary.egress)
+                config["report_oom"] = True
             instance.handshake(config, START_TIMEOUT_S, rules)
         except exc.SandboxStartError as err:
             said = _tail(boundary.rundir / "console.log") or _tail(boundary.rundir / "qemu.log")
@@ -440,6 +458,8 @@ class MicroVMBackend(Backend):
         except BaseException:
             instance.close()
             raise
+        if readyable and boot is not None:
+            self._build_ready_soon(spec, rules, config, boot)
         return instance
 
     def close(self) -> None:
@@ -447,16 +467,19 @@ class MicroVMBackend(Backend):
         self._ahead.close()
 
     def wait_ahead(self, timeout_s: float) -> str | None:
-        """Wait for the QEMU being started ahead; the id of the sandbox it will be (the next
-        one started from a boot image without an id of its own), or None if none is ready
-        within ``timeout_s`` (for benchmarks and tests)."""
+        """Wait for the ready images being built, then for the QEMU being started ahead; the
+        id of the sandbox it will be (the next one started from a boot image without an id
+        of its own, if of its shape), or None if none is ready within ``timeout_s`` (for
+        benchmarks and tests)."""
         deadline = time.monotonic() + timeout_s
         while True:
+            with self._lock:
+                building = bool(self._ready_building)
             with self._ahead.lock:
                 held, filling = self._ahead.held, self._ahead.filling
-            if held is not None:
+            if held is not None and not building:
                 return held[1].sid
-            if not filling or time.monotonic() > deadline:
+            if (not filling and not building) or time.monotonic() > deadline:
                 return None
             time.sleep(0.01)
 
@@ -512,6 +535,136 @@ class MicroVMBackend(Backend):
             raise
         if not self._ahead.put(shape, waiting):
             waiting.discard()
+
+    # -- ready images: a boot image with the supervisor configured and its interpreter started
+
+    def _readyable(self, spec: SandboxSpec, rules: _rules.RulesPlan) -> bool:
+        """Whether sandboxes like ``spec`` start from a ready image: a fresh sandbox (no
+        snapshot to seed, no id to resume under) without rules (whose judge answers the host)."""
+        return (
+            self.ready_images
+            and spec.snapshot is None
+            and spec.sandbox_id is None
+            and rules.config is None
+            and spec.approver is None
+        )
+
+    def _ready_name(self, spec: SandboxSpec, masks: tuple[str, ...], config: dict[str, Any]) -> str:
+        # The configuration whole (environment, limits, caps): only an equal one may start from it.
+        text = self._machine_key(spec, masks) + "\n" + json.dumps(config, sort_keys=True)
+        return "microvm-ready-" + hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    def _ready_image(
+        self, spec: SandboxSpec, masks: tuple[str, ...], config: dict[str, Any]
+    ) -> tuple[Path, Path, dict[str, Any]] | None:
+        """The ready image for this shape and configuration (its RAM file and device state,
+        checked, and the enforcement its supervisor reported), if one was built: None otherwise,
+        or when it is refused (then never used again by this backend)."""
+        name = self._ready_name(spec, masks, config)
+        store = self.snapshot_store
+        with self._lock:
+            if name in self._boot_failed:
+                return None
+        try:
+            found = store.ref("boot", name)
+            if found is None:
+                return None
+            manifest = store.load(found["snapshot"])
+            blobs = manifest.blobs
+            ram, device = store.check_object(blobs["ram"]), store.check_object(blobs["device"])
+            return ram, device, dict(manifest.tier_state.get("enforcement") or {})
+        except (exc.SnapshotError, KeyError) as err:
+            with self._lock:
+                self._boot_failed[name] = str(err)
+            self._ahead.drop()
+            return None
+
+    def _from_ready_image(
+        self, spec: SandboxSpec, masks: tuple[str, ...], ready: tuple[Path, Path, dict[str, Any]]
+    ) -> VMInstance:
+        """A sandbox from a ready image: like a memory snapshot's fork, the kernel reseeded
+        first, then the interpreter's generators (its next run draws new seeds)."""
+        ram, device, state = ready
+        enforcement = dataclasses.replace(
+            enforcement_from_state(state), timeout_margin_s=self._timeout_margin()
+        )
+        waiting = self._waiting_guest(spec, masks, (ram, device))
+        instance = self._instance(
+            waiting.sid, spec=spec, enforcement=enforcement, boundary=waiting.boundary,
+            stream=waiting.stream, masks=masks,
+        )  # fmt: skip
+        try:
+            waiting.boundary.monitor().command("cont")
+            waiting.boundary.reseed()
+            instance.reseed()
+        except BaseException:
+            instance.close()
+            raise
+        return instance
+
+    def _build_ready_soon(
+        self, spec: SandboxSpec, rules: _rules.RulesPlan, config: dict[str, Any], boot: tuple[Path, Path]
+    ) -> None:
+        name = self._ready_name(spec, rules.masks, config)
+        with self._lock:
+            if name in self._ready_building or name in self._boot_failed:
+                return
+            self._ready_building.add(name)
+        template = dataclasses.replace(spec, envs={}, labels={}, snapshot=None, sandbox_id=None)
+        in_background(lambda: self._build_ready(template, rules, config, boot, name))
+
+    def _build_ready(
+        self,
+        spec: SandboxSpec,
+        rules: _rules.RulesPlan,
+        config: dict[str, Any],
+        boot: tuple[Path, Path],
+        name: str,
+    ) -> None:
+        """A guest of its own, from the boot image (its RAM a copy of the image's, written
+        through), configured with ``config`` and its interpreter started by running nothing,
+        then stopped and its device state saved: the ready image ``name``. Never handed out."""
+        store = self.snapshot_store
+        ram, device = store.temp_path("ram"), store.temp_path("device")
+        try:
+            if store.ref("boot", name) is not None:
+                return
+            _copy_sparse(boot[0], ram)
+            sid = sandbox_id(spec)
+            fd = os.open(boot[1], os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                boundary, stream = self._launch(
+                    spec, sid, rules.masks, Launch(ram=ram, ram_shared=True, incoming=True, fds=(fd,))
+                )
+                instance = self._instance(
+                    sid, spec=spec, enforcement=self._plan(spec), boundary=boundary, stream=stream,
+                    masks=rules.masks,
+                )  # fmt: skip
+                try:
+                    boundary.monitor().load(fd, ignore_shared=True)
+                    boundary.reseed()
+                    instance.handshake(config, START_TIMEOUT_S, rules)
+                    instance.execute(RunCode(code=""))  # its interpreter process started
+                    with open(device, "wb") as out:
+                        boundary.monitor().save(out, ignore_shared=True)
+                    state = enforcement_state(instance.enforcement)
+                finally:
+                    instance.close()
+            finally:
+                os.close(fd)
+            blobs = {"ram": store.add_file(ram), "device": store.add_file(device)}
+            store.save(
+                kind=SnapshotKind.MEMORY, tier=self.tier, source=sid, spec={}, blobs=blobs,
+                tier_state={"boot": True, "ready": True, "enforcement": state}, ref=("boot", name),
+            )  # fmt: skip
+        except (exc.StockadeError, OSError, TimeoutError) as err:
+            with self._lock:
+                self._boot_failed[name] = str(err)  # sandboxes of this configuration start as before
+        finally:
+            ram.unlink(missing_ok=True)
+            device.unlink(missing_ok=True)
+            with self._lock:
+                self._ready_building.discard(name)
 
     # -- snapshots ---------------------------------------------------------------------------
 
@@ -732,6 +885,31 @@ class Launch:
     ram_shared: bool = False
     incoming: bool = False
     fds: tuple[int, ...] = ()
+
+
+def _copy_sparse(source: Path, target: Path) -> None:
+    """Copy ``source`` to ``target`` (a new file, 0600), writing only its data: a guest's RAM
+    file is mostly holes (pages the guest never touched), which stay holes."""
+    with open(source, "rb") as src:
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            size = os.fstat(src.fileno()).st_size
+            os.ftruncate(fd, size)
+            offset = 0
+            while offset < size:
+                try:
+                    start = os.lseek(src.fileno(), offset, os.SEEK_DATA)
+                except OSError:  # no data past offset
+                    break
+                end = os.lseek(src.fileno(), start, os.SEEK_HOLE)
+                while start < end:
+                    copied = os.copy_file_range(src.fileno(), fd, min(end - start, 64 * MiB), start, start)
+                    if copied <= 0:
+                        raise OSError(f"cannot copy {source}: it ended early")
+                    start += copied
+                offset = end
+        finally:
+            os.close(fd)
 
 
 def _files_identity(paths: tuple[Path, ...]) -> tuple[tuple[int, ...], ...]:
