@@ -14,6 +14,7 @@ import pytest
 
 from stockade import Limits, Sandbox, SnapshotStore
 from stockade.sandbox import _guest, microvm
+from stockade.sandbox._microvm_instance import VMInstance
 from stockade.types import Mechanism
 from tests.conftest import require_tier, wait_for
 
@@ -149,25 +150,35 @@ def test_a_qemu_started_ahead_becomes_the_next_sandbox_and_ends_with_close(tmp_p
     assert not (_guest.default_state_dir() / f"vm-{waiting}").exists()
 
 
+def _started_from(sandbox: Sandbox) -> str:
+    instance = sandbox.instance
+    assert isinstance(instance, VMInstance)
+    return instance.started_from
+
+
+def _flip_a_byte(path: Path) -> None:
+    """Change one byte in place: its size and modification time may stay, its change time cannot."""
+    os.chmod(path, 0o600)
+    with open(path, "r+b") as fh:
+        fh.seek(path.stat().st_size // 2)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 1]))
+
+
 def test_a_modified_boot_image_is_refused_and_the_qemu_that_loaded_it_dropped(tmp_path: Path) -> None:
     """A byte of the boot image's RAM changed after a QEMU was started ahead on it: that QEMU
     is never handed out, and no guest starts from the image (the sandbox boots cold)."""
     require_tier("microvm")
     store = SnapshotStore(tmp_path / "store")
-    backend = microvm.MicroVMBackend(snapshot_store=store)
+    backend = microvm.MicroVMBackend(snapshot_store=store, ready_images=False)
     try:
         with Sandbox.create("microvm", backend=backend):
             pass
         ahead = backend.wait_ahead(120)
         assert ahead is not None
         ((_, ref),) = store.refs("boot")
-        ram = store.object_path(store.load(ref).blobs["ram"])
-        os.chmod(ram, 0o600)
-        with open(ram, "r+b") as fh:
-            fh.seek(ram.stat().st_size // 2)
-            byte = fh.read(1)
-            fh.seek(-1, os.SEEK_CUR)
-            fh.write(bytes([byte[0] ^ 1]))
+        _flip_a_byte(store.object_path(store.load(ref).blobs["ram"]))
         with Sandbox.create("microvm", backend=backend) as cold:
             assert cold.id != ahead
             assert cold.run_code("1 + 1").text == "2"
@@ -180,29 +191,40 @@ def test_a_modified_boot_image_is_refused_and_the_qemu_that_loaded_it_dropped(tm
 def test_a_configuration_seen_before_starts_from_its_ready_image(tmp_path: Path) -> None:
     """After a first start, the boot image configured as that sandbox was, its interpreter
     started, is kept (a ready image): the next sandboxes of that configuration start from it,
-    their interpreter already there (the template's: the same pid in each), each with its own
-    randomness; another configuration starts as before."""
+    their interpreter already there (started in the image), each with its own randomness and
+    an empty workspace. Other limits, or variables of the caller's (never kept
+    on disk unasked), start as before."""
     require_tier("microvm")
     store = SnapshotStore(tmp_path / "store")
     backend = microvm.MicroVMBackend(snapshot_store=store)
-    pid = "import os; os.getpid()"
     try:
-        with Sandbox.create("microvm", backend=backend, envs={"WHO": "a"}) as first:
+        with Sandbox.create("microvm", backend=backend) as first:
             assert first.run_code("1").text == "1"
+            assert _started_from(first) == "boot image"
         backend.wait_ahead(180)
-        assert any(name.startswith("microvm-ready-") for name, _ in store.refs("boot"))
-        seen, pids = [], set()
+        ready = [name for name, _ in store.refs("boot") if name.startswith("microvm-ready-")]
+        assert len(ready) == 1
+        seen = []
         for _ in range(2):
-            with Sandbox.create("microvm", backend=backend, envs={"WHO": "a"}) as clone:
-                pids.add(clone.run_code(pid).text)
+            with Sandbox.create("microvm", backend=backend) as clone:
+                assert _started_from(clone) == "ready image"
                 seen.append(eval(clone.run_code(DRAWS).text or ""))
-                assert clone.run_code("import os; os.environ['WHO']").text == "'a'"
                 assert clone.files.list() == []
                 clone.files.write("mine.txt", "x")
-        assert len(pids) == 1  # the ready image's interpreter, in both
         for column in list(zip(*seen, strict=True))[:5]:
             assert len(set(column)) == len(column), column
         with Sandbox.create("microvm", backend=backend, envs={"WHO": "b"}) as other:
             assert other.run_code("import os; os.environ['WHO']").text == "'b'"
+            assert _started_from(other) == "boot image"
+        with Sandbox.create("microvm", backend=backend, limits=Limits(timeout_s=7)) as timed:
+            assert timed.run_code("1 + 1").text == "2"
+        backend.wait_ahead(180)
+        ready_now = [ref for name, ref in store.refs("boot") if name.startswith("microvm-ready-")]
+        assert len(ready_now) == 2  # the other limits' own; none for the variables
+        for ref in ready_now:  # modified: refused, and sandboxes start as before
+            _flip_a_byte(store.object_path(store.load(ref).blobs["ram"]))
+        with Sandbox.create("microvm", backend=backend) as after:
+            assert _started_from(after) == "boot image"
+            assert after.run_code("1 + 1").text == "2"
     finally:
         backend.close()

@@ -433,6 +433,7 @@ class MicroVMBackend(Backend):
                 stream=stream,
                 masks=rules.masks,
             )
+            instance.started_from = "boot image"
             try:
                 # The guest runs from here on: its first act is the reseed, before any request.
                 boundary.monitor().command("cont")
@@ -540,11 +541,14 @@ class MicroVMBackend(Backend):
 
     def _readyable(self, spec: SandboxSpec, rules: _rules.RulesPlan) -> bool:
         """Whether sandboxes like ``spec`` start from a ready image: a fresh sandbox (no
-        snapshot to seed, no id to resume under) without rules (whose judge answers the host)."""
+        snapshot to seed, no id to resume under) without rules (whose judge answers the host)
+        and without variables of the caller's (an image is kept on disk, and a variable may be
+        a secret: its sandbox did not ask to be kept)."""
         return (
             self.ready_images
             and spec.snapshot is None
             and spec.sandbox_id is None
+            and not spec.envs
             and rules.config is None
             and spec.approver is None
         )
@@ -593,6 +597,7 @@ class MicroVMBackend(Backend):
             waiting.sid, spec=spec, enforcement=enforcement, boundary=waiting.boundary,
             stream=waiting.stream, masks=masks,
         )  # fmt: skip
+        instance.started_from = "ready image"
         try:
             waiting.boundary.monitor().command("cont")
             waiting.boundary.reseed()
@@ -779,6 +784,7 @@ class MicroVMBackend(Backend):
             instance = self._instance(
                 sid, spec=spec, enforcement=enforcement, boundary=boundary, stream=stream, masks=masks
             )
+            instance.started_from = "memory snapshot"
             try:
                 boundary.monitor().load(fd)
                 boundary.reseed()
