@@ -554,8 +554,10 @@ class MicroVMBackend(Backend):
         )
 
     def _ready_name(self, spec: SandboxSpec, masks: tuple[str, ...], config: dict[str, Any]) -> str:
-        # The configuration whole (environment, limits, caps): only an equal one may start from it.
-        text = self._machine_key(spec, masks) + "\n" + json.dumps(config, sort_keys=True)
+        # The configuration whole (environment, limits, caps) and what the host enforces
+        # (weakened settings included): only an equal sandbox may start from it.
+        planned = json.dumps(enforcement_state(self._plan(spec)), sort_keys=True, default=str)
+        text = "\n".join((self._machine_key(spec, masks), json.dumps(config, sort_keys=True), planned))
         return "microvm-ready-" + hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def _ready_image(
