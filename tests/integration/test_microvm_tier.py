@@ -6,13 +6,15 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from stockade import Limits, Sandbox
+from stockade import Limits, Sandbox, SnapshotStore
 from stockade.sandbox import _guest, microvm
+from stockade.sandbox._microvm_instance import VMInstance
 from stockade.types import Mechanism
 from tests.conftest import require_tier, wait_for
 
@@ -106,3 +108,123 @@ def test_qemu_runs_under_its_own_seccomp_filter(vm: Sandbox) -> None:
     (pid,) = qemu_processes(vm.id)
     status = Path(f"/proc/{pid}/status").read_text()
     assert "Seccomp:\t2" in status
+
+
+# -- starts from the boot image --------------------------------------------------------------
+
+DRAWS = (
+    "import os, random, tempfile, time, uuid\n"
+    "(os.urandom(16).hex(), random.random(), tempfile.mktemp(), uuid.uuid4().hex,"
+    " open('/proc/sys/kernel/random/boot_id').read(), time.time())"
+)
+
+
+def test_a_qemu_started_ahead_becomes_the_next_sandbox_and_ends_with_close(tmp_path: Path) -> None:
+    """The next start takes the QEMU started ahead (its guest run for the first time then,
+    reseeded first): each guest draws its own randomness, has its own id and the host's
+    time. Closing the backend ends the one waiting."""
+    require_tier("microvm")
+    backend = microvm.MicroVMBackend(snapshot_store=SnapshotStore(tmp_path / "store"), ready_images=False)
+    draws = []
+    try:
+        with Sandbox.create("microvm", backend=backend) as first:
+            draws.append(eval(first.run_code(DRAWS).text or ""))
+            ahead = backend.wait_ahead(120)
+            assert ahead is not None and ahead != first.id
+            assert len(qemu_processes(ahead)) == 1  # waiting before anyone asked
+        with Sandbox.create("microvm", backend=backend) as second:
+            assert second.id == ahead
+            draws.append(eval(second.run_code(DRAWS).text or ""))
+        with Sandbox.create("microvm", backend=backend, envs={"WHO": "third"}) as third:
+            assert third.run_code("import os; os.environ['WHO']").text == "'third'"
+            draws.append(eval(third.run_code(DRAWS).text or ""))
+        for column in list(zip(*draws, strict=True))[:5]:  # urandom, random, temp names, uuid, boot id
+            assert len(set(column)) == len(column), column
+        for _, _, _, _, _, clock in draws:
+            assert abs(clock - time.time()) < 60
+        waiting = backend.wait_ahead(120)
+        assert waiting is not None
+    finally:
+        backend.close()
+    assert qemu_processes(waiting) == []
+    assert not (_guest.default_state_dir() / f"vm-{waiting}").exists()
+
+
+def _started_from(sandbox: Sandbox) -> str:
+    instance = sandbox.instance
+    assert isinstance(instance, VMInstance)
+    return instance.started_from
+
+
+def _flip_a_byte(path: Path) -> None:
+    """Change one byte in place: its size and modification time may stay, its change time cannot."""
+    os.chmod(path, 0o600)
+    with open(path, "r+b") as fh:
+        fh.seek(path.stat().st_size // 2)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 1]))
+
+
+def test_a_modified_boot_image_is_refused_and_the_qemu_that_loaded_it_dropped(tmp_path: Path) -> None:
+    """A byte of the boot image's RAM changed after a QEMU was started ahead on it: that QEMU
+    is never handed out, and no guest starts from the image (the sandbox boots cold)."""
+    require_tier("microvm")
+    store = SnapshotStore(tmp_path / "store")
+    backend = microvm.MicroVMBackend(snapshot_store=store, ready_images=False)
+    try:
+        with Sandbox.create("microvm", backend=backend):
+            pass
+        ahead = backend.wait_ahead(120)
+        assert ahead is not None
+        ((_, ref),) = store.refs("boot")
+        _flip_a_byte(store.object_path(store.load(ref).blobs["ram"]))
+        with Sandbox.create("microvm", backend=backend) as cold:
+            assert cold.id != ahead
+            assert cold.run_code("1 + 1").text == "2"
+        assert qemu_processes(ahead) == []
+        assert backend.wait_ahead(0) is None  # nothing is started ahead from a refused image
+    finally:
+        backend.close()
+
+
+def test_a_configuration_seen_before_starts_from_its_ready_image(tmp_path: Path) -> None:
+    """After a first start, the boot image configured as that sandbox was, its interpreter
+    started, is kept (a ready image): the next sandboxes of that configuration start from it,
+    their interpreter already there (started in the image), each with its own randomness and
+    an empty workspace. Other limits, or variables of the caller's (never kept
+    on disk unasked), start as before."""
+    require_tier("microvm")
+    store = SnapshotStore(tmp_path / "store")
+    backend = microvm.MicroVMBackend(snapshot_store=store)
+    try:
+        with Sandbox.create("microvm", backend=backend) as first:
+            assert first.run_code("1").text == "1"
+            assert _started_from(first) == "boot image"
+        backend.wait_ahead(180)
+        ready = [name for name, _ in store.refs("boot") if name.startswith("microvm-ready-")]
+        assert len(ready) == 1
+        seen = []
+        for _ in range(2):
+            with Sandbox.create("microvm", backend=backend) as clone:
+                assert _started_from(clone) == "ready image"
+                seen.append(eval(clone.run_code(DRAWS).text or ""))
+                assert clone.files.list() == []
+                clone.files.write("mine.txt", "x")
+        for column in list(zip(*seen, strict=True))[:5]:
+            assert len(set(column)) == len(column), column
+        with Sandbox.create("microvm", backend=backend, envs={"WHO": "b"}) as other:
+            assert other.run_code("import os; os.environ['WHO']").text == "'b'"
+            assert _started_from(other) == "boot image"
+        with Sandbox.create("microvm", backend=backend, limits=Limits(timeout_s=7)) as timed:
+            assert timed.run_code("1 + 1").text == "2"
+        backend.wait_ahead(180)
+        ready_now = [ref for name, ref in store.refs("boot") if name.startswith("microvm-ready-")]
+        assert len(ready_now) == 2  # the other limits' own; none for the variables
+        for ref in ready_now:  # modified: refused, and sandboxes start as before
+            _flip_a_byte(store.object_path(store.load(ref).blobs["ram"]))
+        with Sandbox.create("microvm", backend=backend) as after:
+            assert _started_from(after) == "boot image"
+            assert after.run_code("1 + 1").text == "2"
+    finally:
+        backend.close()

@@ -63,7 +63,7 @@ def test_a_run_paused_for_approval_resumes_in_another_process_with_its_sandbox(
     assert paused["status"] == "paused", paused
     kept = store.get(str(paused["snapshot"]))
     assert kept.kind is (SnapshotKind.MEMORY if tier == "microvm" else SnapshotKind.FILES)
-    assert store.ref("run", RUN_ID) == {"snapshot": kept.id}
+    assert store.ref("run", RUN_ID) == {"snapshot": kept.id, "run": RUN_ID}
     objects = set(store.load(kept).blobs.values())
 
     approve(tmp_path)
@@ -100,7 +100,7 @@ def test_an_interrupted_run_resumes_from_its_last_calls_sandbox(tier: str, tmp_p
     stopped = child("start", "interrupt", tier, tmp_path, "each-call")
     assert stopped["status"] == "interrupted", stopped
     kept = store.get(str(stopped["snapshot"]))
-    assert store.ref("run", RUN_ID) == {"snapshot": kept.id}
+    assert store.ref("run", RUN_ID) == {"snapshot": kept.id, "run": RUN_ID}
     assert len(store.refs("run")) == 1 and not store.refs("kept")  # one per run, replaced per call
 
     done = child("resume", "interrupt", tier, tmp_path, "each-call")

@@ -70,6 +70,12 @@ def test_a_snapshot_forks_and_a_pause_resumes_through_another_client(
                 assert not meanwhile.files.exists("mine.txt")
             with pytest.raises(exc.SnapshotNotFound):
                 RemoteSandbox.resume(paused_id, client=other)
+            # its id still answers, paused; another tenant's look finds nothing, as for no id
+            shown = acme.http.request("GET", f"/v1/sandboxes/{paused_id}").json()
+            assert (shown["id"], shown["state"], shown["tier"]) == (paused_id, "paused", "process")
+            assert shown["limits"]["memory_mb"] == LIMITS.memory_mb
+            with pytest.raises(exc.ResourceNotFound):
+                other.http.request("GET", f"/v1/sandboxes/{paused_id}")
         finally:
             for fork in forks:
                 fork.close()
@@ -78,6 +84,7 @@ def test_a_snapshot_forks_and_a_pause_resumes_through_another_client(
             back = RemoteSandbox.resume(paused_id, client=second)
             try:
                 assert back.id == paused_id
+                assert acme.http.request("GET", f"/v1/sandboxes/{paused_id}").json()["state"] == "running"
                 assert back.files.read("mine.txt") == "0"
                 assert back.files.read("data/input.txt") == "prepared"
                 assert back.commands.run(["python3", "-c", "print(6 * 7)"]).stdout == "42\n"

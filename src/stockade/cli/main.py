@@ -47,6 +47,7 @@ COMMAND_MODULES = (
     "stockade.cli.policy_cmds",
     "stockade.cli.image_cmds",
     "stockade.cli.runs_cmds",
+    "stockade.cli.snapshot_cmds",
     "stockade.cli.service_cmds",
     "stockade.cli.mcp_cmds",
     "stockade.cli.viewer_cmds",

@@ -62,7 +62,7 @@ class RunSnapshots:
             taken = sandbox.snapshot(store=self.store)
             before = self.store.ref(REF, name)
             # The run's ref first, then the caller's ref the op made goes: never unreferenced.
-            self.store.set_ref(REF, name, taken.id)
+            self.store.set_ref(REF, name, taken.id, run=run_id)  # its id, for listings
             self.store.drop_ref("kept", taken.id)
         except (exc.StockadeError, exc.RunStopped, OSError) as err:
             # The run still pauses: resumed, it gets its files back from the run store.

@@ -132,6 +132,9 @@ class VMInstance(SupervisedInstance):
     vm: VMBoundary
     machine_key: str
     masks: tuple[str, ...]
+    # Where its guest came from: "cold boot", "boot image", "ready image" (its supervisor
+    # configured and its interpreter started in the image) or "memory snapshot".
+    started_from: str = "cold boot"
 
     def memory_snapshots(self) -> str | None:
         if self.spec.network.egress:

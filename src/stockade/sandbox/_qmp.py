@@ -86,9 +86,12 @@ class Monitor:
         self.command("migrate", uri="fd:snapshot")
         self._wait_migration(timeout_s, "save")
 
-    def load(self, fd: int, *, ignore_shared: bool = False, timeout_s: float = 300.0) -> None:
+    def load(
+        self, fd: int, *, ignore_shared: bool = False, run: bool = True, timeout_s: float = 300.0
+    ) -> None:
         """Read the state QEMU was started to wait for (``-incoming defer``) from ``fd`` (a file
-        QEMU holds), then run the VM."""
+        QEMU holds), then run the VM (unless ``run`` is false: then it stays stopped, and
+        ``cont`` runs it)."""
         self.command(
             "migrate-set-capabilities",
             capabilities=[{"capability": "x-ignore-shared", "state": ignore_shared}],
@@ -99,14 +102,15 @@ class Monitor:
             state = self.status()
             if state == "paused":  # loaded; a stopped VM's state says so
                 break
-            if state == "running":
+            if state == "running":  # the VM was running when saved, and runs on at once
                 return
             if state not in ("inmigrate", "prelaunch"):
                 raise exc.SnapshotError(f"QEMU could not restore the snapshot (state {state!r})")
             if time.monotonic() > deadline:
                 raise exc.SnapshotError(f"QEMU did not restore the snapshot within {timeout_s:g} s")
             time.sleep(0.002)
-        self.command("cont")
+        if run:
+            self.command("cont")
 
     def _wait_migration(self, timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s

@@ -41,7 +41,7 @@ from typing import Any, BinaryIO
 from stockade import exceptions as exc
 from stockade.types import Snapshot, SnapshotKind
 
-__all__ = ["FORMAT", "Manifest", "SnapshotStore"]
+__all__ = ["FORMAT", "Held", "Manifest", "SnapshotStore"]
 
 FORMAT = 1
 MiB = 1024 * 1024
@@ -76,6 +76,29 @@ class Manifest:
     def tier_state(self) -> dict[str, Any]:
         """What the tier recorded to restore the memory (its machine, its image layout)."""
         return dict(self.data.get("tier_state") or {})
+
+
+@dataclass(frozen=True)
+class Held:
+    """A snapshot and a ref that keeps it: its ``kind`` (``paused``: a paused sandbox, named
+    by its id; ``kept``: taken by a caller; ``run``: an agent run's sandbox, ``extra["run"]``
+    the run's id; ``boot``: a microVM's boot image), its ``name``, and what its writer added."""
+
+    snapshot: Snapshot
+    kind: str
+    name: str
+    extra: Mapping[str, str]
+
+    @property
+    def holder(self) -> str:
+        """Who keeps it, in words: ``paused sandbox sbx-...``, ``run <id>``, ``kept``, ``boot image``."""
+        if self.kind == "paused":
+            return f"paused sandbox {self.name}"
+        if self.kind == "run":
+            return f"run {self.extra.get('run', self.name)}"
+        if self.kind == "boot":
+            return "boot image"
+        return "kept"
 
 
 @dataclass(frozen=True)
@@ -266,6 +289,24 @@ class SnapshotStore:
                 with contextlib.suppress(exc.SnapshotError, OSError):
                     found[sid] = self.load(sid).snapshot
         return sorted(found.values(), key=lambda s: s.taken_at, reverse=True)
+
+    def held(self, kinds: tuple[str, ...] = ("paused", "kept", "run")) -> list[Held]:
+        """Every snapshot the refs of ``kinds`` keep, with what keeps it (a snapshot kept
+        twice is listed twice), newest first; the boot images with ``"boot"`` among them."""
+        found: list[Held] = []
+        for kind in kinds:
+            folder = self.root / "refs" / kind
+            if kind not in REF_KINDS or not folder.is_dir():
+                continue
+            for path in sorted(folder.iterdir()):
+                if path.name.startswith("."):
+                    continue
+                with contextlib.suppress(exc.SnapshotError, OSError, ValueError, KeyError):
+                    data = json.loads(path.read_text())
+                    snapshot = self.load(str(data["snapshot"])).snapshot
+                    extra = {str(k): str(v) for k, v in data.items() if k != "snapshot"}
+                    found.append(Held(snapshot, kind, path.name, extra))
+        return sorted(found, key=lambda h: h.snapshot.taken_at, reverse=True)
 
     def delete(self, snapshot: Snapshot | str) -> None:
         """Forget a snapshot: its refs and manifest go now, its objects at the next ``collect``

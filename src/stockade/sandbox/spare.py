@@ -30,7 +30,7 @@ from stockade.sandbox.base import Backend, Instance, SandboxSpec
 from stockade.sandbox.ops import RunCode
 from stockade.types import TierReport
 
-__all__ = ["SpareBackend"]
+__all__ = ["SpareBackend", "in_background"]
 
 
 class _Spare:
@@ -160,3 +160,10 @@ class _Starter:
 
 
 _starter = _Starter()
+
+
+def in_background(job: Callable[[], None]) -> None:
+    """Run ``job`` on the thread that starts spares: it lives as long as the process, so what
+    a job starts (a sandbox, the microVM tier's QEMU started ahead) never dies with the
+    thread that asked for it."""
+    _starter.submit(job)

@@ -362,6 +362,36 @@ class SandboxRegistry:
             raise exc.ResourceNotFound(f"no sandbox {sandbox_id!r}", kind="sandbox", id=sandbox_id)
         return held
 
+    def paused(self, principal: Principal, sandbox_id: str) -> SandboxOut | None:
+        """The caller's paused sandbox ``sandbox_id`` as a sandbox is shown (state ``paused``,
+        its tier, limits and labels as kept), or None: none is paused under that id in the
+        tenant's store (another tenant's is not in it)."""
+        store = self.service.snapshots.store(principal.tenant)
+        if not (store.root / "refs" / "paused").is_dir():
+            return None  # not created by a look
+        try:
+            ref = store.ref("paused", sandbox_id)
+            if ref is None:
+                return None
+            manifest = store.load(ref["snapshot"])
+            kept = spec_from_state(manifest.spec)
+        except (exc.SnapshotError, exc.InvalidArgument, OSError, KeyError, ValueError):
+            return None
+        snapshot = manifest.snapshot
+        enforcement = manifest.tier_state.get("enforcement")
+        return SandboxOut(
+            id=sandbox_id,
+            tier=snapshot.tier,
+            tier_reason=f"paused: kept in {snapshot.kind.value} snapshot {snapshot.id}",
+            state="paused",
+            limits=json.loads(json.dumps(dataclasses.asdict(kept.limits), default=str)),
+            enforcement=enforcement if isinstance(enforcement, dict) else {},
+            labels=dict(kept.labels),
+            idle_timeout_s=self.service.config.sandbox_idle_timeout_s,
+            created_at=snapshot.taken_at,
+            last_used_at=snapshot.taken_at,
+        )
+
     def of(self, principal: Principal) -> list[Held]:
         with self._lock:
             return [h for h in self._held.values() if h.tenant == principal.tenant.id]
@@ -468,7 +498,15 @@ async def list_sandboxes(request: Request, caller: Caller) -> list[SandboxOut]:
 
 @router.get("/{sandbox_id}", response_model=SandboxOut, summary="One sandbox")
 async def get_sandbox(sandbox_id: str, request: Request, caller: Caller) -> SandboxOut:
-    return _registry_of(request).get(caller, sandbox_id).out()
+    registry = _registry_of(request)
+    try:
+        return registry.get(caller, sandbox_id).out()
+    except exc.ResourceNotFound:
+        # no process holds a paused sandbox (routing left it here): the tenant's store does
+        paused: SandboxOut | None = await _blocking(lambda: registry.paused(caller, sandbox_id))
+        if paused is None:
+            raise
+        return paused
 
 
 @router.post("/{sandbox_id}/kill", response_model=SandboxOut, summary="Stop a sandbox now, mid-command too")

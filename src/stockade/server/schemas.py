@@ -100,7 +100,9 @@ class SandboxOut(BaseModel):
     id: str
     tier: str
     tier_reason: str
-    state: Literal["running", "killed"]
+    # paused: kept in the tenant's snapshot store until resumed (POST .../resume), no process
+    # runs it; its enforcement is the one it had when a memory snapshot keeps it, else empty
+    state: Literal["running", "killed", "paused"]
     limits: dict[str, JsonValue]
     enforcement: dict[str, JsonValue]
     labels: Labels

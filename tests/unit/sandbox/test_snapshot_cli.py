@@ -1,0 +1,53 @@
+"""`stockade snapshots list` over a real snapshot store: what keeps each snapshot, runs included."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from stockade.cli.main import app
+from stockade.runs.snapshots import ref_name
+from stockade.sandbox.snapshots import SnapshotStore
+from stockade.types import SnapshotKind
+
+runner = CliRunner()
+
+
+def _save(store: SnapshotStore, content: bytes, ref: tuple[str, str], tier: str = "process") -> str:
+    blobs = {"workspace": store.add_bytes(content)}
+    return store.save(
+        kind=SnapshotKind.FILES, tier=tier, source="sbx-0123456789ab", spec={}, blobs=blobs, ref=ref
+    ).id
+
+
+def test_the_list_shows_paused_kept_and_runs_snapshots_with_what_holds_them(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "s")
+    paused = _save(store, b"paused", ("paused", "sbx-0123456789ab"))
+    kept = _save(store, b"kept", ("kept", ""))
+    odd = "tenant:run/7"  # no file name: its ref is named by its hash, the run's id is in the ref
+    run = _save(store, b"run", ("run", ref_name(odd)), tier="microvm")
+    store.set_ref("run", ref_name(odd), run, run=odd)  # as RunSnapshots.keep writes it
+    boot = _save(store, b"boot", ("boot", "microvm-shape"), tier="microvm")
+
+    listed = runner.invoke(app, ["snapshots", "list", "--snapshot-dir", str(store.root)])
+    assert listed.exit_code == 0, listed.output
+    rows = {line.split()[0]: line.strip() for line in listed.output.splitlines()[1:] if line.strip()}
+    assert set(rows) == {paused, kept, run}
+    assert rows[paused].endswith("paused sandbox sbx-0123456789ab")
+    assert rows[kept].endswith("kept")
+    assert rows[run].endswith(f"run {odd}") and " microvm " in rows[run]
+
+    as_json = runner.invoke(app, ["snapshots", "list", "--snapshot-dir", str(store.root), "--boot", "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    held = {h["id"]: h["held_by"] for h in json.loads(as_json.output)}
+    assert held[run] == {"kind": "run", "name": ref_name(odd), "run": odd}
+    assert held[boot] == {"kind": "boot", "name": "microvm-shape"}
+    assert len(held) == 4
+
+
+def test_an_empty_or_missing_store_lists_nothing(tmp_path: Path) -> None:
+    listed = runner.invoke(app, ["snapshots", "list", "--snapshot-dir", str(tmp_path / "none"), "--json"])
+    assert listed.exit_code == 0 and json.loads(listed.output) == []
+    assert not (tmp_path / "none").exists()
