@@ -164,6 +164,22 @@ def test_without_root_weaker_limits_need_consent_and_still_hold() -> None:
     assert out.stdout.strip() == "ok", out.stderr
 
 
+def test_every_process_of_a_sandbox_is_in_each_of_its_cgroups() -> None:
+    # bwrap joins them before it runs (its shell moves its one thread on cgroup v1): the
+    # sandbox's first process and all it started count against every limit.
+    with Sandbox.create() as sbx:
+        trace = Trace(sbx.id)
+        sbx.run_code("print(1)")
+        sbx.commands.run("sleep 0.01")
+        boundary = sbx.instance.boundary  # type: ignore[attr-defined]
+        assert boundary.cgroup is not None
+        processes = set(trace.processes())
+        assert boundary.proc.pid in processes and len(processes) >= 3  # bwrap, init, interpreter
+        for folder in boundary.cgroup.dirs:
+            members = {int(pid) for pid in (folder / "cgroup.procs").read_text().split()}
+            assert processes <= members, folder
+
+
 def test_a_frozen_supervisor_cannot_hold_the_host_hostage() -> None:
     sbx = Sandbox.create()
     trace = Trace(sbx.id)
