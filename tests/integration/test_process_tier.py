@@ -180,6 +180,20 @@ def test_every_process_of_a_sandbox_is_in_each_of_its_cgroups() -> None:
             assert processes <= members, folder
 
 
+def test_every_process_of_a_sandbox_has_its_uid_and_gid_alone_and_no_groups() -> None:
+    # Real, effective, saved and filesystem ids: nothing in the chain that drops them may keep
+    # root in one of them, nor the host's supplementary groups.
+    with Sandbox.create() as sbx:
+        trace = Trace(sbx.id)
+        sbx.run_code("print(1)")
+        for pid in trace.processes():
+            status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+            assert status["Uid"].split() == [str(trace.uid)] * 4, pid
+            assert status["Gid"].split() == [str(trace.uid)] * 4, pid
+            assert status["Groups"].split() == [], pid
+            assert int(status["CapEff"], 16) == 0 and int(status["CapPrm"], 16) == 0, pid
+
+
 def test_a_frozen_supervisor_cannot_hold_the_host_hostage() -> None:
     sbx = Sandbox.create()
     trace = Trace(sbx.id)

