@@ -194,6 +194,20 @@ def test_every_process_of_a_sandbox_has_its_uid_and_gid_alone_and_no_groups() ->
             assert int(status["CapEff"], 16) == 0 and int(status["CapPrm"], 16) == 0, pid
 
 
+def test_etc_holds_the_sandbox_files_and_what_programs_need_of_the_hosts() -> None:
+    from stockade.sandbox.process import HOST_ETC
+
+    with Sandbox.create() as sbx:
+        listed = set(sbx.commands.run(["ls", "-A", "/etc"]).stdout.split())
+        cache = sbx.commands.run(["sha256sum", "/etc/ld.so.cache"]).stdout.split()[0]
+        certs = sbx.commands.run("ls /etc/ssl/certs | wc -l").stdout.strip()
+    own = {"passwd", "group", "hosts", "hostname", "nsswitch.conf", "resolv.conf"}
+    assert listed == own | {name for name in HOST_ETC if Path("/etc", name).exists()}
+    host_cache = subprocess.run(["sha256sum", "/etc/ld.so.cache"], capture_output=True, text=True, check=True)
+    assert cache == host_cache.stdout.split()[0]
+    assert certs == str(len(os.listdir("/etc/ssl/certs")))
+
+
 def test_a_frozen_supervisor_cannot_hold_the_host_hostage() -> None:
     sbx = Sandbox.create()
     trace = Trace(sbx.id)

@@ -20,6 +20,7 @@ import hashlib
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import time
@@ -72,6 +73,8 @@ PASSWD = (
 )
 GROUP = "root:x:0:\nsandbox:x:1000:\nnogroup:x:65534:\n"
 HOSTS = "127.0.0.1 localhost sandbox\n::1 localhost\n"
+# (name, is a folder, a file's stamp): what _host_etc finds of HOST_ETC.
+HostEtc = tuple[tuple[str, bool, tuple[int, int, int] | None], ...]
 HOST_ETC = (
     # What programs from the host's /usr read from /etc; the rest of /etc stays out.
     "ld.so.cache", "alternatives", "ssl", "ca-certificates", "localtime", "mime.types",
@@ -134,7 +137,7 @@ class ProcessBackend(Backend):
 
     tier = "process"
     _shared: Path  # the folder of read-only files every sandbox binds, set by _prepare
-    _host_etc: tuple[tuple[str, bool], ...]  # what of HOST_ETC the host has (folder or not)
+    _host_etc: HostEtc  # what of HOST_ETC the host has, as _prepare last found it
 
     def __init__(
         self,
@@ -263,12 +266,14 @@ class ProcessBackend(Backend):
         return Path(self.python)
 
     def _prepare(self) -> None:
-        """Once per process: the read-only files every sandbox binds (supervisor, /etc).
+        """The read-only files every sandbox binds (supervisor, /etc), once per process and
+        again when a file the folder copies from the host's /etc has changed.
 
         The folder is named after a hash of its content, so every process of this host
         shares one copy and a stale copy is never mistaken for the current one.
         """
-        if self._prepared and (self._shared / "complete").exists():
+        host_etc = _host_etc(self.rootfs or Path("/"))
+        if self._prepared and host_etc == self._host_etc and (self._shared / "complete").exists():
             return
         collect_garbage(self.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
@@ -282,7 +287,6 @@ class ProcessBackend(Backend):
             "nsswitch.conf": "passwd: files\ngroup: files\nhosts: files dns\n",
             "resolv.conf": "",
         }
-        host_etc = _host_etc(self.rootfs or Path("/"))
         digest = hashlib.sha256(
             repr(
                 (sorted(sources.items()), sorted(etc_files.items()), host_etc, self.python, str(self.rootfs))
@@ -300,7 +304,7 @@ class ProcessBackend(Backend):
         target: Path,
         sources: dict[str, bytes],
         etc_files: dict[str, str],
-        host_etc: tuple[tuple[str, bool], ...],
+        host_etc: HostEtc,
     ) -> None:
         tmp = Path(tempfile.mkdtemp(prefix=".shared-", dir=self.state_dir))
         os.chmod(tmp, 0o755)
@@ -325,11 +329,13 @@ class ProcessBackend(Backend):
         for name, text in etc_files.items():
             (etc / name).write_text(text)
             os.chmod(etc / name, 0o644)
-        for name, is_dir in host_etc:  # where the host's own files are bound, in each sandbox
-            if is_dir:
+        root = self.rootfs or Path("/")
+        for name, is_dir, _ in host_etc:
+            if is_dir:  # where each sandbox binds the host's folder
                 (etc / name).mkdir(mode=0o755)
-            else:
-                (etc / name).touch(mode=0o644)
+            else:  # a copy (_host_etc's stamp says when it is stale): one bind fewer a start
+                shutil.copyfile(root / "etc" / name, etc / name)
+                os.chmod(etc / name, 0o644)
         (tmp / "complete").touch()
         try:
             os.rename(tmp, target)
@@ -385,13 +391,12 @@ class ProcessBackend(Backend):
         else:
             argv += ["--size", str(spec.limits.tmp_size_mb * MiB), "--tmpfs", "/dev/shm"]
         # /etc is one bind of the shared folder's (each bind costs bwrap a mount, a remount
-        # and a read of the mount table, ~0.3 ms), with the host's files bound over the
-        # places it keeps for them.
+        # and a read of the mount table, ~0.3 ms): its own files, copies of the host's, and
+        # places for the host's folders, bound over them.
         argv += ["--ro-bind", str(self._shared / "etc"), "/etc"]
-        for name, is_dir in self._host_etc:
-            host_etc = root / "etc" / name
-            if host_etc.is_dir() if is_dir else host_etc.is_file():  # still there, still alike
-                argv += ["--ro-bind", str(host_etc), f"/etc/{name}"]
+        for name, is_dir, _ in self._host_etc:
+            if is_dir:
+                argv += ["--ro-bind", str(root / "etc" / name), f"/etc/{name}"]
         if spec.network.unrestricted and (Path("/etc/resolv.conf")).exists():
             argv += ["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"]
         if self.is_root:
@@ -536,11 +541,21 @@ class ProcessBackend(Backend):
         return supervisor_config(spec, rlimits, egress)
 
 
-def _host_etc(root: Path) -> tuple[tuple[str, bool], ...]:
-    """The entries of ``HOST_ETC`` this host has, and whether each is a folder."""
-    return tuple(
-        (name, (root / "etc" / name).is_dir()) for name in HOST_ETC if (root / "etc" / name).exists()
-    )
+def _host_etc(root: Path) -> HostEtc:
+    """The entries of ``HOST_ETC`` this host has: each one's name, whether it is a folder,
+    and for a file its stamp (inode, modification time, size: a file replaced, as ldconfig replaces
+    ld.so.cache, or rewritten, has another). Ten stats: cheap enough for every start."""
+    found: list[tuple[str, bool, tuple[int, int, int] | None]] = []
+    for name in HOST_ETC:
+        try:
+            st = (root / "etc" / name).stat()
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            found.append((name, True, None))
+        elif stat.S_ISREG(st.st_mode):
+            found.append((name, False, (st.st_ino, st.st_mtime_ns, st.st_size)))
+    return tuple(found)
 
 
 def _network_mechanism(net: NetworkPolicy) -> Mechanism:
