@@ -546,9 +546,10 @@ def _host_etc(root: Path) -> HostEtc:
     and for a file its stamp (inode, modification time, size: a file replaced, as ldconfig replaces
     ld.so.cache, or rewritten, has another). Ten stats: cheap enough for every start."""
     found: list[tuple[str, bool, tuple[int, int, int] | None]] = []
+    etc = os.path.join(root, "etc")
     for name in HOST_ETC:
         try:
-            st = (root / "etc" / name).stat()
+            st = os.stat(os.path.join(etc, name))
         except OSError:
             continue
         if stat.S_ISDIR(st.st_mode):
