@@ -165,6 +165,50 @@ def test_without_root_weaker_limits_need_consent_and_still_hold() -> None:
     assert out.stdout.strip() == "ok", out.stderr
 
 
+def test_every_process_of_a_sandbox_is_in_each_of_its_cgroups() -> None:
+    # bwrap joins them before it runs (its shell moves its one thread on cgroup v1): the
+    # sandbox's first process and all it started count against every limit.
+    with Sandbox.create() as sbx:
+        trace = Trace(sbx.id)
+        sbx.run_code("print(1)")
+        sbx.commands.run("sleep 0.01")
+        boundary = sbx.instance.boundary  # type: ignore[attr-defined]
+        assert boundary.cgroup is not None
+        processes = set(trace.processes())
+        assert boundary.proc.pid in processes and len(processes) >= 3  # bwrap, init, interpreter
+        for folder in boundary.cgroup.dirs:
+            members = {int(pid) for pid in (folder / "cgroup.procs").read_text().split()}
+            assert processes <= members, folder
+
+
+def test_every_process_of_a_sandbox_has_its_uid_and_gid_alone_and_no_groups() -> None:
+    # Real, effective, saved and filesystem ids: nothing in the chain that drops them may keep
+    # root in one of them, nor the host's supplementary groups.
+    with Sandbox.create() as sbx:
+        trace = Trace(sbx.id)
+        sbx.run_code("print(1)")
+        for pid in trace.processes():
+            status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+            assert status["Uid"].split() == [str(trace.uid)] * 4, pid
+            assert status["Gid"].split() == [str(trace.uid)] * 4, pid
+            assert status["Groups"].split() == [], pid
+            assert int(status["CapEff"], 16) == 0 and int(status["CapPrm"], 16) == 0, pid
+
+
+def test_etc_holds_the_sandbox_files_and_what_programs_need_of_the_hosts() -> None:
+    from stockade.sandbox.process import HOST_ETC
+
+    with Sandbox.create() as sbx:
+        listed = set(sbx.commands.run(["ls", "-A", "/etc"]).stdout.split())
+        cache = sbx.commands.run(["sha256sum", "/etc/ld.so.cache"]).stdout.split()[0]
+        certs = sbx.commands.run("ls /etc/ssl/certs | wc -l").stdout.strip()
+    own = {"passwd", "group", "hosts", "hostname", "nsswitch.conf", "resolv.conf"}
+    assert listed == own | {name for name in HOST_ETC if Path("/etc", name).exists()}
+    host_cache = subprocess.run(["sha256sum", "/etc/ld.so.cache"], capture_output=True, text=True, check=True)
+    assert cache == host_cache.stdout.split()[0]
+    assert certs == str(len(os.listdir("/etc/ssl/certs")))
+
+
 def test_a_frozen_supervisor_cannot_hold_the_host_hostage() -> None:
     sbx = Sandbox.create()
     trace = Trace(sbx.id)
