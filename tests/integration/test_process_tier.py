@@ -126,6 +126,16 @@ def test_a_crashed_creator_leaves_garbage_that_gc_removes() -> None:
     assert mounts_of(sid) == [] and sid not in _cgroups.leftover_groups()
 
 
+def test_gc_of_another_state_folder_spares_a_live_sandbox(tmp_path: Path) -> None:
+    # A service and a script on one host, each with its own state folder: neither's gc may
+    # take the other's sandboxes for garbage (before, it killed every group it had no folder for).
+    with Sandbox.create() as sbx:
+        removed = collect_garbage(tmp_path / "another-state-folder")
+        assert not any(sbx.id in line for line in removed), removed
+        assert sbx.commands.run("echo alive").stdout == "alive\n"
+        assert sbx.id in _cgroups.leftover_groups()
+
+
 UNPRIVILEGED = """
 from stockade import LimitNotEnforceable, Limits, Sandbox
 try:

@@ -156,6 +156,17 @@ class Cgroup:
             time.sleep(pause)
             pause = min(pause * 2, 0.002)
 
+    def remove_empty(self) -> bool:
+        """Remove the group if nothing runs in it (no kill): whether it is gone."""
+        for d in self.dirs:
+            try:
+                d.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:  # a process came, or a zombie is still being reaped
+                return False
+        return True
+
     def remove(self) -> None:
         self.kill_all()
         for d in self.dirs:
@@ -187,15 +198,27 @@ def leftover_groups() -> list[str]:
     return sorted(names)
 
 
-def collect(prefix: str, owned: Callable[[str], bool]) -> list[str]:
+def collect(prefix: str, owned: Callable[[str], bool], dead: Callable[[str], bool]) -> list[str]:
     """Remove the sandbox cgroups named ``prefix...`` that ``owned(name)`` no longer claims
-    (each tier names its groups apart, and collects its own)."""
+    (each tier names its groups apart, and collects its own).
+
+    Only those ``dead(name)`` says were this caller's (a run folder of its state folder whose
+    creator is gone) have their processes killed; any other unclaimed group may belong to a
+    live sandbox of another state folder, another user of the host: it goes only when empty.
+    """
     removed: list[str] = []
     support = detect()
     if support.mechanism is Mechanism.NONE:
         return removed
     for name in leftover_groups():
-        if name.startswith(prefix) and not owned(name):
-            Cgroup(support.mechanism, name).remove()
-            removed.append(f"cgroup {name}")
+        if not name.startswith(prefix) or owned(name):
+            continue
+        group = Cgroup(support.mechanism, name)
+        if dead(name):
+            group.remove()
+        elif not group.pids() and group.remove_empty():
+            pass
+        else:
+            continue
+        removed.append(f"cgroup {name}")
     return removed

@@ -991,6 +991,7 @@ def collect_garbage() -> list[str]:
     """Kill the QEMU of every microVM whose creating process is gone, and remove its folder."""
     me = _guest.current_creator()
     removed: list[str] = []
+    dead: set[str] = set()
     state_dir = _guest.default_state_dir()
     if not state_dir.is_dir():
         return removed
@@ -1014,6 +1015,7 @@ def collect_garbage() -> list[str]:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         shutil.rmtree(rundir, ignore_errors=True)
+        dead.add(rundir.name)
         removed.append(f"microvm {sid}")
-    removed += _cgroups.collect("vm-sbx-", lambda name: (state_dir / name).exists())
+    removed += _cgroups.collect("vm-sbx-", lambda name: (state_dir / name).exists(), dead.__contains__)
     return removed

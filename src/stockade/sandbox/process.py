@@ -657,12 +657,14 @@ def collect_garbage(state_dir: Path | None = None) -> list[str]:
     base = state_dir or _default_state_dir(os.geteuid() == 0)
     removed: list[str] = []
     in_use: set[str] = set()
+    dead: set[str] = set()
     if base.is_dir():
         for rundir in sorted(base.glob("sbx-*")):
             if _owner_alive(rundir):
                 with contextlib.suppress(OSError):
                     in_use.update((rundir / MASKS_FILE).read_text().split())
                 continue
+            dead.add(rundir.name)
             for name in ("workspace", "tmp", "shm"):
                 umount(rundir / name)
             shutil.rmtree(rundir, ignore_errors=True)
@@ -671,7 +673,7 @@ def collect_garbage(state_dir: Path | None = None) -> list[str]:
         for partial in base.glob(".shared-*"):  # a build interrupted by a crash
             if time.time() - partial.stat().st_mtime > 3600:
                 shutil.rmtree(partial, ignore_errors=True)
-    removed += _cgroups.collect("sbx-", lambda name: (base / name).exists())
+    removed += _cgroups.collect("sbx-", lambda name: (base / name).exists(), dead.__contains__)
     if os.geteuid() == 0:
         removed += _rules.collect_masked(_rules.masked_folders(), in_use)
     return removed
