@@ -29,9 +29,11 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from stockade import SnapshotStore
 from stockade.sandbox import _guest, _rules, microvm
+from stockade.sandbox._microvm_instance import VMBoundary
 from stockade.sandbox._supervised import enforcement_from_state, sandbox_id, supervisor_config
 from stockade.sandbox.base import SandboxSpec
 from stockade.sandbox.ops import RunCode
@@ -54,6 +56,42 @@ def qemu_cpu_ms(pid: int) -> float:
     return total / 1e6
 
 
+class Timeline:
+    """One start's steps: {step: (wall ms, QEMU CPU ms, blocks translated so far)}."""
+
+    def __init__(self, boundary: VMBoundary) -> None:
+        self.monitor = boundary.monitor()
+        self.pid = boundary.proc.pid
+        self.out: dict[str, tuple[float, float, int]] = {}
+        self.cpu = 0.0
+        self.last = time.perf_counter()
+
+    def step(self, name: str) -> None:
+        now, used = time.perf_counter(), qemu_cpu_ms(self.pid)
+        jit = self.monitor.command("human-monitor-command", command_line="info jit")
+        found = re.search(r"TB count\s+(\d+)", str(jit))
+        self.out[name] = ((now - self.last) * 1000, used - self.cpu, int(found.group(1)) if found else -1)
+        self.last, self.cpu = time.perf_counter(), used  # the question to QEMU is not counted
+
+
+def launch(
+    backend: microvm.MicroVMBackend, spec: SandboxSpec, masks: tuple[str, ...], ram: Path, device: Path
+) -> tuple[VMBoundary, Any, Timeline, float]:
+    """QEMU started on an image, its state loaded and its guest stopped (two steps timed)."""
+    fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
+    start = time.perf_counter()
+    boundary, stream = backend._launch(
+        spec, sandbox_id(spec), masks, microvm.Launch(ram=ram, incoming=True, fds=(fd,))
+    )
+    timeline = Timeline(boundary)
+    timeline.last = start
+    timeline.step(STEPS[0])
+    timeline.monitor.load(fd, ignore_shared=True, run=False)
+    os.close(fd)
+    timeline.step(STEPS[1])
+    return boundary, stream, timeline, start
+
+
 def one_start(backend: microvm.MicroVMBackend) -> dict[str, tuple[float, float, int]]:
     """{step: (wall ms, QEMU CPU ms, blocks translated so far)}"""
     spec = SandboxSpec()
@@ -61,28 +99,7 @@ def one_start(backend: microvm.MicroVMBackend) -> dict[str, tuple[float, float, 
     rules = _rules.plan(spec, root=backend.rootfs, can_mask=True, can_confine=True)
     boot = backend._boot_image(spec, rules.masks)
     assert boot is not None, backend._boot_failed
-    ram, device = boot
-    out: dict[str, tuple[float, float, int]] = {}
-    fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
-    start = last = time.perf_counter()
-    boundary, stream = backend._launch(
-        spec, sandbox_id(spec), rules.masks, microvm.Launch(ram=ram, incoming=True, fds=(fd,))
-    )
-    monitor = boundary.monitor()
-    pid, cpu = boundary.proc.pid, 0.0
-
-    def step(name: str) -> None:
-        nonlocal last, cpu
-        now, used = time.perf_counter(), qemu_cpu_ms(pid)
-        jit = monitor.command("human-monitor-command", command_line="info jit")
-        found = re.search(r"TB count\s+(\d+)", str(jit))
-        out[name] = ((now - last) * 1000, used - cpu, int(found.group(1)) if found else -1)
-        last, cpu = time.perf_counter(), used  # the question to QEMU is not counted
-
-    step(STEPS[0])
-    monitor.load(fd, ignore_shared=True, run=False)
-    os.close(fd)
-    step(STEPS[1])
+    boundary, stream, timeline, start = launch(backend, spec, rules.masks, *boot)
     instance = backend._instance(
         boundary.rundir.name.removeprefix("vm-"),
         spec=spec,
@@ -92,22 +109,27 @@ def one_start(backend: microvm.MicroVMBackend) -> dict[str, tuple[float, float, 
         masks=rules.masks,
     )
     try:
-        monitor.command("cont")
+        timeline.monitor.command("cont")
         boundary.reseed()
-        step(STEPS[2])
+        timeline.step(STEPS[2])
         config = supervisor_config(spec, _guest.own_kernel_limits(spec).rlimits, None)
         config["report_oom"] = True
         instance.handshake(config, microvm.START_TIMEOUT_S, rules)
-        step(STEPS[3])
-        instance.execute(RunCode(code="print(1)"))
-        total = (time.perf_counter() - start) * 1000
-        step(STEPS[4])
-        instance.execute(RunCode(code="print(1)"))
-        step(STEPS[5])
-        out["create + first print(1), as timed here"] = (total, qemu_cpu_ms(pid), 0)
+        timeline.step(STEPS[3])
+        first_runs(instance, timeline, start, STEPS[4:])
     finally:
         instance.close()
-    return out
+    return timeline.out
+
+
+def first_runs(instance: Any, timeline: Timeline, start: float, steps: tuple[str, ...]) -> None:
+    """The first run_code and the second (what the first paid for), and the total."""
+    instance.execute(RunCode(code="print(1)"))
+    total = (time.perf_counter() - start) * 1000
+    timeline.step(steps[0])
+    instance.execute(RunCode(code="print(1)"))
+    timeline.step(steps[1])
+    timeline.out["create + first print(1), as timed here"] = (total, qemu_cpu_ms(timeline.pid), 0)
 
 
 READY_STEPS = (
@@ -129,27 +151,7 @@ def ready_start(backend: microvm.MicroVMBackend) -> dict[str, tuple[float, float
     ready = backend._ready_image(spec, rules.masks, config)
     assert ready is not None, backend._boot_failed
     ram, device, state = ready
-    out: dict[str, tuple[float, float, int]] = {}
-    fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
-    start = last = time.perf_counter()
-    boundary, stream = backend._launch(
-        spec, sandbox_id(spec), rules.masks, microvm.Launch(ram=ram, incoming=True, fds=(fd,))
-    )
-    monitor = boundary.monitor()
-    pid, cpu = boundary.proc.pid, 0.0
-
-    def step(name: str) -> None:
-        nonlocal last, cpu
-        now, used = time.perf_counter(), qemu_cpu_ms(pid)
-        jit = monitor.command("human-monitor-command", command_line="info jit")
-        found = re.search(r"TB count\s+(\d+)", str(jit))
-        out[name] = ((now - last) * 1000, used - cpu, int(found.group(1)) if found else -1)
-        last, cpu = time.perf_counter(), used
-
-    step(READY_STEPS[0])
-    monitor.load(fd, ignore_shared=True, run=False)
-    os.close(fd)
-    step(READY_STEPS[1])
+    boundary, stream, timeline, start = launch(backend, spec, rules.masks, ram, device)
     instance = backend._instance(
         boundary.rundir.name.removeprefix("vm-"),
         spec=spec,
@@ -159,20 +161,15 @@ def ready_start(backend: microvm.MicroVMBackend) -> dict[str, tuple[float, float
         masks=rules.masks,
     )
     try:
-        monitor.command("cont")
+        timeline.monitor.command("cont")
         boundary.reseed()
-        step(READY_STEPS[2])
+        timeline.step(READY_STEPS[2])
         instance.reseed()
-        step(READY_STEPS[3])
-        instance.execute(RunCode(code="print(1)"))
-        total = (time.perf_counter() - start) * 1000
-        step(READY_STEPS[4])
-        instance.execute(RunCode(code="print(1)"))
-        step(READY_STEPS[5])
-        out["create + first print(1), as timed here"] = (total, qemu_cpu_ms(pid), 0)
+        timeline.step(READY_STEPS[3])
+        first_runs(instance, timeline, start, READY_STEPS[4:])
     finally:
         instance.close()
-    return out
+    return timeline.out
 
 
 def table(title: str, runs: list[dict[str, tuple[float, float, int]]]) -> None:
