@@ -47,8 +47,11 @@ def build(folder: Path | None = None) -> Path | None:
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         return None
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".judge-", suffix=".so", dir=folder)
+    try:  # a user without a writable cache (a service account's home) judges in Python
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".judge-", suffix=".so", dir=folder)
+    except OSError:
+        return None
     os.close(fd)
     try:
         done = subprocess.run(

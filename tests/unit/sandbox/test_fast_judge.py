@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stockade.sandbox import _judge
+from tests.conftest import require
 
 SUPERVISOR = Path(_judge.SOURCE).parent
 
@@ -35,8 +36,10 @@ CONTENTS = ["small", "/usr/bin/rm", "/usr/bin/ls", "/usr/bin/true", "/usr/bin/gi
 @pytest.fixture(scope="module")
 def judges() -> Iterator[tuple[Any, Any]]:
     built = _judge.build()
-    if built is None:
-        pytest.skip("no C compiler on this host: every exec is judged in Python")
+    require(
+        "the compiled exec judge (a C compiler, x86_64)", built is not None, "every exec is judged in Python"
+    )
+    assert built is not None
     lib = ctypes.CDLL(str(built))
     fast = lib.stockade_fast_allows
     fast.argtypes = [ctypes.c_char_p, ctypes.c_int, *[ctypes.c_char_p] * 4, ctypes.c_int, ctypes.c_uint64]
@@ -206,8 +209,8 @@ def test_a_shim_is_confined_alike_by_the_compiled_and_the_python_path(tmp_path: 
     import subprocess
 
     built = _judge.build()
-    if built is None:
-        pytest.skip("no C compiler on this host")
+    require("the compiled exec judge", built is not None, "no C compiler, or not x86_64")
+    assert built is not None
     folder = tmp_path / "supervisor"
     folder.mkdir()
     for module in SUPERVISOR.glob("*.py"):
@@ -220,7 +223,12 @@ def test_a_shim_is_confined_alike_by_the_compiled_and_the_python_path(tmp_path: 
         capture_output=True, text=True, check=True, timeout=60,
     )  # fmt: skip
     got = json.loads(done.stdout)
-    if not got["landlock"]:
-        pytest.skip("no Landlock in this kernel")
+    require("Landlock", got["landlock"], "this kernel has none")
     assert got["compiled"] is (judge == "compiled")
     assert got["shims"] == [{"src/new": True, "outside": False}] * 2
+
+
+def test_a_cache_that_cannot_be_written_means_the_python_judge_not_an_error(tmp_path: Path) -> None:
+    # A service account without a home (the unprivileged test's user): no library, no crash.
+    (tmp_path / "file").write_text("")
+    assert _judge.build(tmp_path / "file" / "judge") is None
