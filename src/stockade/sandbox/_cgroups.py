@@ -216,9 +216,7 @@ def collect(prefix: str, owned: Callable[[str], bool], dead: Callable[[str], boo
         group = Cgroup(support.mechanism, name)
         if dead(name):
             group.remove()
-        elif not group.pids() and group.remove_empty():
-            pass
-        else:
+        elif group.pids() or not group.remove_empty():
             continue
         removed.append(f"cgroup {name}")
     return removed

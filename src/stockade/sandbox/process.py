@@ -275,7 +275,8 @@ class ProcessBackend(Backend):
         host_etc = _host_etc(self.rootfs or Path("/"))
         if self._prepared and host_etc == self._host_etc and (self._shared / "complete").exists():
             return
-        collect_garbage(self.state_dir)
+        if not self._prepared:  # once per process: a host /etc file changing needs no collection
+            collect_garbage(self.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
         os.chmod(self.state_dir, 0o711)
         sources = supervisor_sources()
