@@ -13,7 +13,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -41,6 +41,132 @@ def _home_state() -> dict[str, tuple[int, int]]:
                 info = path.lstat()
                 state[str(path.relative_to(HOME))] = (info.st_size, info.st_mtime_ns)
     return state
+
+
+# What a sandbox leaves on the host if a close or a collection misses it. The suite takes a
+# census before and after and fails on anything new: processes of the tiers (bubblewrap, QEMU,
+# runsc, a container's shim, anything run from stockade's folders), sandbox cgroups, mounts of
+# stockade, Docker or pytest's folders, stockade's containers and volumes, files in the checkout.
+# Where another user of the host runs sandboxes meanwhile (STOCKADE_TEST_SHARED_HOST=1), only
+# this process's descendants and the containers it labelled as their creator are counted.
+_TIER_PROCESSES = (b"bwrap", b"qemu-system", b"runsc", b"containerd-shim", b"stockade")
+_MOUNTED_HERE = ("stockade", "sbx-", "pytest-of-", "/var/lib/docker", "/run/docker", "/run/containerd")
+_CHECKOUT = Path(__file__).resolve().parent.parent
+_CHECKOUT_CACHES = {
+    ".git",
+    ".venv",
+    ".hypothesis",
+    ".pytest_cache",
+    ".mypy_cache",
+    ".ruff_cache",
+    "__pycache__",
+    "htmlcov",
+}
+
+
+def _census() -> dict[str, set[str]]:
+    from stockade.sandbox import _cgroups
+
+    shared = os.environ.get("STOCKADE_TEST_SHARED_HOST", "") not in ("", "0")
+    found: dict[str, set[str]] = {"containers": _containers(mine_only=shared)}
+    found["processes"] = {f"{pid} {cmd}" for pid, cmd in _tier_processes(mine_only=shared)}
+    found["checkout"] = _checkout_files()
+    if shared:
+        return found
+    found["cgroups"] = set(_cgroups.leftover_groups())
+    found["mounts"] = {
+        line.split()[4]
+        for line in Path("/proc/self/mountinfo").read_text().splitlines()
+        if any(part in line.split()[4] for part in _MOUNTED_HERE)
+    }
+    return found
+
+
+def _checkout_files() -> set[str]:
+    files: set[str] = set()
+    for root, dirs, names in os.walk(_CHECKOUT):
+        dirs[:] = [d for d in dirs if d not in _CHECKOUT_CACHES]
+        kept = (n for n in names if not n.startswith(".coverage"))
+        files.update(str(Path(root, n).relative_to(_CHECKOUT)) for n in kept)
+    return files
+
+
+def _tier_processes(*, mine_only: bool) -> list[tuple[int, str]]:
+    parents: dict[int, int] = {}
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != os.getpid():
+            try:
+                cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
+                stat = Path(f"/proc/{name}/stat").read_bytes()
+                parents[int(name)] = int(stat.rsplit(b")", 1)[1].split()[1])
+            except OSError:
+                continue  # gone meanwhile
+            # pytest is this process's parent or a helper; postgres names its connections by user
+            ours = not (b"pytest" in cmdline or cmdline.startswith(b"postgres"))
+            if ours and any(word in cmdline for word in _TIER_PROCESSES):
+                found.append((int(name), cmdline.replace(b"\0", b" ").decode(errors="replace")[:120]))
+    if mine_only:  # this process's descendants (a sandbox of another process is that one's)
+        found = [(pid, cmd) for pid, cmd in found if _descends(pid, os.getpid(), parents)]
+    return found
+
+
+def _descends(pid: int, ancestor: int, parents: dict[int, int]) -> bool:
+    while pid > 1:
+        pid = parents.get(pid, 0)
+        if pid == ancestor:
+            return True
+    return False
+
+
+def _containers(*, mine_only: bool) -> set[str]:
+    try:
+        import docker
+
+        client = docker.from_env(timeout=10)
+    except Exception:  # no SDK or no engine: nothing of ours can be there
+        return set()
+    try:
+        label = "stockade.sandbox"
+        labelled: list[dict[str, Any]] = client.api.containers(all=True, filters={"label": f"{label}=1"})
+        volumes: dict[str, Any] = {} if mine_only else client.api.volumes(filters={"label": label})
+    except Exception:
+        return set()
+    finally:
+        client.close()
+    pid = str(os.getpid())
+    found = {
+        f"container {c['Id'][:12]} {(c.get('Labels') or {}).get('stockade.id', '')}"
+        for c in labelled
+        if not mine_only or (c.get("Labels") or {}).get("stockade.pid") == pid
+    }
+    return found | {f"volume {v['Name']}" for v in volumes.get("Volumes") or []}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _the_suite_leaves_no_trace() -> Iterator[None]:
+    before = _census()
+    yield
+    # What lives as long as its backend (a QEMU started ahead, a spare) ends with it: drop the
+    # tiers' backends as the process's exit would, then wait for what dies asynchronously.
+    import gc
+
+    from stockade.sandbox import _registry
+
+    _registry._cache.clear()
+    gc.collect()
+    left: dict[str, set[str]] = {}
+
+    def nothing_new() -> bool:
+        nonlocal left
+        left = {kind: items - before.get(kind, set()) for kind, items in _census().items()}
+        left = {kind: items for kind, items in left.items() if items}
+        return not left
+
+    deadline = time.monotonic() + 30
+    while not nothing_new() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"the tests left traces on this host: { {k: sorted(v)[:10] for k, v in left.items()} }"
 
 
 @pytest.fixture(scope="session", autouse=True)

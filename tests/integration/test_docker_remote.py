@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from stockade import Limits, Sandbox
+from stockade.sandbox import _guest
 from stockade.sandbox.docker import DockerBackend
 from tests.conftest import require_tier
 
@@ -23,8 +24,16 @@ pytestmark = pytest.mark.docker
 
 @pytest.fixture
 def remote() -> Iterator[DockerBackend]:
+    """The mode, and the supervisor's volumes it made removed after (the suite leaves no trace;
+    a user's engine keeps its volume: one per supervisor version, filled once)."""
     require_tier("docker")
-    yield DockerBackend(remote=True)
+    backend = DockerBackend(remote=True)
+    api = backend._api()
+    before = {v["Name"] for v in api.volumes(filters={"label": _guest.LABEL}).get("Volumes") or []}
+    yield backend
+    for volume in api.volumes(filters={"label": _guest.LABEL}).get("Volumes") or []:
+        if volume["Name"] not in before:
+            api.remove_volume(volume["Name"])
 
 
 def mounts_of(backend: DockerBackend, sbx: Sandbox) -> dict[str, dict[str, Any]]:
