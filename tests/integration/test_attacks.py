@@ -108,6 +108,26 @@ def test_hostile_errors_and_closed_streams_keep_the_interpreter_state(sbx: Sandb
     assert sbx.run_code("kept").text == "'state'"
 
 
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import os\nos.close(1)\nos.close(2)",
+        "import sys\nsys.stdout = sys.stderr = None",
+        "import sys\nsys.stdout.close()\nsys.stderr.close()",
+    ],
+)
+def test_a_cell_that_closes_its_streams_does_not_silence_the_next(sbx: Sandbox, code: str) -> None:
+    sbx.run_code(code)
+    r = sbx.run_code("import os, sys\nprint('out')\nprint('err', file=sys.stderr)\nos.system('echo child')")
+    assert (r.logs.stdout, r.logs.stderr) == ("out\nchild\n", "err\n")
+
+
+def test_a_cell_may_send_its_output_to_a_file_on_purpose(sbx: Sandbox) -> None:
+    sbx.run_code("import sys\nsys.stdout = open('/tmp/log.txt', 'w', buffering=1)")
+    r = sbx.run_code("print('to the log')")
+    assert r.logs.stdout == "" and sbx.run_code("open('/tmp/log.txt').read()").text == "'to the log\\n'"
+
+
 def test_reset_leaves_nothing_for_the_next_user(sbx: Sandbox) -> None:
     planted = sbx.run_code(
         "import os\n"

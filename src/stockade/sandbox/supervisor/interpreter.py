@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import _ast
 import builtins
+import fcntl
 import io
 import os
 import sys
@@ -288,6 +289,38 @@ def _forget_supervisor_modules() -> None:
             del sys.modules[name]
 
 
+class _Streams:
+    """Standard output and error as each cell starts: what a cell closed or made unwritable
+    (``os.close(1)``, ``sys.stdout = None``, ``sys.stdout.close()``) is put back, so that one
+    cell's mistake does not silence the next. What still works is left as the cell set it (it
+    may send fd 1 or ``sys.stdout`` to a file on purpose)."""
+
+    def __init__(self) -> None:
+        # Copies of the pipes to the supervisor, above the low fds and close-on-exec (no
+        # program the code starts holds them).
+        self._pipes = {fd: fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64) for fd in (1, 2)}
+
+    def restore(self) -> None:
+        for fd in (1, 2):
+            try:
+                os.fstat(fd)
+            except OSError:  # closed by the code: its pipe again
+                try:
+                    os.dup2(self._pipes[fd], fd)
+                except OSError:  # the copy was closed too: nothing to put back
+                    continue
+            current = sys.stdout if fd == 1 else sys.stderr
+            if current is None or getattr(current, "closed", False):
+                self.open(fd)
+
+    @staticmethod
+    def open(fd: int) -> None:
+        """Unbuffered text on ``fd``: what a cell prints is in order with what its children print."""
+        raw = io.FileIO(fd, "w", closefd=False)
+        text = io.TextIOWrapper(raw, encoding="utf-8", errors="backslashreplace", write_through=True)
+        setattr(sys, "stdout" if fd == 1 else "stderr", text)
+
+
 def main(ctl_in: int, ctl_out: int) -> None:
     """Serve run requests on two pipe fds until the supervisor closes them."""
     # Before any code runs (so it cannot be forged): who we are, for the supervisor, which
@@ -295,18 +328,9 @@ def main(ctl_in: int, ctl_out: int) -> None:
     os.write(ctl_out, encode({"ev": "hello", "pid": os.getpid()}))
     preload()
     _forget_supervisor_modules()
-    sys.stdout = io.TextIOWrapper(
-        io.FileIO(1, "w", closefd=False),
-        encoding="utf-8",
-        errors="backslashreplace",
-        write_through=True,
-    )
-    sys.stderr = io.TextIOWrapper(
-        io.FileIO(2, "w", closefd=False),
-        encoding="utf-8",
-        errors="backslashreplace",
-        write_through=True,
-    )
+    streams = _Streams()
+    streams.open(1)
+    streams.open(2)
     sys.argv = [""]
     interp = Interpreter()
     reader = FrameReader(max_body=1 << 30)
@@ -325,6 +349,7 @@ def main(ctl_in: int, ctl_out: int) -> None:
         for header, body in frames:
             if header.get("reseed"):
                 reseed()
+            streams.restore()
             reply = interp.run(body.decode("utf-8", "replace"))
             # In the body, not the header: a header is capped at 1 MiB, results are not.
             payload = dumps(reply).encode()
