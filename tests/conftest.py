@@ -148,13 +148,16 @@ def _the_suite_leaves_no_trace() -> Iterator[None]:
     before = _census()
     yield
     # What lives as long as its backend (a QEMU started ahead, a spare) ends with it: drop the
-    # tiers' backends as the process's exit would, then wait for what dies asynchronously.
+    # tiers' backends as the process's exit would. What processes the tests killed on purpose
+    # left is `stockade gc`'s (which never takes a live creator's), then what dies
+    # asynchronously has a while to go.
     import gc
 
-    from stockade.sandbox import _registry
+    from stockade.sandbox import _gc, _registry
 
     _registry._cache.clear()
     gc.collect()
+    collected = _gc.collect()
     left: dict[str, set[str]] = {}
 
     def nothing_new() -> bool:
@@ -166,7 +169,8 @@ def _the_suite_leaves_no_trace() -> Iterator[None]:
     deadline = time.monotonic() + 30
     while not nothing_new() and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not left, f"the tests left traces on this host: { {k: sorted(v)[:10] for k, v in left.items()} }"
+    traces = {k: sorted(v)[:10] for k, v in left.items()}
+    assert not left, f"the tests left traces on this host: {traces} (gc had removed {collected})"
 
 
 @pytest.fixture(scope="session", autouse=True)
