@@ -40,6 +40,7 @@ from stockade.sandbox._gvisor_memory import RunscInstance
 from stockade.sandbox._host import PipeStream
 from stockade.sandbox._rootfs import find_rootfs
 from stockade.sandbox._supervised import (
+    WORKSPACE,
     Boundary,
     SupervisedInstance,
     enforcement_from_state,
@@ -340,23 +341,7 @@ class RunscBackend(Backend):
 
     def runsc_call(self, *args: str, check: bool = True) -> None:
         """``runsc pause``, ``resume`` or ``checkpoint`` on a sandbox (``SnapshotError``)."""
-        try:
-            done = subprocess.run(
-                self._argv(*args),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                env={"PATH": "/usr/bin:/bin"},
-                timeout=_gvisor_memory.RUNSC_TIMEOUT_S,
-                check=False,
-            )
-        except (OSError, subprocess.TimeoutExpired) as err:
-            if check:
-                raise exc.SnapshotError(f"runsc {args[0]} failed: {err}") from None
-            return
-        if check and done.returncode != 0:
-            said = done.stderr.decode("utf-8", "replace").strip().splitlines() or ["no reason given"]
-            raise exc.SnapshotError(f"runsc {args[0]} failed: {said[-1][:500]}")
+        _gvisor_memory.call_runsc(self._argv(*args), check=check)
 
     def start(self, spec: SandboxSpec) -> SupervisedInstance:
         self._check()
@@ -387,8 +372,15 @@ class RunscBackend(Backend):
         manifest = store.verify(spec.snapshot)
         state = manifest.tier_state
         masks = _rules.plan(spec, root=self.rootfs, can_mask=True, can_confine=False).masks
-        folder = _guest.supervisor_dir(self.state_dir, str(self.rootfs))
-        if state.get("machine") != _gvisor_memory.machine_key(self, folder, masks):
+        docker = None
+        if "docker" in state:  # taken in a container of Docker: its image, mounts and uid
+            docker = _gvisor_memory.DockerLayout.from_state(state["docker"])
+            folder = _guest.supervisor_dir(self.state_dir, docker.image)
+            key = _gvisor_memory.docker_machine_key(self.runsc, self.platform, docker.image, folder, masks)
+        else:
+            folder = _guest.supervisor_dir(self.state_dir, str(self.rootfs))
+            key = _gvisor_memory.machine_key(self, folder, masks)
+        if state.get("machine") != key:
             raise exc.SnapshotIncompatible(
                 f"snapshot {spec.snapshot.id} was taken with another runsc, platform, root filesystem "
                 "or stockade than this host has now: its memory cannot be restored"
@@ -404,6 +396,7 @@ class RunscBackend(Backend):
                 masks=masks,
                 command=("restore", "--image-path", str(image)),
                 files={area: store.check_object(manifest.blobs[area]) for area in _gvisor_memory.AREAS},
+                docker=docker,
             )
             try:
                 instance.reseed()
@@ -429,16 +422,22 @@ class RunscBackend(Backend):
         masks: tuple[str, ...],
         command: tuple[str, ...],
         files: dict[str, Path] | None = None,
+        docker: _gvisor_memory.DockerLayout | None = None,
     ) -> RunscInstance:
         """Write the bundle (tmpfs, with ``files`` unpacked in them; the egress proxy;
-        config.json) and start ``runsc run`` or ``restore`` on it, stdio to the supervisor."""
+        config.json) and start ``runsc run`` or ``restore`` on it, stdio to the supervisor.
+        ``docker``: the restore of a container's image, on its image's root and its mounts."""
         assert self.rootfs is not None
         if not self._collected:
             self._collected = True
             collect_garbage()
-        folder = _guest.supervisor_dir(self.state_dir, str(self.rootfs))
-        if not _guest.has_bytecode(folder, str(self.rootfs)) and not self._compile_failed:
-            self._compile(folder)
+        if docker is not None:
+            folder = _guest.supervisor_dir(self.state_dir, docker.image)
+        else:
+            folder = _guest.supervisor_dir(self.state_dir, str(self.rootfs))
+            if not _guest.has_bytecode(folder, str(self.rootfs)) and not self._compile_failed:
+                self._compile(folder)
+        uid = docker.uid if docker is not None else _guest.SANDBOX_UID
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         bundle = self.state_dir / f"gv-{sid}"
         bundle.mkdir(mode=0o700)  # the host side of the sandbox's files: nobody else's to see
@@ -450,11 +449,13 @@ class RunscBackend(Backend):
             for target, (size, inodes, mode) in _guest.tmpfs_sizes(spec).items():
                 path = bundle / target.strip("/")
                 path.mkdir()
-                _guest.mount_tmpfs(path, size=size, inodes=inodes, mode=mode)
+                _guest.mount_tmpfs(path, size=size, inodes=inodes, mode=mode, uid=uid)
                 mounts.append(path)
                 binds[target] = path
                 if files is not None:
-                    _gvisor_memory.unpack_area(files[path.name], path, max_bytes=size, max_entries=inodes)
+                    _gvisor_memory.unpack_area(
+                        files[path.name], path, max_bytes=size, max_entries=inodes, uid=uid
+                    )
             if spec.network.egress:  # in the bundle (root's, 0700): only the sandbox reaches it
                 from stockade.egress import attach
 
@@ -476,6 +477,11 @@ class RunscBackend(Backend):
                 annotations=annotations,
                 masks=masks,
             )
+            if docker is not None:
+                root = _gvisor_memory.image_root(docker.image, bundle / "rootfs", mounts)
+                config["root"]["path"] = str(root)
+                config["process"]["user"] = {"uid": uid, "gid": uid, "additionalGids": [uid]}
+                config["mounts"] = docker.oci_mounts(self._docker_sources(bundle, binds, folder, uid))
             (bundle / "config.json").write_text(json.dumps(config))
             with open(bundle / "runsc.log", "wb") as log:
                 proc = subprocess.Popen(
@@ -509,9 +515,34 @@ class RunscBackend(Backend):
         instance.backend = self
         instance.bundle = bundle
         instance.egress = egress
-        instance.machine_key = _gvisor_memory.machine_key(self, folder, masks)
+        instance.docker = docker
+        if docker is not None:
+            instance.machine_key = _gvisor_memory.docker_machine_key(
+                self.runsc, self.platform, docker.image, folder, masks
+            )
+        else:
+            instance.machine_key = _gvisor_memory.machine_key(self, folder, masks)
         weakref.finalize(instance, _guest.abandon, stream, boundary)
         return instance
+
+    def _docker_sources(
+        self, bundle: Path, binds: dict[str, Path], folder: Path, uid: int
+    ) -> dict[str, Path]:
+        """What each role of a container's binds is in this bundle (its accounts name ``uid``)."""
+        etc = bundle / "etc"
+        etc.mkdir(mode=0o755)
+        for name, text in _guest.etc_files(uid).items():
+            (etc / name).write_text(text)
+            os.chmod(etc / name, 0o644)
+        return {
+            "workspace": binds[WORKSPACE],
+            "tmp": binds["/tmp"],
+            "supervisor": folder,
+            "passwd": etc / "passwd",
+            "group": etc / "group",
+            "null": Path("/dev/null"),
+            "unreadable": _guest.unreadable_file(self.state_dir),
+        }
 
 
 def _head(path: Path, limit: int = 2048) -> str:
@@ -546,6 +577,7 @@ def collect_garbage() -> list[str]:
         sid = bundle.name.removeprefix("gv-")
         if backend.runsc:
             backend.destroy(sid)
-        _release(bundle, [p for p in (bundle / "workspace", bundle / "tmp") if p.is_mount()])
+        areas = (bundle / "workspace", bundle / "tmp", bundle / "rootfs")
+        _release(bundle, [p for p in areas if p.is_mount()])
         removed.append(f"runsc sandbox {sid}")
     return removed
