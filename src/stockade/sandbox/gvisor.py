@@ -16,8 +16,10 @@ just above ``pids``; ``ptrace`` starts commands faster on some hosts (twice as f
 ones) but keeps every stub it ever made, so only a loose backstop holds it. KVM hangs on
 nested hosts.
 
-Snapshots keep memory in the direct mode only (``runsc checkpoint``, ``_gvisor_memory.py``);
-under Docker they keep files. Either mode restores a memory snapshot, with runsc.
+Snapshots keep memory in both modes (``runsc checkpoint``, ``_gvisor_memory.py``): under
+Docker, stockade checkpoints the container with the engine's own runsc state (a local engine
+and root: the workspace and /tmp are host tmpfs). Either mode restores a memory snapshot of
+either, with stockade's own runsc.
 """
 
 from __future__ import annotations
@@ -115,9 +117,15 @@ class GVisorBackend(Backend):
         if isinstance(inner, RunscBackend):
             how = f"runsc --platform={self.platform}"
             kept = "snapshots keep memory (runsc checkpoint)"
+        elif getattr(inner, "host_tmpfs", False):
+            how = "Docker runtime"
+            kept = "snapshots keep memory (runsc checkpoint of the container, restored by runsc)"
         else:
             how = "Docker runtime"
-            kept = "snapshots keep files only (memory needs STOCKADE_GVISOR_MODE=runsc)"
+            kept = (
+                "snapshots keep files only (memory needs a local engine and root, "
+                "or STOCKADE_GVISOR_MODE=runsc)"
+            )
         return TierReport(
             tier=self.tier,
             available=report.available,
@@ -134,7 +142,7 @@ class GVisorBackend(Backend):
             and spec.snapshot.tier == self.tier
             and not isinstance(inner, RunscBackend)
         ):
-            # A memory image is runsc's (Docker's gVisor keeps files only): restored by runsc.
+            # A memory image is restored by stockade's own runsc, whoever ran its sandbox.
             with self._lock:
                 if self._restorer is None:
                     self._restorer = self._runsc()
