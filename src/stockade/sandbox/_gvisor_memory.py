@@ -412,10 +412,16 @@ class ContainerMemory:
         return blobs, {"machine": key, "image": names, "docker": layout.state()}
 
 
-def image_root(image: str, target: Path, mounts: list[Path]) -> Path:
-    """The root a container of ``image`` had, for a restore: the image's layers as the engine
-    stores them on this host, one folder, or a read-only overlay of them at ``target``
-    (added to ``mounts``). Needs the engine that has the image (``SnapshotIncompatible``)."""
+# An image id names its content: its layers' folders are looked up once per process.
+_layers: dict[str, list[Path]] = {}
+
+
+def image_layers(image: str) -> list[Path]:
+    """The folders of ``image``'s layers as the engine stores them on this host, top first
+    (``SnapshotIncompatible`` without that engine or image, or with another storage driver)."""
+    known = _layers.get(image)
+    if known is not None and all(p.is_dir() for p in known):
+        return known
     from stockade.sandbox._docker_engine import docker_py
 
     try:
@@ -436,6 +442,14 @@ def image_root(image: str, target: Path, mounts: list[Path]) -> Path:
             "reads its files from overlay2 layers only"
         )
     layers = [Path(data["UpperDir"]), *(Path(p) for p in str(data.get("LowerDir") or "").split(":") if p)]
+    _layers[image] = layers
+    return layers
+
+
+def image_root(image: str, target: Path, mounts: list[Path]) -> Path:
+    """The root a container of ``image`` had, for a restore: the image's one layer, or a
+    read-only overlay of its layers at ``target`` (added to ``mounts``)."""
+    layers = image_layers(image)
     if len(layers) == 1:
         return layers[0]
     target.mkdir(mode=0o755)
