@@ -272,6 +272,23 @@ def test_gvisor_under_docker_says_it_keeps_memory(store: SnapshotStore, no_sandb
         assert sbx.snapshot(store=store, memory=False).kind is SnapshotKind.FILES
 
 
+def test_a_containers_image_restores_without_the_offline_rootfs(
+    store: SnapshotStore, tmp_path: Path, no_sandbox_left: None
+) -> None:
+    """A snapshot taken under Docker restores on its image's own files: a host without the
+    offline root filesystem (which a direct-mode sandbox needs) restores it all the same."""
+    require_tier("gvisor")
+    docker = GVisorBackend(mode="docker", rootfs=tmp_path / "no-rootfs")
+    report = docker.probe()
+    require("memory snapshots under Docker", "keep memory" in report.detail, report.detail)
+    with Sandbox.create(backend=docker, limits=LIMITS) as sbx:
+        sbx.run_code("x = 7")
+        snap = sbx.snapshot(store=store)
+    with Sandbox.create(snapshot=snap, store=store, backend=docker) as fork:
+        assert fork.run_code("x").text == "7"
+        assert fork.commands.run("id -un").stdout == "sandbox\n"  # its uid named in /etc/passwd
+
+
 def test_a_gvisor_sandbox_with_an_allowlist_keeps_files_only(
     gvisor: GVisorBackend, store: SnapshotStore
 ) -> None:

@@ -122,7 +122,7 @@ class RunscInstance(SupervisedInstance):
     bundle: Path
     machine_key: str
     egress: EgressHandle | None  # the sandbox's egress proxy (``stockade.egress``)
-    docker: DockerLayout | None  # restored from a container of Docker: its layout, kept on
+    docker: DockerLayout | None = None  # restored from a container of Docker: its layout, kept on
 
     def memory_snapshots(self) -> str | None:
         if self.spec.network.egress:
@@ -269,6 +269,10 @@ class DockerLayout:
             raise exc.SnapshotCorrupt(f"the snapshot's container ran as uid {layout.uid}")
         return layout
 
+    def masks(self) -> tuple[str, ...]:
+        """The paths the container had masked (an unreadable empty file bound over each)."""
+        return tuple(sorted(dest for dest, _, source, _ in self.mounts if source == "unreadable"))
+
     def oci_mounts(self, sources: dict[str, Path]) -> list[dict[str, Any]]:
         """The container's mounts for a restore's ``config.json``, on the new sandbox's sources."""
         return [
@@ -315,7 +319,7 @@ def container_mounts(config: dict[str, Any], sources: dict[str, Path]) -> Docker
 def docker_machine_key(runsc: str, platform: str, image: str, folder: Path, masks: tuple[str, ...]) -> str:
     """``machine_key`` of a container's image: the same runsc binary and platform, the image
     (by id) and supervisor, and masks."""
-    parts: list[str] = [SNAPSHOT_VERSION, "docker", platform, image, folder.name, *masks]
+    parts: list[str] = [SNAPSHOT_VERSION, "docker", platform, image, folder.name, *sorted(masks)]
     real = Path(runsc).resolve()
     st = real.stat()
     parts += [str(real), str(st.st_size), str(st.st_mtime_ns)]

@@ -214,7 +214,7 @@ class _ContainerInstance(SupervisedInstance):
     """A supervised sandbox whose crash reports say what happened to its container."""
 
     container: _ContainerBoundary
-    memory: ContainerMemory | None  # gVisor's checkpoints, when its runsc is on this host
+    memory: ContainerMemory | None = None  # gVisor's checkpoints, when its runsc is on this host
 
     def memory_snapshots(self) -> str | None:
         if self.tier != "gvisor":

@@ -251,7 +251,9 @@ class RunscBackend(Backend):
             *args,
         ]
 
-    def _check(self) -> None:
+    def _check(self, *, rootfs: bool = True) -> None:
+        """What runsc needs here (``rootfs``: the offline root filesystem too; the restore of a
+        container's image has its image's own)."""
         if not self.runsc:
             raise exc.TierUnavailable(
                 "runsc is not installed: apt-get install runsc (or bash scripts/setup-docker.sh)"
@@ -260,7 +262,7 @@ class RunscBackend(Backend):
             raise exc.TierUnavailable(
                 "runsc without Docker needs root here (rootless runsc cannot set limits)"
             )
-        if self.rootfs is None or not (self.rootfs / "usr/bin/python3").exists():
+        if rootfs and (self.rootfs is None or not (self.rootfs / "usr/bin/python3").exists()):
             raise exc.ImageNotFound(
                 "no offline root filesystem with python3 for runsc; build it with "
                 "`stockade image build --offline`, or set STOCKADE_ROOTFS"
@@ -352,14 +354,15 @@ class RunscBackend(Backend):
         _gvisor_memory.call_runsc(self._argv(*args), check=check)
 
     def start(self, spec: SandboxSpec) -> SupervisedInstance:
-        self._check()
-        assert self.rootfs is not None
         if (
             spec.snapshot is not None
             and spec.snapshot.kind is SnapshotKind.MEMORY
             and spec.snapshot.tier == self.tier
         ):
+            self._check(rootfs=False)
             return self._restore(spec)
+        self._check()
+        assert self.rootfs is not None
         enforcement = self._plan(spec)
         # gVisor's kernel has neither Landlock nor seccomp user notification: masks only.
         rules = _rules.plan(spec, root=self.rootfs, can_mask=True, can_confine=False)
@@ -375,17 +378,20 @@ class RunscBackend(Backend):
     def _restore(self, spec: SandboxSpec) -> RunscInstance:
         """A sandbox from a memory snapshot: its files unpacked into new tmpfs, its kernel
         restored on them, the interpreter's generators reseeded before anything runs."""
-        assert spec.snapshot is not None and self.rootfs is not None
+        assert spec.snapshot is not None
         store = SnapshotStore(Path(spec.snapshot.store))
         manifest = store.verify(spec.snapshot)
         state = manifest.tier_state
-        masks = _rules.plan(spec, root=self.rootfs, can_mask=True, can_confine=False).masks
         docker = None
         if "docker" in state:  # taken in a container of Docker: its image, mounts and uid
             docker = _gvisor_memory.DockerLayout.from_state(state["docker"])
+            masks = docker.masks()  # the image's own files, masked as the container had them
             folder = _guest.supervisor_dir(self.state_dir, docker.image)
             key = _gvisor_memory.docker_machine_key(self.runsc, self.platform, docker.image, folder, masks)
         else:
+            self._check()
+            assert self.rootfs is not None
+            masks = _rules.plan(spec, root=self.rootfs, can_mask=True, can_confine=False).masks
             folder = _guest.supervisor_dir(self.state_dir, str(self.rootfs))
             key = _gvisor_memory.machine_key(self, folder, masks)
         if state.get("machine") != key:
@@ -435,13 +441,13 @@ class RunscBackend(Backend):
         """Write the bundle (tmpfs, with ``files`` unpacked in them; the egress proxy;
         config.json) and start ``runsc run`` or ``restore`` on it, stdio to the supervisor.
         ``docker``: the restore of a container's image, on its image's root and its mounts."""
-        assert self.rootfs is not None
         if not self._collected:
             self._collected = True
             collect_garbage()
         if docker is not None:
             folder = _guest.supervisor_dir(self.state_dir, docker.image)
         else:
+            assert self.rootfs is not None
             folder = _guest.supervisor_dir(self.state_dir, str(self.rootfs))
             if not _guest.has_bytecode(folder, str(self.rootfs)) and not self._compile_failed:
                 self._compile(folder)
@@ -469,6 +475,11 @@ class RunscBackend(Backend):
 
                 egress = attach(spec, bundle / "egress", root=self.rootfs, shared=True)
                 binds[_guest.EGRESS_DIR] = egress.folder
+            # a container's image restores on the image's own files; others on the offline rootfs
+            root = self.rootfs
+            if docker is not None:
+                root = _gvisor_memory.image_root(docker.image, bundle / "rootfs", mounts)
+            assert root is not None
             annotations = {
                 _guest.LABEL: "1",
                 _guest.LABEL_ID: sid,
@@ -477,7 +488,7 @@ class RunscBackend(Backend):
             }
             config = _guest.oci_config(
                 spec,
-                rootfs=self.rootfs,
+                rootfs=root,
                 folder=folder,
                 binds=binds,
                 cgroup=f"/{CGROUP_PARENT}/{sid}",
@@ -486,8 +497,6 @@ class RunscBackend(Backend):
                 masks=masks,
             )
             if docker is not None:
-                root = _gvisor_memory.image_root(docker.image, bundle / "rootfs", mounts)
-                config["root"]["path"] = str(root)
                 config["process"]["user"] = {"uid": uid, "gid": uid, "additionalGids": [uid]}
                 config["mounts"] = docker.oci_mounts(self._docker_sources(bundle, binds, folder, uid))
             (bundle / "config.json").write_text(json.dumps(config))

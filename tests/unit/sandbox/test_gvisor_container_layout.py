@@ -49,6 +49,7 @@ def test_a_containers_mounts_are_kept_by_role_and_bound_again(tmp_path: Path) ->
     assert [m[2] for m in kept.mounts] == ["proc", "shm", "workspace", "null", "unreadable"]
     again = DockerLayout.from_state(kept.state())
     assert again == kept
+    assert again.masks() == ("/usr/bin/curl",)
     new = {role: tmp_path / "new" / role for role in ("workspace", "null", "unreadable")}
     mounts = again.oci_mounts(new)
     assert [m["destination"] for m in mounts] == [
