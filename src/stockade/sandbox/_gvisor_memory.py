@@ -354,9 +354,12 @@ class ContainerMemory:
         self.masks = masks
         self.uid = uid
 
-    def _argv(self) -> list[str]:
+    def _argv(self) -> tuple[list[str], int]:
         """The runsc the shim runs for this container: the runtime's binary and arguments, and
-        the state root the sandbox's kernel was started with (read from its command line)."""
+        the state root the sandbox's kernel was started with (read from its command line), and
+        the kernel's pid. The kernel is the sandbox's side of the boundary (its command line is
+        in its own memory): the root is used only if it is root's alone and runsc's state
+        there names this container with this pid (``_config``)."""
         binary = str(self.runtime.get("path") or "runsc")
         binary = shutil.which(binary) or binary
         args = [str(a) for a in self.runtime.get("runtimeArgs") or self.runtime.get("runtimeargs") or []]
@@ -373,12 +376,19 @@ class ContainerMemory:
                 root = arg.split("=", 1)[1]
             elif arg == "--root" and i + 1 < len(argv):
                 root = argv[i + 1]
-        if not root:
-            raise exc.SnapshotError(f"the container's kernel (pid {pid}) names no runsc state root")
-        return [binary, "--root", root, *args]
+        try:
+            st = os.stat(root)
+        except OSError as err:
+            raise exc.SnapshotError(f"the container's runsc state root {root!r}: {err}") from None
+        if not os.path.isabs(root) or not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+            raise exc.SnapshotError(
+                f"the container's runsc state root {root!r} is not a folder only root writes"
+            )
+        return [binary, "--root", root, *args], pid
 
-    def _config(self, argv: list[str]) -> dict[str, Any]:
-        """The container's OCI ``config.json``, from the bundle runsc keeps for it."""
+    def _config(self, argv: list[str], pid: int) -> dict[str, Any]:
+        """The container's OCI ``config.json``, from the bundle runsc keeps for it (its state
+        must name the container's kernel, ``pid``)."""
         try:
             done = subprocess.run(
                 [*argv, "state", self.cid],
@@ -388,14 +398,17 @@ class ContainerMemory:
                 timeout=RUNSC_TIMEOUT_S,
                 check=True,
             )
-            bundle = Path(json.loads(done.stdout)["bundle"])
+            state = json.loads(done.stdout)
+            bundle = Path(state["bundle"])
             config: dict[str, Any] = json.loads((bundle / "config.json").read_text())
         except (OSError, ValueError, KeyError, TypeError, subprocess.SubprocessError) as err:
             raise exc.SnapshotError(f"cannot read the container's runsc state: {err}") from None
+        if state.get("id") != self.cid or state.get("pid") != pid:
+            raise exc.SnapshotError("the container's runsc state names another sandbox than the engine's")
         return config
 
     def save(self, store: SnapshotStore, *, stop: bool) -> tuple[dict[str, str], dict[str, Any]]:
-        argv = self._argv()
+        argv, pid = self._argv()
         sources = {
             "workspace": self.rundir / "workspace",
             "tmp": self.rundir / "tmp",
@@ -405,7 +418,7 @@ class ContainerMemory:
             "null": Path("/dev/null"),
             "unreadable": _guest.unreadable_file(self.state_dir),
         }
-        mounts = container_mounts(self._config(argv), sources).mounts
+        mounts = container_mounts(self._config(argv, pid), sources).mounts
         layout = DockerLayout(image=self.image, uid=self.uid, mounts=mounts)
 
         def runsc(*args: str, check: bool = True) -> None:
