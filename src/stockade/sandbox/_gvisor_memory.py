@@ -376,6 +376,8 @@ class ContainerMemory:
                 root = arg.split("=", 1)[1]
             elif arg == "--root" and i + 1 < len(argv):
                 root = argv[i + 1]
+        if not root:
+            raise exc.SnapshotError(f"the container's kernel (pid {pid}) names no runsc state root")
         try:
             st = os.stat(root)
         except OSError as err:

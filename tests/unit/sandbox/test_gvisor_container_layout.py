@@ -1,16 +1,22 @@
 """The layout of a gVisor container of Docker that a memory snapshot keeps: its mounts in
 order, each bind by role (never a host path), read back checked, bound again to a new
-sandbox's own sources; a container with any other mount is refused before a checkpoint."""
+sandbox's own sources; a container with any other mount is refused before a checkpoint; the
+runsc state root read from the container's kernel is checked before it is used."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from stockade import LimitNotEnforceable, SnapshotCorrupt
-from stockade.sandbox._gvisor_memory import DockerLayout, container_mounts
+from stockade import LimitNotEnforceable, SnapshotCorrupt, SnapshotError
+from stockade.sandbox._gvisor_memory import ContainerMemory, DockerLayout, container_mounts
+from stockade.sandbox.snapshots import SnapshotStore
+from tests.conftest import require
 
 
 def _sources(root: Path) -> dict[str, Path]:
@@ -97,3 +103,50 @@ def test_a_layout_read_back_is_checked(change: dict[str, Any]) -> None:
         del state["image"]
     with pytest.raises(SnapshotCorrupt):
         DockerLayout.from_state(state)
+
+
+class _Engine:
+    """What ``ContainerMemory`` asks of the engine: the container's kernel pid."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def inspect_container(self, cid: str) -> dict[str, Any]:
+        return {"State": {"Pid": self.pid}}
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o755])
+def test_a_state_root_others_may_write_or_no_runsc_state_is_refused(tmp_path: Path, mode: int) -> None:
+    """The root comes from the command line of the container's kernel, the sandbox's side: one
+    that others may write is refused; one root's alone is used only if runsc's state there
+    names the container (here it has none)."""
+    if mode == 0o755:
+        require("root", os.geteuid() == 0, "a state root root's alone is made by root")
+    root = tmp_path / "root"
+    root.mkdir()
+    os.chmod(root, mode)
+    kernel = subprocess.Popen(
+        [sys.executable, "-c", "print(1, flush=True); import time; time.sleep(60)", f"--root={root}"],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert kernel.stdout is not None and kernel.stdout.readline() == b"1\n"  # its command line is set
+        memory = ContainerMemory(
+            _Engine(kernel.pid),
+            "c" * 64,
+            tmp_path,
+            runtime={"path": "runsc", "runtimeArgs": ["--platform=systrap"]},
+            platform="systrap",
+            image="sha256:ab",
+            folder=tmp_path,
+            masks=(),
+            uid=1_900_000_000,
+            state_dir=tmp_path,
+        )
+        with pytest.raises(SnapshotError, match="root writes" if mode == 0o777 else "runsc state"):
+            memory.save(SnapshotStore(tmp_path / "store"), stop=False)
+    finally:
+        kernel.kill()
+        kernel.wait()
+        if kernel.stdout is not None:
+            kernel.stdout.close()
