@@ -17,14 +17,17 @@ Side by side in one run, interleaved (drift hits every row alike):
 * per tier: ``snapshot()`` of a sandbox holding a 1 MiB workspace and a started interpreter,
   ``pause()``, ``Sandbox.resume(id)`` + ``run_code``, and a fork: ``Sandbox.create(snapshot=...)``
   + ``run_code``;
-* gVisor runs on stockade's own runsc (``STOCKADE_GVISOR_MODE=runsc``, where it keeps memory),
-  against its own cold start (create + ``run_code``) and its files snapshots (``memory=False``).
+* gVisor in both its modes, each a row of its own: as a Docker runtime (``gvisor/docker``, this
+  host's default; checkpointed with the engine's runsc state, restored by stockade's runsc)
+  and on stockade's own runsc (``gvisor/runsc``); each against its own cold start (create +
+  ``run_code``) and its files snapshots (``memory=False``).
 Prints markdown tables (medians) and the machine's load.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import tempfile
@@ -34,11 +37,14 @@ from pathlib import Path
 
 from stockade import Limits, Sandbox, SnapshotStore
 from stockade.sandbox import microvm
+from stockade.sandbox.base import Backend
+from stockade.sandbox.gvisor import GVisorBackend
 
 COLD = "microvm cold: create + run_code print(1)"
 WARM = "microvm from its boot image, QEMU started at create: create + run_code print(1)"
 AHEAD = "microvm from its boot image, QEMU started ahead: create + run_code print(1)"
 READY = "microvm from its ready image, QEMU started ahead: create + run_code print(1)"
+GVISOR_MODES = ("gvisor/docker", "gvisor/runsc")
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -54,18 +60,32 @@ def first_print(backend: microvm.MicroVMBackend) -> float:
         return time.perf_counter() - start
 
 
-def cold(tier: str, rows: dict[str, list[float]]) -> None:
+@functools.cache
+def backend_of(label: str) -> tuple[str, Backend | None]:
+    """``gvisor/docker`` and ``gvisor/runsc``: the gVisor tier in that mode (one backend per
+    mode for the whole run, as a program keeps one); a tier otherwise."""
+    tier, _, mode = label.partition("/")
+    if mode == "docker":
+        return tier, GVisorBackend(mode="docker")
+    if mode == "runsc":
+        return tier, GVisorBackend(mode="runsc")
+    return tier, None
+
+
+def cold(name: str, rows: dict[str, list[float]]) -> None:
+    tier, backend = backend_of(name)
     start = time.perf_counter()
-    with Sandbox.create(tier, limits=Limits(memory_mb=256)) as sbx:
+    with Sandbox.create(tier, backend=backend, limits=Limits(memory_mb=256)) as sbx:
         sbx.run_code("print(1)")
-    rows[f"{tier} cold: create + run_code"].append(time.perf_counter() - start)
+    rows[f"{name} cold: create + run_code"].append(time.perf_counter() - start)
 
 
 def lifecycle(
-    tier: str, store: SnapshotStore, rows: dict[str, list[float]], *, memory: bool | None = None
+    name: str, store: SnapshotStore, rows: dict[str, list[float]], *, memory: bool | None = None
 ) -> None:
-    label = f"{tier} (files)" if memory is False else tier
-    sbx = Sandbox.create(tier, limits=Limits(memory_mb=256))
+    label = f"{name} (files)" if memory is False else name
+    tier, backend = backend_of(name)
+    sbx = Sandbox.create(tier, backend=backend, limits=Limits(memory_mb=256))
     try:
         sbx.files.write("data.bin", os.urandom(1 << 20))
         sbx.run_code("x = 41")
@@ -73,7 +93,7 @@ def lifecycle(
         snap = sbx.snapshot(store=store, memory=memory)
         rows[f"{label} snapshot ({snap.kind})"].append(time.perf_counter() - start)
         start = time.perf_counter()
-        with Sandbox.create(snapshot=snap, store=store) as fork:
+        with Sandbox.create(snapshot=snap, store=store, backend=backend) as fork:
             fork.run_code("print(1)")
             rows[f"{label} fork: create from the snapshot + run_code"].append(time.perf_counter() - start)
         if memory is not False:
@@ -81,7 +101,7 @@ def lifecycle(
             sbx.pause(store=store)
             rows[f"{label} pause"].append(time.perf_counter() - start)
             start = time.perf_counter()
-            sbx = Sandbox.resume(sbx.id, store=store)
+            sbx = Sandbox.resume(sbx.id, store=store, backend=backend)
             sbx.run_code("print(1)")
             rows[f"{label} resume + run_code"].append(time.perf_counter() - start)
         store.delete(snap)
@@ -121,8 +141,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--tiers", default="process,microvm")
     args = parser.parse_args()
-    tiers = args.tiers.split(",")
-    os.environ["STOCKADE_GVISOR_MODE"] = "runsc"  # gVisor under Docker keeps files only
+    tiers = [t for tier in args.tiers.split(",") for t in (GVISOR_MODES if tier == "gvisor" else (tier,))]
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["STOCKADE_SNAPSHOT_DIR"] = tmp  # the tiers' own boot images too, gone after
         store = SnapshotStore(Path(tmp))
@@ -131,8 +150,8 @@ def main() -> None:
             microvm_starts(store, args.runs, rows)
         for _ in range(args.runs):
             for tier in tiers:
-                kinds: tuple[bool | None, ...] = (None, False) if tier == "gvisor" else (None,)
-                if tier == "gvisor":
+                kinds: tuple[bool | None, ...] = (None, False) if tier in GVISOR_MODES else (None,)
+                if tier in GVISOR_MODES:
                     rows.setdefault(f"{tier} cold: create + run_code", [])
                     cold(tier, rows)
                 for memory in kinds:

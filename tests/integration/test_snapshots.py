@@ -1,8 +1,9 @@
 """Snapshots on every tier: pause, exit, resume in another process; fork from one snapshot;
 a modified snapshot refused; collection of what nothing keeps.
 
-Files (workspace, /tmp, the environment) survive on every tier; the memory tier (the
-microVM) keeps the interpreter's variables and its threads too.
+Files (workspace, /tmp, the environment) survive on every tier; the memory tiers (the
+microVM, gVisor in its default mode here: a Docker runtime, checkpointed by runsc) keep the
+interpreter's variables and its threads too (gVisor's both modes: test_snapshots_memory.py).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from tests.integration.conftest import TIERS
 ROOT = Path(__file__).parents[2]
 LIMITS = Limits(memory_mb=256, timeout_s=20, pids=64)
 # The tiers whose snapshots keep the memory of the processes too.
-MEMORY_TIERS = [t for t in ("microvm",) if t in TIERS]
+MEMORY_TIERS = [t for t in ("gvisor", "microvm") if t in TIERS]
 MEMORY_FORKS = 10
 
 
@@ -85,7 +86,7 @@ def test_files_snapshots_fork_are_collected_and_are_checked(tier: str, store: Sn
     own, collection removes the snapshot nothing keeps (and only it), a changed byte is refused."""
     with Sandbox.create(tier, limits=LIMITS) as sbx:
         sbx.files.write("data.txt", "x" * 1000)
-        if tier in ("process", "docker"):  # files only (gVisor keeps memory when runsc runs it)
+        if tier in ("process", "docker"):  # files only
             with pytest.raises(LimitNotEnforceable):
                 sbx.snapshot(store=store, memory=True)
         snap = sbx.snapshot(store=store, memory=False)

@@ -1,7 +1,8 @@
-"""Memory snapshots on gVisor run by stockade's own runsc (``runsc checkpoint``/``restore``):
-the interpreter's variables and a thread that keeps running survive a pause, the exit of the
-process that paused, and a resume in another; forks of one snapshot draw their own
-randomness; a modified snapshot is refused. Under Docker, gVisor keeps files only.
+"""Memory snapshots on gVisor (``runsc checkpoint``/``restore``), run by stockade's own runsc
+and as a Docker runtime (each test in both modes): the interpreter's variables, a thread that
+keeps running in the interpreter's process survive a pause, the exit of the process that paused,
+and a resume in another; forks of one snapshot draw their own randomness; a modified snapshot
+is refused; nothing is left behind (bundles, containers, runsc state, host folders).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from stockade import (
     SnapshotNotFound,
     SnapshotStore,
 )
-from stockade.sandbox._guest import default_state_dir
+from stockade.sandbox._guest import LABEL_CREATOR, LABEL_ID, current_creator, default_state_dir
 from stockade.sandbox.gvisor import GVisorBackend, RunscBackend
 from tests.conftest import require, require_tier
 
@@ -46,12 +47,18 @@ time.sleep(0.3)
 """
 
 
-@pytest.fixture(scope="module")
-def runsc() -> GVisorBackend:
+@pytest.fixture(scope="module", params=["runsc", "docker"])
+def gvisor(request: pytest.FixtureRequest) -> GVisorBackend:
+    """gVisor run by stockade's own runsc, then as a Docker runtime (this host's default)."""
     require_tier("gvisor")
-    report = RunscBackend().probe()
-    require("gVisor run by stockade's own runsc", report.available, report.detail)
-    return GVisorBackend(mode="runsc")
+    if request.param == "runsc":
+        report = RunscBackend().probe()
+        require("gVisor run by stockade's own runsc", report.available, report.detail)
+    else:
+        report = GVisorBackend(mode="docker").probe()
+        require("gVisor as a Docker runtime", report.available, report.detail)
+        require("memory snapshots under Docker", "keep memory" in report.detail, report.detail)
+    return GVisorBackend(mode=request.param)
 
 
 @pytest.fixture
@@ -59,24 +66,78 @@ def store(tmp_path: Path) -> SnapshotStore:
     return SnapshotStore(tmp_path / "snapshots")
 
 
-def _bundles() -> set[str]:
+def _left() -> set[str]:
+    """What this process's gVisor sandboxes left: bundles and host folders, runsc's state
+    (of its own sandboxes, and any whose bundle is gone) and containers. Other sandboxes of
+    this shared host come and go meanwhile: only this process's (its creator token) count."""
+    token = current_creator().token
     folder = default_state_dir()
-    return {p.name for p in folder.glob("gv-sbx-*")} if folder.is_dir() else set()
+    found: set[str] = set()
+    for bundle in folder.glob("gv-sbx-*"):
+        try:
+            notes = json.loads((bundle / "config.json").read_text()).get("annotations", {})
+        except (OSError, ValueError):
+            notes = {}
+        if notes.get(LABEL_CREATOR) in (token, None):
+            found.add(bundle.name)
+    for rundir in folder.glob("ctr-sbx-*"):
+        try:
+            mine = (rundir / "creator").read_text().split("\n")[1] == token
+        except (OSError, IndexError):
+            mine = True
+        if mine:
+            found.add(rundir.name)
+    listed = subprocess.run(
+        ["runsc", "--root", str(folder / "runsc"), "list", "-quiet"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    for sid in listed.stdout.split():
+        if f"gv-{sid}" in found or not (folder / f"gv-{sid}").is_dir():
+            found.add(f"runsc:{sid}")
+    containers = subprocess.run(
+        ["docker", "ps", "-aq", "--no-trunc", "--filter", f"label={LABEL_CREATOR}={token}"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return found | {f"container:{cid}" for cid in containers.stdout.split()}
+
+
+def _traces(sid: str) -> list[str]:
+    """Anything left of sandbox ``sid`` (made by another process): folders, runsc state, containers."""
+    folder = default_state_dir()
+    found = [p.name for p in (folder / f"gv-{sid}", folder / f"ctr-{sid}") if p.exists()]
+    listed = subprocess.run(
+        ["runsc", "--root", str(folder / "runsc"), "list", "-quiet"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    found += [f"runsc:{s}" for s in listed.stdout.split() if s == sid]
+    containers = subprocess.run(
+        ["docker", "ps", "-aq", "--filter", f"label={LABEL_ID}={sid}"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return found + containers.stdout.split()
 
 
 @pytest.fixture
 def no_sandbox_left() -> Iterator[None]:
-    before = _bundles()
+    before = _left()
     yield
-    assert _bundles() <= before
+    assert _left() <= before
 
 
-def _child(code: str, store: SnapshotStore) -> dict[str, object]:
-    """Run ``code`` in a new Python process that runs gVisor without Docker; it prints one
+def _child(code: str, store: SnapshotStore, mode: str) -> dict[str, object]:
+    """Run ``code`` in a new Python process whose gVisor runs in ``mode``; it prints one
     JSON line, returned here."""
     program = "import json, sys\nfrom pathlib import Path\nfrom stockade import *\n"
     program += f"store = SnapshotStore(Path({str(store.root)!r}))\n" + textwrap.dedent(code)
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "STOCKADE_GVISOR_MODE": "runsc"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "STOCKADE_GVISOR_MODE": mode}
     done = subprocess.run(
         [sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=300, check=False
     )
@@ -86,10 +147,12 @@ def _child(code: str, store: SnapshotStore) -> dict[str, object]:
 
 
 def test_a_paused_gvisor_sandbox_resumes_with_its_memory(
-    runsc: GVisorBackend, store: SnapshotStore, no_sandbox_left: None
+    gvisor: GVisorBackend, store: SnapshotStore, no_sandbox_left: None
 ) -> None:
-    """A variable, a thread that keeps counting and the files survive a pause, the exit of
-    the process that paused, and a resume in this one (whatever mode its gVisor tier has)."""
+    """A variable, the interpreter's process with a thread that keeps counting, and the files
+    survive a pause, the exit of the process that paused, and a resume in this one (whatever
+    mode its gVisor tier has). (A run's own processes end with the run on every tier: the
+    processes that live between calls are the supervisor's, the zygote and the interpreter.)"""
     paused = _child(
         f"""
         sbx = Sandbox.create("gvisor", limits=Limits(memory_mb=256, pids=64))
@@ -97,10 +160,13 @@ def test_a_paused_gvisor_sandbox_resumes_with_its_memory(
         sbx.commands.run("echo scratch > /tmp/t && ln -s /usr/bin/python3 py")
         sbx.run_code({COUNTER!r})
         before = int(sbx.run_code("ticks[0]").text)
+        pid = sbx.run_code("import os; os.getpid()").text
         snap = sbx.pause(store=store)
-        print(json.dumps({{"id": sbx.id, "kind": snap.kind, "before": before, "alive": sbx.alive}}))
+        out = {{"id": sbx.id, "kind": snap.kind, "before": before, "pid": pid, "alive": sbx.alive}}
+        print(json.dumps(out))
         """,
         store,
+        gvisor.mode,
     )
     assert paused["kind"] == "memory" and paused["alive"] is False
     with Sandbox.resume(str(paused["id"]), store=store) as sbx:
@@ -109,6 +175,7 @@ def test_a_paused_gvisor_sandbox_resumes_with_its_memory(
         first = int(str(sbx.run_code("ticks[0]").text))
         later = int(str(sbx.run_code("import time; time.sleep(0.5); ticks[0]").text))
         assert int(str(paused["before"])) <= first < later  # the thread went on where it was
+        assert sbx.run_code("os.getpid()").text == paused["pid"]  # the same interpreter process
         assert sbx.files.read("a.txt") == "kept"
         assert (
             sbx.commands.run("cat /tmp/t; echo more >> /tmp/t; ./py -c 'print(6 * 7)'").stdout
@@ -121,15 +188,16 @@ def test_a_paused_gvisor_sandbox_resumes_with_its_memory(
             Sandbox.create(snapshot=again, store=store, limits=Limits(memory_mb=300))
     with pytest.raises(SnapshotNotFound):
         Sandbox.resume(str(paused["id"]), store=store)
+    assert _traces(str(paused["id"])) == []
 
 
 def test_forks_of_one_gvisor_memory_snapshot_are_distinct(
-    runsc: GVisorBackend, store: SnapshotStore, no_sandbox_left: None
+    gvisor: GVisorBackend, store: SnapshotStore, no_sandbox_left: None
 ) -> None:
     """Each sandbox restored from one snapshot has its own randomness, in the kernel (gVisor's
     comes from the host) and in the interpreter (``random``, ``tempfile``: reseeded), and its
     own state from then on."""
-    with Sandbox.create(backend=runsc, limits=LIMITS) as sbx:
+    with Sandbox.create(backend=gvisor, limits=LIMITS) as sbx:
         sbx.run_code("import os, random, tempfile, uuid\nx = 1\nrandom.random(); tempfile.mktemp()")
         snap = sbx.snapshot(store=store)
         assert sbx.run_code("x").text == "1"  # the sandbox snapshotted runs on
@@ -141,7 +209,7 @@ def test_forks_of_one_gvisor_memory_snapshot_are_distinct(
         "uuid4": "uuid.uuid4().hex",
     }
     seen: dict[str, list[str]] = {name: [] for name in (*probes, "shell")}
-    forks = [Sandbox.create(snapshot=snap, store=store, backend=runsc) for _ in range(2)]
+    forks = [Sandbox.create(snapshot=snap, store=store, backend=gvisor) for _ in range(2)]
     try:
         for i, fork in enumerate(forks):
             assert fork.run_code(f"x += {i + 1}; x").text == str(2 + i)  # each goes on alone
@@ -156,9 +224,9 @@ def test_forks_of_one_gvisor_memory_snapshot_are_distinct(
 
 
 def test_a_modified_gvisor_memory_snapshot_is_refused(
-    runsc: GVisorBackend, store: SnapshotStore, no_sandbox_left: None
+    gvisor: GVisorBackend, store: SnapshotStore, no_sandbox_left: None
 ) -> None:
-    with Sandbox.create(backend=runsc, limits=LIMITS) as sbx:
+    with Sandbox.create(backend=gvisor, limits=LIMITS) as sbx:
         sbx.run_code("x = 1")
         sbx.files.write("a.txt", "kept")
         snap = sbx.snapshot(store=store)
@@ -172,17 +240,17 @@ def test_a_modified_gvisor_memory_snapshot_is_refused(
         data[len(data) // 2] ^= 1
         victim.write_bytes(bytes(data))
         with pytest.raises(SnapshotCorrupt):
-            Sandbox.create(snapshot=snap, store=store, backend=runsc)
+            Sandbox.create(snapshot=snap, store=store, backend=gvisor)
         victim.write_bytes(original)
-    with Sandbox.create(snapshot=snap, store=store, backend=runsc) as fork:  # made whole again
+    with Sandbox.create(snapshot=snap, store=store, backend=gvisor) as fork:  # made whole again
         assert fork.run_code("x").text == "1"
 
 
 def test_a_gvisor_memory_snapshot_gives_its_files_to_another_tier(
-    runsc: GVisorBackend, store: SnapshotStore, no_sandbox_left: None
+    gvisor: GVisorBackend, store: SnapshotStore, no_sandbox_left: None
 ) -> None:
     require_tier("process")
-    with Sandbox.create(backend=runsc, limits=LIMITS) as sbx:
+    with Sandbox.create(backend=gvisor, limits=LIMITS) as sbx:
         sbx.files.write("notes/a.txt", "kept")
         sbx.commands.run("ln -s notes/a.txt link && echo t > /tmp/t")
         snap = sbx.snapshot(store=store)
@@ -190,25 +258,43 @@ def test_a_gvisor_memory_snapshot_gives_its_files_to_another_tier(
         assert other.commands.run("cat link /tmp/t").stdout == "keptt\n"
 
 
-def test_gvisor_under_docker_keeps_files_only(store: SnapshotStore) -> None:
+def test_gvisor_under_docker_says_it_keeps_memory(store: SnapshotStore, no_sandbox_left: None) -> None:
+    """Under Docker (a local engine, as root): the probe says so, and a snapshot is of the
+    memory unless files are asked for."""
     require_tier("gvisor")
     docker = GVisorBackend(mode="docker")
     report = docker.probe()
     require("gVisor as a Docker runtime", report.available, report.detail)
-    assert "snapshots keep files only" in report.detail
+    assert "snapshots keep memory" in report.detail
     with Sandbox.create(backend=docker, limits=LIMITS) as sbx:
-        sbx.files.write("a.txt", "kept")
-        with pytest.raises(LimitNotEnforceable, match="STOCKADE_GVISOR_MODE=runsc"):
-            sbx.snapshot(store=store, memory=True)
-        assert sbx.snapshot(store=store).kind is SnapshotKind.FILES
+        sbx.run_code("x = 1")
+        assert sbx.snapshot(store=store).kind is SnapshotKind.MEMORY
+        assert sbx.snapshot(store=store, memory=False).kind is SnapshotKind.FILES
+
+
+def test_a_containers_image_restores_without_the_offline_rootfs(
+    store: SnapshotStore, tmp_path: Path, no_sandbox_left: None
+) -> None:
+    """A snapshot taken under Docker restores on its image's own files: a host without the
+    offline root filesystem (which a direct-mode sandbox needs) restores it all the same."""
+    require_tier("gvisor")
+    docker = GVisorBackend(mode="docker", rootfs=tmp_path / "no-rootfs")
+    report = docker.probe()
+    require("memory snapshots under Docker", "keep memory" in report.detail, report.detail)
+    with Sandbox.create(backend=docker, limits=LIMITS) as sbx:
+        sbx.run_code("x = 7")
+        snap = sbx.snapshot(store=store)
+    with Sandbox.create(snapshot=snap, store=store, backend=docker) as fork:
+        assert fork.run_code("x").text == "7"
+        assert fork.commands.run("id -un").stdout == "sandbox\n"  # its uid named in /etc/passwd
 
 
 def test_a_gvisor_sandbox_with_an_allowlist_keeps_files_only(
-    runsc: GVisorBackend, store: SnapshotStore
+    gvisor: GVisorBackend, store: SnapshotStore
 ) -> None:
     """Its relay's connections end in this process's egress proxy: no image can hold them."""
     network = NetworkPolicy(allow_hosts=("example.com",))
-    with Sandbox.create(backend=runsc, limits=LIMITS, network=network) as sbx:
+    with Sandbox.create(backend=gvisor, limits=LIMITS, network=network) as sbx:
         with pytest.raises(LimitNotEnforceable, match="allowlist"):
             sbx.snapshot(store=store, memory=True)
         assert sbx.snapshot(store=store).kind is SnapshotKind.FILES

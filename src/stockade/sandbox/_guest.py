@@ -281,6 +281,15 @@ def mount_tmpfs(target: Path, *, size: int, inodes: int, mode: int, uid: int = S
 umount = _host.umount
 
 
+def etc_files(uid: int) -> dict[str, str]:
+    """The accounts a sandbox sees: its own uid is ``sandbox`` (``whoami``, ``~``, git work)."""
+    return {
+        "passwd": f"root:x:0:0::/:/usr/sbin/nologin\nsandbox:x:{uid}:{uid}:sandbox:/tmp:/bin/sh\n"
+        "nobody:x:65534:65534::/:/usr/sbin/nologin\n",
+        "group": f"root:x:0:\nsandbox:x:{uid}:\nnogroup:x:65534:\n",
+    }
+
+
 def tmpfs_sizes(spec: SandboxSpec) -> dict[str, tuple[int, int, int]]:
     """Mount point -> (bytes, inodes, mode) of the two writable places, as on every tier."""
     limits = spec.limits

@@ -15,7 +15,7 @@ from pathlib import Path
 from stockade import exceptions as exc
 
 _libc = ctypes.CDLL(None, use_errno=True)
-MS_NOSUID, MS_NODEV = 2, 4
+MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
 MNT_DETACH = 2
 
 
@@ -25,6 +25,16 @@ def mount_tmpfs(target: Path, *, size: int, inodes: int, uid: int, mode: int) ->
     if _libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts) != 0:
         err = ctypes.get_errno()
         raise exc.SandboxStartError(f"cannot mount a tmpfs at {target}: {os.strerror(err)}")
+
+
+def mount_layers(layers: list[Path], target: Path) -> None:
+    """An image's layers (top first) as one read-only folder: an overlay with no upper layer
+    (needs root, and two layers at least)."""
+    opts = ("lowerdir=" + ":".join(str(p) for p in layers)).encode()
+    flags = MS_RDONLY | MS_NOSUID | MS_NODEV
+    if _libc.mount(b"overlay", str(target).encode(), b"overlay", flags, opts) != 0:
+        err = ctypes.get_errno()
+        raise exc.SandboxStartError(f"cannot mount an image's layers at {target}: {os.strerror(err)}")
 
 
 def umount(target: Path) -> None:

@@ -318,8 +318,7 @@ class SupervisedInstance(Instance):
             raise exc.LimitNotEnforceable(
                 f"{why}; this snapshot must keep the memory of the processes",
                 setting="snapshot memory",
-                fix="pass memory=None to keep the files, or use the microvm tier (or gvisor run by "
-                "stockade's own runsc, STOCKADE_GVISOR_MODE=runsc)",
+                fix="pass memory=None to keep the files, or use the microvm or gvisor tier",
             )
         with self._quiet():
             self._check_open()

@@ -43,6 +43,7 @@ from stockade.sandbox._docker_engine import (
     remove_container,
     retry_removals,
 )
+from stockade.sandbox._gvisor_memory import EGRESS_REFUSAL, ContainerMemory
 from stockade.sandbox._hostinfo import engine_masked_paths
 from stockade.sandbox._supervised import (
     WORKSPACE,
@@ -53,6 +54,7 @@ from stockade.sandbox._supervised import (
 )
 from stockade.sandbox.base import Backend, OpResult, OutputSink, SandboxSpec
 from stockade.sandbox.ops import Op
+from stockade.sandbox.snapshots import SnapshotStore
 from stockade.types import Enforcement, HostShare, Mechanism, TierReport
 
 __all__ = ["DockerBackend", "collect_garbage", "engine_error"]
@@ -201,15 +203,6 @@ class _ContainerBoundary(Boundary):
         return err
 
 
-def _etc_files(uid: int) -> dict[str, str]:
-    """The accounts a sandbox sees: its own uid is ``sandbox`` (``whoami``, ``~``, git work)."""
-    return {
-        "passwd": f"root:x:0:0::/:/usr/sbin/nologin\nsandbox:x:{uid}:{uid}:sandbox:/tmp:/bin/sh\n"
-        "nobody:x:65534:65534::/:/usr/sbin/nologin\n",
-        "group": f"root:x:0:\nsandbox:x:{uid}:\nnogroup:x:65534:\n",
-    }
-
-
 def _release_mounts(rundir: Path | None, mounts: list[Path]) -> None:
     for mount in mounts:
         _guest.umount(mount)
@@ -221,14 +214,24 @@ class _ContainerInstance(SupervisedInstance):
     """A supervised sandbox whose crash reports say what happened to its container."""
 
     container: _ContainerBoundary
+    memory: ContainerMemory | None = None  # gVisor's checkpoints, when its runsc is on this host
 
     def memory_snapshots(self) -> str | None:
-        if self.tier == "gvisor":
+        if self.tier != "gvisor":
+            return super().memory_snapshots()
+        if self.spec.network.egress:
+            return EGRESS_REFUSAL
+        if self.memory is None:
             return (
-                "gVisor under Docker keeps files only in a snapshot (memory needs stockade's own "
-                "runsc: STOCKADE_GVISOR_MODE=runsc)"
+                "gVisor under Docker keeps memory in a snapshot only with a local engine and root "
+                "(its runsc and the sandbox's files are then on this host); this one keeps files only"
             )
-        return super().memory_snapshots()
+        return None
+
+    def save_memory(self, store: SnapshotStore, *, stop: bool) -> tuple[dict[str, str], dict[str, Any]]:
+        if self.memory is None:
+            return super().save_memory(store, stop=stop)
+        return self.memory.save(store, stop=stop)
 
     def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         try:
@@ -283,19 +286,27 @@ class DockerBackend(Backend):
         self._collected = False
         self._supervisor_source: tuple[Path, str] | None = None
         self._platform: str | None = None
+        self._runtime: dict[str, Any] | None = None
+        self._image_id: str | None = None
+
+    def _runtime_entry(self) -> dict[str, Any]:
+        """The engine's entry for this runtime: its binary (``path``) and ``runtimeArgs``."""
+        if self._runtime is None:
+            entry: dict[str, Any] = {}
+            unknown: tuple[type[BaseException], ...] = (exc.StockadeError, KeyError, *engine_failures())
+            with contextlib.suppress(*unknown):
+                entry = dict((self._api().info().get("Runtimes") or {}).get(self.runtime or "") or {})
+            self._runtime = entry
+        return self._runtime
 
     def _runtime_platform(self) -> str:
         """The gVisor platform the engine runs this runtime with (its ``--platform`` argument)."""
         if self._platform is None:
             platform = "systrap"  # runsc's own default
-            unknown: tuple[type[BaseException], ...] = (exc.StockadeError, KeyError, *engine_failures())
-            try:
-                entry = (self._api().info().get("Runtimes") or {}).get(self.runtime or "") or {}
-                for arg in entry.get("runtimeArgs") or entry.get("runtimeargs") or []:
-                    if str(arg).startswith("--platform="):
-                        platform = str(arg).split("=", 1)[1]
-            except unknown:
-                pass
+            entry = self._runtime_entry()
+            for arg in entry.get("runtimeArgs") or entry.get("runtimeargs") or []:
+                if str(arg).startswith("--platform="):
+                    platform = str(arg).split("=", 1)[1]
             self._platform = platform
         return self._platform
 
@@ -500,7 +511,7 @@ class DockerBackend(Backend):
         try:
             etc = rundir / "etc"
             etc.mkdir(mode=0o755)
-            for name, text in _etc_files(uid).items():
+            for name, text in _guest.etc_files(uid).items():
                 (etc / name).write_text(text)
                 os.chmod(etc / name, 0o644)
                 binds[f"/etc/{name}"] = etc / name
@@ -530,6 +541,7 @@ class DockerBackend(Backend):
             return self._supervisor_source[1]
         with mapped_engine_errors(self.image, self.runtime):
             image_id = str(api.inspect_image(self.image)["Id"])
+        self._image_id = image_id
         folder = _guest.supervisor_dir(self.state_dir, image_id)
         if not _guest.has_bytecode(folder, image_id):
             self._compile(api, folder, image_id)
@@ -684,6 +696,20 @@ class DockerBackend(Backend):
             id=sid, tier=self.tier, stream=stream, boundary=boundary, spec=spec, enforcement=enforcement
         )
         instance.container = boundary
+        instance.memory = None
+        if self.own_kernel and self.host_tmpfs and rundir is not None and self._image_id is not None:
+            instance.memory = ContainerMemory(
+                api,
+                cid,
+                rundir,
+                runtime=self._runtime_entry(),
+                platform=self._runtime_platform(),
+                image=self._image_id,
+                folder=Path(folder),
+                masks=rules.masks,
+                uid=lease.uid,
+                state_dir=self.state_dir,
+            )
         # Removed when the caller forgets to close, and at interpreter exit at the latest.
         weakref.finalize(instance, _guest.abandon, stream, boundary)
 

@@ -16,8 +16,10 @@ just above ``pids``; ``ptrace`` starts commands faster on some hosts (twice as f
 ones) but keeps every stub it ever made, so only a loose backstop holds it. KVM hangs on
 nested hosts.
 
-Snapshots keep memory in the direct mode only (``runsc checkpoint``, ``_gvisor_memory.py``);
-under Docker they keep files. Either mode restores a memory snapshot, with runsc.
+Snapshots keep memory in both modes (``runsc checkpoint``, ``_gvisor_memory.py``): under
+Docker, stockade checkpoints the container with the engine's own runsc state (a local engine
+and root: the workspace and /tmp are host tmpfs). Either mode restores a memory snapshot of
+either, with stockade's own runsc.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from stockade.sandbox._gvisor_memory import RunscInstance
 from stockade.sandbox._host import PipeStream
 from stockade.sandbox._rootfs import find_rootfs
 from stockade.sandbox._supervised import (
+    WORKSPACE,
     Boundary,
     SupervisedInstance,
     enforcement_from_state,
@@ -114,9 +117,15 @@ class GVisorBackend(Backend):
         if isinstance(inner, RunscBackend):
             how = f"runsc --platform={self.platform}"
             kept = "snapshots keep memory (runsc checkpoint)"
+        elif getattr(inner, "host_tmpfs", False):
+            how = "Docker runtime"
+            kept = "snapshots keep memory (runsc checkpoint of the container, restored by runsc)"
         else:
             how = "Docker runtime"
-            kept = "snapshots keep files only (memory needs STOCKADE_GVISOR_MODE=runsc)"
+            kept = (
+                "snapshots keep files only (memory needs a local engine and root, "
+                "or STOCKADE_GVISOR_MODE=runsc)"
+            )
         return TierReport(
             tier=self.tier,
             available=report.available,
@@ -133,7 +142,7 @@ class GVisorBackend(Backend):
             and spec.snapshot.tier == self.tier
             and not isinstance(inner, RunscBackend)
         ):
-            # A memory image is runsc's (Docker's gVisor keeps files only): restored by runsc.
+            # A memory image is restored by stockade's own runsc, whoever ran its sandbox.
             with self._lock:
                 if self._restorer is None:
                     self._restorer = self._runsc()
@@ -242,7 +251,9 @@ class RunscBackend(Backend):
             *args,
         ]
 
-    def _check(self) -> None:
+    def _check(self, *, rootfs: bool = True) -> None:
+        """What runsc needs here (``rootfs``: the offline root filesystem too; the restore of a
+        container's image has its image's own)."""
         if not self.runsc:
             raise exc.TierUnavailable(
                 "runsc is not installed: apt-get install runsc (or bash scripts/setup-docker.sh)"
@@ -251,7 +262,7 @@ class RunscBackend(Backend):
             raise exc.TierUnavailable(
                 "runsc without Docker needs root here (rootless runsc cannot set limits)"
             )
-        if self.rootfs is None or not (self.rootfs / "usr/bin/python3").exists():
+        if rootfs and (self.rootfs is None or not (self.rootfs / "usr/bin/python3").exists()):
             raise exc.ImageNotFound(
                 "no offline root filesystem with python3 for runsc; build it with "
                 "`stockade image build --offline`, or set STOCKADE_ROOTFS"
@@ -340,33 +351,18 @@ class RunscBackend(Backend):
 
     def runsc_call(self, *args: str, check: bool = True) -> None:
         """``runsc pause``, ``resume`` or ``checkpoint`` on a sandbox (``SnapshotError``)."""
-        try:
-            done = subprocess.run(
-                self._argv(*args),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                env={"PATH": "/usr/bin:/bin"},
-                timeout=_gvisor_memory.RUNSC_TIMEOUT_S,
-                check=False,
-            )
-        except (OSError, subprocess.TimeoutExpired) as err:
-            if check:
-                raise exc.SnapshotError(f"runsc {args[0]} failed: {err}") from None
-            return
-        if check and done.returncode != 0:
-            said = done.stderr.decode("utf-8", "replace").strip().splitlines() or ["no reason given"]
-            raise exc.SnapshotError(f"runsc {args[0]} failed: {said[-1][:500]}")
+        _gvisor_memory.call_runsc(self._argv(*args), check=check)
 
     def start(self, spec: SandboxSpec) -> SupervisedInstance:
-        self._check()
-        assert self.rootfs is not None
         if (
             spec.snapshot is not None
             and spec.snapshot.kind is SnapshotKind.MEMORY
             and spec.snapshot.tier == self.tier
         ):
+            self._check(rootfs=False)
             return self._restore(spec)
+        self._check()
+        assert self.rootfs is not None
         enforcement = self._plan(spec)
         # gVisor's kernel has neither Landlock nor seccomp user notification: masks only.
         rules = _rules.plan(spec, root=self.rootfs, can_mask=True, can_confine=False)
@@ -382,13 +378,23 @@ class RunscBackend(Backend):
     def _restore(self, spec: SandboxSpec) -> RunscInstance:
         """A sandbox from a memory snapshot: its files unpacked into new tmpfs, its kernel
         restored on them, the interpreter's generators reseeded before anything runs."""
-        assert spec.snapshot is not None and self.rootfs is not None
+        assert spec.snapshot is not None
         store = SnapshotStore(Path(spec.snapshot.store))
         manifest = store.verify(spec.snapshot)
         state = manifest.tier_state
-        masks = _rules.plan(spec, root=self.rootfs, can_mask=True, can_confine=False).masks
-        folder = _guest.supervisor_dir(self.state_dir, str(self.rootfs))
-        if state.get("machine") != _gvisor_memory.machine_key(self, folder, masks):
+        docker = None
+        if "docker" in state:  # taken in a container of Docker: its image, mounts and uid
+            docker = _gvisor_memory.DockerLayout.from_state(state["docker"])
+            masks = docker.masks()  # the image's own files, masked as the container had them
+            folder = _guest.supervisor_dir(self.state_dir, docker.image)
+            key = _gvisor_memory.docker_machine_key(self.runsc, self.platform, docker.image, folder, masks)
+        else:
+            self._check()
+            assert self.rootfs is not None
+            masks = _rules.plan(spec, root=self.rootfs, can_mask=True, can_confine=False).masks
+            folder = _guest.supervisor_dir(self.state_dir, str(self.rootfs))
+            key = _gvisor_memory.machine_key(self, folder, masks)
+        if state.get("machine") != key:
             raise exc.SnapshotIncompatible(
                 f"snapshot {spec.snapshot.id} was taken with another runsc, platform, root filesystem "
                 "or stockade than this host has now: its memory cannot be restored"
@@ -404,6 +410,7 @@ class RunscBackend(Backend):
                 masks=masks,
                 command=("restore", "--image-path", str(image)),
                 files={area: store.check_object(manifest.blobs[area]) for area in _gvisor_memory.AREAS},
+                docker=docker,
             )
             try:
                 instance.reseed()
@@ -429,16 +436,22 @@ class RunscBackend(Backend):
         masks: tuple[str, ...],
         command: tuple[str, ...],
         files: dict[str, Path] | None = None,
+        docker: _gvisor_memory.DockerLayout | None = None,
     ) -> RunscInstance:
         """Write the bundle (tmpfs, with ``files`` unpacked in them; the egress proxy;
-        config.json) and start ``runsc run`` or ``restore`` on it, stdio to the supervisor."""
-        assert self.rootfs is not None
+        config.json) and start ``runsc run`` or ``restore`` on it, stdio to the supervisor.
+        ``docker``: the restore of a container's image, on its image's root and its mounts."""
         if not self._collected:
             self._collected = True
             collect_garbage()
-        folder = _guest.supervisor_dir(self.state_dir, str(self.rootfs))
-        if not _guest.has_bytecode(folder, str(self.rootfs)) and not self._compile_failed:
-            self._compile(folder)
+        if docker is not None:
+            folder = _guest.supervisor_dir(self.state_dir, docker.image)
+        else:
+            assert self.rootfs is not None
+            folder = _guest.supervisor_dir(self.state_dir, str(self.rootfs))
+            if not _guest.has_bytecode(folder, str(self.rootfs)) and not self._compile_failed:
+                self._compile(folder)
+        uid = docker.uid if docker is not None else _guest.SANDBOX_UID
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         bundle = self.state_dir / f"gv-{sid}"
         bundle.mkdir(mode=0o700)  # the host side of the sandbox's files: nobody else's to see
@@ -450,16 +463,23 @@ class RunscBackend(Backend):
             for target, (size, inodes, mode) in _guest.tmpfs_sizes(spec).items():
                 path = bundle / target.strip("/")
                 path.mkdir()
-                _guest.mount_tmpfs(path, size=size, inodes=inodes, mode=mode)
+                _guest.mount_tmpfs(path, size=size, inodes=inodes, mode=mode, uid=uid)
                 mounts.append(path)
                 binds[target] = path
                 if files is not None:
-                    _gvisor_memory.unpack_area(files[path.name], path, max_bytes=size, max_entries=inodes)
+                    _gvisor_memory.unpack_area(
+                        files[path.name], path, max_bytes=size, max_entries=inodes, uid=uid
+                    )
             if spec.network.egress:  # in the bundle (root's, 0700): only the sandbox reaches it
                 from stockade.egress import attach
 
                 egress = attach(spec, bundle / "egress", root=self.rootfs, shared=True)
                 binds[_guest.EGRESS_DIR] = egress.folder
+            # a container's image restores on the image's own files; others on the offline rootfs
+            root = self.rootfs
+            if docker is not None:
+                root = _gvisor_memory.image_root(docker.image, bundle / "rootfs", mounts)
+            assert root is not None
             annotations = {
                 _guest.LABEL: "1",
                 _guest.LABEL_ID: sid,
@@ -468,7 +488,7 @@ class RunscBackend(Backend):
             }
             config = _guest.oci_config(
                 spec,
-                rootfs=self.rootfs,
+                rootfs=root,
                 folder=folder,
                 binds=binds,
                 cgroup=f"/{CGROUP_PARENT}/{sid}",
@@ -476,6 +496,9 @@ class RunscBackend(Backend):
                 annotations=annotations,
                 masks=masks,
             )
+            if docker is not None:
+                config["process"]["user"] = {"uid": uid, "gid": uid, "additionalGids": [uid]}
+                config["mounts"] = docker.oci_mounts(self._docker_sources(bundle, binds, folder, uid))
             (bundle / "config.json").write_text(json.dumps(config))
             with open(bundle / "runsc.log", "wb") as log:
                 proc = subprocess.Popen(
@@ -509,9 +532,34 @@ class RunscBackend(Backend):
         instance.backend = self
         instance.bundle = bundle
         instance.egress = egress
-        instance.machine_key = _gvisor_memory.machine_key(self, folder, masks)
+        instance.docker = docker
+        if docker is not None:
+            instance.machine_key = _gvisor_memory.docker_machine_key(
+                self.runsc, self.platform, docker.image, folder, masks
+            )
+        else:
+            instance.machine_key = _gvisor_memory.machine_key(self, folder, masks)
         weakref.finalize(instance, _guest.abandon, stream, boundary)
         return instance
+
+    def _docker_sources(
+        self, bundle: Path, binds: dict[str, Path], folder: Path, uid: int
+    ) -> dict[str, Path]:
+        """What each role of a container's binds is in this bundle (its accounts name ``uid``)."""
+        etc = bundle / "etc"
+        etc.mkdir(mode=0o755)
+        for name, text in _guest.etc_files(uid).items():
+            (etc / name).write_text(text)
+            os.chmod(etc / name, 0o644)
+        return {
+            "workspace": binds[WORKSPACE],
+            "tmp": binds["/tmp"],
+            "supervisor": folder,
+            "passwd": etc / "passwd",
+            "group": etc / "group",
+            "null": Path("/dev/null"),
+            "unreadable": _guest.unreadable_file(self.state_dir),
+        }
 
 
 def _head(path: Path, limit: int = 2048) -> str:
@@ -546,6 +594,7 @@ def collect_garbage() -> list[str]:
         sid = bundle.name.removeprefix("gv-")
         if backend.runsc:
             backend.destroy(sid)
-        _release(bundle, [p for p in (bundle / "workspace", bundle / "tmp") if p.is_mount()])
+        areas = (bundle / "workspace", bundle / "tmp", bundle / "rootfs")
+        _release(bundle, [p for p in areas if p.is_mount()])
         removed.append(f"runsc sandbox {sid}")
     return removed
