@@ -1,5 +1,5 @@
 """The exec judge's compiled fast path (supervisor/judge.c) never lets run what the Python
-judge (supervisor/rules.py) would not: held against it on random rules and execs.
+judge (supervisor/execjudge.py) would not: held against it on random rules and execs.
 
 judge.c's decision is ``stockade_fast_allows`` over the names an exec goes by (its path's
 name, the name of the file it leads to, argv[0]) and the file's size; the exec is then the
@@ -46,14 +46,16 @@ def judges() -> Iterator[tuple[Any, Any]]:
     fast.restype = ctypes.c_int
     sys.path.insert(0, str(SUPERVISOR))  # the supervisor's modules import each other by name
     try:
-        yield fast, importlib.import_module("rules")
+        yield fast, (importlib.import_module("rules"), importlib.import_module("execjudge"))
     finally:
         sys.path.remove(str(SUPERVISOR))
 
 
 def _decide(judges: tuple[Any, Any], workdir: Path, case: dict[str, Any]) -> tuple[int, tuple[str, Any]]:
-    fast, rules_module = judges
-    rules = rules_module.Rules.judge_only({"commands": case["rules"]})
+    fast, (rules_module, execjudge) = judges
+    commands = case["rules"]
+    sizes = rules_module.program_sizes(commands)
+    judge = execjudge.ExecJudge(None, commands, sizes)
     folder = workdir / "bin"
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir()
@@ -68,13 +70,13 @@ def _decide(judges: tuple[Any, Any], workdir: Path, case: dict[str, Any]) -> tup
         path.symlink_to(real.name)
     argv: list[str] = case["argv"]
     enc = [w.encode("utf-8", "surrogateescape") for w in argv]
-    config = rules._fast_config()
+    config = importlib.import_module("fastjudge").config(commands, sizes)
     size = real.stat().st_size
     said = fast(
         config, len(config), path.name.encode(), real.name.encode(),
         enc[0] if enc else b"", enc[1] if len(enc) > 1 else b"", len(argv), size,
     )  # fmt: skip
-    verdict = rules.judge(os.getpid(), str(path), argv)
+    verdict = judge.judge(os.getpid(), str(path), argv)
     return int(said), verdict
 
 

@@ -1,7 +1,7 @@
 /* The exec judge's fast path: a thread of the supervisor, in C, that answers the execs the
  * rules allow whatever their arguments, so that the common exec never wakes Python.
  *
- * It owns the seccomp listener (supervisor/rules.py starts it on a thread of its own, with the
+ * It owns the seccomp listener (supervisor/fastjudge.py starts it on a thread of its own, with the
  * GIL released). For each exec it reads the path and argv from the caller's memory, as the
  * Python judge does (the memory opened first, then the notification checked still valid, so
  * that what is read is the caller's own), and answers CONTINUE only when no name the program
