@@ -15,7 +15,7 @@ import struct
 
 import confine
 from protocol import MAX_EXEC_ARGV
-from rules import EPERM
+from rules import EPERM, PROGRAM_DIRS, program_names
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
@@ -45,15 +45,18 @@ def load() -> "Optional[Tuple[int, int]]":
         return None
 
 
-def config(commands: "Dict[str, List[List[str]]]", sizes: "Dict[int, List[str]]") -> bytes:
-    """The rules as judge.c reads them: NUL-ended entries, a letter and its text."""
+def config(commands: "Dict[str, List[List[str]]]") -> bytes:
+    """The rules as judge.c reads them: NUL-ended entries, a letter and its text. The sizes
+    of the programs the rules name (``rules.program_sizes``) are found by its thread, from
+    the folders and names given (``find_sizes``): beside our start, not in it."""
     entries = [f"M{MAX_EXEC_ARGV}"]
     for kind in ("deny", "approve"):
         entries += [f"P{words[0]}" for words in commands[kind] if words]
     if commands["allow"]:
         entries.append("L")
         entries += [f"A{words[0]}" for words in commands["allow"] if len(words) == 1]
-    entries += [f"S{size}" for size in sizes]
+    entries += [f"D{folder}" for folder in PROGRAM_DIRS]
+    entries += [f"N{name}" for name in sorted(program_names(commands))]
     return b"".join(e.encode("utf-8", "surrogateescape") + b"\0" for e in entries)
 
 

@@ -54,7 +54,6 @@ class Rules:
         self._confine_c: "Any" = None  # that function, where the host shipped judge.so
         self.notify = any(self.commands.values()) and confine.notify_available()
         self.listener = listener
-        self.sizes: "Dict[int, List[str]]" = program_sizes(self.commands) if self.notify else {}
         self._judge: "Optional[ExecJudge]" = None  # the Python judge, once an exec reaches it
         if self.notify and self.listener < 0:
             # On ourselves: every process of the sandbox descends from us and inherits it;
@@ -152,7 +151,8 @@ class Rules:
         if self._judge is None:
             from execjudge import ExecJudge
 
-            self._judge = ExecJudge(self.sup, self.commands, self.sizes, self.approver)
+            sizes = program_sizes(self.commands)
+            self._judge = ExecJudge(self.sup, self.commands, sizes, self.approver)
         return self._judge
 
     def let_own_exec_through(self, listener: int) -> None:
@@ -220,9 +220,7 @@ class Rules:
             return
         entry, self._confine_c = entries
         if self.notify:
-            self.fast = fastjudge.FastJudge.start(
-                entry, self.listener, fastjudge.config(self.commands, self.sizes)
-            )
+            self.fast = fastjudge.FastJudge.start(entry, self.listener, fastjudge.config(self.commands))
             if self.fast is not None:
                 self.events = self.fast.forwards
 
@@ -279,12 +277,17 @@ def record(job: "Any", done: "Dict[str, Any]") -> None:
         job.execs.append(done)
 
 
+def program_names(commands: "Dict[str, List[List[str]]]") -> "Set[str]":
+    """The programs whose copies are judged: a program denied whatever its arguments is
+    masked (no copy of it can exist), the others are looked for by their size."""
+    names = {words[0] for words in commands["approve"] if words}
+    return names | {words[0] for words in commands["deny"] if len(words) > 1}
+
+
 def program_sizes(commands: "Dict[str, List[List[str]]]") -> "Dict[int, List[str]]":
     """The sizes of the programs the rules name, and their paths: a file of another size is
-    no copy of one (neither judge hashes it)."""
-    # A program denied whatever its arguments is masked: no copy of it can exist.
-    names = {words[0] for words in commands["approve"] if words}
-    names |= {words[0] for words in commands["deny"] if len(words) > 1}
+    no copy of one (neither judge hashes it). judge.c's find_sizes finds the same."""
+    names = program_names(commands)
     sizes: "Dict[int, List[str]]" = {}
     for folder in PROGRAM_DIRS:
         for name in names:
