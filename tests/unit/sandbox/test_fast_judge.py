@@ -151,6 +151,22 @@ def test_what_the_fast_path_answers_itself(
         assert verdict == ("allow", None)
 
 
+def test_a_copy_of_a_rule_program_is_left_to_python_by_its_size(
+    judges: tuple[Any, Any], tmp_path: Path
+) -> None:
+    """judge.c finds the rule programs' sizes itself (find_sizes, in its thread): a copy of
+    rm under another name has rm's size, so it is not answered there; the Python judge
+    knows it for rm by its content."""
+    require("/usr/bin/rm", Path("/usr/bin/rm").is_file())
+    rules = {"deny": [], "approve": [["rm", "-r"]], "allow": []}
+    case = {"rules": rules, "path": "x", "file": "x", "content": "/usr/bin/rm", "argv": ["x", "-r", "d"]}
+    said, verdict = _decide(judges, tmp_path, case)
+    assert not said
+    assert verdict == ("approve", "commands.approve: rm -r")
+    other = {**case, "content": "small"}  # the same name, another file: answered at once
+    assert _decide(judges, tmp_path, other) == (1, ("allow", None))
+
+
 CONFINE_PROBE = r"""
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
