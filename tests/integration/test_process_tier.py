@@ -284,3 +284,45 @@ def test_the_sandboxs_code_runs_below_the_supervisors_priority() -> None:
         assert sbx.commands.run(["nice"]).stdout == "19\n"
         sbx.run_code("import os\nos._exit(0)")  # the interpreter dies: the next run starts another
         assert sbx.run_code("import os\nos.nice(0)").text == "19"
+
+
+JUDGE_PROBE = r"""
+import json, sys
+from pathlib import Path
+from stockade import Sandbox
+from stockade.sandbox.process import ProcessBackend
+from stockade.types import SandboxRules
+
+backend = ProcessBackend(state_dir=Path(sys.argv[1]))
+seen = {}
+for name, rules in (("none", None), ("rules", SandboxRules(approve=("rm -r",)))):
+    with Sandbox.create(backend=backend, rules=rules) as sbx:
+        seen[name] = sbx.commands.run("ls /opt/stockade").stdout.split()
+print(json.dumps(seen))
+"""
+
+
+def test_a_sandbox_without_rules_never_waits_for_the_judges_compiler(tmp_path: Path) -> None:
+    """The compiled exec judge is built (about a second, once per host) by the first sandbox
+    with rules, not by every tier's first start: a new user's first sandbox without a policy
+    ships what is cached, and nothing is compiled for it."""
+    import json
+    import shutil
+    import tempfile
+
+    cache = tmp_path / "cache"
+    env = {**os.environ, "STOCKADE_CACHE": str(cache)}
+    # The sandboxes' state where their uids can reach it (pytest's folders are root's alone).
+    with tempfile.TemporaryDirectory(prefix="stockade-judge-") as state:
+        os.chmod(state, 0o711)
+        done = subprocess.run(
+            [sys.executable, "-c", JUDGE_PROBE, str(Path(state) / "state")],
+            capture_output=True, text=True, check=False, timeout=120, env=env,
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert "judge.so" not in seen["none"]
+    assert "supervisor.py" in seen["none"]
+    if shutil.which("gcc") or shutil.which("cc"):
+        assert "judge.so" in seen["rules"]
+        assert list((cache / "judge").glob("judge-*.so"))

@@ -12,7 +12,6 @@ x86_64) there is no library, and every tier judges in Python: slower, never weak
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import platform
@@ -23,7 +22,7 @@ from pathlib import Path
 
 from stockade.sandbox._rootfs import cache_root
 
-__all__ = ["FLAGS", "LIBRARY", "SOURCE", "build", "library"]
+__all__ = ["FLAGS", "LIBRARY", "SOURCE", "build", "built", "library"]
 
 SOURCE = Path(__file__).parent / "supervisor" / "judge.c"
 LIBRARY = "judge.so"  # its name beside the supervisor's modules
@@ -33,17 +32,26 @@ FLAGS = (
 )  # fmt: skip
 
 
+def _target(folder: Path | None) -> Path:
+    digest = hashlib.sha256(SOURCE.read_bytes() + repr(FLAGS).encode()).hexdigest()[:16]
+    return (folder or cache_root() / "judge") / f"judge-{digest}.so"
+
+
+def built(folder: Path | None = None) -> Path | None:
+    """The library if it is in ``folder`` (the cache) already; never compiles."""
+    target = _target(folder)
+    return target if platform.machine() == "x86_64" and target.is_file() else None
+
+
 def build(folder: Path | None = None) -> Path | None:
     """The library, compiled into ``folder`` (the cache) unless it is there; None without a
     compiler or off x86_64 (the listener it serves is x86_64 only)."""
     if platform.machine() != "x86_64":
         return None
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + repr(FLAGS).encode()).hexdigest()[:16]
-    folder = folder or cache_root() / "judge"
-    target = folder / f"judge-{digest}.so"
+    target = _target(folder)
     if target.is_file():
         return target
+    folder = target.parent
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         return None
@@ -70,8 +78,17 @@ def build(folder: Path | None = None) -> Path | None:
     return target
 
 
-@functools.cache
-def library() -> bytes | None:
-    """The library's bytes, built on first use in this process (once per host in the cache)."""
-    path = build()
-    return path.read_bytes() if path is not None else None
+_library: list[bytes | None] = []  # once known in this process: its bytes, or None (no build)
+
+
+def library(*, build_it: bool = True) -> bytes | None:
+    """The library's bytes, built on first use in this process (once per host in the cache).
+    ``build_it=False``: only if the cache has it, never waiting for a compiler (a sandbox
+    without rules has no use for it, and a first build takes about a second)."""
+    if _library:
+        return _library[0]
+    path = build() if build_it else built()
+    if path is None and not build_it:
+        return None  # asked again, with a build, by the first sandbox that needs it
+    _library.append(path.read_bytes() if path is not None else None)
+    return _library[0]

@@ -10,13 +10,13 @@ refuses, like a limit, unless the caller accepts less (``allow_weaker``).
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import functools
 import hashlib
 import os
 import shlex
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Iterable
@@ -324,8 +324,7 @@ def masked_folder(folder: Path, names: frozenset[str], cache: Path | None) -> Pa
         return None
     key = (str(folder), st.st_dev, st.st_ino, st.st_mtime_ns, tuple(sorted(names)))
     known = _masked.get(key)
-    if known is not None and known.is_dir():
-        _touch(known)
+    if known is not None and _touch(known):
         return known
     target = cache / ("masked-" + hashlib.sha256(repr(key).encode()).hexdigest()[:16])
     if not target.is_dir():
@@ -340,10 +339,23 @@ def masked_folder(folder: Path, names: frozenset[str], cache: Path | None) -> Pa
     return target
 
 
-def _touch(copy: Path) -> None:
-    """Marks the copy used now: ``collect_masked`` keeps what was used lately."""
-    with contextlib.suppress(OSError):
-        os.utime(copy)
+# How stale a copy's time may get before a use marks it again: far below MASKED_UNUSED_S, and
+# a start then pays a stat, not a write of the folder's inode each time.
+TOUCH_EVERY_S = 3600.0
+
+
+def _touch(copy: Path) -> bool:
+    """Marks the copy used now (``collect_masked`` keeps what was used lately) unless it was
+    within the hour; False if it is not there."""
+    try:
+        st = os.stat(copy)
+        if not stat.S_ISDIR(st.st_mode):
+            return False
+        if time.time() - st.st_mtime > TOUCH_EVERY_S:
+            os.utime(copy)
+    except OSError:
+        return False
+    return True
 
 
 def _build_masked(folder: Path, names: frozenset[str], mode: int, cache: Path, target: Path) -> None:

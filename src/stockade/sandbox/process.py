@@ -161,6 +161,7 @@ class ProcessBackend(Backend):
         self.state_dir = state_dir or _default_state_dir(self.is_root)
         self._cgroups = _cgroups.detect()
         self._prepared = False
+        self._judge_asked = False  # a sandbox with rules asked for the compiled judge
 
     # -- capability ---------------------------------------------------------------------
 
@@ -265,21 +266,31 @@ class ProcessBackend(Backend):
             return self.rootfs / self.python.lstrip("/")
         return Path(self.python)
 
-    def _prepare(self) -> None:
+    def _prepare(self, judge: bool = False) -> None:
         """The read-only files every sandbox binds (supervisor, /etc), once per process and
         again when a file the folder copies from the host's /etc has changed.
+
+        ``judge``: the sandbox has rules, and the folder must ship the compiled exec judge
+        where the host can build it. A sandbox without them never waits for the compiler
+        (about a second, once per host), and ships the judge only if it was built already.
 
         The folder is named after a hash of its content, so every process of this host
         shares one copy and a stale copy is never mistaken for the current one.
         """
         host_etc = _host_etc(self.rootfs or Path("/"))
-        if self._prepared and host_etc == self._host_etc and (self._shared / "complete").exists():
+        if (
+            self._prepared
+            and host_etc == self._host_etc
+            and (self._judge_asked or not judge)
+            and (self._shared / "complete").exists()
+        ):
             return
         if not self._prepared:  # once per process: a host /etc file changing needs no collection
             collect_garbage(self.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
         os.chmod(self.state_dir, 0o711)
-        sources = supervisor_sources()
+        self._judge_asked = self._judge_asked or judge
+        sources = supervisor_sources(judge=self._judge_asked)
         etc_files = {
             "passwd": PASSWD,
             "group": GROUP,
@@ -439,7 +450,7 @@ class ProcessBackend(Backend):
             raise exc.TierUnavailable("bubblewrap is not installed: apt-get install bubblewrap")
         enforcement = self._plan(spec)
         rules = _rules.plan(spec, root=self.rootfs or Path("/"), can_mask=True, can_confine=True)
-        self._prepare()
+        self._prepare(judge=rules.config is not None)
         sid = sandbox_id(spec)
         rundir = self.state_dir / sid
         rundir.mkdir(mode=0o700)

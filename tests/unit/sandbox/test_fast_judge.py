@@ -1,5 +1,5 @@
 """The exec judge's compiled fast path (supervisor/judge.c) never lets run what the Python
-judge (supervisor/rules.py) would not: held against it on random rules and execs.
+judge (supervisor/execjudge.py) would not: held against it on random rules and execs.
 
 judge.c's decision is ``stockade_fast_allows`` over the names an exec goes by (its path's
 name, the name of the file it leads to, argv[0]) and the file's size; the exec is then the
@@ -46,14 +46,16 @@ def judges() -> Iterator[tuple[Any, Any]]:
     fast.restype = ctypes.c_int
     sys.path.insert(0, str(SUPERVISOR))  # the supervisor's modules import each other by name
     try:
-        yield fast, importlib.import_module("rules")
+        yield fast, (importlib.import_module("rules"), importlib.import_module("execjudge"))
     finally:
         sys.path.remove(str(SUPERVISOR))
 
 
 def _decide(judges: tuple[Any, Any], workdir: Path, case: dict[str, Any]) -> tuple[int, tuple[str, Any]]:
-    fast, rules_module = judges
-    rules = rules_module.Rules.judge_only({"commands": case["rules"]})
+    fast, (rules_module, execjudge) = judges
+    commands = case["rules"]
+    sizes = rules_module.program_sizes(commands)
+    judge = execjudge.ExecJudge(None, commands, sizes)
     folder = workdir / "bin"
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir()
@@ -68,13 +70,13 @@ def _decide(judges: tuple[Any, Any], workdir: Path, case: dict[str, Any]) -> tup
         path.symlink_to(real.name)
     argv: list[str] = case["argv"]
     enc = [w.encode("utf-8", "surrogateescape") for w in argv]
-    config = rules._fast_config()
+    config = importlib.import_module("fastjudge").config(commands)
     size = real.stat().st_size
     said = fast(
         config, len(config), path.name.encode(), real.name.encode(),
         enc[0] if enc else b"", enc[1] if len(enc) > 1 else b"", len(argv), size,
     )  # fmt: skip
-    verdict = rules.judge(os.getpid(), str(path), argv)
+    verdict = judge.judge(os.getpid(), str(path), argv)
     return int(said), verdict
 
 
@@ -147,6 +149,22 @@ def test_what_the_fast_path_answers_itself(
     assert bool(said) is fast
     if fast:
         assert verdict == ("allow", None)
+
+
+def test_a_copy_of_a_rule_program_is_left_to_python_by_its_size(
+    judges: tuple[Any, Any], tmp_path: Path
+) -> None:
+    """judge.c finds the rule programs' sizes itself (find_sizes, in its thread): a copy of
+    rm under another name has rm's size, so it is not answered there; the Python judge
+    knows it for rm by its content."""
+    require("/usr/bin/rm", Path("/usr/bin/rm").is_file())
+    rules = {"deny": [], "approve": [["rm", "-r"]], "allow": []}
+    case = {"rules": rules, "path": "x", "file": "x", "content": "/usr/bin/rm", "argv": ["x", "-r", "d"]}
+    said, verdict = _decide(judges, tmp_path, case)
+    assert not said
+    assert verdict == ("approve", "commands.approve: rm -r")
+    other = {**case, "content": "small"}  # the same name, another file: answered at once
+    assert _decide(judges, tmp_path, other) == (1, ("allow", None))
 
 
 CONFINE_PROBE = r"""

@@ -11,14 +11,15 @@ from pathlib import Path
 __all__ = ["sources"]
 
 
-def sources() -> dict[str, bytes]:
+def sources(*, judge: bool = True) -> dict[str, bytes]:
     """Every module the sandbox needs, by file name, and the exec judge's compiled fast path
-    where this host could build it (``judge.so``: without it the supervisor judges in Python)."""
+    where this host could build it (``judge.so``: without it the supervisor judges in Python).
+    ``judge=False``: the fast path only if it was built already (no compiler run for it)."""
     from stockade.sandbox import _judge
 
     here = Path(__file__).parent
     found = {p.name: p.read_bytes() for p in sorted(here.glob("*.py")) if p.name != "__init__.py"}
-    compiled = _judge.library()
+    compiled = _judge.library(build_it=judge)
     if compiled is not None:
         found[_judge.LIBRARY] = compiled
     return found

@@ -1,7 +1,7 @@
 /* The exec judge's fast path: a thread of the supervisor, in C, that answers the execs the
  * rules allow whatever their arguments, so that the common exec never wakes Python.
  *
- * It owns the seccomp listener (supervisor/rules.py starts it on a thread of its own, with the
+ * It owns the seccomp listener (supervisor/fastjudge.py starts it on a thread of its own, with the
  * GIL released). For each exec it reads the path and argv from the caller's memory, as the
  * Python judge does (the memory opened first, then the notification checked still valid, so
  * that what is read is the caller's own), and answers CONTINUE only when no name the program
@@ -61,6 +61,7 @@ typedef int i32;
 
 #define MAX_PATTERNS 512
 #define MAX_SIZES 512
+#define MAX_DIRS 16
 #define MAX_ARGS 4096
 #define RECORD_MAX 4096 /* PIPE_BUF: a write this size is whole or not at all */
 #define CONFIG_MAX 65536
@@ -178,6 +179,10 @@ struct rules {
     int allowlist;                     /* an allowlist is in force */
     u64 sizes[MAX_SIZES];              /* sizes of the programs whose copies are judged */
     int n_sizes;
+    const char *dirs[MAX_DIRS];        /* where the programs named below are looked for */
+    int n_dirs;
+    const char *programs[MAX_PATTERNS]; /* programs whose sizes are found (find_sizes) */
+    int n_programs;
     int max_argv;                      /* argv words a record keeps */
     int ok;
 };
@@ -191,11 +196,12 @@ static u64 parse_num(const char *s)
 }
 
 /* Entries separated by NULs, each a letter and its text: P a deny/approve program, A a
- * one-word allow rule, L an allowlist is in force, S a program size, M the argv kept. */
+ * one-word allow rule, L an allowlist is in force, S a program size, M the argv kept, D a
+ * folder of programs and N a program whose size (in each D folder) is one (find_sizes). */
 static void parse(struct rules *r, const char *cfg, int len)
 {
     const char *end = cfg + len;
-    r->n_named = r->n_allowed = r->n_sizes = r->allowlist = 0;
+    r->n_named = r->n_allowed = r->n_sizes = r->allowlist = r->n_dirs = r->n_programs = 0;
     r->max_argv = 64;
     r->ok = 1;
     while (cfg < end) {
@@ -225,11 +231,63 @@ static void parse(struct rules *r, const char *cfg, int len)
         case 'M':
             r->max_argv = (int)parse_num(text);
             break;
+        case 'D':
+            if (r->n_dirs == MAX_DIRS)
+                r->ok = 0;
+            else
+                r->dirs[r->n_dirs++] = text;
+            break;
+        case 'N':
+            if (r->n_programs == MAX_PATTERNS)
+                r->ok = 0;
+            else
+                r->programs[r->n_programs++] = text;
+            break;
         default:
             r->ok = 0; /* something this build does not know: judge nothing here */
         }
         cfg += slen(cfg) + 1;
     }
+}
+
+/* The sizes of the N programs in the D folders, as rules.program_sizes finds them for the
+ * Python judge (os.stat of os.path.join(folder, name), a glob skipped): a file of another
+ * size is no copy of one. Done by the judge's thread before its first exec, beside the
+ * supervisor's start rather than in it. */
+static void find_sizes(struct rules *r, char *path, long cap)
+{
+    u64 st[18];
+    for (int d = 0; d < r->n_dirs; d++)
+        for (int i = 0; i < r->n_programs; i++) {
+            const char *name = r->programs[i], *p;
+            int globbed = 0;
+            for (p = name; *p; p++)
+                if (*p == '*' || *p == '?' || *p == '[')
+                    globbed = 1;
+            if (globbed)
+                continue;
+            unsigned long dl = slen(r->dirs[d]), nl = slen(name);
+            if (name[0] == '/') { /* os.path.join drops the folder before an absolute name */
+                if ((long)nl + 1 > cap)
+                    continue;
+                memcpy(path, name, nl + 1);
+            } else {
+                if ((long)(dl + nl + 2) > cap)
+                    continue;
+                memcpy(path, r->dirs[d], dl);
+                long at = (long)dl;
+                if (dl == 0 || r->dirs[d][dl - 1] != '/')
+                    path[at++] = '/';
+                memcpy(path + at, name, nl + 1);
+            }
+            if (sc(SYS_stat, (long)path, (long)st, 0, 0, 0, 0) != 0)
+                continue;
+            if (r->n_sizes == MAX_SIZES) {
+                r->ok = 0; /* more than it holds: judge nothing here */
+                return;
+            }
+            r->sizes[r->n_sizes++] = st[6];
+        }
 }
 
 enum { NO = 0, YES = 1, MAYBE = 2 };
@@ -311,8 +369,10 @@ int stockade_fast_allows(const char *cfg, int len, const char *path_name, const 
                          const char *argv0, const char *argv1, int argc, u64 size)
 {
     static struct rules r; /* for the tests only: one caller at a time */
+    static char path[PATH_MAX_ + 8];
     const char *names[3] = {path_name, file_name, argc > 0 ? base(argv0) : ""};
     parse(&r, cfg, len);
+    find_sizes(&r, path, sizeof path);
     return allows(&r, names, argc > 0 ? 3 : 2, argv0, argv1, argc, size);
 }
 
@@ -552,6 +612,7 @@ static char config[CONFIG_MAX];
 __attribute__((visibility("hidden"), used, noinline, noreturn)) void stockade_judge_thread(void)
 {
     struct notif n;
+    find_sizes(&c.rules, c.path, PATH_MAX_);
     for (;;) {
         struct pollfd_ fds[2] = {{c.listener, POLLIN, 0}, {c.control, POLLIN, 0}};
         long r = sc(SYS_poll, (long)fds, 2, -1, 0, 0, 0);

