@@ -15,7 +15,7 @@ import contextlib
 import socket
 import ssl
 from collections.abc import Coroutine
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 __all__ = ["CHUNK", "Plain", "ServerTLS", "Stream", "connect", "within", "wrap"]
 
@@ -45,12 +45,13 @@ class Plain(asyncio.BufferedProtocol):
         self._reading_paused = False
         self._reader: asyncio.Future[None] | None = None
         self._writable: asyncio.Future[None] | None = None  # set while the transport's buffer is full
+        self._tcp: Any = None  # the TCP socket ``quickack`` sets (looked up once)
+        self._tcp_known = False
 
     # -- asyncio's side --------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self._view
@@ -141,10 +142,14 @@ class Plain(asyncio.BufferedProtocol):
         its ACKs (request, answer, request: it waits to send one with the next request), and
         a server that writes an answer in two pieces with Nagle on holds the second until the
         first is ACKed: 40 ms per request. A new connection starts in quick-ACK mode."""
-        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6) and QUICKACK is not None:
+        if not self._tcp_known:
+            self._tcp_known = True
+            sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                self._tcp = sock
+        if self._tcp is not None and QUICKACK is not None:
             with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, QUICKACK, 1)
+                self._tcp.setsockopt(socket.IPPROTO_TCP, QUICKACK, 1)
 
     def alive(self) -> bool:
         """Open both ways as far as we know (the server has not closed it, nor have we)."""
