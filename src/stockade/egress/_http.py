@@ -220,7 +220,7 @@ class Exchange:
                 upstream, up = await self._open(target), None
             else:
                 upstream, up = held
-            reused, held, keep = up is not None, None, False
+            reused, held, keep, ended = up is not None, None, False, False
             if up is None:
                 up = h11.Connection(h11.CLIENT, max_incomplete_event_size=HEAD_LIMIT)
             try:
@@ -238,13 +238,16 @@ class Exchange:
                     conn, client, response, target, credential, upstream=upstream, up=up
                 )
                 keep = up.our_state is h11.DONE and up.their_state is h11.DONE
+                ended = True
                 return status, sent, received, True
             finally:
                 if keep:
                     up.start_next_cycle()
                     self.upstreams.give(key, upstream, up)
-                else:
+                elif ended:
                     upstream.close()
+                else:  # cut (the sandbox killed, a limit, an error): no TLS goodbye to wait for
+                    upstream.abort()
 
     async def _open(self, target: Target) -> Plain:
         tls = self.gate.upstream_context() if target.scheme == "https" else None

@@ -137,6 +137,11 @@ class Plain(asyncio.BufferedProtocol):
         if self.transport is not None:
             self.transport.close()
 
+    def abort(self) -> None:
+        """Close at once, without flushing what waits to be sent nor a TLS goodbye."""
+        if self.transport is not None:
+            self.transport.abort()
+
     def quickack(self) -> None:
         """ACK what comes next at once. On a kept connection the kernel has learnt to delay
         its ACKs (request, answer, request: it waits to send one with the next request), and
