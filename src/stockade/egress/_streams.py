@@ -3,9 +3,11 @@
 ``Plain`` is an asyncio protocol of its own rather than asyncio's ``StreamReader`` and
 ``StreamWriter``: the proxy only ever wants "what has come" and "send this", and the
 streams' machinery around that was a good part of the proxy's time per request. As a
-``BufferedProtocol`` it also receives into one buffer it keeps: a plain protocol gets a new
-256 KiB ``bytes`` per read from asyncio, which glibc maps and unmaps each time (three system
-calls per read, measured with ``strace``).
+``BufferedProtocol`` it also receives into a buffer that is kept: a plain protocol gets a
+new 256 KiB ``bytes`` per read from asyncio, which glibc maps and unmaps each time (three
+system calls per read, measured with ``strace``). The buffer is one per thread, shared by
+all its streams: a transport hands it back (``buffer_updated``) before it reads again, and
+one of 256 KiB per connection would be mapped, zeroed and unmapped per request.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import contextlib
 import socket
 import ssl
+import threading
 from collections.abc import Coroutine
 from typing import Any, Protocol, TypeVar, cast
 
@@ -22,6 +25,7 @@ __all__ = ["CHUNK", "Plain", "ServerTLS", "Stream", "connect", "within", "wrap"]
 T = TypeVar("T")
 CHUNK = 256 * 1024  # the most one read returns; also what a stream holds unread before it pauses
 QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)  # Linux
+_received = threading.local()  # each thread's receive buffer (``Plain.get_buffer``)
 
 
 class Stream(Protocol):
@@ -36,9 +40,8 @@ class Plain(asyncio.BufferedProtocol):
     def __init__(self, *, tls: bool = False) -> None:
         self.transport: asyncio.Transport | None = None
         self._tls = tls  # a TLS transport cannot stay half-open after the peer's EOF
-        self._buffer = bytearray(CHUNK)
-        self._view = memoryview(self._buffer)
         self._data = bytearray()  # received, not yet read
+        self._view = memoryview(b"")  # where the transport's last read went (the thread's buffer)
         self._eof = False
         self._error: BaseException | None = None
         self._lost = False
@@ -54,7 +57,11 @@ class Plain(asyncio.BufferedProtocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return self._view
+        view: memoryview | None = getattr(_received, "view", None)
+        if view is None:
+            view = _received.view = memoryview(bytearray(CHUNK))
+        self._view = view
+        return view
 
     def buffer_updated(self, nbytes: int) -> None:
         self._data += self._view[:nbytes]
