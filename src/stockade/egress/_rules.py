@@ -12,6 +12,7 @@ mapped or translated IPv6 addresses are judged as the IPv4 address they carry.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -35,8 +36,10 @@ class Verdict:
     methods: tuple[str, ...] = ()  # when not empty, the only methods allowed
 
 
+@functools.lru_cache(maxsize=KEPT)
 def ip_literal(host: str) -> Address | None:
-    """``host`` as an IP address, if it is one (any spelling ``ipaddress`` accepts)."""
+    """``host`` as an IP address, if it is one (any spelling ``ipaddress`` accepts). Kept:
+    asked for each request's host, and a name fails two parsers, each with an exception."""
     try:
         return ipaddress.ip_address(host.strip("[]"))
     except ValueError:
