@@ -43,7 +43,7 @@ class Tunnels:
         self.exchange = exchange
         self.ca = ca  # the sandbox's CA, when some host's TLS is opened; None after close
 
-    async def connect(self, conn: Any, client: Plain, request: Any) -> None:
+    async def serve(self, conn: Any, client: Plain, request: Any) -> None:
         """Serve the CONNECT ``request`` read from ``client``; the connection ends with it."""
         h11 = load_h11()
         gate = self.gate

@@ -246,7 +246,7 @@ class EgressProxy:
             if not isinstance(event, h11.Request):
                 return
             if event.method == b"CONNECT":
-                await self.tunnels.connect(conn, client, event)
+                await self.tunnels.serve(conn, client, event)
                 return
             if not await self.exchange.forward(conn, client, event, tunnel=None):
                 return
