@@ -5,14 +5,23 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
+import threading
+import urllib.request
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
-from stockade.egress import Judge, NetworkPolicy, SystemResolver, _loop
+from stockade.egress import EgressProxy, Judge, NetworkPolicy, SystemResolver, _loop
 from stockade.egress._gate import Gate
 from stockade.egress._rules import KEPT
 from stockade.egress._streams import CHUNK, Plain, wrap
 from stockade.types import EgressRecord
+from tests.egress_servers import TOKEN, servers
+
+T = TypeVar("T")
 
 
 def test_a_judge_keeps_its_verdicts_and_no_more_than_it_may() -> None:
@@ -105,3 +114,42 @@ def test_a_stream_holds_at_most_a_chunk_unread_and_gives_everything_in_order() -
         await asyncio.sleep(0)
 
     asyncio.run(run())
+
+
+def test_the_proxy_on_uvloop_forwards_tunnels_and_brokers_as_on_asyncio(tmp_path: Path) -> None:
+    """With the egress-fast extra the proxies run on uvloop's loop: the same requests, the
+    same records. (Its other tests ran on both loops when it was added; this one keeps a
+    check where uvloop is installed.)"""
+    uvloop = pytest.importorskip("uvloop")
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def call(coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(10)
+
+    try:
+        with servers(tmp_path) as local:
+            records: list[EgressRecord] = []
+            proxy = EgressProxy(local.policy(), observer=records.append)
+            url = f"http://127.0.0.1:{call(proxy.start_tcp())}"
+            ca = proxy.ca_pem
+            assert ca is not None
+            tls = ssl.create_default_context(cafile=str(local.ca_file))
+            tls.load_verify_locations(cadata=ca.decode())
+            opener = urllib.request.build_opener(
+                urllib.request.ProxyHandler({"http": url, "https": url}),
+                urllib.request.HTTPSHandler(context=tls),
+            )
+            try:
+                plain = opener.open(f"http://pkg.test:{local.http_port}/page", timeout=10).read()
+                brokered = opener.open(f"https://api.test:{local.https_port}/auth", timeout=10).read()
+            finally:
+                call(proxy.close())
+            assert TOKEN in " ".join(local.https_seen.authorizations)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+    assert (plain, brokered) == (b"http hello /page", b"https authorized=True")
+    assert [(r.method, r.status, r.credential) for r in records] == [("GET", 200, ""), ("GET", 200, "api")]
