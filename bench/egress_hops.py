@@ -9,6 +9,10 @@ against each part of the path, interleaved in rounds, so the differences are the
   proxy's socket bound into the sandbox without the relay, and through the relay
   (127.0.0.1:3128, where HTTP_PROXY points), as code does.
 
+Beside the times, the CPU the proxies' thread spent per request in each way (its
+``thread_time``; both proxies, the host's and the sandbox's, run on it): what the proxy
+itself costs, which the host's load moves much less than it moves the latencies.
+
     python bench/egress_hops.py [TIER] [--requests 200] [--rounds 3]   # a markdown table
 """
 
@@ -20,6 +24,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +93,10 @@ def run_sandbox(sbx: Sandbox, mode: str, target: str, request: str, count: int) 
     return times
 
 
+async def _thread_cpu() -> float:
+    return time.thread_time()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("tier", nargs="?", default="gvisor")
@@ -123,22 +132,27 @@ def main() -> None:
                 ),
             }
             results: dict[str, list[list[float]]] = {way: [] for way in ways}
+            cpu: dict[str, list[float]] = {way: [] for way in ways}  # the proxies' thread, per request
             for _ in range(args.rounds):
                 for way, run in ways.items():
+                    before = _loop.call(_thread_cpu())
                     results[way].append(run())
+                    cpu[way].append((_loop.call(_thread_cpu()) - before) / (args.requests + 20))
                 load.append(os.getloadavg()[0])
         finally:
             sbx.close()
             _loop.call(proxy.close())
     print(f"## Egress hops on the {args.tier} tier ({args.rounds} rounds of {args.requests} GETs, a new "
           f"connection each, interleaved; load average {min(load):.1f}-{max(load):.1f})\n")  # fmt: skip
-    print("| way | p50 (all) | p50 per round | p90 |")
-    print("|---|---|---|---|")
+    print("| way | p50 (all) | p50 per round | p90 | proxy CPU per request |")
+    print("|---|---|---|---|---|")
     for way, rounds in results.items():
         samples = [t for r in rounds for t in r]
         per = " / ".join(f"{statistics.median(r) * 1000:.2f}" for r in rounds)
         p90 = statistics.quantiles(samples, n=10)[-1] * 1000
-        print(f"| {way} | {statistics.median(samples) * 1000:.2f} ms | {per} | {p90:.2f} ms |")
+        p50 = statistics.median(samples) * 1000
+        used = statistics.median(cpu[way]) * 1e6
+        print(f"| {way} | {p50:.2f} ms | {per} | {p90:.2f} ms | {used:.0f} µs |")
 
 
 if __name__ == "__main__":

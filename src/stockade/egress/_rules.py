@@ -12,6 +12,7 @@ mapped or translated IPv6 addresses are judged as the IPv4 address they carry.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ __all__ = ["Judge", "Verdict", "host_matches", "ip_literal"]
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+KEPT = 1024  # verdicts a judge keeps (then it starts again): a sandbox asks about few places
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,8 +36,10 @@ class Verdict:
     methods: tuple[str, ...] = ()  # when not empty, the only methods allowed
 
 
+@functools.lru_cache(maxsize=KEPT)
 def ip_literal(host: str) -> Address | None:
-    """``host`` as an IP address, if it is one (any spelling ``ipaddress`` accepts)."""
+    """``host`` as an IP address, if it is one (any spelling ``ipaddress`` accepts). Kept:
+    asked for each request's host, and a name fails two parsers, each with an exception."""
     try:
         return ipaddress.ip_address(host.strip("[]"))
     except ValueError:
@@ -74,9 +78,24 @@ class Judge:
             literal = ip_literal(rule.host)
             if literal is not None:
                 self.networks.append((ipaddress.ip_network(literal), f"allow: {rule.host}"))
+        # The policy does not change, so neither do its verdicts: a sandbox's requests go to
+        # a few places again and again, and judging one anew (names, wildcards, address
+        # parsing) was a tenth of the proxy's own time per request.
+        self._requests: dict[tuple[str, int, str], Verdict] = {}
+        self._addresses: dict[tuple[str, tuple[str, ...]], tuple[tuple[str, ...], Verdict | None]] = {}
 
     def request(self, host: str, port: int, method: str) -> Verdict:
         """May ``method`` go to ``host:port``? (CONNECT for a tunnel.)"""
+        key = (host, port, method)
+        verdict = self._requests.get(key)
+        if verdict is None:
+            verdict = self._request(host, port, method)
+            if len(self._requests) >= KEPT:
+                self._requests.clear()
+            self._requests[key] = verdict
+        return verdict
+
+    def _request(self, host: str, port: int, method: str) -> Verdict:
         host = host.lower().rstrip(".")
         literal = ip_literal(host)
         if literal is not None:
@@ -134,6 +153,17 @@ class Judge:
         Any address that may not be reached refuses the whole name: a name whose answers
         mix a public and a private address is a rebinding attempt, not a choice to make.
         """
+        key = (host, tuple(found))
+        kept = self._addresses.get(key)
+        if kept is None:
+            allowed, refusal = self._check_addresses(host, key[1])
+            kept = (tuple(allowed), refusal)
+            if len(self._addresses) >= KEPT:
+                self._addresses.clear()
+            self._addresses[key] = kept
+        return list(kept[0]), kept[1]
+
+    def _check_addresses(self, host: str, found: Iterable[str]) -> tuple[list[str], Verdict | None]:
         allowed: list[str] = []
         for text in found:
             address = ip_literal(text)

@@ -1,0 +1,194 @@
+"""What one sandbox's proxy decides and records, whatever the way a request came in.
+
+``Gate`` holds the sandbox's side of every request: the policy's verdict (``Judge``), the
+per-minute limits, the address a name may lead to, the redirects, the credentials' values
+(read once, on the host, and kept nowhere else) and the ``EgressRecord`` of each request
+for the observer (the audit trail). The HTTP exchange (``_http``) and the tunnels
+(``_tunnel``) ask it; it does no I/O but the resolver's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import ssl
+import time
+import urllib.parse
+from collections import deque
+from collections.abc import Callable
+from dataclasses import replace
+
+from stockade.egress._resolve import Resolver
+from stockade.egress._rules import Judge, Verdict
+from stockade.types import Credential, EgressRecord, NetworkPolicy
+
+__all__ = ["MAX_REDIRECT_BASE", "EgressObserver", "Gate", "Refused", "Window", "credential_value"]
+
+MAX_REDIRECT_BASE = 8192
+
+EgressObserver = Callable[[EgressRecord], None]
+
+
+class Refused(Exception):
+    """A request the proxy answers itself: ``status`` (403, 429, 400, 502) and why."""
+
+    def __init__(self, status: int, verdict: Verdict) -> None:
+        super().__init__(verdict.reason)
+        self.status = status
+        self.verdict = verdict
+
+
+class Window:
+    """What one sandbox did in the last minute: requests, and bytes both ways."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.events: deque[tuple[float, int]] = deque()
+        self.total = 0
+
+    def add(self, amount: int) -> bool:
+        """Count ``amount``; False once the minute's total is past the limit."""
+        now = time.monotonic()
+        while self.events and now - self.events[0][0] > 60.0:
+            self.total -= self.events.popleft()[1]
+        if self.events and now - self.events[-1][0] < 0.1:  # one entry per 100 ms at most
+            t, n = self.events[-1]
+            self.events[-1] = (t, n + amount)
+        else:
+            self.events.append((now, amount))
+        self.total += amount
+        return self.total <= self.limit
+
+
+class Gate:
+    """The decisions and records of one sandbox's proxy, on its event loop."""
+
+    def __init__(self, policy: NetworkPolicy, *, observer: EgressObserver | None, resolver: Resolver) -> None:
+        self.policy = policy
+        self.judge = Judge(policy)
+        self.observer = observer
+        self.resolver = resolver
+        self.requests = Window(policy.max_requests_per_minute)
+        self.bytes = Window(policy.max_bytes_per_minute)
+        self.observer_failures = 0
+        # Read once, here, on the host: the values live in this object and nowhere else.
+        self.secrets: dict[str, str] = {c.name: c.source.read() for c in policy.credentials}
+        self._upstream_tls: ssl.SSLContext | None = None
+        self._pending: list[EgressRecord] = []  # recorded, not yet told to the observer
+
+    # -- decisions ---------------------------------------------------------------------------
+
+    def count_request(self) -> None:
+        if not self.requests.add(1):
+            raise Refused(429, Verdict(
+                allowed=False, rule="max_requests_per_minute",
+                reason=f"more than {self.policy.max_requests_per_minute} requests in a minute",
+            ))  # fmt: skip
+
+    def spend(self, amount: int) -> None:
+        if not self.bytes.add(amount):
+            raise Refused(429, Verdict(
+                allowed=False, rule="max_bytes_per_minute",
+                reason=f"more than {self.policy.max_bytes_per_minute} bytes in a minute",
+            ))  # fmt: skip
+
+    async def address(self, host: str, port: int) -> str:
+        """Resolve once, check every answer, and give the address to connect to."""
+        found = await self.resolver.resolve(host, port)
+        allowed, refusal = self.judge.addresses(host, found)
+        if refusal is not None:
+            raise Refused(403, refusal)
+        return allowed[0]
+
+    def check_redirect(self, status: int, location: str | None, base: str) -> None:
+        """Refuse a ``3xx`` whose ``Location`` (against the request's URL ``base``, its path
+        cut at ``MAX_REDIRECT_BASE``) the policy would refuse: the client never sees where
+        it led."""
+        if not 300 <= status < 400 or location is None:
+            return
+        to = urllib.parse.urlsplit(urllib.parse.urljoin(base, location))
+        to_host = (to.hostname or "").lower()
+        try:
+            to_port = to.port or (443 if to.scheme == "https" else 80)
+        except ValueError:
+            to_port = 0
+        if to.scheme not in ("http", "https") or not to_host:
+            raise Refused(403, Verdict(allowed=False, rule="redirect", reason=f"a redirect to {location!r}"))
+        verdict = self.judge.request(to_host, to_port, "CONNECT" if to.scheme == "https" else "GET")
+        if not verdict.allowed:
+            reason = f"a redirect to {to_host}:{to_port}: {verdict.reason}"
+            raise Refused(403, replace(verdict, rule=f"redirect: {verdict.rule}", reason=reason))
+
+    def secrets_for(self, credential: Credential | None) -> tuple[str | None, list[bytes]]:
+        """The credential's value and what must be scrubbed from answers (it, as sent too)."""
+        secret = self.secrets.get(credential.name) if credential is not None else None
+        if credential is None or not secret:
+            return None, []
+        return secret, [secret.encode(), credential_value(credential, secret)]
+
+    def upstream_context(self) -> ssl.SSLContext:
+        if self._upstream_tls is None:
+            ctx = ssl.create_default_context()
+            if self.policy.upstream_ca:
+                ctx.load_verify_locations(self.policy.upstream_ca)
+            ctx.set_alpn_protocols(["http/1.1"])
+            self._upstream_tls = ctx
+        return self._upstream_tls
+
+    # -- records -----------------------------------------------------------------------------
+
+    def emit(self, record: EgressRecord) -> None:
+        """Record one request. The observer hears of it once the loop is done with what it
+        was doing (the answer sent, the client's connection closed): an audit observer
+        redacts and encodes the event on this thread, which a request need not wait for.
+        Nothing is lost: ``close`` tells it everything still held."""
+        secrets = [s for s in self.secrets.values() if s]
+        if secrets:  # nothing the proxy reports carries a secret, whatever the code asked for
+            record = replace(
+                record,
+                host=scrub_text(record.host, secrets),
+                path=scrub_text(record.path, secrets),
+                sni=scrub_text(record.sni, secrets),
+                reason=scrub_text(record.reason, secrets),
+                rule=scrub_text(record.rule, secrets),
+            )
+        if self.observer is None:
+            return
+        self._pending.append(record)
+        if len(self._pending) == 1:
+            try:
+                asyncio.get_running_loop().call_soon(self.flush)
+            except RuntimeError:  # not on a loop (no caller of ours): at once
+                self.flush()
+
+    def flush(self) -> None:
+        """Tell the observer every record held, in order."""
+        pending, self._pending = self._pending, []
+        for record in pending:
+            if self.observer is None:
+                return
+            try:
+                self.observer(record)
+            except Exception:  # an observer's failure must not take the sandbox's network down
+                self.observer_failures += 1
+
+    def close(self) -> None:
+        """Tell the observer what is held, then drop the credentials."""
+        self.flush()
+        self.secrets.clear()
+
+
+def credential_value(credential: Credential, secret: str) -> bytes:
+    """The header value the credential is sent as."""
+    if credential.style == "basic":
+        pair = f"{credential.username}:{secret}".encode()
+        return b"Basic " + base64.b64encode(pair)
+    if credential.style == "bearer":
+        return b"Bearer " + secret.encode()
+    return secret.encode()
+
+
+def scrub_text(value: str, secrets: list[str]) -> str:
+    for secret in secrets:
+        value = value.replace(secret, "[REDACTED]")
+    return value

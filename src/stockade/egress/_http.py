@@ -1,0 +1,483 @@
+"""One HTTP request through a sandbox's proxy: checked, sent to its server, its answer back.
+
+``Exchange.forward`` serves a request read from the client, whether it came as an absolute
+``http://`` URL or inside a tunnel whose TLS the proxy opened (``_tunnel``): the policy's
+verdict first (``Gate``), then the request re-framed by ``h11`` to the address that was
+checked, the credential added on the way out and scrubbed from what comes back, a redirect
+the policy would refuse turned into a ``403``, and one ``EgressRecord`` for the request
+with its status and the bytes of both bodies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import ssl
+import time
+import urllib.parse
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from stockade.egress._gate import MAX_REDIRECT_BASE, Gate, Refused
+from stockade.egress._rules import Verdict, ip_literal
+from stockade.egress._streams import CHUNK, Plain, Stream, connect, within
+from stockade.egress._upstream import Pool, UpstreamKey
+from stockade.types import Credential, EgressRecord
+
+__all__ = [
+    "CONNECT_TIMEOUT_S",
+    "HEAD_LIMIT",
+    "HEAD_TIMEOUT_S",
+    "Exchange",
+    "Target",
+    "authority",
+    "denied",
+    "load_h11",
+    "next_event",
+    "refuse",
+]
+
+HEAD_LIMIT = 64 * 1024  # request or response head: bigger is refused
+HEAD_TIMEOUT_S = 30.0
+CONNECT_TIMEOUT_S = 15.0
+IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"))
+HOP_BY_HOP = frozenset(
+    (b"connection", b"keep-alive", b"proxy-connection", b"proxy-authorization", b"proxy-authenticate",
+     b"te", b"trailer", b"transfer-encoding", b"upgrade")
+)  # fmt: skip
+
+
+@functools.cache
+def load_h11() -> Any:
+    """The ``h11`` module (imported on first use: it comes with the egress extra)."""
+    try:
+        import h11
+    except ImportError:  # pragma: no cover - a dependency of the egress extra
+        from stockade.exceptions import ConfigurationError
+
+        raise ConfigurationError('network allowlists need `h11`: pip install "stockade[egress]"') from None
+    return h11
+
+
+@dataclass(frozen=True, kw_only=True)
+class Target:
+    """Where one request goes: the name asked for, and the address checked for it."""
+
+    host: str
+    port: int
+    address: str
+    scheme: str
+    path: str
+
+    @property
+    def authority(self) -> str:
+        return (f"[{self.host}]" if ":" in self.host else self.host) + f":{self.port}"
+
+
+class Scrubber:
+    """Replaces the secrets in a stream of bytes, across chunk borders."""
+
+    def __init__(self, secrets: Sequence[bytes]) -> None:
+        self.secrets = [s for s in secrets if s]
+        self.keep = max((len(s) for s in self.secrets), default=1) - 1
+        self.tail = b""
+
+    def feed(self, data: bytes) -> bytes:
+        if not self.secrets:
+            return data
+        data = self.tail + data
+        for secret in self.secrets:
+            data = data.replace(secret, b"[REDACTED]")
+        if self.keep and len(data) > self.keep:
+            data, self.tail = data[: -self.keep], data[-self.keep :]
+        elif self.keep:
+            data, self.tail = b"", data
+        return data
+
+    def end(self) -> bytes:
+        data, self.tail = self.tail, b""
+        for secret in self.secrets:
+            data = data.replace(secret, b"[REDACTED]")
+        return data
+
+
+class Exchange:
+    """The HTTP requests of one sandbox's proxy, and its connections kept to servers."""
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+        self.upstreams: Pool[Plain] = Pool()  # connections to servers, kept between this sandbox's requests
+
+    async def forward(
+        self, conn: Any, client: Stream, request: Any, *, tunnel: tuple[str, int, str] | None
+    ) -> bool:
+        """Forward one request and its response; False when the connection must close."""
+        gate = self.gate
+        started = time.monotonic()
+        method = request.method.decode("ascii", "replace").upper()
+        target = request.target.decode("ascii", "replace")
+        if tunnel is None:
+            parsed = urllib.parse.urlsplit(target)
+            host = (parsed.hostname or "").lower().rstrip(".")
+            literal = ip_literal(host)
+            host = str(literal) if literal is not None else host
+            try:
+                port = (parsed.port or 80) if parsed.scheme == "http" else 0
+            except ValueError:
+                port = 0
+            path = (parsed.path or "/") + (f"?{parsed.query}" if parsed.query else "")
+            scheme = "http"
+        else:
+            host, port, _ = tunnel
+            path, scheme = target, "https"
+        rule = ""
+        try:
+            if tunnel is None and (parsed.scheme != "http" or not host or not port):
+                raise Refused(400, Verdict(
+                    allowed=False, rule="request",
+                    reason="send http:// URLs as absolute URLs, and https:// through CONNECT",
+                ))  # fmt: skip
+            if tunnel is not None:
+                said = header(request.headers, b"host")
+                if said is not None and authority(said, default_port=port)[0] != host:
+                    raise Refused(403, Verdict(
+                        allowed=False, rule="request (host)",
+                        reason=f"the Host header names {said}; this tunnel is for {host}",
+                    ))  # fmt: skip
+            verdict = gate.judge.request(host, port, method)
+            rule = verdict.rule
+            if not verdict.allowed:
+                raise Refused(403, verdict)
+            gate.count_request()
+            address = tunnel[2] if tunnel is not None else await gate.address(host, port)
+        except Refused as refused:
+            await drain_body(conn, client)
+            await refuse(conn, client, refused)
+            record = EgressRecord(host=host, port=port, method=method, path=short(path), rule=rule)
+            gate.emit(denied(record, refused, started))
+            return refused.status != 400
+        credential = verdict.credential if scheme == "https" else None  # never in clear text
+        aim = Target(host=host, port=port, address=address, scheme=scheme, path=path)
+        try:
+            status, sent, received, keep = await self._exchange(conn, client, request, aim, credential)
+        except Refused as refused:  # a redirect refused, or a limit reached mid-way
+            with contextlib.suppress(Exception):
+                await refuse(conn, client, refused)
+            record = EgressRecord(host=host, port=port, method=method, path=short(path), rule=rule)
+            gate.emit(denied(record, refused, started))
+            return False
+        except asyncio.CancelledError:
+            # The proxy closed (the sandbox killed) mid-request: the request was made, with its
+            # credential, so the trail keeps it, cut (status 0; its bytes were not counted).
+            gate.emit(EgressRecord(
+                host=host, port=port, method=method, path=short(path), rule=rule, status=0,
+                reason="cut: the sandbox's proxy was closed mid-request",
+                credential=credential.name if credential is not None else "",
+                duration_s=time.monotonic() - started,
+            ))  # fmt: skip
+            raise
+        except (TimeoutError, OSError, ssl.SSLError) as err:
+            with contextlib.suppress(Exception):
+                await refuse(conn, client, Refused(502, Verdict(
+                    allowed=True, rule=verdict.rule, reason=f"cannot reach {host}:{port}: {err}"
+                )))  # fmt: skip
+            gate.emit(EgressRecord(
+                host=host, port=port, method=method, path=short(path), rule=rule, status=502,
+                reason=f"cannot reach {host}:{port}: {err}", duration_s=time.monotonic() - started,
+            ))  # fmt: skip
+            return False
+        gate.emit(EgressRecord(
+            host=host, port=port, method=method, path=short(path), rule=rule, status=status,
+            bytes_out=sent, bytes_in=received, credential=credential.name if credential is not None else "",
+            duration_s=time.monotonic() - started,
+        ))  # fmt: skip
+        return keep
+
+    async def _exchange(
+        self, conn: Any, client: Stream, request: Any, target: Target, credential: Credential | None
+    ) -> tuple[int, int, int, bool]:
+        """Send ``request`` (its body as it comes) to ``target`` and its response back:
+        (status, bytes out, bytes in, whether the client connection may go on).
+
+        An idempotent request without a body may go over a connection kept from an earlier
+        request of this sandbox to the same place (``_upstream``); if the server had closed
+        that one before answering, the request goes once more, on a new connection (nothing
+        of it reached the client yet). Any other request gets a new connection: a body is
+        read from the client as it is sent, so it could not be sent twice, and a POST must
+        not reach a server twice."""
+        h11 = load_h11()
+        key = UpstreamKey(
+            address=target.address, port=target.port, scheme=target.scheme, host=target.host,
+            credential=credential.name if credential is not None else "",
+        )  # fmt: skip
+        # Sent again only if it may be (RFC 9110: idempotent) and can be (no body to read twice).
+        repeatable = request.method.upper() in IDEMPOTENT and not has_body(request.headers)
+        held = self.upstreams.take(key) if repeatable else None
+        while True:
+            if held is None:
+                upstream, up = await self._open(target), None
+            else:
+                upstream, up = held
+            reused, held, keep, ended = up is not None, None, False, False
+            if up is None:
+                up = h11.Connection(h11.CLIENT, max_incomplete_event_size=HEAD_LIMIT)
+            try:
+                try:
+                    sent, response = await self._send_request(
+                        conn, client, request, target, credential, upstream=upstream, up=up
+                    )
+                except (OSError, h11.RemoteProtocolError) as err:
+                    if reused and not isinstance(err, TimeoutError):
+                        continue  # closed while kept (the finally closes it): again, on a new one
+                    raise
+                if reused and response.status_code == 408:
+                    continue  # the server's "you were idle too long", sent before it closed
+                status, received = await self._send_response(
+                    conn, client, response, target, credential, upstream=upstream, up=up
+                )
+                keep = up.our_state is h11.DONE and up.their_state is h11.DONE
+                ended = True
+                return status, sent, received, True
+            finally:
+                if keep:
+                    up.start_next_cycle()
+                    self.upstreams.give(key, upstream, up)
+                elif ended:
+                    upstream.close()
+                else:  # cut (the sandbox killed, a limit, an error): no TLS goodbye to wait for
+                    upstream.abort()
+
+    async def _open(self, target: Target) -> Plain:
+        tls = self.gate.upstream_context() if target.scheme == "https" else None
+        return await within(
+            connect(target.address, target.port, tls=tls, name=target.host), CONNECT_TIMEOUT_S
+        )
+
+    async def _send_request(
+        self,
+        conn: Any,
+        client: Stream,
+        request: Any,
+        target: Target,
+        credential: Credential | None,
+        *,
+        upstream: Plain,
+        up: Any,
+    ) -> tuple[int, Any]:
+        """The request (head and body) to the server, and the head of its answer."""
+        h11 = load_h11()
+        headers = forwarded_headers(request.headers, target.host, target.port, target.scheme)
+        secret, secrets = self.gate.secrets_for(credential)
+        if credential is not None and secret:
+            name = credential.header.lower().encode()
+            # The reply is scrubbed of the secret: it must come back as plain bytes.
+            headers = [(k, v) for k, v in headers if k.lower() not in (name, b"accept-encoding")]
+            headers += [(credential.header.encode(), secrets[1]), (b"Accept-Encoding", b"identity")]
+        head = up.send(h11.Request(method=request.method, target=target.path.encode(), headers=headers))
+        if conn.their_state is h11.SEND_BODY:
+            sent = await self._relay_body(conn, client, up, upstream, head=head)
+        else:  # read already (no body; or sent once, on a kept connection the server then closed)
+            await upstream.send(head + up.send(h11.EndOfMessage()))
+            sent = 0
+        upstream.quickack()
+        response = await within(next_event(up, upstream), HEAD_TIMEOUT_S * 4)
+        while isinstance(response, h11.InformationalResponse):  # 100 Continue and the like
+            response = await next_event(up, upstream)
+        if not isinstance(response, h11.Response):
+            raise ConnectionError("the server closed without answering")
+        return sent, response
+
+    async def _send_response(
+        self,
+        conn: Any,
+        client: Stream,
+        response: Any,
+        target: Target,
+        credential: Credential | None,
+        *,
+        upstream: Plain,
+        up: Any,
+    ) -> tuple[int, int]:
+        """The answer, checked and scrubbed, to the client: (status, body bytes received)."""
+        h11 = load_h11()
+        _, secrets = self.gate.secrets_for(credential)
+        if 300 <= response.status_code < 400:
+            base = f"{target.scheme}://{target.authority}{target.path[:MAX_REDIRECT_BASE]}"
+            self.gate.check_redirect(response.status_code, header(response.headers, b"location"), base)
+        out_headers = [(k, scrub_all(v, secrets)) for k, v in response.headers if k.lower() not in HOP_BY_HOP]
+        if secrets:  # scrubbing changes the length
+            out_headers = [(k, v) for k, v in out_headers if k.lower() != b"content-length"]
+        head = conn.send(h11.Response(
+            status_code=response.status_code, headers=out_headers, reason=response.reason
+        ))  # fmt: skip
+        received = await self._relay_body(up, upstream, conn, client, scrub=Scrubber(secrets), head=head)
+        return response.status_code, received
+
+    async def _relay_body(
+        self,
+        src: Any,
+        src_stream: Stream,
+        dst: Any,
+        dst_stream: Stream,
+        *,
+        scrub: Scrubber | None = None,
+        head: bytes = b"",
+    ) -> int:
+        """Carry one message body from one h11 connection to the other, after ``head`` (the
+        message's head, already framed for ``dst``); the body's size.
+
+        What is already here goes out in one write: the head with the body's first bytes,
+        the last bytes with the message's end. Each write is a wake-up of the reader (on
+        gVisor, of the relay and then of the code, each a few syscalls of 20-50 µs there);
+        nothing waits for bytes that have not come (the head goes alone then)."""
+        h11 = load_h11()
+        size = 0
+        pending = head
+        while True:
+            event = src.next_event()
+            if event is h11.NEED_DATA:
+                if pending:
+                    await dst_stream.send(pending)
+                    pending = b""
+                src.receive_data(await src_stream.recv())
+                continue
+            if isinstance(event, h11.Data):
+                size += len(event.data)
+                self.gate.spend(len(event.data))
+                data = bytes(event.data) if scrub is None else scrub.feed(bytes(event.data))
+                if data:
+                    pending += dst.send(h11.Data(data=data))
+            elif isinstance(event, h11.EndOfMessage):
+                rest = scrub.end() if scrub is not None else b""
+                if rest:
+                    pending += dst.send(h11.Data(data=rest))
+                await dst_stream.send(pending + dst.send(h11.EndOfMessage()))
+                return size
+            else:  # the connection closed (h11 ``ConnectionClosed``, or ``PAUSED`` past its end)
+                raise ConnectionError("the connection closed mid-message")
+            if len(pending) >= CHUNK:  # a body that comes faster than it goes: not held in memory
+                await dst_stream.send(pending)
+                pending = b""
+
+
+async def next_event(conn: Any, stream: Stream) -> Any:
+    h11 = load_h11()
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(await stream.recv())
+            continue
+        if event is h11.PAUSED:
+            return h11.ConnectionClosed()
+        return event
+
+
+async def drain_body(conn: Any, client: Stream) -> None:
+    """Read what is left of a refused request's body (bounded), so the reply can be read."""
+    h11 = load_h11()
+    if conn.their_state is not h11.SEND_BODY:
+        return
+    budget = 1024 * 1024
+    while budget > 0:
+        event = await within(next_event(conn, client), HEAD_TIMEOUT_S)
+        if isinstance(event, h11.Data):
+            budget -= len(event.data)
+        else:
+            return
+
+
+async def refuse(conn: Any, client: Stream, refused: Refused) -> None:
+    """Answer the request ourselves: the status, the reason and the rule that refused it."""
+    h11 = load_h11()
+    verdict = refused.verdict
+    text = f"stockade egress: {verdict.reason} (rule: {verdict.rule})"
+    body = (text + "\n").encode("utf-8", "replace")
+    reason = phrase(text)
+    headers = [
+        (b"Content-Type", b"text/plain; charset=utf-8"),
+        (b"Content-Length", str(len(body)).encode()),
+        (b"X-Stockade-Rule", phrase(verdict.rule)),
+        (b"Connection", b"close"),
+    ]
+    if conn.our_state is not h11.SEND_RESPONSE:
+        return
+    with contextlib.suppress(h11.LocalProtocolError):
+        await client.send(conn.send(h11.Response(status_code=refused.status, headers=headers, reason=reason)))
+        await client.send(conn.send(h11.Data(data=body)))
+        await client.send(conn.send(h11.EndOfMessage()))
+
+
+def phrase(text: str) -> bytes:
+    """A reason phrase: visible ASCII and spaces only, short."""
+    return "".join(c if 32 <= ord(c) < 127 else "?" for c in text)[:300].encode("ascii")
+
+
+def denied(record: EgressRecord, refused: Refused, started: float) -> EgressRecord:
+    return replace(
+        record,
+        status=refused.status,
+        decision="deny",
+        rule=refused.verdict.rule,
+        reason=refused.verdict.reason,
+        duration_s=time.monotonic() - started,
+    )
+
+
+def authority(text: str, default_port: int = 0) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port``) as (host, port); (``""``, 0) when it does not parse."""
+    text = text.strip()
+    try:
+        parsed = urllib.parse.urlsplit("//" + text)
+        host = (parsed.hostname or "").lower().rstrip(".")
+        port = parsed.port or default_port
+    except ValueError:
+        return "", 0
+    literal = ip_literal(host)
+    return (str(literal) if literal is not None else host), port
+
+
+def header(headers: Any, name: bytes) -> str | None:
+    for key, value in headers:
+        if key.lower() == name:
+            return bytes(value).decode("latin-1")
+    return None
+
+
+def forwarded_headers(headers: Any, host: str, port: int, scheme: str) -> list[tuple[bytes, bytes]]:
+    default = 443 if scheme == "https" else 80
+    name = (f"[{host}]" if ":" in host else host) + (f":{port}" if port != default else "")
+    out = [(b"Host", name.encode())]
+    for key, value in headers:
+        lower = key.lower()
+        if lower in HOP_BY_HOP or lower in (b"host", b"content-length"):
+            continue
+        out.append((bytes(key), bytes(value)))
+    for key, value in headers:
+        if key.lower() == b"content-length":
+            out.append((b"Content-Length", bytes(value)))
+            break
+    else:
+        if any(k.lower() == b"transfer-encoding" for k, _ in headers):
+            out.append((b"Transfer-Encoding", b"chunked"))  # h11 re-frames the body it forwards
+    return out
+
+
+def has_body(headers: Any) -> bool:
+    """Whether a request comes with a body (h11 has checked its framing headers)."""
+    for key, value in headers:
+        lower = key.lower()
+        if lower == b"transfer-encoding" or (lower == b"content-length" and bytes(value).strip() != b"0"):
+            return True
+    return False
+
+
+def scrub_all(value: bytes, secrets: Sequence[bytes]) -> bytes:
+    for secret in secrets:
+        value = value.replace(secret, b"[REDACTED]")
+    return bytes(value)
+
+
+def short(path: str, limit: int = 2048) -> str:
+    return path if len(path) <= limit else path[:limit] + "…"

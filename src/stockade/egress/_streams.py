@@ -1,0 +1,256 @@
+"""The byte streams a sandbox's proxy speaks over: a socket's connection, and TLS it answers.
+
+``Plain`` is an asyncio protocol of its own rather than asyncio's ``StreamReader`` and
+``StreamWriter``: the proxy only ever wants "what has come" and "send this", and the
+streams' machinery around that was a good part of the proxy's time per request. As a
+``BufferedProtocol`` it also receives into a buffer that is kept: a plain protocol gets a
+new 256 KiB ``bytes`` per read from asyncio, which glibc maps and unmaps each time (three
+system calls per read, measured with ``strace``). The buffer is one per thread, shared by
+all its streams: a transport hands it back (``buffer_updated``) before it reads again, and
+one of 256 KiB per connection would be mapped, zeroed and unmapped per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+import threading
+from collections.abc import Coroutine
+from typing import Any, Protocol, TypeVar, cast
+
+__all__ = ["CHUNK", "Plain", "ServerTLS", "Stream", "connect", "within", "wrap"]
+
+T = TypeVar("T")
+CHUNK = 256 * 1024  # the most one read returns; also what a stream holds unread before it pauses
+QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)  # Linux
+_received = threading.local()  # each thread's receive buffer (``Plain.get_buffer``)
+
+
+class Stream(Protocol):
+    async def recv(self) -> bytes: ...
+    async def send(self, data: bytes) -> None: ...
+    def close(self) -> None: ...
+
+
+class Plain(asyncio.BufferedProtocol):
+    """One connection (a client's or a server's), as ``recv`` and ``send``."""
+
+    def __init__(self, *, tls: bool = False) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._tls = tls  # a TLS transport cannot stay half-open after the peer's EOF
+        self._data = bytearray()  # received, not yet read
+        self._view = memoryview(b"")  # where the transport's last read went (the thread's buffer)
+        self._eof = False
+        self._error: BaseException | None = None
+        self._lost = False
+        self._reading_paused = False
+        self._reader: asyncio.Future[None] | None = None
+        self._writable: asyncio.Future[None] | None = None  # set while the transport's buffer is full
+        self._tcp: Any = None  # the TCP socket ``quickack`` sets (looked up once)
+        self._tcp_known = False
+
+    # -- asyncio's side --------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        view: memoryview | None = getattr(_received, "view", None)
+        if view is None:
+            view = _received.view = memoryview(bytearray(CHUNK))
+        self._view = view
+        return view
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._data += self._view[:nbytes]
+        if len(self._data) >= CHUNK and self.transport is not None and not self._reading_paused:
+            self._reading_paused = True  # nobody reads as fast as this comes: wait for them
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self._eof = True
+        self._wake()
+        return not self._tls  # keep our side open: a tunnel still carries the other direction
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
+        self._eof = True
+        if exc is not None and self._error is None:
+            self._error = exc
+        self._wake()
+        waiter, self._writable = self._writable, None
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(exc or ConnectionResetError("connection lost"))
+            waiter.exception()  # retrieved here: nobody may be waiting for it any more
+
+    def pause_writing(self) -> None:
+        if self._writable is None:
+            self._writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        waiter, self._writable = self._writable, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _wake(self) -> None:
+        waiter, self._reader = self._reader, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- the proxy's side ------------------------------------------------------------------
+
+    async def recv(self) -> bytes:
+        """What has come (at most ``CHUNK``); ``b""`` at the end of the stream."""
+        if not self._data and not self._eof:
+            self._reader = asyncio.get_running_loop().create_future()
+            try:
+                await self._reader
+            finally:
+                self._reader = None
+        if self._data:
+            if len(self._data) <= CHUNK:
+                data = bytes(self._data)
+                self._data.clear()
+            else:
+                data = bytes(self._data[:CHUNK])
+                del self._data[:CHUNK]
+            if self._reading_paused and self.transport is not None and len(self._data) < CHUNK:
+                self._reading_paused = False
+                self.transport.resume_reading()
+            return data
+        if self._error is not None:
+            raise self._error
+        return b""
+
+    async def send(self, data: bytes) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._lost or self.transport is None or self.transport.is_closing():
+            raise ConnectionResetError("connection lost")
+        if data:
+            self.transport.write(data)
+        if self._writable is not None:
+            await self._writable
+
+    def eof(self) -> None:
+        with contextlib.suppress(OSError, RuntimeError):
+            if self.transport is not None and self.transport.can_write_eof():
+                self.transport.write_eof()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def abort(self) -> None:
+        """Close at once, without flushing what waits to be sent nor a TLS goodbye."""
+        if self.transport is not None:
+            self.transport.abort()
+
+    def quickack(self) -> None:
+        """ACK what comes next at once. On a kept connection the kernel has learnt to delay
+        its ACKs (request, answer, request: it waits to send one with the next request), and
+        a server that writes an answer in two pieces with Nagle on holds the second until the
+        first is ACKed: 40 ms per request. A new connection starts in quick-ACK mode."""
+        if not self._tcp_known:
+            self._tcp_known = True
+            sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                self._tcp = sock
+        if self._tcp is not None and QUICKACK is not None:
+            with contextlib.suppress(OSError):
+                self._tcp.setsockopt(socket.IPPROTO_TCP, QUICKACK, 1)
+
+    def alive(self) -> bool:
+        """Open both ways as far as we know (the server has not closed it, nor have we)."""
+        return (
+            not self._eof
+            and self._error is None
+            and self.transport is not None
+            and not self.transport.is_closing()
+        )
+
+
+async def wrap(sock: socket.socket) -> Plain:
+    """An accepted socket as a ``Plain`` (closed if that fails)."""
+    loop = asyncio.get_running_loop()
+    stream = Plain()
+    try:
+        await loop.connect_accepted_socket(lambda: stream, sock)
+    except BaseException:
+        sock.close()
+        raise
+    return stream
+
+
+async def connect(
+    address: str, port: int, *, tls: ssl.SSLContext | None = None, name: str | None = None
+) -> Plain:
+    """A new connection to ``address:port`` (TLS verified for ``name`` with ``tls``)."""
+    loop = asyncio.get_running_loop()
+    stream = Plain(tls=tls is not None)
+    await loop.create_connection(
+        lambda: stream, address, port, ssl=tls, server_hostname=name if tls is not None else None
+    )
+    return stream
+
+
+class ServerTLS:
+    """TLS answered over a stream whose first bytes were already read (the ClientHello)."""
+
+    def __init__(self, raw: Plain, ctx: ssl.SSLContext, initial: bytes) -> None:
+        self.raw = raw
+        self.incoming = ssl.MemoryBIO()
+        self.outgoing = ssl.MemoryBIO()
+        self.obj = ctx.wrap_bio(self.incoming, self.outgoing, server_side=True)
+        self.incoming.write(initial)
+
+    async def _flush(self) -> None:
+        data = self.outgoing.read()
+        if data:
+            await self.raw.send(data)
+
+    async def _fill(self) -> bool:
+        await self._flush()
+        data = await self.raw.recv()
+        if not data:
+            self.incoming.write_eof()
+            return False
+        self.incoming.write(data)
+        return True
+
+    async def handshake(self) -> None:
+        while True:
+            try:
+                self.obj.do_handshake()
+                await self._flush()
+                return
+            except ssl.SSLWantReadError:
+                if not await self._fill():
+                    raise ConnectionError("the client closed during the TLS handshake") from None
+
+    async def recv(self) -> bytes:
+        while True:
+            try:
+                return self.obj.read(CHUNK)
+            except ssl.SSLWantReadError:
+                if not await self._fill():
+                    return b""
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                return b""
+
+    async def send(self, data: bytes) -> None:
+        self.obj.write(data)
+        await self._flush()
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+async def within(coro: Coroutine[Any, Any, T], seconds: float) -> T:
+    """``coro`` with a deadline, in the current task (``wait_for`` makes a task per call,
+    which is most of what a short request costs the proxy)."""
+    async with asyncio.timeout(seconds):
+        return await coro

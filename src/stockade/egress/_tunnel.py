@@ -1,0 +1,184 @@
+"""CONNECT through a sandbox's proxy: a tunnel that carries TLS to the name it was asked for.
+
+After ``200`` to a CONNECT the first bytes must be a TLS ClientHello whose SNI is the
+CONNECT host; anything else closes the tunnel. Then either the proxy splices the bytes
+both ways (the TLS is the client's and the server's), or, for a host with a credential or
+with method rules, it answers the TLS itself with a certificate from the sandbox's own CA
+(``intercept``) and hands each request inside to the HTTP exchange (``_http``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from dataclasses import replace
+from typing import Any
+
+from stockade.egress._gate import Gate, Refused
+from stockade.egress._http import (
+    CONNECT_TIMEOUT_S,
+    HEAD_LIMIT,
+    HEAD_TIMEOUT_S,
+    Exchange,
+    authority,
+    denied,
+    load_h11,
+    next_event,
+    refuse,
+)
+from stockade.egress._rules import Verdict, ip_literal
+from stockade.egress._streams import Plain, ServerTLS, connect, within
+from stockade.egress._tls import MAX_HELLO, SandboxCA, server_name
+from stockade.types import EgressRecord
+
+__all__ = ["Tunnels"]
+
+
+class Tunnels:
+    """The CONNECT tunnels of one sandbox's proxy."""
+
+    def __init__(self, gate: Gate, exchange: Exchange, ca: SandboxCA | None) -> None:
+        self.gate = gate
+        self.exchange = exchange
+        self.ca = ca  # the sandbox's CA, when some host's TLS is opened; None after close
+
+    async def serve(self, conn: Any, client: Plain, request: Any) -> None:
+        """Serve the CONNECT ``request`` read from ``client``; the connection ends with it."""
+        h11 = load_h11()
+        gate = self.gate
+        started = time.monotonic()
+        target = request.target.decode("ascii", "replace")
+        host, port = authority(target)
+        record = EgressRecord(host=host, port=port, method="CONNECT")
+        try:
+            if not host or not port:
+                raise Refused(
+                    400, Verdict(allowed=False, rule="request", reason=f"bad CONNECT target {target!r}")
+                )
+            verdict = gate.judge.request(host, port, "CONNECT")
+            record = replace(record, rule=verdict.rule)
+            if not verdict.allowed:
+                raise Refused(403, verdict)
+            gate.count_request()
+            address = await gate.address(host, port)
+        except Refused as refused:
+            await refuse(conn, client, refused)
+            gate.emit(denied(record, refused, started))
+            return
+        while not isinstance(await next_event(conn, client), h11.EndOfMessage | h11.ConnectionClosed):
+            pass  # a CONNECT has no body; h11 switches protocols once its end is read
+        await client.send(
+            conn.send(h11.Response(status_code=200, headers=[], reason=b"Connection established"))
+        )
+        hello = conn.trailing_data[0]
+        try:
+            hello = await within(read_hello(client, hello), HEAD_TIMEOUT_S)
+        except TimeoutError:
+            hello = b""
+        is_tls, sni = server_name(hello)
+        record = replace(record, sni=sni or "")
+        problem = sni_problem(host, is_tls, sni)
+        if problem is not None:  # the tunnel is open: all we can do is close it
+            gate.emit(replace(record, decision="deny", rule="tls (sni)", reason=problem,
+                              duration_s=time.monotonic() - started))  # fmt: skip
+            return
+        if verdict.intercept:
+            await self._intercept(client, (host, port, address), hello, record, started)
+            return
+        try:
+            upstream = await within(connect(address, port), CONNECT_TIMEOUT_S)
+        except (TimeoutError, OSError) as err:
+            gate.emit(replace(record, status=502, reason=f"cannot reach {host}: {err}",
+                              duration_s=time.monotonic() - started))  # fmt: skip
+            return
+        counts = [0, 0]
+        try:
+            await self._splice(client, upstream, hello, counts)
+        finally:  # a tunnel cut by close() (the sandbox killed) is recorded too
+            gate.emit(replace(record, status=200, bytes_out=counts[0], bytes_in=counts[1],
+                              duration_s=time.monotonic() - started))  # fmt: skip
+
+    async def _splice(self, client: Plain, upstream: Plain, first: bytes, counts: list[int]) -> None:
+        window = self.gate.bytes
+
+        async def pump(src: Plain, dst: Plain, index: int) -> None:
+            try:
+                while True:
+                    data = await src.recv()
+                    if not data:
+                        break
+                    counts[index] += len(data)
+                    if not window.add(len(data)):
+                        raise ConnectionError("the sandbox's bytes per minute are spent")
+                    await dst.send(data)
+            finally:
+                dst.eof()
+
+        try:
+            if first:
+                counts[0] += len(first)
+                window.add(len(first))
+                await upstream.send(first)
+            results = await asyncio.gather(
+                pump(client, upstream, 0), pump(upstream, client, 1), return_exceptions=True
+            )
+            for result in results:
+                if isinstance(result, asyncio.CancelledError):
+                    raise result
+        finally:
+            upstream.close()
+
+    async def _intercept(
+        self, client: Plain, tunnel: tuple[str, int, str], hello: bytes, record: EgressRecord, started: float
+    ) -> None:
+        """Answer the tunnel's TLS as ``host`` (the sandbox's CA), then each request in it."""
+        host = tunnel[0]
+        h11 = load_h11()
+        assert self.ca is not None
+        tls = ServerTLS(client, self.ca.context(host), hello)
+        try:
+            await within(tls.handshake(), HEAD_TIMEOUT_S)
+        except (TimeoutError, ssl.SSLError, ConnectionError) as err:
+            self.gate.emit(replace(record, decision="deny", rule="tls (handshake)",
+                                   reason=f"the client refused the sandbox's certificate: {err}",
+                                   duration_s=time.monotonic() - started))  # fmt: skip
+            return
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=HEAD_LIMIT)
+        while True:
+            event = await within(next_event(conn, tls), HEAD_TIMEOUT_S)
+            if not isinstance(event, h11.Request):
+                return
+            if not await self.exchange.forward(conn, tls, event, tunnel=tunnel):
+                return
+            if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                return
+            conn.start_next_cycle()
+
+
+def sni_problem(host: str, is_tls: bool, sni: str | None) -> str | None:
+    """Why a tunnel for ``host`` whose first bytes were this hello must close, if it must."""
+    if not is_tls:
+        return "a tunnel must carry TLS; the first bytes were not a TLS ClientHello"
+    literal = ip_literal(host) is not None
+    if sni is None and not literal:
+        return f"the TLS ClientHello names no server; the tunnel is for {host}"
+    if sni is not None and sni != host:
+        return f"the TLS ClientHello asks for {sni}, the tunnel is for {host}"
+    return None
+
+
+async def read_hello(client: Plain, first: bytes) -> bytes:
+    """The tunnel's first TLS record (the ClientHello), at most ``MAX_HELLO`` bytes."""
+    data = bytearray(first)
+    while len(data) < MAX_HELLO:
+        if len(data) >= 5:
+            if data[0] != 0x16:
+                break
+            if len(data) >= 5 + int.from_bytes(data[3:5], "big"):
+                break
+        chunk = await client.recv()
+        if not chunk:
+            break
+        data += chunk
+    return bytes(data)

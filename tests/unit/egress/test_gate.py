@@ -1,0 +1,155 @@
+"""What a sandbox's proxy decides and records (egress/_gate.py, _rules.py), its event loop
+(_loop.py) and its byte streams (_streams.py), apart from any request."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+import threading
+import urllib.request
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from stockade.egress import EgressProxy, Judge, NetworkPolicy, SystemResolver, _loop
+from stockade.egress._gate import Gate
+from stockade.egress._rules import KEPT
+from stockade.egress._streams import CHUNK, Plain, wrap
+from stockade.types import EgressRecord
+from tests.egress_servers import TOKEN, servers
+
+T = TypeVar("T")
+
+
+def test_a_judge_keeps_its_verdicts_and_no_more_than_it_may() -> None:
+    judge = Judge(NetworkPolicy(allow_hosts=("pkg.test", "*.example.com"), allow_addresses=("10.0.0.0/8",)))
+    first = judge.request("pkg.test", 443, "GET")
+    assert first.allowed and judge.request("pkg.test", 443, "GET") is first
+    assert not judge.request("other.test", 443, "GET").allowed  # each question its own answer
+    assert not judge.request("pkg.test", 8080, "GET").allowed
+    assert judge.addresses("pkg.test", ["10.1.2.3"]) == (["10.1.2.3"], None)
+    allowed, refusal = judge.addresses("pkg.test", ["10.1.2.3", "169.254.169.254"])
+    assert not allowed and refusal is not None and "169.254.169.254" in refusal.reason
+    kept, _ = judge.addresses("pkg.test", ["10.1.2.3"])
+    kept.append("8.8.8.8")  # a caller's list is its own: the kept answer does not change
+    assert judge.addresses("pkg.test", ["10.1.2.3"]) == (["10.1.2.3"], None)
+    for i in range(KEPT + 10):  # code asking about ever new names does not grow the judge
+        judge.request(f"n{i}.example.com", 443, "GET")
+    assert len(judge._requests) <= KEPT
+
+
+def _gate(told: list[EgressRecord]) -> Gate:
+    return Gate(NetworkPolicy(allow_hosts=("pkg.test",)), observer=told.append, resolver=SystemResolver())
+
+
+def test_records_reach_the_observer_after_the_loop_is_done_and_none_is_lost_at_close() -> None:
+    told: list[EgressRecord] = []
+    gate = _gate(told)
+
+    async def requests() -> list[EgressRecord]:
+        gate.emit(EgressRecord(host="pkg.test", port=443, method="GET", path="/1", status=200))
+        gate.emit(EgressRecord(host="pkg.test", port=443, method="GET", path="/2", status=404))
+        before = list(told)  # still the request's turn of the loop: nothing told yet
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        gate.emit(EgressRecord(host="pkg.test", port=443, method="GET", path="/3", status=200))
+        gate.close()  # the sandbox ends before the loop comes back: told now, not dropped
+        return before
+
+    assert asyncio.run(requests()) == []
+    assert [(r.path, r.status) for r in told] == [("/1", 200), ("/2", 404), ("/3", 200)]
+
+
+def test_an_observer_that_fails_is_counted_and_the_rest_still_told() -> None:
+    told: list[EgressRecord] = []
+
+    def observer(record: EgressRecord) -> None:
+        if record.path == "/bad":
+            raise RuntimeError("the audit store is down")
+        told.append(record)
+
+    gate = Gate(NetworkPolicy(allow_hosts=("pkg.test",)), observer=observer, resolver=SystemResolver())
+
+    async def requests() -> None:
+        for path in ("/a", "/bad", "/b"):
+            gate.emit(EgressRecord(host="pkg.test", port=80, method="GET", path=path))
+        gate.close()
+
+    asyncio.run(requests())
+    assert [r.path for r in told] == ["/a", "/b"] and gate.observer_failures == 1
+
+
+def test_the_standard_loop_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STOCKADE_EGRESS_LOOP", "asyncio")
+    loop = _loop.new_loop()
+    try:
+        assert isinstance(loop, asyncio.BaseEventLoop)  # uvloop's is not one
+    finally:
+        loop.close()
+
+
+def test_a_stream_holds_at_most_a_chunk_unread_and_gives_everything_in_order() -> None:
+    """A fast sender and a reader that waits: the stream stops reading the socket (the
+    sender's kernel buffers fill), and every byte still arrives, in order."""
+
+    async def run() -> None:
+        ours, theirs = socket.socketpair()
+        stream: Plain = await wrap(ours)
+        payload = bytes(range(256)) * (4 * CHUNK // 256)
+        loop = asyncio.get_running_loop()
+        theirs.setblocking(False)
+        sending = loop.create_task(loop.sock_sendall(theirs, payload))
+        await asyncio.sleep(0.05)
+        assert len(stream._data) <= 2 * CHUNK and stream._reading_paused
+        got = bytearray()
+        while len(got) < len(payload):
+            got += await stream.recv()
+        await sending
+        theirs.close()
+        assert await stream.recv() == b"" and bytes(got) == payload
+        stream.close()
+        await asyncio.sleep(0)
+
+    asyncio.run(run())
+
+
+def test_the_proxy_on_uvloop_forwards_tunnels_and_brokers_as_on_asyncio(tmp_path: Path) -> None:
+    """With the egress-fast extra the proxies run on uvloop's loop: the same requests, the
+    same records. (Its other tests ran on both loops when it was added; this one keeps a
+    check where uvloop is installed.)"""
+    uvloop = pytest.importorskip("uvloop")
+    loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def call(coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(10)
+
+    try:
+        with servers(tmp_path) as local:
+            records: list[EgressRecord] = []
+            proxy = EgressProxy(local.policy(), observer=records.append)
+            url = f"http://127.0.0.1:{call(proxy.start_tcp())}"
+            ca = proxy.ca_pem
+            assert ca is not None
+            tls = ssl.create_default_context(cafile=str(local.ca_file))
+            tls.load_verify_locations(cadata=ca.decode())
+            opener = urllib.request.build_opener(
+                urllib.request.ProxyHandler({"http": url, "https": url}),
+                urllib.request.HTTPSHandler(context=tls),
+            )
+            try:
+                plain = opener.open(f"http://pkg.test:{local.http_port}/page", timeout=10).read()
+                brokered = opener.open(f"https://api.test:{local.https_port}/auth", timeout=10).read()
+            finally:
+                call(proxy.close())
+            assert TOKEN in " ".join(local.https_seen.authorizations)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+    assert (plain, brokered) == (b"http hello /page", b"https authorized=True")
+    assert [(r.method, r.status, r.credential) for r in records] == [("GET", 200, ""), ("GET", 200, "api")]
