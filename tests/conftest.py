@@ -203,6 +203,9 @@ def _suite_state_folders(tmp_path_factory: pytest.TempPathFactory) -> Iterator[N
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("STOCKADE_KILL_DIR", str(state / "kill"))
         patch.setenv("STOCKADE_APPROVAL_DIR", str(state / "approvals"))
+        # the egress proxies on what `stockade[all]` gives them, asyncio's loop (the dev extra
+        # installs uvloop for its own test)
+        patch.setenv("STOCKADE_EGRESS_LOOP", os.environ.get("STOCKADE_EGRESS_LOOP", "asyncio"))
         # the process tier's masked program folders: where a sandbox's uid can reach them
         # (not below pytest's private folder), on /usr's file system when the temporary
         # folder is (hard links), else each program is bound on its own

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import socket
 import ssl
 import threading
@@ -19,6 +20,7 @@ from stockade.egress._gate import Gate
 from stockade.egress._rules import KEPT
 from stockade.egress._streams import CHUNK, Plain, wrap
 from stockade.types import EgressRecord
+from tests.conftest import require
 from tests.egress_servers import TOKEN, servers
 
 T = TypeVar("T")
@@ -120,7 +122,11 @@ def test_the_proxy_on_uvloop_forwards_tunnels_and_brokers_as_on_asyncio(tmp_path
     """With the egress-fast extra the proxies run on uvloop's loop: the same requests, the
     same records. (Its other tests ran on both loops when it was added; this one keeps a
     check where uvloop is installed.)"""
-    uvloop = pytest.importorskip("uvloop")
+    require(
+        "uvloop", importlib.util.find_spec("uvloop") is not None, "the egress-fast extra (dev installs it)"
+    )
+    import uvloop
+
     loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
