@@ -332,8 +332,8 @@ _supervisor, _found = _zygotes()
 
 @pytest.mark.parametrize("policy", [False, True], ids=["plain", "policy"])
 def test_the_zygote_holds_the_supervisors_settings(tier: str, policy: bool) -> None:
-    # Without a policy the zygote is forked before the supervisor reads its configuration
-    # (it loads site meanwhile) and applies the configuration's rlimits itself; under a
+    # Without a policy (and with more than one CPU) the zygote is forked before the supervisor
+    # reads its configuration (it loads site meanwhile) and applies its rlimits itself; under a
     # policy that early zygote is stopped and reaped, and one forked after the configuration
     # serves. Either way: one zygote, with the supervisor's settings (the reset's baseline).
     rules = SandboxRules(deny=("uname",)) if policy else None

@@ -61,8 +61,13 @@ import zygote
 RESUME_FLAG = "--stockade-resume"
 # First thing, before our own imports: the zygote loads what the first interpreter needs on
 # the other core while we start, configure and answer (main() adopts or stops it). Not on a
-# reset's exec, whose state says what the zygote needs (its configuration comes first).
-EARLY_ZYGOTE = zygote.start_early() if __name__ == "supervisor" and RESUME_FLAG not in sys.argv else None
+# reset's exec, whose state says what the zygote needs (its configuration comes first), nor
+# with one CPU (the microVM's guest), where its load would only delay our answer.
+EARLY_ZYGOTE = (
+    zygote.start_early()
+    if __name__ == "supervisor" and RESUME_FLAG not in sys.argv and len(os.sched_getaffinity(0)) > 1
+    else None
+)
 
 import baseline
 import files
