@@ -36,7 +36,7 @@ import resource
 import select
 import sys
 
-from reaper import IGNORED_SIGNALS, PR_SET_DUMPABLE, USER_NICE, forked, prctl, spawn_shim
+from reaper import IGNORED_SIGNALS, PR_SET_DUMPABLE, forked, prctl, spawn_shim
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
@@ -226,7 +226,7 @@ def _close_all_but(keep: "set[int]") -> None:
 def _serve_early(sock: "Any", devnull: int) -> None:
     """Load now, then take the settings the supervisor sends once it has them, then serve."""
     _ignore_signals()
-    _load_behind()
+    _load()
     head = _recv_exactly(sock, 1 + PID)
     if head[:1] != b"C":
         return  # the supervisor went, or kept us from serving (a policy needs a zygote of its own)
@@ -235,38 +235,6 @@ def _serve_early(sock: "Any", devnull: int) -> None:
     settings = loads(_recv_exactly(sock, int.from_bytes(head[1:], "big")).decode())
     apply_rlimits(settings["rlimits"])
     _serve(sock, settings["workspace"], settings["env"], None, devnull, loaded=True)
-
-
-def _load_behind() -> None:
-    """``_load()`` in a thread at the code's nice value, which we wait for. In the sandbox's
-    share of the CPU the supervisor (at 0) then starts and answers first, and a first
-    command runs beside the load as an equal (the zygote's load at 0 slowed both on a busy
-    host); our own nice value, which every interpreter inherits, stays the supervisor's."""
-    import _thread
-    import time
-
-    done = _thread.allocate_lock()
-    done.acquire()
-
-    def load() -> None:
-        try:
-            try:  # a thread's nice value is its own (Linux): the thread's id, not the process's
-                os.setpriority(os.PRIO_PROCESS, _thread.get_native_id(), USER_NICE)
-            except OSError:
-                pass
-            _load()
-        finally:
-            done.release()
-
-    try:
-        _thread.start_new_thread(load, ())
-    except RuntimeError:  # no thread to be had (the pids limit): load here, at our own value
-        done.release()
-        _load()
-        return
-    done.acquire()
-    while _thread._count():  # ended, not only done: no other thread when we fork
-        time.sleep(0.0001)
 
 
 def _recv_exactly(sock: "Any", size: int) -> bytes:
