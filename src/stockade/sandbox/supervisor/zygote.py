@@ -36,7 +36,7 @@ import resource
 import select
 import sys
 
-from reaper import IGNORED_SIGNALS, PR_SET_DUMPABLE, forked, prctl, spawn_shim
+from reaper import IGNORED_SIGNALS, PR_SET_DUMPABLE, USER_NICE, forked, libc, prctl, spawn_shim
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
@@ -47,6 +47,8 @@ FDS = 4
 INT = 4  # bytes of a C int, as SCM_RIGHTS carries each fd
 PID = 8  # bytes of a reply: the shim's pid, or minus an errno
 PING_S = 5.0  # how long a reset waits for the zygote to say it is there
+LOADER_STACK = 1 << 20  # the loading thread's stack (site's imports recurse little)
+M_ARENA_MAX = -8  # mallopt(): how many malloc arenas (0: glibc's default)
 # States of /proc/<pid>/stat in which a zygote cannot serve (stopped, traced, dead).
 NOT_SERVING = (b"T", b"t", b"Z", b"X", b"x")
 
@@ -226,7 +228,7 @@ def _close_all_but(keep: "set[int]") -> None:
 def _serve_early(sock: "Any", devnull: int) -> None:
     """Load now, then take the settings the supervisor sends once it has them, then serve."""
     _ignore_signals()
-    _load()
+    _load_behind()
     head = _recv_exactly(sock, 1 + PID)
     if head[:1] != b"C":
         return  # the supervisor went, or kept us from serving (a policy needs a zygote of its own)
@@ -235,6 +237,53 @@ def _serve_early(sock: "Any", devnull: int) -> None:
     settings = loads(_recv_exactly(sock, int.from_bytes(head[1:], "big")).decode())
     apply_rlimits(settings["rlimits"])
     _serve(sock, settings["workspace"], settings["env"], None, devnull, loaded=True)
+
+
+def _load_behind() -> None:
+    """``_load()`` in a thread at the code's nice value, which we wait for. In the sandbox's
+    share of the CPU the supervisor (at 0) then starts and answers first, and a first
+    command runs beside the load as an equal (the zygote's load at 0 slowed both on a busy
+    host); our own nice value, which every interpreter inherits, stays the supervisor's.
+
+    The thread allocates from the main malloc arena and has a small stack: a thread's own
+    arena (64 MB reserved) and default stack (8 MB, cached by libc after the thread ends)
+    would stay in our virtual size and every interpreter's, which RLIMIT_AS counts where it
+    bounds a sandbox's memory."""
+    import _thread
+    import time
+
+    done = _thread.allocate_lock()
+    done.acquire()
+    try:
+        libc("mallopt", M_ARENA_MAX, 1)
+    except (OSError, AttributeError):  # a libc without arenas (musl): nothing to keep to
+        pass
+    _thread.stack_size(LOADER_STACK)
+
+    def load() -> None:
+        try:
+            try:  # a thread's nice value is its own (Linux): the thread's id, not the process's
+                os.setpriority(os.PRIO_PROCESS, _thread.get_native_id(), USER_NICE)
+            except OSError:
+                pass
+            _load()
+        finally:
+            done.release()
+
+    try:
+        _thread.start_new_thread(load, ())
+    except RuntimeError:  # no thread to be had (the pids limit): load here, at our own value
+        done.release()
+        _load()
+    else:
+        done.acquire()
+        while _thread._count():  # ended, not only done: no other thread when we fork
+            time.sleep(0.0001)
+    _thread.stack_size(0)
+    try:  # the interpreters' threads get glibc's default again
+        libc("mallopt", M_ARENA_MAX, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _recv_exactly(sock: "Any", size: int) -> bytes:
