@@ -240,15 +240,17 @@ def _serve_early(sock: "Any", devnull: int) -> None:
 
 
 def _load_behind() -> None:
-    """``_load()`` in a thread at the code's nice value, which we wait for. In the sandbox's
-    share of the CPU the supervisor (at 0) then starts and answers first, and a first
-    command runs beside the load as an equal (the zygote's load at 0 slowed both on a busy
-    host); our own nice value, which every interpreter inherits, stays the supervisor's.
+    """``_load()`` in a thread scheduled idle (else at the code's nice value), which we wait
+    for. In the sandbox's share of the CPU the supervisor then starts and answers first, and a
+    first command runs before the load (the zygote's load at nice 0 slowed both on a busy
+    host), which takes what CPU is left: the other core, on an idle host. Our own scheduling,
+    which every interpreter inherits, stays the supervisor's.
 
     The thread allocates from the main malloc arena and has a small stack: a thread's own
     arena (64 MB reserved) and default stack (8 MB, cached by libc after the thread ends)
     would stay in our virtual size and every interpreter's, which RLIMIT_AS counts where it
-    bounds a sandbox's memory."""
+    bounds a sandbox's memory. glibc fixes its arena limit when a process first needs a
+    second arena, so the interpreters we fork keep one arena too (docs/architecture.md)."""
     import _thread
     import time
 
@@ -262,10 +264,13 @@ def _load_behind() -> None:
 
     def load() -> None:
         try:
-            try:  # a thread's nice value is its own (Linux): the thread's id, not the process's
-                os.setpriority(os.PRIO_PROCESS, _thread.get_native_id(), USER_NICE)
-            except OSError:
-                pass
+            try:  # 0: the calling thread (a thread's scheduling is its own on Linux)
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            except OSError:  # gVisor has no SCHED_IDLE
+                try:
+                    os.setpriority(os.PRIO_PROCESS, _thread.get_native_id(), USER_NICE)
+                except OSError:
+                    pass
             _load()
         finally:
             done.release()
@@ -280,10 +285,6 @@ def _load_behind() -> None:
         while _thread._count():  # ended, not only done: no other thread when we fork
             time.sleep(0.0001)
     _thread.stack_size(0)
-    try:  # the interpreters' threads get glibc's default again
-        libc("mallopt", M_ARENA_MAX, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _recv_exactly(sock: "Any", size: int) -> bytes:
