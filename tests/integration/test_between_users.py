@@ -332,10 +332,10 @@ _supervisor, _found = _zygotes()
 
 @pytest.mark.parametrize("policy", [False, True], ids=["plain", "policy"])
 def test_the_zygote_holds_the_supervisors_settings(tier: str, policy: bool) -> None:
-    # Without a policy (and with more than one CPU) the zygote is forked before the supervisor
-    # reads its configuration (it loads site meanwhile) and applies its rlimits itself; under a
-    # policy that early zygote is stopped and reaped, and one forked after the configuration
-    # serves. Either way: one zygote, with the supervisor's settings (the reset's baseline).
+    # The zygote is forked after the supervisor's configuration, a policy's included: one
+    # zygote, with the supervisor's settings (the reset's baseline), which every interpreter
+    # inherits. A zygote forked earlier (to load site while the supervisor starts) would have
+    # to apply the configuration's rlimits itself: this says whether it did.
     rules = SandboxRules(deny=("uname",)) if policy else None
     with Sandbox.create(tier, limits=Limits(memory_mb=256, pids=64), rules=rules) as sbx:
         result = sbx.run_code(FIND_ZYGOTE + SAME_SETTINGS)

@@ -23,6 +23,7 @@ import _signal as signal
 import errno
 import fcntl
 import os
+import resource
 import select
 import stat
 import sys
@@ -55,20 +56,6 @@ def _trusted_path(entries: "list[str]", here: str) -> "list[str]":
 sys.path[:] = _trusted_path(sys.path, os.path.dirname(os.path.abspath(__file__)))
 
 # ruff: noqa: E402 - the sibling modules are imported after the path fix above
-import zygote
-
-# A reset execs us with this flag, and hands over our state on HANDOVER_FD.
-RESUME_FLAG = "--stockade-resume"
-# First thing, before our own imports: the zygote loads what the first interpreter needs on
-# the other core while we start, configure and answer (main() adopts or stops it). Not on a
-# reset's exec, whose state says what the zygote needs (its configuration comes first), nor
-# with one CPU (the microVM's guest), where its load would only delay our answer.
-EARLY_ZYGOTE = (
-    zygote.start_early()
-    if __name__ == "supervisor" and RESUME_FLAG not in sys.argv and len(os.sched_getaffinity(0)) > 1
-    else None
-)
-
 import baseline
 import files
 from fileops import (
@@ -93,7 +80,7 @@ from reaper import (
     spawned,
 )
 from runcode import Interpreter
-from zygote import Zygote, apply_rlimits
+from zygote import Zygote
 from zygote import start as start_zygote
 
 CHUNK = 1 << 16
@@ -103,6 +90,7 @@ RESET_ROOTS = ("/tmp", "/dev/shm", "/dev/mqueue")
 # A reset execs a fresh supervisor and hands it its state on this fd, named by this flag.
 HANDOVER_FD = 3
 LISTENER_FD = 4  # the exec judge's listener, across the same exec
+RESUME_FLAG = "--stockade-resume"
 # How long a reset waits for the warm interpreter it promised (then answers all the same).
 WARM_START_S = 10.0
 
@@ -196,7 +184,10 @@ class Supervisor:
         self.workspace = Workspace(cfg.get("workspace", "/workspace"))
         self.output_cap = int(cfg.get("output_cap", self.output_cap))
         self.default_timeout = float(cfg.get("timeout", self.default_timeout))
-        apply_rlimits(cfg.get("rlimits", {}))
+        for name, value in cfg.get("rlimits", {}).items():
+            res = getattr(resource, name)
+            resource.setrlimit(res, (int(value), int(value)))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         if cfg.get("rules"):
             import rules  # type: ignore[import-not-found]
 
@@ -707,9 +698,8 @@ def main() -> None:
     # move this process into its cgroup. A host that keeps a snapshot of sandboxes before
     # they are configured (the microVM's boot image) first says hello: we load what every
     # interpreter needs and answer, and the snapshot is taken while we wait for the rest.
-    # One frame at a time, to the byte: a zygote forked after the configuration must not
-    # hold a request read ahead of it (its memory reaches every interpreter).
-    early = EARLY_ZYGOTE
+    # One frame at a time, to the byte: the zygote is forked after the configuration, and
+    # must not hold a request read ahead of it (its memory reaches every interpreter).
     while True:
         prefix = _read_exactly(rfd, PREFIX.size)
         if len(prefix) < PREFIX.size:
@@ -722,43 +712,18 @@ def main() -> None:
         header = frames[0][0]
         if header.get("op") != "hello":
             break
-        _stop(early)  # the snapshot holds us loaded; our zygote is forked from that
-        early = None
         import interpreter  # type: ignore[import-not-found]
 
         interpreter.preload()
         sup.send({"id": header.get("id", 0), "ev": "hello", "pid": os.getpid()})
-    config = header.get("config", {})
-    if config.get("rules"):  # each shim applies the policy's confinement, built by configure
-        _stop(early)
-        early = None
-    sup.configure(config)
-    if early is not None:
-        early.configure(sup.workspace.root, sup.env, config.get("rlimits", {}))
-        sup.zygote = early
+    sup.configure(header.get("config", {}))
     ready = {"id": header.get("id", 0), "ev": "ready", "pid": os.getpid(), "python": sys.version.split()[0]}
     if sup.rules is not None:
         ready["rules"] = sup.rules.report()
     sup.send(ready)
-    if sup.zygote is None:
-        sup.start_zygote()  # after answering (off the create's path), before reading any request
+    sup.start_zygote()  # after answering (off the create's path), before reading any request
     sup.reader = reader
     sup.serve()
-
-
-def _stop(early: "Optional[Zygote]") -> None:
-    """An early zygote we do not use: gone (and reaped) before anything else is forked."""
-    if early is None:
-        return
-    early.stop()
-    while True:
-        try:
-            os.waitpid(early.pid, 0)
-            return
-        except InterruptedError:
-            continue
-        except ChildProcessError:
-            return
 
 
 def _read_exactly(fd: int, size: int) -> bytes:

@@ -1,16 +1,9 @@
 """The zygote: the process every interpreter is forked from, and that holds nothing of any user.
 
-A supervisor started by its tier forks it first thing (``start_early``), before its own
-imports and before it reads anything from the host: the zygote loads what an interpreter
-needs (``interpreter.py``, ``site``) at once, on another core, while the supervisor starts,
-configures itself and answers, so that the first ``run_code`` does not wait for a second
-Python start in series; the supervisor then sends it the sandbox's settings (workspace,
-environment, rlimits). Where the zygote needs more of the configuration (a policy's
-confinement), or the host keeps a snapshot of the supervisor (the microVM's boot image), or
-a reset exec'd a fresh supervisor, the supervisor forks it right after its configuration
-instead, before it reads any request that could carry a user's data, and it loads on its
-first request. Either way it only ever forks interpreters, one per request on a socketpair,
-each taking the pipes the supervisor sends with the request. A reset kills every
+A fresh supervisor forks it right after its configuration, before it reads any request that
+could carry a user's data. The zygote loads what an interpreter needs (``interpreter.py``,
+``site``) on its first request, and only ever forks interpreters, one per request on a
+socketpair, each taking the pipes the supervisor sends with the request. A reset kills every
 process but these two, checks that code left the zygote as it started (alive, not stopped,
 same rlimits, nice value, CPU affinity and scheduling policy: code runs as its uid and can
 change all of them), and asks it for the next interpreter: no exec, no Python start. A
@@ -32,11 +25,10 @@ import _signal as signal
 import _socket
 import errno
 import os
-import resource
 import select
 import sys
 
-from reaper import IGNORED_SIGNALS, PR_SET_DUMPABLE, USER_NICE, forked, libc, prctl, spawn_shim
+from reaper import IGNORED_SIGNALS, forked, spawn_shim
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
@@ -47,8 +39,6 @@ FDS = 4
 INT = 4  # bytes of a C int, as SCM_RIGHTS carries each fd
 PID = 8  # bytes of a reply: the shim's pid, or minus an errno
 PING_S = 5.0  # how long a reset waits for the zygote to say it is there
-LOADER_STACK = 1 << 20  # the loading thread's stack (site's imports recurse little)
-M_ARENA_MAX = -8  # mallopt(): how many malloc arenas (0: glibc's default)
 # States of /proc/<pid>/stat in which a zygote cannot serve (stopped, traced, dead).
 NOT_SERVING = (b"T", b"t", b"Z", b"X", b"x")
 
@@ -115,17 +105,6 @@ class Zygote:
             raise
         return int.from_bytes(reply, "big", signed=True)
 
-    def configure(self, workspace: str, env: "dict[str, str]", rlimits: "dict[str, int]") -> None:
-        """Hand an early zygote the sandbox's settings; it reads them once it has loaded.
-        A zygote gone meanwhile is found at the first interpreter's start, as any other."""
-        from protocol import dumps
-
-        data = dumps({"workspace": workspace, "env": env, "rlimits": rlimits}).encode()
-        try:
-            self.sock.sendall(b"C" + len(data).to_bytes(PID, "big") + data)
-        except OSError:
-            self.stop()
-
     def stop(self) -> None:
         """Kill it (the supervisor's reaping then says it is gone)."""
         if self.alive:
@@ -136,43 +115,6 @@ class Zygote:
         if self.sock.fileno() >= 0:
             self.sock.close()
         self.alive = False
-
-
-def apply_rlimits(rlimits: "dict[str, int]") -> None:
-    """The configuration's rlimits, and no core files: the supervisor's and an early
-    zygote's, alike (a reset compares the zygote's with the supervisor's)."""
-    for name, value in rlimits.items():
-        resource.setrlimit(getattr(resource, name), (int(value), int(value)))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-
-def start_early() -> "Optional[Zygote]":
-    """Fork the zygote before the supervisor has read anything: it starts loading at once
-    and waits for ``Zygote.configure``. Called with the host's pipes still on 0 and 1;
-    the zygote keeps neither, nor any other descriptor but its socket and stderr."""
-    ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
-    try:
-        pid = os.fork()
-    except OSError:
-        ours.close()
-        theirs.close()
-        return None
-    if pid == 0:
-        try:
-            try:  # as the supervisor: code of our uid may neither read our memory nor ptrace us
-                prctl(PR_SET_DUMPABLE, 0)
-            except OSError:
-                pass
-            ours.close()
-            devnull = os.open(os.devnull, os.O_RDWR)
-            os.dup2(devnull, 0)
-            os.dup2(devnull, 1)
-            _close_all_but({0, 1, 2, theirs.fileno(), devnull})
-            _serve_early(theirs, devnull)
-        finally:
-            os._exit(0)
-    theirs.close()
-    return Zygote(pid, ours)
 
 
 def start(
@@ -225,100 +167,16 @@ def _close_all_but(keep: "set[int]") -> None:
     os.closerange(low, 1 << 20)
 
 
-def _serve_early(sock: "Any", devnull: int) -> None:
-    """Load now, then take the settings the supervisor sends once it has them, then serve."""
-    _ignore_signals()
-    _load_behind()
-    head = _recv_exactly(sock, 1 + PID)
-    if head[:1] != b"C":
-        return  # the supervisor went, or kept us from serving (a policy needs a zygote of its own)
-    from protocol import loads
-
-    settings = loads(_recv_exactly(sock, int.from_bytes(head[1:], "big")).decode())
-    apply_rlimits(settings["rlimits"])
-    _serve(sock, settings["workspace"], settings["env"], None, devnull, loaded=True)
-
-
-def _load_behind() -> None:
-    """``_load()`` in a thread scheduled idle (else at the code's nice value), which we wait
-    for. In the sandbox's share of the CPU the supervisor then starts and answers first, and a
-    first command runs before the load (the zygote's load at nice 0 slowed both on a busy
-    host), which takes what CPU is left: the other core, on an idle host. Our own scheduling,
-    which every interpreter inherits, stays the supervisor's.
-
-    The thread allocates from the main malloc arena and has a small stack: a thread's own
-    arena (64 MB reserved) and default stack (8 MB, cached by libc after the thread ends)
-    would stay in our virtual size and every interpreter's, which RLIMIT_AS counts where it
-    bounds a sandbox's memory. glibc fixes its arena limit when a process first needs a
-    second arena, so the interpreters we fork keep one arena too (docs/architecture.md)."""
-    import _thread
-    import time
-
-    done = _thread.allocate_lock()
-    done.acquire()
-    try:
-        libc("mallopt", M_ARENA_MAX, 1)
-    except (OSError, AttributeError):  # a libc without arenas (musl): nothing to keep to
-        pass
-    _thread.stack_size(LOADER_STACK)
-
-    def load() -> None:
-        try:
-            try:  # 0: the calling thread (a thread's scheduling is its own on Linux)
-                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-            except OSError:  # gVisor has no SCHED_IDLE
-                try:
-                    os.setpriority(os.PRIO_PROCESS, _thread.get_native_id(), USER_NICE)
-                except OSError:
-                    pass
-            _load()
-        finally:
-            done.release()
-
-    try:
-        _thread.start_new_thread(load, ())
-    except RuntimeError:  # no thread to be had (the pids limit): load here, at our own value
-        done.release()
-        _load()
-    else:
-        done.acquire()
-        while _thread._count():  # ended, not only done: no other thread when we fork
-            time.sleep(0.0001)
-    _thread.stack_size(0)
-
-
-def _recv_exactly(sock: "Any", size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        try:
-            chunk = sock.recv(size - len(data))
-        except InterruptedError:
-            continue
-        if not chunk:
-            break
-        data += chunk
-    return data
-
-
-def _ignore_signals() -> None:
+def _serve(
+    sock: "Any", workspace: str, env: "dict[str, str]", confine: "Optional[Callable[[], None]]", devnull: int
+) -> None:
     for sig in IGNORED_SIGNALS:  # SIGKILL and SIGSTOP remain: the reset checks for them
         signal.signal(sig, signal.SIG_IGN)
     signal.signal(signal.SIGCHLD, _reap)  # runs while we wait for a request (recvmsg resumes)
-
-
-def _serve(
-    sock: "Any",
-    workspace: str,
-    env: "dict[str, str]",
-    confine: "Optional[Callable[[], None]]",
-    devnull: int,
-    *,
-    loaded: bool = False,
-) -> None:
-    _ignore_signals()
     from runcode import become_interpreter
 
     target = become_interpreter(workspace, env)
+    loaded = False
     while True:
         try:
             msg, ancillary, _, _ = sock.recvmsg(1, _socket.CMSG_SPACE(4 * FDS))
@@ -343,9 +201,9 @@ def _serve(
 
 
 def _load() -> None:
-    """What every interpreter needs, once: at an early zygote's start (overlapping the
-    supervisor's), else on the first request (a zygote forked after the configuration would
-    only follow the supervisor's start, and take the CPU from the first command)."""
+    """What every interpreter needs, once, on the first request: not at the sandbox's start,
+    where it would take the CPU from the create and the first command (and a sandbox that
+    never runs code would pay it for nothing)."""
     import interpreter  # type: ignore[import-not-found]
 
     interpreter.preload()
