@@ -16,6 +16,7 @@ import pytest
 
 from stockade import Limits, Sandbox, SandboxCrashed
 from stockade.sandbox.pool import SandboxPool
+from stockade.types import SandboxRules
 from tests.conftest import wait_for
 
 # Scans the interpreter's own writable memory for needles. The needles arrive shifted by one
@@ -308,6 +309,38 @@ def test_a_zygote_code_changed_is_replaced_at_reset(sbx: Sandbox) -> None:
         assert done.error is None, (what, done.error)
         sbx.reset()
         assert _processes(sbx) == started, f"after the zygote was {what}"
+
+
+# Every rlimit, the nice value, CPU affinity and scheduling policy of the zygotes and the
+# supervisor: each interpreter inherits the zygote's, which must be the supervisor's.
+SAME_SETTINGS = r"""
+import resource
+
+def _all(pid):
+    names = sorted(n for n in dir(resource) if n.startswith("RLIMIT_"))
+    return (
+        [resource.prlimit(pid, getattr(resource, n)) for n in names],
+        os.getpriority(os.PRIO_PROCESS, pid),
+        sorted(os.sched_getaffinity(pid)),
+        os.sched_getscheduler(pid),
+    )
+
+_supervisor, _found = _zygotes()
+[len(_found)] + [_all(pid) == _all(_supervisor) for pid in _found]
+"""
+
+
+@pytest.mark.parametrize("policy", [False, True], ids=["plain", "policy"])
+def test_the_zygote_holds_the_supervisors_settings(tier: str, policy: bool) -> None:
+    # The zygote is forked after the supervisor's configuration, a policy's included: one
+    # zygote, with the supervisor's settings (the reset's baseline), which every interpreter
+    # inherits. A zygote forked earlier (to load site while the supervisor starts) would have
+    # to apply the configuration's rlimits itself: this says whether it did.
+    rules = SandboxRules(deny=("uname",)) if policy else None
+    with Sandbox.create(tier, limits=Limits(memory_mb=256, pids=64), rules=rules) as sbx:
+        result = sbx.run_code(FIND_ZYGOTE + SAME_SETTINGS)
+        assert result.error is None, result.error
+        assert result.text == "[1, True]", "one zygote, with the supervisor's settings"
 
 
 def test_consecutive_users_draw_fresh_randomness(sbx: Sandbox) -> None:
