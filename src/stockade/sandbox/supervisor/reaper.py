@@ -201,6 +201,41 @@ def spawned(argv: "list[str]", env: "dict[str, str]", cwd: str) -> "Callable[[],
     return launch
 
 
+def _enter(
+    fds: "tuple[int, int, int]", keep: "tuple[int, ...]", confine: "Optional[Callable[[], None]]"
+) -> None:
+    """In a forked child: ``fds`` as 0/1/2, ``keep`` as 3, 4, ..., no other fd, confined,
+    leading a session of its own (a kill of its process group takes what it starts)."""
+    _child_setup(*fds)
+    if confine is not None:
+        confine()
+    base = 3 + len(keep)
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, base) for fd in keep]
+    for i, fd in enumerate(moved):
+        os.dup2(fd, 3 + i)
+    os.closerange(base, 1 << 20)
+    os.setsid()
+
+
+def spawn_leader(
+    target: "Callable[[], None]",
+    fds: "tuple[int, int, int]",
+    keep: "tuple[int, ...]" = (),
+    confine: "Optional[Callable[[], None]]" = None,
+) -> int:
+    """Fork a child that runs ``target`` itself, set up as a shim's child is (see
+    ``spawn_shim``), with no shim: for a parent that is a child subreaper and reaps, so
+    that it adopts whatever the child leaves behind (the zygote, for every interpreter)."""
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        _enter(fds, keep, confine)
+        target()
+    finally:
+        os._exit(127)
+
+
 def spawn_shim(
     launch: "Callable[[], int]",
     fds: "tuple[int, int, int]",
@@ -217,16 +252,8 @@ def spawn_shim(
     if pid:
         return pid
     try:
-        _child_setup(*fds)
-        if confine is not None:
-            confine()
-        base = 3 + len(keep)
-        moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, base) for fd in keep]
-        for i, fd in enumerate(moved):
-            os.dup2(fd, 3 + i)
-        os.closerange(base, 1 << 20)
+        _enter(fds, keep, confine)
         prctl(PR_SET_CHILD_SUBREAPER, 1)
-        os.setsid()
         child = launch()
         os.closerange(0, 1 << 20)  # the shim holds no end of the child's pipes
         status = 0
