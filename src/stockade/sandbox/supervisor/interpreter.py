@@ -309,6 +309,10 @@ def main(ctl_in: int, ctl_out: int) -> None:
     )
     sys.argv = [""]
     interp = Interpreter()
+    # A fork's first run copies the pages it writes (shared with the zygote until then): run
+    # one of our own now, before any request, off the first call's wait. A pool's reset
+    # answers at our hello, so this overlaps its return (it asked for a run of "pass" before).
+    dumps(interp.run("pass"))
     reader = FrameReader(max_body=1 << 30)
     while True:
         try:
