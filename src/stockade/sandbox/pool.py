@@ -279,4 +279,3 @@ class SandboxPool:
                 keep.append(member)
         for member in keep:
             self._ready.put(member)
-

@@ -32,6 +32,19 @@ CHUNK = 1 << 16
 START_S = 10.0  # how long the zygote may take to fork an interpreter (it may still be loading site)
 
 
+_environ_of: "Optional[dict[str, str]]" = None
+
+
+def set_environ(env: "dict[str, str]") -> None:
+    """The interpreter's environment, set in this process: by the zygote once (its forks
+    find it set; setting it in each fork copies ~90 pages of the zygote's), else by the
+    interpreter itself."""
+    global _environ_of
+    os.environ.clear()
+    os.environ.update(env)
+    _environ_of = env
+
+
 def become_interpreter(workspace: str, env: "dict[str, str]") -> "Callable[[], None]":
     """What the interpreter process runs, forked by the zygote (or the supervisor)."""
 
@@ -44,8 +57,8 @@ def become_interpreter(workspace: str, env: "dict[str, str]") -> "Callable[[], N
 
         interpreter.preload()
         os.chdir(workspace)
-        os.environ.clear()
-        os.environ.update(env)
+        if _environ_of is not env:  # set by the zygote already, before it forked us
+            set_environ(env)
         sys.path.insert(1, workspace)  # user code imports its own modules, as in a notebook
         interpreter.main(3, 4)
         os._exit(0)

@@ -162,7 +162,7 @@ def _serve(
     for sig in IGNORED_SIGNALS:  # SIGKILL and SIGSTOP remain: the reset checks for them
         signal.signal(sig, signal.SIG_IGN)
     signal.signal(signal.SIGCHLD, _reap)  # runs while we wait for a request (recvmsg resumes)
-    from runcode import become_interpreter
+    from runcode import become_interpreter, set_environ
 
     target = become_interpreter(workspace, env)
     loaded = False
@@ -184,6 +184,7 @@ def _serve(
                 fds.extend(got)
         if not loaded:
             _load()
+            set_environ(env)  # once for every interpreter, after site's load (see set_environ)
             loaded = True
         reply = _fork_one(fds, target, confine, devnull) if len(fds) == FDS else -errno.EINVAL
         for fd in fds:
