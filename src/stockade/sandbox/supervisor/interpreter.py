@@ -315,11 +315,11 @@ def main(ctl_in: int, ctl_out: int) -> None:
     interp = Interpreter()
     reader = FrameReader(max_body=1 << 30)
     # A fork's first run copies the pages it writes (shared with the zygote until then): one
-    # request of our own now, read and answered as any (but for the pipes), off the first
-    # call's wait. A pool's reset answers at our hello, so this overlaps its return.
+    # request of our own now, read, run and answered as any (but not written to the pipe),
+    # off the first call's wait. A pool's reset answers at our hello, so this overlaps it.
     reader.feed(encode({"id": 0}, b"pass"))
     for header, body in reader.frames():
-        _answer(interp, header, body)
+        encode({"id": header.get("id")}, dumps(interp.run(body.decode("utf-8", "replace"))).encode())
     while True:
         try:
             chunk = os.read(ctl_in, 1 << 16)
@@ -333,19 +333,14 @@ def main(ctl_in: int, ctl_out: int) -> None:
         except FrameError:
             return
         for header, body in frames:
-            data = _answer(interp, header, body)
+            if header.get("reseed"):
+                reseed()
+            reply = interp.run(body.decode("utf-8", "replace"))
+            # In the body, not the header: a header is capped at 1 MiB, results are not.
+            payload = dumps(reply).encode()
+            if len(payload) > MAX_CODE_REPLY:  # the caps above keep under it; never send more
+                note = f"the report was {len(payload)} bytes, over the cap"
+                payload = dumps({"results": [], "error": {"name": "ReportTooLarge", "value": note}}).encode()
+            data = encode({"id": header.get("id")}, payload)
             while data:
                 data = data[os.write(ctl_out, data) :]
-
-
-def _answer(interp: Interpreter, header: "dict[str, Any]", body: bytes) -> bytes:
-    """One run request's reply frame."""
-    if header.get("reseed"):
-        reseed()
-    reply = interp.run(body.decode("utf-8", "replace"))
-    # In the body, not the header: a header is capped at 1 MiB, results are not.
-    payload = dumps(reply).encode()
-    if len(payload) > MAX_CODE_REPLY:  # the caps above keep under it; never send more
-        note = f"the report was {len(payload)} bytes, over the cap"
-        payload = dumps({"results": [], "error": {"name": "ReportTooLarge", "value": note}}).encode()
-    return encode({"id": header.get("id")}, payload)
