@@ -73,6 +73,12 @@ class Cgroup:
             self.dirs = [ROOT / c / PARENT / name for c in _V1_CONTROLLERS]
         for d in self.dirs:
             d.mkdir(parents=True, exist_ok=True)
+        # Read before and after every call of the sandbox's: a plain path, read with os.read
+        # (a Path and a text file cost 55 us a read, this 15 us).
+        if mechanism is Mechanism.CGROUP_V2:
+            self._oom_file = str(self.dirs[0] / "memory.events")
+        else:
+            self._oom_file = str(self._v1("memory") / "memory.oom_control")
 
     def _v1(self, controller: str) -> Path:
         return ROOT / controller / PARENT / self.dirs[0].name
@@ -126,17 +132,18 @@ class Cgroup:
             return 0
 
     def oom_kills(self) -> int:
-        if self.mechanism is Mechanism.CGROUP_V2:
-            events = self.dirs[0] / "memory.events"
-        else:
-            events = self._v1("memory") / "memory.oom_control"
         try:
-            for line in events.read_text().splitlines():
-                key, _, value = line.partition(" ")
-                if key == "oom_kill":
-                    return int(value)
+            fd = os.open(self._oom_file, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                data = os.read(fd, 4096)
+            finally:
+                os.close(fd)
         except OSError:  # removed meanwhile: ENOENT, or ENODEV while the kernel takes it down
-            pass
+            return 0
+        for line in data.splitlines():
+            key, _, value = line.partition(b" ")
+            if key == b"oom_kill":
+                return int(value)
         return 0
 
     def kill_all(self) -> None:

@@ -7,9 +7,9 @@
 
 A returned sandbox is never handed out dirty: it is reset in the background (every process
 killed, every writable place emptied, the settings code can change put back, and a fresh
-supervisor and interpreter exec'd, so nothing of one user's memory reaches the next) or,
-past ``max_uses``, when it broke or when the reset could not make it as fresh as it started,
-closed and replaced. Members are recycled in parallel: one slow reset never holds up the
+interpreter forked from a process that never saw any user, so nothing of one user's memory
+reaches the next) or, past ``max_uses``, when it broke or when the reset could not make it as
+fresh as it started, closed and replaced. Members are recycled in parallel: one slow reset never holds up the
 others. Members idle past ``idle_timeout_s`` are replaced too, so nothing ages in the pool.
 
 A pool filled from a snapshot (``snapshot=``) hands out sandboxes as the snapshot has them
@@ -88,7 +88,8 @@ class SandboxPool:
             tier, self._spec = from_snapshot(snapshot, store, None, self._spec, given)
         self._backend = backend or _registry.backend(tier)
         self._ready: queue.Queue[_Member] = queue.Queue()
-        self._returned: queue.Queue[_Member | None] = queue.Queue()
+        # Wakes the worker: a member was taken or replaced (the pool may be short), or closing.
+        self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._in_use = 0
         self._pending = 0  # starts under way, counted so the refill does not overshoot
@@ -112,7 +113,7 @@ class SandboxPool:
             yield Sandbox(member.instance)
         finally:
             member.uses += 1
-            self._returned.put(member)  # still counted in use until the worker recycles it
+            self._release(member)
 
     def stats(self) -> PoolStats:
         with self._lock:
@@ -123,7 +124,7 @@ class SandboxPool:
     def close(self) -> None:
         """Close every member. Sandboxes still acquired are closed when they come back."""
         self._closed.set()
-        self._returned.put(None)
+        self._wake.put(None)
         self._worker.join(timeout=30)
         self._recyclers.shutdown(wait=True)
         while True:
@@ -158,7 +159,9 @@ class SandboxPool:
             if member.instance.alive:
                 with self._lock:
                     self._in_use += 1
-                self._returned.put(_WAKE)  # let the worker top the pool up
+                    missing = self.size - self._ready.qsize() - self._in_use - self._pending
+                if missing > 0:  # not when the member came from the pool's count (the usual case)
+                    self._wake.put(None)  # let the worker top the pool up
                 return member
             member.instance.close()  # broke while waiting: drop it, the worker replaces it
             self._replaced("it broke while waiting")
@@ -172,26 +175,23 @@ class SandboxPool:
         with self._lock:
             self._counts[name] += 1
 
+    def _release(self, member: _Member) -> None:
+        """Straight to a recycling thread (still counted in use until it starts): no hop
+        through the worker, whose wake-ups cost every program CPU."""
+        try:
+            self._recyclers.submit(self._recycle, member)
+        except RuntimeError:  # closed meanwhile: the recyclers take no more work
+            with self._lock:
+                self._in_use -= 1
+            member.instance.close()
+
     def _run(self) -> None:
         while not self._closed.is_set():
             self._refill()
             try:
-                member = self._returned.get(timeout=min(self.idle_timeout_s / 4, 1.0))
+                self._wake.get(timeout=min(self.idle_timeout_s / 4, 1.0))
             except queue.Empty:
                 self._expire_idle()
-                continue
-            if member is None:
-                continue
-            if member is not _WAKE:
-                self._recyclers.submit(self._recycle, member)
-        # drain: close what comes back after close()
-        while True:
-            try:
-                member = self._returned.get_nowait()
-            except queue.Empty:
-                return
-            if member is not None and member is not _WAKE:
-                member.instance.close()
 
     def _refill(self) -> None:
         while not self._closed.is_set():
@@ -228,38 +228,41 @@ class SandboxPool:
         with self._lock:
             self._in_use -= 1
             self._pending += 1
+        back = False
         try:
-            self._recycle_or_replace(member)
+            back = self._recycle_or_replace(member)
         finally:
             with self._lock:
                 self._pending -= 1
-            self._returned.put(_WAKE)  # a replaced member's successor starts now, not at the next tick
+            if not back:
+                self._wake.put(None)  # a replaced member's successor starts now, not at the next tick
 
-    def _recycle_or_replace(self, member: _Member) -> None:
+    def _recycle_or_replace(self, member: _Member) -> bool:
+        """Whether the member is back in the pool (else it was closed)."""
         if self._closed.is_set():
             member.instance.close()
-            return
+            return False
         if member.uses >= self.max_uses or not member.instance.alive:
             member.instance.close()
             self._replaced("max_uses reached" if member.instance.alive else "it died")
-            return
+            return False
         if self._spec.snapshot is not None:
             # A reset would empty what the snapshot holds: a new member starts from it instead.
             member.instance.close()
             self._replaced("fresh from its snapshot")
-            return
+            return False
         try:
+            # The interpreter it starts runs once by itself (copy-on-write faults paid off
+            # the next user's path) before it reads a request.
             member.instance.execute(Reset(warm_interpreter=True))
-            # A forked interpreter's first run pays for copy-on-write faults; pay it here,
-            # off the next user's path.
-            member.instance.execute(RunCode(code="pass"))
         except Exception as err:  # a member we cannot vouch for is never handed out
             member.instance.close()
             self._replaced(f"its reset failed: {type(err).__name__}: {err}")
-            return
+            return False
         member.idle_since = time.monotonic()
         self._count("recycled")
         self._ready.put(member)
+        return True
 
     def _expire_idle(self) -> None:
         now = time.monotonic()
@@ -276,7 +279,3 @@ class SandboxPool:
                 keep.append(member)
         for member in keep:
             self._ready.put(member)
-
-
-# A sentinel member: "someone took a sandbox, check the pool size".
-_WAKE: _Member = _Member.__new__(_Member)

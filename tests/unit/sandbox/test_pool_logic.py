@@ -30,3 +30,11 @@ def test_acquire_times_out_with_a_retryable_error() -> None:
         with pytest.raises(ResourceContention) as info, pool.acquire(timeout_s=0.2):
             pass
         assert info.value.retryable
+
+
+def test_a_sandbox_acquired_when_the_pool_closes_is_closed_when_it_comes_back() -> None:
+    pool = SandboxPool(backend=FakeBackend(), size=1)
+    with pool.acquire() as sbx:
+        pool.close()
+        assert sbx.alive
+    assert not sbx.alive and pool.stats().in_use == 0

@@ -140,7 +140,7 @@ def kill_tree(root: int, include_root: bool, spare: int = 0) -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        time.sleep(0.001)
+        _wait_gone(found, 0.001)
     if include_root:
         try:
             os.kill(root, signal.SIGKILL)
@@ -148,13 +148,58 @@ def kill_tree(root: int, include_root: bool, spare: int = 0) -> None:
             pass
 
 
+def _wait_gone(pids: "list[int]", timeout: float) -> None:
+    """Until the processes killed in ``pids`` have exited, or ``timeout``: the next scan then
+    finds what they forked before they died. A pidfd says when (a killed process takes
+    0.1-0.3 ms to go, which a sleep rounded up to a millisecond per reset); where there is
+    none (no os.pidfd_open, or a kernel without it), a sleep."""
+    fds: "list[int]" = []
+    try:
+        pidfd_open = getattr(os, "pidfd_open", None)
+        if pidfd_open is None:
+            raise OSError(errno.ENOSYS, "no pidfd_open")
+        for pid in pids[:64]:
+            try:
+                fds.append(pidfd_open(pid))
+            except ProcessLookupError:  # gone already
+                continue
+    except OSError:  # no pidfds here
+        for fd in fds:
+            os.close(fd)
+        time.sleep(timeout)
+        return
+    if not fds:
+        return
+    import select
+
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    deadline = time.monotonic() + timeout
+    try:
+        left = len(fds)
+        while left:
+            wait = deadline - time.monotonic()
+            if wait <= 0:
+                break
+            for fd, _ in poller.poll(wait * 1000):
+                poller.unregister(fd)
+                left -= 1
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def _child_setup(stdin_fd: int, out_fd: int, err_fd: int) -> None:
     os.dup2(stdin_fd, 0)
     os.dup2(out_fd, 1)
     os.dup2(err_fd, 2)
-    try:  # the OOM killer takes user code before the supervisor
-        with open("/proc/self/oom_score_adj", "w") as fh:
-            fh.write("1000")
+    try:  # the OOM killer takes user code before the supervisor (os.write: no text file to make)
+        fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, b"1000")
+        finally:
+            os.close(fd)
     except OSError:
         pass
     try:  # the supervisor, at 0, then always gets the CPU to enforce a deadline in time
@@ -201,6 +246,41 @@ def spawned(argv: "list[str]", env: "dict[str, str]", cwd: str) -> "Callable[[],
     return launch
 
 
+def _enter(
+    fds: "tuple[int, int, int]", keep: "tuple[int, ...]", confine: "Optional[Callable[[], None]]"
+) -> None:
+    """In a forked child: ``fds`` as 0/1/2, ``keep`` as 3, 4, ..., no other fd, confined,
+    leading a session of its own (a kill of its process group takes what it starts)."""
+    _child_setup(*fds)
+    if confine is not None:
+        confine()
+    base = 3 + len(keep)
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, base) for fd in keep]
+    for i, fd in enumerate(moved):
+        os.dup2(fd, 3 + i)
+    os.closerange(base, 1 << 20)
+    os.setsid()
+
+
+def spawn_leader(
+    target: "Callable[[], None]",
+    fds: "tuple[int, int, int]",
+    keep: "tuple[int, ...]" = (),
+    confine: "Optional[Callable[[], None]]" = None,
+) -> int:
+    """Fork a child that runs ``target`` itself, set up as a shim's child is (see
+    ``spawn_shim``), with no shim: for a parent that is a child subreaper and reaps, so
+    that it adopts whatever the child leaves behind (the zygote, for every interpreter)."""
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        _enter(fds, keep, confine)
+        target()
+    finally:
+        os._exit(127)
+
+
 def spawn_shim(
     launch: "Callable[[], int]",
     fds: "tuple[int, int, int]",
@@ -217,16 +297,8 @@ def spawn_shim(
     if pid:
         return pid
     try:
-        _child_setup(*fds)
-        if confine is not None:
-            confine()
-        base = 3 + len(keep)
-        moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, base) for fd in keep]
-        for i, fd in enumerate(moved):
-            os.dup2(fd, 3 + i)
-        os.closerange(base, 1 << 20)
+        _enter(fds, keep, confine)
         prctl(PR_SET_CHILD_SUBREAPER, 1)
-        os.setsid()
         child = launch()
         os.closerange(0, 1 << 20)  # the shim holds no end of the child's pipes
         status = 0

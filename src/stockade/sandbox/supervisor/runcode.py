@@ -32,6 +32,19 @@ CHUNK = 1 << 16
 START_S = 10.0  # how long the zygote may take to fork an interpreter (it may still be loading site)
 
 
+_environ_of: "Optional[dict[str, str]]" = None
+
+
+def set_environ(env: "dict[str, str]") -> None:
+    """The interpreter's environment, set in this process: by the zygote once (its forks
+    find it set; setting it in each fork copies ~90 pages of the zygote's), else by the
+    interpreter itself."""
+    global _environ_of
+    os.environ.clear()
+    os.environ.update(env)
+    _environ_of = env
+
+
 def become_interpreter(workspace: str, env: "dict[str, str]") -> "Callable[[], None]":
     """What the interpreter process runs, forked by the zygote (or the supervisor)."""
 
@@ -44,8 +57,8 @@ def become_interpreter(workspace: str, env: "dict[str, str]") -> "Callable[[], N
 
         interpreter.preload()
         os.chdir(workspace)
-        os.environ.clear()
-        os.environ.update(env)
+        if _environ_of is not env:  # set by the zygote already, before it forked us
+            set_environ(env)
         sys.path.insert(1, workspace)  # user code imports its own modules, as in a notebook
         interpreter.main(3, 4)
         os._exit(0)
@@ -53,14 +66,16 @@ def become_interpreter(workspace: str, env: "dict[str, str]") -> "Callable[[], N
     return target
 
 
-def _start(sup: "Supervisor", fds: "tuple[int, int, int, int]") -> int:
-    """The new interpreter's shim, forked by the zygote; by the supervisor only while it
-    has served no one else (its heap holds what earlier users' commands and files passed
-    through it, and a fork would hand that to this user's code)."""
+def _start(sup: "Supervisor", fds: "tuple[int, int, int, int]") -> "tuple[int, int]":
+    """The new interpreter, forked by the zygote; by the supervisor (under a shim) only while
+    it has served no one else (its heap holds what earlier users' commands and files passed
+    through it, and a fork would hand that to this user's code). Returns the pid leading
+    the interpreter's session and the subreaper that adopts what its code leaves behind:
+    the interpreter and the zygote, or the shim twice."""
     zygote = sup.zygote
     if zygote is not None:
         try:
-            return zygote.spawn(fds, START_S)
+            return zygote.spawn(fds, START_S), zygote.pid
         except OSError as exc:
             if exc.errno in (errno.EAGAIN, errno.ENOMEM):  # out of processes: the zygote is fine
                 raise
@@ -72,7 +87,8 @@ def _start(sup: "Supervisor", fds: "tuple[int, int, int, int]") -> int:
         )
     out_w, err_w, in_r, res_w = fds
     target = become_interpreter(sup.workspace.root, sup.env)
-    return spawn_shim(forked(target), (sup.devnull, out_w, err_w), keep=(in_r, res_w), confine=sup.confine)
+    shim = spawn_shim(forked(target), (sup.devnull, out_w, err_w), keep=(in_r, res_w), confine=sup.confine)
+    return shim, shim
 
 
 class Interpreter:
@@ -85,7 +101,9 @@ class Interpreter:
         in_r, in_w = os.pipe()
         res_r, res_w = os.pipe()
         try:
-            self.shim = _start(sup, (out_w, err_w, in_r, res_w))
+            # "shim" as a command's: the pid we kill and find the run's processes by (the
+            # interpreter itself, when the zygote forked it); "adopter": see _start.
+            self.shim, self.adopter = _start(sup, (out_w, err_w, in_r, res_w))
         except OSError:
             for fd in (out_r, out_w, err_r, err_w, in_r, in_w, res_r, res_w):
                 os.close(fd)
@@ -172,7 +190,7 @@ class Interpreter:
             self.drain(job)
             self.job = None
             # A run's processes end with it, like a command's: none outlives its timeout.
-            kill_tree(self.shim, include_root=False, spare=self.pid)
+            kill_tree(self.adopter, include_root=False, spare=self.pid)
             sup.finish_code(job, payload)
         self.next_run()
 
@@ -197,3 +215,5 @@ class Interpreter:
             os.close(fd)
         os.close(self.ctl_w)
         kill_tree(self.shim, include_root=True)
+        if self.adopter != self.shim:  # what its code left behind, now the zygote's
+            kill_tree(self.adopter, include_root=False)

@@ -336,7 +336,7 @@ class Supervisor:
             job = self.shims.get(pid)
             if job is not None:
                 return job
-            if self.interpreter is not None and pid == self.interpreter.shim:
+            if self.interpreter is not None and pid in (self.interpreter.shim, self.interpreter.adopter):
                 return self.interpreter.job
             try:
                 with open(f"/proc/{pid}/stat", "rb") as fh:

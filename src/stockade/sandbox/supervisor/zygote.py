@@ -10,11 +10,12 @@ change all of them), and asks it for the next interpreter: no exec, no Python st
 zygote that is not as it started is dropped, and the supervisor execs a fresh copy of
 itself, which forks a new one.
 
-Each interpreter's shim is the zygote's child, which reaps it; the supervisor learns of an
-interpreter's death from its reply pipe (closed) and kills, times out and finds its
-processes by the shim's pid, as before. ``random`` and ``tempfile`` reseed in every fork;
-the hash seed is the zygote's, shared by the interpreters it forks (a Python start per
-interpreter is what it saves).
+Each interpreter is the zygote's child, with no shim between them: the zygote is a child
+subreaper and reaps the interpreters and whatever their code leaves behind; the supervisor
+learns of an interpreter's death from its reply pipe (closed), and kills, times out and
+finds its processes by its pid (it leads its own session) and the zygote's. ``random`` and
+``tempfile`` reseed in every fork; the hash seed is the zygote's, shared by the interpreters
+it forks (a Python start per interpreter is what it saves).
 
 Standard library only (C modules where it matters for start-up time).
 """
@@ -28,7 +29,7 @@ import os
 import select
 import sys
 
-from reaper import IGNORED_SIGNALS, forked, spawn_shim
+from reaper import IGNORED_SIGNALS, PR_SET_CHILD_SUBREAPER, prctl, spawn_leader
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 # What a request carries: the interpreter's stdout, stderr, control-in and reply-out ends.
 FDS = 4
 INT = 4  # bytes of a C int, as SCM_RIGHTS carries each fd
-PID = 8  # bytes of a reply: the shim's pid, or minus an errno
+PID = 8  # bytes of a reply: the interpreter's pid, or minus an errno
 PING_S = 5.0  # how long a reset waits for the zygote to say it is there
 # States of /proc/<pid>/stat in which a zygote cannot serve (stopped, traced, dead).
 NOT_SERVING = (b"T", b"t", b"Z", b"X", b"x")
@@ -78,7 +79,7 @@ class Zygote:
         return problems
 
     def spawn(self, fds: "tuple[int, ...]", timeout: float) -> int:
-        """A new interpreter's shim (our child by now), started on ``fds``; OSError if the
+        """A new interpreter (the zygote's child), started on ``fds``; OSError if the
         zygote cannot (out of processes) or does not answer (dead, stopped)."""
         if not self.serving():
             raise OSError(errno.ESRCH, "the interpreter's zygote is gone")
@@ -138,6 +139,7 @@ def start(
         try:
             ours.close()
             _close_all_but({0, 1, 2, theirs.fileno(), devnull, *keep})
+            prctl(PR_SET_CHILD_SUBREAPER, 1)  # what an interpreter leaves behind is ours (see _fork_one)
             _serve(theirs, workspace, env, confine, devnull)
         finally:
             os._exit(0)
@@ -173,7 +175,7 @@ def _serve(
     for sig in IGNORED_SIGNALS:  # SIGKILL and SIGSTOP remain: the reset checks for them
         signal.signal(sig, signal.SIG_IGN)
     signal.signal(signal.SIGCHLD, _reap)  # runs while we wait for a request (recvmsg resumes)
-    from runcode import become_interpreter
+    from runcode import become_interpreter, set_environ
 
     target = become_interpreter(workspace, env)
     loaded = False
@@ -193,6 +195,7 @@ def _serve(
                 fds.extend(_unpack(data))
         if not loaded:
             _load()
+            set_environ(env)  # once for every interpreter, after site's load (see set_environ)
             loaded = True
         reply = _fork_one(fds, target, confine, devnull) if len(fds) == FDS else -errno.EINVAL
         for fd in fds:
@@ -218,16 +221,22 @@ def _load() -> None:
 def _fork_one(
     fds: "list[int]", target: "Callable[[], None]", confine: "Optional[Callable[[], None]]", devnull: int
 ) -> int:
-    """Start one interpreter under a shim (our child: we reap it when it ends)."""
+    """Start one interpreter: our child, leading its own session, with no shim between us.
+
+    We are a child subreaper: what the interpreter's code leaves behind (a double fork) is
+    ours, and the supervisor kills it with the run (all of our descendants but the
+    interpreter) and with the interpreter (all of them). One fork per interpreter instead
+    of two (a shim, then the interpreter): each fork of a Python process copies its page
+    tables and, as refcounts change, its pages."""
     out_w, err_w, in_r, res_w = fds
     try:
-        return spawn_shim(forked(target), (devnull, out_w, err_w), keep=(in_r, res_w), confine=confine)
+        return spawn_leader(target, (devnull, out_w, err_w), keep=(in_r, res_w), confine=confine)
     except OSError as exc:
         return -(exc.errno or errno.EAGAIN)
 
 
 def _reap(*_: object) -> None:
-    """SIGCHLD: a shim ended (its interpreter died, or the supervisor killed it)."""
+    """SIGCHLD: an interpreter ended (or the supervisor killed it), or an orphan of its code."""
     while True:
         try:
             pid, _status = os.waitpid(-1, os.WNOHANG)

@@ -1,0 +1,36 @@
+"""Killing a tree waits for each killed process to be gone before it looks again
+(supervisor/reaper.py): by a pidfd where there is one, not a fixed pause."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+from stockade.sandbox.supervisor import reaper
+
+
+def test_the_wait_for_a_killed_process_ends_when_it_is_gone() -> None:
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        os.kill(child.pid, signal.SIGKILL)
+        started = time.monotonic()
+        reaper._wait_gone([child.pid], 5.0)
+        waited = time.monotonic() - started
+        if hasattr(os, "pidfd_open"):
+            assert waited < 2.0, "the pidfd said it was gone"
+        # gone means exited: a zombie until we reap it, not running nor sleeping
+        with open(f"/proc/{child.pid}/stat", "rb") as fh:
+            assert fh.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_no_wait_for_processes_already_gone() -> None:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    started = time.monotonic()
+    reaper._wait_gone([child.pid], 5.0)
+    assert time.monotonic() - started < (2.0 if hasattr(os, "pidfd_open") else 6.0)
