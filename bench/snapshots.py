@@ -32,13 +32,18 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from stockade import Limits, Sandbox, SnapshotStore
+from stockade import Limits, Sandbox, SandboxRules, SnapshotStore
 from stockade.sandbox import microvm
 
 COLD = "microvm cold: create + run_code print(1)"
 WARM = "microvm from its boot image, QEMU started at create: create + run_code print(1)"
 AHEAD = "microvm from its boot image, QEMU started ahead: create + run_code print(1)"
 READY = "microvm from its ready image, QEMU started ahead: create + run_code print(1)"
+RULES = "microvm with rules (the default backend): create + run_code print(1)"
+ENVS = "microvm with a caller's variable (the default backend): create + run_code print(1)"
+# A policy of the common kind: a denied program (masked), an argv rule (each exec judged), writes
+# to one folder (Landlock).
+POLICY = SandboxRules(deny=("curl", "git push"), write=("src/**",))
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -47,9 +52,14 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def first_print(backend: microvm.MicroVMBackend) -> float:
+def first_print(
+    backend: microvm.MicroVMBackend,
+    *,
+    rules: SandboxRules | None = None,
+    envs: dict[str, str] | None = None,
+) -> float:
     start = time.perf_counter()
-    with Sandbox.create("microvm", backend=backend) as sbx:
+    with Sandbox.create("microvm", backend=backend, rules=rules, envs=envs) as sbx:
         sbx.run_code("print(1)")
         return time.perf_counter() - start
 
@@ -100,6 +110,14 @@ def microvm_starts(store: SnapshotStore, runs: int, rows: dict[str, list[float]]
     first_print(ready)  # its ready image, built in the background
     ready.wait_ahead(300)
     first_print(ready)  # its QEMU started ahead for the ready image
+    # The same default backend for a sandbox with rules, and one with a variable of the
+    # caller's (a token, say): each its first start, then its own image if it gets one.
+    policy = microvm.MicroVMBackend(snapshot_store=store)
+    env = microvm.MicroVMBackend(snapshot_store=store)
+    first_print(policy, rules=POLICY)
+    first_print(env, envs={"API_TOKEN": "secret"})
+    for backend in (policy, env):
+        backend.wait_ahead(300)
     if warm._boot_failed or ready._boot_failed:
         raise SystemExit(f"no boot or ready image: {warm._boot_failed} {ready._boot_failed}")
     print(f"load average before: {os.getloadavg()[0]:.1f}")
@@ -111,9 +129,13 @@ def microvm_starts(store: SnapshotStore, runs: int, rows: dict[str, list[float]]
                 if backend.wait_ahead(60) is None:
                     raise SystemExit("no QEMU was started ahead")
                 rows.setdefault(name, []).append(first_print(backend))
+            policy.wait_ahead(60)  # none is started ahead where a sandbox boots cold
+            rows.setdefault(RULES, []).append(first_print(policy, rules=POLICY))
+            env.wait_ahead(60)
+            rows.setdefault(ENVS, []).append(first_print(env, envs={"API_TOKEN": "secret"}))
     finally:
-        ahead.close()
-        ready.close()
+        for backend in (ahead, ready, policy, env):
+            backend.close()
 
 
 def main() -> None:
@@ -154,7 +176,7 @@ def main() -> None:
             print(f"| {name} | {med * 1000:.0f} ms | {low * 1000:.0f} ms | {high * 1000:.0f} ms |")
     if "microvm" in tiers:
         cold_med = statistics.median(rows[COLD])
-        for name in (WARM, AHEAD, READY):
+        for name in (WARM, AHEAD, READY, RULES, ENVS):
             med, under = statistics.median(rows[name]), sum(v < 0.5 for v in rows[name])
             print(f"\n{name}: {cold_med / med:.1f}x faster than cold; {under}/{len(rows[name])} under 0.5 s")
 
