@@ -118,8 +118,8 @@ def microvm_starts(store: SnapshotStore, runs: int, rows: dict[str, list[float]]
     first_print(env, envs={"API_TOKEN": "secret"})
     for backend in (policy, env):
         backend.wait_ahead(300)
-    if warm._boot_failed or ready._boot_failed:
-        raise SystemExit(f"no boot or ready image: {warm._boot_failed} {ready._boot_failed}")
+    if warm._boot_failed or ready._boot_failed or ready._ready.refused:
+        raise SystemExit(f"no boot or ready image: {warm._boot_failed} {ready._ready.refused}")
     print(f"load average before: {os.getloadavg()[0]:.1f}")
     try:
         for _ in range(runs):

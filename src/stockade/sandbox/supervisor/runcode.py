@@ -53,14 +53,15 @@ def become_interpreter(workspace: str, env: "dict[str, str]") -> "Callable[[], N
     return target
 
 
-def _start(sup: "Supervisor", fds: "tuple[int, int, int, int]") -> int:
+def _start(sup: "Supervisor", fds: "tuple[int, int, int, int]") -> "tuple[int, dict[str, str]]":
     """The new interpreter's shim, forked by the zygote; by the supervisor only while it
     has served no one else (its heap holds what earlier users' commands and files passed
-    through it, and a fork would hand that to this user's code)."""
+    through it, and a fork would hand that to this user's code). With the environment
+    the interpreter starts with."""
     zygote = sup.zygote
     if zygote is not None:
         try:
-            return zygote.spawn(fds, START_S)
+            return zygote.spawn(fds, START_S), zygote.env
         except OSError as exc:
             if exc.errno in (errno.EAGAIN, errno.ENOMEM):  # out of processes: the zygote is fine
                 raise
@@ -72,7 +73,8 @@ def _start(sup: "Supervisor", fds: "tuple[int, int, int, int]") -> int:
         )
     out_w, err_w, in_r, res_w = fds
     target = become_interpreter(sup.workspace.root, sup.env)
-    return spawn_shim(forked(target), (sup.devnull, out_w, err_w), keep=(in_r, res_w), confine=sup.confine)
+    shim = spawn_shim(forked(target), (sup.devnull, out_w, err_w), keep=(in_r, res_w), confine=sup.confine)
+    return shim, sup.env
 
 
 class Interpreter:
@@ -85,7 +87,7 @@ class Interpreter:
         in_r, in_w = os.pipe()
         res_r, res_w = os.pipe()
         try:
-            self.shim = _start(sup, (out_w, err_w, in_r, res_w))
+            self.shim, self.env = _start(sup, (out_w, err_w, in_r, res_w))
         except OSError:
             for fd in (out_r, out_w, err_r, err_w, in_r, in_w, res_r, res_w):
                 os.close(fd)
@@ -128,6 +130,9 @@ class Interpreter:
         if self.sup.reseed:
             header["reseed"] = True
             self.sup.reseed = False
+        if self.env != self.sup.env:  # given after a resume, or after its zygote's fork
+            header["env"] = self.sup.env
+            self.env = self.sup.env
         data = encode(header, body)
         os.set_blocking(self.ctl_w, True)
         try:
