@@ -316,7 +316,7 @@ class MicroVMBackend(Backend):
         cgroup: _cgroups.Cgroup | None = None
         keep = (theirs.fileno(), ctl_theirs.fileno(), qmp_theirs.fileno(), *plan.fds)
         try:
-            egress, guest_end = _egress_port(spec, rundir, self.rootfs)
+            egress, host_end, guest_end = _egress_port(spec, rundir, self.rootfs, attach=plan.attach_egress)
         except BaseException:
             for sock in (mine, theirs, ctl, ctl_theirs, qmp, qmp_theirs):
                 sock.close()
@@ -368,6 +368,8 @@ class MicroVMBackend(Backend):
                 sock.close()
             if egress is not None:
                 egress.close()
+            if host_end is not None:
+                host_end.close()
             if cgroup is not None:
                 cgroup.remove()
             shutil.rmtree(rundir, ignore_errors=True)
@@ -377,9 +379,24 @@ class MicroVMBackend(Backend):
                 sock.close()
             if guest_end is not None:
                 guest_end.close()
-        boundary = VMBoundary(proc, mine, rundir, cgroup, ctl=ctl, qmp=qmp)
+        boundary = VMBoundary(proc, mine, rundir, cgroup, ctl=ctl, qmp=qmp, egress_port=host_end)
         boundary.egress = egress
         return boundary, SocketStream(mine)
+
+    def _attach_egress(self, spec: SandboxSpec, boundary: VMBoundary) -> None:
+        """Give a QEMU started on an image, before its guest runs, the sandbox's egress proxy
+        on the port it was started with (nothing was behind it: an image's guest, or a QEMU
+        started ahead, serves no sandbox yet, and has no proxy or credentials of any)."""
+        port, boundary.egress_port = boundary.egress_port, None
+        if port is None:
+            return
+        from stockade.egress import attach_port
+
+        try:
+            boundary.egress = attach_port(spec, boundary.rundir / "egress", port, root=self.rootfs)
+        except BaseException:
+            port.close()
+            raise
 
     def _instance(
         self,
@@ -410,10 +427,9 @@ class MicroVMBackend(Backend):
             return self._restore(spec)
         enforcement = self._plan(spec)
         rules = _rules.plan(spec, root=self.rootfs, can_mask=True, can_confine=True)
-        # A sandbox with an allowlist boots cold: a boot image's guest would need an egress
-        # proxy of its own, with the credentials of a sandbox it is not.
-        cold = not self.boot_snapshots or spec.network.egress
-        boot = None if cold else self._boot_image(spec, rules.masks)
+        # With an allowlist too: an image's guest has an egress port with nothing behind it,
+        # and gets the sandbox's proxy when it becomes the sandbox (``_attach_egress``).
+        boot = self._boot_image(spec, rules.masks) if self.boot_snapshots else None
         config = self._config(spec)
         ready_name = None
         if boot is not None and self._ready.serves(spec):
@@ -436,6 +452,7 @@ class MicroVMBackend(Backend):
             )
             instance.started_from = "boot image"
             try:
+                self._attach_egress(spec, boundary)
                 # The guest runs from here on: its first act is the reseed, before any request.
                 boundary.monitor().command("cont")
                 boundary.reseed()
@@ -491,7 +508,8 @@ class MicroVMBackend(Backend):
     ) -> tuple[VMBoundary, SocketStream]:
         """QEMU waiting for an image's device state (on ``fd``), its RAM the image's file:
         mapped copy on write for a sandbox; written through to build another image."""
-        return self._launch(spec, sid, masks, Launch(ram=ram, ram_shared=build, incoming=True, fds=(fd,)))
+        launch = Launch(ram=ram, ram_shared=build, incoming=True, fds=(fd,), attach_egress=False)
+        return self._launch(spec, sid, masks, launch)
 
     def _from_ready_image(
         self,
@@ -513,6 +531,7 @@ class MicroVMBackend(Backend):
         try:
             if rules.config is not None:
                 instance.hold(rules, ready.rules_report)  # as the handshake would: this spec's own
+            self._attach_egress(spec, waiting.boundary)
             waiting.boundary.monitor().command("cont")
             waiting.boundary.reseed()
             instance.reseed(resume_args(self._config(spec, waiting.boundary.egress), image))
@@ -576,7 +595,8 @@ class MicroVMBackend(Backend):
         template = dataclasses.replace(spec, envs={}, rules=None, snapshot=None, sandbox_id=None)
         sid = sandbox_id(template)
         try:
-            boundary, stream = self._launch(template, sid, masks, Launch(ram=ram, ram_shared=True))
+            plan = Launch(ram=ram, ram_shared=True, attach_egress=False)
+            boundary, stream = self._launch(template, sid, masks, plan)
             instance = SupervisedInstance(
                 id=sid,
                 tier=self.tier,
@@ -668,6 +688,9 @@ class Launch:
     ram_shared: bool = False
     incoming: bool = False
     fds: tuple[int, ...] = ()
+    # With an allowlist: the sandbox's proxy behind its egress port now (a guest booted for
+    # it, or restored from its own snapshot); else the port's end is kept, nothing behind it.
+    attach_egress: bool = True
 
 
 def _identity(path: Path) -> str:
@@ -690,17 +713,20 @@ def _flock(path: Path) -> Iterator[None]:
 
 
 def _egress_port(
-    spec: SandboxSpec, rundir: Path, rootfs: Path | None
-) -> tuple[EgressHandle | None, socket.socket | None]:
-    """With an allowlist: the sandbox's egress proxy, serving the streams of a socketpair
-    whose other end (returned, for QEMU) becomes the guest's egress port."""
+    spec: SandboxSpec, rundir: Path, rootfs: Path | None, *, attach: bool
+) -> tuple[EgressHandle | None, socket.socket | None, socket.socket | None]:
+    """With an allowlist, a socketpair whose guest end (the last, for QEMU) becomes the
+    guest's egress port: with ``attach``, the sandbox's egress proxy serves its streams;
+    without, its host end (the middle) is returned, for ``_attach_egress``."""
     if not spec.network.egress:
-        return None, None
+        return None, None, None
+    host_end, guest_end = socket.socketpair()
+    if not attach:
+        return None, host_end, guest_end
     from stockade.egress import attach_port
 
-    host_end, guest_end = socket.socketpair()
     try:
-        return attach_port(spec, rundir / "egress", host_end, root=rootfs), guest_end
+        return attach_port(spec, rundir / "egress", host_end, root=rootfs), None, guest_end
     except BaseException:
         host_end.close()
         guest_end.close()
