@@ -430,10 +430,10 @@ class MicroVMBackend(Backend):
         # With an allowlist too: an image's guest has an egress port with nothing behind it,
         # and gets the sandbox's proxy when it becomes the sandbox (``_attach_egress``).
         boot = self._boot_image(spec, rules.masks) if self.boot_snapshots else None
-        config = self._config(spec)
-        ready_name = None
+        ready_name = image = None
         if boot is not None and self._ready.serves(spec):
-            image = image_config(config, self._config(dataclasses.replace(spec, envs={}))["env"])
+            # The image's frame: without the caller's variables and the proxy's relay.
+            image = image_config(self._config(spec), self._config(dataclasses.replace(spec, envs={}))["env"])
             ready_name = self._ready.name(self._machine_key(spec, rules.masks), image, rules, enforcement)
             # A refused image's QEMU started ahead (which may hold what was refused) is stopped.
             ready = self._ready.find(self.snapshot_store, ready_name, refused=self._ahead.drop)
@@ -470,8 +470,7 @@ class MicroVMBackend(Backend):
             return _tail(boundary.rundir / "console.log") or _tail(boundary.rundir / "qemu.log")
 
         instance.start(lambda: self._config(spec, boundary.egress), START_TIMEOUT_S, rules, log=log)
-        if ready_name is not None and boot is not None:
-            image = image_config(config, self._config(dataclasses.replace(spec, envs={}))["env"])
+        if ready_name is not None and image is not None and boot is not None:
             self._ready.build_soon(
                 self, spec, rules=rules, config=image, boot=boot, name=ready_name, timeout_s=START_TIMEOUT_S
             )
