@@ -34,7 +34,7 @@ from typing import Any
 from stockade import SnapshotStore
 from stockade.sandbox import _guest, _rules, microvm
 from stockade.sandbox._microvm_instance import VMBoundary
-from stockade.sandbox._supervised import enforcement_from_state, sandbox_id, supervisor_config
+from stockade.sandbox._supervised import sandbox_id, supervisor_config
 from stockade.sandbox.base import SandboxSpec
 from stockade.sandbox.ops import RunCode
 
@@ -146,16 +146,16 @@ def ready_start(backend: microvm.MicroVMBackend) -> dict[str, tuple[float, float
     """The same from the ready image: no handshake, the interpreter already there."""
     spec = SandboxSpec()
     rules = _rules.plan(spec, root=backend.rootfs, can_mask=True, can_confine=True)
-    config = supervisor_config(spec, _guest.own_kernel_limits(spec).rlimits, None)
-    config["report_oom"] = True
-    ready = backend._ready_image(spec, rules.masks, config)
-    assert ready is not None, backend._boot_failed
-    ram, device, state = ready
-    boundary, stream, timeline, start = launch(backend, spec, rules.masks, ram, device)
+    enforcement = backend._plan(spec)
+    config = backend._config(spec)
+    name = backend._ready.name(backend._machine_key(spec, rules.masks), config, rules, enforcement)
+    ready = backend._ready.find(backend.snapshot_store, name, refused=lambda: None)
+    assert ready is not None, backend._ready.refused
+    boundary, stream, timeline, start = launch(backend, spec, rules.masks, ready.ram, ready.device)
     instance = backend._instance(
         boundary.rundir.name.removeprefix("vm-"),
         spec=spec,
-        enforcement=enforcement_from_state(state),
+        enforcement=enforcement,
         boundary=boundary,
         stream=stream,
         masks=rules.masks,

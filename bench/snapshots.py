@@ -14,6 +14,9 @@ Side by side in one run, interleaved (drift hits every row alike):
 * microVM from its ready image (the default: a QEMU started ahead too): the boot image
   configured as such a sandbox is and its interpreter started (built in the background after
   the first start, before the runs, not counted);
+* the same two ways (boot image with a QEMU started ahead; ready image) for a sandbox with
+  rules (a masked program, an argv rule, a write rule) and for one with a variable of the
+  caller's, each on a backend of its own;
 * per tier: ``snapshot()`` of a sandbox holding a 1 MiB workspace and a started interpreter,
   ``pause()``, ``Sandbox.resume(id)`` + ``run_code``, and a fork: ``Sandbox.create(snapshot=...)``
   + ``run_code``;
@@ -35,7 +38,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from stockade import Limits, Sandbox, SnapshotStore
+from stockade import Limits, Sandbox, SandboxRules, SnapshotStore
 from stockade.sandbox import microvm
 from stockade.sandbox.base import Backend
 from stockade.sandbox.gvisor import GVisorBackend
@@ -45,6 +48,15 @@ WARM = "microvm from its boot image, QEMU started at create: create + run_code p
 AHEAD = "microvm from its boot image, QEMU started ahead: create + run_code print(1)"
 READY = "microvm from its ready image, QEMU started ahead: create + run_code print(1)"
 GVISOR_MODES = ("gvisor/docker", "gvisor/runsc")
+RULES = "microvm with rules, from its ready image (the default): create + run_code print(1)"
+ENVS = "microvm with a caller's variable, from its ready image (the default): create + run_code print(1)"
+RULES_BOOT = "microvm with rules, from the boot image, QEMU started ahead: create + run_code print(1)"
+ENVS_BOOT = (
+    "microvm with a caller's variable, from the boot image, QEMU started ahead: create + run_code print(1)"
+)
+# A policy of the common kind: a denied program (masked), an argv rule (each exec judged), writes
+# to one folder (Landlock).
+POLICY = SandboxRules(deny=("curl", "git push"), write=("src/**",))
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -53,9 +65,14 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def first_print(backend: microvm.MicroVMBackend) -> float:
+def first_print(
+    backend: microvm.MicroVMBackend,
+    *,
+    rules: SandboxRules | None = None,
+    envs: dict[str, str] | None = None,
+) -> float:
     start = time.perf_counter()
-    with Sandbox.create("microvm", backend=backend) as sbx:
+    with Sandbox.create("microvm", backend=backend, rules=rules, envs=envs) as sbx:
         sbx.run_code("print(1)")
         return time.perf_counter() - start
 
@@ -120,8 +137,20 @@ def microvm_starts(store: SnapshotStore, runs: int, rows: dict[str, list[float]]
     first_print(ready)  # its ready image, built in the background
     ready.wait_ahead(300)
     first_print(ready)  # its QEMU started ahead for the ready image
-    if warm._boot_failed or ready._boot_failed:
-        raise SystemExit(f"no boot or ready image: {warm._boot_failed} {ready._boot_failed}")
+    # A sandbox with rules, and one with a variable of the caller's (a token, say): from their
+    # ready images (the default backend), and from the boot image with a QEMU started ahead
+    # (ready images off: how they started before ready images served them). A backend each.
+    policy, env = microvm.MicroVMBackend(snapshot_store=store), microvm.MicroVMBackend(snapshot_store=store)
+    policy_boot = microvm.MicroVMBackend(snapshot_store=store, ready_images=False)
+    env_boot = microvm.MicroVMBackend(snapshot_store=store, ready_images=False)
+    for backend in (policy, policy_boot):
+        first_print(backend, rules=POLICY)
+    for backend in (env, env_boot):
+        first_print(backend, envs={"API_TOKEN": "secret"})
+    for backend in (policy, env, policy_boot, env_boot):
+        backend.wait_ahead(300)
+    if warm._boot_failed or ready._boot_failed or ready._ready.refused:
+        raise SystemExit(f"no boot or ready image: {warm._boot_failed} {ready._ready.refused}")
     print(f"load average before: {os.getloadavg()[0]:.1f}")
     try:
         for _ in range(runs):
@@ -131,9 +160,15 @@ def microvm_starts(store: SnapshotStore, runs: int, rows: dict[str, list[float]]
                 if backend.wait_ahead(60) is None:
                     raise SystemExit("no QEMU was started ahead")
                 rows.setdefault(name, []).append(first_print(backend))
+            for name, backend in ((RULES_BOOT, policy_boot), (RULES, policy)):
+                backend.wait_ahead(60)
+                rows.setdefault(name, []).append(first_print(backend, rules=POLICY))
+            for name, backend in ((ENVS_BOOT, env_boot), (ENVS, env)):
+                backend.wait_ahead(60)
+                rows.setdefault(name, []).append(first_print(backend, envs={"API_TOKEN": "secret"}))
     finally:
-        ahead.close()
-        ready.close()
+        for backend in (ahead, ready, policy, env, policy_boot, env_boot):
+            backend.close()
 
 
 def main() -> None:
@@ -173,7 +208,7 @@ def main() -> None:
             print(f"| {name} | {med * 1000:.0f} ms | {low * 1000:.0f} ms | {high * 1000:.0f} ms |")
     if "microvm" in tiers:
         cold_med = statistics.median(rows[COLD])
-        for name in (WARM, AHEAD, READY):
+        for name in (WARM, AHEAD, READY, RULES_BOOT, RULES, ENVS_BOOT, ENVS):
             med, under = statistics.median(rows[name]), sum(v < 0.5 for v in rows[name])
             print(f"\n{name}: {cold_med / med:.1f}x faster than cold; {under}/{len(rows[name])} under 0.5 s")
 

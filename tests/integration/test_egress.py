@@ -524,23 +524,75 @@ def _restored(sandbox: Sandbox) -> bool:
     return b"\0-incoming\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
-def test_a_microvm_with_an_allowlist_keeps_files_only_and_boots_cold(local: Servers, tmp_path: Path) -> None:
-    """Its relay's streams live half in the guest, half in this process: its snapshot keeps
-    files, and it and its forks boot (a boot image's guest would need a proxy of its own)."""
+GET_HTTP = """
+import sys, urllib.request
+print(urllib.request.urlopen(f"http://pkg.test:{sys.argv[1]}/m", timeout=20).read().decode())
+"""
+URLLIB = """
+import sys, urllib.error, urllib.request
+http_port, https_port = sys.argv[1], sys.argv[2]
+print(urllib.request.urlopen(f"http://pkg.test:{http_port}/m", timeout=20).read().decode())
+print(urllib.request.urlopen(f"https://api.test:{https_port}/auth", timeout=20).read().decode())
+try:
+    urllib.request.urlopen(f"http://other.test:{http_port}/", timeout=20)
+except urllib.error.HTTPError as err:
+    print(err.code)
+"""
+
+
+def test_a_microvm_with_an_allowlist_starts_from_an_image_and_keeps_files_only(
+    local: Servers, tmp_path: Path
+) -> None:
+    """An image's guest (a boot image's, a ready image's, a QEMU started ahead) has an egress
+    port with nothing behind it: the sandbox's own proxy goes behind it when the guest becomes
+    the sandbox, and its relay is configured at the handshake (boot image) or after the
+    resume (ready image), with its own trust bundle and variables: HTTP, HTTPS with its
+    credential, and refusals as from a cold boot. Its relay's streams live half in the guest,
+    half in this process: its snapshot keeps files, and its fork is a new sandbox."""
     require_tier("microvm")
+    from stockade.sandbox import microvm
+    from stockade.sandbox._microvm_instance import VMInstance
+
+    def started_from(sandbox: Sandbox) -> str:
+        assert isinstance(sandbox.instance, VMInstance)
+        return sandbox.instance.started_from
+
     store = SnapshotStore(tmp_path / "snapshots")
-    url = f"http://pkg.test:{local.http_port}/m"
-    get = f"import urllib.request\nprint(urllib.request.urlopen({url!r}, timeout=20).read().decode())"
-    with _sandbox("microvm", local.policy(credentials=())) as sbx:
-        assert not _restored(sbx)
-        sbx.files.write("get.py", get)
-        sbx.run_code("x = 41")
-        with pytest.raises(LimitNotEnforceable, match="egress allowlist keeps files only"):
-            sbx.snapshot(store=store, memory=True)
-        snap = sbx.snapshot(store=store)
+    backend = microvm.MicroVMBackend(snapshot_store=SnapshotStore(tmp_path / "images"))
+    run = f"python3 get.py {local.http_port} {local.https_port}"
+    expected = ["http", "hello", "/m", "https", "authorized=True", "403"]
+    try:
+        with Sandbox.create("microvm", backend=backend, limits=LIMITS, network=local.policy()) as sbx:
+            assert _restored(sbx) and started_from(sbx) == "boot image", backend._boot_failed
+            sbx.files.write("get.py", URLLIB)
+            r = sbx.commands.run(run)
+            assert r.stdout.split() == expected, r.stdout + r.stderr
+        backend.wait_ahead(180)
+        for _ in range(2):  # the second from the QEMU started ahead on the ready image
+            with Sandbox.create("microvm", backend=backend, limits=LIMITS, network=local.policy()) as sbx:
+                assert started_from(sbx) == "ready image", backend._ready.refused
+                sbx.files.write("get.py", URLLIB)
+                r = sbx.commands.run(run)
+                assert r.stdout.split() == expected, r.stdout + r.stderr
+                # the interpreter's child: the variables and the trust bundle reach it too
+                child = f"import subprocess as s\ns.run({run!r}, shell=True, capture_output=True, text=True)"
+                assert sbx.run_code(f"{child}.stdout.split()").text == repr(expected)
+                sbx.reset()  # a fresh supervisor configures its relay again
+                sbx.files.write("get.py", URLLIB)
+                r = sbx.commands.run(run)
+                assert r.stdout.split() == expected, r.stdout + r.stderr
+        with Sandbox.create(
+            "microvm", backend=backend, limits=LIMITS, network=local.policy(credentials=())
+        ) as sbx:
+            sbx.files.write("get.py", GET_HTTP)
+            sbx.run_code("x = 41")
+            with pytest.raises(LimitNotEnforceable, match="egress allowlist keeps files only"):
+                sbx.snapshot(store=store, memory=True)
+            snap = sbx.snapshot(store=store)
+    finally:
+        backend.close()
     assert snap.kind is SnapshotKind.FILES and snap.tier == "microvm"
     with Sandbox.create(snapshot=snap, store=store) as fork:
-        assert not _restored(fork)
         assert fork.run_code("'x' in globals()").text == "False"  # a new interpreter
-        r = fork.commands.run("python3 get.py")
+        r = fork.commands.run(f"python3 get.py {local.http_port}")
     assert r.stdout.split() == ["http", "hello", "/m"], r.stdout + r.stderr  # its own proxy, same rules

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from stockade import Limits, Sandbox, SnapshotStore
+from stockade import ExecRecord, Limits, Sandbox, SandboxRules, SnapshotStore
 from stockade.sandbox import _guest, microvm
 from stockade.sandbox._microvm_instance import VMInstance
 from stockade.types import Mechanism
@@ -192,15 +192,14 @@ def test_a_configuration_seen_before_starts_from_its_ready_image(tmp_path: Path)
     """After a first start, the boot image configured as that sandbox was, its interpreter
     started, is kept (a ready image): the next sandboxes of that configuration start from it,
     their interpreter already there (started in the image), each with its own randomness and
-    an empty workspace. Other limits, or variables of the caller's (never kept
-    on disk unasked), start as before."""
+    an empty workspace. Other limits start as before (and get an image of their own)."""
     require_tier("microvm")
     store = SnapshotStore(tmp_path / "store")
     backend = microvm.MicroVMBackend(snapshot_store=store)
     try:
         with Sandbox.create("microvm", backend=backend) as first:
             assert first.run_code("1").text == "1"
-            assert _started_from(first) == "boot image"
+            assert _started_from(first) == "boot image", backend._boot_failed
         backend.wait_ahead(180)
         ready = [name for name, _ in store.refs("boot") if name.startswith("microvm-ready-")]
         assert len(ready) == 1
@@ -213,18 +212,127 @@ def test_a_configuration_seen_before_starts_from_its_ready_image(tmp_path: Path)
                 clone.files.write("mine.txt", "x")
         for column in list(zip(*seen, strict=True))[:5]:
             assert len(set(column)) == len(column), column
-        with Sandbox.create("microvm", backend=backend, envs={"WHO": "b"}) as other:
-            assert other.run_code("import os; os.environ['WHO']").text == "'b'"
-            assert _started_from(other) == "boot image"
         with Sandbox.create("microvm", backend=backend, limits=Limits(timeout_s=7)) as timed:
             assert timed.run_code("1 + 1").text == "2"
+            assert _started_from(timed) == "boot image"
         backend.wait_ahead(180)
         ready_now = [ref for name, ref in store.refs("boot") if name.startswith("microvm-ready-")]
-        assert len(ready_now) == 2  # the other limits' own; none for the variables
+        assert len(ready_now) == 2  # the other limits' own
         for ref in ready_now:  # modified: refused, and sandboxes start as before
             _flip_a_byte(store.object_path(store.load(ref).blobs["ram"]))
         with Sandbox.create("microvm", backend=backend) as after:
             assert _started_from(after) == "boot image"
             assert after.run_code("1 + 1").text == "2"
+    finally:
+        backend.close()
+
+
+ENVIRON = "import os; list(os.environ.items())"
+RM = (
+    "import subprocess\n"
+    "def rm(d):\n"
+    "    try:\n"
+    "        return subprocess.run(['rm', '-r', d]).returncode\n"
+    "    except PermissionError:\n"
+    "        return 'refused'\n"
+    "[rm('src/yes'), rm('src/no')]"
+)
+CHILD = (
+    "import subprocess; subprocess.run('echo $API_TOKEN', shell=True, capture_output=True, text=True).stdout"
+)
+
+
+def _files_holding(root: Path, needle: bytes) -> list[Path]:
+    """Every file under ``root`` whose bytes hold ``needle`` (read in pieces: RAM files are large)."""
+    found = []
+    for path in root.rglob("*"):
+        if not path.is_file() or path.is_symlink():
+            continue
+        tail = b""
+        with open(path, "rb") as fh:
+            while piece := fh.read(8 * MiB):
+                if needle in tail + piece:
+                    found.append(path)
+                    break
+                tail = piece[-len(needle) :]
+    return found
+
+
+def test_a_callers_variables_reach_a_sandbox_from_a_ready_image_and_no_file_of_the_store(
+    tmp_path: Path,
+) -> None:
+    """The ready image is made without the caller's variables (a variable may be a secret):
+    a sandbox started from it gets them after the resume, and its commands, its interpreter's
+    os.environ (the same items in the same order as in a cold start) and the interpreter's
+    children see them, after a reset too. The value is in no file of the snapshot store; a
+    sandbox without them, from the same image, has none of them."""
+    require_tier("microvm")
+    store = SnapshotStore(tmp_path / "store")
+    backend = microvm.MicroVMBackend(snapshot_store=store)
+    secret = "tok-" + os.urandom(12).hex()
+    envs = {"API_TOKEN": secret, "LANG": "C"}  # a variable of its own, and one of the defaults
+    try:
+        with Sandbox.create("microvm", backend=backend, envs=envs) as first:
+            assert _started_from(first) == "boot image", backend._boot_failed
+            cold = first.run_code(ENVIRON).text
+            assert f"('API_TOKEN', '{secret}')" in (cold or "")
+        backend.wait_ahead(180)
+        with Sandbox.create("microvm", backend=backend, envs=envs) as sbx:
+            assert _started_from(sbx) == "ready image"
+            assert sbx.commands.run("echo $API_TOKEN $LANG").stdout == f"{secret} C\n"
+            assert sbx.run_code(ENVIRON).text == cold
+            assert sbx.run_code(CHILD).text == repr(secret + "\n")
+            sbx.reset()
+            assert sbx.run_code(ENVIRON).text == cold
+            assert sbx.commands.run("echo $API_TOKEN").stdout == f"{secret}\n"
+        with Sandbox.create("microvm", backend=backend) as plain:
+            assert _started_from(plain) == "ready image"
+            assert "API_TOKEN" not in (plain.run_code(ENVIRON).text or "")
+            assert plain.commands.run("echo $LANG").stdout == "C.UTF-8\n"
+    finally:
+        backend.close()
+    assert [name for name, _ in store.refs("boot") if name.startswith("microvm-ready-")] != []
+    assert _files_holding(store.root, secret.encode()) == []
+
+
+def test_a_sandbox_with_rules_starts_from_its_ready_image_and_holds_them(tmp_path: Path) -> None:
+    """Rules are configuration: the image holds them configured (the judge, Landlock, the
+    masks), and each sandbox from it holds them as one started cold: a denied program
+    masked, an argv rule judged (the host's approver asked), writes only where allowed.
+    Other rules are another image."""
+    require_tier("microvm")
+
+    asked: list[tuple[str, ...]] = []
+
+    def approver(record: ExecRecord) -> bool:
+        asked.append(record.argv)
+        return record.argv[-1] == "src/yes"
+
+    rules = SandboxRules(deny=("uname",), approve=("rm -r",), write=("src/**",))
+    store = SnapshotStore(tmp_path / "store")
+    backend = microvm.MicroVMBackend(snapshot_store=store)
+    try:
+        with Sandbox.create("microvm", backend=backend, rules=rules, approver=approver) as first:
+            assert _started_from(first) == "boot image", backend._boot_failed
+            enforcement = first.enforcement
+        backend.wait_ahead(180)
+        for _ in range(2):
+            asked.clear()
+            with Sandbox.create("microvm", backend=backend, rules=rules, approver=approver) as sbx:
+                assert _started_from(sbx) == "ready image"
+                assert sbx.enforcement == enforcement
+                assert enforcement.commands is Mechanism.SECCOMP_NOTIFY
+                assert enforcement.paths is Mechanism.LANDLOCK and enforcement.programs is Mechanism.MASK
+                r = sbx.commands.run(
+                    "uname; echo x > top.txt; mkdir -p src/yes src/no; echo ok > src/a; cat src/a"
+                )
+                assert "Linux" not in r.stdout and r.stdout.endswith("ok\n"), (r.stdout, r.stderr)
+                assert not sbx.files.exists("top.txt")
+                code = sbx.run_code(RM)
+                assert code.text == "[0, 'refused']", code
+                assert asked == [("rm", "-r", "src/yes"), ("rm", "-r", "src/no")]
+                assert not sbx.files.exists("src/yes") and sbx.files.exists("src/no")
+        with Sandbox.create("microvm", backend=backend, rules=SandboxRules(deny=("uname", "curl"))) as other:
+            assert _started_from(other) == "boot image"  # other masks: another machine and image
     finally:
         backend.close()

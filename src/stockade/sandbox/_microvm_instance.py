@@ -49,6 +49,7 @@ class VMBoundary(Boundary):
         *,
         ctl: socket.socket,
         qmp: socket.socket,
+        egress_port: socket.socket | None = None,
     ) -> None:
         self.proc = proc
         self.sock = sock
@@ -56,6 +57,9 @@ class VMBoundary(Boundary):
         self.cgroup = cgroup
         self.ctl = ctl
         self.qmp = qmp
+        # Our end of the guest's egress port while no proxy is behind it (a guest started on
+        # an image, not yet a sandbox's); the proxy takes it over when attached.
+        self.egress_port = egress_port
         self._monitor: _qmp.Monitor | None = None
 
     def monitor(self) -> _qmp.Monitor:
@@ -119,8 +123,9 @@ class VMBoundary(Boundary):
             self.proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
-        for sock in (self.sock, self.ctl, self.qmp):
-            sock.close()
+        for sock in (self.sock, self.ctl, self.qmp, self.egress_port):
+            if sock is not None:
+                sock.close()
         if self.cgroup is not None:
             self.cgroup.remove()
         shutil.rmtree(self.rundir, ignore_errors=True)

@@ -162,18 +162,24 @@ class SupervisedInstance(Instance):
         if self.spec.snapshot is not None:
             self.seed(self.spec.snapshot)
         if rules is not None:
-            weaker = _rules.check_ready(self.spec, rules, header.get("rules"))
-            weakened = (*self.enforcement.weakened, *rules.weakened, *weaker)
-            held = {k: v for k, v in rules.enforcement.items() if not any(w.startswith(k) for w in weaker)}
-            e = self.enforcement
-            self.enforcement = dataclasses.replace(
-                e,
-                commands=held.get("commands", e.commands),
-                paths=held.get("paths", e.paths),
-                programs=held.get("programs", e.programs),
-                weakened=weakened,
-            )
+            self.hold(rules, header.get("rules"))
         return header
+
+    def hold(self, rules: _rules.RulesPlan, report: Any) -> None:
+        """Check that the kernel inside holds ``rules``, by what the supervisor said of them
+        (``report``), and state what this sandbox enforces: raise ``LimitNotEnforceable``, or,
+        with ``allow_weaker``, say what is weaker."""
+        weaker = _rules.check_ready(self.spec, rules, report)
+        weakened = (*self.enforcement.weakened, *rules.weakened, *weaker)
+        held = {k: v for k, v in rules.enforcement.items() if not any(w.startswith(k) for w in weaker)}
+        e = self.enforcement
+        self.enforcement = dataclasses.replace(
+            e,
+            commands=held.get("commands", e.commands),
+            paths=held.get("paths", e.paths),
+            programs=held.get("programs", e.programs),
+            weakened=weakened,
+        )
 
     def start(
         self,
@@ -384,11 +390,13 @@ class SupervisedInstance(Instance):
             blobs[area] = store.add_file(path, digest=digest.hexdigest())
         return blobs
 
-    def reseed(self) -> None:
+    def reseed(self, resumed: dict[str, Any] | None = None) -> None:
         """First thing in a sandbox restored from a memory snapshot: the interpreter's next run
         draws new seeds for the generators in its memory (Python reseeds them at a fork; a
-        restore is none), so forks of one snapshot do not repeat each other's numbers."""
-        self.files.request("reseed", {})
+        restore is none), so forks of one snapshot do not repeat each other's numbers.
+        ``resumed``: what of its configuration the snapshot was made without (a microVM's ready
+        image): ``env``, its whole environment; ``egress``, its relay (in the same request)."""
+        self.files.request("reseed", dict(resumed or {}))
 
     def seed(self, snapshot: Snapshot) -> None:
         """Put a snapshot's files (workspace, /tmp) into this fresh sandbox, checked first."""

@@ -39,6 +39,7 @@ from typing import Any
 from stockade import exceptions as exc
 from stockade.sandbox import _cgroups, _guest, _rules
 from stockade.sandbox._boundary import EgressHandle
+from stockade.sandbox._microvm_ahead import StartedAhead, Waiting
 from stockade.sandbox._microvm_image import (
     PORT_NAME,
     GuestKernel,
@@ -48,19 +49,17 @@ from stockade.sandbox._microvm_image import (
     root_image,
 )
 from stockade.sandbox._microvm_instance import SocketStream, VMBoundary, VMInstance
+from stockade.sandbox._microvm_ready import ReadyImage, ReadyImages, image_config, resume_args
 from stockade.sandbox._rootfs import find_rootfs
 from stockade.sandbox._supervised import (
     TIMEOUT_MARGIN_S,
     SupervisedInstance,
     enforcement_from_state,
-    enforcement_state,
     sandbox_id,
     supervisor_config,
 )
 from stockade.sandbox.base import Backend, SandboxSpec
-from stockade.sandbox.ops import RunCode
 from stockade.sandbox.snapshots import SnapshotStore
-from stockade.sandbox.spare import in_background
 from stockade.types import Enforcement, HostShare, Mechanism, SnapshotKind, TierReport
 
 __all__ = ["MicroVMBackend", "collect_garbage"]
@@ -130,19 +129,19 @@ class MicroVMBackend(Backend):
         self.snapshot_store = snapshot_store or SnapshotStore.default()
         self._boot_failed: dict[str, str] = {}
         self._boot_locks: dict[str, threading.Lock] = {}
-        # One QEMU started ahead for the shape last started from a boot image, waiting with
-        # that image's state loaded and its guest not yet run (see ``_Ahead``).
+        # One QEMU started ahead for the shape last started from an image, waiting with that
+        # image's state loaded and its guest not yet run (``_microvm_ahead``).
         self.start_ahead = (
             start_ahead if start_ahead is not None else os.environ.get("STOCKADE_MICROVM_AHEAD", "1") != "0"
         )
-        self._ahead = _Ahead()
+        self._ahead = StartedAhead(enabled=self.start_ahead)
         weakref.finalize(self, self._ahead.close)  # dies with this backend, or at exit
-        # Start sandboxes whose configuration was seen before from a ready image of it.
+        # Start sandboxes whose configuration was seen before from a ready image of it
+        # (``_microvm_ready``), built in the background after the first start.
         self.ready_images = (
             ready_images if ready_images is not None else os.environ.get("STOCKADE_MICROVM_READY", "1") != "0"
         )
-        # Ready images being built (by key), in the background after a start (see ``_ready_image``).
-        self._ready_building: set[str] = set()
+        self._ready = ReadyImages(enabled=self.ready_images)
 
     def _check(self) -> None:
         if not self.qemu:
@@ -317,7 +316,7 @@ class MicroVMBackend(Backend):
         cgroup: _cgroups.Cgroup | None = None
         keep = (theirs.fileno(), ctl_theirs.fileno(), qmp_theirs.fileno(), *plan.fds)
         try:
-            egress, guest_end = _egress_port(spec, rundir, self.rootfs)
+            egress, host_end, guest_end = _egress_port(spec, rundir, self.rootfs, attach=plan.attach_egress)
         except BaseException:
             for sock in (mine, theirs, ctl, ctl_theirs, qmp, qmp_theirs):
                 sock.close()
@@ -369,6 +368,8 @@ class MicroVMBackend(Backend):
                 sock.close()
             if egress is not None:
                 egress.close()
+            if host_end is not None:
+                host_end.close()
             if cgroup is not None:
                 cgroup.remove()
             shutil.rmtree(rundir, ignore_errors=True)
@@ -378,9 +379,24 @@ class MicroVMBackend(Backend):
                 sock.close()
             if guest_end is not None:
                 guest_end.close()
-        boundary = VMBoundary(proc, mine, rundir, cgroup, ctl=ctl, qmp=qmp)
+        boundary = VMBoundary(proc, mine, rundir, cgroup, ctl=ctl, qmp=qmp, egress_port=host_end)
         boundary.egress = egress
         return boundary, SocketStream(mine)
+
+    def _attach_egress(self, spec: SandboxSpec, boundary: VMBoundary) -> None:
+        """Give a QEMU started on an image, before its guest runs, the sandbox's egress proxy
+        on the port it was started with (nothing was behind it: an image's guest, or a QEMU
+        started ahead, serves no sandbox yet, and has no proxy or credentials of any)."""
+        port, boundary.egress_port = boundary.egress_port, None
+        if port is None:
+            return
+        from stockade.egress import attach_port
+
+        try:
+            boundary.egress = attach_port(spec, boundary.rundir / "egress", port, root=self.rootfs)
+        except BaseException:
+            port.close()
+            raise
 
     def _instance(
         self,
@@ -411,17 +427,18 @@ class MicroVMBackend(Backend):
             return self._restore(spec)
         enforcement = self._plan(spec)
         rules = _rules.plan(spec, root=self.rootfs, can_mask=True, can_confine=True)
-        # A sandbox with an allowlist boots cold: a boot image's guest would need an egress
-        # proxy of its own, with the credentials of a sandbox it is not.
-        cold = not self.boot_snapshots or spec.network.egress
-        boot = None if cold else self._boot_image(spec, rules.masks)
-        config = supervisor_config(spec, _guest.own_kernel_limits(spec).rlimits, None)
-        config["report_oom"] = True  # the guest's kernel kills for memory; the host sees nothing
-        readyable = boot is not None and self._readyable(spec, rules)
-        if readyable:
-            ready = self._ready_image(spec, rules.masks, config)
+        # With an allowlist too: an image's guest has an egress port with nothing behind it,
+        # and gets the sandbox's proxy when it becomes the sandbox (``_attach_egress``).
+        boot = self._boot_image(spec, rules.masks) if self.boot_snapshots else None
+        ready_name = image = None
+        if boot is not None and self._ready.serves(spec):
+            # The image's frame: without the caller's variables and the proxy's relay.
+            image = image_config(self._config(spec), self._config(dataclasses.replace(spec, envs={}))["env"])
+            ready_name = self._ready.name(self._machine_key(spec, rules.masks), image, rules, enforcement)
+            # A refused image's QEMU started ahead (which may hold what was refused) is stopped.
+            ready = self._ready.find(self.snapshot_store, ready_name, refused=self._ahead.drop)
             if ready is not None:
-                return self._from_ready_image(spec, rules.masks, ready)
+                return self._from_ready_image(spec, rules, enforcement, ready, image)
         if boot is not None:
             waiting = self._waiting_guest(spec, rules.masks, boot)
             boundary, stream = waiting.boundary, waiting.stream
@@ -435,6 +452,7 @@ class MicroVMBackend(Backend):
             )
             instance.started_from = "boot image"
             try:
+                self._attach_egress(spec, boundary)
                 # The guest runs from here on: its first act is the reseed, before any request.
                 boundary.monitor().command("cont")
                 boundary.reseed()
@@ -448,20 +466,21 @@ class MicroVMBackend(Backend):
                 sid, spec=spec, enforcement=enforcement, boundary=boundary, stream=stream, masks=rules.masks
             )
 
-        def make_config() -> dict[str, Any]:
-            if boundary.egress is None:
-                return config
-            with_egress = supervisor_config(spec, _guest.own_kernel_limits(spec).rlimits, boundary.egress)
-            with_egress["report_oom"] = True
-            return with_egress
-
         def log() -> str:
             return _tail(boundary.rundir / "console.log") or _tail(boundary.rundir / "qemu.log")
 
-        instance.start(make_config, START_TIMEOUT_S, rules, log=log)
-        if readyable and boot is not None:
-            self._build_ready_soon(spec, rules, config, boot)
+        instance.start(lambda: self._config(spec, boundary.egress), START_TIMEOUT_S, rules, log=log)
+        if ready_name is not None and image is not None and boot is not None:
+            self._ready.build_soon(
+                self, spec, rules=rules, config=image, boot=boot, name=ready_name, timeout_s=START_TIMEOUT_S
+            )
         return instance
+
+    def _config(self, spec: SandboxSpec, egress: EgressHandle | None = None) -> dict[str, Any]:
+        """The supervisor's configuration frame for ``spec`` (its rules are added at the handshake)."""
+        config = supervisor_config(spec, _guest.own_kernel_limits(spec).rlimits, egress)
+        config["report_oom"] = True  # the guest's kernel kills for memory; the host sees nothing
+        return config
 
     def close(self) -> None:
         """Stop the QEMU started ahead, and start no other. Idempotent; sandboxes live on."""
@@ -473,205 +492,52 @@ class MicroVMBackend(Backend):
         of its own, if of its shape), or None if none is ready within ``timeout_s`` (for
         benchmarks and tests)."""
         deadline = time.monotonic() + timeout_s
-        while True:
-            with self._lock:
-                building = bool(self._ready_building)
-            with self._ahead.lock:
-                held, filling = self._ahead.held, self._ahead.filling
-            if held is not None and not building:
-                return held[1].sid
-            if (not filling and not building) or time.monotonic() > deadline:
-                return None
+        while self._ready.building and time.monotonic() < deadline:
             time.sleep(0.01)
+        return self._ahead.wait(max(0.0, deadline - time.monotonic()))
 
-    # -- starts from a boot image --------------------------------------------------------------
+    # -- starts from an image -------------------------------------------------------------------
 
-    def _waiting_guest(self, spec: SandboxSpec, masks: tuple[str, ...], boot: tuple[Path, Path]) -> _Waiting:
-        """A QEMU holding the boot image's state, its guest not yet run: the one started
-        ahead for this shape when there is one (and the image is still the one it loaded),
-        else one started now. Then the next is started ahead, in the background."""
-        shape = (self._machine_key(spec, masks), str(spec.limits.cpus), str(boot[0]), str(boot[1]))
-        waiting = None
-        if self.start_ahead and spec.sandbox_id is None:  # a sandbox named by the caller is started for it
-            waiting = self._ahead.take(shape)
-            if waiting is not None and not (waiting.files == _files_identity(boot) and waiting.alive()):
-                waiting.discard()  # the image changed (or was replaced) since, or QEMU died
-                waiting = None
-        if waiting is None:
-            waiting = self._start_waiting(spec, sandbox_id(spec), masks, boot)
-        if self.start_ahead and self._ahead.begin(shape):
-            neutral = dataclasses.replace(spec, envs={}, rules=None, snapshot=None, sandbox_id=None)
-            in_background(lambda: self._fill_ahead(neutral, masks, boot, shape))
-        return waiting
+    def _waiting_guest(self, spec: SandboxSpec, masks: tuple[str, ...], image: tuple[Path, Path]) -> Waiting:
+        shape = (self._machine_key(spec, masks), str(spec.limits.cpus), str(image[0]), str(image[1]))
+        return self._ahead.waiting_guest(self._launch_on_image, spec, masks, image, shape)
 
-    def _start_waiting(
-        self, spec: SandboxSpec, sid: str, masks: tuple[str, ...], boot: tuple[Path, Path]
-    ) -> _Waiting:
-        """Start QEMU for ``sid`` on the boot image: its RAM the image's file, mapped copy on
-        write; its device state loaded; its guest stopped where the image was taken."""
-        ram, device = boot
-        fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            # Before QEMU opens them: a write, or another file at either path, changes these.
-            files = _files_identity(boot)
-            boundary, stream = self._launch(
-                spec, sid, masks, Launch(ram=ram, ram_shared=False, incoming=True, fds=(fd,))
-            )
-            try:
-                boundary.monitor().load(fd, ignore_shared=True, run=False)
-            except BaseException:
-                boundary.kill()
-                raise
-        finally:
-            os.close(fd)
-        return _Waiting(sid=sid, boundary=boundary, stream=stream, files=files)
-
-    def _fill_ahead(
-        self, spec: SandboxSpec, masks: tuple[str, ...], boot: tuple[Path, Path], shape: tuple[str, ...]
-    ) -> None:
-        try:
-            waiting = self._start_waiting(spec, sandbox_id(spec), masks, boot)
-        except BaseException:  # the next start starts its own QEMU, and says why if that fails
-            self._ahead.done()
-            raise
-        if not self._ahead.put(shape, waiting):
-            waiting.discard()
-
-    # -- ready images: a boot image with the supervisor configured and its interpreter started
-
-    def _readyable(self, spec: SandboxSpec, rules: _rules.RulesPlan) -> bool:
-        """Whether sandboxes like ``spec`` start from a ready image: a fresh sandbox (no
-        snapshot to seed, no id to resume under) without rules (whose judge answers the host)
-        and without variables of the caller's (an image is kept on disk, and a variable may be
-        a secret: its sandbox did not ask to be kept)."""
-        return (
-            self.ready_images
-            and spec.snapshot is None
-            and spec.sandbox_id is None
-            and not spec.envs
-            and rules.config is None
-            and spec.approver is None
-        )
-
-    def _ready_name(self, spec: SandboxSpec, masks: tuple[str, ...], config: dict[str, Any]) -> str:
-        # The configuration whole (environment, limits, caps) and what the host enforces
-        # (weakened settings included): only an equal sandbox may start from it.
-        planned = json.dumps(enforcement_state(self._plan(spec)), sort_keys=True, default=str)
-        text = "\n".join((self._machine_key(spec, masks), json.dumps(config, sort_keys=True), planned))
-        return "microvm-ready-" + hashlib.sha256(text.encode()).hexdigest()[:32]
-
-    def _ready_image(
-        self, spec: SandboxSpec, masks: tuple[str, ...], config: dict[str, Any]
-    ) -> tuple[Path, Path, dict[str, Any]] | None:
-        """The ready image for this shape and configuration (its RAM file and device state,
-        checked, and the enforcement its supervisor reported), if one was built: None otherwise,
-        or when it is refused (then never used again by this backend)."""
-        name = self._ready_name(spec, masks, config)
-        store = self.snapshot_store
-        with self._lock:
-            if name in self._boot_failed:
-                return None
-        try:
-            found = store.ref("boot", name)
-            if found is None:
-                return None
-            manifest = store.load(found["snapshot"])
-            blobs = manifest.blobs
-            ram, device = store.check_object(blobs["ram"]), store.check_object(blobs["device"])
-            return ram, device, dict(manifest.tier_state.get("enforcement") or {})
-        except (exc.SnapshotError, KeyError) as err:
-            with self._lock:
-                self._boot_failed[name] = str(err)
-            self._ahead.drop()
-            return None
+    def _launch_on_image(
+        self, spec: SandboxSpec, sid: str, masks: tuple[str, ...], ram: Path, fd: int, *, build: bool = False
+    ) -> tuple[VMBoundary, SocketStream]:
+        """QEMU waiting for an image's device state (on ``fd``), its RAM the image's file:
+        mapped copy on write for a sandbox; written through to build another image."""
+        launch = Launch(ram=ram, ram_shared=build, incoming=True, fds=(fd,), attach_egress=False)
+        return self._launch(spec, sid, masks, launch)
 
     def _from_ready_image(
-        self, spec: SandboxSpec, masks: tuple[str, ...], ready: tuple[Path, Path, dict[str, Any]]
+        self,
+        spec: SandboxSpec,
+        rules: _rules.RulesPlan,
+        enforcement: Enforcement,
+        ready: ReadyImage,
+        image: dict[str, Any],
     ) -> VMInstance:
         """A sandbox from a ready image: like a memory snapshot's fork, the kernel reseeded
-        first, then the interpreter's generators (its next run draws new seeds)."""
-        ram, device, state = ready
-        enforcement = dataclasses.replace(
-            enforcement_from_state(state), timeout_margin_s=self._timeout_margin()
-        )
-        waiting = self._waiting_guest(spec, masks, (ram, device))
+        first, then the interpreter's generators (its next run draws new seeds), with what
+        the image was made without (the caller's variables, the egress relay)."""
+        waiting = self._waiting_guest(spec, rules.masks, (ready.ram, ready.device))
         instance = self._instance(
             waiting.sid, spec=spec, enforcement=enforcement, boundary=waiting.boundary,
-            stream=waiting.stream, masks=masks,
+            stream=waiting.stream, masks=rules.masks,
         )  # fmt: skip
         instance.started_from = "ready image"
         try:
+            if rules.config is not None:
+                instance.hold(rules, ready.rules_report)  # as the handshake would: this spec's own
+            self._attach_egress(spec, waiting.boundary)
             waiting.boundary.monitor().command("cont")
             waiting.boundary.reseed()
-            instance.reseed()
+            instance.reseed(resume_args(self._config(spec, waiting.boundary.egress), image))
         except BaseException:
             instance.close()
             raise
         return instance
-
-    def _build_ready_soon(
-        self, spec: SandboxSpec, rules: _rules.RulesPlan, config: dict[str, Any], boot: tuple[Path, Path]
-    ) -> None:
-        name = self._ready_name(spec, rules.masks, config)
-        with self._lock:
-            if name in self._ready_building or name in self._boot_failed:
-                return
-            self._ready_building.add(name)
-        template = dataclasses.replace(spec, envs={}, labels={}, snapshot=None, sandbox_id=None)
-        in_background(lambda: self._build_ready(template, rules, config, boot, name))
-
-    def _build_ready(
-        self,
-        spec: SandboxSpec,
-        rules: _rules.RulesPlan,
-        config: dict[str, Any],
-        boot: tuple[Path, Path],
-        name: str,
-    ) -> None:
-        """A guest of its own, from the boot image (its RAM a copy of the image's, written
-        through), configured with ``config`` and its interpreter started by running nothing,
-        then stopped and its device state saved: the ready image ``name``. Never handed out."""
-        store = self.snapshot_store
-        ram, device = store.temp_path("ram"), store.temp_path("device")
-        try:
-            if store.ref("boot", name) is not None:
-                return
-            _copy_sparse(boot[0], ram)
-            sid = sandbox_id(spec)
-            fd = os.open(boot[1], os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                boundary, stream = self._launch(
-                    spec, sid, rules.masks, Launch(ram=ram, ram_shared=True, incoming=True, fds=(fd,))
-                )
-                instance = self._instance(
-                    sid, spec=spec, enforcement=self._plan(spec), boundary=boundary, stream=stream,
-                    masks=rules.masks,
-                )  # fmt: skip
-                try:
-                    boundary.monitor().load(fd, ignore_shared=True)
-                    boundary.reseed()
-                    instance.handshake(config, START_TIMEOUT_S, rules)
-                    instance.execute(RunCode(code=""))  # its interpreter process started
-                    with open(device, "wb") as out:
-                        boundary.monitor().save(out, ignore_shared=True)
-                    state = enforcement_state(instance.enforcement)
-                finally:
-                    instance.close()
-            finally:
-                os.close(fd)
-            blobs = {"ram": store.add_file(ram), "device": store.add_file(device)}
-            store.save(
-                kind=SnapshotKind.MEMORY, tier=self.tier, source=sid, spec={}, blobs=blobs,
-                tier_state={"boot": True, "ready": True, "enforcement": state}, ref=("boot", name),
-            )  # fmt: skip
-        except (exc.StockadeError, OSError, TimeoutError) as err:
-            with self._lock:
-                self._boot_failed[name] = str(err)  # sandboxes of this configuration start as before
-        finally:
-            ram.unlink(missing_ok=True)
-            device.unlink(missing_ok=True)
-            with self._lock:
-                self._ready_building.discard(name)
 
     # -- snapshots ---------------------------------------------------------------------------
 
@@ -728,7 +594,8 @@ class MicroVMBackend(Backend):
         template = dataclasses.replace(spec, envs={}, rules=None, snapshot=None, sandbox_id=None)
         sid = sandbox_id(template)
         try:
-            boundary, stream = self._launch(template, sid, masks, Launch(ram=ram, ram_shared=True))
+            plan = Launch(ram=ram, ram_shared=True, attach_egress=False)
+            boundary, stream = self._launch(template, sid, masks, plan)
             instance = SupervisedInstance(
                 id=sid,
                 tier=self.tier,
@@ -800,79 +667,6 @@ class MicroVMBackend(Backend):
 
 
 @dataclass(frozen=True)
-class _Waiting:
-    """A QEMU holding a boot image's state, its guest stopped and never run since the image
-    was taken: no sandbox's yet (no reseed, no configuration); ``files``: the identities of
-    the image's RAM file and device state when QEMU opened them."""
-
-    sid: str
-    boundary: VMBoundary
-    stream: SocketStream
-    files: tuple[tuple[int, ...], ...]
-
-    def alive(self) -> bool:
-        return self.boundary.alive()
-
-    def discard(self) -> None:
-        self.boundary.kill()
-
-
-class _Ahead:
-    """The QEMU started ahead (at most one, for the shape last asked for), and whether one is
-    being started. Apart from the backend, so that the backend's finalizer can close it.
-
-    What it trades: one idle QEMU per backend (its own memory, not the guest's RAM, which is
-    the image's file until written) and its start (~40 ms of CPU) in the background after
-    each start, for the time QEMU takes to start and load the image's state (~60 ms on 2
-    cores): the guest itself runs only for a sandbox, and is reseeded first, as before."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.held: tuple[tuple[str, ...], _Waiting] | None = None
-        self.filling = False
-        self.closed = False
-
-    def take(self, shape: tuple[str, ...]) -> _Waiting | None:
-        with self.lock:
-            held, self.held = self.held, None
-        if held is not None and held[0] != shape:  # another shape is asked for now
-            held[1].discard()
-            return None
-        return None if held is None else held[1]
-
-    def begin(self, shape: tuple[str, ...]) -> bool:
-        """Whether to start one ahead now: none is held or being started, and not closed."""
-        with self.lock:
-            if self.closed or self.filling or self.held is not None:
-                return False
-            self.filling = True
-            return True
-
-    def put(self, shape: tuple[str, ...], waiting: _Waiting) -> bool:
-        with self.lock:
-            self.filling = False
-            if self.closed or self.held is not None:
-                return False
-            self.held = (shape, waiting)
-            return True
-
-    def done(self) -> None:
-        with self.lock:
-            self.filling = False
-
-    def drop(self) -> None:
-        with self.lock:
-            held, self.held = self.held, None
-        if held is not None:
-            held[1].discard()
-
-    def close(self) -> None:
-        with self.lock:
-            self.closed = True
-        self.drop()
-
-
-@dataclass(frozen=True)
 class Machine:
     """The parts of QEMU's command line a snapshot needs (see ``MicroVMBackend._argv``)."""
 
@@ -893,45 +687,9 @@ class Launch:
     ram_shared: bool = False
     incoming: bool = False
     fds: tuple[int, ...] = ()
-
-
-def _copy_sparse(source: Path, target: Path) -> None:
-    """Copy ``source`` to ``target`` (a new file, 0600), writing only its data: a guest's RAM
-    file is mostly holes (pages the guest never touched), which stay holes."""
-    with open(source, "rb") as src:
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            size = os.fstat(src.fileno()).st_size
-            os.ftruncate(fd, size)
-            offset = 0
-            while offset < size:
-                try:
-                    start = os.lseek(src.fileno(), offset, os.SEEK_DATA)
-                except OSError:  # no data past offset
-                    break
-                end = os.lseek(src.fileno(), start, os.SEEK_HOLE)
-                while start < end:
-                    copied = os.copy_file_range(src.fileno(), fd, min(end - start, 64 * MiB), start, start)
-                    if copied <= 0:
-                        raise OSError(f"cannot copy {source}: it ended early")
-                    start += copied
-                offset = end
-        finally:
-            os.close(fd)
-
-
-def _files_identity(paths: tuple[Path, ...]) -> tuple[tuple[int, ...], ...]:
-    """Which files ``paths`` are, and their state: device, inode, size, modification and
-    change times (any write changes the change time, which only the clock can set back)."""
-    out: list[tuple[int, ...]] = []
-    for path in paths:
-        try:
-            st = path.stat()
-        except OSError:
-            out.append(())
-            continue
-        out.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
-    return tuple(out)
+    # With an allowlist: the sandbox's proxy behind its egress port now (a guest booted for
+    # it, or restored from its own snapshot); else the port's end is kept, nothing behind it.
+    attach_egress: bool = True
 
 
 def _identity(path: Path) -> str:
@@ -954,17 +712,20 @@ def _flock(path: Path) -> Iterator[None]:
 
 
 def _egress_port(
-    spec: SandboxSpec, rundir: Path, rootfs: Path | None
-) -> tuple[EgressHandle | None, socket.socket | None]:
-    """With an allowlist: the sandbox's egress proxy, serving the streams of a socketpair
-    whose other end (returned, for QEMU) becomes the guest's egress port."""
+    spec: SandboxSpec, rundir: Path, rootfs: Path | None, *, attach: bool
+) -> tuple[EgressHandle | None, socket.socket | None, socket.socket | None]:
+    """With an allowlist, a socketpair whose guest end (the last, for QEMU) becomes the
+    guest's egress port: with ``attach``, the sandbox's egress proxy serves its streams;
+    without, its host end (the middle) is returned, for ``_attach_egress``."""
     if not spec.network.egress:
-        return None, None
+        return None, None, None
+    host_end, guest_end = socket.socketpair()
+    if not attach:
+        return None, host_end, guest_end
     from stockade.egress import attach_port
 
-    host_end, guest_end = socket.socketpair()
     try:
-        return attach_port(spec, rundir / "egress", host_end, root=rootfs), guest_end
+        return attach_port(spec, rundir / "egress", host_end, root=rootfs), None, guest_end
     except BaseException:
         host_end.close()
         guest_end.close()

@@ -26,6 +26,7 @@ import threading
 import weakref
 from collections.abc import Callable
 
+from stockade.sandbox._slot import Slot
 from stockade.sandbox.base import Backend, Instance, SandboxSpec
 from stockade.sandbox.ops import RunCode
 from stockade.types import TierReport
@@ -33,37 +34,16 @@ from stockade.types import TierReport
 __all__ = ["SpareBackend", "in_background"]
 
 
-class _Spare:
-    """The spare and its filler: apart from the backend, so that a backend nobody holds
-    any more can be collected, and its finalizer close the spare."""
+def _discard(held: tuple[SandboxSpec, Instance]) -> None:
+    held[1].close()
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.held: tuple[SandboxSpec, Instance] | None = None
-        self.filling: threading.Event | None = None  # set when the start under way has ended
-        self.closed = False
 
-    def take(self) -> tuple[SandboxSpec, Instance] | None:
-        with self.lock:
-            held, self.held = self.held, None
-            return held
-
-    def put(self, spec: SandboxSpec, instance: Instance) -> bool:
-        with self.lock:
-            if self.closed or self.held is not None:
-                return False
-            self.held = (spec, instance)
-            return True
-
-    def close(self) -> None:
-        with self.lock:
-            self.closed = True
-        filling = self.filling
-        if filling is not None and threading.current_thread() is not _starter.thread:
-            filling.wait()
-        held = self.take()
-        if held is not None:
-            held[1].close()
+def _close(spare: Slot[tuple[SandboxSpec, Instance]]) -> None:
+    """Close the spare, and the one being started (refused by the closed slot) before we
+    return, unless we are the thread starting it (a job that dropped the last reference)."""
+    spare.close()
+    if threading.current_thread() is not _starter.thread:
+        spare.wait()
 
 
 class SpareBackend(Backend):
@@ -75,8 +55,10 @@ class SpareBackend(Backend):
         self.wrapped = wrapped
         self.tier = wrapped.tier
         self.warm_interpreter = warm_interpreter
-        self._spare = _Spare()
-        weakref.finalize(self, self._spare.close)  # a spare nobody takes dies with us, or at exit
+        # Apart from the backend, so that a backend nobody holds any more can be collected,
+        # and its finalizer close the spare.
+        self._spare: Slot[tuple[SandboxSpec, Instance]] = Slot(_discard)
+        weakref.finalize(self, _close, self._spare)  # a spare nobody takes dies with us, or at exit
 
     def probe(self) -> TierReport:
         return self.wrapped.probe()
@@ -98,41 +80,35 @@ class SpareBackend(Backend):
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait for the spare being started; whether one is ready (for benchmarks and tests)."""
-        filling = self._spare.filling
-        if filling is not None:
-            filling.wait(timeout)
-        return self._spare.held is not None
+        return self._spare.wait(timeout)
 
     def close(self) -> None:
         """Close the spare and start no other. Idempotent."""
-        self._spare.close()
+        _close(self._spare)
 
     def _refill(self, spec: SandboxSpec) -> None:
         spare = self._spare
-        with spare.lock:
-            if spare.closed or (spare.filling is not None and not spare.filling.is_set()):
-                return
-            done = spare.filling = threading.Event()
+        if not spare.begin():
+            return
         backend, warm = self.wrapped, self.warm_interpreter  # not self: the job must not hold us
-        _starter.submit(lambda: _fill(backend, spare, spec, done, warm))
+        _starter.submit(lambda: _fill(backend, spare, spec, warm))
 
 
-def _fill(backend: Backend, spare: _Spare, spec: SandboxSpec, done: threading.Event, warm: bool) -> None:
+def _fill(backend: Backend, spare: Slot[tuple[SandboxSpec, Instance]], spec: SandboxSpec, warm: bool) -> None:
     try:
         instance = backend.start(spec)
     except Exception:  # the next start is then a cold one, and says why if it fails
-        done.set()
+        spare.done()
         return
     try:
         if warm:  # its interpreter process started too: the first run_code is a warm one
             instance.execute(RunCode(code=""))
     except Exception:
         instance.close()
-        done.set()
+        spare.done()
         return
-    if not spare.put(spec, instance):
+    if not spare.put((spec, instance)):
         instance.close()
-    done.set()
 
 
 # Spares are started by one thread that lives as long as the process: a sandbox may die

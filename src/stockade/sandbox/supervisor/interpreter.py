@@ -360,6 +360,10 @@ def main(ctl_in: int, ctl_out: int) -> None:
             if header.get("reseed"):
                 reseed()
             streams.restore()
+            env = header.get("env")
+            if isinstance(env, dict):  # the sandbox's, given after we started: as at our start
+                os.environ.clear()
+                os.environ.update(env)
             reply = interp.run(body.decode("utf-8", "replace"))
             # In the body, not the header: a header is capped at 1 MiB, results are not.
             payload = dumps(reply).encode()

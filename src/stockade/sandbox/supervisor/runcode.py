@@ -66,16 +66,17 @@ def become_interpreter(workspace: str, env: "dict[str, str]") -> "Callable[[], N
     return target
 
 
-def _start(sup: "Supervisor", fds: "tuple[int, int, int, int]") -> "tuple[int, int]":
+def _start(sup: "Supervisor", fds: "tuple[int, int, int, int]") -> "tuple[int, int, dict[str, str]]":
     """The new interpreter, forked by the zygote; by the supervisor (under a shim) only while
     it has served no one else (its heap holds what earlier users' commands and files passed
     through it, and a fork would hand that to this user's code). Returns the pid leading
-    the interpreter's session and the subreaper that adopts what its code leaves behind:
-    the interpreter and the zygote, or the shim twice."""
+    the interpreter's session, the subreaper that adopts what its code leaves behind (the
+    interpreter and the zygote, or the shim twice), and the environment the interpreter
+    starts with."""
     zygote = sup.zygote
     if zygote is not None:
         try:
-            return zygote.spawn(fds, START_S), zygote.pid
+            return zygote.spawn(fds, START_S), zygote.pid, zygote.env
         except OSError as exc:
             if exc.errno in (errno.EAGAIN, errno.ENOMEM):  # out of processes: the zygote is fine
                 raise
@@ -88,7 +89,7 @@ def _start(sup: "Supervisor", fds: "tuple[int, int, int, int]") -> "tuple[int, i
     out_w, err_w, in_r, res_w = fds
     target = become_interpreter(sup.workspace.root, sup.env)
     shim = spawn_shim(forked(target), (sup.devnull, out_w, err_w), keep=(in_r, res_w), confine=sup.confine)
-    return shim, shim
+    return shim, shim, sup.env
 
 
 class Interpreter:
@@ -103,7 +104,7 @@ class Interpreter:
         try:
             # "shim" as a command's: the pid we kill and find the run's processes by (the
             # interpreter itself, when the zygote forked it); "adopter": see _start.
-            self.shim, self.adopter = _start(sup, (out_w, err_w, in_r, res_w))
+            self.shim, self.adopter, self.env = _start(sup, (out_w, err_w, in_r, res_w))
         except OSError:
             for fd in (out_r, out_w, err_r, err_w, in_r, in_w, res_r, res_w):
                 os.close(fd)
@@ -146,6 +147,9 @@ class Interpreter:
         if self.sup.reseed:
             header["reseed"] = True
             self.sup.reseed = False
+        if self.env != self.sup.env:  # given after a resume, or after its zygote's fork
+            header["env"] = self.sup.env
+            self.env = self.sup.env
         data = encode(header, body)
         os.set_blocking(self.ctl_w, True)
         try:

@@ -364,8 +364,22 @@ class Supervisor:
         self.send({"id": rid, "ev": "done", "pid": os.getpid()})
 
     def op_reseed(self, rid: int, h: dict[str, Any], body: bytes) -> None:
-        """Sent by the host first thing after a restore from a memory snapshot."""
+        """Sent by the host first thing after a restore from a memory snapshot. From a
+        microVM's ready image (made without them), with the sandbox's ``env``, its whole
+        environment, and its ``egress`` relay: applied as ``configure`` applies them, and kept
+        in the configuration a reset hands over. Commands get the environment from here on,
+        the interpreter with its next run (``Interpreter.next_run``)."""
         self.reseed = self.interpreter is not None  # a later interpreter is forked, and reseeds then
+        env = h.get("env")
+        if isinstance(env, dict):
+            self.env = {str(k): str(v) for k, v in env.items()}
+            self.config = {**self.config, "env": self.env}
+        relay = h.get("egress")
+        if relay and self.egress is None:
+            import egress  # type: ignore[import-not-found]
+
+            self.egress = egress.make(self.sel, relay)
+            self.config = {**self.config, "egress": relay}
         self.send({"id": rid, "ev": "done"})
 
     def op_exec(self, rid: int, h: dict[str, Any], body: bytes) -> None:

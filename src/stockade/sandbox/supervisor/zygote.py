@@ -47,10 +47,11 @@ NOT_SERVING = (b"T", b"t", b"Z", b"X", b"x")
 class Zygote:
     """The supervisor's handle on its zygote."""
 
-    def __init__(self, pid: int, sock: "Any") -> None:
+    def __init__(self, pid: int, sock: "Any", env: "dict[str, str]") -> None:
         self.pid = pid
         self.sock = sock
         self.alive = True  # until the supervisor reaps it
+        self.env = env  # the environment its interpreters start with
 
     def serving(self) -> bool:
         """Alive and not stopped (code of our uid can SIGSTOP or SIGKILL it)."""
@@ -144,7 +145,7 @@ def start(
         finally:
             os._exit(0)
     theirs.close()
-    return Zygote(pid, ours)
+    return Zygote(pid, ours, dict(env))
 
 
 # Not the array module: importing it imports collections (~4 ms of a sandbox's start-up).

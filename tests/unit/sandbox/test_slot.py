@@ -1,0 +1,66 @@
+"""Slot: one thing made ahead, held for the next taker, never held after close."""
+
+from __future__ import annotations
+
+import threading
+
+from stockade.sandbox._slot import Slot
+
+
+def _slot() -> tuple[Slot[str], list[str]]:
+    discarded: list[str] = []
+    return Slot(discarded.append), discarded
+
+
+def test_one_is_made_at_a_time_and_taken_once() -> None:
+    slot, discarded = _slot()
+    assert slot.take() is None and not slot.filling
+    assert slot.begin() and slot.filling
+    assert not slot.begin()  # one is being made
+    assert slot.put("a") and not slot.filling
+    assert not slot.begin()  # one is held
+    assert slot.peek() == "a"
+    assert slot.take() == "a" and slot.take() is None
+    assert discarded == []
+
+
+def test_what_is_put_while_one_is_held_or_after_close_is_refused() -> None:
+    slot, discarded = _slot()
+    assert slot.put("a")
+    assert not slot.put("b")  # the caller discards it: the slot never does
+    assert slot.begin() is False
+    slot.close()
+    assert discarded == ["a"] and slot.take() is None
+    assert not slot.begin() and not slot.put("c")
+    slot.close()  # idempotent
+    assert discarded == ["a"]
+
+
+def test_a_failed_making_ends_and_the_next_may_begin() -> None:
+    slot, _ = _slot()
+    assert slot.begin()
+    slot.done()
+    assert not slot.filling and slot.begin()
+
+
+def test_drop_discards_the_held_one() -> None:
+    slot, discarded = _slot()
+    slot.drop()
+    assert discarded == []
+    slot.put("a")
+    slot.drop()
+    assert discarded == ["a"] and slot.peek() is None and not slot.closed
+
+
+def test_wait_returns_when_the_making_ends() -> None:
+    slot, discarded = _slot()
+    assert slot.wait(0) is False  # nothing being made: at once
+    assert slot.begin()
+    assert slot.wait(0.01) is False  # still being made
+    maker = threading.Thread(target=lambda: slot.put("a"))
+    maker.start()
+    assert slot.wait(5) is True
+    maker.join()
+    slot.close()  # a close while one is being made: its put is refused
+    assert slot.begin() is False
+    assert discarded == ["a"]
