@@ -16,7 +16,7 @@ import functools
 import ssl
 import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -109,6 +109,31 @@ class Exchange:
     def __init__(self, gate: Gate) -> None:
         self.gate = gate
         self.upstreams: Pool[Plain] = Pool()  # connections to servers, kept between this sandbox's requests
+
+    async def serve(
+        self,
+        client: Stream,
+        *,
+        tunnel: tuple[str, int, str] | None,
+        on_connect: Callable[[Any, Any], Awaitable[None]] | None = None,
+    ) -> None:
+        """Each request of one client connection (plain, or the TLS inside a ``tunnel``) in
+        turn, while both sides keep it open; a ``CONNECT`` goes to ``on_connect`` (plain only),
+        which then owns the connection."""
+        h11 = load_h11()
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=HEAD_LIMIT)
+        while True:
+            event = await within(next_event(conn, client), HEAD_TIMEOUT_S)
+            if not isinstance(event, h11.Request):
+                return
+            if on_connect is not None and event.method == b"CONNECT":
+                await on_connect(conn, event)
+                return
+            if not await self.forward(conn, client, event, tunnel=tunnel):
+                return
+            if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+                return
+            conn.start_next_cycle()
 
     async def forward(
         self, conn: Any, client: Stream, request: Any, *, tunnel: tuple[str, int, str] | None

@@ -18,7 +18,6 @@ from typing import Any
 from stockade.egress._gate import Gate, Refused
 from stockade.egress._http import (
     CONNECT_TIMEOUT_S,
-    HEAD_LIMIT,
     HEAD_TIMEOUT_S,
     Exchange,
     authority,
@@ -134,7 +133,6 @@ class Tunnels:
     ) -> None:
         """Answer the tunnel's TLS as ``host`` (the sandbox's CA), then each request in it."""
         host = tunnel[0]
-        h11 = load_h11()
         assert self.ca is not None
         tls = ServerTLS(client, self.ca.context(host), hello)
         try:
@@ -144,16 +142,7 @@ class Tunnels:
                                    reason=f"the client refused the sandbox's certificate: {err}",
                                    duration_s=time.monotonic() - started))  # fmt: skip
             return
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=HEAD_LIMIT)
-        while True:
-            event = await within(next_event(conn, tls), HEAD_TIMEOUT_S)
-            if not isinstance(event, h11.Request):
-                return
-            if not await self.exchange.forward(conn, tls, event, tunnel=tunnel):
-                return
-            if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
-                return
-            conn.start_next_cycle()
+        await self.exchange.serve(tls, tunnel=tunnel)
 
 
 def sni_problem(host: str, is_tls: bool, sni: str | None) -> str | None:

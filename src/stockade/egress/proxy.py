@@ -39,11 +39,12 @@ import asyncio
 import contextlib
 import socket
 import ssl
+from typing import Any
 
 from stockade.egress._gate import EgressObserver, Gate, Window
-from stockade.egress._http import HEAD_LIMIT, HEAD_TIMEOUT_S, Exchange, load_h11, next_event
+from stockade.egress._http import Exchange, load_h11
 from stockade.egress._resolve import Resolver, SystemResolver
-from stockade.egress._streams import Plain, within, wrap
+from stockade.egress._streams import Plain, wrap
 from stockade.egress._tls import SandboxCA
 from stockade.egress._tunnel import Tunnels
 from stockade.egress._upstream import Pool
@@ -239,17 +240,7 @@ class EgressProxy:
             client.close()
 
     async def _serve(self, client: Plain) -> None:
-        h11 = load_h11()
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=HEAD_LIMIT)
-        while True:
-            event = await within(next_event(conn, client), HEAD_TIMEOUT_S)
-            if not isinstance(event, h11.Request):
-                return
-            if event.method == b"CONNECT":
-                await self.tunnels.serve(conn, client, event)
-                return
-            if not await self.exchange.forward(conn, client, event, tunnel=None):
-                return
-            if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
-                return
-            conn.start_next_cycle()
+        async def tunnel(conn: Any, request: Any) -> None:
+            await self.tunnels.serve(conn, client, request)
+
+        await self.exchange.serve(client, tunnel=None, on_connect=tunnel)
