@@ -98,34 +98,34 @@ class Relay:
         self._settle(end)
 
     def _accept(self):
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:  # out of descriptors: the connection waits in the backlog
-                return
-            if len(self.ends) >= 2 * MAX_PAIRS:
-                client.close()
-                continue
-            upstream = self._take_warm() or self._connect()
-            if upstream is None:
-                client.close()
-                continue
-            client.setblocking(False)
-            # No Nagle: a reply relayed in pieces would wait for the client's delayed ACK (40 ms).
-            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            a, b = _End(client, client=True), _End(upstream)
-            a.peer, b.peer = b, a
-            for end in (a, b):
-                self.ends[end.sock.fileno()] = end
-                end.events = IN
-                self.sel.register(end.sock.fileno(), IN, ("egress", self))
+        # One per wake-up: the listener is level-triggered, so another connection waiting
+        # wakes the loop again, and the usual one spares the accept that finds nothing.
+        try:
+            client, _ = self.listener.accept()
+        except OSError:  # nothing waiting, or out of descriptors: it waits in the backlog
+            return
+        if len(self.ends) >= 2 * MAX_PAIRS:
+            client.close()
+            return
+        upstream = self._take_warm() or self._connect()
+        if upstream is None:
+            client.close()
+            return
+        # The code's end stays a blocking socket that every call asks not to block
+        # (MSG_DONTWAIT): one system call fewer than making it non-blocking.
+        # No Nagle: a reply relayed in pieces would wait for the client's delayed ACK (40 ms).
+        # gVisor's netstack does not pass it on from the listener, so it is set on each.
+        client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        a, b = _End(client, client=True), _End(upstream)
+        a.peer, b.peer = b, a
+        for end in (a, b):
+            self.ends[end.sock.fileno()] = end
+            end.events = IN
+            self.sel.register(end.sock.fileno(), IN, ("egress", self))
 
     def _connect(self):
-        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
         try:
-            upstream.setblocking(False)
             upstream.connect(self.target)
         except OSError:  # the proxy is gone, or its backlog is full
             upstream.close()
@@ -164,7 +164,7 @@ class Relay:
         if end.eof_in or len(peer.out) >= BUF:
             return
         try:
-            data = end.sock.recv(CHUNK)
+            data = end.sock.recv(CHUNK, socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
             return
         if data:
@@ -177,13 +177,16 @@ class Relay:
                 self._refill()
             return
         end.eof_in = True
+        if peer.eof_in and not peer.out and not end.out:
+            return  # both ways are done: the pair is closed next, and the close says the rest
         peer.shut_pending = True
         self._flush(peer)
 
     def _flush(self, end):
         while end.out:
             try:
-                sent = end.sock.send(end.out[:CHUNK] if len(end.out) > CHUNK else end.out)
+                chunk = end.out[:CHUNK] if len(end.out) > CHUNK else end.out
+                sent = end.sock.send(chunk, socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 return
             del end.out[:sent]
@@ -209,19 +212,24 @@ class Relay:
                 want |= IN
             if e.out:
                 want |= OUT
-            if want != e.events:
-                e.events = want
-                self.sel.modify(e.sock.fileno(), want)
+            if want == e.events:
+                continue
+            fd = e.sock.fileno()
+            if not want:  # out of the poller rather than in it for nothing: no call at the close
+                self.sel.unregister(fd)
+            elif not e.events:
+                self.sel.register(fd, want, ("egress", self))
+            else:
+                self.sel.modify(fd, want)
+            e.events = want
 
     def _drop(self, end):
         for e in (end, end.peer):
             fd = e.sock.fileno()
             if fd in self.ends:
                 del self.ends[fd]
-                try:
+                if e.events:
                     self.sel.unregister(fd)
-                except KeyError:
-                    pass
             e.sock.close()
         self._refill()  # a client that sent nothing took one too
 
