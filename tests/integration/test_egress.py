@@ -242,7 +242,7 @@ def test_the_proxy_dies_with_the_sandbox(egress_tier: str, local: Servers) -> No
     socket_path = attachment.socket_path
     assert socket_path.exists()
     sbx.close()
-    assert not socket_path.exists() and attachment.proxy.ca is None and not attachment.proxy._secrets
+    assert not socket_path.exists() and attachment.proxy.ca is None and not attachment.proxy.gate.secrets
 
 
 def _agent_policy(local: Servers, folder: Path) -> Path:
@@ -371,7 +371,7 @@ def test_a_killed_runs_credential_is_cut_mid_request(
             found["killed_at"] = time.monotonic()
             attachment = found["attachment"]
             found["socket_at_kill"] = attachment.socket_path.exists()
-            found["secrets_at_kill"] = bool(attachment.proxy._secrets)
+            found["secrets_at_kill"] = bool(attachment.proxy.gate.secrets)
             found["ca_at_kill"] = attachment.proxy.ca
 
     def pull() -> None:

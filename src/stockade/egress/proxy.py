@@ -47,7 +47,6 @@ from stockade.egress._resolve import Resolver, SystemResolver
 from stockade.egress._streams import Plain, wrap
 from stockade.egress._tls import SandboxCA
 from stockade.egress._tunnel import Tunnels
-from stockade.egress._upstream import Pool
 from stockade.types import EgressRecord, NetworkPolicy
 
 __all__ = ["EgressObserver", "EgressProxy", "EgressRecord", "Resolver", "SystemResolver"]
@@ -88,7 +87,7 @@ class EgressProxy:
         self._tasks: set[asyncio.Task[None]] = set()  # those being served (the limit counts them)
         self._closed = False
 
-    # -- what the sandbox's parts look at -----------------------------------------------------
+    # -- what callers may read (the package's own parts go to ``gate`` and ``exchange``) ------
 
     @property
     def ca(self) -> SandboxCA | None:
@@ -99,15 +98,6 @@ class EgressProxy:
     def ca_pem(self) -> bytes | None:
         """The sandbox CA's certificate (what the sandbox must trust), if TLS is ever opened."""
         return self.ca.pem if self.ca is not None else None
-
-    @property
-    def upstreams(self) -> Pool[Plain]:
-        """The connections to servers kept between this sandbox's requests."""
-        return self.exchange.upstreams
-
-    @upstreams.setter
-    def upstreams(self, pool: Pool[Plain]) -> None:
-        self.exchange.upstreams = pool
 
     @property
     def observer(self) -> EgressObserver | None:
@@ -131,10 +121,6 @@ class EgressProxy:
     def observer_failures(self) -> int:
         """How many records the observer failed to take (the proxy went on)."""
         return self.gate.observer_failures
-
-    @property
-    def _secrets(self) -> dict[str, str]:
-        return self.gate.secrets
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -208,7 +194,7 @@ class EgressProxy:
         pending = [*tasks, *self._connections]
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
-        self.upstreams.close()
+        self.exchange.upstreams.close()
         self.gate.close()  # the records still held go to the observer, then the secrets
         self.tunnels.ca = None
 

@@ -251,7 +251,7 @@ def test_closing_cuts_a_credentialed_request_mid_answer_and_records_it(
     answer.close()
     (record,) = [r for r in proxy.records if r.method == "GET"]
     assert (record.status, record.credential) == (0, "api") and "closed mid-request" in record.reason
-    assert proxy.proxy.ca is None and not proxy.proxy._secrets
+    assert proxy.proxy.ca is None and not proxy.proxy.gate.secrets
     # the upstream connection was cut too: the server notices at its next writes (one every 0.05 s)
     wait_for(
         lambda: len(local.https_seen.cut) > cut_before, what="the server to see its answer cut", timeout_s=5

@@ -169,14 +169,14 @@ def test_kept_connections_close_when_idle_and_when_the_sandbox_ends(
     server: Counting, proxies: list[Proxy]
 ) -> None:
     first, second = proxies
-    first.proxy.upstreams = Pool(idle_s=0.2)
+    first.proxy.exchange.upstreams = Pool(idle_s=0.2)
     first.get("/a")
     wait_for(lambda: server.open == 0, what="the idle connection closed after idle_s", timeout_s=5)
     second.get("/b")
     assert server.open == 1
     second.close()
     wait_for(lambda: server.open == 0, what="the kept connection closed with its proxy", timeout_s=5)
-    assert len(second.proxy.upstreams) == 0
+    assert len(second.proxy.exchange.upstreams) == 0
 
 
 def test_a_kept_connection_waits_for_no_delayed_ack(server: Counting, proxies: list[Proxy]) -> None:
