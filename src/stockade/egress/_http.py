@@ -159,6 +159,16 @@ class Exchange:
             path, scheme = target, "https"
         rule = ""
         try:
+            if header(request.headers, b"transfer-encoding") is not None and (
+                header(request.headers, b"content-length") is not None
+            ):
+                # Two framings: read one way here and the other by a server, the bytes after the
+                # body would be a request nobody judged (RFC 9112, 6.3: "ought to be handled as
+                # an error"). No client sends both.
+                raise Refused(400, Verdict(
+                    allowed=False, rule="request (framing)",
+                    reason="a request with both Content-Length and Transfer-Encoding",
+                ))  # fmt: skip
             if tunnel is None and (parsed.scheme != "http" or not host or not port):
                 raise Refused(400, Verdict(
                     allowed=False, rule="request",
@@ -479,13 +489,15 @@ def forwarded_headers(headers: Any, host: str, port: int, scheme: str) -> list[t
         if lower in HOP_BY_HOP or lower in (b"host", b"content-length"):
             continue
         out.append((bytes(key), bytes(value)))
+    # One framing, the one h11 read the body by (Transfer-Encoding beats Content-Length; a
+    # request with both is refused before this), and h11 re-frames the body it forwards.
+    if any(k.lower() == b"transfer-encoding" for k, _ in headers):
+        out.append((b"Transfer-Encoding", b"chunked"))
+        return out
     for key, value in headers:
         if key.lower() == b"content-length":
             out.append((b"Content-Length", bytes(value)))
             break
-    else:
-        if any(k.lower() == b"transfer-encoding" for k, _ in headers):
-            out.append((b"Transfer-Encoding", b"chunked"))  # h11 re-frames the body it forwards
     return out
 
 
