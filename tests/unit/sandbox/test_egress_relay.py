@@ -4,9 +4,11 @@ proxy closed instead of handing them to the code."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import select
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,6 +119,70 @@ def test_a_warm_connection_the_proxy_refused_is_not_handed_out(proxy: socket.soc
             assert fresh.recv(100) == b"hello"
             fresh.close()
         warm.close()
+    finally:
+        relay.close()
+
+
+def test_half_closes_go_through_both_ways_and_an_end_out_of_the_poller_comes_back(
+    proxy: socket.socket, tmp_path: Path
+) -> None:
+    """The code ends its request with a shutdown and gets the answer after it; the proxy
+    shuts its side first and still gets megabytes from the code afterwards (its end, with
+    nothing to read, has left the poller and must come back to be written to); then the
+    pair is closed and nothing of it is left in the poller."""
+    poller = Poller()
+    port = _free_port()
+    relay = egress.Relay(poller, {"socket": str(tmp_path / "proxy.sock"), "listen": port})
+    size = 4 * 1024 * 1024  # more than the sockets' buffers: some sends must wait
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as client:
+            client.sendall(b"request")
+            client.shutdown(socket.SHUT_WR)
+            poller.pump()
+            upstream = _accepted(proxy)
+            got = b""
+            while chunk := upstream.recv(100):  # the code's EOF came through
+                got += chunk
+            assert got == b"request"
+            upstream.sendall(b"answer")
+            upstream.close()
+            poller.pump()
+            assert client.recv(100) == b"answer" and client.recv(100) == b""
+        assert not relay.ends and set(poller.data) == {relay.listener.fileno()}
+
+        with socket.create_connection(("127.0.0.1", port), timeout=2) as client:
+            poller.pump()
+            upstream = _accepted(proxy)
+            upstream.sendall(b"done")
+            upstream.shutdown(socket.SHUT_WR)
+            poller.pump()
+            assert client.recv(100) == b"done" and client.recv(100) == b""
+            # the proxy's end waits for nothing: out of the poller (the listener and the code's end stay)
+            code_end = [fd for fd, end in relay.ends.items() if end.client]
+            assert set(poller.data) == {relay.listener.fileno(), *code_end}
+            received = bytearray()
+
+            def read() -> None:
+                while chunk := upstream.recv(1 << 16):
+                    received.extend(chunk)
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            client.setblocking(False)
+            sent = 0
+            deadline = time.monotonic() + 30
+            while (sent < size or len(received) < size) and time.monotonic() < deadline:
+                if sent < size:
+                    with contextlib.suppress(BlockingIOError):
+                        sent += client.send(b"x" * min(1 << 16, size - sent))
+                poller.pump(1)
+            client.shutdown(socket.SHUT_WR)
+            poller.pump()
+            reader.join(5)
+            assert len(received) == size
+            upstream.close()
+            poller.pump()
+        assert not relay.ends and set(poller.data) == {relay.listener.fileno()}
     finally:
         relay.close()
 
