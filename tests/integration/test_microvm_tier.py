@@ -341,10 +341,11 @@ def test_a_sandbox_with_rules_starts_from_its_ready_image_and_holds_them(tmp_pat
 
 def test_a_configurations_first_start_comes_from_the_ready_image_built_ahead(tmp_path: Path) -> None:
     """``prepare_for`` (a deploy step, ``stockade prepare``) builds the machine's boot image and
-    the configuration's ready image: the very first sandbox of that configuration starts from
-    it, its rules in force before any code runs; the limits read per request (the timeout,
-    the output cap) are not the image's, and hold all the same. A pool has its members' image
-    built before its first fill: its first member starts from it too."""
+    the configuration's ready image, and starts a QEMU ahead on it: the very first sandbox of
+    that configuration starts from it (in that QEMU), its rules in force before any code
+    runs; the limits read per request (the timeout, the output cap) are not the image's, and
+    hold all the same. A pool has its members' image built before its first fill: its first
+    member starts from it too."""
     require_tier("microvm")
     store = SnapshotStore(tmp_path / "store")
     backend = microvm.MicroVMBackend(snapshot_store=store)
@@ -353,9 +354,10 @@ def test_a_configurations_first_start_comes_from_the_ready_image_built_ahead(tmp
         made = backend.prepare_for(SandboxSpec(rules=rules))
         assert made == "ready image", (backend._boot_failed, backend._ready.refused)
         assert backend.prepare_for(SandboxSpec(rules=rules)) == "ready image"  # found, not built again
+        ahead = backend.wait_ahead(120)  # and a QEMU started ahead on it, for the first start
         limits = Limits(timeout_s=3, output_bytes=1000)
         with Sandbox.create("microvm", backend=backend, rules=rules, limits=limits) as sbx:
-            assert sbx.started_from == "ready image"
+            assert sbx.started_from == "ready image" and sbx.id == ahead
             assert sbx.enforcement.paths is Mechanism.LANDLOCK and sbx.enforcement.programs is Mechanism.MASK
             r = sbx.commands.run("uname; echo x > top.txt; echo ok")
             assert "Linux" not in r.stdout and r.stdout.endswith("ok\n"), (r.stdout, r.stderr)

@@ -496,10 +496,16 @@ class MicroVMBackend(Backend):
         if not self._ready.serves(spec):
             return "boot image"
         build = self._ready_build(spec, rules, enforcement, boot)
-        if self._ready.find(self.snapshot_store, build.name, refused=self._ahead.drop) is None:
+        ready = self._ready.find(self.snapshot_store, build.name, refused=self._ahead.drop)
+        if ready is None:
             self._ready.build_now(self, build)
-            if self._ready.find(self.snapshot_store, build.name, refused=self._ahead.drop) is None:
+            ready = self._ready.find(self.snapshot_store, build.name, refused=self._ahead.drop)
+            if ready is None:
                 return "boot image"
+        # The QEMU started ahead on it too: the first start takes it, as the next ones do.
+        image, masks = (ready.ram, ready.device), rules.masks
+        shape = self._shape(spec, masks, image)
+        self._ahead.start_for(self._launch_on_image, spec, masks, image, shape, timeout_s=START_TIMEOUT_S)
         return "ready image"
 
     def _config(self, spec: SandboxSpec, egress: EgressHandle | None = None) -> dict[str, Any]:
@@ -525,8 +531,12 @@ class MicroVMBackend(Backend):
     # -- starts from an image -------------------------------------------------------------------
 
     def _waiting_guest(self, spec: SandboxSpec, masks: tuple[str, ...], image: tuple[Path, Path]) -> Waiting:
-        shape = (self._machine_key(spec, masks), str(spec.limits.cpus), str(image[0]), str(image[1]))
+        shape = self._shape(spec, masks, image)
         return self._ahead.waiting_guest(self._launch_on_image, spec, masks, image, shape)
+
+    def _shape(self, spec: SandboxSpec, masks: tuple[str, ...], image: tuple[Path, Path]) -> tuple[str, ...]:
+        """Which QEMU started ahead serves ``spec`` from ``image``."""
+        return (self._machine_key(spec, masks), str(spec.limits.cpus), str(image[0]), str(image[1]))
 
     def _launch_on_image(
         self, spec: SandboxSpec, sid: str, masks: tuple[str, ...], ram: Path, fd: int, *, build: bool = False
