@@ -1,7 +1,7 @@
 """Snapshots: a microVM started from its boot image against a cold boot, and what pause,
 resume, snapshot and fork cost on the process tier, gVisor and the microVM.
 
-    python bench/snapshots.py [--runs N] [--tiers process,gvisor,microvm]
+    python bench/snapshots.py [--runs N] [--tiers process,gvisor,microvm] [--first-starts]
 
 Side by side in one run, interleaved (drift hits every row alike):
 * microVM cold: ``MicroVMBackend(boot_snapshots=False)``: create + ``run_code("print(1)")``;
@@ -24,6 +24,12 @@ Side by side in one run, interleaved (drift hits every row alike):
   host's default; checkpointed with the engine's runsc state, restored by stockade's runsc)
   and on stockade's own runsc (``gvisor/runsc``); each against its own cold start (create +
   ``run_code``) and its files snapshots (``memory=False``).
+* with ``--first-starts`` (the microVM only, instead of the rest): the FIRST start of a
+  configuration never seen before (rules with a write path of its own each time; the same
+  masks, so the same boot image), interleaved: as it comes (from the boot image, its ready
+  image built in the background after it, waited for before the next, not counted), and
+  after ``prepare_for`` (a deploy step, a pool's start: counted in a row of its own) built its
+  ready image and started a QEMU ahead on it (waited for, not counted).
 Prints markdown tables (medians) and the machine's load.
 """
 
@@ -40,7 +46,7 @@ from pathlib import Path
 
 from stockade import Limits, Sandbox, SandboxRules, SnapshotStore
 from stockade.sandbox import microvm
-from stockade.sandbox.base import Backend
+from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.sandbox.gvisor import GVisorBackend
 
 COLD = "microvm cold: create + run_code print(1)"
@@ -54,6 +60,9 @@ RULES_BOOT = "microvm with rules, from the boot image, QEMU started ahead: creat
 ENVS_BOOT = (
     "microvm with a caller's variable, from the boot image, QEMU started ahead: create + run_code print(1)"
 )
+FIRST = "microvm, a new configuration's first start, as it comes: create + run_code print(1)"
+FIRST_READY = "microvm, a new configuration's first start after prepare_for: create + run_code print(1)"
+PREPARE = "microvm: prepare_for a new configuration (its ready image built; a deploy step)"
 # A policy of the common kind: a denied program (masked), an argv rule (each exec judged), writes
 # to one folder (Landlock).
 POLICY = SandboxRules(deny=("curl", "git push"), write=("src/**",))
@@ -171,16 +180,47 @@ def microvm_starts(store: SnapshotStore, runs: int, rows: dict[str, list[float]]
             backend.close()
 
 
+def first_starts(store: SnapshotStore, runs: int, rows: dict[str, list[float]]) -> None:
+    """A new configuration's first start, as it comes and after ``prepare_for``, interleaved."""
+    backend = microvm.MicroVMBackend(snapshot_store=store)
+    first_print(backend, rules=POLICY)  # the boot image of these rules' machine (their masks)
+    backend.wait_ahead(300)
+    print(f"load average before: {os.getloadavg()[0]:.1f}")
+    try:
+        for i in range(runs):
+            # Each its own configuration: a write path never asked for before (the masks stay).
+            asis = SandboxRules(deny=POLICY.deny, write=(f"first-{i}/**",))
+            prepared = SandboxRules(deny=POLICY.deny, write=(f"ahead-{i}/**",))
+            rows.setdefault(FIRST, []).append(first_print(backend, rules=asis))
+            backend.wait_ahead(300)  # its ready image, built in the background: not counted
+            start = time.perf_counter()
+            made = backend.prepare_for(SandboxSpec(rules=prepared))
+            rows.setdefault(PREPARE, []).append(time.perf_counter() - start)
+            if made != "ready image":
+                raise SystemExit(f"prepare_for made no ready image: {made} {backend._ready.refused}")
+            backend.wait_ahead(60)  # the QEMU it started ahead on the image (a deploy step's, long ready)
+            rows.setdefault(FIRST_READY, []).append(first_print(backend, rules=prepared))
+            backend.wait_ahead(300)
+    finally:
+        backend.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--tiers", default="process,microvm")
+    parser.add_argument("--first-starts", action="store_true", help="only a new configuration's first start")
     args = parser.parse_args()
-    tiers = [t for tier in args.tiers.split(",") for t in (GVISOR_MODES if tier == "gvisor" else (tier,))]
+    if args.first_starts:
+        args.tiers = ""
+    named = [tier for tier in args.tiers.split(",") if tier]
+    tiers = [t for tier in named for t in (GVISOR_MODES if tier == "gvisor" else (tier,))]
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["STOCKADE_SNAPSHOT_DIR"] = tmp  # the tiers' own boot images too, gone after
         store = SnapshotStore(Path(tmp))
         rows: dict[str, list[float]] = {}
+        if args.first_starts:
+            first_starts(store, args.runs, rows)
         if "microvm" in tiers:
             microvm_starts(store, args.runs, rows)
         for _ in range(args.runs):
@@ -198,8 +238,12 @@ def main() -> None:
                         rows.setdefault(f"{label} pause", [])
                         rows.setdefault(f"{label} resume + run_code", [])
                     lifecycle(tier, store, rows, memory=memory)
+    report(rows, tiers, args.runs)
+
+
+def report(rows: dict[str, list[float]], tiers: list[str], runs: int) -> None:
     load = os.getloadavg()
-    print(f"{args.runs} runs, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}\n")
+    print(f"{runs} runs, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}\n")
     print("| measurement | median | min | max |")
     print("|---|---|---|---|")
     for name, values in rows.items():
@@ -211,6 +255,9 @@ def main() -> None:
         for name in (WARM, AHEAD, READY, RULES_BOOT, RULES, ENVS_BOOT, ENVS):
             med, under = statistics.median(rows[name]), sum(v < 0.5 for v in rows[name])
             print(f"\n{name}: {cold_med / med:.1f}x faster than cold; {under}/{len(rows[name])} under 0.5 s")
+    for name in (FIRST, FIRST_READY):
+        if rows.get(name):
+            print(f"\n{name}: {sum(v < 0.5 for v in rows[name])}/{len(rows[name])} under 0.5 s")
 
 
 if __name__ == "__main__":

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from stockade import ExecRecord, Limits, Sandbox, SandboxRules, SnapshotStore
+from stockade import ExecRecord, Limits, Sandbox, SandboxPool, SandboxRules, SnapshotStore
 from stockade.sandbox import _guest, microvm
 from stockade.sandbox._microvm_instance import VMInstance
+from stockade.sandbox.base import SandboxSpec
 from stockade.types import Mechanism
 from tests.conftest import require_tier, wait_for
 
@@ -212,12 +213,12 @@ def test_a_configuration_seen_before_starts_from_its_ready_image(tmp_path: Path)
                 clone.files.write("mine.txt", "x")
         for column in list(zip(*seen, strict=True))[:5]:
             assert len(set(column)) == len(column), column
-        with Sandbox.create("microvm", backend=backend, limits=Limits(timeout_s=7)) as timed:
-            assert timed.run_code("1 + 1").text == "2"
-            assert _started_from(timed) == "boot image"
+        with Sandbox.create("microvm", backend=backend, limits=Limits(pids=64)) as other:
+            assert other.run_code("1 + 1").text == "2"
+            assert _started_from(other) == "boot image"
         backend.wait_ahead(180)
         ready_now = [ref for name, ref in store.refs("boot") if name.startswith("microvm-ready-")]
-        assert len(ready_now) == 2  # the other limits' own
+        assert len(ready_now) == 2  # the other limit's own (another rlimit in the guest)
         for ref in ready_now:  # modified: refused, and sandboxes start as before
             _flip_a_byte(store.object_path(store.load(ref).blobs["ram"]))
         with Sandbox.create("microvm", backend=backend) as after:
@@ -334,5 +335,40 @@ def test_a_sandbox_with_rules_starts_from_its_ready_image_and_holds_them(tmp_pat
                 assert not sbx.files.exists("src/yes") and sbx.files.exists("src/no")
         with Sandbox.create("microvm", backend=backend, rules=SandboxRules(deny=("uname", "curl"))) as other:
             assert _started_from(other) == "boot image"  # other masks: another machine and image
+    finally:
+        backend.close()
+
+
+def test_a_configurations_first_start_comes_from_the_ready_image_built_ahead(tmp_path: Path) -> None:
+    """``prepare_for`` (a deploy step, ``stockade prepare``) builds the machine's boot image and
+    the configuration's ready image, and starts a QEMU ahead on it: the very first sandbox of
+    that configuration starts from it (in that QEMU), its rules in force before any code
+    runs; the limits read per request (the timeout, the output cap) are not the image's, and
+    hold all the same. A pool has its members' image built before its first fill: its first
+    member starts from it too."""
+    require_tier("microvm")
+    store = SnapshotStore(tmp_path / "store")
+    backend = microvm.MicroVMBackend(snapshot_store=store)
+    rules = SandboxRules(deny=("uname",), write=("src/**",))
+    try:
+        made = backend.prepare_for(SandboxSpec(rules=rules))
+        assert made == "ready image", (backend._boot_failed, backend._ready.refused)
+        assert backend.prepare_for(SandboxSpec(rules=rules)) == "ready image"  # found, not built again
+        ahead = backend.wait_ahead(120)  # and a QEMU started ahead on it, for the first start
+        limits = Limits(timeout_s=3, output_bytes=1000)
+        with Sandbox.create("microvm", backend=backend, rules=rules, limits=limits) as sbx:
+            assert sbx.started_from == "ready image" and sbx.id == ahead
+            assert sbx.enforcement.paths is Mechanism.LANDLOCK and sbx.enforcement.programs is Mechanism.MASK
+            r = sbx.commands.run("uname; echo x > top.txt; echo ok")
+            assert "Linux" not in r.stdout and r.stdout.endswith("ok\n"), (r.stdout, r.stderr)
+            assert not sbx.files.exists("top.txt")
+            out = sbx.commands.run("head -c 50000 /dev/zero | tr '\\0' a")
+            assert out.truncated and out.stdout_bytes == 50000 and len(out.stdout) < 1200
+            slow = sbx.run_code("import time; time.sleep(30)")
+            assert slow.timed_out
+        pool = SandboxPool("microvm", backend=backend, size=1, limits=Limits(pids=64))
+        with pool, pool.acquire(timeout_s=600) as member:
+            assert member.started_from == "ready image", backend._ready.refused
+            assert member.run_code("1 + 1").text == "2"
     finally:
         backend.close()

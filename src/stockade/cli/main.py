@@ -46,6 +46,7 @@ COMMAND_MODULES = (
     "stockade.cli.agent_cmds",
     "stockade.cli.policy_cmds",
     "stockade.cli.image_cmds",
+    "stockade.cli.prepare_cmds",
     "stockade.cli.runs_cmds",
     "stockade.cli.snapshot_cmds",
     "stockade.cli.service_cmds",

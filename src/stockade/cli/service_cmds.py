@@ -81,6 +81,13 @@ def serve(
         ),
     ] = None,
     snapshot_dir: SnapshotDirOption = None,
+    prepare: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--prepare", metavar="TIER",
+            help="at start, build TIER's start images for each tenant's policy (microvm: ready images)",
+        ),
+    ] = None,
 ) -> None:  # fmt: skip
     """Serve the API: sandboxes and runs for the tenants of TENANTS. Without --redis every run
     runs in this process (SQLite is enough); with it, runs go to `stockade worker` processes
@@ -92,7 +99,7 @@ def serve(
         config = _config(
             tenants, db, redis, run_threads=run_threads, sandbox_idle_timeout_s=idle_timeout, tools=tools,
             visibility_timeout_s=visibility_timeout, queue=queue, advertise_url=advertise_url,
-            snapshot_dir=snapshot_dir,
+            snapshot_dir=snapshot_dir, prepare_tiers=tuple(prepare or ()),
         )  # fmt: skip
         mode = (
             f"runs on workers through {redis}" if redis else f"runs in this process ({run_threads} at a time)"

@@ -223,6 +223,11 @@ class AsyncRemoteSandbox:
     def enforcement(self) -> Enforcement:
         return enforcement(self.info["enforcement"])
 
+    @property
+    def started_from(self) -> str:
+        """What the sandbox started from, as the service's tier says (``Sandbox.started_from``)."""
+        return str(self.info.get("started_from", ""))
+
     async def _call(
         self, what: str, body: dict[str, Any], on_stdout: TextCallback | None, on_stderr: TextCallback | None
     ) -> dict[str, Any]:

@@ -365,6 +365,11 @@ class RemoteSandbox:
         return enforcement(self.info["enforcement"])
 
     @property
+    def started_from(self) -> str:
+        """What the sandbox started from, as the service's tier says (``Sandbox.started_from``)."""
+        return str(self.info.get("started_from", ""))
+
+    @property
     def alive(self) -> bool:
         if self._closed:
             return False

@@ -190,6 +190,7 @@ class AsyncRetryingInstance(AsyncInstance):
         self.id = inner.id
         self.tier = inner.tier
         self.enforcement = inner.enforcement
+        self.started_from = inner.started_from
 
     async def ahandle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         if isinstance(op, self.retried_ops):

@@ -85,11 +85,43 @@ class StartedAhead:
                 waiting = None
         if waiting is None:
             waiting = start_waiting(launch, spec, sandbox_id(spec), masks, image)
+        self._start_next(launch, spec, masks, image, shape)
+        return waiting
+
+    def start_for(
+        self,
+        launch: Launcher,
+        spec: SandboxSpec,
+        masks: tuple[str, ...],
+        image: tuple[Path, Path],
+        shape: tuple[str, ...],
+        *,
+        timeout_s: float,
+    ) -> None:
+        """Have the QEMU held ahead be one of ``shape`` (a configuration just prepared, whose
+        first start then takes it), started in the background unless one is held; one of
+        another shape is stopped (after waiting up to ``timeout_s`` for one being started)."""
+        if not self.enabled:
+            return
+        self.slot.wait(timeout_s)
+        held = self.slot.peek()
+        if held is not None and held[0] == shape:
+            return
+        self.slot.drop()
+        self._start_next(launch, spec, masks, image, shape)
+
+    def _start_next(
+        self,
+        launch: Launcher,
+        spec: SandboxSpec,
+        masks: tuple[str, ...],
+        image: tuple[Path, Path],
+        shape: tuple[str, ...],
+    ) -> None:
         if self.enabled and self.slot.begin():
             neutral = dataclasses.replace(spec, envs={}, rules=None, snapshot=None, sandbox_id=None)
             slot = self.slot  # not self: the job holds what it needs only
             in_background(lambda: _fill(slot, launch, neutral, masks=masks, image=image, shape=shape))
-        return waiting
 
     def wait(self, timeout_s: float) -> str | None:
         """Wait for the QEMU being started ahead; the id of the sandbox it will be, or None."""

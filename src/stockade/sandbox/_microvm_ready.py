@@ -39,7 +39,7 @@ from stockade.types import Enforcement, SnapshotKind
 if TYPE_CHECKING:
     from stockade.sandbox.microvm import MicroVMBackend
 
-__all__ = ["ReadyImage", "ReadyImages", "image_config", "resume_args"]
+__all__ = ["LATE", "ReadyBuild", "ReadyImage", "ReadyImages", "image_config", "resume_args"]
 
 MiB = 1024 * 1024
 REF = "boot"  # the store's references: boot images and ready images, by name
@@ -56,19 +56,58 @@ class ReadyImage:
     rules_report: dict[str, Any] | None
 
 
+@dataclass(frozen=True)
+class ReadyBuild:
+    """What building one ready image takes: the sandbox it is made as (nothing of the
+    caller's: see ``of``), its rules, its configuration frame as the image holds it
+    (``image_config``), the boot image it is made from, its name, and each step's bound."""
+
+    spec: SandboxSpec
+    rules: RulesPlan
+    config: dict[str, Any]
+    boot: tuple[Path, Path]
+    name: str
+    timeout_s: float
+
+    @classmethod
+    def of(
+        cls,
+        spec: SandboxSpec,
+        *,
+        rules: RulesPlan,
+        config: dict[str, Any],
+        boot: tuple[Path, Path],
+        name: str,
+        timeout_s: float,
+    ) -> ReadyBuild:
+        # Nothing of the caller's: no variables, labels, approver (it answers for one sandbox),
+        # observer; the image's guest gets the rules' configuration all the same.
+        template = dataclasses.replace(
+            spec, envs={}, labels={}, approver=None, egress_observer=None, snapshot=None, sandbox_id=None
+        )
+        return cls(template, rules, config, boot, name, timeout_s)
+
+
+# What of the configuration frame the supervisor only reads when it serves a request (the
+# default timeout, the output cap): sent with the reseed, never part of an image, so sandboxes
+# that differ only there share one.
+LATE = ("timeout", "output_cap")
+
+
 def image_config(config: dict[str, Any], base_env: dict[str, str]) -> dict[str, Any]:
     """What of a sandbox's configuration frame goes into its image: all of it but the egress
-    relay (the sandbox's own proxy), and its environment as it is without the caller's
-    variables and the proxy's (``base_env``)."""
-    kept = {k: v for k, v in config.items() if k != "egress"}
+    relay (the sandbox's own proxy) and the ``LATE`` settings, and its environment as it is
+    without the caller's variables and the proxy's (``base_env``)."""
+    kept = {k: v for k, v in config.items() if k != "egress" and k not in LATE}
     kept["env"] = dict(base_env)
     return kept
 
 
 def resume_args(config: dict[str, Any], image: dict[str, Any]) -> dict[str, Any]:
     """What a sandbox started from an image made with ``image`` sends its guest after the
-    resume, to be configured by ``config``: its environment where it differs, its relay."""
-    args: dict[str, Any] = {}
+    resume, to be configured by ``config``: its environment where it differs, its relay, its
+    ``LATE`` settings."""
+    args: dict[str, Any] = {k: config[k] for k in LATE if k in config}
     if config["env"] != image["env"]:
         args["env"] = config["env"]
     if "egress" in config:
@@ -82,7 +121,7 @@ class ReadyImages:
     def __init__(self, *, enabled: bool) -> None:
         self.enabled = enabled
         self._lock = threading.Lock()
-        self._building: set[str] = set()
+        self._building: dict[str, threading.Event] = {}  # name -> set when its build ends
         self.refused: dict[str, str] = {}  # name -> why (never used again by this backend)
 
     def serves(self, spec: SandboxSpec) -> bool:
@@ -134,51 +173,39 @@ class ReadyImages:
         with self._lock:
             self.refused[name] = why
 
-    def build_soon(
-        self,
-        backend: MicroVMBackend,
-        spec: SandboxSpec,
-        *,
-        rules: RulesPlan,
-        config: dict[str, Any],
-        boot: tuple[Path, Path],
-        name: str,
-        timeout_s: float,
-    ) -> None:
-        """Build ready image ``name`` in the background, unless built, being built or refused."""
+    def build_soon(self, backend: MicroVMBackend, build: ReadyBuild) -> None:
+        """Build ready image ``build.name`` in the background, unless built, being built or
+        refused."""
+        if self._claim(build.name):
+            in_background(lambda: self._build(backend, build))
+
+    def build_now(self, backend: MicroVMBackend, build: ReadyBuild) -> None:
+        """Build ready image ``build.name`` in this thread, or wait for the build under way
+        (``MicroVMBackend.prepare_for``: an operator's or a pool's start pays the boot ahead)."""
+        if self._claim(build.name):
+            self._build(backend, build)
+            return
+        with self._lock:
+            done = self._building.get(build.name)
+        if done is not None:
+            done.wait(build.timeout_s * 2)  # a build is a start and a save, each bounded
+
+    def _claim(self, name: str) -> bool:
         with self._lock:
             if name in self._building or name in self.refused:
-                return
-            self._building.add(name)
-        # Nothing of the caller's: no variables, labels, approver (it answers for one sandbox),
-        # observer; the image's guest gets the rules' configuration all the same.
-        template = dataclasses.replace(
-            spec, envs={}, labels={}, approver=None, egress_observer=None, snapshot=None, sandbox_id=None
-        )
-        in_background(
-            lambda: self._build(
-                backend, template, rules=rules, config=config, boot=boot, name=name, timeout_s=timeout_s
-            )
-        )
+                return False
+            self._building[name] = threading.Event()
+            return True
 
-    def _build(
-        self,
-        backend: MicroVMBackend,
-        spec: SandboxSpec,
-        *,
-        rules: RulesPlan,
-        config: dict[str, Any],
-        boot: tuple[Path, Path],
-        name: str,
-        timeout_s: float,
-    ) -> None:
+    def _build(self, backend: MicroVMBackend, build: ReadyBuild) -> None:
         """A guest of its own, from the boot image (its RAM a copy of the image's, written
-        through), configured with ``config`` and its interpreter started by running nothing,
-        then stopped and its device state saved: the ready image ``name``. Never handed out."""
-        store = backend.snapshot_store
+        through), configured with ``build.config`` and its interpreter started by running
+        nothing, then stopped and its device state saved: the ready image ``build.name``.
+        Never handed out."""
+        store, spec, rules, boot = backend.snapshot_store, build.spec, build.rules, build.boot
         ram, device = store.temp_path("ram"), store.temp_path("device")
         try:
-            if store.ref(REF, name) is not None:
+            if store.ref(REF, build.name) is not None:
                 return
             copy_sparse(boot[0], ram)
             sid = sandbox_id(spec)
@@ -194,8 +221,9 @@ class ReadyImages:
                     boundary.reseed()
                     # The rules as the supervisor gets them; what it says of them is kept, and
                     # each sandbox holds its own spec against it (``allow_weaker`` is its own).
+                    config = build.config
                     frame = config if rules.config is None else {**config, "rules": rules.config}
-                    header = instance.handshake(frame, timeout_s)
+                    header = instance.handshake(frame, build.timeout_s)
                     instance.execute(RunCode(code=""))  # its interpreter process started
                     with open(device, "wb") as out:
                         boundary.monitor().save(out, ignore_shared=True)
@@ -208,15 +236,17 @@ class ReadyImages:
             store.save(
                 kind=SnapshotKind.MEMORY, tier=backend.tier, source=sid, spec={}, blobs=blobs,
                 tier_state={"boot": True, "ready": True, "rules": report},
-                ref=(REF, name),
+                ref=(REF, build.name),
             )  # fmt: skip
         except (exc.StockadeError, OSError, TimeoutError) as err:
-            self.refuse(name, str(err))  # sandboxes of this configuration start as before
+            self.refuse(build.name, str(err))  # sandboxes of this configuration start as before
         finally:
             ram.unlink(missing_ok=True)
             device.unlink(missing_ok=True)
             with self._lock:
-                self._building.discard(name)
+                done = self._building.pop(build.name, None)
+            if done is not None:
+                done.set()
 
 
 def copy_sparse(source: Path, target: Path) -> None:

@@ -77,6 +77,9 @@ class Instance(abc.ABC):
     id: str
     tier: str
     enforcement: Enforcement
+    # What the sandbox was started from, where a tier starts from something made ahead: the
+    # microVM's "cold boot", "boot image", "ready image" or "memory snapshot"; "" elsewhere.
+    started_from: str = ""
 
     def execute(self, op: Op[R], sink: OutputSink | None = None) -> R:
         """Run ``op``; what comes back is what the op says (``RunCommand`` -> ``CommandResult``).
@@ -112,6 +115,12 @@ class Backend(abc.ABC):
     def start(self, spec: SandboxSpec) -> Instance:
         """Start a sandbox, or raise ``LimitNotEnforceable`` / ``SandboxStartError``."""
 
+    def prepare_for(self, spec: SandboxSpec) -> str:
+        """Build now whatever makes starting sandboxes like ``spec`` fast on this tier (the
+        microVM's boot and ready images), so that no start pays for it; what the next such
+        start will start from (``Instance.started_from``). Most tiers have nothing to build."""
+        return ""
+
 
 class WrapperInstance(Instance):
     """Delegates everything to ``wrapped``; a subclass overrides what it changes (usually
@@ -123,6 +132,7 @@ class WrapperInstance(Instance):
         self.id = wrapped.id
         self.tier = wrapped.tier
         self.enforcement = wrapped.enforcement
+        self.started_from = wrapped.started_from
 
     def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         return self.wrapped.handle(op, sink)
@@ -148,11 +158,15 @@ class WrapperBackend(Backend):
     def start(self, spec: SandboxSpec) -> Instance:
         return self.wrapped.start(spec)
 
+    def prepare_for(self, spec: SandboxSpec) -> str:
+        return self.wrapped.prepare_for(spec)
+
 
 class AsyncInstance(abc.ABC):
     id: str
     tier: str
     enforcement: Enforcement
+    started_from: str = ""  # as ``Instance.started_from``
 
     async def aexecute(self, op: Op[R], sink: OutputSink | None = None) -> R:
         """Run ``op``; what comes back is what the op says, as for ``Instance.execute``."""
@@ -181,6 +195,7 @@ class _ThreadedInstance(AsyncInstance):
         self.id = inner.id
         self.tier = inner.tier
         self.enforcement = inner.enforcement
+        self.started_from = inner.started_from
 
     async def ahandle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         import asyncio  # lazily: importing stockade must stay cheap

@@ -117,6 +117,12 @@ class Sandbox:
         return self.instance.enforcement
 
     @property
+    def started_from(self) -> str:
+        """What the sandbox started from where its tier makes something ahead (the microVM:
+        "ready image", "boot image", "cold boot", "memory snapshot"); "" on other tiers."""
+        return self.instance.started_from
+
+    @property
     def alive(self) -> bool:
         return self.instance.alive
 
@@ -259,6 +265,11 @@ class AsyncSandbox:
     @property
     def enforcement(self) -> Enforcement:
         return self.instance.enforcement
+
+    @property
+    def started_from(self) -> str:
+        """As ``Sandbox.started_from``."""
+        return self.instance.started_from
 
     async def run_code(
         self,

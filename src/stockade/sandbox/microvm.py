@@ -49,7 +49,7 @@ from stockade.sandbox._microvm_image import (
     root_image,
 )
 from stockade.sandbox._microvm_instance import SocketStream, VMBoundary, VMInstance
-from stockade.sandbox._microvm_ready import ReadyImage, ReadyImages, image_config, resume_args
+from stockade.sandbox._microvm_ready import ReadyBuild, ReadyImage, ReadyImages, image_config, resume_args
 from stockade.sandbox._rootfs import find_rootfs
 from stockade.sandbox._supervised import (
     TIMEOUT_MARGIN_S,
@@ -430,15 +430,13 @@ class MicroVMBackend(Backend):
         # With an allowlist too: an image's guest has an egress port with nothing behind it,
         # and gets the sandbox's proxy when it becomes the sandbox (``_attach_egress``).
         boot = self._boot_image(spec, rules.masks) if self.boot_snapshots else None
-        ready_name = image = None
+        build: ReadyBuild | None = None
         if boot is not None and self._ready.serves(spec):
-            # The image's frame: without the caller's variables and the proxy's relay.
-            image = image_config(self._config(spec), self._config(dataclasses.replace(spec, envs={}))["env"])
-            ready_name = self._ready.name(self._machine_key(spec, rules.masks), image, rules, enforcement)
+            build = self._ready_build(spec, rules, enforcement, boot)
             # A refused image's QEMU started ahead (which may hold what was refused) is stopped.
-            ready = self._ready.find(self.snapshot_store, ready_name, refused=self._ahead.drop)
+            ready = self._ready.find(self.snapshot_store, build.name, refused=self._ahead.drop)
             if ready is not None:
-                return self._from_ready_image(spec, rules, enforcement, ready, image)
+                return self._from_ready_image(spec, rules, enforcement, ready, build.config)
         if boot is not None:
             waiting = self._waiting_guest(spec, rules.masks, boot)
             boundary, stream = waiting.boundary, waiting.stream
@@ -470,11 +468,45 @@ class MicroVMBackend(Backend):
             return _tail(boundary.rundir / "console.log") or _tail(boundary.rundir / "qemu.log")
 
         instance.start(lambda: self._config(spec, boundary.egress), START_TIMEOUT_S, rules, log=log)
-        if ready_name is not None and image is not None and boot is not None:
-            self._ready.build_soon(
-                self, spec, rules=rules, config=image, boot=boot, name=ready_name, timeout_s=START_TIMEOUT_S
-            )
+        if build is not None:
+            self._ready.build_soon(self, build)
         return instance
+
+    def _ready_build(
+        self, spec: SandboxSpec, rules: _rules.RulesPlan, enforcement: Enforcement, boot: tuple[Path, Path]
+    ) -> ReadyBuild:
+        """The ready image that serves ``spec``: its frame without the caller's variables and
+        the proxy's relay, its name."""
+        image = image_config(self._config(spec), self._config(dataclasses.replace(spec, envs={}))["env"])
+        name = self._ready.name(self._machine_key(spec, rules.masks), image, rules, enforcement)
+        return ReadyBuild.of(spec, rules=rules, config=image, boot=boot, name=name, timeout_s=START_TIMEOUT_S)
+
+    def prepare_for(self, spec: SandboxSpec) -> str:
+        """Build now what sandboxes like ``spec`` start from (the boot image of their machine,
+        the ready image of their configuration), or wait for the builds under way: a deploy
+        step, or a pool before its first fill, pays the boot instead of a first start. What
+        the next such start starts from: "ready image", else "boot image" or "cold boot"
+        (an image that cannot be built here; the starts stay correct, only slower)."""
+        self._check()
+        enforcement = self._plan(spec)
+        rules = _rules.plan(spec, root=self.rootfs, can_mask=True, can_confine=True)
+        boot = self._boot_image(spec, rules.masks) if self.boot_snapshots else None
+        if boot is None:
+            return "cold boot"
+        if not self._ready.serves(spec):
+            return "boot image"
+        build = self._ready_build(spec, rules, enforcement, boot)
+        ready = self._ready.find(self.snapshot_store, build.name, refused=self._ahead.drop)
+        if ready is None:
+            self._ready.build_now(self, build)
+            ready = self._ready.find(self.snapshot_store, build.name, refused=self._ahead.drop)
+            if ready is None:
+                return "boot image"
+        # The QEMU started ahead on it too: the first start takes it, as the next ones do.
+        image, masks = (ready.ram, ready.device), rules.masks
+        shape = self._shape(spec, masks, image)
+        self._ahead.start_for(self._launch_on_image, spec, masks, image, shape, timeout_s=START_TIMEOUT_S)
+        return "ready image"
 
     def _config(self, spec: SandboxSpec, egress: EgressHandle | None = None) -> dict[str, Any]:
         """The supervisor's configuration frame for ``spec`` (its rules are added at the handshake)."""
@@ -499,8 +531,12 @@ class MicroVMBackend(Backend):
     # -- starts from an image -------------------------------------------------------------------
 
     def _waiting_guest(self, spec: SandboxSpec, masks: tuple[str, ...], image: tuple[Path, Path]) -> Waiting:
-        shape = (self._machine_key(spec, masks), str(spec.limits.cpus), str(image[0]), str(image[1]))
+        shape = self._shape(spec, masks, image)
         return self._ahead.waiting_guest(self._launch_on_image, spec, masks, image, shape)
+
+    def _shape(self, spec: SandboxSpec, masks: tuple[str, ...], image: tuple[Path, Path]) -> tuple[str, ...]:
+        """Which QEMU started ahead serves ``spec`` from ``image``."""
+        return (self._machine_key(spec, masks), str(spec.limits.cpus), str(image[0]), str(image[1]))
 
     def _launch_on_image(
         self, spec: SandboxSpec, sid: str, masks: tuple[str, ...], ram: Path, fd: int, *, build: bool = False

@@ -15,7 +15,9 @@ others. Members idle past ``idle_timeout_s`` are replaced too, so nothing ages i
 A pool filled from a snapshot (``snapshot=``) hands out sandboxes as the snapshot has them
 (files, and memory where the tier keeps it); a returned one is replaced by a new one from
 the snapshot, never reset (a reset would empty what the snapshot put there). On the microVM
-every pool refills from the tier's boot image anyway.
+every pool refills from the tier's boot image anyway; a pool without a snapshot first has the
+tier build its members' ready image (``Backend.prepare_for``), so its first members start from
+it too.
 """
 
 from __future__ import annotations
@@ -186,12 +188,22 @@ class SandboxPool:
             member.instance.close()
 
     def _run(self) -> None:
+        self._prepare()
         while not self._closed.is_set():
             self._refill()
             try:
                 self._wake.get(timeout=min(self.idle_timeout_s / 4, 1.0))
             except queue.Empty:
                 self._expire_idle()
+
+    def _prepare(self) -> None:
+        """Before the first fill: what the tier makes ahead for the pool's spec (the microVM's
+        boot and ready images), so that no member's start pays for it, the first ones included."""
+        if self._spec.snapshot is not None:
+            return  # members start from the snapshot
+        # An error here: the fill's start meets it again, and the pool reports it as for any start.
+        with contextlib.suppress(exc.StockadeError):
+            self._backend.prepare_for(self._spec)
 
     def _refill(self) -> None:
         while not self._closed.is_set():

@@ -78,6 +78,9 @@ class SpareBackend(Backend):
         self._refill(spec)
         return instance
 
+    def prepare_for(self, spec: SandboxSpec) -> str:
+        return self.wrapped.prepare_for(spec)
+
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait for the spare being started; whether one is ready (for benchmarks and tests)."""
         return self._spare.wait(timeout)

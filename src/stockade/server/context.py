@@ -50,6 +50,11 @@ class ServiceConfig:
     # it); None: ``snapshots`` beside a SQLite database, else ``.stockade/snapshots``. API
     # processes that share this folder restore each other's snapshots; others cannot
     snapshot_dir: Path | None = None
+    # Tiers whose sandboxes' start images are built when the service starts, for each
+    # tenant's policy and role (``stockade.policy.prepare``): on the microVM, its ready
+    # images, so that no API sandbox's first start boots. In the background: the API serves
+    # meanwhile, and a sandbox created before they are built starts from the boot image.
+    prepare_tiers: tuple[str, ...] = ()
 
     @property
     def snapshot_root(self) -> Path:

@@ -100,6 +100,7 @@ class Held:
             state=self.state,
             limits=dataclasses.asdict(self.limits),
             enforcement=json.loads(json.dumps(dataclasses.asdict(enforcement), default=str)),
+            started_from=self.sandbox.started_from,
             labels=self.labels,
             idle_timeout_s=self.idle_timeout_s,
             created_at=self.created_at,

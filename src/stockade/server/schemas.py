@@ -105,6 +105,9 @@ class SandboxOut(BaseModel):
     state: Literal["running", "killed", "paused"]
     limits: dict[str, JsonValue]
     enforcement: dict[str, JsonValue]
+    # what it started from where its tier makes something ahead (the microVM: "ready image",
+    # "boot image", "cold boot", "memory snapshot"); "" on other tiers and when paused
+    started_from: str = ""
     labels: Labels
     idle_timeout_s: float
     created_at: float

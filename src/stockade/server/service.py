@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 
+from stockade import exceptions as exc
 from stockade.runs.store import RunStore
 from stockade.sandbox import _registry
 from stockade.sandbox.base import Backend
@@ -62,10 +64,28 @@ class Service:
 
     def start(self) -> None:
         self.sandboxes.start()
+        if self.config.prepare_tiers:
+            threading.Thread(target=self._prepare, name="stockade-prepare", daemon=True).start()
         if self.embedded:  # runs this process had when it stopped (or died) go on
             for row in self.store.unfinished_runs():
                 log.info("run %s (%s) continues", row.run_id, row.status)
                 self.executor.submit(row.run_id, reason="restart")
+
+    def _prepare(self) -> None:
+        """Build what the API's sandboxes start from (``ServiceConfig.prepare_tiers``), for
+        each tenant's policy: what it could not build is logged, and starts stay correct."""
+        from stockade.policy.prepare import prepare_policy
+
+        for tier in self.config.prepare_tiers:
+            for tenant in self.tenants.tenants.values():
+                try:
+                    done = prepare_policy(self.backends(tier), tenant.policy)
+                except exc.StockadeError as err:
+                    log.warning("cannot prepare the %s tier for tenant %s: %s", tier, tenant.id, err)
+                    continue
+                for role, started_from in done.items():
+                    log.info("%s, tenant %s, role %s: starts from %s", tier, tenant.id, role or "-",
+                             started_from or "nothing built ahead")  # fmt: skip
 
     def close(self) -> None:
         self.sandboxes.close()

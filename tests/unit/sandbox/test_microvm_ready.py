@@ -7,7 +7,7 @@ import dataclasses
 from typing import Any
 
 from stockade.sandbox import _rules
-from stockade.sandbox._microvm_ready import ReadyImages, image_config, resume_args
+from stockade.sandbox._microvm_ready import LATE, ReadyImages, image_config, resume_args
 from stockade.sandbox._supervised import supervisor_config
 from stockade.sandbox.base import SandboxSpec
 from stockade.types import Enforcement, Limits, Mechanism, SandboxRules
@@ -47,21 +47,24 @@ def test_the_callers_variables_and_the_relay_stay_out_of_the_image_and_are_sent_
     config, image = _frames(spec, egress=True)
     assert "secret" not in repr(image) and "egress" not in image and "HTTP_PROXY" not in image["env"]
     assert image["env"]["LANG"] == "C.UTF-8"  # the default the caller's variable overrides
-    rest = {k: v for k, v in config.items() if k not in ("env", "egress")}
+    rest = {k: v for k, v in config.items() if k not in ("env", "egress", *LATE)}
     assert {k: v for k, v in image.items() if k != "env"} == rest
     sent = resume_args(config, image)
-    assert sent == {"env": config["env"], "egress": RELAY}
+    late = {"timeout": config["timeout"], "output_cap": config["output_cap"]}
+    assert sent == {"env": config["env"], "egress": RELAY, **late}
     assert list(sent["env"]) == list(config["env"])  # the cold start's order
     plain_config, plain_image = _frames(SandboxSpec())
-    assert resume_args(plain_config, plain_image) == {}  # nothing to send
+    assert resume_args(plain_config, plain_image) == late  # only the settings read per request
 
 
 def test_one_image_serves_every_set_of_variables_and_each_configuration_has_its_own() -> None:
     plain = _name(SandboxSpec())
     assert _name(SandboxSpec(envs={"A": "1"})) == plain
     assert _name(SandboxSpec(labels={"team": "x"})) == plain
+    # Read per request, sent with the reseed: not the image's
+    assert _name(SandboxSpec(limits=Limits(timeout_s=7, output_bytes=4096))) == plain
     others = {
-        _name(SandboxSpec(limits=Limits(timeout_s=7))),
+        _name(SandboxSpec(limits=Limits(open_files=4096))),
         _name(SandboxSpec(rules=SandboxRules(deny=("rm -r",)))),
         _name(SandboxSpec(rules=SandboxRules(deny=("git push",)))),
         _name(SandboxSpec(rules=SandboxRules(write=("src/**",)))),

@@ -375,8 +375,14 @@ class Supervisor:
         microVM's ready image (made without them), with the sandbox's ``env``, its whole
         environment, and its ``egress`` relay: applied as ``configure`` applies them, and kept
         in the configuration a reset hands over. Commands get the environment from here on,
-        the interpreter with its next run (``Interpreter.next_run``)."""
+        the interpreter with its next run (``Interpreter.next_run``). With ``timeout`` and
+        ``output_cap``, the sandbox's own (read per request, so no image holds them)."""
         self.reseed = self.interpreter is not None  # a later interpreter is forked, and reseeds then
+        late = {k: h[k] for k in ("timeout", "output_cap") if k in h}
+        if late:
+            self.output_cap = int(late.get("output_cap", self.output_cap))
+            self.default_timeout = float(late.get("timeout", self.default_timeout))
+            self.config = {**self.config, **late}
         env = h.get("env")
         if isinstance(env, dict):
             self.env = {str(k): str(v) for k, v in env.items()}
