@@ -115,10 +115,13 @@ def _run_trial(target: StoreTarget, run_id: str, work: Path, rng: random.Random)
     _seed(work)
     kills = rng.sample(POINTS, rng.choice((1, 2)))
     mode, killed, invocations = "start", [], 0
+    history: list[str] = []  # each process: mode, kill point, exit code, seconds
     report: dict[str, object] | None = None
     for point in [*kills, "none", "none"]:
         invocations += 1
+        began = time.monotonic()
         done = _child(mode, target, run_id, work, point, rng)
+        history.append(f"{mode} {point} -> {done.returncode} in {time.monotonic() - began:.2f}s")
         if done.returncode == -signal.SIGKILL:
             killed.append(point)
             mode = "resume"
@@ -136,7 +139,14 @@ def _run_trial(target: StoreTarget, run_id: str, work: Path, rng: random.Random)
         report = json.loads(done.stdout)
         break
     assert report is not None, f"{run_id} never finished (kills {kills})"
-    return {"run_id": run_id, "planned": kills, "killed": killed, "invocations": invocations, **report}
+    return {
+        "run_id": run_id,
+        "planned": kills,
+        "killed": killed,
+        "invocations": invocations,
+        "history": history,
+        **report,
+    }
 
 
 def _check_trial(target: StoreTarget, outcome: dict[str, object], work: Path) -> dict[str, int]:
@@ -180,7 +190,9 @@ def test_killed_runs_resume_to_the_same_end(target: StoreTarget, tmp_path: Path)
         try:
             outcome.update(_check_trial(target, outcome, work))
         except AssertionError as error:
-            raise AssertionError(f"seed {seed}, trial {trial}: {error}") from None
+            # The seed replays the draw, not the timing: say where the kills fell, in order.
+            kills = f"planned kills {outcome['planned']}; processes: {outcome['history']}"
+            raise AssertionError(f"seed {seed}, trial {trial} ({kills}): {error}") from None
         results.append(outcome)
     kills = [k for r in results for k in r["killed"]]
     summary: dict[str, Any] = {
