@@ -168,6 +168,12 @@ def _check_trial(target: StoreTarget, outcome: dict[str, object], work: Path) ->
         calls = store.tool_calls(run_id)
         unknown = sum(1 for r in calls if r.error_type == "OutcomeUnknown")
         events = [e for e in audit.events(run_id=run_id)]
+        # verify() finds a call missing from either side; a call recorded twice, it lets pass
+        audited = Counter(
+            str(e.attributes.get("idempotency_key")) for e in events if e.kind.value == "tool_call"
+        )
+        twice = {key: n for key, n in audited.items() if n > 1}
+        assert not twice, f"{run_id}: tool calls in the audit trail more than once: {twice}"
         crashes = sum(1 for e in events if e.kind.value == "run_crash")
         reconciled = sum(1 for e in events if e.attributes.get("reconciled") is True)
         summary = store.summary(run_id)
