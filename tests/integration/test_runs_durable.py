@@ -137,10 +137,10 @@ def _run_trial(target: StoreTarget, run_id: str, work: Path, rng: random.Random)
             assert trace is not None, done.stderr
             report = {"status": trace.summary.status.value, "diff": trace.diff, "error": trace.summary.error}
             break
-        assert done.returncode == 0, f"{run_id} ({mode}, kill {point}): {done.returncode}\n{done.stderr}"
+        assert done.returncode == 0, f"{run_id} (processes {history}): {done.returncode}\n{done.stderr}"
         report = json.loads(done.stdout)
         break
-    assert report is not None, f"{run_id} never finished (kills {kills})"
+    assert report is not None, f"{run_id} never finished (kills {kills}; processes {history})"
     return {
         "run_id": run_id,
         "planned": kills,
@@ -195,12 +195,13 @@ def test_killed_runs_resume_to_the_same_end(target: StoreTarget, tmp_path: Path)
     for trial in range(TRIALS):
         work = tmp_path / f"t{trial}"
         work.mkdir()
-        outcome = _run_trial(target, f"durable-{trial}", work, rng)
+        outcome: dict[str, Any] = {"killed": []}
         try:
+            outcome = _run_trial(target, f"durable-{trial}", work, rng)
             outcome.update(_check_trial(target, outcome, work))
         except AssertionError as error:
             # The seed replays the draw, not the timing: say where the kills fell, in order.
-            kills = f"planned kills {outcome['planned']}; processes: {outcome['history']}"
+            kills = f"planned kills {outcome.get('planned')}; processes: {outcome.get('history')}"
             failures.append(f"seed {seed}, trial {trial} ({kills}): {error}")
         results.append(outcome)
     kills = [k for r in results for k in r["killed"]]
