@@ -5,7 +5,9 @@ SIGKILLed on the way: by itself at a named point, or by the test at any moment.
 
 ``KILL_POINT`` is ``none`` or ``WHAT:N`` (the N-th time, in this process): ``model`` (inside a
 model request), ``step`` (after a step's checkpoint), ``returned`` (right after a tool call
-returned), ``before`` / ``after`` (inside a slow tool, before or after its effect). The test may
+returned), ``before`` / ``after`` (inside a slow tool, before or after its effect), ``end`` (as
+the run ends: after its final answer and its diff, before the audit trail's last batch is
+written, the window a kill at exit can hit). The test may
 also kill the process at a random moment (it waits for ``WORK_DIR/started``).
 
 The run: six steps over three kinds of tools.
@@ -36,7 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from stockade import Sandbox
-from stockade.agent import Agent, AgentEvent, StepFinished, ToolReturned
+from stockade.agent import Agent, AgentEvent, RunFinished, StepFinished, ToolReturned
 from stockade.audit import AuditLog, open_store
 from stockade.audit.agent import AuditObserver
 from stockade.exceptions import ConfigurationError, RunConflict, RunLeased
@@ -176,6 +178,12 @@ async def careful_model(request: ModelRequest) -> ModelResponse:
     return ModelResponse(text="all done", finish_reason="stop")
 
 
+def ending(event: AgentEvent) -> None:
+    """Before the audit observer: a kill here loses the events it has not written yet."""
+    if isinstance(event, RunFinished):
+        maybe_die("end")
+
+
 def observe(event: AgentEvent) -> None:
     if isinstance(event, StepFinished):
         maybe_die("step")
@@ -191,7 +199,7 @@ def main() -> int:
         FunctionModel(careful_model),
         tools=default_toolset().including(pay, notify, payment_status, append_journal),
         checkpointer=store,
-        observers=[AuditObserver(log), RunRecorder(store), observe],
+        observers=[ending, AuditObserver(log), RunRecorder(store), observe],
     )
     started = time.perf_counter()
     with Sandbox.create("process", workspace=WORK / "seed") as sandbox:

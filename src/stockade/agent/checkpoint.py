@@ -2,8 +2,11 @@
 
 A ``Checkpointer`` is two methods. The loop calls ``save`` after each node (and after each
 tool call within a step, so a resumed step does not repeat calls that already ran) and
-``load`` when asked to resume a run by id. Run stores (SQLite, Postgres) implement the same
-protocol. ``save`` is called on the event loop's thread and should be quick.
+``load`` when asked to resume a run by id. The node that ends the run (a final answer, a
+stop) is saved by the end's checkpoint, once the run's diff and the audit trail's last events
+are kept: a checkpoint that says a run ended is never followed by a loss. Run stores
+(SQLite, Postgres) implement the same protocol. ``save`` is called on the event loop's thread
+and should be quick.
 
 A ``DurableCheckpointer`` (the run stores) also makes a run survive its process: the loop
 claims the run's lease before it runs (one owner per run), records each tool call before it

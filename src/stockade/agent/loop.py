@@ -841,7 +841,8 @@ class AgentRun:
             tier=self.sandbox.tier,
         )
         # What is kept of the end (the diff, the audit trail's last events) is kept before the
-        # checkpoint that says the run ended: a run that ended is never resumed to redo it.
+        # checkpoint that says the run ended (the first one: ``_checkpoint`` holds back the
+        # ending node's): a run that ended is never resumed to redo it.
         durable = self._durable
         if durable is not None:
             await asyncio.to_thread(durable.record_diff, state.run_id, diff)
@@ -874,8 +875,15 @@ class AgentRun:
         return self.agent._durable
 
     def _checkpoint(self) -> None:
-        if self.agent.checkpointer is not None:
-            self.agent.checkpointer.save(self.state)
+        if self.agent.checkpointer is None:
+            return
+        if self.state.status.finished and self.result is None:
+            # The node ended the run, and ``_end`` has not kept what it keeps yet (the diff, the
+            # trail's last batch). A checkpoint saying "ended" now would outlive a crash before
+            # them, and a run that ended is never resumed: its trail never reconciled. The last
+            # checkpoint stays "running"; ``_end`` writes the one that says it ended.
+            return
+        self.agent.checkpointer.save(self.state)
 
 
 def _exit_code(value: object) -> int | None:

@@ -46,7 +46,14 @@ async def test_the_state_is_checkpointed_after_every_node() -> None:
     async with Agent(ScriptedModel(TURNS), checkpointer=saved).iter("note", sandbox=sbx, run_id="r1") as run:
         async for _ in run:
             state = saved.load("r1")
-            assert state is not None and state.model_dump() == run.state.model_dump()
+            assert state is not None
+            if run.state.status.finished and run.result is None:
+                # The node that ended the run (the final answer) is not checkpointed as ended:
+                # the checkpoint that says so is End's, after what it keeps (the diff, the
+                # trail's last events); a crash before it resumes from the node before.
+                assert state.status == RunStatus.RUNNING and len(state.steps) == len(run.state.steps) - 1
+            else:
+                assert state.model_dump() == run.state.model_dump()
     assert saved.load("r1").status == RunStatus.SUCCESS  # type: ignore[union-attr]
 
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from stockade import Sandbox
-from stockade.agent import Agent, AgentEvent, Observer, RunStatus, ToolCalled
+from stockade.agent import Agent, AgentEvent, Observer, RunFinished, RunStatus, ToolCalled
 from stockade.audit import AuditLog, MemoryStore, verify
 from stockade.audit.agent import AuditObserver
 from stockade.cli.runs_cmds import load_tools
@@ -281,6 +282,47 @@ def test_the_trail_is_reconciled_on_resume_and_verify_cross_checks_the_ledger(st
     # the exception left the process alive, and it gave the run up: no crash (a SIGKILL is one:
     # tests/integration/test_runs_durable.py)
     assert ("run_crash", None) not in kinds
+
+
+def test_a_run_killed_as_it_ends_resumes_and_its_trail_holds_every_call_once(db: str) -> None:
+    """The process dies after the model's final answer and before the trail's last batch is
+    written (while the diff is taken: the window of a SIGKILL there). Its checkpoints must not
+    say yet that the run ended: a run that ended is never resumed, so its trail would never be
+    reconciled, and the ledger's last calls would be missing from the trail for good."""
+
+    def dies_as_it_ends(event: AgentEvent) -> None:
+        if isinstance(event, RunFinished):
+            raise Crash("the process dies before the trail's last events are written")
+
+    trail = MemoryStore()
+    turns: list[Turn] = [
+        tool_call("write_file", {"path": "a", "content": "a"}),
+        tool_call("list_files"),
+        "done",
+    ]
+    lost = AuditLog(trail, flush_interval_s=None)  # its buffer dies with the "process"
+    with open_run_store(db) as store, sandbox() as sbx:
+        with pytest.raises(Crash):
+            Agent(
+                ScriptedModel(turns),
+                checkpointer=store,
+                observers=[dies_as_it_ends, AuditObserver(lost), RunRecorder(store)],
+            ).run_sync("t", sandbox=sbx, run_id="r")
+        assert lost.pending and not list(trail.rows())
+        with AuditLog(trail) as log:
+            result = Agent(
+                ScriptedModel(turns), checkpointer=store, observers=[AuditObserver(log), RunRecorder(store)]
+            ).run_sync(resume="r", sandbox=sbx)
+        assert result.ok and "+a" in result.diff
+        report = verify(trail, run_id="r", ledger=store)
+        assert report.ok and report.found, [str(p) for p in report.problems]
+        ledger = Counter(c.idempotency_key for c in store.ledger_calls("r"))
+    audited = Counter(
+        str(e.attributes.get("idempotency_key"))
+        for e in trail.events(run_id="r")
+        if e.kind.value == "tool_call"
+    )
+    assert audited == ledger and set(ledger.values()) == {1}  # every call in the trail, once
 
 
 def test_replay_takes_the_runs_own_tools() -> None:
