@@ -78,6 +78,7 @@ class Rules:
         # judge's forwards when it runs.
         self.events = self.listener
         self.fast: "Optional[FastJudge]" = None
+        self._entry = 0  # judge.c's thread, started by start()
         if (self.notify or self.landlock) and cfg.get("judge") != "python":
             self._load_compiled()
         self._set_confine_args()
@@ -227,15 +228,23 @@ class Rules:
 
     def _load_compiled(self) -> None:
         """judge.c's functions, if the host shipped it and it loads: the exec judge's fast
-        path (started here) and the shims' confinement. Else all of it stays in Python."""
+        path (its thread started by start()) and the shims' confinement. Else all of it stays
+        in Python."""
         import fastjudge
 
         entries = fastjudge.load()
         if entries is None:
             return
-        entry, self._confine_c = entries
-        if self.notify:
-            self.fast = fastjudge.FastJudge.start(entry, self.listener, fastjudge.config(self.commands))
+        self._entry, self._confine_c = entries
+
+    def start(self) -> None:
+        """Start the compiled judge's thread: after the supervisor said it is ready (off the
+        create's path), before it reads any request. The rule is in force from __init__ on:
+        an exec before this waits in the kernel until someone answers."""
+        if self.notify and self._entry and self.fast is None:
+            import fastjudge
+
+            self.fast = fastjudge.FastJudge.start(self._entry, self.listener, fastjudge.config(self.commands))
             if self.fast is not None:
                 self.events = self.fast.forwards
 
