@@ -77,22 +77,16 @@ def create(tier: str, name: str) -> Sandbox:
 
 
 def measure(tier: str, rounds: int) -> dict[str, dict[str, list[float]]]:
-    found: dict[str, dict[str, list[float]]] = {
-        name: {what: [] for what in WHAT} for name in VARIANTS
-    }
+    found: dict[str, dict[str, list[float]]] = {name: {what: [] for what in WHAT} for name in VARIANTS}
     with cpu_groups(list(VARIANTS)) as groups:
         run(tier, rounds, found, groups)
     return found
 
 
-def run(
-    tier: str, rounds: int, found: dict[str, dict[str, list[float]]], groups: CpuGroups
-) -> None:
+def run(tier: str, rounds: int, found: dict[str, dict[str, list[float]]], groups: CpuGroups) -> None:
     sandboxes: dict[str, Sandbox] = {}
     try:
-        for (
-            name
-        ) in VARIANTS:  # each born in its variant's group (where the host has them)
+        for name in VARIANTS:  # each born in its variant's group (where the host has them)
             groups.enter(name)
             sandboxes[name] = create(tier, name)
             groups.leave(name)
@@ -105,21 +99,11 @@ def run(
         for _ in range(rounds):
             for name, sbx in sandboxes.items():  # interleaved: the same load on both
                 cpu = cpu_time() + groups.used(name)
-                found[name]["command"].append(
-                    timed(lambda s=sbx: s.commands.run("true"))
-                )
-                if (
-                    groups.folders
-                ):  # the sandbox's CPU and ours: what a loaded machine stretches least
-                    found[name]["command, all CPU"].append(
-                        cpu_time() + groups.used(name) - cpu
-                    )
-                found[name]["pipeline"].append(
-                    timed(lambda s=sbx: s.commands.run(PIPELINE))
-                )
-                if (
-                    len(found[name]["pipeline"]) % 10 == 1
-                ):  # the judge alone, without the round trip
+                found[name]["command"].append(timed(lambda s=sbx: s.commands.run("true")))
+                if groups.folders:  # the sandbox's CPU and ours: what a loaded machine stretches least
+                    found[name]["command, all CPU"].append(cpu_time() + groups.used(name) - cpu)
+                found[name]["pipeline"].append(timed(lambda s=sbx: s.commands.run(PIPELINE)))
+                if len(found[name]["pipeline"]) % 10 == 1:  # the judge alone, without the round trip
                     found[name]["an exec, in a loop of 100"].append(
                         timed(lambda s=sbx: s.commands.run(LOOP)) / 100
                     )
@@ -127,9 +111,7 @@ def run(
             for name in VARIANTS:
                 cpu = cpu_time()
                 used = groups.enter(name)
-                found[name]["cold start"].append(
-                    timed(lambda n=name: cold_start(tier, n))
-                )
+                found[name]["cold start"].append(timed(lambda n=name: cold_start(tier, n)))
                 found[name]["cold start, host CPU"].append(cpu_time() - cpu)
                 if used is not None:  # all of it: the sandbox's, bwrap's and ours
                     found[name]["cold start, all CPU"].append(groups.leave(name) - used)
@@ -189,9 +171,7 @@ def cpu_groups(names: list[str]) -> Iterator[CpuGroups]:
         if folders:
             groups._join(CPUACCT)
             for folder in (*folders.values(), base):
-                for _ in range(
-                    50
-                ):  # the last processes of a sandbox may still be exiting
+                for _ in range(50):  # the last processes of a sandbox may still be exiting
                     try:
                         os.rmdir(folder)
                         break
@@ -233,15 +213,9 @@ def main() -> None:
     for what in WHAT:
         if not found["none"][what]:
             continue  # no CPU accounting on this host
-        none, python, policy = (
-            p50(found[name][what]) for name in ("none", "python", "policy")
-        )
-        versus = [
-            f"{got / none:.3f}x / {got - none:+.2f} ms" for got in (python, policy)
-        ]
-        print(
-            f"| {what} | {none:.2f} ms | {python:.2f} ms | {policy:.2f} ms | {versus[0]} | {versus[1]} |"
-        )
+        none, python, policy = (p50(found[name][what]) for name in ("none", "python", "policy"))
+        versus = [f"{got / none:.3f}x / {got - none:+.2f} ms" for got in (python, policy)]
+        print(f"| {what} | {none:.2f} ms | {python:.2f} ms | {policy:.2f} ms | {versus[0]} | {versus[1]} |")
 
 
 if __name__ == "__main__":
