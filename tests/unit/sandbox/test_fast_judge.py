@@ -250,3 +250,64 @@ def test_a_cache_that_cannot_be_written_means_the_python_judge_not_an_error(tmp_
     # A service account without a home (the unprivileged test's user): no library, no crash.
     (tmp_path / "file").write_text("")
     assert _judge.build(tmp_path / "file" / "judge") is None
+
+
+SUBREAPER_PROBE = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import rules
+from reaper import libc
+
+class Sup:
+    pass
+
+r = rules.Rules(Sup(), {"write": [sys.argv[2] + "/src/"], "commands": {"deny": [["ls", "-R"]]}})
+
+
+def shim(subreaper):
+    rd, wr = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        done = r.confine(subreaper)
+        got = bytearray(4)
+        import _ctypes
+        class c_int(_ctypes._SimpleCData):
+            _type_ = "i"
+        box = c_int.from_buffer(got)
+        libc("prctl", 37, _ctypes.addressof(box), 0, 0, 0)  # PR_GET_CHILD_SUBREAPER
+        os.write(wr, json.dumps([done, box.value, libc("prctl", 3, 0, 0, 0, 0)]).encode())
+        os._exit(0)
+    os.close(wr)
+    data = os.read(rd, 4096)
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
+print(json.dumps({"compiled": r._confine_c is not None, "shims": [shim(True), shim(False)]}))
+"""
+
+
+def test_the_compiled_confinement_makes_a_shim_a_subreaper_in_the_same_call(tmp_path: Path) -> None:
+    """A shim asks stockade_confine to make it a child subreaper too (one call into C in the
+    fork instead of two); an interpreter (no shim) does not ask, and is confined all the
+    same: dumpable, so that the judge can read its children's execs."""
+    import json
+    import subprocess
+
+    built = _judge.build()
+    require("the compiled exec judge", built is not None, "no C compiler, or not x86_64")
+    assert built is not None
+    folder = tmp_path / "supervisor"
+    folder.mkdir()
+    for module in SUPERVISOR.glob("*.py"):
+        shutil.copy(module, folder / module.name)
+    shutil.copy(built, folder / _judge.LIBRARY)
+    (tmp_path / "ws" / "src").mkdir(parents=True)
+    done = subprocess.run(
+        [sys.executable, "-c", SUBREAPER_PROBE, str(folder), str(tmp_path / "ws")],
+        capture_output=True, text=True, check=True, timeout=60,
+    )  # fmt: skip
+    got = json.loads(done.stdout)
+    assert got["compiled"]
+    # [done here, a child subreaper, dumpable]
+    assert got["shims"] == [[True, 1, 1], [False, 0, 1]]

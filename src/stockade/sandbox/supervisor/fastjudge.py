@@ -140,9 +140,9 @@ class FastJudge:
                 chunk = os.read(self._records, RECORDS_READ)
             except BlockingIOError:
                 break
-            if not chunk:
-                break
             data += chunk
+            if len(chunk) < RECORDS_READ:
+                break  # a pipe's read gives all it holds: it is empty (no second read)
         found = []
         at = 0
         while at + RECORD_HEAD.size <= len(data):

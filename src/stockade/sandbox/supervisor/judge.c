@@ -38,11 +38,13 @@ typedef int i32;
 #define SYS_clone 56
 #define SYS_exit 60
 #define SYS_getsid 124
+#define SYS_waitid 247
 #define SYS_openat 257
 #define SYS_readlinkat 267
 #define SYS_prctl 157
 #define SYS_landlock_restrict_self 446
 #define PR_SET_DUMPABLE 4
+#define PR_SET_CHILD_SUBREAPER 36
 
 #define AT_FDCWD (-100)
 #define O_RDONLY 0
@@ -52,6 +54,11 @@ typedef int i32;
 #define ENOTDIR 20
 #define EINTR 4
 #define POLLIN 1
+#define P_PID 1
+#define WNOHANG 1
+#define WEXITED 4
+#define WNOWAIT 0x01000000
+#define WALL_ 0x40000000 /* __WALL: whatever signal the child ends with */
 
 #define NOTIF_RECV 0xC0502100UL
 #define NOTIF_SEND 0xC0182101UL
@@ -381,7 +388,6 @@ int stockade_fast_allows(const char *cfg, int len, const char *path_name, const 
 struct ctx {
     struct rules rules;
     int listener, forward_fd, record_fd, control;
-    long me;
     char record[RECORD_MAX];
     char path[PATH_MAX_ + 8];
     char real[PATH_MAX_ + 8];
@@ -452,35 +458,14 @@ static void answer(struct ctx *c, u64 id, int error)
     sc(SYS_ioctl, c->listener, (long)NOTIF_SEND, (long)&r, 0, 0, 0);
 }
 
-/* The session leader's parent: a shim's is the supervisor (then the job is known later). */
-static long parent_of(struct ctx *c, long pid)
+/* Whether ``pid`` is a child of this process (of any of its threads: a shim of the
+ * supervisor's), exited or not: waitid without reaping it (WNOWAIT), so that the supervisor's
+ * own reaping finds it as before. One system call, where reading its parent from
+ * /proc/PID/stat took three and a lookup in /proc (~15% of the judging of an exec). */
+static int ours(long pid)
 {
-    char *s = c->scratch;
-    char *e = put_num(s + 6, (u64)pid);
-    memcpy(s, "/proc/", 6);
-    memcpy(e, "/stat", 6);
-    long fd = sc(SYS_openat, AT_FDCWD, (long)s, O_RDONLY | O_CLOEXEC, 0, 0, 0);
-    if (fd < 0)
-        return -1;
-    char buf[512];
-    long n = sc(SYS_read, fd, (long)buf, sizeof buf - 1, 0, 0, 0);
-    sc(SYS_close, fd, 0, 0, 0, 0, 0);
-    if (n <= 0)
-        return -1;
-    buf[n] = 0;
-    long close_paren = -1;
-    for (long i = 0; i < n; i++)
-        if (buf[i] == ')')
-            close_paren = i;
-    if (close_paren < 0 || close_paren + 4 >= n)
-        return -1;
-    /* ") S PPID ..." */
-    const char *q = buf + close_paren + 2;
-    while (*q && *q != ' ')
-        q++;
-    if (*q != ' ')
-        return -1;
-    return (long)parse_num(q + 1);
+    u64 info[16]; /* a siginfo_t, 128 bytes */
+    return sc(SYS_waitid, P_PID, pid, (long)info, WEXITED | WNOHANG | WNOWAIT | WALL_, 0, 0) == 0;
 }
 
 /* 1: answered here; 0: the Python judge must see it. */
@@ -556,8 +541,12 @@ static int judge(struct ctx *c, const struct notif *n)
     const char *argv0 = "", *argv1 = "";
     u64 argv_at = n->args[1];
     while (argv_at && argc < MAX_ARGS) {
-        long got = sc(SYS_pread64, mem, (long)c->pointers, sizeof c->pointers,
-                      (long)(argv_at + 8 * (u64)argc), 0, 0);
+        u64 from = argv_at + 8 * (u64)argc;
+        long want = argc ? (long)sizeof c->pointers : 128; /* most argvs are short */
+        long to_page = 4096 - (long)(from % 4096);         /* one page of the caller's a read */
+        if (want > to_page && to_page >= 8)
+            want = to_page;
+        long got = sc(SYS_pread64, mem, (long)c->pointers, want, (long)from, 0, 0);
         if (got < 8)
             goto out;
         long count = got / 8, i, end = 0;
@@ -590,7 +579,7 @@ static int judge(struct ctx *c, const struct notif *n)
     /* The job is known from the session its shim leads (a child of ours); a process that
      * left it is Python's to place, walking its parents while it lives. */
     long sid = sc(SYS_getsid, pid, 0, 0, 0, 0, 0);
-    if (sid <= 0 || parent_of(c, sid) != c->me)
+    if (sid <= 0 || !ours(sid))
         goto out;
     u32 head[4] = {(u32)at, (u32)pid, (u32)sid, (u32)kept};
     memcpy(rec, head, sizeof head);
@@ -664,7 +653,6 @@ __attribute__((visibility("default"))) int stockade_judge(int listener, int forw
     c.forward_fd = forward_fd;
     c.record_fd = record_fd;
     c.control = control;
-    c.me = sc(SYS_getpid, 0, 0, 0, 0, 0, 0);
     long stack = sc(SYS_mmap, 0, STACK_SIZE, 3 /* read, write */,
                     0x22 | 0x20000 /* private, anonymous, stack */, -1, 0);
     if (stack < 0 && stack > -4096)
@@ -684,9 +672,11 @@ __attribute__((visibility("default"))) int stockade_judge(int listener, int forw
  * ``inodes``: for each written path, its device and inode when the ruleset was built (two
  * u64), then the path, NUL-ended. A path that now leads elsewhere (the folder was replaced:
  * the ruleset's rule holds the old one) returns 1 before anything is done, and the caller
- * does it all in Python, rebuilding the ruleset. 0: done; -errno: failed. */
+ * does it all in Python, rebuilding the ruleset. 0: done; -errno: failed. ``subreaper``: a
+ * shim's, which then also becomes a child subreaper here, so that it makes one call into C
+ * instead of two (the first call of each kind in a fork costs ~45 us of copied pages). */
 __attribute__((visibility("default"))) int stockade_confine(int dumpable, int ruleset, const char *inodes,
-                                                            int len)
+                                                            int len, int subreaper)
 {
     const char *at = inodes, *end = inodes + len;
     u64 st[18];
@@ -704,6 +694,8 @@ __attribute__((visibility("default"))) int stockade_confine(int dumpable, int ru
     if (dumpable && (r = sc(SYS_prctl, PR_SET_DUMPABLE, 1, 0, 0, 0, 0)) != 0)
         return (int)r;
     if (ruleset >= 0 && (r = sc(SYS_landlock_restrict_self, ruleset, 0, 0, 0, 0, 0)) != 0)
+        return (int)r;
+    if (subreaper && (r = sc(SYS_prctl, PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0, 0)) != 0)
         return (int)r;
     return 0;
 }

@@ -51,6 +51,7 @@ class Rules:
         self._ruleset = -1  # built once (below), applied by every shim
         self._inodes: "Dict[str, Tuple[int, int]]" = {}
         self._inode_blob = b""  # the same, as judge.c's stockade_confine reads them
+        self._confine_args: "Tuple[Tuple[Any, ...], Tuple[Any, ...]]" = ((), ())  # _set_confine_args
         self._confine_c: "Any" = None  # that function, where the host shipped judge.so
         self.notify = any(self.commands.values()) and confine.notify_available()
         self.listener = listener
@@ -77,8 +78,10 @@ class Rules:
         # judge's forwards when it runs.
         self.events = self.listener
         self.fast: "Optional[FastJudge]" = None
+        self._entry = 0  # judge.c's thread, started by start()
         if (self.notify or self.landlock) and cfg.get("judge") != "python":
             self._load_compiled()
+        self._set_confine_args()
         if self._confine_c is None and (self.landlock or self.notify):
             confine.warm()  # the call prototypes the shims' confinement in Python needs
 
@@ -103,6 +106,14 @@ class Rules:
             struct.pack("=QQ", dev, ino) + path.encode("utf-8", "surrogateescape") + b"\0"
             for path, (dev, ino) in self._inodes.items()
         )
+        self._set_confine_args()
+
+    def _set_confine_args(self) -> None:
+        """stockade_confine's arguments, without and with the shim's subreaper."""
+        ruleset = self._ruleset if self.landlock else -1
+        blob = self._inode_blob
+        head = (1 if self.notify else 0, ruleset, blob, len(blob))
+        self._confine_args = ((*head, 0), (*head, 1))
 
     def _current_ruleset(self) -> int:
         """The ruleset, rebuilt if a written folder was replaced (a rule holds its inode)."""
@@ -122,16 +133,20 @@ class Rules:
 
     # -- in each shim, before the code ----------------------------------------------------
 
-    def confine(self) -> None:
+    def confine(self, subreaper: bool = False) -> bool:
+        """Confine this process (a fork of ours that will start code). ``subreaper``: a shim
+        asks to become a child subreaper too; True if that was done here (in the compiled
+        call: one call into C in the fork rather than two, each of which copies the pages it
+        touches), else the caller does it."""
         compiled = self._confine_c
         if compiled is not None:
             import _ctypes
 
-            ruleset = self._ruleset if self.landlock else -1
-            blob = self._inode_blob
-            done = _ctypes.call_function(compiled, (1 if self.notify else 0, ruleset, blob, len(blob)))
+            # The arguments made once (_build_ruleset): every object looked up here is a
+            # page the fork copies.
+            done = _ctypes.call_function(compiled, self._confine_args[subreaper])
             if done == 0:
-                return
+                return subreaper
             if done < 0:
                 raise OSError(-done, os.strerror(-done))
             # 1: a written folder was replaced: nothing done yet, all of it below
@@ -143,6 +158,7 @@ class Rules:
             prctl(PR_SET_DUMPABLE, 1)
         if self.landlock:
             confine.restrict(self._current_ruleset())
+        return False
 
     # -- in the supervisor ------------------------------------------------------------------
 
@@ -212,15 +228,23 @@ class Rules:
 
     def _load_compiled(self) -> None:
         """judge.c's functions, if the host shipped it and it loads: the exec judge's fast
-        path (started here) and the shims' confinement. Else all of it stays in Python."""
+        path (its thread started by start()) and the shims' confinement. Else all of it stays
+        in Python."""
         import fastjudge
 
         entries = fastjudge.load()
         if entries is None:
             return
-        entry, self._confine_c = entries
-        if self.notify:
-            self.fast = fastjudge.FastJudge.start(entry, self.listener, fastjudge.config(self.commands))
+        self._entry, self._confine_c = entries
+
+    def start(self) -> None:
+        """Start the compiled judge's thread: after the supervisor said it is ready (off the
+        create's path), before it reads any request. The rule is in force from __init__ on:
+        an exec before this waits in the kernel until someone answers."""
+        if self.notify and self._entry and self.fast is None:
+            import fastjudge
+
+            self.fast = fastjudge.FastJudge.start(self._entry, self.listener, fastjudge.config(self.commands))
             if self.fast is not None:
                 self.events = self.fast.forwards
 

@@ -200,8 +200,6 @@ class Supervisor:
             listener = carried.get("listener", -1) if carried is not None else -1
             self.rules = rules.Rules(self, cfg["rules"], listener=listener)
             self.confine = self.rules.confine
-            if self.rules.events >= 0:  # the listener, or the compiled judge's forwards
-                self.sel.register(self.rules.events, EVENT_READ, ("exec", None))
         if cfg.get("egress"):
             import egress  # type: ignore[import-not-found]
 
@@ -216,6 +214,16 @@ class Supervisor:
             except OSError:  # a tier without /dev/shm
                 continue
         self.baseline = baseline.snapshot()
+
+    def start_judge(self) -> None:
+        """Start the rules' compiled exec judge, and wait on what it leaves to us: after the
+        configuration was answered, before any request is read (an exec meanwhile waits in
+        the kernel)."""
+        if self.rules is None:
+            return
+        self.rules.start()
+        if self.rules.events >= 0:  # the listener, or the compiled judge's forwards
+            self.sel.register(self.rules.events, EVENT_READ, ("exec", None))
 
     def start_zygote(self) -> None:
         """Fork the zygote: right after the configuration, before any request is read."""
@@ -754,6 +762,7 @@ def main() -> None:
     if sup.rules is not None:
         ready["rules"] = sup.rules.report()
     sup.send(ready)
+    sup.start_judge()
     sup.start_zygote()  # after answering (off the create's path), before reading any request
     sup.reader = reader
     sup.serve()
@@ -792,6 +801,7 @@ def _resume(sup: Supervisor, reader: FrameReader) -> None:
     hlen, blen = PREFIX.unpack(prefix)
     state = loads(_read_exactly(HANDOVER_FD, hlen).decode())
     sup.configure(state["config"], state["carried"])
+    sup.start_judge()
     sup.start_zygote()
     rest = _read_exactly(HANDOVER_FD, blen)
     os.close(HANDOVER_FD)

@@ -123,7 +123,7 @@ def start(
     keep: "tuple[int, ...]",
     workspace: str,
     env: "dict[str, str]",
-    confine: "Optional[Callable[[], None]]",
+    confine: "Optional[Callable[[bool], bool]]",
     devnull: int,
 ) -> "Optional[Zygote]":
     """Fork the zygote; ``keep`` are the fds it needs besides its socket (``devnull``, the
@@ -171,7 +171,11 @@ def _close_all_but(keep: "set[int]") -> None:
 
 
 def _serve(
-    sock: "Any", workspace: str, env: "dict[str, str]", confine: "Optional[Callable[[], None]]", devnull: int
+    sock: "Any",
+    workspace: str,
+    env: "dict[str, str]",
+    confine: "Optional[Callable[[bool], bool]]",
+    devnull: int,
 ) -> None:
     for sig in IGNORED_SIGNALS:  # SIGKILL and SIGSTOP remain: the reset checks for them
         signal.signal(sig, signal.SIG_IGN)
@@ -220,7 +224,7 @@ def _load() -> None:
 
 
 def _fork_one(
-    fds: "list[int]", target: "Callable[[], None]", confine: "Optional[Callable[[], None]]", devnull: int
+    fds: "list[int]", target: "Callable[[], None]", confine: "Optional[Callable[[bool], bool]]", devnull: int
 ) -> int:
     """Start one interpreter: our child, leading its own session, with no shim between us.
 
