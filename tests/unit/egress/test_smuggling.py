@@ -34,7 +34,8 @@ ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
 class RawServer:
     """Answers every connection once, after the client fell quiet, and keeps what it got."""
 
-    def __init__(self) -> None:
+    def __init__(self, answer: bytes = ANSWER) -> None:
+        self.answer = answer
         self.sock = socket.create_server(("127.0.0.2", 0))
         self.port = int(self.sock.getsockname()[1])
         self.got: list[bytes] = []
@@ -56,7 +57,7 @@ class RawServer:
                 except TimeoutError:
                     pass
                 self.got.append(bytes(data))
-                conn.sendall(ANSWER)
+                conn.sendall(self.answer)
 
     def close(self) -> None:
         # A close alone does not wake an accept waiting in another thread (Linux): a shutdown does.
@@ -356,3 +357,14 @@ def test_bare_lf_line_ends(server: RawServer) -> None:
         ("/", 200, f"allow: raw.test:{server.port}"),
         ("/b", 400, "request (syntax)"),
     ]
+
+
+def test_a_server_answer_h11_cannot_read_is_a_502_and_one_record() -> None:
+    raw = RawServer(answer=b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nok")
+    try:
+        answer, records = _send(raw, b"GET http://raw.test:PORT/ HTTP/1.1\r\nHost: raw.test:PORT\r\n\r\n")
+    finally:
+        raw.close()
+    assert _statuses(answer) == [502] and b"is not HTTP/1.1" in answer
+    assert [(r.method, r.status, r.decision) for r in records] == [("GET", 502, "allow")]
+    assert "Content-Length" not in records[0].reason  # h11's words about the bytes stay out
