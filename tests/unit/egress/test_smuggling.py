@@ -240,6 +240,12 @@ def test_a_request_h11_cannot_read_is_a_400_and_one_record(
     assert all(SECRET_LOOKING.decode() not in repr(r) for r in records)  # h11's message quotes it
 
 
+def test_a_head_cut_by_the_clients_end_is_a_400_and_one_record(server: RawServer) -> None:
+    answer, records = _send(server, b"GET http://raw.test:PORT/cut HTTP/1.1\r\nHost: raw.te")
+    _refused_unread(server, answer, records, 400, "request (syntax)", b"ended inside the request's head")
+    assert (records[0].method, records[0].path) == ("GET", "/cut")
+
+
 def test_a_head_too_long_is_a_431(server: RawServer) -> None:
     # The head never ends: h11 gives up at the proxy's limit, while the client still sends.
     answer, records = _send(
