@@ -111,6 +111,7 @@ class Exchange:
     def __init__(self, gate: Gate) -> None:
         self.gate = gate
         self.upstreams: Pool[Plain] = Pool()  # connections to servers, kept between this sandbox's requests
+        self.head_timeout_s = HEAD_TIMEOUT_S  # for a request's head to come whole
 
     async def serve(
         self,
@@ -127,9 +128,13 @@ class Exchange:
         while True:
             line = bytearray(conn.trailing_data[0][:LINE_LIMIT])  # the next request's, if here
             try:
-                event = await within(next_request(conn, client, line), HEAD_TIMEOUT_S)
+                event = await within(next_request(conn, client, line), self.head_timeout_s)
             except h11.RemoteProtocolError as err:
                 await self.unreadable(conn, client, err, bytes(line), tunnel=tunnel)
+                return
+            except TimeoutError:
+                if line:  # a head begun and not ended (a connection idle before one is no request)
+                    await self.unreadable(conn, client, None, bytes(line), tunnel=tunnel)
                 return
             if not isinstance(event, h11.Request):
                 return
@@ -152,8 +157,9 @@ class Exchange:
         tunnel: tuple[str, int, str] | None,
     ) -> None:
         """Answer and record a request whose head h11 refused to read (a ``400``, ``431`` for
-        one too long); nothing of it goes anywhere. The record names what the request line
-        names, if it is one; the reason is ours, never h11's message (which quotes the bytes)."""
+        one too long, ``408`` for one not whole in time: ``err`` ``None``); nothing of it
+        goes anywhere. The record names what the request line names, if it is one; the
+        reason is ours, never h11's message (which quotes the bytes)."""
         started = time.monotonic()
         method, target = request_line(line)
         host, port, path = target_parts(target, tunnel)
@@ -535,11 +541,14 @@ def target_parts(target: str, tunnel: tuple[str, int, str] | None) -> tuple[str,
 
 
 def unreadable_verdict(err: Any) -> tuple[int, Verdict]:
-    """The status and the reason for a request head h11 refused. h11's own message quotes
+    """The status and the reason for a request head h11 refused (``None``: one that did not
+    come whole in time). h11's own message quotes
     the bytes it refused (a header's value could be anything, a secret too): only its kind
     is kept."""
     message = str(err).lower()
-    if getattr(err, "error_status_hint", 400) == 431:
+    if err is None:
+        status, rule, reason = 408, "request (timeout)", "the request's head did not end in time"
+    elif getattr(err, "error_status_hint", 400) == 431:
         status, rule, reason = 431, "request (size)", f"a request head longer than {HEAD_LIMIT} bytes"
     elif "content-length" in message:
         status, rule, reason = 400, "request (framing)", "two Content-Length values, or one that is no number"

@@ -76,7 +76,9 @@ def server() -> Iterator[RawServer]:
         raw.close()
 
 
-def _send(server: RawServer, request: bytes, *, end: bool = True) -> tuple[bytes, list[EgressRecord]]:
+def _send(
+    server: RawServer, request: bytes, *, end: bool = True, head_timeout_s: float | None = None
+) -> tuple[bytes, list[EgressRecord]]:
     """``request`` (``PORT`` is the server's) through a new proxy, and all that came back;
     ``end``: the client's side is shut after it (else the proxy answers a head still open)."""
     records: list[EgressRecord] = []
@@ -86,6 +88,8 @@ def _send(server: RawServer, request: bytes, *, end: bool = True) -> tuple[bytes
         resolve={"raw.test": ("127.0.0.2",)},
     )
     proxy = EgressProxy(policy, observer=records.append)
+    if head_timeout_s is not None:
+        proxy.exchange.head_timeout_s = head_timeout_s
     port = _loop.call(proxy.start_tcp())
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
@@ -244,6 +248,19 @@ def test_a_head_cut_by_the_clients_end_is_a_400_and_one_record(server: RawServer
     answer, records = _send(server, b"GET http://raw.test:PORT/cut HTTP/1.1\r\nHost: raw.te")
     _refused_unread(server, answer, records, 400, "request (syntax)", b"ended inside the request's head")
     assert (records[0].method, records[0].path) == ("GET", "/cut")
+
+
+def test_a_head_that_does_not_end_in_time_is_a_408_and_one_record(server: RawServer) -> None:
+    answer, records = _send(
+        server, b"GET http://raw.test:PORT/slow HTTP/1.1\r\nHost: raw.te", end=False, head_timeout_s=0.3
+    )
+    _refused_unread(server, answer, records, 408, "request (timeout)", b"did not end in time")
+    assert (records[0].method, records[0].path) == ("GET", "/slow")
+
+
+def test_a_connection_idle_before_any_request_is_no_record(server: RawServer) -> None:
+    answer, records = _send(server, b"", end=False, head_timeout_s=0.3)
+    assert answer == b"" and records == [] and server.got == []
 
 
 def test_a_head_too_long_is_a_431(server: RawServer) -> None:
