@@ -5,13 +5,19 @@ the store, or a log line about a failed write) and queues it; events are sealed 
 in batches, when ``batch_size`` are queued, every ``flush_interval_s`` from a background
 thread, and on ``flush()``/``close()``. If the store fails, the events stay queued and the
 next ``record()`` raises ``AuditStoreError``: a broken audit trail stops the caller rather
-than letting it act unrecorded.
+than letting it act unrecorded. A log its owner never closed is flushed at the
+interpreter's exit (the flusher is a daemon thread: frozen then, it would lose the last
+``flush_interval_s`` of events); a ``SIGKILL`` loses them (docs/architecture.md).
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from types import TracebackType
 
@@ -22,6 +28,21 @@ from stockade.audit.sealing import Sealer
 from stockade.audit.stores import AuditStore
 
 __all__ = ["AuditLog"]
+
+_log = logging.getLogger(__name__)
+_open: weakref.WeakSet[AuditLog] = weakref.WeakSet()  # the logs not closed yet, for the exit
+
+
+@atexit.register  # at import, so before any egress proxy's exit close (which records here)
+def _flush_at_exit() -> None:
+    """Write what the logs left open still queue (not in a forked child: the parent's)."""
+    for log in list(_open):
+        if log._closed or log._pid != os.getpid():
+            continue
+        try:
+            log.flush()
+        except Exception as error:  # nobody is left to raise to: say it where it can be seen
+            _log.error("%d audit events were not written at exit: %s", log.pending, error)
 
 
 class AuditLog:
@@ -55,6 +76,8 @@ class AuditLog:
         self._flusher: threading.Thread | None = None
         self._closed = False
         self._sealers: dict[str, Sealer] = {}
+        self._pid = os.getpid()
+        _open.add(self)
 
     def seal_run(self, run_id: str, subject: str) -> None:
         """From now on, seal the attributes of ``run_id``'s events: the run holds personal data
@@ -163,6 +186,7 @@ class AuditLog:
         if self._closed:
             return
         self._closed = True
+        _open.discard(self)
         self._wake.set()
         if self._flusher is not None:
             self._flusher.join()

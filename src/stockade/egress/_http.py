@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import re
 import ssl
 import time
 import urllib.parse
@@ -40,6 +41,7 @@ __all__ = [
 ]
 
 HEAD_LIMIT = 64 * 1024  # request or response head: bigger is refused
+LINE_LIMIT = 8192  # of a request head h11 refuses, what is kept to name it (its first line)
 HEAD_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 15.0
 IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"))
@@ -109,6 +111,7 @@ class Exchange:
     def __init__(self, gate: Gate) -> None:
         self.gate = gate
         self.upstreams: Pool[Plain] = Pool()  # connections to servers, kept between this sandbox's requests
+        self.head_timeout_s = HEAD_TIMEOUT_S  # for a request's head to come whole
 
     async def serve(
         self,
@@ -123,7 +126,16 @@ class Exchange:
         h11 = load_h11()
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=HEAD_LIMIT)
         while True:
-            event = await within(next_event(conn, client), HEAD_TIMEOUT_S)
+            line = bytearray(conn.trailing_data[0][:LINE_LIMIT])  # the next request's, if here
+            try:
+                event = await within(next_request(conn, client, line), self.head_timeout_s)
+            except h11.RemoteProtocolError as err:
+                await self.unreadable(conn, client, err, bytes(line), tunnel=tunnel)
+                return
+            except TimeoutError:
+                if line:  # a head begun and not ended (a connection idle before one is no request)
+                    await self.unreadable(conn, client, None, bytes(line), tunnel=tunnel)
+                return
             if not isinstance(event, h11.Request):
                 return
             if on_connect is not None and event.method == b"CONNECT":
@@ -135,6 +147,28 @@ class Exchange:
                 return
             conn.start_next_cycle()
 
+    async def unreadable(
+        self,
+        conn: Any,
+        client: Stream,
+        err: Any,
+        line: bytes,
+        *,
+        tunnel: tuple[str, int, str] | None,
+    ) -> None:
+        """Answer and record a request whose head h11 refused to read (a ``400``, ``431`` for
+        one too long, ``408`` for one not whole in time: ``err`` ``None``); nothing of it
+        goes anywhere. The record names what the request line names, if it is one; the
+        reason is ours, never h11's message (which quotes the bytes)."""
+        started = time.monotonic()
+        method, target = request_line(line)
+        host, port, path = target_parts(target, tunnel)
+        status, verdict = unreadable_verdict(err)
+        with contextlib.suppress(Exception):  # the client may be gone: the record stays
+            await refuse(conn, client, Refused(status, verdict))
+        record = EgressRecord(host=host, port=port, method=method, path=short(path))
+        self.gate.emit(denied(record, Refused(status, verdict), started))
+
     async def forward(
         self, conn: Any, client: Stream, request: Any, *, tunnel: tuple[str, int, str] | None
     ) -> bool:
@@ -143,20 +177,8 @@ class Exchange:
         started = time.monotonic()
         method = request.method.decode("ascii", "replace").upper()
         target = request.target.decode("ascii", "replace")
-        if tunnel is None:
-            parsed = urllib.parse.urlsplit(target)
-            host = (parsed.hostname or "").lower().rstrip(".")
-            literal = ip_literal(host)
-            host = str(literal) if literal is not None else host
-            try:
-                port = (parsed.port or 80) if parsed.scheme == "http" else 0
-            except ValueError:
-                port = 0
-            path = (parsed.path or "/") + (f"?{parsed.query}" if parsed.query else "")
-            scheme = "http"
-        else:
-            host, port, _ = tunnel
-            path, scheme = target, "https"
+        host, port, path = target_parts(target, tunnel)
+        scheme = "http" if tunnel is None else "https"
         rule = ""
         try:
             if header(request.headers, b"transfer-encoding") is not None and (
@@ -169,7 +191,7 @@ class Exchange:
                     allowed=False, rule="request (framing)",
                     reason="a request with both Content-Length and Transfer-Encoding",
                 ))  # fmt: skip
-            if tunnel is None and (parsed.scheme != "http" or not host or not port):
+            if tunnel is None and (not host or not port):  # port 0: not an http:// URL
                 raise Refused(400, Verdict(
                     allowed=False, rule="request",
                     reason="send http:// URLs as absolute URLs, and https:// through CONNECT",
@@ -213,14 +235,25 @@ class Exchange:
                 duration_s=time.monotonic() - started,
             ))  # fmt: skip
             raise
-        except (TimeoutError, OSError, ssl.SSLError) as err:
+        except (TimeoutError, OSError, ssl.SSLError, load_h11().ProtocolError) as err:
+            if conn.their_state is load_h11().ERROR:  # the client's body broke its own framing
+                broken = Refused(400, Verdict(
+                    allowed=False, rule="request (framing)", reason="a body that breaks its framing",
+                ))  # fmt: skip
+                with contextlib.suppress(Exception):
+                    await refuse(conn, client, broken)
+                record = EgressRecord(host=host, port=port, method=method, path=short(path), rule=rule)
+                gate.emit(denied(record, broken, started))
+                return False
+            # h11's messages quote the bytes they refused: only that the answer was unreadable
+            why = "the server's answer is not HTTP/1.1" if isinstance(err, load_h11().ProtocolError) else err
             with contextlib.suppress(Exception):
                 await refuse(conn, client, Refused(502, Verdict(
-                    allowed=True, rule=verdict.rule, reason=f"cannot reach {host}:{port}: {err}"
+                    allowed=True, rule=verdict.rule, reason=f"cannot reach {host}:{port}: {why}"
                 )))  # fmt: skip
             gate.emit(EgressRecord(
                 host=host, port=port, method=method, path=short(path), rule=rule, status=502,
-                reason=f"cannot reach {host}:{port}: {err}", duration_s=time.monotonic() - started,
+                reason=f"cannot reach {host}:{port}: {why}", duration_s=time.monotonic() - started,
             ))  # fmt: skip
             return False
         gate.emit(EgressRecord(
@@ -397,6 +430,23 @@ class Exchange:
                 pending = b""
 
 
+async def next_request(conn: Any, stream: Stream, line: bytearray) -> Any:
+    """``next_event`` for a request's head, keeping what came of it in ``line`` until its
+    first line end (at most ``LINE_LIMIT``): what a refusal of an unreadable head can name."""
+    h11 = load_h11()
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            data = await stream.recv()
+            if len(line) < LINE_LIMIT and b"\n" not in line:
+                line += data[: LINE_LIMIT - len(line)]
+            conn.receive_data(data)
+            continue
+        if event is h11.PAUSED:
+            return h11.ConnectionClosed()
+        return event
+
+
 async def next_event(conn: Any, stream: Stream) -> Any:
     h11 = load_h11()
     while True:
@@ -436,7 +486,7 @@ async def refuse(conn: Any, client: Stream, refused: Refused) -> None:
         (b"X-Stockade-Rule", phrase(verdict.rule)),
         (b"Connection", b"close"),
     ]
-    if conn.our_state is not h11.SEND_RESPONSE:
+    if conn.our_state not in (h11.SEND_RESPONSE, h11.IDLE):  # IDLE: a head h11 could not read
         return
     with contextlib.suppress(h11.LocalProtocolError):
         await client.send(conn.send(h11.Response(status_code=refused.status, headers=headers, reason=reason)))
@@ -458,6 +508,57 @@ def denied(record: EgressRecord, refused: Refused, started: float) -> EgressReco
         reason=refused.verdict.reason,
         duration_s=time.monotonic() - started,
     )
+
+
+REQUEST_LINE = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+) ([\x21-\x7e]+) HTTP/\d\.\d\r?\n")
+
+
+def request_line(data: bytes) -> tuple[str, str]:
+    """(method, target) of ``data``'s first line if it is a request line, else (``""``, ``""``)."""
+    found = REQUEST_LINE.match(data)
+    if found is None:
+        return "", ""
+    return found[1].decode("ascii").upper(), found[2].decode("ascii")
+
+
+def target_parts(target: str, tunnel: tuple[str, int, str] | None) -> tuple[str, int, str]:
+    """(host, port, path) a request's target names: an absolute ``http://`` URL (port 0 for
+    another scheme), or a path inside the ``tunnel`` (host, port, address)."""
+    if tunnel is not None:
+        return tunnel[0], tunnel[1], target
+    if not target:
+        return "", 0, ""
+    parsed = urllib.parse.urlsplit(target)
+    host = (parsed.hostname or "").lower().rstrip(".")
+    literal = ip_literal(host)
+    host = str(literal) if literal is not None else host
+    try:
+        port = (parsed.port or 80) if parsed.scheme == "http" else 0
+    except ValueError:
+        port = 0
+    path = (parsed.path or "/") + (f"?{parsed.query}" if parsed.query else "")
+    return host, port, path
+
+
+def unreadable_verdict(err: Any) -> tuple[int, Verdict]:
+    """The status and the reason for a request head h11 refused (``None``: one that did not
+    come whole in time). h11's own message quotes
+    the bytes it refused (a header's value could be anything, a secret too): only its kind
+    is kept."""
+    message = str(err).lower()
+    if err is None:
+        status, rule, reason = 408, "request (timeout)", "the request's head did not end in time"
+    elif getattr(err, "error_status_hint", 400) == 431:
+        status, rule, reason = 431, "request (size)", f"a request head longer than {HEAD_LIMIT} bytes"
+    elif "content-length" in message:
+        status, rule, reason = 400, "request (framing)", "two Content-Length values, or one that is no number"
+    elif "transfer-encoding" in message:
+        status, rule, reason = 400, "request (framing)", "a Transfer-Encoding other than chunked"
+    elif "closed" in message:
+        status, rule, reason = 400, "request (syntax)", "the connection ended inside the request's head"
+    else:
+        status, rule, reason = 400, "request (syntax)", "not HTTP/1.1 (the request line or a header)"
+    return status, Verdict(allowed=False, rule=rule, reason=reason)
 
 
 def authority(text: str, default_port: int = 0) -> tuple[str, int]:

@@ -3,21 +3,30 @@ two ways (Content-Length with Transfer-Encoding, two lengths, a folded header, b
 ends) is refused, or reaches the server rewritten with one reading only. Either way every
 request the server gets is one the proxy judged and recorded.
 
+A request the proxy cannot read at all (a broken request line, a head too long, a framing
+h11 refuses) is answered ``400`` (``431``) with the reason and recorded, once, without any
+connection to a server: on a new connection, on a kept one after a first request, and
+inside a tunnel whose TLS the proxy opened.
+
 Against a raw server on 127.0.0.2 that keeps the bytes it got, so what is checked is what
 went over the wire, not what a library made of it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
+import ssl
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from stockade.egress import EgressProxy, NetworkPolicy, _loop
+from stockade.egress import EgressProxy, HostRule, NetworkPolicy, _loop
 from stockade.types import EgressRecord
+from tests.egress_servers import servers
 
 ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
 
@@ -25,7 +34,8 @@ ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
 class RawServer:
     """Answers every connection once, after the client fell quiet, and keeps what it got."""
 
-    def __init__(self) -> None:
+    def __init__(self, answer: bytes = ANSWER) -> None:
+        self.answer = answer
         self.sock = socket.create_server(("127.0.0.2", 0))
         self.port = int(self.sock.getsockname()[1])
         self.got: list[bytes] = []
@@ -47,9 +57,12 @@ class RawServer:
                 except TimeoutError:
                     pass
                 self.got.append(bytes(data))
-                conn.sendall(ANSWER)
+                conn.sendall(self.answer)
 
     def close(self) -> None:
+        # A close alone does not wake an accept waiting in another thread (Linux): a shutdown does.
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
         self.thread.join(5)
 
@@ -63,7 +76,11 @@ def server() -> Iterator[RawServer]:
         raw.close()
 
 
-def _send(server: RawServer, request: bytes) -> tuple[bytes, list[EgressRecord]]:
+def _send(
+    server: RawServer, request: bytes, *, end: bool = True, head_timeout_s: float | None = None
+) -> tuple[bytes, list[EgressRecord]]:
+    """``request`` (``PORT`` is the server's) through a new proxy, and all that came back;
+    ``end``: the client's side is shut after it (else the proxy answers a head still open)."""
     records: list[EgressRecord] = []
     policy = NetworkPolicy(
         allow_hosts=(f"raw.test:{server.port}",),
@@ -71,14 +88,51 @@ def _send(server: RawServer, request: bytes) -> tuple[bytes, list[EgressRecord]]
         resolve={"raw.test": ("127.0.0.2",)},
     )
     proxy = EgressProxy(policy, observer=records.append)
+    if head_timeout_s is not None:
+        proxy.exchange.head_timeout_s = head_timeout_s
     port = _loop.call(proxy.start_tcp())
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
             client.sendall(request.replace(b"PORT", str(server.port).encode()))
-            client.shutdown(socket.SHUT_WR)
+            if end:
+                client.shutdown(socket.SHUT_WR)
             answer = bytearray()
             while chunk := client.recv(65536):
                 answer += chunk
+    finally:
+        _loop.call(proxy.close())
+    return bytes(answer), records
+
+
+def _send_in_tunnel(server: RawServer, request: bytes) -> tuple[bytes, list[EgressRecord]]:
+    """``request`` inside a tunnel to raw.test whose TLS the proxy opens (a rule with
+    methods), the client trusting the sandbox's CA; what came back inside the TLS."""
+    records: list[EgressRecord] = []
+    policy = NetworkPolicy(
+        rules=(HostRule(host="raw.test", ports=(server.port,), methods=("GET", "POST")),),
+        allow_addresses=("127.0.0.2/32",),
+        resolve={"raw.test": ("127.0.0.2",)},
+    )
+    proxy = EgressProxy(policy, observer=records.append)
+    assert proxy.ca_pem is not None
+    ctx = ssl.create_default_context(cadata=proxy.ca_pem.decode())
+    port = _loop.call(proxy.start_tcp())
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+            target = f"raw.test:{server.port}".encode()
+            raw.sendall(b"CONNECT " + target + b" HTTP/1.1\r\nHost: " + target + b"\r\n\r\n")
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += raw.recv(1)
+            assert head.startswith(b"HTTP/1.1 200"), head
+            with ctx.wrap_socket(raw, server_hostname="raw.test") as client:
+                client.sendall(request.replace(b"PORT", str(server.port).encode()))
+                answer = bytearray()
+                try:
+                    while chunk := client.recv(65536):
+                        answer += chunk
+                except (ssl.SSLEOFError, ConnectionResetError):  # closed after the answer, no goodbye
+                    pass
     finally:
         _loop.call(proxy.close())
     return bytes(answer), records
@@ -106,6 +160,11 @@ def _status(answer: bytes) -> int:
     return int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.1 ") else 0
 
 
+def _statuses(answer: bytes) -> list[int]:
+    """The status of each answer in ``answer`` (the proxy's bodies are one line each)."""
+    return [int(s) for s in re.findall(rb"HTTP/1\.1 (\d{3}) ", answer)]
+
+
 def test_content_length_with_transfer_encoding(server: RawServer) -> None:
     smuggled = b"GET http://raw.test:PORT/smuggled HTTP/1.1\r\nHost: raw.test:PORT\r\n\r\n"
     answer, records = _send(
@@ -120,6 +179,19 @@ def test_content_length_with_transfer_encoding(server: RawServer) -> None:
     ]
 
 
+def _refused_unread(
+    server: RawServer, answer: bytes, records: list[EgressRecord], status: int, rule: str, said: bytes
+) -> None:
+    """One answer ``status`` saying ``said`` and ``rule``, one record of it, no server."""
+    assert server.got == []  # no connection to the server at all
+    assert _status(answer) == status and said in answer and f"rule: {rule}".encode() in answer
+    assert len(_statuses(answer)) == 1
+    (record,) = records
+    assert (record.status, record.decision, record.rule, record.bytes_out, record.bytes_in) == (
+        status, "deny", rule, 0, 0,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "lengths", [b"Content-Length: 4\r\nContent-Length: 40\r\n", b"Content-Length: 4, 40\r\n"]
 )
@@ -127,7 +199,11 @@ def test_two_content_lengths_are_refused(server: RawServer, lengths: bytes) -> N
     answer, records = _send(
         server, b"POST http://raw.test:PORT/ HTTP/1.1\r\nHost: raw.test:PORT\r\n" + lengths + b"\r\nbody"
     )
-    assert server.got == [] and records == [] and _status(answer) == 0
+    _refused_unread(server, answer, records, 400, "request (framing)", b"two Content-Length values")
+    assert (records[0].host, records[0].port, records[0].method, records[0].path) == (
+        "raw.test", server.port, "POST", "/",
+    )  # fmt: skip
+    assert records[0].reason == "two Content-Length values, or one that is no number"
 
 
 @pytest.mark.parametrize(
@@ -141,7 +217,147 @@ def test_a_transfer_encoding_other_than_chunked_is_refused(server: RawServer, en
         + encoding
         + b"\r\n\r\n0\r\n\r\n",
     )
-    assert server.got == [] and records == [] and _status(answer) == 0
+    _refused_unread(server, answer, records, 400, "request (framing)", b"other than chunked")
+    assert records[0].method == "POST"
+
+
+SECRET_LOOKING = b"tok-not-for-the-trail"
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "method"),
+    [
+        (b"GET http://raw.test:PORT/ HTTP/1.1 extra\r\nHost: raw.test:PORT\r\n\r\n", ""),  # request line
+        (b"GET http://raw.test:PORT/ HTTP/1.1\r\nHost: raw.test:PORT\r\nBad Name: x\r\n\r\n", "GET"),
+        (b"GET http://raw.test:PORT/ HTTP/1.1\r\nX-Token: a\x00" + SECRET_LOOKING + b"\r\n\r\n", "GET"),
+        (b"GET http://raw.test:PORT/ HTTP/1.1\r\n\r\n", "GET"),  # HTTP/1.1 without Host
+        (b"SSH-2.0-OpenSSH_9.2\r\n\r\n", ""),  # not HTTP at all
+        (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", ""),  # TLS to a plain proxy
+    ],
+)
+def test_a_request_h11_cannot_read_is_a_400_and_one_record(
+    server: RawServer, request_bytes: bytes, method: str
+) -> None:
+    answer, records = _send(server, request_bytes)
+    _refused_unread(server, answer, records, 400, "request (syntax)", b"not HTTP/1.1")
+    assert records[0].method == method
+    assert all(SECRET_LOOKING.decode() not in repr(r) for r in records)  # h11's message quotes it
+
+
+def test_a_head_cut_by_the_clients_end_is_a_400_and_one_record(server: RawServer) -> None:
+    answer, records = _send(server, b"GET http://raw.test:PORT/cut HTTP/1.1\r\nHost: raw.te")
+    _refused_unread(server, answer, records, 400, "request (syntax)", b"ended inside the request's head")
+    assert (records[0].method, records[0].path) == ("GET", "/cut")
+
+
+def test_a_head_that_does_not_end_in_time_is_a_408_and_one_record(server: RawServer) -> None:
+    answer, records = _send(
+        server, b"GET http://raw.test:PORT/slow HTTP/1.1\r\nHost: raw.te", end=False, head_timeout_s=0.3
+    )
+    _refused_unread(server, answer, records, 408, "request (timeout)", b"did not end in time")
+    assert (records[0].method, records[0].path) == ("GET", "/slow")
+
+
+def test_a_connection_idle_before_any_request_is_no_record(server: RawServer) -> None:
+    answer, records = _send(server, b"", end=False, head_timeout_s=0.3)
+    assert answer == b"" and records == [] and server.got == []
+
+
+def test_a_head_too_long_is_a_431(server: RawServer) -> None:
+    # The head never ends: h11 gives up at the proxy's limit, while the client still sends.
+    answer, records = _send(
+        server,
+        b"GET http://raw.test:PORT/ HTTP/1.1\r\nHost: raw.test:PORT\r\nX-A: " + b"a" * 70_000,
+        end=False,
+    )
+    _refused_unread(server, answer, records, 431, "request (size)", b"longer than 65536 bytes")
+    assert (records[0].method, records[0].path) == ("GET", "/")
+
+
+def test_an_unreadable_second_request_on_a_kept_connection(server: RawServer) -> None:
+    answer, records = _send(
+        server,
+        b"GET http://raw.test:PORT/first HTTP/1.1\r\nHost: raw.test:PORT\r\n\r\n"
+        b"POST http://raw.test:PORT/second HTTP/1.1\r\nHost: raw.test:PORT\r\n"
+        b"Content-Length: 1\r\nContent-Length: 2\r\n\r\nab",
+    )
+    assert _statuses(answer) == [200, 400]
+    assert [(r.method, r.path, r.status, r.decision, r.rule) for r in records] == [
+        ("GET", "/first", 200, "allow", f"allow: raw.test:{server.port}"),
+        ("POST", "/second", 400, "deny", "request (framing)"),
+    ]
+    assert len(server.got) == 1 and _requests_in(server.got[0]) == 1 and b"/second" not in server.got[0]
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status", "rule"),
+    [
+        (b"POST /x HTTP/1.1\r\nHost: raw.test\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nab",
+         400, "request (framing)"),
+        (b"POST /x HTTP/1.1\r\nHost: raw.test\r\nTransfer-Encoding: gzip\r\n\r\n", 400, "request (framing)"),
+        (b"GET /x HTTP/1.1 \r\nHost: raw.test\r\n\r\n", 400, "request (syntax)"),
+        (b"GET /x HTTP/1.1\r\nHost: raw.test\r\nX-A: " + b"a" * 70_000 + b"\r\n", 431, "request (size)"),
+    ],
+)  # fmt: skip
+def test_an_unreadable_request_inside_an_opened_tunnel(
+    server: RawServer, request_bytes: bytes, status: int, rule: str
+) -> None:
+    answer, records = _send_in_tunnel(server, request_bytes)
+    assert server.got == [] and _status(answer) == status and f"rule: {rule}".encode() in answer
+    (record,) = records  # the CONNECT itself is no record of its own: its requests are
+    assert (record.host, record.port, record.status, record.decision, record.rule) == (
+        "raw.test", server.port, status, "deny", rule,
+    )  # fmt: skip
+
+
+def test_an_unreadable_request_after_one_inside_an_opened_tunnel(tmp_path: Path) -> None:
+    """A first request answered by a real HTTPS server (its credential added), then one
+    h11 cannot read on the same opened TLS: a 400 and its record, nothing more to the server."""
+    with servers(tmp_path) as local:
+        records: list[EgressRecord] = []
+        proxy = EgressProxy(local.policy(), observer=records.append)
+        assert proxy.ca_pem is not None
+        ctx = ssl.create_default_context(cadata=proxy.ca_pem.decode())
+        port = _loop.call(proxy.start_tcp())
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+                target = f"api.test:{local.https_port}".encode()
+                raw.sendall(b"CONNECT " + target + b" HTTP/1.1\r\nHost: " + target + b"\r\n\r\n")
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    head += raw.recv(1)
+                with ctx.wrap_socket(raw, server_hostname="api.test") as client:
+                    client.sendall(
+                        b"GET /auth HTTP/1.1\r\nHost: " + target + b"\r\n\r\n"
+                        b"GET /second HTTP/1.1\r\nHost " + target + b"\r\n\r\n"
+                    )
+                    answer = bytearray()
+                    with contextlib.suppress(ssl.SSLEOFError, ConnectionResetError):
+                        while chunk := client.recv(65536):
+                            answer += chunk
+        finally:
+            _loop.call(proxy.close())
+        paths = list(local.https_seen.paths)
+    assert _statuses(bytes(answer)) == [200, 400] and b"authorized=True" in answer
+    assert [(r.method, r.path, r.status, r.decision, r.rule, r.credential) for r in records] == [
+        ("GET", "/auth", 200, "allow", f"allow: api.test:{local.https_port}", "api"),
+        ("GET", "/second", 400, "deny", "request (syntax)", ""),
+    ]
+    assert paths == ["/auth"]
+
+
+def test_a_chunked_body_that_breaks_its_framing_is_recorded(server: RawServer) -> None:
+    """The head was judged and went out; the body then breaks its chunked framing: the
+    server's connection is cut, the client gets a 400, and the request is one record."""
+    answer, records = _send(
+        server,
+        b"POST http://raw.test:PORT/ HTTP/1.1\r\nHost: raw.test:PORT\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"zz\r\nnot a chunk\r\n0\r\n\r\n",
+    )
+    assert _status(answer) == 400 and b"breaks its framing" in answer
+    assert [(r.method, r.status, r.decision, r.rule) for r in records] == [
+        ("POST", 400, "deny", "request (framing)")
+    ]
 
 
 def test_a_folded_header(server: RawServer) -> None:
@@ -158,5 +374,20 @@ def test_bare_lf_line_ends(server: RawServer) -> None:
         b"GET http://raw.test:PORT/ HTTP/1.1\nHost: raw.test:PORT\nX-A: 1\n\n"
         b"GET http://raw.test:PORT/b HTTP/1.1\r\n\r\n",
     )
-    _judged(server, records)  # the first with CRLF line ends; the second (no Host) closes
-    assert _status(answer) == 200 and len(server.got) == 1 and [r.path for r in records] == ["/"]
+    _judged(server, records)  # the first with CRLF line ends; the second (no Host) is a 400
+    assert _status(answer) == 200 and len(server.got) == 1
+    assert [(r.path, r.status, r.rule) for r in records] == [
+        ("/", 200, f"allow: raw.test:{server.port}"),
+        ("/b", 400, "request (syntax)"),
+    ]
+
+
+def test_a_server_answer_h11_cannot_read_is_a_502_and_one_record() -> None:
+    raw = RawServer(answer=b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nok")
+    try:
+        answer, records = _send(raw, b"GET http://raw.test:PORT/ HTTP/1.1\r\nHost: raw.test:PORT\r\n\r\n")
+    finally:
+        raw.close()
+    assert _statuses(answer) == [502] and b"is not HTTP/1.1" in answer
+    assert [(r.method, r.status, r.decision) for r in records] == [("GET", 502, "allow")]
+    assert "Content-Length" not in records[0].reason  # h11's words about the bytes stay out
