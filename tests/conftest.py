@@ -231,6 +231,24 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown to a pytest without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup``: the microVM's tests are one unit of work, which one worker runs one
+    after another (handed out first, the longest unit), every other test its own. QEMU under
+    TCG keeps a core busy while its guest runs, and the guest's deadlines (a command's timeout,
+    a boot) are on its clock: two guests at once, beside the other worker's tests, miss them.
+    (xdist's own groups go by ``xdist_group`` marks, which it cannot apply under pytest 9.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
+
+    class MicrovmApart(LoadScopeScheduling):  # type: ignore[misc]  # xdist has no types
+        def _split_scope(self, nodeid: str) -> str:
+            return "microvm" if "microvm" in nodeid else nodeid
+
+    return MicrovmApart(config, log)
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown to a pytest without it
 def pytest_testnodedown(node: Any, error: object) -> None:
     pid = getattr(node, "workeroutput", {}).get("pid")
     if pid is not None:
