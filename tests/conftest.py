@@ -7,11 +7,12 @@ with ``require(name, available, why)``: on a laptop without it the test skips; i
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Generator, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -64,11 +65,32 @@ _CHECKOUT_CACHES = {
 }
 
 
-def _census() -> dict[str, set[str]]:
+def _shared_host() -> bool:
+    return os.environ.get("STOCKADE_TEST_SHARED_HOST", "") not in ("", "0")
+
+
+def _in_worker() -> bool:
+    """In a worker of a parallel run (pytest-xdist, ``-n N``): the other workers' sandboxes
+    come and go meanwhile, as another user's would on a shared host."""
+    return "PYTEST_XDIST_WORKER" in os.environ
+
+
+def _census(*, own_only: bool, creators: Collection[int] = ()) -> dict[str, set[str]]:
+    """What the tiers have on this host now. ``own_only``: only this process's descendants and
+    the containers labelled with this process (or one of ``creators``) as their creator, not
+    the checkout or the host's cgroups and mounts (which others change meanwhile)."""
     from stockade.sandbox import _cgroups
 
-    shared = os.environ.get("STOCKADE_TEST_SHARED_HOST", "") not in ("", "0")
-    found: dict[str, set[str]] = {"containers": _containers(mine_only=shared)}
+    if own_only:
+        mine = {os.getpid(), *creators}
+        return {
+            "containers": _containers(mine_only=True, creators=mine),
+            "processes": {f"{pid} {cmd}" for pid, cmd in _tier_processes(mine_only=True)},
+        }
+    shared = _shared_host()
+    found: dict[str, set[str]] = {
+        "containers": _containers(mine_only=shared, creators={os.getpid(), *creators})
+    }
     found["processes"] = {f"{pid} {cmd}" for pid, cmd in _tier_processes(mine_only=shared)}
     found["checkout"] = _checkout_files()
     if shared:
@@ -119,7 +141,7 @@ def _descends(pid: int, ancestor: int, parents: dict[int, int]) -> bool:
     return False
 
 
-def _containers(*, mine_only: bool) -> set[str]:
+def _containers(*, mine_only: bool, creators: Collection[int] = ()) -> set[str]:
     try:
         import docker
 
@@ -134,18 +156,39 @@ def _containers(*, mine_only: bool) -> set[str]:
         return set()
     finally:
         client.close()
-    pid = str(os.getpid())
+    pids = {str(pid) for pid in creators} or {str(os.getpid())}
     found = {
         f"container {c['Id'][:12]} {(c.get('Labels') or {}).get('stockade.id', '')}"
         for c in labelled
-        if not mine_only or (c.get("Labels") or {}).get("stockade.pid") == pid
+        if not mine_only or (c.get("Labels") or {}).get("stockade.pid") in pids
     }
     return found | {f"volume {v['Name']}" for v in volumes.get("Volumes") or []}
 
 
+def _traces_left(
+    before: dict[str, set[str]], census: Callable[[], dict[str, set[str]]]
+) -> dict[str, set[str]]:
+    """What ``census`` finds beyond ``before``, once what dies asynchronously had a while to go."""
+    left: dict[str, set[str]] = {}
+
+    def nothing_new() -> bool:
+        nonlocal left
+        left = {kind: items - before.get(kind, set()) for kind, items in census().items()}
+        left = {kind: items for kind, items in left.items() if items}
+        return not left
+
+    deadline = time.monotonic() + 30
+    while not nothing_new() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _the_suite_leaves_no_trace() -> Iterator[None]:
-    before = _census()
+    # A worker of a parallel run counts what it started (its descendants, its containers); the
+    # controller counts the rest, host-wide, once every worker has ended (pytest_sessionfinish).
+    own_only = _in_worker()
+    before = _census(own_only=own_only)
     yield
     # What lives as long as its backend (a QEMU started ahead, a spare) ends with it: drop the
     # tiers' backends as the process's exit would. What processes the tests killed on purpose
@@ -158,19 +201,121 @@ def _the_suite_leaves_no_trace() -> Iterator[None]:
     _registry._cache.clear()
     gc.collect()
     collected = _gc.collect()
-    left: dict[str, set[str]] = {}
-
-    def nothing_new() -> bool:
-        nonlocal left
-        left = {kind: items - before.get(kind, set()) for kind, items in _census().items()}
-        left = {kind: items for kind, items in left.items() if items}
-        return not left
-
-    deadline = time.monotonic() + 30
-    while not nothing_new() and time.monotonic() < deadline:
-        time.sleep(0.5)
+    left = _traces_left(before, lambda: _census(own_only=own_only))
     traces = {k: sorted(v)[:10] for k, v in left.items()}
     assert not left, f"the tests left traces on this host: {traces} (gc had removed {collected})"
+
+
+# The controller of a parallel run (pytest-xdist, ``-n N``) runs no test: it takes the census
+# before its workers start and after they have all ended, host-wide (or, on a shared host, the
+# checkout and the containers its workers labelled), which a worker cannot do while the other
+# workers' sandboxes come and go.
+_CENSUS_BEFORE = pytest.StashKey[dict[str, set[str]]]()
+_WORKER_PIDS = pytest.StashKey[set[int]]()
+
+
+def _controls_workers(config: pytest.Config) -> bool:
+    return not _in_worker() and config.pluginmanager.has_plugin("dsession")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    workeroutput = getattr(config, "workeroutput", None)
+    if workeroutput is not None:  # the controller learns which containers were this worker's
+        workeroutput["pid"] = os.getpid()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if _controls_workers(session.config):
+        session.config.stash[_WORKER_PIDS] = set()
+        session.config.stash[_CENSUS_BEFORE] = _census(own_only=False)
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown to a pytest without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup``: the microVM's tests are one unit of work, which one worker runs one
+    after another (handed out first, the longest unit), every other test its own. QEMU under
+    TCG keeps a core busy while its guest runs, and the guest's deadlines (a command's timeout,
+    a boot) are on its clock: two guests at once, beside the other worker's tests, miss them.
+    (xdist's own groups go by ``xdist_group`` marks, which it cannot apply under pytest 9.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
+
+    class MicrovmApart(LoadScopeScheduling):  # type: ignore[misc]  # xdist has no types
+        def _split_scope(self, nodeid: str) -> str:
+            return "microvm" if "microvm" in nodeid else nodeid
+
+    return MicrovmApart(config, log)
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown to a pytest without it
+def pytest_testnodedown(node: Any, error: object) -> None:
+    pid = getattr(node, "workeroutput", {}).get("pid")
+    if pid is not None:
+        node.config.stash[_WORKER_PIDS].add(pid)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_sessionfinish(session: pytest.Session) -> Generator[None, None, None]:
+    yield  # the workers have ended (xdist's own finish waits for them)
+    config = session.config
+    if _CENSUS_BEFORE not in config.stash:
+        return
+    pids = config.stash[_WORKER_PIDS]
+    left = _traces_left(config.stash[_CENSUS_BEFORE], lambda: _census(own_only=False, creators=pids))
+    if left:
+        traces = {k: sorted(v)[:10] for k, v in left.items()}
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"\nthe tests left traces on this host: {traces}", red=True, bold=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(scope="session")
+def _run_locks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, int] | None]:
+    """In a worker: the run's two lock files, in the folder the workers' temporary folders share
+    (a turnstile, and the lock a test marked ``alone`` holds alone and every other test shares)."""
+    if not _in_worker():
+        yield None
+        return
+    shared = tmp_path_factory.getbasetemp().parent
+    turnstile = os.open(shared / "turnstile.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    alone = os.open(shared / "alone.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        yield turnstile, alone
+    finally:
+        os.close(turnstile)
+        os.close(alone)
+
+
+@pytest.fixture(autouse=True)
+def _alone_when_marked(request: pytest.FixtureRequest, _run_locks: tuple[int, int] | None) -> Iterator[None]:
+    """A test marked ``alone`` measures something host-wide that a test of another worker would
+    move (the host's open files): in a parallel run it waits until no other test runs, and no
+    other test starts until it ends. Every other test shares the lock; the turnstile keeps a
+    stream of them from starving a waiting ``alone`` test."""
+    if _run_locks is None:
+        yield
+        return
+    turnstile, lock = _run_locks
+    if request.node.get_closest_marker("alone") is None:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)  # waits while an alone test waits or runs
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+        return
+    fcntl.flock(turnstile, fcntl.LOCK_EX)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    finally:
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -276,6 +276,7 @@ def host_disk_free() -> int:
     return free
 
 
+@pytest.mark.alone  # the host's free disk: a test of another worker writes files meanwhile
 def test_filling_the_workspace_fails_inside_and_spares_the_host(tier: str) -> None:
     with Sandbox.create(tier, limits=Limits(disk_mb=32, tmp_mb=16)) as sbx:
         before = host_disk_free()

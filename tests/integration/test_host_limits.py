@@ -76,6 +76,7 @@ print(len(counts), sum(counts))
 """
 
 
+@pytest.mark.alone  # the host's open files: a test of another worker would open some meanwhile
 def test_open_files_are_bounded_for_the_whole_sandbox(tier: str) -> None:
     limits = Limits(open_files=2048, pids=32, timeout_s=60)
     with Sandbox.create(tier, limits=limits) as sbx:
