@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from stockade import ExecRecord, Limits, Sandbox, SandboxPool, SandboxRules, SnapshotStore
+from stockade import Limits, Sandbox, SandboxPool, SandboxRules, SnapshotStore
 from stockade.sandbox import _guest, microvm
 from stockade.sandbox._microvm_instance import VMInstance
 from stockade.sandbox.base import SandboxSpec
 from stockade.types import Mechanism
 from tests.conftest import require_tier, wait_for
+from tests.integration.approvals import YesTo, remove_each
 
 MiB = 1024 * 1024
 
@@ -229,15 +230,6 @@ def test_a_configuration_seen_before_starts_from_its_ready_image(tmp_path: Path)
 
 
 ENVIRON = "import os; list(os.environ.items())"
-RM = (
-    "import subprocess\n"
-    "def rm(d):\n"
-    "    try:\n"
-    "        return subprocess.run(['rm', '-r', d]).returncode\n"
-    "    except PermissionError:\n"
-    "        return 'refused'\n"
-    "[rm('src/yes'), rm('src/no')]"
-)
 CHILD = (
     "import subprocess; subprocess.run('echo $API_TOKEN', shell=True, capture_output=True, text=True).stdout"
 )
@@ -303,12 +295,7 @@ def test_a_sandbox_with_rules_starts_from_its_ready_image_and_holds_them(tmp_pat
     Other rules are another image."""
     require_tier("microvm")
 
-    asked: list[tuple[str, ...]] = []
-
-    def approver(record: ExecRecord) -> bool:
-        asked.append(record.argv)
-        return record.argv[-1] == "src/yes"
-
+    approver = YesTo("src/yes")
     rules = SandboxRules(deny=("uname",), approve=("rm -r",), write=("src/**",))
     store = SnapshotStore(tmp_path / "store")
     backend = microvm.MicroVMBackend(snapshot_store=store)
@@ -318,7 +305,7 @@ def test_a_sandbox_with_rules_starts_from_its_ready_image_and_holds_them(tmp_pat
             enforcement = first.enforcement
         backend.wait_ahead(180)
         for _ in range(2):
-            asked.clear()
+            approver.asked.clear()
             with Sandbox.create("microvm", backend=backend, rules=rules, approver=approver) as sbx:
                 assert _started_from(sbx) == "ready image"
                 assert sbx.enforcement == enforcement
@@ -329,9 +316,9 @@ def test_a_sandbox_with_rules_starts_from_its_ready_image_and_holds_them(tmp_pat
                 )
                 assert "Linux" not in r.stdout and r.stdout.endswith("ok\n"), (r.stdout, r.stderr)
                 assert not sbx.files.exists("top.txt")
-                code = sbx.run_code(RM)
+                code = sbx.run_code(remove_each("src/yes", "src/no"))
                 assert code.text == "[0, 'refused']", code
-                assert asked == [("rm", "-r", "src/yes"), ("rm", "-r", "src/no")]
+                assert approver.asked == [("rm", "-r", "src/yes"), ("rm", "-r", "src/no")]
                 assert not sbx.files.exists("src/yes") and sbx.files.exists("src/no")
         with Sandbox.create("microvm", backend=backend, rules=SandboxRules(deny=("uname", "curl"))) as other:
             assert _started_from(other) == "boot image"  # other masks: another machine and image

@@ -14,8 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stockade import LimitNotEnforceable, Limits, Sandbox
-from stockade.types import ExecRecord, Mechanism, SandboxRules
+from stockade.types import Mechanism, SandboxRules
 from tests.conftest import require_tier
+from tests.integration.approvals import YesTo, remove_each
 from tests.integration.conftest import TIERS
 
 LIMITS = Limits(memory_mb=256, timeout_s=30, pids=64)
@@ -144,29 +145,16 @@ def test_every_allowed_exec_is_recorded_with_its_argv_each_time(approving: Sandb
 
 
 def test_an_exec_waits_for_the_hosts_approver_and_runs_when_it_says_yes(tier: str) -> None:
-    asked: list[ExecRecord] = []
-
-    def approver(record: ExecRecord) -> bool:
-        asked.append(record)
-        return record.argv[-1] == "yes"
-
+    approver = YesTo("yes")
     sbx = _rules_or_refusal(tier, SandboxRules(approve=("rm -r",)), approver=approver)
     if sbx is None:
         return
     with sbx:
         sbx.commands.run("mkdir yes no")
-        r = sbx.run_code(
-            "import subprocess\n"
-            "def rm(d):\n"
-            "    try:\n"
-            "        return subprocess.run(['rm', '-r', d]).returncode\n"
-            "    except PermissionError:\n"
-            "        return 'refused'\n"
-            "[rm('yes'), rm('no')]"
-        )
+        r = sbx.run_code(remove_each("yes", "no"))
         assert r.text == "[0, 'refused']", r
         assert not sbx.files.exists("yes") and sbx.files.exists("no")
-        assert [a.argv for a in asked] == [("rm", "-r", "yes"), ("rm", "-r", "no")]
+        assert approver.asked == [("rm", "-r", "yes"), ("rm", "-r", "no")]
         assert [e.verdict for e in r.execs if e.argv[0] == "rm"] == ["approve", "refuse"]
 
 
