@@ -25,11 +25,24 @@ from stockade.sandbox._supervised import sandbox_id
 from stockade.sandbox.base import SandboxSpec
 from stockade.sandbox.spare import in_background
 
-__all__ = ["Launcher", "StartedAhead", "Waiting", "files_identity"]
+__all__ = ["GuestOrder", "Launcher", "StartedAhead", "Waiting", "files_identity"]
 
 # How the backend starts QEMU on an image: (spec, sandbox id, masks, RAM file, device state's
 # fd) -> the boundary and the stream, QEMU waiting for the state to load.
 Launcher = Callable[[SandboxSpec, str, tuple[str, ...], Path, int], tuple[VMBoundary, SocketStream]]
+
+
+@dataclass(frozen=True)
+class GuestOrder:
+    """A guest to start on an image: how (``launch``), for which sandbox's ``spec``, with which
+    ``masks``, on which ``image`` (RAM file, device state); ``shape`` says which QEMU started
+    ahead serves it."""
+
+    launch: Launcher
+    spec: SandboxSpec
+    masks: tuple[str, ...]
+    image: tuple[Path, Path]
+    shape: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -62,66 +75,44 @@ class StartedAhead:
         self.enabled = enabled
         self.slot: Slot[tuple[tuple[str, ...], Waiting]] = Slot(_discard)
 
-    def waiting_guest(
-        self,
-        launch: Launcher,
-        spec: SandboxSpec,
-        masks: tuple[str, ...],
-        image: tuple[Path, Path],
-        shape: tuple[str, ...],
-    ) -> Waiting:
-        """A QEMU holding ``image``'s state, its guest not yet run: the one started ahead for
+    def waiting_guest(self, order: GuestOrder) -> Waiting:
+        """A QEMU holding the order's image's state, its guest not yet run: the one started ahead for
         this shape when there is one (and the image is still the one it loaded), else one
         started now. Then the next is started ahead, in the background."""
         waiting = None
-        if self.enabled and spec.sandbox_id is None:  # a sandbox named by the caller is started for it
+        if self.enabled and order.spec.sandbox_id is None:  # a sandbox named by the caller is started for it
             held = self.slot.take()
-            if held is not None and held[0] == shape:
+            if held is not None and held[0] == order.shape:
                 waiting = held[1]
             elif held is not None:  # another shape is asked for now
                 held[1].discard()
-            if waiting is not None and not (waiting.files == files_identity(image) and waiting.alive()):
+            if waiting is not None and not (waiting.files == files_identity(order.image) and waiting.alive()):
                 waiting.discard()  # the image changed (or was replaced) since, or QEMU died
                 waiting = None
         if waiting is None:
-            waiting = start_waiting(launch, spec, sandbox_id(spec), masks, image)
-        self._start_next(launch, spec, masks, image, shape)
+            waiting = start_waiting(order)
+        self._start_next(order)
         return waiting
 
-    def start_for(
-        self,
-        launch: Launcher,
-        spec: SandboxSpec,
-        masks: tuple[str, ...],
-        image: tuple[Path, Path],
-        shape: tuple[str, ...],
-        *,
-        timeout_s: float,
-    ) -> None:
-        """Have the QEMU held ahead be one of ``shape`` (a configuration just prepared, whose
+    def start_for(self, order: GuestOrder, *, timeout_s: float) -> None:
+        """Have the QEMU held ahead be one of the order's shape (a configuration just prepared, whose
         first start then takes it), started in the background unless one is held; one of
         another shape is stopped (after waiting up to ``timeout_s`` for one being started)."""
         if not self.enabled:
             return
         self.slot.wait(timeout_s)
         held = self.slot.peek()
-        if held is not None and held[0] == shape:
+        if held is not None and held[0] == order.shape:
             return
         self.slot.drop()
-        self._start_next(launch, spec, masks, image, shape)
+        self._start_next(order)
 
-    def _start_next(
-        self,
-        launch: Launcher,
-        spec: SandboxSpec,
-        masks: tuple[str, ...],
-        image: tuple[Path, Path],
-        shape: tuple[str, ...],
-    ) -> None:
+    def _start_next(self, order: GuestOrder) -> None:
         if self.enabled and self.slot.begin():
-            neutral = dataclasses.replace(spec, envs={}, rules=None, snapshot=None, sandbox_id=None)
+            neutral = dataclasses.replace(order.spec, envs={}, rules=None, snapshot=None, sandbox_id=None)
+            ahead = dataclasses.replace(order, spec=neutral)
             slot = self.slot  # not self: the job holds what it needs only
-            in_background(lambda: _fill(slot, launch, neutral, masks=masks, image=image, shape=shape))
+            in_background(lambda: _fill(slot, ahead))
 
     def wait(self, timeout_s: float) -> str | None:
         """Wait for the QEMU being started ahead; the id of the sandbox it will be, or None."""
@@ -137,17 +128,16 @@ class StartedAhead:
         self.slot.close()
 
 
-def start_waiting(
-    launch: Launcher, spec: SandboxSpec, sid: str, masks: tuple[str, ...], image: tuple[Path, Path]
-) -> Waiting:
-    """Start QEMU for ``sid`` on ``image``: its RAM the image's file, mapped copy on write;
-    its device state loaded; its guest stopped where the image was taken."""
-    ram, device = image
+def start_waiting(order: GuestOrder) -> Waiting:
+    """Start QEMU for the order's sandbox on its image: its RAM the image's file, mapped copy
+    on write; its device state loaded; its guest stopped where the image was taken."""
+    ram, device = order.image
+    sid = sandbox_id(order.spec)
     fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC)
     try:
         # Before QEMU opens them: a write, or another file at either path, changes these.
-        files = files_identity(image)
-        boundary, stream = launch(spec, sid, masks, ram, fd)
+        files = files_identity(order.image)
+        boundary, stream = order.launch(order.spec, sid, order.masks, ram, fd)
         try:
             boundary.monitor().load(fd, ignore_shared=True, run=False)
         except BaseException:
@@ -158,21 +148,13 @@ def start_waiting(
     return Waiting(sid=sid, boundary=boundary, stream=stream, files=files)
 
 
-def _fill(
-    slot: Slot[tuple[tuple[str, ...], Waiting]],
-    launch: Launcher,
-    spec: SandboxSpec,
-    *,
-    masks: tuple[str, ...],
-    image: tuple[Path, Path],
-    shape: tuple[str, ...],
-) -> None:
+def _fill(slot: Slot[tuple[tuple[str, ...], Waiting]], order: GuestOrder) -> None:
     try:
-        waiting = start_waiting(launch, spec, sandbox_id(spec), masks, image)
+        waiting = start_waiting(order)
     except BaseException:  # the next start starts its own QEMU, and says why if that fails
         slot.done()
         raise
-    if not slot.put((shape, waiting)):
+    if not slot.put((order.shape, waiting)):
         waiting.discard()
 
 

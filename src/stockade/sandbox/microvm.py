@@ -39,7 +39,7 @@ from typing import Any
 from stockade import exceptions as exc
 from stockade.sandbox import _cgroups, _guest, _rules
 from stockade.sandbox._boundary import EgressHandle
-from stockade.sandbox._microvm_ahead import StartedAhead, Waiting
+from stockade.sandbox._microvm_ahead import GuestOrder, StartedAhead, Waiting
 from stockade.sandbox._microvm_image import (
     PORT_NAME,
     GuestKernel,
@@ -503,9 +503,8 @@ class MicroVMBackend(Backend):
             if ready is None:
                 return "boot image"
         # The QEMU started ahead on it too: the first start takes it, as the next ones do.
-        image, masks = (ready.ram, ready.device), rules.masks
-        shape = self._shape(spec, masks, image)
-        self._ahead.start_for(self._launch_on_image, spec, masks, image, shape, timeout_s=START_TIMEOUT_S)
+        order = self._order(spec, rules.masks, (ready.ram, ready.device))
+        self._ahead.start_for(order, timeout_s=START_TIMEOUT_S)
         return "ready image"
 
     def _config(self, spec: SandboxSpec, egress: EgressHandle | None = None) -> dict[str, Any]:
@@ -531,12 +530,12 @@ class MicroVMBackend(Backend):
     # -- starts from an image -------------------------------------------------------------------
 
     def _waiting_guest(self, spec: SandboxSpec, masks: tuple[str, ...], image: tuple[Path, Path]) -> Waiting:
-        shape = self._shape(spec, masks, image)
-        return self._ahead.waiting_guest(self._launch_on_image, spec, masks, image, shape)
+        return self._ahead.waiting_guest(self._order(spec, masks, image))
 
-    def _shape(self, spec: SandboxSpec, masks: tuple[str, ...], image: tuple[Path, Path]) -> tuple[str, ...]:
-        """Which QEMU started ahead serves ``spec`` from ``image``."""
-        return (self._machine_key(spec, masks), str(spec.limits.cpus), str(image[0]), str(image[1]))
+    def _order(self, spec: SandboxSpec, masks: tuple[str, ...], image: tuple[Path, Path]) -> GuestOrder:
+        """``spec``'s guest on ``image``; its shape says which QEMU started ahead serves it."""
+        shape = (self._machine_key(spec, masks), str(spec.limits.cpus), str(image[0]), str(image[1]))
+        return GuestOrder(self._launch_on_image, spec, masks, image, shape)
 
     def _launch_on_image(
         self, spec: SandboxSpec, sid: str, masks: tuple[str, ...], ram: Path, fd: int, *, build: bool = False
