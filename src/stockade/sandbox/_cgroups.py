@@ -8,6 +8,7 @@ delegated subtree); callers fall back to rlimits and say so.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import time
@@ -58,21 +59,39 @@ def detect() -> CgroupSupport:
 
 
 class Cgroup:
-    """The cgroup(s) of one sandbox."""
+    """The cgroup(s) of one sandbox.
 
-    def __init__(self, mechanism: Mechanism, name: str) -> None:
+    Its creator holds a shared flock on the group's (first) folder until ``remove``: between
+    its creation and the sandbox's first process entering it, the group is empty, and the
+    garbage collection of another state folder must not take it for a crashed creator's
+    (``collect``). The lock is taken under a shared lock on the parent folder, which that
+    collection takes exclusively around each removal: no instant is left between the group's
+    folder appearing and its lock being held. ``create=False``: an existing group, to inspect
+    or remove (no folder made, no lock held).
+    """
+
+    def __init__(self, mechanism: Mechanism, name: str, *, create: bool = True) -> None:
         self.mechanism = mechanism
+        self._hold: int | None = None
         if mechanism is Mechanism.CGROUP_V2:
             parent = ROOT / PARENT
-            if not parent.exists():
+            if create and not parent.exists():
                 parent.mkdir(exist_ok=True)
-            _enable_v2(ROOT)
-            _enable_v2(parent)
+            if create:
+                _enable_v2(ROOT)
+                _enable_v2(parent)
             self.dirs = [parent / name]
         else:
             self.dirs = [ROOT / c / PARENT / name for c in _V1_CONTROLLERS]
-        for d in self.dirs:
-            d.mkdir(parents=True, exist_ok=True)
+        if create:
+            self.dirs[0].parent.mkdir(parents=True, exist_ok=True)
+            parent_fd = _locked(self.dirs[0].parent, fcntl.LOCK_SH)
+            try:
+                for d in self.dirs:
+                    d.mkdir(parents=True, exist_ok=True)
+                self._hold = _locked(self.dirs[0], fcntl.LOCK_SH)
+            finally:
+                os.close(parent_fd)
         # Read before and after every call of the sandbox's: a plain path, read with os.read
         # (a Path and a text file cost 55 us a read, this 15 us).
         if mechanism is Mechanism.CGROUP_V2:
@@ -176,7 +195,8 @@ class Cgroup:
 
     def remove(self) -> None:
         self.kill_all()
-        for d in self.dirs:
+        # The held folder last: while any of the group is left, another's gc sees it held.
+        for d in reversed(self.dirs):
             for _ in range(500):
                 try:
                     d.rmdir()
@@ -185,6 +205,36 @@ class Cgroup:
                     break
                 except OSError:  # zombies still being reaped
                     time.sleep(0.001)
+        if self._hold is not None:  # last: the group is gone, or no longer this creator's care
+            os.close(self._hold)
+            self._hold = None
+
+    def remove_unclaimed(self) -> bool:
+        """Remove the group if no creator holds it and nothing runs in it: whether this removed it."""
+        parent_fd = _locked(self.dirs[0].parent, fcntl.LOCK_EX)  # creators hold it for microseconds
+        try:
+            with contextlib.suppress(FileNotFoundError):  # (v1: the other controllers' may be left)
+                fd = os.open(self.dirs[0], os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    return False  # its creator lives: a sandbox starting, or running
+                finally:
+                    os.close(fd)
+            if self.pids():
+                return False
+            removed = False  # by this call: its creator may have removed it since it was listed
+            for d in self.dirs:
+                try:
+                    d.rmdir()
+                    removed = True
+                except FileNotFoundError:
+                    pass
+                except OSError:  # a zombie still being reaped
+                    return False
+            return removed
+        finally:
+            os.close(parent_fd)
 
 
 def _enable_v2(directory: Path) -> None:
@@ -194,6 +244,17 @@ def _enable_v2(directory: Path) -> None:
         if controller not in enabled:
             with contextlib.suppress(OSError):
                 control.write_text(f"+{controller}")
+
+
+def _locked(folder: Path, how: int) -> int:
+    """A descriptor of ``folder`` flocked ``how`` (blocking), for the caller to close."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, how)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def leftover_groups() -> list[str]:
@@ -211,7 +272,9 @@ def collect(prefix: str, owned: Callable[[str], bool], dead: Callable[[str], boo
 
     Only those ``dead(name)`` says were this caller's (a run folder of its state folder whose
     creator is gone) have their processes killed; any other unclaimed group may belong to a
-    live sandbox of another state folder, another user of the host: it goes only when empty.
+    live sandbox of another state folder, another user of the host: it goes only when empty
+    and no creator holds it (empty and held: a sandbox of theirs between the group's creation
+    and its first process).
     """
     removed: list[str] = []
     support = detect()
@@ -220,10 +283,10 @@ def collect(prefix: str, owned: Callable[[str], bool], dead: Callable[[str], boo
     for name in leftover_groups():
         if not name.startswith(prefix) or owned(name):
             continue
-        group = Cgroup(support.mechanism, name)
+        group = Cgroup(support.mechanism, name, create=False)
         if dead(name):
             group.remove()
-        elif group.pids() or not group.remove_empty():
+        elif not group.remove_unclaimed():
             continue
         removed.append(f"cgroup {name}")
     return removed

@@ -8,7 +8,11 @@ import ctypes
 import fcntl
 import os
 import secrets
+import shutil
 import subprocess
+import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,6 +120,84 @@ def collect_uid_leases(state_dir: Path) -> int:
         finally:
             os.close(fd)
     return removed
+
+
+# A sandbox's folder on the host (a bundle, a container's mounts, a microVM's sockets) is
+# claimed by its creator: it appears, renamed from a staging name, with this file in it,
+# flocked until the creator releases it (or dies). Garbage collection takes a held lock for a
+# live creator, at every instant of the start, before its other files say who created it.
+CLAIM_FILE = ".claim"
+STAGING = ".claiming-"
+_claims: dict[str, int] = {}  # folder -> the locked descriptor, for release_folder
+_claims_lock = threading.Lock()
+
+
+def claim_folder(folder: Path) -> None:
+    """Make ``folder`` (0700, its parent must exist), held by this process until
+    ``release_folder``; FileExistsError if it exists."""
+    staging = Path(tempfile.mkdtemp(prefix=STAGING, dir=folder.parent))
+    fd = os.open(staging / CLAIM_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # nobody else knows the file yet: never waits
+        if folder.exists():  # rename would replace an empty folder: mkdir's answer instead
+            raise FileExistsError(f"{folder} exists")
+        os.rename(staging, folder)
+    except OSError:
+        os.close(fd)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    with _claims_lock:
+        _claims[str(folder)] = fd
+
+
+def release_folder(folder: Path) -> None:
+    """Let go of ``folder``'s claim (after removing it): no-op if this process holds none."""
+    with _claims_lock:
+        fd = _claims.pop(str(folder), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def claimed(folder: Path) -> bool:
+    """Whether a live process holds ``folder``'s claim (a staging folder's included)."""
+    try:
+        fd = os.open(folder / CLAIM_FILE, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def collect_staging(state_dir: Path) -> int:
+    """Remove the staging folders of creators that died before renaming them (no mounts
+    yet). One still without its claim file is a creator between its mkdtemp and its open,
+    or a crash there: left for an hour."""
+    removed = 0
+    for staging in state_dir.glob(STAGING + "*"):
+        if claimed(staging):
+            continue
+        try:
+            if not (staging / CLAIM_FILE).exists() and time.time() - staging.stat().st_mtime < 3600:
+                continue
+        except OSError:  # renamed into place meanwhile
+            continue
+        shutil.rmtree(staging, ignore_errors=True)
+        removed += 1
+    return removed
+
+
+def seconds_since_change(folder: Path) -> float | None:
+    """How long ago ``folder``'s entries last changed; None if it is gone (its creator
+    removed it while gc looked)."""
+    try:
+        return time.time() - folder.stat().st_mtime
+    except FileNotFoundError:
+        return None
 
 
 class PipeStream:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from stockade import exceptions as exc
-from stockade.sandbox import _cgroups, _qmp
+from stockade.sandbox import _cgroups, _host, _qmp
 from stockade.sandbox._supervised import Boundary, SupervisedInstance
 from stockade.sandbox.snapshots import SnapshotStore
 
@@ -129,6 +129,7 @@ class VMBoundary(Boundary):
         if self.cgroup is not None:
             self.cgroup.remove()
         shutil.rmtree(self.rundir, ignore_errors=True)
+        _host.release_folder(self.rundir)
 
 
 class VMInstance(SupervisedInstance):

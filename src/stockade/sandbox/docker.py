@@ -208,6 +208,7 @@ def _release_mounts(rundir: Path | None, mounts: list[Path]) -> None:
         _guest.umount(mount)
     if rundir is not None:
         shutil.rmtree(rundir, ignore_errors=True)
+        _host.release_folder(rundir)
 
 
 class _ContainerInstance(SupervisedInstance):
@@ -504,7 +505,8 @@ class DockerBackend(Backend):
         """The sandbox's files on this host (a local engine only): its passwd and group,
         which name its uid, and the host tmpfs mounts gVisor needs; root's alone (0700)."""
         rundir = self.state_dir / f"ctr-{sid}"
-        rundir.mkdir(parents=True, mode=0o700)
+        rundir.parent.mkdir(parents=True, exist_ok=True)
+        _host.claim_folder(rundir)  # held until released: gc spares it before "creator" is written
         (rundir / "creator").write_text(f"{self.creator.host}\n{self.creator.token}\n")
         mounts: list[Path] = []
         binds: dict[str, Path] = {}
@@ -747,18 +749,28 @@ def collect_garbage(api: Any = None) -> list[str]:
                 continue
             if remove_container(api, found["Id"]):
                 removed.append(f"container {found['Id'][:12]} ({sid})")
-    state_dir = _guest.default_state_dir()
-    if state_dir.is_dir():
-        _host.collect_uid_leases(state_dir)
-        for rundir in state_dir.glob("ctr-*"):
-            try:
-                host, token = (rundir / "creator").read_text().split("\n")[:2]
-            except (OSError, ValueError):
-                if time.time() - rundir.stat().st_mtime < 60:
-                    continue  # being written by a process that is starting it
-                host, token = me.host, ""
-            if rundir.name.removeprefix("ctr-") in live_ids or me.alive_here(host, token):
-                continue
-            _release_mounts(rundir, [p for p in (rundir / "workspace", rundir / "tmp") if p.is_mount()])
-            removed.append(f"mounts {rundir}")
+    return removed + _collect_rundirs(_guest.default_state_dir(), me, live_ids)
+
+
+def _collect_rundirs(state_dir: Path, me: _guest.Creator, live_ids: set[str]) -> list[str]:
+    """The host folders (and mounts) of containers whose creator is gone."""
+    removed: list[str] = []
+    if not state_dir.is_dir():
+        return removed
+    _host.collect_uid_leases(state_dir)
+    _host.collect_staging(state_dir)
+    for rundir in state_dir.glob("ctr-*"):
+        if _host.claimed(rundir):
+            continue
+        try:
+            host, token = (rundir / "creator").read_text().split("\n")[:2]
+        except (OSError, ValueError):
+            age = _host.seconds_since_change(rundir)
+            if age is None or age < 60:
+                continue  # gone, or a previous version's creator writing it
+            host, token = me.host, ""
+        if rundir.name.removeprefix("ctr-") in live_ids or me.alive_here(host, token):
+            continue
+        _release_mounts(rundir, [p for p in (rundir / "workspace", rundir / "tmp") if p.is_mount()])
+        removed.append(f"mounts {rundir}")
     return removed

@@ -30,13 +30,12 @@ import os
 import shutil
 import subprocess
 import threading
-import time
 import weakref
 from pathlib import Path
 from typing import Any, Literal
 
 from stockade import exceptions as exc
-from stockade.sandbox import _guest, _gvisor_memory, _rules
+from stockade.sandbox import _guest, _gvisor_memory, _host, _rules
 from stockade.sandbox._boundary import EgressHandle
 from stockade.sandbox._gvisor_memory import RunscInstance
 from stockade.sandbox._host import PipeStream
@@ -213,6 +212,7 @@ def _release(bundle: Path, mounts: list[Path], egress: EgressHandle | None = Non
     for mount in mounts:
         _guest.umount(mount)
     shutil.rmtree(bundle, ignore_errors=True)
+    _host.release_folder(bundle)
 
 
 class RunscBackend(Backend):
@@ -454,7 +454,10 @@ class RunscBackend(Backend):
         uid = docker.uid if docker is not None else _guest.SANDBOX_UID
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         bundle = self.state_dir / f"gv-{sid}"
-        bundle.mkdir(mode=0o700)  # the host side of the sandbox's files: nobody else's to see
+        # The host side of the sandbox's files, nobody else's to see (0700), held until
+        # released: gc spares it before its config.json says who created it (a restore's
+        # memory unpacked into its tmpfs first can take a while).
+        _host.claim_folder(bundle)
         mounts: list[Path] = []
         proc: subprocess.Popen[bytes] | None = None
         egress = None
@@ -580,13 +583,18 @@ def collect_garbage() -> list[str]:
     if not state_dir.is_dir():
         return removed
     backend = RunscBackend(state_dir=state_dir)
+    _host.collect_staging(state_dir)
     for bundle in state_dir.glob("gv-sbx-*"):
+        if _host.claimed(bundle):
+            continue
         try:
             notes = json.loads((bundle / "config.json").read_text()).get("annotations", {})
         except (OSError, ValueError):
             notes = {}
-        if not notes and time.time() - bundle.stat().st_mtime < 60:
-            continue  # being written by a process that is starting it
+        if not notes:
+            age = _host.seconds_since_change(bundle)
+            if age is None or age < 60:
+                continue  # gone, or a previous version's creator writing it
         if me.alive_here(
             str(notes.get(_guest.LABEL_HOST, me.host)), str(notes.get(_guest.LABEL_CREATOR, ""))
         ):

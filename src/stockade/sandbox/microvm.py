@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from stockade import exceptions as exc
-from stockade.sandbox import _cgroups, _guest, _rules
+from stockade.sandbox import _cgroups, _guest, _host, _rules
 from stockade.sandbox._boundary import EgressHandle
 from stockade.sandbox._microvm_ahead import GuestOrder, StartedAhead, Waiting
 from stockade.sandbox._microvm_image import (
@@ -308,7 +308,7 @@ class MicroVMBackend(Backend):
         """Start QEMU for sandbox ``sid`` (booting, or waiting for a snapshot to restore)."""
         image, initrd = self.prepare()
         rundir = self.state_dir / f"vm-{sid}"
-        rundir.mkdir(mode=0o700)
+        _host.claim_folder(rundir)  # held until released: gc spares it before owner.json
         mine, theirs = socket.socketpair()
         ctl, ctl_theirs = socket.socketpair()
         qmp, qmp_theirs = socket.socketpair()
@@ -321,6 +321,7 @@ class MicroVMBackend(Backend):
             for sock in (mine, theirs, ctl, ctl_theirs, qmp, qmp_theirs):
                 sock.close()
             shutil.rmtree(rundir, ignore_errors=True)
+            _host.release_folder(rundir)
             raise
         if guest_end is not None:
             keep = (*keep, guest_end.fileno())
@@ -373,6 +374,7 @@ class MicroVMBackend(Backend):
             if cgroup is not None:
                 cgroup.remove()
             shutil.rmtree(rundir, ignore_errors=True)
+            _host.release_folder(rundir)
             raise exc.SandboxStartError(f"cannot start QEMU: {err}") from err
         finally:
             for sock in (theirs, ctl_theirs, qmp_theirs):
@@ -791,12 +793,16 @@ def collect_garbage() -> list[str]:
     state_dir = _guest.default_state_dir()
     if not state_dir.is_dir():
         return removed
+    _host.collect_staging(state_dir)
     for rundir in state_dir.glob("vm-sbx-*"):
+        if _host.claimed(rundir):
+            continue
         try:
             owner = json.loads((rundir / "owner.json").read_text())
         except (OSError, ValueError):
-            if time.time() - rundir.stat().st_mtime < 60:
-                continue  # being started right now
+            age = _host.seconds_since_change(rundir)
+            if age is None or age < 60:
+                continue  # gone, or a previous version's creator starting it
             owner = {}
         if me.alive_here(str(owner.get("host", me.host)), str(owner.get("creator", ""))):
             continue

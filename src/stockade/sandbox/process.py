@@ -16,6 +16,7 @@ options from a file descriptor, so neither the folder nor the sandbox's id shows
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
@@ -52,7 +53,9 @@ from stockade.types import Enforcement, HostShare, Mechanism, NetworkPolicy, Tie
 
 __all__ = ["ProcessBackend"]
 
-OWNER_FILE = "owner"
+OWNER_FILE = "owner"  # "pid start-time", flocked by the creator while the sandbox lives
+STAGING = ".start-"  # a run folder being put together, renamed into place with its owner
+OWNERLESS_GRACE_S = 60.0  # a previous version's creator writes its owner just after the folder
 MASKS_FILE = "masks"  # the masked copies a sandbox binds (_rules.mask_binds), one per line
 # Imported, not run as a script: only imported modules are loaded from their bytecode.
 SUPERVISOR_BOOT = "import sys; sys.path.insert(0, '/opt/stockade'); import supervisor; supervisor.main()"
@@ -90,12 +93,15 @@ class _ProcessBoundary(Boundary):
         rundir: Path,
         mounts: list[Path],
         lease: UidLease | None,
+        *,
+        owner_fd: int,
     ) -> None:
         self.proc = proc
         self.cgroup = cgroup
         self.rundir = rundir
         self.mounts = mounts
         self.lease = lease
+        self.owner_fd = owner_fd
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -126,6 +132,8 @@ class _ProcessBoundary(Boundary):
         shutil.rmtree(self.rundir, ignore_errors=True)
         if self.lease is not None:  # last: no process of the sandbox is left with the uid
             self.lease.release()
+        with contextlib.suppress(OSError):  # the folder is gone: nothing left for gc to spare
+            os.close(self.owner_fd)
 
 
 class ProcessBackend(Backend):
@@ -452,9 +460,7 @@ class ProcessBackend(Backend):
         rules = _rules.plan(spec, root=self.rootfs or Path("/"), can_mask=True, can_confine=True)
         self._prepare(judge=rules.config is not None)
         sid = sandbox_id(spec)
-        rundir = self.state_dir / sid
-        rundir.mkdir(mode=0o700)
-        (rundir / OWNER_FILE).write_text(f"{os.getpid()} {start_time(os.getpid())}")
+        rundir, owner_fd = _claim_rundir(self.state_dir, sid)
         mounts: list[Path] = []
         cgroup: _cgroups.Cgroup | None = None
         proc: subprocess.Popen[bytes] | None = None
@@ -512,7 +518,7 @@ class ProcessBackend(Backend):
                     close_fds=True,
                     pass_fds=tuple(fds),
                 )
-            boundary = _ProcessBoundary(proc, cgroup, rundir, mounts, lease)
+            boundary = _ProcessBoundary(proc, cgroup, rundir, mounts, lease, owner_fd=owner_fd)
             boundary.egress = egress
             instance = SupervisedInstance(
                 id=sid,
@@ -523,10 +529,10 @@ class ProcessBackend(Backend):
                 enforcement=enforcement,
             )
         except exc.StockadeError:
-            _cleanup(proc, cgroup, mounts, rundir, lease, egress=egress)
+            _cleanup(proc, cgroup, mounts, rundir, lease, owner_fd=owner_fd, egress=egress)
             raise
         except OSError as err:
-            _cleanup(proc, cgroup, mounts, rundir, lease, egress=egress)
+            _cleanup(proc, cgroup, mounts, rundir, lease, owner_fd=owner_fd, egress=egress)
             raise exc.SandboxStartError(f"cannot start bubblewrap: {err}") from err
         finally:
             for fd in fds:
@@ -597,6 +603,7 @@ def _cleanup(
     rundir: Path,
     lease: UidLease | None,
     *,
+    owner_fd: int,
     egress: EgressHandle | None = None,
 ) -> None:
     if egress is not None:
@@ -614,6 +621,7 @@ def _cleanup(
     shutil.rmtree(rundir, ignore_errors=True)
     if lease is not None:
         lease.release()
+    os.close(owner_fd)
 
 
 def _read_head(path: Path, limit: int = 4096) -> str:
@@ -655,13 +663,69 @@ def _bubblewrap_bin() -> str:
     return str(path)
 
 
-def _owner_alive(rundir: Path) -> bool:
+def _claim_rundir(state_dir: Path, sid: str) -> tuple[Path, int]:
+    """The sandbox's run folder, and its owner file's descriptor, flocked until the sandbox
+    is gone: garbage collection (of any process) takes a held lock for a live creator.
+
+    The folder is made under a staging name and renamed into place with its owner file
+    written and locked, and in it the owner file is itself renamed into place once locked:
+    at no instant does a run folder, or a staging one, show an owner that is not held. The
+    file keeps the previous versions' "pid start-time", which their collection reads.
+    """
+    staging = Path(tempfile.mkdtemp(prefix=STAGING, dir=state_dir))
+    fd = os.open(staging / f".{OWNER_FILE}", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
-        pid_text, _, started = (rundir / OWNER_FILE).read_text().partition(" ")
+        fcntl.flock(fd, fcntl.LOCK_EX)  # nobody else knows the file: never waits
+        pid = os.getpid()
+        os.write(fd, f"{pid} {start_time(pid)}".encode())
+        os.rename(staging / f".{OWNER_FILE}", staging / OWNER_FILE)
+        rundir = state_dir / sid
+        os.rename(staging, rundir)  # sandbox ids are random: no folder of that name exists
+    except OSError:
+        os.close(fd)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return rundir, fd
+
+
+def _owner_alive(rundir: Path) -> bool | None:
+    """Whether the creator of ``rundir`` lives: its owner file is flocked (this version's
+    creators), or names a process that runs (a previous version's, which never lock).
+    None: the folder has no owner file."""
+    try:
+        fd = os.open(rundir / OWNER_FILE, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        text = os.read(fd, 256).decode(errors="replace")
+    finally:
+        os.close(fd)  # the lock, if taken, goes with it: a creator never locks it again
+    pid_text, _, started = text.partition(" ")
+    try:
         pid = int(pid_text)
-    except (OSError, ValueError):
+    except ValueError:
         return False
     return start_time(pid) == started and started != ""
+
+
+def _abandoned(rundir: Path, grace_s: float) -> bool:
+    """Whether the creator of a run (or staging) folder is gone. A folder without an owner
+    file is a previous version's creator between its folder and its owner (this version's
+    folders appear with theirs), or one of ours that crashed while staging: it is left for
+    ``grace_s``."""
+    alive = _owner_alive(rundir)
+    if alive is not None:
+        return not alive
+    try:
+        return time.time() - rundir.stat().st_mtime > grace_s
+    except OSError:
+        return False
 
 
 def collect_garbage(state_dir: Path | None = None) -> list[str]:
@@ -671,8 +735,11 @@ def collect_garbage(state_dir: Path | None = None) -> list[str]:
     in_use: set[str] = set()
     dead: set[str] = set()
     if base.is_dir():
+        for staging in base.glob(STAGING + "*"):  # a crash before its rename: no mounts yet
+            if _abandoned(staging, 3600.0):
+                shutil.rmtree(staging, ignore_errors=True)
         for rundir in sorted(base.glob("sbx-*")):
-            if _owner_alive(rundir):
+            if not _abandoned(rundir, OWNERLESS_GRACE_S):
                 with contextlib.suppress(OSError):
                     in_use.update((rundir / MASKS_FILE).read_text().split())
                 continue
@@ -683,8 +750,9 @@ def collect_garbage(state_dir: Path | None = None) -> list[str]:
             removed.append(f"process sandbox {rundir.name}")
         collect_uid_leases(base)
         for partial in base.glob(".shared-*"):  # a build interrupted by a crash
-            if time.time() - partial.stat().st_mtime > 3600:
-                shutil.rmtree(partial, ignore_errors=True)
+            with contextlib.suppress(FileNotFoundError):  # or renamed into place meanwhile
+                if time.time() - partial.stat().st_mtime > 3600:
+                    shutil.rmtree(partial, ignore_errors=True)
     removed += _cgroups.collect("sbx-", lambda name: (base / name).exists(), dead.__contains__)
     if os.geteuid() == 0:
         removed += _rules.collect_masked(_rules.masked_folders(), in_use)

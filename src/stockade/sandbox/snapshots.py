@@ -173,12 +173,16 @@ class SnapshotStore:
         digest = digest or _hash_file(path)
         target = self._dir("objects") / digest
         os.chmod(path, 0o400)
-        if target.exists():
-            path.unlink()
-            with contextlib.suppress(OSError):
-                os.utime(target)  # used again: collect and eviction see it as new
-        else:
+        try:
+            # Used again: collect and eviction see it as new. Touched before our copy goes:
+            # a collection that removed it meanwhile leaves ours to take its place.
+            os.utime(target)
+        except FileNotFoundError:
             os.replace(path, target)
+        except OSError:  # there, and not ours to touch
+            path.unlink()
+        else:
+            path.unlink()
         self._stamp(digest, target)
         return digest
 
@@ -445,7 +449,9 @@ class SnapshotStore:
                     if sub == "objects":
                         removed.append(f"snapshot object {name[:16]}")
         for path in _entries(self.root / "tmp"):
-            if now - path.lstat().st_mtime > max(grace_s, 3600.0):
+            with contextlib.suppress(FileNotFoundError):  # moved into place while we looked
+                if now - path.lstat().st_mtime <= max(grace_s, 3600.0):
+                    continue
                 shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
                 removed.append(f"unfinished snapshot write {path.name}")
         return removed
