@@ -15,9 +15,28 @@ ledger) and records what is missing, marked ``"reconciled": true`` (its time is 
 ``recorded_ns`` in the run store is the original). A run whose process died gets a
 ``run_crash`` event first; a call that started and did not return, and was not run again, is
 a ``tool_call`` with ``"outcome": "unknown"``.
+
+What a resumed run's trail holds once. The trail can be ahead of the run's checkpoints: a
+batch written, then the process killed before the checkpoint after it. The resume then does
+again what the trail already has, so this observer keeps the run's keys that it read from
+the trail on resume, and:
+
+- a ``tool_call`` is recorded once per idempotency key (a call rejected as invalid again, or
+  put back by the reconciliation, is not recorded a second time);
+- the ``run_end`` that ends a run for good is recorded once: a resumed end that says what the
+  trail's says (status, steps, answer) is left out; one that says otherwise (the repeated
+  final request answered differently) is recorded with ``"repeat": true``, the later one
+  being the run's end (a paused, interrupted or broken run's ``run_end`` is one per stop);
+- a model request the resume sent again (the trail has that step's ``model_call``) was sent
+  twice, and cost twice: its ``model_call`` and ``step`` are recorded with ``"repeat": true``.
+
+``verify(..., ledger=)`` reports a second ``tool_call`` of a key, or a second final
+``run_end`` not marked as a repeat, as ``duplicate_in_trail``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from stockade.agent.events import (
     AgentEvent,
@@ -34,7 +53,7 @@ from stockade.agent.events import (
     ToolRejected,
     ToolReturned,
 )
-from stockade.agent.state import ToolCallRecord
+from stockade.agent.state import RunStatus, ToolCallRecord
 from stockade.audit.events import EventKind, JSONValue
 from stockade.audit.log import AuditLog
 
@@ -48,12 +67,36 @@ def _cap(text: str) -> str:
     return text if len(text) <= TEXT_CAP else text[:TEXT_CAP] + f"…[{len(text) - TEXT_CAP} more chars]"
 
 
+@dataclass
+class _InTrail:
+    """What a resumed run's trail already holds: its keys, read on resume."""
+
+    calls: set[str] = field(default_factory=set)  # idempotency keys of its tool_call events
+    models: set[int] = field(default_factory=set)  # steps with a model_call
+    steps: set[int] = field(default_factory=set)  # steps with a step event
+    end: tuple[JSONValue, ...] | None = None  # what its run_end says, if it has one
+
+
+def _end_says(attributes: dict[str, JSONValue]) -> tuple[JSONValue, ...]:
+    return attributes.get("status"), attributes.get("steps"), attributes.get("answer")
+
+
+def _ended(status: JSONValue) -> bool:
+    """Whether a ``run_end`` says the run ended for good (a paused run's says it stopped for now:
+    each time it stops is an event of its own)."""
+    return isinstance(status, str) and status in _FINISHED
+
+
+_FINISHED = frozenset(s.value for s in RunStatus if s.finished)
+
+
 class AuditObserver:
     """An agent observer (``observer(event) -> None``) that writes to ``log``."""
 
     def __init__(self, log: AuditLog, *, actor: str = "agent") -> None:
         self.log = log
         self.actor = actor
+        self._in_trail: dict[str, _InTrail] = {}  # resumed runs in progress
 
     def __call__(self, event: AgentEvent) -> None:
         record = self.log.record
@@ -75,6 +118,10 @@ class AuditObserver:
                 pass  # recorded once, with its outcome, as ModelResponded
             case ModelResponded():
                 response = event.response
+                seen = self._in_trail.get(event.run_id)
+                repeat: dict[str, JSONValue] = (
+                    {"repeat": True} if seen is not None and event.step in seen.models else {}
+                )
                 record(
                     EventKind.MODEL_CALL,
                     run_id=event.run_id,
@@ -88,6 +135,7 @@ class AuditObserver:
                         "output_tokens": response.usage.output_tokens,
                         "tool_calls": [call.name for call in response.tool_calls],
                         "text_chars": len(response.text),
+                        **repeat,
                     },
                 )
             case ModelDenied():
@@ -140,32 +188,47 @@ class AuditObserver:
                     },
                 )
             case StepFinished():
+                seen = self._in_trail.get(event.run_id)
+                again = seen is not None and event.step.index in seen.steps
                 record(
                     EventKind.STEP,
                     run_id=event.run_id,
                     step=event.step.index,
                     actor=self.actor,
-                    attributes={"tool_calls": len(event.step.tool_calls)},
-                )
-            case RunFinished():
-                result = event.result
-                record(
-                    EventKind.RUN_END,
-                    run_id=event.run_id,
-                    actor=self.actor,
                     attributes={
-                        "status": str(result.status),
-                        "steps": len(result.steps),
-                        "input_tokens": result.usage.input_tokens,
-                        "output_tokens": result.usage.output_tokens,
-                        "cost_usd": result.cost_usd,
-                        "error": result.error,
-                        "answer": _cap(result.answer),
+                        "tool_calls": len(event.step.tool_calls),
+                        **({"repeat": True} if again else {}),
                     },
                 )
-                self.log.flush()  # the end of a run is a natural durability point
+            case RunFinished():
+                self._run_end(event)
+
+    def _run_end(self, event: RunFinished) -> None:
+        result, seen = event.result, self._in_trail.pop(event.run_id, None)
+        attributes: dict[str, JSONValue] = {
+            "status": str(result.status),
+            "steps": len(result.steps),
+            "input_tokens": result.usage.input_tokens,
+            "output_tokens": result.usage.output_tokens,
+            "cost_usd": result.cost_usd,
+            "error": result.error,
+            "answer": _cap(result.answer),
+        }
+        if seen is not None and seen.end is not None and result.status.finished:
+            # The previous process wrote this end and died before the checkpoint saying so.
+            if seen.end == _end_says(attributes):
+                self.log.flush()
+                return
+            attributes["repeat"] = True  # the repeated final request ended it otherwise
+        self.log.record(EventKind.RUN_END, run_id=event.run_id, actor=self.actor, attributes=attributes)
+        self.log.flush()  # the end of a run is a natural durability point
 
     def _tool_call(self, run_id: str, step: int, r: ToolCallRecord, **extra: JSONValue) -> None:
+        seen = self._in_trail.get(run_id)
+        if seen is not None:
+            if r.idempotency_key in seen.calls:
+                return  # done again on resume (a rejection, say): the trail has it already
+            seen.calls.add(r.idempotency_key)
         self.log.record(
             EventKind.TOOL_CALL,
             run_id=run_id,
@@ -201,16 +264,21 @@ class AuditObserver:
                     "next": state.next.value,
                 },
             )
-        models: set[int] = set()
-        calls: set[str] = set()
+        seen = _InTrail()
         for stored in log.store.events(run_id=run_id):
             if stored.kind == EventKind.MODEL_CALL:
-                models.add(stored.step)
+                seen.models.add(stored.step)
+            elif stored.kind == EventKind.STEP:
+                seen.steps.add(stored.step)
             elif stored.kind == EventKind.TOOL_CALL:
-                calls.add(str(stored.attributes.get("idempotency_key", "")))
+                seen.calls.add(str(stored.attributes.get("idempotency_key", "")))
+            elif stored.kind == EventKind.RUN_END and _ended(stored.attributes.get("status")):
+                seen.end = _end_says(dict(stored.attributes))
+        self._in_trail[run_id] = seen
         steps = [*state.steps, *([state.current] if state.current is not None else [])]
         for step in steps:
-            if step.index not in models:
+            if step.index not in seen.models:
+                seen.models.add(step.index)
                 response = step.response
                 log.record(
                     EventKind.MODEL_CALL,
@@ -229,7 +297,7 @@ class AuditObserver:
                     },
                 )
             for r in step.tool_calls:
-                if r.denied or r.idempotency_key in calls:
+                if r.denied:
                     continue  # a denial is a policy decision, recorded when it was made
                 if r.error_type == "OutcomeUnknown":
                     self._tool_call(run_id, step.index, r, outcome="unknown", reconciled=True)

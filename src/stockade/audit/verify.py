@@ -22,7 +22,10 @@ A chain can be intact and still miss what happened: events that died in a crashe
 buffer were never sealed. Given the run store's ledger (``ledger=``, a ``RunStore``), the
 tool calls of every run the ledger knows are cross-checked against the chain's ``tool_call``
 events by idempotency key: a call in the ledger and not in the trail is ``not_in_trail``, a
-``tool_call`` event the ledger lacks is ``not_in_ledger``. Resuming a crashed run records
+``tool_call`` event the ledger lacks is ``not_in_ledger``, and a second ``tool_call`` event of
+one key, or a second ``run_end`` of a run that ended for good (``"status"`` not paused,
+interrupted or broken) not marked ``"repeat": true``, is ``duplicate_in_trail`` (a resume
+keeps them once: ``AuditObserver``). Resuming a crashed run records
 what its trail lost (``AuditObserver``); a run still running may show its last calls as
 ``not_in_trail`` until its next batch is written.
 """
@@ -32,7 +35,7 @@ from __future__ import annotations
 import enum
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -85,6 +88,7 @@ class ProblemKind(enum.StrEnum):
     UNEXPECTED_HEAD = "unexpected_head"  # the chain does not reach the head the caller pinned
     NOT_IN_TRAIL = "not_in_trail"  # the run store's ledger has a tool call the trail does not
     NOT_IN_LEDGER = "not_in_ledger"  # a tool_call event of a run the ledger knows, not in its ledger
+    DUPLICATE_IN_TRAIL = "duplicate_in_trail"  # a tool_call's key, or a run's final run_end, twice
 
 
 class LedgerCall(NamedTuple):
@@ -196,12 +200,13 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
     prev = GENESIS
     checked = run_events = edited = last_seq = 0
     audited: dict[str, int] = {}  # idempotency key of each tool_call event -> its seq
+    ended: dict[str, int] = {}  # run -> the seq of its final run_end
     for seq, run, kind, body, stored_hash in store.rows():
         checked += 1
         if run == run_id:
             run_events += 1
-        if ledger is not None and kind == "tool_call" and (run_id is None or run == run_id):
-            audited.setdefault(_call_key(body), seq)
+        if ledger is not None and kind in _KEYED and (run_id is None or run == run_id):
+            _once(seq, run, kind, body, audited=audited, ended=ended, report=report)
         try:
             signed_seq, signed_prev, signed_run, signed_kind = _signed_fields(body, strings)
         except ValueError:
@@ -287,13 +292,47 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
     )
 
 
-def _call_key(body: str) -> str:
+_KEYED = frozenset({"tool_call", "run_end"})
+# The statuses of a run that ended for good (RunStatus.finished; the audit layer does not
+# import the agent's): a paused, interrupted or broken run's run_end is one per stop.
+_FINAL = frozenset({"success", "check_failed", "max_steps", "budget", "killed", "denied", "error"})
+
+
+def _once(
+    seq: int,
+    run: str,
+    kind: str,
+    body: str,
+    *,
+    audited: dict[str, int],
+    ended: dict[str, int],
+    report: Callable[[int, ProblemKind, str, str], None],
+) -> None:
+    """Note a tool_call's key or a final run_end, and report a second one."""
+    attributes = _attributes(body)
+    if kind == "tool_call":
+        key = attributes.get("idempotency_key")
+        if not isinstance(key, str) or not key:
+            return
+        first = audited.setdefault(key, seq)
+        if first != seq:
+            detail = f"a second tool_call event of {key} (the first is seq {first})"
+            report(seq, ProblemKind.DUPLICATE_IN_TRAIL, detail, run)
+        return
+    if attributes.get("status") not in _FINAL:
+        return
+    first = ended.setdefault(run, seq)
+    if first != seq and attributes.get("repeat") is not True:
+        detail = f"a second run_end of run {run} (the first is seq {first}), not marked as a repeat"
+        report(seq, ProblemKind.DUPLICATE_IN_TRAIL, detail, run)
+
+
+def _attributes(body: str) -> dict[str, object]:
     try:
         attributes = json.loads(body).get("attributes", {})
     except (ValueError, AttributeError):
-        return ""
-    key = attributes.get("idempotency_key") if isinstance(attributes, dict) else None
-    return key if isinstance(key, str) else ""
+        return {}
+    return attributes if isinstance(attributes, dict) else {}
 
 
 def _hash_at(store: AuditStore, seq: int) -> str | None:

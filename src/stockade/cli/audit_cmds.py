@@ -148,7 +148,8 @@ def verify(
     """Check the hash chain: exit 0 when intact, 1 with the problems found (seq and what), 2 when
     there is nothing to verify (no trail, no events, no events of --run). The tool calls of the
     run store's ledger and the chain's tool_call events must agree: a call in one and not the
-    other is a problem (not_in_trail, not_in_ledger)."""
+    other is a problem (not_in_trail, not_in_ledger), and so is a call, or a run's final end,
+    twice in the chain (duplicate_in_trail)."""
     pinned: tuple[int, str] | None = None
     if expect_head is not None:
         seq, _, digest = expect_head.partition(":")

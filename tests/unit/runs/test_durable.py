@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from stockade import Sandbox
-from stockade.agent import Agent, AgentEvent, Observer, RunFinished, RunStatus, ToolCalled
+from stockade.agent import Agent, AgentEvent, Observer, RunFinished, RunStatus, ToolCalled, ToolRejected
 from stockade.audit import AuditLog, MemoryStore, verify
 from stockade.audit.agent import AuditObserver
 from stockade.cli.runs_cmds import load_tools
@@ -25,7 +25,8 @@ from stockade.exceptions import (
     RunStoreCorrupt,
     SeedTooLarge,
 )
-from stockade.models.scripted import Turn
+from stockade.models.messages import AssistantMessage, ModelRequest, ModelResponse
+from stockade.models.scripted import FunctionModel, Turn
 from stockade.runs import RunRecorder, RunStore, open_run_store
 from stockade.testing import FakeBackend, MemoryWorkspace, ScriptedModel, tool_call
 from stockade.tools import ToolContext, default_toolset, tool
@@ -323,6 +324,115 @@ def test_a_run_killed_as_it_ends_resumes_and_its_trail_holds_every_call_once(db:
         if e.kind.value == "tool_call"
     )
     assert audited == ledger and set(ledger.values()) == {1}  # every call in the trail, once
+
+
+def _keys(trail: MemoryStore, run_id: str) -> Counter[str]:
+    return Counter(
+        str(e.attributes.get("idempotency_key"))
+        for e in trail.events(run_id=run_id)
+        if e.kind.value == "tool_call"
+    )
+
+
+def test_a_call_rejected_as_invalid_is_in_the_trail_once_after_a_kill_before_the_ledger(db: str) -> None:
+    """The rejection's event is written (a batch of one here), then the process dies before the
+    checkpoint that puts the call in the ledger: the resume rejects it again, and must not log
+    a second event with its key."""
+
+    def dies_after_the_rejection(event: AgentEvent) -> None:
+        if isinstance(event, ToolRejected):
+            raise Crash("the process dies after the trail's batch, before the checkpoint")
+
+    trail = MemoryStore()
+    turns: list[Turn] = [
+        tool_call("write_file", {"path": "a", "content": "a"}),
+        tool_call("no_such_tool", {"x": 1}),
+        "done",
+    ]
+    with open_run_store(db) as store, sandbox() as sbx:
+        with AuditLog(trail, batch_size=1, flush_interval_s=None) as log, pytest.raises(Crash):
+            Agent(
+                ScriptedModel(turns),
+                checkpointer=store,
+                observers=[AuditObserver(log), dies_after_the_rejection, RunRecorder(store)],
+            ).run_sync("t", sandbox=sbx, run_id="r")
+        assert _keys(trail, "r") == {"r:1:call_0_0": 1, "r:2:call_1_0": 1}
+        assert [c.idempotency_key for c in store.ledger_calls("r")] == ["r:1:call_0_0"]
+        with AuditLog(trail) as log:
+            result = Agent(
+                ScriptedModel(turns), checkpointer=store, observers=[AuditObserver(log), RunRecorder(store)]
+            ).run_sync(resume="r", sandbox=sbx)
+        assert result.ok and result.steps[1].tool_calls[0].error_type == "InvalidToolCall"
+        report = verify(trail, run_id="r", ledger=store)
+        assert report.ok and report.found, [str(p) for p in report.problems]
+        ledger = Counter(c.idempotency_key for c in store.ledger_calls("r"))
+    assert _keys(trail, "r") == ledger and set(ledger.values()) == {1}
+
+
+def test_a_run_killed_after_its_ends_trail_and_before_its_checkpoint_logs_its_end_once(db: str) -> None:
+    """The end's last batch (the final model call, its step, ``run_end``) is written, then the
+    process dies before the checkpoint saying the run ended: the resume sends the final request
+    again (a repeat: it was sent, and cost, twice) and ends the run as the trail says already."""
+
+    def dies_after_the_trail(event: AgentEvent) -> None:
+        if isinstance(event, RunFinished):
+            raise Crash("the process dies after the trail's last batch, before the checkpoint")
+
+    trail = MemoryStore()
+    turns: list[Turn] = [tool_call("write_file", {"path": "a", "content": "a"}), "done"]
+    with open_run_store(db) as store, sandbox() as sbx:
+        with AuditLog(trail) as log, pytest.raises(Crash):
+            Agent(
+                ScriptedModel(turns),
+                checkpointer=store,
+                observers=[AuditObserver(log), RunRecorder(store), dies_after_the_trail],
+            ).run_sync("t", sandbox=sbx, run_id="r")
+        assert [e.kind.value for e in trail.events(run_id="r")][-1] == "run_end"
+        with AuditLog(trail) as log:
+            result = Agent(
+                ScriptedModel(turns), checkpointer=store, observers=[AuditObserver(log), RunRecorder(store)]
+            ).run_sync(resume="r", sandbox=sbx)
+        assert result.ok and "+a" in result.diff
+        report = verify(trail, run_id="r", ledger=store)
+        assert report.ok and report.found, [str(p) for p in report.problems]
+    events = list(trail.events(run_id="r"))
+    assert [e.attributes["status"] for e in events if e.kind.value == "run_end"] == ["success"]
+    final = [e.attributes.get("repeat") for e in events if e.kind.value == "model_call" and e.step == 2]
+    assert final == [None, True]  # the final request, and its repeat by the resume
+    assert [e.step for e in events if e.kind.value == "model_call" and e.step == 1] == [1]
+    assert set(_keys(trail, "r").values()) == {1}
+
+
+def test_a_repeated_final_request_that_ends_otherwise_is_a_marked_second_end(db: str) -> None:
+    """The model need not answer the repeated request as it did: the run ends as the repeat says,
+    and its ``run_end`` follows the first, marked as a repeat (verify lets it pass)."""
+
+    def dies_after_the_trail(event: AgentEvent) -> None:
+        if isinstance(event, RunFinished):
+            raise Crash("the process dies after the trail's last batch, before the checkpoint")
+
+    answers = iter(["done", "done, said otherwise"])
+
+    async def model(request: ModelRequest) -> ModelResponse:
+        if not any(isinstance(m, AssistantMessage) for m in request.messages):
+            return ModelResponse(tool_calls=(tool_call("list_files", id="c1"),), finish_reason="tool_calls")
+        return ModelResponse(text=next(answers), finish_reason="stop")
+
+    trail = MemoryStore()
+    with open_run_store(db) as store, sandbox() as sbx:
+        with AuditLog(trail) as log, pytest.raises(Crash):
+            Agent(
+                FunctionModel(model), checkpointer=store, observers=[AuditObserver(log), dies_after_the_trail]
+            ).run_sync("t", sandbox=sbx, run_id="r")
+        with AuditLog(trail) as log:
+            result = Agent(FunctionModel(model), checkpointer=store, observers=[AuditObserver(log)]).run_sync(
+                resume="r", sandbox=sbx
+            )
+        report = verify(trail, run_id="r", ledger=store)
+        assert report.ok, [str(p) for p in report.problems]
+    assert result.answer == "done, said otherwise"
+    ends = [e.attributes for e in trail.events(run_id="r") if e.kind.value == "run_end"]
+    assert [(a["answer"], a.get("repeat")) for a in ends] == [("done", None), ("done, said otherwise", True)]
 
 
 def test_replay_takes_the_runs_own_tools() -> None:

@@ -1,0 +1,86 @@
+"""``verify(..., ledger=)`` finds what the audit trail holds twice: a tool call's idempotency key,
+or the end of a run that ended for good (``duplicate_in_trail``); ``stockade audit verify``
+shows it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from stockade import Sandbox
+from stockade.agent import Agent
+from stockade.audit import AuditLog, EventKind, MemoryStore, SQLiteStore, verify
+from stockade.audit.agent import AuditObserver
+from stockade.audit.verify import LedgerCall
+from stockade.cli.main import app
+from stockade.models.scripted import ScriptedModel, tool_call
+from stockade.runs import open_run_store
+from stockade.testing import FakeBackend, MemoryWorkspace
+
+runner = CliRunner()
+
+
+class Ledger:
+    """A run store's ledger as verify reads it: the calls of run ``r``."""
+
+    def __init__(self, *keys: str) -> None:
+        self.calls = [LedgerCall(run_id="r", step=1, idempotency_key=k, tool="list_files") for k in keys]
+
+    def ledger_calls(self, run_id: str | None = None) -> Iterable[LedgerCall]:
+        return [c for c in self.calls if run_id in (None, c.run_id)]
+
+
+def call(log: AuditLog, key: str) -> None:
+    log.record(
+        EventKind.TOOL_CALL, run_id="r", step=1, attributes={"tool": "list_files", "idempotency_key": key}
+    )
+
+
+def end(log: AuditLog, status: str, **extra: bool) -> None:
+    log.record(EventKind.RUN_END, run_id="r", attributes={"status": status, "steps": 1, **extra})
+
+
+def test_a_key_or_a_final_end_twice_is_a_duplicate_a_stop_or_a_marked_repeat_is_not() -> None:
+    trail = MemoryStore()
+    with AuditLog(trail) as log:
+        call(log, "r:1:a")  # seq 1
+        end(log, "paused")  # 2: a paused run ends once per stop
+        end(log, "paused")  # 3
+        call(log, "r:1:a")  # 4: the same call twice
+        end(log, "success")  # 5
+        end(log, "success", repeat=True)  # 6: a repeated final request that ended otherwise
+        end(log, "success")  # 7: a second end, unmarked
+    report = verify(trail, ledger=Ledger("r:1:a"))
+    assert [(p.seq, p.kind.value) for p in report.problems] == [
+        (4, "duplicate_in_trail"),
+        (7, "duplicate_in_trail"),
+    ]
+    assert "the first is seq 1" in report.problems[0].detail
+    assert verify(trail).ok  # without the ledger, the chain alone is intact
+    assert verify(trail, run_id="other", ledger=Ledger("r:1:a")).problems_elsewhere == 0
+
+
+def test_audit_verify_shows_a_call_twice_in_the_trail(tmp_path: Path) -> None:
+    runs, audit = f"sqlite:///{tmp_path / 'runs.db'}", tmp_path / "audit.db"
+    trail = SQLiteStore(audit)
+    with (
+        open_run_store(runs) as store,
+        Sandbox.create(backend=FakeBackend(MemoryWorkspace())) as sbx,
+        AuditLog(trail) as log,
+    ):
+        turns = [tool_call("list_files"), "done"]
+        Agent(ScriptedModel(turns), checkpointer=store, observers=[AuditObserver(log)]).run_sync(
+            "t", sandbox=sbx, run_id="r"
+        )
+        (key,) = [c.idempotency_key for c in store.ledger_calls("r")]
+        call(log, key)
+    trail.close()
+    result = runner.invoke(
+        app, ["audit", "verify", "--db", f"sqlite:///{audit}", "--runs-db", runs, "--json"]
+    )
+    assert result.exit_code == 1, result.output
+    (problem,) = json.loads(result.output)["problems"]
+    assert problem["kind"] == "duplicate_in_trail" and key in problem["detail"]
