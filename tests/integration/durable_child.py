@@ -7,7 +7,9 @@ SIGKILLed on the way: by itself at a named point, or by the test at any moment.
 model request), ``step`` (after a step's checkpoint), ``returned`` (right after a tool call
 returned), ``before`` / ``after`` (inside a slow tool, before or after its effect), ``end`` (as
 the run ends: after its final answer and its diff, before the audit trail's last batch is
-written, the window a kill at exit can hit). The test may
+written, the window a kill at exit can hit), ``ended`` (after the end's last batch is written,
+before the checkpoint that says the run ended), ``rejected`` (after a call rejected as invalid
+is written to the trail, before the checkpoint that puts it in the ledger). The test may
 also kill the process at a random moment (it waits for ``WORK_DIR/started``).
 
 The run: six steps over three kinds of tools.
@@ -16,6 +18,8 @@ The run: six steps over three kinds of tools.
   line to a host file in ``WORK_DIR``, the side effect whose count the test checks;
 - ``append_journal`` (not idempotent) appends a line to ``journal.txt`` in the sandbox, and
   ``write_file`` (idempotent) writes a file: the changes the final diff must hold once each.
+- once, the model misspells a tool (``append_jornal``): a call rejected as invalid, which it
+  takes as answered (it asks for the right tool in the same step).
 
 The model is a function of the conversation, as a careful model would behave: it does the
 plan's calls in order, and when told a call's outcome is unknown it checks before doing it
@@ -38,7 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from stockade import Sandbox
-from stockade.agent import Agent, AgentEvent, RunFinished, StepFinished, ToolReturned
+from stockade.agent import Agent, AgentEvent, RunFinished, StepFinished, ToolRejected, ToolReturned
 from stockade.audit import AuditLog, open_store
 from stockade.audit.agent import AuditObserver
 from stockade.exceptions import ConfigurationError, RunConflict, RunLeased
@@ -132,7 +136,7 @@ PLAN: list[list[tuple[str, dict[str, str]]]] = [
     [("pay", {"invoice": "inv-1"})],
     [("notify", {"message": "paid-inv-1"}), ("append_journal", {"line": "2"})],
     [("write_file", {"path": "steps/4.txt", "content": "four\n"}), ("pay", {"invoice": "inv-2"})],
-    [("append_journal", {"line": "3"})],
+    [("append_jornal", {"line": "3"}), ("append_journal", {"line": "3"})],  # the first: no such tool
     [("notify", {"message": "all-paid"})],
 ]
 
@@ -160,8 +164,8 @@ async def careful_model(request: ModelRequest) -> ModelResponse:
                 unknown.pop(pay_key, None)
                 if message.content == "paid":
                     done.add(pay_key)
-            elif not message.is_error:
-                done.add(key)
+            elif not message.is_error or "there is no tool" in message.content:
+                done.add(key)  # a misspelt tool is asked for once: the same step has the right one
             elif "OutcomeUnknown" in message.content and call.name == "pay":
                 unknown[key] = call
     if unknown:  # check before paying again
@@ -184,6 +188,19 @@ def ending(event: AgentEvent) -> None:
         maybe_die("end")
 
 
+def written(log: AuditLog) -> Callable[[AgentEvent], None]:
+    """After the audit observer: a kill here finds the trail ahead of the run's checkpoints."""
+
+    def observe(event: AgentEvent) -> None:
+        if isinstance(event, ToolRejected):
+            log.flush()  # the interval's batch, come early: the rejection is in the trail
+            maybe_die("rejected")
+        elif isinstance(event, RunFinished):
+            maybe_die("ended")  # the audit observer flushed the end's batch
+
+    return observe
+
+
 def observe(event: AgentEvent) -> None:
     if isinstance(event, StepFinished):
         maybe_die("step")
@@ -199,7 +216,7 @@ def main() -> int:
         FunctionModel(careful_model),
         tools=default_toolset().including(pay, notify, payment_status, append_journal),
         checkpointer=store,
-        observers=[ending, AuditObserver(log), RunRecorder(store), observe],
+        observers=[ending, AuditObserver(log), RunRecorder(store), written(log), observe],
     )
     started = time.perf_counter()
     with Sandbox.create("process", workspace=WORK / "seed") as sandbox:

@@ -3,13 +3,15 @@ PostgreSQL, each resumed in a new process with a new process-tier sandbox until 
 
 Each trial kills a run once or twice in a row, at points drawn at random: between steps,
 inside a slow tool before or after its effect, right after a call returned, during a model
-request, as the run ends (before the audit trail's last batch), or at a random moment chosen
-by this process. Then, for every trial:
+request, as the run ends (before the audit trail's last batch, or after it and before the
+checkpoint saying the run ended), after a call rejected as invalid reached the trail and before
+the ledger, or at a random moment chosen by this process. Then, for every trial:
 
 - the run finishes ("success");
 - the final diff holds every step's change exactly once (and nothing the seed already had);
 - no non-idempotent effect outside the sandbox happened twice; idempotent ones at least once;
-- the audit chain is intact and agrees with the run store's ledger.
+- the audit chain is intact, agrees with the run store's ledger, and holds each tool call and
+  the run's end once (``verify``'s ``duplicate_in_trail``).
 
 And two resumes of the same killed run started at once: exactly one runs it.
 
@@ -59,6 +61,8 @@ POINTS = (
     "returned:4",
     "returned:7",
     "end:1",
+    "ended:1",
+    "rejected:1",
     "timer:1",  # killed by this process at a random moment (three entries: drawn more often)
     "timer:2",
     "timer:3",
@@ -168,12 +172,8 @@ def _check_trial(target: StoreTarget, outcome: dict[str, object], work: Path) ->
         calls = store.tool_calls(run_id)
         unknown = sum(1 for r in calls if r.error_type == "OutcomeUnknown")
         events = [e for e in audit.events(run_id=run_id)]
-        # verify() finds a call missing from either side; a call recorded twice, it lets pass
-        audited = Counter(
-            str(e.attributes.get("idempotency_key")) for e in events if e.kind.value == "tool_call"
-        )
-        twice = {key: n for key, n in audited.items() if n > 1}
-        assert not twice, f"{run_id}: tool calls in the audit trail more than once: {twice}"
+        ends = [e.attributes.get("repeat") for e in events if e.kind.value == "run_end"]
+        assert ends == [None], f"{run_id}: the run's end in the audit trail: {ends}"
         crashes = sum(1 for e in events if e.kind.value == "run_crash")
         reconciled = sum(1 for e in events if e.attributes.get("reconciled") is True)
         summary = store.summary(run_id)
