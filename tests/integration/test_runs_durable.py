@@ -201,8 +201,13 @@ def test_killed_runs_resume_to_the_same_end(target: StoreTarget, tmp_path: Path)
             outcome.update(_check_trial(target, outcome, work))
         except AssertionError as error:
             # The seed replays the draw, not the timing: say where the kills fell, in order.
-            where = f" (planned kills {outcome['planned']}; processes: {outcome['history']})"
-            failures.append(f"seed {seed}, trial {trial}{where if 'planned' in outcome else ''}: {error}")
+            # A trial whose process failed never returned its outcome: its message names them.
+            where = (
+                f" (planned kills {outcome['planned']}; processes: {outcome['history']})"
+                if "planned" in outcome
+                else ""
+            )
+            failures.append(f"seed {seed}, trial {trial}{where}: {error}")
         results.append(outcome)
     kills = [k for r in results for k in r["killed"]]
     summary: dict[str, Any] = {
