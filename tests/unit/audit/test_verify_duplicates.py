@@ -16,7 +16,7 @@ from stockade.audit import AuditLog, EventKind, MemoryStore, SQLiteStore, verify
 from stockade.audit.agent import AuditObserver
 from stockade.audit.verify import LedgerCall
 from stockade.cli.main import app
-from stockade.models.scripted import ScriptedModel, tool_call
+from stockade.models.scripted import ScriptedModel, Turn, tool_call
 from stockade.runs import open_run_store
 from stockade.testing import FakeBackend, MemoryWorkspace
 
@@ -71,7 +71,7 @@ def test_audit_verify_shows_a_call_twice_in_the_trail(tmp_path: Path) -> None:
         Sandbox.create(backend=FakeBackend(MemoryWorkspace())) as sbx,
         AuditLog(trail) as log,
     ):
-        turns = [tool_call("list_files"), "done"]
+        turns: list[Turn] = [tool_call("list_files"), "done"]
         Agent(ScriptedModel(turns), checkpointer=store, observers=[AuditObserver(log)]).run_sync(
             "t", sandbox=sbx, run_id="r"
         )
