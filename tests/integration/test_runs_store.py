@@ -43,8 +43,17 @@ async def test_every_checkpoint_loads_back_as_the_live_state(store: RunStore) ->
     async with Agent(ScriptedModel(TURNS), checkpointer=store).iter("note", sandbox=sbx, run_id="r1") as run:
         async for _ in run:
             loaded = store.load("r1")
-            assert loaded is not None and loaded.model_dump() == run.state.model_dump()
-    assert store.load("r1").status == RunStatus.SUCCESS  # type: ignore[union-attr]
+            assert loaded is not None
+            if run.state.status.finished and run.result is None:
+                # The node that ended the run is not saved as ended: End's checkpoint is the
+                # first to say so, after the diff and the trail's last events (the unit test
+                # of the checkpointer says why).
+                assert loaded.status == RunStatus.RUNNING and len(loaded.steps) == len(run.state.steps) - 1
+            else:
+                assert loaded.model_dump() == run.state.model_dump()
+    final = store.load("r1")
+    assert final is not None and final.status == RunStatus.SUCCESS
+    assert final.model_dump() == run.state.model_dump()
     assert store.load("nope") is None
 
 
