@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import subprocess
 
-from tests.conftest import _CHECKOUT, _checkout_files, _tier_processes
+from tests.conftest import _CHECKOUT, _checkout_files, _tier_processes, wait_for
 
 
 def test_a_tier_process_left_running_is_counted_as_a_trace() -> None:
     before = set(_tier_processes(mine_only=True))
     leaked = subprocess.Popen(["bash", "-c", "exec -a stockade-leaked-sandbox sleep 60"])
-    try:
+
+    def counted() -> list[str]:
         new = set(_tier_processes(mine_only=True)) - before
-        assert [cmd for pid, cmd in new if pid == leaked.pid and cmd.startswith("stockade-leaked-sandbox")]
+        return [cmd for pid, cmd in new if pid == leaked.pid and cmd.startswith("stockade-leaked-sandbox")]
+
+    try:  # bash takes its new name at its exec, a moment after Popen returns (longer on a busy host)
+        wait_for(counted, what="the census to count the leaked process by its new name")
     finally:
         leaked.kill()
         leaked.wait()
