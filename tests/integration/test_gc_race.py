@@ -20,7 +20,7 @@ import pytest
 from stockade.sandbox import _cgroups
 from stockade.sandbox.process import OWNER_FILE, OWNERLESS_GRACE_S, collect_garbage
 from stockade.types import Mechanism
-from tests.conftest import require_tier
+from tests.conftest import require, require_tier
 
 
 @pytest.fixture(autouse=True)
@@ -127,8 +127,9 @@ def test_gc_of_another_state_folder_spares_a_group_whose_sandbox_has_not_entered
     # Between a sandbox's cgroup and its first process the group is empty; the gc of another
     # state folder (another worker's, the suite's closing `stockade gc`) removed it, and the
     # sandbox failed to start (cgroup .../tasks: Directory nonexistent).
-    if _cgroups.detect().mechanism is Mechanism.NONE:
-        pytest.skip("no cgroups to manage here")
+    require(
+        "cgroups", _cgroups.detect().mechanism is not Mechanism.NONE, "no cgroup hierarchy to manage here"
+    )
     name = f"sbx-{uuid.uuid4().hex[:12]}"
     creators.append(Creator(GROUP_MADE, name))
     assert name in _cgroups.leftover_groups()
