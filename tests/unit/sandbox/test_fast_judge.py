@@ -217,6 +217,19 @@ print(json.dumps({"compiled": r._confine_c is not None, "landlock": r.landlock, 
 """
 
 
+def _supervisor_with_compiled_judge(tmp_path: Path) -> Path:
+    """A copy of the supervisor's folder with the compiled exec judge built into it."""
+    built = _judge.build()
+    require("the compiled exec judge", built is not None, "no C compiler, or not x86_64")
+    assert built is not None
+    folder = tmp_path / "supervisor"
+    folder.mkdir()
+    for module in SUPERVISOR.glob("*.py"):
+        shutil.copy(module, folder / module.name)
+    shutil.copy(built, folder / _judge.LIBRARY)
+    return folder
+
+
 @pytest.mark.parametrize("judge", ["compiled", "python"])
 def test_a_shim_is_confined_alike_by_the_compiled_and_the_python_path(tmp_path: Path, judge: str) -> None:
     """stockade_confine (judge.c) makes the shim dumpable and puts it under the Landlock
@@ -226,14 +239,7 @@ def test_a_shim_is_confined_alike_by_the_compiled_and_the_python_path(tmp_path: 
     import json
     import subprocess
 
-    built = _judge.build()
-    require("the compiled exec judge", built is not None, "no C compiler, or not x86_64")
-    assert built is not None
-    folder = tmp_path / "supervisor"
-    folder.mkdir()
-    for module in SUPERVISOR.glob("*.py"):
-        shutil.copy(module, folder / module.name)
-    shutil.copy(built, folder / _judge.LIBRARY)
+    folder = _supervisor_with_compiled_judge(tmp_path)
     workspace = tmp_path / "ws"
     (workspace / "src").mkdir(parents=True)
     done = subprocess.run(
@@ -294,14 +300,7 @@ def test_the_compiled_confinement_makes_a_shim_a_subreaper_in_the_same_call(tmp_
     import json
     import subprocess
 
-    built = _judge.build()
-    require("the compiled exec judge", built is not None, "no C compiler, or not x86_64")
-    assert built is not None
-    folder = tmp_path / "supervisor"
-    folder.mkdir()
-    for module in SUPERVISOR.glob("*.py"):
-        shutil.copy(module, folder / module.name)
-    shutil.copy(built, folder / _judge.LIBRARY)
+    folder = _supervisor_with_compiled_judge(tmp_path)
     (tmp_path / "ws" / "src").mkdir(parents=True)
     done = subprocess.run(
         [sys.executable, "-c", SUBREAPER_PROBE, str(folder), str(tmp_path / "ws")],
