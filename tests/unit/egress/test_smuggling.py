@@ -104,6 +104,16 @@ def _send(
     return bytes(answer), records
 
 
+def _tunnel(proxy_port: int, target: str) -> tuple[socket.socket, bytes]:
+    """A connection to the proxy that asked it to ``CONNECT target``, and the answer's head."""
+    raw = socket.create_connection(("127.0.0.1", proxy_port), timeout=10)
+    raw.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += raw.recv(1)
+    return raw, head
+
+
 def _send_in_tunnel(server: RawServer, request: bytes) -> tuple[bytes, list[EgressRecord]]:
     """``request`` inside a tunnel to raw.test whose TLS the proxy opens (a rule with
     methods), the client trusting the sandbox's CA; what came back inside the TLS."""
@@ -118,12 +128,8 @@ def _send_in_tunnel(server: RawServer, request: bytes) -> tuple[bytes, list[Egre
     ctx = ssl.create_default_context(cadata=proxy.ca_pem.decode())
     port = _loop.call(proxy.start_tcp())
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
-            target = f"raw.test:{server.port}".encode()
-            raw.sendall(b"CONNECT " + target + b" HTTP/1.1\r\nHost: " + target + b"\r\n\r\n")
-            head = b""
-            while b"\r\n\r\n" not in head:
-                head += raw.recv(1)
+        raw, head = _tunnel(port, f"raw.test:{server.port}")
+        with raw:
             assert head.startswith(b"HTTP/1.1 200"), head
             with ctx.wrap_socket(raw, server_hostname="raw.test") as client:
                 client.sendall(request.replace(b"PORT", str(server.port).encode()))
@@ -320,21 +326,18 @@ def test_an_unreadable_request_after_one_inside_an_opened_tunnel(tmp_path: Path)
         ctx = ssl.create_default_context(cadata=proxy.ca_pem.decode())
         port = _loop.call(proxy.start_tcp())
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
-                target = f"api.test:{local.https_port}".encode()
-                raw.sendall(b"CONNECT " + target + b" HTTP/1.1\r\nHost: " + target + b"\r\n\r\n")
-                head = b""
-                while b"\r\n\r\n" not in head:
-                    head += raw.recv(1)
-                with ctx.wrap_socket(raw, server_hostname="api.test") as client:
-                    client.sendall(
-                        b"GET /auth HTTP/1.1\r\nHost: " + target + b"\r\n\r\n"
-                        b"GET /second HTTP/1.1\r\nHost " + target + b"\r\n\r\n"
-                    )
-                    answer = bytearray()
-                    with contextlib.suppress(ssl.SSLEOFError, ConnectionResetError):
-                        while chunk := client.recv(65536):
-                            answer += chunk
+            target = f"api.test:{local.https_port}".encode()
+            raw, head = _tunnel(port, target.decode())
+            assert head.startswith(b"HTTP/1.1 200"), head
+            with raw, ctx.wrap_socket(raw, server_hostname="api.test") as client:
+                client.sendall(
+                    b"GET /auth HTTP/1.1\r\nHost: " + target + b"\r\n\r\n"
+                    b"GET /second HTTP/1.1\r\nHost " + target + b"\r\n\r\n"
+                )
+                answer = bytearray()
+                with contextlib.suppress(ssl.SSLEOFError, ConnectionResetError):
+                    while chunk := client.recv(65536):
+                        answer += chunk
         finally:
             _loop.call(proxy.close())
         paths = list(local.https_seen.paths)
