@@ -204,6 +204,7 @@ STUBBORN = (
 )
 
 
+@pytest.mark.alone  # the host's load is the fixture's: a test of another worker would add its own
 def test_a_stubborn_program_is_stopped_in_time_on_a_busy_host(tier: str, busy_host: None) -> None:
     with Sandbox.create(tier, limits=Limits(timeout_s=60)) as sbx:
         margin = sbx.enforcement.timeout_margin_s  # the sandbox states it
