@@ -195,6 +195,20 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
+def read_exactly(fd: int, size: int) -> bytes:
+    """``size`` bytes from ``fd``, fewer only at its end; never a byte more."""
+    data = b""
+    while len(data) < size:
+        try:
+            chunk = os.read(fd, size - len(data))
+        except InterruptedError:
+            continue
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
 def _os_error(rid: int, exc: OSError) -> dict[str, Any]:
     kind = {
         errno.ENOENT: "missing",

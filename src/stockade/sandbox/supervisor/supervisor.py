@@ -9,8 +9,9 @@ Every command and the interpreter run under a *shim*: a forked child that is a c
 subreaper, so whatever the command double-forks is reparented to the shim and dies with it.
 On exit or timeout the whole tree is killed (scan /proc, SIGKILL, repeat until empty).
 
-This module is the event loop, the dispatch and the commands; the file operations are
-``files.py``, the jobs ``jobs.py``, the interpreter process and its queue ``runcode.py``.
+This module is the start, the event loop and the dispatch; the commands are ``commands.py``,
+the file operations ``files.py``, the jobs ``jobs.py``, the interpreter process and its queue
+``runcode.py``, a reset ``reset.py``.
 
 Standard library only; runs on any Python >= 3.8 found inside the sandbox.
 """
@@ -21,7 +22,6 @@ from __future__ import annotations
 # (no typing, selectors, ctypes, json, enum-based signal), heavy ones imported lazily.
 import _signal as signal
 import errno
-import fcntl
 import os
 import resource
 import select
@@ -57,44 +57,26 @@ sys.path[:] = _trusted_path(sys.path, os.path.dirname(os.path.abspath(__file__))
 
 # ruff: noqa: E402 - the sibling modules are imported after the path fix above
 import baseline
+import commands
 import files
-from fileops import (
-    PathRefused,
-    Workspace,
-    _listxattr,
-    _os_error,
-    _write_all,
-    empty_dir,
-    remove_sysv_ipc,
-)
+from fileops import PathRefused, Workspace, _os_error, read_exactly
 from jobs import CommandJob, Job
-from protocol import PREFIX, FrameReader, dumps, encode, loads
-from reaper import (
-    IGNORED_SIGNALS,
-    PR_SET_CHILD_SUBREAPER,
-    PR_SET_DUMPABLE,
-    _children_map,
-    kill_tree,
-    prctl,
-    spawn_shim,
-    spawned,
-)
+from protocol import PREFIX, FrameReader, dumps, encode
+from reaper import IGNORED_SIGNALS, PR_SET_CHILD_SUBREAPER, PR_SET_DUMPABLE, kill_tree, prctl
 from runcode import Interpreter
 from zygote import Zygote
 from zygote import start as start_zygote
 
-CHUNK = 1 << 16
-
 # Beside the workspace: every place the code can write (POSIX message queues included).
 RESET_ROOTS = ("/tmp", "/dev/shm", "/dev/mqueue")
-# A reset execs a fresh supervisor and hands it its state on this fd, named by this flag.
-HANDOVER_FD = 3
-LISTENER_FD = 4  # the exec judge's listener, across the same exec
+# A reset execs a fresh supervisor (reset.py) and tells it so with this flag.
 RESUME_FLAG = "--stockade-resume"
-# How long a reset waits for the warm interpreter it promised (then answers all the same).
-WARM_START_S = 10.0
 
-EVENT_READ, EVENT_WRITE = select.EPOLLIN, select.EPOLLOUT
+EVENT_READ = select.EPOLLIN
+
+# The ops served by other modules, each called as ``handler(sup, rid, header, body)``; the
+# rest are the ``op_`` methods below.
+OPS = {**files.OPS, "exec": commands.op_exec}
 
 
 class _Key:
@@ -260,9 +242,9 @@ class Supervisor:
                         pass
                     self._reap()
                 elif kind == "out":
-                    self._on_output(obj, fd)
+                    commands.on_output(self, obj, fd)
                 elif kind == "stdin":
-                    self._on_stdin(obj)
+                    commands.on_stdin(self, obj)
                 elif kind == "interpreter":
                     obj.on_readable(fd)
                 elif kind == "exec":
@@ -300,9 +282,11 @@ class Supervisor:
         for i, (header, body) in enumerate(frames):
             rid = header.get("id", 0)
             if header.get("op") == "reset":
+                import reset  # here, not at the top: a sandbox's start needs none of it
+
                 # Requests behind the reset are for the fresh supervisor it execs.
                 rest = b"".join(encode(h, b) for h, b in frames[i + 1 :]) + self.reader.take_pending()
-                self.reset(rid, header, rest)
+                reset.run(self, rid, header, rest)
                 self.handle(self.reader.frames())  # not reached when the reset exec'd
                 return
             try:
@@ -320,9 +304,9 @@ class Supervisor:
 
     def dispatch(self, rid: int, h: dict[str, Any], body: bytes) -> None:
         op = h.get("op")
-        on_file = files.OPS.get(op)
-        if on_file is not None:
-            on_file(self, rid, h, body)
+        on_request = OPS.get(op)
+        if on_request is not None:
+            on_request(self, rid, h, body)
             return
         handler = getattr(self, f"op_{op}", None)
         if handler is None:
@@ -403,67 +387,6 @@ class Supervisor:
             self.config = {**self.config, "egress": relay}
         self.send({"id": rid, "ev": "done"})
 
-    def op_exec(self, rid: int, h: dict[str, Any], body: bytes) -> None:
-        argv = [str(a) for a in h["argv"]]
-        env = dict(self.env)
-        env.update({str(k): str(v) for k, v in h.get("env", {}).items()})
-        cwd = h.get("cwd") or self.workspace.root
-        if not cwd.startswith("/"):
-            cwd = self.workspace.root + "/" + cwd
-        job = CommandJob(self, rid)
-        timeout = h.get("timeout")
-        job.deadline = time.monotonic() + float(timeout if timeout else self.default_timeout)
-        made: list[int] = []
-        try:
-            out_r, out_w = os.pipe()
-            made += (out_r, out_w)
-            err_r, err_w = os.pipe()
-            made += (err_r, err_w)
-            has_stdin = bool(h.get("stdin"))
-            if has_stdin:
-                in_r, in_w = os.pipe()
-                made += (in_r, in_w)
-            else:
-                in_r, in_w = self.devnull, -1
-            job.shim = spawn_shim(spawned(argv, env, cwd), (in_r, out_w, err_w), confine=self.confine)
-        except OSError as exc:
-            # Out of processes or descriptors (a thread or fork bomb the code left behind):
-            # the command could not start, which is a result like any failed exec.
-            for fd in made:
-                os.close(fd)
-            note = (
-                f"stockade: cannot start {argv[0]}: {exc.strerror} "
-                "(the sandbox's process or file limit is reached; reset() or close it)\n"
-            )
-            job.output(2, note.encode())
-            self.send(
-                {
-                    "id": rid,
-                    "ev": "exit",
-                    "exit_code": 126,
-                    "signal": None,
-                    "timed_out": False,
-                    "duration": time.monotonic() - job.started,
-                    "stdout_bytes": 0,
-                    "stderr_bytes": len(note),
-                }
-            )
-            return
-
-        for fd in (out_w, err_w) + ((in_r,) if has_stdin else ()):
-            os.close(fd)
-        for fd, stream in ((out_r, 1), (err_r, 2)):
-            os.set_blocking(fd, False)
-            job.open_pipes[fd] = stream
-            self.sel.register(fd, EVENT_READ, ("out", job))
-        if has_stdin:
-            job.stdin_fd = in_w
-            job.stdin_buf = body
-            os.set_blocking(in_w, False)
-            self.sel.register(in_w, EVENT_WRITE, ("stdin", job))
-        self.commands[rid] = job
-        self.shims[job.shim] = job
-
     def op_code(self, rid: int, h: dict[str, Any], body: bytes) -> None:
         if self.interpreter is None:
             try:
@@ -489,133 +412,6 @@ class Supervisor:
         self.drop_interpreter(None)
         self.send({"id": rid, "ev": "done"})
 
-    def reset(self, rid: int, h: dict[str, Any], rest: bytes) -> None:
-        """Make the sandbox as it was at start-up, for the next user.
-
-        Kill everything but the zygote, empty every writable place, drop IPC objects, put
-        back the settings code can change (``baseline``): the pool's 'never hand out dirty'.
-        What one user leaves (a file in /dev/shm, a SysV segment, a mode on the workspace, a
-        sysctl) would otherwise reach the next one. Our heap has held the last user's output
-        and environment: no interpreter is forked from us any more but from the zygote,
-        which holds nothing of any user, and we are non-dumpable (code cannot read us). A
-        zygote that code changed (killed, stopped, its limits or scheduling) is dropped and
-        we exec a fresh copy of ourselves (same pid: we stay the sandbox's init), which
-        forks a new one; so does a sandbox under a policy or egress relay, whose state
-        (approvals, connections) the exec renews.
-        """
-        for job in list(self.commands.values()):
-            job.timed_out = True
-            kill_tree(job.shim, include_root=True)
-        self._forget_commands()
-        self.drop_interpreter(None)
-        zygote = self.zygote if self.zygote is not None and self.zygote.alive else None
-        # Code first (a fork bomb's included): the zygote then has processes to fork with.
-        kill_tree(os.getpid(), include_root=False, spare=zygote.pid if zygote is not None else 0)
-        for root, mode in self.root_modes.items():
-            if stat.S_IMODE(os.stat(root).st_mode) != mode:  # not ours to chmod on some tiers
-                os.chmod(root, mode)
-            for name in _listxattr(root):
-                os.removexattr(root, name)
-            empty_dir(root)
-        remove_sysv_ipc()
-        problems = baseline.restore(self.baseline)
-        if problems:
-            self.send({"id": rid, "ev": "error", "kind": "reset", "message": "; ".join(problems)})
-            self.reader.feed(rest)
-            return
-        self._reap()
-        in_place = self.rules is None and self.egress is None
-        if in_place and self.zygote is not None and not self.zygote.problems(self.baseline):
-            self.clean = False
-            if h.get("warm"):
-                self.interpreter = Interpreter(self)
-                self.interpreter.wait_started(WARM_START_S)
-            self.send({"id": rid, "ev": "done"})
-            self.reader.feed(rest)
-            return
-        if self.zygote is not None:
-            self.zygote.stop()
-            self.zygote = None
-        while True:  # reap: no zombie of the last user crosses into the new image
-            try:
-                os.waitpid(-1, 0)
-            except ChildProcessError:
-                break
-            except InterruptedError:
-                continue
-        self._exec_fresh(rid, bool(h.get("warm")), rest)
-
-    def _forget_commands(self) -> None:
-        """Close the pipes of every command (their processes are killed): no exec does now."""
-        for job in self.commands.values():
-            for fd in job.open_pipes:
-                self.sel.unregister(fd)
-                os.close(fd)
-            job.open_pipes.clear()
-            self._close_stdin(job)
-        self.commands.clear()
-        self.shims.clear()
-
-    def _exec_fresh(self, rid: int, warm: bool, rest: bytes) -> None:
-        if self.rules is not None:
-            self.rules.stop_fast()  # the compiled judge's thread, before the fds below move
-        state = {
-            "config": self.config,
-            "carried": {"root_modes": self.root_modes, "baseline": self.baseline},
-            "reply_to": rid,
-            "warm": warm,
-        }
-        listener = self.rules.listener if self.rules is not None else -1
-        if listener >= 0:
-            # The exec judge goes on: the fresh supervisor keeps listening on the same fd.
-            state["carried"]["listener"] = LISTENER_FD
-        handover = _unnamed_file()
-        _write_all(handover, encode(state, rest))
-        os.lseek(handover, 0, os.SEEK_SET)
-        # Every fd to its place without one overwriting another: all out of the way first.
-        moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, 16) if fd >= 0 else -1 for fd in (handover, listener)]
-        os.dup2(self.rfd, 0)
-        os.dup2(self.wfd, 1)
-        os.dup2(moved[0], HANDOVER_FD)
-        if listener >= 0:
-            os.dup2(moved[1], LISTENER_FD)
-        here = os.path.dirname(os.path.abspath(__file__))
-        boot = f"import sys; sys.path.insert(0, {here!r}); import supervisor; supervisor.main()"
-        python = sys.executable or os.readlink("/proc/self/exe")
-        if self.rules is not None and self.rules.listener >= 0:
-            self.rules.let_own_exec_through(LISTENER_FD)  # our exec waits for the judge: us
-        os.execv(python, [python, "-S", "-E", "-s", "-B", "-c", boot, RESUME_FLAG])
-
-    # -- commands ------------------------------------------------------------------------
-
-    def _on_output(self, job: CommandJob, fd: int) -> None:
-        try:
-            data = os.read(fd, CHUNK)
-        except BlockingIOError:
-            return
-        if data:
-            job.output(job.open_pipes[fd], data)
-            return
-        self.sel.unregister(fd)
-        os.close(fd)
-        del job.open_pipes[fd]
-        self._maybe_finish(job)
-
-    def _on_stdin(self, job: CommandJob) -> None:
-        try:
-            n = os.write(job.stdin_fd, job.stdin_buf[:CHUNK])
-            job.stdin_buf = job.stdin_buf[n:]
-        except (BrokenPipeError, OSError):
-            job.stdin_buf = b""
-        if not job.stdin_buf:
-            self._close_stdin(job)
-
-    def _close_stdin(self, job: CommandJob) -> None:
-        if job.stdin_fd >= 0:
-            self.sel.unregister(job.stdin_fd)
-            os.close(job.stdin_fd)
-            job.stdin_fd = -1
-
     def _reap(self) -> None:
         while True:
             try:
@@ -627,35 +423,13 @@ class Supervisor:
             job = self.shims.pop(pid, None)
             if job is not None:
                 job.status = status
-                self._close_stdin(job)
-                self._sweep_strays()
-                self._maybe_finish(job)
+                commands.close_stdin(self, job)
+                commands.sweep_strays(self)
+                commands.maybe_finish(self, job)
             elif self.interpreter is not None and pid == self.interpreter.shim:
                 self.drop_interpreter("the interpreter process died")
             elif self.zygote is not None and pid == self.zygote.pid:
                 self.zygote.alive = False  # its pid is free again: never spare nor signal it
-
-    def _sweep_strays(self) -> None:
-        """Kill children of ours that are no shim: orphans of a shim someone killed."""
-        known = set(self.shims)
-        if self.interpreter is not None:
-            known.add(self.interpreter.shim)
-        if self.zygote is not None and self.zygote.alive:
-            known.add(self.zygote.pid)
-        for pid in _children_map().get(os.getpid(), []):
-            if pid not in known:
-                kill_tree(pid, include_root=True)
-
-    def _maybe_finish(self, job: CommandJob) -> None:
-        if not job.finished() or job.rid not in self.commands:
-            return
-        del self.commands[job.rid]
-        status = job.status or 0
-        sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
-        code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + (sig or 0)
-        if self.rules is not None:
-            self.rules.expire(job)
-        self.send({**job.report(), "ev": "exit", "exit_code": code, "signal": sig})
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
@@ -733,7 +507,9 @@ def main() -> None:
     sup = Supervisor(rfd, wfd)
     reader = FrameReader(max_body=1 << 40)  # the host is trusted
     if RESUME_FLAG in sys.argv:
-        _resume(sup, reader)
+        import reset
+
+        reset.resume(sup, reader)
         return
     # The first frame configures us; nothing is forked before it, so the host can first
     # move this process into its cgroup. A host that keeps a snapshot of sandboxes before
@@ -742,11 +518,11 @@ def main() -> None:
     # One frame at a time, to the byte: the zygote is forked after the configuration, and
     # must not hold a request read ahead of it (its memory reaches every interpreter).
     while True:
-        prefix = _read_exactly(rfd, PREFIX.size)
+        prefix = read_exactly(rfd, PREFIX.size)
         if len(prefix) < PREFIX.size:
             return
         hlen, blen = PREFIX.unpack(prefix)
-        reader.feed(prefix + _read_exactly(rfd, hlen + blen))
+        reader.feed(prefix + read_exactly(rfd, hlen + blen))
         frames = reader.frames()
         if not frames:
             return
@@ -765,53 +541,6 @@ def main() -> None:
     sup.start_judge()
     sup.start_zygote()  # after answering (off the create's path), before reading any request
     sup.reader = reader
-    sup.serve()
-
-
-def _read_exactly(fd: int, size: int) -> bytes:
-    """``size`` bytes from ``fd``, fewer only at its end; never a byte more."""
-    data = b""
-    while len(data) < size:
-        try:
-            chunk = os.read(fd, size - len(data))
-        except InterruptedError:
-            continue
-        if not chunk:
-            break
-        data += chunk
-    return data
-
-
-def _unnamed_file() -> int:
-    """A file with no name, to hand state over an exec (not a memfd: an allowlist forbids
-    those to everything, us included)."""
-    for folder in ("/dev/shm", "/tmp"):
-        try:
-            return os.open(folder, os.O_TMPFILE | os.O_RDWR, 0o600)
-        except OSError:
-            continue
-    return os.memfd_create("stockade-reset", 0)
-
-
-def _resume(sup: Supervisor, reader: FrameReader) -> None:
-    """Take over from the supervisor whose reset exec'd us: its configuration, the settings
-    as first seen, and the requests it had read but not served."""
-    # The state first, the requests behind the reset (its body) after the zygote is forked.
-    prefix = _read_exactly(HANDOVER_FD, PREFIX.size)
-    hlen, blen = PREFIX.unpack(prefix)
-    state = loads(_read_exactly(HANDOVER_FD, hlen).decode())
-    sup.configure(state["config"], state["carried"])
-    sup.start_judge()
-    sup.start_zygote()
-    rest = _read_exactly(HANDOVER_FD, blen)
-    os.close(HANDOVER_FD)
-    if state.get("warm"):
-        sup.interpreter = Interpreter(sup)
-        sup.interpreter.wait_started(WARM_START_S)
-    sup.send({"id": state["reply_to"], "ev": "done"})
-    reader.feed(rest)
-    sup.reader = reader
-    sup.handle(reader.frames())
     sup.serve()
 
 

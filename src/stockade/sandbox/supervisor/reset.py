@@ -1,0 +1,158 @@
+"""A reset on the supervisor's side: the sandbox made as it was at start-up, for the next
+user, either in place or by exec'ing a fresh supervisor that takes the state over
+(``exec_fresh`` hands it over, ``resume`` takes it).
+
+Apart from the supervisor because only a reset (a pool's, between users) needs it: the
+supervisor imports it then, so that a sandbox's start loads none of it.
+
+Standard library only; runs on any Python >= 3.8 found inside the sandbox.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import stat
+import sys
+
+import baseline
+import commands
+from fileops import _listxattr, _write_all, empty_dir, read_exactly, remove_sysv_ipc
+from protocol import PREFIX, encode, loads
+from reaper import kill_tree
+from runcode import Interpreter
+from supervisor import RESUME_FLAG
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
+if TYPE_CHECKING:
+    from typing import Any
+
+    from protocol import FrameReader
+    from supervisor import Supervisor
+
+# A reset execs a fresh supervisor and hands it its state on this fd.
+HANDOVER_FD = 3
+LISTENER_FD = 4  # the exec judge's listener, across the same exec
+# How long a reset waits for the warm interpreter it promised (then answers all the same).
+WARM_START_S = 10.0
+
+
+def run(sup: "Supervisor", rid: int, h: dict[str, Any], rest: bytes) -> None:
+    """Make the sandbox as it was at start-up, for the next user.
+
+    Kill everything but the zygote, empty every writable place, drop IPC objects, put
+    back the settings code can change (``baseline``): the pool's 'never hand out dirty'.
+    What one user leaves (a file in /dev/shm, a SysV segment, a mode on the workspace, a
+    sysctl) would otherwise reach the next one. Our heap has held the last user's output
+    and environment: no interpreter is forked from us any more but from the zygote,
+    which holds nothing of any user, and we are non-dumpable (code cannot read us). A
+    zygote that code changed (killed, stopped, its limits or scheduling) is dropped and
+    we exec a fresh copy of ourselves (same pid: we stay the sandbox's init), which
+    forks a new one; so does a sandbox under a policy or egress relay, whose state
+    (approvals, connections) the exec renews.
+    """
+    for job in list(sup.commands.values()):
+        job.timed_out = True
+        kill_tree(job.shim, include_root=True)
+    commands.forget(sup)
+    sup.drop_interpreter(None)
+    zygote = sup.zygote if sup.zygote is not None and sup.zygote.alive else None
+    # Code first (a fork bomb's included): the zygote then has processes to fork with.
+    kill_tree(os.getpid(), include_root=False, spare=zygote.pid if zygote is not None else 0)
+    for root, mode in sup.root_modes.items():
+        if stat.S_IMODE(os.stat(root).st_mode) != mode:  # not ours to chmod on some tiers
+            os.chmod(root, mode)
+        for name in _listxattr(root):
+            os.removexattr(root, name)
+        empty_dir(root)
+    remove_sysv_ipc()
+    problems = baseline.restore(sup.baseline)
+    if problems:
+        sup.send({"id": rid, "ev": "error", "kind": "reset", "message": "; ".join(problems)})
+        sup.reader.feed(rest)
+        return
+    sup._reap()
+    in_place = sup.rules is None and sup.egress is None
+    if in_place and sup.zygote is not None and not sup.zygote.problems(sup.baseline):
+        sup.clean = False
+        if h.get("warm"):
+            sup.interpreter = Interpreter(sup)
+            sup.interpreter.wait_started(WARM_START_S)
+        sup.send({"id": rid, "ev": "done"})
+        sup.reader.feed(rest)
+        return
+    if sup.zygote is not None:
+        sup.zygote.stop()
+        sup.zygote = None
+    while True:  # reap: no zombie of the last user crosses into the new image
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        except InterruptedError:
+            continue
+    exec_fresh(sup, rid, bool(h.get("warm")), rest)
+
+
+def exec_fresh(sup: "Supervisor", rid: int, warm: bool, rest: bytes) -> None:
+    if sup.rules is not None:
+        sup.rules.stop_fast()  # the compiled judge's thread, before the fds below move
+    state = {
+        "config": sup.config,
+        "carried": {"root_modes": sup.root_modes, "baseline": sup.baseline},
+        "reply_to": rid,
+        "warm": warm,
+    }
+    listener = sup.rules.listener if sup.rules is not None else -1
+    if listener >= 0:
+        # The exec judge goes on: the fresh supervisor keeps listening on the same fd.
+        state["carried"]["listener"] = LISTENER_FD
+    handover = _unnamed_file()
+    _write_all(handover, encode(state, rest))
+    os.lseek(handover, 0, os.SEEK_SET)
+    # Every fd to its place without one overwriting another: all out of the way first.
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, 16) if fd >= 0 else -1 for fd in (handover, listener)]
+    os.dup2(sup.rfd, 0)
+    os.dup2(sup.wfd, 1)
+    os.dup2(moved[0], HANDOVER_FD)
+    if listener >= 0:
+        os.dup2(moved[1], LISTENER_FD)
+    here = os.path.dirname(os.path.abspath(__file__))
+    boot = f"import sys; sys.path.insert(0, {here!r}); import supervisor; supervisor.main()"
+    python = sys.executable or os.readlink("/proc/self/exe")
+    if sup.rules is not None and sup.rules.listener >= 0:
+        sup.rules.let_own_exec_through(LISTENER_FD)  # our exec waits for the judge: us
+    os.execv(python, [python, "-S", "-E", "-s", "-B", "-c", boot, RESUME_FLAG])
+
+
+def _unnamed_file() -> int:
+    """A file with no name, to hand state over an exec (not a memfd: an allowlist forbids
+    those to everything, us included)."""
+    for folder in ("/dev/shm", "/tmp"):
+        try:
+            return os.open(folder, os.O_TMPFILE | os.O_RDWR, 0o600)
+        except OSError:
+            continue
+    return os.memfd_create("stockade-reset", 0)
+
+
+def resume(sup: "Supervisor", reader: "FrameReader") -> None:
+    """Take over from the supervisor whose reset exec'd us: its configuration, the settings
+    as first seen, and the requests it had read but not served."""
+    # The state first, the requests behind the reset (its body) after the zygote is forked.
+    prefix = read_exactly(HANDOVER_FD, PREFIX.size)
+    hlen, blen = PREFIX.unpack(prefix)
+    state = loads(read_exactly(HANDOVER_FD, hlen).decode())
+    sup.configure(state["config"], state["carried"])
+    sup.start_judge()
+    sup.start_zygote()
+    rest = read_exactly(HANDOVER_FD, blen)
+    os.close(HANDOVER_FD)
+    if state.get("warm"):
+        sup.interpreter = Interpreter(sup)
+        sup.interpreter.wait_started(WARM_START_S)
+    sup.send({"id": state["reply_to"], "ev": "done"})
+    reader.feed(rest)
+    sup.reader = reader
+    sup.handle(reader.frames())
+    sup.serve()
