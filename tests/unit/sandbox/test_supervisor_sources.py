@@ -42,3 +42,14 @@ def test_the_interpreter_module_imports_nothing_heavy(tmp_path: Path) -> None:
     assert "interpreter" in loaded
     heavy = {"ast", "inspect", "typing", "traceback", "base64", "re", "json", "asyncio", "site", "enum"}
     assert not loaded & heavy
+
+
+def test_a_sandbox_start_imports_no_reset_code() -> None:
+    # Only a reset (a pool's, between users) needs reset.py: the supervisor imports it then,
+    # so that the start every sandbox pays for loads none of it.
+    tree = ast.parse(sources()["supervisor.py"], filename="supervisor.py")
+    at_start = {alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
+    at_start |= {node.module for node in tree.body if isinstance(node, ast.ImportFrom) and node.module}
+    assert "commands" in at_start
+    assert "reset" not in at_start
+    assert "reset.py" in sources()  # shipped all the same

@@ -135,6 +135,22 @@ def close_stdin(sup: "Supervisor", job: CommandJob) -> None:
         job.stdin_fd = -1
 
 
+def exited(sup: "Supervisor", job: CommandJob, status: int) -> None:
+    """Its shim ended (with everything it adopted): reported once its pipes are drained too."""
+    job.status = status
+    close_stdin(sup, job)
+    sweep_strays(sup)
+    maybe_finish(sup, job)
+
+
+def check_deadlines(sup: "Supervisor", now: float) -> None:
+    for job in list(sup.commands.values()):
+        if job.deadline and now >= job.deadline and not job.timed_out:
+            job.timed_out = True
+            job.deadline = None
+            kill_tree(job.shim, include_root=True)
+
+
 def sweep_strays(sup: "Supervisor") -> None:
     """Kill children of ours that are no shim: orphans of a shim someone killed."""
     known = set(sup.shims)

@@ -71,7 +71,7 @@ def run(sup: "Supervisor", rid: int, h: dict[str, Any], rest: bytes) -> None:
         sup.send({"id": rid, "ev": "error", "kind": "reset", "message": "; ".join(problems)})
         sup.reader.feed(rest)
         return
-    sup._reap()
+    sup.reap()
     in_place = sup.rules is None and sup.egress is None
     if in_place and sup.zygote is not None and not sup.zygote.problems(sup.baseline):
         sup.clean = False

@@ -18,14 +18,14 @@ import time
 from select import EPOLLIN as EVENT_READ
 
 from fileops import _write_all
-from protocol import MAX_CODE_REPLY, FrameError, FrameReader, encode
+from jobs import Job
+from protocol import MAX_CODE_REPLY, FrameError, FrameReader, dumps, encode
 from reaper import forked, kill_tree, spawn_shim
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
-    from typing import Callable, Optional
+    from typing import Any, Callable, Optional
 
-    from jobs import Job
     from supervisor import Supervisor
 
 CHUNK = 1 << 16
@@ -90,6 +90,27 @@ def _start(sup: "Supervisor", fds: "tuple[int, int, int, int]") -> "tuple[int, i
     target = become_interpreter(sup.workspace.root, sup.env)
     shim = spawn_shim(forked(target), (sup.devnull, out_w, err_w), keep=(in_r, res_w), confine=sup.confine)
     return shim, shim, sup.env
+
+
+def op_code(sup: "Supervisor", rid: int, h: "dict[str, Any]", body: bytes) -> None:
+    """A run of ``run_code``: queued for the interpreter, started first if there is none."""
+    if sup.interpreter is None:
+        try:
+            sup.interpreter = Interpreter(sup)
+        except OSError as exc:
+            if exc.errno != errno.ESRCH:  # out of processes or fds: as any failed start
+                raise
+            # No zygote, and we may not fork one (we have served someone else): the
+            # run's answer, as when code kills its interpreter, until a reset.
+            error = {"name": "KernelDied", "value": exc.strerror, "traceback": ""}
+            sup.finish_code(Job(sup, rid), dumps({"results": [], "error": error}).encode())
+            return
+    job = Job(sup, rid)
+    timeout = h.get("timeout")
+    job.deadline = None
+    job.timeout = float(timeout if timeout else sup.default_timeout)  # type: ignore[attr-defined]
+    sup.interpreter.queue.append((job, body))
+    sup.interpreter.next_run()
 
 
 class Interpreter:

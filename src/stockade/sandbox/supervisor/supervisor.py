@@ -21,7 +21,6 @@ from __future__ import annotations
 # Start-up time is cold-start time: only C modules and tiny pure-Python ones here
 # (no typing, selectors, ctypes, json, enum-based signal), heavy ones imported lazily.
 import _signal as signal
-import errno
 import os
 import resource
 import select
@@ -32,6 +31,9 @@ import time
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
     from typing import Any, Optional
+
+    from jobs import CommandJob, Job
+    from runcode import Interpreter
 
 
 def _trusted_path(entries: "list[str]", here: str) -> "list[str]":
@@ -59,11 +61,10 @@ sys.path[:] = _trusted_path(sys.path, os.path.dirname(os.path.abspath(__file__))
 import baseline
 import commands
 import files
+import runcode
 from fileops import PathRefused, Workspace, _os_error, read_exactly
-from jobs import CommandJob, Job
 from protocol import PREFIX, FrameReader, dumps, encode
 from reaper import IGNORED_SIGNALS, PR_SET_CHILD_SUBREAPER, PR_SET_DUMPABLE, kill_tree, prctl
-from runcode import Interpreter
 from zygote import Zygote
 from zygote import start as start_zygote
 
@@ -76,7 +77,7 @@ EVENT_READ = select.EPOLLIN
 
 # The ops served by other modules, each called as ``handler(sup, rid, header, body)``; the
 # rest are the ``op_`` methods below.
-OPS = {**files.OPS, "exec": commands.op_exec}
+OPS = {**files.OPS, "exec": commands.op_exec, "code": runcode.op_code}
 
 
 class _Key:
@@ -240,7 +241,7 @@ class Supervisor:
                             pass
                     except BlockingIOError:
                         pass
-                    self._reap()
+                    self.reap()
                 elif kind == "out":
                     commands.on_output(self, obj, fd)
                 elif kind == "stdin":
@@ -256,7 +257,7 @@ class Supervisor:
             # pipe), so a turn of relayed bytes skips the waitpid: on gVisor a system call
             # costs 12-30 µs, and a request through the relay takes four or five turns.
             if not relayed_only:
-                self._reap()
+                self.reap()
             self._check_deadlines()
 
     def _next_timeout(self) -> Optional[float]:
@@ -387,32 +388,14 @@ class Supervisor:
             self.config = {**self.config, "egress": relay}
         self.send({"id": rid, "ev": "done"})
 
-    def op_code(self, rid: int, h: dict[str, Any], body: bytes) -> None:
-        if self.interpreter is None:
-            try:
-                self.interpreter = Interpreter(self)
-            except OSError as exc:
-                if exc.errno != errno.ESRCH:  # out of processes or fds: as any failed start
-                    raise
-                # No zygote, and we may not fork one (we have served someone else): the
-                # run's answer, as when code kills its interpreter, until a reset.
-                error = {"name": "KernelDied", "value": exc.strerror, "traceback": ""}
-                self.finish_code(Job(self, rid), dumps({"results": [], "error": error}).encode())
-                return
-        job = Job(self, rid)
-        timeout = h.get("timeout")
-        job.deadline = None
-        job.timeout = float(timeout if timeout else self.default_timeout)  # type: ignore[attr-defined]
-        self.interpreter.queue.append((job, body))
-        self.interpreter.next_run()
-
     def op_kill_kernel(self, rid: int, h: dict[str, Any], body: bytes) -> None:
         # "kernel" in the op's name (and in the error "KernelDied") is the protocol's old word
         # for the interpreter process, kept on the wire so hosts and guests of any age agree.
         self.drop_interpreter(None)
         self.send({"id": rid, "ev": "done"})
 
-    def _reap(self) -> None:
+    def reap(self) -> None:
+        """Every child that ended: a command's shim, the interpreter, the zygote."""
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -422,10 +405,7 @@ class Supervisor:
                 return
             job = self.shims.pop(pid, None)
             if job is not None:
-                job.status = status
-                commands.close_stdin(self, job)
-                commands.sweep_strays(self)
-                commands.maybe_finish(self, job)
+                commands.exited(self, job, status)
             elif self.interpreter is not None and pid == self.interpreter.shim:
                 self.drop_interpreter("the interpreter process died")
             elif self.zygote is not None and pid == self.zygote.pid:
@@ -433,11 +413,7 @@ class Supervisor:
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
-        for job in list(self.commands.values()):
-            if job.deadline and now >= job.deadline and not job.timed_out:
-                job.timed_out = True
-                job.deadline = None
-                kill_tree(job.shim, include_root=True)
+        commands.check_deadlines(self, now)
         interp = self.interpreter
         if interp and interp.job and interp.job.deadline and now >= interp.job.deadline:
             interp.job.timed_out = True
