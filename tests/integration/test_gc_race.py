@@ -71,7 +71,7 @@ CLAIMED = """
 import sys
 from pathlib import Path
 from stockade.sandbox.process import _claim_rundir
-rundir, _ = _claim_rundir(Path(sys.argv[1]), sys.argv[2])
+rundir = _claim_rundir(Path(sys.argv[1]), sys.argv[2])
 print(rundir, flush=True)
 sys.stdin.read()
 """

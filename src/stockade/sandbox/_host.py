@@ -122,23 +122,32 @@ def collect_uid_leases(state_dir: Path) -> int:
     return removed
 
 
-# A sandbox's folder on the host (a bundle, a container's mounts, a microVM's sockets) is
-# claimed by its creator: it appears, renamed from a staging name, with this file in it,
-# flocked until the creator releases it (or dies). Garbage collection takes a held lock for a
-# live creator, at every instant of the start, before its other files say who created it.
+# A sandbox's folder on the host (a run folder, a bundle, a container's mounts, a microVM's
+# sockets) is claimed by its creator: it appears, renamed from a staging name, with a file in
+# it flocked until the creator releases it (or dies). Garbage collection takes a held lock for
+# a live creator, at every instant of the start, before its other files say who created it.
+# In the staging folder the file is itself made under PENDING and renamed once locked, so no
+# staging folder shows its file unheld while its creator lives.
 CLAIM_FILE = ".claim"
 STAGING = ".claiming-"
+PENDING = ".pending"
 _claims: dict[str, int] = {}  # folder -> the locked descriptor, for release_folder
 _claims_lock = threading.Lock()
 
 
-def claim_folder(folder: Path) -> None:
-    """Make ``folder`` (0700, its parent must exist), held by this process until
-    ``release_folder``; FileExistsError if it exists."""
+def claim_folder(folder: Path, *, file: str = CLAIM_FILE, text: str = "") -> None:
+    """Make ``folder`` (0700, its parent must exist) with ``file`` in it saying ``text``,
+    held by this process until ``release_folder``; FileExistsError if it exists.
+
+    ``file`` is the name gc asks (``claimed``): the process tier's is ``owner``, whose
+    text is ``pid start-time``, what its previous versions' gc reads."""
     staging = Path(tempfile.mkdtemp(prefix=STAGING, dir=folder.parent))
-    fd = os.open(staging / CLAIM_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    fd = os.open(staging / PENDING, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # nobody else knows the file yet: never waits
+        if text:
+            os.write(fd, text.encode())
+        os.rename(staging / PENDING, staging / file)
         if folder.exists():  # rename would replace an empty folder: mkdir's answer instead
             raise FileExistsError(f"{folder} exists")
         os.rename(staging, folder)
@@ -158,10 +167,10 @@ def release_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def claimed(folder: Path) -> bool:
+def claimed(folder: Path, file: str = CLAIM_FILE) -> bool:
     """Whether a live process holds ``folder``'s claim (a staging folder's included)."""
     try:
-        fd = os.open(folder / CLAIM_FILE, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(folder / file, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return False
     try:
@@ -169,20 +178,22 @@ def claimed(folder: Path) -> bool:
     except BlockingIOError:
         return True
     finally:
-        os.close(fd)
+        os.close(fd)  # the lock, if taken, goes with it: a creator never locks it again
     return False
 
 
 def collect_staging(state_dir: Path) -> int:
     """Remove the staging folders of creators that died before renaming them (no mounts
-    yet). One still without its claim file is a creator between its mkdtemp and its open,
-    or a crash there: left for an hour."""
+    yet), whatever their claim file's name. One without a claimed file is a creator between
+    its mkdtemp and its lock, or a crash there: left for an hour."""
     removed = 0
     for staging in state_dir.glob(STAGING + "*"):
-        if claimed(staging):
-            continue
         try:
-            if not (staging / CLAIM_FILE).exists() and time.time() - staging.stat().st_mtime < 3600:
+            names = os.listdir(staging)
+            # Not the pending file: probing its lock would make its creator wait on us.
+            if any(claimed(staging, name) for name in names if name != PENDING):
+                continue
+            if all(name == PENDING for name in names) and time.time() - staging.stat().st_mtime < 3600:
                 continue
         except OSError:  # renamed into place meanwhile
             continue

@@ -16,7 +16,6 @@ options from a file descriptor, so neither the folder nor the sandbox's id shows
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import os
 import shutil
@@ -33,9 +32,13 @@ from stockade.sandbox._boundary import EgressHandle
 from stockade.sandbox._host import (
     PipeStream,
     UidLease,
+    claim_folder,
+    claimed,
+    collect_staging,
     collect_uid_leases,
     lease_uid,
     mount_tmpfs,
+    release_folder,
     start_time,
     umount,
 )
@@ -53,8 +56,7 @@ from stockade.types import Enforcement, HostShare, Mechanism, NetworkPolicy, Tie
 
 __all__ = ["ProcessBackend"]
 
-OWNER_FILE = "owner"  # "pid start-time", flocked by the creator while the sandbox lives
-STAGING = ".start-"  # a run folder being put together, renamed into place with its owner
+OWNER_FILE = "owner"  # a run folder's claim (_host.claim_folder): its text is "pid start-time"
 OWNERLESS_GRACE_S = 60.0  # a previous version's creator writes its owner just after the folder
 MASKS_FILE = "masks"  # the masked copies a sandbox binds (_rules.mask_binds), one per line
 # Imported, not run as a script: only imported modules are loaded from their bytecode.
@@ -93,15 +95,12 @@ class _ProcessBoundary(Boundary):
         rundir: Path,
         mounts: list[Path],
         lease: UidLease | None,
-        *,
-        owner_fd: int,
     ) -> None:
         self.proc = proc
         self.cgroup = cgroup
         self.rundir = rundir
         self.mounts = mounts
         self.lease = lease
-        self.owner_fd = owner_fd
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -132,8 +131,7 @@ class _ProcessBoundary(Boundary):
         shutil.rmtree(self.rundir, ignore_errors=True)
         if self.lease is not None:  # last: no process of the sandbox is left with the uid
             self.lease.release()
-        with contextlib.suppress(OSError):  # the folder is gone: nothing left for gc to spare
-            os.close(self.owner_fd)
+        release_folder(self.rundir)  # the folder is gone: nothing left for gc to spare
 
 
 class ProcessBackend(Backend):
@@ -460,7 +458,7 @@ class ProcessBackend(Backend):
         rules = _rules.plan(spec, root=self.rootfs or Path("/"), can_mask=True, can_confine=True)
         self._prepare(judge=rules.config is not None)
         sid = sandbox_id(spec)
-        rundir, owner_fd = _claim_rundir(self.state_dir, sid)
+        rundir = _claim_rundir(self.state_dir, sid)
         mounts: list[Path] = []
         cgroup: _cgroups.Cgroup | None = None
         proc: subprocess.Popen[bytes] | None = None
@@ -518,7 +516,7 @@ class ProcessBackend(Backend):
                     close_fds=True,
                     pass_fds=tuple(fds),
                 )
-            boundary = _ProcessBoundary(proc, cgroup, rundir, mounts, lease, owner_fd=owner_fd)
+            boundary = _ProcessBoundary(proc, cgroup, rundir, mounts, lease)
             boundary.egress = egress
             instance = SupervisedInstance(
                 id=sid,
@@ -529,10 +527,10 @@ class ProcessBackend(Backend):
                 enforcement=enforcement,
             )
         except exc.StockadeError:
-            _cleanup(proc, cgroup, mounts, rundir, lease, owner_fd=owner_fd, egress=egress)
+            _cleanup(proc, cgroup, mounts, rundir, lease, egress=egress)
             raise
         except OSError as err:
-            _cleanup(proc, cgroup, mounts, rundir, lease, owner_fd=owner_fd, egress=egress)
+            _cleanup(proc, cgroup, mounts, rundir, lease, egress=egress)
             raise exc.SandboxStartError(f"cannot start bubblewrap: {err}") from err
         finally:
             for fd in fds:
@@ -603,7 +601,6 @@ def _cleanup(
     rundir: Path,
     lease: UidLease | None,
     *,
-    owner_fd: int,
     egress: EgressHandle | None = None,
 ) -> None:
     if egress is not None:
@@ -621,7 +618,7 @@ def _cleanup(
     shutil.rmtree(rundir, ignore_errors=True)
     if lease is not None:
         lease.release()
-    os.close(owner_fd)
+    release_folder(rundir)
 
 
 def _read_head(path: Path, limit: int = 4096) -> str:
@@ -663,49 +660,29 @@ def _bubblewrap_bin() -> str:
     return str(path)
 
 
-def _claim_rundir(state_dir: Path, sid: str) -> tuple[Path, int]:
-    """The sandbox's run folder, and its owner file's descriptor, flocked until the sandbox
-    is gone: garbage collection (of any process) takes a held lock for a live creator.
-
-    The folder is made under a staging name and renamed into place with its owner file
-    written and locked, and in it the owner file is itself renamed into place once locked:
-    at no instant does a run folder, or a staging one, show an owner that is not held. The
-    file keeps the previous versions' "pid start-time", which their collection reads.
-    """
-    staging = Path(tempfile.mkdtemp(prefix=STAGING, dir=state_dir))
-    fd = os.open(staging / f".{OWNER_FILE}", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # nobody else knows the file: never waits
-        pid = os.getpid()
-        os.write(fd, f"{pid} {start_time(pid)}".encode())
-        os.rename(staging / f".{OWNER_FILE}", staging / OWNER_FILE)
-        rundir = state_dir / sid
-        os.rename(staging, rundir)  # sandbox ids are random: no folder of that name exists
-    except OSError:
-        os.close(fd)
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return rundir, fd
+def _claim_rundir(state_dir: Path, sid: str) -> Path:
+    """The sandbox's run folder, held (``release_folder``) until the sandbox is gone: gc of
+    any process takes a held claim for a live creator. Its claim is the owner file, whose
+    text stays the previous versions' "pid start-time": their gc reads it."""
+    rundir = state_dir / sid
+    pid = os.getpid()
+    claim_folder(rundir, file=OWNER_FILE, text=f"{pid} {start_time(pid)}")
+    return rundir
 
 
 def _owner_alive(rundir: Path) -> bool | None:
-    """Whether the creator of ``rundir`` lives: its owner file is flocked (this version's
-    creators), or names a process that runs (a previous version's, which never lock).
+    """Whether the creator of ``rundir`` lives: it holds the claim (this version's creators),
+    or its owner file names a process that runs (a previous version's, which never lock).
     None: the folder has no owner file."""
+    if claimed(rundir, OWNER_FILE):
+        return True
     try:
-        fd = os.open(rundir / OWNER_FILE, os.O_RDONLY | os.O_CLOEXEC)
+        with open(rundir / OWNER_FILE, "rb") as fh:
+            text = fh.read(256).decode(errors="replace")
     except FileNotFoundError:
         return None
     except OSError:
         return False
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        text = os.read(fd, 256).decode(errors="replace")
-    finally:
-        os.close(fd)  # the lock, if taken, goes with it: a creator never locks it again
     pid_text, _, started = text.partition(" ")
     try:
         pid = int(pid_text)
@@ -715,10 +692,9 @@ def _owner_alive(rundir: Path) -> bool | None:
 
 
 def _abandoned(rundir: Path, grace_s: float) -> bool:
-    """Whether the creator of a run (or staging) folder is gone. A folder without an owner
-    file is a previous version's creator between its folder and its owner (this version's
-    folders appear with theirs), or one of ours that crashed while staging: it is left for
-    ``grace_s``."""
+    """Whether the creator of a run folder is gone. A folder without an owner file is a
+    previous version's creator between its folder and its owner (this version's folders
+    appear with theirs): it is left for ``grace_s``."""
     alive = _owner_alive(rundir)
     if alive is not None:
         return not alive
@@ -735,9 +711,7 @@ def collect_garbage(state_dir: Path | None = None) -> list[str]:
     in_use: set[str] = set()
     dead: set[str] = set()
     if base.is_dir():
-        for staging in base.glob(STAGING + "*"):  # a crash before its rename: no mounts yet
-            if _abandoned(staging, 3600.0):
-                shutil.rmtree(staging, ignore_errors=True)
+        collect_staging(base)  # a crash before its rename: no mounts yet
         for rundir in sorted(base.glob("sbx-*")):
             if not _abandoned(rundir, OWNERLESS_GRACE_S):
                 with contextlib.suppress(OSError):
