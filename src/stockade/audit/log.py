@@ -6,21 +6,20 @@ in batches, when ``batch_size`` are queued, every ``flush_interval_s`` from a ba
 thread, and on ``flush()``/``close()``. If the store fails, the events stay queued and the
 next ``record()`` raises ``AuditStoreError``: a broken audit trail stops the caller rather
 than letting it act unrecorded. A log its owner never closed is flushed at the
-interpreter's exit (the flusher is a daemon thread: frozen then, it would lose the last
-``flush_interval_s`` of events); a ``SIGKILL`` loses them (docs/architecture.md).
+interpreter's exit, after every egress proxy left open closed (``stockade._exit``: the
+flusher is a daemon thread, frozen then, and would lose the last ``flush_interval_s`` of
+events); a ``SIGKILL`` loses them (docs/architecture.md).
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
-import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from types import TracebackType
 
+from stockade import _exit
 from stockade import exceptions as exc
 from stockade.audit.events import AuditEvent, Chain, Draft, EventKind
 from stockade.audit.redact import Redactor
@@ -30,19 +29,6 @@ from stockade.audit.stores import AuditStore
 __all__ = ["AuditLog"]
 
 _log = logging.getLogger(__name__)
-_open: weakref.WeakSet[AuditLog] = weakref.WeakSet()  # the logs not closed yet, for the exit
-
-
-@atexit.register  # at import, so before any egress proxy's exit close (which records here)
-def _flush_at_exit() -> None:
-    """Write what the logs left open still queue (not in a forked child: the parent's)."""
-    for log in list(_open):
-        if log._closed or log._pid != os.getpid():
-            continue
-        try:
-            log.flush()
-        except Exception as error:  # nobody is left to raise to: say it where it can be seen
-            _log.error("%d audit events were not written at exit: %s", log.pending, error)
 
 
 class AuditLog:
@@ -76,8 +62,7 @@ class AuditLog:
         self._flusher: threading.Thread | None = None
         self._closed = False
         self._sealers: dict[str, Sealer] = {}
-        self._pid = os.getpid()
-        _open.add(self)
+        _exit.keep(self, _exit.LOGS)
 
     def seal_run(self, run_id: str, subject: str) -> None:
         """From now on, seal the attributes of ``run_id``'s events: the run holds personal data
@@ -186,11 +171,18 @@ class AuditLog:
         if self._closed:
             return
         self._closed = True
-        _open.discard(self)
+        _exit.forget(self, _exit.LOGS)
         self._wake.set()
         if self._flusher is not None:
             self._flusher.join()
         self.flush()
+
+    def finish_at_exit(self) -> None:
+        """Write what is still queued: the flusher, a daemon thread, is about to freeze."""
+        try:
+            self.flush()
+        except Exception as error:  # nobody is left to raise to: say it where it can be seen
+            _log.error("%d audit events were not written at exit: %s", self.pending, error)
 
     def __enter__(self) -> AuditLog:
         return self

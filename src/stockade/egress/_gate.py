@@ -142,7 +142,7 @@ class Gate:
         was doing (the answer sent, the client's connection closed): an audit observer
         redacts and encodes the event on this thread, which a request need not wait for.
         Nothing is lost: ``close`` tells it everything still held (and the interpreter's
-        exit closes a proxy left open, ``proxy._close_left_open``)."""
+        exit closes a proxy left open, ``proxy.finish_at_exit``)."""
         secrets = [s for s in self.secrets.values() if s]
         if secrets:  # nothing the proxy reports carries a secret, whatever the code asked for
             record = replace(

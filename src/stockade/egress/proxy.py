@@ -38,14 +38,12 @@ opened TLS; ``_gate`` the decisions, limits and records; ``_streams`` the byte s
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
-import os
 import socket
 import ssl
-import weakref
 from typing import Any
 
+from stockade import _exit
 from stockade.egress._gate import EgressObserver, Gate, Window
 from stockade.egress._http import Exchange, load_h11
 from stockade.egress._resolve import Resolver, SystemResolver
@@ -60,24 +58,6 @@ MAX_CONNECTIONS = 128  # at once, per sandbox
 BUSY = (
     b"HTTP/1.1 503 stockade: too many connections at once\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
 )
-
-
-# The proxies listening in this process: those still open when the interpreter exits are
-# closed then (``_close_left_open``), so the records they hold reach their observer.
-_open: weakref.WeakSet[EgressProxy] = weakref.WeakSet()
-
-
-def _close_left_open() -> None:
-    """At the interpreter's exit, close each proxy its host left open (a program that ends
-    without closing its sandboxes, or one that crashed). A record is told to the observer on
-    the loop's next turn, and the loop's thread is a daemon, frozen once the interpreter
-    finalizes: without this, the last requests' records were lost in most such exits (16 of
-    20 runs, measured). Closing on the proxy's own loop also records what is in flight (cut,
-    status 0). Runs before an ``AuditLog``'s own exit flush (``_listen`` registers it again at
-    each start, and exit functions run last registered first)."""
-    for proxy in list(_open):
-        with contextlib.suppress(Exception):  # at exit, nobody is left to report it to
-            proxy._close_at_exit()
 
 
 class EgressProxy:
@@ -110,7 +90,6 @@ class EgressProxy:
         self._tasks: set[asyncio.Task[None]] = set()  # those being served (the limit counts them)
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None  # the one it listens on
-        self._pid = 0
 
     # -- what callers may read (the package's own parts go to ``gate`` and ``exchange``) ------
 
@@ -172,16 +151,20 @@ class EgressProxy:
         sock.listen(self.max_connections)
         sock.setblocking(False)
         self._listener = sock
-        self._loop, self._pid = asyncio.get_running_loop(), os.getpid()
+        self._loop = asyncio.get_running_loop()
         self._loop.add_reader(sock.fileno(), self._accept_ready, sock)
-        _open.add(self)
-        atexit.unregister(_close_left_open)
-        atexit.register(_close_left_open)
+        _exit.keep(self, _exit.PROXIES)
 
-    def _close_at_exit(self) -> None:
-        """``close`` on the proxy's loop if it still runs (its own thread: ``stockade.egress.
-        _loop``), else tell the observer what is held; nothing in a forked child (the parent's)."""
-        if self._closed or self._pid != os.getpid():
+    def finish_at_exit(self) -> None:
+        """At the interpreter's exit, a proxy its host left open (a program that ends without
+        closing its sandboxes, or one that crashed) is closed (``stockade._exit``, before any
+        audit log's flush). A record is told to the observer on the loop's next turn, and the
+        loop's thread is a daemon, frozen once the interpreter finalizes: without this, the
+        last requests' records were lost in most such exits (16 of 20 runs, measured).
+        ``close`` on the proxy's loop if it still runs (its own thread: ``stockade.egress.
+        _loop``; it also records what is in flight, cut, status 0), else tell the observer
+        what is held."""
+        if self._closed:
             return
         loop = self._loop
         if loop is not None and loop.is_running() and not loop.is_closed():
@@ -224,7 +207,7 @@ class EgressProxy:
 
     async def close(self) -> None:
         self._closed = True
-        _open.discard(self)
+        _exit.forget(self, _exit.PROXIES)
         if self._listener is not None and self._listener.fileno() >= 0:
             asyncio.get_running_loop().remove_reader(self._listener.fileno())
             self._listener.close()

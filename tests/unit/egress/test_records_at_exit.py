@@ -5,7 +5,8 @@ A record is told to the observer on the proxy loop's next turn, on a daemon thre
 interpreter freezes as it finalizes; the audit log writes in batches from another daemon
 thread. Each run is a new interpreter that makes requests through a proxy observed by an
 ``AuditLog`` over SQLite, closes neither, and exits; the trail must then hold one ``egress``
-event per request, the one still in flight at the exit as cut (status 0).
+event per request, the one still in flight at the exit as cut (status 0). Whichever was
+imported or started first: the proxies close before the logs flush.
 """
 
 from __future__ import annotations
@@ -24,9 +25,6 @@ from tests.conftest import require
 
 HOST = r"""
 import os, socket, sys, threading, time
-from stockade.audit.events import EventKind
-from stockade.audit.log import AuditLog
-from stockade.audit.stores import SQLiteStore
 from stockade.egress import EgressProxy, NetworkPolicy, _loop
 
 server = socket.create_server(("127.0.0.2", 0))
@@ -46,7 +44,17 @@ def serve():
         conn.close()
 
 threading.Thread(target=serve, daemon=True).start()
-log = AuditLog(SQLiteStore(sys.argv[1]))
+log = None
+
+def open_log():  # the audit package imported here, and not before, when the proxy is first
+    global log, EventKind
+    from stockade.audit.events import EventKind
+    from stockade.audit.log import AuditLog
+    from stockade.audit.stores import SQLiteStore
+    log = AuditLog(SQLiteStore(sys.argv[1]))
+
+if sys.argv[4] == "log":
+    open_log()
 policy = NetworkPolicy(
     allow_hosts=(f"raw.test:{server_port}",), allow_addresses=("127.0.0.2/32",),
     resolve={"raw.test": ("127.0.0.2",)},
@@ -56,6 +64,8 @@ def observe(record):
 
 proxy = EgressProxy(policy, observer=observe)
 port = _loop.call(proxy.start_tcp())
+if sys.argv[4] == "proxy":
+    open_log()
 
 def get(path):
     client = socket.create_connection(("127.0.0.1", port), timeout=10)
@@ -84,12 +94,22 @@ def test_records_of_a_proxy_left_open_reach_the_trail_at_exit(tmp_path: Path, lo
             importlib.util.find_spec("uvloop") is not None,
             "the egress-fast extra (dev installs it)",
         )
+    _left_open_at_exit(tmp_path, loop, ending, first="log")
+
+
+def test_the_proxy_closes_before_the_log_flushes_whichever_came_first(tmp_path: Path) -> None:
+    # Each kept its own exit hook, and the proxy's ran first only because it registered it
+    # again at each start, after the log's (registered when the audit package was imported).
+    _left_open_at_exit(tmp_path, "asyncio", "return", first="proxy")
+
+
+def _left_open_at_exit(tmp_path: Path, loop: str, ending: str, *, first: str) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "STOCKADE_EGRESS_LOOP": loop}
     requests = 5
     for run in range(3):  # before the fix, most runs lost the last records (16 of 20)
         db = tmp_path / f"audit-{run}.db"
         done = subprocess.run(
-            [sys.executable, "-c", HOST, str(db), str(requests), ending],
+            [sys.executable, "-c", HOST, str(db), str(requests), ending, first],
             env=env, capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
         assert done.returncode == (0 if ending == "return" else 1), done.stderr
