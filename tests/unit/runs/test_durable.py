@@ -8,12 +8,23 @@ from __future__ import annotations
 import sqlite3
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from stockade import Sandbox
-from stockade.agent import Agent, AgentEvent, Observer, RunFinished, RunStatus, ToolCalled, ToolRejected
+from stockade.agent import (
+    Agent,
+    AgentEvent,
+    Observer,
+    RunFinished,
+    RunResult,
+    RunStatus,
+    ToolCalled,
+    ToolRejected,
+)
 from stockade.audit import AuditLog, MemoryStore, verify
 from stockade.audit.agent import AuditObserver
 from stockade.cli.runs_cmds import load_tools
@@ -50,6 +61,40 @@ def crash_on(name: str) -> Observer:
             raise Crash(name)
 
     return observe
+
+
+class Resumed:
+    """What ``crash_then_resume`` resumed: the run's result, once its block has ended."""
+
+    result: RunResult
+
+
+@contextmanager
+def crash_then_resume(
+    store: RunStore,
+    sbx: Sandbox,
+    turns: list[Turn],
+    log: AuditLog,
+    observers: list[Observer],
+    *,
+    lost: bool = False,
+) -> Iterator[Resumed]:
+    """Run "r" until one of ``observers`` raises ``Crash`` (its process dies there), let the
+    block look at what the crash left, then resume the run as a new process would: with a new
+    audit log over the same trail. The crashed run's ``log`` is closed as its process ends, or
+    ``lost``: its buffer dies with the process (a SIGKILL's)."""
+    with pytest.raises(Crash):
+        Agent(ScriptedModel(turns), checkpointer=store, observers=observers).run_sync(
+            "t", sandbox=sbx, run_id="r"
+        )
+    if not lost:
+        log.close()
+    resumed = Resumed()
+    yield resumed
+    with AuditLog(log.store) as new_log:
+        resumed.result = Agent(
+            ScriptedModel(turns), checkpointer=store, observers=[AuditObserver(new_log), RunRecorder(store)]
+        ).run_sync(resume="r", sandbox=sbx)
 
 
 @pytest.fixture
@@ -260,22 +305,13 @@ def test_the_trail_is_reconciled_on_resume_and_verify_cross_checks_the_ledger(st
         tool_call("list_files"),
         "done",
     ]
-    lost = AuditLog(trail, flush_interval_s=None)  # its buffer dies with the "process"
-    with sandbox() as sbx:
-        with pytest.raises(Crash):
-            Agent(
-                ScriptedModel(turns),
-                checkpointer=store,
-                observers=[AuditObserver(lost), RunRecorder(store), crash_on("list_files")],
-            ).run_sync("t", sandbox=sbx, run_id="r")
+    lost = AuditLog(trail, flush_interval_s=None)
+    crashing: list[Observer] = [AuditObserver(lost), RunRecorder(store), crash_on("list_files")]
+    with sandbox() as sbx, crash_then_resume(store, sbx, turns, lost, crashing, lost=True) as resumed:
         assert lost.pending and not list(trail.rows())
         gaps = verify(trail, ledger=store)
         assert [p.kind.value for p in gaps.problems] == ["not_in_trail"]  # write_file, in the ledger only
-        with AuditLog(trail) as log:
-            result = Agent(
-                ScriptedModel(turns), checkpointer=store, observers=[AuditObserver(log), RunRecorder(store)]
-            ).run_sync(resume="r", sandbox=sbx)
-    assert result.ok
+    assert resumed.result.ok
     report = verify(trail, ledger=store)
     assert report.ok and report.found, report.problems
     kinds = [(e.kind.value, e.attributes.get("reconciled")) for e in trail.events(run_id="r")]
@@ -301,20 +337,12 @@ def test_a_run_killed_as_it_ends_resumes_and_its_trail_holds_every_call_once(db:
         tool_call("list_files"),
         "done",
     ]
-    lost = AuditLog(trail, flush_interval_s=None)  # its buffer dies with the "process"
+    lost = AuditLog(trail, flush_interval_s=None)
     with open_run_store(db) as store, sandbox() as sbx:
-        with pytest.raises(Crash):
-            Agent(
-                ScriptedModel(turns),
-                checkpointer=store,
-                observers=[dies_as_it_ends, AuditObserver(lost), RunRecorder(store)],
-            ).run_sync("t", sandbox=sbx, run_id="r")
-        assert lost.pending and not list(trail.rows())
-        with AuditLog(trail) as log:
-            result = Agent(
-                ScriptedModel(turns), checkpointer=store, observers=[AuditObserver(log), RunRecorder(store)]
-            ).run_sync(resume="r", sandbox=sbx)
-        assert result.ok and "+a" in result.diff
+        crashing: list[Observer] = [dies_as_it_ends, AuditObserver(lost), RunRecorder(store)]
+        with crash_then_resume(store, sbx, turns, lost, crashing, lost=True) as resumed:
+            assert lost.pending and not list(trail.rows())
+        assert resumed.result.ok and "+a" in resumed.result.diff
         report = verify(trail, run_id="r", ledger=store)
         assert report.ok and report.found, [str(p) for p in report.problems]
         ledger = Counter(c.idempotency_key for c in store.ledger_calls("r"))
@@ -344,19 +372,13 @@ def test_a_call_rejected_as_invalid_is_in_the_trail_once_after_a_kill_before_the
         tool_call("no_such_tool", {"x": 1}),
         "done",
     ]
+    log = AuditLog(trail, batch_size=1, flush_interval_s=None)
     with open_run_store(db) as store, sandbox() as sbx:
-        with AuditLog(trail, batch_size=1, flush_interval_s=None) as log, pytest.raises(Crash):
-            Agent(
-                ScriptedModel(turns),
-                checkpointer=store,
-                observers=[AuditObserver(log), dies_after_the_rejection, RunRecorder(store)],
-            ).run_sync("t", sandbox=sbx, run_id="r")
-        assert _keys(trail, "r") == {"r:1:call_0_0": 1, "r:2:call_1_0": 1}
-        assert [c.idempotency_key for c in store.ledger_calls("r")] == ["r:1:call_0_0"]
-        with AuditLog(trail) as log:
-            result = Agent(
-                ScriptedModel(turns), checkpointer=store, observers=[AuditObserver(log), RunRecorder(store)]
-            ).run_sync(resume="r", sandbox=sbx)
+        crashing: list[Observer] = [AuditObserver(log), dies_after_the_rejection, RunRecorder(store)]
+        with crash_then_resume(store, sbx, turns, log, crashing) as resumed:
+            assert _keys(trail, "r") == {"r:1:call_0_0": 1, "r:2:call_1_0": 1}
+            assert [c.idempotency_key for c in store.ledger_calls("r")] == ["r:1:call_0_0"]
+        result = resumed.result
         assert result.ok and result.steps[1].tool_calls[0].error_type == "InvalidToolCall"
         report = verify(trail, run_id="r", ledger=store)
         assert report.ok and report.found, [str(p) for p in report.problems]
@@ -375,19 +397,12 @@ def test_a_run_killed_after_its_ends_trail_and_before_its_checkpoint_logs_its_en
 
     trail = MemoryStore()
     turns: list[Turn] = [tool_call("write_file", {"path": "a", "content": "a"}), "done"]
+    log = AuditLog(trail)
     with open_run_store(db) as store, sandbox() as sbx:
-        with AuditLog(trail) as log, pytest.raises(Crash):
-            Agent(
-                ScriptedModel(turns),
-                checkpointer=store,
-                observers=[AuditObserver(log), RunRecorder(store), dies_after_the_trail],
-            ).run_sync("t", sandbox=sbx, run_id="r")
-        assert [e.kind.value for e in trail.events(run_id="r")][-1] == "run_end"
-        with AuditLog(trail) as log:
-            result = Agent(
-                ScriptedModel(turns), checkpointer=store, observers=[AuditObserver(log), RunRecorder(store)]
-            ).run_sync(resume="r", sandbox=sbx)
-        assert result.ok and "+a" in result.diff
+        crashing: list[Observer] = [AuditObserver(log), RunRecorder(store), dies_after_the_trail]
+        with crash_then_resume(store, sbx, turns, log, crashing) as resumed:
+            assert [e.kind.value for e in trail.events(run_id="r")][-1] == "run_end"
+        assert resumed.result.ok and "+a" in resumed.result.diff
         report = verify(trail, run_id="r", ledger=store)
         assert report.ok and report.found, [str(p) for p in report.problems]
     events = list(trail.events(run_id="r"))
