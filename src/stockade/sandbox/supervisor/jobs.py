@@ -1,16 +1,27 @@
 """What the supervisor runs for the host, one object per request: a ``Job`` (a run of
 ``run_code``) counts and caps its output and says what its final frame reports; a
-``CommandJob`` adds the shim, the pipes and the exit status of a command.
+``CommandJob`` adds the shim, the pipes and the exit status of a command. And a command's
+life (``op_exec`` to its ``exit`` frame): started in a shim (a forked child subreaper) with
+its own pipes, its output read and capped, its stdin written as the pipe takes it, its end
+reaped and reported, and everything of it killed at its deadline.
 
-Apart from the supervisor so that its event loop reads as routing, and shared by the
-interpreter's queue (``runcode.py``), which holds plain jobs.
+Apart from the supervisor so that its event loop reads as routing (it calls in here when a
+command's pipe, exit or deadline comes up); the interpreter's queue (``runcode.py``) holds
+plain jobs. How a shim is forked and a tree killed is ``reaper.py``. One module with the
+jobs, not one more beside them: each module the supervisor imports is a file found, read
+and loaded at every sandbox's start.
 
 Standard library only; runs on any Python >= 3.8 found inside the sandbox.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from select import EPOLLIN as EVENT_READ
+from select import EPOLLOUT as EVENT_WRITE
+
+from reaper import _children_map, kill_tree, spawn_shim, spawned
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
@@ -68,3 +79,151 @@ class CommandJob(Job):
 
     def finished(self) -> bool:
         return self.status is not None and not self.open_pipes
+
+
+CHUNK = 1 << 16
+
+
+def op_exec(sup: "Supervisor", rid: int, h: dict[str, Any], body: bytes) -> None:
+    argv = [str(a) for a in h["argv"]]
+    env = dict(sup.env)
+    env.update({str(k): str(v) for k, v in h.get("env", {}).items()})
+    cwd = h.get("cwd") or sup.workspace.root
+    if not cwd.startswith("/"):
+        cwd = sup.workspace.root + "/" + cwd
+    job = CommandJob(sup, rid)
+    timeout = h.get("timeout")
+    job.deadline = time.monotonic() + float(timeout if timeout else sup.default_timeout)
+    made: list[int] = []
+    try:
+        out_r, out_w = os.pipe()
+        made += (out_r, out_w)
+        err_r, err_w = os.pipe()
+        made += (err_r, err_w)
+        has_stdin = bool(h.get("stdin"))
+        if has_stdin:
+            in_r, in_w = os.pipe()
+            made += (in_r, in_w)
+        else:
+            in_r, in_w = sup.devnull, -1
+        job.shim = spawn_shim(spawned(argv, env, cwd), (in_r, out_w, err_w), confine=sup.confine)
+    except OSError as exc:
+        # Out of processes or descriptors (a thread or fork bomb the code left behind):
+        # the command could not start, which is a result like any failed exec.
+        for fd in made:
+            os.close(fd)
+        note = (
+            f"stockade: cannot start {argv[0]}: {exc.strerror} "
+            "(the sandbox's process or file limit is reached; reset() or close it)\n"
+        )
+        job.output(2, note.encode())
+        sup.send(
+            {
+                "id": rid,
+                "ev": "exit",
+                "exit_code": 126,
+                "signal": None,
+                "timed_out": False,
+                "duration": time.monotonic() - job.started,
+                "stdout_bytes": 0,
+                "stderr_bytes": len(note),
+            }
+        )
+        return
+
+    for fd in (out_w, err_w) + ((in_r,) if has_stdin else ()):
+        os.close(fd)
+    for fd, stream in ((out_r, 1), (err_r, 2)):
+        os.set_blocking(fd, False)
+        job.open_pipes[fd] = stream
+        sup.sel.register(fd, EVENT_READ, ("out", job))
+    if has_stdin:
+        job.stdin_fd = in_w
+        job.stdin_buf = body
+        os.set_blocking(in_w, False)
+        sup.sel.register(in_w, EVENT_WRITE, ("stdin", job))
+    sup.commands[rid] = job
+    sup.shims[job.shim] = job
+
+
+def forget_commands(sup: "Supervisor") -> None:
+    """Close the pipes of every command (their processes are killed): no exec does now."""
+    for job in sup.commands.values():
+        for fd in job.open_pipes:
+            sup.sel.unregister(fd)
+            os.close(fd)
+        job.open_pipes.clear()
+        close_stdin(sup, job)
+    sup.commands.clear()
+    sup.shims.clear()
+
+
+def on_output(sup: "Supervisor", job: CommandJob, fd: int) -> None:
+    try:
+        data = os.read(fd, CHUNK)
+    except BlockingIOError:
+        return
+    if data:
+        job.output(job.open_pipes[fd], data)
+        return
+    sup.sel.unregister(fd)
+    os.close(fd)
+    del job.open_pipes[fd]
+    maybe_finish(sup, job)
+
+
+def on_stdin(sup: "Supervisor", job: CommandJob) -> None:
+    try:
+        n = os.write(job.stdin_fd, job.stdin_buf[:CHUNK])
+        job.stdin_buf = job.stdin_buf[n:]
+    except (BrokenPipeError, OSError):
+        job.stdin_buf = b""
+    if not job.stdin_buf:
+        close_stdin(sup, job)
+
+
+def close_stdin(sup: "Supervisor", job: CommandJob) -> None:
+    if job.stdin_fd >= 0:
+        sup.sel.unregister(job.stdin_fd)
+        os.close(job.stdin_fd)
+        job.stdin_fd = -1
+
+
+def exited(sup: "Supervisor", job: CommandJob, status: int) -> None:
+    """Its shim ended (with everything it adopted): reported once its pipes are drained too."""
+    job.status = status
+    close_stdin(sup, job)
+    sweep_strays(sup)
+    maybe_finish(sup, job)
+
+
+def check_deadlines(sup: "Supervisor", now: float) -> None:
+    for job in list(sup.commands.values()):
+        if job.deadline and now >= job.deadline and not job.timed_out:
+            job.timed_out = True
+            job.deadline = None
+            kill_tree(job.shim, include_root=True)
+
+
+def sweep_strays(sup: "Supervisor") -> None:
+    """Kill children of ours that are no shim: orphans of a shim someone killed."""
+    known = set(sup.shims)
+    if sup.interpreter is not None:
+        known.add(sup.interpreter.shim)
+    if sup.zygote is not None and sup.zygote.alive:
+        known.add(sup.zygote.pid)
+    for pid in _children_map().get(os.getpid(), []):
+        if pid not in known:
+            kill_tree(pid, include_root=True)
+
+
+def maybe_finish(sup: "Supervisor", job: CommandJob) -> None:
+    if not job.finished() or job.rid not in sup.commands:
+        return
+    del sup.commands[job.rid]
+    status = job.status or 0
+    sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+    code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + (sig or 0)
+    if sup.rules is not None:
+        sup.rules.expire(job)
+    sup.send({**job.report(), "ev": "exit", "exit_code": code, "signal": sig})

@@ -16,7 +16,7 @@ import stat
 import sys
 
 import baseline
-import commands
+import jobs
 from fileops import _listxattr, _write_all, empty_dir, read_exactly, remove_sysv_ipc
 from protocol import PREFIX, encode, loads
 from reaper import kill_tree
@@ -54,7 +54,7 @@ def run(sup: "Supervisor", rid: int, h: dict[str, Any], rest: bytes) -> None:
     for job in list(sup.commands.values()):
         job.timed_out = True
         kill_tree(job.shim, include_root=True)
-    commands.forget(sup)
+    jobs.forget_commands(sup)
     sup.drop_interpreter(None)
     zygote = sup.zygote if sup.zygote is not None and sup.zygote.alive else None
     # Code first (a fork bomb's included): the zygote then has processes to fork with.

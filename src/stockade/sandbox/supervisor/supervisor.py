@@ -9,8 +9,8 @@ Every command and the interpreter run under a *shim*: a forked child that is a c
 subreaper, so whatever the command double-forks is reparented to the shim and dies with it.
 On exit or timeout the whole tree is killed (scan /proc, SIGKILL, repeat until empty).
 
-This module is the start, the event loop and the dispatch; the commands are ``commands.py``,
-the file operations ``files.py``, the jobs ``jobs.py``, the interpreter process and its queue
+This module is the start, the event loop and the dispatch; the jobs and the commands' life
+are ``jobs.py``, the file operations ``files.py``, the interpreter process and its queue
 ``runcode.py``, a reset ``reset.py``.
 
 Standard library only; runs on any Python >= 3.8 found inside the sandbox.
@@ -59,8 +59,8 @@ sys.path[:] = _trusted_path(sys.path, os.path.dirname(os.path.abspath(__file__))
 
 # ruff: noqa: E402 - the sibling modules are imported after the path fix above
 import baseline
-import commands
 import files
+import jobs
 import runcode
 from fileops import PathRefused, Workspace, _os_error, read_exactly
 from protocol import PREFIX, FrameReader, dumps, encode
@@ -77,7 +77,7 @@ EVENT_READ = select.EPOLLIN
 
 # The ops served by other modules, each called as ``handler(sup, rid, header, body)``; the
 # rest are the ``op_`` methods below.
-OPS = {**files.OPS, "exec": commands.op_exec, "code": runcode.op_code}
+OPS = {**files.OPS, "exec": jobs.op_exec, "code": runcode.op_code}
 
 
 class _Key:
@@ -243,9 +243,9 @@ class Supervisor:
                         pass
                     self.reap()
                 elif kind == "out":
-                    commands.on_output(self, obj, fd)
+                    jobs.on_output(self, obj, fd)
                 elif kind == "stdin":
-                    commands.on_stdin(self, obj)
+                    jobs.on_stdin(self, obj)
                 elif kind == "interpreter":
                     obj.on_readable(fd)
                 elif kind == "exec":
@@ -405,7 +405,7 @@ class Supervisor:
                 return
             job = self.shims.pop(pid, None)
             if job is not None:
-                commands.exited(self, job, status)
+                jobs.exited(self, job, status)
             elif self.interpreter is not None and pid == self.interpreter.shim:
                 self.drop_interpreter("the interpreter process died")
             elif self.zygote is not None and pid == self.zygote.pid:
@@ -413,7 +413,7 @@ class Supervisor:
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
-        commands.check_deadlines(self, now)
+        jobs.check_deadlines(self, now)
         interp = self.interpreter
         if interp and interp.job and interp.job.deadline and now >= interp.job.deadline:
             interp.job.timed_out = True
