@@ -43,10 +43,6 @@ __all__ = [
 HEAD_LIMIT = 64 * 1024  # request or response head: bigger is refused
 LINE_LIMIT = 8192  # of a request head h11 refuses, what is kept to name it (its first line)
 HEAD_TIMEOUT_S = 30.0
-# An answer's head waits this long at most for the rest of a body of at most ``HOLD_MAX``
-# bytes, to go out with it (``Exchange._relay_body``).
-HOLD_S = 0.001
-HOLD_MAX = 64 * 1024
 CONNECT_TIMEOUT_S = 15.0
 IDEMPOTENT = frozenset((b"GET", b"HEAD", b"OPTIONS", b"TRACE", b"PUT", b"DELETE"))
 HOP_BY_HOP = frozenset(
@@ -116,7 +112,6 @@ class Exchange:
         self.gate = gate
         self.upstreams: Pool[Plain] = Pool()  # connections to servers, kept between this sandbox's requests
         self.head_timeout_s = HEAD_TIMEOUT_S  # for a request's head to come whole
-        self.hold_s = HOLD_S  # for a small answer's body to join its head (0: never wait)
 
     async def serve(
         self,
@@ -392,12 +387,8 @@ class Exchange:
         head = conn.send(h11.Response(
             status_code=response.status_code, headers=out_headers, reason=response.reason
         ))  # fmt: skip
-        length = header(response.headers, b"content-length")
-        hold = length is not None and int(length) <= HOLD_MAX
-        received = await self._relay_body(
-            up, upstream, conn, client, scrub=Scrubber(secrets) if secrets else None, head=head,
-            hold_s=self.hold_s if hold else 0.0,
-        )  # fmt: skip
+        scrub = Scrubber(secrets) if secrets else None
+        received = await self._relay_body(up, upstream, conn, client, scrub=scrub, head=head)
         return response.status_code, received
 
     async def _relay_body(
@@ -409,35 +400,21 @@ class Exchange:
         *,
         scrub: Scrubber | None = None,
         head: bytes = b"",
-        hold_s: float = 0.0,
     ) -> int:
         """Carry one message body from one h11 connection to the other, after ``head`` (the
         message's head, already framed for ``dst``); the body's size.
 
         What is already here goes out in one write: the head with the body's first bytes,
         the last bytes with the message's end. Each write is a wake-up of the reader (on
-        gVisor, of the relay and then of the code, each a few syscalls of 20-50 µs there).
-        Nothing waits for bytes that have not come, except for ``hold_s`` (a small answer of
-        known length): what is here waits at most that long for the rest, so that the
-        whole answer goes in one write. Many servers write an answer's head and its body
-        apart (Python's ``http.server`` does), and the body follows within a fraction of a
-        millisecond; the head alone would cost the sandbox a wake-up more, for nothing its
-        code can use (it reads the whole answer)."""
+        gVisor, of the relay and then of the code, each a few syscalls of 20-50 µs there);
+        nothing waits for bytes that have not come (the head goes alone then: holding it
+        for its body, when a server writes them apart, was measured and gained nothing)."""
         h11 = load_h11()
         size = 0
         pending = head
-        deadline = 0.0
         while True:
             event = src.next_event()
             if event is h11.NEED_DATA:
-                if pending and hold_s > 0:
-                    if not deadline:
-                        deadline = asyncio.get_running_loop().time() + hold_s
-                    data = await recv_until(src_stream, deadline)
-                    if data is not None:
-                        src.receive_data(data)
-                        continue
-                    hold_s = 0.0  # the rest is slow: what is here goes now, the rest as it comes
                 if pending:
                     await dst_stream.send(pending)
                     pending = b""
@@ -460,18 +437,6 @@ class Exchange:
             if len(pending) >= CHUNK:  # a body that comes faster than it goes: not held in memory
                 await dst_stream.send(pending)
                 pending = b""
-
-
-async def recv_until(stream: Stream, deadline: float) -> bytes | None:
-    """``stream.recv()``, or ``None`` if nothing came by ``deadline`` (the loop's clock)."""
-    timeout = asyncio.timeout_at(deadline)
-    try:
-        async with timeout:
-            return await stream.recv()
-    except TimeoutError:
-        if not timeout.expired():  # the stream's own error (ETIMEDOUT), not the deadline
-            raise
-        return None
 
 
 async def next_request(conn: Any, stream: Stream, line: bytearray) -> Any:
