@@ -304,10 +304,6 @@ class Exchange:
                 status, received = await self._send_response(
                     conn, client, response, target, credential, upstream=upstream, up=up
                 )
-                if conn.our_state is h11.MUST_CLOSE:
-                    # The answer is written whole: the client hears the end now, not after the
-                    # bookkeeping (the kept connection, the record) that no answer waits for.
-                    client.close()
                 keep = up.our_state is h11.DONE and up.their_state is h11.DONE
                 ended = True
                 return status, sent, received, True
