@@ -373,6 +373,7 @@ class Exchange:
         if 300 <= response.status_code < 400:
             base = f"{target.scheme}://{target.authority}{target.path[:MAX_REDIRECT_BASE]}"
             self.gate.check_redirect(response.status_code, header(response.headers, b"location"), base)
+        # h11 gives header names lowercased (and each value checked): compared as they come.
         if secrets:  # scrubbing changes the length
             out_headers = [
                 (k, scrub_all(v, secrets)) for k, v in response.headers
