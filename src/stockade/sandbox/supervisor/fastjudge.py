@@ -26,7 +26,10 @@ F_SETPIPE_SZ = 1031
 # The records' pipe keeps its default room (64 KiB: over a thousand records between two
 # drains; a full pipe sends the exec to Python, which drains first). Not more: pipe pages
 # count against the sandbox user's limit, which every sandbox of the host shares.
-RECORDS_READ = 1 << 16
+# Read a page at a time: a command's few records fit one, and a larger buffer is a fresh
+# stretch of the heap written at each job's end (pages a shim's fork made shared: each
+# write of one is a fault, several a command with 64 KiB).
+RECORDS_READ = 4096
 RECORD_HEAD = struct.Struct("=IiiI")  # its length, pid, session, argv words kept
 
 

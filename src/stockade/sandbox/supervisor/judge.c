@@ -28,12 +28,15 @@ typedef int i32;
 #define SYS_write 1
 #define SYS_close 3
 #define SYS_stat 4
+#define SYS_lstat 6
 #define SYS_fstat 5
 #define SYS_poll 7
 #define SYS_rt_sigprocmask 14
 #define SYS_ioctl 16
 #define SYS_pread64 17
 #define SYS_mmap 9
+#define SYS_munmap 11
+#define SYS_madvise 28
 #define SYS_getpid 39
 #define SYS_clone 56
 #define SYS_exit 60
@@ -50,6 +53,11 @@ typedef int i32;
 #define O_RDONLY 0
 #define O_CLOEXEC 02000000
 #define O_PATH 010000000
+#define O_DIRECTORY 0200000
+#define MADV_DONTFORK 10
+#define S_IFMT 0170000
+#define S_IFLNK 0120000
+#define MAX_HOPS 8 /* symlinks followed by name before the slow way (readlink of the fd) */
 #define ENOENT 2
 #define ENOTDIR 20
 #define EINTR 4
@@ -388,10 +396,12 @@ int stockade_fast_allows(const char *cfg, int len, const char *path_name, const 
 struct ctx {
     struct rules rules;
     int listener, forward_fd, record_fd, control;
+    int proc; /* /proc, held: each look-up of a caller starts there, not at the root */
     char record[RECORD_MAX];
     char path[PATH_MAX_ + 8];
     char real[PATH_MAX_ + 8];
     char scratch[PATH_MAX_ + 64];
+    char link[PATH_MAX_ + 8];
     u64 pointers[512];
 };
 
@@ -468,6 +478,43 @@ static int ours(long pid)
     return sc(SYS_waitid, P_PID, pid, (long)info, WEXITED | WNOHANG | WNOWAIT | WALL_, 0, 0) == 0;
 }
 
+/* The file an absolute, normal path leads to, found by name while each link on the way is a
+ * name in its own folder (sh -> dash): then realpath's last part, which is all the judge
+ * reads of it, is that of the last link's target, and lstat gives its size. Three system
+ * calls for /bin/sh where the slow way (open, fstat, readlink of the fd, close) walks
+ * /proc too. 1: c->real holds a path of the file (its name is the file's) and *size is
+ * set; 0: anything else (a link with a slash in it, a missing file, too many links), for
+ * the slow way to decide. */
+static int by_name(struct ctx *c, long len, u64 *size)
+{
+    u64 st[18];
+    char *p = c->real;
+    memcpy(p, c->path, (unsigned long)len + 1);
+    for (int hop = 0;; hop++) {
+        if (sc(SYS_lstat, (long)p, (long)st, 0, 0, 0, 0) != 0)
+            return 0;
+        if (((u32)st[3] & S_IFMT) != S_IFLNK) {
+            *size = st[6];
+            return 1;
+        }
+        if (hop == MAX_HOPS)
+            return 0;
+        long m = sc(SYS_readlinkat, AT_FDCWD, (long)p, (long)c->link, PATH_MAX_, 0, 0);
+        if (m <= 0 || m >= PATH_MAX_)
+            return 0;
+        c->link[m] = 0;
+        for (long i = 0; i < m; i++)
+            if (c->link[i] == '/')
+                return 0; /* another folder: the kernel's walk, not ours */
+        if (same(c->link, ".") || same(c->link, ".."))
+            return 0;
+        char *name = (char *)base(p); /* the link's folder stays, its name is replaced */
+        if ((name - p) + m >= PATH_MAX_)
+            return 0;
+        memcpy(name, c->link, (unsigned long)m + 1);
+    }
+}
+
 /* 1: answered here; 0: the Python judge must see it. */
 static int judge(struct ctx *c, const struct notif *n)
 {
@@ -475,10 +522,9 @@ static int judge(struct ctx *c, const struct notif *n)
         return 0;
     long pid = (long)n->pid;
     char *s = c->scratch;
-    memcpy(s, "/proc/", 6);
-    char *e = put_num(s + 6, (u64)pid);
+    char *e = put_num(s, (u64)pid); /* PID/..., beneath the /proc we hold */
     memcpy(e, "/mem", 5);
-    long mem = sc(SYS_openat, AT_FDCWD, (long)s, O_RDONLY | O_CLOEXEC, 0, 0, 0);
+    long mem = sc(SYS_openat, c->proc, (long)s, O_RDONLY | O_CLOEXEC, 0, 0, 0);
     if (mem < 0)
         return 0;
     int done = 0;
@@ -494,7 +540,7 @@ static int judge(struct ctx *c, const struct notif *n)
         if (len == 0)
             goto out;
         memcpy(e, "/cwd", 5);
-        long m = sc(SYS_readlinkat, AT_FDCWD, (long)s, (long)c->real, PATH_MAX_, 0, 0);
+        long m = sc(SYS_readlinkat, c->proc, (long)s, (long)c->real, PATH_MAX_, 0, 0);
         if (m <= 0 || c->real[0] != '/' || m + 1 + len >= PATH_MAX_)
             goto out;
         if (m == 1)
@@ -506,29 +552,33 @@ static int judge(struct ctx *c, const struct notif *n)
     }
     if (!normal(c->path) || starts(c->path, "/proc/"))
         goto out;
-    long fd = sc(SYS_openat, AT_FDCWD, (long)c->path, O_PATH | O_CLOEXEC, 0, 0, 0);
-    if (fd == -ENOENT || fd == -ENOTDIR) {
-        /* What the kernel would say; a PATH search goes on to its next folder. Nothing
-         * runs, nothing is recorded, as in the Python judge. */
-        answer(c, n->id, ENOENT);
-        done = 1;
-        goto out;
+    u64 size = 0;
+    if (!by_name(c, len, &size)) {
+        /* The slow way: the file itself, opened, and the path the kernel gives it. */
+        long fd = sc(SYS_openat, AT_FDCWD, (long)c->path, O_PATH | O_CLOEXEC, 0, 0, 0);
+        if (fd == -ENOENT || fd == -ENOTDIR) {
+            /* What the kernel would say; a PATH search goes on to its next folder. Nothing
+             * runs, nothing is recorded, as in the Python judge. */
+            answer(c, n->id, ENOENT);
+            done = 1;
+            goto out;
+        }
+        if (fd < 0)
+            goto out;
+        u64 st[18];
+        long ok = sc(SYS_fstat, fd, (long)st, 0, 0, 0, 0);
+        memcpy(s, "self/fd/", 8);
+        put_num(s + 8, (u64)fd);
+        long m = sc(SYS_readlinkat, c->proc, (long)s, (long)c->real, PATH_MAX_, 0, 0);
+        sc(SYS_close, fd, 0, 0, 0, 0, 0);
+        if (ok != 0 || m <= 0 || m >= PATH_MAX_)
+            goto out;
+        c->real[m] = 0;
+        static const char deleted[] = " (deleted)";
+        if (m >= (long)sizeof deleted - 1 && same(c->real + m - (sizeof deleted - 1), deleted))
+            goto out;
+        size = st[6];
     }
-    if (fd < 0)
-        goto out;
-    u64 st[18];
-    long ok = sc(SYS_fstat, fd, (long)st, 0, 0, 0, 0);
-    memcpy(s, "/proc/self/fd/", 14);
-    put_num(s + 14, (u64)fd);
-    long m = sc(SYS_readlinkat, AT_FDCWD, (long)s, (long)c->real, PATH_MAX_, 0, 0);
-    sc(SYS_close, fd, 0, 0, 0, 0, 0);
-    if (ok != 0 || m <= 0 || m >= PATH_MAX_)
-        goto out;
-    c->real[m] = 0;
-    static const char deleted[] = " (deleted)";
-    if (m >= (long)sizeof deleted - 1 && same(c->real + m - (sizeof deleted - 1), deleted))
-        goto out;
-    u64 size = st[6];
 
     /* The argv, as the record keeps it: path, then up to max_argv words, NUL-ended each. */
     char *rec = c->record;
@@ -592,7 +642,7 @@ out:
     return done;
 }
 
-static struct ctx c;
+static struct ctx *cp; /* mapped by stockade_judge, with the thread's stack, out of forks */
 static char config[CONFIG_MAX];
 
 /* The thread's whole life: judge until a byte arrives on ``control``, then say so with a
@@ -601,9 +651,10 @@ static char config[CONFIG_MAX];
 __attribute__((visibility("hidden"), used, noinline, noreturn)) void stockade_judge_thread(void)
 {
     struct notif n;
-    find_sizes(&c.rules, c.path, PATH_MAX_);
+    struct ctx *c = cp;
+    find_sizes(&c->rules, c->path, PATH_MAX_);
     for (;;) {
-        struct pollfd_ fds[2] = {{c.listener, POLLIN, 0}, {c.control, POLLIN, 0}};
+        struct pollfd_ fds[2] = {{c->listener, POLLIN, 0}, {c->control, POLLIN, 0}};
         long r = sc(SYS_poll, (long)fds, 2, -1, 0, 0, 0);
         if (r == -EINTR)
             continue;
@@ -612,13 +663,13 @@ __attribute__((visibility("hidden"), used, noinline, noreturn)) void stockade_ju
         if (!(fds[0].revents & POLLIN))
             continue;
         memset(&n, 0, sizeof n); /* the kernel refuses a buffer that is not zeroed */
-        if (sc(SYS_ioctl, c.listener, (long)NOTIF_RECV, (long)&n, 0, 0, 0) != 0)
+        if (sc(SYS_ioctl, c->listener, (long)NOTIF_RECV, (long)&n, 0, 0, 0) != 0)
             continue; /* the caller died meanwhile */
-        if (!judge(&c, &n))
-            forward(&c, &n);
+        if (!judge(c, &n))
+            forward(c, &n);
     }
     memset(&n, 0, sizeof n);
-    forward(&c, &n);
+    forward(c, &n);
     for (;;)
         sc(SYS_exit, 0, 0, 0, 0, 0, 0); /* this thread only */
 }
@@ -647,19 +698,34 @@ __attribute__((visibility("default"))) int stockade_judge(int listener, int forw
 {
     if (len < 0 || len > CONFIG_MAX)
         return -1;
-    memcpy(config, cfg, (unsigned long)len);
-    parse(&c.rules, config, len);
-    c.listener = listener;
-    c.forward_fd = forward_fd;
-    c.record_fd = record_fd;
-    c.control = control;
-    long stack = sc(SYS_mmap, 0, STACK_SIZE, 3 /* read, write */,
-                    0x22 | 0x20000 /* private, anonymous, stack */, -1, 0);
-    if (stack < 0 && stack > -4096)
+    /* Its working memory and stack in one mapping that forks leave out (MADV_DONTFORK):
+     * after the supervisor forks a shim, every page the two share is copied at its first
+     * write, and the thread wrote half a dozen (its buffers, its stack) at each exec. A
+     * shim has no use for them: the thread is not in it. */
+    unsigned long ctx_size = (sizeof(struct ctx) + 4095) & ~4095UL;
+    long area = sc(SYS_mmap, 0, (long)(ctx_size + STACK_SIZE), 3 /* read, write */,
+                   0x22 | 0x20000 /* private, anonymous, stack */, -1, 0);
+    if (area < 0 && area > -4096)
         return -1;
+    long proc = sc(SYS_openat, AT_FDCWD, (long)"/proc", O_PATH | O_DIRECTORY | O_CLOEXEC, 0, 0, 0);
+    if (proc < 0 || sc(SYS_madvise, area, (long)(ctx_size + STACK_SIZE), MADV_DONTFORK, 0, 0, 0) != 0) {
+        if (proc >= 0)
+            sc(SYS_close, proc, 0, 0, 0, 0, 0);
+        sc(SYS_munmap, area, (long)(ctx_size + STACK_SIZE), 0, 0, 0, 0);
+        return -1;
+    }
+    struct ctx *c = (struct ctx *)(area + STACK_SIZE); /* above the stack, which grows away from it */
+    memcpy(config, cfg, (unsigned long)len);
+    parse(&c->rules, config, len);
+    c->listener = listener;
+    c->forward_fd = forward_fd;
+    c->record_fd = record_fd;
+    c->control = control;
+    c->proc = (int)proc;
+    cp = c;
     u64 all = ~0UL, old = 0;
     sc(SYS_rt_sigprocmask, 0 /* SIG_BLOCK */, (long)&all, (long)&old, 8, 0, 0);
-    long tid = start_thread((void *)(stack + STACK_SIZE));
+    long tid = start_thread((void *)(area + STACK_SIZE));
     sc(SYS_rt_sigprocmask, 2 /* SIG_SETMASK */, (long)&old, 0, 8, 0, 0);
     return tid > 0 ? 0 : -1;
 }
