@@ -108,6 +108,10 @@ RECURSIVE_ROUTES = {
     "find -exec": "find . -maxdepth 1 -name gone -exec rm -r {} +",
     "python subprocess": 'python3 -c \'import subprocess; subprocess.run(["rm", "-r", "gone"])\'',
     "copy": "cp /bin/rm /tmp/del; /tmp/del -r gone",
+    # The compiled judge follows links named in their own folder by name (n2 -> n1 -> d2),
+    # and any other link the slow way (a2 -> a1 -> /bin/rm): both end at rm.
+    "links by name to a copy": "cp /bin/rm /tmp/d2; ln -sf d2 /tmp/n1; ln -sf n1 /tmp/n2; /tmp/n2 -r gone",
+    "a link by name to a link": "ln -sf /bin/rm /tmp/a1; ln -sf a1 /tmp/a2; /tmp/a2 -r gone",
     "python -c os.execv": 'python3 -c \'import os; os.execv("/bin/rm", ["rm", "-r", "gone"])\'',
 }
 

@@ -70,7 +70,7 @@ def _decide(judges: tuple[Any, Any], workdir: Path, case: dict[str, Any]) -> tup
         path.symlink_to(real.name)
     argv: list[str] = case["argv"]
     enc = [w.encode("utf-8", "surrogateescape") for w in argv]
-    config = importlib.import_module("fastjudge").config(commands)
+    config = rules_module.judge_config(commands)
     size = real.stat().st_size
     said = fast(
         config, len(config), path.name.encode(), real.name.encode(),

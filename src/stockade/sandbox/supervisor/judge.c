@@ -1,7 +1,7 @@
 /* The exec judge's fast path: a thread of the supervisor, in C, that answers the execs the
  * rules allow whatever their arguments, so that the common exec never wakes Python.
  *
- * It owns the seccomp listener (supervisor/fastjudge.py starts it on a thread of its own, with the
+ * It owns the seccomp listener (supervisor/rules.py starts it on a thread of its own, with the
  * GIL released). For each exec it reads the path and argv from the caller's memory, as the
  * Python judge does (the memory opened first, then the notification checked still valid, so
  * that what is read is the caller's own), and answers CONTINUE only when no name the program
@@ -28,12 +28,15 @@ typedef int i32;
 #define SYS_write 1
 #define SYS_close 3
 #define SYS_stat 4
+#define SYS_lstat 6
 #define SYS_fstat 5
 #define SYS_poll 7
 #define SYS_rt_sigprocmask 14
 #define SYS_ioctl 16
 #define SYS_pread64 17
 #define SYS_mmap 9
+#define SYS_munmap 11
+#define SYS_madvise 28
 #define SYS_getpid 39
 #define SYS_clone 56
 #define SYS_exit 60
@@ -42,6 +45,10 @@ typedef int i32;
 #define SYS_openat 257
 #define SYS_readlinkat 267
 #define SYS_prctl 157
+#define SYS_mkdir 83
+#define SYS_seccomp 317
+#define SYS_landlock_create_ruleset 444
+#define SYS_landlock_add_rule 445
 #define SYS_landlock_restrict_self 446
 #define PR_SET_DUMPABLE 4
 #define PR_SET_CHILD_SUBREAPER 36
@@ -50,8 +57,16 @@ typedef int i32;
 #define O_RDONLY 0
 #define O_CLOEXEC 02000000
 #define O_PATH 010000000
+#define O_DIRECTORY 0200000
+#define MADV_DONTFORK 10
+#define S_IFMT 0170000
+#define S_IFLNK 0120000
+#define MAX_HOPS 8 /* symlinks followed by name before the slow way (readlink of the fd) */
 #define ENOENT 2
 #define ENOTDIR 20
+#define EMFILE 24
+#define EINVAL 22
+#define ENOSYS 38
 #define EINTR 4
 #define POLLIN 1
 #define P_PID 1
@@ -63,6 +78,7 @@ typedef int i32;
 #define NOTIF_RECV 0xC0502100UL
 #define NOTIF_SEND 0xC0182101UL
 #define NOTIF_ID_VALID 0x40082102UL
+#define NOTIF_SET_FLAGS 0x40082104UL
 #define FLAG_CONTINUE 1
 #define NR_EXECVE 59
 
@@ -388,10 +404,12 @@ int stockade_fast_allows(const char *cfg, int len, const char *path_name, const 
 struct ctx {
     struct rules rules;
     int listener, forward_fd, record_fd, control;
+    int proc; /* /proc, held: each look-up of a caller starts there, not at the root */
     char record[RECORD_MAX];
     char path[PATH_MAX_ + 8];
     char real[PATH_MAX_ + 8];
     char scratch[PATH_MAX_ + 64];
+    char link[PATH_MAX_ + 8];
     u64 pointers[512];
 };
 
@@ -468,6 +486,43 @@ static int ours(long pid)
     return sc(SYS_waitid, P_PID, pid, (long)info, WEXITED | WNOHANG | WNOWAIT | WALL_, 0, 0) == 0;
 }
 
+/* The file an absolute, normal path leads to, found by name while each link on the way is a
+ * name in its own folder (sh -> dash): then realpath's last part, which is all the judge
+ * reads of it, is that of the last link's target, and lstat gives its size. Three system
+ * calls for /bin/sh where the slow way (open, fstat, readlink of the fd, close) walks
+ * /proc too. 1: c->real holds a path of the file (its name is the file's) and *size is
+ * set; 0: anything else (a link with a slash in it, a missing file, too many links), for
+ * the slow way to decide. */
+static int by_name(struct ctx *c, long len, u64 *size)
+{
+    u64 st[18];
+    char *p = c->real;
+    memcpy(p, c->path, (unsigned long)len + 1);
+    for (int hop = 0;; hop++) {
+        if (sc(SYS_lstat, (long)p, (long)st, 0, 0, 0, 0) != 0)
+            return 0;
+        if (((u32)st[3] & S_IFMT) != S_IFLNK) {
+            *size = st[6];
+            return 1;
+        }
+        if (hop == MAX_HOPS)
+            return 0;
+        long m = sc(SYS_readlinkat, AT_FDCWD, (long)p, (long)c->link, PATH_MAX_, 0, 0);
+        if (m <= 0 || m >= PATH_MAX_)
+            return 0;
+        c->link[m] = 0;
+        for (long i = 0; i < m; i++)
+            if (c->link[i] == '/')
+                return 0; /* another folder: the kernel's walk, not ours */
+        if (same(c->link, ".") || same(c->link, ".."))
+            return 0;
+        char *name = (char *)base(p); /* the link's folder stays, its name is replaced */
+        if ((name - p) + m >= PATH_MAX_)
+            return 0;
+        memcpy(name, c->link, (unsigned long)m + 1);
+    }
+}
+
 /* 1: answered here; 0: the Python judge must see it. */
 static int judge(struct ctx *c, const struct notif *n)
 {
@@ -475,10 +530,9 @@ static int judge(struct ctx *c, const struct notif *n)
         return 0;
     long pid = (long)n->pid;
     char *s = c->scratch;
-    memcpy(s, "/proc/", 6);
-    char *e = put_num(s + 6, (u64)pid);
+    char *e = put_num(s, (u64)pid); /* PID/..., beneath the /proc we hold */
     memcpy(e, "/mem", 5);
-    long mem = sc(SYS_openat, AT_FDCWD, (long)s, O_RDONLY | O_CLOEXEC, 0, 0, 0);
+    long mem = sc(SYS_openat, c->proc, (long)s, O_RDONLY | O_CLOEXEC, 0, 0, 0);
     if (mem < 0)
         return 0;
     int done = 0;
@@ -494,7 +548,7 @@ static int judge(struct ctx *c, const struct notif *n)
         if (len == 0)
             goto out;
         memcpy(e, "/cwd", 5);
-        long m = sc(SYS_readlinkat, AT_FDCWD, (long)s, (long)c->real, PATH_MAX_, 0, 0);
+        long m = sc(SYS_readlinkat, c->proc, (long)s, (long)c->real, PATH_MAX_, 0, 0);
         if (m <= 0 || c->real[0] != '/' || m + 1 + len >= PATH_MAX_)
             goto out;
         if (m == 1)
@@ -506,29 +560,33 @@ static int judge(struct ctx *c, const struct notif *n)
     }
     if (!normal(c->path) || starts(c->path, "/proc/"))
         goto out;
-    long fd = sc(SYS_openat, AT_FDCWD, (long)c->path, O_PATH | O_CLOEXEC, 0, 0, 0);
-    if (fd == -ENOENT || fd == -ENOTDIR) {
-        /* What the kernel would say; a PATH search goes on to its next folder. Nothing
-         * runs, nothing is recorded, as in the Python judge. */
-        answer(c, n->id, ENOENT);
-        done = 1;
-        goto out;
+    u64 size = 0;
+    if (!by_name(c, len, &size)) {
+        /* The slow way: the file itself, opened, and the path the kernel gives it. */
+        long fd = sc(SYS_openat, AT_FDCWD, (long)c->path, O_PATH | O_CLOEXEC, 0, 0, 0);
+        if (fd == -ENOENT || fd == -ENOTDIR) {
+            /* What the kernel would say; a PATH search goes on to its next folder. Nothing
+             * runs, nothing is recorded, as in the Python judge. */
+            answer(c, n->id, ENOENT);
+            done = 1;
+            goto out;
+        }
+        if (fd < 0)
+            goto out;
+        u64 st[18];
+        long ok = sc(SYS_fstat, fd, (long)st, 0, 0, 0, 0);
+        memcpy(s, "self/fd/", 8);
+        put_num(s + 8, (u64)fd);
+        long m = sc(SYS_readlinkat, c->proc, (long)s, (long)c->real, PATH_MAX_, 0, 0);
+        sc(SYS_close, fd, 0, 0, 0, 0, 0);
+        if (ok != 0 || m <= 0 || m >= PATH_MAX_)
+            goto out;
+        c->real[m] = 0;
+        static const char deleted[] = " (deleted)";
+        if (m >= (long)sizeof deleted - 1 && same(c->real + m - (sizeof deleted - 1), deleted))
+            goto out;
+        size = st[6];
     }
-    if (fd < 0)
-        goto out;
-    u64 st[18];
-    long ok = sc(SYS_fstat, fd, (long)st, 0, 0, 0, 0);
-    memcpy(s, "/proc/self/fd/", 14);
-    put_num(s + 14, (u64)fd);
-    long m = sc(SYS_readlinkat, AT_FDCWD, (long)s, (long)c->real, PATH_MAX_, 0, 0);
-    sc(SYS_close, fd, 0, 0, 0, 0, 0);
-    if (ok != 0 || m <= 0 || m >= PATH_MAX_)
-        goto out;
-    c->real[m] = 0;
-    static const char deleted[] = " (deleted)";
-    if (m >= (long)sizeof deleted - 1 && same(c->real + m - (sizeof deleted - 1), deleted))
-        goto out;
-    u64 size = st[6];
 
     /* The argv, as the record keeps it: path, then up to max_argv words, NUL-ended each. */
     char *rec = c->record;
@@ -592,7 +650,7 @@ out:
     return done;
 }
 
-static struct ctx c;
+static struct ctx *cp; /* mapped by stockade_judge, with the thread's stack, out of forks */
 static char config[CONFIG_MAX];
 
 /* The thread's whole life: judge until a byte arrives on ``control``, then say so with a
@@ -601,9 +659,10 @@ static char config[CONFIG_MAX];
 __attribute__((visibility("hidden"), used, noinline, noreturn)) void stockade_judge_thread(void)
 {
     struct notif n;
-    find_sizes(&c.rules, c.path, PATH_MAX_);
+    struct ctx *c = cp;
+    find_sizes(&c->rules, c->path, PATH_MAX_);
     for (;;) {
-        struct pollfd_ fds[2] = {{c.listener, POLLIN, 0}, {c.control, POLLIN, 0}};
+        struct pollfd_ fds[2] = {{c->listener, POLLIN, 0}, {c->control, POLLIN, 0}};
         long r = sc(SYS_poll, (long)fds, 2, -1, 0, 0, 0);
         if (r == -EINTR)
             continue;
@@ -612,13 +671,13 @@ __attribute__((visibility("hidden"), used, noinline, noreturn)) void stockade_ju
         if (!(fds[0].revents & POLLIN))
             continue;
         memset(&n, 0, sizeof n); /* the kernel refuses a buffer that is not zeroed */
-        if (sc(SYS_ioctl, c.listener, (long)NOTIF_RECV, (long)&n, 0, 0, 0) != 0)
+        if (sc(SYS_ioctl, c->listener, (long)NOTIF_RECV, (long)&n, 0, 0, 0) != 0)
             continue; /* the caller died meanwhile */
-        if (!judge(&c, &n))
-            forward(&c, &n);
+        if (!judge(c, &n))
+            forward(c, &n);
     }
     memset(&n, 0, sizeof n);
-    forward(&c, &n);
+    forward(c, &n);
     for (;;)
         sc(SYS_exit, 0, 0, 0, 0, 0, 0); /* this thread only */
 }
@@ -647,21 +706,226 @@ __attribute__((visibility("default"))) int stockade_judge(int listener, int forw
 {
     if (len < 0 || len > CONFIG_MAX)
         return -1;
-    memcpy(config, cfg, (unsigned long)len);
-    parse(&c.rules, config, len);
-    c.listener = listener;
-    c.forward_fd = forward_fd;
-    c.record_fd = record_fd;
-    c.control = control;
-    long stack = sc(SYS_mmap, 0, STACK_SIZE, 3 /* read, write */,
-                    0x22 | 0x20000 /* private, anonymous, stack */, -1, 0);
-    if (stack < 0 && stack > -4096)
+    /* Its working memory and stack in one mapping that forks leave out (MADV_DONTFORK):
+     * after the supervisor forks a shim, every page the two share is copied at its first
+     * write, and the thread wrote half a dozen (its buffers, its stack) at each exec. A
+     * shim has no use for them: the thread is not in it. */
+    unsigned long ctx_size = (sizeof(struct ctx) + 4095) & ~4095UL;
+    long area = sc(SYS_mmap, 0, (long)(ctx_size + STACK_SIZE), 3 /* read, write */,
+                   0x22 | 0x20000 /* private, anonymous, stack */, -1, 0);
+    if (area < 0 && area > -4096)
         return -1;
+    long proc = sc(SYS_openat, AT_FDCWD, (long)"/proc", O_PATH | O_DIRECTORY | O_CLOEXEC, 0, 0, 0);
+    if (proc < 0 || sc(SYS_madvise, area, (long)(ctx_size + STACK_SIZE), MADV_DONTFORK, 0, 0, 0) != 0) {
+        if (proc >= 0)
+            sc(SYS_close, proc, 0, 0, 0, 0, 0);
+        sc(SYS_munmap, area, (long)(ctx_size + STACK_SIZE), 0, 0, 0, 0);
+        return -1;
+    }
+    struct ctx *c = (struct ctx *)(area + STACK_SIZE); /* above the stack, which grows away from it */
+    memcpy(config, cfg, (unsigned long)len);
+    parse(&c->rules, config, len);
+    c->listener = listener;
+    c->forward_fd = forward_fd;
+    c->record_fd = record_fd;
+    c->control = control;
+    c->proc = (int)proc;
+    cp = c;
     u64 all = ~0UL, old = 0;
     sc(SYS_rt_sigprocmask, 0 /* SIG_BLOCK */, (long)&all, (long)&old, 8, 0, 0);
-    long tid = start_thread((void *)(stack + STACK_SIZE));
+    long tid = start_thread((void *)(area + STACK_SIZE));
     sc(SYS_rt_sigprocmask, 2 /* SIG_SETMASK */, (long)&old, 0, 8, 0, 0);
     return tid > 0 ? 0 : -1;
+}
+
+/* -- the rules' set-up, at the supervisor's start ------------------------------------------ */
+
+/* What supervisor/rules.py sets up, done in one call where this library loads (in Python, each
+ * of its dozen system calls costs a call prototype or a buffer class made on first use, and
+ * the module that makes them an import: about 1 ms of a cold start). The same steps as
+ * rules.Rules and confine.py, in the same order; the Python path stays where there is no
+ * library (and for STOCKADE_EXEC_JUDGE=python). */
+
+#define LL_FS_EXECUTE (1UL << 0)
+#define LL_FS_WRITE_FILE (1UL << 1)
+#define LL_FS_REMOVE_DIR (1UL << 4)
+#define LL_FS_REMOVE_FILE (1UL << 5)
+#define LL_FS_MAKE (0x7fUL << 6) /* char, dir, reg, sock, fifo, block, sym */
+#define LL_FS_REFER (1UL << 13)
+#define LL_FS_TRUNCATE (1UL << 14)
+#define LL_FILE_RIGHTS (LL_FS_WRITE_FILE | LL_FS_TRUNCATE)
+#define S_IFDIR 0040000
+#define INODES_MAX 8192
+
+struct bpf_insn_ {
+    unsigned short code;
+    unsigned char jt, jf;
+    u32 k;
+};
+struct bpf_prog_ {
+    unsigned short len;
+    const struct bpf_insn_ *filter;
+};
+struct __attribute__((packed)) path_beneath_ {
+    u64 allowed;
+    i32 parent_fd;
+};
+
+/* The written paths' device and inode when the ruleset was built, as stockade_confine reads
+ * them (each two u64 and the path, NUL-ended): a shim checks them before it applies it. */
+static char setup_inodes[INODES_MAX];
+static int setup_inodes_len;
+
+/* confine.exec_filter: execve and execveat to the listener, other architectures die; with
+ * no_memfd, memfd_create fails (EPERM). */
+static long install_listener(int no_memfd)
+{
+    const struct bpf_insn_ prog[] = {
+        {0x20, 0, 0, 4},
+        {0x15, 0, 6, 0xC000003E},
+        {0x20, 0, 0, 0},
+        {0x35, 4, 0, 0x40000000},
+        {0x15, 4, 0, 59},
+        {0x15, 3, 0, 322},
+        {0x15, 3, 0, no_memfd ? 319 : 59},
+        {0x06, 0, 0, 0x7FFF0000},
+        {0x06, 0, 0, 0x80000000},
+        {0x06, 0, 0, 0x7FC00000},
+        {0x06, 0, 0, 0x00050000 | 1},
+    };
+    struct bpf_prog_ fprog = {sizeof prog / sizeof prog[0], prog};
+    return sc(SYS_seccomp, 1 /* SET_MODE_FILTER */, 1 << 3 /* NEW_LISTENER */, (long)&fprog, 0, 0, 0);
+}
+
+/* os.makedirs(path, exist_ok=True), every error ignored as rules.Rules does. */
+static void make_dirs(char *path)
+{
+    for (char *p = path + 1;; p++) {
+        if (*p == '/' || *p == 0) {
+            char was = *p;
+            *p = 0;
+            sc(SYS_mkdir, (long)path, 0777, 0, 0, 0, 0);
+            *p = was;
+            if (!was)
+                return;
+        }
+    }
+}
+
+/* One grant of confine.ruleset: no rule for a path that is not there; a file gets only the
+ * rights that apply to files. */
+static long grant(long ruleset, const char *path, u64 rights)
+{
+    long fd = sc(SYS_openat, AT_FDCWD, (long)path, O_PATH | O_CLOEXEC, 0, 0, 0);
+    if (fd < 0)
+        return 0;
+    u64 st[18];
+    long r = sc(SYS_fstat, fd, (long)st, 0, 0, 0, 0);
+    if (r == 0) {
+        if (((u32)st[3] & S_IFMT) != S_IFDIR)
+            rights &= LL_FILE_RIGHTS | LL_FS_EXECUTE;
+        struct path_beneath_ rule = {rights, (i32)fd};
+        r = sc(SYS_landlock_add_rule, ruleset, 1 /* PATH_BENEATH */, (long)&rule, 0, 0, 0);
+    }
+    sc(SYS_close, fd, 0, 0, 0, 0, 0);
+    return r;
+}
+
+/* ``cfg``: NUL-ended entries, a letter and its text: C probe seccomp notification, I then
+ * install the exec listener on ourselves (none was carried over a reset), X memfd_create
+ * refused too (an allowlist), M a folder to make, L probe Landlock and build the ruleset, w
+ * write rights handled, W a path code may write, E a file code may run (execute handled).
+ * Returns, packed: listener + 1 (bits 0-11), ruleset + 1 (12-23), the Landlock ABI (24-28),
+ * notification available (29); -ENOSYS for what it does not understand (nothing done: the
+ * caller does it all in Python); else -errno (a rule Landlock refused: Python raises too). */
+__attribute__((visibility("default"))) int stockade_setup(const char *cfg, int len)
+{
+    const char *end = cfg + len, *e;
+    int probe_notify = 0, install = 0, no_memfd = 0, landlock = 0, writes = 0, execs = 0;
+    long inodes = 0;
+    if (len <= 0 || cfg[len - 1] != 0)
+        return -ENOSYS;
+    for (e = cfg; e < end; e += slen(e) + 1) {
+        switch (*e) {
+        case 'C': probe_notify = 1; break;
+        case 'I': install = 1; break;
+        case 'X': no_memfd = 1; break;
+        case 'L': landlock = 1; break;
+        case 'w': writes = 1; break;
+        case 'E': execs = 1; break;
+        case 'W': inodes += 16 + (long)slen(e); /* fall through */
+        case 'M':
+            if (slen(e) >= PATH_MAX_)
+                return -ENOSYS;
+            break;
+        default: return -ENOSYS; /* not understood: nothing done, all of it in Python */
+        }
+    }
+    if (inodes > INODES_MAX)
+        return -ENOSYS;
+    long abi = 0, notify = 0, listener = -1, ruleset = -1;
+    if (landlock) {
+        abi = sc(SYS_landlock_create_ruleset, 0, 0, 1 /* VERSION */, 0, 0, 0);
+        if (abi < 0)
+            abi = 0;
+    }
+    if (probe_notify) {
+        u32 action = 0x7FC00000; /* SECCOMP_RET_USER_NOTIF */
+        notify = sc(SYS_seccomp, 2 /* GET_ACTION_AVAIL */, 0, (long)&action, 0, 0, 0) == 0;
+    }
+    if (notify && install) {
+        listener = install_listener(no_memfd);
+        if (listener < 0)
+            return (int)listener;
+        u64 sync = 1; /* SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP: Linux 6.6, else the usual wake-up */
+        sc(SYS_ioctl, listener, (long)NOTIF_SET_FLAGS, (long)sync, 0, 0, 0);
+    }
+    for (e = cfg; e < end; e += slen(e) + 1)
+        if (*e == 'M' && e[1] == '/' && slen(e) < PATH_MAX_) {
+            static char folder[PATH_MAX_ + 8];
+            memcpy(folder, e + 1, slen(e));
+            make_dirs(folder);
+        }
+    setup_inodes_len = 0;
+    if (abi) {
+        u64 handled = 0;
+        if (writes) {
+            handled = LL_FS_WRITE_FILE | LL_FS_REMOVE_DIR | LL_FS_REMOVE_FILE | LL_FS_MAKE;
+            if (abi >= 2)
+                handled |= LL_FS_REFER;
+            if (abi >= 3)
+                handled |= LL_FS_TRUNCATE;
+        }
+        if (execs)
+            handled |= LL_FS_EXECUTE;
+        ruleset = sc(SYS_landlock_create_ruleset, (long)&handled, 8, 0, 0, 0, 0);
+        if (ruleset < 0)
+            return (int)ruleset;
+        long r = 0;
+        for (e = cfg; e < end && r == 0; e += slen(e) + 1) {
+            if (*e == 'W')
+                r = grant(ruleset, e + 1, handled & ~LL_FS_EXECUTE);
+            else if (*e == 'E')
+                r = grant(ruleset, e + 1, LL_FS_EXECUTE);
+        }
+        for (e = cfg; e < end && r == 0; e += slen(e) + 1) {
+            u64 st[18];
+            long n = (long)slen(e);
+            if (*e != 'W' || sc(SYS_stat, (long)(e + 1), (long)st, 0, 0, 0, 0) != 0)
+                continue; /* room checked above */
+            memcpy(setup_inodes + setup_inodes_len, st, 16); /* st_dev, st_ino */
+            memcpy(setup_inodes + setup_inodes_len + 16, e + 1, (unsigned long)n);
+            setup_inodes_len += 16 + (int)n; /* the path and its NUL: n counts the letter */
+            setup_inodes[setup_inodes_len - 1] = 0;
+        }
+        if (r != 0) {
+            sc(SYS_close, ruleset, 0, 0, 0, 0, 0);
+            return (int)r; /* the start fails, as Python's raise makes it */
+        }
+    }
+    if (listener + 1 > 4095 || ruleset + 1 > 4095 || abi > 31)
+        return -EMFILE; /* not said in 30 bits: the start fails (a supervisor holds a dozen) */
+    return (int)((listener + 1) | (ruleset + 1) << 12 | abi << 24 | notify << 29);
 }
 
 /* -- in each shim, before the code ------------------------------------------------------ */
@@ -678,6 +942,10 @@ __attribute__((visibility("default"))) int stockade_judge(int listener, int forw
 __attribute__((visibility("default"))) int stockade_confine(int dumpable, int ruleset, const char *inodes,
                                                             int len, int subreaper)
 {
+    if (!inodes) { /* those stockade_setup found, with the ruleset it built */
+        inodes = setup_inodes;
+        len = setup_inodes_len;
+    }
     const char *at = inodes, *end = inodes + len;
     u64 st[18];
     while (at + 16 < end) {

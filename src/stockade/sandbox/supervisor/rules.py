@@ -5,11 +5,12 @@ Every shim confines the code it starts (``confine``): writes only where the rule
 notification, installed here on the supervisor itself: every process of the sandbox
 descends from it and inherits the filter).
 
-Who judges: where the host shipped the compiled judge, a thread of ours in C answers at
-once the execs the rules allow whatever their arguments (``fastjudge``); the rest, and every
-exec where it does not run, go to the Python judge (``execjudge``), loaded at the first exec
-that reaches it, so that a start pays for neither its imports nor its indexes. Standard
-library only.
+Where the host shipped the compiled judge (``judge.so``, from ``judge.c``), it does the
+set-up in one call (``stockade_setup``), and a thread of ours in C answers at once the execs
+the rules allow whatever their arguments (``FastJudge``, below); the rest, and every exec
+where it does not run, go to the Python judge (``execjudge``), loaded at the first exec that
+reaches it, so that a start pays for neither its imports nor its indexes. Without the
+library the set-up goes through ``confine``'s calls. Standard library only.
 """
 
 from __future__ import annotations
@@ -17,21 +18,20 @@ from __future__ import annotations
 import os
 import struct
 
-import confine
-from protocol import MAX_EXEC_RECORDS
+from protocol import MAX_EXEC_ARGV, MAX_EXEC_RECORDS
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
     from typing import Any, Dict, List, Optional, Set, Tuple
 
     from execjudge import ExecJudge
-    from fastjudge import FastJudge
 
 # What stays writable whatever the rules say: the scratch places and the devices.
 ALWAYS_WRITABLE = ("/tmp", "/dev", "/proc")
 # Where the programs a rule names are looked for, to know their copies by their content.
 PROGRAM_DIRS = ("/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin")
-EPERM, ENOENT = 1, 2
+EPERM, ENOENT, ENOSYS = 1, 2, 38
+LIBRARY = "judge.so"  # judge.c, beside these modules, when the host built it
 
 
 class Rules:
@@ -47,20 +47,80 @@ class Rules:
         allow = self.commands["allow"]
         self.executable = allowed_files(allow) if allow else None
         needs_landlock = self.write is not None or self.executable is not None
-        self.landlock = confine.landlock_abi() if needs_landlock else 0
         self._ruleset = -1  # built once (below), applied by every shim
         self._inodes: "Dict[str, Tuple[int, int]]" = {}
-        self._inode_blob = b""  # the same, as judge.c's stockade_confine reads them
+        self._inode_blob: "Optional[bytes]" = b""  # the same, as stockade_confine reads them
         self._confine_args: "Tuple[Tuple[Any, ...], Tuple[Any, ...]]" = ((), ())  # _set_confine_args
-        self._confine_c: "Any" = None  # that function, where the host shipped judge.so
-        self.notify = any(self.commands.values()) and confine.notify_available()
+        self._confine_c: "Any" = None  # judge.c's confinement, where the host shipped judge.so
+        self._entry = 0  # judge.c's thread, started by start()
         self.listener = listener
         self._judge: "Optional[ExecJudge]" = None  # the Python judge, once an exec reaches it
+        self.fast: "Optional[FastJudge]" = None
+        wanted = needs_landlock or any(self.commands.values())
+        setup = self._load_compiled() if wanted and cfg.get("judge") != "python" else 0
+        if not (setup and self._setup_compiled(setup, needs_landlock)):
+            self._setup_python(needs_landlock)
+        # What the supervisor's loop waits on for execs: the listener, or the compiled
+        # judge's forwards when it runs.
+        self.events = self.listener
+        self._set_confine_args()
+
+    def _setup_python(self, needs_landlock: bool) -> None:
+        """The rules' set-up where judge.c is not loaded: through confine's calls."""
+        import confine
+
+        self.landlock = confine.landlock_abi() if needs_landlock else 0
+        self.notify = any(self.commands.values()) and confine.notify_available()
         if self.notify and self.listener < 0:
             # On ourselves: every process of the sandbox descends from us and inherits it;
             # we exec only at a reset, and answer that exec ourselves (let_own_exec_through).
             self.listener = confine.install_exec_listener(no_memfd=self.executable is not None)
             confine.wake_on_this_cpu(self.listener)
+        self._make_written_folders()
+        if self.landlock:
+            self._build_ruleset()
+        # What each shim calls, prepared here once: a fork then finds it ready.
+        from reaper import PR_SET_DUMPABLE, prctl
+
+        prctl(PR_SET_DUMPABLE, 0)
+        if self._confine_c is None and (self.landlock or self.notify):
+            confine.warm()  # the call prototypes the shims' confinement in Python needs
+
+    def _setup_compiled(self, setup: int, needs_landlock: bool) -> bool:
+        """The same set-up in one call into judge.c (stockade_setup), which keeps the written
+        paths' inodes for stockade_confine itself; False if it declined (nothing done)."""
+        import _ctypes
+
+        entries = []
+        if any(self.commands.values()):
+            entries.append("C")
+            if self.listener < 0:
+                entries.append("I")  # else carried over a reset, ours already
+            if self.executable is not None:
+                entries.append("X")
+        entries += ["M" + path for path in self.write or () if path.endswith("/")]
+        if needs_landlock:
+            entries.append("L")
+            if self.write is not None:
+                entries.append("w")
+            entries += ["W" + path for path in self._writable() or ()]
+            entries += ["E" + path for path in self.executable or ()]
+        cfg = b"".join(e.encode("utf-8", "surrogateescape") + b"\0" for e in entries)
+        got = _ctypes.call_function(setup, (cfg, len(cfg)))
+        if got == -ENOSYS:
+            return False
+        if got < 0:
+            raise OSError(-got, os.strerror(-got))
+        listener, ruleset = (got & 0xFFF) - 1, ((got >> 12) & 0xFFF) - 1
+        if listener >= 0:
+            self.listener = listener
+        self._ruleset = ruleset
+        self.landlock = (got >> 24) & 0x1F
+        self.notify = bool(got >> 29 & 1)
+        self._inode_blob = None  # judge.c's own
+        return True
+
+    def _make_written_folders(self) -> None:
         if self.write is not None:
             for path in self.write:
                 if path.endswith("/"):  # a folder the rules let code write: it must exist
@@ -68,22 +128,6 @@ class Rules:
                         os.makedirs(path, exist_ok=True)
                     except OSError:
                         pass
-        if self.landlock:
-            self._build_ruleset()
-        # What each shim calls, prepared here once: a fork then finds it ready.
-        from reaper import PR_SET_DUMPABLE, prctl
-
-        prctl(PR_SET_DUMPABLE, 0)
-        # What the supervisor's loop waits on for execs: the listener, or the compiled
-        # judge's forwards when it runs.
-        self.events = self.listener
-        self.fast: "Optional[FastJudge]" = None
-        self._entry = 0  # judge.c's thread, started by start()
-        if (self.notify or self.landlock) and cfg.get("judge") != "python":
-            self._load_compiled()
-        self._set_confine_args()
-        if self._confine_c is None and (self.landlock or self.notify):
-            confine.warm()  # the call prototypes the shims' confinement in Python needs
 
     def _writable(self) -> "Optional[List[str]]":
         if self.write is None:
@@ -91,6 +135,8 @@ class Rules:
         return [p.rstrip("/") or "/" for p in (*self.write, *ALWAYS_WRITABLE)]
 
     def _build_ruleset(self) -> None:
+        import confine
+
         if self._ruleset >= 0:
             os.close(self._ruleset)
         writable = self._writable()
@@ -111,12 +157,15 @@ class Rules:
     def _set_confine_args(self) -> None:
         """stockade_confine's arguments, without and with the shim's subreaper."""
         ruleset = self._ruleset if self.landlock else -1
-        blob = self._inode_blob
-        head = (1 if self.notify else 0, ruleset, blob, len(blob))
+        blob = self._inode_blob  # None: those judge.c found when it built the ruleset
+        head = (1 if self.notify else 0, ruleset, blob, len(blob or b""))
         self._confine_args = ((*head, 0), (*head, 1))
 
     def _current_ruleset(self) -> int:
         """The ruleset, rebuilt if a written folder was replaced (a rule holds its inode)."""
+        if self._inode_blob is None:  # judge.c built it, and found one replaced: rebuilt here
+            self._build_ruleset()
+            return self._ruleset
         for path, inode in self._inodes.items():
             try:
                 st = os.stat(path)
@@ -157,6 +206,8 @@ class Rules:
 
             prctl(PR_SET_DUMPABLE, 1)
         if self.landlock:
+            import confine
+
             confine.restrict(self._current_ruleset())
         return False
 
@@ -181,6 +232,8 @@ class Rules:
             return
         try:
             import select
+
+            import confine
 
             while True:
                 select.select([listener], [], [], 30)
@@ -207,6 +260,8 @@ class Rules:
                 self._fast_gone()
                 return
         else:
+            import confine
+
             got = confine.receive(self.listener)
             if got is None:
                 return
@@ -224,27 +279,32 @@ class Rules:
         if self._judge is not None:
             self._judge.expire(job)
 
-    # -- the compiled judge (judge.c, through fastjudge) -----------------------------------
+    # -- the compiled judge (judge.c) -----------------------------------------------------
 
-    def _load_compiled(self) -> None:
+    def _load_compiled(self) -> int:
         """judge.c's functions, if the host shipped it and it loads: the exec judge's fast
-        path (its thread started by start()) and the shims' confinement. Else all of it stays
-        in Python."""
-        import fastjudge
+        path (its thread started by start()) and the shims' confinement; returned, the rules'
+        set-up (0: all of it stays in Python)."""
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), LIBRARY)
+        if not os.path.exists(path):
+            return 0
+        try:
+            import _ctypes
 
-        entries = fastjudge.load()
-        if entries is None:
-            return
-        self._entry, self._confine_c = entries
+            library = _ctypes.dlopen(path, os.RTLD_NOW | os.RTLD_LOCAL)
+            found = [_ctypes.dlsym(library, name) for name in ("stockade_judge", "stockade_confine")]
+            setup = _ctypes.dlsym(library, "stockade_setup")
+        except (OSError, AttributeError, ImportError):
+            return 0
+        self._entry, self._confine_c = found
+        return int(setup)
 
     def start(self) -> None:
         """Start the compiled judge's thread: after the supervisor said it is ready (off the
         create's path), before it reads any request. The rule is in force from __init__ on:
         an exec before this waits in the kernel until someone answers."""
         if self.notify and self._entry and self.fast is None:
-            import fastjudge
-
-            self.fast = fastjudge.FastJudge.start(self._entry, self.listener, fastjudge.config(self.commands))
+            self.fast = FastJudge.start(self._entry, self.listener, judge_config(self.commands))
             if self.fast is not None:
                 self.events = self.fast.forwards
 
@@ -356,3 +416,133 @@ def allowed_files(allow: "List[List[str]]") -> "List[str]":
         if os.path.exists(loader):
             files.add(os.path.realpath(loader))
     return sorted(files)
+
+
+# -- the compiled judge's thread, seen from the supervisor ------------------------------------
+# (here rather than in a module of its own: every sandbox under command rules starts it, and a
+# module's import is ~0.2 ms of that start before its first line)
+
+F_SETPIPE_SZ = 1031
+# The records' pipe keeps its default room (64 KiB: over a thousand records between two
+# drains; a full pipe sends the exec to Python, which drains first). Not more: pipe pages
+# count against the sandbox user's limit, which every sandbox of the host shares.
+# Read a page at a time: a command's few records fit one, and a larger buffer is a fresh
+# stretch of the heap written at each job's end (pages a shim's fork made shared: each
+# write of one is a fault, several a command with 64 KiB).
+RECORDS_READ = 4096
+RECORD_HEAD = struct.Struct("=IiiI")  # its length, pid, session, argv words kept
+
+
+def judge_config(commands: "Dict[str, List[List[str]]]") -> bytes:
+    """The rules as judge.c reads them: NUL-ended entries, a letter and its text. The sizes
+    of the programs the rules name (``program_sizes``) are found by its thread, from
+    the folders and names given (``find_sizes``): beside our start, not in it."""
+    entries = [f"M{MAX_EXEC_ARGV}"]
+    for kind in ("deny", "approve"):
+        entries += [f"P{words[0]}" for words in commands[kind] if words]
+    if commands["allow"]:
+        entries.append("L")
+        entries += [f"A{words[0]}" for words in commands["allow"] if len(words) == 1]
+    entries += [f"D{folder}" for folder in PROGRAM_DIRS]
+    entries += [f"N{name}" for name in sorted(program_names(commands))]
+    return b"".join(e.encode("utf-8", "surrogateescape") + b"\0" for e in entries)
+
+
+class FastJudge:
+    """The running thread, seen from the supervisor: ``forwards`` is what its loop waits on
+    (the execs left to Python), ``records`` what the thread let run."""
+
+    def __init__(self, forwards: int, records: int, stop: int) -> None:
+        self.forwards = forwards
+        self._records = records
+        self._stop = stop
+
+    @classmethod
+    def start(cls, entry: int, listener: int, rules: bytes) -> "Optional[FastJudge]":
+        """Start judge.c on a thread of ours: from then on it owns the listener. None (and
+        every exec to Python) for rules it cannot hold."""
+        import _ctypes
+
+        if b"\0\0" in rules or rules.count(b"\0") > 1000:
+            return None  # an empty program name, or more rules than it holds
+        forward_r, forward_w = os.pipe2(os.O_CLOEXEC)
+        records_r, records_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)  # a full pipe: to Python
+        stop_r, stop_w = os.pipe2(os.O_CLOEXEC)
+        os.set_blocking(forward_r, False)
+        import fcntl
+
+        for small in (forward_w, stop_w):  # one page each is room enough (see stop)
+            try:
+                fcntl.fcntl(small, F_SETPIPE_SZ, 4096)
+            except OSError:
+                pass
+        # A thread of its own making (a raw clone), that never takes the GIL: the call
+        # returns once it runs, and it owns the listener from then on.
+        if _ctypes.call_function(entry, (listener, forward_w, records_w, stop_r, rules, len(rules))):
+            for fd in (forward_r, forward_w, records_r, records_w, stop_r, stop_w):
+                os.close(fd)
+            return None
+        return cls(forward_r, records_r, stop_w)
+
+    def forwarded(self) -> "Optional[Tuple[int, int, int, Tuple[int, ...]]]":
+        """The next exec left to Python (as ``confine.receive`` gives it); a notification of
+        id 0 says the thread stopped on a broken listener; None: nothing whole to read."""
+        import confine  # only for what reaches Python: not part of the start
+
+        try:
+            data = os.read(self.forwards, confine.NOTIF.size)
+        except BlockingIOError:
+            return None
+        if len(data) != confine.NOTIF.size:
+            return None
+        nid, pid, _, nr, _, _, *args = confine.NOTIF.unpack(data)
+        return nid, pid, nr, tuple(args)
+
+    def stop(self, listener: int) -> None:
+        """Stop the thread (before our own exec at a reset): the listener is ours again.
+        Until the thread says it stopped (a notification of id 0), what it forwards is
+        refused: a reset has killed every process, and a full pipe would hold the thread."""
+        import select
+
+        import confine
+
+        os.write(self._stop, b"q")
+        deadline = 50  # tenths of a second: a thread that does not answer dies with our exec
+        stopped = False
+        while not stopped and deadline > 0:
+            if not select.select([self.forwards], [], [], 0.1)[0]:
+                deadline -= 1
+                continue
+            try:
+                data = os.read(self.forwards, confine.NOTIF.size * 51)  # whole notifications
+            except BlockingIOError:
+                continue
+            for at in range(0, len(data) - confine.NOTIF.size + 1, confine.NOTIF.size):
+                nid = confine.NOTIF.unpack_from(data, at)[0]
+                if nid:
+                    confine.answer(listener, nid, False, EPERM)
+                else:
+                    stopped = True
+
+    def records(self) -> "List[Tuple[int, str, List[str]]]":
+        """The execs it let run since the last call: (session, path, argv) each."""
+        data = b""
+        while True:
+            try:
+                chunk = os.read(self._records, RECORDS_READ)
+            except BlockingIOError:
+                break
+            data += chunk
+            if len(chunk) < RECORDS_READ:
+                break  # a pipe's read gives all it holds: it is empty (no second read)
+        found = []
+        at = 0
+        while at + RECORD_HEAD.size <= len(data):
+            size, _pid, session, _kept = RECORD_HEAD.unpack_from(data, at)
+            if size <= RECORD_HEAD.size:
+                break  # never written so by judge.c; stop rather than loop
+            words = data[at + RECORD_HEAD.size : at + size].split(b"\0")[:-1]
+            at += size
+            text = [w.decode("utf-8", "surrogateescape") for w in words]
+            found.append((session, text[0], text[1:]))
+        return found
