@@ -10,6 +10,7 @@ import pytest
 from stockade import Limits, Sandbox
 from stockade.sandbox import _registry
 from tests.conftest import require_tier
+from tests.integration.microvm_images import microvm_boot_images  # noqa: F401 - a fixture
 from tests.integration.service_env import postgres_url, redis_queue  # noqa: F401 - the service's fixtures
 
 # Every tier must pass the same conformance and containment suites.

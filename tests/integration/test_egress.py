@@ -33,6 +33,7 @@ from stockade.types import NetworkPolicy
 from tests.conftest import host_processes, require, require_tier, wait_for
 from tests.egress_servers import TOKEN, Servers, servers
 from tests.integration.conftest import TIERS
+from tests.integration.microvm_images import BootImages
 
 LIMITS = Limits(memory_mb=512, timeout_s=120, pids=64)
 
@@ -541,7 +542,7 @@ except urllib.error.HTTPError as err:
 
 
 def test_a_microvm_with_an_allowlist_starts_from_an_image_and_keeps_files_only(
-    local: Servers, tmp_path: Path
+    local: Servers, tmp_path: Path, microvm_boot_images: BootImages
 ) -> None:
     """An image's guest (a boot image's, a ready image's, a QEMU started ahead) has an egress
     port with nothing behind it: the sandbox's own proxy goes behind it when the guest becomes
@@ -558,7 +559,7 @@ def test_a_microvm_with_an_allowlist_starts_from_an_image_and_keeps_files_only(
         return sandbox.instance.started_from
 
     store = SnapshotStore(tmp_path / "snapshots")
-    backend = microvm.MicroVMBackend(snapshot_store=SnapshotStore(tmp_path / "images"))
+    backend = microvm.MicroVMBackend(snapshot_store=microvm_boot_images(tmp_path / "images"))
     run = f"python3 get.py {local.http_port} {local.https_port}"
     expected = ["http", "hello", "/m", "https", "authorized=True", "403"]
     try:

@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from stockade import Limits, Sandbox, SandboxPool, SandboxRules, SnapshotStore
+from stockade import Limits, Sandbox, SandboxPool, SandboxRules
 from stockade.sandbox import _guest, microvm
 from stockade.sandbox._microvm_instance import VMInstance
 from stockade.sandbox.base import SandboxSpec
 from stockade.types import Mechanism
 from tests.conftest import require_tier, wait_for
 from tests.integration.approvals import YesTo, remove_each
+from tests.integration.microvm_images import BootImages
 
 MiB = 1024 * 1024
 
@@ -121,12 +122,16 @@ DRAWS = (
 )
 
 
-def test_a_qemu_started_ahead_becomes_the_next_sandbox_and_ends_with_close(tmp_path: Path) -> None:
+def test_a_qemu_started_ahead_becomes_the_next_sandbox_and_ends_with_close(
+    tmp_path: Path, microvm_boot_images: BootImages
+) -> None:
     """The next start takes the QEMU started ahead (its guest run for the first time then,
     reseeded first): each guest draws its own randomness, has its own id and the host's
     time. Closing the backend ends the one waiting."""
     require_tier("microvm")
-    backend = microvm.MicroVMBackend(snapshot_store=SnapshotStore(tmp_path / "store"), ready_images=False)
+    backend = microvm.MicroVMBackend(
+        snapshot_store=microvm_boot_images(tmp_path / "store"), ready_images=False
+    )
     draws = []
     try:
         with Sandbox.create("microvm", backend=backend) as first:
@@ -168,19 +173,21 @@ def _flip_a_byte(path: Path) -> None:
         fh.write(bytes([byte[0] ^ 1]))
 
 
-def test_a_modified_boot_image_is_refused_and_the_qemu_that_loaded_it_dropped(tmp_path: Path) -> None:
+def test_a_modified_boot_image_is_refused_and_the_qemu_that_loaded_it_dropped(
+    tmp_path: Path, microvm_boot_images: BootImages
+) -> None:
     """A byte of the boot image's RAM changed after a QEMU was started ahead on it: that QEMU
     is never handed out, and no guest starts from the image (the sandbox boots cold)."""
     require_tier("microvm")
-    store = SnapshotStore(tmp_path / "store")
+    store = microvm_boot_images(tmp_path / "store")
     backend = microvm.MicroVMBackend(snapshot_store=store, ready_images=False)
     try:
         with Sandbox.create("microvm", backend=backend):
             pass
         ahead = backend.wait_ahead(120)
         assert ahead is not None
-        ((_, ref),) = store.refs("boot")
-        _flip_a_byte(store.object_path(store.load(ref).blobs["ram"]))
+        for _, ref in store.refs("boot"):  # this machine's, and the others' the store holds
+            _flip_a_byte(store.object_path(store.load(ref).blobs["ram"]))
         with Sandbox.create("microvm", backend=backend) as cold:
             assert cold.id != ahead
             assert cold.run_code("1 + 1").text == "2"
@@ -190,13 +197,15 @@ def test_a_modified_boot_image_is_refused_and_the_qemu_that_loaded_it_dropped(tm
         backend.close()
 
 
-def test_a_configuration_seen_before_starts_from_its_ready_image(tmp_path: Path) -> None:
+def test_a_configuration_seen_before_starts_from_its_ready_image(
+    tmp_path: Path, microvm_boot_images: BootImages
+) -> None:
     """After a first start, the boot image configured as that sandbox was, its interpreter
     started, is kept (a ready image): the next sandboxes of that configuration start from it,
     their interpreter already there (started in the image), each with its own randomness and
     an empty workspace. Other limits start as before (and get an image of their own)."""
     require_tier("microvm")
-    store = SnapshotStore(tmp_path / "store")
+    store = microvm_boot_images(tmp_path / "store")
     backend = microvm.MicroVMBackend(snapshot_store=store)
     try:
         with Sandbox.create("microvm", backend=backend) as first:
@@ -252,7 +261,7 @@ def _files_holding(root: Path, needle: bytes) -> list[Path]:
 
 
 def test_a_callers_variables_reach_a_sandbox_from_a_ready_image_and_no_file_of_the_store(
-    tmp_path: Path,
+    tmp_path: Path, microvm_boot_images: BootImages
 ) -> None:
     """The ready image is made without the caller's variables (a variable may be a secret):
     a sandbox started from it gets them after the resume, and its commands, its interpreter's
@@ -260,7 +269,7 @@ def test_a_callers_variables_reach_a_sandbox_from_a_ready_image_and_no_file_of_t
     children see them, after a reset too. The value is in no file of the snapshot store; a
     sandbox without them, from the same image, has none of them."""
     require_tier("microvm")
-    store = SnapshotStore(tmp_path / "store")
+    store = microvm_boot_images(tmp_path / "store")
     backend = microvm.MicroVMBackend(snapshot_store=store)
     secret = "tok-" + os.urandom(12).hex()
     envs = {"API_TOKEN": secret, "LANG": "C"}  # a variable of its own, and one of the defaults
@@ -288,7 +297,9 @@ def test_a_callers_variables_reach_a_sandbox_from_a_ready_image_and_no_file_of_t
     assert _files_holding(store.root, secret.encode()) == []
 
 
-def test_a_sandbox_with_rules_starts_from_its_ready_image_and_holds_them(tmp_path: Path) -> None:
+def test_a_sandbox_with_rules_starts_from_its_ready_image_and_holds_them(
+    tmp_path: Path, microvm_boot_images: BootImages
+) -> None:
     """Rules are configuration: the image holds them configured (the judge, Landlock, the
     masks), and each sandbox from it holds them as one started cold: a denied program
     masked, an argv rule judged (the host's approver asked), writes only where allowed.
@@ -297,7 +308,7 @@ def test_a_sandbox_with_rules_starts_from_its_ready_image_and_holds_them(tmp_pat
 
     approver = YesTo("src/yes")
     rules = SandboxRules(deny=("uname",), approve=("rm -r",), write=("src/**",))
-    store = SnapshotStore(tmp_path / "store")
+    store = microvm_boot_images(tmp_path / "store")
     backend = microvm.MicroVMBackend(snapshot_store=store)
     try:
         with Sandbox.create("microvm", backend=backend, rules=rules, approver=approver) as first:
@@ -326,7 +337,9 @@ def test_a_sandbox_with_rules_starts_from_its_ready_image_and_holds_them(tmp_pat
         backend.close()
 
 
-def test_a_configurations_first_start_comes_from_the_ready_image_built_ahead(tmp_path: Path) -> None:
+def test_a_configurations_first_start_comes_from_the_ready_image_built_ahead(
+    tmp_path: Path, microvm_boot_images: BootImages
+) -> None:
     """``prepare_for`` (a deploy step, ``stockade prepare``) builds the machine's boot image and
     the configuration's ready image, and starts a QEMU ahead on it: the very first sandbox of
     that configuration starts from it (in that QEMU), its rules in force before any code
@@ -334,7 +347,7 @@ def test_a_configurations_first_start_comes_from_the_ready_image_built_ahead(tmp
     hold all the same. A pool has its members' image built before its first fill: its first
     member starts from it too."""
     require_tier("microvm")
-    store = SnapshotStore(tmp_path / "store")
+    store = microvm_boot_images(tmp_path / "store")
     backend = microvm.MicroVMBackend(snapshot_store=store)
     rules = SandboxRules(deny=("uname",), write=("src/**",))
     try:
