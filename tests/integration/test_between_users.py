@@ -385,10 +385,9 @@ def test_a_user_who_kills_the_zygote_gets_no_interpreter_forked_from_the_supervi
     assert _secrets_in_memory(sbx, planted) == 0
 
 
-# Alone: on gVisor the supervisor's priority over code is not the host's to give (gVisor keeps a
-# nice value without scheduling by it), so a bomb's 63 processes share the sandbox's CPU with it
-# equally; beside another worker's guest that once kept its report past the grace (CI, 2026-12-02)
-# and the host took the sandbox down whole, as it must when a supervisor is that late.
+# Alone: beside another worker's microVM guest, the gVisor supervisor's report of the bomb's
+# timeout once came past the grace (CI, 2026-12-02), and the host took the sandbox down whole, as
+# it must when a supervisor is that late (the bomb contained, this test's next call refused).
 @pytest.mark.alone
 def test_a_fork_bomb_does_not_keep_the_zygote_from_the_next_interpreter(tier: str) -> None:
     # The zygote is one of the sandbox's processes (its pids limit counts it); a fork bomb
