@@ -192,6 +192,10 @@ def test_kernel_surface_is_refused(sbx: Sandbox, attempt: str) -> None:
     assert r.exit_code != 0, f"{attempt!r} succeeded: {r.stdout} {r.stderr}"
 
 
+# Alone: beside another worker's tests, gVisor's supervisor once reported the bomb's timeout past
+# the grace (CI, 2026-12-02) and the host took the sandbox down whole (contained, but not what
+# this test checks); gVisor's close after a bomb also takes up to 30 s on this machine at times.
+@pytest.mark.alone
 def test_a_fork_bomb_is_contained(tier: str) -> None:
     bomb = f"bomb{secrets.token_hex(4)}"  # on the command line of every fork: findable on the host
     with Sandbox.create(tier, limits=Limits(pids=64, timeout_s=5)) as sbx:
