@@ -105,7 +105,7 @@ class Rules:
                 entries.append("w")
             entries += ["W" + path for path in self._writable() or ()]
             entries += ["E" + path for path in self.executable or ()]
-        cfg = b"".join(e.encode("utf-8", "surrogateescape") + b"\0" for e in entries)
+        cfg = c_entries(entries)
         got = _ctypes.call_function(setup, (cfg, len(cfg)))
         if got == -ENOSYS:
             return False
@@ -445,6 +445,12 @@ def judge_config(commands: "Dict[str, List[List[str]]]") -> bytes:
         entries += [f"A{words[0]}" for words in commands["allow"] if len(words) == 1]
     entries += [f"D{folder}" for folder in PROGRAM_DIRS]
     entries += [f"N{name}" for name in sorted(program_names(commands))]
+    return c_entries(entries)
+
+
+def c_entries(entries: "List[str]") -> bytes:
+    """Entries as judge.c reads them (its set-up's and its thread's): each NUL-ended, any
+    byte of a path kept (surrogateescape)."""
     return b"".join(e.encode("utf-8", "surrogateescape") + b"\0" for e in entries)
 
 
