@@ -41,6 +41,7 @@ from stockade.sandbox._docker_engine import (
     mapped_engine_errors,
     no_logs,
     remove_container,
+    remove_exited,
     retry_removals,
 )
 from stockade.sandbox._gvisor_memory import EGRESS_REFUSAL, ContainerMemory
@@ -170,7 +171,7 @@ class _ContainerBoundary(Boundary):
             return None
 
     def _kill(self) -> None:
-        remove_container(self.api, self.cid)
+        remove_exited(self.api, self.cid)  # the channel was closed first: the supervisor is ending
         _release_mounts(self.rundir, self.mounts)
         if self.lease is not None:  # last: no process of the sandbox is left with the uid
             self.lease.release()
