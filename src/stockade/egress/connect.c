@@ -11,7 +11,9 @@
  * FD_CLOEXEC kept). What a program could tell: TCP options are accepted and ignored
  * (setsockopt, and getsockopt reads zeros), getpeername says 127.0.0.1:3128 and getsockname
  * 127.0.0.1 port 0; socket options set before the connect (buffer sizes, timeouts) are not
- * carried over.
+ * carried over. A socket already connecting to the relay (a connect the shortcut could not
+ * make, asked again by a program checking on it) is replaced the same way: it is then
+ * connected, to the proxy.
  *
  * Freestanding, like judge.c: no libc (system calls inline), errno through the C library's
  * __errno_location (glibc's and musl's), so one build loads into any image's programs.
@@ -176,16 +178,20 @@ static int as_relay(struct sockaddr *addr, socklen_t *len, unsigned short port) 
 }
 
 __attribute__((visibility("default"))) int getpeername(int fd, struct sockaddr *addr, socklen_t *len) {
-    struct sockaddr_un peer;
+    union {
+        struct sockaddr_un un;
+        char any[128]; /* sockaddr_storage's size: room for any family's address */
+    } peer;
     socklen_t size = sizeof(peer);
     if (!addr || !len)
         return result(sys(SYS_getpeername, fd, (long)addr, (long)len, 0, 0));
     long r = sys(SYS_getpeername, fd, (long)&peer, (long)&size, 0, 0);
     if (r != 0)
         return result(r);
-    if (is_proxy(&peer, size))
+    if (is_proxy(&peer.un, size))
         return as_relay(addr, len, PORT_BE);
-    give(addr, len, &peer, size);
+    give(addr, len, &peer, size < sizeof(peer) ? size : sizeof(peer));
+    *len = size; /* the whole address's length, as the kernel tells it */
     return 0;
 }
 
