@@ -5,7 +5,11 @@ names. The same client script (the sandbox's python, urllib, a new connection pe
 as urllib makes them) runs on the host straight to the server (direct), on the host
 through the proxy, and inside a sandbox of the tier, where its only way out is the relay on
 the sandbox's loopback and the proxy behind it; the sandbox twice, its relay with warm
-connections to the proxy (``WARM``; shipped off) and without (a connection per request). The
+connections to the proxy (``WARM``; shipped off) and without (a connection per request). On
+gVisor the sandbox's programs take the connect shortcut (``egress/connect.c``, preloaded:
+the proxy's socket without the relay), so there those two ways differ in nothing; a third
+runs the client without it (``env -u LD_PRELOAD``): the relay alone, as programs without the
+shortcut take it (on the other tiers, the same as "relay cold"). The
 difference of the medians is what the proxy path adds per request. Every way runs once per
 round (interleaved), so a busy host weighs on all of them alike. Throughput is one large
 download read in 1 MiB pieces: plain HTTP through the proxy, and HTTPS through a CONNECT
@@ -116,9 +120,12 @@ def _host_client(urls: tuple[str, ...], count: int, ca: Path, env: dict[str, str
     return result
 
 
-def _sandbox_client(sbx: Sandbox, urls: tuple[str, ...], count: int) -> dict[str, Any]:
+def _sandbox_client(
+    sbx: Sandbox, urls: tuple[str, ...], count: int, *, shortcut: bool = True
+) -> dict[str, Any]:
+    unset = "" if shortcut else "env -u LD_PRELOAD "  # the relay alone, where a tier preloads
     r = sbx.commands.run(
-        f"python3 client.py {urls[0]} {count} {urls[1]} {urls[2]} /workspace/ca.pem", timeout_s=600
+        f"{unset}python3 client.py {urls[0]} {count} {urls[1]} {urls[2]} /workspace/ca.pem", timeout_s=600
     )
     assert r.exit_code == 0, r.stderr
     result: dict[str, Any] = json.loads(r.stdout)
@@ -144,7 +151,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--mb", type=int, default=64, help="each download, per way and round")
     args = parser.parse_args()
-    ways = ("direct (host)", "proxy only (host)", "sandbox, relay cold", "sandbox, relay warm")
+    ways = (
+        "direct (host)", "proxy only (host)", "sandbox, relay cold", "sandbox, relay warm",
+        "sandbox, relay alone (no LD_PRELOAD)",
+    )  # fmt: skip
     results: dict[str, list[dict[str, Any]]] = {way: [] for way in ways}
     load = [os.getloadavg()[0]]
     with served() as local, contextlib.ExitStack() as stack:
@@ -177,6 +187,7 @@ def main() -> None:
                 ),
                 ways[2]: lambda: _sandbox_client(cold, names, args.requests),
                 ways[3]: lambda: _sandbox_client(warm, names, args.requests),
+                ways[4]: lambda: _sandbox_client(cold, names, args.requests, shortcut=False),
             }
             for way in ways:
                 results[way].append(run[way]())

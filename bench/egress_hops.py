@@ -6,8 +6,10 @@ against each part of the path, interleaved in rounds, so the differences are the
 * on the host: straight to the server ("direct"), and through the proxy on a TCP port;
 * inside a sandbox of the tier: to a server in the sandbox on its own loopback (what one
   connection over the sandbox's loopback costs: gVisor's netstack on that tier), to the
-  proxy's socket bound into the sandbox without the relay, and through the relay
-  (127.0.0.1:3128, where HTTP_PROXY points), as code does.
+  proxy's socket bound into the sandbox without the relay, through the relay
+  (127.0.0.1:3128, where HTTP_PROXY points), and to that port as the sandbox's programs
+  connect (on gVisor the connect shortcut preloaded into them takes them to the proxy's
+  socket; elsewhere the relay again).
 
 Beside the times, the CPU the proxies' thread spent per request in each way (its
 ``thread_time``; both proxies, the host's and the sandbox's, run on it): what the proxy
@@ -86,8 +88,13 @@ def run_host(target: str, request: str, count: int) -> list[float]:
     return times
 
 
-def run_sandbox(sbx: Sandbox, mode: str, target: str, request: str, count: int) -> list[float]:
-    r = sbx.commands.run(["python3", "hops.py", mode, target, request, str(count)], timeout_s=600)
+def run_sandbox(
+    sbx: Sandbox, mode: str, target: str, request: str, count: int, *, shortcut: bool = False
+) -> list[float]:
+    # Without the connect shortcut (gVisor preloads it into the sandbox's programs) unless
+    # asked: each way is then the hop it names.
+    unset = [] if shortcut else ["env", "-u", "LD_PRELOAD"]
+    r = sbx.commands.run([*unset, "python3", "hops.py", mode, target, request, str(count)], timeout_s=600)
     assert r.exit_code == 0, r.stderr
     times: list[float] = json.loads(r.stdout)
     return times
@@ -129,6 +136,9 @@ def main() -> None:
                 ),
                 "sandbox: through the relay (127.0.0.1:3128)": lambda: run_sandbox(
                     sbx, "relay", "127.0.0.1:3128", absolute, args.requests
+                ),
+                "sandbox: 127.0.0.1:3128 as shipped (gVisor: the connect shortcut)": lambda: run_sandbox(
+                    sbx, "relay", "127.0.0.1:3128", absolute, args.requests, shortcut=True
                 ),
             }
             results: dict[str, list[list[float]]] = {way: [] for way in ways}

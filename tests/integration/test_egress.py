@@ -597,3 +597,43 @@ def test_a_microvm_with_an_allowlist_starts_from_an_image_and_keeps_files_only(
         assert fork.run_code("'x' in globals()").text == "False"  # a new interpreter
         r = fork.commands.run(f"python3 get.py {local.http_port}")
     assert r.stdout.split() == ["http", "hello", "/m"], r.stdout + r.stderr  # its own proxy, same rules
+
+
+# How a program's connection to the relay's port was made: the connect shortcut's is a Unix
+# socket (the proxy's, bound in), the relay's a TCP connection over the sandbox's loopback.
+HOW_CONNECTED = """
+import json, socket, sys, urllib.error, urllib.request
+s = socket.create_connection(("127.0.0.1", 3128))
+domain = s.getsockopt(socket.SOL_SOCKET, socket.SO_DOMAIN)
+s.close()
+answer = urllib.request.urlopen(f"http://pkg.test:{sys.argv[1]}/s", timeout=20).read().decode()
+try:
+    urllib.request.urlopen(f"http://other.test:{sys.argv[1]}/", timeout=20)
+    refused = "allowed"
+except urllib.error.HTTPError as e:
+    refused = e.code
+print(json.dumps(["unix" if domain == socket.AF_UNIX else "tcp", answer, refused]))
+"""
+
+
+@pytest.mark.gvisor
+@pytest.mark.parametrize("mode", ["docker", "runsc"])
+def test_on_gvisor_programs_reach_the_proxys_socket_without_the_relay(mode: str, local: Servers) -> None:
+    from stockade.sandbox.gvisor import GVisorBackend
+
+    require_tier("gvisor")
+    backend = GVisorBackend(mode=mode)  # type: ignore[arg-type]
+    report = backend.probe()
+    require(f"gVisor ({mode})", report.available, report.detail)
+    with Sandbox.create(backend=backend, limits=LIMITS, network=local.policy(credentials=())) as sbx:
+        sbx.files.write("how.py", HOW_CONNECTED)
+        command = sbx.commands.run(f"python3 how.py {local.http_port}")
+        # A program without the shortcut (a static one, or one that drops it) takes the relay.
+        relayed = sbx.commands.run(f"env -u LD_PRELOAD python3 how.py {local.http_port}")
+        # The interpreter run_code forks from the supervisor has it too.
+        code = sbx.run_code(
+            f"import sys; sys.argv = ['how', '{local.http_port}']\nexec(open('how.py').read())"
+        )
+    assert json.loads(command.stdout) == ["unix", "http hello /s", 403], command.stdout + command.stderr
+    assert json.loads(relayed.stdout) == ["tcp", "http hello /s", 403], relayed.stdout + relayed.stderr
+    assert json.loads(code.logs.stdout) == ["unix", "http hello /s", 403], code

@@ -7,6 +7,10 @@ and the relay the supervisor runs inside (``relay``: it listens on the sandbox's
 loopback, ``127.0.0.1:3128``, and carries each connection to the socket). The sandbox
 keeps no network of its own: no interface but its loopback, no DNS.
 
+On gVisor (``preload``) the folder also holds ``connect.so`` (``_preload.py``), which
+``LD_PRELOAD`` loads into the sandbox's programs: their connects to the relay's port go to
+the proxy's socket itself, without the relay's hop over gVisor's netstack.
+
 The folder is 0700, owned by the sandbox's host uid: no other account of the host can
 reach the socket (and with it the sandbox's credentials).
 """
@@ -22,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stockade.egress import _loop
+from stockade.egress import _loop, _preload
 from stockade.egress._mux import Mux
 from stockade.egress.proxy import EgressProxy, Resolver
 from stockade.sandbox.base import SandboxSpec
@@ -52,6 +56,7 @@ class Attachment:
     env: dict[str, str] = field(default_factory=dict)
     relay: dict[str, Any] = field(default_factory=dict)
     mux: Mux | None = None  # the microVM's streams over its egress port
+    preload: str | None = None  # the connect shortcut's path in the sandbox (LD_PRELOAD)
     _closed: bool = False
 
     @property
@@ -107,6 +112,7 @@ def attach(
     root: Path | None = None,
     resolver: Resolver | None = None,
     shared: bool = False,
+    preload: bool = False,
 ) -> Attachment:
     """Start ``spec``'s proxy on ``folder/proxy.sock``; ``root`` is the sandbox's root
     filesystem (its system trust bundle is extended with the sandbox's CA), ``uid`` the
@@ -114,7 +120,11 @@ def attach(
 
     ``shared``: the sandbox's uid is no host uid of its own (gVisor run directly), so the
     socket is open to every uid that can reach it; the caller puts ``folder`` where only
-    the sandbox can (a folder of root's, 0700, that the sandbox sees only as the mount)."""
+    the sandbox can (a folder of root's, 0700, that the sandbox sees only as the mount).
+
+    ``preload``: the sandbox's programs get the connect shortcut (``LD_PRELOAD``) where this
+    host can build it; the tier starts its supervisor with ``Attachment.preload`` preloaded
+    too, so that the interpreters it forks have it."""
     folder.mkdir(mode=0o700)
     try:
         proxy = EgressProxy(spec.network, observer=spec.egress_observer, resolver=resolver)
@@ -137,6 +147,14 @@ def attach(
             for path in (folder, *folder.iterdir()):
                 os.chown(path, uid, uid)
         attachment.env = proxy_env(ca.decode() if ca is not None else None)
+        shortcut = _preload.library(PROXY_PORT, f"{SANDBOX_DIR}/{SOCKET}") if preload else None
+        if shortcut is not None:
+            # Root's and read-only, written after the chown: the sandbox's uid owns the
+            # folder, not the code every program of the sandbox loads.
+            (folder / _preload.LIBRARY).write_bytes(shortcut)
+            os.chmod(folder / _preload.LIBRARY, 0o444)
+            attachment.preload = f"{SANDBOX_DIR}/{_preload.LIBRARY}"
+            attachment.env["LD_PRELOAD"] = attachment.preload
         attachment.relay = {
             "listen": PROXY_PORT,
             "socket": f"{SANDBOX_DIR}/{SOCKET}",

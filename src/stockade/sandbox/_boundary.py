@@ -18,8 +18,8 @@ class EgressHandle(Protocol):
     """What a boundary needs of its sandbox's egress proxy (``stockade.egress.Attachment``).
 
     Stated here, on the boundary's side, because ``stockade.egress`` is imported only when a
-    sandbox has an allowlist (its parser is an extra): the tiers depend on these three, not
-    on the proxy."""
+    sandbox has an allowlist (its parser is an extra): the tiers depend on these, not on the
+    proxy."""
 
     @property
     def env(self) -> Mapping[str, str]:
@@ -29,6 +29,11 @@ class EgressHandle(Protocol):
     @property
     def relay(self) -> Mapping[str, Any]:
         """The supervisor's relay configuration (the ``egress`` of its ``init`` frame)."""
+        ...
+
+    @property
+    def preload(self) -> str | None:
+        """The connect shortcut's path in the sandbox, preloaded into its programs (gVisor)."""
         ...
 
     def close(self) -> None:

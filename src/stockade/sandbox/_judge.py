@@ -12,70 +12,27 @@ x86_64) there is no library, and every tier judges in Python: slower, never weak
 
 from __future__ import annotations
 
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
+from stockade.sandbox import _native
 from stockade.sandbox._rootfs import cache_root
 
 __all__ = ["FLAGS", "LIBRARY", "SOURCE", "build", "built", "library"]
 
 SOURCE = Path(__file__).parent / "supervisor" / "judge.c"
 LIBRARY = "judge.so"  # its name beside the supervisor's modules
-FLAGS = (
-    "-O2", "-shared", "-fPIC", "-nostdlib", "-ffreestanding", "-fno-builtin",
-    "-fno-stack-protector", "-fvisibility=hidden", "-Wall", "-Werror",
-)  # fmt: skip
-
-
-def _target(folder: Path | None) -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes() + repr(FLAGS).encode()).hexdigest()[:16]
-    return (folder or cache_root() / "judge") / f"judge-{digest}.so"
+FLAGS = _native.FREESTANDING
 
 
 def built(folder: Path | None = None) -> Path | None:
     """The library if it is in ``folder`` (the cache) already; never compiles."""
-    target = _target(folder)
-    return target if platform.machine() == "x86_64" and target.is_file() else None
+    return _native.built(SOURCE, FLAGS, folder or cache_root() / "judge")
 
 
 def build(folder: Path | None = None) -> Path | None:
     """The library, compiled into ``folder`` (the cache) unless it is there; None without a
     compiler or off x86_64 (the listener it serves is x86_64 only)."""
-    if platform.machine() != "x86_64":
-        return None
-    target = _target(folder)
-    if target.is_file():
-        return target
-    folder = target.parent
-    cc = shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        return None
-    try:  # a user without a writable cache (a service account's home) judges in Python
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".judge-", suffix=".so", dir=folder)
-    except OSError:
-        return None
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, timeout=120, check=False
-        )
-        if done.returncode != 0:
-            return None
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)  # whole or not at all: another process may be building it too
-    except (OSError, subprocess.SubprocessError):
-        return None
-    finally:
-        with_tmp = Path(tmp)
-        if with_tmp.exists():
-            with_tmp.unlink()
-    return target
+    return _native.build(SOURCE, FLAGS, folder or cache_root() / "judge")
 
 
 _library: list[bytes | None] = []  # once known in this process: its bytes, or None (no build)

@@ -32,6 +32,7 @@ from typing import Any
 
 from stockade import exceptions as exc
 from stockade.sandbox import _guest, _host, _rules
+from stockade.sandbox._boundary import EgressHandle
 from stockade.sandbox._docker_engine import (
     AttachStream,
     docker_py,
@@ -66,6 +67,15 @@ API_TIMEOUT_S = 30.0
 COMPILED = "/tmp/stockade-compiled.json"
 MAX_COMPILED = 16 * 1024 * 1024
 EGRESS_DIR = "/run/stockade-egress"  # stockade.egress.SANDBOX_DIR (not imported: it is lazy)
+
+
+def _supervisor_env(egress: EgressHandle | None) -> list[str]:
+    """The supervisor's own environment. With egress on gVisor, the connect shortcut is
+    preloaded into it too, so that the interpreters it forks for ``run_code`` take it."""
+    env = ["PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8"]
+    if egress is not None and egress.preload is not None:
+        env.append(f"LD_PRELOAD={egress.preload}")
+    return env
 
 
 def _hide_the_host(tmpfs: dict[str, str], binds: dict[str, dict[str, str]], *, own_kernel: bool) -> None:
@@ -661,7 +671,10 @@ class DockerBackend(Backend):
             if spec.network.egress and rundir is not None:
                 from stockade.egress import attach
 
-                egress = attach(spec, rundir / "egress", uid=lease.uid, root=self._image_root())
+                # On gVisor the connect shortcut too (stockade.egress._preload).
+                egress = attach(
+                    spec, rundir / "egress", uid=lease.uid, root=self._image_root(), preload=self.own_kernel
+                )
                 binds[EGRESS_DIR] = egress.folder
             with mapped_engine_errors(self.image, self.runtime):
                 created = api.create_container(
@@ -669,7 +682,7 @@ class DockerBackend(Backend):
                     command=list(_guest.SUPERVISOR_ARGV),
                     user=f"{lease.uid}:{lease.uid}",
                     working_dir=WORKSPACE,
-                    environment=["PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8"],
+                    environment=_supervisor_env(egress),
                     hostname="sandbox",
                     labels=self._labels(spec, sid),
                     stdin_open=True,

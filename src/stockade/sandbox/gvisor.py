@@ -206,6 +206,13 @@ class _RunscBoundary(Boundary):
         _release(self.bundle, self.mounts)
 
 
+def _preload_supervisor(config: dict[str, Any], egress: EgressHandle | None) -> None:
+    """The egress connect shortcut in the supervisor's environment too (where there is one):
+    the interpreters it forks for ``run_code`` take it."""
+    if egress is not None and egress.preload is not None:
+        config["process"]["env"].append(f"LD_PRELOAD={egress.preload}")
+
+
 def _release(bundle: Path, mounts: list[Path], egress: EgressHandle | None = None) -> None:
     if egress is not None:
         egress.close()
@@ -476,7 +483,7 @@ class RunscBackend(Backend):
             if spec.network.egress:  # in the bundle (root's, 0700): only the sandbox reaches it
                 from stockade.egress import attach
 
-                egress = attach(spec, bundle / "egress", root=self.rootfs, shared=True)
+                egress = attach(spec, bundle / "egress", root=self.rootfs, shared=True, preload=True)
                 binds[_guest.EGRESS_DIR] = egress.folder
             # a container's image restores on the image's own files; others on the offline rootfs
             root = self.rootfs
@@ -499,6 +506,7 @@ class RunscBackend(Backend):
                 annotations=annotations,
                 masks=masks,
             )
+            _preload_supervisor(config, egress)
             if docker is not None:
                 config["process"]["user"] = {"uid": uid, "gid": uid, "additionalGids": [uid]}
                 config["mounts"] = docker.oci_mounts(self._docker_sources(bundle, binds, folder, uid))

@@ -19,6 +19,7 @@ class _Egress:
     def __init__(self) -> None:
         self.env = {"HTTP_PROXY": "http://127.0.0.1:3128"}
         self.relay = RELAY
+        self.preload: str | None = None  # the microVM's programs take its relay
 
     def close(self) -> None:
         pass

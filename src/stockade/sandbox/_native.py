@@ -1,0 +1,69 @@
+"""Small freestanding C libraries stockade ships into sandboxes, built once per host.
+
+Each is compiled with the host's C compiler into the cache, named after its source and
+flags (a changed source is a new file, never a stale one), and written whole or not at all.
+Without a compiler, off x86_64 (the system calls are inlined for it), or without a writable
+cache there is no library, and its caller takes its slower way (never a weaker one).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+__all__ = ["FREESTANDING", "build", "built"]
+
+# No C library (system calls inline): one build loads into any image's programs.
+FREESTANDING = (
+    "-O2", "-shared", "-fPIC", "-nostdlib", "-ffreestanding", "-fno-builtin",
+    "-fno-stack-protector", "-fvisibility=hidden", "-Wall", "-Werror",
+)  # fmt: skip
+
+
+def _target(source: Path, flags: tuple[str, ...], folder: Path) -> Path:
+    digest = hashlib.sha256(source.read_bytes() + repr(flags).encode()).hexdigest()[:16]
+    return folder / f"{source.stem}-{digest}.so"
+
+
+def built(source: Path, flags: tuple[str, ...], folder: Path) -> Path | None:
+    """The library if it is in ``folder`` (the cache) already; never compiles."""
+    target = _target(source, flags, folder)
+    return target if platform.machine() == "x86_64" and target.is_file() else None
+
+
+def build(source: Path, flags: tuple[str, ...], folder: Path) -> Path | None:
+    """The library, compiled into ``folder`` unless it is there; None without a compiler,
+    a writable ``folder``, or off x86_64."""
+    if platform.machine() != "x86_64":
+        return None
+    target = _target(source, flags, folder)
+    if target.is_file():
+        return target
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        return None
+    try:  # a user without a writable cache (a service account's home) goes without
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=folder)
+    except OSError:
+        return None
+    os.close(fd)
+    try:
+        argv = [cc, *flags, "-o", tmp, str(source)]
+        done = subprocess.run(argv, capture_output=True, timeout=120, check=False)
+        if done.returncode != 0:
+            return None
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)  # whole or not at all: another process may be building it too
+    except (OSError, subprocess.SubprocessError):
+        return None
+    finally:
+        with_tmp = Path(tmp)
+        if with_tmp.exists():
+            with_tmp.unlink()
+    return target
