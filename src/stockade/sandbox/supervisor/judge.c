@@ -273,7 +273,7 @@ static void parse(struct rules *r, const char *cfg, int len)
     }
 }
 
-/* The sizes of the N programs in the D folders, as rules.program_sizes finds them for the
+/* The sizes of the N programs in the D folders, as rulespy.program_sizes finds them for the
  * Python judge (os.stat of os.path.join(folder, name), a glob skipped): a file of another
  * size is no copy of one. Done by the judge's thread before its first exec, beside the
  * supervisor's start rather than in it. */
