@@ -148,6 +148,20 @@ def test_every_allowed_exec_is_recorded_with_its_argv_each_time(approving: Sandb
         assert r.execs[-1].path.endswith("/true")
 
 
+def test_long_words_are_recorded_whole_whatever_pages_they_cross(approving: Sandbox | None) -> None:
+    """The compiled judge reads an exec's words from the caller's memory to the end of a
+    page at a time, one read serving every word on that page: words that run over a page's
+    end, and words next to them, are recorded whole (the shell's, whose one word is the whole
+    line, and the program's)."""
+    if approving is None:  # the tier said it cannot hold the rule
+        return
+    words = [letter * size for letter, size in (("a", 1500), ("b", 1100), ("c", 7), ("d", 1300))]
+    line = "/bin/true " + " ".join(words)  # a record under 4 KiB: the compiled judge's own
+    r = approving.commands.run(line)
+    assert r.exit_code == 0
+    assert [list(e.argv[1:]) for e in r.execs] == [["-c", line], words]
+
+
 def test_an_exec_waits_for_the_hosts_approver_and_runs_when_it_says_yes(tier: str) -> None:
     approver = YesTo("yes")
     sbx = _rules_or_refusal(tier, SandboxRules(approve=("rm -r",)), approver=approver)

@@ -27,7 +27,7 @@ from typing import Any
 from stockade import exceptions as exc
 from stockade.sandbox.base import SandboxSpec
 from stockade.sandbox.supervisor.protocol import MAX_EXEC_ARGV, MAX_EXEC_RECORDS
-from stockade.types import ExecRecord, Mechanism
+from stockade.types import ExecRecord, Mechanism, SandboxRules
 
 WORKSPACE = "/workspace"
 # Where programs live in an image; their copies under other names are found by content.
@@ -93,16 +93,46 @@ def _split(pattern: str) -> tuple[str, ...]:
 def plan(spec: SandboxSpec, *, root: Path | None, can_mask: bool, can_confine: bool) -> RulesPlan:
     """The rules of ``spec`` for a tier: ``root`` is the image the masks are looked up in
     (None: by name only), ``can_confine`` whether the tier's kernel runs Landlock and seccomp
-    user notification at all (gVisor does not)."""
-    rules = spec.rules
-    if rules is None:
+    user notification at all (gVisor does not).
+
+    Made once per policy and tier (every sandbox of a policy gets the same plan, ~25 us of
+    its start otherwise): the plan is shared, so nobody may change what it holds."""
+    if spec.rules is None:
         return RulesPlan(None, (), {}, ())
+    judge = "python" if os.environ.get("STOCKADE_EXEC_JUDGE") == "python" else "compiled"
+    key: dict[str, Any] = {
+        "allow_weaker": spec.allow_weaker,
+        "approver": spec.approver is not None,
+        "judge": judge,
+        "root": root,
+        "can_mask": can_mask,
+        "can_confine": can_confine,
+    }
+    try:
+        return _plan(spec.rules, **key)
+    except TypeError:  # rules given lists where tuples belong: no key, planned each time
+        return _plan.__wrapped__(spec.rules, **key)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(
+    rules: SandboxRules,
+    *,
+    allow_weaker: bool,
+    approver: bool,
+    judge: str,
+    root: Path | None,
+    can_mask: bool,
+    can_confine: bool,
+) -> RulesPlan:
+    """``plan``, from what of the spec it reads (hashable: the cache's key). A refusal
+    (``LimitNotEnforceable``) is raised again at each call, never cached."""
     weakened: list[str] = []
     enforcement: dict[str, Mechanism] = {}
     try:
         write = write_targets(rules.write)
     except exc.LimitNotEnforceable as err:
-        if not spec.allow_weaker:
+        if not allow_weaker:
             raise
         weakened.append(f"paths.write: {err}; judged on tool calls only")
         write = None
@@ -117,7 +147,7 @@ def plan(spec: SandboxSpec, *, root: Path | None, can_mask: bool, can_confine: b
     needs_kernel = write is not None or argv_rules
     if needs_kernel and not can_confine:
         what = "write rules (Landlock)" if write is not None else "command rules (seccomp user notification)"
-        if not spec.allow_weaker:
+        if not allow_weaker:
             raise exc.LimitNotEnforceable(
                 f"this tier's kernel has no {what}: code could walk around the policy here",
                 setting="paths.write" if write is not None else "commands",
@@ -137,10 +167,10 @@ def plan(spec: SandboxSpec, *, root: Path | None, can_mask: bool, can_confine: b
         if rules.judges_execs
         else {},
         "write": write,
-        "approver": spec.approver is not None,
+        "approver": approver,
         # STOCKADE_EXEC_JUDGE=python: every exec judged in Python (the compiled fast path off),
         # to compare the two (bench/policy_inside.py) or to rule the fast path out.
-        "judge": "python" if os.environ.get("STOCKADE_EXEC_JUDGE") == "python" else "compiled",
+        "judge": judge,
     }
     if write is not None:
         enforcement["paths"] = Mechanism.LANDLOCK

@@ -365,7 +365,7 @@ class ProcessBackend(Backend):
         binds = _rules.mask_binds(root, masks, cache)
         copies = [source for source, _ in binds if source != "/dev/null"]
         if copies:  # the copies this sandbox binds: garbage collection keeps them
-            (rundir / MASKS_FILE).write_text("".join(f"{copy}\n" for copy in copies))
+            _write_new(rundir / MASKS_FILE, "".join(f"{copy}\n" for copy in copies).encode())
         return [option for source, path in binds for option in ("--ro-bind", source, path)]
 
     def _bwrap_options(
@@ -640,6 +640,18 @@ def _user_process_count() -> int:
             except OSError:
                 continue
     return count
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    """A small new file, in three system calls: through pathlib's text layer it cost a
+    start under rules ~70 us (its buffered file object and encoder)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
 
 
 def _default_state_dir(is_root: bool) -> Path:

@@ -54,7 +54,7 @@ def judges() -> Iterator[tuple[Any, Any]]:
 def _decide(judges: tuple[Any, Any], workdir: Path, case: dict[str, Any]) -> tuple[int, tuple[str, Any]]:
     fast, (rules_module, execjudge) = judges
     commands = case["rules"]
-    sizes = rules_module.program_sizes(commands)
+    sizes = importlib.import_module("rulespy").program_sizes(commands)
     judge = execjudge.ExecJudge(None, commands, sizes)
     folder = workdir / "bin"
     shutil.rmtree(folder, ignore_errors=True)

@@ -41,7 +41,7 @@ class ExecJudge:
         self._index = {kind: self._indexed(patterns) for kind, patterns in commands.items()}
         self._names: "Dict[Tuple[int, int, int], str]" = {}  # file -> the name it has
         self._identity: "Dict[Tuple[int, int, int, int], str]" = {}  # (dev, ino, size, mtime) -> digest
-        self._sizes = sizes  # size -> paths of the programs rules name (rules.program_sizes)
+        self._sizes = sizes  # size -> paths of the programs rules name (rulespy.program_sizes)
         self.pending: "Dict[int, Tuple[int, int, int, Any, Dict[str, Any], Tuple[Any, ...]]]" = {}
         self.requests = 0
         self._decided: "Dict[Tuple[Any, ...], str]" = {}  # (pid, file, argv) -> verdict

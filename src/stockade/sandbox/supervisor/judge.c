@@ -273,7 +273,7 @@ static void parse(struct rules *r, const char *cfg, int len)
     }
 }
 
-/* The sizes of the N programs in the D folders, as rules.program_sizes finds them for the
+/* The sizes of the N programs in the D folders, as rulespy.program_sizes finds them for the
  * Python judge (os.stat of os.path.join(folder, name), a glob skipped): a file of another
  * size is no copy of one. Done by the judge's thread before its first exec, beside the
  * supervisor's start rather than in it. */
@@ -411,16 +411,38 @@ struct ctx {
     char scratch[PATH_MAX_ + 64];
     char link[PATH_MAX_ + 8];
     u64 pointers[512];
+    /* The rest of the caller's page read last (one exec's: emptied before each): an exec's
+     * words are most often side by side (a shell's, or Python's small strings, share a page),
+     * so that one read serves its path and argv where one a word was made. */
+    u64 window_at;
+    long window_len;
+    char window[4096];
 };
 
 /* A NUL-ended string from the caller's memory into out[0..cap); its length, or -1. */
-static long read_string(int mem, u64 at, char *out, long cap)
+static long read_string(struct ctx *c, int mem, u64 at, char *out, long cap)
 {
     long got = 0;
-    while (got < cap) {
+    if (!(c->window_len > 0 && at >= c->window_at && at - c->window_at < (u64)c->window_len)) {
+        long want = 4096 - (long)(at % 4096); /* to the end of its page: never a fault */
+        long n = sc(SYS_pread64, mem, (long)c->window, want, (long)at, 0, 0);
+        if (n <= 0)
+            return -1;
+        c->window_at = at;
+        c->window_len = n;
+    }
+    long from = (long)(at - c->window_at);
+    for (long i = from; i < c->window_len && i - from < cap; i++)
+        if (c->window[i] == 0) {
+            memcpy(out, c->window + from, (unsigned long)(i - from + 1));
+            return i - from;
+        }
+    got = c->window_len - from; /* no end in the window: the rest read the old way */
+    if (got >= cap)
+        return -1;
+    memcpy(out, c->window + from, (unsigned long)got);
+    while (got < cap) { /* from a page's start on: whole pages */
         long want = 4096 - (long)((at + (u64)got) % 4096);
-        if (!got && want > 256)
-            want = 256; /* most words are short: a small first read, then whole pages */
         if (want > cap - got)
             want = cap - got;
         long n = sc(SYS_pread64, mem, (long)(out + got), want, (long)(at + (u64)got), 0, 0);
@@ -540,7 +562,8 @@ static int judge(struct ctx *c, const struct notif *n)
      * (a pid that died and came back as another process fails this). */
     if (sc(SYS_ioctl, c->listener, (long)NOTIF_ID_VALID, (long)&n->id, 0, 0, 0) != 0)
         goto out;
-    long len = read_string((int)mem, n->args[0], c->path, PATH_MAX_);
+    c->window_len = 0; /* another caller's memory */
+    long len = read_string(c, (int)mem, n->args[0], c->path, PATH_MAX_);
     if (len < 0)
         goto out;
     if (c->path[0] != '/') {
@@ -614,7 +637,7 @@ static int judge(struct ctx *c, const struct notif *n)
                 break;
             }
             if (kept < c->rules.max_argv) {
-                long l = read_string((int)mem, c->pointers[i], rec + at, RECORD_MAX - at);
+                long l = read_string(c, (int)mem, c->pointers[i], rec + at, RECORD_MAX - at);
                 if (l < 0)
                     goto out; /* too long for a record: Python's */
                 if (kept == 0)

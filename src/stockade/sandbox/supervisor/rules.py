@@ -10,7 +10,8 @@ set-up in one call (``stockade_setup``), and a thread of ours in C answers at on
 the rules allow whatever their arguments (``FastJudge``, below); the rest, and every exec
 where it does not run, go to the Python judge (``execjudge``), loaded at the first exec that
 reaches it, so that a start pays for neither its imports nor its indexes. Without the
-library the set-up goes through ``confine``'s calls. Standard library only.
+library the set-up goes through ``confine``'s calls (``rulespy``, with every other path a
+start under judge.c does not take: a start imports this module whole). Standard library only.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ class Rules:
         self.write = cfg.get("write")  # None: the whole workspace is writable
         self.approver = bool(cfg.get("approver"))
         allow = self.commands["allow"]
-        self.executable = allowed_files(allow) if allow else None
+        self.executable = _more().allowed_files(allow) if allow else None
         needs_landlock = self.write is not None or self.executable is not None
         self._ruleset = -1  # built once (below), applied by every shim
         self._inodes: "Dict[str, Tuple[int, int]]" = {}
@@ -59,32 +60,11 @@ class Rules:
         wanted = needs_landlock or any(self.commands.values())
         setup = self._load_compiled() if wanted and cfg.get("judge") != "python" else 0
         if not (setup and self._setup_compiled(setup, needs_landlock)):
-            self._setup_python(needs_landlock)
+            _more().setup_python(self, needs_landlock)
         # What the supervisor's loop waits on for execs: the listener, or the compiled
         # judge's forwards when it runs.
         self.events = self.listener
         self._set_confine_args()
-
-    def _setup_python(self, needs_landlock: bool) -> None:
-        """The rules' set-up where judge.c is not loaded: through confine's calls."""
-        import confine
-
-        self.landlock = confine.landlock_abi() if needs_landlock else 0
-        self.notify = any(self.commands.values()) and confine.notify_available()
-        if self.notify and self.listener < 0:
-            # On ourselves: every process of the sandbox descends from us and inherits it;
-            # we exec only at a reset, and answer that exec ourselves (let_own_exec_through).
-            self.listener = confine.install_exec_listener(no_memfd=self.executable is not None)
-            confine.wake_on_this_cpu(self.listener)
-        self._make_written_folders()
-        if self.landlock:
-            self._build_ruleset()
-        # What each shim calls, prepared here once: a fork then finds it ready.
-        from reaper import PR_SET_DUMPABLE, prctl
-
-        prctl(PR_SET_DUMPABLE, 0)
-        if self._confine_c is None and (self.landlock or self.notify):
-            confine.warm()  # the call prototypes the shims' confinement in Python needs
 
     def _setup_compiled(self, setup: int, needs_landlock: bool) -> bool:
         """The same set-up in one call into judge.c (stockade_setup), which keeps the written
@@ -120,39 +100,10 @@ class Rules:
         self._inode_blob = None  # judge.c's own
         return True
 
-    def _make_written_folders(self) -> None:
-        if self.write is not None:
-            for path in self.write:
-                if path.endswith("/"):  # a folder the rules let code write: it must exist
-                    try:
-                        os.makedirs(path, exist_ok=True)
-                    except OSError:
-                        pass
-
     def _writable(self) -> "Optional[List[str]]":
         if self.write is None:
             return None
         return [p.rstrip("/") or "/" for p in (*self.write, *ALWAYS_WRITABLE)]
-
-    def _build_ruleset(self) -> None:
-        import confine
-
-        if self._ruleset >= 0:
-            os.close(self._ruleset)
-        writable = self._writable()
-        self._ruleset = confine.ruleset(self.landlock, writable, self.executable)
-        self._inodes = {}
-        for path in writable or ():
-            try:
-                st = os.stat(path)
-            except OSError:
-                continue
-            self._inodes[path] = (st.st_dev, st.st_ino)
-        self._inode_blob = b"".join(
-            struct.pack("=QQ", dev, ino) + path.encode("utf-8", "surrogateescape") + b"\0"
-            for path, (dev, ino) in self._inodes.items()
-        )
-        self._set_confine_args()
 
     def _set_confine_args(self) -> None:
         """stockade_confine's arguments, without and with the shim's subreaper."""
@@ -160,21 +111,6 @@ class Rules:
         blob = self._inode_blob  # None: those judge.c found when it built the ruleset
         head = (1 if self.notify else 0, ruleset, blob, len(blob or b""))
         self._confine_args = ((*head, 0), (*head, 1))
-
-    def _current_ruleset(self) -> int:
-        """The ruleset, rebuilt if a written folder was replaced (a rule holds its inode)."""
-        if self._inode_blob is None:  # judge.c built it, and found one replaced: rebuilt here
-            self._build_ruleset()
-            return self._ruleset
-        for path, inode in self._inodes.items():
-            try:
-                st = os.stat(path)
-            except OSError:
-                continue
-            if (st.st_dev, st.st_ino) != inode:
-                self._build_ruleset()
-                break
-        return self._ruleset
 
     def report(self) -> "Dict[str, Any]":
         """What the host is told at start: which rules the kernel here can enforce."""
@@ -191,7 +127,7 @@ class Rules:
         if compiled is not None:
             import _ctypes
 
-            # The arguments made once (_build_ruleset): every object looked up here is a
+            # The arguments made once (_set_confine_args): every object looked up here is a
             # page the fork copies.
             done = _ctypes.call_function(compiled, self._confine_args[subreaper])
             if done == 0:
@@ -208,7 +144,7 @@ class Rules:
         if self.landlock:
             import confine
 
-            confine.restrict(self._current_ruleset())
+            confine.restrict(_more().current_ruleset(self))
         return False
 
     # -- in the supervisor ------------------------------------------------------------------
@@ -218,41 +154,20 @@ class Rules:
         if self._judge is None:
             from execjudge import ExecJudge
 
-            sizes = program_sizes(self.commands)
+            sizes = _more().program_sizes(self.commands)
             self._judge = ExecJudge(self.sup, self.commands, sizes, self.approver)
         return self._judge
 
     def let_own_exec_through(self, listener: int) -> None:
-        """Answer the judge's question about our own exec (a reset's): the exec waits in the
-        kernel, holding our one thread (and the GIL), until someone does. A forked helper
-        does, then ends; any other exec waiting is refused (every other process is dead)."""
-        self.stop_fast()  # else its thread could take our exec's notification
-        me = os.getpid()
-        if os.fork() != 0:
-            return
-        try:
-            import select
-
-            import confine
-
-            while True:
-                select.select([listener], [], [], 30)
-                got = confine.receive(listener)
-                if got is None:
-                    continue
-                nid, pid, _, _ = got
-                confine.answer(listener, nid, pid == me, EPERM)
-                if pid == me:
-                    break
-        finally:
-            os._exit(0)
+        """Answer our own exec's notification at a reset (``rulespy.let_own_exec_through``)."""
+        _more().let_own_exec_through(self, listener)
 
     def on_exec(self, fd: int) -> None:
         """Judge one exec: from the listener, or forwarded by the compiled judge (whose
         records come first, to keep the job's execs in order)."""
         fast = self.fast
         if fast is not None and fd == fast.forwards:
-            got = fast.forwarded()
+            got = _more().forwarded(fast)
             if got is None:
                 return
             self.drain()
@@ -313,7 +228,7 @@ class Rules:
         again, and its records are taken in."""
         if self.fast is None:
             return
-        self.fast.stop(self.listener)
+        _more().stop(self.fast, self.listener)
         self.drain()
         self.fast = None
         self.events = self.listener
@@ -332,11 +247,25 @@ class Rules:
     def drain(self, ending: "Any" = None) -> None:
         """Take in the records of the execs judge.c let run, onto their jobs. ``ending``: the
         job that just ended (its shim is no longer ours to look up)."""
-        if self.fast is None:
+        fast = self.fast
+        if fast is None:
             return
-        for session, path, argv in self.fast.records():
+        # Each object made or touched here is a page the supervisor writes at every command
+        # (a shim's fork shares them all, so each first write is a copy): one loop, one
+        # decode per record, no list of them in between.
+        data = fast.read_records()
+        at, end, head = 0, len(data), RECORD_HEAD.size
+        while at + head <= end:
+            size, _pid, session, _kept = RECORD_HEAD.unpack_from(data, at)
+            if size <= head:
+                break  # never written so by judge.c; stop rather than loop
+            words = data[at + head : at + size - 1].decode("utf-8", "surrogateescape").split("\0")
+            at += size
             job = self._job_led_by(session, ending)
-            record(job, {"path": path, "argv": argv, "verdict": "allow", "rule": ""})
+            if job is not None:
+                job.exec_count += 1
+                if len(job.execs) < MAX_EXEC_RECORDS:
+                    job.execs.append({"path": words[0], "argv": words[1:], "verdict": "allow", "rule": ""})
 
     def _job_led_by(self, session: int, ending: "Any") -> "Any":
         """The job whose shim leads ``session`` (judge.c let only such sessions' execs by)."""
@@ -350,6 +279,13 @@ class Rules:
         if ending is not None and getattr(ending, "shim", session) == session:
             return ending  # a command's ended job, or the interpreter's (its shim is the only one)
         return None
+
+
+def _more() -> "Any":
+    """The rules' paths a start under judge.c does not take (``rulespy``), at their first use."""
+    import rulespy
+
+    return rulespy
 
 
 def record(job: "Any", done: "Dict[str, Any]") -> None:
@@ -366,56 +302,6 @@ def program_names(commands: "Dict[str, List[List[str]]]") -> "Set[str]":
     masked (no copy of it can exist), the others are looked for by their size."""
     names = {words[0] for words in commands["approve"] if words}
     return names | {words[0] for words in commands["deny"] if len(words) > 1}
-
-
-def program_sizes(commands: "Dict[str, List[List[str]]]") -> "Dict[int, List[str]]":
-    """The sizes of the programs the rules name, and their paths: a file of another size is
-    no copy of one (neither judge hashes it). judge.c's find_sizes finds the same."""
-    names = program_names(commands)
-    sizes: "Dict[int, List[str]]" = {}
-    for folder in PROGRAM_DIRS:
-        for name in names:
-            if any(c in name for c in "*?["):
-                continue
-            path = os.path.join(folder, name)
-            try:
-                st = os.stat(path)
-            except OSError:
-                continue
-            sizes.setdefault(st.st_size, []).append(path)
-    return sizes
-
-
-def allowed_files(allow: "List[List[str]]") -> "List[str]":
-    """What an allowlist lets run, as files: the programs it names, the interpreters their
-    scripts name, and the ELF loader. Landlock then lets nothing else be executed, from any
-    path, a copy or a file the code wrote itself included."""
-    import fnmatch
-
-    globs = [words[0] for words in allow]
-    files: "Set[str]" = set()
-    for folder in PROGRAM_DIRS:
-        try:
-            names = os.listdir(folder)
-        except OSError:
-            continue
-        for name in names:
-            if any(fnmatch.fnmatchcase(name, g) for g in globs):
-                files.add(os.path.realpath(os.path.join(folder, name)))
-    for path in list(files):
-        try:
-            with open(path, "rb") as fh:
-                head = fh.read(256)
-        except OSError:
-            continue
-        if head.startswith(b"#!"):
-            words = head[2:].split(b"\n", 1)[0].split()
-            if words:
-                files.add(os.path.realpath(words[0].decode("utf-8", "replace")))
-    for loader in ("/lib64/ld-linux-x86-64.so.2", "/lib/ld-linux-aarch64.so.1", "/lib/ld-linux.so.2"):
-        if os.path.exists(loader):
-            files.add(os.path.realpath(loader))
-    return sorted(files)
 
 
 # -- the compiled judge's thread, seen from the supervisor ------------------------------------
@@ -435,7 +321,7 @@ RECORD_HEAD = struct.Struct("=IiiI")  # its length, pid, session, argv words kep
 
 def judge_config(commands: "Dict[str, List[List[str]]]") -> bytes:
     """The rules as judge.c reads them: NUL-ended entries, a letter and its text. The sizes
-    of the programs the rules name (``program_sizes``) are found by its thread, from
+    of the programs the rules name (``rulespy.program_sizes``) are found by its thread, from
     the folders and names given (``find_sizes``): beside our start, not in it."""
     entries = [f"M{MAX_EXEC_ARGV}"]
     for kind in ("deny", "approve"):
@@ -490,65 +376,23 @@ class FastJudge:
             return None
         return cls(forward_r, records_r, stop_w)
 
-    def forwarded(self) -> "Optional[Tuple[int, int, int, Tuple[int, ...]]]":
-        """The next exec left to Python (as ``confine.receive`` gives it); a notification of
-        id 0 says the thread stopped on a broken listener; None: nothing whole to read."""
-        import confine  # only for what reaches Python: not part of the start
-
+    def read_records(self) -> bytes:
+        """The records of the execs it let run since the last call, as judge.c wrote them
+        (``Rules.drain`` reads them): each a RECORD_HEAD, then the path and the argv kept,
+        each NUL-ended."""
         try:
-            data = os.read(self.forwards, confine.NOTIF.size)
+            data = os.read(self._records, RECORDS_READ)
         except BlockingIOError:
-            return None
-        if len(data) != confine.NOTIF.size:
-            return None
-        nid, pid, _, nr, _, _, *args = confine.NOTIF.unpack(data)
-        return nid, pid, nr, tuple(args)
-
-    def stop(self, listener: int) -> None:
-        """Stop the thread (before our own exec at a reset): the listener is ours again.
-        Until the thread says it stopped (a notification of id 0), what it forwards is
-        refused: a reset has killed every process, and a full pipe would hold the thread."""
-        import select
-
-        import confine
-
-        os.write(self._stop, b"q")
-        deadline = 50  # tenths of a second: a thread that does not answer dies with our exec
-        stopped = False
-        while not stopped and deadline > 0:
-            if not select.select([self.forwards], [], [], 0.1)[0]:
-                deadline -= 1
-                continue
-            try:
-                data = os.read(self.forwards, confine.NOTIF.size * 51)  # whole notifications
-            except BlockingIOError:
-                continue
-            for at in range(0, len(data) - confine.NOTIF.size + 1, confine.NOTIF.size):
-                nid = confine.NOTIF.unpack_from(data, at)[0]
-                if nid:
-                    confine.answer(listener, nid, False, EPERM)
-                else:
-                    stopped = True
-
-    def records(self) -> "List[Tuple[int, str, List[str]]]":
-        """The execs it let run since the last call: (session, path, argv) each."""
-        data = b""
+            return b""
+        if len(data) < RECORDS_READ:
+            return data  # a pipe's read gives all it holds: it is empty (no second read)
+        chunks = [data]
         while True:
             try:
                 chunk = os.read(self._records, RECORDS_READ)
             except BlockingIOError:
                 break
-            data += chunk
+            chunks.append(chunk)
             if len(chunk) < RECORDS_READ:
-                break  # a pipe's read gives all it holds: it is empty (no second read)
-        found = []
-        at = 0
-        while at + RECORD_HEAD.size <= len(data):
-            size, _pid, session, _kept = RECORD_HEAD.unpack_from(data, at)
-            if size <= RECORD_HEAD.size:
-                break  # never written so by judge.c; stop rather than loop
-            words = data[at + RECORD_HEAD.size : at + size].split(b"\0")[:-1]
-            at += size
-            text = [w.decode("utf-8", "surrogateescape") for w in words]
-            found.append((session, text[0], text[1:]))
-        return found
+                break
+        return b"".join(chunks)

@@ -1,0 +1,59 @@
+"""The host's plan of a policy's rules: made once per policy and tier, shared by its sandboxes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stockade import exceptions as exc
+from stockade.sandbox import _rules
+from stockade.sandbox.base import SandboxSpec
+from stockade.types import Mechanism, SandboxRules
+
+RULES = SandboxRules(deny=("curl", "git push"), write=("src/**",))
+
+
+def plan(spec: SandboxSpec, *, can_confine: bool = True) -> _rules.RulesPlan:
+    return _rules.plan(spec, root=None, can_mask=True, can_confine=can_confine)
+
+
+def test_sandboxes_of_one_policy_share_its_plan() -> None:
+    first, second = plan(SandboxSpec(rules=RULES)), plan(SandboxSpec(rules=RULES))
+    assert first is second
+    assert first.config is not None and first.config["write"] == ["/workspace/src/"]
+    assert first.enforcement["commands"] is Mechanism.SECCOMP_NOTIFY
+
+
+def test_what_the_plan_reads_of_the_spec_gives_another_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    shared = plan(SandboxSpec(rules=RULES))
+    with_approver = plan(SandboxSpec(rules=RULES, approver=lambda record: True))
+    assert with_approver.config is not None and with_approver.config["approver"] is True
+    deny_only = SandboxSpec(rules=SandboxRules(deny=("curl",)))
+    assert plan(deny_only).config is not None
+    assert plan(deny_only, can_confine=False).config is None  # gVisor's: masks only
+    monkeypatch.setenv("STOCKADE_EXEC_JUDGE", "python")
+    in_python = plan(SandboxSpec(rules=RULES))
+    assert in_python.config is not None and in_python.config["judge"] == "python"
+    assert shared.config is not None and shared.config["judge"] == "compiled"  # unchanged
+
+
+def test_a_refusal_is_raised_at_every_start_never_kept() -> None:
+    spec = SandboxSpec(rules=SandboxRules(write=("src/*.py",)))
+    for _ in range(2):
+        with pytest.raises(exc.LimitNotEnforceable):
+            plan(spec)
+    weaker = plan(SandboxSpec(rules=SandboxRules(write=("src/*.py",)), allow_weaker=True))
+    assert weaker.weakened and weaker.config is not None and weaker.config["write"] is None
+
+
+def test_rules_given_as_lists_are_planned_all_the_same() -> None:
+    listed = SandboxRules(deny=["curl", "git push"], write=["src/**"])  # type: ignore[arg-type]
+    assert plan(SandboxSpec(rules=listed)) == plan(SandboxSpec(rules=RULES))
+
+
+def test_the_masks_are_looked_up_in_the_image_given(tmp_path: Path) -> None:
+    (tmp_path / "usr" / "bin").mkdir(parents=True)
+    (tmp_path / "usr" / "bin" / "curl").write_bytes(b"\x7fELF curl")
+    found = _rules.plan(SandboxSpec(rules=RULES), root=tmp_path, can_mask=True, can_confine=True)
+    assert found.masks == ("/usr/bin/curl",)
