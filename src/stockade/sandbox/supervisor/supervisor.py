@@ -66,6 +66,7 @@ from fileops import PathRefused, Workspace, _os_error, read_exactly
 from protocol import PREFIX, FrameReader, dumps, encode
 from reaper import IGNORED_SIGNALS, PR_SET_CHILD_SUBREAPER, PR_SET_DUMPABLE, kill_tree, prctl
 from zygote import Zygote
+from zygote import eager as zygote_eager
 from zygote import start as start_zygote
 
 # Beside the workspace: every place the code can write (POSIX message queues included).
@@ -209,10 +210,17 @@ class Supervisor:
             self.sel.register(self.rules.events, EVENT_READ, ("exec", None))
 
     def start_zygote(self) -> None:
-        """Fork the zygote: right after the configuration, before any request is read."""
+        """Fork the zygote: right after the configuration (every limit and rule it carries
+        is set), before we answer and before any request is read; it loads at once where
+        another CPU can take the load (zygote.eager)."""
         ruleset = getattr(self.rules, "_ruleset", -1)  # what confine() applies in each shim
         self.zygote = start_zygote(
-            (self.devnull, ruleset), self.workspace.root, self.env, self.confine, self.devnull
+            (self.devnull, ruleset),
+            self.workspace.root,
+            self.env,
+            self.confine,
+            self.devnull,
+            eager=zygote_eager(),
         )
 
     def serve(self) -> None:
@@ -510,12 +518,15 @@ def main() -> None:
         interpreter.preload()
         sup.send({"id": header.get("id", 0), "ev": "hello", "pid": os.getpid()})
     sup.configure(header.get("config", {}))
+    # The zygote before we answer: its load of site then runs on another CPU while the host
+    # finishes the create, not after it on the first run_code's path. Before the judge's
+    # thread too: a fork copies only the forking thread, and the zygote needs none of it.
+    sup.start_zygote()
     ready = {"id": header.get("id", 0), "ev": "ready", "pid": os.getpid(), "python": sys.version.split()[0]}
     if sup.rules is not None:
         ready["rules"] = sup.rules.report()
     sup.send(ready)
     sup.start_judge()
-    sup.start_zygote()  # after answering (off the create's path), before reading any request
     sup.reader = reader
     sup.serve()
 

@@ -1,9 +1,12 @@
 """The zygote: the process every interpreter is forked from, and that holds nothing of any user.
 
-A fresh supervisor forks it right after its configuration, before it reads any request that
-could carry a user's data. The zygote loads what an interpreter needs (``interpreter.py``,
-``site``) on its first request, and only ever forks interpreters, one per request on a
-socketpair, each taking the pipes the supervisor sends with the request. A reset kills every
+A fresh supervisor forks it right after its configuration, before it answers ``ready`` and
+before it reads any request that could carry a user's data. Where the sandbox has more than
+one CPU the zygote loads what an interpreter needs (``interpreter.py``, ``site``) at once, on
+the other CPU while the create finishes, so that the first ``run_code`` finds it loaded; with
+one CPU that load would only delay the create and the first command, and it waits for the
+first request. It only ever forks interpreters, one per request on a socketpair, each taking
+the pipes the supervisor sends with the request. A reset kills every
 process but these two, checks that code left the zygote as it started (alive, not stopped,
 same rlimits, nice value, CPU affinity and scheduling policy: code runs as its uid and can
 change all of them), and asks it for the next interpreter: no exec, no Python start. A
@@ -125,10 +128,13 @@ def start(
     env: "dict[str, str]",
     confine: "Optional[Callable[[bool], bool]]",
     devnull: int,
+    *,
+    eager: bool = False,
 ) -> "Optional[Zygote]":
     """Fork the zygote; ``keep`` are the fds it needs besides its socket (``devnull``, the
-    policy's Landlock ruleset). None if the fork fails: interpreters are then forked by the
-    supervisor itself, as long as it has served nobody else (see Supervisor.clean)."""
+    policy's Landlock ruleset); ``eager``: load at once (see ``eager``), else on the first
+    request. None if the fork fails: interpreters are then forked by the supervisor itself,
+    as long as it has served nobody else (see Supervisor.clean)."""
     ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
         pid = os.fork()
@@ -141,11 +147,21 @@ def start(
             ours.close()
             _close_all_but({0, 1, 2, theirs.fileno(), devnull, *keep})
             prctl(PR_SET_CHILD_SUBREAPER, 1)  # what an interpreter leaves behind is ours (see _fork_one)
-            _serve(theirs, workspace, env, confine, devnull)
+            _serve(theirs, workspace, env, confine, devnull, eager=eager)
         finally:
             os._exit(0)
     theirs.close()
     return Zygote(pid, ours, dict(env))
+
+
+def eager() -> bool:
+    """Should a zygote load at once? Only where another CPU can take the load: with one (a
+    microVM's guest, a sandbox pinned to one core) it would run in series with the rest of
+    the create, and with the first command, which need not wait for it."""
+    try:
+        return len(os.sched_getaffinity(0)) > 1
+    except (AttributeError, OSError):  # no affinity to read: as before, load when asked
+        return False
 
 
 # Not the array module: importing it imports collections (~4 ms of a sandbox's start-up).
@@ -176,6 +192,8 @@ def _serve(
     env: "dict[str, str]",
     confine: "Optional[Callable[[bool], bool]]",
     devnull: int,
+    *,
+    eager: bool,
 ) -> None:
     for sig in IGNORED_SIGNALS:  # SIGKILL and SIGSTOP remain: the reset checks for them
         signal.signal(sig, signal.SIG_IGN)
@@ -184,6 +202,10 @@ def _serve(
 
     target = become_interpreter(workspace, env)
     loaded = False
+    if eager:
+        _load()
+        set_environ(env)
+        loaded = True
     while True:
         try:
             msg, ancillary, _, _ = sock.recvmsg(1, _socket.CMSG_SPACE(4 * FDS))
@@ -209,9 +231,10 @@ def _serve(
 
 
 def _load() -> None:
-    """What every interpreter needs, once, on the first request: not at the sandbox's start,
-    where it would take the CPU from the create and the first command (and a sandbox that
-    never runs code would pay it for nothing)."""
+    """What every interpreter needs, once: at the zygote's start where another CPU takes it
+    (see ``eager``; a sandbox that never runs code then pays its CPU, ~15 ms), else on the
+    first request, where it would otherwise take the only CPU from the create and the first
+    command."""
     import interpreter  # type: ignore[import-not-found]
 
     interpreter.preload()
