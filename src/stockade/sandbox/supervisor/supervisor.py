@@ -210,9 +210,9 @@ class Supervisor:
             self.sel.register(self.rules.events, EVENT_READ, ("exec", None))
 
     def start_zygote(self) -> None:
-        """Fork the zygote: right after the configuration (every limit and rule it carries
-        is set), before we answer and before any request is read; it loads at once where
-        another CPU can take the load (zygote.eager)."""
+        """Fork the zygote: after the configuration (every limit and rule it carries is
+        set), before any request is read; it loads at once where a CPU is likely to be free
+        for it (zygote.eager)."""
         ruleset = getattr(self.rules, "_ruleset", -1)  # what confine() applies in each shim
         self.zygote = start_zygote(
             (self.devnull, ruleset),
@@ -518,15 +518,14 @@ def main() -> None:
         interpreter.preload()
         sup.send({"id": header.get("id", 0), "ev": "hello", "pid": os.getpid()})
     sup.configure(header.get("config", {}))
-    # The zygote before we answer: its load of site then runs on another CPU while the host
-    # finishes the create, not after it on the first run_code's path. Before the judge's
-    # thread too: a fork copies only the forking thread, and the zygote needs none of it.
-    sup.start_zygote()
     ready = {"id": header.get("id", 0), "ev": "ready", "pid": os.getpid(), "python": sys.version.split()[0]}
     if sup.rules is not None:
         ready["rules"] = sup.rules.report()
     sup.send(ready)
     sup.start_judge()
+    # After answering: forked before, the zygote's load would start only the send earlier
+    # (microseconds) and the fork (copying our page tables) would be on every create's path.
+    sup.start_zygote()  # before reading any request
     sup.reader = reader
     sup.serve()
 

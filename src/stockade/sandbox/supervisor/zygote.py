@@ -1,12 +1,11 @@
 """The zygote: the process every interpreter is forked from, and that holds nothing of any user.
 
-A fresh supervisor forks it right after its configuration, before it answers ``ready`` and
-before it reads any request that could carry a user's data. Where the sandbox has more than
-one CPU the zygote loads what an interpreter needs (``interpreter.py``, ``site``) at once, on
-the other CPU while the create finishes, so that the first ``run_code`` finds it loaded; with
-one CPU that load would only delay the create and the first command, and it waits for the
-first request. It only ever forks interpreters, one per request on a socketpair, each taking
-the pipes the supervisor sends with the request. A reset kills every
+A fresh supervisor forks it right after its configuration and its ``ready``, before it reads
+any request that could carry a user's data. Where a CPU is likely to be free (``eager``) the
+zygote loads what an interpreter needs (``interpreter.py``, ``site``) at once, while the host
+turns to its first request, so that the first ``run_code`` waits less for it; elsewhere it
+loads on its first request. It only ever forks interpreters, one per request on a
+socketpair, each taking the pipes the supervisor sends with the request. A reset kills every
 process but these two, checks that code left the zygote as it started (alive, not stopped,
 same rlimits, nice value, CPU affinity and scheduling policy: code runs as its uid and can
 change all of them), and asks it for the next interpreter: no exec, no Python start. A
@@ -155,12 +154,16 @@ def start(
 
 
 def eager() -> bool:
-    """Should a zygote load at once? Only where another CPU can take the load: with one (a
-    microVM's guest, a sandbox pinned to one core) it would run in series with the rest of
-    the create, and with the first command, which need not wait for it."""
+    """Should a zygote load at once? Only where a CPU is likely to be free for it, so that the
+    load runs beside the host's turn to the first request, not in its way: more than one CPU
+    to run on, and fewer tasks wanting one (the last minute's load average, the host's on the
+    process and container tiers) than there are. With one CPU (a microVM's guest, a sandbox
+    pinned to a core) or on a busy host the load would only compete with the create's end
+    and a first command (docs/benchmarks.md), and it waits for the first request."""
     try:
-        return len(os.sched_getaffinity(0)) > 1
-    except (AttributeError, OSError):  # no affinity to read: as before, load when asked
+        cpus = len(os.sched_getaffinity(0))
+        return cpus > 1 and os.getloadavg()[0] < cpus
+    except (AttributeError, OSError):  # nothing to read: as before, load when asked
         return False
 
 
