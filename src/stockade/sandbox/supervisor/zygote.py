@@ -156,15 +156,19 @@ def start(
 def eager() -> bool:
     """Should a zygote load at once? Only where a CPU is likely to be free for it, so that the
     load runs beside the host's turn to the first request, not in its way: more than one CPU
-    to run on, and fewer tasks wanting one (the last minute's load average, the host's on the
+    to run on, and fewer tasks wanting one (the last minute's load average: the host's on the
     process and container tiers) than there are. With one CPU (a microVM's guest, a sandbox
-    pinned to a core) or on a busy host the load would only compete with the create's end
-    and a first command (docs/benchmarks.md), and it waits for the first request."""
+    pinned to a core), on a busy host, or where the load is not known (gVisor shows 0 and no
+    tasks whatever the host does) it would only compete with the create's end and a first
+    command (docs/benchmarks.md), and it waits for the first request."""
     try:
         cpus = len(os.sched_getaffinity(0))
-        return cpus > 1 and os.getloadavg()[0] < cpus
-    except (AttributeError, OSError):  # nothing to read: as before, load when asked
+        with open("/proc/loadavg", "rb") as fh:
+            fields = fh.read().split()
+        load, tasks = float(fields[0]), int(fields[3].split(b"/")[1])
+    except (AttributeError, OSError, ValueError, IndexError):  # unknown: load when asked
         return False
+    return cpus > 1 and tasks > 0 and load < cpus
 
 
 # Not the array module: importing it imports collections (~4 ms of a sandbox's start-up).
