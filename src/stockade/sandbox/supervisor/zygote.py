@@ -153,7 +153,7 @@ def start(
     return Zygote(pid, ours, dict(env))
 
 
-def eager() -> bool:
+def eager(loadavg: str = "/proc/loadavg") -> bool:
     """Should a zygote load at once? Only where a CPU is likely to be free for it, so that the
     load runs beside the host's turn to the first request, not in its way: more than one CPU
     to run on, and fewer tasks wanting one (the last minute's load average: the host's on the
@@ -163,7 +163,7 @@ def eager() -> bool:
     command (docs/benchmarks.md), and it waits for the first request."""
     try:
         cpus = len(os.sched_getaffinity(0))
-        with open("/proc/loadavg", "rb") as fh:
+        with open(loadavg, "rb") as fh:
             fields = fh.read().split()
         load, tasks = float(fields[0]), int(fields[3].split(b"/")[1])
     except (AttributeError, OSError, ValueError, IndexError):  # unknown: load when asked
