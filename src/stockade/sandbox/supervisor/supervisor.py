@@ -66,7 +66,6 @@ from fileops import PathRefused, Workspace, _os_error, read_exactly
 from protocol import PREFIX, FrameReader, dumps, encode
 from reaper import IGNORED_SIGNALS, PR_SET_CHILD_SUBREAPER, PR_SET_DUMPABLE, kill_tree, prctl
 from zygote import Zygote
-from zygote import eager as zygote_eager
 from zygote import start as start_zygote
 
 # Beside the workspace: every place the code can write (POSIX message queues included).
@@ -210,17 +209,10 @@ class Supervisor:
             self.sel.register(self.rules.events, EVENT_READ, ("exec", None))
 
     def start_zygote(self) -> None:
-        """Fork the zygote: after the configuration (every limit and rule it carries is
-        set), before any request is read; it loads at once where a CPU is likely to be free
-        for it (zygote.eager)."""
+        """Fork the zygote: right after the configuration, before any request is read."""
         ruleset = getattr(self.rules, "_ruleset", -1)  # what confine() applies in each shim
         self.zygote = start_zygote(
-            (self.devnull, ruleset),
-            self.workspace.root,
-            self.env,
-            self.confine,
-            self.devnull,
-            eager=zygote_eager(),
+            (self.devnull, ruleset), self.workspace.root, self.env, self.confine, self.devnull
         )
 
     def serve(self) -> None:
@@ -523,9 +515,7 @@ def main() -> None:
         ready["rules"] = sup.rules.report()
     sup.send(ready)
     sup.start_judge()
-    # After answering: forked before, the zygote's load would start only the send earlier
-    # (microseconds) and the fork (copying our page tables) would be on every create's path.
-    sup.start_zygote()  # before reading any request
+    sup.start_zygote()  # after answering (off the create's path), before reading any request
     sup.reader = reader
     sup.serve()
 

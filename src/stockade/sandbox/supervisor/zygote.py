@@ -1,10 +1,8 @@
 """The zygote: the process every interpreter is forked from, and that holds nothing of any user.
 
-A fresh supervisor forks it right after its configuration and its ``ready``, before it reads
-any request that could carry a user's data. Where a CPU is likely to be free (``eager``) the
-zygote loads what an interpreter needs (``interpreter.py``, ``site``) at once, while the host
-turns to its first request, so that the first ``run_code`` waits less for it; elsewhere it
-loads on its first request. It only ever forks interpreters, one per request on a
+A fresh supervisor forks it right after its configuration, before it reads any request that
+could carry a user's data. The zygote loads what an interpreter needs (``interpreter.py``,
+``site``) on its first request, and only ever forks interpreters, one per request on a
 socketpair, each taking the pipes the supervisor sends with the request. A reset kills every
 process but these two, checks that code left the zygote as it started (alive, not stopped,
 same rlimits, nice value, CPU affinity and scheduling policy: code runs as its uid and can
@@ -127,13 +125,10 @@ def start(
     env: "dict[str, str]",
     confine: "Optional[Callable[[bool], bool]]",
     devnull: int,
-    *,
-    eager: bool = False,
 ) -> "Optional[Zygote]":
     """Fork the zygote; ``keep`` are the fds it needs besides its socket (``devnull``, the
-    policy's Landlock ruleset); ``eager``: load at once (see ``eager``), else on the first
-    request. None if the fork fails: interpreters are then forked by the supervisor itself,
-    as long as it has served nobody else (see Supervisor.clean)."""
+    policy's Landlock ruleset). None if the fork fails: interpreters are then forked by the
+    supervisor itself, as long as it has served nobody else (see Supervisor.clean)."""
     ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
         pid = os.fork()
@@ -146,29 +141,11 @@ def start(
             ours.close()
             _close_all_but({0, 1, 2, theirs.fileno(), devnull, *keep})
             prctl(PR_SET_CHILD_SUBREAPER, 1)  # what an interpreter leaves behind is ours (see _fork_one)
-            _serve(theirs, workspace, env, confine, devnull, eager=eager)
+            _serve(theirs, workspace, env, confine, devnull)
         finally:
             os._exit(0)
     theirs.close()
     return Zygote(pid, ours, dict(env))
-
-
-def eager(loadavg: str = "/proc/loadavg") -> bool:
-    """Should a zygote load at once? Only where a CPU is likely to be free for it, so that the
-    load runs beside the host's turn to the first request, not in its way: more than one CPU
-    to run on, and fewer tasks wanting one (the last minute's load average: the host's on the
-    process and container tiers) than there are. With one CPU (a microVM's guest, a sandbox
-    pinned to a core), on a busy host, or where the load is not known (gVisor shows 0 and no
-    tasks whatever the host does) it would only compete with the create's end and a first
-    command (docs/benchmarks.md), and it waits for the first request."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-        with open(loadavg, "rb") as fh:
-            fields = fh.read().split()
-        load, tasks = float(fields[0]), int(fields[3].split(b"/")[1])
-    except (AttributeError, OSError, ValueError, IndexError):  # unknown: load when asked
-        return False
-    return cpus > 1 and tasks > 0 and load < cpus
 
 
 # Not the array module: importing it imports collections (~4 ms of a sandbox's start-up).
@@ -199,8 +176,6 @@ def _serve(
     env: "dict[str, str]",
     confine: "Optional[Callable[[bool], bool]]",
     devnull: int,
-    *,
-    eager: bool,
 ) -> None:
     for sig in IGNORED_SIGNALS:  # SIGKILL and SIGSTOP remain: the reset checks for them
         signal.signal(sig, signal.SIG_IGN)
@@ -209,10 +184,6 @@ def _serve(
 
     target = become_interpreter(workspace, env)
     loaded = False
-    if eager:
-        _load()
-        set_environ(env)
-        loaded = True
     while True:
         try:
             msg, ancillary, _, _ = sock.recvmsg(1, _socket.CMSG_SPACE(4 * FDS))
@@ -238,10 +209,9 @@ def _serve(
 
 
 def _load() -> None:
-    """What every interpreter needs, once: at the zygote's start where another CPU takes it
-    (see ``eager``; a sandbox that never runs code then pays its CPU, ~15 ms), else on the
-    first request, where it would otherwise take the only CPU from the create and the first
-    command."""
+    """What every interpreter needs, once, on the first request: not at the sandbox's start,
+    where it would take the CPU from the create and the first command (and a sandbox that
+    never runs code would pay it for nothing)."""
     import interpreter  # type: ignore[import-not-found]
 
     interpreter.preload()
