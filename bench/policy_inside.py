@@ -169,7 +169,12 @@ def cpu_groups(names: list[str]) -> Iterator[CpuGroups]:
         yield groups
     finally:
         if folders:
-            groups._join(CPUACCT)
+            # Every thread of ours, not only this one: a thread started inside (a spare's
+            # starter, a pool's) was born in the host's group and would keep it from going.
+            for thread in os.listdir("/proc/self/task"):
+                # suppress: a thread that ended meanwhile
+                with contextlib.suppress(OSError), open(f"{CPUACCT}/tasks", "w") as fh:
+                    fh.write(thread)
             for folder in (*folders.values(), base):
                 for _ in range(50):  # the last processes of a sandbox may still be exiting
                     try:

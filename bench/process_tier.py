@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from policy_inside import CpuGroups, cpu_groups
+
 from stockade import Sandbox
 from stockade.sandbox import SpareBackend
 from stockade.sandbox.pool import SandboxPool
@@ -67,17 +69,34 @@ def raw_persistent_interpreter(rounds: int) -> list[float]:
     return out
 
 
-def cold_starts(rounds: int) -> dict[str, list[float]]:
+def cold_starts(rounds: int, groups: CpuGroups) -> dict[str, list[float]]:
     """The same work on each side, interleaved: one round runs each once, in turn.
 
     "code" and "command" are ``Sandbox.create()`` and the first ``print(1)`` back (through
     ``run_code``, which starts the sandbox's interpreter, and through a command); "create"
     is the part of "code" until the sandbox is ready, "close" the close after it; "spare"
-    is create + ``run_code`` through a ``SpareBackend`` whose spare is ready.
+    is create + ``run_code`` through a ``SpareBackend`` whose spare is ready. "cpu_raw",
+    "cpu_code" and "cpu_command" are the CPU time of raw bwrap's run and of "code" and
+    "command" with their close: every process's, host and sandbox (each born in a cpuacct
+    group of its row's, where the host has cgroup v1's; ``CpuGroups``).
     """
     out: dict[str, list[float]] = {
-        k: [] for k in ("plain", "raw", "code", "create", "command", "close", "spare")
-    }
+        k: []
+        for k in (
+            "plain", "raw", "code", "create", "command", "close", "spare",
+            "cpu_raw", "cpu_code", "cpu_command",
+        )
+    }  # fmt: skip
+
+    def cpu(name: str, action: Callable[[], object]) -> None:
+        before = groups.enter(name)
+        try:
+            action()
+        finally:
+            after = groups.leave(name)
+        if before is not None:
+            out[f"cpu_{name}"].append(after - before)
+
     spare = SpareBackend(ProcessBackend())
 
     def raw(argv: list[str]) -> float:
@@ -125,10 +144,10 @@ def cold_starts(rounds: int) -> dict[str, list[float]]:
     Sandbox.create(backend=spare).close()  # the first spare
     try:
         for _ in range(rounds):
-            out["raw"].append(raw([*RAW_BWRAP, *PRINT1]))
-            by_code()
+            cpu("raw", lambda: out["raw"].append(raw([*RAW_BWRAP, *PRINT1])))
+            cpu("code", by_code)
             out["plain"].append(raw(PRINT1))
-            by_command()
+            cpu("command", by_command)
             from_spare()
     finally:
         spare.close()
@@ -176,7 +195,8 @@ def main() -> None:
         rows.append((name, value, ratio, note))
 
     load_before = os.getloadavg()
-    cold = cold_starts(n)
+    with cpu_groups(["raw", "code", "command"]) as groups:
+        cold = cold_starts(n, groups)
     raw = cold["raw"]
     add("python3 -c print(1), no sandbox", f"{p50(cold['plain']):.1f} ms")
     add("raw strict bwrap + python3 -c print(1)", f"{p50(raw):.1f} ms", "1.00x", "mechanism")
@@ -193,6 +213,14 @@ def main() -> None:
         f"{p50(cold['command']) / p50(raw):.2f}x", "target 1.3x",
     )  # fmt: skip
     add("close (kill everything, free cgroup, tmpfs, folders)", f"{p50(cold['close']):.1f} ms")
+    if cold["cpu_raw"]:
+        cpu_raw = p50(cold["cpu_raw"])
+        add("CPU: raw strict bwrap + python3 -c print(1)", f"{cpu_raw:.1f} ms", "1.00x", "all processes")
+        for key, what in (("cpu_code", "run_code"), ("cpu_command", "commands.run")):
+            add(
+                f"CPU: create + first {what} + close", f"{p50(cold[key]):.1f} ms",
+                f"{p50(cold[key]) / cpu_raw:.2f}x", "host and sandbox",
+            )  # fmt: skip
     add(
         "create from a ready spare (SpareBackend) + run_code('print(1)')", f"{p50(cold['spare']):.1f} ms",
         f"{p50(cold['spare']) / p50(raw):.2f}x", "at or below raw",
