@@ -96,7 +96,9 @@ def plan(spec: SandboxSpec, *, root: Path | None, can_mask: bool, can_confine: b
     user notification at all (gVisor does not).
 
     Made once per policy and tier (every sandbox of a policy gets the same plan, ~25 us of
-    its start otherwise): the plan is shared, so nobody may change what it holds."""
+    its start otherwise): the plan is shared, so nobody may change what it holds. It is made
+    again when a program folder of ``root`` changed (a package installed or upgraded puts
+    new files, or new copies of a rule's program, there by rename: the folder's mtime moves)."""
     if spec.rules is None:
         return RulesPlan(None, (), {}, ())
     judge = "python" if os.environ.get("STOCKADE_EXEC_JUDGE") == "python" else "compiled"
@@ -107,11 +109,25 @@ def plan(spec: SandboxSpec, *, root: Path | None, can_mask: bool, can_confine: b
         "root": root,
         "can_mask": can_mask,
         "can_confine": can_confine,
+        "programs": _programs_stamp(root),
     }
     try:
         return _plan(spec.rules, **key)
     except TypeError:  # rules given lists where tuples belong: no key, planned each time
         return _plan.__wrapped__(spec.rules, **key)
+
+
+def _programs_stamp(root: Path | None) -> tuple[int, ...]:
+    """When each program folder of ``root`` last changed (0: none there)."""
+    if root is None:
+        return ()
+    stamps = []
+    for folder in PROGRAM_DIRS:
+        try:
+            stamps.append(os.stat(root / folder).st_mtime_ns)
+        except OSError:
+            stamps.append(0)
+    return tuple(stamps)
 
 
 @functools.lru_cache(maxsize=256)
@@ -124,6 +140,7 @@ def _plan(
     root: Path | None,
     can_mask: bool,
     can_confine: bool,
+    programs: tuple[int, ...],  # the key only: the program folders as they were
 ) -> RulesPlan:
     """``plan``, from what of the spec it reads (hashable: the cache's key). A refusal
     (``LimitNotEnforceable``) is raised again at each call, never cached."""
@@ -138,7 +155,7 @@ def _plan(
         write = None
     denied = [w for w in _words(rules.deny) if len(w) == 1]
     names = tuple(sorted(w[0] for w in denied))
-    masks = _masks(str(root) if root else "", names) if can_mask and denied else ()
+    masks = _masks(str(root) if root else "", names, programs) if can_mask and denied else ()
     if masks or (can_mask and denied):
         enforcement["programs"] = Mechanism.MASK
     # Programs denied whatever their arguments are masked on every tier; what depends on
@@ -226,8 +243,9 @@ def exec_records(header: dict[str, Any]) -> tuple[ExecRecord, ...]:
 
 
 @functools.lru_cache(maxsize=64)
-def _masks(root: str, names: tuple[str, ...]) -> tuple[str, ...]:
-    """``program_masks``, once per image and names: an image does not change under us."""
+def _masks(root: str, names: tuple[str, ...], programs: tuple[int, ...]) -> tuple[str, ...]:
+    """``program_masks``, once per image, names and state of its program folders
+    (``_programs_stamp``: a host's root does change, at its next upgrade)."""
     return tuple(program_masks(Path(root) if root else None, list(names)))
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,23 @@ def test_the_masks_are_looked_up_in_the_image_given(tmp_path: Path) -> None:
     (tmp_path / "usr" / "bin" / "curl").write_bytes(b"\x7fELF curl")
     found = _rules.plan(SandboxSpec(rules=RULES), root=tmp_path, can_mask=True, can_confine=True)
     assert found.masks == ("/usr/bin/curl",)
+
+
+def test_a_copy_of_a_rule_program_installed_later_is_masked_by_the_next_start(tmp_path: Path) -> None:
+    # a package upgrade, or anyone with the host's root, puts programs in place by rename
+    programs = tmp_path / "usr" / "bin"
+    programs.mkdir(parents=True)
+    (programs / "curl").write_bytes(b"\x7fELF curl")
+    (programs / "curl").chmod(0o755)
+    first = _rules.plan(SandboxSpec(rules=RULES), root=tmp_path, can_mask=True, can_confine=True)
+    assert first.masks == ("/usr/bin/curl",)
+    (programs / ".fetch.tmp").write_bytes(b"\x7fELF curl")
+    (programs / ".fetch.tmp").chmod(0o755)
+    (programs / ".fetch.tmp").rename(programs / "fetch")
+    os.utime(programs, ns=(0, first_stamp(tmp_path) + 1))  # however coarse the filesystem's clock
+    later = _rules.plan(SandboxSpec(rules=RULES), root=tmp_path, can_mask=True, can_confine=True)
+    assert later.masks == ("/usr/bin/curl", "/usr/bin/fetch")
+
+
+def first_stamp(root: Path) -> int:
+    return (root / "usr" / "bin").stat().st_mtime_ns
