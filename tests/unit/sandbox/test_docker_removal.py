@@ -8,15 +8,15 @@ engine's API, which is all the code under test talks to.
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 from typing import Any
 
 import pytest
 
-requests = pytest.importorskip("requests")
-
-from stockade.sandbox import _docker_engine  # noqa: E402
-from stockade.sandbox._docker_engine import EXIT_WAIT_S, remove_exited, retry_removals  # noqa: E402
+from stockade.sandbox import _docker_engine
+from stockade.sandbox._docker_engine import EXIT_WAIT_S, remove_exited, retry_removals
+from tests.conftest import require
 
 
 class RecordingEngine:
@@ -30,6 +30,8 @@ class RecordingEngine:
     def wait(self, cid: str, timeout: float) -> dict[str, int]:
         self.calls.append(("wait", cid, timeout))
         if not self.exits:
+            import requests  # docker-py's transport: what its client raises on a read timeout
+
             raise requests.exceptions.ReadTimeout("still running")
         return {"StatusCode": 0}
 
@@ -41,6 +43,7 @@ class RecordingEngine:
 
 @pytest.fixture(autouse=True)
 def _no_pending_removals() -> Any:
+    require("docker-py", importlib.util.find_spec("docker") is not None, "pip install 'stockade[docker]'")
     yield
     with _docker_engine._pending_lock:
         _docker_engine._pending.clear()
