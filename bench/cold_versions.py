@@ -24,37 +24,8 @@ import subprocess
 import sys
 import time
 
-RAW = [
-    "bwrap",
-    "--unshare-all",
-    "--unshare-user",
-    "--die-with-parent",
-    "--new-session",
-    "--ro-bind",
-    "/usr",
-    "/usr",
-    "--symlink",
-    "usr/bin",
-    "/bin",
-    "--symlink",
-    "usr/lib",
-    "/lib",
-    "--symlink",
-    "usr/lib64",
-    "/lib64",
-    "--proc",
-    "/proc",
-    "--dev",
-    "/dev",
-    "--tmpfs",
-    "/tmp",
-    "--uid",
-    "1000",
-    "--gid",
-    "1000",
-    "--clearenv",
-]  # fmt: skip (process_tier.RAW_BWRAP: that module imports stockade, which must come from SRC)
-PRINT1 = ["/usr/bin/python3", "-c", "print(1)"]
+from _raw import PRINT1, RAW_BWRAP  # stockade-free: a worker imports its own version after
+
 ROWS = ("raw", "code", "command")
 
 
@@ -69,7 +40,7 @@ def worker() -> None:
         row = line.strip()
         started = time.perf_counter()
         if row == "raw":
-            subprocess.run([*RAW, *PRINT1], env={}, check=True, capture_output=True)
+            subprocess.run([*RAW_BWRAP, *PRINT1], env={}, check=True, capture_output=True)
             out = {"raw": time.perf_counter() - started}
         elif row == "code":
             sbx = Sandbox.create()

@@ -20,20 +20,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from _raw import PRINT1, RAW_BWRAP
 from policy_inside import CpuGroups, cpu_groups
 
 from stockade import Sandbox
 from stockade.sandbox import SpareBackend
 from stockade.sandbox.pool import SandboxPool
 from stockade.sandbox.process import ProcessBackend
-
-RAW_BWRAP = [
-    "bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
-    "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
-    "--symlink", "usr/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
-    "--uid", "1000", "--gid", "1000", "--clearenv",
-]  # fmt: skip
-PRINT1 = ["/usr/bin/python3", "-c", "print(1)"]
 
 
 def timed(fn: object, rounds: int) -> list[float]:
