@@ -41,8 +41,11 @@ class Poller:
     def pump(self, rounds: int = 5) -> None:
         for _ in range(rounds):
             for fd, events in self.epoll.poll(0.02):
-                _, relay = self.data[fd]
-                relay.on_event(fd, events)
+                # An event of this batch whose end an earlier one closed (the supervisor's
+                # selector drops those too): under load one poll can return both.
+                entry = self.data.get(fd)
+                if entry is not None:
+                    entry[1].on_event(fd, events)
 
 
 def _free_port() -> int:
