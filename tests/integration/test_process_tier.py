@@ -15,9 +15,9 @@ import pytest
 
 from stockade import LimitNotEnforceable, NetworkPolicy, Sandbox, SandboxCrashed
 from stockade.sandbox import _cgroups
-from stockade.sandbox.process import collect_garbage
+from stockade.sandbox.process import ProcessBackend, collect_garbage
 from stockade.types import Mechanism
-from tests.conftest import processes_of_uid, require_tier, wait_for
+from tests.conftest import processes_of_uid, require, require_tier, wait_for
 
 
 @pytest.fixture(autouse=True)
@@ -175,10 +175,21 @@ def test_without_root_weaker_limits_need_consent_and_still_hold() -> None:
     assert out.stdout.strip() == "ok", out.stderr
 
 
-def test_every_process_of_a_sandbox_is_in_each_of_its_cgroups() -> None:
-    # bwrap joins them before it runs (its shell moves its one thread on cgroup v1): the
-    # sandbox's first process and all it started count against every limit.
-    with Sandbox.create() as sbx:
+@pytest.fixture(params=["launcher", "shell"])
+def start_chain(request: pytest.FixtureRequest) -> ProcessBackend:
+    """The two ways into a sandbox's cgroups and host uid: the compiled launcher (where the
+    host builds it, as here), and the shell and nsenter (a host without a compiler)."""
+    from stockade.sandbox import _launch
+
+    if request.param == "launcher":
+        require("the process tier's launcher (a C compiler, x86_64)", _launch.usable() is not None)
+    return ProcessBackend(launcher=request.param == "launcher")
+
+
+def test_every_process_of_a_sandbox_is_in_each_of_its_cgroups(start_chain: ProcessBackend) -> None:
+    # The launcher (or the shell) joins them before bwrap runs, moving its one thread on
+    # cgroup v1: the sandbox's first process and all it started count against every limit.
+    with Sandbox.create(backend=start_chain) as sbx:
         trace = Trace(sbx.id)
         sbx.run_code("print(1)")
         sbx.commands.run("sleep 0.01")
@@ -191,10 +202,12 @@ def test_every_process_of_a_sandbox_is_in_each_of_its_cgroups() -> None:
             assert processes <= members, folder
 
 
-def test_every_process_of_a_sandbox_has_its_uid_and_gid_alone_and_no_groups() -> None:
+def test_every_process_of_a_sandbox_has_its_uid_and_gid_alone_and_no_groups(
+    start_chain: ProcessBackend,
+) -> None:
     # Real, effective, saved and filesystem ids: nothing in the chain that drops them may keep
     # root in one of them, nor the host's supplementary groups.
-    with Sandbox.create() as sbx:
+    with Sandbox.create(backend=start_chain) as sbx:
         trace = Trace(sbx.id)
         sbx.run_code("print(1)")
         for pid in trace.processes():

