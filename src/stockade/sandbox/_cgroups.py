@@ -135,10 +135,6 @@ class Cgroup:
         files = self.join_files()
         return ["/bin/sh", "-c", _ENTER, "sh", str(len(files)), *files, *argv]
 
-    def add(self, pid: int) -> None:
-        for d in self.dirs:
-            (d / "cgroup.procs").write_text(str(pid))
-
     def pids(self) -> list[int]:
         out: set[int] = set()
         for d in self.dirs:

@@ -487,10 +487,11 @@ def main() -> None:
 
         reset.resume(sup, reader)
         return
-    # The first frame configures us; nothing is forked before it, so the host can first
-    # move this process into its cgroup. A host that keeps a snapshot of sandboxes before
-    # they are configured (the microVM's boot image) first says hello: we load what every
-    # interpreter needs and answer, and the snapshot is taken while we wait for the rest.
+    # The first frame configures us; nothing is forked before it: what we fork (the zygote,
+    # a shim) inherits the limits and confinement it sets. A host that keeps a snapshot of
+    # sandboxes before they are configured (the microVM's boot image) first says hello: we
+    # load what every interpreter needs and answer, and the snapshot is taken while we wait
+    # for the rest.
     # One frame at a time, to the byte: the zygote is forked after the configuration, and
     # must not hold a request read ahead of it (its memory reaches every interpreter).
     while True:
