@@ -17,7 +17,7 @@ import time
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
-    from typing import Any, Callable, Optional
+    from typing import Any, Callable, NoReturn, Optional
 
 
 PR_SET_DUMPABLE = 4
@@ -118,9 +118,9 @@ def descendants(root: int) -> list[int]:
     return out
 
 
-def kill_tree(root: int, include_root: bool, spare: int = 0) -> None:
+def kill_tree(root: int, include_root: bool, spare: "tuple[int, ...]" = ()) -> None:
     """SIGKILL every descendant of ``root`` until none is left (fork bombs included), but
-    ``spare`` (whose own descendants die all the same).
+    those in ``spare`` (whose own descendants die all the same).
 
     A process forked between a scan and the kill is the child of a killed process, so it
     is reparented to the subreaper (``root``) and found by the next scan.
@@ -132,7 +132,7 @@ def kill_tree(root: int, include_root: bool, spare: int = 0) -> None:
         except OSError:
             pass
     for _ in range(1000):
-        found = [pid for pid in descendants(root) if pid != spare]
+        found = [pid for pid in descendants(root) if pid not in spare]
         if not found:
             break
         for pid in found:
@@ -300,11 +300,23 @@ def spawn_shim(
 
     The child gets ``fds`` as 0/1/2 and ``keep`` as 3, 4, ...; every other fd is closed.
     ``confine`` runs in the shim first: what it sets up (a Landlock domain, a seccomp
-    filter) holds for the child and everything the child starts.
+    filter) holds for the child and everything the child starts. A command's shim is
+    made by the shim server (``shimserver.py``) where there is one: a fork of the
+    supervisor is the fallback.
     """
     pid = os.fork()
     if pid:
         return pid
+    run_shim(launch, fds, keep, confine)
+
+
+def run_shim(
+    launch: "Callable[[], int]",
+    fds: "tuple[int, int, int]",
+    keep: "tuple[int, ...]" = (),
+    confine: "Optional[Callable[[bool], bool]]" = None,
+) -> "NoReturn":
+    """A shim's whole life, in the new process (see ``spawn_shim``): never returns."""
     try:
         _enter(fds, keep, confine, subreaper=True)
         child = launch()

@@ -56,9 +56,9 @@ def run(sup: "Supervisor", rid: int, h: dict[str, Any], rest: bytes) -> None:
         kill_tree(job.shim, include_root=True)
     jobs.forget_commands(sup)
     sup.drop_interpreter(None)
-    zygote = sup.zygote if sup.zygote is not None and sup.zygote.alive else None
     # Code first (a fork bomb's included): the zygote then has processes to fork with.
-    kill_tree(os.getpid(), include_root=False, spare=zygote.pid if zygote is not None else 0)
+    kept = tuple(p.pid for p in (sup.zygote, sup.shim_server) if p is not None and p.alive)
+    kill_tree(os.getpid(), include_root=False, spare=kept)
     for root, mode in sup.root_modes.items():
         if stat.S_IMODE(os.stat(root).st_mode) != mode:  # not ours to chmod on some tiers
             os.chmod(root, mode)
@@ -73,7 +73,8 @@ def run(sup: "Supervisor", rid: int, h: dict[str, Any], rest: bytes) -> None:
         return
     sup.reap()
     in_place = sup.rules is None and sup.egress is None
-    if in_place and sup.zygote is not None and not sup.zygote.problems(sup.baseline):
+    needed = (sup.zygote, sup.shim_server) if sup.config.get("shim_server", True) else (sup.zygote,)
+    if in_place and all(p is not None and not p.problems(sup.baseline) for p in needed):
         sup.clean = False
         if h.get("warm"):
             sup.interpreter = Interpreter(sup)
@@ -81,9 +82,10 @@ def run(sup: "Supervisor", rid: int, h: dict[str, Any], rest: bytes) -> None:
         sup.send({"id": rid, "ev": "done"})
         sup.reader.feed(rest)
         return
-    if sup.zygote is not None:
-        sup.zygote.stop()
-        sup.zygote = None
+    for process in (sup.zygote, sup.shim_server):
+        if process is not None:
+            process.stop()
+    sup.zygote = sup.shim_server = None
     while True:  # reap: no zombie of the last user crosses into the new image
         try:
             os.waitpid(-1, 0)
