@@ -40,15 +40,15 @@ WARM_START_S = 10.0
 def run(sup: "Supervisor", rid: int, h: dict[str, Any], rest: bytes) -> None:
     """Make the sandbox as it was at start-up, for the next user.
 
-    Kill everything but the zygote, empty every writable place, drop IPC objects, put
+    Kill everything but the zygote and the shim server, empty every writable place, drop IPC objects, put
     back the settings code can change (``baseline``): the pool's 'never hand out dirty'.
     What one user leaves (a file in /dev/shm, a SysV segment, a mode on the workspace, a
     sysctl) would otherwise reach the next one. Our heap has held the last user's output
     and environment: no interpreter is forked from us any more but from the zygote,
     which holds nothing of any user, and we are non-dumpable (code cannot read us). A
-    zygote that code changed (killed, stopped, its limits or scheduling) is dropped and
-    we exec a fresh copy of ourselves (same pid: we stay the sandbox's init), which
-    forks a new one; so does a sandbox under a policy or egress relay, whose state
+    zygote or shim server that code changed (killed, stopped, its limits or scheduling)
+    is dropped and we exec a fresh copy of ourselves (same pid: we stay the sandbox's
+    init), which forks new ones; so does a sandbox under a policy or egress relay, whose state
     (approvals, connections) the exec renews.
     """
     for job in list(sup.commands.values()):

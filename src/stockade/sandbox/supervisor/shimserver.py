@@ -45,8 +45,10 @@ FDS = 3
 ANSWER_S = 5.0  # how long a server that is alive and not stopped may take to answer
 POLL_S = 0.05  # how often the supervisor looks whether a server that is slow is stopped
 CLONE_PARENT = 0x00008000
+PR_SET_NAME = 15
 SIGCHLD = 17
 SYS_CLONE = {"x86_64": 56, "aarch64": 220}.get(os.uname().machine, -1)
+NAME = b"stockade-shim"  # the server's, and so its shims' (ps shows them by it)
 HELLO = (1).to_bytes(PID, "big", signed=True)  # the server's first word: CLONE_PARENT works here
 
 
@@ -195,6 +197,13 @@ def _serve(sock: "Any", confine: "Optional[Callable[[bool], bool]]") -> None:
     for sig in IGNORED_SIGNALS:  # SIGKILL and SIGSTOP remain: the supervisor checks for them
         signal.signal(sig, signal.SIG_IGN)
     supervisor = os.getppid()
+    try:  # its name, which its shims keep (they exec nothing: their children do)
+        from confine import _pinned
+
+        _held, address = _pinned(NAME + b"\0")
+        libc("prctl", PR_SET_NAME, address, 0, 0, 0)
+    except OSError:
+        pass
     # Does the kernel honour CLONE_PARENT? A clone that ends at once: if it is ours to reap,
     # no (gVisor makes it our child); on Linux it is the supervisor's (which ignores it).
     try:
@@ -207,6 +216,12 @@ def _serve(sock: "Any", confine: "Optional[Callable[[bool], bool]]") -> None:
         honoured = True
     except OSError:
         honoured = False
+    import gc
+
+    # A collection in a shim would write the header of every object it walks, each a page
+    # copied from ours; the server and its shims make no garbage that needs one.
+    gc.disable()
+    gc.freeze()
     sock.sendall(HELLO if honoured else bytes(PID))
     if not honoured:
         return
