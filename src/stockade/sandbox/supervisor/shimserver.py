@@ -45,7 +45,7 @@ FDS = 3
 ANSWER_S = 5.0  # how long a server that is alive and not stopped may take to answer
 POLL_S = 0.05  # how often the supervisor looks whether a server that is slow is stopped
 CLONE_PARENT = 0x00008000
-PR_SET_NAME = 15
+PR_SET_NAME, PR_GET_NAME = 15, 16
 SIGCHLD = 17
 SYS_CLONE = {"x86_64": 56, "aarch64": 220}.get(os.uname().machine, -1)
 NAME = b"stockade-shim"  # the server's, and so its shims' (ps shows them by it)
@@ -107,10 +107,12 @@ class ShimServer(Zygote):
         the request is too large or has a NUL in it (a fork of ours then reports what it
         always did). OSError: EAGAIN or ENOMEM when no process can be made now; anything
         else when the server failed, which is then stopped."""
+        # Its first word is not waited for (a fork of ours serves meanwhile), and is read
+        # even after it ended: a server that said no ends at once (and may be reaped).
+        if not self._heard(0):
+            return 0
         if not self.alive:
             raise OSError(errno.ESRCH, "the shim server is gone")
-        if not self._heard(0):  # its first word is not waited for: a fork of ours serves meanwhile
-            return 0
         try:
             words = [cwd, str(len(argv)), *argv]
             for key, value in env.items():
@@ -167,12 +169,20 @@ def start(keep: "tuple[int, ...]", confine: "Optional[Callable[[bool], bool]]") 
     if SYS_CLONE < 0:
         return None
     ours, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_SEQPACKET)
+    # Named from birth (ps, and tests, tell it from the zygote by it; its shims keep the
+    # name, as they exec nothing): we take its name for the fork, then ours back.
+    own = _name(PR_GET_NAME, bytes(16))
+    _name(PR_SET_NAME, NAME)
+    pid = -1
     try:
         pid = os.fork()
     except OSError:
         ours.close()
         theirs.close()
         return None
+    finally:
+        if pid != 0:
+            _name(PR_SET_NAME, own)
     if pid == 0:
         try:
             ours.close()
@@ -183,6 +193,23 @@ def start(keep: "tuple[int, ...]", confine: "Optional[Callable[[bool], bool]]") 
     theirs.close()
     ours.setblocking(False)  # a send that would wait means a server that does not read
     return ShimServer(pid, ours, {})
+
+
+def _name(option: int, name: bytes) -> bytes:
+    """prctl's PR_SET_NAME or PR_GET_NAME on a copy of ``name`` (16 bytes at most, NUL-ended
+    here); returns the copy as the kernel left it, up to its NUL."""
+    import _ctypes
+
+    class c_char(_ctypes._SimpleCData):
+        _type_ = "c"
+
+    buf = bytearray(name[:15].ljust(16, b"\0"))
+    view = c_char.from_buffer(buf)  # holds buf while the kernel reads or writes it
+    try:
+        libc("prctl", option, _ctypes.addressof(view), 0, 0, 0)
+    except OSError:
+        pass
+    return bytes(buf).split(b"\0", 1)[0]
 
 
 def clone_parent() -> int:
@@ -197,13 +224,6 @@ def _serve(sock: "Any", confine: "Optional[Callable[[bool], bool]]") -> None:
     for sig in IGNORED_SIGNALS:  # SIGKILL and SIGSTOP remain: the supervisor checks for them
         signal.signal(sig, signal.SIG_IGN)
     supervisor = os.getppid()
-    try:  # its name, which its shims keep (they exec nothing: their children do)
-        from confine import _pinned
-
-        _held, address = _pinned(NAME + b"\0")
-        libc("prctl", PR_SET_NAME, address, 0, 0, 0)
-    except OSError:
-        pass
     # Does the kernel honour CLONE_PARENT? A clone that ends at once: if it is ours to reap,
     # no (gVisor makes it our child); on Linux it is the supervisor's (which ignores it).
     try:
