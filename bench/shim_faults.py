@@ -1,9 +1,10 @@
 """Page faults the supervisor takes per command: its minor faults (``/proc/1/stat``, the
 supervisor being the sandbox's init) read before and after N commands, divided by N.
 
-Each shim of a command was a fork of the supervisor: every page the supervisor wrote while
-one lived was copied (a fault). Made by the shim server, a shim shares no page with it.
-Run it once per version of stockade (a worktree each, on PYTHONPATH) and alternate them:
+Each shim of a command is a fork of the supervisor: every page the supervisor writes while
+one lives is copied (a fault); a shim that is not a fork of it (the shim server measured in
+docs/benchmarks.md) takes those away. Run it once per version of stockade (a worktree each,
+on PYTHONPATH) and alternate them:
 
     python bench/shim_faults.py [tier] [commands] [policy|none]   # prints one line
 """

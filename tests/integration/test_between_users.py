@@ -227,8 +227,7 @@ def test_a_wide_tree_resets_quickly_and_never_holds_up_other_users(tier: str) ->
 
 # The zygote (supervisor/zygote.py) forks every interpreter: the interpreter's parent is the
 # zygote, the zygote's the supervisor, whose children (no command runs meanwhile) must be the
-# zygote alone, beside the shim server (supervisor/shimserver.py, named stockade-shim; none
-# on gVisor).
+# zygote alone.
 FIND_ZYGOTE = r"""
 import os
 
@@ -237,7 +236,8 @@ def _parent(pid):
         data = fh.read()
     return int(data[data.rindex(b")") + 2 :].split()[1])
 
-def _children(supervisor):
+def _zygotes():
+    supervisor = _parent(os.getppid())
     found = []
     for name in os.listdir("/proc"):
         if name.isdigit():
@@ -246,18 +246,7 @@ def _children(supervisor):
                     found.append(int(name))
             except (OSError, ValueError):
                 continue
-    return found
-
-def _is_shim_server(pid):
-    with open(f"/proc/{pid}/comm") as fh:
-        return fh.read().strip() == "stockade-shim"
-
-def _zygotes():
-    supervisor = _parent(os.getppid())
-    return supervisor, [p for p in _children(supervisor) if not _is_shim_server(p)]
-
-def _shim_servers():
-    return [p for p in _children(_parent(os.getppid())) if _is_shim_server(p)]
+    return supervisor, found
 """
 READ_PROCESSES = r"""
 import resource
@@ -302,11 +291,10 @@ def _processes(sbx: Sandbox) -> dict[str, object]:
     return value
 
 
-def test_code_cannot_read_the_supervisor_nor_the_zygote(sbx: Sandbox, tier: str) -> None:
+def test_code_cannot_read_the_supervisor_nor_the_zygote(sbx: Sandbox) -> None:
     # Both are non-dumpable: /proc/<pid>/mem is refused to code of their uid, which otherwise
     # could read the supervisor's heap (every earlier user's traffic). (gVisor lets it read
-    # their environ: the environment they were started with, the same for every user.) So is
-    # the shim server, a fork of the supervisor (there is none on gVisor).
+    # their environ: the environment they were started with, the same for every user.)
     result = sbx.run_code(
         FIND_ZYGOTE + "def _refused(pid, what):\n"
         "    try:\n"
@@ -316,11 +304,10 @@ def test_code_cannot_read_the_supervisor_nor_the_zygote(sbx: Sandbox, tier: str)
         "    except OSError:\n"
         "        return True\n"
         "_supervisor, _found = _zygotes()\n"
-        "[len(_found)] + [_refused(p, 'mem') for p in [_supervisor, *_found, *_shim_servers()]]"
+        "[len(_found)] + [_refused(p, 'mem') for p in [_supervisor, *_found]]"
     )
     assert result.error is None, result.error
-    readable = "[1, True, True]" if tier == "gvisor" else "[1, True, True, True]"
-    assert result.text == readable, "one zygote, and the memory of none readable"
+    assert result.text == "[1, True, True]", "one zygote, and the memory of neither readable"
 
 
 def test_a_zygote_code_changed_is_replaced_at_reset(sbx: Sandbox) -> None:

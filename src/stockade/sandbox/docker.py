@@ -731,10 +731,7 @@ class DockerBackend(Backend):
 
         def config() -> dict[str, Any]:
             own = _guest.own_kernel_limits(spec, self._runtime_platform()) if self.own_kernel else None
-            made = supervisor_config(spec, own.rlimits if own is not None else None, egress)
-            if self.own_kernel:  # gVisor ignores CLONE_PARENT: no shim server (supervisor/shimserver.py)
-                made["shim_server"] = False
-            return made
+            return supervisor_config(spec, own.rlimits if own is not None else None, egress)
 
         def log() -> str:
             return stream.stderr.decode("utf-8", "replace").strip()

@@ -377,8 +377,7 @@ class RunscBackend(Backend):
 
         def config() -> dict[str, Any]:
             rlimits = _guest.own_kernel_limits(spec, self.platform).rlimits
-            # gVisor ignores CLONE_PARENT: no shim server (supervisor/shimserver.py)
-            return {**supervisor_config(spec, rlimits, instance.egress), "shim_server": False}
+            return supervisor_config(spec, rlimits, instance.egress)
 
         instance.start(config, START_TIMEOUT_S, rules, log=lambda: _head(instance.bundle / "runsc.log"))
         return instance

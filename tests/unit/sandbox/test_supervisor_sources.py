@@ -69,7 +69,6 @@ def test_a_sandbox_start_loads_the_supervisors_modules_it_needs_and_no_more() ->
         "protocol",
         "reaper",
         "runcode",
-        "shimserver",
         "zygote",
     }
     assert "reset.py" in sources()  # shipped all the same

@@ -16,7 +16,6 @@ Standard library only; runs on any Python >= 3.8 found inside the sandbox.
 
 from __future__ import annotations
 
-import errno
 import os
 import time
 from select import EPOLLIN as EVENT_READ
@@ -107,7 +106,7 @@ def op_exec(sup: "Supervisor", rid: int, h: dict[str, Any], body: bytes) -> None
             made += (in_r, in_w)
         else:
             in_r, in_w = sup.devnull, -1
-        job.shim = _shim(sup, argv, env, cwd, (in_r, out_w, err_w))
+        job.shim = spawn_shim(spawned(argv, env, cwd), (in_r, out_w, err_w), confine=sup.confine)
     except OSError as exc:
         # Out of processes or descriptors (a thread or fork bomb the code left behind):
         # the command could not start, which is a result like any failed exec.
@@ -145,33 +144,6 @@ def op_exec(sup: "Supervisor", rid: int, h: dict[str, Any], body: bytes) -> None
         sup.sel.register(in_w, EVENT_WRITE, ("stdin", job))
     sup.commands[rid] = job
     sup.shims[job.shim] = job
-
-
-def _shim(
-    sup: "Supervisor", argv: "list[str]", env: "dict[str, str]", cwd: str, fds: "tuple[int, int, int]"
-) -> int:
-    """The command's shim, made by the shim server; a fork of ours where it cannot serve
-    (gone, stopped, slow: it is dropped, and the next reset replaces it). A fork of ours
-    after a reset kept us holds the last user's data in its copy of our heap, as every
-    shim did before the server: none of it reaches the code, which runs in a program the
-    shim execs, and the shim is not dumpable (without a policy, the only case in which a
-    reset keeps us; under one the shim makes itself dumpable, and every reset execs a
-    fresh supervisor)."""
-    server = sup.shim_server
-    if server is not None:
-        try:
-            pid = server.spawn_shim(argv, env, cwd, fds)
-        except OSError as exc:
-            if exc.errno in (errno.EAGAIN, errno.ENOMEM):
-                raise  # out of processes: a fork of ours would fail too
-            sup.shim_server = None
-        else:
-            if pid:
-                return pid
-            if server.clones is False:  # gVisor: none here, nor in a fresh supervisor after a reset
-                sup.shim_server = None
-                sup.config = {**sup.config, "shim_server": False}
-    return spawn_shim(spawned(argv, env, cwd), fds, confine=sup.confine)
 
 
 def forget_commands(sup: "Supervisor") -> None:
@@ -238,9 +210,8 @@ def sweep_strays(sup: "Supervisor") -> None:
     known = set(sup.shims)
     if sup.interpreter is not None:
         known.add(sup.interpreter.shim)
-    for process in (sup.zygote, sup.shim_server):
-        if process is not None and process.alive:
-            known.add(process.pid)
+    if sup.zygote is not None and sup.zygote.alive:
+        known.add(sup.zygote.pid)
     for pid in _children_map().get(os.getpid(), []):
         if pid not in known:
             kill_tree(pid, include_root=True)

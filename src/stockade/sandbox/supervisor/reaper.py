@@ -17,7 +17,7 @@ import time
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
-    from typing import Any, Callable, NoReturn, Optional
+    from typing import Any, Callable, Optional
 
 
 PR_SET_DUMPABLE = 4
@@ -118,9 +118,9 @@ def descendants(root: int) -> list[int]:
     return out
 
 
-def kill_tree(root: int, include_root: bool, spare: "tuple[int, ...]" = ()) -> None:
+def kill_tree(root: int, include_root: bool, spare: int = 0) -> None:
     """SIGKILL every descendant of ``root`` until none is left (fork bombs included), but
-    those in ``spare`` (whose own descendants die all the same).
+    ``spare`` (whose own descendants die all the same).
 
     A process forked between a scan and the kill is the child of a killed process, so it
     is reparented to the subreaper (``root``) and found by the next scan.
@@ -132,7 +132,7 @@ def kill_tree(root: int, include_root: bool, spare: "tuple[int, ...]" = ()) -> N
         except OSError:
             pass
     for _ in range(1000):
-        found = [pid for pid in descendants(root) if pid not in spare]
+        found = [pid for pid in descendants(root) if pid != spare]
         if not found:
             break
         for pid in found:
@@ -300,23 +300,11 @@ def spawn_shim(
 
     The child gets ``fds`` as 0/1/2 and ``keep`` as 3, 4, ...; every other fd is closed.
     ``confine`` runs in the shim first: what it sets up (a Landlock domain, a seccomp
-    filter) holds for the child and everything the child starts. A command's shim is
-    made by the shim server (``shimserver.py``) where there is one: a fork of the
-    supervisor is the fallback.
+    filter) holds for the child and everything the child starts.
     """
     pid = os.fork()
     if pid:
         return pid
-    run_shim(launch, fds, keep, confine)
-
-
-def run_shim(
-    launch: "Callable[[], int]",
-    fds: "tuple[int, int, int]",
-    keep: "tuple[int, ...]" = (),
-    confine: "Optional[Callable[[bool], bool]]" = None,
-) -> "NoReturn":
-    """A shim's whole life, in the new process (see ``spawn_shim``): never returns."""
     try:
         _enter(fds, keep, confine, subreaper=True)
         child = launch()

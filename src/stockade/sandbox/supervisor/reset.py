@@ -40,15 +40,15 @@ WARM_START_S = 10.0
 def run(sup: "Supervisor", rid: int, h: dict[str, Any], rest: bytes) -> None:
     """Make the sandbox as it was at start-up, for the next user.
 
-    Kill everything but the zygote and the shim server, empty every writable place, drop IPC objects, put
+    Kill everything but the zygote, empty every writable place, drop IPC objects, put
     back the settings code can change (``baseline``): the pool's 'never hand out dirty'.
     What one user leaves (a file in /dev/shm, a SysV segment, a mode on the workspace, a
     sysctl) would otherwise reach the next one. Our heap has held the last user's output
     and environment: no interpreter is forked from us any more but from the zygote,
     which holds nothing of any user, and we are non-dumpable (code cannot read us). A
-    zygote or shim server that code changed (killed, stopped, its limits or scheduling)
-    is dropped and we exec a fresh copy of ourselves (same pid: we stay the sandbox's
-    init), which forks new ones; so does a sandbox under a policy or egress relay, whose state
+    zygote that code changed (killed, stopped, its limits or scheduling) is dropped and
+    we exec a fresh copy of ourselves (same pid: we stay the sandbox's init), which
+    forks a new one; so does a sandbox under a policy or egress relay, whose state
     (approvals, connections) the exec renews.
     """
     for job in list(sup.commands.values()):
@@ -56,9 +56,9 @@ def run(sup: "Supervisor", rid: int, h: dict[str, Any], rest: bytes) -> None:
         kill_tree(job.shim, include_root=True)
     jobs.forget_commands(sup)
     sup.drop_interpreter(None)
+    zygote = sup.zygote if sup.zygote is not None and sup.zygote.alive else None
     # Code first (a fork bomb's included): the zygote then has processes to fork with.
-    kept = tuple(p.pid for p in (sup.zygote, sup.shim_server) if p is not None and p.alive)
-    kill_tree(os.getpid(), include_root=False, spare=kept)
+    kill_tree(os.getpid(), include_root=False, spare=zygote.pid if zygote is not None else 0)
     for root, mode in sup.root_modes.items():
         if stat.S_IMODE(os.stat(root).st_mode) != mode:  # not ours to chmod on some tiers
             os.chmod(root, mode)
@@ -73,8 +73,7 @@ def run(sup: "Supervisor", rid: int, h: dict[str, Any], rest: bytes) -> None:
         return
     sup.reap()
     in_place = sup.rules is None and sup.egress is None
-    needed = (sup.zygote, sup.shim_server) if sup.config.get("shim_server", True) else (sup.zygote,)
-    if in_place and all(p is not None and not p.problems(sup.baseline) for p in needed):
+    if in_place and sup.zygote is not None and not sup.zygote.problems(sup.baseline):
         sup.clean = False
         if h.get("warm"):
             sup.interpreter = Interpreter(sup)
@@ -82,10 +81,9 @@ def run(sup: "Supervisor", rid: int, h: dict[str, Any], rest: bytes) -> None:
         sup.send({"id": rid, "ev": "done"})
         sup.reader.feed(rest)
         return
-    for process in (sup.zygote, sup.shim_server):
-        if process is not None:
-            process.stop()
-    sup.zygote = sup.shim_server = None
+    if sup.zygote is not None:
+        sup.zygote.stop()
+        sup.zygote = None
     while True:  # reap: no zombie of the last user crosses into the new image
         try:
             os.waitpid(-1, 0)

@@ -215,7 +215,7 @@ class Interpreter:
             self.drain(job)
             self.job = None
             # A run's processes end with it, like a command's: none outlives its timeout.
-            kill_tree(self.adopter, include_root=False, spare=(self.pid,))
+            kill_tree(self.adopter, include_root=False, spare=self.pid)
             sup.finish_code(job, payload)
         self.next_run()
 

@@ -65,8 +65,6 @@ import runcode
 from fileops import PathRefused, Workspace, _os_error, read_exactly
 from protocol import PREFIX, FrameReader, dumps, encode
 from reaper import IGNORED_SIGNALS, PR_SET_CHILD_SUBREAPER, PR_SET_DUMPABLE, kill_tree, prctl
-from shimserver import ShimServer
-from shimserver import start as start_shim_server
 from zygote import Zygote
 from zygote import start as start_zygote
 
@@ -145,7 +143,6 @@ class Supervisor:
         # (every sandbox restored from one snapshot would otherwise share its generators).
         self.reseed = False
         self.zygote: Optional[Zygote] = None  # forks every interpreter (supervisor/zygote.py)
-        self.shim_server: Optional[ShimServer] = None  # makes every command's shim (shimserver.py)
         # Has this process image served only the current user? A reset that keeps it (and
         # the zygote) makes it False: from then on no interpreter may be forked from us.
         self.clean = True
@@ -212,14 +209,11 @@ class Supervisor:
             self.sel.register(self.rules.events, EVENT_READ, ("exec", None))
 
     def start_zygote(self) -> None:
-        """Fork the zygote and the shim server: right after the configuration, before any
-        request is read."""
+        """Fork the zygote: right after the configuration, before any request is read."""
         ruleset = getattr(self.rules, "_ruleset", -1)  # what confine() applies in each shim
         self.zygote = start_zygote(
             (self.devnull, ruleset), self.workspace.root, self.env, self.confine, self.devnull
         )
-        if self.config.get("shim_server", True):  # False: this kernel has no CLONE_PARENT
-            self.shim_server = start_shim_server((ruleset,), self.confine)
 
     def serve(self) -> None:
         wake_r, wake_w = os.pipe()
@@ -401,7 +395,7 @@ class Supervisor:
         self.send({"id": rid, "ev": "done"})
 
     def reap(self) -> None:
-        """Every child that ended: a command's shim, the interpreter, the zygote, the shim server."""
+        """Every child that ended: a command's shim, the interpreter, the zygote."""
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -416,8 +410,6 @@ class Supervisor:
                 self.drop_interpreter("the interpreter process died")
             elif self.zygote is not None and pid == self.zygote.pid:
                 self.zygote.alive = False  # its pid is free again: never spare nor signal it
-            elif self.shim_server is not None and pid == self.shim_server.pid:
-                self.shim_server.alive = False
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()
