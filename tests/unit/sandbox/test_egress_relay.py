@@ -40,8 +40,11 @@ class Poller:
 
     def pump(self, rounds: int = 5) -> None:
         for _ in range(rounds):
-            for fd, events in self.epoll.poll(0.02):
-                _, relay = self.data[fd]
+            # As the supervisor's Poller: each ready fd's handler is looked up at the poll, and
+            # called even if an earlier event of the same batch unregistered the fd (the relay
+            # ignores an fd it no longer knows). A look-up per event raised KeyError then.
+            ready = [(self.data[fd], fd, ev) for fd, ev in self.epoll.poll(0.02) if fd in self.data]
+            for (_, relay), fd, events in ready:
                 relay.on_event(fd, events)
 
 
