@@ -360,6 +360,19 @@ def test_the_compiled_judge_and_the_python_judge_record_the_same_execs(
     assert from_code == [("/bin/true", ("/bin/true", "code"))]
 
 
+def test_resets_under_a_policy_leave_no_descriptor_behind(tier: str) -> None:
+    """Under a policy every reset execs a fresh supervisor, handing over its state and the
+    exec judge's listener on descriptors of their own: what was only a step on the way must
+    not cross the exec. With 80 descriptors a process (the supervisor holds ~30), a reset that
+    left one behind would end these in "Too many open files" (it did: two a reset)."""
+    limits = Limits(memory_mb=256, timeout_s=30, pids=64, open_files=64 * 80)
+    with Sandbox.create(tier, limits=limits, rules=SandboxRules(deny=("uname",))) as sbx:
+        for _ in range(60):
+            sbx.reset()
+            assert sbx.run_code("print(1)").logs.stdout == "1\n"
+            assert sbx.commands.run("echo ok").stdout == "ok\n"
+
+
 def test_the_exec_judge_holds_across_a_reset(tier: str) -> None:
     """A reset execs a fresh supervisor: the compiled judge stops first (its thread would
     otherwise take that exec's notification), and the fresh one judges and records again."""

@@ -40,12 +40,12 @@ class Poller:
 
     def pump(self, rounds: int = 5) -> None:
         for _ in range(rounds):
-            for fd, events in self.epoll.poll(0.02):
-                # An event of this batch whose end an earlier one closed (the supervisor's
-                # selector drops those too): under load one poll can return both.
-                entry = self.data.get(fd)
-                if entry is not None:
-                    entry[1].on_event(fd, events)
+            # As the supervisor's Poller: each ready fd's handler is looked up at the poll, and
+            # called even if an earlier event of the same batch unregistered the fd (the relay
+            # ignores an fd it no longer knows). A look-up per event raised KeyError then.
+            ready = [(self.data[fd], fd, ev) for fd, ev in self.epoll.poll(0.02) if fd in self.data]
+            for (_, relay), fd, events in ready:
+                relay.on_event(fd, events)
 
 
 def _free_port() -> int:

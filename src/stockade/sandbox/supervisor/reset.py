@@ -110,8 +110,10 @@ def exec_fresh(sup: "Supervisor", rid: int, warm: bool, rest: bytes) -> None:
     handover = _unnamed_file()
     _write_all(handover, encode(state, rest))
     os.lseek(handover, 0, os.SEEK_SET)
-    # Every fd to its place without one overwriting another: all out of the way first.
-    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, 16) if fd >= 0 else -1 for fd in (handover, listener)]
+    # Every fd to its place without one overwriting another: all out of the way first, in
+    # copies that close at the exec (dup2's targets do not): the fresh supervisor keeps only
+    # its places, or each reset would leave two behind.
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 16) if fd >= 0 else -1 for fd in (handover, listener)]
     os.dup2(sup.rfd, 0)
     os.dup2(sup.wfd, 1)
     os.dup2(moved[0], HANDOVER_FD)
