@@ -89,6 +89,17 @@ def test_open_files_are_bounded_for_the_whole_sandbox(tier: str) -> None:
         assert grown <= host.open_files + 512, f"host file handles grew by {grown}: {result}"
 
 
+def test_code_runs_at_the_smallest_descriptor_limit(tier: str) -> None:
+    # 32 a process, the least a sandbox gives: the interpreter's copies of its pipes to the
+    # supervisor (kept to put back what a cell closes) fit under it, and still serve.
+    limits = Limits(open_files=32, pids=16, timeout_s=60)
+    assert limits.files_per_process == 32
+    with Sandbox.create(tier, limits=limits) as sbx:
+        assert sbx.run_code("print(1)").logs.stdout == "1\n"
+        sbx.run_code("import os, sys; sys.stdout.flush(); os.close(1)")
+        assert sbx.run_code("print(2)").logs.stdout == "2\n"
+
+
 BOMB = (
     "import os, time\n"
     "for i in range(100000):\n"

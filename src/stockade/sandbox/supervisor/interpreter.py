@@ -301,8 +301,18 @@ class _Streams:
 
     def __init__(self) -> None:
         # Copies of the pipes to the supervisor, above the low fds and close-on-exec (no
-        # program the code starts holds them).
-        self._pipes = {fd: fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64) for fd in (1, 2)}
+        # program the code starts holds them): from 64, or from the top of a lower limit
+        # (F_DUPFD fails at or above RLIMIT_NOFILE; a sandbox may allow 32 per process).
+        import resource  # C, small
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        low = 64 if soft == resource.RLIM_INFINITY or soft > 66 else max(3, soft - 2)
+        self._pipes: dict[int, int] = {}
+        for fd in (1, 2):
+            try:
+                self._pipes[fd] = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, low)
+            except OSError:  # none free that high: a cell that closes it loses it for good
+                pass
 
     def restore(self) -> None:
         for fd in (1, 2):
@@ -311,7 +321,7 @@ class _Streams:
             except OSError:  # closed by the code: its pipe again
                 try:
                     os.dup2(self._pipes[fd], fd)
-                except OSError:  # the copy was closed too: nothing to put back
+                except (KeyError, OSError):  # no copy, or the code closed it too: nothing to put back
                     continue
             current = sys.stdout if fd == 1 else sys.stderr
             if current is None or getattr(current, "closed", False):
