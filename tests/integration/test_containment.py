@@ -88,27 +88,36 @@ def test_no_network_reaches_a_host_listener(sbx: Sandbox) -> None:
     server.settimeout(0.2)
     port = server.getsockname()[1]
     accepted: list[object] = []
+    called = threading.Event()
 
     def accept() -> None:
-        for _ in range(15):
+        # Until the code's connects have all ended, then once more: a connection made before
+        # then waits in the listener's queue, so an accept that started after the call and
+        # found nothing means none came (no fixed wait, however long the connects take).
+        while True:
+            after_the_call = called.is_set()
             try:
                 accepted.append(server.accept())
             except TimeoutError:
-                continue
+                if after_the_call:
+                    return
 
     thread = threading.Thread(target=accept)
     thread.start()
-    r = sbx.run_code(
-        "import socket\n"
-        "results = []\n"
-        f"for host in ('127.0.0.1', '10.0.2.2', '172.17.0.1', '8.8.8.8'):\n"
-        "    s = socket.socket(); s.settimeout(1)\n"
-        f"    try: s.connect((host, {port})); results.append('CONNECTED ' + host)\n"
-        "    except OSError as e: results.append(type(e).__name__)\n"
-        "results"
-    )
-    thread.join()
-    server.close()
+    try:
+        r = sbx.run_code(
+            "import socket\n"
+            "results = []\n"
+            f"for host in ('127.0.0.1', '10.0.2.2', '172.17.0.1', '8.8.8.8'):\n"
+            "    s = socket.socket(); s.settimeout(1)\n"
+            f"    try: s.connect((host, {port})); results.append('CONNECTED ' + host)\n"
+            "    except OSError as e: results.append(type(e).__name__)\n"
+            "results"
+        )
+    finally:
+        called.set()
+        thread.join()
+        server.close()
     assert r.error is None and "CONNECTED" not in (r.text or "")
     assert accepted == [], "the host listener saw a connection"
 
