@@ -7,7 +7,9 @@ with ``require(name, available, why)``: on a laptop without it the test skips; i
 
 from __future__ import annotations
 
+import ast
 import fcntl
+import functools
 import os
 import shutil
 import tempfile
@@ -232,20 +234,57 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown to a pytest without it
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``--dist loadgroup``: the microVM's tests are one unit of work, which one worker runs one
-    after another (handed out first, the longest unit), every other test its own. QEMU under
-    TCG keeps a core busy while its guest runs, and the guest's deadlines (a command's timeout,
-    a boot) are on its clock: two guests at once, beside the other worker's tests, miss them.
-    (xdist's own groups go by ``xdist_group`` marks, which it cannot apply under pytest 9.)"""
+    """``--dist loadgroup``: the microVM's tests and the tests marked ``alone`` are one unit of
+    work, which one worker runs one after another (handed out first, the longest unit), every
+    other test its own. QEMU under TCG keeps a core busy while its guest runs, and the guest's
+    deadlines (a command's timeout, a boot) are on its clock: two guests at once, beside the
+    other worker's tests, miss them. A test marked ``alone`` first waits, idle, for the other
+    worker's test to end, and the other worker starts nothing until it has ended: run by the
+    microVM's worker, it waits for one of the other worker's tests (mostly short), where run
+    by the other worker it waited for a microVM test (up to a minute). (xdist's own groups go
+    by ``xdist_group`` marks, which it cannot apply under pytest 9.)"""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
 
-    class MicrovmApart(LoadScopeScheduling):  # type: ignore[misc]  # xdist has no types
-        def _split_scope(self, nodeid: str) -> str:
-            return "microvm" if "microvm" in nodeid else nodeid
+    root = config.rootpath
 
-    return MicrovmApart(config, log)
+    class OneWorkerApart(LoadScopeScheduling):  # type: ignore[misc]  # xdist has no types
+        def _split_scope(self, nodeid: str) -> str:
+            if "microvm" in nodeid:
+                return "apart"
+            path, _, name = nodeid.partition("::")
+            function = name.split("[")[0].rsplit("::", 1)[-1]  # a class's test: its method
+            return "apart" if function in _alone_tests(root / path) else nodeid
+
+    return OneWorkerApart(config, log)
+
+
+@functools.cache
+def _alone_tests(path: Path) -> frozenset[str]:
+    """The names of a test file's functions decorated ``@pytest.mark.alone``, read from its
+    source: the controller of a parallel run has the tests' ids, never their marks.
+    ``pytest_collection_modifyitems`` checks that every test marked ``alone`` is found so."""
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError, ValueError):  # not a file of tests (a doctest's id, say)
+        return frozenset()
+    return frozenset(
+        node.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and any(ast.unparse(mark) == "pytest.mark.alone" for mark in node.decorator_list)
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        function = getattr(item, "originalname", item.name)
+        if item.get_closest_marker("alone") is not None and function not in _alone_tests(item.path):
+            raise pytest.UsageError(
+                f"{item.nodeid} is marked alone other than by @pytest.mark.alone on its function: "
+                "a parallel run would not hand it to the worker of the microVM's tests (tests/conftest.py)"
+            )
 
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown to a pytest without it
