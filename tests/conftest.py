@@ -234,7 +234,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown to a pytest without it
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``--dist loadgroup``: the microVM's tests and the tests marked ``alone`` are one unit of
+    """``--dist loadgroup``: the microVM's tests (their ids name it, or they are marked
+    ``microvm``: a tier's probe starts a guest) and the tests marked ``alone`` are one unit of
     work, which one worker runs one after another (handed out first, the longest unit), every
     other test its own. QEMU under TCG keeps a core busy while its guest runs, and the guest's
     deadlines (a command's timeout, a boot) are on its clock: two guests at once, beside the
@@ -255,35 +256,41 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
                 return "apart"
             path, _, name = nodeid.partition("::")
             function = name.split("[")[0].rsplit("::", 1)[-1]  # a class's test: its method
-            return "apart" if function in _alone_tests(root / path) else nodeid
+            return "apart" if function in _apart_tests(root / path) else nodeid
 
     return OneWorkerApart(config, log)
 
 
+# The marks that send a test to the microVM's worker (besides its id naming the microVM).
+_APART_MARKS = ("alone", "microvm")
+
+
 @functools.cache
-def _alone_tests(path: Path) -> frozenset[str]:
-    """The names of a test file's functions decorated ``@pytest.mark.alone``, read from its
-    source: the controller of a parallel run has the tests' ids, never their marks.
-    ``pytest_collection_modifyitems`` checks that every test marked ``alone`` is found so."""
+def _apart_tests(path: Path) -> frozenset[str]:
+    """The names of a test file's functions decorated ``@pytest.mark.alone`` or
+    ``@pytest.mark.microvm``, read from its source: the controller of a parallel run has the
+    tests' ids, never their marks. ``pytest_collection_modifyitems`` checks that every test
+    so marked is found so."""
     try:
         tree = ast.parse(path.read_text())
     except (OSError, SyntaxError, ValueError):  # not a file of tests (a doctest's id, say)
         return frozenset()
+    decorators = {f"pytest.mark.{mark}" for mark in _APART_MARKS}
     return frozenset(
         node.name
         for node in ast.walk(tree)
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
-        and any(ast.unparse(mark) == "pytest.mark.alone" for mark in node.decorator_list)
+        and any(ast.unparse(mark) in decorators for mark in node.decorator_list)
     )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        function = getattr(item, "originalname", item.name)
-        if item.get_closest_marker("alone") is not None and function not in _alone_tests(item.path):
+        marked = [mark for mark in _APART_MARKS if item.get_closest_marker(mark) is not None]
+        if marked and getattr(item, "originalname", item.name) not in _apart_tests(item.path):
             raise pytest.UsageError(
-                f"{item.nodeid} is marked alone other than by @pytest.mark.alone on its function: "
-                "a parallel run would not hand it to the worker of the microVM's tests (tests/conftest.py)"
+                f"{item.nodeid} is marked {marked[0]} other than by @pytest.mark.{marked[0]} on its "
+                "function: a parallel run would not hand it to the microVM's worker (tests/conftest.py)"
             )
 
 
