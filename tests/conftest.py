@@ -235,62 +235,53 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown to a pytest without it
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``--dist loadgroup``: the microVM's tests (their ids name it, or they are marked
-    ``microvm``: a tier's probe starts a guest) and the tests marked ``alone`` are one unit of
-    work, which one worker runs one after another (handed out first, the longest unit), every
-    other test its own. QEMU under TCG keeps a core busy while its guest runs, and the guest's
-    deadlines (a command's timeout, a boot) are on its clock: two guests at once, beside the
-    other worker's tests, miss them. A test marked ``alone`` first waits, idle, for the other
-    worker's test to end, and the other worker starts nothing until it has ended: run by the
-    microVM's worker, it waits for one of the other worker's tests (mostly short), where run
-    by the other worker it waited for a microVM test (up to a minute). (xdist's own groups go
-    by ``xdist_group`` marks, which it cannot apply under pytest 9.)"""
+    ``microvm``: a tier's probe starts a guest) are one unit of work, which one worker runs
+    one after another (handed out first, the longest unit), every other test its own. QEMU
+    under TCG keeps a core busy while its guest runs, and the guest's deadlines (a command's
+    timeout, a boot) are on its clock: two guests at once, beside the other worker's tests,
+    miss them. (xdist's own groups go by ``xdist_group`` marks, which it cannot apply under
+    pytest 9.)"""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
 
     root = config.rootpath
 
-    class OneWorkerApart(LoadScopeScheduling):  # type: ignore[misc]  # xdist has no types
+    class MicrovmApart(LoadScopeScheduling):  # type: ignore[misc]  # xdist has no types
         def _split_scope(self, nodeid: str) -> str:
             if "microvm" in nodeid:
-                return "apart"
+                return "microvm"
             path, _, name = nodeid.partition("::")
             function = name.split("[")[0].rsplit("::", 1)[-1]  # a class's test: its method
-            return "apart" if function in _apart_tests(root / path) else nodeid
+            return "microvm" if function in _microvm_marked(root / path) else nodeid
 
-    return OneWorkerApart(config, log)
-
-
-# The marks that send a test to the microVM's worker (besides its id naming the microVM).
-_APART_MARKS = ("alone", "microvm")
+    return MicrovmApart(config, log)
 
 
 @functools.cache
-def _apart_tests(path: Path) -> frozenset[str]:
-    """The names of a test file's functions decorated ``@pytest.mark.alone`` or
-    ``@pytest.mark.microvm``, read from its source: the controller of a parallel run has the
-    tests' ids, never their marks. ``pytest_collection_modifyitems`` checks that every test
-    so marked is found so."""
+def _microvm_marked(path: Path) -> frozenset[str]:
+    """The names of a test file's functions decorated ``@pytest.mark.microvm``, read from its
+    source: the controller of a parallel run has the tests' ids, never their marks.
+    ``pytest_collection_modifyitems`` checks that every test so marked is found so."""
     try:
         tree = ast.parse(path.read_text())
     except (OSError, SyntaxError, ValueError):  # not a file of tests (a doctest's id, say)
         return frozenset()
-    decorators = {f"pytest.mark.{mark}" for mark in _APART_MARKS}
     return frozenset(
         node.name
         for node in ast.walk(tree)
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
-        and any(ast.unparse(mark) in decorators for mark in node.decorator_list)
+        and any(ast.unparse(decorator) == "pytest.mark.microvm" for decorator in node.decorator_list)
     )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        marked = [mark for mark in _APART_MARKS if item.get_closest_marker(mark) is not None]
-        if marked and getattr(item, "originalname", item.name) not in _apart_tests(item.path):
+        marked = item.get_closest_marker("microvm") is not None
+        if marked and getattr(item, "originalname", item.name) not in _microvm_marked(item.path):
             raise pytest.UsageError(
-                f"{item.nodeid} is marked {marked[0]} other than by @pytest.mark.{marked[0]} on its "
-                "function: a parallel run would not hand it to the microVM's worker (tests/conftest.py)"
+                f"{item.nodeid} is marked microvm other than by @pytest.mark.microvm on its function: "
+                "a parallel run would not hand it to the microVM's worker (tests/conftest.py)"
             )
 
 
