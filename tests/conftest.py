@@ -7,7 +7,9 @@ with ``require(name, available, why)``: on a laptop without it the test skips; i
 
 from __future__ import annotations
 
+import ast
 import fcntl
+import functools
 import os
 import shutil
 import tempfile
@@ -232,20 +234,55 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown to a pytest without it
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``--dist loadgroup``: the microVM's tests are one unit of work, which one worker runs one
-    after another (handed out first, the longest unit), every other test its own. QEMU under
-    TCG keeps a core busy while its guest runs, and the guest's deadlines (a command's timeout,
-    a boot) are on its clock: two guests at once, beside the other worker's tests, miss them.
-    (xdist's own groups go by ``xdist_group`` marks, which it cannot apply under pytest 9.)"""
+    """``--dist loadgroup``: the microVM's tests (their ids name it, or they are marked
+    ``microvm``: a tier's probe starts a guest) are one unit of work, which one worker runs
+    one after another (handed out first, the longest unit), every other test its own. QEMU
+    under TCG keeps a core busy while its guest runs, and the guest's deadlines (a command's
+    timeout, a boot) are on its clock: two guests at once, beside the other worker's tests,
+    miss them. (xdist's own groups go by ``xdist_group`` marks, which it cannot apply under
+    pytest 9.)"""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
 
+    root = config.rootpath
+
     class MicrovmApart(LoadScopeScheduling):  # type: ignore[misc]  # xdist has no types
         def _split_scope(self, nodeid: str) -> str:
-            return "microvm" if "microvm" in nodeid else nodeid
+            if "microvm" in nodeid:
+                return "microvm"
+            path, _, name = nodeid.partition("::")
+            function = name.split("[")[0].rsplit("::", 1)[-1]  # a class's test: its method
+            return "microvm" if function in _microvm_marked(root / path) else nodeid
 
     return MicrovmApart(config, log)
+
+
+@functools.cache
+def _microvm_marked(path: Path) -> frozenset[str]:
+    """The names of a test file's functions decorated ``@pytest.mark.microvm``, read from its
+    source: the controller of a parallel run has the tests' ids, never their marks.
+    ``pytest_collection_modifyitems`` checks that every test so marked is found so."""
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError, ValueError):  # not a file of tests (a doctest's id, say)
+        return frozenset()
+    return frozenset(
+        node.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and any(ast.unparse(decorator) == "pytest.mark.microvm" for decorator in node.decorator_list)
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        marked = item.get_closest_marker("microvm") is not None
+        if marked and getattr(item, "originalname", item.name) not in _microvm_marked(item.path):
+            raise pytest.UsageError(
+                f"{item.nodeid} is marked microvm other than by @pytest.mark.microvm on its function: "
+                "a parallel run would not hand it to the microVM's worker (tests/conftest.py)"
+            )
 
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown to a pytest without it

@@ -164,6 +164,7 @@ def test_the_readme_agents_example_runs(
     )
 
 
+@pytest.mark.microvm  # the microVM's probe starts a guest
 def test_trust_sets_the_minimum_and_the_cheapest_tier_that_meets_it_is_used(tmp_path: Path) -> None:
     from stockade import Sandbox
     from stockade.sandbox import _registry

@@ -66,6 +66,7 @@ def test_run_code_prints_output_and_the_last_value(tmp_path: Path) -> None:
     assert r.stdout == "5\n"
 
 
+@pytest.mark.microvm  # the microVM's probe starts a guest
 def test_doctor_reports_every_tier_and_how_limits_are_enforced() -> None:
     r = stockade("doctor")
     assert r.returncode == 0
