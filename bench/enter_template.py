@@ -257,15 +257,7 @@ def entered(template: socket.socket, check: bool = False) -> tuple[float, bytes]
     out_r, out_w = os.pipe()
     socket.send_fds(template, [f"enter {pid} {int(check)}".encode()], [out_w])
     os.close(out_w)
-    got = read_line(out_r)
-    elapsed = time.perf_counter() - t0
-    template.recv(1)
-    assert placeholder.stdin is not None
-    placeholder.stdin.close()
-    placeholder.wait()
-    for fd in (out_r, info_r, ready_r):
-        os.close(fd)
-    return elapsed, got
+    return finish(t0, template, placeholder, out_r, (info_r, ready_r))
 
 
 def placeholder_command(ready: int) -> list[str]:
@@ -333,13 +325,21 @@ def as_init(template: socket.socket, check: bool = False) -> tuple[float, bytes]
     with open(f"/proc/{placeholder.pid}/task/{placeholder.pid}/children") as fh:
         child = int(fh.read().split()[0])
     os.write(hear_w, f"{child}\n".encode())
-    got = read_line(out_r)
+    return finish(t0, template, placeholder, out_r, (tell_r, hear_w, ready_r))
+
+
+def finish(
+    t0: float, template: socket.socket, placeholder: subprocess.Popen[bytes], out: int, fds: tuple[int, ...]
+) -> tuple[float, bytes]:
+    """The sandbox's line on ``out`` and the time since ``t0`` it took; then the template's
+    answer, the placeholder's end and the pipes closed."""
+    got = read_line(out)
     elapsed = time.perf_counter() - t0
     template.recv(1)
     assert placeholder.stdin is not None
     placeholder.stdin.close()
     placeholder.wait()
-    for fd in (out_r, tell_r, hear_w, ready_r):
+    for fd in (out, *fds):
         os.close(fd)
     return elapsed, got
 
