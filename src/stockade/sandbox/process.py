@@ -87,6 +87,19 @@ HOST_ETC = (
 )  # fmt: skip
 
 
+REAP_S = 1.0  # how long bwrap may take to reap its killed child and end
+
+
+def _children(pid: int) -> list[int]:
+    """``pid``'s children (its one thread's: bwrap has no other); none where the kernel does
+    not list them (then bwrap goes first, as before)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            return [int(p) for p in fh.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
 class _ProcessBoundary(Boundary):
     def __init__(
         self,
@@ -116,8 +129,16 @@ class _ProcessBoundary(Boundary):
         return "killed" if not self._dead and code is not None and code < 0 else "unknown"
 
     def _kill(self) -> None:
-        # bwrap's namespace init dies with it (--die-with-parent), and with it every process
-        # of the pid namespace; the cgroup sweep then catches anything still exiting.
+        # The pid namespace's init (bwrap's child, the supervisor) first: every process of the
+        # namespace dies with it, and bwrap reaps it and ends. Killed first, bwrap would leave
+        # it to the host's init to reap (a zombie of the sandbox's uid, for good under an init
+        # that reaps nothing, as in many containers). Then bwrap, if it has not ended; the
+        # cgroup sweep catches anything still exiting.
+        for child in _children(self.proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=REAP_S)
         with contextlib.suppress(ProcessLookupError):
             self.proc.kill()
         if self.cgroup is not None:
