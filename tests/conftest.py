@@ -67,7 +67,8 @@ _CHECKOUT_CACHES = {
 }
 
 
-def _shared_host() -> bool:
+def shared_host() -> bool:
+    """Others run sandboxes (and rely on the host's services) meanwhile."""
     return os.environ.get("STOCKADE_TEST_SHARED_HOST", "") not in ("", "0")
 
 
@@ -89,7 +90,7 @@ def _census(*, own_only: bool, creators: Collection[int] = ()) -> dict[str, set[
             "containers": _containers(mine_only=True, creators=mine),
             "processes": {f"{pid} {cmd}" for pid, cmd in _tier_processes(mine_only=True)},
         }
-    shared = _shared_host()
+    shared = shared_host()
     found: dict[str, set[str]] = {
         "containers": _containers(mine_only=shared, creators={os.getpid(), *creators})
     }
