@@ -8,6 +8,7 @@ ways do the same; the launcher saves two execs (~2 ms of every cold start, measu
 
 from __future__ import annotations
 
+import functools
 import shutil
 import subprocess
 from pathlib import Path
@@ -30,7 +31,13 @@ def build(folder: Path | None = None) -> Path | None:
 
 def usable(folder: Path | None = None) -> Path | None:
     """The launcher, built, and seen to run here (a cache on a ``noexec`` mount would build
-    it and then fail every start); None otherwise: the caller takes the shell's way."""
+    it and then fail every start); None otherwise: the caller takes the shell's way. Tried
+    once per process and folder, not once per backend."""
+    return _tried(folder or cache_root() / "launch")
+
+
+@functools.cache
+def _tried(folder: Path) -> Path | None:
     launcher = build(folder)
     true = shutil.which("true")
     if launcher is None or true is None:

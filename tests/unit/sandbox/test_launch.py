@@ -39,8 +39,7 @@ def test_it_joins_every_file_then_runs_the_program_with_its_environment(
 
 
 def test_it_takes_the_uid_and_gid_and_drops_every_group(launcher: Path) -> None:
-    if os.geteuid() != 0:
-        pytest.skip("only root can take another uid")
+    require("root (only root takes another uid)", os.geteuid() == 0, "the tier drops to a uid only as root")
     script = 'cat /proc/self/status | grep -E "^(Uid|Gid|Groups|CapEff|CapPrm):"'
     done = run(_launch.chain(launcher, 65533, [], ["/bin/sh", "-c", script]))
     status = dict(line.split(":", 1) for line in done.stdout.splitlines())
