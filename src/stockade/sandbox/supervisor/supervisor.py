@@ -64,7 +64,7 @@ import jobs
 import runcode
 from fileops import PathRefused, Workspace, _os_error, read_exactly
 from protocol import PREFIX, FrameReader, dumps, encode
-from reaper import IGNORED_SIGNALS, PR_SET_CHILD_SUBREAPER, PR_SET_DUMPABLE, kill_tree, prctl
+from reaper import IGNORED_SIGNALS, PR_SET_CHILD_SUBREAPER, PR_SET_DUMPABLE, kill_group, kill_tree, prctl
 from zygote import Zygote
 from zygote import start as start_zygote
 
@@ -106,6 +106,11 @@ class Poller:
 
     def modify(self, fd: int, events: int) -> None:
         self._epoll.modify(fd, events)
+
+    def holds(self, key: _Key) -> bool:
+        """Whether ``key`` is still registered: an earlier event of the same turn (or a
+        deadline) may have closed its descriptor, whose number a new one may now have."""
+        return self._keys.get(key.fd) is key
 
     def select(self, timeout: "float | None") -> "list[tuple[_Key, int]]":
         try:
@@ -228,8 +233,12 @@ class Supervisor:
         while self.running:
             timeout = self._next_timeout()
             ready = self.sel.select(timeout)
+            # Deadlines first: a flood of output from the tree to kill must not come before it.
+            self._check_deadlines()
             relayed_only = bool(ready)  # a turn that only relayed egress bytes has nothing to reap
             for key, events in ready:
+                if not self.sel.holds(key):
+                    continue
                 kind, obj = key.data
                 relayed_only = relayed_only and kind == "egress"
                 fd = key.fd
@@ -258,7 +267,6 @@ class Supervisor:
             # costs 12-30 µs, and a request through the relay takes four or five turns.
             if not relayed_only:
                 self.reap()
-            self._check_deadlines()
 
     def _next_timeout(self) -> Optional[float]:
         deadlines = [j.deadline for j in self.commands.values() if j.deadline]
@@ -417,6 +425,7 @@ class Supervisor:
         interp = self.interpreter
         if interp and interp.job and interp.job.deadline and now >= interp.job.deadline:
             interp.job.timed_out = True
+            kill_group(interp.shim)  # before its output is drained and its pipes closed
             self.drop_interpreter("timed out; the interpreter was restarted and its state is lost")
 
     # -- the interpreter -----------------------------------------------------------------

@@ -1,0 +1,89 @@
+"""One turn of the supervisor's loop (supervisor/supervisor.py): the deadline's kill comes
+first, and an event whose descriptor an earlier part of the turn closed is not dispatched."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stockade.sandbox.supervisor import reaper
+from tests.conftest import wait_for
+
+SUPERVISOR = Path(reaper.__file__).parent
+
+
+@pytest.fixture(scope="module")
+def poller_type() -> Iterator[Any]:
+    saved = list(sys.path)
+    sys.path.insert(0, str(SUPERVISOR))  # the supervisor's modules import each other by name
+    try:  # importing it trims sys.path to what the sandbox cannot write (as root: nearly nothing)
+        poller = importlib.import_module("supervisor").Poller
+    finally:
+        sys.path[:] = saved
+    yield poller
+
+
+def test_an_event_closed_earlier_in_the_turn_is_not_dispatched(poller_type: Any) -> None:
+    poller = poller_type()
+    first, second = os.pipe(), os.pipe()
+    try:
+        for r, w in (first, second):
+            poller.register(r, 1, ("out", None))  # EPOLLIN
+            os.write(w, b"x")
+        ready = poller.select(1.0)
+        assert len(ready) == 2
+        closed = ready[1][0]
+        poller.unregister(closed.fd)  # what a deadline's kill does to the interpreter's pipes
+        os.close(closed.fd)
+        reused = os.pipe()  # the closed number, taken again by a new descriptor
+        try:
+            assert reused[0] == closed.fd
+            poller.register(reused[0], 1, ("out", None))
+            assert [poller.holds(key) for key, _ in ready] == [True, False]
+        finally:
+            poller.unregister(reused[0])
+            os.close(reused[0])
+            os.close(reused[1])
+    finally:
+        os.close(first[0])
+        os.close(first[1])
+        os.close(second[1])
+
+
+def test_a_group_is_killed_in_one_call() -> None:
+    # a shim leads its own session; what its code forked (without a session of its own) dies at once
+    leader = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"], start_new_session=True)
+    try:
+        wait_for(lambda: len(reaper.descendants(leader.pid)) == 2, what="the two sleeps")
+        children = reaper.descendants(leader.pid)
+        reaper.kill_group(leader.pid)
+        assert leader.wait(timeout=10) == -9
+        wait_for(lambda: not any(_alive(pid) for pid in children), what="the group's processes to die")
+    finally:
+        leader.kill()
+        leader.wait()
+
+
+def test_killing_a_group_spares_a_process_that_leads_none() -> None:
+    child = subprocess.Popen(["sleep", "30"])  # our own group: killing "its" group would kill us
+    try:
+        reaper.kill_group(child.pid)
+        assert child.poll() is None
+    finally:
+        child.kill()
+        child.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
