@@ -215,6 +215,23 @@ def test_a_fork_bomb_is_contained(tier: str) -> None:
     wait_for(lambda: not host_processes_with(bomb), what="the bomb to die with its sandbox")
 
 
+# Every process of this bomb leaves its parent's session and writes nowhere: neither the
+# call's process group nor its pipes hold it, and each one's children are adopted by the
+# supervisor as their parent dies. Alone for the reason above.
+@pytest.mark.alone
+def test_a_fork_bomb_that_leaves_its_session_dies_with_its_call(tier: str) -> None:
+    marker = f"bomb{secrets.token_hex(4)}"  # on every fork's command line
+    bomb = "import os\nwhile True:\n    try:\n        if os.fork() == 0:\n            os.setsid()\n"
+    bomb += "    except OSError:\n        pass\n"
+    with Sandbox.create(tier, limits=Limits(pids=64, memory_mb=2048)) as sbx:
+        sbx.files.write("bomb.py", bomb)
+        r = sbx.commands.run(f"python3 bomb.py {marker} >/dev/null 2>&1 </dev/null & sleep 30", timeout_s=2)
+        assert r.timed_out
+        left = sbx.commands.run("ps -eo stat,args 2>/dev/null || cat /proc/[0-9]*/cmdline").stdout
+        assert marker not in left, "the bomb outlived its call"
+        assert host_processes_with(marker) == []
+
+
 def test_a_memory_bomb_is_killed_and_reported(tier: str) -> None:
     with Sandbox.create(tier, limits=Limits(memory_mb=128)) as sbx:
         r = sbx.commands.run("python3 -c \"x = bytearray(1024 * 1024 * 1024); print('allocated')\"")

@@ -61,8 +61,8 @@ def test_a_group_is_killed_in_one_call() -> None:
     # a shim leads its own session; what its code forked (without a session of its own) dies at once
     leader = subprocess.Popen(["sh", "-c", "sleep 30 & sleep 30 & wait"], start_new_session=True)
     try:
-        wait_for(lambda: len(reaper.descendants(leader.pid)) == 2, what="the two sleeps")
-        children = reaper.descendants(leader.pid)
+        wait_for(lambda: len(_children(leader.pid)) == 2, what="the two sleeps")
+        children = _children(leader.pid)
         reaper.kill_group(leader.pid)
         assert leader.wait(timeout=10) == -9
         wait_for(lambda: not any(_alive(pid) for pid in children), what="the group's processes to die")
@@ -87,3 +87,50 @@ def _alive(pid: int) -> bool:
             return fh.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
     except FileNotFoundError:
         return False
+
+
+def test_a_group_member_adopted_outside_the_tree_dies_with_it() -> None:
+    # What gVisor's kill of a group leaves: a child forked as the kill came, then adopted
+    # outside the dead leader's tree (here the leader exits, and its child goes to init).
+    leader = subprocess.Popen(
+        ["sh", "-c", "sleep 30 & echo $!"], start_new_session=True, stdout=subprocess.PIPE, text=True
+    )
+    assert leader.stdout is not None
+    member = int(leader.stdout.readline())
+    try:
+        wait_for(lambda: _parent(member) != leader.pid, what="the leader to end and its child to be adopted")
+        reaper.kill_tree(leader.pid, include_root=True)
+        wait_for(lambda: not _alive(member), what="the adopted member to die")
+    finally:
+        leader.stdout.close()
+        leader.wait()
+        if _alive(member):
+            os.kill(member, 9)
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as fh:
+        return [int(word) for word in fh.read().split()]
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as fh:
+        return int(fh.read().rsplit(b")", 1)[1].split()[1])
+
+
+def test_a_pass_kills_the_tree_but_spares_what_it_must() -> None:
+    # root -> a -> b, root -> c -> d: c protected (with d), a spared (b dies all the same)
+    two = "sh -c 'sleep 30 & sleep 30 & wait'"
+    root = subprocess.Popen(["sh", "-c", f"{two} & {two} & wait"], start_new_session=True)
+    try:
+        wait_for(lambda: len(_children(root.pid)) == 2, what="two children")
+        a, c = _children(root.pid)
+        wait_for(lambda: len(_children(a)) == 2 and len(_children(c)) == 2, what="their sleeps")
+        b, d = _children(a), _children(c)
+        killed = reaper.kill_descendants(root.pid, spare=a, protect=frozenset({c}))
+        assert sorted(killed) == sorted(b)
+        wait_for(lambda: not any(_alive(pid) for pid in b), what="a's children to die")
+        assert all(_alive(pid) for pid in (root.pid, a, c, *d))
+    finally:
+        os.killpg(root.pid, 9)  # all of them: one group
+        root.wait()
