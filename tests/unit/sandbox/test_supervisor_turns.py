@@ -120,12 +120,12 @@ def _parent(pid: int) -> int:
 
 def test_a_pass_kills_the_tree_but_spares_what_it_must() -> None:
     # root -> a -> b, root -> c -> d: c protected (with d), a spared (b dies all the same)
-    two = "sh -c 'sleep 30 & sleep 30 & wait'"
-    root = subprocess.Popen(["sh", "-c", f"{two} & {two} & wait"], start_new_session=True)
+    parent = "sh -c 'sleep 30 & exec sleep 30'"  # a sleep with a child: lives on without it
+    root = subprocess.Popen(["sh", "-c", f"{parent} & {parent} & wait"], start_new_session=True)
     try:
         wait_for(lambda: len(_children(root.pid)) == 2, what="two children")
         a, c = _children(root.pid)
-        wait_for(lambda: len(_children(a)) == 2 and len(_children(c)) == 2, what="their sleeps")
+        wait_for(lambda: len(_children(a)) == 1 and len(_children(c)) == 1, what="theirs")
         b, d = _children(a), _children(c)
         killed = reaper.kill_descendants(root.pid, spare=a, protect=frozenset({c}))
         assert sorted(killed) == sorted(b)
