@@ -5,8 +5,9 @@ process in the call's process group), a Python bomb (`run_code`, `os.fork()` in 
 bomb whose every process leads its own session and writes nowhere (`commands.run`). Each
 call has a short timeout; the figure is the wall time of the call minus that timeout, and a
 sandbox the host had to close (its supervisor said nothing for `GRACE_S` past the deadline)
-counts as "closed". `--busy N` keeps N spinning processes on the host meanwhile, at the
-sandbox's priority: what another worker's tests or guests do to a CI run.
+counts as "closed" (with the exception the next call met, and how late the bomb's call came
+back). `--busy N` keeps N spinning processes on the host meanwhile, at the sandbox's
+priority: what another worker's tests or guests do to a CI run.
 
     python bench/deadline_bombs.py gvisor --rounds 20 --busy 3
 """
@@ -67,15 +68,15 @@ def busy(n: int) -> Iterator[None]:
             hog.wait()
 
 
-def one(tier: str, bomb: Callable[[Sandbox], float]) -> float | None:
-    """Seconds past the deadline, or None when the host had to close the sandbox."""
+def one(tier: str, bomb: Callable[[Sandbox], float]) -> tuple[float, str]:
+    """Seconds past the deadline, and what the next call met ("" when it ran)."""
     with Sandbox.create(tier, limits=Limits(pids=64, memory_mb=2048)) as sbx:
         late = bomb(sbx)
         try:
             sbx.commands.run("true")
-        except StockadeError:
-            return None
-        return late
+        except StockadeError as err:
+            return late, type(err).__name__
+        return late, ""
 
 
 def main() -> None:
@@ -89,15 +90,15 @@ def main() -> None:
     args = parser.parse_args()
     with busy(args.busy):
         for name in args.bombs.split(","):
-            lates = [one(args.tier, BOMBS[name]) for _ in range(args.rounds)]
-            done = sorted(x for x in lates if x is not None)
-            closed = len(lates) - len(done)
+            rounds = [one(args.tier, BOMBS[name]) for _ in range(args.rounds)]
+            done = sorted(late for late, met in rounds if not met)
+            closed = ", ".join(f"{met} after {late:.2f} s" for late, met in rounds if met) or "0"
             if done:
                 p90 = done[min(len(done) - 1, int(0.9 * len(done)))]
                 figures = f"median {statistics.median(done):.2f} s, p90 {p90:.2f} s, max {done[-1]:.2f} s"
             else:
                 figures = "no report"
-            print(f"{args.tier} {name}: {len(lates)} rounds, past the deadline {figures}; closed {closed}")
+            print(f"{args.tier} {name}: {len(rounds)} rounds, past the deadline {figures}; closed: {closed}")
 
 
 if __name__ == "__main__":

@@ -82,6 +82,8 @@ class CommandJob(Job):
 
 
 CHUNK = 1 << 16
+# A timed-out command not yet ended is killed again this often (see check_deadlines).
+AGAIN_S = 0.1
 
 
 def op_exec(sup: "Supervisor", rid: int, h: dict[str, Any], body: bytes) -> None:
@@ -199,13 +201,21 @@ def exited(sup: "Supervisor", job: CommandJob, status: int) -> None:
 
 def check_deadlines(sup: "Supervisor", now: float) -> None:
     for job in list(sup.commands.values()):
-        if job.deadline and now >= job.deadline and not job.timed_out:
+        if not job.deadline or now < job.deadline:
+            continue
+        # Until the job ends, again every AGAIN_S: what a kill missed (a pipe's last holder)
+        # keeps the call from its report, and on gVisor a kill can miss a process.
+        job.deadline = now + AGAIN_S
+        if not job.timed_out:
             job.timed_out = True
-            job.deadline = None
             if not kill_group(job.shim):
                 kill_tree(job.shim, include_root=True)
             # else the shim is dead and whatever of its tree outlived the group's kill is
             # adopted by us: swept when the shim is reaped (``exited``), before the report
+            continue
+        if job.status is None:  # not reaped: the shim's pid is still its own
+            kill_group(job.shim)
+        sweep_strays(sup)
 
 
 def sweep_strays(sup: "Supervisor") -> None:
@@ -214,7 +224,7 @@ def sweep_strays(sup: "Supervisor") -> None:
     found the round after. One scan of /proc a round for all of them, not one per orphan: a
     bomb whose every process leads its own session leaves dozens, and beside them on gVisor
     a scan takes up to seconds."""
-    known = set(sup.shims)
+    known = {shim for shim, job in sup.shims.items() if not job.timed_out}
     if sup.interpreter is not None:
         known.add(sup.interpreter.shim)
     if sup.zygote is not None and sup.zygote.alive:

@@ -91,8 +91,10 @@ def prctl(option: int, arg: int) -> None:
     libc("prctl", option, arg, 0, 0, 0)
 
 
-def _stats() -> "Iterator[tuple[int, int, int]]":
-    """(pid, parent, process group) of each live process, in pid order."""
+def _stats() -> "Iterator[tuple[int, int, int, bool]]":
+    """(pid, parent, process group, alive) of each process, in pid order. A dead one, only
+    waiting to be reaped, may still be the parent of live ones (seen on gVisor: a killed
+    shell's child not yet given to the subreaper)."""
     for pid in sorted(int(name) for name in os.listdir("/proc") if name.isdigit()):
         try:  # three system calls, where open() and read() make nine
             fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
@@ -105,8 +107,7 @@ def _stats() -> "Iterator[tuple[int, int, int]]":
         finally:
             os.close(fd)
         fields = data[data.rindex(b")") + 2 :].split()
-        if fields[0] not in (b"Z", b"X"):  # else already dead, only waiting to be reaped
-            yield pid, int(fields[1]), int(fields[2])
+        yield pid, int(fields[1]), int(fields[2]), fields[0] not in (b"Z", b"X")
 
 
 def kill_descendants(
@@ -123,19 +124,22 @@ def kill_descendants(
     """
     doomed = {root}
     tree: "dict[int, list[int]]" = {}
+    dead: "set[int]" = set()
     killed: "list[int]" = []
 
     def kill(pid: int) -> None:
         doomed.add(pid)
-        if pid != spare:
+        if pid != spare and pid not in dead:
             killed.append(pid)
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
-    for pid, parent, pgrp in _stats():
+    for pid, parent, pgrp, alive in _stats():
         tree.setdefault(parent, []).append(pid)
+        if not alive:
+            dead.add(pid)
         if pid != root and pid not in protect and (parent in doomed or (group and pgrp == group)):
             kill(pid)
     todo = list(doomed)
