@@ -148,6 +148,16 @@ def test_a_template_started_pid_1_is_what_bwrap_makes_of_the_one_it_execs(networ
     assert different == {}
 
 
+def test_a_sandbox_whose_rules_mask_the_placeholder_starts_from_the_template() -> None:
+    from stockade.types import SandboxRules
+
+    rules = SandboxRules(deny=("cat",))  # masked: bwrap binds /dev/null over the program
+    with Sandbox.create(backend=ProcessBackend(start="template"), rules=rules) as sbx:
+        assert from_template(sbx)
+        assert sbx.commands.run("cat /etc/hostname").exit_code != 0
+        assert sbx.run_code("print(1)").logs.stdout == "1\n"
+
+
 def test_the_template_holds_nothing_of_a_sandbox() -> None:
     backend = ProcessBackend(start="template")
     with Sandbox.create(backend=backend) as sbx:

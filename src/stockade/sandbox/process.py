@@ -97,7 +97,8 @@ REAP_S = 1.0  # how long bwrap may take to reap its killed child and end
 Start = Literal["exec", "template"]
 STARTS: tuple[Start, ...] = ("exec", "template")
 # bwrap's child while the template's fork enters what bwrap made: says it runs (the mounts are
-# made) by echoing the host's byte, and ends when the host closes its stdin.
+# made) by echoing the host's byte, and ends when the host closes its stdin. Opened on the host
+# and run through its descriptor (/proc/self/fd/N): a policy's rules may mask it in the sandbox.
 PLACEHOLDER = "/usr/bin/cat"
 
 
@@ -711,9 +712,10 @@ class ProcessBackend(Backend):
             init = _template.Init(pid_1, pidfd, keeper=keeper, ctl=ctl, pipes=pipes)
             passed = [userns, pidns]
             try:
+                passed.append(os.open(PLACEHOLDER, os.O_RDONLY | os.O_CLOEXEC))
                 options = self._bwrap_options(spec, rundir, seccomp_fd, masks, joined=(userns, pidns))
                 passed.append(_memfd("stockade-bwrap", b"".join(o.encode() + b"\0" for o in options)))
-                argv = [self.bwrap, "--args", str(passed[-1]), PLACEHOLDER]
+                argv = [self.bwrap, "--args", str(passed[-1]), f"/proc/self/fd/{passed[2]}"]
                 placeholder = subprocess.Popen(
                     self._entering(argv, uid, cgroup),
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
