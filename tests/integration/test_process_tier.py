@@ -217,15 +217,20 @@ def test_without_root_weaker_limits_need_consent_and_still_hold() -> None:
     assert out.stdout.strip() == "ok", out.stderr
 
 
-@pytest.fixture(params=["launcher", "shell"])
+@pytest.fixture(
+    params=[("launcher", "template"), ("shell", "template"), ("launcher", "exec"), ("shell", "exec")],
+    ids="-".join,
+)
 def start_chain(request: pytest.FixtureRequest) -> ProcessBackend:
     """The two ways into a sandbox's cgroups and host uid: the compiled launcher (where the
-    host builds it, as here), and the shell and nsenter (a host without a compiler)."""
+    host builds it, as here), and the shell and nsenter (a host without a compiler); each
+    with the supervisor forked from the template (as root, the default) or exec'd by bwrap."""
     from stockade.sandbox import _launch
 
-    if request.param == "launcher":
+    chain, start = request.param
+    if chain == "launcher":
         require("the process tier's launcher (a C compiler, x86_64)", _launch.usable() is not None)
-    return ProcessBackend(launcher=request.param == "launcher")
+    return ProcessBackend(launcher=chain == "launcher", start=start)
 
 
 def test_every_process_of_a_sandbox_is_in_each_of_its_cgroups(start_chain: ProcessBackend) -> None:
@@ -238,7 +243,9 @@ def test_every_process_of_a_sandbox_is_in_each_of_its_cgroups(start_chain: Proce
         boundary = sbx.instance.boundary  # type: ignore[attr-defined]
         assert boundary.cgroup is not None
         processes = set(trace.processes())
-        assert boundary.proc.pid in processes and len(processes) >= 3  # bwrap, init, interpreter
+        assert from_template(sbx) == (start_chain.start_mode == "template")
+        # bwrap (or, from the template, pid 1's keeper), pid 1, the zygote, the interpreter
+        assert boundary.proc.pid in processes and len(processes) >= 4
         for folder in boundary.cgroup.dirs:
             members = {int(pid) for pid in (folder / "cgroup.procs").read_text().split()}
             assert processes <= members, folder

@@ -195,10 +195,10 @@ class ProcessBackend(Backend):
     uid taken in one exec), built on the first start where the host has a C compiler;
     ``launcher=False``, or a host without one, takes the shell and ``nsenter`` instead.
 
-    ``start="template"`` (or ``STOCKADE_PROCESS_START=template``): each supervisor is a fork
-    of one warm Python the backend keeps (``_template.py``), made the sandbox's pid 1, where
-    that applies (as root, on the host's own root: no ``rootfs``, bubblewrap 0.8); elsewhere,
-    and with ``"exec"``, bwrap execs a fresh Python for it.
+    ``start``: ``"template"`` (the default; ``STOCKADE_PROCESS_START`` when not given): each
+    supervisor is a fork of one warm Python the backend keeps (``_template.py``), made the
+    sandbox's pid 1, where that applies (as root, on the host's own root: no ``rootfs``;
+    bubblewrap 0.8); elsewhere, and with ``"exec"``, bwrap execs a fresh Python for it.
     """
 
     tier = "process"
@@ -232,7 +232,7 @@ class ProcessBackend(Backend):
         self.use_launcher = launcher
         self._launcher: Path | None = None  # launch.c, built on the first start (_launch.py)
         self._judge_asked = False  # a sandbox with rules asked for the compiled judge
-        chosen = start or os.environ.get("STOCKADE_PROCESS_START") or "exec"
+        chosen = start or os.environ.get("STOCKADE_PROCESS_START") or "template"
         if chosen not in STARTS:
             raise exc.ConfigurationError(
                 f"unknown start {chosen!r} for the process tier; choose exec or template"
