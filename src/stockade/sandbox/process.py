@@ -153,15 +153,17 @@ class _ProcessBoundary(Boundary):
         # it to the host's init to reap (a zombie of the sandbox's uid, for good under an init
         # that reaps nothing, as in many containers). Then bwrap, if it has not ended; the
         # cgroup sweep catches anything still exiting.
-        # Started from the template, the supervisor is the process followed (by a pidfd),
-        # and its keeper reaps it.
+        # Started from the template, the supervisor is the process followed (by a pidfd): its
+        # keeper reaps it, reports its end and ends, and the template reaps the keeper, all
+        # before the cgroup goes (which would otherwise find the keeper still in it).
         init = self.proc if isinstance(self.proc, _template.Init) else None
-        for child in [init.pid] if init is not None else _children(self.proc.pid):
+        if init is not None:
+            init.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                init.wait_reaped(REAP_S)
+        for child in _children(self.proc.pid) if init is None else []:
             with contextlib.suppress(ProcessLookupError):
-                if init is not None:
-                    init.kill()
-                else:
-                    os.kill(child, signal.SIGKILL)
+                os.kill(child, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=REAP_S)
         with contextlib.suppress(ProcessLookupError):
