@@ -29,7 +29,7 @@ NS_GET_PARENT = 0xB702  # _IO(0xb7, 0x2): the user namespace that owns this one
 # What /proc/PID/status says of a sandbox's security: each must be the same both ways.
 STATUS = (
     "Uid", "Gid", "Groups", "Umask", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb",
-    "NoNewPrivs", "Seccomp", "Seccomp_filters",
+    "NoNewPrivs", "Seccomp", "Seccomp_filters", "SigBlk", "SigIgn", "SigCgt",
 )  # fmt: skip
 
 
