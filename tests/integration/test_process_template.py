@@ -228,6 +228,18 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def test_a_template_killed_from_outside_is_started_again() -> None:
+    backend = ProcessBackend(start="template")
+    Sandbox.create(backend=backend).close()
+    assert backend._template is not None
+    first = backend._template.pid
+    os.kill(first, signal.SIGKILL)
+    wait_for(lambda: not _alive(first), what="the template to die")
+    with Sandbox.create(backend=backend) as sbx:
+        assert from_template(sbx) and backend._template.pid != first
+        assert sbx.run_code("print(1)").logs.stdout == "1\n"
+
+
 def test_a_keeper_killed_takes_its_sandbox_down() -> None:
     backend = ProcessBackend(start="template")
     sbx = Sandbox.create(backend=backend)

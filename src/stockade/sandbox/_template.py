@@ -99,15 +99,19 @@ class Template:
 
     def fork(self, request: dict[str, Any], fds: list[int]) -> None:
         """Ask for a new sandbox's keeper and pid 1, on ``fds`` (``_template_program.FDS``)."""
+        message = json.dumps(request).encode()
         with self._lock:
-            sock = self._sock or self._start()
-            try:
-                socket.send_fds(sock, [json.dumps(request).encode()], fds)
-            except OSError as err:  # the template died: the next start makes a new one
-                sock.close()
-                self._sock = None
-                self._end()
-                raise exc.SandboxStartError(f"the process tier's template is gone: {err}") from err
+            for attempt in (1, 2):
+                sock = self._sock or self._start()
+                try:
+                    socket.send_fds(sock, [message], fds)
+                    return
+                except OSError as err:  # the template died (killed from outside): a new one
+                    sock.close()
+                    self._sock = None
+                    self._end()
+                    if attempt == 2:
+                        raise exc.SandboxStartError(f"the process tier's template is gone: {err}") from err
 
     def close(self) -> None:
         """No more sandboxes: the template ends when the last of its keepers has."""
