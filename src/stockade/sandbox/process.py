@@ -462,7 +462,6 @@ class ProcessBackend(Backend):
         root = self.rootfs or Path("/")
         argv = _namespace_options(spec, joined)
         argv += [
-            "--die-with-parent",
             "--new-session",
             "--uid",
             str(SANDBOX_UID),
@@ -731,10 +730,7 @@ class ProcessBackend(Backend):
             placeholder.stdin.flush()
             if not _readable(placeholder.stdout.fileno()) or not os.read(placeholder.stdout.fileno(), 1):
                 raise exc.SandboxStartError(f"bwrap did not start: {_read_head(rundir / 'bwrap.log')}")
-            children = _children(placeholder.pid)  # joining a pid namespace, bwrap keeps its child
-            if len(children) != 1:
-                raise exc.SandboxStartError("bwrap's placeholder is not where it should be")
-            entry.send(str(children[0]).encode())
+            entry.send(str(_placeholder_of(placeholder.pid)).encode())
             if not _readable(entry.fileno()) or entry.recv(16) != b"entered":
                 raise exc.SandboxStartError(
                     f"the sandbox's pid 1 did not start: {_read_head(rundir / 'bwrap.log')}"
@@ -772,9 +768,14 @@ def _namespace_options(spec: SandboxSpec, joined: tuple[int, int] | None) -> lis
         return [
             "--unshare-all",
             "--unshare-user",
+            "--die-with-parent",
             "--as-pid-1",  # the supervisor is init: code in the sandbox cannot kill or stop it
             "--disable-userns",
         ]
+    # No --die-with-parent: joining a pid namespace, bwrap's child forks the placeholder and
+    # exits, and the placeholder's parent-death signal, set just before its exec, fires when
+    # that exit comes late (seen under load: the placeholder killed, the start failed). It
+    # ends with its stdin (the host closes it, or dies), and with pid 1's namespace.
     argv = ["--userns", str(joined[0]), "--pidns", str(joined[1])]
     argv += ["--unshare-ipc", "--unshare-uts", "--unshare-cgroup"]
     if not spec.network.unrestricted:
@@ -879,6 +880,23 @@ def _end(proc: subprocess.Popen[bytes]) -> None:
         proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=5)
+
+
+def _placeholder_of(bwrap: int) -> int:
+    """bwrap's child in the sandbox (pid 2 there). Joining a pid namespace, bwrap forks a
+    child that forks the placeholder and exits; bwrap, a subreaper, adopts the placeholder,
+    and may not have reaped the first child yet: the placeholder is the child that is in
+    the sandbox's pid namespace (two numbers in ``NSpid``)."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        for child in _children(bwrap):
+            with contextlib.suppress(OSError), open(f"/proc/{child}/status", "rb") as fh:
+                for line in fh:
+                    if line.startswith(b"NSpid:") and len(line.split()) == 3:
+                        return child
+        if time.monotonic() > deadline:
+            raise exc.SandboxStartError("bwrap's placeholder is not where it should be")
+        time.sleep(0.001)
 
 
 def _readable(fd: int, timeout: float = START_TIMEOUT_S) -> bool:
