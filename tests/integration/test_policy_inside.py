@@ -6,6 +6,7 @@ the rest unless the caller accepts less.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -358,6 +359,34 @@ def test_the_compiled_judge_and_the_python_judge_record_the_same_execs(
         ("/usr/bin/ls", ("ls", "/"), "allow"),
     ]
     assert from_code == [("/bin/true", ("/bin/true", "code"))]
+
+
+def test_commands_running_at_once_each_get_their_own_exec_records(tier: str) -> None:
+    """The compiled judge's records of every job share one pipe, taken in when a job ends: a
+    command that ends while others run must leave their records to them (and take none of
+    them), whether the pipe then holds a few records (one read) or many (several)."""
+    if tier not in CONFINES:
+        return
+    many = 10 if tier == "microvm" else 60
+    loop = "i=0; while [ $i -lt {n} ]; do /bin/true {name} $i; i=$((i+1)); done"
+    batches = (
+        {  # "slow" execs twice before "quick" ends, and once after
+            "slow": ("/bin/true slow; /bin/true slow; sleep 1; /bin/true slow", 3),
+            "quick": ("sleep 0.3; /bin/true quick; /bin/true quick", 2),
+        },
+        {
+            name: (loop.format(n=many * k, name=name), many * k)
+            for k, name in ((1, "one"), (2, "two"), (3, "three"))
+        },
+    )
+    rules = SandboxRules(deny=("uname",))
+    for batch in batches:
+        with Sandbox.create(tier, limits=LIMITS, rules=rules) as sbx, ThreadPoolExecutor(3) as pool:
+            runs = {name: pool.submit(sbx.commands.run, line) for name, (line, _) in batch.items()}
+            done = {name: run.result() for name, run in runs.items()}
+        for name, result in done.items():
+            words = [e.argv[1] for e in result.execs if e.path == "/bin/true"]
+            assert words == [name] * batch[name][1], (name, words)
 
 
 def test_resets_under_a_policy_leave_no_descriptor_behind(tier: str) -> None:
