@@ -80,8 +80,8 @@ def user_namespaces_allowed_above(pid: int) -> str:
     if child == 0:
         try:
             libc = ctypes.CDLL(None, use_errno=True)
-            if libc.setns(parent, 0) != 0:
-                os.write(out_w, b"setns failed")
+            if libc.setns(parent, 0) != 0:  # seen once under load (errno not kept then)
+                os.write(out_w, f"setns failed: {os.strerror(ctypes.get_errno())}".encode())
             else:
                 os.write(out_w, Path("/proc/sys/user/max_user_namespaces").read_bytes().strip())
         finally:
