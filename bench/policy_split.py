@@ -120,6 +120,9 @@ def measure(command: str, blocks: int, per_block: int) -> dict[str, dict[str, li
 
 def main() -> None:
     blocks = int(sys.argv[1]) if len(sys.argv) > 1 else 20
+    # The process tier's sandboxes forked from its template are not our children: their CPU
+    # would go to the cpuacct group the template was born in, not to each variant's.
+    os.environ.setdefault("STOCKADE_PROCESS_START", "exec")
     per_block = int(sys.argv[2]) if len(sys.argv) > 2 else 50
     command = sys.argv[3] if len(sys.argv) > 3 else "true"
     if len(sys.argv) > 4:  # e.g. none,writes,commands,policy
