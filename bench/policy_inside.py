@@ -175,6 +175,13 @@ def cpu_groups(names: list[str]) -> Iterator[CpuGroups]:
                 # suppress: a thread that ended meanwhile
                 with contextlib.suppress(OSError), open(f"{CPUACCT}/tasks", "w") as fh:
                     fh.write(thread)
+            # And what lives on in them: a process tier's template lives as long as its backend.
+            for folder in folders.values():
+                with open(f"{folder}/tasks") as fh:
+                    alive = fh.read().split()
+                for task in alive:
+                    with contextlib.suppress(OSError), open(f"{CPUACCT}/tasks", "w") as fh:
+                        fh.write(task)
             for folder in (*folders.values(), base):
                 for _ in range(50):  # the last processes of a sandbox may still be exiting
                     try:
