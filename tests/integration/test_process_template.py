@@ -7,7 +7,6 @@ outlive its backend nor its host.
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import gc
 import os
@@ -71,27 +70,26 @@ def user_namespace_depth(pid: int) -> int:
 def user_namespaces_allowed_above(pid: int) -> str:
     """``user.max_user_namespaces`` in the user namespace that owns ``pid``'s (bwrap's
     --disable-userns sets it to 1 there, then nests the one the sandbox runs in), read by a
-    child of ours that joins it."""
+    fresh process that joins it: not a fork of ours, which the handlers libraries register
+    for forks (OpenTelemetry's exporters restart their thread in the child) can leave with
+    a second thread, and a process of more than one thread cannot join a user namespace."""
     fd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY)
     parent = fcntl.ioctl(fd, NS_GET_PARENT)
     os.close(fd)
-    out_r, out_w = os.pipe()
-    child = os.fork()
-    if child == 0:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.setns(parent, 0) != 0:  # seen once under load (errno not kept then)
-                os.write(out_w, f"setns failed: {os.strerror(ctypes.get_errno())}".encode())
-            else:
-                os.write(out_w, Path("/proc/sys/user/max_user_namespaces").read_bytes().strip())
-        finally:
-            os._exit(0)
-    os.close(out_w)
-    os.close(parent)
-    said = os.read(out_r, 64).decode()
-    os.close(out_r)
-    os.waitpid(child, 0)
-    return said
+    join = (
+        "import ctypes, os, sys\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "if libc.setns(int(sys.argv[1]), 0) != 0:\n"
+        "    print('setns failed:', os.strerror(ctypes.get_errno()), end='')\n"
+        "else:\n"
+        "    print(open('/proc/sys/user/max_user_namespaces').read().strip(), end='')\n"
+    )
+    try:
+        command = [sys.executable, "-S", "-c", join, str(parent)]
+        said = subprocess.run(command, check=False, pass_fds=(parent,), capture_output=True, text=True)
+    finally:
+        os.close(parent)
+    return said.stdout or said.stderr
 
 
 def portrait(sbx: Sandbox) -> dict[str, object]:
