@@ -240,8 +240,11 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     one after another (handed out first, the longest unit), every other test its own. QEMU
     under TCG keeps a core busy while its guest runs, and the guest's deadlines (a command's
     timeout, a boot) are on its clock: two guests at once, beside the other worker's tests,
-    miss them. (xdist's own groups go by ``xdist_group`` marks, which it cannot apply under
-    pytest 9.)"""
+    miss them. The tests marked ``alone`` of the other tiers are one unit too, handed out
+    second: one worker runs them back to back holding the lock from one to the next
+    (``_alone_when_marked``), so that the other worker stops once for all of them instead of
+    once for each, and they do not wait one by one for its current test to end. (xdist's own
+    groups go by ``xdist_group`` marks, which it cannot apply under pytest 9.)"""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
@@ -254,14 +257,17 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
                 return "microvm"
             path, _, name = nodeid.partition("::")
             function = name.split("[")[0].rsplit("::", 1)[-1]  # a class's test: its method
-            return "microvm" if function in _microvm_marked(root / path) else nodeid
+            for mark in ("microvm", "alone"):
+                if function in _marked(root / path, mark):
+                    return mark
+            return nodeid
 
     return MicrovmApart(config, log)
 
 
 @functools.cache
-def _microvm_marked(path: Path) -> frozenset[str]:
-    """The names of a test file's functions decorated ``@pytest.mark.microvm``, read from its
+def _marked(path: Path, mark: str) -> frozenset[str]:
+    """The names of a test file's functions decorated ``@pytest.mark.<mark>``, read from its
     source: the controller of a parallel run has the tests' ids, never their marks.
     ``pytest_collection_modifyitems`` checks that every test so marked is found so."""
     try:
@@ -272,18 +278,28 @@ def _microvm_marked(path: Path) -> frozenset[str]:
         node.name
         for node in ast.walk(tree)
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
-        and any(ast.unparse(decorator) == "pytest.mark.microvm" for decorator in node.decorator_list)
+        and any(ast.unparse(decorator) == f"pytest.mark.{mark}" for decorator in node.decorator_list)
     )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        marked = item.get_closest_marker("microvm") is not None
-        if marked and getattr(item, "originalname", item.name) not in _microvm_marked(item.path):
-            raise pytest.UsageError(
-                f"{item.nodeid} is marked microvm other than by @pytest.mark.microvm on its function: "
-                "a parallel run would not hand it to the microVM's worker (tests/conftest.py)"
-            )
+        for mark in ("microvm", "alone"):
+            marked = item.get_closest_marker(mark) is not None
+            if marked and getattr(item, "originalname", item.name) not in _marked(item.path, mark):
+                raise pytest.UsageError(
+                    f"{item.nodeid} is marked {mark} other than by @pytest.mark.{mark} on its function: "
+                    "a parallel run would not hand it to the unit of work of its kind (tests/conftest.py)"
+                )
+
+
+# The item a worker runs after this one (pytest knows it when it runs a test; a fixture does not).
+_NEXT_ITEM = pytest.StashKey["pytest.Item | None"]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    item.stash[_NEXT_ITEM] = nextitem
 
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown to a pytest without it
@@ -309,51 +325,77 @@ def pytest_sessionfinish(session: pytest.Session) -> Generator[None, None, None]
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+class _RunLocks:
+    """A worker's two lock files, in the folder the workers' temporary folders share: a
+    turnstile, and the lock a test marked ``alone`` holds alone and every other test shares.
+    ``alone``: this worker holds both for its tests marked so, from one to the next."""
+
+    def __init__(self, folder: Path) -> None:
+        self.turnstile = os.open(folder / "turnstile.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        self.lock = os.open(folder / "alone.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        self.alone = False
+
+    def shared(self) -> None:
+        # flock converts a lock this file already holds: an exclusive one held past its
+        # last alone test (one skipped before its fixtures ran) becomes the shared one
+        fcntl.flock(self.turnstile, fcntl.LOCK_EX)  # waits while an alone test waits or runs
+        fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+        fcntl.flock(self.lock, fcntl.LOCK_SH)
+        self.alone = False
+
+    def exclusive(self) -> None:
+        if not self.alone:
+            fcntl.flock(self.turnstile, fcntl.LOCK_EX)
+            fcntl.flock(self.lock, fcntl.LOCK_EX)
+            self.alone = True
+
+    def release(self) -> None:
+        fcntl.flock(self.lock, fcntl.LOCK_UN)
+        fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+        self.alone = False
+
+    def close(self) -> None:
+        os.close(self.turnstile)
+        os.close(self.lock)
+
+
 @pytest.fixture(scope="session")
-def _run_locks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, int] | None]:
-    """In a worker: the run's two lock files, in the folder the workers' temporary folders share
-    (a turnstile, and the lock a test marked ``alone`` holds alone and every other test shares)."""
+def _run_locks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_RunLocks | None]:
+    """In a worker: its locks (``_RunLocks``)."""
     if not _in_worker():
         yield None
         return
-    shared = tmp_path_factory.getbasetemp().parent
-    turnstile = os.open(shared / "turnstile.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    alone = os.open(shared / "alone.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    locks = _RunLocks(tmp_path_factory.getbasetemp().parent)
     try:
-        yield turnstile, alone
+        yield locks
     finally:
-        os.close(turnstile)
-        os.close(alone)
+        locks.close()
 
 
 @pytest.fixture(autouse=True)
-def _alone_when_marked(request: pytest.FixtureRequest, _run_locks: tuple[int, int] | None) -> Iterator[None]:
+def _alone_when_marked(request: pytest.FixtureRequest, _run_locks: _RunLocks | None) -> Iterator[None]:
     """A test marked ``alone`` measures something host-wide that a test of another worker would
     move (the host's open files): in a parallel run it waits until no other test runs, and no
     other test starts until it ends. Every other test shares the lock; the turnstile keeps a
-    stream of them from starving a waiting ``alone`` test."""
+    stream of them from starving a waiting ``alone`` test. When this worker's next test is
+    marked ``alone`` too, the lock is kept for it."""
     if _run_locks is None:
         yield
         return
-    turnstile, lock = _run_locks
     if request.node.get_closest_marker("alone") is None:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)  # waits while an alone test waits or runs
-        fcntl.flock(turnstile, fcntl.LOCK_UN)
-        fcntl.flock(lock, fcntl.LOCK_SH)
+        _run_locks.shared()
         try:
             yield
         finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            fcntl.flock(_run_locks.lock, fcntl.LOCK_UN)
         return
-    fcntl.flock(turnstile, fcntl.LOCK_EX)
+    _run_locks.exclusive()
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        yield
     finally:
-        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        following = request.node.stash.get(_NEXT_ITEM, None)
+        if following is None or following.get_closest_marker("alone") is None:
+            _run_locks.release()
 
 
 @pytest.fixture(scope="session", autouse=True)
