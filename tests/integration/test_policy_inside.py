@@ -392,11 +392,12 @@ def test_commands_running_at_once_each_get_their_own_exec_records(tier: str) -> 
 def test_resets_under_a_policy_leave_no_descriptor_behind(tier: str) -> None:
     """Under a policy every reset execs a fresh supervisor, handing over its state and the
     exec judge's listener on descriptors of their own: what was only a step on the way must
-    not cross the exec. With 80 descriptors a process (the supervisor holds ~30), a reset that
-    left one behind would end these in "Too many open files" (it did: two a reset)."""
-    limits = Limits(memory_mb=256, timeout_s=30, pids=64, open_files=64 * 80)
+    not cross the exec. With 40 descriptors a process (the supervisor holds 20-30), a reset
+    that left one behind would end these in "Too many open files" (it did: two a reset)."""
+    limits = Limits(memory_mb=256, timeout_s=30, pids=64, open_files=64 * 40)
     with Sandbox.create(tier, limits=limits, rules=SandboxRules(deny=("uname",))) as sbx:
-        for _ in range(60):
+        assert sbx.commands.run("ulimit -n").stdout == "40\n"
+        for _ in range(25):
             sbx.reset()
             assert sbx.run_code("print(1)").logs.stdout == "1\n"
             assert sbx.commands.run("echo ok").stdout == "ok\n"
