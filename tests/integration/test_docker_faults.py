@@ -122,6 +122,9 @@ def _dockerd_pid() -> int | None:
 
 
 @pytest.mark.slow
+# The host's engine is stopped: a test of another worker using it meanwhile would fail (and
+# collect the sockets docker-py leaks when connect() is refused, a warning in that test).
+@pytest.mark.alone
 # docker-py's unix-socket connection leaks its socket when connect() is refused (engine down).
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.filterwarnings("ignore::ResourceWarning")
