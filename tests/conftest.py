@@ -257,12 +257,16 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
                 return "microvm"
             path, _, name = nodeid.partition("::")
             function = name.split("[")[0].rsplit("::", 1)[-1]  # a class's test: its method
-            for mark in ("microvm", "alone"):
+            for mark in _UNITS:
                 if function in _marked(root / path, mark):
                     return mark
             return nodeid
 
     return MicrovmApart(config, log)
+
+
+# The marks that make a unit of work of their own in a parallel run (the microVM's first).
+_UNITS = ("microvm", "alone")
 
 
 @functools.cache
@@ -284,7 +288,7 @@ def _marked(path: Path, mark: str) -> frozenset[str]:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        for mark in ("microvm", "alone"):
+        for mark in _UNITS:
             marked = item.get_closest_marker(mark) is not None
             if marked and getattr(item, "originalname", item.name) not in _marked(item.path, mark):
                 raise pytest.UsageError(
@@ -350,6 +354,7 @@ class _RunLocks:
             self.alone = True
 
     def release(self) -> None:
+        """Either lock (the turnstile is held only by an exclusive holder)."""
         fcntl.flock(self.lock, fcntl.LOCK_UN)
         fcntl.flock(self.turnstile, fcntl.LOCK_UN)
         self.alone = False
@@ -387,7 +392,7 @@ def _alone_when_marked(request: pytest.FixtureRequest, _run_locks: _RunLocks | N
         try:
             yield
         finally:
-            fcntl.flock(_run_locks.lock, fcntl.LOCK_UN)
+            _run_locks.release()
         return
     _run_locks.exclusive()
     try:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
-from stockade import Limits, Sandbox, StockadeError
+from stockade import Limits, Sandbox, SandboxPool
 from stockade.sandbox import _registry
 from tests.conftest import require_tier
 from tests.integration.microvm_images import microvm_boot_images  # noqa: F401 - a fixture
@@ -28,40 +28,23 @@ def tier(request: pytest.FixtureRequest) -> str:
 
 
 class KeptSandboxes:
-    """Sandboxes kept across a module's tests, one per configuration, and reset between
-    tests as a pool resets between users (``SandboxPool``): a sandbox's start and close
-    (a third of a second for a microVM, more on gVisor) is paid once per module and
-    configuration, not once per test. A module's first test of each configuration gets a
-    fresh sandbox, the others one that a reset made as it was at start-up, which is what a
-    pool hands out: the suites hold on both. A sandbox a reset cannot bring back (a test
-    killed it, or closed it) is closed, and the next test gets a fresh one."""
+    """A pool of one sandbox per tier (``SandboxPool``, size 1), kept across a module's tests:
+    a start and close (a third of a second for a microVM, more on gVisor) is paid once per
+    module and tier, not once per test. A module's first test of each tier gets a fresh
+    sandbox, the others one the pool's reset made as it was at start-up, which is what a pool
+    hands its users: the suites hold on both. One a test killed or closed is replaced."""
 
     def __init__(self) -> None:
-        self._idle: dict[Hashable, Sandbox] = {}
+        self._pools: dict[str, SandboxPool] = {}
 
-    @contextlib.contextmanager
-    def take(self, key: Hashable, create: Callable[[], Sandbox]) -> Iterator[Sandbox]:
-        sandbox = self._idle.pop(key, None) or create()
-        try:
-            yield sandbox
-        finally:
-            if self._reset(sandbox):
-                self._idle[key] = sandbox
-
-    @staticmethod
-    def _reset(sandbox: Sandbox) -> bool:
-        if sandbox.alive:
-            try:
-                sandbox.reset()
-                return True
-            except StockadeError:
-                pass  # a test left it past saving: it is closed below
-        sandbox.close()
-        return False
+    def acquire(self, tier: str) -> contextlib.AbstractContextManager[Sandbox]:
+        if tier not in self._pools:
+            self._pools[tier] = SandboxPool(tier, size=1, limits=LIMITS)
+        return self._pools[tier].acquire()
 
     def close(self) -> None:
-        while self._idle:
-            self._idle.popitem()[1].close()
+        while self._pools:
+            self._pools.popitem()[1].close()
 
 
 @pytest.fixture(scope="module")
@@ -75,5 +58,5 @@ def kept_sandboxes() -> Iterator[KeptSandboxes]:
 
 @pytest.fixture
 def sbx(tier: str, kept_sandboxes: KeptSandboxes) -> Iterator[Sandbox]:
-    with kept_sandboxes.take(tier, lambda: Sandbox.create(tier, limits=LIMITS)) as sandbox:
+    with kept_sandboxes.acquire(tier) as sandbox:
         yield sandbox

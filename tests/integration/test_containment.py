@@ -41,17 +41,13 @@ def sbx(tier: str, request: pytest.FixtureRequest, kept_sandboxes: KeptSandboxes
     network = request.param if isinstance(request.param, NetworkPolicy) else NetworkPolicy()
     # gVisor holds the masks only, and judges the rest on tool calls (with consent).
     weaker = rules is not None and tier == "gvisor"
-
-    def create() -> Sandbox:
-        return Sandbox.create(tier, limits=LIMITS, rules=rules, network=network, allow_weaker=weaker)
-
-    if request.param is not None:
-        # A reset under rules or an egress policy renews the supervisor and its zygote (two
-        # interpreter starts): on the microVM under TCG that costs more than a fresh start.
-        with create() as sandbox:
+    if request.param is None:
+        with kept_sandboxes.acquire(tier) as sandbox:
             yield sandbox
         return
-    with kept_sandboxes.take(tier, create) as sandbox:
+    # A reset under rules or an egress policy renews the supervisor and its zygote (two
+    # interpreter starts): on the microVM under TCG that costs more than a fresh start.
+    with Sandbox.create(tier, limits=LIMITS, rules=rules, network=network, allow_weaker=weaker) as sandbox:
         yield sandbox
 
 
