@@ -247,6 +247,59 @@ def test_a_memory_bomb_is_killed_and_reported(tier: str) -> None:
         assert sbx.run_code("1 + 1").text == "2", "the interpreter comes back"
 
 
+# Fills its memory to ~48 MiB under the limit, then reads its system's files (twice that room,
+# dropped from the page cache first, so that their pages are the sandbox's) over and over: the
+# kernel evicts them, the program reads them back, and the OOM killer never runs.
+THRASH = """
+import os
+found = []
+for top in ("/usr/lib", "/usr/share", "/usr/bin"):
+    for root, _, names in os.walk(top):
+        for name in names:
+            try:
+                st = os.stat(os.path.join(root, name), follow_symlinks=False)
+            except OSError:
+                continue
+            if st.st_mode & 0o170000 == 0o100000 and st.st_size >= 1 << 16:
+                found.append((st.st_size, os.path.join(root, name)))
+found.sort(reverse=True)
+room = 48 << 20
+chosen, total = [], 0
+for size, path in found:
+    chosen.append(path)
+    total += size
+    if total >= 2 * room:
+        break
+for path in chosen:
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+hold = b"x" * (LIMIT - room)
+print("reading", total >> 20, "MiB", flush=True)
+while True:
+    for path in chosen:
+        with open(path, "rb") as fh:
+            while fh.read(1 << 20):
+                pass
+"""
+
+
+# The tiers whose memory cgroup is on this host's kernel; gVisor's files are cached in its own
+# memory, and the microVM's guest has a kernel of its own.
+@pytest.mark.parametrize("tier", [t for t in TIERS if t in ("process", "docker")], indirect=True)
+def test_thrashing_at_the_memory_limit_is_killed_for_memory_not_left_to_its_timeout(tier: str) -> None:
+    with Sandbox.create(tier, limits=Limits(memory_mb=256, timeout_s=60)) as sbx:
+        ex = sbx.run_code(f"LIMIT = {256 * MiB}\n" + THRASH)
+        assert "reading" in ex.logs.stdout, ex  # the kernel's own OOM kill came first: no thrash
+        assert ex.error is not None and ex.error.name == "MemoryLimitExceeded", ex.error
+        assert not ex.timed_out
+        assert sbx.run_code("1 + 1").text == "2", "the interpreter comes back"
+        # A command is judged the same way, and says so as the kernel's kill would.
+        sbx.files.write("thrash.py", f"LIMIT = {256 * MiB}\n" + THRASH)
+        r = sbx.commands.run("python3 thrash.py")
+        assert "reading" in r.stdout and r.oom_killed and not r.timed_out, r
+
+
 def test_an_output_flood_is_capped(tier: str) -> None:
     # 2 MiB, 32x the cap: the command runs to its end past the cap, every byte counted, one kept
     # in 32. (An endless `yes` for 2 s gave 4 MiB on a busy host's microVM, and took 4 s.)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from stockade.sandbox import _thrash
 from stockade.types import Mechanism
 
 ROOT = Path("/sys/fs/cgroup")
@@ -73,6 +74,7 @@ class Cgroup:
     def __init__(self, mechanism: Mechanism, name: str, *, create: bool = True) -> None:
         self.mechanism = mechanism
         self._hold: int | None = None
+        self._thrash: _thrash.Watch | None = None
         if mechanism is Mechanism.CGROUP_V2:
             parent = ROOT / PARENT
             if create and not parent.exists():
@@ -124,6 +126,15 @@ class Cgroup:
         (cpu / "cpu.cfs_period_us").write_text(str(period))
         (cpu / "cpu.cfs_quota_us").write_text(str(quota))
 
+    def watch_thrashing(self) -> None:
+        """Kill the group's largest process when it thrashes at its memory limit (``_thrash``),
+        counted with its OOM kills, until ``remove``."""
+        if self._thrash is None:
+            folder = self.dirs[0] if self.mechanism is Mechanism.CGROUP_V2 else self._v1("memory")
+            self._thrash = _thrash.watch(
+                _thrash.MemoryGroup(folder, v2=self.mechanism is Mechanism.CGROUP_V2)
+            )
+
     def join_files(self) -> list[str]:
         """The files a process writes "0" to, to move itself into this cgroup."""
         join = _JOIN_FILE[self.mechanism]
@@ -160,11 +171,12 @@ class Cgroup:
                 os.close(fd)
         except OSError:  # removed meanwhile: ENOENT, or ENODEV while the kernel takes it down
             return 0
+        watched = self._thrash.kills if self._thrash is not None else 0
         for line in data.splitlines():
             key, _, value = line.partition(b" ")
             if key == b"oom_kill":
-                return int(value)
-        return 0
+                return int(value) + watched
+        return watched
 
     def kill_all(self) -> None:
         """SIGKILL every process in the cgroup until it is empty (forks included)."""
@@ -195,6 +207,8 @@ class Cgroup:
         return True
 
     def remove(self) -> None:
+        if self._thrash is not None:
+            self._thrash.close()
         self.kill_all()
         # The held folder last: while any of the group is left, another's gc sees it held.
         for d in reversed(self.dirs):

@@ -422,27 +422,6 @@ def oci_config(
     }
 
 
-def oom_counter_file(pid: int) -> Path | None:
-    """The file ``cgroup_oom_kills`` reads for ``pid``, resolved once (the pid may die later)."""
-    try:
-        lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            candidate = Path("/sys/fs/cgroup/memory") / path.lstrip("/") / "memory.oom_control"
-            if candidate.exists():
-                return candidate
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            candidate = Path("/sys/fs/cgroup") / path.lstrip("/") / "memory.events"
-            if candidate.exists():
-                return candidate
-    return None
-
-
 def read_oom_kills(counter: Path) -> int | None:
     return _read_counter(counter, "oom_kill")
 

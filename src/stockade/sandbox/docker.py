@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from stockade import exceptions as exc
-from stockade.sandbox import _guest, _host, _rules
+from stockade.sandbox import _guest, _host, _rules, _thrash
 from stockade.sandbox._boundary import EgressHandle
 from stockade.sandbox._docker_engine import (
     AttachStream,
@@ -143,14 +143,16 @@ class _ContainerBoundary(Boundary):
         self.mounts = mounts
         self._oom_file: Path | None = None
         self._oom_resolved = False
+        self._thrash: _thrash.Watch | None = None
 
     def alive(self) -> bool:
         return not self._dead
 
     def oom_kills(self) -> int | None:
         # The engine reports OOM as a boolean on exit only; the container's memory cgroup
-        # counts every kill, and is readable when the engine runs on this host. A remote
-        # engine's own events count them too, one API call per look.
+        # counts every kill, and is readable when the engine runs on this host (which also
+        # watches it for thrashing, from the first look on). A remote engine's own events
+        # count them too, one API call per look.
         if self.remote:
             return self._oom_events()
         if not self._oom_resolved:
@@ -160,8 +162,16 @@ class _ContainerBoundary(Boundary):
                 pid = int(self.api.inspect_container(self.cid)["State"]["Pid"] or 0)
             except unknown:
                 pid = 0
-            self._oom_file = _guest.oom_counter_file(pid) if pid else None
-        return None if self._oom_file is None else _guest.read_oom_kills(self._oom_file)
+            group = _thrash.memory_group_of(pid) if pid else None
+            if group is not None:
+                self._oom_file = group.oom_counter
+                self._thrash = _thrash.watch(group)
+                if self._dead:  # killed meanwhile: _kill may have looked before the watch began
+                    self._thrash.close()
+        if self._oom_file is None:
+            return None
+        kernel = _guest.read_oom_kills(self._oom_file)
+        return None if kernel is None else kernel + (self._thrash.kills if self._thrash else 0)
 
     def _oom_events(self) -> int | None:
         # ``until`` in the past (to the microsecond) makes the engine replay and return at
@@ -181,6 +191,8 @@ class _ContainerBoundary(Boundary):
             return None
 
     def _kill(self) -> None:
+        if self._thrash is not None:
+            self._thrash.close()
         remove_exited(self.api, self.cid)  # the channel was closed first: the supervisor is ending
         _release_mounts(self.rundir, self.mounts)
         if self.lease is not None:  # last: no process of the sandbox is left with the uid

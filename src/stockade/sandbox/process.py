@@ -572,6 +572,7 @@ class ProcessBackend(Backend):
             if self._cgroups.mechanism is not Mechanism.NONE:
                 cgroup = _cgroups.Cgroup(self._cgroups.mechanism, sid)
                 cgroup.limit(memory_bytes=limits.memory_mb * MiB, cpus=limits.cpus, pids=limits.pids)
+                cgroup.watch_thrashing()
             seccomp_fd = _memfd("stockade-seccomp", _seccomp.filter_bpf())
             fds.append(seccomp_fd)
             template = self._template_for(uid)
