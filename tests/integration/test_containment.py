@@ -249,27 +249,25 @@ def test_a_memory_bomb_is_killed_and_reported(tier: str) -> None:
 
 # Fills its memory to ~48 MiB under the limit, then reads its system's files (twice that room,
 # dropped from the page cache first, so that their pages are the sandbox's) over and over: the
-# kernel evicts them, the program reads them back, and the OOM killer never runs.
+# kernel evicts them, the program reads them back, and the OOM killer never runs. Files of at
+# most 16 MiB under /usr/lib and /usr/share: not the host's programs (the process tier's /usr is
+# the host's), nor one huge file for the whole thrash.
 THRASH = """
 import os
-found = []
-for top in ("/usr/lib", "/usr/share", "/usr/bin"):
-    for root, _, names in os.walk(top):
-        for name in names:
-            try:
-                st = os.stat(os.path.join(root, name), follow_symlinks=False)
-            except OSError:
-                continue
-            if st.st_mode & 0o170000 == 0o100000 and st.st_size >= 1 << 16:
-                found.append((st.st_size, os.path.join(root, name)))
-found.sort(reverse=True)
 room = 48 << 20
 chosen, total = [], 0
-for size, path in found:
-    chosen.append(path)
-    total += size
-    if total >= 2 * room:
-        break
+tops = ("/usr/lib", "/usr/share")
+paths = (os.path.join(root, name) for top in tops for root, _, names in os.walk(top) for name in names)
+for path in paths:
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        continue
+    if st.st_mode & 0o170000 == 0o100000 and 1 << 16 <= st.st_size <= 16 << 20:
+        chosen.append(path)
+        total += st.st_size
+        if total >= 2 * room:
+            break
 for path in chosen:
     fd = os.open(path, os.O_RDONLY)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -287,6 +285,7 @@ while True:
 # The tiers whose memory cgroup is on this host's kernel; gVisor's files are cached in its own
 # memory, and the microVM's guest has a kernel of its own.
 @pytest.mark.parametrize("tier", [t for t in TIERS if t in ("process", "docker")], indirect=True)
+@pytest.mark.alone  # seconds of the host's disk at full speed: other tests' deadlines would pay
 def test_thrashing_at_the_memory_limit_is_killed_for_memory_not_left_to_its_timeout(tier: str) -> None:
     with Sandbox.create(tier, limits=Limits(memory_mb=256, timeout_s=60)) as sbx:
         ex = sbx.run_code(f"LIMIT = {256 * MiB}\n" + THRASH)
