@@ -279,6 +279,32 @@ def test_two_writers_on_two_connections_make_one_chain(target: Target) -> None:
     assert report.checked == 400
 
 
+def test_a_chain_another_writer_appends_to_meanwhile_verifies(target: Target) -> None:
+    # verify reads the head record, then the events: a writer of another process appends
+    # between the two (and moves the head with its events). Its events are no forgery.
+    target.fill()
+    other = target.reopen()
+    done = threading.Event()
+
+    def write() -> None:
+        with AuditLog(other, batch_size=4, flush_interval_s=None) as log:
+            for step in range(600):
+                log.record(EventKind.COMMAND, run_id="live", step=step)
+        done.set()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    reports = []
+    try:
+        while not done.is_set():
+            reports.append(verify(target.store))
+    finally:
+        writer.join()
+        other.close()
+    assert reports and all(r.ok for r in reports), [r.problems for r in reports if not r.ok][:3]
+    assert verify(target.store).checked == 610
+
+
 def test_a_sealed_run_is_erased_by_forgetting_its_key(target: Target) -> None:
     with AuditLog(target.store, key=KEY, flush_interval_s=None) as log:
         log.seal_run("run-a", "alice")

@@ -165,6 +165,14 @@ def test_a_dying_interpreter_is_reported_and_replaced(sbx: Sandbox) -> None:
     ex = sbx.run_code("import os; os._exit(3)")
     assert ex.error is not None and ex.error.name == "KernelDied"
     assert sbx.run_code("2 * 21").text == "42"
+    # Killed while a process it forked lives on (a multiprocessing worker): the run ends at
+    # the death, not at its timeout behind the child (which held the reply pipe open).
+    ex = sbx.run_code(
+        "import os, time\nif os.fork() == 0:\n    time.sleep(60)\n    os._exit(0)\nos.kill(os.getpid(), 9)",
+        timeout_s=30,
+    )
+    assert ex.error is not None and ex.error.name == "KernelDied" and not ex.timed_out, ex
+    assert sbx.run_code("2 * 21").text == "42"
 
 
 def test_bash_and_other_languages_run_as_fresh_processes(sbx: Sandbox) -> None:

@@ -201,8 +201,11 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
     checked = run_events = edited = last_seq = 0
     audited: dict[str, int] = {}  # idempotency key of each tool_call event -> its seq
     ended: dict[str, int] = {}  # run -> the seq of its final run_end
+    at_head: str | None = None  # the stored hash of the event the head record named
     for seq, run, kind, body, stored_hash in store.rows():
         checked += 1
+        if head is not None and seq == head.seq:
+            at_head = stored_hash
         if run == run_id:
             run_events += 1
         if ledger is not None and kind in _KEYED and (run_id is None or run == run_id):
@@ -244,7 +247,9 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
         if head.seq > last_seq:
             detail = f"the chain ends at seq {last_seq} but the head record says {head.seq}"
             report(last_seq + 1, ProblemKind.TRUNCATED, detail)
-        elif head.seq < last_seq or head.hash != prev:
+        elif head.hash != (prev if head.seq == last_seq else at_head) or not _appended_since(
+            store, head, last_seq
+        ):
             detail = f"the head record (seq {head.seq}) does not match the chain's end (seq {last_seq})"
             report(head.seq, ProblemKind.HEAD_FORGED, detail)
         if check_hashes and chain.head_mac(head.seq, head.hash) != head.mac:
@@ -290,6 +295,16 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
         problems_truncated=truncated,
         head=head,
     )
+
+
+def _appended_since(store: AuditStore, head: Head, last_seq: int) -> bool:
+    """Whether the events read past ``head`` (read first) were appended since, by a writer:
+    every writer moves the head in the transaction that adds events, so a head read now covers
+    them. Events past a head that never moves were added around the writers."""
+    if last_seq <= head.seq:
+        return True
+    now = store.head()
+    return now is not None and now.seq >= last_seq
 
 
 _KEYED = frozenset({"tool_call", "run_end"})

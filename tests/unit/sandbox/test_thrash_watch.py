@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from stockade.sandbox import _thrash
-from stockade.sandbox._thrash import SUSTAINED_S, MemoryGroup, ThrashJudge, Watch
+from stockade.sandbox._thrash import PERIOD_S, REFAULTS_PER_S, SUSTAINED_S, MemoryGroup, ThrashJudge, Watch
 
 MiB = 1 << 20
-FAST = _thrash.REFAULTS_PER_S * 4  # refaults per second well over the line
-STEP = _thrash.PERIOD_S
+FAST = REFAULTS_PER_S * 4  # refaults per second well over the line
+STEP = PERIOD_S
 
 
 def _judged(samples: list[tuple[bool, int]]) -> list[bool]:
@@ -39,7 +39,7 @@ def test_refaulting_at_the_limit_for_the_sustained_time_is_thrashing_once() -> N
 
 @pytest.mark.parametrize(
     "interruption",
-    [(False, FAST), (True, _thrash.REFAULTS_PER_S // 4)],
+    [(False, FAST), (True, REFAULTS_PER_S // 4)],
     ids=["room-left", "few-refaults"],
 )
 def test_one_sample_with_room_or_without_refaults_restarts_the_stretch(
@@ -141,3 +141,11 @@ def test_watches_come_and_go_with_their_groups(tmp_path: Path) -> None:
     w.close()
     w.close()
     assert w not in _thrash._watcher.watched
+
+
+def test_the_counters_read_from_memory_stat() -> None:
+    assert _thrash._fields(b"anon 4096\nworkingset_refault_file 17\nnot a number\n") == {
+        b"anon": 4096,
+        b"workingset_refault_file": 17,
+    }
+    assert _thrash._room(256 * MiB) == 4 * MiB and _thrash._room(4096 * MiB) == 64 * MiB

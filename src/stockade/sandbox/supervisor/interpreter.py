@@ -335,11 +335,23 @@ class _Streams:
         setattr(sys, "stdout" if fd == 1 else "stderr", text)
 
 
+def _close_quietly(*fds: int) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 def main(ctl_in: int, ctl_out: int) -> None:
     """Serve run requests on two pipe fds until the supervisor closes them."""
     # Before any code runs (so it cannot be forged): who we are, for the supervisor, which
     # ends every process a run started, but not us, when the run ends.
     os.write(ctl_out, encode({"ev": "hello", "pid": os.getpid()}))
+    # The supervisor learns of our death by the end of the reply pipe: a process the code
+    # forks (multiprocessing's workers) must not hold it open, or a run whose interpreter was
+    # killed (for memory) waits for its timeout behind that child.
+    os.register_at_fork(after_in_child=lambda: _close_quietly(ctl_in, ctl_out))
     preload()
     _forget_supervisor_modules()
     streams = _Streams()
