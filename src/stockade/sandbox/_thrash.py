@@ -10,18 +10,19 @@ stall and up to 65,000 disk reads, or the whole timeout; with the page cache war
 came after 0.4 s.
 
 One thread per process samples every watched group twice a second. A group that is at its
-limit (less than 1/64 of it, or 4 MiB, left) and refaulted (faulted back pages it had just been made to
-give up) at least ``REFAULTS_PER_S`` times a second, in every sample for ``SUSTAINED_S``
-seconds, is thrashing: the watch kills its process with the highest ``oom_score`` (the
-kernel's own choice for an OOM kill; user code runs at ``oom_score_adj`` 1000, so the
-supervisor is never it while user code runs), and counts the kill with the group's OOM kills.
-Callers then see ``MemoryLimitExceeded`` or ``oom_killed``, as for the kernel's kill.
+limit (less than 1/64 of it, or 4 MiB, left) and refaulted (faulted back pages it had just
+been made to give up) at least ``REFAULTS_PER_S`` times a second, in every sample for
+``SUSTAINED_S`` seconds, is thrashing: the watch kills the process the kernel's OOM killer
+would choose (``_kill_largest``: the most resident memory, plus ``oom_score_adj`` thousandths of
+the limit; a command's processes run at 1000, so they go before the supervisor, and the
+interpreter goes by its size), and counts the kill with the group's OOM kills. Callers then
+see ``MemoryLimitExceeded`` or ``oom_killed``, as for the kernel's kill.
 
 What it trades: a program whose working set is just over its limit, and that would have
 crawled to its end re-reading its own files, is killed for memory instead; systemd-oomd makes
-the same call on memory pressure. Both cgroup versions keep what it needs (``workingset_refault_*``
-in ``memory.stat``, the usage and the limit); per-cgroup pressure (PSI) would be the finer
-measure, but cgroup v1 groups have none.
+the same call on memory pressure. Both cgroup versions keep what it needs
+(``workingset_refault_*`` in ``memory.stat``, the usage and the limit); per-cgroup pressure
+(PSI) would be the finer measure, but cgroup v1 groups have none.
 """
 
 from __future__ import annotations
