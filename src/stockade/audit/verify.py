@@ -247,8 +247,8 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
         if head.seq > last_seq:
             detail = f"the chain ends at seq {last_seq} but the head record says {head.seq}"
             report(last_seq + 1, ProblemKind.TRUNCATED, detail)
-        elif head.hash != (prev if head.seq == last_seq else at_head) or not _appended_since(
-            store, head, last_seq
+        elif head.hash != (prev if head.seq == last_seq else at_head) or (
+            head.seq < last_seq and not _head_covers(store, last_seq)
         ):
             detail = f"the head record (seq {head.seq}) does not match the chain's end (seq {last_seq})"
             report(head.seq, ProblemKind.HEAD_FORGED, detail)
@@ -297,12 +297,10 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
     )
 
 
-def _appended_since(store: AuditStore, head: Head, last_seq: int) -> bool:
-    """Whether the events read past ``head`` (read first) were appended since, by a writer:
-    every writer moves the head in the transaction that adds events, so a head read now covers
-    them. Events past a head that never moves were added around the writers."""
-    if last_seq <= head.seq:
-        return True
+def _head_covers(store: AuditStore, last_seq: int) -> bool:
+    """Whether the head, read now, covers the events read past the head read first: they were
+    appended since by a writer, which moves the head in the transaction that adds events.
+    Events past a head that never moves were added around the writers."""
     now = store.head()
     return now is not None and now.seq >= last_seq
 

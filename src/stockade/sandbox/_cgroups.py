@@ -94,12 +94,11 @@ class Cgroup:
                 self._hold = _locked(self.dirs[0], fcntl.LOCK_SH)
             finally:
                 os.close(parent_fd)
+        v2 = mechanism is Mechanism.CGROUP_V2
+        self.memory = _thrash.MemoryGroup(self.dirs[0] if v2 else self._v1("memory"), v2=v2)
         # Read before and after every call of the sandbox's: a plain path, read with os.read
         # (a Path and a text file cost 55 us a read, this 15 us).
-        if mechanism is Mechanism.CGROUP_V2:
-            self._oom_file = str(self.dirs[0] / "memory.events")
-        else:
-            self._oom_file = str(self._v1("memory") / "memory.oom_control")
+        self._oom_file = str(self.memory.oom_counter)
 
     def _v1(self, controller: str) -> Path:
         return ROOT / controller / PARENT / self.dirs[0].name
@@ -130,10 +129,7 @@ class Cgroup:
         """Kill the group's largest process when it thrashes at its memory limit (``_thrash``),
         counted with its OOM kills, until ``remove``."""
         if self._thrash is None:
-            folder = self.dirs[0] if self.mechanism is Mechanism.CGROUP_V2 else self._v1("memory")
-            self._thrash = _thrash.watch(
-                _thrash.MemoryGroup(folder, v2=self.mechanism is Mechanism.CGROUP_V2)
-            )
+            self._thrash = _thrash.watch(self.memory)
 
     def join_files(self) -> list[str]:
         """The files a process writes "0" to, to move itself into this cgroup."""
@@ -155,10 +151,9 @@ class Cgroup:
 
     def peak_memory(self) -> int:
         """The most memory the group has held at once, in bytes (0 where unknown)."""
-        name = "memory.peak" if self.mechanism is Mechanism.CGROUP_V2 else "memory.max_usage_in_bytes"
-        folder = self.dirs[0] if self.mechanism is Mechanism.CGROUP_V2 else self._v1("memory")
+        name = "memory.peak" if self.memory.v2 else "memory.max_usage_in_bytes"
         try:
-            return int((folder / name).read_text())
+            return int((self.memory.folder / name).read_text())
         except (OSError, ValueError):
             return 0
 

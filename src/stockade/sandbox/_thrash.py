@@ -53,6 +53,14 @@ class MemoryGroup:
     def oom_counter(self) -> Path:
         return self.folder / ("memory.events" if self.v2 else "memory.oom_control")
 
+    @property
+    def usage(self) -> Path:
+        return self.folder / ("memory.current" if self.v2 else "memory.usage_in_bytes")
+
+    @property
+    def limit(self) -> Path:
+        return self.folder / ("memory.max" if self.v2 else "memory.limit_in_bytes")
+
 
 def memory_group_of(pid: int) -> MemoryGroup | None:
     """The memory cgroup ``pid`` is in, on this host (None if it has none, or is gone)."""
@@ -82,11 +90,13 @@ class ThrashJudge:
         self._since: float | None = None
 
     def thrashing(self, now: float, at_limit: bool, refaults: int) -> bool:
+        if not at_limit:  # its refaults are not read then: the next sample at the limit starts over
+            self._last = self._since = None
+            return False
         last, self._last = self._last, (now, refaults)
         if last is None or now <= last[0]:
             return False
-        refaulting = refaults - last[1] >= REFAULTS_PER_S * (now - last[0])
-        if not (at_limit and refaulting):
+        if refaults - last[1] < REFAULTS_PER_S * (now - last[0]):
             self._since = None
             return False
         if self._since is None:
@@ -170,21 +180,18 @@ def _counters(group: MemoryGroup) -> tuple[bool, int] | None:
     """(whether the group is at its limit, pages it has refaulted), or None if it is gone.
 
     At its limit: less room left than ``_room(limit)``. (v1's ``memory.failcnt`` would say it
-    exactly, but stays 0 here through a whole thrash.)"""
-    usage, limit = (
-        ("memory.current", "memory.max") if group.v2 else ("memory.usage_in_bytes", "memory.limit_in_bytes")
-    )
+    exactly, but stays 0 here through a whole thrash.) Its ``memory.stat``, the longest read,
+    only then: the judge needs refaults only at the limit."""
     try:
-        stat = _read(group.folder / "memory.stat")
-        used = int(_read(group.folder / usage))
-        cap = _read(group.folder / limit).strip()
+        used = int(_read(group.usage))
+        cap = _read(group.limit).strip()
+        if not (cap.isdigit() and int(cap) - used < _room(int(cap))):
+            return False, 0
+        fields = _fields(_read(group.folder / "memory.stat"))
     except OSError:
         return None
-    at_limit = cap.isdigit() and int(cap) - used < _room(int(cap))
-    fields = _fields(stat)
     prefix = b"" if group.v2 else b"total_"  # v1's own counters leave out its children
-    refaults = sum(fields.get(prefix + b"workingset_refault_" + kind, 0) for kind in (b"anon", b"file"))
-    return at_limit, refaults
+    return True, sum(fields.get(prefix + b"workingset_refault_" + kind, 0) for kind in (b"anon", b"file"))
 
 
 def _room(limit: int) -> int:
@@ -209,7 +216,8 @@ def _kill_largest(group: MemoryGroup) -> bool:
     but scaled to the host's memory, not the group's: equal for every process of a sandbox.)"""
     procs = group.folder / "cgroup.procs"
     page = os.sysconf("SC_PAGE_SIZE")
-    limit = int(_read(group.folder / ("memory.max" if group.v2 else "memory.limit_in_bytes")).strip() or 0)
+    cap = _read(group.limit).strip()
+    limit = int(cap) if cap.isdigit() else 0  # v2's "max": no limit, no adjustment by it
     best, best_points = 0, -1
     for pid in _read(procs).split():
         with contextlib.suppress(OSError, ValueError, IndexError):
