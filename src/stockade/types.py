@@ -397,7 +397,8 @@ class Enforcement:
     host: HostShare | None = None  # None where this host cannot hold the total (rlimits only)
     weakened: tuple[str, ...] = ()
     # A call past its timeout_s has stopped within this much more, however busy the host is
-    # (the supervisor kills it at the deadline, running above the code's priority).
+    # (the supervisor kills it at the deadline, running above the code's priority; more on a
+    # kernel that honours no priority: gVisor's, a guest emulated under TCG).
     timeout_margin_s: float = 1.0
 
 

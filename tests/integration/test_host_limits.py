@@ -220,6 +220,8 @@ def test_a_stubborn_program_is_stopped_in_time_on_a_busy_host(tier: str, busy_ho
     with Sandbox.create(tier, limits=Limits(timeout_s=60)) as sbx:
         margin = sbx.enforcement.timeout_margin_s  # the sandbox states it
         assert margin <= 2.5
+        if tier in ("process", "docker"):  # the supervisor runs above the code's priority
+            assert margin == 1.0
         for _ in range(2):
             started = time.monotonic()
             r = sbx.commands.run(["python3", "-c", STUBBORN], timeout_s=3)

@@ -48,6 +48,8 @@ from stockade.sandbox._docker_engine import (
 from stockade.sandbox._gvisor_memory import EGRESS_REFUSAL, ContainerMemory
 from stockade.sandbox._hostinfo import engine_masked_paths
 from stockade.sandbox._supervised import (
+    TIMEOUT_MARGIN_S,
+    UNPRIORITIZED_TIMEOUT_MARGIN_S,
     WORKSPACE,
     Boundary,
     SupervisedInstance,
@@ -390,6 +392,8 @@ class DockerBackend(Backend):
             timeout=Mechanism.SUPERVISOR,
             host=host,
             weakened=tuple(weakened),
+            # gVisor's kernel honours no priority: the supervisor's kill waits its turn
+            timeout_margin_s=UNPRIORITIZED_TIMEOUT_MARGIN_S if self.own_kernel else TIMEOUT_MARGIN_S,
         )
 
     def _check_egress(self) -> None:

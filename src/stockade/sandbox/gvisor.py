@@ -41,6 +41,7 @@ from stockade.sandbox._gvisor_memory import RunscInstance
 from stockade.sandbox._host import PipeStream
 from stockade.sandbox._rootfs import find_rootfs
 from stockade.sandbox._supervised import (
+    UNPRIORITIZED_TIMEOUT_MARGIN_S,
     WORKSPACE,
     Boundary,
     SupervisedInstance,
@@ -295,6 +296,7 @@ class RunscBackend(Backend):
                 tasks=own.host_pids,
                 open_files=spec.limits.total_open_files + _guest.GVISOR_OWN_FILES,
             ),
+            timeout_margin_s=UNPRIORITIZED_TIMEOUT_MARGIN_S,  # its kernel honours no priority
         )
 
     def probe(self) -> TierReport:

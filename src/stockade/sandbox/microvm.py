@@ -53,6 +53,7 @@ from stockade.sandbox._microvm_ready import ReadyBuild, ReadyImage, ReadyImages,
 from stockade.sandbox._rootfs import find_rootfs
 from stockade.sandbox._supervised import (
     TIMEOUT_MARGIN_S,
+    UNPRIORITIZED_TIMEOUT_MARGIN_S,
     SupervisedInstance,
     enforcement_from_state,
     sandbox_id,
@@ -68,10 +69,6 @@ __all__ = ["MicroVMBackend", "collect_garbage"]
 # start that times out is retried from scratch, which only adds to the load. Restores from
 # a snapshot take well under a second; this bound is for the cold boots and boot images.
 START_TIMEOUT_S = 60.0
-# Under TCG the guest is emulated: on a busy host its clock, its kills and its answer run at a
-# fraction of the host's speed, so a call's stop is stated with more room than on other tiers
-# (measured: a 3 s stubborn tree stopped in 4.6 s with every host core busy).
-EMULATED_TIMEOUT_MARGIN_S = 2.5
 MiB = 1024 * 1024
 # Guest RAM on top of the memory limit: the guest kernel, its page cache of the root image.
 GUEST_OVERHEAD_MB = 128
@@ -192,7 +189,7 @@ class MicroVMBackend(Backend):
         )
 
     def _timeout_margin(self) -> float:
-        return TIMEOUT_MARGIN_S if self.accel == "kvm" else EMULATED_TIMEOUT_MARGIN_S
+        return TIMEOUT_MARGIN_S if self.accel == "kvm" else UNPRIORITIZED_TIMEOUT_MARGIN_S
 
     def probe(self) -> TierReport:
         try:
