@@ -8,6 +8,7 @@
   either side writes while the shim lives is copied again);
 * **zygote**: a fork of the supervisor made once forks each shim on request (over a socket,
   with the output pipe passed along) and reports its status: the fork moves, it does not go;
+* **no shim (raw)**: the command spawned directly, in a session of its own: the floor;
 * **compiled**: the supervisor ``posix_spawn``s a small static C shim (vfork: nothing of the
   supervisor is copied), which ``posix_spawn``s the command and waits.
 
@@ -123,6 +124,17 @@ def by_compiled(shim: str, sh: str) -> None:
     os.waitpid(pid, 0)
 
 
+def by_no_shim(sh: str) -> None:
+    """The raw mechanism: the command itself, spawned in a session of its own; nothing reaps
+    what it leaves behind, and nothing confines it."""
+    r, w = os.pipe()
+    actions = [(os.POSIX_SPAWN_DUP2, w, 1), (os.POSIX_SPAWN_CLOSE, r)]
+    pid = os.posix_spawn(sh, COMMAND, ENV, file_actions=actions, setsid=True)
+    os.close(w)
+    drain(r)
+    os.waitpid(pid, 0)
+
+
 def cpu_and_faults(pids: list[int]) -> tuple[float, int]:
     """This process's CPU and minor faults, plus those of ``pids`` (from /proc)."""
     own = resource.getrusage(resource.RUSAGE_SELF)
@@ -166,7 +178,11 @@ def main() -> None:
             ours.close()
             zygote(theirs)
         theirs.close()
-        ways: dict[str, Callable[[], None]] = {"fork": by_fork, "zygote": lambda: by_zygote(ours)}
+        ways: dict[str, Callable[[], None]] = {
+            "no shim (raw)": lambda: by_no_shim(sh),
+            "fork": by_fork,
+            "zygote": lambda: by_zygote(ours),
+        }
         if shim is not None:
             ways["compiled"] = lambda: by_compiled(shim, sh)
         walls: dict[str, list[float]] = {name: [] for name in ways}
@@ -189,7 +205,7 @@ def main() -> None:
     print(f"{args.rounds} blocks of {args.block} `{' '.join(COMMAND)}` a way, alternated; medians\n")
     print("| way | a command, wall | supervisor + zygote CPU | their minor faults |")
     print("|---|---|---|---|")
-    base = statistics.median(walls["fork"])
+    base = statistics.median(walls["no shim (raw)"])
     for name in ways:
         wall = statistics.median(walls[name])
         print(
