@@ -77,6 +77,12 @@ def test_doctor_reports_every_tier_and_how_limits_are_enforced() -> None:
     assert list(reports) == list(_registry.TIERS)
     assert reports["process"]["available"] is True
     assert str(reports["process"]["enforcement"]["memory"]).startswith("cgroup")
+    # Each tier states how late a call past its timeout may stop (gVisor's kernel honours
+    # no priority, so it states more than the process tier).
+    assert "a call past its timeout is stopped within 1 s more" in r.stdout
+    assert reports["process"]["timeout_margin_s"] == 1.0
+    if reports["gvisor"]["available"]:
+        assert reports["gvisor"]["timeout_margin_s"] > reports["process"]["timeout_margin_s"]
 
 
 def test_gc_runs_cleanly() -> None:

@@ -49,6 +49,8 @@ def _report_json(report: TierReport) -> dict[str, object]:
         "host": None if e is None or e.host is None else dataclasses.asdict(e.host),
         "policy": {name: str(how) for name, how in _rules.TIER_SUPPORT.get(report.tier, {}).items()},
         "weakened": list(e.weakened) if e is not None else [],
+        # A call past its timeout is stopped within this much more, however busy the host.
+        "timeout_margin_s": None if e is None else e.timeout_margin_s,
         "fixes": list(report.fixes),
     }
 
@@ -72,6 +74,7 @@ def doctor(
             policy = _rules.TIER_SUPPORT.get(tier, {})
             inside = ", ".join(f"{name}={how}" for name, how in policy.items())
             out.print(f"         a policy, inside the sandbox: {inside}")
+            out.print(f"         a call past its timeout is stopped within {e.timeout_margin_s:g} s more")
             if e.host is not None:
                 out.print(
                     f"         one sandbox at the default limits takes at most {e.host.memory_mb} MiB, "
