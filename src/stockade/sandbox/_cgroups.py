@@ -8,6 +8,7 @@ delegated subtree); callers fall back to rlimits and say so.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import signal
@@ -145,8 +146,15 @@ class Cgroup:
     def pids(self) -> list[int]:
         out: set[int] = set()
         for d in self.dirs:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 out.update(int(p) for p in (d / "cgroup.procs").read_text().split())
+            except FileNotFoundError:
+                pass
+            except OSError as error:
+                # ENODEV: the group is being removed (by its creator, while another process's
+                # garbage collection looks at it): a group is removed only once empty.
+                if error.errno != errno.ENODEV:
+                    raise
         return sorted(out)
 
     def peak_memory(self) -> int:
@@ -294,9 +302,12 @@ def collect(prefix: str, owned: Callable[[str], bool], dead: Callable[[str], boo
         if not name.startswith(prefix) or owned(name):
             continue
         group = Cgroup(support.mechanism, name, create=False)
-        if dead(name):
-            group.remove()
-        elif not group.remove_unclaimed():
-            continue
+        try:
+            if dead(name):
+                group.remove()
+            elif not group.remove_unclaimed():
+                continue
+        except OSError:  # another process is changing it now: the next collection decides
+            continue  # (a collection runs at a sandbox's first start, which it must not fail)
         removed.append(f"cgroup {name}")
     return removed
