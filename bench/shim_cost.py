@@ -1,16 +1,19 @@
-"""What the shim costs a command: three ways for a supervisor-sized Python process to run
-``sh -c true`` in a shim that leads a session of its own and reaps what it starts.
+"""What the shim costs a command: a supervisor-sized Python process runs ``sh -c true``
+(``sh`` found once, spawned by its path, its output on a pipe the supervisor drains) four ways.
+Each shim does the same work: it leads a session of its own, is a child subreaper, spawns
+the command and reaps every child until none is left.
 
     python bench/shim_cost.py [--rounds 30] [--block 20] [--rss-mb 12]
 
-* **fork**: the supervisor forks a Python shim, which ``posix_spawn``s the command and waits
+* **no shim (raw)**: the command spawned directly, in a session of its own: the floor every
+  ratio is set against;
+* **fork**: the supervisor forks a Python shim, which ``posix_spawn``s the command
   (``reaper.spawn_shim`` today: the fork copies the supervisor's page tables, and every page
   either side writes while the shim lives is copied again);
 * **zygote**: a fork of the supervisor made once forks each shim on request (over a socket,
   with the output pipe passed along) and reports its status: the fork moves, it does not go;
-* **no shim (raw)**: the command spawned directly, in a session of its own: the floor;
 * **compiled**: the supervisor ``posix_spawn``s a small static C shim (vfork: nothing of the
-  supervisor is copied), which ``posix_spawn``s the command and waits.
+  supervisor is copied), which ``posix_spawn``s the command.
 
 Outside any sandbox (no rules, no namespaces): the shim's own cost, not a command's. The
 supervisor's size is a ballast of small objects (``--rss-mb``; a process tier's supervisor
@@ -18,13 +21,14 @@ holds ~12 MB resident, ~6 MB of it anonymous). The supervisor here does nothing 
 but the spawn and the reads: its faults are a floor (the real one writes ~180 pages a command
 while its shim lives). Blocks of each way alternated; medians of
 the commands' wall times, and the CPU and minor faults of the supervisor and the zygote per
-command. Needs a C compiler (``cc``) for the third way.
+command. Needs a C compiler (``cc``) for the compiled way.
 """
 
 from __future__ import annotations
 
 import argparse
 import array
+import ctypes
 import os
 import resource
 import shutil
@@ -59,13 +63,26 @@ int main(int argc, char **argv) {  /* shim PROGRAM ARGV0 ARGS... */
 """
 
 
-def python_shim(out_w: int) -> None:
-    """In the forked child: what a Python shim does around the command."""
+PR_SET_CHILD_SUBREAPER = 36
+LIBC = ctypes.CDLL(None, use_errno=True)  # prctl, as the supervisor's reaper calls it
+
+
+def python_shim(out_w: int, sh: str) -> None:
+    """In the forked child: what the C shim does, in Python (a child subreaper leading its
+    own session that spawns the command and reaps every child until none is left)."""
     try:
         os.dup2(out_w, 1)
+        LIBC.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         os.setsid()
-        child = os.posix_spawnp(COMMAND[0], COMMAND, ENV)
-        _, status = os.waitpid(child, 0)
+        child = os.posix_spawn(sh, COMMAND, ENV)
+        status = 0
+        while True:
+            try:
+                pid, st = os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+            if pid == child:
+                status = st
         os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
     finally:
         os._exit(126)
@@ -77,18 +94,18 @@ def drain(fd: int) -> None:
     os.close(fd)
 
 
-def by_fork() -> None:
+def by_fork(sh: str) -> None:
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(r)
-        python_shim(w)
+        python_shim(w, sh)
     os.close(w)
     drain(r)
     os.waitpid(pid, 0)
 
 
-def zygote(sock: socket.socket) -> None:
+def zygote(sock: socket.socket, sh: str) -> None:
     """Fork a shim per request (the pipe's write end comes with it); answer pid and status."""
     while True:
         msg, ancillary, _, _ = sock.recvmsg(1, socket.CMSG_SPACE(4))
@@ -99,7 +116,7 @@ def zygote(sock: socket.socket) -> None:
         pid = os.fork()
         if pid == 0:
             sock.close()
-            python_shim(fds[0])
+            python_shim(fds[0], sh)
         os.close(fds[0])
         _, status = os.waitpid(pid, 0)
         sock.sendall(pid.to_bytes(8, "big") + status.to_bytes(8, "big"))
@@ -176,11 +193,11 @@ def main() -> None:
         zpid = os.fork()
         if zpid == 0:
             ours.close()
-            zygote(theirs)
+            zygote(theirs, sh)
         theirs.close()
         ways: dict[str, Callable[[], None]] = {
             "no shim (raw)": lambda: by_no_shim(sh),
-            "fork": by_fork,
+            "fork": lambda: by_fork(sh),
             "zygote": lambda: by_zygote(ours),
         }
         if shim is not None:
