@@ -16,12 +16,13 @@ Standard library only; runs on any Python >= 3.8 found inside the sandbox.
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from select import EPOLLIN as EVENT_READ
 from select import EPOLLOUT as EVENT_WRITE
 
-from reaper import kill_descendants, kill_group, kill_tree, spawn_shim, spawned, wait_gone
+from reaper import kill_descendants, kill_group, kill_tree, spawn_program, spawn_shim, spawned, wait_gone
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
@@ -82,6 +83,8 @@ class CommandJob(Job):
 
 
 CHUNK = 1 << 16
+# Why a command may not start that a reset cures: out of processes, memory or descriptors.
+LIMITS_REACHED = (errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE)
 # A timed-out command not yet ended is killed again this often (see check_deadlines).
 AGAIN_S = 0.1
 
@@ -108,16 +111,23 @@ def op_exec(sup: "Supervisor", rid: int, h: dict[str, Any], body: bytes) -> None
             made += (in_r, in_w)
         else:
             in_r, in_w = sup.devnull, -1
-        job.shim = spawn_shim(spawned(argv, env, cwd), (in_r, out_w, err_w), confine=sup.confine)
-    except OSError as exc:
-        # Out of processes or descriptors (a thread or fork bomb the code left behind):
-        # the command could not start, which is a result like any failed exec.
+        fds = (in_r, out_w, err_w)
+        if sup.shim >= 0 and sup.rules is None:
+            job.shim = spawn_program(sup.shim, argv, env, cwd, fds)
+        elif sup.shim >= 0 and sup.rules is not None:
+            job.shim = sup.rules.spawn(sup.shim, argv, env, cwd, fds)
+        if not job.shim:  # no compiled shim here, or not for this command: a fork of ours
+            job.shim = spawn_shim(spawned(argv, env, cwd), fds, confine=sup.confine)
+    except (OSError, ValueError) as exc:
+        # Out of processes or descriptors (a thread or fork bomb the code left behind), or
+        # a command line the kernel refuses: the command could not start, which is a
+        # result like any failed exec.
         for fd in made:
             os.close(fd)
-        note = (
-            f"stockade: cannot start {argv[0]}: {exc.strerror} "
-            "(the sandbox's process or file limit is reached; reset() or close it)\n"
-        )
+        why = getattr(exc, "strerror", None) or str(exc)
+        note = f"stockade: cannot start {argv[0]}: {why}\n"
+        if getattr(exc, "errno", None) in LIMITS_REACHED:
+            note = note[:-1] + " (the sandbox's process or file limit is reached; reset() or close it)\n"
         job.output(2, note.encode())
         sup.send(
             {

@@ -38,6 +38,12 @@ typedef int i32;
 #define SYS_munmap 11
 #define SYS_madvise 28
 #define SYS_getpid 39
+#define SYS_execve 59
+#define SYS_wait4 61
+#define SYS_fcntl 72
+#define SYS_dup2 33
+#define SYS_setsid 112
+#define SYS_rt_sigaction 13
 #define SYS_clone 56
 #define SYS_exit 60
 #define SYS_getsid 124
@@ -673,6 +679,11 @@ out:
     return done;
 }
 
+/* The pid of our own spawn's child while it execs the command shim (stockade_spawn): only
+ * a task that shares this memory can have written it there, so the judge lets that exec
+ * through unjudged and unrecorded (the shim's own; the command it starts is judged). */
+static volatile long spawning;
+
 static struct ctx *cp; /* mapped by stockade_judge, with the thread's stack, out of forks */
 static char config[CONFIG_MAX];
 
@@ -696,6 +707,10 @@ __attribute__((visibility("hidden"), used, noinline, noreturn)) void stockade_ju
         memset(&n, 0, sizeof n); /* the kernel refuses a buffer that is not zeroed */
         if (sc(SYS_ioctl, c->listener, (long)NOTIF_RECV, (long)&n, 0, 0, 0) != 0)
             continue; /* the caller died meanwhile */
+        if (spawning && (long)n.pid == spawning) {
+            answer(c, n.id, 0); /* our own spawn's child, starting a command's shim */
+            continue;
+        }
         if (!judge(c, &n))
             forward(c, &n);
     }
@@ -962,10 +977,11 @@ __attribute__((visibility("default"))) int stockade_setup(const char *cfg, int l
  * does it all in Python, rebuilding the ruleset. 0: done; -errno: failed. ``subreaper``: a
  * shim's, which then also becomes a child subreaper here, so that it makes one call into C
  * instead of two (the first call of each kind in a fork costs ~45 us of copied pages). */
-__attribute__((visibility("default"))) int stockade_confine(int dumpable, int ruleset, const char *inodes,
-                                                            int len, int subreaper)
+/* Whether a written path now leads elsewhere than when the ruleset was built (``inodes``,
+ * as stockade_confine takes them; NULL: those stockade_setup found). */
+static int replaced(const char *inodes, int len)
 {
-    if (!inodes) { /* those stockade_setup found, with the ruleset it built */
+    if (!inodes) {
         inodes = setup_inodes;
         len = setup_inodes_len;
     }
@@ -981,6 +997,14 @@ __attribute__((visibility("default"))) int stockade_confine(int dumpable, int ru
         if (st[0] != want[0] || st[1] != want[1])
             return 1;
     }
+    return 0;
+}
+
+__attribute__((visibility("default"))) int stockade_confine(int dumpable, int ruleset, const char *inodes,
+                                                            int len, int subreaper)
+{
+    if (replaced(inodes, len))
+        return 1;
     long r;
     if (dumpable && (r = sc(SYS_prctl, PR_SET_DUMPABLE, 1, 0, 0, 0, 0)) != 0)
         return (int)r;
@@ -989,4 +1013,131 @@ __attribute__((visibility("default"))) int stockade_confine(int dumpable, int ru
     if (subreaper && (r = sc(SYS_prctl, PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0, 0)) != 0)
         return (int)r;
     return 0;
+}
+
+/* -- starting a command's shim, from the supervisor ---------------------------------------- */
+
+/* What reaper.spawn_program does with posix_spawn, for a sandbox whose execs the judge stops:
+ * a posix_spawn's child would wait in the kernel at its exec of the shim, for a judge that
+ * cannot tell it from code's. Here the child is ours (vfork: our memory, our parent thread
+ * waiting) and writes its pid where the judge's thread looks (``spawning``) before it execs.
+ * The command the shim then starts is judged as any exec is. */
+
+#define SPAWN_STACK (64 * 1024)
+#define SPAWN_FLAGS (0x100 | 0x4000 | 17) /* CLONE_VM | CLONE_VFORK, SIGCHLD at its end */
+#define F_SETFD 2
+#define ESTALE 116
+
+struct spawn {
+    const char *path; /* the shim: /proc/self/fd/N */
+    char **argv, **envp;
+    int fds[3];      /* its 0, 1 and 2 (each above 2) */
+    int ruleset;     /* kept open across the exec (the shim enters it), or -1 */
+    volatile long error;
+};
+
+static struct spawn *sp;
+static long spawn_area; /* the child's stack, mapped once, out of forks */
+
+__attribute__((visibility("hidden"), used, noinline, noreturn)) void stockade_spawn_child(void)
+{
+    struct spawn *a = sp;
+    spawning = sc(SYS_getpid, 0, 0, 0, 0, 0, 0);
+    long r = sc(SYS_setsid, 0, 0, 0, 0, 0, 0);
+    /* Every handler back to its default before a signal is let in: the parent's Python
+     * handlers would run here, in its memory. */
+    u64 dfl[4] = {0, 0, 0, 0}; /* struct k_sigaction: SIG_DFL, no flags, no restorer, empty mask */
+    for (long sig = 1; sig <= 64 && r >= 0; sig++)
+        if (sig != 9 && sig != 19)
+            sc(SYS_rt_sigaction, sig, (long)dfl, 0, 8, 0, 0);
+    for (int i = 0; i < 3 && r >= 0; i++)
+        r = sc(SYS_dup2, a->fds[i], i, 0, 0, 0, 0);
+    if (r >= 0 && a->ruleset >= 0)
+        r = sc(SYS_fcntl, a->ruleset, F_SETFD, 0, 0, 0, 0);
+    if (r >= 0) {
+        u64 none = 0;
+        sc(SYS_rt_sigprocmask, 2 /* SIG_SETMASK */, (long)&none, 0, 8, 0, 0);
+        r = sc(SYS_execve, (long)a->path, (long)a->argv, (long)a->envp, 0, 0, 0);
+    }
+    a->error = r;
+    for (;;)
+        sc(SYS_exit, 127, 0, 0, 0, 0, 0);
+}
+
+static long start_child(void *stack_top)
+{
+    long ret;
+    register long r10 __asm__("r10") = 0;
+    register long r8 __asm__("r8") = 0;
+    __asm__ volatile("syscall\n\t"
+                     "test %%rax, %%rax\n\t"
+                     "jnz 1f\n\t"
+                     "xor %%ebp, %%ebp\n\t"
+                     "call stockade_spawn_child\n\t"
+                     "1:\n\t"
+                     : "=a"(ret)
+                     : "a"(SYS_clone), "D"(SPAWN_FLAGS), "S"(stack_top), "d"(0), "r"(r10), "r"(r8)
+                     : "rcx", "r11", "memory");
+    return ret;
+}
+
+/* Start the shim: ``words`` holds its path, then ``argc`` arguments, then ``envc``
+ * environment entries, each NUL-ended; ``in``/``out``/``err`` become its 0, 1 and 2;
+ * ``ruleset`` (or -1) stays open for it. Returns its pid; -ESTALE if a written folder was
+ * replaced since the ruleset was built (nothing started: the caller's Python shim rebuilds
+ * it); else -errno (nothing started, nothing left to reap). */
+__attribute__((visibility("default"))) int stockade_spawn(const char *words, int len, int argc, int envc,
+                                                          int in, int out, int err, int ruleset)
+{
+    if (ruleset >= 0 && replaced(0, 0))
+        return -ESTALE;
+    if (len <= 0 || words[len - 1] != 0 || argc < 1 || envc < 0 || in < 3 || out < 3 || err < 3)
+        return -EINVAL;
+    if (!spawn_area) {
+        long area = sc(SYS_mmap, 0, SPAWN_STACK, 3, 0x22 | 0x20000, -1, 0);
+        if (area < 0 && area > -4096)
+            return (int)area;
+        sc(SYS_madvise, area, SPAWN_STACK, MADV_DONTFORK, 0, 0, 0);
+        spawn_area = area;
+    }
+    unsigned long table = (unsigned long)(argc + envc + 2) * 8;
+    long pointers = sc(SYS_mmap, 0, (long)table, 3, 0x22, -1, 0);
+    if (pointers < 0 && pointers > -4096)
+        return (int)pointers;
+    char **slots = (char **)pointers;
+    const char *at = words, *end = words + len;
+    struct spawn a;
+    a.path = at;
+    at += slen(at) + 1;
+    int n = 0;
+    for (; at < end && n < argc + envc; n++) {
+        slots[n + (n >= argc)] = (char *)at; /* a NULL between the two lists */
+        at += slen(at) + 1;
+    }
+    if (n != argc + envc || at != end) {
+        sc(SYS_munmap, pointers, (long)table, 0, 0, 0, 0);
+        return -EINVAL;
+    }
+    slots[argc] = 0;
+    slots[argc + envc + 1] = 0;
+    a.argv = slots;
+    a.envp = slots + argc + 1;
+    a.fds[0] = in;
+    a.fds[1] = out;
+    a.fds[2] = err;
+    a.ruleset = ruleset;
+    a.error = 0;
+    sp = &a;
+    u64 all = ~0UL, old = 0;
+    sc(SYS_rt_sigprocmask, 0 /* SIG_BLOCK */, (long)&all, (long)&old, 8, 0, 0);
+    long pid = start_child((void *)(spawn_area + SPAWN_STACK));
+    spawning = 0;
+    sc(SYS_rt_sigprocmask, 2 /* SIG_SETMASK */, (long)&old, 0, 8, 0, 0);
+    sc(SYS_munmap, pointers, (long)table, 0, 0, 0, 0);
+    if (pid > 0 && a.error < 0) { /* it could not exec: it has ended, reaped here */
+        int status;
+        sc(SYS_wait4, pid, (long)&status, 0, 0, 0, 0);
+        return (int)a.error;
+    }
+    return (int)pid;
 }

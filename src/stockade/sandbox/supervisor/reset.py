@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 # A reset execs a fresh supervisor and hands it its state on this fd.
 HANDOVER_FD = 3
 LISTENER_FD = 4  # the exec judge's listener, across the same exec
+SHIM_FD = 5  # the compiled shim's memfd (an allowlist forbids making another)
 # How long a reset waits for the warm interpreter it promised (then answers all the same).
 WARM_START_S = 10.0
 
@@ -107,18 +108,21 @@ def exec_fresh(sup: "Supervisor", rid: int, warm: bool, rest: bytes) -> None:
     if listener >= 0:
         # The exec judge goes on: the fresh supervisor keeps listening on the same fd.
         state["carried"]["listener"] = LISTENER_FD
+    if sup.shim >= 0:
+        state["carried"]["shim"] = SHIM_FD
     handover = _unnamed_file()
     _write_all(handover, encode(state, rest))
     os.lseek(handover, 0, os.SEEK_SET)
     # Every fd to its place without one overwriting another: all out of the way first, in
     # copies that close at the exec (dup2's targets do not): the fresh supervisor keeps only
     # its places, or each reset would leave two behind.
-    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 16) if fd >= 0 else -1 for fd in (handover, listener)]
+    carried = (handover, listener, sup.shim)
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 16) if fd >= 0 else -1 for fd in carried]
     os.dup2(sup.rfd, 0)
     os.dup2(sup.wfd, 1)
-    os.dup2(moved[0], HANDOVER_FD)
-    if listener >= 0:
-        os.dup2(moved[1], LISTENER_FD)
+    for fd, place in zip(moved, (HANDOVER_FD, LISTENER_FD, SHIM_FD)):
+        if fd >= 0:
+            os.dup2(fd, place)
     here = os.path.dirname(os.path.abspath(__file__))
     boot = f"import sys; sys.path.insert(0, {here!r}); import supervisor; supervisor.main()"
     python = sys.executable or os.readlink("/proc/self/exe")

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 ALWAYS_WRITABLE = ("/tmp", "/dev", "/proc")
 # Where the programs a rule names are looked for, to know their copies by their content.
 PROGRAM_DIRS = ("/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin")
-EPERM, ENOENT, ENOSYS = 1, 2, 38
+EPERM, ENOENT, ENOSYS, ESTALE = 1, 2, 38, 116
 LIBRARY = "judge.so"  # judge.c, beside these modules, when the host built it
 
 
@@ -53,6 +53,7 @@ class Rules:
         self._inode_blob: "Optional[bytes]" = b""  # the same, as stockade_confine reads them
         self._confine_args: "Tuple[Tuple[Any, ...], Tuple[Any, ...]]" = ((), ())  # _set_confine_args
         self._confine_c: "Any" = None  # judge.c's confinement, where the host shipped judge.so
+        self._spawn_c = 0  # judge.c's start of a command's compiled shim (stockade_spawn)
         self._entry = 0  # judge.c's thread, started by start()
         self.listener = listener
         self._judge: "Optional[ExecJudge]" = None  # the Python judge, once an exec reaches it
@@ -149,6 +150,33 @@ class Rules:
 
     # -- in the supervisor ------------------------------------------------------------------
 
+    def spawn(
+        self, shim: int, argv: "List[str]", env: "Dict[str, str]", cwd: str, fds: "Tuple[int, int, int]"
+    ) -> int:
+        """Start a command under the compiled shim (``shim.c``, from its memfd), confined:
+        the shim enters the Landlock domain before it starts the command, whose exec the
+        judge stops as any other. Its pid; 0 where this sandbox cannot (no judge.c, or execs
+        judged in Python, which would have to answer while we wait for the exec: the caller
+        forks the Python shim instead), or where a written folder was replaced (the Python
+        shim rebuilds the ruleset). OSError if it could not start."""
+        if not self._spawn_c or self._inode_blob is not None or (self.listener >= 0 and self.fast is None):
+            return 0
+        import _ctypes
+
+        ruleset = self._ruleset if self.landlock else -1
+        words = [f"/proc/self/fd/{shim}", "shim", str(ruleset) if ruleset >= 0 else "-", cwd, *argv]
+        entries = words + [f"{key}={value}" for key, value in env.items()]
+        if any("\0" in entry for entry in entries):
+            raise ValueError("embedded null byte")
+        blob = c_entries(entries)
+        argc = len(words) - 1
+        got = _ctypes.call_function(self._spawn_c, (blob, len(blob), argc, len(env), *fds, ruleset))
+        if got == -ESTALE:
+            return 0
+        if got < 0:
+            raise OSError(-got, os.strerror(-got))
+        return int(got)
+
     def python_judge(self) -> "ExecJudge":
         """The Python judge, made at the first exec that reaches it."""
         if self._judge is None:
@@ -209,6 +237,7 @@ class Rules:
             library = _ctypes.dlopen(path, os.RTLD_NOW | os.RTLD_LOCAL)
             found = [_ctypes.dlsym(library, name) for name in ("stockade_judge", "stockade_confine")]
             setup = _ctypes.dlsym(library, "stockade_setup")
+            self._spawn_c = _ctypes.dlsym(library, "stockade_spawn")
         except (OSError, AttributeError, ImportError):
             return 0
         self._entry, self._confine_c = found

@@ -64,7 +64,15 @@ import jobs
 import runcode
 from fileops import PathRefused, Workspace, _os_error, read_exactly
 from protocol import PREFIX, FrameReader, dumps, encode
-from reaper import IGNORED_SIGNALS, PR_SET_CHILD_SUBREAPER, PR_SET_DUMPABLE, kill_group, kill_tree, prctl
+from reaper import (
+    IGNORED_SIGNALS,
+    PR_SET_CHILD_SUBREAPER,
+    PR_SET_DUMPABLE,
+    kill_group,
+    kill_tree,
+    load_shim,
+    prctl,
+)
 from zygote import Zygote
 from zygote import start as start_zygote
 
@@ -143,6 +151,7 @@ class Supervisor:
         self.report_oom = False
         self.rules: Optional[Any] = None  # the policy, enforced on the code (supervisor/rules.py)
         self.confine: "Optional[Any]" = None
+        self.shim = -1  # the compiled shim's memfd (reaper.load_shim): how commands start
         self.egress: "Optional[Any]" = None  # the relay to the egress proxy (supervisor/egress.py)
         # Restored from a memory snapshot: the interpreter's next run first draws new seeds
         # (every sandbox restored from one snapshot would otherwise share its generators).
@@ -176,6 +185,13 @@ class Supervisor:
             res = getattr(resource, name)
             resource.setrlimit(res, (int(value), int(value)))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        # Before the rules: under an allowlist no memfd is made after them, us included.
+        shim = carried.get("shim", -1) if carried is not None else -1
+        if shim >= 0:
+            os.set_inheritable(shim, False)  # carried over the reset's exec; no further
+        else:
+            shim = load_shim(os.path.dirname(os.path.abspath(__file__)))
+        self.shim = shim
         if cfg.get("rules"):
             # What is loaded so far lives as long as we do: out of the collector's sight, the
             # rules' imports and set-up below no longer set off a collection of all of it
