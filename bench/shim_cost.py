@@ -12,8 +12,10 @@ the command and reaps every child until none is left.
   either side writes while the shim lives is copied again);
 * **zygote**: a fork of the supervisor made once forks each shim on request (over a socket,
   with the output pipe passed along) and reports its status: the fork moves, it does not go;
-* **compiled**: the supervisor ``posix_spawn``s a small static C shim (vfork: nothing of the
-  supervisor is copied), which ``posix_spawn``s the command.
+* **compiled**: the supervisor ``posix_spawn``s stockade's compiled shim
+  (``supervisor/shim.c``, as ``reaper.spawn_program`` does: vfork, nothing of the supervisor
+  copied), which forks the command; it does all its real work (closes every other fd, nice
+  19, the OOM score, a look through ``/proc`` for what the command left).
 
 Outside any sandbox (no rules, no namespaces): the shim's own cost, not a command's. The
 supervisor's size is a ballast of small objects (``--rss-mb``; a process tier's supervisor
@@ -21,7 +23,7 @@ holds ~12 MB resident, ~6 MB of it anonymous). The supervisor here does nothing 
 but the spawn and the reads: its faults are a floor (the real one writes ~180 pages a command
 while its shim lives). Blocks of each way alternated; medians of
 the commands' wall times, and the CPU and minor faults of the supervisor and the zygote per
-command. Needs a C compiler (``cc``) for the compiled way.
+command. Needs a C compiler (``gcc`` or ``cc``) for the compiled way.
 """
 
 from __future__ import annotations
@@ -34,34 +36,16 @@ import resource
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from stockade.sandbox import _shim
+
 COMMAND = ["sh", "-c", "true"]
 ENV = {"PATH": "/usr/bin:/bin"}
-
-C_SHIM = r"""
-#include <spawn.h>
-#include <sys/prctl.h>
-#include <sys/wait.h>
-#include <unistd.h>
-extern char **environ;
-int main(int argc, char **argv) {  /* shim PROGRAM ARGV0 ARGS... */
-    pid_t child;
-    int status = 0, st;
-    prctl(PR_SET_CHILD_SUBREAPER, 1);
-    setsid();
-    if (argc < 3 || posix_spawn(&child, argv[1], NULL, NULL, argv + 2, environ)) return 127;
-    for (pid_t pid; (pid = waitpid(-1, &st, 0)) > 0;)
-        if (pid == child) status = st;
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 1;
-}
-"""
-
 
 PR_SET_CHILD_SUBREAPER = 36
 LIBC = ctypes.CDLL(None, use_errno=True)  # prctl, as the supervisor's reaper calls it
@@ -135,7 +119,7 @@ def by_zygote(sock: socket.socket) -> None:
 def by_compiled(shim: str, sh: str) -> None:
     r, w = os.pipe()
     actions = [(os.POSIX_SPAWN_DUP2, w, 1), (os.POSIX_SPAWN_CLOSE, r)]
-    pid = os.posix_spawn(shim, ["shim", sh, *COMMAND], ENV, file_actions=actions)
+    pid = os.posix_spawn(shim, ["shim", "-", "/", sh, *COMMAND[1:]], ENV, file_actions=actions, setsid=True)
     os.close(w)
     drain(r)
     os.waitpid(pid, 0)
@@ -168,13 +152,8 @@ def resident_mb() -> float:
 
 
 def build_shim(folder: Path) -> str | None:
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        return None
-    (folder / "shim.c").write_text(C_SHIM)
-    out = folder / "shim"
-    subprocess.run([cc, "-O2", "-static", "-o", str(out), str(folder / "shim.c")], check=True)
-    return str(out)
+    built = _shim.build(folder)
+    return str(built) if built is not None else None
 
 
 def main() -> None:

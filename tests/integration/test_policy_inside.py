@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from stockade import LimitNotEnforceable, Limits, Sandbox
 from stockade.types import Mechanism, SandboxRules
-from tests.conftest import require_tier
+from tests.conftest import require, require_tier
 from tests.integration.approvals import YesTo, remove_each
 from tests.integration.conftest import TIERS
 
@@ -416,3 +416,38 @@ def test_the_exec_judge_holds_across_a_reset(tier: str) -> None:
                 (("/bin/true", "x"), "allow"),
                 (("rm", "-r", "nothing"), "refuse"),
             ]
+
+
+SHIM_RULES = {
+    "no policy": SandboxRules(),
+    "denied programs": SandboxRules(deny=("uname",)),
+    "judged execs and writes": SandboxRules(approve=("rm -r",), write=("src/**",)),
+    "an allowlist": SandboxRules(allow=("sh", "cat", "uname")),
+}
+
+
+@pytest.mark.parametrize("name", list(SHIM_RULES))
+def test_commands_start_under_the_compiled_shim_with_any_policy_and_across_resets(
+    tier: str, name: str
+) -> None:
+    """Every command's shim is the compiled one (supervisor/shim.c, spawned, not a fork of
+    the supervisor): a silent fall back to the Python shim would keep every rule and lose
+    the milliseconds (tens on gVisor) it saves on each command. After a reset too: under an
+    allowlist the fresh supervisor may make no memfd, and keeps the one it was handed."""
+    from stockade.sandbox import _shim
+
+    require("the compiled shim (a C compiler, x86_64)", _shim.program() is not None)
+    rules = SHIM_RULES[name]
+    if rules.judges_execs and rules != SHIM_RULES["denied programs"]:
+        sbx = _rules_or_refusal(tier, rules)
+    else:
+        sbx = Sandbox.create(tier, limits=LIMITS, rules=rules)
+    if sbx is None:  # the tier said it cannot hold the rules
+        return
+    with sbx:
+        for _ in range(2):
+            r = sbx.commands.run("cat /proc/$PPID/cmdline; echo; uname")
+            # The shim's command line; a fork of the supervisor's would be python's.
+            assert r.stdout.startswith("shim\0"), (r.stdout, r.stderr)
+            assert ("Linux" in r.stdout) is (rules != SHIM_RULES["denied programs"]), r.stdout
+            sbx.reset()

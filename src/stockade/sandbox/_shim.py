@@ -19,16 +19,21 @@ from pathlib import Path
 from stockade.sandbox import _native
 from stockade.sandbox._rootfs import cache_root
 
-__all__ = ["NAME", "SOURCE", "program"]
+__all__ = ["NAME", "SOURCE", "build", "program"]
 
 SOURCE = Path(__file__).parent / "supervisor" / "shim.c"
 NAME = "shim"  # its name beside the supervisor's modules (supervisor/reaper.py: SHIM)
 FLAGS = _native.FREESTANDING_PROGRAM
 
 
+def build(folder: Path | None = None) -> Path | None:
+    """The shim, compiled into ``folder`` (the cache) unless it is there (~0.1 s, once per
+    host and version); None where it cannot be."""
+    return _native.build(SOURCE, FLAGS, folder or cache_root() / "shim")
+
+
 @functools.cache
 def program() -> bytes | None:
-    """The shim's bytes, built on first use in this process (~0.1 s, once per host and
-    version, in the cache); None where it cannot be built."""
-    path = _native.build(SOURCE, FLAGS, cache_root() / "shim")
+    """The shim's bytes, built on first use in this process; None where it cannot be."""
+    path = build()
     return path.read_bytes() if path is not None else None

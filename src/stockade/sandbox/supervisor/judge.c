@@ -1033,6 +1033,7 @@ struct spawn {
     char **argv, **envp;
     int fds[3];      /* its 0, 1 and 2 (each above 2) */
     int ruleset;     /* kept open across the exec (the shim enters it), or -1 */
+    u64 defaults;    /* the signals to set to their default (bit N-1: signal N) */
     volatile long error;
 };
 
@@ -1044,21 +1045,18 @@ __attribute__((visibility("hidden"), used, noinline, noreturn)) void stockade_sp
     struct spawn *a = sp;
     spawning = sc(SYS_getpid, 0, 0, 0, 0, 0, 0);
     long r = sc(SYS_setsid, 0, 0, 0, 0, 0, 0);
-    /* Every handler back to its default before a signal is let in: the parent's Python
-     * handlers would run here, in its memory. */
+    /* Every signal stays blocked here (no handler of the parent's runs in its memory; the
+     * shim unblocks them). The ignored ones would stay ignored across the exec: default. */
     u64 dfl[4] = {0, 0, 0, 0}; /* struct k_sigaction: SIG_DFL, no flags, no restorer, empty mask */
     for (long sig = 1; sig <= 64 && r >= 0; sig++)
-        if (sig != 9 && sig != 19)
+        if (a->defaults >> (sig - 1) & 1)
             sc(SYS_rt_sigaction, sig, (long)dfl, 0, 8, 0, 0);
     for (int i = 0; i < 3 && r >= 0; i++)
         r = sc(SYS_dup2, a->fds[i], i, 0, 0, 0, 0);
     if (r >= 0 && a->ruleset >= 0)
         r = sc(SYS_fcntl, a->ruleset, F_SETFD, 0, 0, 0, 0);
-    if (r >= 0) {
-        u64 none = 0;
-        sc(SYS_rt_sigprocmask, 2 /* SIG_SETMASK */, (long)&none, 0, 8, 0, 0);
+    if (r >= 0)
         r = sc(SYS_execve, (long)a->path, (long)a->argv, (long)a->envp, 0, 0, 0);
-    }
     a->error = r;
     for (;;)
         sc(SYS_exit, 127, 0, 0, 0, 0, 0);
@@ -1083,11 +1081,13 @@ static long start_child(void *stack_top)
 
 /* Start the shim: ``words`` holds its path, then ``argc`` arguments, then ``envc``
  * environment entries, each NUL-ended; ``in``/``out``/``err`` become its 0, 1 and 2;
- * ``ruleset`` (or -1) stays open for it. Returns its pid; -ESTALE if a written folder was
+ * ``ruleset`` (or -1) stays open for it; the signals in ``defaults`` (the ones we ignore)
+ * are set to their default, and all are left blocked for the shim to unblock. Returns its pid; -ESTALE if a written folder was
  * replaced since the ruleset was built (nothing started: the caller's Python shim rebuilds
  * it); else -errno (nothing started, nothing left to reap). */
 __attribute__((visibility("default"))) int stockade_spawn(const char *words, int len, int argc, int envc,
-                                                          int in, int out, int err, int ruleset)
+                                                          int in, int out, int err, int ruleset,
+                                                          unsigned long defaults)
 {
     if (ruleset >= 0 && replaced(0, 0))
         return -ESTALE;
@@ -1126,6 +1126,7 @@ __attribute__((visibility("default"))) int stockade_spawn(const char *words, int
     a.fds[1] = out;
     a.fds[2] = err;
     a.ruleset = ruleset;
+    a.defaults = defaults;
     a.error = 0;
     sp = &a;
     u64 all = ~0UL, old = 0;

@@ -375,17 +375,28 @@ def load_shim(folder: str) -> int:
 
 
 def spawn_program(
-    shim: int, argv: "list[str]", env: "dict[str, str]", cwd: str, fds: "tuple[int, int, int]"
+    shim: int,
+    argv: "list[str]",
+    env: "dict[str, str]",
+    cwd: str,
+    fds: "tuple[int, int, int]",
+    *,
+    ruleset: int = -1,
 ) -> int:
     """Start a command under the compiled shim (``shim.c``): what ``spawn_shim`` and
     ``spawned`` do in a fork of ours, without the fork (posix_spawn: vfork and exec). The
     shim leads a new session, every signal at its default and none blocked; it becomes
-    the subreaper, closes every other fd, enters ``cwd`` and starts ``argv``."""
+    the subreaper, enters the Landlock domain of ``ruleset`` (its fd, or -1), closes every
+    other fd, enters ``cwd`` and starts ``argv``. Not where execs are judged: the judge
+    would stop the shim's own exec (judge.c's ``stockade_spawn`` is for that)."""
+    actions = [(os.POSIX_SPAWN_DUP2, fd, target) for target, fd in enumerate(fds)]
+    if ruleset >= 0:
+        actions.append((os.POSIX_SPAWN_DUP2, ruleset, 3))  # open across the exec, at 3
     return os.posix_spawn(
         f"/proc/self/fd/{shim}",
-        [SHIM, "-", cwd, *argv],
+        [SHIM, "3" if ruleset >= 0 else "-", cwd, *argv],
         env,
-        file_actions=[(os.POSIX_SPAWN_DUP2, fd, target) for target, fd in enumerate(fds)],
+        file_actions=actions,
         setsid=True,
         setsigmask=(),
         setsigdef=(signal.SIGCHLD, *IGNORED_SIGNALS),

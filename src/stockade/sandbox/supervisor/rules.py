@@ -16,10 +16,12 @@ start under judge.c does not take: a start imports this module whole). Standard 
 
 from __future__ import annotations
 
+import _signal as signal
 import os
 import struct
 
 from protocol import MAX_EXEC_ARGV, MAX_EXEC_RECORDS
+from reaper import IGNORED_SIGNALS
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
@@ -33,6 +35,9 @@ ALWAYS_WRITABLE = ("/tmp", "/dev", "/proc")
 PROGRAM_DIRS = ("/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin")
 EPERM, ENOENT, ENOSYS, ESTALE = 1, 2, 38, 116
 LIBRARY = "judge.so"  # judge.c, beside these modules, when the host built it
+# The signals a command's shim gets back at their default: those the supervisor ignores,
+# and SIGCHLD (bit N-1: signal N; the handlers it catches go back to default at the exec).
+_DEFAULTS = sum(1 << (int(sig) - 1) for sig in (signal.SIGCHLD, *IGNORED_SIGNALS))
 
 
 class Rules:
@@ -155,22 +160,29 @@ class Rules:
     ) -> int:
         """Start a command under the compiled shim (``shim.c``, from its memfd), confined:
         the shim enters the Landlock domain before it starts the command, whose exec the
-        judge stops as any other. Its pid; 0 where this sandbox cannot (no judge.c, or execs
-        judged in Python, which would have to answer while we wait for the exec: the caller
-        forks the Python shim instead), or where a written folder was replaced (the Python
-        shim rebuilds the ruleset). OSError if it could not start."""
-        if not self._spawn_c or self._inode_blob is not None or (self.listener >= 0 and self.fast is None):
+        judge stops as any other. Its pid; 0 where it cannot be done here (execs judged in
+        Python, which would have to answer while we wait for the shim's exec; a written
+        folder replaced under judge.c's ruleset, which the Python shim rebuilds): the caller
+        forks the Python shim. OSError if it could not start."""
+        if self.listener >= 0 and self.fast is None:
             return 0
+        ruleset = -1
+        if self.landlock:
+            # A ruleset built here is checked here (and rebuilt); judge.c checks its own.
+            ruleset = self._ruleset if self._inode_blob is None else _more().current_ruleset(self)
+        if not self._spawn_c:  # no judge.c: no exec is judged either (a listener needs it)
+            from reaper import spawn_program
+
+            return spawn_program(shim, argv, env, cwd, fds, ruleset=ruleset)
         import _ctypes
 
-        ruleset = self._ruleset if self.landlock else -1
         words = [f"/proc/self/fd/{shim}", "shim", str(ruleset) if ruleset >= 0 else "-", cwd, *argv]
         entries = words + [f"{key}={value}" for key, value in env.items()]
         if any("\0" in entry for entry in entries):
             raise ValueError("embedded null byte")
         blob = c_entries(entries)
-        argc = len(words) - 1
-        got = _ctypes.call_function(self._spawn_c, (blob, len(blob), argc, len(env), *fds, ruleset))
+        counts = (len(blob), len(words) - 1, len(env))
+        got = _ctypes.call_function(self._spawn_c, (blob, *counts, *fds, ruleset, _DEFAULTS))
         if got == -ESTALE:
             return 0
         if got < 0:
