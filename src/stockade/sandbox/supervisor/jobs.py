@@ -83,6 +83,8 @@ class CommandJob(Job):
 
 
 CHUNK = 1 << 16
+# What an exec of the compiled shim itself fails with where the kernel will not run it.
+SHIM_REFUSED = (errno.EACCES, errno.EPERM, errno.ENOEXEC, errno.ENOENT)
 # Why a command may not start that a reset cures: out of processes, memory or descriptors.
 LIMITS_REACHED = (errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE)
 # A timed-out command not yet ended is killed again this often (see check_deadlines).
@@ -112,10 +114,8 @@ def op_exec(sup: "Supervisor", rid: int, h: dict[str, Any], body: bytes) -> None
         else:
             in_r, in_w = sup.devnull, -1
         fds = (in_r, out_w, err_w)
-        if sup.shim >= 0 and sup.rules is None:
-            job.shim = spawn_program(sup.shim, argv, env, cwd, fds)
-        elif sup.shim >= 0 and sup.rules is not None:
-            job.shim = sup.rules.spawn(sup.shim, argv, env, cwd, fds)
+        if sup.shim >= 0:
+            job.shim = compiled_shim(sup, argv, env, cwd, fds)
         if not job.shim:  # no compiled shim here, or not for this command: a fork of ours
             job.shim = spawn_shim(spawned(argv, env, cwd), fds, confine=sup.confine)
     except (OSError, ValueError) as exc:
@@ -156,6 +156,24 @@ def op_exec(sup: "Supervisor", rid: int, h: dict[str, Any], body: bytes) -> None
         sup.sel.register(in_w, EVENT_WRITE, ("stdin", job))
     sup.commands[rid] = job
     sup.shims[job.shim] = job
+
+
+def compiled_shim(
+    sup: "Supervisor", argv: "list[str]", env: "dict[str, str]", cwd: str, fds: "tuple[int, int, int]"
+) -> int:
+    """The command under the compiled shim: its pid, or 0 for the Python shim. A kernel that
+    will not run it (a memfd it treats as ``noexec``) is told once: the sandbox keeps the
+    Python shim from then on."""
+    try:
+        if sup.rules is None:
+            return spawn_program(sup.shim, argv, env, cwd, fds)
+        return int(sup.rules.spawn(sup.shim, argv, env, cwd, fds))
+    except OSError as exc:
+        if exc.errno not in SHIM_REFUSED:
+            raise
+    os.close(sup.shim)
+    sup.shim = -1
+    return 0
 
 
 def forget_commands(sup: "Supervisor") -> None:

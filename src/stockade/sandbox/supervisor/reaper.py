@@ -353,7 +353,7 @@ def load_shim(folder: str) -> int:
     except OSError:
         return -1
     memfd_create = getattr(os, "memfd_create", None)
-    if memfd_create is None:
+    if memfd_create is None or _memfds_noexec():
         return -1
     fd = -1
     try:
@@ -372,6 +372,15 @@ def load_shim(folder: str) -> int:
             os.close(fd)
         return -1
     return fd
+
+
+def _memfds_noexec() -> bool:
+    """Whether this kernel runs no memfd at all (``vm.memfd_noexec`` 2, Linux 6.3)."""
+    try:
+        with open("/proc/sys/vm/memfd_noexec", "rb") as fh:
+            return fh.read().strip() == b"2"
+    except OSError:  # an older kernel, gVisor's: no such setting
+        return False
 
 
 def spawn_program(
