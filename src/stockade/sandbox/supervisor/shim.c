@@ -360,6 +360,10 @@ __attribute__((used)) int shim(i64 *stack) {
         if (got < 0) break; /* ECHILD: every child reaped */
         if (got == child) {
             status = mine;
+            /* No child left: nothing left behind (what the command's processes leave is
+             * ours by the time it is reaped), and no look through /proc. */
+            int any;
+            if (sc(SYS_wait4, -1, (i64)&any, 1 /* WNOHANG */, 0) == -ECHILD) break;
             /* What the command left behind: killed until none is left, and reaped. */
             for (int round = 0; round < KILL_ROUNDS && kill_descendants(self); round++) {
                 struct {
