@@ -720,19 +720,23 @@ __attribute__((visibility("hidden"), used, noinline, noreturn)) void stockade_ju
         sc(SYS_exit, 0, 0, 0, 0, 0, 0); /* this thread only */
 }
 
-static long start_thread(void *stack_top)
+/* clone(2) with ``flags`` onto ``stack_top``, the new task calling ``entry`` (which never
+ * returns): the judge's thread, and the spawn's vfork child. Returns what clone returned
+ * to us. ``entry`` rides in r12, which the kernel hands the new task as it was. */
+static long clone_into(long flags, void *stack_top, void (*entry)(void))
 {
     long ret;
     register long r10 __asm__("r10") = 0; /* no child tid */
     register long r8 __asm__("r8") = 0;   /* no TLS of its own: it never uses any */
+    register void (*r12)(void) __asm__("r12") = entry;
     __asm__ volatile("syscall\n\t"
                      "test %%rax, %%rax\n\t"
                      "jnz 1f\n\t"
                      "xor %%ebp, %%ebp\n\t"
-                     "call stockade_judge_thread\n\t"
+                     "call *%%r12\n\t"
                      "1:\n\t"
                      : "=a"(ret)
-                     : "a"(SYS_clone), "D"(THREAD_FLAGS), "S"(stack_top), "d"(0), "r"(r10), "r"(r8)
+                     : "a"(SYS_clone), "D"(flags), "S"(stack_top), "d"(0), "r"(r10), "r"(r8), "r"(r12)
                      : "rcx", "r11", "memory");
     return ret;
 }
@@ -771,7 +775,7 @@ __attribute__((visibility("default"))) int stockade_judge(int listener, int forw
     cp = c;
     u64 all = ~0UL, old = 0;
     sc(SYS_rt_sigprocmask, 0 /* SIG_BLOCK */, (long)&all, (long)&old, 8, 0, 0);
-    long tid = start_thread((void *)(area + STACK_SIZE));
+    long tid = clone_into(THREAD_FLAGS, (void *)(area + STACK_SIZE), stockade_judge_thread);
     sc(SYS_rt_sigprocmask, 2 /* SIG_SETMASK */, (long)&old, 0, 8, 0, 0);
     return tid > 0 ? 0 : -1;
 }
@@ -1062,23 +1066,6 @@ __attribute__((visibility("hidden"), used, noinline, noreturn)) void stockade_sp
         sc(SYS_exit, 127, 0, 0, 0, 0, 0);
 }
 
-static long start_child(void *stack_top)
-{
-    long ret;
-    register long r10 __asm__("r10") = 0;
-    register long r8 __asm__("r8") = 0;
-    __asm__ volatile("syscall\n\t"
-                     "test %%rax, %%rax\n\t"
-                     "jnz 1f\n\t"
-                     "xor %%ebp, %%ebp\n\t"
-                     "call stockade_spawn_child\n\t"
-                     "1:\n\t"
-                     : "=a"(ret)
-                     : "a"(SYS_clone), "D"(SPAWN_FLAGS), "S"(stack_top), "d"(0), "r"(r10), "r"(r8)
-                     : "rcx", "r11", "memory");
-    return ret;
-}
-
 /* Start the shim: ``words`` holds its path, then ``argc`` arguments, then ``envc``
  * environment entries, each NUL-ended; ``in``/``out``/``err`` become its 0, 1 and 2;
  * ``ruleset`` (or -1) stays open for it; the signals in ``defaults`` (the ones we ignore)
@@ -1131,7 +1118,7 @@ __attribute__((visibility("default"))) int stockade_spawn(const char *words, int
     sp = &a;
     u64 all = ~0UL, old = 0;
     sc(SYS_rt_sigprocmask, 0 /* SIG_BLOCK */, (long)&all, (long)&old, 8, 0, 0);
-    long pid = start_child((void *)(spawn_area + SPAWN_STACK));
+    long pid = clone_into(SPAWN_FLAGS, (void *)(spawn_area + SPAWN_STACK), stockade_spawn_child);
     spawning = 0;
     sc(SYS_rt_sigprocmask, 2 /* SIG_SETMASK */, (long)&old, 0, 8, 0, 0);
     sc(SYS_munmap, pointers, (long)table, 0, 0, 0, 0);

@@ -73,6 +73,8 @@ typedef long i64;
 #define KILL_ROUNDS 1000
 #define PID_LIMIT (1 << 22) /* the kernel's largest pid_max */
 
+/* Its own system call and string helpers, as launch.c and judge.c have theirs: each
+ * freestanding program is one file, built and cached by its content alone. */
 static i64 sc(i64 nr, i64 a, i64 b, i64 c, i64 d) {
     i64 ret;
     register i64 r10 __asm__("r10") = d;
@@ -183,49 +185,59 @@ static void mark(i64 pid, int on) {
 
 static int marked(i64 pid) { return pid > 0 && pid < PID_LIMIT && (pid_bits[pid >> 3] >> (pid & 7)) & 1; }
 
+/* The entries of ``folder`` that are numbers (pids, descriptors), up to ``cap`` of them into
+ * ``out``; -1 if it cannot be read. */
+static int numbers_in(const char *folder, int *out, int cap) {
+    i64 dir = sc(SYS_openat, AT_FDCWD, (i64)folder, O_RDONLY | O_DIRECTORY | O_CLOEXEC, 0);
+    if (dir < 0) return -1;
+    int count = 0;
+    char entries[8192];
+    for (i64 got; count < cap && (got = sc(SYS_getdents64, dir, (i64)entries, sizeof entries, 0)) > 0;) {
+        for (i64 at = 0; at < got && count < cap;) {
+            unsigned short reclen = *(unsigned short *)(entries + at + 16);
+            const char *name = entries + at + 19, *end;
+            at += reclen;
+            i64 n = number(name, &end);
+            if (!*end && end != name && n < (1L << 31)) out[count++] = (int)n;
+        }
+    }
+    sc(SYS_close, dir, 0, 0, 0);
+    return count;
+}
+
 /* One pass over /proc: SIGKILL every live descendant of ours; how many were signalled.
  * A parent mostly comes before its children in pid order; one that does not is found by
  * the next pass (its parent, killed, leaves it to us, the subreaper). */
 static i64 kill_descendants(i64 self) {
-    i64 dir = sc(SYS_openat, AT_FDCWD, (i64)"/proc", O_RDONLY | O_DIRECTORY | O_CLOEXEC, 0);
-    if (dir < 0) return 0;
-    int count = 0;
-    char entries[8192];
-    for (;;) {
-        i64 got = sc(SYS_getdents64, dir, (i64)entries, sizeof entries, 0);
-        if (got <= 0) break;
-        for (i64 at = 0; at < got;) {
-            unsigned short reclen = *(unsigned short *)(entries + at + 16);
-            const char *name = entries + at + 19;
-            at += reclen;
-            const char *end;
-            i64 pid = number(name, &end);
-            if (*end || end == name || pid == self || count >= MAX_PIDS) continue;
-            char path[64] = "/proc/";
-            u64 n = 6;
-            for (const char *c = name; *c; c++) path[n++] = *c;
-            const char *tail = "/stat";
-            while (*tail) path[n++] = *tail++;
-            path[n] = 0;
-            i64 fd = sc(SYS_openat, AT_FDCWD, (i64)path, O_RDONLY | O_CLOEXEC, 0);
-            if (fd < 0) continue;
-            char stat[512];
-            i64 len = sc(SYS_read, fd, (i64)stat, sizeof stat - 1, 0);
-            sc(SYS_close, fd, 0, 0, 0);
-            if (len <= 0) continue;
-            stat[len] = 0;
-            i64 close_paren = -1;
-            for (i64 i = 0; i < len; i++)
-                if (stat[i] == ')') close_paren = i;
-            if (close_paren < 0 || close_paren + 4 >= len) continue;
-            char state = stat[close_paren + 2];
-            if (state == 'Z' || state == 'X') continue; /* dead, waiting to be reaped */
-            pids[count] = (int)pid;
-            parents[count] = (int)number(stat + close_paren + 4, &end);
-            count++;
-        }
+    static int found[MAX_PIDS];
+    int listed = numbers_in("/proc", found, MAX_PIDS), count = 0;
+    for (int i = 0; i < listed; i++) {
+        if (found[i] == self) continue;
+        char path[64] = "/proc/";
+        u64 n = 6;
+        for (i64 v = found[i], div = 1000000000; div; div /= 10)
+            if (v >= div || n > 6 || div == 1) path[n++] = (char)('0' + v / div % 10);
+        const char *tail = "/stat";
+        while (*tail) path[n++] = *tail++;
+        path[n] = 0;
+        i64 fd = sc(SYS_openat, AT_FDCWD, (i64)path, O_RDONLY | O_CLOEXEC, 0);
+        if (fd < 0) continue;
+        char stat[512];
+        i64 len = sc(SYS_read, fd, (i64)stat, sizeof stat - 1, 0);
+        sc(SYS_close, fd, 0, 0, 0);
+        if (len <= 0) continue;
+        stat[len] = 0;
+        i64 close_paren = -1;
+        for (i64 j = 0; j < len; j++)
+            if (stat[j] == ')') close_paren = j;
+        if (close_paren < 0 || close_paren + 4 >= len) continue;
+        char state = stat[close_paren + 2];
+        if (state == 'Z' || state == 'X') continue; /* dead, waiting to be reaped */
+        const char *end;
+        pids[count] = found[i];
+        parents[count] = (int)number(stat + close_paren + 4, &end);
+        count++;
     }
-    sc(SYS_close, dir, 0, 0, 0);
     /* Ours: parented by us, or by one of ours (each pass finds one more generation). */
     static char ours[MAX_PIDS];
     mark(self, 1);
@@ -253,24 +265,14 @@ static i64 kill_descendants(i64 self) {
  * in /proc/self/fd, not a close of each possible number (a thousand system calls). */
 static void close_from_3(void) {
     if (sc(SYS_close_range, 3, ~0U, 0, 0) == 0) return;
-    i64 dir = sc(SYS_openat, AT_FDCWD, (i64)"/proc/self/fd", O_RDONLY | O_DIRECTORY | O_CLOEXEC, 0);
-    if (dir < 0) {
+    static int open[4096];
+    int listed = numbers_in("/proc/self/fd", open, 4096);
+    if (listed < 0) {
         for (i64 i = 3; i < 1024; i++) sc(SYS_close, i, 0, 0, 0);
         return;
     }
-    char entries[4096];
-    for (;;) {
-        i64 got = sc(SYS_getdents64, dir, (i64)entries, sizeof entries, 0);
-        if (got <= 0) break;
-        for (i64 at = 0; at < got;) {
-            unsigned short reclen = *(unsigned short *)(entries + at + 16);
-            const char *end;
-            i64 fd = number(entries + at + 19, &end);
-            at += reclen;
-            if (!*end && fd >= 3 && fd != dir) sc(SYS_close, fd, 0, 0, 0);
-        }
-    }
-    sc(SYS_close, dir, 0, 0, 0);
+    for (int i = 0; i < listed; i++) /* the listing's own descriptor is closed already */
+        if (open[i] >= 3) sc(SYS_close, open[i], 0, 0, 0);
 }
 
 static void reap_ready(void) {
