@@ -972,15 +972,6 @@ __attribute__((visibility("default"))) int stockade_setup(const char *cfg, int l
 
 /* -- in each shim, before the code ------------------------------------------------------ */
 
-/* What Rules.confine does, in one call from the forked shim (in Python, each call and each
- * stat there touches objects the fork shares, and every page touched is copied: about
- * 0.2 ms): dumpable (so the judge can read the code's memory), then the Landlock domain.
- * ``inodes``: for each written path, its device and inode when the ruleset was built (two
- * u64), then the path, NUL-ended. A path that now leads elsewhere (the folder was replaced:
- * the ruleset's rule holds the old one) returns 1 before anything is done, and the caller
- * does it all in Python, rebuilding the ruleset. 0: done; -errno: failed. ``subreaper``: a
- * shim's, which then also becomes a child subreaper here, so that it makes one call into C
- * instead of two (the first call of each kind in a fork costs ~45 us of copied pages). */
 /* Whether a written path now leads elsewhere than when the ruleset was built (``inodes``,
  * as stockade_confine takes them; NULL: those stockade_setup found). */
 static int replaced(const char *inodes, int len)
@@ -1004,6 +995,15 @@ static int replaced(const char *inodes, int len)
     return 0;
 }
 
+/* What Rules.confine does, in one call from the forked shim (in Python, each call and each
+ * stat there touches objects the fork shares, and every page touched is copied: about
+ * 0.2 ms): dumpable (so the judge can read the code's memory), then the Landlock domain.
+ * ``inodes``: for each written path, its device and inode when the ruleset was built (two
+ * u64), then the path, NUL-ended. A path that now leads elsewhere (the folder was replaced:
+ * the ruleset's rule holds the old one) returns 1 before anything is done, and the caller
+ * does it all in Python, rebuilding the ruleset. 0: done; -errno: failed. ``subreaper``: a
+ * shim's, which then also becomes a child subreaper here, so that it makes one call into C
+ * instead of two (the first call of each kind in a fork costs ~45 us of copied pages). */
 __attribute__((visibility("default"))) int stockade_confine(int dumpable, int ruleset, const char *inodes,
                                                             int len, int subreaper)
 {
@@ -1037,7 +1037,7 @@ struct spawn {
     char **argv, **envp;
     int fds[3];      /* its 0, 1 and 2 (each above 2) */
     int ruleset;     /* kept open across the exec (the shim enters it), or -1 */
-    u64 defaults;    /* the signals to set to their default (bit N-1: signal N) */
+    u32 defaults;    /* the signals to set to their default (bit N-1: signal N, up to 32) */
     volatile long error;
 };
 
@@ -1052,7 +1052,7 @@ __attribute__((visibility("hidden"), used, noinline, noreturn)) void stockade_sp
     /* Every signal stays blocked here (no handler of the parent's runs in its memory; the
      * shim unblocks them). The ignored ones would stay ignored across the exec: default. */
     u64 dfl[4] = {0, 0, 0, 0}; /* struct k_sigaction: SIG_DFL, no flags, no restorer, empty mask */
-    for (long sig = 1; sig <= 64 && r >= 0; sig++)
+    for (long sig = 1; sig <= 32 && r >= 0; sig++)
         if (a->defaults >> (sig - 1) & 1)
             sc(SYS_rt_sigaction, sig, (long)dfl, 0, 8, 0, 0);
     for (int i = 0; i < 3 && r >= 0; i++)
@@ -1074,7 +1074,7 @@ __attribute__((visibility("hidden"), used, noinline, noreturn)) void stockade_sp
  * it); else -errno (nothing started, nothing left to reap). */
 __attribute__((visibility("default"))) int stockade_spawn(const char *words, int len, int argc, int envc,
                                                           int in, int out, int err, int ruleset,
-                                                          unsigned long defaults)
+                                                          unsigned int defaults)
 {
     if (ruleset >= 0 && replaced(0, 0))
         return -ESTALE;

@@ -36,7 +36,8 @@ PROGRAM_DIRS = ("/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin")
 EPERM, ENOENT, ENOSYS, ESTALE = 1, 2, 38, 116
 LIBRARY = "judge.so"  # judge.c, beside these modules, when the host built it
 # The signals a command's shim gets back at their default: those the supervisor ignores,
-# and SIGCHLD (bit N-1: signal N; the handlers it catches go back to default at the exec).
+# and SIGCHLD (bit N-1: signal N, all below 32; the handlers it catches go back to default
+# at the exec).
 _DEFAULTS = sum(1 << (int(sig) - 1) for sig in (signal.SIGCHLD, *IGNORED_SIGNALS))
 
 
@@ -170,7 +171,7 @@ class Rules:
         if self.landlock:
             # A ruleset built here is checked here (and rebuilt); judge.c checks its own.
             ruleset = self._ruleset if self._inode_blob is None else _more().current_ruleset(self)
-        if not self._spawn_c:  # no judge.c: no exec is judged either (a listener needs it)
+        if not self._spawn_c:  # no judge.c here, and no listener (that case returned above)
             from reaper import spawn_program
 
             return spawn_program(shim, argv, env, cwd, fds, ruleset=ruleset)
