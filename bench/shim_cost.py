@@ -1,39 +1,40 @@
 """What the shim costs a command: a supervisor-sized Python process runs ``sh -c true``
-(``sh`` found once, spawned by its path, its output on a pipe the supervisor drains) four ways.
-Each shim does the same work: it leads a session of its own, is a child subreaper, spawns
-the command and reaps every child until none is left.
+(found in ``PATH``, its output on a pipe the supervisor drains) four ways. Each shim is
+stockade's own and does its real work: it leads a session of its own, is a child
+subreaper, puts the command at nice 19 and first for the OOM killer, closes every other
+fd, enters ``/``, starts the command, kills what it left and reaps every child.
 
     python bench/shim_cost.py [--rounds 30] [--block 20] [--rss-mb 12]
 
 * **no shim (raw)**: the command spawned directly, in a session of its own: the floor every
   ratio is set against;
-* **fork**: the supervisor forks a Python shim, which ``posix_spawn``s the command
-  (``reaper.spawn_shim`` today: the fork copies the supervisor's page tables, and every page
-  either side writes while the shim lives is copied again);
-* **zygote**: a fork of the supervisor made once forks each shim on request (over a socket,
-  with the output pipe passed along) and reports its status: the fork moves, it does not go;
-* **compiled**: the supervisor ``posix_spawn``s stockade's compiled shim
-  (``supervisor/shim.c``, as ``reaper.spawn_program`` does: vfork, nothing of the supervisor
-  copied), which forks the command; it does all its real work (closes every other fd, nice
-  19, the OOM score, a look through ``/proc`` for what the command left).
+* **fork**: the supervisor forks the Python shim (``reaper.spawn_shim``: the fork copies
+  the supervisor's page tables, and every page either side writes while the shim lives is
+  copied again), which ``posix_spawnp``s the command;
+* **zygote**: a fork of the supervisor made once forks each Python shim on request (over a
+  socket, with the output pipe passed along) and reports its status: the fork moves, it
+  does not go;
+* **compiled**: the supervisor ``posix_spawn``s the compiled shim (``supervisor/shim.c``,
+  as ``reaper.spawn_program`` does: vfork, nothing of the supervisor copied), which
+  vforks the command.
 
-Outside any sandbox (no rules, no namespaces): the shim's own cost, not a command's. The
+Outside any sandbox (no rules, no namespaces): the shim's own cost, not a command's. Here
+``/proc`` holds every process of the host: the Python shim looks through it after every
+command, the compiled one only when the command left a process (none does here). The
 supervisor's size is a ballast of small objects (``--rss-mb``; a process tier's supervisor
 holds ~12 MB resident, ~6 MB of it anonymous). The supervisor here does nothing per command
 but the spawn and the reads: its faults are a floor (the real one writes ~180 pages a command
-while its shim lives). Blocks of each way alternated; medians of
-the commands' wall times, and the CPU and minor faults of the supervisor and the zygote per
-command. Needs a C compiler (``gcc`` or ``cc``) for the compiled way.
+while its shim lives). Blocks of each way alternated; medians of the commands' wall times,
+and the CPU and minor faults of the supervisor and the zygote per command. Needs a C
+compiler (``gcc`` or ``cc``) for the compiled way.
 """
 
 from __future__ import annotations
 
 import argparse
 import array
-import ctypes
 import os
 import resource
-import shutil
 import socket
 import statistics
 import sys
@@ -43,33 +44,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from stockade.sandbox import _shim
+from stockade.sandbox.supervisor import reaper
 
 COMMAND = ["sh", "-c", "true"]
 ENV = {"PATH": "/usr/bin:/bin"}
 
-PR_SET_CHILD_SUBREAPER = 36
-LIBC = ctypes.CDLL(None, use_errno=True)  # prctl, as the supervisor's reaper calls it
 
-
-def python_shim(out_w: int, sh: str) -> None:
-    """In the forked child: what the C shim does, in Python (a child subreaper leading its
-    own session that spawns the command and reaps every child until none is left)."""
-    try:
-        os.dup2(out_w, 1)
-        LIBC.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-        os.setsid()
-        child = os.posix_spawn(sh, COMMAND, ENV)
-        status = 0
-        while True:
-            try:
-                pid, st = os.waitpid(-1, 0)
-            except ChildProcessError:
-                break
-            if pid == child:
-                status = st
-        os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
-    finally:
-        os._exit(126)
+def python_shim(out_w: int) -> int:
+    """The Python shim around the command, forked from this process (``reaper.spawn_shim``)."""
+    return reaper.spawn_shim(reaper.spawned(COMMAND, ENV, "/"), (0, out_w, 2))
 
 
 def drain(fd: int) -> None:
@@ -78,18 +61,15 @@ def drain(fd: int) -> None:
     os.close(fd)
 
 
-def by_fork(sh: str) -> None:
+def by_fork() -> None:
     r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(r)
-        python_shim(w, sh)
+    pid = python_shim(w)
     os.close(w)
     drain(r)
     os.waitpid(pid, 0)
 
 
-def zygote(sock: socket.socket, sh: str) -> None:
+def zygote(sock: socket.socket) -> None:
     """Fork a shim per request (the pipe's write end comes with it); answer pid and status."""
     while True:
         msg, ancillary, _, _ = sock.recvmsg(1, socket.CMSG_SPACE(4))
@@ -97,10 +77,7 @@ def zygote(sock: socket.socket, sh: str) -> None:
             os._exit(0)
         fds = array.array("i")
         fds.frombytes(ancillary[0][2])
-        pid = os.fork()
-        if pid == 0:
-            sock.close()
-            python_shim(fds[0], sh)
+        pid = python_shim(fds[0])
         os.close(fds[0])
         _, status = os.waitpid(pid, 0)
         sock.sendall(pid.to_bytes(8, "big") + status.to_bytes(8, "big"))
@@ -116,21 +93,21 @@ def by_zygote(sock: socket.socket) -> None:
         reply += sock.recv(16 - len(reply))
 
 
-def by_compiled(shim: str, sh: str) -> None:
+def by_compiled(shim: str) -> None:
     r, w = os.pipe()
     actions = [(os.POSIX_SPAWN_DUP2, w, 1), (os.POSIX_SPAWN_CLOSE, r)]
-    pid = os.posix_spawn(shim, ["shim", "-", "/", sh, *COMMAND[1:]], ENV, file_actions=actions, setsid=True)
+    pid = os.posix_spawn(shim, ["shim", "-", "/", *COMMAND], ENV, file_actions=actions, setsid=True)
     os.close(w)
     drain(r)
     os.waitpid(pid, 0)
 
 
-def by_no_shim(sh: str) -> None:
+def by_no_shim() -> None:
     """The raw mechanism: the command itself, spawned in a session of its own; nothing reaps
     what it leaves behind, and nothing confines it."""
     r, w = os.pipe()
     actions = [(os.POSIX_SPAWN_DUP2, w, 1), (os.POSIX_SPAWN_CLOSE, r)]
-    pid = os.posix_spawn(sh, COMMAND, ENV, file_actions=actions, setsid=True)
+    pid = os.posix_spawnp(COMMAND[0], COMMAND, ENV, file_actions=actions, setsid=True)
     os.close(w)
     drain(r)
     os.waitpid(pid, 0)
@@ -165,22 +142,22 @@ def main() -> None:
     ballast: list[bytearray] = []  # small objects, as a Python heap is, up to --rss-mb resident
     while resident_mb() < args.rss_mb:
         ballast.extend(bytearray(64) for _ in range(1000))
-    sh = shutil.which("sh") or "/bin/sh"
+    os.environ["PATH"] = ENV["PATH"]  # where posix_spawnp looks, as the shims do in ENV's
     with tempfile.TemporaryDirectory() as tmp:
         shim = build_shim(Path(tmp))
         ours, theirs = socket.socketpair()
         zpid = os.fork()
         if zpid == 0:
             ours.close()
-            zygote(theirs, sh)
+            zygote(theirs)
         theirs.close()
         ways: dict[str, Callable[[], None]] = {
-            "no shim (raw)": lambda: by_no_shim(sh),
-            "fork": lambda: by_fork(sh),
+            "no shim (raw)": by_no_shim,
+            "fork": by_fork,
             "zygote": lambda: by_zygote(ours),
         }
         if shim is not None:
-            ways["compiled"] = lambda: by_compiled(shim, sh)
+            ways["compiled"] = lambda: by_compiled(shim)
         walls: dict[str, list[float]] = {name: [] for name in ways}
         cpus: dict[str, list[float]] = {name: [] for name in ways}
         faults: dict[str, list[float]] = {name: [] for name in ways}
