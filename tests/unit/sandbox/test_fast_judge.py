@@ -176,7 +176,7 @@ ws = sys.argv[2]
 
 
 class Sup:
-    shim = -1  # no compiled shim's memfd: nothing for the listener's filter to exempt
+    pass
 
 
 r = rules.Rules(Sup(), {"write": [ws + "/src/"], "judge": sys.argv[3]})
@@ -265,7 +265,7 @@ import rules
 from reaper import libc
 
 class Sup:
-    shim = -1  # no compiled shim's memfd: nothing for the listener's filter to exempt
+    pass
 
 r = rules.Rules(Sup(), {"write": [sys.argv[2] + "/src/"], "commands": {"deny": [["ls", "-R"]]}})
 

@@ -39,7 +39,6 @@ typedef int i32;
 #define SYS_madvise 28
 #define SYS_getpid 39
 #define SYS_execve 59
-#define SYS_execveat 322
 #define SYS_wait4 61
 #define SYS_fcntl 72
 #define SYS_dup2 33
@@ -54,7 +53,6 @@ typedef int i32;
 #define SYS_prctl 157
 #define SYS_mkdir 83
 #define SYS_seccomp 317
-#define SYS_capget 125
 #define SYS_landlock_create_ruleset 444
 #define SYS_landlock_add_rule 445
 #define SYS_landlock_restrict_self 446
@@ -681,6 +679,11 @@ out:
     return done;
 }
 
+/* The pid of our own spawn's child while it execs the command shim (stockade_spawn): only
+ * a task that shares this memory can have written it there, so the judge lets that exec
+ * through unjudged and unrecorded (the shim's own; the command it starts is judged). */
+static volatile long spawning;
+
 static struct ctx *cp; /* mapped by stockade_judge, with the thread's stack, out of forks */
 static char config[CONFIG_MAX];
 
@@ -704,6 +707,10 @@ __attribute__((visibility("hidden"), used, noinline, noreturn)) void stockade_ju
         memset(&n, 0, sizeof n); /* the kernel refuses a buffer that is not zeroed */
         if (sc(SYS_ioctl, c->listener, (long)NOTIF_RECV, (long)&n, 0, 0, 0) != 0)
             continue; /* the caller died meanwhile */
+        if (spawning && (long)n.pid == spawning) {
+            answer(c, n.id, 0); /* our own spawn's child, starting a command's shim */
+            continue;
+        }
         if (!judge(c, &n))
             forward(c, &n);
     }
@@ -811,70 +818,25 @@ struct __attribute__((packed)) path_beneath_ {
 static char setup_inodes[INODES_MAX];
 static int setup_inodes_len;
 
-#define AT_EMPTY_PATH 0x1000
-#define NR_EXECVEAT 322
-#define NR_MEMFD_CREATE 319
-#define RET_ALLOW 0x7FFF0000
-#define RET_KILL 0x80000000
-#define RET_NOTIFY 0x7FC00000
-#define RET_EPERM (0x00050000 | 1)
-
 /* confine.exec_filter: execve and execveat to the listener, other architectures die; with
- * no_memfd, memfd_create fails (EPERM). With ``exempt`` (a descriptor number, or -1):
- * execveat(exempt, "", ..., AT_EMPTY_PATH) runs unjudged. That is how the supervisor starts
- * a command's shim from its memfd without a round trip through the judge (on this machine
- * half of what a policy adds to a command). Nothing in a system call's registers tells the
- * supervisor from code, so every other process is closed to it: each process the supervisor
- * makes seals itself (``seal_filter``) before it runs anything but our own code, and the
- * shim, exec'd from a file it cannot read, is not dumpable (code cannot write its memory)
- * until it has sealed itself. */
-static long install_listener(int no_memfd, long exempt)
-{
-    struct bpf_insn_ prog[] = {
-        {0x20, 0, 0, 4},                                 /* 0: arch */
-        {0x15, 0, 10, 0xC000003E},                       /* 1: x86_64, else 12 */
-        {0x20, 0, 0, 0},                                 /* 2: nr */
-        {0x35, 8, 0, 0x40000000},                        /* 3: x32: 12 */
-        {0x15, 8, 0, NR_EXECVE},                         /* 4: 13 */
-        {0x15, 0, 4, NR_EXECVEAT},                       /* 5: else 10 */
-        {0x20, 0, 0, 16},                                /* 6: its descriptor (an int) */
-        {0x15, 0, 5, (u32)exempt},                       /* 7: else 13 */
-        {0x20, 0, 0, 48},                                /* 8: its flags (an int) */
-        {0x15, 1, 3, AT_EMPTY_PATH},                     /* 9: 11, else 13 */
-        {0x15, 3, 0, no_memfd ? NR_MEMFD_CREATE : NR_EXECVE}, /* 10: 14, else 11 */
-        {0x06, 0, 0, RET_ALLOW},                         /* 11 */
-        {0x06, 0, 0, RET_KILL},                          /* 12 */
-        {0x06, 0, 0, RET_NOTIFY},                        /* 13 */
-        {0x06, 0, 0, RET_EPERM},                         /* 14 */
-    };
-    if (exempt < 0)
-        prog[7] = (struct bpf_insn_){0x05, 0, 0, 5}; /* no exemption: every execveat to 13 */
-    struct bpf_prog_ fprog = {sizeof prog / sizeof prog[0], prog};
-    return sc(SYS_seccomp, 1 /* SET_MODE_FILTER */, 1 << 3 /* NEW_LISTENER */, (long)&fprog, 0, 0, 0);
-}
-
-/* What every process the supervisor makes carries on top of the listener's filter: the
- * exempt descriptor's execveat refused (EPERM), whatever its flags (with a path that starts
- * with "/", the descriptor is never looked at). Installed by the shim and by each fork of
- * the supervisor (stockade_seal), before anything but our own code runs there. */
-static long seal_filter(long exempt)
+ * no_memfd, memfd_create fails (EPERM). */
+static long install_listener(int no_memfd)
 {
     const struct bpf_insn_ prog[] = {
-        {0x20, 0, 0, 0},              /* 0: nr */
-        {0x15, 0, 3, NR_EXECVEAT},    /* 1: else 5 */
-        {0x20, 0, 0, 16},             /* 2: its descriptor */
-        {0x15, 0, 1, (u32)exempt},    /* 3: else 5 */
-        {0x06, 0, 0, RET_EPERM},      /* 4 */
-        {0x06, 0, 0, RET_ALLOW},      /* 5 */
+        {0x20, 0, 0, 4},
+        {0x15, 0, 6, 0xC000003E},
+        {0x20, 0, 0, 0},
+        {0x35, 4, 0, 0x40000000},
+        {0x15, 4, 0, 59},
+        {0x15, 3, 0, 322},
+        {0x15, 3, 0, no_memfd ? 319 : 59},
+        {0x06, 0, 0, 0x7FFF0000},
+        {0x06, 0, 0, 0x80000000},
+        {0x06, 0, 0, 0x7FC00000},
+        {0x06, 0, 0, 0x00050000 | 1},
     };
     struct bpf_prog_ fprog = {sizeof prog / sizeof prog[0], prog};
-    return sc(SYS_seccomp, 1 /* SET_MODE_FILTER */, 0, (long)&fprog, 0, 0, 0);
-}
-
-/* seal_filter, for a fork of the supervisor (reaper's at-fork hook): 0, or -errno. */
-__attribute__((visibility("default"))) int stockade_seal(int exempt)
-{
-    return (int)seal_filter(exempt);
+    return sc(SYS_seccomp, 1 /* SET_MODE_FILTER */, 1 << 3 /* NEW_LISTENER */, (long)&fprog, 0, 0, 0);
 }
 
 /* os.makedirs(path, exist_ok=True), every error ignored as rules.Rules does. */
@@ -911,47 +873,18 @@ static long grant(long ruleset, const char *path, u64 rights)
     return r;
 }
 
-/* Whether execveat of ``fd`` can be exempt from judging (install_listener): the shim it
- * holds must start non-dumpable, so that no code writes its memory before it seals itself.
- * The kernel makes a process non-dumpable at exec when its caller cannot read the file
- * (the memfd is execute-only) and fs.suid_dumpable is not 1; a capability to read any file
- * (or to trace any process) would undo it. */
-static int can_exempt(long fd)
-{
-    u64 st[18];
-    char dumpable[2] = {0, 0};
-    struct {
-        u32 version;
-        i32 pid;
-    } head = {0x20080522 /* _LINUX_CAPABILITY_VERSION_3 */, 0};
-    u32 caps[6] = {0, 0, 0, 0, 0, 0}; /* effective, permitted, inheritable; twice */
-    u32 reading = 1U << 1 | 1U << 2 | 1U << 19; /* DAC_OVERRIDE, DAC_READ_SEARCH, SYS_PTRACE */
-    if (fd < 3 || sc(SYS_fstat, fd, (long)st, 0, 0, 0, 0) != 0 || ((u32)st[3] & 0444))
-        return 0;
-    long f = sc(SYS_openat, AT_FDCWD, (long)"/proc/sys/fs/suid_dumpable", O_RDONLY | O_CLOEXEC, 0, 0, 0);
-    if (f < 0)
-        return 0;
-    long n = sc(SYS_read, f, (long)dumpable, 1, 0, 0, 0);
-    sc(SYS_close, f, 0, 0, 0, 0, 0);
-    if (n != 1 || (dumpable[0] != '0' && dumpable[0] != '2'))
-        return 0;
-    return sc(SYS_capget, (long)&head, (long)caps, 0, 0, 0, 0) == 0 && !(caps[0] & reading);
-}
-
 /* ``cfg``: NUL-ended entries, a letter and its text: C probe seccomp notification, I then
- * install the exec listener on ourselves (none was carried over a reset), S the descriptor
- * (the shim's memfd) whose execveat the listener's filter lets through (can_exempt), X
- * memfd_create refused too (an allowlist), M a folder to make, L probe Landlock and build
- * the ruleset, w write rights handled, W a path code may write, E a file code may run
- * (execute handled). Returns, packed: listener + 1 (bits 0-11), ruleset + 1 (12-23), the
- * Landlock ABI (24-28), notification available (29), the S descriptor exempt (30); -ENOSYS
- * for what it does not understand (nothing done: the caller does it all in Python); else
- * -errno (a rule Landlock refused: Python raises too). */
+ * install the exec listener on ourselves (none was carried over a reset), X memfd_create
+ * refused too (an allowlist), M a folder to make, L probe Landlock and build the ruleset, w
+ * write rights handled, W a path code may write, E a file code may run (execute handled).
+ * Returns, packed: listener + 1 (bits 0-11), ruleset + 1 (12-23), the Landlock ABI (24-28),
+ * notification available (29); -ENOSYS for what it does not understand (nothing done: the
+ * caller does it all in Python); else -errno (a rule Landlock refused: Python raises too). */
 __attribute__((visibility("default"))) int stockade_setup(const char *cfg, int len)
 {
     const char *end = cfg + len, *e;
     int probe_notify = 0, install = 0, no_memfd = 0, landlock = 0, writes = 0, execs = 0;
-    long inodes = 0, exempt = -1;
+    long inodes = 0;
     if (len <= 0 || cfg[len - 1] != 0)
         return -ENOSYS;
     for (e = cfg; e < end; e += slen(e) + 1) {
@@ -962,7 +895,6 @@ __attribute__((visibility("default"))) int stockade_setup(const char *cfg, int l
         case 'L': landlock = 1; break;
         case 'w': writes = 1; break;
         case 'E': execs = 1; break;
-        case 'S': exempt = (long)parse_num(e + 1); break;
         case 'W': inodes += 16 + (long)slen(e); /* fall through */
         case 'M':
             if (slen(e) >= PATH_MAX_)
@@ -984,9 +916,7 @@ __attribute__((visibility("default"))) int stockade_setup(const char *cfg, int l
         notify = sc(SYS_seccomp, 2 /* GET_ACTION_AVAIL */, 0, (long)&action, 0, 0, 0) == 0;
     }
     if (notify && install) {
-        if (exempt >= 0 && !can_exempt(exempt))
-            exempt = -1;
-        listener = install_listener(no_memfd, exempt);
+        listener = install_listener(no_memfd);
         if (listener < 0)
             return (int)listener;
         u64 sync = 1; /* SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP: Linux 6.6, else the usual wake-up */
@@ -1037,8 +967,7 @@ __attribute__((visibility("default"))) int stockade_setup(const char *cfg, int l
     }
     if (listener + 1 > 4095 || ruleset + 1 > 4095 || abi > 31)
         return -EMFILE; /* not said in 30 bits: the start fails (a supervisor holds a dozen) */
-    int exempted = listener >= 0 && exempt >= 0;
-    return (int)((listener + 1) | (ruleset + 1) << 12 | abi << 24 | notify << 29 | exempted << 30);
+    return (int)((listener + 1) | (ruleset + 1) << 12 | abi << 24 | notify << 29);
 }
 
 /* -- in each shim, before the code ------------------------------------------------------ */
@@ -1093,11 +1022,10 @@ __attribute__((visibility("default"))) int stockade_confine(int dumpable, int ru
 /* -- starting a command's shim, from the supervisor ---------------------------------------- */
 
 /* What reaper.spawn_program does with posix_spawn, for a sandbox whose execs the judge stops:
- * posix_spawn execs a path, which the listener's filter sends to the judge (a round trip
- * through its thread, for our own shim). Here the child (vfork: our memory, our parent
- * thread waiting) execs the shim's memfd by its descriptor, the one execveat the filter
- * exempts (install_listener); the shim seals that way for the command, which is judged as
- * any exec is. */
+ * a posix_spawn's child would wait in the kernel at its exec of the shim, for a judge that
+ * cannot tell it from code's. Here the child is ours (vfork: our memory, our parent thread
+ * waiting) and writes its pid where the judge's thread looks (``spawning``) before it execs.
+ * The command the shim then starts is judged as any exec is. */
 
 #define SPAWN_STACK (64 * 1024)
 #define SPAWN_FLAGS (0x100 | 0x4000 | 17) /* CLONE_VM | CLONE_VFORK, SIGCHLD at its end */
@@ -1105,7 +1033,7 @@ __attribute__((visibility("default"))) int stockade_confine(int dumpable, int ru
 #define ESTALE 116
 
 struct spawn {
-    int shim; /* the shim's memfd */
+    const char *path; /* the shim: /proc/self/fd/N */
     char **argv, **envp;
     int fds[3];      /* its 0, 1 and 2 (each above 2) */
     int ruleset;     /* kept open across the exec (the shim enters it), or -1 */
@@ -1119,6 +1047,7 @@ static long spawn_area; /* the child's stack, mapped once, out of forks */
 __attribute__((visibility("hidden"), used, noinline, noreturn)) void stockade_spawn_child(void)
 {
     struct spawn *a = sp;
+    spawning = sc(SYS_getpid, 0, 0, 0, 0, 0, 0);
     long r = sc(SYS_setsid, 0, 0, 0, 0, 0, 0);
     /* Every signal stays blocked here (no handler of the parent's runs in its memory; the
      * shim unblocks them). The ignored ones would stay ignored across the exec: default. */
@@ -1131,26 +1060,25 @@ __attribute__((visibility("hidden"), used, noinline, noreturn)) void stockade_sp
     if (r >= 0 && a->ruleset >= 0)
         r = sc(SYS_fcntl, a->ruleset, F_SETFD, 0, 0, 0, 0);
     if (r >= 0)
-        r = sc(SYS_execveat, a->shim, (long)"", (long)a->argv, (long)a->envp, AT_EMPTY_PATH, 0);
+        r = sc(SYS_execve, (long)a->path, (long)a->argv, (long)a->envp, 0, 0, 0);
     a->error = r;
     for (;;)
         sc(SYS_exit, 127, 0, 0, 0, 0, 0);
 }
 
-/* Start the shim from its memfd ``shim``: ``words`` holds its ``argc`` arguments, then
- * ``envc`` environment entries, each NUL-ended; ``in``/``out``/``err`` become its 0, 1 and
- * 2; ``ruleset`` (or -1) stays open for it; the signals in ``defaults`` (the ones we
- * ignore) are set to their default, and all are left blocked for the shim to unblock.
- * Returns its pid; -ESTALE if a written folder was replaced since the ruleset was built
- * (nothing started: the caller's Python shim rebuilds it); else -errno (nothing started,
- * nothing left to reap). */
+/* Start the shim: ``words`` holds its path, then ``argc`` arguments, then ``envc``
+ * environment entries, each NUL-ended; ``in``/``out``/``err`` become its 0, 1 and 2;
+ * ``ruleset`` (or -1) stays open for it; the signals in ``defaults`` (the ones we ignore)
+ * are set to their default, and all are left blocked for the shim to unblock. Returns its pid; -ESTALE if a written folder was
+ * replaced since the ruleset was built (nothing started: the caller's Python shim rebuilds
+ * it); else -errno (nothing started, nothing left to reap). */
 __attribute__((visibility("default"))) int stockade_spawn(const char *words, int len, int argc, int envc,
-                                                          int shim, int in, int out, int err,
-                                                          int ruleset, unsigned int defaults)
+                                                          int in, int out, int err, int ruleset,
+                                                          unsigned int defaults)
 {
     if (ruleset >= 0 && replaced(0, 0))
         return -ESTALE;
-    if (len <= 0 || words[len - 1] != 0 || argc < 1 || envc < 0 || shim < 0 || in < 3 || out < 3 || err < 3)
+    if (len <= 0 || words[len - 1] != 0 || argc < 1 || envc < 0 || in < 3 || out < 3 || err < 3)
         return -EINVAL;
     if (!spawn_area) {
         long area = sc(SYS_mmap, 0, SPAWN_STACK, 3, 0x22 | 0x20000, -1, 0);
@@ -1166,7 +1094,8 @@ __attribute__((visibility("default"))) int stockade_spawn(const char *words, int
     char **slots = (char **)pointers;
     const char *at = words, *end = words + len;
     struct spawn a;
-    a.shim = shim;
+    a.path = at;
+    at += slen(at) + 1;
     int n = 0;
     for (; at < end && n < argc + envc; n++) {
         slots[n + (n >= argc)] = (char *)at; /* a NULL between the two lists */
@@ -1190,6 +1119,7 @@ __attribute__((visibility("default"))) int stockade_spawn(const char *words, int
     u64 all = ~0UL, old = 0;
     sc(SYS_rt_sigprocmask, 0 /* SIG_BLOCK */, (long)&all, (long)&old, 8, 0, 0);
     long pid = clone_into(SPAWN_FLAGS, (void *)(spawn_area + SPAWN_STACK), stockade_spawn_child);
+    spawning = 0;
     sc(SYS_rt_sigprocmask, 2 /* SIG_SETMASK */, (long)&old, 0, 8, 0, 0);
     sc(SYS_munmap, pointers, (long)table, 0, 0, 0, 0);
     if (pid > 0 && a.error < 0) { /* it could not exec: it has ended, reaped here */

@@ -341,17 +341,12 @@ SHIM = "shim"  # the compiled shim (shim.c) beside these modules, when the host 
 MFD_CLOEXEC, MFD_ALLOW_SEALING, MFD_EXEC = 1, 2, 0x10
 F_ADD_SEALS = 1033
 SEALS = 0x1 | 0x2 | 0x4 | 0x8  # F_SEAL_SEAL, SHRINK, GROW, WRITE: nobody changes it again
-# The memfd's lowest number: a reset carries it over its exec where it is (the listener's
-# filter names it), and puts its own hand-over and the listener at 3 and 4.
-SHIM_LOWEST_FD = 5
 
 
 def load_shim(folder: str) -> int:
-    """The compiled shim in a sealed memfd (close-on-exec, numbered ``SHIM_LOWEST_FD`` or
-    above), to start by ``/proc/self/fd`` or by its descriptor: no file of the sandbox's to
-    be swapped or mounted ``noexec``; -1 where there is none (the host had no compiler) or
-    no memfd, and commands then go through ``spawn_shim``. Execute-only: a process exec'd
-    from a file its caller cannot read starts non-dumpable (judge.c's ``can_exempt``)."""
+    """The compiled shim in a sealed memfd (close-on-exec), to start by ``/proc/self/fd``:
+    no file of the sandbox's to be swapped or mounted ``noexec``; -1 where there is none
+    (the host had no compiler) or no memfd, and commands then go through ``spawn_shim``."""
     try:
         with open(os.path.join(folder, SHIM), "rb") as fh:
             program = fh.read()
@@ -371,11 +366,7 @@ def load_shim(folder: str) -> int:
         view = memoryview(program)
         while view:
             view = view[os.write(fd, view) :]
-        os.fchmod(fd, 0o111)
         fcntl.fcntl(fd, F_ADD_SEALS, SEALS)
-        if fd < SHIM_LOWEST_FD:
-            low, fd = fd, fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, SHIM_LOWEST_FD)
-            os.close(low)
     except OSError:
         if fd >= 0:
             os.close(fd)
@@ -406,14 +397,13 @@ def spawn_program(
     shim leads a new session, every signal at its default and none blocked; it becomes
     the subreaper, enters the Landlock domain of ``ruleset`` (its fd, or -1), closes every
     other fd, enters ``cwd`` and starts ``argv``. Not where execs are judged: the judge
-    would stop the shim's own exec (judge.c's ``stockade_spawn`` execs it by the one
-    descriptor the filter lets through)."""
+    would stop the shim's own exec (judge.c's ``stockade_spawn`` is for that)."""
     actions = [(os.POSIX_SPAWN_DUP2, fd, target) for target, fd in enumerate(fds)]
     if ruleset >= 0:
         actions.append((os.POSIX_SPAWN_DUP2, ruleset, 3))  # open across the exec, at 3
     return os.posix_spawn(
         f"/proc/self/fd/{shim}",
-        [SHIM, "-", "3" if ruleset >= 0 else "-", cwd, *argv],
+        [SHIM, "3" if ruleset >= 0 else "-", cwd, *argv],
         env,
         file_actions=actions,
         setsid=True,

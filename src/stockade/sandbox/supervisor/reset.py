@@ -33,8 +33,7 @@ if TYPE_CHECKING:
 # A reset execs a fresh supervisor and hands it its state on this fd.
 HANDOVER_FD = 3
 LISTENER_FD = 4  # the exec judge's listener, across the same exec
-# The compiled shim's memfd (an allowlist forbids making another) stays where it is, at
-# reaper.SHIM_LOWEST_FD or above: the listener's filter may exempt its number.
+SHIM_FD = 5  # the compiled shim's memfd (an allowlist forbids making another)
 # How long a reset waits for the warm interpreter it promised (then answers all the same).
 WARM_START_S = 10.0
 
@@ -109,9 +108,8 @@ def exec_fresh(sup: "Supervisor", rid: int, warm: bool, rest: bytes) -> None:
     if listener >= 0:
         # The exec judge goes on: the fresh supervisor keeps listening on the same fd.
         state["carried"]["listener"] = LISTENER_FD
-        state["carried"]["exempt"] = sup.rules.exempt if sup.rules is not None else -1
     if sup.shim >= 0:
-        state["carried"]["shim"] = sup.shim
+        state["carried"]["shim"] = SHIM_FD
     handover = _unnamed_file()
     _write_all(handover, encode(state, rest))
     os.lseek(handover, 0, os.SEEK_SET)
@@ -122,7 +120,7 @@ def exec_fresh(sup: "Supervisor", rid: int, warm: bool, rest: bytes) -> None:
     moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 16) if fd >= 0 else -1 for fd in carried]
     os.dup2(sup.rfd, 0)
     os.dup2(sup.wfd, 1)
-    for fd, place in zip(moved, (HANDOVER_FD, LISTENER_FD, sup.shim)):
+    for fd, place in zip(moved, (HANDOVER_FD, LISTENER_FD, SHIM_FD)):
         if fd >= 0:
             os.dup2(fd, place)
     here = os.path.dirname(os.path.abspath(__file__))

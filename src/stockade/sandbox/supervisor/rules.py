@@ -39,13 +39,10 @@ LIBRARY = "judge.so"  # judge.c, beside these modules, when the host built it
 # and SIGCHLD (bit N-1: signal N, all below 32; the handlers it catches go back to default
 # at the exec).
 _DEFAULTS = sum(1 << (int(sig) - 1) for sig in (signal.SIGCHLD, *IGNORED_SIGNALS))
-_sealed = False  # this process is a fork of the supervisor's, sealed (Rules._seal_fork)
 
 
 class Rules:
-    def __init__(self, sup: "Any", cfg: "Dict[str, Any]", listener: int = -1, exempt: int = -1) -> None:
-        """``listener``/``exempt``: the listener and the descriptor its filter exempts
-        (``stockade_setup``'s S), carried over a reset's exec."""
+    def __init__(self, sup: "Any", cfg: "Dict[str, Any]", listener: int = -1) -> None:
         self.sup = sup
         commands = cfg.get("commands") or {}
         self.commands = {
@@ -63,9 +60,6 @@ class Rules:
         self._confine_args: "Tuple[Tuple[Any, ...], Tuple[Any, ...]]" = ((), ())  # _set_confine_args
         self._confine_c: "Any" = None  # judge.c's confinement, where the host shipped judge.so
         self._spawn_c = 0  # judge.c's start of a command's compiled shim (stockade_spawn)
-        self._seal_c = 0  # judge.c's stockade_seal, for each fork of ours
-        # The shim's memfd, whose execveat the listener's filter lets through (-1: none).
-        self.exempt = exempt
         self._entry = 0  # judge.c's thread, started by start()
         self.listener = listener
         self._judge: "Optional[ExecJudge]" = None  # the Python judge, once an exec reaches it
@@ -78,24 +72,6 @@ class Rules:
         # judge's forwards when it runs.
         self.events = self.listener
         self._set_confine_args()
-        if self.exempt >= 0:
-            if not self._seal_c:  # carried over a reset, and judge.c is gone: fail closed
-                raise OSError(ENOSYS, "the exec filter exempts the shim, and nothing here seals it")
-            os.register_at_fork(after_in_child=self._seal_fork)
-
-    def _seal_fork(self) -> None:
-        """In each fork of ours (the zygote, a Python shim, an interpreter without a zygote),
-        before it runs anything else: the exemption of the shim's descriptor (which only we
-        use) closed, for it and for everything it starts. Its own forks (code's, in an
-        interpreter) inherit the seal; a fork that cannot be sealed does not live."""
-        global _sealed
-        if _sealed:
-            return
-        import _ctypes
-
-        if _ctypes.call_function(self._seal_c, (self.exempt,)) != 0:
-            os._exit(126)
-        _sealed = True
 
     def _setup_compiled(self, setup: int, needs_landlock: bool) -> bool:
         """The same set-up in one call into judge.c (stockade_setup), which keeps the written
@@ -107,8 +83,6 @@ class Rules:
             entries.append("C")
             if self.listener < 0:
                 entries.append("I")  # else carried over a reset, ours already
-                if self.sup.shim >= 0:
-                    entries.append(f"S{self.sup.shim}")
             if self.executable is not None:
                 entries.append("X")
         entries += ["M" + path for path in self.write or () if path.endswith("/")]
@@ -127,8 +101,6 @@ class Rules:
         listener, ruleset = (got & 0xFFF) - 1, ((got >> 12) & 0xFFF) - 1
         if listener >= 0:
             self.listener = listener
-            if got >> 30 & 1:
-                self.exempt = self.sup.shim
         self._ruleset = ruleset
         self.landlock = (got >> 24) & 0x1F
         self.notify = bool(got >> 29 & 1)
@@ -189,11 +161,11 @@ class Rules:
     ) -> int:
         """Start a command under the compiled shim (``shim.c``, from its memfd), confined:
         the shim enters the Landlock domain before it starts the command, whose exec the
-        judge stops as any other. Its pid; 0 where it cannot be done here (a listener whose
-        filter does not exempt the shim's exec, which would wait for the judge while we wait
-        for it; a written folder replaced under judge.c's ruleset, which the Python shim
-        rebuilds): the caller forks the Python shim. OSError if it could not start."""
-        if self.listener >= 0 and (self.exempt < 0 or shim != self.exempt or not self._spawn_c):
+        judge stops as any other. Its pid; 0 where it cannot be done here (execs judged in
+        Python, which would have to answer while we wait for the shim's exec; a written
+        folder replaced under judge.c's ruleset, which the Python shim rebuilds): the caller
+        forks the Python shim. OSError if it could not start."""
+        if self.listener >= 0 and self.fast is None:
             return 0
         ruleset = -1
         if self.landlock:
@@ -205,14 +177,13 @@ class Rules:
             return spawn_program(shim, argv, env, cwd, fds, ruleset=ruleset)
         import _ctypes
 
-        seal = str(self.exempt) if self.exempt >= 0 else "-"
-        words = ["shim", seal, str(ruleset) if ruleset >= 0 else "-", cwd, *argv]
+        words = [f"/proc/self/fd/{shim}", "shim", str(ruleset) if ruleset >= 0 else "-", cwd, *argv]
         entries = words + [f"{key}={value}" for key, value in env.items()]
         if any("\0" in entry for entry in entries):
             raise ValueError("embedded null byte")
         blob = c_entries(entries)
-        counts = (len(blob), len(words), len(env))
-        got = _ctypes.call_function(self._spawn_c, (blob, *counts, shim, *fds, ruleset, _DEFAULTS))
+        counts = (len(blob), len(words) - 1, len(env))
+        got = _ctypes.call_function(self._spawn_c, (blob, *counts, *fds, ruleset, _DEFAULTS))
         if got == -ESTALE:
             return 0
         if got < 0:
@@ -280,7 +251,6 @@ class Rules:
             found = [_ctypes.dlsym(library, name) for name in ("stockade_judge", "stockade_confine")]
             setup = _ctypes.dlsym(library, "stockade_setup")
             self._spawn_c = _ctypes.dlsym(library, "stockade_spawn")
-            self._seal_c = _ctypes.dlsym(library, "stockade_seal")
         except (OSError, AttributeError, ImportError):
             return 0
         self._entry, self._confine_c = found

@@ -1,16 +1,10 @@
 /* The command shim: what every command runs under, spawned by the supervisor.
  *
- *     shim SEAL RULESET CWD PROGRAM ARG...        (environment: the command's)
+ *     shim RULESET CWD PROGRAM ARG...        (environment: the command's)
  *
  * The supervisor starts it with posix_spawn (vfork: nothing of the supervisor's memory is
  * copied) as the leader of a new session, its pipes as 0/1/2, every signal at its default
- * (the shim unblocks them all). Where the supervisor's exec filter lets the execveat of the
- * shim's own memfd through unjudged (judge.c's install_listener), SEAL is that descriptor's
- * number ("-" otherwise): before anything else, the shim closes that way to itself and to
- * everything it starts (a filter that refuses it), then becomes dumpable again (it starts
- * non-dumpable, exec'd from a file it cannot read: no code writes its memory before the
- * seal; the judge reads the command's memory, which is the shim's at its exec). The shim
- * makes itself a child subreaper, marks itself first for the
+ * (the shim unblocks them all). The shim makes itself a child subreaper, marks itself first for the
  * OOM killer, takes nice 19, enters the policy's Landlock domain (RULESET: the ruleset's
  * descriptor, or "-"), closes every other descriptor, enters CWD, then starts the
  * command (PROGRAM searched in the environment's PATH unless it has a slash). When the
@@ -55,8 +49,6 @@ typedef long i64;
 #define O_DIRECTORY 0200000
 #define O_CLOEXEC 02000000
 #define PR_SET_CHILD_SUBREAPER 36
-#define PR_SET_DUMPABLE 4
-#define SYS_seccomp 317
 #define PRIO_PROCESS 0
 #define USER_NICE 19
 #define RLIMIT_CORE 4
@@ -318,40 +310,15 @@ static i64 start_command(void) {
     return ret;
 }
 
-/* judge.c's seal_filter: execveat of the exempt descriptor refused, whatever its flags. */
-static i64 seal(i64 exempt) {
-    struct insn {
-        unsigned short code;
-        unsigned char jt, jf;
-        unsigned int k;
-    };
-    const struct insn prog[] = {
-        {0x20, 0, 0, 0},   {0x15, 0, 3, 322},        {0x20, 0, 0, 16},
-        {0x15, 0, 1, (unsigned int)exempt}, {0x06, 0, 0, 0x00050001}, {0x06, 0, 0, 0x7FFF0000},
-    };
-    struct {
-        unsigned short len;
-        const struct insn *filter;
-    } fprog = {sizeof prog / sizeof prog[0], prog};
-    return sc(SYS_seccomp, 1 /* SET_MODE_FILTER */, 0, (i64)&fprog, 0);
-}
-
 __attribute__((used)) int shim(i64 *stack) {
     i64 argc = stack[0];
     char **argv = (char **)(stack + 1);
     char **envp = argv + argc + 1;
-    if (argc < 5) {
-        say("stockade shim: usage: shim SEAL RULESET CWD PROGRAM ARG...\n");
+    if (argc < 4) {
+        say("stockade shim: usage: shim RULESET CWD PROGRAM ARG...\n");
         return 126;
     }
     const char *end;
-    i64 exempt = number(argv[1], &end);
-    if (!*end && end != argv[1]) {
-        i64 r = seal(exempt);
-        if (r < 0) return fail("cannot seal the supervisor's exec exemption", "", -r, 126);
-    }
-    sc(SYS_prctl, PR_SET_DUMPABLE, 1, 0, 0); /* started not dumpable (the memfd is execute-only) */
-    argv++;
     i64 ruleset = number(argv[1], &end);
     if (*end || end == argv[1]) ruleset = -1; /* "-": no Landlock domain */
     argv++;

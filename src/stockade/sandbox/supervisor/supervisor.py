@@ -202,8 +202,7 @@ class Supervisor:
             import rules  # type: ignore[import-not-found]
 
             listener = carried.get("listener", -1) if carried is not None else -1
-            exempt = carried.get("exempt", -1) if carried is not None else -1
-            self.rules = rules.Rules(self, cfg["rules"], listener=listener, exempt=exempt)
+            self.rules = rules.Rules(self, cfg["rules"], listener=listener)
             self.confine = self.rules.confine
         if cfg.get("egress"):
             import egress  # type: ignore[import-not-found]
