@@ -22,7 +22,16 @@ import time
 from select import EPOLLIN as EVENT_READ
 from select import EPOLLOUT as EVENT_WRITE
 
-from reaper import kill_descendants, kill_group, kill_tree, spawn_program, spawn_shim, spawned, wait_gone
+from reaper import (
+    kill_descendants,
+    kill_group,
+    kill_tree,
+    own_children,
+    spawn_program,
+    spawn_shim,
+    spawned,
+    wait_gone,
+)
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
@@ -257,6 +266,12 @@ def sweep_strays(sup: "Supervisor") -> None:
         known.add(sup.interpreter.shim)
     if sup.zygote is not None and sup.zygote.alive:
         known.add(sup.zygote.pid)
+    children = own_children()
+    if children is not None and children <= known:
+        # No stray: every process of ours descends from a child of ours, and each of those
+        # is a shim, the interpreter's or the zygote (an orphan comes to us as a child, when
+        # a shim or a stray dies: that death is reaped, and swept, in its turn).
+        return
     for _ in range(1000):
         found = kill_descendants(os.getpid(), protect=frozenset(known))
         if not found:

@@ -110,6 +110,26 @@ def _stats() -> "Iterator[tuple[int, int, int, bool]]":
         yield pid, int(fields[1]), int(fields[2]), fields[0] not in (b"Z", b"X")
 
 
+def own_children() -> "Optional[set[int]]":
+    """Our children, every thread's (``/proc/self/task/*/children``: two reads where a pass
+    over /proc reads every process's stat), or None where the kernel has no such file."""
+    found: "set[int]" = set()
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            fd = os.open(f"/proc/self/task/{tid}/children", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                while True:
+                    data = os.read(fd, 65536)
+                    if not data:
+                        break
+                    found.update(int(pid) for pid in data.split())
+            finally:
+                os.close(fd)
+    except (OSError, ValueError):  # no such file here (or a read cut a number: look the slow way)
+        return None
+    return found
+
+
 def kill_descendants(
     root: int, group: int = 0, spare: int = 0, protect: "frozenset[int]" = frozenset()
 ) -> "list[int]":
