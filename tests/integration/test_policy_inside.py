@@ -389,27 +389,64 @@ def test_commands_running_at_once_each_get_their_own_exec_records(tier: str) -> 
             assert words == [name] * batch[name][1], (name, words)
 
 
+KILL_THE_ZYGOTE = "import os, signal; os.kill(os.getppid(), signal.SIGKILL)"
+
+
 def test_resets_under_a_policy_leave_no_descriptor_behind(tier: str) -> None:
-    """Under a policy every reset execs a fresh supervisor, handing over its state and the
-    exec judge's listener on descriptors of their own: what was only a step on the way must
-    not cross the exec. With 40 descriptors a process (the supervisor holds 20-30), a reset
-    that left one behind would end these in "Too many open files" (it did: two a reset)."""
+    """A reset under a policy renews it in place, or (a zygote code changed: killed, here,
+    every other time) execs a fresh supervisor, handing over its state and the exec judge's
+    listener on descriptors of their own: what was only a step on the way must not cross
+    the exec. With 40 descriptors a process (the supervisor holds 20-30), a reset that left
+    one behind would end these in "Too many open files" (it did: two a reset)."""
     limits = Limits(memory_mb=256, timeout_s=30, pids=64, open_files=64 * 40)
     with Sandbox.create(tier, limits=limits, rules=SandboxRules(deny=("uname",))) as sbx:
         assert sbx.commands.run("ulimit -n").stdout == "40\n"
-        for _ in range(25):
+        for i in range(25):
+            if i % 2:
+                sbx.run_code(KILL_THE_ZYGOTE)
             sbx.reset()
             assert sbx.run_code("print(1)").logs.stdout == "1\n"
             assert sbx.commands.run("echo ok").stdout == "ok\n"
 
 
+ZYGOTE = "import os; print(os.getppid())"  # an interpreter's parent
+
+
+def test_a_reset_under_a_policy_keeps_its_folders_and_zygote_and_forgets_the_last_user(tier: str) -> None:
+    """The folders the write rules made are the ruleset's (it holds their inodes): a reset
+    empties them and keeps them, their modes as first seen, so that the rules hold for the
+    next user with no fresh supervisor (the zygote is the same), and its judge starts anew."""
+    if tier not in CONFINES:
+        return
+    rules = SandboxRules(approve=("rm -r",), write=("src/**",))
+    with Sandbox.create(tier, limits=LIMITS, rules=rules) as sbx:
+        zygote = sbx.run_code(ZYGOTE).logs.stdout
+        mode = sbx.commands.run("stat -c %a src").stdout
+        first = sbx.commands.run("mkdir -p src/deep && echo x > src/deep/f && chmod 500 src && echo done")
+        assert first.stdout == "done\n"
+        sbx.reset()
+        assert sbx.run_code(ZYGOTE).logs.stdout == zygote
+        assert sbx.commands.run("stat -c %a src; ls -A src").stdout == mode
+        assert sbx.commands.run("echo y > src/new && cat src/new").stdout == "y\n"
+        outside = sbx.commands.run("echo z > elsewhere")
+        assert outside.exit_code != 0 and "Permission denied" in outside.stderr
+        r = sbx.commands.run("/bin/true x; rm -r nothing")
+        assert [(e.argv, e.verdict) for e in r.execs[1:3]] == [
+            (("/bin/true", "x"), "allow"),
+            (("rm", "-r", "nothing"), "refuse"),
+        ]
+
+
 def test_the_exec_judge_holds_across_a_reset(tier: str) -> None:
-    """A reset execs a fresh supervisor: the compiled judge stops first (its thread would
-    otherwise take that exec's notification), and the fresh one judges and records again."""
+    """A reset renews the rules in place, or execs a fresh supervisor (the zygote killed):
+    then the compiled judge stops first (its thread would otherwise take that exec's
+    notification), and the fresh one judges and records again."""
     if tier not in CONFINES:
         return
     with Sandbox.create(tier, limits=LIMITS, rules=SandboxRules(approve=("rm -r",))) as sbx:
-        for _ in range(2):
+        for i in range(4):
+            if i % 2:
+                sbx.run_code(KILL_THE_ZYGOTE)
             sbx.reset()
             r = sbx.commands.run("/bin/true x; rm -r nothing")
             assert [(e.argv, e.verdict) for e in r.execs[1:3]] == [

@@ -13,7 +13,7 @@ from reaper import libc
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, Iterable
 
 
 LINK_HOPS = 40
@@ -122,8 +122,9 @@ def _listxattr(path: str) -> "list[str]":
         return []
 
 
-def empty_dir(path: str) -> None:
-    """Remove everything under ``path``, whatever modes the code left on it.
+def empty_dir(path: str, keep: "Iterable[str]" = ()) -> None:
+    """Remove everything under ``path``, whatever modes the code left on it, but the
+    folders ``keep`` (absolute paths) and those on the way to them, emptied.
 
     Each directory is listed once (linear in the size of the tree: a pool's reset must not
     stall on a wide one) and one directory is held open at a time (a tree may be thousands
@@ -131,6 +132,11 @@ def empty_dir(path: str) -> None:
     Every process of the sandbox is dead by now, so nothing moves under us.
     """
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    kept = set()
+    for folder in keep:
+        while folder.startswith(path.rstrip("/") + "/"):
+            kept.add(folder)
+            folder = os.path.dirname(folder)
     fd = os.open(path, flags)
     names: list[str] = []  # the path from ``path`` down to ``fd``
     pending: list[list[str]] = [_unlink_files(fd)]
@@ -150,7 +156,10 @@ def empty_dir(path: str) -> None:
             parent = os.open("..", flags, dir_fd=fd)
             os.close(fd)
             fd = parent
-            os.rmdir(names.pop(), dir_fd=fd)
+            if os.path.join(path, *names) in kept:
+                names.pop()
+            else:
+                os.rmdir(names.pop(), dir_fd=fd)
     finally:
         os.close(fd)
 

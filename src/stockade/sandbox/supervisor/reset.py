@@ -49,8 +49,9 @@ def run(sup: "Supervisor", rid: int, h: dict[str, Any], rest: bytes) -> None:
     which holds nothing of any user, and we are non-dumpable (code cannot read us). A
     zygote that code changed (killed, stopped, its limits or scheduling) is dropped and
     we exec a fresh copy of ourselves (same pid: we stay the sandbox's init), which
-    forks a new one; so does a sandbox under a policy or egress relay, whose state
-    (approvals, connections) the exec renews.
+    forks a new one; so does a sandbox with an egress relay, whose connections the exec
+    renews, and one under a policy whose rules cannot be renewed in place (``Rules.renew``:
+    the folders its ruleset holds are kept, emptied, as the ruleset was built on them).
     """
     for job in list(sup.commands.values()):
         job.timed_out = True
@@ -61,11 +62,11 @@ def run(sup: "Supervisor", rid: int, h: dict[str, Any], rest: bytes) -> None:
     # Code first (a fork bomb's included): the zygote then has processes to fork with.
     kill_tree(os.getpid(), include_root=False, spare=zygote.pid if zygote is not None else 0)
     for root, mode in sup.root_modes.items():
-        if stat.S_IMODE(os.stat(root).st_mode) != mode:  # not ours to chmod on some tiers
-            os.chmod(root, mode)
-        for name in _listxattr(root):
-            os.removexattr(root, name)
-        empty_dir(root)
+        _as_first_seen(root, mode)
+        empty_dir(root, keep=sup.kept_modes)  # the rules' folders stay: the ruleset holds them
+    for folder, mode in sorted(sup.kept_modes.items()):
+        if os.path.isdir(folder) and not os.path.islink(folder):
+            _as_first_seen(folder, mode)
     remove_sysv_ipc()
     problems = baseline.restore(sup.baseline)
     if problems:
@@ -73,7 +74,7 @@ def run(sup: "Supervisor", rid: int, h: dict[str, Any], rest: bytes) -> None:
         sup.reader.feed(rest)
         return
     sup.reap()
-    in_place = sup.rules is None and sup.egress is None
+    in_place = sup.egress is None and (sup.rules is None or sup.rules.renew())
     if in_place and sup.zygote is not None and not sup.zygote.problems(sup.baseline):
         sup.clean = False
         if h.get("warm"):
@@ -100,7 +101,7 @@ def exec_fresh(sup: "Supervisor", rid: int, warm: bool, rest: bytes) -> None:
         sup.rules.stop_fast()  # the compiled judge's thread, before the fds below move
     state = {
         "config": sup.config,
-        "carried": {"root_modes": sup.root_modes, "baseline": sup.baseline},
+        "carried": {"root_modes": sup.root_modes, "kept_modes": sup.kept_modes, "baseline": sup.baseline},
         "reply_to": rid,
         "warm": warm,
     }
@@ -129,6 +130,14 @@ def exec_fresh(sup: "Supervisor", rid: int, warm: bool, rest: bytes) -> None:
     if sup.rules is not None and sup.rules.listener >= 0:
         sup.rules.let_own_exec_through(LISTENER_FD)  # our exec waits for the judge: us
     os.execv(python, [python, "-S", "-E", "-s", "-B", "-c", boot, RESUME_FLAG])
+
+
+def _as_first_seen(folder: str, mode: int) -> None:
+    """A writable place's mode as first seen, and no extended attribute left on it."""
+    if stat.S_IMODE(os.stat(folder).st_mode) != mode:  # not ours to chmod on some tiers
+        os.chmod(folder, mode)
+    for name in _listxattr(folder):
+        os.removexattr(folder, name)
 
 
 def _unnamed_file() -> int:

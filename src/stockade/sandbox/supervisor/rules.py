@@ -63,11 +63,23 @@ class Rules:
         self._entry = 0  # judge.c's thread, started by start()
         self.listener = listener
         self._judge: "Optional[ExecJudge]" = None  # the Python judge, once an exec reaches it
+        self._requests = 0  # approvals asked by the Python judges before this one (renew)
         self.fast: "Optional[FastJudge]" = None
+        self.rebuilt = False  # the ruleset built again here since the start (build_ruleset)
         wanted = needs_landlock or any(self.commands.values())
         setup = self._load_compiled() if wanted and cfg.get("judge") != "python" else 0
         if not (setup and self._setup_compiled(setup, needs_landlock)):
             _more().setup_python(self, needs_landlock)
+        # The folders the rules made (a written glob's), as they are now: the ruleset holds
+        # their inodes, so a reset empties them and keeps them (dev, inode).
+        self.made: "Dict[str, Tuple[int, int]]" = {}
+        for path in self.write or ():
+            if path.endswith("/"):
+                try:
+                    st = os.stat(path)
+                except OSError:
+                    continue
+                self.made[path.rstrip("/") or "/"] = (st.st_dev, st.st_ino)
         # What the supervisor's loop waits on for execs: the listener, or the compiled
         # judge's forwards when it runs.
         self.events = self.listener
@@ -197,7 +209,31 @@ class Rules:
 
             sizes = _more().program_sizes(self.commands)
             self._judge = ExecJudge(self.sup, self.commands, sizes, self.approver)
+            self._judge.requests = self._requests  # never an id a verdict still on its way has
         return self._judge
+
+    def renew(self) -> bool:
+        """Ready the rules for the next user in this same process (a reset that execs
+        nothing, every process of the last user dead): the records of its execs and the
+        Python judge (its approvals, its caches) dropped. False where this process cannot
+        serve the next user so: its ruleset was built again since the start (the zygote
+        holds the first), or a folder the rules made is no longer the one the ruleset holds
+        (the reset then execs a fresh supervisor, which builds them again)."""
+        if self.rebuilt:
+            return False
+        for path, (dev, ino) in self.made.items():
+            try:
+                st = os.stat(path)
+            except OSError:
+                return False
+            if (st.st_dev, st.st_ino) != (dev, ino):
+                return False
+        if self.fast is not None:
+            self.fast.read_records()
+        if self._judge is not None:
+            self._requests = self._judge.requests
+            self._judge = None
+        return True
 
     def let_own_exec_through(self, listener: int) -> None:
         """Answer our own exec's notification at a reset (``rulespy.let_own_exec_through``)."""

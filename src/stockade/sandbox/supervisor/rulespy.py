@@ -54,6 +54,7 @@ def build_ruleset(rules: "Any") -> None:
 
     if rules._ruleset >= 0:
         os.close(rules._ruleset)
+        rules.rebuilt = True
     writable = rules._writable()
     rules._ruleset = confine.ruleset(rules.landlock, writable, rules.executable)
     rules._inodes = {}

@@ -144,6 +144,9 @@ class Supervisor:
         self.devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
         self.running = True
         self.root_modes: dict[str, int] = {}  # the writable places reset empties, as first seen
+        # The folders the rules made in them, and those on the way, which a reset empties and
+        # keeps (the ruleset holds them), as first seen.
+        self.kept_modes: dict[str, int] = {}
         self.config: dict[str, Any] = {}
         self.baseline: dict[str, Any] = {}
         # Where the sandbox has a kernel of its own (the microVM), only it counts the
@@ -210,6 +213,7 @@ class Supervisor:
             self.egress = egress.make(self.sel, cfg["egress"])
         if carried is not None:
             self.root_modes = {str(k): int(v) for k, v in carried["root_modes"].items()}
+            self.kept_modes = {str(k): int(v) for k, v in carried.get("kept_modes", {}).items()}
             self.baseline = carried["baseline"]
             return
         for root in (self.workspace.root, *RESET_ROOTS):
@@ -217,6 +221,10 @@ class Supervisor:
                 self.root_modes[root] = stat.S_IMODE(os.stat(root).st_mode)
             except OSError:  # a tier without /dev/shm
                 continue
+        for folder in self.rules.made if self.rules is not None else ():
+            while any(folder.startswith(root.rstrip("/") + "/") for root in self.root_modes):
+                self.kept_modes[folder] = stat.S_IMODE(os.stat(folder).st_mode)
+                folder = os.path.dirname(folder)
         self.baseline = baseline.snapshot()
 
     def start_judge(self) -> None:
