@@ -1,7 +1,7 @@
 """What enforcing a policy inside the sandbox costs: a command, and a cold start, with a
 20-rule policy against none, side by side in one run (interleaved, so that the machine's
-load falls on both alike; the order turned each round; six sandboxes of each, taken in turn,
-since two sandboxes of one variant differ by up to 7% on a command).
+load falls on both alike; each variant after each other as often; six sandboxes of each,
+taken in turn, since two sandboxes of one variant differ by up to 7% on a command).
 
 The policy: 10 programs denied (masked, and judged at each exec), 6 argv patterns that need
 approval, 4 more denied with arguments, and write rules (Landlock). A command is what an
@@ -86,9 +86,13 @@ def measure(tier: str, rounds: int) -> dict[str, dict[str, list[float]]]:
 
 
 def turned(names: list[str], round_: int) -> list[str]:
-    """The variants in the order of this round: turned by one each round, since a variant's
-    work can outlast its reply (the Python judge's), and what always ran after it would pay."""
-    return names[round_ % len(names) :] + names[: round_ % len(names)]
+    """The variants in the order of this round: a variant's work can outlast its reply (the
+    Python judge's), and what always ran after it would pay for it. Turning one order does
+    not change who follows whom (none, python, policy, none...): every other round runs the
+    order backwards, and each turns, so that each variant follows each other as often."""
+    order = names if round_ % 2 == 0 else names[::-1]
+    turn = round_ // 2 % len(names)
+    return order[turn:] + order[:turn]
 
 
 def run(tier: str, rounds: int, found: dict[str, dict[str, list[float]]], groups: CpuGroups) -> None:
