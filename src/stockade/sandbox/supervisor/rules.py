@@ -73,13 +73,12 @@ class Rules:
         # The folders the rules made (a written glob's), as they are now: the ruleset holds
         # their inodes, so a reset empties them and keeps them (dev, inode).
         self.made: "Dict[str, Tuple[int, int]]" = {}
-        for path in self.write or ():
-            if path.endswith("/"):
-                try:
-                    st = os.stat(path)
-                except OSError:
-                    continue
-                self.made[path.rstrip("/") or "/"] = (st.st_dev, st.st_ino)
+        for path in self.folders():
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            self.made[path.rstrip("/") or "/"] = (st.st_dev, st.st_ino)
         # What the supervisor's loop waits on for execs: the listener, or the compiled
         # judge's forwards when it runs.
         self.events = self.listener
@@ -97,7 +96,7 @@ class Rules:
                 entries.append("I")  # else carried over a reset, ours already
             if self.executable is not None:
                 entries.append("X")
-        entries += ["M" + path for path in self.write or () if path.endswith("/")]
+        entries += ["M" + path for path in self.folders()]
         if needs_landlock:
             entries.append("L")
             if self.write is not None:
@@ -118,6 +117,11 @@ class Rules:
         self.notify = bool(got >> 29 & 1)
         self._inode_blob = None  # judge.c's own
         return True
+
+    def folders(self) -> "List[str]":
+        """The folders the rules let code write (a written glob's, ``/workspace/src/`` for
+        ``src/**``): made at set-up, so that they exist."""
+        return [path for path in self.write or () if path.endswith("/")]
 
     def _writable(self) -> "Optional[List[str]]":
         if self.write is None:

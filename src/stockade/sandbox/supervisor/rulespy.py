@@ -40,13 +40,11 @@ def setup_python(rules: "Any", needs_landlock: bool) -> None:
 
 
 def make_written_folders(rules: "Any") -> None:
-    if rules.write is not None:
-        for path in rules.write:
-            if path.endswith("/"):  # a folder the rules let code write: it must exist
-                try:
-                    os.makedirs(path, exist_ok=True)
-                except OSError:
-                    pass
+    for path in rules.folders():
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError:
+            pass
 
 
 def build_ruleset(rules: "Any") -> None:

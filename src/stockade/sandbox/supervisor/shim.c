@@ -266,13 +266,16 @@ static i64 kill_descendants(i64 self) {
 static void close_from_3(void) {
     if (sc(SYS_close_range, 3, ~0U, 0, 0) == 0) return;
     static int open[4096];
-    int listed = numbers_in("/proc/self/fd", open, 4096);
-    if (listed < 0) {
-        for (i64 i = 3; i < 1024; i++) sc(SYS_close, i, 0, 0, 0);
-        return;
-    }
-    for (int i = 0; i < listed; i++) /* the listing's own descriptor is closed already */
-        if (open[i] >= 3) sc(SYS_close, open[i], 0, 0, 0);
+    int listed;
+    do { /* a listing that filled the buffer may have left some: list again */
+        listed = numbers_in("/proc/self/fd", open, 4096);
+        if (listed < 0) {
+            for (i64 i = 3; i < 1024; i++) sc(SYS_close, i, 0, 0, 0);
+            return;
+        }
+        for (int i = 0; i < listed; i++) /* the listing's own descriptor is closed already */
+            if (open[i] >= 3) sc(SYS_close, open[i], 0, 0, 0);
+    } while (listed == 4096);
 }
 
 static void reap_ready(void) {
