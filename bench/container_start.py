@@ -1,6 +1,6 @@
 """Cold start and run_code latency of the container tiers, against the raw mechanisms.
 
-    python bench/container_start.py [--runs N] [--only runsc]
+    python bench/container_start.py [--runs N] [--only runsc] [--platform systrap|ptrace]
 
 Measured in one run, interleaved (so drift hits both sides alike):
 * raw: ``docker run --rm --network none IMAGE python3 -c 'print(1)'`` (runc, then
@@ -15,7 +15,6 @@ Prints a markdown table (medians).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -25,12 +24,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from _raw import PRINT1, runsc_run
+
 from stockade import Limits, Sandbox
 from stockade.sandbox import SpareBackend, _guest
 from stockade.sandbox._rootfs import find_rootfs
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.sandbox.docker import DEFAULT_IMAGE, DockerBackend
-from stockade.sandbox.gvisor import RunscBackend
+from stockade.sandbox.gvisor import DEFAULT_PLATFORM, RunscBackend
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -49,8 +50,6 @@ def raw_docker(runtime: str | None) -> Callable[[], object]:
 
 def raw_runsc(rootfs: Path, workdir: Path, platform: str) -> Callable[[], object]:
     """``runsc run`` on a bundle with the same rootfs and nothing else, on the tier's platform."""
-    bundle = workdir / "bundle"
-    bundle.mkdir()
     config = _guest.oci_config(
         SandboxSpec(),
         rootfs=rootfs,
@@ -60,27 +59,7 @@ def raw_runsc(rootfs: Path, workdir: Path, platform: str) -> Callable[[], object
         annotations={},
         host=_guest.own_kernel_limits(SandboxSpec(), platform),
     )
-    config["process"]["args"] = ["python3", "-c", "print(1)"]
-    config["process"]["cwd"] = "/"
-    del config["linux"]["cgroupsPath"]
-    (bundle / "config.json").write_text(json.dumps(config))
-    root = workdir / "root"
-    counter = iter(range(1_000_000))
-
-    def run() -> object:
-        argv = [
-            "runsc",
-            "--root",
-            str(root),
-            f"--platform={platform}",
-            "--network=none",
-            "run",
-            "--bundle",
-            str(bundle),
-        ]
-        return subprocess.run([*argv, f"raw-{os.getpid()}-{next(counter)}"], check=True, capture_output=True)
-
-    return run
+    return runsc_run(workdir, config, PRINT1, platform)
 
 
 def ours(backend: Backend, close: bool) -> Callable[[], object]:
@@ -110,6 +89,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--only", default="", help="measure only the tiers whose name contains this")
+    parser.add_argument("--platform", default=DEFAULT_PLATFORM, help="runsc's, without Docker (ours and raw)")
     args = parser.parse_args()
     runs = args.runs
     rootfs = find_rootfs()
@@ -123,7 +103,7 @@ def main() -> None:
         "gvisor via docker (runsc)": raw_docker("runsc"),
     }
     if rootfs is not None and shutil.which("runsc"):
-        runsc = RunscBackend(rootfs=rootfs)
+        runsc = RunscBackend(rootfs=rootfs, platform=args.platform)
         backends["gvisor, runsc without docker"] = runsc
         raws["gvisor, runsc without docker"] = raw_runsc(rootfs, workdir, runsc.platform)
     rows = []
