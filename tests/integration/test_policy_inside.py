@@ -114,6 +114,12 @@ RECURSIVE_ROUTES = {
     "links by name to a copy": "cp /bin/rm /tmp/d2; ln -sf d2 /tmp/n1; ln -sf n1 /tmp/n2; /tmp/n2 -r gone",
     "a link by name to a link": "ln -sf /bin/rm /tmp/a1; ln -sf a1 /tmp/a2; /tmp/a2 -r gone",
     "python -c os.execv": 'python3 -c \'import os; os.execv("/bin/rm", ["rm", "-r", "gone"])\'',
+    "an abbreviated long option": "rm --recu gone",
+    # the dynamic loader runs the program it is given: judged as that program
+    "the loader": "/lib64/ld-linux-x86-64.so.2 /bin/rm -r gone",
+    "the loader, another argv[0]": "/lib64/ld-linux-x86-64.so.2 --argv0 ls /bin/rm -r gone",
+    "a copy of the loader": "cp /lib64/ld-linux-x86-64.so.2 /tmp/ld; /tmp/ld /bin/rm -r gone",
+    "the loader, from its folder": "cd /bin && /lib64/ld-linux-x86-64.so.2 ./rm -r /workspace/gone",
 }
 
 
@@ -130,6 +136,18 @@ def test_an_exec_that_needs_approval_is_refused_when_nobody_approves(
     assert "needs approval and was refused: commands.approve: rm -r" in r.stderr
     assert any(e.verdict == "refuse" for e in r.execs)
     assert sbx.enforcement.commands is Mechanism.SECCOMP_NOTIFY
+
+
+def test_a_multi_call_binary_is_masked_under_rules_over_argv(approving: Sandbox | None) -> None:
+    """busybox runs its applets inside itself (`busybox sh -c 'rm -r x'` execs no rm): under
+    rules over argv it is masked, as it is with any denied program."""
+    if approving is None:
+        return
+    sbx = approving
+    sbx.commands.run("mkdir -p gone/inner && touch gone/inner/f")
+    for line in ("busybox sh -c 'rm -r gone'", "/bin/busybox rm -r gone", "echo gone | busybox xargs rm -r"):
+        r = sbx.commands.run(line)
+        assert r.exit_code != 0 and sbx.files.exists("gone/inner/f"), (line, r.stderr)
 
 
 def test_every_allowed_exec_is_recorded_with_its_argv_each_time(approving: Sandbox | None) -> None:

@@ -83,6 +83,11 @@ def _unwrap(argv: list[str], layers: list[tuple[str, ...]]) -> list[str]:
             layers.append(tuple(argv))
             argv = argv[2:]
             continue
+        carried = execrules.carried([name], argv)  # ld.so PROGRAM ..., busybox APPLET ...
+        if carried is not None:
+            layers.append(tuple(argv))
+            argv = carried[1] if carried[0] is None else [carried[0], *carried[1][1:]]
+            continue
         return argv
     return argv
 

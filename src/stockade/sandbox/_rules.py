@@ -155,12 +155,16 @@ def _plan(
         write = None
     denied = [w for w in _words(rules.deny) if len(w) == 1]
     names = tuple(sorted(w[0] for w in denied))
-    masks = _masks(str(root) if root else "", names, programs) if can_mask and denied else ()
-    if masks or (can_mask and denied):
-        enforcement["programs"] = Mechanism.MASK
     # Programs denied whatever their arguments are masked on every tier; what depends on
     # the arguments (or on approval, or on an allowlist) needs each exec judged.
     argv_rules = bool(rules.approve or rules.allow or any(len(w) > 1 for w in _words(rules.deny)))
+    # A multi-call binary runs its applets inside itself (`busybox sh -c 'rm -r x'` runs rm
+    # with no exec to judge): masked under rules over argv too, as with any denied program.
+    if argv_rules:
+        names = tuple(sorted({*names, *MULTI_CALL}))
+    masks = _masks(str(root) if root else "", names, programs) if can_mask and names else ()
+    if denied and (masks or can_mask):
+        enforcement["programs"] = Mechanism.MASK
     needs_kernel = write is not None or argv_rules
     if needs_kernel and not can_confine:
         what = "write rules (Landlock)" if write is not None else "command rules (seccomp user notification)"

@@ -39,6 +39,12 @@ RULES = CommandRules(deny=("curl", "sudo", "nc"), approve=("rm -r", "git push", 
         (["sh", "-c", "$CMD x"], Verdict.DENY),
         (["sh", "-c", "eval 'ls'"], Verdict.DENY),
         (["sh", "-c", "ls > out.txt; cat < in.txt"], Verdict.ALLOW),
+        # what the loader and a multi-call binary run is judged as itself
+        (["/lib64/ld-linux-x86-64.so.2", "/bin/rm", "-r", "x"], Verdict.APPROVE),
+        (["ld.so", "--argv0", "ls", "--library-path", "/lib", "/usr/bin/curl", "x"], Verdict.DENY),
+        (["/lib64/ld-linux-x86-64.so.2", "--list", "/bin/ls"], Verdict.ALLOW),
+        (["busybox", "rm", "-r", "x"], Verdict.APPROVE),
+        (["busybox", "sh", "-c", "curl x"], Verdict.DENY),
     ],
 )
 def test_commands_are_judged_as_argv(argv: list[str], verdict: Verdict) -> None:
@@ -60,6 +66,12 @@ def test_commands_are_judged_as_argv(argv: list[str], verdict: Verdict) -> None:
         ("git push -f", ["git", "push", "--force-with-lease"], True),
         ("git push", ["git", "pull"], False),
         ("chmod -R", ["chmod", "--recursive", "777", "x"], True),
+        # GNU getopt, git's and Python's parsers take any unambiguous prefix of a long option
+        ("rm -r", ["rm", "--recu", "x"], True),
+        ("rm -r", ["rm", "--rec=yes", "x"], True),
+        ("git push -f", ["git", "push", "--forc", "origin"], True),
+        ("rm -r", ["rm", "--", "--recursive"], False),  # a file named so
+        ("rm -r", ["rm", "--verbose", "x"], False),
     ],
 )
 def test_a_flag_matches_its_other_spellings(pattern: str, argv: list[str], carries: bool) -> None:

@@ -27,7 +27,9 @@ from tests.conftest import require
 
 SUPERVISOR = Path(_judge.SOURCE).parent
 
+LOADER = "/lib64/ld-linux-x86-64.so.2"
 NAMES = ["rm", "ls", "git", "python3", "sh", "true", "cp", "pip", "cat", "x", "ré"]
+NAMES += ["busybox", "ld-linux-x86-64.so.2"]  # what carries another program (execrules.carried)
 GLOBS = ["r*", "*", "?s", "g?t", "[rl]s", "py*", "*t", "c?"]
 WORDS = ["-r", "-f", "-R", "--force", "push", "install", "-m", "pip", "x", "--"]
 CONTENTS = ["small", "/usr/bin/rm", "/usr/bin/ls", "/usr/bin/true", "/usr/bin/git"]
@@ -101,7 +103,7 @@ cases = st.fixed_dictionaries(
             st.just([]),
             st.builds(
                 lambda first, rest: [first, *rest],
-                st.sampled_from([*NAMES, "/usr/bin/rm", "./x", "python3.11", ""]),
+                st.sampled_from([*NAMES, "/usr/bin/rm", "./x", "python3.11", "", LOADER]),
                 st.lists(st.sampled_from(WORDS), max_size=4),
             ),
         ),
@@ -165,6 +167,42 @@ def test_a_copy_of_a_rule_program_is_left_to_python_by_its_size(
     assert verdict == ("approve", "commands.approve: rm -r")
     other = {**case, "content": "small"}  # the same name, another file: answered at once
     assert _decide(judges, tmp_path, other) == (1, ("allow", None))
+
+
+CARRIERS = {
+    # what the loader runs: judged as itself, by its path (here on the host's file)
+    "the loader": ("ld-linux-x86-64.so.2", "small", ["ld-linux-x86-64.so.2", "/usr/bin/rm", "-r", "d"]),
+    "the loader, its options": (
+        "ld-linux-x86-64.so.2",
+        "small",
+        ["ld", "--argv0", "ls", "--inhibit-cache", "/usr/bin/rm", "-r", "d"],
+    ),
+    # a copy of it under another name, known by its size, then its content
+    "a copy of the loader": ("x", LOADER, ["x", "/usr/bin/rm", "-r", "d"]),
+    # a multi-call binary, by the name it was given
+    "busybox": ("busybox", "small", ["busybox", "rm", "-r", "d"]),
+}
+
+
+@pytest.mark.parametrize("route", list(CARRIERS))
+def test_what_carries_another_program_is_judged_as_that_program(
+    judges: tuple[Any, Any], tmp_path: Path, route: str
+) -> None:
+    """Under rules over argv, an exec of the loader or of a multi-call binary is left to Python,
+    which judges what it runs too: `ld.so /bin/rm -r d` needs rm -r's approval."""
+    require("/usr/bin/rm and the loader", Path("/usr/bin/rm").is_file() and Path(LOADER).is_file())
+    name, content, argv = CARRIERS[route]
+    rules = {"deny": [], "approve": [["rm", "-r"]], "allow": []}
+    case = {"rules": rules, "path": name, "file": name, "content": content, "argv": argv}
+    said, verdict = _decide(judges, tmp_path, case)
+    assert not said
+    assert verdict == ("approve", "commands.approve: rm -r")
+    harmless = {**case, "argv": [*argv[:-3], "/usr/bin/ls", "-r", "d"]}
+    assert _decide(judges, tmp_path, harmless) == (0, ("allow", None))
+    # with no rule over argv (programs denied whatever their arguments are masked instead),
+    # nothing to look through: answered at once
+    masked_only = {**case, "rules": {"deny": [["curl"]], "approve": [], "allow": []}}
+    assert _decide(judges, tmp_path, masked_only)[0] == 1
 
 
 CONFINE_PROBE = r"""

@@ -45,6 +45,7 @@ class ExecJudge:
         self.pending: "Dict[int, Tuple[int, int, int, Any, Dict[str, Any], Tuple[Any, ...]]]" = {}
         self.requests = 0
         self._decided: "Dict[Tuple[Any, ...], str]" = {}  # (pid, file, argv) -> verdict
+        self.carrying = False  # the exec judged last runs another program (execrules.carried)
         # (path, file, its size and time, argv) -> the judge's verdict and rule
         self._verdicts: "Dict[Tuple[Any, ...], Tuple[str, Optional[str]]]" = {}
 
@@ -89,8 +90,11 @@ class ExecJudge:
             seen = None
         judged = self._verdicts.get(seen) if seen is not None else None
         if judged is None:
+            self.carrying = False
             judged = self.judge(pid, path, argv, st)
-            if seen is not None and judged[0] != "approve":  # an approval is asked each time
+            # An approval is asked each time; what a loader runs is another file, which can
+            # change while this one and its argv stay as they are.
+            if seen is not None and judged[0] != "approve" and not self.carrying:
                 if len(self._verdicts) > 1024:
                     self._verdicts.clear()
                 self._verdicts[seen] = judged
@@ -181,18 +185,36 @@ class ExecJudge:
         return found
 
     def judge(
-        self, pid: int, path: str, argv: "List[str]", st: "Optional[os.stat_result]" = None
+        self, pid: int, path: str, argv: "List[str]", st: "Optional[os.stat_result]" = None, depth: int = 0
     ) -> "Tuple[str, Optional[str]]":
         """The strictest verdict over every name the program goes by: the path it was run as,
         the file that path leads to, the name it was given (argv[0]: a multi-call binary's
         applet), and the names of the programs its content is a copy of. ``python -m X`` is
-        also judged as X."""
+        also judged as X, and what a loader or a multi-call binary runs as what it is
+        (``ld.so /bin/rm -r x`` as ``rm -r x``, ``busybox rm -r x`` as ``rm -r x``)."""
         target = self._in_view(pid, path)
         if st is None:
             st = os.stat(target)
         files = {os.path.basename(path), self._real_name(target, st)}
         if st.st_size in self._sizes:
             files |= self._copies_of(target)
+        verdict = self._by_names(files, argv)
+        carried = execrules.carried(sorted(files), argv) if depth < MAX_CARRIED else None
+        if carried is None:
+            return verdict
+        self.carrying = True
+        inner, inner_argv = carried
+        if inner is None:  # an applet: the same file, by the applet's name
+            return _strictest(verdict, self._by_names({execrules.program(inner_argv[0])}, inner_argv))
+        if not inner.startswith("/"):  # the loader opens it from its working folder
+            inner = f"/proc/{pid}/cwd/{inner}"
+        try:
+            return _strictest(verdict, self.judge(pid, inner, inner_argv, None, depth + 1))
+        except OSError:  # it will not load: judged by its name all the same
+            return _strictest(verdict, self._by_names({os.path.basename(inner)}, inner_argv))
+
+    def _by_names(self, files: "Set[str]", argv: "List[str]") -> "Tuple[str, Optional[str]]":
+        """The verdict on ``argv`` run from a file that goes by ``files``."""
         args = argv[1:]
         candidates = [(name, args) for name in files | ({os.path.basename(argv[0])} if argv else set())]
         inner = execrules.subject(argv)
@@ -270,3 +292,14 @@ class ExecJudge:
             if digest is not None and digest == self._digest(path):
                 found.add(os.path.basename(original))
         return found
+
+
+# How deep a loader's program is followed (ld.so ld.so ... rm): past it, its own verdict only.
+MAX_CARRIED = 4
+STRICTNESS = {"allow": 0, "approve": 1, "deny": 2}
+
+
+def _strictest(
+    one: "Tuple[str, Optional[str]]", other: "Tuple[str, Optional[str]]"
+) -> "Tuple[str, Optional[str]]":
+    return other if STRICTNESS[other[0]] > STRICTNESS[one[0]] else one

@@ -7,7 +7,8 @@ with the argv the kernel was given. Standard library only (it runs inside the sa
 A pattern is shell words: the program (a glob over its name), then flags the command must
 carry and words that must be among its other arguments: ``"rm -r"``, ``"git push"``,
 ``"pip install"``. A flag matches its spellings for that program: ``rm -fR``, ``rm -r -f``,
-``rm --recursive`` all carry ``-r``.
+``rm --recursive`` and its abbreviations (``rm --recu``: GNU getopt, git's and Python's
+option parsers take any unambiguous prefix) all carry ``-r``.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def _carries(name: str, flag: str, args: "Sequence[str]") -> bool:
     for arg in args:
         if arg == "--":
             return False  # what follows are operands, even when they look like flags
-        if arg in spellings or any(arg.startswith(long + "=") for long in longs):
+        if arg in spellings or any(_abbreviates(arg, long) for long in longs):
             return True
         if arg.startswith("-") and not arg.startswith("--") and len(arg) > 2:
             cluster = arg[1:]
@@ -74,6 +75,53 @@ def _carries(name: str, flag: str, args: "Sequence[str]") -> bool:
             if cluster.isalpha() and any(letter in cluster for letter in letters):
                 return True
     return False
+
+
+def _abbreviates(arg: str, long: str) -> bool:
+    """Whether ``arg`` is the long option ``long``, a prefix of it, or either with ``=value``.
+    A prefix another of the program's options shares too counts: a judge that cannot tell
+    takes the stricter reading."""
+    name = arg.split("=", 1)[0]
+    return len(name) > 2 and name.startswith("--") and long.startswith(name)
+
+
+# Programs that run another program their arguments name: the dynamic loader, run as a program
+# (``ld.so [--argv0 NAME] [OPTIONS] PROGRAM ARGS``), and multi-call binaries, run by their own
+# name (``busybox APPLET ARGS``; by an applet's name, the applet is their argv[0]).
+LOADERS = ("ld-linux*", "ld.so*", "ld64.so*", "ld-musl-*")
+MULTICALL = ("busybox", "toybox")
+# The loader's options that take a value (glibc's ld.so --help); any other is a flag.
+LOADER_VALUED = frozenset(
+    ("--argv0", "--library-path", "--preload", "--audit", "--inhibit-rpath",
+     "--glibc-hwcaps-prepend", "--glibc-hwcaps-mask")
+)  # fmt: skip
+
+
+def carried(names: "Sequence[str]", argv: "Sequence[str]") -> "Optional[Tuple[Optional[str], List[str]]]":
+    """What an exec of the program ``names`` (what its file goes by) with ``argv`` runs besides
+    itself: the loader's program (its path, and the argv it gets), or a multi-call binary's
+    applet (no path: it is the same file). None: nothing."""
+    if len(argv) < 2:
+        return None
+    if program(argv[0]).startswith(MULTICALL):  # busybox reads its applet from argv[0] first
+        return None if argv[1].startswith("-") else (None, list(argv[1:]))
+    if not any(_glob(name, loader) for name in names for loader in LOADERS):
+        return None
+    words, at, argv0 = list(argv[1:]), 0, None
+    while at < len(words) and words[at].startswith("--"):
+        if words[at] == "--":
+            at += 1
+            break
+        if words[at] in LOADER_VALUED:
+            if words[at] == "--argv0" and at + 1 < len(words):
+                argv0 = words[at + 1]
+            at += 2
+        else:
+            at += 1  # a flag (--list, --verify), or --option=value
+    if at >= len(words):
+        return None
+    path = words[at]
+    return path, [path if argv0 is None else argv0, *words[at + 1 :]]
 
 
 def matches(words: "Sequence[str]", command: "Sequence[str]") -> bool:

@@ -33,6 +33,15 @@ if TYPE_CHECKING:
 ALWAYS_WRITABLE = ("/tmp", "/dev", "/proc")
 # Where the programs a rule names are looked for, to know their copies by their content.
 PROGRAM_DIRS = ("/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin")
+# Programs that run another one their arguments name (execrules.carried): the dynamic loader
+# (``ld.so /bin/rm -r x``) and multi-call binaries (``busybox rm -r x``). Under rules over
+# argv, both judges hand their execs to the Python judge, which judges what they carry too;
+# their files by path, so that a copy of one is known by its content as a rule's program is.
+CARRIERS = ("ld-linux*", "ld.so*", "ld64.so*", "ld-musl-*", "busybox*", "toybox*")
+CARRIER_FILES = (
+    "busybox", "toybox", "/lib64/ld-linux-x86-64.so.2", "/lib/ld-linux-aarch64.so.1",
+    "/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2", "/lib/ld-musl-x86_64.so.1", "/lib/ld-musl-aarch64.so.1",
+)  # fmt: skip
 EPERM, ENOENT, ENOSYS, ESTALE = 1, 2, 38, 116
 LIBRARY = "judge.so"  # judge.c, beside these modules, when the host built it
 # The signals a command's shim gets back at their default: those the supervisor ignores,
@@ -381,9 +390,11 @@ def record(job: "Any", done: "Dict[str, Any]") -> None:
 
 def program_names(commands: "Dict[str, List[List[str]]]") -> "Set[str]":
     """The programs whose copies are judged: a program denied whatever its arguments is
-    masked (no copy of it can exist), the others are looked for by their size."""
+    masked (no copy of it can exist), the others are looked for by their size; with them,
+    the files of the programs that carry another (``CARRIERS``)."""
     names = {words[0] for words in commands["approve"] if words}
-    return names | {words[0] for words in commands["deny"] if len(words) > 1}
+    names |= {words[0] for words in commands["deny"] if len(words) > 1}
+    return names | set(CARRIER_FILES) if names else names
 
 
 # -- the compiled judge's thread, seen from the supervisor ------------------------------------
@@ -408,6 +419,8 @@ def judge_config(commands: "Dict[str, List[List[str]]]") -> bytes:
     entries = [f"M{MAX_EXEC_ARGV}"]
     for kind in ("deny", "approve"):
         entries += [f"P{words[0]}" for words in commands[kind] if words]
+    if program_names(commands):  # rules over argv: what carries a program, to Python
+        entries += [f"P{name}" for name in CARRIERS]
     if commands["allow"]:
         entries.append("L")
         entries += [f"A{words[0]}" for words in commands["allow"] if len(words) == 1]

@@ -125,7 +125,9 @@ def program_sizes(commands: "Dict[str, List[List[str]]]") -> "Dict[int, List[str
                 st = os.stat(path)
             except OSError:
                 continue
-            sizes.setdefault(st.st_size, []).append(path)
+            same = sizes.setdefault(st.st_size, [])
+            if path not in same:  # an absolute name: the same path from every folder
+                same.append(path)
     return sizes
 
 
