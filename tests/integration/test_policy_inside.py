@@ -138,6 +138,21 @@ def test_an_exec_that_needs_approval_is_refused_when_nobody_approves(
     assert sbx.enforcement.commands is Mechanism.SECCOMP_NOTIFY
 
 
+def test_a_rule_holds_for_its_program_under_a_versioned_name(tier: str) -> None:
+    """A rule names a program as people say it (`python -c`, `pip install`); the file is often
+    `python3` or `pip3.11`: the rule is the same for them."""
+    sbx = _rules_or_refusal(tier, SandboxRules(approve=("python -c",)))
+    if sbx is None:
+        return
+    with sbx:
+        six_sevens = "-c 'print(7 * 6)'"
+        for line in (f"python3 {six_sevens}", f"python3.11 {six_sevens} || python3 {six_sevens}"):
+            r = sbx.commands.run(line)
+            assert "42" not in r.stdout, (line, r.stdout)
+            assert "needs approval and was refused: commands.approve: python -c" in r.stderr
+        assert sbx.commands.run("python3 -V").exit_code == 0  # the program itself runs
+
+
 def test_a_multi_call_binary_is_masked_under_rules_over_argv(approving: Sandbox | None) -> None:
     """busybox runs its applets inside itself (`busybox sh -c 'rm -r x'` execs no rm): under
     rules over argv it is masked, as it is with any denied program."""

@@ -45,6 +45,12 @@ RULES = CommandRules(deny=("curl", "sudo", "nc"), approve=("rm -r", "git push", 
         (["/lib64/ld-linux-x86-64.so.2", "--list", "/bin/ls"], Verdict.ALLOW),
         (["busybox", "rm", "-r", "x"], Verdict.APPROVE),
         (["busybox", "sh", "-c", "curl x"], Verdict.DENY),
+        # a program under a version, and git's dashed commands (git runs what argv[0] names)
+        (["pip3", "install", "requests"], Verdict.APPROVE),
+        (["pip3.11", "install", "requests"], Verdict.APPROVE),
+        (["/usr/lib/git-core/git-push", "origin"], Verdict.APPROVE),
+        (["pip3", "list"], Verdict.ALLOW),
+        (["rmdir", "empty"], Verdict.ALLOW),
     ],
 )
 def test_commands_are_judged_as_argv(argv: list[str], verdict: Verdict) -> None:

@@ -30,6 +30,7 @@ SUPERVISOR = Path(_judge.SOURCE).parent
 LOADER = "/lib64/ld-linux-x86-64.so.2"
 NAMES = ["rm", "ls", "git", "python3", "sh", "true", "cp", "pip", "cat", "x", "ré"]
 NAMES += ["busybox", "ld-linux-x86-64.so.2"]  # what carries another program (execrules.carried)
+NAMES += ["pip3", "git-push", "rm2"]  # a rule's program by another name (execrules.rule_names)
 GLOBS = ["r*", "*", "?s", "g?t", "[rl]s", "py*", "*t", "c?"]
 WORDS = ["-r", "-f", "-R", "--force", "push", "install", "-m", "pip", "x", "--"]
 CONTENTS = ["small", "/usr/bin/rm", "/usr/bin/ls", "/usr/bin/true", "/usr/bin/git"]
@@ -140,6 +141,11 @@ def test_the_fast_path_allows_only_what_the_python_judge_allows(
         ({"allow": [["ls"]]}, "ls", ["anything"], True),
         ({"allow": [["git", "status"]]}, "git", ["git", "status"], False),
         ({"allow": [["ls"]]}, "cat", ["ls"], False),
+        # a rule's program under a version or as a dashed git command goes to Python
+        ({"approve": [["pip", "install"]]}, "pip3", ["pip3", "install", "x"], False),
+        ({"approve": [["pip", "install"]]}, "ls", ["pip3.11", "install", "x"], False),
+        ({"approve": [["git", "push"]]}, "git-push", ["git-push", "origin"], False),
+        ({"approve": [["rm", "-r"]]}, "rmdir", ["rmdir", "x"], True),
     ],
 )
 def test_what_the_fast_path_answers_itself(

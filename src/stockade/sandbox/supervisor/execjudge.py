@@ -179,9 +179,11 @@ class ExecJudge:
 
     def _patterns(self, kind: str, name: str) -> "List[List[str]]":
         literal, globs = self._index[kind]
-        found = literal.get(name, [])
-        if globs:
-            found = found + [w for w in globs if execrules._glob(name, w[0])]
+        found: "List[List[str]]" = []
+        for filed in execrules.rule_names(name):  # pip3 -> pip, git-push -> git
+            found += literal.get(filed, [])
+            if globs:
+                found += [w for w in globs if execrules._glob(filed, w[0])]
         return found
 
     def judge(

@@ -47,6 +47,27 @@ def _glob(name: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(name, pattern)
 
 
+def rule_names(name: str) -> "Tuple[str, ...]":
+    """The names a program's rules are written under: its own, and without a version
+    (``pip3.11``, ``python3`` are ``pip``, ``python``) or a dashed git command (``git-push``
+    is ``git push``: git runs the command its argv[0] names)."""
+    names = [name]
+    bare = name.rstrip("0123456789.")
+    if bare and bare != name:
+        names.append(bare)
+    if name.startswith("git-") and len(name) > 4:
+        names.append("git")
+    return tuple(names)
+
+
+def _dashed(command: "Sequence[str]") -> "List[str]":
+    """``git-push x`` as git runs it: ``git push x``."""
+    name = program(command[0])
+    if name.startswith("git-") and len(name) > 4:
+        return ["git", name[4:], *command[1:]]
+    return list(command)
+
+
 def subject(argv: "Sequence[str]") -> "List[str]":
     """What a command runs: ``python3 -m pip install x`` runs ``pip install x``."""
     words = list(argv)
@@ -126,9 +147,12 @@ def carried(names: "Sequence[str]", argv: "Sequence[str]") -> "Optional[Tuple[Op
 
 def matches(words: "Sequence[str]", command: "Sequence[str]") -> bool:
     """Whether the simple command ``command`` is what the pattern ``words`` names."""
-    if not command or not words or not _glob(program(command[0]), words[0]):
+    if not command or not words:
         return False
-    name = program(command[0])
+    command = _dashed(command)
+    name = next((n for n in rule_names(program(command[0])) if _glob(n, words[0])), None)
+    if name is None:
+        return False
     args = list(command[1:])
     try:
         operands = args[args.index("--") + 1 :]

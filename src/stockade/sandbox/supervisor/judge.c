@@ -364,6 +364,17 @@ __attribute__((visibility("default"))) int stockade_fast_allows(const char *cfg,
                                                                  const char *argv0, const char *argv1,
                                                                  int argc, u64 size);
 
+/* Whether ``name`` may be the program ``pat`` under another name: with a version (pip3,
+ * python3.11) or as a dashed git command (git-push), which execrules.rule_names files under
+ * ``pat``; Python judges it. */
+static int extends(const char *name, const char *pat)
+{
+    if (!starts(name, pat))
+        return 0;
+    char next = name[slen(pat)];
+    return (next >= '0' && next <= '9') || next == '.' || next == '-';
+}
+
 static int allows(const struct rules *r, const char *names[3], int n_names, const char *argv0,
                   const char *argv1, int argc, u64 size)
 {
@@ -380,7 +391,7 @@ static int allows(const struct rules *r, const char *names[3], int n_names, cons
             return 0; /* it may be a copy of a program a rule names */
     for (i = 0; i < n_names; i++)
         for (j = 0; j < r->n_named; j++)
-            if (glob(names[i], r->named[j]) != NO)
+            if (glob(names[i], r->named[j]) != NO || extends(names[i], r->named[j]))
                 return 0;
     if (r->allowlist) {
         /* What the file is (its path's name, the name of the file it leads to), never
