@@ -153,6 +153,27 @@ def test_a_rule_holds_for_its_program_under_a_versioned_name(tier: str) -> None:
         assert sbx.commands.run("python3 -V").exit_code == 0  # the program itself runs
 
 
+def test_a_git_alias_is_judged_as_the_command_a_rule_names(tier: str) -> None:
+    """git runs an alias in itself, with no exec to judge, and code can define one anywhere
+    (`-c`, a config file, the environment): a word that is none of git's own commands is
+    judged as the rule's. git's own commands run as before."""
+    sbx = _rules_or_refusal(tier, SandboxRules(approve=("git push",)))
+    if sbx is None:
+        return
+    with sbx:
+        if sbx.commands.run("command -v git").exit_code != 0:
+            return  # no git in this tier's image: nothing to alias
+        r = sbx.commands.run("git -c alias.p=version p; git config --global alias.q version; git q")
+        assert "git version" not in r.stdout, r.stdout
+        refused = {
+            e.argv[-1]
+            for e in r.execs
+            if e.verdict == "refuse" and e.rule.startswith("commands.approve: git push")
+        }
+        assert refused == {"p", "q"}, r.execs
+        assert "git version" in sbx.commands.run("git version").stdout
+
+
 def test_a_multi_call_binary_is_masked_under_rules_over_argv(approving: Sandbox | None) -> None:
     """busybox runs its applets inside itself (`busybox sh -c 'rm -r x'` execs no rm): under
     rules over argv it is masked, as it is with any denied program."""

@@ -51,6 +51,10 @@ RULES = CommandRules(deny=("curl", "sudo", "nc"), approve=("rm -r", "git push", 
         (["/usr/lib/git-core/git-push", "origin"], Verdict.APPROVE),
         (["pip3", "list"], Verdict.ALLOW),
         (["rmdir", "empty"], Verdict.ALLOW),
+        # an alias may be any git command: a word that is none of git's is judged as the rule's
+        (["git", "-c", "alias.p=push", "p", "origin"], Verdict.APPROVE),
+        (["git", "--git-dir", "repo/.git", "pu"], Verdict.APPROVE),
+        (["git", "-C", "repo", "status"], Verdict.ALLOW),
     ],
 )
 def test_commands_are_judged_as_argv(argv: list[str], verdict: Verdict) -> None:

@@ -32,6 +32,38 @@ VERDICTS = ("allow", "approve", "deny")
 
 
 GLOB_CHARS = frozenset("*?[")
+# git's own commands (git 2.39, ``git --list-cmds=main``). An alias cannot shadow one of
+# them; any other word in their place may be an alias the code defined (``-c alias.x=push``,
+# a config file, the environment), which runs a command no argv shows, so a rule over git
+# takes it for its own command (a git newer than this list: the same, the safe way).
+GIT_COMMANDS = frozenset(
+    """
+    add add--interactive am annotate apply archive bisect bisect--helper blame branch bugreport
+    bundle cat-file check-attr check-ignore check-mailmap check-ref-format checkout
+    checkout--worker checkout-index cherry cherry-pick clean clone column commit commit-graph
+    commit-tree config count-objects credential credential-cache credential-cache--daemon
+    credential-store daemon describe diagnose diff diff-files diff-index diff-tree difftool
+    difftool--helper env--helper fast-export fast-import fetch fetch-pack filter-branch
+    fmt-merge-msg for-each-ref for-each-repo format-patch fsck fsck-objects fsmonitor--daemon gc
+    get-tar-commit-id grep hash-object help hook http-backend http-fetch http-push imap-send
+    index-pack init init-db instaweb interpret-trailers log ls-files ls-remote ls-tree mailinfo
+    mailsplit maintenance merge merge-base merge-file merge-index merge-octopus merge-one-file
+    merge-ours merge-recursive merge-recursive-ours merge-recursive-theirs merge-resolve
+    merge-subtree merge-tree mergetool mktag mktree multi-pack-index mv name-rev notes
+    pack-objects pack-redundant pack-refs patch-id pickaxe prune prune-packed pull push
+    quiltimport range-diff read-tree rebase receive-pack reflog remote remote-ext remote-fd
+    remote-ftp remote-ftps remote-http remote-https repack replace request-pull rerere reset
+    restore rev-list rev-parse revert rm send-pack sh-i18n--envsubst shell shortlog show
+    show-branch show-index show-ref sparse-checkout stage stash status stripspace submodule
+    submodule--helper subtree switch symbolic-ref tag unpack-file unpack-objects update-index
+    update-ref update-server-info upload-archive upload-archive--writer upload-pack var
+    verify-commit verify-pack verify-tag version web--browse whatchanged worktree write-tree
+    """.split()
+)
+# git's options before its command that take the next word as their value.
+GIT_VALUED = frozenset(
+    ("-C", "-c", "--git-dir", "--work-tree", "--namespace", "--super-prefix", "--config-env")
+)
 
 
 def program(word: str) -> str:
@@ -145,6 +177,20 @@ def carried(names: "Sequence[str]", argv: "Sequence[str]") -> "Optional[Tuple[Op
     return path, [path if argv0 is None else argv0, *words[at + 1 :]]
 
 
+def _git_alias(args: "Sequence[str]") -> bool:
+    """Whether git, given ``args``, runs a command that is not one of its own (an alias)."""
+    at = 0
+    while at < len(args):
+        word = args[at]
+        if word in GIT_VALUED:
+            at += 2
+        elif word.startswith("-"):
+            at += 1
+        else:
+            return word not in GIT_COMMANDS
+    return False
+
+
 def matches(words: "Sequence[str]", command: "Sequence[str]") -> bool:
     """Whether the simple command ``command`` is what the pattern ``words`` names."""
     if not command or not words:
@@ -154,6 +200,8 @@ def matches(words: "Sequence[str]", command: "Sequence[str]") -> bool:
     if name is None:
         return False
     args = list(command[1:])
+    if name == "git" and len(words) > 1 and _git_alias(args):
+        return True  # an alias may stand for the rule's command: judged as it
     try:
         operands = args[args.index("--") + 1 :]
         options = args[: args.index("--")]
