@@ -120,6 +120,15 @@ RECURSIVE_ROUTES = {
     "the loader, another argv[0]": "/lib64/ld-linux-x86-64.so.2 --argv0 ls /bin/rm -r gone",
     "a copy of the loader": "cp /lib64/ld-linux-x86-64.so.2 /tmp/ld; /tmp/ld /bin/rm -r gone",
     "the loader, from its folder": "cd /bin && /lib64/ld-linux-x86-64.so.2 ./rm -r /workspace/gone",
+    # links into /proc/self lead to the caller's own files, never the judge's (the microVM's
+    # /dev has no /dev/fd: there the same file by /proc/self)
+    "/dev/fd": "exec 9</bin/rm; /dev/fd/9 -r gone || /proc/self/fd/9 -r gone",
+    "/dev/stdin": "/dev/stdin -r gone < /bin/rm || /proc/self/fd/0 -r gone < /bin/rm",
+    "a link of its own to /proc/self/fd": "exec 8</bin/rm; ln -sfn /proc/self/fd /tmp/fd; /tmp/fd/8 -r gone",
+    "a decoy behind a link to /proc/self/cwd": (
+        "W=$PWD; cp /bin/rm /tmp/zz && echo harmless > zz && chmod +x zz && ln -sfn /proc/self/cwd /tmp/c"
+        " && cd /tmp && /tmp/c/zz -r $W/gone"
+    ),
 }
 
 

@@ -254,11 +254,11 @@ class ExecJudge:
 
     @staticmethod
     def _in_view(pid: int, path: str) -> str:
-        """``path`` as the caller sees it (/proc/self is the caller's, not ours)."""
-        for own in ("/proc/self/", "/proc/thread-self/"):
-            if path.startswith(own):
-                return f"/proc/{pid}/" + path[len(own) :]
-        return path
+        """``path`` as the caller resolves it. /proc/self is the caller's, not ours, and so
+        is any link that leads there (/dev/fd/N, /dev/stdin, one the code made): the links
+        on the way are followed here, each one into /proc/self going to /proc/PID, and once
+        in /proc/PID what is left is the kernel's to follow (its links are the caller's)."""
+        return caller_path(pid, path)
 
     def _digest(self, path: str) -> "Optional[str]":
         try:
@@ -305,3 +305,41 @@ def _strictest(
     one: "Tuple[str, Optional[str]]", other: "Tuple[str, Optional[str]]"
 ) -> "Tuple[str, Optional[str]]":
     return other if STRICTNESS[other[0]] > STRICTNESS[one[0]] else one
+
+
+def caller_path(pid: int, path: str, cwd: "Optional[str]" = None) -> str:
+    """``path`` resolved as the process ``pid`` resolves it (ExecJudge._in_view): a relative
+    one from its working folder; ``OSError`` (ELOOP) past 40 links, as the kernel."""
+    if not path.startswith("/"):
+        path = f"{cwd or f'/proc/{pid}/cwd'}/{path}"
+    todo = [part for part in path.split("/") if part]
+    done = ""
+    hops = 0
+    while todo:
+        if done.startswith("/proc/") and done[6:].isdigit():  # the caller's: the kernel's to follow
+            return "/".join([done, *todo])
+        part = todo.pop(0)
+        if part == ".":
+            continue
+        if part == "..":
+            done = done.rsplit("/", 1)[0]
+            continue
+        here = f"{done}/{part}"
+        if here in ("/proc/self", "/proc/thread-self"):
+            done = f"/proc/{pid}"
+            continue
+        try:
+            target = os.readlink(here)
+        except OSError:  # no link (or nothing there: the stat after says so)
+            done = here
+            continue
+        hops += 1
+        if hops > 40:
+            raise OSError(ELOOP, "too many levels of symbolic links", path)
+        if target.startswith("/"):
+            done = ""
+        todo = [part for part in target.split("/") if part] + todo
+    return done or "/"
+
+
+ELOOP = 40

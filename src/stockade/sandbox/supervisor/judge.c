@@ -49,6 +49,7 @@ typedef int i32;
 #define SYS_getsid 124
 #define SYS_waitid 247
 #define SYS_openat 257
+#define SYS_openat2 437
 #define SYS_readlinkat 267
 #define SYS_prctl 157
 #define SYS_mkdir 83
@@ -63,6 +64,8 @@ typedef int i32;
 #define O_RDONLY 0
 #define O_CLOEXEC 02000000
 #define O_PATH 010000000
+#define O_NOFOLLOW 0400000
+#define RESOLVE_NO_MAGICLINKS 0x02
 #define O_DIRECTORY 0200000
 #define MADV_DONTFORK 10
 #define S_IFMT 0170000
@@ -525,6 +528,31 @@ static int ours(long pid)
     return sc(SYS_waitid, P_PID, pid, (long)info, WEXITED | WNOHANG | WNOWAIT | WALL_, 0, 0) == 0;
 }
 
+/* openat2(2)'s how: the flags, the mode, and how the path may be resolved. */
+struct open_how_ {
+    u64 flags, mode, resolve;
+};
+
+/* openat2 of ``path`` as an O_PATH descriptor that crosses no magic link (/proc/PID/fd/N,
+ * cwd, root, exe): what such a link leads to is the process's that follows it, and the
+ * judge is not the caller. ``nofollow``: the last name itself if it is a link. */
+static long no_magic_open(const char *path, int nofollow)
+{
+    struct open_how_ how = {O_PATH | O_CLOEXEC | (nofollow ? O_NOFOLLOW : 0), 0, RESOLVE_NO_MAGICLINKS};
+    return sc(SYS_openat2, AT_FDCWD, (long)path, (long)&how, sizeof how, 0, 0);
+}
+
+/* lstat(2), crossing no magic link: 0, or minus an errno. */
+static long no_magic_lstat(const char *path, u64 *st)
+{
+    long fd = no_magic_open(path, 1);
+    if (fd < 0)
+        return fd;
+    long r = sc(SYS_fstat, fd, (long)st, 0, 0, 0, 0);
+    sc(SYS_close, fd, 0, 0, 0, 0, 0);
+    return r;
+}
+
 /* The file an absolute, normal path leads to, found by name while each link on the way is a
  * name in its own folder (sh -> dash): then realpath's last part, which is all the judge
  * reads of it, is that of the last link's target, and lstat gives its size. Three system
@@ -538,7 +566,10 @@ static int by_name(struct ctx *c, long len, u64 *size)
     char *p = c->real;
     memcpy(p, c->path, (unsigned long)len + 1);
     for (int hop = 0;; hop++) {
-        if (sc(SYS_lstat, (long)p, (long)st, 0, 0, 0, 0) != 0)
+        /* The first look through a magic link (a folder linked to /proc/self/cwd, /dev/fd)
+         * would be ours, not the caller's: refused there, for Python's walk; the later
+         * ones only change the last name, in a folder already looked through. */
+        if ((hop == 0 ? no_magic_lstat(p, st) : sc(SYS_lstat, (long)p, (long)st, 0, 0, 0, 0)) != 0)
             return 0;
         if (((u32)st[3] & S_IFMT) != S_IFLNK) {
             *size = st[6];
@@ -603,7 +634,7 @@ static int judge(struct ctx *c, const struct notif *n)
     u64 size = 0;
     if (!by_name(c, len, &size)) {
         /* The slow way: the file itself, opened, and the path the kernel gives it. */
-        long fd = sc(SYS_openat, AT_FDCWD, (long)c->path, O_PATH | O_CLOEXEC, 0, 0, 0);
+        long fd = no_magic_open(c->path, 0); /* a magic link on the way: Python's walk */
         if (fd == -ENOENT || fd == -ENOTDIR) {
             /* What the kernel would say; a PATH search goes on to its next folder. Nothing
              * runs, nothing is recorded, as in the Python judge. */
