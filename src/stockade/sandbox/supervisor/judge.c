@@ -553,6 +553,22 @@ static long no_magic_lstat(const char *path, u64 *st)
     return r;
 }
 
+/* Whether ``path`` (normal) names a file right in one of the image's program folders: the
+ * folders on its way are the image's, which code cannot make links in, so no magic link is
+ * crossed before its name (the look of every PATH search, kept to one system call). */
+static int in_program_folder(const char *path)
+{
+    static const char *const folders[] = {"/usr/bin/", "/bin/", "/usr/sbin/", "/sbin/", "/usr/local/bin/"};
+    for (unsigned long i = 0; i < sizeof folders / sizeof folders[0]; i++)
+        if (starts(path, folders[i])) {
+            for (const char *p = path + slen(folders[i]); *p; p++)
+                if (*p == '/')
+                    return 0;
+            return 1;
+        }
+    return 0;
+}
+
 /* The file an absolute, normal path leads to, found by name while each link on the way is a
  * name in its own folder (sh -> dash): then realpath's last part, which is all the judge
  * reads of it, is that of the last link's target, and lstat gives its size. Three system
@@ -566,10 +582,11 @@ static int by_name(struct ctx *c, long len, u64 *size)
     char *p = c->real;
     memcpy(p, c->path, (unsigned long)len + 1);
     for (int hop = 0;; hop++) {
-        /* The first look through a magic link (a folder linked to /proc/self/cwd, /dev/fd)
-         * would be ours, not the caller's: refused there, for Python's walk; the later
-         * ones only change the last name, in a folder already looked through. */
-        if ((hop == 0 ? no_magic_lstat(p, st) : sc(SYS_lstat, (long)p, (long)st, 0, 0, 0, 0)) != 0)
+        /* A look through a magic link (a folder linked to /proc/self/cwd, /dev/fd) would be
+         * ours, not the caller's: refused there, for Python's walk. The later looks only
+         * change the last name, in a folder already looked through. */
+        int plain = hop > 0 || in_program_folder(p);
+        if ((plain ? sc(SYS_lstat, (long)p, (long)st, 0, 0, 0, 0) : no_magic_lstat(p, st)) != 0)
             return 0;
         if (((u32)st[3] & S_IFMT) != S_IFLNK) {
             *size = st[6];
