@@ -82,6 +82,13 @@ def test_commands_are_judged_as_argv(argv: list[str], verdict: Verdict) -> None:
         ("git push -f", ["git", "push", "--forc", "origin"], True),
         ("rm -r", ["rm", "--", "--recursive"], False),  # a file named so
         ("rm -r", ["rm", "--verbose", "x"], False),
+        # short and long spellings of options that take a value, and git's forcing refspec
+        ("pip install --index-url", ["pip", "install", "-i", "https://mirror", "x"], True),
+        ("pip install --index-url", ["pip", "install", "-ihttps://mirror", "x"], True),
+        ("pip install --index-url", ["pip3", "install", "--index=https://mirror", "x"], True),
+        ("pip install --index-url", ["pip", "install", "x"], False),
+        ("git push -f", ["git", "push", "origin", "+main"], True),
+        ("git push -f", ["git", "push", "origin", "main"], False),
     ],
 )
 def test_a_flag_matches_its_other_spellings(pattern: str, argv: list[str], carries: bool) -> None:

@@ -25,9 +25,14 @@ FLAG_SPELLINGS = {
     "chmod": {"-R": ("-R", "--recursive")},
     "chown": {"-R": ("-R", "--recursive")},
     "chgrp": {"-R": ("-R", "--recursive")},
-    "git": {"-f": ("-f", "--force", "--force-with-lease")},
-    "pip": {"-e": ("-e", "--editable"), "-r": ("-r", "--requirement"), "-U": ("-U", "--upgrade")},
-}  # type: Dict[str, Dict[str, Tuple[str, ...]]]
+    # git push's refspec with a leading "+" forces that ref (``git push origin +main``)
+    "git": {"-f": ("-f", "--force", "--force-with-lease", "--force-if-includes", "+")},
+    "pip": {
+        "-e": ("-e", "--editable"), "-r": ("-r", "--requirement"), "-U": ("-U", "--upgrade"),
+        "-i": ("-i", "--index-url"), "--index-url": ("-i", "--index-url"),
+        "-f": ("-f", "--find-links"), "--find-links": ("-f", "--find-links"),
+    },
+}  # type: Dict[str, Dict[str, Tuple[str, ...]]]  # fmt: skip
 VERDICTS = ("allow", "approve", "deny")
 
 
@@ -122,11 +127,15 @@ def _carries(name: str, flag: str, args: "Sequence[str]") -> bool:
             return False  # what follows are operands, even when they look like flags
         if arg in spellings or any(_abbreviates(arg, long) for long in longs):
             return True
+        if "+" in spellings and arg.startswith("+") and len(arg) > 1:
+            return True
         if arg.startswith("-") and not arg.startswith("--") and len(arg) > 2:
             cluster = arg[1:]
             # -fR: every letter a flag; stop at the first that takes a value (-ofile)
             if cluster.isalpha() and any(letter in cluster for letter in letters):
                 return True
+            if not cluster.isalpha() and cluster[0] in letters:
+                return True  # the flag with its value attached (pip -ihttps://...)
     return False
 
 
