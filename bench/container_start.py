@@ -48,9 +48,9 @@ def raw_docker(runtime: str | None) -> Callable[[], object]:
     return lambda: subprocess.run(argv, check=True, capture_output=True)
 
 
-def raw_runsc(rootfs: Path, workdir: Path, platform: str) -> Callable[[], object]:
-    """``runsc run`` on a bundle with the same rootfs and nothing else, on the tier's platform."""
-    config = _guest.oci_config(
+def bare_config(rootfs: Path, workdir: Path, platform: str) -> dict[str, object]:
+    """An OCI config.json of the same rootfs and nothing else (no mounts, masks or cgroup)."""
+    return _guest.oci_config(
         SandboxSpec(),
         rootfs=rootfs,
         folder=workdir,
@@ -59,7 +59,11 @@ def raw_runsc(rootfs: Path, workdir: Path, platform: str) -> Callable[[], object
         annotations={},
         host=_guest.own_kernel_limits(SandboxSpec(), platform),
     )
-    return runsc_run(workdir, config, PRINT1, platform)
+
+
+def raw_runsc(rootfs: Path, workdir: Path, platform: str) -> Callable[[], object]:
+    """``runsc run`` on a bundle with the same rootfs and nothing else, on the tier's platform."""
+    return runsc_run(workdir, bare_config(rootfs, workdir, platform), PRINT1, platform)
 
 
 def ours(backend: Backend, close: bool) -> Callable[[], object]:

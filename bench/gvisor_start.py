@@ -22,15 +22,13 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from _raw import PRINT1, runsc_run
+from container_start import bare_config, timed
 
 from stockade import Limits, Sandbox
-from stockade.sandbox import _guest
 from stockade.sandbox._rootfs import find_rootfs
-from stockade.sandbox.base import SandboxSpec
 from stockade.sandbox.gvisor import DEFAULT_PLATFORM, RunscBackend
 
 OURS = ("ours: `Sandbox.create`", "ours: first `run_code`", "ours: second `run_code`")
@@ -48,12 +46,6 @@ print(sorted(took)[len(took) // 2])
 """
 
 
-def timed(fn: Callable[[], object]) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=8)
@@ -67,15 +59,7 @@ def main() -> None:
     try:
         with Sandbox.create(backend=backend, limits=Limits(memory_mb=256)):  # its config.json, while it lives
             ours_config = json.loads(next(backend.state_dir.glob("gv-*/config.json")).read_text())
-            plain = _guest.oci_config(
-                SandboxSpec(),
-                rootfs=rootfs,
-                folder=workdir,
-                binds={},
-                cgroup="",
-                annotations={},
-                host=_guest.own_kernel_limits(SandboxSpec(), backend.platform),
-            )
+            plain = bare_config(rootfs, workdir, backend.platform)
             pass_ = ["python3", "-S", "-c", "pass"]
             raws = {
                 "raw `runsc run`, `/bin/true`": runsc_run(workdir, plain, ["/bin/true"], backend.platform),
