@@ -120,6 +120,12 @@ RECURSIVE_ROUTES = {
     "the loader, another argv[0]": "/lib64/ld-linux-x86-64.so.2 --argv0 ls /bin/rm -r gone",
     "a copy of the loader": "cp /lib64/ld-linux-x86-64.so.2 /tmp/ld; /tmp/ld /bin/rm -r gone",
     "the loader, from its folder": "cd /bin && /lib64/ld-linux-x86-64.so.2 ./rm -r /workspace/gone",
+    # a copy changed by a byte is still the program it was built as (its ELF build ID)
+    "a copy padded by a byte": "cp /bin/rm /tmp/p; echo >> /tmp/p; /tmp/p -r gone",
+    "a copy patched in place": (
+        'python3 -c \'b = bytearray(open("/bin/rm", "rb").read()); b[-1] ^= 1;'
+        ' open("/tmp/q", "wb").write(b)\'; chmod +x /tmp/q; /tmp/q -r gone'
+    ),
     # links into /proc/self lead to the caller's own files, never the judge's (the microVM's
     # /dev has no /dev/fd: there the same file by /proc/self)
     "/dev/fd": "exec 9</bin/rm; /dev/fd/9 -r gone || /proc/self/fd/9 -r gone",

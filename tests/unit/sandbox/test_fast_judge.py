@@ -211,6 +211,29 @@ def test_what_carries_another_program_is_judged_as_that_program(
     assert _decide(judges, tmp_path, masked_only)[0] == 1
 
 
+@pytest.mark.parametrize("change", ["padded", "patched"])
+def test_a_copy_changed_by_a_byte_is_the_program_it_was_built_as(
+    judges: tuple[Any, Any], tmp_path: Path, change: str
+) -> None:
+    """Out of the image's folders, a file with a rule program's ELF build ID is that program,
+    whatever bytes were added or changed elsewhere: the size and sha256 of a copy are not."""
+    require("/usr/bin/rm", Path("/usr/bin/rm").is_file())
+    _, (_, execjudge) = judges
+    commands = {"deny": [], "approve": [["rm", "-r"]], "allow": []}
+    sizes = importlib.import_module("rulespy").program_sizes(commands)
+    body = bytearray(Path("/usr/bin/rm").read_bytes())
+    if change == "padded":
+        body += b"\n"
+    else:
+        body[-1] ^= 1
+    copy = tmp_path / "x"
+    copy.write_bytes(bytes(body))
+    judge = execjudge.ExecJudge(None, commands, sizes)
+    assert judge.judge(os.getpid(), str(copy), ["x", "-r", "d"]) == ("approve", "commands.approve: rm -r")
+    assert execjudge.build_id(str(copy)) == execjudge.build_id("/usr/bin/rm") is not None
+    assert execjudge.build_id("/etc/hostname") is None
+
+
 CONFINE_PROBE = r"""
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
