@@ -55,6 +55,7 @@ RULES = CommandRules(deny=("curl", "sudo", "nc"), approve=("rm -r", "git push", 
         (["git", "-c", "alias.p=push", "p", "origin"], Verdict.APPROVE),
         (["git", "--git-dir", "repo/.git", "pu"], Verdict.APPROVE),
         (["git", "-C", "repo", "status"], Verdict.ALLOW),
+        (["git", "send-pack", "origin", "main"], Verdict.APPROVE),  # plumbing that pushes
     ],
 )
 def test_commands_are_judged_as_argv(argv: list[str], verdict: Verdict) -> None:

@@ -65,6 +65,9 @@ GIT_COMMANDS = frozenset(
     verify-commit verify-pack verify-tag version web--browse whatchanged worktree write-tree
     """.split()
 )
+# git's plumbing commands that do what a porcelain command does (a rule over the porcelain
+# holds for them too); a word so named anywhere in git's arguments is read as the command.
+GIT_PLUMBING = {"send-pack": "push", "http-push": "push"}
 # git's options before its command that take the next word as their value.
 GIT_VALUED = frozenset(
     ("-C", "-c", "--git-dir", "--work-tree", "--namespace", "--super-prefix", "--config-env")
@@ -98,10 +101,13 @@ def rule_names(name: str) -> "Tuple[str, ...]":
 
 
 def _dashed(command: "Sequence[str]") -> "List[str]":
-    """``git-push x`` as git runs it: ``git push x``."""
+    """``git-push x`` as git runs it: ``git push x``; git's plumbing that does what a porcelain
+    command does, as that command (``git send-pack`` pushes: ``git push``)."""
     name = program(command[0])
     if name.startswith("git-") and len(name) > 4:
-        return ["git", name[4:], *command[1:]]
+        command = ["git", name[4:], *command[1:]]
+    if program(command[0]) == "git":
+        return [command[0], *(GIT_PLUMBING.get(word, word) for word in command[1:])]
     return list(command)
 
 
