@@ -26,13 +26,14 @@ from typing import Any
 
 from stockade import exceptions as exc
 from stockade.sandbox.base import SandboxSpec
+from stockade.sandbox.supervisor import execrules
 from stockade.sandbox.supervisor.protocol import MAX_EXEC_ARGV, MAX_EXEC_RECORDS
 from stockade.types import ExecRecord, Mechanism, SandboxRules
 
 WORKSPACE = "/workspace"
 # Where programs live in an image; their copies under other names are found by content.
 PROGRAM_DIRS = ("usr/local/bin", "usr/bin", "bin", "usr/sbin", "sbin", "usr/libexec", "usr/lib/git-core")
-MULTI_CALL = ("busybox", "toybox")  # one binary, many programs: denied with any of them
+MULTI_CALL = execrules.MULTICALL  # one binary, many programs: denied with any of them
 
 
 # How each tier holds a policy's rules from inside (its kernel may still lack them: checked

@@ -332,11 +332,11 @@ def _strictest(
     return other if STRICTNESS[other[0]] > STRICTNESS[one[0]] else one
 
 
-def caller_path(pid: int, path: str, cwd: "Optional[str]" = None) -> str:
+def caller_path(pid: int, path: str) -> str:
     """``path`` resolved as the process ``pid`` resolves it (ExecJudge._in_view): a relative
     one from its working folder; ``OSError`` (ELOOP) past 40 links, as the kernel."""
     if not path.startswith("/"):
-        path = f"{cwd or f'/proc/{pid}/cwd'}/{path}"
+        path = f"/proc/{pid}/cwd/{path}"
     todo = [part for part in path.split("/") if part]
     done = ""
     hops = 0

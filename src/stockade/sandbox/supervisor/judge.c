@@ -564,19 +564,18 @@ static int in_image(const char *path)
     return 0;
 }
 
-/* Whether ``path`` (normal) names a file right in one of the image's program folders: the
- * folders on its way are the image's, which code cannot make links in, so no magic link is
- * crossed before its name (the look of every PATH search, kept to one system call). */
-static int in_program_folder(const char *path)
+/* Whether ``path`` (normal) names a file right in one of the image's program folders (the D
+ * entries: rules.PROGRAM_DIRS): the folders on its way are the image's, which code cannot
+ * make links in, so no magic link is crossed before its name (the look of every PATH
+ * search, kept to one system call). */
+static int in_program_folder(const struct rules *r, const char *path)
 {
-    static const char *const folders[] = {"/usr/bin/", "/bin/", "/usr/sbin/", "/sbin/", "/usr/local/bin/"};
-    for (unsigned long i = 0; i < sizeof folders / sizeof folders[0]; i++)
-        if (starts(path, folders[i])) {
-            for (const char *p = path + slen(folders[i]); *p; p++)
-                if (*p == '/')
-                    return 0;
+    const char *name = base(path);
+    for (int d = 0; d < r->n_dirs; d++) {
+        unsigned long dl = slen(r->dirs[d]);
+        if ((unsigned long)(name - path) == dl + 1 && starts(path, r->dirs[d]) && path[dl] == '/')
             return 1;
-        }
+    }
     return 0;
 }
 
@@ -596,7 +595,7 @@ static int by_name(struct ctx *c, long len, u64 *size)
         /* A look through a magic link (a folder linked to /proc/self/cwd, /dev/fd) would be
          * ours, not the caller's: refused there, for Python's walk. The later looks only
          * change the last name, in a folder already looked through. */
-        int plain = hop > 0 || in_program_folder(p);
+        int plain = hop > 0 || in_program_folder(&c->rules, p);
         if ((plain ? sc(SYS_lstat, (long)p, (long)st, 0, 0, 0, 0) : no_magic_lstat(p, st)) != 0)
             return 0;
         if (((u32)st[3] & S_IFMT) != S_IFLNK) {

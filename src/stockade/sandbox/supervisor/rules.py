@@ -33,11 +33,9 @@ if TYPE_CHECKING:
 ALWAYS_WRITABLE = ("/tmp", "/dev", "/proc")
 # Where the programs a rule names are looked for, to know their copies by their content.
 PROGRAM_DIRS = ("/usr/local/bin", "/usr/bin", "/bin", "/usr/sbin", "/sbin")
-# Programs that run another one their arguments name (execrules.carried): the dynamic loader
-# (``ld.so /bin/rm -r x``) and multi-call binaries (``busybox rm -r x``). Under rules over
-# argv, both judges hand their execs to the Python judge, which judges what they carry too;
-# their files by path, so that a copy of one is known by its content as a rule's program is.
-CARRIERS = ("ld-linux*", "ld.so*", "ld64.so*", "ld-musl-*", "busybox*", "toybox*")
+# The files of the programs that run another one their arguments name (execrules.carried:
+# the dynamic loader, multi-call binaries), so that a copy of one is known by its content as
+# a rule's program is.
 CARRIER_FILES = (
     "busybox", "toybox", "/lib64/ld-linux-x86-64.so.2", "/lib/ld-linux-aarch64.so.1",
     "/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2", "/lib/ld-musl-x86_64.so.1", "/lib/ld-musl-aarch64.so.1",
@@ -420,7 +418,9 @@ def judge_config(commands: "Dict[str, List[List[str]]]") -> bytes:
     for kind in ("deny", "approve"):
         entries += [f"P{words[0]}" for words in commands[kind] if words]
     if program_names(commands):  # rules over argv: what carries a program, to Python
-        entries += [f"P{name}" for name in CARRIERS]
+        from execrules import LOADERS, MULTICALL  # type: ignore[import-not-found]
+
+        entries += [f"P{name}" for name in (*LOADERS, *(f"{name}*" for name in MULTICALL))]
     if commands["allow"]:
         entries.append("L")
         entries += [f"A{words[0]}" for words in commands["allow"] if len(words) == 1]
