@@ -145,6 +145,9 @@ def test_the_fast_path_allows_only_what_the_python_judge_allows(
         ({"approve": [["pip", "install"]]}, "pip3", ["pip3", "install", "x"], False),
         ({"approve": [["pip", "install"]]}, "ls", ["pip3.11", "install", "x"], False),
         ({"approve": [["git", "push"]]}, "git-push", ["git-push", "origin"], False),
+        # ... and so under a glob that names the program (g?t is git, p?p pip)
+        ({"approve": [["g?t", "push"]]}, "ls", ["git-push", "origin"], False),
+        ({"approve": [["p*p", "install"]]}, "pip3.11", ["pip3.11", "install", "x"], False),
         ({"approve": [["rm", "-r"]]}, "rmdir", ["rmdir", "x"], True),
     ],
 )

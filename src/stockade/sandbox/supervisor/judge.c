@@ -372,10 +372,26 @@ __attribute__((visibility("default"))) int stockade_fast_allows(const char *cfg,
  * ``pat``; Python judges it. */
 static int extends(const char *name, const char *pat)
 {
-    if (!starts(name, pat))
+    if (starts(name, pat)) {
+        char next = name[slen(pat)];
+        if ((next >= '0' && next <= '9') || next == '.' || next == '-')
+            return 1;
+    }
+    /* The names rule_names gives, matched as the rule's glob matches them (g?t is git's). */
+    if (starts(name, "git-") && name[4] && glob("git", pat) != NO)
+        return 1;
+    char bare[256];
+    unsigned long n = slen(name);
+    if (n >= sizeof bare)
+        return 1; /* Python judges it */
+    while (n > 0 && ((name[n - 1] >= '0' && name[n - 1] <= '9') || name[n - 1] == '.'))
+        n--;
+    if (n == 0 || name[n] == 0)
         return 0;
-    char next = name[slen(pat)];
-    return (next >= '0' && next <= '9') || next == '.' || next == '-';
+    for (unsigned long i = 0; i < n; i++)
+        bare[i] = name[i];
+    bare[n] = 0;
+    return glob(bare, pat) != NO;
 }
 
 static int allows(const struct rules *r, const char *names[3], int n_names, const char *argv0,
