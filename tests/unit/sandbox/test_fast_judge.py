@@ -148,6 +148,9 @@ def test_the_fast_path_allows_only_what_the_python_judge_allows(
         # ... and so under a glob that names the program (g?t is git, p?p pip)
         ({"approve": [["g?t", "push"]]}, "ls", ["git-push", "origin"], False),
         ({"approve": [["p*p", "install"]]}, "pip3.11", ["pip3.11", "install", "x"], False),
+        # a rule written as a dashed git command is git's: git-push is git push
+        ({"deny": [["git-push"]]}, "git", ["git", "push"], False),
+        ({"allow": [["git-push"]]}, "git-push", ["git-push"], False),
         ({"approve": [["rm", "-r"]]}, "rmdir", ["rmdir", "x"], True),
     ],
 )

@@ -172,7 +172,7 @@ class ExecJudge:
         """Patterns by their program's name, and those whose program is a glob."""
         literal: "Dict[str, List[List[str]]]" = {}
         globs: "List[List[str]]" = []
-        for words in patterns:
+        for words in map(execrules.pattern, patterns):  # git-push x is git's: git push x
             if execrules.GLOB_CHARS & set(words[0]):
                 globs.append(words)
             else:

@@ -100,6 +100,12 @@ def rule_names(name: str) -> "Tuple[str, ...]":
     return tuple(names)
 
 
+def pattern(words: "Sequence[str]") -> "List[str]":
+    """A rule's words as the commands they are matched against: ``git-push x`` is the rule
+    ``git push x`` (a dashed git command is git's), so that it holds over both spellings."""
+    return _dashed(words) if words else []
+
+
 def _dashed(command: "Sequence[str]") -> "List[str]":
     """``git-push x`` as git runs it: ``git push x``; git's plumbing that does what a porcelain
     command does, as that command (``git send-pack`` pushes: ``git push``)."""
@@ -210,6 +216,7 @@ def matches(words: "Sequence[str]", command: "Sequence[str]") -> bool:
     """Whether the simple command ``command`` is what the pattern ``words`` names."""
     if not command or not words:
         return False
+    words = pattern(words)
     command = _dashed(command)
     name = next((n for n in rule_names(program(command[0])) if _glob(n, words[0])), None)
     if name is None:

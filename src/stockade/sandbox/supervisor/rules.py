@@ -386,12 +386,24 @@ def record(job: "Any", done: "Dict[str, Any]") -> None:
         job.execs.append(done)
 
 
+def _programs(words: "List[str]") -> "Tuple[str, ...]":
+    """The program a rule's first word names, and git's for a dashed git command (``git-push``
+    is ``git push``: execrules.pattern; not imported here, a start would pay its import)."""
+    name = words[0].rsplit("/", 1)[-1]
+    return (words[0], "git") if name.startswith("git-") and len(name) > 4 else (words[0],)
+
+
 def program_names(commands: "Dict[str, List[List[str]]]") -> "Set[str]":
     """The programs whose copies are judged: a program denied whatever its arguments is
     masked (no copy of it can exist), the others are looked for by their size; with them,
     the files of the programs that carry another (``CARRIERS``)."""
-    names = {words[0] for words in commands["approve"] if words}
-    names |= {words[0] for words in commands["deny"] if len(words) > 1}
+    names = {name for words in commands["approve"] if words for name in _programs(words)}
+    names |= {
+        name
+        for words in commands["deny"]
+        if len(_programs(words)) > 1 or len(words) > 1
+        for name in _programs(words)
+    }
     return names | set(CARRIER_FILES) if names else names
 
 
@@ -416,14 +428,16 @@ def judge_config(commands: "Dict[str, List[List[str]]]") -> bytes:
     the folders and names given (``find_sizes``): beside our start, not in it."""
     entries = [f"M{MAX_EXEC_ARGV}"]
     for kind in ("deny", "approve"):
-        entries += [f"P{words[0]}" for words in commands[kind] if words]
+        entries += [f"P{name}" for words in commands[kind] if words for name in _programs(words)]
     if program_names(commands):  # rules over argv: what carries a program, to Python
         from execrules import LOADERS, MULTICALL  # type: ignore[import-not-found]
 
         entries += [f"P{name}" for name in (*LOADERS, *(f"{name}*" for name in MULTICALL))]
     if commands["allow"]:
         entries.append("L")
-        entries += [f"A{words[0]}" for words in commands["allow"] if len(words) == 1]
+        entries += [
+            f"A{words[0]}" for words in commands["allow"] if len(words) == 1 and len(_programs(words)) == 1
+        ]
     entries += [f"D{folder}" for folder in PROGRAM_DIRS]
     entries += [f"N{name}" for name in sorted(program_names(commands))]
     return c_entries(entries)
