@@ -80,6 +80,53 @@ def _rules_or_refusal(tier: str, rules: SandboxRules, **kw: object) -> Sandbox |
     return Sandbox.create(tier, limits=LIMITS, rules=rules, **kw)  # type: ignore[arg-type]
 
 
+# Under an allowlist only the listed programs run: `uname` is not listed, and each route
+# tries it under a listed program's name, from a file the code wrote, or through what is
+# executable so that listed programs can run (the ELF loader, the shell).
+ALLOWED = ("sh", "cat", "cp", "ln", "chmod", "printf", "python3")
+ALLOWLIST_ROUTES = {
+    "by name": "uname",
+    "absolute path": "/usr/bin/uname",
+    "sh -c": "sh -c uname",
+    "a link named as a listed program": "ln -sf /usr/bin/uname /tmp/cat && /tmp/cat",
+    "a copy named as a listed program": "cp /usr/bin/uname /tmp/cat && /tmp/cat",
+    "a copy the code wrote": "cat /usr/bin/uname > /tmp/k && chmod +x /tmp/k && /tmp/k",
+    "a listed program copied": "cp /bin/cat /tmp/c2 && /tmp/c2 /dev/null && echo RAN-A-WRITTEN-FILE",
+    "a script the code wrote": (
+        "printf '#!/bin/sh\\necho RAN-A-WRITTEN-FILE\\n' > /tmp/s && chmod +x /tmp/s && /tmp/s"
+    ),
+    "the loader": "/lib64/ld-linux-x86-64.so.2 /usr/bin/uname",
+    "a link to the loader named as a listed program": (
+        "ln -sf /lib64/ld-linux-x86-64.so.2 /tmp/cat && /tmp/cat /usr/bin/uname"
+    ),
+    "python os.execv, a listed argv[0]": 'python3 -c \'import os; os.execv("/usr/bin/uname", ["cat"])\'',
+    "python, a memfd": (
+        'python3 -c \'import os; f = os.memfd_create("cat");'
+        ' os.write(f, open("/usr/bin/uname", "rb").read()); os.execv(f"/proc/self/fd/{f}", ["cat"])\''
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def allowing(tier: str) -> Iterator[Sandbox | None]:
+    sbx = _rules_or_refusal(tier, SandboxRules(allow=ALLOWED))
+    if sbx is None:
+        yield None
+        return
+    with sbx:
+        yield sbx
+
+
+@pytest.mark.parametrize("route", list(ALLOWLIST_ROUTES))
+def test_under_an_allowlist_nothing_else_runs_by_any_route(allowing: Sandbox | None, route: str) -> None:
+    if allowing is None:  # the tier said it cannot hold the rule
+        return
+    r = allowing.commands.run(ALLOWLIST_ROUTES[route] + "; echo done")
+    assert "Linux" not in r.stdout and "RAN-A-WRITTEN-FILE" not in r.stdout, (r.stdout, r.stderr)
+    assert r.stdout.strip().endswith("done"), (r.stdout, r.stderr)  # the listed shell ran
+    assert allowing.commands.run("printf listed | cat").stdout == "listed"
+
+
 @pytest.fixture(scope="module")
 def approving(tier: str) -> Iterator[Sandbox | None]:
     sbx = _rules_or_refusal(tier, SandboxRules(approve=("rm -r",)))

@@ -62,7 +62,9 @@ def test_commands_are_judged_as_argv(argv: list[str], verdict: Verdict) -> None:
     assert decide_command(RULES, argv).verdict is verdict
 
 
-@pytest.mark.parametrize("argv", [["git", "push", "origin"], ["git-push", "origin"], ["git", "send-pack", "x"]])
+@pytest.mark.parametrize(
+    "argv", [["git", "push", "origin"], ["git-push", "origin"], ["git", "send-pack", "x"]]
+)
 def test_a_rule_written_as_a_dashed_git_command_holds_over_every_spelling(argv: list[str]) -> None:
     # git-push is git push (git runs what its argv[0] names): the rule is the same either way
     assert decide_command(CommandRules(deny=("git-push",)), argv).verdict is Verdict.DENY

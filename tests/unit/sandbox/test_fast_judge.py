@@ -165,6 +165,24 @@ def test_what_the_fast_path_answers_itself(
         assert verdict == ("allow", None)
 
 
+def test_under_an_allowlist_a_link_to_the_loader_by_an_allowed_name_is_left_to_python(
+    judges: tuple[Any, Any], tmp_path: Path
+) -> None:
+    # the loader is executable under an allowlist (to run what is on it) and runs whatever it
+    # loads: a link named as an allowed program that leads to it is judged as what it loads
+    rules = {"deny": [], "approve": [], "allow": [["rm"]]}
+    case = {
+        "rules": rules,
+        "path": "rm",
+        "file": "ld-linux-x86-64.so.2",
+        "content": "small",
+        "argv": ["rm", "x"],
+    }
+    said, verdict = _decide(judges, tmp_path, case)
+    assert not said
+    assert verdict == ("deny", "commands.allow")
+
+
 def test_a_copy_of_a_rule_program_is_left_to_python_by_its_size(
     judges: tuple[Any, Any], tmp_path: Path
 ) -> None:
