@@ -429,13 +429,13 @@ def judge_config(commands: "Dict[str, List[List[str]]]") -> bytes:
     entries = [f"M{MAX_EXEC_ARGV}"]
     for kind in ("deny", "approve"):
         entries += [f"P{name}" for words in commands[kind] if words for name in _programs(words)]
-    if program_names(commands) or commands["allow"]:
-        # Rules over argv, or an allowlist (which the loader is on, to run what is: a link
-        # named as an allowed program that leads to it runs any file): what carries a
-        # program goes to Python, which judges it as the program it carries.
-        from execrules import LOADERS, MULTICALL  # type: ignore[import-not-found]
+    # What carries a program goes to Python, which judges it as the program it carries: under
+    # rules over argv, and under an allowlist (which the loader is on, so that what is listed
+    # runs: a link named as a listed program that leads to it would run any file). Under
+    # denials alone the masks hold it (no denied file to load), judged alike all the same.
+    from execrules import LOADERS, MULTICALL  # type: ignore[import-not-found]
 
-        entries += [f"P{name}" for name in (*LOADERS, *(f"{name}*" for name in MULTICALL))]
+    entries += [f"P{name}" for name in (*LOADERS, *(f"{name}*" for name in MULTICALL))]
     if commands["allow"]:
         entries.append("L")
         entries += [
