@@ -399,6 +399,41 @@ def test_no_route_runs_a_denied_program_under_any_policy(
     assert PROGRAMS[denied] not in out, (line, language, out)
 
 
+# Under an allowlist: the routes above, and those through what an allowlist lets run (a link
+# or a copy named as a listed program, the loader that listed programs need).
+SETUP = ("sh", "ln", "cp", "chmod")  # listed always: what the routes make their files with
+LISTABLE = ("cat", "env", "xargs", "python3", "perl", "find", "awk", "ls")
+ALLOWLIST_TEMPLATES = (
+    *ROUTE_TEMPLATES,
+    "ln -sf /usr/bin/{p} /tmp/{listed} && /tmp/{listed}",
+    "cp /usr/bin/{p} /tmp/{listed} && /tmp/{listed}",
+    "/lib64/ld-linux-x86-64.so.2 /usr/bin/{p}",
+    "ln -sf /lib64/ld-linux-x86-64.so.2 /tmp/{listed} && /tmp/{listed} /usr/bin/{p}",
+    'python3 -c \'import os; os.execv("/usr/bin/{p}", ["{listed}"])\'',
+)
+
+
+@pytest.mark.parametrize("route", ALLOWLIST_TEMPLATES)  # each route, whatever else is drawn
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    unlisted=st.sampled_from(sorted(PROGRAMS)),
+    listed=st.lists(st.sampled_from(LISTABLE), min_size=1, max_size=4, unique=True),
+    language=st.sampled_from(["command", "run_code python"]),
+)
+def test_no_route_runs_an_unlisted_program_under_any_allowlist(
+    route: str, unlisted: str, listed: list[str], language: str
+) -> None:
+    require_tier("process")
+    rules = SandboxRules(allow=(*SETUP, *listed))
+    line = route.format(p=unlisted, listed=listed[0])
+    with Sandbox.create("process", limits=LIMITS, rules=rules) as sbx:
+        if language == "command":
+            out = sbx.commands.run(line).stdout
+        else:
+            out = sbx.run_code(f"import subprocess\nsubprocess.run({line!r}, shell=True)").logs.stdout
+    assert PROGRAMS[unlisted] not in out, (line, listed, language, out)
+
+
 # -- the agent's sandbox: the policy file of the examples --------------------------------------
 
 
