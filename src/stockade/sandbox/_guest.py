@@ -273,9 +273,11 @@ def unreadable_file(state_dir: Path) -> Path:
     return path
 
 
-def mount_tmpfs(target: Path, *, size: int, inodes: int, mode: int, uid: int = SANDBOX_UID) -> None:
+def mount_tmpfs(
+    target: Path, *, size: int, inodes: int, mode: int, uid: int = SANDBOX_UID, noexec: bool = False
+) -> None:
     """A size- and inode-limited tmpfs owned by the sandbox user (needs root)."""
-    _host.mount_tmpfs(target, size=size, inodes=inodes, uid=uid, mode=mode)
+    _host.mount_tmpfs(target, size=size, inodes=inodes, uid=uid, mode=mode, noexec=noexec)
 
 
 umount = _host.umount

@@ -20,14 +20,16 @@ from typing import IO, Protocol
 from stockade import exceptions as exc
 
 _libc = ctypes.CDLL(None, use_errno=True)
-MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MNT_DETACH = 2
 
 
-def mount_tmpfs(target: Path, *, size: int, inodes: int, uid: int, mode: int) -> None:
-    """A size- and inode-limited tmpfs owned by ``uid`` (needs root): memory, never the disk."""
+def mount_tmpfs(target: Path, *, size: int, inodes: int, uid: int, mode: int, noexec: bool = False) -> None:
+    """A size- and inode-limited tmpfs owned by ``uid`` (needs root): memory, never the disk.
+    ``noexec``: nothing on it can be executed nor mapped executable (a library loaded)."""
     opts = f"size={size},nr_inodes={inodes},mode={mode:o},uid={uid},gid={uid}".encode()
-    if _libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", MS_NOSUID | MS_NODEV, opts) != 0:
+    flags = MS_NOSUID | MS_NODEV | (MS_NOEXEC if noexec else 0)
+    if _libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", flags, opts) != 0:
         err = ctypes.get_errno()
         raise exc.SandboxStartError(f"cannot mount a tmpfs at {target}: {os.strerror(err)}")
 

@@ -91,6 +91,14 @@ def _split(pattern: str) -> tuple[str, ...]:
     return tuple(shlex.split(pattern))
 
 
+def written_noexec(spec: SandboxSpec) -> bool:
+    """Whether the places code writes are mounted ``noexec``: under an allowlist, where a file
+    the code wrote must not run, neither as a program (Landlock's execute right) nor as a
+    library a listed program maps executable (``LD_PRELOAD``, ``dlopen``: Landlock does not
+    see mappings, the mount's flag does)."""
+    return spec.rules is not None and bool(spec.rules.allow)
+
+
 def plan(spec: SandboxSpec, *, root: Path | None, can_mask: bool, can_confine: bool) -> RulesPlan:
     """The rules of ``spec`` for a tier: ``root`` is the image the masks are looked up in
     (None: by name only), ``can_confine`` whether the tier's kernel runs Landlock and seccomp

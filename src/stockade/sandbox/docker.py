@@ -474,9 +474,11 @@ class DockerBackend(Backend):
             if target in binds:
                 volume_binds[str(binds[target])] = {"bind": target, "mode": "rw"}
             else:
-                # Docker adds noexec unless told otherwise; every tier lets the workspace run code.
+                # Docker adds noexec unless told otherwise; every tier lets the workspace run code
+                # but under an allowlist (_rules.written_noexec).
+                run = "noexec" if _rules.written_noexec(spec) else "exec"
                 tmpfs[target] = (
-                    f"rw,exec,nosuid,nodev,size={size},nr_inodes={inodes},mode={mode:o},uid={uid},gid={uid}"
+                    f"rw,{run},nosuid,nodev,size={size},nr_inodes={inodes},mode={mode:o},uid={uid},gid={uid}"
                 )
         memory = limits.memory_mb * _guest.MiB
         pids = limits.pids
@@ -548,7 +550,8 @@ class DockerBackend(Backend):
                 for target, (size, inodes, mode) in _guest.tmpfs_sizes(spec).items():
                     path = rundir / target.strip("/")
                     path.mkdir()
-                    _guest.mount_tmpfs(path, size=size, inodes=inodes, mode=mode, uid=uid)
+                    noexec = _rules.written_noexec(spec)
+                    _guest.mount_tmpfs(path, size=size, inodes=inodes, mode=mode, uid=uid, noexec=noexec)
                     mounts.append(path)
                     binds[target] = path
         except BaseException:

@@ -566,6 +566,7 @@ class ProcessBackend(Backend):
                         inodes=inodes,
                         uid=uid,
                         mode=0o755 if name == "workspace" else 0o1777,
+                        noexec=_rules.written_noexec(spec),
                     )
                     mounts.append(target)
             egress = _attach_egress(spec, rundir, uid)
