@@ -116,7 +116,9 @@ exec /usr/bin/nice -n 10 /usr/bin/python3 -S -E -s -I /opt/stockade/guestd.py 4<
 # byte on) and set the clock (a snapshot's clock stopped when it was taken); it answers "K".
 # "U" says it listens. When the sandbox's init ends, so does it (and with it the VM).
 GUESTD = """\
-import fcntl, os, signal, struct, time
+import ctypes, fcntl, os, signal, struct, time
+
+LIBC = ctypes.CDLL(None, use_errno=True)  # loaded at boot: the boot image holds it
 
 RNDADDENTROPY = 0x40085203
 RNDRESEEDCRNG = 0x5207
@@ -131,6 +133,8 @@ def reap(*_):
             os._exit(0)
         if pid == 0:
             return
+        if pid == SANDBOX:  # the sandbox ended: so does the guest (PID 1's exit)
+            os._exit(0)
 
 
 def seed(data):
@@ -141,8 +145,46 @@ def seed(data):
     time.clock_settime_ns(time.CLOCK_REALTIME, ns)
 
 
+def remounter(requests, replies):
+    # A child of ours, forked at boot (so the boot image holds it: no fork at a sandbox's
+    # start): it joins the sandbox's mount namespace (that of the unshare that started it,
+    # our other child) and mounts its written places noexec, nothing on them mapped
+    # executable (an allowlist's libraries). Not us: setns refuses PID 1 a mount namespace
+    # (EINVAL: its fs is the kernel's threads' too). Out of the sandbox's pid namespace.
+    while os.read(requests, 1):
+        ok = False
+        try:
+            fd = os.open(f"/proc/{SANDBOX}/ns/mnt", os.O_RDONLY)
+            if LIBC.setns(fd, 0x20000) == 0:  # CLONE_NEWNS
+                # MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV | MS_NOEXEC
+                flags = 32 | 4096 | 2 | 4 | 8
+                places = (b"/workspace", b"/tmp", b"/dev/shm")
+                ok = all(LIBC.mount(None, p, None, flags, None) == 0 for p in places)
+            os.close(fd)
+        except OSError:
+            pass
+        os.write(replies, b"K" if ok else b"E")
+    os._exit(0)
+
+
+def start_remounter():
+    to_child, requests = os.pipe()[::-1]
+    replies, from_child = os.pipe()
+    if os.fork() == 0:
+        os.close(to_child)
+        os.close(replies)
+        os.close(3)
+        remounter(requests, from_child)
+    os.close(requests)
+    os.close(from_child)
+    return to_child, replies
+
+
+# Our one child at our start: the unshare that runs the sandbox (start.sh).
+SANDBOX = int((open(f"/proc/self/task/{os.getpid()}/children").read().split() or ["0"])[0])
 signal.signal(signal.SIGCHLD, reap)
 reap()
+REMOUNT = start_remounter()
 os.write(3, b"U")
 buf = b""
 while True:
@@ -152,6 +194,11 @@ while True:
         continue
     buf += data
     while buf:
+        if buf[:1] == b"N":
+            os.write(REMOUNT[0], b"N")
+            os.write(3, os.read(REMOUNT[1], 1) or b"E")
+            buf = buf[1:]
+            continue
         if buf[:1] != b"S":
             buf = buf[1:]
             continue

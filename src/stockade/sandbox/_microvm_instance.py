@@ -81,7 +81,16 @@ class VMBoundary(Boundary):
             raise exc.SandboxStartError(f"cannot reach the restored guest's helper: {err}") from None
         self._expect(b"K", timeout_s)
 
-    def _expect(self, byte: bytes, timeout_s: float) -> None:
+    def noexec(self, timeout_s: float = 10.0) -> None:
+        """The sandbox's written places mounted noexec by the guest's root helper, in the
+        sandbox's mount namespace (under an allowlist: ``_rules.written_noexec``)."""
+        try:
+            self.ctl.sendall(b"N")
+        except OSError as err:
+            raise exc.SandboxStartError(f"cannot reach the guest's helper: {err}") from None
+        self._expect(b"K", timeout_s, what="mount the written places noexec")
+
+    def _expect(self, byte: bytes, timeout_s: float, what: str = "be reseeded") -> None:
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
@@ -99,7 +108,7 @@ class VMBoundary(Boundary):
             if not data:
                 raise exc.SandboxStartError("the guest's helper is gone")
             if data.rstrip(b"U").endswith(b"E"):
-                raise exc.SandboxStartError("the guest could not be reseeded")
+                raise exc.SandboxStartError(f"the guest could not {what}")
             if byte in data:
                 return
 

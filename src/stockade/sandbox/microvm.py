@@ -453,6 +453,8 @@ class MicroVMBackend(Backend):
                 # The guest runs from here on: its first act is the reseed, before any request.
                 boundary.monitor().command("cont")
                 boundary.reseed()
+                if _rules.written_noexec(spec):
+                    boundary.noexec()
             except BaseException:
                 instance.close()
                 raise
@@ -467,6 +469,12 @@ class MicroVMBackend(Backend):
             return _tail(boundary.rundir / "console.log") or _tail(boundary.rundir / "qemu.log")
 
         instance.start(lambda: self._config(spec, boundary.egress), START_TIMEOUT_S, rules, log=log)
+        if boot is None and _rules.written_noexec(spec):  # a cold boot: before any request
+            try:
+                boundary.noexec()
+            except BaseException:
+                instance.close()
+                raise
         if build is not None:
             self._ready.build_soon(self, build)
         return instance
@@ -567,6 +575,8 @@ class MicroVMBackend(Backend):
             self._attach_egress(spec, waiting.boundary)
             waiting.boundary.monitor().command("cont")
             waiting.boundary.reseed()
+            if _rules.written_noexec(spec):
+                waiting.boundary.noexec()
             instance.reseed(resume_args(self._config(spec, waiting.boundary.egress), image))
         except BaseException:
             instance.close()
@@ -691,6 +701,8 @@ class MicroVMBackend(Backend):
             try:
                 boundary.monitor().load(fd)
                 boundary.reseed()
+                if _rules.written_noexec(spec):
+                    boundary.noexec()
                 instance.reseed()  # the kernel's generator is new; the interpreter's are the snapshot's
             except BaseException:
                 instance.close()

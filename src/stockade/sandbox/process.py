@@ -268,6 +268,11 @@ class ProcessBackend(Backend):
                     fix="run as root, or pass allow_weaker=True (inodes then bounded by memory only)",
                 )
             weakened.append("inodes: bounded by the memory limit (tmpfs size still enforced)")
+            if _rules.written_noexec(spec):  # (allow_weaker is already needed for the inodes)
+                weakened.append(
+                    "commands.allow: the written places are not noexec (bubblewrap's tmpfs, without root): "
+                    "a library the code wrote can be loaded into a listed program"
+                )
         net = spec.network
         if net.unrestricted:
             if not spec.allow_weaker:
