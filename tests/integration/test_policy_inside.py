@@ -410,6 +410,18 @@ ROUTE_TEMPLATES = (
 )
 
 
+def output_of(rules: SandboxRules, line: str, language: str) -> str:
+    """What ``line`` prints in a process sandbox under ``rules``, run as a command, by bash's
+    run_code, or from Python's."""
+    require_tier("process")
+    with Sandbox.create("process", limits=LIMITS, rules=rules) as sbx:
+        if language == "command":
+            return sbx.commands.run(line).stdout
+        if language == "run_code bash":
+            return sbx.run_code(line, language="bash").logs.stdout
+        return sbx.run_code(f"import subprocess\nsubprocess.run({line!r}, shell=True)").logs.stdout
+
+
 @pytest.mark.parametrize("route", ROUTE_TEMPLATES)  # each route, whatever else is drawn
 @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
@@ -420,16 +432,8 @@ ROUTE_TEMPLATES = (
 def test_no_route_runs_a_denied_program_under_any_policy(
     route: str, denied: str, noise: list[str], language: str
 ) -> None:
-    require_tier("process")
-    rules = SandboxRules(deny=(denied, *noise))
     line = route.format(p=denied)
-    with Sandbox.create("process", limits=LIMITS, rules=rules) as sbx:
-        if language == "command":
-            out = sbx.commands.run(line).stdout
-        elif language == "run_code bash":
-            out = sbx.run_code(line, language="bash").logs.stdout
-        else:
-            out = sbx.run_code(f"import subprocess\nsubprocess.run({line!r}, shell=True)").logs.stdout
+    out = output_of(SandboxRules(deny=(denied, *noise)), line, language)
     assert PROGRAMS[denied] not in out, (line, language, out)
 
 
@@ -457,14 +461,8 @@ ALLOWLIST_TEMPLATES = (
 def test_no_route_runs_an_unlisted_program_under_any_allowlist(
     route: str, unlisted: str, listed: list[str], language: str
 ) -> None:
-    require_tier("process")
-    rules = SandboxRules(allow=(*SETUP, *listed))
     line = route.format(p=unlisted, listed=listed[0])
-    with Sandbox.create("process", limits=LIMITS, rules=rules) as sbx:
-        if language == "command":
-            out = sbx.commands.run(line).stdout
-        else:
-            out = sbx.run_code(f"import subprocess\nsubprocess.run({line!r}, shell=True)").logs.stdout
+    out = output_of(SandboxRules(allow=(*SETUP, *listed)), line, language)
     assert PROGRAMS[unlisted] not in out, (line, listed, language, out)
 
 

@@ -547,10 +547,10 @@ class DockerBackend(Backend):
                 os.chmod(etc / name, 0o644)
                 binds[f"/etc/{name}"] = etc / name
             if self.host_tmpfs:
+                noexec = _rules.written_noexec(spec)
                 for target, (size, inodes, mode) in _guest.tmpfs_sizes(spec).items():
                     path = rundir / target.strip("/")
                     path.mkdir()
-                    noexec = _rules.written_noexec(spec)
                     _guest.mount_tmpfs(path, size=size, inodes=inodes, mode=mode, uid=uid, noexec=noexec)
                     mounts.append(path)
                     binds[target] = path

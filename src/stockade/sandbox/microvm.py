@@ -453,8 +453,7 @@ class MicroVMBackend(Backend):
                 # The guest runs from here on: its first act is the reseed, before any request.
                 boundary.monitor().command("cont")
                 boundary.reseed()
-                if _rules.written_noexec(spec):
-                    boundary.noexec()
+                _seal_written(boundary, spec)
             except BaseException:
                 instance.close()
                 raise
@@ -469,9 +468,9 @@ class MicroVMBackend(Backend):
             return _tail(boundary.rundir / "console.log") or _tail(boundary.rundir / "qemu.log")
 
         instance.start(lambda: self._config(spec, boundary.egress), START_TIMEOUT_S, rules, log=log)
-        if boot is None and _rules.written_noexec(spec):  # a cold boot: before any request
+        if boot is None:  # a cold boot: before any request
             try:
-                boundary.noexec()
+                _seal_written(boundary, spec)
             except BaseException:
                 instance.close()
                 raise
@@ -575,8 +574,7 @@ class MicroVMBackend(Backend):
             self._attach_egress(spec, waiting.boundary)
             waiting.boundary.monitor().command("cont")
             waiting.boundary.reseed()
-            if _rules.written_noexec(spec):
-                waiting.boundary.noexec()
+            _seal_written(waiting.boundary, spec)
             instance.reseed(resume_args(self._config(spec, waiting.boundary.egress), image))
         except BaseException:
             instance.close()
@@ -701,8 +699,7 @@ class MicroVMBackend(Backend):
             try:
                 boundary.monitor().load(fd)
                 boundary.reseed()
-                if _rules.written_noexec(spec):
-                    boundary.noexec()
+                _seal_written(boundary, spec)
                 instance.reseed()  # the kernel's generator is new; the interpreter's are the snapshot's
             except BaseException:
                 instance.close()
@@ -710,6 +707,13 @@ class MicroVMBackend(Backend):
         finally:
             os.close(fd)
         return instance
+
+
+def _seal_written(boundary: VMBoundary, spec: SandboxSpec) -> None:
+    """Under an allowlist, the guest's written places noexec (``_rules.written_noexec``): once
+    the guest is this sandbox's, before its first request."""
+    if _rules.written_noexec(spec):
+        boundary.noexec()
 
 
 @dataclass(frozen=True)

@@ -387,23 +387,27 @@ def record(job: "Any", done: "Dict[str, Any]") -> None:
 
 
 def _programs(words: "List[str]") -> "Tuple[str, ...]":
-    """The program a rule's first word names, and git's for a dashed git command (``git-push``
-    is ``git push``: execrules.pattern; not imported here, a start would pay its import)."""
-    name = words[0].rsplit("/", 1)[-1]
-    return (words[0], "git") if name.startswith("git-") and len(name) > 4 else (words[0],)
+    """The program a rule's first word names, and the one it is matched as (``git-push`` is
+    ``git push``: ``execrules.pattern``)."""
+    import execrules  # type: ignore[import-not-found]  # judge_config loads it at every start under rules
+
+    return tuple(dict.fromkeys((words[0], execrules.pattern(words)[0])))
+
+
+def _over_argv(words: "List[str]") -> bool:
+    """A rule that judges arguments (``rm -r``, and ``git-push``: ``git push``)."""
+    import execrules  # type: ignore[import-not-found]
+
+    return len(execrules.pattern(words)) > 1
 
 
 def program_names(commands: "Dict[str, List[List[str]]]") -> "Set[str]":
     """The programs whose copies are judged: a program denied whatever its arguments is
     masked (no copy of it can exist), the others are looked for by their size; with them,
     the files of the programs that carry another (``CARRIERS``)."""
-    names = {name for words in commands["approve"] if words for name in _programs(words)}
-    names |= {
-        name
-        for words in commands["deny"]
-        if len(_programs(words)) > 1 or len(words) > 1
-        for name in _programs(words)
-    }
+    judged = [words for words in commands["approve"] if words]
+    judged += [words for words in commands["deny"] if words and _over_argv(words)]
+    names = {name for words in judged for name in _programs(words)}
     return names | set(CARRIER_FILES) if names else names
 
 
@@ -438,9 +442,7 @@ def judge_config(commands: "Dict[str, List[List[str]]]") -> bytes:
     entries += [f"P{name}" for name in (*LOADERS, *(f"{name}*" for name in MULTICALL))]
     if commands["allow"]:
         entries.append("L")
-        entries += [
-            f"A{words[0]}" for words in commands["allow"] if len(words) == 1 and len(_programs(words)) == 1
-        ]
+        entries += [f"A{words[0]}" for words in commands["allow"] if words and not _over_argv(words)]
     entries += [f"D{folder}" for folder in PROGRAM_DIRS]
     entries += [f"N{name}" for name in sorted(program_names(commands))]
     return c_entries(entries)
