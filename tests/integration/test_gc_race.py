@@ -192,7 +192,7 @@ def _race(state: Path, another: Path | None, seconds: float) -> None:
     made: list[str] = []
     for out in outputs:
         report = json.loads(out)
-        assert report["failures"] == [], report["failures"][:3]
+        assert report["failures"] == [], (report["failures"][:3], collected)
         assert report["made"], "a worker made no sandbox"
         made += report["made"]
     # Only the workers' count: other sandboxes of a shared host come and go meanwhile.

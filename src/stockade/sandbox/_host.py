@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import os
 import secrets
@@ -13,6 +14,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Protocol
@@ -222,23 +224,83 @@ class Piped(Protocol):
 
 
 class PipeStream:
-    """A child's stdin/stdout pipes as the one byte stream the supervisor speaks over."""
+    """A child's stdin/stdout pipes as the one byte stream the supervisor speaks over.
+
+    The stream reads and writes descriptors of its own (duplicates) and frees each number
+    only once no thread can use it again: the read end when its reader has read the end,
+    the write end when no send is under way. Until then a closed stream's ends are
+    /dev/null (a read is the end, a write goes nowhere). A number freed early is the next
+    pipe's: the channel's reader, between two reads when its sandbox was closed, read the
+    next sandbox's ``ready`` off it (that start then waited 20 s for an answer), and a call
+    racing a close could have written into another sandbox."""
 
     def __init__(self, proc: subprocess.Popen[bytes] | Piped) -> None:
         assert proc.stdin is not None and proc.stdout is not None
         self._proc = proc
-        self._in = proc.stdin.fileno()
-        self._out = proc.stdout.fileno()
+        self._fds = [os.dup(proc.stdin.fileno()), os.dup(proc.stdout.fileno())]  # [in, out]; -1 once freed
+        self._closed = False
+        self._sending = 0
+        self._lock = threading.Lock()
+        weakref.finalize(self, _close_all, self._fds)  # a reader that stopped before the end
 
     def recv(self) -> bytes:
-        return os.read(self._out, 1 << 20)
+        fd = self._fds[1]  # only the reader (one thread) reads, and frees, this end
+        if fd < 0:
+            return b""
+        try:
+            data = os.read(fd, 1 << 20)
+        except OSError:
+            self._free(1)
+            raise
+        if not data:
+            self._free(1)
+        return data
 
     def send(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self._in, view) :]
+        with self._lock:
+            fd = self._fds[0]
+            if fd < 0:
+                raise BrokenPipeError(errno.EPIPE, "the stream is closed")
+            self._sending += 1
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            with self._lock:
+                self._sending -= 1
+                last = self._closed and not self._sending
+            if last:
+                self._free(0)
 
     def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+            try:  # dup2 ends the pipe's end and keeps its number at once: no gap to reuse it
+                for fd in self._fds:
+                    if fd >= 0:
+                        os.dup2(null, fd, inheritable=False)
+            finally:
+                os.close(null)
+            idle = not self._sending
+        if idle:
+            self._free(0)
         if self._proc.stdin is not None:
             with contextlib.suppress(OSError):
                 self._proc.stdin.close()
+
+    def _free(self, end: int) -> None:
+        with self._lock:
+            fd, self._fds[end] = self._fds[end], -1
+        if fd >= 0:
+            os.close(fd)
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
