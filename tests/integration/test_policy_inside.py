@@ -96,6 +96,11 @@ ALLOWLIST_ROUTES = {
         "printf '#!/bin/sh\\necho RAN-A-WRITTEN-FILE\\n' > /tmp/s && chmod +x /tmp/s && /tmp/s"
     ),
     "the loader": "/lib64/ld-linux-x86-64.so.2 /usr/bin/uname",
+    "a copy named as a listed program, behind a link's ..": (  # lexically /usr/bin/cat
+        'python3 -c \'import os, shutil; os.makedirs("/tmp/a/b/c"); os.makedirs("/tmp/a/usr/bin");'
+        ' os.symlink("/tmp/a/b/c", "/tmp/l"); shutil.copy("/usr/bin/uname", "/tmp/a/usr/bin/cat")\''
+        " && /tmp/l/../../usr/bin/cat"
+    ),
     "a link to the loader named as a listed program": (
         "ln -sf /lib64/ld-linux-x86-64.so.2 /tmp/cat && /tmp/cat /usr/bin/uname"
     ),
@@ -212,6 +217,12 @@ RECURSIVE_ROUTES = {
     "/dev/fd": "exec 9</bin/rm; /dev/fd/9 -r gone || /proc/self/fd/9 -r gone",
     "/dev/stdin": "/dev/stdin -r gone < /bin/rm || /proc/self/fd/0 -r gone < /bin/rm",
     "a link of its own to /proc/self/fd": "exec 8</bin/rm; ln -sfn /proc/self/fd /tmp/fd; /tmp/fd/8 -r gone",
+    # ".." is the parent of where a link leads: lexically /tmp/l/../../usr/bin/true is the
+    # image's true, while the kernel runs the copy beside the folders /tmp/l leads to
+    "a copy named as an image program, behind a link's ..": (
+        "mkdir -p /tmp/a/b/c /tmp/a/usr/bin && ln -sfn /tmp/a/b/c /tmp/l && cp /bin/rm /tmp/a/usr/bin/true"
+        " && /tmp/l/../../usr/bin/true -r gone"
+    ),
     "a decoy behind a link to /proc/self/cwd": (
         "W=$PWD; cp /bin/rm /tmp/zz && echo harmless > zz && chmod +x zz && ln -sfn /proc/self/cwd /tmp/c"
         " && cd /tmp && /tmp/c/zz -r $W/gone"

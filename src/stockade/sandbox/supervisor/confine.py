@@ -270,7 +270,10 @@ def _read_string(mem: int, address: int) -> str:
 
 def read_path(mem: int, pid: int, nr: int, args: "Tuple[int, ...]") -> str:
     """The path an exec asked for, made absolute (a relative one is relative to the caller's
-    working folder, or to execveat's folder)."""
+    working folder, or to execveat's folder), without its empty and "." parts. Its ".."
+    parts are kept: each is the parent of where the links before it lead, which only a walk
+    of the caller's folders tells (``execjudge.exec_path``), not of the name written before
+    it."""
     if nr == NR_EXECVE:
         path_at, base = args[0], f"/proc/{pid}/cwd"
     else:
@@ -280,7 +283,7 @@ def read_path(mem: int, pid: int, nr: int, args: "Tuple[int, ...]") -> str:
     path = _read_string(mem, path_at) if path_at else ""
     if not path.startswith("/"):
         path = os.path.join(os.readlink(base), path) if path else os.readlink(base)
-    return os.path.normpath(path)
+    return "/" + "/".join(part for part in path.split("/") if part not in ("", "."))
 
 
 def read_argv(mem: int, nr: int, args: "Tuple[int, ...]") -> "List[str]":

@@ -65,7 +65,7 @@ class ExecJudge:
             confine.answer(listener, nid, False)  # gone, or cannot tell what it runs: no
             return
         try:
-            path = confine.read_path(mem, pid, nr, args)
+            path = exec_path(pid, confine.read_path(mem, pid, nr, args))
             target = self._in_view(pid, path)
             try:
                 st = os.stat(target)
@@ -330,6 +330,23 @@ def _strictest(
     one: "Tuple[str, Optional[str]]", other: "Tuple[str, Optional[str]]"
 ) -> "Tuple[str, Optional[str]]":
     return other if STRICTNESS[other[0]] > STRICTNESS[one[0]] else one
+
+
+def exec_path(pid: int, path: str) -> str:
+    """``path`` (absolute, no "." part) with its ".." parts resolved as the process ``pid``
+    resolves them, its last name kept (a link's name is what the rules judge). Lexically,
+    /tmp/l/../../usr/bin/true was /usr/bin/true, a program of the image, while the kernel
+    ran true beside the folders /tmp/l leads to: a copy the code wrote there, of a program
+    the rules name. ``OSError`` where the folder is only the caller's to walk (/proc/PID)."""
+    if "/.." not in path:
+        return path
+    folder, _, name = path.rpartition("/")
+    if name == "..":
+        folder, name = path, ""
+    real = caller_path(pid, folder or "/")
+    if real.startswith("/proc/"):
+        raise OSError(ELOOP, "a folder reached through the caller's /proc", path)
+    return f"{real.rstrip('/')}/{name}" if name else real
 
 
 def caller_path(pid: int, path: str) -> str:

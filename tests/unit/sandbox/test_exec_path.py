@@ -1,0 +1,56 @@
+"""The path an exec is judged by is the one the kernel runs: a ".." is the parent of where the
+links before it lead, not of the name written before it (execjudge.exec_path)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stockade.sandbox import _judge
+
+SUPERVISOR = Path(_judge.SOURCE).parent
+
+
+@pytest.fixture(scope="module")
+def execjudge() -> Iterator[Any]:
+    sys.path.insert(0, str(SUPERVISOR))  # the supervisor's modules import each other by name
+    try:
+        yield importlib.import_module("execjudge")
+    finally:
+        sys.path.remove(str(SUPERVISOR))
+
+
+def test_a_dot_dot_after_a_link_is_the_parent_of_its_target(execjudge: Any, tmp_path: Path) -> None:
+    (tmp_path / "a/b/c").mkdir(parents=True)
+    (tmp_path / "a/usr/bin").mkdir(parents=True)
+    (tmp_path / "a/usr/bin/true").write_text("a copy the code wrote")
+    (tmp_path / "l").symlink_to(tmp_path / "a/b/c")
+    asked = f"{tmp_path}/l/../../usr/bin/true"
+    assert os.path.normpath(asked) == f"{tmp_path.parent}/usr/bin/true"  # what the judge saw before
+    judged = execjudge.exec_path(os.getpid(), asked)
+    assert judged == f"{tmp_path}/a/usr/bin/true"
+    assert os.path.samefile(judged, asked)  # the file the kernel opens
+
+
+def test_the_last_name_stays_a_links_own(execjudge: Any, tmp_path: Path) -> None:
+    # The rules judge a link by its name (a link named as a listed program is judged as what
+    # it leads to by the file, and as itself by the name): only the folders are resolved.
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d/cat").symlink_to("/bin/true")
+    assert execjudge.exec_path(os.getpid(), f"{tmp_path}/d/../d/cat") == f"{tmp_path}/d/cat"
+
+
+def test_a_path_without_dot_dot_is_judged_as_written(execjudge: Any) -> None:
+    assert execjudge.exec_path(os.getpid(), "/usr/bin/true") == "/usr/bin/true"
+
+
+def test_a_folder_only_the_caller_can_walk_is_refused(execjudge: Any, tmp_path: Path) -> None:
+    (tmp_path / "cwd").symlink_to("/proc/self/cwd")
+    with pytest.raises(OSError):
+        execjudge.exec_path(os.getpid(), f"{tmp_path}/cwd/x/../true")
