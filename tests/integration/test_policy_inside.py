@@ -151,6 +151,35 @@ def written_library(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     return (folder / "x.so").read_bytes()
 
 
+def test_a_script_of_the_image_is_judged_as_its_interpreter_runs_it(tier: str) -> None:
+    # ldd is a bash script of the image: for `ldd --version` the kernel runs `bash
+    # /usr/bin/ldd --version`, with no exec of its own. The compiled judge, which allows ldd
+    # by its name, leaves every script to Python, which judges the interpreter's argv too.
+    sbx = _rules_or_refusal(tier, SandboxRules(deny=("bash /usr/bin/ldd",)))
+    if sbx is None:
+        return
+    with sbx:
+        r = sbx.commands.run("ldd --version")
+        assert r.exit_code == 126, (r.stdout, r.stderr)
+        assert "ldd: denied by policy: commands.deny: bash /usr/bin/ldd" in r.stderr
+        assert sbx.commands.run("ls /").exit_code == 0  # a program, not a script: the fast path
+
+
+def test_under_an_allowlist_a_listed_script_runs_with_its_interpreter_unlisted(
+    allowing: Sandbox | None,
+) -> None:
+    # ldd is a bash script; bash is not listed: the kernel runs it for ldd, with no exec of
+    # its own, and only deny and approve rules judge it there (Landlock lets it run).
+    if allowing is None:
+        return
+    with Sandbox.create(allowing.tier, limits=LIMITS, rules=SandboxRules(allow=(*ALLOWED, "ldd"))) as sbx:
+        r = sbx.commands.run("ldd --version")
+        assert r.exit_code == 0, r.stderr
+        assert "ldd" in r.stdout
+        assert [(e.path, e.verdict) for e in r.execs if e.path.endswith("ldd")] == [("/usr/bin/ldd", "allow")]
+        assert sbx.commands.run("bash -c 'echo RAN'").stdout == ""  # bash itself is not listed
+
+
 def test_under_an_allowlist_a_library_the_code_wrote_is_not_loaded(
     allowing: Sandbox | None, tier: str, written_library: bytes
 ) -> None:
@@ -222,6 +251,16 @@ RECURSIVE_ROUTES = {
     "a copy named as an image program, behind a link's ..": (
         "mkdir -p /tmp/a/b/c /tmp/a/usr/bin && ln -sfn /tmp/a/b/c /tmp/l && cp /bin/rm /tmp/a/usr/bin/true"
         " && /tmp/l/../../usr/bin/true -r gone"
+    ),
+    # a script's interpreter runs with no exec of its own: judged with the argv the kernel
+    # gives it (rm -r /tmp/s gone)
+    "a script whose interpreter is rm": "printf '#!/bin/rm -r\\n' > /tmp/s && chmod +x /tmp/s && /tmp/s gone",
+    "a script whose interpreter is a copy of rm": (
+        "cp /bin/rm /tmp/i && printf '#! /tmp/i  -r \\n' > /tmp/s2 && chmod +x /tmp/s2 && /tmp/s2 gone"
+    ),
+    "a script whose interpreter is a script": (
+        "printf '#!/bin/rm -r\\n' > /tmp/s3 && printf '#!/tmp/s3\\n' > /tmp/s4 && chmod +x /tmp/s3 /tmp/s4"
+        " && /tmp/s4 gone"
     ),
     "a decoy behind a link to /proc/self/cwd": (
         "W=$PWD; cp /bin/rm /tmp/zz && echo harmless > zz && chmod +x zz && ln -sfn /proc/self/cwd /tmp/c"

@@ -1,5 +1,6 @@
-"""The path an exec is judged by is the one the kernel runs: a ".." is the parent of where the
-links before it lead, not of the name written before it (execjudge.exec_path)."""
+"""What an exec is judged as is what the kernel runs: the path (a ".." is the parent of where
+the links before it lead, not of the name written before it: execjudge.exec_path), and for a
+script its interpreter too, with the argv the kernel gives it (execrules.interpreted)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ def execjudge() -> Iterator[Any]:
         yield importlib.import_module("execjudge")
     finally:
         sys.path.remove(str(SUPERVISOR))
+
+
+@pytest.fixture(scope="module")
+def execrules(execjudge: Any) -> Any:
+    return importlib.import_module("execrules")
 
 
 def test_a_dot_dot_after_a_link_is_the_parent_of_its_target(execjudge: Any, tmp_path: Path) -> None:
@@ -54,3 +60,38 @@ def test_a_folder_only_the_caller_can_walk_is_refused(execjudge: Any, tmp_path: 
     (tmp_path / "cwd").symlink_to("/proc/self/cwd")
     with pytest.raises(OSError):
         execjudge.exec_path(os.getpid(), f"{tmp_path}/cwd/x/../true")
+
+
+# What fs/binfmt_script.c makes of a first line: the name up to a space, tab or NUL; the rest,
+# trimmed of spaces and tabs at both ends, one argument (spaces and all); then the script's
+# path as the exec named it, then the exec's argv without its argv[0].
+SCRIPTS = {
+    b"#!/bin/sh\necho hi\n": ["/bin/sh", "/w/s", "a"],
+    b"#! /bin/rm  -r  \n": ["/bin/rm", "-r", "/w/s", "a"],
+    b"#!\t/bin/rm\t-r -f\n": ["/bin/rm", "-r -f", "/w/s", "a"],
+    b"#!/usr/bin/env -S rm -r\n": ["/usr/bin/env", "-S rm -r", "/w/s", "a"],
+    b"#!/bin/rm\0 -r\n": ["/bin/rm", "/w/s", "a"],  # a NUL ends the name, and the line
+    b"#!/bin/rm -r\0 -f\n": ["/bin/rm", "-r", "/w/s", "a"],
+    b"#!rm -r\n": ["rm", "-r", "/w/s", "a"],  # relative: from the caller's working folder
+    b"#!/bin/rm -r": ["/bin/rm", "-r", "/w/s", "a"],  # no end of line, the name ended
+}
+
+
+@pytest.mark.parametrize("head", list(SCRIPTS))
+def test_a_script_is_judged_as_the_kernel_runs_its_interpreter(execrules: Any, head: bytes) -> None:
+    interpreter, argv = execrules.interpreted(head, "/w/s", ["s", "a"])
+    assert (interpreter, argv) == (SCRIPTS[head][0], SCRIPTS[head])
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"\x7fELF\x02\x01\x01",  # a program
+        b"#!\n",  # no interpreter: the kernel refuses it (ENOEXEC)
+        b"#!   \t \n",
+        b"#!/" + b"x" * 300,  # a name past the kernel's 256 bytes, cut: refused
+        b"",
+    ],
+)
+def test_what_is_no_script_runs_no_interpreter(execrules: Any, head: bytes) -> None:
+    assert execrules.interpreted(head[: execrules.SCRIPT_HEAD], "/w/s", ["s"]) is None

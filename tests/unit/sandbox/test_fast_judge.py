@@ -65,7 +65,7 @@ def _decide(judges: tuple[Any, Any], workdir: Path, case: dict[str, Any]) -> tup
     real = folder / case["file"]
     content = case["content"]
     if content == "small":
-        real.write_bytes(b"#!/bin/true\n")
+        real.write_bytes(b"\x7fELF, small\n")  # a script never reaches the fast path (judge.c's script)
     else:
         shutil.copyfile(content, real)
     path = folder / case["path"] if case["path"] != case["file"] else real

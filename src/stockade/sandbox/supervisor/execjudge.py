@@ -189,13 +189,23 @@ class ExecJudge:
         return found
 
     def judge(
-        self, pid: int, path: str, argv: "List[str]", st: "Optional[os.stat_result]" = None, depth: int = 0
+        self,
+        pid: int,
+        path: str,
+        argv: "List[str]",
+        st: "Optional[os.stat_result]" = None,
+        depth: int = 0,
+        *,
+        listed: bool = True,
     ) -> "Tuple[str, Optional[str]]":
         """The strictest verdict over every name the program goes by: the path it was run as,
         the file that path leads to, the name it was given (argv[0]: a multi-call binary's
         applet), and the names of the programs its content is a copy of. ``python -m X`` is
         also judged as X, and what a loader or a multi-call binary runs as what it is
-        (``ld.so /bin/rm -r x`` as ``rm -r x``, ``busybox rm -r x`` as ``rm -r x``)."""
+        (``ld.so /bin/rm -r x`` as ``rm -r x``, ``busybox rm -r x`` as ``rm -r x``), and a
+        script also as its interpreter with the argv the kernel gives it (``#!/bin/rm -r``).
+        ``listed``: whether an allowlist judges it (a listed script's interpreter is not,
+        as Landlock lets it run: only the deny and approve rules judge it)."""
         target = self._in_view(pid, path)
         if st is None:
             st = os.stat(target)
@@ -204,23 +214,39 @@ class ExecJudge:
         if not copies and self._sizes and not in_image(os.path.realpath(target)):
             copies = self._same_build(target, st)  # a copy changed by a byte: padded, patched
         files |= copies
-        verdict = self._by_names(files, argv)
+        verdict = self._by_names(files, argv, listed)
+        if depth < MAX_CARRIED:
+            script = execrules.interpreted(_head(target), path, argv)
+            if script is not None:  # the kernel runs its interpreter with no exec to judge
+                if not in_image(script[0]):  # it can change while the script does not
+                    self.carrying = True
+                verdict = _strictest(verdict, self._judge_carried(pid, *script, depth, listed=False))
         carried = execrules.carried(sorted(files), argv) if depth < MAX_CARRIED else None
         if carried is None:
             return verdict
         self.carrying = True
         inner, inner_argv = carried
         if inner is None:  # an applet: the same file, by the applet's name
-            return _strictest(verdict, self._by_names({execrules.program(inner_argv[0])}, inner_argv))
-        if not inner.startswith("/"):  # the loader opens it from its working folder
+            return _strictest(verdict, self._by_names({execrules.program(inner_argv[0])}, inner_argv, listed))
+        return _strictest(verdict, self._judge_carried(pid, inner, inner_argv, depth, listed=listed))
+
+    def _judge_carried(
+        self, pid: int, inner: str, argv: "List[str]", depth: int, *, listed: bool
+    ) -> "Tuple[str, Optional[str]]":
+        """The verdict on the program an exec runs besides its own file (what a loader loads,
+        a script's interpreter), opened from the caller's working folder if relative."""
+        if not inner.startswith("/"):
             inner = f"/proc/{pid}/cwd/{inner}"
         try:
-            return _strictest(verdict, self.judge(pid, inner, inner_argv, None, depth + 1))
+            return self.judge(pid, inner, argv, None, depth + 1, listed=listed)
         except OSError:  # it will not load: judged by its name all the same
-            return _strictest(verdict, self._by_names({os.path.basename(inner)}, inner_argv))
+            return self._by_names({os.path.basename(inner)}, argv, listed)
 
-    def _by_names(self, files: "Set[str]", argv: "List[str]") -> "Tuple[str, Optional[str]]":
-        """The verdict on ``argv`` run from a file that goes by ``files``."""
+    def _by_names(
+        self, files: "Set[str]", argv: "List[str]", listed: bool = True
+    ) -> "Tuple[str, Optional[str]]":
+        """The verdict on ``argv`` run from a file that goes by ``files`` (``listed``: under
+        the allowlist too)."""
         args = argv[1:]
         candidates = [(name, args) for name in files | ({os.path.basename(argv[0])} if argv else set())]
         inner = execrules.subject(argv)
@@ -230,10 +256,10 @@ class ExecJudge:
             for name, rest in candidates:
                 for words in self._patterns(kind, name):
                     if execrules.matches(words, [name, *rest]):
-                        if verdict == "deny" or not self._allow_refuses(files, args):
+                        if verdict == "deny" or not (listed and self._allow_refuses(files, args)):
                             return verdict, f"commands.{kind}: " + " ".join(words)
                         return "deny", "commands.allow"
-        if self._allow_refuses(files, args):
+        if listed and self._allow_refuses(files, args):
             return "deny", "commands.allow"
         return "allow", None
 
@@ -330,6 +356,21 @@ def _strictest(
     one: "Tuple[str, Optional[str]]", other: "Tuple[str, Optional[str]]"
 ) -> "Tuple[str, Optional[str]]":
     return other if STRICTNESS[other[0]] > STRICTNESS[one[0]] else one
+
+
+def _head(path: str) -> bytes:
+    """The first bytes of the file ``path`` (what the kernel reads to tell a script);
+    nothing if it cannot be read (the kernel cannot run it as a script either)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError:
+        return b""
+    try:
+        return os.read(fd, execrules.SCRIPT_HEAD)
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
 
 
 def exec_path(pid: int, path: str) -> str:

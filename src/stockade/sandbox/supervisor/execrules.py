@@ -198,6 +198,37 @@ def carried(names: "Sequence[str]", argv: "Sequence[str]") -> "Optional[Tuple[Op
     return path, [path if argv0 is None else argv0, *words[at + 1 :]]
 
 
+# The kernel reads this much of a file to tell what runs it (BINPRM_BUF_SIZE).
+SCRIPT_HEAD = 256
+
+
+def interpreted(head: bytes, path: str, argv: "Sequence[str]") -> "Optional[Tuple[str, List[str]]]":
+    """What the kernel runs for an exec of ``path`` with ``argv`` when the file begins with
+    ``head`` (its first ``SCRIPT_HEAD`` bytes) and is a script: its interpreter's path and
+    argv, read from the first line as fs/binfmt_script.c reads it (the name up to a space,
+    tab or NUL; the rest, trimmed, one argument). No exec is made for the interpreter, so it
+    must be judged with the script. None: not a script, or one the kernel refuses."""
+    if not head.startswith(b"#!"):
+        return None
+    end = head.find(b"\n")
+    if end < 0:
+        rest = head[2 : SCRIPT_HEAD - 1].lstrip(b" \t")
+        # No end of line: the kernel takes the whole head only if the name ends in it.
+        if not rest or not any(c in rest for c in b" \t\0"):
+            return None
+        end = SCRIPT_HEAD - 1
+    line = head[2:end].rstrip(b" \t").lstrip(b" \t")
+    if not line:
+        return None
+    cut = min((i for i in (line.find(b" "), line.find(b"\t"), line.find(b"\0")) if i >= 0), default=len(line))
+    name, rest = line[:cut], line[cut:]
+    arg = rest.split(b"\0", 1)[0].lstrip(b" \t") if rest[:1] != b"\0" else b""
+    words = [name.decode("utf-8", "surrogateescape")]
+    if arg:
+        words.append(arg.decode("utf-8", "surrogateescape"))
+    return words[0], [*words, path, *argv[1:]]
+
+
 def _git_alias(args: "Sequence[str]") -> bool:
     """Whether git, given ``args``, runs a command that is not one of its own (an alias)."""
     at = 0

@@ -62,6 +62,8 @@ typedef int i32;
 
 #define AT_FDCWD (-100)
 #define O_RDONLY 0
+#define O_NONBLOCK 04000
+#define O_NOCTTY 0400
 #define O_CLOEXEC 02000000
 #define O_PATH 010000000
 #define O_NOFOLLOW 0400000
@@ -595,6 +597,20 @@ static int in_program_folder(const struct rules *r, const char *path)
     return 0;
 }
 
+/* Whether the file at ``path`` (no magic link on the way) may be a script: it begins with
+ * "#!", or cannot be read to tell. */
+static int script(const char *path)
+{
+    struct open_how_ how = {O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY, 0, RESOLVE_NO_MAGICLINKS};
+    long fd = sc(SYS_openat2, AT_FDCWD, (long)path, (long)&how, sizeof how, 0, 0);
+    if (fd < 0)
+        return 1;
+    char head[2] = {0, 0};
+    long got = sc(SYS_read, fd, (long)head, 2, 0, 0, 0);
+    sc(SYS_close, fd, 0, 0, 0, 0, 0);
+    return got != 2 || (head[0] == '#' && head[1] == '!');
+}
+
 /* The file an absolute, normal path leads to, found by name while each link on the way is a
  * name in its own folder (sh -> dash): then realpath's last part, which is all the judge
  * reads of it, is that of the last link's target, and lstat gives its size. Three system
@@ -704,6 +720,10 @@ static int judge(struct ctx *c, const struct notif *n)
     /* Under rules over argv (the rule programs' sizes are known), a file outside the image's
      * folders may be a rule program's copy changed by a byte: Python compares build IDs. */
     if (c->rules.n_sizes && !in_image(c->real))
+        goto out;
+    /* A script: the kernel runs the interpreter its first line names, with no exec of its
+     * own to judge (#!/bin/rm -r). Python judges the two (execrules.interpreted). */
+    if (script(c->real))
         goto out;
 
     /* The argv, as the record keeps it: path, then up to max_argv words, NUL-ended each. */
