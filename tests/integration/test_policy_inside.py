@@ -254,6 +254,11 @@ RECURSIVE_ROUTES = {
     ),
     # a script's interpreter runs with no exec of its own: judged with the argv the kernel
     # gives it (rm -r /tmp/s gone)
+    # fexecve: the file the descriptor holds, whatever its name is by then
+    "python fexecve, a memfd": (
+        'python3 -c \'import os; f = os.memfd_create("x"); os.write(f, open("/bin/rm", "rb").read());'
+        ' os.execve(f, ["x", "-r", "gone"], {})\''
+    ),
     "a script whose interpreter is rm": "printf '#!/bin/rm -r\\n' > /tmp/s && chmod +x /tmp/s && /tmp/s gone",
     "a script whose interpreter is a copy of rm": (
         "cp /bin/rm /tmp/i && printf '#! /tmp/i  -r \\n' > /tmp/s2 && chmod +x /tmp/s2 && /tmp/s2 gone"
@@ -318,6 +323,19 @@ def test_a_git_alias_is_judged_as_the_command_a_rule_names(tier: str) -> None:
         }
         assert refused == {"p", "q"}, r.execs
         assert "git version" in sbx.commands.run("git version").stdout
+
+
+def test_a_program_run_from_a_descriptor_is_judged_as_the_file_it_holds(approving: Sandbox | None) -> None:
+    # fexecve of a memfd: judged by what it holds (a copy of true runs; of rm, above, not),
+    # where the judge once looked the file up by a name it no longer had and refused it.
+    if approving is None:
+        return
+    r = approving.commands.run(
+        'python3 -c \'import os; f = os.memfd_create("t"); os.write(f, open("/bin/true", "rb").read());'
+        ' os.execve(f, ["t"], {})\''
+    )
+    assert r.exit_code == 0, r.stderr
+    assert [e.verdict for e in r.execs if e.argv == ("t",)] == ["allow"]
 
 
 def test_a_multi_call_binary_is_masked_under_rules_over_argv(approving: Sandbox | None) -> None:

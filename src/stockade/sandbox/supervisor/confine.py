@@ -281,8 +281,10 @@ def read_path(mem: int, pid: int, nr: int, args: "Tuple[int, ...]") -> str:
         path_at = args[1]
         base = f"/proc/{pid}/cwd" if dirfd == -100 else f"/proc/{pid}/fd/{dirfd}"  # AT_FDCWD
     path = _read_string(mem, path_at) if path_at else ""
+    if not path:  # the file a descriptor holds (fexecve): by its link, which no rename moves
+        return base
     if not path.startswith("/"):
-        path = os.path.join(os.readlink(base), path) if path else os.readlink(base)
+        path = os.path.join(os.readlink(base), path)
     return "/" + "/".join(part for part in path.split("/") if part not in ("", "."))
 
 
