@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import json
 import math
@@ -585,8 +586,9 @@ class MicroVMBackend(Backend):
 
     def _machine_key(self, spec: SandboxSpec, masks: tuple[str, ...]) -> str:
         """Everything that makes one guest's memory fit another QEMU: the kernel, initramfs,
-        root image, QEMU itself, the RAM, vCPUs and kernel command line. A change of any of
-        them makes snapshots taken before unusable here (and boot images rebuilt)."""
+        root image, QEMU itself, the RAM, vCPUs and kernel command line, and under a
+        hypervisor the host's CPU. A change of any of them makes snapshots taken before
+        unusable here (and boot images rebuilt)."""
         assert self.kernel is not None
         image, initrd = self.prepare()
         parts = [
@@ -600,6 +602,10 @@ class MicroVMBackend(Backend):
             str(max(1, math.ceil(spec.limits.cpus))),
             self._cmdline(spec, masks),
         ]
+        if self.accel != "tcg":
+            # `-cpu max` is QEMU's own model under TCG (QEMU is above), the host's CPU under a
+            # hypervisor: a guest's memory taken on one CPU may use features another lacks.
+            parts.append(_host_cpu())
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
     def _boot_image(self, spec: SandboxSpec, masks: tuple[str, ...]) -> tuple[Path, Path] | None:
@@ -785,6 +791,22 @@ def _egress_port(
 def host_memory_mb(spec: SandboxSpec) -> int:
     """What one microVM may take from the host: its RAM, TCG's code cache and QEMU."""
     return spec.limits.memory_mb + GUEST_OVERHEAD_MB + TB_CACHE_MB + QEMU_OVERHEAD_MB
+
+
+@functools.cache
+def _host_cpu() -> str:
+    """The host CPU's model and features (the first processor's), as /proc/cpuinfo says."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    first = text.split("\n\n", 1)[0]
+    lines = [
+        line
+        for line in first.splitlines()
+        if line.split(":", 1)[0].strip() in ("vendor_id", "model name", "flags")
+    ]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
 def _accel(accel: str) -> str:
