@@ -483,11 +483,16 @@ def output_of(rules: SandboxRules, line: str, language: str) -> str:
     run_code, or from Python's."""
     require_tier("process")
     with Sandbox.create("process", limits=LIMITS, rules=rules) as sbx:
-        if language == "command":
-            return sbx.commands.run(line).stdout
-        if language == "run_code bash":
-            return sbx.run_code(line, language="bash").logs.stdout
-        return sbx.run_code(f"import subprocess\nsubprocess.run({line!r}, shell=True)").logs.stdout
+        return run_in(sbx, line, language)
+
+
+def run_in(sbx: Sandbox, line: str, language: str) -> str:
+    """What ``line`` prints run in ``sbx`` as a command, by bash's run_code, or from Python's."""
+    if language == "command":
+        return sbx.commands.run(line).stdout
+    if language == "run_code bash":
+        return sbx.run_code(line, language="bash").logs.stdout
+    return sbx.run_code(f"import subprocess\nsubprocess.run({line!r}, shell=True)").logs.stdout
 
 
 @pytest.mark.parametrize("route", ROUTE_TEMPLATES)  # each route, whatever else is drawn
@@ -503,6 +508,46 @@ def test_no_route_runs_a_denied_program_under_any_policy(
     line = route.format(p=denied)
     out = output_of(SandboxRules(deny=(denied, *noise)), line, language)
     assert PROGRAMS[denied] not in out, (line, language, out)
+
+
+# Rules over argv: `rm -r` denied, or needing an approval nobody gives, whatever route runs it.
+# Each route deletes the tree `gone` if it runs rm -r.
+ARGV_ROUTES = (
+    "rm -r gone",
+    "rm -fR gone",
+    "env rm --recursive gone",
+    "sh -c 'rm -r gone'",
+    "find . -maxdepth 1 -name gone -exec rm -r {} +",
+    'python3 -c \'import subprocess; subprocess.run(["rm", "-r", "gone"])\'',
+    "cp /bin/rm /tmp/x && /tmp/x -r gone",
+    "cp /bin/rm /tmp/p && echo >> /tmp/p && /tmp/p -r gone",
+    "/lib64/ld-linux-x86-64.so.2 /bin/rm -r gone",
+    "printf '#!/bin/rm -r\\n' > /tmp/s && chmod +x /tmp/s && /tmp/s gone",
+    "mkdir -p /tmp/a/b/c /tmp/a/usr/bin && ln -sfn /tmp/a/b/c /tmp/l && cp /bin/rm /tmp/a/usr/bin/true"
+    " && /tmp/l/../../usr/bin/true -r gone",
+    'python3 -c \'import os; f = os.memfd_create("x"); os.write(f, open("/bin/rm", "rb").read());'
+    ' os.execve(f, ["x", "-r", "gone"], {})\'',
+)
+
+
+@pytest.mark.parametrize("route", ARGV_ROUTES)  # each route, whatever else is drawn
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    kind=st.sampled_from(["deny", "approve"]),
+    spelling=st.sampled_from(["rm -r", "rm -R", "rm --recursive"]),  # one action, any spelling
+    noise=st.lists(st.sampled_from(["curl", "git push", "pip install", "uname", "ls -l"]), max_size=3),
+    language=st.sampled_from(["command", "run_code bash", "run_code python"]),
+)
+def test_no_route_runs_a_command_the_rules_over_argv_refuse(
+    route: str, kind: str, spelling: str, noise: list[str], language: str
+) -> None:
+    require_tier("process")
+    ruled = (spelling, *noise) if kind == "deny" else (*noise,)
+    rules = SandboxRules(deny=ruled, approve=(spelling,) if kind == "approve" else ())
+    with Sandbox.create("process", limits=LIMITS, rules=rules) as sbx:
+        sbx.commands.run("mkdir -p gone/inner && touch gone/inner/f")
+        out = run_in(sbx, route, language)
+        assert sbx.files.exists("gone/inner/f"), (route, rules, language, out)
 
 
 # Under an allowlist: the routes above, and those through what an allowlist lets run (a link

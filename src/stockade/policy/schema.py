@@ -68,7 +68,8 @@ class Classification(enum.StrEnum):
 
 
 class CommandRules(_Strict):
-    """Patterns are argv prefixes: ``"rm -r"`` is the program ``rm`` with a recursive flag,
+    """Patterns are argv prefixes: ``"rm -r"`` is the program ``rm`` with a recursive flag
+    in any spelling (``-R``, ``--recursive``, ``-fR``; the rule may use any of them too),
     ``"git push"`` is ``git`` with the word ``push`` among its arguments. An empty ``allow``
     allows every program that no other rule refuses."""
 

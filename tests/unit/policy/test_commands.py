@@ -107,6 +107,38 @@ def test_a_flag_matches_its_other_spellings(pattern: str, argv: list[str], carri
     assert matches(pattern, argv) is carries
 
 
+@pytest.mark.parametrize(
+    ("pattern", "argv", "carries"),
+    [
+        # a rule's flag in any of its spellings is the same action
+        ("rm --recursive", ["rm", "-fR", "x"], True),
+        ("rm --recursive", ["rm", "-r", "x"], True),
+        ("rm -R", ["rm", "-r", "x"], True),
+        ("rm -R", ["rm", "--recu", "x"], True),
+        ("cp -a", ["cp", "-r", "src", "dst"], True),
+        ("git push --force", ["git", "push", "-f"], True),
+        ("git push --force", ["git", "push", "origin", "+main"], True),
+        ("pip install -i", ["pip", "install", "--index-url=https://mirror", "x"], True),
+        # a rule's cluster of short flags is each of them
+        ("rm -fr", ["rm", "-rf", "x"], True),
+        ("rm -fr", ["rm", "-r", "-f", "x"], True),
+        ("rm -fr", ["rm", "--force", "--recursive", "x"], True),
+        ("rm -fr", ["rm", "-r", "x"], False),  # not forced: another action
+        # a word whose letters are not all known flags stays one word
+        ("find -exec", ["find", ".", "-exec", "rm", "{}", ";"], True),
+        ("find -exec", ["find", ".", "-empty", "-xtype", "l", "-cmin", "1"], False),
+    ],
+)
+def test_a_rule_holds_whichever_spelling_it_was_written_in(
+    pattern: str, argv: list[str], carries: bool
+) -> None:
+    # Before, a rule matched its own spelling only: `deny rm --recursive` let `rm -fR` run,
+    # `deny rm -fr` let `rm -rf` run (found by the argv-rules property of test_policy_inside).
+    from stockade.policy.commands import matches
+
+    assert matches(pattern, argv) is carries
+
+
 def test_an_allowlist_refuses_every_other_program() -> None:
     rules = CommandRules(allow=("python*", "pytest", "ls"))
     assert decide_command(rules, ["sh", "-c", "ls && python3 -m pytest"]).verdict is Verdict.ALLOW

@@ -126,8 +126,25 @@ def subject(argv: "Sequence[str]") -> "List[str]":
 
 
 def _spellings(name: str, flag: str) -> "Tuple[str, ...]":
-    table = FLAG_SPELLINGS.get(name, {})
-    return table.get(flag) or FLAG_SPELLINGS["*"].get(flag) or (flag,)
+    """Every spelling of the action ``flag`` is one of (the program's own table first): a rule
+    written ``rm --recursive`` or ``rm -R`` holds over ``rm -r`` as ``rm -r`` does."""
+    for table in (FLAG_SPELLINGS.get(name, {}), FLAG_SPELLINGS["*"]):
+        if flag in table:
+            return table[flag]
+        for spellings in table.values():
+            if flag in spellings:
+                return spellings
+    return (flag,)
+
+
+def _flags(name: str, word: str) -> "List[str]":
+    """The flags a rule's word requires: a cluster of short flags (``rm -fr``) each of its
+    letters, where the program's spellings know every one of them (``find -exec`` stays
+    one word); any other word itself."""
+    if word.startswith("--") or len(word) <= 2 or not word[1:].isalpha():
+        return [word]
+    letters = ["-" + letter for letter in word[1:]]
+    return letters if all(_spellings(name, flag) != (flag,) for flag in letters) else [word]
 
 
 def _carries(name: str, flag: str, args: "Sequence[str]") -> bool:
@@ -263,7 +280,7 @@ def matches(words: "Sequence[str]", command: "Sequence[str]") -> bool:
     positional = [a for a in options if not a.startswith("-")] + operands
     for word in words[1:]:
         if word.startswith("-"):
-            if not _carries(name, word, args):
+            if not all(_carries(name, flag, args) for flag in _flags(name, word)):
                 return False
         elif not any(_glob(a, word) for a in positional):
             return False
