@@ -5,6 +5,7 @@ the rest unless the caller accepts less.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -557,6 +558,50 @@ def test_no_route_runs_a_command_the_rules_over_argv_refuse(
         sbx.commands.run("mkdir -p gone/inner && touch gone/inner/f")
         out = run_in(sbx, route, language)
         assert sbx.files.exists("gone/inner/f"), (route, rules, language, out)
+
+
+# `git push` to a repository of the sandbox's own: each route pushes if it runs git push.
+GIT_SETUP = (
+    "git init -q --bare /tmp/bare.git && git init -q r && cd r"
+    " && git -c user.email=a@b -c user.name=a commit -q --allow-empty -m x"
+    " && git remote add origin /tmp/bare.git"
+)
+GIT_ROUTES = (
+    "git push -q origin HEAD:main",
+    "git -C /workspace/r push -q origin HEAD:main",
+    "git --git-dir=.git push -q origin HEAD:main",
+    "git -c alias.p=push p -q origin HEAD:main",
+    "git send-pack /tmp/bare.git HEAD:refs/heads/main",
+    "/usr/lib/git-core/git-push -q origin HEAD:main",
+    "cp /usr/bin/git /tmp/g && /tmp/g push -q origin HEAD:main",
+    "sh -c 'git push -q origin HEAD:main'",
+    'python3 -c \'import subprocess; subprocess.run(["git", "push", "-q", "origin", "HEAD:main"])\'',
+    # the kernel runs `git push /tmp/s HEAD:main`, and /tmp/s is the repository's other name
+    "git config url./tmp/bare.git.insteadOf /tmp/s && printf '#!/usr/bin/git push\\n' > /tmp/s"
+    " && chmod +x /tmp/s && /tmp/s HEAD:main",
+)
+
+
+@pytest.mark.parametrize("route", GIT_ROUTES)  # each route, whatever else is drawn
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    kind=st.sampled_from(["deny", "approve"]),
+    spelling=st.sampled_from(["git push", "git-push"]),  # one command, either spelling
+    noise=st.lists(st.sampled_from(["curl", "rm -r", "pip install", "uname"]), max_size=2),
+    language=st.sampled_from(["command", "run_code bash", "run_code python"]),
+)
+def test_no_route_pushes_where_the_rules_refuse_git_push(
+    route: str, kind: str, spelling: str, noise: list[str], language: str
+) -> None:
+    require_tier("process")
+    require("git", shutil.which("git") is not None, "the process tier runs the host's programs")
+    ruled = (spelling, *noise) if kind == "deny" else (*noise,)
+    rules = SandboxRules(deny=ruled, approve=(spelling,) if kind == "approve" else ())
+    with Sandbox.create("process", limits=LIMITS, rules=rules) as sbx:
+        assert sbx.commands.run(GIT_SETUP).exit_code == 0
+        out = run_in(sbx, f"cd r && {route}", language)
+        pushed = sbx.commands.run("git -C /tmp/bare.git rev-parse -q --verify main").exit_code == 0
+        assert not pushed, (route, rules, language, out)
 
 
 # Under an allowlist: the routes above, and those through what an allowlist lets run (a link
