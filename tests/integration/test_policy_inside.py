@@ -406,6 +406,12 @@ WRITE_ROUTES = {
     "mv out": "mv src/a.py a.py",
     "mkdir": "mkdir newdir",
     "ln": "ln -s src link",
+    # into a written folder: a hard link would write the file through its other name (Landlock's
+    # refer right refuses it, EXDEV), a rename would take it out of the read-only part; a link
+    # the code may make elsewhere leads back to the read-only part
+    "a hard link into src": "ln keep.txt src/k && echo x >> src/k",
+    "a rename into src": "mv keep.txt src/",
+    "through a link in /tmp": "ln -sfn /workspace /tmp/l; echo x > /tmp/l/README",
 }
 
 
