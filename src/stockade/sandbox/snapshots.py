@@ -108,6 +108,11 @@ class SnapshotStore:
     root: Path
     max_bytes: int = DEFAULT_MAX_MB * MiB
 
+    def __post_init__(self) -> None:
+        # A folder given as a string (as os.fspath and most callers have it) is a path too,
+        # not a TypeError at the first snapshot.
+        object.__setattr__(self, "root", Path(self.root))
+
     @classmethod
     def default(cls) -> SnapshotStore:
         """``STOCKADE_SNAPSHOT_DIR`` (else /var/lib/stockade/snapshots as root, else

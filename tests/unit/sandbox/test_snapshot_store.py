@@ -55,6 +55,12 @@ def test_objects_are_named_by_their_hash_and_kept_once(tmp_path: Path) -> None:
     assert {s.id for s in store.snapshots()} == {first, second}
 
 
+def test_a_store_named_by_a_string_is_the_same_store(tmp_path: Path) -> None:
+    snap = _snapshot(SnapshotStore(str(tmp_path)), b"bytes")  # type: ignore[arg-type]  # as callers have it
+    assert SnapshotStore(tmp_path).verify(snap).blobs
+    assert SnapshotStore(str(tmp_path)) == SnapshotStore(tmp_path)  # type: ignore[arg-type]
+
+
 def test_a_modified_manifest_or_object_is_refused(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path)
     sid = _snapshot(store, b"payload")
