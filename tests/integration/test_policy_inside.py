@@ -546,6 +546,13 @@ ARGV_ROUTES = (
 )
 
 
+def refusing(kind: str, rule: str, noise: list[str]) -> SandboxRules:
+    """Rules that deny ``rule``, or ask an approval for it that nobody gives, among others."""
+    if kind == "deny":
+        return SandboxRules(deny=(rule, *noise))
+    return SandboxRules(deny=tuple(noise), approve=(rule,))
+
+
 @pytest.mark.parametrize("route", ARGV_ROUTES)  # each route, whatever else is drawn
 @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
@@ -558,8 +565,7 @@ def test_no_route_runs_a_command_the_rules_over_argv_refuse(
     route: str, kind: str, spelling: str, noise: list[str], language: str
 ) -> None:
     require_tier("process")
-    ruled = (spelling, *noise) if kind == "deny" else (*noise,)
-    rules = SandboxRules(deny=ruled, approve=(spelling,) if kind == "approve" else ())
+    rules = refusing(kind, spelling, noise)
     with Sandbox.create("process", limits=LIMITS, rules=rules) as sbx:
         sbx.commands.run("mkdir -p gone/inner && touch gone/inner/f")
         out = run_in(sbx, route, language)
@@ -601,8 +607,7 @@ def test_no_route_pushes_where_the_rules_refuse_git_push(
 ) -> None:
     require_tier("process")
     require("git", shutil.which("git") is not None, "the process tier runs the host's programs")
-    ruled = (spelling, *noise) if kind == "deny" else (*noise,)
-    rules = SandboxRules(deny=ruled, approve=(spelling,) if kind == "approve" else ())
+    rules = refusing(kind, spelling, noise)
     with Sandbox.create("process", limits=LIMITS, rules=rules) as sbx:
         assert sbx.commands.run(GIT_SETUP).exit_code == 0
         out = run_in(sbx, f"cd r && {route}", language)
