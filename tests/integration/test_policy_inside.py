@@ -166,6 +166,23 @@ def test_a_script_of_the_image_is_judged_as_its_interpreter_runs_it(tier: str) -
         assert sbx.commands.run("ls /").exit_code == 0  # a program, not a script: the fast path
 
 
+def test_a_script_given_to_its_interpreter_is_judged_as_the_script(tier: str) -> None:
+    # `bash /usr/bin/ldd --version` runs ldd's code as `ldd --version` does: judged as it.
+    sbx = _rules_or_refusal(tier, SandboxRules(deny=("ldd --version",)))
+    if sbx is None:
+        return
+    with sbx:
+        for line in (
+            "ldd --version",
+            "bash /usr/bin/ldd --version",
+            "bash -e -o posix /usr/bin/ldd --version",
+        ):
+            r = sbx.commands.run(line)
+            assert r.exit_code == 126, (line, r.stdout, r.stderr)
+            assert "denied by policy: commands.deny: ldd --version" in r.stderr, line
+        assert sbx.commands.run("bash -c 'echo ran'").stdout == "ran\n"  # no script: bash's own
+
+
 def test_under_an_allowlist_a_listed_script_runs_with_its_interpreter_unlisted(
     allowing: Sandbox | None,
 ) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import shlex
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -95,3 +96,29 @@ def test_a_script_is_judged_as_the_kernel_runs_its_interpreter(execrules: Any, h
 )
 def test_what_is_no_script_runs_no_interpreter(execrules: Any, head: bytes) -> None:
     assert execrules.interpreted(head[: execrules.SCRIPT_HEAD], "/w/s", ["s"]) is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "runs"),
+    [
+        ("python3 /usr/bin/pip install x", ["/usr/bin/pip", "install", "x"]),
+        ("python3.11 -u -W ignore /usr/bin/pip install", ["/usr/bin/pip", "install"]),
+        ("python3 -Wdefault::DeprecationWarning pip.py -c", ["pip.py", "-c"]),  # the value holds a c
+        ("python3 -X dev -- s.py", ["s.py"]),
+        ("bash /usr/bin/ldd --version", ["/usr/bin/ldd", "--version"]),
+        ("sh -e -o posix s a", ["s", "a"]),
+        ("bash --rcfile f +x s", ["s"]),
+        # no script file: code on the command line, a module, standard input
+        ("python3 -c pass /usr/bin/pip", None),
+        ("python3 -Bc pass", None),
+        ("python3 -m pip install x", None),
+        ("python3 - install", None),
+        ("sh -c 'rm -r x' s", None),
+        ("bash -s a", None),
+        ("rm -r x", None),
+    ],
+)
+def test_an_interpreter_given_a_script_runs_the_script(
+    execrules: Any, argv: str, runs: list[str] | None
+) -> None:
+    assert execrules.script_run(shlex.split(argv)) == runs

@@ -252,6 +252,10 @@ class ExecJudge:
         inner = execrules.subject(argv)
         if inner and len(inner) < len(argv):  # python3 -m X
             candidates.append((os.path.basename(inner[0]), inner[1:]))
+        for name in files | {os.path.basename(argv[0]) if argv else ""}:
+            script = execrules.script_run([name, *args])  # by what the file is, too (exec -a)
+            if script:  # python3 /usr/bin/pip install x: pip install x
+                candidates.append((os.path.basename(script[0]), script[1:]))
         for kind, verdict in (("deny", "deny"), ("approve", "approve")):
             for name, rest in candidates:
                 for words in self._patterns(kind, name):

@@ -125,6 +125,44 @@ def subject(argv: "Sequence[str]") -> "List[str]":
     return words
 
 
+SHELLS = ("sh", "bash", "dash", "ash", "ksh", "zsh")
+
+
+def script_run(argv: "Sequence[str]") -> "Optional[List[str]]":
+    """The script an interpreter is given to run, as the command it is: ``python3 /usr/bin/pip
+    install x`` runs ``pip install x``, as ``/usr/bin/pip install x`` would (the kernel runs
+    it so for its ``#!`` line). None: no script file (``-c``, ``-m``, standard input)."""
+    name = program(argv[0]) if argv else ""
+    if name.startswith("python"):
+        stops, valued, long_valued = "cm", "WX", ("--check-hash-based-pycs",)
+    elif name in SHELLS:
+        stops, valued, long_valued = "cs", "o", ("--rcfile", "--init-file")
+    else:
+        return None
+    at = 1
+    while at < len(argv):
+        word = argv[at]
+        if word == "--":
+            at += 1
+            break
+        if word.startswith("--"):
+            at += 2 if word in long_valued else 1
+            continue
+        if len(word) < 2 or word[0] not in "-+" or word == "-":
+            break
+        step = 1
+        for i, letter in enumerate(word[1:]):
+            if letter in stops:
+                return None
+            if letter in valued:  # -W arg, -o opt; -Wignore holds its own (the rest is its value)
+                step = 2 if i == len(word) - 2 else 1
+                break
+        at += step
+    if at >= len(argv) or argv[at] == "-":
+        return None
+    return list(argv[at:])
+
+
 def _spellings(name: str, flag: str) -> "Tuple[str, ...]":
     """Every spelling of the action ``flag`` is one of (the program's own table first): a rule
     written ``rm --recursive`` or ``rm -R`` holds over ``rm -r`` as ``rm -r`` does."""

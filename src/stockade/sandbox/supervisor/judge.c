@@ -396,6 +396,18 @@ static int extends(const char *name, const char *pat)
     return glob(bare, pat) != NO;
 }
 
+/* Whether a program of this name runs a script file it is given (execrules.script_run). */
+static int interpreter(const char *name)
+{
+    static const char *const shells[] = {"sh", "bash", "dash", "ash", "ksh", "zsh"};
+    if (starts(name, "python"))
+        return 1;
+    for (unsigned long i = 0; i < sizeof shells / sizeof shells[0]; i++)
+        if (same(name, shells[i]))
+            return 1;
+    return 0;
+}
+
 static int allows(const struct rules *r, const char *names[3], int n_names, const char *argv0,
                   const char *argv1, int argc, u64 size)
 {
@@ -407,6 +419,12 @@ static int allows(const struct rules *r, const char *names[3], int n_names, cons
             return 0;
     if (argc > 2 && starts(base(argv0), "python") && same(argv1, "-m"))
         return 0; /* judged as the module it runs */
+    /* An interpreter given a script is judged as the script too (execrules.script_run): any
+     * first argument but -c is Python's to read (sh -c, python3 -c: answered here). */
+    if (argc > 1 && !same(argv1, "-c"))
+        for (i = 0; i < n_names; i++)
+            if (interpreter(base(names[i])))
+                return 0;
     for (i = 0; i < r->n_sizes; i++)
         if (r->sizes[i] == size)
             return 0; /* it may be a copy of a program a rule names */
