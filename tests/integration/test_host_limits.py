@@ -222,13 +222,14 @@ def test_a_stubborn_program_is_stopped_in_time_on_a_busy_host(tier: str, busy_ho
         assert margin <= 2.5
         if tier in ("process", "docker"):  # the supervisor runs above the code's priority
             assert margin == 1.0
+        timeout = 2  # what is held is the margin past it, whatever its length
         for _ in range(2):
             started = time.monotonic()
-            r = sbx.commands.run(["python3", "-c", STUBBORN], timeout_s=3)
-            assert r.timed_out and time.monotonic() - started <= 3 + margin
+            r = sbx.commands.run(["python3", "-c", STUBBORN], timeout_s=timeout)
+            assert r.timed_out and time.monotonic() - started <= timeout + margin
             started = time.monotonic()
-            e = sbx.run_code(STUBBORN, timeout_s=3)
-            assert e.timed_out and time.monotonic() - started <= 3 + margin
+            e = sbx.run_code(STUBBORN, timeout_s=timeout)
+            assert e.timed_out and time.monotonic() - started <= timeout + margin
 
 
 def test_a_crash_keeps_what_the_call_printed_and_says_why(tier: str) -> None:
