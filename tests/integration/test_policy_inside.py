@@ -285,6 +285,12 @@ RECURSIVE_ROUTES = {
         "printf '#!/bin/rm -r\\n' > /tmp/s3 && printf '#!/tmp/s3\\n' > /tmp/s4 && chmod +x /tmp/s3 /tmp/s4"
         " && /tmp/s4 gone"
     ),
+    # the same script again once its interpreter (outside the image, by "..") became rm: a
+    # verdict kept for the script would let it through
+    "a script whose interpreter becomes rm": (
+        "cp /bin/true /tmp/x && printf '#!/usr/bin/../../tmp/x -r\\n' > /tmp/s5 && chmod +x /tmp/s5"
+        " && /tmp/s5 gone; cp /bin/rm /tmp/x && /tmp/s5 gone"
+    ),
     "a decoy behind a link to /proc/self/cwd": (
         "W=$PWD; cp /bin/rm /tmp/zz && echo harmless > zz && chmod +x zz && ln -sfn /proc/self/cwd /tmp/c"
         " && cd /tmp && /tmp/c/zz -r $W/gone"

@@ -218,7 +218,9 @@ class ExecJudge:
         if depth < MAX_CARRIED:
             script = execrules.interpreted(_head(target), path, argv)
             if script is not None:  # the kernel runs its interpreter with no exec to judge
-                if not in_image(script[0]):  # it can change while the script does not
+                # An interpreter outside the image can change while the script does not (by
+                # "..", /usr/bin/../../tmp/x is outside it): its verdict is not kept.
+                if not in_image(script[0]) or "/.." in script[0]:
                     self.carrying = True
                 verdict = _strictest(verdict, self._judge_carried(pid, *script, depth, listed=False))
         carried = execrules.carried(sorted(files), argv) if depth < MAX_CARRIED else None
@@ -248,24 +250,24 @@ class ExecJudge:
         """The verdict on ``argv`` run from a file that goes by ``files`` (``listed``: under
         the allowlist too)."""
         args = argv[1:]
-        candidates = [(name, args) for name in files | ({os.path.basename(argv[0])} if argv else set())]
+        names = files | ({os.path.basename(argv[0])} if argv else set())
+        candidates = [(name, args) for name in names]
         inner = execrules.subject(argv)
         if inner and len(inner) < len(argv):  # python3 -m X
             candidates.append((os.path.basename(inner[0]), inner[1:]))
-        for name in files | {os.path.basename(argv[0]) if argv else ""}:
-            script = execrules.script_run([name, *args])  # by what the file is, too (exec -a)
+        for name in names:  # by what the file is too, not argv[0] only (exec -a)
+            script = execrules.script_run([name, *args])
             if script:  # python3 /usr/bin/pip install x: pip install x
                 candidates.append((os.path.basename(script[0]), script[1:]))
+        refused = listed and self._allow_refuses(files, args)
         for kind, verdict in (("deny", "deny"), ("approve", "approve")):
             for name, rest in candidates:
                 for words in self._patterns(kind, name):
                     if execrules.matches(words, [name, *rest]):
-                        if verdict == "deny" or not (listed and self._allow_refuses(files, args)):
+                        if verdict == "deny" or not refused:
                             return verdict, f"commands.{kind}: " + " ".join(words)
                         return "deny", "commands.allow"
-        if listed and self._allow_refuses(files, args):
-            return "deny", "commands.allow"
-        return "allow", None
+        return ("deny", "commands.allow") if refused else ("allow", None)
 
     def _allow_refuses(self, files: "Set[str]", args: "List[str]") -> bool:
         """Under an allowlist, what the file is (never the name it was given) must be listed."""

@@ -408,8 +408,8 @@ static int interpreter(const char *name)
     return 0;
 }
 
-static int allows(const struct rules *r, const char *names[3], int n_names, const char *argv0,
-                  const char *argv1, int argc, u64 size)
+static int allows(const struct rules *r, const char *names[3], int n_names, const char *argv1, int argc,
+                  u64 size)
 {
     int i, j;
     if (!r->ok)
@@ -417,10 +417,9 @@ static int allows(const struct rules *r, const char *names[3], int n_names, cons
     for (i = 0; i < n_names; i++)
         if (!ascii(names[i]))
             return 0;
-    if (argc > 2 && starts(base(argv0), "python") && same(argv1, "-m"))
-        return 0; /* judged as the module it runs */
-    /* An interpreter given a script is judged as the script too (execrules.script_run): any
-     * first argument but -c is Python's to read (sh -c, python3 -c: answered here). */
+    /* An interpreter given a script or a module (python3 -m) is judged as what it runs too
+     * (execrules.script_run, execrules.subject): any first argument but -c is Python's to
+     * read (sh -c, python3 -c: answered here). */
     if (argc > 1 && !same(argv1, "-c"))
         for (i = 0; i < n_names; i++)
             if (interpreter(base(names[i])))
@@ -452,7 +451,7 @@ int stockade_fast_allows(const char *cfg, int len, const char *path_name, const 
     const char *names[3] = {path_name, file_name, argc > 0 ? base(argv0) : ""};
     parse(&r, cfg, len);
     find_sizes(&r, path, sizeof path);
-    return allows(&r, names, argc > 0 ? 3 : 2, argv0, argv1, argc, size);
+    return allows(&r, names, argc > 0 ? 3 : 2, argv1, argc, size);
 }
 
 /* -- one exec ----------------------------------------------------------------------------- */
@@ -788,7 +787,7 @@ static int judge(struct ctx *c, const struct notif *n)
     if (argc > kept && kept < 2)
         goto out; /* a record too short to judge by: Python's */
     const char *names[3] = {base(c->path), base(c->real), base(argv0)};
-    if (!allows(&c->rules, names, argc > 0 ? 3 : 2, argv0, argv1, (int)argc, size))
+    if (!allows(&c->rules, names, argc > 0 ? 3 : 2, argv1, (int)argc, size))
         goto out;
     /* The job is known from the session its shim leads (a child of ours); a process that
      * left it is Python's to place, walking its parents while it lives. */
