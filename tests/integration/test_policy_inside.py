@@ -5,6 +5,7 @@ the rest unless the caller accepts less.
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -791,6 +792,80 @@ def test_resets_under_a_policy_leave_no_descriptor_behind(tier: str) -> None:
             sbx.reset()
             assert sbx.run_code("print(1)").logs.stdout == "1\n"
             assert sbx.commands.run("echo ok").stdout == "ok\n"
+
+
+# execve(path, argv, envp) by the raw system call, its fourth and fifth arguments (unused by
+# the kernel, and where the exec key rides) set to each pair given: the exit status of each
+# (100 + errno where the exec failed), one a line.
+RAW_EXECVE = """
+import ctypes, os, shutil, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+path = shutil.which("uname").encode()
+words = [path, *[w.encode() for w in sys.argv[1:]]]
+argv = (ctypes.c_char_p * (len(words) + 1))(*words, None)
+envp = (ctypes.c_char_p * 1)(None)
+for pair in (0, 0), (-1, -1), (1, 0), (0, 1), tuple(int.from_bytes(os.urandom(8), "little") for _ in "ab"):
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        libc.syscall(59, path, argv, envp, *map(ctypes.c_ulong, pair), ctypes.c_ulong(0))
+        os._exit(100 + ctypes.get_errno())
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+def test_an_exec_carrying_any_value_where_the_key_rides_is_judged(tier: str) -> None:
+    """The filter lets the command shim's own exec through unjudged when it carries the exec
+    key (128 random bits, in execve's unused fourth and fifth arguments) that only the
+    supervisor's memory outside its forks holds: whatever an exec of the code carries there
+    it is judged, its denial included."""
+    sbx = _rules_or_refusal(tier, SandboxRules(deny=("uname -a",)))
+    if sbx is None:
+        return
+    with sbx:
+        for words, status in ((["-a"], "101"), (["-s"], "0")):  # EPERM: denied; -s runs
+            r = sbx.commands.run(["python3", "-c", RAW_EXECVE, *words])
+            assert r.stdout.split() == [status] * 5, r
+        assert sbx.commands.run(["sh", "-c", "uname -a"]).exit_code == 126
+
+
+def _judge_wakes(sbx: Sandbox) -> int:
+    """How often the supervisor's threads other than its main one (the compiled exec judge)
+    went to sleep to wait, read from the host's /proc: once per notification it answered."""
+    ns = sbx.commands.run("readlink /proc/self/ns/pid").stdout.strip()
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or os.readlink(proc / "ns/pid") != ns:
+                continue
+            status = dict(line.split(":", 1) for line in (proc / "status").read_text().splitlines())
+        except OSError:
+            continue
+        if status["NSpid"].split()[-1] != "1":
+            continue
+        wakes = 0
+        for task in (proc / "task").iterdir():
+            if task.name != proc.name:
+                lines = (task / "status").read_text().splitlines()
+                wakes += int(dict(line.split(":", 1) for line in lines)["voluntary_ctxt_switches"])
+        return wakes
+    raise AssertionError(f"no supervisor in the pid namespace {ns}")
+
+
+def test_a_command_wakes_the_judge_for_its_own_exec_only_before_and_after_a_reset() -> None:
+    """The shim's exec carries the exec key past the filter: 30 commands of one exec each
+    (`sh -c true`) wake the compiled judge about 30 times, not 60; after a reset that execs a
+    fresh supervisor (the zygote killed) too, which takes the key over with the listener."""
+    require_tier("process")
+    with Sandbox.create("process", limits=LIMITS, rules=SandboxRules(approve=("rm -r",))) as sbx:
+        for _reset in range(2):
+            sbx.commands.run("true")
+            before = _judge_wakes(sbx)
+            for _ in range(30):
+                assert sbx.commands.run("true").exit_code == 0
+            assert 30 <= _judge_wakes(sbx) - before <= 36
+            sbx.run_code(KILL_THE_ZYGOTE)
+            sbx.reset()
 
 
 ZYGOTE = "import os; print(os.getppid())"  # an interpreter's parent

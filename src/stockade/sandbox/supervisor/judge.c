@@ -944,25 +944,110 @@ struct __attribute__((packed)) path_beneath_ {
 static char setup_inodes[INODES_MAX];
 static int setup_inodes_len;
 
+#define SPAWN_STACK (64 * 1024)
+#define SYS_getrandom 318
+#define SYS_pipe2 293
+
+/* The spawn's memory, mapped once, out of forks (MADV_DONTFORK): the child's stack, and above
+ * its top the exec key. 0 once mapped; else -errno (nothing mapped). */
+static long spawn_area;
+static long map_spawn_area(void)
+{
+    if (spawn_area)
+        return 0;
+    long area = sc(SYS_mmap, 0, SPAWN_STACK + 4096, 3, 0x22 | 0x20000, -1, 0);
+    if (area < 0 && area > -4096)
+        return area;
+    long r = sc(SYS_madvise, area, SPAWN_STACK + 4096, MADV_DONTFORK, 0, 0, 0);
+    if (r != 0) { /* the key would be in every fork (the zygote, the code): none at all */
+        sc(SYS_munmap, area, SPAWN_STACK + 4096, 0, 0, 0, 0);
+        return r;
+    }
+    spawn_area = area;
+    return 0;
+}
+
+/* The exec key: 128 random bits that the exec filter knows, held in the spawn's memory
+ * alone (forks leave it out: no process of the code ever has it). An execve that carries it
+ * in its unused fourth and fifth arguments is let through by the filter itself, with no
+ * notification: the command shim's own exec (stockade_spawn), which the judge used to be
+ * woken for only to answer it unjudged. Two context switches a command, saved. ``keyed``:
+ * the filter in force was installed with the key that is there. */
+static int keyed;
+static u64 *exec_key(void) { return (u64 *)(spawn_area + SPAWN_STACK); }
+
 /* confine.exec_filter: execve and execveat to the listener, other architectures die; with
- * no_memfd, memfd_create fails (EPERM). */
+ * no_memfd, memfd_create fails (EPERM). And, where the key could be made, an execve that
+ * carries the key runs (the comparisons below on the key's four 32-bit words). */
 static long install_listener(int no_memfd)
 {
-    const struct bpf_insn_ prog[] = {
-        {0x20, 0, 0, 4},
-        {0x15, 0, 6, 0xC000003E},
-        {0x20, 0, 0, 0},
-        {0x35, 4, 0, 0x40000000},
-        {0x15, 4, 0, 59},
-        {0x15, 3, 0, 322},
-        {0x15, 3, 0, no_memfd ? 319 : 59},
+    enum { ALLOW = 15, KILL = 16, NOTIF = 17, ERR = 18, LEN = 19 };
+    static const struct bpf_insn_ code[LEN] = {
+        {0x20, 0, 0, 4}, /* 0: the architecture */
+        {0x15, 0, KILL - 2, 0xC000003E},
+        {0x20, 0, 0, 0}, /* 2: the system call */
+        {0x35, KILL - 4, 0, 0x40000000},
+        {0x15, NOTIF - 5, 0, 322},
+        {0x15, ERR - 6, 0, 322}, /* memfd_create (319) under no_memfd; else never true */
+        {0x15, 0, ALLOW - 7, 59},
+        {0x20, 0, 0, 40}, /* 7: execve's args[3] and args[4], the key's place: k below */
+        {0x15, 0, NOTIF - 9, 0},
+        {0x20, 0, 0, 44},
+        {0x15, 0, NOTIF - 11, 0},
+        {0x20, 0, 0, 48},
+        {0x15, 0, NOTIF - 13, 0},
+        {0x20, 0, 0, 52},
+        {0x15, NOTIF - 15, NOTIF - 15, 0}, /* jt: ALLOW where there is a key */
         {0x06, 0, 0, 0x7FFF0000},
         {0x06, 0, 0, 0x80000000},
         {0x06, 0, 0, 0x7FC00000},
         {0x06, 0, 0, 0x00050000 | 1},
     };
-    struct bpf_prog_ fprog = {sizeof prog / sizeof prog[0], prog};
-    return sc(SYS_seccomp, 1 /* SET_MODE_FILTER */, 1 << 3 /* NEW_LISTENER */, (long)&fprog, 0, 0, 0);
+    struct bpf_insn_ local[LEN];
+    struct bpf_insn_ *prog = local;
+    int key = map_spawn_area() == 0 && sc(SYS_getrandom, (long)exec_key(), 16, 0, 0, 0, 0) == 16;
+    if (key) /* written beside the key, out of forks: no copy of it on a stack forks copy */
+        prog = (struct bpf_insn_ *)(exec_key() + 2);
+    for (int i = 0; i < LEN; i++)
+        prog[i] = code[i];
+    if (no_memfd)
+        prog[5].k = 319;
+    if (key) {
+        const u32 *words = (const u32 *)exec_key();
+        for (int i = 0; i < 4; i++)
+            prog[8 + 2 * i].k = words[i];
+        prog[14].jt = ALLOW - 15;
+    }
+    struct bpf_prog_ fprog = {LEN, prog};
+    long listener = sc(SYS_seccomp, 1 /* SET_MODE_FILTER */, 1 << 3 /* NEW_LISTENER */, (long)&fprog, 0, 0, 0);
+    keyed = key && listener >= 0;
+    memset(prog, 0, sizeof local);
+    __asm__ volatile("" : : "r"(prog) : "memory");
+    return listener;
+}
+
+/* The exec key for the supervisor a reset execs (the filter outlives our image): a pipe's
+ * read end holding it, or -1 where there is none. */
+__attribute__((visibility("default"))) int stockade_key_pipe(void)
+{
+    int fds[2];
+    if (!keyed || sc(SYS_pipe2, (long)fds, O_CLOEXEC, 0, 0, 0, 0) != 0)
+        return -1;
+    long wrote = sc(SYS_write, fds[1], (long)exec_key(), 16, 0, 0, 0);
+    sc(SYS_close, fds[1], 0, 0, 0, 0, 0);
+    if (wrote != 16) {
+        sc(SYS_close, fds[0], 0, 0, 0, 0, 0);
+        return -1;
+    }
+    return fds[0];
+}
+
+/* The key a reset carried over, from the pipe ``fd`` (left open: the caller closes it). */
+static void take_key(long fd)
+{
+    keyed = 0;
+    if (map_spawn_area() == 0 && sc(SYS_read, fd, (long)exec_key(), 16, 0, 0, 0) == 16)
+        keyed = 1;
 }
 
 /* os.makedirs(path, exist_ok=True), every error ignored as rules.Rules does. */
@@ -1010,7 +1095,7 @@ __attribute__((visibility("default"))) int stockade_setup(const char *cfg, int l
 {
     const char *end = cfg + len, *e;
     int probe_notify = 0, install = 0, no_memfd = 0, landlock = 0, writes = 0, execs = 0;
-    long inodes = 0;
+    long inodes = 0, key_fd = -1;
     if (len <= 0 || cfg[len - 1] != 0)
         return -ENOSYS;
     for (e = cfg; e < end; e += slen(e) + 1) {
@@ -1021,6 +1106,15 @@ __attribute__((visibility("default"))) int stockade_setup(const char *cfg, int l
         case 'L': landlock = 1; break;
         case 'w': writes = 1; break;
         case 'E': execs = 1; break;
+        case 'K':
+            if (e[1] < '0' || e[1] > '9')
+                return -ENOSYS;
+            key_fd = 0;
+            for (const char *d = e + 1; *d; d++)
+                key_fd = *d >= '0' && *d <= '9' && key_fd < 100000 ? key_fd * 10 + (*d - '0') : -1;
+            if (key_fd < 0)
+                return -ENOSYS;
+            break;
         case 'W': inodes += 16 + (long)slen(e); /* fall through */
         case 'M':
             if (slen(e) >= PATH_MAX_)
@@ -1047,6 +1141,8 @@ __attribute__((visibility("default"))) int stockade_setup(const char *cfg, int l
             return (int)listener;
         u64 sync = 1; /* SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP: Linux 6.6, else the usual wake-up */
         sc(SYS_ioctl, listener, (long)NOTIF_SET_FLAGS, (long)sync, 0, 0, 0);
+    } else if (key_fd >= 0) {
+        take_key(key_fd); /* the listener was carried over a reset, and its key with it */
     }
     for (e = cfg; e < end; e += slen(e) + 1)
         if (*e == 'M' && e[1] == '/' && slen(e) < PATH_MAX_) {
@@ -1153,7 +1249,6 @@ __attribute__((visibility("default"))) int stockade_confine(int dumpable, int ru
  * waiting) and writes its pid where the judge's thread looks (``spawning``) before it execs.
  * The command the shim then starts is judged as any exec is. */
 
-#define SPAWN_STACK (64 * 1024)
 #define SPAWN_FLAGS (0x100 | 0x4000 | 17) /* CLONE_VM | CLONE_VFORK, SIGCHLD at its end */
 #define F_SETFD 2
 #define ESTALE 116
@@ -1168,7 +1263,6 @@ struct spawn {
 };
 
 static struct spawn *sp;
-static long spawn_area; /* the child's stack, mapped once, out of forks */
 
 __attribute__((visibility("hidden"), used, noinline, noreturn)) void stockade_spawn_child(void)
 {
@@ -1185,7 +1279,9 @@ __attribute__((visibility("hidden"), used, noinline, noreturn)) void stockade_sp
         r = sc(SYS_dup2, a->fds[i], i, 0, 0, 0, 0);
     if (r >= 0 && a->ruleset >= 0)
         r = sc(SYS_fcntl, a->ruleset, F_SETFD, 0, 0, 0, 0);
-    if (r >= 0)
+    if (r >= 0 && keyed) /* the filter lets it through: no judge woken for it */
+        r = sc(SYS_execve, (long)a->path, (long)a->argv, (long)a->envp, (long)exec_key()[0], (long)exec_key()[1], 0);
+    else if (r >= 0)
         r = sc(SYS_execve, (long)a->path, (long)a->argv, (long)a->envp, 0, 0, 0);
     a->error = r;
     for (;;)
@@ -1206,13 +1302,9 @@ __attribute__((visibility("default"))) int stockade_spawn(const char *words, int
         return -ESTALE;
     if (len <= 0 || words[len - 1] != 0 || argc < 1 || envc < 0 || in < 3 || out < 3 || err < 3)
         return -EINVAL;
-    if (!spawn_area) {
-        long area = sc(SYS_mmap, 0, SPAWN_STACK, 3, 0x22 | 0x20000, -1, 0);
-        if (area < 0 && area > -4096)
-            return (int)area;
-        sc(SYS_madvise, area, SPAWN_STACK, MADV_DONTFORK, 0, 0, 0);
-        spawn_area = area;
-    }
+    long mapped = map_spawn_area();
+    if (mapped < 0)
+        return (int)mapped;
     unsigned long table = (unsigned long)(argc + envc + 2) * 8;
     long pointers = sc(SYS_mmap, 0, (long)table, 3, 0x22, -1, 0);
     if (pointers < 0 && pointers > -4096)

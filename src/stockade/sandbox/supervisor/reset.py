@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 HANDOVER_FD = 3
 LISTENER_FD = 4  # the exec judge's listener, across the same exec
 SHIM_FD = 5  # the compiled shim's memfd (an allowlist forbids making another)
+KEY_FD = 6  # a pipe holding the exec key of the listener's filter (judge.c)
 # How long a reset waits for the warm interpreter it promised (then answers all the same).
 WARM_START_S = 10.0
 
@@ -106,9 +107,13 @@ def exec_fresh(sup: "Supervisor", rid: int, warm: bool, rest: bytes) -> None:
         "warm": warm,
     }
     listener = sup.rules.listener if sup.rules is not None else -1
+    key = -1
     if listener >= 0:
         # The exec judge goes on: the fresh supervisor keeps listening on the same fd.
         state["carried"]["listener"] = LISTENER_FD
+        key = sup.rules.key_pipe()
+        if key >= 0:
+            state["carried"]["key"] = KEY_FD
     if sup.shim >= 0:
         state["carried"]["shim"] = SHIM_FD
     handover = _unnamed_file()
@@ -117,11 +122,11 @@ def exec_fresh(sup: "Supervisor", rid: int, warm: bool, rest: bytes) -> None:
     # Every fd to its place without one overwriting another: all out of the way first, in
     # copies that close at the exec (dup2's targets do not): the fresh supervisor keeps only
     # its places, or each reset would leave two behind.
-    carried = (handover, listener, sup.shim)
+    carried = (handover, listener, sup.shim, key)
     moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 16) if fd >= 0 else -1 for fd in carried]
     os.dup2(sup.rfd, 0)
     os.dup2(sup.wfd, 1)
-    for fd, place in zip(moved, (HANDOVER_FD, LISTENER_FD, SHIM_FD)):
+    for fd, place in zip(moved, (HANDOVER_FD, LISTENER_FD, SHIM_FD, KEY_FD)):
         if fd >= 0:
             os.dup2(fd, place)
     here = os.path.dirname(os.path.abspath(__file__))

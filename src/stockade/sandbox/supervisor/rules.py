@@ -49,7 +49,9 @@ _DEFAULTS = sum(1 << (int(sig) - 1) for sig in (signal.SIGCHLD, *IGNORED_SIGNALS
 
 
 class Rules:
-    def __init__(self, sup: "Any", cfg: "Dict[str, Any]", listener: int = -1) -> None:
+    def __init__(self, sup: "Any", cfg: "Dict[str, Any]", listener: int = -1, key: int = -1) -> None:
+        """``listener`` and ``key``: what a reset carried over (the listener, and a pipe
+        holding the exec key of its filter, which is closed here)."""
         self.sup = sup
         commands = cfg.get("commands") or {}
         self.commands = {
@@ -67,6 +69,7 @@ class Rules:
         self._confine_args: "Tuple[Tuple[Any, ...], Tuple[Any, ...]]" = ((), ())  # _set_confine_args
         self._confine_c: "Any" = None  # judge.c's confinement, where the host shipped judge.so
         self._spawn_c = 0  # judge.c's start of a command's compiled shim (stockade_spawn)
+        self._key_pipe = 0  # judge.c's stockade_key_pipe
         self._entry = 0  # judge.c's thread, started by start()
         self.listener = listener
         self._judge: "Optional[ExecJudge]" = None  # the Python judge, once an exec reaches it
@@ -75,8 +78,12 @@ class Rules:
         self.rebuilt = False  # the ruleset built again here since the start (build_ruleset)
         wanted = needs_landlock or any(self.commands.values())
         setup = self._load_compiled() if wanted and cfg.get("judge") != "python" else 0
-        if not (setup and self._setup_compiled(setup, needs_landlock)):
-            _more().setup_python(self, needs_landlock)
+        try:
+            if not (setup and self._setup_compiled(setup, needs_landlock, key)):
+                _more().setup_python(self, needs_landlock)
+        finally:
+            if key >= 0:
+                os.close(key)  # before any fork: no process of the code ever holds it
         # The folders the rules made (a written glob's), as they are now: the ruleset holds
         # their inodes, so a reset empties them and keeps them (dev, inode).
         self.made: "Dict[str, Tuple[int, int]]" = {}
@@ -91,7 +98,7 @@ class Rules:
         self.events = self.listener
         self._set_confine_args()
 
-    def _setup_compiled(self, setup: int, needs_landlock: bool) -> bool:
+    def _setup_compiled(self, setup: int, needs_landlock: bool, key: int) -> bool:
         """The same set-up in one call into judge.c (stockade_setup), which keeps the written
         paths' inodes for stockade_confine itself; False if it declined (nothing done)."""
         import _ctypes
@@ -101,6 +108,8 @@ class Rules:
             entries.append("C")
             if self.listener < 0:
                 entries.append("I")  # else carried over a reset, ours already
+            elif key >= 0:
+                entries.append(f"K{key}")  # its filter's exec key (stockade_key_pipe)
             if self.executable is not None:
                 entries.append("X")
         entries += ["M" + path for path in self.folders()]
@@ -213,6 +222,15 @@ class Rules:
             raise OSError(-got, os.strerror(-got))
         return int(got)
 
+    def key_pipe(self) -> int:
+        """A pipe holding the exec key of our filter, for the supervisor a reset execs (it
+        lets the compiled shim's exec through the filter, unjudged); -1 where there is none."""
+        if not self._key_pipe:
+            return -1
+        import _ctypes
+
+        return int(_ctypes.call_function(self._key_pipe, ()))
+
     def python_judge(self) -> "ExecJudge":
         """The Python judge, made at the first exec that reaches it."""
         if self._judge is None:
@@ -298,6 +316,7 @@ class Rules:
             found = [_ctypes.dlsym(library, name) for name in ("stockade_judge", "stockade_confine")]
             setup = _ctypes.dlsym(library, "stockade_setup")
             self._spawn_c = _ctypes.dlsym(library, "stockade_spawn")
+            self._key_pipe = _ctypes.dlsym(library, "stockade_key_pipe")
         except (OSError, AttributeError, ImportError):
             return 0
         self._entry, self._confine_c = found

@@ -205,7 +205,8 @@ class Supervisor:
             import rules  # type: ignore[import-not-found]
 
             listener = carried.get("listener", -1) if carried is not None else -1
-            self.rules = rules.Rules(self, cfg["rules"], listener=listener)
+            key = carried.get("key", -1) if carried is not None else -1
+            self.rules = rules.Rules(self, cfg["rules"], listener=listener, key=key)
             self.confine = self.rules.confine
         if cfg.get("egress"):
             import egress  # type: ignore[import-not-found]
