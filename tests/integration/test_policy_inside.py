@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stockade import LimitNotEnforceable, Limits, Sandbox
-from stockade.types import Mechanism, SandboxRules
+from stockade.types import ExecRecord, Mechanism, SandboxRules
 from tests.conftest import require, require_tier
 from tests.integration.approvals import YesTo, remove_each
 from tests.integration.conftest import TIERS
@@ -866,6 +867,43 @@ def test_a_command_wakes_the_judge_for_its_own_exec_only_before_and_after_a_rese
             assert 30 <= _judge_wakes(sbx) - before <= 36
             sbx.run_code(KILL_THE_ZYGOTE)
             sbx.reset()
+
+
+class LateVerdict:
+    """Refuses every exec; asked the second time, it first sends the supervisor a verdict
+    that says yes to request 1, as a host's answer to the last user's first request would
+    arrive late from another thread."""
+
+    def __init__(self) -> None:
+        self.sbx: Sandbox | None = None
+        self.asked = 0
+
+    def __call__(self, record: ExecRecord) -> bool:
+        self.asked += 1
+        if self.asked == 2 and self.sbx is not None:
+            instance: Any = self.sbx.instance
+            while not hasattr(instance, "channel"):
+                instance = instance.inner
+            instance.channel.call({"op": "verdict", "req": 1, "allow": True}).result(time.monotonic() + 10)
+        return False
+
+
+def test_a_late_verdict_for_the_last_user_never_answers_the_next_users_exec(tier: str) -> None:
+    """Approval requests are numbered for the sandbox's whole life, across a reset that execs
+    a fresh supervisor (the zygote killed): they restarted at 1 there, so a verdict for the
+    last user's request 1 approved the next user's `rm -r` (it deleted the folder)."""
+    late = LateVerdict()
+    sbx = _rules_or_refusal(tier, SandboxRules(approve=("rm -r",)), approver=late)
+    if sbx is None:
+        return
+    with sbx:
+        late.sbx = sbx
+        assert sbx.commands.run("mkdir a; rm -r a; ls").stdout == "a\n"
+        sbx.run_code(KILL_THE_ZYGOTE)
+        sbx.reset()
+        r = sbx.commands.run("mkdir b; rm -r b; ls")
+        assert r.stdout == "b\n" and [e.verdict for e in r.execs if e.argv[0] == "rm"] == ["refuse"]
+        assert late.asked == 2
 
 
 ZYGOTE = "import os; print(os.getppid())"  # an interpreter's parent

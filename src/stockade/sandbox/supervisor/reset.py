@@ -108,6 +108,8 @@ def exec_fresh(sup: "Supervisor", rid: int, warm: bool, rest: bytes) -> None:
     }
     listener = sup.rules.listener if sup.rules is not None else -1
     key = -1
+    if sup.rules is not None:
+        state["carried"]["asked"] = sup.rules.asked()
     if listener >= 0:
         # The exec judge goes on: the fresh supervisor keeps listening on the same fd.
         state["carried"]["listener"] = LISTENER_FD

@@ -49,9 +49,12 @@ _DEFAULTS = sum(1 << (int(sig) - 1) for sig in (signal.SIGCHLD, *IGNORED_SIGNALS
 
 
 class Rules:
-    def __init__(self, sup: "Any", cfg: "Dict[str, Any]", listener: int = -1, key: int = -1) -> None:
-        """``listener`` and ``key``: what a reset carried over (the listener, and a pipe
-        holding the exec key of its filter, which is closed here)."""
+    def __init__(
+        self, sup: "Any", cfg: "Dict[str, Any]", listener: int = -1, key: int = -1, asked: int = 0
+    ) -> None:
+        """``listener``, ``key`` and ``asked``: what a reset carried over (the listener, a
+        pipe holding the exec key of its filter, which is closed here, and how many
+        approvals the supervisors before us asked for)."""
         self.sup = sup
         commands = cfg.get("commands") or {}
         self.commands = {
@@ -73,7 +76,7 @@ class Rules:
         self._entry = 0  # judge.c's thread, started by start()
         self.listener = listener
         self._judge: "Optional[ExecJudge]" = None  # the Python judge, once an exec reaches it
-        self._requests = 0  # approvals asked by the Python judges before this one (renew)
+        self._requests = asked  # approvals asked by the Python judges before this one (renew)
         self.fast: "Optional[FastJudge]" = None
         self.rebuilt = False  # the ruleset built again here since the start (build_ruleset)
         wanted = needs_landlock or any(self.commands.values())
@@ -263,6 +266,12 @@ class Rules:
             self._requests = self._judge.requests
             self._judge = None
         return True
+
+    def asked(self) -> int:
+        """How many approvals were asked for in this sandbox: the next request's id is above
+        it, in this supervisor and in the one a reset execs (a verdict still on its way from
+        the host for a request of the last user must find no request of the next)."""
+        return self._judge.requests if self._judge is not None else self._requests
 
     def let_own_exec_through(self, listener: int) -> None:
         """Answer our own exec's notification at a reset (``rulespy.let_own_exec_through``)."""

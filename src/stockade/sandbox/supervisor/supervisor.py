@@ -206,7 +206,8 @@ class Supervisor:
 
             listener = carried.get("listener", -1) if carried is not None else -1
             key = carried.get("key", -1) if carried is not None else -1
-            self.rules = rules.Rules(self, cfg["rules"], listener=listener, key=key)
+            asked = carried.get("asked", 0) if carried is not None else 0
+            self.rules = rules.Rules(self, cfg["rules"], listener=listener, key=key, asked=asked)
             self.confine = self.rules.confine
         if cfg.get("egress"):
             import egress  # type: ignore[import-not-found]
