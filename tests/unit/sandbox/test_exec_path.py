@@ -122,3 +122,11 @@ def test_an_interpreter_given_a_script_runs_the_script(
     execrules: Any, argv: str, runs: list[str] | None
 ) -> None:
     assert execrules.script_run(shlex.split(argv)) == runs
+
+
+def test_each_program_judge_c_hands_over_as_an_interpreter_runs_scripts_in_script_run(execrules: Any) -> None:
+    """judge.c sends an exec to Python as an interpreter's by the globs of INTERPRETERS (its T
+    entries): each of them must be one that script_run reads a script file from."""
+    for pattern in execrules.INTERPRETERS:
+        name = pattern.replace("*", "3.11")
+        assert execrules.script_run([name, "/w/s", "a"]) == ["/w/s", "a"], name

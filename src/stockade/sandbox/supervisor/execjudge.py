@@ -211,7 +211,7 @@ class ExecJudge:
             st = os.stat(target)
         files = {os.path.basename(path), self._real_name(target, st)}
         copies = self._copies_of(target) if st.st_size in self._sizes else set()
-        if not copies and self._sizes and not in_image(os.path.realpath(target)):
+        if not copies and self._sizes and not execrules.in_image(os.path.realpath(target)):
             copies = self._same_build(target, st)  # a copy changed by a byte: padded, patched
         files |= copies
         verdict = self._by_names(files, argv, listed)
@@ -220,7 +220,7 @@ class ExecJudge:
             if script is not None:  # the kernel runs its interpreter with no exec to judge
                 # An interpreter outside the image can change while the script does not (by
                 # "..", /usr/bin/../../tmp/x is outside it): its verdict is not kept.
-                if not in_image(script[0]) or "/.." in script[0]:
+                if not execrules.in_image(script[0]) or "/.." in script[0]:
                     self.carrying = True
                 verdict = _strictest(verdict, self._judge_carried(pid, *script, depth, listed=False))
         carried = execrules.carried(sorted(files), argv) if depth < MAX_CARRIED else None
@@ -432,14 +432,6 @@ def caller_path(pid: int, path: str) -> str:
 
 
 ELOOP = 40
-
-
-# Folders of the image: code can write none of them (a file there is what the image shipped).
-IMAGE_FOLDERS = ("/usr/", "/bin/", "/sbin/", "/lib/", "/lib32/", "/lib64/", "/libx32/", "/opt/")
-
-
-def in_image(path: str) -> bool:
-    return path.startswith(IMAGE_FOLDERS)
 
 
 def build_id(path: str) -> "Optional[bytes]":

@@ -126,6 +126,15 @@ def subject(argv: "Sequence[str]") -> "List[str]":
 
 
 SHELLS = ("sh", "bash", "dash", "ash", "ksh", "zsh")
+# The programs script_run knows to run a script file they are given (globs, as judge.c reads them).
+INTERPRETERS = ("python*", *SHELLS)
+
+# Folders of the image: code can write none of them (a file there is what the image shipped).
+IMAGE_FOLDERS = ("/usr/", "/bin/", "/sbin/", "/lib/", "/lib32/", "/lib64/", "/libx32/", "/opt/")
+
+
+def in_image(path: str) -> bool:
+    return path.startswith(IMAGE_FOLDERS)
 
 
 def script_run(argv: "Sequence[str]") -> "Optional[List[str]]":
@@ -133,7 +142,7 @@ def script_run(argv: "Sequence[str]") -> "Optional[List[str]]":
     install x`` runs ``pip install x``, as ``/usr/bin/pip install x`` would (the kernel runs
     it so for its ``#!`` line). None: no script file (``-c``, ``-m``, standard input)."""
     name = program(argv[0]) if argv else ""
-    if name.startswith("python"):
+    if name.startswith("python"):  # INTERPRETERS: each one known here
         stops, valued, long_valued = "cm", "WX", ("--check-hash-based-pycs",)
     elif name in SHELLS:
         stops, valued, long_valued = "cs", "o", ("--rcfile", "--init-file")

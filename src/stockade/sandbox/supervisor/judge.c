@@ -217,6 +217,10 @@ struct rules {
     int n_dirs;
     const char *programs[MAX_PATTERNS]; /* programs whose sizes are found (find_sizes) */
     int n_programs;
+    const char *interpreters[MAX_DIRS]; /* programs that run a script file they are given */
+    int n_interpreters;
+    const char *image[MAX_DIRS];        /* the image's folders, which code cannot write */
+    int n_image;
     int max_argv;                      /* argv words a record keeps */
     int ok;
 };
@@ -231,11 +235,14 @@ static u64 parse_num(const char *s)
 
 /* Entries separated by NULs, each a letter and its text: P a deny/approve program, A a
  * one-word allow rule, L an allowlist is in force, S a program size, M the argv kept, D a
- * folder of programs and N a program whose size (in each D folder) is one (find_sizes). */
+ * folder of programs, N a program whose size (in each D folder) is one (find_sizes), T a
+ * program (a glob) that runs a script file it is given (execrules.INTERPRETERS) and G a
+ * folder of the image (execrules.IMAGE_FOLDERS). */
 static void parse(struct rules *r, const char *cfg, int len)
 {
     const char *end = cfg + len;
     r->n_named = r->n_allowed = r->n_sizes = r->allowlist = r->n_dirs = r->n_programs = 0;
+    r->n_interpreters = r->n_image = 0;
     r->max_argv = 64;
     r->ok = 1;
     while (cfg < end) {
@@ -276,6 +283,18 @@ static void parse(struct rules *r, const char *cfg, int len)
                 r->ok = 0;
             else
                 r->programs[r->n_programs++] = text;
+            break;
+        case 'T':
+            if (r->n_interpreters == MAX_DIRS)
+                r->ok = 0;
+            else
+                r->interpreters[r->n_interpreters++] = text;
+            break;
+        case 'G':
+            if (r->n_image == MAX_DIRS)
+                r->ok = 0;
+            else
+                r->image[r->n_image++] = text;
             break;
         default:
             r->ok = 0; /* something this build does not know: judge nothing here */
@@ -397,13 +416,10 @@ static int extends(const char *name, const char *pat)
 }
 
 /* Whether a program of this name runs a script file it is given (execrules.script_run). */
-static int interpreter(const char *name)
+static int interpreter(const struct rules *r, const char *name)
 {
-    static const char *const shells[] = {"sh", "bash", "dash", "ash", "ksh", "zsh"};
-    if (starts(name, "python"))
-        return 1;
-    for (unsigned long i = 0; i < sizeof shells / sizeof shells[0]; i++)
-        if (same(name, shells[i]))
+    for (int i = 0; i < r->n_interpreters; i++)
+        if (glob(name, r->interpreters[i]) != NO) /* a bracket: Python's to read */
             return 1;
     return 0;
 }
@@ -422,7 +438,7 @@ static int allows(const struct rules *r, const char *names[3], int n_names, cons
      * read (sh -c, python3 -c: answered here). */
     if (argc > 1 && !same(argv1, "-c"))
         for (i = 0; i < n_names; i++)
-            if (interpreter(base(names[i])))
+            if (interpreter(r, base(names[i])))
                 return 0;
     for (i = 0; i < r->n_sizes; i++)
         if (r->sizes[i] == size)
@@ -589,12 +605,11 @@ static long no_magic_lstat(const char *path, u64 *st)
 }
 
 /* Whether ``path`` (the file's, links followed) is in one of the image's folders, which code
- * cannot write (execjudge.IMAGE_FOLDERS). */
-static int in_image(const char *path)
+ * cannot write (the G entries: execrules.IMAGE_FOLDERS). */
+static int in_image(const struct rules *r, const char *path)
 {
-    static const char *const folders[] = {"/usr/", "/bin/", "/sbin/", "/lib/", "/lib32/", "/lib64/", "/libx32/", "/opt/"};
-    for (unsigned long i = 0; i < sizeof folders / sizeof folders[0]; i++)
-        if (starts(path, folders[i]))
+    for (int i = 0; i < r->n_image; i++)
+        if (starts(path, r->image[i]))
             return 1;
     return 0;
 }
@@ -736,7 +751,7 @@ static int judge(struct ctx *c, const struct notif *n)
     }
     /* Under rules over argv (the rule programs' sizes are known), a file outside the image's
      * folders may be a rule program's copy changed by a byte: Python compares build IDs. */
-    if (c->rules.n_sizes && !in_image(c->real))
+    if (c->rules.n_sizes && !in_image(&c->rules, c->real))
         goto out;
     /* A script: the kernel runs the interpreter its first line names, with no exec of its
      * own to judge (#!/bin/rm -r). Python judges the two (execrules.interpreted). */

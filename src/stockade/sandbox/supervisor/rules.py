@@ -465,9 +465,10 @@ def judge_config(commands: "Dict[str, List[List[str]]]") -> bytes:
     # rules over argv, and under an allowlist (which the loader is on, so that what is listed
     # runs: a link named as a listed program that leads to it would run any file). Under
     # denials alone the masks hold it (no denied file to load), judged alike all the same.
-    from execrules import LOADERS, MULTICALL  # type: ignore[import-not-found]
+    from execrules import IMAGE_FOLDERS, INTERPRETERS, LOADERS, MULTICALL  # type: ignore[import-not-found]
 
     entries += [f"P{name}" for name in (*LOADERS, *(f"{name}*" for name in MULTICALL))]
+    entries += [f"T{name}" for name in INTERPRETERS] + [f"G{folder}" for folder in IMAGE_FOLDERS]
     if commands["allow"]:
         entries.append("L")
         entries += [f"A{words[0]}" for words in commands["allow"] if words and not _over_argv(words)]
