@@ -112,6 +112,10 @@ ALLOWLIST_ROUTES = {
         'python3 -c \'import os; f = os.memfd_create("cat");'
         ' os.write(f, open("/usr/bin/uname", "rb").read()); os.execv(f"/proc/self/fd/{f}", ["cat"])\''
     ),
+    "a link to the loader named as a listed program, its program past 4,096 words": (
+        "ln -sf /lib64/ld-linux-x86-64.so.2 /tmp/cat && python3 -c 'import os;"
+        ' os.execv("/tmp/cat", ["cat"] + ["--inhibit-cache"] * 5000 + ["/usr/bin/uname"])\''
+    ),
 }
 
 
@@ -296,6 +300,11 @@ RECURSIVE_ROUTES = {
     "a decoy behind a link to /proc/self/cwd": (
         "W=$PWD; cp /bin/rm /tmp/zz && echo harmless > zz && chmod +x zz && ln -sfn /proc/self/cwd /tmp/c"
         " && cd /tmp && /tmp/c/zz -r $W/gone"
+    ),
+    # every word is judged: the judge read 4,096 of them, and a -r past them went unseen
+    "the flag past 4,096 words": "rm -f $(seq 5000 | sed 's/^/nx/') -r gone",
+    "the loader's program past 4,096 words": (
+        "/lib64/ld-linux-x86-64.so.2 $(yes -- --inhibit-cache | head -5000) /bin/rm -r gone"
     ),
 }
 
@@ -616,6 +625,10 @@ GIT_ROUTES = (
     # the kernel runs `git push /tmp/s HEAD:main`, and /tmp/s is the repository's other name
     "git config url./tmp/bare.git.insteadOf /tmp/s && printf '#!/usr/bin/git push\\n' > /tmp/s"
     " && chmod +x /tmp/s && /tmp/s HEAD:main",
+    # past 4,096 words; a typo git runs as push inside itself, behind an option whose value
+    # (`--shallow-file FILE`) the judge once took for the command
+    "git $(yes -- -P | head -4100) push -q origin HEAD:main",
+    "git -c help.autocorrect=immediate --shallow-file status pusj -q origin HEAD:main",
 )
 
 

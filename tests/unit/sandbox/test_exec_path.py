@@ -4,6 +4,7 @@ script its interpreter too, with the argv the kernel gives it (execrules.interpr
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import shlex
@@ -130,3 +131,54 @@ def test_each_program_judge_c_hands_over_as_an_interpreter_runs_scripts_in_scrip
     for pattern in execrules.INTERPRETERS:
         name = pattern.replace("*", "3.11")
         assert execrules.script_run([name, "/w/s", "a"]) == ["/w/s", "a"], name
+
+
+class CallerMemory:
+    """A file laid out as a caller's memory: an argv's pointer array at 8, its words after."""
+
+    def __init__(self, folder: Path, words: list[bytes], *, same_word: bool = False) -> None:
+        table = 8 + 8 * (len(words) + 1)
+        pointers: list[int] = []
+        text, at = b"", table
+        for word in words:
+            if same_word and pointers:  # every pointer to the first word: little memory, long argv
+                pointers.append(pointers[0])
+                continue
+            pointers.append(at)
+            text += word + b"\0"
+            at += len(word) + 1
+        path = folder / "memory"
+        path.write_bytes(bytes(8) + b"".join(p.to_bytes(8, "little") for p in [*pointers, 0]) + text)
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def argv(self, confine: Any) -> list[str]:
+        try:
+            return list(confine.read_argv(self.fd, confine.NR_EXECVE, (0, 8, 0, 0, 0, 0)))
+        finally:
+            os.close(self.fd)
+
+
+@pytest.fixture(scope="module")
+def confine(execjudge: Any) -> Any:
+    return importlib.import_module("confine")
+
+
+def test_every_word_of_a_long_argv_is_read(confine: Any, tmp_path: Path) -> None:
+    # `rm -f <5,000 words> -r x`: the judge read 4,096 words, and the -r went unjudged
+    words = [b"rm", b"-f", *(b"nx%d" % i for i in range(5000)), b"-r", b"x"]
+    assert CallerMemory(tmp_path, words).argv(confine)[-2:] == ["-r", "x"]
+
+
+def test_an_argv_past_what_the_kernel_takes_is_refused_unread(confine: Any, tmp_path: Path) -> None:
+    # more words than an exec can take, or words past its bytes (one 128 KiB word, pointed
+    # to again and again: the judge would hold gigabytes): E2BIG, as the kernel says it
+    too_many = CallerMemory(tmp_path, [b"x"] * (confine.MAX_ARGS + 1), same_word=True)
+    with pytest.raises(OSError) as caught:
+        too_many.argv(confine)
+    assert caught.value.errno == errno.E2BIG
+    (tmp_path / "memory").unlink()
+    big = b"a" * (128 * 1024 - 1)
+    too_long = CallerMemory(tmp_path, [big] * (confine.MAX_ARGV_BYTES // len(big) + 2), same_word=True)
+    with pytest.raises(OSError) as caught:
+        too_long.argv(confine)
+    assert caught.value.errno == errno.E2BIG

@@ -67,8 +67,13 @@ USER_NOTIF_FD_SYNC_WAKE_UP = 1
 NOTIF = struct.Struct("=QIIiIQ6Q")  # id, pid, flags, nr, arch, ip, args[6]
 RESP = struct.Struct("=QqiI")  # id, val, error, flags
 
-MAX_ARGS = 4096
-MAX_ARG_BYTES = 256 * 1024
+# An exec's argv is read whole, every word of it judged: a rule's flag may be anywhere (with
+# the first 4,096 words read, `rm -f <5,000 words> -r x` hid its -r). Past what the kernel
+# takes (argv and environment at most 6 MiB: fs/exec.c; each word at most 128 KiB), the
+# exec fails with E2BIG, as the kernel would fail it, and the judge never holds more.
+MAX_ARGS = 1 << 18
+MAX_ARG_BYTES = 256 * 1024  # one word
+MAX_ARGV_BYTES = 8 << 20  # all of them
 
 
 _BYTE: "List[Any]" = []  # the one-byte C type, made once (a class costs to make)
@@ -255,9 +260,9 @@ def open_memory(listener: int, nid: int, pid: int) -> int:
     return mem
 
 
-def _read_string(mem: int, address: int) -> str:
+def _read_string(mem: int, address: int, budget: int = MAX_ARG_BYTES) -> str:
     out = b""
-    while len(out) < MAX_ARG_BYTES:
+    while len(out) < min(budget, MAX_ARG_BYTES):
         chunk = os.pread(mem, 4096 - address % 4096 if not out else 4096, address + len(out))
         if not chunk:
             break
@@ -265,7 +270,7 @@ def _read_string(mem: int, address: int) -> str:
         if end >= 0:
             return (out + chunk[:end]).decode("utf-8", "surrogateescape")
         out += chunk
-    raise OSError("an argument too long to judge")
+    raise OSError(errno.E2BIG, "an argument too long to judge")
 
 
 def read_path(mem: int, pid: int, nr: int, args: "Tuple[int, ...]") -> str:
@@ -289,19 +294,27 @@ def read_path(mem: int, pid: int, nr: int, args: "Tuple[int, ...]") -> str:
 
 
 def read_argv(mem: int, nr: int, args: "Tuple[int, ...]") -> "List[str]":
-    """The argv an exec asked for, from the caller's memory."""
+    """The argv an exec asked for, from the caller's memory, every word of it; ``OSError``
+    (E2BIG) past ``MAX_ARGS`` words or ``MAX_ARGV_BYTES`` (the kernel would refuse it)."""
     argv_at = args[1] if nr == NR_EXECVE else args[2]
-    argv: "List[str]" = []
     pointers: "List[int]" = []
-    while argv_at and len(pointers) < MAX_ARGS:  # the pointer array, 64 at a time
-        chunk = os.pread(mem, 512, argv_at + 8 * len(pointers))
+    ended = not argv_at
+    step = 512  # the pointer array, 64 at a time at first: most argvs are short
+    while not ended:
+        chunk = os.pread(mem, step, argv_at + 8 * len(pointers))
         batch = struct.unpack(f"={len(chunk) // 8}Q", chunk[: len(chunk) // 8 * 8])
-        if 0 in batch:
-            pointers.extend(batch[: batch.index(0)])
-            break
         if not batch:
             break
+        if 0 in batch:
+            batch, ended = batch[: batch.index(0)], True
         pointers.extend(batch)
-    for pointer in pointers[:MAX_ARGS]:
-        argv.append(_read_string(mem, pointer))
+        if len(pointers) > MAX_ARGS:
+            raise OSError(errno.E2BIG, "more arguments than an exec can take")
+        step = min(step * 2, 1 << 16)
+    argv: "List[str]" = []
+    budget = MAX_ARGV_BYTES
+    for pointer in pointers:
+        word = _read_string(mem, pointer, budget)
+        budget -= len(word.encode("utf-8", "surrogateescape")) + 1
+        argv.append(word)
     return argv

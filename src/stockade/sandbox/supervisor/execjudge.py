@@ -17,7 +17,7 @@ import os
 import confine
 import execrules
 from protocol import MAX_EXEC_ARGV
-from rules import ENOENT, EPERM, record
+from rules import E2BIG, ENOENT, EPERM, record
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
@@ -76,8 +76,10 @@ class ExecJudge:
                 confine.answer(listener, nid, False, ENOENT)
                 return
             argv = confine.read_argv(mem, nr, args)
-        except (OSError, ValueError):
-            confine.answer(listener, nid, False)  # cannot tell what it runs: no
+        except (OSError, ValueError) as exc:
+            # Cannot tell what it runs: no (an argv past what the kernel takes: E2BIG, as
+            # the kernel says it, "Argument list too long").
+            confine.answer(listener, nid, False, E2BIG if getattr(exc, "errno", None) == E2BIG else EPERM)
             return
         finally:
             os.close(mem)

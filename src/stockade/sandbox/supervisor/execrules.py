@@ -69,8 +69,20 @@ GIT_COMMANDS = frozenset(
 # holds for them too); a word so named anywhere in git's arguments is read as the command.
 GIT_PLUMBING = {"send-pack": "push", "http-push": "push"}
 # git's options before its command that take the next word as their value.
+# git's options before its command that take the next word as their value (git.c's
+# handle_options), and those that take none: any other may take one in a git of another
+# version, so the command may be either of the two words after it (_git_alias).
 GIT_VALUED = frozenset(
-    ("-C", "-c", "--git-dir", "--work-tree", "--namespace", "--super-prefix", "--config-env")
+    """
+    -C -c --git-dir --work-tree --namespace --super-prefix --config-env --shallow-file --attr-source
+    """.split()
+)
+GIT_FLAGS = frozenset(
+    """
+    -p --paginate -P --no-pager --no-replace-objects --bare --literal-pathspecs --glob-pathspecs
+    --noglob-pathspecs --icase-pathspecs --no-optional-locks --no-lazy-fetch --no-advice
+    --html-path --man-path --info-path --exec-path -v --version -h --help
+    """.split()
 )
 
 
@@ -294,16 +306,27 @@ def interpreted(head: bytes, path: str, argv: "Sequence[str]") -> "Optional[Tupl
 
 
 def _git_alias(args: "Sequence[str]") -> bool:
-    """Whether git, given ``args``, runs a command that is not one of its own (an alias)."""
-    at = 0
-    while at < len(args):
-        word = args[at]
-        if word in GIT_VALUED:
-            at += 2
-        elif word.startswith("-"):
-            at += 1
-        else:
-            return word not in GIT_COMMANDS
+    """Whether git, given ``args``, may run a command that is not one of its own: an alias,
+    or a typo that ``help.autocorrect`` runs as the command it resembles, inside git. An
+    option this does not know (``--shallow-file`` was missing: its value was taken for the
+    command) may take a value: both readings are judged (each start once: no blow-up)."""
+    todo, seen = [0], set()
+    while todo:
+        at = todo.pop()
+        while at < len(args) and at not in seen:
+            seen.add(at)
+            word = args[at]
+            if word in GIT_VALUED:
+                at += 2
+            elif word.startswith("-") and (word in GIT_FLAGS or "=" in word or not word.startswith("--")):
+                at += 1
+            elif word.startswith("-"):
+                todo.append(at + 2)
+                at += 1
+            else:
+                if word not in GIT_COMMANDS:
+                    return True
+                break
     return False
 
 

@@ -40,7 +40,7 @@ CARRIER_FILES = (
     "busybox", "toybox", "/lib64/ld-linux-x86-64.so.2", "/lib/ld-linux-aarch64.so.1",
     "/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2", "/lib/ld-musl-x86_64.so.1", "/lib/ld-musl-aarch64.so.1",
 )  # fmt: skip
-EPERM, ENOENT, ENOSYS, ESTALE = 1, 2, 38, 116
+EPERM, ENOENT, E2BIG, ENOSYS, ESTALE = 1, 2, 7, 38, 116
 LIBRARY = "judge.so"  # judge.c, beside these modules, when the host built it
 # The signals a command's shim gets back at their default: those the supervisor ignores,
 # and SIGCHLD (bit N-1: signal N, all below 32; the handlers it catches go back to default
