@@ -263,6 +263,22 @@ def test_a_forged_run_code_report_cannot_swell_the_host(tier: str) -> None:
         assert not sbx.alive
 
 
+def test_a_forged_report_whose_text_widens_or_of_the_wrong_shape_is_a_protocol_error(tier: str) -> None:
+    # 40 MiB of JSON and one escape past U+FFFF (an emoji) parsed to 160 MiB of text; the
+    # results as a number raised a TypeError out of run_code. Both are lies: typed, refused.
+    with Sandbox.create(tier, limits=Limits(memory_mb=512, timeout_s=60, pids=64)) as sbx:
+        sbx.files.write("forge.py", FORGE)
+        sbx.run_code("import forge")
+        with pytest.raises(ProtocolError, match="malformed run_code report"):
+            sbx.run_code("forge.forge(b'{\"results\": 1}')")
+        emoji = "\\\\ud83d\\\\ude00"  # an escape, as JSON writes one
+        head = 'b\'{"results":[{"text/plain":"\''
+        widened = f"forge.forge({head} + b'a' * (40 << 20) + b'{emoji}\"}}]}}')"
+        with pytest.raises(ProtocolError, match="oversized run_code report"):
+            sbx.run_code(widened)
+        assert not sbx.alive
+
+
 def test_a_forged_report_over_the_byte_cap_only_restarts_the_interpreter(tier: str) -> None:
     # The supervisor takes no report over the cap from the interpreter's pipe: the
     # interpreter is restarted (its state is lost), the sandbox lives on.

@@ -29,6 +29,7 @@ from stockade.sandbox.supervisor.protocol import (
     FrameError,
     FrameReader,
     encode,
+    over_cap,
 )
 
 Frame = tuple[dict[str, Any], bytes]
@@ -83,10 +84,13 @@ def loads_bounded(raw: bytes, *, max_bytes: int, max_values: int) -> Any:
 
     ASCII only, as the supervisor writes it (non-ASCII characters escaped): one character
     outside Latin-1 would otherwise make Python hold the whole text at four bytes a character,
-    and UTF-16 would hide quotes and backslashes from the count.
+    and UTF-16 would hide quotes and backslashes from the count. An escape does the same
+    (``\\ud83d\\ude00``): ``max_bytes`` bounds the text parsed (``text_bytes``), not only the JSON.
     """
     if len(raw) > max_bytes:
         raise JSONTooLarge(f"{len(raw)} bytes of JSON, over the {max_bytes} allowed")
+    if over_cap(raw, max_bytes):  # an escape past U+FFFF (one emoji) in 100 MB of JSON: 400 MB of text
+        raise JSONTooLarge(f"{len(raw)} bytes of JSON whose text takes more than the {max_bytes} allowed")
     values = json_values(raw, max_values)
     if values > max_values:
         raise JSONTooLarge(f"over {max_values} JSON values in {len(raw)} bytes")
@@ -94,7 +98,7 @@ def loads_bounded(raw: bytes, *, max_bytes: int, max_values: int) -> Any:
 
 
 def _parse_header(raw: bytes) -> Any:
-    return loads_bounded(raw, max_bytes=len(raw), max_values=MAX_HEADER_VALUES)
+    return loads_bounded(raw, max_bytes=MAX_HEADER, max_values=MAX_HEADER_VALUES)
 
 
 class Stream(Protocol):

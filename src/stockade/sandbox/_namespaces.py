@@ -7,7 +7,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal, overload
 
-from stockade.sandbox._requests import TextCallback, check_path, command_op, tar_directory, text_sink
+from stockade.sandbox._requests import (
+    TextCallback,
+    check_path,
+    command_op,
+    file_text,
+    tar_directory,
+    text_sink,
+)
 from stockade.sandbox.base import AsyncInstance, Instance
 from stockade.sandbox.ops import (
     DOWNLOAD_MAX_BYTES,
@@ -65,7 +72,7 @@ class Files:
 
     def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> str | bytes:
         data = self._instance.execute(ReadFile(path=check_path(path)))
-        return data if format == "bytes" else data.decode("utf-8", "replace")
+        return data if format == "bytes" else file_text(data, path)
 
     def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> EntryInfo:
         raw = data.encode() if isinstance(data, str) else data
@@ -160,7 +167,7 @@ class AsyncFiles:
 
     async def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> str | bytes:
         data = await self._instance.aexecute(ReadFile(path=check_path(path)))
-        return data if format == "bytes" else data.decode("utf-8", "replace")
+        return data if format == "bytes" else file_text(data, path)
 
     async def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> EntryInfo:
         raw = data.encode() if isinstance(data, str) else data

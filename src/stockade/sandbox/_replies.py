@@ -8,6 +8,7 @@ kept is what the host counted, never more than its cap.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -76,6 +77,13 @@ def int_field(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
+def float_field(value: Any) -> float:
+    """A number the supervisor sent, or 0.0 for anything else (a word, a list, NaN)."""
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return 0.0
+
+
 def entry_info(raw: Any) -> EntryInfo:
     if not isinstance(raw, dict):
         raise exc.ProtocolError(f"malformed entry {raw!r}")
@@ -89,7 +97,7 @@ def entry_info(raw: Any) -> EntryInfo:
         type=kind,
         size=int_field(raw.get("size")),
         mode=int_field(raw.get("mode")),
-        mtime=float(raw.get("mtime") or 0.0),
+        mtime=float_field(raw.get("mtime")),
     )
 
 
@@ -109,7 +117,7 @@ def command_result(
         exit_code=int_field(h.get("exit_code")),
         stdout=out,
         stderr=err,
-        duration_s=float(h.get("duration") or 0.0),
+        duration_s=float_field(h.get("duration")),
         timed_out=bool(h.get("timed_out")),
         oom_killed=oom,
         truncated=out_cut or err_cut,
@@ -145,8 +153,11 @@ def execution(
     err, err_cut = streams[2].text(max(int_field(h.get("stderr_bytes")), len(streams[2].data)))
     if not isinstance(payload, dict):
         raise exc.ProtocolError("malformed run_code report")
+    raw_results = payload.get("results") or []
+    if not isinstance(raw_results, list):
+        raise exc.ProtocolError("malformed run_code report: its results are no list")
     results = []
-    for raw in payload.get("results") or []:
+    for raw in raw_results:
         if isinstance(raw, dict):
             results.append(Result({str(k): str(v) for k, v in raw.items()}))
     error = None
@@ -163,7 +174,7 @@ def execution(
         results=tuple(results),
         logs=Logs(stdout=out, stderr=err),
         error=error,
-        duration_s=float(h.get("duration") or 0.0),
+        duration_s=float_field(h.get("duration")),
         timed_out=bool(h.get("timed_out")),
         truncated=out_cut or err_cut,
         execs=_rules.exec_records(h),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import codecs
 import io
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from stockade import exceptions as exc
 from stockade._checks import check_envs, check_timeout
 from stockade.sandbox._supervised import WORKSPACE
 from stockade.sandbox.base import OutputSink
-from stockade.sandbox.ops import RunCode, RunCommand, program_command
+from stockade.sandbox.ops import ReadFile, RunCode, RunCommand, program_command
 from stockade.types import CommandResult, Execution, ExecutionError, Logs
 
 __all__ = [
@@ -44,6 +45,25 @@ INTERPRETERS: dict[str, str] = {
     "php": "php",
     "r": "r",
 }
+
+
+def file_text(data: bytes, path: str, cap: int = ReadFile.max_bytes) -> str:
+    """A file's bytes as text (UTF-8, undecodable bytes replaced), refused where the text
+    would take more than ``cap`` bytes: Python holds a string at the width of its widest
+    character, so one character past U+FFFF in 256 MiB of ASCII makes 1 GiB of text. The
+    width is known before decoding, from the bytes that lead UTF-8 sequences (a byte it
+    cannot decode becomes U+FFFD, two bytes wide)."""
+    if len(data) * 4 > cap:
+        width = 4 if re.search(rb"[\xf0-\xff]", data) else 1
+        if width == 1 and re.search(rb"[\x80-\xc1\xc4-\xef]", data):
+            width = 2  # past U+00FF, or a byte it cannot decode
+        if len(data) * width > cap:
+            raise exc.FileTooLarge(
+                f"{path!r} as text would take {len(data) * width} bytes ({width} a character: the widest "
+                f"character sets the width of all), over the {cap} allowed; read it with format='bytes'",
+                path=path,
+            )
+    return data.decode("utf-8", "replace")
 
 
 def check_path(path: str) -> str:

@@ -58,10 +58,10 @@ class FileRequests:
         return header, data
 
     def make_dir(self, op: MakeDir) -> EntryInfo:
-        return entry_info(self.request("mkdir", {"path": op.path, "parents": op.parents})[0]["entry"])
+        return entry_info(self.request("mkdir", {"path": op.path, "parents": op.parents})[0].get("entry"))
 
     def stat(self, op: Stat) -> EntryInfo | None:
-        raw = self.request("stat", {"path": op.path, "follow": op.follow_symlinks})[0]["entry"]
+        raw = self.request("stat", {"path": op.path, "follow": op.follow_symlinks})[0].get("entry")
         return None if raw is None else entry_info(raw)
 
     def list_dir(self, op: ListDir) -> tuple[EntryInfo, ...]:
@@ -152,7 +152,7 @@ class FileRequests:
     def write(self, op: WriteFile) -> EntryInfo:
         args: dict[str, Any] = {"path": op.path, "mode": op.mode, "parents": op.parents}
         if len(op.data) <= TRANSFER_CHUNK:
-            return entry_info(self.request("write", args, op.data)[0]["entry"])
+            return entry_info(self.request("write", args, op.data)[0].get("entry"))
         view = memoryview(op.data)
         h, _ = self.request("write", {**args, "stage": "open"}, bytes(view[:TRANSFER_CHUNK]))
         tmp = h.get("tmp")
@@ -160,7 +160,7 @@ class FileRequests:
             for start in range(TRANSFER_CHUNK, len(view), TRANSFER_CHUNK):
                 chunk = bytes(view[start : start + TRANSFER_CHUNK])
                 self.request("write", {**args, "stage": "append", "tmp": tmp}, chunk)
-            return entry_info(self.request("write", {**args, "stage": "commit", "tmp": tmp})[0]["entry"])
+            return entry_info(self.request("write", {**args, "stage": "commit", "tmp": tmp})[0].get("entry"))
         except exc.WorkspaceError:
             if self._alive():
                 self.request("write", {**args, "stage": "abort", "tmp": tmp})

@@ -16,6 +16,7 @@ from stockade.sandbox.supervisor.protocol import (
     FrameError,
     FrameReader,
     encode,
+    text_width,
 )
 
 
@@ -181,3 +182,24 @@ def test_the_largest_exec_report_a_command_can_make_is_read() -> None:
     stream.incoming.put(encode({"id": call.rid, "ev": "exit", "execs": execs, "exec_count": 5000}))
     header, _ = call.result(time.monotonic() + 5)
     assert len(header["execs"]) == MAX_EXEC_RECORDS and channel.open
+
+
+def test_an_escape_that_widens_the_text_counts_as_the_text_it_makes() -> None:
+    # One escape past U+FFFF makes Python hold the whole string at four bytes a character:
+    # 30 MB of JSON under a 100 MB cap would have been 120 MB of text.
+    flood = b'["' + b"a" * 30_000_000 + b'\\ud83d\\ude00"]'
+    with pytest.raises(JSONTooLarge):
+        loads_bounded(flood, max_bytes=100_000_000, max_values=10)
+    wide = b'["' + b"a" * 30_000_000 + b'\\u4e2d"]'  # two bytes a character: 60 MB, under it
+    assert len(loads_bounded(wide, max_bytes=100_000_000, max_values=10)[0]) == 30_000_001
+    # escapes themselves shrink when parsed: 6 bytes of JSON, one character
+    cjk = b'["' + b"\\u4e2d" * 8_000_000 + b'"]'
+    assert len(loads_bounded(cjk, max_bytes=100_000_000, max_values=10)[0]) == 8_000_000
+
+
+@pytest.mark.parametrize(
+    ("raw", "width"),
+    [(b'"abc"', 1), (b'"\\u00e9"', 1), (b'"\\u0100"', 2), (b'"\\uffff"', 2), (b'"\\uD83D\\uDE00"', 4)],
+)
+def test_the_width_of_a_text_is_its_widest_escape(raw: bytes, width: int) -> None:
+    assert text_width(raw) == width

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stockade import ConfigurationError, Limits, PathEscapeError
-from stockade.sandbox._requests import text_sink
+from stockade import ConfigurationError, FileTooLarge, Limits, PathEscapeError
+from stockade.sandbox._requests import file_text, text_sink
 from stockade.sandbox.facade import check_path
 
 
@@ -84,3 +84,14 @@ def test_streamed_text_survives_a_character_split_across_chunks() -> None:
     for i in range(len(data)):
         sink(1, data[i : i + 1])
     assert "".join(seen) == "héllo €"
+
+
+def test_a_file_whose_text_would_take_more_than_the_cap_is_refused_as_text() -> None:
+    # one character past U+FFFF makes every character of the string four bytes: 100 MB of
+    # ASCII and an emoji would be 400 MB of text, over the 256 MiB a read may bring
+    ascii_file = b"a" * (100 << 20)
+    assert len(file_text(ascii_file, "log")) == 100 << 20
+    with pytest.raises(FileTooLarge, match="format='bytes'") as caught:
+        file_text(ascii_file + "😀".encode(), "log")
+    assert caught.value.path == "log"
+    assert file_text("é😀".encode(), "small") == "é😀"  # small: whatever its width

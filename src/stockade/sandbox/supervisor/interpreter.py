@@ -29,6 +29,7 @@ from protocol import (  # type: ignore[import-not-found]
     FrameReader,
     dumps,
     encode,
+    over_cap,
 )
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
@@ -389,8 +390,10 @@ def main(ctl_in: int, ctl_out: int) -> None:
             reply = interp.run(body.decode("utf-8", "replace"))
             # In the body, not the header: a header is capped at 1 MiB, results are not.
             payload = dumps(reply).encode()
-            if len(payload) > MAX_CODE_REPLY:  # the caps above keep under it; never send more
-                note = f"the report was {len(payload)} bytes, over the cap"
+            # The caps above keep its bytes under it; its text can be four times them (one
+            # character past U+FFFF in it), which the host counts too: never send more.
+            if over_cap(payload, MAX_CODE_REPLY):
+                note = f"the report was {len(payload)} bytes, its text more, over the cap"
                 payload = dumps({"results": [], "error": {"name": "ReportTooLarge", "value": note}}).encode()
             data = encode({"id": header.get("id")}, payload)
             while data:

@@ -71,6 +71,35 @@ except ImportError:  # pragma: no cover - a Python built without the accelerator
         return json.loads(text)
 
 
+def text_width(raw: bytes) -> int:
+    """The bytes a character of the text parsed from ``raw`` (JSON, ASCII with every other
+    character escaped) may take in Python: a string is held at the width of its widest
+    character, so an escape past U+00FF makes it two bytes a character, and one past U+FFFF
+    (a surrogate pair) four: 100 MB of JSON with one emoji in it is 400 MB of text. Every
+    ``\\u`` is counted as an escape (an escaped backslash before a ``u`` too: more, never
+    less). Regular expressions: C's speed over any length (imported here only, when a large
+    report calls for it)."""
+    if b"\\u" not in raw:
+        return 1
+    import re
+
+    if re.search(rb"\\u[dD][89abAB]", raw):
+        return 4
+    return 2 if re.search(rb"\\u(?:0[1-9a-fA-F]|[1-9a-fA-F])", raw) else 1
+
+
+def text_bytes(raw: bytes) -> int:
+    """At most how many bytes the text parsed from ``raw`` takes (its characters, at most one
+    a byte of JSON and one an escape of six, at their width: ``text_width``): what a cap on a
+    report bounds, not its bytes of JSON."""
+    return max(0, len(raw) - 5 * raw.count(b"\\u")) * text_width(raw)
+
+
+def over_cap(raw: bytes, cap: int) -> bool:
+    """Whether the JSON ``raw``, or the text parsed from it, takes more than ``cap`` bytes."""
+    return len(raw) > cap or (len(raw) * 4 > cap and text_bytes(raw) > cap)
+
+
 def encode(header: "dict[str, Any]", body: bytes = b"") -> bytes:
     head = dumps(header).encode()
     return PREFIX.pack(len(head), len(body)) + head + body
