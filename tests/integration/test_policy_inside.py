@@ -43,6 +43,12 @@ DENIED_ROUTES = {
     "copy": "cp /usr/bin/uname /tmp/c; chmod +x /tmp/c; /tmp/c",
     "cat copy": "cat /usr/bin/uname > /tmp/k; chmod +x /tmp/k; /tmp/k",
     "ld.so": "/lib64/ld-linux-x86-64.so.2 /usr/bin/uname",
+    # another file of the image named so, outside the program folders (klibc's, where the
+    # image has it; else any): masked too, so its copy is nothing that runs
+    "a copy of another uname of the image": (
+        "for u in $(find /usr /lib* -name uname -type f 2>/dev/null);"
+        " do cat $u > /tmp/o; chmod +x /tmp/o; /tmp/o; done"
+    ),
 }
 
 

@@ -78,3 +78,17 @@ def test_a_copy_of_a_rule_program_installed_later_is_masked_by_the_next_start(tm
 
 def first_stamp(root: Path) -> int:
     return (root / "usr" / "bin").stat().st_mtime_ns
+
+
+def test_a_denied_programs_other_files_anywhere_in_the_image_are_masked(tmp_path: Path) -> None:
+    # klibc ships a uname of its own, outside the program folders: a copy of it ran under
+    # `deny uname`; a folder's documentation of the same name is no program
+    files = {"usr/bin/uname": 0o755, "usr/lib/klibc/bin/uname": 0o755, "usr/share/doc/uname": 0o644}
+    for path, mode in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_bytes(b"\x7fELF " + path.encode())
+        (tmp_path / path).chmod(mode)
+    (tmp_path / "bin").symlink_to("usr/bin")  # the same files: not walked twice
+    rules = SandboxRules(deny=("uname",))
+    found = _rules.plan(SandboxSpec(rules=rules), root=tmp_path, can_mask=True, can_confine=True)
+    assert found.masks == ("/usr/bin/uname", "/usr/lib/klibc/bin/uname")
