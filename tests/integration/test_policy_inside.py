@@ -297,6 +297,13 @@ RECURSIVE_ROUTES = {
         "printf '#!/bin/rm -r\\n' > /tmp/s3 && printf '#!/tmp/s3\\n' > /tmp/s4 && chmod +x /tmp/s3 /tmp/s4"
         " && /tmp/s4 gone"
     ),
+    # the kernel follows five scripts deep; the judge followed four, and the fifth's
+    # interpreter ran unread
+    "a chain of five scripts": (
+        "printf '#!/bin/rm -r\\n' > /tmp/c4"
+        ' && for i in 3 2 1 0; do printf "#!/tmp/c$((i + 1))\\n" > /tmp/c$i; done'
+        " && chmod +x /tmp/c0 /tmp/c1 /tmp/c2 /tmp/c3 /tmp/c4 && /tmp/c0 gone"
+    ),
     # the same script again once its interpreter (outside the image, by "..") became rm: a
     # verdict kept for the script would let it through
     "a script whose interpreter becomes rm": (

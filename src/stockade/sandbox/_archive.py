@@ -8,7 +8,9 @@ which wants the whole archive), gives these guarantees whatever the stream holds
   ``openat`` and ``O_NOFOLLOW``, files are created with ``O_EXCL | O_NOFOLLOW``: no link is
   ever followed while writing, and a member below a link (of the archive, or one already in
   ``dest``) is refused. Absolute names and names with ``..`` are refused.
-* **Every symlink it creates resolves inside ``dest``, by every route.** Links are created
+* **Every symlink it creates resolves inside ``dest``, by every route, now and after any
+  later download.** A ``..`` in a link's target may only undo a name that is a real folder
+  (``_up_through_folders``): folders are never replaced, links and missing names can be. Links are created
   last, once the whole archive is known, and each is resolved against the final tree the
   way the kernel would (links followed, at most ``LINK_HOPS`` of them, ``..`` applied where
   they lead, missing parts taken as folders): first on a model of the archive, then again
@@ -127,6 +129,9 @@ def _leaves(start: list[H | None], target: str, child: Child[H]) -> str | None:
     """
     if target.startswith("/"):
         return "is absolute"
+    why = _up_through_folders(start, target, child)
+    if why is not None:
+        return why
     here = list(start)
     queue = deque(_components(target))
     steps = hops = 0
@@ -152,6 +157,31 @@ def _leaves(start: list[H | None], target: str, child: Child[H]) -> str | None:
             return f"goes through {part!r}, which is not a folder"
         else:
             here.append(handle)
+    return None
+
+
+def _up_through_folders(start: list[H | None], target: str, child: Child[H]) -> str | None:
+    """Why the ``..`` of a link's target may lead elsewhere later, or None: each must undo a
+    name that is a real folder, reached through real folders. ``x/..`` goes to the parent of
+    wherever ``x`` leads when it is followed: a later download, or a link already in ``dest``,
+    can make a missing ``x`` (or a link ``x``) a link to ``.``, and two downloads into one
+    folder left ``x/../secret`` pointing at the folder's parent. Folders are never replaced
+    (``_make_room``), so a ``..`` after folders only stays where this check puts it."""
+    here = list(start)
+    settled = True  # every name so far a real folder
+    for part in _components(target):
+        if part == "..":
+            if not settled:
+                return "goes up ('..') after a name that is no folder: it leads wherever that name will"
+            if len(here) == 1:
+                return "leads out of the folder"
+            here.pop()
+        elif settled:
+            kind, _, handle = child(here[-1], part)
+            if kind == "dir":
+                here.append(handle)
+            else:
+                settled = False
     return None
 
 

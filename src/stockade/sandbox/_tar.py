@@ -213,7 +213,7 @@ def _pax_size(pax: dict[str, str], default: int) -> int:
     text = pax.get("size")
     if text is None:
         return default
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):  # "²" is a digit to isdigit, not to int
         raise malformed(f"a pax size of {text[:40]!r}")
     return int(text)
 

@@ -63,6 +63,14 @@ def folder(name: str) -> tuple[tarfile.TarInfo, bytes]:
     return member(name, tarfile.DIRTYPE, mode=0o755), b""
 
 
+def pax_sized(member: tuple[tarfile.TarInfo, bytes], size: str) -> tuple[tarfile.TarInfo, bytes]:
+    """``member`` whose extended header gives ``size`` as its size ("²": a digit to
+    ``str.isdigit``, none to ``int``: a ValueError once, not a ProtocolError)."""
+    info, data = member
+    info.pax_headers = {"size": size}
+    return info, data
+
+
 def symlink(name: str, target: str) -> tuple[tarfile.TarInfo, bytes]:
     return member(name, tarfile.SYMTYPE, link=target), b""
 
@@ -390,6 +398,7 @@ def test_the_entry_cap_counts_folders_the_names_imply(host: Path) -> None:
         pytest.param(archive(file("d/" + "x" * 300)), id="a-name-over-255-bytes"),
         pytest.param(archive(symlink("l", "x/" * 3000)), id="a-link-target-over-4096-bytes"),
         pytest.param(archive(file("/".join("d" * 200))), id="200-folders-deep"),
+        pytest.param(archive(pax_sized(file("a.txt"), "²")), id="a-pax-size-of-a-superscript-digit"),
     ],
 )
 def test_malformed_archives_are_protocol_errors_and_leave_nothing(host: Path, data: bytes) -> None:
@@ -447,3 +456,33 @@ def test_the_async_twin_gives_the_same_result_and_the_same_refusals(host: Path) 
     assert_nothing_left(host, before)
     result = asyncio.run(main(archive(file("a.txt", b"a"), hardlink("b.txt", "a.txt")), host / "ok"))
     assert result.hard_links == 1 and (host / "ok" / "b.txt").read_text() == "a"
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        pytest.param([symlink("L", "x/../secret.txt")], id="up-after-a-missing-name"),
+        pytest.param(
+            [symlink("x", "sub"), folder("sub"), symlink("L", "x/../secret.txt")], id="up-after-a-link"
+        ),
+    ],
+)
+def test_two_downloads_into_one_folder_never_compose_a_link_out(
+    tmp_path: Path, first: list[tuple[tarfile.TarInfo, bytes]]
+) -> None:
+    # Alone, `x/../secret.txt` stays inside (x missing: taken as a folder; or a link to a
+    # folder inside); a second download then made x a link to `.`, and L led to the
+    # folder's parent: the host file beside the download folder was read and written
+    # through it. A `..` may only undo a real folder's name: refused at the first download.
+    (tmp_path / "secret.txt").write_text("the host's")
+    out = tmp_path / "out"
+    with pytest.raises(PathEscapeError, match="'L'"):
+        download(archive(*first), out)
+    download(archive(symlink("x", ".")), out)
+    assert not (out / "L").exists() and os.path.realpath(out / "x") == str(out)
+
+
+def test_a_link_up_through_real_folders_comes_out(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    download(archive(folder("a"), folder("a/b"), file("f", b"f"), symlink("a/b/up", "../b/../../f")), out)
+    assert (out / "a/b/up").read_text() == "f"

@@ -217,17 +217,20 @@ class ExecJudge:
             copies = self._same_build(target, st)  # a copy changed by a byte: padded, patched
         files |= copies
         verdict = self._by_names(files, argv, listed)
-        if depth < MAX_CARRIED:
-            script = execrules.interpreted(_head(target), path, argv)
-            if script is not None:  # the kernel runs its interpreter with no exec to judge
-                # An interpreter outside the image can change while the script does not (by
-                # "..", /usr/bin/../../tmp/x is outside it): its verdict is not kept.
-                if not execrules.in_image(script[0]) or "/.." in script[0]:
-                    self.carrying = True
-                verdict = _strictest(verdict, self._judge_carried(pid, *script, depth, listed=False))
-        carried = execrules.carried(sorted(files), argv) if depth < MAX_CARRIED else None
+        script = execrules.interpreted(_head(target), path, argv)
+        if script is not None:  # the kernel runs its interpreter with no exec to judge
+            if depth >= MAX_CARRIED:
+                return TOO_DEEP
+            # An interpreter outside the image can change while the script does not (by
+            # "..", /usr/bin/../../tmp/x is outside it): its verdict is not kept.
+            if not execrules.in_image(script[0]) or "/.." in script[0]:
+                self.carrying = True
+            verdict = _strictest(verdict, self._judge_carried(pid, *script, depth, listed=False))
+        carried = execrules.carried(sorted(files), argv)
         if carried is None:
             return verdict
+        if depth >= MAX_CARRIED:
+            return TOO_DEEP
         self.carrying = True
         inner, inner_argv = carried
         if inner is None:  # an applet: the same file, by the applet's name
@@ -355,8 +358,12 @@ class ExecJudge:
         return found
 
 
-# How deep a loader's program is followed (ld.so ld.so ... rm): past it, its own verdict only.
-MAX_CARRIED = 4
+# How deep what an exec runs besides its file is followed (a script's interpreter, a loader's
+# program: ld.so ld.so ... rm), past the kernel's own depth for scripts (five: with four here,
+# a chain of five scripts ran its last interpreter, `#!/usr/bin/rm -r`, unjudged). Deeper:
+# refused, never let through unread.
+MAX_CARRIED = 8
+TOO_DEEP = ("deny", f"more than {MAX_CARRIED} scripts or loaders in one exec, past what is judged")
 STRICTNESS = {"allow": 0, "approve": 1, "deny": 2}
 
 
