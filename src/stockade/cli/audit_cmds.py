@@ -20,13 +20,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, TextIO
 
 import typer
-from rich.markup import escape
 
 from stockade import exceptions as exc
 from stockade.audit.events import AuditEvent
 from stockade.audit.stores import AuditStore, open_store
 from stockade.audit.verify import verify as verify_store
-from stockade.cli._console import CliConsole
+from stockade.cli._console import CliConsole, escape
 
 if TYPE_CHECKING:
     from stockade.runs import RunStore

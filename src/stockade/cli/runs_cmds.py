@@ -18,12 +18,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from stockade import exceptions as exc
 from stockade.agent.state import RunStatus, StepRecord, ToolCallRecord
-from stockade.cli._console import CliConsole, print_diff
+from stockade.cli._console import CliConsole, escape, print_diff
 from stockade.cli._signals import Interrupted, interruptible
 from stockade.cli._signals import exit_code as signal_exit_code
 from stockade.runs.store import RetryEntry, RunStore, RunSummary, RunTrace, open_run_store
@@ -229,13 +228,28 @@ def _print_call(trace: RunTrace, step: int, record: ToolCallRecord, limit: int, 
             f"      [yellow]↻ retry {retry.attempt}[/] {escape(retry.subject)} after "
             f"{retry.delay_s:.2f} s: {escape(retry.reason)}"
         )
-    for judged in execs.get(record.call.id, [])[:EXECS_SHOWN]:  # what its code ran, judged inside
+    # What its code ran, judged inside: every exec the rules stopped or asked about, and the
+    # first of those they let run (a loop of `true` must not push a `deny` out of sight).
+    judged_all = execs.get(record.call.id, [])
+    room = max(0, EXECS_SHOWN - sum(1 for j in judged_all if j.get("verdict") != "allow"))
+    shown_execs = []
+    for judged in judged_all:
+        if judged.get("verdict") == "allow":
+            if not room:
+                continue
+            room -= 1
+        shown_execs.append(judged)
+    for judged in shown_execs:
         argv = judged.get("argv")
         words = shlex.join(str(a) for a in argv) if isinstance(argv, list) else ""
         verdict = str(judged.get("verdict"))
         colour = {"allow": "dim", "approve": "green", "deny": "red", "refuse": "red"}.get(verdict, "")
         rule = f" ({judged.get('rule')})" if judged.get("rule") else ""
-        out.print(f"      [{colour}]exec {verdict}[/] {escape(_cut(words, 160))}{escape(rule)}")
+        words = escape(_cut(words, 160), one_line=True)
+        out.print(f"      [{colour}]exec {escape(verdict)}[/] {words}{escape(rule, one_line=True)}")
+    if len(shown_execs) < len(judged_all):
+        hidden = len(judged_all) - len(shown_execs)
+        out.print(f"      [dim]… {hidden} more execs it let run (--json lists them)[/]")
     shown = _cut(record.observation, limit)
     out.print(
         "      " + escape(shown).replace("\n", "\n      "),

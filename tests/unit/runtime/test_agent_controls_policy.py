@@ -25,7 +25,7 @@ from stockade.runtime.clock import ManualClock
 from stockade.sandbox.ops import RunCode, RunCommand
 from stockade.testing import FakeBackend, MemoryWorkspace
 from stockade.tools import ToolContext, Toolset, read_file, run_code, shell, tool, write_file
-from stockade.types import Execution, ExecutionError
+from stockade.types import ExecRecord, Execution, ExecutionError
 
 TRUSTED = 'version = 1\n[trust]\nlevel = "trusted"\n'
 RAISE = tool_call("run_code", {"language": "python", "code": "1/0"})
@@ -264,3 +264,28 @@ def test_policy_explain_shows_a_built_in_tools_risk(tmp_path: Path) -> None:
     shell_call = CliRunner().invoke(app, ["policy", "explain", str(file), "--tool", "shell"])
     assert shell_call.exit_code == 3 and "risk.high" in shell_call.output
     assert CliRunner().invoke(app, ["policy", "explain", str(file), "--tool", "read_file"]).exit_code == 0
+
+
+def many_execs(op: RunCode) -> Execution:
+    """60 harmless execs, then one the rules denied whose argv tries to rewrite the screen."""
+    allowed = [ExecRecord(path="/bin/true", argv=("true", str(i)), verdict="allow") for i in range(60)]
+    trick = ("curl", "\x1b[2J\x1b[Hall clean\nexec allow fake-argv", "\x1b[2K\u202e")
+    denied = ExecRecord(path="/usr/bin/curl", argv=trick, verdict="deny", rule="commands.deny: curl")
+    return Execution(execs=(*allowed, denied))
+
+
+def test_runs_show_shows_every_denied_exec_and_no_terminal_control_from_the_sandbox(tmp_path: Path) -> None:
+    # Shown past 50 harmless ones, and never acted on: an ESC from the code cleared the
+    # screen and a newline in its argv printed a line that looked like another exec.
+    model = ScriptedModel([tool_call("run_code", {"language": "python", "code": "loop()"}), "done"])
+    config = setup(tmp_path, model, "")
+    config = replace(config, backend=FakeBackend(MemoryWorkspace(code=many_execs), tier="process"))
+    with build_agent(config) as agent:
+        assert agent.run_sync("loop", run_id="x9").status == RunStatus.SUCCESS
+    shown = CliRunner().invoke(app, ["runs", "show", "x9", "--db", f"sqlite:///{tmp_path / 'audit.db'}"])
+    assert shown.exit_code == 0, shown.output
+    assert "\x1b" not in shown.output and "\u202e" not in shown.output
+    (line,) = [line for line in shown.output.splitlines() if "exec deny" in line]
+    assert "\\x1b[2J" in line and "\\nexec allow fake-argv" in line  # shown, on one line
+    assert "exec allow fake-argv" not in shown.output.replace(line, "")
+    assert "11 more execs it let run" in shown.output
