@@ -442,6 +442,7 @@ class CommandResult:
     stderr_bytes: int = 0
     signal: int | None = None
     execs: tuple[ExecRecord, ...] = ()  # what the sandbox's rules judged (with SandboxRules)
+    execs_omitted: int = 0  # execs past what a report keeps (all of them the rules let run)
 
     @property
     def ok(self) -> bool:
@@ -496,6 +497,7 @@ class Execution:
     timed_out: bool = False
     truncated: bool = False
     execs: tuple[ExecRecord, ...] = ()  # what the sandbox's rules judged (with SandboxRules)
+    execs_omitted: int = 0  # execs past what a report keeps (all of them the rules let run)
 
     @property
     def text(self) -> str | None:

@@ -1011,3 +1011,17 @@ def test_commands_start_under_the_compiled_shim_with_any_policy_and_across_reset
             assert r.stdout.startswith("shim\0"), (r.stdout, r.stderr)
             assert ("Linux" in r.stdout) is (rules != SHIM_RULES["denied programs"]), r.stdout
             sbx.reset()
+
+
+def test_an_exec_the_rules_stop_is_reported_past_a_thousand_they_let_run() -> None:
+    """A report keeps 1,000 execs: the first the rules let run, and every one they stopped or
+    asked about; the rest are counted. A loop of 1,200 `true` pushed the `rm -r` after it out
+    of the report and out of the audit trail, with no note."""
+    require_tier("process")
+    with Sandbox.create("process", limits=LIMITS, rules=SandboxRules(approve=("rm -r",))) as sbx:
+        r = sbx.commands.run("for i in $(seq 1200); do /bin/true; done; mkdir -p d; rm -r d; echo done")
+        assert r.stdout.endswith("done\n")
+        stopped = {(e.argv, e.verdict) for e in r.execs if e.verdict != "allow"}
+        assert stopped == {(("rm", "-r", "d"), "refuse")}  # (once a folder of PATH it was tried in)
+        assert len(r.execs) + r.execs_omitted >= 1 + 1 + 1200 + 1 + 1  # sh, seq, the trues, mkdir, rm
+        assert len(r.execs) <= 1000 and r.execs_omitted > 0

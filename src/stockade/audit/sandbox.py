@@ -218,6 +218,17 @@ class AuditedInstance(WrapperInstance):
                         "rule": judged.rule,
                     },
                 )
+            if result.execs_omitted:  # past what a report keeps: counted, never silently gone
+                self._record(
+                    EventKind.EXEC,
+                    0.0,
+                    {
+                        "of": kind.value,
+                        "call_id": current_call.get(),
+                        "verdict": "omitted",
+                        "count": result.execs_omitted,
+                    },
+                )
         return result
 
     def close(self) -> None:

@@ -240,6 +240,10 @@ def _print_call(trace: RunTrace, step: int, record: ToolCallRecord, limit: int, 
             room -= 1
         shown_execs.append(judged)
     for judged in shown_execs:
+        if judged.get("verdict") == "omitted":
+            count = escape(str(judged.get("count")))
+            out.print(f"      [yellow]… {count} more execs, past what a report keeps[/]")
+            continue
         argv = judged.get("argv")
         words = shlex.join(str(a) for a in argv) if isinstance(argv, list) else ""
         verdict = str(judged.get("verdict"))

@@ -124,7 +124,8 @@ def command_result(
         stdout_bytes=out_total,
         stderr_bytes=err_total,
         signal=sig if isinstance(sig, int) else None,
-        execs=_rules.exec_records(h),
+        execs=(execs := _rules.exec_records(h)),
+        execs_omitted=max(0, int_field(h.get("exec_count")) - len(execs)),
     )
 
 
@@ -177,7 +178,8 @@ def execution(
         duration_s=float_field(h.get("duration")),
         timed_out=bool(h.get("timed_out")),
         truncated=out_cut or err_cut,
-        execs=_rules.exec_records(h),
+        execs=(execs := _rules.exec_records(h)),
+        execs_omitted=max(0, int_field(h.get("exec_count")) - len(execs)),
     )
 
 

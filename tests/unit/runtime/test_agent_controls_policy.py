@@ -271,7 +271,7 @@ def many_execs(op: RunCode) -> Execution:
     allowed = [ExecRecord(path="/bin/true", argv=("true", str(i)), verdict="allow") for i in range(60)]
     trick = ("curl", "\x1b[2J\x1b[Hall clean\nexec allow fake-argv", "\x1b[2K\u202e")
     denied = ExecRecord(path="/usr/bin/curl", argv=trick, verdict="deny", rule="commands.deny: curl")
-    return Execution(execs=(*allowed, denied))
+    return Execution(execs=(*allowed, denied), execs_omitted=7)
 
 
 def test_runs_show_shows_every_denied_exec_and_no_terminal_control_from_the_sandbox(tmp_path: Path) -> None:
@@ -288,4 +288,7 @@ def test_runs_show_shows_every_denied_exec_and_no_terminal_control_from_the_sand
     (line,) = [line for line in shown.output.splitlines() if "exec deny" in line]
     assert "\\x1b[2J" in line and "\\nexec allow fake-argv" in line  # shown, on one line
     assert "exec allow fake-argv" not in shown.output.replace(line, "")
-    assert "11 more execs it let run" in shown.output
+    assert "12 more execs it let run" in shown.output  # 50 shown: the deny, the count, 48
+    assert "7 more execs, past what a report keeps" in shown.output  # the audit trail counted them
+    execs = [e.attributes for e in trail(tmp_path, "x9", "exec")]
+    assert [e["count"] for e in execs if e.get("verdict") == "omitted"] == [7]

@@ -23,6 +23,11 @@ import struct
 from protocol import MAX_EXEC_ARGV, MAX_EXEC_RECORDS
 from reaper import IGNORED_SIGNALS
 
+# Of a report's records, the room the execs the rules let run may take: the rest is kept for
+# those they stopped or asked about, so that a loop of 1,000 `true` cannot push an `rm -r`
+# out of the report (the count of every exec goes with it: ``exec_count``).
+ALLOWED_RECORDS = MAX_EXEC_RECORDS - 100
+
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
     from typing import Any, Dict, List, Optional, Set, Tuple
@@ -381,7 +386,7 @@ class Rules:
             job = self._job_led_by(session, ending)
             if job is not None:
                 job.exec_count += 1
-                if len(job.execs) < MAX_EXEC_RECORDS:
+                if len(job.execs) < ALLOWED_RECORDS:
                     job.execs.append({"path": words[0], "argv": words[1:], "verdict": "allow", "rule": ""})
 
     def _job_led_by(self, session: int, ending: "Any") -> "Any":
@@ -406,11 +411,13 @@ def _more() -> "Any":
 
 
 def record(job: "Any", done: "Dict[str, Any]") -> None:
-    """One judged exec, onto the job whose code ran it (the first records are kept)."""
+    """One judged exec, onto the job whose code ran it: the first ones the rules let run, and
+    every one they stopped or asked about (up to the report's bound); the rest counted."""
     if job is None:
         return
     job.exec_count += 1
-    if len(job.execs) < MAX_EXEC_RECORDS:
+    room = ALLOWED_RECORDS if done.get("verdict") == "allow" else MAX_EXEC_RECORDS
+    if len(job.execs) < room:
         job.execs.append(done)
 
 
