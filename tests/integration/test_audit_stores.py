@@ -253,11 +253,29 @@ def test_a_column_that_disagrees_with_the_signed_body_is_found(target: Target) -
 
 
 def test_verify_of_one_run_reports_that_run_and_counts_the_rest(target: Target) -> None:
+    # A problem of another run only: an event of run-b whose column says run-c (its signed
+    # body says run-b, and is intact).
     target.fill()
-    target.sql("UPDATE {events} SET body = replace(body, 'run_code', 'x') WHERE seq = 8")  # run-b
+    target.sql("UPDATE {events} SET run_id = 'run-c' WHERE seq = 8")  # run-b
     report = verify(target.store, run_id="run-a")
     assert report.ok and report.run_events == 5 and report.problems_elsewhere == 1
     assert not verify(target.store, run_id="run-b").ok
+
+
+def test_verify_of_one_run_reports_its_events_moved_away_and_edits_whose_run_nobody_can_tell(
+    target: Target,
+) -> None:
+    # An event of run-a moved to another run by its column passed a check of run-a; so did
+    # one whose body was edited to name another run (an edited body's run proves nothing).
+    target.fill(key=KEY)
+    target.sql("UPDATE {events} SET run_id = 'zzz' WHERE seq = 2")  # run-a
+    moved = verify(target.store, run_id="run-a", key=KEY)
+    assert [(p.seq, p.kind) for p in moved.problems] == [(2, ProblemKind.COLUMN_MISMATCH)]
+    target.sql("UPDATE {events} SET run_id = 'run-a' WHERE seq = 2")
+    target.sql("UPDATE {events} SET run_id = 'zzz', body = replace(body, 'run-a', 'zzz') WHERE seq = 3")
+    edited = verify(target.store, run_id="run-a", key=KEY)
+    assert [(p.seq, p.kind) for p in edited.problems] == [(3, ProblemKind.EDITED)]
+    assert not verify(target.store, run_id="run-b", key=KEY).ok  # it could have been anyone's
 
 
 def test_two_writers_on_two_connections_make_one_chain(target: Target) -> None:

@@ -179,9 +179,13 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
     elsewhere = 0
     truncated = False
 
-    def report(seq: int, kind: ProblemKind, detail: str, run: str = "") -> None:
+    def report(seq: int, kind: ProblemKind, detail: str, run: str = "", signed: str | None = None) -> None:
+        """``run``: the run the row's column names; ``signed``: the one its signed body names,
+        "" where the body cannot be trusted (edited, unreadable): a problem of either, or of
+        an event whose run nobody can tell, is one of ``run_id``'s (an event moved to another
+        run by its column, or edited, passed a check of its own run before)."""
         nonlocal elsewhere, truncated
-        if run_id is not None and run and run != run_id:
+        if run_id is not None and run and run != run_id and signed != "" and (signed or run) != run_id:
             elsewhere += 1
         elif len(problems) < max_problems:
             problems.append(Problem(seq=seq, kind=kind, detail=detail, run_id=run))
@@ -213,29 +217,30 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
         try:
             signed_seq, signed_prev, signed_run, signed_kind = _signed_fields(body, strings)
         except ValueError:
-            report(seq, ProblemKind.UNREADABLE, "the body is not an audit event", run)
+            report(seq, ProblemKind.UNREADABLE, "the body is not an audit event", run, signed="")
             prev, expected_seq, last_seq = stored_hash, seq + 1, seq
             continue
         if seq > expected_seq:
             gap = f"{expected_seq}" if seq == expected_seq + 1 else f"{expected_seq}..{seq - 1}"
             report(expected_seq, ProblemKind.MISSING, f"events {gap} are missing (deleted)")
         elif seq < expected_seq:
-            report(seq, ProblemKind.OUT_OF_ORDER, f"seq {seq} comes after {expected_seq - 1}", run)
+            detail = f"seq {seq} comes after {expected_seq - 1}"
+            report(seq, ProblemKind.OUT_OF_ORDER, detail, run, signed_run)
         if signed_seq != seq:
             detail = f"the row is seq {seq} but its signed body says {signed_seq} (moved or renumbered)"
-            report(seq, ProblemKind.OUT_OF_ORDER, detail, run)
+            report(seq, ProblemKind.OUT_OF_ORDER, detail, run, signed_run)
         if signed_prev != prev:
             detail = (
                 "prev_hash is not the hash of the event before: that event was edited, "
                 "or events were removed or inserted between them"
             )
-            report(seq, ProblemKind.BROKEN_LINK, detail, run)
+            report(seq, ProblemKind.BROKEN_LINK, detail, run, signed_run)
         if signed_run != run or signed_kind != kind:
             detail = f"columns say {run!r}/{kind!r}, the signed body {signed_run!r}/{signed_kind!r}"
-            report(seq, ProblemKind.COLUMN_MISMATCH, detail, run)
+            report(seq, ProblemKind.COLUMN_MISMATCH, detail, run, signed_run)
         if check_hashes and link(signed_prev, body.encode()) != stored_hash:
             edited += 1
-            report(seq, ProblemKind.EDITED, "the event's content does not match its hash", run)
+            report(seq, ProblemKind.EDITED, "the event's content does not match its hash", run, signed="")
         # Continue from what is stored, so that one tampered event is one finding, not a cascade.
         prev, expected_seq, last_seq = stored_hash, seq + 1, seq
 
