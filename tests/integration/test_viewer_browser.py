@@ -230,6 +230,10 @@ def test_another_tenant_sees_no_such_run(service: tuple[Server, Tokens], page: P
     with Client(server.url, tokens.dev) as client:
         run = client.runs.submit("a run of acme", scripted=["nothing to do"])
         run.wait()
+    # An API token is pasted, never taken from a link: a URL put it in the access log, and
+    # another site's link could sign a browser in to a tenant of its choosing.
+    linked = page.request.get(f"{server.url}/ui/login?key={tokens.other}", max_redirects=0)
+    assert linked.status == 200 and "set-cookie" not in linked.headers
     sign_in(page, server.url, tokens.other)
     expect(page.locator("main")).not_to_contain_text(run.id[:16])
     response = page.goto(f"{server.url}/ui/runs/{run.id}")

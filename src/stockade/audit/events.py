@@ -15,6 +15,7 @@ import enum
 import hashlib
 import hmac
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -73,10 +74,18 @@ class EventKind(enum.StrEnum):
 
 
 def canonical(obj: Mapping[str, Any]) -> bytes:
-    """Deterministic JSON bytes: sorted keys, no whitespace, UTF-8, finite numbers only."""
-    return json.dumps(
-        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode()
+    """Deterministic JSON bytes: sorted keys, no whitespace, UTF-8, finite numbers only. A
+    lone surrogate (a label or argv word of bytes that are no UTF-8) is written as its JSON
+    escape: UTF-8 has no bytes for it, and one in an event made every later write of that
+    log fail (the batch that held it was tried again, and failed again, for good)."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text).encode()
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True, kw_only=True)

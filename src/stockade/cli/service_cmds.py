@@ -165,7 +165,7 @@ def token_new(
     from stockade.server.tenants import TENANT_ID, Tenants, new_token
 
     if not TENANT_ID.match(tenant):
-        err.print(f"[red]error:[/] tenant id {tenant!r} must match {TENANT_ID.pattern}")
+        err.print(f"[red]error:[/] tenant id {escape(repr(tenant))} must match {escape(TENANT_ID.pattern)}")
         raise typer.Exit(2)
     token, record = new_token(tenant, role, admin=admin)
     lines = Tenants(tenants={}, tokens={}).toml_lines(record)

@@ -120,3 +120,17 @@ def test_a_store_refuses_a_chain_of_another_kind() -> None:
     with pytest.raises(ConfigurationError, match="pass its key"), AuditLog(store) as log:
         record(log)
         log.flush()
+
+
+def test_a_lone_surrogate_in_an_event_is_recorded_and_jams_nothing(tmp_path: Path) -> None:
+    # A label of bytes that are no UTF-8 (a lone surrogate) failed to encode: its batch was
+    # tried again at every flush, and every later event of that log was lost.
+    with SQLiteStore(tmp_path / "audit.db") as store:
+        with AuditLog(store, flush_interval_s=None) as log:
+            log.record(EventKind.SANDBOX_START, run_id="r", attributes={"labels": {"\ud800": "x"}})
+            log.flush()
+            log.record(EventKind.COMMAND, run_id="r", attributes={"argv": ["true"]})
+        events = list(store.events(run_id="r"))
+        assert [e.kind for e in events] == [EventKind.SANDBOX_START, EventKind.COMMAND]
+        assert events[0].attributes["labels"] == {"\ud800": "x"}
+        assert verify(store).ok

@@ -63,6 +63,10 @@ class ViewerAuth(Protocol):
     """Turns the viewer's cookie into the runs its holder may see."""
 
     hint: str  # what to paste at sign-in
+    # Whether a link may carry the credential (``/ui/login?key=``): `stockade ui`'s own key,
+    # printed for one laptop; never an API token, which a URL would put in access logs and
+    # which another site's link could sign a browser in with.
+    link_sign_in: bool
 
     def source(self, credential: str) -> RunSource:
         """``AuthenticationError`` for a credential that is not one."""
@@ -75,6 +79,7 @@ class KeyAuth:
     reach 127.0.0.1 too)."""
 
     hint = "the key `stockade ui` printed"
+    link_sign_in = True
 
     def __init__(self, source: RunSource, key: str) -> None:
         self._source = source
@@ -93,6 +98,7 @@ class ServiceAuth:
     """``stockade serve``: an API token; its tenant's runs, its role's buttons."""
 
     hint = "an API token (stk_…), from `stockade token new`"
+    link_sign_in = False
 
     def __init__(self, service: Any) -> None:
         self.service = service
@@ -203,7 +209,7 @@ class _Viewer:
 
     async def login_form(self, key: str | None = None, next: str = "") -> Response:
         target = self.target(next)
-        if key:  # the link `stockade ui` prints
+        if key and self.auth.link_sign_in:  # the link `stockade ui` prints
             try:
                 await _blocking(lambda: self.auth.source(key))
             except exc.AuthenticationError as error:
