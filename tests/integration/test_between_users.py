@@ -354,6 +354,32 @@ def test_the_zygote_holds_the_supervisors_settings(tier: str, policy: bool) -> N
         assert result.text == "[1, True]", "one zygote, with the supervisor's settings"
 
 
+# The I/O class of the supervisor (pid 1) and of the zygote (the interpreter's parent): code
+# of their uid may set it (ioprio_set), and interpreters and commands inherit it.
+IDLE_IO = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+for pid in (1, os.getppid()):
+    libc.syscall(251, 1, pid, 3 << 13)  # ioprio_set(IOPRIO_WHO_PROCESS, pid, the idle class)
+"""
+IO_CLASS = "import ctypes; print(ctypes.CDLL(None).syscall(252, 1, 0))"  # ioprio_get of itself
+
+
+def test_the_io_class_a_user_set_is_not_the_next_users(sbx: Sandbox) -> None:
+    # It was: the idle class on the supervisor and the zygote throttled the next user's disk
+    # (and passed a few bits across the reset). Put back, or the zygote replaced.
+    def command() -> str:  # a new process, the supervisor's child's
+        return sbx.commands.run(["python3", "-c", IO_CLASS]).stdout.strip()
+
+    before = command()
+    sbx.run_code(IDLE_IO)
+    if command() == before:
+        return  # a kernel that ignores it (gVisor): nothing to carry
+    sbx.reset()
+    assert command() == before
+    assert sbx.run_code(IO_CLASS).logs.stdout.strip() == before  # an interpreter: the zygote's child
+
+
 def test_consecutive_users_draw_fresh_randomness(sbx: Sandbox) -> None:
     # Python reseeds random (and tempfile's names) in every fork: the zygote's interpreters
     # share nothing but the hash seed (see docs/architecture.md, the reset).

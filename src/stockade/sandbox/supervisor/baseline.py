@@ -2,7 +2,9 @@
 sandbox's namespaces, as they were when the sandbox started.
 
 Code in the sandbox runs as the supervisor's uid, so it can lower the supervisor's rlimits
-(``prlimit``), raise its nice value, narrow its CPU affinity, move it to ``SCHED_IDLE``, and
+(``prlimit``), raise its nice value, narrow its CPU affinity, move it to ``SCHED_IDLE``, give
+it (and the zygote, whose interpreters inherit it) the idle I/O class (``ioprio_set``: it
+throttled the next user's disk, and passed a few bits across a reset), and
 write the sysctls that belong to its own namespaces (message queue sizes, ``pid_max``, shm
 limits). All of that outlives the code that did it, and an exec: without this, one user of a
 pooled sandbox would shape (or break) the next user's. What cannot be put back (a hard limit
@@ -80,9 +82,41 @@ def _writable_sysctls(dirs: "tuple[str, ...]", recursive: bool) -> "dict[str, st
     return found
 
 
+# ioprio_set and ioprio_get, by machine; IOPRIO_WHO_PROCESS.
+IOPRIO_CALLS = {"x86_64": (251, 252), "aarch64": (30, 31)}
+IOPRIO_WHO_PROCESS = 1
+
+
+def _ioprio(pid: int) -> "int | None":
+    """The I/O priority of ``pid`` (0: ourselves); None where the kernel will not tell."""
+    calls = IOPRIO_CALLS.get(os.uname().machine)
+    if calls is None:
+        return None
+    from reaper import libc
+
+    try:
+        return libc("syscall", calls[1], IOPRIO_WHO_PROCESS, pid)
+    except OSError:
+        return None
+
+
+def _set_ioprio(value: int) -> bool:
+    calls = IOPRIO_CALLS.get(os.uname().machine)
+    if calls is None:
+        return False
+    from reaper import libc
+
+    try:
+        libc("syscall", calls[0], IOPRIO_WHO_PROCESS, 0, value)
+    except OSError:
+        return False
+    return True
+
+
 def snapshot() -> "dict[str, Any]":
     """The settings as they are now (at start-up, before any code ran)."""
     return {
+        "ioprio": _ioprio(0),
         "rlimits": _rlimits(),
         "nice": os.getpriority(os.PRIO_PROCESS, 0),
         "affinity": sorted(os.sched_getaffinity(0)),
@@ -120,6 +154,9 @@ def restore(base: "dict[str, Any]", sysctl_root: str = SYSCTL_ROOT) -> "list[str
             os.sched_setaffinity(0, base["affinity"])
         except OSError:
             problems.append("the CPU affinity was narrowed")
+    ioprio = base.get("ioprio")
+    if ioprio is not None and _ioprio(0) != ioprio and not _set_ioprio(ioprio):
+        problems.append("the I/O priority was changed")
     sysctls = base["sysctls"]
     if base.get("sysctls_walked"):
         now = {path: _read_sysctl(path) for path in sysctls}
@@ -170,6 +207,8 @@ def differences(base: "dict[str, Any]", pid: int) -> "list[str]":
             problems.append("its CPU affinity was changed")
         if os.sched_getscheduler(pid) != base["policy"]:
             problems.append("its scheduling policy was changed")
+        if base.get("ioprio") is not None and _ioprio(pid) != base["ioprio"]:
+            problems.append("its I/O priority was changed")
     except (OSError, ValueError) as exc:  # gone, or a kernel that will not tell: not as it was
         problems.append(f"its settings cannot be read: {exc}")
     return problems
