@@ -23,6 +23,7 @@ from stockade import (
     Sandbox,
     SandboxPool,
     SnapshotCorrupt,
+    SnapshotError,
     SnapshotIncompatible,
     SnapshotKind,
     SnapshotNotFound,
@@ -232,3 +233,17 @@ def test_a_pool_filled_from_a_snapshot_hands_out_its_files(store: SnapshotStore)
             with pool.acquire() as member:
                 assert member.files.read("prepared.txt") == "ready"
                 member.files.write("prepared.txt", "dirty")
+
+
+def test_a_sparse_file_past_the_store_is_refused_before_it_reaches_the_hosts_disk(tmp_path: Path) -> None:
+    # 2 GiB of holes inside (a few KiB of the sandbox's memory) were written out whole to
+    # the host's disk at each snapshot, then refused as over the store's limit, and left there.
+    require_tier("process")
+    small = SnapshotStore(tmp_path / "small", max_bytes=64 << 20)
+    with Sandbox.create("process", limits=LIMITS) as sbx:
+        sbx.run_code("open('/workspace/holes', 'wb').truncate(2 << 30)")
+        with pytest.raises(SnapshotError, match="does not fit the snapshot store"):
+            sbx.snapshot(store=small)
+        assert small.size() < 1 << 20
+        sbx.files.remove("holes")
+        assert sbx.snapshot(store=small).id  # the sandbox and the store are as good as before

@@ -390,8 +390,18 @@ class SupervisedInstance(Instance):
                         digest.update(chunk)
                         fh.write(chunk)
 
-                    op = GetArchive(area=area, max_bytes=SNAPSHOT_MAX_BYTES, max_entries=SNAPSHOT_MAX_ENTRIES)
+                    # No more than the store can hold (file contents by apparent size, checked by
+                    # the supervisor before it sends anything): a sparse file of a few KiB
+                    # inside was written out whole, gigabytes on the host's disk, then refused.
+                    cap = min(SNAPSHOT_MAX_BYTES, store.max_bytes)
+                    op = GetArchive(area=area, max_bytes=cap, max_entries=SNAPSHOT_MAX_ENTRIES)
                     self.files.get_archive(op, sink)
+            except exc.FileTooLarge as error:
+                path.unlink(missing_ok=True)
+                raise exc.SnapshotError(
+                    f"the sandbox's {area} does not fit the snapshot store ({cap // (1 << 20)} MiB; "
+                    f"STOCKADE_SNAPSHOT_MAX_MB raises it): {error}"
+                ) from None
             except BaseException:
                 path.unlink(missing_ok=True)
                 raise

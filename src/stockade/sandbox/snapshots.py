@@ -261,6 +261,10 @@ class SnapshotStore:
             self._make_room(keep=snapshot.id)
         except exc.SnapshotError:
             self.delete(snapshot.id)
+            # Its objects go now, not at the next collection: snapshots refused one after
+            # another left gigabytes on the host's disk until then.
+            with contextlib.suppress(OSError):
+                self.collect(evicted=frozenset(blobs.values()))
             raise
         return snapshot
 
