@@ -234,8 +234,12 @@ def test_a_fork_bomb_that_leaves_its_session_dies_with_its_call(tier: str) -> No
         sbx.files.write("bomb.py", bomb)
         r = sbx.commands.run(f"python3 bomb.py {marker} >/dev/null 2>&1 </dev/null & sleep 30", timeout_s=2)
         assert r.timed_out
-        left = sbx.commands.run("ps -eo stat,args 2>/dev/null || cat /proc/[0-9]*/cmdline").stdout
-        assert marker not in left, "the bomb outlived its call"
+        if sbx.alive:
+            left = sbx.commands.run("ps -eo stat,args 2>/dev/null || cat /proc/[0-9]*/cmdline").stdout
+            assert marker not in left, "the bomb outlived its call"
+        # else the supervisor, sweeping the bomb on a loaded host (gVisor's scans of /proc
+        # beside it take seconds), missed its grace and the host took the whole sandbox down
+        # with the call (run 79, 7.6 s for a 2 s timeout): the bomb died with it all the same
         assert host_processes_with(marker) == []
 
 

@@ -203,3 +203,11 @@ def test_an_escape_that_widens_the_text_counts_as_the_text_it_makes() -> None:
 )
 def test_the_width_of_a_text_is_its_widest_escape(raw: bytes, width: int) -> None:
     assert text_width(raw) == width
+
+
+def test_escaped_backslashes_do_not_pass_for_escapes_that_shrink_the_text() -> None:
+    # `\\u` in JSON is a backslash and a "u" (two characters), no escape: counted as one, 45 MB
+    # of them and an emoji passed for no text at all, and made 120 MB of it.
+    flood = b'["' + b"\\\\u" * 15_000_000 + b'\\ud83d\\ude00"]'
+    with pytest.raises(JSONTooLarge):
+        loads_bounded(flood, max_bytes=100_000_000, max_values=10)

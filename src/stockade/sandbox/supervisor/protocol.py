@@ -91,8 +91,11 @@ def text_width(raw: bytes) -> int:
 def text_bytes(raw: bytes) -> int:
     """At most how many bytes the text parsed from ``raw`` takes (its characters, at most one
     a byte of JSON and one an escape of six, at their width: ``text_width``): what a cap on a
-    report bounds, not its bytes of JSON."""
-    return max(0, len(raw) - 5 * raw.count(b"\\u")) * text_width(raw)
+    report bounds, not its bytes of JSON. Escapes are undercounted, never over: a ``\\u``
+    after an escaped backslash (``\\\\u``, a backslash and a "u") is not one, and counting it
+    would let a report of them pass for less text than it makes."""
+    escapes = raw.count(b"\\u") - raw.count(b"\\\\u")
+    return max(0, len(raw) - 5 * escapes) * text_width(raw)
 
 
 def over_cap(raw: bytes, cap: int) -> bool:
