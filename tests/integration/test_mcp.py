@@ -335,10 +335,22 @@ def test_a_killed_http_session_ends_and_says_so(project: Path, http_server: Http
     async def session() -> tuple[str, types.CallToolResult]:
         async with http_server.client(read_timeout_seconds=120) as client:
             run_id = str((await _session_info(client))["run_id"])
-            killed = await asyncio.to_thread(
-                subprocess.run, [sys.executable, "-m", "stockade.cli.main", "kill", run_id],
-                env=_env(), capture_output=True, text=True, timeout=60,
-            )  # fmt: skip
+
+            def kill() -> subprocess.CompletedProcess[str]:
+                # The session's run is live once its sandbox is up, which a fresh process on a
+                # busy host may take seconds to get to: until then `stockade kill` pulls
+                # nothing and says so (exit 1), and is asked again.
+                deadline = time.monotonic() + 60
+                while True:
+                    done = subprocess.run(
+                        [sys.executable, "-m", "stockade.cli.main", "kill", run_id],
+                        env=_env(), capture_output=True, text=True, timeout=60, check=False,
+                    )  # fmt: skip
+                    if done.returncode != 1 or time.monotonic() > deadline:
+                        return done
+                    time.sleep(0.2)
+
+            killed = await asyncio.to_thread(kill)
             assert killed.returncode == 0, killed.stdout + killed.stderr
             time.sleep(0.5)
             return run_id, await client.call_tool("run_code", {"code": "print(1)", "language": "python"})
