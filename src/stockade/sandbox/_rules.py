@@ -330,8 +330,8 @@ def named_anywhere(
 def image_programs(root: Path, stamp: tuple[int, ...] = ()) -> tuple[tuple[str, str, os.stat_result], ...]:
     """Every executable regular file of the image at ``root`` (``IMAGE_TREES``, links not
     followed): (name, path inside, stat), once per image and ``stamp`` (its state,
-    ``_programs_stamp``): a host's /usr of 150,000 files in ~0.6 s, once a process, where a
-    walk per policy (0.3 s) made the suite's random policies a minute slower."""
+    ``_programs_stamp``): a host's /usr of 150,000 files in ~0.6 s, once a process, rather
+    than a walk for each policy (~0.3 s each; the properties draw many)."""
     found: list[tuple[str, str, os.stat_result]] = []
     todo = [(root / top, f"/{top}") for top in IMAGE_TREES]
     while todo:
