@@ -55,6 +55,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     └── ServiceError                  the HTTP service (``stockade serve``) refused or could not answer
         ├── AuthenticationError       no API token, or one the service does not know (HTTP 401)
         ├── ResourceNotFound          no such sandbox, run or request, or not the caller's (HTTP 404)
+        ├── RequestTooLarge           a request's body is over the service's cap (HTTP 413)
         └── ServiceUnavailable        [retryable] the service cannot be reached, or answered 5xx
 
 A control that ends a run does not fail anything: it raises a ``RunStopped``, control flow
@@ -106,6 +107,7 @@ __all__ = [
     "ProtocolError",
     "QuotaExceeded",
     "RateLimited",
+    "RequestTooLarge",
     "ResourceContention",
     "ResourceNotFound",
     "RunConflict",
@@ -398,6 +400,16 @@ class ResourceNotFound(ServiceError):
         super().__init__(message)
         self.kind = kind
         self.id = id
+
+
+class RequestTooLarge(ServiceError):
+    """A request's body is over the service's cap (HTTP 413), refused before it is read
+    whole; ``limit``: the cap in bytes, ``fix``: how to send that much instead."""
+
+    def __init__(self, message: str, *, limit: int = 0, fix: str = "") -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.fix = fix
 
 
 class ServiceUnavailable(ServiceError):

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 from stockade import __version__
 from stockade import exceptions as exc
 from stockade.server import problems
+from stockade.server.bodies import BodyCap
 from stockade.server.routing import Peers, SandboxRouting
 from stockade.server.runs import router as runs_router
 from stockade.server.sandboxes import router as sandboxes_router
@@ -76,10 +77,17 @@ def create_app(service: Service) -> FastAPI:
     app.state.service = service
     app.state.peers = peers
     app.add_middleware(SandboxRouting, service=service, peers=peers)  # a sandbox held by a peer: there
-    app.include_router(sandboxes_router)
-    app.include_router(snapshots_router)
-    app.include_router(runs_router)
-    app.include_router(viewer_router(ServiceAuth(service)))  # the run viewer, /ui
+    routers = (
+        sandboxes_router,
+        snapshots_router,
+        runs_router,
+        viewer_router(ServiceAuth(service)),
+    )  # /ui: the viewer
+    # outermost: a body is bounded before a route or a peer sees it
+    routes = [route for router in routers for route in router.routes]
+    app.add_middleware(BodyCap, limit=service.config.max_request_bytes, routes=routes)
+    for router in routers:
+        app.include_router(router)
 
     @app.exception_handler(exc.StockadeError)
     async def stockade_error(request: Request, error: exc.StockadeError) -> Response:

@@ -35,6 +35,8 @@ class ServiceConfig:
     run_threads: int = 2
     max_upload_bytes: int = 64 * MiB
     max_file_bytes: int = 64 * MiB
+    # a request's body other than a file's or an archive's (JSON: code, a command's stdin)
+    max_request_bytes: int = 16 * MiB
     sandbox_idle_timeout_s: float = 300.0
     max_sandbox_idle_timeout_s: float = 3600.0
     event_poll_s: float = 0.2

@@ -33,9 +33,9 @@ from stockade.policy.approval import Choice
 from stockade.runs.seeds import pack_workspace
 from stockade.runtime.killswitch import kill_all
 from stockade.server.authz import check_approver, check_model, choose_tier, engine_for
+from stockade.server.bodies import raw_body, read_body
 from stockade.server.deps import Caller, get_service
 from stockade.server.runner import build_model
-from stockade.server.sandboxes import _body
 from stockade.server.schemas import (
     ApprovalDecision,
     KillAllOut,
@@ -114,10 +114,11 @@ async def _blocking(function: Any) -> Any:
 
 @router.post("/v1/workspaces", status_code=201, response_model=WorkspaceOut, tags=["runs"],
              summary="Upload a workspace (a tar or tar.gz) for runs to start from")  # fmt: skip
+@raw_body
 async def upload_workspace(request: Request, caller: Caller) -> WorkspaceOut:
     service = get_service(request)
     cap = service.config.max_upload_bytes
-    data = await _body(request, cap)
+    data = await read_body(request, cap)
 
     def work() -> WorkspaceOut:
         with tempfile.TemporaryDirectory(prefix="stockade-workspace-", dir=service.config.temp_dir) as tmp:

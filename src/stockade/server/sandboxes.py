@@ -50,6 +50,7 @@ from stockade.sandbox._supervised import spec_from_state
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.sandbox.facade import Sandbox
 from stockade.server.authz import check_network, choose_tier, engine_for
+from stockade.server.bodies import raw_body, read_body
 from stockade.server.deps import Caller, get_service
 from stockade.server.problems import from_error
 from stockade.server.schemas import (
@@ -707,28 +708,15 @@ async def read_file(sandbox_id: str, request: Request, caller: Caller, path: Pat
     return Response(content=await _blocking(work), media_type="application/octet-stream")
 
 
-async def _body(request: Request, limit: int) -> bytes:
-    """The request body, refused past ``limit`` bytes while it arrives (413)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise exc.FileTooLarge(f"the upload declares {int(declared):,} bytes, over the cap of {limit:,}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise exc.FileTooLarge(f"the upload is over the cap of {limit:,} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 @router.put("/{sandbox_id}/files/content", summary="Write a file (the body is its content)")
+@raw_body
 async def write_file(
     sandbox_id: str, request: Request, caller: Caller, path: PathQuery,
     mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o644,
 ) -> dict[str, Any]:  # fmt: skip
     registry = _registry_of(request)
     registry.get(caller, sandbox_id)
-    data = await _body(request, get_service(request).config.max_file_bytes)
+    data = await read_body(request, get_service(request).config.max_file_bytes)
 
     def work() -> EntryInfo:
         with registry.use(caller, sandbox_id) as sandbox:
@@ -761,11 +749,12 @@ async def make_dir(sandbox_id: str, request: Request, caller: Caller, path: Path
 
 
 @router.put("/{sandbox_id}/archive", status_code=204, summary="Upload a folder (a tar) into the workspace")
+@raw_body
 async def upload_archive(sandbox_id: str, request: Request, caller: Caller, path: PathQuery = "") -> Response:
     service = get_service(request)
     registry = _registry_of(request)
     registry.get(caller, sandbox_id)
-    data = await _body(request, service.config.max_upload_bytes)
+    data = await read_body(request, service.config.max_upload_bytes)
 
     def work() -> None:
         with tempfile.TemporaryDirectory(prefix="stockade-upload-", dir=service.config.temp_dir) as tmp:

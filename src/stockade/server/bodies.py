@@ -1,0 +1,122 @@
+"""Request bodies, bounded before anything parses them.
+
+FastAPI reads a JSON route's whole body into memory before parsing it, whatever its size: a
+200 MB body was held, then parsed into millions of objects, before the 422 said it was
+wrong. ``BodyCap`` sits in front of every route and refuses a body over the service's
+``max_request_bytes`` with a 413 problem (``RequestTooLarge``): at once when its
+``Content-Length`` says so, else as soon as the bytes that arrived pass the cap, never
+reading the rest. The routes whose body is the data itself (a file's content, an archive;
+marked ``raw_body``) read it as it arrives with a cap of their own (``read_body``), and the
+middleware leaves them alone.
+
+Why not FastAPI's own ``max_body_size``: when a body declares a size over it, Starlette's
+limiter replaces whatever the app answers with a ``text/plain`` 413, and every error of this
+API is an RFC 9457 problem document that the client turns back into a typed error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from starlette.routing import BaseRoute, Match
+
+from stockade import exceptions as exc
+from stockade.server import problems
+
+if TYPE_CHECKING:
+    from fastapi import Request
+
+__all__ = ["BodyCap", "raw_body", "read_body"]
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+Endpoint = TypeVar("Endpoint", bound=Callable[..., Any])
+
+_RAW = "__stockade_raw_body__"
+
+
+def raw_body(endpoint: Endpoint) -> Endpoint:
+    """Marks a route that reads its own body with ``read_body`` (and its own cap)."""
+    setattr(endpoint, _RAW, True)
+    return endpoint
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused past ``limit`` bytes while it arrives (413)."""
+    declared = _declared(request.headers.get("content-length"))
+    if declared is not None and declared > limit:
+        raise exc.FileTooLarge(f"the upload declares {declared:,} bytes, over the cap of {limit:,}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise exc.FileTooLarge(f"the upload is over the cap of {limit:,} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _declared(value: str | None) -> int | None:
+    return int(value) if value is not None and value.isascii() and value.isdigit() else None
+
+
+class BodyCap:
+    """Every request's body at most ``limit`` bytes, but for the routes among ``routes``
+    marked ``raw_body``."""
+
+    def __init__(self, app: ASGIApp, *, limit: int, routes: Iterable[BaseRoute]) -> None:
+        self.app = app
+        self.limit = limit
+        self._raw = [r for r in routes if getattr(getattr(r, "endpoint", None), _RAW, False)]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or any(r.matches(scope)[0] is Match.FULL for r in self._raw):
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        declared = _declared(headers.get(b"content-length", b"").decode("latin-1") or None)
+        if declared is not None and declared > self.limit:
+            await self._refuse(scope, send, f"declares {declared:,} bytes")
+            return
+        # Read here up to the cap (the route would read all of it anyway), then handed on.
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: the route hears it too
+                await self.app(scope, _replay(message, receive), send)
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                await self._refuse(scope, send, "is longer")
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, _replay(whole, receive), send)
+
+    async def _refuse(self, scope: Scope, send: Send, what: str) -> None:
+        error = exc.RequestTooLarge(
+            f"the request's body {what}, over the service's cap of {self.limit:,} bytes for a request",
+            limit=self.limit,
+            fix="send a file's content as a request of its own (PUT /v1/sandboxes/{id}/files/content)",
+        )
+        problem = problems.from_error(error, str(scope.get("path", "")))
+        headers = [(b"content-type", b"application/problem+json"), (b"connection", b"close")]
+        await send({"type": "http.response.start", "status": problem.status, "headers": headers})
+        await send({"type": "http.response.body", "body": problem.content(), "more_body": False})
+
+
+def _replay(first: Message, receive: Receive) -> Receive:
+    """A ``receive`` that gives ``first``, then the client's own messages."""
+    pending = [first]
+
+    async def replayed() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return replayed

@@ -1,0 +1,101 @@
+"""A request's body is bounded before anything parses it: the real application on a real
+SQLite database, called in this process through httpx2's ASGI transport (which hands the
+body to the app a chunk at a time, as a socket would). No sandbox is started."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx2
+import pytest
+
+from stockade import exceptions as exc
+from stockade.client._http import error_from
+from stockade.server.app import create_app
+from stockade.server.context import ServiceConfig
+from stockade.server.service import Service
+from stockade.server.tenants import Tenant, Tenants, new_token
+
+CAP = 64 * 1024
+
+
+@dataclass
+class Sent:
+    """A body sent in chunks, counting how many the server asked for."""
+
+    chunks: int
+    size: int = 16 * 1024
+    taken: int = field(default=0)
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for _ in range(self.chunks):
+            self.taken += 1
+            yield b" " * self.size
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Iterator[tuple[Service, str]]:
+    token, record = new_token("acme")
+    tenants = Tenants(tenants={"acme": Tenant(id="acme")}, tokens={record.id: record})
+    config = ServiceConfig(
+        tenants=tenants, database=f"sqlite:///{tmp_path / 'service.db'}", temp_dir=tmp_path,
+        max_request_bytes=CAP, max_file_bytes=4 * CAP,
+    )  # fmt: skip
+    service = Service(config)
+    try:
+        yield service, token
+    finally:
+        service.close()
+
+
+@pytest.fixture
+async def http(service: tuple[Service, str]) -> AsyncIterator[httpx2.AsyncClient]:
+    transport = httpx2.ASGITransport(app=create_app(service[0]))
+    headers = {"Authorization": f"Bearer {service[1]}", "Content-Type": "application/json"}
+    async with httpx2.AsyncClient(transport=transport, base_url="http://service", headers=headers) as client:
+        yield client
+
+
+def too_large(response: httpx2.Response) -> exc.StockadeError:
+    assert response.status_code == 413, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    return error_from(response.json(), response.status_code)
+
+
+async def test_a_body_declared_over_the_cap_is_refused_before_a_byte_is_read(
+    http: httpx2.AsyncClient, service: tuple[Service, str]
+) -> None:
+    body = Sent(chunks=400)  # 6.4 MB of JSON whitespace, declared
+    response = await http.post(
+        "/v1/sandboxes", content=body, headers={"Content-Length": str(400 * 16 * 1024)}
+    )
+    error = too_large(response)
+    assert isinstance(error, exc.RequestTooLarge) and error.limit == CAP
+    assert "6,553,600" in str(error) and "files/content" in str(error.fix)
+    assert body.taken <= 1
+    assert service[0].store.sandboxes() == []
+
+
+async def test_a_body_that_says_nothing_of_its_size_is_cut_at_the_cap(http: httpx2.AsyncClient) -> None:
+    for route in ("/v1/sandboxes", "/v1/runs", "/v1/sandboxes/sbx_x/commands", "/v1/sandboxes/sbx_x/code"):
+        body = Sent(chunks=1000)  # 16 MB, chunked
+        error = too_large(await http.post(route, content=body))
+        assert isinstance(error, exc.RequestTooLarge), route
+        assert body.taken <= CAP // body.size + 2, (route, body.taken)  # the rest never read
+
+
+async def test_a_body_under_the_cap_reaches_its_route(http: httpx2.AsyncClient) -> None:
+    response = await http.post("/v1/sandboxes", content=b'{"tier": "no-such-tier"}' + b" " * (CAP - 100))
+    assert response.json()["error"] == "PolicyDenied", response.text  # judged by the route
+
+
+async def test_a_files_own_route_keeps_its_own_cap(http: httpx2.AsyncClient) -> None:
+    """A file's content passes the requests' cap (the files' is larger) and reaches its route
+    (which reads it with its own cap, and here finds no such sandbox first)."""
+    put = "/v1/sandboxes/sbx_missing/files/content?path=a.bin"
+    response = await http.put(
+        put, content=Sent(chunks=8), headers={"Content-Type": "application/octet-stream"}
+    )
+    assert response.json()["error"] == "ResourceNotFound", response.text
