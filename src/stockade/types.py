@@ -343,6 +343,12 @@ class SandboxRules:
     def confines_writes(self) -> bool:
         return "**" not in (w.strip("/") for w in self.write)
 
+    @property
+    def judges_paths(self) -> bool:
+        """Rules over the workspace's paths: then a files call never follows a symbolic link
+        (the path it names is the one judged)."""
+        return self.confines_writes or bool(self.hide) or "**" not in (r.strip("/") for r in self.read)
+
 
 @dataclass(frozen=True, kw_only=True)
 class ExecRecord:

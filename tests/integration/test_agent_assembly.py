@@ -7,6 +7,9 @@ crosses its dollar budget; afterwards the audit chain verifies and holds every k
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
+import subprocess
 from collections import Counter
 from pathlib import Path
 
@@ -122,6 +125,47 @@ def test_denied_never_runs_approval_pauses_then_resumes_budget_stops_and_the_cha
         "budget"
     ]
     store.close()
+
+
+def test_what_the_policy_keeps_out_is_not_in_the_repositorys_history_either(tmp_path: Path) -> None:
+    """A secret the policy denies (`secrets/**`, `.env`) but the repository once committed was
+    read back through its history: `git show HEAD:secrets/key` from code, and the git_diff
+    tool, which showed it as a deleted file. Under rules that keep files out, `.git` stays
+    out with them, and the diff is against the run's start."""
+    require_tier("process")
+    git = shutil.which("git")
+    if git is None:
+        pytest.skip("no git on this host")
+    root = tmp_path / "repo"
+    (root / "secrets").mkdir(parents=True)
+    (root / "secrets" / "key").write_text("TOPSECRET-KEY\n")
+    (root / ".env").write_text("PASSWORD=TOPSECRET-ENV\n")
+    (root / "app.py").write_text("print('hello')\n")
+    env = {"GIT_CONFIG_GLOBAL": "/dev/null", "GIT_CONFIG_NOSYSTEM": "1", "HOME": str(tmp_path),
+           "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@x",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@x"}  # fmt: skip
+    for argv in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "all"]):
+        subprocess.run([git, *argv], cwd=root, env=env, check=True)
+    model = ScriptedModel(
+        [
+            tool_call("git_diff", {}),
+            tool_call("shell", {"command": "git show HEAD:secrets/key; git log -p | head -50; ls -a"}),
+            tool_call(
+                "run_code", {"code": "import os; print(sorted(os.listdir('.')))", "language": "python"}
+            ),
+            "looked",
+        ]
+    )
+    policy = tmp_path / "policy.toml"  # the example's, but for its own `.git/**` among the denied
+    policy.write_text(EXAMPLE_POLICY.read_text().replace('deny = [".git/**", ', "deny = ["))
+    assert '".git/**"' not in policy.read_text()
+    log = AuditLog(SQLiteStore(tmp_path / "audit.db"), flush_interval_s=None)
+    with build_agent(dataclasses.replace(config(tmp_path, model, log), policy=policy)) as agent:
+        result = agent.run_sync("look at the history", workspace=root, run_id="history")
+    told = [call.observation for step in result.steps for call in step.tool_calls]
+    assert len(told) == 3 and "not a git repository" in told[0], told
+    assert not any("TOPSECRET" in text for text in [*told, result.diff]), told
+    assert ".git" not in told[2] and "app.py" in told[2]
 
 
 def test_a_tier_weaker_than_trust_allows_fails_before_anything_runs(tmp_path: Path) -> None:

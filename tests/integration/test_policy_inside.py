@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from stockade import LimitNotEnforceable, Limits, Sandbox
+from stockade import LimitNotEnforceable, Limits, PathEscapeError, Sandbox
 from stockade.types import ExecRecord, Mechanism, SandboxRules
 from tests.conftest import require, require_tier
 from tests.integration.approvals import YesTo, remove_each
@@ -493,6 +493,33 @@ def test_hidden_paths_never_enter_the_sandbox(sbx_tier_workspace: tuple[str, Pat
         assert "TOPSECRET" not in r.stdout and not r.timed_out
         e = sbx.run_code("open('secrets/key').read()")
         assert e.error is not None and e.error.name == "FileNotFoundError"
+
+
+def test_files_calls_under_path_rules_follow_no_symbolic_link(sbx_tier_workspace: tuple[str, Path]) -> None:
+    """The host's policy judges a files call (a tool's read_file, write_file, apply_patch) by
+    the path it names: under path rules a link on the way is refused, never followed to a file
+    the rules keep read-only or hidden (code made src/rl -> ../README: a write_file of src/rl
+    overwrote README, and src/sl -> ../secrets let one create secrets/planted)."""
+    tier, folder = sbx_tier_workspace
+    (folder / "README").write_text("original\n")
+    rules = SandboxRules(write=("src/**",), hide=("secrets/**", ".env"))
+    with Sandbox.create(tier, limits=LIMITS, rules=rules, workspace=folder, allow_weaker=True) as sbx:
+        made = sbx.commands.run(
+            "ln -s ../README src/rl; ln -s .. src/up; ln -s ../secrets src/sl; ln -s app.py src/al"
+        )
+        assert made.exit_code == 0, made.stderr
+        for path in ("src/rl", "src/up/README", "src/sl/planted", "src/al"):
+            with pytest.raises(PathEscapeError, match="symbolic link"):
+                sbx.files.write(path, "pwned\n")
+            with pytest.raises(PathEscapeError, match="symbolic link"):
+                sbx.files.read(path)
+        assert sbx.files.read("README") == "original\n"
+        listed = {e.path for e in sbx.files.list(depth=5)}
+        assert not any(n.startswith(("secrets", ".env")) for n in listed)
+        assert sbx.files.read("src/app.py") == "print('hi')\n"  # a plain path as before
+    with Sandbox.create(tier, limits=LIMITS, workspace=folder) as plain:  # no path rules: followed
+        plain.commands.run("ln -s ../README src/rl")
+        assert plain.files.read("src/rl") == "original\n"
 
 
 @pytest.fixture

@@ -283,6 +283,11 @@ class PolicyEngine:
             access = p.data_access.get(entry.tier)
             if access is not None and (self.role_name is None or self.role_name not in access.read):
                 hidden += entry.paths
+        if hidden or "**" not in (r.strip("/") for r in p.paths.read):
+            # A repository's history holds every file it ever had, the ones kept out included
+            # (`git show HEAD:secrets/key`): the history stays out with them. The run's diff is
+            # then against its start (the baseline), as for a folder that is no repository.
+            hidden += [".git", ".git/**"]
         return SandboxRules(
             deny=tuple(dict.fromkeys(deny)),
             approve=tuple(dict.fromkeys(approve)),

@@ -571,6 +571,8 @@ def supervisor_config(
     }
     if egress is not None:
         config["egress"] = dict(egress.relay)
+    if spec.rules is not None and spec.rules.judges_paths:
+        config["links"] = False  # files calls are judged by the path they name: no link followed
     return config
 
 

@@ -27,8 +27,12 @@ class PathRefused(Exception):
 
 
 class Workspace:
-    def __init__(self, root: str) -> None:
+    """``links``: False under path rules (the host's policy judges a file call by the path it
+    names, so a symbolic link on the way, to a file it would refuse, is refused here)."""
+
+    def __init__(self, root: str, links: bool = True) -> None:
         self.root = root
+        self.links = links
 
     def _split(self, path: str) -> list[str]:
         if path.startswith("/"):
@@ -66,6 +70,12 @@ class Workspace:
                     if hops > LINK_HOPS:
                         raise PathRefused("escape", f"{path!r}: too many levels of symlinks")
                     target = os.readlink(part, dir_fd=stack[-1])
+                    if not self.links:
+                        raise PathRefused(
+                            "escape",
+                            f"{path!r}: {part!r} is a symbolic link (to {target!r}); under the policy's "
+                            "path rules a file is named by its own path, not through a link",
+                        )
                     if target.startswith("/"):
                         if not (target == self.root or target.startswith(self.root + "/")):
                             raise PathRefused(

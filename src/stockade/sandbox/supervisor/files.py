@@ -231,7 +231,7 @@ def op_get_archive(sup: "Supervisor", rid: int, h: dict[str, Any], body: bytes) 
 
 def _area(sup: "Supervisor", h: dict[str, Any]) -> Workspace:
     """Where an archive is taken or put: the workspace, or /tmp (a snapshot's files)."""
-    return Workspace("/tmp") if h.get("root") == "tmp" else sup.workspace
+    return Workspace("/tmp", links=sup.workspace.links) if h.get("root") == "tmp" else sup.workspace
 
 
 def _rel(sup: "Supervisor", path: str) -> str:

@@ -181,7 +181,7 @@ class Supervisor:
         self.config = cfg
         self.report_oom = bool(cfg.get("report_oom"))
         self.env = {str(k): str(v) for k, v in cfg.get("env", {}).items()}
-        self.workspace = Workspace(cfg.get("workspace", "/workspace"))
+        self.workspace = Workspace(cfg.get("workspace", "/workspace"), links=bool(cfg.get("links", True)))
         self.output_cap = int(cfg.get("output_cap", self.output_cap))
         self.default_timeout = float(cfg.get("timeout", self.default_timeout))
         for name, value in cfg.get("rlimits", {}).items():
