@@ -60,3 +60,28 @@ async def test_outside_a_repository_git_diff_compares_with_the_runs_baseline(tmp
         sbx.files.write("app.py", "x = 2\n")
         out = await _git_diff(sbx)
     assert out.startswith("(changes since the run began; not a git repository)\n--- a/app.py")
+
+
+async def test_git_diff_runs_no_diff_driver_the_code_planted(tmp_path: Path) -> None:
+    """A low-risk call runs no command the code chose: code wrote a textconv driver into
+    $HOME/.gitconfig (HOME is /tmp) and named it in .gitattributes; git_diff ran it at
+    every call (it could forge the diff, and ran as a read under a policy that asks a human
+    before writes)."""
+    require_tier("process")
+    require("git", shutil.which("git") is not None, "git is not installed on this host")
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / "app.py").write_text("x = 1\n")
+    _git(repo, "add", ".")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-qm", "init")
+    with Sandbox.create(tier="process", workspace=repo) as sbx:
+        planted = sbx.commands.run(
+            'printf \'[diff "pwn"]\\n\\ttextconv = sh -c "touch /workspace/ran; echo FORGED"\\n'
+            '[diff]\\n\\texternal = sh -c "touch /workspace/ran"\\n\' > /tmp/.gitconfig'
+            " && echo '* diff=pwn' > .gitattributes && echo 'x = 2' > app.py"
+        )
+        assert planted.exit_code == 0, planted.stderr
+        out = await _git_diff(sbx)
+        assert "-x = 1\n+x = 2\n" in out and "FORGED" not in out
+        assert not sbx.files.exists("ran")

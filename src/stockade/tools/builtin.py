@@ -241,7 +241,14 @@ def read_file(ctx: ToolContext, path: str, offset: int = 0, limit: int = 400) ->
     """
     if offset < 0 or limit <= 0:
         raise ToolError("offset must be >= 0 and limit > 0")
-    lines = ctx.sandbox.files.read(path).splitlines()
+    data = ctx.sandbox.files.read(path, format="bytes")
+    try:
+        lines = data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as err:  # shown as U+FFFD, the model would take it for the text
+        raise ToolError(
+            f"{path} is not UTF-8 text (byte {err.start:,} of {len(data):,}): a binary file? "
+            "look at its bytes with run_code"
+        ) from None
     shown = lines[offset : offset + limit]
     if not shown:
         return f"{path}: {len(lines)} lines; nothing at offset {offset}"
@@ -310,14 +317,19 @@ def list_files(ctx: ToolContext, path: str = "", depth: int = 2) -> str:
 # `git diff HEAD`, plus untracked (not ignored) files as new ones, without touching the index;
 # the run's own records (.stockade/) are left out.
 # Exit 97-99: no git, not a repository, no commit yet; the tool then diffs against the baseline.
-_GIT = "git -c safe.directory=* -c core.fsmonitor= -c core.quotepath=off"
+# A low-risk call runs no command the code chose: no textconv or external diff driver (code
+# wrote `diff.x.textconv` into $HOME/.gitconfig and `* diff=x` into .gitattributes, and each
+# git_diff ran it), no global or system configuration. What a repository's own .git/config
+# names (a clean filter) still runs where the rules let code write .git (docs/architecture.md).
+_GIT = "git -c safe.directory=* -c core.fsmonitor= -c core.quotepath=off -c core.attributesFile=/dev/null"
 GIT_HEAD_DIFF = f"""\
+export GIT_CONFIG_GLOBAL=/dev/null GIT_CONFIG_NOSYSTEM=1 GIT_ATTR_NOSYSTEM=1
 command -v git >/dev/null 2>&1 || exit 97
 {_GIT} rev-parse --is-inside-work-tree >/dev/null 2>&1 || exit 98
 {_GIT} rev-parse --verify -q HEAD >/dev/null 2>&1 || exit 99
-{_GIT} diff --no-color --no-ext-diff HEAD -- || exit 96
+{_GIT} diff --no-color --no-ext-diff --no-textconv HEAD -- || exit 96
 {_GIT} ls-files --others --exclude-standard --exclude=/.stockade/ -z \
-  | xargs -0 -r -n 1 {_GIT} diff --no-color --no-ext-diff --no-index -- /dev/null
+  | xargs -0 -r -n 1 {_GIT} diff --no-color --no-ext-diff --no-textconv --no-index -- /dev/null
 exit 0
 """
 GIT_TIMEOUT_S = 60.0

@@ -100,7 +100,7 @@ async def test_git_diff_in_a_git_repository_is_git_diff_head_and_says_so() -> No
     sbx = make_sandbox(MemoryWorkspace(commands=commands, files={".git/HEAD": b"ref: refs/heads/main\n"}))
     out = await call(git_diff, sbx, {})
     assert out == "(git diff HEAD; untracked files shown as new)\n" + head_diff
-    assert len(ran) == 1 and "diff --no-color --no-ext-diff HEAD" in ran[0][-1]
+    assert len(ran) == 1 and "diff --no-color --no-ext-diff --no-textconv HEAD" in ran[0][-1]
 
 
 async def test_git_diff_falls_back_to_the_baseline_without_git_or_a_commit() -> None:
@@ -273,6 +273,15 @@ async def test_read_file_refuses_nonsense_paging(args: dict[str, object]) -> Non
     sbx.files.write("a.py", "x\n")
     with pytest.raises(ToolError):
         await call(read_file, sbx, args)
+
+
+async def test_read_file_says_a_file_is_not_text_rather_than_show_replacement_characters() -> None:
+    from stockade.exceptions import ToolError
+
+    sbx = make_sandbox()
+    sbx.files.write("blob.bin", b"ok\n\xff\xfe\x00data")
+    with pytest.raises(ToolError, match=r"blob.bin is not UTF-8 text \(byte 3 of 10\)"):
+        await call(read_file, sbx, {"path": "blob.bin"})
 
 
 def test_the_snapshot_reads_only_plain_workspace_paths() -> None:
