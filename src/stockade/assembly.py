@@ -656,6 +656,7 @@ class AgentSession:
             check=config.check,
             check_timeout_s=config.check_timeout_s,
             keeper=owner.keeper,
+            hands_back=owner.engine.hands_back,
         )
         self._raw: Sandbox | None = None
         self._sandbox: Sandbox | None = None

@@ -168,6 +168,23 @@ def test_what_the_policy_keeps_out_is_not_in_the_repositorys_history_either(tmp_
     assert ".git" not in told[2] and "app.py" in told[2]
 
 
+def test_the_runs_diff_hands_back_no_file_the_policy_keeps_out(tmp_path: Path, workspace: Path) -> None:
+    """Under `write = ["**"]` code could create `.env` and `secrets/x` (kept out, so absent):
+    the run's diff carried them, and a host that applied it would overwrite its own."""
+    require_tier("process")
+    code = (
+        "import os\nos.makedirs('secrets', exist_ok=True)\n"
+        "for p in ('.env', 'secrets/x', 'ok.py'): open(p, 'w').write('PWNED=1\\n')"
+    )
+    model = ScriptedModel([tool_call("run_code", {"code": code, "language": "python"}), "wrote"])
+    log = AuditLog(SQLiteStore(tmp_path / "audit.db"), flush_interval_s=None)
+    with build_agent(config(tmp_path, model, log)) as agent:
+        result = agent.run_sync("write", workspace=workspace, run_id="handback")
+    assert "+++ b/ok.py" in result.diff, result.diff
+    assert "b/.env" not in result.diff and "b/secrets" not in result.diff
+    assert result.diff.endswith("policy does not let the run write: '.env', 'secrets/x'\n")
+
+
 def test_a_tier_weaker_than_trust_allows_fails_before_anything_runs(tmp_path: Path) -> None:
     from stockade.exceptions import TierUnavailable
 

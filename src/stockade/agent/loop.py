@@ -252,6 +252,7 @@ class Agent:
         check: str | None = None,
         check_timeout_s: float | None = None,
         keeper: SandboxKeeper | None = None,
+        hands_back: Callable[[str], bool] | None = None,
     ) -> None:
         if check is not None and (not isinstance(check, str) or not check.strip()):
             raise InvalidArgument(
@@ -260,6 +261,7 @@ class Agent:
                 fix='give the command that decides whether the task is done, e.g. "python3 -m pytest -q"',
             )
         self.check = check
+        self.hands_back = hands_back  # which changed paths the run's diff may show the host
         self.check_timeout_s = check_timeout(check_timeout_s, argument="check_timeout_s")
         self.model = resolve_model(model)
         self.tools = tools if tools is not None else default_toolset()
@@ -822,7 +824,7 @@ class AgentRun:
             state.steps.append(state.current)  # a step cut short keeps what it did
             state.current = None
         try:
-            diff = await asyncio.to_thread(workspace_diff, self.bookkeeping)
+            diff = await asyncio.to_thread(workspace_diff, self.bookkeeping, self.agent.hands_back)
         except RunStopped:
             diff = f"(no diff: the run's sandbox was stopped with the run, {state.status.value})"
         except StockadeError as err:

@@ -174,6 +174,13 @@ class PolicyEngine:
             )  # fmt: skip
         return self._data(path, mode, tool)
 
+    def hands_back(self, path: str) -> bool:
+        """Whether the run's diff may carry a change of ``path`` back to the host: a path the
+        policy lets the run write. Code can still make a file the rules keep out where the
+        write rules let it (a new ``.env`` under ``write = ["**"]``): a host that applied the
+        diff would overwrite its own."""
+        return self._path(path, "write", "").verdict is Verdict.ALLOW
+
     # -- what the guards ask ------------------------------------------------------------
 
     def op(self, op: Op[Any], *, tool: str = "") -> Decision:

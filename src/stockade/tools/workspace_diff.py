@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+from collections.abc import Callable
 
 from stockade.exceptions import SandboxFileNotFound
 from stockade.sandbox.facade import Sandbox
@@ -103,13 +104,18 @@ def _load_baseline(sandbox: Sandbox) -> dict[str, str]:
     return {str(k): str(v) for k, v in data.items()}
 
 
-def workspace_diff(sandbox: Sandbox) -> str:
-    """A unified diff from the baseline to now; empty when nothing changed."""
+def workspace_diff(sandbox: Sandbox, keep: Callable[[str], bool] | None = None) -> str:
+    """A unified diff from the baseline to now; empty when nothing changed. ``keep``: which
+    changed paths it may show (a policy's ``hands_back``); the others are named at its end."""
     before, after = _load_baseline(sandbox), snapshot(sandbox)
     chunks: list[str] = []
+    left_out: list[str] = []
     for path in sorted(before.keys() | after.keys()):
         old, new = before.get(path), after.get(path)
         if old == new:
+            continue
+        if keep is not None and not keep(path):
+            left_out.append(path)
             continue
         if (old or "").startswith("\x00") or (new or "").startswith("\x00"):
             chunks.append(f"Binary or large file {path} differs\n")
@@ -124,4 +130,7 @@ def workspace_diff(sandbox: Sandbox) -> str:
         )
         for line in diff:
             chunks.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
+    if left_out:
+        shown = ", ".join(repr(p) for p in left_out[:20]) + (" ..." if len(left_out) > 20 else "")
+        chunks.append(f"Left out, changed where the policy does not let the run write: {shown}\n")
     return "".join(chunks)
