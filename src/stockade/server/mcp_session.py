@@ -277,7 +277,7 @@ class McpSession:
 
         session = self._open()
         books = session._books if session._books is not None else session.sandbox
-        return workspace_diff(books, self.agent.engine.hands_back)
+        return workspace_diff(books, self.owner.agent.engine.hands_back)
 
     # -- the session's thread ---------------------------------------------------------------------
 
