@@ -22,7 +22,6 @@ from stockade.types import Trust
 
 err = CliConsole(stderr=True)
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 DEFAULT_DB = "sqlite:///.stockade/audit.db"
 
@@ -88,6 +87,13 @@ def mcp(
     idle_timeout: Annotated[
         float, typer.Option("--idle-timeout", help="http: seconds before an unused session ends")
     ] = 1800.0,
+    max_sessions: Annotated[
+        int, typer.Option("--max-sessions", min=1, help="http: sessions open at once (each has a sandbox)")
+    ] = 16,
+    allow_origin: Annotated[
+        list[str] | None,
+        typer.Option("--allow-origin", help="http: a web page origin whose requests are let in (repeatable)"),
+    ] = None,
     token_env: Annotated[
         str,
         typer.Option(
@@ -108,7 +114,7 @@ def mcp(
 
     from stockade.agent import RunLimits
     from stockade.assembly import AgentConfig
-    from stockade.server.mcp_server import MIN_TOKEN_CHARS, McpFace, serve_http, serve_stdio
+    from stockade.server.mcp_server import LOOPBACK, MIN_TOKEN_CHARS, McpFace, serve_http, serve_stdio
     from stockade.server.mcp_session import MODEL_NAME, McpAgent
 
     stamina.instrumentation.set_on_retry_hooks([])  # retries are in the audit trail; stdout is the protocol's
@@ -157,7 +163,10 @@ def mcp(
     try:
         with interruptible():
             if transport is TransportName.HTTP:
-                serve_http(face, host=host, port=port, token=token)
+                serve_http(
+                    face, host=host, port=port, token=token, max_sessions=max_sessions,
+                    allowed_origins=tuple(allow_origin or ()),
+                )  # fmt: skip
             else:
                 anyio.run(serve_stdio, face)
     except Interrupted:

@@ -94,6 +94,11 @@ def _result(outcome: Outcome) -> types.CallToolResult:
     return _text("the call waits for an approval", error=True)  # not reached: Paused is answered first
 
 
+# HTTP sessions open at once, each with its sandbox (``--max-sessions``)
+MAX_SESSIONS = 16
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
 class McpFace:
     """The MCP server over one ``McpAgent``."""
 
@@ -357,10 +362,17 @@ MIN_TOKEN_CHARS = 16
 
 
 def http_app(
-    face: McpFace, *, host: str = "127.0.0.1", path: str = "/mcp", token: str | None = None
-) -> ASGIApp:
+    face: McpFace, *, host: str = "127.0.0.1", path: str = "/mcp", token: str | None = None,
+    max_sessions: int = MAX_SESSIONS, allowed_origins: tuple[str, ...] = (),
+) -> ASGIApp:  # fmt: skip
     """The streamable HTTP app: the SDK's, and the end of a session (``DELETE``) ends its run.
     With ``token``, every request must carry ``Authorization: Bearer <token>`` (401 otherwise).
+
+    At most ``max_sessions`` sessions at once (each holds a sandbox: the SDK's default, 10,000,
+    let one token holder start a sandbox per session; a request that would open one more is
+    answered 503). A request from a web page (an ``Origin`` header) is refused unless its origin
+    is in ``allowed_origins``: the SDK checks Host and Origin itself only when ``host`` is this
+    machine alone, and MCP clients that are programs send no Origin.
 
     The token is checked here, not with the SDK's bearer middleware: that one is the resource
     server of an OAuth authorization server (its metadata routes name an issuer), and a static
@@ -371,9 +383,17 @@ def http_app(
             argument="token",
             fix="make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'",
         )
+    if max_sessions < 1:
+        raise exc.InvalidArgument(
+            f"max_sessions is {max_sessions}", argument="max_sessions", fix="give 1 or more"
+        )
     inner = face.server.streamable_http_app(
-        streamable_http_path=path, host=host, session_idle_timeout=face.idle_timeout_s
+        streamable_http_path=path,
+        host=host,
+        session_idle_timeout=face.idle_timeout_s,
+        max_sessions=max_sessions,
     )
+    loopback = host in LOOPBACK  # the SDK's own Host and Origin checks hold there
     face.start_reaper()
     expected = None if token is None else f"Bearer {token}".encode()
 
@@ -391,6 +411,15 @@ def http_app(
                 )
                 await refused(scope, receive, send)
                 return
+        if not loopback and scope["type"] == "http":
+            origin = dict(scope.get("headers") or []).get(b"origin")
+            if origin is not None and origin.decode("latin-1") not in allowed_origins:
+                refused = JSONResponse(
+                    {"error": "Forbidden", "detail": "a request from a web page whose origin is not allowed"},
+                    status_code=403,
+                )
+                await refused(scope, receive, send)
+                return
         await inner(scope, receive, send)
         if scope["type"] == "http" and scope.get("method") == "DELETE":
             headers = dict(scope.get("headers") or [])
@@ -402,8 +431,10 @@ def http_app(
 
 
 def serve_http(
-    face: McpFace, *, host: str, port: int, token: str | None = None, log_level: str = "warning"
-) -> None:
+    face: McpFace, *, host: str, port: int, token: str | None = None, log_level: str = "warning",
+    max_sessions: int = MAX_SESSIONS, allowed_origins: tuple[str, ...] = (),
+) -> None:  # fmt: skip
     import uvicorn
 
-    uvicorn.run(http_app(face, host=host, token=token), host=host, port=port, log_level=log_level)
+    app = http_app(face, host=host, token=token, max_sessions=max_sessions, allowed_origins=allowed_origins)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)

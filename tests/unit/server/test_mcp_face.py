@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import threading
+import time
 from pathlib import Path
 
 import httpx2
@@ -161,4 +163,46 @@ async def test_over_http_a_token_is_asked_of_every_request(tmp_path: Path) -> No
                 assert refused.status_code == 401, refused.text
                 assert refused.headers["www-authenticate"].startswith("Bearer")
     finally:
+        server.close()
+
+
+INITIALIZE = {
+    "jsonrpc": "2.0", "id": 1, "method": "initialize",
+    "params": {"protocolVersion": "2025-06-18", "capabilities": {},
+               "clientInfo": {"name": "t", "version": "1"}},
+}  # fmt: skip
+
+
+def test_over_http_off_this_machine_sessions_are_bounded_and_web_pages_refused(tmp_path: Path) -> None:
+    """Listening beyond this machine (`--host 0.0.0.0`, the SDK's own Host and Origin checks
+    off): one token holder opened a session, and so a sandbox, per request with no bound, and a
+    page on another site was let in. Served for real (uvicorn: the SDK's session manager runs
+    in the app's lifespan), on this machine's address but told it is not."""
+    import uvicorn
+
+    server = face(tmp_path, transport="http")
+    token = secrets.token_urlsafe(24)
+    app = http_app(
+        server, host="0.0.0.0", token=token, max_sessions=2, allowed_origins=("https://ok.example",)
+    )
+    served = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
+    thread = threading.Thread(target=served.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not served.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        port = served.servers[0].sockets[0].getsockname()[1]
+        headers = {"Authorization": f"Bearer {token}", "Accept": "application/json, text/event-stream"}
+        with httpx2.Client(base_url=f"http://127.0.0.1:{port}", headers=headers, timeout=10) as http:
+            foreign = http.post("/mcp", json=INITIALIZE, headers={"Origin": "https://evil.example"})
+            assert foreign.status_code == 403, foreign.text
+            opened = [http.post("/mcp", json=INITIALIZE, headers={"Origin": "https://ok.example"})]
+            opened += [http.post("/mcp", json=INITIALIZE) for _ in range(2)]
+            assert [r.status_code for r in opened] == [200, 200, 503], [r.text for r in opened]
+            http.delete("/mcp", headers={"mcp-session-id": opened[0].headers["mcp-session-id"]})
+            assert http.post("/mcp", json=INITIALIZE).status_code == 200  # room again
+    finally:
+        served.should_exit = True
+        thread.join(10)
         server.close()
