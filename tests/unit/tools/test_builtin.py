@@ -156,6 +156,18 @@ async def test_run_tests_reads_pytests_junit_report() -> None:
     assert "FAILED test_m::test_bad\ndef test_bad():" in text
 
 
+async def test_run_tests_reads_no_report_that_code_wrote_ahead_under_its_name() -> None:
+    """The report's name is known (the step and the call): code wrote one saying every test
+    passed before a runner that writes none ran."""
+    forged = (
+        b'<testsuites><testsuite name="pytest"><testcase classname="m" name="t"/></testsuite></testsuites>'
+    )
+    ws = MemoryWorkspace(files={".stockade/reports/junit-1-c1.xml": forged})
+    ws.commands = lambda op: CommandResult(exit_code=1, stdout="boom", stderr="", duration_s=0.1)
+    report = await call(run_tests, make_sandbox(ws), {"command": "make check"})
+    assert report.runner == "plain" and report.exit_code == 1  # type: ignore[attr-defined]
+
+
 UNITTEST = """test_a (test_m.T.test_a) ... ok
 test_b (test_m.T.test_b) ... FAIL
 
