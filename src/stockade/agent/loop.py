@@ -121,7 +121,7 @@ from stockade.models.messages import (
 )
 from stockade.models.pricing import DEFAULT_PRICES, Price, cost_usd
 from stockade.sandbox.facade import Sandbox
-from stockade.tools.base import Tool, ToolContext, Toolset, render, reported_failure
+from stockade.tools.base import Tool, ToolContext, Toolset, idempotency_key, render, reported_failure
 from stockade.tools.builtin import default_toolset, run_test_command
 from stockade.tools.observations import bound
 from stockade.tools.workspace_diff import record_baseline, workspace_diff
@@ -612,12 +612,12 @@ class AgentRun:
         state = self.state
         current = state.current
         assert current is not None, "call_tools without a model response"
-        done = {r.call.id for r in current.tool_calls}
         calls = current.response.tool_calls
-        for number, call in enumerate(calls, 1):
-            if call.id in done:
-                continue  # resumed mid-step: this call already ran
-            record = await self._call_one(current.index, call)
+        # Calls run in order, so those with a record are a prefix (resumed mid-step: they ran);
+        # by position, not by id: a model may give two calls one id.
+        for index in range(len(current.tool_calls), len(calls)):
+            call = calls[index]
+            record = await self._call_one(current.index, index, call)
             state.messages.append(
                 ToolResultMessage(
                     call_id=call.id,
@@ -630,7 +630,7 @@ class AgentRun:
             state.current = current
             if state.next == NodeKind.END:
                 break
-            if number < len(calls):
+            if index + 1 < len(calls):
                 self._checkpoint()  # the node's own checkpoint follows the last call
         state.steps.append(current)
         state.current = None
@@ -639,17 +639,18 @@ class AgentRun:
             state.next = NodeKind.MODEL_REQUEST
         return CallToolsNode(step=current.index, records=current.tool_calls)
 
-    async def _call_one(self, step: int, call: ToolCall) -> ToolCallRecord:
-        """One tool call: validated, then guarded, then invoked; a refusal at either of the
-        first two is the call's record (an observation for the model), not an error."""
-        key = f"{self.state.run_id}:{step}:{call.id}"
+    async def _call_one(self, step: int, index: int, call: ToolCall) -> ToolCallRecord:
+        """One tool call (the ``index``-th of its response): validated, then guarded, then
+        invoked; a refusal at either of the first two is the call's record (an observation for
+        the model), not an error."""
+        key = idempotency_key(self.state.run_id, step, index, call.id)
         validated = self._validate(step, call, key)
         if isinstance(validated, ToolCallRecord):
             return validated
         guarded = self._guard(step, call, key, *validated)
         if isinstance(guarded, ToolCallRecord):
             return guarded
-        return await self._invoke(step, key, *guarded)
+        return await self._invoke(step, *guarded, index=index, key=key)
 
     def _validate(self, step: int, call: ToolCall, key: str) -> tuple[Tool, BaseModel] | ToolCallRecord:
         """The call's tool and its arguments, or the record of a malformed call (too many of
@@ -721,7 +722,7 @@ class AgentRun:
         return call, tool, args
 
     async def _invoke(
-        self, step: int, key: str, call: ToolCall, tool: Tool, args: BaseModel
+        self, step: int, call: ToolCall, tool: Tool, args: BaseModel, *, index: int, key: str
     ) -> ToolCallRecord:
         """Run the call; whatever the tool raises is its observation, except what ends the run
         (a dead sandbox, a stop). Durable runs record its start before and its workspace after."""
@@ -737,6 +738,7 @@ class AgentRun:
             run_id=state.run_id,
             step=step,
             call_id=call.id,
+            call_index=index,
             max_observation_chars=agent.limits.max_observation_chars,
             bookkeeping=self.bookkeeping,
         )

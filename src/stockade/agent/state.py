@@ -58,8 +58,10 @@ class _Frozen(BaseModel):
 class ToolCallRecord(_Frozen):
     """One tool call and what came of it.
 
-    ``idempotency_key`` (``run_id:step:call_id``) names the side effect, so a run store can
-    tell whether a call already ran before a crash.
+    ``idempotency_key`` (``tools.idempotency_key``: a digest of the run, the step, the call's
+    place in its response and its id) names the side effect, so a run store can tell whether a
+    call already ran before a crash. Records stored by earlier versions keep theirs
+    (``run_id:step:call_id``).
     """
 
     call: ToolCall

@@ -203,7 +203,7 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
     expected_seq = 1
     prev = GENESIS
     checked = run_events = edited = last_seq = 0
-    audited: dict[str, int] = {}  # idempotency key of each tool_call event -> its seq
+    audited: dict[tuple[str, str], int] = {}  # (run, idempotency key) of each tool_call event -> its seq
     ended: dict[str, int] = {}  # run -> the seq of its final run_end
     at_head: str | None = None  # the stored hash of the event the head record named
     for seq, run, kind, body, stored_hash in store.rows():
@@ -266,14 +266,13 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
         known: set[str] = set()
         for call in ledger.ledger_calls(run_id):
             known.add(call.run_id)
-            if audited.pop(call.idempotency_key, None) is None:
+            if audited.pop((call.run_id, call.idempotency_key), None) is None:
                 detail = (
                     f"the run store's ledger has {call.tool} (step {call.step}, "
                     f"{call.idempotency_key}) and the audit trail has no event of it"
                 )
                 report(0, ProblemKind.NOT_IN_TRAIL, detail, call.run_id)
-        for event_key, seq in audited.items():
-            run = event_key.rsplit(":", 2)[0] if event_key.count(":") >= 2 else ""
+        for (run, event_key), seq in audited.items():
             if run in known:
                 detail = f"a tool_call event ({event_key}) that the run store's ledger does not have"
                 report(seq, ProblemKind.NOT_IN_LEDGER, detail, run)
@@ -322,7 +321,7 @@ def _once(
     kind: str,
     body: str,
     *,
-    audited: dict[str, int],
+    audited: dict[tuple[str, str], int],
     ended: dict[str, int],
     report: Callable[[int, ProblemKind, str, str], None],
 ) -> None:
@@ -332,7 +331,9 @@ def _once(
         key = attributes.get("idempotency_key")
         if not isinstance(key, str) or not key:
             return
-        first = audited.setdefault(key, seq)
+        # By run too: a key is unique per call, but one made by an earlier version
+        # (``run_id:step:call_id``) may be another run's as well.
+        first = audited.setdefault((run, key), seq)
         if first != seq:
             detail = f"a second tool_call event of {key} (the first is seq {first})"
             report(seq, ProblemKind.DUPLICATE_IN_TRAIL, detail, run)

@@ -27,6 +27,7 @@ from stockade.models.messages import Message, ToolCall, ToolResultMessage
 from stockade.runs._db import Database, Statement
 from stockade.runs._schema import as_int
 from stockade.runs.ledger import CallLedger, redacted_json
+from stockade.tools.base import idempotency_key
 
 __all__ = ["OUTCOME_UNKNOWN", "Checkpoints"]
 
@@ -272,16 +273,17 @@ class Checkpoints:
         current = state.current
         if current is None or state.status.finished:
             return set()
-        recorded = {r.call.id: r for r in self.ledger.tool_calls(state.run_id, step=current.index)}
+        recorded = {r.idempotency_key: r for r in self.ledger.tool_calls(state.run_id, step=current.index)}
         started = self.ledger.started(state.run_id, current.index)
-        done = {r.call.id for r in current.tool_calls}
         unknown: set[str] = set()
-        for call in current.response.tool_calls:
-            if call.id in done:
-                continue
-            record = recorded.get(call.id)
-            key = f"{state.run_id}:{current.index}:{call.id}"
-            if record is None and started.get(key) is False:
+        calls = current.response.tool_calls
+        for index in range(len(current.tool_calls), len(calls)):  # those with a record ran, in order
+            call = calls[index]
+            key = idempotency_key(state.run_id, current.index, index, call.id)
+            # A run in flight across an upgrade: its rows (of this run and step) hold the old key.
+            old = f"{state.run_id}:{current.index}:{call.id}"
+            record = recorded.get(key) or recorded.get(old)
+            if record is None and (started.get(key) is False or started.get(old) is False):
                 record = _outcome_unknown(call, key)
                 unknown.add(key)
             if record is None:

@@ -32,7 +32,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import hashlib
 import inspect
+import json
 import re
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
@@ -55,6 +57,7 @@ __all__ = [
     "ToolContext",
     "ToolWrapper",
     "Toolset",
+    "idempotency_key",
     "render",
     "reported_failure",
     "tool",
@@ -83,6 +86,7 @@ class ToolContext:
     run_id: str = "adhoc"
     step: int = 0
     call_id: str = "call"
+    call_index: int = 0  # the call's place in its model response (the first is 0)
     max_observation_chars: int = 12_000
     bookkeeping: Sandbox | None = None
 
@@ -92,12 +96,24 @@ class ToolContext:
         runs an idempotent call again passes the same key), so a tool that acts outside the
         sandbox (a payment, a push, an email) can send it along and let the other side
         deduplicate. The run store's ledger is keyed by it too."""
-        return f"{self.run_id}:{self.step}:{self.call_id}"
+        return idempotency_key(self.run_id, self.step, self.call_index, self.call_id)
 
     @property
     def records(self) -> Sandbox:
         """The sandbox for the run's own records (see ``bookkeeping``)."""
         return self.bookkeeping if self.bookkeeping is not None else self.sandbox
+
+
+def idempotency_key(run_id: str, step: int, index: int, call_id: str) -> str:
+    """The key of the ``index``-th call (from 0) of step ``step``'s model response in run ``run_id``.
+
+    A SHA-256 of the parts as a JSON list, so that no two calls share one: run ids and call ids
+    (the model's choice) may hold any character, a model may give two calls of one response the
+    same id, and the run store keys its ledger by this across all runs. Its length is fixed, for
+    services that bound theirs. Keys of earlier versions (``run_id:step:call_id``) always hold a
+    ':' and these never do, so the two never meet in one store."""
+    parts = json.dumps([run_id, step, index, call_id], separators=(",", ":"))
+    return hashlib.sha256(parts.encode()).hexdigest()
 
 
 @runtime_checkable

@@ -26,7 +26,7 @@ from stockade.exceptions import ApprovalRequired, ConfigurationError
 from stockade.models import ToolCall
 from stockade.models.scripted import Turn
 from stockade.testing import FakeBackend, ScriptedModel, tool_call
-from stockade.tools import ToolContext, default_toolset, tool
+from stockade.tools import ToolContext, default_toolset, idempotency_key, tool
 
 TURNS: list[Turn] = [
     tool_call("write_file", {"path": "notes.txt", "content": "one\n"}),
@@ -127,7 +127,9 @@ async def test_a_step_resumed_mid_way_does_not_repeat_calls_that_already_ran() -
     assert ran == ["a", "b"]
     assert result.status == RunStatus.SUCCESS
     assert [r.observation for r in result.steps[0].tool_calls] == ["did a", "did b"]
-    assert [r.idempotency_key for r in result.steps[0].tool_calls] == ["r:1:call_0_0", "r:1:call_0_1"]
+    assert [r.idempotency_key for r in result.steps[0].tool_calls] == [
+        idempotency_key("r", 1, k, f"call_0_{k}") for k in (0, 1)
+    ]
 
 
 def test_an_approval_pauses_the_run_and_resuming_continues_it() -> None:

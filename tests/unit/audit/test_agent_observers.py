@@ -11,6 +11,7 @@ from stockade.models.messages import ToolCall
 from stockade.models.scripted import ScriptedModel, Turn
 from stockade.sandbox import Sandbox
 from stockade.testing import FakeBackend, capture_audit
+from stockade.tools import idempotency_key
 from tests.conftest import require
 
 SCRIPT: list[Turn] = [ToolCall(name="write_file", args={"path": "a.py", "content": "x = 1"}), "done"]
@@ -32,7 +33,7 @@ def test_a_run_becomes_audit_events() -> None:
         ]
         (tool,) = audit.of(EventKind.TOOL_CALL)
         assert tool.step == 1 and tool.attributes["tool"] == "write_file"
-        assert tool.attributes["idempotency_key"] == "run-7:1:call_0_0"
+        assert tool.attributes["idempotency_key"] == idempotency_key("run-7", 1, 0, "call_0_0")
         assert audit.of(EventKind.RUN_END)[0].attributes["status"] == "success"
         assert verify(audit.store).ok
 

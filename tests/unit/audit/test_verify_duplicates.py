@@ -26,16 +26,18 @@ runner = CliRunner()
 class Ledger:
     """A run store's ledger as verify reads it: the calls of run ``r``."""
 
-    def __init__(self, *keys: str) -> None:
-        self.calls = [LedgerCall(run_id="r", step=1, idempotency_key=k, tool="list_files") for k in keys]
+    def __init__(self, *keys: str, runs: Iterable[str] = ("r",)) -> None:
+        self.calls = [
+            LedgerCall(run_id=run, step=1, idempotency_key=k, tool="list_files") for run in runs for k in keys
+        ]
 
     def ledger_calls(self, run_id: str | None = None) -> Iterable[LedgerCall]:
         return [c for c in self.calls if run_id in (None, c.run_id)]
 
 
-def call(log: AuditLog, key: str) -> None:
+def call(log: AuditLog, key: str, run: str = "r") -> None:
     log.record(
-        EventKind.TOOL_CALL, run_id="r", step=1, attributes={"tool": "list_files", "idempotency_key": key}
+        EventKind.TOOL_CALL, run_id=run, step=1, attributes={"tool": "list_files", "idempotency_key": key}
     )
 
 
@@ -61,6 +63,18 @@ def test_a_key_or_a_final_end_twice_is_a_duplicate_a_stop_or_a_marked_repeat_is_
     assert "the first is seq 1" in report.problems[0].detail
     assert verify(trail).ok  # without the ledger, the chain alone is intact
     assert verify(trail, run_id="other", ledger=Ledger("r:1:a")).problems_elsewhere == 0
+
+
+def test_calls_are_matched_within_their_run_whatever_their_keys_look_like() -> None:
+    """Keys of earlier versions (``run:step:call``) could be two runs' at once ("a:1" step 1 call
+    "x", "a" step 1 call "1:x"); today's are digests, with no run to read out of them."""
+    trail = MemoryStore()
+    with AuditLog(trail) as log:
+        call(log, "a:1:1:x", run="a:1")
+        call(log, "a:1:1:x", run="a")  # the other run's call, not a second event of the first
+        call(log, "0f" * 32, run="a")  # a call the ledger lacks
+    report = verify(trail, ledger=Ledger("a:1:1:x", runs=("a", "a:1")))
+    assert [(p.seq, p.kind.value, p.run_id) for p in report.problems] == [(3, "not_in_ledger", "a")]
 
 
 def test_audit_verify_shows_a_call_twice_in_the_trail(tmp_path: Path) -> None:

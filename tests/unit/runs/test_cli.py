@@ -18,7 +18,7 @@ from stockade.runtime import Retrier, RetryingBackend, RetryPolicy
 from stockade.sandbox.base import OpResult
 from stockade.sandbox.ops import Op, RunCommand
 from stockade.testing import FakeBackend, MemoryWorkspace, ScriptedModel, tool_call
-from stockade.tools import default_toolset, shell
+from stockade.tools import default_toolset, idempotency_key, shell
 from stockade.types import CommandResult
 
 runner = CliRunner()
@@ -79,7 +79,7 @@ def test_show_json_has_the_whole_trace(tmp_path: Path) -> None:
     db = recorded_run(tmp_path / "audit.db")
     trace = json.loads(runner.invoke(app, ["runs", "show", "run-abc123", "--db", db, "--json"]).output)
     write, command = (step["tool_calls"][0] for step in trace["steps"][:2])
-    assert write["idempotency_key"] == "run-abc123:1:call_0_0"
+    assert write["idempotency_key"] == idempotency_key("run-abc123", 1, 0, "call_0_0")
     assert command["exit_code"] == 3 and command["duration_s"] > 0
     assert command["retries"] == [
         {

@@ -40,7 +40,7 @@ from stockade.models.messages import AssistantMessage, ModelRequest, ModelRespon
 from stockade.models.scripted import FunctionModel, Turn
 from stockade.runs import RunRecorder, RunStore, open_run_store
 from stockade.testing import FakeBackend, MemoryWorkspace, ScriptedModel, tool_call
-from stockade.tools import ToolContext, default_toolset, tool
+from stockade.tools import ToolContext, Toolset, default_toolset, idempotency_key, tool
 
 
 class Crash(Exception):
@@ -194,12 +194,93 @@ def test_a_call_in_flight_runs_again_only_if_its_tool_is_idempotent(store: RunSt
             agent.run_sync(resume="r", sandbox=sbx)
         result = agent.run_sync(resume="r", sandbox=sbx)
     # notify: twice, with the same key; pay: once, never again
-    assert keys == [("notify", "r:1:call_0_0"), ("notify", "r:1:call_0_0"), ("pay", "r:2:call_1_0")]
+    notified, paid_key = idempotency_key("r", 1, 0, "call_0_0"), idempotency_key("r", 2, 0, "call_1_0")
+    assert keys == [("notify", notified), ("notify", notified), ("pay", paid_key)]
     assert result.ok
     (paid,) = result.steps[1].tool_calls
     assert paid.error_type == "OutcomeUnknown" and "not run again" in paid.observation
     assert [r.error_type for r in store.tool_calls("r")] == [None, "OutcomeUnknown"]
-    assert store.attempts("r") == {"r:1:call_0_0": 2, "r:2:call_1_0": 1}
+    assert store.attempts("r") == {notified: 2, paid_key: 1}
+
+
+def _payments(paid: list[str]) -> Toolset:
+    @tool
+    def pay(invoice: str) -> str:
+        """Pay.
+
+        Args:
+            invoice: which.
+        """
+        paid.append(invoice)
+        if invoice.startswith("dies"):
+            raise Died("the process dies after the payment went out")
+        return "paid"
+
+    return default_toolset().including(pay)
+
+
+def test_a_call_of_one_run_is_never_taken_for_another_runs_whatever_their_ids(store: RunStore) -> None:
+    """Run "a:1" step 1 call "x" and run "a" step 1 call "1:x" (the model picks call ids) once
+    shared a key; the call in flight was then recorded as the other run's, and run again."""
+    paid: list[str] = []
+    tools = _payments(paid)
+    with sandbox() as sbx:
+        Agent(
+            ScriptedModel([tool_call("pay", {"invoice": "1"}, id="x"), "done"]),
+            tools=tools,
+            checkpointer=store,
+        ).run_sync("t", sandbox=sbx, run_id="a:1")
+        agent = Agent(
+            ScriptedModel([tool_call("pay", {"invoice": "dies-2"}, id="1:x"), "done"]),
+            tools=tools,
+            checkpointer=store,
+        )
+        with pytest.raises(Died):
+            agent.run_sync("t", sandbox=sbx, run_id="a")
+        result = agent.run_sync(resume="a", sandbox=sbx)
+    assert paid == ["1", "dies-2"]  # not paid twice
+    assert result.ok and result.steps[0].tool_calls[0].error_type == "OutcomeUnknown"
+    assert store.attempts("a") == {idempotency_key("a", 1, 0, "1:x"): 1}
+    assert store.attempts("a:1") == {idempotency_key("a:1", 1, 0, "x"): 1}
+
+
+def test_two_calls_with_one_id_in_a_response_are_two_calls(store: RunStore) -> None:
+    """A model may give two calls the same id: each is run once, recorded once, resumed as itself."""
+    paid: list[str] = []
+    turns: list[Turn] = [
+        [tool_call("pay", {"invoice": "1"}, id="same"), tool_call("pay", {"invoice": "dies-2"}, id="same")],
+        "done",
+    ]
+    with sandbox() as sbx:
+        agent = Agent(ScriptedModel(turns), tools=_payments(paid), checkpointer=store)
+        with pytest.raises(Died):
+            agent.run_sync("t", sandbox=sbx, run_id="r")
+        result = agent.run_sync(resume="r", sandbox=sbx)
+    assert paid == ["1", "dies-2"]
+    first, second = result.steps[0].tool_calls
+    assert (first.observation, second.error_type) == ("paid", "OutcomeUnknown")
+    assert [r.idempotency_key for r in store.tool_calls("r")] == [
+        idempotency_key("r", 1, k, "same") for k in (0, 1)
+    ]
+
+
+def test_a_call_an_earlier_version_started_is_still_known_on_resume(store: RunStore) -> None:
+    """Its start was recorded under the key of then (``run:step:call``): not paid twice."""
+    paid: list[str] = []
+    turns: list[Turn] = [tool_call("pay", {"invoice": "1"}), "done"]
+    with sandbox() as sbx:
+        agent = Agent(
+            ScriptedModel(turns), tools=_payments(paid), checkpointer=store, observers=[crash_on("pay")]
+        )
+        with pytest.raises(Crash):  # before its start is recorded: the earlier version records it
+            agent.run_sync("t", sandbox=sbx, run_id="r")
+        state = store.load("r")
+        assert state is not None and state.current is not None
+        store.call_started("r", 1, state.current.response.tool_calls[0], "r:1:call_0_0", idempotent=False)
+        result = Agent(ScriptedModel(turns), tools=_payments(paid), checkpointer=store).run_sync(
+            resume="r", sandbox=sbx
+        )
+    assert paid == [] and result.steps[0].tool_calls[0].error_type == "OutcomeUnknown"
 
 
 def test_a_call_that_stopped_at_an_approval_runs_on_resume_not_outcome_unknown(store: RunStore) -> None:
@@ -227,10 +308,11 @@ def test_a_call_that_stopped_at_an_approval_runs_on_resume_not_outcome_unknown(s
         assert paused.status == RunStatus.PAUSED and deployed == []
         decided.append(True)  # a human approves
         result = agent.run_sync(resume="r", sandbox=sbx)
-    assert result.ok and deployed == ["r:1:call_0_0"]
+    key = idempotency_key("r", 1, 0, "call_0_0")
+    assert result.ok and deployed == [key]
     (call,) = result.steps[0].tool_calls
     assert call.error_type is None and call.observation == "deployed to prod"
-    assert store.attempts("r") == {"r:1:call_0_0": 1}  # the paused attempt is not counted as one
+    assert store.attempts("r") == {key: 1}  # the paused attempt is not counted as one
 
 
 def test_a_resume_in_a_fresh_sandbox_continues_from_the_last_workspace(store: RunStore) -> None:
@@ -376,8 +458,9 @@ def test_a_call_rejected_as_invalid_is_in_the_trail_once_after_a_kill_before_the
     with open_run_store(db) as store, sandbox() as sbx:
         crashing: list[Observer] = [AuditObserver(log), dies_after_the_rejection, RunRecorder(store)]
         with crash_then_resume(store, sbx, turns, log, crashing) as resumed:
-            assert _keys(trail, "r") == {"r:1:call_0_0": 1, "r:2:call_1_0": 1}
-            assert [c.idempotency_key for c in store.ledger_calls("r")] == ["r:1:call_0_0"]
+            written, rejected = idempotency_key("r", 1, 0, "call_0_0"), idempotency_key("r", 2, 0, "call_1_0")
+            assert _keys(trail, "r") == {written: 1, rejected: 1}
+            assert [c.idempotency_key for c in store.ledger_calls("r")] == [written]
         result = resumed.result
         assert result.ok and result.steps[1].tool_calls[0].error_type == "InvalidToolCall"
         report = verify(trail, run_id="r", ledger=store)

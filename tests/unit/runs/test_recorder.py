@@ -19,7 +19,7 @@ from stockade.runtime import Retrier, RetryingBackend, RetryPolicy
 from stockade.sandbox.base import OpResult, SandboxSpec
 from stockade.sandbox.ops import Op, ReadFile
 from stockade.testing import FakeBackend, FakeInstance, MemoryWorkspace, ScriptedModel, tool_call
-from stockade.tools import Tool, ToolContext, default_toolset, tool
+from stockade.tools import Tool, ToolContext, default_toolset, idempotency_key, tool
 
 
 class Crash(Exception):
@@ -70,7 +70,9 @@ async def test_a_call_that_returned_just_before_a_crash_is_not_run_again(store: 
     assert ran == ["a", "b"]  # "b" ran once: the ledger had it, the checkpoint did not
     assert result.status == RunStatus.SUCCESS
     assert [r.observation for r in result.steps[0].tool_calls] == ["did a", "did b"]
-    assert [r.idempotency_key for r in store.tool_calls("r")] == ["r:1:call_0_0", "r:1:call_0_1"]
+    assert [r.idempotency_key for r in store.tool_calls("r")] == [
+        idempotency_key("r", 1, k, f"call_0_{k}") for k in (0, 1)
+    ]
 
 
 async def test_a_checkpoint_alone_would_have_run_it_twice() -> None:

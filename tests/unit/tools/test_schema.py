@@ -8,7 +8,17 @@ from pydantic import BaseModel
 from stockade import Sandbox
 from stockade.exceptions import InvalidToolCall
 from stockade.testing import FakeBackend
-from stockade.tools import CallNext, Risk, Tool, ToolContext, Toolset, default_toolset, shell, tool
+from stockade.tools import (
+    CallNext,
+    Risk,
+    Tool,
+    ToolContext,
+    Toolset,
+    default_toolset,
+    idempotency_key,
+    shell,
+    tool,
+)
 
 
 @tool(idempotent=True, risk=Risk.LOW, timeout_s=5)
@@ -85,3 +95,18 @@ def test_the_default_toolset_is_narrow_and_shell_is_opt_in() -> None:
     assert "shell" in tools.including(shell)
     assert shell.risk == Risk.HIGH
     assert tools.filtered(lambda t: t.risk == Risk.LOW).names == ("read_file", "list_files", "git_diff")
+
+
+def test_an_idempotency_key_names_one_call_of_one_run() -> None:
+    """Any characters in run and call ids, and two calls of one response with one id."""
+    keys = {
+        idempotency_key("a:1", 1, 0, "x"),
+        idempotency_key("a", 1, 0, "1:x"),
+        idempotency_key("a", 1, 1, "1:x"),
+        idempotency_key("a", 11, 0, "x"),
+        idempotency_key("a:1", 1, 0, "x:"),
+    }
+    assert len(keys) == 5 and all(":" not in k for k in keys)  # never an earlier version's key
+    with Sandbox.create(backend=FakeBackend()) as sbx:
+        ctx = ToolContext(sandbox=sbx, run_id="a", step=1, call_id="x", call_index=2)
+        assert ctx.idempotency_key == idempotency_key("a", 1, 2, "x")
