@@ -37,7 +37,8 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── ModelUnavailable          [retryable] 5xx, overloaded, connection reset
     │   ├── ModelRateLimited          [retryable] 429; ``retry_after`` from Retry-After
     │   ├── ModelAuthError            401/403: the key is missing, wrong or not allowed
-    │   └── ModelRequestRejected      400/404/422: the request itself is wrong
+    │   ├── ModelRequestRejected      400/404/422: the request itself is wrong
+    │   └── ModelResponseInvalid      the answer cannot be counted (negative or non-numeric usage)
     ├── AuditError                    the audit trail could not do its job
     │   ├── AuditStoreError           [retryable] the audit store is unreachable or locked
     │   └── AuditIntegrityError       verify found the chain edited, cut or reordered
@@ -99,6 +100,7 @@ __all__ = [
     "ModelError",
     "ModelRateLimited",
     "ModelRequestRejected",
+    "ModelResponseInvalid",
     "ModelUnavailable",
     "PatchRejected",
     "PathEscapeError",
@@ -475,6 +477,12 @@ class ModelAuthError(ModelError):
 
 class ModelRequestRejected(ModelError):
     """The provider rejected the request as malformed (400, 404, 422): retrying cannot help."""
+
+
+class ModelResponseInvalid(ModelError):
+    """The provider's answer reports what it cost as no count can be (negative, non-numeric):
+    refused, not clamped, since budgets rest on it and a provider saying so is broken or
+    hostile; asking again would not make it honest."""
 
 
 class RunStopped(_Raised):

@@ -109,7 +109,7 @@ from stockade.exceptions import (
     SandboxCrashed,
     StockadeError,
 )
-from stockade.models.base import Model, resolve_model
+from stockade.models.base import Model, counted_usage, resolve_model
 from stockade.models.messages import (
     AssistantMessage,
     ModelRequest,
@@ -535,6 +535,8 @@ class AgentRun:
                     )
                 }
             )
+        # Never less than was spent: negative usage is refused, none reported is estimated.
+        response = response.model_copy(update={"usage": counted_usage(request, response)})
         self._emit(ModelResponded(run_id=state.run_id, step=step, response=response, duration_s=duration))
         state.usage = state.usage + response.usage
         state.cost_usd += cost_usd(response.model_name or agent.model.name, response.usage, agent.prices)

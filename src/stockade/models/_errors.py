@@ -3,7 +3,8 @@
 429 is rate limiting and 5xx (and Anthropic's 529 "overloaded") are transient, as are
 connection resets and timeouts; 400/404/422 mean the request is wrong and 401/403 the key
 is: retrying those cannot help. Retry-After (seconds or an HTTP date) and OpenAI's
-``retry-after-ms`` become ``retry_after``.
+``retry-after-ms`` become ``retry_after``. A response's reported usage is read here too
+(``reported_usage``): missing is counted by the estimate, anything but a count is refused.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from stockade.exceptions import (
     ModelError,
     ModelRateLimited,
     ModelRequestRejected,
+    ModelResponseInvalid,
     ModelUnavailable,
 )
+from stockade.models.messages import Usage
 
-__all__ = ["from_status", "parse_retry_after", "unavailable"]
+__all__ = ["from_status", "parse_retry_after", "reported_usage", "unavailable"]
 
 
 def parse_retry_after(headers: Mapping[str, str], now: float | None = None) -> float | None:
@@ -62,3 +65,19 @@ def from_status(provider: str, status: int, message: str, headers: Mapping[str, 
 
 def unavailable(provider: str, err: Exception) -> ModelError:
     return ModelUnavailable(f"cannot reach {provider}: {type(err).__name__}: {err}", provider=provider)
+
+
+def reported_usage(provider: str, input_tokens: object, output_tokens: object) -> Usage:
+    """The usage a provider reported: ``Usage()`` (none: ``counted_usage`` estimates it) when it
+    left either count out, else the counts, which must be whole numbers of at least 0."""
+    if input_tokens is None or output_tokens is None:
+        return Usage()
+    counts = (input_tokens, output_tokens)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts):
+        raise ModelResponseInvalid(
+            f"{provider} reported usage that is not a count of tokens "
+            f"(input {input_tokens!r}, output {output_tokens!r}): its answer is refused, "
+            "since budgets are counted from it",
+            provider=provider,
+        )
+    return Usage(input_tokens=int(str(input_tokens)), output_tokens=int(str(output_tokens)), requests=1)

@@ -19,15 +19,14 @@ except ModuleNotFoundError as err:  # pragma: no cover - exercised by the import
         "the Anthropic adapter needs the anthropic SDK: pip install 'stockade[anthropic]'"
     ) from err
 
-from stockade.models._errors import from_status, unavailable
-from stockade.models.base import Model, require_api_key
+from stockade.models._errors import from_status, reported_usage, unavailable
+from stockade.models.base import Model, counted_usage, require_api_key
 from stockade.models.messages import (
     AssistantMessage,
     ModelRequest,
     ModelResponse,
     ToolCall,
     ToolResultMessage,
-    Usage,
     UserMessage,
 )
 
@@ -88,15 +87,19 @@ class AnthropicModel(Model):
                     calls.append(
                         ToolCall(id=block.id, name=block.name, malformed="the input must be a JSON object")
                     )
-        return ModelResponse(
+        usage = getattr(message, "usage", None)  # a compatible server may leave it out
+        response = ModelResponse(
             text="".join(texts),
             tool_calls=tuple(calls),
-            usage=Usage(
-                input_tokens=message.usage.input_tokens, output_tokens=message.usage.output_tokens, requests=1
+            usage=reported_usage(
+                "anthropic",
+                getattr(usage, "input_tokens", None),
+                getattr(usage, "output_tokens", None),
             ),
             model_name=message.model or self.name,
             finish_reason=message.stop_reason or "",
         )
+        return response.model_copy(update={"usage": counted_usage(request, response, provider="anthropic")})
 
 
 # The wire format is validated by the SDK; its TypedDict unions add nothing here.

@@ -14,13 +14,22 @@ SDK only then.
 from __future__ import annotations
 
 import abc
+import json
 import os
 from dataclasses import dataclass
 
-from stockade.exceptions import ConfigurationError
-from stockade.models.messages import ModelRequest, ModelResponse
+from stockade.exceptions import ConfigurationError, ModelResponseInvalid
+from stockade.models.messages import ModelRequest, ModelResponse, Usage
 
-__all__ = ["PROVIDERS", "Model", "WrapperModel", "require_api_key", "resolve_model"]
+__all__ = [
+    "PROVIDERS",
+    "Model",
+    "WrapperModel",
+    "counted_usage",
+    "estimate_usage",
+    "require_api_key",
+    "resolve_model",
+]
 
 
 class Model(abc.ABC):
@@ -45,6 +54,31 @@ class WrapperModel(Model):
 
     async def request(self, request: ModelRequest) -> ModelResponse:
         return await self.wrapped.request(request)
+
+
+def estimate_usage(request: ModelRequest, response: ModelResponse) -> Usage:
+    """About four characters a token: enough for budgets and benchmarks to mean something."""
+    sent = len(request.system) + sum(len(m.model_dump_json()) for m in request.messages)
+    received = len(response.text) + sum(len(json.dumps(c.args)) + len(c.name) for c in response.tool_calls)
+    return Usage(input_tokens=sent // 4 + 1, output_tokens=received // 4 + 1, requests=1)
+
+
+def counted_usage(request: ModelRequest, response: ModelResponse, *, provider: str = "") -> Usage:
+    """What ``response`` is counted as against the budgets: its usage, or the estimate when it
+    reports none (``requests == 0``: a provider that omits usage is not free).
+
+    Negative counts are refused (``ModelResponseInvalid``, not retryable) rather than clamped: a
+    provider reporting them is broken or hostile, clamping one to 0 would still undercount, and
+    a run that stops says so where a quiet correction would not."""
+    usage = response.usage
+    if min(usage.input_tokens, usage.output_tokens, usage.requests) < 0:
+        raise ModelResponseInvalid(
+            f"{provider or response.model_name or 'the model'} reported negative usage "
+            f"(input_tokens={usage.input_tokens}, output_tokens={usage.output_tokens}, "
+            f"requests={usage.requests}): its answer is refused, since budgets are counted from it",
+            provider=provider,
+        )
+    return usage if usage.requests else estimate_usage(request, response)
 
 
 @dataclass(frozen=True, kw_only=True)

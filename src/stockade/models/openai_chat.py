@@ -21,15 +21,14 @@ except ModuleNotFoundError as err:  # pragma: no cover - exercised by the import
         "the OpenAI adapter needs the openai SDK: pip install 'stockade[openai]'"
     ) from err
 
-from stockade.models._errors import from_status, unavailable
-from stockade.models.base import Model, require_api_key
+from stockade.models._errors import from_status, reported_usage, unavailable
+from stockade.models.base import Model, counted_usage, require_api_key
 from stockade.models.messages import (
     AssistantMessage,
     ModelRequest,
     ModelResponse,
     ToolCall,
     ToolResultMessage,
-    Usage,
     UserMessage,
 )
 
@@ -89,17 +88,18 @@ class OpenAIModel(Model):
             if c.type == "function"
         )
         usage = completion.usage
-        return ModelResponse(
+        response = ModelResponse(
             text=choice.message.content or "",
             tool_calls=calls,
-            usage=Usage(
-                input_tokens=usage.prompt_tokens if usage else 0,
-                output_tokens=usage.completion_tokens if usage else 0,
-                requests=1,
+            usage=reported_usage(
+                "openai",
+                usage.prompt_tokens if usage else None,
+                usage.completion_tokens if usage else None,
             ),
             model_name=completion.model or self.name,
             finish_reason=choice.finish_reason or "",
         )
+        return response.model_copy(update={"usage": counted_usage(request, response, provider="openai")})
 
 
 def _tool_call(call_id: str, name: str, arguments: str) -> ToolCall:

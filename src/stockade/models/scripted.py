@@ -15,15 +15,14 @@ fresh ``ScriptedModel`` continues where it stopped.
 from __future__ import annotations
 
 import inspect
-import json
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 
 from pydantic import JsonValue, TypeAdapter
 
 from stockade.exceptions import ConfigurationError
-from stockade.models.base import Model
-from stockade.models.messages import AssistantMessage, ModelRequest, ModelResponse, ToolCall, Usage
+from stockade.models.base import Model, estimate_usage
+from stockade.models.messages import AssistantMessage, ModelRequest, ModelResponse, ToolCall
 
 __all__ = ["FunctionModel", "ScriptedModel", "Turn", "estimate_usage", "tool_call"]
 
@@ -32,13 +31,6 @@ Turn = str | ToolCall | Sequence[ToolCall] | ModelResponse
 
 def tool_call(name: str, args: Mapping[str, JsonValue] | None = None, *, id: str = "") -> ToolCall:
     return ToolCall(id=id, name=name, args=dict(args or {}))
-
-
-def estimate_usage(request: ModelRequest, response: ModelResponse) -> Usage:
-    """About four characters a token: enough for budgets and benchmarks to mean something."""
-    sent = len(request.system) + sum(len(m.model_dump_json()) for m in request.messages)
-    received = len(response.text) + sum(len(json.dumps(c.args)) + len(c.name) for c in response.tool_calls)
-    return Usage(input_tokens=sent // 4 + 1, output_tokens=received // 4 + 1, requests=1)
 
 
 def _as_response(turn: Turn, index: int) -> ModelResponse:

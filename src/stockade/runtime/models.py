@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from stockade.exceptions import ModelError
-from stockade.models.base import Model, WrapperModel
+from stockade.models.base import Model, WrapperModel, counted_usage
 from stockade.models.messages import ModelRequest, ModelResponse
 from stockade.models.pricing import DEFAULT_PRICES, Price, cost_usd
 from stockade.runtime.breaker import Breakers
@@ -101,6 +101,7 @@ class LimitedModel(WrapperModel):
                 interrupted=check_watched,
             )
         response = await self.wrapped.request(request)
+        response = response.model_copy(update={"usage": counted_usage(request, response)})
         dollars = cost_usd(response.model_name or self.name, response.usage, self.prices)
         if self.meter is not None:
             self.meter.charge(tokens=response.usage.total_tokens, dollars=dollars)

@@ -34,7 +34,7 @@ from stockade.exceptions import (
     SandboxCrashed,
     ToolTimeout,
 )
-from stockade.models import FunctionModel, ModelRequest, ModelResponse, ToolCall, Usage
+from stockade.models import FunctionModel, Model, ModelRequest, ModelResponse, ToolCall, Usage
 from stockade.sandbox.ops import RunCommand
 from stockade.testing import FakeBackend, MemoryWorkspace, ScriptedModel, tool_call
 from stockade.tools import ToolContext, Toolset, default_toolset, shell, tool
@@ -166,6 +166,27 @@ def test_the_token_budget_ends_the_run(sbx: Sandbox) -> None:
     result = Agent(FunctionModel(chatty), limits=RunLimits(max_tokens=1000)).run_sync("go", sandbox=sbx)
     assert result.status == RunStatus.BUDGET and result.usage.total_tokens == 1220
     assert result.error == "the run used its tokens (1000)"
+
+
+def test_usage_a_model_reports_negative_is_refused_and_none_is_estimated(sbx: Sandbox) -> None:
+    """Budgets are counted from reported usage: a negative count would cancel what was spent."""
+
+    def refunds(request: ModelRequest) -> ModelResponse:
+        usage = Usage(input_tokens=-30_000_000, output_tokens=5_000_000, requests=1)
+        return ModelResponse(tool_calls=(tool_call("list_files"),), usage=usage)
+
+    result = Agent(FunctionModel(refunds), limits=RunLimits(max_tokens=1000)).run_sync("go", sandbox=sbx)
+    assert result.status == RunStatus.ERROR and not result.steps
+    assert (result.error or "").startswith("ModelResponseInvalid: ") and "negative usage" in (
+        result.error or ""
+    )
+
+    class Silent(Model):  # a provider that leaves usage out (requests=0: none reported)
+        async def request(self, request: ModelRequest) -> ModelResponse:
+            return ModelResponse(text="done")
+
+    result = Agent(Silent()).run_sync("go", sandbox=sbx)
+    assert result.ok and result.usage.requests == 1 and result.usage.input_tokens > 0
 
 
 def test_wall_time_is_measured_with_an_injectable_clock(sbx: Sandbox) -> None:

@@ -71,7 +71,8 @@ def test_every_error_is_a_problem_with_a_status_that_says_who_acts(cls: type[exc
     elif problem.status >= 500:  # not to be retried: broken for good, or a base class nobody raises
         assert cls in (exc.StockadeError, exc.AuditError, exc.SandboxError, exc.ServiceError,
                        exc.RunStoreCorrupt, exc.AuditIntegrityError, exc.SandboxCrashed, exc.ProtocolError,
-                       exc.ModelError, exc.ModelAuthError, exc.ModelRequestRejected, exc.WorkspaceFull,
+                       exc.ModelError, exc.ModelAuthError, exc.ModelRequestRejected, exc.ModelResponseInvalid,
+                       exc.WorkspaceFull,
                        exc.ImageNotFound, exc.SnapshotError), cls  # fmt: skip
     assert "secret output" not in problem.content().decode()  # a crash's output stays on the server
     described = problems.describe(problems.slug(cls.__name__))
