@@ -416,6 +416,7 @@ class AgentRun:
         self.sandbox = sandbox
         self.bookkeeping = bookkeeping if bookkeeping is not None else sandbox
         self.result: RunResult | None = None
+        self._node_started = 0.0  # the clock when the running node started (its time is not in elapsed_s yet)
 
     # -- driving ------------------------------------------------------------------------
 
@@ -464,7 +465,7 @@ class AgentRun:
             raise ConfigurationError("the run has ended")
         if self.state.next == NodeKind.END:
             return await self._end()
-        started = self.agent.clock()
+        started = self._node_started = self.agent.clock()
         node: Node | None = None
         try:
             if self.state.next == NodeKind.MODEL_REQUEST:
@@ -483,11 +484,14 @@ class AgentRun:
 
     # -- nodes --------------------------------------------------------------------------
 
-    def _over_budget(self) -> tuple[RunStatus, str] | None:
+    def _over_budget(self, *, running: bool = False) -> tuple[RunStatus, str] | None:
+        """The budget the run has used up, if any; ``running``: within a node, whose time so far
+        counts (steps do not: they count model requests, checked before each)."""
         limits, state = self.agent.limits, self.state
-        if len(state.steps) >= limits.max_steps:
+        if not running and len(state.steps) >= limits.max_steps:
             return RunStatus.MAX_STEPS, f"the run reached max_steps={limits.max_steps}"
-        if state.elapsed_s >= limits.max_wall_s:
+        elapsed = state.elapsed_s + (self.agent.clock() - self._node_started if running else 0.0)
+        if elapsed >= limits.max_wall_s:
             return RunStatus.BUDGET, f"the run used its wall time ({limits.max_wall_s:g} s)"
         if state.usage.total_tokens >= limits.max_tokens:
             return RunStatus.BUDGET, f"the run used its tokens ({limits.max_tokens})"
@@ -618,6 +622,14 @@ class AgentRun:
         # Calls run in order, so those with a record are a prefix (resumed mid-step: they ran);
         # by position, not by id: a model may give two calls one id.
         for index in range(len(current.tool_calls), len(calls)):
+            # One response may ask for many calls: none starts once a budget is used up.
+            over = self._over_budget(running=True)
+            if over is not None:
+                left = len(calls) - index
+                self._finish(
+                    over[0], error=f"{over[1]}; {left} tool call(s) of step {current.index} not started"
+                )
+                break
             call = calls[index]
             record = await self._call_one(current.index, index, call)
             state.messages.append(

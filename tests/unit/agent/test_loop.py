@@ -165,7 +165,8 @@ def test_the_token_budget_ends_the_run(sbx: Sandbox) -> None:
 
     result = Agent(FunctionModel(chatty), limits=RunLimits(max_tokens=1000)).run_sync("go", sandbox=sbx)
     assert result.status == RunStatus.BUDGET and result.usage.total_tokens == 1220
-    assert result.error == "the run used its tokens (1000)"
+    # the response that used them up asked for a call: it does not start
+    assert result.error == "the run used its tokens (1000); 1 tool call(s) of step 2 not started"
 
 
 def test_usage_a_model_reports_negative_is_refused_and_none_is_estimated(sbx: Sandbox) -> None:
@@ -199,6 +200,37 @@ def test_wall_time_is_measured_with_an_injectable_clock(sbx: Sandbox) -> None:
     model = ScriptedModel([tool_call("list_files")] * 10)
     result = Agent(model, clock=clock, limits=RunLimits(max_wall_s=250)).run_sync("go", sandbox=sbx)
     assert result.status == RunStatus.BUDGET and result.error == "the run used its wall time (250 s)"
+
+
+def test_no_tool_call_starts_once_the_wall_time_is_used_up(sbx: Sandbox) -> None:
+    """One response may ask for many calls: the budget is checked before each, not only
+    before the next model request."""
+    now = [0.0]
+    ran: list[int] = []
+
+    @tool
+    def work(n: int) -> str:
+        """Work for 100 s.
+
+        Args:
+            n: which piece.
+        """
+        now[0] += 100.0
+        ran.append(n)
+        return "done"
+
+    calls = [tool_call("work", {"n": n}, id=f"c{n}") for n in range(5)]
+    agent = Agent(
+        ScriptedModel([calls, "done"]),
+        tools=Toolset([work]),
+        clock=lambda: now[0],
+        limits=RunLimits(max_wall_s=250),
+    )
+    result = agent.run_sync("go", sandbox=sbx)
+    assert ran == [0, 1, 2]  # 300 s used when the fourth would start
+    assert result.status == RunStatus.BUDGET and result.state.elapsed_s == 300.0
+    assert result.error == "the run used its wall time (250 s); 2 tool call(s) of step 1 not started"
+    assert [r.call.id for r in result.steps[0].tool_calls] == ["c0", "c1", "c2"]
 
 
 def test_dollar_costs_come_from_the_price_table(sbx: Sandbox) -> None:
