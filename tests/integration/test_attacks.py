@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from stockade import Limits, ProtocolError, Sandbox, StockadeError
+from stockade import Limits, ProtocolError, Sandbox, SandboxCrashed, StockadeError
 
 # A module planted in the workspace: if the supervisor ever imports it, every later
 # files.read (the next pool user's included) answers with the attacker's bytes.
@@ -299,3 +299,71 @@ def test_the_interpreter_keeps_its_reports_within_what_the_host_accepts(sbx: San
     )
     assert wide.error is None and len(wide.results[0].data) <= 64
     assert "more MIME types dropped" in str(wide.results[0].text)
+
+
+# Code that answers for the supervisor: it waits for the host's next command to start, then
+# writes an output frame and an exit frame for every id it may have into each descriptor of
+# the supervisor (and its zygote) that it can open for writing: its pipe to the host where
+# /proc lets it (gVisor's, which ignores the non-dumpable flag).
+IMPERSONATE = r"""
+import os, struct, json, threading
+def frames():
+    out = b""
+    for rid in range(1, 80):
+        for header, body in (({"id": rid, "ev": "out", "fd": 1}, b"FORGED\n"),
+                             ({"id": rid, "ev": "exit", "exit_code": 0, "signal": None}, b"")):
+            raw = json.dumps(header).encode()
+            out += struct.pack(">II", len(raw), len(body)) + raw + body
+    return out
+def ends():
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            if b"\x00-B\x00-c\x00" not in open(f"/proc/{pid}/cmdline", "rb").read():
+                continue  # not the supervisor, its zygote or an interpreter (python3 -S -E -s -B -c)
+            names = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for n in names:
+            try:
+                found.append(os.open(f"/proc/{pid}/fd/{n}", os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+    return found
+def wait_then_forge():
+    seen = set(os.listdir("/proc"))
+    while True:
+        now = set(os.listdir("/proc"))
+        for pid in now - seen:
+            try:
+                if b"genuine" in open(f"/proc/{pid}/cmdline", "rb").read():
+                    data = frames()
+                    for fd in ends():
+                        try:
+                            os.write(fd, data)
+                        except OSError:
+                            pass
+                    return
+            except OSError:
+                pass
+        seen = now
+threading.Thread(target=wait_then_forge, daemon=True).start()
+"""
+
+
+def test_code_never_answers_the_host_for_the_supervisor(tier: str) -> None:
+    """On gVisor code opened the supervisor's pipe to the host through /proc/1/fd (its /proc
+    ignores the non-dumpable flag) and answered the host's next command: the host took
+    `FORGED` for its output. Every frame there is sealed now: a forged one ends the sandbox;
+    elsewhere /proc keeps code out, and the answer is the command's own."""
+    with Sandbox.create(tier, limits=Limits(memory_mb=256, timeout_s=30, pids=64)) as sbx:
+        sbx.run_code(IMPERSONATE)
+        try:
+            result = sbx.commands.run("sleep 2; echo genuine-output")
+        except SandboxCrashed as err:
+            assert "something in the sandbox wrote to the supervisor's channel" in str(err), err
+            assert tier == "gvisor", err  # only where code could reach the channel at all
+            return
+        assert result.stdout == "genuine-output\n" and result.exit_code == 0, result

@@ -28,6 +28,7 @@ from stockade.sandbox.supervisor.protocol import (
     PREFIX,
     FrameError,
     FrameReader,
+    Seal,
     encode,
     over_cap,
 )
@@ -121,8 +122,28 @@ class Channel:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self.error: str | None = None
+        self._seal: Seal | None = None  # what we send is sealed (protocol.Seal), once set
         self._thread = threading.Thread(target=self._read_loop, name=f"stockade-{name}", daemon=True)
         self._thread.start()
+
+    def seal(self, key: bytes, *, sent: int = 0, received: int = 0, send_key: bool = True) -> None:
+        """From here on, every frame both ways carries its seal under ``key`` (protocol.Seal).
+        ``send_key``: the supervisor is waiting for it (right after its ``ready``); a sandbox
+        restored from memory has it already, with the counts the snapshot kept."""
+        with self._send_lock:
+            # the reader first: whatever the supervisor sends once it has the key is sealed
+            self._reader.seal = Seal(key, b"S", received)
+            if send_key:
+                self._stream.send(key)
+            self._seal = Seal(key, b"H", sent)
+
+    def seal_state(self) -> tuple[bytes, int, int] | None:
+        """The key and how many frames each way were sealed (sent, received), or None where
+        frames are not: what a memory snapshot keeps for the supervisor it restores."""
+        reader = self._reader.seal
+        if self._seal is None or reader is None:
+            return None
+        return bytes(self._seal.key), self._seal.count, reader.count
 
     @property
     def open(self) -> bool:
@@ -148,8 +169,8 @@ class Channel:
                 raise SandboxCrashed(f"sandbox is gone: {self.error}")
             self._calls[rid] = q
         try:
-            with self._send_lock:
-                self._stream.send(frame)
+            with self._send_lock:  # tags are counted in the order frames are written
+                self._stream.send(frame + self._seal.tag(frame) if self._seal is not None else frame)
         except OSError as exc:
             self._fail(f"cannot write to the supervisor: {exc}")
             raise SandboxCrashed(f"sandbox is gone: {self.error}") from None
@@ -174,6 +195,8 @@ class Channel:
                     if q is not None:
                         q.put((header, body))
         except FrameError as exc:
+            if self._reader.seal is not None and "seal" in str(exc):
+                exc = FrameError(f"{exc}: something in the sandbox wrote to the supervisor's channel")
             self._fail(f"protocol violation: {exc}")
         except OSError as exc:
             self._fail(f"connection lost: {exc}")

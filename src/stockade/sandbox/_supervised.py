@@ -69,6 +69,7 @@ from stockade.sandbox.supervisor.protocol import (
     MAX_BUNDLE_ENTRIES,
     MAX_RESULT_COUNT,
     MAX_RESULT_ENTRIES,
+    Seal,
 )
 from stockade.types import (
     CommandResult,
@@ -167,6 +168,8 @@ class SupervisedInstance(Instance):
             raise exc.SandboxStartError(f"sandbox failed to start: {err}") from None
         if header.get("ev") != "ready":
             raise exc.SandboxStartError(f"unexpected first reply: {header!r}")
+        if config.get("seal"):  # code can reach the supervisor's pipes here: frames are sealed
+            self.channel.seal(secrets.token_bytes(Seal.SIZE))
         if self.spec.snapshot is not None:
             self.seed(self.spec.snapshot)
         if rules is not None:
@@ -338,8 +341,14 @@ class SupervisedInstance(Instance):
             self._check_open()
             memory = op.memory is not False and why is None
             if memory:
+                sealed = self.channel.seal_state()  # nothing in flight: the supervisor's counts
                 blobs, tier_state = self.save_memory(op.store, stop=isinstance(op, Pause))
                 tier_state = {**tier_state, "enforcement": enforcement_state(self.enforcement)}
+                if sealed is not None:
+                    # The restored supervisor seals with this key and these counts (its memory
+                    # is this one's); the store is the host's alone (0700).
+                    key, sent, received = sealed
+                    tier_state["seal"] = {"key": key.hex(), "sent": sent, "received": received}
             else:
                 blobs, tier_state = self.save_files(op.store), {}
             snapshot = op.store.save(
@@ -542,10 +551,13 @@ def _tear_down(channel: Channel, boundary: Boundary) -> None:
 
 
 def supervisor_config(
-    spec: SandboxSpec, rlimits: dict[str, int] | None = None, egress: EgressHandle | None = None
-) -> dict[str, Any]:
+    spec: SandboxSpec, rlimits: dict[str, int] | None = None, egress: EgressHandle | None = None,
+    *, seal: bool = False,
+) -> dict[str, Any]:  # fmt: skip
     """The ``init`` frame every tier sends: the environment, caps and default timeout; with
-    ``egress`` (a ``stockade.egress.Attachment``), the proxy's variables and the relay."""
+    ``egress`` (a ``stockade.egress.Attachment``), the proxy's variables and the relay.
+    ``seal``: code in the sandbox can open the supervisor's pipes (gVisor's ``/proc``), so
+    every frame after ``ready`` is sealed (``protocol.Seal``)."""
     env = {
         "PATH": "/usr/local/bin:/usr/bin:/bin",
         "HOME": "/tmp",
@@ -571,6 +583,8 @@ def supervisor_config(
     }
     if egress is not None:
         config["egress"] = dict(egress.relay)
+    if seal:
+        config["seal"] = True
     if spec.rules is not None and spec.rules.judges_paths:
         config["links"] = False  # files calls are judged by the path they name: no link followed
     return config

@@ -379,7 +379,8 @@ class RunscBackend(Backend):
 
         def config() -> dict[str, Any]:
             rlimits = _guest.own_kernel_limits(spec, self.platform).rlimits
-            return supervisor_config(spec, rlimits, instance.egress)
+            # gVisor's /proc lets code open our pipes, whatever our dumpable flag: sealed
+            return supervisor_config(spec, rlimits, instance.egress, seal=True)
 
         instance.start(config, START_TIMEOUT_S, rules, log=lambda: _head(instance.bundle / "runsc.log"))
         return instance
@@ -421,6 +422,12 @@ class RunscBackend(Backend):
                 files={area: store.check_object(manifest.blobs[area]) for area in _gvisor_memory.AREAS},
                 docker=docker,
             )
+            sealed = state.get("seal")
+            if isinstance(sealed, dict):  # the restored supervisor seals as the saved one did
+                instance.channel.seal(
+                    bytes.fromhex(str(sealed["key"])), sent=int(sealed["sent"]),
+                    received=int(sealed["received"]), send_key=False,
+                )  # fmt: skip
             try:
                 instance.reseed()
             except exc.StockadeError as err:

@@ -103,9 +103,47 @@ def over_cap(raw: bytes, cap: int) -> bool:
     return len(raw) > cap or (len(raw) * 4 > cap and text_bytes(raw) > cap)
 
 
-def encode(header: "dict[str, Any]", body: bytes = b"") -> bytes:
+class Seal:
+    """Frames authenticated one way (``direction``), for a peer that shares ``key``.
+
+    Where code in the sandbox can reach the supervisor's end of the channel (gVisor's
+    ``/proc/<pid>/fd`` ignores the non-dumpable flag that keeps it out on Linux: code opened
+    the supervisor's pipes and wrote frames of its own to the host), each frame carries a
+    tag: HMAC-SHA256 under a key of 32 random bytes, over the direction, the frame's number
+    in it, and the SHA-256 of the frame. A frame that code wrote, replayed, dropped or
+    reordered fails the check, and the host ends the sandbox. The key lives where code cannot
+    read it: the host's memory, and in the sandbox a mapping of the supervisor that forks
+    leave out (``MADV_DONTFORK``: no zygote, interpreter or shim has it) which the
+    supervisor's memory, unreadable to code, holds; it is read from the pipe into that
+    mapping and only ever handed to the C halves of hmac, so no copy of it is left in a
+    Python heap that a fork would carry."""
+
+    SIZE = 32
+
+    def __init__(self, key: "Any", direction: bytes, count: int = 0) -> None:
+        self.key = key  # bytes on the host; a view of the mapping in the sandbox
+        self.direction = direction
+        self.count = count
+
+    def tag(self, frame: "Any") -> bytes:
+        import hashlib
+        import hmac
+
+        digest = hashlib.sha256(frame).digest()
+        tag = hmac.digest(self.key, self.direction + self.count.to_bytes(8, "big") + digest, "sha256")
+        self.count += 1
+        return tag
+
+    def check(self, frame: "Any", tag: bytes) -> bool:
+        import hmac
+
+        return hmac.compare_digest(self.tag(frame), tag)
+
+
+def encode(header: "dict[str, Any]", body: bytes = b"", seal: "Optional[Seal]" = None) -> bytes:
     head = dumps(header).encode()
-    return PREFIX.pack(len(head), len(body)) + head + body
+    frame = PREFIX.pack(len(head), len(body)) + head + body
+    return frame + seal.tag(frame) if seal is not None else frame
 
 
 class FrameReader:
@@ -120,6 +158,7 @@ class FrameReader:
         self._max_body = max_body
         # The host parses headers with its own bounds on their structure; it may raise ValueError.
         self._parse_header = parse_header
+        self.seal: "Optional[Seal]" = None  # set: every frame from here on carries its tag
 
     def feed(self, data: bytes) -> None:
         self._buf += data
@@ -137,9 +176,12 @@ class FrameReader:
             if hlen > MAX_HEADER or blen > self._max_body:
                 raise FrameError(f"frame too large (header {hlen}, body {blen})")
             end = PREFIX.size + hlen + blen
-            if len(self._buf) < end:
+            sealed = end + (Seal.SIZE if self.seal is not None else 0)
+            if len(self._buf) < sealed:
                 break
             with memoryview(self._buf) as view:  # one copy of a large body, not two
+                if self.seal is not None and not self.seal.check(view[:end], bytes(view[end:sealed])):
+                    raise FrameError("a frame its peer did not send (its seal does not match)")
                 raw = bytes(view[PREFIX.size : PREFIX.size + hlen])
                 body = bytes(view[PREFIX.size + hlen : end])
             try:
@@ -148,6 +190,6 @@ class FrameReader:
                 raise FrameError(f"bad frame header: {exc}") from None
             if not isinstance(header, dict):
                 raise FrameError("frame header is not an object")
-            del self._buf[:end]
+            del self._buf[:sealed]
             out.append((header, body))
         return out

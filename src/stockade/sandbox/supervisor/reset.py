@@ -35,6 +35,7 @@ HANDOVER_FD = 3
 LISTENER_FD = 4  # the exec judge's listener, across the same exec
 SHIM_FD = 5  # the compiled shim's memfd (an allowlist forbids making another)
 KEY_FD = 6  # a pipe holding the exec key of the listener's filter (judge.c)
+SEAL_FD = 7  # a pipe holding the channel's key (protocol.Seal)
 # How long a reset waits for the warm interpreter it promised (then answers all the same).
 WARM_START_S = 10.0
 
@@ -118,17 +119,25 @@ def exec_fresh(sup: "Supervisor", rid: int, warm: bool, rest: bytes) -> None:
             state["carried"]["key"] = KEY_FD
     if sup.shim >= 0:
         state["carried"]["shim"] = SHIM_FD
+    sealed = -1
+    if sup.seal is not None and sup.seal_key is not None:
+        # The key through a pipe (written from its mapping: no copy of it in our heap), and
+        # where each direction's count is.
+        sealed, write_end = os.pipe()
+        _write_all(write_end, sup.seal_key)
+        os.close(write_end)
+        state["carried"]["seal"] = [sup.seal.count, sup.reader.seal.count if sup.reader.seal else 0]
     handover = _unnamed_file()
     _write_all(handover, encode(state, rest))
     os.lseek(handover, 0, os.SEEK_SET)
     # Every fd to its place without one overwriting another: all out of the way first, in
     # copies that close at the exec (dup2's targets do not): the fresh supervisor keeps only
     # its places, or each reset would leave two behind.
-    carried = (handover, listener, sup.shim, key)
+    carried = (handover, listener, sup.shim, key, sealed)
     moved = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 16) if fd >= 0 else -1 for fd in carried]
     os.dup2(sup.rfd, 0)
     os.dup2(sup.wfd, 1)
-    for fd, place in zip(moved, (HANDOVER_FD, LISTENER_FD, SHIM_FD, KEY_FD)):
+    for fd, place in zip(moved, (HANDOVER_FD, LISTENER_FD, SHIM_FD, KEY_FD, SEAL_FD)):
         if fd >= 0:
             os.dup2(fd, place)
     here = os.path.dirname(os.path.abspath(__file__))
@@ -166,6 +175,10 @@ def resume(sup: "Supervisor", reader: "FrameReader") -> None:
     hlen, blen = PREFIX.unpack(prefix)
     state = loads(read_exactly(HANDOVER_FD, hlen).decode())
     sup.configure(state["config"], state["carried"])
+    sealed = state["carried"].get("seal")
+    if sealed is not None:  # into a mapping forks leave out, and its pipe closed, before a fork
+        sup.take_seal(SEAL_FD, reader, sent=int(sealed[0]), received=int(sealed[1]))
+        os.close(SEAL_FD)
     sup.start_judge()
     sup.start_zygote()
     rest = read_exactly(HANDOVER_FD, blen)

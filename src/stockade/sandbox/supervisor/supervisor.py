@@ -63,7 +63,7 @@ import files
 import jobs
 import runcode
 from fileops import PathRefused, Workspace, _os_error, read_exactly
-from protocol import PREFIX, FrameReader, dumps, encode
+from protocol import PREFIX, FrameReader, Seal, dumps, encode
 from reaper import (
     IGNORED_SIGNALS,
     PR_SET_CHILD_SUBREAPER,
@@ -156,6 +156,10 @@ class Supervisor:
         self.confine: "Optional[Any]" = None
         self.shim = -1  # the compiled shim's memfd (reaper.load_shim): how commands start
         self.egress: "Optional[Any]" = None  # the relay to the egress proxy (supervisor/egress.py)
+        # Where code can reach our pipes (gVisor), what we send is sealed (protocol.Seal), and
+        # so is what we read (``reader.seal``); the key's mapping, kept for a reset's exec.
+        self.seal: "Optional[Seal]" = None
+        self.seal_key: "Optional[memoryview]" = None
         # Restored from a memory snapshot: the interpreter's next run first draws new seeds
         # (every sandbox restored from one snapshot would otherwise share its generators).
         self.reseed = False
@@ -167,7 +171,7 @@ class Supervisor:
     # -- plumbing ------------------------------------------------------------------------
 
     def send(self, header: dict[str, Any], body: bytes = b"") -> None:
-        data = encode(header, body)
+        data = encode(header, body, self.seal)
         view = memoryview(data)
         while view:
             try:
@@ -238,6 +242,24 @@ class Supervisor:
         self.rules.start()
         if self.rules.events >= 0:  # the listener, or the compiled judge's forwards
             self.sel.register(self.rules.events, EVENT_READ, ("exec", None))
+
+    def take_seal(self, fd: int, reader: FrameReader, sent: int = 0, received: int = 0) -> None:
+        """The channel's key: 32 bytes read from ``fd`` straight into a mapping forks leave
+        out, never into a Python object (protocol.Seal); from here on every frame is sealed."""
+        import mmap
+
+        area = mmap.mmap(-1, mmap.PAGESIZE)
+        area.madvise(mmap.MADV_DONTFORK)
+        key = memoryview(area)[: Seal.SIZE]
+        got = 0
+        while got < Seal.SIZE:
+            n = os.readv(fd, [key[got:]])
+            if n == 0:
+                raise SystemExit(0)  # the host is gone
+            got += n
+        self.seal_key = key
+        self.seal = Seal(key, b"S", sent)
+        reader.seal = Seal(key, b"H", received)
 
     def start_zygote(self) -> None:
         """Fork the zygote: right after the configuration, before any request is read."""
@@ -319,8 +341,15 @@ class Supervisor:
             if header.get("op") == "reset":
                 import reset  # here, not at the top: a sandbox's start needs none of it
 
-                # Requests behind the reset are for the fresh supervisor it execs.
-                rest = b"".join(encode(h, b) for h, b in frames[i + 1 :]) + self.reader.take_pending()
+                # Requests behind the reset are for the fresh supervisor it execs (or read
+                # again by us): sealed again as they came, their count taken back to match.
+                seal = self.reader.seal
+                again = None
+                if seal is not None:
+                    seal.count -= len(frames) - i - 1
+                    again = Seal(seal.key, seal.direction, seal.count)
+                behind = b"".join(encode(h, b, again) for h, b in frames[i + 1 :])
+                rest = behind + self.reader.take_pending()
                 reset.run(self, rid, header, rest)
                 self.handle(self.reader.frames())  # not reached when the reset exec'd
                 return
@@ -553,6 +582,8 @@ def main() -> None:
     sup.start_judge()
     sup.start_zygote()  # after answering (off the create's path), before reading any request
     sup.reader = reader
+    if sup.config.get("seal"):  # the host sends the key right after our ready
+        sup.take_seal(rfd, reader)
     sup.serve()
 
 
