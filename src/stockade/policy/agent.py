@@ -30,7 +30,7 @@ from stockade.models.base import Model, WrapperModel
 from stockade.models.messages import ModelRequest, ModelResponse, ToolCall
 from stockade.policy.approval import Approvals
 from stockade.policy.engine import Decision, PolicyEngine, strictest
-from stockade.policy.guards import GuardedInstance, OpContext, enforce, op_policy_guard
+from stockade.policy.guards import GuardedInstance, OpContext, enforce, op_policy_guard, shown
 from stockade.runtime.anomaly import AnomalyMonitor
 from stockade.runtime.events import PromptFlagged
 from stockade.sandbox.facade import Sandbox
@@ -82,7 +82,7 @@ def policy_guard(
         action = f"{call.name}({', '.join(f'{k}={v!r}' for k, v in call.args.items())})"
         op_ctx = OpContext(run_id=ctx.run_id, role=engine.role_name, tool=call.name)
         decision = _call_decision(engine, call, ctx.tool.risk.value if ctx.tool.name == call.name else None)
-        enforce(decision, op_ctx, action[:500], approvals, monitor)
+        enforce(decision, op_ctx, shown(action), approvals, monitor)
         return call
 
     return guard

@@ -7,6 +7,7 @@ denied command never reaches the sandbox whatever layer above forgot to check.
 
 from __future__ import annotations
 
+import hashlib
 import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ __all__ = [
     "enforce",
     "op_policy_guard",
     "pipeline",
+    "shown",
 ]
 
 
@@ -62,13 +64,32 @@ def pipeline(guards: Sequence[OpGuard]) -> OpGuard:
     return run
 
 
+# What an approver is shown of an action at most; a longer one is cut in the middle, and says so.
+SHOWN_CHARS = 4000
+
+
+def shown(action: str, limit: int = SHOWN_CHARS) -> str:
+    """``action`` as a human approving it sees it: whole, or its head and tail around a note of
+    what is cut and the SHA-256 of the whole. An approval's id is made from this text, so it
+    stands for the whole action: cut to its first 500 characters, `git push origin main; echo
+    AAAA...; git push --force origin HEAD:prod` was asked as its harmless head, and the same
+    head with another tail was then let through under that approval."""
+    if len(action) <= limit:
+        return action
+    digest = hashlib.sha256(action.encode("utf-8", "surrogatepass")).hexdigest()
+    head, tail = action[: limit * 2 // 3], action[-(limit // 3) :]
+    cut = len(action) - len(head) - len(tail)
+    return f"{head} [... {cut:,} characters not shown; the whole is sha256 {digest} ...] {tail}"
+
+
 def describe(op: Op[Any]) -> str:
     """The op in words, for humans approving it and for the model reading a denial."""
     match op:
         case RunCommand():
-            return f"run `{shlex.join(as_inline(op))}`"
+            return shown(f"run `{shlex.join(as_inline(op))}`")
         case RunCode():
-            return f"run Python code ({len(op.code)} chars)"
+            # the code itself: by its length alone, any code of that length shared an approval
+            return shown(f"run Python code ({len(op.code)} chars):\n{op.code}")
     path = getattr(op, "path", "")
     return f"{type(op).__name__} {path!r}"
 

@@ -121,6 +121,11 @@ class CircuitBreaker:
 
     def success(self) -> None:
         with self._lock:
+            self._maybe_half_open()
+            if self._state is BreakerState.OPEN:
+                # A call that started before it opened (a slow one, or one in flight when the
+                # anomaly monitor tripped it): the cool-down stands, only a trial closes it.
+                return
             self._trial_running = False
             self._failures = 0
             self._move(BreakerState.CLOSED, "call succeeded")

@@ -25,7 +25,9 @@ import importlib
 import json
 import os
 import re
+import shutil
 import socket
+import stat
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -199,12 +201,24 @@ class FileKillSource:
 
     def reason(self, run_id: str) -> str | None:
         target = self.directory / _checked(run_id)
+        # Something other than a file there (a folder, a FIFO, a link) kills too: an error
+        # reading a folder was swallowed, so whoever planted one made the run unkillable, and
+        # reading a FIFO blocked the watcher. Opened without waiting, and read bounded.
+        flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            text = target.read_text(errors="replace").strip()
-            age = time.time() - target.stat().st_mtime
+            fd = os.open(target, flags)
         except FileNotFoundError:
             return None
-        if age > self.ttl_s:  # pulled long ago for a run that never came to see it
+        except OSError:
+            return f"killed (the kill switch's entry {target} is not a file)"
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return f"killed (the kill switch's entry {target} is not a file)"
+            text = os.read(fd, 4096).decode("utf-8", "replace").strip()
+        finally:
+            os.close(fd)
+        if time.time() - st.st_mtime > self.ttl_s:  # pulled long ago for a run that never came
             target.unlink(missing_ok=True)
             return None
         return text or "killed"
@@ -212,6 +226,8 @@ class FileKillSource:
     def kill(self, run_id: str, reason: str) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         target = self.directory / _checked(run_id)
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)  # a folder planted there: the file replaces it
         tmp = target.with_name(f".{target.name}.tmp")
         tmp.write_text(reason or "killed")
         tmp.replace(target)  # atomic: a watcher never reads half a reason

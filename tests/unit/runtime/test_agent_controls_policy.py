@@ -292,3 +292,43 @@ def test_runs_show_shows_every_denied_exec_and_no_terminal_control_from_the_sand
     assert "7 more execs, past what a report keeps" in shown.output  # the audit trail counted them
     execs = [e.attributes for e in trail(tmp_path, "x9", "exec")]
     assert [e["count"] for e in execs if e.get("verdict") == "omitted"] == [7]
+
+
+def test_an_approval_is_for_the_whole_call_and_its_approver_is_told_what_is_cut(tmp_path: Path) -> None:
+    """The call was asked as its first 500 characters, and its id made from them: the same
+    head with `; git push --force origin HEAD:prod` after it ran under that one approval,
+    never shown to the approver, who refused anything with "prod" in it."""
+    asked: list[ApprovalRequest] = []
+
+    def approver(request: ApprovalRequest) -> Choice:
+        asked.append(request)
+        return Choice.DENIED if "prod" in request.action else Choice.APPROVED
+
+    head = "git push origin main; echo " + "A" * 5000
+    model = ScriptedModel(
+        [
+            tool_call("shell", {"command": head}),
+            tool_call("shell", {"command": head + "; git push --force origin HEAD:prod"}),
+            "pushed",
+        ]
+    )
+    config = setup(tmp_path, model, '[commands]\napprove = ["git push"]\n', approver=approver)
+    with build_agent(config) as agent:
+        result = agent.run_sync("push", run_id="long")
+    assert len(asked) == 2 and asked[0].id != asked[1].id
+    assert "characters not shown; the whole is sha256" in asked[1].action
+    assert asked[1].action.endswith("git push --force origin HEAD:prod')")
+    ran = [op.argv[-1] for op in ops(config, RunCommand)]  # type: ignore[attr-defined]
+    assert ran == [head], [r[-40:] for r in ran]
+    assert result.steps[1].tool_calls[0].denied
+
+
+def test_code_is_approved_by_what_it_is_not_by_its_length(tmp_path: Path) -> None:
+    from stockade.policy.guards import describe
+
+    one, other = describe(RunCode(code="print(1)")), describe(RunCode(code="rm('/')"))
+    assert "print(1)" in one and "rm('/')" in other
+    assert (
+        ApprovalRequest(run_id="r", action=one, rule="x", reason="").id
+        != ApprovalRequest(run_id="r", action=other, rule="x", reason="").id
+    )

@@ -69,6 +69,25 @@ def test_half_opens_after_the_cool_down_and_one_trial_decides(clock: ManualClock
     assert state(breaker) is BreakerState.CLOSED
 
 
+def test_a_call_that_started_before_it_opened_does_not_close_it(clock: ManualClock) -> None:
+    """A slow call went through while it was closed; two failures opened it meanwhile (or the
+    anomaly monitor tripped it): that call's success closed it at once, skipping the cool-down."""
+    breaker = CircuitBreaker("t", BreakerConfig(threshold=2, cooldown_s=60), clock=clock)
+
+    def slow() -> str:
+        fail(breaker, 2)  # what other calls did while this one ran
+        assert state(breaker) is BreakerState.OPEN
+        return "done late"
+
+    assert breaker.call(slow) == "done late"
+    assert state(breaker) is BreakerState.OPEN
+    breaker.trip("anomaly")
+    breaker.success()
+    assert state(breaker) is BreakerState.OPEN
+    clock.advance(60)
+    assert breaker.call(lambda: "trial") == "trial" and state(breaker) is BreakerState.CLOSED
+
+
 def test_half_open_lets_only_one_trial_through_at_a_time(clock: ManualClock) -> None:
     breaker = CircuitBreaker("t", BreakerConfig(threshold=1, cooldown_s=1), clock=clock)
     fail(breaker, 1)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -21,6 +22,26 @@ def test_a_kill_file_stops_the_run_between_steps(tmp_path: Path) -> None:
     with pytest.raises(exc.RunKilled) as killed:
         switch.check()
     assert killed.value.status == "killed" and killed.value.reason == "operator said so"
+
+
+@pytest.mark.parametrize("plant", ["folder", "fifo", "link"])
+def test_anything_but_a_file_in_the_switchs_place_kills_and_kill_still_works(
+    tmp_path: Path, plant: str
+) -> None:
+    """A folder planted as `<kill dir>/run-1` made reading it fail, which the watcher took for
+    an unreachable source: the run could not be killed there (and a FIFO blocked the read)."""
+    target = tmp_path / "run-1"
+    if plant == "folder":
+        (target / "x").mkdir(parents=True)
+    elif plant == "fifo":
+        os.mkfifo(target)
+    else:
+        target.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(exc.RunKilled, match="not a file"):
+        KillSwitch("run-1", [FileKillSource(tmp_path)]).check()
+    if plant == "folder":
+        FileKillSource(tmp_path).kill("run-1", "operator said so")
+        assert FileKillSource(tmp_path).reason("run-1") == "operator said so"
 
 
 def test_another_run_is_not_affected(tmp_path: Path) -> None:
