@@ -800,6 +800,11 @@ class AgentSession:
         return run.result
 
     async def run(self, task: str) -> RunResult:
+        store, kept = self.approvals.store, self.owner.checkpointer
+        if isinstance(store, ApprovalStore) and (kept is None or kept.load(self.run_id) is None):
+            # A new run under an id used before (one its run store has is refused instead): it
+            # starts with no decision; the last one's approvals let the same calls run unasked.
+            store.forget(self.run_id)
         return await self._drive(task, None)
 
     def interrupt(self, reason: str = "interrupted") -> None:

@@ -15,6 +15,7 @@ import enum
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -113,6 +114,12 @@ class ApprovalStore:
         except FileNotFoundError:
             return None
         return Choice(status) if status in (Choice.APPROVED, Choice.DENIED) else None
+
+    def forget(self, run_id: str) -> None:
+        """Every request and decision of ``run_id`` (a new run under that id starts afresh)."""
+        folder = self._file(run_id, "x").parent
+        if folder.is_dir() and not folder.is_symlink():
+            shutil.rmtree(folder)
 
     def pending(self, run_id: str | None = None) -> list[dict[str, str]]:
         runs = [self.directory / run_id] if run_id else sorted(self.directory.glob("*"))

@@ -332,3 +332,31 @@ def test_code_is_approved_by_what_it_is_not_by_its_length(tmp_path: Path) -> Non
         ApprovalRequest(run_id="r", action=one, rule="x", reason="").id
         != ApprovalRequest(run_id="r", action=other, rule="x", reason="").id
     )
+
+
+def test_a_new_run_under_a_used_id_inherits_none_of_its_approvals(tmp_path: Path) -> None:
+    """On Monday a human approved a force-push for run "nightly"; on Tuesday a new task ran
+    under the same id, and the push ran unasked (the decision was read from the approvals
+    folder)."""
+    from stockade.policy.approval import ApprovalStore
+
+    push = tool_call("shell", {"command": "git push --force origin main"})
+    approve = '[commands]\napprove = ["git push"]\n'
+    monday = setup(tmp_path, ScriptedModel([push, "pushed"]), approve, record_runs=False)  # no run store
+    with build_agent(monday) as agent, agent.session(run_id="nightly") as session:
+        assert session.run_sync("push").status == RunStatus.PAUSED
+        (request,) = ApprovalStore(tmp_path / "approvals").pending("nightly")
+        ApprovalStore(tmp_path / "approvals").decide("nightly", request["id"], Choice.APPROVED, by="alice")
+        assert session.resume_sync().status == RunStatus.SUCCESS
+
+    asked: list[ApprovalRequest] = []
+
+    def refuse(request: ApprovalRequest) -> Choice:
+        asked.append(request)
+        return Choice.DENIED
+
+    tuesday = setup(tmp_path, ScriptedModel([push, "pushed"]), approve, approver=refuse)
+    with build_agent(tuesday) as agent:
+        result = agent.run_sync("push again", run_id="nightly")
+    assert len(asked) == 1 and result.steps[0].tool_calls[0].denied
+    assert ops(tuesday, RunCommand) == []
