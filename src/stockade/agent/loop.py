@@ -645,7 +645,7 @@ class AgentRun:
             if state.next == NodeKind.END:
                 break
             if index + 1 < len(calls):
-                self._checkpoint()  # the node's own checkpoint follows the last call
+                self._checkpoint(mid_node=True)  # the node's own checkpoint follows the last call
         state.steps.append(current)
         state.current = None
         self._emit(StepFinished(run_id=state.run_id, step=current))
@@ -892,7 +892,10 @@ class AgentRun:
     def _durable(self) -> DurableCheckpointer | None:
         return self.agent._durable
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, *, mid_node: bool = False) -> None:
+        """``mid_node``: between the calls of a response; the time the node has taken so far is
+        counted in what is kept (added to ``elapsed_s`` only when the node ends, it was lost
+        with a process killed in it, and repeated kills ran past ``max_wall_s``)."""
         if self.agent.checkpointer is None:
             return
         if self.state.status.finished and self.result is None:
@@ -901,7 +904,11 @@ class AgentRun:
             # them, and a run that ended is never resumed: its trail never reconciled. The last
             # checkpoint stays "running"; ``_end`` writes the one that says it ended.
             return
-        self.agent.checkpointer.save(self.state)
+        state = self.state
+        if mid_node:
+            spent = state.elapsed_s + self.agent.clock() - self._node_started
+            state = state.model_copy(update={"elapsed_s": spent})
+        self.agent.checkpointer.save(state)
 
 
 def _exit_code(value: object) -> int | None:

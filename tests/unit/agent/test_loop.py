@@ -20,6 +20,7 @@ from stockade.agent import (
     RunFinished,
     RunLimits,
     RunStarted,
+    RunState,
     RunStatus,
     StepFinished,
     ToolCalled,
@@ -231,6 +232,38 @@ def test_no_tool_call_starts_once_the_wall_time_is_used_up(sbx: Sandbox) -> None
     assert result.status == RunStatus.BUDGET and result.state.elapsed_s == 300.0
     assert result.error == "the run used its wall time (250 s); 2 tool call(s) of step 1 not started"
     assert [r.call.id for r in result.steps[0].tool_calls] == ["c0", "c1", "c2"]
+
+
+def test_what_is_kept_between_the_calls_of_a_response_counts_their_time(sbx: Sandbox) -> None:
+    """The node's time was added to elapsed_s only when it ended: a process killed between two
+    calls of one response lost it, and a run killed and resumed again and again ran past
+    max_wall_s. What is kept after each call counts the time so far."""
+    from stockade.agent import MemoryCheckpointer
+
+    now = [0.0]
+    kept: list[float] = []
+
+    class Watching(MemoryCheckpointer):
+        def save(self, state: RunState) -> None:
+            kept.append(state.elapsed_s)
+            super().save(state)
+
+    @tool
+    def work(n: int) -> str:
+        """Work for 100 s.
+
+        Args:
+            n: which piece.
+        """
+        now[0] += 100.0
+        return "done"
+
+    calls = [tool_call("work", {"n": n}, id=f"c{n}") for n in range(3)]
+    agent = Agent(ScriptedModel([calls, "done"]), tools=Toolset([work]), clock=lambda: now[0],
+                  checkpointer=Watching())  # fmt: skip
+    result = agent.run_sync("go", sandbox=sbx, run_id="kept")
+    assert kept[:5] == [0.0, 0.0, 100.0, 200.0, 300.0]  # start, answer, calls 1 and 2, the node
+    assert result.state.elapsed_s == 300.0  # counted once: the node's end adds it as before
 
 
 def test_dollar_costs_come_from_the_price_table(sbx: Sandbox) -> None:
