@@ -12,6 +12,7 @@ from pathlib import Path
 
 from stockade.agent import RunState, RunStatus
 from stockade.runs import open_run_store
+from stockade.tools import idempotency_key
 from tests.conftest import require_tier
 from tests.integration.run_stores import StoreTarget, run_store_target  # noqa: F401 - a fixture
 
@@ -53,6 +54,10 @@ def test_a_killed_run_resumes_without_repeating_its_side_effect(
 
     with open_run_store(run_store_target.url, namespace=run_store_target.namespace) as store:
         keys = [r.idempotency_key for r in store.tool_calls("run-kill-9")]
-        assert keys == ["run-kill-9:1:call_0_0", "run-kill-9:2:call_1_0"]
+        expected = [
+            idempotency_key("run-kill-9", 1, 0, "call_0_0"),
+            idempotency_key("run-kill-9", 2, 0, "call_1_0"),
+        ]
+        assert keys == expected
         summary = store.summary("run-kill-9")
         assert summary is not None and (summary.status, summary.steps) == (RunStatus.SUCCESS, 3)
