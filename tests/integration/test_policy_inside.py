@@ -443,6 +443,21 @@ def test_an_exec_waits_for_the_hosts_approver_and_runs_when_it_says_yes(tier: st
         assert [e.verdict for e in r.execs if e.argv[0] == "rm"] == ["approve", "refuse"]
 
 
+def test_an_approval_of_a_long_argv_is_asked_for_all_of_it(tier: str) -> None:
+    """The approver was shown an exec's first 64 words: two execs alike in those and unlike
+    after were the same request (one id, one decision). The 64th word now names the rest."""
+    approver = YesTo("never")
+    sbx = _rules_or_refusal(tier, SandboxRules(approve=("rm -r",)), approver=approver)
+    if sbx is None:
+        return
+    with sbx:
+        head = " ".join(f"f{n}" for n in range(70))
+        sbx.commands.run(f"rm -r {head} keep; rm -r {head} prod")
+        first, second = approver.asked
+        assert len(first) == len(second) == 64 and first[:63] == second[:63]
+        assert first[-1] != second[-1] and "10 more words; the whole argv is sha256" in first[-1]
+
+
 WRITE_ROUTES = {
     "shell redirect": "echo x > README",
     "python": 'python3 -c \'open("README", "w").write("x")\'',

@@ -24,6 +24,23 @@ if TYPE_CHECKING:
     from typing import Any, Dict, List, Optional, Set, Tuple
 
 
+def shown_argv(argv: "list[str]") -> "list[str]":
+    """What a record and an approval carry of ``argv``: all of it up to MAX_EXEC_ARGV words,
+    else its head and a last word naming how many more there are and the SHA-256 of the whole.
+    An approval asked with the first 64 words only was the same request (the same id, so the
+    same decision) as another exec with those words and any others after them."""
+    if len(argv) <= MAX_EXEC_ARGV:
+        return list(argv)
+    import hashlib
+
+    whole = "\0".join(argv).encode("utf-8", "surrogateescape")
+    more = len(argv) - MAX_EXEC_ARGV + 1
+    return [
+        *argv[: MAX_EXEC_ARGV - 1],
+        f"[... {more} more words; the whole argv is sha256 {hashlib.sha256(whole).hexdigest()}]",
+    ]
+
+
 class ExecJudge:
     """What the command rules say of an exec, by every name the program goes by, and the
     round trip of one notification (read, judge, answer, record)."""
@@ -107,9 +124,10 @@ class ExecJudge:
         if verdict == "allow":
             confine.answer(listener, nid, True)
             self._remember(key, verdict)
+            # as the compiled judge records an exec it lets run (its first words: M in its config)
             record(job, {"path": path, "argv": argv[:MAX_EXEC_ARGV], "verdict": verdict, "rule": ""})
             return
-        done = {"path": path, "argv": argv[:MAX_EXEC_ARGV], "verdict": verdict, "rule": rule or ""}
+        done = {"path": path, "argv": shown_argv(argv), "verdict": verdict, "rule": rule or ""}
         if verdict == "approve":
             if not self.approver or job is None:
                 done["verdict"] = "refuse"
