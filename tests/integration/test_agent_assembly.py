@@ -144,12 +144,21 @@ def test_what_the_policy_keeps_out_is_not_in_the_repositorys_history_either(tmp_
     env = {"GIT_CONFIG_GLOBAL": "/dev/null", "GIT_CONFIG_NOSYSTEM": "1", "HOME": str(tmp_path),
            "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@x",
            "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@x"}  # fmt: skip
-    for argv in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "all"]):
-        subprocess.run([git, *argv], cwd=root, env=env, check=True)
+    nested = root / "vendor" / "lib"  # a repository of its own inside: its history too
+    nested.mkdir(parents=True)
+    (nested / "secret.pem").write_text("TOPSECRET-PEM\n")
+    (nested / "lib.py").write_text("x = 1\n")
+    for repo in (nested, root):
+        for argv in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "all"]):
+            subprocess.run([git, *argv], cwd=repo, env=env, check=True, capture_output=True)
+    (nested / "secret.pem").unlink()  # only in its history now
     model = ScriptedModel(
         [
             tool_call("git_diff", {}),
-            tool_call("shell", {"command": "git show HEAD:secrets/key; git log -p | head -50; ls -a"}),
+            tool_call(
+                "shell",
+                {"command": "git show HEAD:secrets/key; git -C vendor/lib show HEAD:secret.pem; ls -a"},
+            ),
             tool_call(
                 "run_code", {"code": "import os; print(sorted(os.listdir('.')))", "language": "python"}
             ),
@@ -182,7 +191,7 @@ def test_the_runs_diff_hands_back_no_file_the_policy_keeps_out(tmp_path: Path, w
         result = agent.run_sync("write", workspace=workspace, run_id="handback")
     assert "+++ b/ok.py" in result.diff, result.diff
     assert "b/.env" not in result.diff and "b/secrets" not in result.diff
-    assert result.diff.endswith("policy does not let the run write: '.env', 'secrets/x'\n")
+    assert result.diff.endswith("holds control characters): '.env', 'secrets/x'\n")
 
 
 def test_a_tier_weaker_than_trust_allows_fails_before_anything_runs(tmp_path: Path) -> None:

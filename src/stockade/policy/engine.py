@@ -294,7 +294,7 @@ class PolicyEngine:
             # A repository's history holds every file it ever had, the ones kept out included
             # (`git show HEAD:secrets/key`): the history stays out with them. The run's diff is
             # then against its start (the baseline), as for a folder that is no repository.
-            hidden += [".git", ".git/**"]
+            hidden += [".git", ".git/**", "**/.git", "**/.git/**"]  # a nested repository's too
         return SandboxRules(
             deny=tuple(dict.fromkeys(deny)),
             approve=tuple(dict.fromkeys(approve)),

@@ -114,7 +114,10 @@ def workspace_diff(sandbox: Sandbox, keep: Callable[[str], bool] | None = None) 
         old, new = before.get(path), after.get(path)
         if old == new:
             continue
-        if keep is not None and not keep(path):
+        if (keep is not None and not keep(path)) or not path.isprintable():
+            # A name with a newline in it wrote headers of its own into the diff: a whole patch
+            # of README, or a Makefile, that `git apply` on the host took (git quotes such
+            # names; a patch tool reading ours would not). Named below, escaped, instead.
             left_out.append(path)
             continue
         if (old or "").startswith("\x00") or (new or "").startswith("\x00"):
@@ -132,5 +135,6 @@ def workspace_diff(sandbox: Sandbox, keep: Callable[[str], bool] | None = None) 
             chunks.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
     if left_out:
         shown = ", ".join(repr(p) for p in left_out[:20]) + (" ..." if len(left_out) > 20 else "")
-        chunks.append(f"Left out, changed where the policy does not let the run write: {shown}\n")
+        why = "the policy does not let the run write there, or the name holds control characters"
+        chunks.append(f"Left out ({why}): {shown}\n")
     return "".join(chunks)

@@ -312,3 +312,21 @@ def test_the_snapshot_reads_only_plain_workspace_paths() -> None:
 
     assert snapshot(Sandbox.create(backend=FakeBackend(handler))) == {"a.txt": "a\n"}
     assert read == ["a.txt"]
+
+
+def test_a_name_with_control_characters_never_writes_headers_into_the_diff() -> None:
+    """A file named `src/x\\n--- /dev/null\\n+++ b/Makefile\\n@@ ...` made the diff carry a patch
+    of its own (a Makefile, or README changed) that `git apply` on the host applied cleanly."""
+    from stockade.tools.workspace_diff import workspace_diff
+
+    sbx = make_sandbox()
+    record_baseline(sbx)
+    forged = "src/x\n--- /dev/null\n+++ b/Makefile\n@@ -0,0 +1 @@\n+all:\n--- /dev/null\n+++ b/src/zz"
+    sbx.files.write(forged, "y\n")
+    sbx.files.write("src/ok.py", "print(1)\n")
+    sbx.files.write("src/tab\there.py", "z\n")
+    diff = workspace_diff(sbx)
+    assert "Makefile\n" not in diff and "+++ b/src/ok.py" in diff
+    headers = [line for line in diff.splitlines() if line.startswith(("---", "+++", "@@", "diff"))]
+    assert headers == ["--- /dev/null", "+++ b/src/ok.py", "@@ -0,0 +1 @@"], headers
+    assert diff.endswith(f"holds control characters): 'src/tab\\there.py', {forged!r}\n")  # sorted
