@@ -107,7 +107,29 @@ def _stats() -> "Iterator[tuple[int, int, int, bool]]":
         finally:
             os.close(fd)
         fields = data[data.rindex(b")") + 2 :].split()
-        yield pid, int(fields[1]), int(fields[2]), fields[0] not in (b"Z", b"X")
+        yield pid, int(fields[1]), int(fields[2]), fields[0] not in (b"Z", b"X") or _threads_live(pid)
+
+
+def _threads_live(pid: int) -> bool:
+    """Whether a process whose leader is a zombie still has threads that run: a leader that
+    ended with ``SYS_exit`` alone (not ``exit_group``) leaves its other threads going, and its
+    stat says Z. Taken for dead, such a process outlived every kill, a reset included, and
+    read the next user's files and environment. Linux lists the live threads under its
+    ``task`` (a true zombie: itself alone); gVisor lists none there but counts them in its
+    status's ``Threads`` (a true zombie: 1)."""
+    try:
+        if len(os.listdir(f"/proc/{pid}/task")) > 1:
+            return True
+    except OSError:
+        pass
+    try:
+        with open(f"/proc/{pid}/status", "rb") as fh:
+            for line in fh.read(8192).splitlines():
+                if line.startswith(b"Threads:"):
+                    return int(line.split()[1]) > 1
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
 
 
 def own_children() -> "Optional[set[int]]":

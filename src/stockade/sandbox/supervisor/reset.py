@@ -159,12 +159,14 @@ def _as_first_seen(folder: str, mode: int) -> None:
 def _unnamed_file() -> int:
     """A file with no name, to hand state over an exec (not a memfd: an allowlist forbids
     those to everything, us included)."""
+    # Closed at the exec (its copy at HANDOVER_FD is not, and is closed once read): left open
+    # in the fresh supervisor, code could open it through gVisor's /proc and read it.
     for folder in ("/dev/shm", "/tmp"):
         try:
-            return os.open(folder, os.O_TMPFILE | os.O_RDWR, 0o600)
+            return os.open(folder, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
         except OSError:
             continue
-    return os.memfd_create("stockade-reset", 0)
+    return os.memfd_create("stockade-reset", os.MFD_CLOEXEC)
 
 
 def resume(sup: "Supervisor", reader: "FrameReader") -> None:

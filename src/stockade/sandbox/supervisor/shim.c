@@ -205,6 +205,39 @@ static int numbers_in(const char *folder, int *out, int cap) {
     return count;
 }
 
+/* Whether a process whose leader is a zombie ("/proc/PID" in path[0..base)) still has threads
+ * that run: a leader that ended with SYS_exit alone leaves them going, and its stat says Z
+ * (taken for dead, such a process outlived every kill). Linux lists them under its task
+ * folder (a true zombie: itself alone); gVisor lists none there but counts them in its
+ * status's Threads (a true zombie: 1). */
+static int threads_live(char *path, u64 base) {
+    u64 n = base;
+    for (const char *t = "/task"; *t;) path[n++] = *t++;
+    path[n] = 0;
+    int tasks[2];
+    if (numbers_in(path, tasks, 2) >= 2) return 1;
+    n = base;
+    for (const char *t = "/status"; *t;) path[n++] = *t++;
+    path[n] = 0;
+    i64 fd = sc(SYS_openat, AT_FDCWD, (i64)path, O_RDONLY | O_CLOEXEC, 0);
+    if (fd < 0) return 0;
+    static char status[4096];
+    i64 len = sc(SYS_read, fd, (i64)status, sizeof status - 1, 0);
+    sc(SYS_close, fd, 0, 0, 0);
+    if (len <= 0) return 0;
+    status[len] = 0;
+    for (i64 i = 0; i + 9 < len; i++) {
+        if ((i == 0 || status[i - 1] == '\n') && status[i] == 'T' && status[i + 1] == 'h' &&
+            status[i + 2] == 'r' && status[i + 3] == 'e' && status[i + 4] == 'a' && status[i + 5] == 'd' &&
+            status[i + 6] == 's' && status[i + 7] == ':') {
+            const char *at = status + i + 8, *end;
+            while (*at == ' ' || *at == '\t') at++;
+            return number(at, &end) > 1;
+        }
+    }
+    return 0;
+}
+
 /* One pass over /proc: SIGKILL every live descendant of ours; how many were signalled.
  * A parent mostly comes before its children in pid order; one that does not is found by
  * the next pass (its parent, killed, leaves it to us, the subreaper). */
@@ -217,6 +250,7 @@ static i64 kill_descendants(i64 self) {
         u64 n = 6;
         for (i64 v = found[i], div = 1000000000; div; div /= 10)
             if (v >= div || n > 6 || div == 1) path[n++] = (char)('0' + v / div % 10);
+        u64 base = n; /* "/proc/PID" */
         const char *tail = "/stat";
         while (*tail) path[n++] = *tail++;
         path[n] = 0;
@@ -232,7 +266,7 @@ static i64 kill_descendants(i64 self) {
             if (stat[j] == ')') close_paren = j;
         if (close_paren < 0 || close_paren + 4 >= len) continue;
         char state = stat[close_paren + 2];
-        if (state == 'Z' || state == 'X') continue; /* dead, waiting to be reaped */
+        if ((state == 'Z' || state == 'X') && !threads_live(path, base)) continue; /* dead */
         const char *end;
         pids[count] = found[i];
         parents[count] = (int)number(stat + close_paren + 4, &end);
