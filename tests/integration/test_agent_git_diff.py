@@ -21,21 +21,26 @@ def _git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout
 
 
-async def _git_diff(sbx: Sandbox) -> str:
-    return str(await git_diff.invoke(ToolContext(sandbox=sbx), git_diff.validate({})))
-
-
-async def test_in_a_git_repository_git_diff_compares_with_head(tmp_path: Path) -> None:
+def _committed(tmp_path: Path, files: dict[str, str]) -> Path:
+    """A repository of ``files``, committed (on a host with git and the process tier)."""
     require_tier("process")
     require("git", shutil.which("git") is not None, "git is not installed on this host")
     repo = tmp_path / "repo"
     repo.mkdir()
     _git(repo, "init", "-q")
-    (repo / "app.py").write_text("x = 1\n")
-    (repo / "old.txt").write_text("before the run\n")
-    (repo / ".gitignore").write_text("*.log\n")
+    for name, text in files.items():
+        (repo / name).write_text(text)
     _git(repo, "add", ".")
     _git(repo, "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-qm", "init")
+    return repo
+
+
+async def _git_diff(sbx: Sandbox) -> str:
+    return str(await git_diff.invoke(ToolContext(sandbox=sbx), git_diff.validate({})))
+
+
+async def test_in_a_git_repository_git_diff_compares_with_head(tmp_path: Path) -> None:
+    repo = _committed(tmp_path, {"app.py": "x = 1\n", "old.txt": "before the run\n", ".gitignore": "*.log\n"})
     (repo / "old.txt").write_text("changed before the run\n")  # HEAD sees this; a baseline would not
     with Sandbox.create(tier="process", workspace=repo) as sbx:
         record_baseline(sbx)
@@ -67,14 +72,7 @@ async def test_git_diff_runs_no_diff_driver_the_code_planted(tmp_path: Path) -> 
     $HOME/.gitconfig (HOME is /tmp) and named it in .gitattributes; git_diff ran it at
     every call (it could forge the diff, and ran as a read under a policy that asks a human
     before writes)."""
-    require_tier("process")
-    require("git", shutil.which("git") is not None, "git is not installed on this host")
-    repo = tmp_path / "repo"
-    repo.mkdir()
-    _git(repo, "init", "-q")
-    (repo / "app.py").write_text("x = 1\n")
-    _git(repo, "add", ".")
-    _git(repo, "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-qm", "init")
+    repo = _committed(tmp_path, {"app.py": "x = 1\n"})
     with Sandbox.create(tier="process", workspace=repo) as sbx:
         planted = sbx.commands.run(
             'printf \'[diff "pwn"]\\n\\ttextconv = sh -c "touch /workspace/ran; echo FORGED"\\n'
