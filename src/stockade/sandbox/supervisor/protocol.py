@@ -112,11 +112,10 @@ class Seal:
     tag: HMAC-SHA256 under a key of 32 random bytes, over the direction, the frame's number
     in it, and the SHA-256 of the frame. A frame that code wrote, replayed, dropped or
     reordered fails the check, and the host ends the sandbox. The key lives where code cannot
-    read it: the host's memory, and in the sandbox a mapping of the supervisor that forks
-    leave out (``MADV_DONTFORK``: no zygote, interpreter or shim has it) which the
-    supervisor's memory, unreadable to code, holds; it is read from the pipe into that
-    mapping and only ever handed to the C halves of hmac, so no copy of it is left in a
-    Python heap that a fork would carry."""
+    read it: in the host's memory, and in the supervisor's (unreadable to code there too) in
+    a mapping that forks leave out (``MADV_DONTFORK``: no zygote, interpreter or shim has
+    it), read from the pipe straight into that mapping and only ever handed to the C halves
+    of hmac, so that no copy of it lies in a Python heap a fork would carry."""
 
     SIZE = 32
 
