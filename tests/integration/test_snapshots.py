@@ -180,20 +180,24 @@ def test_forks_of_one_memory_snapshot_are_distinct(tier: str, store: SnapshotSto
     them, one at a time (0.9-2.7 s each under load); then the image modified is refused."""
     require_tier(tier)
     with Sandbox.create(tier, limits=LIMITS) as sbx:
-        sbx.run_code("import os, random, tempfile, time, uuid")
+        # OpenSSL's generators, drawn from before the snapshot: they live in the interpreter's
+        # memory and drew the same bytes in every copy (as TLS's secrets would)
+        sbx.run_code("import os, random, ssl, tempfile, time, uuid; ssl.RAND_bytes(8)")
         snap = sbx.snapshot(store=store)
     assert snap.kind is SnapshotKind.MEMORY
     probe = (
         "(os.urandom(16).hex(), random.random(), tempfile.mktemp(), uuid.uuid4().hex,"
         " open('/proc/sys/kernel/random/boot_id').read(), round(time.time()))"
     )
-    seen = []
+    seen, openssl = [], []
     for _ in range(MEMORY_FORKS):  # one at a time: what each draws is its own, whenever it runs
         with Sandbox.create(snapshot=snap, store=store) as fork:
             assert fork.run_code("x = 1").error is None
             seen.append(fork.run_code(probe).text)
             seen.append(fork.commands.run("head -c 16 /dev/urandom | od -An -tx1; mktemp").stdout)
+            openssl.append(fork.run_code("ssl.RAND_bytes(8).hex()").text)
     assert len(set(seen)) == len(seen) == 2 * MEMORY_FORKS
+    assert len(set(openssl)) == MEMORY_FORKS, openssl
     # a byte of the memory image changed (in place: its size and mtime may stay, its change
     # time cannot): refused before anything runs
     image = store.object_path(store.load(snap).blobs["memory"])

@@ -276,6 +276,20 @@ def reseed() -> None:
             numpy_random.seed()
         except Exception:
             pass
+    # OpenSSL keeps its generators in our memory too, and reseeds them only when the pid
+    # changes or after long: copies of one snapshot drew the same `ssl.RAND_bytes` (and so
+    # would TLS's secrets). Fresh bytes added to it reseed them; so for the copy of OpenSSL a
+    # `cryptography` wheel brings with it, where it is loaded.
+    ssl = sys.modules.get("ssl")
+    if ssl is not None:
+        ssl.RAND_add(os.urandom(48), 48.0)
+    binding = sys.modules.get("cryptography.hazmat.bindings.openssl.binding")
+    if binding is not None:
+        try:
+            seed = os.urandom(48)
+            binding.Binding().lib.RAND_add(seed, len(seed), float(len(seed)))
+        except Exception:
+            pass
 
 
 def _forget_supervisor_modules() -> None:
