@@ -205,6 +205,72 @@ def test_a_reset_that_execs_leaves_no_file_of_its_handover_open(tier: str) -> No
         assert unnamed == [], links  # a memfd, or an O_TMPFILE file in /dev/shm or /tmp
 
 
+# Processes that hop to a new pid every few microseconds, in a few bytes of machine code:
+#   again: mov edi, CLONE_VM|SIGCHLD; (the other arguments 0); mov eax, SYS_clone; syscall
+#          test eax, eax; jz again           (the child hops on)
+#          every 64th parent: creat("/tmp/hopper-alive", 0644); then exit_group(0)
+HOPPERS = r"""
+import ctypes, mmap, os
+code = bytes.fromhex(
+    "bf1101000031f631d24531d24531c0b8380000000f0585c074e6ff0528000000f7051e0000003f000000"
+    "7513488d3d19000000bea4010000b8550000000f05b8e700000031ff0f05000000002f746d702f686f70"
+    "7065722d616c69766500"
+)
+page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+page.write(code)
+hop = ctypes.CFUNCTYPE(None)(ctypes.addressof(ctypes.c_char.from_buffer(page)))
+for _ in range(20):
+    if os.fork() == 0:
+        os.setsid()
+        hop()
+"""
+ALIVE = "rm -f /tmp/hopper-alive; sleep 1; ls /tmp"
+
+
+def test_processes_that_hop_to_new_pids_do_not_outlive_a_reset(tier: str) -> None:
+    """A scan of /proc listed pids, then read each: a process that clones and exits faster
+    than that was never where the sweep looked, and it lived on into the next user's session
+    (on gVisor, 1 hand-over in 3). The reset stops every process first, at once."""
+    with Sandbox.create(tier, limits=Limits(memory_mb=256, timeout_s=30, pids=64)) as sbx:
+        for _ in range(2 if tier == "microvm" else 5):  # (a guest under TCG: slow to run)
+            for _ in range(5):  # the end of its call may catch them (its own sweep): again
+                sbx.run_code(HOPPERS)
+                if "hopper-alive" in sbx.commands.run("sleep 0.5; ls /tmp").stdout:
+                    break
+            else:
+                pytest.fail("no hopper ran on past its call")
+            sbx.reset()
+            assert sbx.commands.run(ALIVE).stdout == "", "a hopper outlived the reset"
+
+
+PLANT_IPC = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+def made(ident):
+    return ident if ident >= 0 else os.strerror(ctypes.get_errno())
+[made(libc.shmget(0x5EC, 4096, 0o1666)), made(libc.msgget(0x5EC, 0o1666)),
+ made(libc.semget(0x5EC, 1, 0o1666)), made(libc.mq_open(b"/stockade-left", os.O_CREAT | os.O_RDWR, 0o666, None))]
+"""
+FIND_IPC = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+[libc.shmget(0x5EC, 0, 0), libc.msgget(0x5EC, 0), libc.semget(0x5EC, 0, 0),
+ libc.mq_open(b"/stockade-left", os.O_RDWR)]
+"""
+
+
+def test_ipc_objects_one_user_made_are_not_there_for_the_next(tier: str) -> None:
+    """gVisor neither lists SysV IPC objects (/proc/sysvipc) nor mounts /dev/mqueue: a reset
+    found nothing to drop, and the next user read a segment, a queue and a semaphore of the
+    last. There, code may not make them (ENOSYS); elsewhere the reset drops them."""
+    with Sandbox.create(tier, limits=Limits(memory_mb=256, timeout_s=30, pids=64)) as sbx:
+        made = sbx.run_code(PLANT_IPC).text or ""
+        if tier == "gvisor":
+            assert made.count("Function not implemented") == 4, made
+        sbx.reset()
+        assert sbx.run_code(FIND_IPC).text == "[-1, -1, -1, -1]"
+
+
 def test_download_dir_refuses_links_out_with_a_typed_error(sbx: Sandbox, tmp_path: Path) -> None:
     sbx.commands.run("echo kept > a.txt; ln -s /etc/passwd passwd; mkfifo pipe")
     with pytest.raises(StockadeError):
