@@ -248,8 +248,10 @@ import ctypes, os
 libc = ctypes.CDLL(None, use_errno=True)
 def made(ident):
     return ident if ident >= 0 else os.strerror(ctypes.get_errno())
-[made(libc.shmget(0x5EC, 4096, 0o1666)), made(libc.msgget(0x5EC, 0o1666)),
- made(libc.semget(0x5EC, 1, 0o1666)), made(libc.mq_open(b"/stockade-left", os.O_CREAT | os.O_RDWR, 0o666, None))]
+found = [made(libc.shmget(0x5EC, 4096, 0o1666)), made(libc.msgget(0x5EC, 0o1666))]
+found.append(made(libc.semget(0x5EC, 1, 0o1666)))
+found.append(made(libc.mq_open(b"/stockade-left", os.O_CREAT | os.O_RDWR, 0o666, None)))
+found
 """
 FIND_IPC = """
 import ctypes, os
