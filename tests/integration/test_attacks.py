@@ -140,7 +140,7 @@ def test_reset_leaves_nothing_for_the_next_user(sbx: Sandbox) -> None:
         "for _ in range(2000): os.mkdir('d'); os.chdir('d')\n"  # deeper than any recursion limit
         "os.chdir('/workspace')\n"
         "import ctypes\n"
-        "assert ctypes.CDLL(None).shmget(0, 4096, 0o1600) >= 0\n"  # a SysV segment (IPC_CREAT)
+        "ctypes.CDLL(None).shmget(0, 4096, 0o1600)\n"  # a SysV segment (IPC_CREAT; gVisor: ENOSYS)
         "os.chmod('/workspace', 0o777)\n"
         "'planted'"
     )
@@ -307,8 +307,10 @@ def test_reset_removes_posix_message_queues(tier: str) -> None:
             "rt.mq_open(b'/leftover', os.O_CREAT | os.O_RDWR, 0o600, None) >= 0 "
             "and os.path.isdir('/dev/mqueue')"
         )
-        if made.text != "True":
-            pytest.skip(f"no POSIX message queues visible on the {tier} tier")
+        if tier == "gvisor":  # no /dev/mqueue to empty: code may make none (ENOSYS)
+            assert made.text == "False"
+            return
+        assert made.text == "True", made
         sbx.reset()
         assert sbx.run_code("import os; os.listdir('/dev/mqueue')").text == "[]"
 
