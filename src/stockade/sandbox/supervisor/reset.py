@@ -185,11 +185,17 @@ def _go_on(pid: int) -> None:
 
 
 def _as_first_seen(folder: str, mode: int) -> None:
-    """A writable place's mode as first seen, and no extended attribute left on it."""
+    """A writable place's mode as first seen, no extended attribute left on it, and its times
+    the reset's (the last user set them to 64 bits of their choosing, and the next read them:
+    emptying a folder that is empty already changes none)."""
     if stat.S_IMODE(os.stat(folder).st_mode) != mode:  # not ours to chmod on some tiers
         os.chmod(folder, mode)
     for name in _listxattr(folder):
         os.removexattr(folder, name)
+    try:
+        os.utime(folder)
+    except OSError:  # not ours (a bind of another owner): its times are not code's either
+        pass
 
 
 def _unnamed_file() -> int:
