@@ -53,7 +53,10 @@ class CliConsole(Console):
 
 
 def print_diff(console: Console, diff: str) -> None:
-    """A unified diff: coloured on a terminal (wrapped, never cropped), plain text elsewhere."""
+    """A unified diff: coloured on a terminal (wrapped, never cropped), plain text elsewhere;
+    its terminal controls shown as escapes either way (a file the model wrote held `ESC[2J`,
+    and `stockade runs show` cleared the screen)."""
+    diff = _CONTROLS.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), diff)
     if console.is_terminal:
         console.print(Syntax(diff, "diff", theme="ansi_dark", background_color="default", word_wrap=True))
     else:

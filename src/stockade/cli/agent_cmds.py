@@ -16,7 +16,6 @@ from typing import Annotated
 import typer
 from pydantic import BaseModel, ConfigDict
 from rich.console import Console
-from rich.markup import escape
 
 from stockade import exceptions as exc
 from stockade.agent import (
@@ -32,7 +31,7 @@ from stockade.agent import (
     ToolRejected,
     ToolReturned,
 )
-from stockade.cli._console import CliConsole, print_diff
+from stockade.cli._console import CliConsole, escape, print_diff
 from stockade.cli._signals import Interrupted, exit_code, interruptible, on_stop, signal_name
 from stockade.runtime.events import RetryScheduled, RuntimeEvent
 from stockade.runtime.failures import DEFAULT_FAILURES

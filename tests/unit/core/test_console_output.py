@@ -1,0 +1,28 @@
+"""What the command line prints of what came from a sandbox or a model: terminal controls
+shown as escapes, never acted on."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from stockade.cli._console import escape, print_diff
+
+CLEAR = "\x1b[2J\x1b]0;title\x07"
+
+
+def test_a_diff_is_printed_with_its_controls_escaped_on_a_terminal_or_not() -> None:
+    """A file the model wrote held `ESC[2J`: `stockade runs show` and `stockade agent` wrote
+    the diff raw, and cleared the screen."""
+    diff = f"--- /dev/null\n+++ b/NOTES.md\n@@ -0,0 +1 @@\n+{CLEAR}\ttab kept\n"
+    for terminal in (False, True):
+        out = io.StringIO()
+        print_diff(Console(file=out, force_terminal=terminal, color_system=None, width=200), diff)
+        assert "\x1b[2J" not in out.getvalue() and "\x07" not in out.getvalue()
+        assert "\\x1b[2J" in out.getvalue() and "tab kept" in out.getvalue()
+
+
+def test_an_answer_is_escaped_markup_and_controls_alike() -> None:
+    shown = escape(f"[red]done[/] {CLEAR}\u202e")
+    assert "\x1b" not in shown and "\u202e" not in shown and "\\[red]" in shown
