@@ -164,7 +164,9 @@ def test_a_crashed_creator_leaves_garbage_that_gc_removes() -> None:
     trace = Trace(sid)
     wait_for(lambda: not trace.processes(), what="bwrap to die with its parent")
     removed = collect_garbage()
-    assert any(sid in r for r in removed)
+    # by this collection, or by the one another process's first sandbox ran meanwhile (a test
+    # of another worker: run 85 failed on this): either way, nothing of it is left
+    assert any(sid in r for r in removed) or not (Path("/run/stockade") / sid).exists()
     assert mounts_of(sid) == [] and sid not in _cgroups.leftover_groups()
 
 
