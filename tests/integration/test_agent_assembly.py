@@ -23,7 +23,7 @@ from stockade.models.messages import ModelResponse, Usage
 from stockade.policy import ApprovalStore, Choice, load_policy
 from stockade.tools import default_toolset, shell
 from stockade.types import Trust
-from tests.conftest import require_tier
+from tests.conftest import require, require_tier
 
 pytestmark = pytest.mark.process
 
@@ -134,8 +134,8 @@ def test_what_the_policy_keeps_out_is_not_in_the_repositorys_history_either(tmp_
     out with them, and the diff is against the run's start."""
     require_tier("process")
     git = shutil.which("git")
-    if git is None:
-        pytest.skip("no git on this host")
+    require("git", git is not None, "git is not installed on this host")
+    assert git is not None
     root = tmp_path / "repo"
     (root / "secrets").mkdir(parents=True)
     (root / "secrets" / "key").write_text("TOPSECRET-KEY\n")

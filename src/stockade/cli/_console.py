@@ -28,9 +28,11 @@ def escape(text: str, *, one_line: bool = False) -> str:
     sandbox, which could otherwise clear the screen, or overwrite a ``deny`` with a line of
     its own. ``one_line``: newlines and tabs too (an exec's argv: a newline in it printed a
     line that looked like another exec)."""
-    pattern = _CONTROLS_AND_LINES if one_line else _CONTROLS
-    shown = pattern.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
-    return escape_markup(shown)
+    return escape_markup(_controls_shown(text, _CONTROLS_AND_LINES if one_line else _CONTROLS))
+
+
+def _controls_shown(text: str, pattern: re.Pattern[str] = _CONTROLS) -> str:
+    return pattern.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
 # Wide enough for any line; rich sizes tables and text to their content, so nothing is padded.
@@ -56,7 +58,7 @@ def print_diff(console: Console, diff: str) -> None:
     """A unified diff: coloured on a terminal (wrapped, never cropped), plain text elsewhere;
     its terminal controls shown as escapes either way (a file the model wrote held `ESC[2J`,
     and `stockade runs show` cleared the screen)."""
-    diff = _CONTROLS.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), diff)
+    diff = _controls_shown(diff)
     if console.is_terminal:
         console.print(Syntax(diff, "diff", theme="ansi_dark", background_color="default", word_wrap=True))
     else:

@@ -205,16 +205,17 @@ class FileKillSource:
         # reading a folder was swallowed, so whoever planted one made the run unkillable, and
         # reading a FIFO blocked the watcher. Opened without waiting, and read bounded.
         flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+        not_a_file = f"killed (the kill switch's entry {target} is not a file)"
         try:
             fd = os.open(target, flags)
         except FileNotFoundError:
             return None
         except OSError:
-            return f"killed (the kill switch's entry {target} is not a file)"
+            return not_a_file
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                return f"killed (the kill switch's entry {target} is not a file)"
+                return not_a_file
             text = os.read(fd, 4096).decode("utf-8", "replace").strip()
         finally:
             os.close(fd)

@@ -77,12 +77,8 @@ def create_app(service: Service) -> FastAPI:
     app.state.service = service
     app.state.peers = peers
     app.add_middleware(SandboxRouting, service=service, peers=peers)  # a sandbox held by a peer: there
-    routers = (
-        sandboxes_router,
-        snapshots_router,
-        runs_router,
-        viewer_router(ServiceAuth(service)),
-    )  # /ui: the viewer
+    viewer = viewer_router(ServiceAuth(service))  # the run viewer, /ui
+    routers = (sandboxes_router, snapshots_router, runs_router, viewer)
     # outermost: a body is bounded before a route or a peer sees it
     routes = [route for router in routers for route in router.routes]
     app.add_middleware(BodyCap, limit=service.config.max_request_bytes, routes=routes)

@@ -16,10 +16,11 @@ API is an RFC 9457 problem document that the client turns back into a typed erro
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.routing import BaseRoute, Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stockade import exceptions as exc
 from stockade.server import problems
@@ -29,11 +30,6 @@ if TYPE_CHECKING:
 
 __all__ = ["BodyCap", "raw_body", "read_body"]
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 Endpoint = TypeVar("Endpoint", bound=Callable[..., Any])
 
 _RAW = "__stockade_raw_body__"

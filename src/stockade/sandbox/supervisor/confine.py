@@ -157,8 +157,9 @@ def warm() -> None:
         libc("syscall", SYS_GETPID, *([0] * (arity - 1)))  # harmless: only the prototype matters
 
 
-def _filter_program(no_memfd: bool) -> "Tuple[Any, Any, int]":
-    code = exec_filter(no_memfd)
+def _program(code: bytes) -> "Tuple[Any, Any, int]":
+    """A BPF program the kernel can read (``struct sock_fprog``): its instructions and the
+    header pinned (both must be kept while it reads them), and the header's address."""
     held, address = _pinned(code)
     prog, prog_address = _pinned(struct.pack("=HxxxxxxQ", len(code) // 8, address))
     return held, prog, prog_address
@@ -185,30 +186,13 @@ def exec_filter(no_memfd: bool = False) -> bytes:
     return b"".join(struct.pack("=HBBI", *insn) for insn in program)
 
 
-# SysV IPC objects and POSIX message queues: where the kernel neither lists the first
-# (/proc/sysvipc) nor mounts the second (/dev/mqueue), as gVisor's does not, a reset cannot
-# find what one user made in them (a segment, a queue, a semaphore of 4242), and the next
-# user read it. There, code may not make any: their calls fail (ENOSYS, as on a kernel built
-# without them), for every process the supervisor starts.
-NR_SHMGET, NR_SEMGET, NR_MSGGET, NR_MQ_OPEN = 29, 64, 68, 240
 ENOSYS_ = 38
-
-
-def unlisted_ipc() -> "Tuple[int, ...]":
-    """The system calls that make IPC objects this kernel would not let a reset find."""
-    calls: "Tuple[int, ...]" = ()
-    if not os.path.isdir("/proc/sysvipc"):
-        calls += (NR_SHMGET, NR_SEMGET, NR_MSGGET)
-    if not os.path.ismount("/dev/mqueue"):
-        calls += (NR_MQ_OPEN,)
-    return calls
 
 
 def deny_calls(calls: "Sequence[int]") -> None:
     """A filter on this process and all it starts: ``calls`` fail with ENOSYS (so do other
-    architectures' and the x32 ABI's calls: nothing here uses them)."""
-    if not calls:
-        return
+    architectures' and the x32 ABI's calls: nothing here uses them). What a reset cannot
+    find is not made at all (``fileops.unlisted_ipc``)."""
     ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
     deny = 5 + len(calls)  # the index of the last instruction
     program = [
@@ -220,11 +204,9 @@ def deny_calls(calls: "Sequence[int]") -> None:
     program += [(jeq, deny - (5 + i), 0, nr) for i, nr in enumerate(calls)]
     program += [(ret, 0, 0, SECCOMP_RET_ALLOW), (ret, 0, 0, SECCOMP_RET_ERRNO | ENOSYS_)]
     code = b"".join(struct.pack("=HBBI", *insn) for insn in program)
-    held, address = _pinned(code)
-    prog, prog_address = _pinned(struct.pack("=HxxxxxxQ", len(code) // 8, address))
+    pinned = _program(code)  # bound until the call returns: the kernel copies it
     libc("prctl", 38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: set on every tier already
-    libc("syscall", SYS_SECCOMP, SECCOMP_SET_MODE_FILTER, 0, prog_address)
-    del held, prog
+    libc("syscall", SYS_SECCOMP, SECCOMP_SET_MODE_FILTER, 0, pinned[2])
 
 
 def notify_available() -> bool:
@@ -240,7 +222,7 @@ def notify_available() -> bool:
 
 def install_exec_listener(no_memfd: bool = False) -> int:
     """Put every exec of this process and its descendants under a listener; return its fd."""
-    program = _filter_program(no_memfd)  # bound until the call returns: the kernel copies it
+    program = _program(exec_filter(no_memfd))  # bound until the call returns: the kernel copies it
     flags = SECCOMP_FILTER_FLAG_NEW_LISTENER
     return libc("syscall", SYS_SECCOMP, SECCOMP_SET_MODE_FILTER, flags, program[2])
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
     from protocol import FrameReader
     from supervisor import Supervisor
+    from zygote import Zygote
 
 # A reset execs a fresh supervisor and hands it its state on this fd.
 HANDOVER_FD = 3
@@ -71,7 +72,7 @@ def run(sup: "Supervisor", rid: int, h: dict[str, Any], rest: bytes) -> None:
     # Code first (a fork bomb's included): the zygote then has processes to fork with.
     kill_tree(os.getpid(), include_root=False, spare=zygote.pid if zygote is not None else 0)
     if stopped and zygote is not None:
-        _go_on(zygote.pid)
+        _go_on(zygote)
     for root, mode in sup.root_modes.items():
         _as_first_seen(root, mode)
         empty_dir(root, keep=sup.kept_modes)  # the rules' folders stay: the ruleset holds them
@@ -129,11 +130,11 @@ def exec_fresh(sup: "Supervisor", rid: int, warm: bool, rest: bytes) -> None:
     if sup.shim >= 0:
         state["carried"]["shim"] = SHIM_FD
     sealed = -1
-    if sup.seal is not None and sup.seal_key is not None:
+    if sup.seal is not None:
         # The key through a pipe (written from its mapping: no copy of it in our heap), and
         # where each direction's count is.
         sealed, write_end = os.pipe()
-        _write_all(write_end, sup.seal_key)
+        _write_all(write_end, sup.seal.key)
         os.close(write_end)
         state["carried"]["seal"] = [sup.seal.count, sup.reader.seal.count if sup.reader.seal else 0]
     handover = _unnamed_file()
@@ -169,18 +170,12 @@ def _stop_all() -> bool:
     return True
 
 
-def _go_on(pid: int) -> None:
-    """The zygote, stopped with everything else, runs again (and is seen running)."""
-    os.kill(pid, signal.SIGCONT)
+def _go_on(zygote: "Zygote") -> None:
+    """The zygote, stopped with everything else, runs again (and is seen running: else the
+    reset would take it for one that code stopped, and replace it)."""
+    os.kill(zygote.pid, signal.SIGCONT)
     deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as fh:
-                data = fh.read()
-        except OSError:
-            return
-        if data[data.rindex(b")") + 2 : data.rindex(b")") + 3] not in (b"T", b"t"):
-            return
+    while not zygote.serving() and zygote.alive and time.monotonic() < deadline:
         time.sleep(0.001)
 
 

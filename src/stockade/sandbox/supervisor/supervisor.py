@@ -62,7 +62,7 @@ import baseline
 import files
 import jobs
 import runcode
-from fileops import PathRefused, Workspace, _os_error, read_exactly
+from fileops import PathRefused, Workspace, _os_error, read_exactly, unlisted_ipc
 from protocol import PREFIX, FrameReader, Seal, dumps, encode
 from reaper import (
     IGNORED_SIGNALS,
@@ -157,9 +157,8 @@ class Supervisor:
         self.shim = -1  # the compiled shim's memfd (reaper.load_shim): how commands start
         self.egress: "Optional[Any]" = None  # the relay to the egress proxy (supervisor/egress.py)
         # Where code can reach our pipes (gVisor), what we send is sealed (protocol.Seal), and
-        # so is what we read (``reader.seal``); the key's mapping, kept for a reset's exec.
+        # so is what we read (``reader.seal``); its key is a view of a mapping forks leave out.
         self.seal: "Optional[Seal]" = None
-        self.seal_key: "Optional[memoryview]" = None
         # Restored from a memory snapshot: the interpreter's next run first draws new seeds
         # (every sandbox restored from one snapshot would otherwise share its generators).
         self.reseed = False
@@ -257,7 +256,6 @@ class Supervisor:
             if n == 0:
                 raise SystemExit(0)  # the host is gone
             got += n
-        self.seal_key = key
         self.seal = Seal(key, b"S", sent)
         reader.seal = Seal(key, b"H", received)
 
@@ -575,11 +573,12 @@ def main() -> None:
         interpreter.preload()
         sup.send({"id": header.get("id", 0), "ev": "hello", "pid": os.getpid()})
     sup.configure(header.get("config", {}))
-    if not os.path.isdir("/proc/sysvipc") or not os.path.ismount("/dev/mqueue"):  # gVisor's
+    unlisted = unlisted_ipc()  # gVisor's: its kernel lists neither
+    if unlisted:
         import confine  # type: ignore[import-not-found]  # (only here: a start needs none of it)
 
         # before anything is forked; kept across a reset's exec (filters outlive an image)
-        confine.deny_calls(confine.unlisted_ipc())
+        confine.deny_calls(unlisted)
     ready = {"id": header.get("id", 0), "ev": "ready", "pid": os.getpid(), "python": sys.version.split()[0]}
     if sup.rules is not None:
         ready["rules"] = sup.rules.report()
