@@ -313,6 +313,35 @@ def test_a_run_is_killed_through_the_api(acme: Client) -> None:
     assert any(e.kind == "kill_switch" for e in run.events())
 
 
+def test_a_runs_sandbox_holds_its_share_of_the_tenants_quota(acme: Client) -> None:
+    """acme may hold 3 sandboxes and 2048 MB: a run's sandbox is one of them while it runs, and
+    a run with no room waits queued (no thread held) until one is freed."""
+    with pytest.raises(exc.QuotaExceeded) as never:
+        acme.runs.submit("big", scripted=["done"], sandbox_limits=Limits(memory_mb=4096))
+    assert never.value.quota == "memory_mb" and "whole quota" in str(never.value)
+    small = Limits(memory_mb=256)
+    held = [RemoteSandbox.create(tier="process", limits=small, client=acme) for _ in range(2)]
+    try:
+        sleep = {"name": "run_code", "args": {"code": "import time; time.sleep(60)", "language": "python"}}
+        running = acme.runs.submit("sleep", scripted=[sleep, "never"], sandbox_limits=small)
+        wait_for(lambda: running.refresh().status == "running", what="the run to start", timeout_s=30)
+        with pytest.raises(exc.QuotaExceeded) as full:  # 2 sandboxes and the run's: 3
+            RemoteSandbox.create(tier="process", limits=small, client=acme)
+        assert full.value.quota == "sandboxes" and "running runs" in str(full.value)
+        running.kill("enough")
+        assert running.wait(timeout_s=30).status == "killed"
+        held.append(RemoteSandbox.create(tier="process", limits=small, client=acme))  # its share is back
+        waiting = acme.runs.submit("after", scripted=["done"], sandbox_limits=small)
+        wait_for(lambda: "quota" in (waiting.refresh().info.get("error") or ""), what="the run to wait",
+                 timeout_s=30)  # fmt: skip
+        assert waiting.refresh().status == "queued"
+        held.pop().close()
+        assert waiting.wait(timeout_s=60).status == "success"
+    finally:
+        for sbx in held:
+            sbx.close()
+
+
 def test_runs_go_on_after_the_server_restarts(tmp_path: Path) -> None:
     require_tier("process")
     tenants, tokens = write_tenants(tmp_path)

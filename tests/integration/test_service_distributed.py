@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from stockade.client import Client
+from stockade import Limits
+from stockade.client import Client, RemoteSandbox
 from tests.conftest import require_tier, wait_for
 from tests.integration.service_env import REDIS_URL, Server, Tokens, Worker, write_tenants
 
@@ -57,6 +58,21 @@ def test_runs_go_through_workers_with_kills_and_approvals(cluster: Cluster) -> N
             assert run.wait(timeout_s=120).status == "success", run.info
         assert {run.info["worker"].split(":")[0] for run in runs}  # ran on the workers
         assert all(f"+++ b/f{i}.txt" in run.diff() for i, run in enumerate(runs))
+        # with acme's 3 sandboxes held through the API, a run waits queued, off the workers
+        held = [
+            RemoteSandbox.create(tier="process", limits=Limits(memory_mb=256), client=client)
+            for _ in range(3)
+        ]
+        try:
+            waiting = client.runs.submit("after", scripted=["done"])
+            wait_for(lambda: "quota" in (waiting.refresh().info.get("error") or ""), what="the run to wait",
+                     timeout_s=60)  # fmt: skip
+            assert waiting.refresh().status == "queued"
+            held.pop().close()
+            assert waiting.wait(timeout_s=60).status == "success"
+        finally:
+            for sbx in held:
+                sbx.close()
         # a kill reaches the run on whichever worker holds it
         sleep = {"name": "run_code", "args": {"code": "import time; time.sleep(60)", "language": "python"}}
         slow = client.runs.submit("sleep", scripted=[sleep, "never"])

@@ -30,7 +30,7 @@ from stockade.client.client import (
 )
 from stockade.client.sandbox import snapshot_id
 from stockade.sandbox.facade import tar_directory
-from stockade.types import Snapshot
+from stockade.types import Limits, Snapshot
 
 __all__ = ["AsyncClient", "AsyncRemoteRun", "AsyncRuns"]
 
@@ -141,6 +141,7 @@ class AsyncRuns:
         workspace: str | Path | None = None,
         tier: str | None = None,
         trust: str | None = None,
+        sandbox_limits: Limits | None = None,
         max_steps: int | None = None,
         max_cost_usd: float | None = None,
         check: str | None = None,
@@ -155,7 +156,7 @@ class AsyncRuns:
         body = submit_body(
             task, model=model, scripted=scripted, workspace_id=workspace_id, tier=tier, trust=trust,
             max_steps=max_steps, max_cost_usd=max_cost_usd, check=check, labels=labels,
-            idempotency_key=idempotency_key,
+            idempotency_key=idempotency_key, sandbox_limits=sandbox_limits,
         )  # fmt: skip
         return AsyncRemoteRun(
             self.client, (await self.client.http.request("POST", "/v1/runs", json=body)).json()

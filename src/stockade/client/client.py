@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from stockade.client._http import Http
-from stockade.client.sandbox import RemoteSandbox, snapshot_id
+from stockade.client.sandbox import RemoteSandbox, limits_body, snapshot_id
 from stockade.sandbox.facade import tar_directory
-from stockade.types import Snapshot
+from stockade.types import Limits, Snapshot
 
 __all__ = ["Client", "RemoteRun", "RunEvent", "Runs"]
 
@@ -83,10 +83,12 @@ def submit_body(
     task: str, *, model: str | None, scripted: Sequence[object] | None, workspace_id: str | None,
     tier: str | None, trust: str | None, max_steps: int | None, max_cost_usd: float | None,
     check: str | None, labels: Mapping[str, str] | None, idempotency_key: str | None,
+    sandbox_limits: Limits | None,
 ) -> dict[str, Any]:  # fmt: skip
     body: dict[str, Any] = {
         "task": task, "model": model, "scripted": list(scripted) if scripted is not None else None,
         "workspace": workspace_id, "tier": tier, "trust": trust, "check": check,
+        "sandbox_limits": limits_body(sandbox_limits),
         "labels": dict(labels or {}), "idempotency_key": idempotency_key,
     }  # fmt: skip
     limits = {k: v for k, v in (("max_steps", max_steps), ("max_cost_usd", max_cost_usd)) if v is not None}
@@ -218,13 +220,16 @@ class Runs:
         workspace: str | Path | None = None,
         tier: str | None = None,
         trust: str | None = None,
+        sandbox_limits: Limits | None = None,
         max_steps: int | None = None,
         max_cost_usd: float | None = None,
         check: str | None = None,
         labels: Mapping[str, str] | None = None,
         idempotency_key: str | None = None,
     ) -> RemoteRun:
-        """Queue an agent task; ``workspace`` is a local folder (uploaded) or an uploaded id."""
+        """Queue an agent task; ``workspace`` is a local folder (uploaded) or an uploaded id.
+        ``sandbox_limits`` are its sandbox's: while it runs, they hold a share of the tenant's
+        quota (a run with no room waits queued, its ``error`` saying so)."""
         workspace_id: str | None = None
         if workspace is not None:
             path = Path(workspace)
@@ -232,7 +237,7 @@ class Runs:
         body = submit_body(
             task, model=model, scripted=scripted, workspace_id=workspace_id, tier=tier, trust=trust,
             max_steps=max_steps, max_cost_usd=max_cost_usd, check=check, labels=labels,
-            idempotency_key=idempotency_key,
+            idempotency_key=idempotency_key, sandbox_limits=sandbox_limits,
         )  # fmt: skip
         response = self.client.http.request("POST", "/v1/runs", json=body)
         return RemoteRun(self.client, response.json())

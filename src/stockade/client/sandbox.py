@@ -108,7 +108,8 @@ def snapshot_id(snapshot: Snapshot | str) -> str:
     )
 
 
-def _limits(limits: Limits | None) -> dict[str, Any] | None:
+def limits_body(limits: Limits | None) -> dict[str, Any] | None:
+    """A ``Limits`` as the service takes it (a sandbox's, a run's sandbox's)."""
     if limits is None:
         return None
     if not isinstance(limits, Limits):
@@ -150,7 +151,7 @@ def create_body(
 ) -> dict[str, Any]:  # fmt: skip
     """The body of ``POST /v1/sandboxes``."""
     body: dict[str, Any] = {
-        "tier": tier, "trust": str(trust) if trust is not None else None, "limits": _limits(limits),
+        "tier": tier, "trust": str(trust) if trust is not None else None, "limits": limits_body(limits),
         "envs": dict(envs or {}), "allow_weaker": allow_weaker, "labels": dict(labels or {}),
         "prefer": prefer, "idle_timeout_s": idle_timeout_s,
         "snapshot": snapshot_id(snapshot) if snapshot is not None else None,

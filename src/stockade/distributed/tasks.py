@@ -11,6 +11,7 @@ from celery import Celery, Task
 
 from stockade import exceptions as exc
 from stockade.server.context import ServiceConfig
+from stockade.server.executor import QUOTA_POLL_S
 from stockade.server.runner import Runner
 
 __all__ = ["RUN_TASK", "configure", "make_app"]
@@ -81,6 +82,8 @@ def _run(task: Task, run_id: str, *_: Any) -> str:
         delay = (leased.retry_after or 5.0) + 1.0
         log.info("run %s is leased elsewhere; again in %.0f s", run_id, delay)
         raise task.retry(countdown=delay) from None
+    except exc.QuotaExceeded:  # the tenant's quota is full: wait queued, not on this worker
+        raise task.retry(countdown=QUOTA_POLL_S) from None
     except exc.StockadeError as error:
         if not error.retryable:
             raise

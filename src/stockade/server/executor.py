@@ -21,6 +21,7 @@ from stockade.server.tenants import Tenants
 __all__ = ["Executor", "InProcessExecutor"]
 
 log = logging.getLogger("stockade.executor")
+QUOTA_POLL_S = 2.0  # how often a run that waits for room in its tenant's quota asks again
 
 
 class Executor(Protocol):
@@ -40,6 +41,7 @@ class InProcessExecutor:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="stockade-run")
         self._closed = threading.Event()
         self._futures: set[Future[RunOutcome | None]] = set()
+        self._timers: dict[str, threading.Timer] = {}  # runs waiting for room in their quota
         self._lock = threading.Lock()
 
     def submit(self, run_id: str, *, reason: str = "submitted") -> None:
@@ -60,6 +62,9 @@ class InProcessExecutor:
                 return None
             try:
                 return self.runner.execute(run_id, tenant)
+            except exc.QuotaExceeded:  # the tenant's quota is full: ask again later, off the pool
+                self._later(run_id)
+                return None
             except exc.StockadeError as error:  # leased elsewhere, or transient
                 delay = error.retry_after if error.retry_after is not None else min(30.0, 0.5 * 2**attempt)
                 log.info("run %s: %s; again in %.1f s", run_id, error, delay)
@@ -70,6 +75,19 @@ class InProcessExecutor:
                 return None
         self.runner.store.set_status(run_id, "error", error=f"gave up after {self.max_attempts} attempts")
         return None
+
+    def _later(self, run_id: str) -> None:
+        timer = threading.Timer(QUOTA_POLL_S, self._again, args=(run_id,))
+        timer.daemon = True
+        with self._lock:
+            self._timers[run_id] = timer
+        timer.start()
+
+    def _again(self, run_id: str) -> None:
+        with self._lock:
+            self._timers.pop(run_id, None)
+        if not self._closed.is_set():
+            self.submit(run_id, reason="quota")
 
     def wait(self, timeout_s: float) -> bool:
         """Tests and benchmarks: wait until no run is in progress."""
@@ -84,6 +102,10 @@ class InProcessExecutor:
     def close(self) -> None:
         """Stop: runs in progress end "interrupted" at once (the next start resumes them)."""
         self._closed.set()
+        with self._lock:
+            timers, self._timers = list(self._timers.values()), {}
+        for timer in timers:
+            timer.cancel()
         self.runner.interrupt_all("the server is stopping")
         self._pool.shutdown(wait=True, cancel_futures=True)
 

@@ -14,6 +14,11 @@ switches in the service's database, and the tenant's limits as any agent has the
 (``TenantLimits.window``: one per process, or Redis shared by every process). So a tool action
 over the tenant's rate waits for the window and a full spend window stops the run ("budget"),
 neither shown to the model; and the run's live mark names its tenant, for a kill-all.
+
+While it runs, a run's sandbox holds its share of the tenant's quota (its CPUs and memory, and
+one of its ``sandboxes``) beside the API's sandboxes (``ServiceStore.hold_run``); a run with no
+room waits queued (``QuotaExceeded`` from ``execute``: the executor asks again later, without
+holding a thread or a worker meanwhile).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from stockade.server.state import TERMINAL, DatabaseApprovals, DatabaseKillSourc
 from stockade.server.tenants import Tenant
 from stockade.tools.base import Toolset
 from stockade.tools.builtin import default_toolset
+from stockade.types import Limits
 
 __all__ = ["RunOutcome", "Runner", "load_toolset", "scripted_model"]
 
@@ -198,6 +204,16 @@ class Runner:
         except exc.StockadeError as error:
             self.store.set_status(run_id, "error", error=str(error))
             return RunOutcome(run_id=run_id, status="error", error=str(error))
+        # its sandbox takes a share of the tenant's quota, as the API's sandboxes do
+        share = config.sandbox_limits or Limits()
+        try:
+            self.store.hold_run(
+                run_id=run_id, tenant=tenant.id, worker=self.name, cpus=share.cpus, memory_mb=share.memory_mb,
+                quotas=tenant.quotas,
+            )  # fmt: skip
+        except exc.QuotaExceeded as full:
+            self.store.set_status(run_id, row.status, error=f"waiting for room in the tenant's quota: {full}")
+            raise
         self.store.set_status(run_id, "running", worker=self.name, started=True, error=None)
         try:
             with (

@@ -50,6 +50,7 @@ from stockade.server.service import Service
 from stockade.server.state import TERMINAL, RunRow
 from stockade.server.tenants import Principal
 from stockade.server.uploads import unpack_archive
+from stockade.types import Limits
 
 __all__ = ["decide_approval", "router", "run_status"]
 
@@ -143,8 +144,16 @@ def _authorise(service: Service, caller: Principal, body: RunSubmit) -> None:
         choose_tier(engine, body.tier)
     elif not engine.allowed_tiers():
         raise exc.PolicyDenied(f"role {caller.role!r} may use no tier", rule=f"roles.{caller.role}.tiers")
-    if body.sandbox_limits is not None:
-        body.sandbox_limits.build()
+    share = body.sandbox_limits.build() if body.sandbox_limits is not None else Limits()
+    quotas = caller.tenant.quotas
+    for quota, needs, limit in (("sandboxes", 1, quotas.sandboxes), ("cpus", share.cpus, quotas.cpus),
+                                ("memory_mb", share.memory_mb, quotas.memory_mb)):  # fmt: skip
+        if needs > limit:  # it would wait queued for ever
+            raise exc.QuotaExceeded(
+                f"the run's sandbox needs {needs:g} {quota}, more than tenant {caller.tenant.id!r}'s "
+                f"whole quota ({limit:g}): ask for smaller sandbox_limits",
+                quota=quota, limit=float(limit), used=0.0,
+            )  # fmt: skip
     if body.workspace is not None and service.store.workspace(caller.tenant.id, body.workspace) is None:
         raise exc.InvalidArgument(
             f"no workspace {body.workspace!r}",

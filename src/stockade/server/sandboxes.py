@@ -199,13 +199,12 @@ class SandboxRegistry:
         )
 
     def _reserve(self, principal: Principal, sandbox_id: str, tier: str, limits: Limits) -> None:
-        store, quota = self.service.store, principal.tenant.quotas
+        store = self.service.store
 
         def reserve() -> None:
             store.reserve_sandbox(
                 sandbox_id=sandbox_id, tenant=principal.tenant.id, owner=self.owner, tier=tier,
-                cpus=limits.cpus, memory_mb=limits.memory_mb, max_sandboxes=quota.sandboxes,
-                max_cpus=quota.cpus, max_memory_mb=quota.memory_mb,
+                cpus=limits.cpus, memory_mb=limits.memory_mb, quotas=principal.tenant.quotas,
             )  # fmt: skip
 
         try:

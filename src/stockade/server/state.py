@@ -10,6 +10,9 @@ service's own tables (``svc_*``):
 - ``svc_artifacts``: a finished run's final workspace, packed;
 - ``svc_sandboxes``: the live sandboxes, the API process that holds each (its ``owner``) and
   what they hold of their tenant's quota;
+- ``svc_holds``: the share of their tenant's quota that runs hold while they run (their
+  sandbox's CPUs and memory, and one of its sandboxes), so that runs and the API's own
+  sandboxes fill one quota;
 - ``svc_nodes``: the API processes, each with the address its peers forward requests to and
   its last heartbeat (a sandbox lives in the process that made it: see ``server/routing.py``);
 - ``svc_ended``: sandboxes killed (still listed by their process until deleted) or lost with
@@ -35,8 +38,9 @@ from dataclasses import dataclass
 
 from stockade import exceptions as exc
 from stockade.policy.approval import ApprovalRequest, Choice
-from stockade.runs._db import Database, PostgresDatabase, SQLiteDatabase
+from stockade.runs._db import Database, PostgresDatabase, SQLiteDatabase, Statement
 from stockade.runtime.killswitch import LIVE_FOR_S, LiveRun
+from stockade.server.tenants import Quotas
 
 __all__ = [
     "DatabaseApprovals",
@@ -88,6 +92,9 @@ def _schema(ns: str, blob: str) -> list[str]:
         f"""CREATE TABLE IF NOT EXISTS {ns}_sandboxes (
             sandbox_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, owner TEXT NOT NULL, tier TEXT NOT NULL,
             cpus DOUBLE PRECISION NOT NULL, memory_mb BIGINT NOT NULL, created_ns BIGINT NOT NULL)""",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_holds (
+            run_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, worker TEXT NOT NULL,
+            cpus DOUBLE PRECISION NOT NULL, memory_mb BIGINT NOT NULL, created_ns BIGINT NOT NULL)""",
         f"""CREATE TABLE IF NOT EXISTS {ns}_nodes (
             owner TEXT PRIMARY KEY, url TEXT NOT NULL, hop_key TEXT NOT NULL, beat_ns BIGINT NOT NULL)""",
         f"""CREATE TABLE IF NOT EXISTS {ns}_ended (
@@ -107,7 +114,7 @@ def _schema(ns: str, blob: str) -> list[str]:
     ]
 
 
-TABLES = ("runs", "workspaces", "artifacts", "tenants", "sandboxes", "nodes", "ended", "snapshots",
+TABLES = ("runs", "workspaces", "artifacts", "tenants", "sandboxes", "holds", "nodes", "ended", "snapshots",
           "approvals", "kills", "live")  # fmt: skip
 
 
@@ -302,9 +309,12 @@ class ServiceStore:
                 f"SELECT 1 FROM {self.ns}_runs WHERE run_id = ? AND status IN ({marks})",
                 [run_id, *only_from],
             )
-        return self.db.write(
-            [(f"UPDATE {self.ns}_runs SET {', '.join(sets)} WHERE {where}", [params])], require=require
-        )
+        statements: list[Statement] = [
+            (f"UPDATE {self.ns}_runs SET {', '.join(sets)} WHERE {where}", [params])
+        ]
+        if status != "running":  # its sandbox is closed (or kept on disk): its share is free
+            statements.append((f"DELETE FROM {self.ns}_holds WHERE run_id = ?", [(run_id,)]))
+        return self.db.write(statements, require=require)
 
     def waiting_runs(self, tenant: str | None = None) -> list[RunRow]:
         """The runs of ``tenant`` (of every tenant, when None) that wait to run or to go on."""
@@ -361,46 +371,96 @@ class ServiceStore:
 
     def reserve_sandbox(
         self, *, sandbox_id: str, tenant: str, owner: str, tier: str, cpus: float, memory_mb: int,
-        max_sandboxes: int, max_cpus: float, max_memory_mb: int,
+        quotas: Quotas,
     ) -> None:  # fmt: skip
         """Hold a share of the tenant's quota for a sandbox about to start; ``QuotaExceeded``."""
+        self._take(
+            f"INSERT INTO {self.ns}_sandboxes SELECT ?, ?, ?, ?, ?, ?, ?",
+            (sandbox_id, tenant, owner, tier, cpus, memory_mb, time.time_ns()),
+            tenant=tenant, cpus=cpus, memory_mb=memory_mb, quotas=quotas,
+        )  # fmt: skip
+        if not self.db.query(f"SELECT 1 FROM {self.ns}_sandboxes WHERE sandbox_id = ?", (sandbox_id,)):
+            raise self._full(tenant, cpus=cpus, memory_mb=memory_mb, quotas=quotas, what="this sandbox")
+
+    def hold_run(
+        self, *, run_id: str, tenant: str, worker: str, cpus: float, memory_mb: int, quotas: Quotas
+    ) -> None:
+        """Hold the share of the tenant's quota that a run's sandbox takes, until the run leaves
+        "running" (``set_status``); ``QuotaExceeded`` when the tenant's sandboxes and running
+        runs hold too much for it (the run waits queued). A run held already keeps its share
+        (another delivery of a run that runs)."""
+        ns = self.ns
+        if self.db.query(f"SELECT 1 FROM {ns}_holds WHERE run_id = ?", (run_id,)):
+            return
+        self._take(
+            f"INSERT INTO {ns}_holds SELECT ?, ?, ?, ?, ?, ?",
+            (run_id, tenant, worker, cpus, memory_mb, time.time_ns()),
+            tenant=tenant, cpus=cpus, memory_mb=memory_mb, quotas=quotas,
+            conflict="ON CONFLICT (run_id) DO NOTHING",
+        )  # fmt: skip
+        if not self.db.query(f"SELECT 1 FROM {ns}_holds WHERE run_id = ?", (run_id,)):
+            raise self._full(tenant, cpus=cpus, memory_mb=memory_mb, quotas=quotas, what="this run's sandbox")
+
+    def holds(self, tenant: str) -> list[str]:
+        """The runs that hold a share of ``tenant``'s quota."""
+        rows = self.db.query(
+            f"SELECT run_id FROM {self.ns}_holds WHERE tenant = ? ORDER BY run_id", (tenant,)
+        )
+        return [str(r[0]) for r in rows]
+
+    def _live(self) -> str:
+        """What holds a share of a quota: the API's sandboxes and the runs that run."""
+        ns = self.ns
+        return (
+            f"(SELECT tenant, cpus, memory_mb FROM {ns}_sandboxes "
+            f"UNION ALL SELECT tenant, cpus, memory_mb FROM {ns}_holds) live WHERE tenant = ?"
+        )
+
+    def _take(
+        self, insert: str, row: tuple[object, ...], *, tenant: str, cpus: float, memory_mb: int,
+        quotas: Quotas, conflict: str = "",
+    ) -> None:  # fmt: skip
+        """``insert`` ``row``, only if the tenant's totals stay within ``quotas``: one
+        transaction that locks the tenant's row first."""
         ns = self.ns
         self.db.write([(f"INSERT INTO {ns}_tenants VALUES (?) ON CONFLICT (tenant) DO NOTHING", [(tenant,)])])
-        totals = f"FROM {ns}_sandboxes WHERE tenant = ?"
+        totals = f"FROM {self._live()}"
         # CPUs are added up in thousandths, as integers: 0.1 + 0.2 is not above a quota of 0.3
         self.db.write(
             [
                 (
-                    f"INSERT INTO {ns}_sandboxes SELECT ?, ?, ?, ?, ?, ?, ? "
-                    f"WHERE (SELECT COUNT(*) {totals}) < ? "
+                    f"{insert} WHERE (SELECT COUNT(*) {totals}) < ? "
                     f"AND (SELECT ROUND(COALESCE(SUM(cpus), 0) * 1000) {totals}) + ? <= ? "
-                    f"AND (SELECT COALESCE(SUM(memory_mb), 0) {totals}) + ? <= ?",
+                    f"AND (SELECT COALESCE(SUM(memory_mb), 0) {totals}) + ? <= ? {conflict}",
                     [
                         (
-                            sandbox_id, tenant, owner, tier, cpus, memory_mb, time.time_ns(),
-                            tenant, max_sandboxes, tenant, _milli(cpus), _milli(max_cpus), tenant, memory_mb,
-                            max_memory_mb,
+                            *row, tenant, quotas.sandboxes, tenant, _milli(cpus), _milli(quotas.cpus), tenant,
+                            memory_mb, quotas.memory_mb,
                         )
                     ],
                 )
             ],
             require=(f"SELECT 1 FROM {ns}_tenants WHERE tenant = ?", (tenant,)),
         )  # fmt: skip
-        if self.db.query(f"SELECT 1 FROM {ns}_sandboxes WHERE sandbox_id = ?", (sandbox_id,)):
-            return
+
+    def _full(
+        self, tenant: str, *, cpus: float, memory_mb: int, quotas: Quotas, what: str
+    ) -> exc.QuotaExceeded:
+        """Which of the tenant's quotas has no room for ``cpus`` and ``memory_mb`` more."""
         count, used_cpus, used_memory = self.db.query(
-            f"SELECT COUNT(*), COALESCE(SUM(cpus), 0), COALESCE(SUM(memory_mb), 0) {totals}", (tenant,)
+            f"SELECT COUNT(*), COALESCE(SUM(cpus), 0), COALESCE(SUM(memory_mb), 0) FROM {self._live()}",
+            (tenant,),
         )[0]
-        if _int(count) >= max_sandboxes:
-            quota, limit, used = "sandboxes", float(max_sandboxes), float(_int(count))
-        elif _milli(float(str(used_cpus))) + _milli(cpus) > _milli(max_cpus):
-            quota, limit, used = "cpus", max_cpus, _milli(float(str(used_cpus))) / 1000
+        if _int(count) >= quotas.sandboxes:
+            quota, limit, used = "sandboxes", float(quotas.sandboxes), float(_int(count))
+        elif _milli(float(str(used_cpus))) + _milli(cpus) > _milli(quotas.cpus):
+            quota, limit, used = "cpus", quotas.cpus, _milli(float(str(used_cpus))) / 1000
         else:
-            quota, limit, used = "memory_mb", float(max_memory_mb), float(str(used_memory))
-        raise exc.QuotaExceeded(
-            f"tenant {tenant!r} holds {used:g} of its {limit:g} {quota}; this sandbox would need "
-            f"{ {'sandboxes': 1, 'cpus': cpus, 'memory_mb': memory_mb}[quota] } more: delete a sandbox, "
-            "or ask for smaller limits",
+            quota, limit, used = "memory_mb", float(quotas.memory_mb), float(str(used_memory))
+        return exc.QuotaExceeded(
+            f"tenant {tenant!r} holds {used:g} of its {limit:g} {quota} (its sandboxes and running runs); "
+            f"{what} would need { {'sandboxes': 1, 'cpus': cpus, 'memory_mb': memory_mb}[quota] } more: "
+            "delete a sandbox, wait for a run, or ask for smaller limits",
             quota=quota,
             limit=limit,
             used=used,

@@ -18,7 +18,7 @@ from stockade.server.app import create_app
 from stockade.server.context import ServiceConfig
 from stockade.server.service import Service
 from stockade.server.state import ServiceStore, open_database
-from stockade.server.tenants import Tenant, Tenants, new_token
+from stockade.server.tenants import Quotas, Tenant, Tenants, new_token
 
 ELSEWHERE = "another-boot-id/4026531836/4242/123456/0badc0de"  # a process of another machine
 
@@ -34,7 +34,7 @@ def dead_owner() -> str:
 def reserve(store: ServiceStore, sandbox_id: str, owner: str, tenant: str = "acme") -> None:
     store.reserve_sandbox(
         sandbox_id=sandbox_id, tenant=tenant, owner=owner, tier="process", cpus=1.0, memory_mb=256,
-        max_sandboxes=10, max_cpus=8.0, max_memory_mb=8192,
+        quotas=Quotas(),
     )  # fmt: skip
 
 

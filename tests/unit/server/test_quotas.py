@@ -35,8 +35,7 @@ def reserve(
 ) -> None:  # fmt: skip
     store.reserve_sandbox(
         sandbox_id=sandbox_id, tenant=tenant, owner="owner-1", tier="process", cpus=cpus,
-        memory_mb=memory_mb, max_sandboxes=quotas.sandboxes, max_cpus=quotas.cpus,
-        max_memory_mb=quotas.memory_mb,
+        memory_mb=memory_mb, quotas=quotas,
     )  # fmt: skip
 
 
@@ -147,3 +146,44 @@ def test_runs_queued_or_running_are_a_quota(store: ServiceStore) -> None:
     assert store.add_run(run_id="r2", tenant="acme", role=None, spec=spec, labels={}, max_active=2)
     with pytest.raises(exc.RunConflict):
         store.add_run(run_id="r2", tenant="acme", role=None, spec=spec, labels={}, max_active=9)
+
+
+def run(
+    store: ServiceStore, run_id: str, *, cpus: float = 0.5, memory_mb: int = 256, quotas: Quotas = QUOTAS
+) -> None:
+    """A run of acme's that starts: recorded, then holding its sandbox's share."""
+    if store.run(run_id) is None:
+        store.add_run(run_id=run_id, tenant="acme", role=None, spec={"task": "t"}, labels={}, max_active=100)
+    store.hold_run(run_id=run_id, tenant="acme", worker="w1", cpus=cpus, memory_mb=memory_mb, quotas=quotas)
+    store.set_status(run_id, "running", worker="w1", started=True)
+
+
+def test_running_runs_and_sandboxes_fill_one_quota(store: ServiceStore) -> None:
+    run(store, "r0", cpus=1.0, memory_mb=512)
+    run(store, "r1", cpus=0.5, memory_mb=256)
+    with pytest.raises(exc.QuotaExceeded) as cpus:  # the runs' sandboxes count for the API's
+        reserve(store, "s0", cpus=0.75)
+    assert (cpus.value.quota, cpus.value.used) == ("cpus", 1.5)
+    reserve(store, "s0", cpus=0.5, memory_mb=256)
+    with pytest.raises(exc.QuotaExceeded) as count:  # and the API's for the runs'
+        run(store, "r2", cpus=0.0, memory_mb=0)
+    assert count.value.quota == "sandboxes" and "this run's sandbox" in str(count.value)
+    assert store.run("r2") is not None and store.run("r2").status == "queued"  # type: ignore[union-attr]
+    assert store.holds("acme") == ["r0", "r1"]
+
+
+def test_a_run_gives_its_share_back_when_it_stops_running(store: ServiceStore) -> None:
+    for status in ("paused", "success", "queued", "interrupted", "error"):
+        run(store, "r0", cpus=2.0)
+        assert store.holds("acme") == ["r0"]
+        store.set_status("r0", status)
+        assert store.holds("acme") == [], status
+    run(store, "r0", cpus=2.0)
+    run(store, "r0", cpus=2.0)  # another delivery of the run that runs: its one share, kept
+    assert store.holds("acme") == ["r0"]
+
+
+def test_a_refused_set_status_keeps_the_share(store: ServiceStore) -> None:
+    run(store, "r0")
+    assert not store.set_status("r0", "success", only_from=["queued"])
+    assert store.holds("acme") == ["r0"]
