@@ -569,11 +569,18 @@ class AgentSession:
     """One run id: its sandbox (wrapped as the module docstring says), its kill switch, its loop."""
 
     def __init__(self, owner: GuardedAgent, run_id: str, *, subject: str | None = None) -> None:
+        config, log = owner.config, owner.audit_log
+        if log.redactor.text(run_id) != run_id:  # stored redacted, runs would share one id
+            raise InvalidArgument(
+                f"run id {run_id!r} holds what the audit trail's redactor removes (a secret, a token or "
+                "personal data)",
+                argument="run_id",
+                fix="give an opaque id (leave it out for a random one)",
+            )
         self.owner = owner
         self.run_id = run_id
         self.step = 0
         self.last: RunResult | None = None
-        config, log = owner.config, owner.audit_log
         auditor = RuntimeAuditor(log, run_id=run_id)
         observers: list[AgentObserver] = [AuditObserver(log), auditor.track]
         runtime: list[RuntimeObserver] = [auditor]

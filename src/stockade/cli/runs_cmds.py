@@ -525,14 +525,24 @@ def erase(
             "else the host's snapshot store)",
         ),
     ] = None,
+    approval_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--approval-dir",
+            help="where the runs' approval requests were kept (default: $STOCKADE_APPROVAL_DIR, else the "
+            "user's)",
+        ),
+    ] = None,
 ) -> None:
     """Erase runs: from the run store, their steps, calls, outputs, workspaces and seeds (what no
-    other run shares); the snapshots of their sandboxes a paused run kept; in the audit store,
+    other run shares); the snapshots of their sandboxes a paused run kept; their approval
+    requests and decisions (which name the calls' arguments); in the audit store,
     the keys their events were sealed with (runs about a data subject), so that what those
     events said can never be read again. The audit chain is not touched: it verifies as before."""
     import time
 
     from stockade.audit.stores import open_store
+    from stockade.policy.approval import ApprovalStore
     from stockade.runs.snapshots import erase_run_snapshots
     from stockade.sandbox.snapshots import SnapshotStore
 
@@ -548,6 +558,9 @@ def erase(
             erased = store.erase(chosen)
             snapshots = SnapshotStore(snapshot_dir) if snapshot_dir is not None else SnapshotStore.default()
             kept = erase_run_snapshots(snapshots, chosen)
+            approvals = ApprovalStore(approval_dir)
+            for run_id in chosen:
+                approvals.forget(run_id)
             with open_store(audit_db or db) as audit:
                 sealed = audit.erase_keys(run_ids=chosen, subject=subject)
         except exc.StockadeError as error:

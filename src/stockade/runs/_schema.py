@@ -69,6 +69,10 @@ def schema(ns: str, serial: str, blob: str) -> list[str]:
         f"""CREATE TABLE IF NOT EXISTS {ns}_subjects (
             run_id TEXT NOT NULL, subject TEXT NOT NULL, PRIMARY KEY (run_id, subject))""",
         f"CREATE INDEX IF NOT EXISTS {ns}_subjects_subject ON {ns}_subjects (subject)",
+        # the ids of erased runs (nothing else of them): an id is never given to a new run, whose
+        # events would share the old ones' id in the audit trail
+        f"""CREATE TABLE IF NOT EXISTS {ns}_erased (
+            run_id TEXT PRIMARY KEY, erased_ns BIGINT NOT NULL)""",
     ]
 
 

@@ -7,6 +7,7 @@ store: erasing runs leaves its chain as it was, so it still verifies.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from stockade import exceptions as exc
@@ -78,6 +79,9 @@ class Erasure:
         statements: list[Statement] = [
             (f"DELETE FROM {ns}_{table} WHERE run_id IN ({marks})", [runs]) for table in RUN_TABLES
         ]
+        now = time.time_ns()
+        keep_ids = f"INSERT INTO {ns}_erased VALUES (?, ?) ON CONFLICT (run_id) DO NOTHING"
+        statements.append((keep_ids, [(r, now) for r in runs]))
         self.db.write(statements)
         self.db.write([st for st in self._unshared(blobs - {""}, seeds) if st[1]])
         return as_int(found[0][0]) if found else 0

@@ -160,6 +160,11 @@ class RunStore:
         """Take the run's lease: for a ``new`` run (``RunConflict`` if the store has the id),
         or to resume one (``RunConflict`` if it ended). A live lease of another process:
         wait up to ``wait_s`` (default ``lease_wait_s``), then ``RunLeased``."""
+        if new and self._erased(run_id):
+            raise exc.RunConflict(
+                f"run {run_id!r} was erased: its id stays taken (its audit events keep it), so a new "
+                "run needs an id of its own (leave the id out for a random one)"
+            )
         if new and self._exists(run_id):
             raise exc.RunConflict(
                 f"the run store already has a run {run_id!r}: a new run needs an id of its own "
@@ -202,6 +207,9 @@ class RunStore:
             if self.db.query(f"SELECT 1 FROM {ns}_{table} WHERE run_id = ? LIMIT 1", (run_id,)):
                 return True
         return False
+
+    def _erased(self, run_id: str) -> bool:
+        return bool(self.db.query(f"SELECT 1 FROM {self.ns}_erased WHERE run_id = ?", (run_id,)))
 
     def renew_lease(self, run_id: str, owner: str, ttl_s: float) -> bool:
         """Push the lease's end ``ttl_s`` ahead; False when it is no longer ``owner``'s."""

@@ -16,7 +16,7 @@ from stockade.assembly import AgentConfig, build_agent
 from stockade.audit import SQLiteStore
 from stockade.audit.sealing import CLEAR
 from stockade.cli.main import app
-from stockade.exceptions import ComplianceNotMet, TierUnavailable
+from stockade.exceptions import ComplianceNotMet, InvalidArgument, RunConflict, TierUnavailable
 from stockade.models import ScriptedModel, tool_call
 from stockade.policy import Policy, PolicyEngine, load_policy
 from stockade.policy.compliance import PROFILES, Setup, check_compliance
@@ -102,6 +102,37 @@ def test_a_compliant_setup_starts_on_the_microvm_and_records_what_gdpr_asks(tmp_
     (tmp_path / "key").write_bytes(KEY)
     verified = CliRunner().invoke(app, ["audit", "verify", "--db", db, "--key-file", str(tmp_path / "key")])
     assert verified.exit_code == 0 and "intact" in verified.output, verified.output
+
+
+def test_erasure_leaves_no_approval_behind_and_the_erased_run_id_stays_taken(tmp_path: Path) -> None:
+    push = tool_call("run_tests", {"command": "git push origin patient-secret-18"})
+    config = setup(tmp_path, ScriptedModel([push, "pushed"]), COMPLIANT)
+    with build_agent(config) as agent:
+        paused = agent.run_sync("push", run_id="c2", subject="p-18")
+    assert paused.status == RunStatus.PAUSED, paused.error
+    kept = [f.read_text() for f in (tmp_path / "approvals").rglob("*.json")]
+    assert any("patient-secret-18" in text for text in kept)  # the request names the call
+    db = f"sqlite:///{tmp_path / 'audit.db'}"
+    erased = CliRunner().invoke(
+        app, ["runs", "erase", "--subject", "p-18", "--db", db, "--approval-dir", str(tmp_path / "approvals")]
+    )
+    assert erased.exit_code == 0, erased.output
+    assert not any("patient-secret-18" in f.read_text() for f in (tmp_path / "approvals").rglob("*.json"))
+    with (
+        build_agent(replace(config, model=ScriptedModel(["again"]))) as agent,
+        pytest.raises(RunConflict) as taken,
+    ):
+        agent.run_sync("again", run_id="c2", subject="p-18")  # its old events keep the id
+    assert "erased" in str(taken.value)
+
+
+def test_a_run_id_the_redactor_would_change_is_refused(tmp_path: Path) -> None:
+    """Under GDPR's redaction a run id like a phone number would be stored as
+    ``order-[REDACTED:phone]``: two runs would share one id in the trail."""
+    config = setup(tmp_path, ScriptedModel(["done"]), COMPLIANT)
+    with build_agent(config) as agent, pytest.raises(InvalidArgument) as refused:
+        agent.run_sync("task", run_id="order-555-123-4567")
+    assert refused.value.argument == "run_id" and "redact" in str(refused.value)
 
 
 def test_build_agent_refuses_to_start_when_a_declared_profile_is_not_met(tmp_path: Path) -> None:
