@@ -252,6 +252,39 @@ def test_a_column_that_disagrees_with_the_signed_body_is_found(target: Target) -
     assert kinds_at(target) == [(2, ProblemKind.COLUMN_MISMATCH)]
 
 
+@pytest.mark.parametrize("column", ["step = step + 100", "timestamp_ns = 0"])
+def test_an_edited_step_or_timestamp_column_is_found(target: Target, column: str) -> None:
+    """A query by hour or by step reads these columns: an event moved out of its hour is found."""
+    target.fill()
+    target.sql(f"UPDATE {{events}} SET {column} WHERE seq = 3")
+    assert kinds_at(target) == [(3, ProblemKind.COLUMN_MISMATCH)]
+
+
+def test_rows_of_types_stockade_never_writes_are_problems_not_a_crash(tmp_path: Path) -> None:
+    path = tmp_path / "audit.db"
+    target = Target(SQLiteStore(path), lambda: SQLiteStore(path), lambda statement: None)
+    target.fill()
+    target.store.close()  # type: ignore[attr-defined]
+    with sqlite3.connect(path) as conn:
+        conn.execute("DROP TRIGGER IF EXISTS audit_events_no_update")
+        conn.execute(
+            "UPDATE audit_events SET body = CAST(replace(body, 'run_code', 'rm') AS BLOB) WHERE seq = 2"
+        )
+        conn.execute("UPDATE audit_events SET body = CAST(X'7b22ff' AS TEXT) WHERE seq = 4")  # not UTF-8
+        conn.execute("UPDATE audit_events SET body = ? WHERE seq = 6", ("[" * 100_000 + "]" * 100_000,))
+        conn.execute("UPDATE audit_events SET step = 'two' WHERE seq = 8")
+    with SQLiteStore(path) as store:
+        found = {(p.seq, p.kind) for p in verify(store).problems}
+        assert {(2, ProblemKind.EDITED), (4, ProblemKind.UNREADABLE), (6, ProblemKind.UNREADABLE)} <= found
+        assert (8, ProblemKind.COLUMN_MISMATCH) in found
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE audit_head SET seq = 'ten' WHERE id = 1")
+    with SQLiteStore(path) as store:
+        report = verify(store)
+    assert (0, ProblemKind.HEAD_FORGED) in {(p.seq, p.kind) for p in report.problems}
+    assert report.checked == 10  # and every event was still read
+
+
 def test_verify_of_one_run_reports_that_run_and_counts_the_rest(target: Target) -> None:
     # A problem of another run only: an event of run-b whose column says run-c (its signed
     # body says run-b, and is intact).

@@ -162,14 +162,23 @@ class PostgresStore(AuditStore):
         try:
             with conn.transaction(), conn.cursor(name="stockade_audit_rows") as cur:
                 cur.itersize = 10_000
-                sql = f"SELECT seq, run_id, kind, body, hash FROM {self.ns}_events WHERE seq > %s"
+                columns = "seq, run_id, kind, body, hash, step, timestamp_ns"
+                sql = f"SELECT {columns} FROM {self.ns}_events WHERE seq > %s"
                 params: tuple[object, ...] = (after_seq,)
                 if run_id is not None:
                     sql += " AND run_id = %s"
                     params += (run_id,)
                 cur.execute((sql + " ORDER BY seq").encode(), params)
-                for seq, row_run, kind, body, hash_ in cur:
-                    yield Row(int(str(seq)), str(row_run), str(kind), str(body), str(hash_))
+                for seq, row_run, kind, body, hash_, step, timestamp_ns in cur:
+                    yield Row(
+                        int(str(seq)),
+                        str(row_run),
+                        str(kind),
+                        str(body),
+                        str(hash_),
+                        int(str(step)),
+                        int(str(timestamp_ns)),
+                    )
         finally:
             conn.close()
 

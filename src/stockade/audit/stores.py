@@ -52,6 +52,8 @@ class Row(NamedTuple):
     kind: str
     body: str
     hash: str
+    step: int
+    timestamp_ns: int
 
 
 class AuditStore(abc.ABC):
@@ -162,7 +164,10 @@ class MemoryStore(AuditStore):
         with self._lock:
             check_chain(self._head, chain)
             sealed, self._head = seal_batch(drafts, chain, self._head)
-            self._rows.extend(Row(e.seq, e.run_id, e.kind.value, e.body.decode(), e.hash) for e in sealed)
+            self._rows.extend(
+                Row(e.seq, e.run_id, e.kind.value, e.body.decode(), e.hash, e.step, e.timestamp_ns)
+                for e in sealed
+            )
             return sealed
 
     def rows(self, *, run_id: str | None = None, after_seq: int = 0) -> Iterator[Row]:
@@ -172,6 +177,25 @@ class MemoryStore(AuditStore):
 
     def head(self) -> Head | None:
         return self._head
+
+
+_ROW_COLUMNS = "seq, run_id, kind, body, hash, step, timestamp_ns"
+
+
+def _lenient_text(data: bytes) -> str:
+    return data.decode("utf-8", "replace")
+
+
+def _row(raw: tuple[object, ...]) -> Row:
+    """A stored row as a ``Row``; a value of another type than stockade writes (a BLOB body,
+    a text step) is kept as text, for ``verify`` to find it does not match."""
+    row = Row._make(raw)
+    if type(row.body) is str and type(row.run_id) is str and type(row.kind) is str and type(row.hash) is str:
+        return row
+    return Row._make(
+        v.decode("utf-8", "replace") if isinstance(v, bytes) else v if i in (0, 5, 6) else str(v)
+        for i, v in enumerate(raw)
+    )
 
 
 def _sqlite_schema(ns: str) -> str:
@@ -274,7 +298,10 @@ class SQLiteStore(AuditStore):
         row = conn.execute(f"SELECT seq, hash, algorithm, mac FROM {self.ns}_head WHERE id = 1").fetchone()
         if row is None or row[0] == 0:
             return None
-        return Head(seq=row[0], hash=row[1], algorithm=row[2], mac=row[3])
+        seq, hash_, algorithm, mac = row
+        if not isinstance(seq, int) or not all(isinstance(v, str) for v in (hash_, algorithm, mac)):
+            raise exc.AuditIntegrityError(f"audit store {self.path}: the head record is not a head (edited)")
+        return Head(seq=seq, hash=hash_, algorithm=algorithm, mac=mac)
 
     def head(self) -> Head | None:
         with self._lock:
@@ -284,15 +311,26 @@ class SQLiteStore(AuditStore):
         # A connection of its own: a long read (verify, export) never holds up appends.
         conn = self._connect()
         try:
-            sql = f"SELECT seq, run_id, kind, body, hash FROM {self.ns}_events WHERE seq > ?"
-            params: tuple[object, ...] = (after_seq,)
+            sql = f"SELECT {_ROW_COLUMNS} FROM {self.ns}_events WHERE seq > ?"
             if run_id is not None:
                 sql += " AND run_id = ?"
-                params += (run_id,)
-            cursor = conn.execute(sql + " ORDER BY seq", params)
-            make = Row._make
-            while batch := cursor.fetchmany(4096):
-                yield from map(make, batch)
+            sql += " ORDER BY seq"
+            last = after_seq
+            while True:
+                try:
+                    cursor = conn.execute(sql, (last,) if run_id is None else (last, run_id))
+                    while batch := cursor.fetchmany(4096):
+                        for raw in batch:
+                            row = _row(raw)
+                            last = row.seq
+                            yield row
+                    return
+                except sqlite3.OperationalError:
+                    if conn.text_factory is _lenient_text:
+                        raise
+                    # a text column that is not UTF-8 (written around stockade): read on from the
+                    # row it broke at with a decoder that keeps it, so verify reports it as edited
+                    conn.text_factory = _lenient_text
         finally:
             conn.close()
 

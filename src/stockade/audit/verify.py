@@ -14,9 +14,18 @@ its hash, a MAC over both) updated in the transaction of every batch:
 - without a key, anyone who can write the store can recompute the whole chain and the head;
   the plain SHA-256 chain only catches accidents and careless edits. Use a key;
 - a head *replayed* from an older copy of the store (rollback), or a store emptied entirely,
-  cannot be told from the truth by anything inside the store. For that, keep the head
+  cannot be told from the truth by anything inside the store. The store's own files hold
+  such copies: SQLite's write-ahead log and free pages, PostgreSQL's dead rows and WAL keep
+  earlier heads, MAC and all, so whoever can write the store can cut a keyed chain back to
+  the end of an earlier batch and write that batch's head back. For that, keep the head
   outside (export it to your SIEM, print it in a release log) and pass it as
   ``expected_head``: verification then fails unless the chain reaches it.
+
+Each row's queryable columns (``run_id``, ``kind``, ``step``, ``timestamp_ns``) are checked
+against the signed body too, so a query over them (events of a run, of an hour) is as
+trustworthy as the chain. A row of a type stockade never writes (a BLOB body, text that is
+not UTF-8, a body nested past reading, a head whose fields are not numbers and text) is a
+problem found, never a crash of the verification.
 
 A chain can be intact and still miss what happened: events that died in a crashed process's
 buffer were never sealed. Given the run store's ledger (``ledger=``, a ``RunStore``), the
@@ -52,27 +61,42 @@ __all__ = ["Ledger", "LedgerCall", "Problem", "ProblemKind", "VerifyReport", "ve
 _STRING = r'"(?:[^"\\]|\\.)*"'
 _TAIL = re.compile(
     rf'"kind":({_STRING}),"prev_hash":"([^"]*)","run_id":({_STRING}),"seq":(-?\d+),'
-    r'"step":-?\d+,"timestamp_ns":-?\d+,"v":\d+}\Z'
+    r'"step":(-?\d+),"timestamp_ns":(-?\d+),"v":\d+}\Z'
 )
 
 
-def _signed_fields(body: str, strings: dict[str, str]) -> tuple[int, str, str, str]:
-    """(seq, prev_hash, run_id, kind) as signed in ``body``; ``ValueError`` if it is not an event."""
+class _Signed(NamedTuple):
+    seq: int
+    prev: str
+    run_id: str
+    kind: str
+    step: int
+    timestamp_ns: int
+
+
+def _signed_fields(body: str, strings: dict[str, str]) -> _Signed:
+    """What ``body`` signs of its row's columns; ``ValueError`` if it is not an event."""
     match = _TAIL.match(body, max(0, body.rfind('"kind":"')))
     if match is None:
-        data = json.loads(body)
         try:
-            seq, prev, run, kind = data["seq"], data["prev_hash"], data["run_id"], data["kind"]
-        except (KeyError, TypeError) as error:
+            data = json.loads(body)
+            return _Signed(
+                data["seq"],
+                data["prev_hash"],
+                data["run_id"],
+                data["kind"],
+                data["step"],
+                data["timestamp_ns"],
+            )
+        except (KeyError, TypeError, RecursionError) as error:  # not an event, or nested past reading
             raise ValueError("not an audit event") from error
-        return seq, prev, run, kind
-    kind_token, prev, run_token, seq = match.groups()
+    kind_token, prev, run_token, seq, step, timestamp_ns = match.groups()
     for token in (kind_token, run_token):
         if token not in strings:
             if len(strings) > 10_000:
                 strings.clear()
             strings[token] = json.loads(token)
-    return int(seq), prev, strings[run_token], strings[kind_token]
+    return _Signed(int(seq), prev, strings[run_token], strings[kind_token], int(step), int(timestamp_ns))
 
 
 class ProblemKind(enum.StrEnum):
@@ -174,10 +198,14 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
     With ``ledger``, the tool calls it holds are cross-checked with the ``tool_call`` events.
     """
     chain = Chain(key)
-    head = store.head()
     problems: list[Problem] = []
     elsewhere = 0
     truncated = False
+    try:
+        head = store.head()
+    except exc.AuditIntegrityError as error:
+        head = None
+        problems.append(Problem(seq=0, kind=ProblemKind.HEAD_FORGED, detail=str(error)))
 
     def report(seq: int, kind: ProblemKind, detail: str, run: str = "", signed: str | None = None) -> None:
         """``run``: the run the row's column names; ``signed``: the one its signed body names,
@@ -206,7 +234,7 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
     audited: dict[tuple[str, str], int] = {}  # (run, idempotency key) of each tool_call event -> its seq
     ended: dict[str, int] = {}  # run -> the seq of its final run_end
     at_head: str | None = None  # the stored hash of the event the head record named
-    for seq, run, kind, body, stored_hash in store.rows():
+    for seq, run, kind, body, stored_hash, step, timestamp_ns in store.rows():
         checked += 1
         if head is not None and seq == head.seq:
             at_head = stored_hash
@@ -215,7 +243,8 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
         if ledger is not None and kind in _KEYED and (run_id is None or run == run_id):
             _once(seq, run, kind, body, audited=audited, ended=ended, report=report)
         try:
-            signed_seq, signed_prev, signed_run, signed_kind = _signed_fields(body, strings)
+            signed = _signed_fields(body, strings)
+            signed_run = signed.run_id
         except ValueError:
             report(seq, ProblemKind.UNREADABLE, "the body is not an audit event", run, signed="")
             prev, expected_seq, last_seq = stored_hash, seq + 1, seq
@@ -226,19 +255,25 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
         elif seq < expected_seq:
             detail = f"seq {seq} comes after {expected_seq - 1}"
             report(seq, ProblemKind.OUT_OF_ORDER, detail, run, signed_run)
-        if signed_seq != seq:
-            detail = f"the row is seq {seq} but its signed body says {signed_seq} (moved or renumbered)"
+        if signed.seq != seq:
+            detail = f"the row is seq {seq} but its signed body says {signed.seq} (moved or renumbered)"
             report(seq, ProblemKind.OUT_OF_ORDER, detail, run, signed_run)
-        if signed_prev != prev:
+        if signed.prev != prev:
             detail = (
                 "prev_hash is not the hash of the event before: that event was edited, "
                 "or events were removed or inserted between them"
             )
             report(seq, ProblemKind.BROKEN_LINK, detail, run, signed_run)
-        if signed_run != run or signed_kind != kind:
-            detail = f"columns say {run!r}/{kind!r}, the signed body {signed_run!r}/{signed_kind!r}"
+        if signed_run != run or signed.kind != kind:
+            detail = f"columns say {run!r}/{kind!r}, the signed body {signed_run!r}/{signed.kind!r}"
             report(seq, ProblemKind.COLUMN_MISMATCH, detail, run, signed_run)
-        if check_hashes and link(signed_prev, body.encode()) != stored_hash:
+        if signed.step != step or signed.timestamp_ns != timestamp_ns:
+            detail = (
+                f"columns say step {step!r} at {timestamp_ns!r}, the signed body step {signed.step} "
+                f"at {signed.timestamp_ns}"
+            )
+            report(seq, ProblemKind.COLUMN_MISMATCH, detail, run, signed_run)
+        if check_hashes and link(signed.prev, body.encode()) != stored_hash:
             edited += 1
             report(seq, ProblemKind.EDITED, "the event's content does not match its hash", run, signed="")
         # Continue from what is stored, so that one tampered event is one finding, not a cascade.
@@ -349,7 +384,7 @@ def _once(
 def _attributes(body: str) -> dict[str, object]:
     try:
         attributes = json.loads(body).get("attributes", {})
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return {}
     return attributes if isinstance(attributes, dict) else {}
 
