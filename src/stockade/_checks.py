@@ -17,6 +17,8 @@ E = TypeVar("E", bound=StrEnum)
 
 
 def _shown(value: object) -> str:
+    if isinstance(value, int) and not -(10**60) < value < 10**60:  # repr of a huge int is slow, or refused
+        return f"an integer of about {value.bit_length() * math.log10(2):.0f} digits"
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
@@ -67,11 +69,11 @@ def check_number(
             argument=argument,
             fix=fix,
         )
-    if not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):  # an int is finite (and may not fit a float)
         raise InvalidArgument(f"{argument} must be finite, got {value!r}", argument=argument, fix=fix)
     too_low = value < low if low_inclusive else value <= low
     if too_low or value > high:
-        raise InvalidArgument(f"{argument} is out of range: {value!r}", argument=argument, fix=fix)
+        raise InvalidArgument(f"{argument} is out of range: {_shown(value)}", argument=argument, fix=fix)
 
 
 # A week: longer is a mistake, not a plan, and the supervisor's poll timeout (milliseconds in

@@ -195,6 +195,9 @@ def test_bad_input_gets_a_clear_4xx_and_the_audit_trail_still_verifies(
              400, "body"),
             (http.post("/v1/sandboxes", json={"tier": "process", "colour": "red"}), 422, "colour"),
             (http.post("/v1/sandboxes", json={"limits": {"memory_mb": 1}}), 422, "Limits.memory_mb"),
+            (http.post("/v1/sandboxes", json={"limits": {"memory_mb": 10**400}}), 422, "Limits.memory_mb"),
+            (http.post("/v1/runs", json={"task": "t", "scripted": [], "sandbox_limits": {"pids": 10**400}}),
+             422, "Limits.pids"),
             (http.post("/v1/runs", json={"task": ""}), 422, "task"),
             (http.put(f"{base}/archive", content=tar_of([member("../evil.txt")], {"../evil.txt": b"x"})),
              422, ""),
@@ -266,6 +269,20 @@ def test_a_run_is_submitted_followed_and_its_diff_and_artifacts_fetched(acme: Cl
     assert (tmp_path / "project" / "app.py").read_text() == "print('v1')\n"  # the upload was copied
     with pytest.raises(exc.RunConflict):
         acme.runs.submit("another task", scripted=["done"], idempotency_key="update-1")
+
+
+def test_an_event_stream_resumes_from_any_position_a_client_sends(
+    service: tuple[Server, Tokens, Path], acme: Client
+) -> None:
+    run = acme.runs.submit("answer", scripted=["done"])
+    assert run.wait().status == "success"
+    with raw(service) as http:
+        whole = http.get(f"/v1/runs/{run.id}/events").text
+        for header in (b"\xb2", b"9" * 40, b"-1", b"abc"):  # not a position: from the start
+            again = http.get(f"/v1/runs/{run.id}/events", headers={"Last-Event-ID": header})
+            assert again.status_code == 200 and again.text.count("event: ") == whole.count("event: "), header
+        past = http.get(f"/v1/runs/{run.id}/events", params={"after": 10**30})
+    assert past.status_code == 422 and past.json()["field"] == "after", past.text
 
 
 def test_a_pending_approval_pauses_the_run_until_decided(

@@ -79,7 +79,9 @@ def int_field(value: Any) -> int:
 
 def float_field(value: Any) -> float:
     """A number the supervisor sent, or 0.0 for anything else (a word, a list, NaN)."""
-    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+    if isinstance(value, float) and math.isfinite(value):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 2**1000:  # fits a float
         return float(value)
     return 0.0
 

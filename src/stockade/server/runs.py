@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import re
 import tempfile
 import uuid
 from collections.abc import AsyncIterator
@@ -235,14 +236,17 @@ async def get_run(run_id: str, request: Request, caller: Caller) -> RunOut:
             response_class=StreamingResponse)  # fmt: skip
 async def run_events(
     run_id: str, request: Request, caller: Caller,
-    after: Annotated[int, Query(ge=0, description="send events after this sequence number")] = 0,
+    after: Annotated[int, Query(ge=0, le=2**62, description="send events after this sequence number")] = 0,
     last_event_id: Annotated[str | None, Header()] = None,
 ) -> StreamingResponse:  # fmt: skip
     service = get_service(request)
     await _blocking(lambda: _row(service, caller, run_id))
     namespace = caller.tenant.audit_namespace
     await _blocking(lambda: service.audit.get(caller.tenant))  # its tables exist
-    start = max(after, int(last_event_id) if last_event_id and last_event_id.isdigit() else 0)
+    # the id of the last event the client saw (EventSource sends it on reconnecting): a sequence
+    # number, or anything else ignored
+    resumed = int(last_event_id) if last_event_id and re.fullmatch(r"[0-9]{1,18}", last_event_id) else 0
+    start = max(after, resumed)
 
     async def stream() -> AsyncIterator[bytes]:
         seq, last_status = start, None

@@ -769,7 +769,7 @@ async def upload_archive(sandbox_id: str, request: Request, caller: Caller, path
             response_class=Response)  # fmt: skip
 async def download_archive(
     sandbox_id: str, request: Request, caller: Caller, path: PathQuery = "",
-    max_bytes: Annotated[int | None, Query(ge=1)] = None,
+    max_bytes: Annotated[int | None, Query(ge=1, le=2**62)] = None,
     max_entries: Annotated[int, Query(ge=1, le=1_000_000)] = 100_000,
 ) -> Response:  # fmt: skip
     service = get_service(request)

@@ -139,7 +139,7 @@ class WorkspaceOut(BaseModel):
 class RunLimitsIn(_In):
     max_steps: int = Field(default=30, ge=1, le=10_000)
     max_wall_s: float = Field(default=900.0, gt=0, le=7 * 86400)
-    max_tokens: int = Field(default=1_000_000, ge=1)
+    max_tokens: int = Field(default=1_000_000, ge=1, le=2**62)
     max_cost_usd: float | None = Field(default=None, gt=0)
 
 
