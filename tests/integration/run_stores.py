@@ -31,6 +31,7 @@ TABLES = (
     "blobs",
     "workspace",
     "subjects",
+    "erased",
 )
 
 

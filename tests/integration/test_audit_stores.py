@@ -264,7 +264,7 @@ def test_rows_of_types_stockade_never_writes_are_problems_not_a_crash(tmp_path: 
     path = tmp_path / "audit.db"
     target = Target(SQLiteStore(path), lambda: SQLiteStore(path), lambda statement: None)
     target.fill()
-    target.store.close()  # type: ignore[attr-defined]
+    target.store.close()
     with sqlite3.connect(path) as conn:
         conn.execute("DROP TRIGGER IF EXISTS audit_events_no_update")
         conn.execute(

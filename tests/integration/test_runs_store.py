@@ -145,3 +145,39 @@ def test_a_subjects_runs_are_erased_and_nothing_else(store: RunStore) -> None:
         assert count(store, table, "theirs") > 0, table
     assert store.load("mine") is None and store.load("theirs") is not None
     assert store.runs_of(before_ns=2**62) == ["theirs"]
+
+
+def test_processes_started_together_create_the_tables_once(
+    run_store_target: StoreTarget,  # noqa: F811 - the fixture
+) -> None:
+    """Several servers and workers started at once on a fresh database: each makes the run
+    store's and the service's tables if missing, and none fails on another's doing so."""
+    import threading
+
+    from stockade.runs._db import PostgresDatabase
+    from stockade.server.state import TABLES, ServiceStore, open_database
+
+    service_ns = f"{run_store_target.namespace}_s"
+    barrier = threading.Barrier(4)
+    failures: list[BaseException] = []
+
+    def start() -> None:
+        barrier.wait()
+        try:
+            RunStore(open_database(run_store_target.url), namespace=run_store_target.namespace).close()
+            ServiceStore(open_database(run_store_target.url), namespace=service_ns).close()
+        except BaseException as error:  # reported below
+            failures.append(error)
+
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    db = open_database(run_store_target.url)
+    try:
+        if isinstance(db, PostgresDatabase):
+            db.write([(f"DROP TABLE IF EXISTS {', '.join(f'{service_ns}_{t}' for t in TABLES)}", [()])])
+    finally:
+        db.close()
+    assert failures == []

@@ -279,7 +279,7 @@ def test_an_event_stream_resumes_from_any_position_a_client_sends(
     with raw(service) as http:
         whole = http.get(f"/v1/runs/{run.id}/events").text
         for header in (b"\xb2", b"9" * 40, b"-1", b"abc"):  # not a position: from the start
-            again = http.get(f"/v1/runs/{run.id}/events", headers={"Last-Event-ID": header})
+            again = http.get(f"/v1/runs/{run.id}/events", headers={b"Last-Event-ID": header})
             assert again.status_code == 200 and again.text.count("event: ") == whole.count("event: "), header
         past = http.get(f"/v1/runs/{run.id}/events", params={"after": 10**30})
     assert past.status_code == 422 and past.json()["field"] == "after", past.text

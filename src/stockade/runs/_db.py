@@ -41,6 +41,10 @@ class Database(Protocol):
 
     def query(self, sql: str, params: Sequence[object] = ()) -> Rows: ...
 
+    def create(self, statements: Sequence[str], *, name: str) -> None:
+        """Run the ``CREATE ... IF NOT EXISTS`` statements of the tables ``name`` names, one
+        process at a time (processes started together race on them otherwise)."""
+
     def close(self) -> None: ...
 
 
@@ -67,6 +71,9 @@ class SQLiteDatabase:
             self._conn.execute("PRAGMA synchronous=NORMAL")
         except sqlite3.Error as error:
             raise exc.RunStoreError(f"cannot open the run store {self.path}: {error}") from error
+
+    def create(self, statements: Sequence[str], *, name: str) -> None:
+        self.write([(sql, [()]) for sql in statements])  # BEGIN IMMEDIATE: one writer at a time
 
     def write(self, statements: Sequence[Statement], *, require: Requirement | None = None) -> bool:
         with self._lock:
@@ -167,6 +174,12 @@ class PostgresDatabase:
             except Exception as error:
                 raise self._failure(error) from error
             return True
+
+    def create(self, statements: Sequence[str], *, name: str) -> None:
+        # CREATE TABLE IF NOT EXISTS is not safe against itself in PostgreSQL: two processes
+        # both find the table missing and one fails on the catalog's unique index
+        lock = ("SELECT pg_advisory_xact_lock(hashtext(?))", [(f"stockade-{name}",)])
+        self.write([lock, *((sql, [()]) for sql in statements)])
 
     def query(self, sql: str, params: Sequence[object] = ()) -> Rows:
         with self._lock:

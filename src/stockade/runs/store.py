@@ -118,7 +118,7 @@ class RunStore:
             where=where,
         )
         self._erasure = Erasure(db, self.ns)
-        self.db.write([(sql, [()]) for sql in schema(self.ns, db.serial, db.blob)])
+        self.db.create(schema(self.ns, db.serial, db.blob), name=self.ns)
 
     # The workspace caps are the workspace history's: set here, they apply to the runs it
     # starts tracking from then on, as they did when they were the store's own.

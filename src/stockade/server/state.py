@@ -205,7 +205,7 @@ class ServiceStore:
     def __init__(self, db: Database, *, namespace: str = "svc") -> None:
         self.db = db
         self.ns = namespace
-        self.db.write([(sql, [()]) for sql in _schema(namespace, db.blob)])
+        self.db.create(_schema(namespace, db.blob), name=namespace)
 
     # -- runs ---------------------------------------------------------------------------
 
