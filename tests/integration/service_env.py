@@ -54,8 +54,9 @@ class Tokens:
 
 
 def write_tenants(
-    folder: Path, *, sandboxes: int = 3, memory_mb: int = 2048, runs: int = 50, acme_rate: str = ""
-) -> tuple[Path, Tokens]:
+    folder: Path, *, sandboxes: int = 3, memory_mb: int = 2048, runs: int = 50, storage_mb: int = 2048,
+    acme_rate: str = "",
+) -> tuple[Path, Tokens]:  # fmt: skip
     """``acme_rate``: lines of acme's rate limit (``rate_per_minute = 2``, ...), none by default."""
     from stockade.server.tenants import Tenants, new_token
 
@@ -65,7 +66,7 @@ def write_tenants(
     other, other_record = new_token("other", "dev")
     lines = [
         f'[tenants.acme]\npolicy = "policy.toml"\nsandboxes = {sandboxes}\ncpus = 4\n'
-        f"memory_mb = {memory_mb}\nruns = {runs}\n{acme_rate}",
+        f"memory_mb = {memory_mb}\nruns = {runs}\nstorage_mb = {storage_mb}\n{acme_rate}",
         '[tenants.other]\npolicy = "policy.toml"\n',
     ]
     empty = Tenants(tenants={}, tokens={})

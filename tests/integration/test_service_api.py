@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import os
 import tarfile
 import time
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ pytestmark = [pytest.mark.process]
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Tokens, Path]]:
     require_tier("process")
     folder = tmp_path_factory.mktemp("service")
-    tenants, tokens = write_tenants(folder)
+    tenants, tokens = write_tenants(folder, storage_mb=1)
     server = Server(tenants, f"sqlite:///{folder / 'service.db'}", folder)
     try:
         yield server, tokens, folder
@@ -357,6 +358,36 @@ def test_a_runs_sandbox_holds_its_share_of_the_tenants_quota(acme: Client) -> No
     finally:
         for sbx in held:
             sbx.close()
+
+
+def test_uploaded_workspaces_and_kept_artifacts_fill_a_storage_quota(
+    service: tuple[Server, Tokens, Path], acme: Client, tmp_path: Path
+) -> None:
+    """acme keeps at most 1 MiB of workspaces and run artifacts in the service's database."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    for folder in (first, second):
+        folder.mkdir()
+        (folder / "data.bin").write_bytes(os.urandom(600 * 1024))  # does not compress
+    kept = acme.runs.upload_workspace(first)
+    assert acme.runs.upload_workspace(first) == kept  # the same upload again costs nothing
+    with pytest.raises(exc.QuotaExceeded) as full:
+        acme.runs.upload_workspace(second)
+    assert full.value.quota == "storage_mb" and "DELETE /v1/workspaces/ID" in str(full.value)
+    assert kept in [w["id"] for w in acme.workspaces()]
+    sleep = {"name": "run_code", "args": {"code": "import time; time.sleep(60)", "language": "python"}}
+    run = acme.runs.submit("sleep", scripted=[sleep, "never"], workspace=kept)
+    wait_for(lambda: run.refresh().status == "running", what="the run to start", timeout_s=30)
+    with pytest.raises(exc.RunConflict):  # it starts (and would resume) from it
+        acme.delete_workspace(kept)
+    run.kill("enough")
+    assert run.wait(timeout_s=30).status == "killed"
+    with pytest.raises(exc.ResourceNotFound):  # 600 KiB more did not fit: not kept
+        run.artifacts(tmp_path / "out")
+    with Client(service[0].url, service[1].other) as other, pytest.raises(exc.ResourceNotFound):
+        other.delete_workspace(kept)
+    acme.delete_workspace(kept)
+    assert kept not in [w["id"] for w in acme.workspaces()]
+    acme.delete_workspace(acme.runs.upload_workspace(second))  # room again
 
 
 def test_runs_go_on_after_the_server_restarts(tmp_path: Path) -> None:

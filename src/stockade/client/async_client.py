@@ -116,6 +116,10 @@ class AsyncRemoteRun:
         data = (await self.client.http.request("GET", f"/v1/runs/{self.id}/artifacts")).content
         return await asyncio.to_thread(unpack_artifacts, data, dest)
 
+    async def delete_artifacts(self) -> None:
+        """See ``RemoteRun.delete_artifacts``."""
+        await self.client.http.request("DELETE", f"/v1/runs/{self.id}/artifacts")
+
     def __repr__(self) -> str:
         return f"<AsyncRemoteRun {self.id} {self.status}>"
 
@@ -215,6 +219,15 @@ class AsyncClient:
     async def delete_snapshot(self, snapshot: Snapshot | str) -> None:
         """See ``Client.delete_snapshot``."""
         await self.http.request("DELETE", f"/v1/snapshots/{snapshot_id(snapshot)}")
+
+    async def workspaces(self) -> list[dict[str, Any]]:
+        """See ``Client.workspaces``."""
+        found: list[dict[str, Any]] = (await self.http.request("GET", "/v1/workspaces")).json()
+        return found
+
+    async def delete_workspace(self, workspace_id: str) -> None:
+        """See ``Client.delete_workspace``."""
+        await self.http.request("DELETE", f"/v1/workspaces/{workspace_id}")
 
     async def verify_audit(self) -> dict[str, Any]:
         found: dict[str, Any] = (await self.http.request("GET", "/v1/audit/verify")).json()

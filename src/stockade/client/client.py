@@ -196,6 +196,10 @@ class RemoteRun:
             self.client.http.request("GET", f"/v1/runs/{self.id}/artifacts").content, dest
         )
 
+    def delete_artifacts(self) -> None:
+        """Forget the run's kept final workspace (its bytes are free of ``storage_mb``)."""
+        self.client.http.request("DELETE", f"/v1/runs/{self.id}/artifacts")
+
     def __repr__(self) -> str:
         return f"<RemoteRun {self.id} {self.status}>"
 
@@ -300,6 +304,16 @@ class Client:
         """Forget a snapshot (a paused sandbox's: the sandbox is gone with it); its disk is
         free of your ``snapshot_mb`` quota."""
         self.http.request("DELETE", f"/v1/snapshots/{snapshot_id(snapshot)}")
+
+    def workspaces(self) -> list[dict[str, Any]]:
+        """Your uploaded workspaces (``id``, ``bytes``, ``uploaded_at``), newest first."""
+        found: list[dict[str, Any]] = self.http.request("GET", "/v1/workspaces").json()
+        return found
+
+    def delete_workspace(self, workspace_id: str) -> None:
+        """Forget an uploaded workspace (``RunConflict`` while a run that starts from it has
+        not ended); its bytes are free of your ``storage_mb`` quota."""
+        self.http.request("DELETE", f"/v1/workspaces/{workspace_id}")
 
     def verify_audit(self) -> dict[str, Any]:
         found: dict[str, Any] = self.http.request("GET", "/v1/audit/verify").json()

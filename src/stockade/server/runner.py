@@ -50,7 +50,7 @@ from stockade.server.state import TERMINAL, DatabaseApprovals, DatabaseKillSourc
 from stockade.server.tenants import Tenant
 from stockade.tools.base import Toolset
 from stockade.tools.builtin import default_toolset
-from stockade.types import Limits
+from stockade.types import Limits, MiB
 
 __all__ = ["RunOutcome", "Runner", "load_toolset", "scripted_model"]
 
@@ -229,7 +229,7 @@ class Runner:
                     with self._lock:
                         self._sessions.pop(run_id, None)
                 if result.status.finished:
-                    self._keep_artifacts(run_id, session)
+                    self._keep_artifacts(run_id, tenant, session)
         except exc.RunLeased:
             raise
         except exc.RunConflict:
@@ -250,7 +250,7 @@ class Runner:
         self.store.set_status(run_id, status, error=result.error)
         return RunOutcome(run_id=run_id, status=status, error=result.error)
 
-    def _keep_artifacts(self, run_id: str, session: AgentSession) -> None:
+    def _keep_artifacts(self, run_id: str, tenant: Tenant, session: AgentSession) -> None:
         """The final workspace, packed (what ``GET /v1/runs/{id}/artifacts`` returns)."""
         with tempfile.TemporaryDirectory(prefix="stockade-artifacts-", dir=self.config.temp_dir) as tmp:
             try:
@@ -259,4 +259,9 @@ class Runner:
             except exc.StockadeError as error:
                 log.warning("run %s: its artifacts were not kept: %s", run_id, error)
                 return
-            self.store.put_artifacts(run_id, seed.digest, seed.data, len(seed.data))
+            if not self.store.put_artifacts(
+                run_id, seed.digest, seed.data, len(seed.data), max_bytes=tenant.quotas.storage_mb * MiB
+            ):
+                log.warning(
+                    "run %s: its artifacts were not kept: its tenant's storage_mb quota is full", run_id
+                )

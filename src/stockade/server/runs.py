@@ -45,13 +45,14 @@ from stockade.server.schemas import (
     KillRequest,
     RunOut,
     RunSubmit,
+    WorkspaceInfo,
     WorkspaceOut,
 )
 from stockade.server.service import Service
 from stockade.server.state import TERMINAL, RunRow
 from stockade.server.tenants import Principal
 from stockade.server.uploads import unpack_archive
-from stockade.types import Limits
+from stockade.types import Limits, MiB
 
 __all__ = ["decide_approval", "router", "run_status"]
 
@@ -126,11 +127,45 @@ async def upload_workspace(request: Request, caller: Caller) -> WorkspaceOut:
         with tempfile.TemporaryDirectory(prefix="stockade-workspace-", dir=service.config.temp_dir) as tmp:
             files = unpack_archive(data, Path(tmp) / "in", max_bytes=cap)
             seed = pack_workspace(Path(tmp) / "in", max_bytes=cap)
-        service.store.put_workspace(caller.tenant.id, seed.digest, seed.data, len(seed.data))
+        service.store.put_workspace(
+            caller.tenant.id,
+            seed.digest,
+            seed.data,
+            len(seed.data),
+            max_bytes=caller.tenant.quotas.storage_mb * MiB,
+        )
         return WorkspaceOut(id=seed.digest, bytes=len(seed.data), files=files)
 
     out: WorkspaceOut = await _blocking(work)
     return out
+
+
+@router.get("/v1/workspaces", response_model=list[WorkspaceInfo], tags=["runs"],
+            summary="Your uploaded workspaces, newest first")  # fmt: skip
+async def list_workspaces(request: Request, caller: Caller) -> list[WorkspaceInfo]:
+    service = get_service(request)
+    rows = await _blocking(lambda: service.store.workspaces(caller.tenant.id))
+    return [WorkspaceInfo(id=digest, bytes=size, uploaded_at=ns / 1e9) for digest, size, ns in rows]
+
+
+@router.delete("/v1/workspaces/{workspace_id}", status_code=204, tags=["runs"],
+               summary="Delete an uploaded workspace (its bytes leave your storage_mb)")  # fmt: skip
+async def delete_workspace(workspace_id: str, request: Request, caller: Caller) -> Response:
+    service = get_service(request)
+
+    def work() -> None:
+        tenant = caller.tenant.id
+        users = [r.run_id for r in service.store.open_runs(tenant) if r.spec.get("workspace") == workspace_id]
+        if users:  # they start, and resume, from it
+            raise exc.RunConflict(
+                f"workspace {workspace_id} is the start of run {users[0]}, which has not ended: "
+                "wait for it, or kill it first"
+            )
+        if not service.store.delete_workspace(tenant, workspace_id):
+            raise exc.ResourceNotFound(f"no workspace {workspace_id!r}", kind="workspace", id=workspace_id)
+
+    await _blocking(work)
+    return Response(status_code=204)
 
 
 # -- runs ---------------------------------------------------------------------------------------
@@ -441,6 +476,20 @@ async def run_artifacts(run_id: str, request: Request, caller: Caller) -> Respon
         return data
 
     return Response(content=await _blocking(work), media_type="application/gzip")
+
+
+@router.delete("/v1/runs/{run_id}/artifacts", status_code=204,
+               summary="Delete a run's kept final workspace (its bytes leave your storage_mb)")  # fmt: skip
+async def delete_run_artifacts(run_id: str, request: Request, caller: Caller) -> Response:
+    service = get_service(request)
+
+    def work() -> None:
+        _row(service, caller, run_id)
+        if not service.store.delete_artifacts(run_id):
+            raise exc.ResourceNotFound(f"run {run_id} has no artifacts", kind="artifacts", id=run_id)
+
+    await _blocking(work)
+    return Response(status_code=204)
 
 
 @router.get("/v1/audit/verify", tags=["audit"], summary="Verify your audit trail's hash chain")

@@ -136,6 +136,12 @@ class WorkspaceOut(BaseModel):
     files: int
 
 
+class WorkspaceInfo(BaseModel):
+    id: str
+    bytes: int
+    uploaded_at: float
+
+
 class RunLimitsIn(_In):
     max_steps: int = Field(default=30, ge=1, le=10_000)
     max_wall_s: float = Field(default=900.0, gt=0, le=7 * 86400)

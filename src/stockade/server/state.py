@@ -41,6 +41,7 @@ from stockade.policy.approval import ApprovalRequest, Choice
 from stockade.runs._db import Database, PostgresDatabase, SQLiteDatabase, Statement
 from stockade.runtime.killswitch import LIVE_FOR_S, LiveRun
 from stockade.server.tenants import Quotas
+from stockade.types import MiB
 
 __all__ = [
     "DatabaseApprovals",
@@ -333,18 +334,51 @@ class ServiceStore:
         )
         return [_run(r) for r in rows]
 
+    def open_runs(self, tenant: str) -> list[RunRow]:
+        """The tenant's runs that have not ended (queued, running, paused, ...)."""
+        ended = ", ".join(f"'{status}'" for status in sorted(TERMINAL))
+        rows = self.db.query(
+            f"SELECT {_RUN_COLUMNS} FROM {self.ns}_runs WHERE tenant = ? AND status NOT IN ({ended})",
+            (tenant,),
+        )
+        return [_run(r) for r in rows]
+
     # -- workspaces and artifacts -----------------------------------------------------------
 
-    def put_workspace(self, tenant: str, digest: str, data: bytes, size: int) -> None:
-        self.db.write(
-            [
-                (
-                    f"INSERT INTO {self.ns}_workspaces VALUES (?, ?, ?, ?, ?) "
-                    "ON CONFLICT (tenant, digest) DO NOTHING",
-                    [(tenant, digest, size, data, time.time_ns())],
-                )
-            ]
+    def _stored(self) -> str:
+        """What a tenant keeps in the database (``?``: the tenant, twice): its workspaces and
+        its runs' artifacts, in bytes."""
+        ns = self.ns
+        return (
+            f"(SELECT COALESCE(SUM(bytes), 0) FROM {ns}_workspaces WHERE tenant = ?) + "
+            f"(SELECT COALESCE(SUM(a.bytes), 0) FROM {ns}_artifacts a JOIN {ns}_runs r "
+            "ON r.run_id = a.run_id WHERE r.tenant = ?)"
         )
+
+    def stored_bytes(self, tenant: str) -> int:
+        rows = self.db.query(f"SELECT {self._stored()}", (tenant, tenant))
+        return _int(rows[0][0]) if rows else 0
+
+    def put_workspace(self, tenant: str, digest: str, data: bytes, size: int, *, max_bytes: int) -> None:
+        """Keep an uploaded workspace, if the tenant's workspaces and artifacts stay within
+        ``max_bytes`` (one it has already costs nothing); ``QuotaExceeded`` otherwise."""
+        ns = self.ns
+        if self.workspace_size(tenant, digest) is not None:
+            return
+        self._keep(
+            f"INSERT INTO {ns}_workspaces SELECT ?, ?, ?, ?, ? WHERE {self._stored()} + ? <= ? "
+            "ON CONFLICT (tenant, digest) DO NOTHING",
+            (tenant, digest, size, data, time.time_ns(), tenant, tenant, size, max_bytes),
+            tenant=tenant,
+        )
+        if self.workspace_size(tenant, digest) is None:
+            raise self._storage_full(tenant, size, max_bytes, what="this workspace")
+
+    def workspace_size(self, tenant: str, digest: str) -> int | None:
+        rows = self.db.query(
+            f"SELECT bytes FROM {self.ns}_workspaces WHERE tenant = ? AND digest = ?", (tenant, digest)
+        )
+        return _int(rows[0][0]) if rows else None
 
     def workspace(self, tenant: str, digest: str) -> bytes | None:
         rows = self.db.query(
@@ -352,15 +386,63 @@ class ServiceStore:
         )
         return _bytes(rows[0][0]) if rows else None
 
-    def put_artifacts(self, run_id: str, digest: str, data: bytes, size: int) -> None:
+    def workspaces(self, tenant: str) -> list[tuple[str, int, int]]:
+        """The tenant's workspaces: (id, bytes, uploaded ns), newest first."""
+        rows = self.db.query(
+            f"SELECT digest, bytes, created_ns FROM {self.ns}_workspaces WHERE tenant = ? "
+            "ORDER BY created_ns DESC",
+            (tenant,),
+        )
+        return [(str(r[0]), _int(r[1]), _int(r[2])) for r in rows]
+
+    def delete_workspace(self, tenant: str, digest: str) -> bool:
+        table = f"{self.ns}_workspaces"
+        return self.db.write(
+            [(f"DELETE FROM {table} WHERE tenant = ? AND digest = ?", [(tenant, digest)])],
+            require=(f"SELECT 1 FROM {table} WHERE tenant = ? AND digest = ?", (tenant, digest)),
+        )
+
+    def put_artifacts(self, run_id: str, digest: str, data: bytes, size: int, *, max_bytes: int) -> bool:
+        """Keep a finished run's final workspace, if its tenant's workspaces and artifacts stay
+        within ``max_bytes``; False when they would not (nothing kept)."""
+        ns = self.ns
+        row = self.run(run_id)
+        if row is None:
+            return False
+        self.delete_artifacts(run_id)  # a run's own earlier copy does not count against it
+        self._keep(
+            f"INSERT INTO {ns}_artifacts SELECT ?, ?, ?, ? WHERE {self._stored()} + ? <= ? "
+            "ON CONFLICT (run_id) DO NOTHING",
+            (run_id, digest, size, data, row.tenant, row.tenant, size, max_bytes),
+            tenant=row.tenant,
+        )
+        return bool(self.db.query(f"SELECT 1 FROM {ns}_artifacts WHERE run_id = ?", (run_id,)))
+
+    def delete_artifacts(self, run_id: str) -> bool:
+        table = f"{self.ns}_artifacts"
+        return self.db.write(
+            [(f"DELETE FROM {table} WHERE run_id = ?", [(run_id,)])],
+            require=(f"SELECT 1 FROM {table} WHERE run_id = ?", (run_id,)),
+        )
+
+    def _keep(self, insert: str, params: tuple[object, ...], *, tenant: str) -> None:
+        """``insert``, in one transaction that locks the tenant's row first (so two uploads
+        never both fit where one does)."""
+        ns = self.ns
+        self.db.write([(f"INSERT INTO {ns}_tenants VALUES (?) ON CONFLICT (tenant) DO NOTHING", [(tenant,)])])
         self.db.write(
-            [
-                (
-                    f"INSERT INTO {self.ns}_artifacts VALUES (?, ?, ?, ?) ON CONFLICT (run_id) DO UPDATE "
-                    "SET digest = excluded.digest, bytes = excluded.bytes, data = excluded.data",
-                    [(run_id, digest, size, data)],
-                )
-            ]
+            [(insert, [params])], require=(f"SELECT 1 FROM {ns}_tenants WHERE tenant = ?", (tenant,))
+        )
+
+    def _storage_full(self, tenant: str, size: int, max_bytes: int, *, what: str) -> exc.QuotaExceeded:
+        used = self.stored_bytes(tenant)
+        return exc.QuotaExceeded(
+            f"tenant {tenant!r} keeps {used / MiB:.1f} MiB of workspaces and run artifacts of its "
+            f"{max_bytes / MiB:g} MiB storage_mb; {what} needs {size / MiB:.1f} MiB more: delete a workspace "
+            "(DELETE /v1/workspaces/ID) or a run's artifacts (DELETE /v1/runs/ID/artifacts)",
+            quota="storage_mb",
+            limit=max_bytes / MiB,
+            used=used / MiB,
         )
 
     def artifacts(self, run_id: str) -> bytes | None:

@@ -61,6 +61,8 @@ class Quotas:
     runs: int = 100
     # the disk its snapshots and paused sandboxes take (a paused sandbox holds no live share)
     snapshot_mb: int = 10240
+    # the service database's space its uploaded workspaces and its runs' kept artifacts take
+    storage_mb: int = 2048
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,6 +110,7 @@ class _TenantEntry(BaseModel):
     memory_mb: int = Field(default=8192, ge=0)
     runs: int = Field(default=100, ge=0)
     snapshot_mb: int = Field(default=10240, ge=0)
+    storage_mb: int = Field(default=2048, ge=0)
     rate_per_minute: int | None = Field(default=None, gt=0)
     rate_period_s: float = Field(default=60.0, ge=1)  # Redis windows count whole seconds
     dollars_per_hour: float | None = Field(default=None, gt=0)
@@ -206,6 +209,7 @@ class Tenants:
                     memory_mb=entry.memory_mb,
                     runs=entry.runs,
                     snapshot_mb=entry.snapshot_mb,
+                    storage_mb=entry.storage_mb,
                 ),
                 rate_per_minute=entry.rate_per_minute,
                 rate_period_s=entry.rate_period_s,
