@@ -29,7 +29,7 @@ version = 1
 [trust]
 level = "trusted"
 [models]
-approved = ["scripted*"]
+approved = ["scripted:*"]
 [commands]
 approve = ["rm -r"]
 [roles.dev]

@@ -59,7 +59,8 @@ def test_the_example_policy_loads_and_says_what_the_readme_says() -> None:
     assert policy.trust.level is Trust.TRUSTED
     assert "curl" in policy.commands.deny and "rm -r" in policy.commands.approve
     assert not policy.network.enabled
-    assert policy.models.allows("gpt-4.1") and not policy.models.allows("some-unvetted-model")
+    assert policy.models.allows("gpt-4.1", "openai") and not policy.models.allows("gpt-4.1", "elsewhere")
+    assert not policy.models.allows("some-unvetted-model", "openai")
 
 
 def test_denied_never_runs_approval_pauses_then_resumes_budget_stops_and_the_chain_verifies(

@@ -179,7 +179,7 @@ def test_a_worker_run_reaches_an_allowed_host_with_the_workers_credential(
 [trust]
 level = "trusted"
 [models]
-approved = ["scripted*"]
+approved = ["scripted:*"]
 [network]
 allow = [{{ host = "api.test", ports = [{local.https_port}] }}]
 allow_addresses = ["127.0.0.3/32"]

@@ -364,7 +364,8 @@ def explain(
     for what, op in _asked_ops(command, read, write, delete):
         actions.append((what, list(engine.explain(op, tool=tool or ""))))
     if model is not None:
-        actions.append((f"call the model {model!r}", [("models.approved", engine.model(model))]))
+        provider, _, name = model.rpartition(":")  # PROVIDER:NAME, or a bare name
+        actions.append((f"call the model {model!r}", [("models.approved", engine.model(name, provider))]))
     prompted = engine.prompt(prompt, "task") if prompt is not None else None
     if not actions and prompted is None:
         err.print("[red]error:[/red] ask about something: --command, --read, --write, --delete, --tool, "

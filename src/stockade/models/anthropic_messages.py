@@ -34,6 +34,7 @@ __all__ = ["AnthropicModel"]
 
 
 class AnthropicModel(Model):
+    provider = "anthropic"
     """``AnthropicModel("claude-sonnet-4-5")``; the key comes from ``ANTHROPIC_API_KEY``."""
 
     def __init__(

@@ -36,6 +36,9 @@ class Model(abc.ABC):
     """An LLM that answers a conversation with text and structured tool calls."""
 
     name: str = "model"
+    # who serves it ("openai", "anthropic", "scripted"; "" for a model of your own): the policy's
+    # registry may name a provider ("openai:gpt-4.1*"), so one name served elsewhere is not it
+    provider: str = ""
 
     @abc.abstractmethod
     async def request(self, request: ModelRequest) -> ModelResponse:
@@ -51,6 +54,7 @@ class WrapperModel(Model):
     def __init__(self, wrapped: Model) -> None:
         self.wrapped = wrapped
         self.name = wrapped.name
+        self.provider = wrapped.provider
 
     async def request(self, request: ModelRequest) -> ModelResponse:
         return await self.wrapped.request(request)

@@ -36,6 +36,7 @@ __all__ = ["OpenAIModel"]
 
 
 class OpenAIModel(Model):
+    provider = "openai"
     """``OpenAIModel("gpt-4.1")``, or ``OpenAIModel("llama3", base_url="http://localhost:11434/v1")``."""
 
     def __init__(

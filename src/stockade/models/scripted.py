@@ -51,6 +51,7 @@ _FILE_TURNS: TypeAdapter[list[str | ToolCall | list[ToolCall] | ModelResponse]] 
 
 
 class ScriptedModel(Model):
+    provider = "scripted"
     """Replays ``turns`` in order; records every request it was sent in ``requests``."""
 
     def __init__(self, turns: Sequence[Turn], *, name: str = "scripted") -> None:

@@ -143,7 +143,7 @@ class ApprovedModel(WrapperModel):
         self._check(wrapped.name)
 
     def _check(self, name: str) -> None:
-        decision = self.engine.model(name)
+        decision = self.engine.model(name, self.provider)
         if not decision.allowed:
             raise PolicyDenied(decision.reason, rule=decision.rule, action=f"model {name}")
 

@@ -322,12 +322,14 @@ class PolicyEngine:
         needs = "every call of it needs a human's approval" if verdict is Verdict.APPROVE else "it is denied"
         return Decision(verdict=verdict, rule=f"risk.{level}", reason=f"{what}: {needs}")
 
-    def model(self, name: str) -> Decision:
-        if self.policy.models.allows(name):
+    def model(self, name: str, provider: str = "") -> Decision:
+        """Whether the registry approves ``name`` as ``provider`` serves it ("" for any or none)."""
+        if self.policy.models.allows(name, provider):
             return ALLOW
+        shown = f"{provider}:{name}" if provider else name
         return Decision(
             verdict=Verdict.DENY, rule="models.approved",
-            reason=f"model {name!r} is not in the policy's registry of approved models",
+            reason=f"model {shown!r} is not in the policy's registry of approved models",
         )  # fmt: skip
 
     def prompt(self, text: str, source: Literal["task", "tool_output"]) -> PromptDecision:

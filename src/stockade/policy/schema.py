@@ -242,12 +242,17 @@ class Role(_Strict):
 
 
 class ModelRegistry(_Strict):
-    """Globs of model names that may be invoked; empty: any model."""
+    """Globs of the models that may be invoked; empty: any model. A glob with a provider
+    (``openai:gpt-4.1*``, ``scripted:*``) matches that provider's models only; one without
+    (``gpt-4.1*``) matches the name on any provider."""
 
     approved: tuple[str, ...] = ()
 
-    def allows(self, model: str) -> bool:
-        return not self.approved or any(fnmatch.fnmatchcase(model, p) for p in self.approved)
+    def allows(self, model: str, provider: str = "") -> bool:
+        qualified = f"{provider}:{model}"
+        return not self.approved or any(
+            fnmatch.fnmatchcase(qualified if ":" in p else model, p) for p in self.approved
+        )
 
 
 class PromptRule(_Strict):

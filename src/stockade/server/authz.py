@@ -102,8 +102,8 @@ def _spell(granted: NetworkPolicy) -> str:
     return ", ".join(dict.fromkeys(rule.host for rule in granted.host_rules)) or "no host"
 
 
-def check_model(engine: PolicyEngine, name: str) -> None:
-    decision = engine.model(name)
+def check_model(engine: PolicyEngine, name: str, provider: str = "") -> None:
+    decision = engine.model(name, provider)
     if not decision.allowed:
         raise exc.PolicyDenied(decision.reason, rule=decision.rule, action=f"use model {name}")
 

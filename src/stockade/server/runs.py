@@ -175,7 +175,7 @@ def _authorise(service: Service, caller: Principal, body: RunSubmit) -> None:
     """What the role allows, asked before the run is queued: the model, the tier, the workspace."""
     engine = engine_for(caller, body.trust)
     model = build_model(body)  # a model spec that cannot be resolved fails here, not on a worker
-    check_model(engine, model.name.removeprefix("scripted:") if body.scripted is None else model.name)
+    check_model(engine, model.name, model.provider)
     if body.tier is not None:
         choose_tier(engine, body.tier)
     elif not engine.allowed_tiers():

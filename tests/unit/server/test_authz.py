@@ -143,8 +143,21 @@ def test_the_sandbox_gets_the_policys_rules_and_credentials_for_the_hosts_it_nam
 
 def test_only_registered_models_are_allowed() -> None:
     engine = engine_for(principal())
-    check_model(engine, "openai:gpt-4.1-mini")
-    check_model(engine, "scripted")
+    check_model(engine, "gpt-4.1-mini", "openai")
+    check_model(engine, "scripted", "scripted")
     with pytest.raises(exc.PolicyDenied) as denied:
-        check_model(engine, "anthropic:claude-x")
-    assert denied.value.rule == "models.approved" and denied.value.action == "use model anthropic:claude-x"
+        check_model(engine, "claude-x", "anthropic")
+    assert denied.value.rule == "models.approved" and denied.value.action == "use model claude-x"
+    assert "'anthropic:claude-x'" in str(denied.value)
+
+
+def test_a_registry_entry_that_names_a_provider_holds_for_that_provider_only() -> None:
+    """``openai:gpt-4.1*`` is not gpt-4.1 served by anyone; ``scripted:*`` is not a real model
+    that happens to be named like the test doubles."""
+    registry = ModelRegistry(approved=("openai:gpt-4.1*", "scripted:*", "claude-*"))
+    assert registry.allows("gpt-4.1-mini", "openai") and not registry.allows("gpt-4.1-mini", "anthropic")
+    assert registry.allows("scripted", "scripted") and not registry.allows("scripted-evil", "openai")
+    assert registry.allows("claude-x", "anthropic") and registry.allows(
+        "claude-x", "openai"
+    )  # no provider named
+    assert not registry.allows("gpt-4.1")  # a model of one's own, with no provider
