@@ -181,27 +181,7 @@ class Exchange:
         scheme = "http" if tunnel is None else "https"
         rule = ""
         try:
-            framings = [k for k, _ in request.headers if k in (b"transfer-encoding", b"content-length")]
-            if len(set(framings)) > 1:
-                # Two framings: read one way here and the other by a server, the bytes after the
-                # body would be a request nobody judged (RFC 9112, 6.3: "ought to be handled as
-                # an error"). No client sends both.
-                raise Refused(400, Verdict(
-                    allowed=False, rule="request (framing)",
-                    reason="a request with both Content-Length and Transfer-Encoding",
-                ))  # fmt: skip
-            if tunnel is None and (not host or not port):  # port 0: not an http:// URL
-                raise Refused(400, Verdict(
-                    allowed=False, rule="request",
-                    reason="send http:// URLs as absolute URLs, and https:// through CONNECT",
-                ))  # fmt: skip
-            if tunnel is not None:
-                said = header(request.headers, b"host")
-                if said is not None and authority(said, default_port=port)[0] != host:
-                    raise Refused(403, Verdict(
-                        allowed=False, rule="request (host)",
-                        reason=f"the Host header names {said}; this tunnel is for {host}",
-                    ))  # fmt: skip
+            path = checked_path(request, method, host, port, path, tunnel=tunnel)
             verdict = gate.judge.request(host, port, method)
             rule = verdict.rule
             if not verdict.allowed:
@@ -544,6 +524,71 @@ def target_parts(target: str, tunnel: tuple[str, int, str] | None) -> tuple[str,
         port = 0
     path = (parsed.path or "/") + (f"?{parsed.query}" if parsed.query else "")
     return host, port, path
+
+
+def checked_path(
+    request: Any, method: str, host: str, port: int, path: str, *, tunnel: tuple[str, int, str] | None
+) -> str:
+    """The path to send ``request`` to, once its shape is one the proxy forwards; else
+    ``Refused`` (``400``, ``403`` for a ``Host`` that is not the tunnel's)."""
+    framings = [k for k, _ in request.headers if k in (b"transfer-encoding", b"content-length")]
+    if len(set(framings)) > 1:
+        # Two framings: read one way here and the other by a server, the bytes after the
+        # body would be a request nobody judged (RFC 9112, 6.3: "ought to be handled as
+        # an error"). No client sends both.
+        raise Refused(400, Verdict(
+            allowed=False, rule="request (framing)",
+            reason="a request with both Content-Length and Transfer-Encoding",
+        ))  # fmt: skip
+    if method == "CONNECT":  # a tunnel is opened on the proxy's own connection, not inside one
+        raise Refused(400, Verdict(
+            allowed=False, rule="request (method)",
+            reason="CONNECT inside a tunnel: open each tunnel through the proxy itself",
+        ))  # fmt: skip
+    if tunnel is not None:
+        # Inside a tunnel the server reads the host from an absolute target, not from
+        # Host (RFC 9112, 3.2.2): only the tunnel's own origin, sent as a path.
+        inside = tunnel_path(request.target.decode("ascii", "replace"), tunnel)
+        if inside is None:
+            raise Refused(400, Verdict(
+                allowed=False, rule="request (target)",
+                reason=f"inside a tunnel to {host}:{port} the target must be a path (or https://{host}:{port}/...)",
+            ))  # fmt: skip
+        path = inside
+    if tunnel is None and (not host or not port):  # port 0: not an http:// URL
+        raise Refused(400, Verdict(
+            allowed=False, rule="request",
+            reason="send http:// URLs as absolute URLs, and https:// through CONNECT",
+        ))  # fmt: skip
+    if tunnel is not None:
+        said = header(request.headers, b"host")
+        if said is not None and authority(said, default_port=port)[0] != host:
+            raise Refused(403, Verdict(
+                allowed=False, rule="request (host)",
+                reason=f"the Host header names {said}; this tunnel is for {host}",
+            ))  # fmt: skip
+    return path
+
+
+def tunnel_path(target: str, tunnel: tuple[str, int, str]) -> str | None:
+    """The origin-form target (a path) for a request inside ``tunnel``: ``target`` itself if
+    it is one, the path of an absolute ``https://`` target naming the tunnel's own host and
+    port; ``None`` for anything else (another host, another scheme, ``*``, a bare name)."""
+    if target.startswith("/"):
+        return target
+    try:
+        parsed = urllib.parse.urlsplit(target)
+        port = parsed.port or 443
+    except ValueError:
+        return None
+    host = (parsed.hostname or "").lower().rstrip(".")
+    literal = ip_literal(host)
+    host = str(literal) if literal is not None else host
+    if parsed.scheme.lower() != "https" or parsed.username is not None or parsed.password is not None:
+        return None
+    if (host, port) != (tunnel[0], tunnel[1]) or parsed.fragment:
+        return None
+    return (parsed.path or "/") + (f"?{parsed.query}" if parsed.query else "")
 
 
 def unreadable_verdict(err: Any) -> tuple[int, Verdict]:

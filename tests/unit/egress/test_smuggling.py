@@ -394,3 +394,73 @@ def test_a_server_answer_h11_cannot_read_is_a_502_and_one_record() -> None:
     assert _statuses(answer) == [502] and b"is not HTTP/1.1" in answer
     assert [(r.method, r.status, r.decision) for r in records] == [("GET", 502, "allow")]
     assert "Content-Length" not in records[0].reason  # h11's words about the bytes stay out
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        "http://evil.test/steal",  # a server reads the host from here, not from Host (RFC 9112, 3.2.2)
+        "https://evil.test/steal",
+        "http://raw.test:PORT/steal",  # the tunnel's host, another scheme
+        "https://raw.test:1/steal",  # ... another port
+        "https://user@raw.test:PORT/steal",
+        "https://[raw.test]:PORT/",  # no URL at all
+        "*",
+    ],
+)
+def test_inside_an_opened_tunnel_a_target_for_another_origin_is_a_400(server: RawServer, target: str) -> None:
+    answer, records = _send_in_tunnel(
+        server, f"GET {target} HTTP/1.1\r\nHost: raw.test:PORT\r\n\r\n".encode()
+    )
+    assert server.got == [] and _status(answer) == 400 and b"rule: request (target)" in answer
+    (record,) = records
+    assert (record.status, record.decision, record.rule) == (400, "deny", "request (target)")
+
+
+def _credentialed_tunnel(tmp_path: Path, request: bytes) -> tuple[bytes, list[EgressRecord], list[str]]:
+    """``request`` (``TARGET``: api.test's host and port) inside an opened tunnel to the real
+    HTTPS server whose credential the proxy adds: what came back, the records, the paths the
+    server was asked for."""
+    with servers(tmp_path) as local:
+        records: list[EgressRecord] = []
+        proxy = EgressProxy(local.policy(), observer=records.append)
+        assert proxy.ca_pem is not None
+        ctx = ssl.create_default_context(cadata=proxy.ca_pem.decode())
+        port = _loop.call(proxy.start_tcp())
+        try:
+            target = f"api.test:{local.https_port}"
+            raw, head = _tunnel(port, target)
+            assert head.startswith(b"HTTP/1.1 200"), head
+            with raw, ctx.wrap_socket(raw, server_hostname="api.test") as client:
+                client.sendall(request.replace(b"TARGET", target.encode()))
+                answer = bytearray()
+                with contextlib.suppress(ssl.SSLEOFError, ConnectionResetError):
+                    while chunk := client.recv(65536):
+                        answer += chunk
+        finally:
+            _loop.call(proxy.close())
+        return bytes(answer), records, list(local.https_seen.paths)
+
+
+def test_inside_an_opened_tunnel_another_host_in_the_target_never_gets_the_credential(tmp_path: Path) -> None:
+    answer, records, paths = _credentialed_tunnel(
+        tmp_path, b"GET http://evil.test/steal HTTP/1.1\r\nHost: TARGET\r\n\r\n"
+    )
+    assert paths == [] and _statuses(answer) == [400]
+    assert [(r.status, r.rule, r.credential) for r in records] == [(400, "request (target)", "")]
+
+
+def test_inside_an_opened_tunnel_its_own_origin_as_a_url_goes_as_a_path(tmp_path: Path) -> None:
+    answer, records, paths = _credentialed_tunnel(
+        tmp_path, b"GET https://TARGET/auth?y=1 HTTP/1.1\r\nHost: TARGET\r\nConnection: close\r\n\r\n"
+    )
+    assert _statuses(answer) == [200] and b"authorized=True" in answer and paths == ["/auth?y=1"]
+    assert [(r.path, r.status, r.credential) for r in records] == [("/auth?y=1", 200, "api")]
+
+
+def test_a_connect_inside_an_opened_tunnel_is_refused(server: RawServer) -> None:
+    answer, records = _send_in_tunnel(
+        server, b"CONNECT raw.test:PORT HTTP/1.1\r\nHost: raw.test:PORT\r\n\r\n"
+    )
+    assert server.got == [] and _status(answer) == 400 and b"rule: request (method)" in answer
+    assert [(r.method, r.status, r.decision) for r in records] == [("CONNECT", 400, "deny")]
