@@ -106,7 +106,12 @@ class Gate:
         it led."""
         if not 300 <= status < 400 or location is None:
             return
-        to = urllib.parse.urlsplit(urllib.parse.urljoin(base, location))
+        try:
+            to = urllib.parse.urlsplit(urllib.parse.urljoin(base, location))
+        except ValueError:  # the server's, not the code's: a 502, like an answer that is no HTTP
+            raise Refused(502, Verdict(
+                allowed=False, rule="redirect", reason="a redirect whose Location is no URL",
+            )) from None  # fmt: skip
         to_host = (to.hostname or "").lower()
         try:
             to_port = to.port or (443 if to.scheme == "https" else 80)

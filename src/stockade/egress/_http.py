@@ -514,7 +514,10 @@ def target_parts(target: str, tunnel: tuple[str, int, str] | None) -> tuple[str,
         return tunnel[0], tunnel[1], target
     if not target:
         return "", 0, ""
-    parsed = urllib.parse.urlsplit(target)
+    try:
+        parsed = urllib.parse.urlsplit(target)
+    except ValueError:  # brackets that hold no IPv6 address, and the like: no URL, a 400
+        return "", 0, target
     host = (parsed.hostname or "").lower().rstrip(".")
     literal = ip_literal(host)
     host = str(literal) if literal is not None else host
@@ -558,7 +561,7 @@ def checked_path(
     if tunnel is None and (not host or not port):  # port 0: not an http:// URL
         raise Refused(400, Verdict(
             allowed=False, rule="request",
-            reason="send http:// URLs as absolute URLs, and https:// through CONNECT",
+            reason="send http:// URLs (that parse) as absolute URLs, and https:// through CONNECT",
         ))  # fmt: skip
     if tunnel is not None:
         said = header(request.headers, b"host")

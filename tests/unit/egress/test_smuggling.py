@@ -464,3 +464,20 @@ def test_a_connect_inside_an_opened_tunnel_is_refused(server: RawServer) -> None
     )
     assert server.got == [] and _status(answer) == 400 and b"rule: request (method)" in answer
     assert [(r.method, r.status, r.decision) for r in records] == [("CONNECT", 400, "deny")]
+
+
+@pytest.mark.parametrize("target", ["http://[raw.test]:PORT/", "http://[::1:PORT/"])
+def test_a_target_that_is_no_url_is_a_400_and_one_record(server: RawServer, target: str) -> None:
+    answer, records = _send(server, f"GET {target} HTTP/1.1\r\nHost: raw.test\r\n\r\n".encode())
+    assert server.got == [] and _statuses(answer) == [400]
+    assert [(r.method, r.status, r.decision, r.rule) for r in records] == [("GET", 400, "deny", "request")]
+
+
+def test_a_redirect_whose_location_is_no_url_is_a_502_and_one_record() -> None:
+    raw = RawServer(answer=b"HTTP/1.1 302 Found\r\nLocation: http://[evil.test/\r\nContent-Length: 0\r\n\r\n")
+    try:
+        answer, records = _send(raw, b"GET http://raw.test:PORT/ HTTP/1.1\r\nHost: raw.test:PORT\r\n\r\n")
+    finally:
+        raw.close()
+    assert _statuses(answer) == [502] and b"evil" not in answer
+    assert [(r.method, r.status, r.decision, r.rule) for r in records] == [("GET", 502, "deny", "redirect")]
