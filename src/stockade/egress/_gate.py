@@ -25,6 +25,7 @@ from stockade.types import Credential, EgressRecord, NetworkPolicy
 __all__ = ["MAX_REDIRECT_BASE", "EgressObserver", "Gate", "Refused", "Window", "credential_value"]
 
 MAX_REDIRECT_BASE = 8192
+RATE_RULE = "max_requests_per_minute"
 
 EgressObserver = Callable[[EgressRecord], None]
 
@@ -75,15 +76,25 @@ class Gate:
         self.secrets: dict[str, str] = {c.name: c.source.read() for c in policy.credentials}
         self._upstream_tls: ssl.SSLContext | None = None
         self._pending: list[EgressRecord] = []  # recorded, not yet told to the observer
+        # Past the rate one refusal is recorded, the rest counted and told as one record (when
+        # a request is let through again, each minute of a flood, and at close): a sandbox
+        # cannot flood the audit trail with refusals.
+        self._over_rate_recorded = False
+        self._over_rate = 0  # refusals past the rate not yet told
+        self._over_rate_since = 0.0
 
     # -- decisions ---------------------------------------------------------------------------
 
     def count_request(self) -> None:
-        if not self.requests.add(1):
-            raise Refused(429, Verdict(
-                allowed=False, rule="max_requests_per_minute",
-                reason=f"more than {self.policy.max_requests_per_minute} requests in a minute",
-            ))  # fmt: skip
+        """Count one request, whatever its verdict (a refused one costs a record too);
+        ``Refused`` (``429``) past ``max_requests_per_minute``."""
+        if self.requests.add(1):
+            self._tell_over_rate(ended=True)
+            return
+        raise Refused(429, Verdict(
+            allowed=False, rule=RATE_RULE,
+            reason=f"more than {self.policy.max_requests_per_minute} requests in a minute",
+        ))  # fmt: skip
 
     def spend(self, amount: int) -> None:
         if not self.bytes.add(amount):
@@ -147,7 +158,33 @@ class Gate:
         was doing (the answer sent, the client's connection closed): an audit observer
         redacts and encodes the event on this thread, which a request need not wait for.
         Nothing is lost: ``close`` tells it everything still held (and the interpreter's
-        exit closes a proxy left open, ``proxy.finish_at_exit``)."""
+        exit closes a proxy left open, ``proxy.finish_at_exit``). Refusals past the rate
+        after the first are counted, not recorded one by one (``_tell_over_rate``)."""
+        if record.status == 429 and record.rule == RATE_RULE:
+            if self._over_rate_recorded:
+                self._over_rate += 1
+                if time.monotonic() - self._over_rate_since >= 60.0:
+                    self._tell_over_rate(ended=False)
+                return
+            self._over_rate_recorded, self._over_rate_since = True, time.monotonic()
+        self._record(record)
+
+    def _tell_over_rate(self, *, ended: bool) -> None:
+        """One record for the refusals past the rate not recorded since the last one."""
+        if ended:
+            self._over_rate_recorded = False
+        if not self._over_rate:
+            return
+        count, self._over_rate = self._over_rate, 0
+        seconds = time.monotonic() - self._over_rate_since
+        self._over_rate_since = time.monotonic()
+        self._record(EgressRecord(
+            host="", port=0, method="", status=429, decision="deny", rule=RATE_RULE,
+            reason=f"{count} more refused past the rate in {seconds:.0f} s, not recorded one by one",
+            duration_s=seconds,
+        ))  # fmt: skip
+
+    def _record(self, record: EgressRecord) -> None:
         secrets = [s for s in self.secrets.values() if s]
         if secrets:  # nothing the proxy reports carries a secret, whatever the code asked for
             record = replace(
@@ -180,6 +217,7 @@ class Gate:
 
     def close(self) -> None:
         """Tell the observer what is held, then drop the credentials."""
+        self._tell_over_rate(ended=True)
         self.flush()
         self.secrets.clear()
 

@@ -163,11 +163,15 @@ class Exchange:
         started = time.monotonic()
         method, target = request_line(line)
         host, port, path = target_parts(target, tunnel)
-        status, verdict = unreadable_verdict(err)
+        refused = Refused(*unreadable_verdict(err))
+        try:
+            self.gate.count_request()
+        except Refused as over_rate:
+            refused = over_rate
         with contextlib.suppress(Exception):  # the client may be gone: the record stays
-            await refuse(conn, client, Refused(status, verdict))
+            await refuse(conn, client, refused)
         record = EgressRecord(host=host, port=port, method=method, path=short(path))
-        self.gate.emit(denied(record, Refused(status, verdict), started))
+        self.gate.emit(denied(record, refused, started))
 
     async def forward(
         self, conn: Any, client: Stream, request: Any, *, tunnel: tuple[str, int, str] | None
@@ -181,12 +185,12 @@ class Exchange:
         scheme = "http" if tunnel is None else "https"
         rule = ""
         try:
+            gate.count_request()  # refused or not: each is a record
             path = checked_path(request, method, host, port, path, tunnel=tunnel)
             verdict = gate.judge.request(host, port, method)
             rule = verdict.rule
             if not verdict.allowed:
                 raise Refused(403, verdict)
-            gate.count_request()
             address = tunnel[2] if tunnel is not None else await gate.address(host, port)
         except Refused as refused:
             await drain_body(conn, client)
@@ -323,6 +327,7 @@ class Exchange:
             headers = [(k, v) for k, v in headers if k.lower() not in (name, b"accept-encoding")]
             headers += [(credential.header.encode(), secrets[1]), (b"Accept-Encoding", b"identity")]
         head = up.send(h11.Request(method=request.method, target=target.path.encode(), headers=headers))
+        self.gate.spend(len(head))  # heads count as bytes too: a header can carry as much as a body
         if conn.their_state is h11.SEND_BODY:
             sent = await self._relay_body(conn, client, up, upstream, head=head)
         else:  # read already (no body; or sent once, on a kept connection the server then closed)
@@ -349,6 +354,7 @@ class Exchange:
     ) -> tuple[int, int]:
         """The answer, checked and scrubbed, to the client: (status, body bytes received)."""
         h11 = load_h11()
+        self.gate.spend(head_size(response))
         _, secrets = self.gate.secrets_for(credential)
         if 300 <= response.status_code < 400:
             base = f"{target.scheme}://{target.authority}{target.path[:MAX_REDIRECT_BASE]}"
@@ -654,6 +660,11 @@ def forwarded_headers(headers: Any, host: str, port: int, scheme: str) -> list[t
             out.append((b"Content-Length", bytes(value)))
             break
     return out
+
+
+def head_size(response: Any) -> int:
+    """About the bytes of a response's head as it came (h11 keeps its parts, not its bytes)."""
+    return 15 + len(response.reason) + sum(len(k) + len(v) + 4 for k, v in response.headers)
 
 
 def has_body(headers: Any) -> bool:

@@ -51,6 +51,7 @@ class Tunnels:
         host, port = authority(target)
         record = EgressRecord(host=host, port=port, method="CONNECT")
         try:
+            gate.count_request()  # refused or not: each is a record
             if not host or not port:
                 raise Refused(
                     400, Verdict(allowed=False, rule="request", reason=f"bad CONNECT target {target!r}")
@@ -59,7 +60,6 @@ class Tunnels:
             record = replace(record, rule=verdict.rule)
             if not verdict.allowed:
                 raise Refused(403, verdict)
-            gate.count_request()
             address = await gate.address(host, port)
         except Refused as refused:
             await refuse(conn, client, refused)

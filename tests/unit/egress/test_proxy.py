@@ -64,7 +64,7 @@ def running(policy: NetworkPolicy) -> Iterator[Running]:
         proxy.close()
 
 
-def refused(opener: urllib.request.OpenerDirector, url: str) -> tuple[int, str]:
+def refused(opener: urllib.request.OpenerDirector, url: str | urllib.request.Request) -> tuple[int, str]:
     with pytest.raises(urllib.error.HTTPError) as info:
         opener.open(url, timeout=10).read()
     return info.value.code, info.value.read().decode()
@@ -158,6 +158,35 @@ def test_the_bytes_per_minute_are_a_limit(local: Servers) -> None:
         with pytest.raises((http.client.HTTPException, OSError)):  # cut mid-body
             opener.open(f"http://pkg.test:{local.http_port}/big?n=1000000", timeout=10).read()
     assert proxy.records[-1].rule == "max_bytes_per_minute"
+
+
+def test_the_bytes_per_minute_count_request_heads(local: Servers) -> None:
+    """A header carries as much as a body: the heads sent and received count too."""
+    with running(local.policy(max_bytes_per_minute=10_000)) as proxy:
+        opener = proxy.opener()
+        url = f"http://pkg.test:{local.http_port}/"
+        heavy = urllib.request.Request(url, headers={"X-Data": "a" * 6000})
+        opener.open(heavy, timeout=10).read()  # its body is a few bytes; its head 6 KB
+        code, body = refused(opener, heavy)
+    assert code == 429 and "max_bytes_per_minute" in body
+
+
+def test_refused_requests_count_against_the_rate_and_past_it_are_one_record(local: Servers) -> None:
+    """Each refusal is a record, so it is a request: past the rate the sandbox gets 429s,
+    the first recorded and the rest told as one record, not one each."""
+    with running(local.policy(max_requests_per_minute=3)) as proxy:
+        opener = proxy.opener()
+        for _ in range(3):
+            assert refused(opener, f"http://other.test:{local.http_port}/")[0] == 403
+        assert refused(opener, f"http://pkg.test:{local.http_port}/")[0] == 429  # allowed, but past it
+        for i in range(50):
+            assert refused(opener, f"http://other.test:{local.http_port}/{i}")[0] == 429
+    assert [(r.host, r.status, r.decision) for r in proxy.records[:3]] == [("other.test", 403, "deny")] * 3
+    assert [(r.host, r.status, r.rule) for r in proxy.records[3:]] == [
+        ("pkg.test", 429, "max_requests_per_minute"),
+        ("", 429, "max_requests_per_minute"),
+    ]
+    assert proxy.records[-1].reason.startswith("50 more refused past the rate")
 
 
 def test_https_with_a_credential_reaches_the_server_and_the_secret_never_comes_back(local: Servers) -> None:
