@@ -131,7 +131,7 @@ def test_methods_are_held_where_a_rule_names_them(local: Servers) -> None:
         opener = proxy.opener()
         assert opener.open(f"http://pkg.test:{local.http_port}/", timeout=10).read() == b"http hello /"
         request = urllib.request.Request(f"http://pkg.test:{local.http_port}/", data=b"x" * 10, method="POST")
-        code, body = refused(opener, request)  # type: ignore[arg-type]  # urllib takes either
+        code, body = refused(opener, request)
     assert code == 403 and "POST to pkg.test is not allowed" in body
 
 
