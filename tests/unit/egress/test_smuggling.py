@@ -481,3 +481,32 @@ def test_a_redirect_whose_location_is_no_url_is_a_502_and_one_record() -> None:
         raw.close()
     assert _statuses(answer) == [502] and b"evil" not in answer
     assert [(r.method, r.status, r.decision, r.rule) for r in records] == [("GET", 502, "deny", "redirect")]
+
+
+def _dechunked(body: bytes) -> tuple[bytes, int]:
+    """A chunked body's bytes, and how many chunks carried them."""
+    data, chunks = bytearray(), 0
+    while True:
+        size, _, body = body.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            return bytes(data), chunks
+        data += body[:n]
+        body = body[n + 2 :]
+        chunks += 1
+
+
+def test_a_body_in_tiny_chunks_goes_whole_in_few_chunks(server: RawServer) -> None:
+    """20,000 chunks of one byte: all the bytes reach the server, joined into a few chunks
+    (relayed piece by piece, such a body held the loop every sandbox's proxy shares)."""
+    sent = bytes(range(256)) * 78 + b"x" * 32
+    body = b"".join(b"1\r\n%c\r\n" % b for b in sent) + b"0\r\n\r\n"
+    answer, records = _send(
+        server,
+        b"POST http://raw.test:PORT/ HTTP/1.1\r\nHost: raw.test:PORT\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + body,
+    )
+    (wire,) = server.got
+    got, chunks = _dechunked(wire.split(b"\r\n\r\n", 1)[1])
+    assert _status(answer) == 200 and got == sent and chunks <= len(sent) // 1024 + 4
+    assert [(r.status, r.bytes_out) for r in records] == [(200, len(sent))]
