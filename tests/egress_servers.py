@@ -9,7 +9,9 @@ addresses are allowed explicitly (loopback is refused otherwise).
 
 from __future__ import annotations
 
+import base64
 import datetime
+import gzip
 import hashlib
 import http.server
 import io
@@ -20,6 +22,7 @@ import threading
 import time
 import urllib.parse
 import zipfile
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -105,12 +108,29 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._send(200, f"{self.scheme} authorized={auth is not None}".encode())
         elif url.path == "/echo-auth":  # a server that reflects the credential back
             self._send(200, f"you sent: {auth}".encode(), {"X-Echo": auth or ""})
+        elif url.path == "/echo-auth-as":  # reflects it transformed, whatever Accept-Encoding said
+            self._echo_as(query.get("as", ""), auth or "")
         elif url.path == "/stream":
             self._stream(int(query.get("chunks", "10")), float(query.get("every", "0.1")))
         elif url.path.startswith(("/simple", "/files/")):
             self._index(url.path)
         else:
             self._send(200, f"{self.scheme} hello {url.path}".encode())
+
+    def _echo_as(self, how: str, auth: str) -> None:
+        """``you sent: <the Authorization header>`` as ``how`` makes it: in the reason phrase,
+        in a Content-Encoding (gzip, deflate; ``br``: bytes no one could decode), or encoded
+        in the body (base64, URL-safe base64, hex, percent-encoding)."""
+        text = f"you sent: {auth}".encode()
+        if how == "reason":
+            self.send_response(401, f"Unauthorized {auth}")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        if how in ("gzip", "deflate", "br"):
+            self._send(200, encoded(how, text), {"Content-Encoding": how})
+        else:
+            self._send(200, encoded(how, text))
 
     def _stream(self, chunks: int, every: float) -> None:
         """A slow answer: ``chunks`` chunks, one every ``every`` seconds (chunked encoding)."""
@@ -146,6 +166,23 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         size = int(self.headers.get("Content-Length", "0"))
         data = self.rfile.read(size)
         self._send(200, f"got {len(data)} bytes".encode())
+
+
+def encoded(how: str, data: bytes) -> bytes:
+    """``data`` as ``/echo-auth-as?as=how`` sends it (``br``: bytes that are no brotli)."""
+    if how == "gzip":
+        return gzip.compress(data)
+    if how == "deflate":
+        return zlib.compress(data)
+    if how == "br":
+        return b"\x8b\x7fnot brotli"
+    if how == "b64":
+        return base64.b64encode(data)
+    if how == "b64url":
+        return base64.urlsafe_b64encode(data)
+    if how == "hex":
+        return data.hex().encode()
+    return urllib.parse.quote(data, safe="").encode()  # pct
 
 
 def _handler(seen: Seen, wheel: bytes, scheme: str) -> type[http.server.BaseHTTPRequestHandler]:

@@ -76,6 +76,7 @@ class Gate:
         self.secrets: dict[str, str] = {c.name: c.source.read() for c in policy.credentials}
         self._upstream_tls: ssl.SSLContext | None = None
         self._pending: list[EgressRecord] = []  # recorded, not yet told to the observer
+        self._forms: dict[str, list[bytes]] = {}  # each credential's value as scrubbed (``secrets_for``)
         # Past the rate one refusal is recorded, the rest counted and told as one record (when
         # a request is let through again, each minute of a flood, and at close): a sandbox
         # cannot flood the audit trail with refusals.
@@ -136,11 +137,21 @@ class Gate:
             raise Refused(403, replace(verdict, rule=f"redirect: {verdict.rule}", reason=reason))
 
     def secrets_for(self, credential: Credential | None) -> tuple[str | None, list[bytes]]:
-        """The credential's value and what must be scrubbed from answers (it, as sent too)."""
+        """The credential's value and what must be scrubbed from answers: it and the header
+        value it is sent as (index 1), each also in the encodings a server might echo it in
+        (``secret_forms``)."""
         secret = self.secrets.get(credential.name) if credential is not None else None
         if credential is None or not secret:
             return None, []
-        return secret, [secret.encode(), credential_value(credential, secret)]
+        forms = self._forms.get(credential.name)
+        if forms is None:
+            sent = credential_value(credential, secret)
+            forms = self._forms[credential.name] = [
+                secret.encode(),
+                sent,
+                *secret_forms(secret.encode(), sent),
+            ]
+        return secret, forms
 
     def upstream_context(self) -> ssl.SSLContext:
         if self._upstream_tls is None:
@@ -220,6 +231,7 @@ class Gate:
         self._tell_over_rate(ended=True)
         self.flush()
         self.secrets.clear()
+        self._forms.clear()
 
 
 def credential_value(credential: Credential, secret: str) -> bytes:
@@ -230,6 +242,30 @@ def credential_value(credential: Credential, secret: str) -> bytes:
     if credential.style == "bearer":
         return b"Bearer " + secret.encode()
     return secret.encode()
+
+
+MIN_FORM = 8  # a shorter encoded form would redact bytes that merely look like it
+
+
+def secret_forms(*values: bytes) -> list[bytes]:
+    """The encodings of ``values`` a server that reflects request headers commonly applies:
+    hex (both cases), percent-encoding (as ``quote`` writes it, and every byte escaped, both
+    cases) and base64, standard and URL-safe. Base64 of a longer text holding the value
+    (an echo of the whole request head) encodes it at one of three offsets: for each, the
+    characters that depend on the value's bytes alone. Others (a JSON escape, a part of
+    the value, a transform of the server's own) are not found: see docs/architecture.md."""
+    forms: list[bytes] = []
+    for value in values:
+        forms += [value.hex().encode(), value.hex().upper().encode()]
+        forms += [urllib.parse.quote(value, safe="").encode(), urllib.parse.quote_plus(value).encode()]
+        forms += ["".join(f"%{b:02X}" for b in value).encode(), "".join(f"%{b:02x}" for b in value).encode()]
+        for encode in (base64.b64encode, base64.urlsafe_b64encode):
+            for shift in range(3):
+                text = encode(b"\0" * shift + value)
+                first, last = -(-8 * shift // 6), 8 * (shift + len(value)) // 6
+                forms.append(text[first:last])  # the characters whose 6 bits are all the value's
+    unique = dict.fromkeys(f for f in forms if len(f) >= MIN_FORM and f not in values)
+    return list(unique)
 
 
 def scrub_text(value: str, secrets: list[str]) -> str:

@@ -17,7 +17,8 @@ import re
 import ssl
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, Sequence
+import zlib
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -106,6 +107,65 @@ class Scrubber:
         for secret in self.secrets:
             data = data.replace(secret, b"[REDACTED]")
         return data
+
+
+DECODED = frozenset(("gzip", "x-gzip", "deflate"))  # codings undone to scrub a credential host's reply
+
+
+class Decoder:
+    """Undoes a ``Content-Encoding`` (gzip, deflate) as the body comes, in pieces of at most
+    ``CHUNK``: a credential host's reply the proxy must read to scrub (it asked for none)."""
+
+    def __init__(self, coding: str) -> None:
+        self.deflate = coding == "deflate"
+        self.started = False
+        self.obj = zlib.decompressobj(zlib.MAX_WBITS | (16 if not self.deflate else 0))
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        if self.deflate and not self.started and data:
+            self.started = True
+            if data[0] & 0x0F != 8:  # "deflate" is zlib-wrapped (RFC 9110, 8.4.1.2); some send it raw
+                self.obj = zlib.decompressobj(-zlib.MAX_WBITS)
+        try:
+            while data:
+                piece = self.obj.decompress(data, CHUNK)
+                data = self.obj.unconsumed_tail
+                if piece:
+                    yield piece
+        except zlib.error:
+            raise ConnectionError("a compressed reply that does not decompress") from None
+
+    def end(self) -> bytes:
+        try:
+            return self.obj.flush()
+        except zlib.error:
+            raise ConnectionError("a compressed reply that does not decompress") from None
+
+
+class Reply:
+    """What a credential host's reply body becomes on its way to the code: decoded if the
+    server encoded it anyway, then scrubbed of the secret's forms; decoded bytes count
+    against the sandbox's bytes per minute (``spend``), so a compression bomb is a ``429``."""
+
+    def __init__(self, scrubber: Scrubber, decoder: Decoder | None, spend: Callable[[int], None]) -> None:
+        self.scrubber = scrubber
+        self.decoder = decoder
+        self.spend = spend
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        if self.decoder is None:
+            yield self.scrubber.feed(data)
+            return
+        for piece in self.decoder.feed(data):
+            self.spend(len(piece))
+            yield self.scrubber.feed(piece)
+
+    def end(self) -> bytes:
+        rest = b""
+        if self.decoder is not None:
+            rest = self.decoder.end()
+            self.spend(len(rest))
+        return self.scrubber.feed(rest) + self.scrubber.end()
 
 
 class Exchange:
@@ -363,19 +423,38 @@ class Exchange:
             base = f"{target.scheme}://{target.authority}{target.path[:MAX_REDIRECT_BASE]}"
             self.gate.check_redirect(response.status_code, header(response.headers, b"location"), base)
         # h11 gives header names lowercased (and each value checked): compared as they come.
-        if secrets:  # scrubbing changes the length
+        reason, reply = response.reason, None
+        if secrets:  # scrubbing (and decoding) changes the length
+            decoder = reply_decoder(response.headers, target.host)
+            dropped = (b"content-length", b"content-encoding") if decoder else (b"content-length",)
             out_headers = [
                 (k, scrub_all(v, secrets)) for k, v in response.headers
-                if k not in HOP_BY_HOP and k != b"content-length"
+                if k not in HOP_BY_HOP and k not in dropped
             ]  # fmt: skip
+            reason = scrub_all(response.reason, secrets)  # a server can put anything there too
+            reply = Reply(Scrubber(secrets), decoder, self.gate.spend)
         else:
             out_headers = [(k, v) for k, v in response.headers if k not in HOP_BY_HOP]
-        head = conn.send(h11.Response(
-            status_code=response.status_code, headers=out_headers, reason=response.reason
-        ))  # fmt: skip
-        scrub = Scrubber(secrets) if secrets else None
-        received = await self._relay_body(up, upstream, conn, client, scrub=scrub, head=head)
+        head = conn.send(h11.Response(status_code=response.status_code, headers=out_headers, reason=reason))
+        received = await self._relay_body(up, upstream, conn, client, reply=reply, head=head)
         return response.status_code, received
+
+    @staticmethod
+    async def _pass_on(
+        data: bytes, dst: Any, dst_stream: Stream, out: list[bytes], reply: Reply | None
+    ) -> None:
+        """``data`` framed for ``dst`` into ``out`` (through ``reply`` if any); a decoded
+        reply goes out piece by piece, so a small compressed body is never held whole."""
+        h11 = load_h11()
+        if reply is None:
+            out.append(dst.send(h11.Data(data=data)))
+            return
+        for piece in reply.feed(data):
+            if piece:
+                out.append(dst.send(h11.Data(data=piece)))
+            if reply.decoder is not None and out:
+                await dst_stream.send(b"".join(out))
+                out.clear()
 
     async def _relay_body(
         self,
@@ -384,7 +463,7 @@ class Exchange:
         dst: Any,
         dst_stream: Stream,
         *,
-        scrub: Scrubber | None = None,
+        reply: Reply | None = None,
         head: bytes = b"",
     ) -> int:
         """Carry one message body from one h11 connection to the other, after ``head`` (the
@@ -420,11 +499,9 @@ class Exchange:
                 data = b"".join(body)
                 body.clear()
                 held = 0
-                data = data if scrub is None else scrub.feed(data)
-                if data:
-                    out.append(dst.send(h11.Data(data=data)))
+                await self._pass_on(data, dst, dst_stream, out, reply)
             if isinstance(event, h11.EndOfMessage):
-                rest = scrub.end() if scrub is not None else b""
+                rest = reply.end() if reply is not None else b""
                 if rest:
                     out.append(dst.send(h11.Data(data=rest)))
                 out.append(dst.send(h11.EndOfMessage()))
@@ -678,6 +755,21 @@ def forwarded_headers(headers: Any, host: str, port: int, scheme: str) -> list[t
             out.append((b"Content-Length", bytes(value)))
             break
     return out
+
+
+def reply_decoder(headers: Any, host: str) -> Decoder | None:
+    """How to undo a credential host's ``Content-Encoding`` (the proxy asked for none:
+    compressed, the secret would pass the scrub); ``Refused`` (``502``) for a coding the
+    proxy cannot undo."""
+    coding = (header(headers, b"content-encoding") or "").strip().lower()
+    if coding in ("", "identity"):
+        return None
+    if coding not in DECODED:
+        raise Refused(502, Verdict(
+            allowed=False, rule="reply (encoding)",
+            reason=f"{host} answered in Content-Encoding {coding[:40]!r}, which the proxy cannot scrub",
+        ))  # fmt: skip
+    return Decoder(coding)
 
 
 def head_size(response: Any) -> int:

@@ -24,7 +24,7 @@ import pytest
 from stockade.egress import EgressProxy, HostRule, NetworkPolicy, SystemResolver, _loop
 from stockade.types import EgressRecord
 from tests.conftest import wait_for
-from tests.egress_servers import TOKEN, Servers, servers
+from tests.egress_servers import TOKEN, Servers, encoded, servers
 
 
 @pytest.fixture(scope="module")
@@ -203,6 +203,57 @@ def test_https_with_a_credential_reaches_the_server_and_the_secret_never_comes_b
     assert TOKEN not in echoed_body and TOKEN not in echoed_header and "[REDACTED]" in echoed_body
     assert all(TOKEN not in repr(r) for r in proxy.records)
     assert [r.credential for r in proxy.records if r.method == "GET"] == ["api", "api"]
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate"])
+def test_a_credential_hosts_reply_in_a_coding_not_asked_for_is_decoded_and_scrubbed(
+    local: Servers, coding: str
+) -> None:
+    """The proxy asks for no coding; a server that compresses anyway would carry the echoed
+    secret past the scrub: the proxy undoes the coding and scrubs what it reads."""
+    with running(local.policy()) as proxy:
+        ca = proxy.proxy.ca_pem
+        assert ca is not None
+        reply = proxy.opener([ca]).open(
+            f"https://api.test:{local.https_port}/echo-auth-as?as={coding}", timeout=10
+        )
+        body, encoding = reply.read(), reply.headers["Content-Encoding"]
+    assert encoding is None and body == b"you sent: Bearer [REDACTED]"
+
+
+def test_a_credential_hosts_reply_in_a_coding_the_proxy_cannot_undo_is_a_502(local: Servers) -> None:
+    with running(local.policy()) as proxy:
+        ca = proxy.proxy.ca_pem
+        assert ca is not None
+        code, body = refused(proxy.opener([ca]), f"https://api.test:{local.https_port}/echo-auth-as?as=br")
+    assert code == 502 and "rule: reply (encoding)" in body
+    assert [(r.status, r.decision, r.rule) for r in proxy.records if r.method == "GET"] == [
+        (502, "deny", "reply (encoding)")
+    ]
+
+
+@pytest.mark.parametrize("how", ["b64", "b64url", "hex", "pct"])
+def test_the_common_encodings_of_the_secret_are_scrubbed_too(local: Servers, how: str) -> None:
+    with running(local.policy()) as proxy:
+        ca = proxy.proxy.ca_pem
+        assert ca is not None
+        body = (
+            proxy.opener([ca])
+            .open(f"https://api.test:{local.https_port}/echo-auth-as?as={how}", timeout=10)
+            .read()
+        )
+    assert encoded(how, TOKEN.encode()) not in body and b"[REDACTED]" in body
+    assert encoded(how, f"you sent: Bearer {TOKEN}".encode()) not in body
+
+
+def test_the_reason_phrase_is_scrubbed(local: Servers) -> None:
+    with running(local.policy()) as proxy:
+        ca = proxy.proxy.ca_pem
+        assert ca is not None
+        with pytest.raises(urllib.error.HTTPError) as info:
+            proxy.opener([ca]).open(f"https://api.test:{local.https_port}/echo-auth-as?as=reason", timeout=10)
+    info.value.close()
+    assert info.value.code == 401 and TOKEN not in info.value.reason and "[REDACTED]" in info.value.reason
 
 
 def test_https_without_a_credential_is_a_tunnel_to_the_server_itself(local: Servers) -> None:
