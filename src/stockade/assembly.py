@@ -106,7 +106,7 @@ from stockade.runs.recorder import RunRecorder
 from stockade.runs.snapshots import RunSnapshots
 from stockade.runs.store import RunStore, open_run_store
 from stockade.runtime.agent import RuntimeControls
-from stockade.runtime.anomaly import AnomalyMonitor, Finding, configured_rules
+from stockade.runtime.anomaly import ANOMALY_RULE, AnomalyMonitor, Finding, configured_rules
 from stockade.runtime.breaker import BreakerConfig, Breakers, BreakingBackend
 from stockade.runtime.clock import Clock, SystemClock
 from stockade.runtime.events import Observer as RuntimeObserver
@@ -615,7 +615,7 @@ class AgentSession:
             observer=reported,
             tenant=config.tenant,
         )
-        monitor = (
+        monitor = self.monitor = (
             AnomalyMonitor(
                 rules=owner.anomaly_rules,
                 clock=owner.clock,
@@ -823,6 +823,10 @@ class AgentSession:
     async def resume(self) -> RunResult:
         """Continue the run after a pause or an interruption (from the checkpointer, else from
         the last result)."""
+        book = self.approvals.store
+        if self.monitor is not None and book is not None:  # what it held before is asked again
+            held = book.requests(self.run_id)
+            self.monitor.recall({r["action"]: r["reason"] for r in held if r.get("rule") == ANOMALY_RULE})
         if self.owner.checkpointer is not None:
             return await self._drive(None, self.run_id)
         if self.last is None or not self.last.status.resumable:

@@ -75,6 +75,10 @@ class ApprovalBook(Protocol):
 
     def pending(self, run_id: str | None = None) -> list[dict[str, str]]: ...
 
+    def requests(self, run_id: str) -> list[dict[str, str]]:
+        """Every request of ``run_id``, pending or decided (``action``, ``rule``, ``reason``,
+        ``status``, ...)."""
+
 
 class ApprovalStore:
     """Pending requests and decisions as JSON files: ``<dir>/<run_id>/<request_id>.json``."""
@@ -122,14 +126,12 @@ class ApprovalStore:
             shutil.rmtree(folder)
 
     def pending(self, run_id: str | None = None) -> list[dict[str, str]]:
-        runs = [self.directory / run_id] if run_id else sorted(self.directory.glob("*"))
-        found = []
-        for run in runs:
-            for file in sorted(run.glob("*.json")):
-                record = json.loads(file.read_text())
-                if record.get("status") == "pending":
-                    found.append(record)
-        return found
+        runs = [run_id] if run_id else sorted(p.name for p in self.directory.glob("*"))
+        return [r for run in runs for r in self.requests(run) if r.get("status") == "pending"]
+
+    def requests(self, run_id: str) -> list[dict[str, str]]:
+        folder = self._file(run_id, "x").parent
+        return [json.loads(file.read_text()) for file in sorted(folder.glob("*.json"))]
 
 
 class Approvals:

@@ -17,7 +17,7 @@ from stockade.exceptions import PolicyDenied
 from stockade.policy.approval import ApprovalRequest, Approvals
 from stockade.policy.engine import Decision, PolicyEngine
 from stockade.policy.schema import Verdict
-from stockade.runtime.anomaly import AnomalyMonitor
+from stockade.runtime.anomaly import ANOMALY_RULE, AnomalyMonitor
 from stockade.sandbox.base import (
     Backend,
     Instance,
@@ -104,9 +104,9 @@ def enforce(
     """Turn a decision into nothing (allow), ``PolicyDenied``, or a wait for approval."""
     verdict, rule, reason = decision.verdict, decision.rule, decision.reason
     if verdict is Verdict.ALLOW and monitor is not None:
-        flagged = monitor.take_approval_reason()
+        flagged = monitor.hold(action)
         if flagged is not None:
-            verdict, rule, reason = Verdict.APPROVE, "anomaly", flagged
+            verdict, rule, reason = Verdict.APPROVE, ANOMALY_RULE, flagged
     if verdict is Verdict.ALLOW:
         return
     if verdict is Verdict.DENY:

@@ -29,6 +29,7 @@ from stockade.runtime.events import AnomalyAction, AnomalyFlagged, Observer, ign
 from stockade.runtime.killswitch import KillSwitch
 
 __all__ = [
+    "ANOMALY_RULE",
     "ActionRecord",
     "AnomalyMonitor",
     "Burst",
@@ -212,6 +213,9 @@ def configured_rules(settings: Mapping[str, Mapping[str, object]]) -> tuple[Rule
     return tuple(rules)
 
 
+ANOMALY_RULE = "anomaly"  # the rule an action the monitor holds for a human is asked under
+
+
 @dataclass(kw_only=True)
 class AnomalyMonitor:
     """Feed it every action (``observe``); it applies each firing rule's action."""
@@ -224,6 +228,9 @@ class AnomalyMonitor:
     on_kill: Callable[[Finding], str] | None = None  # isolates the run; returns the kill's reason
     history_s: float = 600.0
     approval_reason: str | None = None
+    # the actions it held for a human, by their words: asked again whenever they come again (a
+    # resumed run's parked call runs under the decision, not freely)
+    _held: dict[str, str] = field(default_factory=dict)
     _history: deque[Seen] = field(default_factory=deque)
     _quiet_until: dict[str, float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -272,7 +279,23 @@ class AnomalyMonitor:
                 pass
 
     def take_approval_reason(self) -> str | None:
-        """Why the next action needs a human (once): the approval guard asks this."""
+        """Why the next action needs a human (once)."""
         with self._lock:
             reason, self.approval_reason = self.approval_reason, None
             return reason
+
+    def hold(self, action: str) -> str | None:
+        """Why ``action`` needs a human: the flag a finding put on the next action (which this
+        one takes), or the one an earlier finding put on this same action. The approval guard
+        asks this of every action the policy allows."""
+        with self._lock:
+            reason, self.approval_reason = self.approval_reason, None
+            if reason is not None:
+                self._held[action] = reason
+                return reason
+            return self._held.get(action)
+
+    def recall(self, held: Mapping[str, str]) -> None:
+        """Actions an earlier process of this run held (from its approval book), by their words."""
+        with self._lock:
+            self._held.update(held)

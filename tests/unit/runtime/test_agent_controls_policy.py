@@ -19,10 +19,10 @@ from stockade.cli.main import app
 from stockade.exceptions import BackendUnavailable, PolicyFileError
 from stockade.models import ScriptedModel, tool_call
 from stockade.policy import load_policy
-from stockade.policy.approval import ApprovalRequest, Choice
+from stockade.policy.approval import ApprovalRequest, ApprovalStore, Choice
 from stockade.runs import open_run_store
 from stockade.runtime.clock import ManualClock
-from stockade.sandbox.ops import RunCode, RunCommand
+from stockade.sandbox.ops import RunCode, RunCommand, WriteFile
 from stockade.testing import FakeBackend, MemoryWorkspace
 from stockade.tools import ToolContext, Toolset, read_file, run_code, shell, tool, write_file
 from stockade.types import ExecRecord, Execution, ExecutionError
@@ -360,3 +360,36 @@ def test_a_new_run_under_a_used_id_inherits_none_of_its_approvals(tmp_path: Path
         result = agent.run_sync("push again", run_id="nightly")
     assert len(asked) == 1 and result.steps[0].tool_calls[0].denied
     assert ops(tuesday, RunCommand) == []
+
+
+def test_an_action_the_anomaly_monitor_held_runs_only_under_a_humans_decision(tmp_path: Path) -> None:
+    """Three denied reads hold the next call for a human (``repeated_denials``). The run is
+    resumed by another process, whose monitor never saw the denials: the parked call is asked
+    again under the decision, and a human's "no" stops it."""
+    policy = '[paths]\nread = ["**"]\nwrite = ["**"]\ndeny = ["secrets/**"]\n'
+    denied = tool_call("read_file", {"path": "secrets/key"})
+    turns = [
+        step
+        for i in range(3)
+        for step in (denied, tool_call("write_file", {"path": f"w{i}.txt", "content": "x"}))
+    ]
+    first = setup(tmp_path, ScriptedModel([*turns, "never"]), policy)
+    with build_agent(first) as agent:
+        paused = agent.run_sync("probe", run_id="a1")
+    assert paused.status == RunStatus.PAUSED
+
+    def written(config: AgentConfig) -> set[str]:
+        return {op.path for op in ops(config, WriteFile) if not op.path.startswith(".stockade/")}  # type: ignore[attr-defined]
+
+    assert written(first) == {"w0.txt", "w1.txt"}
+    store = ApprovalStore(tmp_path / "approvals")
+    [request] = store.pending("a1")
+    assert request["rule"] == "anomaly" and "w2.txt" in request["action"]
+    store.decide("a1", request["id"], Choice.DENIED, by="a reviewer")
+    second = setup(tmp_path, ScriptedModel([*turns, "stopped"]), policy)
+    with build_agent(second) as agent:
+        resumed = agent.resume_sync("a1")
+    assert resumed.status == RunStatus.SUCCESS, resumed.error
+    assert written(second) == set()  # w2.txt was never written
+    held = resumed.steps[-2].tool_calls[0]
+    assert held.denied and "a human denied" in held.observation
