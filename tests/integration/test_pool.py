@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from stockade import Limits
+from stockade import exceptions as exc
 from stockade.sandbox.pool import SandboxPool
 from tests.conftest import wait_for
 
@@ -54,3 +57,22 @@ def test_idle_members_are_replaced(tier: str) -> None:
         wait_for(
             lambda: pool.stats().replaced >= 1 and pool.stats().ready == 1, what="a replacement", timeout_s=30
         )
+
+
+def test_a_handle_kept_past_its_block_never_reaches_the_next_user(tier: str) -> None:
+    with SandboxPool(tier, size=1, max_uses=10) as pool:
+        with pool.acquire() as mine:
+            mine.files.write("mine.txt", "one")
+        with pool.acquire() as theirs:
+            theirs.files.write("key.txt", "user two's")
+            for call in (
+                lambda: mine.files.read("key.txt"),
+                lambda: mine.run_code("import builtins; builtins.print = None"),
+                lambda: mine.commands.run("rm -f key.txt"),
+            ):
+                with pytest.raises(exc.SandboxClosed, match="went back to its pool"):
+                    call()
+            mine.close()  # harmless: it closes nothing of theirs
+            assert not mine.alive and theirs.alive
+            assert theirs.files.read("key.txt") == "user two's"
+            assert "mine" in str(theirs.run_code("print('mine')").logs.stdout)

@@ -28,13 +28,14 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from stockade import exceptions as exc
 from stockade.sandbox import _registry
 from stockade.sandbox._startup import from_snapshot
-from stockade.sandbox.base import Backend, Instance, SandboxSpec
+from stockade.sandbox.base import Backend, Instance, OpResult, OutputSink, SandboxSpec, WrapperInstance
 from stockade.sandbox.facade import Sandbox
-from stockade.sandbox.ops import Reset, RunCode
+from stockade.sandbox.ops import Op, Reset, RunCode
 from stockade.sandbox.snapshots import SnapshotStore
 from stockade.types import Limits, NetworkPolicy, Snapshot
 
@@ -56,6 +57,45 @@ class _Member:
     instance: Instance
     uses: int = 0
     idle_since: float = 0.0
+    busy_at_return: bool = False  # a call of its last user still ran: replaced, not reset
+
+
+class _Lease(WrapperInstance):
+    """One user's hold on a member. It stops working when the member goes back, so a handle
+    kept past its ``acquire`` block never reaches the next user's sandbox."""
+
+    def __init__(self, wrapped: Instance) -> None:
+        super().__init__(wrapped)
+        self._lock = threading.Lock()
+        self._ended = False
+        self._calls = 0  # in flight
+
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
+        with self._lock:
+            if self._ended:
+                raise exc.SandboxClosed(
+                    "this sandbox went back to its pool when its acquire() block ended: acquire another"
+                )
+            self._calls += 1
+        try:
+            return self.wrapped.handle(op, sink)
+        finally:
+            with self._lock:
+                self._calls -= 1
+
+    def end(self) -> bool:
+        """No more calls through this lease; whether one was still running (from another thread)."""
+        with self._lock:
+            self._ended = True
+            return self._calls > 0
+
+    def close(self) -> None:
+        if not self._ended:  # the user's own close: the member is replaced
+            self.wrapped.close()
+
+    @property
+    def alive(self) -> bool:
+        return not self._ended and self.wrapped.alive
 
 
 class SandboxPool:
@@ -111,10 +151,14 @@ class SandboxPool:
     def acquire(self, timeout_s: float = 60.0) -> Iterator[Sandbox]:
         """A clean, started sandbox; returned to the pool (reset) when the block ends."""
         member = self._take(timeout_s)
+        lease = _Lease(member.instance)
         try:
-            yield Sandbox(member.instance)
+            yield Sandbox(lease)
         finally:
             member.uses += 1
+            # a call still running would reach the reset's or the next user's session: the
+            # member is closed (the call with it) and replaced instead
+            member.busy_at_return = lease.end()
             self._release(member)
 
     def stats(self) -> PoolStats:
@@ -253,6 +297,10 @@ class SandboxPool:
         """Whether the member is back in the pool (else it was closed)."""
         if self._closed.is_set():
             member.instance.close()
+            return False
+        if member.busy_at_return:
+            member.instance.close()
+            self._replaced("a call of its user still ran when it came back")
             return False
         if member.uses >= self.max_uses or not member.instance.alive:
             member.instance.close()

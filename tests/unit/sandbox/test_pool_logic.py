@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from stockade import ResourceContention
+from stockade.sandbox.ops import RunCode
 from stockade.sandbox.pool import SandboxPool
-from stockade.testing import FakeBackend
+from stockade.testing import FakeBackend, MemoryWorkspace
+from stockade.types import Execution
 from tests.conftest import wait_for
 
 
@@ -38,3 +42,27 @@ def test_a_sandbox_acquired_when_the_pool_closes_is_closed_when_it_comes_back() 
         pool.close()
         assert sbx.alive
     assert not sbx.alive and pool.stats().in_use == 0
+
+
+def test_a_member_whose_user_left_a_call_running_is_replaced_not_reset() -> None:
+    """The call would otherwise go on into the reset, or into the next user's session."""
+    started, release = threading.Event(), threading.Event()
+
+    def slow(op: RunCode) -> Execution:
+        if op.code == "slow":  # not the pool's own warm-up
+            started.set()
+            release.wait(10)
+        return Execution()
+
+    backend = FakeBackend(handler_factory=lambda: MemoryWorkspace(code=slow))
+    with SandboxPool(backend=backend, size=1) as pool:
+        with pool.acquire() as sbx:
+            caller = threading.Thread(target=lambda: sbx.run_code("slow"), daemon=True)
+            caller.start()
+            started.wait(5)
+        release.set()  # it was running when the block ended: that is what counts
+        wait_for(
+            lambda: pool.stats().replaced == 1, what="the member to be replaced", timeout_s=5, interval_s=0.01
+        )
+        assert "still ran" in pool.stats().last_replaced_why and pool.stats().recycled == 0
+        caller.join(5)
