@@ -296,6 +296,12 @@ class SnapshotError(SandboxError):
     names its limit)."""
 
 
+class SnapshotStoreFull(SnapshotError):
+    """The snapshot store has no room for the snapshot (its objects and the snapshots being
+    written fill ``STOCKADE_SNAPSHOT_MAX_MB``, a tenant's ``snapshot_mb``): nothing of it was
+    kept, and no more than the room was ever written."""
+
+
 class SnapshotNotFound(SnapshotError):
     """The store has no snapshot with that id, or no paused sandbox with that id: never
     taken, deleted, already resumed, or collected."""

@@ -8,11 +8,15 @@ interpreter's variables and its threads too (gVisor's both modes: test_snapshots
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import stat
 import subprocess
 import sys
 import textwrap
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -251,3 +255,76 @@ def test_a_sparse_file_past_the_store_is_refused_before_it_reaches_the_hosts_dis
         assert small.size() < 1 << 20
         sbx.files.remove("holes")
         assert sbx.snapshot(store=small).id  # the sandbox and the store are as good as before
+
+
+# The tiers whose files snapshots stream through the store's room (gVisor's, with memory=False, too).
+FILES_TIERS = [t for t in ("process", "docker") if t in TIERS]
+# What a file's blocks may exceed its bytes by on the host's disk (rounding, extent blocks).
+SLACK = 1 << 20
+
+
+class DiskWatch:
+    """The most the store's files ever held on the host's disk at once, sampled while the
+    store's room is held still (a sample taken file by file would count a refused file and
+    the one growing into its room both)."""
+
+    def __init__(self, store: SnapshotStore) -> None:
+        self.store = store
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> DiskWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.005):
+            with self.store.locked():
+                self.peak = max(self.peak, disk_bytes(self.store.root))
+
+
+def disk_bytes(folder: Path) -> int:
+    total = 0
+    for path in folder.rglob("*"):
+        with contextlib.suppress(FileNotFoundError):
+            st = path.lstat()
+            total += st.st_blocks * 512 if stat.S_ISREG(st.st_mode) else 0
+    return total
+
+
+@pytest.mark.parametrize("tier", FILES_TIERS)
+def test_a_snapshots_areas_share_the_room_left_in_the_store(tier: str, tmp_path: Path) -> None:
+    # Each area was capped at the store's whole size on its own, and written out before the
+    # store refused: two sparse files, each under the cap, put both on the host's disk.
+    require_tier(tier)
+    small = SnapshotStore(tmp_path / "small", max_bytes=64 << 20)
+    with Sandbox.create(tier, limits=LIMITS) as sbx:
+        sbx.commands.run("truncate -s 40M /workspace/holes; truncate -s 30M /tmp/holes")
+        with DiskWatch(small) as watch, pytest.raises(SnapshotError, match="does not fit the snapshot store"):
+            sbx.snapshot(store=small, memory=False)
+        assert watch.peak <= small.max_bytes + SLACK
+        assert disk_bytes(small.root) == 0  # nothing half-written stays
+        sbx.commands.run("rm /tmp/holes")
+        assert sbx.snapshot(store=small, memory=False).size_bytes >= 40 << 20
+
+
+@pytest.mark.parametrize("tier", FILES_TIERS)
+def test_snapshots_taken_at_once_never_together_pass_the_stores_room(tier: str, tmp_path: Path) -> None:
+    # Each snapshot saw only the store as it was: three at once wrote three times the room.
+    require_tier(tier)
+    shared = SnapshotStore(tmp_path / "shared", max_bytes=48 << 20)  # room for two of them
+    with contextlib.ExitStack() as stack:
+        sandboxes = [stack.enter_context(Sandbox.create(tier, limits=LIMITS)) for _ in range(3)]
+        for sbx in sandboxes:
+            sbx.commands.run("head -c 20M /dev/urandom > /workspace/data")
+        with DiskWatch(shared) as watch, ThreadPoolExecutor(len(sandboxes)) as pool:
+            taken = [pool.submit(sbx.snapshot, store=shared, memory=False) for sbx in sandboxes]
+            refused = [f.exception() for f in taken if f.exception() is not None]
+    assert 1 <= len(refused) <= 2 and all(isinstance(e, SnapshotError) for e in refused)
+    assert watch.peak <= shared.max_bytes + SLACK
+    assert shared.size() <= shared.max_bytes

@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import hashlib
 import math
-import os
 import re
 import secrets
 import threading
@@ -48,7 +47,6 @@ from stockade.sandbox._snapshot_state import (
 from stockade.sandbox._transfers import FILE_OP_TIMEOUT_S, MAX_FRAME, TRANSFER_CHUNK, FileRequests
 from stockade.sandbox.base import Instance, OpResult, OutputSink, SandboxSpec
 from stockade.sandbox.ops import (
-    Area,
     GetArchive,
     ListDir,
     MakeDir,
@@ -64,7 +62,7 @@ from stockade.sandbox.ops import (
     TakeSnapshot,
     WriteFile,
 )
-from stockade.sandbox.snapshots import SnapshotStore
+from stockade.sandbox.snapshots import Reservation, SnapshotStore
 from stockade.sandbox.supervisor.protocol import (
     MAX_BUNDLE_ENTRIES,
     MAX_RESULT_COUNT,
@@ -337,7 +335,7 @@ class SupervisedInstance(Instance):
                 setting="snapshot memory",
                 fix="pass memory=None to keep the files, or use the microvm or gvisor tier",
             )
-        with self._quiet():
+        with self._quiet(), op.store.reserve() as room:
             self._check_open()
             memory = op.memory is not False and why is None
             if memory:
@@ -350,7 +348,7 @@ class SupervisedInstance(Instance):
                     key, sent, received = sealed
                     tier_state["seal"] = {"key": key.hex(), "sent": sent, "received": received}
             else:
-                blobs, tier_state = self.save_files(op.store), {}
+                blobs, tier_state = self.save_files(room), {}
             snapshot = op.store.save(
                 kind=SnapshotKind.MEMORY if memory else SnapshotKind.FILES,
                 tier=self.tier,
@@ -384,38 +382,36 @@ class SupervisedInstance(Instance):
                 self._frozen = False
                 self._gate.notify_all()
 
-    def save_files(self, store: SnapshotStore) -> dict[str, str]:
-        """The workspace and /tmp, each a tar object of ``store``, streamed from the sandbox."""
-        blobs: dict[str, str] = {}
-        area: Area
-        for area in ("workspace", "tmp"):
-            path = store.temp_path(area)
-            digest = hashlib.sha256()
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                with os.fdopen(fd, "wb") as fh:
+    def save_files(self, room: Reservation) -> dict[str, str]:
+        """The workspace and /tmp, each a tar object of the store, streamed from the sandbox
+        into the ``room`` reserved for them: a chunk that would not fit ends the snapshot
+        (``SnapshotStoreFull``) before it is written, and nothing of it stays."""
+        digests: dict[str, str] = {}
+        with contextlib.ExitStack() as files:
+            paths: dict[str, Path] = {}
+            for area in ("workspace", "tmp"):
+                path, write = files.enter_context(room.open(area))
+                digest = hashlib.sha256()
 
-                    def sink(_: int, chunk: bytes, fh: Any = fh, digest: Any = digest) -> None:
-                        digest.update(chunk)
-                        fh.write(chunk)
+                def sink(_: int, chunk: bytes, write: Any = write, digest: Any = digest) -> None:
+                    write(chunk)  # the host's cap: the sandbox's own check is only a courtesy
+                    digest.update(chunk)
 
-                    # No more than the store can hold (file contents by apparent size, checked by
-                    # the supervisor before it sends anything): a sparse file of a few KiB
-                    # inside was written out whole, gigabytes on the host's disk, then refused.
-                    cap = min(SNAPSHOT_MAX_BYTES, store.max_bytes)
+                # Both areas share the room left (the supervisor refuses a tree whose file
+                # contents, by apparent size, would not fit, before it sends anything).
+                cap = min(SNAPSHOT_MAX_BYTES, room.room())
+                try:
                     op = GetArchive(area=area, max_bytes=cap, max_entries=SNAPSHOT_MAX_ENTRIES)
                     self.files.get_archive(op, sink)
-            except exc.FileTooLarge as error:
-                path.unlink(missing_ok=True)
-                raise exc.SnapshotError(
-                    f"the sandbox's {area} does not fit the snapshot store ({cap // (1 << 20)} MiB; "
-                    f"STOCKADE_SNAPSHOT_MAX_MB raises it): {error}"
-                ) from None
-            except BaseException:
-                path.unlink(missing_ok=True)
-                raise
-            blobs[area] = store.add_file(path, digest=digest.hexdigest())
-        return blobs
+                except exc.FileTooLarge as error:
+                    raise exc.SnapshotStoreFull(
+                        f"the sandbox's {area} does not fit the snapshot store (room for {cap // (1 << 20)} "
+                        f"MiB of its {room.store.max_bytes // (1 << 20)} MiB; STOCKADE_SNAPSHOT_MAX_MB "
+                        f"raises it): {error}"
+                    ) from None
+                paths[area], digests[area] = path, digest.hexdigest()
+            # Into the objects only once both are whole: a refused /tmp leaves no workspace behind.
+            return {area: room.store.add_file(paths[area], digest=digests[area]) for area in paths}
 
     def reseed(self, resumed: dict[str, Any] | None = None) -> None:
         """First thing in a sandbox restored from a memory snapshot: the interpreter's next run

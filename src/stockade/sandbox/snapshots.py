@@ -8,6 +8,8 @@
                                   the sandbox of an agent run that paused (``run``, by run id)
       verified/<sha256>           the object's identity (inode, size, times) when last hashed
       tmp/                        what is being written
+      reserved/<pid>-<token>      the room a snapshot being written holds (bytes; locked by its writer)
+      lock                        taken while room is counted and reserved
 
 Every object is named by the SHA-256 of its bytes and every manifest by the SHA-256 of its
 text, so a snapshot is its id: before anything is restored, the manifest and each object are
@@ -19,13 +21,17 @@ any write to the file changes its change time, which only the clock can set back
 Objects are kept once, whatever shares them (every fork of one snapshot, two snapshots of
 one workspace). ``collect`` (``stockade gc``) removes what no ref keeps; the store holds at
 most ``max_bytes`` (disk blocks), dropping the boot images used longest ago first, and
-refuses a snapshot that would not fit otherwise. The folder is root's alone (0700): a
+refuses a snapshot that would not fit otherwise. Room is reserved before a byte is written
+(``reserve``): the objects, plus what every snapshot in the making holds, in this process and
+any other sharing the folder, never exceed ``max_bytes`` by more than a write's rounding to
+disk blocks, and a writer stops at the first chunk that would not fit. The folder is root's alone (0700): a
 snapshot holds the sandbox's environment and memory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -41,7 +47,7 @@ from typing import Any, BinaryIO
 from stockade import exceptions as exc
 from stockade.types import Snapshot, SnapshotKind
 
-__all__ = ["FORMAT", "Held", "Manifest", "SnapshotStore"]
+__all__ = ["FORMAT", "Held", "Manifest", "Reservation", "SnapshotStore"]
 
 FORMAT = 1
 MiB = 1024 * 1024
@@ -52,6 +58,8 @@ ID_HEX = 32  # 128 bits of the manifest's hash name a snapshot
 GRACE_S = 120.0
 CHUNK = 4 * MiB
 REF_KINDS = ("paused", "kept", "boot", "run")
+# A reservation grows to a multiple of this (when there is room): little held unused.
+RESERVE_STEP = MiB
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
@@ -400,6 +408,53 @@ class SnapshotStore:
 
     # -- room and collection ------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def reserve(self) -> Iterator[Reservation]:
+        """Room for one snapshot in the making, held until the block ends (its objects are in
+        by then, and count themselves). Its file is locked for as long as it is held: one whose
+        lock is free was left by a process that died, and counts no more."""
+        path = self._dir("reserved") / f"{os.getpid()}-{secrets.token_hex(6)}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield Reservation(self, path, fd)
+        finally:
+            path.unlink(missing_ok=True)
+            os.close(fd)
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the store's room still: while held, no reservation grows (in any process), so
+        what is on disk can be measured against ``max_bytes``."""
+        fd = os.open(self._dir("reserved").parent / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # another open of the file: threads exclude each other too
+            yield
+        finally:
+            os.close(fd)
+
+    def _reserved_by_others(self, own: Path) -> int:
+        """The room the other snapshots in the making hold; reservations of the dead are removed."""
+        total = 0
+        for path in _entries(self.root / "reserved"):
+            if path == own:
+                continue
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:  # held: its writer is alive
+                    text = os.read(fd, 32).decode("ascii", "replace").strip()
+                    total += int(text) if text.isdigit() else 0
+                else:
+                    path.unlink(missing_ok=True)
+            finally:
+                os.close(fd)
+        return total
+
     def size(self) -> int:
         folder = self.root / "objects"
         return sum(_disk_size(p) for p in folder.iterdir()) if folder.is_dir() else 0
@@ -408,8 +463,18 @@ class SnapshotStore:
         """Evict boot images, least recently used first, until the store fits its limit.
         Objects written in the last ``GRACE_S`` may be another process's snapshot in the
         making: they stay, and count."""
-        if self.size() <= self.max_bytes:
-            return
+        if not self._evict_boots(keep, lambda: self.size() <= self.max_bytes):
+            total = self.size()
+            raise exc.SnapshotStoreFull(
+                f"the snapshot store {self.root} is full ({total // MiB} MiB of "
+                f"{self.max_bytes // MiB} MiB): delete snapshots or paused sandboxes, "
+                "or raise STOCKADE_SNAPSHOT_MAX_MB"
+            )
+
+    def _evict_boots(self, keep: str, fits: Callable[[], bool]) -> bool:
+        """Evict boot images, least recently used first, until ``fits``; whether it does."""
+        if fits():
+            return True
         boots = []
         for name, sid in self.refs("boot"):
             with contextlib.suppress(OSError):
@@ -421,15 +486,9 @@ class SnapshotStore:
                     objects = frozenset(self.load(sid).blobs.values())
                 self.delete(sid)
                 self.collect(keep=keep, evicted=objects)
-                if self.size() <= self.max_bytes:
-                    return
-        total = self.size()
-        if total > self.max_bytes:
-            raise exc.SnapshotError(
-                f"the snapshot store {self.root} is full ({total // MiB} MiB of "
-                f"{self.max_bytes // MiB} MiB): delete snapshots or paused sandboxes, "
-                "or raise STOCKADE_SNAPSHOT_MAX_MB"
-            )
+                if fits():
+                    return True
+        return fits()
 
     def collect(
         self, *, grace_s: float = GRACE_S, keep: str = "", evicted: frozenset[str] = frozenset()
@@ -490,6 +549,72 @@ class SnapshotStore:
             with contextlib.suppress(OSError, ValueError):
                 used.update(str(d) for d in dict(json.loads(path.read_bytes()).get("blobs") or {}).values())
         return used
+
+
+@dataclass
+class Reservation:
+    """Room a snapshot holds in its store while it is written (``SnapshotStore.reserve``):
+    ``grow`` before writing, ``open`` a file of the store's ``tmp`` that grows it as it goes."""
+
+    store: SnapshotStore
+    path: Path
+    fd: int
+    held: int = 0  # bytes reserved
+    used: int = 0  # bytes written through ``open``'s files
+
+    def room(self) -> int:
+        """What could still be written: the held room unused, and what no one holds."""
+        with self.store.locked():
+            taken = self.store.size() + self.store._reserved_by_others(self.path)
+        return max(0, self.store.max_bytes - taken - self.used)
+
+    def grow(self, total: int) -> None:
+        """Hold at least ``total`` bytes (``SnapshotStoreFull`` when the store cannot make room:
+        the objects and every other reservation count, boot images are evicted first)."""
+        if total <= self.held:
+            return
+        store = self.store
+        with store.locked():
+
+            def fits(want: int) -> bool:
+                return store.size() + store._reserved_by_others(self.path) + want <= store.max_bytes
+
+            want = -(-total // RESERVE_STEP) * RESERVE_STEP
+            if not fits(want):
+                want = total
+                if not store._evict_boots("", lambda: fits(want)):
+                    taken = store.size() + store._reserved_by_others(self.path)
+                    raise exc.SnapshotStoreFull(
+                        f"the snapshot store {store.root} is full: {taken // MiB} MiB of its "
+                        f"{store.max_bytes // MiB} MiB are taken or being written, and this snapshot "
+                        f"needs more than {self.used // MiB} MiB; delete snapshots or paused "
+                        "sandboxes, or raise STOCKADE_SNAPSHOT_MAX_MB"
+                    )
+            os.pwrite(self.fd, f"{want:<20d}".encode(), 0)
+            self.held = want
+
+    @contextlib.contextmanager
+    def open(self, hint: str) -> Iterator[tuple[Path, Callable[[bytes], None]]]:
+        """A new file of the store's ``tmp`` and its ``write``, which grows the reservation
+        before each chunk (every byte counts: holes would be written out at the restore anyway).
+        The file is removed if the block raises."""
+        path = self.store.temp_path(hint)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+
+        def write(chunk: bytes) -> None:
+            self.grow(self.used + len(chunk))
+            self.used += len(chunk)
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(fd, view) :]
+
+        try:
+            yield path, write
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
 
 
 def _entries(folder: Path) -> list[Path]:

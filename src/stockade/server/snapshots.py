@@ -101,9 +101,9 @@ class TenantSnapshots:
             yield store
         except exc.SnapshotNotFound:
             raise self.not_found(tenant, name, what) from None
+        except exc.SnapshotStoreFull:
+            raise self.full(tenant, store) from None
         except exc.SnapshotError as error:
-            if type(error) is exc.SnapshotError and store.size() > store.max_bytes:
-                raise self.full(tenant, store) from None
             text = str(error).replace(str(store.root), "the tenant's snapshot store")
             raise type(error)(text) from None
 

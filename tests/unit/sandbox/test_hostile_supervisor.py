@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from stockade import FileTooLarge, ProtocolError, Sandbox, SandboxCrashed
+from stockade import FileTooLarge, ProtocolError, Sandbox, SandboxCrashed, SnapshotError, SnapshotStore
 from stockade import exceptions as exc
 from stockade.sandbox._supervised import MAX_FRAME, TRANSFER_CHUNK, Boundary, SupervisedInstance
 from stockade.sandbox.base import SandboxSpec
@@ -185,6 +185,19 @@ def test_a_supervisor_dying_mid_download_leaves_nothing(tmp_path: Path) -> None:
     with pytest.raises(SandboxCrashed):
         sandbox_of(ArchiveSupervisor(pieces=pieces), Killed()).files.download_dir(tmp_path / "out")
     assert os.listdir(tmp_path / "out") == []
+
+
+def test_a_snapshot_stops_a_supervisor_that_ignores_the_stores_room(tmp_path: Path) -> None:
+    # The store's cap was checked only after the archive was whole on the host's disk: a
+    # supervisor sending more than asked (or a sparse file's zeros) filled it well past the cap.
+    store = SnapshotStore(tmp_path / "store", max_bytes=3 * TRANSFER_CHUNK)
+    stream = ArchiveSupervisor(tar_of(*((f"f{i}", os.urandom(TRANSFER_CHUNK)) for i in range(16))))
+    with pytest.raises(SnapshotError, match="is full"):
+        sandbox_of(stream, Killed()).snapshot(memory=False, store=store)
+    # Three chunks fill the store: the fourth is refused before it is written, the rest are
+    # never asked for, and nothing is kept.
+    assert stream.stages.count("next") == 4 and stream.stages[-1] == "close"
+    assert [p for p in (tmp_path / "store").rglob("*") if p.is_file() and p.stat().st_size] == []
 
 
 # -- run_code reports ------------------------------------------------------------------------

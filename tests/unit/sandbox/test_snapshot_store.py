@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -104,6 +106,49 @@ def test_a_full_store_evicts_boot_images_then_refuses(tmp_path: Path) -> None:
     with pytest.raises(SnapshotError, match="full"):
         _snapshot(store, os.urandom(40 * 1024))
     assert [s.id for s in store.snapshots()] == [kept]
+
+
+def test_room_reserved_by_one_writer_is_not_given_to_another(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path, max_bytes=10 << 20)
+    with store.reserve() as first:
+        first.grow(6 << 20)
+        with store.reserve() as second:
+            assert second.room() == 4 << 20
+            with pytest.raises(SnapshotError, match="is full"):
+                second.grow(6 << 20)
+    with store.reserve() as second:
+        second.grow(6 << 20)  # the first one's room came back when it ended
+
+
+def test_a_writer_stops_at_the_chunk_that_would_not_fit_and_leaves_nothing(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path, max_bytes=3 << 20)
+    with (
+        store.reserve() as room,
+        pytest.raises(SnapshotError, match="is full"),
+        room.open("area") as (path, write),
+    ):
+        for _ in range(4):
+            write(os.urandom(1 << 20))
+    assert room.used == 3 << 20 and not path.exists()
+
+
+def test_the_room_of_a_writer_that_died_is_free_again(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path, max_bytes=10 << 20)
+    code = (
+        "import os, sys; from stockade import SnapshotStore\n"
+        f"with SnapshotStore({str(tmp_path)!r}, max_bytes=10 << 20).reserve() as room:\n"
+        "    room.grow(8 << 20); print('held', flush=True); sys.stdin.read(); os._exit(9)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    argv = [sys.executable, "-c", code]
+    with subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env) as child:
+        assert child.stdout is not None and child.stdout.readline() == b"held\n"
+        with store.reserve() as mine:
+            assert mine.room() == 2 << 20  # another process's room counts
+        child.kill()
+    with store.reserve() as mine:
+        mine.grow(8 << 20)  # killed mid-snapshot: its reservation is free, and removed
+    assert list((tmp_path / "reserved").iterdir()) == []
 
 
 def test_collection_keeps_what_refs_keep(tmp_path: Path) -> None:

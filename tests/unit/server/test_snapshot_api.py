@@ -6,6 +6,7 @@ the trail records them, and a process that does not share the store says where i
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,6 +202,21 @@ async def test_a_full_snapshot_quota_is_refused_as_a_quota(services: Services, t
             await sbx.snapshot()
     assert (full.value.quota, full.value.limit) == ("snapshot_mb", 0)
     assert full.value.problem["status"] == 429  # type: ignore[attr-defined]
+    assert await client.snapshots() == []
+
+
+async def test_a_snapshot_larger_than_the_room_left_is_refused_as_a_quota(
+    services: Services, tmp_path: Path
+) -> None:
+    # The store had room when asked, the snapshot did not fit it: a 500 ("not taken"), since
+    # the refused snapshot was gone from the store by the time the error was read.
+    tenants, acme, _ = make_tenants(Quotas(snapshot_mb=1))
+    client = services.client(services.start(tenants, tmp_path / "snapshots"), acme)
+    async with await AsyncRemoteSandbox.create("process", client=client) as sbx:
+        await sbx.files.write("a.bin", os.urandom(2 << 20))
+        with pytest.raises(exc.QuotaExceeded) as full:
+            await sbx.snapshot()
+    assert (full.value.quota, full.value.limit) == ("snapshot_mb", 1)
     assert await client.snapshots() == []
 
 
