@@ -14,7 +14,7 @@ import pytest
 
 from stockade import Limits, Sandbox, SandboxPool, SandboxRules
 from stockade.sandbox import _guest, microvm
-from stockade.sandbox._microvm_instance import VMInstance
+from stockade.sandbox._microvm_instance import GUEST_OVERHEAD_MB, VMInstance
 from stockade.sandbox.base import SandboxSpec
 from stockade.types import Mechanism
 from tests.conftest import require_tier, wait_for
@@ -48,7 +48,7 @@ def qemu_processes(sandbox_id: str) -> list[int]:
 def test_the_guest_has_the_limits_as_its_hardware(vm: Sandbox) -> None:
     assert vm.commands.run("nproc").stdout.strip() == "2"
     mem_kib = int(vm.commands.run("awk '/MemTotal/ {print $2}' /proc/meminfo").stdout)
-    assert mem_kib * 1024 <= (200 + microvm.GUEST_OVERHEAD_MB) * MiB
+    assert mem_kib * 1024 <= (200 + GUEST_OVERHEAD_MB) * MiB
     fs = vm.run_code("import os; s = os.statvfs('/workspace'); (s.f_blocks * s.f_frsize, s.f_files)")
     assert fs.text == f"({48 * MiB}, 3000)"
 

@@ -32,6 +32,7 @@ from stockade import (
     SnapshotKind,
     SnapshotNotFound,
     SnapshotStore,
+    SnapshotStoreFull,
 )
 from stockade.audit import AuditedBackend, EventKind, verify
 from stockade.sandbox.process import ProcessBackend
@@ -328,3 +329,20 @@ def test_snapshots_taken_at_once_never_together_pass_the_stores_room(tier: str, 
     assert 1 <= len(refused) <= 2 and all(isinstance(e, SnapshotError) for e in refused)
     assert watch.peak <= shared.max_bytes + SLACK
     assert shared.size() <= shared.max_bytes
+
+
+@pytest.mark.parametrize("tier", [t for t in ("gvisor",) if t in TIERS])
+def test_a_memory_snapshot_writes_no_more_than_the_stores_room(tier: str, tmp_path: Path) -> None:
+    # gVisor's areas are tmpfs on this host, packed here: their sparse files were written out
+    # whole, then runsc's image beside them, before the store refused the lot. Room for the
+    # image (the sandbox's memory) is held first; the areas get what is left.
+    require_tier(tier)
+    small = SnapshotStore(tmp_path / "small", max_bytes=320 << 20)
+    with Sandbox.create(tier, limits=LIMITS) as sbx:
+        sbx.commands.run("truncate -s 200M /workspace/holes; truncate -s 190M /tmp/holes")
+        with DiskWatch(small) as watch, pytest.raises(SnapshotStoreFull, match="is full"):
+            sbx.snapshot(store=small, memory=True)
+        assert watch.peak <= small.max_bytes + SLACK
+        assert disk_bytes(small.root) == 0
+        sbx.commands.run("rm /workspace/holes /tmp/holes")
+        assert sbx.snapshot(store=small, memory=True).kind is SnapshotKind.MEMORY

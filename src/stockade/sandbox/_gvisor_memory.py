@@ -23,6 +23,7 @@ supervisor, ...) bound again to the new sandbox's own; the root is the image's o
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -39,9 +40,11 @@ from stockade.sandbox import _guest, _host
 from stockade.sandbox._archive import Extraction
 from stockade.sandbox._boundary import EgressHandle
 from stockade.sandbox._supervised import SupervisedInstance
-from stockade.sandbox.snapshots import CHUNK, SnapshotStore
+from stockade.sandbox.snapshots import CHUNK, Reservation, SnapshotStore
 
 if TYPE_CHECKING:
+    from _typeshed import ReadableBuffer
+
     from stockade.sandbox.gvisor import RunscBackend
 
 AREAS = ("workspace", "tmp")
@@ -86,18 +89,23 @@ def call_runsc(argv: list[str], *, check: bool = True) -> None:
 
 
 def checkpoint(
-    runsc: RunscCall, sid: str, areas: Path, store: SnapshotStore, *, stop: bool
+    runsc: RunscCall, sid: str, areas: Path, room: Reservation, *, stop: bool
 ) -> tuple[dict[str, str], dict[str, str]]:
     """Pause the sandbox, pack its files (``areas``/workspace and /tmp), checkpoint it, resume
     it (with ``stop``, the checkpoint is without ``--leave-running``: the sandbox ends as it
-    resumes). The objects (role -> digest) and the image's files (name -> role)."""
+    resumes), all within ``room``. The objects (role -> digest) and the image's files (name -> role)."""
+    store = room.store
     runsc("pause", sid)
     image = store.temp_path("gvisor")
     image.mkdir(mode=0o700)
+    packed: dict[str, Path] = {}
     try:
-        blobs = {area: pack_area(areas / area, store) for area in AREAS}
+        for area in AREAS:
+            packed[area] = pack_area(areas / area, room)
         leave = () if stop else ("--leave-running",)
         runsc("checkpoint", COMPRESSION, "--image-path", str(image), *leave, sid)
+        room.charge(image)
+        blobs = {area: store.add_file(path) for area, path in packed.items()}
         names: dict[str, str] = {}
         for entry in sorted(image.iterdir()):
             if not entry.is_file() or entry.is_symlink():
@@ -107,6 +115,10 @@ def checkpoint(
             blobs[role] = store.add_file(entry)
         if MAIN_IMAGE not in names:
             raise exc.SnapshotError(f"runsc checkpoint wrote no {MAIN_IMAGE}")
+    except BaseException:
+        for path in packed.values():  # not objects yet: nothing of a refused snapshot stays
+            path.unlink(missing_ok=True)
+        raise
     finally:
         shutil.rmtree(image, ignore_errors=True)
         # Also after a checkpoint that stopped it: a paused kernel cannot end, and would
@@ -130,8 +142,8 @@ class RunscInstance(SupervisedInstance):
             return EGRESS_REFUSAL
         return None
 
-    def save_memory(self, store: SnapshotStore, *, stop: bool) -> tuple[dict[str, str], dict[str, Any]]:
-        blobs, names = checkpoint(self.backend.runsc_call, self.id, self.bundle, store, stop=stop)
+    def save_memory(self, room: Reservation, *, stop: bool) -> tuple[dict[str, str], dict[str, Any]]:
+        blobs, names = checkpoint(self.backend.runsc_call, self.id, self.bundle, room, stop=stop)
         origin = {"docker": self.docker.state()} if self.docker is not None else {}
         return blobs, {"machine": self.machine_key, "image": names, **origin}
 
@@ -148,13 +160,13 @@ def machine_key(backend: RunscBackend, folder: Path, masks: tuple[str, ...]) -> 
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
-def pack_area(folder: Path, store: SnapshotStore) -> str:
-    """A tar of a paused sandbox's tmpfs (nothing in it changes meanwhile), as an object of
-    ``store``: its folders, files, links, with their modes and times; what a tar cannot
-    hold (sockets) is left out, as the supervisor's archives leave it out."""
-    path = store.temp_path(folder.name)
-    try:
-        with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+def pack_area(folder: Path, room: Reservation) -> Path:
+    """A tar of a paused sandbox's tmpfs (nothing in it changes meanwhile), written within
+    ``room`` to a file of the store's ``tmp`` (``store.add_file`` makes it an object): its
+    folders, files, links, with their modes and times; what a tar cannot hold (sockets) is
+    left out, as the supervisor's archives leave it out. A sparse file is written whole."""
+    with room.open(folder.name) as (path, write):
+        with tarfile.open(fileobj=_Sink(write), mode="w", format=tarfile.PAX_FORMAT) as tar:
             for full, name in _walk(folder):
                 info = tar.gettarinfo(str(full), arcname=name)
                 if info is None:  # a socket
@@ -165,11 +177,28 @@ def pack_area(folder: Path, store: SnapshotStore) -> str:
                         tar.addfile(info, fh)
                 else:
                     tar.addfile(info)
-        os.chmod(path, 0o600)
-        return store.add_file(path)
-    except BaseException:
-        path.unlink(missing_ok=True)
-        raise
+        return path
+
+
+class _Sink(io.BufferedIOBase):
+    """What tarfile writes to: a reservation's ``write``."""
+
+    def __init__(self, write: Callable[[bytes], None]) -> None:
+        super().__init__()
+        self._write = write
+        self._at = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: ReadableBuffer, /) -> int:
+        chunk = bytes(data)
+        self._write(chunk)
+        self._at += len(chunk)
+        return len(chunk)
+
+    def tell(self) -> int:
+        return self._at
 
 
 def _walk(root: Path) -> Iterator[tuple[Path, str]]:
@@ -409,7 +438,7 @@ class ContainerMemory:
             raise exc.SnapshotError("the container's runsc state names another sandbox than the engine's")
         return config
 
-    def save(self, store: SnapshotStore, *, stop: bool) -> tuple[dict[str, str], dict[str, Any]]:
+    def save(self, room: Reservation, *, stop: bool) -> tuple[dict[str, str], dict[str, Any]]:
         argv, pid = self._argv()
         sources = {
             "workspace": self.rundir / "workspace",
@@ -426,7 +455,7 @@ class ContainerMemory:
         def runsc(*args: str, check: bool = True) -> None:
             call_runsc([*argv, *args], check=check)
 
-        blobs, names = checkpoint(runsc, self.cid, self.rundir, store, stop=stop)
+        blobs, names = checkpoint(runsc, self.cid, self.rundir, room, stop=stop)
         key = docker_machine_key(argv[0], self.platform, self.image, self.folder, self.masks)
         return blobs, {"machine": key, "image": names, "docker": layout.state()}
 

@@ -21,7 +21,10 @@ from typing import Any
 from stockade import exceptions as exc
 from stockade.sandbox import _cgroups, _host, _qmp
 from stockade.sandbox._supervised import Boundary, SupervisedInstance
-from stockade.sandbox.snapshots import SnapshotStore
+from stockade.sandbox.snapshots import Reservation
+
+# Guest RAM on top of the memory limit: the guest kernel, its page cache of the root image.
+GUEST_OVERHEAD_MB = 128
 
 
 class SocketStream:
@@ -157,8 +160,11 @@ class VMInstance(SupervisedInstance):
             return "a microVM with an egress allowlist keeps files only in a snapshot"
         return None
 
-    def save_memory(self, store: SnapshotStore, *, stop: bool) -> tuple[dict[str, str], dict[str, Any]]:
-        path = store.temp_path("memory")
+    def memory_image_bytes(self) -> int:
+        return (self.spec.limits.memory_mb + GUEST_OVERHEAD_MB) << 20  # the guest's whole RAM, at most
+
+    def save_memory(self, room: Reservation, *, stop: bool) -> tuple[dict[str, str], dict[str, Any]]:
+        path = room.store.temp_path("memory")
         try:
             with open(path, "wb") as out:
                 monitor = self.vm.monitor()
@@ -167,7 +173,8 @@ class VMInstance(SupervisedInstance):
                 finally:
                     if not stop:
                         monitor.command("cont")
-            digest = store.add_file(path)
+            room.charge(path)
+            digest = room.store.add_file(path)
         finally:
             path.unlink(missing_ok=True)
         return {"memory": digest}, {"machine": self.machine_key, "masks": list(self.masks)}

@@ -312,9 +312,14 @@ class SupervisedInstance(Instance):
         why it cannot (a tier that can overrides this and ``save_memory``)."""
         return f"the {self.tier} tier keeps files only in a snapshot (workspace, /tmp, environment)"
 
-    def save_memory(self, store: SnapshotStore, *, stop: bool) -> tuple[dict[str, str], dict[str, Any]]:
-        """The tier's memory image of the sandbox, as objects of ``store`` (role -> digest)
-        and what the tier needs to restore it; ``stop``: the sandbox need not run on."""
+    def memory_image_bytes(self) -> int:
+        """The most a memory image of this sandbox should take: room held before it is written."""
+        return self.spec.limits.memory_mb * (1 << 20)
+
+    def save_memory(self, room: Reservation, *, stop: bool) -> tuple[dict[str, str], dict[str, Any]]:
+        """The tier's memory image of the sandbox, as objects of the store, written within
+        ``room`` (role -> digest) and what the tier needs to restore it; ``stop``: the sandbox
+        need not run on."""
         raise exc.LimitNotEnforceable(self.memory_snapshots() or "no memory snapshots here")
 
     def _snapshot(self, op: TakeSnapshot | Pause) -> Snapshot:
@@ -340,7 +345,8 @@ class SupervisedInstance(Instance):
             memory = op.memory is not False and why is None
             if memory:
                 sealed = self.channel.seal_state()  # nothing in flight: the supervisor's counts
-                blobs, tier_state = self.save_memory(op.store, stop=isinstance(op, Pause))
+                room.expect(self.memory_image_bytes())
+                blobs, tier_state = self.save_memory(room, stop=isinstance(op, Pause))
                 tier_state = {**tier_state, "enforcement": enforcement_state(self.enforcement)}
                 if sealed is not None:
                     # The restored supervisor seals with this key and these counts (its memory

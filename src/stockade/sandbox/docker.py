@@ -58,7 +58,7 @@ from stockade.sandbox._supervised import (
 )
 from stockade.sandbox.base import Backend, OpResult, OutputSink, SandboxSpec
 from stockade.sandbox.ops import Op
-from stockade.sandbox.snapshots import SnapshotStore
+from stockade.sandbox.snapshots import Reservation
 from stockade.types import Enforcement, HostShare, Mechanism, TierReport
 
 __all__ = ["DockerBackend", "collect_garbage", "engine_error"]
@@ -254,10 +254,10 @@ class _ContainerInstance(SupervisedInstance):
             )
         return None
 
-    def save_memory(self, store: SnapshotStore, *, stop: bool) -> tuple[dict[str, str], dict[str, Any]]:
+    def save_memory(self, room: Reservation, *, stop: bool) -> tuple[dict[str, str], dict[str, Any]]:
         if self.memory is None:
-            return super().save_memory(store, stop=stop)
-        return self.memory.save(store, stop=stop)
+            return super().save_memory(room, stop=stop)
+        return self.memory.save(room, stop=stop)
 
     def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         try:

@@ -49,7 +49,7 @@ from stockade.sandbox._microvm_image import (
     initramfs,
     root_image,
 )
-from stockade.sandbox._microvm_instance import SocketStream, VMBoundary, VMInstance
+from stockade.sandbox._microvm_instance import GUEST_OVERHEAD_MB, SocketStream, VMBoundary, VMInstance
 from stockade.sandbox._microvm_ready import ReadyBuild, ReadyImage, ReadyImages, image_config, resume_args
 from stockade.sandbox._rootfs import find_rootfs
 from stockade.sandbox._supervised import (
@@ -71,8 +71,6 @@ __all__ = ["MicroVMBackend", "collect_garbage"]
 # a snapshot take well under a second; this bound is for the cold boots and boot images.
 START_TIMEOUT_S = 60.0
 MiB = 1024 * 1024
-# Guest RAM on top of the memory limit: the guest kernel, its page cache of the root image.
-GUEST_OVERHEAD_MB = 128
 # TCG's cache of translated code (QEMU's default is 1 GiB, most of a sandbox's host memory)
 # and QEMU's own heap, threads and device state: with the guest's RAM, the host cgroup's limit.
 TB_CACHE_MB = 64

@@ -554,19 +554,35 @@ class SnapshotStore:
 @dataclass
 class Reservation:
     """Room a snapshot holds in its store while it is written (``SnapshotStore.reserve``):
-    ``grow`` before writing, ``open`` a file of the store's ``tmp`` that grows it as it goes."""
+    ``grow`` before writing, ``open`` a file of the store's ``tmp`` that grows it as it goes;
+    ``expect`` and ``charge`` for a file another program writes (a memory image)."""
 
     store: SnapshotStore
     path: Path
     fd: int
     held: int = 0  # bytes reserved
-    used: int = 0  # bytes written through ``open``'s files
+    used: int = 0  # bytes written, through ``open``'s files or charged
+    expected: int = 0  # bytes held for what another program is about to write
 
     def room(self) -> int:
         """What could still be written: the held room unused, and what no one holds."""
         with self.store.locked():
             taken = self.store.size() + self.store._reserved_by_others(self.path)
-        return max(0, self.store.max_bytes - taken - self.used)
+        return max(0, self.store.max_bytes - taken - self.used - self.expected)
+
+    def expect(self, size: int) -> None:
+        """Hold ``size`` bytes more for a file that QEMU or runsc writes, which this process
+        cannot stop midway: refused before it starts when the room is not there."""
+        self.grow(self.used + self.expected + size)
+        self.expected += size
+
+    def charge(self, path: Path) -> None:
+        """Count what another program wrote at ``path`` (a file or folder of the store's
+        ``tmp``) in place of what ``expect`` held for it (``SnapshotStoreFull`` past the room)."""
+        written = sum(_disk_size(p) for p in (path.rglob("*") if path.is_dir() else [path]))
+        self.expected = 0
+        self.grow(self.used + written)
+        self.used += written
 
     def grow(self, total: int) -> None:
         """Hold at least ``total`` bytes (``SnapshotStoreFull`` when the store cannot make room:
@@ -587,7 +603,7 @@ class Reservation:
                     raise exc.SnapshotStoreFull(
                         f"the snapshot store {store.root} is full: {taken // MiB} MiB of its "
                         f"{store.max_bytes // MiB} MiB are taken or being written, and this snapshot "
-                        f"needs more than {self.used // MiB} MiB; delete snapshots or paused "
+                        f"needs {-(-total // MiB)} MiB; delete snapshots or paused "
                         "sandboxes, or raise STOCKADE_SNAPSHOT_MAX_MB"
                     )
             os.pwrite(self.fd, f"{want:<20d}".encode(), 0)
@@ -602,7 +618,7 @@ class Reservation:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
 
         def write(chunk: bytes) -> None:
-            self.grow(self.used + len(chunk))
+            self.grow(self.used + self.expected + len(chunk))
             self.used += len(chunk)
             view = memoryview(chunk)
             while view:

@@ -143,8 +143,9 @@ def test_a_state_root_others_may_write_or_no_runsc_state_is_refused(tmp_path: Pa
             uid=1_900_000_000,
             state_dir=tmp_path,
         )
-        with pytest.raises(SnapshotError, match="root writes" if mode == 0o777 else "runsc state"):
-            memory.save(SnapshotStore(tmp_path / "store"), stop=False)
+        refused = pytest.raises(SnapshotError, match="root writes" if mode == 0o777 else "runsc state")
+        with refused, SnapshotStore(tmp_path / "store").reserve() as room:
+            memory.save(room, stop=False)
     finally:
         kernel.kill()
         kernel.wait()

@@ -35,13 +35,18 @@ def _tree(root: Path) -> None:
     os.mkfifo(root / "fifo")
 
 
+def _packed(source: Path, store: SnapshotStore) -> str:
+    with store.reserve() as room:
+        return store.add_file(pack_area(source, room))
+
+
 def test_a_packed_area_unpacks_as_it_was(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path / "store")
     source, dest = tmp_path / "old", tmp_path / "new"
     source.mkdir()
     dest.mkdir()
     _tree(source)
-    digest = pack_area(source, store)
+    digest = _packed(source, store)
     unpack_area(store.check_object(digest), dest, max_bytes=1 << 20, max_entries=100)
     assert (dest / "src/pkg/mod.py").read_text() == "x = 1\n"
     assert (dest / "src/pkg/mod.py").stat().st_mtime == 1_000_000
@@ -63,7 +68,7 @@ def test_an_area_unpacks_its_links_out_but_never_writes_through_them(tmp_path: P
     source.mkdir()
     dest.mkdir()
     _tree(source)
-    unpack_area(store.check_object(pack_area(source, store)), dest, max_bytes=1 << 20, max_entries=100)
+    unpack_area(store.check_object(_packed(source, store)), dest, max_bytes=1 << 20, max_entries=100)
     assert os.readlink(dest / "outside") == "/etc/passwd"
     hostile = tmp_path / "hostile.tar"
     with tarfile.open(hostile, "w", format=tarfile.PAX_FORMAT) as tar:
