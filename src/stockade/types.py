@@ -535,9 +535,11 @@ class EntryInfo:
 
 @dataclass(frozen=True, kw_only=True)
 class SkippedEntry:
-    """An entry ``files.download_dir`` did not bring to the host: a FIFO, socket or device.
+    """An entry ``files.download_dir`` did not bring to the host: a FIFO, socket or device,
+    or a symlink that would lead out of the folder.
 
-    ``kind`` is ``"fifo"``, ``"socket"``, ``"char device"``, ``"block device"`` or ``"other"``;
+    ``kind`` is ``"fifo"``, ``"socket"``, ``"char device"``, ``"block device"``, ``"link out"``
+    or ``"other"``;
     ``path`` is relative to the downloaded folder.
     """
 
@@ -551,7 +553,7 @@ class DownloadResult:
 
     ``bytes_written`` counts file contents (a hard-linked file once, as it is stored);
     ``files`` counts regular files, of which ``hard_links`` are further names of a file of
-    the same download; ``skipped`` lists what was left out (special files), in order, the
+    the same download; ``skipped`` lists what was left out (special files, links out), the
     first thousand of them; ``skipped_count`` counts them all.
     """
 

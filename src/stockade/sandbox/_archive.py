@@ -15,8 +15,10 @@ which wants the whole archive), gives these guarantees whatever the stream holds
   way the kernel would (links followed, at most ``LINK_HOPS`` of them, ``..`` applied where
   they lead, missing parts taken as folders): first on a model of the archive, then again
   on the real tree once everything is in place, so that links already in ``dest`` count
-  too. A route that leaves ``dest`` at any step, an absolute link, a loop or a route through
-  a file is refused.
+  too. A link whose route leaves ``dest`` at any step (an absolute link, a loop, a route
+  through a file) is left out and reported (``"link out"``), so that one link the code made
+  does not block the download of the rest; on the real tree (through a link ``dest``
+  already had) it fails the download.
 * **Bounded writes.** A hard link stays a hard link, to a file this download created: a
   thousand names of one file cost one copy. ``max_bytes`` caps the file contents (apparent
   sizes) and ``max_entries`` the entries; past either the download stops, ``FileTooLarge``.
@@ -27,7 +29,7 @@ which wants the whole archive), gives these guarantees whatever the stream holds
   replaces is set aside until the end. On any failure (a cap, a refused member, a malformed
   archive, a sandbox that dies mid-way) the moves are undone, what was set aside comes
   back, and the hidden folder is removed, as is ``dest`` itself when the download made it.
-* FIFOs, sockets and devices are skipped and reported in the result; setuid, setgid,
+* FIFOs, sockets, devices and links out are skipped and reported in the result; setuid, setgid,
   sticky and group/other write bits are dropped.
 
 A folder of the download never replaces a folder of ``dest``: the two are merged. A file
@@ -409,9 +411,7 @@ class Extraction:
         if skipped is None and m.type not in _FILE_TYPES and m.type not in NO_DATA:
             skipped = "other"  # a type tar readers do not know: its data is skipped too
         if skipped is not None:
-            self._tally.skipped_count += 1
-            if len(self._tally.skipped) < MAX_REPORTED:
-                self._tally.skipped.append(SkippedEntry(path=path, kind=skipped))
+            self._skip(path, skipped)
             return False
         if not parts:
             if m.type == tarfile.DIRTYPE:
@@ -438,10 +438,11 @@ class Extraction:
             at.entries[at.name] = _Node.folder(_dir_mode(m.mode))
         elif m.type == tarfile.SYMTYPE:
             target = m.linkname
-            if not target or "\x00" in target or (target.startswith("/") and not self.links_anywhere):
-                raise exc.PathEscapeError(
-                    f"{at.path!r} is a link out of the folder ({target!r})", path=at.path
-                )
+            if not target or "\x00" in target:
+                raise exc.PathEscapeError(f"{at.path!r} is a link to {target!r}", path=at.path)
+            if target.startswith("/") and not self.links_anywhere:
+                self._skip(at.path, "link out")  # as the links whose ``..`` lead out, at the end
+                return False
             size = len(target.encode("utf-8", "surrogateescape"))
             if size > MAX_NAME:
                 raise malformed(f"a link target over {MAX_NAME} bytes")
@@ -517,6 +518,11 @@ class Extraction:
             os.close(source)
         at.entries[at.name] = _Node("file", inode=target.inode, hard=True)
 
+    def _skip(self, path: str, kind: str) -> None:
+        self._tally.skipped_count += 1
+        if len(self._tally.skipped) < MAX_REPORTED:
+            self._tally.skipped.append(SkippedEntry(path=path, kind=kind))
+
     def _lookup(self, parts: Parts) -> _Node | None:
         node: _Node | None = self._root
         for name in parts:
@@ -548,11 +554,8 @@ class Extraction:
     def _commit(self) -> DownloadResult:
         self._reader.close()
         links, folders = self._walk()
-        for parts, node in [] if self.links_anywhere else links:
-            start = [self._root, *(self._lookup(parts[:i]) for i in range(1, len(parts)))]
-            why = _leaves(start, node.target, _model_child)
-            if why is not None:
-                raise self._link_out(parts, node.target, why)
+        if not self.links_anywhere:
+            links = self._links_inside(links)
         for parts, node in links:
             parent = self._open(self._tree_fd, parts[:-1])
             try:
@@ -607,6 +610,33 @@ class Extraction:
                 folders.append((parts, node))
         folders.sort(key=lambda item: len(item[0]))
         return links, folders
+
+    def _links_inside(self, links: list[tuple[Parts, _Node]]) -> list[tuple[Parts, _Node]]:
+        """The links that stay inside ``dest`` by every route; the others are left out (and
+        reported as ``"link out"``): one link made by the code must not block the download
+        of everything else. A route through a link that leads out leads out with it, so the
+        links kept resolve as before; they are resolved again all the same (refused if not)."""
+        out = self._leaving(links)
+        for parts, _node, _why in out:
+            parent = self._lookup(parts[:-1])
+            if parent is not None and parent.children is not None:
+                parent.children.pop(parts[-1], None)
+            self._skip("/".join(parts), "link out")
+        gone = {id(node) for _, node, _ in out}
+        kept = [(parts, node) for parts, node in links if id(node) not in gone]
+        for parts, node, why in self._leaving(kept) if out else []:
+            raise self._link_out(parts, node.target, why)
+        return kept
+
+    def _leaving(self, links: list[tuple[Parts, _Node]]) -> list[tuple[Parts, _Node, str]]:
+        """The links of the model that leave ``dest`` by some route, and why."""
+        out: list[tuple[Parts, _Node, str]] = []
+        for parts, node in links:
+            start = [self._root, *(self._lookup(parts[:i]) for i in range(1, len(parts)))]
+            why = _leaves(start, node.target, _model_child)
+            if why is not None:
+                out.append((parts, node, why))
+        return out
 
     def _link_out(self, parts: Parts, target: str, why: str) -> exc.PathEscapeError:
         path = "/".join(parts)

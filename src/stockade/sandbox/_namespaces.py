@@ -112,7 +112,9 @@ class Files:
         """Copy a workspace folder (the whole workspace by default) into ``dest`` on the host.
 
         All or nothing, and nothing outside ``dest``: no link is followed while writing,
-        symlinks are kept only when they resolve inside ``dest`` by every route, hard links
+        symlinks are kept only when they resolve inside ``dest`` by every route (the others
+        are left out and listed in the result's ``skipped`` as ``"link out"``; one that
+        would lead out through a link already in ``dest`` fails the download), hard links
         stay hard links, FIFOs, sockets and devices are skipped (and listed in the result),
         setuid/setgid and group/other write bits are dropped. ``max_bytes`` caps the file
         contents written (1 GiB by default; a sparse file counts by its apparent size) and
