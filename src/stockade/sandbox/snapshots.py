@@ -414,9 +414,10 @@ class SnapshotStore:
         by then, and count themselves). Its file is locked for as long as it is held: one whose
         lock is free was left by a process that died, and counts no more."""
         path = self._dir("reserved") / f"{os.getpid()}-{secrets.token_hex(6)}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
+        with self.locked():  # made and locked at once: never seen unlocked, as a dead writer's
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
             yield Reservation(self, path, fd)
         finally:
             path.unlink(missing_ok=True)
