@@ -410,10 +410,13 @@ class SupervisedInstance(Instance):
                     op = GetArchive(area=area, max_bytes=cap, max_entries=SNAPSHOT_MAX_ENTRIES)
                     self.files.get_archive(op, sink)
                 except exc.FileTooLarge as error:
+                    # The supervisor's words are a download's ("cannot download '/workspace': ...;
+                    # pass a larger max_bytes"): only what it found is said.
+                    found = str(error).split(": ", 1)[-1].split("; pass a larger")[0]
                     raise exc.SnapshotStoreFull(
                         f"the sandbox's {area} does not fit the snapshot store (room for {cap // (1 << 20)} "
                         f"MiB of its {room.store.max_bytes // (1 << 20)} MiB; STOCKADE_SNAPSHOT_MAX_MB "
-                        f"raises it): {error}"
+                        f"raises it): {found}"
                     ) from None
                 paths[area], digests[area] = path, digest.hexdigest()
             # Into the objects only once both are whole: a refused /tmp leaves no workspace behind.
