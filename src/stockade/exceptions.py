@@ -22,7 +22,8 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── SandboxClosed             the sandbox was closed; create a new one
     │   │   └── SandboxGone           the service's process that held it died; its quota is free
     │   ├── ProtocolError             the in-sandbox supervisor spoke nonsense (it is untrusted)
-    │   └── SnapshotError             a snapshot cannot be taken, kept or restored (the store is full)
+    │   └── SnapshotError             a snapshot cannot be taken, kept or restored
+    │       ├── SnapshotStoreFull     no room in the store: nothing kept, no more than the room written
     │       ├── SnapshotNotFound      no snapshot (or paused sandbox) with that id in the store
     │       ├── SnapshotCorrupt       its bytes do not match its hash (modified, truncated): refused
     │       └── SnapshotIncompatible  it cannot be restored here (another tier, kernel or QEMU)

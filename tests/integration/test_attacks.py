@@ -283,14 +283,15 @@ def test_ipc_objects_one_user_made_are_not_there_for_the_next(tier: str) -> None
         assert sbx.run_code(FIND_IPC).text == "[-1, -1, -1, -1]"
 
 
-def test_download_dir_refuses_links_out_with_a_typed_error(sbx: Sandbox, tmp_path: Path) -> None:
-    sbx.commands.run("echo kept > a.txt; ln -s /etc/passwd passwd; mkfifo pipe")
-    with pytest.raises(StockadeError):
-        sbx.files.download_dir(tmp_path / "out")
-    sbx.commands.run("rm passwd pipe; cp /bin/true tool; chmod 4755 tool")
-    sbx.files.download_dir(tmp_path / "out")
+def test_download_dir_leaves_out_links_out_and_special_files(sbx: Sandbox, tmp_path: Path) -> None:
+    sbx.commands.run(
+        "echo kept > a.txt; ln -s /etc/passwd passwd; mkfifo pipe; cp /bin/true tool; chmod 4755 tool"
+    )
+    done = sbx.files.download_dir(tmp_path / "out")
     assert (tmp_path / "out/a.txt").read_text() == "kept\n"
     assert (tmp_path / "out/tool").stat().st_mode & 0o7000 == 0
+    assert not (tmp_path / "out/passwd").exists() and not (tmp_path / "out/pipe").exists()
+    assert {(s.path, s.kind) for s in done.skipped} >= {("passwd", "link out"), ("pipe", "fifo")}
 
 
 def test_a_thread_bomb_left_behind_makes_commands_fail_as_results_until_reset(tier: str) -> None:

@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.markup import escape
 
 from stockade import exceptions as exc
-from stockade.cli._console import CliConsole
+from stockade.cli._console import CliConsole, escape
 from stockade.cli._signals import Interrupted, interruptible
 from stockade.runtime.failures import DEFAULT_FAILURES
 from stockade.sandbox import _registry

@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.markup import escape
 
 from stockade import exceptions as exc
-from stockade.cli._console import CliConsole
+from stockade.cli._console import CliConsole, escape
 from stockade.policy.schema import Policy, Verdict
 from stockade.sandbox import _registry
 from stockade.types import Trust

@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.markup import escape
 
 from stockade import exceptions as exc
-from stockade.cli._console import CliConsole
+from stockade.cli._console import CliConsole, escape
 from stockade.cli.sandbox_cmds import CpusOpt, MemoryOpt, PidsOpt, TierOpt, WeakerOpt, _fail
 from stockade.types import Limits
 

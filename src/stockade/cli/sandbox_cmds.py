@@ -11,11 +11,10 @@ from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
-from rich.markup import escape
 
 from stockade import exceptions as exc
 from stockade._checks import check_envs
-from stockade.cli._console import CliConsole
+from stockade.cli._console import CliConsole, escape
 from stockade.cli._signals import Interrupted, exit_code, interruptible
 from stockade.sandbox import _registry, _rules
 from stockade.sandbox.facade import Sandbox

@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
-from stockade.cli._console import CliConsole
+from stockade.cli._console import CliConsole, escape
 from stockade.sandbox.snapshots import Held, SnapshotStore
 
 out = CliConsole()

@@ -7,10 +7,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.markup import escape
 
 from stockade import exceptions as exc
-from stockade.cli._console import CliConsole
+from stockade.cli._console import CliConsole, escape
 
 err = CliConsole(stderr=True)
 

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
+from stockade._terminal import controls_shown
 from stockade.exceptions import ApprovalRequired, ConfigurationError, PolicyDenied
 
 __all__ = [
@@ -171,7 +172,9 @@ def cli_approver(request: ApprovalRequest) -> Choice | None:
         return None
     import typer
 
+    # what is asked is what code chose: its terminal controls are shown, not acted on
     approved = typer.confirm(
-        f"{request.action}\n  needs approval: {request.reason}. Allow it?", default=False
+        f"{controls_shown(request.action)}\n  needs approval: {controls_shown(request.reason)}. Allow it?",
+        default=False,
     )
     return Choice.APPROVED if approved else Choice.DENIED

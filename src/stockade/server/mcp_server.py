@@ -45,6 +45,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from stockade import exceptions as exc
+from stockade._terminal import controls_shown
 from stockade.policy.approval import Choice
 from stockade.server.mcp_session import (
     CallResult,
@@ -247,8 +248,8 @@ class McpFace:
             await anyio.to_thread.run_sync(lambda: session.decide(pending, choice, by=by))
             return
         print(
-            f"stockade mcp: {pending.action} waits for approval: stockade approve {pending.run_id} "
-            f"{pending.request_id} (or deny); {self.approval_wait_s:g} s",
+            f"stockade mcp: {controls_shown(pending.action)} waits for approval: "
+            f"stockade approve {pending.run_id} {pending.request_id} (or deny); {self.approval_wait_s:g} s",
             file=sys.stderr,
             flush=True,
         )
@@ -312,7 +313,9 @@ class McpFace:
 
 
 def _message(pending: PendingApproval) -> str:
-    return f"stockade: {pending.action} needs your approval ({pending.reason}; rule {pending.rule})"
+    # shown to a person, who decides on it: code chose the action's words, not how they show
+    action, reason = controls_shown(pending.action), controls_shown(pending.reason)
+    return f"stockade: {action} needs your approval ({reason}; rule {pending.rule})"
 
 
 def _asks_by_retry(ctx: ServerRequestContext[Any, Any]) -> bool:

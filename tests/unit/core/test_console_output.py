@@ -4,10 +4,14 @@ shown as escapes, never acted on."""
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 from rich.console import Console
+from typer.testing import CliRunner
 
 from stockade.cli._console import escape, print_diff
+from stockade.cli.main import app
+from stockade.policy.approval import ApprovalRequest, ApprovalStore
 
 CLEAR = "\x1b[2J\x1b]0;title\x07"
 
@@ -26,3 +30,16 @@ def test_a_diff_is_printed_with_its_controls_escaped_on_a_terminal_or_not() -> N
 def test_an_answer_is_escaped_markup_and_controls_alike() -> None:
     shown = escape(f"[red]done[/] {CLEAR}\u202e")
     assert "\x1b" not in shown and "\u202e" not in shown and "\\[red]" in shown
+
+
+def test_an_action_waiting_for_approval_is_listed_with_its_controls_shown(tmp_path: Path) -> None:
+    """Code chose the action's words: `rm -r b; echo ESC[2J...FAKE: approved by admin` cleared
+    the approver's screen in `stockade approvals` and drew a line of its own."""
+    action = f"run `rm -r b; echo '{CLEAR}\x1b[1;31mFAKE: approved by admin'`"
+    ApprovalStore(tmp_path).submit(
+        ApprovalRequest(run_id="r1", action=action, rule="commands.approve", reason="rm -r")
+    )
+    listed = CliRunner().invoke(app, ["approvals", "--dir", str(tmp_path)])
+    assert listed.exit_code == 0, listed.output
+    assert "\x1b" not in listed.output and "\x07" not in listed.output
+    assert "\\x1b[2J" in listed.output and "FAKE" in listed.output

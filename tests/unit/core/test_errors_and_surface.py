@@ -104,7 +104,7 @@ PUBLIC: dict[str, set[str]] = {
         "Result", "Sandbox", "SandboxClosed", "SandboxCrashed", "SandboxError", "SandboxFileNotFound",
         "SandboxPool", "SandboxRules", "SandboxStartError", "SkippedEntry", "Snapshot", "SnapshotCorrupt",
         "SnapshotError", "SnapshotIncompatible", "SnapshotKind", "SnapshotNotFound", "SnapshotStore",
-        "StockadeError", "TierReport",
+        "SnapshotStoreFull", "StockadeError", "TierReport",
         "TierUnavailable", "Trust", "WorkspaceError", "WorkspaceFull", "__version__",
     },
     "stockade.sandbox": {

@@ -20,6 +20,7 @@ from stockade.runtime.killswitch import KillSwitch
 from stockade.runtime.retry import Retrier, RetryingBackend
 from stockade.sandbox.base import Backend, Instance, SandboxSpec, WrapperBackend, WrapperInstance
 from stockade.sandbox.ops import Op, RunCommand
+from stockade.sandbox.pool import _Lease
 from stockade.testing import FakeBackend, FakeInstance, FaultInjectingBackend
 from stockade.tools.deadline import DeadlineInstance
 from stockade.types import CommandResult
@@ -32,6 +33,7 @@ WRAPPER_MODULES = (
     "stockade.runtime.breaker",
     "stockade.runtime.killswitch",
     "stockade.runtime.retry",
+    "stockade.sandbox.pool",
     "stockade.testing",
     "stockade.tools.deadline",
 )
@@ -74,6 +76,7 @@ BACKENDS: dict[str, Callable[[Backend], Backend]] = {
 INSTANCES: dict[str, Callable[[Backend], Instance]] = {
     "KillableInstance": _killable,
     "DeadlineInstance": _deadline,
+    "_Lease": lambda inner: _Lease(inner.start(SandboxSpec())),  # a pool member's, per acquire
 }
 
 

@@ -70,6 +70,27 @@ def test_sign_in(viewer: tuple[str, str, str, Path]) -> None:
         assert out.status_code == 303 and 'stockade_viewer=""' in out.headers["set-cookie"]
 
 
+def test_another_sites_form_cannot_sign_a_browser_in_or_out(viewer: tuple[str, str, str, Path]) -> None:
+    """Login CSRF: a page elsewhere posts its own token to /ui/login; the browser would then
+    show, and approve in, the tenant of that site's choosing."""
+    url, _, _, _ = viewer
+    host = url.removeprefix("http://")
+    crossings = (
+        {"Sec-Fetch-Site": "cross-site", "Origin": "http://evil.example"},
+        {"Sec-Fetch-Site": "same-site", "Origin": f"http://other.{host}"},
+        {"Origin": "http://evil.example"},  # a browser that sends only Origin
+        {"Origin": "null"},  # a sandboxed frame
+    )
+    with httpx2.Client(base_url=url, timeout=10) as browser:
+        for headers in crossings:
+            refused = browser.post("/ui/login", data={"token": KEY}, headers=headers)
+            assert refused.status_code == 403 and "set-cookie" not in refused.headers, headers
+            assert browser.post("/ui/logout", headers=headers).status_code == 403
+        for headers in ({"Sec-Fetch-Site": "same-origin", "Origin": url}, {"Origin": url}, {}):
+            signed = browser.post("/ui/login", data={"token": KEY}, headers=headers)
+            assert signed.status_code == 303 and "stockade_viewer=" in signed.headers["set-cookie"], headers
+
+
 def test_pages_escape_and_forbid_scripts(viewer: tuple[str, str, str, Path]) -> None:
     url, done, paused, _ = viewer
     with client(url) as c:

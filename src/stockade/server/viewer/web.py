@@ -12,7 +12,9 @@ live updates, no asset from anywhere else.
 Everything the model or its code produced is untrusted: the templates escape it, and every page
 carries a Content-Security-Policy that runs no script but the viewer's own file, so a tool
 output holding ``<script>`` is text. The cookie is HttpOnly and SameSite=Strict; forms carry a
-token derived from it (CSRF).
+token derived from it (CSRF), and sign-in and sign-out take a form only from the viewer's own
+pages (``Sec-Fetch-Site``, else ``Origin``): another site's form cannot sign a browser in to
+a tenant of its choosing.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from typing import Annotated, Any, Protocol
-from urllib.parse import quote, urlencode
+from urllib.parse import quote, urlencode, urlsplit
 
 import anyio
 from fastapi import APIRouter, Form, Request
@@ -155,6 +157,23 @@ def _parse_time(value: str | None, field: str) -> datetime | None:
     return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
 
 
+_CROSS_SITE = "a form of another site cannot sign this browser in or out: use this page's own form"
+
+
+def _same_site(request: Request) -> bool:
+    """Whether a form was posted from the viewer itself. Browsers say where a request comes
+    from (``Sec-Fetch-Site``; older ones only ``Origin``); a request that says neither is no
+    browser's cross-site form (a script holding the token could sign in anyway)."""
+    site = request.headers.get("sec-fetch-site")
+    if site is not None:
+        return site in ("same-origin", "none")
+    origin = request.headers.get("origin")
+    if origin is None:
+        return True
+    # the host as the browser asked it (a proxy in front changes the scheme, not the host)
+    return urlsplit(origin).netloc == request.headers.get("host", "")
+
+
 class _Viewer:
     """The routes' bodies, over one ``auth``."""
 
@@ -217,15 +236,23 @@ class _Viewer:
             return self.redirect(target, cookie=key)
         return self.page("login.html", error=None, hint=self.auth.hint, next=target)
 
-    async def login(self, token: Annotated[str, Form()] = "", next: Annotated[str, Form()] = "") -> Response:
+    async def login(
+        self, request: Request, token: Annotated[str, Form()] = "", next: Annotated[str, Form()] = ""
+    ) -> Response:
         target = self.target(next)
+        if not _same_site(request):  # another site's form would sign this browser in to its tenant
+            return self.page("login.html", 403, error=_CROSS_SITE, hint=self.auth.hint, next=target)
         try:
             await _blocking(lambda: self.auth.source(token.strip()))
         except exc.StockadeError as error:
             return self.page("login.html", 401, error=str(error), hint=self.auth.hint, next=target)
         return self.redirect(target, cookie=token.strip())
 
-    async def logout(self) -> Response:
+    async def logout(self, request: Request) -> Response:
+        if not _same_site(request):
+            return self.page(
+                "login.html", 403, error=_CROSS_SITE, hint=self.auth.hint, next=f"{self.prefix}/"
+            )
         return self.redirect(f"{self.prefix}/login", clear=True)
 
     async def static(self, name: str) -> Response:
