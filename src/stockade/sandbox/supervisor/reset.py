@@ -158,15 +158,44 @@ def exec_fresh(sup: "Supervisor", rid: int, warm: bool, rest: bytes) -> None:
     os.execv(python, [python, "-S", "-E", "-s", "-B", "-c", boot, RESUME_FLAG])
 
 
+# Rounds of SIGSTOP a reset sends at most, until one finds every process stopped.
+STOP_ROUNDS = 50
+
+
 def _stop_all() -> bool:
     """SIGSTOP to every process we may signal, where we are the sandbox's init (pid 1: a
-    kill(-1) skips us); whether it was sent."""
+    kill(-1) skips us); whether it was sent.
+
+    Again until every process is seen stopped: Linux restarts a clone that a signal
+    overtook, so no child escapes one kill(-1); gVisor does not, and a child made while its
+    parent's stop was on its way runs on unsignalled (a hopper outlived a reset in CI)."""
     if os.getpid() != 1:
         return False
-    try:
-        os.kill(-1, signal.SIGSTOP)
-    except ProcessLookupError:  # nothing else runs
-        pass
+    for _ in range(STOP_ROUNDS):
+        try:
+            os.kill(-1, signal.SIGSTOP)
+        except ProcessLookupError:  # nothing else runs
+            return True
+        if _all_stopped():
+            return True
+    return True
+
+
+def _all_stopped() -> bool:
+    """Whether every other process is stopped (or dead). One gone between the listing and
+    its reading is a process that hopped to a new pid meanwhile: not stopped."""
+    me = os.getpid()
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            return False
+        state = data[data.rfind(b")") + 2 : data.rfind(b")") + 3]
+        if state not in (b"T", b"t", b"Z", b"X"):
+            return False
     return True
 
 
