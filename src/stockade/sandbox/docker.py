@@ -263,6 +263,8 @@ class _ContainerInstance(SupervisedInstance):
         try:
             return super().handle(op, sink)
         except exc.SandboxCrashed as err:
+            if self._closed:  # closed here (a reset that failed, a call that timed out): it says why
+                raise
             explained = self.container.explain(err)
             self.close()
             raise explained from None
