@@ -544,6 +544,11 @@ def sbx_tier_workspace(tier: str, tmp_path: Path) -> tuple[str, Path]:
     (tmp_path / "secrets").mkdir()
     (tmp_path / "secrets" / "key").write_text("TOPSECRET-1\n")
     (tmp_path / ".env").write_text("TOKEN=TOPSECRET-2\n")
+    os.link(tmp_path / "secrets" / "key", tmp_path / "aaa-key")  # the hidden file, by another name
+    for part in ("objects/ab", "refs/heads"):  # a repository store not named .git (a bare mirror)
+        (tmp_path / "backup.git" / part).mkdir(parents=True)
+    (tmp_path / "backup.git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (tmp_path / "backup.git" / "objects" / "ab" / "cd").write_text("TOPSECRET-3\n")
     return tier, tmp_path
 
 

@@ -157,7 +157,14 @@ def code_op(code: str, language: str, timeout_s: float | None) -> RunCode | RunC
 
 def tar_directory(source: Path, hide: Sequence[str] = (), read: Sequence[str] = ("**",)) -> bytes:
     """``source`` as a tar archive: what ``read`` names (workspace globs), but what ``hide``
-    names (a folder left out is left out with what it holds)."""
+    names (a folder left out is left out with what it holds).
+
+    When anything is hidden, what holds it under another name stays out too: a hard link to
+    a hidden file (the same file), and every repository store (git's by its shape, whatever
+    its name: a bare mirror, a ``--separate-git-dir``; other systems' by their folders'
+    names), whose history holds every file it ever had."""
+    import os
+    import stat
     import tarfile
 
     from stockade._globs import covers, glob_matches, may_hold
@@ -165,16 +172,47 @@ def tar_directory(source: Path, hide: Sequence[str] = (), read: Sequence[str] = 
     if not source.is_dir():
         raise exc.ConfigurationError(f"workspace {str(source)!r} is not a directory")
     everything = "**" in (g.strip("/") for g in read)
+    kept: list[tuple[Path, str, os.stat_result]] = []
+    hidden_files: set[tuple[int, int]] = set()  # the hidden files that have other names
 
-    def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
-        if hide and covers(hide, info.name):
-            return None
-        if everything or glob_matches(read, info.name) or (info.isdir() and may_hold(read, info.name)):
-            return info
-        return None
+    def visit(folder: Path, prefix: str, hidden: bool) -> None:
+        """``hidden``: ``folder`` is left out; it is walked only for the other names of its files."""
+        for child in sorted(folder.iterdir()):
+            name, st = f"{prefix}{child.name}", child.lstat()
+            is_dir = stat.S_ISDIR(st.st_mode)
+            gone = hidden or (bool(hide) and (covers(hide, name) or (is_dir and _repository(child))))
+            if gone:
+                if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                    hidden_files.add((st.st_dev, st.st_ino))
+                elif is_dir:
+                    visit(child, f"{name}/", True)
+            elif everything or glob_matches(read, name) or (is_dir and may_hold(read, name)):
+                kept.append((child, name, st))
+                if is_dir:
+                    visit(child, f"{name}/", False)
 
+    visit(source, "", False)
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
-        for child in sorted(source.iterdir()):
-            tar.add(child, arcname=child.name, recursive=True, filter=keep)
+        for path, name, st in kept:
+            if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) in hidden_files:
+                continue  # another name of a hidden file
+            info = tar.gettarinfo(path, arcname=name)
+            if info.isreg():
+                with path.open("rb") as data:
+                    tar.addfile(info, data)
+            else:
+                tar.addfile(info)
     return buf.getvalue()
+
+
+# Folders of version-control systems other than git, by name: their stores hold past files.
+_VCS_FOLDERS = frozenset({".hg", ".svn", ".bzr", "_darcs", ".jj", "CVS", ".fossil-settings"})
+
+
+def _repository(folder: Path) -> bool:
+    """Whether ``folder`` is a repository's store: git's (a ``HEAD`` file beside ``objects``
+    and ``refs``, whatever the folder is called), or another system's folder."""
+    if folder.name in _VCS_FOLDERS:
+        return True
+    return (folder / "HEAD").is_file() and (folder / "objects").is_dir() and (folder / "refs").is_dir()
