@@ -16,6 +16,8 @@ import pytest
 
 from stockade import Limits, Sandbox, SandboxCrashed, WorkspaceFull
 from stockade.types import Mechanism
+from tests.conftest import require_tier
+from tests.integration.conftest import TIERS
 
 MiB = 1024 * 1024
 
@@ -243,3 +245,64 @@ def test_a_crash_keeps_what_the_call_printed_and_says_why(tier: str) -> None:
             killer.cancel()
         assert "printed-before" in caught.value.stdout and "on-stderr" in caught.value.stderr
         assert "printed-before" in caught.value.report()
+
+
+# Kernel memory and host-wide quotas no cgroup charges to the sandbox: refused, or bounded.
+UNCHARGED = r"""
+import ctypes, errno, socket
+libc = ctypes.CDLL(None, use_errno=True)
+ctx = ctypes.c_ulong(0)
+found = {"io_setup": libc.syscall(206, 65536, ctypes.byref(ctx)) == 0 or errno.errorcode[ctypes.get_errno()]}
+kinds = {"netlink": socket.AF_NETLINK, "udp": socket.AF_INET, "udp6": socket.AF_INET6}
+for name, family in kinds.items():
+    try:
+        socket.socket(family, socket.SOCK_DGRAM).close()
+        found[name] = "made"
+    except OSError as error:
+        found[name] = errno.errorcode[error.errno]
+found
+"""
+
+
+@pytest.mark.parametrize("tier", [t for t in TIERS if t != "microvm"])  # a guest's kernel: in its RAM
+def test_kernel_memory_no_cgroup_charges_is_refused(tier: str) -> None:
+    """One io_setup(65536) took every AIO context of the host; netlink sockets' queues pinned
+    6 GB of the host's memory from a 128 MiB sandbox, UDP's 300 MB on its own loopback."""
+    require_tier(tier)
+    with Sandbox.create(tier, limits=Limits(memory_mb=128)) as sbx:
+        found = sbx.run_code(UNCHARGED)
+    assert found.error is None, found.error
+    assert found.text == str(
+        {"io_setup": "ENOSYS", "netlink": "EAFNOSUPPORT", "udp": "EAFNOSUPPORT", "udp6": "EAFNOSUPPORT"}
+    )
+
+
+TCP_HOARD = r"""
+import socket
+server = socket.socket(); server.bind(("127.0.0.1", 0)); server.listen(512)
+held, sent = [], 0
+for _ in range(60):
+    client = socket.create_connection(server.getsockname())
+    peer, _ = server.accept()
+    client.setblocking(False)
+    held += [client, peer]
+    try:
+        while True:
+            sent += client.send(b"x" * 65536)
+    except (BlockingIOError, OSError):
+        pass
+sent // (1 << 20)
+"""
+
+
+@pytest.mark.parametrize("tier", [t for t in TIERS if t in ("process", "docker")])
+def test_tcp_buffers_on_the_sandboxs_loopback_are_bounded(tier: str) -> None:
+    """cgroup v1 charges TCP buffers to no memory limit: 2 GB held on a 128 MiB sandbox's own
+    loopback. Now an eighth of its memory, at least 16 MiB (``_cgroups.tcp_buffer_bytes``)."""
+    require_tier(tier)
+    # cgroup v2 charges them to the memory limit itself
+    bound = 24 if Path("/sys/fs/cgroup/memory/memory.kmem.tcp.limit_in_bytes").exists() else 136
+    with Sandbox.create(tier, limits=Limits(memory_mb=128, timeout_s=60)) as sbx:
+        held = sbx.run_code(TCP_HOARD)
+    assert held.error is None, held.error
+    assert int(held.text or "0") <= bound, f"{held.text} MiB sat in TCP queues"

@@ -37,6 +37,13 @@ _ENTER = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo 0 > "$1" || exit 125; shift
 _JOIN_FILE = {Mechanism.CGROUP_V1: "tasks", Mechanism.CGROUP_V2: "cgroup.procs"}
 
 
+def tcp_buffer_bytes(memory_bytes: int) -> int:
+    """What a sandbox's TCP buffers may hold where its memory limit does not count them
+    (cgroup v1): an eighth of its memory, and no less than 16 MiB (a local test server's
+    buffers fit)."""
+    return max(16 * 1024 * 1024, memory_bytes // 8)
+
+
 @dataclass(frozen=True)
 class CgroupSupport:
     mechanism: Mechanism  # CGROUP_V2, CGROUP_V1 or NONE
@@ -110,6 +117,8 @@ class Cgroup:
         return ROOT / controller / PARENT / self.dirs[0].name
 
     def limit(self, *, memory_bytes: int, cpus: float, pids: int) -> None:
+        """The group's limits. Under v1, its TCP buffers too (``tcp_buffer_bytes``): v1 charges
+        them to no memory limit, and a sandbox held 2 GB of them on its own loopback."""
         period = 100_000
         quota = max(1000, int(cpus * period))
         if self.mechanism is Mechanism.CGROUP_V2:
@@ -123,6 +132,9 @@ class Cgroup:
             return
         mem = self._v1("memory")
         (mem / "memory.limit_in_bytes").write_text(str(memory_bytes))
+        tcp = mem / "memory.kmem.tcp.limit_in_bytes"
+        if tcp.exists():  # before any socket of the group: accounting starts with the limit
+            tcp.write_text(str(tcp_buffer_bytes(memory_bytes)))
         memsw = mem / "memory.memsw.limit_in_bytes"
         if memsw.exists():
             memsw.write_text(str(memory_bytes))

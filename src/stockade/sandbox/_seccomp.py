@@ -3,8 +3,10 @@
 Built with libseccomp (through ``pyseccomp``), exported as classic BPF and handed to
 bubblewrap. The list follows Docker's default profile and Flatpak's: mount and namespace
 syscalls, tracing, kernel modules and kexec, BPF, keyrings, raw and packet sockets,
-io_uring, perf, userfaultfd, vsock. ``clone3`` answers ENOSYS so that libc falls back to ``clone``,
-whose flags can be inspected (the arguments of ``clone3`` live in memory BPF cannot read).
+io_uring, perf, userfaultfd, vsock; and what takes host memory or a host-wide quota no
+cgroup charges to the sandbox: AIO contexts, netlink sockets, UDP on a loopback-only
+network. ``clone3`` answers ENOSYS so that libc falls back to ``clone``, whose flags can be
+inspected (the arguments of ``clone3`` live in memory BPF cannot read).
 """
 
 from __future__ import annotations
@@ -84,7 +86,9 @@ TIOCLINUX = 0x541C
 
 
 @functools.cache
-def filter_bpf() -> bytes:
+def filter_bpf(*, datagrams: bool = False) -> bytes:
+    """The filter; ``datagrams``: UDP sockets refused too, for a sandbox whose loopback is its
+    only network (see below)."""
     try:
         import pyseccomp as sc
     except (ImportError, OSError) as err:  # OSError: libseccomp.so.2 is missing
@@ -99,11 +103,24 @@ def filter_bpf() -> bytes:
         except (RuntimeError, ValueError, OSError):
             continue  # not a syscall on this architecture
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    # Kernel memory no cgroup (v1) charges to the sandbox, and host-wide quotas: one
+    # io_setup(65536) took every AIO context of the host (fs.aio-max-nr: ENOSYS, libaio's
+    # users fall back to threads); one netlink socket's receive queue pinned 8 MB of the host
+    # (a few hundred of them, gigabytes); a UDP socket's buffers on a loopback-only network
+    # likewise, up to the host's shared udp_mem.
+    f.add_rule(sc.ERRNO(errno.ENOSYS), "io_setup")
+    if datagrams:
+        for inet in (socket.AF_INET, socket.AF_INET6):
+            f.add_rule(
+                sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.EQ, inet),
+                sc.Arg(1, sc.MASKED_EQ, 0xF, socket.SOCK_DGRAM),
+            )  # fmt: skip
     for flag in _bits(NAMESPACE_FLAGS):
         f.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
     # 15: AF_KEY (IPsec key management); 40: AF_VSOCK, which no network namespace covers:
-    # on a VM host it reaches the hypervisor (CID 2) from a sandbox without network.
-    for family in (socket.AF_PACKET, 15, 40):
+    # on a VM host it reaches the hypervisor (CID 2) from a sandbox without network; netlink
+    # (above: uncharged kernel memory; glibc does without it).
+    for family in (socket.AF_PACKET, 15, 40, socket.AF_NETLINK):
         f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.EQ, family))
     f.add_rule(eperm, "socket", sc.Arg(1, sc.MASKED_EQ, 0xF, socket.SOCK_RAW))
     f.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, TIOCSTI))

@@ -557,12 +557,15 @@ def _tear_down(channel: Channel, boundary: Boundary) -> None:
 
 def supervisor_config(
     spec: SandboxSpec, rlimits: dict[str, int] | None = None, egress: EgressHandle | None = None,
-    *, seal: bool = False,
+    *, seal: bool = False, refuse_kernel: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """The ``init`` frame every tier sends: the environment, caps and default timeout; with
     ``egress`` (a ``stockade.egress.Attachment``), the proxy's variables and the relay.
     ``seal``: code in the sandbox can open the supervisor's pipes (gVisor's ``/proc``), so
-    every frame after ``ready`` is sealed (``protocol.Seal``)."""
+    every frame after ``ready`` is sealed (``protocol.Seal``). ``refuse_kernel``: a tier whose
+    own filter does not refuse it (a container engine's profile) has the supervisor refuse
+    what takes host memory or a host-wide quota uncharged (``_seccomp``'s list: AIO contexts,
+    netlink, UDP where the loopback is the only network)."""
     env = {
         "PATH": "/usr/local/bin:/usr/bin:/bin",
         "HOME": "/tmp",
@@ -590,6 +593,8 @@ def supervisor_config(
         config["egress"] = dict(egress.relay)
     if seal:
         config["seal"] = True
+    if refuse_kernel:
+        config["kernel"] = {"datagrams": not spec.network.unrestricted}
     if spec.rules is not None and spec.rules.judges_paths:
         config["links"] = False  # files calls are judged by the path they name: no link followed
     return config

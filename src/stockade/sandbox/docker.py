@@ -33,6 +33,7 @@ from typing import Any
 from stockade import exceptions as exc
 from stockade.sandbox import _guest, _host, _rules, _thrash
 from stockade.sandbox._boundary import EgressHandle
+from stockade.sandbox._cgroups import tcp_buffer_bytes
 from stockade.sandbox._docker_engine import (
     AttachStream,
     docker_py,
@@ -63,6 +64,8 @@ from stockade.types import Enforcement, HostShare, Mechanism, TierReport
 
 __all__ = ["DockerBackend", "collect_garbage", "engine_error"]
 
+# cgroup v1 charges a container's TCP buffers to no memory limit: they get one of their own.
+_V1_TCP = Path("/sys/fs/cgroup/memory/memory.kmem.tcp.limit_in_bytes")
 DEFAULT_IMAGE = "stockade-sandbox:latest"
 START_TIMEOUT_S = 30.0
 API_TIMEOUT_S = 30.0
@@ -226,6 +229,20 @@ class _ContainerBoundary(Boundary):
                 **output,
             )
         return err
+
+
+def _limit_tcp(api: Any, cid: str, *, limits_memory: int) -> None:
+    """cgroup v1 charges a container's TCP buffers to no memory limit (2 GB sat on a 128 MiB
+    sandbox's own loopback), and runc ignores the engine's KernelMemoryTCP: the container's
+    own group gets the limit, here, before any code runs (only the supervisor has, which
+    holds no socket: accounting starts with the limit)."""
+    if not _V1_TCP.exists():  # v2 charges them to the memory limit
+        return
+    pid = int(api.inspect_container(cid)["State"]["Pid"] or 0)
+    group = _thrash.memory_group_of(pid) if pid else None
+    if group is None or group.v2:
+        raise exc.SandboxStartError(f"the memory cgroup of container {cid[:12]} was not found")
+    (group.folder / "memory.kmem.tcp.limit_in_bytes").write_text(str(tcp_buffer_bytes(limits_memory)))
 
 
 def _release_mounts(rundir: Path | None, mounts: list[Path]) -> None:
@@ -719,6 +736,8 @@ class DockerBackend(Backend):
                 raw = getattr(sock, "_sock", sock)
                 stream = AttachStream(raw, sock)
                 api.start(cid)
+                if not self.own_kernel and not self.remote:  # gVisor's TCP is its own, in its memory
+                    _limit_tcp(api, cid, limits_memory=spec.limits.memory_mb * _guest.MiB)
         except BaseException:
             if egress is not None:
                 egress.close()
@@ -754,7 +773,7 @@ class DockerBackend(Backend):
             own = _guest.own_kernel_limits(spec, self._runtime_platform()) if self.own_kernel else None
             # a kernel of its own is gVisor's, whose /proc lets code open our pipes: sealed
             rlimits = own.rlimits if own is not None else None
-            return supervisor_config(spec, rlimits, egress, seal=self.own_kernel)
+            return supervisor_config(spec, rlimits, egress, seal=self.own_kernel, refuse_kernel=True)
 
         def log() -> str:
             return stream.stderr.decode("utf-8", "replace").strip()

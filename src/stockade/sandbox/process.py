@@ -579,7 +579,9 @@ class ProcessBackend(Backend):
                 cgroup = _cgroups.Cgroup(self._cgroups.mechanism, sid)
                 cgroup.limit(memory_bytes=limits.memory_mb * MiB, cpus=limits.cpus, pids=limits.pids)
                 cgroup.watch_thrashing()
-            seccomp_fd = _memfd("stockade-seccomp", _seccomp.filter_bpf())
+            seccomp_fd = _memfd(
+                "stockade-seccomp", _seccomp.filter_bpf(datagrams=not spec.network.unrestricted)
+            )
             fds.append(seccomp_fd)
             template = self._template_for(uid)
             if template is not None:

@@ -574,11 +574,13 @@ def main() -> None:
         sup.send({"id": header.get("id", 0), "ev": "hello", "pid": os.getpid()})
     sup.configure(header.get("config", {}))
     unlisted = unlisted_ipc()  # gVisor's: its kernel lists neither
-    if unlisted:
+    kernel = sup.config.get("kernel")  # a tier with no filter of its own: what to refuse
+    if unlisted or kernel:
         import confine  # type: ignore[import-not-found]  # (only here: a start needs none of it)
 
         # before anything is forked; kept across a reset's exec (filters outlive an image)
-        confine.deny_calls(unlisted)
+        calls = unlisted + ((confine.NR_IO_SETUP,) if kernel else ())
+        confine.deny_calls(calls, netlink=bool(kernel), datagrams=bool(kernel and kernel.get("datagrams")))
     ready = {"id": header.get("id", 0), "ev": "ready", "pid": os.getpid(), "python": sys.version.split()[0]}
     if sup.rules is not None:
         ready["rules"] = sup.rules.report()
