@@ -337,6 +337,35 @@ def test_an_exec_that_needs_approval_is_refused_when_nobody_approves(
     assert sbx.enforcement.commands is Mechanism.SECCOMP_NOTIFY
 
 
+# The kernel needs only the execute right to run a file, and a script's interpreter too; the
+# judge, the code's own user without privileges, cannot open a file of mode 0111: it refuses
+# any it cannot read rather than judge it by its name alone.
+UNREADABLE_ROUTES = {
+    "a script whose interpreter is rm": "printf '#!/bin/rm -r\\n' > /tmp/u1; chmod 111 /tmp/u1; /tmp/u1 gone",
+    "a copy of rm": "cp /bin/rm /tmp/u2; chmod 111 /tmp/u2; /tmp/u2 -r gone",
+    "a copy of rm, padded": "cp /bin/rm /tmp/u3; echo >> /tmp/u3; chmod 111 /tmp/u3; /tmp/u3 -r gone",
+    "a script whose interpreter is such a copy": (
+        "cp /bin/rm /tmp/u4 && chmod 0111 /tmp/u4 && printf '#!/tmp/u4 -r\\n' > /tmp/u5 && chmod +x /tmp/u5"
+        " && /tmp/u5 gone"
+    ),
+}
+
+
+@pytest.mark.parametrize("route", list(UNREADABLE_ROUTES))
+def test_a_file_the_judge_cannot_read_is_refused(approving: Sandbox | None, route: str) -> None:
+    if approving is None:  # the tier said it cannot hold the rule
+        return
+    sbx = approving
+    sbx.commands.run("mkdir -p gone/inner && touch gone/inner/f")
+    r = sbx.commands.run(UNREADABLE_ROUTES[route])
+    assert sbx.files.exists("gone/inner/f"), (route, r.stderr)
+    assert r.exit_code == 126, r.stderr
+    assert (
+        "denied by policy: unreadable: the exec judge cannot read this file (Permission denied)" in r.stderr
+    )
+    assert [e.verdict for e in r.execs if e.path.startswith("/tmp/u")] == ["deny"]
+
+
 def test_a_rule_holds_for_its_program_under_a_versioned_name(tier: str) -> None:
     """A rule names a program as people say it (`python -c`, `pip install`); the file is often
     `python3` or `pip3.11`: the rule is the same for them."""

@@ -229,13 +229,16 @@ class ExecJudge:
         target = self._in_view(pid, path)
         if st is None:
             st = os.stat(target)
-        files = {os.path.basename(path), self._real_name(target, st)}
-        copies = self._copies_of(target) if st.st_size in self._sizes else set()
-        if not copies and self._sizes and not execrules.in_image(os.path.realpath(target)):
-            copies = self._same_build(target, st)  # a copy changed by a byte: padded, patched
-        files |= copies
+        outside = not execrules.in_image(os.path.realpath(target))
+        try:
+            head, copies = self._read(target, st, outside)
+        except OSError as exc:
+            if outside:  # the kernel needs only x to run it: what it is must not go unread
+                return _unreadable(exc)
+            head, copies = b"", set()  # the image's: what it shipped, judged by its names
+        files = {os.path.basename(path), self._real_name(target, st)} | copies
         verdict = self._by_names(files, argv, listed)
-        script = execrules.interpreted(_head(target), path, argv)
+        script = execrules.interpreted(head, path, argv)
         if script is not None:  # the kernel runs its interpreter with no exec to judge
             if depth >= MAX_CARRIED:
                 return TOO_DEEP
@@ -254,6 +257,17 @@ class ExecJudge:
         if inner is None:  # an applet: the same file, by the applet's name
             return _strictest(verdict, self._by_names({execrules.program(inner_argv[0])}, inner_argv, listed))
         return _strictest(verdict, self._judge_carried(pid, inner, inner_argv, depth, listed=listed))
+
+    def _read(self, target: str, st: "os.stat_result", outside: bool) -> "Tuple[bytes, Set[str]]":
+        """What the judge reads of the file: its head (a script's first line) and the names of
+        the programs the rules name that it is a copy of, by content or, ``outside`` the
+        image, by ELF build ID (a copy changed by a byte: padded, patched). ``OSError``
+        where it cannot be read, or not as far as it goes."""
+        head = _head(target)
+        copies = self._copies_of(target, st) if st.st_size in self._sizes else set()
+        if not copies and self._sizes and outside:
+            copies = self._same_build(target, st)
+        return head, copies
 
     def _judge_carried(
         self, pid: int, inner: str, argv: "List[str]", depth: int, *, listed: bool
@@ -319,30 +333,41 @@ class ExecJudge:
         in /proc/PID what is left is the kernel's to follow (its links are the caller's)."""
         return caller_path(pid, path)
 
-    def _digest(self, path: str) -> "Optional[str]":
-        try:
-            st = os.stat(path)
-        except OSError:
-            return None
+    def _digest(self, path: str, st: "os.stat_result") -> str:
+        """The SHA-256 of the file ``path`` (``st``: its stat, before it is read), kept by the
+        file. ``OSError`` where it cannot be read whole."""
         key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         digest = self._identity.get(key)
         if digest is None:
             import hashlib  # lazily: it loads OpenSSL, and few execs ever need it
 
             h = hashlib.sha256()
+            fd = _open(path)
             try:
-                with open(path, "rb") as fh:
-                    for chunk in iter(lambda: fh.read(1 << 20), b""):
-                        h.update(chunk)
-            except OSError:
-                return None
+                size, done = os.fstat(fd).st_size, 0
+                for chunk in iter(lambda: os.read(fd, 1 << 20), b""):
+                    h.update(chunk)
+                    done += len(chunk)
+            finally:
+                os.close(fd)
+            if done != size:
+                raise OSError(EIO, "a short read")
             digest = self._identity[key] = h.hexdigest()
         return digest
+
+    def _program_digest(self, path: str) -> "Optional[str]":
+        """The digest of a program a rule names; None where it is not there or cannot be read
+        (a masked one: nothing can copy it)."""
+        try:
+            return self._digest(path, os.stat(path))
+        except OSError:
+            return None
 
     def _same_build(self, path: str, st: "os.stat_result") -> "Set[str]":
         """Names of the programs the rules name that ``path`` (a file the code can have
         written) was built as: the same ELF build ID, which a copy keeps when bytes are added
-        or changed elsewhere. One changed there too is judged by its names only."""
+        or changed elsewhere. One changed there too is judged by its names only. ``OSError``
+        where it cannot be read."""
         key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         if key not in self._builds:
             if len(self._builds) > 4096:
@@ -355,23 +380,28 @@ class ExecJudge:
             self._program_builds = {}
             for paths in self._sizes.values():
                 for original in paths:
-                    made = build_id(original)
+                    try:
+                        made = build_id(original)
+                    except OSError:  # masked: nothing can copy it
+                        continue
                     if made is not None:
                         self._program_builds.setdefault(made, set()).add(os.path.basename(original))
         return self._program_builds.get(found, set())
 
-    def _copies_of(self, path: str) -> "Set[str]":
-        """Names of the programs the rules name whose content ``path`` holds."""
-        try:
-            size = os.stat(path).st_size
-        except OSError:
-            return set()
+    def _copies_of(self, path: str, st: "os.stat_result") -> "Set[str]":
+        """Names of the programs the rules name whose content ``path`` holds. ``OSError``
+        where it cannot be read whole."""
         found: "Set[str]" = set()
-        for original in self._sizes.get(size, ()):
+        mine: "Optional[str]" = None
+        for original in self._sizes.get(st.st_size, ()):
             if original == path:
                 continue
-            digest = self._digest(original)
-            if digest is not None and digest == self._digest(path):
+            theirs = self._program_digest(original)
+            if theirs is None:
+                continue
+            if mine is None:
+                mine = self._digest(path, st)
+            if theirs == mine:
                 found.add(os.path.basename(original))
         return found
 
@@ -391,19 +421,34 @@ def _strictest(
     return other if STRICTNESS[other[0]] > STRICTNESS[one[0]] else one
 
 
+def _unreadable(exc: OSError) -> "Tuple[str, Optional[str]]":
+    """The verdict on a file outside the image the judge cannot read as it needs to (no read
+    right: the kernel runs a file of mode 0111, and a script's interpreter too; a lease the
+    code holds; a short read): refused, never let through unread."""
+    why = exc.strerror or str(exc)
+    return "deny", f"unreadable: the exec judge cannot read this file ({why}) and runs none unread"
+
+
+def _open(path: str) -> int:
+    """``path`` opened for the judge to read, without waiting: a lease the code holds on it
+    makes this fail (EWOULDBLOCK) where a blocking open would stop every exec for up to the
+    lease's break time."""
+    return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+
+
 def _head(path: str) -> bytes:
-    """The first bytes of the file ``path`` (what the kernel reads to tell a script);
-    nothing if it cannot be read (the kernel cannot run it as a script either)."""
+    """The first bytes of the file ``path``: what the kernel reads to tell a script (it needs
+    only the execute right for that, so a file the judge cannot read may still be one).
+    ``OSError`` where it cannot be read, or not as far as the file goes."""
+    fd = _open(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
-    except OSError:
-        return b""
-    try:
-        return os.read(fd, execrules.SCRIPT_HEAD)
-    except OSError:
-        return b""
+        size = os.fstat(fd).st_size
+        head = os.read(fd, execrules.SCRIPT_HEAD)
     finally:
         os.close(fd)
+    if len(head) < min(size, execrules.SCRIPT_HEAD):
+        raise OSError(EIO, "a short read")
+    return head
 
 
 def exec_path(pid: int, path: str) -> str:
@@ -458,40 +503,50 @@ def caller_path(pid: int, path: str) -> str:
     return done or "/"
 
 
-ELOOP = 40
+ELOOP, EIO = 40, 5
 
 
 def build_id(path: str) -> "Optional[bytes]":
-    """The GNU build ID of a 64-bit little-endian ELF file (its NT_GNU_BUILD_ID note), if any."""
+    """The GNU build ID of a 64-bit little-endian ELF file (its NT_GNU_BUILD_ID note), if any.
+    ``OSError`` where the file cannot be read as far as it goes."""
     import struct
 
+    fd = _open(path)
     try:
-        with open(path, "rb") as fh:
-            head = fh.read(64)
-            if len(head) < 64 or head[:6] != b"\x7fELF\x02\x01":
-                return None
-            (phoff,) = struct.unpack_from("<Q", head, 32)
-            phentsize, phnum = struct.unpack_from("<HH", head, 54)
-            if phentsize < 56 or phnum > 256:
-                return None
-            fh.seek(phoff)
-            table = fh.read(phentsize * phnum)
-            for i in range(len(table) // phentsize):
-                (kind,) = struct.unpack_from("<I", table, i * phentsize)
-                if kind != 4:  # PT_NOTE
-                    continue
-                (offset,) = struct.unpack_from("<Q", table, i * phentsize + 8)
-                (size,) = struct.unpack_from("<Q", table, i * phentsize + 32)
-                fh.seek(offset)
-                notes = fh.read(min(size, 1 << 16))
-                at = 0
-                while at + 12 <= len(notes):
-                    namesz, descsz, note = struct.unpack_from("<III", notes, at)
-                    name_at = at + 12
-                    desc_at = name_at + (namesz + 3) // 4 * 4
-                    if note == 3 and notes[name_at : name_at + namesz] == b"GNU\0":
-                        return notes[desc_at : desc_at + descsz] or None
-                    at = desc_at + (descsz + 3) // 4 * 4
-    except (OSError, struct.error):
+        size = os.fstat(fd).st_size
+
+        def read(count: int, at: int) -> bytes:
+            want = max(0, min(count, size - at))
+            got = os.pread(fd, want, at) if want else b""
+            if len(got) < want:
+                raise OSError(EIO, "a short read")
+            return got
+
+        head = read(64, 0)
+        if len(head) < 64 or head[:6] != b"\x7fELF\x02\x01":
+            return None
+        (phoff,) = struct.unpack_from("<Q", head, 32)
+        phentsize, phnum = struct.unpack_from("<HH", head, 54)
+        if phentsize < 56 or phnum > 256:
+            return None
+        table = read(phentsize * phnum, phoff)
+        for i in range(len(table) // phentsize):
+            (kind,) = struct.unpack_from("<I", table, i * phentsize)
+            if kind != 4:  # PT_NOTE
+                continue
+            (offset,) = struct.unpack_from("<Q", table, i * phentsize + 8)
+            (note_size,) = struct.unpack_from("<Q", table, i * phentsize + 32)
+            notes = read(min(note_size, 1 << 16), offset)
+            at = 0
+            while at + 12 <= len(notes):
+                namesz, descsz, note = struct.unpack_from("<III", notes, at)
+                name_at = at + 12
+                desc_at = name_at + (namesz + 3) // 4 * 4
+                if note == 3 and notes[name_at : name_at + namesz] == b"GNU\0":
+                    return notes[desc_at : desc_at + descsz] or None
+                at = desc_at + (descsz + 3) // 4 * 4
+    except struct.error:
         return None
+    finally:
+        os.close(fd)
     return None
