@@ -366,6 +366,51 @@ def test_a_file_the_judge_cannot_read_is_refused(approving: Sandbox | None, rout
     assert [e.verdict for e in r.execs if e.path.startswith("/tmp/u")] == ["deny"]
 
 
+def test_a_file_the_judge_cannot_read_runs_once_it_can(approving: Sandbox | None) -> None:
+    """Any file the code wrote and made unreadable is refused, a harmless one too; made
+    readable (chmod moves its ctime: no verdict kept for it holds), it runs."""
+    if approving is None:
+        return
+    r = approving.commands.run("cp /bin/true /tmp/ok && chmod 0111 /tmp/ok && /tmp/ok")
+    assert r.exit_code == 126 and "unreadable" in r.stderr, r.stderr
+    again = approving.commands.run("chmod 0755 /tmp/ok && /tmp/ok")
+    assert again.exit_code == 0, again.stderr
+    assert [e.verdict for e in again.execs if e.path == "/tmp/ok"] == ["allow"]
+
+
+# A verdict the judge keeps for a file must not outlive a change to it: a script that rewrote
+# itself ran as what it became (a verdict kept by pid, file and argv, which also left that exec
+# out of the records), and one rewritten at its size with its mtime set back (utime) was let
+# run as the same file (kept by path, file, size and mtime). Its ctime moves at each change,
+# and no process can set it.
+REWRITE_ROUTES = {
+    "a script that rewrites itself and runs again": (
+        'printf \'#!/bin/sh\\nprintf "#!/bin/rm\\\\n" > /tmp/r1\\nexec /tmp/r1 "$@"\\n\' > /tmp/r1'
+        " && chmod +x /tmp/r1 && /tmp/r1 -r gone"
+    ),
+    "a settled script rewritten at its size, its mtime set back": (
+        "printf '#!/bin/sh\\n: ##\\n' > /tmp/r2 && chmod +x /tmp/r2 && sleep 2.2 && /tmp/r2 -r gone;"
+        ' python3 -c \'import os; f = "/tmp/r2"; st = os.stat(f); open(f, "r+b").write(b"#!/bin/rm\\n#");'
+        " os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))' && /tmp/r2 -r gone"
+    ),
+}
+
+
+@pytest.mark.parametrize("route", list(REWRITE_ROUTES))
+def test_a_verdict_kept_for_a_file_does_not_outlive_a_change_to_it(
+    approving: Sandbox | None, route: str
+) -> None:
+    if approving is None:  # the tier said it cannot hold the rule
+        return
+    sbx = approving
+    sbx.commands.run("mkdir -p gone/inner && touch gone/inner/f")
+    r = sbx.commands.run(REWRITE_ROUTES[route])
+    assert sbx.files.exists("gone/inner/f"), (route, r.stderr)
+    assert "needs approval and was refused: commands.approve: rm -r" in r.stderr
+    # each exec of it is in the records, the one a kept verdict could have answered included
+    assert [e.verdict for e in r.execs if e.path.startswith("/tmp/r")] == ["allow", "refuse"], r.execs
+
+
 def test_a_rule_holds_for_its_program_under_a_versioned_name(tier: str) -> None:
     """A rule names a program as people say it (`python -c`, `pip install`); the file is often
     `python3` or `pip3.11`: the rule is the same for them."""
@@ -469,7 +514,9 @@ def test_an_exec_waits_for_the_hosts_approver_and_runs_when_it_says_yes(tier: st
         assert r.text == "[0, 'refused']", r
         assert not sbx.files.exists("yes") and sbx.files.exists("no")
         assert approver.asked == [("rm", "-r", "yes"), ("rm", "-r", "no")]
-        assert [e.verdict for e in r.execs if e.argv[0] == "rm"] == ["approve", "refuse"]
+        # the refusal recorded for each folder of PATH Python tried rm in (asked once: kept)
+        verdicts = [e.verdict for e in r.execs if e.argv[0] == "rm"]
+        assert verdicts[0] == "approve" and set(verdicts[1:]) == {"refuse"}, r.execs
 
 
 def test_an_approval_of_a_long_argv_is_asked_for_all_of_it(tier: str) -> None:
@@ -1004,7 +1051,8 @@ def test_a_late_verdict_for_the_last_user_never_answers_the_next_users_exec(tier
         sbx.run_code(KILL_THE_ZYGOTE)
         sbx.reset()
         r = sbx.commands.run("mkdir b; rm -r b; ls")
-        assert r.stdout == "b\n" and [e.verdict for e in r.execs if e.argv[0] == "rm"] == ["refuse"]
+        # refused (and recorded) in each folder of PATH the shell tried it in
+        assert r.stdout == "b\n" and {e.verdict for e in r.execs if e.argv[0] == "rm"} == {"refuse"}
         assert late.asked == 2
 
 

@@ -57,15 +57,20 @@ class ExecJudge:
         self.approver = approver
         self._index = {kind: self._indexed(patterns) for kind, patterns in commands.items()}
         self._names: "Dict[Tuple[int, int, int], str]" = {}  # file -> the name it has
-        self._identity: "Dict[Tuple[int, int, int, int], str]" = {}  # (dev, ino, size, mtime) -> digest
+        # What is kept of a file's content is kept by its stamp (_stamp: its ctime among
+        # them, which every change moves and no process can set back), and only once settled.
+        self._identity: "Dict[Tuple[int, ...], str]" = {}  # stamp -> digest
         self._sizes = sizes  # size -> paths of the programs rules name (rulespy.program_sizes)
         self.pending: "Dict[int, Tuple[int, int, int, Any, Dict[str, Any], Tuple[Any, ...]]]" = {}
         self.requests = 0
-        self._decided: "Dict[Tuple[Any, ...], str]" = {}  # (pid, file, argv) -> verdict
+        # (pid, file, argv) -> the refusal: the same exec again by another name (a PATH
+        # search's next folder) is refused as it was. Refusals only: an allow kept so let a
+        # script that rewrote itself run as what it became, unjudged and unrecorded.
+        self._refused: "Dict[Tuple[Any, ...], Tuple[str, Optional[str]]]" = {}
         self.carrying = False  # the exec judged last runs another program (execrules.carried)
-        self._builds: "Dict[Tuple[int, int, int, int], Optional[bytes]]" = {}  # file -> ELF build ID
+        self._builds: "Dict[Tuple[int, ...], Optional[bytes]]" = {}  # stamp -> ELF build ID
         self._program_builds: "Optional[Dict[bytes, Set[str]]]" = None  # build ID -> rule programs
-        # (path, file, its size and time, argv) -> the judge's verdict and rule
+        # (path, the file's stamp, argv) -> the judge's verdict and rule
         self._verdicts: "Dict[Tuple[Any, ...], Tuple[str, Optional[str]]]" = {}
 
     # -- one notification -------------------------------------------------------------------
@@ -101,29 +106,14 @@ class ExecJudge:
         finally:
             os.close(mem)
         key = (pid, st.st_dev, st.st_ino, tuple(argv))
-        verdict = self._decided.get(key)
-        if verdict is not None:  # the same exec tried again by another name (/bin, /usr/bin)
-            confine.answer(listener, nid, verdict == "allow", EPERM)
-            return
-        # The same program, file and argv again (a loop, a build): the same verdict.
-        seen = (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, key[3])
-        if path.startswith("/proc/"):  # /proc/self/... is another file for each caller
-            seen = None
-        judged = self._verdicts.get(seen) if seen is not None else None
-        if judged is None:
-            self.carrying = False
-            judged = self.judge(pid, path, argv, st)
-            # An approval is asked each time; what a loader runs is another file, which can
-            # change while this one and its argv stay as they are.
-            if seen is not None and judged[0] != "approve" and not self.carrying:
-                if len(self._verdicts) > 1024:
-                    self._verdicts.clear()
-                self._verdicts[seen] = judged
+        # The same exec refused, tried again by another name (/bin, /usr/bin): refused again
+        # (its line on stderr said once). Kept or judged, every exec is recorded below.
+        kept = self._refused.get(key)
+        judged = kept or self._judged(pid, path, argv, st)
         verdict, rule = judged
         job = self.sup.job_of(pid)
         if verdict == "allow":
             confine.answer(listener, nid, True)
-            self._remember(key, verdict)
             # as the compiled judge records an exec it lets run (its first words: M in its config)
             record(job, {"path": path, "argv": argv[:MAX_EXEC_ARGV], "verdict": verdict, "rule": ""})
             return
@@ -138,9 +128,32 @@ class ExecJudge:
                 self.pending[self.requests] = (listener, nid, pid, job, done, key)
                 self.sup.send({"id": job.rid, "ev": "approve", "req": self.requests, **done})
         else:
-            self._refuse(listener, nid, pid, done)
-            self._remember(key, verdict)
+            self._refuse(listener, nid, pid, done, tell=kept is None)
+            self._remember(key, judged)
         record(job, done)
+
+    def _judged(
+        self, pid: int, path: str, argv: "List[str]", st: "os.stat_result"
+    ) -> "Tuple[str, Optional[str]]":
+        """The verdict on an exec of ``path`` (``st``: its file, looked at before it is read),
+        kept for the same program, file and argv again (a loop, a build) while the file is
+        as it was judged: its stamp, ctime included (a file rewritten in place at its size,
+        its mtime set back with utime, was let run as what it became)."""
+        seen: "Optional[Tuple[Any, ...]]" = (path, *_stamp(st), tuple(argv))
+        if path.startswith("/proc/"):  # /proc/self/... is another file for each caller
+            seen = None
+        judged = self._verdicts.get(seen) if seen is not None else None
+        if judged is not None:
+            return judged
+        self.carrying = False
+        judged = self.judge(pid, path, argv, st)
+        # An approval is asked each time; what a loader runs is another file, which can
+        # change while this one and its argv stay as they are.
+        if seen is not None and judged[0] != "approve" and not self.carrying and _settled(st):
+            if len(self._verdicts) > 1024:
+                self._verdicts.clear()
+            self._verdicts[seen] = judged
+        return judged
 
     def on_verdict(self, request: int, allow: bool) -> None:
         """The host's answer to an approval it was asked for."""
@@ -148,7 +161,8 @@ class ExecJudge:
         if parked is None:
             return
         listener, nid, pid, _, done, key = parked
-        self._remember(key, "allow" if allow else "refuse")
+        if not allow:
+            self._remember(key, ("refuse", done["rule"]))
         if not confine.still_waiting(listener, nid):
             return
         if allow:
@@ -165,12 +179,20 @@ class ExecJudge:
                 self.pending.pop(request)
                 confine.answer(parked[0], parked[1], False, EPERM)
 
-    def _remember(self, key: "Tuple[Any, ...]", verdict: str) -> None:
-        if len(self._decided) > 256:
-            self._decided.clear()
-        self._decided[key] = verdict
+    def _remember(self, key: "Tuple[Any, ...]", refusal: "Tuple[str, Optional[str]]") -> None:
+        if len(self._refused) > 256:
+            self._refused.clear()
+        self._refused[key] = refusal
 
-    def _refuse(self, listener: int, nid: int, pid: int, done: "Dict[str, Any]") -> None:
+    def _refuse(self, listener: int, nid: int, pid: int, done: "Dict[str, Any]", tell: bool = True) -> None:
+        if tell:
+            self._tell(pid, done)
+        # EPERM, not EACCES: a PATH search (execvp) stops at it instead of asking again
+        # for /bin/rm after /usr/bin/rm; shells report it and exit 126.
+        confine.answer(listener, nid, False, EPERM)
+
+    @staticmethod
+    def _tell(pid: int, done: "Dict[str, Any]") -> None:
         why = "needs approval and was refused" if done["verdict"] == "refuse" else "denied by policy"
         line = f"stockade: {os.path.basename(done['path'])}: {why}: {done['rule']}\n"
         try:  # on the program's own stderr, where a person or a model will look
@@ -181,9 +203,6 @@ class ExecJudge:
                 os.close(fd)
         except OSError:
             pass
-        # EPERM, not EACCES: a PATH search (execvp) stops at it instead of asking again
-        # for /bin/rm after /usr/bin/rm; shells report it and exit 126.
-        confine.answer(listener, nid, False, EPERM)
 
     # -- judging ----------------------------------------------------------------------------
 
@@ -334,9 +353,9 @@ class ExecJudge:
         return caller_path(pid, path)
 
     def _digest(self, path: str, st: "os.stat_result") -> str:
-        """The SHA-256 of the file ``path`` (``st``: its stat, before it is read), kept by the
-        file. ``OSError`` where it cannot be read whole."""
-        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        """The SHA-256 of the file ``path`` (``st``: its stat, before it is read), kept by its
+        stamp once settled. ``OSError`` where it cannot be read whole."""
+        key = _stamp(st)
         digest = self._identity.get(key)
         if digest is None:
             import hashlib  # lazily: it loads OpenSSL, and few execs ever need it
@@ -352,7 +371,11 @@ class ExecJudge:
                 os.close(fd)
             if done != size:
                 raise OSError(EIO, "a short read")
-            digest = self._identity[key] = h.hexdigest()
+            digest = h.hexdigest()
+            if _settled(st):
+                if len(self._identity) > 4096:
+                    self._identity.clear()
+                self._identity[key] = digest
         return digest
 
     def _program_digest(self, path: str) -> "Optional[str]":
@@ -368,12 +391,15 @@ class ExecJudge:
         written) was built as: the same ELF build ID, which a copy keeps when bytes are added
         or changed elsewhere. One changed there too is judged by its names only. ``OSError``
         where it cannot be read."""
-        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        if key not in self._builds:
-            if len(self._builds) > 4096:
-                self._builds.clear()
-            self._builds[key] = build_id(path)
-        found = self._builds[key]
+        key = _stamp(st)
+        if key in self._builds:
+            found = self._builds[key]
+        else:
+            found = build_id(path)
+            if _settled(st):
+                if len(self._builds) > 4096:
+                    self._builds.clear()
+                self._builds[key] = found
         if found is None:
             return set()
         if self._program_builds is None:
@@ -427,6 +453,27 @@ def _unreadable(exc: OSError) -> "Tuple[str, Optional[str]]":
     code holds; a short read): refused, never let through unread."""
     why = exc.strerror or str(exc)
     return "deny", f"unreadable: the exec judge cannot read this file ({why}) and runs none unread"
+
+
+# What the judge keeps of a file's content it keeps by the file's stamp, once the stamp is
+# older than this: a change within the same tick of the clock timestamps are taken from (up
+# to 10 ms), or the same second where a filesystem keeps seconds, may leave ctime as it was.
+SETTLED_NS = 2_000_000_000
+
+
+def _stamp(st: "os.stat_result") -> "Tuple[int, int, int, int, int]":
+    """A file, and its content as it was when ``st`` was taken: device, inode, size, mtime
+    and ctime. mtime can be set back (utime); ctime cannot: every write, utime, chmod or
+    rename moves it to the clock's time, which code cannot set."""
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _settled(st: "os.stat_result") -> bool:
+    """Whether ``st``'s file last changed long enough ago that any later change moves its
+    ctime past the one in ``st`` (SETTLED_NS)."""
+    import time  # built in: no file to load
+
+    return time.time_ns() - st.st_ctime_ns > SETTLED_NS
 
 
 def _open(path: str) -> int:
