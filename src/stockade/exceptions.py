@@ -26,7 +26,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │       ├── SnapshotStoreFull     no room in the store: nothing kept, no more than the room written
     │       ├── SnapshotNotFound      no snapshot (or paused sandbox) with that id in the store
     │       ├── SnapshotCorrupt       its bytes do not match its hash (modified, truncated): refused
-    │       └── SnapshotIncompatible  it cannot be restored here (another tier, kernel or QEMU)
+    │       └── SnapshotIncompatible  not restorable here (another tier, kernel, QEMU; files past its limits)
     ├── WorkspaceError                a files call was refused
     │   ├── PathEscapeError           the path leads outside the workspace
     │   ├── SandboxFileNotFound       nothing at that path
@@ -315,7 +315,9 @@ class SnapshotCorrupt(SnapshotError):
 
 class SnapshotIncompatible(SnapshotError):
     """The snapshot cannot be restored as asked: its memory needs the tier, kernel, QEMU and
-    machine it was taken with, or the caller asked for limits its memory does not have."""
+    machine it was taken with, or the caller asked for limits its memory does not have, or its
+    files would not fit the sandbox's workspace or /tmp (refused at the first file that does
+    not, before the rest is sent)."""
 
 
 class WorkspaceError(StockadeError):

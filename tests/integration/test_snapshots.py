@@ -346,3 +346,71 @@ def test_a_memory_snapshot_writes_no_more_than_the_stores_room(tier: str, tmp_pa
         assert disk_bytes(small.root) == 0
         sbx.commands.run("rm /workspace/holes /tmp/holes")
         assert sbx.snapshot(store=small, memory=True).kind is SnapshotKind.MEMORY
+
+
+# -- restoring a large snapshot ------------------------------------------------------------
+
+BIG = 240 << 20  # the object restored: large next to what a restore may take of the host's memory
+
+
+@pytest.mark.parametrize("tier", FILES_TIERS)
+def test_a_large_snapshot_restores_in_a_few_mib_of_the_hosts_memory(tier: str, store: SnapshotStore) -> None:
+    """A restore read the whole object and sent it as one frame: twice its size in the host's
+    memory (2 GB for 1 GiB), whatever the sandbox's limits. It streams now, hashed on the
+    way: the host's peak grows by a few chunks, and a byte changed anywhere is refused."""
+    limits = Limits(memory_mb=768, timeout_s=60, pids=64)  # a workspace of 384 MiB
+    with Sandbox.create(tier, limits=limits) as sbx:
+        made = sbx.commands.run(f"truncate -s {BIG} big && printf end >> big && echo kept > /tmp/t")
+        assert made.exit_code == 0, made.stderr
+        snap = sbx.snapshot(store=store)
+    digest = store.load(snap).blobs["workspace"]
+    assert store.object_path(digest).stat().st_size > BIG
+
+    restored = _child(
+        f"""
+        import re
+        def vm(key):  # kB
+            return int(re.search(key + r":\\s+(\\d+)", Path("/proc/self/status").read_text()).group(1))
+        with Sandbox.create({tier!r}, limits=Limits(memory_mb=256, pids=64)):  # the tier's first start
+            pass
+        Path("/proc/self/clear_refs").write_text("5")  # the peak starts again from here
+        before = vm("VmRSS")
+        with Sandbox.create(snapshot={snap.id!r}, store=store, limits=Limits(memory_mb=768, pids=64)) as sbx:
+            grown = vm("VmHWM") - before
+            out = sbx.commands.run("stat -c %s big; tail -c 3 big; echo; cat /tmp/t; ls -A").stdout
+        print(json.dumps({{"grown": grown << 10, "out": out.split()}}))
+        """,
+        store,
+    )
+    assert restored["out"] == [str(BIG + 3), "end", "kept", "big"]  # no staging folder left
+    assert isinstance(restored["grown"], int) and restored["grown"] < BIG // 4, restored
+
+    # A byte changed past the first chunks (the sandbox unpacks it: only the hash can tell),
+    # then one in the first header (the sandbox refuses the archive before the hash is done).
+    victim = store.object_path(digest)
+    os.chmod(victim, 0o600)
+    for offset in (BIG // 2, 100):
+        with open(victim, "r+b") as fh:
+            fh.seek(offset)
+            byte = fh.read(1)
+            fh.seek(offset)
+            fh.write(bytes([byte[0] ^ 1]))
+        with pytest.raises(SnapshotCorrupt):
+            Sandbox.create(snapshot=snap, store=store, limits=limits)
+
+
+@pytest.mark.parametrize("tier", FILES_TIERS)
+def test_a_snapshot_larger_than_the_sandbox_is_refused_at_its_first_header(
+    tier: str, store: SnapshotStore
+) -> None:
+    """1 GiB of holes snapshotted (the store's room allowed it) could not be restored into a
+    128 MiB sandbox: its whole object was sent, and the supervisor died of it ("the
+    supervisor exited"). The sandbox refuses the file as its header comes, before its data."""
+    with Sandbox.create(tier, limits=LIMITS) as sbx:
+        assert sbx.commands.run("truncate -s 300M holes").exit_code == 0
+        snap = sbx.snapshot(store=store)
+    with pytest.raises(SnapshotIncompatible, match=r"does not fit this sandbox.*'holes' is 314572800 bytes"):
+        Sandbox.create(snapshot=snap, store=store, limits=Limits(memory_mb=128, pids=64))
+    with Sandbox.create(snapshot=snap, store=store, limits=Limits(memory_mb=768, pids=64)) as sbx:
+        restored = sbx.files.stat("holes")
+        assert restored is not None and restored.size == 300 << 20

@@ -47,6 +47,7 @@ from stockade.sandbox._snapshot_state import (
 from stockade.sandbox._transfers import FILE_OP_TIMEOUT_S, MAX_FRAME, TRANSFER_CHUNK, FileRequests
 from stockade.sandbox.base import Instance, OpResult, OutputSink, SandboxSpec
 from stockade.sandbox.ops import (
+    Area,
     GetArchive,
     ListDir,
     MakeDir,
@@ -431,9 +432,12 @@ class SupervisedInstance(Instance):
         self.files.request("reseed", dict(resumed or {}))
 
     def seed(self, snapshot: Snapshot) -> None:
-        """Put a snapshot's files (workspace, /tmp) into this fresh sandbox, checked first."""
+        """Put a snapshot's files (workspace, /tmp) into this fresh sandbox, streamed a chunk
+        at a time and hashed on the way: the host's memory stays a few MiB whatever the
+        objects' size, and an object is moved into place inside only once it hashed to its
+        name. Any failure leaves the sandbox to be closed (``start``): never handed out."""
         store = SnapshotStore(Path(snapshot.store))
-        manifest = store.verify(snapshot)
+        manifest = store.load(snapshot)
         missing = [a for a in ("workspace", "tmp") if a not in manifest.blobs]
         if missing:
             raise exc.SnapshotIncompatible(
@@ -441,8 +445,28 @@ class SupervisedInstance(Instance):
                 f"restore it on the {snapshot.tier} tier"
             )
         for area in ("workspace", "tmp"):
-            data = store.check_object(manifest.blobs[area]).read_bytes()
-            self.files.request("put_archive", {"path": "", **area_args(area)}, data)
+            self._restore_area(snapshot, store, area, manifest.blobs[area])
+
+    def _restore_area(self, snapshot: Snapshot, store: SnapshotStore, area: Area, digest: str) -> None:
+        chunks = store.stream_object(digest, TRANSFER_CHUNK)
+        try:
+            self.files.put_stream(area, chunks)
+        except exc.SnapshotCorrupt:
+            raise
+        except exc.StockadeError as error:
+            # What the sandbox refused may be a corrupt object's doing (a header claiming a
+            # huge file): the object is checked (its verified stamp, else hashed) first.
+            store.check_object(digest)
+            if not isinstance(error, exc.WorkspaceFull):
+                raise
+            limits = self.spec.limits
+            room = f"disk_mb={limits.workspace_mb}" if area == "workspace" else f"tmp_mb={limits.tmp_size_mb}"
+            found = str(error).removeprefix("put_archive '': ")
+            raise exc.SnapshotIncompatible(
+                f"snapshot {snapshot.id} does not fit this sandbox: its {area} is larger than the "
+                f"sandbox's ({room}): {found}; create it with Limits that hold the snapshot's files "
+                "(memory_mb, and disk_mb or tmp_mb)"
+            ) from None
 
     # -- commands -----------------------------------------------------------------------
 

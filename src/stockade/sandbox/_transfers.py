@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from stockade import exceptions as exc
 from stockade.sandbox._channel import Channel, JSONTooLarge, loads_bounded
 from stockade.sandbox._replies import WORKSPACE_ERRORS, area_args, entry_info, int_field
 from stockade.sandbox.base import OutputSink
-from stockade.sandbox.ops import GetArchive, ListDir, MakeDir, ReadFile, Stat, WriteFile
+from stockade.sandbox.ops import Area, GetArchive, ListDir, MakeDir, ReadFile, Stat, WriteFile
 from stockade.sandbox.supervisor.protocol import MAX_CODE_REPLY
 from stockade.types import EntryInfo
 
@@ -148,6 +148,28 @@ class FileRequests:
         except exc.WorkspaceError as err:  # the sandbox refused: a cap, a missing folder, ...
             said = str(err).removeprefix(f"get_archive {op.path!r}: ")
             raise type(err)(f"cannot download {op.path or '/workspace'!r}: {said}", path=op.path) from None
+
+    def put_stream(self, area: Area, chunks: Iterator[bytes]) -> None:
+        """Unpack a tar stream into ``area`` (``workspace``, ``tmp``) a chunk at a time: neither
+        side holds more than one chunk (``supervisor/unpack.py``). What is unpacked is moved
+        into place only once ``chunks`` ended without raising (a snapshot's object iterator
+        raises after its last chunk when it does not hash to its name); on any failure the
+        supervisor is told to drop it, and nothing of it is left in place."""
+        where = area_args(area)
+        tx = self.request("put_archive", {"path": "", "stage": "open", **where})[0].get("tx")
+        if not isinstance(tx, str) or not 0 < len(tx) <= 64:
+            raise exc.ProtocolError("the supervisor opened a restore without a usable id")
+        try:
+            for chunk in chunks:
+                if len(chunk) > TRANSFER_CHUNK:  # pragma: no cover (the caller's bug)
+                    raise exc.ProtocolError(f"a chunk of {len(chunk)} bytes is over {TRANSFER_CHUNK}")
+                self.request("put_archive", {"path": "", "stage": "append", "tx": tx, **where}, chunk)
+            self.request("put_archive", {"path": "", "stage": "commit", "tx": tx, **where})
+        except BaseException:
+            if self._alive():
+                with contextlib.suppress(exc.StockadeError):
+                    self.request("put_archive", {"path": "", "stage": "abort", "tx": tx, **where})
+            raise
 
     def write(self, op: WriteFile) -> EntryInfo:
         args: dict[str, Any] = {"path": op.path, "mode": op.mode, "parents": op.parents}

@@ -5,7 +5,8 @@
 Apart from the supervisor, which keeps the event loop, commands and the interpreter, because
 these handlers share nothing with them but ``sup.send`` and ``sup.workspace``. How a path is
 resolved inside the workspace (symlinks followed only while they stay inside) is
-``fileops.py``; how a folder becomes a tar stream is ``archive.py``.
+``fileops.py``; how a folder becomes a tar stream is ``archive.py``, how a tar stream
+becomes files again ``unpack.py``.
 
 Standard library only; runs on any Python >= 3.8 found inside the sandbox.
 """
@@ -208,9 +209,16 @@ def op_remove(sup: "Supervisor", rid: int, h: dict[str, Any], body: bytes) -> No
 
 
 def op_put_archive(sup: "Supervisor", rid: int, h: dict[str, Any], body: bytes) -> None:
+    """Unpack a tar archive: one that comes whole in ``body``, or, with ``stage``, one that
+    comes a chunk at a time (a snapshot's files; see unpack.py)."""
+    area = _area(sup, h)
+    if h.get("stage"):
+        import unpack  # lazily: most sandboxes never restore a snapshot
+
+        sup.send({"id": rid, "ev": "done", **unpack.handle(area, h, body)})
+        return
     import tarfile  # lazily: importing it costs more than starting the supervisor
 
-    area = _area(sup, h)
     dest = area.root + "/" + "/".join(area._split(h.get("path", "")))
     with tarfile.open(fileobj=io.BytesIO(body), mode="r:*") as tar:
         if hasattr(tarfile, "data_filter"):

@@ -1,0 +1,185 @@
+"""A tar stream unpacked as the host pushes it, a chunk at a time: a snapshot's files restored.
+
+``put_archive`` in stages: ``open`` a transfer (a staging folder in the destination, and a
+thread that unpacks a pipe into it), ``append`` each chunk (a few MiB: the host never sends
+more in one frame), then ``commit`` (the host has seen the whole object hash to its name: the
+staged entries move into place) or ``abort``. Memory here stays one chunk and the pipe's
+buffer whatever the archive holds; a 1 GiB archive sent as one frame killed a 128 MiB
+sandbox's supervisor.
+
+Nothing half-unpacked is ever in place: a transfer that fails (a member that does not fit, a
+malformed archive, the host's ``abort``) has its staging folder removed, and the host closes
+the sandbox anyway (a restore that failed leaves no sandbox). The unpacking refuses, as soon
+as a member's header comes and before its data, a tree whose files would not fit the
+destination's filesystem (kind ``full``): the host then stops after a chunk or two instead
+of sending gigabytes into a tmpfs they cannot fit.
+
+Standard library only; runs on any Python >= 3.8 found inside the sandbox.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+
+from fileops import PathRefused, _write_all, empty_dir
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
+if TYPE_CHECKING:
+    from typing import Any, Iterator, Optional
+
+    from fileops import Workspace
+
+OPEN_TRANSFERS = 2  # a host that vanished mid-restore leaves at most this many behind
+STAGING = ".stockade-unpacking-"
+READ_BUFFER = 1 << 20
+
+_transfers: "dict[str, Unpacking]" = {}
+_opened = [0]
+
+
+def handle(area: "Workspace", h: "dict[str, Any]", body: bytes) -> "dict[str, Any]":
+    """One staged ``put_archive`` request; what the reply adds (``tx`` for an ``open``)."""
+    stage = h.get("stage")
+    if stage == "open":
+        dest = "/".join([area.root.rstrip("/"), *area._split(str(h.get("path", "")))])
+        _opened[0] += 1
+        tx = "u%d" % _opened[0]
+        _transfers[tx] = Unpacking(dest, "%s%d-%s" % (STAGING, os.getpid(), tx))
+        while len(_transfers) > OPEN_TRANSFERS:
+            _transfers.pop(next(iter(_transfers))).abort()
+        return {"tx": tx}
+    tx = str(h.get("tx", ""))
+    unpacking = _transfers.get(tx)
+    if stage == "abort":
+        if unpacking is not None:
+            del _transfers[tx]
+            unpacking.abort()
+        return {}
+    if unpacking is None:
+        raise PathRefused("internal", "no open restore %r" % tx)
+    if stage not in ("append", "commit"):
+        raise PathRefused("internal", "unknown put_archive stage %r" % (stage,))
+    try:
+        if stage == "append":
+            unpacking.append(body)
+        else:
+            del _transfers[tx]
+            unpacking.commit()
+    except BaseException:
+        _transfers.pop(tx, None)
+        unpacking.abort()
+        raise
+    return {}
+
+
+class Unpacking:
+    """One archive being unpacked into ``staging`` (made in ``dest``) by a thread that reads
+    a pipe: ``append`` writes a chunk to it, ``commit`` waits for the end and moves the
+    staged entries into ``dest``, ``abort`` stops and removes them."""
+
+    def __init__(self, dest: str, name: str) -> None:
+        st = os.statvfs(dest)
+        # What the destination's filesystem can take (a tmpfs states its size; a filesystem
+        # that states none is not checked here, its ENOSPC still is).
+        self.room = st.f_bavail * st.f_frsize if st.f_blocks else None
+        self.inodes = st.f_favail if st.f_files else None
+        self.dest = dest
+        self.staging = dest + "/" + name
+        self.size = 0
+        self.entries = 0
+        self.error: "Optional[BaseException]" = None
+        os.mkdir(self.staging, 0o700)
+        read_fd, self.write_fd = os.pipe()
+        os.set_inheritable(self.write_fd, False)
+        self.thread = threading.Thread(target=self._unpack, args=(read_fd,), daemon=True)
+        self.thread.start()
+
+    def append(self, chunk: bytes) -> None:
+        try:
+            _write_all(self.write_fd, chunk)
+        except BrokenPipeError:  # the unpacking stopped: its error says why
+            self._finish()
+            raise PathRefused("internal", "the unpacking stopped early") from None
+        if self.error is not None:
+            self._finish()
+
+    def commit(self) -> None:
+        self._finish()
+        _move_into(self.staging, self.dest)
+        os.rmdir(self.staging)
+
+    def abort(self) -> None:
+        try:
+            self._finish()
+        except BaseException:
+            pass
+        if os.path.isdir(self.staging):
+            empty_dir(self.staging)
+            os.rmdir(self.staging)
+
+    def _finish(self) -> None:
+        """End the stream, wait for the thread, raise what stopped it."""
+        if self.write_fd >= 0:
+            os.close(self.write_fd)
+            self.write_fd = -1
+        self.thread.join()
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+
+    def _unpack(self, read_fd: int) -> None:
+        import tarfile  # lazily: importing it costs more than starting the supervisor
+
+        try:
+            with os.fdopen(read_fd, "rb", buffering=READ_BUFFER) as pipe:
+                tar = tarfile.open(fileobj=pipe, mode="r|")
+                tar.copybufsize = READ_BUFFER
+                members = self._fitting(tar)
+                if hasattr(tarfile, "data_filter"):
+                    tar.extractall(self.staging, members=members, filter="data")
+                else:
+                    tar.extractall(self.staging, members=members)
+                while pipe.read(READ_BUFFER):  # the end's padding: every chunk is taken whole
+                    pass
+        except BaseException as error:  # raised by the main thread (``_finish``)
+            self.error = error
+
+    def _fitting(self, tar: "Any") -> "Iterator[Any]":
+        """The archive's members, refused at the first one the filesystem has no room for."""
+        for member in tar:
+            self.entries += 1
+            if self.inodes is not None and self.entries > self.inodes:
+                message = "more than the %d entries %s can still hold" % (self.inodes, self.dest)
+                raise PathRefused("full", message)
+            if member.isfile():
+                self.size += member.size
+                if self.room is not None and self.size > self.room:
+                    raise PathRefused(
+                        "full",
+                        "%r is %d bytes: with the %d bytes before it, more than the %d bytes free in %s"
+                        % (member.name, member.size, self.size - member.size, self.room, self.dest),
+                    )
+            yield member
+
+
+def _move_into(source: str, dest: str) -> None:
+    """Move every entry of ``source`` into ``dest``, as unpacking there would have left them:
+    a folder merged into a folder already there, anything else replacing what is there."""
+    for name in sorted(os.listdir(source)):
+        here, there = source + "/" + name, dest + "/" + name
+        try:
+            old = os.lstat(there)
+        except FileNotFoundError:
+            os.rename(here, there)
+            continue
+        new = os.lstat(here)
+        if stat.S_ISDIR(old.st_mode) and stat.S_ISDIR(new.st_mode):
+            _move_into(here, there)
+            os.rmdir(here)
+            continue
+        if stat.S_ISDIR(old.st_mode):
+            empty_dir(there)
+            os.rmdir(there)
+        os.rename(here, there)
