@@ -136,8 +136,9 @@ def test_gc_of_another_state_folder_spares_a_group_whose_sandbox_has_not_entered
     assert not any(name in line for line in collect_garbage(tmp_path / "another-state-folder"))
     assert name in _cgroups.leftover_groups()
     creators[0].stop()  # crashed before its sandbox started: the group is garbage now
-    assert f"cgroup {name}" in collect_garbage(tmp_path / "another-state-folder")
-    assert name not in _cgroups.leftover_groups()
+    collected = collect_garbage(tmp_path / "another-state-folder")
+    # gone, by this gc or by another test's meanwhile (a parallel run's: CI run 89)
+    assert name not in _cgroups.leftover_groups(), collected
 
 
 WORKER = """
