@@ -46,7 +46,14 @@ from stockade.runs.seeds import pack_workspace, unpack_seed
 from stockade.runs.store import RunStore
 from stockade.server.context import AuditLogs, ServiceConfig, TenantLimits
 from stockade.server.schemas import RunSubmit
-from stockade.server.state import TERMINAL, DatabaseApprovals, DatabaseKillSource, ServiceStore, open_database
+from stockade.server.state import (
+    TERMINAL,
+    WAITING,
+    DatabaseApprovals,
+    DatabaseKillSource,
+    ServiceStore,
+    open_database,
+)
 from stockade.server.tenants import Tenant
 from stockade.tools.base import Toolset
 from stockade.tools.builtin import default_toolset
@@ -204,17 +211,9 @@ class Runner:
         except exc.StockadeError as error:
             self.store.set_status(run_id, "error", error=str(error))
             return RunOutcome(run_id=run_id, status="error", error=str(error))
-        # its sandbox takes a share of the tenant's quota, as the API's sandboxes do
-        share = config.sandbox_limits or Limits()
-        try:
-            self.store.hold_run(
-                run_id=run_id, tenant=tenant.id, worker=self.name, cpus=share.cpus, memory_mb=share.memory_mb,
-                quotas=tenant.quotas,
-            )  # fmt: skip
-        except exc.QuotaExceeded as full:
-            self.store.set_status(run_id, row.status, error=f"waiting for room in the tenant's quota: {full}")
-            raise
-        self.store.set_status(run_id, "running", worker=self.name, started=True, error=None)
+        ended = self._start(run_id, row.status, tenant, config.sandbox_limits or Limits())
+        if ended is not None:
+            return ended
         try:
             with (
                 self._seed(tenant, spec.workspace) as seed,
@@ -232,6 +231,9 @@ class Runner:
                     self._keep_artifacts(run_id, tenant, session)
         except exc.RunLeased:
             raise
+        except exc.RunStopped as stopped:  # a kill that struck before the loop could take it (a resume)
+            self.store.set_status(run_id, stopped.status, error=str(stopped))
+            return RunOutcome(run_id=run_id, status=stopped.status, error=str(stopped))
         except exc.RunConflict:
             # it ended meanwhile (another delivery finished it): the store says how
             summary = self.runs.summary(run_id)
@@ -249,6 +251,33 @@ class Runner:
         # the session, so the service's own status keeps the word
         self.store.set_status(run_id, status, error=result.error)
         return RunOutcome(run_id=run_id, status=status, error=result.error)
+
+    def _start(self, run_id: str, was: str, tenant: Tenant, share: Limits) -> RunOutcome | None:
+        """Hold the run's share of the tenant's quota (``QuotaExceeded``: it waits), then mark
+        it running; the run as it ended instead, when a kill ended it meanwhile."""
+        try:
+            self.store.hold_run(
+                run_id=run_id, tenant=tenant.id, worker=self.name, cpus=share.cpus, memory_mb=share.memory_mb,
+                quotas=tenant.quotas,
+            )  # fmt: skip
+        except exc.QuotaExceeded as full:
+            # only as it was: a kill meanwhile is not written back over
+            why = f"waiting for room in the tenant's quota: {full}"
+            self.store.set_status(run_id, was, error=why, only_from=[was])
+            raise
+        # Only from where it waited (or ran, delivered again): a kill of the queued run between
+        # our read and now ended it, and "running" written over "killed" ran it all the same.
+        if self.store.set_status(
+            run_id, "running", worker=self.name, started=True, error=None, only_from=[*WAITING, "running"]
+        ):
+            return None
+        self.store.drop_hold(run_id)
+        now = self.store.run(run_id)
+        return RunOutcome(
+            run_id=run_id,
+            status=now.status if now is not None else "missing",
+            error=now.error if now else None,
+        )
 
     def _keep_artifacts(self, run_id: str, tenant: Tenant, session: AgentSession) -> None:
         """The final workspace, packed (what ``GET /v1/runs/{id}/artifacts`` returns)."""

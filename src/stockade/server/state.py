@@ -483,6 +483,10 @@ class ServiceStore:
         if not self.db.query(f"SELECT 1 FROM {ns}_holds WHERE run_id = ?", (run_id,)):
             raise self._full(tenant, cpus=cpus, memory_mb=memory_mb, quotas=quotas, what="this run's sandbox")
 
+    def drop_hold(self, run_id: str) -> None:
+        """Free a run's share (one that never turned "running": it was ended meanwhile)."""
+        self.db.write([(f"DELETE FROM {self.ns}_holds WHERE run_id = ?", [(run_id,)])])
+
     def holds(self, tenant: str) -> list[str]:
         """The runs that hold a share of ``tenant``'s quota."""
         rows = self.db.query(
