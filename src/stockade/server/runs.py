@@ -338,9 +338,9 @@ def decide_approval(
     """Record a decision (if the caller's role may decide) and send a paused run on."""
     row = _row(service, caller, run_id)
     check_approver(caller)
-    service.approvals.decide(run_id, request_id, choice, by=f"token:{caller.token_id}")
+    service.approvals.decide(run_id, request_id, choice, by=f"api-token/{caller.token_id}")
     service.audit.get(caller.tenant).record(
-        EventKind.APPROVAL, run_id=run_id, actor=f"human:token:{caller.token_id}",
+        EventKind.APPROVAL, run_id=run_id, actor=f"human:api-token/{caller.token_id}",
         attributes={"request_id": request_id, "outcome": choice.value, "through": through},
     )  # fmt: skip
     if row.status == "paused" and service.store.set_status(run_id, "queued", only_from=("paused",)):
@@ -360,7 +360,7 @@ async def kill_run(run_id: str, request: Request, caller: Caller, body: KillRequ
         if row.status in TERMINAL:
             return _out(service, row, detail=True)
         service.audit.get(caller.tenant).record(
-            EventKind.KILL_SWITCH, run_id=run_id, actor=f"human:token:{caller.token_id}",
+            EventKind.KILL_SWITCH, run_id=run_id, actor=f"human:api-token/{caller.token_id}",
             attributes={"reason": reason, "through": "api"},
         )  # fmt: skip
         # not running anywhere: it ends here; running: its worker's switch sees the mark
@@ -410,7 +410,7 @@ async def kill_all_runs(request: Request, caller: Caller, body: KillAllRequest |
             owner = service.tenants.tenants.get(run.tenant or "")
             if owner is not None:  # each kill in the trail of the run's own tenant
                 service.audit.get(owner).record(
-                    EventKind.KILL_SWITCH, run_id=run.run_id, actor=f"human:token:{caller.token_id}",
+                    EventKind.KILL_SWITCH, run_id=run.run_id, actor=f"human:api-token/{caller.token_id}",
                     attributes={"reason": asked.reason, "through": "api", "scope": "all"},
                 )  # fmt: skip
         return KillAllOut(killed=[KilledRun(run_id=r.run_id, tenant=r.tenant, where=r.where) for r in pulled])
@@ -432,7 +432,7 @@ async def resume_run(run_id: str, request: Request, caller: Caller) -> RunOut:
                 "one goes on once its approvals are decided; an interrupted one when a worker takes it up)"
             )
         service.audit.get(caller.tenant).record(
-            EventKind.NOTE, run_id=run_id, actor=f"human:token:{caller.token_id}",
+            EventKind.NOTE, run_id=run_id, actor=f"human:api-token/{caller.token_id}",
             attributes={"action": "resume", "status": "broken", "through": "api"},
         )  # fmt: skip
         # the runner resumes it from its last step, the breaker closed (AgentSession.resume)
