@@ -352,3 +352,16 @@ def test_a_window_given_is_shared_by_agents_and_wins_over_a_redis_url(tmp_path: 
     clock.advance(10.0)  # the window is the tenant's rate_period_s
     assert run("w-3") == (RunStatus.SUCCESS, 2)
     assert RateLimit(per_minute=3, window=window, name="api").take("tenant:acme").allowed
+
+
+def test_a_kill_all_pulls_the_switch_of_a_run_whose_worker_fell_silent(setup: Setup) -> None:
+    """ "running" in the service's table, no fresh live mark: its worker died, and the broker
+    hands the run to another, which resumes it. No mark listed it, so a kill-all missed it and
+    it went on with two more calls; its switch is pulled, and the resume meets it."""
+    store = setup.service.store
+    assert store.add_run(run_id="acme-r", tenant="acme", role=None, spec={}, labels={}, max_active=10)
+    assert store.set_status("acme-r", "running", worker="a-dead-worker", started=True)
+    source = DatabaseKillSource(store, poll_s=0.0)
+    ended = source.end_waiting("breach", tenant="acme")
+    assert [(r.run_id, r.where) for r in ended] == [("acme-r", "its worker silent")]
+    assert source.reason("acme-r") == "breach"
