@@ -201,7 +201,9 @@ def test_a_wide_tree_resets_quickly_and_never_holds_up_other_users(tier: str) ->
     limits = Limits(timeout_s=60, inodes=100_000, memory_mb=512)
     with SandboxPool(tier, size=2, limits=limits) as pool:
         # What one ordinary recycle costs here and now (the microVM's, on a busy host, is seconds).
-        with pool.acquire() as warm:
+        # The first member waits for the tier's ready image for these limits, built for the
+        # pool (minutes under TCG on a busy host: CI run 93 gave up at the default 60 s).
+        with pool.acquire(timeout_s=600) as warm:
             warm.files.write("x", "y")
         started = time.monotonic()
         with pool.acquire(timeout_s=60):
