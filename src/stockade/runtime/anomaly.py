@@ -288,8 +288,8 @@ class AnomalyMonitor:
         """Why ``action`` needs a human: the flag a finding put on the next action (which this
         one takes), or the one an earlier finding put on this same action. The approval guard
         asks this of every action the policy allows."""
+        reason = self.take_approval_reason()
         with self._lock:
-            reason, self.approval_reason = self.approval_reason, None
             if reason is not None:
                 self._held[action] = reason
                 return reason
