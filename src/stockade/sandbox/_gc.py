@@ -25,4 +25,7 @@ def collect() -> list[str]:
     from stockade.sandbox.snapshots import SnapshotStore
 
     removed += SnapshotStore.default().collect()
+    from stockade.server import scratch  # the service's, in the default temporary folder
+
+    removed += scratch.collect()
     return removed

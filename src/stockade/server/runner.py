@@ -28,7 +28,6 @@ import importlib
 import logging
 import os
 import socket
-import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,6 +45,8 @@ from stockade.runs.seeds import pack_workspace, unpack_seed
 from stockade.runs.store import RunStore
 from stockade.server.context import AuditLogs, ServiceConfig, TenantLimits
 from stockade.server.schemas import RunSubmit
+from stockade.server.scratch import collect as collect_scratch
+from stockade.server.scratch import scratch
 from stockade.server.state import (
     TERMINAL,
     WAITING,
@@ -136,6 +137,7 @@ class Runner:
         self.tools = load_toolset(config.tools)
         self._sessions: dict[str, AgentSession] = {}
         self._lock = threading.Lock()
+        collect_scratch(config.temp_dir)  # a killed predecessor's seeds: a tenant's files
 
     def interrupt_all(self, reason: str) -> None:
         """Stop every run of this process where it is (they end "interrupted", resumable)."""
@@ -151,7 +153,7 @@ class Runner:
 
     @contextlib.contextmanager
     def _seed(self, tenant: Tenant, digest: str | None) -> Iterator[Path | None]:
-        with tempfile.TemporaryDirectory(prefix="stockade-run-", dir=self.config.temp_dir) as tmp:
+        with scratch("run", self.config.temp_dir) as tmp:
             if digest is None:
                 yield None
                 return
@@ -281,7 +283,7 @@ class Runner:
 
     def _keep_artifacts(self, run_id: str, tenant: Tenant, session: AgentSession) -> None:
         """The final workspace, packed (what ``GET /v1/runs/{id}/artifacts`` returns)."""
-        with tempfile.TemporaryDirectory(prefix="stockade-artifacts-", dir=self.config.temp_dir) as tmp:
+        with scratch("artifacts", self.config.temp_dir) as tmp:
             try:
                 session.save_workspace(Path(tmp) / "out")
                 seed = pack_workspace(Path(tmp) / "out", max_bytes=MAX_ARTIFACT_BYTES)

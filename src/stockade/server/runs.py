@@ -17,7 +17,6 @@ import asyncio
 import functools
 import json
 import re
-import tempfile
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -48,6 +47,7 @@ from stockade.server.schemas import (
     WorkspaceInfo,
     WorkspaceOut,
 )
+from stockade.server.scratch import scratch
 from stockade.server.service import Service
 from stockade.server.state import TERMINAL, RunRow
 from stockade.server.tenants import Principal
@@ -124,7 +124,7 @@ async def upload_workspace(request: Request, caller: Caller) -> WorkspaceOut:
     data = await read_body(request, cap)
 
     def work() -> WorkspaceOut:
-        with tempfile.TemporaryDirectory(prefix="stockade-workspace-", dir=service.config.temp_dir) as tmp:
+        with scratch("workspace", service.config.temp_dir) as tmp:
             files = unpack_archive(data, Path(tmp) / "in", max_bytes=cap)
             seed = pack_workspace(Path(tmp) / "in", max_bytes=cap)
         service.store.put_workspace(

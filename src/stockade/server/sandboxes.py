@@ -28,7 +28,6 @@ import logging
 import secrets
 import shutil
 import tarfile
-import tempfile
 import threading
 import time
 import uuid
@@ -61,6 +60,7 @@ from stockade.server.schemas import (
     SnapshotOut,
     SnapshotRequest,
 )
+from stockade.server.scratch import scratch
 from stockade.server.snapshots import snapshot_out
 from stockade.server.state import Node, Placement
 from stockade.server.tenants import Principal
@@ -756,7 +756,7 @@ async def upload_archive(sandbox_id: str, request: Request, caller: Caller, path
     data = await read_body(request, service.config.max_upload_bytes)
 
     def work() -> None:
-        with tempfile.TemporaryDirectory(prefix="stockade-upload-", dir=service.config.temp_dir) as tmp:
+        with scratch("upload", service.config.temp_dir) as tmp:
             unpack_archive(data, Path(tmp) / "in", max_bytes=service.config.max_upload_bytes)
             with registry.use(caller, sandbox_id) as sandbox:
                 sandbox.files.upload_dir(Path(tmp) / "in", path)
@@ -779,7 +779,7 @@ async def download_archive(
     def work() -> bytes:
         # the sandbox's tar is untrusted: it is unpacked with every check of files.download_dir
         # (nothing outside the folder, links resolved inside), then packed again from the host
-        with tempfile.TemporaryDirectory(prefix="stockade-download-", dir=service.config.temp_dir) as tmp:
+        with scratch("download", service.config.temp_dir) as tmp:
             dest = Path(tmp) / "out"
             with registry.use(caller, sandbox_id) as sandbox:
                 sandbox.files.download_dir(dest, path, max_bytes=cap, max_entries=max_entries)

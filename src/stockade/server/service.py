@@ -10,6 +10,7 @@ from stockade import exceptions as exc
 from stockade.runs.store import RunStore
 from stockade.sandbox import _registry
 from stockade.sandbox.base import Backend
+from stockade.server import scratch
 from stockade.server.context import AuditLogs, ServiceConfig, TenantLimits, check_tenants
 from stockade.server.executor import Executor, InProcessExecutor
 from stockade.server.runner import Runner
@@ -63,6 +64,7 @@ class Service:
         return self._runner is not None
 
     def start(self) -> None:
+        scratch.collect(self.config.temp_dir)  # a killed predecessor's uploads: a tenant's files
         self.sandboxes.start()
         if self.config.prepare_tiers:
             threading.Thread(target=self._prepare, name="stockade-prepare", daemon=True).start()

@@ -1,0 +1,77 @@
+"""The service's scratch folders (a run's seed, uploads, downloads) hold a tenant's files: one
+whose process was killed (SIGKILL, the OOM killer) is removed by gc, one in use is kept."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import stockade.server
+from stockade.server.scratch import collect, scratch
+
+HOLDER = """
+import sys, time
+from pathlib import Path
+from stockade.server.scratch import scratch
+with scratch("run", Path(sys.argv[1])) as folder:
+    (folder / "workspace").mkdir()
+    (folder / "workspace" / "secret.txt").write_text("a tenant's file")
+    print(folder, flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_killed_workers_seed_is_removed_by_gc_and_a_live_ones_is_kept(tmp_path: Path) -> None:
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None
+        folder = Path(holder.stdout.readline().strip())
+        assert (folder / "workspace" / "secret.txt").exists()
+
+        assert collect(tmp_path) == []
+        assert folder.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+        assert holder.stdout is not None
+        holder.stdout.close()
+
+    assert collect(tmp_path) == [f"service scratch folder {folder.name}"]
+    assert not folder.exists()
+
+
+def test_a_scratch_folder_goes_when_its_block_ends(tmp_path: Path) -> None:
+    with scratch("upload", tmp_path) as folder:
+        (folder / "in").mkdir()
+        assert folder.parent == tmp_path
+        assert collect(tmp_path) == []
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_gc_leaves_alone_what_is_not_an_abandoned_scratch_folder(tmp_path: Path) -> None:
+    look_alike = tmp_path / "stockade-run-0123456789abcdef"  # no claim: not made by scratch()
+    look_alike.mkdir()
+    other = tmp_path / "stockade-run-mine"
+    other.mkdir()
+    (other / "claim").touch()
+    link = tmp_path / "stockade-download-fedcba9876543210"
+    os.symlink(other, link)
+
+    assert collect(tmp_path) == []
+    assert look_alike.exists() and other.exists() and link.is_symlink()
+
+
+def test_every_scratch_folder_of_the_service_is_one_gc_can_collect() -> None:
+    """A bare TemporaryDirectory/mkdtemp outlives a killed worker with a tenant's files in it."""
+    package = Path(stockade.server.__file__).parent
+    unclaimed = []
+    for module in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(module.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in {"TemporaryDirectory", "mkdtemp"}:
+                unclaimed.append(f"{module.name}:{node.lineno}")
+    assert unclaimed == []
