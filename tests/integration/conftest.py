@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from stockade import Limits, Sandbox, SandboxPool
+from stockade import Limits, Sandbox, SandboxPool, SandboxRules
 from stockade.sandbox import _registry
 from tests.conftest import require_tier
 from tests.integration.microvm_images import microvm_boot_images  # noqa: F401 - a fixture
@@ -35,12 +35,17 @@ class KeptSandboxes:
     hands its users: the suites hold on both. One a test killed or closed is replaced."""
 
     def __init__(self) -> None:
-        self._pools: dict[str, SandboxPool] = {}
+        self._pools: dict[tuple[str, SandboxRules | None], SandboxPool] = {}
 
-    def acquire(self, tier: str) -> contextlib.AbstractContextManager[Sandbox]:
-        if tier not in self._pools:
-            self._pools[tier] = SandboxPool(tier, size=1, limits=LIMITS)
-        return self._pools[tier].acquire()
+    def acquire(
+        self, tier: str, rules: SandboxRules | None = None
+    ) -> contextlib.AbstractContextManager[Sandbox]:
+        """One of ``tier`` under ``rules`` (on gVisor, which holds only their masks, weaker)."""
+        key = (tier, rules)
+        if key not in self._pools:
+            weaker = rules is not None and tier == "gvisor"
+            self._pools[key] = SandboxPool(tier, size=1, limits=LIMITS, rules=rules, allow_weaker=weaker)
+        return self._pools[key].acquire()
 
     def close(self) -> None:
         while self._pools:

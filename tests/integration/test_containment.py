@@ -39,17 +39,13 @@ ALLOWLIST = NetworkPolicy(allow_hosts=("pypi.org", "files.pythonhosted.org", "*.
 
 @pytest.fixture(params=[None, POLICY, ALLOWLIST], ids=["no-policy", "policy", "allowlist"])
 def sbx(tier: str, request: pytest.FixtureRequest, kept_sandboxes: KeptSandboxes) -> Iterator[Sandbox]:
-    rules = request.param if isinstance(request.param, SandboxRules) else None
-    network = request.param if isinstance(request.param, NetworkPolicy) else NetworkPolicy()
-    # gVisor holds the masks only, and judges the rest on tool calls (with consent).
-    weaker = rules is not None and tier == "gvisor"
-    if request.param is None:
-        with kept_sandboxes.acquire(tier) as sandbox:
+    if not isinstance(request.param, NetworkPolicy):  # a reset under rules is in place: kept
+        with kept_sandboxes.acquire(tier, request.param) as sandbox:
             yield sandbox
         return
-    # A reset under rules or an egress policy renews the supervisor and its zygote (two
-    # interpreter starts): on the microVM under TCG that costs more than a fresh start.
-    with Sandbox.create(tier, limits=LIMITS, rules=rules, network=network, allow_weaker=weaker) as sandbox:
+    # A reset under an egress policy renews the supervisor and its zygote (two interpreter
+    # starts): on the microVM under TCG that costs more than a fresh start.
+    with Sandbox.create(tier, limits=LIMITS, network=request.param) as sandbox:
         yield sandbox
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stockade import Limits
+from stockade import Limits, SandboxRules
 from stockade import exceptions as exc
 from stockade.sandbox.pool import SandboxPool
 from tests.conftest import wait_for
@@ -76,3 +76,16 @@ def test_a_handle_kept_past_its_block_never_reaches_the_next_user(tier: str) -> 
             assert not mine.alive and theirs.alive
             assert theirs.files.read("key.txt") == "user two's"
             assert "mine" in str(theirs.run_code("print('mine')").logs.stdout)
+
+
+def test_every_user_of_a_pool_under_rules_is_under_them(tier: str) -> None:
+    rules = SandboxRules(deny=("curl",))
+    with SandboxPool(
+        tier, size=1, limits=Limits(timeout_s=20), rules=rules, allow_weaker=tier == "gvisor"
+    ) as pool:
+        for user in ("one", "two"):
+            with pool.acquire() as sbx:
+                r = sbx.commands.run("curl --version")
+                assert r.exit_code != 0 and "libcurl" not in r.stdout, (user, r)
+                assert sbx.commands.run("echo fine").stdout == "fine\n"
+        assert pool.stats().recycled >= 1, "a reset under rules is in place: the member is kept"

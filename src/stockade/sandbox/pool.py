@@ -26,18 +26,18 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from stockade import exceptions as exc
 from stockade.sandbox import _registry
-from stockade.sandbox._startup import from_snapshot
-from stockade.sandbox.base import Backend, Instance, OpResult, OutputSink, SandboxSpec, WrapperInstance
+from stockade.sandbox._startup import from_snapshot, sandbox_spec
+from stockade.sandbox.base import Backend, Instance, OpResult, OutputSink, WrapperInstance
 from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import Op, Reset, RunCode
 from stockade.sandbox.snapshots import SnapshotStore
-from stockade.types import Limits, NetworkPolicy, Snapshot
+from stockade.types import ExecRecord, Limits, NetworkPolicy, SandboxRules, Snapshot
 
 __all__ = ["PoolStats", "SandboxPool"]
 
@@ -113,18 +113,18 @@ class SandboxPool:
         backend: Backend | None = None,
         snapshot: Snapshot | str | None = None,
         store: SnapshotStore | None = None,
+        rules: SandboxRules | None = None,
+        approver: Callable[[ExecRecord], bool] | None = None,
     ) -> None:
+        """``rules`` and ``approver`` as ``Sandbox.create`` takes them: every member is under
+        the rules, and a reset keeps them (what one user's code ran or had approved is dropped
+        with the rest of its state)."""
         if size < 1 or max_uses < 1 or idle_timeout_s <= 0:
             raise exc.ConfigurationError("SandboxPool needs size >= 1, max_uses >= 1, idle_timeout_s > 0")
         self.size = size
         self.max_uses = max_uses
         self.idle_timeout_s = idle_timeout_s
-        self._spec = SandboxSpec(
-            limits=limits or Limits(),
-            network=network or NetworkPolicy(),
-            envs=dict(envs or {}),
-            allow_weaker=allow_weaker,
-        )
+        self._spec = sandbox_spec(limits, network, envs, allow_weaker, None, rules=rules, approver=approver)
         if snapshot is not None:
             given = {"limits": limits, "network": network, "envs": envs}
             tier, self._spec = from_snapshot(snapshot, store, None, self._spec, given)

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from stockade import ResourceContention
+from stockade import InvalidArgument, ResourceContention, SandboxRules
 from stockade.sandbox.ops import RunCode
 from stockade.sandbox.pool import SandboxPool
 from stockade.testing import FakeBackend, MemoryWorkspace
@@ -66,3 +66,17 @@ def test_a_member_whose_user_left_a_call_running_is_replaced_not_reset() -> None
         )
         assert "still ran" in pool.stats().last_replaced_why and pool.stats().recycled == 0
         caller.join(5)
+
+
+@pytest.mark.parametrize("envs", [{"A=B": "x"}, {"NUL": "a\x00b"}, {"": "x"}])
+def test_a_pool_refuses_the_environments_create_refuses(envs: dict[str, str]) -> None:
+    """A variable no process can receive: refused up front, as Sandbox.create refuses it."""
+    with pytest.raises(InvalidArgument, match="envs"):
+        SandboxPool(backend=FakeBackend(), size=1, envs=envs)
+
+
+def test_a_pools_members_get_its_rules() -> None:
+    backend = FakeBackend()
+    rules = SandboxRules(deny=("curl",))
+    with SandboxPool(backend=backend, size=1, rules=rules) as pool, pool.acquire():
+        assert [spec.rules for spec in backend.specs] == [rules]
