@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from stockade import Limits, Sandbox, SandboxPool, SandboxRules
+from stockade import Limits, NetworkPolicy, Sandbox, SandboxPool, SandboxRules
 from stockade.sandbox import _registry
 from tests.conftest import require_tier
 from tests.integration.microvm_images import microvm_boot_images  # noqa: F401 - a fixture
@@ -28,23 +28,26 @@ def tier(request: pytest.FixtureRequest) -> str:
 
 
 class KeptSandboxes:
-    """A pool of one sandbox per tier (``SandboxPool``, size 1), kept across a module's tests:
-    a start and close (a third of a second for a microVM, more on gVisor) is paid once per
-    module and tier, not once per test. A module's first test of each tier gets a fresh
+    """A pool of one sandbox per tier and policy (``SandboxPool``, size 1), kept across a
+    module's tests: a start and close (a third of a second for a microVM, more on gVisor) is
+    paid once per module, tier and policy, not once per test. A module's first test of each tier gets a fresh
     sandbox, the others one the pool's reset made as it was at start-up, which is what a pool
     hands its users: the suites hold on both. One a test killed or closed is replaced."""
 
     def __init__(self) -> None:
-        self._pools: dict[tuple[str, SandboxRules | None], SandboxPool] = {}
+        self._pools: dict[tuple[str, SandboxRules | None, str], SandboxPool] = {}
 
     def acquire(
-        self, tier: str, rules: SandboxRules | None = None
+        self, tier: str, rules: SandboxRules | None = None, network: NetworkPolicy | None = None
     ) -> contextlib.AbstractContextManager[Sandbox]:
-        """One of ``tier`` under ``rules`` (on gVisor, which holds only their masks, weaker)."""
-        key = (tier, rules)
+        """One of ``tier`` under ``rules`` (on gVisor, which holds only their masks, weaker)
+        and ``network``."""
+        key = (tier, rules, repr(network))  # a policy holds a dict: its text is the key
         if key not in self._pools:
             weaker = rules is not None and tier == "gvisor"
-            self._pools[key] = SandboxPool(tier, size=1, limits=LIMITS, rules=rules, allow_weaker=weaker)
+            self._pools[key] = SandboxPool(
+                tier, size=1, limits=LIMITS, rules=rules, network=network, allow_weaker=weaker
+            )
         return self._pools[key].acquire()
 
     def close(self) -> None:

@@ -23,7 +23,7 @@ from stockade.policy.prepare import prepare_policy
 from stockade.sandbox import _registry
 from stockade.types import NetworkPolicy, SandboxRules
 from tests.conftest import host_processes, wait_for
-from tests.integration.conftest import LIMITS, TIERS, KeptSandboxes
+from tests.integration.conftest import TIERS, KeptSandboxes
 
 MiB = 1024 * 1024
 
@@ -39,13 +39,9 @@ ALLOWLIST = NetworkPolicy(allow_hosts=("pypi.org", "files.pythonhosted.org", "*.
 
 @pytest.fixture(params=[None, POLICY, ALLOWLIST], ids=["no-policy", "policy", "allowlist"])
 def sbx(tier: str, request: pytest.FixtureRequest, kept_sandboxes: KeptSandboxes) -> Iterator[Sandbox]:
-    if not isinstance(request.param, NetworkPolicy):  # a reset under rules is in place: kept
-        with kept_sandboxes.acquire(tier, request.param) as sandbox:
-            yield sandbox
-        return
-    # A reset under an egress policy renews the supervisor and its zygote (two interpreter
-    # starts): on the microVM under TCG that costs more than a fresh start.
-    with Sandbox.create(tier, limits=LIMITS, network=request.param) as sandbox:
+    rules = request.param if isinstance(request.param, SandboxRules) else None
+    network = request.param if isinstance(request.param, NetworkPolicy) else None
+    with kept_sandboxes.acquire(tier, rules, network) as sandbox:  # a reset is in place: kept
         yield sandbox
 
 

@@ -637,3 +637,32 @@ def test_on_gvisor_programs_reach_the_proxys_socket_without_the_relay(mode: str,
     assert json.loads(command.stdout) == ["unix", "http hello /s", 403], command.stdout + command.stderr
     assert json.loads(relayed.stdout) == ["tcp", "http hello /s", 403], relayed.stdout + relayed.stderr
     assert json.loads(code.logs.stdout) == ["unix", "http hello /s", 403], code
+
+
+# A connection left open through the relay by the last user's code: its request half sent.
+HALF_REQUEST = """
+import socket, sys, time
+s = socket.create_connection(("127.0.0.1", 3128))
+s.sendall(f"GET http://pkg.test:{sys.argv[1]}/left-open HTTP/1.1\\r\\nHost: pkg.test\\r\\n".encode())
+time.sleep(600)
+"""
+
+
+def test_a_reset_renews_the_relay_in_place_for_the_next_user(egress_tier: str, local: Servers) -> None:
+    """A sandbox with an allowlist resets in place (its zygote stays: no fresh supervisor, two
+    interpreter starts, seconds on the microVM), its relay renewed: the last user's
+    connections closed, its trust files written again after /tmp was emptied (HTTPS, with
+    the credential, still works), and the policy as before."""
+    run = f"python3 get.py {local.http_port} {local.https_port}"
+    expected = ["http", "hello", "/m", "https", "authorized=True", "403"]
+    with _sandbox(egress_tier, local.policy()) as sbx:
+        zygote = sbx.run_code("import os; os.getppid()").text
+        sbx.files.write("half.py", HALF_REQUEST)
+        sbx.commands.run(f"python3 half.py {local.http_port} >/dev/null 2>&1 &")
+        for user in range(3):
+            sbx.reset()
+            assert sbx.run_code("import os; os.getppid()").text == zygote, "a fresh supervisor: not in place"
+            sbx.files.write("get.py", URLLIB)
+            r = sbx.commands.run(run)
+            assert r.stdout.split() == expected, (user, r.stdout + r.stderr)
+        assert "/left-open" not in local.http_seen.paths, "the last user's request went on"

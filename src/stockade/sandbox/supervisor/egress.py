@@ -60,19 +60,36 @@ def _quiet(sock):
     return False  # closed (nothing but EOF) or answered
 
 
+def _listen(sel, config, relay):
+    """The relay's socket on the sandbox's loopback (where HTTP_PROXY points)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", int(config.get("listen", 3128))))
+    listener.listen(128)
+    listener.setblocking(False)
+    sel.register(listener.fileno(), IN, ("egress", relay))
+    return listener
+
+
+def _unlisten(sel, listener):
+    """Close the relay's socket, and with it the connections code made that it had not
+    accepted yet (the backlog): none of them is carried to the next user."""
+    try:
+        sel.unregister(listener.fileno())
+    except KeyError:
+        pass
+    listener.close()
+
+
 class Relay:
     """Listens on the sandbox's loopback; each connection goes to the host's socket."""
 
     def __init__(self, sel, config):
         self.sel = sel
+        self.config = config
         self.target = str(config["socket"])
         self.ends = {}
-        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listener.bind(("127.0.0.1", int(config.get("listen", 3128))))
-        self.listener.listen(128)
-        self.listener.setblocking(False)
-        sel.register(self.listener.fileno(), IN, ("egress", self))
+        self.listener = _listen(sel, config, self)
         self.warm = max(0, int(config.get("warm", 0)))
         self.idle = {}  # fd -> (socket, when connected): warm connections not yet given out
         self._refill()
@@ -233,17 +250,22 @@ class Relay:
             e.sock.close()
         self._refill()  # a client that sent nothing took one too
 
+    def renew(self):
+        """For the next user (a reset in place): every connection of the last user's code
+        closed, those it made and the relay had not accepted yet too. The warm connections
+        stay: the proxy accepted them, and nothing was said on them."""
+        for end in list(self.ends.values()):
+            self._drop(end)
+        _unlisten(self.sel, self.listener)
+        self.listener = _listen(self.sel, self.config, self)
+
     def close(self):
         self.warm = 0  # nothing refilled on the way out
         for end in list(self.ends.values()):
             self._drop(end)
         for fd in list(self.idle):
             self._forget(fd)
-        try:
-            self.sel.unregister(self.listener.fileno())
-        except KeyError:
-            pass
-        self.listener.close()
+        _unlisten(self.sel, self.listener)
 
 
 # -- the microVM: every connection over one virtio-serial port ------------------------------
@@ -293,13 +315,20 @@ class MuxRelay:
         self.streams = {}  # sid -> _Stream
         self.by_fd = {}
         self.next_sid = 1
-        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listener.bind(("127.0.0.1", int(config.get("listen", 3128))))
-        self.listener.listen(128)
-        self.listener.setblocking(False)
-        sel.register(self.listener.fileno(), IN, ("egress", self))
+        self.config = config
+        self.listener = _listen(sel, config, self)
         sel.register(self.port, IN, ("egress", self))
+        self._send(frame(HELLO, 0))
+
+    def renew(self):
+        """For the next user (a reset in place): every stream of the last user's code
+        dropped, here and (HELLO) on the host, and its connections not yet accepted closed.
+        What the host still sends for them is dropped as it comes (no stream has its id);
+        the port's byte stream itself goes on where it was."""
+        for stream in list(self.streams.values()):
+            self._drop(stream, tell=False)
+        _unlisten(self.sel, self.listener)
+        self.listener = _listen(self.sel, self.config, self)
         self._send(frame(HELLO, 0))
 
     # -- events ----------------------------------------------------------------------------
@@ -481,23 +510,31 @@ class MuxRelay:
     def close(self):
         for stream in list(self.streams.values()):
             self._drop(stream, tell=False)
-        for fd in (self.listener.fileno(), self.port):
-            try:
-                self.sel.unregister(fd)
-            except KeyError:
-                pass
-        self.listener.close()
+        _unlisten(self.sel, self.listener)
+        try:
+            self.sel.unregister(self.port)
+        except KeyError:
+            pass
 
 
 def make(sel, config):
     """The relay the host asked for: to a socket bound in, or over the microVM's port.
     ``files`` (the sandbox's trust bundle, where no folder is bound in) go to ``dir``."""
+    write_files(config)
+    return MuxRelay(sel, config) if "fd" in config else Relay(sel, config)
+
+
+def write_files(config):
+    """The trust bundle, written again by a reset in place (which empties /tmp)."""
     if config.get("files"):
         folder = str(config["dir"])
         os.makedirs(folder, mode=0o755, exist_ok=True)
         for name, text in config["files"].items():
             path = os.path.join(folder, os.path.basename(name))
-            with open(path, "w") as fh:
+            try:  # a copy of ours (read-only) where the reset did not empty its folder
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444)
+            with open(fd, "w") as fh:
                 fh.write(text)
-            os.chmod(path, 0o444)
-    return MuxRelay(sel, config) if "fd" in config else Relay(sel, config)

@@ -54,9 +54,10 @@ def run(sup: "Supervisor", rid: int, h: dict[str, Any], rest: bytes) -> None:
     which holds nothing of any user, and we are non-dumpable (code cannot read us). A
     zygote that code changed (killed, stopped, its limits or scheduling) is dropped and
     we exec a fresh copy of ourselves (same pid: we stay the sandbox's init), which
-    forks a new one; so does a sandbox with an egress relay, whose connections the exec
-    renews, and one under a policy whose rules cannot be renewed in place (``Rules.renew``:
-    the folders its ruleset holds are kept, emptied, as the ruleset was built on them).
+    forks a new one; so does one under a policy whose rules cannot be renewed in place
+    (``Rules.renew``: the folders its ruleset holds are kept, emptied, as the ruleset was
+    built on them). An egress relay is renewed in place: every connection of the last
+    user's code closed, its trust files written again.
     """
     for job in list(sup.commands.values()):
         job.timed_out = True
@@ -86,7 +87,12 @@ def run(sup: "Supervisor", rid: int, h: dict[str, Any], rest: bytes) -> None:
         sup.reader.feed(rest)
         return
     sup.reap()
-    in_place = sup.egress is None and (sup.rules is None or sup.rules.renew())
+    in_place = sup.rules is None or sup.rules.renew()
+    if in_place and sup.egress is not None:
+        import egress  # type: ignore[import-not-found]
+
+        egress.write_files(sup.config["egress"])  # its folder was emptied with /tmp
+        sup.egress.renew()
     if in_place and sup.zygote is not None and not sup.zygote.problems(sup.baseline):
         sup.clean = False
         if h.get("warm"):
