@@ -176,6 +176,9 @@ class AgentConfig:
     rate_period_s: float = 60.0  # the rolling window of both rate limits (a minute unless shortened)
     on_rate_limit: OnLimit = OnLimit.WAIT  # a refused action waits for the window, or "stop"s the run
     on_spend_limit: OnLimit = OnLimit.STOP  # a full spend window stops the run, or "wait"s for it
+    # a wait for a window longer than this stops the run resumable (``LimitWait``: status
+    # "interrupted") instead of sleeping where it is; None waits in place however long
+    limit_wait_in_place_s: float | None = None
     prices: Mapping[str, Price] | None = None  # None: DEFAULT_PRICES
     kill_target: str | None = None  # kill directory or redis://...; None: the default kill dir
     approver: Approver | None = None  # decides now (a function, cli_approver); None: always deferred
@@ -485,6 +488,7 @@ class GuardedAgent:
             prices=self.prices,
             key=f"tenant:{config.tenant}",
             on_spend_limit=config.on_spend_limit,
+            wait_in_place_s=config.limit_wait_in_place_s,
             clock=clock,
         )
         try:
@@ -634,6 +638,7 @@ class AgentSession:
             rate_key=f"tenant:{config.tenant}",
             run_rate=owner.run_rate,
             on_rate_limit=config.on_rate_limit,
+            limit_wait_in_place_s=config.limit_wait_in_place_s,
             clock=owner.clock,
             retrier=owner.retrier,
             observer=reported,

@@ -53,7 +53,8 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     ├── RuntimeLimit                  a runtime control refused the action for now
     │   ├── CircuitOpen               [retryable] too many consecutive failures; retry after cool-down
     │   ├── RateLimited               [retryable] too many actions in the window; retry after
-    │   └── QuotaExceeded             a tenant's quota (live sandboxes, CPUs, memory) is full; free some
+    │   ├── QuotaExceeded             a tenant's quota (live sandboxes, CPUs, memory) is full; free some
+    │   └── RunDeferred               a service run waits queued for its window; run it after ``retry_after``
     └── ServiceError                  the HTTP service (``stockade serve``) refused or could not answer
         ├── AuthenticationError       no API token, or one the service does not know (HTTP 401)
         ├── ResourceNotFound          no such sandbox, run or request, or not the caller's (HTTP 404)
@@ -70,6 +71,7 @@ way to the loop, which ends the run with its ``status``:
     ├── RunKilled                     status "killed": someone pulled the kill switch
     ├── RunInterrupted                status "interrupted": stopped from outside (Ctrl-C, SIGTERM); resumable
     ├── CircuitBroken                 status "broken": the agent's actions failed N times in a row; resumable
+    ├── LimitWait                     status "interrupted": a rate or spend window is full for long; resumable
     └── ApprovalRequired              status "paused": a human must decide; resume the run after
 
 Both pickle cleanly with their state (they cross process boundaries in the distributed tier).
@@ -97,6 +99,7 @@ __all__ = [
     "InvalidArgument",
     "InvalidToolCall",
     "LimitNotEnforceable",
+    "LimitWait",
     "ModelAuthError",
     "ModelError",
     "ModelRateLimited",
@@ -114,6 +117,7 @@ __all__ = [
     "ResourceContention",
     "ResourceNotFound",
     "RunConflict",
+    "RunDeferred",
     "RunInterrupted",
     "RunKilled",
     "RunLeased",
@@ -395,6 +399,16 @@ class QuotaExceeded(RuntimeLimit):
         self.used = used
 
 
+class RunDeferred(RuntimeLimit):
+    """A service run stopped where it was to wait for its tenant's rate or spend window
+    (``LimitWait``): its executor runs it again after ``retry_after``, holding no worker, thread
+    or quota meanwhile. Not ``retryable`` in the generic sense: the executor schedules it."""
+
+    def __init__(self, message: str, *, kind: str = "", retry_after: float | None = None) -> None:
+        super().__init__(message, retry_after=retry_after)
+        self.kind = kind
+
+
 class ServiceError(StockadeError):
     """The HTTP service refused a request, or could not answer it."""
 
@@ -547,6 +561,22 @@ class CircuitBroken(RunStopped):
     def __init__(self, message: str, *, failures: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.failures = failures
+
+
+class LimitWait(RunStopped):
+    """A rate or spend window is full for longer than the run waits in place (``kind``: "rate"
+    or "spend", ``key`` the window's): the run stops where it is, its state kept and the call it
+    was about to make not made, so that a worker is not held asleep; resume it after
+    ``retry_after`` (the service's executors do)."""
+
+    status = "interrupted"
+
+    def __init__(
+        self, message: str, *, kind: str = "", key: str = "", retry_after: float | None = None
+    ) -> None:
+        super().__init__(message, retry_after=retry_after)
+        self.kind = kind
+        self.key = key
 
 
 class ApprovalRequired(RunStopped):

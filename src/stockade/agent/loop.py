@@ -101,6 +101,7 @@ from stockade.exceptions import (
     ConfigurationError,
     InvalidArgument,
     InvalidToolCall,
+    LimitWait,
     PolicyDenied,
     ProtocolError,
     RunConflict,
@@ -775,9 +776,10 @@ class AgentRun:
             )
             self._emit(ToolReturned(run_id=state.run_id, step=step, record=crashed, value=None))
             raise
-        except ApprovalRequired:
+        except (ApprovalRequired, LimitWait):
             # The call stopped before the action it asks about (an op guard's, or the tool's own
-            # question): it runs again on resume, guards and all, so the decision is applied.
+            # question), or before it ran at all (its window is full: the run waits off its
+            # worker): it runs again on resume, guards and all, so the decision is applied.
             if durable is not None:
                 await asyncio.to_thread(durable.call_parked, state.run_id, key)
             raise

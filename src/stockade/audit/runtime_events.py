@@ -121,7 +121,7 @@ class RuntimeAuditor:
                 return (
                     kind,
                     {
-                        "decision": "wait" if event.action == "wait" else "deny",
+                        "decision": "wait" if event.action in ("wait", "defer") else "deny",
                         "action": event.action,
                         "limit": event.kind,
                         "key": event.key,

@@ -84,6 +84,8 @@ class RuntimeControls:
     rate_key: str = "global"
     run_rate: RateLimit | None = None  # this run's own
     on_rate_limit: OnLimit = OnLimit.WAIT
+    # a longer wait for a window stops the run resumable (``LimitWait``) instead of sleeping here
+    limit_wait_in_place_s: float | None = None
     clock: Clock = field(default_factory=SystemClock)  # what a wait for a window waits on
     kill_switch: KillSwitch | None = None
     monitor: AnomalyMonitor | None = None
@@ -161,7 +163,10 @@ class RuntimeControls:
     async def _admit(self, limit: RateLimit | None, key: str) -> None:
         if limit is None:
             return
-        gate = LimitGate(on_limit=OnLimit(self.on_rate_limit), clock=self.clock, observer=limit.observer)
+        gate = LimitGate(
+            on_limit=OnLimit(self.on_rate_limit), clock=self.clock, observer=limit.observer,
+            wait_in_place_s=self.limit_wait_in_place_s,
+        )  # fmt: skip
         await gate.admit(
             kind="rate",
             key=key,

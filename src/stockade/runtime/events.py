@@ -72,7 +72,8 @@ class BreakerChanged:
 @dataclass(frozen=True, kw_only=True)
 class LimitHit:
     """A rate limit, spend limit or budget refused an action. ``action`` says what came of it:
-    "refuse" (the caller was told), "wait" (the run waits for the window), "stop" (the run ends)."""
+    "refuse" (the caller was told), "wait" (the run waits for the window), "defer" (the run
+    stops resumable and is run again once the window frees), "stop" (the run ends)."""
 
     kind: str
     key: str

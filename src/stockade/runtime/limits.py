@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from stockade.exceptions import BudgetExceeded, ConfigurationError, RateLimited
+from stockade.exceptions import BudgetExceeded, ConfigurationError, LimitWait, RateLimited
 from stockade.models.pricing import DEFAULT_PRICES, Price
 from stockade.runtime.clock import Clock, SystemClock, asleep
 from stockade.runtime.events import LimitHit, Observer, ignore
@@ -207,6 +207,10 @@ class RateLimit:
         """Count one action if it fits now; say so either way (nothing is reported)."""
         return self.window.hit(f"{self.name}:{key}", 1, limit=self.per_minute, period_s=self.period_s)
 
+    def peek(self, key: str = "global") -> Verdict:
+        """Whether one more action fits now (nothing counted, nothing reported)."""
+        return self.window.peek(f"{self.name}:{key}", limit=self.per_minute, period_s=self.period_s)
+
     def describe(self, key: str) -> str:
         per = "minute" if self.period_s == 60.0 else f"{self.period_s:g} s"
         return f"{self.per_minute} {self.name} per {per} reached for {key!r}"
@@ -308,11 +312,14 @@ class LimitGate:
     """Applies a limit to an agent's next action: through at once, after waiting for the window
     (``OnLimit.WAIT``; ``interrupted`` is called between slices of the wait, e.g. the kill
     switch's ``check``), or not at all: the run stops (``OnLimit.STOP``, ``BudgetExceeded``).
+    With ``wait_in_place_s``, a wait longer than that is not waited here: the run stops
+    resumable (``LimitWait``, "defer"), so that whoever runs it is free until the window frees.
     Each refusal is reported once (``LimitHit`` with the action taken)."""
 
     on_limit: OnLimit
     clock: Clock = field(default_factory=SystemClock)
     observer: Observer = ignore
+    wait_in_place_s: float | None = None
 
     async def admit(
         self,
@@ -329,13 +336,18 @@ class LimitGate:
             return
         detail = describe(verdict)
         wait = max(verdict.retry_after, 0.0)
-        self.observer(
-            LimitHit(kind=kind, key=key, detail=detail, retry_after=wait, action=self.on_limit.value)
-        )
+        action = "defer" if self._defers(wait) else self.on_limit.value
+        self.observer(LimitHit(kind=kind, key=key, detail=detail, retry_after=wait, action=action))
         if self.on_limit is OnLimit.STOP:
             what = "rate_per_minute" if kind == "rate" else "dollars_per_hour"
             raise BudgetExceeded(f"{detail}; the run stops (on_limit=stop)", kind=what, retry_after=wait)
         while not verdict.allowed:
+            if self._defers(verdict.retry_after):  # at first, or another run took the window meanwhile
+                again = verdict.retry_after
+                raise LimitWait(
+                    f"{describe(verdict)}; the run waits off its worker, again in {again:.0f} s",
+                    kind=kind, key=key, retry_after=again,
+                )  # fmt: skip
             left = max(verdict.retry_after, 0.01)
             while left > 0:  # in slices, so that a kill stops the wait
                 if interrupted is not None:
@@ -344,6 +356,11 @@ class LimitGate:
                 await asleep(self.clock, chunk)
                 left -= chunk
             verdict = probe()
+
+    def _defers(self, wait: float) -> bool:
+        return (
+            self.on_limit is OnLimit.WAIT and self.wait_in_place_s is not None and wait > self.wait_in_place_s
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

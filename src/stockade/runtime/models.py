@@ -14,6 +14,7 @@ from stockade.models.messages import ModelRequest, ModelResponse
 from stockade.models.pricing import DEFAULT_PRICES, Price, cost_usd
 from stockade.runtime.breaker import Breakers
 from stockade.runtime.clock import Clock, SystemClock
+from stockade.runtime.events import Observer
 from stockade.runtime.killswitch import check_watched
 from stockade.runtime.limits import BudgetMeter, LimitGate, OnLimit, RateLimit, SpendLimit
 from stockade.runtime.retry import Retrier
@@ -54,7 +55,8 @@ class LimitedModel(WrapperModel):
 
     A full window stops the run (``on_spend_limit``, default "stop": ``BudgetExceeded``) or
     waits until it frees up ("wait"; a kill switch watched in this context still stops the
-    wait); requests over ``rate`` wait by default. The check comes before the request: a
+    wait); requests over ``rate`` wait by default. A wait longer than ``wait_in_place_s`` stops
+    the run resumable instead (``LimitWait``). The check comes before the request: a
     response that was paid for is always used, never thrown away."""
 
     def __init__(
@@ -68,6 +70,7 @@ class LimitedModel(WrapperModel):
         key: str = "global",
         on_spend_limit: OnLimit = OnLimit.STOP,
         on_rate_limit: OnLimit = OnLimit.WAIT,
+        wait_in_place_s: float | None = None,
         clock: Clock | None = None,
     ) -> None:
         super().__init__(wrapped)
@@ -78,14 +81,20 @@ class LimitedModel(WrapperModel):
         self.key = key
         self.on_spend_limit = OnLimit(on_spend_limit)
         self.on_rate_limit = OnLimit(on_rate_limit)
+        self.wait_in_place_s = wait_in_place_s
         self.clock = clock or SystemClock()
+
+    def _gate(self, on_limit: OnLimit, observer: Observer) -> LimitGate:
+        return LimitGate(
+            on_limit=on_limit, clock=self.clock, observer=observer, wait_in_place_s=self.wait_in_place_s
+        )
 
     async def request(self, request: ModelRequest) -> ModelResponse:
         if self.meter is not None:
             self.meter.check()
         spend, rate, key = self.spend, self.rate, self.key
         if spend is not None:
-            await LimitGate(on_limit=self.on_spend_limit, clock=self.clock, observer=spend.observer).admit(
+            await self._gate(self.on_spend_limit, spend.observer).admit(
                 kind="spend",
                 key=key,
                 probe=lambda: spend.peek(key),
@@ -93,7 +102,7 @@ class LimitedModel(WrapperModel):
                 interrupted=check_watched,
             )
         if rate is not None:
-            await LimitGate(on_limit=self.on_rate_limit, clock=self.clock, observer=rate.observer).admit(
+            await self._gate(self.on_rate_limit, rate.observer).admit(
                 kind="rate",
                 key=key,
                 probe=lambda: rate.take(key),

@@ -14,6 +14,7 @@ from stockade.audit import AuditLog, MemoryStore
 from stockade.audit.events import AuditEvent
 from stockade.exceptions import InvalidArgument
 from stockade.models import ModelResponse, ScriptedModel, Usage, tool_call
+from stockade.runs import open_run_store
 from stockade.runtime.clock import ManualClock
 from stockade.sandbox.ops import RunCommand
 from stockade.testing import FakeBackend, MemoryWorkspace
@@ -123,6 +124,53 @@ def test_a_spend_limit_can_wait_for_its_window_instead(tmp_path: Path, clock: Ma
     assert clock.monotonic() - started >= 3600  # the fourth request waited for the hour to roll
     waits = [e.attributes for e in events(config, "budget")]
     assert waits and all(w["decision"] == "wait" and w["limit"] == "spend" for w in waits)
+
+
+def test_a_long_wait_for_the_window_stops_the_run_and_its_resume_makes_the_call_once(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    """What a service's worker does with a run whose window is full for long: not sleep on it.
+    The run stops resumable before the refused call runs (a shell command: not idempotent), and
+    once the window frees the resume runs that call, once, as if it had waited."""
+    model = ScriptedModel([ECHO] * 3 + ["done"])
+    with open_run_store("memory:") as store:
+        config = setup(
+            tmp_path, model, clock, rate_per_minute=2, limit_wait_in_place_s=5.0, checkpointer=store
+        )
+        with build_agent(config) as agent:
+            stopped = agent.run_sync("echo", run_id="w1")
+            assert stopped.status == RunStatus.INTERRUPTED and "LimitWait" in (stopped.error or "")
+            assert "again in 60 s" in (stopped.error or "") and commands(config) == 2
+            (defer,) = [e.attributes for e in events(config, "rate_limited")]
+            assert defer["action"] == "defer" and defer["decision"] == "wait" and defer["retry_after"] == 60
+            clock.advance(60)
+            done = agent.resume_sync("w1")
+        assert done.status == RunStatus.SUCCESS and commands(config) == 3 and len(model.requests) == 4
+        assert not any(c.is_error for s in done.steps for c in s.tool_calls)  # no "outcome unknown"
+        assert set(store.attempts("w1").values()) == {1}  # each call started once
+
+
+def test_a_short_wait_for_the_window_is_waited_where_the_run_is(tmp_path: Path, clock: ManualClock) -> None:
+    model = ScriptedModel([ECHO] * 3 + ["done"])
+    config = setup(tmp_path, model, clock, rate_per_minute=2, rate_period_s=4.0, limit_wait_in_place_s=5.0)
+    with build_agent(config) as agent:
+        result = agent.run_sync("echo", run_id="w2")
+    assert result.status == RunStatus.SUCCESS and commands(config) == 3
+    assert [e.attributes["action"] for e in events(config, "rate_limited")] == ["wait"]
+
+
+def test_a_long_wait_for_the_spend_window_stops_the_run_before_the_model_is_asked(
+    tmp_path: Path, clock: ManualClock
+) -> None:
+    model = ScriptedModel([SPENDY] * 4 + ["done"], name="gpt-4.1")
+    config = setup(
+        tmp_path, model, clock, dollars_per_hour=0.02, on_spend_limit="wait", limit_wait_in_place_s=5.0
+    )
+    with build_agent(config) as agent:
+        result = agent.run_sync("spend", run_id="w3")
+    assert result.status == RunStatus.INTERRUPTED and len(model.requests) == 3  # the fourth not asked
+    (defer,) = [e.attributes for e in events(config, "budget")]
+    assert defer["action"] == "defer" and defer["limit"] == "spend"
 
 
 def test_what_a_limit_does_is_checked_when_configured(tmp_path: Path, clock: ManualClock) -> None:
