@@ -71,10 +71,17 @@ def _runner_here() -> Runner:
         return _Process.runner
 
 
+def _deferral(deferred: exc.RunDeferred, config: ServiceConfig) -> float:
+    """When the run goes again: once its window frees, but within the broker's visibility
+    timeout (a message held longer by a worker is given again meanwhile, to another); a run
+    sent early looks at its window and waits on, starting nothing."""
+    return max(min(deferred.retry_after or QUOTA_POLL_S, config.visibility_timeout_s / 2), 0.5)
+
+
 def _run(task: Task, run_id: str, *_: Any) -> str:
     runner = _runner_here()
     assert _Process.config is not None
-    row = runner.store.run(run_id)
+    row = runner.store.run_head(run_id)
     tenant = _Process.config.tenants.tenants.get(row.tenant) if row is not None else None
     try:
         outcome = runner.execute(run_id, tenant)
@@ -84,6 +91,8 @@ def _run(task: Task, run_id: str, *_: Any) -> str:
         raise task.retry(countdown=delay) from None
     except exc.QuotaExceeded:  # the tenant's quota is full: wait queued, not on this worker
         raise task.retry(countdown=QUOTA_POLL_S) from None
+    except exc.RunDeferred as deferred:  # its tenant's window is full: wait queued, not on this worker
+        raise task.retry(countdown=_deferral(deferred, _Process.config)) from None
     except exc.StockadeError as error:
         if not error.retryable:
             raise

@@ -57,6 +57,9 @@ class ServiceConfig:
     # images, so that no API sandbox's first start boots. In the background: the API serves
     # meanwhile, and a sandbox created before they are built starts from the boot image.
     prepare_tiers: tuple[str, ...] = ()
+    # A run whose tenant's rate window is full for longer than this does not sleep on its worker
+    # (or thread): it stops where it is, waits "queued" and is run again when the window frees.
+    limit_wait_in_place_s: float = 5.0
 
     @property
     def snapshot_root(self) -> Path:
@@ -128,6 +131,13 @@ class TenantLimits:
                 )  # fmt: skip
                 self._rates[tenant.id] = limit
             return limit
+
+    def actions(self, tenant: Tenant) -> RateLimit | None:
+        """The limit the tenant's runs count their tool actions against (``actions:tenant:<id>``,
+        as ``build_agent`` makes it): what a run waiting for that window looks at."""
+        if tenant.rate_per_minute is None:
+            return None
+        return RateLimit(per_minute=tenant.rate_per_minute, window=self.window, period_s=tenant.rate_period_s)
 
     def admit(self, principal: Principal) -> None:
         """``RateLimited`` when the tenant's calls this minute are used up."""

@@ -41,7 +41,7 @@ class InProcessExecutor:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="stockade-run")
         self._closed = threading.Event()
         self._futures: set[Future[RunOutcome | None]] = set()
-        self._timers: dict[str, threading.Timer] = {}  # runs waiting for room in their quota
+        self._timers: dict[str, threading.Timer] = {}  # runs waiting for room in their quota or window
         self._lock = threading.Lock()
 
     def submit(self, run_id: str, *, reason: str = "submitted") -> None:
@@ -55,7 +55,7 @@ class InProcessExecutor:
             self._futures.discard(future)
 
     def _run(self, run_id: str) -> RunOutcome | None:
-        row = self.runner.store.run(run_id)
+        row = self.runner.store.run_head(run_id)
         tenant = self.tenants.tenants.get(row.tenant) if row is not None else None
         for attempt in range(1, self.max_attempts + 1):
             if self._closed.is_set():
@@ -64,6 +64,9 @@ class InProcessExecutor:
                 return self.runner.execute(run_id, tenant)
             except exc.QuotaExceeded:  # the tenant's quota is full: ask again later, off the pool
                 self._later(run_id)
+                return None
+            except exc.RunDeferred as deferred:  # its tenant's window is full: again once it frees
+                self._later(run_id, deferred.retry_after or QUOTA_POLL_S, reason="limit")
                 return None
             except exc.StockadeError as error:  # leased elsewhere, or transient
                 delay = error.retry_after if error.retry_after is not None else min(30.0, 0.5 * 2**attempt)
@@ -76,18 +79,18 @@ class InProcessExecutor:
         self.runner.store.set_status(run_id, "error", error=f"gave up after {self.max_attempts} attempts")
         return None
 
-    def _later(self, run_id: str) -> None:
-        timer = threading.Timer(QUOTA_POLL_S, self._again, args=(run_id,))
+    def _later(self, run_id: str, delay_s: float = QUOTA_POLL_S, *, reason: str = "quota") -> None:
+        timer = threading.Timer(delay_s, self._again, args=(run_id, reason))
         timer.daemon = True
         with self._lock:
             self._timers[run_id] = timer
         timer.start()
 
-    def _again(self, run_id: str) -> None:
+    def _again(self, run_id: str, reason: str) -> None:
         with self._lock:
             self._timers.pop(run_id, None)
         if not self._closed.is_set():
-            self.submit(run_id, reason="quota")
+            self.submit(run_id, reason=reason)
 
     def wait(self, timeout_s: float) -> bool:
         """Tests and benchmarks: wait until no run is in progress."""

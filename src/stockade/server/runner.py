@@ -13,7 +13,10 @@ switches in the service's database, and the tenant's limits as any agent has the
 (``AgentConfig.tenant``, ``rate_per_minute``, ``dollars_per_hour``) in the service's window
 (``TenantLimits.window``: one per process, or Redis shared by every process). So a tool action
 over the tenant's rate waits for the window and a full spend window stops the run ("budget"),
-neither shown to the model; and the run's live mark names its tenant, for a kill-all.
+neither shown to the model; and the run's live mark names its tenant, for a kill-all. A wait
+longer than ``ServiceConfig.limit_wait_in_place_s`` is not slept here: the run stops before
+the action (``LimitWait``), waits queued saying why, its quota free, and ``execute`` raises
+``RunDeferred``: the executor runs it again once the window frees.
 
 While it runs, a run's sandbox holds its share of the tenant's quota (its CPUs and memory, and
 one of its ``sandboxes``) beside the API's sandboxes (``ServiceStore.hold_run``); a run with no
@@ -36,13 +39,14 @@ from pathlib import Path
 from pydantic import TypeAdapter, ValidationError
 
 from stockade import exceptions as exc
-from stockade.agent import RunLimits
+from stockade.agent import RunLimits, RunStatus
 from stockade.assembly import AgentConfig, AgentSession, build_agent
 from stockade.models.base import Model, resolve_model
 from stockade.models.messages import ModelResponse, ToolCall
 from stockade.models.scripted import ScriptedModel
 from stockade.runs.seeds import pack_workspace, unpack_seed
 from stockade.runs.store import RunStore
+from stockade.runtime.events import LimitHit, RuntimeEvent
 from stockade.server.context import AuditLogs, ServiceConfig, TenantLimits
 from stockade.server.schemas import RunSubmit
 from stockade.server.scratch import collect as collect_scratch
@@ -52,6 +56,7 @@ from stockade.server.state import (
     WAITING,
     DatabaseApprovals,
     DatabaseKillSource,
+    RunRow,
     ServiceStore,
     open_database,
 )
@@ -68,6 +73,9 @@ _TURNS: TypeAdapter[list[str | ToolCall | list[ToolCall] | ModelResponse]] = Typ
     list[str | ToolCall | list[ToolCall] | ModelResponse]
 )
 MAX_ARTIFACT_BYTES = 64 * 1024 * 1024
+MAX_SHARES = 10_000
+# how a run that waits for its tenant's window says so (``RunRow.error``, shown by the API)
+DEFERRED = "waiting off the worker for the tenant's"
 
 
 def scripted_model(turns: list[object]) -> ScriptedModel:
@@ -113,6 +121,17 @@ def load_toolset(reference: str | None) -> Toolset:
     return toolset
 
 
+class _Deferral:
+    """The run's last refusal that stopped it to wait off its worker (a ``LimitWait``)."""
+
+    def __init__(self) -> None:
+        self.hit: LimitHit | None = None
+
+    def __call__(self, event: RuntimeEvent) -> None:
+        if isinstance(event, LimitHit) and event.action == "defer":
+            self.hit = event
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunOutcome:
     run_id: str
@@ -136,6 +155,7 @@ class Runner:
         self.limits = TenantLimits(config.redis, namespace=config.queue)
         self.tools = load_toolset(config.tools)
         self._sessions: dict[str, AgentSession] = {}
+        self._shares: dict[str, Limits] = {}  # of runs waiting for room in their quota
         self._lock = threading.Lock()
         collect_scratch(config.temp_dir)  # a killed predecessor's seeds: a tenant's files
 
@@ -165,9 +185,11 @@ class Runner:
 
     def execute(self, run_id: str, tenant: Tenant | None) -> RunOutcome:
         """Run ``run_id`` until it ends or pauses. Raises ``RunLeased`` (another process runs
-        it: retry after ``retry_after``) and retryable errors (the store, the tier); any other
-        error ends the run as "error"."""
-        row = self.store.run(run_id)
+        it: retry after ``retry_after``), ``QuotaExceeded`` (no room in its tenant's quota: ask
+        again later), ``RunDeferred`` (it waits for its tenant's window: run it again after
+        ``retry_after``) and retryable errors (the store, the tier); any other error ends the
+        run as "error"."""
+        row = self.store.run_head(run_id)  # the spec is read once the run has its turn
         if row is None:
             return RunOutcome(run_id=run_id, status="missing", error="no such run")
         if row.status in TERMINAL:
@@ -175,47 +197,37 @@ class Runner:
         if tenant is None:
             self.store.set_status(run_id, "error", error=f"tenant {row.tenant!r} is no longer configured")
             return RunOutcome(run_id=run_id, status="error")
+        still = self._still_waiting(row, tenant)
+        if still is not None:  # delivered early (or a herd of its tenant's runs): no sandbox for nothing
+            raise still
         summary = self.runs.summary(run_id)
         if summary is not None and summary.status.finished:
             self.store.set_status(run_id, summary.status.value, error=summary.error)
             return RunOutcome(run_id=run_id, status=summary.status.value, error=summary.error)
         resume = summary is not None
-        try:
-            spec = RunSubmit.model_validate(row.spec)
-            config = AgentConfig(
-                model=build_model(spec),
-                policy=tenant.policy,
-                role=row.role,
-                trust=spec.trust,
-                tier=spec.tier,
-                sandbox_limits=spec.sandbox_limits.build() if spec.sandbox_limits is not None else None,
-                audit=self.audit.get(tenant),
-                limits=RunLimits(
-                    max_steps=spec.limits.max_steps, max_wall_s=spec.limits.max_wall_s,
-                    max_tokens=spec.limits.max_tokens, max_cost_usd=spec.limits.max_cost_usd,
-                ),
-                check=spec.check,
-                check_timeout_s=spec.check_timeout_s,
-                approver=None,
-                approval_store=self.approvals,
-                kill_source=self.kills,
-                tools=self.tools,
-                checkpointer=self.runs,
-                # a paused run's sandbox is kept in the tenant's store, within its snapshot_mb;
-                # a worker that cannot see that folder resumes the run with its files
-                snapshot_store=self.config.snapshot_store(tenant),
-                tenant=tenant.id,
-                rate_per_minute=tenant.rate_per_minute,
-                rate_period_s=tenant.rate_period_s,
-                dollars_per_hour=tenant.dollars_per_hour,
-                limits_window=self.limits.window,
-            )  # fmt: skip
-        except exc.StockadeError as error:
-            self.store.set_status(run_id, "error", error=str(error))
-            return RunOutcome(run_id=run_id, status="error", error=str(error))
-        ended = self._start(run_id, row.status, tenant, config.sandbox_limits or Limits())
+        deferral = _Deferral()
+        prepared: tuple[RunSubmit, AgentConfig] | None = None
+        share = self._shares.get(run_id)
+        if share is None:  # the first time this process sees it: the spec gives the share
+            prepared = self._prepare(run_id, row, tenant, deferral)
+            if prepared is None:
+                return RunOutcome(run_id=run_id, status="error", error=self._error(run_id))
+            share = prepared[1].sandbox_limits or Limits()
+            self._remember_share(run_id, share)
+        ended = self._start(run_id, row, tenant, share)  # QuotaExceeded: asked again cheaply
+        self._shares.pop(run_id, None)
         if ended is not None:
             return ended
+        prepared = prepared or self._prepare(run_id, row, tenant, deferral)
+        if prepared is None:
+            return RunOutcome(run_id=run_id, status="error", error=self._error(run_id))
+        return self._drive(run_id, tenant, *prepared, resume=resume, deferral=deferral)
+
+    def _drive(
+        self, run_id: str, tenant: Tenant, spec: RunSubmit, config: AgentConfig, *, resume: bool,
+        deferral: _Deferral,
+    ) -> RunOutcome:  # fmt: skip
+        """Run it (it holds its share and is "running") to where it ends or stops."""
         try:
             with (
                 self._seed(tenant, spec.workspace) as seed,
@@ -248,15 +260,97 @@ class Runner:
                 raise
             self.store.set_status(run_id, "error", error=str(error))
             return RunOutcome(run_id=run_id, status="error", error=str(error))
+        if result.status is RunStatus.INTERRUPTED and deferral.hit is not None:
+            return self._defer(run_id, deferral.hit)
         status = result.status.value
         # a kill pulled before the run watched its switch (queued): the switch is cleared with
         # the session, so the service's own status keeps the word
         self.store.set_status(run_id, status, error=result.error)
         return RunOutcome(run_id=run_id, status=status, error=result.error)
 
-    def _start(self, run_id: str, was: str, tenant: Tenant, share: Limits) -> RunOutcome | None:
+    def _prepare(
+        self, run_id: str, row: RunRow, tenant: Tenant, deferral: _Deferral
+    ) -> tuple[RunSubmit, AgentConfig] | None:
+        """The run's spec and its agent's configuration; None when they are wrong (the run
+        ended "error", saying why)."""
+        try:
+            spec = RunSubmit.model_validate(self.store.run_spec(run_id) or {})
+            config = AgentConfig(
+                model=build_model(spec),
+                policy=tenant.policy,
+                role=row.role,
+                trust=spec.trust,
+                tier=spec.tier,
+                sandbox_limits=spec.sandbox_limits.build() if spec.sandbox_limits is not None else None,
+                audit=self.audit.get(tenant),
+                limits=RunLimits(
+                    max_steps=spec.limits.max_steps, max_wall_s=spec.limits.max_wall_s,
+                    max_tokens=spec.limits.max_tokens, max_cost_usd=spec.limits.max_cost_usd,
+                ),
+                check=spec.check,
+                check_timeout_s=spec.check_timeout_s,
+                approver=None,
+                approval_store=self.approvals,
+                kill_source=self.kills,
+                tools=self.tools,
+                checkpointer=self.runs,
+                # a paused run's sandbox is kept in the tenant's store, within its snapshot_mb;
+                # a worker that cannot see that folder resumes the run with its files
+                snapshot_store=self.config.snapshot_store(tenant),
+                tenant=tenant.id,
+                rate_per_minute=tenant.rate_per_minute,
+                rate_period_s=tenant.rate_period_s,
+                dollars_per_hour=tenant.dollars_per_hour,
+                limits_window=self.limits.window,
+                limit_wait_in_place_s=self.config.limit_wait_in_place_s,
+                runtime_observers=(deferral,),
+            )  # fmt: skip
+        except exc.StockadeError as error:
+            self.store.set_status(run_id, "error", error=str(error))
+            return None
+        except ValidationError as error:  # a stored spec the API would refuse now
+            self.store.set_status(run_id, "error", error=f"the run's spec is invalid: {error}")
+            return None
+        return spec, config
+
+    def _error(self, run_id: str) -> str | None:
+        row = self.store.run_head(run_id)
+        return row.error if row is not None else None
+
+    def _remember_share(self, run_id: str, share: Limits) -> None:
+        """What a run waiting for room in its quota asks for, kept between its asks (bounded:
+        a run forgotten is only read again)."""
+        if len(self._shares) >= MAX_SHARES:
+            self._shares.clear()
+        self._shares[run_id] = share
+
+    def _defer(self, run_id: str, hit: LimitHit) -> RunOutcome:
+        """The run stopped at its tenant's full window (``LimitWait``): it waits queued, its
+        quota and its worker free, and the executor runs it again after the wait."""
+        wait = max(hit.retry_after or 0.0, 1.0)
+        why = f"{DEFERRED} {hit.kind} window ({hit.detail}); again in {wait:.0f} s"
+        if not self.store.set_status(run_id, "queued", error=why, only_from=["running"]):
+            now = self.store.run_head(run_id)  # killed meanwhile: as it is
+            return RunOutcome(
+                run_id=run_id, status=now.status if now else "missing", error=now.error if now else None
+            )
+        raise exc.RunDeferred(why, kind=hit.kind, retry_after=wait)
+
+    def _still_waiting(self, row: RunRow, tenant: Tenant) -> exc.RunDeferred | None:
+        """A run that waits for its tenant's rate window, run again before it has room (early,
+        or its tenant's other runs took it): waits on, without starting its sandbox."""
+        limit = self.limits.actions(tenant)
+        if row.status != "queued" or not (row.error or "").startswith(DEFERRED) or limit is None:
+            return None
+        verdict = limit.peek(f"tenant:{tenant.id}")
+        if verdict.allowed:
+            return None
+        return exc.RunDeferred(row.error or DEFERRED, kind="rate", retry_after=max(verdict.retry_after, 1.0))
+
+    def _start(self, run_id: str, row: RunRow, tenant: Tenant, share: Limits) -> RunOutcome | None:
         """Hold the run's share of the tenant's quota (``QuotaExceeded``: it waits), then mark
         it running; the run as it ended instead, when a kill ended it meanwhile."""
+        was = row.status
         try:
             self.store.hold_run(
                 run_id=run_id, tenant=tenant.id, worker=self.name, cpus=share.cpus, memory_mb=share.memory_mb,
@@ -265,7 +359,8 @@ class Runner:
         except exc.QuotaExceeded as full:
             # only as it was: a kill meanwhile is not written back over
             why = f"waiting for room in the tenant's quota: {full}"
-            self.store.set_status(run_id, was, error=why, only_from=[was])
+            if why != row.error:  # written once, not each ask (a row written again is copied whole)
+                self.store.set_status(run_id, was, error=why, only_from=[was])
             raise
         # Only from where it waited (or ran, delivered again): a kill of the queued run between
         # our read and now ended it, and "running" written over "killed" ran it all the same.
@@ -274,7 +369,7 @@ class Runner:
         ):
             return None
         self.store.drop_hold(run_id)
-        now = self.store.run(run_id)
+        now = self.store.run_head(run_id)
         return RunOutcome(
             run_id=run_id,
             status=now.status if now is not None else "missing",

@@ -260,6 +260,17 @@ class ServiceStore:
         rows = self.db.query(f"SELECT {_RUN_COLUMNS} FROM {self.ns}_runs WHERE run_id = ?", (run_id,))
         return _run(rows[0]) if rows else None
 
+    def run_head(self, run_id: str) -> RunRow | None:
+        """The run without its spec (``spec`` empty): what a run waiting for its turn looks at
+        each time it asks, without reading and parsing a spec of up to the request cap again."""
+        columns = _RUN_COLUMNS.replace("spec,", "'{}',", 1)
+        rows = self.db.query(f"SELECT {columns} FROM {self.ns}_runs WHERE run_id = ?", (run_id,))
+        return _run(rows[0]) if rows else None
+
+    def run_spec(self, run_id: str) -> dict[str, object] | None:
+        rows = self.db.query(f"SELECT spec FROM {self.ns}_runs WHERE run_id = ?", (run_id,))
+        return json.loads(str(rows[0][0])) if rows else None
+
     def runs(
         self, tenant: str, *, status: str | None = None, label: tuple[str, str] | None = None,
         limit: int = 50, before_ns: int | None = None,

@@ -1,0 +1,76 @@
+"""What a service run costs while it waits for its turn (``Runner.execute``, on a real SQLite
+database, never reaching a sandbox): a run waiting for room in its tenant's quota is asked
+about every few seconds, and each ask looks at the quota, not at its spec (up to the request
+cap, parsed once); a run waiting for its tenant's rate window, sent again before the window has
+room, waits on without starting anything."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from stockade import exceptions as exc
+from stockade.server.context import ServiceConfig
+from stockade.server.runner import DEFERRED, Runner
+from stockade.server.tenants import Tenant, Tenants
+from tests.integration.service_env import write_tenants
+
+
+@pytest.fixture
+def runner(tmp_path: Path) -> Iterator[Runner]:
+    path, _ = write_tenants(tmp_path, sandboxes=1, acme_rate="rate_per_minute = 2\n")
+    config = ServiceConfig(
+        tenants=Tenants.load(path), database=f"sqlite:///{tmp_path / 'svc.db'}", temp_dir=tmp_path
+    )
+    made = Runner(config)
+    yield made
+    made.close()
+
+
+def acme(runner: Runner) -> Tenant:
+    return runner.config.tenants.tenants["acme"]
+
+
+def submit(runner: Runner, run_id: str, spec: dict[str, object]) -> None:
+    assert runner.store.add_run(run_id=run_id, tenant="acme", role="dev", spec=spec, labels={}, max_active=10)
+
+
+def test_a_run_waiting_for_room_in_its_quota_is_asked_about_without_its_spec(runner: Runner) -> None:
+    tenant = acme(runner)
+    runner.store.reserve_sandbox(sandbox_id="s1", tenant="acme", owner="api", tier="process", cpus=0.1,
+                                 memory_mb=16, quotas=tenant.quotas)  # fmt: skip
+    submit(runner, "r1", {"task": "t", "scripted": ["x" * 1_000_000, "done"]})
+    for _ in range(3):
+        with pytest.raises(exc.QuotaExceeded):
+            runner.execute("r1", tenant)
+    row = runner.store.run("r1")
+    assert row is not None and row.status == "queued" and "quota" in (row.error or "")
+    # the spec changes under it (it cannot through the API): the asks do not read it again ...
+    runner.store.db.write([("UPDATE svc_runs SET spec = ? WHERE run_id = ?", [('{"task": 5}', "r1")])])
+    for _ in range(3):
+        with pytest.raises(exc.QuotaExceeded):
+            runner.execute("r1", tenant)
+    # ... the run reads it when it has room
+    runner.store.release_sandbox("s1")
+    outcome = runner.execute("r1", tenant)
+    assert outcome.status == "error" and "task" in (outcome.error or "")
+    assert runner.store.holds("acme") == []
+
+
+def test_a_run_waiting_for_its_window_sent_early_waits_on_holding_nothing(runner: Runner) -> None:
+    tenant = acme(runner)
+    submit(runner, "r2", {"task": "t", "scripted": ["done"]})
+    why = f"{DEFERRED} rate window (2 actions per minute reached for 'tenant:acme'); again in 60 s"
+    runner.store.set_status("r2", "queued", error=why)
+    actions = runner.limits.actions(tenant)
+    assert actions is not None
+    for _ in range(2):  # the tenant's other runs took the window
+        assert actions.take("tenant:acme").allowed
+    with pytest.raises(exc.RunDeferred) as deferred:
+        runner.execute("r2", tenant)
+    assert deferred.value.retry_after is not None and 1.0 <= deferred.value.retry_after <= 60.0
+    row = runner.store.run("r2")
+    assert row is not None and (row.status, row.error, row.attempts) == ("queued", why, 0)
+    assert runner.store.holds("acme") == []
