@@ -49,6 +49,10 @@ class Limits:
     ``output_bytes`` caps stdout and stderr each. ``open_files`` bounds the file descriptors
     the whole sandbox can hold: each of its (at most ``pids``) processes may open
     ``open_files // pids``, and at least 32 (``files_per_process``, ``total_open_files``).
+    ``ptys`` bounds the pseudo-terminals it can hold open at once (its devpts instance's
+    ``max``: past it, opening /dev/ptmx fails with ENOSPC), out of the host's shared
+    ``kernel.pty.max``; a tier with a kernel of its own (gVisor, the microVM) takes none of the
+    host's: its ptys, if any, are its kernel's, in its memory (``Enforcement.ptys``).
 
     The workspace, /tmp and /dev/shm are memory (tmpfs), charged to ``memory_mb``: everything
     the sandbox takes from the host's memory, processes and files together, stays within it.
@@ -67,6 +71,7 @@ class Limits:
     tmp_mb: int | None = None
     output_bytes: int = 1 * MiB
     open_files: int = 16384
+    ptys: int = 64
 
     def __post_init__(self) -> None:
         for name, (integer, low, high, unit) in _LIMIT_RANGES.items():
@@ -124,6 +129,7 @@ _LIMIT_RANGES: dict[str, tuple[bool, float, float, str]] = {
     "tmp_mb": (True, 1, 2**32, "MiB"),
     "output_bytes": (True, 1, 2**50, "bytes"),
     "open_files": (True, 1, 2**31 - 1, "descriptors"),
+    "ptys": (True, 1, 1 << 20, "pseudo-terminals"),  # NR_UNIX98_PTY_MAX
 }
 
 
@@ -308,6 +314,8 @@ class Mechanism(enum.StrEnum):
     SECCOMP_NOTIFY = "seccomp-notify"  # the kernel stops every exec until the supervisor rules
     MASK = "mask"  # what is denied is not there: an empty, unreadable file in its place
     PROXY = "proxy"  # no route out but an allowlist proxy on the host (stockade.egress)
+    DEVPTS = "devpts"  # the sandbox's own devpts instance, its max= set by the host
+    OWN_KERNEL = "own-kernel"  # the sandbox's kernel's own (gVisor's, a guest's): none of the host's
     NONE = "none"
 
 
@@ -395,6 +403,7 @@ class Enforcement:
     network: Mechanism
     timeout: Mechanism
     files: Mechanism = Mechanism.RLIMIT
+    ptys: Mechanism = Mechanism.NONE  # NONE: only the host's kernel.pty.max, shared
     # The policy, from inside (SandboxRules): how execs are judged, how the workspace's
     # read-only paths are held, how denied programs are kept from running.
     commands: Mechanism = Mechanism.NONE

@@ -14,9 +14,10 @@ from typing import Any
 
 import pytest
 
-from stockade import Limits, Sandbox
+from stockade import LimitNotEnforceable, Limits, Sandbox
 from stockade.sandbox import _guest
 from stockade.sandbox.docker import DockerBackend
+from stockade.types import Mechanism
 from tests.conftest import require_tier
 
 pytestmark = pytest.mark.docker
@@ -43,7 +44,7 @@ def mounts_of(backend: DockerBackend, sbx: Sandbox) -> dict[str, dict[str, Any]]
 
 
 def test_a_remote_engine_gets_the_supervisor_in_a_volume(remote: DockerBackend) -> None:
-    with Sandbox.create(backend=remote, limits=Limits(timeout_s=10)) as sbx:
+    with Sandbox.create(backend=remote, limits=Limits(timeout_s=10), allow_weaker=True) as sbx:
         kernel = mounts_of(remote, sbx)["/opt/stockade"]
         assert kernel["Type"] == "volume" and not kernel["RW"]
         assert sbx.run_code("x = 41").error is None
@@ -57,8 +58,19 @@ def test_a_remote_engine_gets_the_supervisor_in_a_volume(remote: DockerBackend) 
         assert sbx.commands.run("cat a.txt").stdout == "hello"
 
 
+def test_a_remote_engine_cannot_bound_ptys_and_says_so(remote: DockerBackend) -> None:
+    """The host bounds a container's devpts from beside the engine: a remote one's ptys are
+    bounded by its host's kernel.pty.max only, which needs the caller's consent."""
+    with pytest.raises(LimitNotEnforceable) as refused:
+        Sandbox.create(backend=remote, limits=Limits(timeout_s=10))
+    assert refused.value.setting == "ptys"
+    with Sandbox.create(backend=remote, limits=Limits(timeout_s=10), allow_weaker=True) as sbx:
+        assert sbx.enforcement.ptys is Mechanism.NONE
+        assert any(w.startswith("ptys") for w in sbx.enforcement.weakened), sbx.enforcement
+
+
 def test_a_remote_engine_reports_oom_kills_from_its_events(remote: DockerBackend) -> None:
-    with Sandbox.create(backend=remote, limits=Limits(memory_mb=128, timeout_s=20)) as sbx:
+    with Sandbox.create(backend=remote, limits=Limits(memory_mb=128, timeout_s=20), allow_weaker=True) as sbx:
         r = sbx.commands.run("python3 -c \"x = b'a' * (512 << 20); print('allocated')\"")
         assert "allocated" not in r.stdout
         assert r.oom_killed

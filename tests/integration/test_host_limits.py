@@ -6,6 +6,7 @@ What a sandbox can take from the host is stated (``sbx.enforcement.host``) and h
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import threading
 import time
@@ -306,3 +307,89 @@ def test_tcp_buffers_on_the_sandboxs_loopback_are_bounded(tier: str) -> None:
         held = sbx.run_code(TCP_HOARD)
     assert held.error is None, held.error
     assert int(held.text or "0") <= bound, f"{held.text} MiB sat in TCP queues"
+
+
+def host_ptys() -> int:
+    return int(Path("/proc/sys/kernel/pty/nr").read_text())
+
+
+# Open ptys until refused (or ``most``), keeping them: how many, and the refusal's errno name.
+PTY_HOG = r"""
+import errno, os
+held, refused = [], "none"
+try:
+    while len(held) < {most}:
+        held.append(os.open("/dev/ptmx", os.O_RDWR | os.O_NOCTTY))
+except OSError as error:
+    refused = errno.errorcode[error.errno]
+len(held), refused
+"""
+# A pty that works end to end: its other side opened by name (/dev/pts/N), a line across.
+ONE_PTY = r"""
+import os
+main, other = os.openpty()
+os.write(main, b"hi\n")
+os.read(other, 16)
+"""
+
+
+@pytest.mark.alone  # the host's ptys: another worker's would count meanwhile
+def test_a_sandbox_takes_at_most_its_ptys_of_the_host(tier: str) -> None:
+    """``kernel.pty.max`` is host-wide: one sandbox took every pty outside the host's reserve
+    (3,071 here), and no other could open one. Now its devpts instance holds ``ptys``; gVisor's
+    and a guest's ptys are their kernel's own, none of the host's."""
+    most = min(int(Path("/proc/sys/kernel/pty/max").read_text()), 4000)  # a guest's hard limit: 4096
+    limits = Limits(ptys=16, pids=8, open_files=8 * 4096, timeout_s=60)
+    with Sandbox.create(tier, limits=limits) as hog:
+        own = hog.enforcement.ptys is Mechanism.OWN_KERNEL
+        before = host_ptys()
+        taken = hog.run_code(PTY_HOG.format(most=200 if own else most))  # held in its namespace
+        risen = host_ptys() - before
+        with Sandbox.create(tier, limits=Limits(timeout_s=30)) as other:
+            second = other.run_code(ONE_PTY)
+    assert taken.error is None, taken.error
+    assert risen <= limits.ptys, f"the host's ptys rose by {risen}: {taken.text}"
+    if own:
+        return  # gVisor opens its own; the microVM's guest has none (/dev/ptmx absent)
+    assert hog.enforcement.ptys is Mechanism.DEVPTS
+    assert ast.literal_eval(taken.text or "") == (limits.ptys, "ENOSPC")
+    assert second.error is None and second.text == "b'hi\\n'", second.error
+
+
+# Code's own ways to raise the bound: a remount (mount(2), as mount(8) does) and the new API's
+# reconfigure (fspick, fsconfig): each refused, and the bound holds after.
+RAISE_BOUND = r"""
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+said = []
+MS_REMOUNT = 32
+if libc.mount(b"devpts", b"/dev/pts", b"devpts", MS_REMOUNT, b"mode=620,ptmxmode=666,max=100000") != 0:
+    said.append(errno.errorcode[ctypes.get_errno()])
+fd = libc.syscall(433, -100, b"/dev/pts", 1)  # fspick
+if fd < 0:
+    said.append(errno.errorcode[ctypes.get_errno()])
+elif libc.syscall(431, fd, 1, b"max", b"100000", 0) < 0 or libc.syscall(431, fd, 7, None, None, 0) < 0:
+    said.append(errno.errorcode[ctypes.get_errno()])
+else:
+    said.append("reconfigured")
+held = []
+try:
+    while len(held) < 64:
+        held.append(os.open("/dev/ptmx", os.O_RDWR | os.O_NOCTTY))
+except OSError:
+    pass
+said.append(len(held))
+said
+"""
+
+
+@pytest.mark.parametrize("tier", [t for t in TIERS if t in ("process", "docker")])  # the host's ptys
+def test_code_cannot_raise_its_own_pty_bound(tier: str) -> None:
+    require_tier(tier)
+    with Sandbox.create(tier, limits=Limits(ptys=4, timeout_s=30)) as sbx:
+        tried = sbx.run_code(RAISE_BOUND)
+    assert tried.error is None, tried.error
+    refusals = {"EPERM", "EACCES", "ENOSYS"}  # no capability; or the seccomp filter's refusal
+    first, second, held = ast.literal_eval(tried.text or "")
+    assert first in refusals and second in refusals, tried.text
+    assert held == 4

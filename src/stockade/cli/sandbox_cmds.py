@@ -34,7 +34,7 @@ WeakerOpt = Annotated[
 NetworkOpt = Annotated[bool, typer.Option("--network/--no-network", help="allow network access")]
 
 
-_ENFORCED = ("memory", "cpus", "pids", "disk", "files", "network", "timeout")
+_ENFORCED = ("memory", "cpus", "pids", "disk", "files", "ptys", "network", "timeout")
 
 
 def _report_json(report: TierReport) -> dict[str, object]:

@@ -80,7 +80,7 @@ def entry(data: Mapping[str, Any]) -> EntryInfo:
 
 def enforcement(data: Mapping[str, Any]) -> Enforcement:
     host = data.get("host")
-    names = ("memory", "cpus", "pids", "disk", "network", "timeout", "files")
+    names = ("memory", "cpus", "pids", "disk", "network", "timeout", "files", "ptys")
     return Enforcement(
         **{name: Mechanism(data[name]) for name in names if name in data},
         host=HostShare(**host) if host else None,

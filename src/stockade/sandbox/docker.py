@@ -231,18 +231,22 @@ class _ContainerBoundary(Boundary):
         return err
 
 
-def _limit_tcp(api: Any, cid: str, *, limits_memory: int) -> None:
+def _limit_tcp(pid: int, cid: str, *, limits_memory: int) -> None:
     """cgroup v1 charges a container's TCP buffers to no memory limit (2 GB sat on a 128 MiB
     sandbox's own loopback), and runc ignores the engine's KernelMemoryTCP: the container's
     own group gets the limit, here, before any code runs (only the supervisor has, which
     holds no socket: accounting starts with the limit)."""
     if not _V1_TCP.exists():  # v2 charges them to the memory limit
         return
-    pid = int(api.inspect_container(cid)["State"]["Pid"] or 0)
     group = _thrash.memory_group_of(pid) if pid else None
     if group is None or group.v2:
         raise exc.SandboxStartError(f"the memory cgroup of container {cid[:12]} was not found")
     (group.folder / "memory.kmem.tcp.limit_in_bytes").write_text(str(tcp_buffer_bytes(limits_memory)))
+
+
+def _container_pid(api: Any, cid: str) -> int:
+    """The container's first process on this host (0 when the engine names none)."""
+    return int(api.inspect_container(cid)["State"]["Pid"] or 0)
 
 
 def _release_mounts(rundir: Path | None, mounts: list[Path]) -> None:
@@ -390,6 +394,16 @@ class DockerBackend(Backend):
                     fix="run as root, or pass allow_weaker=True (inodes then bounded by the memory limit)",
                 )
             weakened.append("inodes: bounded by the memory limit (gVisor tmpfs; size still enforced)")
+        ptys = self._pty_mechanism()
+        if ptys is Mechanism.NONE:
+            if not spec.allow_weaker:
+                raise exc.LimitNotEnforceable(
+                    "the docker tier bounds a sandbox's ptys from this host, as root, with a local engine",
+                    setting="ptys",
+                    fix="run as root beside the engine, or pass allow_weaker=True (then only the "
+                    "engine host's kernel.pty.max, shared, bounds them)",
+                )
+            weakened.append("ptys: bounded only by the engine host's kernel.pty.max, shared")
         limits = spec.limits
         if self.own_kernel:  # the container's cgroup holds gVisor's kernel and its gofer too
             own = _guest.own_kernel_limits(spec, self._runtime_platform())
@@ -409,11 +423,19 @@ class DockerBackend(Backend):
             disk=Mechanism.TMPFS,
             network=Mechanism.PROXY if net.egress else Mechanism.NONE if net.enabled else Mechanism.NAMESPACE,
             timeout=Mechanism.SUPERVISOR,
+            ptys=ptys,
             host=host,
             weakened=tuple(weakened),
             # gVisor's kernel honours no priority: the supervisor's kill waits its turn
             timeout_margin_s=UNPRIORITIZED_TIMEOUT_MARGIN_S if self.own_kernel else TIMEOUT_MARGIN_S,
         )
+
+    def _pty_mechanism(self) -> Mechanism:
+        """runc mounts each container a devpts instance of its own, with no ``max``: the host
+        (root, beside the engine) bounds it after the start. gVisor's ptys are its kernel's."""
+        if self.own_kernel:
+            return Mechanism.OWN_KERNEL
+        return Mechanism.DEVPTS if not self.remote and os.geteuid() == 0 else Mechanism.NONE
 
     def _check_egress(self) -> None:
         """An allowlist needs the proxy's socket bound in: a local engine, and for gVisor a
@@ -737,7 +759,10 @@ class DockerBackend(Backend):
                 stream = AttachStream(raw, sock)
                 api.start(cid)
                 if not self.own_kernel and not self.remote:  # gVisor's TCP is its own, in its memory
-                    _limit_tcp(api, cid, limits_memory=spec.limits.memory_mb * _guest.MiB)
+                    pid = _container_pid(api, cid)
+                    _limit_tcp(pid, cid, limits_memory=spec.limits.memory_mb * _guest.MiB)
+                    if enforcement.ptys is Mechanism.DEVPTS:  # before any code runs, as the TCP limit
+                        _host.bound_ptys(pid, spec.limits.ptys)
         except BaseException:
             if egress is not None:
                 egress.close()

@@ -291,6 +291,7 @@ class RunscBackend(Backend):
             disk=Mechanism.TMPFS,
             network=Mechanism.PROXY if spec.network.egress else Mechanism.NAMESPACE,
             timeout=Mechanism.SUPERVISOR,
+            ptys=Mechanism.OWN_KERNEL,  # its kernel's own ptys, none of the host's
             host=HostShare(
                 memory_mb=own.host_memory // _guest.MiB,
                 tasks=own.host_pids,

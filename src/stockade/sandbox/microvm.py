@@ -180,6 +180,7 @@ class MicroVMBackend(Backend):
             disk=Mechanism.TMPFS,
             network=Mechanism.PROXY if spec.network.egress else Mechanism.VM,
             timeout=Mechanism.SUPERVISOR,
+            ptys=Mechanism.OWN_KERNEL,  # its kernel's own ptys, none of the host's
             host=None
             if weakened
             else HostShare(memory_mb=host_memory_mb(spec), tasks=QEMU_PIDS, open_files=QEMU_FILES),

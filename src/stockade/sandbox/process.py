@@ -36,6 +36,7 @@ from stockade.sandbox._boundary import EgressHandle
 from stockade.sandbox._host import (
     PipeStream,
     UidLease,
+    bound_ptys,
     claim_folder,
     claimed,
     collect_staging,
@@ -268,6 +269,8 @@ class ProcessBackend(Backend):
                     fix="run as root, or pass allow_weaker=True (inodes then bounded by memory only)",
                 )
             weakened.append("inodes: bounded by the memory limit (tmpfs size still enforced)")
+            # (the bound is the host's remount of the sandbox's devpts: root's alone)
+            weakened.append("ptys: bounded only by the host's kernel.pty.max, shared (no root)")
             if _rules.written_noexec(spec):  # (allow_weaker is already needed for the inodes)
                 weakened.append(
                     "commands.allow: the written places are not noexec (bubblewrap's tmpfs, without root): "
@@ -291,6 +294,7 @@ class ProcessBackend(Backend):
             disk=disk,
             network=_network_mechanism(net),
             timeout=Mechanism.SUPERVISOR,
+            ptys=Mechanism.DEVPTS if self.is_root else Mechanism.NONE,
             # The cgroup holds all of it: processes (bwrap's own included), their kernel
             # memory, and the tmpfs pages their files are.
             host=HostShare(memory_mb=limits.memory_mb, tasks=limits.pids, open_files=limits.total_open_files)
@@ -620,6 +624,8 @@ class ProcessBackend(Backend):
         )
         if placeholder is not None:  # bwrap ended once pid 1 had entered: reaped now, off the wait
             _end(placeholder)
+        if enforcement.ptys is Mechanism.DEVPTS:  # the mounts are made, no code has run yet
+            _bound_ptys(instance, proc, spec.limits.ptys)
         return instance
 
     def _template_for(self, uid: int | None) -> _template.Template | None:
@@ -808,6 +814,21 @@ def _host_etc(root: Path) -> HostEtc:
         elif stat.S_ISREG(st.st_mode):
             found.append((name, False, (st.st_ino, st.st_mtime_ns, st.st_size)))
     return tuple(found)
+
+
+def _bound_ptys(
+    instance: SupervisedInstance, proc: subprocess.Popen[bytes] | _template.Init, most: int
+) -> None:
+    """bwrap's devpts (``--dev``: a new instance, no ``max``) bounded from the host, through
+    the supervisor: pid 1, or bwrap's child. The sandbox closed if it cannot be."""
+    try:
+        pids = [proc.pid] if isinstance(proc, _template.Init) else _children(proc.pid)
+        if not pids:
+            raise exc.SandboxStartError("the sandbox's pid 1 was not found to bound its ptys")
+        bound_ptys(pids[0], most)
+    except BaseException:
+        instance.close()
+        raise
 
 
 def _network_mechanism(net: NetworkPolicy) -> Mechanism:

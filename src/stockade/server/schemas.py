@@ -46,6 +46,7 @@ class LimitsIn(_In):
     tmp_mb: int | None = None
     output_bytes: int | None = None
     open_files: int | None = None
+    ptys: int | None = None
 
     def build(self) -> Limits:
         return Limits(**self.model_dump(exclude_none=True))  # InvalidArgument names the field
