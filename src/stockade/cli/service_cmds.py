@@ -87,6 +87,15 @@ def serve(
             help="at start, build TIER's start images for each tenant's policy (microvm: ready images)",
         ),
     ] = None,
+    docs: Annotated[
+        bool,
+        typer.Option(
+            "--docs",
+            help="serve the interactive API docs (/docs, /redoc): their pages load scripts from a CDN "
+            "(cdn.jsdelivr.net) that then run on the API's origin, beside the run viewer and its "
+            "cookie; off, /openapi.json is still served",
+        ),
+    ] = False,
 ) -> None:  # fmt: skip
     """Serve the API: sandboxes and runs for the tenants of TENANTS. Without --redis every run
     runs in this process (SQLite is enough); with it, runs go to `stockade worker` processes
@@ -98,12 +107,13 @@ def serve(
         config = _config(
             tenants, db, redis, run_threads=run_threads, sandbox_idle_timeout_s=idle_timeout, tools=tools,
             visibility_timeout_s=visibility_timeout, queue=queue, advertise_url=advertise_url,
-            snapshot_dir=snapshot_dir, prepare_tiers=tuple(prepare or ()),
+            snapshot_dir=snapshot_dir, prepare_tiers=tuple(prepare or ()), docs=docs,
         )  # fmt: skip
         mode = (
             f"runs on workers through {redis}" if redis else f"runs in this process ({run_threads} at a time)"
         )
-        err.print(f"[dim]stockade serve on http://{host}:{port} ({escape(mode)}); API docs at /docs[/]")
+        described = "API docs at /docs" if docs else "OpenAPI at /openapi.json (--docs for /docs)"
+        err.print(f"[dim]stockade serve on http://{host}:{port} ({escape(mode)}); {described}[/]")
         run_server(config, host=host, port=port)  # type: ignore[arg-type]
     except exc.StockadeError as error:
         err.print(f"[red]error:[/] {escape(str(error))}")

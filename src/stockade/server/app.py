@@ -54,8 +54,13 @@ def create_app(service: Service) -> FastAPI:
             await peers.aclose()
             await anyio.to_thread.run_sync(service.close)
 
+    # the interactive docs' pages run a CDN's scripts on this origin, where the viewer's
+    # cookie is: only when asked for (ServiceConfig.docs)
+    docs = service.config.docs
     app = FastAPI(
         title="stockade",
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
         version=__version__,
         summary="Sandboxes and agent runs for untrusted, model-written code, per tenant.",
         description=(
@@ -96,12 +101,14 @@ def create_app(service: Service) -> FastAPI:
     async def invalid_request(request: Request, error: RequestValidationError) -> Response:
         return _respond(problems.from_validation(list(error.errors()), request.url.path))
 
+    routes_at = "/docs" if docs else "/openapi.json"
+
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> Response:
         body = problems.problem_body(
             status=error.status_code, type_="about:blank", title=str(error.detail), detail=str(error.detail),
             instance=request.url.path,
-            fix="see /docs for the API's routes" if error.status_code in (404, 405) else "",
+            fix=f"see {routes_at} for the API's routes" if error.status_code in (404, 405) else "",
         )  # fmt: skip
         return Response(
             content=problems.Problem(status=error.status_code, body=body, headers={}).content(),

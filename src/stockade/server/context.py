@@ -40,6 +40,10 @@ class ServiceConfig:
     sandbox_idle_timeout_s: float = 300.0
     max_sandbox_idle_timeout_s: float = 3600.0
     event_poll_s: float = 0.2
+    # FastAPI's interactive docs (/docs, /redoc): their pages load scripts from a CDN
+    # (cdn.jsdelivr.net) on the API's origin, where the viewer's cookie is, so they are off
+    # unless asked for; /openapi.json is always served
+    docs: bool = False
     tools: str | None = None  # "module:attribute" of a Toolset replacing the default tools
     audit_key: bytes | None = field(default=None, repr=False)
     visibility_timeout_s: float = 3600.0  # Celery: a delivered run is given again after this
