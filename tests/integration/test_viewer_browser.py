@@ -223,6 +223,29 @@ def test_approving_with_the_button_sends_the_run_on(service: tuple[Server, Token
     assert page.locator(".pending").count() == 0
 
 
+def test_a_paused_runs_page_goes_on_when_it_is_approved_elsewhere(
+    service: tuple[Server, Tokens], page: Page
+) -> None:
+    """The stream of a paused run ends (it no longer polls the database for as long as the run
+    waits); the page comes back for it now and then, and so follows a decision made through
+    the API."""
+    from playwright.sync_api import expect
+
+    server, tokens = service
+    with Client(server.url, tokens.dev) as client:
+        run = client.runs.submit(
+            "tidy up", scripted=[run_code("mkdir -p out && rm -r out && echo removed-out", "bash"), "tidied"]
+        )
+        assert run.wait().status == "paused"
+        sign_in(page, server.url, tokens.dev, then=f"/ui/runs/{run.id}")
+        expect(page.locator(".pending")).to_contain_text("rm -r out")
+        page.evaluate("window.__same_page = 42")  # gone if the page were loaded again
+        run.approve(run.refresh().info["pending_approvals"][0]["id"])
+        expect(page.locator("#run-status")).to_have_text("success", timeout=WAIT_MS)
+        expect(page.locator(".entry.k-tool", has_text="removed-out")).to_be_visible()
+        assert page.evaluate("window.__same_page") == 42
+
+
 def test_another_tenant_sees_no_such_run(service: tuple[Server, Tokens], page: Page) -> None:
     from playwright.sync_api import expect
 

@@ -40,6 +40,9 @@ class ServiceConfig:
     sandbox_idle_timeout_s: float = 300.0
     max_sandbox_idle_timeout_s: float = 3600.0
     event_poll_s: float = 0.2
+    # event streams (a run's, the viewer's) one tenant may hold open at once in one API
+    # process: each polls the database while open; one more is answered 429
+    max_streams: int = 16
     # FastAPI's interactive docs (/docs, /redoc): their pages load scripts from a CDN
     # (cdn.jsdelivr.net) on the API's origin, where the viewer's cookie is, so they are off
     # unless asked for; /openapi.json is always served

@@ -8,7 +8,8 @@ each audit event of the run as it is written, ``id`` its sequence number (reconn
 approval, retry, kill_switch, ...) and ``data`` its JSON body; ``event: status`` whenever
 the run's status changes, and ``event: end`` once it has ended or paused and every event of
 it has been sent. The stream reads the database, not a worker: it works whichever worker
-runs the run, and after a worker died.
+runs the run, and after a worker died. A tenant holds ``ServiceConfig.max_streams`` streams
+open at once (each polls the database); one more is answered 429.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from stockade.server.schemas import (
 from stockade.server.scratch import scratch
 from stockade.server.service import Service
 from stockade.server.state import TERMINAL, RunRow
+from stockade.server.streams import HeldStream
 from stockade.server.tenants import Principal
 from stockade.server.uploads import unpack_archive
 from stockade.types import Limits, MiB
@@ -302,11 +304,9 @@ async def run_events(
             if not rows:
                 await asyncio.sleep(service.config.event_poll_s)
 
-    return StreamingResponse(
-        stream(),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
-    )
+    # taken last: nothing between here and the response's end can leave it held
+    slot = service.streams.take(caller.tenant.id, who=f"tenant {caller.tenant.id!r}")
+    return HeldStream(stream(), slot=slot, headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
 
 
 @router.get("/v1/runs/{run_id}/approvals", summary="The run's approval requests and decisions")

@@ -17,6 +17,7 @@ from stockade.server.runner import Runner
 from stockade.server.sandboxes import SandboxRegistry
 from stockade.server.snapshots import TenantSnapshots
 from stockade.server.state import DatabaseApprovals, DatabaseKillSource, ServiceStore, open_database
+from stockade.server.streams import StreamSlots
 
 __all__ = ["Service"]
 
@@ -36,6 +37,7 @@ class Service:
         backends: Callable[[str], Backend] | None = None,
     ) -> None:
         check_tenants(config.tenants)
+        self.streams = StreamSlots(config.max_streams)  # event streams open, per tenant
         self.config = config
         self.tenants = config.tenants
         self.store = ServiceStore(open_database(config.database))

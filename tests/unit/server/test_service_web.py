@@ -1,10 +1,13 @@
-"""The service's face to browsers, through the real application (``create_app``) under
-uvicorn on 127.0.0.1 in a thread, on a real SQLite database: the interactive docs (a CDN's
-scripts on the viewer's origin) only when asked for."""
+"""The service's face to browsers and to followers of runs, through the real application
+(``create_app``) under uvicorn on 127.0.0.1 in a thread, on a real SQLite database: the
+interactive docs (a CDN's scripts on the viewer's origin) only when asked for; the event
+streams (the API's and the viewer's) ending when their run pauses, and held by a tenant a few
+at a time, given back when they end or their client goes; the viewer's ``after`` bounded."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 from collections.abc import Iterator
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx2
+import pytest
 import uvicorn
 from typer.testing import CliRunner
 
@@ -22,6 +26,8 @@ from stockade.server.service import Service
 from stockade.server.tenants import Tenant, Tenants, new_token
 from tests.conftest import wait_for
 from tests.unit.server.test_run_controls import Recorded
+
+STREAMS = 2  # each tenant's event streams at once, here
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,41 @@ def serving(tmp_path: Path, **config: object) -> Iterator[Served]:
         thread.join(15)
 
 
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Served]:
+    with serving(tmp_path, max_streams=STREAMS) as found:
+        yield found
+
+
+def add_run(served: Served, run_id: str, status: str, tenant: str = "acme") -> str:
+    store = served.service.store
+    assert store.add_run(
+        run_id=run_id, tenant=tenant, role=None, spec={"task": "t"}, labels={}, max_active=99
+    )
+    if status != "queued":
+        assert store.set_status(run_id, status)
+    return run_id
+
+
+def api(served: Served, token: str) -> httpx2.Client:
+    return httpx2.Client(base_url=served.url, timeout=10, headers={"Authorization": f"Bearer {token}"})
+
+
+def viewer(served: Served, token: str) -> httpx2.Client:
+    return httpx2.Client(base_url=served.url, timeout=10, cookies={"stockade_viewer": token})
+
+
+def events(response: httpx2.Response) -> list[tuple[str, str]]:
+    """(event, data) of a whole stream: it has to end for this to return."""
+    found, kind = [], ""
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            kind = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            found.append((kind, line.removeprefix("data: ")))
+    return found
+
+
 # -- the interactive docs --------------------------------------------------------------------------
 
 
@@ -82,3 +123,67 @@ def test_serve_asks_for_the_docs_with_a_flag_that_says_what_it_trades() -> None:
     described = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
     assert described.exit_code == 0
     assert "--docs" in described.output and "CDN" in described.output and "origin" in described.output
+
+
+# -- the viewer's stream ---------------------------------------------------------------------------
+
+
+def test_the_viewers_stream_ends_when_its_run_pauses(served: Served) -> None:
+    """A paused run may wait for days: its stream no longer polls the database meanwhile (the
+    page comes back for it now and then); a finished run's ends as before."""
+    paused = add_run(served, "acme-paused", "paused")
+    done = add_run(served, "acme-done", "success")
+    with viewer(served, served.acme) as c:
+        with c.stream("GET", f"/ui/runs/{paused}/events") as stream:
+            got = events(stream)
+        assert [kind for kind, _ in got] == ["changed", "end"]
+        assert json.loads(got[-1][1]) == {"seq": 0, "status": "paused", "waits": True}
+        # the page says where it is: nothing new, so only the end
+        with c.stream("GET", f"/ui/runs/{paused}/events", params={"status": "paused"}) as stream:
+            assert [kind for kind, _ in events(stream)] == ["end"]
+        with c.stream("GET", f"/ui/runs/{done}/events") as stream:
+            ended = events(stream)
+        assert json.loads(ended[-1][1])["waits"] is False
+    wait_for(lambda: served.service.streams.held("acme") == 0, what="the ended streams given back")
+
+
+def test_the_viewers_after_is_bounded_like_the_apis(served: Served) -> None:
+    run = add_run(served, "acme-r", "success")
+    with viewer(served, served.acme) as c:
+        for after in ("99999999999999999999999", "-1", str(2**62 + 1)):
+            refused = c.get(f"/ui/runs/{run}/events", params={"after": after})
+            assert refused.status_code == 422, (after, refused.text)
+        with c.stream("GET", f"/ui/runs/{run}/events", params={"after": str(2**62)}) as stream:
+            assert [kind for kind, _ in events(stream)] == ["changed", "end"]
+
+
+# -- streams held at once --------------------------------------------------------------------------
+
+
+def test_a_tenant_holds_a_few_streams_at_once_and_gets_them_back(served: Served) -> None:
+    """Each open stream polls the database: one tenant's thousands of them slowed everyone's
+    requests. The API's and the viewer's count together; one more is answered 429."""
+    running = [add_run(served, f"acme-{n}", "running") for n in range(3)]
+    theirs = add_run(served, "other-1", "running", tenant="other")
+    with contextlib.ExitStack() as held, api(served, served.acme) as c, viewer(served, served.acme) as ui:
+        first = held.enter_context(c.stream("GET", f"/v1/runs/{running[0]}/events"))
+        held.enter_context(ui.stream("GET", f"/ui/runs/{running[1]}/events"))
+        assert first.status_code == 200
+        wait_for(lambda: served.service.streams.held("acme") == STREAMS, what="acme's two streams")
+
+        refused = c.get(f"/v1/runs/{running[2]}/events")
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "5"
+        assert refused.json()["error"] == "RateLimited" and "event streams open" in refused.json()["detail"]
+        on_page = ui.get(f"/ui/runs/{running[2]}/events")
+        assert on_page.status_code == 429 and on_page.headers["retry-after"] == "5"
+        with api(served, served.other) as them, them.stream("GET", f"/v1/runs/{theirs}/events") as stream:
+            assert stream.status_code == 200  # another tenant's are its own
+
+        first.close()  # the client goes: its stream is given back
+        wait_for(lambda: served.service.streams.held("acme") == 1, what="the closed stream given back")
+        with c.stream("GET", f"/v1/runs/{running[2]}/events") as again:
+            assert again.status_code == 200
+
+        # a stream that ends by itself gives its slot back too
+        served.service.store.set_status(running[1], "paused")
+        wait_for(lambda: served.service.streams.held("acme") == 0, what="the paused run's stream to end")

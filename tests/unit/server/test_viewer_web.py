@@ -128,3 +128,47 @@ def test_a_decision_needs_its_form_token(viewer: tuple[str, str, str, Path]) -> 
         done = c.post(target, data={"decision": "deny", "csrf": _csrf(KEY)})
         assert done.status_code == 303 and done.headers["location"] == f"/ui/runs/{paused}"
     assert ApprovalStore(folder / "approvals").pending(paused) == []
+
+
+def test_sign_in_goes_on_only_to_a_plain_path_of_the_viewer(viewer: tuple[str, str, str, Path]) -> None:
+    """``next`` becomes a Location header as is: a character outside ASCII failed its encoding
+    (500), a CR LF broke the response (the connection dropped)."""
+    url, done, _, _ = viewer
+    elsewhere = (
+        "/ui/€", "/ui/runs/\r\nSet-Cookie: planted=1", "/ui/\x00", "/ui/\\evil.example", "//evil.example/",
+        "https://evil.example/ui/", "/elsewhere", "/ui/ x",
+    )  # fmt: skip
+    with httpx2.Client(base_url=url, timeout=10) as browser:
+        for target in elsewhere:
+            posted = browser.post("/ui/login", data={"token": KEY, "next": target})
+            assert posted.status_code == 303 and posted.headers["location"] == "/ui/", target
+            linked = browser.get("/ui/login", params={"key": KEY, "next": target})
+            assert linked.status_code == 303 and linked.headers["location"] == "/ui/", target
+            assert "planted" not in posted.headers.get("set-cookie", "")
+        kept = browser.post("/ui/login", data={"token": KEY, "next": f"/ui/runs/{done}?x=1"})
+        assert kept.headers["location"] == f"/ui/runs/{done}?x=1"
+
+
+async def test_the_cookie_is_secure_when_the_request_came_over_https(
+    viewer: tuple[str, str, str, Path],
+) -> None:
+    _, _, _, folder = viewer
+    source = LocalRuns(f"sqlite:///{folder / 'a.db'}", approvals=folder / "approvals")
+    transport = httpx2.ASGITransport(app=local_app(source, KEY))
+    try:
+        for scheme, secure in (("https", True), ("http", False)):
+            async with httpx2.AsyncClient(
+                transport=transport, base_url=f"{scheme}://viewer.example"
+            ) as browser:
+                signed = await browser.post("/ui/login", data={"token": KEY})
+                cookie = signed.headers["set-cookie"].lower()
+                assert signed.status_code == 303 and ("; secure" in cookie) is secure, cookie
+    finally:
+        source.close()
+
+
+def test_an_after_past_any_sequence_number_is_refused(viewer: tuple[str, str, str, Path]) -> None:
+    url, done, _, _ = viewer
+    with client(url) as c:
+        refused = c.get(f"/ui/runs/{done}/events", params={"after": "99999999999999999999999"})
+        assert refused.status_code == 422

@@ -5,16 +5,18 @@ live updates, no asset from anywhere else.
     /ui/runs/{id}             one run: its timeline, its approvals, its diff, its chain
     /ui/runs/{id}/body        the same page's body, for the live updates
     /ui/runs/{id}/events      Server-Sent Events: "changed" when the run's trail grows, "end"
+                              once it ended or waits (paused, broken): the page reconnects to a
+                              waiting run now and then; a tenant holds a few streams at once
     /ui/runs/{id}/approvals/{request}   POST approve or deny (the role decides who may)
     /ui/login, /ui/logout     a token for the viewer: an API token (the service), or the key
                               ``stockade ui`` prints (a laptop)
 
 Everything the model or its code produced is untrusted: the templates escape it, and every page
 carries a Content-Security-Policy that runs no script but the viewer's own file, so a tool
-output holding ``<script>`` is text. The cookie is HttpOnly and SameSite=Strict; forms carry a
-token derived from it (CSRF), and sign-in and sign-out take a form only from the viewer's own
-pages (``Sec-Fetch-Site``, else ``Origin``): another site's form cannot sign a browser in to
-a tenant of its choosing.
+output holding ``<script>`` is text. The cookie is HttpOnly and SameSite=Strict (and Secure
+when the request came over https); forms carry a token derived from it (CSRF), and sign-in
+and sign-out take a form only from the viewer's own pages (``Sec-Fetch-Site``, else
+``Origin``): another site's form cannot sign a browser in to a tenant of its choosing.
 """
 
 from __future__ import annotations
@@ -25,19 +27,21 @@ import hashlib
 import hmac
 import importlib.resources
 import json
+import re
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from typing import Annotated, Any, Protocol
 from urllib.parse import quote, urlencode, urlsplit
 
 import anyio
-from fastapi import APIRouter, Form, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi import APIRouter, Form, Query, Request
+from fastapi.responses import Response
 
 from stockade import __version__
 from stockade import exceptions as exc
 from stockade.policy.approval import Choice
-from stockade.server.viewer.data import SETTLED, STATUSES, Filters, RunSource, RunView
+from stockade.server.streams import HeldStream, StreamSlot, StreamSlots
+from stockade.server.viewer.data import SETTLED, STATUSES, Filters, RunSource, RunView, ServiceRuns
 
 __all__ = ["CSP", "KeyAuth", "ServiceAuth", "ViewerAuth", "local_app", "viewer_router"]
 
@@ -59,6 +63,13 @@ STATIC = {
     "icon.svg": "image/svg+xml",
 }
 POLL_S = 0.5
+# a run that waits for someone (an approval; a look at why its actions failed): its stream ends
+# as the API's does, and the page comes back for it now and then (viewer.js)
+WAITING = frozenset({"paused", "broken"})
+LOCAL_STREAMS = 16  # `stockade ui`'s streams open at once (the service's: ServiceConfig.max_streams)
+MAX_SEQ = 2**62  # as the API's `after`: a bigger number is no sequence number the database holds
+# where a sign-in may go on to: a plain path (printable ASCII: it becomes a Location header)
+_PLAIN_PATH = re.compile(r"[!-~]*")
 
 
 class ViewerAuth(Protocol):
@@ -75,6 +86,10 @@ class ViewerAuth(Protocol):
 
     def release(self, source: RunSource) -> None: ...
 
+    def stream(self, source: RunSource) -> StreamSlot:
+        """A slot for one more event stream of ``source``'s holder; ``RateLimited`` when it
+        has as many open as it may."""
+
 
 class KeyAuth:
     """``stockade ui``: one source, and a key printed at start (a laptop's other users can
@@ -86,6 +101,7 @@ class KeyAuth:
     def __init__(self, source: RunSource, key: str) -> None:
         self._source = source
         self.key = key
+        self.streams = StreamSlots(LOCAL_STREAMS)
 
     def source(self, credential: str) -> RunSource:
         if not hmac.compare_digest(credential.encode(), self.key.encode()):
@@ -94,6 +110,9 @@ class KeyAuth:
 
     def release(self, source: RunSource) -> None:
         pass
+
+    def stream(self, source: RunSource) -> StreamSlot:
+        return self.streams.take("local", who="this viewer")
 
 
 class ServiceAuth:
@@ -106,14 +125,18 @@ class ServiceAuth:
         self.service = service
 
     def source(self, credential: str) -> RunSource:
-        from stockade.server.viewer.data import ServiceRuns
-
         principal = self.service.tenants.authenticate(credential)
         self.service.limits.admit(principal)
         return ServiceRuns(self.service, principal)
 
     def release(self, source: RunSource) -> None:
         pass
+
+    def stream(self, source: RunSource) -> StreamSlot:
+        assert isinstance(source, ServiceRuns)  # what ``source`` made
+        tenant = source.principal.tenant.id
+        slot: StreamSlot = self.service.streams.take(tenant, who=f"tenant {tenant!r}")  # with the API's
+        return slot
 
 
 def _templates() -> Any:
@@ -177,10 +200,9 @@ def _same_site(request: Request) -> bool:
 class _Viewer:
     """The routes' bodies, over one ``auth``."""
 
-    def __init__(self, auth: ViewerAuth, prefix: str, secure_cookie: bool) -> None:
+    def __init__(self, auth: ViewerAuth, prefix: str) -> None:
         self.auth = auth
         self.prefix = prefix
-        self.secure_cookie = secure_cookie
         self.env = _templates()
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -189,7 +211,9 @@ class _Viewer:
         html = self.env.get_template(template).render(prefix=self.prefix, version=__version__, **values)
         return Response(html, status_code=status, media_type="text/html; charset=utf-8", headers=HEADERS)
 
-    def redirect(self, url: str, *, cookie: str | None = None, clear: bool = False) -> Response:
+    def redirect(
+        self, url: str, *, cookie: str | None = None, clear: bool = False, request: Request | None = None
+    ) -> Response:
         response = Response(status_code=303, headers={**HEADERS, "Location": url})
         if cookie is not None:
             response.set_cookie(
@@ -197,7 +221,9 @@ class _Viewer:
                 cookie,
                 httponly=True,
                 samesite="strict",
-                secure=self.secure_cookie,
+                # over https, never sent back over plain http (a proxy's X-Forwarded-Proto
+                # counts when uvicorn trusts it: FORWARDED_ALLOW_IPS, this host by default)
+                secure=request is not None and request.url.scheme == "https",
                 path=self.prefix,
                 max_age=12 * 3600,
             )
@@ -206,8 +232,10 @@ class _Viewer:
         return response
 
     def target(self, next: str) -> str:
-        """Where to go after signing in: a page of the viewer, nowhere else (no open redirect)."""
-        return next if next.startswith(self.prefix + "/") and "//" not in next else f"{self.prefix}/"
+        """Where to go after signing in: a page of the viewer, nowhere else (no open redirect),
+        given as a plain path (printable ASCII, no backslash: it goes into a header as is)."""
+        plain = _PLAIN_PATH.fullmatch(next) is not None and "\\" not in next and "//" not in next
+        return next if plain and next.startswith(self.prefix + "/") else f"{self.prefix}/"
 
     async def signed_in(self, request: Request) -> tuple[RunSource, str] | None:
         credential = request.cookies.get(COOKIE)
@@ -226,14 +254,14 @@ class _Viewer:
 
     # -- sign-in -------------------------------------------------------------------------------
 
-    async def login_form(self, key: str | None = None, next: str = "") -> Response:
+    async def login_form(self, request: Request, key: str | None = None, next: str = "") -> Response:
         target = self.target(next)
         if key and self.auth.link_sign_in:  # the link `stockade ui` prints
             try:
                 await _blocking(lambda: self.auth.source(key))
             except exc.AuthenticationError as error:
                 return self.page("login.html", 401, error=str(error), hint=self.auth.hint, next=target)
-            return self.redirect(target, cookie=key)
+            return self.redirect(target, cookie=key, request=request)
         return self.page("login.html", error=None, hint=self.auth.hint, next=target)
 
     async def login(
@@ -246,7 +274,7 @@ class _Viewer:
             await _blocking(lambda: self.auth.source(token.strip()))
         except exc.StockadeError as error:
             return self.page("login.html", 401, error=str(error), hint=self.auth.hint, next=target)
-        return self.redirect(target, cookie=token.strip())
+        return self.redirect(target, cookie=token.strip(), request=request)
 
     async def logout(self, request: Request) -> Response:
         if not _same_site(request):
@@ -331,13 +359,25 @@ class _Viewer:
         run, source, credential = got
         return self.page("_run_body.html", run=run, source=source, csrf=_csrf(credential))
 
-    async def run_events(self, request: Request, run_id: str, after: int = 0) -> Response:
+    async def run_events(
+        self,
+        request: Request,
+        run_id: str,
+        after: Annotated[int, Query(ge=0, le=MAX_SEQ)] = 0,
+        status: Annotated[str, Query(max_length=32)] = "",  # the page's: unchanged is no news
+    ) -> Response:
         who = await self.signed_in(request)
         if who is None:
             return Response("sign in first", status_code=401, headers=HEADERS)
-        return StreamingResponse(
-            _changes(request, who[0], run_id, after),
-            media_type="text/event-stream",
+        source = who[0]
+        try:
+            slot = self.auth.stream(source)
+        except exc.RateLimited as error:
+            retry = str(max(1, round(error.retry_after or 1)))
+            return Response(str(error), status_code=429, headers={**HEADERS, "Retry-After": retry})
+        return HeldStream(
+            _changes(request, source, run_id, after, status or None),
+            slot=slot,
             headers={**HEADERS, "X-Accel-Buffering": "no"},
         )
 
@@ -373,9 +413,12 @@ async def _blocking(function: Callable[[], Any]) -> Any:
     return await anyio.to_thread.run_sync(function)
 
 
-async def _changes(request: Request, source: RunSource, run_id: str, after: int) -> AsyncIterator[bytes]:
-    """``changed`` each time the run's trail grows or its status moves; ``end`` once it settled."""
-    seq, status = after, None
+async def _changes(
+    request: Request, source: RunSource, run_id: str, after: int, status: str | None
+) -> AsyncIterator[bytes]:
+    """``changed`` each time the run's trail grows or its status moves; ``end`` once it settled
+    or waits (a paused run may wait for days: the page comes back for it, not this loop)."""
+    seq = after
     while True:
         changed = await _blocking(functools.partial(source.changes, run_id, seq))
         if changed is None:
@@ -385,17 +428,19 @@ async def _changes(request: Request, source: RunSource, run_id: str, after: int)
         if last != seq or now != status:
             seq, status = last, now
             yield f"event: changed\ndata: {json.dumps({'seq': seq, 'status': status})}\n\n".encode()
-        elif now in SETTLED:
-            yield f"event: end\ndata: {json.dumps({'seq': seq, 'status': status})}\n\n".encode()
+        elif now in SETTLED or now in WAITING:
+            waits = now in WAITING  # the page comes back later: a decision sends the run on
+            ended = {"seq": seq, "status": status, "waits": waits}
+            yield f"event: end\ndata: {json.dumps(ended)}\n\n".encode()
             return
         if await request.is_disconnected():
             return
         await asyncio.sleep(POLL_S)
 
 
-def viewer_router(auth: ViewerAuth, *, prefix: str = "/ui", secure_cookie: bool = False) -> APIRouter:
+def viewer_router(auth: ViewerAuth, *, prefix: str = "/ui") -> APIRouter:
     """The viewer's routes; ``auth`` says whose runs a cookie shows."""
-    viewer = _Viewer(auth, prefix, secure_cookie)
+    viewer = _Viewer(auth, prefix)
     router = APIRouter(prefix=prefix, include_in_schema=False)
     get, post = ["GET"], ["POST"]
     router.add_api_route("/login", viewer.login_form, methods=get)
