@@ -245,6 +245,17 @@ def test_files_round_trip_text_and_bytes(sbx: Sandbox) -> None:
     assert sbx.commands.run("python3 src/app.py").stdout == "hi\n", "files are visible to commands"
 
 
+def test_a_read_of_a_range_answers_that_range_and_no_more(sbx: Sandbox) -> None:
+    # read_file and apply_patch read this way: the host holds what it asked for, not the file
+    sbx.run_code("open('/workspace/big.txt', 'wb').write(bytes(range(256)) * (40 << 12))")  # 10 MiB
+    blob = bytes(range(256)) * (40 << 12)
+    assert sbx.files.read_range("big.txt", 5, 10) == blob[5:15]
+    span = sbx.files.read_range("big.txt", (4 << 20) - 7, 5 << 20)  # over a transfer chunk's end
+    assert span == blob[(4 << 20) - 7 : (9 << 20) - 7]
+    assert sbx.files.read_range("big.txt", len(blob) - 3, 100) == blob[-3:]
+    assert sbx.files.read_range("big.txt", len(blob) + 1, 100) == b""
+
+
 def test_files_list_exists_remove_make_dir(sbx: Sandbox) -> None:
     sbx.files.make_dir("a/b")
     sbx.files.write("a/b/c.txt", "c")

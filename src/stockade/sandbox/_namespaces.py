@@ -12,6 +12,7 @@ from stockade.sandbox._requests import (
     check_path,
     command_op,
     file_text,
+    range_op,
     tar_directory,
     text_sink,
 )
@@ -73,6 +74,11 @@ class Files:
     def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> str | bytes:
         data = self._instance.execute(ReadFile(path=check_path(path)))
         return data if format == "bytes" else file_text(data, path)
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        """At most ``length`` bytes of the file from byte ``offset`` (fewer at its end): the
+        host holds that much of it, however large the file."""
+        return self._instance.execute(range_op(path, offset, length))
 
     def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> EntryInfo:
         raw = data.encode() if isinstance(data, str) else data
@@ -170,6 +176,10 @@ class AsyncFiles:
     async def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> str | bytes:
         data = await self._instance.aexecute(ReadFile(path=check_path(path)))
         return data if format == "bytes" else file_text(data, path)
+
+    async def read_range(self, path: str, offset: int, length: int) -> bytes:
+        """``Files.read_range``'s twin."""
+        return await self._instance.aexecute(range_op(path, offset, length))
 
     async def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> EntryInfo:
         raw = data.encode() if isinstance(data, str) else data

@@ -26,6 +26,7 @@ __all__ = [
     "check_path",
     "code_op",
     "command_op",
+    "range_op",
     "tar_directory",
     "text_sink",
 ]
@@ -64,6 +65,13 @@ def file_text(data: bytes, path: str, cap: int = ReadFile.max_bytes) -> str:
                 path=path,
             )
     return data.decode("utf-8", "replace")
+
+
+def range_op(path: str, offset: int, length: int) -> ReadFile:
+    """The read of ``length`` bytes of ``path`` from ``offset``, refused when it names no range."""
+    if offset < 0 or length < 0:
+        raise exc.ConfigurationError(f"a read's offset and length must be >= 0, not {offset} and {length}")
+    return ReadFile(path=check_path(path), offset=offset, length=length)
 
 
 def check_path(path: str) -> str:

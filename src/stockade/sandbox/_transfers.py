@@ -72,20 +72,25 @@ class FileRequests:
         return tuple(entry_info(e) for e in entries)
 
     def read(self, op: ReadFile) -> bytes:
-        """Read in chunks: the supervisor never holds a whole large file in memory."""
+        """Read in chunks: the supervisor never holds a whole large file in memory, and the
+        host holds no more than ``op.length`` of it."""
         chunks: list[bytes] = []
-        offset = 0
-        while True:
-            args = {"path": op.path, "max_bytes": op.max_bytes, "offset": offset, "length": TRANSFER_CHUNK}
+        offset = op.offset
+        end = op.max_bytes if op.length is None else min(op.offset + op.length, op.max_bytes)
+        while offset < end:
+            asked = min(TRANSFER_CHUNK, end - offset)
+            args = {"path": op.path, "max_bytes": op.max_bytes, "offset": offset, "length": asked}
             h, data = self.request("read", args)
-            if len(data) > TRANSFER_CHUNK or offset + len(data) > op.max_bytes:
-                # The supervisor is untrusted: one that keeps sending must not fill our memory.
+            if len(data) > asked or int_field(h.get("size")) > op.max_bytes:
+                # The supervisor is untrusted: one that keeps sending must not fill our memory
+                # (an honest one refuses a file over max_bytes rather than send any of it).
                 self._close()
                 raise exc.ProtocolError(f"the supervisor sent more of {op.path!r} than asked for")
             chunks.append(data)
             offset += len(data)
-            if len(data) < TRANSFER_CHUNK or offset >= int_field(h.get("size")):
-                return b"".join(chunks)
+            if len(data) < asked or offset >= int_field(h.get("size")):
+                break
+        return b"".join(chunks)
 
     def get_archive(self, op: GetArchive, sink: OutputSink | None) -> bytes:
         """Pull the archive a chunk at a time: neither side ever holds more than one chunk.

@@ -106,8 +106,13 @@ class RunCode(Op[Execution]):
 
 @dataclass(frozen=True, kw_only=True)
 class ReadFile(Op[bytes]):
+    """The file's bytes from ``offset``: ``length`` of them at most (None: to its end). A file
+    over ``max_bytes`` is refused whatever part of it is asked for."""
+
     path: str
     max_bytes: int = 256 * 1024 * 1024
+    offset: int = 0
+    length: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -145,7 +145,10 @@ class MemoryWorkspace:
             raise exc.FileTypeError(f"{op.path!r} is a directory", path=op.path)
         if path not in self.files:
             raise exc.SandboxFileNotFound(f"{op.path!r}: no such file", path=op.path)
-        return self.files[path]
+        data = self.files[path]
+        if op.offset == 0 and (op.length is None or op.length >= len(data)):
+            return data
+        return data[op.offset : None if op.length is None else op.offset + op.length]
 
     def _write(self, op: WriteFile) -> EntryInfo:
         path = self._norm(op.path)

@@ -29,6 +29,11 @@ __all__ = [
     "patch_ops",
 ]
 
+# The most text one diff may patch, all its files together: the patch holds every line of a
+# file as an object of its own (28 times the bytes of a file of short lines), and a file the
+# code wrote may be as large as the sandbox's disk. Larger files are edited with run_code.
+MAX_PATCH_BYTES = 2 * 1024 * 1024
+
 _HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 _NO_NEWLINE = "\\ No newline at end of file"
 
@@ -153,7 +158,10 @@ def _find(lines: list[str], block: list[str], expected: int, floor: int) -> int 
 
 
 def apply_to_text(original: str, patch: FilePatch) -> str:
-    """Apply every hunk of ``patch`` to ``original``, or raise ``PatchRejected`` naming the hunk."""
+    """Apply every hunk of ``patch`` to ``original``, or raise ``PatchRejected`` naming the hunk
+    (or saying the text is over ``MAX_PATCH_BYTES``)."""
+    if len(original) > MAX_PATCH_BYTES:
+        raise PatchRejected(_too_large(patch.path), path=patch.path)
     ends_with_newline = original.endswith("\n") or original == ""
     lines = original.split("\n")
     if original.endswith("\n"):
@@ -179,6 +187,25 @@ def apply_to_text(original: str, patch: FilePatch) -> str:
             ends_with_newline = not hunk.new_no_newline
     text = "\n".join(lines)
     return text + "\n" if ends_with_newline and lines else text
+
+
+def _too_large(path: str) -> str:
+    return (
+        f"{path} is too large for apply_patch: it edits up to {MAX_PATCH_BYTES:,} bytes of files "
+        "(all the files of one diff together). Nothing was changed. Edit the file with run_code."
+    )
+
+
+def _read_for_patch(sandbox: Sandbox, path: str, room: int) -> tuple[str, int]:
+    """The text of ``path`` and its size, ``PatchRejected`` when it is over ``room`` bytes: no
+    more than ``room + 1`` bytes of it are read."""
+    try:
+        data = sandbox.files.read_range(path, 0, room + 1)
+    except SandboxFileNotFound:
+        raise PatchRejected(f"{path}: no such file to patch", path=path) from None
+    if len(data) > room:
+        raise PatchRejected(_too_large(path), path=path)
+    return data.decode("utf-8", "replace"), len(data)
 
 
 def _explain(path: str, number: int, total: int, hunk: Hunk, lines: list[str], expected: int) -> str:  # noqa: PLR0917
@@ -223,11 +250,12 @@ def apply_patch_to_sandbox(sandbox: Sandbox, diff: str) -> list[tuple[str, int, 
     """
     plan: list[tuple[str, str | None, str | None]] = []  # path, before, after (None: absent)
     stats: list[tuple[str, int, int]] = []
+    room = MAX_PATCH_BYTES
     for patch in parse_unified_diff(diff):
-        try:
-            before: str | None = sandbox.files.read(patch.old_path) if patch.old_path else None
-        except SandboxFileNotFound:
-            raise PatchRejected(f"{patch.old_path}: no such file to patch", path=patch.path) from None
+        before: str | None = None
+        if patch.old_path is not None:
+            before, size = _read_for_patch(sandbox, patch.old_path, room)
+            room -= size
         if patch.old_path is None and sandbox.files.exists(patch.path):
             raise PatchRejected(
                 f"{patch.path} already exists; the diff creates it from /dev/null", path=patch.path
