@@ -95,7 +95,15 @@ from stockade.agent.events import (
     ToolRejected,
     ToolReturned,
 )
-from stockade.agent.state import CheckRecord, NodeKind, RunState, RunStatus, StepRecord, ToolCallRecord
+from stockade.agent.state import (
+    CheckRecord,
+    NodeKind,
+    RunState,
+    RunStatus,
+    StepRecord,
+    ToolCallRecord,
+    args_measure,
+)
 from stockade.exceptions import (
     ApprovalRequired,
     ConfigurationError,
@@ -129,6 +137,7 @@ from stockade.tools.workspace_diff import record_baseline, workspace_diff
 
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
+    "MAX_CALL_ARGS_BYTES",
     "Agent",
     "AgentRun",
     "CallToolsNode",
@@ -149,6 +158,11 @@ DEFAULT_SYSTEM_PROMPT = (
 )
 
 _FATAL = (SandboxCrashed, SandboxClosed, ProtocolError)
+# The most a tool call's arguments may take (as JSON): a larger call is refused before it is
+# validated, and its arguments are dropped before anything keeps them (the run's state, its
+# checkpoints and ledger, the audit trail each kept a copy: 5 calls of 4 MB made a 126 MB
+# trail). What it asked for stays provable: its size and SHA-256 are in the refusal.
+MAX_CALL_ARGS_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,12 +177,44 @@ class RunLimits:
     max_denials: int = 3  # policy denials in a row before the run ends as "denied"
     max_check_failures: int = 3  # failed acceptance checks before the run ends as "check_failed"
     max_observation_chars: int = 12_000
+    max_call_args_bytes: int = MAX_CALL_ARGS_BYTES  # a larger call is refused, as a malformed one
 
     def __post_init__(self) -> None:
-        if self.max_steps < 1 or self.max_wall_s <= 0 or self.max_tokens < 1 or self.max_check_failures < 1:
+        if (
+            self.max_steps < 1
+            or self.max_wall_s <= 0
+            or self.max_tokens < 1
+            or self.max_check_failures < 1
+            or self.max_call_args_bytes < 1
+        ):
             raise ConfigurationError(
-                "RunLimits: max_steps, max_wall_s, max_tokens and max_check_failures must be positive"
+                "RunLimits: max_steps, max_wall_s, max_tokens, max_check_failures and "
+                "max_call_args_bytes must be positive"
             )
+
+
+def _without_oversized_args(response: ModelResponse, cap: int) -> ModelResponse:
+    """``response`` with every call whose arguments are over ``cap`` bytes made a malformed
+    call without them: the loop refuses it (the model is told why) and nothing keeps them."""
+    calls: list[ToolCall] = []
+    for asked in response.tool_calls:
+        size, digest = args_measure(asked.args)
+        call = asked
+        if size > cap:
+            call = asked.model_copy(
+                update={
+                    "args": {},
+                    "malformed": (
+                        f"its arguments are {size:,} bytes ({digest}), over the {cap:,} one call may "
+                        "carry; nothing was run. Send less at once: a large file in parts, or code "
+                        "that makes it"
+                    ),
+                }
+            )
+        calls.append(call)
+    if all(a is b for a, b in zip(calls, response.tool_calls, strict=True)):
+        return response
+    return response.model_copy(update={"tool_calls": tuple(calls)})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -542,6 +588,7 @@ class AgentRun:
             )
         # Never less than was spent: negative usage is refused, none reported is estimated.
         response = response.model_copy(update={"usage": counted_usage(request, response)})
+        response = _without_oversized_args(response, agent.limits.max_call_args_bytes)
         self._emit(ModelResponded(run_id=state.run_id, step=step, response=response, duration_s=duration))
         state.usage = state.usage + response.usage
         state.cost_usd += cost_usd(response.model_name or agent.model.name, response.usage, agent.prices)

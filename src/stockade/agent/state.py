@@ -8,12 +8,36 @@ the loop mutates it.
 from __future__ import annotations
 
 import enum
+import hashlib
+import json
+from collections.abc import Mapping
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from stockade.models.messages import Message, ModelResponse, ToolCall, Usage
 
-__all__ = ["CheckRecord", "NodeKind", "RunState", "RunStatus", "StepRecord", "ToolCallRecord"]
+__all__ = [
+    "CheckRecord",
+    "NodeKind",
+    "RunState",
+    "RunStatus",
+    "StepRecord",
+    "ToolCallRecord",
+    "args_json",
+    "args_measure",
+]
+
+
+def args_json(args: Mapping[str, JsonValue]) -> str:
+    """A call's arguments as JSON, in one spelling (keys sorted): what their size and digest
+    are of."""
+    return json.dumps(args, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def args_measure(args: Mapping[str, JsonValue]) -> tuple[int, str]:
+    """The size in bytes of a call's arguments as JSON (``args_json``), and their SHA-256."""
+    raw = args_json(args).encode()
+    return len(raw), "sha256:" + hashlib.sha256(raw).hexdigest()
 
 
 class RunStatus(enum.StrEnum):

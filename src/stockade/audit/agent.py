@@ -36,7 +36,11 @@ the trail on resume, and:
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from pydantic import JsonValue
 
 from stockade.agent.events import (
     AgentEvent,
@@ -53,7 +57,7 @@ from stockade.agent.events import (
     ToolRejected,
     ToolReturned,
 )
-from stockade.agent.state import RunStatus, ToolCallRecord
+from stockade.agent.state import RunStatus, ToolCallRecord, args_measure
 from stockade.audit.events import EventKind, JSONValue
 from stockade.audit.log import AuditLog
 
@@ -63,8 +67,32 @@ __all__ = ["AuditObserver"]
 TEXT_CAP = 4096
 
 
-def _cap(text: str) -> str:
-    return text if len(text) <= TEXT_CAP else text[:TEXT_CAP] + f"…[{len(text) - TEXT_CAP} more chars]"
+def _cap(text: str, cap: int = TEXT_CAP) -> str:
+    return text if len(text) <= cap else text[:cap] + f"…[{len(text) - cap} more chars]"
+
+
+# A call's arguments are kept whole up to this many characters (as JSON); past it each of the
+# first ARGS_KEYS arguments is cut to its share and the event adds their size and SHA-256
+# (``args_bytes``, ``args_digest``, over ``args_json``), which prove what was asked. The run
+# store keeps them whole (a resumed run sends the conversation again), up to the loop's
+# MAX_CALL_ARGS_BYTES: a larger call is refused and its arguments are kept nowhere.
+ARGS_CAP = 4096
+ARGS_KEYS = 16
+
+
+def _args(args: Mapping[str, JsonValue]) -> dict[str, JSONValue]:
+    """The attributes that record a call's arguments: ``args``, cut past ``ARGS_CAP``."""
+    size, digest = args_measure(args)
+    if size <= ARGS_CAP:
+        return {"args": dict(args)}
+    share = ARGS_CAP // max(min(len(args), ARGS_KEYS), 1)
+    kept: dict[str, JSONValue] = {}
+    for key, value in list(args.items())[:ARGS_KEYS]:
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        kept[_cap(key, 128)] = value if len(text) <= share else _cap(text, share)
+    if len(args) > ARGS_KEYS:
+        kept["…"] = f"{len(args) - ARGS_KEYS} more arguments"
+    return {"args": kept, "args_bytes": size, "args_digest": digest, "args_cut": True}
 
 
 @dataclass
@@ -166,7 +194,7 @@ class AuditObserver:
                         "reason": event.reason,
                         "tool": event.call.name,
                         "call_id": event.call.id,
-                        "args": dict(event.call.args),
+                        **_args(event.call.args),
                     },
                 )
             case ToolReturned() | ToolRejected():
@@ -238,7 +266,8 @@ class AuditObserver:
             attributes={
                 "tool": r.call.name,
                 "call_id": r.call.id,
-                "args": dict(r.call.args),
+                **_args(r.call.args),
+                **({} if r.call.malformed is None else {"malformed": _cap(r.call.malformed)}),
                 "idempotency_key": r.idempotency_key,
                 "is_error": r.is_error,
                 "error_type": r.error_type,
