@@ -89,6 +89,7 @@ def test_a_remote_sandbox_is_a_sandbox(acme: Client, tmp_path: Path) -> None:
         assert sbx.run_code("echo 42", "bash").logs.stdout == "42\n"
         sbx.files.write("src/a.py", "print('hi')\n")
         assert sbx.files.read("src/a.py") == "print('hi')\n"
+        assert sbx.files.read_range("src/a.py", 6, 4) == b"'hi'"  # the service reads only that
         assert [e.name for e in sbx.files.list("src")] == ["a.py"]
         assert sbx.files.exists("src/a.py") and not sbx.files.exists("nope")
         (tmp_path / "up" / "d").mkdir(parents=True)

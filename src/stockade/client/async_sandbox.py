@@ -95,6 +95,12 @@ class AsyncRemoteFiles:
         data: bytes = (await self._request("GET", "/files/content", params={"path": path})).content
         return data if format == "bytes" else data.decode("utf-8", "replace")
 
+    async def read_range(self, path: str, offset: int, length: int) -> bytes:
+        params: dict[str, str | int] = {"path": path, "offset": offset, "length": length}
+        response = await self._request("GET", "/files/content", params=params)
+        data: bytes = response.content
+        return data
+
     async def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> EntryInfo:
         raw = data.encode() if isinstance(data, str) else data
         response = await self._request(

@@ -240,6 +240,10 @@ class RemoteFiles:
         ).content
         return data if format == "bytes" else data.decode("utf-8", "replace")
 
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        params: dict[str, str | int] = {"path": path, "offset": offset, "length": length}
+        return self._sbx.client.http.request("GET", f"{self._base}/files/content", params=params).content
+
     def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> EntryInfo:
         raw = data.encode() if isinstance(data, str) else data
         response = self._sbx.client.http.request(

@@ -696,12 +696,19 @@ async def stat_file(sandbox_id: str, request: Request, caller: Caller, path: Pat
     return _entry(entry)
 
 
-@router.get("/{sandbox_id}/files/content", summary="Read a file", response_class=Response)
-async def read_file(sandbox_id: str, request: Request, caller: Caller, path: PathQuery) -> Response:
+@router.get("/{sandbox_id}/files/content", summary="Read a file (or, with length, a range of it)",
+            response_class=Response)  # fmt: skip
+async def read_file(
+    sandbox_id: str, request: Request, caller: Caller, path: PathQuery,
+    offset: Annotated[int, Query(ge=0, le=2**62)] = 0,
+    length: Annotated[int | None, Query(ge=0, le=2**62)] = None,
+) -> Response:  # fmt: skip
     registry = _registry_of(request)
 
     def work() -> bytes:
         with registry.use(caller, sandbox_id) as sandbox:
+            if length is not None:
+                return sandbox.files.read_range(path, offset, length)
             return sandbox.files.read(path, format="bytes")
 
     return Response(content=await _blocking(work), media_type="application/octet-stream")

@@ -111,6 +111,7 @@ async def test_a_snapshot_starts_sandboxes_that_each_have_its_files(up: Up) -> N
         async with await AsyncRemoteSandbox.create(client=client, snapshot=given) as fork:
             assert fork.id != sbx.id and fork.tier == "process"
             assert await fork.files.read("data/input.txt") == "prepared"
+            assert await fork.files.read_range("data/input.txt", 3, 3) == b"par"
             assert fork.info["labels"] == {"job": "prep"} and "snapshot" in fork.info["tier_reason"]
             await fork.files.write("data/input.txt", "mine")
     listed = await client.snapshots()
