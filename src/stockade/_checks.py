@@ -11,7 +11,7 @@ from typing import TypeVar
 
 from stockade.exceptions import InvalidArgument
 
-__all__ = ["check_choice", "check_envs", "check_number", "check_timeout"]
+__all__ = ["check_choice", "check_envs", "check_id", "check_number", "check_timeout"]
 
 E = TypeVar("E", bound=StrEnum)
 
@@ -125,3 +125,25 @@ def check_envs(envs: Mapping[str, str] | None, *, argument: str = "envs") -> dic
             )
         checked[name] = value
     return checked
+
+
+MAX_ID_CHARS = 256
+
+
+def check_id(value: object, *, argument: str) -> str:
+    """An id the stores keep as it is (a run's, an actor's): text of 1 to 256 characters, no
+    control character, and UTF-8 (no lone surrogate: SQLite refuses to store one, PostgreSQL a
+    NUL, and an audit batch holding such an id failed for good, with every event after it)."""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS:
+        raise InvalidArgument(
+            f"{argument} must be text of 1 to {MAX_ID_CHARS} characters, got {_shown(value)}",
+            argument=argument,
+            fix="give an opaque id such as 'job-42' (leave it out for a random one where it may be)",
+        )
+    if any(ord(c) < 0x20 or ord(c) == 0x7F or 0xD800 <= ord(c) <= 0xDFFF for c in value):
+        raise InvalidArgument(
+            f"{argument} {_shown(value)} holds a control character or bytes that are no UTF-8",
+            argument=argument,
+            fix="give printable text (an opaque id such as 'job-42')",
+        )
+    return value

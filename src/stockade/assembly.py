@@ -59,7 +59,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from stockade._checks import check_choice
+from stockade._checks import check_choice, check_id
 from stockade.agent.checkpoint import Checkpointer
 from stockade.agent.events import (
     AgentEvent,
@@ -574,6 +574,7 @@ class AgentSession:
 
     def __init__(self, owner: GuardedAgent, run_id: str, *, subject: str | None = None) -> None:
         config, log = owner.config, owner.audit_log
+        check_id(run_id, argument="run_id")
         if log.redactor.text(run_id) != run_id:  # stored redacted, runs would share one id
             raise InvalidArgument(
                 f"run id {run_id!r} holds what the audit trail's redactor removes (a secret, a token or "

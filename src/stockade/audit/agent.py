@@ -143,7 +143,7 @@ class AuditObserver:
                     },
                 )
             case ModelRequested():
-                pass  # recorded once, with its outcome, as ModelResponded
+                self.log.check()  # recorded once, with its outcome; not asked while it cannot be
             case ModelResponded():
                 response = event.response
                 seen = self._in_trail.get(event.run_id)
@@ -181,7 +181,7 @@ class AuditObserver:
                     },
                 )
             case ToolCalled():
-                pass  # recorded once, with its outcome, as ToolReturned (or ToolDenied)
+                self.log.check()  # recorded once, with its outcome; not made while it cannot be
             case ToolDenied():
                 record(
                     EventKind.POLICY_DECISION,

@@ -79,10 +79,13 @@ def canonical(obj: Mapping[str, Any]) -> bytes:
     escape: UTF-8 has no bytes for it, and one in an event made every later write of that
     log fail (the batch that held it was tried again, and failed again, for good)."""
     text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    try:
-        return text.encode()
-    except UnicodeEncodeError:
-        return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text).encode()
+    return json_utf8(text).encode()
+
+
+def json_utf8(text: str) -> str:
+    """JSON text (from ``json.dumps(..., ensure_ascii=False)``) with its lone surrogates as their
+    escapes: text UTF-8 can write, and the same JSON (a surrogate is only ever in a string)."""
+    return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")

@@ -4,15 +4,18 @@
 the store, or a log line about a failed write) and queues it; events are sealed and written
 in batches, when ``batch_size`` are queued, every ``flush_interval_s`` from a background
 thread, and on ``flush()``/``close()``. If the store fails, the events stay queued and the
-next ``record()`` raises ``AuditStoreError``: a broken audit trail stops the caller rather
-than letting it act unrecorded. A log its owner never closed is flushed at the
-interpreter's exit, after every egress proxy left open closed (``stockade._exit``: the
-flusher is a daemon thread, frozen then, and would lose the last ``flush_interval_s`` of
-events); a ``SIGKILL`` loses them (docs/architecture.md).
+next ``record()`` (and every one until a write succeeds) raises ``AuditStoreError``, as
+``check()`` does before each action of the wrappers that record them: a broken audit trail
+stops the caller rather than letting it act unrecorded (what the failed batch held, actions
+of the last ``flush_interval_s``, stays queued for the next write). A log its owner never
+closed is flushed at the interpreter's exit, after every egress proxy left open closed
+(``stockade._exit``: the flusher is a daemon thread, frozen then, and would lose the last
+``flush_interval_s`` of events); a ``SIGKILL`` loses them (docs/architecture.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -21,6 +24,7 @@ from types import TracebackType
 
 from stockade import _exit
 from stockade import exceptions as exc
+from stockade._checks import check_id
 from stockade.audit.events import AuditEvent, Chain, Draft, EventKind
 from stockade.audit.redact import Redactor
 from stockade.audit.sealing import Sealer
@@ -92,7 +96,11 @@ class AuditLog:
         attributes: Mapping[str, object] | None = None,
         timestamp_ns: int | None = None,
     ) -> None:
-        """Queue one event. ``attributes`` are redacted and made JSON here, on this thread."""
+        """Queue one event. ``attributes`` are redacted and made JSON here, on this thread.
+        ``InvalidArgument`` for a run id or actor the store cannot keep (nothing queued)."""
+        check_id(run_id, argument="run_id")
+        if actor:
+            check_id(actor, argument="actor")
         redact = self.redactor
         attrs = redact.attributes(attributes) if attributes else {}
         sealer = self._sealers.get(run_id)
@@ -119,13 +127,20 @@ class AuditLog:
                 )
             self._pending.append(draft)
             full = len(self._pending) >= self.batch_size
-            error, self._error = self._error, None
-        if error is not None:
-            raise exc.AuditStoreError(f"writing to the audit store failed: {error}") from error
+        self.check()
         if full:
             self.flush()
         elif self.flush_interval_s is not None and self._flusher is None:
             self._start_flusher()
+
+    def check(self) -> None:
+        """``AuditStoreError`` while the trail is broken: from the write that failed until one
+        succeeds, every ``record()`` and every ``check()`` raises. The wrappers that record
+        actions (``AuditedBackend``, the agent's ``AuditObserver``) check before each action,
+        so that none runs unrecorded once a write failed."""
+        error = self._error
+        if error is not None:
+            raise exc.AuditStoreError(f"writing to the audit store failed: {error}") from error
 
     def flush(self) -> list[AuditEvent]:
         """Seal and write everything queued; returns the sealed events. Raises ``AuditStoreError``."""
@@ -135,11 +150,16 @@ class AuditLog:
             if not batch:
                 return []
             try:
-                return self.store.append(batch, self.chain)
-            except BaseException:
+                sealed = self.store.append(batch, self.chain)
+            except BaseException as error:
                 with self._pending_lock:
                     self._pending[:0] = batch  # keep order: the failed batch goes first next time
+                    if isinstance(error, Exception):
+                        self._error = error  # broken until a write succeeds
                 raise
+            with self._pending_lock:
+                self._error = None
+            return sealed
 
     @property
     def pending(self) -> int:
@@ -160,11 +180,8 @@ class AuditLog:
             self._wake.wait(self.flush_interval_s)
             if self._closed:
                 return
-            try:
+            with contextlib.suppress(Exception):  # kept by flush(): raised on the caller's thread
                 self.flush()
-            except Exception as error:  # reported to the next record() on the caller's thread
-                with self._pending_lock:
-                    self._error = error
 
     def close(self) -> None:
         """Write what is queued and stop the background flusher. Idempotent; the store stays open."""

@@ -196,6 +196,7 @@ class AuditedInstance(WrapperInstance):
         if described is None:
             return self.wrapped.handle(op, sink)
         kind, attributes = described
+        self.log.check()  # a trail that cannot be written: the action is not taken
         self._ops += 1
         start = time.perf_counter()
         try:

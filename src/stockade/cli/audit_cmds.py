@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Annotated, TextIO
 import typer
 
 from stockade import exceptions as exc
-from stockade.audit.events import AuditEvent
+from stockade.audit.events import AuditEvent, json_utf8
 from stockade.audit.stores import AuditStore, open_store
 from stockade.audit.verify import verify as verify_store
 from stockade.cli._console import CliConsole, escape
@@ -200,7 +200,8 @@ def verify(
 
 
 def _write(event: AuditEvent, stream: TextIO) -> None:
-    stream.write(json.dumps(event.to_json(), ensure_ascii=False, separators=(",", ":")) + "\n")
+    # an exec's argv of bytes that are no UTF-8 holds lone surrogates: escaped, the line is UTF-8
+    stream.write(json_utf8(json.dumps(event.to_json(), ensure_ascii=False, separators=(",", ":"))) + "\n")
 
 
 def export(
@@ -227,7 +228,7 @@ def export(
 
 def _line(event: AuditEvent) -> str:
     duration = "" if event.duration_s is None else f" {event.duration_s * 1000:.1f}ms"
-    attrs = json.dumps(event.attributes, ensure_ascii=False, separators=(",", ":"))
+    attrs = json_utf8(json.dumps(event.attributes, ensure_ascii=False, separators=(",", ":")))
     when = event.timestamp.strftime("%Y-%m-%d %H:%M:%S")
     who = f"{event.run_id} #{event.step} {event.actor}"
     return f"{event.seq:>8} {when} {who} {event.kind.value}{duration} {attrs}"

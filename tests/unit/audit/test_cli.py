@@ -62,6 +62,26 @@ def test_export_writes_one_json_event_per_line(tmp_path: Path) -> None:
     assert all(e["run_id"] == "run-a" and len(e["hash"]) == 64 for e in events)
 
 
+def test_an_export_of_an_argv_of_bytes_that_are_no_utf8_is_whole_and_utf8(tmp_path: Path) -> None:
+    """Code ran `true b'\\xff'`: its exec record holds a lone surrogate. The export to a file
+    stopped at that event with a UnicodeEncodeError; to stdout it wrote the raw byte."""
+    store = SQLiteStore(tmp_path / "a.db")
+    with AuditLog(store) as log:
+        log.record(
+            EventKind.EXEC,
+            run_id="run-a",
+            attributes={"argv": ["true", b"\xff".decode(errors="surrogateescape")]},
+        )
+        log.record(EventKind.COMMAND, run_id="run-a", step=1, attributes={"argv": ["ls"]})
+    store.close()
+    out = tmp_path / "out.jsonl"
+    result = runner.invoke(app, ["audit", "export", "--db", f"sqlite:///{tmp_path / 'a.db'}", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    events = [json.loads(line) for line in out.read_bytes().decode("utf-8").splitlines()]
+    assert [e["seq"] for e in events] == [1, 2]
+    assert events[0]["attributes"]["argv"] == ["true", "\udcff"]
+
+
 def test_tail_prints_the_last_events(tmp_path: Path) -> None:
     result = runner.invoke(app, ["audit", "tail", "--db", make_store(tmp_path / "a.db"), "-n", "2"])
     assert result.exit_code == 0

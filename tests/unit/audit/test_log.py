@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from stockade.audit import AuditEvent, AuditLog, Chain, Draft, EventKind, MemoryStore, SQLiteStore, verify
-from stockade.exceptions import AuditStoreError, ConfigurationError
+from stockade.exceptions import AuditStoreError, ConfigurationError, InvalidArgument
+from tests.conftest import wait_for
 
 
 class FlakyStore(MemoryStore):
@@ -91,10 +92,44 @@ def test_a_failed_write_keeps_the_events_and_stops_the_caller() -> None:
         record(log, 2)  # fills the batch; the write fails: the caller hears of it
     assert log.pending == 2
 
-    record(log, 3)
+    with pytest.raises(AuditStoreError):  # still broken: every caller is stopped, its event kept
+        record(log, 3)
+    with pytest.raises(AuditStoreError):  # and what checks before it acts does not act
+        log.check()
+    log.flush()  # the store is back
+    log.check()
+    record(log, 4)
     log.flush()
-    assert [e.step for e in store.events()] == [1, 2, 3]
+    assert [e.step for e in store.events()] == [1, 2, 3, 4]
     assert verify(store).ok
+
+
+def test_a_failed_background_write_stops_every_caller_until_one_succeeds() -> None:
+    store = FlakyStore(failures=3)
+    log = AuditLog(store, flush_interval_s=0.01)
+    record(log, 1)
+    wait_for(lambda: store.failures < 3, what="the background write to fail", timeout_s=5, interval_s=0.01)
+    with pytest.raises(AuditStoreError):
+        log.check()
+    wait_for(lambda: store.head() is not None, what="a write to succeed", timeout_s=5, interval_s=0.01)
+    log.check()
+    record(log, 2)
+    log.close()
+    assert [e.step for e in store.events()] == [1, 2]
+
+
+@pytest.mark.parametrize("run_id", ["job-\udcff", "job\x00", "", "x" * 257, "a\nb"])
+def test_a_run_id_no_store_can_keep_is_refused_and_never_wedges_the_log(run_id: str, tmp_path: Path) -> None:
+    """A lone surrogate (bytes that are no UTF-8) SQLite refuses to store, a NUL PostgreSQL: queued,
+    it failed its batch, for good, with every event after it."""
+    store = SQLiteStore(tmp_path / "audit.db")
+    log = AuditLog(store, flush_interval_s=None)
+    with pytest.raises(InvalidArgument) as refused:
+        log.record(EventKind.TOOL_CALL, run_id=run_id)
+    assert refused.value.argument == "run_id" and log.pending == 0
+    record(log, 1)
+    log.close()
+    assert [e.step for e in store.events()] == [1]
 
 
 def test_a_closed_log_refuses_events() -> None:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 from stockade import CommandResult, SandboxFileNotFound, SandboxStartError
-from stockade.audit import AuditedBackend, EventKind, verify
+from stockade.audit import AuditedBackend, AuditEvent, AuditLog, Chain, Draft, EventKind, MemoryStore, verify
+from stockade.exceptions import AuditStoreError
 from stockade.sandbox import Sandbox
 from stockade.sandbox.base import Instance, SandboxSpec
+from stockade.sandbox.ops import RunCommand
 from stockade.testing import FakeBackend, MemoryWorkspace, capture_audit
 
 
@@ -86,3 +90,32 @@ def test_stop_is_recorded_once() -> None:
         instance.close()
         instance.close()
         assert audit.kinds().count(EventKind.SANDBOX_STOP) == 1
+
+
+class AwayStore(MemoryStore):
+    """A store that can no longer be written (its disk full, its database away)."""
+
+    def append(self, drafts: Sequence[Draft], chain: Chain) -> list[AuditEvent]:
+        raise AuditStoreError("disk full")
+
+
+def test_no_action_is_taken_while_the_trail_cannot_be_written() -> None:
+    """Fail closed: once a write of the trail failed, the next action is refused before it runs
+    (it used to run, and its caller heard only at the next write, 0.2 s later, of which actions
+    in between 34 of 40 returned as if recorded)."""
+    ran: list[str] = []
+
+    def command(op: RunCommand) -> CommandResult:
+        ran.append(" ".join(op.argv))
+        return CommandResult(exit_code=0, stdout="", stderr="", duration_s=0.0)
+
+    log = AuditLog(AwayStore(), flush_interval_s=None)
+    backend = AuditedBackend(FakeBackend(MemoryWorkspace(commands=command)), log, run_id="run-1")
+    sbx = Sandbox.create(backend=backend)
+    sbx.commands.run("first")
+    with pytest.raises(AuditStoreError):
+        log.flush()
+    for _ in range(3):
+        with pytest.raises(AuditStoreError):
+            sbx.commands.run("rm -rf build")
+    assert ran == ["/bin/sh -c first"]
