@@ -457,7 +457,7 @@ class CommandResult:
     stderr_bytes: int = 0
     signal: int | None = None
     execs: tuple[ExecRecord, ...] = ()  # what the sandbox's rules judged (with SandboxRules)
-    execs_omitted: int = 0  # execs past what a report keeps (all of them the rules let run)
+    execs_omitted: int = 0  # execs past what a report keeps (its count, then its bytes)
 
     @property
     def ok(self) -> bool:
@@ -512,7 +512,7 @@ class Execution:
     timed_out: bool = False
     truncated: bool = False
     execs: tuple[ExecRecord, ...] = ()  # what the sandbox's rules judged (with SandboxRules)
-    execs_omitted: int = 0  # execs past what a report keeps (all of them the rules let run)
+    execs_omitted: int = 0  # execs past what a report keeps (its count, then its bytes)
 
     @property
     def text(self) -> str | None:

@@ -80,6 +80,31 @@ def test_a_denied_program_cannot_be_read_from_run_code(denying: Sandbox) -> None
     assert e.error is not None or e.text in ("b''", None)
 
 
+# A word of 10,000 characters (the compiled judge hands its record to Python, which cuts it),
+# then 600 execs of a 2,000-byte word each (as a build's compiler lines).
+LONG_EXECS = (
+    "/bin/true $(head -c 10000 /dev/zero | tr '\\0' b);"
+    " w=$(head -c 2000 /dev/zero | tr '\\0' a); for i in $(seq 600); do /bin/true $w; done"
+)
+
+
+def test_a_report_of_many_long_execs_fits_its_frame_and_counts_the_rest(tier: str, denying: Sandbox) -> None:
+    """600 execs of one 2,000-byte word each made 1.2 MB of records, over a header's 1 MiB:
+    the host took the report for a broken supervisor and ended the sandbox (an agent's run
+    ended in error with no exec event at all). A record keeps 4 KiB of a word, marked where
+    cut, and a report's records a bounded size: the rest are counted."""
+    if tier not in CONFINES:  # gVisor's kernel holds the masks only: it judges no exec
+        return
+    r = denying.commands.run(LONG_EXECS, timeout_s=120)
+    assert r.exit_code == 0, r.stderr
+    assert len(r.execs) + r.execs_omitted >= 600 and r.execs_omitted > 0
+    cut = [e for e in r.execs if e.argv[0] == "/bin/true" and e.argv[1].startswith("b")]
+    assert len(cut) == 1
+    assert cut[0].argv[1].startswith("b" * 4096 + "[... 5904 more characters; the word is sha256")
+    assert ("/bin/true", "a" * 2000) in [e.argv for e in r.execs]
+    assert denying.commands.run("echo alive").stdout == "alive\n"
+
+
 def _rules_or_refusal(tier: str, rules: SandboxRules, **kw: object) -> Sandbox | None:
     """The sandbox, or None where the tier's kernel cannot hold the rules (and says so)."""
     if tier not in CONFINES:
@@ -532,6 +557,25 @@ def test_an_approval_of_a_long_argv_is_asked_for_all_of_it(tier: str) -> None:
         first, second = approver.asked
         assert len(first) == len(second) == 64 and first[:63] == second[:63]
         assert first[-1] != second[-1] and "10 more words; the whole argv is sha256" in first[-1]
+
+
+def test_an_approval_of_an_argv_of_megabytes_is_asked_with_its_words_cut(tier: str) -> None:
+    """An exec of twelve 100 KB words asked the host in one frame of 1.2 MB, over a header's
+    1 MiB: the host ended the sandbox. The request keeps 32 KiB of the argv, each word cut
+    marked with its length and SHA-256, so that words alike in their heads differ."""
+    approver = YesTo("never")
+    sbx = _rules_or_refusal(tier, SandboxRules(approve=("rm -r",)), approver=approver)
+    if sbx is None:
+        return
+    with sbx:
+        r = sbx.commands.run(f"w=$(head -c 100000 /dev/zero | tr '\\0' a); rm -r {'$w ' * 11}${{w}}b")
+        assert r.exit_code != 0 and "needs approval and was refused" in r.stderr
+        ((rm, dash, *words),) = approver.asked
+        assert (rm, dash) == ("rm", "-r") and len(words) == 12
+        assert all(" more characters; the word is sha256 " in word for word in words)
+        assert sum(len(word.split("[... ")[0]) for word in words) <= 32 << 10
+        assert words[-1] != words[-2]  # the last word's sha256 tells it from the others
+        assert next(e.verdict for e in r.execs if e.argv[0] == "rm") == "refuse"
 
 
 WRITE_ROUTES = {

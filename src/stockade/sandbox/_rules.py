@@ -28,7 +28,7 @@ from typing import Any
 from stockade import exceptions as exc
 from stockade.sandbox.base import SandboxSpec
 from stockade.sandbox.supervisor import execrules
-from stockade.sandbox.supervisor.protocol import MAX_EXEC_ARGV, MAX_EXEC_RECORDS
+from stockade.sandbox.supervisor.protocol import MAX_EXEC_ARGV, MAX_EXEC_RECORDS, MAX_EXEC_WORD
 from stockade.types import ExecRecord, Mechanism, SandboxRules
 
 WORKSPACE = "/workspace"
@@ -239,6 +239,10 @@ def check_ready(spec: SandboxSpec, plan_: RulesPlan, report: Any) -> tuple[str, 
     return tuple(f"{setting}: {what} missing; judged on tool calls only" for setting, what in missing)
 
 
+# A word of a record: MAX_EXEC_WORD characters, and the mark of a word cut (its length and SHA-256).
+_WORD = MAX_EXEC_WORD + 160
+
+
 def exec_records(header: dict[str, Any]) -> tuple[ExecRecord, ...]:
     """The execs a final frame reports (untrusted: bounded, and every field made text)."""
     raw = header.get("execs")
@@ -252,7 +256,7 @@ def exec_records(header: dict[str, Any]) -> tuple[ExecRecord, ...]:
         out.append(
             ExecRecord(
                 path=str(item.get("path", ""))[:4096],
-                argv=tuple(str(a)[:4096] for a in argv[:MAX_EXEC_ARGV]) if isinstance(argv, list) else (),
+                argv=tuple(str(a)[:_WORD] for a in argv[:MAX_EXEC_ARGV]) if isinstance(argv, list) else (),
                 verdict=str(item.get("verdict", ""))[:16],
                 rule=str(item.get("rule", ""))[:512],
             )

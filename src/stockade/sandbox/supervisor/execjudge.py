@@ -17,7 +17,7 @@ import os
 import confine
 import execrules
 from protocol import MAX_EXEC_ARGV
-from rules import E2BIG, ENOENT, EPERM, record
+from rules import E2BIG, ENOENT, EPERM, kept_argv, record
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
@@ -26,19 +26,22 @@ if TYPE_CHECKING:
 
 def shown_argv(argv: "list[str]") -> "list[str]":
     """What a record and an approval carry of ``argv``: all of it up to MAX_EXEC_ARGV words,
-    else its head and a last word naming how many more there are and the SHA-256 of the whole.
-    An approval asked with the first 64 words only was the same request (the same id, so the
-    same decision) as another exec with those words and any others after them."""
+    else its head and a last word naming how many more there are and the SHA-256 of the whole
+    (each word as ``kept_argv`` keeps it). An approval asked with the first 64 words only was
+    the same request (the same id, so the same decision) as another exec with those words and
+    any others after them."""
     if len(argv) <= MAX_EXEC_ARGV:
-        return list(argv)
+        return kept_argv(list(argv))
     import hashlib
 
     whole = "\0".join(argv).encode("utf-8", "surrogateescape")
     more = len(argv) - MAX_EXEC_ARGV + 1
-    return [
-        *argv[: MAX_EXEC_ARGV - 1],
-        f"[... {more} more words; the whole argv is sha256 {hashlib.sha256(whole).hexdigest()}]",
-    ]
+    return kept_argv(
+        [
+            *argv[: MAX_EXEC_ARGV - 1],
+            f"[... {more} more words; the whole argv is sha256 {hashlib.sha256(whole).hexdigest()}]",
+        ]
+    )
 
 
 class ExecJudge:
@@ -115,7 +118,8 @@ class ExecJudge:
         if verdict == "allow":
             confine.answer(listener, nid, True)
             # as the compiled judge records an exec it lets run (its first words: M in its config)
-            record(job, {"path": path, "argv": argv[:MAX_EXEC_ARGV], "verdict": verdict, "rule": ""})
+            words = kept_argv(argv[:MAX_EXEC_ARGV])
+            record(job, {"path": path, "argv": words, "verdict": verdict, "rule": ""})
             return
         done = {"path": path, "argv": shown_argv(argv), "verdict": verdict, "rule": rule or ""}
         if verdict == "approve":

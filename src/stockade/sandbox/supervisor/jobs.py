@@ -52,6 +52,8 @@ class Job:
         self.oom_start = sup.oom_kills()
         self.execs: "list[dict[str, Any]]" = []  # what the rules judged (supervisor/rules.py)
         self.exec_count = 0
+        self.exec_json = self.exec_chars = 0  # of the records kept (rules.fits)
+        self.exec_width = 1
 
     def report(self) -> "dict[str, Any]":
         """What every final frame says of the job besides its own outcome."""

@@ -26,9 +26,17 @@ MAX_BUNDLE_ENTRIES = 64  # MIME entries of one result
 
 # The execs a command's final frame reports (supervisor/rules.py): at most this many records, each
 # {path, argv, verdict, rule} with at most MAX_EXEC_ARGV arguments. The host's bound on the
-# values of a header (sandbox/_channel.py) is made from these, so a report always fits.
+# values of a header (sandbox/_channel.py) is made from these. A record keeps at most
+# MAX_EXEC_WORD characters of a word and MAX_EXEC_RECORD_ARGV of its argv (a word cut is
+# its head and a mark naming how much more and its SHA-256), and a report's records take at
+# most MAX_EXEC_REPORT bytes of JSON and of text (``text_size``: its characters at their
+# width), so that a report always fits a header: 600 execs of one 2,000-byte word each made
+# 1.2 MB of records, over MAX_HEADER, and the host ended the sandbox. Past it, counted.
 MAX_EXEC_RECORDS = 1000
 MAX_EXEC_ARGV = 64
+MAX_EXEC_WORD = 4096
+MAX_EXEC_RECORD_ARGV = 32 << 10
+MAX_EXEC_REPORT = 768 << 10
 
 
 class FrameError(Exception):
@@ -88,14 +96,21 @@ def text_width(raw: bytes) -> int:
     return 2 if re.search(rb"\\u(?:0[1-9a-fA-F]|[1-9a-fA-F])", raw) else 1
 
 
-def text_bytes(raw: bytes) -> int:
-    """At most how many bytes the text parsed from ``raw`` takes (its characters, at most one
-    a byte of JSON and one an escape of six, at their width: ``text_width``): what a cap on a
-    report bounds, not its bytes of JSON. Escapes are undercounted, never over: a ``\\u``
-    after an escaped backslash (``\\\\u``, a backslash and a "u") is not one, and counting it
-    would let a report of them pass for less text than it makes."""
+def text_size(raw: bytes) -> "tuple[int, int]":
+    """At most how many characters the text parsed from ``raw`` has (one a byte of JSON, one
+    an escape of six), and their width (``text_width``): JSON joined of parts has the sum of
+    their characters at the widest of their widths. Escapes are undercounted, never over: a
+    ``\\u`` after an escaped backslash (``\\\\u``, a backslash and a "u") is not one, and
+    counting it would let a report of them pass for less text than it makes."""
     escapes = raw.count(b"\\u") - raw.count(b"\\\\u")
-    return max(0, len(raw) - 5 * escapes) * text_width(raw)
+    return max(0, len(raw) - 5 * escapes), text_width(raw)
+
+
+def text_bytes(raw: bytes) -> int:
+    """At most how many bytes the text parsed from ``raw`` takes (``text_size``: its
+    characters at their width): what a cap on a report bounds, not its bytes of JSON."""
+    chars, width = text_size(raw)
+    return chars * width
 
 
 def over_cap(raw: bytes, cap: int) -> bool:

@@ -20,13 +20,22 @@ import _signal as signal
 import os
 import struct
 
-from protocol import MAX_EXEC_ARGV, MAX_EXEC_RECORDS
+from protocol import (
+    MAX_EXEC_ARGV,
+    MAX_EXEC_RECORD_ARGV,
+    MAX_EXEC_RECORDS,
+    MAX_EXEC_REPORT,
+    MAX_EXEC_WORD,
+    dumps,
+    text_size,
+)
 from reaper import IGNORED_SIGNALS
 
-# Of a report's records, the room the execs the rules let run may take: the rest is kept for
-# those they stopped or asked about, so that a loop of 1,000 `true` cannot push an `rm -r`
-# out of the report (the count of every exec goes with it: ``exec_count``).
+# Of a report's records (and of their bytes), the room the execs the rules let run may take:
+# the rest is kept for those they stopped or asked about, so that a loop of 1,000 `true`
+# cannot push an `rm -r` out of the report (the count of every exec goes with it: ``exec_count``).
 ALLOWED_RECORDS = MAX_EXEC_RECORDS - 100
+ALLOWED_REPORT = MAX_EXEC_REPORT - (128 << 10)
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
@@ -385,9 +394,12 @@ class Rules:
             at += size
             job = self._job_led_by(session, ending)
             if job is not None:
+                # Its words need no cut (``kept_argv``): judge.c's records are under 4 KiB whole.
                 job.exec_count += 1
                 if len(job.execs) < ALLOWED_RECORDS:
-                    job.execs.append({"path": words[0], "argv": words[1:], "verdict": "allow", "rule": ""})
+                    done = {"path": words[0], "argv": words[1:], "verdict": "allow", "rule": ""}
+                    if fits(job, done, ALLOWED_REPORT):
+                        job.execs.append(done)
 
     def _job_led_by(self, session: int, ending: "Any") -> "Any":
         """The job whose shim leads ``session`` (judge.c let only such sessions' execs by)."""
@@ -412,13 +424,49 @@ def _more() -> "Any":
 
 def record(job: "Any", done: "Dict[str, Any]") -> None:
     """One judged exec, onto the job whose code ran it: the first ones the rules let run, and
-    every one they stopped or asked about (up to the report's bound); the rest counted."""
+    every one they stopped or asked about (up to the report's bounds); the rest counted.
+    ``done``'s argv is as ``kept_argv`` keeps it."""
     if job is None:
         return
     job.exec_count += 1
-    room = ALLOWED_RECORDS if done.get("verdict") == "allow" else MAX_EXEC_RECORDS
-    if len(job.execs) < room:
+    allowed = done.get("verdict") == "allow"
+    room = ALLOWED_RECORDS if allowed else MAX_EXEC_RECORDS
+    if len(job.execs) < room and fits(job, done, ALLOWED_REPORT if allowed else MAX_EXEC_REPORT):
         job.execs.append(done)
+
+
+def fits(job: "Any", done: "Dict[str, Any]", room: int) -> bool:
+    """Whether the record ``done`` fits the job's report, its records' JSON and text (their
+    characters at the widest width among them: ``protocol.text_size``) under ``room``
+    bytes with it; if so, it is counted in."""
+    raw = dumps(done).encode()
+    chars, width = text_size(raw)
+    size, chars, width = job.exec_json + len(raw) + 1, job.exec_chars + chars + 1, max(width, job.exec_width)
+    if size > room or chars * width > room:
+        return False
+    job.exec_json, job.exec_chars, job.exec_width = size, chars, width
+    return True
+
+
+def kept_argv(argv: "List[str]") -> "List[str]":
+    """What a record and an approval keep of ``argv`` (its first MAX_EXEC_ARGV words at most):
+    each word up to MAX_EXEC_WORD characters, and MAX_EXEC_RECORD_ARGV over them all; a word
+    cut is its head and a mark saying how much more and its SHA-256 (two words alike in their
+    heads stay two requests for an approver)."""
+    lengths = [len(word) for word in argv]
+    if sum(lengths) <= MAX_EXEC_RECORD_ARGV and max(lengths, default=0) <= MAX_EXEC_WORD:
+        return argv
+    out, room = [], MAX_EXEC_RECORD_ARGV
+    for word in argv:
+        keep = max(0, min(MAX_EXEC_WORD, room))
+        if len(word) > keep:
+            import hashlib
+
+            digest = hashlib.sha256(word.encode("utf-8", "surrogateescape")).hexdigest()
+            word = f"{word[:keep]}[... {len(word) - keep} more characters; the word is sha256 {digest}]"
+        room -= min(len(word), keep)
+        out.append(word)
+    return out
 
 
 def _programs(words: "List[str]") -> "Tuple[str, ...]":
