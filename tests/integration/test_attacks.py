@@ -413,6 +413,25 @@ def test_a_forged_report_whose_text_widens_or_of_the_wrong_shape_is_a_protocol_e
         assert not sbx.alive
 
 
+def test_a_forged_report_is_held_to_the_interpreters_caps_by_the_host(tier: str) -> None:
+    # A report code wrote carried 96 MiB of result text and a 120 MiB error value, past the
+    # interpreter's own caps (1 Mi characters of each): the host now cuts them itself.
+    with Sandbox.create(tier, limits=Limits(memory_mb=512, timeout_s=60, pids=64)) as sbx:
+        sbx.files.write("forge.py", FORGE)
+        sbx.run_code("import forge")
+        huge = (
+            "import json\n"
+            "text, value, tb = 'a' * (8 << 20), 'v' * (8 << 20), 't' * (8 << 20) + 'end'\n"
+            "error = {'name': 'N' * 5000, 'value': value, 'traceback': tb}\n"
+            "forge.forge(json.dumps({'results': [{'text/plain': text}], 'error': error}).encode())"
+        )
+        r = sbx.run_code(huge)
+        assert r.truncated and r.error is not None
+        assert r.results[0].text == "a" * (1 << 20) + "…"
+        assert r.error.value == "v" * (1 << 20) + "…" and r.error.name == "N" * 1000 + "…"
+        assert len(r.error.traceback) == (1 << 20) + 1 and r.error.traceback.endswith("tend")
+
+
 def test_a_forged_report_over_the_byte_cap_only_restarts_the_interpreter(tier: str) -> None:
     # The supervisor takes no report over the cap from the interpreter's pipe: the
     # interpreter is restarted (its state is lost), the sandbox lives on.

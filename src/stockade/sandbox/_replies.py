@@ -15,6 +15,7 @@ from typing import Any
 from stockade import exceptions as exc
 from stockade.sandbox import _rules
 from stockade.sandbox.ops import Area
+from stockade.sandbox.supervisor.protocol import MAX_NAME, MAX_TEXT, MAX_VALUE
 from stockade.types import CommandResult, EntryInfo, EntryType, Execution, ExecutionError, Logs, Result
 
 __all__ = [
@@ -42,6 +43,9 @@ WORKSPACE_ERRORS: dict[str, type[exc.WorkspaceError]] = {
 # Whether the memory limit killed something since the call began (``settle``: wait for a
 # counter that lags the kill it counts).
 OomCheck = Callable[[bool], bool]
+# A result's text as the interpreter sends it: MAX_TEXT characters and an ellipsis, then its
+# notes of MIME values dropped (their names are the code's: room for a few dozen).
+_RESULT_TEXT = MAX_TEXT + (64 << 10)
 
 
 def truncation_marker(shown: int, total: int) -> str:
@@ -159,30 +163,58 @@ def execution(
     raw_results = payload.get("results") or []
     if not isinstance(raw_results, list):
         raise exc.ProtocolError("malformed run_code report: its results are no list")
-    results = []
-    for raw in raw_results:
-        if isinstance(raw, dict):
-            results.append(Result({str(k): str(v) for k, v in raw.items()}))
+    results, cut = _results(raw_results)
     error = None
     raw_err = payload.get("error")
     if isinstance(raw_err, dict):
-        name = str(raw_err.get("name", "Error"))
-        value = str(raw_err.get("value", ""))
+        name, name_cut = _capped(str(raw_err.get("name", "Error")), MAX_NAME)
+        value, value_cut = _capped(str(raw_err.get("value", "")), MAX_TEXT)
+        traceback, tb_cut = _capped(str(raw_err.get("traceback", "")), MAX_TEXT, end=True)
+        cut = cut or name_cut or value_cut or tb_cut
         guest_oom = int_field(h.get("oom_kills")) > 0
         if name == "KernelDied" and (guest_oom or oom_since(True)):
             value = "the interpreter was killed by the sandbox's memory limit; its state is lost"
             name = "MemoryLimitExceeded"
-        error = ExecutionError(name=name, value=value, traceback=str(raw_err.get("traceback", "")))
+        error = ExecutionError(name=name, value=value, traceback=traceback)
     return Execution(
         results=tuple(results),
         logs=Logs(stdout=out, stderr=err),
         error=error,
         duration_s=float_field(h.get("duration")),
         timed_out=bool(h.get("timed_out")),
-        truncated=out_cut or err_cut,
+        truncated=out_cut or err_cut or cut,
         execs=(execs := _rules.exec_records(h)),
         execs_omitted=max(0, int_field(h.get("exec_count")) - len(execs)),
     )
+
+
+def _results(raw_results: list[Any]) -> tuple[list[Result], bool]:
+    """The results of a report, held to the interpreter's caps whatever the report says (code
+    can write one of its own: it carried 96 MiB of text): a text past MAX_TEXT cut, a MIME value
+    past MAX_VALUE dropped with a note, as the interpreter does. Whether any was cut."""
+    results, cut = [], False
+    for raw in raw_results:
+        if not isinstance(raw, dict):
+            continue
+        bundle = {str(k): str(v) for k, v in raw.items()}
+        for mime in [m for m, v in bundle.items() if len(v) > MAX_VALUE and m != "text/plain"]:
+            size = len(bundle.pop(mime))
+            note = f"\n[stockade: {mime} dropped: {size} characters, over the cap]"
+            bundle["text/plain"] = bundle.get("text/plain", "") + note
+            cut = True
+        if len(bundle.get("text/plain", "")) > _RESULT_TEXT:
+            bundle["text/plain"], _ = _capped(bundle["text/plain"], MAX_TEXT)
+            cut = True
+        results.append(Result(bundle))
+    return results, cut
+
+
+def _capped(text: str, cap: int, *, end: bool = False) -> tuple[str, bool]:
+    """``text`` up to ``cap`` characters and the interpreter's ellipsis (its head, or with
+    ``end`` its end), and whether it was longer."""
+    if len(text) <= cap + 1:
+        return text, False
+    return ("…" + text[-cap:] if end else text[:cap] + "…"), True
 
 
 def timed_out_execution(streams: dict[int, OutputCollector], duration_s: float) -> Execution:

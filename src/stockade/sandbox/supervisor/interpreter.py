@@ -23,8 +23,11 @@ import types
 from protocol import (  # type: ignore[import-not-found]
     MAX_BUNDLE_ENTRIES,
     MAX_CODE_REPLY,
+    MAX_NAME,
     MAX_RESULT_COUNT,
     MAX_RESULT_ENTRIES,
+    MAX_TEXT,
+    MAX_VALUE,
     FrameError,
     FrameReader,
     dumps,
@@ -37,12 +40,9 @@ if TYPE_CHECKING:
     from typing import Any
 
 CELL = "<cell>"
-MAX_TEXT = 1 << 20
-MAX_NAME = 1000
 # What one run may send back: a larger value is dropped with a note, never the interpreter.
 # MAX_RESULTS counts bytes of JSON (escapes included); with the error's three texts (at
 # most 12 bytes a character escaped) a report stays under protocol.MAX_CODE_REPLY.
-MAX_VALUE = 32 << 20
 MAX_RESULTS = 96 << 20
 _MIME_METHODS = (
     ("text/html", "_repr_html_"),

@@ -21,6 +21,13 @@ MAX_HEADER = 1 << 20
 # the sandbox can write to the interpreter's reply pipe, so a report is as untrusted as the code.
 MAX_CODE_REPLY = 128 << 20
 MAX_RESULT_COUNT = 10_000  # results of one run (a display() loop can make millions)
+# Characters the interpreter keeps of a result's text (text/plain: its head, an ellipsis, then
+# notes of what was dropped) and of an error's value and traceback (its end); of an error's
+# name; of any other MIME value (a larger one is dropped with a note). The host holds a report
+# to them too (sandbox/_replies.py): a report code wrote carried 96 MiB of text.
+MAX_TEXT = 1 << 20
+MAX_NAME = 1000
+MAX_VALUE = 32 << 20
 MAX_RESULT_ENTRIES = 20_000  # MIME entries over all the results of one run
 MAX_BUNDLE_ENTRIES = 64  # MIME entries of one result
 
