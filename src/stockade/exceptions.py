@@ -32,6 +32,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── SandboxFileNotFound       nothing at that path
     │   ├── FileTypeError             a directory where a file was expected, a FIFO, ...
     │   ├── FileTooLarge              bigger than the transfer cap
+    │   ├── ListingTooLarge           a listing over what one answer carries: list less of it
     │   └── WorkspaceFull             the workspace's size or inode limit is reached
     ├── PolicyDenied                  a guard refused the action (fed back to the model)
     ├── ModelError                    the LLM provider failed or refused (``status_code``)
@@ -100,6 +101,7 @@ __all__ = [
     "InvalidToolCall",
     "LimitNotEnforceable",
     "LimitWait",
+    "ListingTooLarge",
     "ModelAuthError",
     "ModelError",
     "ModelRateLimited",
@@ -346,6 +348,11 @@ class FileTypeError(WorkspaceError):
 
 class FileTooLarge(WorkspaceError):
     pass
+
+
+class ListingTooLarge(WorkspaceError):
+    """A listing's paths are over what one answer carries (``protocol.MAX_LIST_JSON``): list
+    a folder inside it, or to a smaller depth."""
 
 
 class WorkspaceFull(WorkspaceError):

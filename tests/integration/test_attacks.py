@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from stockade import Limits, ProtocolError, Sandbox, SandboxCrashed, StockadeError
+from stockade import Limits, ListingTooLarge, ProtocolError, Sandbox, SandboxCrashed, StockadeError
 
 # A module planted in the workspace: if the supervisor ever imports it, every later
 # files.read (the next pool user's included) answers with the attacker's bytes.
@@ -75,6 +75,34 @@ def test_vsock_does_not_reach_the_hypervisor(sbx: Sandbox) -> None:
 def test_listing_thousands_of_files_keeps_the_sandbox(sbx: Sandbox) -> None:
     sbx.commands.run("mkdir many && cd many && seq 1 20000 | xargs touch")
     assert len(sbx.files.list("many")) == 20000
+    assert sbx.commands.run("echo alive").stdout == "alive\n"
+
+
+# 40,000 files at the end of fifteen folders of 250-character names: 3.8 KB paths each.
+DEEP_TREE = """
+import os
+deep = "deep/" + "/".join(["d" * 250] * 15)
+os.makedirs(deep)
+fd = os.open(deep, os.O_RDONLY | os.O_DIRECTORY)
+for i in range(40_000):
+    os.close(os.open(str(i), os.O_CREAT | os.O_WRONLY, dir_fd=fd))
+os.close(fd)
+"""
+
+
+def test_a_listing_too_large_for_one_answer_is_refused_and_keeps_the_sandbox(
+    sbx: Sandbox, tmp_path: Path
+) -> None:
+    # 65,521 entries of 4 KB paths made a listing of 268 MB, over the host's cap on a frame:
+    # the host took it for a broken supervisor and ended the sandbox. Now a listing over
+    # 32 MiB of paths is a typed refusal, and the sandbox goes on.
+    assert sbx.run_code(DEEP_TREE).error is None
+    with pytest.raises(ListingTooLarge, match="list a folder inside it, or to a smaller depth"):
+        sbx.files.list("deep", depth=20)
+    assert [e.name for e in sbx.files.list("deep")] == ["d" * 250]
+    sbx.files.write("small/a.txt", "kept")
+    assert sbx.files.download_dir(tmp_path / "out", "small").files == 1
+    assert (tmp_path / "out" / "a.txt").read_text() == "kept"
     assert sbx.commands.run("echo alive").stdout == "alive\n"
 
 

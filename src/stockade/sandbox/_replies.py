@@ -37,6 +37,7 @@ WORKSPACE_ERRORS: dict[str, type[exc.WorkspaceError]] = {
     "missing": exc.SandboxFileNotFound,
     "type": exc.FileTypeError,
     "too_large": exc.FileTooLarge,
+    "listing": exc.ListingTooLarge,
     "full": exc.WorkspaceFull,
 }
 

@@ -75,6 +75,10 @@ _KINDS: tuple[tuple[type[exc.StockadeError], _Kind], ...] = (
     (exc.FileTypeError, _Kind(status=409, title="Wrong kind of file")),
     (exc.FileTooLarge, _Kind(status=413, title="File too large")),
     (
+        exc.ListingTooLarge,
+        _Kind(status=413, title="Listing too large", fix="list a folder inside it, or to a smaller depth"),
+    ),
+    (
         exc.WorkspaceFull,
         _Kind(status=507, title="Workspace full", fix="remove files, or ask for a larger disk_mb"),
     ),

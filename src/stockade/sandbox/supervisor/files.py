@@ -18,7 +18,7 @@ import os
 import stat
 
 from fileops import PathRefused, Workspace, _entry, _write_all
-from protocol import dumps
+from protocol import MAX_LIST_JSON, dumps
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 MAX_READ_FILE = 256 << 20
 MAX_LIST = 100_000
+ENTRY_JSON = 96  # an entry's JSON but its path and name: its keys, type, size, mode, mtime
 
 
 def op_read(sup: "Supervisor", rid: int, h: dict[str, Any], body: bytes) -> None:
@@ -158,15 +159,21 @@ def op_list(sup: "Supervisor", rid: int, h: dict[str, Any], body: bytes) -> None
         os.close(parent)
     base = _rel(sup, path)
     entries: list[dict[str, Any]] = []
-    _walk(fd, base, depth, entries)
-    # The entries go in the body: a header is capped at 1 MiB, a few thousand entries.
-    sup.send(
-        {"id": rid, "ev": "done", "truncated": len(entries) > MAX_LIST},
-        dumps(entries[:MAX_LIST]).encode(),
-    )
+    room = [MAX_LIST_JSON]
+    _walk(fd, base, depth, entries, room)
+    # The entries go in the body: a header is capped at 1 MiB, a few thousand entries. Over
+    # MAX_LIST_JSON, refused: 65,521 entries of 4 KB paths made a frame of 268 MB, past what
+    # the host takes from the sandbox, which it then ended.
+    raw = b"" if room[0] < 0 else dumps(entries[:MAX_LIST]).encode()
+    if room[0] < 0 or len(raw) > MAX_LIST_JSON:  # escapes (six bytes) past the walk's count
+        more = "list a folder inside it, or to a smaller depth"
+        raise PathRefused("listing", f"the listing is over {MAX_LIST_JSON >> 20} MiB of paths; {more}")
+    sup.send({"id": rid, "ev": "done", "truncated": len(entries) > MAX_LIST}, raw)
 
 
-def _walk(fd: int, base: str, depth: int, out: list[dict[str, Any]]) -> None:
+def _walk(fd: int, base: str, depth: int, out: list[dict[str, Any]], room: list[int]) -> None:
+    """``room``: the bytes of JSON the listing has left (its entries' paths and names, and
+    ``ENTRY_JSON`` each), counted as the walk goes so that it holds no more in memory."""
     try:
         with os.scandir(fd) as it:
             items = sorted(it, key=lambda e: e.name)
@@ -175,6 +182,9 @@ def _walk(fd: int, base: str, depth: int, out: list[dict[str, Any]]) -> None:
                 return
             st = item.stat(follow_symlinks=False)
             rel = f"{base}/{item.name}" if base else item.name
+            room[0] -= len(rel) + len(item.name) + ENTRY_JSON
+            if room[0] < 0:
+                return
             out.append(_entry(rel, st))
             if depth > 1 and stat.S_ISDIR(st.st_mode):
                 flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -182,7 +192,7 @@ def _walk(fd: int, base: str, depth: int, out: list[dict[str, Any]]) -> None:
                     sub = os.open(item.name, flags, dir_fd=fd)
                 except OSError:
                     continue
-                _walk(sub, rel, depth - 1, out)
+                _walk(sub, rel, depth - 1, out, room)
     finally:
         os.close(fd)
 

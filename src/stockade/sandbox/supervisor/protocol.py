@@ -31,6 +31,11 @@ MAX_VALUE = 32 << 20
 MAX_RESULT_ENTRIES = 20_000  # MIME entries over all the results of one run
 MAX_BUNDLE_ENTRIES = 64  # MIME entries of one result
 
+# The JSON of a listing (supervisor/files.py) at most: ASCII, so that at any width its text
+# (``text_size``) stays within the host's cap on a frame, MAX_CODE_REPLY. A larger one is
+# refused (``ListingTooLarge``): 65,521 entries of 4 KB paths made a frame of 268 MB.
+MAX_LIST_JSON = 32 << 20
+
 # The execs a command's final frame reports (supervisor/rules.py): at most this many records, each
 # {path, argv, verdict, rule} with at most MAX_EXEC_ARGV arguments. The host's bound on the
 # values of a header (sandbox/_channel.py) is made from these. A record keeps at most
