@@ -130,11 +130,12 @@ def check_envs(envs: Mapping[str, str] | None, *, argument: str = "envs") -> dic
 MAX_ID_CHARS = 256
 
 
-def check_id(value: object, *, argument: str) -> str:
+def check_id(value: object, *, argument: str, empty: bool = False) -> str:
     """An id the stores keep as it is (a run's, an actor's): text of 1 to 256 characters, no
     control character, and UTF-8 (no lone surrogate: SQLite refuses to store one, PostgreSQL a
-    NUL, and an audit batch holding such an id failed for good, with every event after it)."""
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_ID_CHARS:
+    NUL, and an audit batch holding such an id failed for good, with every event after it).
+    ``empty``: "" is accepted (an audit event of no run: the agent's own set-up)."""
+    if not isinstance(value, str) or not (0 if empty else 1) <= len(value) <= MAX_ID_CHARS:
         raise InvalidArgument(
             f"{argument} must be text of 1 to {MAX_ID_CHARS} characters, got {_shown(value)}",
             argument=argument,

@@ -98,9 +98,8 @@ class AuditLog:
     ) -> None:
         """Queue one event. ``attributes`` are redacted and made JSON here, on this thread.
         ``InvalidArgument`` for a run id or actor the store cannot keep (nothing queued)."""
-        check_id(run_id, argument="run_id")
-        if actor:
-            check_id(actor, argument="actor")
+        check_id(run_id, argument="run_id", empty=True)
+        check_id(actor, argument="actor", empty=True)
         redact = self.redactor
         attrs = redact.attributes(attributes) if attributes else {}
         sealer = self._sealers.get(run_id)
