@@ -339,7 +339,9 @@ def test_a_sandbox_takes_at_most_its_ptys_of_the_host(tier: str) -> None:
     (3,071 here), and no other could open one. Now its devpts instance holds ``ptys``; gVisor's
     and a guest's ptys are their kernel's own, none of the host's."""
     most = min(int(Path("/proc/sys/kernel/pty/max").read_text()), 4000)  # a guest's hard limit: 4096
-    limits = Limits(ptys=16, pids=8, open_files=8 * 4096, timeout_s=60)
+    limits = Limits(ptys=16, timeout_s=60)
+    if tier in ("process", "docker"):  # room for the host's ptys' descriptors in one process
+        limits = Limits(ptys=16, pids=8, open_files=8 * 4096, timeout_s=60)
     with Sandbox.create(tier, limits=limits) as hog:
         own = hog.enforcement.ptys is Mechanism.OWN_KERNEL
         before = host_ptys()

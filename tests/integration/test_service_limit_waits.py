@@ -20,8 +20,9 @@ from tests.integration.service_env import REDIS_URL, Server, Tokens, Worker, wri
 
 pytestmark = [pytest.mark.process, pytest.mark.redis, pytest.mark.postgres, pytest.mark.slow]
 
-# two tool actions per 20 s for every run of acme: its third write waits ~10-20 s for the window
-ACME_RATE = "rate_per_minute = 2\nrate_period_s = 20\n"
+# two tool actions per 8 s for every run of acme: its third write waits ~8 s for the window (over the
+# 5 s a run waits in place)
+ACME_RATE = "rate_per_minute = 2\nrate_period_s = 8\n"
 
 
 @dataclass
