@@ -55,7 +55,10 @@ class Limits:
     host's: its ptys, if any, are its kernel's, in its memory (``Enforcement.ptys``).
 
     The workspace, /tmp and /dev/shm are memory (tmpfs), charged to ``memory_mb``: everything
-    the sandbox takes from the host's memory, processes and files together, stays within it.
+    the sandbox takes from the host's memory, processes and files together, stays within it,
+    but for kernel memory a (v1) cgroup does not charge, bounded apart: TCP buffers (an
+    eighth of it, at least 16 MiB) and POSIX file locks (4,096, 768 KiB, counted by the host,
+    which kills the processes holding the most past them, as for memory).
     The workspace holds ``disk_mb`` (half of ``memory_mb`` unless given) and ``inodes``; /tmp
     and /dev/shm hold ``tmp_mb`` each (``memory_mb / 8``, at most 64, unless given). So a
     full workspace is ``WorkspaceFull`` (ENOSPC inside), not a sandbox killed for memory, and

@@ -5,8 +5,9 @@ bubblewrap. The list follows Docker's default profile and Flatpak's: mount and n
 syscalls, tracing, kernel modules and kexec, BPF, keyrings, raw and packet sockets,
 io_uring, perf, userfaultfd, vsock; and what takes host memory or a host-wide quota no
 cgroup charges to the sandbox: AIO contexts, netlink sockets, UDP on a loopback-only
-network. ``clone3`` answers ENOSYS so that libc falls back to ``clone``, whose flags can be
-inspected (the arguments of ``clone3`` live in memory BPF cannot read).
+network; and OFD locks, which can outlive every process (``_locks``). ``clone3`` answers
+ENOSYS so that libc falls back to ``clone``, whose flags can be inspected (the arguments of
+``clone3`` live in memory BPF cannot read).
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ DENIED = (
 NAMESPACE_FLAGS = (
     0x00020000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000 | 0x02000000 | 0x00000080
 )
+F_OFD_LOCKS = (36, 37, 38)  # fcntl's F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW
 TIOCSTI = 0x5412
 TIOCLINUX = 0x541C
 
@@ -117,6 +119,11 @@ def filter_bpf(*, datagrams: bool = False) -> bytes:
             )  # fmt: skip
     for flag in _bits(NAMESPACE_FLAGS):
         f.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+    # File locks are kernel memory no cgroup charges either; the host counts each process's
+    # (``_locks``). An OFD lock belongs to an open file, which can outlive every process (one
+    # in flight in a socket's queue): EINVAL, as before Linux 3.15, which its users handle.
+    for command in F_OFD_LOCKS:
+        f.add_rule(sc.ERRNO(errno.EINVAL), "fcntl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, command))
     # 15: AF_KEY (IPsec key management); 40: AF_VSOCK, which no network namespace covers:
     # on a VM host it reaches the hypervisor (CID 2) from a sandbox without network; netlink
     # (above: uncharged kernel memory; glibc does without it).

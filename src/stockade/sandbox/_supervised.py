@@ -254,7 +254,8 @@ class SupervisedInstance(Instance):
             if oom_before is not None and oom_after is not None and oom_after > oom_before:
                 raise exc.SandboxCrashed(
                     f"{err}: the sandbox ran out of memory (memory_mb={self.spec.limits.memory_mb}; "
-                    "files in /workspace, /tmp and /dev/shm are memory and count against it)",
+                    "files in /workspace, /tmp and /dev/shm are memory and count against it; "
+                    "a sandbox may hold 4,096 file locks)",
                     cause="out_of_memory",
                     stdout=err.stdout,
                     stderr=err.stderr,

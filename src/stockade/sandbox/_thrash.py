@@ -23,6 +23,10 @@ crawled to its end re-reading its own files, is killed for memory instead; syste
 the same call on memory pressure. Both cgroup versions keep what it needs
 (``workingset_refault_*`` in ``memory.stat``, the usage and the limit); per-cgroup pressure
 (PSI) would be the finer measure, but cgroup v1 groups have none.
+
+The same thread holds each watched group's POSIX file locks, kernel memory no cgroup charges,
+to ``_locks.MOST``, every ``_locks.PERIOD_S``: a group over it loses its processes holding the
+most, counted with the kills above.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from stockade.sandbox import _locks
 
 __all__ = ["MemoryGroup", "ThrashJudge", "Watch", "memory_group_of", "watch"]
 
@@ -123,6 +129,17 @@ class Watch:
         if counters is not None and self._judge.thrashing(now, *counters) and _kill_largest(self.group):
             self.kills += 1
 
+    def hold_locks(self) -> None:
+        """Kill the group's processes holding the most POSIX locks while it holds over
+        ``_locks.MOST``: as it counts them, so that a hog dies before the rest are read."""
+        held: dict[int, int] = {}
+        for pid in [int(pid) for pid in _read(self.group.folder / "cgroup.procs").split()]:
+            held[pid] = _locks.held_by(pid, _locks.MOST)
+            for victim in _locks.hoarders(held, held, _locks.MOST):
+                held[victim] = 0
+                if _kill(self.group, victim):
+                    self.kills += 1
+
 
 def watch(group: MemoryGroup) -> Watch:
     """Start watching ``group``; the caller closes the watch when the group goes."""
@@ -152,19 +169,38 @@ class _Watcher:
             self.watched.discard(w)
 
     def _serve(self) -> None:
+        sampled = float("-inf")
         while True:
             with self.state:
                 while not self.watched:
                     self.state.wait()
                 watched = list(self.watched)
+            started = time.monotonic()
+            killed = _hold_locks(watched)
             now = time.monotonic()
-            for w in watched:
-                with contextlib.suppress(OSError, ValueError):  # a group removed meanwhile
-                    w.sample(now)
-            time.sleep(PERIOD_S)
+            # after a kill, the next round at once: a hog's other processes may be taking locks
+            pause = _locks.PERIOD_S if killed else _locks.pause(now - started)
+            if now - sampled >= PERIOD_S:
+                sampled = now
+                for w in watched:
+                    with contextlib.suppress(OSError, ValueError):  # a group removed meanwhile
+                        w.sample(now)
+            time.sleep(pause)
 
 
 _watcher = _Watcher()
+
+
+def _hold_locks(watched: list[Watch]) -> bool:
+    """The groups' locks counted, only when the host holds more than a sandbox may; whether
+    a process was killed."""
+    if _locks.host_locks() <= _locks.MOST:
+        return False
+    kills = sum(w.kills for w in watched)
+    for w in watched:
+        with contextlib.suppress(OSError, ValueError):  # a group removed meanwhile
+            w.hold_locks()
+    return sum(w.kills for w in watched) > kills
 
 
 def _read(path: Path) -> bytes:
@@ -225,15 +261,18 @@ def _kill_largest(group: MemoryGroup) -> bool:
             points = int(_read(Path(f"/proc/{int(pid)}/statm")).split()[1]) * page + adj * limit // 1000
             if adj > -1000 and points > best_points:
                 best, best_points = int(pid), points
-    if not best:
-        return False
+    return bool(best) and _kill(group, best)
+
+
+def _kill(group: MemoryGroup, pid: int) -> bool:
+    """SIGKILL ``pid`` if it is still a process of the group; whether it was killed."""
     try:
-        pidfd = os.pidfd_open(best)
+        pidfd = os.pidfd_open(pid)
     except OSError:
         return False
     try:
         # The pid is pinned now; if it was reused by a process outside the group, it is not listed.
-        if str(best).encode() not in _read(procs).split():
+        if str(pid).encode() not in _read(group.folder / "cgroup.procs").split():
             return False
         signal.pidfd_send_signal(pidfd, signal.SIGKILL)
         return True

@@ -189,12 +189,15 @@ def exec_filter(no_memfd: bool = False) -> bytes:
 ENOSYS_ = 38
 
 
-NR_SOCKET, NR_IO_SETUP = 41, 206
+NR_SOCKET, NR_IO_SETUP, NR_FCNTL = 41, 206, 72
 AF_INET, AF_INET6, AF_NETLINK, SOCK_DGRAM = 2, 10, 16, 2
-EAFNOSUPPORT_ = 97
+EAFNOSUPPORT_, EINVAL_ = 97, 22
+F_OFD_GETLK, F_OFD_SETLKW = 36, 38  # and F_OFD_SETLK between them
 
 
-def deny_calls(calls: "Sequence[int]", *, netlink: bool = False, datagrams: bool = False) -> None:
+def deny_calls(
+    calls: "Sequence[int]", *, netlink: bool = False, datagrams: bool = False, locks: bool = False
+) -> None:
     """A filter on this process and all it starts: ``calls`` fail with ENOSYS (so do other
     architectures' and the x32 ABI's calls: nothing here uses them). What a reset cannot
     find is not made at all (``fileops.unlisted_ipc``).
@@ -202,7 +205,10 @@ def deny_calls(calls: "Sequence[int]", *, netlink: bool = False, datagrams: bool
     ``netlink``: netlink sockets fail with EAFNOSUPPORT (glibc then does without): their
     receive queues are kernel memory no cgroup charges to the sandbox, and one socket pinned
     8 MB of the host's. ``datagrams``: so do UDP sockets, in a sandbox whose loopback is its
-    only network (cgroup v1 charges their buffers to no one either)."""
+    only network (cgroup v1 charges their buffers to no one either). ``locks``: OFD locks
+    (``fcntl`` ``F_OFD_*``) fail with EINVAL, as on kernels before 3.15: the host counts
+    each process's locks (``_locks``), and an OFD lock belongs to an open file, which can
+    outlive every process (one in flight in a socket's queue)."""
     ld, jeq, jge, ret, and_ = 0x20, 0x15, 0x35, 0x06, 0x54  # (and: BPF_ALU | BPF_AND | BPF_K)
     lines: "List[Tuple[str, Tuple[int, Any, Any, int]]]" = []  # (label, (code, true, false, k))
 
@@ -215,6 +221,8 @@ def deny_calls(calls: "Sequence[int]", *, netlink: bool = False, datagrams: bool
     emit(jge, 0x40000000, "enosys", 0)
     for nr in calls:
         emit(jeq, nr, "enosys", 0)
+    if locks:
+        emit(jeq, NR_FCNTL, "fcntl", 0)
     if netlink or datagrams:
         emit(jeq, NR_SOCKET, 0, "allow")
         emit(ld, 16)  # args[0]: the family (its low half)
@@ -231,6 +239,12 @@ def deny_calls(calls: "Sequence[int]", *, netlink: bool = False, datagrams: bool
     emit(ret, SECCOMP_RET_ALLOW, label="allow")
     emit(ret, SECCOMP_RET_ERRNO | ENOSYS_, label="enosys")
     emit(ret, SECCOMP_RET_ERRNO | EAFNOSUPPORT_, label="eafnosupport")
+    if locks:  # (BPF jumps only forward: this block ends in returns of its own)
+        emit(ld, 24, label="fcntl")  # args[1]: the command (an unsigned int: its low half)
+        emit(jge, F_OFD_GETLK, 0, "allowed")
+        emit(jge, F_OFD_SETLKW + 1, "allowed", "einval")
+        emit(ret, SECCOMP_RET_ALLOW, label="allowed")
+        emit(ret, SECCOMP_RET_ERRNO | EINVAL_, label="einval")
     at = {label: i for i, (label, _) in enumerate(lines) if label}
 
     def offset(here: int, target: "Any") -> int:

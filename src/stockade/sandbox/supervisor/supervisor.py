@@ -580,7 +580,8 @@ def main() -> None:
 
         # before anything is forked; kept across a reset's exec (filters outlive an image)
         calls = unlisted + ((confine.NR_IO_SETUP,) if kernel else ())
-        confine.deny_calls(calls, netlink=bool(kernel), datagrams=bool(kernel and kernel.get("datagrams")))
+        datagrams = bool(kernel and kernel.get("datagrams"))
+        confine.deny_calls(calls, netlink=bool(kernel), datagrams=datagrams, locks=bool(kernel))
     ready = {"id": header.get("id", 0), "ev": "ready", "pid": os.getpid(), "python": sys.version.split()[0]}
     if sup.rules is not None:
         ready["rules"] = sup.rules.report()
