@@ -110,6 +110,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._send(200, f"you sent: {auth}".encode(), {"X-Echo": auth or ""})
         elif url.path == "/echo-auth-as":  # reflects it transformed, whatever Accept-Encoding said
             self._echo_as(query.get("as", ""), auth or "")
+        elif url.path == "/slow":  # the whole answer after ``s`` seconds
+            time.sleep(float(query.get("s", "3")))
+            self._send(200, b"slow")
         elif url.path == "/stream":
             self._stream(int(query.get("chunks", "10")), float(query.get("every", "0.1")))
         elif url.path.startswith(("/simple", "/files/")):
@@ -163,6 +166,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self._send(404, b"not found")
 
     def do_POST(self) -> None:
+        auth = self.headers.get("Authorization")
+        self.seen.hits.append(Hit(at=time.monotonic(), path=self.path, authorization=auth))
+        self.seen.paths.append(self.path)
         size = int(self.headers.get("Content-Length", "0"))
         data = self.rfile.read(size)
         self._send(200, f"got {len(data)} bytes".encode())

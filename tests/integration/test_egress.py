@@ -666,3 +666,63 @@ def test_a_reset_renews_the_relay_in_place_for_the_next_user(egress_tier: str, l
             r = sbx.commands.run(run)
             assert r.stdout.split() == expected, (user, r.stdout + r.stderr)
         assert "/left-open" not in local.http_seen.paths, "the last user's request went on"
+
+
+# The last user's code leaves K connections to the relay, on each a slow GET (answered after
+# SLOW_S) with a POST pipelined behind it, and its quick GET's server connection kept.
+SLOW_S = 6
+PIPELINED = """
+import socket, sys, time, urllib.request
+port, k, slow = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+socks = []
+for _ in range(k):
+    s = socket.create_connection(("127.0.0.1", 3128))
+    s.sendall(
+        f"GET http://pkg.test:{port}/slow?s={slow} HTTP/1.1\\r\\nHost: pkg.test\\r\\n\\r\\n"
+        f"POST http://pkg.test:{port}/u1-POST HTTP/1.1\\r\\nHost: pkg.test\\r\\n"
+        "Content-Length: 5\\r\\n\\r\\nhello".encode()
+    )
+    socks.append(s)
+time.sleep(0.5)  # the slow GETs on their way: the quick one gets a server connection of its own
+urllib.request.urlopen(f"http://pkg.test:{port}/u1-quick", timeout=20).read()
+time.sleep(600)
+"""
+
+# The next user's requests, as many as the policy allows in a minute.
+MANY_GETS = """
+import sys, urllib.error, urllib.request
+port, n = int(sys.argv[1]), int(sys.argv[2])
+codes = []
+for i in range(n):
+    try:
+        codes.append(urllib.request.urlopen(f"http://pkg.test:{port}/u2-{i}", timeout=20).status)
+    except urllib.error.HTTPError as err:
+        codes.append(err.code)
+print(" ".join(map(str, codes)))
+"""
+
+
+def test_a_reset_cuts_the_last_users_requests_and_gives_the_next_a_fresh_budget(
+    egress_tier: str, local: Servers
+) -> None:
+    """Nothing the last user pipelined reaches a server after the reset (the host's proxy
+    is renewed with the relay: its connections and requests in flight cut), the next user
+    has the whole budget per minute, and no server connection of the last user's is kept."""
+    k = 8
+    budget = 2 * k + 1  # the last user's quick GET and slow GETs, and its POSTs if they went
+    seen = len(local.http_seen.paths)
+    with _sandbox(egress_tier, local.policy(max_requests_per_minute=budget)) as sbx:
+        sbx.files.write("pipelined.py", PIPELINED)
+        # Its time out ends the code (the relay then half-closes each connection to the proxy,
+        # as a client that sent all it had); the reset comes well before the slow answers.
+        sbx.commands.run(f"python3 pipelined.py {local.http_port} {k} {SLOW_S}", timeout_s=2)
+        started = time.monotonic()
+        assert local.http_seen.paths[seen:].count(f"/slow?s={SLOW_S}") == k
+        sbx.reset()
+        assert time.monotonic() - started < SLOW_S - 1, "the reset came after the slow answers"
+        assert len(_attachment(sbx.instance).proxy.exchange.upstreams) == 0, "a server connection kept"
+        sbx.files.write("many.py", MANY_GETS)
+        codes = sbx.commands.run(f"python3 many.py {local.http_port} {budget}").stdout.split()
+        assert codes == ["200"] * budget, "the last user's budget carried over"
+        time.sleep(max(0.0, started + SLOW_S + 1 - time.monotonic()))  # the slow answers have come
+        assert "/u1-POST" not in local.http_seen.paths[seen:], "the last user's request went out later"

@@ -63,6 +63,12 @@ class Attachment:
     def socket_path(self) -> Path:
         return self.folder / SOCKET
 
+    def renew(self) -> None:
+        """For the sandbox's next user (a reset, once its supervisor renewed the relay):
+        ``EgressProxy.renew``."""
+        if not self._closed:
+            _loop.call(self.proxy.renew(), timeout_s=10)
+
     def close(self) -> None:
         if self._closed:
             return

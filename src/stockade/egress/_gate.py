@@ -226,6 +226,15 @@ class Gate:
             except Exception:  # an observer's failure must not take the sandbox's network down
                 self.observer_failures += 1
 
+    def renew(self) -> None:
+        """The budgets per minute afresh, for the sandbox's next user (its refusals past the
+        rate told first)."""
+        self._tell_over_rate(ended=True)
+        self.flush()
+        self.requests = Window(self.policy.max_requests_per_minute)
+        self.bytes = Window(self.policy.max_bytes_per_minute)
+        self._over_rate_recorded = False
+
     def close(self) -> None:
         """Tell the observer what is held, then drop the credentials."""
         self._tell_over_rate(ended=True)

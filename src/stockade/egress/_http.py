@@ -201,6 +201,10 @@ class Exchange:
                 return
             if not isinstance(event, h11.Request):
                 return
+            if client.gone():
+                # A request pipelined behind one whose answer found the client gone (its code
+                # ended, the sandbox reset for its next user): what is buffered goes nowhere.
+                return
             if on_connect is not None and event.method == b"CONNECT":
                 await on_connect(conn, event)
                 return

@@ -32,6 +32,7 @@ class Stream(Protocol):
     async def recv(self) -> bytes: ...
     async def send(self, data: bytes) -> None: ...
     def close(self) -> None: ...
+    def gone(self) -> bool: ...
 
 
 class Plain(asyncio.BufferedProtocol):
@@ -163,6 +164,11 @@ class Plain(asyncio.BufferedProtocol):
             with contextlib.suppress(OSError):
                 self._tcp.setsockopt(socket.IPPROTO_TCP, QUICKACK, 1)
 
+    def gone(self) -> bool:
+        """Closed by the peer as far as we know (a write failed: nobody reads any more), or
+        by us. An end of the stream alone is not gone: a client may still read its answers."""
+        return self._lost or self._error is not None or self.transport is None or self.transport.is_closing()
+
     def alive(self) -> bool:
         """Open both ways as far as we know (the server has not closed it, nor have we)."""
         return (
@@ -247,6 +253,9 @@ class ServerTLS:
 
     def close(self) -> None:
         self.raw.close()
+
+    def gone(self) -> bool:
+        return self.raw.gone()
 
 
 async def within(coro: Coroutine[Any, Any, T], seconds: float) -> T:

@@ -118,6 +118,10 @@ class Pool(Generic[S]):
     def close(self) -> None:
         """Close every kept connection; nothing is kept after this."""
         self._closed = True
+        self.drop()
+
+    def drop(self) -> None:
+        """Close every kept connection (the sandbox's next user starts with none)."""
         for kept in self._idle.values():
             for item in kept:
                 item.expiry.cancel()

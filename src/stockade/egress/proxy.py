@@ -90,6 +90,8 @@ class EgressProxy:
         self._tasks: set[asyncio.Task[None]] = set()  # those being served (the limit counts them)
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None  # the one it listens on
+        self._generation = 0  # one per user of the sandbox (``renew``): older connections are cut
+        self._cut: set[asyncio.Task[None]] = set()  # cancelled by ``renew``: ended, not failed
 
     # -- what callers may read (the package's own parts go to ``gate`` and ``exchange``) ------
 
@@ -191,7 +193,7 @@ class EgressProxy:
                 loop.remove_reader(sock.fileno())
                 loop.call_later(0.1, self._listen_again, sock)
                 return
-            task = loop.create_task(self._connection(conn))
+            task = loop.create_task(self._connection(conn, self._generation))
             self._connections.add(task)
             task.add_done_callback(self._connections.discard)
 
@@ -199,11 +201,11 @@ class EgressProxy:
         if not self._closed:
             asyncio.get_running_loop().add_reader(sock.fileno(), self._accept_ready, sock)
 
-    async def _connection(self, conn: socket.socket) -> None:
-        if self._closed:
+    async def _connection(self, conn: socket.socket, generation: int) -> None:
+        if self._closed or generation != self._generation:
             conn.close()
             return
-        await self._accept(await wrap(conn))
+        await self._accept(await wrap(conn), generation)
 
     async def close(self) -> None:
         self._closed = True
@@ -222,11 +224,45 @@ class EgressProxy:
         self.gate.close()  # the records still held go to the observer, then the secrets
         self.tunnels.ca = None
 
+    async def renew(self) -> None:
+        """For the sandbox's next user (a reset in place): every connection of the last user's
+        cut, its requests in flight too (recorded, status 0) and those waiting in the socket's
+        backlog; the connections kept to servers closed; the budgets per minute afresh. The
+        policy, its credentials and the CA stay: they are the sandbox's, not the user's."""
+        if self._closed:
+            return
+        self._generation += 1  # accepted and not yet served: closed when their task runs
+        self._refuse_backlog()
+        tasks = list(self._tasks)
+        self._cut.update(tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self._cut.difference_update(tasks)
+        self.exchange.upstreams.drop()
+        self.gate.renew()
+
+    def _refuse_backlog(self) -> None:
+        """Close what the last user's code connected and the proxy had not accepted yet."""
+        sock = self._listener
+        if sock is None or sock.fileno() < 0:
+            return
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:  # nothing more waiting (or out of descriptors: cut when accepted)
+                return
+            conn.close()
+
     # -- one client connection -------------------------------------------------------------
 
-    async def _accept(self, client: Plain) -> None:
+    async def _accept(self, client: Plain, generation: int) -> None:
         task = asyncio.current_task()
         assert task is not None
+        if generation != self._generation:  # the last user's, accepted before ``renew``
+            client.close()
+            return
         if self._closed or len(self._tasks) >= self.max_connections:
             with contextlib.suppress(OSError):
                 await client.send(BUSY)
@@ -239,8 +275,9 @@ class EgressProxy:
             pass  # the client or the server went away: the record says what was done
         except asyncio.CancelledError:
             # ``close`` (the sandbox killed) cut this connection: that is the end of it, not a
-            # failure to report (a cancellation from elsewhere still cancels the task).
-            if not self._closed:
+            # failure to report (a cancellation from elsewhere still cancels the task); so is
+            # ``renew`` (the sandbox reset for its next user).
+            if not self._closed and task not in self._cut:
                 raise
         except Exception as err:
             if not isinstance(err, load_h11().ProtocolError):  # a client speaking nonsense: closed

@@ -36,6 +36,11 @@ class EgressHandle(Protocol):
         """The connect shortcut's path in the sandbox, preloaded into its programs (gVisor)."""
         ...
 
+    def renew(self) -> None:
+        """For the sandbox's next user (a reset): the last user's connections and requests
+        in flight cut, the connections kept to servers closed, the budgets afresh."""
+        ...
+
     def close(self) -> None:
         """End the proxy now: its connections cut, its credentials dropped. Idempotent."""
         ...

@@ -306,6 +306,11 @@ class SupervisedInstance(Instance):
                 f"sandbox {self.id} could not be reset ({str(header.get('message', ''))[:500]}); "
                 "it was closed: create a new one"
             )
+        if self.boundary.egress is not None:
+            # After the supervisor's reset (the last user's code gone, the relay renewed): the
+            # host's proxy too, or a request pipelined by the last user would go out later,
+            # in the next user's session, and the budgets and kept connections carry over.
+            self.boundary.egress.renew()
 
     # -- snapshots ----------------------------------------------------------------------
 

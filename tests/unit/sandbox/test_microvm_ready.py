@@ -21,6 +21,9 @@ class _Egress:
         self.relay = RELAY
         self.preload: str | None = None  # the microVM's programs take its relay
 
+    def renew(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
