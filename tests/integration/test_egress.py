@@ -726,3 +726,41 @@ def test_a_reset_cuts_the_last_users_requests_and_gives_the_next_a_fresh_budget(
         assert codes == ["200"] * budget, "the last user's budget carried over"
         time.sleep(max(0.0, started + SLOW_S + 1 - time.monotonic()))  # the slow answers have come
         assert "/u1-POST" not in local.http_seen.paths[seen:], "the last user's request went out later"
+
+
+# More connections to the relay at once than the supervisor has descriptors for (it has the
+# code's RLIMIT_NOFILE), from two processes of the code's: how many of them were refused
+# (closed, or answered) within 3 s, rather than left hanging.
+MANY_CONNECTIONS = """
+import os, select, socket, sys, time
+for _ in range(2):
+    if os.fork() == 0:
+        socks = []
+        for _ in range(100):
+            try:
+                socks.append(socket.create_connection(("127.0.0.1", 3128), timeout=5))
+            except OSError:
+                pass
+        deadline, refused = time.monotonic() + 3, set()
+        while len(refused) < len(socks) and time.monotonic() < deadline:
+            ready, _, _ = select.select([s for s in socks if s not in refused], [], [], 0.2)
+            refused.update(ready)
+        print(len(refused), flush=True)
+        os._exit(0)
+os.wait(); os.wait()
+"""
+
+
+def test_more_connections_than_the_supervisors_descriptors_are_refused_not_fatal(
+    egress_tier: str, local: Servers
+) -> None:
+    """200 connections at once to the relay: those past what the supervisor's descriptors
+    allow are refused at once (not left in its backlog, nor the end of the supervisor), and
+    the sandbox still reaches its allowed hosts once they are closed."""
+    with _sandbox(egress_tier, local.policy()) as sbx:
+        sbx.files.write("many.py", MANY_CONNECTIONS)
+        r = sbx.commands.run("python3 many.py", timeout_s=60)
+        assert sum(map(int, r.stdout.split())) > 0, r.stdout + r.stderr
+        assert sbx.run_code("1 + 1").text == "2"
+        sbx.files.write("get.py", MANY_GETS)
+        assert sbx.commands.run(f"python3 get.py {local.http_port} 1").stdout.split() == ["200"]

@@ -23,6 +23,7 @@ Stdlib only, any python >= 3.8, like the rest of this folder.
 import errno
 import io
 import os
+import resource
 import select
 import socket
 import time
@@ -33,6 +34,47 @@ IN = select.EPOLLIN
 OUT = select.EPOLLOUT
 MAX_PAIRS = 256  # connections at once; the host's proxy caps them too
 WARM_MAX_AGE_S = 20.0  # well inside the proxy's 30 s for a connection's first request
+OUT_OF_FDS = (errno.EMFILE, errno.ENFILE)
+
+
+def _max_pairs():
+    """Pairs at once within the supervisor's descriptors (it has the code's RLIMIT_NOFILE,
+    128 on some tiers; a pair is two): half of them left to the supervisor's own work."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return MAX_PAIRS
+    return max(1, min(MAX_PAIRS, soft // 4))
+
+
+class _Spare:
+    """A descriptor kept for one thing: out of descriptors, the listener's next connection is
+    accepted with it and closed. Left in the backlog of a level-triggered poller, that
+    connection would wake the loop for ever (and the code would wait on it unanswered).
+    A socket, not a file: nothing of the filesystem the sandbox's rules may close."""
+
+    def __init__(self):
+        self.sock = self._open()
+
+    @staticmethod
+    def _open():
+        try:
+            return socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        except OSError:
+            return None
+
+    def refuse(self, listener):
+        self.close()
+        try:
+            client, _ = listener.accept()
+            client.close()
+        except OSError:
+            pass
+        self.sock = self._open()
+
+    def close(self):
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
 
 class _End:
@@ -92,6 +134,8 @@ class Relay:
         self.listener = _listen(sel, config, self)
         self.warm = max(0, int(config.get("warm", 0)))
         self.idle = {}  # fd -> (socket, when connected): warm connections not yet given out
+        self.max_pairs = _max_pairs()
+        self.spare = _Spare()
         self._refill()
 
     def on_event(self, fd, events):
@@ -119,9 +163,11 @@ class Relay:
         # wakes the loop again, and the usual one spares the accept that finds nothing.
         try:
             client, _ = self.listener.accept()
-        except OSError:  # nothing waiting, or out of descriptors: it waits in the backlog
+        except OSError as exc:  # nothing waiting; or out of descriptors: that one refused
+            if exc.errno in OUT_OF_FDS:
+                self.spare.refuse(self.listener)
             return
-        if len(self.ends) >= 2 * MAX_PAIRS:
+        if len(self.ends) >= 2 * self.max_pairs:
             client.close()
             return
         upstream = self._take_warm() or self._connect()
@@ -141,7 +187,10 @@ class Relay:
             self.sel.register(end.sock.fileno(), IN, ("egress", self))
 
     def _connect(self):
-        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        try:  # out of descriptors too: that connection is refused, the supervisor goes on
+            upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK)
+        except OSError:
+            return None
         try:
             upstream.connect(self.target)
         except OSError:  # the proxy is gone, or its backlog is full
@@ -161,7 +210,7 @@ class Relay:
         return None
 
     def _refill(self):
-        while len(self.idle) < self.warm and len(self.ends) + len(self.idle) < 2 * MAX_PAIRS:
+        while len(self.idle) < self.warm and len(self.ends) + len(self.idle) < 2 * self.max_pairs:
             sock = self._connect()
             if sock is None:
                 return
@@ -266,6 +315,7 @@ class Relay:
         for fd in list(self.idle):
             self._forget(fd)
         _unlisten(self.sel, self.listener)
+        self.spare.close()
 
 
 # -- the microVM: every connection over one virtio-serial port ------------------------------
@@ -316,6 +366,8 @@ class MuxRelay:
         self.by_fd = {}
         self.next_sid = 1
         self.config = config
+        self.max_streams = min(MUX_STREAMS, 2 * _max_pairs())
+        self.spare = _Spare()
         self.listener = _listen(sel, config, self)
         sel.register(self.port, IN, ("egress", self))
         self._send(frame(HELLO, 0))
@@ -357,9 +409,11 @@ class MuxRelay:
         while True:
             try:
                 client, _ = self.listener.accept()
-            except (BlockingIOError, InterruptedError, OSError):
+            except OSError as exc:  # nothing waiting; or out of descriptors: that one refused
+                if exc.errno in OUT_OF_FDS:
+                    self.spare.refuse(self.listener)
                 return
-            if len(self.streams) >= MUX_STREAMS:
+            if len(self.streams) >= self.max_streams:
                 client.close()
                 continue
             client.setblocking(False)
@@ -511,6 +565,7 @@ class MuxRelay:
         for stream in list(self.streams.values()):
             self._drop(stream, tell=False)
         _unlisten(self.sel, self.listener)
+        self.spare.close()
         try:
             self.sel.unregister(self.port)
         except KeyError:
