@@ -148,6 +148,7 @@ class McpAgent:
         self.config = config
         self.workspace = workspace
         self._sessions: dict[str, McpSession] = {}
+        self._leaving: list[McpSession] = []  # forgotten, their threads maybe not ended yet
         self._lock = threading.Lock()
         self.agent: GuardedAgent = build_agent(config)
 
@@ -170,13 +171,19 @@ class McpAgent:
             return self._sessions.get(key)
 
     def forget(self, key: str) -> McpSession | None:
+        """The session of ``key``, no longer found by it; ``close`` still waits for its thread
+        (its last records go to the audit log, which closes after it)."""
         with self._lock:
-            return self._sessions.pop(key, None)
+            session = self._sessions.pop(key, None)
+            if session is not None:
+                self._leaving = [s for s in self._leaving if s.running] + [session]
+            return session
 
     def close(self, timeout_s: float = 60.0) -> None:
         """End every session (their runs end, their sandboxes are removed), then the agent."""
         with self._lock:
-            sessions, self._sessions = list(self._sessions.values()), {}
+            sessions, self._sessions = [*self._sessions.values(), *self._leaving], {}
+            self._leaving = []
         for session in sessions:
             session.end()
         for session in sessions:
@@ -234,12 +241,24 @@ class McpSession:
         return store.decision(pending.request()) if store is not None else None
 
     def end(self) -> None:
-        """The client went away: the run ends (its sandbox is removed) on the session's thread."""
+        """The client went away: the run ends (its sandbox is removed) on the session's thread.
+        A call in flight is cut (its sandbox killed, the run "interrupted"): nobody waits for
+        it, and it held the sandbox past the session's end, up to its ``timeout_s`` (a week),
+        while the session's slot was free for another: an HTTP client ran 4 sandboxes under
+        ``max_sessions=1``."""
+        session = self._agent_session
+        if session is not None and self._current is not None and not self.closed:
+            session.interrupt("the MCP client ended its session")
         self._inbox.put(_END)
         self._control.put(None)
 
     def join(self, timeout_s: float | None = None) -> None:
         self._thread.join(timeout_s)
+
+    @property
+    def running(self) -> bool:
+        """Whether the session's thread still runs (its run, its sandbox)."""
+        return self._thread.is_alive()
 
     async def aclose(self) -> None:
         self.end()

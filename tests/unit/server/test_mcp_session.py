@@ -4,6 +4,8 @@ client; calls, denials, approvals (a pause, a decision, the parked call run agai
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,9 +16,10 @@ from stockade.audit import AuditLog, MemoryStore
 from stockade.policy import Policy
 from stockade.policy.approval import Choice
 from stockade.policy.schema import CommandRules, ModelRegistry, PathRules, TrustRules
+from stockade.sandbox.ops import RunCommand
 from stockade.server.mcp_session import MODEL_NAME, CallResult, Ended, McpAgent, Paused
 from stockade.testing import FakeBackend, MemoryWorkspace
-from stockade.types import Trust
+from stockade.types import CommandResult, Trust
 
 POLICY = Policy(
     trust=TrustRules(level=Trust.TRUSTED),
@@ -141,3 +144,44 @@ def test_failed_calls_in_a_row_end_the_session_broken_unless_the_breaker_is_off(
             assert not session.sandbox_alive
     finally:
         agent.close()
+
+
+def test_a_session_ended_mid_call_cuts_the_call_and_the_stop_keeps_its_records(tmp_path: Path) -> None:
+    """An HTTP client's DELETE freed the session's slot at once, while its thread kept the
+    sandbox until the call in flight returned (up to a week): 4 sandboxes ran under
+    ``--max-sessions 1``. And the server's stop closed the audit log before that thread wrote
+    its last records. Now the call is cut with the session, and the stop waits for it."""
+    started = threading.Event()
+
+    def until_closed(op: RunCommand) -> CommandResult:
+        started.set()
+        instance = backend.instances[-1]
+        deadline = time.monotonic() + 30
+        while instance.alive and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return CommandResult(exit_code=0, stdout="", stderr="", duration_s=0.0)
+
+    backend = FakeBackend(MemoryWorkspace(commands=until_closed), tier="process")
+    log = AuditLog(MemoryStore(), flush_interval_s=None)
+    agent = McpAgent(
+        AgentConfig(
+            model=MODEL_NAME, policy=POLICY, backend=backend, audit=log,
+            approval_dir=tmp_path / "approvals", kill_target=str(tmp_path / "kill"),
+        )
+    )  # fmt: skip
+    session = agent.session("one", client="test")
+
+    async def work() -> object:
+        call = asyncio.ensure_future(session.call("run_code", {"code": "sleep 600", "language": "bash"}))
+        assert await asyncio.to_thread(started.wait, 10)
+        forgotten = agent.forget("one")
+        assert forgotten is session
+        forgotten.end()  # what the server's DELETE does
+        return await asyncio.wait_for(call, 10)
+
+    outcome = asyncio.run(work())
+    assert isinstance(outcome, Ended) and outcome.status == "interrupted", outcome
+    agent.close()  # at once: it waits for the forgotten session's thread
+    assert not session.running and not backend.instances[-1].alive
+    kinds = [e.kind.value for e in log.store.events(run_id=session.run_id)]
+    assert "sandbox_stop" in kinds and kinds[-1] == "run_end", kinds
