@@ -126,7 +126,7 @@ class Server(Process):
         self.url = f"http://127.0.0.1:{self.port}"
         argv = ["serve", "--tenants", str(tenants), "--db", db, "--port", str(self.port), "--queue", queue]
         if redis:
-            argv += ["--redis", redis, "--visibility-timeout", "5"]
+            argv += ["--redis", redis]  # the broker's visibility timeout as shipped (an hour)
         super().__init__([*argv, *(extra or [])], folder / f"server-{self.port}.log", cwd=folder)
         try:
             self.wait_ready()
@@ -157,7 +157,7 @@ class Worker(Process):
     def __init__(self, tenants: Path, db: str, redis: str, queue: str, folder: Path, name: str,
                  tools: str | None = None, env: dict[str, str] | None = None):  # fmt: skip
         argv = ["worker", "--tenants", str(tenants), "--db", db, "--redis", redis, "--queue", queue,
-                "--concurrency", "1", "--name", f"{name}@{queue}", "--visibility-timeout", "5"]  # fmt: skip
+                "--concurrency", "1", "--name", f"{name}@{queue}"]  # fmt: skip
         if tools:
             argv += ["--tools", tools]
         super().__init__(argv, folder / f"worker-{name}.log", env=env, cwd=folder)

@@ -7,6 +7,7 @@ on the server's own threads (no Redis)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,11 @@ class Service:
     server: Server
     tokens: Tokens
     store: ServiceStore
+    workers: list[Worker]  # Celery's (none on the server's own threads)
+    tenants: Path
+    db: str
+    queue: str
+    folder: Path
 
     def row(self, run_id: str) -> RunRow:
         row = self.store.run(run_id)
@@ -46,25 +52,39 @@ class Service:
         return row
 
 
-@pytest.fixture(params=["celery", "in_process"])
-def service(request: pytest.FixtureRequest, tmp_path: Path, postgres_url: str) -> Iterator[Service]:
+@contextlib.contextmanager
+def started(tmp_path: Path, postgres_url: str, queue: str | None) -> Iterator[Service]:
+    """The service on one Celery worker (``queue`` given), else on one of the server's threads."""
     require_tier("process")
     tenants, tokens = write_tenants(tmp_path, acme_rate=ACME_RATE)
     store = ServiceStore(open_database(postgres_url))
-    worker: Worker | None = None
-    if request.param == "celery":  # one worker, one slot
-        queue = request.getfixturevalue("redis_queue")
+    workers: list[Worker] = []
+    if queue is not None:  # one worker, one slot
         server = Server(tenants, postgres_url, tmp_path, redis=REDIS_URL, queue=queue)
-        worker = Worker(tenants, postgres_url, REDIS_URL, queue, tmp_path, "a")
+        workers.append(Worker(tenants, postgres_url, REDIS_URL, queue, tmp_path, "a"))
     else:  # the server's own threads: one of them
         server = Server(tenants, postgres_url, tmp_path, extra=["--run-threads", "1"])
     try:
-        yield Service(server=server, tokens=tokens, store=store)
+        yield Service(server=server, tokens=tokens, store=store, workers=workers, tenants=tenants,
+                      db=postgres_url, queue=queue or "", folder=tmp_path)  # fmt: skip
     finally:
-        if worker is not None:
+        for worker in workers:
             worker.stop()
         server.stop()
         store.close()
+
+
+@pytest.fixture(params=["celery", "in_process"])
+def service(request: pytest.FixtureRequest, tmp_path: Path, postgres_url: str) -> Iterator[Service]:
+    queue = request.getfixturevalue("redis_queue") if request.param == "celery" else None
+    with started(tmp_path, postgres_url, queue) as running:
+        yield running
+
+
+@pytest.fixture
+def celery_service(tmp_path: Path, postgres_url: str, redis_queue: str) -> Iterator[Service]:
+    with started(tmp_path, postgres_url, redis_queue) as running:
+        yield running
 
 
 def writes(n: int) -> list[object]:
@@ -107,3 +127,20 @@ def test_a_run_waiting_for_its_tenants_rate_leaves_the_slot_to_other_tenants(ser
         assert row.attempts >= 2, row  # it left the slot and came back
         assert row.error is None
     assert service.store.holds("acme") == []  # nothing holds acme's quota now
+
+
+def test_a_worker_killed_while_a_run_waits_for_its_window_strands_nothing(celery_service: Service) -> None:
+    service = celery_service
+    with Client(service.server.url, service.tokens.acme) as acme:
+        run_id = acme.runs.submit("acme", scripted=writes(3)).id
+    wait_for(lambda: "again in" in (service.row(run_id).error or ""), what="the run to wait off the worker",
+             timeout_s=60, interval_s=0.1)  # fmt: skip
+    # the worker dies (SIGKILL) while the run waits: before, the worker held the run's countdown
+    # message, and the run stayed queued until the broker's visibility timeout (an hour)
+    [victim] = service.workers
+    victim.kill_group()
+    victim.proc.wait(10)
+    service.workers.append(Worker(service.tenants, service.db, REDIS_URL, service.queue, service.folder, "b"))
+    row = service.ended(run_id, what="the run to go on on the other worker", timeout_s=90)
+    assert row.status == "success", (row.status, row.error)
+    assert row.attempts >= 2 and row.error is None

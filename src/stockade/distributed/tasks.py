@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import uuid
 from typing import Any
 
 from celery import Celery, Task
@@ -13,8 +14,10 @@ from stockade import exceptions as exc
 from stockade.server.context import ServiceConfig
 from stockade.server.executor import QUOTA_POLL_S
 from stockade.server.runner import Runner
+from stockade.server.state import ServiceStore, open_database
+from stockade.server.wakes import Waker, Wakes
 
-__all__ = ["RUN_TASK", "configure", "make_app"]
+__all__ = ["RUN_TASK", "configure", "make_app", "send_run", "start_waker"]
 
 log = logging.getLogger("stockade.worker")
 RUN_TASK = "stockade.run"
@@ -55,6 +58,21 @@ def make_app(broker: str, *, visibility_timeout_s: float = 3600.0, queue: str = 
     return app
 
 
+def send_run(app: Celery, run_id: str, reason: str = "submitted") -> None:
+    """One message for the run; its id names the run and why it is sent: the same submission
+    sent twice is one task id. A message runs the run only as far as the run store says it
+    has not gone, so a copy starts nothing."""
+    suffix = "" if reason == "submitted" else f":{uuid.uuid4().hex[:8]}"
+    app.send_task(RUN_TASK, args=[run_id], task_id=f"run:{run_id}:{reason}{suffix}")
+
+
+def start_waker(app: Celery, config: ServiceConfig) -> Waker:
+    """This process's waker: sends the service's runs whose wake has come (``server/wakes.py``),
+    on a database connection of its own."""
+    store = ServiceStore(open_database(config.database))  # makes the tables when they are new
+    return Waker(Wakes(store.db), lambda run_id, reason: send_run(app, run_id, reason)).start()
+
+
 def configure(config: ServiceConfig) -> None:
     """The configuration the worker's runs use (set before the pool forks)."""
     _Process.config = config
@@ -71,13 +89,6 @@ def _runner_here() -> Runner:
         return _Process.runner
 
 
-def _deferral(deferred: exc.RunDeferred, config: ServiceConfig) -> float:
-    """When the run goes again: once its window frees, but within the broker's visibility
-    timeout (a message held longer by a worker is given again meanwhile, to another); a run
-    sent early looks at its window and waits on, starting nothing."""
-    return max(min(deferred.retry_after or QUOTA_POLL_S, config.visibility_timeout_s / 2), 0.5)
-
-
 def _run(task: Task, run_id: str, *_: Any) -> str:
     runner = _runner_here()
     assert _Process.config is not None
@@ -85,20 +96,31 @@ def _run(task: Task, run_id: str, *_: Any) -> str:
     tenant = _Process.config.tenants.tenants.get(row.tenant) if row is not None else None
     try:
         outcome = runner.execute(run_id, tenant)
-    except exc.RunLeased as leased:  # another worker runs it: look again when its lease would end
-        delay = (leased.retry_after or 5.0) + 1.0
-        log.info("run %s is leased elsewhere; again in %.0f s", run_id, delay)
-        raise task.retry(countdown=delay) from None
+    except exc.RunLeased as leased:  # another process runs it: its wake says if that one dies
+        return _again(task, runner, run_id, (leased.retry_after or 5.0) + 1.0, "leased elsewhere")
     except exc.QuotaExceeded:  # the tenant's quota is full: wait queued, not on this worker
-        raise task.retry(countdown=QUOTA_POLL_S) from None
+        return _again(task, runner, run_id, QUOTA_POLL_S, "waiting for room in its quota")
     except exc.RunDeferred as deferred:  # its tenant's window is full: wait queued, not on this worker
-        raise task.retry(countdown=_deferral(deferred, _Process.config)) from None
+        return _again(task, runner, run_id, max(deferred.retry_after or QUOTA_POLL_S, 0.5), "deferred")
     except exc.StockadeError as error:
         if not error.retryable:
             raise
-        retries = int(task.request.retries or 0)
-        delay = error.retry_after or min(60.0, 2.0 * 2 ** min(retries, 5))
+        attempts = row.attempts if row is not None else 0
+        delay = error.retry_after or min(60.0, 2.0 * 2 ** min(attempts, 5))
         log.warning("run %s: %s; again in %.0f s", run_id, error, delay)
-        raise task.retry(countdown=delay) from None
+        return _again(task, runner, run_id, delay, "transient")
     log.info("run %s: %s", run_id, outcome.status)
     return outcome.status
+
+
+def _again(task: Task, runner: Runner, run_id: str, delay_s: float, why: str) -> str:
+    """The run goes again in ``delay_s``: a wake in the database (``server/wakes.py``), which
+    outlives this worker, and the message is done. With the database away, a countdown
+    message this worker holds (lost with it until the broker's visibility timeout)."""
+    try:
+        runner.wakes.set(run_id, delay_s)
+    except exc.StockadeError as error:
+        log.warning("run %s: no wake written (%s): a countdown of %.0f s instead", run_id, error, delay_s)
+        raise task.retry(countdown=delay_s) from None
+    log.info("run %s: %s; again in %.1f s", run_id, why, delay_s)
+    return why

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stockade.distributed.tasks import configure, make_app
+from stockade.distributed.tasks import configure, make_app, start_waker
 from stockade.server.context import ServiceConfig
 
 __all__ = ["run_worker"]
@@ -13,7 +13,8 @@ def run_worker(
     loglevel: str = "INFO",
 ) -> None:  # fmt: skip
     """Consume runs until SIGTERM (warm: runs in progress finish; their messages are acked
-    then) or SIGKILL (cold: they are given to another worker after the visibility timeout)."""
+    then) or SIGKILL (cold: a live worker's or API process's waker sends them again once
+    their leases have lapsed, ``server/wakes.py``)."""
     assert config.redis is not None
     configure(config)
     app = make_app(config.redis, visibility_timeout_s=config.visibility_timeout_s, queue=config.queue)
@@ -21,4 +22,8 @@ def run_worker(
             "--without-gossip", "--without-mingle", "--without-heartbeat"]  # fmt: skip
     if name:
         argv.append(f"--hostname={name}")
-    app.worker_main(argv)
+    waker = start_waker(app, config)  # a dead worker's runs are sent again by any live one
+    try:
+        app.worker_main(argv)
+    finally:
+        waker.close()

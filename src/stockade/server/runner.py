@@ -61,6 +61,7 @@ from stockade.server.state import (
     open_database,
 )
 from stockade.server.tenants import Tenant
+from stockade.server.wakes import Wakes
 from stockade.tools.base import Toolset
 from stockade.tools.builtin import default_toolset
 from stockade.types import Limits, MiB
@@ -147,6 +148,7 @@ class Runner:
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         db = open_database(config.database)
         self.store = ServiceStore(db)
+        self.wakes = Wakes(db)
         # a connection of its own: the run store's writes are fenced transactions
         self.runs = RunStore(open_database(config.database), namespace="runs")
         self.approvals = DatabaseApprovals(self.store)

@@ -41,6 +41,7 @@ from stockade.policy.approval import ApprovalRequest, Choice
 from stockade.runs._db import Database, PostgresDatabase, SQLiteDatabase, Statement
 from stockade.runtime.killswitch import LIVE_FOR_S, LiveRun
 from stockade.server.tenants import Quotas
+from stockade.server.wakes import START_GRACE_S, wake_statement
 from stockade.types import MiB
 
 __all__ = [
@@ -112,11 +113,15 @@ def _schema(ns: str, blob: str) -> list[str]:
             run_id TEXT PRIMARY KEY, reason TEXT NOT NULL, created_ns BIGINT NOT NULL)""",
         f"""CREATE TABLE IF NOT EXISTS {ns}_live (
             run_id TEXT PRIMARY KEY, info TEXT NOT NULL, beat_ns BIGINT NOT NULL)""",
+        # when a run nobody holds goes to a worker again (``server/wakes.py``)
+        f"""CREATE TABLE IF NOT EXISTS {ns}_wakes (
+            run_id TEXT PRIMARY KEY, wake_ns BIGINT NOT NULL, misses INTEGER NOT NULL)""",
+        f"CREATE INDEX IF NOT EXISTS {ns}_wakes_due ON {ns}_wakes (wake_ns)",
     ]
 
 
 TABLES = ("runs", "workspaces", "artifacts", "tenants", "sandboxes", "holds", "nodes", "ended", "snapshots",
-          "approvals", "kills", "live")  # fmt: skip
+          "approvals", "kills", "live", "wakes")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -326,6 +331,10 @@ class ServiceStore:
         ]
         if status != "running":  # its sandbox is closed (or kept on disk): its share is free
             statements.append((f"DELETE FROM {self.ns}_holds WHERE run_id = ?", [(run_id,)]))
+        if status == "running":  # a waker looks whether its process lives (``server/wakes.py``)
+            statements.append(wake_statement(self.ns, run_id, now + int(START_GRACE_S * 1e9)))
+        elif status != QUEUED:  # paused or ended: nothing to wake (a queued run says when)
+            statements.append((f"DELETE FROM {self.ns}_wakes WHERE run_id = ?", [(run_id,)]))
         return self.db.write(statements, require=require)
 
     def waiting_runs(self, tenant: str | None = None) -> list[RunRow]:
