@@ -324,11 +324,21 @@ class _AuditedApprovals(Approvals):
         super().__init__(inner.approver, inner.store)
         self.log = log
 
+    def _decider(self, request: ApprovalRequest) -> str:
+        """Who decided, as the approval book has it (``stockade approve --by``, the viewer, an
+        MCP client's elicitation, an API token): the trail names them, not just "human"."""
+        if self.store is None:
+            return ""
+        return next(
+            (r.get("by", "") for r in self.store.requests(request.run_id) if r.get("id") == request.id), ""
+        )
+
     def _record(self, request: ApprovalRequest, outcome: str) -> None:
+        by = self._decider(request) if outcome != "pending" else ""
         self.log.record(
             EventKind.APPROVAL,
             run_id=request.run_id,
-            actor="human" if outcome != "pending" else "policy",
+            actor=("human:" + by if by else "human") if outcome != "pending" else "policy",
             attributes={
                 "request_id": request.id,
                 "action": request.action,

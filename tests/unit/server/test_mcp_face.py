@@ -102,6 +102,14 @@ def test_a_session_through_the_protocol(tmp_path: Path, mode: str) -> None:
         if e.kind.value == "run_end"
     ]
     assert ends == ["paused", "paused", "success"]  # each approval paused the run; the session ended it
+    decided = [
+        (e.attributes["outcome"], e.actor)
+        for e in server.agent.agent.audit_log.store.events()
+        if e.kind.value == "approval" and e.attributes["outcome"] != "pending"
+    ]
+    assert [outcome for outcome, _ in decided] == ["approved", "denied"]
+    for _, actor in decided:  # who decided is kept: the client, through its user's answer
+        assert actor.startswith("human:mcp client ") and actor.endswith("(elicitation: accept)"), actor
 
 
 def test_without_elicitation_a_call_waits_for_a_decision_then_is_denied(tmp_path: Path) -> None:
