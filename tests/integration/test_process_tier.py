@@ -297,6 +297,38 @@ def test_a_frozen_supervisor_cannot_hold_the_host_hostage() -> None:
     sbx.close()
 
 
+REACH_SUPERVISORS_STDERR = r"""
+import os, sys
+reached = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    if int(pid) == os.getpid():
+        continue
+    try:
+        theirs, ours = os.stat(f"/proc/{pid}/fd/2"), os.fstat(2)
+        os.close(os.open(f"/proc/{pid}/fd/2", os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        continue
+    if (theirs.st_dev, theirs.st_ino) != (ours.st_dev, ours.st_ino):  # not our own stderr pipe
+        reached.append(pid)
+sys.stderr.write("x" * (1 << 20))
+print("reached", reached)
+"""
+
+
+def test_code_cannot_write_into_the_supervisors_uncapped_stderr_log() -> None:
+    # bwrap.log (bwrap's and the supervisor's stderr) has no cap on the host's disk: that holds
+    # only while code cannot reach it. Its own stderr is a pipe of its call; the supervisor's
+    # and the zygote's fds are closed to it (non-dumpable); nothing it floods lands there.
+    with Sandbox.create() as sbx:
+        log = sbx.instance.boundary.rundir / "bwrap.log"  # type: ignore[attr-defined]
+        sbx.files.write("reach.py", REACH_SUPERVISORS_STDERR.encode())
+        ran = sbx.commands.run("python3 reach.py")
+        assert ran.exit_code == 0 and ran.stdout.strip() == "reached []", ran.stdout + ran.stderr[-300:]
+        cell = sbx.run_code(REACH_SUPERVISORS_STDERR)
+        assert cell.error is None and cell.logs.stdout.strip() == "reached []", cell
+        assert log.stat().st_size < 4096, log.read_bytes()[:300]
+
+
 def test_a_sandbox_nobody_closed_dies_with_its_last_reference() -> None:
     import gc
 

@@ -660,6 +660,11 @@ class ProcessBackend(Backend):
         options_fd = _memfd("stockade-bwrap", options)
         fds.append(options_fd)  # closed by the caller
         argv = [self.bwrap, "--args", str(options_fd), *_supervisor_command(self.python)]
+        # bwrap.log, bwrap's and the supervisor's stderr, has no cap on the host's disk: code
+        # cannot write to it. Its commands and interpreters get pipes of their own on fd 2; the
+        # supervisor and its zygote, which keep this one, are non-dumpable (their /proc fds
+        # are closed to code of their uid). Only bwrap and the supervisor's own Python (a
+        # traceback as it dies) write here; the process tier's tests check that code cannot.
         with open(rundir / "bwrap.log", "wb") as stderr:
             return subprocess.Popen(
                 self._entering(argv, uid, cgroup),
@@ -704,6 +709,7 @@ class ProcessBackend(Backend):
         out_r, out_w = os.pipe()
         init: _template.Init | None = None
         placeholder: subprocess.Popen[bytes] | None = None
+        # Uncapped, out of code's reach (see _exec); the template's fork keeps it as fd 2.
         log = os.open(rundir / "bwrap.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         request = {
             "uid": uid,
