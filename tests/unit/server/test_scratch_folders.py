@@ -7,10 +7,11 @@ import ast
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import stockade.server
-from stockade.server.scratch import collect, scratch
+from stockade.server.scratch import OLD_AGE_S, collect, scratch
 
 HOLDER = """
 import sys, time
@@ -75,3 +76,30 @@ def test_every_scratch_folder_of_the_service_is_one_gc_can_collect() -> None:
             if isinstance(node, ast.Attribute) and node.attr in {"TemporaryDirectory", "mkdtemp"}:
                 unclaimed.append(f"{module.name}:{node.lineno}")
     assert unclaimed == []
+
+
+def test_a_previous_versions_unclaimed_folder_goes_once_unchanged_for_a_day(tmp_path: Path) -> None:
+    """Before the claims, scratch folders were bare TemporaryDirectory ones: nothing says whether
+    their process lives, so they go once nothing changed in them for a day."""
+    stale = tmp_path / "stockade-run-k3j_9x0a"  # tempfile's name: 8 of [a-z0-9_]
+    (stale / "workspace").mkdir(parents=True)
+    (stale / "workspace" / "secret.txt").write_text("a tenant's file")
+    stale_upload = tmp_path / "stockade-upload-a1b2c3d4"
+    stale_upload.mkdir()
+    recent = tmp_path / "stockade-download-zz99_aa1"  # maybe a previous version's, still at work
+    recent.mkdir()
+    link = tmp_path / "stockade-run-linkedto"
+    os.symlink(stale, link)
+    day_ago = time.time() - OLD_AGE_S - 60
+    for old in (stale, stale_upload):
+        os.utime(old, (day_ago, day_ago))
+    os.utime(link, (day_ago, day_ago), follow_symlinks=False)
+
+    removed = collect(tmp_path)
+
+    assert sorted(removed) == sorted(
+        f"service scratch folder {f.name} (a previous version's, unchanged for a day)"
+        for f in (stale, stale_upload)
+    )
+    assert not stale.exists() and not stale_upload.exists()
+    assert recent.exists() and link.is_symlink()
