@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -24,6 +24,7 @@ __all__ = [
     "HostRule",
     "HostShare",
     "Limits",
+    "Listing",
     "Logs",
     "Mechanism",
     "NetworkPolicy",
@@ -543,6 +544,18 @@ class EntryInfo:
     size: int
     mode: int
     mtime: float
+
+
+class Listing(list[EntryInfo]):
+    """``files.list``'s entries. ``truncated``: the listing stopped at its cap (100,000 entries)
+    and the folder holds more; list a folder inside it, or to a smaller depth, to see them."""
+
+    def __init__(self, entries: Iterable[EntryInfo] = (), *, truncated: bool = False) -> None:
+        super().__init__(entries)
+        self.truncated = truncated
+
+    def __repr__(self) -> str:
+        return f"Listing({super().__repr__()}, truncated={self.truncated})"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from stockade import Limits, ListingTooLarge, ProtocolError, Sandbox, SandboxCrashed, StockadeError
+from stockade.exceptions import SeedTooLarge
+from stockade.runs.workspace import WorkspaceTracker
 
 # A module planted in the workspace: if the supervisor ever imports it, every later
 # files.read (the next pool user's included) answers with the attacker's bytes.
@@ -76,6 +78,32 @@ def test_listing_thousands_of_files_keeps_the_sandbox(sbx: Sandbox) -> None:
     sbx.commands.run("mkdir many && cd many && seq 1 20000 | xargs touch")
     assert len(sbx.files.list("many")) == 20000
     assert sbx.commands.run("echo alive").stdout == "alive\n"
+
+
+MANY_FILES = """
+import os
+os.makedirs("many")
+fd = os.open("many", os.O_RDONLY | os.O_DIRECTORY)
+for i in range(100_001):
+    os.close(os.open(str(i), os.O_CREAT | os.O_WRONLY, dir_fd=fd))
+os.close(fd)
+"""
+
+
+def test_a_listing_past_its_cap_says_it_was_cut() -> None:
+    # 100,001 files were listed as 100,000 and the caller could not tell the rest was missing.
+    from tests.conftest import require_tier
+
+    require_tier("process")
+    with Sandbox.create("process", limits=Limits(memory_mb=512, inodes=200_000, timeout_s=60)) as sbx:
+        assert sbx.run_code(MANY_FILES).error is None
+        cut = sbx.files.list("many")
+        assert len(cut) == 100_000 and cut.truncated
+        whole = sbx.files.list("")
+        assert [e.name for e in whole] == ["many"] and not whole.truncated
+        # a run store allowed more entries than a listing holds would snapshot part of it
+        with pytest.raises(SeedTooLarge, match="more than one listing carries"):
+            WorkspaceTracker(max_entries=1_000_000).scan(sbx)
 
 
 # 40,000 files at the end of fifteen folders of 250-character names: 3.8 KB paths each.

@@ -107,6 +107,16 @@ def test_a_remote_sandbox_is_a_sandbox(acme: Client, tmp_path: Path) -> None:
         acme.http.request("GET", f"/v1/sandboxes/{sbx.id}")
 
 
+def test_a_listing_cut_at_its_cap_says_so_through_the_service(acme: Client) -> None:
+    limits = Limits(memory_mb=512, inodes=200_000, timeout_s=60)
+    with RemoteSandbox.create(tier="process", limits=limits, client=acme) as sbx:
+        made = sbx.commands.run("mkdir many && cd many && seq 1 100001 | xargs touch", timeout_s=60)
+        assert made.exit_code == 0, made.stderr
+        cut = sbx.files.list("many")
+        assert len(cut) == 100_000 and cut.truncated  # the header carried it to the client
+        assert not sbx.files.list("").truncated
+
+
 def test_a_killed_sandbox_stops_mid_command(acme: Client) -> None:
     import threading
 

@@ -31,6 +31,7 @@ from stockade.client.sandbox import (
     enforcement,
     entry,
     execution,
+    listing,
     snapshot_value,
     streamed_line,
 )
@@ -43,6 +44,7 @@ from stockade.types import (
     EntryInfo,
     Execution,
     Limits,
+    Listing,
     NetworkPolicy,
     Snapshot,
     Trust,
@@ -109,9 +111,9 @@ class AsyncRemoteFiles:
         )  # fmt: skip
         return entry(response.json())
 
-    async def list(self, path: str = "", *, depth: int = 1) -> list[EntryInfo]:
+    async def list(self, path: str = "", *, depth: int = 1) -> Listing:
         response = await self._request("GET", "/files", params={"path": path, "depth": depth})
-        return [entry(e) for e in response.json()]
+        return listing(response.json(), response.headers)
 
     async def stat(self, path: str) -> EntryInfo | None:
         try:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 from stockade import exceptions as exc
 from stockade.client._http import error_from
 from stockade.sandbox.facade import tar_directory
-from stockade.sandbox.ops import DOWNLOAD_MAX_BYTES, DOWNLOAD_MAX_ENTRIES
+from stockade.sandbox.ops import DOWNLOAD_MAX_BYTES, DOWNLOAD_MAX_ENTRIES, LISTING_TRUNCATED_HEADER
 from stockade.types import (
     CommandResult,
     DownloadResult,
@@ -37,6 +37,7 @@ from stockade.types import (
     ExecutionError,
     HostShare,
     Limits,
+    Listing,
     Logs,
     Mechanism,
     NetworkPolicy,
@@ -76,6 +77,11 @@ def entry(data: Mapping[str, Any]) -> EntryInfo:
         path=data["path"], name=data["name"], type=EntryType(data["type"]), size=int(data["size"]),
         mode=int(data["mode"]), mtime=float(data["mtime"]),
     )  # fmt: skip
+
+
+def listing(data: Sequence[Mapping[str, Any]], headers: Mapping[str, str]) -> Listing:
+    """A listing from the service: its entries, cut where the service's header says so."""
+    return Listing((entry(e) for e in data), truncated=headers.get(LISTING_TRUNCATED_HEADER) == "true")
 
 
 def enforcement(data: Mapping[str, Any]) -> Enforcement:
@@ -252,11 +258,11 @@ class RemoteFiles:
         )  # fmt: skip
         return entry(response.json())
 
-    def list(self, path: str = "", *, depth: int = 1) -> list[EntryInfo]:
+    def list(self, path: str = "", *, depth: int = 1) -> Listing:
         response = self._sbx.client.http.request(
             "GET", f"{self._base}/files", params={"path": path, "depth": depth}
         )
-        return [entry(e) for e in response.json()]
+        return listing(response.json(), response.headers)
 
     def stat(self, path: str) -> EntryInfo | None:
         try:

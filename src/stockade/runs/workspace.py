@@ -109,11 +109,15 @@ class WorkspaceTracker:
     def scan(self, sandbox: Sandbox, *, known: Callable[[str], bool] = lambda _: False) -> Scan:
         """List the workspace and read what may have changed; nothing is recorded yet
         (``commit`` once the store has it). ``known(digest)``: the store has that content."""
+        found = sandbox.files.list("", depth=MAX_DEPTH)
         listing = tuple(
-            e
-            for e in sandbox.files.list("", depth=MAX_DEPTH)
-            if relative_path(e.path) and e.type in (EntryType.FILE, EntryType.DIR)
+            e for e in found if relative_path(e.path) and e.type in (EntryType.FILE, EntryType.DIR)
         )
+        if found.truncated:  # the listing stopped at its cap: a snapshot would miss the rest
+            raise exc.SeedTooLarge(
+                f"the workspace holds over {len(found):,} entries, more than one listing carries: "
+                "keep build output and dependencies out of the workspace"
+            )
         if len(listing) > self.max_entries:
             raise exc.SeedTooLarge(
                 f"the workspace holds {len(listing):,} files and folders, over the run store's "

@@ -29,7 +29,7 @@ from stockade.sandbox.ops import (
     Stat,
     WriteFile,
 )
-from stockade.types import CommandResult, DownloadResult, EntryInfo
+from stockade.types import CommandResult, DownloadResult, EntryInfo, Listing
 
 __all__ = ["AsyncCommands", "AsyncFiles", "Commands", "Files", "threadsafe"]
 
@@ -84,8 +84,11 @@ class Files:
         raw = data.encode() if isinstance(data, str) else data
         return self._instance.execute(WriteFile(path=check_path(path), data=raw, mode=mode))
 
-    def list(self, path: str = "", *, depth: int = 1) -> list[EntryInfo]:
-        return list(self._instance.execute(ListDir(path=check_path(path), depth=depth)))
+    def list(self, path: str = "", *, depth: int = 1) -> Listing:
+        """The entries under ``path`` to ``depth``; ``truncated`` when there were more than a
+        listing holds (100,000). The caller's own copy: the op's answer is not shared."""
+        found = self._instance.execute(ListDir(path=check_path(path), depth=depth))
+        return Listing(found, truncated=found.truncated)
 
     def stat(self, path: str) -> EntryInfo | None:
         return self._instance.execute(Stat(path=check_path(path), follow_symlinks=False))
@@ -185,8 +188,9 @@ class AsyncFiles:
         raw = data.encode() if isinstance(data, str) else data
         return await self._instance.aexecute(WriteFile(path=check_path(path), data=raw, mode=mode))
 
-    async def list(self, path: str = "", *, depth: int = 1) -> list[EntryInfo]:
-        return list(await self._instance.aexecute(ListDir(path=check_path(path), depth=depth)))
+    async def list(self, path: str = "", *, depth: int = 1) -> Listing:
+        found = await self._instance.aexecute(ListDir(path=check_path(path), depth=depth))
+        return Listing(found, truncated=found.truncated)
 
     async def stat(self, path: str) -> EntryInfo | None:
         return await self._instance.aexecute(Stat(path=check_path(path), follow_symlinks=False))

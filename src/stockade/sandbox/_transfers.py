@@ -20,14 +20,14 @@ from stockade.sandbox._replies import WORKSPACE_ERRORS, area_args, entry_info, i
 from stockade.sandbox.base import OutputSink
 from stockade.sandbox.ops import Area, GetArchive, ListDir, MakeDir, ReadFile, Stat, WriteFile
 from stockade.sandbox.supervisor.protocol import MAX_CODE_REPLY
-from stockade.types import EntryInfo
+from stockade.types import EntryInfo, Listing
 
 FILE_OP_TIMEOUT_S = 120.0
 TRANSFER_CHUNK = 4 * 1024 * 1024
 # The largest frame the host needs is a run_code report: files move in TRANSFER_CHUNK pieces.
 MAX_FRAME = MAX_CODE_REPLY
 # A listing: the supervisor sends at most 100,000 entries of six keys (22 values each).
-MAX_LIST_ENTRIES = 100_001
+MAX_LIST_ENTRIES = 100_000
 MAX_LIST_VALUES = 24 * MAX_LIST_ENTRIES
 
 
@@ -64,12 +64,12 @@ class FileRequests:
         raw = self.request("stat", {"path": op.path, "follow": op.follow_symlinks})[0].get("entry")
         return None if raw is None else entry_info(raw)
 
-    def list_dir(self, op: ListDir) -> tuple[EntryInfo, ...]:
-        _, body = self.request("list", {"path": op.path, "depth": op.depth})
+    def list_dir(self, op: ListDir) -> Listing:
+        header, body = self.request("list", {"path": op.path, "depth": op.depth})
         entries = self.json_body(body, max_values=MAX_LIST_VALUES, what="listing")
         if not isinstance(entries, list) or len(entries) > MAX_LIST_ENTRIES:
             raise exc.ProtocolError("malformed listing")
-        return tuple(entry_info(e) for e in entries)
+        return Listing((entry_info(e) for e in entries), truncated=header.get("truncated") is True)
 
     def read(self, op: ReadFile) -> bytes:
         """Read in chunks: the supervisor never holds a whole large file in memory, and the

@@ -23,6 +23,7 @@ from stockade.types import (
     ExecRecord,
     Execution,
     Limits,
+    Listing,
     NetworkPolicy,
     SandboxRules,
     Snapshot,
@@ -45,7 +46,7 @@ __all__ = [
 # Called with (1 for stdout | 2 for stderr, raw bytes) as output arrives.
 OutputSink = Callable[[int, bytes], None]
 # What the ops of ``stockade.sandbox.ops`` answer, whichever it was: what ``handle`` returns.
-OpResult = CommandResult | Execution | bytes | EntryInfo | tuple[EntryInfo, ...] | Snapshot | None
+OpResult = CommandResult | Execution | bytes | EntryInfo | Listing | Snapshot | None
 R = TypeVar("R")
 
 

@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeVar
 
 from stockade.sandbox.snapshots import SnapshotStore
-from stockade.types import CommandResult, EntryInfo, Execution, Snapshot
+from stockade.types import CommandResult, EntryInfo, Execution, Listing, Snapshot
 
 __all__ = [
     "DOWNLOAD_MAX_BYTES",
     "DOWNLOAD_MAX_ENTRIES",
+    "LISTING_TRUNCATED_HEADER",
     "Area",
     "GetArchive",
     "ListDir",
@@ -136,9 +137,14 @@ class Stat(Op[EntryInfo | None]):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ListDir(Op[tuple[EntryInfo, ...]]):
+class ListDir(Op[Listing]):
     path: str = ""
     depth: int = 1
+
+
+# The service's answer to a listing is its entries (a JSON array); this header, "true", says the
+# listing was cut at its cap (``Listing.truncated``).
+LISTING_TRUNCATED_HEADER = "Stockade-Listing-Truncated"
 
 
 @dataclass(frozen=True, kw_only=True)

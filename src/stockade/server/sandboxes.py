@@ -48,6 +48,7 @@ from stockade.runs.lease import owner_gone, owner_token
 from stockade.sandbox._supervised import spec_from_state
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.sandbox.facade import Sandbox
+from stockade.sandbox.ops import LISTING_TRUNCATED_HEADER
 from stockade.server.authz import check_network, choose_tier, engine_for
 from stockade.server.bodies import raw_body, read_body
 from stockade.server.deps import Caller, get_service
@@ -65,7 +66,7 @@ from stockade.server.snapshots import snapshot_out
 from stockade.server.state import Node, Placement
 from stockade.server.tenants import Principal
 from stockade.server.uploads import unpack_archive
-from stockade.types import CommandResult, EntryInfo, Execution, Limits, NetworkPolicy, SnapshotKind
+from stockade.types import CommandResult, EntryInfo, Execution, Limits, Listing, NetworkPolicy, SnapshotKind
 
 __all__ = ["BEAT_S", "DEAD_AFTER_S", "Held", "SandboxRegistry", "router"]
 
@@ -665,21 +666,30 @@ def _entry(entry: EntryInfo) -> dict[str, Any]:
     return dataclasses.asdict(entry)
 
 
-@router.get("/{sandbox_id}/files", summary="List a folder")
+@router.get(
+    "/{sandbox_id}/files",
+    summary="List a folder",
+    description=f"At most 100,000 entries: past them the listing is cut, and the response has "
+    f"the header `{LISTING_TRUNCATED_HEADER}: true`.",
+)
 async def list_files(
     sandbox_id: str,
     request: Request,
+    response: Response,
     caller: Caller,
     path: PathQuery = "",
     depth: Annotated[int, Query(ge=1, le=32)] = 1,
 ) -> list[dict[str, Any]]:
     registry = _registry_of(request)
 
-    def work() -> list[EntryInfo]:
+    def work() -> Listing:
         with registry.use(caller, sandbox_id) as sandbox:
             return sandbox.files.list(path, depth=depth)
 
-    return [_entry(e) for e in await _blocking(work)]
+    listing = await _blocking(work)
+    if listing.truncated:
+        response.headers[LISTING_TRUNCATED_HEADER] = "true"
+    return [_entry(e) for e in listing]
 
 
 @router.get("/{sandbox_id}/files/stat", summary="One entry (404 when there is none)")

@@ -61,6 +61,7 @@ from stockade.types import (
     EntryInfo,
     EntryType,
     Execution,
+    Listing,
     Mechanism,
     Snapshot,
     SnapshotKind,
@@ -228,7 +229,7 @@ class MemoryWorkspace:
             mtime=time.time(),
         )
 
-    def _list(self, base: str, depth: int) -> tuple[EntryInfo, ...]:
+    def _list(self, base: str, depth: int) -> Listing:
         if not self._is_dir(base):
             raise exc.FileTypeError(f"{base!r} is not a directory", path=base)
         names = set(self.files) | self.dirs
@@ -239,7 +240,7 @@ class MemoryWorkspace:
                 continue
             if rel and rel.count("/") < depth:
                 out.append(self._entry(path))
-        return tuple(out)
+        return Listing(out)
 
 
 class FakeInstance(Instance, AsyncInstance):

@@ -99,7 +99,8 @@ PUBLIC: dict[str, set[str]] = {
     "stockade": {
         "AsyncSandbox", "BackendUnavailable", "CommandResult", "ConfigurationError", "DownloadResult",
         "Enforcement", "EntryInfo", "EntryType", "ExecRecord", "Execution", "ExecutionError", "FileTooLarge",
-        "FileTypeError", "HostShare", "InvalidArgument", "LimitNotEnforceable", "Limits", "ListingTooLarge",
+        "FileTypeError", "HostShare", "InvalidArgument", "LimitNotEnforceable", "Limits", "Listing",
+        "ListingTooLarge",
         "Logs", "Mechanism",
         "NetworkPolicy", "PathEscapeError", "PolicyDenied", "ProtocolError", "ResourceContention",
         "Result", "Sandbox", "SandboxClosed", "SandboxCrashed", "SandboxError", "SandboxFileNotFound",

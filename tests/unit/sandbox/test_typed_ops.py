@@ -20,7 +20,7 @@ from stockade.sandbox.ops import (
     WriteFile,
 )
 from stockade.testing import FakeBackend
-from stockade.types import CommandResult, EntryInfo, Execution
+from stockade.types import CommandResult, EntryInfo, Execution, Listing
 
 
 def _sync(sbx: Instance) -> None:
@@ -29,7 +29,7 @@ def _sync(sbx: Instance) -> None:
     assert_type(sbx.execute(WriteFile(path="a", data=b"x")), EntryInfo)
     assert_type(sbx.execute(ReadFile(path="a")), bytes)
     assert_type(sbx.execute(Stat(path="a")), EntryInfo | None)
-    assert_type(sbx.execute(ListDir()), tuple[EntryInfo, ...])
+    assert_type(sbx.execute(ListDir()), Listing)
     assert_type(sbx.execute(MakeDir(path="d")), EntryInfo)
     assert_type(sbx.execute(GetArchive()), bytes)
     assert_type(sbx.execute(PutArchive(data=sbx.execute(GetArchive()))), None)
@@ -43,7 +43,7 @@ async def _async(sbx: AsyncInstance) -> None:
     assert_type(await sbx.aexecute(WriteFile(path="a", data=b"x")), EntryInfo)
     assert_type(await sbx.aexecute(ReadFile(path="a")), bytes)
     assert_type(await sbx.aexecute(Stat(path="a")), EntryInfo | None)
-    assert_type(await sbx.aexecute(ListDir()), tuple[EntryInfo, ...])
+    assert_type(await sbx.aexecute(ListDir()), Listing)
     assert_type(await sbx.aexecute(Remove(path="a")), None)
 
 

@@ -26,7 +26,7 @@ from stockade.tools import (
     write_file,
 )
 from stockade.tools.workspace_diff import record_baseline, snapshot
-from stockade.types import CommandResult, Execution, ExecutionError, Logs
+from stockade.types import CommandResult, Execution, ExecutionError, Listing, Logs
 
 
 def make_sandbox(workspace: MemoryWorkspace | None = None) -> Sandbox:
@@ -304,8 +304,10 @@ def test_the_snapshot_reads_only_plain_workspace_paths() -> None:
     def handler(op: Op[Any]) -> OpResult:
         if isinstance(op, ListDir):
             entries = inner(op)
-            assert isinstance(entries, tuple)
-            return (*entries, *(replace(entries[0], path=p) for p in ("../up", "/etc/passwd", "x/../../y")))
+            assert isinstance(entries, Listing)
+            return Listing(
+                [*entries, *(replace(entries[0], path=p) for p in ("../up", "/etc/passwd", "x/../../y"))]
+            )
         if isinstance(op, ReadFile):
             read.append(op.path)
         return inner(op)
