@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from stockade import exceptions as exc
 from stockade.runs._db import Database, Statement
 from stockade.runs.lease import owner_gone
 
@@ -144,13 +143,16 @@ class Waker:
         return self
 
     def _loop(self) -> None:
+        said = 0.0  # when a failure was last logged: once a minute while the database is away
         while not self._stop.wait(self.poll_s):
             try:
                 self.tick()
-            except exc.StockadeError as error:  # the database is away for now: look again
-                log.warning("waker: %s", error)
-            except Exception:  # a broker that is away (kombu's errors): look again
-                log.exception("waker")
+            except Exception as error:  # the database or the broker is away for now: look again
+                if time.monotonic() - said > 60.0:
+                    said = time.monotonic()
+                    log.warning(
+                        "waker: %s: %s (looking again every %.1f s)", type(error).__name__, error, self.poll_s
+                    )
 
     def tick(self, now_ns: int | None = None) -> list[tuple[str, str]]:
         """One look: the (run, reason) pairs it sent."""
