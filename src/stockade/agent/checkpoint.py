@@ -61,6 +61,11 @@ class Lease(Protocol):
     def recovered(self) -> bool:
         """Whether the run's last process died while running it (this claim took it over)."""
 
+    @property
+    def unsaved_s(self) -> float:
+        """How long that process ran the run past its last checkpoint (0 unless recovered):
+        time the run spent, counted in its wall time on resume."""
+
     def release(self) -> None: ...
 
 

@@ -381,6 +381,8 @@ class Agent:
             rid = resume.run_id if isinstance(resume, RunState) else resume
             held.append(await asyncio.to_thread(durable.claim, rid, new=False))
         state = self._load(resume)
+        if held and held[0].recovered:  # the dead process's time after its last checkpoint was spent
+            state.elapsed_s += held[0].unsaved_s
         if state.status.finished:
             raise RunConflict(
                 f"run {state.run_id} ended ({state.status.value}); a run that ended is kept as "

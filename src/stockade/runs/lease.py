@@ -88,13 +88,16 @@ class RunLease:
     """A held lease: renewed by a thread until ``release()``; ``lost`` once another owner has it."""
 
     def __init__(
-        self, store: RunStore, run_id: str, owner: str, *, ttl_s: float, previous: LeaseHolder | None
-    ) -> None:
+        self, store: RunStore, run_id: str, owner: str, *, ttl_s: float, previous: LeaseHolder | None,
+        unsaved_s: float = 0.0,
+    ) -> None:  # fmt: skip
         self.store = store
         self.run_id = run_id
         self.owner = owner
         self.ttl_s = ttl_s
         self.previous = previous  # None for a new run, or a lease nobody held
+        # how long a dead predecessor ran past its last checkpoint (to its last renewal)
+        self.unsaved_s = unsaved_s
         self.lost = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew, name=f"stockade-lease-{run_id[:12]}", daemon=True)

@@ -56,7 +56,7 @@ from stockade.runs._db import Database, PostgresDatabase, SQLiteDatabase, displa
 from stockade.runs._schema import SUMMARY_COLUMNS, as_float, as_int, schema, summary_from_row
 from stockade.runs.checkpoints import OUTCOME_UNKNOWN, Checkpoints
 from stockade.runs.erasure import Erasure
-from stockade.runs.lease import LEASE_S, RunLease
+from stockade.runs.lease import LEASE_S, LeaseHolder, RunLease
 from stockade.runs.lease_keeper import LeaseKeeper
 from stockade.runs.ledger import CallLedger
 from stockade.runs.records import ApprovalEntry, RetryEntry, RunSummary, RunTrace, WorkspaceUsage
@@ -197,7 +197,22 @@ class RunStore:
                     for table in ("workspace", "calls_started", "run_seeds")
                 ],
             )
-        return RunLease(self, run_id, owner, ttl_s=self.lease_s, previous=None if new else previous)
+        unsaved_s = 0.0 if new or previous is None else self._unsaved_s(run_id, previous)
+        return RunLease(
+            self, run_id, owner, ttl_s=self.lease_s, previous=None if new else previous, unsaved_s=unsaved_s
+        )
+
+    def _unsaved_s(self, run_id: str, previous: LeaseHolder) -> float:
+        """How long a process that died running the run ran past its last checkpoint: to its
+        lease's last renewal (every third of ``lease_s``), its last sign of life. Its node's
+        time was only in memory: counted, repeated kills mid-call would outrun ``max_wall_s``."""
+        if previous.reason == "released":  # it stopped the run itself, saying where
+            return 0.0
+        rows = self.db.query(f"SELECT MAX(created_ns) FROM {self.ns}_checkpoints WHERE run_id = ?", (run_id,))
+        if not rows or rows[0][0] is None:
+            return 0.0
+        alive_ns = previous.expires_ns - round(self.lease_s * 1e9)
+        return max(0.0, (alive_ns - int(str(rows[0][0]))) / 1e9)
 
     def _exists(self, run_id: str) -> bool:
         """Whether the store has a run of this id (a start that died before its first

@@ -5,6 +5,7 @@ overwritten. (The same, with real processes SIGKILLed: tests/integration/test_ru
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from collections import Counter
@@ -20,6 +21,7 @@ from stockade.agent import (
     AgentEvent,
     Observer,
     RunFinished,
+    RunLimits,
     RunResult,
     RunStatus,
     ToolCalled,
@@ -39,6 +41,7 @@ from stockade.exceptions import (
 from stockade.models.messages import AssistantMessage, ModelRequest, ModelResponse
 from stockade.models.scripted import FunctionModel, Turn
 from stockade.runs import RunRecorder, RunStore, open_run_store
+from stockade.runs.lease import owner_token
 from stockade.testing import FakeBackend, MemoryWorkspace, ScriptedModel, tool_call
 from stockade.tools import ToolContext, Toolset, default_toolset, idempotency_key, tool
 
@@ -535,3 +538,38 @@ def test_replay_takes_the_runs_own_tools() -> None:
         load_tools(["os:path"])
     with pytest.raises(InvalidArgument, match="MODULE:ATTR"):
         load_tools(["nothing"])
+
+
+def test_the_time_a_killed_process_spent_past_its_checkpoint_counts_in_the_wall_time(db: str) -> None:
+    """A process SIGKILLed in a long call kept that call's time only in memory: resumed again
+    and again, the run ran past ``max_wall_s`` (an attack: 38 s of a 10 s budget over three
+    kills). The resume counts the dead process's time to its lease's last renewal."""
+    turns: list[Turn] = [
+        tool_call("list_files"),
+        tool_call("write_file", {"path": "b", "content": "b"}),
+        "done",
+    ]
+    limits = RunLimits(max_wall_s=10.0)
+    with open_run_store(db) as store, sandbox() as sbx:
+        with pytest.raises(Crash):
+            Agent(
+                ScriptedModel(turns), checkpointer=store, limits=limits, observers=[crash_on("write_file")]
+            ).run_sync("t", sandbox=sbx, run_id="r")
+        # as a SIGKILL leaves it: the lease of a process that is gone, renewed 20 s after the
+        # last checkpoint (the call ran on), and no word of how the run stopped
+        saved = store.db.query("SELECT MAX(created_ns) FROM runs_checkpoints WHERE run_id = 'r'")[0][0]
+        alive = int(str(saved)) + 20 * 1_000_000_000
+        gone = owner_token().replace(f"/{os.getpid()}/", "/999999999/")
+        store.db.write(
+            [
+                (
+                    "UPDATE runs_leases SET owner = ?, expires_ns = ? WHERE run_id = 'r'",
+                    [(gone, alive + round(store.lease_s * 1e9))],
+                )
+            ]
+        )
+        result = Agent(ScriptedModel(turns), checkpointer=store, limits=limits).run_sync(
+            resume="r", sandbox=sbx
+        )
+    assert result.status == RunStatus.BUDGET, (result.status, result.error)
+    assert result.state.elapsed_s >= 20.0
