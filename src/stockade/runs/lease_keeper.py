@@ -165,6 +165,16 @@ class LeaseKeeper:
         return stale
 
 
+def live_expiry(db: Database, ns: str, run_id: str, now_ns: int) -> int | None:
+    """When the run's live lease expires; None when it has none (never claimed, released,
+    expired, or its owner's process is gone from this machine)."""
+    rows = db.query(f"SELECT owner, expires_ns FROM {ns}_leases WHERE run_id = ?", (run_id,))
+    if not rows:
+        return None
+    owner, expires_ns = str(rows[0][0]), as_int(rows[0][1])
+    return expires_ns if expires_ns > now_ns and not owner_gone(owner) else None
+
+
 def _where_owner(owner: str) -> str:
     parts = owner.split("/")
     return f"pid {parts[2]}" if len(parts) == 5 else "unknown owner"

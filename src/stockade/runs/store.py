@@ -43,6 +43,7 @@ run), ``CallLedger`` (``ledger``: calls returned and started), ``Checkpoints``
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -57,7 +58,7 @@ from stockade.runs._schema import SUMMARY_COLUMNS, as_float, as_int, schema, sum
 from stockade.runs.checkpoints import OUTCOME_UNKNOWN, Checkpoints
 from stockade.runs.erasure import Erasure
 from stockade.runs.lease import LEASE_S, LeaseHolder, RunLease
-from stockade.runs.lease_keeper import LeaseKeeper
+from stockade.runs.lease_keeper import LeaseKeeper, live_expiry
 from stockade.runs.ledger import CallLedger
 from stockade.runs.records import ApprovalEntry, RetryEntry, RunSummary, RunTrace, WorkspaceUsage
 from stockade.runs.seeds import MAX_SEED_BYTES
@@ -225,6 +226,10 @@ class RunStore:
 
     def _erased(self, run_id: str) -> bool:
         return bool(self.db.query(f"SELECT 1 FROM {self.ns}_erased WHERE run_id = ?", (run_id,)))
+
+    def leased(self, run_id: str) -> bool:
+        """Whether a live process (this one too) holds the run's lease now."""
+        return live_expiry(self.db, self.ns, run_id, time.time_ns()) is not None
 
     def renew_lease(self, run_id: str, owner: str, ttl_s: float) -> bool:
         """Push the lease's end ``ttl_s`` ahead; False when it is no longer ``owner``'s."""

@@ -251,6 +251,11 @@ class Runner:
             self.store.set_status(run_id, stopped.status, error=str(stopped))
             return RunOutcome(run_id=run_id, status=stopped.status, error=str(stopped))
         except exc.RunConflict:
+            # Another delivery started it at the same moment and runs it (this one found the
+            # store's lease taken before any checkpoint): left to it, as a held run is. Writing
+            # "error" here ended the service's run (and freed its quota) while it ran on.
+            if self.runs.leased(run_id):
+                raise exc.RunLeased(f"run {run_id} started in another process", retry_after=5.0) from None
             # it ended meanwhile (another delivery finished it): the store says how
             summary = self.runs.summary(run_id)
             status = summary.status.value if summary is not None else "error"

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from stockade.runs._db import Database, Statement
-from stockade.runs.lease import owner_gone
+from stockade.runs.lease_keeper import live_expiry
 
 __all__ = ["START_GRACE_S", "Due", "Waker", "Wakes", "wake_statement"]
 
@@ -77,7 +77,7 @@ class Wakes:
     def __init__(self, db: Database, *, namespace: str = "svc", runs_namespace: str = "runs") -> None:
         self.db = db
         self.ns = namespace
-        self.leases = f"{runs_namespace}_leases"
+        self.runs_ns = runs_namespace
 
     def set(self, run_id: str, after_s: float) -> None:
         self.db.write([wake_statement(self.ns, run_id, time.time_ns() + _ns(after_s))])
@@ -118,13 +118,8 @@ class Wakes:
         )
 
     def lease_expiry(self, run_id: str, now_ns: int) -> int | None:
-        """When the run's live lease expires; None when it has none (never claimed, released,
-        expired, or its owner's process is gone from this machine)."""
-        rows = self.db.query(f"SELECT owner, expires_ns FROM {self.leases} WHERE run_id = ?", (run_id,))
-        if not rows:
-            return None
-        owner, expires_ns = str(rows[0][0]), int(str(rows[0][1]))
-        return expires_ns if expires_ns > now_ns and not owner_gone(owner) else None
+        """When the run's live lease expires (None: it has none)."""
+        return live_expiry(self.db, self.runs_ns, run_id, now_ns)
 
 
 class Waker:
