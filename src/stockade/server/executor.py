@@ -68,7 +68,14 @@ class InProcessExecutor:
             except exc.RunDeferred as deferred:  # its tenant's window is full: again once it frees
                 self._later(run_id, deferred.retry_after or QUOTA_POLL_S, reason="limit")
                 return None
-            except exc.StockadeError as error:  # leased elsewhere, or transient
+            except exc.RunLeased as leased:
+                # another thread (or process) runs it: look again after its lease, holding no
+                # thread and counting no attempt (a long run's copy gave up after 20 and wrote
+                # "error" over the run that ran on)
+                wait = leased.retry_after if leased.retry_after is not None else 5.0
+                self._later(run_id, wait + 0.1, reason="leased")
+                return None
+            except exc.StockadeError as error:  # transient
                 delay = error.retry_after if error.retry_after is not None else min(30.0, 0.5 * 2**attempt)
                 log.info("run %s: %s; again in %.1f s", run_id, error, delay)
                 self._closed.wait(min(delay, 30.0) + 0.1)
