@@ -360,3 +360,43 @@ def test_a_killed_http_session_ends_and_says_so(project: Path, http_server: Http
     with open_run_store(f"sqlite:///{project / 'audit.db'}") as runs:
         summary = runs.summary(run_id)
         assert summary is not None and summary.status.value == "killed"
+
+
+def test_http_sessions_at_once_each_have_a_sandbox_and_a_run_of_their_own(
+    project: Path, http_server: HttpServer
+) -> None:
+    async def session(name: str) -> str:
+        async with http_server.client(read_timeout_seconds=120) as client:
+            run_id = str((await _session_info(client))["run_id"])
+            wrote = await client.call_tool("write_file", {"path": f"{name}.txt", "content": name})
+            assert not wrote.is_error, _text(wrote)
+            await asyncio.sleep(0.5)  # the other sessions write theirs meanwhile
+            seen = await client.call_tool(
+                "run_code", {"code": "import os; print(sorted(os.listdir('.')))", "language": "python"}
+            )
+            assert not seen.is_error, _text(seen)
+            assert f"'{name}.txt'" in _text(seen) and "'calc.py'" in _text(seen)
+            others = [other for other in ("ann", "bob", "cy") if other != name]
+            assert not any(f"'{other}.txt'" in _text(seen) for other in others), _text(seen)
+            return run_id
+
+    async def sessions() -> list[str]:
+        return list(await asyncio.gather(*(session(name) for name in ("ann", "bob", "cy"))))
+
+    run_ids = asyncio.run(sessions())
+    assert len(set(run_ids)) == 3
+    url = f"sqlite:///{project / 'audit.db'}"
+    with open_run_store(url) as runs, open_store(url) as store:
+        for run_id in run_ids:
+
+            def ended(rid: str = run_id) -> RunSummary | None:
+                summary = runs.summary(rid)
+                return summary if summary is not None and summary.status.finished else None
+
+            summary = wait_for(ended, what=f"session {run_id} to end")
+            assert summary is not None and summary.status.value == "success", summary
+            [call] = runs.tool_calls(run_id)[:1]
+            assert call.call.name == "write_file"
+            report = verify(store, run_id=run_id, ledger=runs)
+            assert report.ok and report.found, report.problems
+    assert not (project / "ws" / "ann.txt").exists()  # the project's folder is each session's seed only
