@@ -34,6 +34,7 @@ from stockade.types import Credential, HostRule, NetworkPolicy
 HTTP_ADDRESS = "127.0.0.2"
 HTTPS_ADDRESS = "127.0.0.3"
 TOKEN = "tok-" + hashlib.sha256(b"stockade egress test token").hexdigest()[:24]
+MIXED_TOKEN = "Tok-Zq9xKp3LmW7vT2nR8sY4bQ6"  # in mixed case: a lowercased or uppercased echo differs
 WHEEL_NAME = "tinypkg-1.0-py3-none-any.whl"
 HTML = {"Content-Type": "text/html"}
 
@@ -123,7 +124,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _echo_as(self, how: str, auth: str) -> None:
         """``you sent: <the Authorization header>`` as ``how`` makes it: in the reason phrase,
         in a Content-Encoding (gzip, deflate; ``br``: bytes no one could decode), or encoded
-        in the body (base64, URL-safe base64, hex, percent-encoding)."""
+        in the body (base64, URL-safe base64, hex, percent-encoding); or the bare secret in
+        what the proxy refuses (``REFUSED_ECHOES``)."""
+        secret = auth.rsplit(maxsplit=1)[-1] if auth else ""
+        if how in REFUSED_ECHOES:
+            name, value = REFUSED_ECHOES[how]
+            status = 302 if name == "Location" else 200
+            self._send(status, b"ok", {name: value.format(secret=secret)})
+            return
         text = f"you sent: {auth}".encode()
         if how == "reason":
             self.send_response(401, f"Unauthorized {auth}")
@@ -172,6 +180,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         size = int(self.headers.get("Content-Length", "0"))
         data = self.rfile.read(size)
         self._send(200, f"got {len(data)} bytes".encode())
+
+
+# The secret echoed into the fields the proxy refuses a reply for (``/echo-auth-as?as=``):
+# a coding it cannot undo, a redirect to a host the policy refuses, to another scheme, to no host.
+REFUSED_ECHOES = {
+    "coding-secret": ("Content-Encoding", "{secret}"),
+    "location-host": ("Location", "https://{secret}.evil.test/"),
+    "location-scheme": ("Location", "{secret}://api.test/"),
+    "location-no-host": ("Location", "http:///{secret}"),
+}
 
 
 def encoded(how: str, data: bytes) -> bytes:
@@ -261,8 +279,8 @@ class Servers:
     http_seen: Seen
     https_seen: Seen
 
-    def policy(self, **changes: Any) -> NetworkPolicy:
-        """The allowlist of the tests: both servers by name, the credential for api.test."""
+    def policy(self, token: str = TOKEN, **changes: Any) -> NetworkPolicy:
+        """The allowlist of the tests: both servers by name, the credential (``token``) for api.test."""
         settings: dict[str, Any] = {
             "allow_hosts": (f"pkg.test:{self.http_port}",),
             "rules": (HostRule(host="api.test", ports=(self.https_port,)),),
@@ -277,7 +295,7 @@ class Servers:
                 "mixed.test": ("93.184.216.34", "192.168.1.1"),
                 "v6.test": ("::1",),
             },
-            "credentials": (Credential(name="api", hosts=("api.test",), source=_Literal(TOKEN)),),
+            "credentials": (Credential(name="api", hosts=("api.test",), source=_Literal(token)),),
             "upstream_ca": str(self.ca_file),
         }
         settings.update(changes)

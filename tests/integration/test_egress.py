@@ -31,7 +31,7 @@ from stockade.sandbox.ops import PutArchive
 from stockade.testing import capture_audit
 from stockade.types import NetworkPolicy
 from tests.conftest import host_processes, require, require_tier, wait_for
-from tests.egress_servers import TOKEN, Servers, servers
+from tests.egress_servers import MIXED_TOKEN, REFUSED_ECHOES, TOKEN, Servers, servers
 from tests.integration.conftest import TIERS
 from tests.integration.microvm_images import BootImages
 
@@ -214,6 +214,36 @@ def test_curl_goes_through_the_proxy(egress_tier: str, local: Servers) -> None:
     lines = r.stdout.splitlines()
     assert lines[:3] == ["http hello /c", "https authorized=True", "403"], r.stdout + r.stderr
     assert "403" in lines[3]  # curl: CONNECT tunnel failed, response 403
+
+
+def test_a_server_that_echoes_the_credential_where_the_proxy_refuses_gets_none_of_it_to_the_code(
+    egress_tier: str, local: Servers
+) -> None:
+    """The proxy's own refusals of a credentialed server's reply (a coding it cannot undo, a
+    redirect to a refused host, scheme or no host) name the field, never its value: a server
+    that puts there the secret it was sent hands no form of it to the code (exact, lowercased
+    as some messages did, uppercased), nor to the audit trail, which names the credential."""
+    with capture_audit() as audit:
+        backend = AuditedBackend(_registry.backend(egress_tier), audit, run_id="echo")
+        with Sandbox.create(backend=backend, limits=LIMITS, network=local.policy(MIXED_TOKEN)) as sbx:
+            seen = {
+                how: sbx.commands.run(
+                    f"curl -s -i 'https://api.test:{local.https_port}/echo-auth-as?as={how}'", timeout_s=60
+                ).stdout
+                for how in REFUSED_ECHOES
+            }
+    assert f"Bearer {MIXED_TOKEN}" in local.https_seen.authorizations  # the server had it to echo
+    forms = (MIXED_TOKEN, MIXED_TOKEN.lower(), MIXED_TOKEN.upper())
+    for how, text in seen.items():
+        refusal = text.rpartition("HTTP/1.1 ")[2]  # after the tunnel's "200 Connection established"
+        assert refusal.startswith(("502 stockade egress:", "403 stockade egress:")), (how, text)
+        assert not any(form in text for form in forms), (how, text)
+    trail = [json.dumps(e.attributes) for e in audit.events]
+    assert not any(form in event for form in forms for event in trail)
+    egress = [e.attributes for e in audit.of(EventKind.EGRESS)]
+    refusals = [r for r in egress if "echo-auth-as" in str(r["path"])]
+    assert len(refusals) == len(REFUSED_ECHOES)
+    assert all(r["decision"] == "deny" and r["credential_name"] == "api" for r in refusals), refusals
 
 
 def test_a_tunnel_to_an_allowed_host_with_another_sni_is_closed(egress_tier: str, local: Servers) -> None:

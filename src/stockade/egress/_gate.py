@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
 import ssl
 import time
 import urllib.parse
@@ -77,6 +78,7 @@ class Gate:
         self._upstream_tls: ssl.SSLContext | None = None
         self._pending: list[EgressRecord] = []  # recorded, not yet told to the observer
         self._forms: dict[str, list[bytes]] = {}  # each credential's value as scrubbed (``secrets_for``)
+        self._redaction: re.Pattern[str] | None = None  # every credential's forms, any case (``redact``)
         # Past the rate one refusal is recorded, the rest counted and told as one record (when
         # a request is let through again, each minute of a flood, and at close): a sandbox
         # cannot flood the audit trail with refusals.
@@ -129,11 +131,15 @@ class Gate:
             to_port = to.port or (443 if to.scheme == "https" else 80)
         except ValueError:
             to_port = 0
+        # The reasons never quote the Location: a credentialed server can put there the
+        # credential it was sent, and the refusal goes to the code (and to the trail).
         if to.scheme not in ("http", "https") or not to_host:
-            raise Refused(403, Verdict(allowed=False, rule="redirect", reason=f"a redirect to {location!r}"))
+            raise Refused(403, Verdict(
+                allowed=False, rule="redirect", reason="a redirect to no http(s) URL with a host",
+            ))  # fmt: skip
         verdict = self.judge.request(to_host, to_port, "CONNECT" if to.scheme == "https" else "GET")
-        if not verdict.allowed:
-            reason = f"a redirect to {to_host}:{to_port}: {verdict.reason}"
+        if not verdict.allowed:  # the judge's reason names the host: the rule says which refused
+            reason = "a redirect to a host, port or method the policy refuses"
             raise Refused(403, replace(verdict, rule=f"redirect: {verdict.rule}", reason=reason))
 
     def secrets_for(self, credential: Credential | None) -> tuple[str | None, list[bytes]]:
@@ -152,6 +158,21 @@ class Gate:
                 *secret_forms(secret.encode(), sent),
             ]
         return secret, forms
+
+    def redact(self, text: str) -> str:
+        """``text``, composed by the proxy (a refusal, a record), without any credential's
+        value or the forms replies are scrubbed of (``secrets_for``), in any letter case: a
+        message may have lowercased or quoted what a server sent, and the code reads it."""
+        if not text or not self.secrets:
+            return text
+        pattern = self._redaction  # once: ``close`` (another thread, at a kill) drops it
+        if pattern is None:
+            forms = {f.decode() for c in self.policy.credentials for f in self.secrets_for(c)[1]}
+            if not forms:  # values that are empty: nothing to find (an empty pattern finds everything)
+                return text
+            longest_first = sorted(forms, key=len, reverse=True)  # "Bearer X" before "X"
+            pattern = self._redaction = re.compile("|".join(map(re.escape, longest_first)), re.IGNORECASE)
+        return pattern.sub("[REDACTED]", text)
 
     def upstream_context(self) -> ssl.SSLContext:
         if self._upstream_tls is None:
@@ -196,16 +217,15 @@ class Gate:
         ))  # fmt: skip
 
     def _record(self, record: EgressRecord) -> None:
-        secrets = [s for s in self.secrets.values() if s]
-        if secrets:  # nothing the proxy reports carries a secret, whatever the code asked for
-            record = replace(
-                record,
-                host=scrub_text(record.host, secrets),
-                path=scrub_text(record.path, secrets),
-                sni=scrub_text(record.sni, secrets),
-                reason=scrub_text(record.reason, secrets),
-                rule=scrub_text(record.rule, secrets),
-            )
+        # Nothing the proxy reports carries a secret, whatever the code asked for or a server sent.
+        record = replace(
+            record,
+            host=self.redact(record.host),
+            path=self.redact(record.path),
+            sni=self.redact(record.sni),
+            reason=self.redact(record.reason),
+            rule=self.redact(record.rule),
+        )
         if self.observer is None:
             return
         self._pending.append(record)
@@ -241,6 +261,7 @@ class Gate:
         self.flush()
         self.secrets.clear()
         self._forms.clear()
+        self._redaction = None
 
 
 def credential_value(credential: Credential, secret: str) -> bytes:
@@ -275,9 +296,3 @@ def secret_forms(*values: bytes) -> list[bytes]:
                 forms.append(text[first:last])  # the characters whose 6 bits are all the value's
     unique = dict.fromkeys(f for f in forms if len(f) >= MIN_FORM and f not in values)
     return list(unique)
-
-
-def scrub_text(value: str, secrets: list[str]) -> str:
-    for secret in secrets:
-        value = value.replace(secret, "[REDACTED]")
-    return value

@@ -236,7 +236,7 @@ class Exchange:
         except Refused as over_rate:
             refused = over_rate
         with contextlib.suppress(Exception):  # the client may be gone: the record stays
-            await refuse(conn, client, refused)
+            await refuse(conn, client, refused, redact=self.gate.redact)
         record = EgressRecord(host=host, port=port, method=method, path=short(path))
         self.gate.emit(denied(record, refused, started))
 
@@ -261,7 +261,7 @@ class Exchange:
             address = tunnel[2] if tunnel is not None else await gate.address(host, port)
         except Refused as refused:
             await drain_body(conn, client)
-            await refuse(conn, client, refused)
+            await refuse(conn, client, refused, redact=gate.redact)
             record = EgressRecord(host=host, port=port, method=method, path=short(path), rule=rule)
             gate.emit(denied(record, refused, started))
             return refused.status != 400
@@ -269,10 +269,13 @@ class Exchange:
         aim = Target(host=host, port=port, address=address, scheme=scheme, path=path)
         try:
             status, sent, received, keep = await self._exchange(conn, client, request, aim, credential)
-        except Refused as refused:  # a redirect refused, or a limit reached mid-way
+        except Refused as refused:  # a redirect refused, an encoding not undone, a limit mid-way
             with contextlib.suppress(Exception):
-                await refuse(conn, client, refused)
-            record = EgressRecord(host=host, port=port, method=method, path=short(path), rule=rule)
+                await refuse(conn, client, refused, redact=gate.redact)
+            record = EgressRecord(
+                host=host, port=port, method=method, path=short(path), rule=rule,
+                credential=credential.name if credential is not None else "",  # it went with the request
+            )  # fmt: skip
             gate.emit(denied(record, refused, started))
             return False
         except asyncio.CancelledError:
@@ -291,7 +294,7 @@ class Exchange:
                     allowed=False, rule="request (framing)", reason="a body that breaks its framing",
                 ))  # fmt: skip
                 with contextlib.suppress(Exception):
-                    await refuse(conn, client, broken)
+                    await refuse(conn, client, broken, redact=gate.redact)
                 record = EgressRecord(host=host, port=port, method=method, path=short(path), rule=rule)
                 gate.emit(denied(record, broken, started))
                 return False
@@ -300,7 +303,7 @@ class Exchange:
             with contextlib.suppress(Exception):
                 await refuse(conn, client, Refused(502, Verdict(
                     allowed=True, rule=verdict.rule, reason=f"cannot reach {host}:{port}: {why}"
-                )))  # fmt: skip
+                )), redact=gate.redact)  # fmt: skip
             gate.emit(EgressRecord(
                 host=host, port=port, method=method, path=short(path), rule=rule, status=502,
                 reason=f"cannot reach {host}:{port}: {why}", duration_s=time.monotonic() - started,
@@ -564,17 +567,18 @@ async def drain_body(conn: Any, client: Stream) -> None:
             return
 
 
-async def refuse(conn: Any, client: Stream, refused: Refused) -> None:
-    """Answer the request ourselves: the status, the reason and the rule that refused it."""
+async def refuse(conn: Any, client: Stream, refused: Refused, *, redact: Callable[[str], str]) -> None:
+    """Answer the request ourselves: the status, the reason and the rule that refused it,
+    through ``redact`` (``Gate.redact``): a reason may hold what a server sent."""
     h11 = load_h11()
     verdict = refused.verdict
-    text = f"stockade egress: {verdict.reason} (rule: {verdict.rule})"
+    text = redact(f"stockade egress: {verdict.reason} (rule: {verdict.rule})")
     body = (text + "\n").encode("utf-8", "replace")
     reason = phrase(text)
     headers = [
         (b"Content-Type", b"text/plain; charset=utf-8"),
         (b"Content-Length", str(len(body)).encode()),
-        (b"X-Stockade-Rule", phrase(verdict.rule)),
+        (b"X-Stockade-Rule", phrase(redact(verdict.rule))),
         (b"Connection", b"close"),
     ]
     if conn.our_state not in (h11.SEND_RESPONSE, h11.IDLE):  # IDLE: a head h11 could not read
@@ -768,10 +772,10 @@ def reply_decoder(headers: Any, host: str) -> Decoder | None:
     coding = (header(headers, b"content-encoding") or "").strip().lower()
     if coding in ("", "identity"):
         return None
-    if coding not in DECODED:
+    if coding not in DECODED:  # named, not quoted: a server can put there what it was sent
         raise Refused(502, Verdict(
             allowed=False, rule="reply (encoding)",
-            reason=f"{host} answered in Content-Encoding {coding[:40]!r}, which the proxy cannot scrub",
+            reason=f"{host} answered in a Content-Encoding other than gzip or deflate: not scrubbable",
         ))  # fmt: skip
     return Decoder(coding)
 

@@ -62,7 +62,7 @@ class Tunnels:
                 raise Refused(403, verdict)
             address = await gate.address(host, port)
         except Refused as refused:
-            await refuse(conn, client, refused)
+            await refuse(conn, client, refused, redact=gate.redact)
             gate.emit(denied(record, refused, started))
             return
         while not isinstance(await next_event(conn, client), h11.EndOfMessage | h11.ConnectionClosed):

@@ -24,7 +24,7 @@ import pytest
 from stockade.egress import EgressProxy, HostRule, NetworkPolicy, SystemResolver, _loop
 from stockade.types import EgressRecord
 from tests.conftest import wait_for
-from tests.egress_servers import TOKEN, Servers, encoded, servers
+from tests.egress_servers import MIXED_TOKEN, REFUSED_ECHOES, TOKEN, Servers, encoded, servers
 
 
 @pytest.fixture(scope="module")
@@ -254,6 +254,40 @@ def test_the_reason_phrase_is_scrubbed(local: Servers) -> None:
             proxy.opener([ca]).open(f"https://api.test:{local.https_port}/echo-auth-as?as=reason", timeout=10)
     info.value.close()
     assert info.value.code == 401 and TOKEN not in info.value.reason and "[REDACTED]" in info.value.reason
+
+
+@pytest.mark.parametrize("how", sorted(REFUSED_ECHOES))
+def test_a_refusal_of_a_reply_that_echoes_the_secret_names_the_field_not_its_value(
+    local: Servers, how: str
+) -> None:
+    """A coding the proxy cannot undo and a redirect it refuses are answered by the proxy
+    itself: its status line, headers and body, and the record, carry no form of the secret
+    the server put there (in any letter case), and the record names the credential sent."""
+    forms = (MIXED_TOKEN, MIXED_TOKEN.lower(), MIXED_TOKEN.upper())
+    with running(local.policy(MIXED_TOKEN)) as proxy:
+        ca = proxy.proxy.ca_pem
+        assert ca is not None
+        with pytest.raises(urllib.error.HTTPError) as info:
+            proxy.opener([ca]).open(f"https://api.test:{local.https_port}/echo-auth-as?as={how}", timeout=10)
+        body = info.value.read().decode()
+        head = f"{info.value.code} {info.value.reason}\n{info.value.headers}"
+    assert info.value.code in (403, 502) and body.startswith("stockade egress:")
+    assert not any(form in text for form in forms for text in (head, body)), head + body
+    [record] = [r for r in proxy.records if r.method == "GET"]
+    assert record.decision == "deny" and record.credential == "api"
+    assert not any(form in repr(record) for form in forms), record
+
+
+def test_what_the_proxy_composes_is_redacted_in_every_form_and_case(local: Servers) -> None:
+    """A message or record that quotes a server's words anyway (lowercased, uppercased, the
+    header value sent, an encoded form) loses every form of every credential's value."""
+    with running(local.policy(MIXED_TOKEN)) as proxy:
+        gate = proxy.proxy.gate
+        quoted = [MIXED_TOKEN, MIXED_TOKEN.lower(), MIXED_TOKEN.upper(), f"bearer {MIXED_TOKEN.lower()}"]
+        quoted += [MIXED_TOKEN.encode().hex(), MIXED_TOKEN.encode().hex().upper()]
+        for text in quoted:
+            assert gate.redact(f"to {text}.evil.test") == "to [REDACTED].evil.test", text
+        assert gate.redact("nothing of it here") == "nothing of it here"
 
 
 def test_https_without_a_credential_is_a_tunnel_to_the_server_itself(local: Servers) -> None:
