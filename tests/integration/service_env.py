@@ -15,11 +15,15 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.conftest import require, wait_for
 from tests.integration.run_stores import POSTGRES_URL, postgres_reachable
+
+if TYPE_CHECKING:
+    from stockade.server.runner import Runner
 
 REPO = Path(__file__).resolve().parents[2]
 REDIS_URL = os.environ.get("STOCKADE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -75,6 +79,23 @@ def write_tenants(
     path.write_text("\n".join(lines))
     Tenants.load(path)
     return path, Tokens(acme=acme, acme_viewer=viewer, other=other)
+
+
+@contextlib.contextmanager
+def runner_on_sqlite(tenants: Path, folder: Path) -> Iterator[Runner]:
+    """A service ``Runner`` of this process, on a SQLite database in ``folder``."""
+    from stockade.server.context import ServiceConfig
+    from stockade.server.runner import Runner
+    from stockade.server.tenants import Tenants
+
+    config = ServiceConfig(
+        tenants=Tenants.load(tenants), database=f"sqlite:///{folder / 'svc.db'}", temp_dir=folder
+    )
+    made = Runner(config)
+    try:
+        yield made
+    finally:
+        made.close()
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:

@@ -11,12 +11,10 @@ import pytest
 
 from stockade import exceptions as exc
 from stockade.runs.store import RunStore
-from stockade.server.context import ServiceConfig
 from stockade.server.runner import Runner
 from stockade.server.state import open_database
-from stockade.server.tenants import Tenants
 from tests.conftest import require_tier
-from tests.integration.service_env import write_tenants
+from tests.integration.service_env import runner_on_sqlite, write_tenants
 
 pytestmark = [pytest.mark.process]
 
@@ -25,12 +23,8 @@ pytestmark = [pytest.mark.process]
 def runner(tmp_path: Path) -> Iterator[Runner]:
     require_tier("process")
     path, _ = write_tenants(tmp_path)
-    config = ServiceConfig(
-        tenants=Tenants.load(path), database=f"sqlite:///{tmp_path / 'svc.db'}", temp_dir=tmp_path
-    )
-    made = Runner(config)
-    yield made
-    made.close()
+    with runner_on_sqlite(path, tmp_path) as made:
+        yield made
 
 
 def test_a_delivery_that_finds_the_run_starting_elsewhere_leaves_it_to_that_process(runner: Runner) -> None:

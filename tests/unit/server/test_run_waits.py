@@ -12,21 +12,16 @@ from pathlib import Path
 import pytest
 
 from stockade import exceptions as exc
-from stockade.server.context import ServiceConfig
 from stockade.server.runner import DEFERRED, Runner
-from stockade.server.tenants import Tenant, Tenants
-from tests.integration.service_env import write_tenants
+from stockade.server.tenants import Tenant
+from tests.integration.service_env import runner_on_sqlite, write_tenants
 
 
 @pytest.fixture
 def runner(tmp_path: Path) -> Iterator[Runner]:
     path, _ = write_tenants(tmp_path, sandboxes=1, acme_rate="rate_per_minute = 2\n")
-    config = ServiceConfig(
-        tenants=Tenants.load(path), database=f"sqlite:///{tmp_path / 'svc.db'}", temp_dir=tmp_path
-    )
-    made = Runner(config)
-    yield made
-    made.close()
+    with runner_on_sqlite(path, tmp_path) as made:
+        yield made
 
 
 def acme(runner: Runner) -> Tenant:
