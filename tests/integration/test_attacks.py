@@ -134,6 +134,48 @@ def test_a_listing_too_large_for_one_answer_is_refused_and_keeps_the_sandbox(
     assert sbx.commands.run("echo alive").stdout == "alive\n"
 
 
+# Left running by run_code: as soon as the scan has read (closed) one file, the next one grows
+# to GROWN bytes (sparse: free for the sandbox). The listing counted empty files.
+GROWER = """
+import ctypes, os, struct, threading
+libc = ctypes.CDLL(None, use_errno=True)
+names = ["f%03d" % i for i in range(24)]
+for name in names:
+    open(name, "wb").close()
+inotify = libc.inotify_init()
+watches = {libc.inotify_add_watch(inotify, n.encode(), 0x10): k for k, n in enumerate(names)}
+
+def grow():
+    grown = set()
+    while True:
+        events = os.read(inotify, 4096)
+        at = 0
+        while at < len(events):
+            wd, _, _, length = struct.unpack_from("iIII", events, at)
+            at += 16 + length
+            k = watches.get(wd, len(names)) + 1
+            if k < len(names) and k not in grown:
+                grown.add(k)
+                with open(names[k], "r+b") as f:
+                    f.write(os.urandom(16))  # a content of its own: nothing is shared
+                    f.truncate(GROWN)
+
+threading.Thread(target=grow, daemon=True).start()
+"""
+
+
+def test_files_grown_while_the_run_store_reads_them_are_held_to_its_cap(tier: str) -> None:
+    # The scan checked the listing against the cap, then read every file whole: files grown
+    # after the listing made the host hold 2.5 GB for ten files listed as 789 bytes. What is
+    # read now counts, and each read gets only the room the cap leaves.
+    cap = 4 << 20
+    with Sandbox.create(tier, limits=Limits(memory_mb=256, timeout_s=30, pids=64)) as sandbox:
+        assert sandbox.run_code(GROWER.replace("GROWN", str(cap // 3))).error is None
+        with pytest.raises(SeedTooLarge, match="grew past the run store's snapshot cap"):
+            WorkspaceTracker(max_bytes=cap).scan(sandbox)
+        assert sandbox.commands.run("echo alive").stdout == "alive\n"
+
+
 @pytest.mark.parametrize(
     "code",
     [

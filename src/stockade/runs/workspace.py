@@ -20,7 +20,9 @@ sockets and devices, owners and times, and everything that is not a file: proces
 it resumes from a snapshot of its sandbox (``stockade.runs.snapshots``).
 
 The whole workspace is capped (``max_bytes`` of file content, ``max_entries``): past either,
-``SeedTooLarge`` says by how much and how to raise the cap.
+``SeedTooLarge`` says by how much and how to raise the cap. The bytes cap counts what is read,
+not only what the listing said: code still running in the sandbox may grow files in between,
+so each read asks for no more than the room left, and the host never holds more than the cap.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 
 from stockade import exceptions as exc
 from stockade.sandbox.facade import Sandbox
-from stockade.sandbox.ops import PutArchive
+from stockade.sandbox.ops import PutArchive, ReadFile
 from stockade.types import EntryInfo, EntryType
 
 __all__ = [
@@ -126,11 +128,12 @@ class WorkspaceTracker:
             )
         total = sum(e.size for e in listing if e.type == EntryType.FILE)
         if total > self.max_bytes:
-            raise exc.SeedTooLarge(
-                f"the workspace holds {total:,} bytes of files, over the run store's snapshot cap of "
-                f"{self.max_bytes:,}: raise it (RunStore(max_workspace_bytes=...)), or keep build "
-                "output and dependencies out of the workspace"
-            )
+            raise self._too_large(total)
+        # What was listed is checked, but what is read is what counts: code still running in
+        # the sandbox (a thread of run_code) can grow a file after the listing, so each read
+        # gets only the room the cap leaves and the host holds at most ``max_bytes``.
+        to_read = {e.path for e in listing if e.type == EntryType.FILE and not self._unchanged(e)}
+        charged = sum(e.size for e in listing if e.type == EntryType.FILE and e.path not in to_read)
         changes: dict[str, Entry | None] = {}
         blobs: dict[str, bytes] = {}
         for info in listing:
@@ -138,19 +141,13 @@ class WorkspaceTracker:
             mode = info.mode & 0o7777
             if info.type == EntryType.DIR:
                 entry = Entry(kind="dir", mode=mode)
+            elif info.path not in to_read:
+                continue  # unchanged since a listing that came after its last write
             else:
-                seen = self._seen.get(info.path)
-                if (
-                    old is not None
-                    and old.kind == "file"
-                    and seen == (info.size, info.mode, info.mtime)
-                    and info.mtime < self._horizon
-                ):
-                    continue  # unchanged since a listing that came after its last write
-                try:
-                    data = sandbox.files.read(info.path, format="bytes")
-                except exc.SandboxFileNotFound:
+                data = self._read(sandbox, info.path, room=self.max_bytes - charged)
+                if data is None:
                     continue  # gone since the listing: it is not in this state
+                charged += len(data)
                 digest = hashlib.sha256(data).hexdigest()
                 entry = Entry(kind="file", mode=mode, digest=digest, size=len(data))
                 if digest not in blobs and (old is None or old.digest != digest) and not known(digest):
@@ -160,7 +157,43 @@ class WorkspaceTracker:
         present = {e.path for e in listing}
         for path in self.entries.keys() - present:
             changes[path] = None
-        return Scan(changes=changes, blobs=blobs, listing=listing, total_bytes=total)
+        return Scan(changes=changes, blobs=blobs, listing=listing, total_bytes=charged)
+
+    def _unchanged(self, info: EntryInfo) -> bool:
+        """Whether a listed file is what was recorded, by its size, mode and mtime."""
+        old = self.entries.get(info.path)
+        return (
+            old is not None
+            and old.kind == "file"
+            and self._seen.get(info.path) == (info.size, info.mode, info.mtime)
+            and info.mtime < self._horizon
+        )
+
+    def _read(self, sandbox: Sandbox, path: str, *, room: int) -> bytes | None:
+        """The file's content, None when it is gone; ``SeedTooLarge`` when it is over ``room``
+        (one byte past it is asked for, to tell "exactly the room" from "more")."""
+        try:
+            data = sandbox.instance.execute(ReadFile(path=path, max_bytes=max(room, 0) + 1))
+        except exc.SandboxFileNotFound:
+            return None
+        except exc.FileTooLarge as error:
+            raise self._too_large(grew=True) from error
+        if len(data) > room:
+            raise self._too_large(grew=True)
+        return data
+
+    def _too_large(self, total: int = 0, *, grew: bool = False) -> exc.SeedTooLarge:
+        held = (
+            f"the workspace's files grew past the run store's snapshot cap of {self.max_bytes:,} "
+            "bytes while they were read"
+            if grew
+            else f"the workspace holds {total:,} bytes of files, over the run store's snapshot cap of "
+            f"{self.max_bytes:,}"
+        )
+        return exc.SeedTooLarge(
+            f"{held}: raise it (RunStore(max_workspace_bytes=...)), or keep build output and "
+            "dependencies out of the workspace"
+        )
 
     def commit(self, scan: Scan, version: int) -> None:
         """The store has recorded ``scan`` as ``version``."""
