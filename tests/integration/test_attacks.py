@@ -20,6 +20,7 @@ import pytest
 from stockade import Limits, ListingTooLarge, ProtocolError, Sandbox, SandboxCrashed, StockadeError
 from stockade.exceptions import SeedTooLarge
 from stockade.runs.workspace import WorkspaceTracker
+from stockade.tools.workspace_diff import MAX_TEXT_TOTAL, record_baseline, snapshot, workspace_diff
 
 # A module planted in the workspace: if the supervisor ever imports it, every later
 # files.read (the next pool user's included) answers with the attacker's bytes.
@@ -174,6 +175,31 @@ def test_files_grown_while_the_run_store_reads_them_are_held_to_its_cap(tier: st
         with pytest.raises(SeedTooLarge, match="grew past the run store's snapshot cap"):
             WorkspaceTracker(max_bytes=cap).scan(sandbox)
         assert sandbox.commands.run("echo alive").stdout == "alive\n"
+
+
+# A text file of 512 KiB (the most the diff shows of one file) and 100 hard links to it: 512 KiB
+# of the sandbox's disk, 50 MiB of text for a snapshot of the workspace that held each.
+LINKED_TEXT = """
+import os
+os.makedirs("a")
+with open("a/0.txt", "w") as f:
+    f.write("line\\n" * (512 * 1024 // 5))
+for i in range(1, 101):
+    os.link("a/0.txt", f"a/{i}.txt")
+"""
+
+
+def test_the_diffs_snapshot_holds_bounded_text_whatever_the_workspace_links(sbx: Sandbox) -> None:
+    # 5,000 hard links to one 512 KiB file made the host hold 2.5 GB of text per snapshot.
+    sbx.files.write("z.txt", "kept\n" * 200)
+    record_baseline(sbx)
+    assert sbx.run_code(LINKED_TEXT).error is None
+    texts = [v for v in snapshot(sbx).values() if not v.startswith("\x00")]
+    assert sum(map(len, texts)) <= MAX_TEXT_TOTAL
+    diff = workspace_diff(sbx)
+    # z.txt, text in the baseline, is past the room now and compared by its hash: unchanged
+    assert [line for line in diff.splitlines() if "z.txt" in line] == []
+    assert "Binary or large file a/99.txt differs" in diff  # past the room: hashed
 
 
 @pytest.mark.parametrize(

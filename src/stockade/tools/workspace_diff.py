@@ -21,6 +21,7 @@ import json
 from collections.abc import Callable
 
 from stockade.exceptions import SandboxFileNotFound
+from stockade.sandbox._channel import loads_bounded
 from stockade.sandbox.facade import Sandbox
 from stockade.types import EntryType
 
@@ -50,6 +51,10 @@ IGNORED_DIRS = frozenset(
 )
 MAX_FILES = 5000
 MAX_TEXT_BYTES = 512 * 1024
+MAX_TEXT_TOTAL = 32 * 1024 * 1024  # of text held by one snapshot; past it, hashes
+# A baseline's JSON: its text escaped (six bytes a character at most), and the hashes.
+MAX_BASELINE_BYTES = 6 * MAX_TEXT_TOTAL + MAX_FILES * 1024
+_PIECE = 1024 * 1024
 MAX_DEPTH = 64
 
 
@@ -69,25 +74,53 @@ def _digest(data: bytes) -> str:
 
 
 def snapshot(sandbox: Sandbox) -> dict[str, str]:
-    """path -> text (or a hash marker for binary and large files), ignored folders left out."""
+    """path -> text (or a hash marker for binary and large files), ignored folders left out.
+
+    The host holds at most ``MAX_TEXT_TOTAL`` of text, whatever the workspace holds (5,000
+    hard links to one text file of 512 KiB cost the sandbox 512 KiB, and were 2.5 GB here):
+    past it, files are hashed a piece at a time, as large files are."""
     files: dict[str, str] = {}
+    room = MAX_TEXT_TOTAL
     for entry in sandbox.files.list("", depth=MAX_DEPTH):
         if entry.type != EntryType.FILE or is_ignored(entry.path) or not _inside(entry.path):
             continue
         if len(files) >= MAX_FILES:
             break
         try:
-            data = sandbox.files.read(entry.path, format="bytes")
+            content = _content(sandbox, entry.path, min(room, MAX_TEXT_BYTES))
         except SandboxFileNotFound:
             continue  # removed while we listed
-        if len(data) > MAX_TEXT_BYTES or b"\x00" in data:
-            files[entry.path] = _digest(data)
-            continue
-        try:
-            files[entry.path] = data.decode("utf-8")
-        except UnicodeDecodeError:
-            files[entry.path] = _digest(data)
+        if not content.startswith("\x00"):
+            room -= len(content)
+        files[entry.path] = content
     return files
+
+
+def _content(sandbox: Sandbox, path: str, room: int) -> str:
+    """The file's text when it is UTF-8 of at most ``room`` characters, else its hash marker;
+    the host never holds more than ``room`` bytes of it and a piece (read as it grows or not)."""
+    head = sandbox.files.read_range(path, 0, room + 1)
+    if len(head) <= room and b"\x00" not in head:
+        try:
+            return head.decode("utf-8")
+        except UnicodeDecodeError:
+            pass
+    digest, size = hashlib.sha256(head), len(head)
+    while size > room:  # more may follow: hashed a piece at a time
+        piece = sandbox.files.read_range(path, size, _PIECE)
+        digest.update(piece)
+        size += len(piece)
+        if len(piece) < _PIECE:
+            break
+    return f"\x00sha256:{digest.hexdigest()}:{size}"
+
+
+def _same(old: str | None, new: str | None) -> bool:
+    """Equal contents, one side held as text and the other as a hash marker included."""
+    if old is None or new is None or old.startswith("\x00") == new.startswith("\x00"):
+        return old == new
+    text, marker = (new, old) if old.startswith("\x00") else (old, new)
+    return _digest(text.encode()) == marker
 
 
 def record_baseline(sandbox: Sandbox) -> None:
@@ -95,9 +128,13 @@ def record_baseline(sandbox: Sandbox) -> None:
 
 
 def _load_baseline(sandbox: Sandbox) -> dict[str, str]:
+    # The workspace's own file, which code there may rewrite: read and parsed within bounds.
     try:
-        data = json.loads(sandbox.files.read(BASELINE))
+        raw = sandbox.files.read_range(BASELINE, 0, MAX_BASELINE_BYTES + 1)
+        data = loads_bounded(raw, max_bytes=MAX_BASELINE_BYTES, max_values=2 * MAX_FILES + 1)
     except SandboxFileNotFound:
+        return {}
+    except ValueError:  # not JSON, or over the bounds: not a baseline we wrote
         return {}
     if not isinstance(data, dict):
         return {}
@@ -112,7 +149,7 @@ def workspace_diff(sandbox: Sandbox, keep: Callable[[str], bool] | None = None) 
     left_out: list[str] = []
     for path in sorted(before.keys() | after.keys()):
         old, new = before.get(path), after.get(path)
-        if old == new:
+        if _same(old, new):
             continue
         if (keep is not None and not keep(path)) or not path.isprintable():
             # A name with a newline in it wrote headers of its own into the diff: a whole patch
