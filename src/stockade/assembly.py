@@ -698,9 +698,13 @@ class AgentSession:
         if incident_dir is not None and self._raw is not None:
             dest = Path(incident_dir) / self.run_id / "workspace"
             try:
-                self._raw.files.download_dir(dest)
+                kept = self._raw.files.download_dir(dest)
             except StockadeError as err:
                 return f"its workspace could not be kept in {dest} ({err})"
+            if kept.skipped_count:  # the evidence is partial: say what it lacks
+                named = ", ".join(f"{e.path!r} ({e.kind})" for e in kept.skipped[:5])
+                more = " ..." if kept.skipped_count > 5 else ""
+                return f"its workspace kept in {dest}, {kept.skipped_count} entries left out: {named}{more}"
             return f"its workspace kept in {dest}"
         if isinstance(self.owner.checkpointer, RunStore):  # as its last tool call left it
             return f"its workspace kept in the run store (stockade runs workspace {self.run_id} DEST)"

@@ -33,6 +33,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── FileTypeError             a directory where a file was expected, a FIFO, ...
     │   ├── FileTooLarge              bigger than the transfer cap
     │   ├── ListingTooLarge           a listing over what one answer carries: list less of it
+    │   ├── TreeTooDeep               folders deeper than a snapshot keeps (128)
     │   └── WorkspaceFull             the workspace's size or inode limit is reached
     ├── PolicyDenied                  a guard refused the action (fed back to the model)
     ├── ModelError                    the LLM provider failed or refused (``status_code``)
@@ -144,6 +145,7 @@ __all__ = [
     "TierUnavailable",
     "ToolError",
     "ToolTimeout",
+    "TreeTooDeep",
     "WorkspaceError",
     "WorkspaceFull",
 ]
@@ -348,6 +350,11 @@ class FileTypeError(WorkspaceError):
 
 class FileTooLarge(WorkspaceError):
     pass
+
+
+class TreeTooDeep(WorkspaceError):
+    """The tree holds folders more than 128 deep, what an archive of it takes: a snapshot is
+    refused (``files.download_dir`` leaves such folders out and reports them instead)."""
 
 
 class ListingTooLarge(WorkspaceError):

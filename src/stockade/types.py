@@ -561,10 +561,10 @@ class Listing(list[EntryInfo]):
 @dataclass(frozen=True, kw_only=True)
 class SkippedEntry:
     """An entry ``files.download_dir`` did not bring to the host: a FIFO, socket or device,
-    or a symlink that would lead out of the folder.
+    a symlink that would lead out of the folder, or a folder past the depth a download takes.
 
-    ``kind`` is ``"fifo"``, ``"socket"``, ``"char device"``, ``"block device"``, ``"link out"``
-    or ``"other"``;
+    ``kind`` is ``"fifo"``, ``"socket"``, ``"char device"``, ``"block device"``, ``"link out"``,
+    ``"too deep"`` (a folder 128 deep: it and all in it were left out) or ``"other"``;
     ``path`` is relative to the downloaded folder.
     """
 

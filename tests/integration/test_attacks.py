@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 
 from stockade import Limits, ListingTooLarge, ProtocolError, Sandbox, SandboxCrashed, StockadeError
-from stockade.exceptions import SeedTooLarge
+from stockade.exceptions import SeedTooLarge, TreeTooDeep
 from stockade.runs.workspace import WorkspaceTracker
 from stockade.tools.workspace_diff import MAX_TEXT_TOTAL, record_baseline, snapshot, workspace_diff
+from stockade.types import SkippedEntry
 
 # A module planted in the workspace: if the supervisor ever imports it, every later
 # files.read (the next pool user's included) answers with the attacker's bytes.
@@ -200,6 +201,46 @@ def test_the_diffs_snapshot_holds_bounded_text_whatever_the_workspace_links(sbx:
     # z.txt, text in the baseline, is past the room now and compared by its hash: unchanged
     assert [line for line in diff.splitlines() if "z.txt" in line] == []
     assert "Binary or large file a/99.txt differs" in diff  # past the room: hashed
+
+
+# 300 folders in one another, a file at the bottom and one at the top.
+DEEP_FOLDERS = """
+import os
+os.makedirs("deep")
+open("deep/top.txt", "w").close()
+fd = os.open("deep", os.O_RDONLY | os.O_DIRECTORY)
+for _ in range(300):
+    os.mkdir("a", dir_fd=fd)
+    sub = os.open("a", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+    os.close(fd)
+    fd = sub
+os.close(os.open("bottom.txt", os.O_CREAT | os.O_WRONLY, dir_fd=fd))
+os.close(fd)
+"""
+
+
+def test_a_tree_300_folders_deep_is_listed_and_downloaded_and_what_is_left_out_is_named(
+    tier: str, tmp_path: Path
+) -> None:
+    # The supervisor held a descriptor per folder: past its RLIMIT_NOFILE (256 here, 32 in a
+    # sandbox of many processes) a listing, a download and a snapshot failed as a whole with
+    # "Too many open files", and the run store left what is below 128 folders out silently.
+    with Sandbox.create(tier, limits=Limits(memory_mb=256, timeout_s=30, pids=64)) as sandbox:
+        assert sandbox.run_code(DEEP_FOLDERS).error is None
+        bottom = "deep/" + "a/" * 300 + "bottom.txt"
+        listed = sandbox.files.list("deep", depth=400)
+        assert len(listed) == 302 and bottom in {e.path for e in listed}
+        assert sandbox.files.read(bottom) == ""
+        # a download takes 128 folders (what the host takes in a name) and names what it left out
+        got = sandbox.files.download_dir(tmp_path / "out", "deep")
+        assert got.skipped == (SkippedEntry(path="/".join(["a"] * 128), kind="too deep"),)
+        assert (tmp_path / "out" / "top.txt").exists() and got.directories == 127
+        # a snapshot must not lose files: it is refused, and says why
+        with pytest.raises(TreeTooDeep, match="cannot snapshot the sandbox's workspace: 'deep/a/a"):
+            sandbox.snapshot()
+        with pytest.raises(SeedTooLarge, match="more than 128 folders deep"):
+            WorkspaceTracker().scan(sandbox)
+        assert sandbox.commands.run("echo alive").stdout == "alive\n"
 
 
 @pytest.mark.parametrize(

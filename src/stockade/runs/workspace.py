@@ -111,7 +111,13 @@ class WorkspaceTracker:
     def scan(self, sandbox: Sandbox, *, known: Callable[[str], bool] = lambda _: False) -> Scan:
         """List the workspace and read what may have changed; nothing is recorded yet
         (``commit`` once the store has it). ``known(digest)``: the store has that content."""
-        found = sandbox.files.list("", depth=MAX_DEPTH)
+        found = sandbox.files.list("", depth=MAX_DEPTH + 1)
+        deep = next((e.path for e in found if e.path.count("/") >= MAX_DEPTH), None)
+        if deep is not None:  # a resume would come back without it
+            raise exc.SeedTooLarge(
+                f"the workspace holds {deep[:200]!r}..., more than {MAX_DEPTH} folders deep, past what "
+                "the run store keeps: keep such trees out of the workspace"
+            )
         listing = tuple(
             e for e in found if relative_path(e.path) and e.type in (EntryType.FILE, EntryType.DIR)
         )

@@ -77,6 +77,7 @@ _SPECIAL = {
     tarfile.CHRTYPE: "char device",
     tarfile.BLKTYPE: "block device",
     b"s": "socket",  # the supervisor's mark: tar has no type for sockets
+    b"d": "too deep",  # the supervisor's mark: a folder past MAX_DEPTH, left out with its contents
 }
 Parts = tuple[str, ...]
 H = TypeVar("H")

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from stockade import exceptions as exc
 from stockade.sandbox import _guest, _host
-from stockade.sandbox._archive import Extraction
+from stockade.sandbox._archive import MAX_DEPTH, Extraction
 from stockade.sandbox._boundary import EgressHandle
 from stockade.sandbox._supervised import SupervisedInstance
 from stockade.sandbox.snapshots import CHUNK, Reservation, SnapshotStore
@@ -168,6 +168,13 @@ def pack_area(folder: Path, room: Reservation) -> Path:
     with room.open(folder.name) as (path, write):
         with tarfile.open(fileobj=_Sink(write), mode="w", format=tarfile.PAX_FORMAT) as tar:
             for full, name in _walk(folder):
+                if name.count("/") >= MAX_DEPTH:  # its restore would refuse it: refused now
+                    top = "/".join(name.split("/")[:MAX_DEPTH])
+                    raise exc.TreeTooDeep(
+                        f"cannot snapshot the sandbox's {folder.name}: {top[:200]!r}... is {MAX_DEPTH} "
+                        "folders deep: what is in it is past what an archive takes",
+                        path=name,
+                    )
                 info = tar.gettarinfo(str(full), arcname=name)
                 if info is None:  # a socket
                     continue

@@ -38,6 +38,7 @@ WORKSPACE_ERRORS: dict[str, type[exc.WorkspaceError]] = {
     "type": exc.FileTypeError,
     "too_large": exc.FileTooLarge,
     "listing": exc.ListingTooLarge,
+    "deep": exc.TreeTooDeep,
     "full": exc.WorkspaceFull,
 }
 

@@ -414,7 +414,9 @@ class SupervisedInstance(Instance):
                 # contents, by apparent size, would not fit, before it sends anything).
                 cap = min(SNAPSHOT_MAX_BYTES, room.room())
                 try:
-                    op = GetArchive(area=area, max_bytes=cap, max_entries=SNAPSHOT_MAX_ENTRIES)
+                    op = GetArchive(
+                        area=area, max_bytes=cap, max_entries=SNAPSHOT_MAX_ENTRIES, refuse_deep=True
+                    )
                     self.files.get_archive(op, sink)
                 except exc.FileTooLarge as error:
                     # The supervisor's words are a download's ("cannot download '/workspace': ...;

@@ -102,6 +102,7 @@ class FileRequests:
             "path": op.path,
             "max_bytes": op.max_bytes,
             "max_entries": op.max_entries,
+            **({"deep": "refuse"} if op.refuse_deep else {}),
             **area_args(op.area),
         }
         tx = self._archive_step(op, {**caps, "stage": "open"})[0].get("tx")
@@ -152,7 +153,12 @@ class FileRequests:
             return self.request("get_archive", args)
         except exc.WorkspaceError as err:  # the sandbox refused: a cap, a missing folder, ...
             said = str(err).removeprefix(f"get_archive {op.path!r}: ")
-            raise type(err)(f"cannot download {op.path or '/workspace'!r}: {said}", path=op.path) from None
+            what = (
+                f"cannot snapshot the sandbox's {op.area}"  # only a snapshot refuses deep folders
+                if op.refuse_deep
+                else f"cannot download {op.path or '/workspace'!r}"
+            )
+            raise type(err)(f"{what}: {said}", path=op.path) from None
 
     def put_stream(self, area: Area, chunks: Iterator[bytes]) -> None:
         """Unpack a tar stream into ``area`` (``workspace``, ``tmp``) a chunk at a time: neither

@@ -182,6 +182,8 @@ class GetArchive(Op[bytes]):
     max_bytes: int = DOWNLOAD_MAX_BYTES
     max_entries: int = DOWNLOAD_MAX_ENTRIES
     area: Area = "workspace"
+    # A folder more than 128 deep: left out and reported (a download), or ``TreeTooDeep``.
+    refuse_deep: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

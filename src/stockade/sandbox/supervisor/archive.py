@@ -8,9 +8,13 @@ contents by apparent size, a hard-linked file once) or ``max_entries`` is refuse
 as the walk sees it, before its data is read.
 
 Entries are walked through directory descriptors with ``O_NOFOLLOW``, never by path: code
-racing the walk cannot point it outside the folder. Symlinks are sent as links, further
-names of a file as hard links, FIFOs, devices and sockets as bare headers (the host skips
-and reports them; tar has no type for sockets, so they carry ``SOCKTYPE``).
+racing the walk cannot point it outside the folder; one is held whatever the depth
+(``DirWalk``). A folder ``MAX_DEPTH`` deep (what the host takes in a member's name) is sent
+as a bare header of type ``d`` and left out with what it holds: the host reports it (a
+download), or the walk is refused (``deep``: a snapshot, which must not lose files).
+Symlinks are sent as links, further names of a file as hard links, FIFOs, devices and
+sockets as bare headers (the host skips and reports them; tar has no type for sockets, so
+they carry ``SOCKTYPE``).
 
 Standard library only; runs on any Python >= 3.8 found inside the sandbox.
 """
@@ -21,7 +25,7 @@ import os
 import stat
 import tarfile
 
-from fileops import PathRefused
+from fileops import DirWalk, PathRefused
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
@@ -31,10 +35,11 @@ if TYPE_CHECKING:
 
 BLOCK = 512
 MAX_CHUNK = 16 << 20
-MAX_DEPTH = 128
+MAX_DEPTH = 128  # folders in a member's name: what the host takes
 MAX_NAME = 4096  # bytes of a member's path: what the host accepts
 OPEN_TRANSFERS = 4  # a host that vanished mid-download leaves at most this many behind
 SOCKTYPE = b"s"
+DEEPTYPE = b"d"  # a folder past MAX_DEPTH, left out: its name only, for the host to report
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 HINT = "; pass a larger {} to files.download_dir to allow it"
@@ -48,7 +53,7 @@ def handle(workspace: "Workspace", h: "dict[str, Any]") -> "tuple[dict[str, Any]
     stage = h.get("stage")
     if stage == "open":
         root = _open_root(workspace, str(h.get("path", "")))
-        stream = TarStream(root, int(h["max_bytes"]), int(h["max_entries"]))
+        stream = TarStream(root, int(h["max_bytes"]), int(h["max_entries"]), h.get("deep") == "refuse")
         _opened[0] += 1
         tx = "t%d" % _opened[0]
         _transfers[tx] = stream
@@ -99,23 +104,25 @@ def _names(fd: int) -> "list[str]":
 class TarStream:
     """The tar stream of one folder; ``read(n)`` makes just enough of it for ``n`` bytes."""
 
-    def __init__(self, root: int, max_bytes: int, max_entries: int) -> None:
+    def __init__(self, root: int, max_bytes: int, max_entries: int, refuse_deep: bool = False) -> None:
         self.max_bytes = max_bytes
         self.max_entries = max_entries
+        self.refuse_deep = refuse_deep  # a snapshot: a folder past MAX_DEPTH fails it, not left out
         self.total = 0
         self.entries = 0
         self.pending = bytearray()
-        self.dirs: "list[tuple[int, list[str], str]]" = []
+        self.dirs: "list[tuple[list[str], str]]" = []  # each level's names to come, its prefix
         self.file = -1
         self.left = 0
         self.pad = 0
         self.first_names: "dict[tuple[int, int], str]" = {}  # (dev, ino) -> its first name
         self.ended = False
         self.finished = False
+        self.walk = DirWalk(root)  # one descriptor whatever the depth
         try:
-            self.dirs.append((root, _names(root), ""))
+            self.dirs.append((_names(root), ""))
         except BaseException:
-            os.close(root)
+            self.walk.close()
             raise
 
     def read(self, size: int) -> bytes:
@@ -130,8 +137,8 @@ class TarStream:
         if self.file >= 0:
             os.close(self.file)
             self.file = -1
-        while self.dirs:
-            os.close(self.dirs.pop()[0])
+        self.walk.close()
+        self.dirs = []
         self.pending = bytearray()
 
     def _step(self, want: int) -> None:
@@ -151,13 +158,16 @@ class TarStream:
             self.pending += bytes(2 * BLOCK)
             self.ended = True
             return
-        fd, names, prefix = self.dirs[-1]
+        names, prefix = self.dirs[-1]
         if not names:
             self.dirs.pop()
-            os.close(fd)
+            if self.dirs:
+                self.walk.up()
+            else:
+                self.walk.close()
             return
         name = names.pop()
-        self._member(fd, name, prefix + name)
+        self._member(self.walk.fd, name, prefix + name)
 
     def _member(self, parent: int, name: str, arc: str) -> None:
         try:
@@ -174,17 +184,20 @@ class TarStream:
         info.mode = stat.S_IMODE(st.st_mode)
         info.mtime = int(st.st_mtime)
         if stat.S_ISDIR(st.st_mode):
-            if len(self.dirs) >= MAX_DEPTH:
-                raise PathRefused("too_large", "%r is more than %d folders deep" % (arc, MAX_DEPTH))
-            fd = os.open(name, DIR_FLAGS, dir_fd=parent)
-            try:
-                names = _names(fd)
-            except BaseException:
-                os.close(fd)
-                raise
+            if len(self.dirs) >= MAX_DEPTH:  # what is in it would be past what the host takes
+                if self.refuse_deep:
+                    message = "%r... is %d folders deep: what is in it is past what an archive takes" % (
+                        arc[:200],
+                        MAX_DEPTH,
+                    )
+                    raise PathRefused("deep", message)
+                info.type = DEEPTYPE
+                self._header(info)
+                return
+            self.walk.down(name)
+            self.dirs.append((_names(self.walk.fd), arc + "/"))
             info.type = tarfile.DIRTYPE
             self._header(info)
-            self.dirs.append((fd, names, arc + "/"))
         elif stat.S_ISLNK(st.st_mode):
             info.type = tarfile.SYMTYPE
             info.linkname = os.readlink(name, dir_fd=parent)

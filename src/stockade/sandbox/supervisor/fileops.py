@@ -26,6 +26,62 @@ class PathRefused(Exception):
         self.kind = kind
 
 
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class DirWalk:
+    """Where a walk of folders is, holding one descriptor whatever its depth: the folders
+    above are kept as (st_dev, st_ino) and reopened through ``..`` on the way back up, checked
+    to be the same folder (one moved meanwhile is refused, never followed). A descriptor per
+    level made a tree 300 folders deep fail at the sandbox's RLIMIT_NOFILE, as low as 32."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        try:
+            st = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._ids = [(st.st_dev, st.st_ino)]
+
+    @property
+    def depth(self) -> int:
+        return len(self._ids) - 1
+
+    def down(self, name: str) -> None:
+        """Into the folder ``name`` of this one (``OSError`` if it is none; nothing moves)."""
+        sub = os.open(name, DIR_FLAGS, dir_fd=self.fd)
+        try:
+            st = os.fstat(sub)
+        except BaseException:
+            os.close(sub)
+            raise
+        os.close(self.fd)
+        self.fd = sub
+        self._ids.append((st.st_dev, st.st_ino))
+
+    def up(self) -> None:
+        """Back to the folder this one was entered from."""
+        parent = os.open("..", DIR_FLAGS, dir_fd=self.fd)
+        st = os.fstat(parent)
+        if (st.st_dev, st.st_ino) != self._ids[-2]:
+            os.close(parent)
+            raise PathRefused("missing", "a folder was moved or removed while it was walked")
+        os.close(self.fd)
+        self.fd = parent
+        self._ids.pop()
+
+    def take(self) -> int:
+        """The descriptor, now the caller's to close."""
+        fd, self.fd = self.fd, -1
+        return fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
 class Workspace:
     """``links``: False under path rules (the host's policy judges a file call by the path it
     names, so a symbolic link on the way, to a file it would refuse, is refused here)."""
@@ -45,31 +101,31 @@ class Workspace:
     def resolve(self, path: str, follow_last: bool, create_dirs: bool = False) -> tuple[int, str]:
         """Return (fd of the parent directory, final name); '' names the root itself."""
         queue = self._split(path)
-        stack = [os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
+        walk = DirWalk(os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
         hops = 0
         try:
             while queue:
                 part = queue.pop(0)
                 if part == "..":
-                    if len(stack) == 1:
+                    if walk.depth == 0:
                         raise PathRefused("escape", f"{path!r} leads outside the workspace")
-                    os.close(stack.pop())
+                    walk.up()
                     continue
                 last = not queue
                 try:
-                    st = os.stat(part, dir_fd=stack[-1], follow_symlinks=False)
+                    st = os.stat(part, dir_fd=walk.fd, follow_symlinks=False)
                 except FileNotFoundError:
                     if last:
-                        return stack.pop(), part
+                        return walk.take(), part
                     if not create_dirs:
                         raise PathRefused("missing", f"{path!r}: no such directory {part!r}")
-                    os.mkdir(part, 0o755, dir_fd=stack[-1])
-                    st = os.stat(part, dir_fd=stack[-1], follow_symlinks=False)
+                    os.mkdir(part, 0o755, dir_fd=walk.fd)
+                    st = os.stat(part, dir_fd=walk.fd, follow_symlinks=False)
                 if stat.S_ISLNK(st.st_mode) and (not last or follow_last):
                     hops += 1
                     if hops > LINK_HOPS:
                         raise PathRefused("escape", f"{path!r}: too many levels of symlinks")
-                    target = os.readlink(part, dir_fd=stack[-1])
+                    target = os.readlink(part, dir_fd=walk.fd)
                     if not self.links:
                         raise PathRefused(
                             "escape",
@@ -81,21 +137,19 @@ class Workspace:
                             raise PathRefused(
                                 "escape", f"{path!r}: symlink {part!r} leads outside the workspace"
                             )
-                        while len(stack) > 1:
-                            os.close(stack.pop())
+                        walk.close()
+                        walk = DirWalk(os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC))
                         target = target[len(self.root) :]
                     queue[:0] = [p for p in target.split("/") if p not in ("", ".")]
                     continue
                 if last:
-                    return stack.pop(), part
+                    return walk.take(), part
                 if not stat.S_ISDIR(st.st_mode):
                     raise PathRefused("type", f"{path!r}: {part!r} is not a directory")
-                flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-                stack.append(os.open(part, flags, dir_fd=stack[-1]))
-            return stack.pop(), ""
+                walk.down(part)
+            return walk.take(), ""
         finally:
-            for fd in stack:
-                os.close(fd)
+            walk.close()
 
 
 def _clean(name: str) -> str:

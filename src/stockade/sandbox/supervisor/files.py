@@ -17,7 +17,7 @@ import io
 import os
 import stat
 
-from fileops import PathRefused, Workspace, _entry, _write_all
+from fileops import DirWalk, PathRefused, Workspace, _entry, _write_all
 from protocol import MAX_LIST_JSON, dumps
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
@@ -173,28 +173,43 @@ def op_list(sup: "Supervisor", rid: int, h: dict[str, Any], body: bytes) -> None
 
 def _walk(fd: int, base: str, depth: int, out: list[dict[str, Any]], room: list[int]) -> None:
     """``room``: the bytes of JSON the listing has left (its entries' paths and names, and
-    ``ENTRY_JSON`` each), counted as the walk goes so that it holds no more in memory."""
+    ``ENTRY_JSON`` each), counted as the walk goes so that it holds no more in memory. One
+    descriptor open whatever the depth (``DirWalk``); each level keeps its names to come."""
+    walk = DirWalk(fd)
     try:
-        with os.scandir(fd) as it:
-            items = sorted(it, key=lambda e: e.name)
-        for item in items:
+        levels = [(_names(walk.fd), base, depth)]
+        while levels:
+            names, prefix, left = levels[-1]
+            if not names:
+                levels.pop()
+                if levels:
+                    walk.up()
+                continue
             if len(out) > MAX_LIST:
                 return
-            st = item.stat(follow_symlinks=False)
-            rel = f"{base}/{item.name}" if base else item.name
-            room[0] -= len(rel) + len(item.name) + ENTRY_JSON
+            name = names.pop()
+            try:
+                st = os.stat(name, dir_fd=walk.fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # removed since the folder was read
+            rel = f"{prefix}/{name}" if prefix else name
+            room[0] -= len(rel) + len(name) + ENTRY_JSON
             if room[0] < 0:
                 return
             out.append(_entry(rel, st))
-            if depth > 1 and stat.S_ISDIR(st.st_mode):
-                flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+            if left > 1 and stat.S_ISDIR(st.st_mode):
                 try:
-                    sub = os.open(item.name, flags, dir_fd=fd)
+                    walk.down(name)
                 except OSError:
                     continue
-                _walk(sub, rel, depth - 1, out, room)
+                levels.append((_names(walk.fd), rel, left - 1))
     finally:
-        os.close(fd)
+        walk.close()
+
+
+def _names(fd: int) -> list[str]:
+    """A folder's names, last first (the walk pops them in order)."""
+    return sorted(os.listdir(fd), reverse=True)
 
 
 def op_remove(sup: "Supervisor", rid: int, h: dict[str, Any], body: bytes) -> None:
