@@ -14,6 +14,7 @@ import resource
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -21,7 +22,7 @@ from stockade import Limits, ListingTooLarge, ProtocolError, Sandbox, SandboxCra
 from stockade.exceptions import SeedTooLarge, TreeTooDeep
 from stockade.runs.workspace import WorkspaceTracker
 from stockade.tools.workspace_diff import MAX_TEXT_TOTAL, record_baseline, snapshot, workspace_diff
-from stockade.types import SkippedEntry
+from stockade.types import Listing, SkippedEntry
 
 # A module planted in the workspace: if the supervisor ever imports it, every later
 # files.read (the next pool user's included) answers with the attacker's bytes.
@@ -136,45 +137,33 @@ def test_a_listing_too_large_for_one_answer_is_refused_and_keeps_the_sandbox(
     assert sbx.commands.run("echo alive").stdout == "alive\n"
 
 
-# Left running by run_code: as soon as the scan has read (closed) one file, the next one grows
-# to GROWN bytes (sparse: free for the sandbox). The listing counted empty files.
-GROWER = """
-import ctypes, os, struct, threading
-libc = ctypes.CDLL(None, use_errno=True)
-names = ["f%03d" % i for i in range(24)]
-for name in names:
-    open(name, "wb").close()
-inotify = libc.inotify_init()
-watches = {libc.inotify_add_watch(inotify, n.encode(), 0x10): k for k, n in enumerate(names)}
+class GrownAfterItsListing:
+    """A sandbox as a scan sees it, whose files code grows right after the listing (what a
+    thread of ``run_code`` left running does, watching the reads with inotify; here at a
+    fixed moment, so that the race is the same on every tier and every load)."""
 
-def grow():
-    grown = set()
-    while True:
-        events = os.read(inotify, 4096)
-        at = 0
-        while at < len(events):
-            wd, _, _, length = struct.unpack_from("iIII", events, at)
-            at += 16 + length
-            k = watches.get(wd, len(names)) + 1
-            if k < len(names) and k not in grown:
-                grown.add(k)
-                with open(names[k], "r+b") as f:
-                    f.write(os.urandom(16))  # a content of its own: nothing is shared
-                    f.truncate(GROWN)
+    def __init__(self, sandbox: Sandbox, grow: str) -> None:
+        self.sandbox, self.grow = sandbox, grow
+        self.instance = sandbox.instance
+        self.files = self
 
-threading.Thread(target=grow, daemon=True).start()
-"""
+    def list(self, path: str, *, depth: int) -> Listing:
+        found = self.sandbox.files.list(path, depth=depth)
+        assert self.sandbox.commands.run(self.grow).exit_code == 0
+        return found
 
 
 def test_files_grown_while_the_run_store_reads_them_are_held_to_its_cap(tier: str) -> None:
     # The scan checked the listing against the cap, then read every file whole: files grown
-    # after the listing made the host hold 2.5 GB for ten files listed as 789 bytes. What is
-    # read now counts, and each read gets only the room the cap leaves.
+    # after the listing (sparse: free for the sandbox) made the host hold 2.5 GB for ten
+    # files listed as 789 bytes. What is read now counts, and each read gets only the room
+    # the cap leaves.
     cap = 4 << 20
     with Sandbox.create(tier, limits=Limits(memory_mb=256, timeout_s=30, pids=64)) as sandbox:
-        assert sandbox.run_code(GROWER.replace("GROWN", str(cap // 3))).error is None
+        assert sandbox.commands.run("touch f00 f01 f02 f03 f04 f05 f06 f07").exit_code == 0
+        grown = GrownAfterItsListing(sandbox, f"truncate -s {cap // 3} f0*")
         with pytest.raises(SeedTooLarge, match="grew past the run store's snapshot cap"):
-            WorkspaceTracker(max_bytes=cap).scan(sandbox)
+            WorkspaceTracker(max_bytes=cap).scan(cast(Sandbox, grown))
         assert sandbox.commands.run("echo alive").stdout == "alive\n"
 
 
@@ -235,9 +224,10 @@ def test_a_tree_300_folders_deep_is_listed_and_downloaded_and_what_is_left_out_i
         got = sandbox.files.download_dir(tmp_path / "out", "deep")
         assert got.skipped == (SkippedEntry(path="/".join(["a"] * 128), kind="too deep"),)
         assert (tmp_path / "out" / "top.txt").exists() and got.directories == 127
-        # a snapshot must not lose files: it is refused, and says why
+        # a files snapshot must not lose files: it is refused, and says why (a microVM's memory
+        # snapshot, its default, keeps the whole disk)
         with pytest.raises(TreeTooDeep, match="cannot snapshot the sandbox's workspace: 'deep/a/a"):
-            sandbox.snapshot()
+            sandbox.snapshot(memory=False)
         with pytest.raises(SeedTooLarge, match="more than 128 folders deep"):
             WorkspaceTracker().scan(sandbox)
         assert sandbox.commands.run("echo alive").stdout == "alive\n"
