@@ -74,7 +74,7 @@ from stockade.agent.state import RunState
 from stockade.audit.agent import AuditObserver
 from stockade.audit.events import EventKind
 from stockade.audit.log import AuditLog
-from stockade.audit.redact import Redactor
+from stockade.audit.redact import MIN_SECRET_LENGTH, Redactor
 from stockade.audit.runtime_events import RuntimeAuditor
 from stockade.audit.sandbox import AuditedBackend, current_call
 from stockade.audit.stores import open_store
@@ -416,6 +416,14 @@ def _fan_out(observers: Sequence[RuntimeObserver]) -> RuntimeObserver:
     return observe
 
 
+def _register_credentials(model: Model, redactors: Sequence[Redactor]) -> None:
+    """The model's API keys are never written: a gateway's error may quote the key it was sent."""
+    for secret in model.credentials():
+        if len(secret) >= MIN_SECRET_LENGTH:  # shorter: no real key, and it would redact words
+            for redactor in redactors:
+                redactor.add_secret(secret)
+
+
 class GuardedAgent:
     """The agent ``build_agent`` assembles: shared controls, and one ``AgentSession`` per run."""
 
@@ -458,10 +466,13 @@ class GuardedAgent:
             else None
         )
         log = self.audit_log
+        _register_credentials(base, self._redactors())
         clock = config.clock or SystemClock()
         self._unattached = RuntimeAuditor(log)  # events outside any session (none expected)
         self.runtime_observer = _fan_out((self._dispatch, *config.runtime_observers))
-        self.retrier = Retrier(policy=config.retry, observer=self.runtime_observer, clock=clock)
+        self.retrier = Retrier(
+            policy=config.retry, observer=self.runtime_observer, clock=clock, redact=log.redactor.text
+        )
         self.breakers = Breakers(config=config.breaker, clock=clock, observer=self.runtime_observer)
         window = (
             config.limits_window
@@ -507,6 +518,15 @@ class GuardedAgent:
             _record_denial(log, "", "model", err)
             self.close()
             raise
+
+    def _redactors(self) -> list[Redactor]:
+        """Every redactor between this agent and what it writes (trail, run store, telemetry)."""
+        found = [self.audit_log.redactor]
+        if isinstance(self.checkpointer, RunStore):
+            found.append(self.checkpointer.redactor)
+        if self.config.telemetry is not None:
+            found.append(self.config.telemetry.redactor)
+        return found
 
     def _dispatch(self, event: RuntimeEvent) -> None:
         (_session_observer.get() or self._unattached)(event)

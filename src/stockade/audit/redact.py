@@ -32,6 +32,7 @@ from stockade import exceptions as exc
 from stockade.audit.events import JSONValue
 
 __all__ = [
+    "MIN_SECRET_LENGTH",
     "PERSONAL_DATA_PATTERNS",
     "REDACTED",
     "TOKEN_PATTERNS",

@@ -60,6 +60,9 @@ class AnthropicModel(Model):
             )
         self.client = client
 
+    def credentials(self) -> tuple[str, ...]:
+        return tuple(k for k in (self.client.api_key, self.client.auth_token) if k)
+
     async def request(self, request: ModelRequest) -> ModelResponse:
         tools = [
             {"name": t.name, "description": t.description, "input_schema": t.parameters}

@@ -44,6 +44,11 @@ class Model(abc.ABC):
     async def request(self, request: ModelRequest) -> ModelResponse:
         """One turn. Raise ``ModelError`` subclasses for provider failures."""
 
+    def credentials(self) -> tuple[str, ...]:
+        """The secrets this model sends its provider (API keys): whoever writes what the model
+        said or failed with registers them with its redactor (a gateway may quote them)."""
+        return ()
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
 
@@ -58,6 +63,9 @@ class WrapperModel(Model):
 
     async def request(self, request: ModelRequest) -> ModelResponse:
         return await self.wrapped.request(request)
+
+    def credentials(self) -> tuple[str, ...]:
+        return self.wrapped.credentials()
 
 
 def estimate_usage(request: ModelRequest, response: ModelResponse) -> Usage:

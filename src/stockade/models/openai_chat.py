@@ -34,6 +34,8 @@ from stockade.models.messages import (
 
 __all__ = ["OpenAIModel"]
 
+_NO_KEY = "unused"  # what a local server without keys is sent: not a secret, never redacted
+
 
 class OpenAIModel(Model):
     provider = "openai"
@@ -56,10 +58,14 @@ class OpenAIModel(Model):
             if api_key is None:
                 # local OpenAI-compatible servers usually ignore the key; OpenAI itself needs one
                 api_key = os.environ.get("OPENAI_API_KEY") or (
-                    "unused" if base_url else require_api_key("OPENAI_API_KEY", "openai")
+                    _NO_KEY if base_url else require_api_key("OPENAI_API_KEY", "openai")
                 )
             client = openai.AsyncOpenAI(api_key=api_key, base_url=base_url, timeout=timeout_s, max_retries=0)
         self.client = client
+
+    def credentials(self) -> tuple[str, ...]:
+        key = self.client.api_key
+        return (key,) if key and key != _NO_KEY else ()
 
     async def request(self, request: ModelRequest) -> ModelResponse:
         tools = [

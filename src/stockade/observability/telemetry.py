@@ -233,7 +233,7 @@ class Telemetry:
         """Count a retry and note it on the current span."""
         from opentelemetry import trace
 
-        self.retries.add(1, {"stockade.operation": operation, "stockade.retry.reason": reason})
+        self.retries.add(1, {"stockade.operation": operation, "stockade.retry.reason": self._text(reason)})
         trace.get_current_span().add_event(
             "retry", self.attributes({"stockade.retry.reason": reason, "stockade.retry.attempt": attempt})
         )

@@ -331,7 +331,7 @@ class RunStore:
                             entry.subject,
                             entry.attempt,
                             entry.delay_s,
-                            entry.reason,
+                            self.redactor.text(entry.reason),  # an error may quote a credential
                             entry.recorded_ns,
                         )
                     ],

@@ -8,6 +8,12 @@ errors, failing assertions, missing files and policy denials are never retried.
 Built on stamina: its loop, its attempt cap and its test mode (``stamina.set_testing(True)``
 turns every wait to zero). The backoff itself is computed here, so that each retry can be
 reported with its real delay, and so that ``retry_after`` and the deadline are honoured.
+
+A retry's reason (the error's message) is redacted where it is made (``Retrier.redact``): a
+provider may quote the key it was sent, and the reason goes to every observer (run store,
+audit trail, metrics, the terminal). stamina itself only ever sees that redacted reason: its
+log hook prints the error it retries, so it is handed a stand-in (``Scheduled``) and the
+original error is raised again when the attempts run out.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Any, TypeVar
 
 import stamina
 
+from stockade.audit.redact import StringProcessor, redact_tokens
 from stockade.exceptions import StockadeError
 from stockade.runtime.clock import Clock, SystemClock
 from stockade.runtime.events import FlakyRerun, Observer, RetryScheduled, ignore
@@ -83,36 +90,51 @@ class RetryPolicy:
             return self.wait_max
 
 
+class Scheduled(Exception):  # never leaves the Retrier: stamina's view of an error, not one
+    """What stamina is handed for a failure to retry: the redacted reason, not the error (its
+    log hook prints ``repr`` of what it retries). ``error`` is raised again if none is left."""
+
+    def __init__(self, reason: str, *, delay_s: float, error: Exception) -> None:
+        super().__init__(reason)
+        self.reason, self.delay_s, self.error = reason, delay_s, error
+
+    def __repr__(self) -> str:
+        return f"Scheduled({self.reason!r})"
+
+
+def _scheduled_delay(err: Exception) -> bool | float:
+    return err.delay_s if isinstance(err, Scheduled) else False
+
+
 @dataclass(kw_only=True)
 class Retrier:
-    """Runs a call under a ``RetryPolicy``, reporting every retry to ``observer``."""
+    """Runs a call under a ``RetryPolicy``, reporting every retry to ``observer``, its reason
+    passed through ``redact`` first (give it the redactor of the trail: ``redactor.text``)."""
 
     policy: RetryPolicy = field(default_factory=RetryPolicy)
     observer: Observer = ignore
     clock: Clock = field(default_factory=SystemClock)
     rng: random.Random = field(default_factory=random.Random)
+    redact: StringProcessor = redact_tokens
 
     def _decider(
         self, subject: str, transient: Callable[[BaseException], bool]
-    ) -> Callable[[Exception], bool | float]:
+    ) -> Callable[[Exception], Scheduled | None]:
         deadline = self.clock.monotonic() + self.policy.deadline_s
         attempt = 0
 
-        def decide(err: Exception) -> bool | float:
+        def decide(err: Exception) -> Scheduled | None:
             nonlocal attempt
             attempt += 1
             if attempt >= self.policy.attempts or not transient(err):
-                return False
+                return None
             after = getattr(err, "retry_after", None)
             delay = float(after) if after is not None else self.policy.backoff(attempt, self.rng)
             if self.clock.monotonic() + delay > deadline:
-                return False
-            self.observer(
-                RetryScheduled(
-                    subject=subject, attempt=attempt, delay_s=delay, reason=f"{type(err).__name__}: {err}"
-                )
-            )
-            return delay
+                return None
+            reason = self.redact(f"{type(err).__name__}: {err}")
+            self.observer(RetryScheduled(subject=subject, attempt=attempt, delay_s=delay, reason=reason))
+            return Scheduled(reason, delay_s=delay, error=err)
 
         return decide
 
@@ -120,12 +142,22 @@ class Retrier:
         self, subject: str, fn: Callable[[], T], *, transient: Callable[[BaseException], bool] = is_transient
     ) -> T:
         """Run ``fn``, again after each failure ``transient`` accepts, within the policy."""
-        for attempt in stamina.retry_context(
-            on=self._decider(subject, transient), attempts=self.policy.attempts, timeout=None
-        ):
-            with attempt:
-                return fn()
-        raise AssertionError("unreachable: stamina re-raises the last error")  # pragma: no cover
+        decide = self._decider(subject, transient)
+        try:
+            for attempt in stamina.retry_context(
+                on=_scheduled_delay, attempts=self.policy.attempts, timeout=None
+            ):
+                with attempt:
+                    try:
+                        return fn()
+                    except Exception as err:
+                        scheduled = decide(err)
+                        if scheduled is None:
+                            raise
+                        raise scheduled from None
+        except Scheduled as last:  # stamina's test mode ran out of attempts first
+            error = last.error
+        raise error
 
     async def acall(
         self,
@@ -135,12 +167,22 @@ class Retrier:
         transient: Callable[[BaseException], bool] = is_transient,
     ) -> T:
         """``call`` for coroutines."""
-        async for attempt in stamina.retry_context(
-            on=self._decider(subject, transient), attempts=self.policy.attempts, timeout=None
-        ):
-            with attempt:
-                return await fn()
-        raise AssertionError("unreachable: stamina re-raises the last error")  # pragma: no cover
+        decide = self._decider(subject, transient)
+        try:
+            async for attempt in stamina.retry_context(
+                on=_scheduled_delay, attempts=self.policy.attempts, timeout=None
+            ):
+                with attempt:
+                    try:
+                        return await fn()
+                    except Exception as err:
+                        scheduled = decide(err)
+                        if scheduled is None:
+                            raise
+                        raise scheduled from None
+        except Scheduled as last:  # stamina's test mode ran out of attempts first
+            error = last.error
+        raise error
 
 
 class RetryingInstance(WrapperInstance):

@@ -5,8 +5,11 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import pytest
+import stamina
+import structlog.testing
 
 from stockade import exceptions as exc
+from stockade.audit.redact import Redactor
 from stockade.runtime.clock import ManualClock
 from stockade.runtime.events import FlakyRerun, RetryScheduled, RuntimeEvent
 from stockade.runtime.retry import (
@@ -260,3 +263,47 @@ def test_a_failing_test_run_is_not_rerun_by_default(events: list[RuntimeEvent]) 
 
     outcome = run_tests_allowing_flaky(run, allow_flaky=False, observer=events.append)
     assert not outcome.result.ok and not outcome.reran and len(calls) == 1 and events == []
+
+
+KEY = "sk-proj-LeakTestKey0123456789abcdef"
+
+
+def test_a_retry_reason_is_redacted_before_an_observer_or_stamina_sees_it(
+    events: list[RuntimeEvent], clock: ManualClock
+) -> None:
+    quoted = exc.ModelUnavailable(f"upstream overloaded for Bearer {KEY}")
+    call = FailsThen(quoted, times=9)
+    with structlog.testing.capture_logs() as logs, pytest.raises(exc.ModelUnavailable) as raised:
+        retrier(events, clock, attempts=2, wait_initial=0, wait_jitter=0).call("model:x", call)
+    assert raised.value is quoted  # the caller gets the error itself, once the attempts run out
+    (event,) = events
+    assert isinstance(event, RetryScheduled)
+    assert event.reason == "ModelUnavailable: upstream overloaded for Bearer [REDACTED:api_key]"
+    (line,) = [line for line in logs if line["event"] == "stamina.retry_scheduled"]
+    assert "[REDACTED:api_key]" in line["caused_by"] and KEY not in repr(logs)
+
+
+def test_a_retrier_redacts_with_the_redactor_it_is_given(
+    events: list[RuntimeEvent], clock: ManualClock
+) -> None:
+    redactor = Redactor()
+    redactor.add_secret("gwkey-PlainShape-77665544")
+    retrying = Retrier(
+        observer=events.append, clock=clock, redact=redactor.text, policy=RetryPolicy(wait_jitter=0)
+    )
+    call = FailsThen(exc.ModelUnavailable("refused gwkey-PlainShape-77665544"), times=1)
+    assert retrying.call("model:x", call) == "ok"
+    assert [e.reason for e in events] == ["ModelUnavailable: refused [REDACTED:secret]"]  # type: ignore[union-attr]
+
+
+async def test_stamina_test_mode_running_out_of_attempts_raises_the_error_itself(
+    events: list[RuntimeEvent], clock: ManualClock
+) -> None:
+    quoted = exc.ModelUnavailable(f"overloaded for {KEY}")
+
+    async def fails() -> None:
+        raise quoted
+
+    with stamina.set_testing(True, attempts=1), pytest.raises(exc.ModelUnavailable) as raised:
+        await retrier(events, clock, attempts=3).acall("model:x", fails)
+    assert raised.value is quoted
