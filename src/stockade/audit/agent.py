@@ -60,15 +60,12 @@ from stockade.agent.events import (
 from stockade.agent.state import RunStatus, ToolCallRecord, args_measure
 from stockade.audit.events import EventKind, JSONValue
 from stockade.audit.log import AuditLog
+from stockade.audit.redact import Redactor
 
 __all__ = ["AuditObserver"]
 
-# Task text and answers are cut here; the run store keeps them whole.
+# Task text and answers are cut here (after redaction); the run store keeps them whole.
 TEXT_CAP = 4096
-
-
-def _cap(text: str, cap: int = TEXT_CAP) -> str:
-    return text if len(text) <= cap else text[:cap] + f"…[{len(text) - cap} more chars]"
 
 
 # A call's arguments are kept whole up to this many characters (as JSON); past it each of the
@@ -80,16 +77,17 @@ ARGS_CAP = 4096
 ARGS_KEYS = 16
 
 
-def _args(args: Mapping[str, JsonValue]) -> dict[str, JSONValue]:
-    """The attributes that record a call's arguments: ``args``, cut past ``ARGS_CAP``."""
+def _args(args: Mapping[str, JsonValue], redactor: Redactor) -> dict[str, JSONValue]:
+    """The attributes that record a call's arguments: ``args``, cut past ``ARGS_CAP`` (what is
+    cut is redacted first; the size and digest are of the arguments as asked)."""
     size, digest = args_measure(args)
     if size <= ARGS_CAP:
         return {"args": dict(args)}
     share = ARGS_CAP // max(min(len(args), ARGS_KEYS), 1)
     kept: dict[str, JSONValue] = {}
-    for key, value in list(args.items())[:ARGS_KEYS]:
+    for key, value in list(redactor.attributes(args).items())[:ARGS_KEYS]:
         text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-        kept[_cap(key, 128)] = value if len(text) <= share else _cap(text, share)
+        kept[redactor.cut(key, 128)] = value if len(text) <= share else redactor.cut(text, share)
     if len(args) > ARGS_KEYS:
         kept["…"] = f"{len(args) - ARGS_KEYS} more arguments"
     return {"args": kept, "args_bytes": size, "args_digest": digest, "args_cut": True}
@@ -126,6 +124,9 @@ class AuditObserver:
         self.actor = actor
         self._in_trail: dict[str, _InTrail] = {}  # resumed runs in progress
 
+    def _cap(self, text: str) -> str:
+        return self.log.redactor.cut(text, TEXT_CAP)
+
     def __call__(self, event: AgentEvent) -> None:
         record = self.log.record
         match event:
@@ -137,7 +138,7 @@ class AuditObserver:
                     run_id=event.run_id,
                     actor=self.actor,
                     attributes={
-                        "task": _cap(event.task),
+                        "task": self._cap(event.task),
                         "model": event.model_name,
                         "resumed": event.resumed,
                     },
@@ -194,7 +195,7 @@ class AuditObserver:
                         "reason": event.reason,
                         "tool": event.call.name,
                         "call_id": event.call.id,
-                        **_args(event.call.args),
+                        **_args(event.call.args, self.log.redactor),
                     },
                 )
             case ToolReturned() | ToolRejected():
@@ -208,11 +209,11 @@ class AuditObserver:
                     actor="check",
                     duration_s=c.duration_s,
                     attributes={
-                        "command": _cap(c.command),
+                        "command": self._cap(c.command),
                         "passed": c.passed,
                         "exit_code": c.exit_code,
                         "timed_out": c.timed_out,
-                        "summary": _cap(c.summary),
+                        "summary": self._cap(c.summary),
                     },
                 )
             case StepFinished():
@@ -240,7 +241,7 @@ class AuditObserver:
             "output_tokens": result.usage.output_tokens,
             "cost_usd": result.cost_usd,
             "error": result.error,
-            "answer": _cap(result.answer),
+            "answer": self._cap(result.answer),
         }
         if seen is not None and seen.end is not None and result.status.finished:
             # The previous process wrote this end and died before the checkpoint saying so.
@@ -266,8 +267,8 @@ class AuditObserver:
             attributes={
                 "tool": r.call.name,
                 "call_id": r.call.id,
-                **_args(r.call.args),
-                **({} if r.call.malformed is None else {"malformed": _cap(r.call.malformed)}),
+                **_args(r.call.args, self.log.redactor),
+                **({} if r.call.malformed is None else {"malformed": self._cap(r.call.malformed)}),
                 "idempotency_key": r.idempotency_key,
                 "is_error": r.is_error,
                 "error_type": r.error_type,

@@ -262,6 +262,12 @@ class Redactor:
             self._long_chars += len(text)
         return out
 
+    def cut(self, text: str, cap: int) -> str:
+        """``text`` redacted, then cut to ``cap`` characters (saying how many more there were).
+        In that order: a cut first can keep a credential's prefix that no pattern knows."""
+        out = self.text(text)
+        return out if len(out) <= cap else out[:cap] + f"…[{len(out) - cap} more chars]"
+
     def value(self, value: object) -> JSONValue:
         """``value`` as JSON, with every string redacted. Unknown objects become their ``str``."""
         if isinstance(value, str):

@@ -24,6 +24,7 @@ from typing import Any
 from stockade import exceptions as exc
 from stockade.audit.events import EventKind
 from stockade.audit.log import AuditLog
+from stockade.audit.redact import Redactor
 from stockade.sandbox.base import (
     Backend,
     Instance,
@@ -62,16 +63,18 @@ def _no_step() -> int:
     return 0
 
 
-def _cap(text: str) -> str:
-    return text if len(text) <= TEXT_CAP else text[:TEXT_CAP] + f"…[{len(text) - TEXT_CAP} more chars]"
+def _cut(redactor: Redactor) -> Callable[[str], str]:
+    """Redact, then cut: a cut first can keep a credential's prefix that no pattern knows."""
+    return lambda text: redactor.cut(text, TEXT_CAP)
 
 
 def _digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def describe(op: Op[Any]) -> tuple[EventKind, dict[str, object]] | None:
+def describe(op: Op[Any], redactor: Redactor) -> tuple[EventKind, dict[str, object]] | None:
     """The event kind and attributes of an operation, or ``None`` for reads (not recorded)."""
+    _cap = _cut(redactor)
     match op:
         case RunCommand():
             attributes: dict[str, object] = {
@@ -192,7 +195,7 @@ class AuditedInstance(WrapperInstance):
         )
 
     def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
-        described = describe(op)
+        described = describe(op, self.log.redactor)
         if described is None:
             return self.wrapped.handle(op, sink)
         kind, attributes = described
@@ -213,8 +216,8 @@ class AuditedInstance(WrapperInstance):
                     {
                         "of": kind.value,
                         "call_id": current_call.get(),
-                        "path": _cap(judged.path),
-                        "argv": [_cap(a) for a in judged.argv],
+                        "path": self.log.redactor.cut(judged.path, TEXT_CAP),
+                        "argv": [self.log.redactor.cut(a, TEXT_CAP) for a in judged.argv],
                         "verdict": judged.verdict,
                         "rule": judged.rule,
                     },

@@ -17,7 +17,8 @@ from stockade.agent import Agent, RunLimits
 from stockade.agent.loop import MAX_CALL_ARGS_BYTES
 from stockade.agent.state import args_measure
 from stockade.audit import AuditLog, EventKind, verify
-from stockade.audit.agent import ARGS_CAP, AuditObserver
+from stockade.audit.agent import ARGS_CAP, TEXT_CAP, AuditObserver
+from stockade.audit.redact import Redactor
 from stockade.audit.stores import open_store
 from stockade.models.scripted import ScriptedModel, Turn
 from stockade.runs import RunRecorder, open_run_store
@@ -97,3 +98,35 @@ def test_a_small_call_is_kept_whole_in_the_trail() -> None:
         ).run_sync("write a.py", sandbox=sbx, run_id="r")
     (event,) = audit.of(EventKind.TOOL_CALL)
     assert event.attributes["args"] == args and "args_cut" not in event.attributes
+
+
+KEY = "sk-" + "Q7w8E9r0T1y2U3i4O5p6A7s8D9f0G1h2J3k4L5z6"
+REGISTERED = "plain-registered-secret-0042"
+
+
+def test_a_credential_across_the_cut_is_redacted_before_the_cut_keeps_any_of_it() -> None:
+    share = ARGS_CAP // 2  # two arguments: each keeps its first share of characters
+    for secret in (KEY, REGISTERED):
+        pad = "A" * (share - 3 - 15 - 1) + " "  # the cut falls 15 characters into the secret
+        args: dict[str, JsonValue] = {"path": "k.txt", "content": pad + secret + "\n" + "B" * 3000}
+        redactor = Redactor()
+        redactor.add_secret(REGISTERED)
+        with capture_audit(redactor=redactor) as audit, Sandbox.create(backend=FakeBackend()) as sbx:
+            Agent(
+                ScriptedModel([tool_call("write_file", args), "done"]), observers=[AuditObserver(audit)]
+            ).run_sync("write k.txt", sandbox=sbx, run_id="r")
+        (event,) = audit.of(EventKind.TOOL_CALL)
+        kept = str(event.attributes["args"]["content"])  # type: ignore[call-overload,index]
+        assert event.attributes["args_cut"] is True and "[REDACTED:" in kept
+        assert secret[3:18] not in kept, kept[share - 40 : share + 40]
+        assert (event.attributes["args_bytes"], event.attributes["args_digest"]) == args_measure(args)
+
+
+def test_a_task_cut_in_the_trail_is_redacted_first() -> None:
+    task = "x" * (TEXT_CAP - 10) + " " + KEY  # the cut falls inside the key
+    with capture_audit() as audit, Sandbox.create(backend=FakeBackend()) as sbx:
+        Agent(ScriptedModel(["done"]), observers=[AuditObserver(audit)]).run_sync(
+            task, sandbox=sbx, run_id="r"
+        )
+    (start,) = audit.of(EventKind.RUN_START)
+    assert KEY[3:9] not in str(start.attributes["task"])

@@ -8,6 +8,7 @@ import pytest
 
 from stockade import CommandResult, SandboxFileNotFound, SandboxStartError
 from stockade.audit import AuditedBackend, AuditEvent, AuditLog, Chain, Draft, EventKind, MemoryStore, verify
+from stockade.audit.sandbox import TEXT_CAP
 from stockade.exceptions import AuditStoreError
 from stockade.sandbox import Sandbox
 from stockade.sandbox.base import Instance, SandboxSpec
@@ -119,3 +120,17 @@ def test_no_action_is_taken_while_the_trail_cannot_be_written() -> None:
         with pytest.raises(AuditStoreError):
             sbx.commands.run("rm -rf build")
     assert ran == ["/bin/sh -c first"]
+
+
+def test_a_command_cut_in_the_trail_is_redacted_before_the_cut() -> None:
+    key = "sk-" + "Q7w8E9r0T1y2U3i4O5p6A7s8D9f0G1h2J3k4L5z6"
+    argument = "x" * (TEXT_CAP - 10) + " " + key  # the cut falls inside the key
+    workspace = MemoryWorkspace(
+        commands=lambda op: CommandResult(exit_code=0, stdout="", stderr="", duration_s=0)
+    )
+    with capture_audit() as audit:
+        with Sandbox.create(backend=AuditedBackend(FakeBackend(workspace), audit, run_id="r")) as sbx:
+            sbx.commands.run(["echo", argument])
+        (command,) = audit.of(EventKind.COMMAND)
+    kept = str(command.attributes["argv"])
+    assert "more chars]" in kept and key[3:9] not in kept
