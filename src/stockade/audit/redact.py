@@ -4,14 +4,16 @@ A ``Redactor`` is a pipeline of plain callables ``(text) -> text`` applied to ev
 of an event (keys and values, at any depth), as structlog processors are applied to an event
 dict; add your own to the pipeline. Two more rules need no pipeline entry:
 
-- values whose *key* names a credential (``password``, ``api_key``, ``access_token``, ...)
-  are replaced whole, whatever they look like;
+- values whose *key* names a credential (``password``, ``api_key``, ``accessToken``,
+  ``PGPASSWORD``, ``X-Api-Key``, ``api_key_list``, ...) are replaced whole, whatever they are
+  (a string, a number, a list, an object);
 - ``SecretValues``: the caller registers the exact values it hands to sandboxes (environment
   variables, tokens) with ``redactor.add_secret(value)``; they are replaced wherever they
   appear, even inside longer text.
 
 ``redact_tokens`` catches what looks like a credential even when nobody registered it:
-``sk-...`` API keys, GitHub tokens, AWS access key ids, ``Bearer ...``, JWTs, private key blocks.
+``sk-...`` API keys, GitHub tokens, AWS access key ids, ``Bearer ...``, JWTs, private key blocks,
+and values assigned to a credential's name (``PGPASSWORD=x``, ``"password": "x"``).
 
 ``redact_personal_data`` (``Redactor(personal_data=True)``; what the GDPR compliance profile
 turns on) replaces what looks like personal data: e-mail addresses, phone numbers, IP
@@ -22,6 +24,7 @@ passes; add a processor for those.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import threading
@@ -50,6 +53,9 @@ MIN_SECRET_LENGTH = 4
 CACHED_LENGTH = 64
 CACHE_SIZE = 4096
 
+# What a name that holds a credential ends with, in text (``PGPASSWORD=``, ``"accessToken":``).
+_NAMES = r"password|passwd|passphrase|secret|token|api[_\-]?key|access[_\-]?key"
+
 # name -> pattern; the whole match is replaced by [REDACTED:name], except the named group
 # ``keep`` (the scheme word of ``Bearer x``, the name in ``password=x``), which stays.
 TOKEN_PATTERNS: dict[str, str] = {
@@ -62,16 +68,36 @@ TOKEN_PATTERNS: dict[str, str] = {
     "jwt": r"\beyJ[A-Za-z0-9_\-]{4,}\.[A-Za-z0-9_\-]{4,}\.[A-Za-z0-9_\-]{4,}",
     # an HTTP credential: the token must contain a digit, so that "Token ordinaryword" stays
     "bearer": r"(?P<keep>\b(?:[Bb]earer|Basic|Token)\s+)(?=[A-Za-z\-._~+/]*\d)[A-Za-z0-9\-._~+/]{12,}=*",
+    # "password": "x y" (JSON, its value up to the closing quote, spaces and escapes included)
+    "json_assignment": (
+        rf"(?P<keep>\"[\w.\-]*(?i:{_NAMES})\"\s*:\s*\")(?!\[REDACTED)(?:[^\"\\\n]|\\.){{4,}}(?=\")"
+    ),
+    # password=x, PGPASSWORD=x, accessToken: x, 'secret': 'x', \"token\": \"x\" (JSON in a string)
     "assignment": (
-        r"(?P<keep>\b[\w.\-]*(?i:password|passwd|secret|token|api[_\-]?key)\s*[=:]\s*[\"']?)"
-        r"(?!\[REDACTED)[^\s\"',;&]{4,}"
+        rf"(?P<keep>\b[\w.\-]*(?i:{_NAMES})(?:\\?[\"'])?\s*[=:](?!=)\s*(?:\\?[\"'])?)"
+        r"(?!\[REDACTED|(?i:true|false|null|none)\b)(?:[^\s\"',;&\\]|\\(?![\"'])){4,}"
     ),
 }
 
+# A key naming a credential, once spelled snake_case (``accessToken`` -> ``access_token``,
+# ``X-Api-Key`` -> ``x_api_key``): it ends with one of these words (``PGPASSWORD`` too), or
+# names a list of them. Not ``tokens`` (``max_tokens`` is a count), nor a bare ``key``.
 _SENSITIVE_KEY = re.compile(
-    r"(?i)(?:^|[_.\-])(?:password|passwd|secret|token|api[_\-]?key|apikey|authorization|"
-    r"credentials?|private[_\-]?key|cookie|set[_\-]cookie)$"
+    r"(?:password|passwd|passphrase|secret|token|api_?key|authorization|credential|cookie"
+    r"|(?:^|_)(?:access|secret|private|signing)_?key)(?:_list)?$"
+    r"|(?:password|passwd|passphrase|secret|api_?key|credential|cookie)s(?:_list)?$"
 )
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _sensitive_key(name: str) -> bool:
+    snake = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower()
+    return _SENSITIVE_KEY.search(re.sub(r"[\s.\-]+", "_", snake)) is not None
+
+
+def _held(value: object) -> bool:
+    """Whether a value under a credential's key holds anything (``None``, a flag, "" do not)."""
+    return value is not None and not isinstance(value, bool) and value != ""
 
 
 def _compile(patterns: Mapping[str, str]) -> list[tuple[str, re.Pattern[str]]]:
@@ -289,8 +315,8 @@ class Redactor:
         out: dict[str, JSONValue] = {}
         for key, item in attributes.items():
             name = self.text(str(key))
-            if isinstance(item, str) and item and _SENSITIVE_KEY.search(name):
-                out[name] = REDACTED
+            if _held(item) and _sensitive_key(name):
+                out[name] = REDACTED  # whatever it is: a string, a number, a list, an object
             else:
                 out[name] = self.value(item)
         return out

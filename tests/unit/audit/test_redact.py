@@ -100,3 +100,87 @@ def test_personal_data_is_redacted_when_asked_and_ordinary_numbers_are_not() -> 
     assert Redactor(personal_data=True).text("ask jane@example.com") == "ask [REDACTED:email]"
     assert Redactor().text("ask jane@example.com") == "ask jane@example.com"  # only when asked
     assert Redactor(personal_data=True).redacts_personal_data and not Redactor().redacts_personal_data
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "accessToken",
+        "refreshToken",
+        "clientSecret",
+        "apiKey",
+        "X-Api-Key",
+        "PGPASSWORD",
+        "AWS_SECRET_ACCESS_KEY",
+        "passphrase",
+        "db.password",
+        "api_key_list",
+        "token_list",
+        "proxy-authorization",
+        "Set-Cookie",
+    ],
+)
+def test_keys_naming_a_credential_in_any_spelling_have_their_values_replaced(key: str) -> None:
+    assert Redactor().attributes({key: "plainvalue001"}) == {key: "[REDACTED]"}
+
+
+def test_a_credential_key_replaces_whatever_it_holds_objects_lists_and_numbers_too() -> None:
+    held = {
+        "secret": {"value": "plainvalue009"},
+        "credentials": {"user": "bob", "pass": "plainvalue010"},
+        "api_key_list": ["plainvalue008"],
+        "token": 1234567890123,
+        "private_key": b"rawbytes",
+    }
+    assert Redactor().attributes(held) == dict.fromkeys(held, "[REDACTED]")
+    # nothing to hide: an absent value, a flag, an empty string stay as they are
+    assert Redactor().attributes({"token": None, "has_secret": True, "password": ""}) == {
+        "token": None,
+        "has_secret": True,
+        "password": "",
+    }
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["max_tokens", "input_tokens", "token_count", "idempotency_key", "cache_key", "key", "session_id",
+     "credential_name", "password_hash_algorithm", "tokenizer"],
+)  # fmt: skip
+def test_keys_that_only_mention_a_credential_word_are_kept(key: str) -> None:
+    assert Redactor().attributes({key: "value-kept"}) == {key: "value-kept"}
+
+
+@pytest.mark.parametrize(
+    ("text", "redacted"),
+    [
+        ('{"db": {"password": "JsonPw-7788aa"}}', '{"db": {"password": "[REDACTED:json_assignment]"}}'),
+        ('{"password": "hunter 2 xyz"}', '{"password": "[REDACTED:json_assignment]"}'),
+        ('{"accessToken": "plain-value-1"}', '{"accessToken": "[REDACTED:json_assignment]"}'),
+        ('{\\"clientSecret\\": \\"plainvalue\\"}', '{\\"clientSecret\\": \\"[REDACTED:assignment]\\"}'),
+        ("export PGPASSWORD=hunter2xyz", "export PGPASSWORD=[REDACTED:assignment]"),
+        ("AWS_SECRET_ACCESS_KEY=wJalrXUtnFEMI/K7MDENG", "AWS_SECRET_ACCESS_KEY=[REDACTED:assignment]"),
+        ("refreshToken: plainvalue007", "refreshToken: [REDACTED:assignment]"),
+        ("passphrase='open sesame'", "passphrase='[REDACTED:assignment] sesame'"),
+    ],
+)
+def test_credentials_written_as_json_or_environment_assignments_are_redacted(
+    text: str, redacted: str
+) -> None:
+    assert redact_tokens(text) == redacted
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"max_tokens": 1024, "token_count": 5}',
+        '{"secret": true, "token": null, "password": false}',
+        "if secret == expected_value:",
+        "def login(user, password):",
+        "tokens = tokenize(text)",
+        "password_hash = hash_password(raw)",
+        '"passwords_match": "yes"',
+        "the token parameter is basic",
+    ],
+)
+def test_ordinary_code_and_json_that_mention_credentials_are_left_alone(text: str) -> None:
+    assert redact_tokens(text) == text
