@@ -190,13 +190,25 @@ ENOSYS_ = 38
 
 
 NR_SOCKET, NR_IO_SETUP, NR_FCNTL = 41, 206, 72
+# The calls that signal (or attach to) a process named by its pid: the target's place
+# among the call's arguments, the first or either of the first two (a thread group, a
+# thread). ptrace's target is its second.
+SIGNAL_FIRST = (62, 200, 129, 434)  # kill, tkill, rt_sigqueueinfo, pidfd_open
+SIGNAL_EITHER = (234, 297)  # tgkill, rt_tgsigqueueinfo
+NR_PTRACE = 101
+EPERM_ = 1
 AF_INET, AF_INET6, AF_NETLINK, SOCK_DGRAM = 2, 10, 16, 2
 EAFNOSUPPORT_, EINVAL_ = 97, 22
 F_OFD_GETLK, F_OFD_SETLKW = 36, 38  # and F_OFD_SETLK between them
 
 
 def deny_calls(
-    calls: "Sequence[int]", *, netlink: bool = False, datagrams: bool = False, locks: bool = False
+    calls: "Sequence[int]",
+    *,
+    netlink: bool = False,
+    datagrams: bool = False,
+    locks: bool = False,
+    guard_init: bool = False,
 ) -> None:
     """A filter on this process and all it starts: ``calls`` fail with ENOSYS (so do other
     architectures' and the x32 ABI's calls: nothing here uses them). What a reset cannot
@@ -208,7 +220,12 @@ def deny_calls(
     only network (cgroup v1 charges their buffers to no one either). ``locks``: OFD locks
     (``fcntl`` ``F_OFD_*``) fail with EINVAL, as on kernels before 3.15: the host counts
     each process's locks (``_locks``), and an OFD lock belongs to an open file, which can
-    outlive every process (one in flight in a socket's queue)."""
+    outlive every process (one in flight in a socket's queue). ``guard_init``: no signal
+    (kill, tkill, tgkill, rt_sigqueueinfo, rt_tgsigqueueinfo, pidfd_open) and no ptrace may
+    name pid 1, which fail with EPERM: where the supervisor is the sandbox's init and the
+    kernel does not shield an init as Linux does (gVisor's does not: code stopped it with
+    ``kill -STOP 1``, and ran on with no deadline enforced). A broadcast (``kill(-1)``)
+    skips init on every kernel, and no process of the code's is in init's group."""
     ld, jeq, jge, ret, and_ = 0x20, 0x15, 0x35, 0x06, 0x54  # (and: BPF_ALU | BPF_AND | BPF_K)
     lines: "List[Tuple[str, Tuple[int, Any, Any, int]]]" = []  # (label, (code, true, false, k))
 
@@ -221,6 +238,12 @@ def deny_calls(
     emit(jge, 0x40000000, "enosys", 0)
     for nr in calls:
         emit(jeq, nr, "enosys", 0)
+    if guard_init:
+        for nr in SIGNAL_FIRST:
+            emit(jeq, nr, "target_first", 0)
+        for nr in SIGNAL_EITHER:
+            emit(jeq, nr, "target_either", 0)
+        emit(jeq, NR_PTRACE, "target_second", 0)
     if locks:
         emit(jeq, NR_FCNTL, "fcntl", 0)
     if netlink or datagrams:
@@ -245,6 +268,15 @@ def deny_calls(
         emit(jge, F_OFD_SETLKW + 1, "allowed", "einval")
         emit(ret, SECCOMP_RET_ALLOW, label="allowed")
         emit(ret, SECCOMP_RET_ERRNO | EINVAL_, label="einval")
+    if guard_init:  # a pid is an int: its low half is what the kernel reads
+        emit(ld, 24, label="target_second")  # args[1]
+        emit(jeq, 1, "eperm", "pid_allowed")
+        emit(ld, 24, label="target_either")  # args[1], then args[0]
+        emit(jeq, 1, "eperm", 0)
+        emit(ld, 16, label="target_first")  # args[0]
+        emit(jeq, 1, "eperm", "pid_allowed")
+        emit(ret, SECCOMP_RET_ALLOW, label="pid_allowed")
+        emit(ret, SECCOMP_RET_ERRNO | EPERM_, label="eperm")
     at = {label: i for i, (label, _) in enumerate(lines) if label}
 
     def offset(here: int, target: "Any") -> int:

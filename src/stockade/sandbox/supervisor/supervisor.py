@@ -578,10 +578,15 @@ def main() -> None:
     if unlisted or kernel:
         import confine  # type: ignore[import-not-found]  # (only here: a start needs none of it)
 
-        # before anything is forked; kept across a reset's exec (filters outlive an image)
+        # before anything is forked; kept across a reset's exec (filters outlive an image).
+        # gVisor's kernel (``unlisted``) lets code signal its init as any process: we refuse
+        # it (a Linux kernel's init ignores what it has no handler for, SIGSTOP and SIGKILL
+        # included; a microVM's supervisor is its kernel's init).
         calls = unlisted + ((confine.NR_IO_SETUP,) if kernel else ())
         datagrams = bool(kernel and kernel.get("datagrams"))
-        confine.deny_calls(calls, netlink=bool(kernel), datagrams=datagrams, locks=bool(kernel))
+        confine.deny_calls(
+            calls, netlink=bool(kernel), datagrams=datagrams, locks=bool(kernel), guard_init=os.getpid() == 1
+        )
     ready = {"id": header.get("id", 0), "ev": "ready", "pid": os.getpid(), "python": sys.version.split()[0]}
     if sup.rules is not None:
         ready["rules"] = sup.rules.report()
