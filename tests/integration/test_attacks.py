@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import resource
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +31,7 @@ from stockade import (
 )
 from stockade.exceptions import SeedTooLarge, TreeTooDeep
 from stockade.runs.workspace import WorkspaceTracker
+from stockade.sandbox._transfers import LIVENESS_S
 from stockade.tools.workspace_diff import MAX_TEXT_TOTAL, record_baseline, snapshot, workspace_diff
 from stockade.types import Listing, SkippedEntry
 
@@ -558,6 +561,51 @@ def test_a_pool_member_whose_user_signalled_its_supervisor_is_back_at_once(tier:
             assert sandbox.commands.run("echo ok").stdout == "ok\n"
         assert waited < 5, waited
         assert pool.stats().replaced == 0, pool.stats()
+
+
+def _supervisor_on_the_host(sbx: Sandbox) -> int:
+    """The host's pid of the sandbox's supervisor: the init of the pid namespace it names."""
+    namespace = sbx.run_code("import os\nos.readlink('/proc/self/ns/pid')").text
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and repr(os.readlink(entry / "ns" / "pid")) == namespace:
+                status = (entry / "status").read_text()
+                if status.split("NSpid:")[1].split("\n")[0].split()[-1] == "1":
+                    return int(entry.name)
+        except (OSError, IndexError):
+            continue
+    raise AssertionError(f"no process of the host is the init of {namespace}")
+
+
+def _freeze_from_the_host(sbx: Sandbox, tier: str) -> None:
+    """The supervisor stopped by the host (as code could once stop it on gVisor), for good:
+    what the host does when its supervisor stops answering, whatever stopped it. Closing
+    the sandbox kills it, stopped or not."""
+    if tier not in ("process", "docker"):
+        pytest.skip(f"the host sees no process of the {tier} tier's supervisor to stop")
+    os.kill(_supervisor_on_the_host(sbx), signal.SIGSTOP)
+
+
+def test_a_frozen_supervisor_is_noticed_in_seconds_not_minutes(tier: str) -> None:
+    with Sandbox.create(tier, limits=Limits(memory_mb=256, timeout_s=5, pids=64)) as sbx:
+        _freeze_from_the_host(sbx, tier)
+        started = time.monotonic()
+        with pytest.raises(SandboxCrashed, match="did not answer"):
+            sbx.files.write("a.txt", "never")
+        assert time.monotonic() - started < LIVENESS_S + 5
+        assert not sbx.alive
+
+
+def test_a_pool_member_whose_supervisor_froze_is_replaced_in_seconds(tier: str) -> None:
+    with SandboxPool(tier, size=1, limits=Limits(memory_mb=256, timeout_s=5, pids=64)) as pool:
+        with pool.acquire() as frozen:
+            _freeze_from_the_host(frozen, tier)
+            started = time.monotonic()
+        with pool.acquire(timeout_s=60) as sandbox:
+            waited = time.monotonic() - started
+            assert sandbox.commands.run("echo ok").stdout == "ok\n"
+        assert waited < LIVENESS_S + 10, waited
+        assert pool.stats().replaced == 1, pool.stats()
 
 
 def test_user_modules_named_like_the_supervisors_import_as_the_users(sbx: Sandbox) -> None:

@@ -295,9 +295,8 @@ class SupervisedInstance(Instance):
 
     def _reset(self, op: Reset) -> None:
         """A sandbox that cannot be made as fresh as it started is never used again."""
-        call = self.channel.call({"op": "reset", "warm": op.warm_interpreter})
         try:
-            header, _ = call.result(time.monotonic() + FILE_OP_TIMEOUT_S)
+            header, _ = self.files.answer({"op": "reset", "warm": op.warm_interpreter})
         except TimeoutError:
             header = {"ev": "error", "message": "the supervisor did not answer in time"}
         if header.get("ev") != "done":

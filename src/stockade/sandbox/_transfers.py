@@ -10,6 +10,7 @@ caps closes the sandbox (``close``) and raises ``ProtocolError``. Kept apart fro
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -23,6 +24,10 @@ from stockade.sandbox.supervisor.protocol import MAX_CODE_REPLY
 from stockade.types import EntryInfo, Listing
 
 FILE_OP_TIMEOUT_S = 120.0
+# How soon a supervisor that stopped answering (frozen, or hung) is noticed when no other
+# file request or reset holds its loop: a ping sent just ahead of a request is answered
+# before the request is begun, however long the request itself may rightly take.
+LIVENESS_S = 10.0
 TRANSFER_CHUNK = 4 * 1024 * 1024
 # The largest frame the host needs is a run_code report: files move in TRANSFER_CHUNK pieces.
 MAX_FRAME = MAX_CODE_REPLY
@@ -38,12 +43,37 @@ class FileRequests:
         self._channel = channel
         self._close = close
         self._alive = alive
+        self._lock = threading.Lock()
+        self._in_flight = 0  # requests of ours the supervisor serves in its loop, one by one
+
+    def answer(self, header: dict[str, Any], body: bytes = b"") -> tuple[dict[str, Any], bytes]:
+        """Send a request the supervisor serves before it reads the next one (a file op, a
+        reset) and wait up to ``FILE_OP_TIMEOUT_S`` for its answer (``TimeoutError``). Alone
+        in flight, it goes behind a ping: a supervisor that does not answer that within
+        ``LIVENESS_S`` is taken for frozen, and the sandbox closed (``SandboxCrashed``), not
+        waited on for two minutes."""
+        with self._lock:
+            alone = self._in_flight == 0
+            self._in_flight += 1
+        try:
+            ping = self._channel.call({"op": "ping"}) if alone else None
+            call = self._channel.call(header, body)
+            if ping is not None:
+                try:
+                    ping.result(time.monotonic() + LIVENESS_S)
+                except TimeoutError:
+                    self._close()
+                    message = f"the supervisor did not answer within {LIVENESS_S:g}s: frozen or hung"
+                    raise exc.SandboxCrashed(message, cause="unresponsive") from None
+            return call.result(time.monotonic() + FILE_OP_TIMEOUT_S)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
 
     def request(self, op: str, args: dict[str, Any], body: bytes = b"") -> tuple[dict[str, Any], bytes]:
         """One request and its answer; the supervisor's refusals as typed workspace errors."""
-        call = self._channel.call({"op": op, **args}, body)
         try:
-            header, data = call.result(time.monotonic() + FILE_OP_TIMEOUT_S)
+            header, data = self.answer({"op": op, **args}, body)
         except TimeoutError:
             self._close()
             message = f"supervisor did not answer a {op} in time"
