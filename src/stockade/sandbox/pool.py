@@ -133,6 +133,10 @@ class SandboxPool:
         # Wakes the worker: a member was taken or replaced (the pool may be short), or closing.
         self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._lock = threading.Lock()
+        # A member is taken off the queue and counted in use in one step under the lock: taken
+        # and not yet counted, it was in neither count, and a refill meanwhile started one too
+        # many (an attack saw three live members in a pool of two).
+        self._available = threading.Condition(self._lock)
         self._in_use = 0
         self._pending = 0  # starts under way, counted so the refill does not overshoot
         self._counts = {"started": 0, "recycled": 0, "replaced": 0}
@@ -190,27 +194,42 @@ class SandboxPool:
     def _take(self, timeout_s: float) -> _Member:
         deadline = time.monotonic() + timeout_s
         while True:
-            if self._closed.is_set():
-                raise exc.SandboxClosed("the pool is closed")
-            if self._error is not None and self._ready.empty():
-                raise self._error
-            try:
-                member = self._ready.get(timeout=min(0.5, max(deadline - time.monotonic(), 0.001)))
-            except queue.Empty:
-                if time.monotonic() >= deadline:
-                    raise exc.ResourceContention(
-                        f"no pooled sandbox became free within {timeout_s}s", retry_after=1.0
-                    ) from None
-                continue
+            with self._lock:
+                member = self._next_ready(deadline, timeout_s)
+                self._in_use += 1
+                missing = self.size - self._ready.qsize() - self._in_use - self._pending
             if member.instance.alive:
-                with self._lock:
-                    self._in_use += 1
-                    missing = self.size - self._ready.qsize() - self._in_use - self._pending
                 if missing > 0:  # not when the member came from the pool's count (the usual case)
                     self._wake.put(None)  # let the worker top the pool up
                 return member
+            with self._lock:
+                self._in_use -= 1
             member.instance.close()  # broke while waiting: drop it, the worker replaces it
             self._replaced("it broke while waiting")
+            self._wake.put(None)
+
+    def _next_ready(self, deadline: float, timeout_s: float) -> _Member:
+        """The next ready member, waiting for one until ``deadline`` (the lock held)."""
+        while True:
+            if self._closed.is_set():
+                raise exc.SandboxClosed("the pool is closed")
+            try:
+                return self._ready.get_nowait()
+            except queue.Empty:
+                pass
+            if self._error is not None:
+                raise self._error
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise exc.ResourceContention(
+                    f"no pooled sandbox became free within {timeout_s}s", retry_after=1.0
+                )
+            self._available.wait(min(0.5, left))
+
+    def _put_ready(self, member: _Member) -> None:
+        with self._lock:
+            self._ready.put(member)
+            self._available.notify()
 
     def _replaced(self, why: str) -> None:
         with self._lock:
@@ -268,14 +287,21 @@ class SandboxPool:
                 continue
             try:
                 instance.execute(RunCode(code=""))  # start its interpreter ahead of demand
-            except exc.StockadeError:
+            except exc.StockadeError as err:
+                # as a start that failed: uncounted, or two such failures left the pool
+                # believing itself full, starting nothing and handing nothing out for good
                 instance.close()
+                self._error = err
+                with self._lock:
+                    self._pending -= 1
+                time.sleep(err.retry_after or 0.5)
                 continue
             self._error = None
             self._count("started")
             with self._lock:
                 self._pending -= 1
-            self._ready.put(_Member(instance, idle_since=time.monotonic()))
+                self._ready.put(_Member(instance, idle_since=time.monotonic()))
+                self._available.notify()
 
     def _recycle(self, member: _Member) -> None:
         # Counted as pending until it is back in the queue or closed: were it neither in use
@@ -302,9 +328,10 @@ class SandboxPool:
             member.instance.close()
             self._replaced("a call of its user still ran when it came back")
             return False
-        if member.uses >= self.max_uses or not member.instance.alive:
+        alive = member.instance.alive  # (a closed member is not: asked after, every one "died")
+        if member.uses >= self.max_uses or not alive:
             member.instance.close()
-            self._replaced("max_uses reached" if member.instance.alive else "it died")
+            self._replaced("max_uses reached" if alive else "it died")
             return False
         if self._spec.snapshot is not None:
             # A reset would empty what the snapshot holds: a new member starts from it instead.
@@ -321,7 +348,7 @@ class SandboxPool:
             return False
         member.idle_since = time.monotonic()
         self._count("recycled")
-        self._ready.put(member)
+        self._put_ready(member)
         return True
 
     def _expire_idle(self) -> None:
@@ -338,4 +365,4 @@ class SandboxPool:
             else:
                 keep.append(member)
         for member in keep:
-            self._ready.put(member)
+            self._put_ready(member)

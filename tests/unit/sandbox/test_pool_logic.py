@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
-from stockade import InvalidArgument, ResourceContention, SandboxRules
+from stockade import InvalidArgument, ResourceContention, SandboxCrashed, SandboxRules
+from stockade.sandbox.base import Instance, SandboxSpec, WrapperBackend, WrapperInstance
 from stockade.sandbox.ops import RunCode
 from stockade.sandbox.pool import SandboxPool
 from stockade.testing import FakeBackend, MemoryWorkspace
@@ -80,3 +82,73 @@ def test_a_pools_members_get_its_rules() -> None:
     rules = SandboxRules(deny=("curl",))
     with SandboxPool(backend=backend, size=1, rules=rules) as pool, pool.acquire():
         assert [spec.rules for spec in backend.specs] == [rules]
+
+
+def test_members_whose_warm_up_failed_are_replaced_and_the_pool_goes_on() -> None:
+    """A failed warm-up was uncounted: two of them left a pool of two believing itself full,
+    starting nothing and handing nothing out for good (an attack's finding)."""
+    failed: list[int] = []
+
+    def warm_up_fails_twice(op: RunCode) -> Execution:
+        if op.code == "" and len(failed) < 2:
+            failed.append(1)
+            raise SandboxCrashed("the interpreter did not start")
+        return Execution()
+
+    backend = FakeBackend(handler_factory=lambda: MemoryWorkspace(code=warm_up_fails_twice))
+    with SandboxPool(backend=backend, size=2) as pool:
+        wait_for(
+            lambda: pool.stats().started == 2, what="two members to start", timeout_s=10, interval_s=0.01
+        )
+        with pool.acquire(timeout_s=10) as sbx:
+            assert sbx.alive and len(failed) == 2
+        assert sum(i.alive for i in backend.instances) == 2  # the two that failed were closed
+
+
+class SlowToAnswerAlive(WrapperInstance):
+    """A sandbox whose liveness takes a moment to ask (a real one asks its supervisor)."""
+
+    @property
+    def alive(self) -> bool:
+        time.sleep(0.002)
+        return self.wrapped.alive
+
+
+class SlowAliveBackend(WrapperBackend):
+    def start(self, spec: SandboxSpec) -> Instance:
+        return SlowToAnswerAlive(self.wrapped.start(spec))
+
+
+def test_a_pool_never_holds_more_members_than_its_size() -> None:
+    """A member taken off the queue was counted nowhere until it was counted in use (after a
+    look at its liveness): a refill at that moment started one too many (three live members
+    in a pool of two, seen thrice in an attack)."""
+    fake = FakeBackend()
+    backend = SlowAliveBackend(fake)
+    most = 0
+    stop = threading.Event()
+
+    def watch() -> None:
+        nonlocal most
+        while not stop.is_set():
+            most = max(most, sum(i.alive for i in list(fake.instances)))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    with SandboxPool(backend=backend, size=2, max_uses=3) as pool:
+
+        def user() -> None:
+            for _ in range(150):
+                with pool.acquire(timeout_s=10) as sbx:
+                    sbx.files.write("a.txt", "x")
+
+        users = [threading.Thread(target=user) for _ in range(3)]
+        for thread in users:
+            thread.start()
+        for thread in users:
+            thread.join(60)
+        stop.set()
+        watcher.join(5)
+        stats = pool.stats()
+    assert most <= 2, (most, stats)
+    assert stats.replaced >= 100 and stats.last_replaced_why == "max_uses reached"  # not "it died"
