@@ -34,6 +34,8 @@ from stockade.runs.workspace import WorkspaceTracker
 from stockade.sandbox._transfers import LIVENESS_S
 from stockade.tools.workspace_diff import MAX_TEXT_TOTAL, record_baseline, snapshot, workspace_diff
 from stockade.types import Listing, SkippedEntry
+from tests.conftest import require_tier
+from tests.integration.conftest import TIERS
 
 # A module planted in the workspace: if the supervisor ever imports it, every later
 # files.read (the next pool user's included) answers with the attacker's bytes.
@@ -51,8 +53,6 @@ raise ImportError("planted")
 
 @pytest.fixture
 def process_sbx() -> Iterator[Sandbox]:
-    from tests.conftest import require_tier
-
     require_tier("process")
     with Sandbox.create("process", limits=Limits(memory_mb=256, timeout_s=20, pids=64)) as sandbox:
         yield sandbox
@@ -106,8 +106,6 @@ os.close(fd)
 
 def test_a_listing_past_its_cap_says_it_was_cut() -> None:
     # 100,001 files were listed as 100,000 and the caller could not tell the rest was missing.
-    from tests.conftest import require_tier
-
     require_tier("process")
     with Sandbox.create("process", limits=Limits(memory_mb=512, inodes=200_000, timeout_s=60)) as sbx:
         assert sbx.run_code(MANY_FILES).error is None
@@ -577,18 +575,23 @@ def _supervisor_on_the_host(sbx: Sandbox) -> int:
     raise AssertionError(f"no process of the host is the init of {namespace}")
 
 
-def _freeze_from_the_host(sbx: Sandbox, tier: str) -> None:
+def _freeze_from_the_host(sbx: Sandbox) -> None:
     """The supervisor stopped by the host (as code could once stop it on gVisor), for good:
     what the host does when its supervisor stops answering, whatever stopped it. Closing
     the sandbox kills it, stopped or not."""
-    if tier not in ("process", "docker"):
-        pytest.skip(f"the host sees no process of the {tier} tier's supervisor to stop")
     os.kill(_supervisor_on_the_host(sbx), signal.SIGSTOP)
 
 
+# The tiers whose supervisor is a process of the host (gVisor's and the microVM's are not:
+# the host cannot stop them alone; the same wait guards them)
+HOST_SEEN = [t for t in TIERS if t in ("process", "docker")]
+
+
+@pytest.mark.parametrize("tier", HOST_SEEN)
 def test_a_frozen_supervisor_is_noticed_in_seconds_not_minutes(tier: str) -> None:
+    require_tier(tier)
     with Sandbox.create(tier, limits=Limits(memory_mb=256, timeout_s=5, pids=64)) as sbx:
-        _freeze_from_the_host(sbx, tier)
+        _freeze_from_the_host(sbx)
         started = time.monotonic()
         with pytest.raises(SandboxCrashed, match="did not answer"):
             sbx.files.write("a.txt", "never")
@@ -596,10 +599,12 @@ def test_a_frozen_supervisor_is_noticed_in_seconds_not_minutes(tier: str) -> Non
         assert not sbx.alive
 
 
+@pytest.mark.parametrize("tier", HOST_SEEN)
 def test_a_pool_member_whose_supervisor_froze_is_replaced_in_seconds(tier: str) -> None:
+    require_tier(tier)
     with SandboxPool(tier, size=1, limits=Limits(memory_mb=256, timeout_s=5, pids=64)) as pool:
         with pool.acquire() as frozen:
-            _freeze_from_the_host(frozen, tier)
+            _freeze_from_the_host(frozen)
             started = time.monotonic()
         with pool.acquire(timeout_s=60) as sandbox:
             waited = time.monotonic() - started
