@@ -374,7 +374,7 @@ def test_a_runs_sandbox_holds_its_share_of_the_tenants_quota(acme: Client) -> No
 def test_uploaded_workspaces_and_kept_artifacts_fill_a_storage_quota(
     service: tuple[Server, Tokens, Path], acme: Client, tmp_path: Path
 ) -> None:
-    """acme keeps at most 1 MiB of workspaces and run artifacts in the service's database."""
+    """acme keeps at most 1 MiB of workspaces, runs and run artifacts in the service's database."""
     first, second = tmp_path / "first", tmp_path / "second"
     for folder in (first, second):
         folder.mkdir()
@@ -398,6 +398,9 @@ def test_uploaded_workspaces_and_kept_artifacts_fill_a_storage_quota(
         other.delete_workspace(kept)
     acme.delete_workspace(kept)
     assert kept not in [w["id"] for w in acme.workspaces()]
+    with pytest.raises(exc.QuotaExceeded):  # the run keeps the files it started from in the run store
+        acme.runs.upload_workspace(second)
+    run.delete()
     acme.delete_workspace(acme.runs.upload_workspace(second))  # room again
 
 

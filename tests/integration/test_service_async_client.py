@@ -197,6 +197,11 @@ async def test_a_run_through_the_async_client(client: AsyncClient, tmp_path: Pat
     assert ((await run.artifacts(tmp_path / "out")) / "app.py").read_text() == "print('v2')\n"
     assert [r.id for r in await client.runs.list(label="team=async")] == [run.id]
     assert (await client.runs.get(run.id)).status == "success"
+    await run.delete()  # erased, its bytes free of the tenant's storage_mb
+    with pytest.raises(exc.ResourceNotFound):
+        await client.runs.get(run.id)
+    with pytest.raises(exc.ResourceNotFound):
+        await client.runs.delete(run.id)
 
 
 async def test_a_kill_all_through_the_async_client_ends_a_waiting_run(client: AsyncClient) -> None:

@@ -120,6 +120,10 @@ class AsyncRemoteRun:
         """See ``RemoteRun.delete_artifacts``."""
         await self.client.http.request("DELETE", f"/v1/runs/{self.id}/artifacts")
 
+    async def delete(self) -> None:
+        """See ``RemoteRun.delete``."""
+        await self.client.runs.delete(self.id)
+
     def __repr__(self) -> str:
         return f"<AsyncRemoteRun {self.id} {self.status}>"
 
@@ -187,6 +191,10 @@ class AsyncRuns:
     ) -> list[AsyncRemoteRun]:
         found = await self.client.http.request("GET", "/v1/runs", params=list_params(status, label, limit))
         return [AsyncRemoteRun(self.client, r) for r in found.json()]
+
+    async def delete(self, run_id: str) -> None:
+        """See ``Runs.delete``."""
+        await self.client.http.request("DELETE", f"/v1/runs/{run_id}")
 
 
 class AsyncClient:

@@ -200,6 +200,10 @@ class RemoteRun:
         """Forget the run's kept final workspace (its bytes are free of ``storage_mb``)."""
         self.client.http.request("DELETE", f"/v1/runs/{self.id}/artifacts")
 
+    def delete(self) -> None:
+        """Erase the run (``Runs.delete``)."""
+        self.client.runs.delete(self.id)
+
     def __repr__(self) -> str:
         return f"<RemoteRun {self.id} {self.status}>"
 
@@ -271,6 +275,12 @@ class Runs:
             RemoteRun(self.client, r)
             for r in self.client.http.request("GET", "/v1/runs", params=params).json()
         ]
+
+    def delete(self, run_id: str) -> None:
+        """Erase a run that ended: its spec, conversation, tool outputs, approvals and artifacts
+        (its bytes are free of your ``storage_mb``); its id stays taken and its audit events
+        stay. ``RunConflict`` while it runs or waits (kill it first)."""
+        self.client.http.request("DELETE", f"/v1/runs/{run_id}")
 
 
 class Client:

@@ -197,6 +197,13 @@ class PostgresDatabase:
                 self._conn = None
 
 
+def octets(db: Database, column: str) -> str:
+    """SQL for the size in bytes of a text ``column`` (its length counts characters)."""
+    if isinstance(db, PostgresDatabase):
+        return f"OCTET_LENGTH({column})"
+    return f"LENGTH(CAST({column} AS BLOB))"
+
+
 def display_url(db: Database) -> str:
     """The database as error messages name it (a PostgreSQL URL without its password)."""
     return db.safe_url if isinstance(db, PostgresDatabase) else db.url

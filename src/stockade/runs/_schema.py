@@ -8,6 +8,8 @@ layout of the data can be read in one place.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from stockade.agent.state import RunStatus
 from stockade.models.messages import Usage
 from stockade.runs.records import RunSummary
@@ -81,6 +83,31 @@ RUN_TABLES = (
     "runs", "checkpoints", "messages", "steps", "tool_calls", "retries", "approvals", "run_seeds",
     "leases", "calls_started", "workspace", "subjects",
 )  # fmt: skip
+
+
+def run_bytes_sql(ns: str, octets: Callable[[str], str]) -> tuple[str, int]:
+    """One SQL expression: the bytes a run's own rows take, and how many ``?`` it holds (each
+    the run's id). Text by its size (``octets``: the database's SQL for it); its workspace's
+    file contents by what it added to ``_blobs`` (``blob_bytes``: compressed, and nothing for
+    a content the store had already). Seeds are not counted: a seed is a workspace its
+    tenant uploaded, kept once however many runs start from it."""
+
+    def total(table: str, *columns: str) -> str:
+        size = " + ".join(f"COALESCE({octets(c)}, 0)" for c in columns)
+        return f"(SELECT COALESCE(SUM({size}), 0) FROM {ns}_{table} WHERE run_id = ?)"
+
+    parts = [
+        total("runs", "task", "error", "diff"),
+        total("checkpoints", "body"),
+        total("messages", "body"),
+        total("steps", "body"),
+        total("tool_calls", "body"),
+        total("retries", "reason"),
+        total("approvals", "action", "reason"),
+        total("workspace", "path", "body"),
+        f"(SELECT COALESCE(SUM(blob_bytes), 0) FROM {ns}_workspace WHERE run_id = ?)",
+    ]
+    return "(" + " + ".join(parts) + ")", len(parts)
 
 
 SUMMARY_COLUMNS = (

@@ -147,10 +147,10 @@ class Runner:
         self.config = config
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         db = open_database(config.database)
-        self.store = ServiceStore(db)
-        self.wakes = Wakes(db)
         # a connection of its own: the run store's writes are fenced transactions
         self.runs = RunStore(open_database(config.database), namespace="runs")
+        self.store = ServiceStore(db, runs=self.runs.ns)  # a run that stops: its rows are measured
+        self.wakes = Wakes(db)
         self.approvals = DatabaseApprovals(self.store)
         self.kills = DatabaseKillSource(self.store)
         self.audit = AuditLogs(config.database, key=config.audit_key)

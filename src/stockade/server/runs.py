@@ -1,6 +1,10 @@
 """Runs over HTTP: submit an agent task, follow it, decide its approvals, kill it (or every
 live run of the tenant at once), resume it once its breaker stopped it, fetch its diff and its
-final workspace.
+final workspace, delete it once it has ended.
+
+What a run keeps in the database counts against its tenant's ``storage_mb``: its spec from
+its submission (one that does not fit is refused), its rows in the run store from each time
+it stops; ``DELETE /v1/runs/{id}`` erases a run that ended, and frees them.
 
 A run's live events are its audit trail (``GET /v1/runs/{id}/events``, Server-Sent Events):
 each audit event of the run as it is written, ``id`` its sequence number (reconnect with
@@ -221,6 +225,7 @@ async def submit_run(body: RunSubmit, request: Request, response: Response, call
         added = service.store.add_run(
             run_id=run_id, tenant=caller.tenant.id, role=caller.role, spec=spec, labels=dict(body.labels),
             max_active=caller.tenant.quotas.runs, idem_key=body.idempotency_key,
+            max_bytes=caller.tenant.quotas.storage_mb * MiB,
         )  # fmt: skip
         if not added:
             quota = caller.tenant.quotas.runs
@@ -487,6 +492,32 @@ async def delete_run_artifacts(run_id: str, request: Request, caller: Caller) ->
         _row(service, caller, run_id)
         if not service.store.delete_artifacts(run_id):
             raise exc.ResourceNotFound(f"run {run_id} has no artifacts", kind="artifacts", id=run_id)
+
+    await _blocking(work)
+    return Response(status_code=204)
+
+
+@router.delete("/v1/runs/{run_id}", status_code=204,
+               summary="Erase a run that ended (what it kept leaves your storage_mb)")  # fmt: skip
+async def delete_run(run_id: str, request: Request, caller: Caller) -> Response:
+    service = get_service(request)
+
+    def work() -> None:
+        row = _row(service, caller, run_id)
+        if row.status not in TERMINAL:
+            raise exc.RunConflict(
+                f"run {run_id} is {_status(service, row)}: only a run that ended is deleted; kill it first "
+                f"(POST /v1/runs/{run_id}/kill), then delete it once it has ended"
+            )
+        # the run store first: a failure after it leaves the service's row, and a DELETE again
+        # finishes the work (the store's erasure keeps the id taken, and the audit trail's chain)
+        service.run_store.erase([run_id])
+        if not service.store.forget_run(run_id):
+            raise exc.ResourceNotFound(f"no run {run_id!r}", kind="run", id=run_id)  # deleted meanwhile
+        service.audit.get(caller.tenant).record(
+            EventKind.NOTE, run_id=run_id, actor=f"human:api-token/{caller.token_id}",
+            attributes={"action": "delete", "status": row.status, "through": "api"},
+        )  # fmt: skip
 
     await _blocking(work)
     return Response(status_code=204)

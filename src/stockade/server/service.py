@@ -40,8 +40,8 @@ class Service:
         self.streams = StreamSlots(config.max_streams)  # event streams open, per tenant
         self.config = config
         self.tenants = config.tenants
-        self.store = ServiceStore(open_database(config.database))
         self.run_store = RunStore(open_database(config.database), namespace="runs")
+        self.store = ServiceStore(open_database(config.database), runs=self.run_store.ns)
         self.audit = AuditLogs(config.database, key=config.audit_key)
         self.limits = TenantLimits(config.redis, namespace=config.queue)
         self.approvals = DatabaseApprovals(self.store)

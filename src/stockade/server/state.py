@@ -8,6 +8,8 @@ service's own tables (``svc_*``):
   (queued, running, paused, ..., as the service knows it; the run store has the details);
 - ``svc_workspaces``: uploaded workspaces, packed, by tenant and digest (stored once);
 - ``svc_artifacts``: a finished run's final workspace, packed;
+- ``svc_run_bytes``: what each run keeps in the database (its spec, and its rows in the run
+  store as measured each time it stops), counted in its tenant's ``storage_mb``;
 - ``svc_sandboxes``: the live sandboxes, the API process that holds each (its ``owner``) and
   what they hold of their tenant's quota;
 - ``svc_holds``: the share of their tenant's quota that runs hold while they run (their
@@ -30,6 +32,7 @@ inserts only if the tenant's totals stay within the quota.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -38,7 +41,8 @@ from dataclasses import dataclass
 
 from stockade import exceptions as exc
 from stockade.policy.approval import ApprovalRequest, Choice
-from stockade.runs._db import Database, PostgresDatabase, SQLiteDatabase, Statement
+from stockade.runs._db import Database, PostgresDatabase, SQLiteDatabase, Statement, octets
+from stockade.runs._schema import run_bytes_sql
 from stockade.runtime.killswitch import LIVE_FOR_S, LiveRun
 from stockade.server.tenants import Quotas
 from stockade.server.wakes import START_GRACE_S, wake_statement
@@ -90,6 +94,14 @@ def _schema(ns: str, blob: str) -> list[str]:
             created_ns BIGINT NOT NULL, PRIMARY KEY (tenant, digest))""",
         f"""CREATE TABLE IF NOT EXISTS {ns}_artifacts (
             run_id TEXT PRIMARY KEY, digest TEXT NOT NULL, bytes BIGINT NOT NULL, data {blob} NOT NULL)""",
+        f"""CREATE TABLE IF NOT EXISTS {ns}_run_bytes (
+            run_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, spec BIGINT NOT NULL, store BIGINT NOT NULL)""",
+        f"CREATE INDEX IF NOT EXISTS {ns}_run_bytes_tenant ON {ns}_run_bytes (tenant)",
+        # runs submitted before their bytes were counted: their specs count from now on (a spec
+        # is JSON in ASCII, so its length is its size)
+        f"INSERT INTO {ns}_run_bytes SELECT run_id, tenant, LENGTH(spec), 0 FROM {ns}_runs r "
+        f"WHERE NOT EXISTS (SELECT 1 FROM {ns}_run_bytes b WHERE b.run_id = r.run_id) "
+        "ON CONFLICT (run_id) DO NOTHING",
         f"CREATE TABLE IF NOT EXISTS {ns}_tenants (tenant TEXT PRIMARY KEY)",
         f"""CREATE TABLE IF NOT EXISTS {ns}_sandboxes (
             sandbox_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, owner TEXT NOT NULL, tier TEXT NOT NULL,
@@ -120,8 +132,8 @@ def _schema(ns: str, blob: str) -> list[str]:
     ]
 
 
-TABLES = ("runs", "workspaces", "artifacts", "tenants", "sandboxes", "holds", "nodes", "ended", "snapshots",
-          "approvals", "kills", "live", "wakes")  # fmt: skip
+TABLES = ("runs", "workspaces", "artifacts", "run_bytes", "tenants", "sandboxes", "holds", "nodes", "ended",
+          "snapshots", "approvals", "kills", "live", "wakes")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,25 +218,32 @@ def _run(row: tuple[object, ...]) -> RunRow:
 
 
 class ServiceStore:
-    """The service's tables in ``db`` (``<ns>_*``)."""
+    """The service's tables in ``db`` (``<ns>_*``). ``runs``: the namespace of the run store
+    in the same database, whose rows of a run are measured each time the run stops (counted in
+    its tenant's ``storage_mb``); None where nothing runs (the run store's tables may not be)."""
 
-    def __init__(self, db: Database, *, namespace: str = "svc") -> None:
+    def __init__(self, db: Database, *, namespace: str = "svc", runs: str | None = None) -> None:
         self.db = db
         self.ns = namespace
         self.db.create(_schema(namespace, db.blob), name=namespace)
+        self._measure = None if runs is None else run_bytes_sql(runs, functools.partial(octets, db))
 
     # -- runs ---------------------------------------------------------------------------
 
     def add_run(
         self, *, run_id: str, tenant: str, role: str | None, spec: dict[str, object], labels: dict[str, str],
-        max_active: int, idem_key: str | None = None,
+        max_active: int, idem_key: str | None = None, max_bytes: int | None = None,
     ) -> bool:  # fmt: skip
         """Record a submitted run, if the tenant has fewer than ``max_active`` runs queued or
-        running; False when it has (nothing written). ``RunConflict`` when the id is taken."""
+        running; False when it has (nothing written). ``RunConflict`` when the id is taken.
+        Its spec counts against the tenant's storage: ``QuotaExceeded`` when it would take what
+        the tenant keeps past ``max_bytes`` (None: not checked; the API always gives it)."""
         ns, now = self.ns, time.time_ns()
         if self.run(run_id) is not None:
             raise exc.RunConflict(f"a run {run_id!r} exists already")
         active = "('queued', 'running', 'interrupted')"
+        text = json.dumps(spec)  # ASCII: its length is its size
+        size, cap = len(text), max_bytes if max_bytes is not None else 2**62
         statements = [
             (f"INSERT INTO {ns}_tenants VALUES (?) ON CONFLICT (tenant) DO NOTHING", [(tenant,)]),
         ]
@@ -235,14 +254,20 @@ class ServiceStore:
                     f"INSERT INTO {ns}_runs ({_RUN_COLUMNS}, idem_key) "
                     "SELECT ?, ?, ?, ?, ?, NULL, ?, ?, NULL, NULL, 0, NULL, ? "
                     f"WHERE (SELECT COUNT(*) FROM {ns}_runs WHERE tenant = ? AND status IN {active}) < ? "
-                    "ON CONFLICT DO NOTHING",
+                    f"AND {self._stored()} + ? <= ? ON CONFLICT DO NOTHING",
                     [
                         (
-                            run_id, tenant, role, json.dumps(spec), QUEUED, json.dumps(labels), now, idem_key,
-                            tenant, max_active,
+                            run_id, tenant, role, text, QUEUED, json.dumps(labels), now, idem_key,
+                            tenant, max_active, *self._stored_params(tenant), size, cap,
                         )
                     ],
-                )
+                ),
+                (
+                    f"INSERT INTO {ns}_run_bytes SELECT ?, ?, ?, 0 "
+                    f"WHERE EXISTS (SELECT 1 FROM {ns}_runs WHERE run_id = ?) "
+                    "ON CONFLICT (run_id) DO NOTHING",
+                    [(run_id, tenant, size, run_id)],
+                ),
             ],
             require=(f"SELECT 1 FROM {ns}_tenants WHERE tenant = ?", (tenant,)),
         )  # fmt: skip
@@ -252,6 +277,8 @@ class ServiceStore:
                 raise exc.RunConflict(
                     f"a run with idempotency key {idem_key!r} was submitted at the same time"
                 )
+            if self.stored_bytes(tenant) + size > cap:
+                raise self._storage_full(tenant, size, cap, what="this run's spec")
             return False
         return True
 
@@ -335,6 +362,12 @@ class ServiceStore:
             statements.append(wake_statement(self.ns, run_id, now + int(START_GRACE_S * 1e9)))
         elif status != QUEUED:  # paused or ended: nothing to wake (a queued run says when)
             statements.append((f"DELETE FROM {self.ns}_wakes WHERE run_id = ?", [(run_id,)]))
+        if status != "running" and self._measure is not None:
+            # stopped: what it wrote to the run store counts against its tenant's storage_mb
+            rows, ids = self._measure
+            statements.append(
+                (f"UPDATE {self.ns}_run_bytes SET store = {rows} WHERE run_id = ?", [(run_id,) * (ids + 1)])
+            )
         return self.db.write(statements, require=require)
 
     def waiting_runs(self, tenant: str | None = None) -> list[RunRow]:
@@ -373,21 +406,32 @@ class ServiceStore:
     # -- workspaces and artifacts -----------------------------------------------------------
 
     def _stored(self) -> str:
-        """What a tenant keeps in the database (``?``: the tenant, twice): its workspaces and
-        its runs' artifacts, in bytes."""
+        """What a tenant keeps in the database (``?``: ``_stored_params``), in bytes: its
+        workspaces, its runs' artifacts, its runs' specs and their rows in the run store (as
+        last measured: when the run last stopped)."""
         ns = self.ns
         return (
             f"(SELECT COALESCE(SUM(bytes), 0) FROM {ns}_workspaces WHERE tenant = ?) + "
             f"(SELECT COALESCE(SUM(a.bytes), 0) FROM {ns}_artifacts a JOIN {ns}_runs r "
-            "ON r.run_id = a.run_id WHERE r.tenant = ?)"
+            "ON r.run_id = a.run_id WHERE r.tenant = ?) + "
+            f"(SELECT COALESCE(SUM(spec + store), 0) FROM {ns}_run_bytes WHERE tenant = ?)"
         )
 
+    @staticmethod
+    def _stored_params(tenant: str) -> tuple[str, str, str]:
+        return (tenant, tenant, tenant)
+
     def stored_bytes(self, tenant: str) -> int:
-        rows = self.db.query(f"SELECT {self._stored()}", (tenant, tenant))
+        rows = self.db.query(f"SELECT {self._stored()}", self._stored_params(tenant))
         return _int(rows[0][0]) if rows else 0
 
+    def run_bytes(self, run_id: str) -> int | None:
+        """What a run keeps in the database (its spec, its run store rows as last measured)."""
+        rows = self.db.query(f"SELECT spec + store FROM {self.ns}_run_bytes WHERE run_id = ?", (run_id,))
+        return _int(rows[0][0]) if rows else None
+
     def put_workspace(self, tenant: str, digest: str, data: bytes, size: int, *, max_bytes: int) -> None:
-        """Keep an uploaded workspace, if the tenant's workspaces and artifacts stay within
+        """Keep an uploaded workspace, if what the tenant keeps stays within
         ``max_bytes`` (one it has already costs nothing); ``QuotaExceeded`` otherwise."""
         ns = self.ns
         if self.workspace_size(tenant, digest) is not None:
@@ -395,7 +439,7 @@ class ServiceStore:
         self._keep(
             f"INSERT INTO {ns}_workspaces SELECT ?, ?, ?, ?, ? WHERE {self._stored()} + ? <= ? "
             "ON CONFLICT (tenant, digest) DO NOTHING",
-            (tenant, digest, size, data, time.time_ns(), tenant, tenant, size, max_bytes),
+            (tenant, digest, size, data, time.time_ns(), *self._stored_params(tenant), size, max_bytes),
             tenant=tenant,
         )
         if self.workspace_size(tenant, digest) is None:
@@ -430,8 +474,8 @@ class ServiceStore:
         )
 
     def put_artifacts(self, run_id: str, digest: str, data: bytes, size: int, *, max_bytes: int) -> bool:
-        """Keep a finished run's final workspace, if its tenant's workspaces and artifacts stay
-        within ``max_bytes``; False when they would not (nothing kept)."""
+        """Keep a finished run's final workspace, if what its tenant keeps stays within
+        ``max_bytes``; False when it would not (nothing kept)."""
         ns = self.ns
         row = self.run(run_id)
         if row is None:
@@ -440,7 +484,7 @@ class ServiceStore:
         self._keep(
             f"INSERT INTO {ns}_artifacts SELECT ?, ?, ?, ? WHERE {self._stored()} + ? <= ? "
             "ON CONFLICT (run_id) DO NOTHING",
-            (run_id, digest, size, data, row.tenant, row.tenant, size, max_bytes),
+            (run_id, digest, size, data, *self._stored_params(row.tenant), size, max_bytes),
             tenant=row.tenant,
         )
         return bool(self.db.query(f"SELECT 1 FROM {ns}_artifacts WHERE run_id = ?", (run_id,)))
@@ -450,6 +494,23 @@ class ServiceStore:
         return self.db.write(
             [(f"DELETE FROM {table} WHERE run_id = ?", [(run_id,)])],
             require=(f"SELECT 1 FROM {table} WHERE run_id = ?", (run_id,)),
+        )
+
+    def forget_run(self, run_id: str) -> bool:
+        """Remove a run that ended and all the service keeps of it (its artifacts, approvals,
+        byte count); False when there is no such run, or it has not ended (nothing removed)."""
+        ns = self.ns
+        ended = ", ".join("?" for _ in TERMINAL)
+        statements: list[Statement] = [
+            (f"DELETE FROM {ns}_{table} WHERE run_id = ?", [(run_id,)])
+            for table in ("artifacts", "approvals", "run_bytes", "holds", "wakes", "kills", "live", "runs")
+        ]
+        return self.db.write(
+            statements,
+            require=(
+                f"SELECT 1 FROM {ns}_runs WHERE run_id = ? AND status IN ({ended})",
+                [run_id, *TERMINAL],
+            ),
         )
 
     def _keep(self, insert: str, params: tuple[object, ...], *, tenant: str) -> None:
@@ -464,9 +525,10 @@ class ServiceStore:
     def _storage_full(self, tenant: str, size: int, max_bytes: int, *, what: str) -> exc.QuotaExceeded:
         used = self.stored_bytes(tenant)
         return exc.QuotaExceeded(
-            f"tenant {tenant!r} keeps {used / MiB:.1f} MiB of workspaces and run artifacts of its "
+            f"tenant {tenant!r} keeps {used / MiB:.1f} MiB of workspaces, runs and run artifacts of its "
             f"{max_bytes / MiB:g} MiB storage_mb; {what} needs {size / MiB:.1f} MiB more: delete a workspace "
-            "(DELETE /v1/workspaces/ID) or a run's artifacts (DELETE /v1/runs/ID/artifacts)",
+            "(DELETE /v1/workspaces/ID), a run's artifacts (DELETE /v1/runs/ID/artifacts) or a run that "
+            "ended (DELETE /v1/runs/ID)",
             quota="storage_mb",
             limit=max_bytes / MiB,
             used=used / MiB,
