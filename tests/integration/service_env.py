@@ -59,9 +59,10 @@ class Tokens:
 
 def write_tenants(
     folder: Path, *, sandboxes: int = 3, memory_mb: int = 2048, runs: int = 50, storage_mb: int = 2048,
-    acme_rate: str = "",
+    acme_rate: str = "", keep_runs_days: float | None = None,
 ) -> tuple[Path, Tokens]:  # fmt: skip
-    """``acme_rate``: lines of acme's rate limit (``rate_per_minute = 2``, ...), none by default."""
+    """``acme_rate``: lines of acme's rate limit (``rate_per_minute = 2``, ...), none by default;
+    ``keep_runs_days``: acme's retention of the runs that ended (none: kept)."""
     from stockade.server.tenants import Tenants, new_token
 
     (folder / "policy.toml").write_text(POLICY)
@@ -70,7 +71,8 @@ def write_tenants(
     other, other_record = new_token("other", "dev")
     lines = [
         f'[tenants.acme]\npolicy = "policy.toml"\nsandboxes = {sandboxes}\ncpus = 4\n'
-        f"memory_mb = {memory_mb}\nruns = {runs}\nstorage_mb = {storage_mb}\n{acme_rate}",
+        f"memory_mb = {memory_mb}\nruns = {runs}\nstorage_mb = {storage_mb}\n{acme_rate}"
+        + (f"keep_runs_days = {keep_runs_days!r}\n" if keep_runs_days is not None else ""),
         '[tenants.other]\npolicy = "policy.toml"\n',
     ]
     empty = Tenants(tenants={}, tokens={})

@@ -128,3 +128,27 @@ def test_only_a_run_that_ended_is_deleted_and_only_by_its_tenant(
     run.delete()
     with pytest.raises(exc.ResourceNotFound):
         run.delete()
+
+
+def test_runs_past_their_tenants_retention_are_erased_by_the_service(tmp_path: Path) -> None:
+    """acme keeps its runs 3 s after they end (``keep_runs_days`` in the tenants file); other
+    says nothing, and keeps them until it deletes them."""
+    require_tier("process")
+    tenants, tokens = write_tenants(tmp_path, keep_runs_days=3 / 86_400)
+    server = Server(tenants, f"sqlite:///{tmp_path / 'service.db'}", tmp_path)
+    try:
+        with Client(server.url, tokens.acme) as acme, Client(server.url, tokens.other) as other:
+            old = finished(acme, "old", ["done"])
+            kept_run = finished(other, "kept", ["done"])
+            wait_for(lambda: acme.runs.list() == [], what="acme's run to be erased", timeout_s=20)
+            with pytest.raises(exc.ResourceNotFound):
+                old.refresh()
+            assert [r.id for r in other.runs.list()] == [kept_run.id]
+            assert acme.verify_audit()["ok"]  # its chain is whole, the erasure in it
+            with RunStore(open_database(f"sqlite:///{tmp_path / 'service.db'}"), namespace="runs") as runs:
+                assert runs.summary(old.id) is None
+                with pytest.raises(exc.RunConflict, match="erased"):
+                    runs.claim(old.id, new=True)
+    finally:
+        server.stop()
+    assert "Traceback" not in server.output(), server.output()[-3000:]

@@ -87,6 +87,14 @@ def serve(
             help="at start, build TIER's start images for each tenant's policy (microvm: ready images)",
         ),
     ] = None,
+    keep_runs_days: Annotated[
+        float | None,
+        typer.Option(
+            "--keep-runs-days", min=0.0001,
+            help="erase runs that ended longer ago (for tenants whose entry has no keep_runs_days); "
+            "default: kept until deleted",
+        ),
+    ] = None,
     docs: Annotated[
         bool,
         typer.Option(
@@ -108,6 +116,7 @@ def serve(
             tenants, db, redis, run_threads=run_threads, sandbox_idle_timeout_s=idle_timeout, tools=tools,
             visibility_timeout_s=visibility_timeout, queue=queue, advertise_url=advertise_url,
             snapshot_dir=snapshot_dir, prepare_tiers=tuple(prepare or ()), docs=docs,
+            keep_runs_days=keep_runs_days,
         )  # fmt: skip
         mode = (
             f"runs on workers through {redis}" if redis else f"runs in this process ({run_threads} at a time)"

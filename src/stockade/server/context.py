@@ -67,6 +67,13 @@ class ServiceConfig:
     # A run whose tenant's rate window is full for longer than this does not sleep on its worker
     # (or thread): it stops where it is, waits "queued" and is run again when the window frees.
     limit_wait_in_place_s: float = 5.0
+    # Runs that ended longer ago are erased (``server/retention.py``), for every tenant whose
+    # tenants-file entry has no ``keep_runs_days`` of its own; None keeps them until deleted.
+    keep_runs_days: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.keep_runs_days is not None and not self.keep_runs_days > 0:
+            raise exc.ConfigurationError("keep_runs_days must be positive (or None: runs are kept)")
 
     @property
     def snapshot_root(self) -> Path:

@@ -40,6 +40,7 @@ from stockade.runtime.killswitch import kill_all
 from stockade.server.authz import check_approver, check_model, choose_tier, engine_for
 from stockade.server.bodies import raw_body, read_body
 from stockade.server.deps import Caller, get_service
+from stockade.server.retention import erase_run
 from stockade.server.runner import build_model
 from stockade.server.schemas import (
     ApprovalDecision,
@@ -504,20 +505,9 @@ async def delete_run(run_id: str, request: Request, caller: Caller) -> Response:
 
     def work() -> None:
         row = _row(service, caller, run_id)
-        if row.status not in TERMINAL:
-            raise exc.RunConflict(
-                f"run {run_id} is {_status(service, row)}: only a run that ended is deleted; kill it first "
-                f"(POST /v1/runs/{run_id}/kill), then delete it once it has ended"
-            )
-        # the run store first: a failure after it leaves the service's row, and a DELETE again
-        # finishes the work (the store's erasure keeps the id taken, and the audit trail's chain)
-        service.run_store.erase([run_id])
-        if not service.store.forget_run(run_id):
+        actor = f"human:api-token/{caller.token_id}"
+        if not erase_run(service, caller.tenant, row, actor=actor, attributes={"through": "api"}):
             raise exc.ResourceNotFound(f"no run {run_id!r}", kind="run", id=run_id)  # deleted meanwhile
-        service.audit.get(caller.tenant).record(
-            EventKind.NOTE, run_id=run_id, actor=f"human:api-token/{caller.token_id}",
-            attributes={"action": "delete", "status": row.status, "through": "api"},
-        )  # fmt: skip
 
     await _blocking(work)
     return Response(status_code=204)

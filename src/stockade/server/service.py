@@ -13,6 +13,7 @@ from stockade.sandbox.base import Backend
 from stockade.server import scratch
 from stockade.server.context import AuditLogs, ServiceConfig, TenantLimits, check_tenants
 from stockade.server.executor import Executor, InProcessExecutor
+from stockade.server.retention import Retention
 from stockade.server.runner import Runner
 from stockade.server.sandboxes import SandboxRegistry
 from stockade.server.snapshots import TenantSnapshots
@@ -50,6 +51,7 @@ class Service:
         # the tier backends of the API's sandboxes (``stockade.testing.FakeBackend`` in tests)
         self.backends: Callable[[str], Backend] = backends or _registry.backend
         self.sandboxes = SandboxRegistry(self)
+        self.retention = Retention(self)
         self._runner: Runner | None = None
         if executor is None and config.redis:
             import importlib  # the distributed tier is optional; the core never imports Celery
@@ -68,6 +70,7 @@ class Service:
     def start(self) -> None:
         scratch.collect(self.config.temp_dir)  # a killed predecessor's uploads: a tenant's files
         self.sandboxes.start()
+        self.retention.start()
         if self.config.prepare_tiers:
             threading.Thread(target=self._prepare, name="stockade-prepare", daemon=True).start()
         if self.embedded:  # runs this process had when it stopped (or died) go on
@@ -92,6 +95,7 @@ class Service:
                              started_from or "nothing built ahead")  # fmt: skip
 
     def close(self) -> None:
+        self.retention.close()
         self.sandboxes.close()
         self.executor.close()
         if self._runner is not None:

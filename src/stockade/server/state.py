@@ -394,6 +394,18 @@ class ServiceStore:
         )
         return [_run(r) for r in rows]
 
+    def ended_runs(self, tenant: str, *, before_ns: int, limit: int) -> list[RunRow]:
+        """The tenant's runs that ended before ``before_ns``, oldest first, without their specs."""
+        ended = ", ".join("?" for _ in TERMINAL)
+        columns = _RUN_COLUMNS.replace("spec,", "'{}',", 1)
+        at = "COALESCE(finished_ns, submitted_ns)"  # rows of old versions may lack finished_ns
+        rows = self.db.query(
+            f"SELECT {columns} FROM {self.ns}_runs WHERE tenant = ? AND status IN ({ended}) "
+            f"AND {at} < ? ORDER BY {at} LIMIT ?",
+            [tenant, *TERMINAL, before_ns, limit],
+        )
+        return [_run(r) for r in rows]
+
     def open_runs(self, tenant: str) -> list[RunRow]:
         """The tenant's runs that have not ended (queued, running, paused, ...)."""
         ended = ", ".join(f"'{status}'" for status in sorted(TERMINAL))

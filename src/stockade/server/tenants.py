@@ -61,7 +61,8 @@ class Quotas:
     runs: int = 100
     # the disk its snapshots and paused sandboxes take (a paused sandbox holds no live share)
     snapshot_mb: int = 10240
-    # the service database's space its uploaded workspaces and its runs' kept artifacts take
+    # the service database's space its uploaded workspaces, its runs (their specs, their rows
+    # in the run store) and their kept artifacts take
     storage_mb: int = 2048
 
 
@@ -73,6 +74,9 @@ class Tenant:
     rate_per_minute: int | None = None
     rate_period_s: float = 60.0
     dollars_per_hour: float | None = None
+    # its runs that ended longer ago are erased by the service (None: ServiceConfig's, whose
+    # None keeps them until the tenant deletes them)
+    keep_runs_days: float | None = None
 
     @property
     def audit_namespace(self) -> str:
@@ -114,6 +118,7 @@ class _TenantEntry(BaseModel):
     rate_per_minute: int | None = Field(default=None, gt=0)
     rate_period_s: float = Field(default=60.0, ge=1)  # Redis windows count whole seconds
     dollars_per_hour: float | None = Field(default=None, gt=0)
+    keep_runs_days: float | None = Field(default=None, gt=0)
 
 
 class _TokenEntry(BaseModel):
@@ -214,6 +219,7 @@ class Tenants:
                 rate_per_minute=entry.rate_per_minute,
                 rate_period_s=entry.rate_period_s,
                 dollars_per_hour=entry.dollars_per_hour,
+                keep_runs_days=entry.keep_runs_days,
             )
         tokens = {
             t.id: TokenRecord(id=t.id, sha256=t.sha256, tenant=t.tenant, role=t.role, admin=t.admin)

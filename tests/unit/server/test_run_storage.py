@@ -5,6 +5,7 @@ run store rows from when it stops; a run that ended is erased whole, its bytes f
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,9 @@ from stockade import exceptions as exc
 from stockade.agent.state import RunState
 from stockade.models.messages import UserMessage
 from stockade.runs.store import RunStore
+from stockade.server.context import ServiceConfig
 from stockade.server.state import ServiceStore, open_database
+from stockade.server.tenants import Tenants
 from stockade.types import MiB
 
 
@@ -95,3 +98,23 @@ def test_runs_submitted_before_their_bytes_were_kept_count_once_the_service_rest
         assert again.stored_bytes("acme") == len(json.dumps(spec_of(1000)))
     finally:
         again.close()
+
+
+def test_the_runs_due_for_erasure_are_those_that_ended_before_the_cutoff(
+    stores: tuple[ServiceStore, RunStore],
+) -> None:
+    service, _ = stores
+    for run_id in ("r1", "r2", "r3"):
+        assert submit(service, run_id, {"task": "t"})
+    assert service.set_status("r2", "success") and service.set_status("r1", "killed")
+    cutoff = time.time_ns()
+    assert service.set_status("r3", "running", started=True)  # running: never due
+    assert [r.run_id for r in service.ended_runs("acme", before_ns=cutoff, limit=10)] == ["r2", "r1"]
+    assert [r.run_id for r in service.ended_runs("acme", before_ns=cutoff, limit=1)] == ["r2"]
+    assert service.ended_runs("acme", before_ns=cutoff - 10**12, limit=10) == []
+    assert service.ended_runs("other", before_ns=cutoff, limit=10) == []
+
+
+def test_a_retention_is_positive_days() -> None:
+    with pytest.raises(exc.ConfigurationError, match="keep_runs_days"):
+        ServiceConfig(tenants=Tenants(tenants={}, tokens={}), keep_runs_days=0)
