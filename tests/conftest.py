@@ -297,6 +297,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 )
 
 
+@pytest.fixture
+def stamina_log() -> Iterator[list[Any]]:
+    """What stamina logs of its retries (its structlog line), with its hooks as shipped: the CLI
+    turns them off for its own process, and a test of the CLI may have run in this one."""
+    import stamina.instrumentation
+    import structlog.testing
+
+    hooks = stamina.instrumentation.get_on_retry_hooks()
+    stamina.instrumentation.set_on_retry_hooks([stamina.instrumentation.StructlogOnRetryHook])
+    try:
+        with structlog.testing.capture_logs() as logs:
+            yield logs
+    finally:
+        stamina.instrumentation.set_on_retry_hooks(hooks)
+
+
 # The item a worker runs after this one (pytest knows it when it runs a test; a fixture does not).
 _NEXT_ITEM = pytest.StashKey["pytest.Item | None"]()
 

@@ -372,3 +372,41 @@ def test_a_configurations_first_start_comes_from_the_ready_image_built_ahead(
             assert member.run_code("1 + 1").text == "2"
     finally:
         backend.close()
+
+
+# Fills the guest's RAM-backed folders, then forks children that allocate until the kernel's OOM
+# killer ends them: how many it killed.
+OOM_KILLS = """
+import os, time
+for folder, count in (("/workspace", 40), ("/tmp", 32), ("/dev/shm", 32)):
+    for i in range(count):
+        try:
+            open(f"{folder}/fill{i}", "wb").write(b"x" * (1 << 20))
+        except OSError:
+            break
+kills, started = 0, time.time()
+while time.time() - started < 8:
+    pid = os.fork()
+    if pid == 0:
+        hog = []
+        try:
+            while True:
+                hog.append(bytearray(4 << 20))
+        except MemoryError:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    kills += os.WIFSIGNALED(status) and os.WTERMSIG(status) == 9
+kills
+"""
+
+
+def test_code_that_provokes_oom_kills_writes_nothing_to_the_hosts_console_file(vm: Sandbox) -> None:
+    # Each OOM kill wrote a kernel line (its process's name chosen by the code) to the console,
+    # a file on the host's disk that grew ~260 bytes a second for the sandbox's whole life.
+    instance = vm.instance
+    assert isinstance(instance, VMInstance)
+    console = instance.vm.rundir / "console.log"
+    before = console.stat().st_size
+    kills = vm.run_code(OOM_KILLS, timeout_s=60)
+    assert kills.error is None and int(kills.text or "0") >= 2, (kills.text, kills.error)
+    assert console.stat().st_size - before < 200, console.read_text(errors="replace")[-2000:]

@@ -12,9 +12,9 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
-import structlog.testing
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from typer.testing import CliRunner
@@ -85,7 +85,7 @@ def gateway() -> Iterator[str]:
     ids=["a key of no known shape", "an sk- key"],
 )
 def test_a_key_the_gateway_quotes_in_a_retried_error_is_written_nowhere(
-    tmp_path: Path, gateway: str, key: str
+    tmp_path: Path, gateway: str, key: str, stamina_log: list[Any]
 ) -> None:
     require_tier("process")
     (tmp_path / "project").mkdir()
@@ -102,7 +102,8 @@ def test_a_key_the_gateway_quotes_in_a_retried_error_is_written_nowhere(
         approval_dir=tmp_path / "approvals",
         kill_target=str(tmp_path / "kill"),
     )
-    with structlog.testing.capture_logs() as logs, build_agent(config) as agent:
+    logs = stamina_log
+    with build_agent(config) as agent:
         result = agent.run_sync("say done", workspace=tmp_path / "project", run_id="quoted-key")
     assert result.ok, result.state.error
     secret = key.split("-", 1)[1]  # what an sk- key keeps after its prefix is secret too

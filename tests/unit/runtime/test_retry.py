@@ -6,7 +6,6 @@ from typing import Any, cast
 
 import pytest
 import stamina
-import structlog.testing
 
 from stockade import exceptions as exc
 from stockade.audit.redact import Redactor
@@ -269,11 +268,12 @@ KEY = "sk-proj-LeakTestKey0123456789abcdef"
 
 
 def test_a_retry_reason_is_redacted_before_an_observer_or_stamina_sees_it(
-    events: list[RuntimeEvent], clock: ManualClock
+    events: list[RuntimeEvent], clock: ManualClock, stamina_log: list[Any]
 ) -> None:
     quoted = exc.ModelUnavailable(f"upstream overloaded for Bearer {KEY}")
     call = FailsThen(quoted, times=9)
-    with structlog.testing.capture_logs() as logs, pytest.raises(exc.ModelUnavailable) as raised:
+    logs = stamina_log
+    with pytest.raises(exc.ModelUnavailable) as raised:
         retrier(events, clock, attempts=2, wait_initial=0, wait_jitter=0).call("model:x", call)
     assert raised.value is quoted  # the caller gets the error itself, once the attempts run out
     (event,) = events
