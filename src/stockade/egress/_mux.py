@@ -28,10 +28,22 @@ def _frame(kind: int, sid: int, payload: bytes = b"") -> bytes:
     return bytes((kind,)) + sid.to_bytes(4, "big") + len(payload).to_bytes(4, "big") + payload
 
 
+def _violation(sid: int, what: str) -> str:
+    """A frame the guest's relay never sends: its supervisor is no longer ours, so the port
+    ends (every stream of the sandbox), not only the stream. Dropping the stream alone would
+    bound memory as well, but leave a peer known to lie free to open the next stream and do
+    it again; every stream of the port comes from that same peer, so none of them is worth
+    serving on. An honest relay cannot trip these checks: the host's
+    count of a stream only lags the guest's (its ACKs are still on their way), never leads."""
+    return f"stream {sid}: {what}"
+
+
 @dataclass
 class _Stream:
     sid: int
     inbox: asyncio.Queue[bytes | None] = field(default_factory=asyncio.Queue)  # None: EOF
+    held: int = 0  # bytes from the guest not yet written to the proxy and acknowledged
+    eof: bool = False  # the guest's EOF came: nothing more of it may
     credit: int = WINDOW
     more_credit: asyncio.Event = field(default_factory=asyncio.Event)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -47,6 +59,7 @@ class Mux:
         self.streams: dict[int, _Stream] = {}
         self._writer: asyncio.StreamWriter | None = None
         self._task: asyncio.Task[None] | None = None
+        self.violation: str | None = None  # why the port was ended, if the guest broke the protocol
 
     def start(self) -> None:
         """On the egress loop (from ``_loop.call``)."""
@@ -70,38 +83,60 @@ class Mux:
                 header = await reader.readexactly(HEADER)
                 size = int.from_bytes(header[5:9], "big")
                 if size > 4 * CHUNK:  # the relay sends at most one chunk: anything else is noise
+                    self.violation = f"a frame of {size} bytes"
                     return
                 payload = await reader.readexactly(size) if size else b""
-                self._on_frame(header[0], int.from_bytes(header[1:5], "big"), payload)
+                self.violation = self._on_frame(header[0], int.from_bytes(header[1:5], "big"), payload)
+                if self.violation is not None:
+                    return
+                # What we answered (ACK, CLOSE) must reach the guest before we read on: a
+                # guest that never reads its end stalls here instead of growing our buffer.
+                await self._writer.drain()
+                # A turn of the loop per frame: frames already buffered are read without one,
+                # and the loop is every sandbox's; the tasks an OPEN made (and a CLOSE ended)
+                # run now, not after a megabyte of OPEN/CLOSE pairs piled up 50 000 of them.
+                await asyncio.sleep(0)
         except (asyncio.IncompleteReadError, OSError):
             return
         finally:
             self._drop_all()
             self._writer.close()
 
-    def _on_frame(self, kind: int, sid: int, payload: bytes) -> None:
+    def _on_frame(self, kind: int, sid: int, payload: bytes) -> str | None:
+        """Acts on one frame of the guest; returns why the port must end, if it must."""
         if kind == HELLO:  # a fresh relay (the sandbox was reset): nothing of before goes on
             self._drop_all()
-            return
+            return None
         if kind == OPEN:
             if sid in self.streams or len(self.streams) >= MAX_STREAMS:
                 self._send(_frame(CLOSE, sid))
-                return
+                return None
             opened = self.streams[sid] = _Stream(sid)
             opened.tasks.append(asyncio.get_running_loop().create_task(self._serve(opened)))
-            return
+            return None
         stream = self.streams.get(sid)
-        if stream is None:
-            return
+        if stream is None:  # a stream we dropped: what was in flight for it goes nowhere
+            return None
         if kind == DATA:
-            stream.inbox.put_nowait(payload)  # bounded by the guest's window
+            if stream.eof:
+                return _violation(sid, "data after its EOF")
+            if stream.held + len(payload) > WINDOW:
+                return _violation(sid, f"{stream.held + len(payload)} bytes held, past a window of {WINDOW}")
+            stream.held += len(payload)
+            stream.inbox.put_nowait(payload)
         elif kind == EOF:
+            if stream.eof:
+                return _violation(sid, "a second EOF")
+            stream.eof = True
             stream.inbox.put_nowait(None)
         elif kind == ACK and len(payload) == 4:
             stream.credit += int.from_bytes(payload, "big")
+            if stream.credit > WINDOW:
+                return _violation(sid, "credit for bytes never sent")
             stream.more_credit.set()
         elif kind == CLOSE:
             self._drop(stream, tell=False)
+        return None
 
     async def _serve(self, stream: _Stream) -> None:
         try:
@@ -127,6 +162,7 @@ class Mux:
                 return
             writer.write(data)
             await writer.drain()
+            stream.held -= len(data)
             self._send(_frame(ACK, stream.sid, len(data).to_bytes(4, "big")))
 
     async def _to_guest(self, stream: _Stream, reader: asyncio.StreamReader) -> None:
