@@ -186,6 +186,20 @@ class Worker(Process):
         super().__init__(argv, folder / f"worker-{name}.log", env=env, cwd=folder)
 
 
+@contextlib.contextmanager
+def embedded_server(folder: Path, *, storage_mb: int) -> Iterator[tuple[Server, Tokens, Path]]:
+    """``stockade serve`` on SQLite in ``folder``, for a module's tests; it must stop cleanly."""
+    tenants, tokens = write_tenants(folder, storage_mb=storage_mb)
+    server = Server(tenants, f"sqlite:///{folder / 'service.db'}", folder)
+    try:
+        yield server, tokens, folder
+    finally:
+        server.stop()
+    # uvicorn stops cleanly on SIGTERM, then re-raises it (exit by the signal)
+    assert server.proc.returncode in (0, -15), server.output()[-3000:]
+    assert "Traceback" not in server.output(), server.output()[-3000:]
+
+
 @pytest.fixture
 def postgres_url() -> Iterator[str]:
     """A PostgreSQL URL whose tables land in a schema of this test's own (dropped afterwards)."""

@@ -19,7 +19,7 @@ from stockade import exceptions as exc
 from stockade.client import Client, RemoteSandbox
 from stockade.sandbox.snapshots import SnapshotStore
 from tests.conftest import require_tier, wait_for
-from tests.integration.service_env import Server, Tokens, write_tenants
+from tests.integration.service_env import Server, Tokens, embedded_server, write_tenants
 
 pytestmark = [pytest.mark.process]
 
@@ -27,16 +27,8 @@ pytestmark = [pytest.mark.process]
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Tokens, Path]]:
     require_tier("process")
-    folder = tmp_path_factory.mktemp("service")
-    tenants, tokens = write_tenants(folder, storage_mb=1)
-    server = Server(tenants, f"sqlite:///{folder / 'service.db'}", folder)
-    try:
-        yield server, tokens, folder
-    finally:
-        server.stop()
-    # uvicorn stops cleanly on SIGTERM, then re-raises it (exit by the signal)
-    assert server.proc.returncode in (0, -15), server.output()[-3000:]
-    assert "Traceback" not in server.output(), server.output()[-3000:]
+    with embedded_server(tmp_path_factory.mktemp("service"), storage_mb=1) as running:
+        yield running
 
 
 @pytest.fixture

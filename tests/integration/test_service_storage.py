@@ -17,7 +17,7 @@ from stockade.client import Client, RemoteRun
 from stockade.runs.store import RunStore
 from stockade.server.state import ServiceStore, open_database
 from tests.conftest import require_tier, wait_for
-from tests.integration.service_env import Server, Tokens, write_tenants
+from tests.integration.service_env import Server, Tokens, embedded_server, write_tenants
 
 pytestmark = [pytest.mark.process]
 
@@ -29,15 +29,8 @@ SLEEP = {"name": "run_code", "args": {"code": "import time; time.sleep(60)", "la
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Tokens, Path]]:
     require_tier("process")
-    folder = tmp_path_factory.mktemp("storage")
-    tenants, tokens = write_tenants(folder, storage_mb=2)
-    server = Server(tenants, f"sqlite:///{folder / 'service.db'}", folder)
-    try:
-        yield server, tokens, folder
-    finally:
-        server.stop()
-    assert server.proc.returncode in (0, -15), server.output()[-3000:]
-    assert "Traceback" not in server.output(), server.output()[-3000:]
+    with embedded_server(tmp_path_factory.mktemp("storage"), storage_mb=2) as running:
+        yield running
 
 
 @pytest.fixture

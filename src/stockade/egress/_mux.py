@@ -71,10 +71,17 @@ class Mux:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
         self._drop_all()
-        if self._writer is not None:
-            self._writer.close()
-        with contextlib.suppress(OSError):
-            self.port.close()
+        if self._writer is None:  # never started: the socket is still ours alone
+            with contextlib.suppress(OSError):
+                self.port.close()
+            return
+        # The transport owns the socket: it takes it off the loop's selector, then closes it.
+        # Closed under it first, its number could go to the next socket the loop watches
+        # before the stale entry left the selector (another sandbox's proxy then failed to
+        # start: FileNotFoundError from epoll).
+        self._writer.close()
+        with contextlib.suppress(OSError, TimeoutError):
+            await asyncio.wait_for(self._writer.wait_closed(), 5)
 
     async def _run(self) -> None:
         reader, self._writer = await asyncio.open_connection(sock=self.port, limit=1 << 20)
