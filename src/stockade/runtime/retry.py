@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import stamina
 
@@ -102,6 +102,14 @@ class Scheduled(Exception):  # never leaves the Retrier: stamina's view of an er
         return f"Scheduled({self.reason!r})"
 
 
+def _hand_over(decide: Callable[[Exception], Scheduled | None], err: Exception) -> NoReturn:
+    """To stamina: the stand-in of an error to retry, else the error itself (no retry)."""
+    scheduled = decide(err)
+    if scheduled is None:
+        raise err
+    raise scheduled from None
+
+
 def _scheduled_delay(err: Exception) -> bool | float:
     return err.delay_s if isinstance(err, Scheduled) else False
 
@@ -151,10 +159,7 @@ class Retrier:
                     try:
                         return fn()
                     except Exception as err:
-                        scheduled = decide(err)
-                        if scheduled is None:
-                            raise
-                        raise scheduled from None
+                        _hand_over(decide, err)
         except Scheduled as last:  # stamina's test mode ran out of attempts first
             error = last.error
         raise error
@@ -176,10 +181,7 @@ class Retrier:
                     try:
                         return await fn()
                     except Exception as err:
-                        scheduled = decide(err)
-                        if scheduled is None:
-                            raise
-                        raise scheduled from None
+                        _hand_over(decide, err)
         except Scheduled as last:  # stamina's test mode ran out of attempts first
             error = last.error
         raise error

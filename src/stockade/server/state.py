@@ -98,10 +98,10 @@ def _schema(ns: str, blob: str) -> list[str]:
             run_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, spec BIGINT NOT NULL, store BIGINT NOT NULL)""",
         f"CREATE INDEX IF NOT EXISTS {ns}_run_bytes_tenant ON {ns}_run_bytes (tenant)",
         # runs submitted before their bytes were counted: their specs count from now on (a spec
-        # is JSON in ASCII, so its length is its size)
-        f"INSERT INTO {ns}_run_bytes SELECT run_id, tenant, LENGTH(spec), 0 FROM {ns}_runs r "
-        f"WHERE NOT EXISTS (SELECT 1 FROM {ns}_run_bytes b WHERE b.run_id = r.run_id) "
-        "ON CONFLICT (run_id) DO NOTHING",
+        # is JSON in ASCII, so its length is its size). Once, while the table is empty: every
+        # process opens this store at its start, and the anti-join read every run each time.
+        f"INSERT INTO {ns}_run_bytes SELECT run_id, tenant, LENGTH(spec), 0 FROM {ns}_runs "
+        f"WHERE NOT EXISTS (SELECT 1 FROM {ns}_run_bytes) ON CONFLICT (run_id) DO NOTHING",
         f"CREATE TABLE IF NOT EXISTS {ns}_tenants (tenant TEXT PRIMARY KEY)",
         f"""CREATE TABLE IF NOT EXISTS {ns}_sandboxes (
             sandbox_id TEXT PRIMARY KEY, tenant TEXT NOT NULL, owner TEXT NOT NULL, tier TEXT NOT NULL,
