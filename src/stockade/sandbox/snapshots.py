@@ -8,7 +8,8 @@
                                   the sandbox of an agent run that paused (``run``, by run id)
       verified/<sha256>           the object's identity (inode, size, times) when last hashed
       tmp/                        what is being written
-      reserved/<pid>-<token>      the room a snapshot being written holds (bytes; locked by its writer)
+      reserved/<ns>-<pid>-<token> the room a snapshot being written holds (bytes; locked by its
+                                  writer; named by when it began, so the oldest sorts first)
       lock                        taken while room is counted and reserved
 
 Every object is named by the SHA-256 of its bytes and every manifest by the SHA-256 of its
@@ -24,14 +25,18 @@ most ``max_bytes`` (disk blocks), dropping the boot images used longest ago firs
 refuses a snapshot that would not fit otherwise. Room is reserved before a byte is written
 (``reserve``): the objects, plus what every snapshot in the making holds, in this process and
 any other sharing the folder, never exceed ``max_bytes`` by more than a write's rounding to
-disk blocks, and a writer stops at the first chunk that would not fit. The folder is root's alone (0700): a
-snapshot holds the sandbox's environment and memory.
+disk blocks, and a writer stops at the first chunk that would not fit. Writers that together
+do not fit give way youngest first: one that finds no room while snapshots begun after it
+hold some waits (up to ``WAIT_S``) for them to end or be refused, and the youngest is refused
+at once, so of several snapshots taken at once the oldest that fits is kept, never none. The
+folder is root's alone (0700): a snapshot holds the sandbox's environment and memory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -60,6 +65,8 @@ CHUNK = 4 * MiB
 REF_KINDS = ("paused", "kept", "boot", "run")
 # A reservation grows to a multiple of this (when there is room): little held unused.
 RESERVE_STEP = MiB
+# How long a writer short of room waits for younger writers to give theirs up.
+WAIT_S = 30.0
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 
@@ -442,7 +449,7 @@ class SnapshotStore:
         """Room for one snapshot in the making, held until the block ends (its objects are in
         by then, and count themselves). Its file is locked for as long as it is held: one whose
         lock is free was left by a process that died, and counts no more."""
-        path = self._dir("reserved") / f"{os.getpid()}-{secrets.token_hex(6)}"
+        path = self._dir("reserved") / f"{time.time_ns():020d}-{os.getpid()}-{secrets.token_hex(6)}"
         with self.locked():  # made and locked at once: never seen unlocked, as a dead writer's
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -465,7 +472,11 @@ class SnapshotStore:
 
     def _reserved_by_others(self, own: Path) -> int:
         """The room the other snapshots in the making hold; reservations of the dead are removed."""
-        total = 0
+        return sum(self._held_by_others(own).values())
+
+    def _held_by_others(self, own: Path) -> dict[str, int]:
+        """Each other live reservation's name and the room it holds; the dead's are removed."""
+        held: dict[str, int] = {}
         for path in _entries(self.root / "reserved"):
             if path == own:
                 continue
@@ -478,12 +489,16 @@ class SnapshotStore:
                     fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
                 except BlockingIOError:  # held: its writer is alive
                     text = os.read(fd, 32).decode("ascii", "replace").strip()
-                    total += int(text) if text.isdigit() else 0
+                    held[path.name] = int(text) if text.isdigit() else 0
                 else:
                     path.unlink(missing_ok=True)
             finally:
                 os.close(fd)
-        return total
+        return held
+
+    def fits(self, more: int) -> bool:
+        """Whether the objects and ``more`` bytes are within ``max_bytes``."""
+        return self.size() + more <= self.max_bytes
 
     def size(self) -> int:
         folder = self.root / "objects"
@@ -616,28 +631,37 @@ class Reservation:
 
     def grow(self, total: int) -> None:
         """Hold at least ``total`` bytes (``SnapshotStoreFull`` when the store cannot make room:
-        the objects and every other reservation count, boot images are evicted first)."""
+        the objects and every other reservation count, boot images are evicted first; while
+        snapshots begun later hold room, this one waits for them to end or give way)."""
         if total <= self.held:
             return
         store = self.store
-        with store.locked():
-
-            def fits(want: int) -> bool:
-                return store.size() + store._reserved_by_others(self.path) + want <= store.max_bytes
-
-            want = -(-total // RESERVE_STEP) * RESERVE_STEP
-            if not fits(want):
-                want = total
-                if not store._evict_boots("", lambda: fits(want)):
-                    taken = store.size() + store._reserved_by_others(self.path)
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            with store.locked():
+                others = store._held_by_others(self.path)
+                taken = store.size() + sum(others.values())
+                want = -(-total // RESERVE_STEP) * RESERVE_STEP
+                if taken + want > store.max_bytes:
+                    want = total
+                held_elsewhere = sum(others.values())
+                if taken + want <= store.max_bytes or store._evict_boots(
+                    "", functools.partial(store.fits, held_elsewhere + want)
+                ):
+                    os.pwrite(self.fd, f"{want:<20d}".encode(), 0)
+                    self.held = want
+                    return
+                # Snapshots begun later that hold room give way (the youngest is refused at
+                # once): of writers that together do not fit, the oldest goes on.
+                younger = any(room for name, room in others.items() if name > self.path.name)
+                if not younger or time.monotonic() >= deadline:
                     raise exc.SnapshotStoreFull(
                         f"the snapshot store {store.root} is full: {taken // MiB} MiB of its "
                         f"{store.max_bytes // MiB} MiB are taken or being written, and this snapshot "
                         f"needs {-(-total // MiB)} MiB; delete snapshots or paused "
                         "sandboxes, or raise STOCKADE_SNAPSHOT_MAX_MB"
                     )
-            os.pwrite(self.fd, f"{want:<20d}".encode(), 0)
-            self.held = want
+            time.sleep(0.05)
 
     @contextlib.contextmanager
     def open(self, hint: str) -> Iterator[tuple[Path, Callable[[bytes], None]]]:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import subprocess
 import sys
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -118,6 +121,49 @@ def test_room_reserved_by_one_writer_is_not_given_to_another(tmp_path: Path) -> 
                 second.grow(6 << 20)
     with store.reserve() as second:
         second.grow(6 << 20)  # the first one's room came back when it ended
+
+
+def test_a_writer_short_of_room_waits_for_one_begun_after_it_to_give_way(tmp_path: Path) -> None:
+    # Three snapshots taken at once each grew to a third of the room, then all three were
+    # refused: the store kept none. The younger gives way now; the older waits for its room.
+    store = SnapshotStore(tmp_path, max_bytes=10 << 20)
+    with store.reserve() as older, ThreadPoolExecutor(1) as pool:
+        older.grow(3 << 20)
+        with store.reserve() as younger:
+            younger.grow(6 << 20)
+            with pytest.raises(SnapshotError, match="is full"):
+                younger.grow(8 << 20)  # nothing begun after it: refused at once
+            waiting = pool.submit(older.grow, 8 << 20)
+            assert not _done_within(waiting, 0.3)
+        waiting.result(timeout=10)  # the younger ended: its room went to the older
+        assert older.held == 8 << 20
+
+
+def test_of_writers_taken_at_once_that_do_not_fit_together_one_is_kept(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path, max_bytes=48 << 20)
+    start = threading.Barrier(3)
+
+    def write_20_mib(mark: bytes) -> None:
+        with store.reserve() as room:
+            with room.open("area") as (path, write):
+                start.wait()
+                for _ in range(20):
+                    write(mark * (1 << 20))
+            store.add_file(path)  # in the objects, as a snapshot's are before its room goes
+
+    with ThreadPoolExecutor(3) as pool:
+        writers = [pool.submit(write_20_mib, mark) for mark in (b"a", b"b", b"c")]
+        refused = [w.exception(timeout=60) for w in writers]
+    assert 1 <= sum(e is not None for e in refused) <= 2
+    assert all(isinstance(e, SnapshotError) for e in refused if e is not None)
+    assert store.size() <= store.max_bytes
+
+
+def _done_within(future: Future[None], seconds: float) -> bool:
+    with contextlib.suppress(TimeoutError):
+        future.result(timeout=seconds)
+        return True
+    return False
 
 
 def test_a_writer_stops_at_the_chunk_that_would_not_fit_and_leaves_nothing(tmp_path: Path) -> None:
