@@ -23,7 +23,11 @@ service's own tables (``svc_*``):
   that wrote there) keeps each tenant's snapshot or paused sandbox, so that a process that
   does not share that folder says where it is instead of "not found";
 - ``svc_approvals``: pending requests and decisions (``DatabaseApprovals``);
-- ``svc_kills`` / ``svc_live``: kill switches and live runs (``DatabaseKillSource``).
+- ``svc_kills`` / ``svc_live``: kill switches and live runs (``DatabaseKillSource``);
+- ``svc_wakes``: when a run nobody holds goes to a worker again (``server/wakes.py``);
+- ``svc_keys``: the service's own random keys (the viewer's sessions are signed with one), made
+  by the first process that asks, the same for every process;
+- ``svc_signouts``: viewer sessions signed out before they expire.
 
 Quotas hold across API processes: a reservation is one transaction that locks its
 tenant's row first (``FOR UPDATE`` on PostgreSQL, ``BEGIN IMMEDIATE`` on SQLite), then
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import json
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -129,11 +134,16 @@ def _schema(ns: str, blob: str) -> list[str]:
         f"""CREATE TABLE IF NOT EXISTS {ns}_wakes (
             run_id TEXT PRIMARY KEY, wake_ns BIGINT NOT NULL, misses INTEGER NOT NULL)""",
         f"CREATE INDEX IF NOT EXISTS {ns}_wakes_due ON {ns}_wakes (wake_ns)",
+        # the service's own random keys, shared by every process over the database
+        f"CREATE TABLE IF NOT EXISTS {ns}_keys (name TEXT PRIMARY KEY, value TEXT NOT NULL)",
+        # viewer sessions signed out before they expire
+        f"""CREATE TABLE IF NOT EXISTS {ns}_signouts (
+            nonce TEXT PRIMARY KEY, expires_ns BIGINT NOT NULL)""",
     ]
 
 
 TABLES = ("runs", "workspaces", "artifacts", "run_bytes", "tenants", "sandboxes", "holds", "nodes", "ended",
-          "snapshots", "approvals", "kills", "live", "wakes")  # fmt: skip
+          "snapshots", "approvals", "kills", "live", "wakes", "keys", "signouts")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -677,6 +687,29 @@ class ServiceStore:
         )
 
     # -- API processes: where each sandbox is ---------------------------------------------------
+
+    # -- the service's keys and viewer sign-outs --------------------------------------------
+
+    def key(self, name: str) -> bytes:
+        """The service's key ``name``: made once, at random, by whichever process asks first."""
+        table = f"{self.ns}_keys"
+        made = secrets.token_hex(32)
+        self.db.write([(f"INSERT INTO {table} VALUES (?, ?) ON CONFLICT (name) DO NOTHING", [(name, made)])])
+        rows = self.db.query(f"SELECT value FROM {table} WHERE name = ?", (name,))
+        return bytes.fromhex(str(rows[0][0]))
+
+    def sign_out(self, nonce: str, expires_ns: int) -> None:
+        """Remember a viewer session as signed out until it would have expired anyway."""
+        table = f"{self.ns}_signouts"
+        self.db.write(
+            [
+                (f"DELETE FROM {table} WHERE expires_ns < ?", [(time.time_ns(),)]),
+                (f"INSERT INTO {table} VALUES (?, ?) ON CONFLICT (nonce) DO NOTHING", [(nonce, expires_ns)]),
+            ]
+        )
+
+    def signed_out(self, nonce: str) -> bool:
+        return bool(self.db.query(f"SELECT 1 FROM {self.ns}_signouts WHERE nonce = ?", (nonce,)))
 
     def register_node(self, owner: str, url: str, hop_key: str) -> None:
         self.db.write(

@@ -239,6 +239,11 @@ class Tenants:
                 "the API token is not one this service knows: send `Authorization: Bearer stk_…` with a "
                 "token made by `stockade token new`"
             )
+        return self.principal(record.id)
+
+    def principal(self, token_id: str) -> Principal:
+        """Who holds the token ``token_id`` (one of ``tokens``; a session names it)."""
+        record = self.tokens[token_id]
         return Principal(
             tenant=self.tenants[record.tenant], role=record.role, token_id=record.id, admin=record.admin
         )

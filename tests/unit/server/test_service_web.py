@@ -2,11 +2,13 @@
 (``create_app``) under uvicorn on 127.0.0.1 in a thread, on a real SQLite database: the
 interactive docs (a CDN's scripts on the viewer's origin) only when asked for; the event
 streams (the API's and the viewer's) ending when their run pauses, and held by a tenant a few
-at a time, given back when they end or their client goes; the viewer's ``after`` bounded."""
+at a time, given back when they end or their client goes; the viewer's ``after`` bounded; the
+viewer's cookie a signed session, never the API token."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import socket
 import threading
@@ -20,10 +22,13 @@ import uvicorn
 from typer.testing import CliRunner
 
 from stockade.cli.main import app
+from stockade.exceptions import AuthenticationError
 from stockade.server.app import create_app
 from stockade.server.context import ServiceConfig
 from stockade.server.service import Service
+from stockade.server.state import ServiceStore, open_database
 from stockade.server.tenants import Tenant, Tenants, new_token
+from stockade.server.viewer.sessions import Sessions
 from tests.conftest import wait_for
 from tests.unit.server.test_run_controls import Recorded
 
@@ -90,7 +95,15 @@ def api(served: Served, token: str) -> httpx2.Client:
 
 
 def viewer(served: Served, token: str) -> httpx2.Client:
-    return httpx2.Client(base_url=served.url, timeout=10, cookies={"stockade_viewer": token})
+    """A browser signed in to the viewer with ``token``, through its form."""
+    same_site = {"Sec-Fetch-Site": "same-origin"}
+    with httpx2.Client(base_url=served.url, timeout=10, headers=same_site) as form:
+        signed = form.post("/ui/login", data={"token": token})
+        assert signed.status_code == 303 and form.cookies.get("stockade_viewer"), signed.text
+        cookies = {"stockade_viewer": form.cookies["stockade_viewer"]}
+    return httpx2.Client(
+        base_url=served.url, timeout=10, cookies=cookies, headers={"Sec-Fetch-Site": "same-origin"}
+    )
 
 
 def events(response: httpx2.Response) -> list[tuple[str, str]]:
@@ -123,6 +136,57 @@ def test_serve_asks_for_the_docs_with_a_flag_that_says_what_it_trades() -> None:
     described = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
     assert described.exit_code == 0
     assert "--docs" in described.output and "CDN" in described.output and "origin" in described.output
+
+
+# -- the viewer's session --------------------------------------------------------------------------
+
+
+def test_the_viewers_cookie_holds_a_session_never_the_api_token(served: Served) -> None:
+    """The cookie held the API token itself: one copied off a shared machine reached the
+    whole API for as long as the token lived. It holds a signed session now."""
+    add_run(served, "acme-done", "success")
+    with viewer(served, served.acme) as browser:
+        cookie = browser.cookies["stockade_viewer"]
+        assert served.acme not in cookie and served.acme.split("_")[-1] not in cookie
+        assert "acme-done" in browser.get("/ui/").text
+    with api(served, cookie) as copied:  # the cookie is no API token
+        assert copied.get("/v1/runs").status_code == 401
+
+
+def test_signing_out_ends_the_session_for_every_copy_of_the_cookie(served: Served) -> None:
+    with viewer(served, served.acme) as browser:
+        cookie = browser.cookies["stockade_viewer"]
+        assert browser.post("/ui/logout").status_code == 303
+    copy = httpx2.Client(base_url=served.url, timeout=10, cookies={"stockade_viewer": cookie})
+    with copy:
+        assert copy.get("/ui/").headers["location"].startswith("/ui/login")
+
+
+def test_a_session_holds_only_while_its_token_does_and_is_every_processs(tmp_path: Path) -> None:
+    token, record = new_token("acme")
+    tenants = Tenants(tenants={"acme": Tenant(id="acme")}, tokens={record.id: record})
+    database = f"sqlite:///{tmp_path / 'service.db'}"
+    sessions = Sessions(tenants, ServiceStore(open_database(database)))
+    cookie = sessions.start(token)
+    # another API process on the same database checks it with the same key
+    assert (
+        Sessions(tenants, ServiceStore(open_database(database))).check(cookie).principal.tenant.id == "acme"
+    )
+
+    head, mac = cookie.rsplit(".", 1)
+    longer = head.split(".")
+    longer[2] = str(int(longer[2]) + 3600)  # a holder giving itself more time
+    for forged in (f"{head}.{'0' * 64}", ".".join(longer) + f".{mac}", token, ""):
+        with pytest.raises(AuthenticationError):
+            sessions.check(forged)
+    revoked = Tenants(tenants={"acme": Tenant(id="acme")}, tokens={})
+    rotated_token, rotated = new_token("acme")
+    renewed = Tenants(tenants=tenants.tenants, tokens={record.id: dataclasses.replace(rotated, id=record.id)})
+    for changed in (revoked, renewed):  # the token taken out of the tenants file, or given a new secret
+        with pytest.raises(AuthenticationError):
+            Sessions(changed, ServiceStore(open_database(database))).check(cookie)
+    with pytest.raises(AuthenticationError):
+        sessions.start(rotated_token)  # not a token of this service's file
 
 
 # -- the viewer's stream ---------------------------------------------------------------------------

@@ -14,9 +14,11 @@ live updates, no asset from anywhere else.
 Everything the model or its code produced is untrusted: the templates escape it, and every page
 carries a Content-Security-Policy that runs no script but the viewer's own file, so a tool
 output holding ``<script>`` is text. The cookie is HttpOnly and SameSite=Strict (and Secure
-when the request came over https); forms carry a token derived from it (CSRF), and sign-in
-and sign-out take a form only from the viewer's own pages (``Sec-Fetch-Site``, else
-``Origin``): another site's form cannot sign a browser in to a tenant of its choosing.
+when the request came over https); on the service it holds a signed session of at most 12
+hours, never the API token (``sessions.py``), which sign-out ends everywhere. Forms carry a
+token derived from it (CSRF), and sign-in and sign-out take a form only from the viewer's own
+pages (``Sec-Fetch-Site``, else ``Origin``): another site's form cannot sign a browser in to a
+tenant of its choosing.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from stockade import exceptions as exc
 from stockade.policy.approval import Choice
 from stockade.server.streams import HeldStream, StreamSlot, StreamSlots
 from stockade.server.viewer.data import SETTLED, STATUSES, Filters, RunSource, RunView, ServiceRuns
+from stockade.server.viewer.sessions import Sessions
 
 __all__ = ["CSP", "KeyAuth", "ServiceAuth", "ViewerAuth", "local_app", "viewer_router"]
 
@@ -81,8 +84,15 @@ class ViewerAuth(Protocol):
     # which another site's link could sign a browser in with.
     link_sign_in: bool
 
-    def source(self, credential: str) -> RunSource:
-        """``AuthenticationError`` for a credential that is not one."""
+    def sign_in(self, credential: str) -> str:
+        """What the cookie holds for the holder of ``credential`` (``AuthenticationError`` for
+        a credential that is not one)."""
+
+    def source(self, cookie: str) -> RunSource:
+        """The runs the cookie's holder may see; ``AuthenticationError`` for a cookie that is
+        not (or no longer) one."""
+
+    def sign_out(self, cookie: str) -> None: ...
 
     def release(self, source: RunSource) -> None: ...
 
@@ -103,10 +113,17 @@ class KeyAuth:
         self.key = key
         self.streams = StreamSlots(LOCAL_STREAMS)
 
-    def source(self, credential: str) -> RunSource:
-        if not hmac.compare_digest(credential.encode(), self.key.encode()):
+    def sign_in(self, credential: str) -> str:
+        self.source(credential)
+        return credential  # the key is this viewer's alone, made for this one start
+
+    def source(self, cookie: str) -> RunSource:
+        if not hmac.compare_digest(cookie.encode(), self.key.encode()):
             raise exc.AuthenticationError("that is not this viewer's key: use the one `stockade ui` printed")
         return self._source
+
+    def sign_out(self, cookie: str) -> None:
+        pass
 
     def release(self, source: RunSource) -> None:
         pass
@@ -116,18 +133,28 @@ class KeyAuth:
 
 
 class ServiceAuth:
-    """``stockade serve``: an API token; its tenant's runs, its role's buttons."""
+    """``stockade serve``: an API token signs in; the cookie holds a session made for it
+    (``sessions.py``), never the token. Its tenant's runs, its role's buttons."""
 
     hint = "an API token (stk_…), from `stockade token new`"
     link_sign_in = False
 
     def __init__(self, service: Any) -> None:
         self.service = service
+        self.sessions = Sessions(service.tenants, service.store)
 
-    def source(self, credential: str) -> RunSource:
-        principal = self.service.tenants.authenticate(credential)
+    def sign_in(self, credential: str) -> str:
+        cookie = self.sessions.start(credential)
+        self.source(cookie)  # the tenant's rate counts sign-ins too
+        return cookie
+
+    def source(self, cookie: str) -> RunSource:
+        principal = self.sessions.check(cookie).principal
         self.service.limits.admit(principal)
         return ServiceRuns(self.service, principal)
+
+    def sign_out(self, cookie: str) -> None:
+        self.sessions.end(cookie)
 
     def release(self, source: RunSource) -> None:
         pass
@@ -258,10 +285,10 @@ class _Viewer:
         target = self.target(next)
         if key and self.auth.link_sign_in:  # the link `stockade ui` prints
             try:
-                await _blocking(lambda: self.auth.source(key))
+                cookie = await _blocking(lambda: self.auth.sign_in(key))
             except exc.AuthenticationError as error:
                 return self.page("login.html", 401, error=str(error), hint=self.auth.hint, next=target)
-            return self.redirect(target, cookie=key, request=request)
+            return self.redirect(target, cookie=cookie, request=request)
         return self.page("login.html", error=None, hint=self.auth.hint, next=target)
 
     async def login(
@@ -271,16 +298,19 @@ class _Viewer:
         if not _same_site(request):  # another site's form would sign this browser in to its tenant
             return self.page("login.html", 403, error=_CROSS_SITE, hint=self.auth.hint, next=target)
         try:
-            await _blocking(lambda: self.auth.source(token.strip()))
+            cookie = await _blocking(lambda: self.auth.sign_in(token.strip()))
         except exc.StockadeError as error:
             return self.page("login.html", 401, error=str(error), hint=self.auth.hint, next=target)
-        return self.redirect(target, cookie=token.strip(), request=request)
+        return self.redirect(target, cookie=cookie, request=request)
 
     async def logout(self, request: Request) -> Response:
         if not _same_site(request):
             return self.page(
                 "login.html", 403, error=_CROSS_SITE, hint=self.auth.hint, next=f"{self.prefix}/"
             )
+        cookie = request.cookies.get(COOKIE)
+        if cookie:  # a copy of the cookie elsewhere signs in no more
+            await _blocking(lambda: self.auth.sign_out(cookie))
         return self.redirect(f"{self.prefix}/login", clear=True)
 
     async def static(self, name: str) -> Response:
