@@ -121,7 +121,7 @@ def describe(op: Op[Any], redactor: Redactor) -> tuple[EventKind, dict[str, obje
             return EventKind.SANDBOX_RESET, {}
         case TakeSnapshot() | Pause():
             op_name = "pause" if isinstance(op, Pause) else "snapshot"
-            return EventKind.SNAPSHOT_TAKE, {"op": op_name, "memory": op.memory, "store": str(op.store.root)}
+            return EventKind.SNAPSHOT_TAKE, {"op": op_name, "memory": op.memory, "store": op.store.label}
     return None
 
 

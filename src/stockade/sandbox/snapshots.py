@@ -122,11 +122,18 @@ class SnapshotStore:
 
     root: Path
     max_bytes: int = DEFAULT_MAX_MB * MiB
+    # What audit events and errors call it; its folder when empty. A service names its
+    # tenants' stores: their callers are not told where on the host they are.
+    name: str = ""
 
     def __post_init__(self) -> None:
         # A folder given as a string (as os.fspath and most callers have it) is a path too,
         # not a TypeError at the first snapshot.
         object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def label(self) -> str:
+        return self.name or str(self.root)
 
     @classmethod
     def default(cls) -> SnapshotStore:
@@ -213,7 +220,7 @@ class SnapshotStore:
             st = path.stat()
         except FileNotFoundError:
             raise exc.SnapshotCorrupt(
-                f"object {digest[:16]} of the snapshot is missing from {self.root}"
+                f"object {digest[:16]} of the snapshot is missing from {self.label}"
             ) from None
         stamp = self.root / "verified" / digest
         with contextlib.suppress(OSError):
@@ -238,7 +245,7 @@ class SnapshotStore:
             fh = open(path, "rb", buffering=0)  # noqa: SIM115 (closed by the iterator)
         except FileNotFoundError:
             raise exc.SnapshotCorrupt(
-                f"object {digest[:16]} of the snapshot is missing from {self.root}"
+                f"object {digest[:16]} of the snapshot is missing from {self.label}"
             ) from None
         return self._chunks(fh, path, digest, chunk)
 
@@ -382,7 +389,7 @@ class SnapshotStore:
             raise exc.SnapshotNotFound(f"{sid!r} is no snapshot id (snap- and 32 hex digits)")
         matches = list((self.root / "snapshots").glob(f"{hexpart}*.json"))
         if len(matches) != 1:
-            raise exc.SnapshotNotFound(f"no snapshot {sid} in {self.root}")
+            raise exc.SnapshotNotFound(f"no snapshot {sid} in {self.label}")
         return matches[0]
 
     # -- refs ---------------------------------------------------------------------------
@@ -433,7 +440,7 @@ class SnapshotStore:
         try:
             os.rename(path, claimed)
         except FileNotFoundError:
-            raise exc.SnapshotNotFound(f"nothing {kind} under {name!r} in {self.root}") from None
+            raise exc.SnapshotNotFound(f"nothing {kind} under {name!r} in {self.label}") from None
         try:
             data = json.loads(claimed.read_text())
             yield {str(k): str(v) for k, v in data.items()}
@@ -511,7 +518,7 @@ class SnapshotStore:
         if not self._evict_boots(keep, lambda: self.size() <= self.max_bytes):
             total = self.size()
             raise exc.SnapshotStoreFull(
-                f"the snapshot store {self.root} is full ({total // MiB} MiB of "
+                f"the snapshot store {self.label} is full ({total // MiB} MiB of "
                 f"{self.max_bytes // MiB} MiB): delete snapshots or paused sandboxes, "
                 "or raise STOCKADE_SNAPSHOT_MAX_MB"
             )
@@ -656,7 +663,7 @@ class Reservation:
                 younger = any(room for name, room in others.items() if name > self.path.name)
                 if not younger or time.monotonic() >= deadline:
                     raise exc.SnapshotStoreFull(
-                        f"the snapshot store {store.root} is full: {taken // MiB} MiB of its "
+                        f"the snapshot store {store.label} is full: {taken // MiB} MiB of its "
                         f"{store.max_bytes // MiB} MiB are taken or being written, and this snapshot "
                         f"needs {-(-total // MiB)} MiB; delete snapshots or paused "
                         "sandboxes, or raise STOCKADE_SNAPSHOT_MAX_MB"

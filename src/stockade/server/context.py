@@ -90,7 +90,8 @@ class ServiceConfig:
     def snapshot_store(self, tenant: Tenant) -> SnapshotStore:
         """The tenant's snapshots, paused sandboxes and paused runs' sandboxes, within its
         ``snapshot_mb``."""
-        return SnapshotStore(self.snapshot_root / tenant.id, max_bytes=tenant.quotas.snapshot_mb * MiB)
+        room = tenant.quotas.snapshot_mb * MiB
+        return SnapshotStore(self.snapshot_root / tenant.id, max_bytes=room, name=f"tenant:{tenant.id}")
 
 
 class AuditLogs:

@@ -6,6 +6,7 @@ the trail records them, and a process that does not share the store says where i
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -235,6 +236,10 @@ async def test_the_tenant_s_trail_records_taking_and_restoring(up: Up) -> None:
     assert taken == ["snapshot", "pause"]
     assert [e.attributes.get("snapshot_id") for e in events] == [snap.id, paused.id, paused.id]
     assert [e.kind for e in events][-1] is EventKind.SNAPSHOT_RESTORE  # the resume, under the same id
+    # the tenant's trail names its store, never the host's folder it is in
+    root = str(up.service.snapshots.store(up.service.tenants.tenants["acme"]).root)
+    assert all(root not in json.dumps(e.attributes) for e in events)
+    assert {e.attributes.get("store") for e in events if e.kind is EventKind.SNAPSHOT_TAKE} == {"tenant:acme"}
     assert (await client.verify_audit())["ok"] is True
 
 
