@@ -258,12 +258,16 @@ class SandboxCrashed(SandboxError):
 
     ``cause`` says why, when it is known: ``"out_of_memory"`` (its memory limit),
     ``"killed"`` (from outside the sandbox), ``"unresponsive"`` (it stopped answering and the
-    host took it down), ``"engine"`` (its container engine failed), or ``"unknown"``.
+    host took it down), ``"engine"`` (its container engine failed), ``"protocol"`` (its side
+    of a channel to the host sent what stockade's supervisor never sends: it is no longer
+    ours, and the host closed the sandbox), or ``"unknown"``.
     ``stdout``/``stderr`` hold what the call had printed before the sandbox died (capped like
     any output): what happened is seldom clear without them.
     """
 
-    CAUSES: ClassVar[tuple[str, ...]] = ("out_of_memory", "killed", "unresponsive", "engine", "unknown")
+    CAUSES: ClassVar[tuple[str, ...]] = (
+        "out_of_memory", "killed", "unresponsive", "engine", "protocol", "unknown",
+    )  # fmt: skip
 
     def __init__(self, message: str, *, cause: str = "unknown", stdout: str = "", stderr: str = "") -> None:
         super().__init__(message)

@@ -629,6 +629,34 @@ def test_a_microvm_with_an_allowlist_starts_from_an_image_and_keeps_files_only(
     assert r.stdout.split() == ["http", "hello", "/m"], r.stdout + r.stderr  # its own proxy, same rules
 
 
+def test_a_microvm_whose_egress_port_broke_the_protocol_is_closed_never_reset(local: Servers) -> None:
+    """Frames no honest relay sends (tests/unit/egress/test_mux.py sends each) cut the port,
+    and the sandbox ran on without a way out: a pool's reset then asked the same supervisor,
+    no longer ours (only guest root sends such frames), to make the sandbox fresh for its
+    next user, and the violation was told to no one. Now the next op closes the sandbox."""
+    require_tier("microvm")
+    from stockade.exceptions import SandboxClosed, SandboxCrashed
+
+    with (
+        capture_audit() as audit,
+        Sandbox.create(
+            backend=AuditedBackend(_registry.backend("microvm"), audit, run_id="run-1"),
+            limits=LIMITS,
+            network=local.policy(credentials=()),
+        ) as sbx,
+    ):
+        assert sbx.commands.run("true").exit_code == 0
+        mux = _attachment(sbx.instance).mux
+        mux.violation = "stream 3: a second EOF"  # what the mux records as it cuts the port
+        with pytest.raises(SandboxCrashed, match="a second EOF") as crashed:
+            sbx.reset()
+        assert crashed.value.cause == "protocol"
+        with pytest.raises(SandboxClosed):
+            sbx.commands.run("true")
+    told = [e for e in audit.of(EventKind.SANDBOX_RESET) if "a second EOF" in json.dumps(e.attributes)]
+    assert told, [e.attributes for e in audit.events]
+
+
 # How a program's connection to the relay's port was made: the connect shortcut's is a Unix
 # socket (the proxy's, bound in), the relay's a TCP connection over the sandbox's loopback.
 HOW_CONNECTED = """

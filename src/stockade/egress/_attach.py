@@ -63,6 +63,11 @@ class Attachment:
     def socket_path(self) -> Path:
         return self.folder / SOCKET
 
+    @property
+    def violation(self) -> str | None:
+        """Why the guest's end of the port was cut for breaking its protocol, if it was."""
+        return self.mux.violation if self.mux is not None else None
+
     def renew(self) -> None:
         """For the sandbox's next user (a reset, once its supervisor renewed the relay):
         ``EgressProxy.renew``."""

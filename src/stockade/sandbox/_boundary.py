@@ -36,6 +36,12 @@ class EgressHandle(Protocol):
         """The connect shortcut's path in the sandbox, preloaded into its programs (gVisor)."""
         ...
 
+    @property
+    def violation(self) -> str | None:
+        """Why the sandbox's end of a byte-stream way out (the microVM's egress port) was cut:
+        it sent what no honest supervisor sends. None while it keeps to the protocol."""
+        ...
+
     def renew(self) -> None:
         """For the sandbox's next user (a reset): the last user's connections and requests
         in flight cut, the connections kept to servers closed, the budgets afresh."""

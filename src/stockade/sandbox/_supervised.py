@@ -228,6 +228,20 @@ class SupervisedInstance(Instance):
         if self._closed:
             raise exc.SandboxClosed(f"sandbox {self.id} is closed")
 
+    def _check_egress(self) -> None:
+        """A sandbox whose egress port was cut for breaking its protocol runs nothing more: only
+        a supervisor that is no longer ours (guest root) sends such frames, and a reset would
+        ask that same supervisor to make the sandbox fresh for its next user."""
+        egress = self.boundary.egress
+        why = egress.violation if egress is not None else None
+        if why is not None:
+            self.close()
+            raise exc.SandboxCrashed(
+                f"sandbox {self.id} sent on its egress port what its supervisor never sends ({why}): "
+                "the host closed it; create a new one",
+                cause="protocol",
+            )
+
     # -- dispatch -----------------------------------------------------------------------
 
     def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
@@ -246,6 +260,7 @@ class SupervisedInstance(Instance):
 
     def _guarded(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         self._check_open()
+        self._check_egress()
         oom_before = self.boundary.oom_kills()
         try:
             return self._handle(op, sink)
