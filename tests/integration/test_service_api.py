@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import json
 import os
 import tarfile
 import time
@@ -13,9 +14,11 @@ from pathlib import Path
 
 import httpx2
 import pytest
+from typer.testing import CliRunner
 
 from stockade import Limits
 from stockade import exceptions as exc
+from stockade.cli.main import app
 from stockade.client import Client, RemoteSandbox
 from stockade.sandbox.snapshots import SnapshotStore
 from tests.conftest import require_tier, wait_for
@@ -197,12 +200,15 @@ def test_bad_input_gets_a_clear_4xx_and_the_audit_trail_still_verifies(
         cases: list[tuple[httpx2.Response, int, str]] = [
             (http.post("/v1/sandboxes", content=b'{"tier": ', headers={"Content-Type": "application/json"}),
              400, "body"),
+            (http.post("/v1/runs", content=b'{"task": "t", "scripted": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+                       headers={"Content-Type": "application/json"}), 400, "body"),
             (http.post("/v1/sandboxes", json={"tier": "process", "colour": "red"}), 422, "colour"),
             (http.post("/v1/sandboxes", json={"limits": {"memory_mb": 1}}), 422, "Limits.memory_mb"),
             (http.post("/v1/sandboxes", json={"limits": {"memory_mb": 10**400}}), 422, "Limits.memory_mb"),
             (http.post("/v1/runs", json={"task": "t", "scripted": [], "sandbox_limits": {"pids": 10**400}}),
              422, "Limits.pids"),
             (http.post("/v1/runs", json={"task": ""}), 422, "task"),
+            (http.post("/v1/runs", json={"task": "t", "check_timeout_s": 1e308}), 422, "check_timeout_s"),
             (http.put(f"{base}/archive", content=tar_of([member("../evil.txt")], {"../evil.txt": b"x"})),
              422, ""),
             (http.put(f"{base}/archive", content=tar_of([member("link", tarfile.SYMTYPE, "/etc/passwd")])),
@@ -273,6 +279,29 @@ def test_a_run_is_submitted_followed_and_its_diff_and_artifacts_fetched(acme: Cl
     assert (tmp_path / "project" / "app.py").read_text() == "print('v1')\n"  # the upload was copied
     with pytest.raises(exc.RunConflict):
         acme.runs.submit("another task", scripted=["done"], idempotency_key="update-1")
+
+
+def test_each_tenants_trail_verifies_against_its_own_runs_only(service: tuple[Server, Tokens, Path]) -> None:
+    """One run store holds every tenant's runs and each tenant's trail is a chain of its own:
+    `stockade audit verify` checked a tenant's chain against every tenant's tool calls (a
+    not_in_trail for each of the others': a tamper alarm on a healthy service), and the API
+    checked no ledger at all."""
+    server, tokens, folder = service
+    turns = [{"name": "write_file", "args": {"path": "a.txt", "content": "x"}}, "wrote a.txt"]
+    for token in (tokens.acme, tokens.other):
+        with Client(server.url, token) as client:
+            assert client.runs.submit("write a.txt", scripted=turns).wait().status == "success"
+            assert client.verify_audit()["ok"], client.verify_audit()
+    db = f"sqlite:///{folder / 'service.db'}"
+    for tenant in ("acme", "other"):
+        for how in (["--tenant", tenant], ["--namespace", f"audit_t_{tenant}"]):
+            verified = CliRunner().invoke(app, ["audit", "verify", "--db", db, "--json", *how])
+            report = json.loads(verified.stdout)
+            assert verified.exit_code == 0 and report["ledger"] and not report["problems"], verified.output
+    nothing = CliRunner().invoke(
+        app, ["audit", "verify", "--db", str(folder / "nothing.db"), "--tenant", "acme"]
+    )
+    assert nothing.exit_code == 2
 
 
 def test_an_event_stream_resumes_from_any_position_a_client_sends(

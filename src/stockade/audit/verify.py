@@ -52,7 +52,7 @@ from stockade import exceptions as exc
 from stockade.audit.events import GENESIS, Chain
 from stockade.audit.stores import AuditStore, Head
 
-__all__ = ["Ledger", "LedgerCall", "Problem", "ProblemKind", "VerifyReport", "verify"]
+__all__ = ["Ledger", "LedgerCall", "Problem", "ProblemKind", "RunsLedger", "VerifyReport", "verify"]
 
 # The end of a canonical body: sorted keys put these scalars last, after "attributes", so
 # the match anchored at the end is the top-level one (quotes inside strings are escaped).
@@ -128,6 +128,18 @@ class Ledger(Protocol):
     """What ``verify`` cross-checks the chain with (``RunStore`` is one)."""
 
     def ledger_calls(self, run_id: str | None = None) -> Iterable[LedgerCall]: ...
+
+
+@dataclass(frozen=True)
+class RunsLedger:
+    """A ledger narrowed to some runs: a tenant's, on a service's database, where each tenant's
+    trail is a chain of its own and one run store holds every tenant's runs."""
+
+    ledger: Ledger
+    runs: frozenset[str]
+
+    def ledger_calls(self, run_id: str | None = None) -> list[LedgerCall]:
+        return [call for call in self.ledger.ledger_calls(run_id) if call.run_id in self.runs]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,6 +24,7 @@ import typer
 from stockade import exceptions as exc
 from stockade.audit.events import AuditEvent, json_utf8
 from stockade.audit.stores import AuditStore, open_store
+from stockade.audit.verify import RunsLedger
 from stockade.audit.verify import verify as verify_store
 from stockade.cli._console import CliConsole, escape
 
@@ -114,6 +115,18 @@ def _ledger(runs_db: str | None, db: str, namespace: str) -> Iterator[RunStore |
         yield store
 
 
+def _tenant_ledger(ledger: RunStore, tenant: str) -> RunsLedger | None:
+    """The ledger of ``tenant``'s runs, when the run store's database is a service's (its
+    ``svc_runs`` says whose each run is) and ``tenant`` is one; else None."""
+    if not tenant:
+        return None
+    try:
+        rows = ledger.db.query("SELECT run_id FROM svc_runs WHERE tenant = ?", (tenant,))
+    except Exception:  # no such table (SQLite's and PostgreSQL's errors differ): no service's
+        return None
+    return RunsLedger(ledger, frozenset(str(r[0]) for r in rows))
+
+
 def _key(key_file: Path | None) -> bytes | None:
     if key_file is not None:
         return key_file.read_bytes().strip()
@@ -143,12 +156,21 @@ def verify(
     runs_namespace: Annotated[
         str, typer.Option("--runs-namespace", help="table prefix of the run store")
     ] = "runs",
+    tenant: Annotated[
+        str | None,
+        typer.Option(
+            "--tenant",
+            help="on a service's database: this tenant's trail (audit_t_TENANT), against its own runs",
+        ),
+    ] = None,
 ) -> None:
     """Check the hash chain: exit 0 when intact, 1 with the problems found (seq and what), 2 when
     there is nothing to verify (no trail, no events, no events of --run). The tool calls of the
     run store's ledger and the chain's tool_call events must agree: a call in one and not the
     other is a problem (not_in_trail, not_in_ledger), and so is a call, or a run's final end,
-    twice in the chain (duplicate_in_trail)."""
+    twice in the chain (duplicate_in_trail). A service keeps a chain per tenant and one run
+    store for all: a tenant's trail (--tenant, or --namespace audit_t_TENANT) is checked
+    against that tenant's runs only."""
     pinned: tuple[int, str] | None = None
     if expect_head is not None:
         seq, _, digest = expect_head.partition(":")
@@ -156,9 +178,18 @@ def verify(
             err.print("[red]--expect-head takes SEQ:HASH[/]")
             raise typer.Exit(2)
         pinned = (int(seq), digest)
+    if tenant is not None:
+        namespace = f"audit_t_{tenant}"
     with _store(db, namespace) as store, _ledger(runs_db, db, runs_namespace) as ledger:
+        owner = namespace.removeprefix("audit_t_") if namespace.startswith("audit_t_") else ""
+        scoped = _tenant_ledger(ledger, owner) if ledger is not None else None
+        if tenant is not None and scoped is None:
+            err.print(f"[red]{escape(db)} holds no service's runs[/]: --tenant needs a service's database")
+            raise typer.Exit(2)
         try:
-            report = verify_store(store, run_id=run, key=_key(key_file), expected_head=pinned, ledger=ledger)
+            report = verify_store(
+                store, run_id=run, key=_key(key_file), expected_head=pinned, ledger=scoped or ledger
+            )
         except exc.StockadeError as error:
             err.print(f"[red]{escape(str(error))}[/]")
             raise typer.Exit(2) from error

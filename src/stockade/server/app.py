@@ -105,6 +105,9 @@ def create_app(service: Service) -> FastAPI:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> Response:
+        if error.status_code == 400:  # FastAPI's own: a body its parser gave up on (nested too deep)
+            unparsed = {"type": "json_invalid", "msg": f"{error.detail} (JSON nested too deeply?)"}
+            return _respond(problems.from_validation([unparsed], request.url.path))
         body = problems.problem_body(
             status=error.status_code, type_="about:blank", title=str(error.detail), detail=str(error.detail),
             instance=request.url.path,

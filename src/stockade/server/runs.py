@@ -33,7 +33,7 @@ from fastapi.responses import StreamingResponse
 
 from stockade import exceptions as exc
 from stockade.audit.events import EventKind
-from stockade.audit.verify import verify
+from stockade.audit.verify import RunsLedger, verify
 from stockade.policy.approval import Choice
 from stockade.runs.seeds import pack_workspace
 from stockade.runtime.killswitch import kill_all
@@ -520,7 +520,10 @@ async def verify_audit(request: Request, caller: Caller) -> dict[str, Any]:
     def work() -> dict[str, Any]:
         log = service.audit.get(caller.tenant)
         log.flush()
-        report = verify(log.store, key=service.config.audit_key)
+        # Its runs' ledger too (a tool call in one and not the other is a problem): the runs
+        # that ended, whose calls and events are all written.
+        ledger = RunsLedger(service.run_store, service.store.run_ids(caller.tenant.id, ended=True))
+        report = verify(log.store, key=service.config.audit_key, ledger=ledger)
         return {"ok": report.ok, "checked": report.checked, "summary": report.summary()}
 
     found: dict[str, Any] = await _blocking(work)

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
+from stockade._checks import MAX_TIMEOUT_S
 from stockade.types import Limits, NetworkPolicy, Trust
 
 __all__ = [
@@ -172,7 +173,7 @@ class RunSubmit(_In):
     limits: RunLimitsIn = RunLimitsIn()
     sandbox_limits: LimitsIn | None = None
     check: str | None = Field(default=None, description="the acceptance check: a command that must pass")
-    check_timeout_s: float | None = Field(default=None, gt=0)
+    check_timeout_s: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)  # as the run would check it
     labels: Labels = Field(default_factory=dict, max_length=32)
 
 

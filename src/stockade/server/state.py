@@ -416,6 +416,15 @@ class ServiceStore:
         )
         return [_run(r) for r in rows]
 
+    def run_ids(self, tenant: str, *, ended: bool = False) -> frozenset[str]:
+        """The ids of the tenant's runs (``ended``: only those that ended, whose ledger and
+        trail no longer grow)."""
+        sql = f"SELECT run_id FROM {self.ns}_runs WHERE tenant = ?"
+        if ended:
+            statuses = ", ".join(f"'{status}'" for status in sorted(TERMINAL))
+            sql += f" AND status IN ({statuses})"
+        return frozenset(str(r[0]) for r in self.db.query(sql, (tenant,)))
+
     def open_runs(self, tenant: str) -> list[RunRow]:
         """The tenant's runs that have not ended (queued, running, paused, ...)."""
         ended = ", ".join(f"'{status}'" for status in sorted(TERMINAL))
