@@ -13,7 +13,9 @@ dict; add your own to the pipeline. Two more rules need no pipeline entry:
 
 ``redact_tokens`` catches what looks like a credential even when nobody registered it:
 ``sk-...`` API keys, GitHub tokens, AWS access key ids, ``Bearer ...``, JWTs, private key blocks,
-and values assigned to a credential's name (``PGPASSWORD=x``, ``"password": "x"``).
+values assigned to a credential's name (``PGPASSWORD=x``, ``"password": "x"``,
+``secret='a b'``), given to a credential's flag (``--password x``, ``--api-key x``), and the
+password of a URL (``https://user:x@host``).
 
 ``redact_personal_data`` (``Redactor(personal_data=True)``; what the GDPR compliance profile
 turns on) replaces what looks like personal data: e-mail addresses, phone numbers, IP
@@ -71,6 +73,18 @@ TOKEN_PATTERNS: dict[str, str] = {
     # "password": "x y" (JSON, its value up to the closing quote, spaces and escapes included)
     "json_assignment": (
         rf"(?P<keep>\"[\w.\-]*(?i:{_NAMES})\"\s*:\s*\")(?!\[REDACTED)(?:[^\"\\\n]|\\.){{4,}}(?=\")"
+    ),
+    # passphrase='open sesame', TOKEN="a b c": a quoted value, up to its closing quote
+    "quoted_assignment": (
+        rf"(?P<keep>\b[\w.\-]*(?i:{_NAMES})\s*[=:]\s*(?P<quote>['\"]))(?!\[REDACTED)"
+        r"[^'\"\n\\]{4,}(?=(?P=quote))"
+    ),
+    # https://user:password@host: the password of a URL's user information
+    "url_password": r"(?P<keep>\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s/:@'\"]+:)(?!\[REDACTED)[^\s/@'\"]+(?=@)",
+    # --password hunter2, --api-key abcd (a command's flag, its value after a space)
+    "flag": (
+        rf"(?P<keep>(?<![\w\-])--?[\w\-]*(?i:{_NAMES})[ \t]+['\"]?)(?![\-\[])"
+        r"(?:(?<=['\"])[^'\"\n]{4,}(?=['\"])|(?<!['\"])[^\s\"']{4,})"
     ),
     # password=x, PGPASSWORD=x, accessToken: x, 'secret': 'x', \"token\": \"x\" (JSON in a string)
     "assignment": (

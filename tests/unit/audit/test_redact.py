@@ -160,7 +160,8 @@ def test_keys_that_only_mention_a_credential_word_are_kept(key: str) -> None:
         ("export PGPASSWORD=hunter2xyz", "export PGPASSWORD=[REDACTED:assignment]"),
         ("AWS_SECRET_ACCESS_KEY=wJalrXUtnFEMI/K7MDENG", "AWS_SECRET_ACCESS_KEY=[REDACTED:assignment]"),
         ("refreshToken: plainvalue007", "refreshToken: [REDACTED:assignment]"),
-        ("passphrase='open sesame'", "passphrase='[REDACTED:assignment] sesame'"),
+        ("passphrase='open sesame'", "passphrase='[REDACTED:quoted_assignment]'"),
+        ('TOKEN="a b c d"', 'TOKEN="[REDACTED:quoted_assignment]"'),
     ],
 )
 def test_credentials_written_as_json_or_environment_assignments_are_redacted(
@@ -170,8 +171,32 @@ def test_credentials_written_as_json_or_environment_assignments_are_redacted(
 
 
 @pytest.mark.parametrize(
+    ("text", "redacted"),
+    [
+        ("mysql -h db --password hunter2xyz", "mysql -h db --password [REDACTED:flag]"),
+        ('gpg --passphrase "open sesame" -d f', 'gpg --passphrase "[REDACTED:flag]" -d f'),
+        ("cli --api-key  K3yV4lue --verbose", "cli --api-key  [REDACTED:flag] --verbose"),
+        (
+            "git clone https://bot:ghs_pass123@github.com/o/r",
+            "git clone https://bot:[REDACTED:url_password]@github.com/o/r",
+        ),
+        (
+            "postgresql://stockade:pw@127.0.0.1:5432/db",
+            "postgresql://stockade:[REDACTED:url_password]@127.0.0.1:5432/db",
+        ),
+    ],
+)
+def test_passwords_given_as_flags_or_in_urls_are_redacted(text: str, redacted: str) -> None:
+    # they went to the trail as typed: a command line, a clone URL, a database URL
+    assert redact_tokens(text) == redacted
+
+
+@pytest.mark.parametrize(
     "text",
     [
+        "--token-file /run/secrets/t --password-stdin",
+        'parser.add_argument("--token", help="the API token")',
+        "see https://example.com/path@v2 and http://host:8080/",
         '{"max_tokens": 1024, "token_count": 5}',
         '{"secret": true, "token": null, "password": false}',
         "if secret == expected_value:",
