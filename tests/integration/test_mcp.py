@@ -260,10 +260,16 @@ class HttpServer:
 
 @pytest.fixture
 def http_server(project: Path) -> Iterator[HttpServer]:
+    with serving_http(project) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def serving_http(project: Path, *extra: str) -> Iterator[HttpServer]:
     port = free_port()
     token = secrets.token_urlsafe(32)
     server = Process(
-        _args(project, "--transport", "http", "--port", str(port)), project / "mcp.log", cwd=project,
+        _args(project, "--transport", "http", "--port", str(port), *extra), project / "mcp.log", cwd=project,
         env={"STOCKADE_MCP_TOKEN": token},
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}/mcp"
@@ -298,6 +304,24 @@ def test_an_http_request_without_the_token_is_refused(http_server: HttpServer) -
 
     with pytest.raises(Exception):  # noqa: B017 - the SDK's error for a 401 varies by version
         asyncio.run(anonymous())
+
+
+def test_a_session_in_a_call_is_not_idle_however_long_the_call(project: Path) -> None:
+    """The idle timeout counted from a call's start: a run_tests longer than it (or a user
+    slow to answer an approval) had its sandbox ended under it, the client blamed for ending
+    the session, and the next call given a new run and an empty sandbox."""
+    with serving_http(project, "--idle-timeout", "2") as server:
+
+        async def session() -> tuple[str, str, types.CallToolResult]:
+            async with server.client(read_timeout_seconds=120) as client:
+                before = str((await _session_info(client))["run_id"])
+                slow = await client.call_tool("run_code", {"code": "sleep 6; echo slept", "language": "bash"})
+                after = str((await _session_info(client))["run_id"])
+                return before, after, slow
+
+        before, after, slow = asyncio.run(session())
+    assert not slow.is_error and "slept" in _text(slow), _text(slow)
+    assert after == before  # the same session's run and sandbox
 
 
 def test_an_http_session_asks_its_user_through_elicitation(project: Path, http_server: HttpServer) -> None:

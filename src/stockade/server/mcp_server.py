@@ -26,6 +26,7 @@ so that it falls back to a session (``server/discover`` is refused there).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hmac
 import json
@@ -34,6 +35,7 @@ import sys
 import threading
 import time
 import urllib.parse
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import anyio
@@ -111,7 +113,8 @@ class McpFace:
         self.transport = transport
         self.approval_wait_s = approval_wait_s
         self.idle_timeout_s = idle_timeout_s
-        self._used: dict[str, float] = {}
+        self._used: dict[str, float] = {}  # when each session was last used (a call's end counts)
+        self._calls: dict[str, int] = {}  # its calls in flight: a session in a call is not idle
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
         self.server: Server[Any] = Server(
@@ -155,6 +158,20 @@ class McpFace:
         self._used[key] = time.monotonic()
         return self.agent.session(key, client=client)
 
+    @contextlib.contextmanager
+    def _in_use(self, key: str) -> Iterator[None]:
+        """A call of session ``key`` runs: the session is not idle until it ends (a long
+        ``run_tests``, or a user taking their time over an approval)."""
+        self._calls[key] = self._calls.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            self._calls[key] -= 1
+            if not self._calls[key]:
+                del self._calls[key]
+            if key in self._used:  # not ended meanwhile
+                self._used[key] = time.monotonic()
+
     def end_session(self, key: str) -> None:
         session = self.agent.forget(key)
         self._used.pop(key, None)
@@ -171,7 +188,7 @@ class McpFace:
             while not self._stop.wait(min(30.0, self.idle_timeout_s / 4)):
                 now = time.monotonic()
                 for key, used in list(self._used.items()):
-                    if now - used > self.idle_timeout_s:
+                    if now - used > self.idle_timeout_s and not self._calls.get(key):
                         log.info("MCP session %s idle for %.0f s: ended", key, now - used)
                         self.end_session(key)
 
@@ -201,6 +218,12 @@ class McpFace:
         self, ctx: ServerRequestContext[Any, Any], params: types.CallToolRequestParams
     ) -> types.CallToolResult | types.InputRequiredResult:
         session = self._session(ctx)
+        with self._in_use(self._key(ctx)):
+            return await self._call(ctx, session, params)
+
+    async def _call(
+        self, ctx: ServerRequestContext[Any, Any], session: McpSession, params: types.CallToolRequestParams
+    ) -> types.CallToolResult | types.InputRequiredResult:
         held = session.paused
         if held is None:
             outcome = await session.call(params.name, params.arguments or {})
@@ -398,12 +421,22 @@ def http_app(
     )
     loopback = host in LOOPBACK  # the SDK's own Host and Origin checks hold there
     face.start_reaper()
-    expected = None if token is None else f"Bearer {token}".encode()
+    expected = None if token is None else f"bearer {token}".encode()
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and _repeated(scope, (b"authorization", SESSION_HEADER.encode())):
+            # The SDK reads a header's first copy and a dict of them its last: a DELETE naming
+            # its own session first and another's last ended the other one.
+            refused = JSONResponse(
+                {"error": "Bad Request", "detail": f"give Authorization and {SESSION_HEADER} once each"},
+                status_code=400,
+            )
+            await refused(scope, receive, send)
+            return
         if expected is not None and scope["type"] == "http":
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(given, expected):
+            scheme, _, credential = given.partition(b" ")  # the scheme's case is free (RFC 9110)
+            if not hmac.compare_digest(scheme.lower() + b" " + credential, expected):
                 refused = JSONResponse(
                     {
                         "error": "Unauthorized",
@@ -431,6 +464,12 @@ def http_app(
                 await anyio.to_thread.run_sync(face.end_session, key.decode("latin-1"))
 
     return app
+
+
+def _repeated(scope: Scope, names: tuple[bytes, ...]) -> bool:
+    """Whether a request carries one of ``names`` (lower-case) more than once."""
+    seen = [name.lower() for name, _ in scope.get("headers") or []]
+    return any(seen.count(name) > 1 for name in names)
 
 
 def serve_http(

@@ -170,6 +170,12 @@ async def test_over_http_a_token_is_asked_of_every_request(tmp_path: Path) -> No
                 )
                 assert refused.status_code == 401, refused.text
                 assert refused.headers["www-authenticate"].startswith("Bearer")
+            # A header given twice is refused: the SDK reads a header's first copy, and a
+            # DELETE naming its own session first and another's last ended the other one.
+            bearer = ("Authorization", f"Bearer {token}")
+            sessions = [("mcp-session-id", "a" * 32), ("Mcp-Session-Id", "b" * 32)]
+            for twice in ([bearer, bearer], [bearer, *sessions]):
+                assert (await http.delete("/mcp", headers=twice)).status_code == 400
     finally:
         server.close()
 
@@ -206,7 +212,8 @@ def test_over_http_off_this_machine_sessions_are_bounded_and_web_pages_refused(t
             foreign = http.post("/mcp", json=INITIALIZE, headers={"Origin": "https://evil.example"})
             assert foreign.status_code == 403, foreign.text
             opened = [http.post("/mcp", json=INITIALIZE, headers={"Origin": "https://ok.example"})]
-            opened += [http.post("/mcp", json=INITIALIZE) for _ in range(2)]
+            lower = {"Authorization": f"bearer {token}"}  # the scheme's case is free (RFC 9110)
+            opened += [http.post("/mcp", json=INITIALIZE, headers=lower) for _ in range(2)]
             assert [r.status_code for r in opened] == [200, 200, 503], [r.text for r in opened]
             http.delete("/mcp", headers={"mcp-session-id": opened[0].headers["mcp-session-id"]})
             assert http.post("/mcp", json=INITIALIZE).status_code == 200  # room again
