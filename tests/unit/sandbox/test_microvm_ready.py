@@ -20,6 +20,7 @@ class _Egress:
         self.env = {"HTTP_PROXY": "http://127.0.0.1:3128"}
         self.relay = RELAY
         self.preload: str | None = None  # the microVM's programs take its relay
+        self.violation: str | None = None
 
     def renew(self) -> None:
         pass
