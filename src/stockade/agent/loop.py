@@ -24,6 +24,10 @@ Extension points (other layers plug in here without editing the loop):
   back to the model as an observation (``max_denials`` in a row end the run as "denied"), or
   ``ApprovalRequired``, which pauses the run (status "paused", state checkpointed); resuming it
   runs the guards on that call again, so the approval layer answers from its decision;
+- ``model``'s tool calls are screened before anything keeps them (``screen``): a call no record
+  can hold (a name that is no identifier, arguments too large, too deep or not Unicode) is
+  refused as ``InvalidToolCall``, and what the loop says of a refusal or a denial is bounded
+  like a tool's output (``max_observation_chars``);
 - ``tools``: a ``Toolset``, wrapped with ``Toolset.wrapped`` for per-call behaviour;
 - ``model``: any ``Model``, wrapped with ``WrapperModel`` subclasses (retries, spend limits);
 - ``checkpointer``: any ``Checkpointer`` (run stores); a ``DurableCheckpointer`` (a run store)
@@ -95,6 +99,7 @@ from stockade.agent.events import (
     ToolRejected,
     ToolReturned,
 )
+from stockade.agent.screen import screened
 from stockade.agent.state import (
     CheckRecord,
     NodeKind,
@@ -102,7 +107,6 @@ from stockade.agent.state import (
     RunStatus,
     StepRecord,
     ToolCallRecord,
-    args_measure,
 )
 from stockade.exceptions import (
     ApprovalRequired,
@@ -132,7 +136,7 @@ from stockade.models.pricing import DEFAULT_PRICES, Price, cost_usd
 from stockade.sandbox.facade import Sandbox
 from stockade.tools.base import Tool, ToolContext, Toolset, idempotency_key, render, reported_failure
 from stockade.tools.builtin import default_toolset, run_test_command
-from stockade.tools.observations import bound
+from stockade.tools.observations import bound, clip
 from stockade.tools.workspace_diff import record_baseline, workspace_diff
 
 __all__ = [
@@ -191,30 +195,6 @@ class RunLimits:
                 "RunLimits: max_steps, max_wall_s, max_tokens, max_check_failures and "
                 "max_call_args_bytes must be positive"
             )
-
-
-def _without_oversized_args(response: ModelResponse, cap: int) -> ModelResponse:
-    """``response`` with every call whose arguments are over ``cap`` bytes made a malformed
-    call without them: the loop refuses it (the model is told why) and nothing keeps them."""
-    calls: list[ToolCall] = []
-    for asked in response.tool_calls:
-        size, digest = args_measure(asked.args)
-        call = asked
-        if size > cap:
-            call = asked.model_copy(
-                update={
-                    "args": {},
-                    "malformed": (
-                        f"its arguments are {size:,} bytes ({digest}), over the {cap:,} one call may "
-                        "carry; nothing was run. Send less at once: a large file in parts, or code "
-                        "that makes it"
-                    ),
-                }
-            )
-        calls.append(call)
-    if all(a is b for a, b in zip(calls, response.tool_calls, strict=True)):
-        return response
-    return response.model_copy(update={"tool_calls": tuple(calls)})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -579,18 +559,10 @@ class AgentRun:
             )
             raise
         duration = time.perf_counter() - started
-        if any(not c.id for c in response.tool_calls):
-            response = response.model_copy(
-                update={
-                    "tool_calls": tuple(
-                        c if c.id else c.model_copy(update={"id": f"call_{step}_{k}"})
-                        for k, c in enumerate(response.tool_calls)
-                    )
-                }
-            )
         # Never less than was spent: negative usage is refused, none reported is estimated.
         response = response.model_copy(update={"usage": counted_usage(request, response)})
-        response = _without_oversized_args(response, agent.limits.max_call_args_bytes)
+        # Before anything keeps it: calls no record can hold become malformed calls (refused).
+        response = screened(response, step=step, max_args_bytes=agent.limits.max_call_args_bytes)
         self._emit(ModelResponded(run_id=state.run_id, step=step, response=response, duration_s=duration))
         state.usage = state.usage + response.usage
         state.cost_usd += cost_usd(response.model_name or agent.model.name, response.usage, agent.prices)
@@ -735,13 +707,15 @@ class AgentRun:
                 self._finish(
                     RunStatus.ERROR, error=f"too many malformed tool calls ({state.malformed_calls}): {err}"
                 )
+            said = clip(f"error: {err}", agent.limits.max_observation_chars)  # it may quote a key
             rejected = ToolCallRecord(
                 call=call,
                 idempotency_key=key,
-                observation=f"error: {err}",
+                observation=said.text,
                 is_error=True,
                 failed=True,
                 error_type=type(err).__name__,
+                cut_chars=said.cut_chars,
             )
             self._emit(ToolRejected(run_id=state.run_id, step=step, record=rejected))
             return rejected
@@ -766,21 +740,26 @@ class AgentRun:
                     raise PolicyDenied(f"a guard rewrote the call to an unknown tool {call.name!r}")
                 tool, args = rewritten, rewritten.validate(call.args)
         except PolicyDenied as err:
+            limit = agent.limits.max_observation_chars
+            reason = clip(str(err), limit).text  # it quotes what was asked (a path of any length)
             state.consecutive_denials += 1
-            self._emit(ToolDenied(run_id=state.run_id, step=step, call=call, reason=str(err), rule=err.rule))
+            self._emit(ToolDenied(run_id=state.run_id, step=step, call=call, reason=reason, rule=err.rule))
             if state.consecutive_denials >= agent.limits.max_denials:
                 self._finish(
-                    RunStatus.DENIED, error=f"{state.consecutive_denials} actions in a row were denied: {err}"
+                    RunStatus.DENIED,
+                    error=f"{state.consecutive_denials} actions in a row were denied: {reason}",
                 )
             rule = f" (rule {err.rule})" if err.rule else ""
+            said = clip(f"denied by policy{rule}: {reason}", limit)
             return ToolCallRecord(
                 call=call,
                 idempotency_key=key,
-                observation=f"denied by policy{rule}: {err}",
+                observation=said.text,
                 is_error=True,
                 failed=True,
                 error_type="PolicyDenied",
                 denied=True,
+                cut_chars=said.cut_chars,
             )
         state.consecutive_denials = 0
         return call, tool, args
@@ -871,7 +850,10 @@ class AgentRun:
 
     def _finish(self, status: RunStatus, *, error: str | None = None) -> None:
         self.state.status = status
-        self.state.error = error
+        # bounded as an observation is: it may quote what the model sent (a name, a path)
+        self.state.error = (
+            None if error is None else clip(error, self.agent.limits.max_observation_chars).text
+        )
         self.state.next = NodeKind.END
 
     def _stop(self, err: StockadeError | RunStopped) -> None:

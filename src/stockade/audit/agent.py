@@ -192,7 +192,7 @@ class AuditObserver:
                     attributes={
                         "decision": "deny",
                         "rule": event.rule,
-                        "reason": event.reason,
+                        "reason": self._cap(event.reason),
                         "tool": event.call.name,
                         "call_id": event.call.id,
                         **_args(event.call.args, self.log.redactor),
@@ -240,7 +240,7 @@ class AuditObserver:
             "input_tokens": result.usage.input_tokens,
             "output_tokens": result.usage.output_tokens,
             "cost_usd": result.cost_usd,
-            "error": result.error,
+            "error": None if result.error is None else self._cap(result.error),
             "answer": self._cap(result.answer),
         }
         if seen is not None and seen.end is not None and result.status.finished:

@@ -19,6 +19,7 @@ except ModuleNotFoundError as err:  # pragma: no cover - exercised by the import
         "the Anthropic adapter needs the anthropic SDK: pip install 'stockade[anthropic]'"
     ) from err
 
+from stockade.models._calls import tool_call_of
 from stockade.models._errors import from_status, reported_usage, unavailable
 from stockade.models.base import Model, counted_usage, require_api_key
 from stockade.models.messages import (
@@ -79,18 +80,15 @@ class AnthropicModel(Model):
             raise from_status("anthropic", err.status_code, err.message, dict(err.response.headers)) from None
         except anthropic.APIConnectionError as err:
             raise unavailable("anthropic", err) from None
+        except RecursionError:  # the SDK reading a body nested past Python's recursion limit
+            raise from_status("anthropic", 502, "the response is nested too deeply to read", {}) from None
         texts: list[str] = []
         calls: list[ToolCall] = []
         for block in message.content:
             if block.type == "text":
                 texts.append(block.text)
             elif block.type == "tool_use":
-                if isinstance(block.input, dict):
-                    calls.append(ToolCall(id=block.id, name=block.name, args=block.input))
-                else:
-                    calls.append(
-                        ToolCall(id=block.id, name=block.name, malformed="the input must be a JSON object")
-                    )
+                calls.append(tool_call_of(block.id, block.name, block.input))
         usage = getattr(message, "usage", None)  # a compatible server may leave it out
         response = ModelResponse(
             text="".join(texts),

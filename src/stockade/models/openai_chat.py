@@ -21,13 +21,13 @@ except ModuleNotFoundError as err:  # pragma: no cover - exercised by the import
         "the OpenAI adapter needs the openai SDK: pip install 'stockade[openai]'"
     ) from err
 
+from stockade.models._calls import decoded_call
 from stockade.models._errors import from_status, reported_usage, unavailable
 from stockade.models.base import Model, counted_usage, require_api_key
 from stockade.models.messages import (
     AssistantMessage,
     ModelRequest,
     ModelResponse,
-    ToolCall,
     ToolResultMessage,
     UserMessage,
 )
@@ -86,11 +86,13 @@ class OpenAIModel(Model):
             raise from_status("openai", err.status_code, err.message, dict(err.response.headers)) from None
         except openai.APIConnectionError as err:
             raise unavailable("openai", err) from None
+        except RecursionError:  # the SDK reading a body nested past Python's recursion limit
+            raise from_status("openai", 502, "the response is nested too deeply to read", {}) from None
         if not completion.choices:
             raise from_status("openai", 502, "the response has no choices", {})
         choice = completion.choices[0]
         calls = tuple(
-            _tool_call(c.id, c.function.name, c.function.arguments)
+            decoded_call(c.id, c.function.name, c.function.arguments)
             for c in (choice.message.tool_calls or ())
             if c.type == "function"
         )
@@ -107,16 +109,6 @@ class OpenAIModel(Model):
             finish_reason=choice.finish_reason or "",
         )
         return response.model_copy(update={"usage": counted_usage(request, response, provider="openai")})
-
-
-def _tool_call(call_id: str, name: str, arguments: str) -> ToolCall:
-    try:
-        args = json.loads(arguments or "{}")
-    except json.JSONDecodeError as err:
-        return ToolCall(id=call_id, name=name, malformed=f"the arguments are not valid JSON ({err})")
-    if not isinstance(args, dict):
-        return ToolCall(id=call_id, name=name, malformed="the arguments must be a JSON object")
-    return ToolCall(id=call_id, name=name, args=args)
 
 
 # The wire format is validated by the SDK; its TypedDict unions add nothing here.

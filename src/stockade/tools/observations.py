@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from stockade.exceptions import StockadeError
 from stockade.tools.base import ToolContext
 
-__all__ = ["OUTPUT_DIR", "Bounded", "bound"]
+__all__ = ["OUTPUT_DIR", "Bounded", "bound", "clip"]
 
 OUTPUT_DIR = ".stockade/outputs"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
@@ -47,3 +47,14 @@ def bound(ctx: ToolContext, text: str) -> Bounded:
     cut = len(text) - len(head) - len(tail)
     marker = f"\n[… {cut:,} characters cut from the middle; {where} …]\n"
     return Bounded(text=head + marker + tail, cut_chars=cut, saved_to=saved)
+
+
+def clip(text: str, limit: int) -> Bounded:
+    """``text`` cut to about ``limit`` characters (head + marker + tail), the rest kept nowhere:
+    for what the loop says itself (a refusal, a denial, why a run ended), which quotes what the
+    model sent (a path, a key) and is no output to page through."""
+    if len(text) <= limit:
+        return Bounded(text=text)
+    head, tail = text[: limit * 2 // 3], text[len(text) - (limit - limit * 2 // 3) :]
+    cut = len(text) - len(head) - len(tail)
+    return Bounded(text=f"{head}\n[… {cut:,} characters cut …]\n{tail}", cut_chars=cut)
