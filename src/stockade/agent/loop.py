@@ -47,6 +47,8 @@ machine): resume it by id, in any process that reaches the store, with a fresh s
 What it promises, per tool kind:
 
 - a call that returned is never run again (the ledger has it, with the workspace it left);
+  when the store cannot keep that workspace (``SeedTooLarge``), the call is recorded without
+  it (the ledger, the trail, the model's observation) and the run ends "error" on it;
 - a call that started and did not return is run again if its tool is ``idempotent``; if not,
   it is not run again: the model is told its outcome is unknown (``OutcomeUnknown``), and the
   run store and the audit trail say so. Tools get ``ctx.idempotency_key`` (the same on every
@@ -836,15 +838,38 @@ class AgentRun:
             exit_code=_exit_code(value),
         )
         if durable is not None:  # the call and the workspace it left, kept together
-            await asyncio.to_thread(
-                durable.record_workspace, state.run_id, self.bookkeeping, call=(step, record)
-            )
+            try:
+                await asyncio.to_thread(
+                    durable.record_workspace, state.run_id, self.bookkeeping, call=(step, record)
+                )
+            except _FATAL:
+                raise
+            except StockadeError as err:
+                # The call ran; only the workspace it left cannot be kept (over the store's caps,
+                # say). It is recorded all the same (ToolReturned: the ledger and the trail) and
+                # the run ends on it: a resume would restore a workspace from before the call.
+                record = self._unkept(record, err)
+                return self._returned(step, record, value)
         keeper = agent.keeper
         if keeper is not None and keeper.each_call:  # after the ledger: they agree on the files
             kept = await asyncio.to_thread(keeper.keep, state.run_id, self.bookkeeping)
             state.snapshot = kept or state.snapshot
-        self._emit(ToolReturned(run_id=state.run_id, step=step, record=record, value=value))
+        return self._returned(step, record, value)
+
+    def _returned(self, step: int, record: ToolCallRecord, value: object) -> ToolCallRecord:
+        self._emit(ToolReturned(run_id=self.state.run_id, step=step, record=record, value=value))
         return record
+
+    def _unkept(self, record: ToolCallRecord, err: StockadeError) -> ToolCallRecord:
+        """``record`` of a call whose workspace the run store could not keep, which ends the run."""
+        why = f"{type(err).__name__}: {err}"
+        self._finish(
+            RunStatus.ERROR,
+            error=f"{record.call.name} ran, and the workspace it left cannot be kept ({why})",
+        )
+        ending = f"[the run ends here: the workspace this call left cannot be kept: {why}]"
+        said = clip(ending, 2_000).text  # the call's own observation is bounded already
+        return record.model_copy(update={"observation": f"{record.observation}\n\n{said}"})
 
     # -- ending -------------------------------------------------------------------------
 

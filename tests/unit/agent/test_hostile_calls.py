@@ -29,7 +29,7 @@ from stockade.models.messages import AssistantMessage
 from stockade.policy.agent import policy_guard
 from stockade.policy.engine import PolicyEngine
 from stockade.policy.schema import PathRules, Policy
-from stockade.runs import RunRecorder, open_run_store
+from stockade.runs import RunRecorder, RunStore, open_run_store
 from stockade.testing import FakeBackend, MemoryWorkspace, ScriptedModel, tool_call
 
 openai = pytest.importorskip("openai")
@@ -223,6 +223,35 @@ def test_a_denial_quoting_a_long_path_is_bounded_everywhere(tmp_path: Path) -> N
     trail.close()
     assert len(str(decisions[0].attributes["reason"])) <= TEXT_CAP + 100
     assert len(str(ends[0].attributes["error"])) <= TEXT_CAP + 100
+
+
+def test_a_call_whose_workspace_cannot_be_kept_is_recorded_and_ends_the_run(tmp_path: Path) -> None:
+    code = "import os\nfor i in range(40): open(f'f{i}', 'w').close()\nprint('made 40 files')"
+    model = ScriptedModel([tool_call("run_code", {"language": "python", "code": code}), "done"])
+    audit = AuditLog(open_store(f"sqlite:///{tmp_path / 'audit.db'}"), flush_interval_s=None)
+    with (
+        RunStore(open_run_store(f"sqlite:///{tmp_path / 'runs.db'}").db, max_workspace_entries=20) as store,
+        Sandbox.create("process") as sbx,
+    ):
+        agent = Agent(model, checkpointer=store, observers=[RunRecorder(store), AuditObserver(audit)])
+        result = agent.run_sync("make files", sandbox=sbx, run_id="r")
+        ledger = store.tool_calls("r")
+        assert sbx.files.exists("f39")  # it ran
+    audit.close()
+    (ran,) = [c for s in result.steps for c in s.tool_calls]
+    assert result.status == RunStatus.ERROR
+    assert (result.error or "").startswith(
+        "run_code ran, and the workspace it left cannot be kept (SeedTooLarge"
+    )
+    assert "made 40 files" in ran.observation and "the run ends here" in ran.observation
+    assert [r.idempotency_key for r in ledger] == [ran.idempotency_key]
+    trail = open_store(f"sqlite:///{tmp_path / 'audit.db'}")
+    calls = [e for e in trail.events(run_id="r") if e.kind == EventKind.TOOL_CALL]
+    with open_run_store(f"sqlite:///{tmp_path / 'runs.db'}") as kept:
+        report = verify(trail, run_id="r", ledger=kept)  # the trail and the ledger agree
+    trail.close()
+    assert [c.attributes["idempotency_key"] for c in calls] == [ran.idempotency_key]
+    assert report.ok
 
 
 def test_the_checkpoint_of_a_screened_response_reads_back() -> None:
