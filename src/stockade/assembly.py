@@ -704,6 +704,12 @@ class AgentSession:
         self._raw: Sandbox | None = None
         self._sandbox: Sandbox | None = None
         self._books: Sandbox | None = None
+        self._state: RunState | None = None
+
+    @property
+    def baseline(self) -> str | None:
+        """What identifies the run's diff baseline (``RunState.baseline``), once it started."""
+        return self._state.baseline if self._state is not None else None
 
     def _isolate(self, finding: Finding) -> str:
         """An anomaly rule says kill: an incident. The workspace is kept for review first, then
@@ -840,6 +846,7 @@ class AgentSession:
             task, sandbox=self.sandbox, resume=resume, run_id=self.run_id, bookkeeping=self._books
         ) as run:
             run.state.audit_id = self.run_id  # the audit trail files this run's events under its id
+            self._state = run.state
             async for _ in run:
                 pass
         assert run.result is not None

@@ -34,6 +34,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── FileTooLarge              bigger than the transfer cap
     │   ├── ListingTooLarge           a listing over what one answer carries: list less of it
     │   ├── TreeTooDeep               folders deeper than a snapshot keeps (128)
+    │   ├── BaselineTampered          the run's diff baseline is not the one the host recorded
     │   └── WorkspaceFull             the workspace's size or inode limit is reached
     ├── PolicyDenied                  a guard refused the action (fed back to the model)
     ├── ModelError                    the LLM provider failed or refused (``status_code``)
@@ -90,6 +91,7 @@ __all__ = [
     "AuditStoreError",
     "AuthenticationError",
     "BackendUnavailable",
+    "BaselineTampered",
     "BudgetExceeded",
     "CircuitBroken",
     "CircuitOpen",
@@ -359,6 +361,12 @@ class FileTooLarge(WorkspaceError):
 class TreeTooDeep(WorkspaceError):
     """The tree holds folders more than 128 deep, what an archive of it takes: a snapshot is
     refused (``files.download_dir`` leaves such folders out and reports them instead)."""
+
+
+class BaselineTampered(WorkspaceError):
+    """The workspace's diff baseline (``.stockade/baseline.json``) is not the file the run wrote:
+    code in the sandbox rewrote or removed it. The host kept its SHA-256 and size, so a forged
+    one is refused, read no further than the real one's size, and no diff is made from it."""
 
 
 class ListingTooLarge(WorkspaceError):

@@ -348,7 +348,7 @@ class Agent:
             held.append(await asyncio.to_thread(durable.claim, state.run_id, new=True))
         elif run_id is not None and self.checkpointer is not None and self.checkpointer.load(run_id):
             raise RunConflict(f"a run {run_id!r} is already checkpointed: give a new run an id of its own")
-        await asyncio.to_thread(record_baseline, books)
+        state.baseline = await asyncio.to_thread(record_baseline, books)
         if durable is not None:
             await asyncio.to_thread(durable.record_workspace, state.run_id, books)
         run = AgentRun(self, state, sandbox, bookkeeping=books)
@@ -529,6 +529,12 @@ class AgentRun:
         if limits.max_cost_usd is not None and state.cost_usd >= limits.max_cost_usd:
             return RunStatus.BUDGET, f"the run spent its budget (${limits.max_cost_usd:g})"
         return None
+
+    def _wall_deadline(self) -> float:
+        """When the run's wall time ends, as a ``time.monotonic()`` reading: a tool call in
+        flight is bounded by it (the model chooses a command's own timeout, up to days)."""
+        spent = self.state.elapsed_s + self.agent.clock() - self._node_started
+        return time.monotonic() + max(0.0, self.agent.limits.max_wall_s - spent)
 
     async def _model_request(self) -> ModelRequestNode | None:
         state, agent = self.state, self.agent
@@ -786,6 +792,8 @@ class AgentRun:
             call_index=index,
             max_observation_chars=agent.limits.max_observation_chars,
             bookkeeping=self.bookkeeping,
+            deadline=self._wall_deadline(),
+            baseline=state.baseline,
         )
         started = time.perf_counter()
         value: object = None
@@ -898,7 +906,9 @@ class AgentRun:
             state.steps.append(state.current)  # a step cut short keeps what it did
             state.current = None
         try:
-            diff = await asyncio.to_thread(workspace_diff, self.bookkeeping, self.agent.hands_back)
+            diff = await asyncio.to_thread(
+                workspace_diff, self.bookkeeping, self.agent.hands_back, baseline=state.baseline
+            )
         except RunStopped:
             diff = f"(no diff: the run's sandbox was stopped with the run, {state.status.value})"
         except StockadeError as err:

@@ -149,3 +149,6 @@ class RunState(BaseModel):
     # the snapshot of the run's sandbox kept when it last paused (or after its last call, when
     # asked): a resume starts from it; None once the run resumed from it or ended
     snapshot: str | None = None
+    # what identifies the workspace's diff baseline the run wrote (``sha256:HEX:SIZE``): the
+    # file is in the workspace, where code may rewrite it; the diff refuses any other
+    baseline: str | None = None

@@ -296,7 +296,7 @@ class McpSession:
 
         session = self._open()
         books = session._books if session._books is not None else session.sandbox
-        return workspace_diff(books, self.owner.agent.engine.hands_back)
+        return workspace_diff(books, self.owner.agent.engine.hands_back, baseline=session.baseline)
 
     # -- the session's thread ---------------------------------------------------------------------
 

@@ -5,7 +5,10 @@ the run and the call it serves), which is not part of the schema. The attributes
 ``idempotent``, ``risk`` and ``timeout_s`` are for the runtime controls (retry only what is
 idempotent, ask for approval on high risk, bound the call). ``timeout_s`` is enforced: a call
 running past it is cancelled and reported as ``ToolTimeout``, and the sandbox it was given
-bounds its commands by the same deadline and refuses anything after it.
+bounds its commands by the same deadline and refuses anything after it. The run's own wall time
+bounds every call the same way (``ToolContext.deadline``): a call's deadline is the earlier of
+its tool's ``timeout_s`` and the end of the run's ``max_wall_s``, whatever timeout the model asks
+a command for.
 
     @tool(idempotent=True, risk=Risk.LOW)
     def count_lines(ctx: ToolContext, path: str) -> str:
@@ -89,6 +92,11 @@ class ToolContext:
     call_index: int = 0  # the call's place in its model response (the first is 0)
     max_observation_chars: int = 12_000
     bookkeeping: Sandbox | None = None
+    # When the run's wall time ends (a ``time.monotonic()`` reading); None: no run bound. The call
+    # and its sandbox work are bounded by it as by a tool's ``timeout_s`` (``Tool.invoke``).
+    deadline: float | None = None
+    # what identifies the run's diff baseline (``workspace_diff.record_baseline``); None: unchecked
+    baseline: str | None = None
 
     @property
     def idempotency_key(self) -> str:
@@ -261,16 +269,24 @@ class Tool:
     async def invoke(self, ctx: ToolContext, args: BaseModel) -> object:
         """Run the function: coroutines on the loop, blocking functions in a worker thread.
 
-        With ``timeout_s``, the call is cancelled when it runs past it (``ToolTimeout``), and
-        its sandbox work is bounded by the same deadline (``DeadlineInstance``)."""
-        timeout = self.timeout_s
-        if timeout is None:
+        With ``timeout_s``, or a run deadline in ``ctx.deadline``, the call is cancelled when it
+        runs past the earlier of the two (``ToolTimeout``), and its sandbox work is bounded by
+        the same deadline (``DeadlineInstance``): each command gets at most the time left."""
+        now = time.monotonic()
+        own = None if self.timeout_s is None else now + self.timeout_s
+        if own is None and ctx.deadline is None:
             return await self._run(ctx, args)
-        deadline = time.monotonic() + timeout
+        by_run = ctx.deadline is not None and (own is None or ctx.deadline < own)
+        deadline = ctx.deadline if by_run and ctx.deadline is not None else own
+        assert deadline is not None
+        timeout = max(0.0, deadline - now)
+        limit = "the run's wall time (max_wall_s)" if by_run else f"its {timeout:g} s timeout"
 
         def bounded(sandbox: Sandbox) -> Sandbox:
             return Sandbox(
-                DeadlineInstance(sandbox.instance, deadline=deadline, tool=self.name, timeout_s=timeout)
+                DeadlineInstance(
+                    sandbox.instance, deadline=deadline, tool=self.name, timeout_s=timeout, limit=limit
+                )
             )
 
         call_ctx = dataclasses.replace(
@@ -285,7 +301,7 @@ class Tool:
             if not scope.expired():
                 raise  # the tool's own TimeoutError, not ours
             raise ToolTimeout(
-                f"{self.name} did not finish within its {timeout:g} s timeout and was stopped; "
+                f"{self.name} did not finish within {limit} and was stopped; "
                 "its sandbox commands were bounded by the same deadline",
                 tool=self.name,
                 timeout_s=timeout,

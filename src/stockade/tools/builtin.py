@@ -484,7 +484,8 @@ def git_diff(ctx: ToolContext) -> str:
     against_head = _git_head_diff(books)
     if against_head is not None:
         return f"(git diff HEAD; untracked files shown as new)\n{against_head or '(no changes)'}"
-    return f"(changes since the run began; not a git repository)\n{workspace_diff(books) or '(no changes)'}"
+    since = workspace_diff(books, baseline=ctx.baseline) or "(no changes)"
+    return f"(changes since the run began; not a git repository)\n{since}"
 
 
 @tool(risk=Risk.HIGH)

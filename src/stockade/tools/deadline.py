@@ -4,7 +4,9 @@ Cancelling a tool's coroutine does not stop a blocking function running in a wor
 nor the sandbox command it waits on. So a tool with ``timeout_s`` gets its sandbox through
 ``DeadlineInstance``: every command and ``run_code`` is given at most the time left as its own
 ``timeout_s`` (the tier kills the whole process tree then), and once the deadline has passed no
-op reaches the sandbox at all.
+op reaches the sandbox at all. The deadline is the earlier of the tool's own ``timeout_s`` and
+the end of the run's wall time (``ToolContext.deadline``): a command the model asks to run for a
+week still ends when the run's time does.
 """
 
 from __future__ import annotations
@@ -32,18 +34,20 @@ class DeadlineInstance(WrapperInstance):
         tool: str,
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        limit: str | None = None,
     ) -> None:
         super().__init__(wrapped)
         self.deadline = deadline
         self.tool = tool
         self.timeout_s = timeout_s
         self.clock = clock
+        self.limit = limit or f"its {timeout_s:g} s timeout"  # what set the deadline, for messages
 
     def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         left = self.deadline - self.clock()
         if left <= 0:
             raise ToolTimeout(
-                f"{self.tool} ran past its {self.timeout_s:g} s timeout; {type(op).__name__} was not started",
+                f"{self.tool} ran past {self.limit}; {type(op).__name__} was not started",
                 tool=self.tool,
                 timeout_s=self.timeout_s,
             )

@@ -2,7 +2,11 @@
 
 At the start of a run the agent records a baseline of the workspace's text files in
 ``.stockade/baseline.json`` inside the workspace itself, so a run resumed in another
-process (with the workspace carried along) still diffs against its true beginning. The
+process (with the workspace carried along) still diffs against its true beginning. Code in
+the sandbox can rewrite that file, so the host keeps what it wrote: ``record_baseline`` returns
+its SHA-256 and size (the run's state keeps them), and the diff reads no more than that size
+and refuses a file with another hash (``BaselineTampered``): a forged baseline is neither
+believed nor, at any size, read past the real one's. The
 diff is computed by our own code from ``sandbox.files``: no git needed in the image, and
 it works on every tier and on the fake backend. Its output is a patch ``apply_patch`` takes.
 
@@ -18,14 +22,25 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import re
+import time
 from collections.abc import Callable
 
-from stockade.exceptions import SandboxFileNotFound
+from stockade.exceptions import BaselineTampered, SandboxFileNotFound
 from stockade.sandbox._channel import loads_bounded
 from stockade.sandbox.facade import Sandbox
 from stockade.types import EntryType
 
-__all__ = ["BASELINE", "IGNORED_DIRS", "is_ignored", "record_baseline", "snapshot", "workspace_diff"]
+__all__ = [
+    "BASELINE",
+    "DIFF_TIME_S",
+    "IGNORED_DIRS",
+    "MAX_DIFF_BYTES",
+    "is_ignored",
+    "record_baseline",
+    "snapshot",
+    "workspace_diff",
+]
 
 BASELINE = ".stockade/baseline.json"
 IGNORED_DIRS = frozenset(
@@ -51,11 +66,20 @@ IGNORED_DIRS = frozenset(
 )
 MAX_FILES = 5000
 MAX_TEXT_BYTES = 512 * 1024
-MAX_TEXT_TOTAL = 32 * 1024 * 1024  # of text held by one snapshot; past it, hashes
-# A baseline's JSON: its text escaped (six bytes a character at most), and the hashes.
-MAX_BASELINE_BYTES = 6 * MAX_TEXT_TOTAL + MAX_FILES * 1024
+# Of text held by one snapshot, counted as its baseline's JSON (escapes included); past it, hashes.
+MAX_TEXT_TOTAL = 32 * 1024 * 1024
+# A baseline's JSON: the text, and a name and a hash marker a file. A baseline the run recorded
+# is read up to the size the host kept; this bounds one read without it (a caller's own).
+MAX_BASELINE_BYTES = MAX_TEXT_TOTAL + MAX_FILES * 1024
 _PIECE = 1024 * 1024
 MAX_DEPTH = 64
+# The most the diff holds: past it, the files left are named, not shown (it is kept with the run).
+MAX_DIFF_BYTES = 8 * 1024 * 1024
+# The most a diff takes, reading included (a run out of wall time still gets one, this much
+# later): the files not compared by then are named, not shown. A file pair is diffed whole.
+DIFF_TIME_S = 30.0
+_UNREAD = "\x00unread"  # a file not read before the deadline: neither changed nor unchanged
+_BASELINE_ID = re.compile(r"sha256:([0-9a-f]{64}):([0-9]+)")
 
 
 def is_ignored(path: str) -> bool:
@@ -73,12 +97,14 @@ def _digest(data: bytes) -> str:
     return f"\x00sha256:{hashlib.sha256(data).hexdigest()}:{len(data)}"
 
 
-def snapshot(sandbox: Sandbox) -> dict[str, str]:
+def snapshot(sandbox: Sandbox, *, deadline: float | None = None) -> dict[str, str]:
     """path -> text (or a hash marker for binary and large files), ignored folders left out.
 
     The host holds at most ``MAX_TEXT_TOTAL`` of text, whatever the workspace holds (5,000
     hard links to one text file of 512 KiB cost the sandbox 512 KiB, and were 2.5 GB here):
-    past it, files are hashed a piece at a time, as large files are."""
+    past it, files are hashed a piece at a time, as large files are. Text is counted as the
+    baseline's JSON holds it, escapes included. Past ``deadline`` (a ``time.monotonic()``
+    reading) no more files are read: they are listed as unread."""
     files: dict[str, str] = {}
     room = MAX_TEXT_TOTAL
     for entry in sandbox.files.list("", depth=MAX_DEPTH):
@@ -86,17 +112,24 @@ def snapshot(sandbox: Sandbox) -> dict[str, str]:
             continue
         if len(files) >= MAX_FILES:
             break
+        if deadline is not None and time.monotonic() >= deadline:
+            files[entry.path] = _UNREAD
+            continue
         try:
-            content = _content(sandbox, entry.path, min(room, MAX_TEXT_BYTES))
+            content = _content(sandbox, entry.path, max(0, min(room, MAX_TEXT_BYTES)), deadline)
         except SandboxFileNotFound:
             continue  # removed while we listed
         if not content.startswith("\x00"):
-            room -= len(content)
+            held = len(json.dumps(content))  # ASCII, as the baseline holds it
+            if held > room:  # escapes made it larger than it read: held by its hash instead
+                content = _digest(content.encode())
+            else:
+                room -= held
         files[entry.path] = content
     return files
 
 
-def _content(sandbox: Sandbox, path: str, room: int) -> str:
+def _content(sandbox: Sandbox, path: str, room: int, deadline: float | None = None) -> str:
     """The file's text when it is UTF-8 of at most ``room`` characters, else its hash marker;
     the host never holds more than ``room`` bytes of it and a piece (read as it grows or not)."""
     head = sandbox.files.read_range(path, 0, room + 1)
@@ -107,6 +140,8 @@ def _content(sandbox: Sandbox, path: str, room: int) -> str:
             pass
     digest, size = hashlib.sha256(head), len(head)
     while size > room:  # more may follow: hashed a piece at a time
+        if deadline is not None and time.monotonic() >= deadline:
+            return _UNREAD
         piece = sandbox.files.read_range(path, size, _PIECE)
         digest.update(piece)
         size += len(piece)
@@ -123,17 +158,42 @@ def _same(old: str | None, new: str | None) -> bool:
     return _digest(text.encode()) == marker
 
 
-def record_baseline(sandbox: Sandbox) -> None:
-    sandbox.files.write(BASELINE, json.dumps(snapshot(sandbox)))
+def record_baseline(sandbox: Sandbox) -> str:
+    """Write the workspace's baseline; returns what identifies it (``sha256:HEX:SIZE``), for
+    the host to keep: the diff refuses any other file in its place."""
+    data = json.dumps(snapshot(sandbox)).encode("ascii")  # names not UTF-8 are escaped surrogates
+    sandbox.files.write(BASELINE, data)
+    return f"sha256:{hashlib.sha256(data).hexdigest()}:{len(data)}"
 
 
-def _load_baseline(sandbox: Sandbox) -> dict[str, str]:
-    # The workspace's own file, which code there may rewrite: read and parsed within bounds.
+def _load_baseline(sandbox: Sandbox, recorded: str | None) -> dict[str, str]:
+    """The baseline the run wrote. ``recorded``: what ``record_baseline`` returned; the file is
+    read no further than its size and refused unless its hash matches (``BaselineTampered``).
+    None (a caller that kept nothing): the file as it is, within ``MAX_BASELINE_BYTES``."""
+    known = _BASELINE_ID.fullmatch(recorded) if recorded is not None else None
+    if recorded is not None and known is None:
+        raise BaselineTampered(
+            f"the baseline's record {recorded[:100]!r} is not sha256:HEX:SIZE", path=BASELINE
+        )
+    cap = int(known.group(2)) if known is not None else MAX_BASELINE_BYTES
     try:
-        raw = sandbox.files.read_range(BASELINE, 0, MAX_BASELINE_BYTES + 1)
-        data = loads_bounded(raw, max_bytes=MAX_BASELINE_BYTES, max_values=2 * MAX_FILES + 1)
+        raw = sandbox.files.read_range(BASELINE, 0, cap + 1)
     except SandboxFileNotFound:
+        if known is not None:
+            raise BaselineTampered(
+                "the run's baseline was removed from the workspace (by code in the sandbox): "
+                "there is nothing to diff against",
+                path=BASELINE,
+            ) from None
         return {}
+    if known is not None and (len(raw) != cap or hashlib.sha256(raw).hexdigest() != known.group(1)):
+        raise BaselineTampered(
+            "the run's baseline in the workspace is not the one the run recorded (code in the "
+            "sandbox rewrote it): no diff is made from it",
+            path=BASELINE,
+        )
+    try:
+        data = loads_bounded(raw, max_bytes=cap, max_values=2 * MAX_FILES + 1)
     except ValueError:  # not JSON, or over the bounds: not a baseline we wrote
         return {}
     if not isinstance(data, dict):
@@ -141,14 +201,30 @@ def _load_baseline(sandbox: Sandbox) -> dict[str, str]:
     return {str(k): str(v) for k, v in data.items()}
 
 
-def workspace_diff(sandbox: Sandbox, keep: Callable[[str], bool] | None = None) -> str:
+def workspace_diff(
+    sandbox: Sandbox,
+    keep: Callable[[str], bool] | None = None,
+    *,
+    baseline: str | None = None,
+    time_s: float = DIFF_TIME_S,
+) -> str:
     """A unified diff from the baseline to now; empty when nothing changed. ``keep``: which
-    changed paths it may show (a policy's ``hands_back``); the others are named at its end."""
-    before, after = _load_baseline(sandbox), snapshot(sandbox)
+    changed paths it may show (a policy's ``hands_back``); the others are named at its end.
+    ``baseline``: what ``record_baseline`` returned (the file is verified against it). The diff
+    holds at most ``MAX_DIFF_BYTES`` and takes at most ``time_s`` (and one file pair's diff):
+    the files past either are named at its end, not shown."""
+    deadline = time.monotonic() + time_s
+    before = _load_baseline(sandbox, baseline)
+    after = snapshot(sandbox, deadline=deadline)
     chunks: list[str] = []
+    size = 0
     left_out: list[str] = []
+    unshown: list[str] = []  # past the diff's size or time
     for path in sorted(before.keys() | after.keys()):
         old, new = before.get(path), after.get(path)
+        if new == _UNREAD or (unshown and not _same(old, new)) or time.monotonic() >= deadline:
+            unshown.append(path)
+            continue
         if _same(old, new):
             continue
         if (keep is not None and not keep(path)) or not path.isprintable():
@@ -157,21 +233,34 @@ def workspace_diff(sandbox: Sandbox, keep: Callable[[str], bool] | None = None) 
             # names; a patch tool reading ours would not). Named below, escaped, instead.
             left_out.append(path)
             continue
-        if (old or "").startswith("\x00") or (new or "").startswith("\x00"):
-            chunks.append(f"Binary or large file {path} differs\n")
+        piece = _file_diff(path, old, new)
+        if size + len(piece) > MAX_DIFF_BYTES:
+            unshown.append(path)
             continue
-        old_lines = (old or "").splitlines(keepends=True)
-        new_lines = (new or "").splitlines(keepends=True)
-        diff = difflib.unified_diff(
-            old_lines,
-            new_lines,
-            fromfile=f"a/{path}" if old is not None else "/dev/null",
-            tofile=f"b/{path}" if new is not None else "/dev/null",
-        )
-        for line in diff:
-            chunks.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
+        chunks.append(piece)
+        size += len(piece)
     if left_out:
-        shown = ", ".join(repr(p) for p in left_out[:20]) + (" ..." if len(left_out) > 20 else "")
         why = "the policy does not let the run write there, or the name holds control characters"
-        chunks.append(f"Left out ({why}): {shown}\n")
+        chunks.append(f"Left out ({why}): {_names(left_out)}\n")
+    if unshown:
+        why = f"over the diff's {MAX_DIFF_BYTES // 2**20} MiB or {time_s:g} s; not compared or not shown"
+        chunks.append(f"Left out ({why}): {_names(unshown)}\n")
     return "".join(chunks)
+
+
+def _file_diff(path: str, old: str | None, new: str | None) -> str:
+    if (old or "").startswith("\x00") or (new or "").startswith("\x00"):
+        return f"Binary or large file {path} differs\n"
+    diff = difflib.unified_diff(
+        (old or "").splitlines(keepends=True),
+        (new or "").splitlines(keepends=True),
+        fromfile=f"a/{path}" if old is not None else "/dev/null",
+        tofile=f"b/{path}" if new is not None else "/dev/null",
+    )
+    return "".join(
+        line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in diff
+    )
+
+
+def _names(paths: list[str]) -> str:
+    return ", ".join(repr(p) for p in paths[:20]) + (f" ... ({len(paths)} in all)" if len(paths) > 20 else "")

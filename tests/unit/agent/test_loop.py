@@ -417,6 +417,24 @@ def test_a_tools_sandbox_commands_are_bounded_by_its_timeout() -> None:
     assert asked[2] == 2  # a shorter limit is kept
 
 
+def test_a_commands_timeout_is_bounded_by_what_is_left_of_the_runs_wall_time() -> None:
+    """The model picks a command's timeout (up to days): a call in flight ran on past
+    max_wall_s (5 s of wall time, a test run of 45 s). Each command gets at most what is left."""
+    asked: list[float | None] = []
+
+    def commands(op: RunCommand) -> CommandResult:
+        asked.append(op.timeout_s)
+        return CommandResult(exit_code=0, stdout="", stderr="", duration_s=0.0)
+
+    sandbox = Sandbox.create(backend=FakeBackend(MemoryWorkspace(commands=commands)))
+    calls = [
+        tool_call("run_tests", {"command": "sleep 45", "timeout_s": 45}),
+        tool_call("run_tests", {"command": "ls"}),
+    ]
+    Agent(ScriptedModel([*calls, "ok"]), limits=RunLimits(max_wall_s=5)).run_sync("go", sandbox=sandbox)
+    assert len(asked) == 2 and all(t is not None and 0 < t <= 5 for t in asked)
+
+
 def test_nothing_a_timed_out_tool_asks_afterwards_reaches_the_sandbox(sbx: Sandbox) -> None:
     gate, finished = threading.Event(), threading.Event()
     refused: list[str] = []

@@ -1,0 +1,54 @@
+"""A run's wall time and its diff on the real process tier, against a hostile model: the model
+picks a command's timeout and code can rewrite anything in the workspace, the diff's baseline
+included."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from stockade import Sandbox
+from stockade.agent import Agent, RunLimits, RunStatus
+from stockade.sandbox._supervised import GRACE_S
+from stockade.testing import ScriptedModel, tool_call
+from tests.conftest import require_tier
+
+pytestmark = pytest.mark.process
+
+
+def test_a_command_the_model_gives_45_s_ends_with_the_runs_wall_time(tmp_path: Path) -> None:
+    """With max_wall_s=5, a run_tests call with timeout_s=45 made the run take 46 s."""
+    require_tier("process")
+    model = ScriptedModel([tool_call("run_tests", {"command": "sleep 45", "timeout_s": 45}), "done"])
+    with Sandbox.create(tier="process", workspace=tmp_path) as sbx:
+        started = time.monotonic()
+        result = Agent(model, limits=RunLimits(max_wall_s=3)).run_sync("go", sandbox=sbx)
+        took = time.monotonic() - started
+    assert result.status == RunStatus.BUDGET
+    assert took < 3 + GRACE_S + 5  # the wall time, the tier's kill grace, and the diff
+    assert result.steps[0].tool_calls[0].error_type == "ToolTimeout"
+    assert "the run's wall time" in result.steps[0].tool_calls[0].observation
+
+
+FORGE = """
+import json
+with open(".stockade/baseline.json", "w") as f:
+    json.dump({"a.txt": "forged\\n" * 1000, "b.txt": "planted\\n"}, f)
+"""
+
+
+def test_a_baseline_code_rewrote_never_makes_the_runs_diff(tmp_path: Path) -> None:
+    """Code rewrote .stockade/baseline.json (any size up to 190 MB): the run's diff was made
+    from it, showing changes nobody made (and hours of host time for a large one)."""
+    require_tier("process")
+    (tmp_path / "a.txt").write_text("hi\n")
+    model = ScriptedModel(
+        [tool_call("run_code", {"language": "python", "code": FORGE}), tool_call("git_diff"), "done"]
+    )
+    with Sandbox.create(tier="process", workspace=tmp_path) as sbx:
+        result = Agent(model).run_sync("go", sandbox=sbx)
+    assert result.steps[1].tool_calls[0].error_type == "BaselineTampered"
+    assert result.diff.startswith("(the diff is unavailable: the run's baseline in the workspace is not")
+    assert "forged" not in result.diff and "planted" not in result.diff

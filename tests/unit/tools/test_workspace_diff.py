@@ -1,0 +1,115 @@
+"""The run's diff: against the baseline the host recorded, never one code forged, and bounded in
+size and time whatever the workspace holds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stockade import Sandbox
+from stockade.exceptions import BaselineTampered
+from stockade.testing import FakeBackend
+from stockade.tools import ToolContext, git_diff
+from stockade.tools.workspace_diff import (
+    BASELINE,
+    MAX_BASELINE_BYTES,
+    MAX_DIFF_BYTES,
+    MAX_TEXT_TOTAL,
+    record_baseline,
+    workspace_diff,
+)
+
+
+def make_sandbox() -> Sandbox:
+    return Sandbox.create(backend=FakeBackend())
+
+
+def test_a_baseline_the_code_rewrote_is_refused() -> None:
+    sbx = make_sandbox()
+    sbx.files.write("a.txt", "hi\n")
+    recorded = record_baseline(sbx)
+    sbx.files.write(BASELINE, json.dumps({"a.txt": "forged\n"}))  # what code in the sandbox can do
+    with pytest.raises(BaselineTampered, match="not the one the run recorded"):
+        workspace_diff(sbx, baseline=recorded)
+
+
+def test_a_forged_baseline_is_read_no_further_than_the_real_ones_size() -> None:
+    sbx = make_sandbox()
+    sbx.files.write("a.txt", "hi\n")
+    recorded = record_baseline(sbx)
+    read: list[int] = []
+    files = sbx.files
+    real_read_range = files.read_range
+
+    def counting(path: str, offset: int, length: int) -> bytes:
+        data = real_read_range(path, offset, length)
+        if path == BASELINE:
+            read.append(len(data))
+        return data
+
+    files.read_range = counting  # type: ignore[method-assign]
+    sbx.files.write(BASELINE, b'{"a.txt": "' + b"x" * (4 << 20) + b'"}')
+    with pytest.raises(BaselineTampered):
+        workspace_diff(sbx, baseline=recorded)
+    assert read and max(read) <= int(recorded.rsplit(":", 1)[1]) + 1
+
+
+def test_a_removed_baseline_is_said_so_not_diffed_as_an_empty_workspace() -> None:
+    sbx = make_sandbox()
+    sbx.files.write("a.txt", "hi\n")
+    recorded = record_baseline(sbx)
+    sbx.files.remove(BASELINE)
+    with pytest.raises(BaselineTampered, match="removed"):
+        workspace_diff(sbx, baseline=recorded)
+
+
+def test_the_recorded_baseline_is_diffed_against() -> None:
+    sbx = make_sandbox()
+    sbx.files.write("a.txt", "hi\n")
+    recorded = record_baseline(sbx)
+    sbx.files.write("a.txt", "ho\n")
+    assert workspace_diff(sbx, baseline=recorded) == "--- a/a.txt\n+++ b/a.txt\n@@ -1 +1 @@\n-hi\n+ho\n"
+
+
+async def test_git_diff_reports_a_forged_baseline_as_its_error() -> None:
+    sbx = make_sandbox()
+    recorded = record_baseline(sbx)
+    sbx.files.write(BASELINE, '{"a.txt": "x"}')
+    ctx = ToolContext(sandbox=sbx, baseline=recorded)
+    with pytest.raises(BaselineTampered):
+        await git_diff.invoke(ctx, git_diff.validate({}))
+
+
+def test_a_baseline_holds_no_more_than_the_snapshots_text_escapes_included() -> None:
+    """Control characters are six bytes each in the baseline's JSON: 12 files of 512 KiB of them
+    made a baseline of 36 MiB, over the 32 MiB of text a snapshot holds."""
+    sbx = make_sandbox()
+    for i in range(12):
+        sbx.files.write(f"c{i}.txt", b"\x01" * (512 * 1024))
+    recorded = record_baseline(sbx)
+    size = int(recorded.rsplit(":", 1)[1])
+    assert size == len(sbx.files.read(BASELINE, format="bytes"))
+    assert size <= MAX_TEXT_TOTAL + 12 * 1024 <= MAX_BASELINE_BYTES
+
+
+def test_the_diff_is_bounded_in_size_and_names_what_it_left_out() -> None:
+    sbx = make_sandbox()
+    recorded = record_baseline(sbx)
+    chunk = "line of text\n" * (3 * 1024 * 1024 // 13)  # 3 MiB of text
+    for i in range(4):
+        sbx.files.write(f"f{i}.txt", chunk[: 500 * 1024])  # text, within a file's 512 KiB
+    for i in range(20):
+        sbx.files.write(f"g{i:02}.txt", chunk[: 500 * 1024])
+    diff = workspace_diff(sbx, baseline=recorded)
+    assert len(diff.encode()) <= MAX_DIFF_BYTES + 4096
+    assert diff.splitlines()[-1].startswith("Left out (over the diff's 8 MiB or 30 s")
+    assert "'g19.txt'" in diff.splitlines()[-1]
+
+
+def test_a_diff_out_of_time_names_the_files_it_did_not_compare() -> None:
+    sbx = make_sandbox()
+    recorded = record_baseline(sbx)
+    sbx.files.write("a.txt", "new\n")
+    diff = workspace_diff(sbx, baseline=recorded, time_s=0)
+    assert diff == "Left out (over the diff's 8 MiB or 0 s; not compared or not shown): 'a.txt'\n"
