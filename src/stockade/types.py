@@ -544,6 +544,9 @@ class EntryInfo:
     size: int
     mode: int
     mtime: float
+    # Its name (or a folder's it is in) is not UTF-8: ``path`` shows those bytes as U+FFFD, so
+    # no files call can name it. Diffs and the run store name it as left out, not dropped.
+    lossy: bool = False
 
 
 class Listing(list[EntryInfo]):

@@ -11,6 +11,7 @@ import pytest
 
 from stockade import Sandbox
 from stockade.agent import Agent, RunLimits, RunStatus
+from stockade.runs import open_run_store
 from stockade.sandbox._supervised import GRACE_S
 from stockade.testing import ScriptedModel, tool_call
 from tests.conftest import require_tier
@@ -52,3 +53,34 @@ def test_a_baseline_code_rewrote_never_makes_the_runs_diff(tmp_path: Path) -> No
     assert result.steps[1].tool_calls[0].error_type == "BaselineTampered"
     assert result.diff.startswith("(the diff is unavailable: the run's baseline in the workspace is not")
     assert "forged" not in result.diff and "planted" not in result.diff
+
+
+UNNAMED = r"""
+import os
+open(b"bad\xff\xfename", "wb").write(b"x\xff\n")
+os.makedirs(b"dir\xc3\x28", exist_ok=True)
+open(b"dir\xc3\x28/f\x80", "w").write("hi\n")
+open("fine.txt", "w").write("ok\n")
+"""
+
+
+def test_files_whose_names_are_not_utf8_are_named_as_left_out_never_dropped(tmp_path: Path) -> None:
+    """Names not UTF-8 were dropped without a word: the diff said "(no changes)", the run store's
+    export came back without them (a folder renamed, its file missing)."""
+    require_tier("process")
+    model = ScriptedModel(
+        [tool_call("run_code", {"language": "python", "code": UNNAMED}), tool_call("list_files"), "done"]
+    )
+    with open_run_store("memory:") as store, Sandbox.create(tier="process", workspace=tmp_path) as sbx:
+        result = Agent(model, checkpointer=store).run_sync("go", sandbox=sbx, run_id="r")
+        files = store.export_workspace("r", tmp_path / "export")
+        unnamed = store.workspace_unnamed("r")
+    assert result.ok
+    assert "+++ b/fine.txt" in result.diff
+    last = result.diff.splitlines()[-1]
+    assert last.startswith("Left out (names not UTF-8, shown with U+FFFD; not read or compared): ")
+    assert "'bad\ufffd\ufffdname'" in last and "'dir\ufffd(/f\ufffd'" in last
+    assert "bad\ufffd\ufffdname  (3 bytes)  (name not UTF-8" in result.steps[1].tool_calls[0].observation
+    assert unnamed == ["bad\ufffd\ufffdname", "dir\ufffd(", "dir\ufffd(/f\ufffd"]
+    exported = sorted(p.name for p in (tmp_path / "export").iterdir())
+    assert exported == [".stockade", "fine.txt"] and files == 2  # nothing written under another name

@@ -497,10 +497,16 @@ def workspace(
         resolved = _resolve(store, run_id)
         try:
             files = store.export_workspace(resolved, dest)
+            unnamed = store.workspace_unnamed(resolved)
         except exc.StockadeError as error:
             err.print(f"[red]{escape(str(error))}[/]")
             raise typer.Exit(2) from error
     out.print(f"{files} files of run {escape(resolved)} written to {escape(str(dest))}")
+    if unnamed:
+        shown = ", ".join(repr(p) for p in unnamed[:20]) + (
+            f" ... ({len(unnamed)} in all)" if len(unnamed) > 20 else ""
+        )
+        err.print(f"[yellow]left out (names not UTF-8, shown with U+FFFD; not kept):[/] {escape(shown)}")
 
 
 def erase(

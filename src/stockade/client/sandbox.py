@@ -75,7 +75,7 @@ def execution(data: Mapping[str, Any]) -> Execution:
 def entry(data: Mapping[str, Any]) -> EntryInfo:
     return EntryInfo(
         path=data["path"], name=data["name"], type=EntryType(data["type"]), size=int(data["size"]),
-        mode=int(data["mode"]), mtime=float(data["mtime"]),
+        mode=int(data["mode"]), mtime=float(data["mtime"]), lossy=data.get("lossy") is True,
     )  # fmt: skip
 
 

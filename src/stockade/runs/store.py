@@ -278,6 +278,10 @@ class RunStore:
         ``ConfigurationError`` when ``dest`` exists or the run recorded no workspace."""
         return self._workspaces.export(run_id, dest)
 
+    def workspace_unnamed(self, run_id: str) -> list[str]:
+        """What ``export_workspace`` leaves out: the paths whose names are not UTF-8."""
+        return self._workspaces.unnamed(run_id)
+
     def workspace_usage(self, run_id: str) -> WorkspaceUsage:
         return self._workspaces.usage(run_id)
 

@@ -14,7 +14,10 @@ clock ticks of a few milliseconds, so a file written twice within the tick of a 
 read again next time rather than trusted. A change that keeps a file's size and sets its mtime
 back to the old value (``touch -d``) is not seen; nothing of ours does that.
 
-Kept: regular files (content and permission bits) and folders. Not kept: symlinks, FIFOs,
+Kept: regular files (content and permission bits) and folders. A file or folder whose name is
+not UTF-8 (``EntryInfo.lossy``) cannot be read or named by any files call: it is recorded as
+``unnamed`` (its name shown with U+FFFD, no content), never restored, and named as left out by
+``stockade runs workspace``. Not kept: symlinks, FIFOs,
 sockets and devices, owners and times, and everything that is not a file: processes, the
 ``run_code`` interpreter's variables, ``/tmp``. A resumed run starts a new interpreter, unless
 it resumes from a snapshot of its sandbox (``stockade.runs.snapshots``).
@@ -60,7 +63,7 @@ _BATCH_BYTES = 8 * 1024 * 1024  # what one archive sent to the sandbox holds at 
 class Entry:
     """One path of a recorded workspace: a file (its content's digest) or a folder."""
 
-    kind: str  # "file" or "dir"
+    kind: str  # "file", "dir", or "unnamed" (a name not UTF-8: listed, not kept)
     mode: int
     digest: str = ""
     size: int = 0
@@ -72,7 +75,7 @@ class Entry:
 def decode_entry(text: str) -> Entry:
     """The entry a stored row holds; ``ValueError`` when it is not one."""
     kind, mode, digest, size = json.loads(text)
-    if kind not in ("file", "dir") or not isinstance(mode, int) or not isinstance(size, int):
+    if kind not in ("file", "dir", "unnamed") or not isinstance(mode, int) or not isinstance(size, int):
         raise ValueError(f"not a workspace entry: {text[:80]!r}")
     return Entry(kind=str(kind), mode=mode, digest=str(digest), size=size)
 
@@ -138,14 +141,18 @@ class WorkspaceTracker:
         # What was listed is checked, but what is read is what counts: code still running in
         # the sandbox (a thread of run_code) can grow a file after the listing, so each read
         # gets only the room the cap leaves and the host holds at most ``max_bytes``.
-        to_read = {e.path for e in listing if e.type == EntryType.FILE and not self._unchanged(e)}
+        to_read = {
+            e.path for e in listing if e.type == EntryType.FILE and not e.lossy and not self._unchanged(e)
+        }
         charged = sum(e.size for e in listing if e.type == EntryType.FILE and e.path not in to_read)
         changes: dict[str, Entry | None] = {}
         blobs: dict[str, bytes] = {}
         for info in listing:
             old = self.entries.get(info.path)
             mode = info.mode & 0o7777
-            if info.type == EntryType.DIR:
+            if info.lossy:  # no call can read it: named as left out, never dropped unsaid
+                entry = Entry(kind="unnamed", mode=mode)
+            elif info.type == EntryType.DIR:
                 entry = Entry(kind="dir", mode=mode)
             elif info.path not in to_read:
                 continue  # unchanged since a listing that came after its last write
@@ -228,11 +235,14 @@ def restore(
     """Make the workspace of ``sandbox`` exactly ``entries`` (contents from ``blob(digest)``);
     returns the listing after it."""
     for top in sandbox.files.list("", depth=1):
-        sandbox.files.remove(top.path)
+        if not top.lossy:  # a name not UTF-8 cannot be named to remove it: it stays
+            sandbox.files.remove(top.path)
     batch: list[tuple[tarfile.TarInfo, bytes | None]] = []
     size = 0
     for path in sorted(p for p in entries if relative_path(p)):
         entry = entries[path]
+        if entry.kind == "unnamed":
+            continue  # its name was lost: it cannot be made again
         info = tarfile.TarInfo(path)
         info.mode = entry.mode & 0o777
         if entry.kind == "dir":

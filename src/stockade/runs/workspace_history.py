@@ -177,6 +177,8 @@ class WorkspaceHistory:
         written = 0
         for path in sorted(p for p in entries if relative_path(p)):  # parents sort before children
             entry, target = entries[path], root / path
+            if entry.kind == "unnamed":
+                continue  # its name is not UTF-8: named by ``unnamed``, not written under another
             if entry.kind == "dir":
                 target.mkdir(mode=0o700, exist_ok=True)
                 continue
@@ -187,6 +189,12 @@ class WorkspaceHistory:
                 out.write(self._blob(entry.digest))
             written += 1
         return written
+
+    def unnamed(self, run_id: str) -> list[str]:
+        """The paths of the run's last recorded workspace whose names are not UTF-8 (shown with
+        U+FFFD): listed, never kept, so ``export`` leaves them out."""
+        entries, _ = self._stored(run_id)
+        return sorted(p for p, e in entries.items() if e.kind == "unnamed")
 
     def usage(self, run_id: str) -> WorkspaceUsage:
         rows = self.db.query(

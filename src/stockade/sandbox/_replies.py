@@ -106,6 +106,7 @@ def entry_info(raw: Any) -> EntryInfo:
         size=int_field(raw.get("size")),
         mode=int_field(raw.get("mode")),
         mtime=float_field(raw.get("mtime")),
+        lossy=raw.get("lossy") is True,
     )
 
 

@@ -431,8 +431,9 @@ def list_files(ctx: ToolContext, path: str = "", depth: int = 2) -> str:
         if len(shown) >= MAX_LIST_ENTRIES:
             hidden += 1
             continue
+        line = f"{entry.path}/" if entry.type == EntryType.DIR else f"{entry.path}  ({entry.size} bytes)"
         shown.append(
-            f"{entry.path}/" if entry.type == EntryType.DIR else f"{entry.path}  ({entry.size} bytes)"
+            line + ("  (name not UTF-8, shown with U+FFFD: no tool can open it)" if entry.lossy else "")
         )
     if hidden:
         shown.append(f"... {hidden} more entries not shown; list a subfolder")

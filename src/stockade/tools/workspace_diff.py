@@ -79,6 +79,7 @@ MAX_DIFF_BYTES = 8 * 1024 * 1024
 # later): the files not compared by then are named, not shown. A file pair is diffed whole.
 DIFF_TIME_S = 30.0
 _UNREAD = "\x00unread"  # a file not read before the deadline: neither changed nor unchanged
+_UNNAMED = "\x00unnamed"  # a file whose name is not UTF-8 (``EntryInfo.lossy``): no call can read it
 _BASELINE_ID = re.compile(r"sha256:([0-9a-f]{64}):([0-9]+)")
 
 
@@ -112,6 +113,9 @@ def snapshot(sandbox: Sandbox, *, deadline: float | None = None) -> dict[str, st
             continue
         if len(files) >= MAX_FILES:
             break
+        if entry.lossy:
+            files[entry.path] = _UNNAMED
+            continue
         if deadline is not None and time.monotonic() >= deadline:
             files[entry.path] = _UNREAD
             continue
@@ -220,12 +224,19 @@ def workspace_diff(
     size = 0
     left_out: list[str] = []
     unshown: list[str] = []  # past the diff's size or time
+    unnamed: list[str] = []  # names not UTF-8: neither read nor compared, named every time
     for path in sorted(before.keys() | after.keys()):
         old, new = before.get(path), after.get(path)
-        if new == _UNREAD or (unshown and not _same(old, new)) or time.monotonic() >= deadline:
+        if _UNNAMED in (old, new):
+            unnamed.append(path)
+            continue
+        if new == _UNREAD:
             unshown.append(path)
             continue
         if _same(old, new):
+            continue
+        if time.monotonic() >= deadline:
+            unshown.append(path)
             continue
         if (keep is not None and not keep(path)) or not path.isprintable():
             # A name with a newline in it wrote headers of its own into the diff: a whole patch
@@ -242,6 +253,9 @@ def workspace_diff(
     if left_out:
         why = "the policy does not let the run write there, or the name holds control characters"
         chunks.append(f"Left out ({why}): {_names(left_out)}\n")
+    if unnamed:
+        why = "names not UTF-8, shown with U+FFFD; not read or compared"
+        chunks.append(f"Left out ({why}): {_names(unnamed)}\n")
     if unshown:
         why = f"over the diff's {MAX_DIFF_BYTES // 2**20} MiB or {time_s:g} s; not compared or not shown"
         chunks.append(f"Left out ({why}): {_names(unshown)}\n")

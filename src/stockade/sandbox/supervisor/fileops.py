@@ -158,7 +158,9 @@ def _clean(name: str) -> str:
 
 
 def _entry(path: str, st: os.stat_result) -> dict[str, Any]:
-    path = _clean(path)
+    shown = _clean(path)
+    lossy = shown != path  # its name (or a folder's on its way) is not UTF-8: no op can name it
+    path = shown
     mode = st.st_mode
     kind = (
         "file"
@@ -169,7 +171,7 @@ def _entry(path: str, st: os.stat_result) -> dict[str, Any]:
         if stat.S_ISLNK(mode)
         else "other"
     )
-    return {
+    entry = {
         "path": path,
         "name": path.rsplit("/", 1)[-1],
         "type": kind,
@@ -177,6 +179,9 @@ def _entry(path: str, st: os.stat_result) -> dict[str, Any]:
         "mode": stat.S_IMODE(mode),
         "mtime": st.st_mtime,
     }
+    if lossy:
+        entry["lossy"] = True
+    return entry
 
 
 def _listxattr(path: str) -> "list[str]":
