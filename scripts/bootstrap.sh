@@ -6,7 +6,7 @@
 #   scripts/bootstrap.sh            idempotent; a second run is a fast no-op
 #
 # Root installs the packages with apt-get; as another user, missing packages are listed
-# with the command to install them.
+# with the command to install them; host settings likewise (scripts/setup-host.sh).
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -37,6 +37,9 @@ if ((${#missing[@]})); then
     log "installing ${missing[*]}"
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2 || die "apt-get install failed"
 fi
+
+# Host settings the sandboxes' limits rely on (fs.file-max; as root, else it says how).
+"$HERE/setup-host.sh"
 
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
     || die "$PYTHON is older than 3.11; set PYTHON=/path/to/python3.11+"

@@ -384,12 +384,17 @@ class HostShare:
     tables) and the files of /workspace, /tmp and /dev/shm, which are memory; a tier with a
     kernel of its own (gVisor, the microVM) adds that kernel. ``tasks`` counts host
     processes and threads, ``open_files`` the host's file descriptors. Each is a hard limit
-    on this host (a cgroup or a kernel limit), not an estimate.
+    on this host (a cgroup or a kernel limit), not an estimate. ``mapped_files`` counts the
+    host's open files held through mappings alone (``mmap``, then ``close``), which no
+    descriptor limit sees: bounded by ``memory_mb`` (384 bytes of kernel memory each,
+    charged) and by ``vm.max_map_count`` per task; 0 where the sandbox's own kernel maps its
+    files. The host's file table holds at most ``open_files + mapped_files`` of the sandbox's.
     """
 
     memory_mb: int
     tasks: int
     open_files: int
+    mapped_files: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

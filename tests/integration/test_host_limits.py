@@ -92,6 +92,55 @@ def test_open_files_are_bounded_for_the_whole_sandbox(tier: str) -> None:
         assert grown <= host.open_files + 512, f"host file handles grew by {grown}: {result}"
 
 
+# Four processes map files and close their descriptors, as many as each may (a mapping keeps
+# its file open, outside RLIMIT_NOFILE), then wait; each one's count, or its wait status.
+MAP_HOG = r"""
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3 + [ctypes.c_long]
+pids = []
+for p in range(4):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        held = 0
+        for _ in range(int(sys.argv[1])):
+            fd = os.open("/etc/passwd", os.O_RDONLY)
+            if libc.mmap(None, 4096, 1, 1, fd, 0) == ctypes.c_void_p(-1).value:
+                break
+            os.close(fd)
+            held += 1
+        os.write(w, str(held).encode())
+        time.sleep(2)
+        os._exit(0)
+    pids.append((pid, r))
+    os.close(w)
+print([int(os.read(r, 32) or b"0") for _, r in pids])
+print(sorted(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid, _ in pids))
+"""
+
+
+@pytest.mark.alone  # the host's open files: a test of another worker would open some meanwhile
+# gVisor's and a guest's kernels map files in their own memory
+@pytest.mark.parametrize("tier", [t for t in TIERS if t in ("process", "docker")])
+def test_files_held_open_by_mappings_stay_within_the_stated_share(tier: str) -> None:
+    """A mapping keeps its file open after ``close``: one process held 65,000 that way
+    against ``open_files``. The host share states them (``mapped_files``), bounded by the
+    sandbox's memory, which pays for each (here less than the 240,000 tried)."""
+    require_tier(tier)
+    limits = Limits(memory_mb=64, pids=16, open_files=1024, timeout_s=60)
+    with Sandbox.create(tier, limits=limits) as sbx:
+        host = sbx.enforcement.host
+        assert host is not None and 0 < host.mapped_files <= limits.memory_mb * MiB // 384
+        hog = ["python3", "-c", MAP_HOG, "60000"]
+        grown, result = peak_while(lambda: sbx.commands.run(hog), host_open_files)
+        assert isinstance(result, CommandResult), result
+        assert grown <= host.open_files + host.mapped_files, f"host file handles grew by {grown}: {result}"
+        assert grown > 20_000, result  # they were held, past open_files: the share says so
+        assert sbx.commands.run("echo alive").stdout == "alive\n"
+
+
 def test_code_runs_at_the_smallest_descriptor_limit(tier: str) -> None:
     # 32 a process, the least a sandbox gives: the interpreter's copies of its pipes to the
     # supervisor (kept to put back what a cell closes) fit under it, and still serve.
@@ -434,6 +483,47 @@ def test_file_locks_take_little_of_the_host(tier: str) -> None:
     with Sandbox.create(tier, limits=Limits(memory_mb=128, timeout_s=60)) as sbx:
         grown, result = peak_while(lambda: sbx.commands.run(["python3", "-c", LOCK_HOG]), host_lock_bytes)
         assert grown <= 12 * MiB, f"the host's locks grew by {grown / MiB:.1f} MiB"
+        if tier in ("process", "docker"):  # the host's kill, counted as the memory limit's
+            assert isinstance(result, CommandResult) and result.exit_code == 0, result
+            assert result.oom_killed and "-9" in result.stdout, result
+            assert sbx.commands.run("echo alive").stdout == "alive\n"
+
+
+# Two processes take flock locks on files they map, then close the descriptors: each lock
+# lives with its mapping, listed by no descriptor (60,000 each: 23 MB of the host's); each
+# one's wait status.
+FLOCK_HOG = r"""
+import ctypes, fcntl, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3 + [ctypes.c_long]
+names = [f"/tmp/locked-{i}" for i in range(500)]  # a few files: each one's locks are a list
+for name in names:
+    open(name, "w").write("x")
+pids = []
+for p in range(2):
+    pid = os.fork()
+    if pid == 0:
+        for i in range(60000):
+            fd = os.open(names[i % len(names)], os.O_RDONLY)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            libc.mmap(None, 4096, 1, 1, fd, 0)
+            os.close(fd)
+        time.sleep(2)
+        os._exit(0)
+    pids.append(pid)
+print(sorted(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids))
+"""
+
+
+def test_flock_locks_held_through_mappings_take_little_of_the_host(tier: str) -> None:
+    """A ``flock`` lock lives as long as its open file, which a mapping keeps open after
+    ``close``: no descriptor lists it, ``open_files`` does not bound it, and its 192 bytes
+    are charged to no cgroup. The host finds those no descriptor lists (``/proc/locks``,
+    read when that many appear) and kills the processes hiding more than 4,096."""
+    with Sandbox.create(tier, limits=Limits(memory_mb=256, timeout_s=60)) as sbx:
+        grown, result = peak_while(lambda: sbx.commands.run(["python3", "-c", FLOCK_HOG]), host_lock_bytes)
+        assert grown <= 10 * MiB, f"the host's locks grew by {grown / MiB:.1f} MiB: {result}"
         if tier in ("process", "docker"):  # the host's kill, counted as the memory limit's
             assert isinstance(result, CommandResult) and result.exit_code == 0, result
             assert result.oom_killed and "-9" in result.stdout, result

@@ -16,7 +16,7 @@ from stockade import exceptions as exc
 from stockade._checks import check_envs
 from stockade.cli._console import CliConsole, escape
 from stockade.cli._signals import Interrupted, exit_code, interruptible
-from stockade.sandbox import _registry, _rules
+from stockade.sandbox import _filetable, _registry, _rules
 from stockade.sandbox.facade import Sandbox
 from stockade.types import CommandResult, Limits, NetworkPolicy, TierReport
 
@@ -54,11 +54,34 @@ def _report_json(report: TierReport) -> dict[str, object]:
     }
 
 
+def file_table_fix(limit: int, memory: int) -> str:
+    """The fix when the host's ``fs.file-max`` is below the open files its memory could hold
+    through sandboxes' mappings (``_filetable``); empty when it is not."""
+    short = _filetable.short_by(limit, memory)
+    if not short:
+        return ""
+    return (
+        f"fs.file-max is {limit:,}, {short:,} fewer open files than sandboxes can hold within "
+        "this host's memory (through mappings, outside open_files): past it, every other "
+        "process of the host gets ENFILE. Raise it as systemd does: run scripts/setup-host.sh "
+        f"as root (sysctl -w fs.file-max={_filetable.UNBOUNDED})"
+    )
+
+
+def _with_host_fix(report: TierReport, fix: str) -> TierReport:
+    """``report`` with ``fix`` added where its sandboxes hold mapped files in the host's table."""
+    host = report.enforcement.host if report.enforcement is not None else None
+    if not fix or host is None or not host.mapped_files:
+        return report
+    return dataclasses.replace(report, fixes=(*report.fixes, fix))
+
+
 def doctor(
     as_json: Annotated[bool, typer.Option("--json", help="print the tiers as JSON")] = False,
 ) -> None:
     """Which tiers work on this host, how each limit is enforced, and how to fix the rest."""
-    reports = [_registry.probe(tier) for tier in _registry.TIERS]
+    files_fix = file_table_fix(_filetable.file_max(), _filetable.host_memory())
+    reports = [_with_host_fix(_registry.probe(tier), files_fix) for tier in _registry.TIERS]
     if as_json:
         print(json.dumps([_report_json(r) for r in reports], ensure_ascii=False))
         return
@@ -78,6 +101,11 @@ def doctor(
                 out.print(
                     f"         one sandbox at the default limits takes at most {e.host.memory_mb} MiB, "
                     f"{e.host.tasks} tasks and {e.host.open_files} open files of the host"
+                    + (
+                        f", and {e.host.mapped_files} more files held open by mappings (memory_mb / 384 B)"
+                        if e.host.mapped_files
+                        else ""
+                    )
                 )
             else:
                 out.print("         [yellow]what one sandbox can take from the host is not bounded here[/]")

@@ -26,7 +26,8 @@ the same call on memory pressure. Both cgroup versions keep what it needs
 
 The same thread holds each watched group's POSIX file locks, kernel memory no cgroup charges,
 to ``_locks.MOST``, every ``_locks.PERIOD_S``: a group over it loses its processes holding the
-most, counted with the kills above.
+most, counted with the kills above; and the ``flock`` locks it holds through mappings, which
+no descriptor lists, to ``_locks.HIDDEN_MOST`` (``_locks.Unlisted``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,6 +122,10 @@ class Watch:
         self.group = group
         self.kills = 0
         self._judge = ThrashJudge()
+        # From the last hold_locks: every lock the group's descriptors list, and by process
+        # those that are not POSIX (its descriptors' flock locks and leases).
+        self.listed = 0
+        self.flocks: dict[int, int] = {}
 
     def close(self) -> None:
         _watcher.discard(self)
@@ -133,12 +139,30 @@ class Watch:
         """Kill the group's processes holding the most POSIX locks while it holds over
         ``_locks.MOST``: as it counts them, so that a hog dies before the rest are read."""
         held: dict[int, int] = {}
-        for pid in [int(pid) for pid in _read(self.group.folder / "cgroup.procs").split()]:
-            held[pid] = _locks.held_by(pid, _locks.MOST)
+        self.listed, self.flocks = 0, {}
+        for pid in self.procs():
+            held[pid], listed = _locks.listed_by(pid, _locks.MOST)
+            self.listed += listed
+            self.flocks[pid] = listed - held[pid]
             for victim in _locks.hoarders(held, held, _locks.MOST):
                 held[victim] = 0
                 if _kill(self.group, victim):
                     self.kills += 1
+
+    def procs(self) -> list[int]:
+        return [int(pid) for pid in _read(self.group.folder / "cgroup.procs").split()]
+
+    def hold_hidden(self, holders: Mapping[int, int]) -> int:
+        """Kill the group's processes hiding the most ``flock`` locks (``holders``: those
+        ``/proc/locks`` gives them, less those their descriptors list) while the group hides
+        over ``_locks.HIDDEN_MOST``; the locks of the processes killed."""
+        hidden = {pid: max(0, count - self.flocks.get(pid, 0)) for pid, count in holders.items()}
+        freed = 0
+        for victim in _locks.hoarders(hidden, hidden, _locks.HIDDEN_MOST):
+            if _kill(self.group, victim):
+                self.kills += 1
+                freed += holders[victim]
+        return freed
 
 
 def watch(group: MemoryGroup) -> Watch:
@@ -155,6 +179,7 @@ class _Watcher:
         self.state = threading.Condition()
         self.watched: set[Watch] = set()
         self.thread: threading.Thread | None = None
+        self.unlisted = _locks.Unlisted()
 
     def add(self, w: Watch) -> None:
         with self.state:
@@ -176,7 +201,7 @@ class _Watcher:
                     self.state.wait()
                 watched = list(self.watched)
             started = time.monotonic()
-            killed = _hold_locks(watched)
+            killed = _hold_locks(watched, self.unlisted)
             now = time.monotonic()
             # after a kill, the next round at once: a hog's other processes may be taking locks
             pause = _locks.PERIOD_S if killed else _locks.pause(now - started)
@@ -191,16 +216,37 @@ class _Watcher:
 _watcher = _Watcher()
 
 
-def _hold_locks(watched: list[Watch]) -> bool:
+def _hold_locks(watched: list[Watch], unlisted: _locks.Unlisted) -> bool:
     """The groups' locks counted, only when the host holds more than a sandbox may; whether
-    a process was killed."""
-    if _locks.host_locks() <= _locks.MOST:
+    a process was killed. ``/proc/locks`` is read only when ``unlisted`` says that many locks
+    appeared that no watched descriptor lists (held through mappings, or the host's own)."""
+    host = _locks.host_locks()
+    if host <= _locks.MOST:
         return False
     kills = sum(w.kills for w in watched)
+    listed = 0
     for w in watched:
         with contextlib.suppress(OSError, ValueError):  # a group removed meanwhile
             w.hold_locks()
+            listed += w.listed
+    if host != _locks.UNKNOWN and unlisted.due(host - listed):
+        unlisted.looked(host - listed, _hold_hidden(watched))
     return sum(w.kills for w in watched) > kills
+
+
+def _hold_hidden(watched: list[Watch]) -> int:
+    """Read the host's lock table, give its flock locks and leases to the watched groups'
+    processes, and kill those hiding the most; the locks of the processes killed."""
+    groups: dict[int, list[int]] = {}
+    for i, w in enumerate(watched):
+        with contextlib.suppress(OSError, ValueError):
+            groups[i] = w.procs()
+    try:
+        locks = _locks.table()
+    except OSError:
+        return 0
+    held = _locks.hidden_holders(locks, groups)
+    return sum(watched[i].hold_hidden(held[i]) for i in groups)
 
 
 def _read(path: Path) -> bytes:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from stockade import exceptions as exc
-from stockade.sandbox import _guest, _host, _rules, _thrash
+from stockade.sandbox import _filetable, _guest, _host, _rules, _thrash
 from stockade.sandbox._boundary import EgressHandle
 from stockade.sandbox._cgroups import tcp_buffer_bytes
 from stockade.sandbox._docker_engine import (
@@ -414,7 +414,10 @@ class DockerBackend(Backend):
             )
         else:
             host = HostShare(
-                memory_mb=limits.memory_mb, tasks=limits.pids, open_files=limits.total_open_files
+                memory_mb=limits.memory_mb,
+                tasks=limits.pids,
+                open_files=limits.total_open_files,
+                mapped_files=_filetable.mapped_files(limits.memory_mb, limits.pids),
             )
         return Enforcement(
             memory=Mechanism.CONTAINER,

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Literal
 
 from stockade import exceptions as exc
-from stockade.sandbox import _cgroups, _launch, _rules, _seccomp, _template
+from stockade.sandbox import _cgroups, _filetable, _launch, _rules, _seccomp, _template
 from stockade.sandbox._boundary import EgressHandle
 from stockade.sandbox._host import (
     PipeStream,
@@ -297,7 +297,12 @@ class ProcessBackend(Backend):
             ptys=Mechanism.DEVPTS if self.is_root else Mechanism.NONE,
             # The cgroup holds all of it: processes (bwrap's own included), their kernel
             # memory, and the tmpfs pages their files are.
-            host=HostShare(memory_mb=limits.memory_mb, tasks=limits.pids, open_files=limits.total_open_files)
+            host=HostShare(
+                memory_mb=limits.memory_mb,
+                tasks=limits.pids,
+                open_files=limits.total_open_files,
+                mapped_files=_filetable.mapped_files(limits.memory_mb, limits.pids),
+            )
             if cg is not Mechanism.NONE
             else None,
             weakened=tuple(weakened),

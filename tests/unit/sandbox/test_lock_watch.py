@@ -6,6 +6,9 @@ the real cgroups and sandboxes are in the integration tests (``test_host_limits`
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -116,3 +119,115 @@ def test_the_hosts_count_bounds_every_process_count(hold: Callable[[int], subpro
 def test_a_long_count_is_done_less_often() -> None:
     assert _locks.pause(0.0001) == _locks.PERIOD_S
     assert _locks.pause(0.05) == pytest.approx(0.45)  # a tenth of a CPU at most
+
+
+# Take N flock locks on files it maps, closing each descriptor: the locks live with the
+# mappings, listed by no descriptor. With "fork", a child keeps the mappings and the taker
+# exits. Says the holder's pid.
+MAPPED_HOLDER = r"""
+import ctypes, fcntl, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3 + [ctypes.c_long]
+for i in range(int(sys.argv[2])):
+    fd = os.open(f"{sys.argv[1]}-{i % 100}", os.O_RDONLY | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    assert libc.mmap(None, 4096, 1, 1, fd, 0) != ctypes.c_void_p(-1).value
+    os.close(fd)
+if sys.argv[3] == "fork" and os.fork():
+    os._exit(0)
+print(os.getpid(), flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.fixture
+def hide(tmp_path: Path) -> Iterator[Callable[[int, bool], int]]:
+    """Start a process that holds ``count`` flock locks through mappings; the holder's pid."""
+    procs: list[subprocess.Popen[str]] = []
+    holders: list[int] = []
+
+    def start(count: int, fork: bool) -> int:
+        name = tmp_path / f"mapped-{len(procs)}"
+        how = "fork" if fork else "stay"
+        proc = subprocess.Popen(
+            [sys.executable, "-c", MAPPED_HOLDER, str(name), str(count), how],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        procs.append(proc)
+        assert proc.stdout is not None
+        holders.append(int(proc.stdout.readline()))
+        return holders[-1]
+
+    yield start
+    for pid in holders:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+def _gone(pid: int) -> bool:
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not _alive(pid)
+
+
+def test_the_lock_table_gives_flock_locks_to_their_taker_or_to_who_maps_the_file() -> None:
+    locks = _locks.table(
+        b"1: POSIX  ADVISORY  WRITE 10 fe:00:5 0 EOF\n"
+        b"2: FLOCK  ADVISORY  READ 10 fe:00:6 0 EOF\n"
+        b"2: -> FLOCK  ADVISORY  WRITE 11 fe:00:6 0 EOF\n"  # a waiter: a task asleep
+        b"3: FLOCK  ADVISORY  READ 99 00:2a:7 0 EOF\n"  # its taker is gone; 11 maps the file
+        b"4: OFDLCK ADVISORY  WRITE -1 fe:00:8 0 EOF\n"
+        b"5: FLOCK  ADVISORY  READ 98 fe:00:9 0 EOF\n"  # the host's own
+    )
+    assert [lock.kind for lock in locks] == ["POSIX", "FLOCK", "FLOCK", "OFDLCK", "FLOCK"]
+    assert locks[2].file == ("00:2a", 7)
+    maps = {10: set(), 11: {("00:2a", 7)}, 20: {("fe:00", 9)}}
+    held = _locks.hidden_holders(locks, {0: [10, 11], 1: [20]}, maps=maps.__getitem__)
+    assert held[0] == Counter({10: 1, 11: 1})
+    assert held[1] == Counter({20: 1})  # mapped by a sandbox's process: its, not the host's
+
+
+def test_the_lock_table_is_read_again_only_when_that_many_more_are_unlisted() -> None:
+    unlisted = _locks.Unlisted()
+    assert not unlisted.due(_locks.HIDDEN_MOST)
+    assert unlisted.due(_locks.HIDDEN_MOST + 1)
+    unlisted.looked(_locks.HIDDEN_MOST + 1, freed=0)  # the host's own, or within the bound
+    assert not unlisted.due(2 * _locks.HIDDEN_MOST)
+    assert not unlisted.due(100)  # fewer since: the baseline follows them down
+    assert unlisted.due(100 + _locks.HIDDEN_MOST + 1)
+
+
+def test_a_group_hiding_flock_locks_in_mappings_loses_its_hider(
+    tmp_path: Path, hide: Callable[[int, bool], int], hold: Callable[[int], subprocess.Popen[str]]
+) -> None:
+    hider, fine = hide(_locks.HIDDEN_MOST + 500, False), hide(100, False)
+    other = hold(10)  # POSIX locks, listed by its descriptors
+    assert _locks.held_by(hider) == 0 and _locks.host_locks() > _locks.HIDDEN_MOST + 500
+    watch = Watch(_group(tmp_path / "g", procs=[hider, fine, other.pid]))
+    assert _thrash._hold_locks([watch], _locks.Unlisted())
+    assert watch.kills == 1 and _gone(hider)
+    assert _alive(fine) and other.poll() is None
+
+
+def test_locks_kept_by_a_child_after_their_taker_exits_are_the_childs(
+    tmp_path: Path, hide: Callable[[int, bool], int]
+) -> None:
+    child = hide(_locks.HIDDEN_MOST + 500, True)
+    watch = Watch(_group(tmp_path / "g", procs=[child]))
+    _thrash._hold_locks([watch], _locks.Unlisted())
+    assert watch.kills == 1 and _gone(child)
