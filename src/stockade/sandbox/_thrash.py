@@ -229,6 +229,10 @@ def _hold_locks(watched: list[Watch], unlisted: _locks.Unlisted) -> bool:
         with contextlib.suppress(OSError, ValueError):  # a group removed meanwhile
             w.hold_locks()
             listed += w.listed
+    if sum(w.kills for w in watched) > kills:
+        # a POSIX hog was killed, its count cut short: the next round, at once, counts again
+        # (the lock table is read when its locks have gone, not while they make it slow)
+        return True
     if host != _locks.UNKNOWN and unlisted.due(host - listed):
         unlisted.looked(host - listed, _hold_hidden(watched))
     return sum(w.kills for w in watched) > kills
