@@ -61,7 +61,11 @@ class Timeline:
 
     def __init__(self, boundary: VMBoundary) -> None:
         self.monitor = boundary.monitor()
-        self.pid = boundary.proc.pid
+        deadline = time.monotonic() + 10
+        while (pid := boundary.qemu_pid()) is None and time.monotonic() < deadline:
+            time.sleep(0.001)  # its jail starts it a few milliseconds after the launch
+        assert pid is not None, "QEMU is not running in its jail"
+        self.pid = pid
         self.out: dict[str, tuple[float, float, int]] = {}
         self.cpu = 0.0
         self.last = time.perf_counter()

@@ -16,7 +16,7 @@ die() { printf 'setup-microvm: ERROR: %s\n' "$*" >&2; exit 1; }
 [[ $(id -u) -eq 0 ]] || die "must run as root (packages, the guest kernel in /boot, the image build)"
 
 missing=()
-for p in qemu-system-x86 busybox-static e2fsprogs util-linux; do
+for p in qemu-system-x86 busybox-static e2fsprogs util-linux bubblewrap; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || missing+=("$p")
 done
 # Any installed kernel image with the virtio modules will do; the cloud flavour is the smallest.

@@ -113,6 +113,109 @@ def test_qemu_runs_under_its_own_seccomp_filter(vm: Sandbox) -> None:
     assert "Seccomp:\t2" in status
 
 
+# -- QEMU's jail ------------------------------------------------------------------------------
+
+
+def _status(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {key: value.strip() for key, _, value in (line.partition(":") for line in lines)}
+
+
+def _mounts(pid: int) -> dict[str, list[str]]:
+    """QEMU's mount points, each with its options (from its mountinfo)."""
+    out = {}
+    for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
+        fields = line.split()
+        out[fields[4]] = fields[5].split(",")
+    return out
+
+
+def _files(root: Path, *, skip: tuple[str, ...]) -> list[Path]:
+    out = []
+    for folder, folders, names in os.walk(root):
+        if Path(folder) == root:
+            folders[:] = [name for name in folders if name not in skip]
+        out += [Path(folder, name) for name in names]
+    return out
+
+
+def assert_jailed(sandbox: Sandbox) -> None:
+    """What a guest that broke into its QEMU would hold on the host: no capability at all
+    (none to use, none to regain), namespaces of its own, and a view of the host's files
+    that holds only what QEMU needs, read-only but for its console's file (and a RAM file
+    it writes through, when building an image)."""
+    (pid,) = qemu_processes(sandbox.id)
+    status = _status(pid)
+    for caps in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(status[caps], 16) == 0, (caps, status[caps])
+    assert status["NoNewPrivs"] == "1"
+    assert status["Seccomp"] == "2"
+    for ns in ("pid", "mnt", "net", "ipc", "uts"):
+        assert os.readlink(f"/proc/{pid}/ns/{ns}") != os.readlink(f"/proc/self/ns/{ns}"), ns
+    root = Path(f"/proc/{pid}/root")
+    for host_path in ("home", "var/lib/docker", "etc/passwd", "etc/shadow", "root/.bashrc", "sys"):
+        assert not (root / host_path).exists(), host_path
+    # Every file it sees outside /usr and its own /dev, /proc, /tmp: the guest's kernel, its
+    # initramfs and root image, its console's file, the image's RAM, the loader's cache.
+    seen = {Path("/", path.relative_to(root)) for path in _files(root, skip=("usr", "dev", "proc", "tmp"))}
+    vm = sandbox.instance
+    assert isinstance(vm, VMInstance)
+    rundir = vm.vm.rundir
+    needed = ("vmlinuz-*", "microvm-initrd-*.cpio", "microvm/rootfs-*.ext4", "objects/*", "qemu_ram-*.so")
+    for path in seen - {Path("/etc/ld.so.cache"), rundir / "console.log"}:
+        assert any(path.match(pattern) for pattern in needed), path
+    assert sorted(p.name for p in (root / "proc").iterdir() if p.name.isdigit()) <= ["1", "2"]
+    writable = [point for point, options in _mounts(pid).items() if "rw" in options]
+    allowed = ("/", "/dev", "/dev/shm", "/dev/pts", "/dev/mqueue", "/proc", "/tmp")
+    assert [point for point in writable if point not in allowed and not point.startswith("/dev/")] == [
+        str(_guest.default_state_dir() / f"vm-{sandbox.id}" / "console.log")
+    ]
+
+
+def test_qemu_runs_jailed_with_no_capability(vm: Sandbox) -> None:
+    assert_jailed(vm)
+    assert vm.run_code("1 + 1").text == "2"
+
+
+def test_qemu_sees_no_host_process_and_no_network(vm: Sandbox) -> None:
+    (pid,) = qemu_processes(vm.id)
+    # bwrap's init and QEMU, nothing of the host's
+    assert len([p for p in Path(f"/proc/{pid}/root/proc").iterdir() if p.name.isdigit()]) == 2
+    devices = Path(f"/proc/{pid}/net/dev").read_text().splitlines()[2:]
+    assert [line.split(":")[0].strip() for line in devices] == ["lo"]
+
+
+def test_qemu_is_jailed_on_every_start(tmp_path: Path, microvm_boot_images: BootImages) -> None:
+    """A cold boot, a boot image's, a ready image's (its RAM the store's object, mapped copy on
+    write from a read-only mount) and a memory snapshot's restore: each QEMU jailed alike."""
+    require_tier("microvm")
+    store = microvm_boot_images(tmp_path / "store")
+    cold = microvm.MicroVMBackend(boot_snapshots=False, start_ahead=False)
+    with Sandbox.create("microvm", backend=cold) as booted:
+        assert _started_from(booted) == "cold boot"
+        assert_jailed(booted)
+    backend = microvm.MicroVMBackend(snapshot_store=store)
+    try:
+        with Sandbox.create("microvm", backend=backend) as first:
+            assert _started_from(first) == "boot image"
+            assert_jailed(first)
+            first.files.write("kept.txt", "yes")
+            snapshot = first.snapshot(memory=True, store=store)
+        backend.wait_ahead(180)
+        with Sandbox.create("microvm", backend=backend) as ready:
+            assert _started_from(ready) == "ready image"
+            assert_jailed(ready)
+            (pid,) = qemu_processes(ready.id)
+            ram = [p for p, options in _mounts(pid).items() if p.startswith(str(store.root))]
+            assert len(ram) == 1 and "ro" in _mounts(pid)[ram[0]]
+        with Sandbox.create("microvm", backend=backend, snapshot=snapshot) as restored:
+            assert _started_from(restored) == "memory snapshot"
+            assert_jailed(restored)
+            assert restored.files.read("kept.txt") == "yes"
+    finally:
+        backend.close()
+
+
 # -- starts from the boot image --------------------------------------------------------------
 
 DRAWS = (

@@ -121,8 +121,16 @@ class VMBoundary(Boundary):
     def death_cause(self) -> str:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=1)  # the stream may end a moment before the process
-        code = self.proc.poll()  # QEMU ended by a signal nobody here sent
-        return "killed" if not self._dead and code is not None and code < 0 else "unknown"
+        # QEMU (or its jail) ended by a signal nobody here sent: bwrap, killed, says so by its
+        # own status; its init says a QEMU killed by signal N by exiting 128 + N (QEMU's own
+        # exits are 0 and 1).
+        code = self.proc.poll()
+        return "killed" if not self._dead and code is not None and (code < 0 or code > 128) else "unknown"
+
+    def qemu_pid(self) -> int | None:
+        """QEMU's process id on the host: the one descendant of its jail (``proc``, bwrap)
+        that runs QEMU; None once it is gone (or before the jail started it)."""
+        return _descendant(self.proc.pid, b"qemu-system")
 
     def oom_kills(self) -> int | None:
         # The host's view: QEMU killed by its cgroup's limit. Kills inside the guest are
@@ -142,6 +150,25 @@ class VMBoundary(Boundary):
             self.cgroup.remove()
         shutil.rmtree(self.rundir, ignore_errors=True)
         _host.release_folder(self.rundir)
+
+
+def _descendant(pid: int, comm: bytes) -> int | None:
+    """The first process below ``pid`` whose name starts with ``comm``."""
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+        except OSError:
+            continue
+        for child in map(int, children):
+            try:
+                if Path(f"/proc/{child}/comm").read_bytes().startswith(comm):
+                    return child
+            except OSError:
+                continue
+            todo.append(child)
+    return None
 
 
 class VMInstance(SupervisedInstance):

