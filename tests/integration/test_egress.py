@@ -551,7 +551,8 @@ except urllib.error.HTTPError as err:
 def _restored(sandbox: Sandbox) -> bool:
     """Whether the microVM's QEMU started from a saved state (a boot image or a snapshot)
     rather than booting its kernel."""
-    (pid,) = host_processes(f"stockade-{sandbox.id}\0".encode())
+    named = host_processes(f"stockade-{sandbox.id}\0".encode())  # QEMU, and bwrap: its jail
+    (pid,) = [pid for pid in named if Path(f"/proc/{pid}/comm").read_bytes().startswith(b"qemu")]
     return b"\0-incoming\0" in Path(f"/proc/{pid}/cmdline").read_bytes()
 
 
