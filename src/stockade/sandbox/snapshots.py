@@ -17,7 +17,12 @@ text, so a snapshot is its id: before anything is restored, the manifest and eac
 hashed again (``SnapshotCorrupt`` on any difference). Hashing a memory image of a few hundred
 MiB on every start would cost more than the start, so a full hash is recorded with the
 object's inode, size, modification and change times, and skipped while they are unchanged:
-any write to the file changes its change time, which only the clock can set back.
+any write to the file changes its change time, which only the clock can set back. The
+stamps are the store's own files: whoever can write the store (root: it is 0700) can forge
+one, and a check that trusts the stamp is a check against damage, not against root. An
+object is opened as a regular file only (not through a link, not waited on: a FIFO in its
+place hung a restore, a link to /dev/zero streamed zeros), and an object added again
+replaces the one there (kept, one damaged since was stamped anew with its damage).
 
 Objects are kept once, whatever shares them (every fork of one snapshot, two snapshots of
 one workspace). ``collect`` (``stockade gc``) removes what no ref keeps; the store holds at
@@ -43,6 +48,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -200,33 +206,29 @@ class SnapshotStore:
         digest = digest or _hash_file(path)
         target = self._dir("objects") / digest
         os.chmod(path, 0o400)
+        # Ours replaces one already there, which is then known good again: kept, an object
+        # damaged since (a bit flipped on disk) was stamped as verified with its new identity,
+        # and every snapshot of the same bytes taken after it was refused at its restore. The
+        # replacement is new to collection and eviction; readers of the old keep their copy.
         try:
-            # Used again: collect and eviction see it as new. Touched before our copy goes:
-            # a collection that removed it meanwhile leaves ours to take its place.
-            os.utime(target)
-        except FileNotFoundError:
             os.replace(path, target)
         except OSError:  # there, and not ours to touch
             path.unlink()
-        else:
-            path.unlink()
+            return digest
         self._stamp(digest, target)
         return digest
 
     def check_object(self, digest: str) -> Path:
         """The object's path, once its bytes are known to hash to ``digest``."""
         path = self.object_path(digest)
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            raise exc.SnapshotCorrupt(
-                f"object {digest[:16]} of the snapshot is missing from {self.label}"
-            ) from None
-        stamp = self.root / "verified" / digest
-        with contextlib.suppress(OSError):
-            if stamp.read_text() == _identity(st):
-                return path
-        if _hash_file(path) != digest:
+        with self._open_object(digest) as fh:
+            stamp = self.root / "verified" / digest
+            with contextlib.suppress(OSError):
+                if stamp.read_text() == _identity(os.fstat(fh.fileno())):
+                    return path
+            hashed = hashlib.sha256()
+            _hash_into(fh, hashed)
+        if hashed.hexdigest() != digest:
             raise exc.SnapshotCorrupt(
                 f"object {digest[:16]} of the snapshot was modified (its bytes no longer hash to its "
                 "name); nothing was restored from it"
@@ -234,20 +236,37 @@ class SnapshotStore:
         self._stamp(digest, path)
         return path
 
+    def _open_object(self, digest: str) -> BinaryIO:
+        """The object, opened for reading: a regular file, not followed through a link nor
+        waited on (a FIFO in its place hung a restore for good, a link to /dev/zero streamed
+        zeros without end): anything else is ``SnapshotCorrupt``."""
+        path = self.object_path(digest)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise exc.SnapshotCorrupt(
+                f"object {digest[:16]} of the snapshot is missing from {self.label}"
+            ) from None
+        except OSError as error:  # ELOOP: a link
+            raise exc.SnapshotCorrupt(
+                f"object {digest[:16]} of the snapshot is not a file of the store ({error.strerror}); "
+                "nothing was restored from it"
+            ) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise exc.SnapshotCorrupt(
+                f"object {digest[:16]} of the snapshot is not a regular file; nothing was restored from it"
+            )
+        os.set_blocking(fd, True)
+        return open(fd, "rb", buffering=0)
+
     def stream_object(self, digest: str, chunk: int) -> Iterator[bytes]:
         """The object's bytes, at most ``chunk`` at a time, hashed on the way: after the last
         one the iterator raises ``SnapshotCorrupt`` (instead of ending) when they do not hash
         to ``digest``. Memory is one chunk whatever the object's size (a restore that read a
         1 GiB object whole took 2 GB of the host's). Opened here, not at the first chunk, so
         a missing object is refused before anything is sent."""
-        path = self.object_path(digest)
-        try:
-            fh = open(path, "rb", buffering=0)  # noqa: SIM115 (closed by the iterator)
-        except FileNotFoundError:
-            raise exc.SnapshotCorrupt(
-                f"object {digest[:16]} of the snapshot is missing from {self.label}"
-            ) from None
-        return self._chunks(fh, path, digest, chunk)
+        return self._chunks(self._open_object(digest), self.object_path(digest), digest, chunk)
 
     def _chunks(self, fh: BinaryIO, path: Path, digest: str, chunk: int) -> Iterator[bytes]:
         hashed = hashlib.sha256()

@@ -85,6 +85,38 @@ def test_a_modified_manifest_or_object_is_refused(tmp_path: Path) -> None:
         store.load("../../etc/passwd")
 
 
+def test_an_object_damaged_on_disk_is_made_whole_by_the_next_snapshot_of_its_bytes(tmp_path: Path) -> None:
+    # The next snapshot of the same bytes kept the damaged object and stamped it as verified:
+    # that snapshot, and every later one of the same bytes, was refused at its restore.
+    store = SnapshotStore(tmp_path)
+    first = _snapshot(store, b"payload")
+    (obj,) = (tmp_path / "objects").iterdir()
+    os.chmod(obj, 0o600)
+    obj.write_bytes(b"PAYLOAD")  # a bit flipped on disk
+    second = _snapshot(store, b"payload", ref=("kept", "again"))
+    assert store.verify(second).blobs == store.verify(first).blobs
+
+
+@pytest.mark.parametrize("swap", ["fifo", "link-to-dev-zero", "folder"])
+def test_an_object_that_is_no_regular_file_is_refused_at_once(tmp_path: Path, swap: str) -> None:
+    # A FIFO in an object's place hung a restore for good; a link to /dev/zero streamed zeros.
+    store = SnapshotStore(tmp_path)
+    sid = _snapshot(store, b"payload")
+    (obj,) = (tmp_path / "objects").iterdir()
+    obj.unlink()
+    if swap == "fifo":
+        os.mkfifo(obj)
+    elif swap == "folder":
+        obj.mkdir()
+    else:
+        obj.symlink_to("/dev/zero")
+    (tmp_path / "verified" / obj.name).unlink(missing_ok=True)
+    with pytest.raises(SnapshotCorrupt, match="not"):
+        store.verify(sid)
+    with pytest.raises(SnapshotCorrupt, match="not"):
+        store.stream_object(obj.name, 1 << 20)
+
+
 def test_one_claim_wins_and_a_failed_one_gives_the_ref_back(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path)
     _snapshot(store, b"x", ref=("paused", "sbx-0123456789ab"))
