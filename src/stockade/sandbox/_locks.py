@@ -43,11 +43,12 @@ so the same round also finds locks no descriptor lists: the host's count less ev
 watched sandboxes' ``fdinfo`` listed is what nobody listed (``unlisted``: the host's own
 processes' locks, objects of caches merged with the lock cache, and locks held through
 mappings). When that has grown by more than ``HIDDEN_MOST`` since the last look
-(``Unlisted``), the host reads ``/proc/locks`` once (``table``) and gives each ``flock`` lock
-and lease to a sandbox: to its taker (the pid it lists) when that is a process of the
-sandbox, else (its taker gone, a child holding the mapping; or its pid reused outside) to a
-process of the sandbox that maps the file (``/proc/PID/maps`` names each mapping's device and
-inode, as ``/proc/locks`` does). A process holding more such locks than its descriptors list
+(``Unlisted``), the host reads the newest ``SAMPLE_BYTES`` of ``/proc/locks`` (``table``)
+and gives each ``flock`` lock and lease to a sandbox: to its taker (the pid it lists) when
+that is a process of the sandbox, else, when its taker no longer runs (a child holding the
+mapping), to a process of the sandbox that maps the file (``/proc/PID/maps`` names each
+mapping's device and inode, as ``/proc/locks`` does); each holder's share of the sample is
+scaled to the host's whole count (``estimate``). A process holding more such locks than its descriptors list
 is hiding the rest; a sandbox hiding more than ``HIDDEN_MOST`` (768 KiB) loses its processes
 hiding the most, as for POSIX locks. That read is costly as said above, but it is taken only
 when that many locks appeared unlisted, and it ends with a kill or with the new count as the
@@ -89,6 +90,11 @@ LOCK_BYTES = 192  # sizeof(struct file_lock) on x86_64, the slab's object size
 MOST = 4096  # POSIX locks a sandbox may hold: 768 KiB of the host's
 # flock locks and leases a sandbox may hold that no descriptor of it lists (through mappings)
 HIDDEN_MOST = 4096
+# How much of /proc/locks a look reads: its newest locks (each CPU's list is newest first).
+# Each read of it returns one page and walks the lists from their start, under the lock every
+# lock call of the host takes: the whole table costs quadratic time in its length (a look
+# begun at 20,000 locks lasted 4.6 s while a hog went on to 92,000); this much costs ~2 ms.
+SAMPLE_BYTES = 256 * 1024
 UNKNOWN = 1 << 62  # host_locks when the host's count cannot be read
 PERIOD_S = 0.1
 BUSY = 10  # the watch spends at most one part in this many of a CPU counting
@@ -107,6 +113,27 @@ def _read(path: str) -> bytes:
         return b"".join(parts)
     finally:
         os.close(fd)
+
+
+def _read_first(path: str, most: int) -> bytes:
+    """At most ``most`` bytes of ``path``, cut after its last whole line."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        parts, size = [], 0
+        while size < most and (chunk := os.read(fd, 1 << 16)):
+            parts.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    text = b"".join(parts)
+    return text if size < most else text[: text.rfind(b"\n") + 1]
+
+
+def estimate(sampled: Mapping[int, int], sample_size: int, total: int) -> dict[int, int]:
+    """Each process's locks of ``total``, from its share of a sample of ``sample_size`` (the
+    newest: a process taking locks now is over-represented, which is the one to stop)."""
+    scale = max(1.0, total / sample_size) if sample_size else 1.0
+    return {pid: round(count * scale) for pid, count in sampled.items()}
 
 
 def host_locks() -> int:
@@ -162,11 +189,12 @@ class Lock:
     file: tuple[str, int]
 
 
-def table(text: bytes | None = None) -> list[Lock]:
-    """The host's locks, from ``/proc/locks`` (read here unless given); waiters (``->``)
-    left out: each is a task asleep on a lock, bounded by tasks."""
+def table(text: bytes | None = None, *, most: int | None = None) -> list[Lock]:
+    """The host's locks, from ``/proc/locks`` (read here unless given; its first ``most``
+    bytes, whole lines, when given); waiters (``->``) left out: each is a task asleep on a
+    lock, bounded by tasks."""
     if text is None:
-        text = _read("/proc/locks")
+        text = _read("/proc/locks") if most is None else _read_first("/proc/locks", most)
     locks = []
     for line in text.decode("ascii", "replace").splitlines():
         fields = line.split()
@@ -194,15 +222,30 @@ def mapped_files(pid: int) -> set[tuple[str, int]]:
     return files
 
 
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs: a zombie does not (a taker that exited, its parent not
+    waiting for it, has left its cgroup, and its locks live on in its children's mappings)."""
+    try:
+        stat = _read(f"/proc/{pid}/stat")
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] not in (b"Z", b"X")
+
+
 def hidden_holders(
     locks: Iterable[Lock],
     groups: Mapping[int, Iterable[int]],
     maps: Callable[[int], set[tuple[str, int]]] = mapped_files,
+    alive: Callable[[int], bool] = _alive,
 ) -> dict[int, Counter[int]]:
     """The ``flock`` locks and leases of ``locks`` each group's processes hold, by group
     (a key of ``groups``, whose values are its pids) and process: the taker's when it is a
-    process of a group; else a process of a group that maps the file (``maps`` read only
-    then: a taker gone, its mapping kept by a child). POSIX and OFD locks are not here."""
+    process of a group; else, when its taker is gone, a process of a group that maps the
+    file (``maps`` read only then: its mapping kept by a child). A lock a live process of
+    the host took is that process's: the host's daemons hold a few, and each one sent the
+    watch through every sandbox process's maps (60,000 mappings each: a round of seconds,
+    the next round nine times later, and a hog's locks unbounded meanwhile). POSIX and OFD
+    locks are not here."""
     owner = {pid: key for key, pids in groups.items() for pid in pids}
     held: dict[int, Counter[int]] = {key: Counter() for key in groups}
     left = []
@@ -211,7 +254,7 @@ def hidden_holders(
             continue
         if lock.pid in owner:
             held[owner[lock.pid]][lock.pid] += 1
-        else:
+        elif not alive(lock.pid):
             left.append(lock)
     if left:
         mapper: dict[tuple[str, int], int] = {}

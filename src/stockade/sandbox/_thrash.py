@@ -234,23 +234,24 @@ def _hold_locks(watched: list[Watch], unlisted: _locks.Unlisted) -> bool:
         # (the lock table is read when its locks have gone, not while they make it slow)
         return True
     if host != _locks.UNKNOWN and unlisted.due(host - listed):
-        unlisted.looked(host - listed, _hold_hidden(watched))
+        unlisted.looked(host - listed, _hold_hidden(watched, host))
     return sum(w.kills for w in watched) > kills
 
 
-def _hold_hidden(watched: list[Watch]) -> int:
-    """Read the host's lock table, give its flock locks and leases to the watched groups'
-    processes, and kill those hiding the most; the locks of the processes killed."""
+def _hold_hidden(watched: list[Watch], host: int) -> int:
+    """Read the newest of the host's ``host`` locks, give their flock locks and leases to
+    the watched groups' processes, scaled to the whole table by their share of the sample,
+    and kill those hiding the most; the locks of the processes killed (as estimated)."""
     groups: dict[int, list[int]] = {}
     for i, w in enumerate(watched):
         with contextlib.suppress(OSError, ValueError):
             groups[i] = w.procs()
     try:
-        locks = _locks.table()
+        locks = _locks.table(most=_locks.SAMPLE_BYTES)
     except OSError:
         return 0
     held = _locks.hidden_holders(locks, groups)
-    return sum(watched[i].hold_hidden(held[i]) for i in groups)
+    return sum(watched[i].hold_hidden(_locks.estimate(held[i], len(locks), host)) for i in groups)
 
 
 def _read(path: Path) -> bytes:
