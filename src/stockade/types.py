@@ -387,8 +387,12 @@ class HostShare:
     on this host (a cgroup or a kernel limit), not an estimate. ``mapped_files`` counts the
     host's open files held through mappings alone (``mmap``, then ``close``), which no
     descriptor limit sees: bounded by ``memory_mb`` (384 bytes of kernel memory each,
-    charged) and by ``vm.max_map_count`` per task; 0 where the sandbox's own kernel maps its
-    files. The host's file table holds at most ``open_files + mapped_files`` of the sandbox's.
+    charged) and by ``vm.max_map_count`` per task; 0 on the microVM, whose kernel maps its
+    files in its own memory, and on gVisor, whose kernel holds host descriptors for the
+    files mapped inside (about two each) under a descriptor limit of its own, which
+    ``open_files`` states (when the code reaches it, its opens and mmaps of files fail with
+    ``EMFILE``). The host's file table holds at most ``open_files + mapped_files`` of the
+    sandbox's.
     """
 
     memory_mb: int

@@ -359,6 +359,15 @@ class DockerBackend(Backend):
             self._platform = platform
         return self._platform
 
+    def _runtime_dcache(self) -> int | None:
+        """The runtime's ``--dcache`` (gVisor's cache of closed files), None if it has none."""
+        entry = self._runtime_entry()
+        for arg in entry.get("runtimeArgs") or entry.get("runtimeargs") or []:
+            name, _, value = str(arg).partition("=")
+            if name == "--dcache" and value.isdigit():
+                return int(value)
+        return None
+
     def _api(self) -> Any:
         with self._lock:
             if self._api_client is None:
@@ -407,10 +416,14 @@ class DockerBackend(Backend):
         limits = spec.limits
         if self.own_kernel:  # the container's cgroup holds gVisor's kernel and its gofer too
             own = _guest.own_kernel_limits(spec, self._runtime_platform())
+            # gVisor's kernel and gofer get their descriptor limit from the host (root, a
+            # local engine); otherwise they keep the engine's own, which no one here sets.
+            if not self.host_tmpfs:
+                weakened.append("open files: gVisor's host descriptors bounded by the engine's limit only")
             host = HostShare(
                 memory_mb=own.host_memory // _guest.MiB,
                 tasks=own.host_pids,
-                open_files=limits.total_open_files + _guest.GVISOR_OWN_FILES,
+                open_files=_guest.gvisor_host_files(_guest.gvisor_fd_limit(limits, self._runtime_dcache())),
             )
         else:
             host = HostShare(
@@ -761,6 +774,9 @@ class DockerBackend(Backend):
                 raw = getattr(sock, "_sock", sock)
                 stream = AttachStream(raw, sock)
                 api.start(cid)
+                if self.own_kernel and self.host_tmpfs:  # before any code runs
+                    limit = _guest.gvisor_fd_limit(spec.limits, self._runtime_dcache())
+                    _guest.limit_gvisor_files(_container_pid(api, cid), limit)
                 if not self.own_kernel and not self.remote:  # gVisor's TCP is its own, in its memory
                     pid = _container_pid(api, cid)
                     _limit_tcp(pid, cid, limits_memory=spec.limits.memory_mb * _guest.MiB)

@@ -295,7 +295,7 @@ class RunscBackend(Backend):
             host=HostShare(
                 memory_mb=own.host_memory // _guest.MiB,
                 tasks=own.host_pids,
-                open_files=spec.limits.total_open_files + _guest.GVISOR_OWN_FILES,
+                open_files=_guest.gvisor_host_files(_guest.gvisor_fd_limit(spec.limits)),
             ),
             timeout_margin_s=UNPRIORITIZED_TIMEOUT_MARGIN_S,  # its kernel honours no priority
         )
@@ -522,8 +522,12 @@ class RunscBackend(Backend):
                 config["mounts"] = docker.oci_mounts(self._docker_sources(bundle, binds, folder, uid))
             (bundle / "config.json").write_text(json.dumps(config))
             with open(bundle / "runsc.log", "wb") as log:
+                # The host descriptors its kernel and gofer may hold: set here, not inherited
+                # from whoever runs stockade (a service's LimitNOFILE would be the bound).
+                fdlimit = _guest.gvisor_fd_limit(spec.limits)
+                fd_flags = (f"--fdlimit={fdlimit}", f"--dcache={_guest.GVISOR_DCACHE}")
                 proc = subprocess.Popen(
-                    self._argv(*command, "--bundle", str(bundle), sid, egress=egress is not None),
+                    self._argv(*fd_flags, *command, "--bundle", str(bundle), sid, egress=egress is not None),
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=log,

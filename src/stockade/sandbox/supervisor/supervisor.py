@@ -333,10 +333,23 @@ class Supervisor:
         self.reader.feed(data)
         self.handle(self.reader.frames())
 
+    def _import_reset(self) -> None:
+        """Load reset.py, killing the code first if its file cannot be opened: on gVisor
+        the code can hold every host descriptor its kernel may (files it mapped), and then
+        the kernel opens nothing, for us neither. Killed, it frees them; the reset kills it
+        anyway."""
+        try:
+            import reset  # noqa: F401 - loaded for handle(), which imports it again
+        except (OSError, ImportError):
+            spare = self.zygote.pid if self.zygote is not None and self.zygote.alive else 0
+            kill_tree(os.getpid(), include_root=False, spare=spare)
+            sys.modules.pop("reset", None)
+
     def handle(self, frames: list[tuple[dict[str, Any], bytes]]) -> None:
         for i, (header, body) in enumerate(frames):
             rid = header.get("id", 0)
             if header.get("op") == "reset":
+                self._import_reset()
                 import reset  # here, not at the top: a sandbox's start needs none of it
 
                 # Requests behind the reset are for the fresh supervisor it execs (or read
