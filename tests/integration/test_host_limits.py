@@ -405,6 +405,35 @@ def test_tcp_buffers_on_the_sandboxs_loopback_are_bounded(tier: str) -> None:
     assert int(held.text or "0") <= bound, f"{held.text} MiB sat in TCP queues"
 
 
+# As TCP_HOARD, with the largest buffers each socket may ask for.
+TCP_HOARD_WIDE = TCP_HOARD.replace(
+    "    client.setblocking(False)\n",
+    "    client.setblocking(False)\n"
+    "    client.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 20)\n"
+    "    peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 20)\n",
+)
+
+
+@pytest.mark.parametrize("tier", [t for t in TIERS if t == "gvisor"])
+def test_tcp_buffers_on_gvisor_count_against_its_memory_and_a_fill_says_so(tier: str) -> None:
+    """gVisor's TCP buffers are its kernel's memory, in the sandbox's memory cgroup: filling
+    them (about 10 MiB a connection) can only end the whole sandbox, and the caller is told
+    it ran out of memory (directly under runsc it was told nothing: runsc had removed the
+    group, and its count of kills, by the time anyone asked)."""
+    require_tier(tier)
+    with Sandbox.create(tier, limits=Limits(memory_mb=128, timeout_s=60)) as sbx:
+        assert TCP_HOARD_WIDE != TCP_HOARD
+        host = sbx.enforcement.host
+        assert host is not None
+        try:
+            held = sbx.run_code(TCP_HOARD_WIDE)
+        except SandboxCrashed as err:
+            assert err.cause == "out_of_memory", err
+        else:
+            assert held.error is None, held.error
+            assert int(held.text or "0") <= host.memory_mb, f"{held.text} MiB sat in TCP queues"
+
+
 def host_ptys() -> int:
     return int(Path("/proc/sys/kernel/pty/nr").read_text())
 

@@ -214,11 +214,35 @@ def _preload_supervisor(config: dict[str, Any], egress: EgressHandle | None) -> 
         config["process"]["env"].append(f"LD_PRELOAD={egress.preload}")
 
 
+def _memory_group(sid: str) -> Path:
+    return Path("/sys/fs/cgroup/memory", CGROUP_PARENT, sid)
+
+
+def _hold_memory_group(sid: str, limit: int) -> None:
+    """Make the sandbox's v1 memory cgroup, with its ``limit``, before runsc does: runsc
+    removes only the groups it made (and limits only those), and this one's OOM count must
+    outlive the sandbox, which its memory limit may kill whole (gVisor's kernel and its TCP
+    buffers are charged to it): the caller is then told it ran out of memory. Removed with
+    the bundle (``_release``)."""
+    if not Path("/sys/fs/cgroup/memory/memory.oom_control").exists():
+        return  # cgroup v2: the group's memory.events goes with it
+    group = _memory_group(sid)
+    try:
+        group.mkdir(parents=True, exist_ok=True)
+        for name in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"):
+            if (group / name).exists():  # memsw: only with swap accounting
+                (group / name).write_text(str(limit))
+    except OSError as err:
+        raise exc.SandboxStartError(f"cannot limit the sandbox's memory at {group}: {err}") from err
+
+
 def _release(bundle: Path, mounts: list[Path], egress: EgressHandle | None = None) -> None:
     if egress is not None:
         egress.close()
     for mount in mounts:
         _guest.umount(mount)
+    with contextlib.suppress(OSError):  # absent, or (gc) a live sandbox's processes in it
+        _memory_group(bundle.name.removeprefix("gv-")).rmdir()
     shutil.rmtree(bundle, ignore_errors=True)
     _host.release_folder(bundle)
 
@@ -521,6 +545,7 @@ class RunscBackend(Backend):
                 config["process"]["user"] = {"uid": uid, "gid": uid, "additionalGids": [uid]}
                 config["mounts"] = docker.oci_mounts(self._docker_sources(bundle, binds, folder, uid))
             (bundle / "config.json").write_text(json.dumps(config))
+            _hold_memory_group(sid, _guest.own_kernel_limits(spec, self.platform).host_memory)
             with open(bundle / "runsc.log", "wb") as log:
                 # The host descriptors its kernel and gofer may hold: set here, not inherited
                 # from whoever runs stockade (a service's LimitNOFILE would be the bound).
