@@ -214,6 +214,7 @@ def test_the_lock_table_is_read_again_only_when_that_many_more_are_unlisted() ->
     assert unlisted.due(100 + _locks.HIDDEN_MOST + 1)
 
 
+@pytest.mark.alone  # the host's lock table: another worker's locks would be its newest
 def test_a_group_hiding_flock_locks_in_mappings_loses_its_hider(
     tmp_path: Path, hide: Callable[[int, bool], int], hold: Callable[[int], subprocess.Popen[str]]
 ) -> None:
@@ -226,6 +227,7 @@ def test_a_group_hiding_flock_locks_in_mappings_loses_its_hider(
     assert _alive(fine) and other.poll() is None
 
 
+@pytest.mark.alone  # the host's lock table: another worker's locks would be its newest
 def test_locks_kept_by_a_child_after_their_taker_exits_are_the_childs(
     tmp_path: Path, hide: Callable[[int, bool], int]
 ) -> None:
