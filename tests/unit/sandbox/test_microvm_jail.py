@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from stockade.sandbox._microvm_jail import QemuJail, ram_shim
+from tests.conftest import require
 
 PYTHON = "/usr/bin/python3"
 DAC_OVERRIDE = 1 << 1
@@ -31,8 +32,11 @@ OPEN_RDWR = (
 @pytest.fixture
 def jail() -> QemuJail:
     bwrap, setpriv = shutil.which("bwrap"), shutil.which("setpriv")
-    if os.geteuid() != 0 or bwrap is None or setpriv is None or not sys.platform.startswith("linux"):
-        pytest.skip("QEMU's jail is the microvm tier's: root, bubblewrap and setpriv")
+    usable = (
+        os.geteuid() == 0 and bwrap is not None and setpriv is not None and sys.platform.startswith("linux")
+    )
+    require("QEMU's jail", usable, "the microvm tier's: root, bubblewrap and setpriv")
+    assert bwrap is not None and setpriv is not None
     return QemuJail(bwrap, setpriv)
 
 
@@ -57,8 +61,9 @@ def test_the_jailed_program_holds_no_capability_and_can_regain_none(jail: QemuJa
 
 def test_the_ram_file_is_opened_for_reading_through_a_read_only_mount(jail: QemuJail, tmp_path: Path) -> None:
     shim = ram_shim(tmp_path / "native")
-    if shim is None or not Path(PYTHON).is_file():
-        pytest.skip("no C compiler, or no system python3, here")
+    require(
+        "QEMU's RAM shim", shim is not None and Path(PYTHON).is_file(), "no C compiler, or no system python3"
+    )
     ram = _ram_file(tmp_path)
     argv = jail.wrap([PYTHON, "-c", OPEN_RDWR, str(ram)], read=(), private_ram=ram, shim=shim)
     assert subprocess.run(argv, capture_output=True, text=True, check=True).stdout == "read\n"

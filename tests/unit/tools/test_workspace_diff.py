@@ -25,19 +25,22 @@ def make_sandbox() -> Sandbox:
     return Sandbox.create(backend=FakeBackend())
 
 
-def test_a_baseline_the_code_rewrote_is_refused() -> None:
+def with_baseline() -> tuple[Sandbox, str]:
+    """A sandbox whose workspace holds a.txt, and its baseline as the run records it."""
     sbx = make_sandbox()
     sbx.files.write("a.txt", "hi\n")
-    recorded = record_baseline(sbx)
+    return sbx, record_baseline(sbx)
+
+
+def test_a_baseline_the_code_rewrote_is_refused() -> None:
+    sbx, recorded = with_baseline()
     sbx.files.write(BASELINE, json.dumps({"a.txt": "forged\n"}))  # what code in the sandbox can do
     with pytest.raises(BaselineTampered, match="not the one the run recorded"):
         workspace_diff(sbx, baseline=recorded)
 
 
 def test_a_forged_baseline_is_read_no_further_than_the_real_ones_size() -> None:
-    sbx = make_sandbox()
-    sbx.files.write("a.txt", "hi\n")
-    recorded = record_baseline(sbx)
+    sbx, recorded = with_baseline()
     read: list[int] = []
     files = sbx.files
     real_read_range = files.read_range
@@ -56,18 +59,14 @@ def test_a_forged_baseline_is_read_no_further_than_the_real_ones_size() -> None:
 
 
 def test_a_removed_baseline_is_said_so_not_diffed_as_an_empty_workspace() -> None:
-    sbx = make_sandbox()
-    sbx.files.write("a.txt", "hi\n")
-    recorded = record_baseline(sbx)
+    sbx, recorded = with_baseline()
     sbx.files.remove(BASELINE)
     with pytest.raises(BaselineTampered, match="removed"):
         workspace_diff(sbx, baseline=recorded)
 
 
 def test_the_recorded_baseline_is_diffed_against() -> None:
-    sbx = make_sandbox()
-    sbx.files.write("a.txt", "hi\n")
-    recorded = record_baseline(sbx)
+    sbx, recorded = with_baseline()
     sbx.files.write("a.txt", "ho\n")
     assert workspace_diff(sbx, baseline=recorded) == "--- a/a.txt\n+++ b/a.txt\n@@ -1 +1 @@\n-hi\n+ho\n"
 
