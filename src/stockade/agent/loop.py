@@ -530,11 +530,15 @@ class AgentRun:
             return RunStatus.BUDGET, f"the run spent its budget (${limits.max_cost_usd:g})"
         return None
 
+    def _wall_left(self) -> float:
+        """The seconds left of the run's wall time, this node's so far counted."""
+        spent = self.state.elapsed_s + self.agent.clock() - self._node_started
+        return max(0.0, self.agent.limits.max_wall_s - spent)
+
     def _wall_deadline(self) -> float:
         """When the run's wall time ends, as a ``time.monotonic()`` reading: a tool call in
         flight is bounded by it (the model chooses a command's own timeout, up to days)."""
-        spent = self.state.elapsed_s + self.agent.clock() - self._node_started
-        return time.monotonic() + max(0.0, self.agent.limits.max_wall_s - spent)
+        return time.monotonic() + self._wall_left()
 
     async def _model_request(self) -> ModelRequestNode | None:
         state, agent = self.state, self.agent
@@ -553,8 +557,18 @@ class AgentRun:
         request = ModelRequest(system=state.system, messages=tuple(state.messages), tools=agent._definitions)
         self._emit(ModelRequested(run_id=state.run_id, step=step, request=request))
         started = time.perf_counter()
+        # A model that never answers (a stalled stream, retries backing off for minutes) is cut
+        # where the run's wall time ends: max_wall_s bounds the run, not its tool calls alone.
+        cut = asyncio.timeout(self._wall_left())
         try:
-            response = await agent.model.request(request)
+            async with cut:
+                response = await agent.model.request(request)
+        except TimeoutError:
+            if not cut.expired():
+                raise  # the model's own, not ours
+            used = f"the run used its wall time ({agent.limits.max_wall_s:g} s)"
+            self._finish(RunStatus.BUDGET, error=f"{used} waiting for the model")
+            return None
         except PolicyDenied as err:  # a decision like a tool denial: observers (the audit) see it
             self._emit(
                 ModelDenied(
@@ -594,12 +608,15 @@ class AgentRun:
         state, agent = self.state, self.agent
         assert agent.check is not None, "a check node without a check"
         step = len(state.steps)
+        # A check of its own timeout runs within the run's wall time too (cut there, it decided
+        # nothing); without one, the sandbox's default timeout bounds it (30 s by default).
+        left, own = self._wall_left(), agent.check_timeout_s
         report = await asyncio.to_thread(
             run_test_command,
             self.bookkeeping,  # the user's command, not the model's: the model's rules do not apply
             agent.check,
             name=f"check-{step}-{len(state.checks) + 1}",
-            timeout_s=agent.check_timeout_s,
+            timeout_s=None if own is None else max(0.01, min(own, left)),
         )
         shown = report.observation()
         limit = agent.limits.max_observation_chars
@@ -624,6 +641,10 @@ class AgentRun:
         self._emit(CheckFinished(run_id=state.run_id, record=record, report=report))
         if record.passed:
             self._finish(RunStatus.SUCCESS)
+            return CheckNode(record=record)
+        if report.timed_out and own is not None and left < own:
+            used = f"the run used its wall time ({agent.limits.max_wall_s:g} s)"
+            self._finish(RunStatus.BUDGET, error=f"{used} in the acceptance check")
             return CheckNode(record=record)
         failures = sum(1 for c in state.checks if not c.passed)
         if failures >= agent.limits.max_check_failures:

@@ -200,7 +200,8 @@ def test_wall_time_is_measured_with_an_injectable_clock(sbx: Sandbox) -> None:
 
     model = ScriptedModel([tool_call("list_files")] * 10)
     result = Agent(model, clock=clock, limits=RunLimits(max_wall_s=250)).run_sync("go", sandbox=sbx)
-    assert result.status == RunStatus.BUDGET and result.error == "the run used its wall time (250 s)"
+    assert result.status == RunStatus.BUDGET
+    assert result.error is not None and result.error.startswith("the run used its wall time (250 s)")
 
 
 def test_no_tool_call_starts_once_the_wall_time_is_used_up(sbx: Sandbox) -> None:
@@ -433,6 +434,38 @@ def test_a_commands_timeout_is_bounded_by_what_is_left_of_the_runs_wall_time() -
     ]
     Agent(ScriptedModel([*calls, "ok"]), limits=RunLimits(max_wall_s=5)).run_sync("go", sandbox=sandbox)
     assert len(asked) == 2 and all(t is not None and 0 < t <= 5 for t in asked)
+
+
+def test_a_model_that_does_not_answer_is_cut_where_the_runs_wall_time_ends(sbx: Sandbox) -> None:
+    """max_wall_s bounds the run, the model's requests included: a stalled stream, or retries
+    backing off for minutes, ran on past it (a 0.5 s run waited 20 s here, then succeeded)."""
+
+    async def stalled(request: ModelRequest) -> ModelResponse:
+        await asyncio.sleep(20)
+        return ModelResponse(text="done at last")
+
+    result = Agent(FunctionModel(stalled), limits=RunLimits(max_wall_s=0.5)).run_sync("go", sandbox=sbx)
+    assert result.status == RunStatus.BUDGET
+    assert result.error == "the run used its wall time (0.5 s) waiting for the model"
+    assert 0.5 <= result.state.elapsed_s < 10
+
+
+def test_the_acceptance_check_runs_within_what_is_left_of_the_wall_time() -> None:
+    """A check of its own timeout (10 minutes by default) ran on past max_wall_s; cut there,
+    it decided nothing: the run ends on its budget, not as a failed check."""
+    asked: list[float | None] = []
+
+    def commands(op: RunCommand) -> CommandResult:
+        asked.append(op.timeout_s)
+        return CommandResult(exit_code=124, stdout="", stderr="", duration_s=5.0, timed_out=True)
+
+    sandbox = Sandbox.create(backend=FakeBackend(MemoryWorkspace(commands=commands)))
+    limits = RunLimits(max_wall_s=5)
+    agent = Agent(ScriptedModel(["done"]), check="pytest -q", check_timeout_s=600, limits=limits)
+    result = agent.run_sync("go", sandbox=sandbox)
+    assert len(asked) == 1 and asked[0] is not None and 0 < asked[0] <= 5
+    assert result.status == RunStatus.BUDGET
+    assert result.error == "the run used its wall time (5 s) in the acceptance check"
 
 
 def test_nothing_a_timed_out_tool_asks_afterwards_reaches_the_sandbox(sbx: Sandbox) -> None:
