@@ -58,7 +58,15 @@ def _has_audit_tables(path: Path, namespace: str) -> bool:
     return _has_table(path, f"{namespace}_events")
 
 
+# Exit codes of ``verify``: a store that cannot be read is neither a trail that verifies nor
+# one that is absent (2: "nothing to verify", what a monitor takes for "no trail yet").
+UNREADABLE = 3
+_SQLITE_NOTADB = 26  # the file is no SQLite database: it holds no trail
+
+
 def _has_table(path: Path, table: str) -> bool:
+    """Whether the SQLite file at ``path`` has ``table``; exits UNREADABLE where the file
+    cannot be read (a full disk, an I/O error, a lock): that is no answer either way."""
     import sqlite3
 
     try:
@@ -66,8 +74,11 @@ def _has_table(path: Path, table: str) -> bool:
             found = db.execute(
                 "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)
             ).fetchone()
-    except sqlite3.DatabaseError:
-        return False
+    except sqlite3.DatabaseError as error:
+        if getattr(error, "sqlite_errorcode", None) == _SQLITE_NOTADB:
+            return False
+        err.print(f"[red]cannot read {escape(str(path))}[/]: {escape(str(error))}")
+        raise typer.Exit(UNREADABLE) from error
     return found is not None
 
 
@@ -165,7 +176,8 @@ def verify(
     ] = None,
 ) -> None:
     """Check the hash chain: exit 0 when intact, 1 with the problems found (seq and what), 2 when
-    there is nothing to verify (no trail, no events, no events of --run). The tool calls of the
+    there is nothing to verify (no trail, no events, no events of --run), 3 when the store
+    cannot be read (a full disk, an I/O error: nothing proven either way). The tool calls of the
     run store's ledger and the chain's tool_call events must agree: a call in one and not the
     other is a problem (not_in_trail, not_in_ledger), and so is a call, or a run's final end,
     twice in the chain (duplicate_in_trail). A service keeps a chain per tenant and one run
@@ -190,6 +202,9 @@ def verify(
             report = verify_store(
                 store, run_id=run, key=_key(key_file), expected_head=pinned, ledger=scoped or ledger
             )
+        except exc.AuditStoreError as error:  # the store failed mid-way: nothing was proven
+            err.print(f"[red]{escape(str(error))}[/]")
+            raise typer.Exit(UNREADABLE) from error
         except exc.StockadeError as error:
             err.print(f"[red]{escape(str(error))}[/]")
             raise typer.Exit(2) from error

@@ -135,3 +135,21 @@ def test_nothing_found_is_not_intact(tmp_path: Path) -> None:
     with sqlite3.connect(other) as conn:  # and verifying did not create one in it
         tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     assert tables == {"notes"}
+
+
+def test_a_store_that_cannot_be_read_is_neither_intact_nor_absent(tmp_path: Path) -> None:
+    """A store on a full disk (or damaged, or locked) was reported as holding no trail, exit 2:
+    what a monitor takes for "no trail yet". It cannot be read: exit 3, and why."""
+    path = tmp_path / "a.db"
+    db = make_store(path)
+    with path.open("r+b") as damaged:  # the schema's page, past the file's header
+        damaged.seek(100)
+        damaged.write(b"\xff" * 200)
+    result = runner.invoke(app, ["audit", "verify", "--db", db])
+    assert result.exit_code == 3, result.output
+    assert "cannot read" in result.output and "holds no audit trail" not in result.output
+
+    not_a_database = tmp_path / "notes.txt"
+    not_a_database.write_text("a text file, no database " * 100)
+    result = runner.invoke(app, ["audit", "verify", "--db", f"sqlite:///{not_a_database}"])
+    assert result.exit_code == 2 and "holds no audit trail" in result.output
