@@ -61,8 +61,9 @@ class Limits:
     eighth of it, at least 16 MiB) and POSIX file locks (4,096, 768 KiB, counted by the host,
     which kills the processes holding the most past them, as for memory).
     The workspace holds ``disk_mb`` (half of ``memory_mb`` unless given) and ``inodes``; /tmp
-    and /dev/shm hold ``tmp_mb`` each (``memory_mb / 8``, at most 64, unless given). So a
-    full workspace is ``WorkspaceFull`` (ENOSPC inside), not a sandbox killed for memory, and
+    and /dev/shm hold ``tmp_mb`` each (``memory_mb / 8``, at most 64, unless given) and a
+    quarter of ``inodes`` (at least 1,024). So a full workspace is ``WorkspaceFull`` (ENOSPC
+    inside), and so are empty files past the count, not a sandbox killed for memory, and
     a ``Limits`` whose files could take more than three quarters of ``memory_mb`` is refused.
     """
 

@@ -5,6 +5,7 @@ Parametrised over every tier, like the conformance suite.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import os
 import secrets
@@ -404,6 +405,39 @@ def test_inodes_are_limited(tier: str) -> None:
             "except OSError as e: print(type(e).__name__, e.errno)\nn"
         )
         assert int(r.text or 0) < 5000 and "OSError" in r.logs.stdout
+
+
+def test_dev_shm_runs_out_of_inodes_not_of_memory(tier: str) -> None:
+    # Empty files take no space a size limit counts, but each costs kernel memory: without an
+    # inode limit (the engine's own /dev/shm, gVisor's tmpfs) the filler was killed for memory,
+    # and the sandbox with it. /dev/shm holds what /tmp does: a quarter of ``inodes``.
+    limits = Limits(memory_mb=128, inodes=8000)
+    bound = limits.inodes // 4
+    with Sandbox.create(tier, limits=limits) as sbx:
+        r = sbx.run_code(
+            f"import errno, os\nmade, stopped = 0, None\ntry:\n    for made in range({2 * bound}):\n"
+            "        os.close(os.open(f'/dev/shm/{made:07d}' + 'n' * 200, os.O_CREAT | os.O_WRONLY))\n"
+            "except OSError as e: stopped = errno.errorcode[e.errno]\n(made, stopped)"
+        )
+        assert r.error is None, r.error
+        made, stopped = ast.literal_eval(r.text or "")
+        assert stopped == "ENOSPC" and bound - 16 <= made <= bound
+        assert sbx.commands.run("echo usable").stdout == "usable\n"
+        sbx.reset()
+        assert sbx.commands.run("ls -A /dev/shm | wc -l").stdout.strip() == "0"
+
+
+def test_posix_shared_memory_and_queues_work(sbx: Sandbox) -> None:
+    r = sbx.run_code(
+        "from multiprocessing import Process, Queue, shared_memory\n"
+        "made = shared_memory.SharedMemory(create=True, size=1 << 20)\nmade.buf[:5] = b'hello'\n"
+        "seen = shared_memory.SharedMemory(name=made.name)\ngot = bytes(seen.buf[:5])\n"
+        "seen.close(); made.close(); made.unlink()\n"
+        "q = Queue()\np = Process(target=q.put, args=(42,)); p.start()\n"
+        "answer = q.get(timeout=10); p.join()\n(got, answer)"
+    )
+    assert r.error is None, r.error
+    assert r.text == "(b'hello', 42)"
 
 
 def test_large_writes_round_trip_and_the_sandbox_stays_usable(sbx: Sandbox) -> None:

@@ -155,14 +155,15 @@ def test_a_paused_gvisor_sandbox_resumes_with_its_memory(
     gvisor: GVisorBackend, store: SnapshotStore, no_sandbox_left: None
 ) -> None:
     """A variable, the interpreter's process with a thread that keeps counting, and the files
-    survive a pause, the exit of the process that paused, and a resume in this one (whatever
-    mode its gVisor tier has). (A run's own processes end with the run on every tier: the
-    processes that live between calls are the supervisor's, the zygote and the interpreter.)"""
+    (the workspace's, /tmp's and /dev/shm's) survive a pause, the exit of the process that
+    paused, and a resume in this one (whatever mode its gVisor tier has). (A run's own
+    processes end with the run on every tier: the processes that live between calls are the
+    supervisor's, the zygote and the interpreter.)"""
     paused = _child(
         f"""
         sbx = Sandbox.create("gvisor", limits=Limits(memory_mb=256, pids=64))
         sbx.files.write("a.txt", "kept")
-        sbx.commands.run("echo scratch > /tmp/t && ln -s /usr/bin/python3 py")
+        sbx.commands.run("echo scratch > /tmp/t && echo shared > /dev/shm/s && ln -s /usr/bin/python3 py")
         sbx.run_code({COUNTER!r})
         before = int(sbx.run_code("ticks[0]").text)
         pid = sbx.run_code("import os; os.getpid()").text
@@ -183,8 +184,8 @@ def test_a_paused_gvisor_sandbox_resumes_with_its_memory(
         assert sbx.run_code("os.getpid()").text == paused["pid"]  # the same interpreter process
         assert sbx.files.read("a.txt") == "kept"
         assert (
-            sbx.commands.run("cat /tmp/t; echo more >> /tmp/t; ./py -c 'print(6 * 7)'").stdout
-            == "scratch\n42\n"
+            sbx.commands.run("cat /tmp/t /dev/shm/s; echo more >> /tmp/t; ./py -c 'print(6 * 7)'").stdout
+            == "scratch\nshared\n42\n"
         )
         assert sbx.files.read("a.txt") == "kept"
         again = sbx.snapshot(store=store)  # a restored sandbox snapshots like any other

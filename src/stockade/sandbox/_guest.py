@@ -19,7 +19,7 @@ import socket
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from stockade import exceptions as exc
@@ -39,6 +39,7 @@ SUPERVISOR_ARGV = (
 SANDBOX_UID = 1000
 MiB = 1024 * 1024
 EGRESS_DIR = "/run/stockade-egress"  # stockade.egress.SANDBOX_DIR: the proxy's socket, read-only
+SHM = "/dev/shm"  # POSIX shared memory: a writable place like /tmp, of the same size
 
 # Labels (Docker) and annotations (OCI) that mark what stockade started, and by whom.
 LABEL = "stockade.sandbox"
@@ -296,12 +297,19 @@ def etc_files(uid: int) -> dict[str, str]:
 
 
 def tmpfs_sizes(spec: SandboxSpec) -> dict[str, tuple[int, int, int]]:
-    """Mount point -> (bytes, inodes, mode) of the two writable places, as on every tier."""
+    """Mount point -> (bytes, inodes, mode) of the writable places, as on every tier.
+
+    /dev/shm is one of them: the engine's own shm mount (and gVisor's tmpfs) has no inode
+    limit, and empty files, which no size limit counts, cost kernel memory until the
+    sandbox is killed for memory instead of failing with ENOSPC."""
     limits = spec.limits
-    return {
-        WORKSPACE: (limits.workspace_mb * MiB, limits.inodes, 0o755),
-        "/tmp": (limits.tmp_size_mb * MiB, max(1024, limits.inodes // 4), 0o1777),
-    }
+    scratch = (limits.tmp_size_mb * MiB, max(1024, limits.inodes // 4), 0o1777)
+    return {WORKSPACE: (limits.workspace_mb * MiB, limits.inodes, 0o755), "/tmp": scratch, SHM: scratch}
+
+
+def host_folder(target: str) -> str:
+    """The name of a writable place's host side in a sandbox's folder (its role in a snapshot)."""
+    return PurePosixPath(target).name
 
 
 SENTRY_MEMORY = 128 * MiB

@@ -47,10 +47,10 @@ if TYPE_CHECKING:
 
     from stockade.sandbox.gvisor import RunscBackend
 
-AREAS = ("workspace", "tmp")
+AREAS = ("workspace", "tmp", "shm")  # the host tmpfs bound at /workspace, /tmp, /dev/shm
 # Part of every gVisor memory snapshot's machine key: raise it when what the host does
 # around a checkpoint or a restore changes.
-SNAPSHOT_VERSION = "1"
+SNAPSHOT_VERSION = "2"  # 2: /dev/shm a host tmpfs too (an area), no longer gVisor's
 RUNSC_TIMEOUT_S = 300.0
 IMAGE_ROLE = "memory"  # the role of checkpoint.img; any other file of the image: memory-<name>
 MAIN_IMAGE = "checkpoint.img"
@@ -60,7 +60,7 @@ COMPRESSION = "--compression=none"
 # What a container's mount may be to be restored: a kernel's own filesystem (its content is
 # in the image), or a bind of one of these (never a host path read from a snapshot).
 KERNEL_MOUNTS = frozenset({"proc", "tmpfs", "devpts", "sysfs", "mqueue", "cgroup"})
-BIND_ROLES = ("workspace", "tmp", "supervisor", "passwd", "group", "null", "unreadable")
+BIND_ROLES = ("workspace", "tmp", "shm", "supervisor", "passwd", "group", "null", "unreadable")
 EGRESS_REFUSAL = "a gVisor sandbox with an egress allowlist keeps files only in a snapshot"
 
 RunscCall = Callable[..., None]
@@ -91,7 +91,7 @@ def call_runsc(argv: list[str], *, check: bool = True) -> None:
 def checkpoint(
     runsc: RunscCall, sid: str, areas: Path, room: Reservation, *, stop: bool
 ) -> tuple[dict[str, str], dict[str, str]]:
-    """Pause the sandbox, pack its files (``areas``/workspace and /tmp), checkpoint it, resume
+    """Pause the sandbox, pack its files (``areas``/workspace, /tmp and /dev/shm), checkpoint it, resume
     it (with ``stop``, the checkpoint is without ``--leave-running``: the sandbox ends as it
     resumes), all within ``room``. The objects (role -> digest) and the image's files (name -> role)."""
     store = room.store
@@ -450,6 +450,7 @@ class ContainerMemory:
         sources = {
             "workspace": self.rundir / "workspace",
             "tmp": self.rundir / "tmp",
+            "shm": self.rundir / "shm",
             "supervisor": self.folder,
             "passwd": self.rundir / "etc" / "passwd",
             "group": self.rundir / "etc" / "group",

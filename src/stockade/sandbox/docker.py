@@ -2,9 +2,10 @@
 
 The container runs the same supervisor as every tier, as its only process (pid 1, a child
 subreaper), attached over the engine's stdin/stdout stream. Every default is enforced by
-the engine: no network, a read-only root, the workspace and /tmp as size- and inode-limited
-tmpfs, uid 1000 without capabilities, ``no-new-privileges``, the engine's seccomp profile,
-and memory (swap included), CPU and pids limits.
+the engine: no network, a read-only root, the workspace, /tmp and /dev/shm as size- and
+inode-limited tmpfs (not the engine's own shm mount, which counts no inodes), uid 1000
+without capabilities, ``no-new-privileges``, the engine's seccomp profile, and memory (swap
+included), CPU and pids limits.
 
 A container is removed on close, on exceptions, when its ``Sandbox`` is garbage collected
 and at interpreter exit; what a killed process left behind is removed by
@@ -298,9 +299,9 @@ class DockerBackend(Backend):
     """Containers on a Docker engine. ``runtime="runsc"`` runs them under gVisor.
 
     ``own_kernel`` says the runtime brings its own kernel (gVisor): processes are then
-    counted by that kernel (RLIMIT_NPROC), and the workspace and /tmp are tmpfs mounted on
-    this host and bound in (needs root and a local engine), as gVisor's tmpfs cannot limit
-    inodes.
+    counted by that kernel (RLIMIT_NPROC), and the workspace, /tmp and /dev/shm are tmpfs
+    mounted on this host and bound in (needs root and a local engine), as gVisor's tmpfs
+    cannot limit inodes.
 
     ``remote`` says the engine does not run on this host (default: any ``DOCKER_HOST`` or
     ``base_url`` that is not a unix socket; ``STOCKADE_DOCKER_REMOTE=1``/``0`` overrides).
@@ -559,7 +560,6 @@ class DockerBackend(Backend):
             memswap_limit=memory,
             nano_cpus=int(limits.cpus * 1e9),
             pids_limit=pids,
-            shm_size=limits.tmp_size_mb * _guest.MiB,
             ulimits=[
                 docker.types.Ulimit(name="core", soft=0, hard=0),
                 docker.types.Ulimit(
@@ -569,7 +569,7 @@ class DockerBackend(Backend):
             init=False,
             auto_remove=False,
             runtime=self.runtime,
-            ipc_mode="private",
+            ipc_mode="private",  # its own IPC namespace; /dev/shm is the tmpfs above, not the engine's
             log_config=no_logs(),
             cgroupns="private",  # the container's cgroup paths name its id
         )
@@ -606,7 +606,7 @@ class DockerBackend(Backend):
             if self.host_tmpfs:
                 noexec = _rules.written_noexec(spec)
                 for target, (size, inodes, mode) in _guest.tmpfs_sizes(spec).items():
-                    path = rundir / target.strip("/")
+                    path = rundir / _guest.host_folder(target)
                     path.mkdir()
                     _guest.mount_tmpfs(path, size=size, inodes=inodes, mode=mode, uid=uid, noexec=noexec)
                     mounts.append(path)
@@ -871,6 +871,7 @@ def _collect_rundirs(state_dir: Path, me: _guest.Creator, live_ids: set[str]) ->
             host, token = me.host, ""
         if rundir.name.removeprefix("ctr-") in live_ids or me.alive_here(host, token):
             continue
-        _release_mounts(rundir, [p for p in (rundir / "workspace", rundir / "tmp") if p.is_mount()])
+        areas = [rundir / name for name in ("workspace", "tmp", "shm")]
+        _release_mounts(rundir, [p for p in areas if p.is_mount()])
         removed.append(f"mounts {rundir}")
     return removed

@@ -7,7 +7,7 @@ Two ways to get there, chosen by ``mode``:
   limits in ``config.json``) and runs ``runsc run`` on it, stdin/stdout to the supervisor;
 * ``"auto"`` (default): Docker when the engine answers, ``runsc`` otherwise.
 
-The workspace and /tmp are tmpfs mounted on the host (size and inode limits the host kernel
+The workspace, /tmp and /dev/shm are tmpfs mounted on the host (size and inode limits the host kernel
 enforces) and bound in: gVisor's own tmpfs cannot limit inodes. ``platform`` is runsc's
 platform for the direct mode; with Docker it is the one registered for the runtime
 (scripts/setup-docker.sh). ``systrap`` by default: it holds a bounded number of host tasks
@@ -505,7 +505,7 @@ class RunscBackend(Backend):
         try:
             binds: dict[str, Path] = {}
             for target, (size, inodes, mode) in _guest.tmpfs_sizes(spec).items():
-                path = bundle / target.strip("/")
+                path = bundle / _guest.host_folder(target)
                 path.mkdir()
                 _guest.mount_tmpfs(path, size=size, inodes=inodes, mode=mode, uid=uid)
                 mounts.append(path)
@@ -604,6 +604,7 @@ class RunscBackend(Backend):
         return {
             "workspace": binds[WORKSPACE],
             "tmp": binds["/tmp"],
+            "shm": binds[_guest.SHM],
             "supervisor": folder,
             "passwd": etc / "passwd",
             "group": etc / "group",
@@ -649,7 +650,7 @@ def collect_garbage() -> list[str]:
         sid = bundle.name.removeprefix("gv-")
         if backend.runsc:
             backend.destroy(sid)
-        areas = (bundle / "workspace", bundle / "tmp", bundle / "rootfs")
+        areas = (bundle / "workspace", bundle / "tmp", bundle / "shm", bundle / "rootfs")
         _release(bundle, [p for p in areas if p.is_mount()])
         removed.append(f"runsc sandbox {sid}")
     return removed
