@@ -59,11 +59,18 @@ class Limits:
     the sandbox takes from the host's memory, processes and files together, stays within it,
     but for kernel memory a (v1) cgroup does not charge, bounded apart: TCP buffers (an
     eighth of it, at least 16 MiB) and POSIX file locks (4,096, 768 KiB, counted by the host,
-    which kills the processes holding the most past them, as for memory).
+    which kills the processes holding the most past them, as for memory). On gVisor, memory
+    its kernel holds outside a process's address space (TCP buffers, a memfd, pipe buffers,
+    AF_UNIX queues) has no bound apart: filling it ends the whole sandbox
+    (``SandboxCrashed(cause="out_of_memory")``), where a process's own allocations are a
+    ``MemoryError``. There and on the microVM, ``RLIMIT_AS = memory_mb`` per process also
+    bounds threads (each thread's 8 MiB stack and glibc's 64 MiB malloc arena for it are
+    address space): about a dozen a process, whatever ``memory_mb`` and ``pids`` (code that
+    needs more sets ``MALLOC_ARENA_MAX=1`` and ``threading.stack_size()``).
     The workspace holds ``disk_mb`` (half of ``memory_mb`` unless given) and ``inodes``; /tmp
     and /dev/shm hold ``tmp_mb`` each (``memory_mb / 8``, at most 64, unless given) and a
     quarter of ``inodes`` (at least 1,024). So a full workspace is ``WorkspaceFull`` (ENOSPC
-    inside), and so are empty files past the count, not a sandbox killed for memory, and
+    inside), and files past a place's count fail with ENOSPC, not a sandbox killed for memory, and
     a ``Limits`` whose files could take more than three quarters of ``memory_mb`` is refused.
     """
 
