@@ -221,6 +221,49 @@ def test_a_script_given_to_its_interpreter_is_judged_as_the_script(tier: str) ->
         assert sbx.commands.run("bash -c 'echo ran'").stdout == "ran\n"  # no script: bash's own
 
 
+# Python runs pip by each of these (PIP is pip's package folder): its command line read as
+# CPython reads it, the module's top-level package, pip's files given as the script.
+PIP_THROUGH_PYTHON = (
+    "python3 -m pip", "python3 -mpip", "python3 -Im pip", "python3 -Impip", "python3 -Wignore -mpip",
+    "python3 -X dev -m pip", "python3 -m pip.__main__", "python3 $PIP/__main__.py", "python3 $PIP",
+    "python3.11 -mpip || python3 -Esmpip",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("rules", "args", "says"),
+    [
+        (SandboxRules(deny=("pip",)), "--version", "denied by policy: commands.deny: pip"),
+        (
+            SandboxRules(approve=("pip install",)),
+            "install --no-index --user nothing-here",
+            "needs approval and was refused: commands.approve: pip install",
+        ),
+    ],
+    ids=["deny", "approve"],
+)
+def test_pip_run_through_python_is_judged_as_pip(
+    tier: str, rules: SandboxRules, args: str, says: str
+) -> None:
+    # A program denied whatever its arguments is masked on every tier (gVisor's kernel holds
+    # the masks only: pip's package is hidden there, so no spelling finds it); a rule over
+    # its arguments is judged where the tier confines execs.
+    masked = not rules.approve
+    sbx = Sandbox.create(tier, limits=LIMITS, rules=rules) if masked else _rules_or_refusal(tier, rules)
+    if sbx is None:
+        return
+    with sbx:
+        where = sbx.commands.run("python3 -c 'import os, pip; print(os.path.dirname(pip.__file__))'")
+        folder = where.stdout.strip() if where.exit_code == 0 else "/usr/lib/python3/dist-packages/pip"
+        for python in PIP_THROUGH_PYTHON:
+            line = f"PIP={folder}; " + python.replace("pip ||", f"pip {args} ||") + f" {args}"
+            r = sbx.commands.run(line)
+            assert "pip " not in r.stdout and r.exit_code != 0, (line, r.stdout, r.stderr)
+            if tier in CONFINES:
+                assert r.exit_code == 126 and says in r.stderr, (line, r.stdout, r.stderr)
+        assert sbx.commands.run("python3 -Wignore -c 'print(6 * 7)'").stdout == "42\n"  # python runs
+
+
 def test_under_an_allowlist_a_listed_script_runs_with_its_interpreter_unlisted(
     allowing: Sandbox | None,
 ) -> None:

@@ -2,8 +2,12 @@
 
 A command is split into the simple commands it would run: ``sh -c "a && b | c"`` is three;
 wrappers (``env``, ``sudo``, ``timeout 5``, ``nice``, ``xargs``, ...) and ``python -m`` are
-looked through. What cannot be analysed (command substitution, a variable as the program,
-``eval``) is denied: the rules fail closed. The sandbox still confines whatever slips past.
+looked through (the interpreter's command line read as CPython reads it, ``python3 -Impip``
+too: ``execrules.command_line``, the supervisor's own reading), and a script given to python
+is judged by the deny and approve rules as the program it is part of too
+(``python3 .../pip/__main__.py``: ``pip``). What cannot be analysed (command substitution,
+a variable as the program, ``eval``) is denied: the rules fail closed. The sandbox still
+confines whatever slips past.
 """
 
 from __future__ import annotations
@@ -79,10 +83,14 @@ def _unwrap(argv: list[str], layers: list[tuple[str, ...]]) -> list[str]:
                 rest = rest[1:]
             argv = rest[WRAPPERS[name] :]
             continue
-        if name.startswith("python") and len(argv) > 2 and argv[1] == "-m":
+        run = execrules.command_line(argv) if name.startswith("python") else None
+        if run is not None and run[0] == "-m":  # python3 -Impip x runs pip x
             layers.append(tuple(argv))
-            argv = argv[2:]
+            argv = execrules.subject(argv)
             continue
+        if run is not None:  # a script: python3 .../pip/__main__.py x is pip x to deny and approve
+            layers.extend(tuple(command) for command in execrules.runs(argv))
+            return argv
         carried = execrules.carried([name], argv)  # ld.so PROGRAM ..., busybox APPLET ...
         if carried is not None:
             layers.append(tuple(argv))

@@ -94,11 +94,11 @@ class PromptDecision:
 
 def command_categories(argv: tuple[str, ...]) -> set[str]:
     try:
-        commands = analyse(argv)[1]
+        layers, commands = analyse(argv)
     except UnanalysableError:
         return {"execute"}
     found = {"execute"}
-    for command in commands:
+    for command in (*layers, *commands):  # layers: what python3 .../pip/__main__.py runs too
         for pattern, category in _CATEGORIES:
             if matches(pattern, command):
                 found.add(category)

@@ -62,6 +62,47 @@ def test_commands_are_judged_as_argv(argv: list[str], verdict: Verdict) -> None:
     assert decide_command(RULES, argv).verdict is verdict
 
 
+# Python runs pip by any of these: its command line read as CPython reads it (short options
+# combine, -m's module attached or the next word, the top-level package the program), and
+# pip's files given as the script (its package folder, its __main__.py).
+PIP_THROUGH_PYTHON = [
+    "python3 -m pip install x",
+    "python3 -mpip install x",
+    "python3 -Im pip install x",
+    "python3 -Impip install x",
+    "python3 -Wignore -mpip install x",
+    "python3 -X dev -m pip install x",
+    "python3.11 -mpip install x",
+    "python3 -m pip.__main__ install x",
+    "python3 /usr/lib/python3/dist-packages/pip/__main__.py install x",
+    "python3 /usr/lib/python3/dist-packages/pip install x",
+    "sh -c 'cd /tmp && python3 -Esmpip install x'",
+]
+
+
+@pytest.mark.parametrize("python", PIP_THROUGH_PYTHON)
+def test_pip_run_through_python_is_judged_as_pip(python: str) -> None:
+    argv = shlex.split(python)
+    assert decide_command(CommandRules(deny=("pip",)), argv).rule == "commands.deny: pip"
+    approval = decide_command(CommandRules(approve=("pip install",)), argv)
+    assert approval.verdict is Verdict.APPROVE, approval
+    # an allowlist names what runs: pip by its -m, python3 itself for a script
+    assert decide_command(CommandRules(allow=("pip", "python*", "sh", "cd")), argv).verdict is Verdict.ALLOW
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["python3", "-c", "import pip"],  # code given as text: python's own
+        ["python3", "-Wm", "tests.py"],  # -W's value is m: the script runs
+        ["python3", "-m", "pytest", "-k", "pip"],
+        ["python3", "--", "tests/pip_test.py"],
+    ],
+)
+def test_python_running_other_code_is_not_pip(argv: list[str]) -> None:
+    assert decide_command(CommandRules(deny=("pip",)), argv).verdict is Verdict.ALLOW
+
+
 @pytest.mark.parametrize(
     "argv", [["git", "push", "origin"], ["git-push", "origin"], ["git", "send-pack", "x"]]
 )

@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import errno
 import importlib
+import json
 import os
 import shlex
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from stockade.sandbox import _judge
 
@@ -131,6 +135,114 @@ def test_each_program_judge_c_hands_over_as_an_interpreter_runs_scripts_in_scrip
     for pattern in execrules.INTERPRETERS:
         name = pattern.replace("*", "3.11")
         assert execrules.script_run([name, "/w/s", "a"]) == ["/w/s", "a"], name
+
+
+# Every spelling of `python -m pip` and of running pip's files, read as CPython reads its
+# command line: pip, with the rest of the argv.
+PIP_SPELLINGS = [
+    "python3 -m pip install x",
+    "python3 -mpip install x",
+    "python3 -Im pip install x",
+    "python3 -Impip install x",
+    "python3 -Wignore -mpip install x",
+    "python3 -W ignore -m pip install x",
+    "python3 -X dev -m pip install x",
+    "python3 -Xdev -Bu -mpip install x",
+    "python3 --check-hash-based-pycs never -m pip install x",
+    "python3.11 -mpip install x",
+    "/usr/bin/python3 -m pip.__main__ install x",
+    "python3 -m pip._internal install x",
+    "python3 /usr/lib/python3/dist-packages/pip/__main__.py install x",
+    "python3 -I /usr/lib/python3/dist-packages/pip install x",
+    "python3 /usr/lib/python3/dist-packages/pip/ install x",
+    "python3 -- /usr/lib/python3/dist-packages/pip/__pip-runner__.py install x",
+    "python3 pip/__main__.py install x",
+    "python3 /tmp/pip.pyz install x",
+]
+
+
+@pytest.mark.parametrize("line", PIP_SPELLINGS)
+def test_every_spelling_of_running_pip_through_python_runs_pip(execrules: Any, line: str) -> None:
+    assert ["pip", "install", "x"] in [
+        [execrules.program(command[0]), *command[1:]] for command in execrules.runs(shlex.split(line))
+    ]
+
+
+@pytest.mark.parametrize(
+    ("line", "reads"),
+    [
+        ("python3 -Impip install x", ("-m", ["pip", "install", "x"])),
+        ("python3 -Wm -m pip", ("-m", ["pip"])),  # -W's value is "m": the next word is the option
+        ("python3 -Xm pip", ("script", ["pip"])),
+        ("python3 -c import -m pip", None),  # -c's value, then its argv
+        ("python3 -Bcm pip", None),  # -c with the value "m"
+        ("python3 -- -m pip", ("script", ["-m", "pip"])),  # after --, a script named -m
+        ("python3 --check-hash-based-pycs -m pip", ("script", ["pip"])),  # the long option's value
+        ("python3 - -m pip", None),  # standard input, its argv after
+        ("python3 -m", None),  # no module: an error
+        ("pip -m pip", None),  # not an interpreter
+    ],
+)
+def test_an_interpreters_command_line_is_read_as_the_interpreter_reads_it(
+    execrules: Any, line: str, reads: tuple[str, list[str]] | None
+) -> None:
+    assert execrules.command_line(shlex.split(line)) == reads
+
+
+def test_a_module_is_its_top_level_package_and_a_script_each_folder_on_its_path(execrules: Any) -> None:
+    assert execrules.subject(["python3", "-m", "pip.__main__", "x"]) == ["pip", "x"]
+    assert execrules.runs(["python3", "/opt/tool/pip/run.py", "x"]) == [
+        ["/opt/tool/pip/run.py", "x"], ["run", "x"], ["opt", "x"], ["tool", "x"], ["pip", "x"],
+    ]  # fmt: skip
+    assert execrules.runs(["bash", "/opt/pip/s", "x"]) == [["/opt/pip/s", "x"]]  # a shell's script is itself
+    assert execrules.runs(["python3", "-c", "pass"]) == []
+
+
+# What CPython itself does with a command line drawn from its options: each word one of these.
+CPYTHON_WORDS = [
+    "-B", "-u", "-O", "-S", "-s", "-b", "-E", "-q", "-d", "-R", "-x",
+    "-Bu", "-OO", "-W", "-Wignore", "-Werror", "-X", "-Xdev", "-Xutf8", "ignore", "dev",
+    "-m", "-mzzpkg", "-Bmzzpkg", "-Wm", "-Xm", "zzpkg", "zzpkg.zzmod", "-c", "-Bc", "pass",
+    "--check-hash-based-pycs", "always", "--", "-", "zz.py", "zzpkg/__main__.py", "a", "-a",
+]  # fmt: skip
+PRINTS_WHAT_RAN = (  # the module (no .__main__) or the script (a folder: __main__), and its argv
+    "import json, sys\n"
+    "module = __spec__.name.removesuffix('.__main__') if __spec__ else '__main__'\n"
+    "ran = ['-m', module] if module != '__main__' else ['script', sys.argv[0]]\n"
+    "print('RAN', json.dumps([*ran, sys.argv[1:]]))\n"
+)
+
+
+@pytest.fixture(scope="module")
+def cpython_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("cpython")
+    (folder / "zzpkg").mkdir()
+    for file in ("zz.py", "zzpkg/__init__.py", "zzpkg/__main__.py", "zzpkg/zzmod.py"):
+        (folder / file).write_text(PRINTS_WHAT_RAN if file != "zzpkg/__init__.py" else "")
+    return folder
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(words=st.lists(st.sampled_from(CPYTHON_WORDS), max_size=6))
+def test_the_reading_of_pythons_command_line_is_cpythons(
+    execrules: Any, cpython_folder: Path, words: list[str]
+) -> None:
+    """The parser and CPython agree on every command line drawn: the module or script that
+    runs, and the argv it gets (or that none runs: -c, standard input, an error)."""
+    argv = [sys.executable, *words]
+    done = subprocess.run(
+        argv, check=False, cwd=cpython_folder, stdin=subprocess.DEVNULL, capture_output=True, text=True
+    )
+    ran = next((line for line in done.stdout.splitlines() if line.startswith("RAN ")), None)
+    reads = execrules.command_line(argv)
+    if ran is None:  # nothing ran: code given as text, standard input, or no such file or module
+        assume("usage:" not in done.stderr)  # a usage error (-W with no value, -a): python ran nothing
+        if reads is not None:
+            missing = "No module named" if reads[0] == "-m" else "can't open file"
+            assert missing in done.stderr and reads[1][0] in done.stderr, (words, done.stderr)
+        return
+    kind, target, rest = json.loads(ran[4:])
+    assert reads == (kind, [target, *rest]), (words, ran)
 
 
 class CallerMemory:

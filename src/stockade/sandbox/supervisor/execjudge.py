@@ -243,8 +243,9 @@ class ExecJudge:
     ) -> "Tuple[str, Optional[str]]":
         """The strictest verdict over every name the program goes by: the path it was run as,
         the file that path leads to, the name it was given (argv[0]: a multi-call binary's
-        applet), and the names of the programs its content is a copy of. ``python -m X`` is
-        also judged as X, and what a loader or a multi-call binary runs as what it is
+        applet), and the names of the programs its content is a copy of. An interpreter is
+        also judged as the module or script it runs (``execrules.runs``: ``python3 -Im X``
+        as X), and what a loader or a multi-call binary runs as what it is
         (``ld.so /bin/rm -r x`` as ``rm -r x``, ``busybox rm -r x`` as ``rm -r x``), and a
         script also as its interpreter with the argv the kernel gives it (``#!/bin/rm -r``).
         ``listed``: whether an allowlist judges it (a listed script's interpreter is not,
@@ -312,13 +313,10 @@ class ExecJudge:
         args = argv[1:]
         names = files | ({os.path.basename(argv[0])} if argv else set())
         candidates = [(name, args) for name in names]
-        inner = execrules.subject(argv)
-        if inner and len(inner) < len(argv):  # python3 -m X
-            candidates.append((os.path.basename(inner[0]), inner[1:]))
         for name in names:  # by what the file is too, not argv[0] only (exec -a)
-            script = execrules.script_run([name, *args])
-            if script:  # python3 /usr/bin/pip install x: pip install x
-                candidates.append((os.path.basename(script[0]), script[1:]))
+            # python3 -Impip x, python3 /usr/bin/pip x, python3 .../pip/__main__.py x: pip x
+            for command in execrules.runs([name, *args]):
+                candidates.append((os.path.basename(command[0]), command[1:]))
         refused = listed and self._allow_refuses(files, args)
         for kind, verdict in (("deny", "deny"), ("approve", "approve")):
             for name, rest in candidates:

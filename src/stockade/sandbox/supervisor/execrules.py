@@ -129,14 +129,6 @@ def _dashed(command: "Sequence[str]") -> "List[str]":
     return list(command)
 
 
-def subject(argv: "Sequence[str]") -> "List[str]":
-    """What a command runs: ``python3 -m pip install x`` runs ``pip install x``."""
-    words = list(argv)
-    if len(words) > 2 and program(words[0]).startswith("python") and words[1] == "-m":
-        return words[2:]
-    return words
-
-
 SHELLS = ("sh", "bash", "dash", "ash", "ksh", "zsh")
 # The programs script_run knows to run a script file they are given (globs, as judge.c reads them).
 INTERPRETERS = ("python*", *SHELLS)
@@ -149,15 +141,27 @@ def in_image(path: str) -> bool:
     return path.startswith(IMAGE_FOLDERS)
 
 
-def script_run(argv: "Sequence[str]") -> "Optional[List[str]]":
-    """The script an interpreter is given to run, as the command it is: ``python3 /usr/bin/pip
-    install x`` runs ``pip install x``, as ``/usr/bin/pip install x`` would (the kernel runs
-    it so for its ``#!`` line). None: no script file (``-c``, ``-m``, standard input)."""
+# How each interpreter reads its command line, as its getopt does: the options that end the
+# options with code in no file (python -c CODE; sh -c, -s), the one that names a module
+# (python -m MODULE), those that take a value, attached (-Wignore, -mpip) or as the next word,
+# the long ones that take the next word, and what an option starts with. CPython's list is
+# Python/getopt.c's SHORT_OPTS ("bBc:dEhiIm:OPqRsStuvVW:xX:?"): an option it does not know
+# ends the run with an error, so reading one as a flag lets nothing run unread.
+PYTHON_OPTIONS = ("c", "m", "WX", ("--check-hash-based-pycs",), "-")
+SHELL_OPTIONS = ("cs", "", "o", ("--rcfile", "--init-file"), "-+")
+
+
+def command_line(argv: "Sequence[str]") -> "Optional[Tuple[str, List[str]]]":
+    """What an interpreter's command line runs, read as the interpreter reads it: ``("-m",
+    [module, *args])`` for ``python3 -Impip x`` (short options combine; -c, -m, -W, -X take
+    a value, attached or the next word; ``--`` ends the options), ``("script", [path, *args])``
+    for the first word that is no option (``python3 -X dev /usr/bin/pip x``). None: not an
+    interpreter, or code that is no file nor module (``-c``, standard input)."""
     name = program(argv[0]) if argv else ""
     if name.startswith("python"):  # INTERPRETERS: each one known here
-        stops, valued, long_valued = "cm", "WX", ("--check-hash-based-pycs",)
+        stops, module_letter, valued, long_valued, signs = PYTHON_OPTIONS
     elif name in SHELLS:
-        stops, valued, long_valued = "cs", "o", ("--rcfile", "--init-file")
+        stops, module_letter, valued, long_valued, signs = SHELL_OPTIONS
     else:
         return None
     at = 1
@@ -169,19 +173,66 @@ def script_run(argv: "Sequence[str]") -> "Optional[List[str]]":
         if word.startswith("--"):
             at += 2 if word in long_valued else 1
             continue
-        if len(word) < 2 or word[0] not in "-+" or word == "-":
+        if len(word) < 2 or word[0] not in signs:
             break
         step = 1
-        for i, letter in enumerate(word[1:]):
+        for i in range(1, len(word)):
+            letter = word[i]
             if letter in stops:
-                return None
-            if letter in valued:  # -W arg, -o opt; -Wignore holds its own (the rest is its value)
-                step = 2 if i == len(word) - 2 else 1
+                return None  # code given as text, or read from standard input
+            if letter == module_letter:
+                attached = word[i + 1 :]
+                module = attached if attached else (argv[at + 1] if at + 1 < len(argv) else None)
+                if module is None:
+                    return None  # python3 -m with no module: an error, nothing runs
+                return "-m", [module, *argv[at + (1 if attached else 2) :]]
+            if letter in valued:  # -W arg, -X dev; -Wignore holds its own (the rest is its value)
+                step = 1 if word[i + 1 :] else 2
                 break
         at += step
     if at >= len(argv) or argv[at] == "-":
         return None
-    return list(argv[at:])
+    return "script", list(argv[at:])
+
+
+def subject(argv: "Sequence[str]") -> "List[str]":
+    """What a command runs: ``python3 -m pip install x`` (or ``-Impip``, ``-m pip.__main__``)
+    runs ``pip install x``: the module's top-level package, which rules name as a program."""
+    run = command_line(argv)
+    if run is not None and run[0] == "-m":
+        return [run[1][0].split(".", 1)[0], *run[1][1:]]
+    return list(argv)
+
+
+def script_run(argv: "Sequence[str]") -> "Optional[List[str]]":
+    """The script an interpreter is given to run, as the command it is: ``python3 /usr/bin/pip
+    install x`` runs ``pip install x``, as ``/usr/bin/pip install x`` would (the kernel runs
+    it so for its ``#!`` line). None: no script file (``-c``, ``-m``, standard input)."""
+    run = command_line(argv)
+    return run[1] if run is not None and run[0] == "script" else None
+
+
+def runs(argv: "Sequence[str]") -> "List[List[str]]":
+    """Each command an interpreter's ``argv`` runs, as a program the rules name: a module as
+    its top-level package (``python3 -m pip.__main__ x``: ``pip x``); a script by its name
+    and, for Python, by its name without its suffix and by every folder on its path (a
+    package's ``__main__.py``, the package's folder itself, a file in it: ``python3
+    .../pip/__main__.py x`` and ``python3 .../pip x`` are ``pip x``; ``python3 pip.pyz x`` is
+    too). Empty: the interpreter runs no file nor module (``-c``), or is none."""
+    run = command_line(argv)
+    if run is None:
+        return []
+    target, args = run[1][0], run[1][1:]
+    if run[0] == "-m":
+        return [[target.split(".", 1)[0], *args]]
+    found = [[target, *args]]
+    if program(argv[0]).startswith("python"):
+        *folders, name = target.split("/")
+        stem = name.split(".", 1)[0]
+        for word in (stem, *folders):
+            if word not in ("", ".", "..", name) and [word, *args] not in found:
+                found.append([word, *args])
+    return found
 
 
 def _spellings(name: str, flag: str) -> "Tuple[str, ...]":
