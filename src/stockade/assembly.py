@@ -812,9 +812,12 @@ class AgentSession:
 
     def _approve_exec(self, record: ExecRecord) -> bool:
         """An exec inside the sandbox that the rules send for approval: the approvals of the
-        run decide (a human approving the tool call approves what its code runs for it; a
-        deferred approval refuses now and lets the same exec run once it is given)."""
-        if _call_approved.get():
+        run decide (a deferred approval refuses now and lets the same exec run once it is
+        given). A human approving the tool call approves what its code runs for it, only where
+        the sandbox says nothing else can have started the exec (``ExecRecord.own_code``): in
+        an interpreter that earlier calls ran code in, what they left behind (a thread, a
+        signal handler, a rebound name) runs during the call, and each exec is asked."""
+        if _call_approved.get() and record.own_code:
             return True
         request = ApprovalRequest(
             run_id=self.run_id,

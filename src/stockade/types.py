@@ -376,12 +376,16 @@ class ExecRecord:
 
     ``verdict`` is ``"allow"``, ``"deny"``, ``"approve"`` (a human said yes) or ``"refuse"``
     (a human said no, or nobody could be asked); ``rule`` names the rule that decided.
+    ``own_code``, on an exec the host is asked to approve: nothing but the code of the call
+    it is credited to can have started it (a command's own processes, or the first
+    ``run_code`` in a new interpreter), so an approval of that call may answer for it.
     """
 
     path: str
     argv: tuple[str, ...]
     verdict: str
     rule: str = ""
+    own_code: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

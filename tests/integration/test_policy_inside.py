@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stockade import LimitNotEnforceable, Limits, PathEscapeError, Sandbox
+from stockade.models import ToolCall
 from stockade.types import ExecRecord, Mechanism, SandboxRules
 from tests.conftest import require, require_tier
 from tests.integration.approvals import YesTo, remove_each
@@ -948,6 +949,138 @@ def test_the_example_policy_holds_against_code_in_run_code(tmp_path: Path) -> No
     execs = [e for e in log.store.events() if e.kind == EventKind.EXEC]
     refused = [e.attributes["argv"] for e in execs if e.attributes["verdict"] == "refuse"]
     assert ["rm", "-rf", "build"] in refused
+
+
+# A policy whose sandbox asks a human before `rm -r`; `extra` adds what holds a call for one.
+APPROVING_POLICY = """
+version = 1
+[trust]
+level = "trusted"
+[commands]
+approve = ["rm -r"]
+[models]
+approved = ["scripted:*"]
+"""
+
+
+def _code(code: str) -> ToolCall:
+    from stockade.models import tool_call
+
+    return tool_call("run_code", {"language": "python", "code": code})
+
+
+def _approving_run(
+    tier: str, tmp_path: Path, extra: str, calls: list[ToolCall]
+) -> tuple[list[str], list[str]]:
+    """``calls`` made by an agent on ``tier`` (a workspace with src/, build/, dist/, docs/),
+    under a human who approves every tool call put to them and no exec of `rm`: what they
+    were asked (an exec as "run `ARGV`"), and each call's observation."""
+    from stockade.assembly import AgentConfig, build_agent
+    from stockade.models import ScriptedModel
+    from stockade.policy.approval import ApprovalRequest, Choice
+    from stockade.tools.base import Toolset
+    from stockade.tools.builtin import default_toolset, shell
+
+    asked: list[str] = []
+
+    def human(request: ApprovalRequest) -> Choice:
+        asked.append(request.action)
+        return Choice.DENIED if request.action.startswith("run `rm") else Choice.APPROVED
+
+    (tmp_path / "policy.toml").write_text(APPROVING_POLICY + extra)
+    for folder in ("src", "build", "dist", "docs"):
+        (tmp_path / "ws" / folder).mkdir(parents=True)
+        (tmp_path / "ws" / folder / "keep.txt").write_text("keep me\n")
+    config = AgentConfig(
+        model=ScriptedModel([*calls, "done"]),
+        policy=tmp_path / "policy.toml",
+        tier=tier,
+        approver=human,
+        approval_dir=tmp_path / "approvals",
+        record_runs=False,
+        tools=Toolset([*default_toolset(), shell]),  # and the raw shell
+    )
+    with build_agent(config) as agent:
+        result = agent.run_sync("tidy up", workspace=tmp_path / "ws")
+    return asked, [c.observation for s in result.steps for c in s.tool_calls]
+
+
+# What is left of the workspace (sys.stdout, not print: one leftover below rebinds print).
+LEFT = _code(
+    "import os, sys; sys.stdout.write(' '.join(['left:', *sorted(n for n in os.listdir() if n[0] != '.')]))"
+)
+# What an earlier call leaves behind in the interpreter, to run `rm -r` during a later call,
+# and the later call's code that sets it off (code a human approves, seeing no `rm` in it).
+LEFTOVERS = {
+    "a thread": (
+        "import threading, subprocess, os, time\n"
+        "def watch():\n"
+        "    while not os.path.exists('/tmp/go'):\n"
+        "        time.sleep(0.01)\n"
+        "    subprocess.run(['rm', '-r', '/workspace/src'])\n"
+        "threading.Thread(target=watch, daemon=True).start()",
+        "open('/tmp/go', 'w').close(); import time; time.sleep(1); print('hello')",
+    ),
+    # in the call's own thread: no look at the interpreter's threads tells it apart
+    "a rebound name": (
+        "import builtins, subprocess\n"
+        "builtins.print = lambda *a: subprocess.run(['rm', '-r', '/workspace/src'])",
+        "print('hello')",
+    ),
+}
+
+
+@pytest.mark.parametrize("leftover", list(LEFTOVERS))
+def test_an_approved_call_does_not_approve_what_an_earlier_call_left_running(
+    tier: str, tmp_path: Path, leftover: str
+) -> None:
+    """Two failures in a row hold the next call for a human (an anomaly rule); they approve
+    its code, which runs no `rm`. What an earlier call left in the interpreter runs `rm -r`
+    during it: the human is asked about that exec on its own, says no, and src/ stays."""
+    if tier not in CONFINES:
+        return  # no exec judge there (test_gvisor_holds_the_masks_...)
+    setup, trigger = LEFTOVERS[leftover]
+    hold = '[anomaly.repeated_failure]\ntimes = 2\naction = "require_approval"\n'
+    calls = [_code(setup), _code("1/0"), _code("1/0"), _code(trigger), LEFT]
+    asked, observations = _approving_run(tier, tmp_path, hold, calls)
+    assert len(asked) == 2 and asked[0].startswith("run_code(") and "hello" in asked[0]
+    assert asked[1] == "run `rm -r /workspace/src`"
+    assert "left: build dist docs src" in observations[-1]
+
+
+def test_an_approved_call_approves_what_its_own_code_runs_where_no_other_code_can_run(
+    tier: str, tmp_path: Path
+) -> None:
+    """Every call waits for a human here. Approving a command approves its `rm -r` too (one
+    question), and so does approving the first run_code, in a new interpreter. Once code ran
+    in the interpreter, what it left there can run during any later call: each `rm -r` is
+    then asked on its own (and refused), the run_code's and the command's alike."""
+    if tier not in CONFINES:
+        return  # no exec judge there (test_gvisor_holds_the_masks_...)
+    from stockade.models import tool_call
+
+    removal = "import subprocess; print('rc', subprocess.run(['rm', '-r', '{}']).returncode)"
+    calls = [
+        tool_call("shell", {"command": "rm -r src && echo removed"}),
+        _code(removal.format("build")),
+        _code(removal.format("dist")),
+        tool_call("shell", {"command": "rm -r docs"}),
+        LEFT,
+    ]
+    risk = '[risk]\nmedium = "approve"\nhigh = "approve"\n'
+    asked, observations = _approving_run(tier, tmp_path, risk, calls)
+    assert [a.split("(")[0] for a in asked] == [
+        "shell",
+        "run_code",
+        "run_code",
+        "run `rm -r dist`",
+        "shell",
+        "run `rm -r docs`",
+        "run_code",
+    ]
+    assert "removed" in observations[0] and "rc 0" in observations[1]
+    assert all("needs approval and was refused" in o for o in observations[2:4])
+    assert "left: dist docs" in observations[-1]
 
 
 def test_the_compiled_judge_and_the_python_judge_record_the_same_execs(

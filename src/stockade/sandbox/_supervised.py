@@ -533,6 +533,7 @@ class SupervisedInstance(Instance):
     def _approve(self, h: dict[str, Any]) -> None:
         """An exec inside waits for a human: ask the sandbox's approver, answer the supervisor."""
         (record,) = _rules.exec_records({"execs": [h]})
+        record = dataclasses.replace(record, own_code=h.get("own") is True)
         approver = self.spec.approver
         try:
             allow = bool(approver(record)) if approver is not None else False

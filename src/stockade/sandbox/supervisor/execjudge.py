@@ -130,7 +130,9 @@ class ExecJudge:
             else:
                 self.requests += 1
                 self.pending[self.requests] = (listener, nid, pid, job, done, key)
-                self.sup.send({"id": job.rid, "ev": "approve", "req": self.requests, **done})
+                # "own": whether the call's approval may answer for it (jobs.Job.own)
+                ask = {"id": job.rid, "ev": "approve", "req": self.requests, **done, "own": job.own}
+                self.sup.send(ask)
         else:
             self._refuse(listener, nid, pid, done, tell=kept is None)
             self._remember(key, judged)

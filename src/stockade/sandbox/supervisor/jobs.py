@@ -54,6 +54,9 @@ class Job:
         self.exec_count = 0
         self.exec_json = self.exec_chars = 0  # of the records kept (rules.fits)
         self.exec_width = 1
+        # Whether nothing but this job's own code can start a process credited to it, so that
+        # a human's approval of the call may answer for its execs (``starts_code``).
+        self.own = False
 
     def report(self) -> "dict[str, Any]":
         """What every final frame says of the job besides its own outcome."""
@@ -78,6 +81,24 @@ class Job:
             part = data[:room]
             self.sent[fd] += len(part)
             self.sup.send({"id": self.rid, "ev": "out", "fd": fd}, part)
+
+
+def starts_code(sup: "Supervisor", job: Job, fresh: bool) -> None:
+    """``job``'s code starts. A human's approval of its call answers for the execs credited to
+    it (``own``) only if no code of another call can run while it does: the interpreter is
+    ``fresh`` (none, or no code ran in it before: what a run leaves there runs on between
+    runs and during the next, a thread, a signal handler, a rebound ``os.read``, and no look
+    from outside rules that out), and no other job is running. Code of one call can write
+    into the memory of another's processes (``/proc/PID/mem``: the same uid), so each job
+    already running loses it too. What a call left in files is what a later one chooses to
+    run (a script, a module it imports), not counted here."""
+    interp = sup.interpreter
+    others: "list[Job]" = [j for j in sup.commands.values() if j is not job]
+    if interp is not None and interp.job is not None and interp.job is not job:
+        others.append(interp.job)
+    job.own = fresh and not others
+    for other in others:
+        other.own = False
 
 
 class CommandJob(Job):
@@ -112,6 +133,8 @@ def op_exec(sup: "Supervisor", rid: int, h: dict[str, Any], body: bytes) -> None
     job = CommandJob(sup, rid)
     timeout = h.get("timeout")
     job.deadline = time.monotonic() + float(timeout if timeout else sup.default_timeout)
+    interp = sup.interpreter
+    starts_code(sup, job, interp is None or not interp.used)
     made: list[int] = []
     try:
         out_r, out_w = os.pipe()

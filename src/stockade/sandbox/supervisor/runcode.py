@@ -18,7 +18,7 @@ import time
 from select import EPOLLIN as EVENT_READ
 
 from fileops import _write_all
-from jobs import Job
+from jobs import Job, starts_code
 from protocol import MAX_CODE_REPLY, FrameError, FrameReader, dumps, encode
 from reaper import forked, kill_tree, spawn_shim
 
@@ -140,6 +140,10 @@ class Interpreter:
         self.pid = 0  # the interpreter's, from its first frame (sent before any code ran)
         self.job: Optional[Job] = None
         self.queue: list[tuple[Job, bytes]] = []
+        # Whether any run's code has run here (warm-ups aside): from then on what runs
+        # during a run can be an earlier run's (a thread, a signal handler, a gc callback, a
+        # name it rebound), which no look from outside rules out.
+        self.used = False
         for fd in (out_r, err_r, res_r):
             os.set_blocking(fd, False)
             sup.sel.register(fd, EVENT_READ, ("interpreter", self))
@@ -162,6 +166,8 @@ class Interpreter:
             return
         job, body = self.queue.pop(0)
         self.job = job
+        starts_code(self.sup, job, not self.used)
+        self.used = self.used or bool(body)  # an empty run (a spare's warm-up) runs no code
         job.started = time.monotonic()
         job.deadline = job.started + job.timeout  # type: ignore[attr-defined]
         header: dict[str, object] = {"id": job.rid}
