@@ -296,15 +296,17 @@ class RemoteFiles:
         self, dest: str | Path, source: str = "", *, max_bytes: int = DOWNLOAD_MAX_BYTES,
         max_entries: int = DOWNLOAD_MAX_ENTRIES,
     ) -> DownloadResult:  # fmt: skip
-        """As ``Sandbox.files.download_dir``: all or nothing, nothing outside ``dest``."""
+        """As ``Sandbox.files.download_dir``: all or nothing, nothing outside ``dest``; the
+        archive is unpacked as it arrives, never held whole."""
         from stockade.sandbox._archive import Extraction
 
-        data = self._sbx.client.http.request(
-            "GET", f"{self._base}/archive",
-            params={"path": source, "max_bytes": max_bytes, "max_entries": max_entries},
-        ).content  # fmt: skip
-        with Extraction(dest, max_bytes=max_bytes, max_entries=max_entries) as unpack:
-            unpack.feed(data)
+        params = {"path": source, "max_bytes": max_bytes, "max_entries": max_entries}
+        with (
+            Extraction(dest, max_bytes=max_bytes, max_entries=max_entries) as unpack,
+            self._sbx.client.http.stream("GET", f"{self._base}/archive", params=params) as response,
+        ):
+            for chunk in response.iter_bytes():
+                unpack.feed(chunk)
             return unpack.finish()
 
 

@@ -22,19 +22,16 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
-import io
 import json
 import logging
 import secrets
-import shutil
-import tarfile
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import IO, Annotated, Any, Literal
 
 import anyio
 from fastapi import APIRouter, Query, Request, Response
@@ -52,6 +49,7 @@ from stockade.sandbox.ops import LISTING_TRUNCATED_HEADER
 from stockade.server.authz import check_network, choose_tier, engine_for
 from stockade.server.bodies import raw_body, read_body
 from stockade.server.deps import Caller, get_service
+from stockade.server.downloads import entries_that_fit, pack_folder
 from stockade.server.problems import from_error
 from stockade.server.schemas import (
     CodeRequest,
@@ -77,6 +75,7 @@ BEAT_S = 2.0  # how often a process says it is alive
 DEAD_AFTER_S = 15.0  # silent this long, a process is dead (as a run's lease): clocks may differ a little
 SWEEP_S = 5.0  # how often a process looks for dead peers
 ENDED_KEPT_S = 86400.0  # a lost sandbox answers "gone" this long, then "not found"
+_CHUNK = 256 * 1024  # a downloaded archive is sent in pieces this big
 
 
 @dataclass(kw_only=True)
@@ -793,18 +792,36 @@ async def download_archive(
     registry = _registry_of(request)
     cap = min(max_bytes or service.config.max_upload_bytes, service.config.max_upload_bytes)
 
-    def work() -> bytes:
+    def work() -> tuple[IO[bytes], int]:
         # the sandbox's tar is untrusted: it is unpacked with every check of files.download_dir
         # (nothing outside the folder, links resolved inside), then packed again from the host
+        # into a file on disk, the whole tar (headers too) under the service's cap
+        whole = service.config.max_upload_bytes
+        entries = min(max_entries, entries_that_fit(whole))  # the unpack's memory: ~1 KB an entry
         with scratch("download", service.config.temp_dir) as tmp:
             dest = Path(tmp) / "out"
             with registry.use(caller, sandbox_id) as sandbox:
-                sandbox.files.download_dir(dest, path, max_bytes=cap, max_entries=max_entries)
-            buffer = io.BytesIO()
-            with tarfile.open(fileobj=buffer, mode="w") as tar:
-                for child in sorted(dest.iterdir()):
-                    tar.add(child, arcname=child.name, recursive=True)
-            shutil.rmtree(dest, ignore_errors=True)
-            return buffer.getvalue()
+                try:
+                    sandbox.files.download_dir(dest, path, max_bytes=cap, max_entries=entries)
+                except exc.FileTooLarge as error:
+                    if entries == max_entries:
+                        raise
+                    raise exc.FileTooLarge(
+                        f"{error} (the service takes at most {entries:,}: no more fit in a tar "
+                        f"under its cap of {whole:,} bytes)",
+                        path=error.path,
+                    ) from None
+            return pack_folder(dest, tmp, cap=whole, what=path or "/")
 
-    return Response(content=await _blocking(work), media_type="application/x-tar")
+    packed, size = await _blocking(work)
+    return StreamingResponse(
+        _read_out(packed), media_type="application/x-tar", headers={"Content-Length": str(size)}
+    )
+
+
+def _read_out(file: IO[bytes]) -> Iterator[bytes]:
+    """``file``'s bytes a chunk at a time, then closed (when the client leaves, as the
+    iterator is collected)."""
+    with file:
+        while chunk := file.read(_CHUNK):
+            yield chunk
