@@ -64,9 +64,10 @@ class Limits:
     AF_UNIX queues) has no bound apart: filling it ends the whole sandbox
     (``SandboxCrashed(cause="out_of_memory")``), where a process's own allocations are a
     ``MemoryError``. There and on the microVM, ``RLIMIT_AS = memory_mb`` per process also
-    bounds threads (each thread's 8 MiB stack and glibc's 64 MiB malloc arena for it are
-    address space): about a dozen a process, whatever ``memory_mb`` and ``pids`` (code that
-    needs more sets ``MALLOC_ARENA_MAX=1`` and ``threading.stack_size()``).
+    bounds threads (each thread's 8 MiB stack is address space; those tiers set
+    ``MALLOC_ARENA_MAX=1``, so that no 64 MiB arena a thread counts too): about
+    ``memory_mb / 8 MiB`` a process, whatever ``pids`` (code that needs more sets
+    ``threading.stack_size()``).
     The workspace holds ``disk_mb`` (half of ``memory_mb`` unless given) and ``inodes``; /tmp
     and /dev/shm hold ``tmp_mb`` each (``memory_mb / 8``, at most 64, unless given) and a
     quarter of ``inodes`` (at least 1,024). So a full workspace is ``WorkspaceFull`` (ENOSPC

@@ -440,6 +440,25 @@ def test_posix_shared_memory_and_queues_work(sbx: Sandbox) -> None:
     assert r.text == "(b'hello', 42)"
 
 
+def test_a_process_gets_threads_by_its_memory_not_by_malloc_arenas(sbx: Sandbox) -> None:
+    """On gVisor and the microVM RLIMIT_AS is memory_mb a process, and glibc's malloc arena for
+    each thread reserves 64 MiB of it: a process got about a dozen threads whatever memory_mb
+    (12 at 512 MB; ThreadPoolExecutor(16) failed). With one arena, in run_code's interpreter as
+    in a command, a thread costs its 8 MiB stack: 16 fit in these sandboxes' 256 MB easily."""
+    wide = (
+        "import threading\nfrom concurrent.futures import ThreadPoolExecutor\n"
+        "meet = threading.Barrier(16)\n"
+        "with ThreadPoolExecutor(16) as pool:\n"
+        "    print(len(list(pool.map(lambda _: meet.wait(10), range(16)))))\n"
+    )
+    r = sbx.run_code(wide)
+    assert r.error is None, r.error
+    assert r.logs.stdout == "16\n"
+    sbx.files.write("wide.py", wide)
+    done = sbx.commands.run("python3 wide.py", timeout_s=60)
+    assert (done.exit_code, done.stdout) == (0, "16\n"), done.stderr[-2000:]
+
+
 def test_large_writes_round_trip_and_the_sandbox_stays_usable(sbx: Sandbox) -> None:
     data = os.urandom(100 * MiB)
     sbx.files.write("big.bin", data)

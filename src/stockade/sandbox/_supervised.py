@@ -625,6 +625,11 @@ def supervisor_config(
     # large host that is more threads than the sandbox's pids allow. One per CPU it was given.
     threads = str(max(1, math.ceil(spec.limits.cpus)))
     env.update(OMP_NUM_THREADS=threads, OPENBLAS_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+    if rlimits is not None and "RLIMIT_AS" in rlimits:
+        # Under a per-process address-space limit glibc's arena per thread (64 MiB reserved)
+        # left a process about a dozen threads whatever memory_mb: one arena, and a thread
+        # costs its stack (8 MiB), so memory_mb / 8 MiB of them, less what the process maps.
+        env["MALLOC_ARENA_MAX"] = "1"
     if egress is not None:
         env.update(egress.env)
     env.update(spec.envs)

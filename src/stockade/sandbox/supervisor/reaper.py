@@ -91,6 +91,23 @@ def prctl(option: int, arg: int) -> None:
     libc("prctl", option, arg, 0, 0, 0)
 
 
+M_ARENA_MAX = -8
+
+
+def limit_arenas(value: str) -> None:
+    """``MALLOC_ARENA_MAX`` for this process and what forks from it (the zygote, the
+    interpreters): glibc reads the variable at a process's first allocation, long past for
+    them, so run_code's threads would get an arena each (64 MiB of address space, which
+    RLIMIT_AS counts) while a command's got what the variable says. Nothing where there is
+    no such glibc function."""
+    if not value.isdigit() or not 0 < int(value) < 1 << 16:
+        return
+    try:
+        libc("mallopt", M_ARENA_MAX, int(value))
+    except (AttributeError, OSError):
+        pass
+
+
 def _stats() -> "Iterator[tuple[int, int, int, bool]]":
     """(pid, parent, process group, alive) of each process, in pid order. A dead one, only
     waiting to be reaped, may still be the parent of live ones (seen on gVisor: a killed

@@ -70,6 +70,7 @@ from reaper import (
     PR_SET_DUMPABLE,
     kill_group,
     kill_tree,
+    limit_arenas,
     load_shim,
     prctl,
 )
@@ -190,6 +191,8 @@ class Supervisor:
         for name, value in cfg.get("rlimits", {}).items():
             res = getattr(resource, name)
             resource.setrlimit(res, (int(value), int(value)))
+        if "MALLOC_ARENA_MAX" in self.env:
+            limit_arenas(self.env["MALLOC_ARENA_MAX"])
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         # Before the rules: under an allowlist no memfd is made after them, us included.
         shim = carried.get("shim", -1) if carried is not None else -1
