@@ -106,6 +106,14 @@ def describe(op: Op[Any], redactor: Redactor) -> tuple[EventKind, dict[str, obje
                 "digest": _digest(op.data),
                 "mode": oct(op.mode),
             }
+        case PutArchive() if op.folder is not None:  # made as it is sent: no bytes to digest before
+            return EventKind.FILE_WRITE, {
+                "op": "put_archive",
+                "path": op.path,
+                "source": str(op.folder.source),
+                "hide": list(op.folder.hide),
+                "read": list(op.folder.read),
+            }
         case PutArchive():
             return EventKind.FILE_WRITE, {
                 "op": "put_archive",

@@ -13,8 +13,8 @@ from stockade.sandbox._requests import (
     command_op,
     file_text,
     range_op,
-    tar_directory,
     text_sink,
+    upload_op,
 )
 from stockade.sandbox.base import AsyncInstance, Instance
 from stockade.sandbox.ops import (
@@ -23,7 +23,6 @@ from stockade.sandbox.ops import (
     GetArchive,
     ListDir,
     MakeDir,
-    PutArchive,
     ReadFile,
     Remove,
     Stat,
@@ -106,9 +105,12 @@ class Files:
         self, source: str | Path, dest: str = "", *, hide: Sequence[str] = (), read: Sequence[str] = ("**",)
     ) -> None:
         """Copy a host directory into the workspace: what ``read`` names, but what ``hide``
-        names (workspace globs)."""
-        data = tar_directory(Path(source), hide, read)
-        self._instance.execute(PutArchive(path=check_path(dest), data=data))
+        names (workspace globs). The tar is made as it is sent, a chunk at a time, and
+        unpacked inside as it comes: neither side holds more than a chunk or two of it,
+        whatever the folder holds. All or nothing: what was unpacked moves into place only
+        once the whole folder was; a failure (a file that does not fit: ``WorkspaceFull``)
+        leaves the workspace as it was."""
+        self._instance.execute(upload_op(source, dest, hide, read))
 
     def download_dir(
         self,
@@ -207,10 +209,8 @@ class AsyncFiles:
     async def upload_dir(
         self, source: str | Path, dest: str = "", *, hide: Sequence[str] = (), read: Sequence[str] = ("**",)
     ) -> None:
-        import asyncio  # lazily: importing stockade must stay cheap
-
-        data = await asyncio.to_thread(tar_directory, Path(source), hide, read)
-        await self._instance.aexecute(PutArchive(path=check_path(dest), data=data))
+        """See ``Files.upload_dir``: the folder is read in the worker thread that sends it."""
+        await self._instance.aexecute(upload_op(source, dest, hide, read))
 
     async def download_dir(
         self,

@@ -31,7 +31,6 @@ from stockade.sandbox._boundary import Boundary, EgressHandle
 from stockade.sandbox._channel import Channel, Stream
 from stockade.sandbox._replies import (
     OutputCollector,
-    area_args,
     command_result,
     execution,
     int_field,
@@ -44,7 +43,13 @@ from stockade.sandbox._snapshot_state import (
     spec_from_state,
     spec_state,
 )
-from stockade.sandbox._transfers import FILE_OP_TIMEOUT_S, MAX_FRAME, TRANSFER_CHUNK, FileRequests
+from stockade.sandbox._transfers import (
+    FILE_OP_TIMEOUT_S,
+    MAX_FRAME,
+    TRANSFER_CHUNK,
+    FileRequests,
+    archive_chunks,
+)
 from stockade.sandbox.base import Instance, OpResult, OutputSink, SandboxSpec
 from stockade.sandbox.ops import (
     Area,
@@ -299,7 +304,7 @@ class SupervisedInstance(Instance):
                 self.files.request("remove", {"path": op.path, "recursive": op.recursive})
                 return None
             case PutArchive():
-                self.files.request("put_archive", {"path": op.path, **area_args(op.area)}, op.data)
+                self.files.put_stream(op.area, archive_chunks(op), path=op.path)
                 return None
             case GetArchive():
                 return self.files.get_archive(op, sink)

@@ -19,7 +19,7 @@ from stockade import exceptions as exc
 from stockade.sandbox._channel import Channel, JSONTooLarge, loads_bounded
 from stockade.sandbox._replies import WORKSPACE_ERRORS, area_args, entry_info, int_field
 from stockade.sandbox.base import OutputSink
-from stockade.sandbox.ops import Area, GetArchive, ListDir, MakeDir, ReadFile, Stat, WriteFile
+from stockade.sandbox.ops import Area, GetArchive, ListDir, MakeDir, PutArchive, ReadFile, Stat, WriteFile
 from stockade.sandbox.supervisor.protocol import MAX_CODE_REPLY
 from stockade.types import EntryInfo, Listing
 
@@ -190,26 +190,26 @@ class FileRequests:
             )
             raise type(err)(f"{what}: {said}", path=op.path) from None
 
-    def put_stream(self, area: Area, chunks: Iterator[bytes]) -> None:
-        """Unpack a tar stream into ``area`` (``workspace``, ``tmp``) a chunk at a time: neither
-        side holds more than one chunk (``supervisor/unpack.py``). What is unpacked is moved
-        into place only once ``chunks`` ended without raising (a snapshot's object iterator
-        raises after its last chunk when it does not hash to its name); on any failure the
-        supervisor is told to drop it, and nothing of it is left in place."""
-        where = area_args(area)
-        tx = self.request("put_archive", {"path": "", "stage": "open", **where})[0].get("tx")
+    def put_stream(self, area: Area, chunks: Iterator[bytes], path: str = "") -> None:
+        """Unpack a tar stream into ``path`` of ``area`` (``workspace``, ``tmp``) a chunk at a
+        time: neither side holds more than one chunk (``supervisor/unpack.py``). What is
+        unpacked is moved into place only once ``chunks`` ended without raising (a snapshot's
+        object iterator raises after its last chunk when it does not hash to its name); on any
+        failure the supervisor is told to drop it, and nothing of it is left in place."""
+        where = {"path": path, **area_args(area)}
+        tx = self.request("put_archive", {"stage": "open", **where})[0].get("tx")
         if not isinstance(tx, str) or not 0 < len(tx) <= 64:
             raise exc.ProtocolError("the supervisor opened a restore without a usable id")
         try:
             for chunk in chunks:
                 if len(chunk) > TRANSFER_CHUNK:  # pragma: no cover (the caller's bug)
                     raise exc.ProtocolError(f"a chunk of {len(chunk)} bytes is over {TRANSFER_CHUNK}")
-                self.request("put_archive", {"path": "", "stage": "append", "tx": tx, **where}, chunk)
-            self.request("put_archive", {"path": "", "stage": "commit", "tx": tx, **where})
+                self.request("put_archive", {"stage": "append", "tx": tx, **where}, chunk)
+            self.request("put_archive", {"stage": "commit", "tx": tx, **where})
         except BaseException:
             if self._alive():
                 with contextlib.suppress(exc.StockadeError):
-                    self.request("put_archive", {"path": "", "stage": "abort", "tx": tx, **where})
+                    self.request("put_archive", {"stage": "abort", "tx": tx, **where})
             raise
 
     def write(self, op: WriteFile) -> EntryInfo:
@@ -243,3 +243,12 @@ class FileRequests:
             raise exc.ProtocolError(f"the sandbox sent an oversized {what} ({err}); it was closed") from None
         except (ValueError, RecursionError) as err:
             raise exc.ProtocolError(f"malformed {what}: {str(err)[:200]}") from None
+
+
+def archive_chunks(op: PutArchive) -> Iterator[bytes]:
+    """What a ``PutArchive`` sends, ``TRANSFER_CHUNK`` at a time: its host folder's tar as it
+    is made, or its archive's bytes cut into chunks."""
+    if op.folder is not None:
+        return op.folder.chunks(TRANSFER_CHUNK)
+    view = memoryview(op.data)
+    return (bytes(view[at : at + TRANSFER_CHUNK]) for at in range(0, len(view), TRANSFER_CHUNK))

@@ -8,8 +8,9 @@ so that ``instance.execute(op)`` and ``await instance.aexecute(op)`` are typed b
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Generic, Literal, TypeVar
 
 from stockade.sandbox.snapshots import SnapshotStore
@@ -21,6 +22,7 @@ __all__ = [
     "LISTING_TRUNCATED_HEADER",
     "Area",
     "GetArchive",
+    "HostFolder",
     "ListDir",
     "MakeDir",
     "Op",
@@ -154,10 +156,30 @@ class Remove(Op[None]):
 
 
 @dataclass(frozen=True, kw_only=True)
-class PutArchive(Op[None]):
-    """Extract a tar archive into ``path`` (a directory of the workspace, or of /tmp)."""
+class HostFolder:
+    """A folder of the host to copy in: what ``read`` names (workspace globs), but what
+    ``hide`` names. Its tar is made as it is sent (``chunks``), never held whole."""
 
-    data: bytes
+    source: Path
+    hide: tuple[str, ...] = ()
+    read: tuple[str, ...] = ("**",)
+
+    def chunks(self, size: int = 4 * 1024 * 1024) -> Iterator[bytes]:
+        """The folder as a tar stream, in pieces of ``size`` bytes; each call walks it anew."""
+        from stockade.sandbox._requests import tar_chunks  # lazily: it imports the tiers' code
+
+        return tar_chunks(self.source, self.hide, self.read, size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PutArchive(Op[None]):
+    """Extract a tar archive into ``path`` (a directory of the workspace, or of /tmp): ``data``,
+    one held in memory, or ``folder``, a host folder made into a tar as it is sent (what
+    ``files.upload_dir`` sends). Either way the sandbox gets it a chunk at a time and moves
+    what it unpacked into place only once the whole archive was unpacked."""
+
+    data: bytes = b""
+    folder: HostFolder | None = None
     path: str = ""
     area: Area = "workspace"
 

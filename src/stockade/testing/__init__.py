@@ -175,7 +175,8 @@ class MemoryWorkspace:
         self.dirs = {d for d in self.dirs if d != path and not d.startswith(path + "/")}
 
     def _put_archive(self, op: PutArchive) -> None:
-        with tarfile.open(fileobj=io.BytesIO(op.data)) as tar:
+        data = op.data if op.folder is None else b"".join(op.folder.chunks())  # held in memory anyway
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
             for member in tar.getmembers():
                 target = self._norm(posixpath.join(op.path, member.name))
                 if member.isdir():

@@ -6,9 +6,15 @@ from __future__ import annotations
 import io
 import os
 import tarfile
+import tracemalloc
 from pathlib import Path
+from typing import Any
 
+from stockade import Sandbox
+from stockade.sandbox._transfers import TRANSFER_CHUNK
 from stockade.sandbox.facade import tar_directory
+from stockade.sandbox.ops import HostFolder, Op, PutArchive
+from stockade.testing import FakeBackend
 
 HIDE = ("secrets/**", ".env", ".git", ".git/**", "**/.git", "**/.git/**")
 
@@ -52,3 +58,46 @@ def test_with_nothing_hidden_everything_comes_and_hard_links_stay_links(tmp_path
         kinds = {m.name: m for m in tar.getmembers()}
     assert {"secrets/key", ".env", ".gitdata/HEAD", ".svn/pristine/00/key.svn-base"} <= set(kinds)
     assert kinds["secrets/key"].islnk() and kinds["secrets/key"].linkname == "aaa-before"
+
+
+MiB = 1024 * 1024
+
+
+def test_an_upload_is_packed_as_it_is_sent_a_chunk_at_a_time(tmp_path: Path) -> None:
+    """The host never holds the folder's tar: a 64 MiB file goes out in 4 MiB pieces (what
+    ``files.write`` sends) with the host's memory at a few pieces. Built whole, the tar of a
+    560 MiB folder took 1.2 GB, and its one frame killed the sandbox's supervisor."""
+    folder = tmp_path / "src"
+    folder.mkdir()
+    with open(folder / "data.bin", "wb") as f:
+        f.truncate(64 * MiB)
+    pieces: list[int] = []
+
+    def sandbox(op: Op[Any]) -> None:
+        assert isinstance(op, PutArchive) and op.folder is not None
+        pieces.extend(len(chunk) for chunk in op.folder.chunks(TRANSFER_CHUNK))
+
+    with Sandbox.create(backend=FakeBackend(sandbox)) as sbx:
+        tracemalloc.start()
+        try:
+            sbx.files.upload_dir(folder)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert sum(pieces) > 64 * MiB and max(pieces) == TRANSFER_CHUNK
+    assert peak < 4 * TRANSFER_CHUNK, f"the host held {peak / MiB:.0f} MiB at once"
+
+
+def test_the_stream_is_the_archive_tarfile_makes(tmp_path: Path) -> None:
+    """Links, long names, empty files: the same bytes whatever the piece size."""
+    root = project(tmp_path)
+    (root / ("long-" * 40)).write_bytes(os.urandom(5000))
+    (root / "empty").touch()
+    os.symlink("src/app.py", root / "alias")
+    whole = tar_directory(root, HIDE)
+    for size in (512, 1000, 1 << 20):
+        pieces = list(HostFolder(source=root, hide=HIDE).chunks(size))
+        assert all(len(p) == size for p in pieces[:-1]) and 0 < len(pieces[-1]) <= size
+        assert b"".join(pieces) == whole
+    assert len(whole) % tarfile.RECORDSIZE == 0
+    assert members(whole)["long-" * 40] == (root / ("long-" * 40)).read_bytes()

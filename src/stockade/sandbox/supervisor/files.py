@@ -13,7 +13,6 @@ Standard library only; runs on any Python >= 3.8 found inside the sandbox.
 
 from __future__ import annotations
 
-import io
 import os
 import stat
 
@@ -234,23 +233,10 @@ def op_remove(sup: "Supervisor", rid: int, h: dict[str, Any], body: bytes) -> No
 
 
 def op_put_archive(sup: "Supervisor", rid: int, h: dict[str, Any], body: bytes) -> None:
-    """Unpack a tar archive: one that comes whole in ``body``, or, with ``stage``, one that
-    comes a chunk at a time (a snapshot's files; see unpack.py)."""
-    area = _area(sup, h)
-    if h.get("stage"):
-        import unpack  # lazily: most sandboxes never restore a snapshot
+    """Unpack a tar archive that comes a chunk at a time, in stages (see unpack.py)."""
+    import unpack  # lazily: most sandboxes never take an archive
 
-        sup.send({"id": rid, "ev": "done", **unpack.handle(area, h, body)})
-        return
-    import tarfile  # lazily: importing it costs more than starting the supervisor
-
-    dest = area.root + "/" + "/".join(area._split(h.get("path", "")))
-    with tarfile.open(fileobj=io.BytesIO(body), mode="r:*") as tar:
-        if hasattr(tarfile, "data_filter"):
-            tar.extractall(dest, filter="data")
-        else:
-            tar.extractall(dest)
-    sup.send({"id": rid, "ev": "done"})
+    sup.send({"id": rid, "ev": "done", **unpack.handle(_area(sup, h), h, body)})
 
 
 def op_get_archive(sup: "Supervisor", rid: int, h: dict[str, Any], body: bytes) -> None:

@@ -1,15 +1,17 @@
-"""A tar stream unpacked as the host pushes it, a chunk at a time: a snapshot's files restored.
+"""A tar stream unpacked as the host pushes it, a chunk at a time: a folder uploaded
+(``files.upload_dir``, a workspace seeded), an archive put, a snapshot's files restored.
 
-``put_archive`` in stages: ``open`` a transfer (a staging folder in the destination, and a
-thread that unpacks a pipe into it), ``append`` each chunk (a few MiB: the host never sends
-more in one frame), then ``commit`` (the host has seen the whole object hash to its name: the
-staged entries move into place) or ``abort``. Memory here stays one chunk and the pipe's
-buffer whatever the archive holds; a 1 GiB archive sent as one frame killed a 128 MiB
-sandbox's supervisor.
+``put_archive`` in stages: ``open`` a transfer (the destination folder, made when missing, a
+staging folder in it, and a thread that unpacks a pipe into it), ``append`` each chunk (a few
+MiB: the host never sends more in one frame), then ``commit`` (the host sent it all, and saw
+a snapshot's object hash to its name: the staged entries move into place) or ``abort``.
+Memory here stays one chunk and the pipe's buffer whatever the archive holds; a 1 GiB archive
+sent as one frame killed a 128 MiB sandbox's supervisor, and a 560 MiB folder uploaded as one
+killed a 1 GiB sandbox.
 
 Nothing half-unpacked is ever in place: a transfer that fails (a member that does not fit, a
-malformed archive, the host's ``abort``) has its staging folder removed, and the host closes
-the sandbox anyway (a restore that failed leaves no sandbox). The unpacking refuses, as soon
+malformed archive, the host's ``abort``) has its staging folder removed, and the folders made
+for the destination (a restore that failed leaves no sandbox anyway). The unpacking refuses, as soon
 as a member's header comes and before its data, a tree whose files would not fit the
 destination's filesystem (kind ``full``): the host then stops after a chunk or two instead
 of sending gigabytes into a tmpfs they cannot fit.
@@ -43,10 +45,16 @@ def handle(area: "Workspace", h: "dict[str, Any]", body: bytes) -> "dict[str, An
     """One staged ``put_archive`` request; what the reply adds (``tx`` for an ``open``)."""
     stage = h.get("stage")
     if stage == "open":
-        dest = "/".join([area.root.rstrip("/"), *area._split(str(h.get("path", "")))])
+        path = str(h.get("path", ""))
+        made = _missing(area, path)
         _opened[0] += 1
         tx = "u%d" % _opened[0]
-        _transfers[tx] = Unpacking(dest, "%s%d-%s" % (STAGING, os.getpid(), tx))
+        try:
+            dest = _destination(area, path)
+            _transfers[tx] = Unpacking(dest, "%s%d-%s" % (STAGING, os.getpid(), tx), made)
+        except BaseException:
+            _remove_made(made)
+            raise
         while len(_transfers) > OPEN_TRANSFERS:
             _transfers.pop(next(iter(_transfers))).abort()
         return {"tx": tx}
@@ -58,7 +66,7 @@ def handle(area: "Workspace", h: "dict[str, Any]", body: bytes) -> "dict[str, An
             unpacking.abort()
         return {}
     if unpacking is None:
-        raise PathRefused("internal", "no open restore %r" % tx)
+        raise PathRefused("internal", "no open upload or restore %r" % tx)
     if stage not in ("append", "commit"):
         raise PathRefused("internal", "unknown put_archive stage %r" % (stage,))
     try:
@@ -74,18 +82,56 @@ def handle(area: "Workspace", h: "dict[str, Any]", body: bytes) -> "dict[str, An
     return {}
 
 
+def _missing(area: "Workspace", path: str) -> "list[str]":
+    """The folders on the way to ``path`` that are not there yet: what an upload makes, and
+    removes again when it fails."""
+    parts = area._split(path)
+    joined = ["/".join([area.root.rstrip("/"), *parts[:i]]) for i in range(1, len(parts) + 1)]
+    return [p for p in joined if not os.path.lexists(p)]
+
+
+def _remove_made(made: "list[str]") -> None:
+    for folder in reversed(made):  # deepest first; one the code put something in stays
+        try:
+            os.rmdir(folder)
+        except OSError:
+            pass
+
+
+def _destination(area: "Workspace", path: str) -> str:
+    """The folder ``path`` names in ``area``, made when missing (with the folders above it).
+    Links on the way are followed only where they stay inside, as for any file request."""
+    parent, name = area.resolve(path, follow_last=True, create_dirs=True)
+    try:
+        if name:
+            try:
+                os.mkdir(name, 0o755, dir_fd=parent)
+            except FileExistsError:
+                pass
+    finally:
+        os.close(parent)
+    root = os.path.realpath(area.root)
+    dest = os.path.realpath("/".join([area.root.rstrip("/"), *area._split(path)]))
+    if dest != root and not dest.startswith(root + "/"):  # changed since it was resolved
+        raise PathRefused("escape", "%r leads outside %s" % (path, area.root))
+    if not os.path.isdir(dest):
+        raise PathRefused("type", "%r is not a directory" % path)
+    return dest
+
+
 class Unpacking:
     """One archive being unpacked into ``staging`` (made in ``dest``) by a thread that reads
     a pipe: ``append`` writes a chunk to it, ``commit`` waits for the end and moves the
     staged entries into ``dest``, ``abort`` stops and removes them."""
 
-    def __init__(self, dest: str, name: str) -> None:
+    def __init__(self, dest: str, name: str, made: "list[str]") -> None:
         st = os.statvfs(dest)
         # What the destination's filesystem can take (a tmpfs states its size; a filesystem
         # that states none is not checked here, its ENOSPC still is).
         self.room = st.f_bavail * st.f_frsize if st.f_blocks else None
         self.inodes = st.f_favail if st.f_files else None
         self.dest = dest
+        self.made = made  # the folders made for dest: removed again if it fails
         self.staging = dest + "/" + name
         self.size = 0
         self.entries = 0
@@ -118,6 +164,7 @@ class Unpacking:
         if os.path.isdir(self.staging):
             empty_dir(self.staging)
             os.rmdir(self.staging)
+        _remove_made(self.made)
 
     def _finish(self) -> None:
         """End the stream, wait for the thread, raise what stopped it."""
@@ -134,7 +181,7 @@ class Unpacking:
 
         try:
             with os.fdopen(read_fd, "rb", buffering=READ_BUFFER) as pipe:
-                tar = tarfile.open(fileobj=pipe, mode="r|")
+                tar = tarfile.open(fileobj=pipe, mode="r|*")  # compressed too, as a put archive may be
                 tar.copybufsize = READ_BUFFER
                 members = self._fitting(tar)
                 if hasattr(tarfile, "data_filter"):
