@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
@@ -83,6 +84,18 @@ def test_run_code_records_the_code_and_its_digest() -> None:
         (run_code,) = audit.of(EventKind.RUN_CODE)
         assert run_code.attributes["code"] == "x = 41\nx + 1"
         assert str(run_code.attributes["code_digest"]).startswith("sha256:")
+
+
+def test_an_upload_records_the_folder_it_came_from(tmp_path: Path) -> None:
+    # Its tar is made as it is sent: there are no bytes to digest before, the folder is named.
+    (tmp_path / "app.py").write_text("print(1)\n")
+    with capture_audit() as audit:
+        with Sandbox.create(backend=AuditedBackend(FakeBackend(), audit, run_id="r")) as sbx:
+            sbx.files.upload_dir(tmp_path, "proj", hide=["*.env"])
+            assert sbx.files.read("proj/app.py") == "print(1)\n"
+        (upload,) = audit.of(EventKind.FILE_WRITE)
+        assert upload.attributes["op"] == "put_archive" and upload.attributes["path"] == "proj"
+        assert upload.attributes["source"] == str(tmp_path) and upload.attributes["hide"] == ["*.env"]
 
 
 def test_stop_is_recorded_once() -> None:
