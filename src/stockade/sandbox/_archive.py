@@ -18,7 +18,10 @@ which wants the whole archive), gives these guarantees whatever the stream holds
   too. A link whose route leaves ``dest`` at any step (an absolute link, a loop, a route
   through a file) is left out and reported (``"link out"``), so that one link the code made
   does not block the download of the rest; on the real tree (through a link ``dest``
-  already had) it fails the download.
+  already had) it fails the download. Each pass over the links looks each folder up once
+  (the links come in walk order) and takes at most ``max_link_steps`` (``LINK_WORK``)
+  steps, components walked and queued: past it the download stops, ``FileTooLarge`` (a
+  link alone may take ``LINK_STEPS``, and 100,000 of them minutes of CPU).
 * **Bounded writes.** A hard link stays a hard link, to a file this download created: a
   thousand names of one file cost one copy. ``max_bytes`` caps the file contents (apparent
   sizes) and ``max_entries`` the entries; past either the download stops, ``FileTooLarge``.
@@ -66,6 +69,7 @@ MAX_LINK_BYTES = 32 * 1024 * 1024  # link targets of one download together: held
 MAX_DEPTH = 128  # folders in a member's name
 LINK_HOPS = 40  # links followed to resolve one link, as the kernel allows
 LINK_STEPS = 512  # path components walked to resolve one link, links expanded
+LINK_WORK = 8_000_000  # steps of one pass over a download's links (about a second of CPU)
 MAX_REPORTED = 1000  # skipped entries listed in the result (all are counted)
 STAGE_PREFIX = ".stockade-download-"
 
@@ -122,7 +126,49 @@ def _components(target: str) -> list[str]:
 Child = Callable[[H | None, str], tuple[str, str, H | None]]
 
 
-def _leaves(start: list[H | None], target: str, child: Child[H]) -> str | None:
+@dataclass(slots=True)
+class _Meter:
+    """The work of one pass over a download's links: each component walked or queued, each
+    folder looked up. A link costs at most ``LINK_STEPS`` steps (and ``LINK_HOPS`` targets
+    queued), so without a bound of its own 100,000 links of a download cost minutes."""
+
+    limit: int
+    dest: str
+    used: int = 0
+
+    def charge(self, n: int = 1) -> None:
+        self.used += n
+        if self.used > self.limit:
+            raise exc.FileTooLarge(
+                f"checking the links of the download into {self.dest!r} takes more than "
+                f"{self.limit} steps (links through links, long targets, deep folders)",
+                path=self.dest,
+            )
+
+
+def _starts(
+    links: list[tuple[Parts, _Node]], root: H, descend: Callable[[H | None, str], H | None], meter: _Meter
+) -> Iterator[tuple[Parts, _Node, list[H | None]]]:
+    """Each link with the handles of its folder's chain, root first. Links come in walk
+    order: the chain is kept from one to the next and only what changes is looked up, once
+    per folder (rebuilt per link, it cost depth squared: minutes for 20,000 links 127 deep)."""
+    parts_now: Parts = ()
+    chain: list[H | None] = [root]
+    for parts, node in links:
+        folder = parts[:-1]
+        if folder != parts_now:
+            keep = 0
+            while keep < min(len(folder), len(parts_now)) and folder[keep] == parts_now[keep]:
+                keep += 1
+            del chain[keep + 1 :]
+            for name in folder[keep:]:
+                meter.charge()
+                chain.append(descend(chain[-1], name))
+            parts_now = folder
+        yield parts, node, chain
+
+
+def _leaves(start: list[H | None], target: str, child: Child[H], meter: _Meter) -> str | None:
     """Why a link in the folder ``start`` (handles from the root down) to ``target`` would
     leave the root, or None when every step of its resolution stays inside.
 
@@ -132,7 +178,7 @@ def _leaves(start: list[H | None], target: str, child: Child[H]) -> str | None:
     """
     if target.startswith("/"):
         return "is absolute"
-    why = _up_through_folders(start, target, child)
+    why = _up_through_folders(start, target, child, meter)
     if why is not None:
         return why
     here = list(start)
@@ -140,6 +186,7 @@ def _leaves(start: list[H | None], target: str, child: Child[H]) -> str | None:
     steps = hops = 0
     while queue:
         steps += 1
+        meter.charge()
         if steps > LINK_STEPS:
             return f"takes more than {LINK_STEPS} steps to resolve"
         part = queue.popleft()
@@ -155,7 +202,9 @@ def _leaves(start: list[H | None], target: str, child: Child[H]) -> str | None:
                 return f"goes through more than {LINK_HOPS} links"
             if link.startswith("/"):
                 return f"goes through {part!r}, a link to the absolute path {link!r}"
-            queue.extendleft(reversed(_components(link)))
+            more = _components(link)
+            meter.charge(len(more))
+            queue.extendleft(reversed(more))
         elif kind == "file" and queue:
             return f"goes through {part!r}, which is not a folder"
         else:
@@ -163,7 +212,7 @@ def _leaves(start: list[H | None], target: str, child: Child[H]) -> str | None:
     return None
 
 
-def _up_through_folders(start: list[H | None], target: str, child: Child[H]) -> str | None:
+def _up_through_folders(start: list[H | None], target: str, child: Child[H], meter: _Meter) -> str | None:
     """Why the ``..`` of a link's target may lead elsewhere later, or None: each must undo a
     name that is a real folder, reached through real folders. ``x/..`` goes to the parent of
     wherever ``x`` leads when it is followed: a later download, or a link already in ``dest``,
@@ -173,6 +222,7 @@ def _up_through_folders(start: list[H | None], target: str, child: Child[H]) -> 
     here = list(start)
     settled = True  # every name so far a real folder
     for part in _components(target):
+        meter.charge()
         if part == "..":
             if not settled:
                 return "goes up ('..') after a name that is no folder: it leads wherever that name will"
@@ -193,6 +243,14 @@ def _model_child(folder: _Node | None, name: str) -> tuple[str, str, _Node | Non
     if node is None:
         return "missing", "", None
     return node.kind, node.target, node if node.kind == "dir" else None
+
+
+def _model_folder(folder: _Node | None, name: str) -> _Node | None:
+    return _model_child(folder, name)[2]
+
+
+def _host_folder(folder: str | None, name: str) -> str:
+    return f"{folder}/{name}" if folder else name
 
 
 # -- the extraction ----------------------------------------------------------------------
@@ -247,17 +305,25 @@ class Extraction:
         max_bytes: int = DOWNLOAD_MAX_BYTES,
         max_entries: int = DOWNLOAD_MAX_ENTRIES,
         links_anywhere: bool = False,
+        max_link_steps: int = LINK_WORK,
     ) -> None:
         """``links_anywhere``: for a folder only a sandbox ever sees (the tmpfs a gVisor
         sandbox is restored on), whose links may point anywhere, as the sandbox's own do.
-        They are still created last and never followed while writing."""
-        for name, value in (("max_bytes", max_bytes), ("max_entries", max_entries)):
+        They are still created last and never followed while writing. ``max_link_steps``
+        bounds each pass of the link check (``LINK_WORK``)."""
+        for name, value in (
+            ("max_bytes", max_bytes),
+            ("max_entries", max_entries),
+            ("max_link_steps", max_link_steps),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise exc.ConfigurationError(f"{name} must be an int >= 0, got {value!r}")
         self.dest = Path(dest)
         self.max_bytes = max_bytes
         self.max_entries = max_entries
         self.links_anywhere = links_anywhere
+        self.max_link_steps = max_link_steps
+        self.link_steps = 0  # the link check's work so far, all passes (what max_link_steps caps per pass)
         self._lock = threading.Lock()
         self._reader = TarReader(self._member, self._data, self._end)
         self._root = _Node.folder()
@@ -632,12 +698,20 @@ class Extraction:
     def _leaving(self, links: list[tuple[Parts, _Node]]) -> list[tuple[Parts, _Node, str]]:
         """The links of the model that leave ``dest`` by some route, and why."""
         out: list[tuple[Parts, _Node, str]] = []
-        for parts, node in links:
-            start = [self._root, *(self._lookup(parts[:i]) for i in range(1, len(parts)))]
-            why = _leaves(start, node.target, _model_child)
-            if why is not None:
-                out.append((parts, node, why))
+        with self._metered() as meter:
+            for parts, node, start in _starts(links, self._root, _model_folder, meter):
+                why = _leaves(start, node.target, _model_child, meter)
+                if why is not None:
+                    out.append((parts, node, why))
         return out
+
+    @contextlib.contextmanager
+    def _metered(self) -> Iterator[_Meter]:
+        meter = _Meter(limit=self.max_link_steps, dest=str(self.dest))
+        try:
+            yield meter
+        finally:
+            self.link_steps += meter.used
 
     def _link_out(self, parts: Parts, target: str, why: str) -> exc.PathEscapeError:
         path = "/".join(parts)
@@ -715,26 +789,26 @@ class Extraction:
             os.close(dst)
 
     def _check_on_host(self, links: list[tuple[Parts, _Node]]) -> None:
-        """Resolve every new link again on the real tree: links already in dest count too."""
-        seen: dict[str, tuple[str, str, Parts | None]] = {}
+        """Resolve every new link again on the real tree: links already in dest count too.
+        A folder is its path from ``dest`` ("" for dest itself)."""
+        seen: dict[str, tuple[str, str, str | None]] = {}
 
-        def child(folder: Parts | None, name: str) -> tuple[str, str, Parts | None]:
+        def child(folder: str | None, name: str) -> tuple[str, str, str | None]:
             if folder is None:
                 return "missing", "", None
-            path = (*folder, name)
-            key = "/".join(path)
+            key = _host_folder(folder, name)
             known = seen.get(key)
             if known is None:
-                known = seen[key] = self._host_entry(path, key)
+                known = seen[key] = self._host_entry(key)
             return known
 
-        for parts, node in links:
-            start: list[Parts | None] = [parts[:i] for i in range(len(parts))]
-            why = _leaves(start, node.target, child)
-            if why is not None:
-                raise self._link_out(parts, node.target, why)
+        with self._metered() as meter:
+            for parts, node, start in _starts(links, "", _host_folder, meter):
+                why = _leaves(start, node.target, child, meter)
+                if why is not None:
+                    raise self._link_out(parts, node.target, why)
 
-    def _host_entry(self, path: Parts, key: str) -> tuple[str, str, Parts | None]:
+    def _host_entry(self, key: str) -> tuple[str, str, str | None]:
         # Every folder on ``key`` was seen as a real folder by lstat just before (nothing
         # else writes to dest meanwhile), so the kernel follows no link to reach the last name.
         try:
@@ -742,7 +816,7 @@ class Extraction:
         except (FileNotFoundError, NotADirectoryError):
             return "missing", "", None
         if stat.S_ISDIR(mode):
-            return "dir", "", path
+            return "dir", "", key
         if stat.S_ISLNK(mode):
             return "link", os.readlink(key, dir_fd=self._dest_fd), None
         return "file", "", None

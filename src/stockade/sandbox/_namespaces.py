@@ -129,7 +129,8 @@ class Files:
         stay hard links, FIFOs, sockets and devices are skipped (and listed in the result),
         setuid/setgid and group/other write bits are dropped. ``max_bytes`` caps the file
         contents written (1 GiB by default; a sparse file counts by its apparent size) and
-        ``max_entries`` the entries: past either, ``FileTooLarge`` and nothing is left.
+        ``max_entries`` the entries: past either, ``FileTooLarge`` and nothing is left. A tree
+        whose links take more than 8 million steps to check is refused the same way.
         """
         from stockade.sandbox._archive import Extraction
 
