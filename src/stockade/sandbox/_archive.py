@@ -24,7 +24,10 @@ which wants the whole archive), gives these guarantees whatever the stream holds
   link alone may take ``LINK_STEPS``, and 100,000 of them minutes of CPU).
 * **Bounded writes.** A hard link stays a hard link, to a file this download created: a
   thousand names of one file cost one copy. ``max_bytes`` caps the file contents (apparent
-  sizes) and ``max_entries`` the entries; past either the download stops, ``FileTooLarge``.
+  sizes) and what the entries take on disk besides: each its name and ``ENTRY_COST`` (a
+  file, a link with its target, a further name), or ``FOLDER_COST`` (a folder, made by a
+  member or implied by a name); ``max_entries`` caps the entries. Past either the download
+  stops, ``FileTooLarge``.
 * **Bounded memory.** File data goes straight to disk; one header at a time is held (an
   extended header at most 16 KiB), and the model keeps one small node per entry.
 * **All or nothing.** Members are unpacked into a hidden folder inside ``dest``
@@ -70,6 +73,8 @@ MAX_DEPTH = 128  # folders in a member's name
 LINK_HOPS = 40  # links followed to resolve one link, as the kernel allows
 LINK_STEPS = 512  # path components walked to resolve one link, links expanded
 LINK_WORK = 8_000_000  # steps of one pass over a download's links (about a second of CPU)
+FOLDER_COST = 4096  # bytes a folder takes on disk besides its name (one block)
+ENTRY_COST = 256  # bytes a file or link takes on disk besides its name (an inode)
 MAX_REPORTED = 1000  # skipped entries listed in the result (all are counted)
 STAGE_PREFIX = ".stockade-download-"
 
@@ -306,11 +311,13 @@ class Extraction:
         max_entries: int = DOWNLOAD_MAX_ENTRIES,
         links_anywhere: bool = False,
         max_link_steps: int = LINK_WORK,
+        count_metadata: bool = True,
     ) -> None:
         """``links_anywhere``: for a folder only a sandbox ever sees (the tmpfs a gVisor
         sandbox is restored on), whose links may point anywhere, as the sandbox's own do.
         They are still created last and never followed while writing. ``max_link_steps``
-        bounds each pass of the link check (``LINK_WORK``)."""
+        bounds each pass of the link check (``LINK_WORK``). ``count_metadata=False``: entries
+        cost ``max_bytes`` nothing, for a tmpfs whose own caps bound them."""
         for name, value in (
             ("max_bytes", max_bytes),
             ("max_entries", max_entries),
@@ -323,6 +330,7 @@ class Extraction:
         self.max_entries = max_entries
         self.links_anywhere = links_anywhere
         self.max_link_steps = max_link_steps
+        self.count_metadata = count_metadata
         self.link_steps = 0  # the link check's work so far, all passes (what max_link_steps caps per pass)
         self._lock = threading.Lock()
         self._reader = TarReader(self._member, self._data, self._end)
@@ -461,17 +469,29 @@ class Extraction:
                 path=str(self.dest),
             )
 
+    def _charge(self, size: int, path: str, what: str) -> None:
+        if self._tally.charged + size > self.max_bytes:
+            raise exc.FileTooLarge(
+                f"the download into {str(self.dest)!r} would write more than max_bytes="
+                f"{self.max_bytes} bytes ({path!r} {what}, after {self._tally.charged}); "
+                "pass a larger max_bytes to files.download_dir to allow it",
+                path=path,
+            )
+        self._tally.charged += size
+
+    def _charge_entry(self, kind: str, path: str, name: str, extra: int = 0) -> None:
+        """An entry made on disk costs its name and an inode, a folder a block, a link its
+        target too: without this, 60,000 empty folders of 255-byte names wrote 257 MB of
+        metadata at ``max_bytes=0``."""
+        if self.count_metadata:
+            size = (FOLDER_COST if kind == "dir" else ENTRY_COST) + extra
+            size += len(name.encode("utf-8", "surrogateescape"))
+            self._charge(size, path, f"takes {size} bytes as a {kind} on disk")
+
     def _member(self, m: Member) -> bool:
         self._count()
         if m.type not in NO_DATA:  # files, and unknown types whose data is skipped
-            if self._tally.charged + m.size > self.max_bytes:
-                raise exc.FileTooLarge(
-                    f"the download into {str(self.dest)!r} would write more than max_bytes="
-                    f"{self.max_bytes} bytes ({m.name!r} is {m.size} bytes, after {self._tally.charged}); "
-                    "pass a larger max_bytes to files.download_dir to allow it",
-                    path=m.name,
-                )
-            self._tally.charged += m.size
+            self._charge(m.size, m.name, f"is {m.size} bytes")
         parts = _parts(m.name)
         path = "/".join(parts) or "."
         skipped = _SPECIAL.get(m.type)
@@ -501,6 +521,7 @@ class Extraction:
                 old.mode = _dir_mode(m.mode)
                 return False
             self._make_room(at, "folder")
+            self._charge_entry("dir", at.path, at.name)
             os.mkdir(at.name, 0o700, dir_fd=at.parent)
             at.entries[at.name] = _Node.folder(_dir_mode(m.mode))
         elif m.type == tarfile.SYMTYPE:
@@ -518,11 +539,13 @@ class Extraction:
                 message = f"the download's link targets add up to more than {MAX_LINK_BYTES} bytes"
                 raise exc.FileTooLarge(message, path=at.path)
             self._make_room(at, "link")
+            self._charge_entry("link", at.path, at.name, size)
             at.entries[at.name] = _Node("link", target=target)
         elif m.type == tarfile.LNKTYPE:
             self._hard_link(m, at)
         else:
             self._make_room(at, "file")
+            self._charge_entry("file", at.path, at.name)
             fd = os.open(at.name, _NEW_FILE, 0o600, dir_fd=at.parent)
             st = os.fstat(fd)
             at.entries[at.name] = _Node("file", inode=(st.st_dev, st.st_ino))
@@ -538,6 +561,7 @@ class Extraction:
             child = node.children.get(name)
             if child is None:
                 self._count()  # a folder the archive implies is an entry too
+                self._charge_entry("dir", "/".join(parts[: depth + 1]), name)
                 fd = self._open(self._tree_fd, parts[:depth])
                 try:
                     os.mkdir(name, 0o700, dir_fd=fd)
@@ -575,6 +599,7 @@ class Extraction:
         if target is at.entries.get(at.name):
             return  # a name linked to itself: already there
         self._make_room(at, "hard link")
+        self._charge_entry("hard link", at.path, at.name)
         source = self._open(self._tree_fd, target_parts[:-1])
         try:
             st = os.stat(target_parts[-1], dir_fd=source, follow_symlinks=False)

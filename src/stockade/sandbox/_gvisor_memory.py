@@ -229,8 +229,12 @@ def unpack_area(
     The extractor made for sandboxes' downloads does it: nothing is written outside ``dest``
     whatever the tar holds (it was checked against its hash, but came from a sandbox's files).
     Its links are the sandbox's, to anywhere (a virtualenv's python links to /usr/bin): only
-    the sandbox follows them, in its own root (this host never does, here or in ``pack_area``)."""
-    with Extraction(dest, max_bytes=max_bytes, max_entries=max_entries, links_anywhere=True) as unpack:
+    the sandbox follows them, in its own root (this host never does, here or in ``pack_area``).
+    ``max_bytes`` is the tmpfs's size, which its files' contents fill; its entries take RAM
+    bounded by its inode cap, not that size, so they are not counted against it."""
+    with Extraction(
+        dest, max_bytes=max_bytes, max_entries=max_entries, links_anywhere=True, count_metadata=False
+    ) as unpack:
         with open(source, "rb") as fh:
             while chunk := fh.read(CHUNK):
                 unpack.feed(chunk)

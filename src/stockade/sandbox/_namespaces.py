@@ -127,10 +127,12 @@ class Files:
         are left out and listed in the result's ``skipped`` as ``"link out"``; one that
         would lead out through a link already in ``dest`` fails the download), hard links
         stay hard links, FIFOs, sockets and devices are skipped (and listed in the result),
-        setuid/setgid and group/other write bits are dropped. ``max_bytes`` caps the file
-        contents written (1 GiB by default; a sparse file counts by its apparent size) and
-        ``max_entries`` the entries: past either, ``FileTooLarge`` and nothing is left. A tree
-        whose links take more than 8 million steps to check is refused the same way.
+        setuid/setgid and group/other write bits are dropped. ``max_bytes`` caps what the
+        download writes (1 GiB by default): the file contents (a sparse file counts by its
+        apparent size) and each entry's name plus 256 bytes (4 KiB for a folder; a link's
+        target too), and ``max_entries`` the entries: past either, ``FileTooLarge`` and
+        nothing is left. A tree whose links take more than 8 million steps to check is refused
+        the same way.
         """
         from stockade.sandbox._archive import Extraction
 

@@ -32,6 +32,8 @@ from stockade import (
     WorkspaceError,
 )
 from stockade.sandbox._archive import (
+    ENTRY_COST,
+    FOLDER_COST,
     LINK_WORK,
     STAGE_PREFIX,
     Extraction,
@@ -402,7 +404,8 @@ def test_the_byte_cap_stops_the_download_with_a_typed_error(host: Path) -> None:
         download(data, host / "out", max_bytes=2 * MiB)
     assert "pass a larger max_bytes" in str(caught.value)
     assert_nothing_left(host, before)
-    assert download(data, host / "out", max_bytes=3 * MiB).bytes_written == 3 * MiB
+    entries = 3 * (ENTRY_COST + len("f0"))  # each file's inode and name count too
+    assert download(data, host / "out", max_bytes=3 * MiB + entries).bytes_written == 3 * MiB
 
 
 def test_a_huge_declared_size_is_refused_before_any_data(host: Path) -> None:
@@ -583,3 +586,19 @@ def test_the_link_check_has_a_bound_per_download(host: Path) -> None:
     with pytest.raises(FileTooLarge, match=f"takes more than {unpack.link_steps - 1} steps"):
         unpacked(chain, host / "out", max_link_steps=unpack.link_steps - 1)
     assert_nothing_left(host, before)
+
+
+def test_every_entry_made_counts_toward_max_bytes(host: Path) -> None:
+    # 60,000 empty folders with 255-byte names wrote 257 MB at max_bytes=0: an entry
+    # costs its name, and an inode (a file, a link, with its target) or a block (a folder).
+    before = snapshot(host)
+    with pytest.raises(FileTooLarge, match="max_bytes=0"):
+        download(archive(*(folder(f"{i:03}" + "x" * 252) for i in range(100))), host / "out", max_bytes=0)
+    assert_nothing_left(host, before)
+    data = archive(file("d/f", b"abc"), symlink("l", "d/f"), hardlink("h", "d/f"))
+    cost = (FOLDER_COST + 1) + (ENTRY_COST + 1 + 3) + (ENTRY_COST + 1 + 3) + (ENTRY_COST + 1)
+    with pytest.raises(FileTooLarge, match=f"max_bytes={cost - 1}"):
+        download(data, host / "out", max_bytes=cost - 1)
+    assert_nothing_left(host, before)
+    assert download(data, host / "out", max_bytes=cost).bytes_written == 3
+    assert download(archive(folder(".")), host / "empty", max_bytes=0).directories == 0
