@@ -62,6 +62,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
         ├── AuthenticationError       no API token, or one the service does not know (HTTP 401)
         ├── ResourceNotFound          no such sandbox, run or request, or not the caller's (HTTP 404)
         ├── RequestTooLarge           a request's body is over the service's cap (HTTP 413)
+        ├── RequestTimeout            a request's body came too slowly (HTTP 408)
         └── ServiceUnavailable        [retryable] the service cannot be reached, or answered 5xx
 
 A control that ends a run does not fail anything: it raises a ``RunStopped``, control flow
@@ -118,6 +119,7 @@ __all__ = [
     "ProtocolError",
     "QuotaExceeded",
     "RateLimited",
+    "RequestTimeout",
     "RequestTooLarge",
     "ResourceContention",
     "ResourceNotFound",
@@ -460,6 +462,16 @@ class RequestTooLarge(ServiceError):
     def __init__(self, message: str, *, limit: int = 0, fix: str = "") -> None:
         super().__init__(message)
         self.limit = limit
+        self.fix = fix
+
+
+class RequestTimeout(ServiceError):
+    """A request's body came slower than the service takes (HTTP 408): within its grace
+    (``stockade serve --body-timeout``), then at its minimum rate (``--min-body-rate``); the
+    connection is closed."""
+
+    def __init__(self, message: str, *, fix: str = "") -> None:
+        super().__init__(message)
         self.fix = fix
 
 

@@ -95,6 +95,36 @@ def serve(
             "default: kept until deleted",
         ),
     ] = None,
+    head_timeout: Annotated[
+        float,
+        typer.Option(
+            "--head-timeout", min=0.001,
+            help="seconds a connection has to send a request's line and headers (from its opening, "
+            "or its previous response); then it is closed",
+        ),
+    ] = 10.0,
+    keep_alive_timeout: Annotated[
+        int, typer.Option("--keep-alive-timeout", min=1, help="seconds an idle connection is kept open")
+    ] = 5,
+    max_connections: Annotated[
+        int,
+        typer.Option(
+            "--max-connections", min=1,
+            help="connections open at once; one more is answered 503 and closed (at most half of the "
+            "process's file descriptors, ulimit -n: the rest stay for sandboxes and the database)",
+        ),
+    ] = 1000,
+    body_timeout: Annotated[
+        float,
+        typer.Option(
+            "--body-timeout", min=0.001,
+            help="seconds a request's body may take, plus its size at --min-body-rate; slower is 408",
+        ),
+    ] = 30.0,
+    min_body_rate: Annotated[
+        int,
+        typer.Option("--min-body-rate", min=1, help="bytes/s a body must come at after --body-timeout"),
+    ] = 64 * 1024,
     docs: Annotated[
         bool,
         typer.Option(
@@ -109,21 +139,25 @@ def serve(
     runs in this process (SQLite is enough); with it, runs go to `stockade worker` processes
     (use a PostgreSQL --db that they share). Several servers may share one database: a
     request for a sandbox reaches the server that holds it (--advertise-url)."""
+    from stockade.server import ConnectionLimits
     from stockade.server import serve as run_server
 
     try:
+        connections = ConnectionLimits(
+            head_timeout_s=head_timeout, keep_alive_s=keep_alive_timeout, max_connections=max_connections
+        )
         config = _config(
             tenants, db, redis, run_threads=run_threads, sandbox_idle_timeout_s=idle_timeout, tools=tools,
             visibility_timeout_s=visibility_timeout, queue=queue, advertise_url=advertise_url,
             snapshot_dir=snapshot_dir, prepare_tiers=tuple(prepare or ()), docs=docs,
-            keep_runs_days=keep_runs_days,
+            keep_runs_days=keep_runs_days, body_timeout_s=body_timeout, min_body_rate=float(min_body_rate),
         )  # fmt: skip
         mode = (
             f"runs on workers through {redis}" if redis else f"runs in this process ({run_threads} at a time)"
         )
         described = "API docs at /docs" if docs else "OpenAPI at /openapi.json (--docs for /docs)"
         err.print(f"[dim]stockade serve on http://{host}:{port} ({escape(mode)}); {described}[/]")
-        run_server(config, host=host, port=port)  # type: ignore[arg-type]
+        run_server(config, host=host, port=port, connections=connections)  # type: ignore[arg-type]
     except exc.StockadeError as error:
         err.print(f"[red]error:[/] {escape(str(error))}")
         for problem in getattr(error, "problems", ()):

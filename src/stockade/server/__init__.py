@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from stockade.server.app import create_app
+    from stockade.server.connections import ConnectionLimits
     from stockade.server.context import ServiceConfig
     from stockade.server.service import Service
     from stockade.server.serving import serve
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "create_app": "stockade.server.app",
+    "ConnectionLimits": "stockade.server.connections",
     "ServiceConfig": "stockade.server.context",
     "serve": "stockade.server.serving",
     "Service": "stockade.server.service",
@@ -49,4 +51,14 @@ def __getattr__(name: str) -> Any:
         raise
 
 
-__all__ = ["Quotas", "Service", "ServiceConfig", "Tenant", "Tenants", "create_app", "new_token", "serve"]
+__all__ = [
+    "ConnectionLimits",
+    "Quotas",
+    "Service",
+    "ServiceConfig",
+    "Tenant",
+    "Tenants",
+    "create_app",
+    "new_token",
+    "serve",
+]

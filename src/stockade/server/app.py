@@ -17,6 +17,7 @@ from stockade import __version__
 from stockade import exceptions as exc
 from stockade.server import problems
 from stockade.server.bodies import BodyCap
+from stockade.server.guard import RequestGuard
 from stockade.server.routing import Peers, SandboxRouting
 from stockade.server.runs import router as runs_router
 from stockade.server.sandboxes import router as sandboxes_router
@@ -87,6 +88,12 @@ def create_app(service: Service) -> FastAPI:
     # outermost: a body is bounded before a route or a peer sees it
     routes = [route for router in routers for route in router.routes]
     app.add_middleware(BodyCap, limit=service.config.max_request_bytes, routes=routes)
+    # before that: a /v1 request without a known token is refused from its headers, and a
+    # body that takes too long is cut (408)
+    config = service.config
+    app.add_middleware(
+        RequestGuard, service=service, grace_s=config.body_timeout_s, min_rate=config.min_body_rate
+    )
     for router in routers:
         app.include_router(router)
 

@@ -9,6 +9,10 @@ reading the rest. The routes whose body is the data itself (a file's content, an
 marked ``raw_body``) read it as it arrives with a cap of their own (``read_body``), and the
 middleware leaves them alone.
 
+A request outside ``/v1`` needs no token (the viewer's sign-in form, its cookie's forms), so
+nothing vouches for its sender before its body is read: its cap is ``ANONYMOUS_BODY_BYTES``,
+what a form of the viewer takes, not the 16 MiB of a tenant's JSON.
+
 Why not FastAPI's own ``max_body_size``: when a body declares a size over it, Starlette's
 limiter replaces whatever the app answers with a ``text/plain`` 413, and every error of this
 API is an RFC 9457 problem document that the client turns back into a typed error.
@@ -24,15 +28,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stockade import exceptions as exc
 from stockade.server import problems
+from stockade.server.guard import needs_token
 
 if TYPE_CHECKING:
     from fastapi import Request
 
-__all__ = ["BodyCap", "raw_body", "read_body"]
+__all__ = ["ANONYMOUS_BODY_BYTES", "BodyCap", "raw_body", "read_body"]
 
 Endpoint = TypeVar("Endpoint", bound=Callable[..., Any])
 
 _RAW = "__stockade_raw_body__"
+# the body of a request that needs no token (a viewer's form: a token, a decision, a CSRF value)
+ANONYMOUS_BODY_BYTES = 64 * 1024
 
 
 def raw_body(endpoint: Endpoint) -> Endpoint:
@@ -72,10 +79,11 @@ class BodyCap:
         if scope["type"] != "http" or any(r.matches(scope)[0] is Match.FULL for r in self._raw):
             await self.app(scope, receive, send)
             return
+        limit = self.limit if needs_token(str(scope.get("path", ""))) else ANONYMOUS_BODY_BYTES
         headers = dict(scope.get("headers") or [])
         declared = _declared(headers.get(b"content-length", b"").decode("latin-1") or None)
-        if declared is not None and declared > self.limit:
-            await self._refuse(scope, send, f"declares {declared:,} bytes")
+        if declared is not None and declared > limit:
+            await self._refuse(scope, send, f"declares {declared:,} bytes", limit)
             return
         # Read here up to the cap (the route would read all of it anyway), then handed on.
         chunks: list[bytes] = []
@@ -87,8 +95,8 @@ class BodyCap:
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.limit:
-                await self._refuse(scope, send, "is longer")
+            if size > limit:
+                await self._refuse(scope, send, "is longer", limit)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -96,11 +104,13 @@ class BodyCap:
         whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
         await self.app(scope, _replay(whole, receive), send)
 
-    async def _refuse(self, scope: Scope, send: Send, what: str) -> None:
+    async def _refuse(self, scope: Scope, send: Send, what: str, limit: int) -> None:
         error = exc.RequestTooLarge(
-            f"the request's body {what}, over the service's cap of {self.limit:,} bytes for a request",
-            limit=self.limit,
-            fix="send a file's content as a request of its own (PUT /v1/sandboxes/{id}/files/content)",
+            f"the request's body {what}, over the service's cap of {limit:,} bytes for a request",
+            limit=limit,
+            fix="send a file's content as a request of its own (PUT /v1/sandboxes/{id}/files/content)"
+            if limit == self.limit
+            else "a request outside /v1 takes a form's body, no more",
         )
         problem = problems.from_error(error, str(scope.get("path", "")))
         headers = [(b"content-type", b"application/problem+json"), (b"connection", b"close")]

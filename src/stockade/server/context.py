@@ -37,6 +37,11 @@ class ServiceConfig:
     max_file_bytes: int = 64 * MiB
     # a request's body other than a file's or an archive's (JSON: code, a command's stdin)
     max_request_bytes: int = 16 * MiB
+    # A request's body must come whole within ``body_timeout_s``, then at ``min_body_rate``
+    # bytes a second (``server/guard.py``): 16 MiB within 286 s, 64 MiB within 1,054 s;
+    # slower is 408 and the connection closed, so no client parks a body in the server's memory
+    body_timeout_s: float = 30.0
+    min_body_rate: float = 64 * 1024
     sandbox_idle_timeout_s: float = 300.0
     max_sandbox_idle_timeout_s: float = 3600.0
     event_poll_s: float = 0.2
@@ -72,6 +77,8 @@ class ServiceConfig:
     keep_runs_days: float | None = None
 
     def __post_init__(self) -> None:
+        if not (self.body_timeout_s > 0 and self.min_body_rate > 0):
+            raise exc.ConfigurationError("body_timeout_s and min_body_rate must be positive")
         if self.keep_runs_days is not None and not self.keep_runs_days > 0:
             raise exc.ConfigurationError("keep_runs_days must be positive (or None: runs are kept)")
 

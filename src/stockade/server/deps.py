@@ -7,14 +7,14 @@ from typing import TYPE_CHECKING, Annotated
 from fastapi import Depends, Request
 
 from stockade import exceptions as exc
-from stockade.server.tenants import Principal
+from stockade.server.tenants import Principal, Tenants
 
 HOP_HEADER = "x-stockade-hop"  # a request a peer API process forwarded: its value, our hop key
 
 if TYPE_CHECKING:
     from stockade.server.service import Service
 
-__all__ = ["HOP_HEADER", "Caller", "authenticate", "get_service"]
+__all__ = ["HOP_HEADER", "Caller", "authenticate", "get_service", "principal_of"]
 
 
 def get_service(request: Request) -> Service:
@@ -22,17 +22,22 @@ def get_service(request: Request) -> Service:
     return service
 
 
-def authenticate(request: Request) -> Principal:
-    """The request's principal, admitted by its tenant's rate limit; before any work is done."""
-    service = get_service(request)
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
+def principal_of(tenants: Tenants, authorization: str) -> Principal:
+    """Who an ``Authorization`` header's token stands for; ``AuthenticationError`` when it has
+    none, or one ``tenants`` does not know. In memory only: no I/O."""
+    scheme, _, token = authorization.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise exc.AuthenticationError(
             "this request has no API token: send `Authorization: Bearer stk_…` (make one with "
             "`stockade token new`)"
         )
-    principal = service.tenants.authenticate(token.strip())
+    return tenants.authenticate(token.strip())
+
+
+def authenticate(request: Request) -> Principal:
+    """The request's principal, admitted by its tenant's rate limit; before any work is done."""
+    service = get_service(request)
+    principal = principal_of(service.tenants, request.headers.get("authorization", ""))
     hop = request.headers.get(HOP_HEADER)
     if hop is None or not service.sandboxes.is_peer(hop):  # a peer's forward was counted there
         service.limits.admit(principal)

@@ -39,6 +39,7 @@ _KINDS: tuple[tuple[type[exc.StockadeError], _Kind], ...] = (
     (exc.ResourceNotFound, _Kind(status=404, title="Not found")),
     (exc.ServiceUnavailable, _Kind(status=503, title="Service unavailable")),
     (exc.RequestTooLarge, _Kind(status=413, title="Request too large")),
+    (exc.RequestTimeout, _Kind(status=408, title="Request timeout")),
     (exc.QuotaExceeded, _Kind(status=429, title="Quota exceeded", fix="delete something of yours first")),
     (exc.RateLimited, _Kind(status=429, title="Rate limited", fix="retry after Retry-After seconds")),
     (exc.CircuitOpen, _Kind(status=503, title="Circuit open", fix="retry after Retry-After seconds")),

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from stockade.server.app import create_app
 from stockade.server.context import ServiceConfig
 from stockade.server.service import Service
+
+if TYPE_CHECKING:
+    from stockade.server.connections import ConnectionLimits
 
 __all__ = ["advertised", "serve"]
 
@@ -20,15 +25,24 @@ def advertised(host: str, port: int) -> str:
 
 
 def serve(
-    config: ServiceConfig, *, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info"
-) -> None:
+    config: ServiceConfig, *, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info",
+    connections: ConnectionLimits | None = None,
+) -> None:  # fmt: skip
     """Serve until SIGINT or SIGTERM (uvicorn's handlers); then the service closes: sandboxes
-    are removed, and runs of the embedded executor end "interrupted" (the next start resumes them)."""
+    are removed, and runs of the embedded executor end "interrupted" (the next start resumes them).
+    ``connections``: how many at once, how long a request's head and an idle one may take."""
     import dataclasses
 
     import uvicorn
 
+    from stockade.server.connections import ConnectionLimits, guarded_protocol
+
     if config.advertise_url is None:
         config = dataclasses.replace(config, advertise_url=advertised(host, port))
+    limits = (connections or ConnectionLimits()).fitted()
     app = create_app(Service(config))
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10)
+    uvicorn.run(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10,
+        # h11, whatever else is installed: the head timeout and the cap are added to its protocol
+        http=guarded_protocol(limits), timeout_keep_alive=limits.keep_alive_s,
+    )  # fmt: skip

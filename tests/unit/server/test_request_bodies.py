@@ -14,11 +14,12 @@ import pytest
 from stockade import exceptions as exc
 from stockade.client._http import error_from
 from stockade.server.app import create_app
+from stockade.server.bodies import ANONYMOUS_BODY_BYTES
 from stockade.server.context import ServiceConfig
 from stockade.server.service import Service
 from stockade.server.tenants import Tenant, Tenants, new_token
 
-CAP = 64 * 1024
+CAP = 256 * 1024  # over ANONYMOUS_BODY_BYTES: a request outside /v1 has the smaller cap
 
 
 @dataclass
@@ -99,3 +100,22 @@ async def test_a_files_own_route_keeps_its_own_cap(http: httpx2.AsyncClient) -> 
         put, content=Sent(chunks=8), headers={"Content-Type": "application/octet-stream"}
     )
     assert response.json()["error"] == "ResourceNotFound", response.text
+
+
+async def test_a_request_without_a_known_token_is_refused_before_a_byte_of_its_body_is_read(
+    http: httpx2.AsyncClient,
+) -> None:
+    for authorization in ("", "Bearer stk_notatoken_0123456789abcdef"):
+        body = Sent(chunks=10)  # 160 KiB, under the cap
+        response = await http.post("/v1/sandboxes", content=body, headers={"Authorization": authorization})
+        assert response.status_code == 401, response.text
+        assert response.headers["connection"] == "close"
+        assert isinstance(error_from(response.json(), 401), exc.AuthenticationError)
+        assert body.taken <= 1, authorization  # httpx2 hands the first chunk over with the head
+
+
+async def test_a_request_that_needs_no_token_takes_a_forms_body_no_more(http: httpx2.AsyncClient) -> None:
+    body = Sent(chunks=100)  # 1.6 MB to the viewer's sign-in form, by anyone
+    error = too_large(await http.post("/ui/login", content=body, headers={"Authorization": ""}))
+    assert isinstance(error, exc.RequestTooLarge) and error.limit == ANONYMOUS_BODY_BYTES
+    assert body.taken <= ANONYMOUS_BODY_BYTES // body.size + 2

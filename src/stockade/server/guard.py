@@ -1,0 +1,136 @@
+"""Before a request's body: its token, and the time its body may take.
+
+Every ``/v1`` route needs a token, and FastAPI checks it (``deps.authenticate``) only once it
+has read and parsed the body: a client without one held ~15 MiB of the server's memory per
+connection for as long as it liked (20 connections sending a 15 MiB body but its last byte:
+142 -> 422 MB, until they closed; the last byte then got its 401). ``RequestGuard``, in
+front of everything, answers a ``/v1`` request whose ``Authorization`` names no token the
+service knows with its 401 from the headers alone, never reading a byte of its body, and
+closes the connection. The rate limit and the role's checks stay with the routes.
+
+A body then has a deadline, for tenants too: it must have come whole within ``grace_s``
+plus its size at ``min_rate`` bytes a second (a body that stalls, or trickles, is answered
+408 ``RequestTimeout`` and its connection closed). Once the body is whole, nothing is timed:
+a command's output streams as long as it runs.
+
+The request's head (its line and headers) is timed by the connection itself
+(``server/connections.py``): this ASGI layer sees a request only once its head came.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import anyio
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from stockade import exceptions as exc
+from stockade.server import problems
+from stockade.server.deps import principal_of
+
+if TYPE_CHECKING:
+    from stockade.server.service import Service
+
+__all__ = ["RequestGuard", "needs_token"]
+
+
+def needs_token(path: str) -> bool:
+    """Whether every route at ``path`` needs an API token (all of ``/v1``)."""
+    return path == "/v1" or path.startswith("/v1/")
+
+
+class RequestGuard:
+    """ASGI middleware: a ``/v1`` request without a known token is 401 before its body is read;
+    every request's body is timed (408 past its deadline)."""
+
+    def __init__(self, app: ASGIApp, *, service: Service, grace_s: float, min_rate: float) -> None:
+        self.app = app
+        self.service = service
+        self.grace_s = grace_s
+        self.min_rate = min_rate
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if needs_token(scope.get("path", "")):
+            authorization = _header(scope, b"authorization")
+            try:
+                principal_of(self.service.tenants, authorization)
+            except exc.AuthenticationError as error:
+                await _answer(send, error, scope)
+                return
+        body = _TimedBody(receive, send, scope, self.grace_s, self.min_rate)
+        await self.app(scope, body.receive, body.send)
+
+
+class _TimedBody:
+    """The ``receive`` and ``send`` of one request whose body has a deadline."""
+
+    def __init__(self, receive: Receive, send: Send, scope: Scope, grace_s: float, min_rate: float) -> None:
+        self._receive = receive
+        self._send = send
+        self._scope = scope
+        self._grace_s = grace_s
+        self._min_rate = min_rate
+        self._start = time.monotonic()
+        self._size = 0
+        self._whole = False  # the body came: no deadline any more
+        self._started = False  # the app's answer began
+        self._answered = False  # we answered 408: what the app sends is dropped
+
+    def _deadline(self) -> float:
+        return self._start + self._grace_s + self._size / self._min_rate
+
+    async def receive(self) -> Message:
+        if self._answered:
+            return {"type": "http.disconnect"}
+        if self._whole:
+            message: Message = await self._receive()
+            return message
+        with anyio.move_on_after(max(0.0, self._deadline() - time.monotonic())):
+            message = await self._receive()
+            if message["type"] == "http.request":
+                self._size += len(message.get("body", b""))
+                self._whole = not message.get("more_body", False)
+            return message
+        await self._time_out()
+        return {"type": "http.disconnect"}  # the app hears what a client that left says
+
+    async def send(self, message: Message) -> None:
+        if self._answered:
+            return
+        self._started = True
+        await self._send(message)
+
+    async def _time_out(self) -> None:
+        self._answered = True
+        if self._started:  # no answer of ours fits in it: uvicorn closes a response left unfinished
+            return
+        error = exc.RequestTimeout(
+            f"the request's body came too slowly: {self._size:,} bytes in "
+            f"{time.monotonic() - self._start:.0f} s; a body must come within {self._grace_s:g} s, "
+            f"then at {self._min_rate:,.0f} bytes a second at least",
+            fix="send the body at once, or at the rate the server takes",
+        )
+        await _answer(self._send, error, self._scope)
+
+
+def _header(scope: Scope, name: bytes) -> str:
+    for key, value in scope.get("headers") or ():
+        if bytes(key).lower() == name:
+            return bytes(value).decode("latin-1")
+    return ""
+
+
+async def _answer(send: Send, error: exc.StockadeError, scope: Scope) -> None:
+    """``error`` as its problem document, then the connection closed: the body it did not
+    read is not read."""
+    problem = problems.from_error(error, str(scope.get("path", "")))
+    content = problem.content()
+    headers = [(b"content-type", b"application/problem+json"), (b"connection", b"close"),
+               (b"content-length", str(len(content)).encode())]  # fmt: skip
+    headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in problem.headers.items()]
+    await send({"type": "http.response.start", "status": problem.status, "headers": headers})
+    await send({"type": "http.response.body", "body": content, "more_body": False})

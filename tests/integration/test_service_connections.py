@@ -1,0 +1,149 @@
+"""What a client may hold of ``stockade serve`` before it says who it is, and for how long:
+the real server (uvicorn) on a real socket, its limits made short by its options.
+
+* A ``/v1`` request without a token the service knows is answered 401 from its headers, before
+  a byte of its body is read, and its connection closed (a client without a token held ~15
+  MiB of the server's memory per connection, for as long as it liked).
+* A body has a deadline, for tenants too: a stalled one is 408 and its connection closed.
+* A connection must send a request's head within the head timeout (idle ones, and heads sent a
+  line at a time, held the server's file descriptors until it had none left).
+* Past the connection cap a new connection is refused at once; a tenant gets in again once the
+  others are gone."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from collections.abc import Iterator
+
+import httpx2
+import pytest
+
+from tests.conftest import wait_for
+from tests.integration.service_env import Server, Tokens, write_tenants
+
+HEAD_TIMEOUT_S = 3.0
+BODY_TIMEOUT_S = 2.0
+MAX_CONNECTIONS = 8
+MiB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Tokens]]:
+    folder = tmp_path_factory.mktemp("service")
+    tenants, tokens = write_tenants(folder)
+    limits = [
+        "--head-timeout", str(HEAD_TIMEOUT_S), "--keep-alive-timeout", "1",
+        "--max-connections", str(MAX_CONNECTIONS),
+        "--body-timeout", str(BODY_TIMEOUT_S), "--min-body-rate", "1024",
+    ]  # fmt: skip
+    server = Server(tenants, f"sqlite:///{folder / 'service.db'}", folder, extra=limits)
+    try:
+        yield server, tokens
+    finally:
+        server.stop()
+    assert "Traceback" not in server.output(), server.output()[-3000:]
+
+
+@contextlib.contextmanager
+def connection(server: Server, *, timeout_s: float = 10.0) -> Iterator[socket.socket]:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=timeout_s) as sock:
+        yield sock
+
+
+def head(path: str, *, length: int, token: str | None = None) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: stockade", "Content-Type: application/json",
+             f"Content-Length: {length}"]  # fmt: skip
+    if token is not None:
+        lines.append(f"Authorization: Bearer {token}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def answer(sock: socket.socket) -> bytes:
+    """All the server sends until it closes the connection (``socket.timeout`` if it does not)."""
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+def closed_within(sock: socket.socket, seconds: float) -> float:
+    """How long the server took to close ``sock`` (it sends nothing meanwhile)."""
+    started = time.monotonic()
+    sock.settimeout(seconds)
+    assert answer(sock) == b""
+    return time.monotonic() - started
+
+
+@pytest.mark.parametrize("token", [None, "stk_notatoken_0123456789abcdef"])
+def test_a_request_without_a_known_token_is_refused_before_its_body_is_sent(
+    service: tuple[Server, Tokens], token: str | None
+) -> None:
+    server, _ = service
+    with connection(server) as sock:
+        sock.sendall(head("/v1/sandboxes", length=15 * MiB, token=token))  # and not a byte of it
+        refused = answer(sock)
+    status, _, rest = refused.partition(b"\r\n")
+    assert status == b"HTTP/1.1 401 Unauthorized"
+    assert b"connection: close" in rest.lower()
+    assert b'"error": "AuthenticationError"' in rest
+
+
+def test_a_tenants_stalled_body_is_cut_with_408(service: tuple[Server, Tokens]) -> None:
+    server, tokens = service
+    with connection(server) as sock:
+        started = time.monotonic()
+        sock.sendall(head("/v1/sandboxes", length=MiB, token=tokens.acme) + b'{"tier": ')  # then nothing
+        cut = answer(sock)
+    assert cut.startswith(b"HTTP/1.1 408 ")
+    assert b'"error": "RequestTimeout"' in cut
+    assert time.monotonic() - started < BODY_TIMEOUT_S + 3
+
+
+def test_a_connection_that_sends_nothing_is_closed_within_the_head_timeout(
+    service: tuple[Server, Tokens],
+) -> None:
+    server, _ = service
+    with connection(server) as sock:
+        assert closed_within(sock, HEAD_TIMEOUT_S + 5) < HEAD_TIMEOUT_S + 2
+
+
+def test_a_head_sent_a_line_at_a_time_is_closed_within_the_head_timeout(
+    service: tuple[Server, Tokens],
+) -> None:
+    server, _ = service
+    with connection(server) as sock:
+        started = time.monotonic()
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: stockade\r\n")
+        with contextlib.suppress(OSError):  # the server closes it meanwhile
+            for n in range(int(HEAD_TIMEOUT_S * 4)):
+                time.sleep(0.5)
+                sock.sendall(f"X-Line-{n}: a\r\n".encode())
+        sock.settimeout(HEAD_TIMEOUT_S + 5)
+        with contextlib.suppress(ConnectionResetError):
+            assert answer(sock) == b""
+    assert time.monotonic() - started < HEAD_TIMEOUT_S + 2
+
+
+def test_connections_past_the_cap_are_refused_and_a_tenant_gets_in_once_they_are_gone(
+    service: tuple[Server, Tokens],
+) -> None:
+    server, tokens = service
+    with contextlib.ExitStack() as held:
+        idle = [held.enter_context(connection(server)) for _ in range(MAX_CONNECTIONS)]
+        with connection(server, timeout_s=2) as extra:
+            refused = answer(extra)  # at once, asked nothing
+        assert refused == b"" or refused.startswith(b"HTTP/1.1 503 "), refused
+        assert len(idle) == MAX_CONNECTIONS
+
+    def tenant_gets_in() -> bool:  # as soon as the server has seen the others close
+        try:
+            response = httpx2.get(
+                server.url + "/v1/sandboxes", headers={"Authorization": f"Bearer {tokens.acme}"}
+            )
+        except httpx2.TransportError:
+            return False
+        return response.status_code == 200
+
+    wait_for(tenant_gets_in, what="a tenant's request once the idle connections are gone", timeout_s=5)
