@@ -10,9 +10,11 @@ import contextlib
 import json
 import os
 import secrets
+import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -304,6 +306,17 @@ def test_an_http_request_without_the_token_is_refused(http_server: HttpServer) -
 
     with pytest.raises(Exception):  # noqa: B017 - the SDK's error for a 401 varies by version
         asyncio.run(anonymous())
+
+
+def test_an_http_connection_that_sends_nothing_is_closed_within_the_head_timeout(project: Path) -> None:
+    """Idle sockets held the MCP server's descriptors for good (the API's took 20,000 of them,
+    its limit): a connection that sends no request head in time is closed, as the API's is."""
+    with serving_http(project, "--head-timeout", "1") as server:
+        port = int(urllib.parse.urlsplit(server.url).port or 0)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            started = time.monotonic()
+            assert sock.recv(1024) == b""  # closed by the server, nothing said
+            assert time.monotonic() - started < 5
 
 
 def test_a_session_in_a_call_is_not_idle_however_long_the_call(project: Path) -> None:

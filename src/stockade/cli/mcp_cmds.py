@@ -93,6 +93,15 @@ def mcp(
         list[str] | None,
         typer.Option("--allow-origin", help="http: a web page origin whose requests are let in (repeatable)"),
     ] = None,
+    head_timeout: Annotated[
+        float,
+        typer.Option(
+            "--head-timeout",
+            min=0.001,
+            help="http: seconds a connection has to send a request's line and headers (from its "
+            "opening, or its previous response); then it is closed",
+        ),
+    ] = 10.0,
     token_env: Annotated[
         str,
         typer.Option(
@@ -113,6 +122,7 @@ def mcp(
 
     from stockade.agent import RunLimits
     from stockade.assembly import AgentConfig
+    from stockade.server.connections import ConnectionLimits
     from stockade.server.mcp_server import LOOPBACK, MIN_TOKEN_CHARS, McpFace, serve_http, serve_stdio
     from stockade.server.mcp_session import MODEL_NAME, McpAgent
 
@@ -165,6 +175,7 @@ def mcp(
                 serve_http(
                     face, host=host, port=port, token=token, max_sessions=max_sessions,
                     allowed_origins=tuple(allow_origin or ()),
+                    connections=ConnectionLimits(head_timeout_s=head_timeout),
                 )  # fmt: skip
             else:
                 anyio.run(serve_stdio, face)

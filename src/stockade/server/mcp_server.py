@@ -36,7 +36,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import mcp_types as types
@@ -47,6 +47,9 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from stockade import exceptions as exc
+
+if TYPE_CHECKING:
+    from stockade.server.connections import ConnectionLimits
 from stockade._terminal import controls_shown
 from stockade.policy.approval import Choice
 from stockade.server.mcp_session import (
@@ -475,8 +478,17 @@ def _repeated(scope: Scope, names: tuple[bytes, ...]) -> bool:
 def serve_http(
     face: McpFace, *, host: str, port: int, token: str | None = None, log_level: str = "warning",
     max_sessions: int = MAX_SESSIONS, allowed_origins: tuple[str, ...] = (),
+    connections: ConnectionLimits | None = None,
 ) -> None:  # fmt: skip
+    """Serve ``face`` over streamable HTTP, its connections held as ``stockade serve``'s are
+    (a head timeout and a cap: idle sockets took every file descriptor of the API's process)."""
     import uvicorn
 
+    from stockade.server.connections import ConnectionLimits, guarded_protocol
+
+    limits = (connections or ConnectionLimits()).fitted()
     app = http_app(face, host=host, token=token, max_sessions=max_sessions, allowed_origins=allowed_origins)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    uvicorn.run(
+        app, host=host, port=port, log_level=log_level,
+        http=guarded_protocol(limits), timeout_keep_alive=limits.keep_alive_s,
+    )  # fmt: skip
