@@ -5,13 +5,27 @@ as a bare ``TypeError``, a JSON error from deep inside, or a sandbox that silent
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from enum import StrEnum
+from pathlib import Path
 from typing import TypeVar
 
 from stockade.exceptions import InvalidArgument
 
-__all__ = ["check_choice", "check_envs", "check_id", "check_number", "check_timeout"]
+__all__ = [
+    "check_choice",
+    "check_data",
+    "check_envs",
+    "check_host_path",
+    "check_id",
+    "check_instance",
+    "check_labels",
+    "check_number",
+    "check_strings",
+    "check_text",
+    "check_timeout",
+]
 
 E = TypeVar("E", bound=StrEnum)
 
@@ -123,7 +137,27 @@ def check_envs(envs: Mapping[str, str] | None, *, argument: str = "envs") -> dic
                 argument=argument,
                 fix="give the value as text (str(value) for numbers)",
             )
-        checked[name] = value
+        # and sendable: a lone surrogate has no UTF-8 to put in the environment
+        checked[check_text(name, argument=argument)] = check_text(value, argument=f"{argument}[{name!r}]")
+    return checked
+
+
+def check_labels(labels: object, *, argument: str = "labels") -> dict[str, str]:
+    """Names and values of text (``check_text``), the names not empty: what a sandbox is tagged with."""
+    fix = 'give a dict of str to str, such as {"team": "infra"}'
+    if labels is None:
+        return {}
+    if not isinstance(labels, Mapping):
+        raise InvalidArgument(
+            f"{argument} must be a mapping of names to values, got {type(labels).__name__}",
+            argument=argument,
+            fix=fix,
+        )
+    checked: dict[str, str] = {}
+    for name, value in labels.items():
+        if not check_text(name, argument=argument, fix=fix):
+            raise InvalidArgument(f"{argument} has an empty name", argument=argument, fix=fix)
+        checked[name] = check_text(value, argument=f"{argument}[{name!r}]", fix=fix)
     return checked
 
 
@@ -146,5 +180,85 @@ def check_id(value: object, *, argument: str, empty: bool = False) -> str:
             f"{argument} {_shown(value)} holds a control character or bytes that are no UTF-8",
             argument=argument,
             fix="give printable text (an opaque id such as 'job-42')",
+        )
+    return value
+
+
+def check_text(value: object, *, argument: str, nul: bool = False, fix: str = "give text (a str)") -> str:
+    """A str that can be sent as UTF-8: no lone surrogate (``"\\udc80"`` cannot be encoded),
+    and no NUL unless ``nul`` (a path, an argument or a name ends at one)."""
+    if not isinstance(value, str):
+        raise InvalidArgument(
+            f"{argument} must be a str, got {_shown(value)} ({type(value).__name__})",
+            argument=argument,
+            fix=fix,
+        )
+    if not nul and "\x00" in value:
+        raise InvalidArgument(f"{argument} {_shown(value)} holds a NUL character", argument=argument, fix=fix)
+    try:
+        value.encode()
+    except UnicodeEncodeError as err:
+        raise InvalidArgument(
+            f"{argument} holds {value[err.start : err.end]!r}, which is no UTF-8 (a lone surrogate)",
+            argument=argument,
+            fix="give text that encodes as UTF-8, or bytes where bytes are taken",
+        ) from None
+    return value
+
+
+def check_data(value: object, *, argument: str) -> bytes:
+    """Content given as text (sent as UTF-8) or bytes; anything else is refused, not ``str()``-ed."""
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return check_text(value, argument=argument, nul=True).encode()
+    raise InvalidArgument(
+        f"{argument} must be str or bytes, got {_shown(value)} ({type(value).__name__})",
+        argument=argument,
+        fix="give text or bytes (str(value) for a number, bytes(value) for a bytearray)",
+    )
+
+
+def check_strings(value: object, *, argument: str, empty: bool = True) -> tuple[str, ...]:
+    """A list or tuple of texts (``check_text``); a lone str is refused (it is no list of
+    one), as are a set or a mapping, whose order or meaning would be guessed."""
+    fix = 'give a list of str, e.g. ["a", "b"]'
+    if not isinstance(value, list | tuple):
+        raise InvalidArgument(
+            f"{argument} must be a list of str, got {_shown(value)} ({type(value).__name__})",
+            argument=argument,
+            fix=fix,
+        )
+    if not empty and not value:
+        raise InvalidArgument(f"{argument} is empty", argument=argument, fix=fix)
+    return tuple(check_text(item, argument=argument, fix=fix) for item in value)
+
+
+def check_host_path(value: object, *, argument: str) -> Path:
+    """A path on this host: a str or ``os.PathLike`` of str, without NUL (the kernel's end of a
+    path). Bytes are refused: a host path is given as text (``os.fsdecode`` makes one)."""
+    raw = os.fspath(value) if isinstance(value, os.PathLike) else value
+    fix = "give a str or pathlib.Path of a folder on this host"
+    if not isinstance(raw, str):
+        raise InvalidArgument(
+            f"{argument} must be a host path (str or Path), got {_shown(value)} ({type(value).__name__})",
+            argument=argument,
+            fix=fix,
+        )
+    if not raw or "\x00" in raw:
+        raise InvalidArgument(f"{argument} {_shown(raw)} is no path", argument=argument, fix=fix)
+    return Path(raw)
+
+
+T = TypeVar("T")
+
+
+def check_instance(value: object, kind: type[T], *, argument: str, fix: str) -> T:
+    """``value`` when it is a ``kind``; a dict or a str where a settings object is wanted is refused."""
+    if not isinstance(value, kind):
+        raise InvalidArgument(
+            f"{argument} must be a {kind.__name__}, got {_shown(value)} ({type(value).__name__})",
+            argument=argument,
+            fix=fix,
         )
     return value

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from stockade._checks import MAX_TIMEOUT_S, check_number
+from stockade._checks import MAX_TIMEOUT_S, check_number, check_strings, check_text
 from stockade.exceptions import InvalidArgument
 
 __all__ = [
@@ -169,6 +169,14 @@ class HostRule:
     methods: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        check_text(self.host, argument="HostRule.host", fix='give a name such as "pypi.org"')
+        if not isinstance(self.ports, list | tuple):
+            raise InvalidArgument(
+                f"HostRule.ports must be a tuple of ports, got {type(self.ports).__name__}",
+                argument="HostRule.ports",
+                fix="give ports=(443,)",
+            )
+        check_strings(self.methods, argument="HostRule.methods")
         host = self.host.strip().lower().rstrip(".")
         if host.startswith("[") and host.endswith("]"):
             host = host[1:-1]
@@ -261,6 +269,14 @@ class NetworkPolicy:
     upstream_ca: str | None = None
 
     def __post_init__(self) -> None:
+        check_strings(self.allow_hosts, argument="NetworkPolicy.allow_hosts")
+        check_strings(self.allow_addresses, argument="NetworkPolicy.allow_addresses")
+        if not isinstance(self.rules, list | tuple) or not all(isinstance(r, HostRule) for r in self.rules):
+            raise InvalidArgument(
+                f"NetworkPolicy.rules must be a tuple of HostRule, got {type(self.rules).__name__}",
+                argument="NetworkPolicy.rules",
+                fix='give rules=(HostRule(host="api.github.com", methods=("GET",)),)',
+            )
         self.host_rules  # noqa: B018  (parses allow_hosts: a bad one fails here, not at start)
         check_number(
             self.max_requests_per_minute, argument="NetworkPolicy.max_requests_per_minute",

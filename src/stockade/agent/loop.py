@@ -80,10 +80,11 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import BaseModel
 
-from stockade._checks import check_timeout
+from stockade._checks import check_instance, check_number, check_text, check_timeout
 from stockade.agent.checkpoint import Checkpointer, DurableCheckpointer, Lease, SandboxKeeper
 from stockade.agent.events import (
     AgentEvent,
@@ -186,6 +187,24 @@ class RunLimits:
     max_call_args_bytes: int = MAX_CALL_ARGS_BYTES  # a larger call is refused, as a malformed one
 
     def __post_init__(self) -> None:
+        for name in (
+            "max_steps",
+            "max_tokens",
+            "max_malformed",
+            "max_denials",
+            "max_check_failures",
+            "max_observation_chars",
+            "max_call_args_bytes",
+        ):
+            value = getattr(self, name)
+            check_number(value, argument=f"RunLimits.{name}", integer=True, low=0, high=2**62)
+        check_number(
+            self.max_wall_s, argument="RunLimits.max_wall_s", integer=False, low=0, high=1e9, unit="seconds"
+        )
+        if self.max_cost_usd is not None:
+            check_number(
+                self.max_cost_usd, argument="RunLimits.max_cost_usd", integer=False, low=0, high=1e12
+            )
         if (
             self.max_steps < 1
             or self.max_wall_s <= 0
@@ -197,6 +216,17 @@ class RunLimits:
                 "RunLimits: max_steps, max_wall_s, max_tokens, max_check_failures and "
                 "max_call_args_bytes must be positive"
             )
+
+
+def _callables(value: object, *, argument: str) -> tuple[Callable[..., Any], ...]:
+    """A list or tuple of functions (guards, observers), each checked now, not at its first call."""
+    if not isinstance(value, list | tuple) or not all(callable(item) for item in value):
+        raise InvalidArgument(
+            f"{argument} must be a list of callables, got {type(value).__name__}",
+            argument=argument,
+            fix=f"give a list of functions, e.g. {argument}=[my_{argument[:-1]}]",
+        )
+    return tuple(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -293,11 +323,15 @@ class Agent:
         self.hands_back = hands_back  # which changed paths the run's diff may show the host
         self.check_timeout_s = check_timeout(check_timeout_s, argument="check_timeout_s")
         self.model = resolve_model(model)
+        if tools is not None:
+            check_instance(tools, Toolset, argument="tools", fix="give Toolset([...]) or leave it out")
+        if limits is not None:
+            check_instance(limits, RunLimits, argument="limits", fix="give RunLimits(max_steps=...)")
         self.tools = tools if tools is not None else default_toolset()
-        self.system_prompt = system_prompt
+        self.system_prompt = check_text(system_prompt, argument="system_prompt", nul=True)
         self.limits = limits or RunLimits()
-        self.guards = tuple(guards)
-        self.observers = tuple(observers)
+        self.guards = _callables(guards, argument="guards")
+        self.observers = _callables(observers, argument="observers")
         self.checkpointer = checkpointer
         self.prices = prices
         self.clock = clock

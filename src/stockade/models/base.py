@@ -18,7 +18,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from stockade.exceptions import ConfigurationError, ModelResponseInvalid
+from stockade.exceptions import ConfigurationError, InvalidArgument, ModelResponseInvalid
 from stockade.models.messages import ModelRequest, ModelResponse, Usage
 
 __all__ = [
@@ -122,6 +122,12 @@ def resolve_model(spec: str | Model) -> Model:
     """``"openai:gpt-4.1"``, ``"anthropic:claude-sonnet-4-5"``, ``"scripted:turns.json"`` or a ``Model``."""
     if isinstance(spec, Model):
         return spec
+    if not isinstance(spec, str):
+        raise InvalidArgument(
+            f"model must be a Model or a str, got {type(spec).__name__}",
+            argument="model",
+            fix="give PROVIDER:NAME, e.g. 'openai:gpt-4.1', or a Model",
+        )
     provider, sep, name = spec.partition(":")
     if not sep or not name:
         raise ConfigurationError(f"model {spec!r}: use PROVIDER:NAME, e.g. 'openai:gpt-4.1'")

@@ -7,26 +7,29 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal, overload
 
+from stockade._checks import check_host_path, check_number
 from stockade.sandbox._requests import (
+    MAX_OFFSET,
     TextCallback,
+    check_format,
     check_path,
     command_op,
     file_text,
+    list_op,
     range_op,
     text_sink,
     upload_op,
+    write_op,
 )
 from stockade.sandbox.base import AsyncInstance, Instance
 from stockade.sandbox.ops import (
     DOWNLOAD_MAX_BYTES,
     DOWNLOAD_MAX_ENTRIES,
     GetArchive,
-    ListDir,
     MakeDir,
     ReadFile,
     Remove,
     Stat,
-    WriteFile,
 )
 from stockade.types import CommandResult, DownloadResult, EntryInfo, Listing
 
@@ -71,8 +74,9 @@ class Files:
     def read(self, path: str, *, format: Literal["bytes"]) -> bytes: ...
 
     def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> str | bytes:
+        raw = check_format(format)
         data = self._instance.execute(ReadFile(path=check_path(path)))
-        return data if format == "bytes" else file_text(data, path)
+        return data if raw else file_text(data, path)
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         """At most ``length`` bytes of the file from byte ``offset`` (fewer at its end): the
@@ -80,13 +84,12 @@ class Files:
         return self._instance.execute(range_op(path, offset, length))
 
     def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> EntryInfo:
-        raw = data.encode() if isinstance(data, str) else data
-        return self._instance.execute(WriteFile(path=check_path(path), data=raw, mode=mode))
+        return self._instance.execute(write_op(path, data, mode))
 
     def list(self, path: str = "", *, depth: int = 1) -> Listing:
         """The entries under ``path`` to ``depth``; ``truncated`` when there were more than a
         listing holds (100,000). The caller's own copy: the op's answer is not shared."""
-        found = self._instance.execute(ListDir(path=check_path(path), depth=depth))
+        found = self._instance.execute(list_op(path, depth))
         return Listing(found, truncated=found.truncated)
 
     def stat(self, path: str) -> EntryInfo | None:
@@ -136,12 +139,23 @@ class Files:
         """
         from stockade.sandbox._archive import Extraction
 
-        op = GetArchive(path=check_path(source), max_bytes=max_bytes, max_entries=max_entries)
+        op = download_op(dest, source, max_bytes, max_entries)
         with Extraction(dest, max_bytes=max_bytes, max_entries=max_entries) as unpack:
             whole = self._instance.execute(op, unpack.sink)
             if whole:  # a backend that answers with the whole archive (the shipped fakes)
                 unpack.feed(whole)
             return unpack.finish()
+
+
+def download_op(dest: object, source: object, max_bytes: object, max_entries: object) -> GetArchive:
+    """The download of ``source`` (in the workspace) into ``dest`` (on the host), its caps checked."""
+    check_host_path(dest, argument="dest")
+    for argument, value in (("max_bytes", max_bytes), ("max_entries", max_entries)):
+        check_number(value, argument=argument, integer=True, low=0, high=MAX_OFFSET)
+    assert isinstance(max_bytes, int) and isinstance(max_entries, int)
+    return GetArchive(
+        path=check_path(source, argument="source"), max_bytes=max_bytes, max_entries=max_entries
+    )
 
 
 # -- async -------------------------------------------------------------------------------
@@ -182,19 +196,19 @@ class AsyncFiles:
         self._instance = instance
 
     async def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> str | bytes:
+        raw = check_format(format)
         data = await self._instance.aexecute(ReadFile(path=check_path(path)))
-        return data if format == "bytes" else file_text(data, path)
+        return data if raw else file_text(data, path)
 
     async def read_range(self, path: str, offset: int, length: int) -> bytes:
         """``Files.read_range``'s twin."""
         return await self._instance.aexecute(range_op(path, offset, length))
 
     async def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> EntryInfo:
-        raw = data.encode() if isinstance(data, str) else data
-        return await self._instance.aexecute(WriteFile(path=check_path(path), data=raw, mode=mode))
+        return await self._instance.aexecute(write_op(path, data, mode))
 
     async def list(self, path: str = "", *, depth: int = 1) -> Listing:
-        found = await self._instance.aexecute(ListDir(path=check_path(path), depth=depth))
+        found = await self._instance.aexecute(list_op(path, depth))
         return Listing(found, truncated=found.truncated)
 
     async def stat(self, path: str) -> EntryInfo | None:
@@ -228,7 +242,7 @@ class AsyncFiles:
 
         from stockade.sandbox._archive import Extraction
 
-        op = GetArchive(path=check_path(source), max_bytes=max_bytes, max_entries=max_entries)
+        op = download_op(dest, source, max_bytes, max_entries)
         unpack = await asyncio.to_thread(Extraction, dest, max_bytes=max_bytes, max_entries=max_entries)
         try:
             whole = await self._instance.aexecute(op, unpack.sink)

@@ -15,25 +15,47 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from stockade import exceptions as exc
-from stockade._checks import check_envs, check_timeout
+from stockade._checks import (
+    check_data,
+    check_envs,
+    check_host_path,
+    check_number,
+    check_strings,
+    check_text,
+    check_timeout,
+)
 from stockade.sandbox._supervised import WORKSPACE
 from stockade.sandbox._transfers import TRANSFER_CHUNK
 from stockade.sandbox.base import OutputSink
-from stockade.sandbox.ops import HostFolder, PutArchive, ReadFile, RunCode, RunCommand, program_command
+from stockade.sandbox.ops import (
+    HostFolder,
+    ListDir,
+    PutArchive,
+    ReadFile,
+    RunCode,
+    RunCommand,
+    WriteFile,
+    program_command,
+)
 from stockade.types import CommandResult, Execution, ExecutionError, Logs
 
 __all__ = [
     "INTERPRETERS",
+    "MAX_DEPTH",
+    "MAX_OFFSET",
     "TextCallback",
     "as_execution",
+    "check_format",
     "check_path",
     "code_op",
     "command_op",
+    "list_op",
     "range_op",
     "tar_chunks",
     "tar_directory",
     "text_sink",
     "upload_op",
+    "write_op",
 ]
 
 TextCallback = Callable[[str], object]
@@ -72,19 +94,53 @@ def file_text(data: bytes, path: str, cap: int = ReadFile.max_bytes) -> str:
     return data.decode("utf-8", "replace")
 
 
-def range_op(path: str, offset: int, length: int) -> ReadFile:
+# The most a file read may start at or take: a file offset is a signed 64-bit number.
+MAX_OFFSET = 2**63 - 1
+# The deepest listing: a path holds at most 4096 bytes, so no folder is deeper than that.
+MAX_DEPTH = 4096
+
+
+def range_op(path: object, offset: object, length: object) -> ReadFile:
     """The read of ``length`` bytes of ``path`` from ``offset``, refused when it names no range."""
-    if offset < 0 or length < 0:
-        raise exc.ConfigurationError(f"a read's offset and length must be >= 0, not {offset} and {length}")
+    for argument, value in (("offset", offset), ("length", length)):
+        check_number(value, argument=argument, integer=True, low=0, high=MAX_OFFSET, unit="bytes")
+    assert isinstance(offset, int) and isinstance(length, int)
     return ReadFile(path=check_path(path), offset=offset, length=length)
 
 
-def check_path(path: str) -> str:
+def write_op(path: object, data: object, mode: object) -> WriteFile:
+    """The write of ``data`` (text as UTF-8, or bytes) to ``path`` with permission bits ``mode``."""
+    check_number(mode, argument="mode", integer=True, low=0, high=0o777)
+    assert isinstance(mode, int)
+    return WriteFile(path=check_path(path), data=check_data(data, argument="data"), mode=mode)
+
+
+def list_op(path: object, depth: object) -> ListDir:
+    check_number(depth, argument="depth", integer=True, low=1, high=MAX_DEPTH, unit="levels")
+    assert isinstance(depth, int)
+    return ListDir(path=check_path(path), depth=depth)
+
+
+def check_format(value: object) -> bool:
+    """Whether ``read`` answers bytes (``format="bytes"``) rather than text (``"text"``)."""
+    if value not in ("text", "bytes") or not isinstance(value, str):
+        raise exc.InvalidArgument(
+            f"format is {value!r}", argument="format", fix="give 'text' (decoded as UTF-8) or 'bytes'"
+        )
+    return value == "bytes"
+
+
+def check_path(path: object, *, argument: str = "path") -> str:
     """Refuse, before anything reaches the sandbox, paths that cannot be in the workspace."""
     if not isinstance(path, str):
-        raise exc.ConfigurationError(f"paths are str, got {type(path).__name__}")
+        raise exc.InvalidArgument(
+            f"{argument} must be a str, got {type(path).__name__}",
+            argument=argument,
+            fix="give a workspace path as text, relative to it or under /workspace",
+        )
     if "\x00" in path:
         raise exc.PathEscapeError(f"{path!r} contains a NUL byte", path=path)
+    check_text(path, argument=argument)
     if path.startswith("/") and not (path == WORKSPACE or path.startswith(WORKSPACE + "/")):
         raise exc.PathEscapeError(f"{path!r} is outside the workspace ({WORKSPACE})", path=path)
     relative = path[len(WORKSPACE) :] if path.startswith(WORKSPACE) else path
@@ -100,21 +156,30 @@ def check_path(path: str) -> str:
 
 
 def command_op(
-    cmd: str | Sequence[str],
-    cwd: str | None,
-    envs: Mapping[str, str] | None,
-    timeout_s: float | None,
-    stdin: str | bytes | None,
+    cmd: object, cwd: object, envs: Mapping[str, str] | None, timeout_s: object, stdin: object
 ) -> RunCommand:
-    argv = ("/bin/sh", "-c", cmd) if isinstance(cmd, str) else tuple(cmd)
-    data = stdin.encode() if isinstance(stdin, str) else stdin
+    """A shell string, or an argv list (of str, not empty) run without a shell."""
+    if isinstance(cmd, str):
+        argv: tuple[str, ...] = ("/bin/sh", "-c", check_text(cmd, argument="cmd"))
+    else:
+        argv = check_strings(cmd, argument="cmd", empty=False)
+    fix = "give the folder inside the sandbox as a str, or leave it out"
+    folder = None if cwd is None else check_text(cwd, argument="cwd", fix=fix)
+    data = None if stdin is None else check_data(stdin, argument="stdin")
     return RunCommand(
-        argv=argv, cwd=cwd, envs=check_envs(envs), timeout_s=check_timeout(timeout_s), stdin=data
+        argv=argv, cwd=folder, envs=check_envs(envs), timeout_s=check_timeout(timeout_s), stdin=data
     )
 
 
 def text_sink(on_stdout: TextCallback | None, on_stderr: TextCallback | None) -> OutputSink | None:
     """Adapt byte chunks to text callbacks; a UTF-8 character split across chunks survives."""
+    for argument, given in (("on_stdout", on_stdout), ("on_stderr", on_stderr)):
+        if given is not None and not callable(given):
+            raise exc.InvalidArgument(
+                f"{argument} must be callable, got {type(given).__name__}",
+                argument=argument,
+                fix="give a function of one str (print, list.append), or leave it out",
+            )
     if on_stdout is None and on_stderr is None:
         return None
     callbacks = {1: on_stdout, 2: on_stderr}
@@ -149,10 +214,7 @@ def as_execution(result: CommandResult) -> Execution:
 
 
 def code_op(code: str, language: str, timeout_s: float | None) -> RunCode | RunCommand:
-    if not isinstance(code, str):
-        raise exc.InvalidArgument(
-            f"code must be a str, got {type(code).__name__}", argument="code", fix="give the source as text"
-        )
+    check_text(code, argument="code", nul=True, fix="give the source as text")
     timeout_s = check_timeout(timeout_s)
     lang = language.lower() if isinstance(language, str) else ""
     if lang in ("python", "py"):
@@ -168,13 +230,14 @@ def code_op(code: str, language: str, timeout_s: float | None) -> RunCode | RunC
     return program_command(key, code, timeout_s)
 
 
-def upload_op(source: str | Path, dest: str, hide: Sequence[str], read: Sequence[str]) -> PutArchive:
+def upload_op(source: object, dest: object, hide: object, read: object) -> PutArchive:
     """The upload of a host folder: its tar is made as it is sent (``tar_chunks``), never whole."""
-    folder = Path(source)
+    folder = check_host_path(source, argument="source")
+    hide, read = check_strings(hide, argument="hide"), check_strings(read, argument="read")
     if not folder.is_dir():
         raise exc.ConfigurationError(f"workspace {str(folder)!r} is not a directory")
     return PutArchive(
-        path=check_path(dest), folder=HostFolder(source=folder, hide=tuple(hide), read=tuple(read))
+        path=check_path(dest, argument="dest"), folder=HostFolder(source=folder, hide=hide, read=read)
     )
 
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from stockade import exceptions as exc
-from stockade._checks import check_choice, check_envs
+from stockade._checks import check_choice, check_envs, check_instance, check_labels
 from stockade.sandbox import _registry
 from stockade.sandbox._supervised import spec_from_state
 from stockade.sandbox.base import SandboxSpec
@@ -33,12 +33,30 @@ def sandbox_spec(
             argument="limits",
             fix="give Limits(memory_mb=..., timeout_s=...)",
         )
+    if network is not None:
+        check_instance(
+            network, NetworkPolicy, argument="network", fix='give NetworkPolicy(allow_hosts=("pypi.org",))'
+        )
+    if rules is not None:
+        check_instance(rules, SandboxRules, argument="rules", fix='give SandboxRules(deny=("curl",))')
+    if not isinstance(allow_weaker, bool):
+        raise exc.InvalidArgument(
+            f"allow_weaker must be True or False, got {type(allow_weaker).__name__}",
+            argument="allow_weaker",
+            fix="give True to accept weaker enforcement, or leave it out",
+        )
+    if approver is not None and not callable(approver):
+        raise exc.InvalidArgument(
+            f"approver must be callable, got {type(approver).__name__}",
+            argument="approver",
+            fix="give a function of an ExecRecord that answers True to allow",
+        )
     return SandboxSpec(
         limits=limits or Limits(),
         network=network or NetworkPolicy(),
         envs=check_envs(envs),
         allow_weaker=allow_weaker,
-        labels=dict(labels or {}),
+        labels=check_labels(labels),
         rules=rules,
         approver=approver,
     )
@@ -93,7 +111,11 @@ def from_snapshot(
 def choose_tier(
     tier: str | None, trust: Trust | str | None, prefer: _registry.Preference = "cheapest"
 ) -> str:
-    if tier is not None and tier not in _registry.TIERS:
+    if prefer not in ("cheapest", "strongest") or not isinstance(prefer, str):
+        raise exc.InvalidArgument(
+            f"prefer is {prefer!r}", argument="prefer", fix="give 'cheapest' or 'strongest'"
+        )
+    if tier is not None and (not isinstance(tier, str) or tier not in _registry.TIERS):
         raise exc.InvalidArgument(
             f"unknown tier {tier!r}", argument="tier", fix=f"give one of {', '.join(_registry.TIERS)}"
         )

@@ -14,6 +14,7 @@ from pathlib import Path
 from types import TracebackType
 
 from stockade import exceptions as exc
+from stockade._checks import check_host_path
 from stockade.sandbox import _registry
 from stockade.sandbox._namespaces import AsyncCommands, AsyncFiles, Commands, Files, threadsafe
 from stockade.sandbox._requests import TextCallback, as_execution, code_op, text_sink
@@ -87,6 +88,8 @@ class Sandbox:
         a memory snapshot goes on where its sandbox was, processes and variables included.
         """
         spec = sandbox_spec(limits, network, envs, allow_weaker, labels, rules=rules, approver=approver)
+        if workspace is not None:  # checked before a sandbox starts, not after
+            check_host_path(workspace, argument="workspace")
         if snapshot is not None:
             given = {"limits": limits, "network": network, "envs": envs}
             tier, spec = from_snapshot(snapshot, store, tier, spec, given)
@@ -236,6 +239,8 @@ class AsyncSandbox:
         import asyncio  # lazily: importing stockade must stay cheap
 
         spec = sandbox_spec(limits, network, envs, allow_weaker, labels, rules=rules, approver=approver)
+        if workspace is not None:  # checked before a sandbox starts, not after
+            check_host_path(workspace, argument="workspace")
         if snapshot is not None:
             given = {"limits": limits, "network": network, "envs": envs}
             tier, spec = await asyncio.to_thread(from_snapshot, snapshot, store, tier, spec, given)

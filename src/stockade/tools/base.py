@@ -46,7 +46,7 @@ from typing import Any, Protocol, get_type_hints, overload, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, create_model
 
-from stockade.exceptions import ConfigurationError, InvalidToolCall, ToolTimeout
+from stockade.exceptions import ConfigurationError, InvalidArgument, InvalidToolCall, ToolTimeout
 from stockade.models.messages import ToolDefinition
 from stockade.sandbox.facade import Sandbox
 from stockade.tools.deadline import DeadlineInstance
@@ -357,10 +357,28 @@ class Toolset:
 
     def __init__(self, tools: Iterable[Tool], *, wrappers: tuple[ToolWrapper, ...] = ()) -> None:
         self._tools: dict[str, Tool] = {}
+        if isinstance(tools, str | bytes | Mapping) or not isinstance(tools, Iterable):
+            raise InvalidArgument(
+                f"tools must be an iterable of Tool, got {type(tools).__name__}",
+                argument="tools",
+                fix="give a list of tools (the @tool decorator makes one of a function)",
+            )
         for t in tools:
+            if not isinstance(t, Tool):
+                raise InvalidArgument(
+                    f"tools holds {type(t).__name__}, which is no Tool",
+                    argument="tools",
+                    fix="make one of a function with the @tool decorator or Tool.from_function",
+                )
             if t.name in self._tools:
                 raise ConfigurationError(f"two tools are named {t.name!r}")
             self._tools[t.name] = t
+        if not isinstance(wrappers, tuple) or not all(callable(w) for w in wrappers):
+            raise InvalidArgument(
+                f"wrappers must be a tuple of callables, got {type(wrappers).__name__}",
+                argument="wrappers",
+                fix="give wrappers=(my_wrapper,) or leave it out",
+            )
         self._wrappers = wrappers
 
     def __iter__(self) -> Iterator[Tool]:
