@@ -14,7 +14,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from stockade.exceptions import ConfigurationError, PolicyFileError
+from stockade._checks import check_host_path
+from stockade.exceptions import ConfigurationError, InvalidArgument, PolicyFileError
 from stockade.policy.schema import Policy
 
 __all__ = ["load_policy", "parse_policy"]
@@ -77,19 +78,22 @@ def _line_of(loc: Loc, lines: Mapping[Loc, int]) -> int | None:
     return None
 
 
-def parse_policy(text: str, *, format: str = "toml", source: str = "<policy>") -> Policy:
-    """Validate a policy given as text; ``PolicyFileError`` lists every problem with its line."""
+def _read(text: str, format: str, source: str) -> tuple[Any, dict[Loc, int]]:
+    """The data of a policy's text and the line of each key; a text that is no TOML (YAML)
+    is a ``PolicyFileError`` naming where."""
     try:
         if format == "toml":
-            data: Any = tomllib.loads(text)
-            lines = _toml_lines(text)
+            return tomllib.loads(text), _toml_lines(text)
         elif format in ("yaml", "yml"):
             try:
-                data, lines = _yaml_lines(text)
+                return _yaml_lines(text)
             except ModuleNotFoundError:
                 raise ConfigurationError('YAML policies need PyYAML: pip install "stockade[yaml]"') from None
         else:
             raise ConfigurationError(f"unknown policy format {format!r}; use toml or yaml")
+    except RecursionError:  # both parsers recurse once a nesting level: too deep is a mistake
+        problem = f"{source}: the policy nests lists or tables too deeply to read"
+        raise PolicyFileError(problem, problems=(problem,)) from None
     except tomllib.TOMLDecodeError as err:
         raise PolicyFileError(f"{source}: {err}", problems=(f"{source}: {err}",)) from None
     except ValueError as err:  # yaml.YAMLError is not a ValueError; handled below
@@ -101,6 +105,17 @@ def parse_policy(text: str, *, format: str = "toml", source: str = "<policy>") -
             problem = f"{where}: {getattr(err, 'problem', None) or err}"
             raise PolicyFileError(problem, problems=(problem,)) from None
         raise
+
+
+def parse_policy(text: str, *, format: str = "toml", source: str = "<policy>") -> Policy:
+    """Validate a policy given as text; ``PolicyFileError`` lists every problem with its line."""
+    if not isinstance(text, str):
+        raise InvalidArgument(
+            f"a policy is text, got {type(text).__name__}",
+            argument="text",
+            fix="give the file's text (data.decode() for bytes), or use load_policy(path)",
+        )
+    data, lines = _read(text, format, source)
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -123,11 +138,14 @@ def parse_policy(text: str, *, format: str = "toml", source: str = "<policy>") -
 
 def load_policy(path: str | Path) -> Policy:
     """Read ``.toml``, ``.yaml`` or ``.yml``."""
-    file = Path(path)
+    file = check_host_path(path, argument="path")
     suffix = file.suffix.lower().lstrip(".")
     fmt = "yaml" if suffix in ("yaml", "yml") else "toml"
     try:
-        text = file.read_text()
+        text = file.read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigurationError(f"cannot read the policy file {str(file)!r}: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        problem = f"{file.name}: byte {err.start} is not UTF-8 (a policy file is UTF-8 text)"
+        raise PolicyFileError(problem, problems=(problem,)) from None
     return parse_policy(text, format=fmt, source=file.name)
