@@ -727,7 +727,7 @@ async def read_file(
 @raw_body
 async def write_file(
     sandbox_id: str, request: Request, caller: Caller, path: PathQuery,
-    mode: Annotated[int, Query(ge=0, le=0o7777)] = 0o644,
+    mode: Annotated[int, Query(ge=0, le=0o777)] = 0o644,  # as the SDK's: no setuid, setgid or sticky
 ) -> dict[str, Any]:  # fmt: skip
     registry = _registry_of(request)
     registry.get(caller, sandbox_id)

@@ -190,11 +190,15 @@ class Tenants:
     def load(cls, path: str | Path) -> Tenants:
         path = Path(path)
         try:
-            raw = tomllib.loads(path.read_text())
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
         except OSError as error:
             raise exc.ConfigurationError(f"cannot read the tenants file {path}: {error}") from None
+        except UnicodeDecodeError as error:
+            raise exc.ConfigurationError(f"{path}: not UTF-8 text: {error}") from None
         except tomllib.TOMLDecodeError as error:
             raise exc.ConfigurationError(f"{path}: not valid TOML: {error}") from None
+        except RecursionError:  # tomllib parses nested arrays by recursion
+            raise exc.ConfigurationError(f"{path}: its TOML nests too deeply") from None
         try:
             parsed = _File.model_validate(raw)
         except ValidationError as error:

@@ -172,3 +172,19 @@ def test_a_wrong_tenants_file_says_where(
 def test_a_missing_tenants_file_is_a_configuration_error(tmp_path: Path) -> None:
     with pytest.raises(exc.ConfigurationError, match="cannot read"):
         Tenants.load(tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [(b"[tenants.acme]\nname = '\xff'\n", "not UTF-8"), (b"x = " + b"[" * 5000 + b"\n", "nests too deeply")],
+    ids=["not-utf8", "deep"],
+)
+def test_a_tenants_file_that_cannot_be_parsed_is_a_configuration_error(
+    tmp_path: Path, content: bytes, words: str
+) -> None:
+    """Both escaped untyped (UnicodeDecodeError, RecursionError) and ended `stockade serve`
+    with a traceback."""
+    path = tmp_path / "tenants.toml"
+    path.write_bytes(content)
+    with pytest.raises(exc.ConfigurationError, match=words):
+        Tenants.load(path)
