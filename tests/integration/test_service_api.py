@@ -112,6 +112,18 @@ def test_a_listing_cut_at_its_cap_says_so_through_the_service(acme: Client) -> N
         assert not sbx.files.list("").truncated
 
 
+def test_what_the_local_sdk_takes_goes_over_real_http_and_mistakes_fail_before_it(acme: Client) -> None:
+    with RemoteSandbox.create(tier="process", client=acme) as sbx:
+        sbx.files.write("b.bin", bytearray(b"\x00\xffab"))  # type: ignore[arg-type]  # as the local SDK takes
+        assert sbx.files.read("b.bin", format="bytes") == b"\x00\xffab"
+        assert sbx.commands.run("cat", stdin=memoryview(b"caf\xc3\xa9")).stdout == "café"  # type: ignore[arg-type]
+        with pytest.raises(exc.InvalidArgument, match="surrogate"):
+            sbx.files.write("\udc80", "x")
+        with pytest.raises(exc.InvalidArgument, match="timeout_s"):
+            sbx.commands.run("true", timeout_s=float("nan"))
+        assert sbx.commands.run("echo still here").stdout == "still here\n"
+
+
 def test_a_killed_sandbox_stops_mid_command(acme: Client) -> None:
     import threading
 

@@ -11,6 +11,8 @@ from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 from stockade import exceptions as exc
+from stockade._checks import check_timeout
+from stockade.client import _inputs
 
 try:
     import httpx2 as httpx
@@ -80,11 +82,16 @@ async def araise_for_problem(response: httpx.Response) -> None:
 
 
 def _settings(url: str | None, token: str | None) -> tuple[str, str]:
-    """The service's URL and the token, from the arguments or the environment."""
+    """The service's URL and the token, from the arguments or the environment, checked: a
+    mistake in either is ``InvalidArgument`` here, not an unreachable service (retryable)
+    on the first request."""
     if httpx is None:
         raise exc.ConfigurationError('the client needs httpx2: pip install "stockade[server]"')
-    url = url or os.environ.get("STOCKADE_URL")
-    token = token or os.environ.get("STOCKADE_TOKEN")
+    url_from, token_from = ("url", "token")
+    if not url:
+        url, url_from = os.environ.get("STOCKADE_URL"), "url (STOCKADE_URL)"
+    if not token:
+        token, token_from = os.environ.get("STOCKADE_TOKEN"), "token (STOCKADE_TOKEN)"
     if not url:
         raise exc.InvalidArgument(
             "no service URL",
@@ -97,7 +104,24 @@ def _settings(url: str | None, token: str | None) -> tuple[str, str]:
             argument="token",
             fix="pass token=... or set STOCKADE_TOKEN (stockade token new)",
         )
-    return url.rstrip("/"), token
+    return _inputs.service_url(url, url_from), _inputs.token(token, token_from)
+
+
+def _checked(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A request's arguments, once its JSON body and query can be sent (``_inputs.sendable``);
+    a field is named as the argument it came from (the bodies' fields are the calls' names)."""
+    for key in ("json", "params"):
+        value = kwargs.get(key)
+        if isinstance(value, Mapping):
+            for field, item in value.items():
+                _inputs.sendable(item, str(field))
+        else:
+            _inputs.sendable(value, key)
+    return kwargs
+
+
+def _timeout(timeout_s: float | None) -> Any:
+    return httpx.Timeout(check_timeout(timeout_s), connect=10.0)
 
 
 def _unreachable(url: str, error: Exception) -> exc.ServiceUnavailable:
@@ -107,17 +131,17 @@ def _unreachable(url: str, error: Exception) -> exc.ServiceUnavailable:
 class Http:
     """Requests to one service with one token; connection failures are ``ServiceUnavailable``."""
 
-    def __init__(self, url: str | None, token: str | None, *, timeout_s: float = 120.0,
+    def __init__(self, url: str | None, token: str | None, *, timeout_s: float | None = 120.0,
                  transport: Any = None) -> None:  # fmt: skip
         self.url, token = _settings(url, token)
         self._client = httpx.Client(
             base_url=self.url, headers={"Authorization": f"Bearer {token}"},
-            timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport,
+            timeout=_timeout(timeout_s), transport=transport,
         )  # fmt: skip
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
-            response = self._client.request(method, path, **kwargs)
+            response = self._client.request(method, path, **_checked(kwargs))
         except httpx.TransportError as error:
             raise _unreachable(self.url, error) from None
         raise_for_problem(response)
@@ -126,7 +150,7 @@ class Http:
     @contextmanager
     def stream(self, method: str, path: str, **kwargs: Any) -> Iterator[httpx.Response]:
         try:
-            with self._client.stream(method, path, **kwargs) as response:
+            with self._client.stream(method, path, **_checked(kwargs)) as response:
                 raise_for_problem(response)
                 yield response
         except httpx.TransportError as error:
@@ -139,17 +163,17 @@ class Http:
 class AsyncHttp:
     """``Http`` on asyncio: the same requests, the same errors, on ``httpx2.AsyncClient``."""
 
-    def __init__(self, url: str | None, token: str | None, *, timeout_s: float = 120.0,
+    def __init__(self, url: str | None, token: str | None, *, timeout_s: float | None = 120.0,
                  transport: Any = None) -> None:  # fmt: skip
         self.url, token = _settings(url, token)
         self._client = httpx.AsyncClient(
             base_url=self.url, headers={"Authorization": f"Bearer {token}"},
-            timeout=httpx.Timeout(timeout_s, connect=10.0), transport=transport,
+            timeout=_timeout(timeout_s), transport=transport,
         )  # fmt: skip
 
     async def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
-            response = await self._client.request(method, path, **kwargs)
+            response = await self._client.request(method, path, **_checked(kwargs))
         except httpx.TransportError as error:
             raise _unreachable(self.url, error) from None
         await araise_for_problem(response)
@@ -158,7 +182,7 @@ class AsyncHttp:
     @asynccontextmanager
     async def stream(self, method: str, path: str, **kwargs: Any) -> AsyncIterator[httpx.Response]:
         try:
-            async with self._client.stream(method, path, **kwargs) as response:
+            async with self._client.stream(method, path, **_checked(kwargs)) as response:
                 await araise_for_problem(response)
                 yield response
         except httpx.TransportError as error:

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from stockade.client._http import AsyncHttp
+from stockade.client._inputs import folder as folder_path
+from stockade.client._inputs import segment
 from stockade.client.async_sandbox import AsyncRemoteSandbox
 from stockade.client.client import (
     TAR_HEADERS,
@@ -93,7 +95,7 @@ class AsyncRemoteRun:
         return await self._decide(request_id, "deny")
 
     async def _decide(self, request_id: str, decision: str) -> AsyncRemoteRun:
-        path = f"/v1/runs/{self.id}/approvals/{request_id}"
+        path = f"/v1/runs/{self.id}/approvals/{segment(request_id, 'request_id')}"
         self.info = (await self.client.http.request("POST", path, json={"decision": decision})).json()
         return self
 
@@ -136,7 +138,7 @@ class AsyncRuns:
 
     async def upload_workspace(self, folder: str | Path) -> str:
         """Send a folder (as a tar, made in a thread); returns the id a run's ``workspace`` takes."""
-        data = await asyncio.to_thread(tar_directory, Path(folder))
+        data = await asyncio.to_thread(tar_directory, folder_path(folder, "folder"))
         response = await self.client.http.request("POST", "/v1/workspaces", content=data, headers=TAR_HEADERS)
         return str(response.json()["id"])
 
@@ -159,7 +161,7 @@ class AsyncRuns:
         """See ``Runs.submit``."""
         workspace_id: str | None = None
         if workspace is not None:
-            path = Path(workspace)
+            path = folder_path(workspace, "workspace")
             workspace_id = await self.upload_workspace(path) if path.is_dir() else str(workspace)
         body = submit_body(
             task, model=model, scripted=scripted, workspace_id=workspace_id, tier=tier, trust=trust,
@@ -182,9 +184,8 @@ class AsyncRuns:
         return killed
 
     async def get(self, run_id: str) -> AsyncRemoteRun:
-        return AsyncRemoteRun(
-            self.client, (await self.client.http.request("GET", f"/v1/runs/{run_id}")).json()
-        )
+        path = f"/v1/runs/{segment(run_id, 'run_id')}"
+        return AsyncRemoteRun(self.client, (await self.client.http.request("GET", path)).json())
 
     async def list(
         self, *, status: str | None = None, label: str | None = None, limit: int = 50
@@ -194,7 +195,7 @@ class AsyncRuns:
 
     async def delete(self, run_id: str) -> None:
         """See ``Runs.delete``."""
-        await self.client.http.request("DELETE", f"/v1/runs/{run_id}")
+        await self.client.http.request("DELETE", f"/v1/runs/{segment(run_id, 'run_id')}")
 
 
 class AsyncClient:
@@ -205,7 +206,7 @@ class AsyncClient:
         url: str | None = None,
         token: str | None = None,
         *,
-        timeout_s: float = 120.0,
+        timeout_s: float | None = 120.0,
         transport: Any = None,
     ) -> None:
         self.http = AsyncHttp(url, token, timeout_s=timeout_s, transport=transport)
@@ -226,7 +227,7 @@ class AsyncClient:
 
     async def delete_snapshot(self, snapshot: Snapshot | str) -> None:
         """See ``Client.delete_snapshot``."""
-        await self.http.request("DELETE", f"/v1/snapshots/{snapshot_id(snapshot)}")
+        await self.http.request("DELETE", f"/v1/snapshots/{segment(snapshot_id(snapshot), 'snapshot')}")
 
     async def workspaces(self) -> list[dict[str, Any]]:
         """See ``Client.workspaces``."""
@@ -235,7 +236,7 @@ class AsyncClient:
 
     async def delete_workspace(self, workspace_id: str) -> None:
         """See ``Client.delete_workspace``."""
-        await self.http.request("DELETE", f"/v1/workspaces/{workspace_id}")
+        await self.http.request("DELETE", f"/v1/workspaces/{segment(workspace_id, 'workspace_id')}")
 
     async def verify_audit(self) -> dict[str, Any]:
         found: dict[str, Any] = (await self.http.request("GET", "/v1/audit/verify")).json()

@@ -22,8 +22,11 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from stockade import exceptions as exc
+from stockade.client import _inputs
 from stockade.client.sandbox import (
     TextCallback,
+    archive_params,
+    code_body,
     command_body,
     command_result,
     create_body,
@@ -32,10 +35,12 @@ from stockade.client.sandbox import (
     entry,
     execution,
     listing,
+    path_params,
+    range_params,
     snapshot_value,
     streamed_line,
+    upload_body,
 )
-from stockade.sandbox.facade import tar_directory
 from stockade.sandbox.ops import DOWNLOAD_MAX_BYTES, DOWNLOAD_MAX_ENTRIES
 from stockade.types import (
     CommandResult,
@@ -94,30 +99,29 @@ class AsyncRemoteFiles:
     async def read(self, path: str, *, format: Literal["bytes"]) -> bytes: ...
 
     async def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> str | bytes:
-        data: bytes = (await self._request("GET", "/files/content", params={"path": path})).content
+        data: bytes = (await self._request("GET", "/files/content", params=path_params(path))).content
         return data if format == "bytes" else data.decode("utf-8", "replace")
 
     async def read_range(self, path: str, offset: int, length: int) -> bytes:
-        params: dict[str, str | int] = {"path": path, "offset": offset, "length": length}
-        response = await self._request("GET", "/files/content", params=params)
+        response = await self._request("GET", "/files/content", params=range_params(path, offset, length))
         data: bytes = response.content
         return data
 
     async def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> EntryInfo:
-        raw = data.encode() if isinstance(data, str) else data
+        params, raw = path_params(path, mode=mode), _inputs.byte_data(data)
         response = await self._request(
-            "PUT", "/files/content", params={"path": path, "mode": mode}, content=raw,
+            "PUT", "/files/content", params=params, content=raw,
             headers={"Content-Type": "application/octet-stream"},
         )  # fmt: skip
         return entry(response.json())
 
     async def list(self, path: str = "", *, depth: int = 1) -> Listing:
-        response = await self._request("GET", "/files", params={"path": path, "depth": depth})
+        response = await self._request("GET", "/files", params=path_params(path, depth=depth))
         return listing(response.json(), response.headers)
 
     async def stat(self, path: str) -> EntryInfo | None:
         try:
-            response = await self._request("GET", "/files/stat", params={"path": path})
+            response = await self._request("GET", "/files/stat", params=path_params(path))
         except exc.SandboxFileNotFound:
             return None
         return entry(response.json())
@@ -126,19 +130,19 @@ class AsyncRemoteFiles:
         return await self.stat(path) is not None
 
     async def remove(self, path: str) -> None:
-        await self._request("DELETE", "/files", params={"path": path})
+        await self._request("DELETE", "/files", params=path_params(path))
 
     async def make_dir(self, path: str) -> EntryInfo:
-        return entry((await self._request("POST", "/files/dir", params={"path": path})).json())
+        return entry((await self._request("POST", "/files/dir", params=path_params(path))).json())
 
     async def upload_dir(
         self, source: str | Path, dest: str = "", *, hide: Sequence[str] = (), read: Sequence[str] = ("**",)
     ) -> None:
         """Copy a local directory into the workspace (sent as a tar, checked by the server): what
         ``read`` names, but what ``hide`` names (globs, as ``AsyncSandbox.files.upload_dir``)."""
-        data = await asyncio.to_thread(tar_directory, Path(source), hide, read)
+        params, data = await asyncio.to_thread(upload_body, source, dest, hide, read)
         await self._request(
-            "PUT", "/archive", params={"path": dest}, content=data,
+            "PUT", "/archive", params=params, content=data,
             headers={"Content-Type": "application/x-tar"},
         )  # fmt: skip
 
@@ -150,8 +154,8 @@ class AsyncRemoteFiles:
         archive is unpacked as it arrives, the disk work in a worker thread."""
         from stockade.sandbox._archive import Extraction
 
+        params = archive_params(dest, source=source, max_bytes=max_bytes, max_entries=max_entries)
         unpack = await asyncio.to_thread(Extraction, dest, max_bytes=max_bytes, max_entries=max_entries)
-        params = {"path": source, "max_bytes": max_bytes, "max_entries": max_entries}
         try:
             async with self._sbx.client.http.stream(
                 "GET", f"{self._base}/archive", params=params
@@ -201,6 +205,8 @@ class AsyncRemoteSandbox:
             tier, trust=trust, limits=limits, network=network, envs=envs, allow_weaker=allow_weaker,
             labels=labels, prefer=prefer, idle_timeout_s=idle_timeout_s, snapshot=snapshot,
         )  # fmt: skip
+        if workspace is not None:
+            _inputs.host_path(workspace, "workspace")
         own = client is None
         client = client or AsyncClient()
         try:
@@ -255,8 +261,7 @@ class AsyncRemoteSandbox:
         on_stdout: TextCallback | None = None, on_stderr: TextCallback | None = None,
     ) -> Execution:  # fmt: skip
         """As ``AsyncSandbox.run_code``: Python state persists between calls; other languages run fresh."""
-        body = {"code": code, "language": language, "timeout_s": timeout_s}
-        return execution(await self._call("code", body, on_stdout, on_stderr))
+        return execution(await self._call("code", code_body(code, language, timeout_s), on_stdout, on_stderr))
 
     async def reset(self) -> None:
         await self.client.http.request("POST", f"/v1/sandboxes/{self.id}/reset")
@@ -281,10 +286,11 @@ class AsyncRemoteSandbox:
         """See ``RemoteSandbox.resume``."""
         from stockade.client.async_client import AsyncClient
 
+        path = f"/v1/sandboxes/{_inputs.segment(sandbox_id, 'sandbox_id')}/resume"
         own = client is None
         client = client or AsyncClient()
         try:
-            info = await client.http.request("POST", f"/v1/sandboxes/{sandbox_id}/resume")
+            info = await client.http.request("POST", path)
         except BaseException:
             if own:
                 await client.aclose()

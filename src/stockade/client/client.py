@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from stockade.client._http import Http
+from stockade.client._inputs import folder as folder_path
+from stockade.client._inputs import mapping, segment
 from stockade.client.sandbox import RemoteSandbox, limits_body, snapshot_id
 from stockade.sandbox.facade import tar_directory
 from stockade.types import Limits, Snapshot
@@ -89,7 +91,7 @@ def submit_body(
         "task": task, "model": model, "scripted": list(scripted) if scripted is not None else None,
         "workspace": workspace_id, "tier": tier, "trust": trust, "check": check,
         "sandbox_limits": limits_body(sandbox_limits),
-        "labels": dict(labels or {}), "idempotency_key": idempotency_key,
+        "labels": mapping(labels, "labels"), "idempotency_key": idempotency_key,
     }  # fmt: skip
     limits = {k: v for k, v in (("max_steps", max_steps), ("max_cost_usd", max_cost_usd)) if v is not None}
     if limits:
@@ -171,9 +173,8 @@ class RemoteRun:
         return self._decide(request_id, "deny")
 
     def _decide(self, request_id: str, decision: str) -> RemoteRun:
-        self.info = self.client.http.request(
-            "POST", f"/v1/runs/{self.id}/approvals/{request_id}", json={"decision": decision}
-        ).json()
+        path = f"/v1/runs/{self.id}/approvals/{segment(request_id, 'request_id')}"
+        self.info = self.client.http.request("POST", path, json={"decision": decision}).json()
         return self
 
     def kill(self, reason: str = "killed through the API") -> RemoteRun:
@@ -214,9 +215,8 @@ class Runs:
 
     def upload_workspace(self, folder: str | Path) -> str:
         """Send a folder (as a tar); returns the id a run's ``workspace`` takes."""
-        response = self.client.http.request(
-            "POST", "/v1/workspaces", content=tar_directory(Path(folder)), headers=TAR_HEADERS
-        )
+        data = tar_directory(folder_path(folder, "folder"))
+        response = self.client.http.request("POST", "/v1/workspaces", content=data, headers=TAR_HEADERS)
         return str(response.json()["id"])
 
     def submit(
@@ -240,7 +240,7 @@ class Runs:
         quota (a run with no room waits queued, its ``error`` saying so)."""
         workspace_id: str | None = None
         if workspace is not None:
-            path = Path(workspace)
+            path = folder_path(workspace, "workspace")
             workspace_id = self.upload_workspace(path) if path.is_dir() else str(workspace)
         body = submit_body(
             task, model=model, scripted=scripted, workspace_id=workspace_id, tier=tier, trust=trust,
@@ -265,7 +265,8 @@ class Runs:
         return killed
 
     def get(self, run_id: str) -> RemoteRun:
-        return RemoteRun(self.client, self.client.http.request("GET", f"/v1/runs/{run_id}").json())
+        path = f"/v1/runs/{segment(run_id, 'run_id')}"
+        return RemoteRun(self.client, self.client.http.request("GET", path).json())
 
     def list(
         self, *, status: str | None = None, label: str | None = None, limit: int = 50
@@ -280,7 +281,7 @@ class Runs:
         """Erase a run that ended: its spec, conversation, tool outputs, approvals and artifacts
         (its bytes are free of your ``storage_mb``); its id stays taken and its audit events
         stay. ``RunConflict`` while it runs or waits (kill it first)."""
-        self.client.http.request("DELETE", f"/v1/runs/{run_id}")
+        self.client.http.request("DELETE", f"/v1/runs/{segment(run_id, 'run_id')}")
 
 
 class Client:
@@ -291,7 +292,7 @@ class Client:
         url: str | None = None,
         token: str | None = None,
         *,
-        timeout_s: float = 120.0,
+        timeout_s: float | None = 120.0,
         transport: Any = None,
     ) -> None:
         self.http = Http(url, token, timeout_s=timeout_s, transport=transport)
@@ -313,7 +314,7 @@ class Client:
     def delete_snapshot(self, snapshot: Snapshot | str) -> None:
         """Forget a snapshot (a paused sandbox's: the sandbox is gone with it); its disk is
         free of your ``snapshot_mb`` quota."""
-        self.http.request("DELETE", f"/v1/snapshots/{snapshot_id(snapshot)}")
+        self.http.request("DELETE", f"/v1/snapshots/{segment(snapshot_id(snapshot), 'snapshot')}")
 
     def workspaces(self) -> list[dict[str, Any]]:
         """Your uploaded workspaces (``id``, ``bytes``, ``uploaded_at``), newest first."""
@@ -323,7 +324,7 @@ class Client:
     def delete_workspace(self, workspace_id: str) -> None:
         """Forget an uploaded workspace (``RunConflict`` while a run that starts from it has
         not ended); its bytes are free of your ``storage_mb`` quota."""
-        self.http.request("DELETE", f"/v1/workspaces/{workspace_id}")
+        self.http.request("DELETE", f"/v1/workspaces/{segment(workspace_id, 'workspace_id')}")
 
     def verify_audit(self) -> dict[str, Any]:
         found: dict[str, Any] = self.http.request("GET", "/v1/audit/verify").json()

@@ -24,7 +24,10 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from stockade import exceptions as exc
+from stockade._checks import check_id
+from stockade.client import _inputs
 from stockade.client._http import error_from
+from stockade.sandbox._requests import code_op, command_op, range_op, upload_op
 from stockade.sandbox.facade import tar_directory
 from stockade.sandbox.ops import DOWNLOAD_MAX_BYTES, DOWNLOAD_MAX_ENTRIES, LISTING_TRUNCATED_HEADER
 from stockade.types import (
@@ -108,7 +111,7 @@ def snapshot_id(snapshot: Snapshot | str) -> str:
     if isinstance(snapshot, Snapshot):
         return snapshot.id
     if isinstance(snapshot, str):
-        return snapshot
+        return check_id(snapshot, argument="snapshot")
     raise exc.InvalidArgument(
         f"snapshot must be a Snapshot or its id, got {type(snapshot).__name__}", argument="snapshot"
     )
@@ -158,24 +161,67 @@ def create_body(
     """The body of ``POST /v1/sandboxes``."""
     body: dict[str, Any] = {
         "tier": tier, "trust": str(trust) if trust is not None else None, "limits": limits_body(limits),
-        "envs": dict(envs or {}), "allow_weaker": allow_weaker, "labels": dict(labels or {}),
+        "envs": _inputs.envs(envs), "allow_weaker": allow_weaker, "labels": _inputs.mapping(labels, "labels"),
         "prefer": prefer, "idle_timeout_s": idle_timeout_s,
         "snapshot": snapshot_id(snapshot) if snapshot is not None else None,
     }  # fmt: skip
     if network is not None:
+        if not isinstance(network, NetworkPolicy):
+            raise exc.InvalidArgument(
+                f"network must be a NetworkPolicy, got {type(network).__name__}", argument="network",
+                fix='give NetworkPolicy(allow_hosts=("pypi.org",))',
+            )  # fmt: skip
         body["network"] = _network(network)
     return {k: v for k, v in body.items() if v is not None}
 
 
 def command_body(
     cmd: str | Sequence[str], *, cwd: str | None, envs: Mapping[str, str] | None, timeout_s: float | None,
-    stdin: str | bytes | None,
+    stdin: str | bytes | bytearray | memoryview | None,
 ) -> dict[str, Any]:  # fmt: skip
-    return {
-        "cmd": cmd if isinstance(cmd, str) else list(cmd), "cwd": cwd, "envs": dict(envs or {}),
-        "timeout_s": timeout_s,
-        "stdin": stdin.decode("utf-8", "surrogateescape") if isinstance(stdin, bytes) else stdin,
-    }  # fmt: skip
+    """The body of a command: checked as the local SDK checks it (``command_op``), and as text
+    the service can take (UTF-8; stdin bytes only when they are UTF-8)."""
+    argv = _inputs.argv(cmd)
+    cwd = None if cwd is None else _inputs.text(cwd, "cwd")
+    text = _inputs.stdin_text(stdin)
+    op = command_op(argv, cwd, _inputs.envs(envs), timeout_s, text)
+    return {"cmd": argv, "cwd": cwd, "envs": dict(op.envs), "timeout_s": op.timeout_s, "stdin": text}
+
+
+def code_body(code: str, language: str, timeout_s: float | None) -> dict[str, Any]:
+    """The body of a ``run_code``: checked as the local SDK checks it (``code_op``), in UTF-8."""
+    for value, argument in ((code, "code"), (language, "language")):
+        if isinstance(value, str):
+            _inputs.utf8(value, argument)
+    op = code_op(code, language, timeout_s)
+    return {"code": code, "language": language, "timeout_s": op.timeout_s}
+
+
+def path_params(path: object, **more: object) -> dict[str, Any]:
+    """A files call's query: the path checked as the local SDK checks it, in UTF-8."""
+    return {"path": _inputs.path(path), **more}
+
+
+def archive_params(dest: object, *, source: object, max_bytes: object, max_entries: object) -> dict[str, Any]:
+    """A download's query, once ``dest`` is a host path (the limits: ``Extraction`` checks them)."""
+    _inputs.host_path(dest, "dest")
+    return path_params(source, max_bytes=max_bytes, max_entries=max_entries)
+
+
+def upload_body(
+    source: str | Path, dest: str, hide: Sequence[str], read: Sequence[str]
+) -> tuple[dict[str, Any], bytes]:
+    """An upload's query and tar: the local SDK's ``upload_op`` checks (a folder, a workspace
+    ``dest``); the tar is whole (the service takes one body)."""
+    op = upload_op(_inputs.folder(source, "source"), _inputs.path(dest, "dest"), hide, read)
+    folder = op.folder
+    assert folder is not None  # upload_op's is a host folder's
+    return {"path": op.path}, tar_directory(folder.source, folder.hide, folder.read)
+
+
+def range_params(path: object, offset: object, length: object) -> dict[str, Any]:
+    op = range_op(_inputs.path(path), _inputs.offset(offset, "offset"), _inputs.offset(length, "length"))
+    return {"path": op.path, "offset": op.offset, "length": op.length}
 
 
 def streamed_line(
@@ -242,31 +288,32 @@ class RemoteFiles:
 
     def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> str | bytes:
         data = self._sbx.client.http.request(
-            "GET", f"{self._base}/files/content", params={"path": path}
+            "GET", f"{self._base}/files/content", params=path_params(path)
         ).content
         return data if format == "bytes" else data.decode("utf-8", "replace")
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
-        params: dict[str, str | int] = {"path": path, "offset": offset, "length": length}
+        params = range_params(path, offset, length)
         return self._sbx.client.http.request("GET", f"{self._base}/files/content", params=params).content
 
     def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> EntryInfo:
-        raw = data.encode() if isinstance(data, str) else data
+        params, raw = path_params(path, mode=mode), _inputs.byte_data(data)
         response = self._sbx.client.http.request(
-            "PUT", f"{self._base}/files/content", params={"path": path, "mode": mode}, content=raw,
+            "PUT", f"{self._base}/files/content", params=params, content=raw,
             headers={"Content-Type": "application/octet-stream"},
         )  # fmt: skip
         return entry(response.json())
 
     def list(self, path: str = "", *, depth: int = 1) -> Listing:
         response = self._sbx.client.http.request(
-            "GET", f"{self._base}/files", params={"path": path, "depth": depth}
+            "GET", f"{self._base}/files", params=path_params(path, depth=depth)
         )
         return listing(response.json(), response.headers)
 
     def stat(self, path: str) -> EntryInfo | None:
         try:
-            response = self._sbx.client.http.request("GET", f"{self._base}/files/stat", params={"path": path})
+            params = path_params(path)
+            response = self._sbx.client.http.request("GET", f"{self._base}/files/stat", params=params)
         except exc.SandboxFileNotFound:
             return None
         return entry(response.json())
@@ -275,11 +322,11 @@ class RemoteFiles:
         return self.stat(path) is not None
 
     def remove(self, path: str) -> None:
-        self._sbx.client.http.request("DELETE", f"{self._base}/files", params={"path": path})
+        self._sbx.client.http.request("DELETE", f"{self._base}/files", params=path_params(path))
 
     def make_dir(self, path: str) -> EntryInfo:
         return entry(
-            self._sbx.client.http.request("POST", f"{self._base}/files/dir", params={"path": path}).json()
+            self._sbx.client.http.request("POST", f"{self._base}/files/dir", params=path_params(path)).json()
         )
 
     def upload_dir(
@@ -287,9 +334,10 @@ class RemoteFiles:
     ) -> None:
         """Copy a local directory into the workspace (sent as a tar, checked by the server): what
         ``read`` names, but what ``hide`` names (globs, as ``Sandbox.files.upload_dir``)."""
+        params, data = upload_body(source, dest, hide, read)
         self._sbx.client.http.request(
-            "PUT", f"{self._base}/archive", params={"path": dest},
-            content=tar_directory(Path(source), hide, read), headers={"Content-Type": "application/x-tar"},
+            "PUT", f"{self._base}/archive", params=params, content=data,
+            headers={"Content-Type": "application/x-tar"},
         )  # fmt: skip
 
     def download_dir(
@@ -300,7 +348,7 @@ class RemoteFiles:
         archive is unpacked as it arrives, never held whole."""
         from stockade.sandbox._archive import Extraction
 
-        params = {"path": source, "max_bytes": max_bytes, "max_entries": max_entries}
+        params = archive_params(dest, source=source, max_bytes=max_bytes, max_entries=max_entries)
         with (
             Extraction(dest, max_bytes=max_bytes, max_entries=max_entries) as unpack,
             self._sbx.client.http.stream("GET", f"{self._base}/archive", params=params) as response,
@@ -347,6 +395,8 @@ class RemoteSandbox:
             tier, trust=trust, limits=limits, network=network, envs=envs, allow_weaker=allow_weaker,
             labels=labels, prefer=prefer, idle_timeout_s=idle_timeout_s, snapshot=snapshot,
         )  # fmt: skip
+        if workspace is not None:
+            _inputs.host_path(workspace, "workspace")
         own = client is None
         client = client or Client()
         try:
@@ -411,8 +461,7 @@ class RemoteSandbox:
         on_stdout: TextCallback | None = None, on_stderr: TextCallback | None = None,
     ) -> Execution:  # fmt: skip
         """As ``Sandbox.run_code``: Python state persists between calls; other languages run fresh."""
-        body = {"code": code, "language": language, "timeout_s": timeout_s}
-        return execution(self._call("code", body, on_stdout, on_stderr))
+        return execution(self._call("code", code_body(code, language, timeout_s), on_stdout, on_stderr))
 
     def reset(self) -> None:
         self.client.http.request("POST", f"/v1/sandboxes/{self.id}/reset")
@@ -440,10 +489,11 @@ class RemoteSandbox:
         One resume wins: the others get ``SnapshotNotFound``."""
         from stockade.client.client import Client
 
+        path = f"/v1/sandboxes/{_inputs.segment(sandbox_id, 'sandbox_id')}/resume"
         own = client is None
         client = client or Client()
         try:
-            info = client.http.request("POST", f"/v1/sandboxes/{sandbox_id}/resume")
+            info = client.http.request("POST", path)
         except BaseException:
             if own:
                 client.close()
