@@ -63,6 +63,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
         ├── ResourceNotFound          no such sandbox, run or request, or not the caller's (HTTP 404)
         ├── RequestTooLarge           a request's body is over the service's cap (HTTP 413)
         ├── RequestTimeout            a request's body came too slowly (HTTP 408)
+        ├── RunWaitTimeout            [retryable] a run still going when a client's wait ended
         └── ServiceUnavailable        [retryable] the service cannot be reached, or answered 5xx
 
 A control that ends a run does not fail anything: it raises a ``RunStopped``, control flow
@@ -131,6 +132,7 @@ __all__ = [
     "RunStopped",
     "RunStoreCorrupt",
     "RunStoreError",
+    "RunWaitTimeout",
     "RuntimeLimit",
     "SandboxClosed",
     "SandboxCrashed",
@@ -473,6 +475,13 @@ class RequestTimeout(ServiceError):
     def __init__(self, message: str, *, fix: str = "") -> None:
         super().__init__(message)
         self.fix = fix
+
+
+class RunWaitTimeout(ServiceError, TimeoutError):
+    """``RemoteRun.wait`` ended before the run did (the run goes on: waiting again can help).
+    Also a ``TimeoutError``, as it was before it had a class of its own."""
+
+    retryable = True
 
 
 class ServiceUnavailable(ServiceError):

@@ -97,7 +97,7 @@ def sendable(value: object, where: str) -> None:
 def path(value: object, argument: str = "path") -> str:
     """A workspace path: the local SDK's ``check_path`` (a str, no NUL, inside the workspace),
     and UTF-8, which a name must be to travel in a query string."""
-    return utf8(check_path(value), argument)  # type: ignore[arg-type]  # check_path refuses a non-str
+    return utf8(check_path(value), argument)
 
 
 def segment(value: object, argument: str) -> str:

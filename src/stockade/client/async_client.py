@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from stockade import exceptions as exc
+from stockade._checks import check_timeout
 from stockade.client._http import AsyncHttp
 from stockade.client._inputs import folder as folder_path
 from stockade.client._inputs import segment
@@ -60,13 +62,15 @@ class AsyncRemoteRun:
         self, *, timeout_s: float = 600.0, poll_s: float = 0.25, until_paused: bool = True
     ) -> AsyncRemoteRun:
         """See ``RemoteRun.wait``."""
+        timeout_s = check_timeout(timeout_s) or 0.0
+        poll_s = check_timeout(poll_s, argument="poll_s") or 0.0
         deadline = time.monotonic() + timeout_s
         while True:
             await self.refresh()
             if settled(self.status, until_paused=until_paused):
                 return self
             if time.monotonic() > deadline:
-                raise TimeoutError(f"run {self.id} is still {self.status} after {timeout_s:.0f} s")
+                raise exc.RunWaitTimeout(f"run {self.id} is still {self.status} after {timeout_s:.0f} s")
             await asyncio.sleep(poll_s)
 
     async def events(self, *, after: int = 0) -> AsyncIterator[RunEvent]:

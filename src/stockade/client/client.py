@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stockade import exceptions as exc
+from stockade._checks import check_timeout
 from stockade.client._http import Http
 from stockade.client._inputs import folder as folder_path
 from stockade.client._inputs import mapping, segment
@@ -140,13 +142,15 @@ class RemoteRun:
     def wait(self, *, timeout_s: float = 600.0, poll_s: float = 0.25, until_paused: bool = True) -> RemoteRun:
         """Until the run ends (or waits for someone: paused for an approval, or broken: its
         actions kept failing); ``TimeoutError`` past ``timeout_s``."""
+        timeout_s = check_timeout(timeout_s) or 0.0
+        poll_s = check_timeout(poll_s, argument="poll_s") or 0.0
         deadline = time.monotonic() + timeout_s
         while True:
             self.refresh()
             if settled(self.status, until_paused=until_paused):
                 return self
             if time.monotonic() > deadline:
-                raise TimeoutError(f"run {self.id} is still {self.status} after {timeout_s:.0f} s")
+                raise exc.RunWaitTimeout(f"run {self.id} is still {self.status} after {timeout_s:.0f} s")
             time.sleep(poll_s)
 
     def events(self, *, after: int = 0) -> Iterator[RunEvent]:

@@ -273,3 +273,18 @@ def test_a_client_made_of_anything_is_made_or_refused_typed(
         service.client(url or "http://x", token or TOKEN, timeout_s=timeout).sandboxes()
     except exc.StockadeError as error:
         assert not isinstance(error, exc.ServiceUnavailable), error
+
+
+def test_a_wait_that_ends_before_the_run_is_a_typed_timeout_and_its_figures_are_checked() -> None:
+    """It raised the builtin TimeoutError (no StockadeError, no retryable), and a NaN timeout
+    a ValueError from time.sleep."""
+    run = {"run_id": "run-1", "status": "running"}
+    transport = httpx2.MockTransport(lambda request: httpx2.Response(200, json=run))
+    with Client(URL, TOKEN, transport=transport) as client:
+        remote = client.runs.get("run-1")
+        with pytest.raises(exc.RunWaitTimeout) as raised:
+            remote.wait(timeout_s=0.05, poll_s=0.01)
+        assert raised.value.retryable and isinstance(raised.value, TimeoutError)
+        for timeout_s, poll_s in ((NAN, 0.01), (1.0, INF), (-1.0, 0.01)):
+            with pytest.raises(exc.InvalidArgument):
+                remote.wait(timeout_s=timeout_s, poll_s=poll_s)
