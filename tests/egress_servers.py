@@ -23,7 +23,7 @@ import time
 import urllib.parse
 import zipfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,6 +140,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return
         if how in ("gzip", "deflate", "br"):
             self._send(200, encoded(how, text), {"Content-Encoding": how})
+        elif how in HEADER_NAME_ECHOES:
+            self._send(200, b"ok", {HEADER_NAME_ECHOES[how](secret): "1"})
+        elif how in CODING_LISTS:
+            values, body = CODING_LISTS[how], text
+            for coding in (c.strip() for value in values for c in value.split(",")):
+                body = encoded(coding, body) if coding != "identity" else body
+            self.send_response(200)
+            for value in values:  # a client reads the headers as one list, in order
+                self.send_header("Content-Encoding", value)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
         else:
             self._send(200, encoded(how, text))
 
@@ -189,6 +201,22 @@ REFUSED_ECHOES = {
     "location-host": ("Location", "https://{secret}.evil.test/"),
     "location-scheme": ("Location", "{secret}://api.test/"),
     "location-no-host": ("Location", "http:///{secret}"),
+}
+
+
+# The secret echoed in a header's NAME (``/echo-auth-as?as=``): bare, and as hex and URL-safe base64.
+HEADER_NAME_ECHOES: dict[str, Callable[[str], str]] = {
+    "name": lambda secret: f"X-{secret}",
+    "name-hex": lambda secret: f"X-{secret.encode().hex()}",
+    "name-b64url": lambda secret: "X-" + base64.urlsafe_b64encode(secret.encode()).decode().rstrip("="),
+}
+# The echo compressed by a list of codings, as the Content-Encoding headers say (``/echo-auth-as?as=``).
+CODING_LISTS = {
+    "identity-then-gzip": ("identity", "gzip"),  # the header twice
+    "gzip-then-identity": ("gzip", "identity"),
+    "identity-gzip-listed": ("identity, gzip",),  # one header, a list
+    "gzip-twice": ("gzip", "gzip"),
+    "gzip-twice-listed": ("gzip, gzip",),
 }
 
 

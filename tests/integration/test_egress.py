@@ -31,7 +31,7 @@ from stockade.sandbox.ops import PutArchive
 from stockade.testing import capture_audit
 from stockade.types import NetworkPolicy
 from tests.conftest import host_processes, require, require_tier, wait_for
-from tests.egress_servers import MIXED_TOKEN, REFUSED_ECHOES, TOKEN, Servers, servers
+from tests.egress_servers import HEADER_NAME_ECHOES, MIXED_TOKEN, REFUSED_ECHOES, TOKEN, Servers, servers
 from tests.integration.conftest import TIERS
 from tests.integration.microvm_images import BootImages
 
@@ -244,6 +244,31 @@ def test_a_server_that_echoes_the_credential_where_the_proxy_refuses_gets_none_o
     refusals = [r for r in egress if "echo-auth-as" in str(r["path"])]
     assert len(refusals) == len(REFUSED_ECHOES)
     assert all(r["decision"] == "deny" and r["credential_name"] == "api" for r in refusals), refusals
+
+
+def test_a_credentialed_reply_hides_the_secret_in_no_header_name_nor_behind_a_listed_coding(
+    egress_tier: str, local: Servers
+) -> None:
+    """What an outside attack got to code (2026-12-05): the secret as a header's name (bare,
+    hex, URL-safe base64), and the echo gzipped behind a ``Content-Encoding: identity``
+    first, which ``curl --compressed`` decompressed. Code reads no form of it now."""
+    hows = [*HEADER_NAME_ECHOES, "identity-then-gzip"]
+    with _sandbox(egress_tier, local.policy(MIXED_TOKEN)) as sbx:
+        has_curl = sbx.commands.run("command -v curl").exit_code == 0
+        require("curl", has_curl, f"not in the {egress_tier} tier's image (scripts/build-image.sh)")
+        seen = {
+            how: sbx.commands.run(
+                f"curl -s -i --compressed 'https://api.test:{local.https_port}/echo-auth-as?as={how}'",
+                timeout_s=60,
+            ).stdout
+            for how in hows
+        }
+    assert f"Bearer {MIXED_TOKEN}" in local.https_seen.authorizations  # the server had it to echo
+    forms = [HEADER_NAME_ECHOES[how](MIXED_TOKEN)[2:].lower() for how in HEADER_NAME_ECHOES]
+    for how, text in seen.items():
+        assert text.rpartition("HTTP/1.1 ")[2].startswith("200"), (how, text)
+        assert not any(form in text.lower() for form in forms), (how, text)
+    assert seen["identity-then-gzip"].endswith("you sent: Bearer [REDACTED]"), seen
 
 
 def test_a_tunnel_to_an_allowed_host_with_another_sni_is_closed(egress_tier: str, local: Servers) -> None:

@@ -433,10 +433,13 @@ class Exchange:
         reason, reply = response.reason, None
         if secrets:  # scrubbing (and decoding) changes the length
             decoder = reply_decoder(response.headers, target.host)
-            dropped = (b"content-length", b"content-encoding") if decoder else (b"content-length",)
+            # A name cannot hold "[REDACTED]" (no token): a header whose name holds a form of
+            # the secret goes; h11 lowercased the name, so the forms are looked for lowercased.
+            lowered = [s.lower() for s in secrets]
             out_headers = [
                 (k, scrub_all(v, secrets)) for k, v in response.headers
-                if k not in HOP_BY_HOP and k not in dropped
+                if k not in HOP_BY_HOP and k not in (b"content-length", b"content-encoding")
+                and not any(s in k for s in lowered)
             ]  # fmt: skip
             reason = scrub_all(response.reason, secrets)  # a server can put anything there too
             reply = Reply(Scrubber(secrets), decoder, self.gate.spend)
@@ -767,17 +770,24 @@ def forwarded_headers(headers: Any, host: str, port: int, scheme: str) -> list[t
 
 def reply_decoder(headers: Any, host: str) -> Decoder | None:
     """How to undo a credential host's ``Content-Encoding`` (the proxy asked for none:
-    compressed, the secret would pass the scrub); ``Refused`` (``502``) for a coding the
-    proxy cannot undo."""
-    coding = (header(headers, b"content-encoding") or "").strip().lower()
-    if coding in ("", "identity"):
+    compressed, the secret would pass the scrub): every coding it names, in every such
+    header (a list, or the header twice: a client applies them all), ``identity`` aside.
+    ``Refused`` (``502``) unless that is none or one the proxy undoes: two codings (even
+    gzip twice) are refused, not undone in turn."""
+    codings = [
+        coding.strip().lower()
+        for key, value in headers if key.lower() == b"content-encoding"
+        for coding in bytes(value).decode("latin-1").split(",")
+    ]  # fmt: skip
+    codings = [c for c in codings if c not in ("", "identity")]
+    if not codings:
         return None
-    if coding not in DECODED:  # named, not quoted: a server can put there what it was sent
+    if len(codings) > 1 or codings[0] not in DECODED:  # named, not quoted: a server may echo there
         raise Refused(502, Verdict(
             allowed=False, rule="reply (encoding)",
-            reason=f"{host} answered in a Content-Encoding other than gzip or deflate: not scrubbable",
+            reason=f"{host} answered in a Content-Encoding other than one gzip or deflate: not scrubbable",
         ))  # fmt: skip
-    return Decoder(coding)
+    return Decoder(codings[0])
 
 
 def head_size(response: Any) -> int:

@@ -24,7 +24,15 @@ import pytest
 from stockade.egress import EgressProxy, HostRule, NetworkPolicy, SystemResolver, _loop
 from stockade.types import EgressRecord
 from tests.conftest import wait_for
-from tests.egress_servers import MIXED_TOKEN, REFUSED_ECHOES, TOKEN, Servers, encoded, servers
+from tests.egress_servers import (
+    HEADER_NAME_ECHOES,
+    MIXED_TOKEN,
+    REFUSED_ECHOES,
+    TOKEN,
+    Servers,
+    encoded,
+    servers,
+)
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +238,50 @@ def test_a_credential_hosts_reply_in_a_coding_the_proxy_cannot_undo_is_a_502(loc
     assert [(r.status, r.decision, r.rule) for r in proxy.records if r.method == "GET"] == [
         (502, "deny", "reply (encoding)")
     ]
+
+
+@pytest.mark.parametrize("how", ["identity-then-gzip", "gzip-then-identity", "identity-gzip-listed"])
+def test_a_reply_that_names_one_coding_among_identities_is_decoded_and_scrubbed(
+    local: Servers, how: str
+) -> None:
+    """A client applies every Content-Encoding listed (in one header or several): the proxy
+    reads them all, not the first only, so an ``identity`` first hides no gzip from the scrub."""
+    with running(local.policy()) as proxy:
+        ca = proxy.proxy.ca_pem
+        assert ca is not None
+        reply = proxy.opener([ca]).open(
+            f"https://api.test:{local.https_port}/echo-auth-as?as={how}", timeout=10
+        )
+        body, encodings = reply.read(), reply.headers.get_all("Content-Encoding")
+    assert encodings is None and body == b"you sent: Bearer [REDACTED]"
+
+
+@pytest.mark.parametrize("how", ["gzip-twice", "gzip-twice-listed"])
+def test_a_reply_in_two_codings_is_a_502(local: Servers, how: str) -> None:
+    with running(local.policy()) as proxy:
+        ca = proxy.proxy.ca_pem
+        assert ca is not None
+        code, body = refused(proxy.opener([ca]), f"https://api.test:{local.https_port}/echo-auth-as?as={how}")
+    assert code == 502 and "rule: reply (encoding)" in body
+    assert [(r.status, r.rule) for r in proxy.records if r.method == "GET"] == [(502, "reply (encoding)")]
+
+
+@pytest.mark.parametrize("how", sorted(HEADER_NAME_ECHOES))
+@pytest.mark.parametrize("token", [TOKEN, MIXED_TOKEN])
+def test_a_header_whose_name_holds_the_secret_is_dropped(local: Servers, how: str, token: str) -> None:
+    """A name cannot be scrubbed in place (``[REDACTED]`` is no header name) and comes
+    lowercased from h11: a header whose name holds any form of the secret, in any case,
+    never reaches the code."""
+    with running(local.policy(token)) as proxy:
+        ca = proxy.proxy.ca_pem
+        assert ca is not None
+        reply = proxy.opener([ca]).open(
+            f"https://api.test:{local.https_port}/echo-auth-as?as={how}", timeout=10
+        )
+        body, names = reply.read(), [name.lower() for name in reply.headers]
+    echoed = HEADER_NAME_ECHOES[how](token).lower()
+    assert body == b"ok" and names and echoed not in names
+    assert not any(form in name for name in names for form in (token.lower(), token.encode().hex()))
 
 
 @pytest.mark.parametrize("how", ["b64", "b64url", "hex", "pct"])
