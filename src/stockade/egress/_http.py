@@ -42,8 +42,10 @@ __all__ = [
 ]
 
 HEAD_LIMIT = 64 * 1024  # request or response head: bigger is refused
+INFORMATIONAL_LIMIT = 16  # 1xx answers before the final one: more is a 502
 LINE_LIMIT = 8192  # of a request head h11 refuses, what is kept to name it (its first line)
 HEAD_TIMEOUT_S = 30.0
+ANSWER_TIMEOUT_S = 4 * HEAD_TIMEOUT_S  # from a request sent to its answer's final head
 CONNECT_TIMEOUT_S = 15.0
 # Body pieces (h11 events) handled before the loop lets other connections run: a read of
 # 256 KiB in 1-byte chunks is 40,000 events, a tenth of a second of the shared loop.
@@ -175,6 +177,7 @@ class Exchange:
         self.gate = gate
         self.upstreams: Pool[Plain] = Pool()  # connections to servers, kept between this sandbox's requests
         self.head_timeout_s = HEAD_TIMEOUT_S  # for a request's head to come whole
+        self.answer_timeout_s = ANSWER_TIMEOUT_S  # for a server's final head, 1xx ones included
 
     async def serve(
         self,
@@ -200,6 +203,12 @@ class Exchange:
                     await self.unreadable(conn, client, None, bytes(line), tunnel=tunnel)
                 return
             if not isinstance(event, h11.Request):
+                return
+            if head_size(event) > HEAD_LIMIT:
+                # h11 bounds a head only while it is incomplete: one that came whole in one
+                # read (up to a read's 256 KiB) is measured here.
+                too_long = h11.RemoteProtocolError("request head too long", error_status_hint=431)
+                await self.unreadable(conn, client, too_long, bytes(line), tunnel=tunnel)
                 return
             if client.gone():
                 # A request pipelined behind one whose answer found the client gone (its code
@@ -404,12 +413,34 @@ class Exchange:
             await upstream.send(head + up.send(h11.EndOfMessage()))
             sent = 0
         upstream.quickack()
-        response = await within(next_event(up, upstream), HEAD_TIMEOUT_S * 4)
-        while isinstance(response, h11.InformationalResponse):  # 100 Continue and the like
+        try:
+            return sent, await within(self._final_head(up, upstream), self.answer_timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"no answer in {self.answer_timeout_s:g} s") from None
+
+    async def _final_head(self, up: Any, upstream: Plain) -> Any:
+        """The head of the server's final answer, after at most ``INFORMATIONAL_LIMIT`` 1xx
+        ones (``100 Continue`` and the like, not passed on). Each head is bounded like a
+        request's (``HEAD_LIMIT``); a 1xx one counts against the bytes per minute here (the
+        final one, in ``_send_response``): a server sending ``102`` without end would else
+        cost the loop without limit."""
+        h11 = load_h11()
+        for _ in range(INFORMATIONAL_LIMIT + 1):
             response = await next_event(up, upstream)
-        if not isinstance(response, h11.Response):
-            raise ConnectionError("the server closed without answering")
-        return sent, response
+            if not isinstance(response, h11.InformationalResponse | h11.Response):
+                raise ConnectionError("the server closed without answering")
+            if head_size(response) > HEAD_LIMIT:
+                raise Refused(502, Verdict(
+                    allowed=False, rule="reply (size)",
+                    reason=f"an answer head longer than {HEAD_LIMIT} bytes",
+                ))  # fmt: skip
+            if isinstance(response, h11.Response):
+                return response
+            self.gate.spend(head_size(response))
+        raise Refused(502, Verdict(
+            allowed=False, rule="reply (informational)",
+            reason=f"more than {INFORMATIONAL_LIMIT} informational (1xx) answers to one request",
+        ))  # fmt: skip
 
     async def _send_response(
         self,
@@ -790,9 +821,12 @@ def reply_decoder(headers: Any, host: str) -> Decoder | None:
     return Decoder(codings[0])
 
 
-def head_size(response: Any) -> int:
-    """About the bytes of a response's head as it came (h11 keeps its parts, not its bytes)."""
-    return 15 + len(response.reason) + sum(len(k) + len(v) + 4 for k, v in response.headers)
+def head_size(event: Any) -> int:
+    """About the bytes of a request's or a response's head as it came (h11 keeps its parts,
+    not its bytes): its first line, and each header line with its ``": "`` and line end (so
+    a head within ``HEAD_LIMIT`` has at most 16,384 header lines)."""
+    first = 15 + len(event.reason) if hasattr(event, "reason") else 12 + len(event.method) + len(event.target)
+    return first + sum(len(k) + len(v) + 4 for k, v in event.headers)
 
 
 def has_body(headers: Any) -> bool:

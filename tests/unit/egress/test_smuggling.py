@@ -8,6 +8,9 @@ h11 refuses) is answered ``400`` (``431``) with the reason and recorded, once, w
 connection to a server: on a new connection, on a kept one after a first request, and
 inside a tunnel whose TLS the proxy opened.
 
+A server's answer is bounded the same way: its heads (a final one, and the 1xx ones before
+it, which count against the bytes per minute, are bounded in number and share its deadline).
+
 Against a raw server on 127.0.0.2 that keeps the bytes it got, so what is checked is what
 went over the wire, not what a library made of it.
 """
@@ -19,12 +22,16 @@ import re
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from stockade.egress import EgressProxy, HostRule, NetworkPolicy, _loop
+from stockade.egress import EgressProxy, HostRule, NetworkPolicy, _loop, _streams
+from stockade.egress._http import load_h11
+from stockade.egress._streams import Plain
+from stockade.egress._upstream import UpstreamKey
 from stockade.types import EgressRecord
 from tests.egress_servers import servers
 
@@ -33,11 +40,13 @@ ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
 
 class RawServer:
     """Answers every connection once, after the client fell quiet (or sent ``until``: a quiet
-    moment of a loaded host is no end), and keeps what it got."""
+    moment of a loaded host is no end), and keeps what it got; then holds the connection
+    open ``hold`` seconds before closing it."""
 
-    def __init__(self, answer: bytes = ANSWER, *, until: bytes | None = None) -> None:
+    def __init__(self, answer: bytes = ANSWER, *, until: bytes | None = None, hold: float = 0.0) -> None:
         self.answer = answer
         self.until = until
+        self.hold = hold
         self.sock = socket.create_server(("127.0.0.2", 0))
         self.port = int(self.sock.getsockname()[1])
         self.got: list[bytes] = []
@@ -62,6 +71,7 @@ class RawServer:
                     pass
                 self.got.append(bytes(data))
                 conn.sendall(self.answer)
+                time.sleep(self.hold)
 
     def close(self) -> None:
         # A close alone does not wake an accept waiting in another thread (Linux): a shutdown does.
@@ -80,26 +90,41 @@ def server() -> Iterator[RawServer]:
         raw.close()
 
 
+def _policy(
+    server: RawServer, max_bytes_per_minute: int = NetworkPolicy.max_bytes_per_minute
+) -> NetworkPolicy:
+    return NetworkPolicy(
+        allow_hosts=(f"raw.test:{server.port}",),
+        allow_addresses=("127.0.0.2/32",),
+        resolve={"raw.test": ("127.0.0.2",)},
+        max_bytes_per_minute=max_bytes_per_minute,
+    )
+
+
 def _send(
-    server: RawServer, request: bytes, *, end: bool = True, head_timeout_s: float | None = None
+    server: RawServer,
+    request: bytes,
+    *,
+    end: bool = True,
+    head_timeout_s: float | None = None,
+    answer_timeout_s: float | None = None,
+    max_bytes_per_minute: int = NetworkPolicy.max_bytes_per_minute,
 ) -> tuple[bytes, list[EgressRecord]]:
     """``request`` (``PORT`` is the server's) through a new proxy, and all that came back;
     ``end``: the client's side is shut after it (else the proxy answers a head still open)."""
     records: list[EgressRecord] = []
-    policy = NetworkPolicy(
-        allow_hosts=(f"raw.test:{server.port}",),
-        allow_addresses=("127.0.0.2/32",),
-        resolve={"raw.test": ("127.0.0.2",)},
-    )
-    proxy = EgressProxy(policy, observer=records.append)
+    proxy = EgressProxy(_policy(server, max_bytes_per_minute=max_bytes_per_minute), observer=records.append)
     if head_timeout_s is not None:
         proxy.exchange.head_timeout_s = head_timeout_s
+    if answer_timeout_s is not None:
+        proxy.exchange.answer_timeout_s = answer_timeout_s
     port = _loop.call(proxy.start_tcp())
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
             client.sendall(request.replace(b"PORT", str(server.port).encode()))
             if end:
-                client.shutdown(socket.SHUT_WR)
+                with contextlib.suppress(OSError):  # the proxy may have answered and closed already
+                    client.shutdown(socket.SHUT_WR)
             answer = bytearray()
             while chunk := client.recv(65536):
                 answer += chunk
@@ -282,6 +307,123 @@ def test_a_head_too_long_is_a_431(server: RawServer) -> None:
     )
     _refused_unread(server, answer, records, 431, "request (size)", b"longer than 65536 bytes")
     assert (records[0].method, records[0].path) == ("GET", "/")
+
+
+async def _arrived(data: bytes, *, end: bool) -> tuple[Plain, socket.socket]:
+    """A stream for the proxy whose peer (returned too) already sent ``data``: it waits
+    whole in the kernel's buffer, so the proxy's first read gets all of it (over TCP a
+    head of 80 KB may come in two reads, and h11 refuses the first while incomplete)."""
+    ours, theirs = socket.socketpair()
+    theirs.settimeout(10)
+    theirs.sendall(data)
+    if end:
+        theirs.shutdown(socket.SHUT_WR)
+    return await _streams.wrap(ours), theirs
+
+
+def _received(peer: socket.socket) -> bytes:
+    answer = bytearray()
+    with peer:
+        while chunk := peer.recv(65536):
+            answer += chunk
+    return bytes(answer)
+
+
+MANY_HEADERS = b"".join(b"X-%d: a\r\n" % n for n in range(8000))  # about 80 KB of short lines
+
+
+def test_a_head_too_long_that_comes_whole_in_one_read_is_a_431(server: RawServer) -> None:
+    """h11 bounds a head only while it is incomplete: one that came whole is measured too."""
+    records: list[EgressRecord] = []
+    proxy = EgressProxy(_policy(server), observer=records.append)
+    request = b"GET http://raw.test:%d/ HTTP/1.1\r\nHost: raw.test\r\n%s\r\n" % (server.port, MANY_HEADERS)
+
+    async def serve() -> socket.socket:
+        client, peer = await _arrived(request, end=True)
+        await proxy.exchange.serve(client, tunnel=None)
+        client.close()
+        return peer
+
+    try:
+        answer = _received(_loop.call(serve()))
+    finally:
+        _loop.call(proxy.close())
+    _refused_unread(server, answer, records, 431, "request (size)", b"longer than 65536 bytes")
+    assert (records[0].method, records[0].path) == ("GET", "/")
+
+
+def test_an_answer_head_too_long_is_a_502(server: RawServer) -> None:
+    """The same for a server's answer: the code gets a 502, none of that head."""
+    records: list[EgressRecord] = []
+    proxy = EgressProxy(_policy(server), observer=records.append)
+    key = UpstreamKey(address="127.0.0.2", port=server.port, scheme="http", host="raw.test", credential="")
+    huge = b"HTTP/1.1 200 OK\r\n%sContent-Length: 2\r\n\r\nok" % MANY_HEADERS
+
+    async def serve() -> tuple[socket.socket, socket.socket]:
+        # The server's connection, kept from an earlier request: its answer is there already.
+        upstream, server_side = await _arrived(huge, end=False)
+        proxy.exchange.upstreams.give(key, upstream, load_h11().Connection(load_h11().CLIENT))
+        client, peer = await _arrived(
+            b"GET http://raw.test:%d/ HTTP/1.1\r\nHost: raw.test\r\n\r\n" % server.port, end=True
+        )
+        await proxy.exchange.serve(client, tunnel=None)
+        client.close()
+        return peer, server_side
+
+    peer, server_side = _loop.call(serve())
+    try:
+        answer = _received(peer)
+    finally:
+        server_side.close()
+        _loop.call(proxy.close())
+    assert _statuses(answer) == [502] and b"x-1:" not in answer.lower() and b"rule: reply (size)" in answer
+    assert [(r.method, r.status, r.rule) for r in records] == [("GET", 502, "reply (size)")]
+
+
+PROCESSING = b"HTTP/1.1 102 Processing\r\n\r\n"
+
+
+def test_informational_answers_are_bounded_in_number() -> None:
+    """``102 Processing`` without end costs the shared loop a head each: past 16, a 502."""
+    raw = RawServer(answer=PROCESSING * 1000 + ANSWER)
+    try:
+        answer, records = _send(raw, b"GET http://raw.test:PORT/ HTTP/1.1\r\nHost: raw.test:PORT\r\n\r\n")
+    finally:
+        raw.close()
+    assert _statuses(answer) == [502] and b"rule: reply (informational)" in answer
+    assert [(r.status, r.decision, r.rule) for r in records] == [(502, "deny", "reply (informational)")]
+
+
+def test_informational_answers_count_against_the_bytes_per_minute() -> None:
+    heavy = b"HTTP/1.1 103 Early Hints\r\nLink: " + b"a" * 1000 + b"\r\n\r\n"
+    raw = RawServer(answer=heavy * 10 + ANSWER)
+    try:
+        answer, records = _send(
+            raw,
+            b"GET http://raw.test:PORT/ HTTP/1.1\r\nHost: raw.test:PORT\r\n\r\n",
+            max_bytes_per_minute=5000,
+        )
+    finally:
+        raw.close()
+    assert _statuses(answer) == [429] and b"max_bytes_per_minute" in answer
+    assert [(r.status, r.rule) for r in records] == [(429, "max_bytes_per_minute")]
+
+
+def test_informational_answers_do_not_extend_the_deadline_of_the_final_one() -> None:
+    """One ``102`` and then silence: the answer's deadline runs from the request, not anew."""
+    raw = RawServer(answer=PROCESSING, hold=8.0)
+    try:
+        started = time.monotonic()
+        answer, records = _send(
+            raw, b"GET http://raw.test:PORT/ HTTP/1.1\r\nHost: raw.test:PORT\r\n\r\n", answer_timeout_s=1.0
+        )
+        took = time.monotonic() - started
+    finally:
+        raw.close()
+    assert took < 5.0 and _statuses(answer) == [502] and b"no answer in 1 s" in answer
+    assert [(r.status, r.reason) for r in records] == [
+        (502, f"cannot reach raw.test:{raw.port}: no answer in 1 s")
+    ]
 
 
 def test_an_unreadable_second_request_on_a_kept_connection(server: RawServer) -> None:
