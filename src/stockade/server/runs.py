@@ -57,7 +57,7 @@ from stockade.server.scratch import scratch
 from stockade.server.service import Service
 from stockade.server.state import TERMINAL, RunRow
 from stockade.server.streams import HeldStream
-from stockade.server.tenants import Principal
+from stockade.server.tenants import Principal, check_output_bytes
 from stockade.server.uploads import unpack_archive
 from stockade.types import Limits, MiB
 
@@ -197,6 +197,7 @@ def _authorise(service: Service, caller: Principal, body: RunSubmit) -> None:
                 f"whole quota ({limit:g}): ask for smaller sandbox_limits",
                 quota=quota, limit=float(limit), used=0.0,
             )  # fmt: skip
+    check_output_bytes(caller.tenant, share.output_bytes, what="the run's sandbox")
     if body.workspace is not None and service.store.workspace(caller.tenant.id, body.workspace) is None:
         raise exc.InvalidArgument(
             f"no workspace {body.workspace!r}",

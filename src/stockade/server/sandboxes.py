@@ -13,7 +13,10 @@ call for its ``idle_timeout_s`` is closed and its quota freed.
 Command output streams as NDJSON (``"stream": true``): one JSON object a line,
 ``{"type": "stdout"|"stderr", "data": TEXT}`` as the output comes, then
 ``{"type": "result", "result": {...CommandResult or Execution...}}`` or
-``{"type": "error", "problem": {...}}`` last.
+``{"type": "error", "problem": {...}}`` last. A client that reads slower than the call prints
+misses output past ``STREAM_BUFFER_CHARS`` waiting here: a
+``{"type": "skipped", "stdout": N, "stderr": M}`` line (characters) marks where; the result
+holds all of it.
 """
 
 from __future__ import annotations
@@ -62,11 +65,11 @@ from stockade.server.schemas import (
 from stockade.server.scratch import scratch
 from stockade.server.snapshots import snapshot_out
 from stockade.server.state import Node, Placement
-from stockade.server.tenants import Principal
+from stockade.server.tenants import Principal, check_output_bytes
 from stockade.server.uploads import unpack_archive
 from stockade.types import CommandResult, EntryInfo, Execution, Limits, Listing, NetworkPolicy, SnapshotKind
 
-__all__ = ["BEAT_S", "DEAD_AFTER_S", "Held", "SandboxRegistry", "router"]
+__all__ = ["BEAT_S", "DEAD_AFTER_S", "STREAM_BUFFER_CHARS", "Held", "SandboxRegistry", "router"]
 
 log = logging.getLogger("stockade.server")
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
@@ -200,6 +203,8 @@ class SandboxRegistry:
 
     def _reserve(self, principal: Principal, sandbox_id: str, tier: str, limits: Limits) -> None:
         store = self.service.store
+        # a call's output is held here, in the API process, up to output_bytes (each stream)
+        check_output_bytes(principal.tenant, limits.output_bytes, what="this sandbox")
 
         def reserve() -> None:
             store.reserve_sandbox(
@@ -557,40 +562,105 @@ def _as_json(value: CommandResult | Execution) -> dict[str, Any]:
     return dataclasses.asdict(value)
 
 
+# What a streamed call's printed output may hold in this process while its client reads slower
+# than the call prints (characters of text; a character is at most 4 bytes in memory).
+STREAM_BUFFER_CHARS = 1 << 20
+
+
+class _Outbox:
+    """The lines a streamed call has for its client and not yet sent: a worker thread puts,
+    the event loop takes. Output past ``STREAM_BUFFER_CHARS`` waiting is left out of the
+    stream, counted, and the gap marked by a ``{"type": "skipped", "stdout": N, "stderr": M}``
+    line (characters) where the stream goes on, or before the result; the result still holds
+    all of the output (up to ``output_bytes``).
+
+    Dropped, not waited for: the sandbox's supervisor sends a command's output as it comes (up
+    to output_bytes) over the one channel all of the sandbox's calls share, whose reader
+    cannot stop for one call; a worker held back here would only move the same bytes into the
+    channel's queue for that call, keep the sandbox busy, and run the call past its deadline
+    (which takes the sandbox down). Never waiting also means nothing a sandbox sends can pile
+    up behind a client that reads nothing."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, limit: int = STREAM_BUFFER_CHARS) -> None:
+        self._loop = loop
+        self._limit = limit
+        self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._lock = threading.Lock()
+        self._waiting = 0  # characters of output in the queue
+        self._skipped = {"stdout": 0, "stderr": 0}  # since the last mark
+
+    def _send(self, item: tuple[str, Any]) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def _gap(self) -> dict[str, int] | None:
+        with self._lock:
+            gap, self._skipped = self._skipped, {"stdout": 0, "stderr": 0}
+        return gap if any(gap.values()) else None
+
+    def output(self, kind: str, text: str) -> None:
+        """From the worker thread: one piece of output, or left out when too much waits."""
+        with self._lock:
+            if self._waiting + len(text) > self._limit:
+                self._skipped[kind] += len(text)
+                return
+            self._waiting += len(text)
+        gap = self._gap()
+        if gap is not None:
+            self._send(("skipped", gap))
+        self._send((kind, text))
+
+    def end(self, kind: str, payload: Any) -> None:
+        """From the worker thread: the result or the problem, always sent, after any gap."""
+        gap = self._gap()
+        if gap is not None:
+            self._send(("skipped", gap))
+        self._send((kind, payload))
+
+    async def take(self) -> tuple[str, Any]:
+        kind, payload = await self._queue.get()
+        if kind in ("stdout", "stderr"):
+            with self._lock:
+                self._waiting -= len(payload)
+        return kind, payload
+
+
+def _line(kind: str, payload: Any) -> dict[str, Any]:
+    if kind in ("stdout", "stderr"):
+        return {"type": kind, "data": payload}
+    if kind == "skipped":
+        return {"type": "skipped", **payload}
+    if kind == "result":
+        return {"type": "result", "result": payload}
+    return {"type": "error", "problem": payload}
+
+
 def _streamed(
     request: Request, work: Callable[[Callable[[str], object], Callable[[str], object]], Any]
 ) -> StreamingResponse:
     """Run ``work(on_stdout, on_stderr)`` in a thread and stream what it prints, then its result."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+    outbox = _Outbox(asyncio.get_running_loop())
 
     def push(kind: str) -> Callable[[str], object]:
-        return lambda text: loop.call_soon_threadsafe(queue.put_nowait, (kind, text))
+        return lambda text: outbox.output(kind, text)
 
     def run() -> None:
         try:
             result = work(push("stdout"), push("stderr"))
-            loop.call_soon_threadsafe(queue.put_nowait, ("result", _as_json(result)))
+            outbox.end("result", _as_json(result))
         except exc.StockadeError as error:
-            loop.call_soon_threadsafe(queue.put_nowait, ("error", from_error(error, request.url.path).body))
+            outbox.end("error", from_error(error, request.url.path).body)
         except BaseException as error:  # never leave the stream hanging
             problem = from_error(
                 exc.StockadeError(f"internal error: {type(error).__name__}"), request.url.path
             )
-            loop.call_soon_threadsafe(queue.put_nowait, ("error", problem.body))
+            outbox.end("error", problem.body)
 
     async def lines() -> AsyncIterator[bytes]:
         task = asyncio.ensure_future(anyio.to_thread.run_sync(run))
         try:
             while True:
-                kind, payload = await queue.get()
-                if kind in ("stdout", "stderr"):
-                    line = {"type": kind, "data": payload}
-                elif kind == "result":
-                    line = {"type": "result", "result": payload}
-                else:
-                    line = {"type": "error", "problem": payload}
-                yield json.dumps(line, ensure_ascii=False).encode() + b"\n"
+                kind, payload = await outbox.take()
+                yield json.dumps(_line(kind, payload), ensure_ascii=False).encode() + b"\n"
                 if kind in ("result", "error"):
                     break
         finally:

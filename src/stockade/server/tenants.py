@@ -13,6 +13,8 @@ quotas and its rate and spend limits, and lists the tokens, stored hashed:
     rate_period_s = 60               # that window, in seconds (a minute unless shortened)
     dollars_per_hour = 5.0           # model spend per rolling hour, over every run
     snapshot_mb = 10240              # disk of its snapshots and paused sandboxes
+    output_bytes = 16777216          # most one sandbox's Limits.output_bytes may be (each call's
+                                     # stdout and stderr are held in the API process, each up to it)
 
     [[tokens]]
     id = "3f9a1c0b7d2e"
@@ -43,8 +45,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from stockade import exceptions as exc
 from stockade.policy.load import load_policy
 from stockade.policy.schema import Policy
+from stockade.types import MiB
 
-__all__ = ["Principal", "Quotas", "Tenant", "Tenants", "TokenRecord", "new_token", "parse_token"]
+__all__ = [
+    "Principal",
+    "Quotas",
+    "Tenant",
+    "Tenants",
+    "TokenRecord",
+    "check_output_bytes",
+    "new_token",
+    "parse_token",
+]
 
 TENANT_ID = re.compile(r"^[a-z][a-z0-9_]{0,23}$")  # also a table-name prefix (audit namespaces)
 _TOKEN = re.compile(r"^stk_([0-9a-f]{12})_([A-Za-z0-9_-]{20,128})$")
@@ -64,6 +76,9 @@ class Quotas:
     # the service database's space its uploaded workspaces, its runs (their specs, their rows
     # in the run store) and their kept artifacts take
     storage_mb: int = 2048
+    # not a sum: the most one sandbox's ``Limits.output_bytes`` may be. A call's stdout and
+    # stderr are held in the API process (each up to it) until its result is sent.
+    output_bytes: int = 16 * MiB
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,6 +97,17 @@ class Tenant:
     def audit_namespace(self) -> str:
         """The tables of this tenant's audit trail: a chain of its own."""
         return f"audit_t_{self.id}"
+
+
+def check_output_bytes(tenant: Tenant, asked: int, *, what: str) -> None:
+    """``QuotaExceeded`` when a sandbox asks for more output than the tenant's ceiling."""
+    ceiling = tenant.quotas.output_bytes
+    if asked > ceiling:
+        raise exc.QuotaExceeded(
+            f"{what} asks for output_bytes={asked}, more than tenant {tenant.id!r}'s ceiling ({ceiling}): "
+            "ask for less (a command's output past it is cut, and its true size reported)",
+            quota="output_bytes", limit=float(ceiling), used=0.0,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,6 +141,7 @@ class _TenantEntry(BaseModel):
     runs: int = Field(default=100, ge=0)
     snapshot_mb: int = Field(default=10240, ge=0)
     storage_mb: int = Field(default=2048, ge=0)
+    output_bytes: int = Field(default=16 * MiB, ge=1)
     rate_per_minute: int | None = Field(default=None, gt=0)
     rate_period_s: float = Field(default=60.0, ge=1)  # Redis windows count whole seconds
     dollars_per_hour: float | None = Field(default=None, gt=0)
@@ -219,6 +246,7 @@ class Tenants:
                     runs=entry.runs,
                     snapshot_mb=entry.snapshot_mb,
                     storage_mb=entry.storage_mb,
+                    output_bytes=entry.output_bytes,
                 ),
                 rate_per_minute=entry.rate_per_minute,
                 rate_period_s=entry.rate_period_s,

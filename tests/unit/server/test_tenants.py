@@ -141,11 +141,12 @@ def test_a_tenants_file_loads_with_its_policy_quotas_and_tokens(tmp_path: Path) 
     token, record = new_token("acme", "dev")
     text = (
         '[tenants.acme]\npolicy = "p.toml"\nsandboxes = 2\ncpus = 1.5\nmemory_mb = 1024\nruns = 7\n'
-        "rate_per_minute = 60\ndollars_per_hour = 2.5\n\n" + Tenants(tenants={}, tokens={}).toml_lines(record)
+        "output_bytes = 4096\nrate_per_minute = 60\ndollars_per_hour = 2.5\n\n"
+        + Tenants(tenants={}, tokens={}).toml_lines(record)
     )
     tenants = Tenants.load(write(tmp_path, text))
     acme = tenants.tenants["acme"]
-    assert acme.quotas == Quotas(sandboxes=2, cpus=1.5, memory_mb=1024, runs=7)
+    assert acme.quotas == Quotas(sandboxes=2, cpus=1.5, memory_mb=1024, runs=7, output_bytes=4096)
     assert acme.rate_per_minute == 60 and acme.dollars_per_hour == 2.5
     assert acme.policy.trust.level.value == "internal" and acme.audit_namespace == "audit_t_acme"
     assert tenants.authenticate(token).role == "dev"
@@ -158,6 +159,7 @@ def test_a_tenants_file_loads_with_its_policy_quotas_and_tokens(tmp_path: Path) 
         ("[tenants.acme]\ncolour = 'red'\n", exc.PolicyFileError, "tenants.acme.colour"),
         ("[tenants.acme]\nsandboxes = -1\n", exc.PolicyFileError, "tenants.acme.sandboxes"),
         ("[tenants.acme]\nrate_per_minute = 0\n", exc.PolicyFileError, "rate_per_minute"),
+        ("[tenants.acme]\noutput_bytes = 0\n", exc.PolicyFileError, "tenants.acme.output_bytes"),
         ("[[tokens]]\nid = 'xyz'\nsha256 = 'ab'\ntenant = 'acme'\n", exc.PolicyFileError, "tokens.0.id"),
     ],
 )
