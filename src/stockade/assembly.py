@@ -60,6 +60,7 @@ from types import TracebackType
 from typing import Any
 
 from stockade._checks import check_choice, check_id
+from stockade._display import visible
 from stockade.agent.checkpoint import Checkpointer
 from stockade.agent.events import (
     AgentEvent,
@@ -99,7 +100,7 @@ from stockade.policy.agent import ApprovedModel, FlagSink, filter_outputs, polic
 from stockade.policy.approval import ApprovalBook, ApprovalRequest, Approvals, ApprovalStore, Approver
 from stockade.policy.compliance import Setup, check_compliance, kill_target_reachable, microvm_on_host
 from stockade.policy.engine import PolicyEngine
-from stockade.policy.guards import GuardedInstance, OpContext, OpGuard, describe, enforce
+from stockade.policy.guards import GuardedInstance, OpContext, OpGuard, describe, enforce, shown
 from stockade.policy.load import load_policy
 from stockade.policy.schema import Policy, TrustRules, Verdict
 from stockade.runs.recorder import RunRecorder
@@ -821,9 +822,9 @@ class AgentSession:
             return True
         request = ApprovalRequest(
             run_id=self.run_id,
-            action=f"run `{shlex.join(record.argv)}`",
+            action=shown(f"run `{shlex.join(record.argv)}`"),
             rule=record.rule,
-            reason=f"code in the sandbox starts {record.path}, which needs a human's approval",
+            reason=f"code in the sandbox starts {visible(record.path)}, which needs a human's approval",
         )
         try:
             self.approvals.require(request)

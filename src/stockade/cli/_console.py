@@ -11,17 +11,17 @@ from rich.console import Console, ConsoleDimensions
 from rich.markup import escape as escape_markup
 from rich.syntax import Syntax
 
-from stockade._terminal import controls_shown
+from stockade._display import visible
 
 __all__ = ["CliConsole", "escape", "print_diff"]
 
 
 def escape(text: str, *, one_line: bool = False) -> str:
     """``text`` for a console: rich's markup escaped, and every terminal control character
-    shown as its escape (``\\x1b``), never acted on (``stockade._terminal``). Rich drops a
+    shown as its escape (``\\x1b``), never acted on (``stockade._display``). Rich drops a
     few controls itself (BEL, BS, VT, FF, CR), not ESC. ``one_line``: newlines and tabs too
     (an exec's argv: a newline in it printed a line that looked like another exec)."""
-    return escape_markup(controls_shown(text, one_line=one_line))
+    return escape_markup(visible(text, one_line=one_line))
 
 
 # Wide enough for any line; rich sizes tables and text to their content, so nothing is padded.
@@ -47,7 +47,7 @@ def print_diff(console: Console, diff: str) -> None:
     """A unified diff: coloured on a terminal (wrapped, never cropped), plain text elsewhere;
     its terminal controls shown as escapes either way (a file the model wrote held `ESC[2J`,
     and `stockade runs show` cleared the screen)."""
-    diff = controls_shown(diff)
+    diff = visible(diff)
     if console.is_terminal:
         console.print(Syntax(diff, "diff", theme="ansi_dark", background_color="default", word_wrap=True))
     else:

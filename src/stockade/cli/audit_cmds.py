@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Annotated, TextIO
 import typer
 
 from stockade import exceptions as exc
-from stockade.audit.events import AuditEvent, json_utf8
+from stockade._display import visible, visible_json
+from stockade.audit.events import AuditEvent
 from stockade.audit.stores import AuditStore, open_store
 from stockade.audit.verify import RunsLedger
 from stockade.audit.verify import verify as verify_store
@@ -246,8 +247,9 @@ def verify(
 
 
 def _write(event: AuditEvent, stream: TextIO) -> None:
-    # an exec's argv of bytes that are no UTF-8 holds lone surrogates: escaped, the line is UTF-8
-    stream.write(json_utf8(json.dumps(event.to_json(), ensure_ascii=False, separators=(",", ":"))) + "\n")
+    # the same JSON with its lone surrogates (an exec's argv of bytes that are no UTF-8), controls,
+    # bidi and invisible characters as JSON escapes: UTF-8 writes it, a terminal shows it
+    stream.write(visible_json(json.dumps(event.to_json(), ensure_ascii=False, separators=(",", ":"))) + "\n")
 
 
 def export(
@@ -274,9 +276,10 @@ def export(
 
 def _line(event: AuditEvent) -> str:
     duration = "" if event.duration_s is None else f" {event.duration_s * 1000:.1f}ms"
-    attrs = json_utf8(json.dumps(event.attributes, ensure_ascii=False, separators=(",", ":")))
+    # what code chose (U+009B, an 8-bit CSI, cleared the screen) is shown, never acted on
+    attrs = visible_json(json.dumps(event.attributes, ensure_ascii=False, separators=(",", ":")))
     when = event.timestamp.strftime("%Y-%m-%d %H:%M:%S")
-    who = f"{event.run_id} #{event.step} {event.actor}"
+    who = visible(f"{event.run_id} #{event.step} {event.actor}", one_line=True)
     return f"{event.seq:>8} {when} {who} {event.kind.value}{duration} {attrs}"
 
 

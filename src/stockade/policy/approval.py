@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
-from stockade._terminal import controls_shown
+from stockade._display import visible
 from stockade.exceptions import ApprovalRequired, ConfigurationError, PolicyDenied
 
 __all__ = [
@@ -174,7 +174,7 @@ def cli_approver(request: ApprovalRequest) -> Choice | None:
 
     # what is asked is what code chose: its terminal controls are shown, not acted on
     approved = typer.confirm(
-        f"{controls_shown(request.action)}\n  needs approval: {controls_shown(request.reason)}. Allow it?",
+        f"{visible(request.action)}\n  needs approval: {visible(request.reason)}. Allow it?",
         default=False,
     )
     return Choice.APPROVED if approved else Choice.DENIED

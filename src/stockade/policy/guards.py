@@ -8,11 +8,13 @@ denied command never reaches the sandbox whatever layer above forgot to check.
 from __future__ import annotations
 
 import hashlib
+import re
 import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from stockade._display import visible
 from stockade.exceptions import PolicyDenied
 from stockade.policy.approval import ApprovalRequest, Approvals
 from stockade.policy.engine import Decision, PolicyEngine
@@ -68,18 +70,33 @@ def pipeline(guards: Sequence[OpGuard]) -> OpGuard:
 SHOWN_CHARS = 4000
 
 
+# Text that reads like one of ``visible``'s escapes: an action holding it is bound by its digest.
+_LOOKS_ESCAPED = re.compile(r"\\(?:x[0-9a-f]{2}|u[0-9a-f]{4}|U[0-9a-f]{8})", re.IGNORECASE)
+
+
+def _digest(action: str) -> str:
+    return hashlib.sha256(action.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 def shown(action: str, limit: int = SHOWN_CHARS) -> str:
-    """``action`` as a human approving it sees it: whole, or its head and tail around a note of
-    what is cut and the SHA-256 of the whole. An approval's id is made from this text, so it
-    stands for the whole action: cut to its first 500 characters, `git push origin main; echo
-    AAAA...; git push --force origin HEAD:prod` was asked as its harmless head, and the same
-    head with another tail was then let through under that approval."""
-    if len(action) <= limit:
-        return action
-    digest = hashlib.sha256(action.encode("utf-8", "surrogatepass")).hexdigest()
-    head, tail = action[: limit * 2 // 3], action[-(limit // 3) :]
-    cut = len(action) - len(head) - len(tail)
-    return f"{head} [... {cut:,} characters not shown; the whole is sha256 {digest} ...] {tail}"
+    """``action`` as a human approving it sees it, and as every surface shows it (the terminal,
+    the service's API, the run viewer): its controls, bidi and invisible characters as escapes
+    (``stockade._display.visible``), whole or its head and tail around a note of what is cut.
+
+    An approval's id is made from this text, so it stands for the exact action. Cut to its first
+    500 characters, `git push origin main; echo AAAA...; git push --force origin HEAD:prod` was
+    asked as its harmless head, and the same head with another tail was then let through under
+    that approval: a cut text names the SHA-256 of the whole. Escaped, ``rm ./sr<ZWSP>c`` and a
+    literal ``rm ./sr\\u200bc`` would read the same: a text with an escape, or with words that
+    look like one, names the SHA-256 of the exact action too."""
+    text = visible(action)
+    if len(text) > limit:
+        head, tail = text[: limit * 2 // 3], text[-(limit // 3) :]
+        cut = len(text) - len(head) - len(tail)
+        return f"{head} [... {cut:,} characters not shown; the whole is sha256 {_digest(action)} ...] {tail}"
+    if text != action or _LOOKS_ESCAPED.search(action):
+        return f"{text} [shown with escapes; the exact action is sha256 {_digest(action)}]"
+    return action
 
 
 def describe(op: Op[Any]) -> str:
@@ -91,7 +108,7 @@ def describe(op: Op[Any]) -> str:
             # the code itself: by its length alone, any code of that length shared an approval
             return shown(f"run Python code ({len(op.code)} chars):\n{op.code}")
     path = getattr(op, "path", "")
-    return f"{type(op).__name__} {path!r}"
+    return shown(f"{type(op).__name__} {path!r}")
 
 
 def enforce(

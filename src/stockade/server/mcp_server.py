@@ -47,10 +47,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from stockade import exceptions as exc
-
-if TYPE_CHECKING:
-    from stockade.server.connections import ConnectionLimits
-from stockade._terminal import controls_shown
+from stockade._display import visible
 from stockade.policy.approval import Choice
 from stockade.server.mcp_session import (
     CallResult,
@@ -61,6 +58,9 @@ from stockade.server.mcp_session import (
     Paused,
     PendingApproval,
 )
+
+if TYPE_CHECKING:
+    from stockade.server.connections import ConnectionLimits
 
 __all__ = ["McpFace", "http_app", "serve_http", "serve_stdio"]
 
@@ -274,7 +274,7 @@ class McpFace:
             await anyio.to_thread.run_sync(lambda: session.decide(pending, choice, by=by))
             return
         print(
-            f"stockade mcp: {controls_shown(pending.action)} waits for approval: "
+            f"stockade mcp: {visible(pending.action)} waits for approval: "
             f"stockade approve {pending.run_id} {pending.request_id} (or deny); {self.approval_wait_s:g} s",
             file=sys.stderr,
             flush=True,
@@ -340,7 +340,7 @@ class McpFace:
 
 def _message(pending: PendingApproval) -> str:
     # shown to a person, who decides on it: code chose the action's words, not how they show
-    action, reason = controls_shown(pending.action), controls_shown(pending.reason)
+    action, reason = visible(pending.action), visible(pending.reason)
     return f"stockade: {action} needs your approval ({reason}; rule {pending.rule})"
 
 

@@ -88,6 +88,27 @@ def test_tail_prints_the_last_events(tmp_path: Path) -> None:
     assert [line.split()[0] for line in result.output.splitlines()] == ["4", "5"]
 
 
+def test_tail_and_export_show_what_code_wrote_as_escapes_in_json_that_reads_the_same(tmp_path: Path) -> None:
+    """A file the code wrote was named `A<CSI>2J<CSI>31mRED<DEL><RLO>B`: `audit tail` printed the
+    8-bit CSI (U+009B), which xterm acts on, DEL and the bidi override raw."""
+    name = "A\x9b2J\x9b31mRED\x7f\u202eB\u200bC\U000e0041"
+    store = SQLiteStore(tmp_path / "a.db")
+    with AuditLog(store) as log:
+        log.record(EventKind.FILE_WRITE, run_id="run-a", actor="code\u202e", attributes={"path": name})
+    store.close()
+    db = f"sqlite:///{tmp_path / 'a.db'}"
+    raw = {chr(c) for c in (*range(0x7F, 0xA0), 0x202E, 0x200B, 0xE0041)}
+    tail = runner.invoke(app, ["audit", "tail", "--db", db])
+    assert tail.exit_code == 0, tail.output
+    assert not set(tail.output) & raw
+    assert '"path":"A\\u009b2J\\u009b31mRED\\u007f\\u202eB\\u200bC\\udb40\\udc41"' in tail.output
+    assert "code\\u202e" in tail.output
+    assert json.loads(tail.output[tail.output.index("{") :]) == {"path": name}  # the same JSON
+    export = runner.invoke(app, ["audit", "export", "--db", db])
+    assert export.exit_code == 0 and not set(export.output) & raw
+    assert json.loads(export.output)["attributes"] == {"path": name}
+
+
 def test_a_missing_store_is_an_error_not_a_new_file(tmp_path: Path) -> None:
     result = runner.invoke(app, ["audit", "verify", "--db", str(tmp_path / "none.db")])
     assert result.exit_code == 2

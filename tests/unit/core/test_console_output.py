@@ -43,3 +43,15 @@ def test_an_action_waiting_for_approval_is_listed_with_its_controls_shown(tmp_pa
     assert listed.exit_code == 0, listed.output
     assert "\x1b" not in listed.output and "\x07" not in listed.output
     assert "\\x1b[2J" in listed.output and "FAKE" in listed.output
+
+
+def test_a_zero_width_character_in_an_action_is_listed_as_its_escape(tmp_path: Path) -> None:
+    """`rm -r ./sr<ZWSP>c` was listed by `stockade approvals` as `rm -r ./src`."""
+    ApprovalStore(tmp_path).submit(
+        ApprovalRequest(
+            run_id="r1", action="run `rm -r ./sr\u200bc`", rule="commands.approve", reason="rm -r"
+        )
+    )
+    listed = CliRunner().invoke(app, ["approvals", "--dir", str(tmp_path)])
+    assert listed.exit_code == 0, listed.output
+    assert "\u200b" not in listed.output and "./sr\\u200bc" in listed.output

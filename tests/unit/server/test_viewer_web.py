@@ -4,6 +4,7 @@ escaped under the CSP, the event stream, decisions with their CSRF token, static
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 from collections.abc import Iterator
@@ -172,3 +173,35 @@ def test_an_after_past_any_sequence_number_is_refused(viewer: tuple[str, str, st
     with client(url) as c:
         refused = c.get(f"/ui/runs/{done}/events", params={"after": "99999999999999999999999"})
         assert refused.status_code == 422
+
+
+async def test_an_approval_card_shows_bidi_and_invisible_characters_as_escapes(tmp_path: Path) -> None:
+    """A run asked to run `echo "clean the build folder<RLO><LRI>"<PDI><LRI> ; rm -r src ; true
+    <PDI><PDF>`: the card drew `rm -r src` as if it were inside the echoed string, the human
+    approved, and src was gone. Every untrusted text on the page (the card, the timeline, the
+    task, the model's name) now shows those characters as escapes."""
+    rlo, lri, pdi, pdf = "\u202e", "\u2066", "\u2069", "\u202c"
+    code = (
+        f'mkdir -p src build; echo "clean the build folder{rlo}{lri}"{pdi}{lri} ; rm -r src ; true {pdi}{pdf}'
+    )
+    turns: list[object] = [tool_call("run_code", {"code": code, "language": "bash"})]
+    paused = await asyncio.to_thread(record, tmp_path, "scripted-\u200bquiet", turns)
+    book = ApprovalStore(tmp_path / "approvals")
+    [request] = book.pending(paused)
+    source = LocalRuns(f"sqlite:///{tmp_path / 'a.db'}", approvals=tmp_path / "approvals")
+    transport = httpx2.ASGITransport(app=local_app(source, KEY))
+    try:
+        async with httpx2.AsyncClient(
+            transport=transport, base_url="http://viewer.example", cookies={"stockade_viewer": KEY}
+        ) as browser:
+            page = (await browser.get(f"/ui/runs/{paused}")).text
+            listing = (await browser.get("/ui/")).text
+    finally:
+        source.close()
+    card = page[page.index('<section class="card pending">') : page.index('<section class="timeline">')]
+    assert "\\u202e\\u2066&#34;\\u2069\\u2066 ; rm -r src ; true \\u2069\\u202c" in card
+    for shown in (page, listing):
+        assert not set(shown) & {rlo, lri, pdi, pdf, "\u200b"}
+    assert "scripted-\\u200bquiet" in page and "scripted-\\u200bquiet" in listing
+    # the book holds the same escaped words the card shows (the API and the CLI list them)
+    assert rlo not in request["action"] and "\\u202e" in request["action"]

@@ -11,7 +11,10 @@ live updates, no asset from anywhere else.
     /ui/login, /ui/logout     a token for the viewer: an API token (the service), or the key
                               ``stockade ui`` prints (a laptop)
 
-Everything the model or its code produced is untrusted: the templates escape it, and every page
+Everything the model or its code produced is untrusted: every value a template renders has its
+controls, bidi and invisible characters shown as escapes (``stockade._display.visible``: a
+bidi override drew ``rm -r src`` as if it were inside an echoed string, on the card a human
+approved), then the templates escape it as HTML, and every page
 carries a Content-Security-Policy that runs no script but the viewer's own file, so a tool
 output holding ``<script>`` is text. The cookie is HttpOnly and SameSite=Strict (and Secure
 when the request came over https); on the service it holds a signed session of at most 12
@@ -41,6 +44,7 @@ from fastapi.responses import Response
 
 from stockade import __version__
 from stockade import exceptions as exc
+from stockade._display import visible
 from stockade.policy.approval import Choice
 from stockade.server.streams import HeldStream, StreamSlot, StreamSlots
 from stockade.server.viewer.data import SETTLED, STATUSES, Filters, RunSource, RunView, ServiceRuns
@@ -175,10 +179,21 @@ def _templates() -> Any:
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
+        finalize=_shown,
     )
     env.filters["when"] = lambda ts: datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
     env.filters["diff_class"] = _diff_class
     return env
+
+
+def _shown(value: object) -> object:
+    """Each value a template renders, its untrusted text included: nothing that reorders what is
+    drawn (bidi controls) or is not seen (zero-width characters) reaches the page raw."""
+    import markupsafe
+
+    if isinstance(value, str) and not isinstance(value, markupsafe.Markup):
+        return visible(value)
+    return value
 
 
 def _diff_class(line: str) -> str:
