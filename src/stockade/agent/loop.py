@@ -370,6 +370,7 @@ class Agent:
     ) -> AgentRun:
         if task is None:
             raise ConfigurationError("give a task, or resume=RUN_ID to continue a run")
+        check_text(task, argument="task", nul=True)  # a lone surrogate: no model can be sent it
         state = RunState(
             run_id=run_id or uuid.uuid4().hex,
             task=task,

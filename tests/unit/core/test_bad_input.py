@@ -14,6 +14,7 @@ from stockade.assembly import AgentConfig
 from stockade.cli.main import app
 from stockade.models import ScriptedModel
 from stockade.testing import FakeBackend, MemoryWorkspace
+from stockade.types import Trust
 
 
 def fake_sandbox(**kwargs: Any) -> Sandbox:
@@ -99,3 +100,20 @@ def test_run_code_on_a_missing_file_says_so_without_a_traceback(tmp_path: Path) 
     assert result.exception is None or isinstance(result.exception, SystemExit)
     assert "missing.py" in result.output and "No such file" in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_task_holding_a_lone_surrogate_is_refused_by_name(tmp_path: Path) -> None:
+    """`run_sync("task \\ud800")` raised a bare UnicodeEncodeError from the run store. Refused,
+    not stored escaped: an escape would change what the model is asked."""
+    from stockade.assembly import build_agent
+
+    config = AgentConfig(
+        model=ScriptedModel(["done"]),
+        trust=Trust.TRUSTED,
+        backend=FakeBackend(MemoryWorkspace(), tier="process"),
+        audit=f"sqlite:///{tmp_path / 'a.db'}",
+        approval_dir=tmp_path / "approvals",
+    )
+    with build_agent(config) as agent, pytest.raises(InvalidArgument) as caught:
+        agent.run_sync("task \ud800")
+    assert caught.value.argument == "task" and "\\ud800" in str(caught.value)
