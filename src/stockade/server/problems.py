@@ -40,6 +40,8 @@ _KINDS: tuple[tuple[type[exc.StockadeError], _Kind], ...] = (
     (exc.ServiceUnavailable, _Kind(status=503, title="Service unavailable")),
     (exc.RequestTooLarge, _Kind(status=413, title="Request too large")),
     (exc.RequestTimeout, _Kind(status=408, title="Request timeout")),
+    # the client's own (its wait for a run): never the server's answer, mapped for the tree's sake
+    (exc.RunWaitTimeout, _Kind(status=503, title="Run still going", fix="wait again")),
     (exc.QuotaExceeded, _Kind(status=429, title="Quota exceeded", fix="delete something of yours first")),
     (exc.RateLimited, _Kind(status=429, title="Rate limited", fix="retry after Retry-After seconds")),
     (exc.CircuitOpen, _Kind(status=503, title="Circuit open", fix="retry after Retry-After seconds")),
