@@ -212,6 +212,66 @@ def test_kernel_surface_is_refused(sbx: Sandbox, attempt: str) -> None:
     assert r.exit_code != 0, f"{attempt!r} succeeded: {r.stdout} {r.stderr}"
 
 
+# Code runs as the supervisor's uid, which is all the kernel asks of a call that sets another
+# process's limits or scheduling: on the sandbox's pid 1 (the supervisor), RLIMIT_CPU (1, 1)
+# was the kernel's own SIGKILL (at once on a microVM, whose supervisor had used its second),
+# RLIMIT_AS its death at its next allocation, SCHED_IDLE or nice 19 its starvation. Each
+# attempt says whether it was refused (EPERM) or done.
+ON_OTHERS = r"""
+import ctypes, os, resource
+libc = ctypes.CDLL(None, use_errno=True)
+
+def ioprio_set(which, who, value):
+    if libc.syscall(251, which, who, value) != 0:  # ioprio_set: no wrapper in glibc
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+
+attempts = {
+    "RLIMIT_CPU of pid 1": lambda: resource.prlimit(1, resource.RLIMIT_CPU, (1, 1)),
+    "RLIMIT_AS of pid 1": lambda: resource.prlimit(1, resource.RLIMIT_AS, (1 << 20, 1 << 20)),
+    "RLIMIT_NOFILE of the zygote": lambda: resource.prlimit(os.getppid(), resource.RLIMIT_NOFILE, (3, 3)),
+    "nice of pid 1": lambda: os.setpriority(os.PRIO_PROCESS, 1, 19),
+    "nice of every process of the uid": lambda: os.setpriority(os.PRIO_USER, os.getuid(), 19),
+    "CPU affinity of pid 1": lambda: os.sched_setaffinity(1, {min(os.sched_getaffinity(1))}),
+    "SCHED_IDLE on pid 1": lambda: os.sched_setscheduler(1, os.SCHED_IDLE, os.sched_param(0)),
+    "idle I/O class on pid 1": lambda: ioprio_set(1, 1, 3 << 13),
+    "a write to /proc/1/limits": lambda: open("/proc/1/limits", "w").write("Max cpu time 1 1"),
+}
+outcome = {}
+for what, attempt in attempts.items():
+    try:
+        attempt()
+        outcome[what] = "done"
+    except PermissionError:
+        outcome[what] = "refused"
+outcome
+"""
+# What code may still do to itself: glibc's setrlimit and nice, and Python's, name it as 0.
+ON_ITSELF = r"""
+import os, resource
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft // 2, hard))
+resource.setrlimit(resource.RLIMIT_CPU, (3600, 3600))
+os.nice(1)
+os.sched_setaffinity(0, os.sched_getaffinity(0))
+(resource.getrlimit(resource.RLIMIT_NOFILE) == (soft // 2, hard), resource.getrlimit(resource.RLIMIT_CPU),
+ resource.prlimit(1, resource.RLIMIT_NOFILE) == (soft, hard))
+"""
+
+
+def test_code_cannot_set_the_limits_or_scheduling_of_the_supervisor(tier: str) -> None:
+    with Sandbox.create(tier, limits=Limits(memory_mb=256, timeout_s=30)) as sbx:
+        result = sbx.run_code(ON_OTHERS)
+        assert result.error is None, result.error
+        outcome = ast.literal_eval(result.text or "")
+        assert outcome == dict.fromkeys(outcome, "refused")
+        assert sbx.run_code("sum(range(10**7))").text == "49999995000000", "the supervisor lives on"
+        sbx.files.write("still.txt", "here")
+        assert sbx.commands.run("cat still.txt").stdout == "here"
+        own = sbx.run_code(ON_ITSELF)
+        assert own.error is None, own.error
+        assert own.text == "(True, (3600, 3600), True)", "its own limits are code's to set"
+
+
 # Alone: beside another worker's tests, gVisor's supervisor once reported the bomb's timeout past
 # the grace (CI, 2026-12-02) and the host took the sandbox down whole (contained, but not what
 # this test checks); gVisor's close after a bomb also takes up to 30 s on this machine at times.

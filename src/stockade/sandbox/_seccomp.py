@@ -5,7 +5,8 @@ bubblewrap. The list follows Docker's default profile and Flatpak's: mount and n
 syscalls, tracing, kernel modules and kexec, BPF, keyrings, raw and packet sockets,
 io_uring, perf, userfaultfd, vsock; and what takes host memory or a host-wide quota no
 cgroup charges to the sandbox: AIO contexts, netlink sockets, UDP on a loopback-only
-network; and OFD locks, which can outlive every process (``_locks``). ``clone3`` answers
+network; and OFD locks, which can outlive every process (``_locks``); and the calls that
+set another process's resource limits or scheduling (``OWN_ONLY``). ``clone3`` answers
 ENOSYS so that libc falls back to ``clone``, whose flags can be inspected (the arguments of
 ``clone3`` live in memory BPF cannot read).
 """
@@ -16,6 +17,7 @@ import errno
 import functools
 import io
 import socket
+from typing import Any
 
 from stockade.exceptions import ConfigurationError
 
@@ -83,6 +85,19 @@ NAMESPACE_FLAGS = (
     0x00020000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000 | 0x02000000 | 0x00000080
 )
 F_OFD_LOCKS = (36, 37, 38)  # fcntl's F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW
+# The calls that set a process's resource limits, scheduling or I/O class, named by its pid:
+# code runs as the supervisor's uid, which is all the kernel asks of them, so it could
+# change the supervisor's (the sandbox's pid 1) as its own: RLIMIT_CPU (1, 1) on it was the
+# kernel's own SIGKILL once it had used a second of CPU (at once on a microVM), which no
+# filter of signals stops; RLIMIT_AS, its death at its next allocation; RLIMIT_NOFILE, a
+# supervisor that can open nothing; SCHED_IDLE or nice 19, its starvation. Each
+# is refused (EPERM) unless it names the caller as 0, as glibc's setrlimit, nice, and
+# Python's resource.setrlimit, os.nice and os.sched_setaffinity(0, ...) do: a filter cannot
+# tell the caller's own pid (nor a thread's) from another's. Getting them stays allowed.
+# Those that name it first (prlimit64 and setpriority, ioprio_set: see _own_process_only):
+OWN_ONLY = ("sched_setaffinity", "sched_setscheduler", "sched_setparam", "sched_setattr")
+PRIO_PROCESS = 0  # setpriority's `which`: a process (not its group, not all of a uid's)
+IOPRIO_WHO_PROCESS = 1
 TIOCSTI = 0x5412
 TIOCLINUX = 0x541C
 
@@ -130,11 +145,27 @@ def filter_bpf(*, datagrams: bool = False) -> bytes:
     for family in (socket.AF_PACKET, 15, 40, socket.AF_NETLINK):
         f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.EQ, family))
     f.add_rule(eperm, "socket", sc.Arg(1, sc.MASKED_EQ, 0xF, socket.SOCK_RAW))
+    _own_process_only(f, sc, eperm)
     f.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, TIOCSTI))
     f.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, TIOCLINUX))
     buf = io.BytesIO()
     _export(f, buf)
     return buf.getvalue()
+
+
+def _own_process_only(f: Any, sc: Any, eperm: Any) -> None:
+    """``OWN_ONLY``'s rules: a process may set its own limits and scheduling, not another's.
+    Compared on all 64 bits: a pid's high half is garbage the kernel drops, so a call that
+    names the caller with garbage there is refused too (none of libc's does)."""
+    f.add_rule(eperm, "prlimit64", sc.Arg(0, sc.NE, 0), sc.Arg(2, sc.NE, 0))  # a pid, a new limit
+    for name in OWN_ONLY:
+        f.add_rule(eperm, name, sc.Arg(0, sc.NE, 0))
+    # setpriority(which, who, prio) and ioprio_set(which, who, ioprio): a process group's or
+    # a uid's would reach the supervisor too.
+    f.add_rule(eperm, "setpriority", sc.Arg(0, sc.NE, PRIO_PROCESS))
+    f.add_rule(eperm, "setpriority", sc.Arg(1, sc.NE, 0))
+    f.add_rule(eperm, "ioprio_set", sc.Arg(0, sc.NE, IOPRIO_WHO_PROCESS))
+    f.add_rule(eperm, "ioprio_set", sc.Arg(1, sc.NE, 0))
 
 
 def _export(f: object, buf: io.BytesIO) -> None:

@@ -1,15 +1,17 @@
 """What a reset puts back besides files: the supervisor's own settings and the sysctls of the
 sandbox's namespaces, as they were when the sandbox started.
 
-Code in the sandbox runs as the supervisor's uid, so it can lower the supervisor's rlimits
-(``prlimit``), raise its nice value, narrow its CPU affinity, move it to ``SCHED_IDLE``, give
-it (and the zygote, whose interpreters inherit it) the idle I/O class (``ioprio_set``: it
-throttled the next user's disk, and passed a few bits across a reset), and
-write the sysctls that belong to its own namespaces (message queue sizes, ``pid_max``, shm
-limits). All of that outlives the code that did it, and an exec: without this, one user of a
-pooled sandbox would shape (or break) the next user's. What cannot be put back (a hard limit
-lowered, a nice value raised: only privilege undoes those) is reported, and the host then
-replaces the sandbox instead of handing it out.
+Code in the sandbox runs as the supervisor's uid, so the kernel would let it lower the
+supervisor's rlimits (``prlimit``), raise its nice value, narrow its CPU affinity, move it to
+``SCHED_IDLE``, give it (and the zygote, whose interpreters inherit it) the idle I/O class
+(``ioprio_set``: it throttled the next user's disk, and passed a few bits across a reset);
+the seccomp filter every tier installs (``stockade.sandbox._seccomp``) refuses each of those
+on any process but the caller, and what is put back here is the backstop. And the sysctls
+that belong to its own namespaces (message queue sizes, ``pid_max``, shm limits) were its
+to write where their owner is its uid. All of that outlives the code that did it, and an
+exec: without this, one user of a pooled sandbox would shape (or break) the next user's.
+What cannot be put back (a hard limit lowered, a nice value raised: only privilege undoes
+those) is reported, and the host then replaces the sandbox instead of handing it out.
 
 Which sysctls we can write is fixed for the sandbox's life: the kernel decides it from the
 sysctl's table (its mode, which nobody can chmod on ``/proc/sys``), the owner of the
