@@ -69,6 +69,8 @@ ID_HEX = 32  # 128 bits of the manifest's hash name a snapshot
 GRACE_S = 120.0
 CHUNK = 4 * MiB
 REF_KINDS = ("paused", "kept", "boot", "run")
+CLAIMED = ".claimed-"  # a ref being claimed (a resume): ``.NAME.claimed-PID-TOKEN``
+CLAIM_STALE_S = 24 * 3600.0  # a claim this old is a resume that died: its ref is put back
 # A reservation grows to a multiple of this (when there is room): little held unused.
 RESERVE_STEP = MiB
 # How long a writer short of room waits for younger writers to give theirs up.
@@ -283,10 +285,15 @@ class SnapshotStore:
                 self._stamp(digest, path)
 
     def _stamp(self, digest: str, path: Path) -> None:
+        """Remember that ``path`` hashed to ``digest``: a cache of work done, so that a stamp
+        not written (a full disk, a collection racing it) costs a hash later, nothing else."""
         stamp = self._dir("verified") / digest
         tmp = stamp.with_name(f".{digest}-{secrets.token_hex(4)}")
-        tmp.write_text(_identity(path.stat()))
-        os.replace(tmp, stamp)
+        try:
+            tmp.write_text(_identity(path.stat()))
+            os.replace(tmp, stamp)
+        except OSError:
+            tmp.unlink(missing_ok=True)
 
     # -- manifests ----------------------------------------------------------------------
 
@@ -455,11 +462,13 @@ class SnapshotStore:
         """Take a ref for oneself (a resume): one claimer wins, the others get
         ``SnapshotNotFound``. The ref is gone when the block ends well, back when it raises."""
         path = self._ref(kind, name)
-        claimed = path.with_name(f".{name}.claimed-{os.getpid()}-{secrets.token_hex(4)}")
+        claimed = path.with_name(f".{name}{CLAIMED}{os.getpid()}-{secrets.token_hex(4)}")
         try:
             os.rename(path, claimed)
         except FileNotFoundError:
             raise exc.SnapshotNotFound(f"nothing {kind} under {name!r} in {self.label}") from None
+        with contextlib.suppress(OSError):
+            os.utime(claimed)  # when it was claimed (the ref kept its writing's time)
         try:
             data = json.loads(claimed.read_text())
             yield {str(k): str(v) for k, v in data.items()}
@@ -583,7 +592,10 @@ class SnapshotStore:
         for sub in ("objects", "verified"):
             for path in _entries(self.root / sub):
                 name = path.name.lstrip(".").split("-")[0]
-                if name not in used and (old(path) or sub == "verified" or name in evicted):
+                # a stamp of an object no snapshot uses goes at once, but not one being written
+                # (its rename then failed); an object of a snapshot in the making is young
+                stamp = sub == "verified" and not path.name.startswith(".")
+                if name not in used and (old(path) or stamp or name in evicted):
                     path.unlink(missing_ok=True)
                     if sub == "objects":
                         removed.append(f"snapshot object {name[:16]}")
@@ -596,8 +608,10 @@ class SnapshotStore:
         return removed
 
     def _live_refs(self, removed: list[str]) -> set[str]:
-        """The snapshots refs keep; refs to missing snapshots are dropped."""
-        kept: set[str] = set()
+        """The snapshots refs keep; refs to missing snapshots are dropped. A claimed ref (a
+        resume under way) keeps its snapshot too: a collection during a resume deleted the
+        paused sandbox it was bringing back."""
+        kept = self._claimed_refs(removed)
         for kind in REF_KINDS:
             for name, sid in self.refs(kind):
                 try:
@@ -606,6 +620,26 @@ class SnapshotStore:
                 except exc.SnapshotNotFound:
                     self.drop_ref(kind, name)
                     removed.append(f"snapshot ref {kind}/{name} (its snapshot is gone)")
+        return kept
+
+    def _claimed_refs(self, removed: list[str]) -> set[str]:
+        """The snapshots of refs being claimed. A claim older than ``CLAIM_STALE_S`` is a
+        resume that died mid-way (one takes seconds): its ref is put back, for another."""
+        kept: set[str] = set()
+        now = time.time()
+        for kind in REF_KINDS:
+            folder = self.root / "refs" / kind
+            for path in _entries(folder):
+                name, marker, _ = path.name.lstrip(".").partition(CLAIMED)
+                if not path.name.startswith(".") or not marker:
+                    continue
+                with contextlib.suppress(OSError, ValueError, KeyError):
+                    kept.add(str(json.loads(path.read_text())["snapshot"]))
+                    if now - path.lstat().st_mtime > CLAIM_STALE_S and _NAME.match(name):
+                        ref = folder / name
+                        if not ref.exists():
+                            os.rename(path, ref)
+                            removed.append(f"snapshot ref {kind}/{name} put back (its resume died)")
         return kept
 
     def _live_manifests(self, kept: set[str], old: Callable[[Path], bool], removed: list[str]) -> set[str]:
