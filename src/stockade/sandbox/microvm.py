@@ -241,8 +241,13 @@ class MicroVMBackend(Backend):
         # loglevel=1: the console (a file of the host, QEMU's -serial) gets the kernel's
         # emergencies only; at quiet's level each OOM kill code provoked wrote a line there,
         # ~260 bytes a second of the host's disk for as long as the sandbox lived
+        # init_on_free=1: the guest's kernel zeroes every page (and slab object) it frees. A
+        # memory snapshot copies all of the guest's RAM, free pages too: without it, the next
+        # user's snapshot of a pooled or reset guest carried the last user's files, heap and
+        # uploads. (A part of the machine key: images booted without it are never restored.)
         cmdline = (
-            f"console=ttyS0 quiet loglevel=1 panic=-1 pci=off {clock} stockade_ws={ws} stockade_tmp={tmp}"
+            f"console=ttyS0 quiet loglevel=1 panic=-1 pci=off init_on_free=1 {clock}"
+            f" stockade_ws={ws} stockade_tmp={tmp}"
         )
         if masks:
             cmdline += f" stockade_mask={','.join(masks)}"
@@ -718,8 +723,8 @@ class MicroVMBackend(Backend):
         masks = tuple(str(m) for m in state.get("masks") or ())
         if state.get("machine") != self._machine_key(spec, masks):
             raise exc.SnapshotIncompatible(
-                f"snapshot {spec.snapshot.id} was taken with another kernel, initramfs, root image, QEMU "
-                "or machine than this host has now: its memory cannot be restored"
+                f"snapshot {spec.snapshot.id} was taken with another kernel, kernel command line, initramfs, "
+                "root image, QEMU or machine than this host has now: its memory cannot be restored"
             )
         enforcement = enforcement_from_state(dict(state.get("enforcement") or {}))
         # this host's statement, not the snapshot's (one taken before it was kept has none)

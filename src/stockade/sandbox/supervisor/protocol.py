@@ -186,7 +186,7 @@ class FrameReader:
         self._parse_header = parse_header
         self.seal: "Optional[Seal]" = None  # set: every frame from here on carries its tag
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: "bytes | memoryview") -> None:
         self._buf += data
 
     def take_pending(self) -> bytes:

@@ -108,6 +108,24 @@ def limit_arenas(value: str) -> None:
         pass
 
 
+M_PERTURB = -6
+FREED_BYTE = 0x5A  # glibc fills what is freed with it (and what it allocates with its complement)
+
+
+def scrub_freed(on: bool) -> None:
+    """glibc's ``M_PERTURB`` for this process: every chunk freed to its heap overwritten. The
+    supervisor outlives a reset in place, and its heap has held the last user's uploads and
+    output: freed, the bytes stayed until reused, and a memory snapshot (which copies every
+    page of the guest) gave them to the next user. What it returns to the kernel, the kernel
+    zeroes (the microVM's init_on_free; gVisor's freed pages). The zygote turns it off for
+    the interpreters (user code pays nothing). Small chunks (glibc's tcache, Python's own
+    allocator for objects under 512 bytes) are kept as they are: see docs/architecture.md."""
+    try:
+        libc("mallopt", M_PERTURB, FREED_BYTE if on else 0)
+    except (AttributeError, OSError):
+        pass
+
+
 def _stats() -> "Iterator[tuple[int, int, int, bool]]":
     """(pid, parent, process group, alive) of each process, in pid order. A dead one, only
     waiting to be reaped, may still be the parent of live ones (seen on gVisor: a killed

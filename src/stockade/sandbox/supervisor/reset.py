@@ -81,6 +81,7 @@ def run(sup: "Supervisor", rid: int, h: dict[str, Any], rest: bytes) -> None:
         if os.path.isdir(folder) and not os.path.islink(folder):
             _as_first_seen(folder, mode)
     remove_sysv_ipc()
+    sup.wipe_input()
     problems = baseline.restore(sup.baseline)
     if problems:
         sup.send({"id": rid, "ev": "error", "kind": "reset", "message": "; ".join(problems)})

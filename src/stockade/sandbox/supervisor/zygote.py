@@ -29,7 +29,7 @@ import os
 import select
 import sys
 
-from reaper import IGNORED_SIGNALS, PR_SET_CHILD_SUBREAPER, prctl, spawn_leader
+from reaper import IGNORED_SIGNALS, PR_SET_CHILD_SUBREAPER, prctl, scrub_freed, spawn_leader
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
@@ -141,6 +141,7 @@ def start(
             ours.close()
             _close_all_but({0, 1, 2, theirs.fileno(), devnull, *keep})
             prctl(PR_SET_CHILD_SUBREAPER, 1)  # what an interpreter leaves behind is ours (see _fork_one)
+            scrub_freed(False)  # the supervisor's, not the interpreters': user code pays nothing
             _serve(theirs, workspace, env, confine, devnull)
         finally:
             os._exit(0)
