@@ -178,11 +178,13 @@ class Server(Process):
 
 class Worker(Process):
     def __init__(self, tenants: Path, db: str, redis: str, queue: str, folder: Path, name: str,
-                 tools: str | None = None, env: dict[str, str] | None = None):  # fmt: skip
+                 tools: str | None = None, env: dict[str, str] | None = None,
+                 extra: list[str] | None = None):  # fmt: skip
         argv = ["worker", "--tenants", str(tenants), "--db", db, "--redis", redis, "--queue", queue,
                 "--concurrency", "1", "--name", f"{name}@{queue}"]  # fmt: skip
         if tools:
             argv += ["--tools", tools]
+        argv += extra or []
         super().__init__(argv, folder / f"worker-{name}.log", env=env, cwd=folder)
 
 

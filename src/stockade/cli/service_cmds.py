@@ -45,6 +45,14 @@ VisibilityOption = Annotated[
     ),
 ]
 
+MaxAttemptsOption = Annotated[
+    int,
+    typer.Option(
+        "--max-attempts", min=1, envvar="STOCKADE_MAX_ATTEMPTS",
+        help="failed attempts of a run (its worker died, a sandbox would not start) before it ends error",
+    ),
+]  # fmt: skip
+
 
 def _config(tenants: Path, db: str, redis: str | None, **options: object) -> object:
     from stockade.server import ServiceConfig, Tenants
@@ -72,6 +80,7 @@ def serve(
     tools: ToolsOption = None,
     visibility_timeout: VisibilityOption = 3600.0,
     queue: QueueOption = "stockade",
+    max_attempts: MaxAttemptsOption = 20,
     advertise_url: Annotated[
         str | None,
         typer.Option(
@@ -149,7 +158,8 @@ def serve(
         config = _config(
             tenants, db, redis, run_threads=run_threads, sandbox_idle_timeout_s=idle_timeout, tools=tools,
             visibility_timeout_s=visibility_timeout, queue=queue, advertise_url=advertise_url,
-            snapshot_dir=snapshot_dir, prepare_tiers=tuple(prepare or ()), docs=docs,
+            max_attempts=max_attempts, snapshot_dir=snapshot_dir, prepare_tiers=tuple(prepare or ()),
+            docs=docs,
             keep_runs_days=keep_runs_days, body_timeout_s=body_timeout, min_body_rate=float(min_body_rate),
         )  # fmt: skip
         mode = (
@@ -177,6 +187,7 @@ def worker(
     tools: ToolsOption = None,
     visibility_timeout: VisibilityOption = 3600.0,
     queue: QueueOption = "stockade",
+    max_attempts: MaxAttemptsOption = 20,
     snapshot_dir: SnapshotDirOption = None,
 ) -> None:
     """Run the service's runs (Celery over Redis). A run whose worker dies resumes on another
@@ -191,7 +202,7 @@ def worker(
     try:
         config = _config(
             tenants, db, redis, tools=tools, visibility_timeout_s=visibility_timeout, queue=queue,
-            snapshot_dir=snapshot_dir,
+            snapshot_dir=snapshot_dir, max_attempts=max_attempts,
         )  # fmt: skip
         run_worker(config, concurrency=concurrency, pool=pool, name=name)  # type: ignore[arg-type]
     except exc.StockadeError as error:

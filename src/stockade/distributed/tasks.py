@@ -9,6 +9,7 @@ import uuid
 from typing import Any
 
 from celery import Celery, Task
+from kombu.exceptions import KombuError
 
 from stockade import exceptions as exc
 from stockade.server.context import ServiceConfig
@@ -21,6 +22,10 @@ __all__ = ["RUN_TASK", "configure", "make_app", "send_run", "start_waker"]
 
 log = logging.getLogger("stockade.worker")
 RUN_TASK = "stockade.run"
+BROKER_RETRY_S = 5.0  # Retry-After of a request refused because the broker is away
+# a send tries the broker for about a second, not kombu's default of three tries with growing
+# pauses, while the request that sends waits
+SEND_RETRY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.5, "interval_max": 0.5}
 
 
 class _Process:
@@ -63,7 +68,15 @@ def send_run(app: Celery, run_id: str, reason: str = "submitted") -> None:
     sent twice is one task id. A message runs the run only as far as the run store says it
     has not gone, so a copy starts nothing."""
     suffix = "" if reason == "submitted" else f":{uuid.uuid4().hex[:8]}"
-    app.send_task(RUN_TASK, args=[run_id], task_id=f"run:{run_id}:{reason}{suffix}")
+    try:
+        app.send_task(
+            RUN_TASK, args=[run_id], task_id=f"run:{run_id}:{reason}{suffix}", retry_policy=SEND_RETRY
+        )
+    except (KombuError, OSError) as error:  # kombu's OperationalError, a refused connection
+        raise exc.ServiceUnavailable(
+            f"the broker cannot be reached ({type(error).__name__}: {error}); run {run_id} was not sent",
+            retry_after=BROKER_RETRY_S,
+        ) from None
 
 
 def start_waker(app: Celery, config: ServiceConfig) -> Waker:
@@ -94,6 +107,11 @@ def _run(task: Task, run_id: str, *_: Any) -> str:
     assert _Process.config is not None
     row = runner.store.run_head(run_id)
     tenant = _Process.config.tenants.tenants.get(row.tenant) if row is not None else None
+    # Given again (the broker on a worker lost, a waker's "orphaned") while no process holds
+    # it: the worker of its last attempt died. One that dies each time is capped.
+    died = row is not None and row.status == "running" and not runner.runs.leased(run_id)
+    if died and runner.failed_attempt(run_id, tenant, "its worker died while running it"):
+        return "error"
     try:
         outcome = runner.execute(run_id, tenant)
     except exc.RunLeased as leased:  # another process runs it: its wake says if that one dies
@@ -105,6 +123,8 @@ def _run(task: Task, run_id: str, *_: Any) -> str:
     except exc.StockadeError as error:
         if not error.retryable:
             raise
+        if runner.failed_attempt(run_id, tenant, str(error)):
+            return "error"
         attempts = row.attempts if row is not None else 0
         delay = error.retry_after or min(60.0, 2.0 * 2 ** min(attempts, 5))
         log.warning("run %s: %s; again in %.0f s", run_id, error, delay)

@@ -14,9 +14,19 @@ from stockade.runtime.limits import LocalWindow, RateLimit, RedisWindow, Window
 from stockade.sandbox.snapshots import SnapshotStore
 from stockade.server.tenants import Principal, Tenant, Tenants
 
-__all__ = ["AuditLogs", "ServiceConfig", "TenantLimits"]
+__all__ = ["MAX_ATTEMPTS", "AuditLogs", "ServiceConfig", "TenantLimits", "gave_up"]
 
 MiB = 1024 * 1024
+# Attempts of a run that failed (its worker died holding it, a retryable error such as a
+# sandbox that would not start) before it ends "error": the same on every executor.
+MAX_ATTEMPTS = 20
+
+
+def gave_up(attempts: int) -> str:
+    """A run's error once it has failed ``attempts`` times."""
+    return f"gave up after {attempts} attempts"
+
+
 API_RATE = "api"  # the name of the API's rate limit, which keys its counters in the window
 
 
@@ -75,8 +85,12 @@ class ServiceConfig:
     # Runs that ended longer ago are erased (``server/retention.py``), for every tenant whose
     # tenants-file entry has no ``keep_runs_days`` of its own; None keeps them until deleted.
     keep_runs_days: float | None = None
+    # failed attempts of a run (``MAX_ATTEMPTS``) before it ends "error"
+    max_attempts: int = MAX_ATTEMPTS
 
     def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise exc.ConfigurationError("max_attempts must be at least 1")
         if not (self.body_timeout_s > 0 and self.min_body_rate > 0):
             raise exc.ConfigurationError("body_timeout_s and min_body_rate must be positive")
         if self.keep_runs_days is not None and not self.keep_runs_days > 0:

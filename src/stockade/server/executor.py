@@ -15,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 from stockade import exceptions as exc
+from stockade.server.context import MAX_ATTEMPTS
 from stockade.server.runner import Runner, RunOutcome
 from stockade.server.tenants import Tenants
 
@@ -34,7 +35,9 @@ class Executor(Protocol):
 class InProcessExecutor:
     """Runs on ``threads`` threads of this process, retrying what is transient."""
 
-    def __init__(self, runner: Runner, tenants: Tenants, *, threads: int = 2, max_attempts: int = 20) -> None:
+    def __init__(
+        self, runner: Runner, tenants: Tenants, *, threads: int = 2, max_attempts: int = MAX_ATTEMPTS
+    ) -> None:
         self.runner = runner
         self.tenants = tenants
         self.max_attempts = max_attempts
@@ -57,6 +60,7 @@ class InProcessExecutor:
     def _run(self, run_id: str) -> RunOutcome | None:
         row = self.runner.store.run_head(run_id)
         tenant = self.tenants.tenants.get(row.tenant) if row is not None else None
+        last = "no attempt"
         for attempt in range(1, self.max_attempts + 1):
             if self._closed.is_set():
                 return None
@@ -76,6 +80,7 @@ class InProcessExecutor:
                 self._later(run_id, wait + 0.1, reason="leased")
                 return None
             except exc.StockadeError as error:  # transient
+                last = str(error)
                 delay = error.retry_after if error.retry_after is not None else min(30.0, 0.5 * 2**attempt)
                 log.info("run %s: %s; again in %.1f s", run_id, error, delay)
                 self._closed.wait(min(delay, 30.0) + 0.1)
@@ -83,7 +88,7 @@ class InProcessExecutor:
                 log.exception("run %s failed", run_id)
                 self.runner.store.set_status(run_id, "error", error="internal error (see the server's log)")
                 return None
-        self.runner.store.set_status(run_id, "error", error=f"gave up after {self.max_attempts} attempts")
+        self.runner.give_up(run_id, tenant, self.max_attempts, last)
         return None
 
     def _later(self, run_id: str, delay_s: float = QUOTA_POLL_S, *, reason: str = "quota") -> None:

@@ -41,13 +41,14 @@ from pydantic import TypeAdapter, ValidationError
 from stockade import exceptions as exc
 from stockade.agent import RunLimits, RunStatus
 from stockade.assembly import AgentConfig, AgentSession, build_agent
+from stockade.audit.events import EventKind
 from stockade.models.base import Model, resolve_model
 from stockade.models.messages import ModelResponse, ToolCall
 from stockade.models.scripted import ScriptedModel
 from stockade.runs.seeds import pack_workspace, unpack_seed
 from stockade.runs.store import RunStore
 from stockade.runtime.events import LimitHit, RuntimeEvent
-from stockade.server.context import AuditLogs, ServiceConfig, TenantLimits
+from stockade.server.context import AuditLogs, ServiceConfig, TenantLimits, gave_up
 from stockade.server.schemas import RunSubmit
 from stockade.server.scratch import collect as collect_scratch
 from stockade.server.scratch import scratch
@@ -167,6 +168,30 @@ class Runner:
             sessions = list(self._sessions.values())
         for session in sessions:
             session.interrupt(reason)
+
+    def failed_attempt(self, run_id: str, tenant: Tenant | None, why: str) -> bool:
+        """Count a failed attempt of the run (its worker died holding it, a retryable error);
+        True when it was the last (``max_attempts``): the run has ended "error" then."""
+        failed = self.store.count_failed(run_id)
+        if failed < self.config.max_attempts:
+            return False
+        self.give_up(run_id, tenant, failed, why)
+        return True
+
+    def give_up(self, run_id: str, tenant: Tenant | None, attempts: int, why: str) -> None:
+        """End the run "error" (unless it ended meanwhile), in its tenant's audit trail too."""
+        error = f"{gave_up(attempts)} (the last: {why})"
+        if not self.store.set_status(run_id, "error", error=error, only_from=[*WAITING, "running"]):
+            return
+        log.warning("run %s: %s", run_id, error)
+        if tenant is not None:
+            trail = self.audit.get(tenant)
+            trail.continue_sealing(run_id)
+            trail.record(
+                EventKind.RUN_END, run_id=run_id, actor="service:executor",
+                attributes={"status": "error", "error": error, "failed_attempts": attempts},
+            )  # fmt: skip
+            trail.flush()  # written before the task is done: nothing of the run runs after it
 
     def close(self) -> None:
         self.audit.close()

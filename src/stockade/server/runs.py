@@ -235,7 +235,15 @@ async def submit_run(body: RunSubmit, request: Request, response: Response, call
                 f"tenant {caller.tenant.id!r} has {quota} runs queued or running, its quota",
                 quota="runs", limit=quota, used=quota,
             )  # fmt: skip
-        service.executor.submit(run_id)
+        try:
+            service.executor.submit(run_id)
+        except exc.ServiceUnavailable as away:
+            # not sent (the broker away): the run is withdrawn, so the 503 means nothing was
+            # made and a retry, with the same idempotency key or without, makes it once
+            service.store.withdraw_run(run_id)
+            raise exc.ServiceUnavailable(
+                f"{away}: the run was not created; submit it again", retry_after=away.retry_after
+            ) from None
         row = service.store.run(run_id)
         assert row is not None
         return _out(service, row)

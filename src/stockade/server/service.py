@@ -60,7 +60,9 @@ class Service:
             executor = distributed.CeleryExecutor(config)
         elif executor is None:
             self._runner = Runner(config, name="embedded")
-            executor = InProcessExecutor(self._runner, config.tenants, threads=config.run_threads)
+            executor = InProcessExecutor(
+                self._runner, config.tenants, threads=config.run_threads, max_attempts=config.max_attempts
+            )
         self.executor = executor
 
     @property

@@ -50,7 +50,7 @@ from stockade.runs._db import Database, PostgresDatabase, SQLiteDatabase, Statem
 from stockade.runs._schema import run_bytes_sql
 from stockade.runtime.killswitch import LIVE_FOR_S, LiveRun
 from stockade.server.tenants import Quotas
-from stockade.server.wakes import START_GRACE_S, wake_statement
+from stockade.server.wakes import RESEND_S, START_GRACE_S, wake_statement
 from stockade.types import MiB
 
 __all__ = [
@@ -134,6 +134,8 @@ def _schema(ns: str, blob: str) -> list[str]:
         f"""CREATE TABLE IF NOT EXISTS {ns}_wakes (
             run_id TEXT PRIMARY KEY, wake_ns BIGINT NOT NULL, misses INTEGER NOT NULL)""",
         f"CREATE INDEX IF NOT EXISTS {ns}_wakes_due ON {ns}_wakes (wake_ns)",
+        # the attempts of a run that failed (its worker died, a retryable error): capped
+        f"CREATE TABLE IF NOT EXISTS {ns}_tries (run_id TEXT PRIMARY KEY, failed INTEGER NOT NULL)",
         # the service's own random keys, shared by every process over the database
         f"CREATE TABLE IF NOT EXISTS {ns}_keys (name TEXT PRIMARY KEY, value TEXT NOT NULL)",
         # viewer sessions signed out before they expire
@@ -143,7 +145,7 @@ def _schema(ns: str, blob: str) -> list[str]:
 
 
 TABLES = ("runs", "workspaces", "artifacts", "run_bytes", "tenants", "sandboxes", "holds", "nodes", "ended",
-          "snapshots", "approvals", "kills", "live", "wakes", "keys", "signouts")  # fmt: skip
+          "snapshots", "approvals", "kills", "live", "wakes", "tries", "keys", "signouts")  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -278,6 +280,14 @@ class ServiceStore:
                     "ON CONFLICT (run_id) DO NOTHING",
                     [(run_id, tenant, size, run_id)],
                 ),
+                # its wake, with it: a run whose message was never sent (the process died
+                # between this commit and the send) is sent by a waker all the same
+                (
+                    f"INSERT INTO {ns}_wakes SELECT ?, ?, 0 "
+                    f"WHERE EXISTS (SELECT 1 FROM {ns}_runs WHERE run_id = ?) "
+                    "ON CONFLICT (run_id) DO NOTHING",
+                    [(run_id, now + int(RESEND_S * 1e9), run_id)],
+                ),
             ],
             require=(f"SELECT 1 FROM {ns}_tenants WHERE tenant = ?", (tenant,)),
         )  # fmt: skip
@@ -291,6 +301,36 @@ class ServiceStore:
                 raise self._storage_full(tenant, size, cap, what="this run's spec")
             return False
         return True
+
+    def withdraw_run(self, run_id: str) -> bool:
+        """Remove a run just added that never started (its message could not be sent): as if
+        it had not been submitted; False when it started meanwhile (nothing removed)."""
+        ns = self.ns
+        return self.db.write(
+            [
+                (f"DELETE FROM {ns}_{table} WHERE run_id = ?", [(run_id,)])
+                for table in ("run_bytes", "wakes", "tries", "runs")
+            ],
+            require=(
+                f"SELECT 1 FROM {ns}_runs WHERE run_id = ? AND status = ? AND attempts = 0",
+                (run_id, QUEUED),
+            ),
+        )
+
+    def count_failed(self, run_id: str) -> int:
+        """One more failed attempt of the run (its worker died, a retryable error): how many now."""
+        table = f"{self.ns}_tries"
+        self.db.write(
+            [
+                (
+                    f"INSERT INTO {table} VALUES (?, 1) "
+                    f"ON CONFLICT (run_id) DO UPDATE SET failed = {table}.failed + 1",
+                    [(run_id,)],
+                )
+            ]
+        )
+        rows = self.db.query(f"SELECT failed FROM {table} WHERE run_id = ?", (run_id,))
+        return int(str(rows[0][0])) if rows else 0
 
     def run_by_key(self, tenant: str, idem_key: str) -> RunRow | None:
         rows = self.db.query(
@@ -534,7 +574,17 @@ class ServiceStore:
         ended = ", ".join("?" for _ in TERMINAL)
         statements: list[Statement] = [
             (f"DELETE FROM {ns}_{table} WHERE run_id = ?", [(run_id,)])
-            for table in ("artifacts", "approvals", "run_bytes", "holds", "wakes", "kills", "live", "runs")
+            for table in (
+                "artifacts",
+                "approvals",
+                "run_bytes",
+                "holds",
+                "wakes",
+                "tries",
+                "kills",
+                "live",
+                "runs",
+            )
         ]
         return self.db.write(
             statements,

@@ -13,7 +13,15 @@ and every worker and API process runs a ``Waker`` that sends the runs whose time
   a waker that finds its lease live moves it past the lease's expiry, one that finds none
   (the process died: seen at once on the same machine, else once its lease expired) sends it
   again, and the worker that takes it resumes it where it stopped;
-- a run that pauses or ends loses its row.
+- a run that pauses or ends loses its row;
+- a run is created with its wake (``RESEND_S`` on): a process that died between recording
+  the run and sending it leaves it to a waker, not queued for ever; a send that fails (the
+  broker away) brings its wake to ``SEND_RETRY_S`` on.
+
+A run is given again only so often: a delivery that finds it ``running`` and no process
+holding it (its worker died) counts a failed attempt, as a retryable error does
+(``svc_tries``); at ``ServiceConfig.max_attempts`` (``MAX_ATTEMPTS``, the embedded
+executor's cap too) it ends "error", "gave up after N attempts", in its tenant's trail.
 
 A row is sent by the waker whose move of its time commits (one transaction that finds it at
 the time it read): two wakers never send the same wake. A copy of a run that arrives anyway
@@ -43,6 +51,8 @@ START_GRACE_S = 30.0
 # A run sent that is still waiting this long after (its message lost with a process that died
 # right after the send, or behind a long backlog) is sent once more.
 RESEND_S = 300.0
+# A run whose send failed (the broker away) is tried again this soon.
+SEND_RETRY_S = 5.0
 # Past a live lease's expiry, when a waker looks again (its holder renews it every 5 s).
 LEASE_GRACE_S = 2.0
 BATCH = 200  # rows a waker handles per look
@@ -156,7 +166,11 @@ class Waker:
         for due in self.wakes.due(now):
             reason = self._judge(due, now)
             if reason is not None:
-                self.send(due.run_id, reason)
+                try:
+                    self.send(due.run_id, reason)
+                except Exception:  # the broker is away: its wake comes again soon, not in RESEND_S
+                    self.wakes.set(due.run_id, SEND_RETRY_S)
+                    raise
                 sent.append((due.run_id, reason))
         return sent
 

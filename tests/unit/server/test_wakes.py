@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from stockade import exceptions as exc
 from stockade.runs.lease import owner_token
 from stockade.runs.store import RunStore
 from stockade.server.state import ServiceStore, open_database
@@ -140,3 +141,30 @@ def test_an_ended_run_loses_its_wake_and_a_row_left_behind_is_dropped(
     a.wakes.set("r1", 0.0)  # a wake written after the run ended (a late copy)
     assert a.tick(time.time_ns() + S) == [] and a.wakes.at("r1") is None
     assert sent == []
+
+
+def test_a_run_is_created_with_its_wake_so_a_send_that_never_happened_is_made_later(
+    store: ServiceStore, wakers: tuple[Waker, Waker, Sent]
+) -> None:
+    a, _, sent = wakers  # r1 was added, and its process died before sending it
+    assert a.tick(time.time_ns() + int(RESEND_S * S) + S) == [("r1", "wake")]
+    assert sent == [("r1", "wake")]
+
+
+def test_a_send_that_fails_brings_the_wake_back_soon_not_in_resend_s(
+    store: ServiceStore, db_url: str
+) -> None:
+    def away(run_id: str, reason: str) -> None:
+        raise exc.ServiceUnavailable("the broker cannot be reached", retry_after=5.0)
+
+    waker = Waker(Wakes(open_database(db_url)), away)
+    try:
+        waker.wakes.set("r1", 0.0)
+        before = time.time_ns()
+        with pytest.raises(exc.ServiceUnavailable):
+            waker.tick(before + S)
+        at = waker.wakes.at("r1")
+        # within seconds (SEND_RETRY_S); before: RESEND_S (5 minutes) on, though nothing was sent
+        assert at is not None and at <= time.time_ns() + 10 * S
+    finally:
+        waker.close()
