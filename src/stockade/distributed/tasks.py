@@ -117,7 +117,7 @@ def _run(task: Task, run_id: str, *_: Any) -> str:
     except exc.RunLeased as leased:  # another process runs it: its wake says if that one dies
         return _again(task, runner, run_id, (leased.retry_after or 5.0) + 1.0, "leased elsewhere")
     except exc.QuotaExceeded:  # the tenant's quota is full: wait queued, not on this worker
-        return _again(task, runner, run_id, QUOTA_POLL_S, "waiting for room in its quota")
+        return _again(task, runner, run_id, runner.quota_wait_s(tenant), "waiting for room in its quota")
     except exc.RunDeferred as deferred:  # its tenant's window is full: wait queued, not on this worker
         return _again(task, runner, run_id, max(deferred.retry_after or QUOTA_POLL_S, 0.5), "deferred")
     except exc.StockadeError as error:

@@ -16,13 +16,12 @@ from typing import Protocol
 
 from stockade import exceptions as exc
 from stockade.server.context import MAX_ATTEMPTS
-from stockade.server.runner import Runner, RunOutcome
+from stockade.server.runner import QUOTA_POLL_S, Runner, RunOutcome
 from stockade.server.tenants import Tenants
 
-__all__ = ["Executor", "InProcessExecutor"]
+__all__ = ["QUOTA_POLL_S", "Executor", "InProcessExecutor"]
 
 log = logging.getLogger("stockade.executor")
-QUOTA_POLL_S = 2.0  # how often a run that waits for room in its tenant's quota asks again
 
 
 class Executor(Protocol):
@@ -67,7 +66,7 @@ class InProcessExecutor:
             try:
                 return self.runner.execute(run_id, tenant)
             except exc.QuotaExceeded:  # the tenant's quota is full: ask again later, off the pool
-                self._later(run_id)
+                self._later(run_id, self.runner.quota_wait_s(tenant))
                 return None
             except exc.RunDeferred as deferred:  # its tenant's window is full: again once it frees
                 self._later(run_id, deferred.retry_after or QUOTA_POLL_S, reason="limit")

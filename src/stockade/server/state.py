@@ -317,6 +317,13 @@ class ServiceStore:
             ),
         )
 
+    def queued_count(self, tenant: str) -> int:
+        """How many of the tenant's runs are queued (waiting for room, a window, a worker)."""
+        rows = self.db.query(
+            f"SELECT COUNT(*) FROM {self.ns}_runs WHERE tenant = ? AND status = ?", (tenant, QUEUED)
+        )
+        return int(str(rows[0][0])) if rows else 0
+
     def count_failed(self, run_id: str) -> int:
         """One more failed attempt of the run (its worker died, a retryable error): how many now."""
         table = f"{self.ns}_tries"

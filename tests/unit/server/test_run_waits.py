@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from stockade import exceptions as exc
-from stockade.server.runner import DEFERRED, Runner
+from stockade.server.runner import DEFERRED, QUOTA_POLL_S, Runner
 from stockade.server.tenants import Tenant
 from tests.integration.service_env import runner_on_sqlite, write_tenants
 
@@ -69,3 +69,19 @@ def test_a_run_waiting_for_its_window_sent_early_waits_on_holding_nothing(runner
     row = runner.store.run("r2")
     assert row is not None and (row.status, row.error, row.attempts) == ("queued", why, 0)
     assert runner.store.holds("acme") == []
+
+
+def test_a_tenants_backlog_waiting_for_its_quota_asks_at_a_pace_its_sandboxes_set(runner: Runner) -> None:
+    """acme has 1 sandbox. With no more runs queued than that, a run asks again every 2 s; with
+    a backlog, every run asks as much less often (all at the same pace, so none gains by being
+    young), up to 30 s: 1,000 queued runs ask ~33 times a second, not 500 (the workers' cores
+    spent on asks an attack measured)."""
+    tenant = acme(runner)
+    submit(runner, "r0", {"task": "t", "scripted": ["done"]})
+    assert runner.quota_wait_s(tenant) == QUOTA_POLL_S
+    for i in range(1, 6):
+        submit(runner, f"r{i}", {"task": "t", "scripted": ["done"]})
+    assert runner.quota_wait_s(tenant) == 6 * QUOTA_POLL_S  # before: 2 s for each of the 6
+    for i in range(6, 40):
+        runner.store.add_run(run_id=f"r{i}", tenant="acme", role="dev", spec={}, labels={}, max_active=100)
+    assert runner.quota_wait_s(tenant) == 30.0  # capped: a freed sandbox is taken within 30 s
