@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from stockade.client import Client
-from tests.conftest import require_tier, wait_for
+from tests.conftest import require, require_tier, wait_for
 from tests.integration.service_env import Server, Worker, free_port, write_tenants
 
 pytestmark = [pytest.mark.process, pytest.mark.redis, pytest.mark.postgres, pytest.mark.slow]
@@ -62,8 +63,7 @@ class OwnRedis:
 
 @pytest.fixture
 def own_redis(tmp_path: Path) -> Iterator[OwnRedis]:
-    if subprocess.run(["which", "redis-server"], check=False, capture_output=True).returncode != 0:
-        pytest.skip("no redis-server on PATH") if not os.environ.get("CI") else pytest.fail("no redis-server")
+    require("redis-server", shutil.which("redis-server") is not None, "not on PATH")
     server = OwnRedis(tmp_path)
     try:
         yield server

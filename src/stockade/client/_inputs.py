@@ -14,17 +14,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from urllib.parse import quote
 
-from stockade._checks import check_envs, check_id, check_number
+from stockade._checks import check_id, check_number
 from stockade.exceptions import InvalidArgument
 from stockade.sandbox._requests import check_path
 
 __all__ = [
     "argv",
     "byte_data",
-    "envs",
     "folder",
     "host_path",
-    "mapping",
     "offset",
     "path",
     "segment",
@@ -110,28 +108,6 @@ def segment(value: object, argument: str) -> str:
             f"{argument} {checked!r} names no resource in a URL", argument=argument, fix="give the id itself"
         )
     return quote(checked, safe="")
-
-
-def envs(value: object, argument: str = "envs") -> dict[str, str]:
-    """``check_envs``, then UTF-8 names and values."""
-    checked = check_envs(value, argument=argument)  # type: ignore[arg-type]  # check_envs refuses a non-mapping
-    for name, item in checked.items():
-        utf8(name, argument)
-        utf8(item, f"{argument}[{name!r}]")
-    return checked
-
-
-def mapping(value: object, argument: str) -> dict[str, object]:
-    """A mapping (labels, ...) as a dict; what it holds is checked as it is sent."""
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise InvalidArgument(
-            f"{argument} must be a mapping, got {_shown(value)}",
-            argument=argument,
-            fix='give a dict such as {"team": "data"}',
-        )
-    return dict(value)
 
 
 def argv(cmd: object) -> str | list[str]:

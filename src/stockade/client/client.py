@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from stockade import exceptions as exc
-from stockade._checks import check_timeout
+from stockade._checks import check_labels, check_timeout
 from stockade.client._http import Http
 from stockade.client._inputs import folder as folder_path
-from stockade.client._inputs import mapping, segment
+from stockade.client._inputs import segment
 from stockade.client.sandbox import RemoteSandbox, limits_body, snapshot_id
 from stockade.sandbox.facade import tar_directory
 from stockade.types import Limits, Snapshot
@@ -93,7 +93,7 @@ def submit_body(
         "task": task, "model": model, "scripted": list(scripted) if scripted is not None else None,
         "workspace": workspace_id, "tier": tier, "trust": trust, "check": check,
         "sandbox_limits": limits_body(sandbox_limits),
-        "labels": mapping(labels, "labels"), "idempotency_key": idempotency_key,
+        "labels": check_labels(labels), "idempotency_key": idempotency_key,
     }  # fmt: skip
     limits = {k: v for k, v in (("max_steps", max_steps), ("max_cost_usd", max_cost_usd)) if v is not None}
     if limits:

@@ -24,7 +24,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 from stockade import exceptions as exc
-from stockade._checks import check_id
+from stockade._checks import check_envs, check_id, check_labels
 from stockade.client import _inputs
 from stockade.client._http import error_from
 from stockade.sandbox._requests import code_op, command_op, range_op, upload_op
@@ -161,7 +161,7 @@ def create_body(
     """The body of ``POST /v1/sandboxes``."""
     body: dict[str, Any] = {
         "tier": tier, "trust": str(trust) if trust is not None else None, "limits": limits_body(limits),
-        "envs": _inputs.envs(envs), "allow_weaker": allow_weaker, "labels": _inputs.mapping(labels, "labels"),
+        "envs": check_envs(envs), "allow_weaker": allow_weaker, "labels": check_labels(labels),
         "prefer": prefer, "idle_timeout_s": idle_timeout_s,
         "snapshot": snapshot_id(snapshot) if snapshot is not None else None,
     }  # fmt: skip
@@ -184,7 +184,7 @@ def command_body(
     argv = _inputs.argv(cmd)
     cwd = None if cwd is None else _inputs.text(cwd, "cwd")
     text = _inputs.stdin_text(stdin)
-    op = command_op(argv, cwd, _inputs.envs(envs), timeout_s, text)
+    op = command_op(argv, cwd, check_envs(envs), timeout_s, text)
     return {"cmd": argv, "cwd": cwd, "envs": dict(op.envs), "timeout_s": op.timeout_s, "stdin": text}
 
 
