@@ -418,9 +418,14 @@ def test_uploaded_workspaces_and_kept_artifacts_fill_a_storage_quota(
         acme.runs.upload_workspace(second)
     assert full.value.quota == "storage_mb" and "DELETE /v1/workspaces/ID" in str(full.value)
     assert kept in [w["id"] for w in acme.workspaces()]
+    first_step = {"name": "list_files", "args": {}}
     sleep = {"name": "run_code", "args": {"code": "import time; time.sleep(60)", "language": "python"}}
-    run = acme.runs.submit("sleep", scripted=[sleep, "never"], workspace=kept)
-    wait_for(lambda: run.refresh().status == "running", what="the run to start", timeout_s=30)
+    run = acme.runs.submit("sleep", scripted=[first_step, sleep, "never"], workspace=kept)
+    # past its first step, its checkpoint holds the files it started from ("running" alone
+    # may be a kill away from a session that never wrote one)
+    wait_for(
+        lambda: run.refresh().info["steps"] >= 1, what="the run's first step", timeout_s=30, interval_s=0.1
+    )
     with pytest.raises(exc.RunConflict):  # it starts (and would resume) from it
         acme.delete_workspace(kept)
     run.kill("enough")
