@@ -449,7 +449,12 @@ class GuardedAgent:
             self.audit_log, self._owns_log = config.audit, False
         else:
             redactor = Redactor(personal_data=self.redacts_personal_data)
-            self.audit_log = AuditLog(open_store(config.audit), key=config.audit_key, redactor=redactor)
+            store = open_store(config.audit)
+            try:  # a key that is not the trail's is refused here: the store must not stay open
+                self.audit_log = AuditLog(store, key=config.audit_key, redactor=redactor)
+            except BaseException:
+                store.close()
+                raise
             self._owns_log = True
         self.checkpointer: Checkpointer | None = config.checkpointer
         self._owned_runs: RunStore | None = None

@@ -23,6 +23,7 @@ from stockade.audit import (
     AuditLog,
     AuditStore,
     Chain,
+    Draft,
     EventKind,
     ProblemKind,
     SQLiteStore,
@@ -30,6 +31,7 @@ from stockade.audit import (
     open_store,
     verify,
 )
+from stockade.exceptions import AuditStoreError, ConfigurationError
 from tests.conftest import require
 
 POSTGRES_URL = os.environ.get(
@@ -57,6 +59,7 @@ class Target:
     store: AuditStore
     reopen: Callable[[], AuditStore]
     sql: Callable[[str], None]  # "{events}" / "{head}" stand for the table names
+    reader: Callable[[], AuditStore]  # the store opened read-only, as verify opens it
 
     def fill(self, events: int = 10, key: bytes | None = None) -> None:
         with AuditLog(self.store, key=key, flush_interval_s=None) as log:
@@ -89,7 +92,7 @@ def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
                 conn.execute(statement.format(events="audit_events", head="audit_head"))
 
         store: AuditStore = SQLiteStore(path)
-        yield Target(store, lambda: SQLiteStore(path), sqlite_sql)
+        yield Target(store, lambda: SQLiteStore(path), sqlite_sql, lambda: SQLiteStore(path, read_only=True))
         store.close()
         return
 
@@ -106,7 +109,12 @@ def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
 
     store = open_store(POSTGRES_URL, namespace=ns)
     try:
-        yield Target(store, lambda: open_store(POSTGRES_URL, namespace=ns), postgres_sql)
+        yield Target(
+            store,
+            lambda: open_store(POSTGRES_URL, namespace=ns),
+            postgres_sql,
+            lambda: open_store(POSTGRES_URL, namespace=ns, read_only=True),
+        )
     finally:
         store.close()
         with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
@@ -246,6 +254,51 @@ def test_a_keyed_chain_needs_its_key(target: Target) -> None:
     assert kinds_at(target, key=b"another-key-0123456789")[0] == (0, ProblemKind.WRONG_KEY)
 
 
+def test_a_writer_with_another_key_is_refused_before_it_writes(target: Target) -> None:
+    """Another key's writer was let in: the trail then verified under neither key."""
+    target.fill(key=KEY)
+    other = target.reopen()
+    try:
+        with pytest.raises(ConfigurationError, match="does not verify under this writer's key"):
+            AuditLog(other, key=b"another-key-0123456789")
+        with pytest.raises(ConfigurationError, match="does not verify"):
+            other.append(
+                [Draft(run_id="r", kind=EventKind.NOTE, timestamp_ns=1)], Chain(b"another-key-0123456789")
+            )
+    finally:
+        other.close()
+    assert len(target.rows()) == 10
+    target.fill(events=2, key=KEY)  # its own key goes on
+    report = verify(target.store, key=KEY)
+    assert report.ok and report.checked == 12
+
+
+def test_a_reader_writes_nothing_and_creates_nothing(target: Target) -> None:
+    """Opened for verify, the store ran its schema: a deleted head record came back."""
+    target.fill()
+    target.sql("DELETE FROM {head}")
+    reader = target.reader()
+    try:
+        assert reader.head() is None
+        assert [(p.seq, p.kind) for p in verify(reader).problems] == [(0, ProblemKind.HEAD_FORGED)]
+        with pytest.raises(ConfigurationError, match="read-only"):
+            reader.append([Draft(run_id="r", kind=EventKind.NOTE, timestamp_ns=1)], Chain())
+        target.sql("DROP TABLE {head}")
+        with pytest.raises(AuditStoreError):
+            verify(reader)  # a damaged store is no verdict either way
+    finally:
+        reader.close()
+    target.sql("DROP TABLE {events}")
+    reader = target.reader()
+    try:
+        with pytest.raises(AuditStoreError):
+            list(reader.rows())
+    finally:
+        reader.close()
+    with pytest.raises(Exception, match="_events"):  # still gone: nothing made it again
+        target.sql("SELECT 1 FROM {events}")
+
+
 def test_a_column_that_disagrees_with_the_signed_body_is_found(target: Target) -> None:
     target.fill()
     target.sql("UPDATE {events} SET run_id = 'run-z' WHERE seq = 2")
@@ -262,7 +315,12 @@ def test_an_edited_step_or_timestamp_column_is_found(target: Target, column: str
 
 def test_rows_of_types_stockade_never_writes_are_problems_not_a_crash(tmp_path: Path) -> None:
     path = tmp_path / "audit.db"
-    target = Target(SQLiteStore(path), lambda: SQLiteStore(path), lambda statement: None)
+    target = Target(
+        SQLiteStore(path),
+        lambda: SQLiteStore(path),
+        lambda statement: None,
+        lambda: SQLiteStore(path, read_only=True),
+    )
     target.fill()
     target.store.close()
     with sqlite3.connect(path) as conn:

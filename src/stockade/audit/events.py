@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
 __all__ = [
     "FORMAT_VERSION",
@@ -34,6 +34,7 @@ __all__ = [
 
 JSONValue: TypeAlias = "bool | int | float | str | list[JSONValue] | dict[str, JSONValue] | None"
 Attributes: TypeAlias = Mapping[str, JSONValue]
+_T = TypeVar("_T")
 
 # The prev_hash of the first event of a store.
 GENESIS = "0" * 64
@@ -141,21 +142,42 @@ class AuditEvent:
         return out
 
     @classmethod
-    def from_body(cls, body: bytes, hash: str) -> AuditEvent:
-        data = json.loads(body)
-        return cls(
-            seq=data["seq"],
-            run_id=data["run_id"],
-            kind=EventKind(data["kind"]),
-            step=data["step"],
-            actor=data["actor"],
-            timestamp_ns=data["timestamp_ns"],
-            duration_ns=data["duration_ns"],
-            attributes=data["attributes"],
-            prev_hash=data["prev_hash"],
-            hash=hash,
-            body=body,
-        )
+    def from_body(cls, body: bytes, hash: str, *, seq: int | None = None) -> AuditEvent:
+        """The event a stored body holds. ``AuditIntegrityError`` (naming ``seq``, the row's)
+        for a body that is no event stockade writes: edited around the store, which readers
+        report rather than crash on (``verify`` says how it was edited)."""
+        try:
+            data = json.loads(body)
+            event = cls(
+                seq=_typed(data["seq"], int),
+                run_id=_typed(data["run_id"], str),
+                kind=EventKind(data["kind"]),
+                step=_typed(data["step"], int),
+                actor=_typed(data["actor"], str),
+                timestamp_ns=_typed(data["timestamp_ns"], int),
+                duration_ns=None if data["duration_ns"] is None else _typed(data["duration_ns"], int),
+                attributes=_typed(data["attributes"], dict),
+                prev_hash=_typed(data["prev_hash"], str),
+                hash=hash,
+                body=body,
+            )
+            event.timestamp  # noqa: B018 - a time no date can hold (year 10000) is no event's either
+        except (ValueError, KeyError, TypeError, OverflowError, OSError, RecursionError) as error:
+            from stockade.exceptions import AuditIntegrityError
+
+            where = f"seq {seq}" if seq is not None else "an audit event"
+            raise AuditIntegrityError(
+                f"{where} is not a readable audit event ({type(error).__name__}: {error}): the store was "
+                "edited; run `stockade audit verify` to see how"
+            ) from None
+        return event
+
+
+def _typed(value: object, kind: type[_T]) -> _T:
+    # bool is an int to Python, never a seq or a time to stockade
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise TypeError(f"{value!r:.40} is not {kind.__name__}")
+    return value
 
 
 class Chain:

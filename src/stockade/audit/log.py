@@ -28,7 +28,7 @@ from stockade._checks import check_id
 from stockade.audit.events import AuditEvent, Chain, Draft, EventKind
 from stockade.audit.redact import Redactor
 from stockade.audit.sealing import Sealer
-from stockade.audit.stores import AuditStore
+from stockade.audit.stores import AuditStore, check_chain
 
 __all__ = ["AuditLog"]
 
@@ -53,6 +53,9 @@ class AuditLog:
             raise exc.ConfigurationError("AuditLog.batch_size must be >= 1")
         self.store = store
         self.chain = Chain(key)
+        # a key that is not the store's fails here, before any event is queued (append checks
+        # again, under the store's lock: the head may move meanwhile)
+        check_chain(store.head(), self.chain)
         self.redactor = redactor if redactor is not None else Redactor()
         self.batch_size = batch_size
         self.flush_interval_s = flush_interval_s

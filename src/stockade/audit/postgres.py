@@ -66,15 +66,24 @@ def _schema(ns: str) -> list[str]:
 
 
 class PostgresStore(AuditStore):
-    """Audit events in PostgreSQL tables ``<namespace>_events`` and ``<namespace>_head``."""
+    """Audit events in PostgreSQL tables ``<namespace>_events`` and ``<namespace>_head``.
 
-    def __init__(self, url: str, *, namespace: str = "audit", connect_timeout_s: float = 10.0) -> None:
+    ``read_only``: for readers that must not change what they read (``verify``): no table is
+    created, every transaction is ``READ ONLY``, a missing table is an ``AuditStoreError``.
+    """
+
+    def __init__(
+        self, url: str, *, namespace: str = "audit", connect_timeout_s: float = 10.0, read_only: bool = False
+    ) -> None:
         _import_psycopg()
         self.url = url
         self.ns = check_namespace(namespace)
         self.connect_timeout_s = connect_timeout_s
+        self.read_only = read_only
         self._lock = threading.Lock()
         self._conn: psycopg.Connection[tuple[object, ...]] | None = None
+        if read_only:
+            return
         with self._lock:
             conn = self._connection()
             try:
@@ -90,9 +99,15 @@ class PostgresStore(AuditStore):
         import psycopg
 
         try:
-            return psycopg.connect(self.url, connect_timeout=max(1, round(self.connect_timeout_s)))
+            conn = psycopg.connect(self.url, connect_timeout=max(1, round(self.connect_timeout_s)))
         except psycopg.Error as error:
             raise exc.AuditStoreError(f"cannot reach the audit store {self._safe_url}: {error}") from error
+        conn.read_only = self.read_only  # the transactions psycopg begins are READ ONLY
+        return conn
+
+    def _writable(self) -> None:
+        if self.read_only:
+            raise exc.ConfigurationError(f"audit store {self._safe_url} was opened read-only")
 
     @property
     def _safe_url(self) -> str:
@@ -118,6 +133,7 @@ class PostgresStore(AuditStore):
 
     def append(self, drafts: Sequence[Draft], chain: Chain) -> list[AuditEvent]:
         ns = self.ns
+        self._writable()
         with self._lock:
             conn = self._connection()
             try:
@@ -144,6 +160,19 @@ class PostgresStore(AuditStore):
                 raise self._failure(error) from error
             return sealed
 
+    def has_trail(self) -> bool:
+        """Whether the events table exists: asked before reading, as a reader creates none."""
+        with self._lock:
+            conn = self._connection()
+            try:
+                with conn.transaction():
+                    row = conn.execute(
+                        "SELECT to_regclass(%s) IS NOT NULL", (f"{self.ns}_events",)
+                    ).fetchone()
+            except Exception as error:
+                raise self._failure(error) from error
+        return row is not None and row[0] is True
+
     def head(self) -> Head | None:
         with self._lock:
             conn = self._connection()
@@ -157,6 +186,8 @@ class PostgresStore(AuditStore):
                 raise self._failure(error) from error
 
     def rows(self, *, run_id: str | None = None, after_seq: int = 0) -> Iterator[Row]:
+        import psycopg
+
         # Its own connection and a server-side cursor: a million rows stream in bounded memory.
         conn = self._connect()
         try:
@@ -179,11 +210,14 @@ class PostgresStore(AuditStore):
                         int(str(step)),
                         int(str(timestamp_ns)),
                     )
+        except psycopg.Error as error:  # no events table, a lost connection: nothing more was read
+            raise exc.AuditStoreError(f"audit store {self._safe_url}: {error}") from error
         finally:
             conn.close()
 
     def run_key(self, run_id: str, subject: str) -> bytes:
         ns = self.ns
+        self._writable()
         with self._lock:
             conn = self._connection()
             try:
@@ -216,6 +250,7 @@ class PostgresStore(AuditStore):
         return {str(r): _bytes(k) for r, k in rows}
 
     def erase_keys(self, *, run_ids: Collection[str] = (), subject: str | None = None) -> list[str]:
+        self._writable()
         with self._lock:
             conn = self._connection()
             try:

@@ -65,7 +65,8 @@ class AuditStore(abc.ABC):
     def append(self, drafts: Sequence[Draft], chain: Chain) -> list[AuditEvent]:
         """Atomically seal ``drafts`` after the current head, write them and move the head.
 
-        Raises ``ConfigurationError`` if ``chain`` is not the chain this store was started with.
+        Raises ``ConfigurationError`` if ``chain`` is not the chain this store was started with
+        (another algorithm, or another key: the head's MAC does not verify), writing nothing.
         """
 
     @abc.abstractmethod
@@ -78,14 +79,18 @@ class AuditStore(abc.ABC):
 
     def events(self, *, run_id: str | None = None, after_seq: int = 0) -> Iterator[AuditEvent]:
         """Stored events, parsed (unverified: use ``verify`` to trust them). A sealed run's
-        attributes are opened with its key, or marked ``$erased`` once the key is gone."""
+        attributes are opened with its key, or marked ``$erased`` once the key is gone.
+        ``AuditIntegrityError`` naming the seq at a row that is no readable event (edited)."""
         keys: dict[str, bytes | None] = {}
         for row in self.rows(run_id=run_id, after_seq=after_seq):
-            event = AuditEvent.from_body(row.body.encode(), row.hash)
+            event = AuditEvent.from_body(row.body.encode(errors="surrogatepass"), row.hash, seq=row.seq)
             if SEALED in event.attributes:
                 if event.run_id not in keys:
                     keys[event.run_id] = self.run_keys([event.run_id]).get(event.run_id)
-                opened = open_attributes(event.run_id, event.attributes, keys[event.run_id])
+                try:
+                    opened = open_attributes(event.run_id, event.attributes, keys[event.run_id])
+                except exc.AuditIntegrityError as error:
+                    raise exc.AuditIntegrityError(f"seq {row.seq}: {error}") from None
                 event = dataclasses.replace(event, attributes=opened)
             yield event
 
@@ -116,10 +121,23 @@ class AuditStore(abc.ABC):
 
 
 def check_chain(head: Head | None, chain: Chain) -> None:
-    if head is not None and head.algorithm != chain.algorithm:
+    """``ConfigurationError`` unless ``chain`` is the chain the store's head was written with:
+    the same algorithm and, for a keyed chain, the same key (the head's MAC verifies under it).
+    A writer with another key would append events no key verifies together: every event of
+    one writer reads as edited under the other's key."""
+    if head is None:
+        return
+    if head.algorithm != chain.algorithm:
         hint = "pass its key" if head.algorithm == "hmac-sha256" else "it was written without a key"
         raise exc.ConfigurationError(
             f"this audit store's chain uses {head.algorithm}, not {chain.algorithm}: {hint}"
+        )
+    if chain.head_mac(head.seq, head.hash) != head.mac:  # the MAC is stored beside it: no secret to time
+        # also what a head moved back looks like: appending after it would sign the cut
+        raise exc.ConfigurationError(
+            f"this audit store's head record (seq {head.seq}) does not verify under this writer's "
+            f"{'key' if chain.keyed else 'chain'}: the store was written with another key, or its head "
+            "was edited (run `stockade audit verify` with the store's key); refusing to append"
         )
 
 
@@ -243,20 +261,32 @@ class SQLiteStore(AuditStore):
 
     Several processes may append to the same file: each batch is one ``BEGIN IMMEDIATE``
     transaction that reads the head, so the chain stays linear.
+
+    ``read_only``: for readers that must not change what they read (``verify``): the file is
+    opened read-only, no table is created, a missing one is an ``AuditStoreError``.
     """
 
-    def __init__(self, path: str | Path, *, namespace: str = "audit") -> None:
+    def __init__(self, path: str | Path, *, namespace: str = "audit", read_only: bool = False) -> None:
         self.path = Path(path)
         self.ns = check_namespace(namespace)
         self.url = f"sqlite:///{self.path}"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.read_only = read_only
         self._lock = threading.Lock()
+        if read_only:
+            self._conn = self._connect()
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._conn = self._connect()
         self._conn.execute("PRAGMA secure_delete=ON")  # an erased key is overwritten, not left in a free page
         self._conn.executescript(_sqlite_schema(self.ns))
 
     def _connect(self) -> sqlite3.Connection:
         try:
+            if self.read_only:
+                uri = f"{self.path.resolve().as_uri()}?mode=ro"
+                return sqlite3.connect(
+                    uri, uri=True, isolation_level=None, check_same_thread=False, timeout=30.0
+                )
             conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30.0)
             conn.execute("PRAGMA journal_mode=WAL")
             # NORMAL in WAL mode: a power cut may lose the last commits, never corrupts the chain.
@@ -265,8 +295,13 @@ class SQLiteStore(AuditStore):
             raise exc.AuditStoreError(f"cannot open audit store {self.path}: {error}") from error
         return conn
 
+    def _writable(self) -> None:
+        if self.read_only:
+            raise exc.ConfigurationError(f"audit store {self.path} was opened read-only")
+
     def append(self, drafts: Sequence[Draft], chain: Chain) -> list[AuditEvent]:
         ns = self.ns
+        self._writable()
         with self._lock:
             conn = self._conn
             try:
@@ -305,7 +340,10 @@ class SQLiteStore(AuditStore):
 
     def head(self) -> Head | None:
         with self._lock:
-            return self._read_head(self._conn)
+            try:
+                return self._read_head(self._conn)
+            except sqlite3.Error as error:  # no head table (a damaged store, opened read-only)
+                raise exc.AuditStoreError(f"audit store {self.path}: {error}") from error
 
     def rows(self, *, run_id: str | None = None, after_seq: int = 0) -> Iterator[Row]:
         # A connection of its own: a long read (verify, export) never holds up appends.
@@ -331,11 +369,14 @@ class SQLiteStore(AuditStore):
                     # a text column that is not UTF-8 (written around stockade): read on from the
                     # row it broke at with a decoder that keeps it, so verify reports it as edited
                     conn.text_factory = _lenient_text
+        except sqlite3.Error as error:  # no events table, a damaged file: nothing read can be trusted
+            raise exc.AuditStoreError(f"audit store {self.path}: {error}") from error
         finally:
             conn.close()
 
     def run_key(self, run_id: str, subject: str) -> bytes:
         ns = self.ns
+        self._writable()
         with self._lock:
             try:
                 self._conn.execute(
@@ -365,6 +406,7 @@ class SQLiteStore(AuditStore):
         runs = list(run_ids)
         where = f"run_id IN ({','.join('?' * len(runs))})" if runs else "0"
         ns, params = self.ns, [*runs, subject]
+        self._writable()
         with self._lock:
             try:
                 self._conn.execute("BEGIN IMMEDIATE")
@@ -387,18 +429,19 @@ class SQLiteStore(AuditStore):
             self._conn.close()
 
 
-def open_store(url: str, *, namespace: str = "audit") -> AuditStore:
-    """A store from a URL: ``sqlite:///path``, a plain file path, ``postgresql://...`` or ``memory:``."""
+def open_store(url: str, *, namespace: str = "audit", read_only: bool = False) -> AuditStore:
+    """A store from a URL: ``sqlite:///path``, a plain file path, ``postgresql://...`` or ``memory:``.
+    ``read_only``: a reader's, that creates nothing and writes nothing (``verify``, ``export``)."""
     if url.startswith(("postgresql://", "postgres://")):
         from stockade.audit.postgres import PostgresStore
 
-        return PostgresStore(url, namespace=namespace)
+        return PostgresStore(url, namespace=namespace, read_only=read_only)
     if url == "memory:":
         return MemoryStore()
     if url.startswith("sqlite:///"):
-        return SQLiteStore(url[len("sqlite:///") :], namespace=namespace)
+        return SQLiteStore(url[len("sqlite:///") :], namespace=namespace, read_only=read_only)
     if "://" in url:
         raise exc.ConfigurationError(
             f"unknown audit store URL {url!r}: use sqlite:///PATH or postgresql://..."
         )
-    return SQLiteStore(url, namespace=namespace)
+    return SQLiteStore(url, namespace=namespace, read_only=read_only)

@@ -24,6 +24,7 @@ import typer
 from stockade import exceptions as exc
 from stockade._display import visible, visible_json
 from stockade.audit.events import AuditEvent
+from stockade.audit.postgres import PostgresStore
 from stockade.audit.stores import AuditStore, open_store
 from stockade.audit.verify import RunsLedger
 from stockade.audit.verify import verify as verify_store
@@ -95,11 +96,32 @@ def _store(db: str, namespace: str) -> AuditStore:
                 "check --db and --namespace)"
             )
             raise typer.Exit(2)
-    try:
-        return open_store(db, namespace=namespace)
+    try:  # read-only: reading the trail must not create tables, or rows (a deleted head) in it
+        store = open_store(db, namespace=namespace, read_only=True)
+        if isinstance(store, PostgresStore) and not store.has_trail():
+            store.close()
+            err.print(
+                f"[red]the database holds no audit trail[/] (no {escape(namespace)}_events table; "
+                "check --db and --namespace)"
+            )
+            raise typer.Exit(2)
+    except exc.AuditStoreError as error:
+        err.print(f"[red]{escape(str(error))}[/]")
+        raise typer.Exit(UNREADABLE) from error
     except exc.StockadeError as error:
         err.print(f"[red]{escape(str(error))}[/]")
         raise typer.Exit(2) from error
+    return store
+
+
+# Exit code of ``export`` and ``tail`` at an event that cannot be read (edited around the store).
+DAMAGED = 1
+
+
+def _stop(error: exc.AuditError, after: str) -> typer.Exit:
+    """Report why reading stopped: an event that is not one (1), or a store that fails (3)."""
+    err.print(f"[red]stopped {after}[/]: {escape(str(error))}")
+    return typer.Exit(UNREADABLE if isinstance(error, exc.AuditStoreError) else DAMAGED)
 
 
 @contextlib.contextmanager
@@ -266,9 +288,13 @@ def export(
     """Write events as JSON Lines (one event per line, with its hash) for a SIEM."""
     with _store(db, namespace) as store:
         stream = output.open("w", encoding="utf-8") if output is not None else sys.stdout
+        written, last = 0, after
         try:
             for event in store.events(run_id=run, after_seq=after):
                 _write(event, stream)
+                written, last = written + 1, event.seq
+        except exc.AuditError as error:  # the export is cut here: say so, never end as if whole
+            raise _stop(error, f"after seq {last} ({written} events exported)") from error
         finally:
             if output is not None:
                 stream.close()
@@ -294,19 +320,29 @@ def tail(
 ) -> None:
     """The last events, one line each (unverified: use `stockade audit verify` to trust them)."""
     with _store(db, namespace) as store:
-        head = store.head()
-        start = 0 if run is not None or head is None else max(0, head.seq - lines)
-        last: deque[AuditEvent] = deque(store.events(run_id=run, after_seq=start), maxlen=lines)
+        last: deque[AuditEvent] = deque(maxlen=lines)
+        failure: exc.AuditError | None = None
+        try:
+            head = store.head()
+            start = 0 if run is not None or head is None else max(0, head.seq - lines)
+            last.extend(store.events(run_id=run, after_seq=start))
+        except exc.AuditError as error:  # show what was read before it, then why it stopped
+            failure = error
         seen = 0
         for event in last:
             print(_line(event))
             seen = event.seq
         sys.stdout.flush()  # a pipe (tail -f | grep) must see these before the first new event
+        if failure is not None:
+            raise _stop(failure, f"after seq {seen}")
         while follow:
             time.sleep(interval)
-            for event in store.events(run_id=run, after_seq=seen):
-                print(_line(event), flush=True)
-                seen = event.seq
+            try:
+                for event in store.events(run_id=run, after_seq=seen):
+                    print(_line(event), flush=True)
+                    seen = event.seq
+            except exc.AuditError as error:
+                raise _stop(error, f"after seq {seen}") from error
 
 
 def register(app: typer.Typer) -> None:

@@ -342,7 +342,7 @@ def _execs_by_call(db: str, run_id: str) -> Execs:
 
     found: Execs = {}
     try:
-        store = open_store(db)
+        store = open_store(db, read_only=True)  # a reader: never create the tables it lacks
     except Exception:  # no audit trail there: nothing to show
         return found
     try:

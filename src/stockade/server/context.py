@@ -128,7 +128,12 @@ class AuditLogs:
         with self._lock:
             log = self._logs.get(tenant.id)
             if log is None:
-                log = AuditLog(open_store(self.database, namespace=tenant.audit_namespace), key=self.key)
+                store = open_store(self.database, namespace=tenant.audit_namespace)
+                try:  # a key that is not the trail's is refused here: the store must not stay open
+                    log = AuditLog(store, key=self.key)
+                except BaseException:
+                    store.close()
+                    raise
                 self._logs[tenant.id] = log
             return log
 

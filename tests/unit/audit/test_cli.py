@@ -6,6 +6,7 @@ import json
 import sqlite3
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from stockade.audit import AuditLog, EventKind, SQLiteStore
@@ -174,3 +175,78 @@ def test_a_store_that_cannot_be_read_is_neither_intact_nor_absent(tmp_path: Path
     not_a_database.write_text("a text file, no database " * 100)
     result = runner.invoke(app, ["audit", "verify", "--db", f"sqlite:///{not_a_database}"])
     assert result.exit_code == 2 and "holds no audit trail" in result.output
+
+
+def edit(path: Path, statement: str) -> None:
+    """Change the store the way someone with the file would: raw SQL, the guard dropped."""
+    with sqlite3.connect(path) as conn:
+        conn.execute("DROP TRIGGER IF EXISTS audit_events_no_update")
+        conn.execute(statement)
+
+
+def test_verify_does_not_write_to_the_store_it_checks(tmp_path: Path) -> None:
+    """Opening the store ran its schema script: verify put a deleted head record back (and
+    would have made every missing table)."""
+    path = tmp_path / "a.db"
+    db = make_store(path)
+    edit(path, "DELETE FROM audit_head")
+    result = runner.invoke(app, ["audit", "verify", "--db", db, "--json"])
+    assert result.exit_code == 1, result.output
+    assert [p["kind"] for p in json.loads(result.output)["problems"]] == ["head_forged"]
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT count(*) FROM audit_head").fetchone() == (0,)
+
+    edit(path, "DROP TABLE audit_head")  # a damaged store: unreadable, and left as it is
+    for command in ("verify", "tail"):  # (export reads no head: it has what it needs)
+        result = runner.invoke(app, ["audit", command, "--db", db])
+        assert result.exit_code == 3, (command, result.output)
+        assert "no such table: audit_head" in result.output
+    with sqlite3.connect(path) as conn:
+        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert tables == {"audit_events", "audit_run_keys"}
+
+
+@pytest.mark.parametrize(
+    ("statement", "why"),
+    [
+        ("UPDATE audit_events SET body = 'not json' WHERE seq = 3", "JSONDecodeError"),
+        ("UPDATE audit_events SET body = replace(body, '\"command\"', '\"nosuch\"') WHERE seq = 3", "nosuch"),
+    ],
+    ids=["not-json", "unknown-kind"],
+)
+def test_tail_and_export_stop_at_an_edited_event_and_say_where(
+    tmp_path: Path, statement: str, why: str
+) -> None:
+    """They crashed with a bare JSONDecodeError or ValueError; the export ended cut, unsaid."""
+    path = tmp_path / "a.db"
+    db = make_store(path)
+    edit(path, statement)
+
+    out = tmp_path / "out.jsonl"
+    export = runner.invoke(app, ["audit", "export", "--db", db, "-o", str(out)])
+    assert export.exit_code == 1, export.output
+    assert "stopped after seq 2 (2 events exported)" in export.output
+    assert "seq 3 is not a readable audit event" in export.output and why in export.output
+    assert [json.loads(line)["seq"] for line in out.read_text().splitlines()] == [1, 2]
+
+    tail = runner.invoke(app, ["audit", "tail", "--db", db])
+    assert tail.exit_code == 1, tail.output
+    assert [line.split()[0] for line in tail.stdout.splitlines()] == ["1", "2"]
+    assert "seq 3 is not a readable audit event" in tail.output
+
+
+def test_export_of_a_sealed_value_that_does_not_open_says_which_event(tmp_path: Path) -> None:
+    path = tmp_path / "a.db"
+    with SQLiteStore(path) as store, AuditLog(store, flush_interval_s=None) as log:
+        log.seal_run("run-a", "alice")
+        log.record(EventKind.COMMAND, run_id="run-a", attributes={"argv": ["cat", "notes"]})
+        log.record(EventKind.COMMAND, run_id="run-a", step=1, attributes={"argv": ["ls"]})
+    edit(
+        path,
+        'UPDATE audit_events SET body = replace(body, \'"$sealed":"\', \'"$sealed":"AAAA\') WHERE seq = 2',
+    )
+
+    result = runner.invoke(app, ["audit", "export", "--db", f"sqlite:///{path}"])
+    assert result.exit_code == 1, result.output
+    assert "stopped after seq 1 (1 events exported)" in result.output
+    assert "seq 2: a sealed event of run 'run-a' does not open" in result.output

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from stockade import ConfigurationError
-from stockade.audit import GENESIS, Chain, Draft, EventKind, canonical
+from stockade.audit import GENESIS, AuditEvent, Chain, Draft, EventKind, canonical
+from stockade.exceptions import AuditIntegrityError
 
 
 def draft(**changes: object) -> Draft:
@@ -66,3 +67,39 @@ def test_a_sealed_event_round_trips_through_its_body() -> None:
     assert again == event
     assert again.duration_s == 1.5e-6
     assert again.to_json()["hash"] == event.hash
+
+
+def edited_body(**changes: object) -> bytes:
+    data = json.loads(Chain().seal(draft(), seq=7, prev_hash=GENESIS).body)
+    data.update(changes)
+    return json.dumps(data).encode()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"not json at all",
+        b"[2, 3]",
+        edited_body(kind="nosuch"),
+        edited_body(step="2"),
+        edited_body(seq=True),
+        edited_body(attributes=["a"]),
+        edited_body(timestamp_ns=10**30),
+        b'{"seq": 7}',
+    ],
+    ids=[
+        "not-json",
+        "not-an-object",
+        "unknown-kind",
+        "text-step",
+        "bool-seq",
+        "list-attrs",
+        "no-date",
+        "fields",
+    ],
+)
+def test_a_body_that_is_no_event_is_an_integrity_error_naming_its_seq(body: bytes) -> None:
+    """Read back from an edited row (tail, export), such a body raised JSONDecodeError,
+    ValueError or KeyError, or made an event that failed later, where it was shown."""
+    with pytest.raises(AuditIntegrityError, match=r"^seq 7 is not a readable audit event"):
+        AuditEvent.from_body(body, "ab" * 32, seq=7)

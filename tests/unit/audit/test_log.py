@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -155,6 +156,43 @@ def test_a_store_refuses_a_chain_of_another_kind() -> None:
     with pytest.raises(ConfigurationError, match="pass its key"), AuditLog(store) as log:
         record(log)
         log.flush()
+
+
+def test_a_writer_with_another_key_is_refused_before_it_writes(tmp_path: Path) -> None:
+    """A second process with another key appended to a keyed store: its events verified under
+    neither key (under the first, they read as edited and the head as forged; under the second,
+    the first's did), so the trail could never be verified again."""
+    path = tmp_path / "audit.db"
+    with SQLiteStore(path) as store, AuditLog(store, key=b"a" * 32, flush_interval_s=None) as log:
+        for step in range(5):
+            record(log, step)
+    with SQLiteStore(path) as store:
+        with pytest.raises(ConfigurationError, match="does not verify under this writer's key"):
+            AuditLog(store, key=b"b" * 32)
+        # the store refuses it too, whoever calls it (the head may move after a log is made)
+        with pytest.raises(ConfigurationError, match="does not verify"):
+            store.append([Draft(run_id="r", kind=EventKind.NOTE, timestamp_ns=1)], Chain(b"b" * 32))
+        assert [e.seq for e in store.events()] == [1, 2, 3, 4, 5]
+        with AuditLog(store, key=b"a" * 32, flush_interval_s=None) as log:  # its own key goes on
+            record(log, 5)
+        assert verify(store, key=b"a" * 32).ok and verify(store, key=b"a" * 32).checked == 6
+
+
+def test_a_head_moved_back_is_not_signed_over_by_the_next_write(tmp_path: Path) -> None:
+    """The tail cut and the head moved back (its MAC no longer fits): appending after it
+    would write a fresh MAC over the cut, and verify would find nothing."""
+    path = tmp_path / "audit.db"
+    with SQLiteStore(path) as store, AuditLog(store, flush_interval_s=None) as log:
+        for step in range(3):
+            record(log, step)
+    with sqlite3.connect(path) as conn:
+        conn.execute("DROP TRIGGER audit_events_no_delete")
+        conn.execute("DELETE FROM audit_events WHERE seq = 3")
+        conn.execute("UPDATE audit_head SET seq = 2, hash = (SELECT hash FROM audit_events WHERE seq = 2)")
+    with SQLiteStore(path) as store:
+        with pytest.raises(ConfigurationError, match="its head was edited"):
+            store.append([Draft(run_id="r", kind=EventKind.NOTE, timestamp_ns=1)], Chain())
+        assert [p.kind.value for p in verify(store).problems] == ["head_forged"]
 
 
 def test_a_lone_surrogate_in_an_event_is_recorded_and_jams_nothing(tmp_path: Path) -> None:
