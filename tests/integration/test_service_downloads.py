@@ -111,6 +111,31 @@ def test_a_downloaded_archive_is_streamed_from_disk_not_held_in_memory(
     assert grown < 24 * MiB, f"the server's peak memory grew by {grown / MiB:.0f} MiB"
 
 
+def test_a_file_read_through_the_service_is_held_once_on_each_side(
+    service: tuple[Server, Tokens, Path], sbx: RemoteSandbox
+) -> None:
+    # A sparse file: nothing in the sandbox, 128 MiB to read. Gathered and joined, it was held
+    # twice by the server's sandbox, once more as the server framed it whole, and twice by the
+    # client (its pieces, then joined); once on each side now, and the pieces in transit.
+    size = 128 * MiB
+    made = sbx.commands.run(f"truncate -s {size - 1} sparse && printf a >> sparse")
+    assert made.exit_code == 0, made.stderr
+    server, _, _ = service
+    Path(f"/proc/{server.pid}/clear_refs").write_text("5")  # its peak, from here on
+    before = peak_rss(server)
+    tracemalloc.start()  # the client's side, in this process
+    try:
+        data = sbx.files.read("sparse", format="bytes")
+        client_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(data) == size and data[-1:] == b"a"
+    del data
+    assert client_peak < size + 8 * MiB, f"the client held {client_peak / MiB:.0f} MiB"
+    grown = peak_rss(server) - before
+    assert grown < size + 32 * MiB, f"the server's peak memory grew by {grown / MiB:.0f} MiB"
+
+
 def test_a_download_of_more_entries_than_fit_under_the_cap_stops_at_that_many(
     service: tuple[Server, Tokens, Path], tmp_path: Path
 ) -> None:

@@ -99,13 +99,12 @@ class AsyncRemoteFiles:
     async def read(self, path: str, *, format: Literal["bytes"]) -> bytes: ...
 
     async def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> str | bytes:
-        data: bytes = (await self._request("GET", "/files/content", params=path_params(path))).content
+        data = await self._sbx.client.http.content(f"{self._base}/files/content", path_params(path))
         return data if format == "bytes" else data.decode("utf-8", "replace")
 
     async def read_range(self, path: str, offset: int, length: int) -> bytes:
-        response = await self._request("GET", "/files/content", params=range_params(path, offset, length))
-        data: bytes = response.content
-        return data
+        params = range_params(path, offset, length)
+        return await self._sbx.client.http.content(f"{self._base}/files/content", params)
 
     async def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> EntryInfo:
         params, raw = path_params(path, mode=mode), _inputs.byte_data(data)

@@ -287,14 +287,12 @@ class RemoteFiles:
     def read(self, path: str, *, format: Literal["bytes"]) -> bytes: ...
 
     def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> str | bytes:
-        data = self._sbx.client.http.request(
-            "GET", f"{self._base}/files/content", params=path_params(path)
-        ).content
+        data = self._sbx.client.http.content(f"{self._base}/files/content", path_params(path))
         return data if format == "bytes" else data.decode("utf-8", "replace")
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         params = range_params(path, offset, length)
-        return self._sbx.client.http.request("GET", f"{self._base}/files/content", params=params).content
+        return self._sbx.client.http.content(f"{self._base}/files/content", params)
 
     def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> EntryInfo:
         params, raw = path_params(path, mode=mode), _inputs.byte_data(data)

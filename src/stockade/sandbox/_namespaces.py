@@ -74,13 +74,16 @@ class Files:
     def read(self, path: str, *, format: Literal["bytes"]) -> bytes: ...
 
     def read(self, path: str, *, format: Literal["text", "bytes"] = "text") -> str | bytes:
+        """The file (at most 256 MiB, ``FileTooLarge`` past it), read in chunks: the host holds
+        it once, plus a chunk in transit, and as text the string beside the bytes it is decoded
+        from."""
         raw = check_format(format)
         data = self._instance.execute(ReadFile(path=check_path(path)))
         return data if raw else file_text(data, path)
 
     def read_range(self, path: str, offset: int, length: int) -> bytes:
         """At most ``length`` bytes of the file from byte ``offset`` (fewer at its end): the
-        host holds that much of it, however large the file."""
+        host holds that much of it once (plus a chunk in transit), however large the file."""
         return self._instance.execute(range_op(path, offset, length))
 
     def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> EntryInfo:

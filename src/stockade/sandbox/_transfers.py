@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from stockade import exceptions as exc
+from stockade._gather import Gathered
 from stockade.sandbox._channel import Channel, JSONTooLarge, loads_bounded
 from stockade.sandbox._replies import WORKSPACE_ERRORS, area_args, entry_info, int_field
 from stockade.sandbox.base import OutputSink
@@ -103,24 +104,35 @@ class FileRequests:
 
     def read(self, op: ReadFile) -> bytes:
         """Read in chunks: the supervisor never holds a whole large file in memory, and the
-        host holds no more than ``op.length`` of it."""
-        chunks: list[bytes] = []
+        host holds one buffer of it, filled in place (``Gathered``), never longer than
+        ``op.length`` or ``op.max_bytes``, and the chunk in transit: about the result's size,
+        not twice it. The buffer is set aside for the size the supervisor announces; one that
+        lies, or a file that grows or shrinks meanwhile, changes how much is read, within
+        those bounds, never what is returned for what was read."""
+        gathered: Gathered | None = None
         offset = op.offset
         end = op.max_bytes if op.length is None else min(op.offset + op.length, op.max_bytes)
         while offset < end:
             asked = min(TRANSFER_CHUNK, end - offset)
             args = {"path": op.path, "max_bytes": op.max_bytes, "offset": offset, "length": asked}
             h, data = self.request("read", args)
-            if len(data) > asked or int_field(h.get("size")) > op.max_bytes:
+            size = int_field(h.get("size"))
+            if len(data) > asked or size > op.max_bytes:
                 # The supervisor is untrusted: one that keeps sending must not fill our memory
                 # (an honest one refuses a file over max_bytes rather than send any of it).
                 self._close()
                 raise exc.ProtocolError(f"the supervisor sent more of {op.path!r} than asked for")
-            chunks.append(data)
             offset += len(data)
-            if len(data) < asked or offset >= int_field(h.get("size")):
+            last = len(data) < asked or offset >= size
+            if gathered is None:
+                if last:
+                    return data  # one chunk: as it came, no copy
+                gathered = Gathered(min(size, end) - op.offset)
+            gathered.add(data)
+            del data  # not held while the next chunk comes in
+            if last:
                 break
-        return b"".join(chunks)
+        return b"" if gathered is None else gathered.take()
 
     def get_archive(self, op: GetArchive, sink: OutputSink | None) -> bytes:
         """Pull the archive a chunk at a time: neither side ever holds more than one chunk.
