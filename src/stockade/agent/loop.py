@@ -67,9 +67,10 @@ switch, an approval to wait for) ends the run with that exception's status. What
 raises is an observation for the model (``ToolError``, ``WorkspaceError``, a tool's own bug
 alike), except a dead sandbox (``SandboxCrashed``, ``SandboxClosed``, ``ProtocolError``): that
 ends the run with status "error", as any other ``StockadeError`` does (a provider failure, a
-failing store), and a ``PolicyDenied`` of the model call ends it "denied". Anything else,
-raised outside a tool (an observer's, a model adapter's or a checkpointer's bug), propagates;
-the last checkpoint stays resumable.
+failing store), and a ``PolicyDenied`` of the model call ends it "denied". An exception of
+any other type out of the acceptance check ends the run "error" too (it reads what code in
+the sandbox wrote). Anything else, raised outside a tool and the check (an observer's, a
+model adapter's or a checkpointer's bug), propagates; the last checkpoint stays resumable.
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ from stockade.exceptions import (
     SandboxClosed,
     SandboxCrashed,
     StockadeError,
+    ToolError,
 )
 from stockade.models.base import Model, counted_usage, resolve_model
 from stockade.models.messages import (
@@ -646,13 +648,22 @@ class AgentRun:
         # A check of its own timeout runs within the run's wall time too (cut there, it decided
         # nothing); without one, the sandbox's default timeout bounds it (30 s by default).
         left, own = self._wall_left(), agent.check_timeout_s
-        report = await asyncio.to_thread(
-            run_test_command,
-            self.bookkeeping,  # the user's command, not the model's: the model's rules do not apply
-            agent.check,
-            name=f"check-{step}-{len(state.checks) + 1}",
-            timeout_s=None if own is None else max(0.01, min(own, left)),
-        )
+        try:
+            report = await asyncio.to_thread(
+                run_test_command,
+                self.bookkeeping,  # the user's command, not the model's: the model's rules do not apply
+                agent.check,
+                name=f"check-{step}-{len(state.checks) + 1}",
+                timeout_s=None if own is None else max(0.01, min(own, left)),
+            )
+        except StockadeError:
+            raise
+        except Exception as err:
+            # The check reads what code in the sandbox left (its runner's report), as a tool
+            # does: whatever it raises ends the run as an error, with its end in the trail,
+            # never as a crash out of run() that leaves the run without one.
+            why = f"{type(err).__name__}: {err}"
+            raise ToolError(f"the acceptance check `{agent.check}` failed to run ({why})") from err
         shown = report.observation()
         limit = agent.limits.max_observation_chars
         if len(shown) > limit:

@@ -14,12 +14,18 @@ import shlex
 import time
 from dataclasses import dataclass, field
 
-from stockade.exceptions import SandboxFileNotFound, ToolError
+from stockade.exceptions import SandboxFileNotFound, ToolError, WorkspaceError
 from stockade.sandbox._supervised import WORKSPACE
 from stockade.sandbox.facade import Sandbox
 from stockade.tools.base import Risk, ToolContext, Toolset, tool
 from stockade.tools.patch import apply_patch_to_sandbox
-from stockade.tools.testreport import TestReport, parse_junit_xml, parse_unittest_output, unittest_counts
+from stockade.tools.testreport import (
+    MAX_REPORT_BYTES,
+    TestReport,
+    parse_junit_xml,
+    parse_unittest_output,
+    unittest_counts,
+)
 from stockade.tools.workspace_diff import is_ignored, workspace_diff
 from stockade.types import CommandResult, EntryType, Execution
 
@@ -191,13 +197,14 @@ def run_test_command(
     duration = time.monotonic() - start
     output = (result.stdout + ("\n" if result.stdout and result.stderr else "") + result.stderr).strip()
     parsed = None
-    try:
-        # the report is the tool's own record: read it whatever the model may read
-        parsed = parse_junit_xml(books.files.read(report_path, format="bytes"))
+    # The report is the tool's own record: read it whatever the model may read. None, one that
+    # is not a file, or one parse_junit_xml cannot read (over its cap: no more than that is
+    # read): not pytest, or code in the sandbox wrote it; the output is shown instead.
+    with contextlib.suppress(WorkspaceError):
+        parsed = parse_junit_xml(books.files.read_range(report_path, 0, MAX_REPORT_BYTES + 1))
         books.files.remove(report_path)
+    if parsed is not None:
         runner = "pytest"
-    except (SandboxFileNotFound, SyntaxError):
-        parsed = None  # not pytest, or it crashed before writing a report: show the output
     if parsed is None and runner == "unittest":
         parsed = parse_unittest_output(output)
         if not any(parsed[:4]):

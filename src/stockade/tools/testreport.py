@@ -2,9 +2,9 @@
 
 pytest writes JUnit XML (``--junitxml``), which is parsed here; ``python -m unittest -v``
 prints one line per test, which is parsed too; any other runner gives its plain output.
-The XML comes out of the sandbox, so it is untrusted: its size is capped before parsing
-(expat, bundled with CPython >= 3.11, refuses entity-expansion bombs) and nothing in it is
-followed or executed.
+The XML comes out of the sandbox, so it is untrusted: a report over its size cap is not parsed
+(expat, bundled with CPython >= 3.11, refuses entity-expansion bombs), nothing in it is
+followed or executed, and one that cannot be read is no report: the plain output stands.
 """
 
 from __future__ import annotations
@@ -81,9 +81,17 @@ class TestReport:
         return "\n".join(lines)
 
 
-def parse_junit_xml(xml: bytes) -> tuple[list[str], list[str], list[str], int, list[TestFailure]]:
-    """(passed, failed, errored, skipped, failures) from a JUnit XML report."""
-    root = ET.fromstring(xml[:MAX_REPORT_BYTES])
+def parse_junit_xml(xml: bytes) -> tuple[list[str], list[str], list[str], int, list[TestFailure]] | None:
+    """(passed, failed, errored, skipped, failures) from a JUnit XML report; None when it is
+    not one this reads: over ``MAX_REPORT_BYTES``, not well-formed, or in an encoding expat
+    refuses (ValueError for a multi-byte one such as shift_jis, LookupError for an unknown
+    name or a codec that is not text, such as hex)."""
+    if len(xml) > MAX_REPORT_BYTES:
+        return None
+    try:
+        root = ET.fromstring(xml)
+    except (SyntaxError, ValueError, LookupError):
+        return None
     passed: list[str] = []
     failed: list[str] = []
     errored: list[str] = []

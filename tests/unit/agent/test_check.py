@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from stockade import Sandbox
@@ -20,7 +22,8 @@ from stockade.exceptions import InvalidArgument
 from stockade.models import ToolCall
 from stockade.policy import Policy
 from stockade.policy.schema import TrustRules
-from stockade.sandbox.ops import RunCommand
+from stockade.sandbox.base import OpResult
+from stockade.sandbox.ops import Op, RunCommand
 from stockade.testing import FakeBackend, MemoryWorkspace, ScriptedModel, tool_call
 from stockade.types import CommandResult, Trust
 
@@ -164,3 +167,60 @@ def test_runs_show_lists_each_check(tmp_path: object) -> None:
     shown = CliRunner().invoke(app, ["runs", "show", "checked", "--db", db])
     assert "check after step 1: python3 -m unittest failed" in shown.output
     assert "check_failed" in shown.output
+
+
+def audited(tmp_path: object, backend: FakeBackend, log: AuditLog) -> AgentConfig:
+    return AgentConfig(
+        model=ScriptedModel(["done"]),
+        policy=Policy(trust=TrustRules(level=Trust.TRUSTED)),
+        backend=backend,
+        audit=log,
+        check="python3 -m pytest -q",
+        approval_dir=f"{tmp_path}/approvals",
+        kill_target=f"{tmp_path}/kill",
+    )
+
+
+def run_ends(log: AuditLog) -> list[object]:
+    log.flush()
+    return [e.attributes["status"] for e in log.store.events() if e.kind.value == "run_end"]
+
+
+def test_a_report_the_code_wrote_in_shift_jis_is_the_checks_plain_output(tmp_path: object) -> None:
+    """A conftest.py's pytest_unconfigure rewrote the report declaring shift_jis: expat's
+    ValueError escaped run_sync, and the trail ended at sandbox_stop with no run_end."""
+    ws = MemoryWorkspace()
+
+    def run(op: RunCommand) -> CommandResult:
+        path = op.envs["PYTEST_ADDOPTS"].split()[0].removeprefix("--junitxml=/workspace/")
+        ws.files[path] = b'<?xml version="1.0" encoding="shift_jis"?><testsuite/>'
+        return CommandResult(exit_code=0, stdout="1 passed", stderr="", duration_s=0.1)
+
+    ws.commands = run
+    log = AuditLog(MemoryStore(), flush_interval_s=None)
+    with build_agent(audited(tmp_path, FakeBackend(ws, tier="process"), log)) as agent:
+        result = agent.run_sync("make the tests pass")
+    assert result.status == RunStatus.SUCCESS and result.check is not None
+    assert result.check.summary == "exit code 0"  # the plain output's, not a report's
+    assert run_ends(log) == ["success"]
+
+
+def test_whatever_the_check_raises_ends_the_run_as_an_error_with_its_end_recorded(
+    tmp_path: object,
+) -> None:
+    """A tool's failure is an observation; the check's ended run_sync with no run_end in the
+    trail. It ends the run "error" now, saying why, as a failing store or provider does."""
+    ws = MemoryWorkspace()
+
+    def broken(op: Op[Any]) -> OpResult:
+        if isinstance(op, RunCommand):
+            raise RuntimeError("the backend's own bug")
+        return ws(op)
+
+    log = AuditLog(MemoryStore(), flush_interval_s=None)
+    with build_agent(audited(tmp_path, FakeBackend(broken, tier="process"), log)) as agent:
+        result = agent.run_sync("make the tests pass")
+    assert result.status == RunStatus.ERROR and result.error is not None
+    assert "acceptance check `python3 -m pytest -q` failed to run" in result.error
+    assert "RuntimeError: the backend's own bug" in result.error
+    assert run_ends(log) == ["error"]

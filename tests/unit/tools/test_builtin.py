@@ -168,6 +168,23 @@ async def test_run_tests_reads_no_report_that_code_wrote_ahead_under_its_name() 
     assert report.runner == "plain" and report.exit_code == 1  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("encoding", ["shift_jis", "cp932", "utf-7", "hex", "rot13", "no-such-codec"])
+async def test_a_report_in_an_encoding_expat_refuses_is_no_report(encoding: str) -> None:
+    """Code in the sandbox writes the report (a conftest.py's hook): one declaring a multi-byte
+    encoding raised ValueError out of the tool, an unknown or binary codec LookupError."""
+    ws = MemoryWorkspace()
+    head = f'<?xml version="1.0" encoding="{encoding}"?>'.encode()
+
+    def run(op: RunCommand) -> CommandResult:
+        ws.files[".stockade/reports/junit-1-c1.xml"] = head + b'<testsuite><testcase name="t"/></testsuite>'
+        return CommandResult(exit_code=0, stdout="1 passed", stderr="", duration_s=0.1)
+
+    ws.commands = run
+    report = await call(run_tests, make_sandbox(ws), {"command": "python3 -m pytest -q"})
+    assert report.runner == "plain" and report.ok and report.output == "1 passed"  # type: ignore[attr-defined]
+    assert ".stockade/reports/junit-1-c1.xml" not in ws.files
+
+
 UNITTEST = """test_a (test_m.T.test_a) ... ok
 test_b (test_m.T.test_b) ... FAIL
 

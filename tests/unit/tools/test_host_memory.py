@@ -19,11 +19,13 @@ import pytest
 from stockade import Sandbox
 from stockade.exceptions import PatchRejected, ToolError
 from stockade.sandbox.base import OpResult
-from stockade.sandbox.ops import Op, ReadFile
+from stockade.sandbox.ops import Op, ReadFile, RunCommand
 from stockade.testing import FakeBackend, MemoryWorkspace
-from stockade.tools import ToolContext, read_file
+from stockade.tools import ToolContext, read_file, run_tests
 from stockade.tools.builtin import MAX_SHOWN_BYTES, READ_CHUNK
 from stockade.tools.patch import MAX_PATCH_BYTES, apply_patch_to_sandbox
+from stockade.tools.testreport import MAX_REPORT_BYTES, TestReport
+from stockade.types import CommandResult
 
 LINES = 10_000_000  # of b"ab\n": 30 MB
 
@@ -134,3 +136,28 @@ def test_apply_patch_reads_no_more_than_its_cap_of_the_files_of_one_diff() -> No
         apply_patch_to_sandbox(sbx, diff)  # half the cap, then all of it: over it together
     assert sum(size for _, size in reads) <= MAX_PATCH_BYTES + 1
     assert sbx.files.read("a.txt", format="bytes").startswith(b"a\n")  # nothing was changed
+
+
+async def test_run_tests_reads_no_more_of_a_report_than_it_parses() -> None:
+    """A report over the cap was read whole into the host before it was cut (a 200 MiB one took
+    the host from 49 to 470 MB): it is read to one byte past the cap, and is no report."""
+    report = b"<testsuite>" + b"<testcase name='t'/>" * (MAX_REPORT_BYTES // 20) + b"</testsuite>"
+    workspace = MemoryWorkspace(files={})
+    reads_of_report: list[tuple[ReadFile, int]] = []
+
+    def handler(op: Op[Any]) -> OpResult:
+        if isinstance(op, RunCommand):
+            workspace.files[".stockade/reports/junit-1-c1.xml"] = report
+            return CommandResult(exit_code=0, stdout="ok", stderr="", duration_s=0.1)
+        answer = workspace(op)
+        if isinstance(op, ReadFile):
+            assert isinstance(answer, bytes)
+            reads_of_report.append((op, len(answer)))
+        return answer
+
+    sbx = Sandbox.create(backend=FakeBackend(handler))
+    ctx = ToolContext(sandbox=sbx, step=1, call_id="c1")
+    out = await run_tests.invoke(ctx, run_tests.validate({"command": "pytest"}))
+    assert isinstance(out, TestReport) and out.runner == "plain" and out.output == "ok"
+    assert len(report) > MAX_REPORT_BYTES + 1 and reads_of_report
+    assert sum(size for _, size in reads_of_report) <= MAX_REPORT_BYTES + 1
