@@ -83,6 +83,11 @@ def parse_unified_diff(diff: str) -> list[FilePatch]:
     patches: list[FilePatch] = []
     i = 0
     while i < len(lines):
+        empty = _empty_file(lines, i)
+        if empty is not None:
+            patches.append(empty[0])
+            i = empty[1]
+            continue
         if not (lines[i].startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ ")):
             i += 1
             continue
@@ -98,6 +103,25 @@ def parse_unified_diff(diff: str) -> list[FilePatch]:
     if not patches:
         raise PatchRejected("no unified diff found: expected '--- a/path', '+++ b/path' and '@@' hunks")
     return patches
+
+
+def _empty_file(lines: list[str], start: int) -> tuple[FilePatch, int] | None:
+    """An empty file created or deleted, as git writes it (``diff --git a/P b/P``, then ``new
+    file mode`` or ``deleted file mode``, and no hunk: there is no line to show), and the index
+    of the line after it; None when ``lines[start]`` does not start one."""
+    rest = lines[start].removeprefix("diff --git a/")
+    path = rest[: (len(rest) - 3) // 2]
+    if rest == lines[start] or rest != f"{path} b/{path}" or not path:
+        return None
+    created = deleted = False
+    i = start + 1
+    while i < len(lines) and lines[i].startswith(("new file mode ", "deleted file mode ", "index ")):
+        created = created or lines[i].startswith("new file mode ")
+        deleted = deleted or lines[i].startswith("deleted file mode ")
+        i += 1
+    if created == deleted or (i < len(lines) and lines[i].startswith(("--- ", "@@", "Binary files "))):
+        return None  # the header of a diff with lines (read as any other), or of neither
+    return FilePatch(old_path=None if created else path, new_path=path if created else None, hunks=()), i
 
 
 def _read_hunk(lines: list[str], i: int, path: str) -> tuple[Hunk, int]:
@@ -262,7 +286,7 @@ def apply_patch_to_sandbox(sandbox: Sandbox, diff: str) -> list[tuple[str, int, 
             )
         patched = apply_to_text(before or "", patch)
         if patch.new_path is None:
-            if patched.strip():
+            if patched.strip() or (not patch.hunks and patched):  # no hunk: it must be empty
                 raise PatchRejected(f"the diff deletes {patch.path} but leaves text in it", path=patch.path)
             plan.append((patch.path, before, None))
         else:

@@ -8,7 +8,9 @@ its SHA-256 and size (the run's state keeps them), and the diff reads no more th
 and refuses a file with another hash (``BaselineTampered``): a forged baseline is neither
 believed nor, at any size, read past the real one's. The
 diff is computed by our own code from ``sandbox.files``: no git needed in the image, and
-it works on every tier and on the fake backend. Its output is a patch ``apply_patch`` takes.
+it works on every tier and on the fake backend. Its output is a patch ``apply_patch`` (and
+``git apply``) takes: an empty file created or deleted, which has no line to show, is git's
+``new file mode`` or ``deleted file mode`` header, after the files with lines.
 
 The baseline and the diff are the run's own bookkeeping: the loop computes them through its
 bookkeeping sandbox, which the model's path rules do not restrict (a policy that lets the
@@ -221,6 +223,7 @@ def workspace_diff(
     before = _load_baseline(sandbox, baseline)
     after = snapshot(sandbox, deadline=deadline)
     chunks: list[str] = []
+    empties: list[str] = []  # after the others: git reads a `---` line after one as its own
     size = 0
     left_out: list[str] = []
     unshown: list[str] = []  # past the diff's size or time
@@ -248,8 +251,9 @@ def workspace_diff(
         if size + len(piece) > MAX_DIFF_BYTES:
             unshown.append(path)
             continue
-        chunks.append(piece)
+        (empties if piece.startswith("diff --git ") else chunks).append(piece)
         size += len(piece)
+    chunks += empties
     if left_out:
         why = "the policy does not let the run write there, or the name holds control characters"
         chunks.append(f"Left out ({why}): {_names(left_out)}\n")
@@ -265,6 +269,10 @@ def workspace_diff(
 def _file_diff(path: str, old: str | None, new: str | None) -> str:
     if (old or "").startswith("\x00") or (new or "").startswith("\x00"):
         return f"Binary or large file {path} differs\n"
+    if not (old or new):  # an empty file created or deleted: no line to show, so git's header
+        # (the baseline keeps no mode: a regular file's; e69de29 is the empty blob)
+        mode, index = ("new", "0000000..e69de29") if old is None else ("deleted", "e69de29..0000000")
+        return f"diff --git a/{path} b/{path}\n{mode} file mode 100644\nindex {index}\n"
     diff = difflib.unified_diff(
         (old or "").splitlines(keepends=True),
         (new or "").splitlines(keepends=True),

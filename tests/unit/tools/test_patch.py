@@ -62,6 +62,30 @@ def test_dev_null_creates_and_deletes_files(sbx: Sandbox) -> None:
     assert not sbx.files.exists("notes.txt")
 
 
+def test_gits_header_of_an_empty_file_creates_and_deletes_it(sbx: Sandbox) -> None:
+    """git shows an empty file created or deleted by its header alone (no hunk): the run's diff
+    does too, and apply_patch takes it back; a file with text is not deleted that way."""
+    sbx.files.write("old_empty", b"")
+    diff = (
+        "diff --git a/pkg/__init__.py b/pkg/__init__.py\nnew file mode 100644\nindex 0000000..e69de29\n"
+        "diff --git a/old_empty b/old_empty\ndeleted file mode 100644\nindex e69de29..0000000\n"
+    )
+    assert [(p.old_path, p.new_path, p.hunks) for p in parse_unified_diff(diff)] == [
+        (None, "pkg/__init__.py", ()),
+        ("old_empty", None, ()),
+    ]
+    apply_patch_to_sandbox(sbx, diff)
+    assert sbx.files.read("pkg/__init__.py") == "" and not sbx.files.exists("old_empty")
+    with pytest.raises(PatchRejected, match=r"deletes notes\.txt but leaves text in it"):
+        apply_patch_to_sandbox(sbx, "diff --git a/notes.txt b/notes.txt\ndeleted file mode 100644\n")
+    assert sbx.files.read("notes.txt") == "keep me\n"
+    with_lines = (
+        "diff --git a/n.py b/n.py\nnew file mode 100644\n--- /dev/null\n+++ b/n.py\n@@ -0,0 +1 @@\n+x\n"
+    )
+    apply_patch_to_sandbox(sbx, with_lines)  # a git header before lines: read as any diff
+    assert sbx.files.read("n.py") == "x\n"
+
+
 def test_no_newline_at_end_of_file_is_respected() -> None:
     [patch] = parse_unified_diff("--- a/f\n+++ b/f\n@@ -1 +1 @@\n-a\n+b\n\\ No newline at end of file\n")
     assert apply_to_text("a\n", patch) == "b"

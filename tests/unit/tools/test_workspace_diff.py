@@ -11,6 +11,7 @@ from stockade import Sandbox
 from stockade.exceptions import BaselineTampered
 from stockade.testing import FakeBackend
 from stockade.tools import ToolContext, git_diff
+from stockade.tools.patch import apply_patch_to_sandbox
 from stockade.tools.workspace_diff import (
     BASELINE,
     MAX_BASELINE_BYTES,
@@ -112,3 +113,28 @@ def test_a_diff_out_of_time_names_the_files_it_did_not_compare() -> None:
     sbx.files.write("a.txt", "new\n")
     diff = workspace_diff(sbx, baseline=recorded, time_s=0)
     assert diff == "Left out (over the diff's 8 MiB or 0 s; not compared or not shown): 'a.txt'\n"
+
+
+def test_an_empty_file_created_or_deleted_is_in_the_diff_as_git_shows_it() -> None:
+    """A unified diff has no line to show for an empty file: 65,000 new ones diffed as
+    "(no changes)". They are git's header, after the files with lines (git reads a `---` line
+    after one as its own), and the diff applies back."""
+    sbx = make_sandbox()
+    sbx.files.write("a.txt", "hi\n")
+    sbx.files.write("gone", b"")
+    recorded = record_baseline(sbx)
+    sbx.files.write("a.txt", "ho\n")
+    sbx.files.write("__init__.py", b"")
+    sbx.files.remove("gone")
+    diff = workspace_diff(sbx, baseline=recorded)
+    assert diff == (
+        "--- a/a.txt\n+++ b/a.txt\n@@ -1 +1 @@\n-hi\n+ho\n"
+        "diff --git a/__init__.py b/__init__.py\nnew file mode 100644\nindex 0000000..e69de29\n"
+        "diff --git a/gone b/gone\ndeleted file mode 100644\nindex e69de29..0000000\n"
+    )
+    other = make_sandbox()
+    other.files.write("a.txt", "hi\n")
+    other.files.write("gone", b"")
+    assert apply_patch_to_sandbox(other, diff) == [("a.txt", 1, 1), ("__init__.py", 0, 0), ("gone", 0, 0)]
+    assert other.files.read("__init__.py") == "" and not other.files.exists("gone")
+    assert other.files.read("a.txt") == "ho\n"
