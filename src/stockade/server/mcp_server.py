@@ -31,20 +31,24 @@ import functools
 import hmac
 import json
 import logging
+import os
+import re
 import sys
 import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal, cast
 
 import anyio
 import mcp_types as types
 from mcp.server import Server, ServerRequestContext
+from mcp.server.transport_security import DEFAULT_MAX_REQUEST_BODY_SIZE, TransportSecuritySettings
 from mcp.shared.exceptions import MCPError
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stockade import exceptions as exc
 from stockade._display import visible
@@ -103,6 +107,12 @@ def _result(outcome: Outcome) -> types.CallToolResult:
 # HTTP sessions open at once, each with its sandbox (``--max-sessions``)
 MAX_SESSIONS = 16
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# One JSON-RPC message, either transport: an HTTP body over it is answered 413, a stdio line
+# over it ends the session (the SDK reads a line whole: one of 200 MB took 928 MB).
+MAX_MESSAGE_BYTES = DEFAULT_MAX_REQUEST_BODY_SIZE
+# Host and Origin of a server on this machine alone: a loopback name, and a port checked apart
+_LOOPBACK_HOST = re.compile(r"(?:127\.0\.0\.1|localhost|\[::1\])(?::([0-9]{1,5}))?")
+_LOOPBACK_ORIGIN = re.compile(r"http://" + _LOOPBACK_HOST.pattern)
 
 
 class McpFace:
@@ -372,18 +382,73 @@ def _version() -> str:
     return __version__
 
 
-async def serve_stdio(face: McpFace) -> None:
-    """Serve the one client on this process's stdin/stdout until it closes them."""
+async def serve_stdio(face: McpFace, *, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+    """Serve the one client on this process's stdin/stdout until it closes them, or sends a
+    message (a line) longer than ``max_message_bytes``: that ends the session, said on stderr."""
     from mcp.server.stdio import stdio_server
 
-    async with stdio_server() as (read, write):
-        # the protocol has stdout (taken above); a stray print (a library's log line) would
-        # corrupt it, so from here stdout is stderr
-        real, sys.stdout = sys.stdout, sys.stderr
-        try:
-            await face.server.run(read, write, face.server.create_initialization_options())
-        finally:
-            sys.stdout = real
+    with _claimed_stdin() as wire:
+        # the transport only iterates its stdin: it gets lines bounded before they are read whole
+        lines = cast("anyio.AsyncFile[str]", _BoundedLines(wire, max_message_bytes))
+        async with stdio_server(stdin=lines) as (read, write):
+            # the protocol has stdout (taken above); a stray print (a library's log line) would
+            # corrupt it, so from here stdout is stderr
+            real, sys.stdout = sys.stdout, sys.stderr
+            try:
+                await face.server.run(read, write, face.server.create_initialization_options())
+            finally:
+                sys.stdout = real
+
+
+class _BoundedLines:
+    """The lines of ``wire`` as text, each at most ``limit`` bytes; a longer one ends them."""
+
+    def __init__(self, wire: BinaryIO, limit: int) -> None:
+        self._wire = wire
+        self._limit = limit
+
+    def __aiter__(self) -> _BoundedLines:
+        return self
+
+    async def __anext__(self) -> str:
+        line = await anyio.to_thread.run_sync(self._wire.readline, self._limit + 1)
+        if not line:
+            raise StopAsyncIteration
+        if len(line) > self._limit and not line.endswith(b"\n"):
+            # Its answer could not be told apart from the message's next piece: the session ends.
+            print(
+                f"stockade mcp: a message longer than {self._limit} bytes: the session ends "
+                "(over HTTP such a message is answered 413)",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise StopAsyncIteration
+        return line.decode("utf-8", errors="replace")
+
+
+@contextlib.contextmanager
+def _claimed_stdin() -> Iterator[BinaryIO]:
+    """The client's stdin on a descriptor of its own, fd 0 on the null device meanwhile, as the
+    SDK does for the stdin it opens itself: a child, or a stray read, must not take its bytes."""
+    stdin = sys.stdin.buffer
+    try:
+        on_fd = stdin.fileno() == 0
+    except (OSError, ValueError):  # not a file (tests): read it in place
+        on_fd = False
+    if not on_fd:
+        yield stdin
+        return
+    import fcntl
+
+    wire = fcntl.fcntl(0, fcntl.F_DUPFD_CLOEXEC, 3)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    try:
+        # never closed: a reader thread may still be blocked on it when the session ends
+        yield os.fdopen(wire, "rb", closefd=False)
+    finally:
+        os.dup2(wire, 0)
 
 
 # A bearer token shorter than this is refused: it guards running code on this machine.
@@ -399,9 +464,11 @@ def http_app(
 
     At most ``max_sessions`` sessions at once (each holds a sandbox: the SDK's default, 10,000,
     let one token holder start a sandbox per session; a request that would open one more is
-    answered 503). A request from a web page (an ``Origin`` header) is refused unless its origin
-    is in ``allowed_origins``: the SDK checks Host and Origin itself only when ``host`` is this
-    machine alone, and MCP clients that are programs send no Origin.
+    answered 503). A request from a web page (an ``Origin`` header) is refused (403) unless its
+    origin is in ``allowed_origins``, or, when ``host`` is this machine alone, is this server's
+    own (``http://127.0.0.1:PORT``, ``localhost``, ``[::1]``); there its ``Host`` must name this
+    server too (421 otherwise), against DNS rebinding. MCP clients that are programs send no
+    Origin. A ``DELETE`` ends the session's run only when the SDK ended the session (2xx).
 
     The token is checked here, not with the SDK's bearer middleware: that one is the resource
     server of an OAuth authorization server (its metadata routes name an issuer), and a static
@@ -416,57 +483,120 @@ def http_app(
         raise exc.InvalidArgument(
             f"max_sessions is {max_sessions}", argument="max_sessions", fix="give 1 or more"
         )
+    loopback = host in LOOPBACK
     inner = face.server.streamable_http_app(
         streamable_http_path=path,
         host=host,
         session_idle_timeout=face.idle_timeout_s,
         max_sessions=max_sessions,
+        max_request_body_size=MAX_MESSAGE_BYTES,
+        # on this machine alone the SDK's own checks stay, the origins allowed added to them
+        # (they match by prefix: ours, below, match whole)
+        transport_security=TransportSecuritySettings(
+            allowed_hosts=["127.0.0.1:*", "localhost:*", "[::1]:*"],
+            allowed_origins=["http://127.0.0.1:*", "http://localhost:*", "http://[::1]:*", *allowed_origins],
+        )
+        if loopback
+        else None,
     )
-    loopback = host in LOOPBACK  # the SDK's own Host and Origin checks hold there
     face.start_reaper()
     expected = None if token is None else f"bearer {token}".encode()
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and _repeated(scope, (b"authorization", SESSION_HEADER.encode())):
-            # The SDK reads a header's first copy and a dict of them its last: a DELETE naming
-            # its own session first and another's last ended the other one.
-            refused = JSONResponse(
-                {"error": "Bad Request", "detail": f"give Authorization and {SESSION_HEADER} once each"},
-                status_code=400,
-            )
+        if scope["type"] != "http":
+            await inner(scope, receive, send)
+            return
+        refused = _refusal(scope, expected=expected, loopback=loopback, allowed_origins=allowed_origins)
+        if refused is not None:
             await refused(scope, receive, send)
             return
-        if expected is not None and scope["type"] == "http":
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            scheme, _, credential = given.partition(b" ")  # the scheme's case is free (RFC 9110)
-            if not hmac.compare_digest(scheme.lower() + b" " + credential, expected):
-                refused = JSONResponse(
-                    {
-                        "error": "Unauthorized",
-                        "detail": "this MCP endpoint needs Authorization: Bearer <token>",
-                    },
-                    status_code=401,
-                    headers={"WWW-Authenticate": 'Bearer realm="stockade mcp"'},
-                )
-                await refused(scope, receive, send)
-                return
-        if not loopback and scope["type"] == "http":
-            origin = dict(scope.get("headers") or []).get(b"origin")
-            if origin is not None and origin.decode("latin-1") not in allowed_origins:
-                refused = JSONResponse(
-                    {"error": "Forbidden", "detail": "a request from a web page whose origin is not allowed"},
-                    status_code=403,
-                )
-                await refused(scope, receive, send)
-                return
-        await inner(scope, receive, send)
-        if scope["type"] == "http" and scope.get("method") == "DELETE":
-            headers = dict(scope.get("headers") or [])
-            key = headers.get(SESSION_HEADER.encode())
-            if key:
-                await anyio.to_thread.run_sync(face.end_session, key.decode("latin-1"))
+        if scope.get("method") != "DELETE":
+            await inner(scope, receive, send)
+            return
+        answered: list[int] = []
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                answered.append(message["status"])
+            await send(message)
+
+        await inner(scope, receive, sending)
+        # Only a DELETE the SDK carried out ends the run: one it refused (a wrong Host, Origin or
+        # path) left its session open, and the client's next call got a new sandbox.
+        key = Headers(scope=scope).get(SESSION_HEADER)
+        if key and scope.get("path") == path and answered and 200 <= answered[0] < 300:
+            await anyio.to_thread.run_sync(face.end_session, key)
 
     return app
+
+
+_FOREIGN_PAGE = JSONResponse(
+    {"error": "Forbidden", "detail": "a request from a web page whose origin is not allowed"}, status_code=403
+)
+
+
+def _refusal(
+    scope: Scope, *, expected: bytes | None, loopback: bool, allowed_origins: tuple[str, ...]
+) -> JSONResponse | None:
+    """The answer to an HTTP request refused before the SDK sees it, if it is."""
+    if _repeated(scope, (b"authorization", SESSION_HEADER.encode(), b"host", b"origin")):
+        # The SDK reads a header's first copy and a dict of them its last: a DELETE naming
+        # its own session first and another's last ended the other one.
+        return JSONResponse(
+            {
+                "error": "Bad Request",
+                "detail": f"give Authorization, {SESSION_HEADER}, Host and Origin once each",
+            },
+            status_code=400,
+        )
+    if loopback and (refused := _not_this_server(scope, allowed_origins)) is not None:
+        return refused
+    headers = dict(scope.get("headers") or [])
+    if expected is not None:
+        scheme, _, credential = headers.get(b"authorization", b"").partition(b" ")
+        # the scheme's case is free (RFC 9110)
+        if not hmac.compare_digest(scheme.lower() + b" " + credential, expected):
+            return JSONResponse(
+                {
+                    "error": "Unauthorized",
+                    "detail": "this MCP endpoint needs Authorization: Bearer <token>",
+                },
+                status_code=401,
+                headers={"WWW-Authenticate": 'Bearer realm="stockade mcp"'},
+            )
+    origin = headers.get(b"origin")
+    if not loopback and origin is not None and origin.decode("latin-1") not in allowed_origins:
+        return _FOREIGN_PAGE
+    return None
+
+
+def _not_this_server(scope: Scope, allowed_origins: tuple[str, ...]) -> JSONResponse | None:
+    """The refusal of a request whose Host, or Origin, is not this server on this machine.
+
+    The SDK's check matches a prefix (``127.0.0.1:*`` let in ``Host: 127.0.0.1:80@evil.example``
+    and ``Origin: http://127.0.0.1:1.evil.example``); here the whole value is matched, with this
+    server's own port (a page another local server serves is another origin)."""
+    server = scope.get("server")
+    port = server[1] if server and server[1] else None
+    headers = Headers(scope=scope)
+    if not _names_this_server(_LOOPBACK_HOST, headers.get("host", ""), port):
+        return JSONResponse(
+            {"error": "Misdirected Request", "detail": "the Host header does not name this server"},
+            status_code=421,
+        )
+    origin = headers.get("origin")
+    if origin is None or origin in allowed_origins or _names_this_server(_LOOPBACK_ORIGIN, origin, port):
+        return None
+    return _FOREIGN_PAGE
+
+
+def _names_this_server(form: re.Pattern[str], value: str, port: int | None) -> bool:
+    """Whether ``value`` is, whole, a loopback name with this server's port (80 when none is
+    given; any, when the server's own is unknown)."""
+    match = form.fullmatch(value.lower())
+    if match is None:
+        return False
+    return port is None or int(match.group(1) or 80) == port
 
 
 def _repeated(scope: Scope, names: tuple[bytes, ...]) -> bool:

@@ -60,6 +60,32 @@ def test_over_stdio_only_the_protocol_reaches_stdout(tmp_path: Path) -> None:
     assert "stockade mcp on stdio: the process tier" in result.stderr
 
 
+def test_over_stdio_a_message_longer_than_http_takes_ends_the_session(tmp_path: Path) -> None:
+    """The SDK reads a stdio line whole (one of 200 MB took 928 MB); over HTTP a body past the
+    cap is answered 413. A longer line is not read: the session ends, and says why."""
+    from mcp.server.transport_security import DEFAULT_MAX_REQUEST_BODY_SIZE as MAX_MESSAGE_BYTES
+
+    (tmp_path / "policy.toml").write_text(POLICY)
+    (tmp_path / "ws").mkdir()
+    hello = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}
+    given = _messages(
+        {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": hello},
+        {"jsonrpc": "2.0", "method": "notifications/initialized"},
+        {"jsonrpc": "2.0", "id": 2, "method": "ping", "params": {"_meta": {"pad": "x" * MAX_MESSAGE_BYTES}}},
+        {"jsonrpc": "2.0", "id": 3, "method": "ping"},
+    )
+    result = runner.invoke(
+        app,
+        ["mcp", "--policy", str(tmp_path / "policy.toml"), "--tier", "process", "--workspace",
+         str(tmp_path / "ws"), "--audit-db", f"sqlite:///{tmp_path / 'audit.db'}", "--max-failures", "0"],
+        input=given,
+    )  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    answered = [json.loads(line)["id"] for line in result.stdout.splitlines()]
+    assert answered == [1], answered  # neither the long message nor any after it
+    assert f"a message longer than {MAX_MESSAGE_BYTES} bytes: the session ends" in result.stderr
+
+
 def test_what_mcp_refuses_to_start_with(tmp_path: Path) -> None:
     (tmp_path / "policy.toml").write_text(POLICY)
     not_a_folder = runner.invoke(app, ["mcp", "--policy", str(tmp_path / "policy.toml"), "--workspace",

@@ -6,10 +6,12 @@ or waited for, and a session without one refused over HTTP."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx2
@@ -17,6 +19,7 @@ import mcp_types as types
 import pytest
 from mcp import Client
 from mcp.client.session import ClientRequestContext
+from starlette.types import ASGIApp
 
 from stockade.assembly import AgentConfig
 from stockade.audit import AuditLog, MemoryStore
@@ -192,32 +195,119 @@ def test_over_http_off_this_machine_sessions_are_bounded_and_web_pages_refused(t
     off): one token holder opened a session, and so a sandbox, per request with no bound, and a
     page on another site was let in. Served for real (uvicorn: the SDK's session manager runs
     in the app's lifespan), on this machine's address but told it is not."""
-    import uvicorn
-
     server = face(tmp_path, transport="http")
     token = secrets.token_urlsafe(24)
     app = http_app(
         server, host="0.0.0.0", token=token, max_sessions=2, allowed_origins=("https://ok.example",)
     )
-    served = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
-    thread = threading.Thread(target=served.run, daemon=True)
+    try:
+        with served(app) as port:
+            headers = {"Authorization": f"Bearer {token}", "Accept": ACCEPT}
+            with httpx2.Client(base_url=f"http://127.0.0.1:{port}", headers=headers, timeout=10) as http:
+                foreign = http.post("/mcp", json=INITIALIZE, headers={"Origin": "https://evil.example"})
+                assert foreign.status_code == 403, foreign.text
+                opened = [http.post("/mcp", json=INITIALIZE, headers={"Origin": "https://ok.example"})]
+                lower = {"Authorization": f"bearer {token}"}  # the scheme's case is free (RFC 9110)
+                opened += [http.post("/mcp", json=INITIALIZE, headers=lower) for _ in range(2)]
+                assert [r.status_code for r in opened] == [200, 200, 503], [r.text for r in opened]
+                http.delete("/mcp", headers={"mcp-session-id": opened[0].headers["mcp-session-id"]})
+                assert http.post("/mcp", json=INITIALIZE).status_code == 200  # room again
+    finally:
+        server.close()
+
+
+ACCEPT = "application/json, text/event-stream"
+
+
+@contextlib.contextmanager
+def served(app: ASGIApp) -> Iterator[int]:
+    """``app`` served for real on this machine (uvicorn: the SDK's session manager runs in the
+    app's lifespan); its port."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
         deadline = time.monotonic() + 10
-        while not served.started and time.monotonic() < deadline:
+        while not server.started and time.monotonic() < deadline:
             time.sleep(0.01)
-        port = served.servers[0].sockets[0].getsockname()[1]
-        headers = {"Authorization": f"Bearer {token}", "Accept": "application/json, text/event-stream"}
-        with httpx2.Client(base_url=f"http://127.0.0.1:{port}", headers=headers, timeout=10) as http:
-            foreign = http.post("/mcp", json=INITIALIZE, headers={"Origin": "https://evil.example"})
-            assert foreign.status_code == 403, foreign.text
-            opened = [http.post("/mcp", json=INITIALIZE, headers={"Origin": "https://ok.example"})]
-            lower = {"Authorization": f"bearer {token}"}  # the scheme's case is free (RFC 9110)
-            opened += [http.post("/mcp", json=INITIALIZE, headers=lower) for _ in range(2)]
-            assert [r.status_code for r in opened] == [200, 200, 503], [r.text for r in opened]
-            http.delete("/mcp", headers={"mcp-session-id": opened[0].headers["mcp-session-id"]})
-            assert http.post("/mcp", json=INITIALIZE).status_code == 200  # room again
+        yield server.servers[0].sockets[0].getsockname()[1]
     finally:
-        served.should_exit = True
+        server.should_exit = True
         thread.join(10)
+
+
+def _answer(response: httpx2.Response) -> dict[str, object]:
+    """The JSON-RPC answer of a POST, sent as JSON or as one server-sent event."""
+    assert response.status_code == 200, response.text
+    if response.headers["content-type"].startswith("text/event-stream"):
+        [data] = [line[5:] for line in response.text.splitlines() if line.startswith("data:")]
+        return json.loads(data)  # type: ignore[no-any-return]
+    return response.json()  # type: ignore[no-any-return]
+
+
+def test_over_http_only_a_delete_the_sdk_carried_out_ends_the_session(tmp_path: Path) -> None:
+    """Every DELETE ended the session's run, even one refused (a wrong Host, Origin or path):
+    the SDK kept the session open, and the client's next call got a new sandbox and run."""
+    server = face(tmp_path, transport="http")
+    try:
+        with served(http_app(server)) as port:
+            url = f"http://127.0.0.1:{port}"
+            with httpx2.Client(base_url=url, headers={"Accept": ACCEPT}, timeout=10) as http:
+                opened = http.post("/mcp", json=INITIALIZE)
+                sid = opened.headers["mcp-session-id"]
+                version = str(_answer(opened)["result"]["protocolVersion"])  # type: ignore[index]
+                http.headers.update({"mcp-session-id": sid, "mcp-protocol-version": version})
+                http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"})
+                call = {"name": "write_file", "arguments": {"path": "victim.txt", "content": "x"}}
+                wrote = _answer(
+                    http.post(
+                        "/mcp", json={"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": call}
+                    )
+                )
+                assert wrote["result"]["isError"] is False, wrote  # type: ignore[index]
+                session = server.agent.find(sid)
+                assert session is not None
+                refused = [
+                    http.delete("/mcp", headers={"Host": f"evil.example:{port}"}),
+                    http.delete("/mcp", headers={"Origin": "http://evil.example"}),
+                    http.delete("/elsewhere"),
+                    http.delete("/mcp/"),  # the SDK's route redirects it
+                ]
+                assert [r.status_code for r in refused] == [421, 403, 404, 307], [r.text for r in refused]
+                assert server.agent.find(sid) is session and not session.closed
+                assert http.delete("/mcp").status_code == 200
+                deadline = time.monotonic() + 10  # the run ends once the answer is sent
+                while not session.closed and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert server.agent.find(sid) is None and session.closed
+    finally:
+        server.close()
+
+
+def test_over_http_on_this_machine_host_and_origin_are_matched_whole(tmp_path: Path) -> None:
+    """The SDK matches Host and Origin by prefix (``127.0.0.1:*``): ``127.0.0.1:80@evil.example``
+    passed. Here they are this server's, its port included, or an origin the user allowed."""
+    server = face(tmp_path, transport="http")
+    try:
+        with served(http_app(server, allowed_origins=("https://ok.example",))) as port:
+            url = f"http://127.0.0.1:{port}"
+            with httpx2.Client(base_url=url, headers={"Accept": ACCEPT}, timeout=10) as http:
+
+                def status(name: str, value: str) -> int:
+                    return http.post("/mcp", json=INITIALIZE, headers={name: value}).status_code
+
+                for host in ("127.0.0.1:80@evil.example", f"127.0.0.1:{port}.evil.example",
+                             f"localhost:{port + 1}", "evil.example", "localhost"):  # fmt: skip
+                    assert status("Host", host) == 421, host
+                for origin in ("http://127.0.0.1:1@evil.example", f"http://127.0.0.1:{port}.evil.example",
+                               f"http://localhost:{port + 1}", f"https://localhost:{port}",
+                               "null"):  # fmt: skip
+                    assert status("Origin", origin) == 403, origin
+                for host in (f"127.0.0.1:{port}", f"[::1]:{port}"):
+                    assert status("Host", host) == 200, host
+                for origin in (f"http://localhost:{port}", f"http://[::1]:{port}", "https://ok.example"):
+                    assert status("Origin", origin) == 200, origin
+    finally:
         server.close()
