@@ -35,7 +35,7 @@ def test_a_delivery_that_finds_the_run_starting_elsewhere_leaves_it_to_that_proc
     lease = other.claim("r1", new=True)
     try:
         with pytest.raises(exc.RunLeased):
-            runner.execute("r1", runner.config.tenants.tenants["acme"])
+            runner.execute("r1", runner.config.tenants.current().tenants["acme"])
         row = runner.store.run("r1")
         # before, this copy wrote "error" (and freed the run's quota) while the other ran it on
         assert row is not None and row.status == "running", row

@@ -55,11 +55,12 @@ MaxAttemptsOption = Annotated[
 
 
 def _config(tenants: Path, db: str, redis: str | None, **options: object) -> object:
-    from stockade.server import ServiceConfig, Tenants
+    from stockade.server import ServiceConfig, TenantsFile
 
     key = os.environ.get("STOCKADE_AUDIT_KEY")
+    # the file is followed: a token taken out of it is refused within a second, without a restart
     return ServiceConfig(
-        tenants=Tenants.load(tenants), database=db, redis=redis or None,
+        tenants=TenantsFile(tenants), database=db, redis=redis or None,
         audit_key=key.encode() if key else None, **options,  # type: ignore[arg-type]
     )  # fmt: skip
 

@@ -106,7 +106,8 @@ def _run(task: Task, run_id: str, *_: Any) -> str:
     runner = _runner_here()
     assert _Process.config is not None
     row = runner.store.run_head(run_id)
-    tenant = _Process.config.tenants.tenants.get(row.tenant) if row is not None else None
+    tenants = _Process.config.tenants.current()  # as the file is now
+    tenant = tenants.tenants.get(row.tenant) if row is not None else None
     # Given again (the broker on a worker lost, a waker's "orphaned") while no process holds
     # it: the worker of its last attempt died. One that dies each time is capped.
     died = row is not None and row.status == "running" and not runner.runs.leased(run_id)

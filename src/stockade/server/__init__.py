@@ -1,7 +1,7 @@
 """``stockade serve``: the SDK behind HTTP (FastAPI), sandboxes and runs per tenant.
 
-    from stockade.server import ServiceConfig, Tenants, serve
-    serve(ServiceConfig(tenants=Tenants.load("tenants.toml")), host="127.0.0.1", port=8080)
+    from stockade.server import ServiceConfig, TenantsFile, serve
+    serve(ServiceConfig(tenants=TenantsFile("tenants.toml")), host="127.0.0.1", port=8080)
 
 Routes are thin shells over the SDK (``sandboxes``: ``stockade.Sandbox``; ``runs``:
 ``build_agent`` over the run store); ``problems`` maps the error tree to RFC 9457 responses
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from stockade.server.context import ServiceConfig
     from stockade.server.service import Service
     from stockade.server.serving import serve
-    from stockade.server.tenants import Quotas, Tenant, Tenants, new_token
+    from stockade.server.tenants import Quotas, Tenant, Tenants, TenantsFile, new_token
 
 _LAZY = {
     "create_app": "stockade.server.app",
@@ -31,6 +31,7 @@ _LAZY = {
     "Quotas": "stockade.server.tenants",
     "Tenant": "stockade.server.tenants",
     "Tenants": "stockade.server.tenants",
+    "TenantsFile": "stockade.server.tenants",
     "new_token": "stockade.server.tenants",
 }
 
@@ -58,6 +59,7 @@ __all__ = [
     "ServiceConfig",
     "Tenant",
     "Tenants",
+    "TenantsFile",
     "create_app",
     "new_token",
     "serve",

@@ -12,7 +12,7 @@ from stockade.audit.log import AuditLog
 from stockade.audit.stores import open_store
 from stockade.runtime.limits import LocalWindow, RateLimit, RedisWindow, Window
 from stockade.sandbox.snapshots import SnapshotStore
-from stockade.server.tenants import Principal, Tenant, Tenants
+from stockade.server.tenants import Principal, Tenant, Tenants, TenantsFile
 
 __all__ = ["MAX_ATTEMPTS", "AuditLogs", "ServiceConfig", "TenantLimits", "gave_up"]
 
@@ -39,7 +39,9 @@ class ServiceConfig:
     broker and the shared rate and spend windows; None runs every run in the server's
     process (``run_threads`` at a time), the embedded default."""
 
-    tenants: Tenants
+    # a table, or the file it is loaded from, followed while the process runs (``TenantsFile``):
+    # read it as ``tenants.current()``, each time (a token taken out is refused from then on)
+    tenants: Tenants | TenantsFile
     database: str = "sqlite:///.stockade/service.db"
     redis: str | None = None
     run_threads: int = 2

@@ -17,7 +17,7 @@ from typing import Protocol
 from stockade import exceptions as exc
 from stockade.server.context import MAX_ATTEMPTS
 from stockade.server.runner import QUOTA_POLL_S, Runner, RunOutcome
-from stockade.server.tenants import Tenants
+from stockade.server.tenants import Tenants, TenantsFile
 
 __all__ = ["QUOTA_POLL_S", "Executor", "InProcessExecutor"]
 
@@ -35,8 +35,9 @@ class InProcessExecutor:
     """Runs on ``threads`` threads of this process, retrying what is transient."""
 
     def __init__(
-        self, runner: Runner, tenants: Tenants, *, threads: int = 2, max_attempts: int = MAX_ATTEMPTS
-    ) -> None:
+        self, runner: Runner, tenants: Tenants | TenantsFile, *, threads: int = 2,
+        max_attempts: int = MAX_ATTEMPTS,
+    ) -> None:  # fmt: skip
         self.runner = runner
         self.tenants = tenants
         self.max_attempts = max_attempts
@@ -58,7 +59,7 @@ class InProcessExecutor:
 
     def _run(self, run_id: str) -> RunOutcome | None:
         row = self.runner.store.run_head(run_id)
-        tenant = self.tenants.tenants.get(row.tenant) if row is not None else None
+        tenant = self.tenants.current().tenants.get(row.tenant) if row is not None else None
         last = "no attempt"
         for attempt in range(1, self.max_attempts + 1):
             if self._closed.is_set():

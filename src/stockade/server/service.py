@@ -19,6 +19,7 @@ from stockade.server.sandboxes import SandboxRegistry
 from stockade.server.snapshots import TenantSnapshots
 from stockade.server.state import DatabaseApprovals, DatabaseKillSource, ServiceStore, open_database
 from stockade.server.streams import StreamSlots
+from stockade.server.tenants import Tenants
 
 __all__ = ["Service"]
 
@@ -37,10 +38,9 @@ class Service:
         executor: Executor | None = None,
         backends: Callable[[str], Backend] | None = None,
     ) -> None:
-        check_tenants(config.tenants)
+        check_tenants(config.tenants.current())
         self.streams = StreamSlots(config.max_streams)  # event streams open, per tenant
         self.config = config
-        self.tenants = config.tenants
         self.run_store = RunStore(open_database(config.database), namespace="runs")
         self.store = ServiceStore(open_database(config.database), runs=self.run_store.ns)
         self.audit = AuditLogs(config.database, key=config.audit_key)
@@ -64,6 +64,11 @@ class Service:
                 self._runner, config.tenants, threads=config.run_threads, max_attempts=config.max_attempts
             )
         self.executor = executor
+
+    @property
+    def tenants(self) -> Tenants:
+        """The tenants and tokens now: the tenants file as it was at most a second ago."""
+        return self.config.tenants.current()
 
     @property
     def embedded(self) -> bool:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import signal
 from typing import TYPE_CHECKING
 
 from stockade.server.app import create_app
 from stockade.server.context import ServiceConfig
 from stockade.server.service import Service
+from stockade.server.tenants import TenantsFile
 
 if TYPE_CHECKING:
     from stockade.server.connections import ConnectionLimits
@@ -28,7 +30,8 @@ def serve(
     config: ServiceConfig, *, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info",
     connections: ConnectionLimits | None = None,
 ) -> None:  # fmt: skip
-    """Serve until SIGINT or SIGTERM (uvicorn's handlers); then the service closes: sandboxes
+    """Serve until SIGINT or SIGTERM (uvicorn's handlers; SIGHUP loads a ``TenantsFile`` again,
+    with the policy files it names, at the next request); then the service closes: sandboxes
     are removed, and runs of the embedded executor end "interrupted" (the next start resumes them).
     ``connections``: how many at once, how long a request's head and an idle one may take."""
     import dataclasses
@@ -41,6 +44,9 @@ def serve(
         config = dataclasses.replace(config, advertise_url=advertised(host, port))
     limits = (connections or ConnectionLimits()).fitted()
     app = create_app(Service(config))
+    if isinstance(config.tenants, TenantsFile):  # SIGHUP: load it again (and its policy files) now
+        follow = config.tenants
+        signal.signal(signal.SIGHUP, lambda *_: follow.reload_soon())
     uvicorn.run(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=10,
         # h11, whatever else is installed: the head timeout and the cap are added to its protocol

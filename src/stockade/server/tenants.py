@@ -27,14 +27,23 @@ A token is ``stk_<id>_<secret>``: the id finds its record (it is not secret), an
 secret's SHA-256 is compared with the stored one in constant time. An unknown id is
 compared against a dummy digest, so that a wrong token costs the same whatever is wrong
 with it. ``new_token`` makes one (``stockade token new``).
+
+A running service follows its file (``TenantsFile``): it looks at the file's identity at most
+once a second, on the way of a request, and loads it again when it changed, so a token taken
+out is refused from then on and a changed quota or policy holds for the work that starts
+after. A file that no longer loads is logged and the last table that did stays.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
+import os
 import re
 import secrets
+import threading
+import time
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -52,6 +61,7 @@ __all__ = [
     "Quotas",
     "Tenant",
     "Tenants",
+    "TenantsFile",
     "TokenRecord",
     "check_output_bytes",
     "new_token",
@@ -61,6 +71,9 @@ __all__ = [
 TENANT_ID = re.compile(r"^[a-z][a-z0-9_]{0,23}$")  # also a table-name prefix (audit namespaces)
 _TOKEN = re.compile(r"^stk_([0-9a-f]{12})_([A-Za-z0-9_-]{20,128})$")
 _DUMMY = hashlib.sha256(b"stockade: no such token").hexdigest()
+CHECK_S = 1.0  # how often a service looks whether its tenants file changed
+
+log = logging.getLogger("stockade.server")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -259,6 +272,10 @@ class Tenants:
         }
         return cls(tenants=tenants, tokens=tokens)
 
+    def current(self) -> Tenants:
+        """The table now: a table of its own is always itself (``TenantsFile`` follows a file)."""
+        return self
+
     def authenticate(self, token: str) -> Principal:
         """The principal of ``token``; ``AuthenticationError`` for any token it is not."""
         parsed = parse_token(token)
@@ -288,3 +305,93 @@ class Tenants:
             f'[[tokens]]\nid = "{record.id}"\nsha256 = "{record.sha256}"\ntenant = "{record.tenant}"{role}'
             f"{admin}\n"
         )
+
+
+# what tells one version of a file from the next without reading it: replaced (another
+# inode), rewritten in place (size, mtime, ctime), or gone (None)
+_Identity = tuple[int, int, int, int, int] | None
+# A file's times tick coarsely (the kernel's clock tick, a few ms; more on some file systems):
+# a second write of the same size within that tick looks like the first. A file changed this
+# recently is read again at the next check (as git treats a "racy" index entry).
+_RACY_NS = 2_000_000_000
+
+
+def _identity(path: Path) -> _Identity:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def _racy(seen: _Identity) -> bool:
+    return seen is not None and time.time_ns() - max(seen[3], seen[4]) < _RACY_NS
+
+
+class TenantsFile:
+    """A tenants file the service follows while it runs. ``current()`` is its table: at most
+    every ``check_s`` it compares the file's identity (a ``stat``, no read) with the one it
+    loaded, and loads the file again when it changed. The first load raises as
+    ``Tenants.load``; a later one that fails (bad TOML, an unknown role, no tenants left, the
+    file gone) keeps the last table that loaded and logs why, once per version of the file:
+    a typo does not lock every tenant out, nor does it bring back a token already refused.
+    ``reload_soon()`` (``stockade serve``'s SIGHUP) makes the next ``current()`` load the file
+    even if it looks unchanged: a policy file it names changed, say."""
+
+    def __init__(self, path: str | Path, *, check_s: float = CHECK_S) -> None:
+        self.path = Path(path)
+        self.check_s = check_s
+        self._seen = _identity(self.path)  # before reading: a write meanwhile is seen next time
+        self._racy = _racy(self._seen)
+        self._table = Tenants.load(self.path)
+        self._failed: _Identity = None  # the version whose failure was logged
+        self._checked = time.monotonic()
+        self._forced = False
+        # held only inside ``current()``; a Celery worker's parent never consults it, so no pool
+        # child is forked while it is held
+        self._lock = threading.Lock()
+
+    def current(self) -> Tenants:
+        if time.monotonic() - self._checked < self.check_s and not self._forced:
+            return self._table
+        with self._lock:
+            if time.monotonic() - self._checked >= self.check_s or self._forced:
+                self._check()
+            return self._table
+
+    def reload_soon(self) -> None:
+        """Load the file at the next ``current()``, changed or not (safe in a signal handler)."""
+        self._forced = True
+
+    def _check(self) -> None:
+        forced, self._forced = self._forced, False
+        seen = _identity(self.path)
+        self._checked = time.monotonic()
+        if seen == self._seen and not (forced or self._racy):
+            return
+        self._seen, self._racy = seen, _racy(seen)
+        try:
+            if seen is None:
+                raise exc.ConfigurationError(f"the tenants file {self.path} is gone")
+            table = Tenants.load(self.path)
+            if not table.tenants:
+                raise exc.ConfigurationError(f"{self.path} names no tenants")
+        except exc.StockadeError as error:
+            if seen != self._failed or forced:
+                self._failed = seen
+                problems = "".join(f"\n  {p}" for p in getattr(error, "problems", ()))
+                log.error(
+                    "the tenants file changed but does not load: the service keeps its last table "
+                    "(%d tenants, %d tokens) until it is fixed: %s%s",
+                    len(self._table.tenants), len(self._table.tokens), error, problems,
+                )  # fmt: skip
+            return
+        self._failed = None
+        if table == self._table:  # read again for nothing (racy, or asked): nothing to say
+            return
+        removed = sorted(set(self._table.tokens) - set(table.tokens))
+        self._table = table
+        log.warning(
+            "tenants file %s loaded again: %d tenants, %d tokens%s", self.path, len(table.tenants),
+            len(table.tokens), f"; tokens refused from now on: {', '.join(removed)}" if removed else "",
+        )  # fmt: skip

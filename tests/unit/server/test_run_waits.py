@@ -25,7 +25,7 @@ def runner(tmp_path: Path) -> Iterator[Runner]:
 
 
 def acme(runner: Runner) -> Tenant:
-    return runner.config.tenants.tenants["acme"]
+    return runner.config.tenants.current().tenants["acme"]
 
 
 def submit(runner: Runner, run_id: str, spec: dict[str, object]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 
 from stockade import exceptions as exc
 from stockade.policy.schema import Policy, Role
-from stockade.server.tenants import Quotas, Tenant, Tenants, TokenRecord, new_token, parse_token
+from stockade.server.tenants import Quotas, Tenant, Tenants, TenantsFile, TokenRecord, new_token, parse_token
 
 
 def tenants_with(*records: TokenRecord) -> Tenants:
@@ -190,3 +191,95 @@ def test_a_tenants_file_that_cannot_be_parsed_is_a_configuration_error(
     path.write_bytes(content)
     with pytest.raises(exc.ConfigurationError, match=words):
         Tenants.load(path)
+
+
+# -- a followed tenants file (``TenantsFile``) -----------------------------------------------------
+
+
+def followed_text(*records: TokenRecord, sandboxes: int = 2) -> str:
+    lines = "".join(Tenants(tenants={}, tokens={}).toml_lines(r) for r in records)
+    return f'[tenants.acme]\npolicy = "p.toml"\nsandboxes = {sandboxes}\n\n[tenants.other]\n\n{lines}'
+
+
+def policy_with(tmp_path: Path, level: str) -> None:
+    (tmp_path / "p.toml").write_text(f'version = 1\n[trust]\nlevel = "{level}"\n[roles.dev]\n')
+
+
+def test_a_followed_tenants_file_is_loaded_again_when_it_changes(tmp_path: Path) -> None:
+    policy_with(tmp_path, "internal")
+    acme, acme_record = new_token("acme", "dev")
+    other, other_record = new_token("other")
+    followed = TenantsFile(write(tmp_path, followed_text(acme_record, other_record)), check_s=0)
+    assert followed.current().authenticate(other).tenant.id == "other"
+
+    write(tmp_path, followed_text(acme_record, sandboxes=5))  # other's token out, acme's quota up
+    now = followed.current()
+    with pytest.raises(exc.AuthenticationError):
+        now.authenticate(other)
+    assert now.authenticate(acme).tenant.quotas.sandboxes == 5
+    assert followed.current() is now  # unchanged: not read again
+
+
+def test_a_followed_file_is_looked_at_once_per_period_and_at_once_when_asked(tmp_path: Path) -> None:
+    """``reload_soon`` (SIGHUP): a policy file the tenants file names changed, which changes
+    nothing the file's identity shows."""
+    policy_with(tmp_path, "internal")
+    acme, acme_record = new_token("acme", "dev")
+    other, other_record = new_token("other")
+    followed = TenantsFile(write(tmp_path, followed_text(acme_record, other_record)), check_s=3600)
+    write(tmp_path, followed_text(acme_record))
+    policy_with(tmp_path, "trusted")
+    assert followed.current().authenticate(other).tenant.id == "other"  # not looked at yet
+
+    followed.reload_soon()
+    now = followed.current()
+    with pytest.raises(exc.AuthenticationError):
+        now.authenticate(other)
+    assert now.authenticate(acme).tenant.policy.trust.level.value == "trusted"
+
+
+def test_a_followed_file_that_no_longer_loads_keeps_its_last_table_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    policy_with(tmp_path, "internal")
+    _, acme_record = new_token("acme", "dev")
+    other, other_record = new_token("other")
+    path = write(tmp_path, followed_text(acme_record))
+    followed = TenantsFile(path, check_s=0)
+    table = followed.current()
+    fixed = followed_text(acme_record, other_record)
+    # a broken edit that would let "other" in, a role its policy lacks, a file emptied (as one
+    # being written in place may be for a moment), the file gone
+    for broken in (fixed + "[tenants.acme\n", fixed.replace('role = "dev"', 'role = "ops"'), "", None):
+        caplog.clear()
+        if broken is None:
+            path.unlink()
+        else:
+            write(tmp_path, broken)
+        with caplog.at_level(logging.ERROR, logger="stockade.server"):
+            assert followed.current() is table and followed.current() is table
+        errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1 and "keeps its last table (2 tenants, 1 tokens)" in errors[0].getMessage()
+        with pytest.raises(exc.AuthenticationError):
+            followed.current().authenticate(other)
+
+    write(tmp_path, fixed)
+    assert followed.current().authenticate(other).tenant.id == "other"
+
+
+def test_a_followed_file_must_load_when_it_is_first_read(tmp_path: Path) -> None:
+    with pytest.raises(exc.ConfigurationError, match="not valid TOML"):
+        TenantsFile(write(tmp_path, "[tenants.acme\n"))
+
+
+def test_a_rewrite_within_the_same_clock_tick_is_not_missed(tmp_path: Path) -> None:
+    """The same size, written again at once: the file's times may not have moved (they tick
+    coarsely), so a file changed this recently is read again at the next check."""
+    policy_with(tmp_path, "internal")
+    first, first_record = new_token("acme", "dev")
+    second, second_record = new_token("acme", "dev")
+    followed = TenantsFile(write(tmp_path, followed_text(first_record)), check_s=0)
+    write(tmp_path, followed_text(second_record))  # as long, in place: maybe the same identity
+    assert followed.current().authenticate(second).tenant.id == "acme"
+    with pytest.raises(exc.AuthenticationError):
+        followed.current().authenticate(first)

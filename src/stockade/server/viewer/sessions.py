@@ -6,8 +6,9 @@ The mac is an HMAC-SHA256, under a key of the service's own (random, kept in its
 that every API process shares it), of the fields before it and the token's stored digest. A
 cookie that leaks (a shared machine, a browser extension) is then no API token: it shows the
 viewer, for at most ``SESSION_S``, and never reaches the API. Its token bound into it, a
-token taken out of the tenants file or given a new secret ends its sessions at once; signing
-out ends one (its nonce is kept until it would have expired).
+token taken out of the tenants file or given a new secret ends its sessions at once (the file
+is followed: within a second, ``TenantsFile``); signing out ends one (its nonce is kept until
+it would have expired).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 from stockade import exceptions as exc
 from stockade.server.state import ServiceStore
-from stockade.server.tenants import Principal, Tenants
+from stockade.server.tenants import Principal, Tenants, TenantsFile
 
 __all__ = ["SESSION_S", "Session", "Sessions"]
 
@@ -39,19 +40,21 @@ class Session:
 
 
 class Sessions:
-    """Makes and checks the viewer's sessions for the tokens of ``tenants``."""
+    """Makes and checks the viewer's sessions for the tokens of ``tenants`` (as they are at
+    each check: a ``TenantsFile`` follows its file)."""
 
-    def __init__(self, tenants: Tenants, store: ServiceStore) -> None:
+    def __init__(self, tenants: Tenants | TenantsFile, store: ServiceStore) -> None:
         self.tenants = tenants
         self.store = store
         self._key: bytes | None = None
 
     def start(self, token: str) -> str:
         """A session for the holder of ``token`` (``AuthenticationError`` when it is no token)."""
-        principal = self.tenants.authenticate(token)
+        tenants = self.tenants.current()
+        principal = tenants.authenticate(token)
         expires = int(time.time()) + SESSION_S
         head = f"v1.{principal.token_id}.{expires}.{secrets.token_hex(16)}"
-        return f"{head}.{self._mac(head, principal.token_id)}"
+        return f"{head}.{self._mac(head, tenants.tokens[principal.token_id].sha256)}"
 
     def check(self, cookie: str) -> Session:
         """The session ``cookie`` holds; ``AuthenticationError`` unless it is one of this
@@ -61,11 +64,13 @@ class Sessions:
             raise exc.AuthenticationError("that is not a session of this viewer: sign in again")
         token_id, expires, nonce, mac = match.groups()
         head = cookie[: -len(mac) - 1]
-        if token_id not in self.tenants.tokens or not hmac.compare_digest(mac, self._mac(head, token_id)):
+        tenants = self.tenants.current()  # one table for the whole check
+        record = tenants.tokens.get(token_id)
+        if record is None or not hmac.compare_digest(mac, self._mac(head, record.sha256)):
             raise exc.AuthenticationError("that is not a session of this viewer: sign in again")
         if int(expires) <= time.time() or self.store.signed_out(nonce):
             raise exc.AuthenticationError(_EXPIRED)
-        return Session(principal=self.tenants.principal(token_id), nonce=nonce, expires=int(expires))
+        return Session(principal=tenants.principal(token_id), nonce=nonce, expires=int(expires))
 
     def end(self, cookie: str) -> None:
         """Sign ``cookie``'s session out (nothing for one that is no longer valid)."""
@@ -75,8 +80,9 @@ class Sessions:
             return
         self.store.sign_out(session.nonce, session.expires * 1_000_000_000)
 
-    def _mac(self, head: str, token_id: str) -> str:
+    def _mac(self, head: str, digest: str) -> str:
+        """Of the session's fields and its token's stored digest (a new secret ends it)."""
         if self._key is None:
             self._key = self.store.key(KEY_NAME)
-        bound = f"{head}\n{self.tenants.tokens[token_id].sha256}".encode()
+        bound = f"{head}\n{digest}".encode()
         return hmac.new(self._key, bound, hashlib.sha256).hexdigest()

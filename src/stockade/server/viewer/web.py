@@ -145,7 +145,7 @@ class ServiceAuth:
 
     def __init__(self, service: Any) -> None:
         self.service = service
-        self.sessions = Sessions(service.tenants, service.store)
+        self.sessions = Sessions(service.config.tenants, service.store)
 
     def sign_in(self, credential: str) -> str:
         cookie = self.sessions.start(credential)
