@@ -59,8 +59,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from stockade._checks import check_choice, check_id
+from stockade._checks import check_choice, check_host_path, check_id
 from stockade._display import visible
+from stockade._state import sqlite_files, within
 from stockade.agent.checkpoint import Checkpointer
 from stockade.agent.events import (
     AgentEvent,
@@ -77,8 +78,8 @@ from stockade.audit.events import EventKind
 from stockade.audit.log import AuditLog
 from stockade.audit.redact import MIN_SECRET_LENGTH, Redactor
 from stockade.audit.runtime_events import RuntimeAuditor
-from stockade.audit.sandbox import AuditedBackend, current_call
-from stockade.audit.stores import open_store
+from stockade.audit.sandbox import AuditedBackend, current_call, exec_word
+from stockade.audit.stores import SQLiteStore, open_store
 from stockade.exceptions import (
     ApprovalRequired,
     ComplianceNotMet,
@@ -525,6 +526,25 @@ class GuardedAgent:
             self.close()
             raise
 
+    def own_records(self) -> tuple[Path, ...]:
+        """The files and folders of this host that hold this agent's records (its audit trail
+        with the sealing keys, its run store, kept sandboxes, approvals, incidents): where one
+        lies inside a run's workspace, it is left out of the copy a sandbox gets, wherever the
+        configuration put it (``.stockade/`` folders always are: ``stockade._state``)."""
+        found: list[Path] = []
+        if isinstance(self.audit_log.store, SQLiteStore):
+            found += sqlite_files(self.audit_log.store.path)
+        runs = self.checkpointer
+        if isinstance(runs, RunStore) and runs.url.startswith("sqlite:///"):
+            found += sqlite_files(Path(runs.url.removeprefix("sqlite:///")))
+        if self.keeper is not None:
+            found.append(self.keeper.store.root)
+        if isinstance(self.approvals.store, ApprovalStore):
+            found.append(self.approvals.store.directory)
+        if self.config.incident_dir is not None:
+            found.append(Path(self.config.incident_dir))
+        return tuple(found)
+
     def _redactors(self) -> list[Redactor]:
         """Every redactor between this agent and what it writes (trail, run store, telemetry)."""
         found = [self.audit_log.redactor]
@@ -751,8 +771,12 @@ class AgentSession:
     @contextlib.contextmanager
     def open(self, workspace: str | Path | None) -> Iterator[AgentSession]:
         owner = self.owner
+        hidden: tuple[str, ...] = ()
+        if workspace is not None:  # checked before a sandbox starts, not after
+            hidden = within(check_host_path(workspace, argument="workspace"), owner.own_records())
         if self._recorder is not None and workspace is not None:
             self._recorder.seed = workspace  # kept with the run, for ``stockade replay``
+            self._recorder.seed_hide = hidden
         telemetry = owner.config.telemetry
         tier = owner.backend if telemetry is None else TracedBackend(owner.backend, telemetry)
         backend = AuditedBackend(
@@ -761,7 +785,7 @@ class AgentSession:
             run_id=self.run_id,
             step=lambda: self.step,
         )
-        with self._start(backend, workspace) as raw:
+        with self._start(backend, workspace, hidden) as raw:
             self._raw = raw
             killable = self.controls.protect(raw)
             guard = _op_guard(owner.engine, self.approvals, owner.audit_log)
@@ -773,11 +797,12 @@ class AgentSession:
             with self.controls.watch():
                 yield self
 
-    def _start(self, backend: Backend, workspace: str | Path | None) -> Sandbox:
+    def _start(self, backend: Backend, workspace: str | Path | None, hidden: tuple[str, ...]) -> Sandbox:
         """The run's sandbox: from the snapshot the run kept when it paused, if a sandbox started
         from it is the one the run gets now (``RunSnapshots.restorable``: the policy's network
         and rules as they are now), else new (the run store puts its files back, as for a run
-        without a snapshot)."""
+        without a snapshot), seeded with ``workspace`` but what the rules hide and ``hidden``
+        (the agent's own records inside it)."""
         owner = self.owner
         limits, allow_weaker = owner.config.sandbox_limits, owner.config.allow_weaker
         network = owner.engine.network_policy()  # the role's hosts and credentials
@@ -806,15 +831,21 @@ class AgentSession:
                 )
             except (SnapshotIncompatible, SnapshotNotFound) as err:  # another QEMU since, a gc
                 log.warning("run %s: its kept sandbox was not restored (%s): files only", self.run_id, err)
-        return Sandbox.create(
+        sandbox = Sandbox.create(
             backend=backend,
-            workspace=workspace,
             limits=limits,
             network=network,
             rules=rules,
             approver=self._approve_exec,
             allow_weaker=allow_weaker,
         )
+        if workspace is not None:
+            try:
+                sandbox.files.upload_dir(workspace, hide=(*rules.hide, *hidden), read=rules.read)
+            except BaseException:
+                sandbox.close()
+                raise
+        return sandbox
 
     def _approve_exec(self, record: ExecRecord) -> bool:
         """An exec inside the sandbox that the rules send for approval: the approvals of the
@@ -825,9 +856,11 @@ class AgentSession:
         signal handler, a rebound name) runs during the call, and each exec is asked."""
         if _call_approved.get() and record.own_code:
             return True
+        # as the trail has the exec: a word the sandbox cut keeps no head of a credential
+        argv = [exec_word(self.owner.audit_log.redactor, word) for word in record.argv]
         request = ApprovalRequest(
             run_id=self.run_id,
-            action=shown(f"run `{shlex.join(record.argv)}`"),
+            action=shown(f"run `{shlex.join(argv)}`"),
             rule=record.rule,
             reason=f"code in the sandbox starts {visible(record.path)}, which needs a human's approval",
         )

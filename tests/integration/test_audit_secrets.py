@@ -99,3 +99,40 @@ def test_credentials_written_as_json_or_env_assignments_reach_no_table(tmp_path:
     for value in ("JsonPw-7788aa", "cs-4455-plain", "wJalrXUtnFEMI"):
         assert not [t for t, held in rows.items() if any(value in row for row in held)], value
     assert any("json_assignment" in row for row in rows["runs_tool_calls"])  # redacted, not dropped
+
+
+def test_an_exec_word_the_sandbox_cut_keeps_no_head_of_a_credential(tmp_path: Path) -> None:
+    """The sandbox caps each word of an exec it reports (4,096 characters) before the host
+    redacts it: a token or a registered secret straddling the cap leaves no head in the trail."""
+    require_tier("process")
+    (tmp_path / "project").mkdir()
+    token = "ghp_" + "C" * 36
+    straddling = ["B" * 4072 + " " + token, "A" * 4090 + " " + SECRET]  # both cut inside the credential
+    code = f"import subprocess\nsubprocess.run(['/bin/echo', *{straddling!r}], check=True)\n"
+    redactor = Redactor()
+    redactor.add_secret(SECRET)
+    store = SQLiteStore(tmp_path / "audit.db")
+    log = AuditLog(store, redactor=redactor)
+    agent_config = AgentConfig(
+        model=ScriptedModel([tool_call("run_code", {"code": code, "language": "python"}), "done"]),
+        policy=EXAMPLE_POLICY,
+        tier="process",
+        audit=log,
+        limits=RunLimits(max_steps=4),
+        approval_dir=tmp_path / "approvals",
+        kill_target=str(tmp_path / "kill"),
+    )
+    with build_agent(agent_config) as agent:
+        result = agent.run_sync("echo", workspace=tmp_path / "project", run_id="cut")
+    assert result.ok, result.state.error
+    log.close()
+    store.close()
+
+    with sqlite3.connect(tmp_path / "audit.db") as con:
+        bodies = [json.loads(b) for (b,) in con.execute("SELECT body FROM audit_events WHERE kind = 'exec'")]
+    argvs = [b["attributes"].get("argv", []) for b in bodies]
+    words = [w for argv in argvs for w in argv if isinstance(w, str) and "more characters" in w]
+    assert len(words) == 2, argvs  # the sandbox did cut both
+    for word in words:
+        assert "[REDACTED:cut][... " in word, word[-200:]
+        assert "CCCC" not in word and SECRET[:4] not in word, word[-200:]

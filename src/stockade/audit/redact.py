@@ -17,6 +17,11 @@ values assigned to a credential's name (``PGPASSWORD=x``, ``"password": "x"``,
 ``secret='a b'``), given to a credential's flag (``--password x``, ``--api-key x``), and the
 password of a URL (``https://user:x@host``).
 
+A text someone cut before it reached the redactor (a sandbox caps the words of an exec it
+reports) may end with half a credential, which no pattern and no registered value matches:
+``Redactor.head`` replaces what at its end may begin one (``TAIL_PATTERNS``, a registered
+secret's prefix) by ``[REDACTED:cut]``.
+
 ``redact_personal_data`` (``Redactor(personal_data=True)``; what the GDPR compliance profile
 turns on) replaces what looks like personal data: e-mail addresses, phone numbers, IP
 addresses, payment card numbers (Luhn-checked), IBANs and US social security numbers. Patterns
@@ -37,9 +42,12 @@ from stockade import exceptions as exc
 from stockade.audit.events import JSONValue
 
 __all__ = [
+    "CUT_REDACTED",
     "MIN_SECRET_LENGTH",
     "PERSONAL_DATA_PATTERNS",
+    "PERSONAL_TAIL_PATTERNS",
     "REDACTED",
+    "TAIL_PATTERNS",
     "TOKEN_PATTERNS",
     "Redactor",
     "SecretValues",
@@ -92,6 +100,38 @@ TOKEN_PATTERNS: dict[str, str] = {
         r"(?!\[REDACTED|(?i:true|false|null|none)\b)(?:[^\s\"',;&\\]|\\(?![\"'])){4,}"
     ),
 }
+
+# name -> what may be the head of a TOKEN_PATTERNS match that a cut ended: the same credential
+# up to the end of the text, whatever its length there (no pattern knows a credential's prefix).
+# Only for a text someone cut before it was redacted (``Redactor.head``); a cut inside the
+# fixed part before the value (``gh``, ``PGPASS``) holds nothing secret yet.
+TAIL_PATTERNS: dict[str, str] = {
+    "api_key": r"\bsk-[A-Za-z0-9_\-]*\Z",
+    "github_token": r"\b(?:gh[pousr]_|github_pat_)[A-Za-z0-9_]*\Z",
+    "aws_access_key": r"\b(?:AKIA|ASIA)[A-Z0-9]{0,16}\Z",
+    "slack_token": r"\bxox[abposr]-[A-Za-z0-9\-]*\Z",
+    "google_api_key": r"\bAIza[0-9A-Za-z_\-]{0,35}\Z",
+    "jwt": r"\beyJ[A-Za-z0-9_\-.]*\Z",
+    "bearer": r"(?P<keep>\b(?:[Bb]earer|Basic|Token)\s+)[A-Za-z0-9\-._~+/]+=*\Z",
+    "json_assignment": rf"(?P<keep>\"[\w.\-]*(?i:{_NAMES})\"\s*:\s*\")(?!\[REDACTED)(?:[^\"\\\n]|\\.)*\\?\Z",
+    "quoted_assignment": (rf"(?P<keep>\b[\w.\-]*(?i:{_NAMES})\s*[=:]\s*['\"])(?!\[REDACTED)[^'\"\n\\]*\Z"),
+    "url_password": r"(?P<keep>\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s/:@'\"]+:)(?!\[REDACTED)[^\s/@'\"]*\Z",
+    "flag": rf"(?P<keep>(?<![\w\-])--?[\w\-]*(?i:{_NAMES})[ \t]+['\"]?)(?![\-\[])[^\s\"']*\Z",
+    "assignment": (
+        rf"(?P<keep>\b[\w.\-]*(?i:{_NAMES})(?:\\?[\"'])?\s*[=:](?!=)\s*(?:\\?[\"'])?)"
+        r"(?!\[REDACTED)(?:[^\s\"',;&\\]|\\(?![\"']))*\\?\Z"
+    ),
+}
+# The same for PERSONAL_DATA_PATTERNS: an e-mail address, a number (a card, a phone, an IPv4
+# address, an SSN), an IBAN or an IPv6 address that the cut ended.
+PERSONAL_TAIL_PATTERNS: dict[str, str] = {
+    "email": r"\b[A-Za-z0-9._%+\-]+@[A-Za-z0-9.\-]*\Z",
+    "number": r"(?:\+|\(|\b\d)[\d .\-()]*\Z",
+    "iban": r"\b[A-Z]{2}\d{2}[A-Z0-9 ]*\Z",
+    "ipv6": r"\b[0-9A-Fa-f]{1,4}:[0-9A-Fa-f:]*\Z",
+}
+CUT_REDACTED = "[REDACTED:cut]"  # what may have begun a credential where a text was cut
+_HEAD_ROUNDS = 8  # a tail held back, then the tail of what is left, ...: past this, nothing is kept
 
 # A key naming a credential, once spelled snake_case (``accessToken`` -> ``access_token``,
 # ``X-Api-Key`` -> ``x_api_key``): it ends with one of these words (``PGPASSWORD`` too), or
@@ -179,6 +219,19 @@ def _personal(name: str) -> Callable[[re.Match[str]], str]:
 
 
 _PERSONAL_REPLACERS = [(pattern, _personal(name)) for name, pattern in _PERSONAL]
+_TAILS = [pattern for _, pattern in _compile(TAIL_PATTERNS)]
+_PERSONAL_TAILS = [pattern for _, pattern in _compile(PERSONAL_TAIL_PATTERNS)]
+
+
+def _tail_start(text: str, patterns: Sequence[re.Pattern[str]]) -> int:
+    """Where the earliest of ``patterns`` begins a match that runs to the end of ``text`` (its
+    ``keep`` group stays); ``len(text)`` when none does."""
+    start = len(text)
+    for pattern in patterns:
+        match = pattern.search(text)
+        if match is not None:
+            start = min(start, match.end("keep") if "keep" in pattern.groupindex else match.start())
+    return start
 
 
 def redact_personal_data(text: str) -> str:
@@ -213,6 +266,19 @@ class SecretValues:
 
     def __len__(self) -> int:
         return len(self._values)
+
+    def prefix_at_end(self, text: str) -> int:
+        """How many characters at the end of ``text`` are the beginning of a registered secret
+        (the longest such): what a cut there may have kept of one."""
+        with self._lock:
+            values = tuple(self._values)
+        longest = 0
+        for value in values:
+            for size in range(min(len(value) - 1, len(text)), longest, -1):
+                if text.endswith(value[:size]):
+                    longest = size
+                    break
+        return longest
 
     def __call__(self, text: str) -> str:
         pattern = self._pattern
@@ -302,11 +368,38 @@ class Redactor:
             self._long_chars += len(text)
         return out
 
-    def cut(self, text: str, cap: int) -> str:
+    def cut(self, text: str, cap: int, *, was_cut: bool = False) -> str:
         """``text`` redacted, then cut to ``cap`` characters (saying how many more there were).
-        In that order: a cut first can keep a credential's prefix that no pattern knows."""
-        out = self.text(text)
+        In that order: a cut first can keep a credential's prefix that no pattern knows.
+        ``was_cut``: someone already cut ``text`` at its end before it came here (``head``)."""
+        out = self.head(text) if was_cut else self.text(text)
         return out if len(out) <= cap else out[:cap] + f"…[{len(out) - cap} more chars]"
+
+    def head(self, text: str) -> str:
+        """``text`` redacted, where ``text`` is the head of a longer one that was cut before
+        it came here (a sandbox's capped word, a proxy's shortened path): what at its end may
+        be the beginning of a registered secret or of a credential-shaped match that the cut
+        ended is replaced by ``[REDACTED:cut]`` too, since no pattern matches half a token."""
+        held = ""
+        for _ in range(_HEAD_ROUNDS):
+            start = self._tail(text)
+            if start == len(text):
+                return self.text(text) + held
+            # held back from there; and what is left ends at a cut too (a secret holding a
+            # credential's shape may have begun before it): looked at again
+            text, held = text[:start], CUT_REDACTED
+        return CUT_REDACTED  # still more: nothing is kept rather than too much
+
+    def _tail(self, text: str) -> int:
+        """Where what may be the beginning of a secret or a match at the end of ``text`` starts."""
+        start = len(text)
+        if self.secrets in self.processors:
+            start -= self.secrets.prefix_at_end(text)
+        if redact_tokens in self.processors:
+            start = min(start, _tail_start(text, _TAILS))
+        if redact_personal_data in self.processors:
+            start = min(start, _tail_start(text, _PERSONAL_TAILS))
+        return start
 
     def value(self, value: object) -> JSONValue:
         """``value`` as JSON, with every string redacted. Unknown objects become their ``str``."""

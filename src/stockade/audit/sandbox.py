@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import hashlib
+import re
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -49,7 +50,7 @@ from stockade.sandbox.ops import (
 )
 from stockade.types import CommandResult, EgressRecord, Execution, HostRule, Snapshot
 
-__all__ = ["AuditedBackend", "AuditedInstance", "current_call"]
+__all__ = ["AuditedBackend", "AuditedInstance", "current_call", "exec_word"]
 
 # The tool call whose work runs now (set by the agent): the execs its code starts name it.
 current_call: contextvars.ContextVar[str | None] = contextvars.ContextVar("stockade_call", default=None)
@@ -66,6 +67,20 @@ def _no_step() -> int:
 def _cut(redactor: Redactor) -> Callable[[str], str]:
     """Redact, then cut: a cut first can keep a credential's prefix that no pattern knows."""
     return lambda text: redactor.cut(text, TEXT_CAP)
+
+
+# How the sandbox ends a word of an exec it cut (``supervisor.rules.kept_argv``): its head, then this.
+_WORD_CUT = re.compile(r"\[\.\.\. [0-9]+ more characters; the word is sha256 [0-9a-f]{64}\]\Z")
+
+
+def exec_word(redactor: Redactor, word: str) -> str:
+    """A word of an exec the sandbox reported, redacted: a word it cut (to ``MAX_EXEC_WORD``
+    characters, before any redactor saw it) may end with the head of a credential, which
+    ``Redactor.head`` holds back; the sandbox's mark stays."""
+    mark = _WORD_CUT.search(word)
+    if mark is None:
+        return redactor.cut(word, TEXT_CAP)
+    return redactor.cut(word[: mark.start()], TEXT_CAP, was_cut=True) + mark.group()
 
 
 def _digest(data: bytes) -> str:
@@ -168,6 +183,14 @@ def failure(error: BaseException) -> dict[str, object]:
     return {"error": type(error).__name__, "error_message": str(error), "retryable": retryable}
 
 
+def _egress_path(redactor: Redactor, path: str) -> str:
+    """A request's path as the proxy reported it: one it shortened ends with "…" (a path on
+    the wire is ASCII), and what is before may end with the head of a credential."""
+    if path.endswith("…"):
+        return redactor.head(path[:-1]) + "…"
+    return path
+
+
 class AuditedInstance(WrapperInstance):
     """Records every state-changing operation of ``inner`` into ``log`` under ``run_id``.
 
@@ -225,7 +248,7 @@ class AuditedInstance(WrapperInstance):
                         "of": kind.value,
                         "call_id": current_call.get(),
                         "path": self.log.redactor.cut(judged.path, TEXT_CAP),
-                        "argv": [self.log.redactor.cut(a, TEXT_CAP) for a in judged.argv],
+                        "argv": [exec_word(self.log.redactor, a) for a in judged.argv],
                         "verdict": judged.verdict,
                         "rule": judged.rule,
                     },
@@ -358,8 +381,9 @@ class AuditedBackend(WrapperBackend):
                     **{
                         k: v
                         for k, v in dataclasses.asdict(record).items()
-                        if k not in ("duration_s", "credential")
+                        if k not in ("duration_s", "credential", "path")
                     },
+                    "path": _egress_path(self.log.redactor, record.path),
                     # its name: a key named "credential" is redacted as if it held the secret
                     "credential_name": record.credential,
                 },

@@ -50,6 +50,7 @@ class RunRecorder:
     ) -> None:
         self.store = store
         self.seed = seed  # the folder the run starts from, kept for ``stockade replay``
+        self.seed_hide: tuple[str, ...] = ()  # what of it the seed leaves out (workspace globs)
         self.subject = subject  # whose personal data the run holds (``RunStore.runs_of``)
         self.run_id = run_id
         self.step = 0
@@ -65,7 +66,7 @@ class RunRecorder:
             case RunStarted():
                 self.run_id = event.run_id
                 if self.seed is not None and not event.resumed:
-                    self.store.save_seed(event.run_id, self.seed)
+                    self.store.save_seed(event.run_id, self.seed, hide=self.seed_hide)
                 if self.subject is not None:
                     self.store.tag_subject(event.run_id, self.subject)
                 early, self._early = self._early, []

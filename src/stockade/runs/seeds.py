@@ -15,9 +15,12 @@ import io
 import os
 import stat
 import tarfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from stockade import exceptions as exc
+from stockade._globs import covers
+from stockade._state import CARRIED, STATE_DIR, is_state
 
 __all__ = ["MAX_SEED_BYTES", "Seed", "pack_workspace", "unpack_seed"]
 
@@ -32,23 +35,34 @@ class Seed:
         self.digest = "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def _entries(root: Path) -> list[tuple[str, Path]]:
+def _entries(root: Path, hide: Sequence[str]) -> list[tuple[str, Path]]:
+    """What a seed keeps of ``root``: all but stockade's own records (``stockade._state``) and
+    what ``hide`` names (a folder with what it holds)."""
     found: list[tuple[str, Path]] = []
     for folder, dirs, files in os.walk(root):
-        dirs.sort()
         base = Path(folder)
-        for name in [*dirs, *sorted(files)]:
+        dirs[:] = sorted(d for d in dirs if not _left_out(base / d, root, hide))
+        for name in [*dirs, *sorted(f for f in files if not _left_out(base / f, root, hide))]:
             path = base / name
             found.append((path.relative_to(root).as_posix(), path))
     return sorted(found)
 
 
-def pack_workspace(root: str | Path, *, max_bytes: int = MAX_SEED_BYTES) -> Seed:
-    """Pack the folder ``root``; ``SeedTooLarge`` when its files add up to more than ``max_bytes``."""
+def _left_out(path: Path, root: Path, hide: Sequence[str]) -> bool:
+    name = path.relative_to(root).as_posix()
+    if is_state(name) or covers(hide, name):
+        return True
+    # a records folder that holds none of the run's own bookkeeping: not even its name
+    return path.name == STATE_DIR and not any(os.path.lexists(path / c) for c in CARRIED)
+
+
+def pack_workspace(root: str | Path, *, max_bytes: int = MAX_SEED_BYTES, hide: Sequence[str] = ()) -> Seed:
+    """Pack the folder ``root``, but stockade's own records and what ``hide`` names (workspace
+    globs); ``SeedTooLarge`` when its files add up to more than ``max_bytes``."""
     root = Path(root)
     if not root.is_dir():
         raise exc.ConfigurationError(f"the workspace {root} is not a folder")
-    entries = _entries(root)
+    entries = _entries(root, hide)
     total = sum(p.lstat().st_size for _, p in entries if stat.S_ISREG(p.lstat().st_mode))
     if total > max_bytes:
         raise exc.SeedTooLarge(

@@ -285,12 +285,13 @@ class RunStore:
     def workspace_usage(self, run_id: str) -> WorkspaceUsage:
         return self._workspaces.usage(run_id)
 
-    def save_seed(self, run_id: str, workspace: str | Path) -> str:
-        """Keep the folder ``workspace`` as the run's starting workspace; returns its digest.
+    def save_seed(self, run_id: str, workspace: str | Path, *, hide: Sequence[str] = ()) -> str:
+        """Keep the folder ``workspace`` (but stockade's own records and what ``hide`` names)
+        as the run's starting workspace; returns its digest.
 
         ``SeedTooLarge`` past ``max_seed_bytes``. A run keeps its first seed (a resumed run
         does not replace where it started)."""
-        return self._workspaces.save_seed(run_id, workspace, max_bytes=self.max_seed_bytes)
+        return self._workspaces.save_seed(run_id, workspace, max_bytes=self.max_seed_bytes, hide=hide)
 
     def restore_seed(self, run_id: str, dest: str | Path) -> bool:
         """Unpack the run's starting workspace into ``dest``; ``False`` when none was kept."""

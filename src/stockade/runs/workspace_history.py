@@ -14,6 +14,7 @@ import os
 import threading
 import time
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 
 from stockade import exceptions as exc
@@ -207,12 +208,15 @@ class WorkspaceHistory:
 
     # -- seeds: the folder a run started from ----------------------------------------------------
 
-    def save_seed(self, run_id: str, workspace: str | Path, *, max_bytes: int) -> str:
-        """Keep the folder ``workspace`` as the run's starting workspace; returns its digest.
+    def save_seed(
+        self, run_id: str, workspace: str | Path, *, max_bytes: int, hide: Sequence[str] = ()
+    ) -> str:
+        """Keep the folder ``workspace`` (but what ``hide`` names) as the run's starting
+        workspace; returns its digest.
 
         ``SeedTooLarge`` past ``max_bytes``. A run keeps its first seed (a resumed run does
         not replace where it started)."""
-        seed = pack_workspace(workspace, max_bytes=max_bytes)
+        seed = pack_workspace(workspace, max_bytes=max_bytes, hide=hide)
         self.db.write(
             [
                 (

@@ -260,7 +260,10 @@ def tar_chunks(
     a hidden file (the same file), and every repository store (git's by its shape, whatever
     its name: a bare mirror, a ``--separate-git-dir``; other systems' by their folders'
     names), whose history holds every file it ever had. A file that shrinks while it is
-    read is a ``WorkspaceError`` (the archive already promised its size)."""
+    read is a ``WorkspaceError`` (the archive already promised its size).
+
+    stockade's own records are never sent, whatever ``hide`` says: ``.stockade`` folders but
+    the run's own bookkeeping in them (``stockade._state``)."""
     import tarfile
 
     if not source.is_dir():
@@ -318,6 +321,7 @@ def _kept(
     """The entries of ``source`` to send (path, name in the archive, lstat), folders before
     what they hold, and the hidden files that have other names."""
     from stockade._globs import covers, glob_matches, may_hold
+    from stockade._state import STATE_DIR, is_state
 
     everything = "**" in (g.strip("/") for g in read)
     kept: list[tuple[Path, str, os.stat_result]] = []
@@ -328,7 +332,12 @@ def _kept(
         for child in sorted(folder.iterdir()):
             name, st = f"{prefix}{child.name}", child.lstat()
             is_dir = stat.S_ISDIR(st.st_mode)
-            gone = hidden or (bool(hide) and (covers(hide, name) or (is_dir and _repository(child))))
+            gone = (
+                hidden
+                or is_state(name)
+                or (is_dir and child.name == STATE_DIR and not _carries(child))
+                or (bool(hide) and (covers(hide, name) or (is_dir and _repository(child))))
+            )
             if gone:
                 if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
                     hidden_files.add((st.st_dev, st.st_ino))
@@ -341,6 +350,14 @@ def _kept(
 
     visit(source, "", False)
     return kept, hidden_files
+
+
+def _carries(folder: Path) -> bool:
+    """Whether a ``.stockade`` folder holds any of what a copy carries of it (else it is left
+    out whole: not even its name enters)."""
+    from stockade._state import CARRIED
+
+    return any(os.path.lexists(folder / name) for name in CARRIED)
 
 
 # Folders of version-control systems other than git, by name: their stores hold past files.
