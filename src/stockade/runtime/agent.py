@@ -59,6 +59,7 @@ from stockade.runtime.limits import LimitGate, OnLimit, RateLimit
 from stockade.runtime.retry import Retrier, is_transient
 from stockade.sandbox.facade import Sandbox
 from stockade.tools.base import CallNext, Tool, ToolContext, Toolset
+from stockade.tools.deadline import stopping
 
 __all__ = ["RuntimeControls"]
 
@@ -149,6 +150,12 @@ class RuntimeControls:
     ) -> object:
         if self.kill_switch is not None:
             self.kill_switch.check()
+            # the tool's host work (a worker thread) stops at its next checkpoint once killed
+            with stopping(self.kill_switch.raise_if_pulled):
+                return await self._call(ctx, tool, args, call_next)
+        return await self._call(ctx, tool, args, call_next)
+
+    async def _call(self, ctx: ToolContext, tool: Tool, args: BaseModel, call_next: CallNext) -> object:
         await self._admit(self.run_rate, f"run:{self.run_id}")
         await self._admit(self.rate, self.rate_key)
         breaker = self.breakers.get(f"tool:{tool.name}")

@@ -427,6 +427,12 @@ class KillSwitch:
         if self.poll():
             raise self._error()
 
+    def raise_if_pulled(self) -> None:
+        """``RunKilled`` (or ``RunInterrupted``) if the switch was pulled, without asking the
+        sources (the watcher does): cheap enough for a tool's host loop (``checkpoint()``)."""
+        if self._reason is not None:
+            raise self._error()
+
     def _error(self) -> RunKilled | RunInterrupted:
         if self._interrupted:
             return RunInterrupted(

@@ -39,6 +39,7 @@ import hashlib
 import inspect
 import json
 import re
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -49,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, c
 from stockade.exceptions import ConfigurationError, InvalidArgument, InvalidToolCall, ToolTimeout
 from stockade.models.messages import ToolDefinition
 from stockade.sandbox.facade import Sandbox
-from stockade.tools.deadline import DeadlineInstance
+from stockade.tools.deadline import DeadlineInstance, stopping
 
 __all__ = [
     "CallNext",
@@ -275,7 +276,7 @@ class Tool:
         now = time.monotonic()
         own = None if self.timeout_s is None else now + self.timeout_s
         if own is None and ctx.deadline is None:
-            return await self._run(ctx, args)
+            return await self._run(ctx, args, None, "")
         by_run = ctx.deadline is not None and (own is None or ctx.deadline < own)
         deadline = ctx.deadline if by_run and ctx.deadline is not None else own
         assert deadline is not None
@@ -296,7 +297,7 @@ class Tool:
         )
         try:
             async with asyncio.timeout(timeout) as scope:
-                return await self._run(call_ctx, args)
+                return await self._run(call_ctx, args, deadline, limit)
         except TimeoutError:
             if not scope.expired():
                 raise  # the tool's own TimeoutError, not ours
@@ -307,12 +308,30 @@ class Tool:
                 timeout_s=timeout,
             ) from None
 
-    async def _run(self, ctx: ToolContext, args: BaseModel) -> object:
+    async def _run(self, ctx: ToolContext, args: BaseModel, deadline: float | None, limit: str) -> object:
         values = {name: getattr(args, name) for name in type(args).model_fields}
         prefix = (ctx,) if self.takes_context else ()
         if inspect.iscoroutinefunction(self.function):
             return await self.function(*prefix, **values)
-        return await asyncio.to_thread(self.function, *prefix, **values)
+        # The worker thread cannot be stopped from here: once this stops waiting for it (the
+        # deadline, a cancel), its ``checkpoint()`` calls raise, and it ends at the next one.
+        given_up = threading.Event()
+
+        def check() -> None:
+            late = deadline is not None and time.monotonic() >= deadline
+            if late or given_up.is_set():
+                why = f"it ran past {limit}" if late else "its call was given up"
+                raise ToolTimeout(
+                    f"{self.name} was stopped on the host: {why}",
+                    tool=self.name,
+                    timeout_s=self.timeout_s or 0.0,
+                )
+
+        with stopping(check):
+            try:
+                return await asyncio.to_thread(self.function, *prefix, **values)
+            finally:
+                given_up.set()
 
 
 @overload

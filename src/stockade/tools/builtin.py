@@ -18,6 +18,7 @@ from stockade.exceptions import SandboxFileNotFound, ToolError, WorkspaceError
 from stockade.sandbox._supervised import WORKSPACE
 from stockade.sandbox.facade import Sandbox
 from stockade.tools.base import Risk, ToolContext, Toolset, tool
+from stockade.tools.deadline import checkpoint
 from stockade.tools.patch import apply_patch_to_sandbox
 from stockade.tools.testreport import (
     MAX_REPORT_BYTES,
@@ -433,6 +434,7 @@ def list_files(ctx: ToolContext, path: str = "", depth: int = 2) -> str:
     shown: list[str] = []
     hidden = 0
     for entry in ctx.sandbox.files.list(path, depth=max(depth, 1)):
+        checkpoint()
         if is_ignored(entry.path):
             continue
         if len(shown) >= MAX_LIST_ENTRIES:

@@ -7,20 +7,53 @@ nor the sandbox command it waits on. So a tool with ``timeout_s`` gets its sandb
 op reaches the sandbox at all. The deadline is the earlier of the tool's own ``timeout_s`` and
 the end of the run's wall time (``ToolContext.deadline``): a command the model asks to run for a
 week still ends when the run's time does.
+
+Work a tool does on the host (matching a patch, listing, diffing, parsing a report) is bounded
+too: the worker thread cannot be killed, so long host loops call ``checkpoint()``, which raises
+once the call was given up (its deadline passed, or it was cancelled or timed out: ``Tool.invoke``
+stops waiting then) or a check of the caller's (``stopping``: the run's kill switch) says stop.
+Between two checkpoints a built-in tool does a bounded, small amount of work, so its thread ends
+soon after the run's wall time or a kill: ``asyncio.run`` waits for it before it returns.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from stockade.exceptions import ToolTimeout
 from stockade.sandbox.base import Instance, OpResult, OutputSink, WrapperInstance
 from stockade.sandbox.ops import Op, RunCode, RunCommand
 
-__all__ = ["DeadlineInstance"]
+__all__ = ["DeadlineInstance", "checkpoint", "stopping"]
+
+# The checks ``checkpoint()`` makes; a worker thread started by ``asyncio.to_thread`` sees those
+# of the coroutine that started it (the context is copied).
+_STOP_CHECKS: contextvars.ContextVar[tuple[Callable[[], None], ...]] = contextvars.ContextVar(
+    "stockade_stop_checks", default=()
+)
+
+
+@contextlib.contextmanager
+def stopping(check: Callable[[], None]) -> Iterator[None]:
+    """Within the block (and threads started in it), ``checkpoint()`` calls ``check`` too, which
+    raises to stop the work (``ToolTimeout``, ``RunKilled``)."""
+    token = _STOP_CHECKS.set((*_STOP_CHECKS.get(), check))
+    try:
+        yield
+    finally:
+        _STOP_CHECKS.reset(token)
+
+
+def checkpoint() -> None:
+    """A place where long host-side work of a tool call may stop: raises if its call was given
+    up or its run was killed. Cheap (a context lookup and a few flags): call it every so often."""
+    for check in _STOP_CHECKS.get():
+        check()
 
 
 class DeadlineInstance(WrapperInstance):

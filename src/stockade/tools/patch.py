@@ -13,16 +13,21 @@ found nearby) and strict where it matters: every context and removed line must m
 from __future__ import annotations
 
 import re
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from stockade.exceptions import PatchRejected, RunStopped, SandboxFileNotFound, StockadeError
 from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import Op, ReadFile, Remove, Stat, WriteFile
+from stockade.tools.deadline import checkpoint
 
 __all__ = [
+    "MAX_SEARCH_WORK",
     "FilePatch",
     "Hunk",
+    "SearchWork",
     "apply_patch_to_sandbox",
     "apply_to_text",
     "parse_unified_diff",
@@ -33,6 +38,39 @@ __all__ = [
 # file as an object of its own (28 times the bytes of a file of short lines), and a file the
 # code wrote may be as large as the sandbox's disk. Larger files are edited with run_code.
 MAX_PATCH_BYTES = 2 * 1024 * 1024
+
+# Matching a hunk where its header does not say costs O(file lines) to scan for its rarest line,
+# then O(hunk lines) per place that line occurs: linear for a normal file, and bounded per diff
+# for a hostile one (every line the same), which was O(file x hunk) of host CPU (hours).
+MAX_SEARCH_WORK = 200_000_000  # lines scanned or compared (~1 s), all the hunks of a diff together
+_CHECK_EVERY = 1 << 16  # of that work: how often a search looks whether its call was given up
+
+
+@dataclass
+class SearchWork:
+    """What is left of a diff's ``MAX_SEARCH_WORK``, spent by every hunk searched for."""
+
+    left: int = MAX_SEARCH_WORK
+    since_check: int = 0
+    path: str = ""  # what is being patched, for the message
+    hunk: int = 0
+
+    def spend(self, amount: int) -> None:
+        self.left -= amount
+        self.since_check += amount
+        if self.left < 0:
+            raise PatchRejected(
+                f"hunk {self.hunk} for {self.path} could not be placed: searching the file for where its "
+                f"lines are went past {MAX_SEARCH_WORK:,} lines compared (the file repeats the "
+                "hunk's lines too often). Nothing was changed. Give the hunk's true line numbers "
+                "and distinctive context, or edit the file with run_code.",
+                path=self.path,
+                hunk=self.hunk,
+            )
+        if self.since_check >= _CHECK_EVERY:
+            self.since_check = 0
+            checkpoint()
+
 
 _HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 _NO_NEWLINE = "\\ No newline at end of file"
@@ -166,24 +204,79 @@ def _blank_tail(lines: list[str], end: int) -> bool:
     return end >= len(lines) or lines[end].startswith(("--- ", "diff "))
 
 
-def _find(lines: list[str], block: list[str], expected: int, floor: int) -> int | None:
-    """Where ``block`` occurs, nearest to ``expected`` and not before ``floor``."""
+class _Index:
+    """The file's lines without trailing whitespace, and how often each occurs: built at the
+    first hunk that is not where its header says (once per file; the diff's files hold at most
+    ``MAX_PATCH_BYTES``), then kept up to date as hunks apply."""
+
+    def __init__(self, lines: list[str]) -> None:
+        self.stripped = [line.rstrip() for line in lines]
+        self.counts = Counter(self.stripped)
+
+    def splice(self, pos: int, size: int, new: list[str]) -> None:
+        self.counts.subtract(self.stripped[pos : pos + size])
+        added = [line.rstrip() for line in new]
+        self.counts.update(added)
+        self.stripped[pos : pos + size] = added
+
+
+def _find(  # noqa: PLR0917
+    lines: list[str],
+    block: list[str],
+    expected: int,
+    floor: int,
+    index: Callable[[], _Index],
+    work: SearchWork,
+) -> int | None:
+    """Where ``block`` occurs, nearest to ``expected`` and not before ``floor``: an exact match
+    anywhere before one that differs only in trailing whitespace; of two as near, the one met
+    first in ``{expected - d, expected + d}`` (the order the search always had)."""
+    size = len(block)
     if not block:
         return max(min(expected, len(lines)), floor)
-    for exact in (True, False):
-        for distance in range(len(lines) + 1):
+    if floor <= expected and expected + size <= len(lines) and lines[expected : expected + size] == block:
+        return expected  # where the header says: the common case, no search
+    # Elsewhere: the hunk can only be where its rarest line is, so only those places are
+    # compared whole (comparing at every place was O(file x hunk) of host CPU: hours).
+    stripped, counts = index().stripped, index().counts
+    wanted = [line.rstrip() for line in block]
+    k = min(range(size), key=lambda i: counts[wanted[i]])
+    if counts[wanted[k]] <= 0:
+        return None
+    exact: list[int] = []
+    loose: list[int] = []
+    at, end = floor + k, len(lines) - size + k + 1
+    work.spend(max(end - at, 0))  # the scan for that line's places
+    while at < end:
+        try:
+            at = stripped.index(wanted[k], at, end)
+        except ValueError:
+            break
+        pos = at - k
+        at += 1
+        if stripped[pos] != wanted[0] or stripped[pos + size - 1] != wanted[-1]:
+            work.spend(1)
+            continue
+        work.spend(size)
+        if stripped[pos : pos + size] == wanted:
+            loose.append(pos)
+            if lines[pos : pos + size] == block:
+                exact.append(pos)
+    for found in (exact, loose):
+        near = {pos for pos in found if abs(pos - expected) <= len(lines)}
+        if near:
+            distance = min(abs(pos - expected) for pos in near)
             for pos in {expected - distance, expected + distance}:
-                if pos < floor or pos + len(block) > len(lines):
-                    continue
-                window = lines[pos : pos + len(block)]
-                if window == block if exact else [w.rstrip() for w in window] == [b.rstrip() for b in block]:
+                if pos in near:
                     return pos
     return None
 
 
-def apply_to_text(original: str, patch: FilePatch) -> str:
+def apply_to_text(original: str, patch: FilePatch, *, work: SearchWork | None = None) -> str:
     """Apply every hunk of ``patch`` to ``original``, or raise ``PatchRejected`` naming the hunk
-    (or saying the text is over ``MAX_PATCH_BYTES``)."""
+    (or saying the text is over ``MAX_PATCH_BYTES``, or that searching for a hunk went past
+    ``work``, a diff's ``MAX_SEARCH_WORK`` by default)."""
+    work = SearchWork() if work is None else work
     if len(original) > MAX_PATCH_BYTES:
         raise PatchRejected(_too_large(patch.path), path=patch.path)
     ends_with_newline = original.endswith("\n") or original == ""
@@ -195,15 +288,28 @@ def apply_to_text(original: str, patch: FilePatch) -> str:
     offset = 0
     floor = 0
     total = len(patch.hunks)
+    work.path = patch.path
+    held: list[_Index] = []
+
+    def index() -> _Index:
+        if not held:
+            held.append(_Index(lines))
+        return held[0]
+
     for number, hunk in enumerate(patch.hunks, 1):
         old, new = hunk.old, hunk.new
         expected = max(hunk.old_start - 1, 0) + offset if old else hunk.old_start + offset
-        pos = _find(lines, old, expected, floor)
+        work.hunk = number
+        pos = _find(lines, old, expected, floor, index, work)
         if pos is None:
             raise PatchRejected(
                 _explain(patch.path, number, total, hunk, lines, expected), path=patch.path, hunk=number
             )
         at_end = pos + len(old) == len(lines)
+        # a splice that changes the line count moves the file's tail (a memmove: cheap per line)
+        work.spend((len(lines) - pos) // 4 if len(new) != len(old) else len(new))
+        if held:
+            held[0].splice(pos, len(old), new)
         lines[pos : pos + len(old)] = new
         offset += len(new) - len(old)
         floor = pos + len(new)
@@ -275,6 +381,7 @@ def apply_patch_to_sandbox(sandbox: Sandbox, diff: str) -> list[tuple[str, int, 
     plan: list[tuple[str, str | None, str | None]] = []  # path, before, after (None: absent)
     stats: list[tuple[str, int, int]] = []
     room = MAX_PATCH_BYTES
+    work = SearchWork()  # one bound for the whole diff
     for patch in parse_unified_diff(diff):
         before: str | None = None
         if patch.old_path is not None:
@@ -284,7 +391,7 @@ def apply_patch_to_sandbox(sandbox: Sandbox, diff: str) -> list[tuple[str, int, 
             raise PatchRejected(
                 f"{patch.path} already exists; the diff creates it from /dev/null", path=patch.path
             )
-        patched = apply_to_text(before or "", patch)
+        patched = apply_to_text(before or "", patch, work=work)
         if patch.new_path is None:
             if patched.strip() or (not patch.hunks and patched):  # no hunk: it must be empty
                 raise PatchRejected(f"the diff deletes {patch.path} but leaves text in it", path=patch.path)

@@ -13,6 +13,8 @@ import re
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
+from stockade.tools.deadline import checkpoint
+
 __all__ = [
     "MAX_REPORT_BYTES",
     "TestFailure",
@@ -98,6 +100,7 @@ def parse_junit_xml(xml: bytes) -> tuple[list[str], list[str], list[str], int, l
     skipped = 0
     failures: list[TestFailure] = []
     for case in root.iter("testcase"):
+        checkpoint()
         classname, name = case.get("classname", ""), case.get("name", "")
         test_id = f"{classname}::{name}" if classname else name
         failure, error = case.find("failure"), case.find("error")

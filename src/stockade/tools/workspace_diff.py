@@ -31,6 +31,7 @@ from collections.abc import Callable
 from stockade.exceptions import BaselineTampered, SandboxFileNotFound
 from stockade.sandbox._channel import loads_bounded
 from stockade.sandbox.facade import Sandbox
+from stockade.tools.deadline import checkpoint
 from stockade.types import EntryType
 
 __all__ = [
@@ -111,6 +112,7 @@ def snapshot(sandbox: Sandbox, *, deadline: float | None = None) -> dict[str, st
     files: dict[str, str] = {}
     room = MAX_TEXT_TOTAL
     for entry in sandbox.files.list("", depth=MAX_DEPTH):
+        checkpoint()
         if entry.type != EntryType.FILE or is_ignored(entry.path) or not _inside(entry.path):
             continue
         if len(files) >= MAX_FILES:
@@ -229,6 +231,7 @@ def workspace_diff(
     unshown: list[str] = []  # past the diff's size or time
     unnamed: list[str] = []  # names not UTF-8: neither read nor compared, named every time
     for path in sorted(before.keys() | after.keys()):
+        checkpoint()
         old, new = before.get(path), after.get(path)
         if _UNNAMED in (old, new):
             unnamed.append(path)

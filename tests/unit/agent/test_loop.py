@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -36,9 +37,12 @@ from stockade.exceptions import (
     ToolTimeout,
 )
 from stockade.models import FunctionModel, Model, ModelRequest, ModelResponse, ToolCall, Usage
+from stockade.runtime.agent import RuntimeControls
+from stockade.runtime.killswitch import KillSwitch
 from stockade.sandbox.ops import RunCommand
 from stockade.testing import FakeBackend, MemoryWorkspace, ScriptedModel, tool_call
 from stockade.tools import ToolContext, Toolset, default_toolset, shell, tool
+from stockade.tools.deadline import checkpoint
 from stockade.types import CommandResult
 
 FIX = "--- a/calc.py\n+++ b/calc.py\n@@ -1,2 +1,2 @@\n def add(a, b):\n-    return a - b\n+    return a + b\n"
@@ -531,3 +535,47 @@ def test_an_interrupted_run_keeps_its_step_in_progress_and_resumes_it() -> None:
     again = agent.run_sync(sandbox=sandbox, resume="r")
     assert again.status == RunStatus.SUCCESS and again.answer == "done"
     assert [c.call.name for c in again.steps[0].tool_calls] == ["list_files"]  # the call ran, once
+
+
+def _grinding(stopped: threading.Event) -> Toolset:
+    @tool
+    def grind(ctx: ToolContext) -> str:
+        """Host-side work of hours (a thread no one can kill), checking in as built-in tools do."""
+        try:
+            while True:
+                checkpoint()
+                time.sleep(0.01)
+        finally:
+            stopped.set()
+
+    return Toolset([grind])
+
+
+def test_a_tools_long_host_work_ends_with_the_runs_wall_time(sbx: Sandbox) -> None:
+    """A call's worker thread ran on after max_wall_s (asyncio stops waiting, the thread does
+    not), and run_sync waited for it: hours for one apply_patch. It stops at its checkpoint."""
+    stopped = threading.Event()
+    started = time.monotonic()
+    agent = Agent(
+        ScriptedModel([tool_call("grind", {}), "done"]),
+        tools=_grinding(stopped),
+        limits=RunLimits(max_wall_s=1),
+    )
+    result = agent.run_sync("go", sandbox=sbx)
+    assert time.monotonic() - started < 5 and stopped.is_set()
+    assert result.status == RunStatus.BUDGET
+    assert "ToolTimeout" in result.steps[0].tool_calls[0].observation
+
+
+def test_a_tools_long_host_work_ends_when_the_run_is_killed(sbx: Sandbox) -> None:
+    stopped = threading.Event()
+    switch = KillSwitch("r-grind")
+    controls = RuntimeControls(run_id="r-grind", kill_switch=switch)
+    agent = Agent(
+        ScriptedModel([tool_call("grind", {}), "done"]), tools=controls.wrap_tools(_grinding(stopped))
+    )
+    threading.Timer(0.5, switch.kill, args=("operator",)).start()
+    started = time.monotonic()
+    result = agent.run_sync("go", sandbox=controls.protect(sbx), run_id="r-grind")
+    assert time.monotonic() - started < 5 and stopped.is_set()
+    assert result.status == RunStatus.KILLED and "operator" in (result.error or "")

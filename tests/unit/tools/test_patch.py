@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 from stockade import Sandbox
@@ -104,3 +109,47 @@ def test_text_that_is_not_a_diff_is_refused_with_the_expected_shape() -> None:
 def test_patching_a_missing_file_is_refused(sbx: Sandbox) -> None:
     with pytest.raises(PatchRejected, match="no such file"):
         apply_patch_to_sandbox(sbx, "--- a/nope.py\n+++ b/nope.py\n@@ -1 +1 @@\n-a\n+b\n")
+
+
+# Hunks found nowhere, in files that repeat their lines: the search compared the whole hunk at
+# every place of the file, O(file x hunk) of host CPU (the first took minutes, the second hours,
+# and no deadline or kill stopped the thread). Each now ends in about a second with PatchRejected.
+_HOSTILE = textwrap.dedent(
+    """
+    import time
+    from stockade.exceptions import PatchRejected
+    from stockade.tools.patch import apply_to_text, parse_unified_diff
+
+    blank = "\\n" * 200_000
+    nowhere = "--- a/f\\n+++ b/f\\n@@ -1 +1 @@\\n" + "\\n" * 20_000 + " z\\n+q\\n"
+    repeats = ("a\\n" + "\\n" * 999) * 2000
+    everywhere = (
+        "--- a/f\\n+++ b/f\\n@@ -5 +5 @@\\n" + " \\n" * 500 + " a\\n" + " \\n" * 1500 + " a\\n"
+        + " \\n" * 120_000 + "+q\\n"
+    )
+    for text, diff in ((blank, nowhere), (repeats, everywhere)):
+        started = time.monotonic()
+        try:
+            apply_to_text(text, parse_unified_diff(diff)[0])
+        except PatchRejected as err:
+            print(round(time.monotonic() - started, 1), str(err)[:60])
+    """
+)
+
+
+def test_a_hunk_in_a_file_of_repeated_lines_is_rejected_in_bounded_time() -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-c", _HOSTILE], env=env, capture_output=True, text=True, timeout=30, check=True
+    )
+    nowhere, everywhere = done.stdout.splitlines()
+    assert "does not apply" in nowhere
+    assert "could not be placed" in everywhere  # over MAX_SEARCH_WORK: a typed refusal, not hours
+    assert all(float(line.split()[0]) < 10 for line in (nowhere, everywhere))
+
+
+def test_a_moved_hunk_is_found_at_the_nearest_place_exact_before_loose() -> None:
+    text = "m\n" * 7 + "a\nb \n" + "m\n" * 5 + "a\nb\n"
+    [patch] = parse_unified_diff("--- a/f\n+++ b/f\n@@ -9,2 +9,2 @@\n a\n-b\n+B\n")
+    lines = apply_to_text(text, patch).split("\n")
+    assert lines.index("B") == 15  # the exact match 6 lines on, not the loose one 1 line before
