@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -309,3 +310,79 @@ def test_a_killed_stockade_agent_shows_interrupted_and_resumes_from_its_workspac
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_audit_verify_is_not_intact_while_a_killed_run_had_a_call_in_flight(tmp_path: Path) -> None:
+    """The process dies by SIGKILL during a ``run_code`` that started a program and wrote a file
+    seconds before: the audit log had written its batches, but the call's events come only when
+    it returns. ``audit verify`` names the call in flight (exit 1), and the trail holds what was
+    asked (``tool_call_start``, ``op_start``); a resume records the crash and closes it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from stockade.agent.state import args_measure
+
+    require_tier("process")
+    (tmp_path / "project").mkdir()
+    code = (
+        "import subprocess, time\n"
+        "subprocess.run(['/bin/echo', 'EVIL-MARKER'])\n"
+        "open('written.txt', 'w').write('x')\n"
+        "time.sleep(120)\n"
+    )
+    turns: list[Any] = [{"name": "run_code", "args": {"language": "python", "code": code}}, "done"]
+    (tmp_path / "turns.json").write_text(json.dumps(turns))
+    env = {**os.environ, "STOCKADE_KILL_DIR": str(tmp_path / "kill"), "STOCKADE_AUDIT_KEY": "k" * 32}
+    cli = [sys.executable, "-m", "stockade.cli.main"]
+    db = f"sqlite:///{tmp_path / '.stockade' / 'audit.db'}"
+    proc = subprocess.Popen(
+        [*cli, "agent", "stall", "-w", "project", "-m", "scripted:turns.json", "--run-id", "stalled"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the call is shown as it starts
+            if "run_code" in line:
+                break
+            assert time.monotonic() < deadline, line
+        time.sleep(2.0)  # the code runs; the log's batches (every 0.2 s) are written meanwhile
+        proc.send_signal(signal.SIGKILL)  # no handler, no cleanup, no flush
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+    def audit_verify() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*cli, "audit", "verify", "--db", db, "--json"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+
+    checked = audit_verify()
+    assert checked.returncode == 1, checked.stdout + checked.stderr  # never "intact"
+    problems = json.loads(checked.stdout)["problems"]
+    assert [p["kind"] for p in problems] == ["in_flight"], problems
+    assert "run_code" in problems[0]["detail"] and "stalled" in problems[0]["detail"]
+    with SQLiteStore(tmp_path / ".stockade" / "audit.db") as trail:
+        events = list(trail.events(run_id="stalled"))
+    (started,) = [e for e in events if e.kind.value == "tool_call_start"]
+    (op,) = [e for e in events if e.kind.value == "op_start"]
+    assert started.attributes["tool"] == "run_code"
+    assert started.attributes["args_digest"] == args_measure(turns[0]["args"])[1]  # what was asked
+    assert op.attributes["call_id"] == started.attributes["call_id"]  # what ran in the sandbox for it
+    assert problems[0]["seq"] == started.seq  # the finding points at the start the trail has
+
+    resumed = subprocess.run(
+        [*cli, "agent", "--resume", "stalled"], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    closed = audit_verify()
+    assert closed.returncode == 0, closed.stdout + closed.stderr  # run_crash, and the call's unknown outcome

@@ -4,17 +4,21 @@
 
 One event per moment that matters: ``run_start``, ``model_call`` (when the response
 arrives, with usage and the tool calls asked for), ``policy_decision`` (a denied call),
-``tool_call`` (when it returns: arguments, idempotency key, error, duration, sizes; also a
-call rejected as invalid), ``check`` (the acceptance check: command, passed, exit code),
-``step`` and ``run_end``. Arguments and text pass through the log's redactor like any event.
+``tool_call_start`` (before a call runs, one per attempt: tool, call id, idempotency key,
+the arguments' size and SHA-256), ``tool_call`` (when it returns: arguments, idempotency key,
+error, duration, sizes; also a call rejected as invalid), ``check`` (the acceptance check:
+command, passed, exit code), ``step`` and ``run_end``. Arguments and text pass through the
+log's redactor like any event.
 
-A crash loses nothing for good: events wait up to ``flush_interval_s`` in the log's buffer,
+A crash loses no call for good: events wait up to ``flush_interval_s`` in the log's buffer,
 which dies with the process, so when a run resumes (``RunResumed``) this observer compares
 the run's trail with what the run recorded (every step's model call, every call in its
 ledger) and records what is missing, marked ``"reconciled": true`` (its time is the resume's;
 ``recorded_ns`` in the run store is the original). A run whose process died gets a
 ``run_crash`` event first; a call that started and did not return, and was not run again, is
-a ``tool_call`` with ``"outcome": "unknown"``.
+a ``tool_call`` with ``"outcome": "unknown"``. What no resume brings back is what the sandbox
+did during a call cut by the death (its ``run_code`` or ``command`` event, the execs judged
+inside): the ``tool_call_start`` and ``op_start`` written before it say what was in flight.
 
 What a resumed run's trail holds once. The trail can be ahead of the run's checkpoints: a
 batch written, then the process killed before the checkpoint after it. The resume then does
@@ -182,7 +186,8 @@ class AuditObserver:
                     },
                 )
             case ToolCalled():
-                self.log.check()  # recorded once, with its outcome; not made while it cannot be
+                self.log.check()  # not made while the trail cannot be written
+                self._started(event)
             case ToolDenied():
                 record(
                     EventKind.POLICY_DECISION,
@@ -231,6 +236,28 @@ class AuditObserver:
                 )
             case RunFinished():
                 self._run_end(event)
+
+    def _started(self, event: ToolCalled) -> None:
+        """Before the call runs: a process killed during it leaves this in the trail (once the
+        log's next batch is written), where its ``tool_call`` never comes. The arguments by
+        size and SHA-256: their text is in the run store's checkpoint and comes with the
+        ``tool_call`` (or a resume's reconciled one); the log redacts every text it records,
+        about half a microsecond a character, and this is paid on every call."""
+        size, digest = args_measure(event.call.args)
+        self.log.record(
+            EventKind.TOOL_CALL_START,
+            run_id=event.run_id,
+            step=event.step,
+            actor=self.actor,
+            attributes={
+                "tool": event.call.name,
+                "call_id": event.call.id,
+                "idempotency_key": event.idempotency_key,
+                "idempotent": event.tool.idempotent,
+                "args_bytes": size,
+                "args_digest": digest,
+            },
+        )
 
     def _run_end(self, event: RunFinished) -> None:
         result, seen = event.result, self._in_trail.pop(event.run_id, None)

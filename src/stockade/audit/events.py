@@ -72,6 +72,8 @@ class EventKind(enum.StrEnum):
     SNAPSHOT_TAKE = "snapshot_take"  # a sandbox saved (snapshot, or pause), with the snapshot's id
     SNAPSHOT_RESTORE = "snapshot_restore"  # a sandbox started from a snapshot (resume, fork)
     EGRESS = "egress"  # a request through the sandbox's egress proxy, allowed or refused
+    TOOL_CALL_START = "tool_call_start"  # a tool call about to run (its tool_call comes when it returns)
+    OP_START = "op_start"  # a command or run_code about to run in a sandbox (its event comes at the end)
 
 
 def canonical(obj: Mapping[str, Any]) -> bytes:

@@ -7,7 +7,10 @@ commands (argv, env *names* never values, exit code, duration, output sizes; a p
 from standard input, as ``run_code`` runs bash or node, capped, with its digest), ``run_code``
 (the code, capped, and its digest), file writes and removals, resets and ``sandbox_stop``;
 and, after a command or ``run_code``, each exec the sandbox's rules judged inside (``exec``:
-its argv, the verdict and the rule), in the order they happened.
+its argv, the verdict and the rule), in the order they happened. A command or ``run_code``
+is also recorded as it starts (``op_start``: the argv, cut; the code's size and digest), so
+a process killed while one runs leaves in the trail what was in flight; the execs judged inside
+it are reported with its result, and die with the process.
 Reads are not recorded: they change nothing. A failed operation is recorded with its error
 class and whether it was retryable, then re-raised.
 """
@@ -148,6 +151,33 @@ def describe(op: Op[Any], redactor: Redactor) -> tuple[EventKind, dict[str, obje
     return None
 
 
+# What an op_start keeps of a command's argv (its words cut here, the first ones only): what
+# was in flight, named. Of code, only its size and digest: the log redacts every text it
+# records, at about half a microsecond a character, and describe's text is redacted already.
+START_CAP = 256
+START_WORDS = 16
+
+
+def starting(kind: EventKind, attributes: Mapping[str, object]) -> dict[str, object] | None:
+    """The ``op_start`` attributes of a command or ``run_code`` (from ``describe``'s); ``None``
+    for the other ops, quick ones whose single event comes at their end."""
+    if kind is EventKind.RUN_CODE:
+        keep: tuple[str, ...] = ("code_bytes", "code_digest", "timeout_s")
+    elif kind is EventKind.COMMAND:
+        keep = ("cwd", "timeout_s", "language", "program_digest")
+    else:
+        return None
+    out: dict[str, object] = {"op": kind.value, **{k: attributes[k] for k in keep if k in attributes}}
+    argv = attributes.get("argv")
+    if isinstance(argv, list):
+        out.update(argv=[_short(str(word)) for word in argv[:START_WORDS]], argc=len(argv))
+    return out
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= START_CAP else text[:START_CAP] + f"…[{len(text) - START_CAP} more chars]"
+
+
 def _spell(rule: HostRule) -> str:
     text = rule.host + ("" if rule.ports == (80, 443) else ":" + ",".join(map(str, rule.ports)))
     return text + (" " + ",".join(rule.methods) if rule.methods else "")
@@ -232,6 +262,9 @@ class AuditedInstance(WrapperInstance):
         kind, attributes = described
         self.log.check()  # a trail that cannot be written: the action is not taken
         self._ops += 1
+        begun = starting(kind, attributes)
+        if begun is not None:  # a process killed while it runs leaves this (once the next batch is written)
+            self._record(EventKind.OP_START, 0.0, {**begun, "call_id": current_call.get()})
         start = time.perf_counter()
         try:
             result = self.wrapped.handle(op, sink)

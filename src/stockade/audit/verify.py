@@ -34,9 +34,15 @@ events by idempotency key: a call in the ledger and not in the trail is ``not_in
 ``tool_call`` event the ledger lacks is ``not_in_ledger``, and a second ``tool_call`` event of
 one key, or a second ``run_end`` of a run that ended for good (``"status"`` not paused,
 interrupted or broken) not marked ``"repeat": true``, is ``duplicate_in_trail`` (a resume
-keeps them once: ``AuditObserver``). Resuming a crashed run records
-what its trail lost (``AuditObserver``); a run still running may show its last calls as
-``not_in_trail`` until its next batch is written.
+keeps them once: ``AuditObserver``). A call the run store saw start and never return, of a
+run whose process died (neither live under its lease nor stopped by its own process: the run
+store's ``calls_in_flight``), is ``in_flight``: a problem, as a call lost from the trail after
+it returned is, since what the call did in the sandbox (its ``run_code`` or ``command`` event,
+the execs judged inside) is not in the trail and never will be; its ``tool_call_start`` and
+``op_start`` say what was asked, when the log wrote them before the death. Resuming a crashed
+run records what its trail lost (``AuditObserver``): the crash, and the call, as returned or
+of unknown outcome. A run still running (its lease held) is not in flight, but may show its
+last calls as ``not_in_trail`` until its next batch is written.
 """
 
 from __future__ import annotations
@@ -113,6 +119,7 @@ class ProblemKind(enum.StrEnum):
     NOT_IN_TRAIL = "not_in_trail"  # the run store's ledger has a tool call the trail does not
     NOT_IN_LEDGER = "not_in_ledger"  # a tool_call event of a run the ledger knows, not in its ledger
     DUPLICATE_IN_TRAIL = "duplicate_in_trail"  # a tool_call's key, or a run's final run_end, twice
+    IN_FLIGHT = "in_flight"  # a run's process died during a call: what it did is not in the trail
 
 
 class LedgerCall(NamedTuple):
@@ -129,6 +136,10 @@ class Ledger(Protocol):
 
     def ledger_calls(self, run_id: str | None = None) -> Iterable[LedgerCall]: ...
 
+    def calls_in_flight(self, run_id: str | None = None) -> Iterable[LedgerCall]:
+        """The calls a process died during (started, never returned, its run not live)."""
+        ...
+
 
 @dataclass(frozen=True)
 class RunsLedger:
@@ -140,6 +151,9 @@ class RunsLedger:
 
     def ledger_calls(self, run_id: str | None = None) -> list[LedgerCall]:
         return [call for call in self.ledger.ledger_calls(run_id) if call.run_id in self.runs]
+
+    def calls_in_flight(self, run_id: str | None = None) -> list[LedgerCall]:
+        return [call for call in self.ledger.calls_in_flight(run_id) if call.run_id in self.runs]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -245,6 +259,7 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
     checked = run_events = edited = last_seq = 0
     audited: dict[tuple[str, str], int] = {}  # (run, idempotency key) of each tool_call event -> its seq
     ended: dict[str, int] = {}  # run -> the seq of its final run_end
+    starts: dict[tuple[str, str], int] = {}  # (run, idempotency key) of each tool_call_start -> its last seq
     at_head: str | None = None  # the stored hash of the event the head record named
     for seq, run, kind, body, stored_hash, step, timestamp_ns in store.rows():
         checked += 1
@@ -253,7 +268,12 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
         if run == run_id:
             run_events += 1
         if ledger is not None and kind in _KEYED and (run_id is None or run == run_id):
-            _once(seq, run, kind, body, audited=audited, ended=ended, report=report)
+            if kind == "tool_call_start":
+                started = _attributes(body).get("idempotency_key")
+                if isinstance(started, str):
+                    starts[(run, started)] = seq
+            else:
+                _once(seq, run, kind, body, audited=audited, ended=ended, report=report)
         try:
             signed = _signed_fields(body, strings)
             signed_run = signed.run_id
@@ -323,6 +343,18 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
             if run in known:
                 detail = f"a tool_call event ({event_key}) that the run store's ledger does not have"
                 report(seq, ProblemKind.NOT_IN_LEDGER, detail, run)
+        for call in ledger.calls_in_flight(run_id):
+            start = starts.get((call.run_id, call.idempotency_key))
+            told = (
+                f"the trail has its start (seq {start}), not what it did"
+                if start is not None
+                else "the trail has no event of it"
+            )
+            detail = (
+                f"the process running {call.run_id} died during {call.tool} (step {call.step}, "
+                f"{call.idempotency_key}): {told}; resuming the run records its crash and the call"
+            )
+            report(start or 0, ProblemKind.IN_FLIGHT, detail, call.run_id)
 
     if expected_head is not None:
         pin_seq, pin_hash = (
@@ -356,7 +388,7 @@ def _head_covers(store: AuditStore, last_seq: int) -> bool:
     return now is not None and now.seq >= last_seq
 
 
-_KEYED = frozenset({"tool_call", "run_end"})
+_KEYED = frozenset({"tool_call", "run_end", "tool_call_start"})
 # The statuses of a run that ended for good (RunStatus.finished; the audit layer does not
 # import the agent's): a paused, interrupted or broken run's run_end is one per stop.
 _FINAL = frozenset({"success", "check_failed", "max_steps", "budget", "killed", "denied", "error"})

@@ -203,7 +203,8 @@ def verify(
     cannot be read (a full disk, an I/O error: nothing proven either way). The tool calls of the
     run store's ledger and the chain's tool_call events must agree: a call in one and not the
     other is a problem (not_in_trail, not_in_ledger), and so is a call, or a run's final end,
-    twice in the chain (duplicate_in_trail). A service keeps a chain per tenant and one run
+    twice in the chain (duplicate_in_trail), and a call its run's process died during, until
+    the run is resumed (in_flight). A service keeps a chain per tenant and one run
     store for all: a tenant's trail (--tenant, or --namespace audit_t_TENANT) is checked
     against that tenant's runs only."""
     pinned: tuple[int, str] | None = None

@@ -4,7 +4,8 @@ A call's row is keyed by its idempotency key and written once, the moment the ca
 (or with the checkpoint that holds it, whichever comes first). The calls started
 (``<namespace>_calls_started``) are what a resume reads to tell a call that returned from
 one that started and did not: run again if its tool is idempotent, ``OutcomeUnknown``
-otherwise (``checkpoints``).
+otherwise (``checkpoints``). A call started, not returned, of a run not ended whose lease is
+neither held nor released was cut by its process's death (``calls_in_flight``).
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from collections.abc import Callable, Sequence
 from pydantic import BaseModel, ValidationError
 
 from stockade import exceptions as exc
-from stockade.agent.state import ToolCallRecord
+from stockade.agent.state import RunStatus, ToolCallRecord
 from stockade.audit.redact import Redactor
 from stockade.audit.verify import LedgerCall
 from stockade.models.messages import ToolCall
 from stockade.runs._db import Database, Statement
 from stockade.runs._schema import as_int
+from stockade.runs.lease import owner_gone
 
 __all__ = ["CallLedger", "redacted_json"]
 
@@ -105,6 +107,30 @@ class CallLedger:
                 )
         return calls
 
+    def calls_in_flight(self, run_id: str | None = None) -> list[LedgerCall]:
+        """The calls its process died during: started, never returned, of a run that has not
+        ended and whose lease its process neither holds (alive) nor released (it stopped the
+        run itself, cutting the call: ``interrupted``, ``killed``). A resume closes them (its
+        load records each as returned or ``OutcomeUnknown``)."""
+        ns = self.ns
+        sql = (
+            f"SELECT s.run_id, s.step, s.idempotency_key, s.tool, l.owner, l.expires_ns "
+            f"FROM {ns}_calls_started s JOIN {ns}_leases l ON l.run_id = s.run_id "
+            f"JOIN {ns}_runs r ON r.run_id = s.run_id "
+            f"WHERE l.expires_ns <> 0 AND r.status NOT IN ({', '.join('?' * len(_ENDED))}) "
+            f"AND NOT EXISTS (SELECT 1 FROM {ns}_tool_calls t WHERE t.idempotency_key = s.idempotency_key)"
+        )
+        params: list[object] = list(_ENDED)
+        if run_id is not None:
+            sql += " AND s.run_id = ?"
+            params.append(run_id)
+        now = time.time_ns()
+        return [
+            LedgerCall(run_id=str(run), step=as_int(step), idempotency_key=str(key), tool=str(tool))
+            for run, step, key, tool, owner, expires in self.db.query(sql + " ORDER BY s.started_ns", params)
+            if as_int(expires) <= now or owner_gone(str(owner))
+        ]
+
     # -- calls started -------------------------------------------------------------------------
 
     def started(self, run_id: str, step: int) -> dict[str, bool]:
@@ -141,3 +167,6 @@ class CallLedger:
             f"SELECT idempotency_key, attempts FROM {self.ns}_calls_started WHERE run_id = ?", (run_id,)
         )
         return {str(r[0]): as_int(r[1]) for r in rows}
+
+
+_ENDED = tuple(s.value for s in RunStatus if s.finished)

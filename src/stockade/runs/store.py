@@ -408,6 +408,11 @@ class RunStore:
         """The ledger as ``audit verify`` cross-checks it: every call but the denied ones."""
         return self._ledger.ledger_calls(run_id)
 
+    def calls_in_flight(self, run_id: str | None = None) -> list[LedgerCall]:
+        """The calls a dead process was running (started, never returned, of a run neither
+        ended, nor live, nor stopped by its process), as ``audit verify`` reports them."""
+        return self._ledger.calls_in_flight(run_id)
+
     def retries(self, run_id: str) -> list[RetryEntry]:
         rows = self.db.query(
             f"SELECT step, call_id, subject, attempt, delay_s, reason, recorded_ns FROM {self.ns}_retries "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from stockade.agent import Agent
+from stockade.agent.state import args_measure
 from stockade.audit import EventKind, verify
 from stockade.audit.agent import AuditObserver
 from stockade.models.messages import ToolCall
@@ -25,6 +26,7 @@ def test_a_run_becomes_audit_events() -> None:
         assert audit.kinds() == [
             EventKind.RUN_START,
             EventKind.MODEL_CALL,
+            EventKind.TOOL_CALL_START,  # before it runs: what a process killed during it leaves
             EventKind.TOOL_CALL,
             EventKind.STEP,
             EventKind.MODEL_CALL,
@@ -34,6 +36,11 @@ def test_a_run_becomes_audit_events() -> None:
         (tool,) = audit.of(EventKind.TOOL_CALL)
         assert tool.step == 1 and tool.attributes["tool"] == "write_file"
         assert tool.attributes["idempotency_key"] == idempotency_key("run-7", 1, 0, "call_0_0")
+        (start,) = audit.of(EventKind.TOOL_CALL_START)
+        assert start.attributes["idempotency_key"] == tool.attributes["idempotency_key"]
+        args = tool.attributes["args"]
+        assert isinstance(args, dict) and "args" not in start.attributes  # their size and SHA-256 only
+        assert (start.attributes["args_bytes"], start.attributes["args_digest"]) == args_measure(args)
         assert audit.of(EventKind.RUN_END)[0].attributes["status"] == "success"
         assert verify(audit.store).ok
 

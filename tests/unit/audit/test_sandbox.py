@@ -33,6 +33,7 @@ def test_a_sandbox_session_becomes_audit_events() -> None:
 
         assert audit.kinds() == [
             EventKind.SANDBOX_START,
+            EventKind.OP_START,  # a command is recorded as it starts too: a crash may cut it
             EventKind.COMMAND,
             EventKind.FILE_WRITE,
             EventKind.FILE_REMOVE,
@@ -41,6 +42,7 @@ def test_a_sandbox_session_becomes_audit_events() -> None:
         command = audit.of(EventKind.COMMAND)[0]
         assert command.run_id == "run-1" and command.step == 4 and command.actor == "sandbox"
         assert command.attributes["argv"] == ["make", "test"]
+        assert audit.of(EventKind.OP_START)[0].attributes["argv"] == ["make", "test"]
         assert command.attributes["env_names"] == ["TOKEN"]
         assert command.attributes["exit_code"] == 3 and command.attributes["stdout_bytes"] == 3
         assert command.duration_ns is not None

@@ -573,3 +573,33 @@ def test_the_time_a_killed_process_spent_past_its_checkpoint_counts_in_the_wall_
         )
     assert result.status == RunStatus.BUDGET, (result.status, result.error)
     assert result.state.elapsed_s >= 20.0
+
+
+def test_a_call_running_under_a_held_lease_or_cut_by_its_own_process_is_not_in_flight(
+    store: RunStore,
+) -> None:
+    """``in_flight`` is a call a dead process was running: not one running now (its run's lease
+    is held), nor one its own process stopped (the lease released: interrupted, crashed in
+    Python), whose trail has the failure of what it cut."""
+    trail = MemoryStore()
+    seen: list[list[str]] = []
+
+    @tool
+    def slow(ctx: ToolContext) -> str:
+        """Look at the trail mid-call."""
+        log.flush()
+        seen.append([p.kind.value for p in verify(trail, ledger=store).problems])
+        raise Died("the process stops here")
+
+    with sandbox() as sbx, AuditLog(trail, flush_interval_s=None) as log:
+        agent = Agent(
+            ScriptedModel([tool_call("slow"), "done"]),
+            tools=default_toolset().including(slow),
+            checkpointer=store,
+            observers=[AuditObserver(log), RunRecorder(store)],
+        )
+        with pytest.raises(Died):
+            agent.run_sync("t", sandbox=sbx, run_id="r")
+    assert seen == [[]]  # live: its lease is held
+    assert store.calls_in_flight("r") == [] and verify(trail, ledger=store).ok  # released
+    assert [e.attributes["tool"] for e in trail.events() if e.kind.value == "tool_call_start"] == ["slow"]
