@@ -371,12 +371,15 @@ class McpSession:
 
     def _answer(self, outcome: Outcome) -> None:
         """Resolve whoever waits for the call in flight (its caller, or a resume's)."""
-        for waiting in (self._resuming, self._current.future if self._current is not None else None):
-            if waiting is not None and not waiting.done():
-                waiting.set_result(outcome)
+        waiting = (self._resuming, self._current.future if self._current is not None else None)
+        # no call in flight before its caller hears: one that ends the session at once must
+        # not find it still there (``end`` would cut a run that had nothing left to cut)
         self._resuming = None
         if not isinstance(outcome, Paused):
             self._current = None
+        for future in waiting:
+            if future is not None and not future.done():
+                future.set_result(outcome)
 
     def _last_word(self) -> Outcome:
         """For the call in flight when the run ended: its own result when it returned one (a
