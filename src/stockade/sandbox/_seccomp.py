@@ -3,7 +3,7 @@
 Built with libseccomp (through ``pyseccomp``), exported as classic BPF and handed to
 bubblewrap. The list follows Docker's default profile and Flatpak's: mount and namespace
 syscalls, tracing, kernel modules and kexec, BPF, keyrings, raw and packet sockets,
-io_uring, perf, userfaultfd, vsock; and what takes host memory or a host-wide quota no
+io_uring, perf, userfaultfd, memfd_secret, vsock; and what takes host memory or a host-wide quota no
 cgroup charges to the sandbox: AIO contexts, netlink sockets, UDP on a loopback-only
 network; and OFD locks, which can outlive every process (``_locks``); and the calls that
 set another process's resource limits or scheduling (``OWN_ONLY``). ``clone3`` answers
@@ -50,6 +50,9 @@ DENIED = (
     "bpf",
     "perf_event_open",
     "userfaultfd",
+    # each secret page is taken out of the kernel's direct map, splitting the host's huge
+    # pages for good (until a reboot), charged to no cgroup: 8 MiB took 12 GiB of 1 GiB maps
+    "memfd_secret",
     "keyctl",
     "add_key",
     "request_key",

@@ -190,6 +190,7 @@ ENOSYS_ = 38
 
 
 NR_SOCKET, NR_IO_SETUP, NR_FCNTL = 41, 206, 72
+NR_MEMFD_SECRET = 447  # its pages leave the host's direct map for good (``_seccomp``)
 # The calls that signal (or attach to) a process named by its pid: the target's place
 # among the call's arguments, the first or either of the first two (a thread group, a
 # thread). ptrace's target is its second.

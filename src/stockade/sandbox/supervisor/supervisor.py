@@ -613,7 +613,7 @@ def main() -> None:
         # gVisor's kernel (``unlisted``) lets code signal its init as any process: we refuse
         # it (a Linux kernel's init ignores what it has no handler for, SIGSTOP and SIGKILL
         # included; a microVM's supervisor is its kernel's init).
-        calls = unlisted + ((confine.NR_IO_SETUP,) if kernel else ())
+        calls = unlisted + ((confine.NR_IO_SETUP, confine.NR_MEMFD_SECRET) if kernel else ())
         datagrams = bool(kernel and kernel.get("datagrams"))
         confine.deny_calls(
             calls, netlink=bool(kernel), datagrams=datagrams, locks=bool(kernel), guard_init=os.getpid() == 1
