@@ -81,6 +81,41 @@ def test_a_denied_program_cannot_be_read_from_run_code(denying: Sandbox) -> None
     assert e.error is not None or e.text in ("b''", None)
 
 
+def test_a_copy_of_a_denied_program_brought_in_runs_under_no_name(tier: str, tmp_path: Path) -> None:
+    """A denied program is masked, so the judge inside could read nothing to compare a copy
+    with: `curl` seeded as `fetch` ran `fetch -V`, with two bytes appended too, through ld.so
+    and from a memfd. The host reads what the masked programs are before it masks them, and
+    a copy (by content, or by ELF build ID) is the program."""
+    if tier not in CONFINES:  # gVisor's kernel holds the masks only: it judges no exec
+        return
+    with Sandbox.create(tier, limits=LIMITS) as plain:  # the image's own curl, as the host masks it
+        found = plain.commands.run("cp /usr/bin/curl /workspace/curl.bin")
+        assert found.exit_code == 0, found.stderr
+        curl = plain.files.read("curl.bin", format="bytes")
+    (tmp_path / "fetch").write_bytes(curl)
+    (tmp_path / "fetch2").write_bytes(curl + b"\0\0")
+    rules = SandboxRules(deny=("curl",))
+    with Sandbox.create(tier, limits=LIMITS, rules=rules, workspace=tmp_path) as sbx:
+        sbx.files.write("fetch3", curl, mode=0o755)  # an upload
+        loader = "/lib64/ld-linux-x86-64.so.2"
+        routes = {
+            "seed": "./fetch -V",
+            "bytes appended": "./fetch2 -V",
+            "upload": "./fetch3 -V",
+            "a copy in /tmp": "cp fetch /tmp/g && /tmp/g -V",
+            "ld.so": f"{loader} ./fetch -V; {loader} ./fetch2 -V",
+            "memfd": (
+                'python3 -c \'import os; f = os.memfd_create("m"); os.write(f, open("fetch2", "rb").read());'
+                ' os.execve(f, ["m", "-V"], {})\''
+            ),
+        }
+        sbx.commands.run("chmod +x fetch fetch2")
+        for route, line in routes.items():
+            r = sbx.commands.run(line + "; echo done")
+            assert "libcurl" not in r.stdout and r.stdout.endswith("done\n"), (route, r.stdout, r.stderr)
+            assert "denied by policy: commands.deny: curl" in r.stderr, (route, r.stderr)
+
+
 # A word of 10,000 characters (the compiled judge hands its record to Python, which cuts it),
 # then 300 execs of a 4,000-byte word each (as a build's compiler lines).
 LONG_EXECS = (
@@ -591,17 +626,45 @@ def test_an_exec_waits_for_the_hosts_approver_and_runs_when_it_says_yes(tier: st
 
 def test_an_approval_of_a_long_argv_is_asked_for_all_of_it(tier: str) -> None:
     """The approver was shown an exec's first 64 words: two execs alike in those and unlike
-    after were the same request (one id, one decision). The 64th word now names the rest."""
+    after were the same request (one id, one decision). Its tail is shown now, and the words
+    left out are one word naming how many and the SHA-256 of the whole argv."""
     approver = YesTo("never")
     sbx = _rules_or_refusal(tier, SandboxRules(approve=("rm -r",)), approver=approver)
     if sbx is None:
         return
     with sbx:
         head = " ".join(f"f{n}" for n in range(70))
-        sbx.commands.run(f"rm -r {head} keep; rm -r {head} prod")
+        sbx.commands.run(f"rm -r {head} same {'x ' * 20}keep; rm -r {head} other {'x ' * 20}prod")
         first, second = approver.asked
-        assert len(first) == len(second) == 64 and first[:63] == second[:63]
-        assert first[-1] != second[-1] and "10 more words; the whole argv is sha256" in first[-1]
+        assert len(first) == len(second) == 64 and first[:40] == second[:40]
+        assert (first[-1], second[-1]) == ("keep", "prod")
+        (mark,) = [word for word in first if word.startswith("[... ")]
+        assert "words not shown; the whole argv is sha256" in mark and mark not in second
+
+
+def test_an_approval_past_64_words_shows_what_the_rule_matched_and_the_targets(tier: str) -> None:
+    """`rm -f <62 files> -r /workspace/src` was asked as its first 63 words under the rule
+    `rm -r`: the approver saw neither the `-r` nor the folder, said yes, and src was gone. The
+    words a rule matched by and the argv's tail are shown, whatever stands before them."""
+    approver = YesTo("never")
+    sbx = _rules_or_refusal(tier, SandboxRules(approve=("rm -r",)), approver=approver)
+    if sbx is None:
+        return
+    with sbx:
+        sbx.commands.run("mkdir -p src && touch src/a.py")
+        files = ", ".join(f"'/tmp/cache/{n}.tmp'" for n in range(62))
+        r = sbx.run_code(f"import subprocess; subprocess.run(['rm', '-f', {files}, '-r', '/workspace/src'])")
+        assert r.error is not None and sbx.files.exists("src/a.py")
+        (asked,) = approver.asked
+        assert len(asked) == 64 and asked[:2] == ("rm", "-f") and asked[-2:] == ("-r", "/workspace/src")
+        # a flag the rule matched, far from both ends, is shown too
+        flags = " ".join(f"/tmp/f{n}" for n in range(100))
+        sbx.commands.run(f"rm -f {flags} -R {flags} /workspace/src")
+        asked = approver.asked[-1]
+        assert len(asked) == 64 and "-R" in asked and asked[-1] == "/workspace/src", asked
+        refused = [e for e in sbx.commands.run(f"rm -f {flags} -R {flags} src").execs if e.argv[0] == "rm"]
+        assert refused and "-R" in refused[0].argv and refused[0].argv[-1] == "src"  # the record alike
+        assert sbx.files.exists("src/a.py")
 
 
 def test_an_approval_of_an_argv_of_megabytes_is_asked_with_its_words_cut(tier: str) -> None:

@@ -206,6 +206,9 @@ def _plan(
         else {},
         "write": write,
         "approver": approver,
+        # what the masked programs are, read here before the tier masks them: the judge
+        # inside can read none of them, and knows a copy brought in by this
+        "masked": masked_identities(str(root), masks, programs) if root is not None and masks else [],
         # STOCKADE_EXEC_JUDGE=python: every exec judged in Python (the compiled fast path off),
         # to compare the two (bench/policy_inside.py) or to rule the fast path out.
         "judge": judge,
@@ -368,6 +371,33 @@ def _digest(path: Path) -> str | None:
         return h.hexdigest()
     except OSError:
         return None
+
+
+@functools.lru_cache(maxsize=64)
+def masked_identities(root: str, masks: tuple[str, ...], stamp: tuple[int, ...] = ()) -> list[list[Any]]:
+    """What the programs ``masks`` are in the image at ``root``, for the exec judge inside:
+    ``[names, size, sha256, ELF build ID in hex or ""]``, one entry per content (the names
+    it has among the masked). Inside, no one can read a masked program, so a byte-for-byte
+    copy of one the code brought in (from the seed, an upload, the network: `curl` as
+    `fetch`) had nothing to be compared with and ran, and one with bytes appended too.
+    Once per image, masks and state of its program folders (``stamp``: the cache's key);
+    the plan that holds it is shared, so nobody may change it."""
+    by_content: dict[str, list[Any]] = {}
+    for inside in masks:
+        path = Path(root) / inside.lstrip("/")
+        try:
+            st = path.stat()
+            digest = _digest(path)
+            build = execrules.build_id(str(path))
+        except OSError:
+            continue
+        if digest is None or not stat.S_ISREG(st.st_mode):
+            continue
+        entry = by_content.setdefault(digest, [[], st.st_size, digest, build.hex() if build else ""])
+        name = inside.rsplit("/", 1)[1]
+        if name not in entry[0]:
+            entry[0].append(name)
+    return list(by_content.values())
 
 
 # -- binding the masks ------------------------------------------------------------------------

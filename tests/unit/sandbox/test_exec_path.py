@@ -294,3 +294,25 @@ def test_an_argv_past_what_the_kernel_takes_is_refused_unread(confine: Any, tmp_
     with pytest.raises(OSError) as caught:
         too_long.argv(confine)
     assert caught.value.errno == errno.E2BIG
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    before=st.lists(st.text("ab/.", min_size=1, max_size=5000), max_size=300),
+    after=st.lists(st.text("cd", min_size=1, max_size=5000), min_size=1, max_size=20),
+)
+def test_a_cut_argv_shows_the_flag_its_rule_matched_and_its_tail(
+    execjudge: Any, execrules: Any, before: list[str], after: list[str]
+) -> None:
+    """`rm -f <62 files> -r /workspace/src` was shown as its first 63 words, and 60 words of
+    4,000 characters before a `-r` left it no room (cut to nothing): what a record and an
+    approval show of any argv holds the words the rule matched it by, and its last word, whole."""
+    argv = ["rm", *before, "-r", *after, "/workspace/src"]
+    shown = execjudge.shown_argv(argv, execrules.judged_words(["rm", "-r"], argv))
+    assert len(shown) <= 64 and shown[0] == "rm" and "-r" in shown and shown[-1] == "/workspace/src"
+    assert sum(len(word.split("[... ")[0]) for word in shown) <= 32 << 10
+    if len(argv) > 64:  # what is left out is counted, and the whole argv named by its digest
+        marks = [word for word in shown if word.startswith("[... ") and "words not shown" in word]
+        assert marks and all(
+            execjudge.shown_argv([*argv[:-1], "x"], ["-r"]).count(mark) == 0 for mark in marks
+        )

@@ -16,32 +16,60 @@ import os
 
 import confine
 import execrules
+from execrules import build_id
 from protocol import MAX_EXEC_ARGV
 from rules import E2BIG, ENOENT, EPERM, kept_argv, record
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
-    from typing import Any, Dict, List, Optional, Set, Tuple
+    from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 
-def shown_argv(argv: "list[str]") -> "list[str]":
+# Of an argv past MAX_EXEC_ARGV words, what is shown besides its head: its last words (an
+# exec's targets: `rm <62 files> -r /workspace/src` was asked as its 63 first words, the `-r`
+# and the folder unseen), and at most this many words a rule matched it by.
+SHOWN_TAIL = 16
+SHOWN_MATCHED = 16
+
+
+def shown_argv(argv: "list[str]", matched: "Sequence[str]" = ()) -> "list[str]":
     """What a record and an approval carry of ``argv``: all of it up to MAX_EXEC_ARGV words,
-    else its head and a last word naming how many more there are and the SHA-256 of the whole
-    (each word as ``kept_argv`` keeps it). An approval asked with the first 64 words only was
-    the same request (the same id, so the same decision) as another exec with those words and
-    any others after them."""
+    else its first word, the words a rule matched it by (``matched``: the first argument
+    that is each, ``execrules.judged_words``), its last SHOWN_TAIL words and as much of its
+    head as fits, each stretch left out shown as one word naming how many words it holds
+    and the SHA-256 of the whole argv (each word as ``kept_argv`` keeps it). An approval
+    asked with the first 64 words only was the same request (the same id, so the same
+    decision) as another exec with those words and any others after them, and showed
+    neither the flag the rule judged nor the exec's targets."""
     if len(argv) <= MAX_EXEC_ARGV:
         return kept_argv(list(argv))
     import hashlib
 
-    whole = "\0".join(argv).encode("utf-8", "surrogateescape")
-    more = len(argv) - MAX_EXEC_ARGV + 1
-    return kept_argv(
-        [
-            *argv[: MAX_EXEC_ARGV - 1],
-            f"[... {more} more words; the whole argv is sha256 {hashlib.sha256(whole).hexdigest()}]",
-        ]
-    )
+    keep = set(range(len(argv) - SHOWN_TAIL, len(argv))) | {0}
+    wanted = list(dict.fromkeys(matched))[:SHOWN_MATCHED]
+    for word in wanted:
+        at = next((i for i in range(1, len(argv)) if argv[i] == word), None)
+        if at is not None:
+            keep.add(at)
+    for at in range(1, len(argv)):  # the head, while it and the marks of the gaps fit
+        if at not in keep and _shown_count(keep | {at}) > MAX_EXEC_ARGV:
+            break
+        keep.add(at)
+    whole = hashlib.sha256("\0".join(argv).encode("utf-8", "surrogateescape")).hexdigest()
+    shown: "list[str]" = []
+    last = -1
+    for at in sorted(keep):
+        if at > last + 1:
+            shown.append(f"[... {at - last - 1} words not shown; the whole argv is sha256 {whole}]")
+        shown.append(argv[at])
+        last = at
+    return kept_argv(shown)
+
+
+def _shown_count(keep: "Set[int]") -> int:
+    """The words shown for the indexes ``keep`` (0 among them): each, and a mark a gap."""
+    ordered = sorted(keep)
+    return len(ordered) + sum(1 for at in range(1, len(ordered)) if ordered[at] > ordered[at - 1] + 1)
 
 
 class ExecJudge:
@@ -54,10 +82,30 @@ class ExecJudge:
         commands: "Dict[str, List[List[str]]]",
         sizes: "Dict[int, List[str]]",
         approver: bool = False,
+        masked: "Sequence[Sequence[Any]]" = (),
     ) -> None:
+        """``masked``: what the host read of the programs the tier masks before they were
+        masked (``_rules.masked_identities``): [names, size, sha256, build ID in hex]."""
         self.sup = sup
         self.commands = commands
         self.approver = approver
+        # a rule as a record names it -> its words (what an argv cut must show: shown_argv)
+        self._rules = {
+            f"commands.{kind}: " + " ".join(words): words
+            for kind, patterns in commands.items()
+            for words in patterns
+        }
+        # A masked program can be read by no one here, so what it is comes from the host: a
+        # copy of one (from the seed, an upload, the network) is that program.
+        self._masked: "Dict[int, Dict[str, Set[str]]]" = {}  # size -> sha256 -> names
+        self._masked_builds: "Dict[bytes, Set[str]]" = {}
+        self._masked_names: "Set[str]" = set()
+        for names, size, digest, build in masked:
+            if int(size) > 0:  # an empty file is a copy of nothing
+                self._masked.setdefault(int(size), {}).setdefault(str(digest), set()).update(names)
+            if build:
+                self._masked_builds.setdefault(bytes.fromhex(build), set()).update(names)
+            self._masked_names.update(names)
         self._index = {kind: self._indexed(patterns) for kind, patterns in commands.items()}
         self._names: "Dict[Tuple[int, int, int], str]" = {}  # file -> the name it has
         # What is kept of a file's content is kept by its stamp (_stamp: its ctime among
@@ -121,7 +169,12 @@ class ExecJudge:
             words = kept_argv(argv[:MAX_EXEC_ARGV])
             record(job, {"path": path, "argv": words, "verdict": verdict, "rule": ""})
             return
-        done = {"path": path, "argv": shown_argv(argv), "verdict": verdict, "rule": rule or ""}
+        matched = (
+            execrules.judged_words(self._rules[rule], argv)
+            if rule in self._rules and len(argv) > MAX_EXEC_ARGV
+            else ()
+        )
+        done = {"path": path, "argv": shown_argv(argv, matched), "verdict": verdict, "rule": rule or ""}
         if verdict == "approve":
             if not self.approver or job is None:
                 done["verdict"] = "refuse"
@@ -264,6 +317,9 @@ class ExecJudge:
             head, copies = b"", set()  # the image's: what it shipped, judged by its names
         files = {os.path.basename(path), self._real_name(target, st)} | copies
         verdict = self._by_names(files, argv, listed)
+        masked = copies & self._masked_names
+        if masked and verdict[0] != "deny":  # masked: it runs under no name
+            verdict = "deny", f"masked: a copy of {min(masked)}, which the rules let run under no name"
         script = execrules.interpreted(head, path, argv)
         if script is not None:  # the kernel runs its interpreter with no exec to judge
             if depth >= MAX_CARRIED:
@@ -290,8 +346,9 @@ class ExecJudge:
         image, by ELF build ID (a copy changed by a byte: padded, patched). ``OSError``
         where it cannot be read, or not as far as it goes."""
         head = _head(target)
-        copies = self._copies_of(target, st) if st.st_size in self._sizes else set()
-        if not copies and self._sizes and outside:
+        known = st.st_size in self._sizes or st.st_size in self._masked
+        copies = self._copies_of(target, st) if known else set()
+        if not copies and (self._sizes or self._masked_builds) and outside:
             copies = self._same_build(target, st)
         return head, copies
 
@@ -384,7 +441,7 @@ class ExecJudge:
 
     def _program_digest(self, path: str) -> "Optional[str]":
         """The digest of a program a rule names; None where it is not there or cannot be read
-        (a masked one: nothing can copy it)."""
+        (a masked one: the host read it before, ``self._masked``)."""
         try:
             return self._digest(path, os.stat(path))
         except OSError:
@@ -407,12 +464,12 @@ class ExecJudge:
         if found is None:
             return set()
         if self._program_builds is None:
-            self._program_builds = {}
+            self._program_builds = {made: set(names) for made, names in self._masked_builds.items()}
             for paths in self._sizes.values():
                 for original in paths:
                     try:
                         made = build_id(original)
-                    except OSError:  # masked: nothing can copy it
+                    except OSError:  # masked: the host read it before (self._masked_builds)
                         continue
                     if made is not None:
                         self._program_builds.setdefault(made, set()).add(os.path.basename(original))
@@ -433,6 +490,10 @@ class ExecJudge:
                 mine = self._digest(path, st)
             if theirs == mine:
                 found.add(os.path.basename(original))
+        masked = self._masked.get(st.st_size)
+        if masked:
+            mine = mine or self._digest(path, st)
+            found |= masked.get(mine, set())
         return found
 
 
@@ -555,49 +616,3 @@ def caller_path(pid: int, path: str) -> str:
 
 
 ELOOP, EIO = 40, 5
-
-
-def build_id(path: str) -> "Optional[bytes]":
-    """The GNU build ID of a 64-bit little-endian ELF file (its NT_GNU_BUILD_ID note), if any.
-    ``OSError`` where the file cannot be read as far as it goes."""
-    import struct
-
-    fd = _open(path)
-    try:
-        size = os.fstat(fd).st_size
-
-        def read(count: int, at: int) -> bytes:
-            want = max(0, min(count, size - at))
-            got = os.pread(fd, want, at) if want else b""
-            if len(got) < want:
-                raise OSError(EIO, "a short read")
-            return got
-
-        head = read(64, 0)
-        if len(head) < 64 or head[:6] != b"\x7fELF\x02\x01":
-            return None
-        (phoff,) = struct.unpack_from("<Q", head, 32)
-        phentsize, phnum = struct.unpack_from("<HH", head, 54)
-        if phentsize < 56 or phnum > 256:
-            return None
-        table = read(phentsize * phnum, phoff)
-        for i in range(len(table) // phentsize):
-            (kind,) = struct.unpack_from("<I", table, i * phentsize)
-            if kind != 4:  # PT_NOTE
-                continue
-            (offset,) = struct.unpack_from("<Q", table, i * phentsize + 8)
-            (note_size,) = struct.unpack_from("<Q", table, i * phentsize + 32)
-            notes = read(min(note_size, 1 << 16), offset)
-            at = 0
-            while at + 12 <= len(notes):
-                namesz, descsz, note = struct.unpack_from("<III", notes, at)
-                name_at = at + 12
-                desc_at = name_at + (namesz + 3) // 4 * 4
-                if note == 3 and notes[name_at : name_at + namesz] == b"GNU\0":
-                    return notes[desc_at : desc_at + descsz] or None
-                at = desc_at + (descsz + 3) // 4 * 4
-    except struct.error:
-        return None
-    finally:
-        os.close(fd)
-    return None

@@ -258,24 +258,29 @@ def _flags(name: str, word: str) -> "List[str]":
 
 
 def _carries(name: str, flag: str, args: "Sequence[str]") -> bool:
+    return _carrier(name, flag, args) is not None
+
+
+def _carrier(name: str, flag: str, args: "Sequence[str]") -> "Optional[str]":
+    """The first of ``args`` that carries ``flag`` (in any of its spellings), if any."""
     spellings = _spellings(name, flag)
     letters = [s[1] for s in spellings if len(s) == 2 and s[0] == "-" and s[1] != "-"]
     longs = [s for s in spellings if s.startswith("--")]
     for arg in args:
         if arg == "--":
-            return False  # what follows are operands, even when they look like flags
+            return None  # what follows are operands, even when they look like flags
         if arg in spellings or any(_abbreviates(arg, long) for long in longs):
-            return True
+            return arg
         if "+" in spellings and arg.startswith("+") and len(arg) > 1:
-            return True
+            return arg
         if arg.startswith("-") and not arg.startswith("--") and len(arg) > 2:
             cluster = arg[1:]
             # -fR: every letter a flag; stop at the first that takes a value (-ofile)
             if cluster.isalpha() and any(letter in cluster for letter in letters):
-                return True
+                return arg
             if not cluster.isalpha() and cluster[0] in letters:
-                return True  # the flag with its value attached (pip -ihttps://...)
-    return False
+                return arg  # the flag with its value attached (pip -ihttps://...)
+    return None
 
 
 def _abbreviates(arg: str, long: str) -> bool:
@@ -408,6 +413,40 @@ def matches(words: "Sequence[str]", command: "Sequence[str]") -> bool:
     return True
 
 
+def judged_words(words: "Sequence[str]", argv: "Sequence[str]") -> "List[str]":
+    """The words of ``argv`` that the pattern ``words`` matched it by: for each of its flags
+    the first argument carrying it, for each other word the first argument it names. An
+    approver shown an argv cut to its bounds must see these (``rm <62 files> -r src``
+    was shown without its ``-r``, under the rule ``rm -r``). Read over the whole argv, so
+    that what a loader or an interpreter runs (a tail of it) is found in it too."""
+    words = pattern(words)
+    if not words or not argv:
+        return []
+    found: "List[str]" = []
+    args = list(argv[1:])
+    name = next((n for n in rule_names(program(argv[0])) if _glob(n, words[0])), None)
+    if name is None:  # a program run by another (ld.so /bin/rm, python3 -m pip): the word naming it
+        for arg in args:
+            names = rule_names(program(arg).split(".", 1)[0])
+            name = next((n for n in names if _glob(n, words[0])), None)
+            if name is not None:
+                found.append(arg)
+                break
+    name = name or program(argv[0])
+    try:
+        operands, options = args[args.index("--") + 1 :], args[: args.index("--")]
+    except ValueError:
+        operands, options = [], args
+    positional = [a for a in options if not a.startswith("-")] + operands
+    for word in words[1:]:
+        if word.startswith("-"):
+            hits = [_carrier(name, flag, args) for flag in _flags(name, word)]
+        else:
+            hits = [next((a for a in positional if _glob(a, word)), None)]
+        found += [hit for hit in hits if hit is not None and hit not in found]
+    return found
+
+
 def judge(rules: "Dict[str, List[List[str]]]", argv: "Sequence[str]") -> "Tuple[str, Optional[str]]":
     """The verdict on one exec: ``("deny", rule)``, ``("approve", rule)`` or ``("allow", None)``.
 
@@ -430,3 +469,53 @@ def judge(rules: "Dict[str, List[List[str]]]", argv: "Sequence[str]") -> "Tuple[
 def programs(patterns: "Sequence[Sequence[str]]") -> "FrozenSet[str]":
     """The program globs of single-word patterns: what is denied whatever its arguments."""
     return frozenset(words[0] for words in patterns if len(words) == 1)
+
+
+def build_id(path: str) -> "Optional[bytes]":
+    """The GNU build ID of a 64-bit little-endian ELF file (its NT_GNU_BUILD_ID note), if any:
+    a copy keeps it when bytes are added or changed elsewhere. The exec judge compares it, and
+    the host reads it of the programs it masks. ``OSError`` where the file cannot be read as
+    far as it goes."""
+    import os
+    import struct
+
+    # without waiting: a lease the code holds on it makes this fail (EWOULDBLOCK)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    try:
+        size = os.fstat(fd).st_size
+
+        def read(count: int, at: int) -> bytes:
+            want = max(0, min(count, size - at))
+            got = os.pread(fd, want, at) if want else b""
+            if len(got) < want:
+                raise OSError(5, "a short read")  # EIO
+            return got
+
+        head = read(64, 0)
+        if len(head) < 64 or head[:6] != b"\x7fELF\x02\x01":
+            return None
+        (phoff,) = struct.unpack_from("<Q", head, 32)
+        phentsize, phnum = struct.unpack_from("<HH", head, 54)
+        if phentsize < 56 or phnum > 256:
+            return None
+        table = read(phentsize * phnum, phoff)
+        for i in range(len(table) // phentsize):
+            (kind,) = struct.unpack_from("<I", table, i * phentsize)
+            if kind != 4:  # PT_NOTE
+                continue
+            (offset,) = struct.unpack_from("<Q", table, i * phentsize + 8)
+            (note_size,) = struct.unpack_from("<Q", table, i * phentsize + 32)
+            notes = read(min(note_size, 1 << 16), offset)
+            at = 0
+            while at + 12 <= len(notes):
+                namesz, descsz, note = struct.unpack_from("<III", notes, at)
+                name_at = at + 12
+                desc_at = name_at + (namesz + 3) // 4 * 4
+                if note == 3 and notes[name_at : name_at + namesz] == b"GNU\0":
+                    return notes[desc_at : desc_at + descsz] or None
+                at = desc_at + (descsz + 3) // 4 * 4
+    except struct.error:
+        return None
+    finally:
+        os.close(fd)
+    return None

@@ -39,7 +39,7 @@ ALLOWED_REPORT = MAX_EXEC_REPORT - (128 << 10)
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
-    from typing import Any, Dict, List, Optional, Set, Tuple
+    from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
     from execjudge import ExecJudge
 
@@ -76,6 +76,11 @@ class Rules:
             for kind in ("deny", "approve", "allow")
         }
         self.write = cfg.get("write")  # None: the whole workspace is writable
+        # What the host read of the programs the tier masks (``_rules.masked_identities``): no
+        # one here can read them, and a copy of one brought in is judged as it (execjudge).
+        self.masked = [
+            entry for entry in cfg.get("masked") or () if isinstance(entry, list) and len(entry) == 4
+        ]
         self.approver = bool(cfg.get("approver"))
         allow = self.commands["allow"]
         self.executable = _more().allowed_files(allow) if allow else None
@@ -254,7 +259,7 @@ class Rules:
             from execjudge import ExecJudge
 
             sizes = _more().program_sizes(self.commands)
-            self._judge = ExecJudge(self.sup, self.commands, sizes, self.approver)
+            self._judge = ExecJudge(self.sup, self.commands, sizes, self.approver, self.masked)
             self._judge.requests = self._requests  # never an id a verdict still on its way has
         return self._judge
 
@@ -350,7 +355,7 @@ class Rules:
         create's path), before it reads any request. The rule is in force from __init__ on:
         an exec before this waits in the kernel until someone answers."""
         if self.notify and self._entry and self.fast is None:
-            self.fast = FastJudge.start(self._entry, self.listener, judge_config(self.commands))
+            self.fast = FastJudge.start(self._entry, self.listener, judge_config(self.commands, self.masked))
             if self.fast is not None:
                 self.events = self.fast.forwards
 
@@ -449,22 +454,32 @@ def fits(job: "Any", done: "Dict[str, Any]", room: int) -> bool:
 
 
 def kept_argv(argv: "List[str]") -> "List[str]":
-    """What a record and an approval keep of ``argv`` (its first MAX_EXEC_ARGV words at most):
-    each word up to MAX_EXEC_WORD characters, and MAX_EXEC_RECORD_ARGV over them all; a word
-    cut is its head and a mark saying how much more and its SHA-256 (two words alike in their
-    heads stay two requests for an approver)."""
+    """What a record and an approval keep of ``argv`` (MAX_EXEC_ARGV words at most): each word
+    up to MAX_EXEC_WORD characters, and MAX_EXEC_RECORD_ARGV over them all, shared out so
+    that the longest words are cut first and alike (cut to the same length: a word of up to
+    MAX_EXEC_RECORD_ARGV / MAX_EXEC_ARGV characters is always whole, where the words before
+    it once took all the room and a `-r` after them was cut to nothing); a word cut is its
+    head and a mark saying how much more and its SHA-256 (two words alike in their heads
+    stay two requests for an approver)."""
     lengths = [len(word) for word in argv]
     if sum(lengths) <= MAX_EXEC_RECORD_ARGV and max(lengths, default=0) <= MAX_EXEC_WORD:
         return argv
-    out, room = [], MAX_EXEC_RECORD_ARGV
+    cap, room = MAX_EXEC_WORD, MAX_EXEC_RECORD_ARGV
+    if sum(min(n, cap) for n in lengths) > room:
+        ordered = sorted(min(n, cap) for n in lengths)
+        for at, n in enumerate(ordered):  # the shortest whole, the rest cut to an equal share
+            share = room // (len(ordered) - at)
+            if n > share:
+                cap = share
+                break
+            room -= n
+    out = []
     for word in argv:
-        keep = max(0, min(MAX_EXEC_WORD, room))
-        if len(word) > keep:
+        if len(word) > cap:
             import hashlib
 
             digest = hashlib.sha256(word.encode("utf-8", "surrogateescape")).hexdigest()
-            word = f"{word[:keep]}[... {len(word) - keep} more characters; the word is sha256 {digest}]"
-        room -= min(len(word), keep)
+            word = f"{word[:cap]}[... {len(word) - cap} more characters; the word is sha256 {digest}]"
         out.append(word)
     return out
 
@@ -485,9 +500,10 @@ def _over_argv(words: "List[str]") -> bool:
 
 
 def program_names(commands: "Dict[str, List[List[str]]]") -> "Set[str]":
-    """The programs whose copies are judged: a program denied whatever its arguments is
-    masked (no copy of it can exist), the others are looked for by their size; with them,
-    the files of the programs that carry another (``CARRIERS``)."""
+    """The programs whose copies are judged by what they are here: those of the rules over
+    argv and approvals, looked for by their size; with them, the files of the programs that
+    carry another (``CARRIERS``). A program denied whatever its arguments is masked, and
+    its copies known by what the host read of it (``Rules.masked``)."""
     judged = [words for words in commands["approve"] if words]
     judged += [words for words in commands["deny"] if words and _over_argv(words)]
     names = {name for words in judged for name in _programs(words)}
@@ -509,11 +525,14 @@ RECORDS_READ = 4096
 RECORD_HEAD = struct.Struct("=IiiI")  # its length, pid, session, argv words kept
 
 
-def judge_config(commands: "Dict[str, List[List[str]]]") -> bytes:
+def judge_config(commands: "Dict[str, List[List[str]]]", masked: "Sequence[Sequence[Any]]" = ()) -> bytes:
     """The rules as judge.c reads them: NUL-ended entries, a letter and its text. The sizes
     of the programs the rules name (``rulespy.program_sizes``) are found by its thread, from
-    the folders and names given (``find_sizes``): beside our start, not in it."""
+    the folders and names given (``find_sizes``): beside our start, not in it. Those of the
+    programs the tier masks (``masked``: what the host read of them) are given: a file of
+    such a size, and any file outside the image (its build ID), goes to Python."""
     entries = [f"M{MAX_EXEC_ARGV}"]
+    entries += sorted({f"S{int(entry[1])}" for entry in masked if int(entry[1]) > 0})
     for kind in ("deny", "approve"):
         entries += [f"P{name}" for words in commands[kind] if words for name in _programs(words)]
     # What carries a program goes to Python, which judges it as the program it carries: under
