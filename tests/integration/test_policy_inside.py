@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from stockade import LimitNotEnforceable, Limits, PathEscapeError, Sandbox
 from stockade.models import ToolCall
-from stockade.types import ExecRecord, Mechanism, SandboxRules
+from stockade.tools.workspace_diff import record_baseline, workspace_diff
+from stockade.types import EntryType, ExecRecord, Mechanism, SandboxRules
 from tests.conftest import require, require_tier
 from tests.integration.approvals import YesTo, remove_each
 from tests.integration.conftest import TIERS
@@ -722,6 +723,71 @@ def test_paths_outside_the_write_rules_are_read_only_to_code(writing: Sandbox | 
     assert after == before, route
     assert sbx.commands.run("echo ok > src/b.py && echo t > /tmp/t && cat src/b.py").stdout == "ok\n"
     assert sbx.enforcement.paths is Mechanism.LANDLOCK
+
+
+def test_a_seeded_link_at_a_written_folder_widens_no_write(tier: str, tmp_path: Path) -> None:
+    """The supervisor makes a written glob's folder at start; a seed uploaded afterwards put
+    a symbolic link there (`build -> .`), and the ruleset rebuilt for the replaced folder
+    followed it: the whole workspace became writable (`gen -> docs`: docs/). A written path
+    that is a link gets no rule: it stays read-only, and so does where it leads."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "d.txt").write_text("doc\n")
+    (tmp_path / "README").write_text("README\n")
+    (tmp_path / "build").symlink_to(".")
+    (tmp_path / "gen").symlink_to("docs")
+    sbx = _rules_or_refusal(tier, SandboxRules(write=("build/**", "gen/**")), workspace=tmp_path)
+    if sbx is None:  # the tier said it cannot hold the rule
+        return
+    with sbx:
+        record_baseline(sbx)
+        before = _contents(sbx)
+        writes = (
+            "echo PWNED >> /workspace/README; echo PWNED > /workspace/docs/d.txt; touch /workspace/newfile;"
+            " echo PWNED > build/README; echo PWNED > gen/d.txt; touch build/new gen/new; mkdir gen/dir"
+        )
+        ran = sbx.run_code(writes, language="bash")
+        assert ran.logs.stderr.count("Permission denied") >= 6, ran.logs.stderr
+        sbx.commands.run(writes)
+        assert _contents(sbx) == before
+        assert workspace_diff(sbx) == ""
+        assert sbx.commands.run("echo t > /tmp/t && cat /tmp/t").stdout == "t\n"  # the rest holds
+
+
+def test_a_link_code_makes_at_a_written_path_widens_no_write(tier: str, tmp_path: Path) -> None:
+    """Code can make links in a written folder: one put where a written path was (a file
+    rule's, a nested glob's folder) replaces it, and the ruleset rebuilt for the next command
+    followed it to README and docs/. It gets no rule: the written folder around it stays
+    writable, the link's target read-only."""
+    (tmp_path / "out" / "sub").mkdir(parents=True)
+    (tmp_path / "out" / "log.txt").write_text("log\n")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "d.txt").write_text("doc\n")
+    (tmp_path / "README").write_text("README\n")
+    rules = SandboxRules(write=("out/**", "out/log.txt", "out/sub/**"))
+    sbx = _rules_or_refusal(tier, rules, workspace=tmp_path)
+    if sbx is None:  # the tier said it cannot hold the rule
+        return
+    with sbx:
+        record_baseline(sbx)
+        made = sbx.commands.run("ln -sfn ../README out/log.txt && rm -r out/sub && ln -s ../docs out/sub")
+        assert made.exit_code == 0, made.stderr
+        before = _contents(sbx)
+        writes = "echo PWNED >> README; echo PWNED > docs/d.txt; touch docs/new; echo PWNED >> out/log.txt"
+        for _ in range(2):  # the first rebuilds the ruleset, the second runs under it
+            sbx.commands.run(writes)
+            sbx.run_code(writes, language="bash")
+        assert _contents(sbx) == before
+        assert sbx.commands.run("echo ok > out/x && cat out/x").stdout == "ok\n"  # still written
+        diff = workspace_diff(sbx)
+        named = [line[6:] for line in diff.splitlines() if line.startswith(("--- a/", "+++ b/"))]
+        assert sorted(set(named)) == ["out/log.txt", "out/x"], diff  # the link is no file
+        assert "Left out" not in diff, diff
+
+
+def _contents(sbx: Sandbox) -> dict[str, tuple[EntryType, int, str]]:
+    """Every name in the workspace, its type and size, and a file's contents."""
+    return {e.path: (e.type, e.size, sbx.files.read(e.path) if e.type == "file" else "")
+            for e in sbx.files.list(depth=3)}  # fmt: skip
 
 
 def test_hidden_paths_never_enter_the_sandbox(sbx_tier_workspace: tuple[str, Path]) -> None:

@@ -259,7 +259,7 @@ def test_a_copy_changed_by_a_byte_is_the_program_it_was_built_as(
 
 
 CONFINE_PROBE = r"""
-import json, os, sys
+import json, os, shutil, sys, tempfile
 sys.path.insert(0, sys.argv[1])
 import rules
 
@@ -267,7 +267,8 @@ ws = sys.argv[2]
 
 
 class Sup:
-    pass
+    class workspace:
+        root = ws
 
 
 r = rules.Rules(Sup(), {"write": [ws + "/src/"], "judge": sys.argv[3]})
@@ -304,7 +305,19 @@ def shim():
 first = shim()
 os.rename(ws + "/src", ws + "/old")  # the written folder replaced: the ruleset holds the old one
 os.mkdir(ws + "/src")
-print(json.dumps({"compiled": r._confine_c is not None, "landlock": r.landlock, "shims": [first, shim()]}))
+second = shim()
+# Replaced by a link to a folder outside /tmp (all of which code may write): src/new is there.
+os.rename(ws + "/src", ws + "/older")
+elsewhere = tempfile.mkdtemp(dir="/var/tmp")
+try:
+    os.symlink(elsewhere, ws + "/src")
+    third = shim()
+    # The link there before the rules are set up (judge.c builds that ruleset): no rule either.
+    r = rules.Rules(Sup(), {"write": [ws + "/src/"], "judge": sys.argv[3]})
+    shims = [first, second, third, shim()]
+finally:
+    shutil.rmtree(elsewhere)
+print(json.dumps({"compiled": r._confine_c is not None, "landlock": r.landlock, "shims": shims}))
 """
 
 
@@ -326,7 +339,8 @@ def test_a_shim_is_confined_alike_by_the_compiled_and_the_python_path(tmp_path: 
     """stockade_confine (judge.c) makes the shim dumpable and puts it under the Landlock
     ruleset, and leaves it to Python when a written folder was replaced since the ruleset was
     built (a rule holds the folder's inode): the code can write the new folder, never
-    outside it."""
+    outside it; nor through a link put in its place (the rebuilt ruleset followed it: a seeded
+    `src -> .` made the whole workspace writable)."""
     import json
     import subprocess
 
@@ -340,7 +354,9 @@ def test_a_shim_is_confined_alike_by_the_compiled_and_the_python_path(tmp_path: 
     got = json.loads(done.stdout)
     require("Landlock", got["landlock"], "this kernel has none")
     assert got["compiled"] is (judge == "compiled")
-    assert got["shims"] == [{"src/new": True, "outside": False}] * 2
+    assert (
+        got["shims"] == [{"src/new": True, "outside": False}] * 2 + [{"src/new": False, "outside": False}] * 2
+    )
 
 
 def test_a_cache_that_cannot_be_written_means_the_python_judge_not_an_error(tmp_path: Path) -> None:
@@ -356,7 +372,8 @@ import rules
 from reaper import libc
 
 class Sup:
-    pass
+    class workspace:
+        root = sys.argv[2]
 
 r = rules.Rules(Sup(), {"write": [sys.argv[2] + "/src/"], "commands": {"deny": [["ls", "-R"]]}})
 

@@ -112,12 +112,45 @@ def write_rights(abi: int) -> int:
     return rights
 
 
-def ruleset(abi: int, writable: "Optional[Sequence[str]]", executable: "Optional[Sequence[str]]") -> int:
+def open_written(path: str, root: str) -> int:
+    """An ``O_PATH`` descriptor of the written ``path``. Beneath ``root`` (the workspace) it is
+    reached name by name and no name may be a symbolic link (``OSError``): code and the seed
+    can make links there, and a rule given the link's target would make that writable (a seeded
+    ``build -> .`` under ``build/**``: the whole workspace). Above it, and for the places every
+    run writes (/tmp, /dev), the path is the image's and the tier's: opened as it is. A walk
+    rather than openat2's ``RESOLVE_NO_SYMLINKS``: it needs no kernel or seccomp profile that
+    has openat2, and the paths are few."""
+    top = root.rstrip("/")
+    if not path.startswith(top + "/"):
+        return os.open(path, os.O_PATH | os.O_CLOEXEC)
+    fd = os.open(top or "/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for name in path[len(top) :].split("/"):
+            if name in ("", "."):
+                continue
+            if name == "..":  # out of the workspace, or back in by another way: no rule
+                raise OSError(errno.EXDEV, "a written path climbs out of the workspace", path)
+            # A link opened so is the link itself: a next name beneath it fails (ENOTDIR).
+            step = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = step
+        if stat.S_ISLNK(os.fstat(fd).st_mode):
+            raise OSError(errno.ELOOP, "a written path is a symbolic link", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def ruleset(
+    abi: int, writable: "Optional[Sequence[str]]", executable: "Optional[Sequence[str]]", root: str
+) -> int:
     """A Landlock ruleset: writes only beneath ``writable`` (folders or files), execution of the
     files ``executable`` lists only (None: no such rule). A path that does not exist gets no
-    rule: nothing beneath it is writable, it cannot be run. Built once, applied by every shim
-    (``restrict``): a rule holds the inode it was given, so the caller rebuilds it when one of
-    the paths is replaced."""
+    rule: nothing beneath it is writable, it cannot be run; nor does a path beneath ``root``
+    that is, or is reached through, a symbolic link (``open_written``). Built once, applied by
+    every shim (``restrict``): a rule holds the inode it was given, so the caller rebuilds it
+    when one of the paths is replaced."""
     handled = write_rights(abi) if writable is not None else 0
     if executable is not None:
         handled |= FS_EXECUTE
@@ -129,7 +162,10 @@ def ruleset(abi: int, writable: "Optional[Sequence[str]]", executable: "Optional
         grants += [(p, FS_EXECUTE) for p in executable or ()]
         for path, rights in grants:
             try:
-                target = os.open(path, os.O_PATH | os.O_CLOEXEC)
+                if rights & FS_EXECUTE:  # the allowlist's files: the image's, by their real paths
+                    target = os.open(path, os.O_PATH | os.O_CLOEXEC)
+                else:
+                    target = open_written(path, root)
             except OSError:
                 continue
             try:

@@ -75,6 +75,7 @@ typedef int i32;
 #define MAX_HOPS 8 /* symlinks followed by name before the slow way (readlink of the fd) */
 #define ENOENT 2
 #define ENOTDIR 20
+#define EXDEV 18
 #define EMFILE 24
 #define EINVAL 22
 #define ENOSYS 38
@@ -1080,16 +1081,54 @@ static void make_dirs(char *path)
     }
 }
 
-/* One grant of confine.ruleset: no rule for a path that is not there; a file gets only the
- * rights that apply to files. */
-static long grant(long ruleset, const char *path, u64 rights)
+/* confine.open_written: beneath ``root`` (the workspace; NULL: none) the written ``path`` is
+ * reached name by name, following no link (a link opened O_PATH | O_NOFOLLOW is the link
+ * itself, and a name beneath it fails: ENOTDIR), and ".." refused; elsewhere (/tmp, /dev, an
+ * allowlist's files) it is the image's, opened as it is. An O_PATH descriptor, or -errno;
+ * the caller refuses a last name that is a link. */
+static long open_written(const char *root, const char *path)
 {
-    long fd = sc(SYS_openat, AT_FDCWD, (long)path, O_PATH | O_CLOEXEC, 0, 0, 0);
+    unsigned long top = root ? slen(root) : 0;
+    while (top > 0 && root[top - 1] == '/')
+        top--;
+    if (!root || !starts(path, root) || path[top] != '/')
+        return sc(SYS_openat, AT_FDCWD, (long)path, O_PATH | O_CLOEXEC, 0, 0, 0);
+    static char name[PATH_MAX_ + 8]; /* the root, then each name: both shorter than the path */
+    memcpy(name, root, top);
+    name[top] = 0;
+    long fd = sc(SYS_openat, AT_FDCWD, (long)(top ? name : "/"), O_PATH | O_DIRECTORY | O_CLOEXEC, 0, 0, 0);
+    for (const char *p = path + top; fd >= 0 && *p;) {
+        const char *end = p;
+        while (*end && *end != '/')
+            end++;
+        unsigned long n = (unsigned long)(end - p);
+        if (n == 2 && p[0] == '.' && p[1] == '.') {
+            sc(SYS_close, fd, 0, 0, 0, 0, 0);
+            return -EXDEV;
+        }
+        if (n > 0 && !(n == 1 && p[0] == '.')) {
+            memcpy(name, p, n);
+            name[n] = 0;
+            long next = sc(SYS_openat, fd, (long)name, O_PATH | O_NOFOLLOW | O_CLOEXEC, 0, 0, 0);
+            sc(SYS_close, fd, 0, 0, 0, 0, 0);
+            fd = next;
+        }
+        p = *end ? end + 1 : end;
+    }
+    return fd;
+}
+
+/* One grant of confine.ruleset: no rule for a path that is not there, nor for a written one
+ * beneath ``root`` that is, or is reached through, a link (open_written); a file gets only
+ * the rights that apply to files. */
+static long grant(long ruleset, const char *root, const char *path, u64 rights)
+{
+    long fd = open_written(root, path);
     if (fd < 0)
         return 0;
     u64 st[18];
     long r = sc(SYS_fstat, fd, (long)st, 0, 0, 0, 0);
-    if (r == 0) {
+    if (r == 0 && ((u32)st[3] & S_IFMT) != S_IFLNK) { /* a link: no rule, its target as it is */
         if (((u32)st[3] & S_IFMT) != S_IFDIR)
             rights &= LL_FILE_RIGHTS | LL_FS_EXECUTE;
         struct path_beneath_ rule = {rights, (i32)fd};
@@ -1102,7 +1141,8 @@ static long grant(long ruleset, const char *path, u64 rights)
 /* ``cfg``: NUL-ended entries, a letter and its text: C probe seccomp notification, I then
  * install the exec listener on ourselves (none was carried over a reset), X memfd_create
  * refused too (an allowlist), M a folder to make, L probe Landlock and build the ruleset, w
- * write rights handled, W a path code may write, E a file code may run (execute handled).
+ * write rights handled, W a path code may write, B the workspace (a W path beneath it follows
+ * no link: open_written), E a file code may run (execute handled).
  * Returns, packed: listener + 1 (bits 0-11), ruleset + 1 (12-23), the Landlock ABI (24-28),
  * notification available (29); -ENOSYS for what it does not understand (nothing done: the
  * caller does it all in Python); else -errno (a rule Landlock refused: Python raises too). */
@@ -1111,6 +1151,7 @@ __attribute__((visibility("default"))) int stockade_setup(const char *cfg, int l
     const char *end = cfg + len, *e;
     int probe_notify = 0, install = 0, no_memfd = 0, landlock = 0, writes = 0, execs = 0;
     long inodes = 0, key_fd = -1;
+    const char *root = 0; /* the workspace: a written path beneath it follows no link */
     if (len <= 0 || cfg[len - 1] != 0)
         return -ENOSYS;
     for (e = cfg; e < end; e += slen(e) + 1) {
@@ -1121,6 +1162,11 @@ __attribute__((visibility("default"))) int stockade_setup(const char *cfg, int l
         case 'L': landlock = 1; break;
         case 'w': writes = 1; break;
         case 'E': execs = 1; break;
+        case 'B':
+            if (e[1] != '/' || slen(e) >= PATH_MAX_)
+                return -ENOSYS;
+            root = e + 1;
+            break;
         case 'K':
             if (e[1] < '0' || e[1] > '9')
                 return -ENOSYS;
@@ -1183,14 +1229,16 @@ __attribute__((visibility("default"))) int stockade_setup(const char *cfg, int l
         long r = 0;
         for (e = cfg; e < end && r == 0; e += slen(e) + 1) {
             if (*e == 'W')
-                r = grant(ruleset, e + 1, handled & ~LL_FS_EXECUTE);
+                r = grant(ruleset, root, e + 1, handled & ~LL_FS_EXECUTE);
             else if (*e == 'E')
-                r = grant(ruleset, e + 1, LL_FS_EXECUTE);
+                r = grant(ruleset, 0, e + 1, LL_FS_EXECUTE);
         }
         for (e = cfg; e < end && r == 0; e += slen(e) + 1) {
             u64 st[18];
             long n = (long)slen(e);
-            if (*e != 'W' || sc(SYS_stat, (long)(e + 1), (long)st, 0, 0, 0, 0) != 0)
+            /* The path's own inode, not a link's target: a written folder the seed replaced
+             * by a link is replaced (and gets no rule), a link not replaced stays so. */
+            if (*e != 'W' || sc(SYS_lstat, (long)(e + 1), (long)st, 0, 0, 0, 0) != 0)
                 continue; /* room checked above */
             memcpy(setup_inodes + setup_inodes_len, st, 16); /* st_dev, st_ino */
             memcpy(setup_inodes + setup_inodes_len + 16, e + 1, (unsigned long)n);
@@ -1224,7 +1272,7 @@ static int replaced(const char *inodes, int len)
         memcpy(want, at, 16);
         const char *path = at + 16;
         at = path + slen(path) + 1;
-        if (sc(SYS_stat, (long)path, (long)st, 0, 0, 0, 0) != 0)
+        if (sc(SYS_lstat, (long)path, (long)st, 0, 0, 0, 0) != 0)
             continue; /* as in Python: a path that is not there holds no rule */
         if (st[0] != want[0] || st[1] != want[1])
             return 1;

@@ -81,6 +81,9 @@ class Rules:
         self.masked = [
             entry for entry in cfg.get("masked") or () if isinstance(entry, list) and len(entry) == 4
         ]
+        # Beneath it a written path gets no rule where it is, or is reached through, a
+        # symbolic link (confine.open_written): code and the seed can make links there.
+        self.root: str = sup.workspace.root
         self.approver = bool(cfg.get("approver"))
         allow = self.commands["allow"]
         self.executable = _more().allowed_files(allow) if allow else None
@@ -138,7 +141,7 @@ class Rules:
         if needs_landlock:
             entries.append("L")
             if self.write is not None:
-                entries.append("w")
+                entries += ["w", "B" + self.root]
             entries += ["W" + path for path in self._writable() or ()]
             entries += ["E" + path for path in self.executable or ()]
         cfg = c_entries(entries)

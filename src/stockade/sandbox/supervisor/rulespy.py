@@ -54,11 +54,13 @@ def build_ruleset(rules: "Any") -> None:
         os.close(rules._ruleset)
         rules.rebuilt = True
     writable = rules._writable()
-    rules._ruleset = confine.ruleset(rules.landlock, writable, rules.executable)
+    rules._ruleset = confine.ruleset(rules.landlock, writable, rules.executable, rules.root)
     rules._inodes = {}
     for path in writable or ():
         try:
-            st = os.stat(path)
+            # The path's own inode, not a link's target: a written folder the seed replaced by
+            # a link is replaced (and gets no rule), a link that is not replaced stays so.
+            st = os.lstat(path)
         except OSError:
             continue
         rules._inodes[path] = (st.st_dev, st.st_ino)
@@ -76,7 +78,7 @@ def current_ruleset(rules: "Any") -> int:
         return rules._ruleset
     for path, inode in rules._inodes.items():
         try:
-            st = os.stat(path)
+            st = os.lstat(path)
         except OSError:
             continue
         if (st.st_dev, st.st_ino) != inode:
