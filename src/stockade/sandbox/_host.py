@@ -10,6 +10,7 @@ import fcntl
 import os
 import secrets
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -232,15 +233,41 @@ def release_folder(folder: Path) -> None:
 
 
 def claimed(folder: Path, file: str = CLAIM_FILE) -> bool:
-    """Whether a live process holds ``folder``'s claim (a staging folder's included)."""
+    """Whether a live process holds ``folder``'s claim (a staging folder's included).
+    A folder that is a link is held by nobody: gc never looks through one."""
     try:
-        fd = os.open(folder / file, os.O_RDONLY | os.O_CLOEXEC)
+        dir_fd = os.open(folder, _DIR_FLAGS)
     except OSError:
         return False
     try:
+        return _held(dir_fd, file)
+    finally:
+        os.close(dir_fd)
+
+
+# Gc looks into folders a shared temporary folder lets anyone make: it opens no link (to a
+# device, say) and no FIFO (whose open would wait for a writer: gc, and every server and
+# worker that runs it as it starts, hung on one).
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _held(dir_fd: int, name: str) -> bool:
+    """Whether a live process holds the lock of the regular file ``name`` in ``dir_fd``."""
+    try:
+        if not stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+            return False
+        fd = os.open(name, _FILE_FLAGS, dir_fd=dir_fd)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped since the look
+            return False
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
+    except OSError:
+        return False
     finally:
         os.close(fd)  # the lock, if taken, goes with it: a creator never locks it again
     return False
@@ -249,18 +276,29 @@ def claimed(folder: Path, file: str = CLAIM_FILE) -> bool:
 def collect_staging(state_dir: Path) -> int:
     """Remove the staging folders of creators that died before renaming them (no mounts
     yet), whatever their claim file's name. One without a claimed file is a creator between
-    its mkdtemp and its lock, or a crash there: left for an hour."""
+    its mkdtemp and its lock, or a crash there: left for an hour. Only this user's folders
+    are looked into and removed, never a link: the folder may be a shared temporary one."""
     removed = 0
     for staging in state_dir.glob(STAGING + "*"):
         try:
-            names = os.listdir(staging)
-            # Not the pending file: probing its lock would make its creator wait on us.
-            if any(claimed(staging, name) for name in names if name != PENDING):
-                continue
-            if all(name == PENDING for name in names) and time.time() - staging.stat().st_mtime < 3600:
-                continue
-        except OSError:  # renamed into place meanwhile
+            dir_fd = os.open(staging, _DIR_FLAGS)
+        except OSError:  # a link, no folder, or renamed into place meanwhile
             continue
+        try:
+            info = os.fstat(dir_fd)
+            if info.st_uid != os.geteuid():
+                continue
+            names = os.listdir(dir_fd)
+            # Not the pending file: probing its lock would make its creator wait on us.
+            if any(_held(dir_fd, name) for name in names if name != PENDING):
+                continue
+            if all(name == PENDING for name in names) and time.time() - info.st_mtime < 3600:
+                continue
+        except OSError:
+            continue
+        finally:
+            os.close(dir_fd)
+        # Ours, in a sticky or private folder: nobody else can rename another in its place.
         shutil.rmtree(staging, ignore_errors=True)
         removed += 1
     return removed

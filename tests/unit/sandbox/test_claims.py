@@ -4,14 +4,17 @@ and flocked, and gc takes a held lock for a live creator at every instant of the
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from stockade.sandbox import _host
+from tests.conftest import require
 
 
 def test_a_folder_appears_with_its_file_written_and_held_until_released(tmp_path: Path) -> None:
@@ -76,3 +79,56 @@ def test_gc_takes_a_dead_creators_staging_folder_whatever_its_files_name(tmp_pat
         os.close(young_fd)
     assert _host.collect_staging(tmp_path) == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def _collect_within(state: Path, seconds: float) -> int:
+    """``collect_staging`` in a thread, waited for ``seconds``: a hung one is freed (a writer
+    opens each FIFO it could be waiting on) and fails the test."""
+    result: list[int] = []
+    worker = threading.Thread(target=lambda: result.append(_host.collect_staging(state)), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    hung = worker.is_alive()
+    while worker.is_alive():
+        for fifo in state.rglob("*"):
+            if fifo.is_fifo():
+                with contextlib.suppress(OSError):
+                    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        worker.join(0.1)
+    assert not hung, "gc waited on a FIFO"
+    return result[0]
+
+
+def test_gc_opens_no_fifo_and_no_link_in_a_staging_folder(tmp_path: Path) -> None:
+    """Anyone may make a staging-like folder in a shared temporary folder: a FIFO in it hung
+    gc (and every server starting), a link made gc open what it points to."""
+    fifo_in = tmp_path / f"{_host.STAGING}fifo"
+    fifo_in.mkdir()
+    os.mkfifo(fifo_in / "claim")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.mkfifo(outside / "fifo")
+    (outside / "kept").write_text("not gc's")
+    linked_in = tmp_path / f"{_host.STAGING}link"
+    linked_in.mkdir()
+    os.symlink(outside / "fifo", linked_in / _host.CLAIM_FILE)
+    os.symlink(outside, tmp_path / f"{_host.STAGING}to-a-folder")  # a link is no staging folder
+
+    assert _collect_within(tmp_path, 5) == 2  # this user's, held by nobody
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{_host.STAGING}to-a-folder", "outside"]
+    assert sorted(p.name for p in outside.iterdir()) == ["fifo", "kept"]
+    assert not _host.claimed(tmp_path / f"{_host.STAGING}to-a-folder", "fifo")
+
+
+def test_gc_leaves_another_users_staging_folder_unopened(tmp_path: Path) -> None:
+    require("root", os.geteuid() == 0, "only root makes a folder another user owns")
+    theirs = tmp_path / f"{_host.STAGING}theirs"
+    theirs.mkdir()
+    os.mkfifo(theirs / "claim")
+    (theirs / "owner").touch()
+    os.chown(theirs, 65534, 65534)
+    old = time.time() - 7200
+    os.utime(theirs, (old, old))
+
+    assert _collect_within(tmp_path, 5) == 0
+    assert sorted(os.listdir(theirs)) == ["claim", "owner"]
