@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from stockade._private import private_dir
 from stockade.agent.state import RunState, ToolCallRecord
 from stockade.exceptions import ConfigurationError
 from stockade.models.messages import ToolCall
@@ -132,7 +133,7 @@ class JsonFileCheckpointer:
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        private_dir(self.directory)  # a run's messages (its files are mkstemp's, 0600)
 
     def _path(self, run_id: str) -> Path:
         if not _SAFE_ID.match(run_id):

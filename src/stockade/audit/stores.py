@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from stockade import exceptions as exc
+from stockade._private import private_database
 from stockade.audit.events import GENESIS, AuditEvent, Chain, Draft
 from stockade.audit.sealing import SEALED, new_key, open_attributes
 
@@ -275,7 +276,7 @@ class SQLiteStore(AuditStore):
         if read_only:
             self._conn = self._connect()
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_database(self.path, "an audit trail and its sealing keys")
         self._conn = self._connect()
         self._conn.execute("PRAGMA secure_delete=ON")  # an erased key is overwritten, not left in a free page
         self._conn.executescript(_sqlite_schema(self.ns))

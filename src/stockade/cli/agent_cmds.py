@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from rich.console import Console
 
 from stockade import exceptions as exc
+from stockade._private import private_dir, write_private
 from stockade.agent import (
     AgentEvent,
     CheckFinished,
@@ -333,8 +334,8 @@ def agent(  # noqa: C901 - a typer command: its options become the run's configu
             # over another run's: a taken id is refused when the run starts)
             mine = resume is None and not (saved / "run.json").exists()
             if mine:
-                saved.mkdir(parents=True, exist_ok=True)
-                (saved / "run.json").write_text(options.model_dump_json(indent=2))
+                private_dir(saved)  # its options, then its workspace
+                write_private(saved / "run.json", options.model_dump_json(indent=2))
 
             def stop(signum: int) -> None:
                 # keep the workspace as it is now, then stop the run where it is: it resumes from here
@@ -356,7 +357,7 @@ def agent(  # noqa: C901 - a typer command: its options become the run's configu
             if result.status == RunStatus.PAUSED:
                 shutil.rmtree(saved / "workspace", ignore_errors=True)
                 session.save_workspace(saved / "workspace")
-                (saved / "run.json").write_text(options.model_dump_json(indent=2))
+                write_private(saved / "run.json", options.model_dump_json(indent=2))
                 _tell_how_to_resume(result, ApprovalStore().pending(session.run_id), saved)
             elif result.status == RunStatus.INTERRUPTED:
                 out.print(

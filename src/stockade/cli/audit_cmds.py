@@ -23,6 +23,7 @@ import typer
 
 from stockade import exceptions as exc
 from stockade._display import visible, visible_json
+from stockade._private import create_private
 from stockade.audit.events import AuditEvent
 from stockade.audit.postgres import PostgresStore
 from stockade.audit.stores import AuditStore, open_store
@@ -288,7 +289,7 @@ def export(
 ) -> None:
     """Write events as JSON Lines (one event per line, with its hash) for a SIEM."""
     with _store(db, namespace) as store:
-        stream = output.open("w", encoding="utf-8") if output is not None else sys.stdout
+        stream = create_private(output) if output is not None else sys.stdout  # as private as the store
         written, last = 0, after
         try:
             for event in store.events(run_id=run, after_seq=after):

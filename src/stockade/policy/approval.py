@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Protocol
 
 from stockade._display import visible
+from stockade._private import private_dir, write_private
 from stockade.exceptions import ApprovalRequired, ConfigurationError, PolicyDenied
 
 __all__ = [
@@ -94,9 +95,9 @@ class ApprovalStore:
         return self.directory / run_id / f"{request_id}.json"
 
     def _write(self, file: Path, record: dict[str, str]) -> None:
-        file.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(file.parent)
         tmp = file.with_name(f".{file.name}.tmp")
-        tmp.write_text(json.dumps(record, indent=2))
+        write_private(tmp, json.dumps(record, indent=2))  # a command and its arguments
         tmp.replace(file)
 
     def submit(self, request: ApprovalRequest) -> None:

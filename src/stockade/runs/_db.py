@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from stockade import exceptions as exc
+from stockade._private import private_database
 
 if TYPE_CHECKING:
     import psycopg
@@ -61,7 +62,7 @@ class SQLiteDatabase:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.url = f"sqlite:///{self.path}"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_database(self.path, "runs, their messages and keys")
         self._lock = threading.Lock()
         try:
             self._conn = sqlite3.connect(

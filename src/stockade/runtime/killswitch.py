@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from stockade._private import private_dir, write_private
 from stockade.exceptions import ConfigurationError, RunInterrupted, RunKilled, StockadeError
 from stockade.runtime.events import KillRequested, Observer, ignore
 from stockade.sandbox.base import Instance, OpResult, OutputSink, WrapperInstance
@@ -225,12 +226,12 @@ class FileKillSource:
         return text or "killed"
 
     def kill(self, run_id: str, reason: str) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        private_dir(self.directory)
         target = self.directory / _checked(run_id)
         if target.is_dir() and not target.is_symlink():
             shutil.rmtree(target)  # a folder planted there: the file replaces it
         tmp = target.with_name(f".{target.name}.tmp")
-        tmp.write_text(reason or "killed")
+        write_private(tmp, reason or "killed")
         tmp.replace(target)  # atomic: a watcher never reads half a reason
 
     def clear(self, run_id: str) -> None:
@@ -238,10 +239,10 @@ class FileKillSource:
 
     def mark_live(self, run_id: str, info: str) -> None:
         marks = self.directory / ".live"
-        marks.mkdir(parents=True, exist_ok=True)
+        private_dir(marks)
         target = marks / _checked(run_id)
         tmp = marks / f".{target.name}.{os.getpid()}.tmp"
-        tmp.write_text(info)
+        write_private(tmp, info)
         tmp.replace(target)  # a fresh mtime: the heartbeat
 
     def unmark_live(self, run_id: str) -> None:
