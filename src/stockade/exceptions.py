@@ -10,6 +10,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── LimitNotEnforceable       this host cannot enforce a limit you asked for
     │   ├── PolicyFileError           the policy file is invalid; ``problems`` lists each, with its line
     │   ├── ImageNotFound             the sandbox image is not on this host (build it)
+    │   ├── UntrustedPath             a cache or state folder another user could change: ``path``, ``fix``
     │   ├── SeedTooLarge              the workspace is bigger than the run store keeps (a seed, a snapshot)
     │   ├── ComplianceNotMet          a declared compliance profile is not met; ``unmet``: what, and the fix
     │   └── RunConflict               a new run's id is taken, or the run ended and is kept as it is
@@ -152,6 +153,7 @@ __all__ = [
     "ToolError",
     "ToolTimeout",
     "TreeTooDeep",
+    "UntrustedPath",
     "WorkspaceError",
     "WorkspaceFull",
 ]
@@ -210,6 +212,18 @@ class LimitNotEnforceable(ConfigurationError):
 
 class ImageNotFound(ConfigurationError):
     """The container image a tier needs is missing; the message says how to build it."""
+
+
+class UntrustedPath(ConfigurationError):
+    """A file or folder stockade would run, load or mount from (its cache, its state folder)
+    is, or sits under, one another user could change: owned by someone else, writable by a
+    group or by others, or a symlink. Nothing of it was used. ``path`` is the one at fault,
+    ``fix`` what to do about it."""
+
+    def __init__(self, message: str, *, path: str = "", fix: str = "") -> None:
+        super().__init__(f"{message}; {fix}" if fix else message)
+        self.path = path
+        self.fix = fix
 
 
 class PolicyFileError(ConfigurationError):

@@ -426,3 +426,24 @@ def test_a_sandbox_without_rules_never_waits_for_the_judges_compiler(tmp_path: P
     if shutil.which("gcc") or shutil.which("cc"):
         assert "judge.so" in seen["rules"]
         assert list((cache / "judge").glob("judge-*.so"))
+
+
+def test_a_launcher_in_a_cache_another_user_owns_is_refused_and_never_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found from outside: root ran the launcher another user left in a shared STOCKADE_CACHE.
+    require("root (to give the cache to another uid)", os.geteuid() == 0, "only root chowns")
+    from stockade.exceptions import UntrustedPath
+    from stockade.sandbox import _launch, _native
+
+    cache, marker = tmp_path / "sharedcache", tmp_path / "pwned"
+    planted = _native._target(_launch.SOURCE, _launch.FLAGS, cache / "launch")
+    planted.parent.mkdir(parents=True)
+    planted.write_text(f"#!/bin/sh\nid > {marker}\nexit 0\n")
+    planted.chmod(0o755)
+    for path in (cache, planted.parent, planted):
+        os.chown(path, 65534, 65534)
+    monkeypatch.setenv("STOCKADE_CACHE", str(cache))
+    with pytest.raises(UntrustedPath, match="owned by uid 65534"):
+        Sandbox.create(backend=ProcessBackend(state_dir=tmp_path / "state"))
+    assert not marker.exists()

@@ -23,7 +23,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from stockade import exceptions as exc
-from stockade.sandbox import _host
+from stockade.sandbox import _host, _trusted
 from stockade.sandbox._channel import Stream
 from stockade.sandbox._hostinfo import engine_masked_paths
 from stockade.sandbox._supervised import WORKSPACE, Boundary
@@ -150,20 +150,21 @@ def supervisor_dir(state_dir: Path, python: str) -> Path:
     """
     from stockade.sandbox import _seccomp
 
+    # Checked at every use, cached or not: were the state folder removed, another user could
+    # make one of the same name (in /tmp) with their own boot.py, run first in every container.
     known = _supervisor_dirs.get((state_dir, python))
-    if known is not None and known.is_dir():
+    if known is not None and _trusted.check(known).is_dir():
         return known
     blobs = supervisor_sources()
     blobs["boot.py"] = BOOT.encode()
     blobs["seccomp.bpf"] = _seccomp.filter_bpf()
     content = b"".join(blobs[n] for n in sorted(blobs)) + python.encode()
     digest = hashlib.sha256(content).hexdigest()[:16]
-    target = state_dir / f"supervisor-{digest}"
-    _supervisor_dirs[(state_dir, python)] = target
+    target = _trusted.check(state_dir / f"supervisor-{digest}")
     if target.is_dir():
+        _supervisor_dirs[(state_dir, python)] = target
         return target
-    state_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
-    tmp = Path(tempfile.mkdtemp(prefix=".supervisor-", dir=state_dir))
+    tmp = Path(tempfile.mkdtemp(prefix=".supervisor-", dir=_trusted.folder(state_dir, 0o711)))
     for name, data in blobs.items():
         (tmp / name).write_bytes(data)
         os.chmod(tmp / name, 0o644)
@@ -174,6 +175,7 @@ def supervisor_dir(state_dir: Path, python: str) -> Path:
         for name in blobs:
             (tmp / name).unlink(missing_ok=True)
         tmp.rmdir()
+    _supervisor_dirs[(state_dir, python)] = target
     return target
 
 
@@ -267,9 +269,9 @@ def abandon(stream: Stream, boundary: Boundary) -> None:
 def unreadable_file(state_dir: Path) -> Path:
     """An empty file only root may read: bound over a denied program, it cannot run nor be
     copied (the sandbox's user is never root)."""
-    path = state_dir / "unreadable"
+    path = _trusted.check(state_dir / "unreadable")
     if not path.exists():
-        state_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
+        state_dir = _trusted.folder(state_dir, 0o711)
         fd = os.open(state_dir / f".unreadable-{os.getpid()}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0)
         os.close(fd)
         os.chmod(state_dir / f".unreadable-{os.getpid()}", 0)

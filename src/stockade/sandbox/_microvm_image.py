@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stockade import exceptions as exc
-from stockade.sandbox import _guest
+from stockade.sandbox import _guest, _trusted
 from stockade.sandbox._rootfs import ROOTFS_MARKER, cache_root
 
 MiB = 1024 * 1024
@@ -265,13 +265,14 @@ def cache_dir() -> Path:
 
 def root_image(rootfs: Path) -> Path:
     """The rootfs as a read-only ext4 image, built once per rootfs content (its build marker)."""
+    _trusted.check(rootfs)  # its python compiles the supervisor, chrooted, as us
     marker = (rootfs / ROOTFS_MARKER).read_bytes() if (rootfs / ROOTFS_MARKER).is_file() else b""
     key = hashlib.sha256(repr((str(rootfs), marker, IMAGE_VERSION)).encode()).hexdigest()[:12]
-    target = cache_dir() / f"rootfs-{key}.ext4"
+    target = _trusted.check(cache_dir() / f"rootfs-{key}.ext4")
     if target.is_file():
         return target
     mkfs = shutil.which("mkfs.ext4") or "/sbin/mkfs.ext4"
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target = _trusted.folder(target.parent) / target.name
     size, files = 0, 0
     for folder, dirs, names in os.walk(rootfs):
         files += len(dirs) + len(names)
@@ -350,7 +351,7 @@ def initramfs(state_dir: Path, kernel: GuestKernel, rootfs: Path, busybox: str) 
             if "/__pycache__/" not in n
         )
     ).hexdigest()[:16]
-    target = state_dir / f"microvm-initrd-{digest}.cpio"
+    target = _trusted.check(state_dir / f"microvm-initrd-{digest}.cpio")
     if target.is_file():
         return target
     dirs = sorted({str(Path(n).parent) for n in files} | {"dev", "proc", "sys", "newroot", "bin", "lib"})
@@ -362,7 +363,7 @@ def initramfs(state_dir: Path, kernel: GuestKernel, rootfs: Path, busybox: str) 
             if sub != "." and (sub, 0o040755, b"") not in entries:
                 entries.append((sub, 0o040755, b""))
     entries += [(n, 0o100000 | mode, data) for n, (mode, data) in sorted(files.items())]
-    fd, tmp = tempfile.mkstemp(prefix=".initrd-", dir=state_dir)
+    fd, tmp = tempfile.mkstemp(prefix=".initrd-", dir=target.parent)
     with os.fdopen(fd, "wb") as fh:
         fh.write(_cpio(entries))
     os.chmod(tmp, 0o644)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from stockade import exceptions as exc
-from stockade.sandbox import _guest, _gvisor_memory, _host, _rules
+from stockade.sandbox import _guest, _gvisor_memory, _host, _rules, _trusted
 from stockade.sandbox._boundary import EgressHandle
 from stockade.sandbox._gvisor_memory import RunscInstance
 from stockade.sandbox._host import PipeStream
@@ -489,6 +489,7 @@ class RunscBackend(Backend):
             folder = _guest.supervisor_dir(self.state_dir, docker.image)
         else:
             assert self.rootfs is not None
+            _trusted.check(self.rootfs)  # its python compiles the supervisor, chrooted, as us
             folder = _guest.supervisor_dir(self.state_dir, str(self.rootfs))
             if not _guest.has_bytecode(folder, str(self.rootfs)) and not self._compile_failed:
                 self._compile(folder)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Literal
 
 from stockade import exceptions as exc
-from stockade.sandbox import _cgroups, _filetable, _launch, _rules, _seccomp, _template
+from stockade.sandbox import _cgroups, _filetable, _launch, _rules, _seccomp, _template, _trusted
 from stockade.sandbox._boundary import EgressHandle
 from stockade.sandbox._host import (
     PipeStream,
@@ -375,14 +375,16 @@ class ProcessBackend(Backend):
             self._prepared
             and host_etc == self._host_etc
             and (self._judge_asked or not judge)
-            and (self._shared / "complete").exists()
+            and _trusted.check(self._shared / "complete").exists()  # no other user's since (~15 us)
         ):
             return
         if not self._prepared:  # once per process: a host /etc file changing needs no collection
             collect_garbage(self.state_dir)
             self._launcher = _launch.usable() if self.use_launcher else None
-        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o711)
-        os.chmod(self.state_dir, 0o711)
+        # Another user's folder (a /tmp/stockade-<uid> made before ours) is refused, typed.
+        state_dir = _trusted.folder(self.state_dir, 0o711)
+        if state_dir.stat().st_uid == os.geteuid():  # root's, to a user: theirs to mode
+            os.chmod(state_dir, 0o711)
         self._judge_asked = self._judge_asked or judge
         sources = supervisor_sources(judge=self._judge_asked)
         etc_files = {

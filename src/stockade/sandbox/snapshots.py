@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from stockade import exceptions as exc
+from stockade.sandbox import _trusted
 from stockade.types import Snapshot, SnapshotKind
 
 __all__ = ["FORMAT", "Held", "Manifest", "Reservation", "SnapshotStore"]
@@ -164,10 +165,11 @@ class SnapshotStore:
     # -- layout -------------------------------------------------------------------------
 
     def _dir(self, name: str) -> Path:
+        # A restore loads what is here into a sandbox, QEMU or runsc: no other user's store.
         path = self.root / name
-        if not path.is_dir():
-            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-            os.chmod(self.root, 0o700)
+        if not _trusted.check(path).is_dir():
+            root = _trusted.folder(self.root, 0o700)
+            os.chmod(root, 0o700)
             path.mkdir(exist_ok=True, mode=0o700)
         return path
 
