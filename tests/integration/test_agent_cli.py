@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -241,10 +244,8 @@ def test_ctrl_c_stops_a_long_tool_call_at_once_and_the_run_resumes(tmp_path: Pat
 
 def test_a_killed_stockade_agent_shows_interrupted_and_resumes_from_its_workspace(tmp_path: Path) -> None:
     import os
-    import signal
     import subprocess
     import sys
-    import time
 
     require_tier("process")
     (tmp_path / "project").mkdir()
@@ -266,22 +267,8 @@ def test_a_killed_stockade_agent_shows_interrupted_and_resumes_from_its_workspac
          "--run-id", "crashy"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        assert proc.stdout is not None
-        for line in proc.stdout:  # the long command is running once its call is shown... or not yet
-            if "write_file" in line:
-                break
-            assert time.monotonic() < deadline, line
-        time.sleep(1.5)  # the second call (120 s) runs
-        proc.send_signal(signal.SIGKILL)  # no handler, no cleanup, no flush
-        proc.wait(timeout=30)
-    finally:
-        proc.kill()
-        proc.wait()
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
+    # the long command is running once its call is shown... or not yet: the second call (120 s) runs
+    kill_after_line(proc, "write_file", after_s=1.5)
     db = f"sqlite:///{tmp_path / '.stockade' / 'audit.db'}"
     listed = subprocess.run(
         [sys.executable, "-m", "stockade.cli.main", "runs", "list", "--db", db, "--json"],
@@ -318,10 +305,8 @@ def test_audit_verify_is_not_intact_while_a_killed_run_had_a_call_in_flight(tmp_
     it returns. ``audit verify`` names the call in flight (exit 1), and the trail holds what was
     asked (``tool_call_start``, ``op_start``); a resume records the crash and closes it."""
     import os
-    import signal
     import subprocess
     import sys
-    import time
 
     from stockade.agent.state import args_measure
 
@@ -342,22 +327,8 @@ def test_audit_verify_is_not_intact_while_a_killed_run_had_a_call_in_flight(tmp_
         [*cli, "agent", "stall", "-w", "project", "-m", "scripted:turns.json", "--run-id", "stalled"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        assert proc.stdout is not None
-        for line in proc.stdout:  # the call is shown as it starts
-            if "run_code" in line:
-                break
-            assert time.monotonic() < deadline, line
-        time.sleep(2.0)  # the code runs; the log's batches (every 0.2 s) are written meanwhile
-        proc.send_signal(signal.SIGKILL)  # no handler, no cleanup, no flush
-        proc.wait(timeout=30)
-    finally:
-        proc.kill()
-        proc.wait()
-        for stream in (proc.stdout, proc.stderr):
-            if stream is not None:
-                stream.close()
+    # the code runs; the log's batches (every 0.2 s) are written meanwhile
+    kill_after_line(proc, "run_code", after_s=2.0)
 
     def audit_verify() -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -386,3 +357,24 @@ def test_audit_verify_is_not_intact_while_a_killed_run_had_a_call_in_flight(tmp_
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     closed = audit_verify()
     assert closed.returncode == 0, closed.stdout + closed.stderr  # run_crash, and the call's unknown outcome
+
+
+def kill_after_line(proc: subprocess.Popen[str], marker: str, *, after_s: float) -> None:
+    """SIGKILL ``proc`` (no handler, no cleanup, no flush) ``after_s`` after it prints a line
+    holding ``marker``; its pipes closed either way."""
+    try:
+        deadline = time.monotonic() + 60
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if marker in line:
+                break
+            assert time.monotonic() < deadline, line
+        time.sleep(after_s)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
