@@ -267,6 +267,7 @@ class Exchange:
             rule = verdict.rule
             if not verdict.allowed:
                 raise Refused(403, verdict)
+            check_override(request.headers, verdict, host)
             address = tunnel[2] if tunnel is not None else await gate.address(host, port)
         except Refused as refused:
             await drain_body(conn, client)
@@ -714,6 +715,31 @@ def checked_path(
                 reason=f"the Host header names {said}; this tunnel is for {host}",
             ))  # fmt: skip
     return path
+
+
+# Headers by which many servers (and frameworks: Rails, Laravel, Google and Azure APIs) let a
+# request say it is another method, for clients that can only send GET and POST.
+METHOD_OVERRIDES = (b"x-http-method-override", b"x-http-method", b"x-method-override")
+
+
+def check_override(headers: Any, verdict: Verdict, host: str) -> None:
+    """``Refused`` (``403``, the rule's) for a request to a host whose rule names methods
+    that says, in a method-override header, it is a method the rule does not name."""
+    if not verdict.methods:
+        return
+    for key, value in headers:
+        name = bytes(key).lower()
+        if name not in METHOD_OVERRIDES:
+            continue
+        for part in bytes(value).decode("latin-1").upper().split(","):
+            said = part.strip()
+            if said and said not in verdict.methods:
+                # only a method's name is quoted: a header's value could be anything, a secret too
+                shown = said if said.isalpha() and len(said) <= 16 else "another method"
+                raise Refused(403, replace(verdict, allowed=False, reason=(
+                    f"{shown} (said by {name.decode()}) to {host} is not allowed "
+                    f"(allowed: {', '.join(verdict.methods)})"
+                )))  # fmt: skip
 
 
 def tunnel_path(target: str, tunnel: tuple[str, int, str]) -> str | None:

@@ -6,8 +6,12 @@ reads (``403 ... rule: ...``) and the audit event say the same thing.
 Addresses: only public ones, unless the policy names a network (``allow_addresses``) or the
 address itself (an IP literal rule). ``ipaddress``'s ``is_global`` is the test: it is false
 for private, loopback, link-local (169.254.169.254, the metadata service), shared (CGNAT),
-reserved, multicast and unspecified addresses, and the IPv6 forms of all of them; IPv4
-mapped or translated IPv6 addresses are judged as the IPv4 address they carry.
+reserved, multicast and unspecified addresses, and the IPv6 forms of all of them. An IPv6
+address that carries an IPv4 one (mapped, 6to4, Teredo, NAT64 ``64:ff9b::/96``) is judged
+as that IPv4 address too. A few IPv6 ranges ``is_global`` calls public in some Python
+versions reach no public host and are refused: IPv4-compatible ``::/96`` (deprecated; a
+host may route it to the IPv4 address inside), local-use NAT64 ``64:ff9b:1::/48`` (a
+network's own translator, to any IPv4 address) and site-local ``fec0::/10``.
 """
 
 from __future__ import annotations
@@ -53,16 +57,34 @@ def host_matches(pattern: str, host: str) -> bool:
     return host == pattern
 
 
+NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # well-known prefix (RFC 6052): the IPv4 address last
+COMPATIBLE = ipaddress.IPv6Network("::/96")  # IPv4-compatible (RFC 4291, deprecated), :: and ::1 too
+NOT_PUBLIC_V6 = (  # reach no public host, whatever ``is_global`` says in this Python
+    COMPATIBLE,
+    ipaddress.IPv6Network("64:ff9b:1::/48"),  # local-use NAT64 (RFC 8215): a network's own translator
+    ipaddress.IPv6Network("fec0::/10"),  # site-local (RFC 3879, deprecated)
+)
+
+
 def _plain(address: Address) -> Address:
-    """An IPv4 address carried in IPv6 (mapped, 6to4, NAT64...) judged as itself."""
+    """An IPv4 address carried in IPv6 (mapped, compatible, 6to4, Teredo, NAT64), as itself."""
     if isinstance(address, ipaddress.IPv6Address):
         if address.ipv4_mapped is not None:
             return address.ipv4_mapped
         if address.sixtofour is not None:
             return address.sixtofour
-        if address in ipaddress.IPv6Network("64:ff9b::/96"):
+        if address.teredo is not None:
+            return address.teredo[1]  # the client's: where the relay sends the packets
+        if address in NAT64 or (address in COMPATIBLE and int(address) > 1):  # not :: or ::1
             return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
     return address
+
+
+def _public(address: Address) -> bool:
+    if isinstance(address, ipaddress.IPv6Address) and any(address in n for n in NOT_PUBLIC_V6):
+        return False
+    plain = _plain(address)
+    return plain.is_global and address.is_global
 
 
 class Judge:
@@ -188,9 +210,9 @@ class Judge:
             plain = _plain(address)
             if plain.version == network.version and plain in network:
                 return None
-        plain = _plain(address)
-        if plain.is_global and address.is_global:
+        if _public(address):
             return None
+        plain = _plain(address)
         kind = (
             "loopback" if plain.is_loopback
             else "link-local" if plain.is_link_local

@@ -5,6 +5,8 @@ where RSA takes tens), lives in the proxy's memory only, and signs certificates 
 the hosts the proxy must open TLS to (its name constraints say so: even a leaked key could
 sign for no other name). Only its certificate enters the sandbox, in the trust bundle the
 sandbox's programs are pointed at; nothing else trusts it, and it dies with the sandbox.
+The server contexts it makes are kept for the ``CONTEXTS_KEPT`` hosts used last: a wildcard
+rule lets code name ever new hosts, and each context holds about 30 KB.
 
 The SNI is read from the client's first TLS record by hand (``server_name``): ``ssl`` can
 only report it once it terminates the TLS, and a tunnel must not be terminated. The parser
@@ -16,14 +18,20 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 import ssl
 import tempfile
 import threading
+from collections import OrderedDict
 from pathlib import Path
 
-__all__ = ["MAX_HELLO", "SandboxCA", "server_name"]
+__all__ = ["CONTEXTS_KEPT", "MAX_HELLO", "SandboxCA", "server_name"]
 
 MAX_HELLO = 16384 + 5  # one TLS record: a ClientHello that needs more is refused
+# Server contexts a CA keeps, the hosts used last: a sandbox opens the TLS of a few hosts,
+# and one dropped costs a new one (under a millisecond) when its host comes back; at
+# about 30 KB each, a sandbox naming ever new hosts under a wildcard holds 8 MB at most.
+CONTEXTS_KEPT = 256
 
 
 def _crypto() -> object:
@@ -89,16 +97,26 @@ class SandboxCA:
             )
         self._cert = builder.sign(self._key, hashes.SHA256())
         self.pem = self._cert.public_bytes(serialization.Encoding.PEM)
-        self._contexts: dict[str, ssl.SSLContext] = {}
+        self._contexts: OrderedDict[str, ssl.SSLContext] = OrderedDict()  # the last used at the end
         self._lock = threading.Lock()
 
     def context(self, host: str) -> ssl.SSLContext:
-        """A server context presenting a certificate for ``host``, made once per host."""
+        """A server context presenting a certificate for ``host``, kept for the
+        ``CONTEXTS_KEPT`` hosts used last."""
         with self._lock:
             ctx = self._contexts.get(host)
-            if ctx is None:
-                ctx = self._contexts[host] = self._server_context(host)
+            if ctx is not None:
+                self._contexts.move_to_end(host)
+                return ctx
+            ctx = self._contexts[host] = self._server_context(host)
+            if len(self._contexts) > CONTEXTS_KEPT:
+                self._contexts.popitem(last=False)
             return ctx
+
+    def forget(self) -> None:
+        """Drop the server contexts (for the sandbox's next user: none of the last one's hosts)."""
+        with self._lock:
+            self._contexts.clear()
 
     def _server_context(self, host: str) -> ssl.SSLContext:
         from cryptography import x509
@@ -131,22 +149,38 @@ class SandboxCA:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         ctx.set_alpn_protocols(["http/1.1"])
-        # ssl loads a key and chain from files only: a private, unnamed temporary folder,
-        # removed at once (the key then lives in the context, in this process's memory).
-        with tempfile.TemporaryDirectory(prefix="stockade-egress-") as folder:
-            pem = Path(folder, "leaf.pem")
-            pem.touch(mode=0o600)
-            pem.write_bytes(
-                key.private_bytes(
-                    serialization.Encoding.PEM,
-                    serialization.PrivateFormat.PKCS8,
-                    serialization.NoEncryption(),
-                )
-                + cert.public_bytes(serialization.Encoding.PEM)
-                + self.pem
+        chain = (
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
             )
-            ctx.load_cert_chain(pem)
+            + cert.public_bytes(serialization.Encoding.PEM)
+            + self.pem
+        )
+        _load_chain(ctx, chain)
         return ctx
+
+
+def _load_chain(ctx: ssl.SSLContext, chain: bytes) -> None:
+    """Load a PEM key and chain into ``ctx``. ``ssl`` reads them from a path only: an
+    anonymous file in memory where Linux has one (the key never reaches a file system, and
+    a temporary folder's creation and removal were nine tenths of a context's cost), else
+    a private temporary folder removed at once."""
+    memfd_create = getattr(os, "memfd_create", None)
+    if memfd_create is not None and os.path.isdir("/proc/self/fd"):
+        fd = memfd_create("stockade-egress-leaf", os.MFD_CLOEXEC)
+        try:
+            view = memoryview(chain)
+            while view:
+                view = view[os.write(fd, view) :]
+            ctx.load_cert_chain(f"/proc/self/fd/{fd}")
+        finally:
+            os.close(fd)
+        return
+    with tempfile.TemporaryDirectory(prefix="stockade-egress-") as folder:
+        pem = Path(folder, "leaf.pem")
+        pem.touch(mode=0o600)
+        pem.write_bytes(chain)
+        ctx.load_cert_chain(pem)
 
 
 def _address(host: str) -> str | None:

@@ -227,8 +227,9 @@ class EgressProxy:
     async def renew(self) -> None:
         """For the sandbox's next user (a reset in place): every connection of the last user's
         cut, its requests in flight too (recorded, status 0) and those waiting in the socket's
-        backlog; the connections kept to servers closed; the budgets per minute afresh. The
-        policy, its credentials and the CA stay: they are the sandbox's, not the user's."""
+        backlog; the connections kept to servers closed; the budgets per minute afresh; the
+        TLS contexts of the hosts it named dropped. The policy, its credentials and the CA
+        stay: they are the sandbox's, not the user's."""
         if self._closed:
             return
         self._generation += 1  # accepted and not yet served: closed when their task runs
@@ -241,6 +242,8 @@ class EgressProxy:
             await asyncio.gather(*tasks, return_exceptions=True)
         self._cut.difference_update(tasks)
         self.exchange.upstreams.drop()
+        if self.tunnels.ca is not None:
+            self.tunnels.ca.forget()
         self.gate.renew()
 
     def _refuse_backlog(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import ipaddress
 import socket
 import ssl
 import threading
@@ -19,7 +20,8 @@ from stockade.egress import EgressProxy, Judge, NetworkPolicy, SystemResolver, _
 from stockade.egress._gate import Gate
 from stockade.egress._rules import KEPT
 from stockade.egress._streams import CHUNK, Plain, wrap
-from stockade.types import EgressRecord
+from stockade.egress._tls import CONTEXTS_KEPT
+from stockade.types import EgressRecord, HostRule
 from tests.conftest import require
 from tests.egress_servers import TOKEN, servers
 
@@ -41,6 +43,62 @@ def test_a_judge_keeps_its_verdicts_and_no_more_than_it_may() -> None:
     for i in range(KEPT + 10):  # code asking about ever new names does not grow the judge
         judge.request(f"n{i}.example.com", 443, "GET")
     assert len(judge._requests) <= KEPT
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        "::7f00:1",  # IPv4-compatible (::/96) loopback
+        "::a9fe:a9fe",  # IPv4-compatible metadata service
+        "::808:808",  # IPv4-compatible, even of a public address: deprecated, routed oddly
+        "64:ff9b:1::a9fe:a9fe",  # local-use NAT64 (RFC 8215): a network's own translator
+        "64:ff9b:1::808:808",
+        "64:ff9b::a9fe:a9fe",  # well-known NAT64 of the metadata service
+        "64:ff9b::a00:1",  # ... of a private address
+        "2002:a9fe:a9fe::1",  # 6to4 of the metadata service
+        "2001:0:4136:e378:8000:63bf:f5ff:fffe",  # Teredo, client 10.0.0.1
+        "fec0::1",  # site-local
+        "::ffff:7f00:1",
+    ],
+)
+def test_ipv6_forms_of_addresses_that_are_not_public_are_refused(address: str) -> None:
+    judge = Judge(NetworkPolicy(allow_hosts=("pkg.test",)))
+    verdict = judge.address(ipaddress.ip_address(address))
+    assert verdict is not None and verdict.rule == "addresses (not public)"
+    assert judge.addresses("pkg.test", [address])[1] is not None
+
+
+@pytest.mark.parametrize(
+    "address", ["8.8.8.8", "2001:4860:4860::8888", "64:ff9b::808:808", "2002:808:808::1"]
+)
+def test_public_addresses_and_their_ipv6_forms_are_reached(address: str) -> None:
+    assert Judge(NetworkPolicy(allow_hosts=("pkg.test",))).address(ipaddress.ip_address(address)) is None
+
+
+def test_an_allowed_network_lets_its_ipv6_forms_through() -> None:
+    judge = Judge(NetworkPolicy(allow_hosts=("pkg.test",), allow_addresses=("10.0.0.0/8", "fec0::/10")))
+    for address in ("10.1.2.3", "::ffff:10.1.2.3", "64:ff9b::a01:203", "fec0::1"):
+        assert judge.address(ipaddress.ip_address(address)) is None, address
+
+
+def test_the_tls_contexts_of_opened_hosts_are_bounded_and_dropped_at_renew() -> None:
+    """Code naming ever new hosts under a wildcard rule with methods (each a certificate of
+    the sandbox's CA, about 30 KB) holds no more than ``CONTEXTS_KEPT`` of them; the next
+    user of the sandbox starts with none."""
+    proxy = EgressProxy(NetworkPolicy(rules=(HostRule(host="*.example.com", methods=("GET",)),)))
+    ca = proxy.ca
+    assert ca is not None
+    try:
+        first = ca.context("h0.example.com")
+        for i in range(1, CONTEXTS_KEPT + 20):
+            ca.context(f"h{i}.example.com")
+            assert ca.context("h0.example.com") is first  # the host used last is kept
+        assert len(ca._contexts) == CONTEXTS_KEPT
+        assert "h1.example.com" not in ca._contexts  # the one used least lately was dropped
+        _loop.call(proxy.renew())
+        assert len(ca._contexts) == 0
+    finally:
+        _loop.call(proxy.close())
 
 
 def _gate(told: list[EgressRecord]) -> Gate:

@@ -143,6 +143,23 @@ def test_methods_are_held_where_a_rule_names_them(local: Servers) -> None:
     assert code == 403 and "POST to pkg.test is not allowed" in body
 
 
+@pytest.mark.parametrize("name", ["X-HTTP-Method-Override", "X-HTTP-Method", "X-Method-Override"])
+def test_a_method_override_header_is_held_to_the_rules_methods(local: Servers, name: str) -> None:
+    policy = local.policy(
+        allow_hosts=(), rules=(HostRule(host="pkg.test", ports=(local.http_port,), methods=("GET",)),)
+    )
+    url = f"http://pkg.test:{local.http_port}/"
+    with running(policy) as proxy:
+        opener = proxy.opener()
+        same = urllib.request.Request(url, headers={name: "get"})
+        assert opener.open(same, timeout=10).read() == b"http hello /"  # a method the rule names
+        code, body = refused(opener, urllib.request.Request(url, headers={name: "DELETE"}))
+    assert code == 403 and f"DELETE (said by {name.lower()}) to pkg.test is not allowed" in body
+    assert f"(rule: allow: pkg.test:{local.http_port} GET)" in body
+    last = proxy.records[-1]
+    assert (last.method, last.status, last.decision) == ("GET", 403, "deny")
+
+
 def test_a_redirect_to_a_denied_host_is_refused(local: Servers) -> None:
     with running(local.policy()) as proxy:
         url = f"http://pkg.test:{local.http_port}/redirect?to=http://169.254.169.254/latest/meta-data"
