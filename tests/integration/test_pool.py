@@ -89,3 +89,51 @@ def test_every_user_of_a_pool_under_rules_is_under_them(tier: str) -> None:
                 assert r.exit_code != 0 and "libcurl" not in r.stdout, (user, r)
                 assert sbx.commands.run("echo fine").stdout == "fine\n"
         assert pool.stats().recycled >= 1, "a reset under rules is in place: the member is kept"
+
+
+# The last user's code leaves sockets that no process holds: unix socket pairs in flight inside
+# one another (SCM_RIGHTS to themselves) with full queues, charged to the sandbox's memory,
+# one of them bound to an abstract name; and a connection it closed first, in TIME_WAIT from
+# an address and port it chose.
+LEAVE_SOCKETS = """
+import array, socket
+def in_flight(s):
+    s.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [s.fileno()]))])
+for i in range(20):
+    p1, p2 = socket.socketpair()
+    if i == 0:
+        p1.bind("\\0left-by-the-last-user")
+    for s in (p1, p2):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    in_flight(p2); in_flight(p1); p2.setblocking(False)
+    try:
+        while True: p2.send(bytes(65536))
+    except BlockingIOError: pass
+    p1.close(); p2.close()
+server = socket.socket(); server.bind(("127.0.0.1", 9000)); server.listen()
+client = socket.socket(); client.bind(("127.1.2.3", 8000)); client.connect(("127.0.0.1", 9000))
+conn, _ = server.accept(); client.send(b"bytes of the last user"); client.close()
+conn.recv(100); conn.close()  # read: unread data would reset the connection, not close it
+print("left")
+"""
+NEXT_USER = """
+import socket
+a = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); a.bind("\\0left-by-the-last-user")
+b = socket.socket(); b.bind(("0.0.0.0", 8000))
+memory = bytearray(150 << 20)
+memory[::4096] = b"x" * len(memory[::4096])
+print(open("/proc/net/tcp").read().count("0302017F:1F40"), open("/proc/net/unix").read().count("left-by"))
+"""
+
+
+def test_no_socket_of_one_user_reaches_the_next(tier: str) -> None:
+    """The next user gets the sandbox's whole memory at once, binds the ports and names the last
+    one used, and sees nothing of its connections: the reset found what the kernel kept and
+    the pool handed out a fresh member, or the tier kept none (no TIME_WAIT in the namespace)."""
+    with SandboxPool(tier, size=1, max_uses=10, limits=Limits(memory_mb=256, timeout_s=30)) as pool:
+        with pool.acquire() as sbx:
+            assert sbx.run_code(LEAVE_SOCKETS).logs.stdout == "left\n"
+        with pool.acquire() as sbx:
+            result = sbx.run_code(NEXT_USER)
+            assert result.error is None, result
+            assert result.logs.stdout == "0 1\n", result  # its own name only

@@ -169,6 +169,9 @@ def attach(
         attachment.relay = {
             "listen": PROXY_PORT,
             "socket": f"{SANDBOX_DIR}/{SOCKET}",
+            # The name the kernel gives the proxy's end of each connection, in the sandbox's
+            # network namespace: a reset counts those as the host's (supervisor/netstate.py).
+            "host_name": str(attachment.socket_path),
             "warm": WARM_CONNECTIONS,
         }
     except BaseException:

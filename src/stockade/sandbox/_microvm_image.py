@@ -89,6 +89,8 @@ $B cp -a /stockade/. $R/opt/stockade/
 $B mount -o remount,ro,nosuid,nodev supervisor $R/opt/stockade
 $B hostname sandbox
 $B ip link set lo up 2>/dev/null
+# No TIME_WAIT kept: a connection code closed first would outlive a pool's reset (netstate.py).
+echo 0 > /proc/sys/net/ipv4/tcp_max_tw_buckets
 exec 4<>$R/dev/$port 3<>$R/dev/$ctl 0</dev/null 1>/dev/console 2>/dev/console
 # The egress port (only with an allowlist): the supervisor's relay reads it as fd 9.
 [ -n "$eport" ] && exec 9<>$R/dev/$eport

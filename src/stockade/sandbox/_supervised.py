@@ -609,7 +609,7 @@ def _tear_down(channel: Channel, boundary: Boundary) -> None:
 
 def supervisor_config(
     spec: SandboxSpec, rlimits: dict[str, int] | None = None, egress: EgressHandle | None = None,
-    *, seal: bool = False, refuse_kernel: bool = False,
+    *, seal: bool = False, refuse_kernel: bool = False, host_network: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """The ``init`` frame every tier sends: the environment, caps and default timeout; with
     ``egress`` (a ``stockade.egress.Attachment``), the proxy's variables and the relay.
@@ -617,7 +617,9 @@ def supervisor_config(
     every frame after ``ready`` is sealed (``protocol.Seal``). ``refuse_kernel``: a tier whose
     own filter does not refuse it (a container engine's profile) has the supervisor refuse
     what takes host memory or a host-wide quota uncharged (``_seccomp``'s list: AIO contexts,
-    netlink, UDP where the loopback is the only network)."""
+    netlink, UDP where the loopback is the only network). ``host_network``: the sandbox
+    shares the host's network namespace, whose sockets are not the sandbox's to account for
+    at a reset."""
     env = {
         "PATH": "/usr/local/bin:/usr/bin:/bin",
         "HOME": "/tmp",
@@ -650,6 +652,8 @@ def supervisor_config(
         config["egress"] = dict(egress.relay)
     if seal:
         config["seal"] = True
+    if host_network:
+        config["own_network"] = False
     if refuse_kernel:
         config["kernel"] = {"datagrams": not spec.network.unrestricted}
     if spec.rules is not None and spec.rules.judges_paths:

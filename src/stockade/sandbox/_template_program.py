@@ -220,6 +220,8 @@ def _become_init(req: dict[str, object], fds: dict[str, int]) -> None:
         for name, fd in joined:
             _check(libc.setns(fd, 0), f"setns {name}")
             os.close(fd)
+            if name == "net":  # while we hold its owner's capabilities (see _no_time_wait)
+                _no_time_wait()
         _check(libc.unshare(CLONE_NEWUSER), "unshare the nested user namespace")
         _write("/proc/self/setgroups", "deny")
         _write("/proc/self/uid_map", f"{SANDBOX_UID} {SANDBOX_UID} 1\n")
@@ -246,6 +248,17 @@ def _become_init(req: dict[str, object], fds: dict[str, int]) -> None:
         _say(fds.get("stderr", 2), f"the template's pid 1: {exc}")
     finally:
         os._exit(0)
+
+
+def _no_time_wait() -> None:
+    """No TIME_WAIT kept in the sandbox's network namespace: a connection its code closed
+    first would otherwise outlive a reset for 60 s, its addresses and ports (code's choice)
+    readable in /proc/net/tcp and taken for the next user's bind (the reset's check would
+    then replace the sandbox). Written through the host's /proc (the sandbox's own mounts
+    /proc/sys read-only), which shows the sysctls of the namespace we just entered. Where
+    it cannot be written, that check is what holds."""
+    with contextlib.suppress(OSError):
+        _write("/proc/sys/net/ipv4/tcp_max_tw_buckets", "0")
 
 
 def _drop_capabilities() -> None:

@@ -73,6 +73,8 @@ API_TIMEOUT_S = 30.0
 COMPILED = "/tmp/stockade-compiled.json"
 MAX_COMPILED = 16 * 1024 * 1024
 EGRESS_DIR = "/run/stockade-egress"  # stockade.egress.SANDBOX_DIR (not imported: it is lazy)
+# A network namespace of its own keeps no TIME_WAIT (see where containers are created).
+NO_TIME_WAIT = {"net.ipv4.tcp_max_tw_buckets": "0"}
 
 
 def _supervisor_env(egress: EgressHandle | None) -> list[str]:
@@ -551,6 +553,10 @@ class DockerBackend(Backend):
             bind_list += [f"{empty}:{path}:ro" for path in masks]
         host_config = api.create_host_config(
             network_mode="bridge" if spec.network.unrestricted else "none",
+            # No TIME_WAIT kept in the container's namespace: a connection code closed first
+            # would outlive a pool's reset for 60 s (addresses, ports, taken binds; the
+            # reset's check, supervisor/netstate.py, would then replace the member).
+            sysctls=NO_TIME_WAIT,
             read_only=True,
             tmpfs=tmpfs,
             binds=bind_list,

@@ -6,7 +6,8 @@
     pool.close()
 
 A returned sandbox is never handed out dirty: it is reset in the background (every process
-killed, every writable place emptied, the settings code can change put back, and a fresh
+killed, every writable place emptied, the settings code can change put back, no socket left
+that no process holds, and a fresh
 interpreter forked from a process that never saw any user, so nothing of one user's memory
 reaches the next) or, past ``max_uses``, when it broke or when the reset could not make it as
 fresh as it started, closed and replaced. Members are recycled in parallel: one slow reset never holds up the

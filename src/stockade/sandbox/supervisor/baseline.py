@@ -41,6 +41,18 @@ SYSCTL_DIRS = ("/proc/sys/kernel", "/proc/sys/fs/mqueue")
 # Counters, not settings: they move by themselves.
 SYSCTL_VOLATILE = ("/proc/sys/kernel/ns_last_pid",)
 
+# /proc/net's socket tables, with the column that holds each socket's inode (0: no file,
+# as a TIME_WAIT or an orphaned connection has).
+TABLES = (
+    ("unix", 6),
+    ("tcp", 9),
+    ("tcp6", 9),
+    ("udp", 9),
+    ("udp6", 9),
+    ("raw", 9),
+    ("raw6", 9),
+)
+
 
 def _rlimits() -> "dict[str, list[int]]":
     out: "dict[str, list[int]]" = {}
@@ -82,6 +94,30 @@ def _writable_sysctls(dirs: "tuple[str, ...]", recursive: bool) -> "dict[str, st
             except OSError:
                 continue
     return found
+
+
+def sockets() -> "dict[str, list[int]]":
+    """Each table's socket inodes, as the namespace has them now."""
+    found: "dict[str, list[int]]" = {}
+    for table, column in TABLES:
+        try:
+            with open(f"/proc/net/{table}", "rb") as fh:
+                lines = fh.read().splitlines()[1:]
+        except OSError:  # a table this kernel (or gVisor) does not have
+            continue
+        inodes = []
+        for line in lines:
+            fields = line.split()
+            if len(fields) > column and fields[column].isdigit():
+                inodes.append(int(fields[column]))
+        found[table] = inodes
+    return found
+
+
+def socket_inodes() -> "list[int]":
+    """The inodes of the sockets at start-up (before any code ran): a tier's own (a guest's
+    init's, say) may stay however many users come."""
+    return sorted({inode for inodes in sockets().values() for inode in inodes if inode})
 
 
 # ioprio_set and ioprio_get, by machine; IOPRIO_WHO_PROCESS.

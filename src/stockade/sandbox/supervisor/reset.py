@@ -19,6 +19,7 @@ import time
 
 import baseline
 import jobs
+import netstate
 from fileops import _listxattr, _write_all, empty_dir, read_exactly, remove_sysv_ipc
 from protocol import PREFIX, encode, loads
 from reaper import kill_tree
@@ -47,7 +48,8 @@ def run(sup: "Supervisor", rid: int, h: dict[str, Any], rest: bytes) -> None:
     """Make the sandbox as it was at start-up, for the next user.
 
     Kill everything but the zygote, empty every writable place, drop IPC objects, put
-    back the settings code can change (``baseline``): the pool's 'never hand out dirty'.
+    back the settings code can change (``baseline``), and find the network namespace with no
+    socket left that no process holds (``netstate``): the pool's 'never hand out dirty'.
     What one user leaves (a file in /dev/shm, a SysV segment, a mode on the workspace, a
     sysctl) would otherwise reach the next one. Our heap has held the last user's output
     and environment: no interpreter is forked from us any more but from the zygote,
@@ -94,6 +96,18 @@ def run(sup: "Supervisor", rid: int, h: dict[str, Any], rest: bytes) -> None:
 
         egress.write_files(sup.config["egress"])  # its folder was emptied with /tmp
         sup.egress.renew()
+    # After the relay's renewal (its closed connections are the last to settle): what the
+    # kernel keeps of the last user's sockets with no process left (netstate's docstring).
+    sockets = sup.baseline.get("sockets")
+    zygote_socket = [sup.zygote.socket_inode] if sup.zygote is not None and sup.zygote.alive else []
+    host_names = (
+        [str(sup.config["egress"]["host_name"])] if "host_name" in sup.config.get("egress", {}) else []
+    )
+    left = netstate.leftovers(sockets, zygote_socket, host_names) if sockets is not None else []
+    if left:
+        sup.send({"id": rid, "ev": "error", "kind": "reset", "message": "; ".join(left)})
+        sup.reader.feed(rest)
+        return
     if in_place and sup.zygote is not None and not sup.zygote.problems(sup.baseline):
         sup.clean = False
         if h.get("warm"):

@@ -240,6 +240,8 @@ class Supervisor:
                 self.kept_modes[folder] = stat.S_IMODE(os.stat(folder).st_mode)
                 folder = os.path.dirname(folder)
         self.baseline = baseline.snapshot()
+        if cfg.get("own_network", True):  # the host's namespace holds the host's sockets
+            self.baseline["sockets"] = baseline.socket_inodes()  # netstate.py
 
     def start_judge(self) -> None:
         """Start the rules' compiled exec judge, and wait on what it leaves to us: after the

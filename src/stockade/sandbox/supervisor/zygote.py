@@ -47,9 +47,12 @@ NOT_SERVING = (b"T", b"t", b"Z", b"X", b"x")
 class Zygote:
     """The supervisor's handle on its zygote."""
 
-    def __init__(self, pid: int, sock: "Any", env: "dict[str, str]") -> None:
+    def __init__(self, pid: int, sock: "Any", env: "dict[str, str]", socket_inode: int = 0) -> None:
         self.pid = pid
         self.sock = sock
+        # Its end of our socketpair: a reset cannot read its fds (it is not dumpable), and
+        # counts that socket as held (netstate).
+        self.socket_inode = socket_inode
         self.alive = True  # until the supervisor reaps it
         self.env = env  # the environment its interpreters start with
 
@@ -145,8 +148,9 @@ def start(
             _serve(theirs, workspace, env, confine, devnull)
         finally:
             os._exit(0)
+    inode = os.fstat(theirs.fileno()).st_ino
     theirs.close()
-    return Zygote(pid, ours, dict(env))
+    return Zygote(pid, ours, dict(env), inode)
 
 
 # Not the array module: importing it imports collections (~4 ms of a sandbox's start-up).
