@@ -160,7 +160,9 @@ class AgentConfig:
     # tier that cannot refuses to start, unless this accepts the tool-call judging alone there.
     allow_weaker: bool = False
     audit: str | AuditLog = "memory:"  # a store URL (sqlite:///PATH, postgresql://...) or a log
-    audit_key: bytes | None = None  # HMAC key of the chain, when ``audit`` is a URL
+    # HMAC key of the chain, when ``audit`` is a URL; the run store ``runs_url`` (or the audit
+    # database) opens MACs the rows a resume acts on under a key derived from it
+    audit_key: bytes | None = None
     # redact personal data (e-mails, phones, IPs, cards, ...) from the audit trail a URL opens;
     # None: when the policy declares the gdpr compliance profile
     redact_personal_data: bool | None = None
@@ -461,7 +463,7 @@ class GuardedAgent:
         self._owned_runs: RunStore | None = None
         if self.checkpointer is None and config.record_runs and runs_url is not None:
             try:  # the runs go where the audit trail goes, so `stockade runs list` finds them
-                self.checkpointer = self._owned_runs = open_run_store(runs_url)
+                self.checkpointer = self._owned_runs = open_run_store(runs_url, key=config.audit_key)
             except BaseException:
                 self.close()
                 raise

@@ -43,6 +43,11 @@ the execs judged inside) is not in the trail and never will be; its ``tool_call_
 run records what its trail lost (``AuditObserver``): the crash, and the call, as returned or
 of unknown outcome. A run still running (its lease held) is not in flight, but may show its
 last calls as ``not_in_trail`` until its next batch is written.
+
+The run store's rows that a resume acts on (checkpoints, messages, steps, the ledger, the calls
+started, workspace manifests, seeds) carry a MAC under a key derived from the audit key, when
+the store was opened with it (``stockade.runs._mac``); a row whose MAC is wrong or missing is
+``store_forged`` (the ledger's ``forged_rows``: a store opened without the key finds none).
 """
 
 from __future__ import annotations
@@ -58,7 +63,16 @@ from stockade import exceptions as exc
 from stockade.audit.events import GENESIS, Chain
 from stockade.audit.stores import AuditStore, Head
 
-__all__ = ["Ledger", "LedgerCall", "Problem", "ProblemKind", "RunsLedger", "VerifyReport", "verify"]
+__all__ = [
+    "ForgedRow",
+    "Ledger",
+    "LedgerCall",
+    "Problem",
+    "ProblemKind",
+    "RunsLedger",
+    "VerifyReport",
+    "verify",
+]
 
 # The end of a canonical body: sorted keys put these scalars last, after "attributes", so
 # the match anchored at the end is the top-level one (quotes inside strings are escaped).
@@ -120,6 +134,7 @@ class ProblemKind(enum.StrEnum):
     NOT_IN_LEDGER = "not_in_ledger"  # a tool_call event of a run the ledger knows, not in its ledger
     DUPLICATE_IN_TRAIL = "duplicate_in_trail"  # a tool_call's key, or a run's final run_end, twice
     IN_FLIGHT = "in_flight"  # a run's process died during a call: what it did is not in the trail
+    STORE_FORGED = "store_forged"  # a run store row a resume acts on does not carry its MAC
 
 
 class LedgerCall(NamedTuple):
@@ -131,10 +146,21 @@ class LedgerCall(NamedTuple):
     tool: str
 
 
+class ForgedRow(NamedTuple):
+    """A run store row whose MAC is wrong or missing: written by someone without the key."""
+
+    run_id: str
+    detail: str
+
+
 class Ledger(Protocol):
     """What ``verify`` cross-checks the chain with (``RunStore`` is one)."""
 
     def ledger_calls(self, run_id: str | None = None) -> Iterable[LedgerCall]: ...
+
+    def forged_rows(self, run_id: str | None = None) -> Iterable[ForgedRow]:
+        """The rows a resume acts on whose MAC is wrong or missing (none without the key)."""
+        ...
 
     def calls_in_flight(self, run_id: str | None = None) -> Iterable[LedgerCall]:
         """The calls a process died during (started, never returned, its run not live)."""
@@ -154,6 +180,9 @@ class RunsLedger:
 
     def calls_in_flight(self, run_id: str | None = None) -> list[LedgerCall]:
         return [call for call in self.ledger.calls_in_flight(run_id) if call.run_id in self.runs]
+
+    def forged_rows(self, run_id: str | None = None) -> list[ForgedRow]:
+        return [row for row in self.ledger.forged_rows(run_id) if row.run_id in self.runs]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -355,6 +384,8 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
                 f"{call.idempotency_key}): {told}; resuming the run records its crash and the call"
             )
             report(start or 0, ProblemKind.IN_FLIGHT, detail, call.run_id)
+        for row in ledger.forged_rows(run_id):
+            report(0, ProblemKind.STORE_FORGED, f"run store: {row.detail}", row.run_id)
 
     if expected_head is not None:
         pin_seq, pin_hash = (

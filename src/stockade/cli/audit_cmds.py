@@ -126,8 +126,9 @@ def _stop(error: exc.AuditError, after: str) -> typer.Exit:
 
 
 @contextlib.contextmanager
-def _ledger(runs_db: str | None, db: str, namespace: str) -> Iterator[RunStore | None]:
-    """The run store to cross-check with: ``--runs-db``, else the audit database if it has one."""
+def _ledger(runs_db: str | None, db: str, namespace: str, key: bytes | None) -> Iterator[RunStore | None]:
+    """The run store to cross-check with: ``--runs-db``, else the audit database if it has one
+    (with the audit key, its rows' MACs are checked too)."""
     from stockade.runs import open_run_store
 
     url = runs_db or db
@@ -142,7 +143,7 @@ def _ledger(runs_db: str | None, db: str, namespace: str) -> Iterator[RunStore |
             yield None
             return
     try:
-        store = open_run_store(url, namespace=namespace)
+        store = open_run_store(url, namespace=namespace, key=key)
     except exc.StockadeError as error:
         err.print(f"[red]{escape(str(error))}[/]")
         raise typer.Exit(2) from error
@@ -205,7 +206,8 @@ def verify(
     run store's ledger and the chain's tool_call events must agree: a call in one and not the
     other is a problem (not_in_trail, not_in_ledger), and so is a call, or a run's final end,
     twice in the chain (duplicate_in_trail), and a call its run's process died during, until
-    the run is resumed (in_flight). A service keeps a chain per tenant and one run
+    the run is resumed (in_flight). With the key, a run store row a resume acts on whose MAC
+    is wrong or missing is a problem (store_forged). A service keeps a chain per tenant and one run
     store for all: a tenant's trail (--tenant, or --namespace audit_t_TENANT) is checked
     against that tenant's runs only."""
     pinned: tuple[int, str] | None = None
@@ -217,16 +219,15 @@ def verify(
         pinned = (int(seq), digest)
     if tenant is not None:
         namespace = f"audit_t_{tenant}"
-    with _store(db, namespace) as store, _ledger(runs_db, db, runs_namespace) as ledger:
+    key = _key(key_file)
+    with _store(db, namespace) as store, _ledger(runs_db, db, runs_namespace, key) as ledger:
         owner = namespace.removeprefix("audit_t_") if namespace.startswith("audit_t_") else ""
         scoped = _tenant_ledger(ledger, owner) if ledger is not None else None
         if tenant is not None and scoped is None:
             err.print(f"[red]{escape(db)} holds no service's runs[/]: --tenant needs a service's database")
             raise typer.Exit(2)
         try:
-            report = verify_store(
-                store, run_id=run, key=_key(key_file), expected_head=pinned, ledger=scoped or ledger
-            )
+            report = verify_store(store, run_id=run, key=key, expected_head=pinned, ledger=scoped or ledger)
         except exc.AuditStoreError as error:  # the store failed mid-way: nothing was proven
             err.print(f"[red]{escape(str(error))}[/]")
             raise typer.Exit(UNREADABLE) from error

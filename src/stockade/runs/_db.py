@@ -46,6 +46,9 @@ class Database(Protocol):
         """Run the ``CREATE ... IF NOT EXISTS`` statements of the tables ``name`` names, one
         process at a time (processes started together race on them otherwise)."""
 
+    def add_column(self, table: str, column: str, declaration: str) -> None:
+        """Add ``column`` to ``table`` unless it has it (a database made by an earlier version)."""
+
     def close(self) -> None: ...
 
 
@@ -75,6 +78,17 @@ class SQLiteDatabase:
 
     def create(self, statements: Sequence[str], *, name: str) -> None:
         self.write([(sql, [()]) for sql in statements])  # BEGIN IMMEDIATE: one writer at a time
+
+    def add_column(self, table: str, column: str, declaration: str) -> None:
+        # SQLite has no ADD COLUMN IF NOT EXISTS: the check and the change in one transaction
+        have = {str(r[1]) for r in self.query(f"PRAGMA table_info({table})")}
+        if column in have:
+            return
+        try:
+            self.write([(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}", [()])])
+        except exc.RunStoreError:
+            if column not in {str(r[1]) for r in self.query(f"PRAGMA table_info({table})")}:
+                raise  # another process did not add it first: a failure of its own
 
     def write(self, statements: Sequence[Statement], *, require: Requirement | None = None) -> bool:
         with self._lock:
@@ -181,6 +195,13 @@ class PostgresDatabase:
         # both find the table missing and one fails on the catalog's unique index
         lock = ("SELECT pg_advisory_xact_lock(hashtext(?))", [(f"stockade-{name}",)])
         self.write([lock, *((sql, [()]) for sql in statements)])
+
+    def add_column(self, table: str, column: str, declaration: str) -> None:
+        # ALTER TABLE locks the table even when the column is there: look first
+        sql = "SELECT 1 FROM information_schema.columns WHERE table_name = ? AND column_name = ?"
+        if self.query(sql, (table.lower(), column.lower())):
+            return
+        self.write([(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {declaration}", [()])])
 
     def query(self, sql: str, params: Sequence[object] = ()) -> Rows:
         with self._lock:

@@ -25,15 +25,18 @@ def schema(ns: str, serial: str, blob: str) -> list[str]:
             created_ns BIGINT NOT NULL, updated_ns BIGINT NOT NULL)""",
         f"""CREATE TABLE IF NOT EXISTS {ns}_checkpoints (
             run_id TEXT NOT NULL, seq BIGINT NOT NULL, created_ns BIGINT NOT NULL,
-            messages INTEGER NOT NULL, steps INTEGER NOT NULL, body TEXT NOT NULL,
+            messages INTEGER NOT NULL, steps INTEGER NOT NULL, body TEXT NOT NULL, mac TEXT,
             PRIMARY KEY (run_id, seq))""",
         f"""CREATE TABLE IF NOT EXISTS {ns}_messages (
-            run_id TEXT NOT NULL, idx INTEGER NOT NULL, body TEXT NOT NULL, PRIMARY KEY (run_id, idx))""",
+            run_id TEXT NOT NULL, idx INTEGER NOT NULL, body TEXT NOT NULL, mac TEXT,
+            PRIMARY KEY (run_id, idx))""",
         f"""CREATE TABLE IF NOT EXISTS {ns}_steps (
-            run_id TEXT NOT NULL, idx INTEGER NOT NULL, body TEXT NOT NULL, PRIMARY KEY (run_id, idx))""",
+            run_id TEXT NOT NULL, idx INTEGER NOT NULL, body TEXT NOT NULL, mac TEXT,
+            PRIMARY KEY (run_id, idx))""",
         f"""CREATE TABLE IF NOT EXISTS {ns}_tool_calls (
             idempotency_key TEXT PRIMARY KEY, run_id TEXT NOT NULL, step INTEGER NOT NULL,
-            call_id TEXT NOT NULL, tool TEXT NOT NULL, recorded_ns BIGINT NOT NULL, body TEXT NOT NULL)""",
+            call_id TEXT NOT NULL, tool TEXT NOT NULL, recorded_ns BIGINT NOT NULL, body TEXT NOT NULL,
+            mac TEXT)""",
         f"CREATE INDEX IF NOT EXISTS {ns}_tool_calls_run ON {ns}_tool_calls (run_id, step)",
         f"""CREATE TABLE IF NOT EXISTS {ns}_retries (
             id {serial}, run_id TEXT NOT NULL, step INTEGER NOT NULL, call_id TEXT,
@@ -49,7 +52,7 @@ def schema(ns: str, serial: str, blob: str) -> list[str]:
         f"""CREATE TABLE IF NOT EXISTS {ns}_seeds (
             digest TEXT PRIMARY KEY, bytes BIGINT NOT NULL, data {blob} NOT NULL)""",
         f"""CREATE TABLE IF NOT EXISTS {ns}_run_seeds (
-            run_id TEXT PRIMARY KEY, digest TEXT NOT NULL, recorded_ns BIGINT NOT NULL)""",
+            run_id TEXT PRIMARY KEY, digest TEXT NOT NULL, recorded_ns BIGINT NOT NULL, mac TEXT)""",
         # one owner per run (expires_ns 0: released)
         f"""CREATE TABLE IF NOT EXISTS {ns}_leases (
             run_id TEXT PRIMARY KEY, owner TEXT NOT NULL, expires_ns BIGINT NOT NULL,
@@ -58,7 +61,7 @@ def schema(ns: str, serial: str, blob: str) -> list[str]:
         f"""CREATE TABLE IF NOT EXISTS {ns}_calls_started (
             idempotency_key TEXT PRIMARY KEY, run_id TEXT NOT NULL, step INTEGER NOT NULL,
             call_id TEXT NOT NULL, tool TEXT NOT NULL, idempotent INTEGER NOT NULL,
-            attempts INTEGER NOT NULL, started_ns BIGINT NOT NULL)""",
+            attempts INTEGER NOT NULL, started_ns BIGINT NOT NULL, mac TEXT)""",
         f"CREATE INDEX IF NOT EXISTS {ns}_calls_started_run ON {ns}_calls_started (run_id, step)",
         # workspaces step by step: file contents by SHA-256 (zlib), and per version the paths
         # that changed (body NULL: removed)
@@ -66,7 +69,7 @@ def schema(ns: str, serial: str, blob: str) -> list[str]:
             digest TEXT PRIMARY KEY, bytes BIGINT NOT NULL, data {blob} NOT NULL)""",
         f"""CREATE TABLE IF NOT EXISTS {ns}_workspace (
             run_id TEXT NOT NULL, version BIGINT NOT NULL, path TEXT NOT NULL, body TEXT,
-            blob_bytes BIGINT NOT NULL, PRIMARY KEY (run_id, version, path))""",
+            blob_bytes BIGINT NOT NULL, mac TEXT, PRIMARY KEY (run_id, version, path))""",
         # whose personal data a run holds (a data subject), so that it can be erased
         f"""CREATE TABLE IF NOT EXISTS {ns}_subjects (
             run_id TEXT NOT NULL, subject TEXT NOT NULL, PRIMARY KEY (run_id, subject))""",
@@ -76,6 +79,22 @@ def schema(ns: str, serial: str, blob: str) -> list[str]:
         f"""CREATE TABLE IF NOT EXISTS {ns}_erased (
             run_id TEXT PRIMARY KEY, erased_ns BIGINT NOT NULL)""",
     ]
+
+
+# The tables whose rows a resume acts on: each row carries a MAC (``_mac``) in its last column,
+# ``mac``, added to a database made before it had one.
+# SIGNED: each table's columns its MAC covers, in order, and how many of them name the row.
+SIGNED: dict[str, tuple[tuple[str, ...], int]] = {
+    "checkpoints": (("run_id", "seq", "created_ns", "messages", "steps", "body"), 2),
+    "messages": (("run_id", "idx", "body"), 2),
+    "steps": (("run_id", "idx", "body"), 2),
+    "tool_calls": (("idempotency_key", "run_id", "step", "call_id", "tool", "recorded_ns", "body"), 2),
+    # attempts and started_ns change as the call starts again; what it is does not
+    "calls_started": (("idempotency_key", "run_id", "step", "call_id", "tool", "idempotent"), 2),
+    "workspace": (("run_id", "version", "path", "body", "blob_bytes"), 3),
+    "run_seeds": (("run_id", "digest", "recorded_ns"), 1),
+}
+MAC_TABLES = tuple(SIGNED)
 
 
 # The tables holding rows of a run (``erase`` empties them of it); blobs and seeds are shared.

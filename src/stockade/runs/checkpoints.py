@@ -25,6 +25,7 @@ from stockade.agent.state import RunState, StepRecord, ToolCallRecord
 from stockade.audit.redact import Redactor
 from stockade.models.messages import Message, ToolCall, ToolResultMessage
 from stockade.runs._db import Database, Statement
+from stockade.runs._mac import RowMac, select
 from stockade.runs._schema import as_int
 from stockade.runs.ledger import CallLedger, redacted_json
 from stockade.tools.base import idempotency_key
@@ -71,6 +72,7 @@ class Checkpoints:
         ns: str,
         redactor: Redactor,
         ledger: CallLedger,
+        mac: RowMac,
         *,
         write: Callable[[str, Sequence[Statement]], None],
         where: str,
@@ -79,6 +81,7 @@ class Checkpoints:
         self.ns = ns
         self.redactor = redactor
         self.ledger = ledger
+        self.mac = mac
         self._write = write  # fenced by the run's lease
         self._where = where
         self._lock = threading.Lock()
@@ -98,24 +101,29 @@ class Checkpoints:
             body = redacted_json(self.redactor, state, exclude={"messages", "steps"})
             statements: list[Statement] = [
                 (
-                    f"INSERT INTO {ns}_messages VALUES (?, ?, ?) "
-                    "ON CONFLICT (run_id, idx) DO UPDATE SET body = excluded.body",
+                    f"INSERT INTO {ns}_messages VALUES (?, ?, ?, ?) "
+                    "ON CONFLICT (run_id, idx) DO UPDATE SET body = excluded.body, mac = excluded.mac",
                     [
-                        (run_id, i, redacted_json(self.redactor, m))
+                        self.mac.signed("messages", (run_id, i, redacted_json(self.redactor, m)))
                         for i, m in enumerate(state.messages[msg_from:], msg_from)
                     ],
                 ),
                 (
-                    f"INSERT INTO {ns}_steps VALUES (?, ?, ?) "
-                    "ON CONFLICT (run_id, idx) DO UPDATE SET body = excluded.body",
+                    f"INSERT INTO {ns}_steps VALUES (?, ?, ?, ?) "
+                    "ON CONFLICT (run_id, idx) DO UPDATE SET body = excluded.body, mac = excluded.mac",
                     [
-                        (run_id, i, redacted_json(self.redactor, s))
+                        self.mac.signed("steps", (run_id, i, redacted_json(self.redactor, s)))
                         for i, s in enumerate(state.steps[step_from:], step_from)
                     ],
                 ),
                 (
-                    f"INSERT INTO {ns}_checkpoints VALUES (?, ?, ?, ?, ?, ?)",
-                    [(run_id, saved.seq + 1, now, len(state.messages), len(state.steps), body)],
+                    f"INSERT INTO {ns}_checkpoints VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    [
+                        self.mac.signed(
+                            "checkpoints",
+                            (run_id, saved.seq + 1, now, len(state.messages), len(state.steps), body),
+                        )
+                    ],
                 ),
                 (self.ledger.insert_sql(), [self.ledger.row(run_id, i, r, now) for i, r in ledger]),
                 (
@@ -157,25 +165,27 @@ class Checkpoints:
         """The latest checkpoint, with the tool calls that returned after it folded in."""
         ns = self.ns
         rows = self.db.query(
-            f"SELECT seq, messages, steps, body FROM {ns}_checkpoints WHERE run_id = ? "
-            "ORDER BY seq DESC LIMIT 1",
-            (run_id,),
+            f"{select(ns, 'checkpoints')} WHERE run_id = ? ORDER BY seq DESC LIMIT 1", (run_id,)
         )
         if not rows:
             return None
-        seq, n_messages, n_steps, body = rows[0]
+        _, seq, _, n_messages, n_steps, body, _ = rows[0]
+        # body is the next-to-last column of the rows read with their MAC
         messages = self.db.query(
-            f"SELECT body FROM {ns}_messages WHERE run_id = ? AND idx < ? ORDER BY idx", (run_id, n_messages)
+            f"{select(ns, 'messages')} WHERE run_id = ? AND idx < ? ORDER BY idx", (run_id, n_messages)
         )
         steps = self.db.query(
-            f"SELECT body FROM {ns}_steps WHERE run_id = ? AND idx < ? ORDER BY idx", (run_id, n_steps)
+            f"{select(ns, 'steps')} WHERE run_id = ? AND idx < ? ORDER BY idx", (run_id, n_steps)
         )
+        self.mac.check(ns, "checkpoints", rows, store=self._where)
+        self.mac.check(ns, "messages", messages, store=self._where)
+        self.mac.check(ns, "steps", steps, store=self._where)
         # Splice the stored JSON rather than parse and re-serialise it.
         document = (
             '{"messages":['
-            + ",".join(str(m[0]) for m in messages)
+            + ",".join(str(m[-2]) for m in messages)
             + '],"steps":['
-            + ",".join(str(s[0]) for s in steps)
+            + ",".join(str(s[-2]) for s in steps)
             + "],"
             + str(body)[1:]
         )
@@ -244,14 +254,14 @@ class Checkpoints:
         where = f"{self.ns}_checkpoints row (run {run_id!r}, seq {seq})"
         for index, row in enumerate(messages):
             try:
-                _MESSAGE.validate_json(str(row[0]))
+                _MESSAGE.validate_json(str(row[-2]))
             except ValidationError as bad:
                 where, error = f"{self.ns}_messages row (run {run_id!r}, idx {index})", bad
                 break
         else:
             for index, row in enumerate(steps):
                 try:
-                    StepRecord.model_validate_json(str(row[0]))
+                    StepRecord.model_validate_json(str(row[-2]))
                 except ValidationError as bad:
                     where, error = f"{self.ns}_steps row (run {run_id!r}, idx {index})", bad
                     break

@@ -22,6 +22,7 @@ from stockade.audit.redact import Redactor
 from stockade.audit.verify import LedgerCall
 from stockade.models.messages import ToolCall
 from stockade.runs._db import Database, Statement
+from stockade.runs._mac import RowMac, select
 from stockade.runs._schema import as_int
 from stockade.runs.lease import owner_gone
 
@@ -42,6 +43,7 @@ class CallLedger:
         db: Database,
         ns: str,
         redactor: Redactor,
+        mac: RowMac,
         *,
         write: Callable[[str, Sequence[Statement]], None],
         where: str,
@@ -49,37 +51,38 @@ class CallLedger:
         self.db = db
         self.ns = ns
         self.redactor = redactor
+        self.mac = mac
         self._write = write  # fenced by the run's lease
         self._where = where
 
     def insert_sql(self) -> str:
-        return f"INSERT INTO {self.ns}_tool_calls VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
+        return f"INSERT INTO {self.ns}_tool_calls VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING"
 
     def row(self, run_id: str, step: int, record: ToolCallRecord, now: int) -> tuple[object, ...]:
-        return (
-            record.idempotency_key,
-            run_id,
-            step,
-            record.call.id,
-            record.call.name,
-            now,
-            redacted_json(self.redactor, record),
+        return self.mac.signed(
+            "tool_calls",
+            (
+                record.idempotency_key,
+                run_id,
+                step,
+                record.call.id,
+                record.call.name,
+                now,
+                redacted_json(self.redactor, record),
+            ),
         )
 
     def tool_calls(self, run_id: str, *, step: int | None = None) -> list[ToolCallRecord]:
         """The ledger of ``run_id`` (in the order the calls returned)."""
-        sql = f"SELECT body FROM {self.ns}_tool_calls WHERE run_id = ?"
+        sql = f"{select(self.ns, 'tool_calls')} WHERE run_id = ?"
         params: list[object] = [run_id]
         if step is not None:
             sql += " AND step = ?"
             params.append(step)
-        rows = self.db.query(
-            sql.replace("SELECT body", "SELECT idempotency_key, body")
-            + " ORDER BY recorded_ns, idempotency_key",
-            params,
-        )
+        rows = self.db.query(sql + " ORDER BY recorded_ns, idempotency_key", params)
+        self.mac.check(self.ns, "tool_calls", rows, store=self._where)
         records = []
-        for key, body in rows:
+        for key, *_, body, _ in rows:
             try:
                 records.append(ToolCallRecord.model_validate_json(str(body)))
             except ValidationError as error:
@@ -136,10 +139,10 @@ class CallLedger:
     def started(self, run_id: str, step: int) -> dict[str, bool]:
         """The calls of ``step`` that started: idempotency key -> whether their tool is idempotent."""
         rows = self.db.query(
-            f"SELECT idempotency_key, idempotent FROM {self.ns}_calls_started WHERE run_id = ? AND step = ?",
-            (run_id, step),
+            f"{select(self.ns, 'calls_started')} WHERE run_id = ? AND step = ?", (run_id, step)
         )
-        return {str(r[0]): bool(r[1]) for r in rows}
+        self.mac.check(self.ns, "calls_started", rows, store=self._where)
+        return {str(r[0]): bool(r[5]) for r in rows}
 
     def call_started(self, run_id: str, step: int, call: ToolCall, key: str, *, idempotent: bool) -> None:
         """Record that ``call`` is about to run (again: its attempts are counted)."""
@@ -147,10 +150,24 @@ class CallLedger:
             run_id,
             [
                 (
-                    f"INSERT INTO {self.ns}_calls_started VALUES (?, ?, ?, ?, ?, ?, 1, ?) "
+                    f"INSERT INTO {self.ns}_calls_started VALUES (?, ?, ?, ?, ?, ?, 1, ?, ?) "
                     "ON CONFLICT (idempotency_key) DO UPDATE SET "
-                    f"attempts = {self.ns}_calls_started.attempts + 1, started_ns = excluded.started_ns",
-                    [(key, run_id, step, call.id, call.name, int(idempotent), time.time_ns())],
+                    f"attempts = {self.ns}_calls_started.attempts + 1, started_ns = excluded.started_ns, "
+                    "mac = excluded.mac",
+                    [
+                        (
+                            key,
+                            run_id,
+                            step,
+                            call.id,
+                            call.name,
+                            int(idempotent),
+                            time.time_ns(),
+                            self.mac.sign(
+                                "calls_started", (key, run_id, step, call.id, call.name, int(idempotent))
+                            ),
+                        )
+                    ],
                 )
             ],
         )

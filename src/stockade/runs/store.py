@@ -51,10 +51,11 @@ from stockade import exceptions as exc
 from stockade.agent.state import RunState, RunStatus, ToolCallRecord
 from stockade.audit.redact import Redactor
 from stockade.audit.stores import check_namespace
-from stockade.audit.verify import LedgerCall
+from stockade.audit.verify import ForgedRow, LedgerCall
 from stockade.models.messages import ToolCall
 from stockade.runs._db import Database, PostgresDatabase, SQLiteDatabase, display_url
-from stockade.runs._schema import SUMMARY_COLUMNS, as_float, as_int, schema, summary_from_row
+from stockade.runs._mac import RowMac, unauthentic_rows
+from stockade.runs._schema import MAC_TABLES, SUMMARY_COLUMNS, as_float, as_int, schema, summary_from_row
 from stockade.runs.checkpoints import OUTCOME_UNKNOWN, Checkpoints
 from stockade.runs.erasure import Erasure
 from stockade.runs.lease import LEASE_S, LeaseHolder, RunLease
@@ -92,6 +93,7 @@ class RunStore:
         max_workspace_entries: int = MAX_WORKSPACE_ENTRIES,
         lease_s: float = LEASE_S,
         lease_wait_s: float = 0.0,
+        key: bytes | None = None,
     ) -> None:
         if lease_s <= 0 or lease_wait_s < 0:
             raise exc.ConfigurationError("RunStore: lease_s must be positive and lease_wait_s >= 0")
@@ -105,10 +107,12 @@ class RunStore:
         self.ns = check_namespace(namespace)
         self.url = db.url
         where = display_url(db)
+        # the audit trail's key: the rows a resume acts on are MAC'd under a key derived from it
+        self.mac = RowMac(key)
         self._leases = LeaseKeeper(db, self.ns)
-        self._ledger = CallLedger(db, self.ns, self.redactor, write=self._leases.write, where=where)
+        self._ledger = CallLedger(db, self.ns, self.redactor, self.mac, write=self._leases.write, where=where)
         self._checkpoints = Checkpoints(
-            db, self.ns, self.redactor, self._ledger, write=self._leases.write, where=where
+            db, self.ns, self.redactor, self._ledger, self.mac, write=self._leases.write, where=where
         )
         self._workspaces = WorkspaceHistory(
             db,
@@ -120,6 +124,8 @@ class RunStore:
         )
         self._erasure = Erasure(db, self.ns)
         self.db.create(schema(self.ns, db.serial, db.blob), name=self.ns)
+        for table in MAC_TABLES:
+            self.db.add_column(f"{self.ns}_{table}", "mac", "TEXT")
 
     # The workspace caps are the workspace history's: set here, they apply to the runs it
     # starts tracking from then on, as they did when they were the store's own.
@@ -408,6 +414,13 @@ class RunStore:
         """The ledger as ``audit verify`` cross-checks it: every call but the denied ones."""
         return self._ledger.ledger_calls(run_id)
 
+    def forged_rows(self, run_id: str | None = None) -> list[ForgedRow]:
+        """The rows a resume would act on whose MAC is missing or wrong (none without the key),
+        as ``audit verify`` reports them."""
+        return [
+            ForgedRow(row.run_id, str(row)) for row in unauthentic_rows(self.db, self.ns, self.mac, run_id)
+        ]
+
     def calls_in_flight(self, run_id: str | None = None) -> list[LedgerCall]:
         """The calls a dead process was running (started, never returned, of a run neither
         ended, nor live, nor stopped by its process), as ``audit verify`` reports them."""
@@ -476,15 +489,21 @@ class RunStore:
         self.close()
 
 
-def open_run_store(url: str, *, namespace: str = "runs", redactor: Redactor | None = None) -> RunStore:
+def open_run_store(
+    url: str, *, namespace: str = "runs", redactor: Redactor | None = None, key: bytes | None = None
+) -> RunStore:
     """A run store from a URL: ``sqlite:///PATH`` (may be the audit database file), a plain
-    file path, ``postgresql://...``, or ``memory:``."""
+    file path, ``postgresql://...``, or ``memory:``. ``key``: the audit trail's HMAC key (the
+    rows a resume acts on are MAC'd under a key derived from it, and checked)."""
+    db: Database
     if url.startswith(("postgresql://", "postgres://")):
-        return RunStore(PostgresDatabase(url), namespace=namespace, redactor=redactor)
-    if url.startswith("sqlite:///"):
-        return RunStore(SQLiteDatabase(url[len("sqlite:///") :]), namespace=namespace, redactor=redactor)
-    if url == "memory:":  # tests and one-off tools
-        return RunStore(SQLiteDatabase(":memory:"), namespace=namespace, redactor=redactor)
-    if "://" in url:
+        db = PostgresDatabase(url)
+    elif url.startswith("sqlite:///"):
+        db = SQLiteDatabase(url[len("sqlite:///") :])
+    elif url == "memory:":  # tests and one-off tools
+        db = SQLiteDatabase(":memory:")
+    elif "://" in url:
         raise exc.ConfigurationError(f"unknown run store URL {url!r}: use sqlite:///PATH or postgresql://...")
-    return RunStore(SQLiteDatabase(url), namespace=namespace, redactor=redactor)
+    else:
+        db = SQLiteDatabase(url)
+    return RunStore(db, namespace=namespace, redactor=redactor, key=key)

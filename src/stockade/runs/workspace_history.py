@@ -20,6 +20,7 @@ from pathlib import Path
 from stockade import exceptions as exc
 from stockade.agent.state import ToolCallRecord
 from stockade.runs._db import Database, Statement
+from stockade.runs._mac import select
 from stockade.runs._schema import as_int
 from stockade.runs.checkpoints import Checkpoints
 from stockade.runs.records import WorkspaceUsage
@@ -90,9 +91,11 @@ class WorkspaceHistory:
                 [(digest, len(scan.blobs[digest]), data) for digest, data in packed.items()],
             ),
             (
-                f"INSERT INTO {self.ns}_workspace VALUES (?, ?, ?, ?, ?)",
+                f"INSERT INTO {self.ns}_workspace VALUES (?, ?, ?, ?, ?, ?)",
                 [
-                    (run_id, version, path, None if e is None else e.encode(), added[path])
+                    self.checkpoints.mac.signed(
+                        "workspace", (run_id, version, path, None if e is None else e.encode(), added[path])
+                    )
                     for path, e in sorted(scan.changes.items())
                 ],
             ),
@@ -107,12 +110,13 @@ class WorkspaceHistory:
 
     def _stored(self, run_id: str) -> tuple[dict[str, Entry], int]:
         rows = self.db.query(
-            f"SELECT version, path, body FROM {self.ns}_workspace WHERE run_id = ? ORDER BY version, path",
-            (run_id,),
+            f"{select(self.ns, 'workspace')} WHERE run_id = ? ORDER BY version, path", (run_id,)
         )
+        # a path -> digest row is what a restore writes: a forged one would swap the workspace
+        self.checkpoints.mac.check(self.ns, "workspace", rows, store=self._where)
         entries: dict[str, Entry] = {}
         version = 0
-        for row_version, path, body in rows:
+        for _, row_version, path, body, *_ in rows:
             version = as_int(row_version)
             if body is None:
                 entries.pop(str(path), None)
@@ -224,8 +228,8 @@ class WorkspaceHistory:
                     [(seed.digest, len(seed.data), seed.data)],
                 ),
                 (
-                    f"INSERT INTO {self.ns}_run_seeds VALUES (?, ?, ?) ON CONFLICT (run_id) DO NOTHING",
-                    [(run_id, seed.digest, time.time_ns())],
+                    f"INSERT INTO {self.ns}_run_seeds VALUES (?, ?, ?, ?) ON CONFLICT (run_id) DO NOTHING",
+                    [self.checkpoints.mac.signed("run_seeds", (run_id, seed.digest, time.time_ns()))],
                 ),
             ]
         )
@@ -233,13 +237,19 @@ class WorkspaceHistory:
 
     def restore_seed(self, run_id: str, dest: str | Path) -> bool:
         """Unpack the run's starting workspace into ``dest``; ``False`` when none was kept."""
+        seeds = self.db.query(f"{select(self.ns, 'run_seeds')} WHERE run_id = ?", (run_id,))
+        self.checkpoints.mac.check(self.ns, "run_seeds", seeds, store=self._where)
         rows = self.db.query(
-            f"SELECT s.data FROM {self.ns}_run_seeds r JOIN {self.ns}_seeds s ON s.digest = r.digest "
-            "WHERE r.run_id = ?",
-            (run_id,),
+            f"SELECT data FROM {self.ns}_seeds WHERE digest = ?", (seeds[0][1],) if seeds else ("",)
         )
         if not rows:
             return False
-        data = rows[0][0]
-        unpack_seed(bytes(data) if isinstance(data, bytes | bytearray | memoryview) else b"", dest)
+        raw = rows[0][0]
+        data = bytes(raw) if isinstance(raw, bytes | bytearray | memoryview) else b""
+        if "sha256:" + hashlib.sha256(data).hexdigest() != seeds[0][1]:  # named by its content
+            raise exc.RunStoreCorrupt(
+                f"run store {self._where}: the {self.ns}_seeds row {str(seeds[0][1])[:23]}… does not hold "
+                "the content its digest names"
+            )
+        unpack_seed(data, dest)
         return True

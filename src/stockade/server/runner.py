@@ -161,7 +161,7 @@ class Runner:
         self.name = name or f"{socket.gethostname()}:{os.getpid()}"
         db = open_database(config.database)
         # a connection of its own: the run store's writes are fenced transactions
-        self.runs = RunStore(open_database(config.database), namespace="runs")
+        self.runs = RunStore(open_database(config.database), namespace="runs", key=config.audit_key)
         self.store = ServiceStore(db, runs=self.runs.ns)  # a run that stops: its rows are measured
         self.wakes = Wakes(db)
         self.approvals = DatabaseApprovals(self.store)

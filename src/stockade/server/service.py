@@ -41,7 +41,7 @@ class Service:
         check_tenants(config.tenants.current())
         self.streams = StreamSlots(config.max_streams)  # event streams open, per tenant
         self.config = config
-        self.run_store = RunStore(open_database(config.database), namespace="runs")
+        self.run_store = RunStore(open_database(config.database), namespace="runs", key=config.audit_key)
         self.store = ServiceStore(open_database(config.database), runs=self.run_store.ns)
         self.audit = AuditLogs(config.database, key=config.audit_key)
         self.limits = TenantLimits(config.redis, namespace=config.queue)

@@ -14,7 +14,7 @@ from stockade import Sandbox
 from stockade.agent import Agent
 from stockade.audit import AuditLog, EventKind, MemoryStore, SQLiteStore, verify
 from stockade.audit.agent import AuditObserver
-from stockade.audit.verify import LedgerCall
+from stockade.audit.verify import ForgedRow, LedgerCall
 from stockade.cli.main import app
 from stockade.models.scripted import ScriptedModel, Turn, tool_call
 from stockade.runs import open_run_store
@@ -35,6 +35,9 @@ class Ledger:
         return [c for c in self.calls if run_id in (None, c.run_id)]
 
     def calls_in_flight(self, run_id: str | None = None) -> Iterable[LedgerCall]:
+        return []
+
+    def forged_rows(self, run_id: str | None = None) -> Iterable[ForgedRow]:
         return []
 
 

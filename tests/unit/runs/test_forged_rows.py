@@ -1,0 +1,165 @@
+"""A writer of the run store's database without the audit key cannot choose what a resume does:
+the rows a resume acts on carry a MAC under a key derived from the audit key, a resume refuses
+a row whose MAC is wrong or missing, and ``audit verify`` reports it. (The same attack with a
+SIGKILLed process: the call pending in the killed turn edited in the store.)"""
+
+from __future__ import annotations
+
+import hashlib
+import sqlite3
+import zlib
+from pathlib import Path
+
+import pytest
+
+from stockade import Sandbox
+from stockade.agent import Agent, AgentEvent, Observer, ToolCalled
+from stockade.audit import AuditLog, MemoryStore, verify
+from stockade.audit.agent import AuditObserver
+from stockade.exceptions import RunStoreCorrupt
+from stockade.models.scripted import Turn
+from stockade.runs import RunRecorder, open_run_store
+from stockade.testing import FakeBackend, MemoryWorkspace, ScriptedModel, tool_call
+from stockade.tools import ToolContext, Toolset, default_toolset, tool
+
+KEY = b"k" * 32
+
+
+class Crash(Exception):
+    """The process dying as a call starts (it propagates out of the run)."""
+
+
+def crash_once(name: str) -> Observer:
+    crashed: list[bool] = []
+
+    def observe(event: AgentEvent) -> None:
+        if isinstance(event, ToolCalled) and event.call.name == name and not crashed:
+            crashed.append(True)
+            raise Crash(name)
+
+    return observe
+
+
+def code_runner(ran: list[str]) -> Toolset:
+    @tool
+    def run(ctx: ToolContext, code: str) -> str:
+        """Run code.
+
+        Args:
+            code: what to run.
+        """
+        ran.append(code)
+        return "ok"
+
+    return default_toolset().including(run)
+
+
+def crash_in_first_call(path: Path, trail: MemoryStore, ran: list[str]) -> None:
+    """One model turn asks for two calls; the process dies as the first starts (the second is
+    still to run, as the checkpoint says)."""
+    turns: list[Turn] = [
+        [tool_call("run", {"code": "slow()"}), tool_call("run", {"code": "print('benign')"})]
+    ]
+    with (
+        open_run_store(f"sqlite:///{path}", key=KEY) as store,
+        AuditLog(trail, key=KEY) as log,
+        Sandbox.create(backend=FakeBackend(MemoryWorkspace())) as sbx,
+        pytest.raises(Crash),
+    ):
+        observers: list[Observer] = [AuditObserver(log), RunRecorder(store), crash_once("run")]
+        Agent(ScriptedModel(turns), tools=code_runner(ran), checkpointer=store, observers=observers).run_sync(
+            "t", sandbox=sbx, run_id="r"
+        )
+
+
+def resume(path: Path, trail: MemoryStore, ran: list[str], turns: list[Turn]) -> None:
+    with (
+        open_run_store(f"sqlite:///{path}", key=KEY) as store,
+        AuditLog(trail, key=KEY) as log,
+        Sandbox.create(backend=FakeBackend(MemoryWorkspace())) as sbx,
+    ):
+        observers: list[Observer] = [AuditObserver(log), RunRecorder(store)]
+        Agent(ScriptedModel(turns), tools=code_runner(ran), checkpointer=store, observers=observers).run_sync(
+            resume="r", sandbox=sbx
+        )
+
+
+def verified(path: Path, trail: MemoryStore) -> list[str]:
+    with open_run_store(f"sqlite:///{path}", key=KEY) as store:
+        return [p.kind.value for p in verify(trail, key=KEY, ledger=store).problems]
+
+
+def test_an_untouched_run_resumes_and_verifies(tmp_path: Path) -> None:
+    path, trail, ran = tmp_path / "runs.db", MemoryStore(), list[str]()
+    crash_in_first_call(path, trail, ran)
+    resume(path, trail, ran, ["done"])
+    assert ran == ["slow()", "print('benign')"]
+    assert verified(path, trail) == []
+
+
+def test_a_pending_call_edited_in_the_store_is_refused_on_resume_and_reported(tmp_path: Path) -> None:
+    path, trail, ran = tmp_path / "runs.db", MemoryStore(), list[str]()
+    crash_in_first_call(path, trail, ran)
+    with sqlite3.connect(path) as conn:  # what the model asked for, rewritten in every row
+        for table in ("runs_checkpoints", "runs_messages", "runs_steps"):
+            edited = conn.execute(
+                f"UPDATE {table} SET body = replace(body, 'print(''benign'')', 'open(''PWNED'',''w'')')"
+            ).rowcount
+            assert table != "runs_checkpoints" or edited
+    with pytest.raises(RunStoreCorrupt, match="does not match its MAC") as error:
+        resume(path, trail, ran, ["done"])
+    assert not error.value.retryable
+    assert not any("PWNED" in code for code in ran)
+    assert "store_forged" in verified(path, trail)
+
+
+def test_a_row_whose_mac_was_removed_is_refused(tmp_path: Path) -> None:
+    path, trail, ran = tmp_path / "runs.db", MemoryStore(), list[str]()
+    crash_in_first_call(path, trail, ran)
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE runs_checkpoints SET mac = NULL")
+    with pytest.raises(RunStoreCorrupt, match="carries no MAC"):
+        resume(path, trail, ran, ["done"])
+    assert "store_forged" in verified(path, trail)
+
+
+def test_a_swapped_workspace_manifest_row_is_refused(tmp_path: Path) -> None:
+    path, trail, ran = tmp_path / "runs.db", MemoryStore(), list[str]()
+    turns: list[Turn] = [
+        tool_call("write_file", {"path": "a.txt", "content": "good\n"}),
+        tool_call("run", {"code": "slow()"}),
+        "done",
+    ]
+    with (
+        open_run_store(f"sqlite:///{path}", key=KEY) as store,
+        AuditLog(trail, key=KEY) as log,
+        Sandbox.create(backend=FakeBackend(MemoryWorkspace())) as sbx,
+        pytest.raises(Crash),
+    ):
+        observers: list[Observer] = [AuditObserver(log), RunRecorder(store), crash_once("run")]
+        Agent(ScriptedModel(turns), tools=code_runner(ran), checkpointer=store, observers=observers).run_sync(
+            "t", sandbox=sbx, run_id="r"
+        )
+    good = hashlib.sha256(b"good\n").hexdigest()
+    evil = b"evil\n"
+    digest = hashlib.sha256(evil).hexdigest()
+    with sqlite3.connect(path) as conn:  # a blob true to its digest, and the manifest pointed at it
+        conn.execute("INSERT INTO runs_blobs VALUES (?, ?, ?)", (digest, len(evil), zlib.compress(evil)))
+        assert conn.execute(
+            "UPDATE runs_workspace SET body = replace(body, ?, ?) WHERE path = 'a.txt'", (good, digest)
+        ).rowcount
+    with pytest.raises(RunStoreCorrupt, match=r"runs_workspace row \(run_id 'r'.*'a\.txt'\)"):
+        resume(path, trail, ran, ["done"])
+    assert "store_forged" in verified(path, trail)
+
+
+def test_a_database_made_before_rows_had_macs_gains_the_column(tmp_path: Path) -> None:
+    path = tmp_path / "runs.db"
+    with sqlite3.connect(path) as conn:  # an earlier version's table
+        conn.execute(
+            "CREATE TABLE runs_messages (run_id TEXT NOT NULL, idx INTEGER NOT NULL, body TEXT NOT NULL, "
+            "PRIMARY KEY (run_id, idx))"
+        )
+    for _ in range(2):  # and a second open finds it there
+        with open_run_store(f"sqlite:///{path}", key=KEY) as store:
+            assert "mac" in {str(r[1]) for r in store.db.query("PRAGMA table_info(runs_messages)")}
