@@ -582,6 +582,10 @@ class EntryInfo:
     size: int
     mode: int
     mtime: float
+    # Its status change time and inode number, where the tier says (0: not known). Code can set
+    # mtime back (utime), never ctime: a write, a utime, a chmod or a rename moves it to now.
+    ctime_ns: int = 0
+    inode: int = 0
     # Its name (or a folder's it is in) is not UTF-8: ``path`` shows those bytes as U+FFFD, so
     # no files call can name it. Diffs and the run store name it as left out, not dropped.
     lossy: bool = False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import os
 import resource
 import signal
@@ -33,7 +34,7 @@ from stockade.exceptions import SeedTooLarge, TreeTooDeep
 from stockade.runs.workspace import WorkspaceTracker
 from stockade.sandbox._transfers import LIVENESS_S
 from stockade.tools.workspace_diff import MAX_TEXT_TOTAL, record_baseline, snapshot, workspace_diff
-from stockade.types import Listing, SkippedEntry
+from stockade.types import EntryType, Listing, SkippedEntry
 from tests.conftest import require_tier
 from tests.integration.conftest import TIERS
 
@@ -116,6 +117,30 @@ def test_a_listing_past_its_cap_says_it_was_cut() -> None:
         # a run store allowed more entries than a listing holds would snapshot part of it
         with pytest.raises(SeedTooLarge, match="more than one listing carries"):
             WorkspaceTracker(max_entries=1_000_000).scan(sbx)
+
+
+# Writes a.txt with the word it is given, then sets its mtime back to 2000-01-01; b.txt is new.
+REWRITE_WITH_OLD_MTIME = """
+import os
+open("a.txt", "w").write(WORD)
+os.utime("a.txt", (946684800, 946684800))
+open("b.txt", "w").write(WORD)
+"""
+
+
+def test_a_file_rewritten_with_its_old_mtime_put_back_is_recorded_anew(sbx: Sandbox) -> None:
+    # The run store trusted a file by its size, mode and mtime: code rewrote it at the same
+    # size and put the mtime back, the store kept the old content, and a resume restored it.
+    # ctime, which code cannot set, now says the file changed.
+    assert sbx.run_code(REWRITE_WITH_OLD_MTIME.replace("WORD", "'AAAA'")).error is None
+    tracker = WorkspaceTracker()
+    tracker.commit(tracker.scan(sbx), 1)
+    time.sleep(0.05)  # past the tick of the listing
+    assert sbx.run_code(REWRITE_WITH_OLD_MTIME.replace("WORD", "'EVIL'")).error is None
+    entry = tracker.scan(sbx).changes.get("a.txt")
+    assert entry is not None and entry.digest == hashlib.sha256(b"EVIL").hexdigest()
+    # every tier says each file's ctime and inode
+    assert all(e.ctime_ns > 0 and e.inode > 0 for e in sbx.files.list("") if e.type == EntryType.FILE)
 
 
 # 40,000 files at the end of fifteen folders of 250-character names: 3.8 KB paths each.

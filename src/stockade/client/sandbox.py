@@ -78,7 +78,8 @@ def execution(data: Mapping[str, Any]) -> Execution:
 def entry(data: Mapping[str, Any]) -> EntryInfo:
     return EntryInfo(
         path=data["path"], name=data["name"], type=EntryType(data["type"]), size=int(data["size"]),
-        mode=int(data["mode"]), mtime=float(data["mtime"]), lossy=data.get("lossy") is True,
+        mode=int(data["mode"]), mtime=float(data["mtime"]), ctime_ns=int(data.get("ctime_ns", 0)),
+        inode=int(data.get("inode", 0)), lossy=data.get("lossy") is True,
     )  # fmt: skip
 
 

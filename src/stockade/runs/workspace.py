@@ -1,18 +1,21 @@
 """A run's workspace, kept step by step so that a resumed run continues from it.
 
 After each tool call the loop asks the run store to record the workspace. ``WorkspaceTracker``
-lists it (one request), compares each entry with the last listing (size, mode, mtime) and
-reads only the files that may have changed; their contents are named by SHA-256, and what is
+lists it (one request), compares each entry with the last listing (size, mode, mtime, ctime,
+inode) and reads only the files that may have changed; their contents are named by SHA-256, and what is
 written is only what changed: a blob per content the store does not have yet, and a row per
 path that changed or went away. A resume folds the rows back into the last recorded state
 and ``restore`` makes a fresh sandbox's workspace exactly that, the diff's baseline
 (``.stockade/baseline.json``) included.
 
-An unchanged size, mode and mtime is trusted only for an entry whose mtime is older than the
-newest one of the listing it was seen in (git's "racily clean" rule): file times advance in
-clock ticks of a few milliseconds, so a file written twice within the tick of a listing is
-read again next time rather than trusted. A change that keeps a file's size and sets its mtime
-back to the old value (``touch -d``) is not seen; nothing of ours does that.
+An unchanged entry is trusted by its ctime, which code cannot set: every write, utime, chmod
+or rename moves it to the kernel's now. mtime is the code's to set (``os.utime``): trusted on
+it, a file rewritten at the same size with its old mtime put back kept its old content in the
+store, and a resume restored that. A file is trusted only when its ctime is older than the
+newest ctime of the listing it was seen in (git's "racily clean" rule; no ctime is later than
+the listing): times advance in clock ticks of a few milliseconds, so a file changed within the
+tick of a listing is read again next time rather than trusted. A tier that does not say a
+file's ctime (0) has every file read each time.
 
 Kept: regular files (content and permission bits) and folders. A file or folder whose name is
 not UTF-8 (``EntryInfo.lossy``) cannot be read or named by any files call: it is recorded as
@@ -108,8 +111,9 @@ class WorkspaceTracker:
     max_entries: int = MAX_WORKSPACE_ENTRIES
     entries: dict[str, Entry] = field(default_factory=dict)
     version: int = 0
-    _seen: dict[str, tuple[int, int, float]] = field(default_factory=dict)  # size, mode, mtime
-    _horizon: float = float("-inf")  # the newest mtime of the last listing
+    # size, mode, mtime, ctime, inode
+    _seen: dict[str, tuple[int, int, float, int, int]] = field(default_factory=dict)
+    _horizon: int = 0  # the newest ctime of the last listing (ns)
 
     def scan(self, sandbox: Sandbox, *, known: Callable[[str], bool] = lambda _: False) -> Scan:
         """List the workspace and read what may have changed; nothing is recorded yet
@@ -173,13 +177,15 @@ class WorkspaceTracker:
         return Scan(changes=changes, blobs=blobs, listing=listing, total_bytes=charged)
 
     def _unchanged(self, info: EntryInfo) -> bool:
-        """Whether a listed file is what was recorded, by its size, mode and mtime."""
+        """Whether a listed file is what was recorded: its status unchanged since a listing
+        that came after its last change (its ctime older than that listing's newest)."""
         old = self.entries.get(info.path)
         return (
             old is not None
             and old.kind == "file"
-            and self._seen.get(info.path) == (info.size, info.mode, info.mtime)
-            and info.mtime < self._horizon
+            and info.ctime_ns > 0
+            and self._seen.get(info.path) == _status(info)
+            and info.ctime_ns < self._horizon
         )
 
     def _read(self, sandbox: Sandbox, path: str, *, room: int) -> bytes | None:
@@ -225,8 +231,12 @@ class WorkspaceTracker:
         self._remember(listing)
 
     def _remember(self, listing: tuple[EntryInfo, ...]) -> None:
-        self._seen = {e.path: (e.size, e.mode, e.mtime) for e in listing if e.type == EntryType.FILE}
-        self._horizon = max((e.mtime for e in listing), default=float("-inf"))
+        self._seen = {e.path: _status(e) for e in listing if e.type == EntryType.FILE}
+        self._horizon = max((e.ctime_ns for e in listing), default=0)
+
+
+def _status(info: EntryInfo) -> tuple[int, int, float, int, int]:
+    return info.size, info.mode, info.mtime, info.ctime_ns, info.inode
 
 
 def restore(

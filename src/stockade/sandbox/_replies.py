@@ -106,6 +106,8 @@ def entry_info(raw: Any) -> EntryInfo:
         size=int_field(raw.get("size")),
         mode=int_field(raw.get("mode")),
         mtime=float_field(raw.get("mtime")),
+        ctime_ns=max(int_field(raw.get("ctime_ns")), 0),
+        inode=max(int_field(raw.get("inode")), 0),
         lossy=raw.get("lossy") is True,
     )
 

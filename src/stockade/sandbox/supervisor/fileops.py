@@ -178,6 +178,8 @@ def _entry(path: str, st: os.stat_result) -> dict[str, Any]:
         "size": st.st_size,
         "mode": stat.S_IMODE(mode),
         "mtime": st.st_mtime,
+        "ctime_ns": st.st_ctime_ns,
+        "inode": st.st_ino,
     }
     if lossy:
         entry["lossy"] = True

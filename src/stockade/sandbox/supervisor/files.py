@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 MAX_READ_FILE = 256 << 20
 MAX_LIST = 100_000
-ENTRY_JSON = 96  # an entry's JSON but its path and name: its keys, type, size, mode, mtime
+ENTRY_JSON = 160  # an entry's JSON but its path and name: its keys, type, size, mode, times, inode
 
 
 def op_read(sup: "Supervisor", rid: int, h: dict[str, Any], body: bytes) -> None:
