@@ -110,11 +110,11 @@ from stockade.policy.approval import (
 from stockade.policy.compliance import Setup, check_compliance, kill_target_reachable, microvm_on_host
 from stockade.policy.engine import PolicyEngine
 from stockade.policy.guards import GuardedInstance, OpContext, OpGuard, describe, enforce, shown
-from stockade.policy.load import load_policy
+from stockade.policy.load import load_policy, policy_digest
 from stockade.policy.schema import Policy, TrustRules, Verdict
 from stockade.runs.recorder import RunRecorder
 from stockade.runs.snapshots import RunSnapshots
-from stockade.runs.store import RunStore, open_run_store
+from stockade.runs.store import RunSetup, RunStore, open_run_store
 from stockade.runtime.agent import RuntimeControls
 from stockade.runtime.anomaly import ANOMALY_RULE, AnomalyMonitor, Finding, configured_rules
 from stockade.runtime.breaker import BreakerConfig, Breakers, BreakingBackend
@@ -442,6 +442,10 @@ class GuardedAgent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self.policy = _load(config.policy, config.trust)
+        # the file the policy was read from, and its bytes' digest: a replay says when they changed
+        source = config.policy
+        self._policy_file = None if isinstance(source, Policy | None) else Path(source).resolve()
+        self._policy_digest = policy_digest(self._policy_file) if self._policy_file is not None else None
         self.engine = PolicyEngine(self.policy, role=config.role)
         self.anomaly_rules = configured_rules(self.policy.anomaly.settings())
         runs_url = config.runs_url or (
@@ -535,6 +539,17 @@ class GuardedAgent:
             _record_denial(log, "", "model", err)
             self.close()
             raise
+
+    def run_setup(self) -> RunSetup:
+        """What a run of this agent runs under (its policy with the trust merged in, its role and
+        tier), kept with the run so that ``stockade replay`` runs it again under the same."""
+        return RunSetup(
+            policy=self.policy,
+            role=self.config.role,
+            tier=self.tier,
+            policy_file=None if self._policy_file is None else str(self._policy_file),
+            policy_digest=self._policy_digest,
+        )
 
     def own_records(self) -> tuple[Path, ...]:
         """The files and folders of this host that hold this agent's records (its audit trail
@@ -659,6 +674,7 @@ class AgentSession:
         self._recorder: RunRecorder | None = None
         if isinstance(owner.checkpointer, RunStore):  # retries, approvals and the ledger too
             recorder = self._recorder = RunRecorder(owner.checkpointer, run_id=run_id, subject=subject)
+            recorder.setup = owner.run_setup()
             observers.append(recorder)
             runtime.append(recorder.runtime)
             self.approvals = recorder.approvals(owner.approvals)
@@ -781,12 +797,16 @@ class AgentSession:
     @contextlib.contextmanager
     def open(self, workspace: str | Path | None) -> Iterator[AgentSession]:
         owner = self.owner
-        hidden: tuple[str, ...] = ()
+        rules = owner.engine.sandbox_rules()
+        # what of the workspace the sandbox is not given: what the rules hide (paths.deny, data
+        # classes above the role, a repository's history) and the agent's own records inside it
+        hide = rules.hide
         if workspace is not None:  # checked before a sandbox starts, not after
-            hidden = within(check_host_path(workspace, argument="workspace"), owner.own_records())
+            hide = (*hide, *within(check_host_path(workspace, argument="workspace"), owner.own_records()))
         if self._recorder is not None and workspace is not None:
-            self._recorder.seed = workspace  # kept with the run, for ``stockade replay``
-            self._recorder.seed_hide = hidden
+            # kept with the run, for ``stockade replay``: what the sandbox was given, no more
+            self._recorder.seed = workspace
+            self._recorder.seed_hide, self._recorder.seed_read = hide, rules.read
         telemetry = owner.config.telemetry
         tier = owner.backend if telemetry is None else TracedBackend(owner.backend, telemetry)
         backend = AuditedBackend(
@@ -795,7 +815,7 @@ class AgentSession:
             run_id=self.run_id,
             step=lambda: self.step,
         )
-        with self._start(backend, workspace, hidden) as raw:
+        with self._start(backend, workspace, hide) as raw:
             self._raw = raw
             killable = self.controls.protect(raw)
             guard = _op_guard(owner.engine, self.approvals, owner.audit_log)
@@ -807,12 +827,12 @@ class AgentSession:
             with self.controls.watch():
                 yield self
 
-    def _start(self, backend: Backend, workspace: str | Path | None, hidden: tuple[str, ...]) -> Sandbox:
+    def _start(self, backend: Backend, workspace: str | Path | None, hide: tuple[str, ...]) -> Sandbox:
         """The run's sandbox: from the snapshot the run kept when it paused, if a sandbox started
         from it is the one the run gets now (``RunSnapshots.restorable``: the policy's network
         and rules as they are now), else new (the run store puts its files back, as for a run
-        without a snapshot), seeded with ``workspace`` but what the rules hide and ``hidden``
-        (the agent's own records inside it)."""
+        without a snapshot), seeded with what the rules let it read of ``workspace`` but what
+        ``hide`` names (``open``: the rules' hidden paths and the agent's own records)."""
         owner = self.owner
         limits, allow_weaker = owner.config.sandbox_limits, owner.config.allow_weaker
         network = owner.engine.network_policy()  # the role's hosts and credentials
@@ -851,7 +871,7 @@ class AgentSession:
         )
         if workspace is not None:
             try:
-                sandbox.files.upload_dir(workspace, hide=(*rules.hide, *hidden), read=rules.read)
+                sandbox.files.upload_dir(workspace, hide=hide, read=rules.read)
             except BaseException:
                 sandbox.close()
                 raise

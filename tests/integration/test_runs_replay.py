@@ -1,23 +1,28 @@
-"""`stockade replay`: a recorded run played again in a fresh process-tier sandbox; the exit code
-says whether any observation changed."""
+"""`stockade replay`: a recorded run played again in a fresh process-tier sandbox, under the
+policy, role and tier the run had; the exit code says whether any observation changed."""
 
 from __future__ import annotations
 
 import json
+import sqlite3
 from pathlib import Path
 
 from typer.testing import CliRunner
 
 from stockade import Sandbox
 from stockade.agent import Agent
+from stockade.assembly import AgentConfig, build_agent
 from stockade.cli.main import app
 from stockade.models.scripted import Turn
+from stockade.policy import Choice
 from stockade.runs import RunRecorder, open_run_store
-from stockade.testing import ScriptedModel, tool_call
+from stockade.testing import FakeBackend, ScriptedModel, tool_call
 from stockade.tools import default_toolset, shell
 from tests.conftest import require_tier
 
 runner = CliRunner()
+# a bare Agent's run keeps no policy: replayed under the defaults (untrusted: the microVM) unless told
+TRUSTED = ("--trust", "trusted", "--tier", "process")
 
 
 def record(db: Path, command: str, workspace: Path) -> str:
@@ -49,7 +54,7 @@ def test_a_deterministic_run_replays_identically(tmp_path: Path) -> None:
     require_tier("process")
     workspace = project(tmp_path)
     db = record(tmp_path / "audit.db", "python3 app.py", workspace)
-    result = runner.invoke(app, ["replay", "run-1", "--db", db, "--workspace", str(workspace)])
+    result = runner.invoke(app, ["replay", "run-1", "--db", db, "--workspace", str(workspace), *TRUSTED])
     assert result.exit_code == 0, result.output
     assert "every observation matches" in result.output
 
@@ -58,9 +63,10 @@ def test_a_run_whose_output_changes_is_reported_and_exits_one(tmp_path: Path) ->
     require_tier("process")
     workspace = project(tmp_path)
     db = record(tmp_path / "audit.db", "date +%N", workspace)  # different every time: "flaky"
-    result = runner.invoke(app, ["replay", "run-1", "--db", db, "--workspace", str(workspace), "--json"])
+    args = ["replay", "run-1", "--db", db, "--workspace", str(workspace), "--json", *TRUSTED]
+    result = runner.invoke(app, args)
     assert result.exit_code == 1, result.output
-    report = json.loads(result.output)
+    report = json.loads(result.stdout)
     (difference,) = report["differences"]
     assert (difference["step"], difference["tool"], difference["what"]) == (2, "shell", "observation")
     assert report["compared"] == 2 and report["replayed_status"] == "success"
@@ -72,6 +78,104 @@ def test_replay_starts_from_the_workspace_the_run_store_kept(tmp_path: Path) -> 
     db = record(tmp_path / "audit.db", "python3 app.py", workspace)
     (workspace / "app.py").write_text("print('changed since')\n")  # the folder moved on
 
-    result = runner.invoke(app, ["replay", "run-1", "--db", db])  # no --workspace
+    result = runner.invoke(app, ["replay", "run-1", "--db", db, *TRUSTED])  # no --workspace
     assert result.exit_code == 0, result.output
     assert "every observation matches" in result.output
+
+
+# What the original run's code tries: a recursive rm (the policy asks a human), reading .env
+# (the policy keeps it out of the sandbox), and curl (denied).
+PROBE = """
+import os, subprocess
+def run(*argv):
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True)
+        return f"{done.returncode} {done.stdout[:20]!r}"
+    except OSError as error:
+        return f"refused {error.errno}"
+print("rm:", run("rm", "-r", "build"), os.path.isdir("build"))
+print("env:", open(".env").read() if os.path.exists(".env") else "absent")
+print("secrets:", os.listdir("secrets") if os.path.isdir("secrets") else "absent")
+print("curl:", run("curl", "--version"))
+"""
+
+
+def guarded_run(tmp_path: Path, *, policy: Path, run_id: str, backend: FakeBackend | None = None) -> str:
+    """A run of ``build_agent`` under ``policy`` (its approvals all refused), recorded in a run
+    store that shares the audit database; returns that database."""
+    workspace = tmp_path / "project"
+    (workspace / "build").mkdir(parents=True)
+    (workspace / "build" / "out.o").write_text("object\n")
+    (workspace / ".env").write_text("SECRET=hunter2\n")
+    (workspace / "secrets").mkdir()
+    (workspace / "secrets" / "key").write_text("hunter2-key\n")
+    db = f"sqlite:///{tmp_path / 'audit.db'}"
+    turns: list[Turn] = [tool_call("run_code", {"language": "python", "code": PROBE}), "done"]
+    config = AgentConfig(
+        model=ScriptedModel(turns),
+        policy=policy,
+        tier=None if backend is not None else "process",
+        backend=backend,
+        audit=db,
+        approver=lambda request: Choice.DENIED,
+        keep_sandbox=False,
+    )
+    with build_agent(config) as agent:
+        agent.run_sync("look around", workspace=workspace, run_id=run_id)
+    return db
+
+
+def example_policy(tmp_path: Path) -> Path:
+    policy = tmp_path / "policy.toml"
+    policy.write_text((Path(__file__).parents[2] / "examples" / "policy.toml").read_text())
+    return policy
+
+
+def test_the_seed_kept_for_replay_holds_nothing_the_policy_kept_out_of_the_sandbox(tmp_path: Path) -> None:
+    require_tier("process")
+    db = guarded_run(tmp_path, policy=example_policy(tmp_path), run_id="r3")
+    with open_run_store(db) as store:
+        state = store.load("r3")
+        assert state is not None
+        (call,) = state.steps[0].tool_calls
+        # the original: rm asked a human (refused), .env and secrets/ absent, curl denied
+        assert "rm: refused" in call.observation and "True" in call.observation, call.observation
+        assert "env: absent" in call.observation and "secrets: absent" in call.observation
+        assert "curl: refused" in call.observation, call.observation
+        assert store.restore_seed("r3", tmp_path / "seed")
+    kept = sorted(p.relative_to(tmp_path / "seed").as_posix() for p in (tmp_path / "seed").rglob("*"))
+    assert kept == ["build", "build/out.o"], kept  # what the sandbox was given, no more
+
+
+def test_a_replay_is_refused_what_the_run_was_refused(tmp_path: Path) -> None:
+    require_tier("process")
+    policy = example_policy(tmp_path)
+    db = guarded_run(tmp_path, policy=policy, run_id="r3")
+    # the policy file loosened since: the replay still runs under the policy the run had
+    policy.write_text(policy.read_text().replace('deny = ["curl", ', "deny = ["))
+    result = runner.invoke(app, ["replay", "r3", "--db", db, "--json"])
+    assert "hunter2" not in result.output
+    assert result.exit_code == 0, result.output  # every observation as the original's
+    assert "has changed since the run" in result.stderr
+    report = json.loads(result.stdout)
+    assert report["tier"] == "process" and report["replay_id"].startswith("r3-replay-")
+    with sqlite3.connect(tmp_path / "audit.db") as con:  # the replay is audited under its own id
+        decisions = con.execute(
+            "SELECT COUNT(*) FROM audit_events WHERE run_id = ? AND kind = 'approval'", (report["replay_id"],)
+        ).fetchone()[0]
+    assert decisions > 0
+
+
+def test_a_replay_of_a_run_that_needed_a_stronger_tier_refuses_a_weaker_one(tmp_path: Path) -> None:
+    require_tier("process")
+    policy = tmp_path / "policy.toml"
+    policy.write_text('version = 1\n[trust]\nlevel = "untrusted"\n')
+    # the run's sandbox: a fake of the microVM tier, which trust "untrusted" needs
+    db = guarded_run(tmp_path, policy=policy, run_id="vm", backend=FakeBackend(tier="microvm"))
+
+    result = runner.invoke(app, ["replay", "vm", "--db", db, "--tier", "process"])
+    assert result.exit_code == 2, result.output
+    assert "ran on the microvm tier" in result.stderr
+    # nor can --trust loosen what the run had
+    result = runner.invoke(app, ["replay", "vm", "--db", db, "--tier", "process", "--trust", "trusted"])
+    assert result.exit_code == 2, result.output

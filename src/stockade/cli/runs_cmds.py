@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shlex
 import tempfile
@@ -25,9 +26,11 @@ from stockade.agent.state import RunStatus, StepRecord, ToolCallRecord
 from stockade.cli._console import CliConsole, escape, print_diff
 from stockade.cli._signals import Interrupted, interruptible
 from stockade.cli._signals import exit_code as signal_exit_code
-from stockade.runs.store import RetryEntry, RunStore, RunSummary, RunTrace, open_run_store
+from stockade.policy.approval import ApprovalRequest, Choice
+from stockade.runs.store import RetryEntry, RunSetup, RunStore, RunSummary, RunTrace, open_run_store
 from stockade.sandbox import _registry
 from stockade.tools.base import Toolset
+from stockade.types import Trust
 
 out = CliConsole()
 err = CliConsole(stderr=True)
@@ -366,7 +369,25 @@ def replay(
             "--workspace", "-w", help="the folder to start from (default: the one the run store kept)"
         ),
     ] = None,
-    tier: Annotated[str, typer.Option("--tier", "-t", help=_registry.NAMES)] = "process",
+    tier: Annotated[
+        str | None,
+        typer.Option("--tier", "-t", help=f"{_registry.NAMES} (default: the run's; never a weaker one)"),
+    ] = None,
+    policy: Annotated[
+        Path | None,
+        typer.Option(
+            "--policy",
+            "-p",
+            help="for a run the store kept no policy of: the policy to replay it under (default: the "
+            "defaults, trust untrusted)",
+        ),
+    ] = None,
+    role: Annotated[
+        str | None, typer.Option("--role", help="with --policy: the policy role to replay under")
+    ] = None,
+    trust: Annotated[
+        Trust | None, typer.Option("--trust", help="tightens the run's trust level (never loosens it)")
+    ] = None,
     tools: Annotated[
         list[str] | None,
         typer.Option(
@@ -376,31 +397,70 @@ def replay(
         ),
     ] = None,
     db: DbOpt = DEFAULT_DB,
+    audit_db: Annotated[
+        str | None,
+        typer.Option(
+            "--audit-db", envvar="STOCKADE_AUDIT_DB", help="where the replay is audited (default: --db)"
+        ),
+    ] = None,
     namespace: NamespaceOpt = "runs",
     as_json: JsonOpt = False,
 ) -> None:
-    """Run a recorded run again with its recorded model responses in a fresh sandbox; exit 1 when
-    an observation differs from the recorded one (flaky tests, time-dependent commands)."""
+    """Run a recorded run again with its recorded model responses in a fresh sandbox, under the
+    policy, role and tier the run had (kept by the run store), audited under a replay id of its
+    own; exit 1 when an observation differs from the recorded one (flaky tests, time-dependent
+    commands). An action that needs approval is asked on the terminal, and refused without one."""
+    from stockade.assembly import build_agent
+    from stockade.runs.replay import policy_file_changed, replay_config
     from stockade.runs.replay import replay as replay_run
-    from stockade.sandbox.facade import Sandbox
 
-    with tempfile.TemporaryDirectory(prefix="stockade-seed-") as seed, _store(db, namespace) as store:
+    audit = audit_db or db
+    with tempfile.TemporaryDirectory(prefix="stockade-replay-") as scratch, _store(db, namespace) as store:
         try:
             toolset = load_tools(tools) if tools else None
             state = store.load(_resolve(store, run_id))
             if state is None:
                 err.print(f"[red]run {escape(run_id)} has no checkpoint[/]")
                 raise typer.Exit(2)
+            setup = store.setup(state.run_id)
+            if setup is None:
+                setup = _unkept_setup(state.run_id, policy, role, trust)
+            elif policy is not None or role is not None:
+                raise exc.InvalidArgument(
+                    f"run {state.run_id} keeps the policy and role it ran under, and is replayed under them",
+                    argument="--policy" if policy is not None else "--role",
+                    fix="leave out --policy and --role (--trust can still tighten the run's trust)",
+                )
+            else:
+                changed = policy_file_changed(setup)
+                if changed is not None:
+                    err.print(f"[yellow]{escape(changed)}[/]")
             if workspace is None:
+                seed = Path(scratch) / "seed"
                 if store.restore_seed(state.run_id, seed):
-                    workspace = Path(seed)
+                    workspace = seed
                 else:
                     err.print(
                         "[yellow]the run store kept no starting workspace for this run: replaying in an "
                         "empty one (give the folder with --workspace)[/]"
                     )
-            with interruptible(), Sandbox.create(tier, workspace=workspace) as sandbox:
-                report = asyncio.run(replay_run(state, sandbox=sandbox, tools=toolset))
+            config = replay_config(
+                state,
+                setup,
+                tier=tier,
+                trust=trust,
+                tools=toolset,
+                audit=audit if "://" in audit else f"sqlite:///{audit}",
+                audit_key=os.environ.get("STOCKADE_AUDIT_KEY", "").encode() or None,  # as `stockade audit`
+                approver=_ask_or_deny,
+                approval_dir=Path(scratch) / "approvals",  # the decisions are in the audit trail
+            )
+            with interruptible(), build_agent(config) as agent:
+                err.print(
+                    f"[dim]replaying run {escape(state.run_id)} on the {agent.tier} tier "
+                    f"({escape(agent.tier_reason)}), audited in {escape(audit)}[/]"
+                )
+                report = asyncio.run(replay_run(state, agent=agent, workspace=workspace))
         except exc.StockadeError as error:
             err.print(f"[red]error:[/] {escape(str(error))}")
             raise typer.Exit(2) from None
@@ -412,6 +472,8 @@ def replay(
             json.dumps(
                 {
                     "run_id": report.run_id,
+                    "replay_id": report.replay_id,
+                    "tier": report.tier,
                     "ok": report.ok,
                     "recorded_status": report.recorded_status.value,
                     "replayed_status": report.replayed_status.value,
@@ -433,7 +495,8 @@ def replay(
         )
     else:
         out.print(
-            f"replayed {report.compared} tool calls of run {escape(report.run_id)}: "
+            f"replayed {report.compared} tool calls of run {escape(report.run_id)} as "
+            f"{escape(report.replay_id)} on the {report.tier} tier: "
             f"recorded {report.recorded_status.value}, replayed {report.replayed_status.value}"
         )
         if report.ok:
@@ -443,6 +506,37 @@ def replay(
             out.print(f"  [dim]recorded:[/] {escape(_cut(d.recorded, SHOWN_CHARS))}", highlight=False)
             out.print(f"  [dim]replayed:[/] {escape(_cut(d.replayed, SHOWN_CHARS))}", highlight=False)
     raise typer.Exit(0 if report.ok else 1)
+
+
+def _ask_or_deny(request: ApprovalRequest) -> Choice:
+    """A replay's approver: the terminal's answer, and no when there is no terminal (a replay
+    never pauses: there is no one to resume it)."""
+    from stockade.policy.approval import cli_approver
+
+    return cli_approver(request) or Choice.DENIED
+
+
+def _unkept_setup(run_id: str, policy: Path | None, role: str | None, trust: Trust | None) -> RunSetup:
+    """What a run the store kept no setup of (recorded by a bare ``Agent``, or by an older
+    stockade) is replayed under: ``--policy``, else the defaults (trust untrusted, unless
+    ``--trust`` says otherwise); its tier is then chosen by that trust."""
+    from stockade.policy.load import load_policy
+    from stockade.policy.schema import Policy, TrustRules
+
+    if policy is None and role is not None:
+        raise exc.InvalidArgument(
+            "--role names a role of --policy", argument="--role", fix="give --policy too, or leave out --role"
+        )
+    if policy is not None:
+        kept, shown = load_policy(policy), f"the policy {policy}"
+    else:
+        kept = Policy(trust=TrustRules(level=trust or Trust.UNTRUSTED))
+        shown = f"the default policy (trust {kept.trust.level.value})"
+    err.print(
+        f"[yellow]the run store kept no policy for run {escape(run_id)} (recorded without one, or before "
+        f"runs kept theirs): replaying under {escape(shown)}[/]"
+    )
+    return RunSetup(policy=kept, role=role, tier=None)
 
 
 def load_tools(specs: list[str]) -> Toolset:

@@ -6,6 +6,7 @@ policy.yaml:12: network: allow_hosts is set but the network is off: set enabled 
 
 from __future__ import annotations
 
+import hashlib
 import re
 import tomllib
 from collections.abc import Mapping
@@ -18,7 +19,7 @@ from stockade._checks import check_host_path
 from stockade.exceptions import ConfigurationError, InvalidArgument, PolicyFileError
 from stockade.policy.schema import Policy
 
-__all__ = ["load_policy", "parse_policy"]
+__all__ = ["load_policy", "parse_policy", "policy_digest"]
 
 Loc = tuple[str | int, ...]
 _TABLE = re.compile(r"^\s*(\[\[?)\s*([^\]]+?)\s*\]\]?\s*(?:#.*)?$")
@@ -149,3 +150,12 @@ def load_policy(path: str | Path) -> Policy:
         problem = f"{file.name}: byte {err.start} is not UTF-8 (a policy file is UTF-8 text)"
         raise PolicyFileError(problem, problems=(problem,)) from None
     return parse_policy(text, format=fmt, source=file.name)
+
+
+def policy_digest(path: str | Path) -> str | None:
+    """The SHA-256 of a policy file's bytes as they are now (``None``: it cannot be read): a run
+    keeps it with its policy, so that a replay can say when the file changed since."""
+    try:
+        return "sha256:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None

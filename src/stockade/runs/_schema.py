@@ -53,6 +53,10 @@ def schema(ns: str, serial: str, blob: str) -> list[str]:
             digest TEXT PRIMARY KEY, bytes BIGINT NOT NULL, data {blob} NOT NULL)""",
         f"""CREATE TABLE IF NOT EXISTS {ns}_run_seeds (
             run_id TEXT PRIMARY KEY, digest TEXT NOT NULL, recorded_ns BIGINT NOT NULL, mac TEXT)""",
+        # what a run ran under (``RunSetup``): a replay runs under the same
+        f"""CREATE TABLE IF NOT EXISTS {ns}_setups (
+            run_id TEXT PRIMARY KEY, policy TEXT NOT NULL, role TEXT, tier TEXT,
+            policy_file TEXT, policy_digest TEXT, recorded_ns BIGINT NOT NULL)""",
         # one owner per run (expires_ns 0: released)
         f"""CREATE TABLE IF NOT EXISTS {ns}_leases (
             run_id TEXT PRIMARY KEY, owner TEXT NOT NULL, expires_ns BIGINT NOT NULL,
@@ -100,7 +104,7 @@ MAC_TABLES = tuple(SIGNED)
 # The tables holding rows of a run (``erase`` empties them of it); blobs and seeds are shared.
 RUN_TABLES = (
     "runs", "checkpoints", "messages", "steps", "tool_calls", "retries", "approvals", "run_seeds",
-    "leases", "calls_started", "workspace", "subjects",
+    "setups", "leases", "calls_started", "workspace", "subjects",
 )  # fmt: skip
 
 
@@ -123,6 +127,7 @@ def run_bytes_sql(ns: str, octets: Callable[[str], str]) -> tuple[str, int]:
         total("tool_calls", "body"),
         total("retries", "reason"),
         total("approvals", "action", "reason"),
+        total("setups", "policy"),
         total("workspace", "path", "body"),
         f"(SELECT COALESCE(SUM(blob_bytes), 0) FROM {ns}_workspace WHERE run_id = ?)",
     ]

@@ -5,7 +5,9 @@
                   guards=[policy_guard(engine, recorder.approvals(approvals))])
     backend = RetryingBackend(backend, Retrier(observer=recorder.runtime))
 
-- as an agent observer: the starting workspace (``seed``) is kept when the run starts, and
+- as an agent observer: the starting workspace (``seed``, as the sandbox was given it: what
+  ``seed_read`` names but what ``seed_hide`` names) and what the run runs under (``setup``:
+  its policy, role and tier, for ``stockade replay``) are kept when the run starts, and
   the data subject whose personal data the run holds (``subject``), so it can be erased;
   each tool call enters the ledger the moment it returns, and the final diff when it ends;
 - ``runtime``, a runtime observer: retries, attached to the step and tool call in progress
@@ -31,7 +33,7 @@ from stockade.agent.events import (
     ToolReturned,
 )
 from stockade.policy.approval import ApprovalRequest, Approvals
-from stockade.runs.store import ApprovalEntry, RetryEntry, RunStore
+from stockade.runs.store import ApprovalEntry, RetryEntry, RunSetup, RunStore
 from stockade.runtime.events import RetryScheduled, RuntimeEvent
 
 __all__ = ["RecordedApprovals", "RunRecorder"]
@@ -50,7 +52,10 @@ class RunRecorder:
     ) -> None:
         self.store = store
         self.seed = seed  # the folder the run starts from, kept for ``stockade replay``
-        self.seed_hide: tuple[str, ...] = ()  # what of it the seed leaves out (workspace globs)
+        # what of it the seed keeps: the sandbox's upload of it (the policy's read and hide globs)
+        self.seed_hide: tuple[str, ...] = ()
+        self.seed_read: tuple[str, ...] = ("**",)
+        self.setup: RunSetup | None = None  # what the run runs under (``build_agent`` sets it)
         self.subject = subject  # whose personal data the run holds (``RunStore.runs_of``)
         self.run_id = run_id
         self.step = 0
@@ -65,8 +70,10 @@ class RunRecorder:
         match event:
             case RunStarted():
                 self.run_id = event.run_id
+                if self.setup is not None and not event.resumed:
+                    self.store.record_setup(event.run_id, self.setup)
                 if self.seed is not None and not event.resumed:
-                    self.store.save_seed(event.run_id, self.seed, hide=self.seed_hide)
+                    self.store.save_seed(event.run_id, self.seed, hide=self.seed_hide, read=self.seed_read)
                 if self.subject is not None:
                     self.store.tag_subject(event.run_id, self.subject)
                 early, self._early = self._early, []

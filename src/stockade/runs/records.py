@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 from stockade.agent.state import RunState, RunStatus
 from stockade.models.messages import Usage
+from stockade.policy.schema import Policy
 
-__all__ = ["ApprovalEntry", "RetryEntry", "RunSummary", "RunTrace", "WorkspaceUsage"]
+__all__ = ["ApprovalEntry", "RetryEntry", "RunSetup", "RunSummary", "RunTrace", "WorkspaceUsage"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +56,21 @@ class ApprovalEntry:
     reason: str
     decision: str  # approved, denied, pending
     recorded_ns: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSetup:
+    """What a run ran under, kept with it so that ``stockade replay`` runs it again under the
+    same: the policy (the caller's trust merged in), the role and the tier; and the policy file
+    it was read from with that file's SHA-256 then, so that a replay can say it changed since.
+    A policy holds no secret (a credential is named by its source), so it is kept unredacted:
+    a redacted rule would be another rule."""
+
+    policy: Policy
+    role: str | None
+    tier: str | None  # None: not known (a run kept without it): chosen by trust
+    policy_file: str | None = None
+    policy_digest: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

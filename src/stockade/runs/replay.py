@@ -1,30 +1,58 @@
-"""Replay a recorded run: the same model responses, a fresh sandbox, and what came out different.
+"""Replay a recorded run: the same model responses, under the same policy, in a fresh sandbox,
+and what came out different.
 
-    state = store.load(run_id)
-    with Sandbox.create(workspace="project/") as sbx:        # the run's starting workspace
-        report = await replay(state, sandbox=sbx)
+    state, setup = store.load(run_id), store.setup(run_id)    # setup: what the run ran under
+    config = replay_config(state, setup, audit="sqlite:///.stockade/audit.db")
+    with build_agent(config) as agent:
+        report = await replay(state, agent=agent, workspace=seed)  # the run's starting workspace
     for d in report.differences: print(d.step, d.tool, d.recorded, d.replayed)
 
 The model is a ``ScriptedModel`` playing the recorded responses in order, so every tool call
 is the one the original run made; only the observations can differ. A difference means the
 environment answered differently: a flaky test, a time-dependent command, a workspace that
 was not the same. Durations and memory addresses are masked before comparing (``normalise``).
+
+The recorded calls are the model's, so they are judged as the original's were: the replay is
+a guarded agent (``build_agent``) under the run's own policy and role (``RunSetup``, kept by
+the run store), on a tier no weaker than the run's (and than its trust allows), with its own
+run id in the audit trail. An action that needs approval goes to ``approver``; by default
+nobody approves it (a replay has no one to wait for, so it never pauses).
 """
 
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
-from stockade.agent.loop import Agent, RunLimits
+from stockade.agent.loop import RunLimits
 from stockade.agent.state import RunState, RunStatus, StepRecord, ToolCallRecord
+from stockade.assembly import AgentConfig, GuardedAgent
+from stockade.audit.log import AuditLog
+from stockade.exceptions import TierUnavailable
 from stockade.models.scripted import ScriptedModel
-from stockade.sandbox.facade import Sandbox
+from stockade.policy.approval import ApprovalRequest, Approver, Choice
+from stockade.policy.load import policy_digest
+from stockade.policy.schema import ModelRegistry
+from stockade.runs.records import RunSetup
+from stockade.sandbox import _registry
+from stockade.sandbox.base import Backend
 from stockade.tools.base import Toolset
 from stockade.tools.builtin import default_toolset, shell
+from stockade.types import Trust
 
-__all__ = ["Difference", "ReplayReport", "normalise", "recorded_model", "replay"]
+__all__ = [
+    "Difference",
+    "ReplayReport",
+    "nobody_approves",
+    "normalise",
+    "policy_file_changed",
+    "recorded_model",
+    "replay",
+    "replay_config",
+]
 
 _NOISE = (
     (re.compile(r"\b\d+(?:\.\d+)?\s?(?:s|ms|µs|us|ns|sec|seconds)\b"), "<duration>"),
@@ -54,6 +82,8 @@ class Difference:
 @dataclass(frozen=True, kw_only=True)
 class ReplayReport:
     run_id: str
+    replay_id: str  # the replay's own run id (its events in the audit trail)
+    tier: str  # the tier it ran on
     recorded_status: RunStatus
     replayed_status: RunStatus
     compared: int  # tool calls compared
@@ -112,26 +142,100 @@ def _compare(
     )
 
 
-async def replay(
-    state: RunState,
-    *,
-    sandbox: Sandbox,
-    tools: Toolset | None = None,
-    clean: Callable[[str], str] = normalise,
-) -> ReplayReport:
-    """Run the recorded responses of ``state`` again in ``sandbox`` and compare observations.
+def nobody_approves(request: ApprovalRequest) -> Choice:
+    """A replay's approver when no one is there to ask: what needs approval is refused."""
+    return Choice.DENIED
 
-    ``tools`` defaults to the built-in tools (with ``shell`` if the run used it); a run that
-    used tools of its own needs them passed here.
-    """
+
+def policy_file_changed(setup: RunSetup) -> str | None:
+    """In words, how the policy file the run's policy was read from differs now (``None``: it
+    does not, or the policy came from no file). The replay runs under the kept policy either way."""
+    if setup.policy_file is None or setup.policy_digest is None:
+        return None
+    now = policy_digest(setup.policy_file)
+    if now == setup.policy_digest:
+        return None
+    how = "is gone or unreadable" if now is None else "has changed"
+    return (
+        f"the policy file {setup.policy_file} {how} since the run; the replay runs under the "
+        "policy as the run had it"
+    )
+
+
+def _tier(setup: RunSetup, asked: str | None) -> str | None:
+    """The replay's tier: the run's unless a stronger one is asked; a weaker one is refused."""
+    if asked is None or setup.tier is None:
+        return asked or setup.tier
+    strength = _registry.STRENGTH
+    if asked in strength and setup.tier in strength and strength.index(asked) < strength.index(setup.tier):
+        raise TierUnavailable(
+            f"the run ran on the {setup.tier} tier; a replay on the {asked} tier would run its calls "
+            f"with less isolation: replay it on {setup.tier} or a stronger tier "
+            f"({', '.join(strength[strength.index(setup.tier) :])})"
+        )
+    return asked
+
+
+def replay_config(
+    state: RunState,
+    setup: RunSetup,
+    *,
+    tier: str | None = None,
+    trust: Trust | None = None,
+    backend: Backend | None = None,
+    tools: Toolset | None = None,
+    audit: str | AuditLog = "memory:",
+    audit_key: bytes | None = None,
+    approver: Approver = nobody_approves,
+    approval_dir: str | Path | None = None,
+    kill_target: str | None = None,
+) -> AgentConfig:
+    """The guarded agent that replays ``state`` under ``setup`` (``RunStore.setup``: the run's
+    policy, role and tier): its recorded responses as the model, the run's tier unless a
+    stronger one is asked (``tier``, or a ``backend`` of a tier), a weaker one refused
+    (``TierUnavailable``, as is one its trust does not allow). ``tools`` defaults to the
+    built-in tools (with ``shell`` if the run used it); a run that used tools of its own needs
+    them here. Nothing is recorded in a run store; the audit trail (``audit``) has the replay
+    under its own run id."""
     recorded = _steps(state)
-    agent = Agent(
-        recorded_model(state),
+    asked = _tier(setup, backend.tier if backend is not None else tier)
+    return AgentConfig(
+        model=recorded_model(state),
+        # the registry chose the model the run invoked; a replay invokes none, it plays its answers
+        policy=setup.policy.model_copy(update={"models": ModelRegistry()}),
+        role=setup.role,
+        trust=trust,  # tightens the run's, never loosens it
+        tier=None if backend is not None else asked,
+        backend=backend,
         tools=tools if tools is not None else _tools_for(state),
         system_prompt=state.system,
         limits=RunLimits(max_steps=max(1, len(recorded))),
+        audit=audit,
+        audit_key=audit_key,
+        approver=approver,
+        approval_dir=approval_dir,
+        kill_target=kill_target,
+        record_runs=False,
+        keep_sandbox=False,
+        # the recorded responses stop where the run stopped; a breaker the run may not have had
+        # would stop the replay elsewhere
+        max_consecutive_failures=None,
     )
-    result = await agent.run(state.task, sandbox=sandbox, run_id=f"{state.run_id}-replay")
+
+
+async def replay(
+    state: RunState,
+    *,
+    agent: GuardedAgent,
+    workspace: str | Path | None = None,
+    clean: Callable[[str], str] = normalise,
+) -> ReplayReport:
+    """Run the recorded responses of ``state`` again with ``agent`` (``build_agent(replay_config(
+    ...))``) in a sandbox seeded with ``workspace``, and compare the observations."""
+    recorded = _steps(state)
+    replay_id = f"{state.run_id}-replay-{uuid.uuid4().hex[:8]}"
+    with agent.session(workspace=workspace, run_id=replay_id) as session:
+        result = await session.run(state.task)
     replayed = _steps(result.state)
     differences = []
     compared = 0
@@ -147,6 +251,8 @@ async def replay(
                 differences.append(difference)
     return ReplayReport(
         run_id=state.run_id,
+        replay_id=replay_id,
+        tier=agent.tier,
         recorded_status=state.status,
         replayed_status=result.status,
         compared=compared,

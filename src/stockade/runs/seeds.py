@@ -12,15 +12,13 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
-import os
 import stat
 import tarfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from stockade import exceptions as exc
-from stockade._globs import covers
-from stockade._state import CARRIED, STATE_DIR, is_state
+from stockade.sandbox._requests import upload_entries
 
 __all__ = ["MAX_SEED_BYTES", "Seed", "pack_workspace", "unpack_seed"]
 
@@ -35,34 +33,33 @@ class Seed:
         self.digest = "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def _entries(root: Path, hide: Sequence[str]) -> list[tuple[str, Path]]:
-    """What a seed keeps of ``root``: all but stockade's own records (``stockade._state``) and
-    what ``hide`` names (a folder with what it holds)."""
-    found: list[tuple[str, Path]] = []
-    for folder, dirs, files in os.walk(root):
-        base = Path(folder)
-        dirs[:] = sorted(d for d in dirs if not _left_out(base / d, root, hide))
-        for name in [*dirs, *sorted(f for f in files if not _left_out(base / f, root, hide))]:
-            path = base / name
-            found.append((path.relative_to(root).as_posix(), path))
-    return sorted(found)
+def _entries(root: Path, hide: Sequence[str], read: Sequence[str]) -> list[tuple[str, Path]]:
+    """What a seed keeps of ``root``: what the sandbox's upload of it sends (``upload_entries``:
+    what ``read`` names, but stockade's own records, what ``hide`` names, and what holds a
+    hidden file under another name), so that a seed never holds what the run's policy kept out
+    of its sandbox (``paths.deny``, data classes above the role, a repository's history)."""
+    kept, hidden_files = upload_entries(root, hide, read)
+    return sorted(
+        (name, path)
+        for path, name, st in kept
+        if not (stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) in hidden_files)
+    )
 
 
-def _left_out(path: Path, root: Path, hide: Sequence[str]) -> bool:
-    name = path.relative_to(root).as_posix()
-    if is_state(name) or covers(hide, name):
-        return True
-    # a records folder that holds none of the run's own bookkeeping: not even its name
-    return path.name == STATE_DIR and not any(os.path.lexists(path / c) for c in CARRIED)
-
-
-def pack_workspace(root: str | Path, *, max_bytes: int = MAX_SEED_BYTES, hide: Sequence[str] = ()) -> Seed:
-    """Pack the folder ``root``, but stockade's own records and what ``hide`` names (workspace
-    globs); ``SeedTooLarge`` when its files add up to more than ``max_bytes``."""
+def pack_workspace(
+    root: str | Path,
+    *,
+    max_bytes: int = MAX_SEED_BYTES,
+    hide: Sequence[str] = (),
+    read: Sequence[str] = ("**",),
+) -> Seed:
+    """Pack the folder ``root`` as the sandbox's upload of it sees it: what ``read`` names, but
+    stockade's own records and what ``hide`` names (workspace globs); ``SeedTooLarge`` when its
+    files add up to more than ``max_bytes``."""
     root = Path(root)
     if not root.is_dir():
         raise exc.ConfigurationError(f"the workspace {root} is not a folder")
-    entries = _entries(root, hide)
+    entries = _entries(root, hide, read)
     total = sum(p.lstat().st_size for _, p in entries if stat.S_ISREG(p.lstat().st_mode))
     if total > max_bytes:
         raise exc.SeedTooLarge(

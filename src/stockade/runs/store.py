@@ -53,6 +53,7 @@ from stockade.audit.redact import Redactor
 from stockade.audit.stores import check_namespace
 from stockade.audit.verify import ForgedRow, LedgerCall
 from stockade.models.messages import ToolCall
+from stockade.policy.schema import Policy
 from stockade.runs._db import Database, PostgresDatabase, SQLiteDatabase, display_url
 from stockade.runs._mac import RowMac, unauthentic_rows
 from stockade.runs._schema import MAC_TABLES, SUMMARY_COLUMNS, as_float, as_int, schema, summary_from_row
@@ -61,7 +62,7 @@ from stockade.runs.erasure import Erasure
 from stockade.runs.lease import LEASE_S, LeaseHolder, RunLease
 from stockade.runs.lease_keeper import LeaseKeeper, live_expiry
 from stockade.runs.ledger import CallLedger
-from stockade.runs.records import ApprovalEntry, RetryEntry, RunSummary, RunTrace, WorkspaceUsage
+from stockade.runs.records import ApprovalEntry, RetryEntry, RunSetup, RunSummary, RunTrace, WorkspaceUsage
 from stockade.runs.seeds import MAX_SEED_BYTES
 from stockade.runs.workspace import MAX_WORKSPACE_BYTES, MAX_WORKSPACE_ENTRIES
 from stockade.runs.workspace_history import WorkspaceHistory
@@ -71,6 +72,7 @@ __all__ = [
     "OUTCOME_UNKNOWN",
     "ApprovalEntry",
     "RetryEntry",
+    "RunSetup",
     "RunStore",
     "RunSummary",
     "RunTrace",
@@ -201,7 +203,7 @@ class RunStore:
                 run_id,
                 [
                     (f"DELETE FROM {self.ns}_{table} WHERE run_id = ?", [(run_id,)])
-                    for table in ("workspace", "calls_started", "run_seeds")
+                    for table in ("workspace", "calls_started", "run_seeds", "setups")
                 ],
             )
         unsaved_s = 0.0 if new or previous is None else self._unsaved_s(run_id, previous)
@@ -291,17 +293,68 @@ class RunStore:
     def workspace_usage(self, run_id: str) -> WorkspaceUsage:
         return self._workspaces.usage(run_id)
 
-    def save_seed(self, run_id: str, workspace: str | Path, *, hide: Sequence[str] = ()) -> str:
-        """Keep the folder ``workspace`` (but stockade's own records and what ``hide`` names)
-        as the run's starting workspace; returns its digest.
+    def save_seed(
+        self, run_id: str, workspace: str | Path, *, hide: Sequence[str] = (), read: Sequence[str] = ("**",)
+    ) -> str:
+        """Keep the folder ``workspace`` (what ``read`` names, but stockade's own records and
+        what ``hide`` names: as the run's sandbox was given it) as the run's starting
+        workspace; returns its digest.
 
         ``SeedTooLarge`` past ``max_seed_bytes``. A run keeps its first seed (a resumed run
         does not replace where it started)."""
-        return self._workspaces.save_seed(run_id, workspace, max_bytes=self.max_seed_bytes, hide=hide)
+        return self._workspaces.save_seed(
+            run_id, workspace, max_bytes=self.max_seed_bytes, hide=hide, read=read
+        )
 
     def restore_seed(self, run_id: str, dest: str | Path) -> bool:
         """Unpack the run's starting workspace into ``dest``; ``False`` when none was kept."""
         return self._workspaces.restore_seed(run_id, dest)
+
+    def record_setup(self, run_id: str, setup: RunSetup) -> None:
+        """Keep what the run ran under (its policy, role, tier); a resumed run keeps its first."""
+        self.db.write(
+            [
+                (
+                    f"INSERT INTO {self.ns}_setups VALUES (?, ?, ?, ?, ?, ?, ?) "
+                    "ON CONFLICT (run_id) DO NOTHING",
+                    [
+                        (
+                            run_id,
+                            setup.policy.model_dump_json(),
+                            setup.role,
+                            setup.tier,
+                            setup.policy_file,
+                            setup.policy_digest,
+                            time.time_ns(),
+                        )
+                    ],
+                )
+            ]
+        )
+
+    def setup(self, run_id: str) -> RunSetup | None:
+        """What the run ran under; ``None`` for a run recorded without it (by a bare ``Agent``,
+        or by a stockade that did not keep it)."""
+        rows = self.db.query(
+            f"SELECT policy, role, tier, policy_file, policy_digest FROM {self.ns}_setups WHERE run_id = ?",
+            (run_id,),
+        )
+        if not rows:
+            return None
+        policy, role, tier, policy_file, policy_digest = rows[0]
+        try:
+            kept = Policy.model_validate_json(str(policy))
+        except ValueError as error:
+            raise exc.RunStoreCorrupt(
+                f"{self.ns}_setups row {run_id!r}: its policy does not parse: {error}"
+            ) from None
+        return RunSetup(
+            policy=kept,
+            role=None if role is None else str(role),
+            tier=None if tier is None else str(tier),
+            policy_file=None if policy_file is None else str(policy_file),
+            policy_digest=None if policy_digest is None else str(policy_digest),
+        )
 
     # -- erasure ------------------------------------------------------------------------------
 

@@ -213,14 +213,20 @@ class WorkspaceHistory:
     # -- seeds: the folder a run started from ----------------------------------------------------
 
     def save_seed(
-        self, run_id: str, workspace: str | Path, *, max_bytes: int, hide: Sequence[str] = ()
+        self,
+        run_id: str,
+        workspace: str | Path,
+        *,
+        max_bytes: int,
+        hide: Sequence[str] = (),
+        read: Sequence[str] = ("**",),
     ) -> str:
-        """Keep the folder ``workspace`` (but what ``hide`` names) as the run's starting
-        workspace; returns its digest.
+        """Keep the folder ``workspace`` (what ``read`` names, but what ``hide`` names) as the
+        run's starting workspace; returns its digest.
 
         ``SeedTooLarge`` past ``max_bytes``. A run keeps its first seed (a resumed run does
         not replace where it started)."""
-        seed = pack_workspace(workspace, max_bytes=max_bytes, hide=hide)
+        seed = pack_workspace(workspace, max_bytes=max_bytes, hide=hide, read=read)
         self.db.write(
             [
                 (

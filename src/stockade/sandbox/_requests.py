@@ -268,7 +268,7 @@ def tar_chunks(
 
     if not source.is_dir():
         raise exc.ConfigurationError(f"workspace {str(source)!r} is not a directory")
-    kept, hidden_files = _kept(source, hide, read)
+    kept, hidden_files = upload_entries(source, hide, read)
     # gettarinfo only: it names a file's further names as hard links to its first
     tar = tarfile.TarFile(fileobj=io.BytesIO(), mode="w")
     buf = bytearray()
@@ -315,11 +315,14 @@ def _full_chunks(buf: bytearray, size: int) -> Iterator[bytes]:
         yield chunk
 
 
-def _kept(
+def upload_entries(
     source: Path, hide: Sequence[str], read: Sequence[str]
 ) -> tuple[list[tuple[Path, str, os.stat_result]], set[tuple[int, int]]]:
     """The entries of ``source`` to send (path, name in the archive, lstat), folders before
-    what they hold, and the hidden files that have other names."""
+    what they hold, and the hidden files that have other names (a regular file among the
+    entries whose (st_dev, st_ino) is there is a hidden file under another name: left out).
+    A run's kept seed (``stockade.runs.seeds``) is chosen by the same function, so that it
+    never holds what the sandbox was not given."""
     from stockade._globs import covers, glob_matches, may_hold
     from stockade._state import STATE_DIR, is_state
 

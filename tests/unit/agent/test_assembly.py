@@ -235,6 +235,37 @@ def test_an_assembled_run_keeps_its_starting_workspace_for_replay(tmp_path: Path
     assert (restored / "app.py").read_text() == "print('v1')\n"
 
 
+def test_an_assembled_run_keeps_what_it_ran_under_and_a_seed_without_what_it_hid(tmp_path: Path) -> None:
+    from stockade.runs import open_run_store
+    from stockade.runs.replay import policy_file_changed
+
+    seed = tmp_path / "project"
+    (seed / "secrets").mkdir(parents=True)
+    (seed / "app.py").write_text("print('v1')\n")
+    (seed / ".env").write_text("SECRET=hunter2\n")
+    (seed / "secrets" / "key").write_text("hunter2\n")
+    policy = tmp_path / "policy.toml"
+    policy.write_text('version = 1\n[trust]\nlevel = "internal"\n[paths]\ndeny = [".env", "secrets/**"]\n')
+    store = open_run_store(f"sqlite:///{tmp_path / 'runs.db'}")
+    backend = FakeBackend(MemoryWorkspace(), tier="microvm")
+    cfg = config(tmp_path, ScriptedModel(["done"]), Policy(), checkpointer=store, backend=backend)
+    with build_agent(replace(cfg, policy=policy, trust=Trust.UNTRUSTED, tier=None)) as agent:
+        agent.run_sync("look", workspace=seed, run_id="kept")
+    assert agent.tier == "microvm"  # a fake of it
+    setup = store.setup("kept")
+    assert setup is not None and setup.tier == "microvm" and setup.role is None
+    assert setup.policy.trust.level is Trust.UNTRUSTED  # the caller's tightening is kept with it
+    assert setup.policy.paths.deny == (".env", "secrets/**")
+    assert setup.policy_file == str(policy.resolve()) and policy_file_changed(setup) is None
+    policy.write_text(policy.read_text().replace('".env", ', ""))
+    assert "has changed since the run" in (policy_file_changed(setup) or "")
+    restored = tmp_path / "restored"
+    assert store.restore_seed("kept", restored)
+    assert sorted(p.name for p in restored.rglob("*")) == ["app.py"]  # no .env, no secrets/
+    assert store.erase(["kept"]) == 1 and store.setup("kept") is None
+    store.close()
+
+
 def test_runs_are_recorded_where_the_audit_trail_goes_unless_told_not_to(tmp_path: Path) -> None:
     from stockade.runs import open_run_store
 
