@@ -56,7 +56,7 @@ def schema(ns: str, serial: str, blob: str) -> list[str]:
         # what a run ran under (``RunSetup``): a replay runs under the same
         f"""CREATE TABLE IF NOT EXISTS {ns}_setups (
             run_id TEXT PRIMARY KEY, policy TEXT NOT NULL, role TEXT, tier TEXT,
-            policy_file TEXT, policy_digest TEXT, recorded_ns BIGINT NOT NULL)""",
+            policy_file TEXT, policy_digest TEXT, recorded_ns BIGINT NOT NULL, mac TEXT)""",
         # one owner per run (expires_ns 0: released)
         f"""CREATE TABLE IF NOT EXISTS {ns}_leases (
             run_id TEXT PRIMARY KEY, owner TEXT NOT NULL, expires_ns BIGINT NOT NULL,
@@ -97,6 +97,8 @@ SIGNED: dict[str, tuple[tuple[str, ...], int]] = {
     "calls_started": (("idempotency_key", "run_id", "step", "call_id", "tool", "idempotent"), 2),
     "workspace": (("run_id", "version", "path", "body", "blob_bytes"), 3),
     "run_seeds": (("run_id", "digest", "recorded_ns"), 1),
+    # what a replay runs under: a policy loosened in the database would loosen the replay
+    "setups": (("run_id", "policy", "role", "tier", "policy_file", "policy_digest", "recorded_ns"), 1),
 }
 MAC_TABLES = tuple(SIGNED)
 

@@ -55,7 +55,7 @@ from stockade.audit.verify import ForgedRow, LedgerCall
 from stockade.models.messages import ToolCall
 from stockade.policy.schema import Policy
 from stockade.runs._db import Database, PostgresDatabase, SQLiteDatabase, display_url
-from stockade.runs._mac import RowMac, unauthentic_rows
+from stockade.runs._mac import RowMac, select, unauthentic_rows
 from stockade.runs._schema import MAC_TABLES, SUMMARY_COLUMNS, as_float, as_int, schema, summary_from_row
 from stockade.runs.checkpoints import OUTCOME_UNKNOWN, Checkpoints
 from stockade.runs.erasure import Erasure
@@ -108,7 +108,7 @@ class RunStore:
         self.redactor = (redactor if redactor is not None else Redactor()).remembering()
         self.ns = check_namespace(namespace)
         self.url = db.url
-        where = display_url(db)
+        self._where = where = display_url(db)
         # the audit trail's key: the rows a resume acts on are MAC'd under a key derived from it
         self.mac = RowMac(key)
         self._leases = LeaseKeeper(db, self.ns)
@@ -315,17 +315,20 @@ class RunStore:
         self.db.write(
             [
                 (
-                    f"INSERT INTO {self.ns}_setups VALUES (?, ?, ?, ?, ?, ?, ?) "
+                    f"INSERT INTO {self.ns}_setups VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
                     "ON CONFLICT (run_id) DO NOTHING",
                     [
-                        (
-                            run_id,
-                            setup.policy.model_dump_json(),
-                            setup.role,
-                            setup.tier,
-                            setup.policy_file,
-                            setup.policy_digest,
-                            time.time_ns(),
+                        self.mac.signed(
+                            "setups",
+                            (
+                                run_id,
+                                setup.policy.model_dump_json(),
+                                setup.role,
+                                setup.tier,
+                                setup.policy_file,
+                                setup.policy_digest,
+                                time.time_ns(),
+                            ),
                         )
                     ],
                 )
@@ -335,13 +338,11 @@ class RunStore:
     def setup(self, run_id: str) -> RunSetup | None:
         """What the run ran under; ``None`` for a run recorded without it (by a bare ``Agent``,
         or by a stockade that did not keep it)."""
-        rows = self.db.query(
-            f"SELECT policy, role, tier, policy_file, policy_digest FROM {self.ns}_setups WHERE run_id = ?",
-            (run_id,),
-        )
+        rows = self.db.query(f"{select(self.ns, 'setups')} WHERE run_id = ?", (run_id,))
+        self.mac.check(self.ns, "setups", rows, store=self._where)
         if not rows:
             return None
-        policy, role, tier, policy_file, policy_digest = rows[0]
+        _, policy, role, tier, policy_file, policy_digest, _, _ = rows[0]
         try:
             kept = Policy.model_validate_json(str(policy))
         except ValueError as error:

@@ -163,3 +163,22 @@ def test_a_database_made_before_rows_had_macs_gains_the_column(tmp_path: Path) -
     for _ in range(2):  # and a second open finds it there
         with open_run_store(f"sqlite:///{path}", key=KEY) as store:
             assert "mac" in {str(r[1]) for r in store.db.query("PRAGMA table_info(runs_messages)")}
+
+
+def test_a_replays_policy_loosened_in_the_database_is_refused(tmp_path: Path) -> None:
+    """What a replay runs under (the run's policy, role, tier) is signed like what a resume
+    acts on: a writer of the database who loosens the kept policy gets no replay under it."""
+    from stockade.policy.schema import Policy
+    from stockade.runs.records import RunSetup
+
+    path = tmp_path / "runs.db"
+    strict = Policy.model_validate({"commands": {"deny": ["curl"]}})
+    with open_run_store(f"sqlite:///{path}", key=KEY) as store:
+        store.record_setup("r", RunSetup(policy=strict, role=None, tier="microvm"))
+        assert store.setup("r") is not None and store.forged_rows() == []
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE runs_setups SET policy = ?, tier = 'process'", (Policy().model_dump_json(),))
+    with open_run_store(f"sqlite:///{path}", key=KEY) as store:
+        with pytest.raises(RunStoreCorrupt, match="runs_setups"):
+            store.setup("r")
+        assert [row.run_id for row in store.forged_rows()] == ["r"]
