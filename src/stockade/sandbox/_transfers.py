@@ -32,9 +32,10 @@ LIVENESS_S = 10.0
 TRANSFER_CHUNK = 4 * 1024 * 1024
 # The largest frame the host needs is a run_code report: files move in TRANSFER_CHUNK pieces.
 MAX_FRAME = MAX_CODE_REPLY
-# A listing: the supervisor sends at most 100,000 entries of six keys (22 values each).
+# A listing: the supervisor sends at most 100,000 entries of eight keys (28 values each, 30
+# with ``lossy``).
 MAX_LIST_ENTRIES = 100_000
-MAX_LIST_VALUES = 24 * MAX_LIST_ENTRIES
+MAX_LIST_VALUES = 30 * MAX_LIST_ENTRIES
 
 
 class FileRequests:
