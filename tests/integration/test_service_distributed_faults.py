@@ -115,7 +115,8 @@ def test_a_run_whose_worker_dies_each_time_ends_error_after_max_attempts(
 
             [end] = gave_up()
             assert end["failed_attempts"] == 3 and end["status"] == "error"
-            assert client.verify_audit()["ok"]
+            verified = client.verify_audit()
+            assert verified["ok"], verified
     finally:
         if worker is not None:
             worker.stop()

@@ -373,6 +373,8 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
                 detail = f"a tool_call event ({event_key}) that the run store's ledger does not have"
                 report(seq, ProblemKind.NOT_IN_LEDGER, detail, run)
         for call in ledger.calls_in_flight(run_id):
+            if call.run_id in ended:  # its end is in the trail (a service that gave up on it): not in flight
+                continue
             start = starts.get((call.run_id, call.idempotency_key))
             told = (
                 f"the trail has its start (seq {start}), not what it did"
