@@ -59,7 +59,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from stockade._asking import current_questions
 from stockade._checks import check_choice, check_host_path, check_id
 from stockade._display import visible
 from stockade._state import sqlite_files, within
@@ -99,14 +98,7 @@ from stockade.observability.agent import TelemetryObserver
 from stockade.observability.sandbox import TracedBackend
 from stockade.observability.telemetry import Telemetry
 from stockade.policy.agent import ApprovedModel, FlagSink, filter_outputs, policy_guard, prompt_filter
-from stockade.policy.approval import (
-    ApprovalBook,
-    ApprovalRequest,
-    Approvals,
-    ApprovalStore,
-    Approver,
-    request_in_call,
-)
+from stockade.policy.approval import ApprovalBook, ApprovalRequest, Approvals, ApprovalStore, Approver
 from stockade.policy.compliance import Setup, check_compliance, kill_target_reachable, microvm_on_host
 from stockade.policy.engine import PolicyEngine
 from stockade.policy.guards import GuardedInstance, OpContext, OpGuard, describe, enforce, shown
@@ -879,17 +871,16 @@ class AgentSession:
 
     def _approve_exec(self, record: ExecRecord) -> bool:
         """An exec inside the sandbox that the rules send for approval: the approvals of the
-        run decide (a deferred approval refuses now and pauses the run when the call returns;
-        the call runs again on resume and the same exec is let run once it is given). A human
-        approving the tool call approves what its code runs for it, only where the sandbox says
-        nothing else can have started the exec (``ExecRecord.own_code``): in an interpreter
-        that earlier calls ran code in, what they left behind (a thread, a signal handler, a
-        rebound name) runs during the call, and each exec is asked."""
+        run decide (a deferred approval refuses now and lets the same exec run once it is
+        given). A human approving the tool call approves what its code runs for it, only where
+        the sandbox says nothing else can have started the exec (``ExecRecord.own_code``): in
+        an interpreter that earlier calls ran code in, what they left behind (a thread, a
+        signal handler, a rebound name) runs during the call, and each exec is asked."""
         if _call_approved.get() and record.own_code:
             return True
         # as the trail has the exec: a word the sandbox cut keeps no head of a credential
         argv = [exec_word(self.owner.audit_log.redactor, word) for word in record.argv]
-        request = request_in_call(
+        request = ApprovalRequest(
             run_id=self.run_id,
             action=shown(f"run `{shlex.join(argv)}`"),
             rule=record.rule,
@@ -897,14 +888,7 @@ class AgentSession:
         )
         try:
             self.approvals.require(request)
-        except PolicyDenied:
-            return False
-        except ApprovalRequired as waiting:
-            # the exec cannot wait for a person: refused now, and the run pauses when the call
-            # returns; the call runs again on resume and this same question finds its decision
-            questions = current_questions()
-            if questions is not None:
-                questions.hold(waiting)
+        except (PolicyDenied, ApprovalRequired):
             return False
         return True
 

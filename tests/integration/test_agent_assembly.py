@@ -21,11 +21,9 @@ from stockade.audit import AuditLog, SQLiteStore, verify
 from stockade.models import ScriptedModel, tool_call
 from stockade.models.messages import ModelResponse, Usage
 from stockade.policy import ApprovalStore, Choice, load_policy
-from stockade.policy.approval import ApprovalRequest
 from stockade.tools import default_toolset, shell
 from stockade.types import Trust
 from tests.conftest import require, require_tier
-from tests.integration.approvals import remove_each
 
 pytestmark = pytest.mark.process
 
@@ -128,39 +126,6 @@ def test_denied_never_runs_approval_pauses_then_resumes_budget_stops_and_the_cha
         "budget"
     ]
     store.close()
-
-
-def test_an_approved_rm_answers_its_own_call_and_not_the_same_rm_a_call_later(
-    tmp_path: Path, workspace: Path
-) -> None:
-    # One yes covered every later identical exec of the run: the approver was asked once, and
-    # the second `rm -r` deleted a folder made anew in between without asking.
-    require_tier("process")
-    asked: list[str] = []
-
-    def approver(request: ApprovalRequest) -> Choice:
-        asked.append(request.action)
-        return Choice.APPROVED if len(asked) == 1 else Choice.DENIED
-
-    remake = "import os\nos.makedirs('scratch', exist_ok=True)\nopen('scratch/precious', 'w').write('x')"
-    model = ScriptedModel(
-        [
-            tool_call("run_code", {"code": remove_each("scratch"), "language": "python"}),
-            tool_call("run_code", {"code": remake, "language": "python"}),
-            tool_call("run_code", {"code": remove_each("scratch"), "language": "python"}),
-            "done",
-        ]
-    )
-    log = AuditLog(SQLiteStore(tmp_path / "audit.db"))
-    cfg = dataclasses.replace(config(tmp_path, model, log), approver=approver)
-    with build_agent(cfg) as agent:
-        result = agent.run_sync("tidy twice", workspace=workspace, run_id="twice")
-    log.close()
-    assert result.status == RunStatus.SUCCESS, result.error
-    first, _, second = (record.observation for step in result.steps for record in step.tool_calls)
-    assert len(asked) == 2 and all("rm -r" in a for a in asked), asked
-    assert "[0]" in first and ("refused" in second or "denied" in second), second
-    assert "+x" in result.diff or "scratch/precious" in result.diff
 
 
 def test_what_the_policy_keeps_out_is_not_in_the_repositorys_history_either(tmp_path: Path) -> None:

@@ -85,7 +85,6 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from stockade._asking import asking_in, current_questions
 from stockade._checks import check_instance, check_number, check_text, check_timeout
 from stockade.agent.checkpoint import Checkpointer, DurableCheckpointer, Lease, SandboxKeeper
 from stockade.agent.events import (
@@ -759,11 +758,10 @@ class AgentRun:
         validated = self._validate(step, call, key)
         if isinstance(validated, ToolCallRecord):
             return validated
-        with asking_in(key):  # an approval asked from here on answers this call alone
-            guarded = self._guard(step, call, key, *validated)
-            if isinstance(guarded, ToolCallRecord):
-                return guarded
-            return await self._invoke(step, *guarded, index=index, key=key)
+        guarded = self._guard(step, call, key, *validated)
+        if isinstance(guarded, ToolCallRecord):
+            return guarded
+        return await self._invoke(step, *guarded, index=index, key=key)
 
     def _validate(self, step: int, call: ToolCall, key: str) -> tuple[Tool, BaseModel] | ToolCallRecord:
         """The call's tool and its arguments, or the record of a malformed call (too many of
@@ -869,10 +867,6 @@ class AgentRun:
         error_type: str | None = None
         try:
             value = await agent.tools.call(ctx, tool, args)
-            questions = current_questions()
-            waiting = questions.held() if questions is not None else None
-            if waiting is not None:  # an exec its code started waits for a person: pause on it
-                raise waiting
             text = render(value)
         except SandboxCrashed as err:
             # The run ends; the call's record says how the sandbox died and what it printed.
@@ -889,9 +883,8 @@ class AgentRun:
             raise
         except (ApprovalRequired, LimitWait):
             # The call stopped before the action it asks about (an op guard's, or the tool's own
-            # question; an exec its code started was refused, and the call's result is set aside),
-            # or before it ran at all (its window is full: the run waits off its worker): it runs
-            # again on resume, guards and all, so the decision is applied.
+            # question), or before it ran at all (its window is full: the run waits off its
+            # worker): it runs again on resume, guards and all, so the decision is applied.
             if durable is not None:
                 await asyncio.to_thread(durable.call_parked, state.run_id, key)
             raise

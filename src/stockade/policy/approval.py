@@ -6,18 +6,11 @@ the ``ApprovalStore`` (the run was paused and is now resumed), then the ``approv
 callback (a function, or ``cli_approver`` which prompts on the terminal). When no one can
 decide now, the request is saved as pending and ``ApprovalRequired`` pauses the run;
 ``stockade approve|deny RUN_ID REQUEST_ID`` decides later, and the resumed run finds the
-decision under the same request id.
-
-A decision answers one question. Asked during a tool call, the id is made of the run, the
-action, the call's idempotency key and how many times the call asked about that action before
-(``stockade._asking``): the same call run again on resume finds it, a later call that does the
-same thing is asked again. Asked outside a tool call, a decision is spent when it is applied
-(``ApprovalBook.spend``): the next identical request is pending anew.
+decision under the same request id (it is derived from the run and the action).
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import hashlib
 import json
@@ -28,13 +21,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
-from stockade._asking import current_questions
 from stockade._display import visible
 from stockade._private import private_dir, write_private
 from stockade.exceptions import ApprovalRequired, ConfigurationError, PolicyDenied
 
 __all__ = [
-    "SPENT",
     "ApprovalBook",
     "ApprovalRequest",
     "ApprovalStore",
@@ -43,7 +34,6 @@ __all__ = [
     "Choice",
     "cli_approver",
     "default_approval_dir",
-    "request_in_call",
 ]
 
 
@@ -52,33 +42,17 @@ class Choice(enum.StrEnum):
     DENIED = "denied"
 
 
-# The status of a decision that was applied outside a tool call: it answers nothing more.
-SPENT = "spent"
-
-
 @dataclass(frozen=True, kw_only=True)
 class ApprovalRequest:
     run_id: str
     action: str  # what would happen, in words ("run `git push origin main`")
     rule: str
     reason: str
-    # which question this is: the tool call's idempotency key and its count of this action
-    # before (``request_in_call``); "" outside a call, where a decision is spent once applied
-    scope: str = ""
 
     @property
     def id(self) -> str:
-        scoped = f"\0{self.scope}" if self.scope else ""
-        digest = hashlib.sha256(f"{self.run_id}\0{self.action}\0{self.rule}{scoped}".encode()).hexdigest()
+        digest = hashlib.sha256(f"{self.run_id}\0{self.action}\0{self.rule}".encode()).hexdigest()
         return digest[:16]
-
-
-def request_in_call(*, run_id: str, action: str, rule: str, reason: str) -> ApprovalRequest:
-    """The request for ``action`` as the tool call running now asks it: its n-th question about
-    that action in that call. Outside a call, an unscoped request."""
-    questions = current_questions()
-    scope = questions.scope(action, rule) if questions is not None else ""
-    return ApprovalRequest(run_id=run_id, action=action, rule=rule, reason=reason, scope=scope)
 
 
 Approver = Callable[[ApprovalRequest], Choice | None]  # None: nobody can decide now
@@ -100,10 +74,6 @@ class ApprovalBook(Protocol):
         """Record a decision; ``ConfigurationError`` when there is no such request."""
 
     def decision(self, request: ApprovalRequest) -> Choice | None: ...
-
-    def spend(self, run_id: str, request_id: str) -> None:
-        """The decision was applied to the one action it was asked for: it answers nothing more
-        (``decision`` is None, and ``submit`` of the same request makes it pending again)."""
 
     def pending(self, run_id: str | None = None) -> list[dict[str, str]]: ...
 
@@ -132,11 +102,7 @@ class ApprovalStore:
 
     def submit(self, request: ApprovalRequest) -> None:
         file = self._file(request.run_id, request.id)
-        try:
-            spent = json.loads(file.read_text()).get("status") == SPENT
-        except FileNotFoundError:
-            spent = True
-        if spent:
+        if not file.exists():
             self._write(file, {**asdict(request), "id": request.id, "status": "pending"})
 
     def decide(self, run_id: str, request_id: str, choice: Choice, *, by: str = "") -> None:
@@ -154,11 +120,6 @@ class ApprovalStore:
         except FileNotFoundError:
             return None
         return Choice(status) if status in (Choice.APPROVED, Choice.DENIED) else None
-
-    def spend(self, run_id: str, request_id: str) -> None:
-        file = self._file(run_id, request_id)
-        with contextlib.suppress(FileNotFoundError):
-            self._write(file, {**json.loads(file.read_text()), "status": SPENT})
 
     def forget(self, run_id: str) -> None:
         """Every request and decision of ``run_id`` (a new run under that id starts afresh)."""
@@ -187,9 +148,6 @@ class Approvals:
             if choice is not None and self.store is not None:
                 self.store.submit(request)
                 self.store.decide(request.run_id, request.id, choice, by="approver")
-        if choice is not None and self.store is not None and not request.scope:
-            # no call to run again and find it: the decision answered this action, no later one
-            self.store.spend(request.run_id, request.id)
         if choice is Choice.APPROVED:
             return
         if choice is Choice.DENIED:

@@ -16,7 +16,7 @@ from typing import Any
 
 from stockade._display import visible
 from stockade.exceptions import PolicyDenied
-from stockade.policy.approval import Approvals, request_in_call
+from stockade.policy.approval import ApprovalRequest, Approvals
 from stockade.policy.engine import Decision, PolicyEngine
 from stockade.policy.schema import Verdict
 from stockade.runtime.anomaly import ANOMALY_RULE, AnomalyMonitor
@@ -128,7 +128,7 @@ def enforce(
         return
     if verdict is Verdict.DENY:
         raise PolicyDenied(f"{action}: {reason}", rule=rule, action=action)
-    request = request_in_call(run_id=ctx.run_id, action=action, rule=rule, reason=reason)
+    request = ApprovalRequest(run_id=ctx.run_id, action=action, rule=rule, reason=reason)
     (approvals or Approvals()).require(request)
 
 

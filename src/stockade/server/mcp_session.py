@@ -45,7 +45,7 @@ from stockade.agent.state import RunStatus
 from stockade.assembly import AgentConfig, AgentSession, GuardedAgent, build_agent
 from stockade.models.base import Model
 from stockade.models.messages import ModelRequest, ModelResponse, ToolCall, ToolResultMessage
-from stockade.policy.approval import Choice
+from stockade.policy.approval import ApprovalRequest, Choice
 
 __all__ = [
     "MODEL_NAME",
@@ -79,6 +79,9 @@ class PendingApproval:
     action: str
     rule: str
     reason: str
+
+    def request(self) -> ApprovalRequest:
+        return ApprovalRequest(run_id=self.run_id, action=self.action, rule=self.rule, reason=self.reason)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -234,11 +237,8 @@ class McpSession:
         store.decide(pending.run_id, pending.request_id, choice, by=by)
 
     def decision(self, pending: PendingApproval) -> Choice | None:
-        """By the request's id: the id names the call and its question, which the book keeps."""
         store = self.owner.agent.approvals.store
-        kept = store.requests(pending.run_id) if store is not None else []
-        status = next((r.get("status") for r in kept if r.get("id") == pending.request_id), None)
-        return Choice(status) if status in (Choice.APPROVED, Choice.DENIED) else None
+        return store.decision(pending.request()) if store is not None else None
 
     def end(self) -> None:
         """The client went away: the run ends (its sandbox is removed) on the session's thread.

@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from stockade import exceptions as exc
-from stockade.policy.approval import SPENT, ApprovalRequest, Choice
+from stockade.policy.approval import ApprovalRequest, Choice
 from stockade.runs._db import Database, PostgresDatabase, SQLiteDatabase, Statement, octets
 from stockade.runs._schema import run_bytes_sql
 from stockade.runtime.killswitch import LIVE_FOR_S, LiveRun
@@ -946,10 +946,8 @@ class DatabaseApprovals:
         self.db.write(
             [
                 (
-                    # a request whose decision was spent is asked again: pending anew
                     f"INSERT INTO {self.table} VALUES (?, ?, ?, ?, ?, 'pending', '', ?) "
-                    "ON CONFLICT (run_id, request_id) DO UPDATE SET status = 'pending', decided_by = '', "
-                    f"updated_ns = excluded.updated_ns WHERE {self.table}.status = '{SPENT}'",
+                    "ON CONFLICT (run_id, request_id) DO NOTHING",
                     [
                         (
                             request.run_id,
@@ -988,17 +986,6 @@ class DatabaseApprovals:
         )
         status = str(rows[0][0]) if rows else None
         return Choice(status) if status in (Choice.APPROVED, Choice.DENIED) else None
-
-    def spend(self, run_id: str, request_id: str) -> None:
-        self.db.write(
-            [
-                (
-                    f"UPDATE {self.table} SET status = '{SPENT}', updated_ns = ? "
-                    "WHERE run_id = ? AND request_id = ?",
-                    [(time.time_ns(), run_id, request_id)],
-                )
-            ]
-        )
 
     def requests(self, run_id: str) -> list[dict[str, str]]:
         rows = self.db.query(
