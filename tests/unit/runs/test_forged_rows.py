@@ -60,6 +60,11 @@ def crash_in_first_call(path: Path, trail: MemoryStore, ran: list[str]) -> None:
     turns: list[Turn] = [
         [tool_call("run", {"code": "slow()"}), tool_call("run", {"code": "print('benign')"})]
     ]
+    crash_at_run(path, trail, ran, turns)
+
+
+def crash_at_run(path: Path, trail: MemoryStore, ran: list[str], turns: list[Turn]) -> None:
+    """``turns`` played until the process dies as the first ``run`` call starts."""
     with (
         open_run_store(f"sqlite:///{path}", key=KEY) as store,
         AuditLog(trail, key=KEY) as log,
@@ -130,16 +135,7 @@ def test_a_swapped_workspace_manifest_row_is_refused(tmp_path: Path) -> None:
         tool_call("run", {"code": "slow()"}),
         "done",
     ]
-    with (
-        open_run_store(f"sqlite:///{path}", key=KEY) as store,
-        AuditLog(trail, key=KEY) as log,
-        Sandbox.create(backend=FakeBackend(MemoryWorkspace())) as sbx,
-        pytest.raises(Crash),
-    ):
-        observers: list[Observer] = [AuditObserver(log), RunRecorder(store), crash_once("run")]
-        Agent(ScriptedModel(turns), tools=code_runner(ran), checkpointer=store, observers=observers).run_sync(
-            "t", sandbox=sbx, run_id="r"
-        )
+    crash_at_run(path, trail, ran, turns)
     good = hashlib.sha256(b"good\n").hexdigest()
     evil = b"evil\n"
     digest = hashlib.sha256(evil).hexdigest()
