@@ -28,6 +28,7 @@ from stockade.agent.events import (
     ToolReturned,
 )
 from stockade.agent.state import RunState, RunStatus, ToolCallRecord
+from stockade.audit.redact import Redactor
 from stockade.exceptions import CircuitBroken, ConfigurationError
 from stockade.runtime.events import BreakerChanged, BreakerState, Observer, ignore
 
@@ -35,11 +36,15 @@ __all__ = ["DEFAULT_FAILURES", "AgentBreaker", "describe_failure"]
 
 DEFAULT_FAILURES = 5
 _SHOWN = 200  # characters of each failure's error kept in the reason
+_HEADS = Redactor()  # credential shapes only: what a run registered is redacted where it is recorded
 
 
 def _cut(text: str) -> str:
+    """``text`` on one line, at most ``_SHOWN`` characters. A reason goes to the trail and the
+    run's error, whose redaction sees only what is kept: a credential the cut ends keeps no head
+    (``Redactor.head``; a whole one is redacted there as anywhere)."""
     text = " ".join(text.split())
-    return text if len(text) <= _SHOWN else text[: _SHOWN - 1] + "…"
+    return text if len(text) <= _SHOWN else _HEADS.head(text[: _SHOWN - 1]) + "…"
 
 
 def describe_failure(step: int, record: ToolCallRecord) -> str:
