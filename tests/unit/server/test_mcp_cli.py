@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import stamina.instrumentation
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from stockade.cli.main import app
 
@@ -37,22 +37,29 @@ def _messages(*messages: dict[str, object]) -> str:
     return "".join(json.dumps(m) + "\n" for m in messages)
 
 
-def test_over_stdio_only_the_protocol_reaches_stdout(tmp_path: Path) -> None:
+HELLO = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}
+
+
+def serve_stdio(tmp_path: Path, given: str) -> Result:
+    """``stockade mcp`` on stdio over a fresh workspace, reading ``given`` then end of input."""
     (tmp_path / "policy.toml").write_text(POLICY)
     (tmp_path / "ws").mkdir()
-    hello = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}
-    # the handshake only: it is answered before the next line is read, whereas a request still
-    # in flight when the client closes stdin (as here, at once) may go unanswered
-    given = _messages(
-        {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": hello},
-        {"jsonrpc": "2.0", "method": "notifications/initialized"},
-    )
-    result = runner.invoke(
+    return runner.invoke(
         app,
         ["mcp", "--policy", str(tmp_path / "policy.toml"), "--tier", "process", "--workspace",
          str(tmp_path / "ws"), "--audit-db", f"sqlite:///{tmp_path / 'audit.db'}", "--max-failures", "0"],
         input=given,
     )  # fmt: skip
+
+
+def test_over_stdio_only_the_protocol_reaches_stdout(tmp_path: Path) -> None:
+    # the handshake only: it is answered before the next line is read, whereas a request still
+    # in flight when the client closes stdin (as here, at once) may go unanswered
+    given = _messages(
+        {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": HELLO},
+        {"jsonrpc": "2.0", "method": "notifications/initialized"},
+    )
+    result = serve_stdio(tmp_path, given)
     assert result.exit_code == 0, result.stderr
     [answer] = [json.loads(line) for line in result.stdout.splitlines()]  # every line is JSON-RPC
     assert answer["id"] == 1 and answer["result"]["serverInfo"]["name"] == "stockade"
@@ -65,21 +72,13 @@ def test_over_stdio_a_message_longer_than_http_takes_ends_the_session(tmp_path: 
     cap is answered 413. A longer line is not read: the session ends, and says why."""
     from mcp.server.transport_security import DEFAULT_MAX_REQUEST_BODY_SIZE as MAX_MESSAGE_BYTES
 
-    (tmp_path / "policy.toml").write_text(POLICY)
-    (tmp_path / "ws").mkdir()
-    hello = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}
     given = _messages(
-        {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": hello},
+        {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": HELLO},
         {"jsonrpc": "2.0", "method": "notifications/initialized"},
         {"jsonrpc": "2.0", "id": 2, "method": "ping", "params": {"_meta": {"pad": "x" * MAX_MESSAGE_BYTES}}},
         {"jsonrpc": "2.0", "id": 3, "method": "ping"},
     )
-    result = runner.invoke(
-        app,
-        ["mcp", "--policy", str(tmp_path / "policy.toml"), "--tier", "process", "--workspace",
-         str(tmp_path / "ws"), "--audit-db", f"sqlite:///{tmp_path / 'audit.db'}", "--max-failures", "0"],
-        input=given,
-    )  # fmt: skip
+    result = serve_stdio(tmp_path, given)
     assert result.exit_code == 0, result.stderr
     answered = [json.loads(line)["id"] for line in result.stdout.splitlines()]
     assert answered == [1], answered  # neither the long message nor any after it
