@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from typing import Any, Callable, Iterator, Optional
 
 
+PR_GET_DUMPABLE = 3
 PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
 # Signals whose default would end or stop the supervisor; children get the defaults back.
@@ -318,14 +319,6 @@ def _child_setup(stdin_fd: int, out_fd: int, err_fd: int) -> None:
     os.dup2(stdin_fd, 0)
     os.dup2(out_fd, 1)
     os.dup2(err_fd, 2)
-    try:  # the OOM killer takes user code before the supervisor (os.write: no text file to make)
-        fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY | os.O_CLOEXEC)
-        try:
-            os.write(fd, b"1000")
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
     try:  # the supervisor, at 0, then always gets the CPU to enforce a deadline in time
         os.nice(USER_NICE - os.nice(0))
     except OSError:
@@ -393,6 +386,29 @@ def _enter(
         os.dup2(fd, 3 + i)
     os.closerange(base, 1 << 20)
     os.setsid()
+    _code_goes_first()
+
+
+def _code_goes_first() -> None:
+    """The OOM killer takes user code before the supervisor: ``oom_score_adj`` 1000. A fork
+    of the non-dumpable supervisor or zygote (an interpreter) cannot open its own /proc files;
+    it is dumpable for the write, when it holds nothing but its own descriptors (measured
+    before: run_code's interpreter stayed at 0, and one that held kernel memory, which its
+    size does not show, had the supervisor killed in its place)."""
+    dumpable = libc("prctl", PR_GET_DUMPABLE, 0, 0, 0, 0)
+    try:
+        if not dumpable:
+            prctl(PR_SET_DUMPABLE, 1)
+        fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, b"1000")  # os.write: no text file object to make
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+    finally:
+        if not dumpable:
+            prctl(PR_SET_DUMPABLE, 0)
 
 
 def spawn_leader(
