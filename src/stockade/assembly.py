@@ -141,6 +141,10 @@ _session_observer: contextvars.ContextVar[RuntimeObserver | None] = contextvars.
 )
 # Set while a tool call a human approved runs: its sandbox ops are covered by that approval.
 _call_approved: contextvars.ContextVar[bool] = contextvars.ContextVar("stockade_approved", default=False)
+# Set while an exec its code started inside the sandbox is asked about: a yes to the call or to
+# its op covers what its code runs, a yes to one exec covers that exec alone (one approved `cp`
+# let the same call's `rm -r` run unasked, past a standing no).
+_asking_for_exec: contextvars.ContextVar[bool] = contextvars.ContextVar("stockade_exec_asks", default=False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -322,7 +326,8 @@ def _require_compliance(agent: GuardedAgent, runs_url: str | None) -> None:
 
 
 class _AuditedApprovals(Approvals):
-    """Records each approval asked, granted or refused; marks the current call approved."""
+    """Records each approval asked, granted or refused; a yes to the call or to one of its ops
+    marks the call approved (what its code runs is covered by it), a yes to an exec does not."""
 
     def __init__(self, inner: Approvals, log: AuditLog) -> None:
         super().__init__(inner.approver, inner.store)
@@ -362,7 +367,8 @@ class _AuditedApprovals(Approvals):
             self._record(request, "denied")
             raise
         self._record(request, "approved")
-        _call_approved.set(True)
+        if not _asking_for_exec.get():
+            _call_approved.set(True)
 
 
 def _record_denial(
@@ -886,10 +892,13 @@ class AgentSession:
             rule=record.rule,
             reason=f"code in the sandbox starts {visible(record.path)}, which needs a human's approval",
         )
+        asking = _asking_for_exec.set(True)
         try:
             self.approvals.require(request)
         except (PolicyDenied, ApprovalRequired):
             return False
+        finally:
+            _asking_for_exec.reset(asking)
         return True
 
     @property

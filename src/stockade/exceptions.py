@@ -13,7 +13,8 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── UntrustedPath             a cache or state folder another user could change: ``path``, ``fix``
     │   ├── SeedTooLarge              the workspace is bigger than the run store keeps (a seed, a snapshot)
     │   ├── ComplianceNotMet          a declared compliance profile is not met; ``unmet``: what, and the fix
-    │   └── RunConflict               a new run's id is taken, or the run ended and is kept as it is
+    │   ├── RunConflict               a new run's id is taken, or the run ended and is kept as it is
+    │   └── ApprovalDecided           a decision for an approval request that is not pending (decided, spent)
     ├── TierUnavailable               no tier on this host satisfies the request (fails closed)
     ├── SandboxError                  something about one sandbox
     │   ├── SandboxStartError         [retryable] the sandbox did not come up
@@ -88,6 +89,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 __all__ = [
+    "ApprovalDecided",
     "ApprovalRequired",
     "AuditError",
     "AuditIntegrityError",
@@ -242,6 +244,16 @@ class SeedTooLarge(ConfigurationError):
 class RunConflict(ConfigurationError):
     """A new run was given the id of a run the store already has, or a run that ended was
     asked to resume: runs are never reused or overwritten."""
+
+
+class ApprovalDecided(ConfigurationError):
+    """A decision for an approval request that no longer waits for one: it was decided, or
+    its yes was spent on the action it allowed. A decision answers the question it was asked
+    for, once (a repeated approve re-armed a spent yes: the same action went ahead unasked)."""
+
+    def __init__(self, message: str, *, status: str = "") -> None:
+        super().__init__(message)
+        self.status = status  # what the request is now: approved, denied, spent
 
 
 class ComplianceNotMet(ConfigurationError):

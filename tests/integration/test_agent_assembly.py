@@ -128,6 +128,39 @@ def test_denied_never_runs_approval_pauses_then_resumes_budget_stops_and_the_cha
     store.close()
 
 
+def test_a_yes_lets_its_action_go_once_and_the_same_action_later_is_asked_again(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """A human approves `rm -r scratch`: it runs. The model makes the folder again and asks for
+    the same `rm -r scratch`: a new question (the same request id, pending again), which the
+    human refuses, and the new folder stays. Before, the first yes stood for the rest of the
+    run: the second removal ran unasked."""
+    require_tier("process")
+    store = SQLiteStore(tmp_path / "audit.db")
+    removal = tool_call("shell", {"command": "rm -r scratch"})
+    remade = tool_call("shell", {"command": "mkdir scratch && touch scratch/new.o"})
+    model = ScriptedModel([removal, remade, removal, "kept the new scratch folder"])
+    approvals = ApprovalStore(tmp_path / "approvals")
+    agent = build_agent(config(tmp_path, model, AuditLog(store, flush_interval_s=None)))
+    with agent, agent.session(workspace=workspace, run_id="twice") as session:
+        assert session.run_sync("clean up").status == RunStatus.PAUSED
+        (first,) = approvals.pending("twice")
+        approvals.decide("twice", first["id"], Choice.APPROVED, by="alice")
+        again = session.resume_sync()
+        assert again.status == RunStatus.PAUSED, again.error
+        assert session.sandbox.files.exists("scratch/new.o"), "not removed unasked"
+        (second,) = approvals.pending("twice")
+        assert second["id"] == first["id"] and second["action"] == first["action"]
+        approvals.decide("twice", second["id"], Choice.DENIED, by="bob")
+        done = session.resume_sync()
+        assert done.status == RunStatus.SUCCESS, done.error
+        assert session.sandbox.files.exists("scratch/new.o")
+    outcomes = [e.attributes["outcome"] for e in store.events(run_id="twice") if e.kind.value == "approval"]
+    assert outcomes == ["pending", "approved", "pending", "denied"]
+    assert verify(store).ok
+    store.close()
+
+
 def test_what_the_policy_keeps_out_is_not_in_the_repositorys_history_either(tmp_path: Path) -> None:
     """A secret the policy denies (`secrets/**`, `.env`) but the repository once committed was
     read back through its history: `git show HEAD:secrets/key` from code, and the git_diff

@@ -1086,7 +1086,7 @@ version = 1
 [trust]
 level = "trusted"
 [commands]
-approve = ["rm -r"]
+approve = ["rm -r", "cp"]
 [models]
 approved = ["scripted:*"]
 """
@@ -1210,6 +1210,27 @@ def test_an_approved_call_approves_what_its_own_code_runs_where_no_other_code_ca
     assert "removed" in observations[0] and "rc 0" in observations[1]
     assert all("needs approval and was refused" in o for o in observations[2:4])
     assert "left: dist docs" in observations[-1]
+
+
+def test_a_yes_to_one_exec_covers_no_other_exec_of_its_call(tier: str, tmp_path: Path) -> None:
+    """A run_code starts a `cp` and an `rm -r`, each needing approval: the human approves the
+    copy and refuses the removal, each asked on its own, and src/ stays. In a new interpreter the
+    same code asks about the copy again (a yes is spent) and not about the removal (a no
+    stands). Before, the yes to the copy marked the whole call approved: the `rm -r` ran
+    unasked, past the human's no (found from outside)."""
+    if tier not in CONFINES:
+        return  # no exec judge there (test_gvisor_holds_the_masks_...)
+    both = (
+        "import subprocess\n"
+        "subprocess.run(['cp', '/workspace/docs/keep.txt', '/workspace/copy.txt'])\n"
+        "subprocess.run(['rm', '-r', '/workspace/src'])"
+    )
+    calls = [_code(both), _code("import os; os._exit(3)"), _code(both), LEFT]
+    asked, observations = _approving_run(tier, tmp_path, "", calls)
+    copy, removal = "run `cp /workspace/docs/keep.txt /workspace/copy.txt`", "run `rm -r /workspace/src`"
+    assert asked == [copy, removal, copy]
+    assert all("rm: needs approval and was refused" in o for o in (observations[0], observations[2]))
+    assert "left: build copy.txt dist docs src" in observations[-1]
 
 
 def test_the_compiled_judge_and_the_python_judge_record_the_same_execs(

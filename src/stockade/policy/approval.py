@@ -7,25 +7,33 @@ callback (a function, or ``cli_approver`` which prompts on the terminal). When n
 decide now, the request is saved as pending and ``ApprovalRequired`` pauses the run;
 ``stockade approve|deny RUN_ID REQUEST_ID`` decides later, and the resumed run finds the
 decision under the same request id (it is derived from the run and the action).
+
+A yes answers one question: it is spent when the action it allowed goes ahead
+(``ApprovalBook.spend``, status ``spent``), and the same action asked again later in the run
+is a new question under the same id, pending anew (one ``git push origin main`` approved
+pushed every later commit unasked before). A no stands for the rest of the run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import fcntl
 import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
 
 from stockade._display import visible
 from stockade._private import private_dir, write_private
-from stockade.exceptions import ApprovalRequired, ConfigurationError, PolicyDenied
+from stockade.exceptions import ApprovalDecided, ApprovalRequired, ConfigurationError, PolicyDenied
 
 __all__ = [
+    "SPENT",
     "ApprovalBook",
     "ApprovalRequest",
     "ApprovalStore",
@@ -40,6 +48,9 @@ __all__ = [
 class Choice(enum.StrEnum):
     APPROVED = "approved"
     DENIED = "denied"
+
+
+SPENT = "spent"  # the status of a yes that was applied: it answers nothing more
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +69,16 @@ class ApprovalRequest:
 Approver = Callable[[ApprovalRequest], Choice | None]  # None: nobody can decide now
 
 
+def not_pending(run_id: str, request_id: str, status: str) -> ApprovalDecided:
+    """The error for a decision given to a request that does not wait for one."""
+    now = "its yes was spent on the action it allowed" if status == SPENT else f"it was {status}"
+    return ApprovalDecided(
+        f"approval request {request_id!r} of run {run_id!r} waits for no decision: {now} (the same "
+        "action asked again is a new pending request under the same id)",
+        status=status,
+    )
+
+
 def default_approval_dir() -> Path:
     configured = os.environ.get("STOCKADE_APPROVAL_DIR")
     return Path(configured) if configured else Path.home() / ".stockade" / "approvals"
@@ -68,12 +89,20 @@ class ApprovalBook(Protocol):
     machine), or a database shared by the workers of a service (``stockade.distributed``)."""
 
     def submit(self, request: ApprovalRequest) -> None:
-        """Keep ``request`` as pending (a request already kept is left as it is)."""
+        """Keep ``request`` as pending (a request already kept is left as it is, unless its yes
+        was spent: then it is asked anew)."""
 
     def decide(self, run_id: str, request_id: str, choice: Choice, *, by: str = "") -> None:
-        """Record a decision; ``ConfigurationError`` when there is no such request."""
+        """Record a decision for a pending request; ``ConfigurationError`` when there is no
+        such request, ``ApprovalDecided`` when it is not pending (a stale or repeated decision
+        re-armed a spent yes: the same action went ahead unasked)."""
 
-    def decision(self, request: ApprovalRequest) -> Choice | None: ...
+    def decision(self, request: ApprovalRequest) -> Choice | None:
+        """The request's decision; None while pending, and once its yes was spent."""
+
+    def spend(self, run_id: str, request_id: str) -> bool:
+        """The approved action goes ahead: its yes answers nothing more. Whether this caller
+        spent it (False: it was not approved, or another worker spent it first)."""
 
     def pending(self, run_id: str | None = None) -> list[dict[str, str]]: ...
 
@@ -95,30 +124,61 @@ class ApprovalStore:
         return self.directory / run_id / f"{request_id}.json"
 
     def _write(self, file: Path, record: dict[str, str]) -> None:
-        private_dir(file.parent)
         tmp = file.with_name(f".{file.name}.tmp")
         write_private(tmp, json.dumps(record, indent=2))  # a command and its arguments
         tmp.replace(file)
 
+    @contextlib.contextmanager
+    def _locked(self, file: Path) -> Iterator[None]:
+        """One writer at a time in the run's folder (the processes of one machine): a yes is
+        spent once, and a request asked anew is not lost to a spend in between."""
+        private_dir(file.parent)
+        fd = os.open(file.parent / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _read(file: Path) -> dict[str, str] | None:
+        try:
+            record: dict[str, str] = json.loads(file.read_text())
+        except FileNotFoundError:
+            return None
+        return record
+
     def submit(self, request: ApprovalRequest) -> None:
         file = self._file(request.run_id, request.id)
-        if not file.exists():
-            self._write(file, {**asdict(request), "id": request.id, "status": "pending"})
+        with self._locked(file):
+            kept = self._read(file)
+            if kept is None or kept.get("status") == SPENT:
+                self._write(file, {**asdict(request), "id": request.id, "status": "pending"})
 
     def decide(self, run_id: str, request_id: str, choice: Choice, *, by: str = "") -> None:
         file = self._file(run_id, request_id)
-        try:
-            record = json.loads(file.read_text())
-        except FileNotFoundError:
-            raise ConfigurationError(f"no approval request {request_id!r} for run {run_id!r}") from None
-        record.update(status=choice.value, by=by)
-        self._write(file, record)
+        with self._locked(file):
+            record = self._read(file)
+            if record is None:
+                raise ConfigurationError(f"no approval request {request_id!r} for run {run_id!r}")
+            if record.get("status") != "pending":
+                raise not_pending(run_id, request_id, str(record.get("status")))
+            record.update(status=choice.value, by=by)
+            self._write(file, record)
+
+    def spend(self, run_id: str, request_id: str) -> bool:
+        file = self._file(run_id, request_id)
+        with self._locked(file):
+            record = self._read(file)
+            if record is None or record.get("status") != Choice.APPROVED:
+                return False
+            record.update(status=SPENT)
+            self._write(file, record)
+            return True
 
     def decision(self, request: ApprovalRequest) -> Choice | None:
-        try:
-            status = json.loads(self._file(request.run_id, request.id).read_text()).get("status")
-        except FileNotFoundError:
-            return None
+        record = self._read(self._file(request.run_id, request.id))
+        status = record.get("status") if record is not None else None
         return Choice(status) if status in (Choice.APPROVED, Choice.DENIED) else None
 
     def forget(self, run_id: str) -> None:
@@ -142,14 +202,17 @@ class Approvals:
         self.store = store
 
     def require(self, request: ApprovalRequest) -> None:
-        choice = self.store.decision(request) if self.store is not None else None
+        store = self.store
+        choice = store.decision(request) if store is not None else None
         if choice is None and self.approver is not None:
             choice = self.approver(request)
-            if choice is not None and self.store is not None:
-                self.store.submit(request)
-                self.store.decide(request.run_id, request.id, choice, by="approver")
+            if choice is not None and store is not None:
+                store.submit(request)
+                store.decide(request.run_id, request.id, choice, by="approver")
         if choice is Choice.APPROVED:
-            return
+            if store is None or store.spend(request.run_id, request.id):
+                return
+            return self.require(request)  # another worker applied that yes first: asked anew
         if choice is Choice.DENIED:
             raise PolicyDenied(f"a human denied: {request.action} ({request.reason})", rule=request.rule,
                                action=request.action)  # fmt: skip

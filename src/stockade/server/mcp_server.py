@@ -281,7 +281,8 @@ class McpFace:
             approved = answer.action == "accept" and (answer.content or {}).get("approve") is True
             choice = Choice.APPROVED if approved else Choice.DENIED
             by = f"mcp client {session.client} (elicitation: {answer.action})"
-            await anyio.to_thread.run_sync(lambda: session.decide(pending, choice, by=by))
+            with contextlib.suppress(exc.ApprovalDecided):  # decided elsewhere meanwhile: that stands
+                await anyio.to_thread.run_sync(lambda: session.decide(pending, choice, by=by))
             return
         print(
             f"stockade mcp: {visible(pending.action)} waits for approval: "
@@ -294,9 +295,10 @@ class McpFace:
             if await anyio.to_thread.run_sync(lambda: session.decision(pending)) is not None:
                 return
             await anyio.sleep(0.25)
-        await anyio.to_thread.run_sync(
-            lambda: session.decide(pending, Choice.DENIED, by=f"nobody within {self.approval_wait_s:g} s")
-        )
+        with contextlib.suppress(exc.ApprovalDecided):  # decided at the last moment: that stands
+            await anyio.to_thread.run_sync(
+                lambda: session.decide(pending, Choice.DENIED, by=f"nobody within {self.approval_wait_s:g} s")
+            )
 
     async def _list_resources(
         self, ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams | None

@@ -51,6 +51,7 @@ _KINDS: tuple[tuple[type[exc.StockadeError], _Kind], ...] = (
     (exc.ImageNotFound, _Kind(status=503, title="Sandbox image missing on the server")),
     (exc.SeedTooLarge, _Kind(status=413, title="Workspace too large")),
     (exc.RunConflict, _Kind(status=409, title="Run conflict")),
+    (exc.ApprovalDecided, _Kind(status=409, title="Approval already decided")),
     (exc.ConfigurationError, _Kind(status=422, title="Invalid request")),
     (exc.TierUnavailable, _Kind(status=422, title="No tier satisfies the request")),
     (exc.SandboxStartError, _Kind(status=503, title="Sandbox did not start", fix="retry")),

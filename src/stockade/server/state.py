@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from stockade import exceptions as exc
-from stockade.policy.approval import ApprovalRequest, Choice
+from stockade.policy.approval import SPENT, ApprovalRequest, Choice, not_pending
 from stockade.runs._db import Database, PostgresDatabase, SQLiteDatabase, Statement, octets
 from stockade.runs._schema import run_bytes_sql
 from stockade.runtime.killswitch import LIVE_FOR_S, LiveRun
@@ -946,8 +946,10 @@ class DatabaseApprovals:
         self.db.write(
             [
                 (
+                    # a request whose yes was spent is asked anew (ApprovalBook.submit)
                     f"INSERT INTO {self.table} VALUES (?, ?, ?, ?, ?, 'pending', '', ?) "
-                    "ON CONFLICT (run_id, request_id) DO NOTHING",
+                    "ON CONFLICT (run_id, request_id) DO UPDATE SET status = 'pending', decided_by = '', "
+                    f"updated_ns = excluded.updated_ns WHERE {self.table}.status = '{SPENT}'",
                     [
                         (
                             request.run_id,
@@ -963,21 +965,23 @@ class DatabaseApprovals:
         )
 
     def decide(self, run_id: str, request_id: str, choice: Choice, *, by: str = "") -> None:
-        if not self.db.query(
-            f"SELECT 1 FROM {self.table} WHERE run_id = ? AND request_id = ?", (run_id, request_id)
+        where = "WHERE run_id = ? AND request_id = ?"
+        if self.db.write(
+            [
+                (
+                    f"UPDATE {self.table} SET status = ?, decided_by = ?, updated_ns = ? {where}",
+                    [(choice.value, by, time.time_ns(), run_id, request_id)],
+                )
+            ],
+            require=(f"SELECT 1 FROM {self.table} {where} AND status = 'pending'", (run_id, request_id)),
         ):
+            return
+        rows = self.db.query(f"SELECT status FROM {self.table} {where}", (run_id, request_id))
+        if not rows:
             raise exc.ResourceNotFound(
                 f"no approval request {request_id!r} for run {run_id!r}", kind="approval", id=request_id
             )
-        self.db.write(
-            [
-                (
-                    f"UPDATE {self.table} SET status = ?, decided_by = ?, updated_ns = ? "
-                    "WHERE run_id = ? AND request_id = ?",
-                    [(choice.value, by, time.time_ns(), run_id, request_id)],
-                )
-            ]
-        )
+        raise not_pending(run_id, request_id, str(rows[0][0]))
 
     def decision(self, request: ApprovalRequest) -> Choice | None:
         rows = self.db.query(
@@ -986,6 +990,19 @@ class DatabaseApprovals:
         )
         status = str(rows[0][0]) if rows else None
         return Choice(status) if status in (Choice.APPROVED, Choice.DENIED) else None
+
+    def spend(self, run_id: str, request_id: str) -> bool:
+        where = "WHERE run_id = ? AND request_id = ?"
+        return self.db.write(
+            [
+                (
+                    f"UPDATE {self.table} SET status = '{SPENT}', updated_ns = ? {where}",
+                    [(time.time_ns(), run_id, request_id)],
+                )
+            ],
+            # locked (FOR UPDATE) until the update: two workers never both apply one yes
+            require=(f"SELECT 1 FROM {self.table} {where} AND status = 'approved'", (run_id, request_id)),
+        )
 
     def requests(self, run_id: str) -> list[dict[str, str]]:
         rows = self.db.query(

@@ -449,6 +449,8 @@ class _Viewer:
             return self.failed(403, str(error), source, credential)
         except exc.ResourceNotFound as error:
             return self.failed(404, str(error), source, credential)
+        except exc.ApprovalDecided as error:  # a second click, another tab: the first decision stands
+            return self.failed(409, str(error), source, credential)
         except exc.StockadeError as error:
             return self.failed(400, str(error), source, credential)
         return self.redirect(f"{self.prefix}/runs/{quote(run_id)}")

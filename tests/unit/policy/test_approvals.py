@@ -1,0 +1,135 @@
+"""A yes answers one question: the action it allowed goes ahead once, and the same action asked
+again later in the run is asked again. A no stands. Both approval books (the JSON files of one
+machine, the service's database) keep to it, and two workers never both apply one yes."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from stockade.exceptions import ApprovalDecided, ApprovalRequired, PolicyDenied
+from stockade.policy.approval import SPENT, ApprovalBook, ApprovalRequest, Approvals, ApprovalStore, Choice
+from stockade.server.state import DatabaseApprovals, ServiceStore, open_database
+
+PUSH = ApprovalRequest(
+    run_id="run-1", action="run `git push origin main`", rule="git push", reason="publishes"
+)
+
+
+@pytest.fixture(params=["files", "database"])
+def book(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ApprovalBook]:
+    if request.param == "files":
+        yield ApprovalStore(tmp_path / "approvals")
+        return
+    db = open_database(str(tmp_path / "service.db"))
+    try:
+        yield DatabaseApprovals(ServiceStore(db))
+    finally:
+        db.close()
+
+
+def status(book: ApprovalBook, request: ApprovalRequest) -> str:
+    return next(r["status"] for r in book.requests(request.run_id) if r["id"] == request.id)
+
+
+def counting(choice: Choice | None) -> tuple[Callable[[ApprovalRequest], Choice | None], list[str]]:
+    asked: list[str] = []
+
+    def approver(request: ApprovalRequest) -> Choice | None:
+        asked.append(request.action)
+        return choice
+
+    return approver, asked
+
+
+def test_an_approver_is_asked_each_time_the_same_action_comes_again(book: ApprovalBook) -> None:
+    approver, asked = counting(Choice.APPROVED)
+    approvals = Approvals(approver, book)
+    approvals.require(PUSH)
+    approvals.require(PUSH)  # a later push, of other commits: the first yes did not cover it
+    assert asked == [PUSH.action, PUSH.action]
+    assert status(book, PUSH) == SPENT
+
+
+def test_a_deferred_yes_lets_the_action_go_once_then_it_is_pending_again(book: ApprovalBook) -> None:
+    approvals = Approvals(None, book)
+    with pytest.raises(ApprovalRequired) as waiting:
+        approvals.require(PUSH)
+    assert waiting.value.request_id == PUSH.id and status(book, PUSH) == "pending"
+    book.decide(PUSH.run_id, PUSH.id, Choice.APPROVED, by="alice")
+    approvals.require(PUSH)  # the resumed run's push goes ahead
+    assert status(book, PUSH) == SPENT and book.decision(PUSH) is None
+    with pytest.raises(ApprovalRequired):
+        approvals.require(PUSH)  # the next one waits for a person again
+    assert book.pending(PUSH.run_id) == [r for r in book.requests(PUSH.run_id) if r["id"] == PUSH.id]
+
+
+def test_a_no_stands_for_the_rest_of_the_run(book: ApprovalBook) -> None:
+    approver, asked = counting(Choice.DENIED)
+    approvals = Approvals(approver, book)
+    for _ in range(3):
+        with pytest.raises(PolicyDenied, match="a human denied"):
+            approvals.require(PUSH)
+    assert asked == [PUSH.action]
+
+
+def test_a_yes_is_applied_by_one_worker_only(book: ApprovalBook) -> None:
+    """Workers resuming the same run at once (a service, two processes on one machine) race
+    for the one decision: one goes ahead, the others wait for a new one."""
+    book.submit(PUSH)
+    book.decide(PUSH.run_id, PUSH.id, Choice.APPROVED)
+    outcomes: list[str] = []
+    start = threading.Barrier(8)
+
+    def worker() -> None:
+        approvals = Approvals(None, book)
+        start.wait()
+        try:
+            approvals.require(PUSH)
+            outcomes.append("went ahead")
+        except ApprovalRequired:
+            outcomes.append("waits")
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(outcomes) == ["waits"] * 7 + ["went ahead"]
+
+
+def test_spending_what_is_not_approved_does_nothing(book: ApprovalBook) -> None:
+    assert not book.spend(PUSH.run_id, PUSH.id)  # never asked
+    book.submit(PUSH)
+    assert not book.spend(PUSH.run_id, PUSH.id) and status(book, PUSH) == "pending"
+    book.decide(PUSH.run_id, PUSH.id, Choice.DENIED)
+    assert not book.spend(PUSH.run_id, PUSH.id) and book.decision(PUSH) is Choice.DENIED
+    book.submit(PUSH)  # a no is kept as it is
+    assert book.decision(PUSH) is Choice.DENIED
+
+
+def test_a_decision_is_given_once_and_a_repeated_one_is_refused(book: ApprovalBook) -> None:
+    """A second approve (a retried request, a double click, a stale command line) would have
+    re-armed a spent yes: the same action went ahead again, unasked. Now it is refused, and
+    what it would have changed stays as it is."""
+    approvals = Approvals(None, book)
+    with pytest.raises(ApprovalRequired):
+        approvals.require(PUSH)
+    book.decide(PUSH.run_id, PUSH.id, Choice.APPROVED, by="alice")
+    with pytest.raises(ApprovalDecided, match="it was approved") as twice:
+        book.decide(PUSH.run_id, PUSH.id, Choice.DENIED, by="bob")
+    assert twice.value.status == "approved" and not twice.value.retryable
+    approvals.require(PUSH)
+    with pytest.raises(ApprovalDecided, match="spent") as stale:
+        book.decide(PUSH.run_id, PUSH.id, Choice.APPROVED, by="alice")
+    assert stale.value.status == SPENT and status(book, PUSH) == SPENT
+    with pytest.raises(ApprovalRequired):
+        approvals.require(PUSH)  # asked anew, as the next push should be
+    book.decide(PUSH.run_id, PUSH.id, Choice.DENIED, by="bob")  # pending again: decided once more
+    with pytest.raises(ApprovalDecided, match="it was denied"):
+        book.decide(PUSH.run_id, PUSH.id, Choice.APPROVED, by="mallory")
+    with pytest.raises(PolicyDenied):
+        approvals.require(PUSH)
