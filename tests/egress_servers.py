@@ -73,6 +73,12 @@ class Seen:
     hits: list[Hit] = field(default_factory=list)
     # When a slow stream (``/stream``) lost its client before its last chunk: the proxy cut it.
     cut: list[float] = field(default_factory=list)
+    # A slow answer (``/slow``) goes out at its ``s`` seconds or once this is set, whichever
+    # is first: a test that knows it waited long enough need not wait the rest.
+    slow_release: threading.Event = field(default_factory=threading.Event)
+    # When a connection that served a slow answer ended (its client, the proxy, closed it):
+    # no request can come over it any more.
+    slow_ended: list[float] = field(default_factory=list)
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -80,6 +86,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     seen: Seen
     wheel: bytes
     scheme: str
+    served_slow = False
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        finally:
+            if self.served_slow:
+                self.seen.slow_ended.append(time.monotonic())
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
@@ -112,7 +126,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         elif url.path == "/echo-auth-as":  # reflects it transformed, whatever Accept-Encoding said
             self._echo_as(query.get("as", ""), auth or "")
         elif url.path == "/slow":  # the whole answer after ``s`` seconds
-            time.sleep(float(query.get("s", "3")))
+            self.served_slow = True
+            self.seen.slow_release.wait(float(query.get("s", "3")))
             self._send(200, b"slow")
         elif url.path == "/stream":
             self._stream(int(query.get("chunks", "10")), float(query.get("every", "0.1")))

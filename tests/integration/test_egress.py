@@ -756,7 +756,8 @@ def test_a_reset_renews_the_relay_in_place_for_the_next_user(egress_tier: str, l
 
 
 # The last user's code leaves K connections to the relay, on each a slow GET (answered after
-# SLOW_S) with a POST pipelined behind it, and its quick GET's server connection kept.
+# SLOW_S, or once the test releases it) with a POST pipelined behind it, and its quick GET's
+# server connection kept.
 SLOW_S = 10  # past the pipelining code's time out (4 s) and the reset after it, on a loaded host
 PIPELINED = """
 import socket, sys, time, urllib.request
@@ -798,6 +799,8 @@ def test_a_reset_cuts_the_last_users_requests_and_gives_the_next_a_fresh_budget(
     k = 8
     budget = 2 * k + 1  # the last user's quick GET and slow GETs, and its POSTs if they went
     seen = len(local.http_seen.paths)
+    local.http_seen.slow_release.clear()
+    ended = len(local.http_seen.slow_ended)
     with _sandbox(egress_tier, local.policy(max_requests_per_minute=budget)) as sbx:
         sbx.files.write("pipelined.py", PIPELINED)
         # Its time out ends the code (the relay then half-closes each connection to the proxy,
@@ -812,7 +815,18 @@ def test_a_reset_cuts_the_last_users_requests_and_gives_the_next_a_fresh_budget(
         sbx.files.write("many.py", MANY_GETS)
         codes = sbx.commands.run(f"python3 many.py {local.http_port} {budget}").stdout.split()
         assert codes == ["200"] * budget, "the last user's budget carried over"
-        time.sleep(max(0.0, started + SLOW_S + 1 - time.monotonic()))  # the slow answers have come
+        # The slow answers go out now, not at SLOW_S: the reset has come before them all the
+        # same. A POST pipelined behind one would follow it over its server connection; once
+        # each has ended, none can, and a second more is as long as the wait gave before.
+        local.http_seen.slow_release.set()
+        wait_for(
+            lambda: (
+                len(local.http_seen.slow_ended) - ended >= k or "/u1-POST" in local.http_seen.paths[seen:]
+            ),
+            what="the server connections of the slow answers to end",
+            timeout_s=SLOW_S,
+        )
+        time.sleep(1)
         assert "/u1-POST" not in local.http_seen.paths[seen:], "the last user's request went out later"
 
 
