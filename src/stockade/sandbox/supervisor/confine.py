@@ -237,6 +237,7 @@ EPERM_ = 1
 AF_INET, AF_INET6, AF_NETLINK, SOCK_DGRAM = 2, 10, 16, 2
 EAFNOSUPPORT_, EINVAL_ = 97, 22
 F_OFD_GETLK, F_OFD_SETLKW = 36, 38  # and F_OFD_SETLK between them
+F_SETLEASE, EACCES_ = 1024, 13
 
 
 def deny_calls(
@@ -257,7 +258,9 @@ def deny_calls(
     only network (cgroup v1 charges their buffers to no one either). ``locks``: OFD locks
     (``fcntl`` ``F_OFD_*``) fail with EINVAL, as on kernels before 3.15: the host counts
     each process's locks (``_locks``), and an OFD lock belongs to an open file, which can
-    outlive every process (one in flight in a socket's queue). ``guard_init``: no signal
+    outlive every process (one in flight in a socket's queue); leases (``F_SETLEASE``) with
+    EACCES: their own slab, uncounted, and freeing many took a host core long after the
+    sandbox ended (``_seccomp``). ``guard_init``: no signal
     (kill, tkill, tgkill, rt_sigqueueinfo, rt_tgsigqueueinfo, pidfd_open) and no ptrace may
     name pid 1, which fail with EPERM: where the supervisor is the sandbox's init and the
     kernel does not shield an init as Linux does (gVisor's does not: code stopped it with
@@ -301,10 +304,12 @@ def deny_calls(
     emit(ret, SECCOMP_RET_ERRNO | EAFNOSUPPORT_, label="eafnosupport")
     if locks:  # (BPF jumps only forward: this block ends in returns of its own)
         emit(ld, 24, label="fcntl")  # args[1]: the command (an unsigned int: its low half)
+        emit(jeq, F_SETLEASE, "eacces", 0)
         emit(jge, F_OFD_GETLK, 0, "allowed")
         emit(jge, F_OFD_SETLKW + 1, "allowed", "einval")
         emit(ret, SECCOMP_RET_ALLOW, label="allowed")
         emit(ret, SECCOMP_RET_ERRNO | EINVAL_, label="einval")
+        emit(ret, SECCOMP_RET_ERRNO | EACCES_, label="eacces")
     if guard_init:  # a pid is an int: its low half is what the kernel reads
         emit(ld, 24, label="target_second")  # args[1]
         emit(jeq, 1, "eperm", "pid_allowed")
