@@ -318,44 +318,6 @@ def test_a_memory_bomb_is_killed_and_reported(tier: str) -> None:
         assert sbx.run_code("1 + 1").text == "2", "the interpreter comes back"
 
 
-# Three processes forked by run_code's code map one file over and over, closing each
-# descriptor: kernel memory (a mapping and an open file each), which no process's size shows.
-KERNEL_MEMORY_HOG = r"""
-import ctypes, os
-libc = ctypes.CDLL(None, use_errno=True)
-libc.mmap.restype = ctypes.c_void_p
-libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3 + [ctypes.c_long]
-kids = []
-for _ in range(3):
-    pid = os.fork()
-    if pid == 0:
-        while True:
-            fd = os.open("/etc/passwd", os.O_RDONLY)
-            if libc.mmap(None, 4096, 1, 1, fd, 0) == ctypes.c_void_p(-1).value:
-                break
-            os.close(fd)
-        os._exit(0)
-    kids.append(pid)
-print([os.waitstatus_to_exitcode(os.waitpid(kid, 0)[1]) for kid in kids])
-"""
-
-
-def test_code_that_holds_kernel_memory_is_killed_before_the_supervisor(tier: str) -> None:
-    """The OOM killer takes code first (``oom_score_adj`` 1000), from run_code as from a
-    command. Before, the interpreter and what it forked stayed at the supervisor's 0: their
-    size did not show the kernel memory they held, so the kernel killed the supervisor, the
-    largest, and the sandbox with it (process and Docker tiers, every time)."""
-    with Sandbox.create(tier, limits=Limits(memory_mb=64, pids=16, open_files=1024, timeout_s=60)) as sbx:
-        own = "import os\nprint(open('/proc/self/oom_score_adj').read().strip(), end=' ')\n"
-        own += "print(os.popen('cat /proc/self/oom_score_adj').read().strip())"
-        assert sbx.run_code(own).logs.stdout == "1000 1000\n", "the interpreter and what it starts"
-        held = sbx.run_code(KERNEL_MEMORY_HOG)
-        # killed for memory, or each stopped by a bound of its own (the guest's open files)
-        assert held.error is None or held.error.name == "MemoryLimitExceeded", held.error
-        assert sbx.run_code("1 + 1").text == "2", "the sandbox lives on"
-        assert sbx.commands.run("echo alive").stdout == "alive\n"
-
-
 # Fills its memory to 48 MiB under the limit, then reads its system's files (twice that room,
 # dropped from the page cache first, so that their pages are the sandbox's) over and over: the
 # kernel evicts them, the program reads them back, and the OOM killer never runs. Files of at

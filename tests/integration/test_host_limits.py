@@ -147,6 +147,24 @@ def test_files_held_open_by_mappings_stay_within_the_stated_share(tier: str) -> 
         assert sbx.commands.run("echo alive").stdout == "alive\n"
 
 
+@pytest.mark.parametrize("tier", TIERS)
+def test_code_that_holds_kernel_memory_is_killed_before_the_supervisor(tier: str) -> None:
+    """The OOM killer takes code first (``oom_score_adj`` 1000), from run_code as from a
+    command. Before, the interpreter and what it forked stayed at the supervisor's 0: their
+    size did not show the kernel memory they held, so the kernel killed the supervisor, the
+    largest, and the sandbox with it (process and Docker tiers, every time)."""
+    require_tier(tier)
+    with Sandbox.create(tier, limits=Limits(memory_mb=64, pids=16, open_files=1024, timeout_s=60)) as sbx:
+        own = "import os\nprint(open('/proc/self/oom_score_adj').read().strip(), end=' ')\n"
+        own += "print(os.popen('cat /proc/self/oom_score_adj').read().strip())"
+        assert sbx.run_code(own).logs.stdout == "1000 1000\n", "the interpreter and what it starts"
+        held = sbx.run_code("import sys\nsys.argv = ['hog', '60000']\n" + MAP_HOG)
+        # killed for memory, or each stopped by a bound of its own (the guest's open files)
+        assert held.error is None or held.error.name == "MemoryLimitExceeded", held.error
+        assert sbx.run_code("1 + 1").text == "2", "the sandbox lives on"
+        assert sbx.commands.run("echo alive").stdout == "alive\n"
+
+
 # Map distinct workspace files, closing each descriptor (gVisor's kernel holds host
 # descriptors for each file mapped): how many were mapped, and what stopped it.
 MAP_WORKSPACE = r"""
