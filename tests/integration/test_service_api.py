@@ -353,6 +353,8 @@ def test_a_pending_approval_pauses_the_run_until_decided(
     done = run.wait()
     assert done.status == "success"
     assert [a["status"] for a in run.approvals()] == ["spent"]  # the yes let its action go, once
+    with pytest.raises(exc.RunConflict, match="ended"):  # nothing of the run acts on a decision now
+        run.approve(request["id"])
     # resumed from it (its /tmp, which the run store does not keep, came back with it), then released
     commands = {
         e.data["attributes"]["program"]: e.data["attributes"] for e in run.events() if e.kind == "command"

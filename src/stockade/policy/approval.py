@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -104,7 +105,9 @@ class ApprovalBook(Protocol):
         """The approved action goes ahead: its yes answers nothing more. Whether this caller
         spent it (False: it was not approved, or another worker spent it first)."""
 
-    def pending(self, run_id: str | None = None) -> list[dict[str, str]]: ...
+    def pending(self, run_id: str | None = None) -> list[dict[str, str]]:
+        """The requests waiting for a decision, a run's latest first: the one a paused run waits
+        on (an exec refused on the spot, which paused nothing, stays pending behind it)."""
 
     def requests(self, run_id: str) -> list[dict[str, str]]:
         """Every request of ``run_id``, pending or decided (``action``, ``rule``, ``reason``,
@@ -153,7 +156,8 @@ class ApprovalStore:
         with self._locked(file):
             kept = self._read(file)
             if kept is None or kept.get("status") == SPENT:
-                self._write(file, {**asdict(request), "id": request.id, "status": "pending"})
+                record = {**asdict(request), "id": request.id, "status": "pending"}
+                self._write(file, {**record, "asked_ns": str(time.time_ns())})  # pending(): latest first
 
     def decide(self, run_id: str, request_id: str, choice: Choice, *, by: str = "") -> None:
         file = self._file(run_id, request_id)
@@ -189,7 +193,11 @@ class ApprovalStore:
 
     def pending(self, run_id: str | None = None) -> list[dict[str, str]]:
         runs = [run_id] if run_id else sorted(p.name for p in self.directory.glob("*"))
-        return [r for run in runs for r in self.requests(run) if r.get("status") == "pending"]
+        found: list[dict[str, str]] = []
+        for run in runs:
+            waiting = [r for r in self.requests(run) if r.get("status") == "pending"]
+            found += sorted(waiting, key=lambda r: int(r.get("asked_ns", 0)), reverse=True)
+        return found
 
     def requests(self, run_id: str) -> list[dict[str, str]]:
         folder = self._file(run_id, "x").parent

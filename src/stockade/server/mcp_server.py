@@ -263,7 +263,8 @@ class McpFace:
             approved = answer.action == "accept" and (answer.content or {}).get("approve") is True
             choice = Choice.APPROVED if approved else Choice.DENIED
             by = f"mcp client {session.client} (elicitation: {answer.action})"
-            await anyio.to_thread.run_sync(functools.partial(session.decide, pending, choice, by=by))
+            with contextlib.suppress(exc.ApprovalDecided):  # decided elsewhere first: that stands
+                await anyio.to_thread.run_sync(functools.partial(session.decide, pending, choice, by=by))
         return True
 
     async def _ask(

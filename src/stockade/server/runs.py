@@ -353,6 +353,8 @@ def decide_approval(
     """Record a decision (if the caller's role may decide) and send a paused run on."""
     row = _row(service, caller, run_id)
     check_approver(caller)
+    if row.status in TERMINAL:  # nothing of it will run: a decision would be recorded for nothing
+        raise exc.RunConflict(f"run {run_id!r} ended ({row.status}): its requests wait for no decision")
     service.approvals.decide(run_id, request_id, choice, by=f"api-token/{caller.token_id}")
     service.audit.get(caller.tenant).record(
         EventKind.APPROVAL, run_id=run_id, actor=f"human:api-token/{caller.token_id}",

@@ -1016,7 +1016,7 @@ class DatabaseApprovals:
     def pending(self, run_id: str | None = None) -> list[dict[str, str]]:
         if run_id is None:
             return []  # the service asks by run: a tenant sees only its own
-        return [r for r in self.requests(run_id) if r["status"] == "pending"]
+        return [r for r in reversed(self.requests(run_id)) if r["status"] == "pending"]  # latest first
 
 
 class DatabaseKillSource:

@@ -133,3 +133,15 @@ def test_a_decision_is_given_once_and_a_repeated_one_is_refused(book: ApprovalBo
         book.decide(PUSH.run_id, PUSH.id, Choice.APPROVED, by="mallory")
     with pytest.raises(PolicyDenied):
         approvals.require(PUSH)
+
+
+def test_the_request_a_run_waits_on_is_listed_first(book: ApprovalBook) -> None:
+    """An exec nobody could decide was refused on the spot and stays pending; the run then
+    paused on a later request. The client that approves the first pending request (as the
+    README shows) approves the one the run waits on, not the older one."""
+    earlier = ApprovalRequest(run_id="run-1", action="run `rm -r src`", rule="rm -r", reason="removes")
+    approvals = Approvals(None, book)
+    for request in (earlier, PUSH):
+        with pytest.raises(ApprovalRequired):
+            approvals.require(request)
+    assert [r["id"] for r in book.pending("run-1")] == [PUSH.id, earlier.id]
