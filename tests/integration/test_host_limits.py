@@ -369,7 +369,7 @@ def test_a_crash_keeps_what_the_call_printed_and_says_why(tier: str) -> None:
 
 # Kernel memory and host-wide quotas no cgroup charges to the sandbox: refused, or bounded.
 UNCHARGED = r"""
-import ctypes, errno, fcntl, os, socket
+import ctypes, errno, fcntl, os, socket, struct
 libc = ctypes.CDLL(None, use_errno=True)
 ctx = ctypes.c_ulong(0)
 found = {"io_setup": libc.syscall(206, 65536, ctypes.byref(ctx)) == 0 or errno.errorcode[ctypes.get_errno()]}
@@ -389,6 +389,19 @@ try:
     found["lease"] = "taken"
 except OSError as error:
     found["lease"] = errno.errorcode[error.errno]
+tcp = socket.socket()  # neither bound nor connected: each option below is kernel memory of its own
+peer = struct.pack("<H", socket.AF_INET) + struct.pack("!H4s", 0, socket.inet_aton("10.0.0.1"))
+md5 = peer.ljust(128, b"\0") + struct.pack("BBHi", 0, 0, 16, 0) + b"k" * 16 + b"\0" * 64
+accept = ctypes.create_string_buffer(struct.pack("HBBI", 6, 0, 0, 0xFFFF))  # classic BPF: ret 0xffff
+unix = socket.socket(socket.AF_UNIX)
+options = {"tcp_md5": (tcp, socket.IPPROTO_TCP, 14, md5), "socket_filter": (unix, socket.SOL_SOCKET, 26,
+           struct.pack("HL", 1, ctypes.addressof(accept)))}
+for name, (sock, level, option, value) in options.items():
+    try:
+        sock.setsockopt(level, option, value)
+        found[name] = "kept"
+    except OSError as error:
+        found[name] = errno.errorcode[error.errno]
 kinds = {"netlink": socket.AF_NETLINK, "udp": socket.AF_INET, "udp6": socket.AF_INET6}
 for name, family in kinds.items():
     try:
@@ -407,14 +420,17 @@ def test_kernel_memory_no_cgroup_charges_is_refused(tier: str) -> None:
     of memfd_secret pages split 12 GiB of the host's 1 GiB direct maps, until a reboot; NUMA
     policies set on the pages of a shared file held 1 GB of the host's slab (process tier);
     60,000 leases took 12 times the file locks' bound, and freeing 40,000 kept a host core
-    busy for 95 s after the sandbox had gone (found from outside)."""
+    busy for 95 s after the sandbox had gone; TCP MD5 keys held 670 MB of the host's slab,
+    classic BPF socket filters their JIT code, counted against the host's shared JIT limit
+    (found from outside)."""
     require_tier(tier)
     with Sandbox.create(tier, limits=Limits(memory_mb=128)) as sbx:
         found = sbx.run_code(UNCHARGED)
     assert found.error is None, found.error
     assert found.text == str(
         {"io_setup": "ENOSYS", "memfd_secret": True, "mbind": "EPERM", "lease": "EACCES",
-         "netlink": "EAFNOSUPPORT", "udp": "EAFNOSUPPORT", "udp6": "EAFNOSUPPORT"}
+         "tcp_md5": "EPERM", "socket_filter": "EPERM", "netlink": "EAFNOSUPPORT", "udp": "EAFNOSUPPORT",
+         "udp6": "EAFNOSUPPORT"}
     )  # fmt: skip
 
 

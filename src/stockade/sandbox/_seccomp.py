@@ -110,6 +110,18 @@ F_SETLEASE = 1024
 OWN_ONLY = ("sched_setaffinity", "sched_setscheduler", "sched_setparam", "sched_setattr")
 PRIO_PROCESS = 0  # setpriority's `which`: a process (not its group, not all of a uid's)
 IOPRIO_WHO_PROCESS = 1
+# Socket options that hold kernel memory no cgroup charges, bounded per socket only by the
+# network namespace's optmem_max (128 KiB here) and so by open_files in all: TCP MD5 keys
+# (192 bytes each: 3.6 M of them held 670 MB of the host's from a 128 MiB sandbox) and
+# classic BPF socket filters (their JIT code, outside the cgroup and counted against the
+# host's shared bpf_jit_limit, which every unprivileged filter needs: bubblewrap's seccomp
+# filter of each new sandbox among them). (level, option): EPERM.
+UNCHARGED_SOCKOPTS = (
+    (socket.IPPROTO_TCP, 14),  # TCP_MD5SIG
+    (socket.IPPROTO_TCP, 32),  # TCP_MD5SIG_EXT
+    (socket.SOL_SOCKET, 26),  # SO_ATTACH_FILTER
+    (socket.SOL_SOCKET, 51),  # SO_ATTACH_REUSEPORT_CBPF
+)
 TIOCSTI = 0x5412
 TIOCLINUX = 0x541C
 
@@ -161,6 +173,9 @@ def filter_bpf(*, datagrams: bool = False) -> bytes:
     for family in (socket.AF_PACKET, 15, 40, socket.AF_NETLINK):
         f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.EQ, family))
     f.add_rule(eperm, "socket", sc.Arg(1, sc.MASKED_EQ, 0xF, socket.SOCK_RAW))
+    for level, option in UNCHARGED_SOCKOPTS:
+        level_is, option_is = (sc.Arg(i, sc.MASKED_EQ, 0xFFFFFFFF, v) for i, v in ((1, level), (2, option)))
+        f.add_rule(eperm, "setsockopt", level_is, option_is)
     _own_process_only(f, sc, eperm)
     f.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, TIOCSTI))
     f.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, TIOCLINUX))

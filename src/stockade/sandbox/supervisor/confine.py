@@ -225,7 +225,11 @@ def exec_filter(no_memfd: bool = False) -> bytes:
 ENOSYS_ = 38
 
 
-NR_SOCKET, NR_IO_SETUP, NR_FCNTL = 41, 206, 72
+NR_SOCKET, NR_IO_SETUP, NR_FCNTL, NR_SETSOCKOPT = 41, 206, 72, 54
+# Socket options holding kernel memory no cgroup charges (``_seccomp.UNCHARGED_SOCKOPTS``):
+# TCP MD5 keys and classic BPF socket filters, by level.
+SOL_SOCKET, IPPROTO_TCP = 1, 6
+UNCHARGED_TCP, UNCHARGED_SOCKET = (14, 32), (26, 51)
 NR_MEMFD_SECRET = 447  # its pages leave the host's direct map for good (``_seccomp``)
 # The calls that signal (or attach to) a process named by its pid: the target's place
 # among the call's arguments, the first or either of the first two (a thread group, a
@@ -255,7 +259,9 @@ def deny_calls(
     ``netlink``: netlink sockets fail with EAFNOSUPPORT (glibc then does without): their
     receive queues are kernel memory no cgroup charges to the sandbox, and one socket pinned
     8 MB of the host's. ``datagrams``: so do UDP sockets, in a sandbox whose loopback is its
-    only network (cgroup v1 charges their buffers to no one either). ``locks``: OFD locks
+    only network (cgroup v1 charges their buffers to no one either); TCP MD5 keys and classic
+    BPF socket filters (``setsockopt``) fail with EPERM, kernel memory no cgroup charges either
+    (``_seccomp.UNCHARGED_SOCKOPTS``). ``locks``: OFD locks
     (``fcntl`` ``F_OFD_*``) fail with EINVAL, as on kernels before 3.15: the host counts
     each process's locks (``_locks``), and an OFD lock belongs to an open file, which can
     outlive every process (one in flight in a socket's queue); leases (``F_SETLEASE``) with
@@ -286,6 +292,8 @@ def deny_calls(
         emit(jeq, NR_PTRACE, "target_second", 0)
     if locks:
         emit(jeq, NR_FCNTL, "fcntl", 0)
+    if netlink:
+        emit(jeq, NR_SETSOCKOPT, "setsockopt", 0)
     if netlink or datagrams:
         emit(jeq, NR_SOCKET, 0, "allow")
         emit(ld, 16)  # args[0]: the family (its low half)
@@ -302,7 +310,20 @@ def deny_calls(
     emit(ret, SECCOMP_RET_ALLOW, label="allow")
     emit(ret, SECCOMP_RET_ERRNO | ENOSYS_, label="enosys")
     emit(ret, SECCOMP_RET_ERRNO | EAFNOSUPPORT_, label="eafnosupport")
-    if locks:  # (BPF jumps only forward: this block ends in returns of its own)
+    if netlink:  # (BPF jumps only forward: this block ends in returns of its own)
+        emit(ld, 24, label="setsockopt")  # args[1]: the level (an int: its low half)
+        emit(jeq, IPPROTO_TCP, "tcp_option", 0)
+        emit(jeq, SOL_SOCKET, "socket_option", "option_allowed")
+        emit(ld, 32, label="tcp_option")  # args[2]: the option
+        for option in UNCHARGED_TCP:
+            emit(jeq, option, "option_refused", 0)
+        emit(ret, SECCOMP_RET_ALLOW)
+        emit(ld, 32, label="socket_option")
+        for option in UNCHARGED_SOCKET:
+            emit(jeq, option, "option_refused", 0)
+        emit(ret, SECCOMP_RET_ALLOW, label="option_allowed")
+        emit(ret, SECCOMP_RET_ERRNO | EPERM_, label="option_refused")
+    if locks:
         emit(ld, 24, label="fcntl")  # args[1]: the command (an unsigned int: its low half)
         emit(jeq, F_SETLEASE, "eacces", 0)
         emit(jge, F_OFD_GETLK, 0, "allowed")
