@@ -50,7 +50,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   └── AuditIntegrityError       verify found the chain edited, cut or reordered
     ├── RunStoreError                 [retryable] the run store (checkpoints, traces) is unreachable
     │   ├── RunLeased                 [retryable] another process runs this run; ``retry_after``: its lease
-    │   └── RunStoreCorrupt           a stored row does not parse; the message names it
+    │   └── RunStoreCorrupt           a stored row does not parse, or a reader finds a table missing
     ├── ToolError                     a tool could not do what the model asked (fed back to it)
     │   ├── InvalidToolCall           unknown tool or arguments that fail its schema
     │   ├── PatchRejected             a diff does not apply; nothing was changed
@@ -693,7 +693,7 @@ class RunLeased(RunStoreError):
 
 
 class RunStoreCorrupt(RunStoreError):
-    """A stored row cannot be read back (the message names its table and key): retrying
-    reads the same bytes."""
+    """A stored row cannot be read back (the message names its table and key), or a store
+    opened read-only lacks a table or column (a reader makes none): retrying reads the same."""
 
     retryable = False

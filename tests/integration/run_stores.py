@@ -26,6 +26,7 @@ TABLES = (
     "approvals",
     "seeds",
     "run_seeds",
+    "setups",
     "leases",
     "calls_started",
     "blobs",

@@ -9,6 +9,7 @@ import pytest
 
 from stockade import Sandbox
 from stockade.agent import Agent, AgentEvent, RunState, RunStatus, ToolReturned
+from stockade.exceptions import ConfigurationError, RunStoreCorrupt, RunStoreError
 from stockade.models.messages import UserMessage
 from stockade.models.scripted import Turn
 from stockade.runs import RunRecorder, RunStore, open_run_store
@@ -129,6 +130,36 @@ async def test_runs_are_listed_newest_first_with_their_usage(store: RunStore) ->
     assert runs[1].steps == 3 and runs[1].usage.requests == 3 and runs[1].usage.total_tokens > 0
     assert [r.run_id for r in store.runs(limit=1)] == ["third"]
     assert store.find("fi") == ["first"] and store.find("%") == []
+
+
+async def test_a_reader_reads_and_writes_nothing(store: RunStore, run_store_target: StoreTarget) -> None:  # noqa: F811
+    """A reader (audit verify, runs list, the viewer) opened the store read-write: it made the
+    tables a store lacked and marked the runs whose process died. Read-only, it shows them
+    interrupted, leaves their rows, and neither its writes nor its own SQL can change a row."""
+    url, ns = run_store_target.url, run_store_target.namespace
+    await Agent(ScriptedModel(TURNS), checkpointer=store).run(
+        "note", sandbox=Sandbox.create(backend=FakeBackend()), run_id="dead"
+    )
+    store.db.write(  # its process died mid-run: the row still says running, the lease expired
+        [
+            (f"UPDATE {ns}_runs SET status = 'running' WHERE run_id = ?", [("dead",)]),
+            (f"UPDATE {ns}_leases SET expires_ns = 1 WHERE run_id = ?", [("dead",)]),
+        ]
+    )
+    with open_run_store(url, namespace=ns, read_only=True) as reader:
+        assert [(r.run_id, r.status) for r in reader.runs()] == [("dead", RunStatus.INTERRUPTED)]
+        assert reader.runs(status=RunStatus.RUNNING) == []
+        assert reader.load("dead") is not None and len(reader.tool_calls("dead")) == 3
+        with pytest.raises(ConfigurationError, match="read-only"):
+            reader.sweep()
+        with pytest.raises(RunStoreError):  # a READ ONLY transaction, a file opened read-only
+            reader.db.query(f"UPDATE {ns}_runs SET status = 'success'")
+    assert store.db.query(f"SELECT status FROM {ns}_runs") == [("running",)]
+
+    store.db.write([(f"DROP TABLE {ns}_erased", [()])])
+    with pytest.raises(RunStoreCorrupt, match=f"lacks {ns}_erased"):
+        open_run_store(url, namespace=ns, read_only=True)
+    assert store.db.columns(f"{ns}_erased") == set()  # still missing: nothing was made
 
 
 def test_a_subjects_runs_are_erased_and_nothing_else(store: RunStore) -> None:

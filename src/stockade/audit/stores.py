@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 from stockade import exceptions as exc
 from stockade._private import private_database
+from stockade._sqlite_reader import SQLiteReader
 from stockade.audit.events import GENESIS, AuditEvent, Chain, Draft
 from stockade.audit.sealing import SEALED, new_key, open_attributes
 
@@ -263,8 +264,9 @@ class SQLiteStore(AuditStore):
     Several processes may append to the same file: each batch is one ``BEGIN IMMEDIATE``
     transaction that reads the head, so the chain stays linear.
 
-    ``read_only``: for readers that must not change what they read (``verify``): the file is
-    opened read-only, no table is created, a missing one is an ``AuditStoreError``.
+    ``read_only``: for readers that must not change what they read (``verify``, the run
+    viewer): the file is read as ``SQLiteReader`` reads it (nothing written, nothing made beside
+    it), no table is created, a missing one is an ``AuditStoreError``.
     """
 
     def __init__(self, path: str | Path, *, namespace: str = "audit", read_only: bool = False) -> None:
@@ -273,8 +275,12 @@ class SQLiteStore(AuditStore):
         self.url = f"sqlite:///{self.path}"
         self.read_only = read_only
         self._lock = threading.Lock()
+        self._reader: SQLiteReader | None = None
         if read_only:
-            self._conn = self._connect()
+            try:
+                self._reader = SQLiteReader(self.path)
+            except sqlite3.Error as error:
+                raise exc.AuditStoreError(f"cannot open audit store {self.path}: {error}") from error
             return
         private_database(self.path, "an audit trail and its sealing keys")
         self._conn = self._connect()
@@ -283,11 +289,6 @@ class SQLiteStore(AuditStore):
 
     def _connect(self) -> sqlite3.Connection:
         try:
-            if self.read_only:
-                uri = f"{self.path.resolve().as_uri()}?mode=ro"
-                return sqlite3.connect(
-                    uri, uri=True, isolation_level=None, check_same_thread=False, timeout=30.0
-                )
             conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30.0)
             conn.execute("PRAGMA journal_mode=WAL")
             # NORMAL in WAL mode: a power cut may lose the last commits, never corrupts the chain.
@@ -330,8 +331,13 @@ class SQLiteStore(AuditStore):
                 raise exc.AuditStoreError(f"audit store {self.path}: {error}") from error
             return sealed
 
-    def _read_head(self, conn: sqlite3.Connection) -> Head | None:
-        row = conn.execute(f"SELECT seq, hash, algorithm, mac FROM {self.ns}_head WHERE id = 1").fetchone()
+    def _read_head(self, conn: sqlite3.Connection | SQLiteReader) -> Head | None:
+        sql = f"SELECT seq, hash, algorithm, mac FROM {self.ns}_head WHERE id = 1"
+        if isinstance(conn, SQLiteReader):
+            rows = conn.query(sql)
+            row = rows[0] if rows else None
+        else:
+            row = conn.execute(sql).fetchone()
         if row is None or row[0] == 0:
             return None
         seq, hash_, algorithm, mac = row
@@ -342,13 +348,16 @@ class SQLiteStore(AuditStore):
     def head(self) -> Head | None:
         with self._lock:
             try:
-                return self._read_head(self._conn)
+                return self._read_head(self._reader or self._conn)
             except sqlite3.Error as error:  # no head table (a damaged store, opened read-only)
                 raise exc.AuditStoreError(f"audit store {self.path}: {error}") from error
 
     def rows(self, *, run_id: str | None = None, after_seq: int = 0) -> Iterator[Row]:
         # A connection of its own: a long read (verify, export) never holds up appends.
-        conn = self._connect()
+        try:
+            conn, steady = self._reader.connect() if self._reader is not None else (self._connect(), None)
+        except sqlite3.Error as error:
+            raise exc.AuditStoreError(f"cannot open audit store {self.path}: {error}") from error
         try:
             sql = f"SELECT {_ROW_COLUMNS} FROM {self.ns}_events WHERE seq > ?"
             if run_id is not None:
@@ -363,6 +372,11 @@ class SQLiteStore(AuditStore):
                             row = _row(raw)
                             last = row.seq
                             yield row
+                    if steady is not None and not steady():
+                        raise exc.AuditStoreError(
+                            f"audit store {self.path} changed while it was read (a writer wrote into "
+                            "the file meanwhile): nothing read is proven, read it again"
+                        )
                     return
                 except sqlite3.OperationalError:
                     if conn.text_factory is _lenient_text:
@@ -398,7 +412,10 @@ class SQLiteStore(AuditStore):
             try:
                 marks = ",".join("?" * len(runs))
                 sql = f"SELECT run_id, key FROM {self.ns}_run_keys WHERE run_id IN ({marks})"
-                rows = self._conn.execute(sql, runs).fetchall()
+                if self._reader is not None:
+                    rows = self._reader.query(sql, runs)
+                else:
+                    rows = self._conn.execute(sql, runs).fetchall()
             except sqlite3.Error as error:
                 raise exc.AuditStoreError(f"audit store {self.path}: {error}") from error
         return {str(r): bytes(k) for r, k in rows}
@@ -426,6 +443,9 @@ class SQLiteStore(AuditStore):
         return gone
 
     def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            return
         with self._lock:
             self._conn.close()
 

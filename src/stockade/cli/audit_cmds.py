@@ -24,6 +24,7 @@ import typer
 from stockade import exceptions as exc
 from stockade._display import visible, visible_json
 from stockade._private import create_private
+from stockade._sqlite_reader import SQLiteReader
 from stockade.audit.events import AuditEvent
 from stockade.audit.postgres import PostgresStore
 from stockade.audit.stores import AuditStore, open_store
@@ -73,16 +74,14 @@ def _has_table(path: Path, table: str) -> bool:
     import sqlite3
 
     try:
-        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)) as db:
-            found = db.execute(
-                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)
-            ).fetchone()
+        with contextlib.closing(SQLiteReader(path)) as db:
+            found = db.query("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,))
     except sqlite3.DatabaseError as error:
         if getattr(error, "sqlite_errorcode", None) == _SQLITE_NOTADB:
             return False
         err.print(f"[red]cannot read {escape(str(path))}[/]: {escape(str(error))}")
         raise typer.Exit(UNREADABLE) from error
-    return found is not None
+    return bool(found)
 
 
 def _store(db: str, namespace: str) -> AuditStore:
@@ -142,8 +141,11 @@ def _ledger(runs_db: str | None, db: str, namespace: str, key: bytes | None) -> 
                 raise typer.Exit(2)
             yield None
             return
-    try:
-        store = open_run_store(url, namespace=namespace, key=key)
+    try:  # read-only: checking the evidence must not change it (no table made, no run marked)
+        store = open_run_store(url, namespace=namespace, key=key, read_only=True)
+    except exc.RunStoreError as error:  # a store that fails or lacks tables: nothing proven
+        err.print(f"[red]{escape(str(error))}[/]")
+        raise typer.Exit(UNREADABLE) from error
     except exc.StockadeError as error:
         err.print(f"[red]{escape(str(error))}[/]")
         raise typer.Exit(2) from error
@@ -228,7 +230,7 @@ def verify(
             raise typer.Exit(2)
         try:
             report = verify_store(store, run_id=run, key=key, expected_head=pinned, ledger=scoped or ledger)
-        except exc.AuditStoreError as error:  # the store failed mid-way: nothing was proven
+        except (exc.AuditStoreError, exc.RunStoreError) as error:  # a store failed mid-way: nothing proven
             err.print(f"[red]{escape(str(error))}[/]")
             raise typer.Exit(UNREADABLE) from error
         except exc.StockadeError as error:

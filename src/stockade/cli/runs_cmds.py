@@ -53,14 +53,15 @@ _EXIT_CODE = re.compile(r"exit code (-?\d+)")
 SHOWN_CHARS = 400
 
 
-def _store(db: str, namespace: str) -> RunStore:
+def _store(db: str, namespace: str, *, read_only: bool) -> RunStore:
+    """The run store; ``read_only`` for the commands that only read it (they change nothing)."""
     if "://" not in db or db.startswith("sqlite:///"):
         path = Path(db.removeprefix("sqlite:///"))
         if not path.exists():
             err.print(f"[red]no run store at {escape(str(path))}[/] (set --db or STOCKADE_RUNS_DB)")
             raise typer.Exit(2)
     try:
-        return open_run_store(db, namespace=namespace)
+        return open_run_store(db, namespace=namespace, read_only=read_only)
     except exc.StockadeError as error:
         err.print(f"[red]{escape(str(error))}[/]")
         raise typer.Exit(2) from error
@@ -119,7 +120,7 @@ def list_runs(
     as_json: JsonOpt = False,
 ) -> None:
     """The latest runs: id, status, steps, tokens, cost and task."""
-    with _store(db, namespace) as store:
+    with _store(db, namespace, read_only=True) as store:
         runs = store.runs(limit=limit, status=status)
     if as_json:
         print(json.dumps([_summary_json(s) for s in runs], ensure_ascii=False))
@@ -323,7 +324,7 @@ def show(
     as_json: JsonOpt = False,
 ) -> None:
     """Each step of a run: tool, arguments, exit code, duration, retries and output; then the diff."""
-    with _store(db, namespace) as store:
+    with _store(db, namespace, read_only=True) as store:
         trace = store.trace(_resolve(store, run_id))
     if trace is None:
         err.print(f"[red]run {escape(run_id)} has no checkpoint[/]")
@@ -415,7 +416,10 @@ def replay(
     from stockade.runs.replay import replay as replay_run
 
     audit = audit_db or db
-    with tempfile.TemporaryDirectory(prefix="stockade-replay-") as scratch, _store(db, namespace) as store:
+    with (
+        tempfile.TemporaryDirectory(prefix="stockade-replay-") as scratch,
+        _store(db, namespace, read_only=True) as store,  # only read: a replay records no run
+    ):
         try:
             toolset = load_tools(tools) if tools else None
             state = store.load(_resolve(store, run_id))
@@ -587,7 +591,7 @@ def workspace(
 ) -> None:
     """Write the workspace a run left (as its last tool call left it) into a new folder: to
     review a run that was stopped (killed by an anomaly rule, broken), or to start again from it."""
-    with _store(db, namespace) as store:
+    with _store(db, namespace, read_only=True) as store:
         resolved = _resolve(store, run_id)
         try:
             files = store.export_workspace(resolved, dest)
@@ -646,7 +650,7 @@ def erase(
     from stockade.runs.snapshots import erase_run_snapshots
     from stockade.sandbox.snapshots import SnapshotStore
 
-    with _store(db, namespace) as store:
+    with _store(db, namespace, read_only=False) as store:
         chosen = [_resolve(store, r) for r in run_ids or []]
         if subject is not None or older_than is not None:
             before = time.time_ns() - round(older_than * 86400e9) if older_than is not None else None

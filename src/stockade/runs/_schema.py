@@ -85,6 +85,11 @@ def schema(ns: str, serial: str, blob: str) -> list[str]:
     ]
 
 
+def tables(ns: str) -> list[str]:
+    """The names of the tables ``schema`` makes."""
+    return [sql.split()[5] for sql in schema(ns, "", "") if sql.startswith("CREATE TABLE")]
+
+
 # The tables whose rows a resume acts on: each row carries a MAC (``_mac``) in its last column,
 # ``mac``, added to a database made before it had one.
 # SIGNED: each table's columns its MAC covers, in order, and how many of them name the row.

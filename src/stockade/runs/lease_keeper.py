@@ -19,7 +19,13 @@ from stockade.runs._db import Database, Requirement, Statement
 from stockade.runs._schema import as_int
 from stockade.runs.lease import LeaseHolder, owner_gone, owner_token, wait_time
 
-__all__ = ["LeaseKeeper"]
+__all__ = ["STALE_WHY", "LeaseKeeper"]
+
+# The error of a run marked ``interrupted`` because its process stopped.
+STALE_WHY = (
+    "the process running it stopped (its lease in the run store expired); "
+    "resume it: stockade agent --resume RUN_ID"
+)
 
 
 class LeaseKeeper:
@@ -139,26 +145,26 @@ class LeaseKeeper:
             if self._held.get(run_id) == owner:
                 del self._held[run_id]
 
-    def sweep(self) -> list[str]:
-        """Mark ``interrupted`` the runs still ``running`` whose lease expired or whose process
-        is gone; returns their ids."""
+    def stale(self) -> list[str]:
+        """The runs still ``running`` whose lease expired or whose process is gone (``sweep``
+        marks them; a reader shows them so, writing nothing)."""
         ns, now = self.ns, time.time_ns()
         rows = self.db.query(
             f"SELECT l.run_id, l.owner, l.expires_ns FROM {ns}_leases l JOIN {ns}_runs r "
             "ON r.run_id = l.run_id WHERE r.status = ?",
             (RunStatus.RUNNING.value,),
         )
-        stale = [str(r[0]) for r in rows if as_int(r[2]) < now or owner_gone(str(r[1]))]
+        return [str(r[0]) for r in rows if as_int(r[2]) < now or owner_gone(str(r[1]))]
+
+    def sweep(self) -> list[str]:
+        """Mark ``interrupted`` the ``stale`` runs; returns their ids."""
+        stale = self.stale()
         if stale:
-            why = (
-                "the process running it stopped (its lease in the run store expired); "
-                "resume it: stockade agent --resume RUN_ID"
-            )
             self.db.write(
                 [
                     (
-                        f"UPDATE {ns}_runs SET status = ?, error = ? WHERE run_id = ? AND status = ?",
-                        [(RunStatus.INTERRUPTED.value, why, r, RunStatus.RUNNING.value) for r in stale],
+                        f"UPDATE {self.ns}_runs SET status = ?, error = ? WHERE run_id = ? AND status = ?",
+                        [(RunStatus.INTERRUPTED.value, STALE_WHY, r, RunStatus.RUNNING.value) for r in stale],
                     )
                 ]
             )

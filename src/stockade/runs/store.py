@@ -43,6 +43,7 @@ run), ``CallLedger`` (``ledger``: calls returned and started), ``Checkpoints``
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -56,11 +57,19 @@ from stockade.models.messages import ToolCall
 from stockade.policy.schema import Policy
 from stockade.runs._db import Database, PostgresDatabase, SQLiteDatabase, display_url
 from stockade.runs._mac import RowMac, select, unauthentic_rows
-from stockade.runs._schema import MAC_TABLES, SUMMARY_COLUMNS, as_float, as_int, schema, summary_from_row
+from stockade.runs._schema import (
+    MAC_TABLES,
+    SUMMARY_COLUMNS,
+    as_float,
+    as_int,
+    schema,
+    summary_from_row,
+    tables,
+)
 from stockade.runs.checkpoints import OUTCOME_UNKNOWN, Checkpoints
 from stockade.runs.erasure import Erasure
 from stockade.runs.lease import LEASE_S, LeaseHolder, RunLease
-from stockade.runs.lease_keeper import LeaseKeeper, live_expiry
+from stockade.runs.lease_keeper import STALE_WHY, LeaseKeeper, live_expiry
 from stockade.runs.ledger import CallLedger
 from stockade.runs.records import ApprovalEntry, RetryEntry, RunSetup, RunSummary, RunTrace, WorkspaceUsage
 from stockade.runs.seeds import MAX_SEED_BYTES
@@ -125,9 +134,28 @@ class RunStore:
             where=where,
         )
         self._erasure = Erasure(db, self.ns)
+        if db.read_only:  # a reader makes nothing: what the store lacks is said, not made
+            self._check_schema()
+            return
         self.db.create(schema(self.ns, db.serial, db.blob), name=self.ns)
         for table in MAC_TABLES:
             self.db.add_column(f"{self.ns}_{table}", "mac", "TEXT")
+
+    def _check_schema(self) -> None:
+        signed = {f"{self.ns}_{t}" for t in MAC_TABLES}
+        missing: list[str] = []
+        for table in tables(self.ns):
+            have = self.db.columns(table)
+            if not have:
+                missing.append(table)
+            elif table in signed and "mac" not in have:
+                missing.append(f"{table}.mac")
+        if missing:
+            raise exc.RunStoreCorrupt(
+                f"run store {self._where} lacks {', '.join(missing)} (made by an earlier stockade, or "
+                "damaged); opened read-only, so nothing was added: a writer (a run, a resume) adds "
+                "what an earlier stockade did not make"
+            )
 
     # The workspace caps are the workspace history's: set here, they apply to the runs it
     # starts tracking from then on, as they did when they were the store's own.
@@ -436,20 +464,32 @@ class RunStore:
 
     # -- reading ------------------------------------------------------------------------------
 
+    def _stale(self) -> frozenset[str]:
+        """The runs whose process died, still ``running`` in the rows: none once swept; opened
+        read-only, they are shown ``interrupted`` as a sweep would mark them, and left as they are."""
+        if self.db.read_only:
+            return frozenset(self._leases.stale())
+        self.sweep()
+        return frozenset()
+
     def runs(self, *, limit: int = 50, status: RunStatus | None = None) -> list[RunSummary]:
         """The most recently updated runs first (runs whose process died: ``interrupted``)."""
-        self.sweep()
+        stale = self._stale()
         where, params = ("WHERE status = ?", [status.value]) if status is not None else ("", [])
+        if stale and status in (RunStatus.RUNNING, RunStatus.INTERRUPTED):
+            listed = f"run_id IN ({', '.join('?' * len(stale))})"
+            where += f" AND NOT {listed}" if status is RunStatus.RUNNING else f" OR {listed}"
+            params += sorted(stale)
         rows = self.db.query(
             f"SELECT {SUMMARY_COLUMNS} FROM {self.ns}_runs {where} ORDER BY updated_ns DESC LIMIT ?",
             [*params, limit],
         )
-        return [summary_from_row(r) for r in rows]
+        return [_swept(summary_from_row(r), stale) for r in rows]
 
     def summary(self, run_id: str) -> RunSummary | None:
-        self.sweep()
+        stale = self._stale()
         rows = self.db.query(f"SELECT {SUMMARY_COLUMNS} FROM {self.ns}_runs WHERE run_id = ?", (run_id,))
-        return summary_from_row(rows[0]) if rows else None
+        return _swept(summary_from_row(rows[0]), stale) if rows else None
 
     def find(self, prefix: str) -> list[str]:
         """Run ids starting with ``prefix`` (the CLI accepts a unique prefix)."""
@@ -543,21 +583,42 @@ class RunStore:
         self.close()
 
 
+def _swept(summary: RunSummary, stale: frozenset[str]) -> RunSummary:
+    if summary.run_id not in stale or summary.status is not RunStatus.RUNNING:
+        return summary
+    return dataclasses.replace(summary, status=RunStatus.INTERRUPTED, error=STALE_WHY)
+
+
 def open_run_store(
-    url: str, *, namespace: str = "runs", redactor: Redactor | None = None, key: bytes | None = None
+    url: str,
+    *,
+    namespace: str = "runs",
+    redactor: Redactor | None = None,
+    key: bytes | None = None,
+    read_only: bool = False,
 ) -> RunStore:
     """A run store from a URL: ``sqlite:///PATH`` (may be the audit database file), a plain
     file path, ``postgresql://...``, or ``memory:``. ``key``: the audit trail's HMAC key (the
-    rows a resume acts on are MAC'd under a key derived from it, and checked)."""
+    rows a resume acts on are MAC'd under a key derived from it, and checked).
+
+    ``read_only``: a reader's (``audit verify``, ``runs list``, the run viewer), that changes
+    nothing in what it reads: no table or column is made (a store that lacks one is
+    ``RunStoreCorrupt``), a missing SQLite file is a ``RunStoreError`` (never a new empty store),
+    nothing is made beside it, PostgreSQL runs ``READ ONLY`` transactions, every write is
+    refused, and runs whose process died are shown ``interrupted`` without being marked so."""
     db: Database
     if url.startswith(("postgresql://", "postgres://")):
-        db = PostgresDatabase(url)
+        db = PostgresDatabase(url, read_only=read_only)
     elif url.startswith("sqlite:///"):
-        db = SQLiteDatabase(url[len("sqlite:///") :])
+        db = SQLiteDatabase(url[len("sqlite:///") :], read_only=read_only)
     elif url == "memory:":  # tests and one-off tools
-        db = SQLiteDatabase(":memory:")
+        db = SQLiteDatabase(":memory:", read_only=read_only)
     elif "://" in url:
         raise exc.ConfigurationError(f"unknown run store URL {url!r}: use sqlite:///PATH or postgresql://...")
     else:
-        db = SQLiteDatabase(url)
-    return RunStore(db, namespace=namespace, redactor=redactor, key=key)
+        db = SQLiteDatabase(url, read_only=read_only)
+    try:
+        return RunStore(db, namespace=namespace, redactor=redactor, key=key)
+    except BaseException:  # a store that lacks tables, read-only: its connection is ours to close
+        db.close()
+        raise

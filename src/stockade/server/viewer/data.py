@@ -511,8 +511,9 @@ class LocalRuns:
         key: bytes | None = None,
     ) -> None:
         self.db = db
-        self.runs_store = open_run_store(db, namespace=namespace)
-        self.audit = open_store(db)
+        # both read-only: viewing the records changes none of them (decisions go to the book)
+        self.runs_store = open_run_store(db, namespace=namespace, read_only=True)
+        self.audit = open_store(db, read_only=True)
         self.approvals = ApprovalStore(approvals)
         self.key = key
 
