@@ -192,7 +192,7 @@ async def test_a_run_through_the_async_client(client: AsyncClient, tmp_path: Pat
     await run.approve(request["id"])
     done = await run.wait()
     assert done.status == "success" and done.info["answer"] == "updated app.py"
-    assert [a["status"] for a in await run.approvals()] == ["approved"]
+    assert [a["status"] for a in await run.approvals()] == ["spent"]  # the yes let its action go, once
     assert "+print('v2')" in await run.diff()
     assert ((await run.artifacts(tmp_path / "out")) / "app.py").read_text() == "print('v2')\n"
     assert [r.id for r in await client.runs.list(label="team=async")] == [run.id]
