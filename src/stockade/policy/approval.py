@@ -204,6 +204,9 @@ class ApprovalStore:
         return [json.loads(file.read_text()) for file in sorted(folder.glob("*.json"))]
 
 
+_TURNS = 8  # Approvals.require's reads of a decision others change under it
+
+
 class Approvals:
     def __init__(self, approver: Approver | None = None, store: ApprovalBook | None = None) -> None:
         self.approver = approver
@@ -211,16 +214,26 @@ class Approvals:
 
     def require(self, request: ApprovalRequest) -> None:
         store = self.store
-        choice = store.decision(request) if store is not None else None
-        if choice is None and self.approver is not None:
-            choice = self.approver(request)
-            if choice is not None and store is not None:
-                store.submit(request)
-                store.decide(request.run_id, request.id, choice, by="approver")
+        choice: Choice | None = None
+        # Each turn after the first: another worker (a thread judging the same exec, a process
+        # resuming the run) decided or spent first; its decision is read again, and a yes it
+        # spent leaves this action to be asked anew. Bounded: then it waits, pending.
+        for _ in range(_TURNS):
+            choice = store.decision(request) if store is not None else None
+            if choice is None and self.approver is not None:
+                choice = self.approver(request)
+                if choice is not None and store is not None:
+                    store.submit(request)
+                    try:
+                        store.decide(request.run_id, request.id, choice, by="approver")
+                    except ApprovalDecided:
+                        choice = None
+                        continue
+            if choice is not Choice.APPROVED or store is None or store.spend(request.run_id, request.id):
+                break
+            choice = None
         if choice is Choice.APPROVED:
-            if store is None or store.spend(request.run_id, request.id):
-                return
-            return self.require(request)  # another worker applied that yes first: asked anew
+            return
         if choice is Choice.DENIED:
             raise PolicyDenied(f"a human denied: {request.action} ({request.reason})", rule=request.rule,
                                action=request.action)  # fmt: skip

@@ -145,3 +145,34 @@ def test_the_request_a_run_waits_on_is_listed_first(book: ApprovalBook) -> None:
         with pytest.raises(ApprovalRequired):
             approvals.require(request)
     assert [r["id"] for r in book.pending("run-1")] == [PUSH.id, earlier.id]
+
+
+def test_two_threads_asking_the_same_at_once_each_get_their_own_yes(book: ApprovalBook) -> None:
+    """Two execs alike judged at the same moment (``xargs -P``): the approver is asked by both;
+    the second decision finds the first made (``ApprovalDecided``), reads it again, and each
+    exec goes ahead on a yes of its own: no error escapes, and no yes is used twice."""
+    both_asking = threading.Barrier(2)
+    asked: list[str] = []
+
+    def approver(request: ApprovalRequest) -> Choice:
+        asked.append(request.action)
+        if len(asked) <= 2:
+            both_asking.wait(timeout=10)
+        return Choice.APPROVED
+
+    approvals = Approvals(approver, book)
+    errors: list[BaseException] = []
+
+    def judge() -> None:
+        try:
+            approvals.require(PUSH)
+        except BaseException as error:  # what escaped is the finding
+            errors.append(error)
+
+    threads = [threading.Thread(target=judge) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert len(asked) >= 2 and status(book, PUSH) == SPENT
