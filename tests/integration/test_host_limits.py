@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from stockade import Limits, Sandbox, SandboxCrashed, WorkspaceFull
+from stockade import Limits, Sandbox, SandboxCrashed, SandboxRules, WorkspaceFull
+from stockade.sandbox.pool import SandboxPool
 from stockade.types import CommandResult, Mechanism
 from tests.conftest import require_tier
 from tests.integration.conftest import TIERS
@@ -432,6 +433,43 @@ def test_kernel_memory_no_cgroup_charges_is_refused(tier: str) -> None:
          "tcp_md5": "EPERM", "socket_filter": "EPERM", "netlink": "EAFNOSUPPORT", "udp": "EAFNOSUPPORT",
          "udp6": "EAFNOSUPPORT"}
     )  # fmt: skip
+
+
+# A one-instruction seccomp filter (return ALLOW), by both of the kernel's routes.
+ADD_FILTER = r"""
+import ctypes, errno, struct
+libc = ctypes.CDLL(None, use_errno=True)
+allow = ctypes.create_string_buffer(struct.pack("HBBI", 6, 0, 0, 0x7FFF0000))
+program = struct.pack("HxxxxxxQ", 1, ctypes.addressof(allow))
+calls = {"seccomp": lambda: libc.syscall(317, 1, 0, program),  # SECCOMP_SET_MODE_FILTER
+         "prctl": lambda: libc.prctl(22, 2, program, 0, 0)}  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+print({name: "added" if call() == 0 else errno.errorcode[ctypes.get_errno()] for name, call in calls.items()})
+"""
+
+
+@pytest.mark.parametrize("tier", [t for t in TIERS if t in ("process", "docker")])  # the host's kernel
+def test_code_adds_no_seccomp_filter_and_the_rules_filters_still_hold(tier: str) -> None:
+    """Each seccomp filter is JIT code no cgroup charges, counted against the host's shared
+    bpf_jit_limit: ~7 filters a process, ~50 MB a sandbox, and ten sandboxes used it up,
+    after which every unprivileged filter load on the host fails (bubblewrap's of each new
+    sandbox among them) (found from outside). Refused from code and from a command, while the
+    supervisor's own filters (the exec listener's, for the rules) hold: after a reset that
+    execs a fresh supervisor (code killed the zygote) and for the next user of a pool."""
+    require_tier(tier)
+    refused = "{'seccomp': 'EPERM', 'prctl': 'EPERM'}\n"
+    limits = Limits(memory_mb=256, timeout_s=30, pids=64)
+    with SandboxPool(tier, size=1, limits=limits, rules=SandboxRules(deny=("uname",))) as pool:
+        for user in ("one", "two"):
+            with pool.acquire() as sbx:
+                for reset in ((), ("exec",))[: 2 if user == "one" else 1]:
+                    if reset:
+                        assert sbx.run_code("import os\nos.kill(os.getppid(), 9)").error is None
+                        sbx.reset()
+                    assert sbx.run_code(ADD_FILTER).logs.stdout == refused, (user, reset)
+                    sbx.files.write("add_filter.py", ADD_FILTER)
+                    assert sbx.commands.run("python3 add_filter.py").stdout == refused, (user, reset)
+                    denied = sbx.commands.run("uname -s; echo done")
+                    assert "Linux" not in denied.stdout and "done" in denied.stdout, (user, reset, denied)
 
 
 TCP_HOARD = r"""

@@ -610,6 +610,7 @@ def _tear_down(channel: Channel, boundary: Boundary) -> None:
 def supervisor_config(
     spec: SandboxSpec, rlimits: dict[str, int] | None = None, egress: EgressHandle | None = None,
     *, seal: bool = False, refuse_kernel: bool = False, host_network: bool = False,
+    refuse_filters: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """The ``init`` frame every tier sends: the environment, caps and default timeout; with
     ``egress`` (a ``stockade.egress.Attachment``), the proxy's variables and the relay.
@@ -619,7 +620,10 @@ def supervisor_config(
     what takes host memory or a host-wide quota uncharged (``_seccomp``'s list: AIO contexts,
     netlink, UDP where the loopback is the only network). ``host_network``: the sandbox
     shares the host's network namespace, whose sockets are not the sandbox's to account for
-    at a reset."""
+    at a reset. ``refuse_filters``: the code's kernel is the host's, where each seccomp filter
+    is JIT code no cgroup charges, counted against the host's shared ``bpf_jit_limit``: once
+    its own filters are in place, the supervisor lets no process add one
+    (``confine.refuse_filters``)."""
     env = {
         "PATH": "/usr/local/bin:/usr/bin:/bin",
         "HOME": "/tmp",
@@ -654,6 +658,8 @@ def supervisor_config(
         config["seal"] = True
     if host_network:
         config["own_network"] = False
+    if refuse_filters:
+        config["no_filters"] = True
     if refuse_kernel:
         config["kernel"] = {"datagrams": not spec.network.unrestricted}
     if spec.rules is not None and spec.rules.judges_paths:

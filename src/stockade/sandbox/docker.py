@@ -823,7 +823,14 @@ class DockerBackend(Backend):
             own = _guest.own_kernel_limits(spec, self._runtime_platform()) if self.own_kernel else None
             # a kernel of its own is gVisor's, whose /proc lets code open our pipes: sealed
             rlimits = own.rlimits if own is not None else None
-            return supervisor_config(spec, rlimits, egress, seal=self.own_kernel, refuse_kernel=True)
+            return supervisor_config(
+                spec,
+                rlimits,
+                egress,
+                seal=self.own_kernel,
+                refuse_kernel=True,
+                refuse_filters=not self.own_kernel,
+            )
 
         def log() -> str:
             return stream.stderr.decode("utf-8", "replace").strip()

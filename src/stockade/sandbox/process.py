@@ -787,7 +787,9 @@ class ProcessBackend(Backend):
             rlimits["RLIMIT_AS"] = spec.limits.memory_mb * MiB
         if enforcement.pids is Mechanism.RLIMIT:
             rlimits["RLIMIT_NPROC"] = spec.limits.pids + _user_process_count()
-        return supervisor_config(spec, rlimits, egress, host_network=spec.network.unrestricted)
+        return supervisor_config(
+            spec, rlimits, egress, host_network=spec.network.unrestricted, refuse_filters=True
+        )
 
 
 def _namespace_options(spec: SandboxSpec, joined: tuple[int, int] | None) -> list[str]:

@@ -353,6 +353,45 @@ def deny_calls(
     libc("syscall", SYS_SECCOMP, SECCOMP_SET_MODE_FILTER, 0, pinned[2])
 
 
+AUDIT_ARCH_I386 = 0x40000003
+NR_SECCOMP_I386, NR_PRCTL_I386 = 354, 172
+NR_PRCTL, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 157, 22, 2
+
+
+def refuse_filters() -> None:
+    """A last filter on this process and all it starts: no seccomp filter may be added after it
+    (``seccomp(SECCOMP_SET_MODE_FILTER)``, ``prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER)``:
+    EPERM, in every ABI). Where the code's kernel is the host's, each filter is JIT code no
+    cgroup charges, counted against the host's shared ``bpf_jit_limit``: used up, every
+    unprivileged filter load on the host fails (bubblewrap's of each new sandbox among them).
+    Ours are in place before it; strict mode and the other operations (which load nothing) stay."""
+    ld, jeq, ret, and_ = 0x20, 0x15, 0x06, 0x54
+    program = [
+        (ld, 0, 0, 4),  # 0: the architecture
+        (jeq, 0, 4, AUDIT_ARCH_X86_64),
+        (ld, 0, 0, 0),  # 2: the call's number, the x32 ABI's bit cleared (same numbers)
+        (and_, 0, 0, 0xBFFFFFFF),
+        (jeq, 6, 0, SYS_SECCOMP),  # -> 11
+        (jeq, 7, 4, NR_PRCTL),  # -> 13, else allow
+        (jeq, 0, 3, AUDIT_ARCH_I386),  # 6: else allow
+        (ld, 0, 0, 0),
+        (jeq, 2, 0, NR_SECCOMP_I386),  # -> 11
+        (jeq, 3, 0, NR_PRCTL_I386),  # -> 13
+        (ret, 0, 0, SECCOMP_RET_ALLOW),  # 10
+        (ld, 0, 0, 16),  # 11: seccomp's operation (args[0], an unsigned int: its low half)
+        (jeq, 5, 4, SECCOMP_SET_MODE_FILTER),  # -> 18, else allow
+        (ld, 0, 0, 16),  # 13: prctl's option
+        (jeq, 0, 2, PR_SET_SECCOMP),  # else allow
+        (ld, 0, 0, 24),  # 15: its mode (args[1])
+        (jeq, 1, 0, SECCOMP_MODE_FILTER),  # -> 18
+        (ret, 0, 0, SECCOMP_RET_ALLOW),  # 17
+        (ret, 0, 0, SECCOMP_RET_ERRNO | EPERM_),  # 18
+    ]
+    pinned = _program(b"".join(struct.pack("=HBBI", *insn) for insn in program))
+    libc("prctl", 38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS: set on every tier already
+    libc("syscall", SYS_SECCOMP, SECCOMP_SET_MODE_FILTER, 0, pinned[2])
+
+
 def notify_available() -> bool:
     if os.uname().machine != "x86_64":
         return False

@@ -620,6 +620,12 @@ def main() -> None:
         confine.deny_calls(
             calls, netlink=bool(kernel), datagrams=datagrams, locks=bool(kernel), guard_init=os.getpid() == 1
         )
+    if sup.config.get("no_filters"):  # the code's kernel is the host's (``confine.refuse_filters``)
+        import confine  # type: ignore[import-not-found]
+
+        # Last, after the exec listener (configure) and the filter above: nothing is forked
+        # yet, and a reset's exec keeps it (the fresh supervisor installs no filter).
+        confine.refuse_filters()
     ready = {"id": header.get("id", 0), "ev": "ready", "pid": os.getpid(), "python": sys.version.split()[0]}
     if sup.rules is not None:
         ready["rules"] = sup.rules.report()
