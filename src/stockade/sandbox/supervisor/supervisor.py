@@ -620,16 +620,18 @@ def main() -> None:
         confine.deny_calls(
             calls, netlink=bool(kernel), datagrams=datagrams, locks=bool(kernel), guard_init=os.getpid() == 1
         )
-    if sup.config.get("no_filters"):  # the code's kernel is the host's (``confine.refuse_filters``)
-        import confine  # type: ignore[import-not-found]
-
-        # Last, after the exec listener (configure) and the filter above: nothing is forked
-        # yet, and a reset's exec keeps it (the fresh supervisor installs no filter).
-        confine.refuse_filters()
     ready = {"id": header.get("id", 0), "ev": "ready", "pid": os.getpid(), "python": sys.version.split()[0]}
     if sup.rules is not None:
         ready["rules"] = sup.rules.report()
     sup.send(ready)
+    if sup.config.get("no_filters"):  # the code's kernel is the host's (``confine.refuse_filters``)
+        import confine  # type: ignore[import-not-found]
+
+        # Last, after the exec listener (configure) and the filter above, off the create's
+        # path (~0.8 ms), and before the judge's thread (a filter holds for the thread that
+        # installs it and what it forks later: the judge spawns commands) and any fork; no
+        # request is read before serve(). A reset's exec keeps it (none is installed again).
+        confine.refuse_filters()
     sup.start_judge()
     sup.start_zygote()  # after answering (off the create's path), before reading any request
     sup.reader = reader
