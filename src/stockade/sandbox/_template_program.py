@@ -259,6 +259,9 @@ def _no_time_wait() -> None:
     it cannot be written, that check is what holds."""
     with contextlib.suppress(OSError):
         _write("/proc/sys/net/ipv4/tcp_max_tw_buckets", "0")
+    # And no transmit timestamp carrying what was sent (``docker.NO_TIMESTAMPED_DATA``).
+    with contextlib.suppress(OSError):
+        _write("/proc/sys/net/core/tstamp_allow_data", "0")
 
 
 def _drop_capabilities() -> None:

@@ -75,6 +75,12 @@ MAX_COMPILED = 16 * 1024 * 1024
 EGRESS_DIR = "/run/stockade-egress"  # stockade.egress.SANDBOX_DIR (not imported: it is lazy)
 # A network namespace of its own keeps no TIME_WAIT (see where containers are created).
 NO_TIME_WAIT = {"net.ipv4.tcp_max_tw_buckets": "0"}
+# A transmit timestamp that carries what was sent sits on the socket's error queue as a clone
+# holding the sent data's pages, which no cgroup charges once the data itself is acknowledged:
+# a 128 MiB sandbox held ~1 GB of the host's that way (found from outside). Without
+# CAP_NET_RAW, code then gets timestamps without data (SOF_TIMESTAMPING_OPT_TSONLY) or none.
+# On the host's kernel only: gVisor keeps its own sockets in its own memory.
+NO_TIMESTAMPED_DATA = {"net.core.tstamp_allow_data": "0"}
 
 
 def _supervisor_env(egress: EgressHandle | None) -> list[str]:
@@ -556,7 +562,7 @@ class DockerBackend(Backend):
             # No TIME_WAIT kept in the container's namespace: a connection code closed first
             # would outlive a pool's reset for 60 s (addresses, ports, taken binds; the
             # reset's check, supervisor/netstate.py, would then replace the member).
-            sysctls=NO_TIME_WAIT,
+            sysctls=NO_TIME_WAIT if self.own_kernel else {**NO_TIME_WAIT, **NO_TIMESTAMPED_DATA},
             read_only=True,
             tmpfs=tmpfs,
             binds=bind_list,
