@@ -25,10 +25,16 @@ import re
 
 __all__ = ["UNSHOWN", "visible", "visible_json"]
 
-# What is never shown raw. Newline and tab are text, kept but on one line.
+# What is never shown raw. Newline and tab are text, kept but on one line. Besides controls
+# and bidi marks, what draws as nothing or as a space, or joins what it follows unseen: the
+# soft hyphen and grapheme joiner, Hangul and Mongolian fillers, line and paragraph separators
+# (a line break to a browser, none to a terminal), deprecated format characters, variation
+# selectors (bytes hidden after a visible character), interlinear annotations and musical
+# format characters: an approver saw `./src/` for `./sr\xadc/`, found from outside.
 UNSHOWN = (
-    "\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u202a-\u202e\u2060-\u2064\u2066-\u2069"
-    "\ufeff\ud800-\udfff\U000e0000-\U000e007f"
+    "\x00-\x08\x0b-\x1f\x7f-\x9f\xad\u034f\u061c\u115f\u1160\u17b4\u17b5\u180e"
+    "\u200b-\u200f\u2028-\u202e\u2060-\u2064\u2066-\u206f\u3164\ufe00-\ufe0f\ufeff\uffa0"
+    "\ufff9-\ufffb\ud800-\udfff\U0001d173-\U0001d17a\U000e0000-\U000e007f\U000e0100-\U000e01ef"
 )
 _UNSHOWN = re.compile(f"[{UNSHOWN}]")
 _UNSHOWN_OR_LINES = re.compile(f"[{UNSHOWN}\n\t]")

@@ -26,6 +26,20 @@ RANGES = {
     "byte order mark": (0xFEFF, 0xFEFF),
     "lone surrogates": (0xD800, 0xDFFF),
     "tag characters": (0xE0000, 0xE007F),
+    # drawn as nothing or as a space (found from outside: `./sr\xadc/` was shown as `./src/`)
+    "soft hyphen": (0x00AD, 0x00AD),
+    "combining grapheme joiner": (0x034F, 0x034F),
+    "Hangul fillers": (0x115F, 0x1160),
+    "Khmer inherent vowels": (0x17B4, 0x17B5),
+    "Mongolian vowel separator": (0x180E, 0x180E),
+    "line and paragraph separators": (0x2028, 0x2029),
+    "deprecated format characters": (0x206A, 0x206F),
+    "Hangul filler": (0x3164, 0x3164),
+    "variation selectors": (0xFE00, 0xFE0F),
+    "halfwidth Hangul filler": (0xFFA0, 0xFFA0),
+    "interlinear annotations": (0xFFF9, 0xFFFB),
+    "musical format characters": (0x1D173, 0x1D17A),
+    "variation selectors supplement": (0xE0100, 0xE01EF),
 }
 RLO, LRI, PDI, PDF = "\u202e", "\u2066", "\u2069", "\u202c"
 # the tester's action: drawn as if `rm -r src` were inside the echoed string
