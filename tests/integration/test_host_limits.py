@@ -472,17 +472,23 @@ def test_code_adds_no_seccomp_filter_and_the_rules_filters_still_hold(tier: str)
                     assert "Linux" not in denied.stdout and "done" in denied.stdout, (user, reset, denied)
 
 
-# A transmit timestamp asked for (SO_TIMESTAMPING) on a loopback connection, the data sent and
-# read, then the error queue: what the kernel queued there for the sender.
+# Transmit timestamps asked for on a loopback connection, by the socket option (data-less ones
+# too: OPT_TSONLY) and per sendmsg (SCM_TIMESTAMPING), the data sent and read, then the error
+# queue: what the option said, and what the kernel queued there for the sender.
 TIMESTAMPED = r"""
-import socket, time
+import socket, struct, time
 listener = socket.socket(); listener.bind(("127.0.0.1", 0)); listener.listen(1)
 client = socket.create_connection(listener.getsockname()); server, _ = listener.accept()
-client.setsockopt(socket.SOL_SOCKET, 37, (1 << 1) | (1 << 4))  # SO_TIMESTAMPING: TX_SOFTWARE, SOFTWARE
+try:  # SO_TIMESTAMPING: TX_SOFTWARE, SOFTWARE, OPT_TSONLY
+    client.setsockopt(socket.SOL_SOCKET, 37, (1 << 1) | (1 << 4) | (1 << 11))
+    print("option taken")
+except PermissionError:
+    print("option refused")
 client.send(b"x" * 65536)
+client.sendmsg([b"y" * 65536], [(socket.SOL_SOCKET, 37, struct.pack("I", 1 << 1))])  # TX_SOFTWARE
 got = 0
-while got < 65536:
-    got += len(server.recv(65536))
+while got < 2 * 65536:
+    got += len(server.recv(1 << 17))
 time.sleep(0.2)
 try:
     data, _, _, _ = client.recvmsg(1 << 20, 4096, socket.MSG_ERRQUEUE | socket.MSG_DONTWAIT)
@@ -496,14 +502,15 @@ except BlockingIOError:
 def test_transmit_timestamps_carry_no_data_that_no_cgroup_charges(tier: str) -> None:
     """A timestamp that carries what was sent is a clone holding the data's pages on the
     error queue, charged to no cgroup once the data was acknowledged: 60 connections that
-    never read theirs held ~1 GB of the host's from a 128 MiB sandbox (found from outside).
-    The sandbox's network namespace allows none (``net.core.tstamp_allow_data`` 0): code
-    gets timestamps without data, or none."""
+    never read theirs held ~1 GB of the host's from a 128 MiB sandbox; data-less ones
+    (``OPT_TSONLY``) 888 MiB, up to SO_RCVBUF a socket (found from outside). The option is
+    refused, and the sandbox's network namespace drops those asked per sendmsg
+    (``net.core.tstamp_allow_data`` 0): nothing is queued."""
     require_tier(tier)
     with Sandbox.create(tier, limits=Limits(memory_mb=128)) as sbx:
         found = sbx.run_code(TIMESTAMPED)
     assert found.error is None, found.error
-    assert found.logs.stdout == "nothing queued\n"
+    assert found.logs.stdout == "option refused\nnothing queued\n"
 
 
 TCP_HOARD = r"""

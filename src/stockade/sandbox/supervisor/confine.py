@@ -227,9 +227,9 @@ ENOSYS_ = 38
 
 NR_SOCKET, NR_IO_SETUP, NR_FCNTL, NR_SETSOCKOPT = 41, 206, 72, 54
 # Socket options holding kernel memory no cgroup charges (``_seccomp.UNCHARGED_SOCKOPTS``):
-# TCP MD5 keys and classic BPF socket filters, by level.
+# TCP MD5 keys, classic BPF socket filters and timestamps on the error queue, by level.
 SOL_SOCKET, IPPROTO_TCP = 1, 6
-UNCHARGED_TCP, UNCHARGED_SOCKET = (14, 32), (26, 51)
+UNCHARGED_TCP, UNCHARGED_SOCKET = (14, 32), (26, 51, 37, 65)  # and SO_TIMESTAMPING(_NEW)
 NR_MEMFD_SECRET = 447  # its pages leave the host's direct map for good (``_seccomp``)
 # The calls that signal (or attach to) a process named by its pid: the target's place
 # among the call's arguments, the first or either of the first two (a thread group, a
