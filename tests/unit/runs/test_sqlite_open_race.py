@@ -1,0 +1,31 @@
+"""Processes and threads that open a fresh SQLite run store at once all get it: the first
+opener turns it to WAL mode, and SQLite told one of the others "database is locked" without
+waiting (where two connections upgrading their locks could deadlock): CI run 112 failed on it."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from stockade import exceptions as exc
+from stockade.runs._db import SQLiteDatabase
+
+
+def test_openers_of_a_fresh_file_at_once_all_get_it(tmp_path: Path) -> None:
+    failures: list[exc.RunStoreError] = []
+    for round_ in range(200):  # one round in ~60 failed before
+        barrier = threading.Barrier(8)
+
+        def open_it(path: Path = tmp_path / f"runs-{round_}.db", start: threading.Barrier = barrier) -> None:
+            start.wait()
+            try:
+                SQLiteDatabase(path).close()
+            except exc.RunStoreError as error:
+                failures.append(error)
+
+        threads = [threading.Thread(target=open_it) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert failures == []
