@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+from stockade import _sqlite_writer as sqlite_writer
 from stockade import exceptions as exc
 from stockade._private import private_database
 from stockade._sqlite_reader import SQLiteReader
@@ -289,10 +290,7 @@ class SQLiteStore(AuditStore):
 
     def _connect(self) -> sqlite3.Connection:
         try:
-            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30.0)
-            conn.execute("PRAGMA journal_mode=WAL")
-            # NORMAL in WAL mode: a power cut may lose the last commits, never corrupts the chain.
-            conn.execute("PRAGMA synchronous=NORMAL")
+            conn = sqlite_writer.connect(self.path)  # WAL, NORMAL: a power cut never corrupts the chain
         except sqlite3.Error as error:
             raise exc.AuditStoreError(f"cannot open audit store {self.path}: {error}") from error
         return conn

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from stockade import _sqlite_writer as sqlite_writer
 from stockade import exceptions as exc
 from stockade._private import private_database
 from stockade._sqlite_reader import SQLiteReader
@@ -63,24 +63,6 @@ class Database(Protocol):
     def close(self) -> None: ...
 
 
-def _to_wal(conn: sqlite3.Connection) -> None:
-    """WAL mode, which a fresh file takes from its first opener: of processes opening it at
-    once, SQLite answers "database is locked" to one without waiting out the busy timeout (it
-    will not wait where two connections upgrading their locks could deadlock; CI run 112).
-    Asked again, the mode is there by then (or this one sets it)."""
-    for attempt in range(_WAL_ATTEMPTS):
-        try:
-            conn.execute("PRAGMA journal_mode=WAL")
-            return
-        except sqlite3.OperationalError as error:
-            if "locked" not in str(error) or attempt == _WAL_ATTEMPTS - 1:
-                raise
-            time.sleep(0.005 * (attempt + 1))
-
-
-_WAL_ATTEMPTS = 40  # ~4 s of waits in all
-
-
 class SQLiteDatabase:
     """One connection in WAL mode, shared by threads under a lock.
 
@@ -105,11 +87,7 @@ class SQLiteDatabase:
             return
         private_database(self.path, "runs, their messages and keys")
         try:
-            self._conn = sqlite3.connect(
-                self.path, isolation_level=None, check_same_thread=False, timeout=30.0
-            )
-            _to_wal(self._conn)
-            self._conn.execute("PRAGMA synchronous=NORMAL")
+            self._conn = sqlite_writer.connect(self.path)
         except sqlite3.Error as error:
             raise exc.RunStoreError(f"cannot open the run store {self.path}: {error}") from error
 
