@@ -1373,20 +1373,109 @@ def _judge_wakes(sbx: Sandbox) -> int:
     raise AssertionError(f"no supervisor in the pid namespace {ns}")
 
 
-def test_a_command_wakes_the_judge_for_its_own_exec_only_before_and_after_a_reset() -> None:
-    """The shim's exec carries the exec key past the filter: 30 commands of one exec each
-    (`sh -c true`) wake the compiled judge about 30 times, not 60; after a reset that execs a
-    fresh supervisor (the zygote killed) too, which takes the key over with the listener."""
-    require_tier("process")
-    with Sandbox.create("process", limits=LIMITS, rules=SandboxRules(approve=("rm -r",))) as sbx:
+@pytest.mark.parametrize("host_tier", ["process", "docker"])
+def test_a_command_wakes_the_judge_for_the_execs_it_makes_only_before_and_after_a_reset(
+    host_tier: str,
+) -> None:
+    """The shim's exec carries the exec key past the filter, and so does a command's own exec
+    (`sh -c ...`) once the supervisor has judged it (judge.c's ``stockade_prejudge``): 30
+    commands of one exec each wake the compiled judge at most a few times (60 before the
+    key, 30 after it); each exec a command makes past its own wakes it once; after a reset
+    that execs a fresh supervisor (the zygote killed) too, which takes the key over with the
+    listener. (The host sees the supervisor's threads on these two tiers.)"""
+    require_tier(host_tier)
+    with Sandbox.create(host_tier, limits=LIMITS, rules=SandboxRules(approve=("rm -r",))) as sbx:
         for _reset in range(2):
             sbx.commands.run("true")
             before = _judge_wakes(sbx)
             for _ in range(30):
                 assert sbx.commands.run("true").exit_code == 0
-            assert 30 <= _judge_wakes(sbx) - before <= 36
+            assert _judge_wakes(sbx) - before <= 6
+            before = _judge_wakes(sbx)
+            for _ in range(30):
+                assert sbx.commands.run("/bin/true; /bin/true x").exit_code == 0
+            assert 60 <= _judge_wakes(sbx) - before <= 66
             sbx.run_code(KILL_THE_ZYGOTE)
             sbx.reset()
+
+
+# What a command's process is (each read by the process itself: a shell that waits for a
+# child blocks its signals meanwhile): its signals, niceness, OOM score, descriptors; the
+# supervisor's OOM score (the shell's parent's parent's); and how a start that fails is told.
+AS_STARTED = (
+    ["grep", "-E", "^Sig(Blk|Ign)", "/proc/self/status"],
+    ["cut", "-d ", "-f19", "/proc/self/stat"],
+    ["cat", "/proc/self/oom_score_adj"],
+    ["ls", "/proc/self/fd"],
+    ["sh", "-c", "cat /proc/$(cut -d' ' -f4 /proc/$PPID/stat)/oom_score_adj"],
+    ["/usr/bin/env"],
+    ["no-such-program"],
+    ["/usr/bin/no-such-program"],
+    ["sh", "-c", "exit 7"],
+    ["sh", "-c", "kill -TERM $$"],
+)
+
+
+def _glibcs_own_signals_aside(out: str) -> str:
+    """The command's signal lines with glibc's own two (32 and 33) left out: its posix_spawn,
+    which starts a command where no rules are, leaves them ignored in the child; judge.c's
+    start leaves them at their default."""
+    return "\n".join(
+        f"SigIgn:\t{int(line.split()[1], 16) & ~(3 << 31):016x}" if line.startswith("SigIgn:") else line
+        for line in out.splitlines()
+    )
+
+
+def test_a_command_started_by_the_supervisor_is_started_as_the_shim_starts_one(tier: str) -> None:
+    """Under rules the supervisor judges a command's own exec where it can and starts it
+    before its shim (which adopts it): the process is what the shim's own start makes, and
+    what it is with no rules at all (no signal blocked, nice 19, first for the OOM killer,
+    no descriptor of the supervisor's), the supervisor keeps its own OOM score, a start that
+    fails is told alike, and its exec is recorded as the judge would have recorded it."""
+    if tier not in CONFINES:
+        return
+    seen = {}
+    for rules in (None, SandboxRules(deny=("curl",), approve=("rm -r",), write=("src/**",))):
+        with Sandbox.create(tier, limits=LIMITS, rules=rules) as sbx:
+            results = [sbx.commands.run(argv) for argv in AS_STARTED]
+            results.append(sbx.commands.run("pwd", cwd="/workspace/missing"))
+            results.append(sbx.commands.run(["pwd"], envs={"PATH": "/usr/local/bin:/workspace:/bin"}))
+            seen[rules] = [(r.exit_code, _glibcs_own_signals_aside(r.stdout), r.stderr) for r in results]
+            if rules is not None:
+                assert [e.argv for e in results[2].execs] == [tuple(AS_STARTED[2])]
+                assert results[2].execs[0].path.endswith("/bin/cat")
+                shell = results[4].execs[0]
+                assert (shell.path, shell.argv) == ("/usr/bin/sh", tuple(AS_STARTED[4]))
+    plain, ruled = seen.values()
+    assert ruled == plain
+    assert ruled[0][1].splitlines() == ["SigBlk:\t0000000000000000", "SigIgn:\t0000000000000000"]
+    assert [out.strip() for _, out, _ in ruled[1:4]] == ["19", "1000", "0\n1\n2\n3"]  # 3: ls's own
+    assert ruled[4][1].strip() != "1000"  # the supervisor's
+    assert [status for status, _, _ in ruled[5:]] == [0, 127, 127, 7, 143, 126, 0]
+
+
+def test_a_program_found_in_a_folder_code_writes_is_judged_at_its_exec(approving: Sandbox | None) -> None:
+    """The supervisor judges a command's own exec only where every folder its PATH search
+    looks in is the image's: a folder the code writes, first on the PATH, leaves the exec to
+    the judge, which stops a copy of `rm` named `true` there as `rm`."""
+    if approving is None:
+        return
+    path = {"PATH": "/workspace/bin:/usr/bin:/bin"}
+    approving.commands.run("mkdir -p bin gone/inner && touch gone/inner/f && cp /bin/rm bin/true")
+    r = approving.commands.run(["true", "-r", "gone"], envs=path)
+    assert r.exit_code != 0 and approving.files.exists("gone/inner/f"), r
+    approving.commands.run("rm bin/true")
+    assert approving.commands.run(["true", "-r", "gone"], envs=path).exit_code == 0
+    assert approving.files.exists("gone/inner/f")
+
+
+def test_a_denied_program_given_as_an_argv_runs_by_no_name(denying: Sandbox) -> None:
+    """A command given as an argv (no shell) is the supervisor's to judge before it starts:
+    a denied program runs under none of its names, and a program the rules allow runs."""
+    for argv in (["uname"], ["/usr/bin/uname"], ["/bin/uname"], ["env", "uname"], ["/usr/bin/env", "uname"]):
+        r = denying.commands.run(argv)
+        assert r.exit_code != 0 and "Linux" not in r.stdout, (argv, r)
+    assert denying.commands.run(["echo", "runs"]).stdout == "runs\n"
 
 
 class LateVerdict:

@@ -1,6 +1,7 @@
 /* The command shim: what every command runs under, spawned by the supervisor.
  *
  *     shim RULESET CWD PROGRAM ARG...        (environment: the command's)
+ *     shim @PID[:STAGE ERRNO] CWD PROGRAM ARG...
  *
  * The supervisor starts it with posix_spawn (vfork: nothing of the supervisor's memory is
  * copied) as the leader of a new session, its pipes as 0/1/2, every signal at its default
@@ -10,6 +11,11 @@
  * command (PROGRAM searched in the environment's PATH unless it has a slash). When the
  * command ends, whatever it left behind (adopted by the shim) is killed, every child is
  * reaped, and the shim ends as the command did: its exit status, or its signal.
+ *
+ * "@PID": the supervisor started the command already, as our child PID (a command it judged
+ * itself, judge.c's start_judged), in our session and Landlock domain, with our nice and OOM
+ * score; we adopt it. ":cE" / ":xE": entering CWD or its exec failed with errno E (said on
+ * stderr here; the child ended 126 or 127 as ours would).
  *
  * This is reaper.spawn_shim's work without a Python process: forking the supervisor costs
  * its page tables and, on gVisor, tens of milliseconds a command (docs/benchmarks.md).
@@ -356,8 +362,20 @@ __attribute__((used)) int shim(i64 *stack) {
         return 126;
     }
     const char *end;
-    i64 ruleset = number(argv[1], &end);
-    if (*end || end == argv[1]) ruleset = -1; /* "-": no Landlock domain */
+    i64 ruleset = -1, adopted = 0, start_error = 0;
+    char stage = 0;
+    if (argv[1][0] == '@') {
+        /* The supervisor started the command itself (judge.c's start_judged), in our session
+         * and the domain, as our child: "@PID", and ":STAGE ERRNO" where it failed. */
+        adopted = number(argv[1] + 1, &end);
+        if (*end == ':' && end[1]) {
+            stage = end[1];
+            start_error = number(end + 2, &end);
+        }
+    } else {
+        ruleset = number(argv[1], &end);
+        if (*end || end == argv[1]) ruleset = -1; /* "-": no Landlock domain */
+    }
     argv++;
     u64 none = 0; /* started with every signal blocked (judge.c's spawn) or none: none */
     sc(SYS_rt_sigprocmask, 2 /* SIG_SETMASK */, (i64)&none, 0, 8);
@@ -378,18 +396,19 @@ __attribute__((used)) int shim(i64 *stack) {
         if (r < 0) return fail("cannot enter the policy's Landlock domain", "", -r, 126);
     }
     close_from_3();
-    i64 err = sc(SYS_chdir, (i64)argv[1], 0, 0, 0);
+    i64 err = adopted ? -start_error * (stage == 'c') : sc(SYS_chdir, (i64)argv[1], 0, 0, 0);
     if (err < 0) {
         say("stockade: cannot enter ");
         say(argv[1]);
         say(": ");
         say(strerror(-err));
         say("\n");
-        return 126;
+        if (!adopted) return 126; /* else its child ended 126 already: mirrored below */
     }
     command = argv + 2;
     command_env = envp;
-    i64 child = start_command();
+    if (adopted && stage == 'x') fail("", argv[2], start_error, 0);
+    i64 child = adopted ? adopted : start_command();
     if (child < 0) return fail("cannot start ", argv[2], -child, 126);
     for (int i = 0; i < 3; i++) sc(SYS_close, i, 0, 0, 0); /* the shim holds no end of the pipes */
     int status = 0, mine = 0;
