@@ -173,7 +173,7 @@ def test_a_kernel_that_will_not_run_it_leaves_the_sandbox_on_the_python_shim(tmp
     sup = SimpleNamespace(shim=os.open(tmp_path / "not-a-program", os.O_RDONLY), rules=None)
     r, w = os.pipe()
     try:
-        assert jobs.compiled_shim(sup, ["true"], {"PATH": PATH}, "/", (r, w, w), job=None) == 0
+        assert jobs.compiled_shim(sup, ["true"], {"PATH": PATH}, "/", (r, w, w)) == 0
     finally:
         os.close(r)
         os.close(w)

@@ -149,7 +149,7 @@ def op_exec(sup: "Supervisor", rid: int, h: dict[str, Any], body: bytes) -> None
             in_r, in_w = sup.devnull, -1
         fds = (in_r, out_w, err_w)
         if sup.shim >= 0:
-            job.shim = compiled_shim(sup, argv, env, cwd, fds, job=job)
+            job.shim = compiled_shim(sup, argv, env, cwd, fds)
         if not job.shim:  # no compiled shim here, or not for this command: a fork of ours
             job.shim = spawn_shim(spawned(argv, env, cwd), fds, confine=sup.confine)
     except (OSError, ValueError) as exc:
@@ -193,13 +193,7 @@ def op_exec(sup: "Supervisor", rid: int, h: dict[str, Any], body: bytes) -> None
 
 
 def compiled_shim(
-    sup: "Supervisor",
-    argv: "list[str]",
-    env: "dict[str, str]",
-    cwd: str,
-    fds: "tuple[int, int, int]",
-    *,
-    job: CommandJob,
+    sup: "Supervisor", argv: "list[str]", env: "dict[str, str]", cwd: str, fds: "tuple[int, int, int]"
 ) -> int:
     """The command under the compiled shim: its pid, or 0 for the Python shim. A kernel that
     will not run it (a memfd it treats as ``noexec``) is told once: the sandbox keeps the
@@ -207,7 +201,7 @@ def compiled_shim(
     try:
         if sup.rules is None:
             return spawn_program(sup.shim, argv, env, cwd, fds)
-        return int(sup.rules.spawn(sup.shim, argv, env, cwd, fds, job=job))
+        return int(sup.rules.spawn(sup.shim, argv, env, cwd, fds))
     except OSError as exc:
         if exc.errno not in SHIM_REFUSED:
             raise

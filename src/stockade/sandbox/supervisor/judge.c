@@ -52,10 +52,6 @@ typedef int i32;
 #define SYS_openat2 437
 #define SYS_readlinkat 267
 #define SYS_prctl 157
-#define SYS_chdir 80
-#define SYS_kill 62
-#define SYS_setpriority 141
-#define SYS_close_range 436
 #define SYS_mkdir 83
 #define SYS_seccomp 317
 #define SYS_landlock_create_ruleset 444
@@ -76,7 +72,6 @@ typedef int i32;
 #define MADV_DONTFORK 10
 #define S_IFMT 0170000
 #define S_IFLNK 0120000
-#define S_IFREG 0100000
 #define MAX_HOPS 8 /* symlinks followed by name before the slow way (readlink of the fd) */
 #define ENOENT 2
 #define ENOTDIR 20
@@ -653,49 +648,41 @@ static int script(const char *path)
  * name in its own folder (sh -> dash): then realpath's last part, which is all the judge
  * reads of it, is that of the last link's target, and lstat gives its size. Three system
  * calls for /bin/sh where the slow way (open, fstat, readlink of the fd, close) walks
- * /proc too. 1: ``real`` holds a path of the file (its name is the file's), *size and
- * *mode are set (``link``: room for a link's text); 0: anything else (a link with a slash in it, a missing file, too many links), for
+ * /proc too. 1: c->real holds a path of the file (its name is the file's) and *size is
+ * set; 0: anything else (a link with a slash in it, a missing file, too many links), for
  * the slow way to decide. */
-static int look_up(const struct rules *r, const char *path, long len, char *real, char *link, u64 *size,
-                   u32 *mode)
+static int by_name(struct ctx *c, long len, u64 *size)
 {
     u64 st[18];
-    char *p = real;
-    memcpy(p, path, (unsigned long)len + 1);
+    char *p = c->real;
+    memcpy(p, c->path, (unsigned long)len + 1);
     for (int hop = 0;; hop++) {
         /* A look through a magic link (a folder linked to /proc/self/cwd, /dev/fd) would be
          * ours, not the caller's: refused there, for Python's walk. The later looks only
          * change the last name, in a folder already looked through. */
-        int plain = hop > 0 || in_program_folder(r, p);
+        int plain = hop > 0 || in_program_folder(&c->rules, p);
         if ((plain ? sc(SYS_lstat, (long)p, (long)st, 0, 0, 0, 0) : no_magic_lstat(p, st)) != 0)
             return 0;
         if (((u32)st[3] & S_IFMT) != S_IFLNK) {
             *size = st[6];
-            *mode = (u32)st[3];
             return 1;
         }
         if (hop == MAX_HOPS)
             return 0;
-        long m = sc(SYS_readlinkat, AT_FDCWD, (long)p, (long)link, PATH_MAX_, 0, 0);
+        long m = sc(SYS_readlinkat, AT_FDCWD, (long)p, (long)c->link, PATH_MAX_, 0, 0);
         if (m <= 0 || m >= PATH_MAX_)
             return 0;
-        link[m] = 0;
+        c->link[m] = 0;
         for (long i = 0; i < m; i++)
-            if (link[i] == '/')
+            if (c->link[i] == '/')
                 return 0; /* another folder: the kernel's walk, not ours */
-        if (same(link, ".") || same(link, ".."))
+        if (same(c->link, ".") || same(c->link, ".."))
             return 0;
         char *name = (char *)base(p); /* the link's folder stays, its name is replaced */
         if ((name - p) + m >= PATH_MAX_)
             return 0;
-        memcpy(name, link, (unsigned long)m + 1);
+        memcpy(name, c->link, (unsigned long)m + 1);
     }
-}
-
-static int by_name(struct ctx *c, long len, u64 *size)
-{
-    u32 mode;
-    return look_up(&c->rules, c->path, len, c->real, c->link, size, &mode);
 }
 
 /* 1: answered here; 0: the Python judge must see it. */
@@ -840,7 +827,6 @@ out:
 static volatile long spawning;
 
 static struct ctx *cp; /* mapped by stockade_judge, with the thread's stack, out of forks */
-static volatile int sizes_found; /* the thread has found the rule programs' sizes */
 static char config[CONFIG_MAX];
 
 /* The thread's whole life: judge until a byte arrives on ``control``, then say so with a
@@ -851,7 +837,6 @@ __attribute__((visibility("hidden"), used, noinline, noreturn)) void stockade_ju
     struct notif n;
     struct ctx *c = cp;
     find_sizes(&c->rules, c->path, PATH_MAX_);
-    sizes_found = 1; /* the supervisor's own judging (stockade_prejudge) may use them now */
     for (;;) {
         struct pollfd_ fds[2] = {{c->listener, POLLIN, 0}, {c->control, POLLIN, 0}};
         long r = sc(SYS_poll, (long)fds, 2, -1, 0, 0, 0);
@@ -871,7 +856,6 @@ __attribute__((visibility("hidden"), used, noinline, noreturn)) void stockade_ju
         if (!judge(c, &n))
             forward(c, &n);
     }
-    sizes_found = 0;
     memset(&n, 0, sizeof n);
     forward(c, &n);
     for (;;)
@@ -930,7 +914,6 @@ __attribute__((visibility("default"))) int stockade_judge(int listener, int forw
     c->record_fd = record_fd;
     c->control = control;
     c->proc = (int)proc;
-    sizes_found = 0;
     cp = c;
     u64 all = ~0UL, old = 0;
     sc(SYS_rt_sigprocmask, 0 /* SIG_BLOCK */, (long)&all, (long)&old, 8, 0, 0);
@@ -1009,6 +992,21 @@ static long map_spawn_area(void)
 static int keyed;
 static u64 *exec_key(void) { return (u64 *)(spawn_area + SPAWN_STACK); }
 
+/* Whether an exec that carries the key hides its registers from the code: the shim's file
+ * cannot be read (reaper.load_shim), so its exec leaves it non-dumpable, unless the host's
+ * fs.suid_dumpable is 1 (then dumpable all the same, and any process of the code could
+ * read the key from /proc/PID/syscall while the exec is under way: no key then). */
+static int execs_hide_registers(void)
+{
+    char v[4] = {0, 0, 0, 0};
+    long fd = sc(SYS_openat, AT_FDCWD, (long)"/proc/sys/fs/suid_dumpable", O_RDONLY | O_CLOEXEC, 0, 0, 0);
+    if (fd < 0)
+        return 1; /* no such file (gVisor's, a guest's /proc without it): the default, 0 */
+    long got = sc(SYS_read, fd, (long)v, 3, 0, 0, 0);
+    sc(SYS_close, fd, 0, 0, 0, 0, 0);
+    return !(got >= 1 && v[0] == '1');
+}
+
 /* confine.exec_filter: execve and execveat to the listener, other architectures die; with
  * no_memfd, memfd_create fails (EPERM). And, where the key could be made, an execve that
  * carries the key runs (the comparisons below on the key's four 32-bit words). */
@@ -1038,7 +1036,8 @@ static long install_listener(int no_memfd)
     };
     struct bpf_insn_ local[LEN];
     struct bpf_insn_ *prog = local;
-    int key = map_spawn_area() == 0 && sc(SYS_getrandom, (long)exec_key(), 16, 0, 0, 0, 0) == 16;
+    int key = execs_hide_registers() && map_spawn_area() == 0 &&
+              sc(SYS_getrandom, (long)exec_key(), 16, 0, 0, 0, 0) == 16;
     if (key) /* written beside the key, out of forks: no copy of it on a stack forks copy */
         prog = (struct bpf_insn_ *)(exec_key() + 2);
     for (int i = 0; i < LEN; i++)
@@ -1340,163 +1339,9 @@ struct spawn {
     int ruleset;     /* kept open across the exec (the shim enters it), or -1 */
     u32 defaults;    /* the signals to set to their default (bit N-1: signal N, up to 32) */
     volatile long error;
-    const char *exe; /* the command judged here (stockade_prejudge), or 0: the shim starts it */
-    volatile long command_error; /* its start's failure (minus an errno), and where: */
-    volatile char stage;         /* 'c' entering its folder, 'x' its exec */
-    char tag[48];                /* the shim's first argument then: "@PID[:STAGE ERRNO]" */
 };
 
 static struct spawn *sp;
-
-/* -- a command judged before its shim starts ------------------------------------------------
- *
- * Under rules, the one exec every command makes (its program's: the shell's for a command
- * line) woke the judge's thread, whose answer is two wake-ups on this machine's kind of
- * virtual CPU (~0.1 ms of a 1.8 ms command). The supervisor judges that exec itself where the
- * judge's thread would have let it run unasked: the same rules (``allows``), on the program
- * the command names, found where the shim's PATH search finds it, only in the image's
- * program folders (no name there can change before the exec: code cannot write them), the
- * file no script, its size no rule program's. Then the command's exec carries the key and
- * never stops, and the supervisor records it as the judge would have. Anything else goes the
- * judged way. */
-
-static struct {
-    char path[PATH_MAX_ + 8], real[PATH_MAX_ + 8], link[PATH_MAX_ + 8];
-} pre; /* the supervisor's thread's own: the judge's thread has its ctx */
-static int closes_ranges = -1; /* close_range(2) is there: the command's child needs it */
-
-/* Where the command ``program`` (argv[0], ``argc`` words, ``argv1`` the second or "") may
- * start without the judge (the judge's thread runs, its filter has the key, and its rules let
- * the file this names run whatever the judged way would find): 1 + the index of the PATH
- * entry it is found in (1 for a path), the path kept for stockade_spawn; else 0.
- * ``search``: the command's PATH (0: the shim's default). */
-__attribute__((visibility("default"))) int stockade_prejudge(const char *program, const char *search,
-                                                             const char *argv1, int argc)
-{
-    struct ctx *c = cp;
-    if (!keyed || !c || !sizes_found || !c->rules.ok || argc < 1)
-        return 0;
-    if (closes_ranges < 0) /* a range with nothing open in it: 0 where the call exists */
-        closes_ranges = sc(SYS_close_range, 0x7FFFFFF0, 0x7FFFFFFF, 0, 0, 0, 0) == 0;
-    if (!closes_ranges)
-        return 0;
-    const struct rules *r = &c->rules;
-    unsigned long plen = slen(program), i;
-    int slash = 0;
-    for (i = 0; i < plen; i++)
-        slash |= program[i] == '/';
-    if (plen == 0 || plen >= PATH_MAX_ || (slash && program[0] != '/'))
-        return 0;
-    const char *at = slash ? "" : search ? search : "/usr/local/bin:/usr/bin:/bin"; /* shim.c's */
-    long len;
-    int entry = 0;
-    for (;;) {
-        if (slash) {
-            memcpy(pre.path, program, plen + 1);
-            len = (long)plen;
-        } else {
-            const char *start = at;
-            while (*at && *at != ':')
-                at++;
-            unsigned long dlen = (unsigned long)(at - start);
-            if (dlen == 0 || dlen + 1 + plen >= PATH_MAX_)
-                return 0; /* the working folder (code writes it), or too long */
-            memcpy(pre.path, start, dlen);
-            pre.path[dlen] = '/';
-            memcpy(pre.path + dlen + 1, program, plen + 1);
-            len = (long)(dlen + 1 + plen);
-        }
-        /* Every folder looked in before the file is found is the image's: nothing can
-         * appear in one of them before the exec (a folder code writes could). */
-        if (!normal(pre.path) || !in_program_folder(r, pre.path))
-            return 0;
-        u64 st[18];
-        long e = sc(SYS_lstat, (long)pre.path, (long)st, 0, 0, 0, 0);
-        if (e == 0)
-            break;
-        if (slash || (e != -ENOENT && e != -ENOTDIR) || !*at)
-            return 0;
-        at++;
-        entry++;
-    }
-    u64 size = 0;
-    u32 mode = 0;
-    if (!look_up(r, pre.path, len, pre.real, pre.link, &size, &mode))
-        return 0;
-    /* A file anyone may run (else the search might go on past it), no script (its
-     * interpreter's exec is judged with it), in the image, that the rules let run. */
-    if ((mode & S_IFMT) != S_IFREG || (mode & 0111) != 0111 || !in_image(r, pre.real) || script(pre.real))
-        return 0;
-    const char *names[3] = {base(pre.path), base(pre.real), base(program)};
-    return allows(r, names, 3, argv1, argc, size) ? entry + 1 : 0;
-}
-
-/* The command's child (stockade_spawn with ``exe``): a vfork of the spawn's child, on the
- * lower half of its stack, in its session and Landlock domain. It closes every descriptor
- * but 0, 1 and 2, enters the command's folder, unblocks every signal (each at its default:
- * no handler of ours can run in this memory) and execs the command with the key. */
-__attribute__((visibility("hidden"), used, noinline, noreturn)) void stockade_command_child(void)
-{
-    struct spawn *a = sp;
-    char stage = 'x';
-    long r = sc(SYS_close_range, 3, 0xFFFFFFFFL, 0, 0, 0, 0);
-    if (r == 0 && (r = sc(SYS_chdir, (long)a->argv[2], 0, 0, 0, 0, 0)) != 0)
-        stage = 'c';
-    if (r == 0) {
-        u64 none = 0;
-        sc(SYS_rt_sigprocmask, 2 /* SIG_SETMASK */, (long)&none, 0, 8, 0, 0);
-        r = sc(SYS_execve, (long)a->exe, (long)(a->argv + 3), (long)a->envp, (long)exec_key()[0],
-               (long)exec_key()[1], 0);
-    }
-    a->command_error = r;
-    a->stage = stage;
-    for (;;)
-        sc(SYS_exit, stage == 'x' && r == -ENOENT ? 127 : 126, 0, 0, 0, 0, 0);
-}
-
-/* The spawn's child, for a command judged here: what the shim does before its command
- * (subreaper, nice 19, the Landlock domain) done here, so that the command's child inherits
- * it; then the command's child; then the shim, told to adopt it ("@PID"). The OOM score the
- * shim would give is the supervisor's for the spawn (rules.py raises it around this call):
- * the command starts with it, before any of its forks could inherit a lower one. */
-#define PRIO_PROCESS 0
-#define SIGKILL 9
-static __attribute__((noreturn)) void start_judged(struct spawn *a)
-{
-    /* Every handler of ours to its default, as an exec would (what is ignored stays so, as
-     * across an exec): the command's child unblocks signals before its own. */
-    u64 dfl[4] = {0, 0, 0, 0}, now[4];
-    for (long sig = 1; sig <= 64; sig++)
-        if (sig != SIGKILL && sig != 19 && sc(SYS_rt_sigaction, sig, 0, (long)now, 8, 0, 0) == 0 && now[0] > 1)
-            sc(SYS_rt_sigaction, sig, (long)dfl, 0, 8, 0, 0);
-    long child = sc(SYS_prctl, PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0, 0);
-    sc(SYS_setpriority, PRIO_PROCESS, 0, 19, 0, 0, 0); /* as the shim: not worth failing for */
-    if (child >= 0 && a->ruleset >= 0)
-        child = sc(SYS_landlock_restrict_self, a->ruleset, 0, 0, 0, 0, 0);
-    if (child >= 0)
-        child = clone_into(SPAWN_FLAGS, (void *)(spawn_area + SPAWN_STACK / 2), stockade_command_child);
-    if (child < 0) {
-        a->error = child;
-        for (;;)
-            sc(SYS_exit, 127, 0, 0, 0, 0, 0);
-    }
-    char *t = a->tag;
-    *t++ = '@';
-    t = put_num(t, (u64)child);
-    if (a->command_error) {
-        *t++ = ':';
-        *t++ = a->stage;
-        t = put_num(t, (u64)-a->command_error);
-    }
-    *t = 0;
-    a->argv[1] = a->tag;
-    long r = sc(SYS_execve, (long)a->path, (long)a->argv, (long)a->envp, (long)exec_key()[0],
-                (long)exec_key()[1], 0);
-    a->error = r; /* no shim: its command is not left to run unwatched */
-    sc(SYS_kill, 0, SIGKILL, 0, 0, 0, 0);
-    for (;;)
-        sc(SYS_exit, 127, 0, 0, 0, 0, 0);
-}
 
 __attribute__((visibility("hidden"), used, noinline, noreturn)) void stockade_spawn_child(void)
 {
@@ -1513,8 +1358,6 @@ __attribute__((visibility("hidden"), used, noinline, noreturn)) void stockade_sp
         r = sc(SYS_dup2, a->fds[i], i, 0, 0, 0, 0);
     if (r >= 0 && a->ruleset >= 0)
         r = sc(SYS_fcntl, a->ruleset, F_SETFD, 0, 0, 0, 0);
-    if (r >= 0 && a->exe)
-        start_judged(a); /* never returns */
     if (r >= 0 && keyed) /* the filter lets it through: no judge woken for it */
         r = sc(SYS_execve, (long)a->path, (long)a->argv, (long)a->envp, (long)exec_key()[0], (long)exec_key()[1], 0);
     else if (r >= 0)
@@ -1527,17 +1370,13 @@ __attribute__((visibility("hidden"), used, noinline, noreturn)) void stockade_sp
 /* Start the shim: ``words`` holds its path, then ``argc`` arguments, then ``envc``
  * environment entries, each NUL-ended; ``in``/``out``/``err`` become its 0, 1 and 2;
  * ``ruleset`` (or -1) stays open for it; the signals in ``defaults`` (the ones we ignore)
- * are set to their default, and all are left blocked for the shim to unblock. ``judged``:
- * the command (argv[3] on) is the one stockade_prejudge just let start, from the path it
- * found, before the shim and unjudged (start_judged). Returns the shim's pid; -ESTALE if a
- * written folder was replaced since the ruleset was built (nothing started: the caller's
- * Python shim rebuilds it); else -errno (nothing started, nothing left to reap). */
+ * are set to their default, and all are left blocked for the shim to unblock. Returns its pid; -ESTALE if a written folder was
+ * replaced since the ruleset was built (nothing started: the caller's Python shim rebuilds
+ * it); else -errno (nothing started, nothing left to reap). */
 __attribute__((visibility("default"))) int stockade_spawn(const char *words, int len, int argc, int envc,
                                                           int in, int out, int err, int ruleset,
-                                                          unsigned int defaults, int judged)
+                                                          unsigned int defaults)
 {
-    if (judged && !keyed)
-        return -EINVAL;
     if (ruleset >= 0 && replaced(0, 0))
         return -ESTALE;
     if (len <= 0 || words[len - 1] != 0 || argc < 1 || envc < 0 || in < 3 || out < 3 || err < 3)
@@ -1573,9 +1412,6 @@ __attribute__((visibility("default"))) int stockade_spawn(const char *words, int
     a.ruleset = ruleset;
     a.defaults = defaults;
     a.error = 0;
-    a.exe = judged ? pre.path : 0;
-    a.command_error = 0;
-    a.stage = 0;
     sp = &a;
     u64 all = ~0UL, old = 0;
     sc(SYS_rt_sigprocmask, 0 /* SIG_BLOCK */, (long)&all, (long)&old, 8, 0, 0);

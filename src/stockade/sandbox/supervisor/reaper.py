@@ -389,39 +389,6 @@ def _enter(
     _code_goes_first()
 
 
-# Our own oom_score_adj, opened at our start while we are still dumpable (later we cannot
-# open it), and the score it had then: [fd, score].
-_OWN_OOM: "list[Any]" = [-1, b"0"]
-
-
-def hold_own_oom_score() -> None:
-    """Keep our own ``oom_score_adj`` open (the supervisor's ``main``, before it makes itself
-    non-dumpable), for ``first_for_oom``."""
-    try:
-        fd = os.open("/proc/self/oom_score_adj", os.O_RDWR | os.O_CLOEXEC)
-    except OSError:
-        return
-    try:
-        _OWN_OOM[:] = [fd, os.read(fd, 16).strip() or b"0"]
-    except OSError:
-        os.close(fd)
-
-
-def first_for_oom(first: bool) -> bool:
-    """Our OOM score 1000 (``first``) for as long as a spawn takes, or back to what it was:
-    what judge.c's spawn starts then inherits the code's score from its first instruction on,
-    where no process of it can open its own /proc file (non-dumpable, ours) to raise it.
-    False where the score could not be written (then the spawn is not made so)."""
-    fd = _OWN_OOM[0]
-    if fd < 0:
-        return False
-    try:
-        os.pwrite(fd, b"1000" if first else _OWN_OOM[1], 0)
-    except OSError:
-        return False
-    return True
-
-
 def _code_goes_first() -> None:
     """The OOM killer takes user code before the supervisor: ``oom_score_adj`` 1000. A fork
     of the non-dumpable supervisor or zygote (an interpreter) cannot open its own /proc files;
@@ -492,6 +459,11 @@ def load_shim(folder: str) -> int:
         view = memoryview(program)
         while view:
             view = view[os.write(fd, view) :]
+        # Runnable, not readable, even by us: an exec of a file its caller cannot read
+        # leaves the process non-dumpable (the kernel's would_dump), so that no process of
+        # the code can read the shim's /proc while its exec, which carries the exec key in
+        # its registers (judge.c), is under way; the shim makes itself dumpable once it runs.
+        os.fchmod(fd, 0o100)
         fcntl.fcntl(fd, F_ADD_SEALS, SEALS)
     except OSError:
         if fd >= 0:

@@ -29,7 +29,7 @@ from protocol import (
     dumps,
     text_size,
 )
-from reaper import IGNORED_SIGNALS, first_for_oom
+from reaper import IGNORED_SIGNALS
 
 # Of a report's records (and of their bytes), the room the execs the rules let run may take:
 # the rest is kept for those they stopped or asked about, so that a loop of 1,000 `true`
@@ -95,7 +95,6 @@ class Rules:
         self._confine_c: "Any" = None  # judge.c's confinement, where the host shipped judge.so
         self._spawn_c = 0  # judge.c's start of a command's compiled shim (stockade_spawn)
         self._key_pipe = 0  # judge.c's stockade_key_pipe
-        self._prejudge = 0  # judge.c's stockade_prejudge: a command's own exec judged here
         self._entry = 0  # judge.c's thread, started by start()
         self.listener = listener
         self._judge: "Optional[ExecJudge]" = None  # the Python judge, once an exec reaches it
@@ -215,22 +214,14 @@ class Rules:
     # -- in the supervisor ------------------------------------------------------------------
 
     def spawn(
-        self,
-        shim: int,
-        argv: "List[str]",
-        env: "Dict[str, str]",
-        cwd: str,
-        fds: "Tuple[int, int, int]",
-        *,
-        job: "Any" = None,
+        self, shim: int, argv: "List[str]", env: "Dict[str, str]", cwd: str, fds: "Tuple[int, int, int]"
     ) -> int:
         """Start a command under the compiled shim (``shim.c``, from its memfd), confined:
         the shim enters the Landlock domain before it starts the command, whose exec the
-        judge stops as any other, unless judge.c judges it here first (``stockade_prejudge``:
-        then it starts unstopped, and is recorded on ``job``). Its pid; 0 where it cannot be
-        done here (execs judged in Python, which would have to answer while we wait for the
-        shim's exec; a written folder replaced under judge.c's ruleset, which the Python shim
-        rebuilds): the caller forks the Python shim. OSError if it could not start."""
+        judge stops as any other. Its pid; 0 where it cannot be done here (execs judged in
+        Python, which would have to answer while we wait for the shim's exec; a written
+        folder replaced under judge.c's ruleset, which the Python shim rebuilds): the caller
+        forks the Python shim. OSError if it could not start."""
         if self.listener >= 0 and self.fast is None:
             return 0
         ruleset = -1
@@ -249,43 +240,12 @@ class Rules:
             raise ValueError("embedded null byte")
         blob = c_entries(entries)
         counts = (len(blob), len(words) - 1, len(env))
-        found = self._judged_here(argv, env) if job is not None else 0
-        raised = found and first_for_oom(True)
-        try:
-            got = _ctypes.call_function(
-                self._spawn_c, (blob, *counts, *fds, ruleset, _DEFAULTS, int(bool(raised)))
-            )
-        finally:
-            if raised:
-                first_for_oom(False)
+        got = _ctypes.call_function(self._spawn_c, (blob, *counts, *fds, ruleset, _DEFAULTS))
         if got == -ESTALE:
             return 0
         if got < 0:
             raise OSError(-got, os.strerror(-got))
-        if raised:
-            # The record judge.c's thread would have made of it (as drain() takes them in).
-            program = argv[0]
-            path = program if "/" in program else f"{_search(env).split(':')[found - 1]}/{program}"
-            record(
-                job, {"path": path, "argv": kept_argv(argv[:MAX_EXEC_ARGV]), "verdict": "allow", "rule": ""}
-            )
         return int(got)
-
-    def _judged_here(self, argv: "List[str]", env: "Dict[str, str]") -> int:
-        """judge.c's ``stockade_prejudge`` of the command's own exec: 0, or 1 + the index of
-        the PATH entry its program is found in (1 for a path)."""
-        if self.fast is None or not self._prejudge or not argv:
-            return 0
-        import _ctypes
-
-        search = env.get("PATH")  # None: the shim's default, there as in _search
-        words = [word.encode("utf-8", "surrogateescape") for word in argv[:2]]
-        if any(b"\0" in word for word in words):
-            return 0
-        args = (words[0], None if search is None else search.encode("utf-8", "surrogateescape"))
-        return int(
-            _ctypes.call_function(self._prejudge, (*args, words[1] if len(words) > 1 else b"", len(argv)))
-        )
 
     def key_pipe(self) -> int:
         """A pipe holding the exec key of our filter, for the supervisor a reset execs (it
@@ -388,7 +348,6 @@ class Rules:
             setup = _ctypes.dlsym(library, "stockade_setup")
             self._spawn_c = _ctypes.dlsym(library, "stockade_spawn")
             self._key_pipe = _ctypes.dlsym(library, "stockade_key_pipe")
-            self._prejudge = _ctypes.dlsym(library, "stockade_prejudge")
         except (OSError, AttributeError, ImportError):
             return 0
         self._entry, self._confine_c = found
@@ -593,11 +552,6 @@ def judge_config(commands: "Dict[str, List[List[str]]]", masked: "Sequence[Seque
     entries += [f"D{folder}" for folder in PROGRAM_DIRS]
     entries += [f"N{name}" for name in sorted(program_names(commands))]
     return c_entries(entries)
-
-
-def _search(env: "Dict[str, str]") -> str:
-    """The PATH the compiled shim searches for a command's program (shim.c's default)."""
-    return env.get("PATH", "/usr/local/bin:/usr/bin:/bin")
 
 
 def c_entries(entries: "List[str]") -> bytes:

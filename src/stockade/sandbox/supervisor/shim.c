@@ -1,7 +1,6 @@
 /* The command shim: what every command runs under, spawned by the supervisor.
  *
  *     shim RULESET CWD PROGRAM ARG...        (environment: the command's)
- *     shim @PID[:STAGE ERRNO] CWD PROGRAM ARG...
  *
  * The supervisor starts it with posix_spawn (vfork: nothing of the supervisor's memory is
  * copied) as the leader of a new session, its pipes as 0/1/2, every signal at its default
@@ -11,11 +10,6 @@
  * command (PROGRAM searched in the environment's PATH unless it has a slash). When the
  * command ends, whatever it left behind (adopted by the shim) is killed, every child is
  * reaped, and the shim ends as the command did: its exit status, or its signal.
- *
- * "@PID": the supervisor started the command already, as our child PID (a command it judged
- * itself, judge.c's start_judged), in our session and Landlock domain, with our nice and OOM
- * score; we adopt it. ":cE" / ":xE": entering CWD or its exec failed with errno E (said on
- * stderr here; the child ended 126 or 127 as ours would).
  *
  * This is reaper.spawn_shim's work without a Python process: forking the supervisor costs
  * its page tables and, on gVisor, tens of milliseconds a command (docs/benchmarks.md).
@@ -55,6 +49,7 @@ typedef long i64;
 #define O_DIRECTORY 0200000
 #define O_CLOEXEC 02000000
 #define PR_SET_CHILD_SUBREAPER 36
+#define PR_SET_DUMPABLE 4
 #define PRIO_PROCESS 0
 #define USER_NICE 19
 #define RLIMIT_CORE 4
@@ -362,21 +357,15 @@ __attribute__((used)) int shim(i64 *stack) {
         return 126;
     }
     const char *end;
-    i64 ruleset = -1, adopted = 0, start_error = 0;
-    char stage = 0;
-    if (argv[1][0] == '@') {
-        /* The supervisor started the command itself (judge.c's start_judged), in our session
-         * and the domain, as our child: "@PID", and ":STAGE ERRNO" where it failed. */
-        adopted = number(argv[1] + 1, &end);
-        if (*end == ':' && end[1]) {
-            stage = end[1];
-            start_error = number(end + 2, &end);
-        }
-    } else {
-        ruleset = number(argv[1], &end);
-        if (*end || end == argv[1]) ruleset = -1; /* "-": no Landlock domain */
-    }
+    i64 ruleset = number(argv[1], &end);
+    if (*end || end == argv[1]) ruleset = -1; /* "-": no Landlock domain */
     argv++;
+    /* Started non-dumpable (the supervisor's memfd of us is not readable: reaper.load_shim),
+     * so that while our exec, which carried the exec key in its registers, was under way,
+     * no process of the code could read our /proc (syscall, maps, mem); those registers are
+     * the program's own now. Dumpable again: the judge reads the memory of the child whose
+     * exec it judges, which shares ours, and we open our own oom_score_adj. */
+    sc(SYS_prctl, PR_SET_DUMPABLE, 1, 0, 0);
     u64 none = 0; /* started with every signal blocked (judge.c's spawn) or none: none */
     sc(SYS_rt_sigprocmask, 2 /* SIG_SETMASK */, (i64)&none, 0, 8);
     i64 self = sc(SYS_getpid, 0, 0, 0, 0);
@@ -396,19 +385,18 @@ __attribute__((used)) int shim(i64 *stack) {
         if (r < 0) return fail("cannot enter the policy's Landlock domain", "", -r, 126);
     }
     close_from_3();
-    i64 err = adopted ? -start_error * (stage == 'c') : sc(SYS_chdir, (i64)argv[1], 0, 0, 0);
+    i64 err = sc(SYS_chdir, (i64)argv[1], 0, 0, 0);
     if (err < 0) {
         say("stockade: cannot enter ");
         say(argv[1]);
         say(": ");
         say(strerror(-err));
         say("\n");
-        if (!adopted) return 126; /* else its child ended 126 already: mirrored below */
+        return 126;
     }
     command = argv + 2;
     command_env = envp;
-    if (adopted && stage == 'x') fail("", argv[2], start_error, 0);
-    i64 child = adopted ? adopted : start_command();
+    i64 child = start_command();
     if (child < 0) return fail("cannot start ", argv[2], -child, 126);
     for (int i = 0; i < 3; i++) sc(SYS_close, i, 0, 0, 0); /* the shim holds no end of the pipes */
     int status = 0, mine = 0;

@@ -68,7 +68,6 @@ from reaper import (
     IGNORED_SIGNALS,
     PR_SET_CHILD_SUBREAPER,
     PR_SET_DUMPABLE,
-    hold_own_oom_score,
     kill_group,
     kill_tree,
     limit_arenas,
@@ -570,7 +569,6 @@ def main() -> None:
     for fd in (0, 1):
         os.dup2(null, fd)
     os.close(null)
-    hold_own_oom_score()  # while we can open our own /proc files
     try:  # non-dumpable: code of the same uid cannot open /proc/<us>/fd nor ptrace us
         prctl(PR_SET_DUMPABLE, 0)
     except OSError:
