@@ -23,7 +23,7 @@ from stockade.server.runs import router as runs_router
 from stockade.server.sandboxes import router as sandboxes_router
 from stockade.server.service import Service
 from stockade.server.snapshots import router as snapshots_router
-from stockade.server.viewer import ServiceAuth, viewer_router
+from stockade.server.viewer import ServiceAuth, ViewerHeaders, viewer_router
 
 __all__ = ["create_app"]
 
@@ -94,6 +94,7 @@ def create_app(service: Service) -> FastAPI:
     app.add_middleware(
         RequestGuard, service=service, grace_s=config.body_timeout_s, min_rate=config.min_body_rate
     )
+    app.add_middleware(ViewerHeaders)  # outermost: the viewer's headers on every answer under /ui
     for router in routers:
         app.include_router(router)
 

@@ -17,7 +17,7 @@ import uvicorn
 from stockade.models import tool_call
 from stockade.policy.approval import ApprovalStore
 from stockade.server.viewer.data import LocalRuns
-from stockade.server.viewer.web import _csrf, local_app
+from stockade.server.viewer.web import _csrf, _diff_class, _diff_lines, local_app
 from tests.conftest import wait_for
 from tests.unit.server.test_viewer_data import record
 
@@ -115,6 +115,21 @@ def test_pages_escape_and_forbid_scripts(viewer: tuple[str, str, str, Path]) -> 
             assert [line for line in events.iter_lines() if line.startswith("event:")] == ["event: end"]
 
 
+def test_the_frameworks_own_answers_under_ui_carry_the_viewers_headers(
+    viewer: tuple[str, str, str, Path],
+) -> None:
+    """A path no route has (404), a method none takes (405), a query that does not parse (422):
+    FastAPI's own answers, which carried none of the viewer's headers."""
+    url, _, _, _ = viewer
+    with client(url) as c:
+        for answer in (c.get("/ui/no/such/page"), c.put("/ui/"), c.get("/ui/", params={"limit": "many"})):
+            assert answer.status_code in (404, 405, 422), answer
+            assert answer.headers["content-security-policy"].startswith("default-src 'none'"), answer
+            assert answer.headers["x-content-type-options"] == "nosniff"
+            assert answer.headers["x-frame-options"] == "DENY"
+        assert c.get("/").headers.get("x-frame-options") == "DENY"  # its own, as before
+
+
 def test_a_decision_needs_its_form_token(viewer: tuple[str, str, str, Path]) -> None:
     url, _, paused, folder = viewer
     with client(url) as c:
@@ -205,3 +220,14 @@ async def test_an_approval_card_shows_bidi_and_invisible_characters_as_escapes(t
     assert "scripted-\\u200bquiet" in page and "scripted-\\u200bquiet" in listing
     # the book holds the same escaped words the card shows (the API and the CLI list them)
     assert rlo not in request["action"] and "\\u202e" in request["action"]
+
+
+def test_a_diffs_lines_end_at_newlines_alone() -> None:
+    """A changed line that holds a form feed, a vertical tab or U+2028 stays one line of the
+    diff, classed by its own first character: ``str.splitlines`` made the rest of it a line
+    of its own, drawn as removed when it began with ``-``."""
+    diff = "--- a/x\n+++ b/x\n@@ -1 +1 @@\n-old\n+new\x0c-not removed\x0b+\u2028-either\n"
+    lines = _diff_lines(diff)
+    assert [_diff_class(line) for line in lines] == ["file", "file", "hunk", "del", "add"]
+    assert lines[-1] == "+new\x0c-not removed\x0b+\u2028-either"
+    assert _diff_lines("") == [] and _diff_lines("+a") == ["+a"]

@@ -7,6 +7,6 @@ Served by ``stockade serve`` (``/ui``, a tenant signs in with an API token) and 
 
 from __future__ import annotations
 
-from stockade.server.viewer.web import KeyAuth, ServiceAuth, ViewerAuth, viewer_router
+from stockade.server.viewer.web import KeyAuth, ServiceAuth, ViewerAuth, ViewerHeaders, viewer_router
 
-__all__ = ["KeyAuth", "ServiceAuth", "ViewerAuth", "viewer_router"]
+__all__ = ["KeyAuth", "ServiceAuth", "ViewerAuth", "ViewerHeaders", "viewer_router"]

@@ -41,6 +41,7 @@ from urllib.parse import quote, urlencode, urlsplit
 import anyio
 from fastapi import APIRouter, Form, Query, Request
 from fastapi.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stockade import __version__
 from stockade import exceptions as exc
@@ -50,7 +51,7 @@ from stockade.server.streams import HeldStream, StreamSlot, StreamSlots
 from stockade.server.viewer.data import SETTLED, STATUSES, Filters, RunSource, RunView, ServiceRuns
 from stockade.server.viewer.sessions import Sessions
 
-__all__ = ["CSP", "KeyAuth", "ServiceAuth", "ViewerAuth", "local_app", "viewer_router"]
+__all__ = ["CSP", "KeyAuth", "ServiceAuth", "ViewerAuth", "ViewerHeaders", "local_app", "viewer_router"]
 
 COOKIE = "stockade_viewer"
 CSP = (
@@ -77,6 +78,33 @@ LOCAL_STREAMS = 16  # `stockade ui`'s streams open at once (the service's: Servi
 MAX_SEQ = 2**62  # as the API's `after`: a bigger number is no sequence number the database holds
 # where a sign-in may go on to: a plain path (printable ASCII: it becomes a Location header)
 _PLAIN_PATH = re.compile(r"[!-~]*")
+
+
+class ViewerHeaders:
+    """ASGI middleware: every response under the viewer's ``prefix`` carries ``HEADERS`` (those
+    it does not set itself), FastAPI's own too: its 404 for a path no route has, its 405, its
+    422 for a query that does not parse, which carried no CSP, no ``nosniff``, no frame
+    refusal (a page a browser would render from them unconfined)."""
+
+    def __init__(self, app: ASGIApp, *, prefix: str = "/ui") -> None:
+        self.app = app
+        self.prefix = prefix
+        self._headers = [(name.lower().encode(), value.encode()) for name, value in HEADERS.items()]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else None
+        if path is None or not (path == self.prefix or path.startswith(self.prefix + "/")):
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                have = {name.lower() for name, _ in message.get("headers", [])}
+                added = [(name, value) for name, value in self._headers if name not in have]
+                message = {**message, "headers": [*message.get("headers", []), *added]}
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
 
 
 class ViewerAuth(Protocol):
@@ -183,6 +211,7 @@ def _templates() -> Any:
     )
     env.filters["when"] = lambda ts: datetime.fromtimestamp(ts, tz=UTC).strftime("%Y-%m-%d %H:%M:%S")
     env.filters["diff_class"] = _diff_class
+    env.filters["diff_lines"] = _diff_lines
     return env
 
 
@@ -194,6 +223,15 @@ def _shown(value: object) -> object:
     if isinstance(value, str) and not isinstance(value, markupsafe.Markup):
         return visible(value)
     return value
+
+
+def _diff_lines(diff: str) -> list[str]:
+    """A diff's lines: ended by newlines alone, as git ends them. ``str.splitlines`` also ends a
+    line at a form feed, a vertical tab, U+0085, U+2028..., which a changed file's line may
+    hold: the rest of that line was drawn as a line of its own, classed by its first
+    character (a ``+`` or ``-`` there read as a line added or removed)."""
+    lines = diff.split("\n")
+    return lines[:-1] if lines and not lines[-1] else lines
 
 
 def _diff_class(line: str) -> str:
@@ -508,6 +546,7 @@ def local_app(source: RunSource, key: str) -> Any:
 
     app = FastAPI(title="stockade runs", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.include_router(viewer_router(KeyAuth(source, key)))
+    app.add_middleware(ViewerHeaders)
 
     @app.get("/", include_in_schema=False)
     async def root() -> Response:
