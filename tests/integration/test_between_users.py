@@ -439,3 +439,62 @@ def test_a_fork_bomb_does_not_keep_the_zygote_from_the_next_interpreter(tier: st
         sbx.reset()
         assert sbx.run_code("1 + 1").text == "2"
         assert len(_processes(sbx)["zygotes"]) == 1  # type: ignore[arg-type]
+
+
+# Counts the needles (shifted as above) in the readable memory of the command's parent, its
+# shim: 0 where there is none, or where the parent's memory cannot be read.
+SCAN_PARENT = r"""
+import os, sys
+needles = [bytes.fromhex(h) for h in sys.argv[1:]]
+shift = bytes((b + 1) % 256 for b in range(256))
+parent, found = os.getppid(), set()
+try:
+    mem = os.open(f"/proc/{parent}/mem", os.O_RDONLY)
+    regions = [line.split() for line in open(f"/proc/{parent}/maps")]
+except OSError:
+    regions = []
+for fields in regions:
+    if not fields[1].startswith("r") or (len(fields) > 5 and not fields[5].startswith("[")):
+        continue
+    lo, hi = (int(x, 16) for x in fields[0].split("-"))
+    try:
+        found.update(n for n in needles if n in os.pread(mem, hi - lo, lo).translate(shift))
+    except OSError:
+        pass
+print(len(found), len(regions) > 0)
+"""
+
+
+@pytest.mark.parametrize("judge", ["compiled", "python"])
+def test_the_next_pool_user_reads_nothing_of_the_last_from_a_commands_shim(
+    tier: str, judge: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under rules whose execs are judged, a command's shim is dumpable (the judge reads its
+    child's memory). Where it was a fork of the supervisor, its memory was the supervisor's,
+    with what the last user of the pooled sandbox passed through it, and the next user's
+    command read that from /proc/PPID/mem (found from outside): after that user replaced a
+    written folder under the compiled judge's ruleset, and every command where execs are
+    judged in Python (or there is no compiled shim). Now a replaced folder's ruleset is built
+    again in the supervisor and the compiled shim starts the command; and a supervisor whose
+    commands start in forks of it is replaced by a fresh one at the reset."""
+    if tier == "gvisor":
+        return  # no exec judge there: no shim is made dumpable
+    if judge == "python":
+        monkeypatch.setenv("STOCKADE_EXEC_JUDGE", "python")
+    rules = SandboxRules(approve=("rm -r",), write=("src/**",))
+    limits = Limits(timeout_s=30)
+    with SandboxPool(tier, size=1, limits=limits, rules=rules, approver=lambda _: False) as pool:
+        with pool.acquire() as first:
+            out, env, code = (f"{name}-{secrets.token_hex(8)}" for name in ("OUT", "ENV", "CODE"))
+            first.commands.run(f"for i in $(seq 200); do echo {out}; done", envs={"API_KEY": env})
+            first.run_code(f"kept = {code!r}\nprint(kept * 100)")
+        wait_for(lambda: pool.stats().recycled >= 1, what="the first member to be recycled")
+        with pool.acquire() as second:
+            assert second.id == first.id
+            second.files.remove("src")  # the folder the ruleset holds, replaced
+            second.files.make_dir("src")
+            needles = [_shifted(s) for s in (out, env, code)]
+            for _ in range(2):
+                r = second.commands.run(["python3", "-c", SCAN_PARENT, *needles])
+                assert r.stdout.split()[0] == "0", r
+

@@ -993,7 +993,7 @@ static int keyed;
 static u64 *exec_key(void) { return (u64 *)(spawn_area + SPAWN_STACK); }
 
 /* Whether an exec that carries the key hides its registers from the code: the shim's file
- * cannot be read (reaper.load_shim), so its exec leaves it non-dumpable, unless the host's
+ * cannot be read (reaper.runnable_only), so its exec leaves it non-dumpable, unless the host's
  * fs.suid_dumpable is 1 (then dumpable all the same, and any process of the code could
  * read the key from /proc/PID/syscall while the exec is under way: no key then). */
 static int execs_hide_registers(void)
@@ -1295,6 +1295,10 @@ static int replaced(const char *inodes, int len)
     }
     return 0;
 }
+
+/* The ruleset judge.c built is no longer the one in use (a written folder was replaced:
+ * Python built it again and checks its own inodes): stockade_spawn stops checking these. */
+__attribute__((visibility("default"))) void stockade_forget_setup(void) { setup_inodes_len = 0; }
 
 /* What Rules.confine does, in one call from the forked shim (in Python, each call and each
  * stat there touches objects the fork shares, and every page touched is copied: about

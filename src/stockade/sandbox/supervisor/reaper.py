@@ -459,17 +459,26 @@ def load_shim(folder: str) -> int:
         view = memoryview(program)
         while view:
             view = view[os.write(fd, view) :]
-        # Runnable, not readable, even by us: an exec of a file its caller cannot read
-        # leaves the process non-dumpable (the kernel's would_dump), so that no process of
-        # the code can read the shim's /proc while its exec, which carries the exec key in
-        # its registers (judge.c), is under way; the shim makes itself dumpable once it runs.
-        os.fchmod(fd, 0o100)
         fcntl.fcntl(fd, F_ADD_SEALS, SEALS)
     except OSError:
         if fd >= 0:
             os.close(fd)
         return -1
     return fd
+
+
+def runnable_only(shim: int) -> bool:
+    """The shim's memfd runnable, not readable, even by us (where execs are judged: judge.c
+    starts it by an exec that carries the exec key in its registers). The kernel leaves a
+    process that execs a file it cannot read non-dumpable (``would_dump``), so no process of
+    the code can read the shim's /proc (``syscall`` shows a sleeping exec's registers) while
+    that exec is under way; the shim makes itself dumpable once it runs. Not everywhere:
+    gVisor will not exec such a file (and judges no exec). False where it could not be done."""
+    try:
+        os.fchmod(shim, 0o100)
+    except OSError:
+        return False
+    return True
 
 
 def _memfds_noexec() -> bool:

@@ -95,6 +95,7 @@ class Rules:
         self._confine_c: "Any" = None  # judge.c's confinement, where the host shipped judge.so
         self._spawn_c = 0  # judge.c's start of a command's compiled shim (stockade_spawn)
         self._key_pipe = 0  # judge.c's stockade_key_pipe
+        self._forget_c = 0  # judge.c's stockade_forget_setup
         self._entry = 0  # judge.c's thread, started by start()
         self.listener = listener
         self._judge: "Optional[ExecJudge]" = None  # the Python judge, once an exec reaches it
@@ -218,10 +219,10 @@ class Rules:
     ) -> int:
         """Start a command under the compiled shim (``shim.c``, from its memfd), confined:
         the shim enters the Landlock domain before it starts the command, whose exec the
-        judge stops as any other. Its pid; 0 where it cannot be done here (execs judged in
-        Python, which would have to answer while we wait for the shim's exec; a written
-        folder replaced under judge.c's ruleset, which the Python shim rebuilds): the caller
-        forks the Python shim. OSError if it could not start."""
+        judge stops as any other (a written folder replaced under judge.c's ruleset: the
+        ruleset built again here first). Its pid; 0 where it cannot be done here (execs
+        judged in Python, which would have to answer while we wait for the shim's exec): the
+        caller forks the Python shim. OSError if it could not start."""
         if self.listener >= 0 and self.fast is None:
             return 0
         ruleset = -1
@@ -234,13 +235,23 @@ class Rules:
             return spawn_program(shim, argv, env, cwd, fds, ruleset=ruleset)
         import _ctypes
 
-        words = [f"/proc/self/fd/{shim}", "shim", str(ruleset) if ruleset >= 0 else "-", cwd, *argv]
-        entries = words + [f"{key}={value}" for key, value in env.items()]
-        if any("\0" in entry for entry in entries):
-            raise ValueError("embedded null byte")
-        blob = c_entries(entries)
-        counts = (len(blob), len(words) - 1, len(env))
-        got = _ctypes.call_function(self._spawn_c, (blob, *counts, *fds, ruleset, _DEFAULTS))
+        got = -ESTALE
+        for _attempt in range(2):
+            words = [f"/proc/self/fd/{shim}", "shim", str(ruleset) if ruleset >= 0 else "-", cwd, *argv]
+            entries = words + [f"{key}={value}" for key, value in env.items()]
+            if any("\0" in entry for entry in entries):
+                raise ValueError("embedded null byte")
+            blob = c_entries(entries)
+            counts = (len(blob), len(words) - 1, len(env))
+            got = _ctypes.call_function(self._spawn_c, (blob, *counts, *fds, ruleset, _DEFAULTS))
+            if got != -ESTALE or self._inode_blob is not None:
+                break
+            # A written folder was replaced under judge.c's ruleset: built again here, and
+            # checked here from now on (judge.c forgets its own), not in a fork of ours made
+            # dumpable for the judge: our memory holds what earlier users passed through it,
+            # which that fork's command could read (found from outside).
+            ruleset = _more().current_ruleset(self)
+            _ctypes.call_function(self._forget_c, ())
         if got == -ESTALE:
             return 0
         if got < 0:
@@ -272,8 +283,10 @@ class Rules:
         Python judge (its approvals, its caches) dropped. False where this process cannot
         serve the next user so: its ruleset was built again since the start (the zygote
         holds the first), or a folder the rules made is no longer the one the ruleset holds
-        (the reset then execs a fresh supervisor, which builds them again)."""
-        if self.rebuilt:
+        (the reset then execs a fresh supervisor, which builds them again); or its commands
+        start in forks of this process (no compiled shim or judge here), which the judge needs
+        dumpable: their memory is ours, with what the last user passed through it."""
+        if self.rebuilt or (self.notify and (self.sup.shim < 0 or self.fast is None)):
             return False
         for path, (dev, ino) in self.made.items():
             try:
@@ -348,6 +361,7 @@ class Rules:
             setup = _ctypes.dlsym(library, "stockade_setup")
             self._spawn_c = _ctypes.dlsym(library, "stockade_spawn")
             self._key_pipe = _ctypes.dlsym(library, "stockade_key_pipe")
+            self._forget_c = _ctypes.dlsym(library, "stockade_forget_setup")
         except (OSError, AttributeError, ImportError):
             return 0
         self._entry, self._confine_c = found

@@ -360,11 +360,12 @@ __attribute__((used)) int shim(i64 *stack) {
     i64 ruleset = number(argv[1], &end);
     if (*end || end == argv[1]) ruleset = -1; /* "-": no Landlock domain */
     argv++;
-    /* Started non-dumpable (the supervisor's memfd of us is not readable: reaper.load_shim),
-     * so that while our exec, which carried the exec key in its registers, was under way,
-     * no process of the code could read our /proc (syscall, maps, mem); those registers are
-     * the program's own now. Dumpable again: the judge reads the memory of the child whose
-     * exec it judges, which shares ours, and we open our own oom_score_adj. */
+    /* Started non-dumpable where execs are judged (the supervisor's memfd of us is not
+     * readable there: reaper.runnable_only), so that while our exec, which carried the exec
+     * key in its registers, was under way, no process of the code could read our /proc
+     * (syscall, maps, mem); those registers are the program's own now. Dumpable again: the
+     * judge reads the memory of the child whose exec it judges, which shares ours, and we
+     * open our own oom_score_adj. */
     sc(SYS_prctl, PR_SET_DUMPABLE, 1, 0, 0);
     u64 none = 0; /* started with every signal blocked (judge.c's spawn) or none: none */
     sc(SYS_rt_sigprocmask, 2 /* SIG_SETMASK */, (i64)&none, 0, 8);

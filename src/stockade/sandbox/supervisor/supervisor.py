@@ -73,6 +73,7 @@ from reaper import (
     limit_arenas,
     load_shim,
     prctl,
+    runnable_only,
     scrub_freed,
 )
 from zygote import Zygote
@@ -221,6 +222,9 @@ class Supervisor:
             asked = carried.get("asked", 0) if carried is not None else 0
             self.rules = rules.Rules(self, cfg["rules"], listener=listener, key=key, asked=asked)
             self.confine = self.rules.confine
+            if self.rules.notify and self.shim >= 0 and not runnable_only(self.shim):
+                os.close(self.shim)  # its keyed exec would show the key: the Python shim
+                self.shim = -1
         if cfg.get("egress"):
             import egress  # type: ignore[import-not-found]
 
