@@ -11,13 +11,14 @@ from __future__ import annotations
 import ast
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from stockade import Limits, Sandbox
 from stockade.sandbox.pool import SandboxPool
 from stockade.types import SandboxRules
-from tests.conftest import wait_for
+from tests.conftest import require_tier, wait_for
 
 # Scans the interpreter's own writable memory for needles. The needles arrive shifted by one
 # (byte + 1), and memory is shifted before the search, so the needles' own copies in this
@@ -498,3 +499,47 @@ def test_the_next_pool_user_reads_nothing_of_the_last_from_a_commands_shim(
                 r = second.commands.run(["python3", "-c", SCAN_PARENT, *needles])
                 assert r.stdout.split()[0] == "0", r
 
+
+# Stops the zygote (pid in argv[1]) the moment it runs (the supervisor asked it for an
+# interpreter); says whether it did within argv[2] seconds.
+STOP_THE_ZYGOTE_WHEN_ASKED = r"""
+import os, signal, sys, time
+zygote, end = int(sys.argv[1]), time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    with open(f"/proc/{zygote}/stat", "rb") as fh:
+        stat = fh.read()
+    if stat[stat.rindex(b")") + 2 :].startswith(b"R"):
+        os.kill(zygote, signal.SIGSTOP)
+        print("stopped")
+        break
+"""
+
+
+@pytest.mark.parametrize("host_tier", ["process", "docker"])  # the supervisor's own wait, as on every tier
+def test_a_zygote_the_code_stops_while_asked_holds_up_the_supervisor_for_no_time(host_tier: str) -> None:
+    """The supervisor waits for the zygote's answer and nothing else: a zygote the code
+    stopped once it was asked for an interpreter (SIGSTOP, same uid) held every command's
+    output and deadline for the whole wait, 10 s (found from outside); now the wait looks
+    again every 50 ms and gives the zygote up. Bounded far below those 10 s, not timed."""
+    require_tier(host_tier)
+    with Sandbox.create(host_tier, limits=Limits(timeout_s=30)) as sbx:
+        zygote = sbx.run_code("import os\nprint(os.getppid())").logs.stdout.strip()
+        for _attempt in range(20):  # until the watcher catches the zygote running
+            sbx.run_code("import os\nos._exit(0)")  # the next call asks the zygote
+            with ThreadPoolExecutor(1) as pool:
+                watching = pool.submit(
+                    sbx.commands.run, ["python3", "-c", STOP_THE_ZYGOTE_WHEN_ASKED, zygote, "5"]
+                )
+                time.sleep(0.3)  # the watcher is polling
+                started = time.monotonic()
+                sbx.run_code("print(2)")
+                took = time.monotonic() - started
+                stopped = watching.result().stdout.strip() == "stopped"
+            if stopped:
+                assert took < 5, took
+                assert sbx.commands.run("echo alive").stdout == "alive\n"
+                # the next run gets an interpreter of its own (no pipe shared with one the
+                # stopped zygote may have forked: a run once waited its whole timeout so)
+                assert sbx.run_code("print(3)", timeout_s=10).logs.stdout == "3\n"
+                return
+        pytest.fail("the watcher never caught the zygote answering")

@@ -81,6 +81,12 @@ def _start(sup: "Supervisor", fds: "tuple[int, int, int, int]") -> "tuple[int, i
             if exc.errno in (errno.EAGAIN, errno.ENOMEM):  # out of processes: the zygote is fine
                 raise
             sup.zygote = None
+            if exc.errno == errno.ECONNABORTED:
+                # Asked, then stopped or silent: an interpreter it forked may hold these
+                # pipes, which another interpreter of ours would share (a run then waited
+                # for its whole timeout). This run fails; the next starts afresh.
+                why = f"the interpreter's zygote did not answer: {exc.strerror}"
+                raise OSError(errno.ESRCH, why) from exc
     if not sup.clean:
         raise OSError(
             errno.ESRCH,

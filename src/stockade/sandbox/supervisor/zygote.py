@@ -31,6 +31,8 @@ import sys
 
 from reaper import IGNORED_SIGNALS, PR_SET_CHILD_SUBREAPER, prctl, scrub_freed, spawn_leader
 
+STOP_CHECK_S = 0.05  # how often a wait for the zygote's answer looks whether it was stopped
+
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
     from typing import Any, Callable, Optional
@@ -93,21 +95,37 @@ class Zygote:
         return pid
 
     def _ask(self, what: bytes, fds: "tuple[int, ...]", timeout: float) -> int:
-        """One request and its answer; a zygote that fails to answer is stopped."""
+        """One request and its answer; a zygote that fails to answer is stopped. Asked and
+        not answered: ECONNABORTED (what it was given, ``fds``, may be held by a child it
+        forked before it was stopped: not to be handed to another)."""
         rights = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, _pack(fds))] if fds else []
         try:
             self.sock.sendmsg([what], rights)
+        except OSError:
+            self.stop()
+            raise
+        try:
             reply = b""
+            left = timeout
             while len(reply) < PID:
-                if not select.select([self.sock], [], [], timeout)[0]:
-                    raise OSError(errno.ETIMEDOUT, "the interpreter's zygote did not answer")
+                # The supervisor waits on nothing else meanwhile: a zygote the code stopped
+                # (SIGSTOP: same uid) once it was asked held every command's output and
+                # deadline for the whole timeout (10 s, found from outside): looked at again
+                # every STOP_CHECK_S.
+                if not select.select([self.sock], [], [], min(left, STOP_CHECK_S))[0]:
+                    left -= STOP_CHECK_S
+                    if left <= 0:
+                        raise OSError(errno.ETIMEDOUT, "the interpreter's zygote did not answer")
+                    if not self.serving():
+                        raise OSError(errno.ESRCH, "the interpreter's zygote is gone or stopped")
+                    continue
                 chunk = self.sock.recv(PID - len(reply))
                 if not chunk:
                     raise OSError(errno.ESRCH, "the interpreter's zygote is gone")
                 reply += chunk
-        except OSError:
+        except OSError as exc:
             self.stop()
-            raise
+            raise OSError(errno.ECONNABORTED, exc.strerror) from exc
         return int.from_bytes(reply, "big", signed=True)
 
     def stop(self) -> None:
