@@ -92,6 +92,9 @@ def user_namespaces_allowed_above(pid: int) -> str:
     return said.stdout or said.stderr
 
 
+NETWORK_SETTINGS = ("/proc/sys/net/ipv4/tcp_max_tw_buckets", "/proc/sys/net/core/tstamp_allow_data")
+
+
 def portrait(sbx: Sandbox) -> dict[str, object]:
     """Pid 1 of ``sbx`` in what its security rests on, with the sandbox's own names (its host
     uid, its cgroup's name, its run folder) replaced, so that two sandboxes compare."""
@@ -124,6 +127,8 @@ def portrait(sbx: Sandbox) -> dict[str, object]:
     found["pid inside"] = fields["NSpid"].split()[-1]
     found["dumpable"] = sbx.commands.run("ls -l /proc/1/fd 2>&1 | head -1").stdout.split(":")[0]
     found["unshare inside"] = sbx.commands.run("unshare -U true 2>&1; echo $?").stdout.split()[-1]
+    # its network namespace's own settings (the host's where it shares the host's)
+    found["network settings"] = sbx.commands.run(f"cat {' '.join(NETWORK_SETTINGS)}").stdout.split()
     return found
 
 
@@ -144,6 +149,10 @@ def test_a_template_started_pid_1_is_what_bwrap_makes_of_the_one_it_execs(networ
     assert theirs["Seccomp"] == "2" and theirs["CapBnd"] == "0000000000000000" and theirs["pid inside"] == "1"
     different = {name: (theirs[name], ours[name]) for name in theirs if theirs[name] != ours[name]}
     assert different == {}
+    # A namespace of its own keeps no TIME_WAIT and no timestamp carrying data (bwrap's exec
+    # start kept the host's); the host's, shared, is never written.
+    host = [Path(name).read_text().strip() for name in NETWORK_SETTINGS]
+    assert theirs["network settings"] == (["0", "0"] if network == "none" else host)
 
 
 def test_a_sandbox_whose_rules_mask_the_placeholder_starts_from_the_template() -> None:

@@ -60,6 +60,44 @@ FSPICK_CLOEXEC, FSPICK_SYMLINK_NOFOLLOW = 1, 2
 FSCONFIG_SET_FLAG, FSCONFIG_SET_STRING, FSCONFIG_CMD_RECONFIGURE = 0, 1, 7
 
 
+# What each sandbox's own network namespace holds on the host's kernel, as the template's start
+# and Docker write it (``docker.NO_TIME_WAIT``, ``docker.NO_TIMESTAMPED_DATA``).
+QUIET_NETWORK = (("net/ipv4/tcp_max_tw_buckets", b"0"), ("net/core/tstamp_allow_data", b"0"))
+CLONE_NEWNET = 0x40000000
+
+
+def quiet_network(pid: int) -> None:
+    """``QUIET_NETWORK`` in ``pid``'s network namespace, for a sandbox bwrap started itself
+    (its netns is made by bwrap, after the host's last say): a thread of ours enters it (root
+    may enter any), writes, and ends there. Never the host's own namespace: nothing is written
+    where ``pid`` shares ours. SandboxStartError where it cannot be written."""
+    if os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat("/proc/self/ns/net").st_ino:
+        return
+    failed: list[str] = []
+
+    def enter_and_write() -> None:
+        try:
+            fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                if _libc.setns(fd, CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+            finally:
+                os.close(fd)
+            # /proc/sys/net shows the namespace of the thread that looks (this one, now)
+            for name, value in QUIET_NETWORK:
+                with open(f"/proc/sys/{name}", "wb", buffering=0) as fh:
+                    fh.write(value)
+        except OSError as err:
+            failed.append(f"{err.strerror or err}")
+
+    # A thread of its own: it ends in the sandbox's namespace, no other of ours enters it.
+    worker = threading.Thread(target=enter_and_write, name="stockade-netns")
+    worker.start()
+    worker.join()
+    if failed:
+        raise exc.SandboxStartError(f"cannot set the sandbox's network namespace up: {failed[0]}")
+
+
 def bound_ptys(pid: int, most: int) -> None:
     """The devpts instance at /dev/pts in ``pid``'s mount namespace holds at most ``most``
     ptys (``max=``; needs CAP_SYS_ADMIN over the instance: root). A reconfigure resets every
