@@ -547,6 +547,7 @@ class GuardedAgent:
             tier=self.tier,
             policy_file=None if self._policy_file is None else str(self._policy_file),
             policy_digest=self._policy_digest,
+            limits=self.config.limits,
         )
 
     def own_records(self) -> tuple[Path, ...]:

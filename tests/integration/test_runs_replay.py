@@ -10,7 +10,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from stockade import Sandbox
-from stockade.agent import Agent
+from stockade.agent import Agent, RunLimits
 from stockade.assembly import AgentConfig, build_agent
 from stockade.cli.main import app
 from stockade.models.scripted import Turn
@@ -179,3 +179,35 @@ def test_a_replay_of_a_run_that_needed_a_stronger_tier_refuses_a_weaker_one(tmp_
     # nor can --trust loosen what the run had
     result = runner.invoke(app, ["replay", "vm", "--db", db, "--tier", "process", "--trust", "trusted"])
     assert result.exit_code == 2, result.output
+
+
+def test_a_replay_takes_no_more_wall_time_than_the_run_could(tmp_path: Path) -> None:
+    """A replay runs under the run's own budgets (kept with its policy, signed): a call the
+    run's wall time cut is cut in the replay too. It ran under the defaults (900 s), so a
+    replay of a run limited to a few seconds held a sandbox for as long as its code asked
+    (found from outside: 52 s for a 10 s run)."""
+    require_tier("process")
+    turns: list[Turn] = [
+        tool_call("run_code", {"language": "python", "code": "import time\ntime.sleep(60)\nprint('slept')"}),
+        "done",
+    ]
+    policy = tmp_path / "policy.toml"
+    policy.write_text('[trust]\nlevel = "trusted"\n')
+    config = AgentConfig(
+        model=ScriptedModel(turns),
+        policy=policy,
+        tier="process",
+        audit=f"sqlite:///{tmp_path / 'audit.db'}",
+        limits=RunLimits(max_wall_s=3),
+        keep_sandbox=False,
+    )
+    with build_agent(config) as agent:
+        agent.run_sync("sleep", workspace=project(tmp_path), run_id="slow")
+    with open_run_store(f"sqlite:///{tmp_path / 'audit.db'}") as store:
+        setup = store.setup("slow")
+        state = store.load("slow")
+    assert setup is not None and setup.limits == RunLimits(max_wall_s=3)
+    assert state is not None and "slept" not in state.steps[0].tool_calls[0].observation
+    result = runner.invoke(app, ["replay", "slow", "--db", f"sqlite:///{tmp_path / 'audit.db'}", "--json"])
+    report = json.loads(result.stdout)
+    assert "slept" not in json.dumps(report), report

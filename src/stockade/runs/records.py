@@ -9,10 +9,14 @@ that the CLI, the viewer and the recorder use without a database.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from stockade.agent.state import RunState, RunStatus
 from stockade.models.messages import Usage
 from stockade.policy.schema import Policy
+
+if TYPE_CHECKING:
+    from stockade.agent.loop import RunLimits
 
 __all__ = ["ApprovalEntry", "RetryEntry", "RunSetup", "RunSummary", "RunTrace", "WorkspaceUsage"]
 
@@ -71,6 +75,9 @@ class RunSetup:
     tier: str | None  # None: not known (a run kept without it): chosen by trust
     policy_file: str | None = None
     policy_digest: str | None = None
+    # its budgets (steps, wall time, tokens, dollars...): a replay may take no more; None for
+    # a run kept without them
+    limits: RunLimits | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from stockade.agent.loop import RunLimits
@@ -209,7 +209,9 @@ def replay_config(
         backend=backend,
         tools=tools if tools is not None else _tools_for(state),
         system_prompt=state.system,
-        limits=RunLimits(max_steps=max(1, len(recorded))),
+        # the run's own budgets where it kept them (a replay takes no more wall time, tokens or
+        # dollars than the run could), its steps those it recorded
+        limits=replace(setup.limits or RunLimits(), max_steps=max(1, len(recorded))),
         audit=audit,
         audit_key=audit_key,
         approver=approver,

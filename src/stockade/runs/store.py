@@ -44,9 +44,11 @@ run), ``CallLedger`` (``ledger``: calls returned and started), ``Checkpoints``
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stockade import exceptions as exc
 from stockade.agent.state import RunState, RunStatus, ToolCallRecord
@@ -68,6 +70,9 @@ from stockade.runs._schema import (
 )
 from stockade.runs.checkpoints import OUTCOME_UNKNOWN, Checkpoints
 from stockade.runs.erasure import Erasure
+
+if TYPE_CHECKING:
+    from stockade.agent.loop import RunLimits
 from stockade.runs.lease import LEASE_S, LeaseHolder, RunLease
 from stockade.runs.lease_keeper import STALE_WHY, LeaseKeeper, live_expiry
 from stockade.runs.ledger import CallLedger
@@ -339,29 +344,34 @@ class RunStore:
         return self._workspaces.restore_seed(run_id, dest)
 
     def record_setup(self, run_id: str, setup: RunSetup) -> None:
-        """Keep what the run ran under (its policy, role, tier); a resumed run keeps its first."""
-        self.db.write(
-            [
-                (
-                    f"INSERT INTO {self.ns}_setups VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
-                    "ON CONFLICT (run_id) DO NOTHING",
-                    [
-                        self.mac.signed(
-                            "setups",
-                            (
-                                run_id,
-                                setup.policy.model_dump_json(),
-                                setup.role,
-                                setup.tier,
-                                setup.policy_file,
-                                setup.policy_digest,
-                                time.time_ns(),
-                            ),
-                        )
-                    ],
-                )
-            ]
+        """Keep what the run ran under (its policy, role, tier, budgets); a resumed run keeps its
+        first."""
+        now = time.time_ns()
+        row = (
+            run_id,
+            setup.policy.model_dump_json(),
+            setup.role,
+            setup.tier,
+            setup.policy_file,
+            setup.policy_digest,
+            now,
         )
+        writes: list[tuple[str, list[tuple[object, ...]]]] = [
+            (
+                f"INSERT INTO {self.ns}_setups VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (run_id) DO NOTHING",
+                [self.mac.signed("setups", row)],
+            )
+        ]
+        if setup.limits is not None:
+            body = json.dumps(dataclasses.asdict(setup.limits), sort_keys=True)
+            writes.append(
+                (
+                    f"INSERT INTO {self.ns}_run_limits VALUES (?, ?, ?, ?) ON CONFLICT (run_id) DO NOTHING",
+                    [self.mac.signed("run_limits", (run_id, body, now))],
+                )
+            )
+        self.db.write(writes)
 
     def setup(self, run_id: str) -> RunSetup | None:
         """What the run ran under; ``None`` for a run recorded without it (by a bare ``Agent``,
@@ -383,7 +393,25 @@ class RunStore:
             tier=None if tier is None else str(tier),
             policy_file=None if policy_file is None else str(policy_file),
             policy_digest=None if policy_digest is None else str(policy_digest),
+            limits=self._limits(run_id),
         )
+
+    def _limits(self, run_id: str) -> RunLimits | None:
+        """The run's budgets as it recorded them (``RunSetup.limits``); None for a run kept
+        without them."""
+        from stockade.agent.loop import RunLimits
+
+        rows = self.db.query(f"{select(self.ns, 'run_limits')} WHERE run_id = ?", (run_id,))
+        self.mac.check(self.ns, "run_limits", rows, store=self._where)
+        if not rows:
+            return None
+        try:
+            kept = json.loads(str(rows[0][1]))
+            if not isinstance(kept, dict):
+                raise TypeError("not an object")
+            return RunLimits(**kept)
+        except (ValueError, TypeError, exc.ConfigurationError) as error:
+            raise exc.RunStoreCorrupt(f"{self.ns}_run_limits row {run_id!r}: {error}") from None
 
     # -- erasure ------------------------------------------------------------------------------
 
