@@ -473,3 +473,32 @@ def test_runs_go_on_after_the_server_restarts(tmp_path: Path) -> None:
             assert client.verify_audit()["ok"]
     finally:
         server.stop()
+
+
+def test_approving_paused_runs_queues_none_past_the_runs_quota(tmp_path: Path) -> None:
+    """A paused run holds no place of the runs quota; decided, it goes back to the queue and
+    takes one: approving one paused run after another queued any number of them past the
+    quota (found from outside: 6 active runs on a quota of 2). A decision that would pass it
+    is refused (429, nothing recorded) until a place is free."""
+    require_tier("process")
+    tenants, tokens = write_tenants(tmp_path, runs=1)
+    server = Server(tenants, f"sqlite:///{tmp_path / 'service.db'}", tmp_path)
+    remove = {"name": "run_code", "args": {"code": "mkdir -p d && rm -r d", "language": "bash"}}
+    sleep = {"name": "run_code", "args": {"code": "import time; time.sleep(60)", "language": "python"}}
+    try:
+        with Client(server.url, tokens.acme) as acme:
+            paused = acme.runs.submit("clean up", scripted=[remove, "done"])
+            assert paused.wait().status == "paused"
+            busy = acme.runs.submit("sleep", scripted=[sleep, "done"])  # the one place
+            wait_for(lambda: busy.refresh().status == "running", what="the run to start", timeout_s=30)
+            [request] = paused.refresh().info["pending_approvals"]
+            with pytest.raises(exc.QuotaExceeded) as full:
+                paused.approve(request["id"])
+            assert full.value.quota == "runs"
+            assert paused.refresh().status == "paused" and paused.info["pending_approvals"]  # nothing decided
+            busy.kill("room")
+            assert busy.wait(timeout_s=30).status == "killed"
+            paused.approve(request["id"])
+            assert paused.wait(timeout_s=60).status == "success"
+    finally:
+        server.stop()

@@ -230,11 +230,7 @@ async def submit_run(body: RunSubmit, request: Request, response: Response, call
             max_bytes=caller.tenant.quotas.storage_mb * MiB,
         )  # fmt: skip
         if not added:
-            quota = caller.tenant.quotas.runs
-            raise exc.QuotaExceeded(
-                f"tenant {caller.tenant.id!r} has {quota} runs queued or running, its quota",
-                quota="runs", limit=quota, used=quota,
-            )  # fmt: skip
+            raise _runs_quota(caller)
         try:
             service.executor.submit(run_id)
         except exc.ServiceUnavailable as away:
@@ -347,6 +343,14 @@ async def decide(
     return out
 
 
+def _runs_quota(caller: Principal) -> exc.QuotaExceeded:
+    quota = caller.tenant.quotas.runs
+    return exc.QuotaExceeded(
+        f"tenant {caller.tenant.id!r} has {quota} runs queued or running, its quota",
+        quota="runs", limit=quota, used=quota,
+    )  # fmt: skip
+
+
 def decide_approval(
     service: Service, caller: Principal, run_id: str, request_id: str, choice: Choice, *, through: str = "api"
 ) -> RunOut:
@@ -355,12 +359,22 @@ def decide_approval(
     check_approver(caller)
     if row.status in TERMINAL:  # nothing of it will run: a decision would be recorded for nothing
         raise exc.RunConflict(f"run {run_id!r} ended ({row.status}): its requests wait for no decision")
+    within = (caller.tenant.id, caller.tenant.quotas.runs)
+    if row.status == "paused" and not service.store.has_room(*within):
+        # A paused run holds no place of the runs quota; sent on, it takes one: deciding one
+        # paused run after another queued any number of them (found from outside). Nothing
+        # recorded: decide again once fewer runs are queued or running.
+        raise _runs_quota(caller)
     service.approvals.decide(run_id, request_id, choice, by=f"api-token/{caller.token_id}")
     service.audit.get(caller.tenant).record(
         EventKind.APPROVAL, run_id=run_id, actor=f"human:api-token/{caller.token_id}",
         attributes={"request_id": request_id, "outcome": choice.value, "through": through},
     )  # fmt: skip
-    if row.status == "paused" and service.store.set_status(run_id, "queued", only_from=("paused",)):
+    # (another decision took the last place meanwhile: the run stays paused, its decisions
+    # made; `resume` sends it on once there is room)
+    if row.status == "paused" and service.store.set_status(
+        run_id, "queued", only_from=("paused",), within=within
+    ):
         service.executor.submit(run_id, reason="decided")
     updated = service.store.run(run_id)
     assert updated is not None
@@ -442,19 +456,25 @@ async def resume_run(run_id: str, request: Request, caller: Caller) -> RunOut:
     service = get_service(request)
 
     def work() -> RunOut:
+        within = (caller.tenant.id, caller.tenant.quotas.runs)
         row = _row(service, caller, run_id)
-        if row.status != "broken":
+        decided = row.status == "paused" and not service.approvals.pending(run_id)
+        if row.status != "broken" and not decided:
             raise exc.RunConflict(
-                f"run {run_id} is {_status(service, row)}: only a broken run is resumed here (a paused "
-                "one goes on once its approvals are decided; an interrupted one when a worker takes it up)"
+                f"run {run_id} is {_status(service, row)}: only a broken run, or a paused one whose "
+                "approvals are all decided, is resumed here (a paused one goes on once its approvals "
+                "are decided; an interrupted one when a worker takes it up)"
             )
         service.audit.get(caller.tenant).record(
             EventKind.NOTE, run_id=run_id, actor=f"human:api-token/{caller.token_id}",
-            attributes={"action": "resume", "status": "broken", "through": "api"},
+            attributes={"action": "resume", "status": row.status, "through": "api"},
         )  # fmt: skip
-        # the runner resumes it from its last step, the breaker closed (AgentSession.resume)
-        if service.store.set_status(run_id, "queued", only_from=("broken",)):
+        # the runner resumes it from its last step, the breaker closed (AgentSession.resume);
+        # back in the queue, it takes a place of the runs quota, as a submitted run does
+        if service.store.set_status(run_id, "queued", only_from=(row.status,), within=within):
             service.executor.submit(run_id, reason="resumed")
+        elif service.store.run(run_id) is not None and not service.store.has_room(*within):
+            raise _runs_quota(caller)
         updated = service.store.run(run_id)
         assert updated is not None
         return _out(service, updated, detail=True)

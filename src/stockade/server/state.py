@@ -71,6 +71,7 @@ QUEUED = "queued"
 # they are, or a worker would start them right after.
 WAITING = ("queued", "paused", "interrupted", "broken")
 TERMINAL = frozenset({"success", "check_failed", "max_steps", "budget", "killed", "denied", "error"})
+ACTIVE = "('queued', 'running', 'interrupted')"  # what a tenant's runs quota counts (SQL)
 
 
 def open_database(url: str) -> Database:
@@ -253,7 +254,7 @@ class ServiceStore:
         ns, now = self.ns, time.time_ns()
         if self.run(run_id) is not None:
             raise exc.RunConflict(f"a run {run_id!r} exists already")
-        active = "('queued', 'running', 'interrupted')"
+        active = ACTIVE
         text = json.dumps(spec)  # ASCII: its length is its size
         size, cap = len(text), max_bytes if max_bytes is not None else 2**62
         statements = [
@@ -384,9 +385,12 @@ class ServiceStore:
     def set_status(
         self, run_id: str, status: str, *, error: str | None = None, worker: str | None = None,
         started: bool = False, only_from: Sequence[str] | None = None,
+        within: tuple[str, int] | None = None,
     ) -> bool:  # fmt: skip
-        """Move a run to ``status`` (only from one of ``only_from`` when given); False when it
-        was not in one of them."""
+        """Move a run to ``status`` (only from one of ``only_from`` when given; with ``within``,
+        a tenant and its runs quota, only while that tenant has fewer runs queued or running, in
+        the same statement); False when it was not in one of them, or the tenant had none to
+        spare."""
         now = time.time_ns()
         sets = ["status = ?", "error = ?"]
         params: list[object] = [status, error]
@@ -401,15 +405,22 @@ class ServiceStore:
             params.append(now)
         where = "run_id = ?"
         params.append(run_id)
-        require = None
+        required = f"SELECT 1 FROM {self.ns}_runs WHERE run_id = ?"
+        required_params: list[object] = [run_id]
         if only_from:
             marks = ", ".join("?" for _ in only_from)
             where += f" AND status IN ({marks})"
             params.extend(only_from)
-            require = (
-                f"SELECT 1 FROM {self.ns}_runs WHERE run_id = ? AND status IN ({marks})",
-                [run_id, *only_from],
-            )
+            required += f" AND status IN ({marks})"
+            required_params += only_from
+        if within is not None:
+            # as add_run counts them: a run back in the queue takes a place of its tenant's
+            room = f" AND (SELECT COUNT(*) FROM {self.ns}_runs WHERE tenant = ? AND status IN {ACTIVE}) < ?"
+            where += room
+            params += within
+            required += room
+            required_params += within
+        require = (required, required_params) if only_from or within is not None else None
         statements: list[Statement] = [
             (f"UPDATE {self.ns}_runs SET {', '.join(sets)} WHERE {where}", [params])
         ]
@@ -498,6 +509,14 @@ class ServiceStore:
     @staticmethod
     def _stored_params(tenant: str) -> tuple[str, str, str]:
         return (tenant, tenant, tenant)
+
+    def has_room(self, tenant: str, max_active: int) -> bool:
+        """Whether ``tenant`` has fewer than ``max_active`` runs queued or running (its runs
+        quota, as ``add_run`` counts it)."""
+        rows = self.db.query(
+            f"SELECT COUNT(*) FROM {self.ns}_runs WHERE tenant = ? AND status IN {ACTIVE}", (tenant,)
+        )
+        return (_int(rows[0][0]) if rows else 0) < max_active
 
     def stored_bytes(self, tenant: str) -> int:
         rows = self.db.query(f"SELECT {self._stored()}", self._stored_params(tenant))
