@@ -70,9 +70,6 @@ from stockade.runs._schema import (
 )
 from stockade.runs.checkpoints import OUTCOME_UNKNOWN, Checkpoints
 from stockade.runs.erasure import Erasure
-
-if TYPE_CHECKING:
-    from stockade.agent.loop import RunLimits
 from stockade.runs.lease import LEASE_S, LeaseHolder, RunLease
 from stockade.runs.lease_keeper import STALE_WHY, LeaseKeeper, live_expiry
 from stockade.runs.ledger import CallLedger
@@ -81,6 +78,9 @@ from stockade.runs.seeds import MAX_SEED_BYTES
 from stockade.runs.workspace import MAX_WORKSPACE_BYTES, MAX_WORKSPACE_ENTRIES
 from stockade.runs.workspace_history import WorkspaceHistory
 from stockade.sandbox.facade import Sandbox
+
+if TYPE_CHECKING:
+    from stockade.agent.loop import RunLimits
 
 __all__ = [
     "OUTCOME_UNKNOWN",
@@ -483,11 +483,20 @@ class RunStore:
         )
 
     def record_diff(self, run_id: str, diff: str) -> None:
-        """The workspace diff at the end of the run (the one mutable column: the latest end
-        wins; a run that ended is never resumed, so its diff stays)."""
+        """The workspace diff at the end of the run, signed (the latest end wins; a run that
+        ended is never resumed, so its diff stays). The run's row no longer holds one: unsigned,
+        it could be edited into a diff that hides a change (found from outside)."""
+        row = self.mac.signed("run_diffs", (run_id, self.redactor.text(diff), time.time_ns()))
         self._leases.write(
             run_id,
-            [(f"UPDATE {self.ns}_runs SET diff = ? WHERE run_id = ?", [(self.redactor.text(diff), run_id)])],
+            [
+                (
+                    f"INSERT INTO {self.ns}_run_diffs VALUES (?, ?, ?, ?) ON CONFLICT (run_id) DO UPDATE "
+                    "SET diff = excluded.diff, recorded_ns = excluded.recorded_ns, mac = excluded.mac",
+                    [row],
+                ),
+                (f"UPDATE {self.ns}_runs SET diff = NULL WHERE run_id = ?", [(run_id,)]),
+            ],
         )
 
     # -- reading ------------------------------------------------------------------------------
@@ -591,15 +600,23 @@ class RunStore:
         state = self.load(run_id) if summary is not None else None
         if summary is None or state is None:
             return None
-        rows = self.db.query(f"SELECT diff FROM {self.ns}_runs WHERE run_id = ?", (run_id,))
-        diff = rows[0][0] if rows else None
         return RunTrace(
             summary=summary,
             state=state,
             retries=tuple(self.retries(run_id)),
             approvals=tuple(self.approvals(run_id)),
-            diff=None if diff is None else str(diff),
+            diff=self._diff(run_id),
         )
+
+    def _diff(self, run_id: str) -> str | None:
+        """The run's diff: its signed row (``RunStoreCorrupt`` where it was edited), or, for a
+        run an earlier stockade recorded, the run row's."""
+        rows = self.db.query(f"{select(self.ns, 'run_diffs')} WHERE run_id = ?", (run_id,))
+        self.mac.check(self.ns, "run_diffs", rows, store=self._where)
+        if rows:
+            return str(rows[0][1])
+        rows = self.db.query(f"SELECT diff FROM {self.ns}_runs WHERE run_id = ?", (run_id,))
+        return None if not rows or rows[0][0] is None else str(rows[0][0])
 
     def close(self) -> None:
         self.db.close()

@@ -178,3 +178,33 @@ def test_a_replays_policy_loosened_in_the_database_is_refused(tmp_path: Path) ->
         with pytest.raises(RunStoreCorrupt, match="runs_setups"):
             store.setup("r")
         assert [row.run_id for row in store.forged_rows()] == ["r"]
+
+
+def test_a_diff_or_budgets_edited_in_the_database_are_refused(tmp_path: Path) -> None:
+    """What a reviewer reads of a run (its diff) and what a replay runs under (its budgets)
+    are signed: the diff was a column of the run's row, unsigned, which a writer of the
+    database edited into one that hid a change while `audit verify` said intact (found from
+    outside)."""
+    from stockade.agent import RunLimits
+    from stockade.policy.schema import Policy
+    from stockade.runs.records import RunSetup
+
+    path, trail, ran = tmp_path / "runs.db", MemoryStore(), list[str]()
+    crash_in_first_call(path, trail, ran)
+    with open_run_store(f"sqlite:///{path}", key=KEY) as store:
+        setup = RunSetup(policy=Policy(), role=None, tier="process", limits=RunLimits(max_wall_s=10))
+        store.record_setup("r", setup)
+        store.record_diff("r", "+a change\n+another\n")
+        trace = store.trace("r")
+        assert trace is not None and trace.diff == "+a change\n+another\n"
+        assert store.setup("r") == setup
+        assert store.forged_rows() == []
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE runs_run_diffs SET diff = '+another\n'")
+        db.execute("UPDATE runs_run_limits SET body = ?", ('{"max_wall_s": 900.0}',))
+    with open_run_store(f"sqlite:///{path}", key=KEY) as store:
+        with pytest.raises(RunStoreCorrupt, match="runs_run_diffs"):
+            store.trace("r")
+        with pytest.raises(RunStoreCorrupt, match="runs_run_limits"):
+            store.setup("r")
+        assert [row.run_id for row in store.forged_rows()] == ["r", "r"]
