@@ -60,18 +60,27 @@ FSPICK_CLOEXEC, FSPICK_SYMLINK_NOFOLLOW = 1, 2
 FSCONFIG_SET_FLAG, FSCONFIG_SET_STRING, FSCONFIG_CMD_RECONFIGURE = 0, 1, 7
 
 
-# What each sandbox's own network namespace holds on the host's kernel, as the template's start
-# and Docker write it (``docker.NO_TIME_WAIT``, ``docker.NO_TIMESTAMPED_DATA``).
-QUIET_NETWORK = (("net/ipv4/tcp_max_tw_buckets", b"0"), ("net/core/tstamp_allow_data", b"0"))
+# A network namespace of its own keeps no TIME_WAIT: a connection code closed first would
+# outlive a pool's reset for 60 s (addresses, ports, taken binds; the reset's check,
+# supervisor/netstate.py, would then replace the member).
+NO_TIME_WAIT = {"net.ipv4.tcp_max_tw_buckets": "0"}
+# A transmit timestamp that carries what was sent sits on the socket's error queue as a clone
+# holding the sent data's pages, which no cgroup charges once the data itself is acknowledged:
+# a 128 MiB sandbox held ~1 GB of the host's that way (found from outside). Without
+# CAP_NET_RAW, code then gets timestamps without data (SOF_TIMESTAMPING_OPT_TSONLY) or none.
+# On the host's kernel only: gVisor keeps its own sockets in its own memory.
+NO_TIMESTAMPED_DATA = {"net.core.tstamp_allow_data": "0"}
 CLONE_NEWNET = 0x40000000
 
 
 def quiet_network(pid: int) -> None:
-    """``QUIET_NETWORK`` in ``pid``'s network namespace, for a sandbox bwrap started itself
+    """``NO_TIME_WAIT`` and ``NO_TIMESTAMPED_DATA`` in ``pid``'s network namespace (as the
+    process template's start and Docker's ``sysctls`` set them), for a sandbox bwrap started itself
     (its netns is made by bwrap, after the host's last say): a thread of ours enters it (root
     may enter any), writes, and ends there. Never the host's own namespace: nothing is written
     where ``pid`` shares ours. SandboxStartError where it cannot be written."""
-    if os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat("/proc/self/ns/net").st_ino:
+    theirs, ours = os.stat(f"/proc/{pid}/ns/net"), os.stat("/proc/self/ns/net")
+    if (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino):
         return
     failed: list[str] = []
 
@@ -84,9 +93,9 @@ def quiet_network(pid: int) -> None:
             finally:
                 os.close(fd)
             # /proc/sys/net shows the namespace of the thread that looks (this one, now)
-            for name, value in QUIET_NETWORK:
-                with open(f"/proc/sys/{name}", "wb", buffering=0) as fh:
-                    fh.write(value)
+            for name, value in {**NO_TIME_WAIT, **NO_TIMESTAMPED_DATA}.items():
+                with open(f"/proc/sys/{name.replace('.', '/')}", "wb", buffering=0) as fh:
+                    fh.write(value.encode())
         except OSError as err:
             failed.append(f"{err.strerror or err}")
 

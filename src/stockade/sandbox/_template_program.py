@@ -259,7 +259,7 @@ def _no_time_wait() -> None:
     it cannot be written, that check is what holds."""
     with contextlib.suppress(OSError):
         _write("/proc/sys/net/ipv4/tcp_max_tw_buckets", "0")
-    # And no transmit timestamp carrying what was sent (``docker.NO_TIMESTAMPED_DATA``).
+    # And no transmit timestamp carrying what was sent (``_host.NO_TIMESTAMPED_DATA``).
     with contextlib.suppress(OSError):
         _write("/proc/sys/net/core/tstamp_allow_data", "0")
 

@@ -48,6 +48,7 @@ from stockade.sandbox._docker_engine import (
     retry_removals,
 )
 from stockade.sandbox._gvisor_memory import EGRESS_REFUSAL, ContainerMemory
+from stockade.sandbox._host import NO_TIME_WAIT, NO_TIMESTAMPED_DATA
 from stockade.sandbox._hostinfo import engine_masked_paths
 from stockade.sandbox._supervised import (
     TIMEOUT_MARGIN_S,
@@ -73,14 +74,6 @@ API_TIMEOUT_S = 30.0
 COMPILED = "/tmp/stockade-compiled.json"
 MAX_COMPILED = 16 * 1024 * 1024
 EGRESS_DIR = "/run/stockade-egress"  # stockade.egress.SANDBOX_DIR (not imported: it is lazy)
-# A network namespace of its own keeps no TIME_WAIT (see where containers are created).
-NO_TIME_WAIT = {"net.ipv4.tcp_max_tw_buckets": "0"}
-# A transmit timestamp that carries what was sent sits on the socket's error queue as a clone
-# holding the sent data's pages, which no cgroup charges once the data itself is acknowledged:
-# a 128 MiB sandbox held ~1 GB of the host's that way (found from outside). Without
-# CAP_NET_RAW, code then gets timestamps without data (SOF_TIMESTAMPING_OPT_TSONLY) or none.
-# On the host's kernel only: gVisor keeps its own sockets in its own memory.
-NO_TIMESTAMPED_DATA = {"net.core.tstamp_allow_data": "0"}
 
 
 def _supervisor_env(egress: EgressHandle | None) -> list[str]:

@@ -465,6 +465,8 @@ async def resume_run(run_id: str, request: Request, caller: Caller) -> RunOut:
                 "approvals are all decided, is resumed here (a paused one goes on once its approvals "
                 "are decided; an interrupted one when a worker takes it up)"
             )
+        if not service.store.has_room(*within):  # refused before it is recorded as resumed
+            raise _runs_quota(caller)
         service.audit.get(caller.tenant).record(
             EventKind.NOTE, run_id=run_id, actor=f"human:api-token/{caller.token_id}",
             attributes={"action": "resume", "status": row.status, "through": "api"},
@@ -473,8 +475,6 @@ async def resume_run(run_id: str, request: Request, caller: Caller) -> RunOut:
         # back in the queue, it takes a place of the runs quota, as a submitted run does
         if service.store.set_status(run_id, "queued", only_from=(row.status,), within=within):
             service.executor.submit(run_id, reason="resumed")
-        elif service.store.run(run_id) is not None and not service.store.has_room(*within):
-            raise _runs_quota(caller)
         updated = service.store.run(run_id)
         assert updated is not None
         return _out(service, updated, detail=True)

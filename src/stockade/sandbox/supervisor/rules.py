@@ -235,23 +235,24 @@ class Rules:
             return spawn_program(shim, argv, env, cwd, fds, ruleset=ruleset)
         import _ctypes
 
-        got = -ESTALE
-        for _attempt in range(2):
+        def spawn(ruleset: int) -> int:
             words = [f"/proc/self/fd/{shim}", "shim", str(ruleset) if ruleset >= 0 else "-", cwd, *argv]
             entries = words + [f"{key}={value}" for key, value in env.items()]
             if any("\0" in entry for entry in entries):
                 raise ValueError("embedded null byte")
             blob = c_entries(entries)
             counts = (len(blob), len(words) - 1, len(env))
-            got = _ctypes.call_function(self._spawn_c, (blob, *counts, *fds, ruleset, _DEFAULTS))
-            if got != -ESTALE or self._inode_blob is not None:
-                break
+            return int(_ctypes.call_function(self._spawn_c, (blob, *counts, *fds, ruleset, _DEFAULTS)))
+
+        got = spawn(ruleset)
+        if got == -ESTALE and self._inode_blob is None:
             # A written folder was replaced under judge.c's ruleset: built again here, and
             # checked here from now on (judge.c forgets its own), not in a fork of ours made
             # dumpable for the judge: our memory holds what earlier users passed through it,
             # which that fork's command could read (found from outside).
             ruleset = _more().current_ruleset(self)
             _ctypes.call_function(self._forget_c, ())
+            got = spawn(ruleset)
         if got == -ESTALE:
             return 0
         if got < 0:
