@@ -54,17 +54,23 @@ SHOWN_CHARS = 400
 
 
 def _store(db: str, namespace: str, *, read_only: bool) -> RunStore:
-    """The run store; ``read_only`` for the commands that only read it (they change nothing)."""
+    """The run store; ``read_only`` for the commands that only read it (they change nothing).
+    With the audit key (``STOCKADE_AUDIT_KEY``, as `stockade audit`), rows edited outside
+    stockade are told apart: shown ``forged`` in a list, refused when one run is read."""
     if "://" not in db or db.startswith("sqlite:///"):
         path = Path(db.removeprefix("sqlite:///"))
         if not path.exists():
             err.print(f"[red]no run store at {escape(str(path))}[/] (set --db or STOCKADE_RUNS_DB)")
             raise typer.Exit(2)
     try:
-        return open_run_store(db, namespace=namespace, read_only=read_only)
+        return open_run_store(db, namespace=namespace, key=_audit_key(), read_only=read_only)
     except exc.StockadeError as error:
         err.print(f"[red]{escape(str(error))}[/]")
         raise typer.Exit(2) from error
+
+
+def _audit_key() -> bytes | None:
+    return os.environ.get("STOCKADE_AUDIT_KEY", "").encode() or None  # as `stockade audit`
 
 
 def _resolve(store: RunStore, run_id: str) -> str:
@@ -99,6 +105,7 @@ def _summary_json(s: RunSummary) -> dict[str, object]:
         "task": s.task,
         "model": s.model_name,
         "status": s.status.value,
+        "forged": s.forged,
         "steps": s.steps,
         "input_tokens": s.usage.input_tokens,
         "output_tokens": s.usage.output_tokens,
@@ -131,7 +138,7 @@ def list_runs(
         table.add_row(
             s.run_id[:12],
             _when(s.updated_ns),
-            f"[{colour}]{s.status.value}[/]",
+            f"[{colour}]{s.status.value}[/]" if not s.forged else "[red]forged[/]",
             str(s.steps),
             str(s.usage.total_tokens),
             f"${s.cost_usd:.4f}",
@@ -325,7 +332,11 @@ def show(
 ) -> None:
     """Each step of a run: tool, arguments, exit code, duration, retries and output; then the diff."""
     with _store(db, namespace, read_only=True) as store:
-        trace = store.trace(_resolve(store, run_id))
+        try:
+            trace = store.trace(_resolve(store, run_id))
+        except exc.StockadeError as error:  # a row edited outside stockade (with the key)
+            err.print(f"[red]{escape(str(error))}[/]")
+            raise typer.Exit(2) from error
     if trace is None:
         err.print(f"[red]run {escape(run_id)} has no checkpoint[/]")
         raise typer.Exit(2)
@@ -455,7 +466,7 @@ def replay(
                 trust=trust,
                 tools=toolset,
                 audit=audit if "://" in audit else f"sqlite:///{audit}",
-                audit_key=os.environ.get("STOCKADE_AUDIT_KEY", "").encode() or None,  # as `stockade audit`
+                audit_key=_audit_key(),
                 approver=_ask_or_deny,
                 approval_dir=Path(scratch) / "approvals",  # the decisions are in the audit trail
             )

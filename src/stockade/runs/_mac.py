@@ -93,8 +93,8 @@ class RowMac:
             bad = self.unauthentic(ns, table, row)
             if bad is not None:
                 raise exc.RunStoreCorrupt(
-                    f"run store {store}: {bad}; the run is not resumed from rows the store did not "
-                    "write (run `stockade audit verify` with the key to list them)"
+                    f"run store {store}: {bad}; no run is shown or resumed from rows the store did "
+                    "not write (run `stockade audit verify` with the key to list them)"
                 )
 
 

@@ -22,7 +22,7 @@ def schema(ns: str, serial: str, blob: str) -> list[str]:
             status TEXT NOT NULL, steps INTEGER NOT NULL, input_tokens BIGINT NOT NULL,
             output_tokens BIGINT NOT NULL, requests BIGINT NOT NULL, cost_usd DOUBLE PRECISION NOT NULL,
             elapsed_s DOUBLE PRECISION NOT NULL, error TEXT, diff TEXT,
-            created_ns BIGINT NOT NULL, updated_ns BIGINT NOT NULL)""",
+            created_ns BIGINT NOT NULL, updated_ns BIGINT NOT NULL, mac TEXT)""",
         f"""CREATE TABLE IF NOT EXISTS {ns}_checkpoints (
             run_id TEXT NOT NULL, seq BIGINT NOT NULL, created_ns BIGINT NOT NULL,
             messages INTEGER NOT NULL, steps INTEGER NOT NULL, body TEXT NOT NULL, mac TEXT,
@@ -99,7 +99,14 @@ def tables(ns: str) -> list[str]:
 # The tables whose rows a resume acts on: each row carries a MAC (``_mac``) in its last column,
 # ``mac``, added to a database made before it had one.
 # SIGNED: each table's columns its MAC covers, in order, and how many of them name the row.
+_RUN_COLUMNS = (
+    "run_id", "task", "model_name", "status", "steps", "input_tokens", "output_tokens", "requests",
+    "cost_usd", "elapsed_s", "error", "created_ns", "updated_ns",
+)  # fmt: skip
 SIGNED: dict[str, tuple[tuple[str, ...], int]] = {
+    # what `runs list`, the viewer and the service show of a run, and whether a resume may
+    # take it up: a run that ended, edited back to ``interrupted``, would run on
+    "runs": (_RUN_COLUMNS, 1),
     "checkpoints": (("run_id", "seq", "created_ns", "messages", "steps", "body"), 2),
     "messages": (("run_id", "idx", "body"), 2),
     "steps": (("run_id", "idx", "body"), 2),
@@ -152,10 +159,8 @@ def run_bytes_sql(ns: str, octets: Callable[[str], str]) -> tuple[str, int]:
     return "(" + " + ".join(parts) + ")", len(parts)
 
 
-SUMMARY_COLUMNS = (
-    "run_id, task, model_name, status, steps, input_tokens, output_tokens, requests, cost_usd, "
-    "elapsed_s, error, created_ns, updated_ns"
-)
+# a run's summary is its ``_runs`` row's signed columns (``summary_from_row`` reads them)
+SUMMARY_COLUMNS = ", ".join(SIGNED["runs"][0])
 
 
 def as_int(value: object) -> int:

@@ -26,7 +26,7 @@ from stockade.audit.redact import Redactor
 from stockade.models.messages import Message, ToolCall, ToolResultMessage
 from stockade.runs._db import Database, Statement
 from stockade.runs._mac import RowMac, select
-from stockade.runs._schema import as_int
+from stockade.runs._schema import SUMMARY_COLUMNS, as_int
 from stockade.runs.ledger import CallLedger, redacted_json
 from stockade.tools.base import idempotency_key
 
@@ -42,6 +42,7 @@ class _Saved:
     """What this process has already written for one run (the rows need not be written again)."""
 
     seq: int = 0
+    created_ns: int = 0  # the run's row's (0: no row yet); each save signs the row again with it
     messages: list[Message] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
     ledger: set[str] = field(default_factory=set)
@@ -92,6 +93,7 @@ class Checkpoints:
         ns, run_id, now = self.ns, state.run_id, time.time_ns()
         with self._lock:
             saved = self._saved.get(run_id) or self._recall(run_id)
+            created = saved.created_ns or self._created(run_id) or now
             msg_from = _first_change(saved.messages, state.messages)
             step_from = _first_change(saved.steps, state.steps)
             new_records = [(s.index, r) for s in state.steps[step_from:] for r in s.tool_calls]
@@ -127,33 +129,38 @@ class Checkpoints:
                 ),
                 (self.ledger.insert_sql(), [self.ledger.row(run_id, i, r, now) for i, r in ledger]),
                 (
-                    f"""INSERT INTO {ns}_runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?, ?)
-                    ON CONFLICT (run_id) DO UPDATE SET status = excluded.status, steps = excluded.steps,
+                    f"""INSERT INTO {ns}_runs ({SUMMARY_COLUMNS}, mac) VALUES ({", ".join("?" * 14)})
+                    ON CONFLICT (run_id) DO UPDATE SET task = excluded.task,
+                        model_name = excluded.model_name, status = excluded.status, steps = excluded.steps,
                         input_tokens = excluded.input_tokens, output_tokens = excluded.output_tokens,
                         requests = excluded.requests, cost_usd = excluded.cost_usd,
                         elapsed_s = excluded.elapsed_s, error = excluded.error,
-                        updated_ns = excluded.updated_ns""",
+                        updated_ns = excluded.updated_ns, mac = excluded.mac""",
                     [
-                        (
-                            run_id,
-                            self.redactor.text(state.task),
-                            state.model_name,
-                            state.status.value,
-                            len(state.steps),
-                            state.usage.input_tokens,
-                            state.usage.output_tokens,
-                            state.usage.requests,
-                            state.cost_usd,
-                            state.elapsed_s,
-                            None if state.error is None else self.redactor.text(state.error),
-                            now,
-                            now,
+                        self.mac.signed(
+                            "runs",
+                            (
+                                run_id,
+                                self.redactor.text(state.task),
+                                state.model_name,
+                                state.status.value,
+                                len(state.steps),
+                                state.usage.input_tokens,
+                                state.usage.output_tokens,
+                                state.usage.requests,
+                                state.cost_usd,
+                                state.elapsed_s,
+                                None if state.error is None else self.redactor.text(state.error),
+                                created,
+                                now,
+                            ),
                         )
                     ],
                 ),
             ]
             self._write(run_id, [s for s in statements if s[1]])
             saved.seq += 1
+            saved.created_ns = created
             # Only what was added is copied (the saved lists are the written prefix, extended).
             del saved.messages[msg_from:], saved.steps[step_from:]
             saved.messages.extend(state.messages[msg_from:])
@@ -276,6 +283,13 @@ class Checkpoints:
         """A run this process has not written yet: continue its checkpoint numbering."""
         rows = self.db.query(f"SELECT MAX(seq) FROM {self.ns}_checkpoints WHERE run_id = ?", (run_id,))
         return _Saved(seq=as_int(rows[0][0]) if rows and rows[0][0] is not None else 0)
+
+    def _created(self, run_id: str) -> int:
+        """When the run's row was made (0: it has none yet); ``RunStoreCorrupt`` where the row
+        was edited, which the next save would otherwise sign."""
+        rows = self.db.query(f"{select(self.ns, 'runs')} WHERE run_id = ?", (run_id,))
+        self.mac.check(self.ns, "runs", rows, store=self._where)
+        return as_int(rows[0][-3]) if rows else 0
 
     def _fold_ledger(self, state: RunState) -> set[str]:
         """Fold the calls that returned, or started and must not run again, into the step in

@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 from stockade import exceptions as exc
 from stockade.agent.state import RunStatus
 from stockade.runs._db import Database, Requirement, Statement
-from stockade.runs._schema import as_int
+from stockade.runs._mac import RowMac, select
+from stockade.runs._schema import SIGNED, as_int
 from stockade.runs.lease import LeaseHolder, owner_gone, owner_token, wait_time
 
 __all__ = ["STALE_WHY", "LeaseKeeper"]
@@ -31,9 +32,10 @@ STALE_WHY = (
 class LeaseKeeper:
     """The ``<namespace>_leases`` table, and the leases of it this process holds."""
 
-    def __init__(self, db: Database, ns: str) -> None:
+    def __init__(self, db: Database, ns: str, mac: RowMac) -> None:
         self.db = db
         self.ns = ns
+        self.mac = mac  # a swept run's row is signed again (only where it was the store's own)
         self._lock = threading.Lock()
         self._held: dict[str, str] = {}  # run id -> our owner token, while we hold its lease
 
@@ -159,15 +161,30 @@ class LeaseKeeper:
     def sweep(self) -> list[str]:
         """Mark ``interrupted`` the ``stale`` runs; returns their ids."""
         stale = self.stale()
-        if stale:
-            self.db.write(
-                [
-                    (
-                        f"UPDATE {self.ns}_runs SET status = ?, error = ? WHERE run_id = ? AND status = ?",
-                        [(RunStatus.INTERRUPTED.value, STALE_WHY, r, RunStatus.RUNNING.value) for r in stale],
-                    )
-                ]
-            )
+        if not stale:
+            return stale
+        columns = SIGNED["runs"][0]
+        status, error, updated = (columns.index(c) for c in ("status", "error", "updated_ns"))
+        marks = ", ".join("?" * len(stale))
+        rows = self.db.query(f"{select(self.ns, 'runs')} WHERE run_id IN ({marks})", stale)
+        swept = []
+        for row in rows:
+            *fields, mac = row
+            authentic = self.mac.unauthentic(self.ns, "runs", row) is None
+            fields[status], fields[error] = RunStatus.INTERRUPTED.value, STALE_WHY
+            if authentic:
+                mac = self.mac.sign("runs", fields)
+            # else its MAC stays as wrong as it was: signing it now would vouch for the edit
+            swept.append((fields[status], STALE_WHY, mac, row[0], RunStatus.RUNNING.value, row[updated]))
+        self.db.write(
+            [
+                (
+                    f"UPDATE {self.ns}_runs SET status = ?, error = ?, mac = ? "
+                    "WHERE run_id = ? AND status = ? AND updated_ns = ?",
+                    swept,
+                )
+            ]
+        )
         return stale
 
 

@@ -36,6 +36,9 @@ class RunSummary:
     error: str | None
     created_ns: int
     updated_ns: int
+    # the row does not match its MAC (edited outside stockade: `audit verify` names it), so
+    # none of the above can be believed; only a store opened with the audit key can tell
+    forged: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

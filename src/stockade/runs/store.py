@@ -61,7 +61,6 @@ from stockade.runs._db import Database, PostgresDatabase, SQLiteDatabase, displa
 from stockade.runs._mac import RowMac, select, unauthentic_rows
 from stockade.runs._schema import (
     MAC_TABLES,
-    SUMMARY_COLUMNS,
     as_float,
     as_int,
     schema,
@@ -125,7 +124,7 @@ class RunStore:
         self._where = where = display_url(db)
         # the audit trail's key: the rows a resume acts on are MAC'd under a key derived from it
         self.mac = RowMac(key)
-        self._leases = LeaseKeeper(db, self.ns)
+        self._leases = LeaseKeeper(db, self.ns, self.mac)
         self._ledger = CallLedger(db, self.ns, self.redactor, self.mac, write=self._leases.write, where=where)
         self._checkpoints = Checkpoints(
             db, self.ns, self.redactor, self._ledger, self.mac, write=self._leases.write, where=where
@@ -518,15 +517,24 @@ class RunStore:
             where += f" AND NOT {listed}" if status is RunStatus.RUNNING else f" OR {listed}"
             params += sorted(stale)
         rows = self.db.query(
-            f"SELECT {SUMMARY_COLUMNS} FROM {self.ns}_runs {where} ORDER BY updated_ns DESC LIMIT ?",
-            [*params, limit],
+            f"{select(self.ns, 'runs')} {where} ORDER BY updated_ns DESC LIMIT ?", [*params, limit]
         )
-        return [_swept(summary_from_row(r), stale) for r in rows]
+        return [self._summary(row, stale) for row in rows]
 
     def summary(self, run_id: str) -> RunSummary | None:
+        """The run's row (``RunStoreCorrupt`` where it was edited: a resume, the service and the
+        viewer act on its status)."""
         stale = self._stale()
-        rows = self.db.query(f"SELECT {SUMMARY_COLUMNS} FROM {self.ns}_runs WHERE run_id = ?", (run_id,))
-        return _swept(summary_from_row(rows[0]), stale) if rows else None
+        rows = self.db.query(f"{select(self.ns, 'runs')} WHERE run_id = ?", (run_id,))
+        self.mac.check(self.ns, "runs", rows, store=self._where)
+        return self._summary(rows[0], stale) if rows else None
+
+    def _summary(self, row: tuple[object, ...], stale: frozenset[str]) -> RunSummary:
+        """A row read with its MAC as the summary it is (``forged``: the MAC does not match)."""
+        summary = summary_from_row(row[:-1])
+        if self.mac.unauthentic(self.ns, "runs", row) is not None:
+            summary = dataclasses.replace(summary, forged=True)
+        return _swept(summary, stale)
 
     def find(self, prefix: str) -> list[str]:
         """Run ids starting with ``prefix`` (the CLI accepts a unique prefix)."""

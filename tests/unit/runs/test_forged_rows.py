@@ -6,16 +6,19 @@ SIGKILLed process: the call pending in the killed turn edited in the store.)"""
 from __future__ import annotations
 
 import hashlib
+import json
 import sqlite3
 import zlib
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 from stockade import Sandbox
 from stockade.agent import Agent, AgentEvent, Observer, ToolCalled
 from stockade.audit import AuditLog, MemoryStore, verify
 from stockade.audit.agent import AuditObserver
+from stockade.cli.main import app
 from stockade.exceptions import RunStoreCorrupt
 from stockade.models.scripted import Turn
 from stockade.runs import RunRecorder, open_run_store
@@ -208,3 +211,45 @@ def test_a_diff_or_budgets_edited_in_the_database_are_refused(tmp_path: Path) ->
         with pytest.raises(RunStoreCorrupt, match="runs_run_limits"):
             store.setup("r")
         assert [row.run_id for row in store.forged_rows()] == ["r", "r"]
+
+
+def test_a_run_swept_as_interrupted_stays_the_stores_own(tmp_path: Path) -> None:
+    """The sweep that marks a dead process's run ``interrupted`` signs the row again: the run
+    reads as it is, verifies, and resumes."""
+    path, trail, ran = tmp_path / "runs.db", MemoryStore(), list[str]()
+    crash_in_first_call(path, trail, ran)
+    with open_run_store(f"sqlite:///{path}", key=KEY) as store:
+        (summary,) = store.runs()
+        assert summary.status.value == "interrupted" and not summary.forged
+        assert store.forged_rows() == []
+    resume(path, trail, ran, ["done"])
+    assert verified(path, trail) == []
+
+
+def test_a_run_row_edited_in_the_database_is_shown_forged_and_never_resumed(tmp_path: Path) -> None:
+    """The run's row says what `runs list`, the viewer and the service show of a run (status,
+    steps, tokens, cost), and the service takes a redelivered run's status from it: it was the
+    one row a run wrote unsigned, so an edit showed a failed run as another status, with any
+    cost, while `audit verify` said intact (found from outside). A resume of the edited run is
+    refused as forged (before, the checkpoint's own status refused it as ended)."""
+    path, trail, ran = tmp_path / "runs.db", MemoryStore(), list[str]()
+    crash_in_first_call(path, trail, ran)
+    resume(path, trail, ran, ["done"])
+    assert ran == ["slow()", "print('benign')"]
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE runs_runs SET status = 'interrupted', cost_usd = 0, input_tokens = 1")
+    with open_run_store(f"sqlite:///{path}", key=KEY) as store:
+        (listed,) = store.runs()
+        assert listed.forged
+        with pytest.raises(RunStoreCorrupt, match="runs_runs row"):
+            store.summary("r")
+        assert [row.run_id for row in store.forged_rows()] == ["r"]
+    env = {"STOCKADE_AUDIT_KEY": KEY.decode()}  # `runs list` and `runs show` with the key
+    listed = CliRunner().invoke(app, ["runs", "list", "--db", f"sqlite:///{path}", "--json"], env=env)
+    assert [(r["status"], r["forged"]) for r in json.loads(listed.output)] == [("interrupted", True)]
+    shown = CliRunner().invoke(app, ["runs", "show", "r", "--db", f"sqlite:///{path}"], env=env)
+    assert shown.exit_code != 0 and "does not match its MAC" in shown.output
+    with pytest.raises(RunStoreCorrupt, match="does not match its MAC"):
+        resume(path, trail, ran, [tool_call("run", {"code": "again()"}), "done"])
+    assert ran == ["slow()", "print('benign')"]
+    assert verified(path, trail) == ["store_forged"]

@@ -449,7 +449,7 @@ def _row_of(trace: RunTrace) -> RunRow:
 def _row(s: RunSummary) -> RunRow:
     return RunRow(
         run_id=s.run_id,
-        status=s.status.value,
+        status="forged" if s.forged else s.status.value,  # its row was edited: nothing of it holds
         model=s.model_name,
         task=s.task,
         created=s.created_ns / 1e9,
