@@ -239,8 +239,8 @@ def test_a_run_row_edited_in_the_database_is_shown_forged_and_never_resumed(tmp_
     with sqlite3.connect(path) as db:
         db.execute("UPDATE runs_runs SET status = 'interrupted', cost_usd = 0, input_tokens = 1")
     with open_run_store(f"sqlite:///{path}", key=KEY) as store:
-        (listed,) = store.runs()
-        assert listed.forged
+        (summary,) = store.runs()
+        assert summary.forged
         with pytest.raises(RunStoreCorrupt, match="runs_runs row"):
             store.summary("r")
         assert [row.run_id for row in store.forged_rows()] == ["r"]
