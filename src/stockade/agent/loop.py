@@ -86,6 +86,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from stockade._checks import check_instance, check_number, check_text, check_timeout
+from stockade._cuts import cut_marker
 from stockade.agent.checkpoint import Checkpointer, DurableCheckpointer, Lease, SandboxKeeper
 from stockade.agent.events import (
     AgentEvent,
@@ -667,11 +668,7 @@ class AgentRun:
         shown = report.observation()
         limit = agent.limits.max_observation_chars
         if len(shown) > limit:
-            shown = (
-                shown[: limit // 3]
-                + f"\n[… {len(shown) - limit:,} characters cut …]\n"
-                + shown[-(limit * 2 // 3) :]
-            )
+            shown = shown[: limit // 3] + cut_marker(len(shown) - limit) + shown[-(limit * 2 // 3) :]
         lines = shown.splitlines()
         record = CheckRecord(
             command=agent.check,

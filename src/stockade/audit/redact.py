@@ -20,7 +20,10 @@ password of a URL (``https://user:x@host``).
 A text someone cut before it reached the redactor (a sandbox caps the words of an exec it
 reports) may end with half a credential, which no pattern and no registered value matches:
 ``Redactor.head`` replaces what at its end may begin one (``TAIL_PATTERNS``, a registered
-secret's prefix) by ``[REDACTED:cut]``.
+secret's prefix) by ``[REDACTED:cut]``. A text cut in the middle says so with ``stockade._cuts.cut_marker``
+(a long tool output, a quoted argument): the redactor treats what comes before each such mark
+so, and replaces what comes right after it that may end a secret (a registered secret's
+suffix, the rest of a word) by ``[REDACTED:cut]`` too.
 
 ``redact_personal_data`` (``Redactor(personal_data=True)``; what the GDPR compliance profile
 turns on) replaces what looks like personal data: e-mail addresses, phone numbers, IP
@@ -39,6 +42,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from stockade import exceptions as exc
+from stockade._cuts import CUT_MARK
 from stockade.audit.events import JSONValue
 
 __all__ = [
@@ -131,6 +135,10 @@ PERSONAL_TAIL_PATTERNS: dict[str, str] = {
     "ipv6": r"\b[0-9A-Fa-f]{1,4}:[0-9A-Fa-f:]*\Z",
 }
 CUT_REDACTED = "[REDACTED:cut]"  # what may have begun a credential where a text was cut
+# What right after a cut may be the end of a credential: the rest of its word; for personal
+# data, the rest of a number (a phone number's groups) too.
+_LEAD = re.compile(r"[^\s\"',;&<>()\[\]{}]*")
+_PERSONAL_LEAD = re.compile(r"[^\s\"',;&<>\[\]{}]*(?:[\d .\-()]*\d)?")
 _HEAD_ROUNDS = 8  # a tail held back, then the tail of what is left, ...: past this, nothing is kept
 
 # A key naming a credential, once spelled snake_case (``accessToken`` -> ``access_token``,
@@ -280,6 +288,19 @@ class SecretValues:
                     break
         return longest
 
+    def suffix_at_start(self, text: str) -> int:
+        """How many characters at the start of ``text`` are the end of a registered secret (the
+        longest such): what a cut there may have kept of one."""
+        with self._lock:
+            values = tuple(self._values)
+        longest = 0
+        for value in values:
+            for size in range(min(len(value) - 1, len(text)), longest, -1):
+                if text.startswith(value[-size:]):
+                    longest = size
+                    break
+        return longest
+
     def __call__(self, text: str) -> str:
         pattern = self._pattern
         if pattern is None:
@@ -338,6 +359,37 @@ class Redactor:
         return twin
 
     def text(self, text: str) -> str:
+        if "characters cut" in text and CUT_MARK.search(text):
+            return self._across_cuts(text)
+        return self._text(text)
+
+    def _across_cuts(self, text: str) -> str:
+        """``text`` whose middle was cut (``cut_marker``), redacted piece by piece: what ends at
+        a mark as ``head`` does, what starts after one without what may end a secret there."""
+        out: list[str] = []
+        start = 0
+        for mark in CUT_MARK.finditer(text):
+            out.append(self._piece(text[start : mark.start()], after_cut=start > 0, before_cut=True))
+            out.append(self._text(mark.group()))  # code's output may spell a mark of its own
+            start = mark.end()
+        out.append(self._piece(text[start:], after_cut=True, before_cut=False))
+        return "".join(out)
+
+    def _piece(self, text: str, *, after_cut: bool, before_cut: bool) -> str:
+        lead = self._lead(text) if after_cut else 0
+        rest = text[lead:]
+        return (CUT_REDACTED if lead else "") + (self.head(rest) if before_cut else self._text(rest))
+
+    def _lead(self, text: str) -> int:
+        """How many characters at the start of ``text`` (which a cut began) may be the end of a
+        registered secret or of a credential."""
+        end = self.secrets.suffix_at_start(text) if self.secrets in self.processors else 0
+        for processor, lead in ((redact_tokens, _LEAD), (redact_personal_data, _PERSONAL_LEAD)):
+            match = lead.match(text) if processor in self.processors else None
+            end = max(end, match.end() if match is not None else 0)
+        return end
+
+    def _text(self, text: str) -> str:
         if self._cached_secrets != len(self.secrets):
             self._cache.clear()
             if self._long is not None:
@@ -384,7 +436,7 @@ class Redactor:
         for _ in range(_HEAD_ROUNDS):
             start = self._tail(text)
             if start == len(text):
-                return self.text(text) + held
+                return self._text(text) + held
             # held back from there; and what is left ends at a cut too (a secret holding a
             # credential's shape may have begun before it): looked at again
             text, held = text[:start], CUT_REDACTED

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from stockade._cuts import cut_marker
 from stockade.exceptions import StockadeError
 from stockade.tools.base import ToolContext
 
@@ -45,7 +46,7 @@ def bound(ctx: ToolContext, text: str) -> Bounded:
     tail_len = limit - head_len
     head, tail = text[:head_len], text[-tail_len:]
     cut = len(text) - len(head) - len(tail)
-    marker = f"\n[… {cut:,} characters cut from the middle; {where} …]\n"
+    marker = cut_marker(cut, f"from the middle; {where}")
     return Bounded(text=head + marker + tail, cut_chars=cut, saved_to=saved)
 
 
@@ -57,4 +58,4 @@ def clip(text: str, limit: int) -> Bounded:
         return Bounded(text=text)
     head, tail = text[: limit * 2 // 3], text[len(text) - (limit - limit * 2 // 3) :]
     cut = len(text) - len(head) - len(tail)
-    return Bounded(text=f"{head}\n[… {cut:,} characters cut …]\n{tail}", cut_chars=cut)
+    return Bounded(text=f"{head}{cut_marker(cut)}{tail}", cut_chars=cut)
