@@ -225,7 +225,7 @@ def test_the_runs_diff_hands_back_no_file_the_policy_keeps_out(tmp_path: Path, w
         result = agent.run_sync("write", workspace=workspace, run_id="handback")
     assert "+++ b/ok.py" in result.diff, result.diff
     assert "b/.env" not in result.diff and "b/secrets" not in result.diff
-    assert result.diff.endswith("holds control characters): '.env', 'secrets/x'\n")
+    assert result.diff.endswith("or begins or ends with a space): '.env', 'secrets/x'\n")
 
 
 def test_a_tier_weaker_than_trust_allows_fails_before_anything_runs(tmp_path: Path) -> None:

@@ -256,6 +256,23 @@ def test_a_read_of_a_range_answers_that_range_and_no_more(sbx: Sandbox) -> None:
     assert sbx.files.read_range("big.txt", len(blob) + 1, 100) == b""
 
 
+def test_a_sparse_file_past_the_read_cap_is_read_by_ranges_and_diffed_by_what_it_is(sbx: Sandbox) -> None:
+    """A sparse file of 16 GiB costs code nothing: every range of it was refused (the file
+    is over the whole-file cap), and the run's diff, which hashes a large file a range at a
+    time, was unavailable as a whole (found from outside). Its ranges are read; the diff names
+    it as changed and still shows the rest."""
+    from stockade.tools.workspace_diff import record_baseline, workspace_diff
+
+    recorded = record_baseline(sbx)
+    sbx.files.write("small.txt", "kept\n")
+    sbx.run_code("open('/workspace/sparse', 'wb').truncate(1 << 34)")
+    assert sbx.files.read_range("sparse", (1 << 34) - 4, 100) == b"\0" * 4
+    with pytest.raises(exc.FileTooLarge):
+        sbx.files.read("sparse")
+    diff = workspace_diff(sbx, baseline=recorded, time_s=60)
+    assert "+kept\n" in diff and "Binary or large file sparse differs" in diff, diff
+
+
 def test_files_list_exists_remove_make_dir(sbx: Sandbox) -> None:
     sbx.files.make_dir("a/b")
     sbx.files.write("a/b/c.txt", "c")

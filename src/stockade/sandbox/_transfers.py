@@ -112,13 +112,14 @@ class FileRequests:
         those bounds, never what is returned for what was read."""
         gathered: Gathered | None = None
         offset = op.offset
-        end = op.max_bytes if op.length is None else min(op.offset + op.length, op.max_bytes)
+        ranged = op.length is not None  # a range of a file of any size; else the whole, capped
+        end = op.offset + min(op.length, op.max_bytes) if op.length is not None else op.max_bytes
         while offset < end:
             asked = min(TRANSFER_CHUNK, end - offset)
             args = {"path": op.path, "max_bytes": op.max_bytes, "offset": offset, "length": asked}
-            h, data = self.request("read", args)
+            h, data = self.request("read", {**args, "range": True} if ranged else args)
             size = int_field(h.get("size"))
-            if len(data) > asked or size > op.max_bytes:
+            if len(data) > asked or (size > op.max_bytes and not ranged):
                 # The supervisor is untrusted: one that keeps sending must not fill our memory
                 # (an honest one refuses a file over max_bytes rather than send any of it).
                 self._close()

@@ -109,8 +109,11 @@ class RunCode(Op[Execution]):
 
 @dataclass(frozen=True, kw_only=True)
 class ReadFile(Op[bytes]):
-    """The file's bytes from ``offset``: ``length`` of them at most (None: to its end). A file
-    over ``max_bytes`` is refused whatever part of it is asked for."""
+    """The file's bytes from ``offset``: ``length`` of them at most (None: to its end). A
+    whole file (no ``length``) over ``max_bytes`` is refused; a range is at most ``max_bytes``
+    of a file of any size, from anywhere in it (a sparse file of a TiB costs code nothing, and
+    refusing its every range left the run's diff, which hashes large files a range at a time,
+    unavailable as a whole: found from outside)."""
 
     path: str
     max_bytes: int = 256 * 1024 * 1024

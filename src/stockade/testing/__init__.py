@@ -147,9 +147,11 @@ class MemoryWorkspace:
         if path not in self.files:
             raise exc.SandboxFileNotFound(f"{op.path!r}: no such file", path=op.path)
         data = self.files[path]
+        if op.length is None and len(data) > op.max_bytes:  # as a sandbox refuses it
+            raise exc.FileTooLarge(f"{op.path!r} is {len(data)} bytes (cap {op.max_bytes})", path=op.path)
         if op.offset == 0 and (op.length is None or op.length >= len(data)):
             return data
-        return data[op.offset : None if op.length is None else op.offset + op.length]
+        return data[op.offset : None if op.length is None else op.offset + min(op.length, op.max_bytes)]
 
     def _write(self, op: WriteFile) -> EntryInfo:
         path = self._norm(op.path)

@@ -26,6 +26,7 @@ import hashlib
 import json
 import re
 import time
+from collections import Counter
 from collections.abc import Callable
 
 from stockade.exceptions import BaselineTampered, SandboxFileNotFound
@@ -75,12 +76,24 @@ MAX_TEXT_TOTAL = 32 * 1024 * 1024
 # is read up to the size the host kept; this bounds one read without it (a caller's own).
 MAX_BASELINE_BYTES = MAX_TEXT_TOTAL + MAX_FILES * 1024
 _PIECE = 1024 * 1024
+# Past this a file is known by its size, status change time and inode, not its hash: code can
+# set a file's mtime back, never its ctime, so a change is still seen (a copy of the workspace
+# elsewhere, a resume's, shows such a file as changed).
+MAX_HASH_BYTES = 1 << 30
 MAX_DEPTH = 64
 # The most the diff holds: past it, the files left are named, not shown (it is kept with the run).
 MAX_DIFF_BYTES = 8 * 1024 * 1024
 # The most a diff takes, reading included (a run out of wall time still gets one, this much
 # later): the files not compared by then are named, not shown. A file pair is diffed whole.
 DIFF_TIME_S = 30.0
+PAIR_TIME_S = 5.0  # the most one pair's difflib takes before it is shown coarse
+# The most difflib may walk to diff one file pair: the sum, over the old side's lines, of the
+# places each is found in the new side (what its search for the longest match walks, at each
+# level of its recursion). Lines repeated just under difflib's 1% "popular" threshold made one
+# pair of 512 KiB files take 76-237 s of a host core, past the run's wall time (found from
+# outside). Past this, or past the diff's time, a pair is shown as one change between its
+# common head and tail: a coarser patch, which applies all the same.
+MAX_PAIR_WORK = 4_000_000
 _UNREAD = "\x00unread"  # a file not read before the deadline: neither changed nor unchanged
 _UNNAMED = "\x00unnamed"  # a file whose name is not UTF-8 (``EntryInfo.lossy``): no call can read it
 _BASELINE_ID = re.compile(r"sha256:([0-9a-f]{64}):([0-9]+)")
@@ -111,7 +124,10 @@ def snapshot(sandbox: Sandbox, *, deadline: float | None = None) -> dict[str, st
     reading) no more files are read: they are listed as unread."""
     files: dict[str, str] = {}
     room = MAX_TEXT_TOTAL
-    for entry in sandbox.files.list("", depth=MAX_DEPTH):
+    listing = sandbox.files.list("", depth=MAX_DEPTH)
+    # The files of text first, then the large ones (hashed a piece at a time): a few large
+    # files spent the diff's time before the sources were read (found from outside).
+    for entry in sorted(listing, key=lambda e: e.size > MAX_TEXT_BYTES):
         checkpoint()
         if entry.type != EntryType.FILE or is_ignored(entry.path) or not _inside(entry.path):
             continue
@@ -122,6 +138,10 @@ def snapshot(sandbox: Sandbox, *, deadline: float | None = None) -> dict[str, st
             continue
         if deadline is not None and time.monotonic() >= deadline:
             files[entry.path] = _UNREAD
+            continue
+        if entry.size > MAX_HASH_BYTES and entry.ctime_ns:
+            # by what it is rather than what it holds: a sparse file of a TiB costs code nothing
+            files[entry.path] = f"\x00stat:{entry.size}:{entry.ctime_ns}:{entry.inode}"
             continue
         try:
             content = _content(sandbox, entry.path, max(0, min(room, MAX_TEXT_BYTES)), deadline)
@@ -244,13 +264,13 @@ def workspace_diff(
         if time.monotonic() >= deadline:
             unshown.append(path)
             continue
-        if (keep is not None and not keep(path)) or not path.isprintable():
+        if (keep is not None and not keep(path)) or not _plain_name(path):
             # A name with a newline in it wrote headers of its own into the diff: a whole patch
             # of README, or a Makefile, that `git apply` on the host took (git quotes such
             # names; a patch tool reading ours would not). Named below, escaped, instead.
             left_out.append(path)
             continue
-        piece = _file_diff(path, old, new)
+        piece = _file_diff(path, old, new, deadline)
         if size + len(piece) > MAX_DIFF_BYTES:
             unshown.append(path)
             continue
@@ -258,7 +278,10 @@ def workspace_diff(
         size += len(piece)
     chunks += empties
     if left_out:
-        why = "the policy does not let the run write there, or the name holds control characters"
+        why = (
+            "the policy does not let the run write there, or the name holds control characters "
+            "or begins or ends with a space"
+        )
         chunks.append(f"Left out ({why}): {_names(left_out)}\n")
     if unnamed:
         why = "names not UTF-8, shown with U+FFFD; not read or compared"
@@ -269,22 +292,109 @@ def workspace_diff(
     return "".join(chunks)
 
 
-def _file_diff(path: str, old: str | None, new: str | None) -> str:
+def _plain_name(path: str) -> bool:
+    """A name a patch tool reads as written: no control characters (a newline wrote headers of
+    its own), no space at either end of a part (GNU patch drops it: ``.env `` under review was
+    ``.env`` once applied, as our own ``apply_patch`` reads it too)."""
+    return path.isprintable() and all(part == part.strip() for part in path.split("/"))
+
+
+def _file_diff(path: str, old: str | None, new: str | None, deadline: float) -> str:
     if (old or "").startswith("\x00") or (new or "").startswith("\x00"):
         return f"Binary or large file {path} differs\n"
     if not (old or new):  # an empty file created or deleted: no line to show, so git's header
         # (the baseline keeps no mode: a regular file's; e69de29 is the empty blob)
         mode, index = ("new", "0000000..e69de29") if old is None else ("deleted", "e69de29..0000000")
         return f"diff --git a/{path} b/{path}\n{mode} file mode 100644\nindex {index}\n"
-    diff = difflib.unified_diff(
-        (old or "").splitlines(keepends=True),
-        (new or "").splitlines(keepends=True),
-        fromfile=f"a/{path}" if old is not None else "/dev/null",
-        tofile=f"b/{path}" if new is not None else "/dev/null",
-    )
-    return "".join(
-        line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in diff
-    )
+    a, b = (old or "").splitlines(keepends=True), (new or "").splitlines(keepends=True)
+    try:
+        groups = (
+            list(_Matcher(a, b, deadline).get_grouped_opcodes(3)) if _work(a, b) <= MAX_PAIR_WORK else None
+        )
+    except _TooCostly:
+        groups = None
+    if groups is None:
+        groups = list(_Coarse(a, b).get_grouped_opcodes(3))
+    # a name with a space ends at a tab, as git writes it: GNU patch reads "b/Makefile x.txt"
+    # as "Makefile" otherwise (found from outside)
+    end = "\t" if " " in path else ""
+    out = [
+        f"--- a/{path}{end}\n" if old is not None else "--- /dev/null\n",
+        f"+++ b/{path}{end}\n" if new is not None else "+++ /dev/null\n",
+    ]
+    for group in groups:
+        first, last = group[0], group[-1]
+        out.append(f"@@ -{_range(first[1], last[2])} +{_range(first[3], last[4])} @@\n")
+        for tag, i1, i2, j1, j2 in group:
+            if tag == "equal":
+                out.extend(_line(" ", line) for line in a[i1:i2])
+                continue
+            out.extend(_line("-", line) for line in a[i1:i2])
+            out.extend(_line("+", line) for line in b[j1:j2])
+    return "".join(out) if groups else ""
+
+
+def _range(start: int, stop: int) -> str:
+    """A hunk's range as unified diffs spell it (``difflib.unified_diff``'s)."""
+    length = stop - start
+    if length == 1:
+        return str(start + 1)
+    return f"{start + 1 if length else start},{length}"
+
+
+def _line(mark: str, line: str) -> str:
+    return mark + line if line.endswith("\n") else mark + line + "\n\\ No newline at end of file\n"
+
+
+def _work(a: list[str], b: list[str]) -> int:
+    """What difflib's search for the longest match walks at one level of its recursion: each
+    old line's places in the new side, but for the lines it counts as junk (autojunk: in more
+    than 1% of a side of 200 lines or more)."""
+    counts = Counter(b)
+    popular = len(b) // 100 + 1 if len(b) >= 200 else len(b) + 1
+    return sum(n for line in a if (n := counts.get(line, 0)) <= popular)
+
+
+class _TooCostly(Exception):
+    """The pair's diff ran past the diff's time: shown coarse."""
+
+
+class _Matcher(difflib.SequenceMatcher[str]):
+    """difflib's, looking at the time between its searches (and at the tool's deadline: a
+    ``git_diff`` whose call timed out stops, rather than run on in its thread)."""
+
+    def __init__(self, a: list[str], b: list[str], deadline: float) -> None:
+        super().__init__(None, a, b)
+        self._deadline = min(deadline, time.monotonic() + PAIR_TIME_S)
+
+    def find_longest_match(
+        self, alo: int = 0, ahi: int | None = None, blo: int = 0, bhi: int | None = None
+    ) -> difflib.Match:
+        checkpoint()
+        if time.monotonic() >= self._deadline:
+            raise _TooCostly
+        return super().find_longest_match(alo, ahi, blo, bhi)
+
+
+class _Coarse(difflib.SequenceMatcher[str]):
+    """One change between the common head and the common tail: linear, whatever the lines."""
+
+    def __init__(self, a: list[str], b: list[str]) -> None:
+        super().__init__(None, a, b)
+        self._sides = a, b
+
+    def get_matching_blocks(self) -> list[difflib.Match]:
+        a, b = self._sides
+        head = 0
+        while head < min(len(a), len(b)) and a[head] == b[head]:
+            head += 1
+        tail = 0
+        while tail < min(len(a), len(b)) - head and a[-1 - tail] == b[-1 - tail]:
+            tail += 1
+        blocks = [difflib.Match(0, 0, head)] if head else []
+        if tail:
+            blocks.append(difflib.Match(len(a) - tail, len(b) - tail, tail))
+        return [*blocks, difflib.Match(len(a), len(b), 0)]
 
 
 def _names(paths: list[str]) -> str:

@@ -348,4 +348,4 @@ def test_a_name_with_control_characters_never_writes_headers_into_the_diff() -> 
     assert "Makefile\n" not in diff and "+++ b/src/ok.py" in diff
     headers = [line for line in diff.splitlines() if line.startswith(("---", "+++", "@@", "diff"))]
     assert headers == ["--- /dev/null", "+++ b/src/ok.py", "@@ -0,0 +1 @@"], headers
-    assert diff.endswith(f"holds control characters): 'src/tab\\there.py', {forged!r}\n")  # sorted
+    assert diff.endswith(f"a space): 'src/tab\\there.py', {forged!r}\n")  # sorted

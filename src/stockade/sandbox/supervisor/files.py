@@ -46,13 +46,16 @@ def op_read(sup: "Supervisor", rid: int, h: dict[str, Any], body: bytes) -> None
         if not stat.S_ISREG(st.st_mode):
             raise PathRefused("type", f"{h['path']!r} is not a regular file")
         limit = int(h.get("max_bytes", MAX_READ_FILE))
-        if st.st_size > limit:
-            raise PathRefused("too_large", f"{h['path']!r} is {st.st_size} bytes (cap {limit})")
         offset = int(h.get("offset", 0))
-        length = min(int(h.get("length", limit + 1)), limit + 1 - offset)
-        data = os.pread(fh.fileno(), max(length, 0), offset)
-        if offset + len(data) > limit:
-            raise PathRefused("too_large", f"{h['path']!r} grew past the cap {limit}")
+        if h.get("range"):  # a range: of a file of any size, never more than the cap
+            data = os.pread(fh.fileno(), max(min(int(h["length"]), limit), 0), offset)
+        else:
+            if st.st_size > limit:
+                raise PathRefused("too_large", f"{h['path']!r} is {st.st_size} bytes (cap {limit})")
+            length = min(int(h.get("length", limit + 1)), limit + 1 - offset)
+            data = os.pread(fh.fileno(), max(length, 0), offset)
+            if offset + len(data) > limit:
+                raise PathRefused("too_large", f"{h['path']!r} grew past the cap {limit}")
     sup.send({"id": rid, "ev": "done", "size": st.st_size}, data)
 
 
