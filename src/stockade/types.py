@@ -309,7 +309,8 @@ class EgressRecord:
 
     ``method`` is ``CONNECT`` for a tunnel (then ``sni`` is what the TLS asked for and
     ``path`` is empty); ``decision`` is ``"allow"`` or ``"deny"``; ``rule`` the rule that
-    decided; ``status`` what the client got (0 when a tunnel was cut); ``bytes_out`` went
+    decided; ``status`` what the client got (0 when the request was cut before its answer:
+    the proxy closed, the client gone; ``reason`` says which); ``bytes_out`` went
     to the server, ``bytes_in`` came back. ``credential`` names the one added, if any.
     """
 
