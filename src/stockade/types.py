@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import enum
+import ipaddress
+import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -209,6 +212,10 @@ class HostRule:
         return cls(host=host)
 
 
+CREDENTIAL_STYLES = ("bearer", "basic", "header")
+HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP token (RFC 9110, 5.1)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Credential:
     """A secret the egress proxy adds to requests for ``hosts``; it never enters the sandbox.
@@ -227,13 +234,40 @@ class Credential:
     username: str = ""
 
     def __post_init__(self) -> None:
-        if not self.hosts:
+        check_text(self.name, argument="Credential.name")
+        label = f"credential {self.name!r}" if self.name else "a credential"
+        hosts = check_strings(self.hosts, argument="Credential.hosts")  # a lone str is no tuple of names
+        if not hosts:
             raise InvalidArgument(
-                f"credential {self.name!r} names no host", argument="Credential.hosts",
+                f"{label} names no host", argument="Credential.hosts",
                 fix='give the hosts it is for: hosts=("api.github.com",)',
             )  # fmt: skip
-        for host in self.hosts:
+        for host in hosts:
             HostRule(host=host)  # the same patterns, checked the same way
+        object.__setattr__(self, "hosts", hosts)
+        if not callable(getattr(self.source, "read", None)):
+            raise InvalidArgument(
+                f"{label}: its source has no read()", argument="Credential.source",
+                fix='give a SecretSource, e.g. EnvSecret("GITHUB_TOKEN")',
+            )  # fmt: skip
+        # Checked here, not per request: another style once sent the bare value, and a header
+        # name with a line break in it would write a header of the code's choosing.
+        if self.style not in CREDENTIAL_STYLES:
+            raise InvalidArgument(
+                f"{label}: style {self.style!r} is none of {', '.join(CREDENTIAL_STYLES)}",
+                argument="Credential.style", fix='give style="bearer", "basic" or "header"',
+            )  # fmt: skip
+        if not isinstance(self.header, str) or not HEADER_NAME.fullmatch(self.header):
+            raise InvalidArgument(
+                f"{label}: header {self.header!r} is no HTTP header name",
+                argument="Credential.header", fix='give a name such as "Authorization" or "X-Api-Key"',
+            )  # fmt: skip
+        check_text(self.username, argument="Credential.username")
+        if self.style == "basic" and any(c == ":" or ord(c) < 32 or ord(c) == 127 for c in self.username):
+            raise InvalidArgument(
+                f"{label}: a basic username holds no colon and no control character",
+                argument="Credential.username", fix="give the account's name alone",
+            )  # fmt: skip
 
     def __repr__(self) -> str:  # the source may hold the secret itself (a literal): never shown
         return f"Credential(name={self.name!r}, hosts={self.hosts!r}, style={self.style!r})"
@@ -278,6 +312,20 @@ class NetworkPolicy:
                 fix='give rules=(HostRule(host="api.github.com", methods=("GET",)),)',
             )
         self.host_rules  # noqa: B018  (parses allow_hosts: a bad one fails here, not at start)
+        for text in self.allow_addresses:
+            _network(text, argument="NetworkPolicy.allow_addresses")
+        object.__setattr__(self, "resolve", _pinned(self.resolve))
+        if not isinstance(self.credentials, list | tuple) or not all(
+            isinstance(c, Credential) for c in self.credentials
+        ):
+            raise InvalidArgument(
+                "NetworkPolicy.credentials must be a tuple of Credential, "
+                f"got {type(self.credentials).__name__}",
+                argument="NetworkPolicy.credentials",
+                fix='give credentials=(Credential(name=..., hosts=("api.github.com",), source=...),)',
+            )
+        if self.upstream_ca is not None:
+            object.__setattr__(self, "upstream_ca", _check_ca_file(self.upstream_ca))
         check_number(
             self.max_requests_per_minute, argument="NetworkPolicy.max_requests_per_minute",
             integer=True, low=1, high=10**9, unit="requests",
@@ -303,13 +351,71 @@ class NetworkPolicy:
         return self.enabled and not self.egress
 
 
+def _network(text: str, *, argument: str) -> None:
+    try:
+        ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        raise InvalidArgument(
+            f"{argument}: {text!r} is not an address or network", argument=argument,
+            fix='give networks such as "10.1.0.0/16" or addresses such as "10.1.2.3"',
+        ) from None  # fmt: skip
+
+
+def _pinned(resolve: object) -> dict[str, tuple[str, ...]]:
+    """``NetworkPolicy.resolve`` checked: names to addresses (a lone str is one address, as
+    in ``curl --resolve``; not the characters of one, which the proxy once looked up)."""
+    argument = "NetworkPolicy.resolve"
+    if not isinstance(resolve, Mapping):
+        raise InvalidArgument(
+            f"{argument} must be a mapping of names to addresses, got {type(resolve).__name__}",
+            argument=argument, fix='give resolve={"db.internal": ("10.1.2.3",)}',
+        )  # fmt: skip
+    pinned: dict[str, tuple[str, ...]] = {}
+    for name, addresses in resolve.items():
+        check_text(name, argument=argument, fix='give resolve={"db.internal": ("10.1.2.3",)}')
+        found = (addresses,) if isinstance(addresses, str) else check_strings(addresses, argument=argument)
+        for address in found:
+            try:
+                ipaddress.ip_address(check_text(address, argument=argument))
+            except ValueError:
+                raise InvalidArgument(
+                    f"{argument}: {name} is pinned to {address!r}, which is no IP address",
+                    argument=argument, fix='give addresses such as "10.1.2.3" or "fd00::5"',
+                ) from None  # fmt: skip
+        if not found:
+            raise InvalidArgument(
+                f"{argument}: {name} is pinned to no address", argument=argument,
+                fix='give at least one, e.g. ("10.1.2.3",)',
+            )  # fmt: skip
+        pinned[name] = found
+    return pinned
+
+
+def _check_ca_file(path: object) -> str:
+    """``NetworkPolicy.upstream_ca``: a file of PEM certificates the host can read (else every
+    request to a server whose TLS the proxy opens would fail, each a 502)."""
+    import ssl  # here: most users of these types never open TLS
+
+    argument = "NetworkPolicy.upstream_ca"
+    text = check_text(os.fspath(path) if isinstance(path, os.PathLike) else path, argument=argument)
+    try:
+        ssl.create_default_context().load_verify_locations(cafile=text)
+    except (OSError, ssl.SSLError) as err:
+        raise InvalidArgument(
+            f"{argument}: {text!r} is no file of certificates this host can read ({err})",
+            argument=argument, fix="give the path of a PEM file of the CA certificates to trust",
+        ) from None  # fmt: skip
+    return text
+
+
 @dataclass(frozen=True, kw_only=True)
 class EgressRecord:
     """One request through a sandbox's proxy, as the audit trail keeps it.
 
     ``method`` is ``CONNECT`` for a tunnel (then ``sni`` is what the TLS asked for and
     ``path`` is empty); ``decision`` is ``"allow"`` or ``"deny"``; ``rule`` the rule that
-    decided; ``status`` what the client got (0 when a tunnel was cut); ``bytes_out`` went
+    decided; ``status`` what the client got (0 when the request was cut before its answer:
+    the proxy closed, the client gone; ``reason`` says which); ``bytes_out`` went
     to the server, ``bytes_in`` came back. ``credential`` names the one added, if any.
     """
 

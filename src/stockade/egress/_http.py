@@ -32,9 +32,11 @@ __all__ = [
     "CONNECT_TIMEOUT_S",
     "HEAD_LIMIT",
     "HEAD_TIMEOUT_S",
+    "Entry",
     "Exchange",
     "Target",
     "authority",
+    "cut_reason",
     "denied",
     "load_h11",
     "next_event",
@@ -82,6 +84,51 @@ class Target:
     @property
     def authority(self) -> str:
         return (f"[{self.host}]" if ":" in self.host else self.host) + f":{self.port}"
+
+
+class Entry:
+    """One request's ``EgressRecord``, told exactly once however the request ends.
+
+    ``tell`` it when the request ends as it should. Until then ``record`` holds what is known
+    (host, rule, SNI, credential) and, as a ``with`` block, the entry tells that if the request
+    ends any other way, at any await (the proxy closed or reset at a lookup, a TLS hello, a
+    connect, a reply; the client gone): status 0 and why, so a cut is in the trail too.
+    ``decided`` is a record settled before its last awaits (a refusal still to be sent): told
+    as it is if what follows is cut."""
+
+    def __init__(self, gate: Gate, record: EgressRecord) -> None:
+        self.gate = gate
+        self.record = record
+        self.decided: EgressRecord | None = None
+        self.started = time.monotonic()
+        self.told = False
+
+    def tell(self, record: EgressRecord) -> None:
+        if not self.told:
+            self.told = True
+            self.gate.emit(replace(record, duration_s=time.monotonic() - self.started))
+
+    def hand_on(self) -> None:
+        """The record is others' now (each request inside a tunnel whose TLS the proxy opened)."""
+        self.told = True
+
+    def __enter__(self) -> Entry:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: Any) -> None:
+        if self.told or err is None:
+            return
+        if self.decided is not None:
+            self.tell(self.decided)
+        else:
+            self.tell(replace(self.record, status=0, reason=cut_reason(err)))
+
+
+def cut_reason(err: BaseException) -> str:
+    """Why a request ended before its record was told (the kind, not the message: h11's quote bytes)."""
+    if isinstance(err, asyncio.CancelledError):
+        return "cut: the sandbox's proxy was closed mid-request"
+    return f"cut: the connection ended mid-request ({type(err).__name__})"
 
 
 class Scrubber:
@@ -236,7 +283,6 @@ class Exchange:
         one too long, ``408`` for one not whole in time: ``err`` ``None``); nothing of it
         goes anywhere. The record names what the request line names, if it is one; the
         reason is ours, never h11's message (which quotes the bytes)."""
-        started = time.monotonic()
         method, target = request_line(line)
         host, port, path = target_parts(target, tunnel)
         refused = Refused(*unreadable_verdict(err))
@@ -244,86 +290,79 @@ class Exchange:
             self.gate.count_request()
         except Refused as over_rate:
             refused = over_rate
-        with contextlib.suppress(Exception):  # the client may be gone: the record stays
-            await refuse(conn, client, refused, redact=self.gate.redact)
-        record = EgressRecord(host=host, port=port, method=method, path=short(path))
-        self.gate.emit(denied(record, refused, started))
+        with Entry(self.gate, EgressRecord(host=host, port=port, method=method, path=short(path))) as entry:
+            entry.decided = denied(entry.record, refused)
+            with contextlib.suppress(Exception):  # the client may be gone: the record stays
+                await refuse(conn, client, refused, redact=self.gate.redact)
+            entry.tell(entry.decided)
 
     async def forward(
         self, conn: Any, client: Stream, request: Any, *, tunnel: tuple[str, int, str] | None
     ) -> bool:
         """Forward one request and its response; False when the connection must close."""
-        gate = self.gate
-        started = time.monotonic()
         method = request.method.decode("ascii", "replace").upper()
         target = request.target.decode("ascii", "replace")
         host, port, path = target_parts(target, tunnel)
+        with Entry(self.gate, EgressRecord(host=host, port=port, method=method, path=short(path))) as entry:
+            return await self._forward(conn, client, request, entry, tunnel=tunnel)
+
+    async def _forward(
+        self, conn: Any, client: Stream, request: Any, entry: Entry, *, tunnel: tuple[str, int, str] | None
+    ) -> bool:
+        gate = self.gate
+        method, host, port = entry.record.method, entry.record.host, entry.record.port
+        path = target_parts(request.target.decode("ascii", "replace"), tunnel)[2]
         scheme = "http" if tunnel is None else "https"
-        rule = ""
         try:
             gate.count_request()  # refused or not: each is a record
             path = checked_path(request, method, host, port, path, tunnel=tunnel)
             verdict = gate.judge.request(host, port, method)
-            rule = verdict.rule
+            entry.record = replace(entry.record, path=short(path), rule=verdict.rule)
             if not verdict.allowed:
                 raise Refused(403, verdict)
             check_override(request.headers, verdict, host)
             address = tunnel[2] if tunnel is not None else await gate.address(host, port)
         except Refused as refused:
+            entry.decided = denied(entry.record, refused)
             await drain_body(conn, client)
             await refuse(conn, client, refused, redact=gate.redact)
-            record = EgressRecord(host=host, port=port, method=method, path=short(path), rule=rule)
-            gate.emit(denied(record, refused, started))
+            entry.tell(entry.decided)
             return refused.status != 400
         credential = verdict.credential if scheme == "https" else None  # never in clear text
+        # From here the request goes out, with its credential: a cut one names it too.
+        record = entry.record = replace(
+            entry.record, credential=credential.name if credential is not None else ""
+        )
         aim = Target(host=host, port=port, address=address, scheme=scheme, path=path)
         try:
             status, sent, received, keep = await self._exchange(conn, client, request, aim, credential)
         except Refused as refused:  # a redirect refused, an encoding not undone, a limit mid-way
+            entry.decided = denied(record, refused)
             with contextlib.suppress(Exception):
                 await refuse(conn, client, refused, redact=gate.redact)
-            record = EgressRecord(
-                host=host, port=port, method=method, path=short(path), rule=rule,
-                credential=credential.name if credential is not None else "",  # it went with the request
-            )  # fmt: skip
-            gate.emit(denied(record, refused, started))
+            entry.tell(entry.decided)
             return False
-        except asyncio.CancelledError:
-            # The proxy closed (the sandbox killed) mid-request: the request was made, with its
-            # credential, so the trail keeps it, cut (status 0; its bytes were not counted).
-            gate.emit(EgressRecord(
-                host=host, port=port, method=method, path=short(path), rule=rule, status=0,
-                reason="cut: the sandbox's proxy was closed mid-request",
-                credential=credential.name if credential is not None else "",
-                duration_s=time.monotonic() - started,
-            ))  # fmt: skip
-            raise
         except (TimeoutError, OSError, ssl.SSLError, load_h11().ProtocolError) as err:
             if conn.their_state is load_h11().ERROR:  # the client's body broke its own framing
                 broken = Refused(400, Verdict(
                     allowed=False, rule="request (framing)", reason="a body that breaks its framing",
                 ))  # fmt: skip
+                entry.decided = denied(replace(record, credential=""), broken)
                 with contextlib.suppress(Exception):
                     await refuse(conn, client, broken, redact=gate.redact)
-                record = EgressRecord(host=host, port=port, method=method, path=short(path), rule=rule)
-                gate.emit(denied(record, broken, started))
+                entry.tell(entry.decided)
                 return False
             # h11's messages quote the bytes they refused: only that the answer was unreadable
             why = "the server's answer is not HTTP/1.1" if isinstance(err, load_h11().ProtocolError) else err
+            reason = f"cannot reach {host}:{port}: {why}"
+            entry.decided = replace(record, status=502, reason=reason, credential="")
             with contextlib.suppress(Exception):
                 await refuse(conn, client, Refused(502, Verdict(
-                    allowed=True, rule=verdict.rule, reason=f"cannot reach {host}:{port}: {why}"
+                    allowed=True, rule=verdict.rule, reason=reason
                 )), redact=gate.redact)  # fmt: skip
-            gate.emit(EgressRecord(
-                host=host, port=port, method=method, path=short(path), rule=rule, status=502,
-                reason=f"cannot reach {host}:{port}: {why}", duration_s=time.monotonic() - started,
-            ))  # fmt: skip
+            entry.tell(entry.decided)
             return False
-        gate.emit(EgressRecord(
-            host=host, port=port, method=method, path=short(path), rule=rule, status=status,
-            bytes_out=sent, bytes_in=received, credential=credential.name if credential is not None else "",
-            duration_s=time.monotonic() - started,
-        ))  # fmt: skip
+        entry.tell(replace(record, status=status, bytes_out=sent, bytes_in=received))
         return keep
 
     async def _exchange(
@@ -629,14 +668,13 @@ def phrase(text: str) -> bytes:
     return "".join(c if 32 <= ord(c) < 127 else "?" for c in text)[:300].encode("ascii")
 
 
-def denied(record: EgressRecord, refused: Refused, started: float) -> EgressRecord:
+def denied(record: EgressRecord, refused: Refused) -> EgressRecord:
     return replace(
         record,
         status=refused.status,
         decision="deny",
         rule=refused.verdict.rule,
         reason=refused.verdict.reason,
-        duration_s=time.monotonic() - started,
     )
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-import time
 from dataclasses import replace
 from typing import Any
 
@@ -19,8 +18,10 @@ from stockade.egress._gate import Gate, Refused
 from stockade.egress._http import (
     CONNECT_TIMEOUT_S,
     HEAD_TIMEOUT_S,
+    Entry,
     Exchange,
     authority,
+    cut_reason,
     denied,
     load_h11,
     next_event,
@@ -43,27 +44,34 @@ class Tunnels:
         self.ca = ca  # the sandbox's CA, when some host's TLS is opened; None after close
 
     async def serve(self, conn: Any, client: Plain, request: Any) -> None:
-        """Serve the CONNECT ``request`` read from ``client``; the connection ends with it."""
-        h11 = load_h11()
-        gate = self.gate
-        started = time.monotonic()
+        """Serve the CONNECT ``request`` read from ``client``; the connection ends with it.
+        Its one record is told however it ends (``Entry``): a tunnel cut by close() (the
+        sandbox killed) at the lookup, the hello, the connect or the splice too."""
         target = request.target.decode("ascii", "replace")
         host, port = authority(target)
-        record = EgressRecord(host=host, port=port, method="CONNECT")
+        with Entry(self.gate, EgressRecord(host=host, port=port, method="CONNECT")) as entry:
+            await self._serve(conn, client, request, entry)
+
+    async def _serve(self, conn: Any, client: Plain, request: Any, entry: Entry) -> None:
+        h11 = load_h11()
+        gate = self.gate
+        host, port = entry.record.host, entry.record.port
         try:
             gate.count_request()  # refused or not: each is a record
             if not host or not port:
-                raise Refused(
-                    400, Verdict(allowed=False, rule="request", reason=f"bad CONNECT target {target!r}")
-                )
+                raise Refused(400, Verdict(
+                    allowed=False, rule="request",
+                    reason=f"bad CONNECT target {request.target.decode('ascii', 'replace')!r}",
+                ))  # fmt: skip
             verdict = gate.judge.request(host, port, "CONNECT")
-            record = replace(record, rule=verdict.rule)
+            entry.record = replace(entry.record, rule=verdict.rule)
             if not verdict.allowed:
                 raise Refused(403, verdict)
             address = await gate.address(host, port)
         except Refused as refused:
+            entry.decided = denied(entry.record, refused)
             await refuse(conn, client, refused, redact=gate.redact)
-            gate.emit(denied(record, refused, started))
+            entry.tell(entry.decided)
             return
         while not isinstance(await next_event(conn, client), h11.EndOfMessage | h11.ConnectionClosed):
             pass  # a CONNECT has no body; h11 switches protocols once its end is read
@@ -76,27 +84,27 @@ class Tunnels:
         except TimeoutError:
             hello = b""
         is_tls, sni = server_name(hello)
-        record = replace(record, sni=sni or "")
+        record = entry.record = replace(entry.record, sni=sni or "")
         problem = sni_problem(host, is_tls, sni)
         if problem is not None:  # the tunnel is open: all we can do is close it
-            gate.emit(replace(record, decision="deny", rule="tls (sni)", reason=problem,
-                              duration_s=time.monotonic() - started))  # fmt: skip
+            entry.tell(replace(record, decision="deny", rule="tls (sni)", reason=problem))
             return
         if verdict.intercept:
-            await self._intercept(client, (host, port, address), hello, record, started)
+            await self._intercept(client, (host, port, address), hello, entry)
             return
         try:
             upstream = await within(connect(address, port), CONNECT_TIMEOUT_S)
         except (TimeoutError, OSError) as err:
-            gate.emit(replace(record, status=502, reason=f"cannot reach {host}: {err}",
-                              duration_s=time.monotonic() - started))  # fmt: skip
+            entry.tell(replace(record, status=502, reason=f"cannot reach {host}: {err}"))
             return
         counts = [0, 0]
         try:
             await self._splice(client, upstream, hello, counts)
-        finally:  # a tunnel cut by close() (the sandbox killed) is recorded too
-            gate.emit(replace(record, status=200, bytes_out=counts[0], bytes_in=counts[1],
-                              duration_s=time.monotonic() - started))  # fmt: skip
+        except BaseException as err:  # cut mid-way: what it carried until then, and why it ended
+            entry.tell(replace(record, status=200, bytes_out=counts[0], bytes_in=counts[1],
+                               reason=cut_reason(err)))  # fmt: skip
+            raise
+        entry.tell(replace(record, status=200, bytes_out=counts[0], bytes_in=counts[1]))
 
     async def _splice(self, client: Plain, upstream: Plain, first: bytes, counts: list[int]) -> None:
         window = self.gate.bytes
@@ -129,19 +137,20 @@ class Tunnels:
             upstream.close()
 
     async def _intercept(
-        self, client: Plain, tunnel: tuple[str, int, str], hello: bytes, record: EgressRecord, started: float
+        self, client: Plain, tunnel: tuple[str, int, str], hello: bytes, entry: Entry
     ) -> None:
-        """Answer the tunnel's TLS as ``host`` (the sandbox's CA), then each request in it."""
+        """Answer the tunnel's TLS as ``host`` (the sandbox's CA), then each request in it
+        (each its own record: the tunnel's is theirs once the TLS is up)."""
         host = tunnel[0]
         assert self.ca is not None
         tls = ServerTLS(client, self.ca.context(host), hello)
         try:
             await within(tls.handshake(), HEAD_TIMEOUT_S)
         except (TimeoutError, ssl.SSLError, ConnectionError) as err:
-            self.gate.emit(replace(record, decision="deny", rule="tls (handshake)",
-                                   reason=f"the client refused the sandbox's certificate: {err}",
-                                   duration_s=time.monotonic() - started))  # fmt: skip
+            entry.tell(replace(entry.record, decision="deny", rule="tls (handshake)",
+                               reason=f"the client refused the sandbox's certificate: {err}"))  # fmt: skip
             return
+        entry.hand_on()
         await self.exchange.serve(tls, tunnel=tunnel)
 
 

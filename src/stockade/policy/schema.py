@@ -172,6 +172,24 @@ class NetworkRules(_Strict):
                 raise ValueError(f"{text!r} is not an address or network: {err}") from None
         return networks
 
+    @model_validator(mode="after")
+    def _pins(self) -> NetworkRules:
+        from stockade.exceptions import InvalidArgument
+        from stockade.types import NetworkPolicy
+
+        try:  # the pinned addresses, as the sandbox's policy will check them (upstream_ca: there)
+            NetworkPolicy(resolve=self.resolve)
+        except InvalidArgument as err:
+            raise ValueError(str(err)) from None
+        return self
+
+
+class _Unread:
+    """A credential's source as a policy file names it: its form is checked, not its value."""
+
+    def read(self) -> str:
+        return ""
+
 
 class CredentialRule(_Strict):
     """A secret the egress proxy adds to requests for ``hosts``; it never enters a sandbox.
@@ -194,6 +212,20 @@ class CredentialRule(_Strict):
         for host in hosts:
             _check_host(host)
         return hosts
+
+    @model_validator(mode="after")
+    def _form(self) -> CredentialRule:
+        from stockade.exceptions import InvalidArgument
+        from stockade.types import Credential
+
+        try:  # the header and username as the proxy will send them: refused at load, not per run
+            Credential(
+                name="", hosts=self.hosts, source=_Unread(), style=self.style, header=self.header,
+                username=self.username,
+            )  # fmt: skip
+        except InvalidArgument as err:
+            raise ValueError(str(err)) from None
+        return self
 
 
 class DataTier(_Strict):

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from stockade import InvalidArgument, NetworkPolicy, Sandbox
 from stockade.agent import Agent, RunLimits
+from stockade.egress import Credential, EnvSecret
 from stockade.exceptions import StockadeError
 from stockade.models import ScriptedModel
 from stockade.testing import FakeBackend, MemoryWorkspace
@@ -102,6 +103,11 @@ def _create(**kwargs: Any) -> Callable[[], object]:
     return lambda: Sandbox.create(backend=FakeBackend(MemoryWorkspace()), **kwargs).close()
 
 
+def _credential(**changes: Any) -> Credential:
+    settings: dict[str, Any] = {"name": "k", "hosts": ("a.test",), "source": EnvSecret("K")}
+    return Credential(**(settings | changes))
+
+
 CONSTRUCTOR_CASES: list[tuple[str, Callable[[], object], str]] = [
     ("Sandbox.create(tier=[])", lambda: Sandbox.create([]), "tier"),  # type: ignore[arg-type]
     ("Sandbox.create(labels=5)", _create(labels=5), "labels"),
@@ -128,6 +134,34 @@ CONSTRUCTOR_CASES: list[tuple[str, Callable[[], object], str]] = [
         lambda: NetworkPolicy(allow_addresses=5),  # type: ignore[arg-type]
         "NetworkPolicy.allow_addresses",
     ),
+    (
+        "NetworkPolicy(allow_addresses=('not-a-net',))",
+        lambda: NetworkPolicy(allow_hosts=("a.test",), allow_addresses=("not-a-net",)),
+        "NetworkPolicy.allow_addresses",
+    ),
+    (
+        "NetworkPolicy(resolve=pinned to a name)",
+        lambda: NetworkPolicy(resolve={"a.test": ("b.test",)}),
+        "NetworkPolicy.resolve",
+    ),
+    (
+        "NetworkPolicy(resolve=pinned to none)",
+        lambda: NetworkPolicy(resolve={"a.test": ()}),
+        "NetworkPolicy.resolve",
+    ),
+    ("NetworkPolicy(resolve=[])", lambda: NetworkPolicy(resolve=[]), "NetworkPolicy.resolve"),  # type: ignore[arg-type]
+    (
+        "NetworkPolicy(upstream_ca=missing)",
+        lambda: NetworkPolicy(upstream_ca="/nonexistent/ca.pem"),
+        "NetworkPolicy.upstream_ca",
+    ),
+    ("NetworkPolicy(credentials=[5])", lambda: NetworkPolicy(credentials=(5,)), "NetworkPolicy.credentials"),  # type: ignore[arg-type]
+    ("Credential(style='weird')", lambda: _credential(style="weird"), "Credential.style"),
+    ("Credential(header=CRLF)", lambda: _credential(header="X-K\r\nX-Injected: 1"), "Credential.header"),
+    ("Credential(header='')", lambda: _credential(header=""), "Credential.header"),
+    ("Credential(hosts='a.test')", lambda: _credential(hosts="a.test"), "Credential.hosts"),
+    ("Credential(username=colon)", lambda: _credential(style="basic", username="a:b"), "Credential.username"),
+    ("Credential(source=5)", lambda: _credential(source=5), "Credential.source"),
     ("RunLimits(max_steps=None)", lambda: RunLimits(max_steps=None), "RunLimits.max_steps"),  # type: ignore[arg-type]
     ("RunLimits(max_wall_s='5')", lambda: RunLimits(max_wall_s="5"), "RunLimits.max_wall_s"),  # type: ignore[arg-type]
     ("RunLimits(max_tokens=nan)", lambda: RunLimits(max_tokens=math.nan), "RunLimits.max_tokens"),  # type: ignore[arg-type]
@@ -158,6 +192,8 @@ def test_the_right_values_still_pass(sbx: Sandbox, tmp_path: Path) -> None:
     assert sbx.files.read_range("g", 0, 1) == b"\xff"
     assert sbx.files.list("", depth=2)
     assert NetworkPolicy(allow_hosts=["pypi.org"], enabled=True).egress  # type: ignore[arg-type]  # a list is fine
+    # a lone address pins a name to that one address (not to its characters, one by one)
+    assert NetworkPolicy(resolve={"a.test": "10.1.2.3"}).resolve == {"a.test": ("10.1.2.3",)}  # type: ignore[dict-item]
     assert RunLimits(max_wall_s=5, max_cost_usd=0.5).max_steps == 30
     _create(labels={"team": "a=b"}, workspace=tmp_path)()
 

@@ -442,6 +442,110 @@ def test_closing_cuts_a_credentialed_request_mid_answer_and_records_it(
     assert not [r for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.ERROR]
 
 
+class StuckResolver(SystemResolver):
+    """Pinned names as the policy says; any other lookup never ends (``asked`` counts them)."""
+
+    def __init__(self, policy: NetworkPolicy) -> None:
+        super().__init__(policy.resolve)
+        self.asked = 0
+
+    async def lookup(self, host: str, port: int) -> list[str]:
+        self.asked += 1
+        await asyncio.Event().wait()
+        return []
+
+
+def client_hello(name: str) -> bytes:
+    """A TLS ClientHello for ``name``, as a client's first bytes in a tunnel."""
+    out = ssl.MemoryBIO()
+    tls = ssl.create_default_context().wrap_bio(ssl.MemoryBIO(), out, server_hostname=name)
+    with contextlib.suppress(ssl.SSLWantReadError):
+        tls.do_handshake()
+    return out.read()
+
+
+def test_closing_records_each_request_once_at_whatever_await_it_was_cut(local: Servers) -> None:
+    """Every request the proxy took is one record, however it ends: here the proxy closes
+    (the sandbox killed) while one waits at each await of a CONNECT (the name's lookup, the
+    TLS hello, the server's connect, the splice, the opened TLS's handshake), of a plain
+    request (the lookup) and of a refusal (its body drained before the 403 is sent)."""
+    full = socket.socket()  # a listener whose queue is full: a connect to it hangs (SYN dropped)
+    full.bind(("127.0.0.1", 0))
+    full.listen(0)
+    fillers = [socket.socket() for _ in range(2)]
+    quiet = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    hang_port, quiet_port = full.getsockname()[1], quiet.getsockname()[1]
+    for filler in fillers:
+        filler.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            filler.connect(("127.0.0.1", hang_port))
+    base = local.policy()
+    policy = local.policy(
+        allow_hosts=("slow.test:443", "slow.test:80", f"idle.test:{quiet_port}", f"hang.test:{hang_port}",
+                     f"quiet.test:{quiet_port}"),
+        allow_addresses=(*base.allow_addresses, "127.0.0.1/32"),
+        resolve={**base.resolve, **{n: ("127.0.0.1",) for n in ("idle.test", "hang.test", "quiet.test")}},
+    )  # fmt: skip
+    records: list[EgressRecord] = []
+    resolver = StuckResolver(policy)
+    proxy = EgressProxy(policy, observer=records.append, resolver=resolver)
+    port = _loop.call(proxy.start_tcp())
+    clients: list[socket.socket] = []
+
+    def send(data: bytes) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        clients.append(sock)
+        sock.sendall(data)
+        return sock
+
+    def tunnel(target: str, hello: bytes) -> socket.socket:
+        sock = send(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        sock.sendall(hello)
+        return sock
+
+    upstream = None
+    try:
+        send(b"CONNECT slow.test:443 HTTP/1.1\r\nHost: slow.test:443\r\n\r\n")  # at the lookup
+        send(b"GET http://slow.test/ HTTP/1.1\r\nHost: slow.test\r\n\r\n")  # at the lookup
+        wait_for(lambda: resolver.asked == 2, what="both lookups to start", timeout_s=5)
+        tunnel(f"idle.test:{quiet_port}", b"")  # at the hello
+        tunnel(f"hang.test:{hang_port}", client_hello("hang.test"))  # at the connect
+        hello = client_hello("quiet.test")
+        tunnel(f"quiet.test:{quiet_port}", hello)  # at the splice
+        upstream, _ = quiet.accept()
+        upstream.settimeout(10)
+        assert upstream.recv(len(hello), socket.MSG_WAITALL) == hello
+        opened = tunnel(f"api.test:{local.https_port}", client_hello("api.test"))  # at the handshake
+        assert opened.recv(4096)  # the proxy's ServerHello: it waits for the client's answer
+        send(  # refused, at its body's drain
+            f"POST http://other.test:{local.http_port}/ HTTP/1.1\r\nHost: other.test\r\n"
+            "Content-Length: 100\r\n\r\nten bytes.".encode()
+        )
+        wait_for(lambda: len(proxy._tasks) == 7, what="seven connections served", timeout_s=5)
+        _loop.call(asyncio.sleep(0.3))  # the connect and the drain, under way on the proxy's loop
+        assert records == []
+    finally:
+        _loop.call(proxy.close())
+        for sock in [*clients, *fillers, full, quiet, *([upstream] if upstream else [])]:
+            sock.close()
+    told = {(r.host, r.method): r for r in records}
+    assert len(records) == len(told) == 7, records  # each once
+    for key in [("slow.test", "CONNECT"), ("slow.test", "GET"), ("idle.test", "CONNECT"),
+                ("hang.test", "CONNECT"), ("api.test", "CONNECT")]:  # fmt: skip
+        record = told[key]
+        assert (record.status, record.decision) == (0, "allow"), record
+        assert record.reason == "cut: the sandbox's proxy was closed mid-request" and record.rule.startswith(
+            "allow"
+        )
+    assert (told["idle.test", "CONNECT"].sni, told["hang.test", "CONNECT"].sni) == ("", "hang.test")
+    spliced = told["quiet.test", "CONNECT"]
+    assert (spliced.status, spliced.bytes_out, spliced.sni) == (200, len(hello), "quiet.test")
+    assert "closed mid-request" in spliced.reason
+    refused = told["other.test", "POST"]
+    assert (refused.status, refused.decision, refused.rule) == (403, "deny", "allow (no rule)")
+
+
 class ScriptedResolver(SystemResolver):
     """The system resolver's cache over answers the test gives, one per lookup."""
 

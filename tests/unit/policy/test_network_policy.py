@@ -66,6 +66,14 @@ def test_the_network_stays_off_by_default() -> None:
         ('[credentials.c]\nsource = "env:X"\nhosts = []\n', "credentials.c.hosts"),
         ('[network]\nallow_addresses = ["10.0.0.0/33"]\n', "network.allow_addresses"),
         ('[network]\nallow = [{ host = "a.b", roles = ["x"] }]\n', "names role 'x'"),
+        # what the proxy would have sent or looked up per request, refused when the file is read
+        ('[network]\nresolve = { "db.test" = ["db.other"] }\n', "network: NetworkPolicy.resolve"),
+        (
+            '[credentials.c]\nsource = "env:X"\nhosts = ["a.b"]\nheader = "X-K\\r\\nX-Injected: 1"\n',
+            "credentials.c: ",
+        ),
+        ('[credentials.c]\nsource = "env:X"\nhosts = ["a.b"]\nheader = "X K"\n', "is no HTTP header name"),
+        ('[credentials.c]\nsource = "env:X"\nhosts = ["a.b"]\nstyle = "basic"\nusername = "a:b"\n', "colon"),
     ],
 )
 def test_mistakes_are_reported(text: str, problem: str) -> None:
