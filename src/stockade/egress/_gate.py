@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
-from stockade.egress._resolve import Resolver
+from stockade.egress._resolve import LOOKUP_TIMEOUT_S, NotAName, Resolver
 from stockade.egress._rules import Judge, Verdict
 from stockade.types import Credential, EgressRecord, NetworkPolicy
 
@@ -70,6 +70,7 @@ class Gate:
         self.judge = Judge(policy)
         self.observer = observer
         self.resolver = resolver
+        self.lookup_timeout_s = LOOKUP_TIMEOUT_S
         self.requests = Window(policy.max_requests_per_minute)
         self.bytes = Window(policy.max_bytes_per_minute)
         self.observer_failures = 0
@@ -107,8 +108,20 @@ class Gate:
             ))  # fmt: skip
 
     async def address(self, host: str, port: int) -> str:
-        """Resolve once, check every answer, and give the address to connect to."""
-        found = await self.resolver.resolve(host, port)
+        """Resolve once, check every answer, and give the address to connect to. A name
+        that is none is a ``400``; one not resolved within ``lookup_timeout_s`` a ``502``
+        (whatever the resolver: a host's slow DNS must not hold a request, and its
+        connection, without an answer or a record)."""
+        try:
+            async with asyncio.timeout(self.lookup_timeout_s):
+                found = await self.resolver.resolve(host, port)
+        except NotAName as err:
+            raise Refused(400, Verdict(allowed=False, rule="dns", reason=str(err))) from None
+        except TimeoutError:
+            raise Refused(502, Verdict(
+                allowed=False, rule="dns",
+                reason=f"no answer for {host} from the host's resolver in {self.lookup_timeout_s:g} s",
+            )) from None  # fmt: skip
         allowed, refusal = self.judge.addresses(host, found)
         if refusal is not None:
             raise Refused(403, refusal)

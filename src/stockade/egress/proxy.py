@@ -18,10 +18,10 @@ see ``docs/architecture.md``) and decides each request with ``Judge``:
 * **Limits**: requests and bytes per minute, and connections at once, per sandbox.
 
 A refusal is ``403`` (``429`` for a limit, ``400`` or ``431`` for a request that cannot
-be read) with a one-line reason and the rule, in the status line, the ``X-Stockade-Rule``
-header and the body; every request, allowed or not, is an ``EgressRecord`` for the
-observer (the audit trail), and a proxy left open is closed at the interpreter's exit so
-that none is lost then.
+be read or a name that is no DNS name, ``502`` for one not resolved in time) with a
+one-line reason and the rule, in the status line, the ``X-Stockade-Rule`` header and the
+body; every request, allowed or not, is an ``EgressRecord`` for the observer (the audit
+trail), and a proxy left open is closed at the interpreter's exit so that none is lost then.
 
 Hand-written on ``h11`` (HTTP/1.1 parsing, from the python-hyper project) and ``ssl``:
 the decisions above sit between parsing and connecting (resolve once, connect to what
