@@ -186,10 +186,22 @@ class ApprovalStore:
         return Choice(status) if status in (Choice.APPROVED, Choice.DENIED) else None
 
     def forget(self, run_id: str) -> None:
-        """Every request and decision of ``run_id`` (a new run under that id starts afresh)."""
+        """Every request and decision of ``run_id`` (a new run under that id starts afresh).
+
+        Under the folder's lock, and the folder (with its lock) kept: a request asked meanwhile
+        made the folder's removal fail ("Directory not empty"), and a writer waiting for the
+        lock writes into it once it is its turn."""
         folder = self._file(run_id, "x").parent
-        if folder.is_dir() and not folder.is_symlink():
-            shutil.rmtree(folder)
+        if not folder.is_dir() or folder.is_symlink():
+            return
+        with self._locked(folder / "x"):
+            for entry in folder.iterdir():
+                if entry.name == ".lock":
+                    continue
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink(missing_ok=True)
 
     def pending(self, run_id: str | None = None) -> list[dict[str, str]]:
         runs = [run_id] if run_id else sorted(p.name for p in self.directory.glob("*"))

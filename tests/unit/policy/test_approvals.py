@@ -176,3 +176,34 @@ def test_two_threads_asking_the_same_at_once_each_get_their_own_yes(book: Approv
         thread.join()
     assert errors == []
     assert len(asked) >= 2 and status(book, PUSH) == SPENT
+
+
+def test_forgetting_a_run_while_it_is_asked_about_is_no_error(tmp_path: Path) -> None:
+    """Found from outside (``stockade mcp``): a request asked while its run's records were
+    forgotten made the removal fail with an untyped ``OSError: Directory not empty``."""
+    store = ApprovalStore(tmp_path / "approvals")
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def ask() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            try:
+                store.submit(ApprovalRequest(run_id="run-1", action=f"act {n}", rule="r", reason="x"))
+            except BaseException as error:  # what escaped is the finding
+                errors.append(error)
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    try:
+        for _ in range(300):
+            store.forget("run-1")
+    except OSError as error:
+        errors.append(error)
+    finally:
+        stop.set()
+        asker.join()
+    assert errors == []
+    store.forget("run-1")
+    assert store.requests("run-1") == []
