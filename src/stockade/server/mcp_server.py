@@ -5,12 +5,15 @@ A thin shell over ``mcp_session``: each MCP session is an agent run whose model 
 (``McpSession``), so the policy, the limits, the kill switch, approvals and the audit trail
 are the agent's own. This module only speaks the protocol:
 
-- ``tools/list``, ``tools/call``: the toolset's tools (run_code, run_tests, read_file,
-  write_file, apply_patch, list_files, git_diff); a call's observation is the result, an
-  error or a denial is ``isError`` with the reason the model of a run would read;
+- ``tools/list``, ``tools/call``: the toolset's tools the role allows (run_code, run_tests,
+  read_file, write_file, apply_patch, list_files, git_diff); a call's observation is the
+  result, an error or a denial is ``isError`` with the reason the model of a run would read;
 - ``resources/list``, ``resources/read``: ``stockade://workspace/<path>`` for each file the
   policy lets the session read, ``stockade://session/diff`` (the session's changes) and
-  ``stockade://session`` (its run id, for ``stockade kill`` or ``stockade runs show``);
+  ``stockade://session`` (its run id, for ``stockade kill`` or ``stockade runs show``); a
+  read or a listing is the call of read_file, git_diff or list_files (judged, limited and
+  recorded as that call), its content the call's result;
+- whatever a handler raises is that request's error, never the server's end;
 - an action the policy sends for approval is asked through the client when it supports
   elicitation (a yes/no form: ``elicitation/create`` on the handshake versions; on 2026-07-28,
   an ``InputRequiredResult`` whose answer comes with the client's retry of the call);
@@ -37,8 +40,8 @@ import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, BinaryIO, Literal, cast
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal, TypeVar, cast
 
 import anyio
 import mcp_types as types
@@ -71,6 +74,7 @@ __all__ = ["McpFace", "http_app", "serve_http", "serve_stdio"]
 log = logging.getLogger("stockade.mcp")
 
 Transport = Literal["stdio", "http"]
+_Handler = TypeVar("_Handler", bound=Callable[..., Awaitable[Any]])
 WORKSPACE = "stockade://workspace/"
 DIFF = "stockade://session/diff"
 INFO = "stockade://session"
@@ -137,10 +141,10 @@ class McpFace:
                 "Tools that run code in a sandbox of their own, under a policy: every call is judged, "
                 "limited and recorded in an audit trail. Read stockade://session/diff for what changed."
             ),
-            on_list_tools=self._list_tools,
-            on_call_tool=self._call_tool,
-            on_list_resources=self._list_resources,
-            on_read_resource=self._read_resource,
+            on_list_tools=_answering(self._list_tools),
+            on_call_tool=_answering(self._call_tool),
+            on_list_resources=_answering(self._list_resources),
+            on_read_resource=_answering(self._read_resource),
         )
         if transport == "http":
             self.server.add_request_handler("server/discover", types.RequestParams, self._no_discover)
@@ -232,25 +236,46 @@ class McpFace:
     ) -> types.CallToolResult | types.InputRequiredResult:
         session = self._session(ctx)
         with self._in_use(self._key(ctx)):
-            return await self._call(ctx, session, params)
+            return await self._call(ctx, session, params.name, params.arguments or {}, params.input_responses)
 
     async def _call(
-        self, ctx: ServerRequestContext[Any, Any], session: McpSession, params: types.CallToolRequestParams
-    ) -> types.CallToolResult | types.InputRequiredResult:
+        self, ctx: ServerRequestContext[Any, Any], session: McpSession, name: str, args: dict[str, Any],
+        responses: Any = None, *, resource: bool = False,
+    ) -> types.CallToolResult | types.InputRequiredResult:  # fmt: skip
+        """One call as the session's next step, its approvals asked; a ``resource`` read is the
+        call of its matching tool, its approvals asked as a handshake client's are (a resource
+        read has no retry to carry an answer)."""
         held = session.paused
         if held is None:
-            outcome = await session.call(params.name, params.arguments or {})
-        elif params.input_responses and await self._answered(session, held, params.input_responses):
+            outcome = await session.call(name, args, resource=resource)
+        elif resource:
+            raise MCPError(
+                types.INVALID_REQUEST,
+                "a tool call of this session waits for its approval: answer it (retry the call) first",
+            )
+        elif responses and await self._answered(session, held, responses):
             session.paused = None
             outcome = await session.resume()
         else:  # an action still waits for its answer: the session asks again
             outcome = held
         while isinstance(outcome, Paused):
-            if _asks_by_retry(ctx):  # 2026-07-28: the question rides the result, the answer the retry
+            if not resource and _asks_by_retry(ctx):  # 2026-07-28: the answer comes with the retry
                 session.paused = outcome
                 return _input_required(outcome)
-            for pending in outcome.approvals:
-                await self._ask(ctx, session, pending)
+            try:
+                for pending in outcome.approvals:
+                    await self._ask(ctx, session, pending)
+            except BaseException:
+                # The call was cancelled (or the asking failed) while the run waits: what is
+                # undecided is denied and the run goes on, or the session's next call would
+                # wait behind a decision nobody is asked for any more.
+                with anyio.CancelScope(shield=True), contextlib.suppress(exc.StockadeError):
+                    await anyio.to_thread.run_sync(
+                        functools.partial(
+                            session.give_up, outcome, by="nobody: the MCP client cancelled the call"
+                        )
+                    )
+                raise
             outcome = await session.resume()
         return _result(outcome)
 
@@ -301,54 +326,81 @@ class McpFace:
                 lambda: session.decide(pending, Choice.DENIED, by=f"nobody within {self.approval_wait_s:g} s")
             )
 
+    async def _resource(self, ctx: ServerRequestContext[Any, Any], tool: str, args: dict[str, Any]) -> str:
+        """The content a resource read gets through the call of ``tool`` (see ``McpSession.call``)."""
+        session = self._session(ctx)
+        with self._in_use(self._key(ctx)):
+            result = await self._call(ctx, session, tool, args, resource=True)
+        assert isinstance(result, types.CallToolResult)  # a resource read is never asked by retry
+        said = result.content[0]
+        text = said.text if isinstance(said, types.TextContent) else ""
+        if result.is_error:
+            raise MCPError(types.INVALID_PARAMS, text)
+        return text
+
     async def _list_resources(
         self, ctx: ServerRequestContext[Any, Any], params: types.PaginatedRequestParams | None
     ) -> types.ListResourcesResult:
-        session = self._session(ctx)
-        try:
-            paths = await anyio.to_thread.run_sync(session.list_files)
-        except exc.StockadeError as error:
-            raise MCPError(types.INTERNAL_ERROR, f"the workspace cannot be listed: {error}") from None
+        # the workspace's files as list_files sees them, when the role may list them at all
+        # (a denied call would count against the session's denials in a row)
+        listed = await self._resource(ctx, "list_files", {}) if self.agent.allows("list_files") else ""
         resources = [
             types.Resource(
                 uri=INFO, name="session", description="this session's run id, tier and status (JSON)",
                 mime_type="application/json",
             ),
-            types.Resource(
-                uri=DIFF, name="session diff", description="what this session changed in the workspace",
-                mime_type="text/x-diff",
-            )
         ]  # fmt: skip
+        if self.agent.allows("git_diff"):
+            resources.append(
+                types.Resource(
+                    uri=DIFF, name="session diff", description="what this session changed in the workspace",
+                    mime_type="text/x-diff",
+                )
+            )  # fmt: skip
         resources += [
             types.Resource(uri=WORKSPACE + urllib.parse.quote(path), name=path, mime_type="text/plain")
-            for path in paths[:MAX_RESOURCES]
+            for path in listed.splitlines()[:MAX_RESOURCES]
         ]
         return types.ListResourcesResult(resources=resources)
 
     async def _read_resource(
         self, ctx: ServerRequestContext[Any, Any], params: types.ReadResourceRequestParams
     ) -> types.ReadResourceResult:
-        session = self._session(ctx)
         uri = str(params.uri)
-        try:
-            if uri == INFO:
-                text, mime = json.dumps(session.info()), "application/json"
-            elif uri == DIFF:
-                text = await anyio.to_thread.run_sync(session.diff)
-                mime = "text/x-diff"
-            elif uri.startswith(WORKSPACE):
-                path = urllib.parse.unquote(uri.removeprefix(WORKSPACE))
-                data = await anyio.to_thread.run_sync(lambda: session.read_file(path))
-                text, mime = data.decode("utf-8", errors="replace"), "text/plain"
-            else:
-                raise MCPError(types.INVALID_PARAMS, f"no resource {uri!r}: use {WORKSPACE}PATH or {DIFF}")
-        except exc.PolicyDenied as error:
-            raise MCPError(types.INVALID_PARAMS, f"denied by policy: {error}") from None
-        except exc.StockadeError as error:
-            raise MCPError(types.INVALID_PARAMS, f"{type(error).__name__}: {error}") from None
+        if uri == INFO:
+            text, mime = json.dumps(self._session(ctx).info()), "application/json"
+        elif uri == DIFF:
+            text, mime = await self._resource(ctx, "git_diff", {}), "text/x-diff"
+        elif uri.startswith(WORKSPACE):
+            path = urllib.parse.unquote(uri.removeprefix(WORKSPACE))
+            text, mime = await self._resource(ctx, "read_file", {"path": path}), "text/plain"
+        else:
+            raise MCPError(types.INVALID_PARAMS, f"no resource {uri!r}: use {WORKSPACE}PATH or {DIFF}")
         return types.ReadResourceResult(
             contents=[types.TextResourceContents(uri=uri, text=text, mime_type=mime)]
         )
+
+
+def _answering(handler: _Handler) -> _Handler:
+    """A handler whose failure is its request's error: an exception out of it ended the SDK's
+    task group (a ``RunStopped``, no ``Exception``, killed the stdio process; over HTTP every
+    later request of every client was answered 500), whatever the other sessions were doing."""
+
+    @functools.wraps(handler)
+    async def answer(ctx: ServerRequestContext[Any, Any], params: Any) -> Any:
+        try:
+            return await handler(ctx, params)
+        except MCPError:
+            raise
+        except exc.StockadeError as error:
+            raise MCPError(types.INTERNAL_ERROR, f"{type(error).__name__}: {error}") from None
+        except (Exception, exc.RunStopped) as error:
+            log.exception("an MCP %s request failed", getattr(handler, "__name__", "handler"))
+            raise MCPError(
+                types.INTERNAL_ERROR, f"the request failed: {type(error).__name__}: {error}"
+            ) from None
+
+    return cast("_Handler", answer)
 
 
 def _message(pending: PendingApproval) -> str:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import dataclasses
 import itertools
@@ -46,6 +47,11 @@ from stockade.assembly import AgentConfig, AgentSession, GuardedAgent, build_age
 from stockade.models.base import Model
 from stockade.models.messages import ModelRequest, ModelResponse, ToolCall, ToolResultMessage
 from stockade.policy.approval import ApprovalRequest, Choice
+from stockade.policy.schema import Verdict
+from stockade.tools import builtin
+from stockade.tools.base import ToolContext, Toolset
+from stockade.tools.builtin import default_toolset
+from stockade.tools.workspace_diff import snapshot, workspace_diff
 
 __all__ = [
     "MODEL_NAME",
@@ -106,6 +112,10 @@ Outcome = CallResult | Paused | Ended
 class _Call:
     call: ToolCall
     future: concurrent.futures.Future[Outcome] = field(default_factory=concurrent.futures.Future)
+    # A resource read: a call of its matching tool, whose result is the content itself
+    # (``_serve_resource``), not the tool's numbered lines or listing
+    resource: bool = False
+    content: str | None = None
 
 
 # The session whose loop runs on this thread (its asyncio.run copies the context).
@@ -144,7 +154,9 @@ class McpAgent:
 
     def __init__(self, config: AgentConfig, *, workspace: str | Path | None = None) -> None:
         """``config.model`` is replaced: the model of an MCP session is its client."""
-        config = dataclasses.replace(config, model=ClientModel())
+        tools = config.tools if config.tools is not None else default_toolset()
+        # a resource read is the call of its tool: judged, limited and recorded as that call is
+        config = dataclasses.replace(config, model=ClientModel(), tools=_serving_resources(tools))
         self.config = config
         self.workspace = workspace
         self._sessions: dict[str, McpSession] = {}
@@ -154,8 +166,17 @@ class McpAgent:
 
     @property
     def tools(self) -> list[tuple[str, str, dict[str, JsonValue]]]:
-        """(name, description, JSON schema of the arguments) of each tool the sessions offer."""
-        return [(d.name, d.description, d.parameters) for d in self.agent.tools.definitions()]
+        """(name, description, JSON schema of the arguments) of each tool the sessions offer:
+        those the policy (the role's tools) does not deny outright."""
+        return [
+            (d.name, d.description, d.parameters)
+            for d in self.agent.tools.definitions()
+            if self.allows(d.name)
+        ]
+
+    def allows(self, tool: str) -> bool:
+        """Whether a call of ``tool`` may be made at all (it may still be denied, or asked)."""
+        return self.agent.engine.tool(tool).verdict is not Verdict.DENY
 
     def session(self, key: str, *, client: str) -> McpSession:
         """The session of ``key`` (an MCP session id, or the one stdio client), started on first use."""
@@ -214,12 +235,16 @@ class McpSession:
 
     # -- the MCP side (any thread, or the server's event loop) ------------------------------------
 
-    async def call(self, name: str, args: Mapping[str, JsonValue]) -> Outcome:
-        """Run one tool call as the session's next step (calls of a session run one at a time)."""
+    async def call(self, name: str, args: Mapping[str, JsonValue], *, resource: bool = False) -> Outcome:
+        """Run one tool call as the session's next step (calls of a session run one at a time).
+        With ``resource``, the call of ``name`` (read_file, list_files, git_diff) stands for a
+        resource read: judged, limited and recorded as that call, its result is the content
+        (the file's text, the workspace's paths one a line, the session's diff)."""
         await asyncio.to_thread(self._started.wait)
         if self.closed:
             return self._ended()
-        item = _Call(call=ToolCall(id=f"mcp_{next(self._ids)}", name=name, args=dict(args)))
+        call = ToolCall(id=f"mcp_{next(self._ids)}", name=name, args=dict(args))
+        item = _Call(call=call, resource=resource)
         self._inbox.put(item)
         return await asyncio.wrap_future(item.future)
 
@@ -239,6 +264,14 @@ class McpSession:
     def decision(self, pending: PendingApproval) -> Choice | None:
         store = self.owner.agent.approvals.store
         return store.decision(pending.request()) if store is not None else None
+
+    def give_up(self, paused: Paused, *, by: str) -> None:
+        """Nobody waits for the paused call any more (its caller was cancelled): what is still
+        undecided is denied, and the run goes on, so that the session's next call is served."""
+        for pending in paused.approvals:
+            with contextlib.suppress(exc.ApprovalDecided):  # decided meanwhile: that stands
+                self.decide(pending, Choice.DENIED, by=by)
+        self._control.put(concurrent.futures.Future())  # its outcome is nobody's
 
     def end(self) -> None:
         """The client went away: the run ends (its sandbox is removed) on the session's thread.
@@ -280,24 +313,6 @@ class McpSession:
             "kill": f"stockade kill {self.run_id}",
         }
 
-    def read_file(self, path: str) -> bytes:
-        """A workspace file, through the session's policy-guarded sandbox (the read rules hold)."""
-        return self._open().sandbox.files.read(path, format="bytes")
-
-    def list_files(self) -> list[str]:
-        """The workspace's files, as the model's path rules let it see them."""
-        from stockade.tools.workspace_diff import snapshot
-
-        return sorted(snapshot(self._open().sandbox))
-
-    def diff(self) -> str:
-        """The session's changes to the workspace, as a unified diff."""
-        from stockade.tools.workspace_diff import workspace_diff
-
-        session = self._open()
-        books = session._books if session._books is not None else session.sandbox
-        return workspace_diff(books, self.owner.agent.engine.hands_back, baseline=session.baseline)
-
     # -- the session's thread ---------------------------------------------------------------------
 
     async def _next(self) -> object:
@@ -325,7 +340,9 @@ class McpSession:
                 _running.set(self)
                 result = session.run_sync(f"MCP session of {self.client}")
                 while result.status is RunStatus.PAUSED:
-                    self._answer(self._paused(session))
+                    paused = self._paused(session)
+                    if not self._answer(paused):  # its caller was cancelled: nobody will decide
+                        self.give_up(paused, by="nobody: the MCP client cancelled the call")
                     future = self._control.get()
                     if future is None:  # the client left while an action waited: it stays undecided
                         break
@@ -366,20 +383,26 @@ class McpSession:
             return
         for message in reversed(messages):
             if isinstance(message, ToolResultMessage) and message.call_id == current.call.id:
-                self._answer(CallResult(text=message.content, is_error=message.is_error))
+                served = current.content if current.resource and not message.is_error else None
+                text = message.content if served is None else served
+                self._answer(CallResult(text=text, is_error=message.is_error))
                 return
 
-    def _answer(self, outcome: Outcome) -> None:
-        """Resolve whoever waits for the call in flight (its caller, or a resume's)."""
+    def _answer(self, outcome: Outcome) -> bool:
+        """Resolve whoever waits for the call in flight (its caller, or a resume's); whether
+        anyone still did (a cancelled caller's future is done)."""
         waiting = (self._resuming, self._current.future if self._current is not None else None)
         # no call in flight before its caller hears: one that ends the session at once must
         # not find it still there (``end`` would cut a run that had nothing left to cut)
         self._resuming = None
         if not isinstance(outcome, Paused):
             self._current = None
+        heard = False
         for future in waiting:
             if future is not None and not future.done():
                 future.set_result(outcome)
+                heard = True
+        return heard
 
     def _last_word(self) -> Outcome:
         """For the call in flight when the run ended: its own result when it returned one (a
@@ -411,3 +434,53 @@ class McpSession:
                 return
             if isinstance(item, _Call) and not item.future.done():
                 item.future.set_result(ended)
+
+
+def _serving(ctx: ToolContext) -> _Call | None:
+    """The resource read this tool call stands for, if it is one (see ``McpSession.call``)."""
+    session = _running.get()
+    current = session._current if session is not None else None
+    if current is None or not current.resource or current.call.id != ctx.call_id:
+        return None
+    return current
+
+
+# The tools a resource is read through, as calls of the same names, arguments and rules: what a
+# call returns is the tool's own result, or, standing for a resource read, the content itself,
+# read through the call's sandbox (inside its guards and limits: an approval of the call holds).
+def _read_file(ctx: ToolContext, path: str, offset: int = 0, limit: int = 400) -> str:
+    served = _serving(ctx)
+    if served is None:
+        return str(builtin.read_file.function(ctx, path, offset, limit))
+    served.content = ctx.sandbox.files.read(path, format="bytes").decode("utf-8", errors="replace")
+    return served.content
+
+
+def _list_files(ctx: ToolContext, path: str = "", depth: int = 2) -> str:
+    served = _serving(ctx)
+    if served is None:
+        return str(builtin.list_files.function(ctx, path, depth))
+    served.content = "\n".join(sorted(snapshot(ctx.sandbox, deadline=ctx.deadline)))
+    return served.content
+
+
+def _git_diff(ctx: ToolContext) -> str:
+    served = _serving(ctx)
+    if served is None:
+        return str(builtin.git_diff.function(ctx))
+    session = _running.get()
+    assert session is not None
+    keep = session.owner.agent.engine.hands_back
+    served.content = workspace_diff(ctx.records, keep, baseline=ctx.baseline)
+    return served.content
+
+
+def _serving_resources(tools: Toolset) -> Toolset:
+    """``tools`` with the built-in read_file, list_files and git_diff able to serve resources."""
+    serving = {"read_file": _read_file, "list_files": _list_files, "git_diff": _git_diff}
+    own = {name: getattr(builtin, name) for name in serving}
+    swapped = [
+        dataclasses.replace(t, function=serving[t.name]) if t.name in serving and t is own[t.name] else t
+        for t in tools
+    ]
+    return tools.filtered(lambda _: False).including(*swapped)  # in their order, wrappers kept

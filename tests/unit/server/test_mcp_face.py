@@ -14,20 +14,22 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
 import httpx2
 import mcp_types as types
 import pytest
 from mcp import Client
 from mcp.client.session import ClientRequestContext
+from mcp.shared.exceptions import MCPError
 from starlette.types import ASGIApp
 
 from stockade.assembly import AgentConfig
 from stockade.audit import AuditLog, MemoryStore
-from stockade.exceptions import InvalidArgument
+from stockade.exceptions import ApprovalRequired, InvalidArgument
 from stockade.policy import Policy
 from stockade.policy.approval import Choice
-from stockade.policy.schema import CommandRules, ModelRegistry, PathRules, TrustRules
-from stockade.server.mcp_server import McpFace, http_app
+from stockade.policy.schema import CommandRules, Decisions, ModelRegistry, PathRules, Role, TrustRules
+from stockade.server.mcp_server import McpFace, _answering, http_app
 from stockade.server.mcp_session import MODEL_NAME, McpAgent
 from stockade.testing import FakeBackend, MemoryWorkspace
 from stockade.types import Trust
@@ -40,10 +42,16 @@ POLICY = Policy(
 )
 
 
-def face(tmp_path: Path, *, wait_s: float = 5.0, transport: str = "stdio") -> McpFace:
+def face(
+    tmp_path: Path, *, wait_s: float = 5.0, transport: str = "stdio", policy: Policy = POLICY,
+    role: str | None = None, rate_per_minute: int | None = None, rate_period_s: float = 60.0,
+) -> McpFace:  # fmt: skip
     config = AgentConfig(
         model=MODEL_NAME,
-        policy=POLICY,
+        policy=policy,
+        role=role,
+        rate_per_minute=rate_per_minute,
+        rate_period_s=rate_period_s,
         backend=FakeBackend(MemoryWorkspace(), tier="process"),
         audit=AuditLog(MemoryStore(), flush_interval_s=None),
         approval_dir=tmp_path / "approvals",
@@ -143,6 +151,111 @@ def test_without_elicitation_a_call_waits_for_a_decision_then_is_denied(tmp_path
     server.close()
     assert refused.is_error and "a human denied" in text(refused), text(refused)
     assert not allowed.is_error, text(allowed)
+
+
+def test_a_resource_read_that_needs_approval_is_asked_and_the_server_goes_on(tmp_path: Path) -> None:
+    """Found from outside: with reads sent for approval, a resource read raised the guard's
+    ApprovalRequired (no Exception) out of its handler, and it ended the SDK's task group: the
+    stdio process died, an HTTP server answered every later request 500. A resource read is
+    the call of its tool: asked as the tool's call would be, denied here when nobody decides."""
+    policy = POLICY.model_copy(update={"decisions": Decisions(approve=("read",))})
+    server = face(tmp_path, wait_s=0.3, policy=policy)
+
+    async def session() -> None:
+        with anyio.fail_after(60):
+            async with Client(server.server, mode="legacy") as client:
+                wrote = await client.call_tool("write_file", {"path": "a.txt", "content": "hi\n"})
+                assert not wrote.is_error, text(wrote)
+                with pytest.raises(MCPError, match="a human denied"):
+                    await client.read_resource("stockade://workspace/a.txt")
+                with pytest.raises(MCPError, match="a human denied"):
+                    await client.list_resources()
+                again = await client.call_tool("write_file", {"path": "a.txt", "content": "more\n"})
+                assert not again.is_error, text(again)  # the session, and its server, go on
+
+    asyncio.run(session())
+    server.close()
+    asked = [e for e in server.agent.agent.audit_log.store.events() if e.kind.value == "approval"]
+    assert [e.attributes["action"] for e in asked if e.attributes["outcome"] == "denied"] != []
+
+
+@pytest.mark.parametrize(
+    "raised", [ApprovalRequired("asked", request_id="r1"), ValueError("a bug"), InvalidArgument("bad")]
+)
+async def test_whatever_a_handler_raises_is_its_requests_error(raised: BaseException) -> None:
+    """Nothing a handler raises reaches the SDK's task group, a RunStopped (no Exception) least."""
+
+    async def handler(ctx: object, params: object) -> object:
+        raise raised
+
+    with pytest.raises(MCPError, match=type(raised).__name__):
+        await _answering(handler)(None, None)
+
+
+def test_resources_are_judged_limited_and_recorded_as_their_tools_calls(tmp_path: Path) -> None:
+    """Found from outside: resources were read beside the run: a role without read_file read
+    files through them, they cost no rate budget (50 in 0.2 s under 1 a minute) and the audit
+    trail had none of them. tools/list showed tools the role may not use."""
+    policy = POLICY.model_copy(update={"roles": {"reader": Role(tools=("list_files",)), "writer": Role()}})
+    reader = face(tmp_path / "r", policy=policy, role="reader")
+
+    async def as_reader() -> None:
+        async with Client(reader.server, mode="legacy") as client:
+            assert {t.name for t in (await client.list_tools()).tools} == {"list_files"}
+            with pytest.raises(MCPError, match="may not use the tool 'read_file'"):
+                await client.read_resource("stockade://workspace/a.txt")
+            uris = {str(r.uri) for r in (await client.list_resources()).resources}
+            assert "stockade://session/diff" not in uris  # git_diff is not the reader's
+
+    asyncio.run(as_reader())
+    reader.close()
+
+    writer = face(tmp_path / "w", policy=policy, role="writer", rate_per_minute=2, rate_period_s=1.0)
+
+    async def as_writer() -> float:
+        async with Client(writer.server, mode="legacy") as client:
+            wrote = await client.call_tool("write_file", {"path": "a.txt", "content": "hi\n"})
+            assert not wrote.is_error, text(wrote)
+            started = time.monotonic()
+            for _ in range(3):  # 2 a second, the write among them: the window is waited for
+                read = (await client.read_resource("stockade://workspace/a.txt")).contents[0]
+                assert isinstance(read, types.TextResourceContents) and read.text == "hi\n"
+            return time.monotonic() - started
+
+    took = asyncio.run(as_writer())
+    writer.close()
+    assert took >= 0.5, took
+    calls = [
+        e.attributes["tool"]
+        for e in writer.agent.agent.audit_log.store.events()
+        if e.kind.value == "tool_call"
+    ]
+    assert calls == ["write_file", "read_file", "read_file", "read_file"]
+
+
+def test_a_call_cancelled_while_it_waits_for_approval_leaves_the_session_going(tmp_path: Path) -> None:
+    """Found from outside: a call cancelled by its client while it waited for ``stockade
+    approve`` left the run paused with nobody to resume it: the session's next call hung (and,
+    over HTTP, in flight for ever, kept the session from being reaped)."""
+    server = face(tmp_path, wait_s=30)
+
+    async def session() -> types.CallToolResult:
+        async with Client(server.server, mode="legacy") as client:
+            with anyio.move_on_after(0.5) as cancelled:
+                await client.call_tool("run_code", {"code": "rm -r a", "language": "bash"})
+            assert cancelled.cancelled_caught
+            with anyio.fail_after(20):
+                return await client.call_tool("write_file", {"path": "b.txt", "content": "b"})
+
+    after = asyncio.run(session())
+    server.close()
+    assert not after.is_error, text(after)
+    decided = [
+        e.actor
+        for e in server.agent.agent.audit_log.store.events()
+        if e.kind.value == "approval" and e.attributes["outcome"] == "denied"
+    ]
+    assert decided and "cancelled" in decided[0], decided
 
 
 def test_over_http_a_call_needs_a_session(tmp_path: Path) -> None:

@@ -53,14 +53,20 @@ def test_calls_run_as_steps_and_the_end_ends_the_run(agent: McpAgent) -> None:
         read = await session.call("read_file", {"path": "a.txt"})
         denied = await session.call("write_file", {"path": "secrets/k", "content": "x"})
         missing = await session.call("no_such_tool", {})
-        return [wrote, read, denied, missing]
+        # resource reads: calls of their tools, whose result is the content itself
+        listed = await session.call("list_files", {}, resource=True)
+        diff = await session.call("git_diff", {}, resource=True)
+        raw = await session.call("read_file", {"path": "a.txt"}, resource=True)
+        return [wrote, read, denied, missing, listed, diff, raw]
 
-    wrote, read, denied, missing = asyncio.run(work())
+    wrote, read, denied, missing, listed, diff, raw = asyncio.run(work())
     assert isinstance(wrote, CallResult) and not wrote.is_error
     assert isinstance(read, CallResult) and "hello" in read.text
     assert isinstance(denied, CallResult) and denied.is_error and "denied by policy" in denied.text
     assert isinstance(missing, CallResult) and missing.is_error and "no tool" in missing.text
-    assert "a.txt" in session.list_files() and "+hello" in session.diff()
+    assert isinstance(listed, CallResult) and listed.text.splitlines() == ["a.txt"]
+    assert isinstance(diff, CallResult) and "+hello" in diff.text
+    assert isinstance(raw, CallResult) and raw.text == "hello"
     assert session.info()["status"] == "running"
     asyncio.run(session.aclose())
     assert session.result is not None and session.result.status.value == "success"
