@@ -97,3 +97,41 @@ def test_without_root_gvisor_needs_consent_for_unlimited_inodes() -> None:
         check=False, capture_output=True, text=True, timeout=180, cwd="/tmp",
     )  # fmt: skip
     assert out.stdout.strip() == "ok", out.stderr
+
+
+FLOOD_THE_SUPERVISORS_STDERR = r"""
+import os
+err = os.open("/proc/1/fd/2", os.O_WRONLY)
+for _ in range(256):
+    os.write(err, b"A" * (1 << 20))
+print("written")
+"""
+# The supervisor's pipe to the host (its main() dups stdin, then stdout: 3 and 4): a prefix
+# saying 128 MiB, then most of the body, never the frame's end.
+FORGE_A_LARGE_FRAME = r"""
+import os, struct, time
+out = os.open("/proc/1/fd/4", os.O_WRONLY)
+os.write(out, struct.pack(">II", 2, (128 << 20) - 1) + b"{}" + b"Z" * (100 << 20))
+time.sleep(30)
+"""
+
+
+def test_code_writing_to_the_supervisors_descriptors_costs_the_host_nothing(direct: RunscBackend) -> None:
+    """gVisor's /proc lets code open the supervisor's descriptors whatever its dumpable flag
+    (found from outside): its stderr, runsc's, was a file on the host's disk that took 1 GB in
+    0.74 s, counted nowhere; a frame's prefix saying 128 MiB made the host hold that much per
+    sandbox for as long as the sandbox lived, waiting for the frame's end to check its seal.
+    The log keeps its first 256 KiB; a forged prefix ends the sandbox at once."""
+    from stockade.exceptions import SandboxCrashed
+    from stockade.sandbox.gvisor import LOG_BYTES
+
+    with Sandbox.create(backend=direct, limits=Limits(memory_mb=256, timeout_s=60)) as sbx:
+        log = direct.state_dir / f"gv-{sbx.id}" / "runsc.log"
+        sbx.files.write("flood.py", FLOOD_THE_SUPERVISORS_STDERR)
+        assert sbx.commands.run("python3 flood.py", timeout_s=50).stdout == "written\n"
+        assert sbx.run_code("1 + 1").text == "2"  # the sandbox goes on
+        assert log.stat().st_size <= LOG_BYTES
+    with Sandbox.create(backend=direct, limits=Limits(memory_mb=256, timeout_s=60)) as sbx:
+        sbx.files.write("forge.py", FORGE_A_LARGE_FRAME)
+        with pytest.raises(SandboxCrashed, match="wrote to the supervisor's channel"):
+            sbx.commands.run("python3 forge.py", timeout_s=50)

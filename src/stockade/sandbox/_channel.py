@@ -132,7 +132,7 @@ class Channel:
         restored from memory has it already, with the counts the snapshot kept."""
         with self._send_lock:
             # the reader first: whatever the supervisor sends once it has the key is sealed
-            self._reader.seal = Seal(key, b"S", received)
+            self._reader.seal = Seal(key, b"S", received, head=True)
             if send_key:
                 self._stream.send(key)
             self._seal = Seal(key, b"H", sent)

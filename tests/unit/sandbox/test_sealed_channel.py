@@ -12,19 +12,19 @@ import pytest
 
 from stockade import SandboxCrashed
 from stockade.sandbox._channel import Channel
-from stockade.sandbox.supervisor.protocol import FrameError, FrameReader, Seal, encode
+from stockade.sandbox.supervisor.protocol import PREFIX, FrameError, FrameReader, Seal, encode
 
 KEY = secrets.token_bytes(Seal.SIZE)
 
 
 def sealed(frames: list[tuple[dict[str, object], bytes]], key: bytes = KEY, count: int = 0) -> list[bytes]:
-    seal = Seal(key, b"S", count)
+    seal = Seal(key, b"S", count, head=True)
     return [encode(header, body, seal) for header, body in frames]
 
 
 def reader(count: int = 0) -> FrameReader:
     r = FrameReader(max_body=1 << 20)
-    r.seal = Seal(KEY, b"S", count)
+    r.seal = Seal(KEY, b"S", count, head=True)
     return r
 
 
@@ -72,6 +72,25 @@ def test_a_replayed_frame_is_refused() -> None:
         r.frames()
 
 
+def test_a_forged_prefix_is_refused_before_its_body_is_waited_for() -> None:
+    """Code that opened the supervisor's pipe (gVisor's /proc) wrote a prefix saying 128 MiB,
+    then the body short of its end: the host held it all, per sandbox, for as long as the
+    sandbox lived, since only the whole frame's tag was checked (found from outside). The
+    prefix has its own tag: a forged one ends the channel at once, nothing buffered."""
+    r = FrameReader(max_body=128 << 20)
+    r.seal = Seal(KEY, b"S", head=True)
+    r.feed(PREFIX.pack(2, (128 << 20) - 1) + os.urandom(Seal.SIZE) + b"{}")
+    with pytest.raises(FrameError, match="prefix's seal"):
+        r.frames()
+    # a true prefix is waited on as before, and its frame then checked whole
+    frame = sealed([({"id": 1, "ev": "out"}, b"x" * 100)])[0]
+    r = reader()
+    r.feed(frame[: PREFIX.size + Seal.SIZE + 10])
+    assert r.frames() == []
+    r.feed(frame[PREFIX.size + Seal.SIZE + 10 :])
+    assert [h["id"] for h, _ in r.frames()] == [1]
+
+
 class SealingSupervisor:
     """The supervisor's side over an in-memory stream: answers ``ready``, takes the key the host
     sends, then answers every request sealed; ``forge`` goes in ahead of its answer."""
@@ -86,7 +105,7 @@ class SealingSupervisor:
     def send(self, data: bytes) -> None:
         if not self.key:  # the first bytes the host sends here: the key, raw
             self.key = data
-            self.seal = Seal(self.key, b"S")
+            self.seal = Seal(self.key, b"S", head=True)
             self.requests.seal = Seal(self.key, b"H")
             return
         self.requests.feed(data)

@@ -271,7 +271,7 @@ class Supervisor:
             if n == 0:
                 raise SystemExit(0)  # the host is gone
             got += n
-        self.seal = Seal(key, b"S", sent)
+        self.seal = Seal(key, b"S", sent, head=True)
         reader.seal = Seal(key, b"H", received)
 
     def start_zygote(self) -> None:
