@@ -16,6 +16,7 @@ import _ast
 import builtins
 import fcntl
 import io
+import mmap
 import os
 import sys
 import types
@@ -37,7 +38,7 @@ from protocol import (  # type: ignore[import-not-found]
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, Optional
 
 CELL = "<cell>"
 # What one run may send back: a larger value is dropped with a note, never the interpreter.
@@ -168,11 +169,39 @@ def _open_figures() -> list[dict[str, str]]:
     return out
 
 
+class _Reserve:
+    """Address space kept back for our own work once code has run out: a run that ended in
+    MemoryError with its data still held (a global list) left nothing for its report or the
+    next request's frame, and the interpreter died on the next request, taking the code's
+    state with it. An anonymous mapping never touched: address space (what RLIMIT_AS counts),
+    no memory. Released at a MemoryError, taken again once a request is answered if there is
+    room by then."""
+
+    SIZE = 4 << 20
+
+    def __init__(self) -> None:
+        self._map: "Optional[mmap.mmap]" = None
+        self.renew()
+
+    def release(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+
+    def renew(self) -> None:
+        if self._map is None:
+            try:
+                self._map = mmap.mmap(-1, self.SIZE)
+            except (OSError, MemoryError, ValueError):
+                pass  # still full: the next request has what was released
+
+
 class Interpreter:
     def __init__(self) -> None:
         self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": builtins}
         self._displayed: list[dict[str, str]] = []
         self.namespace["display"] = self.display
+        self.reserve = _Reserve()
 
     def display(self, *objs: Any) -> None:
         for obj in objs:
@@ -191,6 +220,8 @@ class Interpreter:
                     if plt is not None:
                         plt.close(value)
         except BaseException as exc:  # SystemExit and KeyboardInterrupt are the code's too
+            if isinstance(exc, MemoryError):
+                self.reserve.release()  # room to report it, and to serve the next request
             error = _error(exc)
         finally:
             for stream in (sys.stdout, sys.stderr):
@@ -412,3 +443,4 @@ def main(ctl_in: int, ctl_out: int) -> None:
             data = encode({"id": header.get("id")}, payload)
             while data:
                 data = data[os.write(ctl_out, data) :]
+            interp.reserve.renew()
