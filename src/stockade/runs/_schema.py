@@ -41,12 +41,12 @@ def schema(ns: str, serial: str, blob: str) -> list[str]:
         f"""CREATE TABLE IF NOT EXISTS {ns}_retries (
             id {serial}, run_id TEXT NOT NULL, step INTEGER NOT NULL, call_id TEXT,
             subject TEXT NOT NULL, attempt INTEGER NOT NULL, delay_s DOUBLE PRECISION NOT NULL,
-            reason TEXT NOT NULL, recorded_ns BIGINT NOT NULL)""",
+            reason TEXT NOT NULL, recorded_ns BIGINT NOT NULL, mac TEXT)""",
         f"CREATE INDEX IF NOT EXISTS {ns}_retries_run ON {ns}_retries (run_id)",
         f"""CREATE TABLE IF NOT EXISTS {ns}_approvals (
             id {serial}, run_id TEXT NOT NULL, step INTEGER NOT NULL, request_id TEXT NOT NULL,
             action TEXT NOT NULL, rule TEXT NOT NULL, reason TEXT NOT NULL, decision TEXT NOT NULL,
-            recorded_ns BIGINT NOT NULL)""",
+            recorded_ns BIGINT NOT NULL, mac TEXT)""",
         f"CREATE INDEX IF NOT EXISTS {ns}_approvals_run ON {ns}_approvals (run_id)",
         # starting workspaces, content-addressed: identical seeds are stored once
         f"""CREATE TABLE IF NOT EXISTS {ns}_seeds (
@@ -120,6 +120,10 @@ SIGNED: dict[str, tuple[tuple[str, ...], int]] = {
     "run_limits": (("run_id", "body", "recorded_ns"), 1),
     # the diff `runs show`, the viewer and the API give: one edited hid a change from its reader
     "run_diffs": (("run_id", "diff", "recorded_ns"), 1),
+    # what `runs show` says was approved or tried again: a denial edited into an approval, a
+    # retry made up (found from outside)
+    "approvals": (("run_id", "step", "request_id", "action", "rule", "reason", "decision", "recorded_ns"), 3),
+    "retries": (("run_id", "step", "call_id", "subject", "attempt", "delay_s", "reason", "recorded_ns"), 3),
 }
 MAC_TABLES = tuple(SIGNED)
 

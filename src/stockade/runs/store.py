@@ -61,6 +61,7 @@ from stockade.runs._db import Database, PostgresDatabase, SQLiteDatabase, displa
 from stockade.runs._mac import RowMac, select, unauthentic_rows
 from stockade.runs._schema import (
     MAC_TABLES,
+    SIGNED,
     as_float,
     as_int,
     schema,
@@ -438,45 +439,28 @@ class RunStore:
     # -- what the recorder writes between checkpoints -------------------------------------------
 
     def record_retry(self, run_id: str, entry: RetryEntry) -> None:
-        self.db.write(
-            [
-                (
-                    f"INSERT INTO {self.ns}_retries (run_id, step, call_id, subject, attempt, delay_s, "
-                    "reason, recorded_ns) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    [
-                        (
-                            run_id,
-                            entry.step,
-                            entry.call_id,
-                            entry.subject,
-                            entry.attempt,
-                            entry.delay_s,
-                            self.redactor.text(entry.reason),  # an error may quote a credential
-                            entry.recorded_ns,
-                        )
-                    ],
-                )
-            ]
-        )
+        row = (
+            run_id, entry.step, entry.call_id, entry.subject, entry.attempt, entry.delay_s,
+            self.redactor.text(entry.reason),  # an error may quote a credential
+            entry.recorded_ns,
+        )  # fmt: skip
+        self._insert_signed("retries", row)
 
     def record_approval(self, run_id: str, entry: ApprovalEntry) -> None:
+        row = (
+            run_id, entry.step, entry.request_id, entry.action, entry.rule, entry.reason,
+            entry.decision, entry.recorded_ns,
+        )  # fmt: skip
+        self._insert_signed("approvals", row)
+
+    def _insert_signed(self, table: str, row: tuple[object, ...]) -> None:
+        columns = ", ".join(SIGNED[table][0])
+        marks = ", ".join("?" * (len(row) + 1))
         self.db.write(
             [
                 (
-                    f"INSERT INTO {self.ns}_approvals (run_id, step, request_id, action, rule, reason, "
-                    "decision, recorded_ns) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    [
-                        (
-                            run_id,
-                            entry.step,
-                            entry.request_id,
-                            entry.action,
-                            entry.rule,
-                            entry.reason,
-                            entry.decision,
-                            entry.recorded_ns,
-                        )
-                    ],
+                    f"INSERT INTO {self.ns}_{table} ({columns}, mac) VALUES ({marks})",
+                    [self.mac.signed(table, row)],
                 )
             ]
         )
@@ -566,39 +550,33 @@ class RunStore:
         return self._ledger.calls_in_flight(run_id)
 
     def retries(self, run_id: str) -> list[RetryEntry]:
-        rows = self.db.query(
-            f"SELECT step, call_id, subject, attempt, delay_s, reason, recorded_ns FROM {self.ns}_retries "
-            "WHERE run_id = ? ORDER BY id",
-            (run_id,),
-        )
+        rows = self.db.query(f"{select(self.ns, 'retries')} WHERE run_id = ? ORDER BY id", (run_id,))
+        self.mac.check(self.ns, "retries", rows, store=self._where)
         return [
             RetryEntry(
-                step=as_int(r[0]),
-                call_id=None if r[1] is None else str(r[1]),
-                subject=str(r[2]),
-                attempt=as_int(r[3]),
-                delay_s=as_float(r[4]),
-                reason=str(r[5]),
-                recorded_ns=as_int(r[6]),
+                step=as_int(r[1]),
+                call_id=None if r[2] is None else str(r[2]),
+                subject=str(r[3]),
+                attempt=as_int(r[4]),
+                delay_s=as_float(r[5]),
+                reason=str(r[6]),
+                recorded_ns=as_int(r[7]),
             )
             for r in rows
         ]
 
     def approvals(self, run_id: str) -> list[ApprovalEntry]:
-        rows = self.db.query(
-            f"SELECT step, request_id, action, rule, reason, decision, recorded_ns FROM {self.ns}_approvals "
-            "WHERE run_id = ? ORDER BY id",
-            (run_id,),
-        )
+        rows = self.db.query(f"{select(self.ns, 'approvals')} WHERE run_id = ? ORDER BY id", (run_id,))
+        self.mac.check(self.ns, "approvals", rows, store=self._where)
         return [
             ApprovalEntry(
-                step=as_int(r[0]),
-                request_id=str(r[1]),
-                action=str(r[2]),
-                rule=str(r[3]),
-                reason=str(r[4]),
-                decision=str(r[5]),
-                recorded_ns=as_int(r[6]),
+                step=as_int(r[1]),
+                request_id=str(r[2]),
+                action=str(r[3]),
+                rule=str(r[4]),
+                reason=str(r[5]),
+                decision=str(r[6]),
+                recorded_ns=as_int(r[7]),
             )
             for r in rows
         ]

@@ -253,3 +253,36 @@ def test_a_run_row_edited_in_the_database_is_shown_forged_and_never_resumed(tmp_
         resume(path, trail, ran, [tool_call("run", {"code": "again()"}), "done"])
     assert ran == ["slow()", "print('benign')"]
     assert verified(path, trail) == ["store_forged"]
+
+
+def test_approvals_and_retries_edited_in_the_database_are_refused(tmp_path: Path) -> None:
+    """`runs show` says what was approved and what was tried again: a denial edited into an
+    approval of another action, and a retry made up, read as the run's own while `audit
+    verify` said intact (found from outside)."""
+    from stockade.runs.records import ApprovalEntry, RetryEntry
+
+    path, trail, ran = tmp_path / "runs.db", MemoryStore(), list[str]()
+    crash_in_first_call(path, trail, ran)
+    approval = ApprovalEntry(
+        step=1, request_id="q1", action="run `rm -r src`", rule="decisions.approve", reason="asked",
+        decision="denied", recorded_ns=5,
+    )  # fmt: skip
+    retry = RetryEntry(
+        step=1, call_id=None, subject="model", attempt=1, delay_s=0.25, reason="503", recorded_ns=6
+    )
+    with open_run_store(f"sqlite:///{path}", key=KEY) as store:
+        store.record_approval("r", approval)
+        store.record_retry("r", retry)
+        assert store.approvals("r") == [approval] and store.retries("r") == [retry]
+        assert store.forged_rows() == []
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE runs_approvals SET decision = 'approved', action = 'run `ls`'")
+        db.execute("INSERT INTO runs_retries (run_id, step, call_id, subject, attempt, delay_s, reason, "
+                   "recorded_ns) VALUES ('r', 1, NULL, 'model', 2, 0.5, 'vendor outage', 7)")  # fmt: skip
+    with open_run_store(f"sqlite:///{path}", key=KEY) as store:
+        with pytest.raises(RunStoreCorrupt, match="runs_approvals row"):
+            store.approvals("r")
+        with pytest.raises(RunStoreCorrupt, match="runs_retries row"):
+            store.retries("r")
+        found = sorted(row.detail.split(" row")[0] for row in store.forged_rows())
+        assert found == ["the runs_approvals", "the runs_retries"], found
