@@ -24,7 +24,7 @@ from types import TracebackType
 
 from stockade import _exit
 from stockade import exceptions as exc
-from stockade._checks import check_id
+from stockade._checks import check_id, check_number
 from stockade.audit.events import AuditEvent, Chain, Draft, EventKind
 from stockade.audit.redact import Redactor
 from stockade.audit.sealing import Sealer
@@ -33,6 +33,9 @@ from stockade.audit.stores import AuditStore, check_chain
 __all__ = ["AuditLog"]
 
 _log = logging.getLogger(__name__)
+
+
+MAX_INT64 = 2**63 - 1  # what the stores' integer columns hold
 
 
 class AuditLog:
@@ -103,6 +106,17 @@ class AuditLog:
         ``InvalidArgument`` for a run id or actor the store cannot keep (nothing queued)."""
         check_id(run_id, argument="run_id", empty=True)
         check_id(actor, argument="actor", empty=True)
+        # Checked here, not at the flush: an event the store cannot take went back to the
+        # front of the queue, and every later record() failed (found from outside).
+        try:
+            kind = EventKind(kind)
+        except ValueError:
+            raise exc.InvalidArgument(f"no audit event kind {kind!r}", argument="kind") from None
+        check_number(step, argument="step", integer=True, low=0, high=MAX_INT64)
+        if timestamp_ns is not None:
+            check_number(timestamp_ns, argument="timestamp_ns", integer=True, low=0, high=MAX_INT64)
+        if duration_s is not None:
+            check_number(duration_s, argument="duration_s", integer=False, low=0, high=MAX_INT64 / 1e9)
         redact = self.redactor
         attrs = redact.attributes(attributes) if attributes else {}
         sealer = self._sealers.get(run_id)
@@ -110,7 +124,7 @@ class AuditLog:
             attrs = sealer.seal(attrs)
         draft = Draft(
             run_id=redact.text(run_id),
-            kind=EventKind(kind),
+            kind=kind,
             step=step,
             actor=redact.text(actor),
             timestamp_ns=self.clock() if timestamp_ns is None else timestamp_ns,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from stockade import exceptions as exc
 from stockade.audit.events import GENESIS, AuditEvent, Chain, Draft
 from stockade.audit.sealing import new_key
-from stockade.audit.stores import AuditStore, Head, Row, check_chain, check_namespace, seal_batch
+from stockade.audit.stores import AuditStore, Head, Row, after, check_chain, check_namespace, seal_batch
 
 if TYPE_CHECKING:
     import psycopg
@@ -188,6 +188,7 @@ class PostgresStore(AuditStore):
     def rows(self, *, run_id: str | None = None, after_seq: int = 0) -> Iterator[Row]:
         import psycopg
 
+        after_seq = after(after_seq)
         # Its own connection and a server-side cursor: a million rows stream in bounded memory.
         conn = self._connect()
         try:

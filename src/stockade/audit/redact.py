@@ -457,8 +457,12 @@ class Redactor:
         """``value`` as JSON, with every string redacted. Unknown objects become their ``str``."""
         if isinstance(value, str):
             return self.text(value)
-        if value is None or isinstance(value, bool | int):
+        if value is None or isinstance(value, bool):
             return value
+        if isinstance(value, int):
+            # JSON writes no integer past 4,300 digits (CPython's limit), and readers of the
+            # trail take 64 bits: a larger one is said, not written (it failed every later flush)
+            return value if -(2**63) <= value < 2**63 else f"<an integer of {value.bit_length()} bits>"
         if isinstance(value, float):
             return value if math.isfinite(value) else str(value)
         if isinstance(value, Mapping):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 import re
 import sqlite3
 import threading
@@ -27,6 +28,7 @@ from typing import NamedTuple
 
 from stockade import _sqlite_writer as sqlite_writer
 from stockade import exceptions as exc
+from stockade._checks import check_number
 from stockade._private import private_database
 from stockade._sqlite_reader import SQLiteReader
 from stockade.audit.events import GENESIS, AuditEvent, Chain, Draft
@@ -35,6 +37,14 @@ from stockade.audit.sealing import SEALED, new_key, open_attributes
 __all__ = ["AuditStore", "Head", "MemoryStore", "Row", "SQLiteStore", "open_store"]
 
 _NAMESPACE = re.compile(r"^[a-z_][a-z0-9_]{0,40}$")
+
+
+def after(seq: object) -> int:
+    """A reader's ``after_seq``: a whole number (``InvalidArgument`` else), held to what a
+    stored seq can be (one past every seq reads nothing; below 0, from the start)."""
+    check_number(seq, argument="after_seq", integer=True, low=-math.inf, high=math.inf)
+    assert isinstance(seq, int)
+    return max(0, min(seq, 2**63 - 1))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,7 +204,8 @@ class MemoryStore(AuditStore):
     def rows(self, *, run_id: str | None = None, after_seq: int = 0) -> Iterator[Row]:
         with self._lock:
             snapshot = list(self._rows)
-        return (r for r in snapshot if r.seq > after_seq and (run_id is None or r.run_id == run_id))
+        start = after(after_seq)
+        return (r for r in snapshot if r.seq > start and (run_id is None or r.run_id == run_id))
 
     def head(self) -> Head | None:
         return self._head
@@ -351,6 +362,7 @@ class SQLiteStore(AuditStore):
                 raise exc.AuditStoreError(f"audit store {self.path}: {error}") from error
 
     def rows(self, *, run_id: str | None = None, after_seq: int = 0) -> Iterator[Row]:
+        after_seq = after(after_seq)
         # A connection of its own: a long read (verify, export) never holds up appends.
         try:
             conn, steady = self._reader.connect() if self._reader is not None else (self._connect(), None)

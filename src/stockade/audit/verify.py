@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from stockade import exceptions as exc
+from stockade._checks import check_number, check_text
 from stockade.audit.events import GENESIS, Chain
 from stockade.audit.stores import AuditStore, Head
 
@@ -252,6 +253,12 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
     gaps, truncation and head problems are always reported: a deleted event's run is unknown.
     With ``ledger``, the tool calls it holds are cross-checked with the ``tool_call`` events.
     """
+    if expected_head is not None:  # a caller's: checked before anything is read
+        pinned = (expected_head.seq, expected_head.hash) if isinstance(expected_head, Head) else expected_head
+        if not isinstance(pinned, tuple) or len(pinned) != 2:
+            raise exc.InvalidArgument("expected_head is a Head or (seq, hash)", argument="expected_head")
+        check_number(pinned[0], argument="expected_head", integer=True, low=0, high=2**63 - 1)
+        check_text(pinned[1], argument="expected_head")
     chain = Chain(key)
     problems: list[Problem] = []
     elsewhere = 0

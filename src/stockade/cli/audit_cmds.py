@@ -215,7 +215,7 @@ def verify(
     pinned: tuple[int, str] | None = None
     if expect_head is not None:
         seq, _, digest = expect_head.partition(":")
-        if not seq.isdigit() or not digest:
+        if not seq.isdigit() or not digest or int(seq) >= 2**63:
             err.print("[red]--expect-head takes SEQ:HASH[/]")
             raise typer.Exit(2)
         pinned = (int(seq), digest)
@@ -318,7 +318,9 @@ def tail(
     *,
     db: DbOpt = DEFAULT_DB,
     run: RunOpt = None,
-    lines: Annotated[int, typer.Option("-n", "--lines", help="how many of the last events")] = 20,
+    lines: Annotated[
+        int, typer.Option("-n", "--lines", min=0, max=1_000_000, help="how many of the last events")
+    ] = 20,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="keep printing new events")] = False,
     interval: Annotated[float, typer.Option("--interval", help="seconds between polls with --follow")] = 0.5,
     namespace: NamespaceOpt = "audit",

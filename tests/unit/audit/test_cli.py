@@ -250,3 +250,17 @@ def test_export_of_a_sealed_value_that_does_not_open_says_which_event(tmp_path: 
     assert result.exit_code == 1, result.output
     assert "stopped after seq 1 (1 events exported)" in result.output
     assert "seq 2: a sealed event of run 'run-a' does not open" in result.output
+
+
+def test_numbers_past_what_a_seq_can_be_are_said_not_raised(tmp_path: Path) -> None:
+    """Found from outside: OverflowError and ValueError tracebacks for a seq of 23 digits or a
+    negative count."""
+    db = make_store(tmp_path / "a.db")
+    huge = "99999999999999999999999"
+    assert runner.invoke(app, ["audit", "tail", "--db", db, "-n", "-3"]).exit_code == 2
+    pinned = runner.invoke(app, ["audit", "verify", "--db", db, "--expect-head", f"{huge}:abc"])
+    assert pinned.exit_code == 2 and "SEQ:HASH" in pinned.output
+    for after in (huge, f"-{huge}"):
+        exported = runner.invoke(app, ["audit", "export", "--db", db, "--after", after])
+        assert exported.exit_code == 0, exported.output
+        assert len(exported.output.splitlines()) == (0 if after == huge else 5)

@@ -207,3 +207,23 @@ def test_a_lone_surrogate_in_an_event_is_recorded_and_jams_nothing(tmp_path: Pat
         assert [e.kind for e in events] == [EventKind.SANDBOX_START, EventKind.COMMAND]
         assert events[0].attributes["labels"] == {"\ud800": "x"}
         assert verify(store).ok
+
+
+def test_an_event_the_store_cannot_keep_is_refused_at_record_and_the_log_goes_on() -> None:
+    """Found from outside: a step of 2**70 or an attribute of 10**5000 failed at the flush,
+    went back to the front of the queue, and every later record() failed."""
+    store = MemoryStore()
+    with AuditLog(store) as log:
+        for bad in ({"step": 2**70}, {"timestamp_ns": -1}, {"duration_s": float("inf")}):
+            with pytest.raises(InvalidArgument):
+                log.record(EventKind.COMMAND, run_id="r", **bad)
+        with pytest.raises(InvalidArgument, match="no audit event kind"):
+            log.record("bogus", run_id="r")  # type: ignore[arg-type]
+        log.record(EventKind.COMMAND, run_id="r", attributes={"n": 10**5000, "m": -(2**63)})
+        log.record(EventKind.COMMAND, run_id="r", step=1)
+    (first, second) = list(store.events())
+    assert first.attributes == {"n": "<an integer of 16610 bits>", "m": -(2**63)} and second.step == 1
+    assert verify(store).ok
+    assert list(store.events(after_seq=2**70)) == [] and len(list(store.events(after_seq=-(2**70)))) == 2
+    with pytest.raises(InvalidArgument):
+        verify(store, expected_head=("a", "x"))  # type: ignore[arg-type]
