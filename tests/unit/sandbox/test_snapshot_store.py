@@ -156,6 +156,28 @@ def test_room_reserved_by_one_writer_is_not_given_to_another(tmp_path: Path) -> 
         second.grow(6 << 20)  # the first one's room came back when it ended
 
 
+def test_what_a_killed_writer_left_is_removed_by_the_next_reservation_and_by_gc(tmp_path: Path) -> None:
+    """A writer killed mid-snapshot lost its reservation at once, but its bytes under tmp/
+    stayed, counted by no cap, and gc kept them an hour: two kills left 333 MB past a 200 MB
+    cap (found from outside). Its name says its pid: once that is gone, so are its bytes."""
+    store = SnapshotStore(tmp_path, max_bytes=10 << 20)
+    said = [sys.executable, "-c", "import os; print(os.getpid())"]
+    pid = int(subprocess.run(said, check=True, capture_output=True, text=True).stdout)  # gone now
+    left = store.temp_path("workspace")
+    left.write_bytes(os.urandom(1 << 20))
+    orphan = left.with_name(f"workspace-{pid}-{'ab' * 6}")
+    left.rename(orphan)
+    mine = store.temp_path("workspace")  # a live writer's (ours): kept
+    mine.write_bytes(b"x")
+    with store.reserve() as writer:
+        writer.grow(1 << 20)
+    assert not orphan.exists() and mine.exists()
+    again = mine.with_name(f"manifest-{pid}-{'cd' * 6}")
+    again.write_bytes(b"y")
+    assert any("unfinished snapshot write" in r for r in store.collect())
+    assert not again.exists() and mine.exists()
+
+
 def test_a_writer_short_of_room_waits_for_one_begun_after_it_to_give_way(tmp_path: Path) -> None:
     # Three snapshots taken at once each grew to a third of the room, then all three were
     # refused: the store kept none. The younger gives way now; the older waits for its room.
