@@ -78,7 +78,7 @@ RESERVE_STEP = MiB
 WAIT_S = 30.0
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
-_WRITER = re.compile(r"-([0-9]+)-[0-9a-f]{12}$")  # the pid in a ``temp_path``'s name
+_WRITER = re.compile(r"-([0-9]+)-[0-9a-f]{8,12}$")  # the pid in a ``temp_path``'s or claim's name
 
 
 @dataclass(frozen=True)
@@ -467,7 +467,16 @@ class SnapshotStore:
         path = self._ref(kind, name)
         claimed = path.with_name(f".{name}{CLAIMED}{os.getpid()}-{secrets.token_hex(4)}")
         try:
-            os.rename(path, claimed)
+            try:
+                os.rename(path, claimed)
+            except FileNotFoundError:
+                # a claimer killed mid-resume hid the ref for a day (found from outside): its
+                # claim is put back once its process is gone, and taken again
+                for dead in path.parent.glob(f".{name}{CLAIMED}*"):
+                    if _writer_gone(dead) and not path.exists():
+                        with contextlib.suppress(FileNotFoundError):
+                            os.rename(dead, path)
+                os.rename(path, claimed)
         except FileNotFoundError:
             raise exc.SnapshotNotFound(f"nothing {kind} under {name!r} in {self.label}") from None
         with contextlib.suppress(OSError):
@@ -644,7 +653,8 @@ class SnapshotStore:
                     continue
                 with contextlib.suppress(OSError, ValueError, KeyError):
                     kept.add(str(json.loads(path.read_text())["snapshot"]))
-                    if now - path.lstat().st_mtime > CLAIM_STALE_S and _NAME.match(name):
+                    stale = now - path.lstat().st_mtime > CLAIM_STALE_S or _writer_gone(path)
+                    if stale and _NAME.match(name):
                         ref = folder / name
                         if not ref.exists():
                             os.rename(path, ref)
@@ -799,6 +809,7 @@ def _disk_size(path: Path) -> int:
 
 
 def _writer_gone(path: Path) -> bool:
-    """A write under ``tmp/`` whose process (its name says which) is gone from this machine."""
+    """A write under ``tmp/`` or a claimed ref whose process (its name says which) is gone
+    from this machine."""
     found = _WRITER.search(path.name)
     return found is not None and not Path(f"/proc/{found.group(1)}").exists()

@@ -130,6 +130,24 @@ def test_one_claim_wins_and_a_failed_one_gives_the_ref_back(tmp_path: Path) -> N
     assert store.ref("paused", "sbx-0123456789ab") is None
 
 
+def test_a_claim_whose_process_died_is_put_back(tmp_path: Path) -> None:
+    """A resume killed mid-way left its claim: the paused sandbox answered "nothing paused" to
+    every resume and to gc for a day (found from outside). The claim names its pid."""
+    store = SnapshotStore(tmp_path)
+    _snapshot(store, b"x", ref=("paused", "sbx-0123456789ab"))
+    said = [sys.executable, "-c", "import os; print(os.getpid())"]
+    pid = int(subprocess.run(said, check=True, capture_output=True, text=True).stdout)  # gone now
+    ref = tmp_path / "refs" / "paused" / "sbx-0123456789ab"
+    ref.rename(ref.with_name(f".sbx-0123456789ab.claimed-{pid}-0123abcd"))
+    with store.claim("paused", "sbx-0123456789ab") as taken:  # taken back, and taken
+        assert taken["snapshot"].startswith("snap-")
+    _snapshot(store, b"y", ref=("paused", "sbx-0123456789ac"))
+    ref = ref.with_name("sbx-0123456789ac")
+    ref.rename(ref.with_name(f".sbx-0123456789ac.claimed-{pid}-0123abcd"))
+    assert any("put back" in r for r in store.collect())
+    assert store.ref("paused", "sbx-0123456789ac") is not None
+
+
 def test_a_full_store_evicts_boot_images_then_refuses(tmp_path: Path) -> None:
     store = SnapshotStore(tmp_path, max_bytes=64 * 1024)
     boot = _snapshot(store, os.urandom(40 * 1024), ref=("boot", "microvm-shape"))
