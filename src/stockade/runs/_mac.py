@@ -24,7 +24,7 @@ from stockade import exceptions as exc
 from stockade.runs._db import Database
 from stockade.runs._schema import SIGNED
 
-__all__ = ["RowMac", "Unauthentic", "unauthentic_rows"]
+__all__ = ["RowMac", "Unauthentic", "insert", "select", "unauthentic_rows"]
 
 _PURPOSE = b"stockade run store rows v1"
 
@@ -101,6 +101,14 @@ class RowMac:
 def select(ns: str, table: str) -> str:
     """``SELECT`` of the table's signed columns and its MAC (``unauthentic`` reads such rows)."""
     return f"SELECT {', '.join(SIGNED[table][0])}, mac FROM {ns}_{table}"
+
+
+def insert(ns: str, table: str, conflict: str = "") -> str:
+    """``INSERT`` of rows ``RowMac.signed`` made (the table's signed columns, by name, then its
+    MAC); ``conflict``: what an existing row does (``ON CONFLICT ...``)."""
+    columns = SIGNED[table][0]
+    marks = ", ".join("?" * (len(columns) + 1))
+    return f"INSERT INTO {ns}_{table} ({', '.join(columns)}, mac) VALUES ({marks}) {conflict}".rstrip()
 
 
 def unauthentic_rows(db: Database, ns: str, mac: RowMac, run_id: str | None = None) -> list[Unauthentic]:

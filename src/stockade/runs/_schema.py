@@ -104,8 +104,8 @@ _RUN_COLUMNS = (
     "cost_usd", "elapsed_s", "error", "created_ns", "updated_ns",
 )  # fmt: skip
 SIGNED: dict[str, tuple[tuple[str, ...], int]] = {
-    # what `runs list`, the viewer and the service show of a run, and whether a resume may
-    # take it up: a run that ended, edited back to ``interrupted``, would run on
+    # what `runs list`, the viewer and the service show of a run (the service takes a
+    # redelivered run's status from it): a failed run edited into another status, any cost
     "runs": (_RUN_COLUMNS, 1),
     "checkpoints": (("run_id", "seq", "created_ns", "messages", "steps", "body"), 2),
     "messages": (("run_id", "idx", "body"), 2),
@@ -163,10 +163,6 @@ def run_bytes_sql(ns: str, octets: Callable[[str], str]) -> tuple[str, int]:
     return "(" + " + ".join(parts) + ")", len(parts)
 
 
-# a run's summary is its ``_runs`` row's signed columns (``summary_from_row`` reads them)
-SUMMARY_COLUMNS = ", ".join(SIGNED["runs"][0])
-
-
 def as_int(value: object) -> int:
     return int(str(value))
 
@@ -176,6 +172,7 @@ def as_float(value: object) -> float:
 
 
 def summary_from_row(row: tuple[object, ...]) -> RunSummary:
+    """A ``_runs`` row's signed columns (``SIGNED["runs"]``, in order) as its summary."""
     return RunSummary(
         run_id=str(row[0]),
         task=str(row[1]),

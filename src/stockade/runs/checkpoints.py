@@ -25,8 +25,8 @@ from stockade.agent.state import RunState, StepRecord, ToolCallRecord
 from stockade.audit.redact import Redactor
 from stockade.models.messages import Message, ToolCall, ToolResultMessage
 from stockade.runs._db import Database, Statement
-from stockade.runs._mac import RowMac, select
-from stockade.runs._schema import SUMMARY_COLUMNS, as_int
+from stockade.runs._mac import RowMac, insert, select
+from stockade.runs._schema import SIGNED, as_int
 from stockade.runs.ledger import CallLedger, redacted_json
 from stockade.tools.base import idempotency_key
 
@@ -129,8 +129,8 @@ class Checkpoints:
                 ),
                 (self.ledger.insert_sql(), [self.ledger.row(run_id, i, r, now) for i, r in ledger]),
                 (
-                    f"""INSERT INTO {ns}_runs ({SUMMARY_COLUMNS}, mac) VALUES ({", ".join("?" * 14)})
-                    ON CONFLICT (run_id) DO UPDATE SET task = excluded.task,
+                    insert(ns, "runs")
+                    + """ ON CONFLICT (run_id) DO UPDATE SET task = excluded.task,
                         model_name = excluded.model_name, status = excluded.status, steps = excluded.steps,
                         input_tokens = excluded.input_tokens, output_tokens = excluded.output_tokens,
                         requests = excluded.requests, cost_usd = excluded.cost_usd,
@@ -289,7 +289,7 @@ class Checkpoints:
         was edited, which the next save would otherwise sign."""
         rows = self.db.query(f"{select(self.ns, 'runs')} WHERE run_id = ?", (run_id,))
         self.mac.check(self.ns, "runs", rows, store=self._where)
-        return as_int(rows[0][-3]) if rows else 0
+        return as_int(rows[0][SIGNED["runs"][0].index("created_ns")]) if rows else 0
 
     def _fold_ledger(self, state: RunState) -> set[str]:
         """Fold the calls that returned, or started and must not run again, into the step in

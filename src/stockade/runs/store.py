@@ -57,11 +57,10 @@ from stockade.audit.stores import check_namespace
 from stockade.audit.verify import ForgedRow, LedgerCall
 from stockade.models.messages import ToolCall
 from stockade.policy.schema import Policy
-from stockade.runs._db import Database, PostgresDatabase, SQLiteDatabase, display_url
-from stockade.runs._mac import RowMac, select, unauthentic_rows
+from stockade.runs._db import Database, PostgresDatabase, SQLiteDatabase, Statement, display_url
+from stockade.runs._mac import RowMac, insert, select, unauthentic_rows
 from stockade.runs._schema import (
     MAC_TABLES,
-    SIGNED,
     as_float,
     as_int,
     schema,
@@ -356,20 +355,12 @@ class RunStore:
             setup.policy_digest,
             now,
         )
-        writes: list[tuple[str, list[tuple[object, ...]]]] = [
-            (
-                f"INSERT INTO {self.ns}_setups VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
-                "ON CONFLICT (run_id) DO NOTHING",
-                [self.mac.signed("setups", row)],
-            )
-        ]
+        first = "ON CONFLICT (run_id) DO NOTHING"
+        writes: list[Statement] = [(insert(self.ns, "setups", first), [self.mac.signed("setups", row)])]
         if setup.limits is not None:
             body = json.dumps(dataclasses.asdict(setup.limits), sort_keys=True)
             writes.append(
-                (
-                    f"INSERT INTO {self.ns}_run_limits VALUES (?, ?, ?, ?) ON CONFLICT (run_id) DO NOTHING",
-                    [self.mac.signed("run_limits", (run_id, body, now))],
-                )
+                (insert(self.ns, "run_limits", first), [self.mac.signed("run_limits", (run_id, body, now))])
             )
         self.db.write(writes)
 
@@ -454,16 +445,7 @@ class RunStore:
         self._insert_signed("approvals", row)
 
     def _insert_signed(self, table: str, row: tuple[object, ...]) -> None:
-        columns = ", ".join(SIGNED[table][0])
-        marks = ", ".join("?" * (len(row) + 1))
-        self.db.write(
-            [
-                (
-                    f"INSERT INTO {self.ns}_{table} ({columns}, mac) VALUES ({marks})",
-                    [self.mac.signed(table, row)],
-                )
-            ]
-        )
+        self.db.write([(insert(self.ns, table), [self.mac.signed(table, row)])])
 
     def record_diff(self, run_id: str, diff: str) -> None:
         """The workspace diff at the end of the run, signed (the latest end wins; a run that
@@ -474,8 +456,12 @@ class RunStore:
             run_id,
             [
                 (
-                    f"INSERT INTO {self.ns}_run_diffs VALUES (?, ?, ?, ?) ON CONFLICT (run_id) DO UPDATE "
-                    "SET diff = excluded.diff, recorded_ns = excluded.recorded_ns, mac = excluded.mac",
+                    insert(
+                        self.ns,
+                        "run_diffs",
+                        "ON CONFLICT (run_id) DO UPDATE SET diff = excluded.diff, "
+                        "recorded_ns = excluded.recorded_ns, mac = excluded.mac",
+                    ),
                     [row],
                 ),
                 (f"UPDATE {self.ns}_runs SET diff = NULL WHERE run_id = ?", [(run_id,)]),
@@ -511,14 +497,12 @@ class RunStore:
         stale = self._stale()
         rows = self.db.query(f"{select(self.ns, 'runs')} WHERE run_id = ?", (run_id,))
         self.mac.check(self.ns, "runs", rows, store=self._where)
-        return self._summary(rows[0], stale) if rows else None
+        return _swept(summary_from_row(rows[0][:-1]), stale) if rows else None
 
     def _summary(self, row: tuple[object, ...], stale: frozenset[str]) -> RunSummary:
         """A row read with its MAC as the summary it is (``forged``: the MAC does not match)."""
-        summary = summary_from_row(row[:-1])
-        if self.mac.unauthentic(self.ns, "runs", row) is not None:
-            summary = dataclasses.replace(summary, forged=True)
-        return _swept(summary, stale)
+        forged = self.mac.unauthentic(self.ns, "runs", row) is not None
+        return _swept(dataclasses.replace(summary_from_row(row[:-1]), forged=forged), stale)
 
     def find(self, prefix: str) -> list[str]:
         """Run ids starting with ``prefix`` (the CLI accepts a unique prefix)."""

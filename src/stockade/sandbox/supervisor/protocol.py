@@ -202,6 +202,7 @@ class FrameReader:
         # The host parses headers with its own bounds on their structure; it may raise ValueError.
         self._parse_header = parse_header
         self.seal: "Optional[Seal]" = None  # set: every frame from here on carries its tag
+        self._head_checked = False  # the prefix of the frame being read passed its seal
 
     def feed(self, data: "bytes | memoryview") -> None:
         self._buf += data
@@ -210,6 +211,7 @@ class FrameReader:
         """The bytes of frames not yet complete; the reader forgets them."""
         data = bytes(self._buf)
         self._buf.clear()
+        self._head_checked = False
         return data
 
     def frames(self) -> "list[tuple[dict[str, Any], bytes]]":
@@ -221,11 +223,13 @@ class FrameReader:
                 start += Seal.SIZE
                 if len(self._buf) < start:
                     break
-                import hmac
+                if not self._head_checked:  # once per frame, not at every chunk of its body
+                    import hmac
 
-                tag = self.seal.head_tag(bytes(self._buf[: PREFIX.size]))
-                if not hmac.compare_digest(tag, bytes(self._buf[PREFIX.size : start])):
-                    raise FrameError("a frame its peer did not send (its prefix's seal does not match)")
+                    tag = self.seal.head_tag(bytes(self._buf[: PREFIX.size]))
+                    if not hmac.compare_digest(tag, bytes(self._buf[PREFIX.size : start])):
+                        raise FrameError("a frame its peer did not send (its prefix's seal does not match)")
+                    self._head_checked = True
             if hlen > MAX_HEADER or blen > self._max_body:
                 raise FrameError(f"frame too large (header {hlen}, body {blen})")
             end = start + hlen + blen
@@ -244,5 +248,6 @@ class FrameReader:
             if not isinstance(header, dict):
                 raise FrameError("frame header is not an object")
             del self._buf[:sealed]
+            self._head_checked = False
             out.append((header, body))
         return out
