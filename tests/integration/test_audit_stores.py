@@ -58,8 +58,11 @@ class Target:
 
     store: AuditStore
     reopen: Callable[[], AuditStore]
-    sql: Callable[[str], None]  # "{events}" / "{head}" stand for the table names
+    sql: Callable[[str], None]  # "{events}", "{head}", "{keys}" stand for the table names
     reader: Callable[[], AuditStore]  # the store opened read-only, as verify opens it
+    # the same database under a second namespace (another tenant's); "{other}" in ``sql`` is
+    # its tables' prefix
+    other: Callable[[], AuditStore]
 
     def fill(self, events: int = 10, key: bytes | None = None) -> None:
         with AuditLog(self.store, key=key, flush_interval_s=None) as log:
@@ -89,10 +92,20 @@ def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
             with sqlite3.connect(path) as conn:
                 conn.execute("DROP TRIGGER IF EXISTS audit_events_no_update")
                 conn.execute("DROP TRIGGER IF EXISTS audit_events_no_delete")
-                conn.execute(statement.format(events="audit_events", head="audit_head"))
+                conn.execute(
+                    statement.format(
+                        events="audit_events", head="audit_head", keys="audit_run_keys", other="other"
+                    )
+                )
 
         store: AuditStore = SQLiteStore(path)
-        yield Target(store, lambda: SQLiteStore(path), sqlite_sql, lambda: SQLiteStore(path, read_only=True))
+        yield Target(
+            store,
+            lambda: SQLiteStore(path),
+            sqlite_sql,
+            lambda: SQLiteStore(path, read_only=True),
+            lambda: SQLiteStore(path, namespace="other"),
+        )
         store.close()
         return
 
@@ -105,7 +118,11 @@ def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
     def postgres_sql(statement: str) -> None:
         with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
             conn.execute(f"ALTER TABLE {ns}_events DISABLE TRIGGER USER".encode())
-            conn.execute(statement.format(events=f"{ns}_events", head=f"{ns}_head").encode())
+            conn.execute(
+                statement.format(
+                    events=f"{ns}_events", head=f"{ns}_head", keys=f"{ns}_run_keys", other=f"{ns}_other"
+                ).encode()
+            )
 
     store = open_store(POSTGRES_URL, namespace=ns)
     try:
@@ -114,12 +131,16 @@ def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Target]:
             lambda: open_store(POSTGRES_URL, namespace=ns),
             postgres_sql,
             lambda: open_store(POSTGRES_URL, namespace=ns, read_only=True),
+            lambda: open_store(POSTGRES_URL, namespace=f"{ns}_other"),
         )
     finally:
         store.close()
         with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
-            conn.execute(f"DROP TABLE IF EXISTS {ns}_events, {ns}_head, {ns}_run_keys".encode())
-            conn.execute(f"DROP FUNCTION IF EXISTS {ns}_append_only".encode())
+            for prefix in (ns, f"{ns}_other"):
+                conn.execute(
+                    f"DROP TABLE IF EXISTS {prefix}_events, {prefix}_head, {prefix}_run_keys".encode()
+                )
+                conn.execute(f"DROP FUNCTION IF EXISTS {prefix}_append_only".encode())
 
 
 def kinds_at(target: Target, key: bytes | None = None) -> list[tuple[int, ProblemKind]]:
@@ -148,7 +169,7 @@ def test_the_store_refuses_updates_and_deletes(target: Target) -> None:
             conn.execute(statement.format(events="audit_events"))
     else:
         with pytest.raises(errors), psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
-            conn.execute(statement.format(events=f"{target.store.ns}_events").encode())  # type: ignore[attr-defined]
+            conn.execute(statement.format(events=f"{target.store.ns}_events").encode())
     assert verify(target.store).ok
 
 
@@ -227,7 +248,7 @@ def test_without_a_key_only_a_head_kept_outside_exposes_a_clean_truncation(targe
     rows = target.rows()
     plain = Chain()
     target.sql("DELETE FROM {events} WHERE seq > 7")
-    mac = plain.head_mac(7, rows[6][2])
+    mac = plain.head_mac(7, rows[6][2], target.store.ns)
     target.sql(f"UPDATE {{head}} SET seq = 7, hash = '{rows[6][2]}', mac = '{mac}' WHERE id = 1")
     assert verify(target.store).ok  # the documented limit of an unkeyed chain
     report = verify(target.store, expected_head=(pinned.last_seq, pinned.last_hash))
@@ -320,6 +341,7 @@ def test_rows_of_types_stockade_never_writes_are_problems_not_a_crash(tmp_path: 
         lambda: SQLiteStore(path),
         lambda statement: None,
         lambda: SQLiteStore(path, read_only=True),
+        lambda: SQLiteStore(path, namespace="other"),
     )
     target.fill()
     target.store.close()
@@ -422,11 +444,79 @@ def test_a_sealed_run_is_erased_by_forgetting_its_key(target: Target) -> None:
     assert "alice's record" not in target.rows()[0][1]
     assert [e.attributes["note"] for e in target.store.events()] == ["alice's record"] * 2
     before = target.rows()
-    assert target.store.erase_keys(subject="alice") == ["run-a"]
+    assert target.store.erase_keys(Chain(KEY), subject="alice") == ["run-a"]
     reopened = target.reopen()  # the key is gone for every reader, not just this connection
     try:
-        assert [e.attributes for e in reopened.events(run_id="run-a")] == [{"tool": "t", "$erased": True}]
+        erased = [e.attributes for e in reopened.events(run_id="run-a") if e.kind is EventKind.TOOL_CALL]
+        assert erased == [{"tool": "t", "$erased": True}]
         assert [e.attributes["note"] for e in reopened.events(run_id="run-b")] == ["alice's record"]
-        assert target.rows() == before and verify(reopened, key=KEY).ok
+        after = target.rows()
+        assert after[: len(before)] == before and verify(reopened, key=KEY).ok  # not one event changed
+        assert [e.kind for e in reopened.events(after_seq=len(before))] == [EventKind.RUN_ERASED]
     finally:
         reopened.close()
+
+
+def sealed_run_and_a_bystander(target: Target) -> None:
+    with AuditLog(target.store, key=KEY, flush_interval_s=None) as log:
+        log.seal_run("run-a", "alice")
+        log.seal_run("run-c", "carol")
+        for run_id in ("run-a", "run-b", "run-c"):
+            log.record(EventKind.TOOL_CALL, run_id=run_id, attributes={"tool": "t", "note": "personal"})
+
+
+def test_a_sealed_runs_key_deleted_or_replaced_outside_stockade_fails_verify(target: Target) -> None:
+    """The keys table cannot be append-only (erasure forgets keys): a key deleted in the
+    database made its run read as erased, and a key replaced made it unreadable, while verify
+    said intact (found from outside). The chain now records each erasure, and the table must
+    agree with it."""
+    sealed_run_and_a_bystander(target)
+    assert verify(target.store, key=KEY).ok
+    target.sql(
+        "UPDATE {keys} SET key = (SELECT key FROM {keys} WHERE run_id = 'run-a') WHERE run_id = 'run-c'"
+    )
+    target.sql("DELETE FROM {keys} WHERE run_id = 'run-a'")
+    reader = target.reader()
+    try:
+        report = verify(reader, key=KEY)
+        assert sorted((p.run_id, p.kind) for p in report.problems) == [
+            ("run-a", ProblemKind.RUN_KEY_GONE),
+            ("run-c", ProblemKind.RUN_KEY_FORGED),
+        ], report.problems
+        assert [p.kind for p in verify(reader, key=KEY, run_id="run-b").problems] == []
+    finally:
+        reader.close()
+
+
+def test_an_erasure_is_in_the_chain_and_a_key_made_after_it_is_reported(target: Target) -> None:
+    sealed_run_and_a_bystander(target)
+    with AuditLog(target.store, key=KEY, flush_interval_s=None) as log:
+        assert log.erase(subject="alice") == ["run-a"]
+        assert log.erase(subject="alice") == []  # once: nothing left to record
+    report = verify(target.store, key=KEY)
+    assert report.ok, report.problems  # an erasure stockade made is no problem
+    assert [e.run_id for e in target.store.events() if e.kind is EventKind.RUN_ERASED] == ["run-a"]
+    target.store.run_key("run-a", "alice")  # a key for the erased run, made afresh
+    assert [(p.run_id, p.kind) for p in verify(target.store, key=KEY).problems] == [
+        ("run-a", ProblemKind.RUN_KEY_FORGED)
+    ]
+
+
+def test_a_chain_copied_under_another_namespace_fails_verify(target: Target) -> None:
+    """One tenant's trail copied whole, head and all, under another tenant's namespace in the
+    same database verified as that tenant's (found from outside): the head's MAC now names
+    the namespace."""
+    target.fill(6, key=KEY)
+    other = target.other()
+    try:
+        target.sql("INSERT INTO {other}_events SELECT * FROM {events}")
+        target.sql("DELETE FROM {other}_head")
+        target.sql("INSERT INTO {other}_head SELECT * FROM {head}")
+        report = verify(other, key=KEY)
+        assert [p.kind for p in report.problems] == [ProblemKind.HEAD_FORGED], report.problems
+        assert "another namespace" in report.problems[0].detail
+        with pytest.raises(ConfigurationError, match="head record"):
+            AuditLog(other, key=KEY)  # nor does a writer append to it
+        assert verify(target.store, key=KEY).ok
+    finally:
+        other.close()

@@ -74,6 +74,7 @@ class EventKind(enum.StrEnum):
     EGRESS = "egress"  # a request through the sandbox's egress proxy, allowed or refused
     TOOL_CALL_START = "tool_call_start"  # a tool call about to run (its tool_call comes when it returns)
     OP_START = "op_start"  # a command or run_code about to run in a sandbox (its event comes at the end)
+    RUN_ERASED = "run_erased"  # a sealed run's key forgotten (erasure): its attributes are unreadable
 
 
 def canonical(obj: Mapping[str, Any]) -> bytes:
@@ -207,9 +208,16 @@ class Chain:
             return hashlib.sha256(data).hexdigest()
         return hmac.digest(self._key, data, "sha256").hex()
 
-    def head_mac(self, seq: int, hash: str) -> str:
-        """Binds the head record (last seq and hash) so that it cannot be moved back unnoticed."""
-        return self.link(GENESIS, f"head:{seq}:{hash}".encode())
+    def head_mac(self, seq: int, hash: str, namespace: str) -> str:
+        """Binds the head record (last seq and hash) to the namespace the store keeps the chain
+        under, so that it can neither be moved back nor copied under another namespace (one
+        tenant's trail shown as another's) unnoticed."""
+        return self.link(GENESIS, f"head:{namespace}:{seq}:{hash}".encode())
+
+    def head_verifies(self, seq: int, hash: str, namespace: str, mac: str) -> bool:
+        """Whether ``mac`` is the head's MAC; a head written before the MAC named its namespace
+        (``head:SEQ:HASH``) is taken until the store's next append writes one that does."""
+        return mac in (self.head_mac(seq, hash, namespace), self.link(GENESIS, f"head:{seq}:{hash}".encode()))
 
     def seal(self, draft: Draft, seq: int, prev_hash: str) -> AuditEvent:
         body = canonical(

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from types import TracebackType
 
 from stockade import _exit
@@ -58,7 +58,7 @@ class AuditLog:
         self.chain = Chain(key)
         # a key that is not the store's fails here, before any event is queued (append checks
         # again, under the store's lock: the head may move meanwhile)
-        check_chain(store.head(), self.chain)
+        check_chain(store.head(), self.chain, store.ns)
         self.redactor = redactor if redactor is not None else Redactor()
         self.batch_size = batch_size
         self.flush_interval_s = flush_interval_s
@@ -76,10 +76,18 @@ class AuditLog:
 
     def seal_run(self, run_id: str, subject: str) -> None:
         """From now on, seal the attributes of ``run_id``'s events: the run holds personal data
-        of ``subject``, which ``store.erase_keys(subject=...)`` can later make unreadable
+        of ``subject``, which ``erase(subject=...)`` can later make unreadable
         without touching the chain (``stockade.audit.sealing``)."""
         if run_id not in self._sealers:
             self._sealers[run_id] = Sealer(run_id, self.store.run_key(run_id, subject))
+
+    def erase(self, *, run_ids: Collection[str] = (), subject: str | None = None) -> list[str]:
+        """Forget the keys of these sealed runs and of every run of ``subject``, each erasure a
+        ``run_erased`` event of the chain (``AuditStore.erase_keys``); returns the runs."""
+        gone = self.store.erase_keys(self.chain, run_ids=run_ids, subject=subject)
+        for run in gone:
+            self._sealers.pop(run, None)
+        return gone
 
     def continue_sealing(self, run_id: str) -> bool:
         """Seal ``run_id``'s events if its earlier events were (a resumed run about a subject);

@@ -15,7 +15,16 @@ from typing import TYPE_CHECKING
 from stockade import exceptions as exc
 from stockade.audit.events import GENESIS, AuditEvent, Chain, Draft
 from stockade.audit.sealing import new_key
-from stockade.audit.stores import AuditStore, Head, Row, after, check_chain, check_namespace, seal_batch
+from stockade.audit.stores import (
+    AuditStore,
+    Head,
+    Row,
+    after,
+    check_chain,
+    check_namespace,
+    erasures,
+    seal_batch,
+)
 
 if TYPE_CHECKING:
     import psycopg
@@ -132,33 +141,37 @@ class PostgresStore(AuditStore):
         return exc.AuditStoreError(f"audit store {self._safe_url}: {error}")
 
     def append(self, drafts: Sequence[Draft], chain: Chain) -> list[AuditEvent]:
-        ns = self.ns
         self._writable()
         with self._lock:
             conn = self._connection()
             try:
                 with conn.transaction(), conn.cursor() as cur:
-                    cur.execute(
-                        f"SELECT seq, hash, algorithm, mac FROM {ns}_head WHERE id = 1 FOR UPDATE".encode()
-                    )
-                    head = _head(cur.fetchone())
-                    check_chain(head, chain)
-                    sealed, new_head = seal_batch(drafts, chain, head)
-                    cur.executemany(
-                        f"INSERT INTO {ns}_events VALUES (%s, %s, %s, %s, %s, %s, %s)".encode(),
-                        [
-                            (e.seq, e.run_id, e.kind.value, e.step, e.timestamp_ns, e.body.decode(), e.hash)
-                            for e in sealed
-                        ],
-                    )
-                    cur.execute(
-                        f"UPDATE {ns}_head SET seq = %s, hash = %s, algorithm = %s, mac = %s "
-                        "WHERE id = 1".encode(),
-                        (new_head.seq, new_head.hash, new_head.algorithm, new_head.mac),
-                    )
+                    sealed = self._seal(cur, drafts, chain)
             except Exception as error:
                 raise self._failure(error) from error
             return sealed
+
+    def _seal(
+        self, cur: psycopg.Cursor[tuple[object, ...]], drafts: Sequence[Draft], chain: Chain
+    ) -> list[AuditEvent]:
+        """Append ``drafts`` inside the caller's transaction."""
+        ns = self.ns
+        cur.execute(f"SELECT seq, hash, algorithm, mac FROM {ns}_head WHERE id = 1 FOR UPDATE".encode())
+        head = _head(cur.fetchone())
+        check_chain(head, chain, ns)
+        sealed, new_head = seal_batch(drafts, chain, head, ns)
+        cur.executemany(
+            f"INSERT INTO {ns}_events VALUES (%s, %s, %s, %s, %s, %s, %s)".encode(),
+            [
+                (e.seq, e.run_id, e.kind.value, e.step, e.timestamp_ns, e.body.decode(), e.hash)
+                for e in sealed
+            ],
+        )
+        cur.execute(
+            f"UPDATE {ns}_head SET seq = %s, hash = %s, algorithm = %s, mac = %s WHERE id = 1".encode(),
+            (new_head.seq, new_head.hash, new_head.algorithm, new_head.mac),
+        )
+        return sealed
 
     def has_trail(self) -> bool:
         """Whether the events table exists: asked before reading, as a reader creates none."""
@@ -250,20 +263,25 @@ class PostgresStore(AuditStore):
                 raise self._failure(error) from error
         return {str(r): _bytes(k) for r, k in rows}
 
-    def erase_keys(self, *, run_ids: Collection[str] = (), subject: str | None = None) -> list[str]:
+    def erase_keys(
+        self, chain: Chain, *, run_ids: Collection[str] = (), subject: str | None = None
+    ) -> list[str]:
         self._writable()
         with self._lock:
             conn = self._connection()
             try:
-                with conn.transaction():
-                    rows = conn.execute(
+                with conn.transaction(), conn.cursor() as cur:
+                    cur.execute(
                         f"DELETE FROM {self.ns}_run_keys WHERE run_id = ANY(%s) OR subject = %s "
                         "RETURNING run_id".encode(),
                         (list(run_ids), subject),
-                    ).fetchall()
+                    )
+                    gone = [str(r[0]) for r in cur.fetchall()]
+                    if gone:  # in the deletion's transaction: both happen, or neither
+                        self._seal(cur, erasures(gone), chain)
             except Exception as error:
                 raise self._failure(error) from error
-        return [str(r[0]) for r in rows]
+        return gone
 
     def close(self) -> None:
         with self._lock:

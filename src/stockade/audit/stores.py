@@ -31,7 +31,7 @@ from stockade import exceptions as exc
 from stockade._checks import check_number
 from stockade._private import private_database
 from stockade._sqlite_reader import SQLiteReader
-from stockade.audit.events import GENESIS, AuditEvent, Chain, Draft
+from stockade.audit.events import GENESIS, AuditEvent, Chain, Draft, EventKind
 from stockade.audit.sealing import SEALED, new_key, open_attributes
 
 __all__ = ["AuditStore", "Head", "MemoryStore", "Row", "SQLiteStore", "open_store"]
@@ -73,6 +73,7 @@ class AuditStore(abc.ABC):
     """An append-only home for one hash chain."""
 
     url: str
+    ns: str = "audit"  # the namespace the chain is kept under: its head's MAC names it
 
     @abc.abstractmethod
     def append(self, drafts: Sequence[Draft], chain: Chain) -> list[AuditEvent]:
@@ -119,9 +120,14 @@ class AuditStore(abc.ABC):
         """The keys of these runs that are still kept (an erased run has none)."""
 
     @abc.abstractmethod
-    def erase_keys(self, *, run_ids: Collection[str] = (), subject: str | None = None) -> list[str]:
-        """Forget the keys of these runs, and of every run of ``subject``: what their events
-        said can never be read again, and the chain verifies as before. Returns the runs."""
+    def erase_keys(
+        self, chain: Chain, *, run_ids: Collection[str] = (), subject: str | None = None
+    ) -> list[str]:
+        """Forget the keys of these runs, and of every run of ``subject``, and append one
+        ``run_erased`` event of each (``chain``: the writers' chain, as for ``append``), in one
+        transaction: what their events said can never be read again, the chain verifies as
+        before, and ``verify`` tells this erasure from a key deleted or replaced outside
+        stockade. Returns the runs (none: nothing appended, no chain needed)."""
 
     def close(self) -> None:  # noqa: B027 - stores without resources need nothing here
         """Release connections. Idempotent."""
@@ -133,7 +139,13 @@ class AuditStore(abc.ABC):
         self.close()
 
 
-def check_chain(head: Head | None, chain: Chain) -> None:
+def erasures(runs: Sequence[str]) -> list[Draft]:
+    """The ``run_erased`` events of runs whose keys are being forgotten."""
+    now = time.time_ns()
+    return [Draft(run_id=run, kind=EventKind.RUN_ERASED, actor="stockade", timestamp_ns=now) for run in runs]
+
+
+def check_chain(head: Head | None, chain: Chain, namespace: str) -> None:
     """``ConfigurationError`` unless ``chain`` is the chain the store's head was written with:
     the same algorithm and, for a keyed chain, the same key (the head's MAC verifies under it).
     A writer with another key would append events no key verifies together: every event of
@@ -145,8 +157,8 @@ def check_chain(head: Head | None, chain: Chain) -> None:
         raise exc.ConfigurationError(
             f"this audit store's chain uses {head.algorithm}, not {chain.algorithm}: {hint}"
         )
-    if chain.head_mac(head.seq, head.hash) != head.mac:  # the MAC is stored beside it: no secret to time
-        # also what a head moved back looks like: appending after it would sign the cut
+    if not chain.head_verifies(head.seq, head.hash, namespace, head.mac):  # no secret to time: it is stored
+        # also what a head moved back, or copied from another namespace, looks like
         raise exc.ConfigurationError(
             f"this audit store's head record (seq {head.seq}) does not verify under this writer's "
             f"{'key' if chain.keyed else 'chain'}: the store was written with another key, or its head "
@@ -154,7 +166,9 @@ def check_chain(head: Head | None, chain: Chain) -> None:
         )
 
 
-def seal_batch(drafts: Sequence[Draft], chain: Chain, head: Head | None) -> tuple[list[AuditEvent], Head]:
+def seal_batch(
+    drafts: Sequence[Draft], chain: Chain, head: Head | None, namespace: str
+) -> tuple[list[AuditEvent], Head]:
     seq, prev = (head.seq, head.hash) if head is not None else (0, GENESIS)
     sealed = []
     for draft in drafts:
@@ -162,7 +176,9 @@ def seal_batch(drafts: Sequence[Draft], chain: Chain, head: Head | None) -> tupl
         event = chain.seal(draft, seq, prev)
         prev = event.hash
         sealed.append(event)
-    return sealed, Head(seq=seq, hash=prev, algorithm=chain.algorithm, mac=chain.head_mac(seq, prev))
+    return sealed, Head(
+        seq=seq, hash=prev, algorithm=chain.algorithm, mac=chain.head_mac(seq, prev, namespace)
+    )
 
 
 class MemoryStore(AuditStore):
@@ -184,22 +200,29 @@ class MemoryStore(AuditStore):
         with self._lock:
             return {r: self._keys[r][1] for r in run_ids if r in self._keys}
 
-    def erase_keys(self, *, run_ids: Collection[str] = (), subject: str | None = None) -> list[str]:
+    def erase_keys(
+        self, chain: Chain, *, run_ids: Collection[str] = (), subject: str | None = None
+    ) -> list[str]:
         with self._lock:
             gone = [r for r, (s, _) in self._keys.items() if r in set(run_ids) or s == subject]
+            if gone:
+                self._seal(erasures(gone), chain)
             for run in gone:
                 del self._keys[run]
             return gone
 
     def append(self, drafts: Sequence[Draft], chain: Chain) -> list[AuditEvent]:
         with self._lock:
-            check_chain(self._head, chain)
-            sealed, self._head = seal_batch(drafts, chain, self._head)
-            self._rows.extend(
-                Row(e.seq, e.run_id, e.kind.value, e.body.decode(), e.hash, e.step, e.timestamp_ns)
-                for e in sealed
-            )
-            return sealed
+            return self._seal(drafts, chain)
+
+    def _seal(self, drafts: Sequence[Draft], chain: Chain) -> list[AuditEvent]:
+        check_chain(self._head, chain, self.ns)
+        sealed, self._head = seal_batch(drafts, chain, self._head, self.ns)
+        self._rows.extend(
+            Row(e.seq, e.run_id, e.kind.value, e.body.decode(), e.hash, e.step, e.timestamp_ns)
+            for e in sealed
+        )
+        return sealed
 
     def rows(self, *, run_id: str | None = None, after_seq: int = 0) -> Iterator[Row]:
         with self._lock:
@@ -311,27 +334,13 @@ class SQLiteStore(AuditStore):
             raise exc.ConfigurationError(f"audit store {self.path} was opened read-only")
 
     def append(self, drafts: Sequence[Draft], chain: Chain) -> list[AuditEvent]:
-        ns = self.ns
         self._writable()
         with self._lock:
             conn = self._conn
             try:
                 conn.execute("BEGIN IMMEDIATE")
                 try:
-                    head = self._read_head(conn)
-                    check_chain(head, chain)
-                    sealed, new_head = seal_batch(drafts, chain, head)
-                    conn.executemany(
-                        f"INSERT INTO {ns}_events VALUES (?, ?, ?, ?, ?, ?, ?)",
-                        [
-                            (e.seq, e.run_id, e.kind.value, e.step, e.timestamp_ns, e.body.decode(), e.hash)
-                            for e in sealed
-                        ],
-                    )
-                    conn.execute(
-                        f"UPDATE {ns}_head SET seq = ?, hash = ?, algorithm = ?, mac = ? WHERE id = 1",
-                        (new_head.seq, new_head.hash, new_head.algorithm, new_head.mac),
-                    )
+                    sealed = self._seal(conn, drafts, chain)
                 except BaseException:
                     conn.execute("ROLLBACK")
                     raise
@@ -339,6 +348,25 @@ class SQLiteStore(AuditStore):
             except sqlite3.Error as error:
                 raise exc.AuditStoreError(f"audit store {self.path}: {error}") from error
             return sealed
+
+    def _seal(self, conn: sqlite3.Connection, drafts: Sequence[Draft], chain: Chain) -> list[AuditEvent]:
+        """Append ``drafts`` inside the caller's transaction."""
+        ns = self.ns
+        head = self._read_head(conn)
+        check_chain(head, chain, ns)
+        sealed, new_head = seal_batch(drafts, chain, head, ns)
+        conn.executemany(
+            f"INSERT INTO {ns}_events VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [
+                (e.seq, e.run_id, e.kind.value, e.step, e.timestamp_ns, e.body.decode(), e.hash)
+                for e in sealed
+            ],
+        )
+        conn.execute(
+            f"UPDATE {ns}_head SET seq = ?, hash = ?, algorithm = ?, mac = ? WHERE id = 1",
+            (new_head.seq, new_head.hash, new_head.algorithm, new_head.mac),
+        )
+        return sealed
 
     def _read_head(self, conn: sqlite3.Connection | SQLiteReader) -> Head | None:
         sql = f"SELECT seq, hash, algorithm, mac FROM {self.ns}_head WHERE id = 1"
@@ -430,7 +458,9 @@ class SQLiteStore(AuditStore):
                 raise exc.AuditStoreError(f"audit store {self.path}: {error}") from error
         return {str(r): bytes(k) for r, k in rows}
 
-    def erase_keys(self, *, run_ids: Collection[str] = (), subject: str | None = None) -> list[str]:
+    def erase_keys(
+        self, chain: Chain, *, run_ids: Collection[str] = (), subject: str | None = None
+    ) -> list[str]:
         runs = list(run_ids)
         where = f"run_id IN ({','.join('?' * len(runs))})" if runs else "0"
         ns, params = self.ns, [*runs, subject]
@@ -441,7 +471,11 @@ class SQLiteStore(AuditStore):
                 try:
                     sql = f"SELECT run_id FROM {ns}_run_keys WHERE {where} OR subject = ?"
                     gone = [str(r[0]) for r in self._conn.execute(sql, params)]
-                    self._conn.execute(f"DELETE FROM {ns}_run_keys WHERE {where} OR subject = ?", params)
+                    if gone:
+                        self._seal(self._conn, erasures(gone), chain)
+                    self._conn.executemany(
+                        f"DELETE FROM {ns}_run_keys WHERE run_id = ?", [(r,) for r in gone]
+                    )
                 except BaseException:
                     self._conn.execute("ROLLBACK")
                     raise

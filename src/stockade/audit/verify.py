@@ -10,7 +10,10 @@ What the head can prove (the anchor for truncation). The store keeps a head reco
 its hash, a MAC over both) updated in the transaction of every batch:
 
 - cutting the tail without touching the head is reported as ``truncated``;
-- with a key, a head moved back to an earlier event fails its MAC (``head_forged``);
+- with a key, a head moved back to an earlier event fails its MAC (``head_forged``), and so
+  does a chain copied whole under another namespace (another tenant's trail shown as this
+  one's): the MAC names the namespace (a head written before it did is taken until the next
+  append writes one that does);
 - without a key, anyone who can write the store can recompute the whole chain and the head;
   the plain SHA-256 chain only catches accidents and careless edits. Use a key;
 - a head *replayed* from an older copy of the store (rollback), or a store emptied entirely,
@@ -44,6 +47,13 @@ run records what its trail lost (``AuditObserver``): the crash, and the call, as
 of unknown outcome. A run still running (its lease held) is not in flight, but may show its
 last calls as ``not_in_trail`` until its next batch is written.
 
+The keys of sealed runs (``stockade.audit.sealing``) live in a table that is not append-only,
+since erasure forgets them; the chain says what it must hold. Each sealed run's key must open
+the run's first sealed event (else ``run_key_forged``: replaced), unless the chain records
+the run erased (its ``run_erased`` event, written in the transaction that forgot the key);
+a key gone with no such event is ``run_key_gone`` (deleted outside stockade: what a reader
+sees as ``$erased`` was never erased), and a key kept after its erasure is ``run_key_forged``.
+
 The run store's rows that a resume acts on (checkpoints, messages, steps, the ledger, the calls
 started, workspace manifests, seeds) carry a MAC under a key derived from the audit key, when
 the store was opened with it (``stockade.runs._mac``); a row whose MAC is wrong or missing is
@@ -62,6 +72,7 @@ from typing import NamedTuple, Protocol
 from stockade import exceptions as exc
 from stockade._checks import check_number, check_text
 from stockade.audit.events import GENESIS, Chain
+from stockade.audit.sealing import SEALED, open_attributes
 from stockade.audit.stores import AuditStore, Head
 
 __all__ = [
@@ -136,6 +147,8 @@ class ProblemKind(enum.StrEnum):
     DUPLICATE_IN_TRAIL = "duplicate_in_trail"  # a tool_call's key, or a run's final run_end, twice
     IN_FLIGHT = "in_flight"  # a run's process died during a call: what it did is not in the trail
     STORE_FORGED = "store_forged"  # a run store row a resume acts on does not carry its MAC
+    RUN_KEY_GONE = "run_key_gone"  # a sealed run's key deleted with no run_erased event in the chain
+    RUN_KEY_FORGED = "run_key_forged"  # a sealed run's key does not open its events, or outlived its erasure
 
 
 class LedgerCall(NamedTuple):
@@ -296,6 +309,8 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
     audited: dict[tuple[str, str], int] = {}  # (run, idempotency key) of each tool_call event -> its seq
     ended: dict[str, int] = {}  # run -> the seq of its final run_end
     starts: dict[tuple[str, str], int] = {}  # (run, idempotency key) of each tool_call_start -> its last seq
+    sealed: dict[str, tuple[int, str]] = {}  # run -> its first intact sealed event (seq, body)
+    erased: dict[str, int] = {}  # run -> the seq of its run_erased event
     at_head: str | None = None  # the stored hash of the event the head record named
     for seq, run, kind, body, stored_hash, step, timestamp_ns in store.rows():
         checked += 1
@@ -344,6 +359,11 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
         if check_hashes and link(signed.prev, body.encode()) != stored_hash:
             edited += 1
             report(seq, ProblemKind.EDITED, "the event's content does not match its hash", run, signed="")
+        elif run_id is None or run == run_id:
+            if kind == "run_erased":
+                erased[run] = seq
+            elif _SEALED_MARK in body and run not in sealed:
+                sealed[run] = (seq, body)
         # Continue from what is stored, so that one tampered event is one finding, not a cascade.
         prev, expected_seq, last_seq = stored_hash, seq + 1, seq
 
@@ -360,8 +380,9 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
         ):
             detail = f"the head record (seq {head.seq}) does not match the chain's end (seq {last_seq})"
             report(head.seq, ProblemKind.HEAD_FORGED, detail)
-        if check_hashes and chain.head_mac(head.seq, head.hash) != head.mac:
-            report(head.seq, ProblemKind.HEAD_FORGED, "the head record's MAC is wrong")
+        if check_hashes and not chain.head_verifies(head.seq, head.hash, store.ns, head.mac):
+            detail = "the head record's MAC is wrong (edited, or the chain copied from another namespace)"
+            report(head.seq, ProblemKind.HEAD_FORGED, detail)
     elif checked:
         report(0, ProblemKind.HEAD_FORGED, "events exist but the head record is empty")
 
@@ -395,6 +416,9 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
             report(start or 0, ProblemKind.IN_FLIGHT, detail, call.run_id)
         for row in ledger.forged_rows(run_id):
             report(0, ProblemKind.STORE_FORGED, f"run store: {row.detail}", row.run_id)
+
+    if sealed or erased:
+        _check_run_keys(store, sealed, erased, report)
 
     if expected_head is not None:
         pin_seq, pin_hash = (
@@ -471,6 +495,39 @@ def _attributes(body: str) -> dict[str, object]:
     except (ValueError, AttributeError, RecursionError):
         return {}
     return attributes if isinstance(attributes, dict) else {}
+
+
+_SEALED_MARK = f'"{SEALED}":'
+
+
+def _check_run_keys(
+    store: AuditStore,
+    sealed: dict[str, tuple[int, str]],
+    erased: dict[str, int],
+    report: Callable[[int, ProblemKind, str, str], None],
+) -> None:
+    """The keys table is not append-only (erasure forgets keys), so the chain says what it must
+    hold: the key of each sealed run opens the run's events, unless the chain records the run
+    erased (``run_erased``, written in the transaction that forgot the key)."""
+    keys = store.run_keys([*sealed, *erased])
+    for run, at in erased.items():
+        if run in keys:
+            detail = f"run {run} was erased (seq {at}) but a key of it is kept: put back from a copy"
+            report(at, ProblemKind.RUN_KEY_FORGED, detail, run)
+    for run, (seq, body) in sealed.items():
+        key = keys.get(run)
+        if key is None and run not in erased:
+            detail = (
+                f"the key of sealed run {run} is gone and the chain records no erasure of it (run_erased): "
+                "deleted outside stockade, or by a stockade that did not record erasures"
+            )
+            report(seq, ProblemKind.RUN_KEY_GONE, detail, run)
+        elif key is not None and run not in erased:
+            try:
+                open_attributes(run, _attributes(body), key)
+            except exc.AuditIntegrityError:
+                detail = f"the key kept for sealed run {run} does not open its events: replaced"
+                report(seq, ProblemKind.RUN_KEY_FORGED, detail, run)
 
 
 def _hash_at(store: AuditStore, seq: int) -> str | None:

@@ -653,9 +653,12 @@ def erase(
     other run shares); the snapshots of their sandboxes a paused run kept; their approval
     requests and decisions (which name the calls' arguments); in the audit store,
     the keys their events were sealed with (runs about a data subject), so that what those
-    events said can never be read again. The audit chain is not touched: it verifies as before."""
+    events said can never be read again. The audit chain keeps every event and verifies as
+    before; it gains one ``run_erased`` event per sealed run (so verify tells an erasure from a
+    key deleted outside stockade), which needs the chain's key (``STOCKADE_AUDIT_KEY``)."""
     import time
 
+    from stockade.audit.events import Chain
     from stockade.audit.stores import open_store
     from stockade.policy.approval import ApprovalStore
     from stockade.runs.snapshots import erase_run_snapshots
@@ -670,14 +673,15 @@ def erase(
             err.print("nothing to erase: give run ids, --subject or --older-than (or none matched)")
             raise typer.Exit(1 if older_than is not None else 2)
         try:
+            # the keys first: one the chain's key cannot record the erasure of stops it all
+            with open_store(audit_db or db) as audit:
+                sealed = audit.erase_keys(Chain(_audit_key()), run_ids=chosen, subject=subject)
             erased = store.erase(chosen)
             snapshots = SnapshotStore(snapshot_dir) if snapshot_dir is not None else SnapshotStore.default()
             kept = erase_run_snapshots(snapshots, chosen)
             approvals = ApprovalStore(approval_dir)
             for run_id in chosen:
                 approvals.forget(run_id)
-            with open_store(audit_db or db) as audit:
-                sealed = audit.erase_keys(run_ids=chosen, subject=subject)
         except exc.StockadeError as error:
             err.print(f"[red]{escape(str(error))}[/]")
             raise typer.Exit(2) from error
@@ -688,7 +692,7 @@ def erase(
         f"erased {erased} run(s) from {escape(db)}"
         + (f", with the {kept} sandbox snapshot(s) they kept" if kept else "")
         + f"; the audit events of {len(sealed)} sealed run(s) "
-        "can no longer be read (the chain is unchanged and still verifies)"
+        "can no longer be read (the chain keeps them, records the erasure and still verifies)"
     )
 
 

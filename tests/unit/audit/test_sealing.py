@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from stockade.audit import AuditLog, AuditStore, EventKind, MemoryStore, SQLiteStore, verify
+from stockade.audit import AuditLog, AuditStore, Chain, EventKind, MemoryStore, SQLiteStore, verify
 from stockade.audit.sealing import ERASED, SEALED, Sealer, new_key, open_attributes
 from stockade.exceptions import AuditIntegrityError
 
@@ -64,14 +64,17 @@ def test_erasing_the_subject_makes_the_events_unreadable_and_the_chain_still_ver
 ) -> None:
     record_two_runs(store)
     before = [row.hash for row in store.rows()]
-    assert store.erase_keys(subject="alice") == ["alice-1"]
-    (alice,) = store.events(run_id="alice-1")
+    assert store.erase_keys(Chain(KEY), subject="alice") == ["alice-1"]
+    alice, erasure = store.events(run_id="alice-1")
     assert alice.attributes == {"tool": "write_file", "call_id": "c1", ERASED: True}
+    assert erasure.kind is EventKind.RUN_ERASED and erasure.attributes == {}
     assert SECRET in json.dumps(next(store.events(run_id="bob-1")).attributes)  # bob is untouched
-    assert [row.hash for row in store.rows()] == before  # not one event changed
+    after = list(store.rows())
+    assert [row.hash for row in after[: len(before)]] == before  # not one event changed
+    assert [(row.run_id, row.kind) for row in after[len(before) :]] == [("alice-1", "run_erased")]
     report = verify(store, key=KEY)
-    assert report.ok and report.checked == 2
-    assert store.erase_keys(subject="alice") == []  # idempotent
+    assert report.ok and report.checked == 3
+    assert store.erase_keys(Chain(KEY), subject="alice") == []  # idempotent
 
 
 def test_an_erased_key_is_gone_from_the_database_file(tmp_path: Path) -> None:
@@ -79,11 +82,11 @@ def test_an_erased_key_is_gone_from_the_database_file(tmp_path: Path) -> None:
     with SQLiteStore(path) as store:
         record_two_runs(store)
         key = store.run_keys(["alice-1"])["alice-1"]
-        store.erase_keys(run_ids=["alice-1"])
+        store.erase_keys(Chain(KEY), run_ids=["alice-1"])
     data = b"".join(p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("audit.db"))
     assert key not in data  # overwritten (secure_delete, the WAL checkpointed), not in a free page
     with sqlite3.connect(path) as conn:  # the events are still all there
-        assert conn.execute("SELECT count(*) FROM audit_events").fetchone() == (2,)
+        assert conn.execute("SELECT count(*) FROM audit_events").fetchone() == (3,)  # and the erasure
 
 
 def test_a_resumed_run_stays_sealed_and_an_erased_one_is_not_sealed_again() -> None:
@@ -93,7 +96,7 @@ def test_a_resumed_run_stays_sealed_and_an_erased_one_is_not_sealed_again() -> N
         assert resumed.continue_sealing("alice-1") and not resumed.continue_sealing("bob-1")
         resumed.record(EventKind.RUN_END, run_id="alice-1", actor="agent", attributes={"note": SECRET})
     assert SECRET not in list(store.rows())[-1].body
-    store.erase_keys(subject="alice")
+    store.erase_keys(Chain(KEY), subject="alice")
     with AuditLog(store, key=KEY, flush_interval_s=None) as later:
         assert not later.continue_sealing("alice-1")  # no key to seal with: nothing to resume
 

@@ -90,7 +90,13 @@ def test_a_compliant_setup_starts_on_the_microvm_and_records_what_gdpr_asks(tmp_
     db = f"sqlite:///{tmp_path / 'audit.db'}"
     with open_run_store(db) as runs:
         assert runs.runs_of(subject="p-17") == ["c1"]
-    erased = CliRunner().invoke(app, ["runs", "erase", "--subject", "p-17", "--db", db])
+    keyless = CliRunner().invoke(app, ["runs", "erase", "--subject", "p-17", "--db", db])
+    assert keyless.exit_code == 2 and "pass its key" in keyless.output  # the chain records erasures
+    with open_run_store(db) as runs:
+        assert runs.runs_of(subject="p-17") == ["c1"]  # and nothing was erased without it
+    erased = CliRunner().invoke(
+        app, ["runs", "erase", "--subject", "p-17", "--db", db], env={"STOCKADE_AUDIT_KEY": KEY.decode()}
+    )
     assert erased.exit_code == 0 and "erased 1 run(s)" in erased.output, erased.output
     assert "the audit events of 1 sealed run(s) can no longer be read" in erased.output
     with open_run_store(db) as runs:
@@ -114,7 +120,9 @@ def test_erasure_leaves_no_approval_behind_and_the_erased_run_id_stays_taken(tmp
     assert any("patient-secret-18" in text for text in kept)  # the request names the call
     db = f"sqlite:///{tmp_path / 'audit.db'}"
     erased = CliRunner().invoke(
-        app, ["runs", "erase", "--subject", "p-18", "--db", db, "--approval-dir", str(tmp_path / "approvals")]
+        app,
+        ["runs", "erase", "--subject", "p-18", "--db", db, "--approval-dir", str(tmp_path / "approvals")],
+        env={"STOCKADE_AUDIT_KEY": KEY.decode()},
     )
     assert erased.exit_code == 0, erased.output
     assert not any("patient-secret-18" in f.read_text() for f in (tmp_path / "approvals").rglob("*.json"))
