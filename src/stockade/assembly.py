@@ -145,6 +145,11 @@ _call_approved: contextvars.ContextVar[bool] = contextvars.ContextVar("stockade_
 # its op covers what its code runs, a yes to one exec covers that exec alone (one approved `cp`
 # let the same call's `rm -r` run unasked, past a standing no).
 _asking_for_exec: contextvars.ContextVar[bool] = contextvars.ContextVar("stockade_exec_asks", default=False)
+# The tool call being made (its step, its id): a denial or an approval of one of its ops is
+# recorded under it, not at step 0 with no call (found from outside).
+_call_at: contextvars.ContextVar[tuple[int, str] | None] = contextvars.ContextVar(
+    "stockade_call_at", default=None
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -344,17 +349,22 @@ class _AuditedApprovals(Approvals):
 
     def _record(self, request: ApprovalRequest, outcome: str) -> None:
         by = self._decider(request) if outcome != "pending" else ""
+        step, call = _call_at.get() or (0, None)
+        attributes: dict[str, object] = {
+            "request_id": request.id,
+            "action": request.action,
+            "rule": request.rule,
+            "reason": request.reason,
+            "outcome": outcome,
+        }
+        if call is not None:
+            attributes["call_id"] = call
         self.log.record(
             EventKind.APPROVAL,
             run_id=request.run_id,
+            step=step,
             actor=("human:" + by if by else "human") if outcome != "pending" else "policy",
-            attributes={
-                "request_id": request.id,
-                "action": request.action,
-                "rule": request.rule,
-                "reason": request.reason,
-                "outcome": outcome,
-            },
+            attributes=attributes,
         )
 
     def require(self, request: ApprovalRequest) -> None:
@@ -371,12 +381,13 @@ class _AuditedApprovals(Approvals):
             _call_approved.set(True)
 
 
-def _record_denial(
-    log: AuditLog, run_id: str, level: str, err: PolicyDenied, tool: str = "", *, step: int = 0
-) -> None:
+def _record_denial(log: AuditLog, run_id: str, level: str, err: PolicyDenied, tool: str = "") -> None:
     attributes = {"decision": "deny", "level": level, "rule": err.rule, "reason": str(err), "tool": tool}
     if err.action:
         attributes["action"] = err.action
+    step, call = (_call_at.get() or (0, None)) if level == "sandbox" else (0, None)
+    if call is not None:
+        attributes["call_id"] = call
     log.record(EventKind.POLICY_DECISION, run_id=run_id, step=step, actor="policy", attributes=attributes)
 
 
@@ -384,6 +395,7 @@ def _call_guard(inner: Guard) -> Guard:
     def guard(ctx: GuardContext, call: ToolCall) -> ToolCall:
         _call_approved.set(False)  # a new call: no approval yet (the loop records its denials)
         current_call.set(call.id)  # what its code runs inside the sandbox is recorded under it
+        _call_at.set((ctx.step, call.id))
         return inner(ctx, call)
 
     return guard

@@ -100,8 +100,12 @@ def test_an_op_the_call_level_cannot_see_is_denied_at_the_sandbox_and_audited(tm
         assert not any(op.path.startswith("secrets") for op in writes)
         assert "PolicyDenied" in result.steps[0].tool_calls[0].observation
         events = list(agent.audit_log.store.events(run_id="r1"))
-    denials = [e.attributes for e in events if e.kind.value == "policy_decision"]
-    assert denials and denials[0]["level"] == "sandbox" and str(denials[0]["rule"]).startswith("paths.")
+    denials = [e for e in events if e.kind.value == "policy_decision"]
+    assert denials and denials[0].attributes["level"] == "sandbox"
+    assert str(denials[0].attributes["rule"]).startswith("paths.")
+    # under the call whose op it refused (it said step 0 and no call: found from outside)
+    (call,) = [e for e in events if e.kind.value == "tool_call"]
+    assert (denials[0].step, denials[0].attributes["call_id"]) == (1, call.attributes["call_id"])
 
 
 def test_an_approval_given_on_the_callback_covers_the_calls_sandbox_op_once(tmp_path: Path) -> None:
@@ -123,7 +127,10 @@ def test_an_approval_given_on_the_callback_covers_the_calls_sandbox_op_once(tmp_
         assert ran == [("/bin/sh", "-c", "git push origin main")]
         assert len(asked) == 1  # the op-level guard did not ask again
         events = list(agent.audit_log.store.events(run_id="r2"))
-    assert [e.attributes["outcome"] for e in events if e.kind.value == "approval"] == ["approved"]
+    (approval,) = [e for e in events if e.kind.value == "approval"]
+    (call,) = [e for e in events if e.kind.value == "tool_call"]
+    assert approval.attributes["outcome"] == "approved"
+    assert (approval.step, approval.attributes["call_id"]) == (1, call.attributes["call_id"])
 
 
 def test_runtime_refusals_and_budgets_are_audited_under_the_run(tmp_path: Path) -> None:
