@@ -252,11 +252,27 @@ def test_a_script_given_to_its_interpreter_is_judged_as_the_script(tier: str) ->
             "ldd --version",
             "bash /usr/bin/ldd --version",
             "bash -e -o posix /usr/bin/ldd --version",
+            "bash -O extglob /usr/bin/ldd --version",  # -O takes a value, as -o does
+            "bash +O extglob /usr/bin/ldd --version",
+            # the script file judged as what it is, not by the words of its path
+            "ln -sf /usr/bin/ldd /tmp/l; bash /tmp/l --version",
+            "cp /usr/bin/ldd /tmp/c; sh /tmp/c --version",
+            "ln -sf /usr/bin/ldd /tmp/p; python3 /tmp/p --version",
+            "python3 /proc/self/fd/0 --version < /usr/bin/ldd",
+            # an interpreter whose options are not read here: any word may be its script
+            "perl /usr/bin/ldd --version",
+            "perl -w -I /tmp /usr/bin/ldd --version",
+            "perl -- /tmp/l --version",
         ):
             r = sbx.commands.run(line)
             assert r.exit_code == 126, (line, r.stdout, r.stderr)
             assert "denied by policy: commands.deny: ldd --version" in r.stderr, line
         assert sbx.commands.run("bash -c 'echo ran'").stdout == "ran\n"  # no script: bash's own
+        assert (
+            sbx.commands.run("printf 'print(6 * 7)' > /tmp/s.py; python3 /tmp/s.py --version").stdout
+            == "42\n"
+        )
+        assert sbx.commands.run("perl -e 'print 42' /usr/bin/ldd").stdout == "42"  # no --version
 
 
 # Python runs pip by each of these (PIP is pip's package folder): its command line read as

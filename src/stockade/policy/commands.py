@@ -3,9 +3,9 @@
 A command is split into the simple commands it would run: ``sh -c "a && b | c"`` is three;
 wrappers (``env``, ``sudo``, ``timeout 5``, ``nice``, ``xargs``, ...) and ``python -m`` are
 looked through (the interpreter's command line read as CPython reads it, ``python3 -Impip``
-too: ``execrules.command_line``, the supervisor's own reading), and a script given to python
-is judged by the deny and approve rules as the program it is part of too
-(``python3 .../pip/__main__.py``: ``pip``). What cannot be analysed (command substitution,
+too: ``execrules.command_line``, the supervisor's own reading), and a script given to python,
+a shell or another interpreter is judged by the deny and approve rules as the program it is
+part of too (``python3 .../pip/__main__.py``: ``pip``; ``node /usr/bin/npm``: ``npm``). What cannot be analysed (command substitution,
 a variable as the program, ``eval``) is denied: the rules fail closed. The sandbox still
 confines whatever slips past.
 """
@@ -88,8 +88,11 @@ def _unwrap(argv: list[str], layers: list[tuple[str, ...]]) -> list[str]:
             layers.append(tuple(argv))
             argv = execrules.subject(argv)
             continue
-        if run is not None:  # a script: python3 .../pip/__main__.py x is pip x to deny and approve
-            layers.extend(tuple(command) for command in execrules.runs(argv))
+        # a script: python3 .../pip/__main__.py x is pip x to deny and approve, node
+        # /usr/bin/npm x is npm x (any word an unread interpreter may run: execrules.scripts)
+        scripts = execrules.runs(argv)
+        if scripts:
+            layers.extend(tuple(command) for command in scripts)
             return argv
         carried = execrules.carried([name], argv)  # ld.so PROGRAM ..., busybox APPLET ...
         if carried is not None:

@@ -91,6 +91,22 @@ def test_pip_run_through_python_is_judged_as_pip(python: str) -> None:
 
 
 @pytest.mark.parametrize(
+    "line",
+    [
+        "node /usr/bin/npm install x",
+        "node -r ./preload.js /usr/bin/npm install x",  # -r's value first: npm is judged all the same
+        "nodejs --no-warnings -- /usr/bin/npm install x",
+        "perl -w -I lib /usr/bin/npm install x",
+    ],
+)
+def test_a_program_given_to_another_interpreter_is_judged_as_itself(line: str) -> None:
+    """``node /usr/bin/npm install`` ran npm past a rule on `npm install` (found from outside):
+    any word an interpreter whose options are not read here may run is judged as a script."""
+    approval = decide_command(CommandRules(approve=("npm install",)), shlex.split(line))
+    assert approval.verdict is Verdict.APPROVE and approval.rule == "commands.approve: npm install", approval
+
+
+@pytest.mark.parametrize(
     "argv",
     [
         ["python3", "-c", "import pip"],  # code given as text: python's own

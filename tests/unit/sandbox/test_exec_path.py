@@ -113,6 +113,8 @@ def test_what_is_no_script_runs_no_interpreter(execrules: Any, head: bytes) -> N
         ("bash /usr/bin/ldd --version", ["/usr/bin/ldd", "--version"]),
         ("sh -e -o posix s a", ["s", "a"]),
         ("bash --rcfile f +x s", ["s"]),
+        ("bash -O extglob s a", ["s", "a"]),  # -O takes a value, as -o does
+        ("bash +O extglob s", ["s"]),
         # no script file: code on the command line, a module, standard input
         ("python3 -c pass /usr/bin/pip", None),
         ("python3 -Bc pass", None),
@@ -129,12 +131,38 @@ def test_an_interpreter_given_a_script_runs_the_script(
     assert execrules.script_run(shlex.split(argv)) == runs
 
 
-def test_each_program_judge_c_hands_over_as_an_interpreter_runs_scripts_in_script_run(execrules: Any) -> None:
+def test_each_program_judge_c_hands_over_as_an_interpreter_runs_scripts_in_scripts(execrules: Any) -> None:
     """judge.c sends an exec to Python as an interpreter's by the globs of INTERPRETERS (its T
-    entries): each of them must be one that script_run reads a script file from."""
+    entries): each of them must be one that scripts reads a script file from."""
     for pattern in execrules.INTERPRETERS:
         name = pattern.replace("*", "3.11")
-        assert execrules.script_run([name, "/w/s", "a"]) == ["/w/s", "a"], name
+        assert execrules.scripts([name, "/w/s", "a"]) == [["/w/s", "a"]], name
+
+
+@given(
+    interpreter=st.sampled_from(
+        ["node", "perl", "perl5.36", "ruby3.1", "php8.2", "tclsh8.6", "lua5.4", "Rscript"]
+    ),
+    options=st.lists(
+        st.tuples(
+            st.from_regex(r"-{1,2}[a-zA-Z][a-zA-Z-]{0,8}(=[a-z]{1,4})?", fullmatch=True), st.booleans()
+        ),
+        max_size=6,
+    ),
+    args=st.lists(st.sampled_from(["install", "-r", "--force", "x", "-", "--"]), max_size=4),
+)
+def test_any_word_an_unread_interpreter_may_run_as_its_script_is_judged_as_one(
+    execrules: Any, interpreter: str, options: list[tuple[str, bool]], args: list[str]
+) -> None:
+    """node, perl, ruby: their options are not read here, and some take the next word as a
+    value (node -r MODULE, perl -I DIR). Whichever do, the script is among the words judged
+    as a script: ``node /usr/bin/npm install`` ran npm past a rule on `npm install`."""
+    argv = [interpreter]
+    for option, valued in options:
+        argv += [option, "value"] if valued else [option]
+    for script in ([*argv, "/usr/bin/npm", *args], [*argv, "--", "/usr/bin/npm", *args]):
+        assert ["/usr/bin/npm", *args] in execrules.scripts(script), script
+    assert ["npm", *args] in execrules.runs([*argv, "/usr/bin/npm", *args])
 
 
 # Every spelling of `python -m pip` and of running pip's files, read as CPython reads its

@@ -295,6 +295,7 @@ class ExecJudge:
         depth: int = 0,
         *,
         listed: bool = True,
+        interpreting: "Optional[str]" = None,
     ) -> "Tuple[str, Optional[str]]":
         """The strictest verdict over every name the program goes by: the path it was run as,
         the file that path leads to, the name it was given (argv[0]: a multi-call binary's
@@ -304,7 +305,9 @@ class ExecJudge:
         (``ld.so /bin/rm -r x`` as ``rm -r x``, ``busybox rm -r x`` as ``rm -r x``), and a
         script also as its interpreter with the argv the kernel gives it (``#!/bin/rm -r``).
         ``listed``: whether an allowlist judges it (a listed script's interpreter is not,
-        as Landlock lets it run: only the deny and approve rules judge it)."""
+        as Landlock lets it run: only the deny and approve rules judge it). An interpreter's
+        script file is judged as the file it is (``_scripts``), but for ``interpreting``:
+        the script whose ``#!`` line runs this interpreter, which is being judged already."""
         target = self._in_view(pid, path)
         if st is None:
             st = os.stat(target)
@@ -328,7 +331,9 @@ class ExecJudge:
             # "..", /usr/bin/../../tmp/x is outside it): its verdict is not kept.
             if not execrules.in_image(script[0]) or "/.." in script[0]:
                 self.carrying = True
-            verdict = _strictest(verdict, self._judge_carried(pid, *script, depth, listed=False))
+            carried_script = self._judge_carried(pid, *script, depth, listed=False, interpreting=path)
+            verdict = _strictest(verdict, carried_script)
+        verdict = _strictest(verdict, self._scripts(pid, files, argv, depth, interpreting))
         carried = execrules.carried(sorted(files), argv)
         if carried is None:
             return verdict
@@ -338,7 +343,33 @@ class ExecJudge:
         inner, inner_argv = carried
         if inner is None:  # an applet: the same file, by the applet's name
             return _strictest(verdict, self._by_names({execrules.program(inner_argv[0])}, inner_argv, listed))
-        return _strictest(verdict, self._judge_carried(pid, inner, inner_argv, depth, listed=listed))
+        inner_verdict = self._judge_carried(
+            pid, inner, inner_argv, depth, listed=listed, interpreting=interpreting
+        )
+        return _strictest(verdict, inner_verdict)
+
+    def _scripts(
+        self, pid: int, files: "Set[str]", argv: "List[str]", depth: int, interpreting: "Optional[str]"
+    ) -> "Tuple[str, Optional[str]]":
+        """The verdict on the script files an interpreter runs (``execrules.scripts``), each
+        judged as the file it is, as if it were run itself: a link or a copy of a program
+        a rule names (``python3 build/link-to-pip install``, ``node /usr/bin/npm install``)
+        is that program, not the words of its path. Only the deny and approve rules judge
+        it: the allowlist judges programs, and a script is read, not run."""
+        found: "List[List[str]]" = []
+        for name in sorted(files | ({os.path.basename(argv[0])} if argv else set())):
+            found += [
+                s for s in execrules.scripts([name, *argv[1:]]) if s[0] != interpreting and s not in found
+            ]
+        verdict: "Tuple[str, Optional[str]]" = ("allow", None)
+        for script in found:
+            if depth >= MAX_CARRIED:
+                return TOO_DEEP
+            self.carrying = True  # another file, which can change while this one does not
+            verdict = _strictest(verdict, self._judge_carried(pid, script[0], script, depth, listed=False))
+            if verdict[0] == "deny":
+                break
+        return verdict
 
     def _read(self, target: str, st: "os.stat_result", outside: bool) -> "Tuple[bytes, Set[str]]":
         """What the judge reads of the file: its head (a script's first line) and the names of
@@ -353,14 +384,21 @@ class ExecJudge:
         return head, copies
 
     def _judge_carried(
-        self, pid: int, inner: str, argv: "List[str]", depth: int, *, listed: bool
+        self,
+        pid: int,
+        inner: str,
+        argv: "List[str]",
+        depth: int,
+        *,
+        listed: bool,
+        interpreting: "Optional[str]" = None,
     ) -> "Tuple[str, Optional[str]]":
         """The verdict on the program an exec runs besides its own file (what a loader loads,
         a script's interpreter), opened from the caller's working folder if relative."""
         if not inner.startswith("/"):
             inner = f"/proc/{pid}/cwd/{inner}"
         try:
-            return self.judge(pid, inner, argv, None, depth + 1, listed=listed)
+            return self.judge(pid, inner, argv, None, depth + 1, listed=listed, interpreting=interpreting)
         except OSError:  # it will not load: judged by its name all the same
             return self._by_names({os.path.basename(inner)}, argv, listed)
 

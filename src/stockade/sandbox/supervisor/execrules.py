@@ -130,8 +130,23 @@ def _dashed(command: "Sequence[str]") -> "List[str]":
 
 
 SHELLS = ("sh", "bash", "dash", "ash", "ksh", "zsh")
-# The programs script_run knows to run a script file they are given (globs, as judge.c reads them).
-INTERPRETERS = ("python*", *SHELLS)
+# Interpreters whose command lines are not read here word by word: any word may be the script
+# they run (``scripts``). ``node /usr/bin/npm install`` ran npm past an `npm install` rule.
+OTHER_INTERPRETERS = (
+    "node",
+    "nodejs",
+    "perl*",
+    "ruby*",
+    "php*",
+    "tclsh*",
+    "wish*",
+    "lua*",
+    "luajit*",
+    "Rscript",
+)
+# The programs that run a script file they are given (globs, as judge.c reads them): an exec
+# of one with arguments is Python's to judge.
+INTERPRETERS = ("python*", *SHELLS, *OTHER_INTERPRETERS)
 
 # Folders of the image: code can write none of them (a file there is what the image shipped).
 IMAGE_FOLDERS = ("/usr/", "/bin/", "/sbin/", "/lib/", "/lib32/", "/lib64/", "/libx32/", "/opt/")
@@ -148,7 +163,7 @@ def in_image(path: str) -> bool:
 # Python/getopt.c's SHORT_OPTS ("bBc:dEhiIm:OPqRsStuvVW:xX:?"): an option it does not know
 # ends the run with an error, so reading one as a flag lets nothing run unread.
 PYTHON_OPTIONS = ("c", "m", "WX", ("--check-hash-based-pycs",), "-")
-SHELL_OPTIONS = ("cs", "", "o", ("--rcfile", "--init-file"), "-+")
+SHELL_OPTIONS = ("cs", "", "oO", ("--rcfile", "--init-file"), "-+")  # bash -O extglob, +O
 
 
 def command_line(argv: "Sequence[str]") -> "Optional[Tuple[str, List[str]]]":
@@ -212,6 +227,35 @@ def script_run(argv: "Sequence[str]") -> "Optional[List[str]]":
     return run[1] if run is not None and run[0] == "script" else None
 
 
+def scripts(argv: "Sequence[str]") -> "List[List[str]]":
+    """The script files an interpreter's ``argv`` may run, each with its arguments: Python's
+    and a shell's as they read their command line; another interpreter's (node, perl, ruby:
+    ``OTHER_INTERPRETERS``), whose options are not known here, every word that may be its
+    script: each word no option that follows an option (it may be the option's value, or the
+    script after an option that takes none) and the first that does not (the script, if no
+    word before was). Options come before the script in each of them, so the script is one
+    of these whichever options take a value; the others are judged too, which errs on the
+    side of asking (``perl -e CODE rm -r x`` is judged as ``rm -r x``: it may well run it)."""
+    name = program(argv[0]) if argv else ""
+    if not any(_glob(name, other) for other in OTHER_INTERPRETERS):
+        run = script_run(argv)
+        return [run] if run is not None else []
+    found: "List[List[str]]" = []
+    after_option = False
+    for at in range(1, len(argv)):
+        word = argv[at]
+        if word == "--":
+            return found + ([list(argv[at + 1 :])] if at + 1 < len(argv) else [])
+        if len(word) > 1 and word[0] == "-":
+            after_option = True
+            continue
+        found.append(list(argv[at:]))
+        if not after_option:
+            break
+        after_option = False
+    return found
+
+
 def runs(argv: "Sequence[str]") -> "List[List[str]]":
     """Each command an interpreter's ``argv`` runs, as a program the rules name: a module as
     its top-level package (``python3 -m pip.__main__ x``: ``pip x``); a script by its name
@@ -221,7 +265,7 @@ def runs(argv: "Sequence[str]") -> "List[List[str]]":
     too). Empty: the interpreter runs no file nor module (``-c``), or is none."""
     run = command_line(argv)
     if run is None:
-        return []
+        return [[program(script[0]), *script[1:]] for script in scripts(argv)]
     target, args = run[1][0], run[1][1:]
     if run[0] == "-m":
         return [[target.split(".", 1)[0], *args]]

@@ -97,6 +97,7 @@ typedef int i32;
 #define MAX_PATTERNS 512
 #define MAX_SIZES 512
 #define MAX_DIRS 16
+#define MAX_INTERPRETERS 32 /* execrules.INTERPRETERS, with room */
 #define MAX_ARGS 4096
 #define RECORD_MAX 4096 /* PIPE_BUF: a write this size is whole or not at all */
 #define CONFIG_MAX 65536
@@ -218,7 +219,7 @@ struct rules {
     int n_dirs;
     const char *programs[MAX_PATTERNS]; /* programs whose sizes are found (find_sizes) */
     int n_programs;
-    const char *interpreters[MAX_DIRS]; /* programs that run a script file they are given */
+    const char *interpreters[MAX_INTERPRETERS]; /* programs that run a script file they are given */
     int n_interpreters;
     const char *image[MAX_DIRS];        /* the image's folders, which code cannot write */
     int n_image;
@@ -286,7 +287,7 @@ static void parse(struct rules *r, const char *cfg, int len)
                 r->programs[r->n_programs++] = text;
             break;
         case 'T':
-            if (r->n_interpreters == MAX_DIRS)
+            if (r->n_interpreters == MAX_INTERPRETERS)
                 r->ok = 0;
             else
                 r->interpreters[r->n_interpreters++] = text;
