@@ -27,6 +27,8 @@ TABLES = (
     "seeds",
     "run_seeds",
     "setups",
+    "run_limits",
+    "run_diffs",
     "leases",
     "calls_started",
     "blobs",

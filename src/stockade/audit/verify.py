@@ -37,15 +37,21 @@ events by idempotency key: a call in the ledger and not in the trail is ``not_in
 ``tool_call`` event the ledger lacks is ``not_in_ledger``, and a second ``tool_call`` event of
 one key, or a second ``run_end`` of a run that ended for good (``"status"`` not paused,
 interrupted or broken) not marked ``"repeat": true``, is ``duplicate_in_trail`` (a resume
-keeps them once: ``AuditObserver``). A call the run store saw start and never return, of a
-run whose process died (neither live under its lease nor stopped by its own process: the run
-store's ``calls_in_flight``), is ``in_flight``: a problem, as a call lost from the trail after
-it returned is, since what the call did in the sandbox (its ``run_code`` or ``command`` event,
-the execs judged inside) is not in the trail and never will be; its ``tool_call_start`` and
-``op_start`` say what was asked, when the log wrote them before the death. Resuming a crashed
-run records what its trail lost (``AuditObserver``): the crash, and the call, as returned or
-of unknown outcome. A run still running (its lease held) is not in flight, but may show its
-last calls as ``not_in_trail`` until its next batch is written.
+keeps them once: ``AuditObserver``). A call cut by its process's death is ``in_flight``: a
+problem, as a call lost from the trail after it returned is, since what the call did in the
+sandbox (its ``run_code`` or ``command`` event, the execs judged inside) is not in the trail
+and never will be; its ``tool_call_start`` and ``op_start`` say what was asked. The trail
+decides: a ``tool_call_start`` that nothing after it closes (a ``tool_call`` of its key; its
+run's ``run_end``, which the run's process writes whenever it stops the run, and a service
+that gives the run up; its ``run_crash`` or a later ``run_start``, a resume, which records
+the call) is in flight unless a live process holds its run now (the ledger's ``live_runs``:
+a lease the run store signed, with its owner and expiry, expiring soon enough). The run
+store's rows can be edited or deleted by whoever writes its database, so they only prove a
+run live, never a call closed. A call the run store saw start and the trail never did (the
+death came before the log's batch) is found from the store (its ``calls_in_flight``).
+Resuming a crashed run records what its trail lost (``AuditObserver``): the crash, and the
+call, as returned or of unknown outcome. A run still running is not in flight, but may show
+its last calls as ``not_in_trail`` until its next batch is written.
 
 The keys of sealed runs (``stockade.audit.sealing``) live in a table that is not append-only,
 since erasure forgets them; the chain says what it must hold. Each sealed run's key must open
@@ -65,7 +71,7 @@ from __future__ import annotations
 import enum
 import json
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -180,6 +186,10 @@ class Ledger(Protocol):
         """The calls a process died during (started, never returned, its run not live)."""
         ...
 
+    def live_runs(self, run_ids: Collection[str]) -> Collection[str]:
+        """Those of ``run_ids`` a live process holds now (by a lease the store signed)."""
+        ...
+
 
 @dataclass(frozen=True)
 class RunsLedger:
@@ -197,6 +207,9 @@ class RunsLedger:
 
     def forged_rows(self, run_id: str | None = None) -> list[ForgedRow]:
         return [row for row in self.ledger.forged_rows(run_id) if row.run_id in self.runs]
+
+    def live_runs(self, run_ids: Collection[str]) -> Collection[str]:
+        return self.ledger.live_runs(run_ids)  # the trail's runs are the tenant's: not narrowed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -308,7 +321,9 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
     checked = run_events = edited = last_seq = 0
     audited: dict[tuple[str, str], int] = {}  # (run, idempotency key) of each tool_call event -> its seq
     ended: dict[str, int] = {}  # run -> the seq of its final run_end
-    starts: dict[tuple[str, str], int] = {}  # (run, idempotency key) of each tool_call_start -> its last seq
+    started: set[tuple[str, str]] = set()  # (run, idempotency key) of each tool_call_start
+    # run -> idempotency key -> the last tool_call_start that nothing after it closed
+    open_calls: dict[str, dict[str, _Start]] = {}
     sealed: dict[str, tuple[int, str]] = {}  # run -> its first intact sealed event (seq, body)
     erased: dict[str, int] = {}  # run -> the seq of its run_erased event
     at_head: str | None = None  # the stored hash of the event the head record named
@@ -320,11 +335,19 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
             run_events += 1
         if ledger is not None and kind in _KEYED and (run_id is None or run == run_id):
             if kind == "tool_call_start":
-                started = _attributes(body).get("idempotency_key")
-                if isinstance(started, str):
-                    starts[(run, started)] = seq
+                attributes = _attributes(body)
+                call_key = attributes.get("idempotency_key")
+                if isinstance(call_key, str):
+                    started.add((run, call_key))
+                    open_calls.setdefault(run, {})[call_key] = _Start(seq, step, str(attributes.get("tool")))
+            elif kind in _CLOSING:  # the run stopped, or was resumed: every call before is closed
+                open_calls.pop(run, None)
             else:
-                _once(seq, run, kind, body, audited=audited, ended=ended, report=report)
+                returned = _once(seq, run, kind, body, audited=audited, ended=ended, report=report)
+                if kind == "run_end":
+                    open_calls.pop(run, None)
+                elif returned and run in open_calls:
+                    open_calls[run].pop(returned, None)
         try:
             signed = _signed_fields(body, strings)
             signed_run = signed.run_id
@@ -400,20 +423,29 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
             if run in known:
                 detail = f"a tool_call event ({event_key}) that the run store's ledger does not have"
                 report(seq, ProblemKind.NOT_IN_LEDGER, detail, run)
-        for call in ledger.calls_in_flight(run_id):
-            if call.run_id in ended:  # its end is in the trail (a service that gave up on it): not in flight
+        # By the trail, whatever the run store says: a call started and not closed, of a run
+        # no live process holds now, was cut (the store's rows can be edited or deleted).
+        cut = [run for run, calls in open_calls.items() if calls]
+        live = set(ledger.live_runs(cut)) if cut else set()
+        for run in cut:
+            if run in live:
                 continue
-            start = starts.get((call.run_id, call.idempotency_key))
-            told = (
-                f"the trail has its start (seq {start}), not what it did"
-                if start is not None
-                else "the trail has no event of it"
-            )
+            for call_key, start in open_calls[run].items():
+                detail = (
+                    f"the process running {run} stopped during {start.tool} (step {start.step}, "
+                    f"{call_key}) and nothing ended or resumed the run: the trail has its start "
+                    f"(seq {start.seq}), not what it did; resuming the run records its crash and the call"
+                )
+                report(start.seq, ProblemKind.IN_FLIGHT, detail, run)
+        for call in ledger.calls_in_flight(run_id):
+            if (call.run_id, call.idempotency_key) in started or call.run_id in ended:
+                continue  # the trail has its start (judged above), or the run's end
             detail = (
                 f"the process running {call.run_id} died during {call.tool} (step {call.step}, "
-                f"{call.idempotency_key}): {told}; resuming the run records its crash and the call"
+                f"{call.idempotency_key}): the trail has no event of it; resuming the run records "
+                "its crash and the call"
             )
-            report(start or 0, ProblemKind.IN_FLIGHT, detail, call.run_id)
+            report(0, ProblemKind.IN_FLIGHT, detail, call.run_id)
         for row in ledger.forged_rows(run_id):
             report(0, ProblemKind.STORE_FORGED, f"run store: {row.detail}", row.run_id)
 
@@ -452,7 +484,20 @@ def _head_covers(store: AuditStore, last_seq: int) -> bool:
     return now is not None and now.seq >= last_seq
 
 
-_KEYED = frozenset({"tool_call", "run_end", "tool_call_start"})
+_KEYED = frozenset({"tool_call", "run_end", "tool_call_start", "run_start", "run_crash"})
+# What closes every call of its run started before it: a later start of the run is a resume,
+# which records the crash and each call the trail lacks (``AuditObserver``); so is its crash.
+# A ``run_end`` closes them too: the run's process wrote it, stopping (a clean stop, paused,
+# interrupted, killed) or ending the run, or a service gave the run up.
+_CLOSING = frozenset({"run_start", "run_crash"})
+
+
+class _Start(NamedTuple):
+    seq: int
+    step: int
+    tool: str
+
+
 # The statuses of a run that ended for good (RunStatus.finished; the audit layer does not
 # import the agent's): a paused, interrupted or broken run's run_end is one per stop.
 _FINAL = frozenset({"success", "check_failed", "max_steps", "budget", "killed", "denied", "error"})
@@ -467,26 +512,27 @@ def _once(
     audited: dict[tuple[str, str], int],
     ended: dict[str, int],
     report: Callable[[int, ProblemKind, str, str], None],
-) -> None:
-    """Note a tool_call's key or a final run_end, and report a second one."""
+) -> str | None:
+    """Note a tool_call's key or a final run_end, and report a second one; the tool_call's key."""
     attributes = _attributes(body)
     if kind == "tool_call":
         key = attributes.get("idempotency_key")
         if not isinstance(key, str) or not key:
-            return
+            return None
         # By run too: a key is unique per call, but one made by an earlier version
         # (``run_id:step:call_id``) may be another run's as well.
         first = audited.setdefault((run, key), seq)
         if first != seq:
             detail = f"a second tool_call event of {key} (the first is seq {first})"
             report(seq, ProblemKind.DUPLICATE_IN_TRAIL, detail, run)
-        return
+        return key
     if attributes.get("status") not in _FINAL:
-        return
+        return None
     first = ended.setdefault(run, seq)
     if first != seq and attributes.get("repeat") is not True:
         detail = f"a second run_end of run {run} (the first is seq {first}), not marked as a repeat"
         report(seq, ProblemKind.DUPLICATE_IN_TRAIL, detail, run)
+    return None
 
 
 def _attributes(body: str) -> dict[str, object]:

@@ -5,9 +5,9 @@ wrappers (``env``, ``sudo``, ``timeout 5``, ``nice``, ``xargs``, ...) and ``pyth
 looked through (the interpreter's command line read as CPython reads it, ``python3 -Impip``
 too: ``execrules.command_line``, the supervisor's own reading), and a script given to python,
 a shell or another interpreter is judged by the deny and approve rules as the program it is
-part of too (``python3 .../pip/__main__.py``: ``pip``; ``node /usr/bin/npm``: ``npm``). What cannot be analysed (command substitution,
-a variable as the program, ``eval``) is denied: the rules fail closed. The sandbox still
-confines whatever slips past.
+part of too (``python3 .../pip/__main__.py``: ``pip``; ``node /usr/bin/npm``: ``npm``). What
+cannot be analysed (command substitution, a variable as the program, ``eval``) is denied: the
+rules fail closed. The sandbox still confines whatever slips past.
 """
 
 from __future__ import annotations

@@ -3,10 +3,12 @@
 A resume runs what the store says the model asked for, shows the model the conversation the
 store holds, and puts back the workspace the store recorded: whoever can write the database
 file could choose all three. So the rows that say them (checkpoints, messages, steps, the
-ledger, the calls started, the workspace's path -> digest rows, a run's seed) carry an
+ledger, the calls started, the workspace's path -> digest rows, a run's seed; and the lease,
+which ``audit verify`` takes as proof that a run is live) carry an
 HMAC-SHA256 in their ``mac`` column, over the table and the row's columns, under a key
 derived from the audit trail's HMAC key (which the writer of the database does not hold).
-A row whose MAC is missing or wrong is ``RunStoreCorrupt``, and ``audit verify`` reports it.
+A row whose MAC is missing or wrong is ``RunStoreCorrupt`` (a lease's is not: a claim takes
+it over as before, and a lease that fails proves no run live), and ``audit verify`` reports it.
 
 What it cannot tell: a row removed (a run rolled back to an earlier checkpoint of its own),
 or one put back to an earlier version of itself. A store opened without the key writes no

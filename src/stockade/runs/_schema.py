@@ -66,7 +66,7 @@ def schema(ns: str, serial: str, blob: str) -> list[str]:
         # one owner per run (expires_ns 0: released)
         f"""CREATE TABLE IF NOT EXISTS {ns}_leases (
             run_id TEXT PRIMARY KEY, owner TEXT NOT NULL, expires_ns BIGINT NOT NULL,
-            acquired_ns BIGINT NOT NULL)""",
+            acquired_ns BIGINT NOT NULL, mac TEXT)""",
         # tool calls about to run (the ledger says which returned)
         f"""CREATE TABLE IF NOT EXISTS {ns}_calls_started (
             idempotency_key TEXT PRIMARY KEY, run_id TEXT NOT NULL, step INTEGER NOT NULL,
@@ -113,6 +113,9 @@ SIGNED: dict[str, tuple[tuple[str, ...], int]] = {
     "tool_calls": (("idempotency_key", "run_id", "step", "call_id", "tool", "recorded_ns", "body"), 2),
     # attempts and started_ns change as the call starts again; what it is does not
     "calls_started": (("idempotency_key", "run_id", "step", "call_id", "tool", "idempotent"), 2),
+    # who holds the run and until when: what `audit verify` takes as proof that a run is live
+    # (one edited to look live, or released, hid its crashed call from it; found from outside)
+    "leases": (("run_id", "owner", "expires_ns"), 1),
     "workspace": (("run_id", "version", "path", "body", "blob_bytes"), 3),
     "run_seeds": (("run_id", "digest", "recorded_ns"), 1),
     # what a replay runs under: a policy loosened in the database would loosen the replay

@@ -31,9 +31,12 @@ from stockade import exceptions as exc
 if TYPE_CHECKING:
     from stockade.runs.store import RunStore
 
-__all__ = ["LEASE_S", "LeaseHolder", "RunLease", "owner_gone", "owner_token"]
+__all__ = ["LEASE_S", "MAX_LEASE_S", "LeaseHolder", "RunLease", "owner_gone", "owner_token"]
 
 LEASE_S = 15.0
+# The longest a lease may run unrenewed: ``audit verify`` believes no lease expiring further
+# ahead than this (a run shown live by one would hide its crashed call from it).
+MAX_LEASE_S = 300.0
 
 
 def _read(path: str) -> str:

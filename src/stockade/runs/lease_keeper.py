@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from stockade import exceptions as exc
 from stockade.agent.state import RunStatus
 from stockade.runs._db import Database, Requirement, Statement
 from stockade.runs._mac import RowMac, select
 from stockade.runs._schema import SIGNED, as_int
-from stockade.runs.lease import LeaseHolder, owner_gone, owner_token, wait_time
+from stockade.runs.lease import MAX_LEASE_S, LeaseHolder, owner_gone, owner_token, wait_time
 
-__all__ = ["STALE_WHY", "LeaseKeeper"]
+__all__ = ["STALE_WHY", "LeaseKeeper", "held"]
+
+# How far apart the clocks of machines sharing a run store may be (``lease``: NTP).
+CLOCK_SKEW_S = 5.0
 
 # The error of a run marked ``interrupted`` because its process stopped.
 STALE_WHY = (
@@ -98,15 +101,18 @@ class LeaseKeeper:
                         retry_after=wait_time(expires, now),
                     )
                 previous = LeaseHolder(owner=held_by, expires_ns=expires, reason=reason)
+                until = now + round(lease_s * 1e9)
                 take = (
-                    f"UPDATE {ns}_leases SET owner = ?, expires_ns = ?, acquired_ns = ? "
+                    f"UPDATE {ns}_leases SET owner = ?, expires_ns = ?, acquired_ns = ?, mac = ? "
                     "WHERE run_id = ? AND owner = ? AND expires_ns = ?",
-                    [(owner, now + round(lease_s * 1e9), now, run_id, held_by, expires)],
+                    [(owner, until, now, self._sign(run_id, owner, until), run_id, held_by, expires)],
                 )
             else:
+                until = now + round(lease_s * 1e9)
                 take = (
-                    f"INSERT INTO {ns}_leases VALUES (?, ?, ?, ?) ON CONFLICT (run_id) DO NOTHING",
-                    [(run_id, owner, now + round(lease_s * 1e9), now)],
+                    f"INSERT INTO {ns}_leases (run_id, owner, expires_ns, acquired_ns, mac) "
+                    "VALUES (?, ?, ?, ?, ?) ON CONFLICT (run_id) DO NOTHING",
+                    [(run_id, owner, until, now, self._sign(run_id, owner, until))],
                 )
             self.db.write([take])
             got = self.db.query(f"SELECT owner FROM {ns}_leases WHERE run_id = ?", (run_id,))
@@ -125,8 +131,8 @@ class LeaseKeeper:
         return self.db.write(
             [
                 (
-                    f"UPDATE {self.ns}_leases SET expires_ns = ? WHERE run_id = ? AND owner = ?",
-                    [(expires, run_id, owner)],
+                    f"UPDATE {self.ns}_leases SET expires_ns = ?, mac = ? WHERE run_id = ? AND owner = ?",
+                    [(expires, self._sign(run_id, owner, expires), run_id, owner)],
                 )
             ],
             require=(f"SELECT 1 FROM {self.ns}_leases WHERE run_id = ? AND owner = ?", (run_id, owner)),
@@ -136,11 +142,30 @@ class LeaseKeeper:
         self.db.write(
             [
                 (
-                    f"UPDATE {self.ns}_leases SET expires_ns = 0 WHERE run_id = ? AND owner = ?",
-                    [(run_id, owner)],
+                    f"UPDATE {self.ns}_leases SET expires_ns = 0, mac = ? WHERE run_id = ? AND owner = ?",
+                    [(self._sign(run_id, owner, 0), run_id, owner)],
                 )
             ]
         )
+
+    def _sign(self, run_id: str, owner: str, expires_ns: int) -> str | None:
+        return self.mac.sign("leases", (run_id, owner, expires_ns))
+
+    def live(self, run_ids: Collection[str]) -> set[str]:
+        """Those of ``run_ids`` a live process holds the lease of now, as ``audit verify``
+        takes it: a lease row the store signed (when it has the key), not released, expiring
+        in the future but no further than ``MAX_LEASE_S`` (and a few seconds of clock skew)
+        ahead, of an owner not known to be gone. A run whose lease row is missing is not live."""
+        wanted, now, live = sorted(set(run_ids)), time.time_ns(), set[str]()
+        for at in range(0, len(wanted), 500):  # bound the statement's parameters
+            chunk = wanted[at : at + 500]
+            rows = self.db.query(
+                f"{select(self.ns, 'leases')} WHERE run_id IN ({', '.join('?' * len(chunk))})", chunk
+            )
+            for row in rows:
+                if self.mac.unauthentic(self.ns, "leases", row) is None and held(row, now):
+                    live.add(str(row[0]))
+        return live
 
     def forget(self, run_id: str, owner: str) -> None:
         with self._lock:
@@ -196,6 +221,15 @@ def live_expiry(db: Database, ns: str, run_id: str, now_ns: int) -> int | None:
         return None
     owner, expires_ns = str(rows[0][0]), as_int(rows[0][1])
     return expires_ns if expires_ns > now_ns and not owner_gone(owner) else None
+
+
+def held(lease: Sequence[object], now_ns: int) -> bool:
+    """Whether a lease row (``run_id, owner, expires_ns, ...``) is held by a live process:
+    expiring in the future, no further ahead than a lease may run (``MAX_LEASE_S``, and the
+    clocks' skew), of an owner not known to be gone."""
+    expires = as_int(lease[2])
+    horizon = now_ns + round((MAX_LEASE_S + CLOCK_SKEW_S) * 1e9)
+    return now_ns < expires <= horizon and not owner_gone(str(lease[1]))
 
 
 def _where_owner(owner: str) -> str:

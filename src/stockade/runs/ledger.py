@@ -4,8 +4,9 @@ A call's row is keyed by its idempotency key and written once, the moment the ca
 (or with the checkpoint that holds it, whichever comes first). The calls started
 (``<namespace>_calls_started``) are what a resume reads to tell a call that returned from
 one that started and did not: run again if its tool is idempotent, ``OutcomeUnknown``
-otherwise (``checkpoints``). A call started, not returned, of a run not ended whose lease is
-neither held nor released was cut by its process's death (``calls_in_flight``).
+otherwise (``checkpoints``). A call started, not returned, of a run not ended whose signed
+lease is neither held nor released was cut by its process's death (``calls_in_flight``;
+``audit verify`` judges by its trail the calls whose start the trail has).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from stockade.models.messages import ToolCall
 from stockade.runs._db import Database, Statement
 from stockade.runs._mac import RowMac, select
 from stockade.runs._schema import as_int
-from stockade.runs.lease import owner_gone
+from stockade.runs.lease_keeper import held
 
 __all__ = ["CallLedger", "redacted_json"]
 
@@ -113,14 +114,16 @@ class CallLedger:
     def calls_in_flight(self, run_id: str | None = None) -> list[LedgerCall]:
         """The calls its process died during: started, never returned, of a run that has not
         ended and whose lease its process neither holds (alive) nor released (it stopped the
-        run itself, cutting the call: ``interrupted``, ``killed``). A resume closes them (its
-        load records each as returned or ``OutcomeUnknown``)."""
+        run itself, cutting the call: ``interrupted``, ``killed``). A lease row missing, or
+        one the store did not sign, proves neither. A resume closes them (its load records
+        each as returned or ``OutcomeUnknown``). ``audit verify`` judges by its trail the
+        calls whose start the trail has: this is for those it lacks."""
         ns = self.ns
         sql = (
-            f"SELECT s.run_id, s.step, s.idempotency_key, s.tool, l.owner, l.expires_ns "
-            f"FROM {ns}_calls_started s JOIN {ns}_leases l ON l.run_id = s.run_id "
+            f"SELECT s.run_id, s.step, s.idempotency_key, s.tool, l.run_id, l.owner, l.expires_ns, l.mac "
+            f"FROM {ns}_calls_started s LEFT JOIN {ns}_leases l ON l.run_id = s.run_id "
             f"JOIN {ns}_runs r ON r.run_id = s.run_id "
-            f"WHERE l.expires_ns <> 0 AND r.status NOT IN ({', '.join('?' * len(_ENDED))}) "
+            f"WHERE r.status NOT IN ({', '.join('?' * len(_ENDED))}) "
             f"AND NOT EXISTS (SELECT 1 FROM {ns}_tool_calls t WHERE t.idempotency_key = s.idempotency_key)"
         )
         params: list[object] = list(_ENDED)
@@ -128,11 +131,15 @@ class CallLedger:
             sql += " AND s.run_id = ?"
             params.append(run_id)
         now = time.time_ns()
-        return [
-            LedgerCall(run_id=str(run), step=as_int(step), idempotency_key=str(key), tool=str(tool))
-            for run, step, key, tool, owner, expires in self.db.query(sql + " ORDER BY s.started_ns", params)
-            if as_int(expires) <= now or owner_gone(str(owner))
-        ]
+        cut = []
+        for run, step, key, tool, *lease in self.db.query(sql + " ORDER BY s.started_ns", params):
+            signed = lease[0] is not None and self.mac.unauthentic(self.ns, "leases", lease) is None
+            if signed and (as_int(lease[2]) == 0 or held(lease, now)):
+                continue  # released by its own process, or live
+            cut.append(
+                LedgerCall(run_id=str(run), step=as_int(step), idempotency_key=str(key), tool=str(tool))
+            )
+        return cut
 
     # -- calls started -------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -69,7 +69,7 @@ from stockade.runs._schema import (
 )
 from stockade.runs.checkpoints import OUTCOME_UNKNOWN, Checkpoints
 from stockade.runs.erasure import Erasure
-from stockade.runs.lease import LEASE_S, LeaseHolder, RunLease
+from stockade.runs.lease import LEASE_S, MAX_LEASE_S, LeaseHolder, RunLease
 from stockade.runs.lease_keeper import STALE_WHY, LeaseKeeper, live_expiry
 from stockade.runs.ledger import CallLedger
 from stockade.runs.records import ApprovalEntry, RetryEntry, RunSetup, RunSummary, RunTrace, WorkspaceUsage
@@ -110,8 +110,10 @@ class RunStore:
         lease_wait_s: float = 0.0,
         key: bytes | None = None,
     ) -> None:
-        if lease_s <= 0 or lease_wait_s < 0:
-            raise exc.ConfigurationError("RunStore: lease_s must be positive and lease_wait_s >= 0")
+        if not 0 < lease_s <= MAX_LEASE_S or lease_wait_s < 0:
+            raise exc.ConfigurationError(
+                f"RunStore: lease_s must be positive and at most {MAX_LEASE_S:g}, and lease_wait_s >= 0"
+            )
         self.db = db
         self.max_seed_bytes = max_seed_bytes
         self.lease_s = lease_s
@@ -532,6 +534,11 @@ class RunStore:
         """The calls a dead process was running (started, never returned, of a run neither
         ended, nor live, nor stopped by its process), as ``audit verify`` reports them."""
         return self._ledger.calls_in_flight(run_id)
+
+    def live_runs(self, run_ids: Collection[str]) -> set[str]:
+        """Those of ``run_ids`` a live process holds now, by a lease the store signed (when it
+        has the key): ``audit verify`` reports no call of theirs in flight."""
+        return self._leases.live(run_ids)
 
     def retries(self, run_id: str) -> list[RetryEntry]:
         rows = self.db.query(f"{select(self.ns, 'retries')} WHERE run_id = ? ORDER BY id", (run_id,))

@@ -5,7 +5,7 @@ shows it."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -39,6 +39,9 @@ class Ledger:
 
     def forged_rows(self, run_id: str | None = None) -> Iterable[ForgedRow]:
         return []
+
+    def live_runs(self, run_ids: Collection[str]) -> Collection[str]:
+        return ()
 
 
 def call(log: AuditLog, key: str, run: str = "r") -> None:

@@ -575,31 +575,41 @@ def test_the_time_a_killed_process_spent_past_its_checkpoint_counts_in_the_wall_
     assert result.state.elapsed_s >= 20.0
 
 
-def test_a_call_running_under_a_held_lease_or_cut_by_its_own_process_is_not_in_flight(
+def test_a_call_running_under_a_held_lease_is_not_in_flight_one_an_exception_cut_is_until_resumed(
     store: RunStore,
 ) -> None:
-    """``in_flight`` is a call a dead process was running: not one running now (its run's lease
-    is held), nor one its own process stopped (the lease released: interrupted, crashed in
-    Python), whose trail has the failure of what it cut."""
+    """``in_flight`` is a call no live process runs and nothing in the trail closed: not one
+    running now (its run's lease is held). An exception escaping the run (a crash in Python)
+    releases the lease but writes no ``run_end``: the trail has the call's start and nothing
+    after it, as after a death, until a resume records the call."""
     trail = MemoryStore()
     seen: list[list[str]] = []
 
     @tool
     def slow(ctx: ToolContext) -> str:
         """Look at the trail mid-call."""
+        if seen:
+            return "done this time"
         log.flush()
         seen.append([p.kind.value for p in verify(trail, ledger=store).problems])
         raise Died("the process stops here")
 
-    with sandbox() as sbx, AuditLog(trail, flush_interval_s=None) as log:
-        agent = Agent(
-            ScriptedModel([tool_call("slow"), "done"]),
+    def agent(turns: list[Turn]) -> Agent:
+        return Agent(
+            ScriptedModel(turns),
             tools=default_toolset().including(slow),
             checkpointer=store,
             observers=[AuditObserver(log), RunRecorder(store)],
         )
+
+    with sandbox() as sbx, AuditLog(trail, flush_interval_s=None) as log:
         with pytest.raises(Died):
-            agent.run_sync("t", sandbox=sbx, run_id="r")
-    assert seen == [[]]  # live: its lease is held
-    assert store.calls_in_flight("r") == [] and verify(trail, ledger=store).ok  # released
+            agent([tool_call("slow"), "done"]).run_sync("t", sandbox=sbx, run_id="r")
+        assert seen == [[]]  # live: its lease is held
+        assert store.calls_in_flight("r") == []  # the run store's word: released by its own process
+        (cut,) = verify(trail, ledger=store).problems  # the trail's: nothing ended the run
+        assert cut.kind.value == "in_flight" and "slow" in cut.detail
+        resumed = agent([tool_call("slow"), "done"]).run_sync(resume="r", sandbox=sbx)
+        assert resumed.status == RunStatus.SUCCESS, resumed.error
+    assert verify(trail, ledger=store).ok
     assert [e.attributes["tool"] for e in trail.events() if e.kind.value == "tool_call_start"] == ["slow"]

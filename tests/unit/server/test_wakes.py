@@ -51,7 +51,8 @@ def wakers(store: ServiceStore, db_url: str) -> Iterator[tuple[Waker, Waker, Sen
 
 
 def lease(store: ServiceStore, owner: str, expires_ns: int) -> None:
-    store.db.write([("INSERT INTO runs_leases VALUES ('r1', ?, ?, 0)", [(owner, expires_ns)])])
+    sql = "INSERT INTO runs_leases (run_id, owner, expires_ns, acquired_ns) VALUES ('r1', ?, ?, 0)"
+    store.db.write([(sql, [(owner, expires_ns)])])
 
 
 def dead_owner() -> str:
