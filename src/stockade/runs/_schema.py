@@ -48,9 +48,11 @@ def schema(ns: str, serial: str, blob: str) -> list[str]:
             action TEXT NOT NULL, rule TEXT NOT NULL, reason TEXT NOT NULL, decision TEXT NOT NULL,
             recorded_ns BIGINT NOT NULL, mac TEXT)""",
         f"CREATE INDEX IF NOT EXISTS {ns}_approvals_run ON {ns}_approvals (run_id)",
-        # starting workspaces, content-addressed: identical seeds are stored once
+        # starting workspaces, content-addressed: identical seeds are stored once; uses: how
+        # many times a run took it (an erasure deletes one no run took since it looked: ``erasure``)
         f"""CREATE TABLE IF NOT EXISTS {ns}_seeds (
-            digest TEXT PRIMARY KEY, bytes BIGINT NOT NULL, data {blob} NOT NULL)""",
+            digest TEXT PRIMARY KEY, bytes BIGINT NOT NULL, data {blob} NOT NULL,
+            uses BIGINT NOT NULL DEFAULT 0)""",
         f"""CREATE TABLE IF NOT EXISTS {ns}_run_seeds (
             run_id TEXT PRIMARY KEY, digest TEXT NOT NULL, recorded_ns BIGINT NOT NULL, mac TEXT)""",
         # what a run ran under (``RunSetup``): a replay runs under the same
@@ -76,7 +78,8 @@ def schema(ns: str, serial: str, blob: str) -> list[str]:
         # workspaces step by step: file contents by SHA-256 (zlib), and per version the paths
         # that changed (body NULL: removed)
         f"""CREATE TABLE IF NOT EXISTS {ns}_blobs (
-            digest TEXT PRIMARY KEY, bytes BIGINT NOT NULL, data {blob} NOT NULL)""",
+            digest TEXT PRIMARY KEY, bytes BIGINT NOT NULL, data {blob} NOT NULL,
+            uses BIGINT NOT NULL DEFAULT 0)""",
         f"""CREATE TABLE IF NOT EXISTS {ns}_workspace (
             run_id TEXT NOT NULL, version BIGINT NOT NULL, path TEXT NOT NULL, body TEXT,
             blob_bytes BIGINT NOT NULL, mac TEXT, PRIMARY KEY (run_id, version, path))""",

@@ -87,19 +87,33 @@ class Erasure:
         return as_int(found[0][0]) if found else 0
 
     def _unshared(self, blobs: set[str], seeds: set[str]) -> list[Statement]:
-        """Deletions of the contents and seeds (of erased runs) that no run refers to any more."""
+        """Deletions of the contents and seeds (of erased runs) that no run refers to any more.
+
+        Another run may take one meanwhile (the same file, the same starting folder): it counts
+        the take (``uses``) in the transaction that refers to it, and each deletion holds only
+        while the count is what was read here and no row refers to it, checked by the DELETE
+        itself. A take that comes after the deletion finds the content gone, and stores it
+        again (``WorkspaceHistory._bring_back``; a seed is written with its data each time)."""
         ns = self.ns
-        gone_blobs = [
-            (d,)
-            for d in sorted(blobs)
-            if not self.db.query(f"SELECT 1 FROM {ns}_workspace WHERE body LIKE ? LIMIT 1", (f'%"{d}"%',))
-        ]
-        gone_seeds = [
-            (d,)
-            for d in sorted(seeds)
-            if not self.db.query(f"SELECT 1 FROM {ns}_run_seeds WHERE digest = ? LIMIT 1", (d,))
-        ]
+
+        def uses(table: str, digests: set[str]) -> list[tuple[str, int]]:
+            return [
+                (str(d), as_int(n))
+                for digest in sorted(digests)
+                for d, n in self.db.query(
+                    f"SELECT digest, uses FROM {ns}_{table} WHERE digest = ?", (digest,)
+                )
+            ]
+
         return [
-            (f"DELETE FROM {ns}_blobs WHERE digest = ?", gone_blobs),
-            (f"DELETE FROM {ns}_seeds WHERE digest = ?", gone_seeds),
+            (
+                f"DELETE FROM {ns}_blobs WHERE digest = ? AND uses = ? "
+                f"AND NOT EXISTS (SELECT 1 FROM {ns}_workspace WHERE body LIKE ?)",
+                [(d, n, f'%"{d}"%') for d, n in uses("blobs", blobs)],
+            ),
+            (
+                f"DELETE FROM {ns}_seeds WHERE digest = ? AND uses = ? "
+                f"AND NOT EXISTS (SELECT 1 FROM {ns}_run_seeds WHERE digest = ?)",
+                [(d, n, d) for d, n in uses("seeds", seeds)],
+            ),
         ]

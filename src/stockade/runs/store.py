@@ -146,6 +146,8 @@ class RunStore:
         self.db.create(schema(self.ns, db.serial, db.blob), name=self.ns)
         for table in MAC_TABLES:
             self.db.add_column(f"{self.ns}_{table}", "mac", "TEXT")
+        for table in ("blobs", "seeds"):  # shared contents: how many times runs took each
+            self.db.add_column(f"{self.ns}_{table}", "uses", "BIGINT NOT NULL DEFAULT 0")
 
     def _check_schema(self) -> None:
         signed = {f"{self.ns}_{t}" for t in MAC_TABLES}

@@ -25,8 +25,9 @@ from stockade.runs._schema import as_int
 from stockade.runs.checkpoints import Checkpoints
 from stockade.runs.records import WorkspaceUsage
 from stockade.runs.seeds import pack_workspace, unpack_seed
-from stockade.runs.workspace import Entry, WorkspaceTracker, decode_entry, relative_path, restore
+from stockade.runs.workspace import Entry, Scan, WorkspaceTracker, decode_entry, relative_path, restore
 from stockade.sandbox.facade import Sandbox
+from stockade.sandbox.ops import ReadFile
 
 __all__ = ["WorkspaceHistory"]
 
@@ -85,11 +86,22 @@ class WorkspaceHistory:
         added = {
             path: len(packed.get(e.digest, b"")) if e is not None else 0 for path, e in scan.changes.items()
         }
+        # Contents this version takes from the store instead of bringing them: counted as
+        # taken in its transaction, so that an erasure that looked before keeps them.
+        taken = sorted(
+            {
+                e.digest
+                for e in scan.changes.values()
+                if e is not None and e.digest and e.digest not in scan.blobs
+            }
+        )
         statements: list[Statement] = [
             (
-                f"INSERT INTO {self.ns}_blobs VALUES (?, ?, ?) ON CONFLICT (digest) DO NOTHING",
+                f"INSERT INTO {self.ns}_blobs (digest, bytes, data, uses) VALUES (?, ?, ?, 1) "
+                f"ON CONFLICT (digest) DO UPDATE SET uses = {self.ns}_blobs.uses + 1",
                 [(digest, len(scan.blobs[digest]), data) for digest, data in packed.items()],
             ),
+            (f"UPDATE {self.ns}_blobs SET uses = uses + 1 WHERE digest = ?", [(d,) for d in taken]),
             (
                 f"INSERT INTO {self.ns}_workspace VALUES (?, ?, ?, ?, ?, ?)",
                 [
@@ -103,7 +115,37 @@ class WorkspaceHistory:
         self.checkpoints.write_with_call(
             run_id, statements, call, now=now, then=lambda: tracker.commit(scan, version)
         )
+        if taken:
+            self._bring_back(sandbox, scan, taken)
         return version
+
+    def _bring_back(self, sandbox: Sandbox, scan: Scan, taken: list[str]) -> None:
+        """Store again the contents a version took from the store that an erasure deleted
+        before the version was written (it had found no run using them), read from the
+        sandbox once more. One rewritten meanwhile is the next version's to record."""
+        marks = ",".join("?" * len(taken))
+        have = {
+            str(d)
+            for (d,) in self.db.query(f"SELECT digest FROM {self.ns}_blobs WHERE digest IN ({marks})", taken)
+        }
+        for digest in sorted(set(taken) - have):
+            path, entry = next(
+                (p, e) for p, e in scan.changes.items() if e is not None and e.digest == digest
+            )
+            try:
+                data = sandbox.instance.execute(ReadFile(path=path, max_bytes=entry.size + 1))
+            except exc.SandboxFileNotFound:
+                continue
+            if hashlib.sha256(data).hexdigest() == digest:
+                self.db.write(
+                    [
+                        (
+                            f"INSERT INTO {self.ns}_blobs (digest, bytes, data, uses) VALUES (?, ?, ?, 1) "
+                            f"ON CONFLICT (digest) DO UPDATE SET uses = {self.ns}_blobs.uses + 1",
+                            [(digest, len(data), zlib.compress(data, 6))],
+                        )
+                    ]
+                )
 
     def _known_blob(self, digest: str) -> bool:
         return bool(self.db.query(f"SELECT 1 FROM {self.ns}_blobs WHERE digest = ?", (digest,)))
@@ -229,8 +271,9 @@ class WorkspaceHistory:
         seed = pack_workspace(workspace, max_bytes=max_bytes, hide=hide, read=read)
         self.db.write(
             [
-                (
-                    f"INSERT INTO {self.ns}_seeds VALUES (?, ?, ?) ON CONFLICT (digest) DO NOTHING",
+                (  # taken again: an erasure that looked before keeps it, or it is stored anew
+                    f"INSERT INTO {self.ns}_seeds (digest, bytes, data, uses) VALUES (?, ?, ?, 1) "
+                    f"ON CONFLICT (digest) DO UPDATE SET uses = {self.ns}_seeds.uses + 1",
                     [(seed.digest, len(seed.data), seed.data)],
                 ),
                 (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,6 +15,8 @@ from stockade.audit import AuditLog, MemoryStore, verify
 from stockade.audit.agent import AuditObserver
 from stockade.exceptions import RunConflict
 from stockade.runs import RunRecorder, RunStore
+from stockade.sandbox.base import OpResult
+from stockade.sandbox.ops import Op, ReadFile
 from stockade.testing import FakeBackend, MemoryWorkspace, ScriptedModel, tool_call
 from stockade.tools import default_toolset
 
@@ -62,3 +65,35 @@ def test_a_running_run_is_not_erased(store: RunStore) -> None:
             store.erase(["live"])
     finally:
         lease.release()
+
+
+def test_a_content_another_run_takes_while_an_erasure_runs_is_not_lost(
+    store: RunStore, tmp_path: Path
+) -> None:
+    """Bob's record finds alice's content stored (so it does not bring it again); alice's
+    erasure, between that finding and bob's record being written, found no run using it and
+    deleted it: bob's workspace referred to a content no longer stored (found by reading the
+    code). The take is counted in bob's transaction and a content found gone is stored again."""
+    log = AuditLog(MemoryStore(), flush_interval_s=None)
+    run(store, log, "alice-1", "alice", "alice's notes\n")
+    files = {"copy.txt": b"alice's notes\n", "zz-read-last.txt": b"bob's own\n"}
+    workspace = MemoryWorkspace(files=dict(files))
+    erased: list[int] = []
+    reads: list[str] = []
+
+    def handler(op: Op[Any]) -> OpResult:
+        if isinstance(op, ReadFile):
+            reads.append(op.path)
+        # the second read: the run store's record (the first is the diff's baseline), copy.txt
+        # read before it and found stored
+        if reads.count("zz-read-last.txt") == 2 and not erased:
+            erased.append(store.erase(["alice-1"]))
+        return workspace(op)
+
+    model = ScriptedModel(["nothing to do"])
+    agent = Agent(model, tools=default_toolset(), checkpointer=store, observers=[RunRecorder(store)])
+    with Sandbox.create(backend=FakeBackend(handler)) as sbx:
+        agent.run_sync("look", sandbox=sbx, run_id="bob-1")
+    assert erased == [1]
+    store.export_workspace("bob-1", tmp_path / "bob")
+    assert {name: (tmp_path / "bob" / name).read_bytes() for name in files} == files
