@@ -26,6 +26,7 @@ __all__ = [
     "ExecutionError",
     "HostRule",
     "HostShare",
+    "JudgedExecs",
     "Limits",
     "Listing",
     "Logs",
@@ -502,6 +503,10 @@ class ExecRecord:
     ``own_code``, on an exec the host is asked to approve: nothing but the code of the call
     it is credited to can have started it (a command's own processes, or the first
     ``run_code`` in a new interpreter), so an approval of that call may answer for it.
+    ``between``: no call's code ran it; what an earlier call left running did (a thread of
+    the interpreter, a child), after that call returned. Such execs are listed first in the
+    next call's ``execs`` (or taken with ``TakeExecs``); one needing an approval was refused,
+    with no call to ask under.
     """
 
     path: str
@@ -509,6 +514,16 @@ class ExecRecord:
     verdict: str
     rule: str = ""
     own_code: bool = False
+    between: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class JudgedExecs:
+    """The execs judged while no call ran that no call's result listed yet (``TakeExecs``):
+    each ``ExecRecord.between``; ``execs_omitted`` counts those past what a report keeps."""
+
+    execs: tuple[ExecRecord, ...] = ()
+    execs_omitted: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1312,6 +1312,96 @@ def test_commands_running_at_once_each_get_their_own_exec_records(tier: str) -> 
             assert words == [name] * batch[name][1], (name, words)
 
 
+# Left running by one call: a thread that, once the call returned, runs what the rules let run
+# (judge.c's, where it runs), many times over (past what a report keeps), then what they deny
+# and what needs an approval (both judged in Python), and says so in the workspace.
+LEFT_BEHIND = (
+    "import subprocess, threading, time\n"
+    "def run(*argv):\n"
+    "    try:\n"
+    "        subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+    "    except OSError:\n"  # refused: EPERM at the exec
+    "        pass\n"
+    "def later():\n"
+    "    time.sleep(1)\n"
+    "    for i in range({rounds}):\n"
+    "        run('/bin/true', '{tag}')\n"
+    "    run('/usr/bin/id', '-u')\n"
+    "    run('rm', '-r', '/workspace/keep')\n"
+    "    open('/workspace/done-{tag}', 'w').close()\n"
+    "threading.Thread(target=later).start()"
+)
+
+
+def _asked_into(asked: list[ExecRecord]) -> Any:
+    def approve(record: ExecRecord) -> bool:
+        asked.append(record)
+        return True
+
+    return approve
+
+
+def _wait_for(sbx: Sandbox, path: str) -> None:
+    deadline = time.monotonic() + 60
+    while not sbx.files.exists(path):  # a files call: it lists no execs
+        assert time.monotonic() < deadline, f"{path} never came"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("judge", ["compiled", "python"])
+def test_execs_judged_between_calls_are_listed_by_the_next_call_and_taken_at_close(
+    tier: str, judge: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a run_code left running execs after its call returned: the next call lists those
+    execs first (marked ``between``), the denied one and the one that needed an approval
+    (refused, the approver never asked: no call to ask under) past a flood of allowed ones
+    (kept to a report's bounds, the rest counted); those still pending at close reach the
+    audit trail. Before, no job led them, and they were dropped, recorded nowhere (found
+    from outside: a thread's `cp -r` between an agent's calls)."""
+    if tier not in CONFINES:
+        return  # no exec judge there (test_gvisor_holds_the_masks_...)
+    from stockade.audit.events import EventKind
+    from stockade.audit.sandbox import AuditedBackend
+    from stockade.sandbox import _registry
+    from stockade.testing import capture_audit
+
+    monkeypatch.setenv("STOCKADE_EXEC_JUDGE", judge)
+    rounds = 20 if tier == "microvm" else 1000  # more than a report keeps of allowed execs
+    asked: list[ExecRecord] = []
+    rules = SandboxRules(deny=("id -u",), approve=("rm -r",))
+    with capture_audit() as audit:
+        backend = AuditedBackend(_registry.backend(tier), audit, run_id="between")
+        with Sandbox.create(backend=backend, limits=LIMITS, rules=rules, approver=_asked_into(asked)) as sbx:
+            sbx.files.write("keep/file", "x")
+            assert sbx.run_code(LEFT_BEHIND.format(rounds=rounds, tag="one")).execs == ()
+            _wait_for(sbx, "done-one")
+            after = sbx.run_code("print(1)")
+            assert after.logs.stdout == "1\n"
+            # (a PATH search tries /usr/bin/rm and /bin/rm: each refused, each recorded)
+            judged = [(e.argv, e.verdict) for e in after.execs if e.argv[:1] != ("/bin/true",)]
+            assert list(dict.fromkeys(judged)) == [
+                (("/usr/bin/id", "-u"), "deny"),
+                (("rm", "-r", "/workspace/keep"), "refuse"),
+            ]
+            assert all(e.between for e in after.execs)
+            trues = [e for e in after.execs if e.argv == ("/bin/true", "one")]
+            assert len(trues) + after.execs_omitted == rounds and trues
+            assert sbx.run_code("print(2)").execs == ()  # each handed over once
+            # Pending at close: taken then, into the trail.
+            sbx.run_code(LEFT_BEHIND.format(rounds=2, tag="two"))
+            _wait_for(sbx, "done-two")
+            assert sbx.files.exists("keep/file")
+        assert asked == []
+    events = [e.attributes for e in audit.of(EventKind.EXEC) if "argv" in e.attributes]  # not "omitted"
+    assert all(a.get("between") is True for a in events)
+    closing = [(str(a["argv"]), a.get("verdict")) for a in events if "of" not in a]
+    denied, refused = str(["/usr/bin/id", "-u"]), str(["rm", "-r", "/workspace/keep"])
+    assert closing[:2] == [(str(["/bin/true", "two"]), "allow")] * 2
+    assert list(dict.fromkeys(closing[2:])) == [(denied, "deny"), (refused, "refuse")]
+    listed = [(str(a["argv"]), a.get("verdict")) for a in events if a.get("of") == "run_code"]
+    assert (denied, "deny") in listed and (refused, "refuse") in listed
+
+
 KILL_THE_ZYGOTE = "import os, signal; os.kill(os.getppid(), signal.SIGKILL)"
 
 

@@ -7,7 +7,9 @@ commands (argv, env *names* never values, exit code, duration, output sizes; a p
 from standard input, as ``run_code`` runs bash or node, capped, with its digest), ``run_code``
 (the code, capped, and its digest), file writes and removals, resets and ``sandbox_stop``;
 and, after a command or ``run_code``, each exec the sandbox's rules judged inside (``exec``:
-its argv, the verdict and the rule), in the order they happened. A command or ``run_code``
+its argv, the verdict and the rule), in the order they happened; those what a call left
+running started while no call ran come first with the next call's result, or are taken
+before a reset and at close (``between``, of the call they followed). A command or ``run_code``
 is also recorded as it starts (``op_start``: the argv, cut; the code's size and digest), so
 a process killed while one runs leaves in the trail what was in flight; the execs judged inside
 it are reported with its result, and die with the process.
@@ -17,6 +19,7 @@ class and whether it was retryable, then re-raised.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import hashlib
@@ -47,11 +50,12 @@ from stockade.sandbox.ops import (
     Reset,
     RunCode,
     RunCommand,
+    TakeExecs,
     TakeSnapshot,
     WriteFile,
     as_inline,
 )
-from stockade.types import CommandResult, EgressRecord, Execution, HostRule, Snapshot
+from stockade.types import CommandResult, EgressRecord, ExecRecord, Execution, HostRule, JudgedExecs, Snapshot
 
 __all__ = ["AuditedBackend", "AuditedInstance", "current_call", "exec_word"]
 
@@ -244,6 +248,7 @@ class AuditedInstance(WrapperInstance):
         self._started = time.perf_counter()
         self._ops = 0
         self._stopped = False
+        self._last_call: str | None = None  # of the last command or run_code (``_record_execs``)
 
     def _record(self, kind: EventKind, duration_s: float, attributes: Mapping[str, object]) -> None:
         self.log.record(
@@ -256,6 +261,13 @@ class AuditedInstance(WrapperInstance):
         )
 
     def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
+        if isinstance(op, TakeExecs):  # each is handed over once: recorded as it is taken
+            taken = self.wrapped.handle(op, sink)
+            if isinstance(taken, JudgedExecs):
+                self._record_execs(None, taken.execs, taken.execs_omitted)
+            return taken
+        if isinstance(op, Reset):
+            self._take_between()  # the last user's, before the reset forgets them
         described = describe(op, self.log.redactor)
         if described is None:
             return self.wrapped.handle(op, sink)
@@ -273,34 +285,55 @@ class AuditedInstance(WrapperInstance):
             raise
         self._record(kind, time.perf_counter() - start, {**attributes, **outcome(result)})
         if isinstance(result, CommandResult | Execution):
-            for judged in result.execs:  # what the code started, as the sandbox's rules judged it
-                self._record(
-                    EventKind.EXEC,
-                    0.0,
-                    {
-                        "of": kind.value,
-                        "call_id": current_call.get(),
-                        "path": self.log.redactor.cut(judged.path, TEXT_CAP),
-                        "argv": [exec_word(self.log.redactor, a) for a in judged.argv],
-                        "verdict": judged.verdict,
-                        "rule": judged.rule,
-                    },
-                )
-            if result.execs_omitted:  # past what a report keeps: counted, never silently gone
-                self._record(
-                    EventKind.EXEC,
-                    0.0,
-                    {
-                        "of": kind.value,
-                        "call_id": current_call.get(),
-                        "verdict": "omitted",
-                        "count": result.execs_omitted,
-                    },
-                )
+            self._record_execs(kind, result.execs, result.execs_omitted)
+            self._last_call = current_call.get()
         return result
+
+    def _record_execs(self, kind: EventKind | None, execs: tuple[ExecRecord, ...], omitted: int) -> None:
+        """What code started, as the sandbox's rules judged it: each an ``exec`` event of the
+        call whose result listed it (``of`` its kind). One judged while no call ran
+        (``between``) is the call's before which it came, after that of the last command or
+        ``run_code`` (``call_id``: None before any)."""
+        of = {"of": kind.value} if kind is not None else {}
+        for judged in execs:
+            self._record(
+                EventKind.EXEC,
+                0.0,
+                {
+                    **of,
+                    "call_id": self._last_call if judged.between or kind is None else current_call.get(),
+                    **({"between": True} if judged.between else {}),
+                    "path": self.log.redactor.cut(judged.path, TEXT_CAP),
+                    "argv": [exec_word(self.log.redactor, a) for a in judged.argv],
+                    "verdict": judged.verdict,
+                    "rule": judged.rule,
+                },
+            )
+        if omitted:  # past what a report keeps: counted, never silently gone
+            self._record(
+                EventKind.EXEC,
+                0.0,
+                {
+                    **of,
+                    "call_id": current_call.get() if kind is not None else self._last_call,
+                    "verdict": "omitted",
+                    "count": omitted,
+                },
+            )
+
+    def _take_between(self) -> None:
+        """The execs judged while no call ran that no result listed yet, into the trail:
+        before a reset forgets them and at close (a sandbox that no longer answers keeps its
+        own; one that judges none answers none)."""
+        if not self.wrapped.alive:
+            return
+        with contextlib.suppress(exc.StockadeError):
+            self.handle(TakeExecs(), None)
 
     def close(self) -> None:
         start = time.perf_counter()
+        if not self._stopped:
+            self._take_between()
         try:
             self.wrapped.close()
         finally:

@@ -239,9 +239,20 @@ def _print_call(trace: RunTrace, step: int, record: ToolCallRecord, limit: int, 
             f"      [yellow]↻ retry {retry.attempt}[/] {escape(retry.subject)} after "
             f"{retry.delay_s:.2f} s: {escape(retry.reason)}"
         )
-    # What its code ran, judged inside: every exec the rules stopped or asked about, and the
-    # first of those they let run (a loop of `true` must not push a `deny` out of sight).
-    judged_all = execs.get(record.call.id, [])
+    _print_execs(execs.get(record.call.id, []))
+    shown = _cut(record.observation, limit)
+    out.print(
+        "      " + escape(shown).replace("\n", "\n      "),
+        style="dim",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+def _print_execs(judged_all: list[dict[str, object]]) -> None:
+    """What a call's code ran, judged inside, and what ran after it while no call did (what
+    it left running: ``between``): every exec the rules stopped or asked about, and the first
+    of those they let run (a loop of `true` must not push a `deny` out of sight)."""
     room = max(0, EXECS_SHOWN - sum(1 for j in judged_all if j.get("verdict") != "allow"))
     shown_execs = []
     for judged in judged_all:
@@ -261,17 +272,11 @@ def _print_call(trace: RunTrace, step: int, record: ToolCallRecord, limit: int, 
         colour = {"allow": "dim", "approve": "green", "deny": "red", "refuse": "red"}.get(verdict, "")
         rule = f" ({judged.get('rule')})" if judged.get("rule") else ""
         words = escape(_cut(words, 160), one_line=True)
-        out.print(f"      [{colour}]exec {escape(verdict)}[/] {words}{escape(rule, one_line=True)}")
+        after = " [yellow](after the call, by what it left running)[/]" if judged.get("between") else ""
+        out.print(f"      [{colour}]exec {escape(verdict)}[/] {words}{escape(rule, one_line=True)}{after}")
     if len(shown_execs) < len(judged_all):
         hidden = len(judged_all) - len(shown_execs)
         out.print(f"      [dim]… {hidden} more execs it let run (--json lists them)[/]")
-    shown = _cut(record.observation, limit)
-    out.print(
-        "      " + escape(shown).replace("\n", "\n      "),
-        style="dim",
-        highlight=False,
-        soft_wrap=True,
-    )
 
 
 def _print_trace(trace: RunTrace, limit: int, execs: Execs | None = None) -> None:
@@ -298,6 +303,9 @@ def _print_trace(trace: RunTrace, limit: int, execs: Execs | None = None) -> Non
             out.print(f"  [dim]{escape(_cut(step.response.text, limit))}[/]")
         for record in step.tool_calls:
             _print_call(trace, step.index, record, limit, execs or {})
+    if (execs or {}).get(""):  # judged while no call ran, before the first command or run_code
+        out.print("\n[bold]execs before any tool call[/]")
+        _print_execs((execs or {})[""])
     for check in state.checks:
         verdict = "[green]passed[/]" if check.passed else "[red]failed[/]"
         out.print(

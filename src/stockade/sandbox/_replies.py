@@ -16,7 +16,16 @@ from stockade import exceptions as exc
 from stockade.sandbox import _rules
 from stockade.sandbox.ops import Area
 from stockade.sandbox.supervisor.protocol import MAX_NAME, MAX_TEXT, MAX_VALUE
-from stockade.types import CommandResult, EntryInfo, EntryType, Execution, ExecutionError, Logs, Result
+from stockade.types import (
+    CommandResult,
+    EntryInfo,
+    EntryType,
+    Execution,
+    ExecutionError,
+    JudgedExecs,
+    Logs,
+    Result,
+)
 
 __all__ = [
     "WORKSPACE_ERRORS",
@@ -112,10 +121,31 @@ def entry_info(raw: Any) -> EntryInfo:
     )
 
 
+def judged_execs(final: dict[str, Any], between: dict[str, Any] | None) -> JudgedExecs:
+    """The execs a call's report lists: first those judged while no call ran, which the
+    supervisor handed over in a frame of their own just before it (``between``), then the
+    call's own; the count of those past what each frame keeps."""
+    before = JudgedExecs() if between is None else judged_between(between)
+    own = _rules.exec_records(final)
+    omitted = max(0, int_field(final.get("exec_count")) - len(own))
+    return JudgedExecs(execs=before.execs + own, execs_omitted=before.execs_omitted + omitted)
+
+
+def judged_between(h: dict[str, Any]) -> JudgedExecs:
+    """The execs judged while no call ran, as a ``between`` frame or a ``TakeExecs`` answer
+    hands them over."""
+    execs = _rules.exec_records(h, between=True)
+    return JudgedExecs(execs=execs, execs_omitted=max(0, int_field(h.get("exec_count")) - len(execs)))
+
+
 def command_result(
-    h: dict[str, Any], streams: dict[int, OutputCollector], oom_since: OomCheck
+    h: dict[str, Any],
+    streams: dict[int, OutputCollector],
+    oom_since: OomCheck,
+    between: dict[str, Any] | None = None,
 ) -> CommandResult:
-    """A command's report (``exit``), with the output the host collected."""
+    """A command's report (``exit``), with the output the host collected (and ``between``:
+    the execs judged while no call ran, handed over before it)."""
     out_total = max(int_field(h.get("stdout_bytes")), len(streams[1].data))
     err_total = max(int_field(h.get("stderr_bytes")), len(streams[2].data))
     out, out_cut = streams[1].text(out_total)
@@ -135,8 +165,8 @@ def command_result(
         stdout_bytes=out_total,
         stderr_bytes=err_total,
         signal=sig if isinstance(sig, int) else None,
-        execs=(execs := _rules.exec_records(h)),
-        execs_omitted=max(0, int_field(h.get("exec_count")) - len(execs)),
+        execs=(judged := judged_execs(h, between)).execs,
+        execs_omitted=judged.execs_omitted,
     )
 
 
@@ -158,9 +188,14 @@ def timed_out_command(streams: dict[int, OutputCollector], duration_s: float) ->
 
 
 def execution(
-    h: dict[str, Any], payload: Any, streams: dict[int, OutputCollector], oom_since: OomCheck
+    h: dict[str, Any],
+    payload: Any,
+    streams: dict[int, OutputCollector],
+    oom_since: OomCheck,
+    between: dict[str, Any] | None = None,
 ) -> Execution:
-    """A ``run_code`` report (``result``: its header and its JSON payload, already bounded)."""
+    """A ``run_code`` report (``result``: its header and its JSON payload, already bounded;
+    ``between`` as for ``command_result``)."""
     out, out_cut = streams[1].text(max(int_field(h.get("stdout_bytes")), len(streams[1].data)))
     err, err_cut = streams[2].text(max(int_field(h.get("stderr_bytes")), len(streams[2].data)))
     if not isinstance(payload, dict):
@@ -188,8 +223,8 @@ def execution(
         duration_s=float_field(h.get("duration")),
         timed_out=bool(h.get("timed_out")),
         truncated=out_cut or err_cut or cut,
-        execs=(execs := _rules.exec_records(h)),
-        execs_omitted=max(0, int_field(h.get("exec_count")) - len(execs)),
+        execs=(judged := judged_execs(h, between)).execs,
+        execs_omitted=judged.execs_omitted,
     )
 
 

@@ -246,8 +246,10 @@ def check_ready(spec: SandboxSpec, plan_: RulesPlan, report: Any) -> tuple[str, 
 _WORD = MAX_EXEC_WORD + 160
 
 
-def exec_records(header: dict[str, Any]) -> tuple[ExecRecord, ...]:
-    """The execs a final frame reports (untrusted: bounded, and every field made text)."""
+def exec_records(header: dict[str, Any], *, between: bool = False) -> tuple[ExecRecord, ...]:
+    """The execs a final frame reports (untrusted: bounded, and every field made text);
+    ``between``: those a ``between`` frame or a ``TakeExecs`` answer hands over (judged while
+    no call ran)."""
     raw = header.get("execs")
     if not isinstance(raw, list):
         return ()
@@ -262,6 +264,7 @@ def exec_records(header: dict[str, Any]) -> tuple[ExecRecord, ...]:
                 argv=tuple(str(a)[:_WORD] for a in argv[:MAX_EXEC_ARGV]) if isinstance(argv, list) else (),
                 verdict=str(item.get("verdict", ""))[:16],
                 rule=str(item.get("rule", ""))[:512],
+                between=between,
             )
         )
     return tuple(out)

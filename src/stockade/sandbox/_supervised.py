@@ -34,6 +34,7 @@ from stockade.sandbox._replies import (
     command_result,
     execution,
     int_field,
+    judged_between,
     timed_out_command,
     timed_out_execution,
 )
@@ -65,6 +66,7 @@ from stockade.sandbox.ops import (
     RunCode,
     RunCommand,
     Stat,
+    TakeExecs,
     TakeSnapshot,
     WriteFile,
 )
@@ -311,6 +313,8 @@ class SupervisedInstance(Instance):
             case Reset():
                 self._reset(op)
                 return None
+            case TakeExecs():
+                return judged_between(self.files.request("execs", {})[0])
         raise exc.ConfigurationError(f"unsupported operation {op!r}")  # pragma: no cover
 
     def _reset(self, op: Reset) -> None:
@@ -502,14 +506,16 @@ class SupervisedInstance(Instance):
 
     def _stream(
         self, header: dict[str, Any], body: bytes, timeout: float, sink: OutputSink | None
-    ) -> tuple[tuple[dict[str, Any], bytes] | None, dict[int, OutputCollector]]:
-        """Send a request, pass output to ``sink`` as it comes, return the final frame.
+    ) -> tuple[tuple[dict[str, Any], bytes] | None, dict[int, OutputCollector], dict[str, Any] | None]:
+        """Send a request, pass output to ``sink`` as it comes, return the final frame (and
+        the ``between`` frame before it: the execs judged while no call ran).
 
         None means the supervisor missed its own deadline by ``GRACE_S``: the sandbox is
         then taken down whole, and the output seen so far is returned.
         """
         cap = self.spec.limits.output_bytes
         streams = {1: OutputCollector(cap), 2: OutputCollector(cap)}
+        between: dict[str, Any] | None = None
         call = self.channel.call(header, body)
         try:
             for h, chunk in call.frames(time.monotonic() + timeout + GRACE_S):
@@ -521,13 +527,15 @@ class SupervisedInstance(Instance):
                         sink(fd, part)
                 elif ev == "approve":
                     self._approve(h)
+                elif ev == "between" and between is None:  # one per call: a second is not ours
+                    between = h
                 elif ev in ("exit", "result"):
-                    return (h, chunk), streams
+                    return (h, chunk), streams, between
                 elif ev == "error":
                     raise exc.ProtocolError(f"supervisor refused {header['op']}: {h.get('message')}")
         except TimeoutError:
             self.close()
-            return None, streams
+            return None, streams, between
         except exc.SandboxCrashed as err:  # what the call printed explains the death
             if not (err.stdout or err.stderr):
                 err.stdout = streams[1].text(len(streams[1].data))[0]
@@ -562,10 +570,10 @@ class SupervisedInstance(Instance):
         }
         oom_before = self.boundary.oom_kills()
         started = time.monotonic()
-        final, streams = self._stream(header, op.stdin or b"", timeout, sink)
+        final, streams, between = self._stream(header, op.stdin or b"", timeout, sink)
         if final is not None:
             return command_result(
-                final[0], streams, lambda settle: self._oom_since(oom_before, settle=settle)
+                final[0], streams, lambda settle: self._oom_since(oom_before, settle=settle), between
             )
         return timed_out_command(streams, time.monotonic() - started)
 
@@ -594,11 +602,15 @@ class SupervisedInstance(Instance):
         oom_before = self.boundary.oom_kills()
         started = time.monotonic()
         header = {"op": "code", "timeout": timeout}
-        final, streams = self._stream(header, op.code.encode("utf-8", "surrogatepass"), timeout, sink)
+        final, streams, between = self._stream(
+            header, op.code.encode("utf-8", "surrogatepass"), timeout, sink
+        )
         if final is not None:
             h, body = final
             payload = self.files.json_body(body, max_values=MAX_CODE_VALUES, what="run_code report")
-            return execution(h, payload, streams, lambda settle: self._oom_since(oom_before, settle=settle))
+            return execution(
+                h, payload, streams, lambda settle: self._oom_since(oom_before, settle=settle), between
+            )
         return timed_out_execution(streams, time.monotonic() - started)
 
 

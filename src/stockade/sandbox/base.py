@@ -22,6 +22,7 @@ from stockade.types import (
     EntryInfo,
     ExecRecord,
     Execution,
+    JudgedExecs,
     Limits,
     Listing,
     NetworkPolicy,
@@ -46,7 +47,7 @@ __all__ = [
 # Called with (1 for stdout | 2 for stderr, raw bytes) as output arrives.
 OutputSink = Callable[[int, bytes], None]
 # What the ops of ``stockade.sandbox.ops`` answer, whichever it was: what ``handle`` returns.
-OpResult = CommandResult | Execution | bytes | EntryInfo | Listing | Snapshot | None
+OpResult = CommandResult | Execution | JudgedExecs | bytes | EntryInfo | Listing | Snapshot | None
 R = TypeVar("R")
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Generic, Literal, TypeVar
 
 from stockade.sandbox.snapshots import SnapshotStore
-from stockade.types import CommandResult, EntryInfo, Execution, Listing, Snapshot
+from stockade.types import CommandResult, EntryInfo, Execution, JudgedExecs, Listing, Snapshot
 
 __all__ = [
     "DOWNLOAD_MAX_BYTES",
@@ -34,6 +34,7 @@ __all__ = [
     "RunCode",
     "RunCommand",
     "Stat",
+    "TakeExecs",
     "TakeSnapshot",
     "WriteFile",
     "as_inline",
@@ -209,6 +210,14 @@ class GetArchive(Op[bytes]):
     area: Area = "workspace"
     # A folder more than 128 deep: left out and reported (a download), or ``TreeTooDeep``.
     refuse_deep: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class TakeExecs(Op[JudgedExecs]):
+    """The execs the sandbox judged while no call ran (what a call left running, after it
+    returned) that no call's result listed yet: each is handed over once, here or first in
+    the next call's ``execs``. The audit layer takes them before a reset and at close. A
+    sandbox that judges no execs answers none."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -51,6 +51,7 @@ from stockade.sandbox.ops import (
     RunCode,
     RunCommand,
     Stat,
+    TakeExecs,
     TakeSnapshot,
     WriteFile,
 )
@@ -61,6 +62,7 @@ from stockade.types import (
     EntryInfo,
     EntryType,
     Execution,
+    JudgedExecs,
     Listing,
     Mechanism,
     Snapshot,
@@ -138,6 +140,8 @@ class MemoryWorkspace:
                 self.files.clear()
                 self.dirs.clear()
                 return None
+            case TakeExecs():
+                return JudgedExecs()  # it judges no execs
         raise exc.ConfigurationError(f"MemoryWorkspace cannot handle {op!r}")
 
     def _read(self, op: ReadFile) -> bytes:

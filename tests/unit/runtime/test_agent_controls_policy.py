@@ -294,6 +294,32 @@ def test_runs_show_shows_every_denied_exec_and_no_terminal_control_from_the_sand
     assert [e["count"] for e in execs if e.get("verdict") == "omitted"] == [7]
 
 
+def test_runs_show_shows_an_exec_made_between_calls_under_the_call_it_followed(tmp_path: Path) -> None:
+    # The second call's result lists first what the first one left running ran after it
+    # returned: its trail and `runs show` put it under the first call, marked.
+    def code(op: RunCode) -> Execution:
+        if op.code != "second()":
+            return Execution()
+        left = ExecRecord(path="/usr/bin/cp", argv=("cp", "-r", "build", "b2"), verdict="allow", between=True)
+        return Execution(execs=(left, ExecRecord(path="/bin/true", argv=("true", "own"), verdict="allow")))
+
+    calls = [tool_call("run_code", {"language": "python", "code": c}, id=c) for c in ("first()", "second()")]
+    config = setup(tmp_path, ScriptedModel([calls[0], calls[1], "done"]), "")
+    config = replace(config, backend=FakeBackend(MemoryWorkspace(code=code), tier="process"))
+    with build_agent(config) as agent:
+        assert agent.run_sync("two", run_id="x8").status == RunStatus.SUCCESS
+    execs = [e.attributes for e in trail(tmp_path, "x8", "exec")]
+    assert [(e["argv"], e["call_id"], e.get("between")) for e in execs] == [
+        (["cp", "-r", "build", "b2"], "first()", True),
+        (["true", "own"], "second()", None),
+    ]
+    shown = CliRunner().invoke(app, ["runs", "show", "x8", "--db", f"sqlite:///{tmp_path / 'audit.db'}"])
+    assert shown.exit_code == 0, shown.output
+    first, second = shown.output.split("run_code(")[1:3]
+    assert "exec allow cp -r build b2 (after the call, by what it left running)" in first
+    assert "cp -r" not in second and "exec allow true own" in second
+
+
 def test_an_approval_is_for_the_whole_call_and_its_approver_is_told_what_is_cut(tmp_path: Path) -> None:
     """The call was asked as its first 500 characters, and its id made from them: the same
     head with `; git push --force origin HEAD:prod` after it ran under that one approval,

@@ -163,11 +163,14 @@ class ExecJudge:
         judged = kept or self._judged(pid, path, argv, st)
         verdict, rule = judged
         job = self.sup.job_of(pid)
+        # None: no call's code ran it (what one left running): refused if it needs an
+        # approval (no call to ask under), and recorded apart (``rules.Between``).
+        kept_on = job if job is not None else self.sup.rules.between
         if verdict == "allow":
             confine.answer(listener, nid, True)
             # as the compiled judge records an exec it lets run (its first words: M in its config)
             words = kept_argv(argv[:MAX_EXEC_ARGV])
-            record(job, {"path": path, "argv": words, "verdict": verdict, "rule": ""})
+            record(kept_on, {"path": path, "argv": words, "verdict": verdict, "rule": ""})
             return
         matched = (
             execrules.judged_words(self._rules[rule], argv)
@@ -189,7 +192,7 @@ class ExecJudge:
         else:
             self._refuse(listener, nid, pid, done, tell=kept is None)
             self._remember(key, judged)
-        record(job, done)
+        record(kept_on, done)
 
     def _judged(
         self, pid: int, path: str, argv: "List[str]", st: "os.stat_result"

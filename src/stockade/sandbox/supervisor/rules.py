@@ -62,6 +62,24 @@ LIBRARY = "judge.so"  # judge.c, beside these modules, when the host built it
 _DEFAULTS = sum(1 << (int(sig) - 1) for sig in (signal.SIGCHLD, *IGNORED_SIGNALS))
 
 
+class Between:
+    """The execs judged while no call of theirs ran: started by what an earlier call left
+    running (a thread of the interpreter, a child), which no job leads. Kept as a job's are
+    (``record``: the same bounds, the rest counted) until the host takes them: with the next
+    call's report (``Rules.expire``) or by asking (``op_execs``, before a reset and at close).
+    Dropped uncounted, they were judged and recorded nowhere (found from outside: a thread's
+    ``cp -r`` after its call returned)."""
+
+    def __init__(self) -> None:
+        self.execs: "List[Dict[str, Any]]" = []
+        self.exec_count = 0
+        self.exec_json = self.exec_chars = 0  # of the records kept (fits)
+        self.exec_width = 1
+
+    def report(self) -> "Dict[str, Any]":
+        return {"execs": self.execs, "exec_count": self.exec_count} if self.exec_count else {}
+
+
 class Rules:
     def __init__(
         self, sup: "Any", cfg: "Dict[str, Any]", listener: int = -1, key: int = -1, asked: int = 0
@@ -101,6 +119,7 @@ class Rules:
         self._judge: "Optional[ExecJudge]" = None  # the Python judge, once an exec reaches it
         self._requests = asked  # approvals asked by the Python judges before this one (renew)
         self.fast: "Optional[FastJudge]" = None
+        self.between = Between()  # the execs judged while no call of theirs ran
         self.rebuilt = False  # the ruleset built again here since the start (build_ruleset)
         wanted = needs_landlock or any(self.commands.values())
         setup = self._load_compiled() if wanted and cfg.get("judge") != "python" else 0
@@ -301,6 +320,7 @@ class Rules:
         if self._judge is not None:
             self._requests = self._judge.requests
             self._judge = None
+        self.between = Between()  # the last user's: the host took them before the reset
         return True
 
     def asked(self) -> int:
@@ -344,6 +364,15 @@ class Rules:
         self.drain(job)
         if self._judge is not None:
             self._judge.expire(job)
+        between = self.take_between()
+        if between:  # a frame of their own, before the job's final one: each fits a header
+            self.sup.send({"id": job.rid, "ev": "between", **between})
+
+    def take_between(self) -> "Dict[str, Any]":
+        """The execs judged while no call ran, since the host last took them (empty: none)."""
+        self.drain()
+        taken, self.between = self.between, Between()
+        return taken.report()
 
     # -- the compiled judge (judge.c) -----------------------------------------------------
 
@@ -416,13 +445,14 @@ class Rules:
             words = data[at + head : at + size - 1].decode("utf-8", "surrogateescape").split("\0")
             at += size
             job = self._job_led_by(session, ending)
-            if job is not None:
-                # Its words need no cut (``kept_argv``): judge.c's records are under 4 KiB whole.
-                job.exec_count += 1
-                if len(job.execs) < ALLOWED_RECORDS:
-                    done = {"path": words[0], "argv": words[1:], "verdict": "allow", "rule": ""}
-                    if fits(job, done, ALLOWED_REPORT):
-                        job.execs.append(done)
+            if job is None:
+                job = self.between  # what a call left running, run after it returned
+            # Its words need no cut (``kept_argv``): judge.c's records are under 4 KiB whole.
+            job.exec_count += 1
+            if len(job.execs) < ALLOWED_RECORDS:
+                done = {"path": words[0], "argv": words[1:], "verdict": "allow", "rule": ""}
+                if fits(job, done, ALLOWED_REPORT):
+                    job.execs.append(done)
 
     def _job_led_by(self, session: int, ending: "Any") -> "Any":
         """The job whose shim leads ``session`` (judge.c let only such sessions' execs by)."""
@@ -448,9 +478,8 @@ def _more() -> "Any":
 def record(job: "Any", done: "Dict[str, Any]") -> None:
     """One judged exec, onto the job whose code ran it: the first ones the rules let run, and
     every one they stopped or asked about (up to the report's bounds); the rest counted.
-    ``done``'s argv is as ``kept_argv`` keeps it."""
-    if job is None:
-        return
+    ``done``'s argv is as ``kept_argv`` keeps it. ``job`` is ``Rules.between`` for an exec
+    no call's code ran."""
     job.exec_count += 1
     allowed = done.get("verdict") == "allow"
     room = ALLOWED_RECORDS if allowed else MAX_EXEC_RECORDS

@@ -417,6 +417,12 @@ class Supervisor:
             self.rules.on_verdict(int(h.get("req", 0)), bool(h.get("allow")))
         self.send({"id": rid, "ev": "done"})
 
+    def op_execs(self, rid: int, h: dict[str, Any], body: bytes) -> None:
+        """The execs judged while no call ran, not yet handed over with a call's report
+        (``rules.Between``): the host takes them before a reset and at close."""
+        taken = self.rules.take_between() if self.rules is not None else {}
+        self.send({"id": rid, "ev": "done", **taken})
+
     def job_of(self, pid: int) -> "Optional[Job]":
         """The job whose code ``pid`` is: its shim leads its session (one look), else the shim
         it descends from (or was reparented to), up the parents."""

@@ -308,7 +308,8 @@ def _entry(event: AuditEvent, records: dict[str, ToolCallRecord], texts: dict[in
                 kind="exec",
                 title=f"exec {verdict}: {words}",
                 when=when,
-                facts=(f"rule {a.get('rule')}",) if a.get("rule") else (),
+                facts=((f"rule {a.get('rule')}",) if a.get("rule") else ())
+                + (("between calls: by what a call left running",) if a.get("between") else ()),
                 failed=verdict in ("deny", "refuse"),
             )
         case EventKind.RATE_LIMITED | EventKind.BUDGET:
