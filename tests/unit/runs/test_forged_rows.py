@@ -143,7 +143,10 @@ def test_a_swapped_workspace_manifest_row_is_refused(tmp_path: Path) -> None:
     evil = b"evil\n"
     digest = hashlib.sha256(evil).hexdigest()
     with sqlite3.connect(path) as conn:  # a blob true to its digest, and the manifest pointed at it
-        conn.execute("INSERT INTO runs_blobs (digest, bytes, data) VALUES (?, ?, ?)", (digest, len(evil), zlib.compress(evil)))
+        conn.execute(
+            "INSERT INTO runs_blobs (digest, bytes, data) VALUES (?, ?, ?)",
+            (digest, len(evil), zlib.compress(evil)),
+        )
         assert conn.execute(
             "UPDATE runs_workspace SET body = replace(body, ?, ?) WHERE path = 'a.txt'", (good, digest)
         ).rowcount
