@@ -72,3 +72,9 @@ def run_store_target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator
         with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
             tables = ", ".join(f"{namespace}_{table}" for table in TABLES)
             conn.execute(f"DROP TABLE IF EXISTS {tables}".encode())
+            # the audit trail a test keeps beside the store (tables ``<ns>_audit_*``)
+            trail = f"{namespace}_audit"
+            conn.execute(
+                f"DROP TABLE IF EXISTS {trail}_events, {trail}_head, {trail}_run_keys CASCADE".encode()
+            )
+            conn.execute(f"DROP FUNCTION IF EXISTS {trail}_append_only() CASCADE".encode())

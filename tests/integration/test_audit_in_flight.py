@@ -26,23 +26,16 @@ from stockade.runs.lease import owner_token
 from stockade.testing import FakeBackend, MemoryWorkspace, ScriptedModel, tool_call
 from stockade.tools import Tool, ToolContext, default_toolset, tool
 from tests.conftest import wait_for
-from tests.integration.run_stores import POSTGRES_URL, StoreTarget, run_store_target  # noqa: F401
+from tests.integration.run_stores import StoreTarget, run_store_target  # noqa: F401
 
 CHILD = Path(__file__).with_name("inflight_child.py")
 KEY = b"k" * 32  # the child's
 
 
 @pytest.fixture
-def target(run_store_target: StoreTarget) -> Iterator[StoreTarget]:  # noqa: F811 - the fixture
+def target(run_store_target: StoreTarget) -> StoreTarget:  # noqa: F811 - the fixture
     """The run store under test; its audit trail beside it (tables ``<ns>_audit_*``)."""
-    yield run_store_target
-    if run_store_target.url.startswith("postgresql"):
-        import psycopg
-
-        ns = f"{run_store_target.namespace}_audit"
-        with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
-            conn.execute(f"DROP TABLE IF EXISTS {ns}_events, {ns}_head, {ns}_run_keys CASCADE".encode())
-            conn.execute(f"DROP FUNCTION IF EXISTS {ns}_append_only() CASCADE".encode())
+    return run_store_target
 
 
 @contextmanager

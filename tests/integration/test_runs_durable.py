@@ -29,7 +29,6 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,7 @@ import pytest
 from stockade.audit import open_store, verify
 from stockade.runs import open_run_store
 from tests.conftest import require_tier, wait_for
-from tests.integration.run_stores import POSTGRES_URL, StoreTarget, run_store_target  # noqa: F401
+from tests.integration.run_stores import StoreTarget, run_store_target  # noqa: F401
 
 pytestmark = pytest.mark.process
 
@@ -75,16 +74,9 @@ EXPECTED_DIFF = (
 
 
 @pytest.fixture
-def target(run_store_target: StoreTarget) -> Iterator[StoreTarget]:  # noqa: F811 - the fixture
-    """The run store under test; its audit trail lives beside it (tables ``<ns>_audit_*``)."""
-    yield run_store_target
-    if run_store_target.url.startswith("postgresql"):
-        import psycopg
-
-        ns = f"{run_store_target.namespace}_audit"
-        with psycopg.connect(POSTGRES_URL, autocommit=True) as conn:
-            conn.execute(f"DROP TABLE IF EXISTS {ns}_events, {ns}_head, {ns}_run_keys CASCADE".encode())
-            conn.execute(f"DROP FUNCTION IF EXISTS {ns}_append_only() CASCADE".encode())
+def target(run_store_target: StoreTarget) -> StoreTarget:  # noqa: F811 - the fixture
+    """The run store under test; its audit trail beside it (tables ``<ns>_audit_*``)."""
+    return run_store_target
 
 
 def _seed(work: Path) -> None:
