@@ -275,6 +275,26 @@ def test_a_script_given_to_its_interpreter_is_judged_as_the_script(tier: str) ->
         assert sbx.commands.run("perl -e 'print 42' /usr/bin/ldd").stdout == "42"  # no --version
 
 
+def test_a_copy_of_an_interpreter_is_judged_as_the_interpreter(tier: str) -> None:
+    # ./py -m pip ran pip past a rule on `pip install`: the copy was judged by its name alone
+    # (found from outside). It is known by its content, as a copy of a rule's program is.
+    sbx = _rules_or_refusal(tier, SandboxRules(approve=("pydoc",), deny=("ldd --version",)))
+    if sbx is None:
+        return
+    with sbx:
+        for line, says in (
+            (
+                'cp "$(readlink -f "$(command -v python3)")" ./py; ./py -m pydoc -k zz',
+                "commands.approve: pydoc",
+            ),
+            ('cp "$(readlink -f /bin/bash)" ./b; ./b /usr/bin/ldd --version', "commands.deny: ldd --version"),
+            ('cp "$(readlink -f /bin/sh)" ./s; ./s /usr/bin/ldd --version', "commands.deny: ldd --version"),
+        ):
+            r = sbx.commands.run(line)
+            assert r.exit_code == 126 and says in r.stderr, (line, r.stdout, r.stderr)
+        assert sbx.commands.run("./py -c 'print(6 * 7)'").stdout == "42\n"  # the copy runs as python
+
+
 # Python runs pip by each of these (PIP is pip's package folder): its command line read as
 # CPython reads it, the module's top-level package, pip's files given as the script.
 PIP_THROUGH_PYTHON = (

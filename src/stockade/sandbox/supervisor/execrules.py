@@ -147,6 +147,12 @@ OTHER_INTERPRETERS = (
 # The programs that run a script file they are given (globs, as judge.c reads them): an exec
 # of one with arguments is Python's to judge.
 INTERPRETERS = ("python*", *SHELLS, *OTHER_INTERPRETERS)
+# Their files, by the names the image gives them: a copy of one under another name (./py -m
+# pip) is known by its content, as a copy of a rule's program is, and read as the interpreter.
+INTERPRETER_FILES = (
+    "python3", "python", *SHELLS, "node", "nodejs", "perl", "ruby", "php", "tclsh", "wish", "lua", "luajit",
+    "Rscript",
+)  # fmt: skip
 
 # Folders of the image: code can write none of them (a file there is what the image shipped).
 IMAGE_FOLDERS = ("/usr/", "/bin/", "/sbin/", "/lib/", "/lib32/", "/lib64/", "/libx32/", "/opt/")
