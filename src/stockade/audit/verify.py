@@ -31,27 +31,29 @@ not UTF-8, a body nested past reading, a head whose fields are not numbers and t
 problem found, never a crash of the verification.
 
 A chain can be intact and still miss what happened: events that died in a crashed process's
-buffer were never sealed. Given the run store's ledger (``ledger=``, a ``RunStore``), the
-tool calls of every run the ledger knows are cross-checked against the chain's ``tool_call``
-events by idempotency key: a call in the ledger and not in the trail is ``not_in_trail``, a
+buffer were never sealed. Given the run store's ledger (``ledger=``, a ``RunStore``), the tool
+calls of every run the ledger knows are cross-checked against the chain's ``tool_call`` events
+by idempotency key: a call in the ledger and not in the trail is ``not_in_trail``, a
 ``tool_call`` event the ledger lacks is ``not_in_ledger``, and a second ``tool_call`` event of
 one key, or a second ``run_end`` of a run that ended for good (``"status"`` not paused,
 interrupted or broken) not marked ``"repeat": true``, is ``duplicate_in_trail`` (a resume
-keeps them once: ``AuditObserver``). A call cut by its process's death is ``in_flight``: a
-problem, as a call lost from the trail after it returned is, since what the call did in the
-sandbox (its ``run_code`` or ``command`` event, the execs judged inside) is not in the trail
-and never will be; its ``tool_call_start`` and ``op_start`` say what was asked. The trail
-decides: a ``tool_call_start`` that nothing after it closes (a ``tool_call`` of its key; its
-run's ``run_end``, which the run's process writes whenever it stops the run, and a service
-that gives the run up; its ``run_crash`` or a later ``run_start``, a resume, which records
-the call) is in flight unless a live process holds its run now (the ledger's ``live_runs``:
-a lease the run store signed, with its owner and expiry, expiring soon enough). The run
-store's rows can be edited or deleted by whoever writes its database, so they only prove a
-run live, never a call closed. A call the run store saw start and the trail never did (the
-death came before the log's batch) is found from the store (its ``calls_in_flight``).
-Resuming a crashed run records what its trail lost (``AuditObserver``): the crash, and the
-call, as returned or of unknown outcome. A run still running is not in flight, but may show
-its last calls as ``not_in_trail`` until its next batch is written.
+keeps them once: ``AuditObserver``; beside a resume's "outcome unknown" event of a call, the
+event of what it returned, written late by the process it was taken from, is no second one). A
+call cut by its process's death is ``in_flight``: a problem, as a call lost from the trail
+after it returned is, since what the call did in the sandbox (its ``run_code`` or ``command``
+event, the execs judged inside) is not in the trail and never will be; its ``tool_call_start``
+and ``op_start`` say what was asked. The trail decides: a ``tool_call_start`` that nothing
+after it closes (a ``tool_call`` of its key; its run's ``run_end``, which the run's process
+writes whenever it stops the run, and a service that gives the run up; its ``run_crash`` or a
+later ``run_start``, a resume, which records the call) is in flight unless a live process
+holds its run now (the ledger's ``live_runs``: a lease the run store signed, with its owner
+and expiry, expiring soon enough). The run store's rows can be edited or deleted by whoever
+writes its database, so they only prove a run live, never a call closed. A call the run store
+saw start and the trail never did (the death came before the log's batch) is found from the
+store (its ``calls_in_flight``). Resuming a crashed run records what its trail lost
+(``AuditObserver``): the crash, and the call, as returned or of unknown outcome. A run still
+running is not in flight, but may show its last calls as ``not_in_trail`` until its next batch
+is written.
 
 The keys of sealed runs (``stockade.audit.sealing``) live in a table that is not append-only,
 since erasure forgets them; the chain says what it must hold. Each sealed run's key must open
@@ -320,6 +322,7 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
     prev = GENESIS
     checked = run_events = edited = last_seq = 0
     audited: dict[tuple[str, str], int] = {}  # (run, idempotency key) of each tool_call event -> its seq
+    told: set[tuple[str, str, bool]] = set()  # (run, key, whether a resume's "outcome unknown") seen
     ended: dict[str, int] = {}  # run -> the seq of its final run_end
     started: set[tuple[str, str]] = set()  # (run, idempotency key) of each tool_call_start
     # run -> idempotency key -> the last tool_call_start that nothing after it closed
@@ -343,7 +346,7 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
             elif kind in _CLOSING:  # the run stopped, or was resumed: every call before is closed
                 open_calls.pop(run, None)
             else:
-                returned = _once(seq, run, kind, body, audited=audited, ended=ended, report=report)
+                returned = _once(seq, run, kind, body, audited=audited, ended=ended, told=told, report=report)
                 if kind == "run_end":
                     open_calls.pop(run, None)
                 elif returned and run in open_calls:
@@ -511,9 +514,14 @@ def _once(
     *,
     audited: dict[tuple[str, str], int],
     ended: dict[str, int],
+    told: set[tuple[str, str, bool]],
     report: Callable[[int, ProblemKind, str, str], None],
 ) -> str | None:
-    """Note a tool_call's key or a final run_end, and report a second one; the tool_call's key."""
+    """Note a tool_call's key or a final run_end, and report a second one; the tool_call's key.
+    A call has one event of what it returned and, besides, may have one a resume wrote when
+    it found the call's outcome unknown: the process it was taken from, stalled past its
+    lease (SIGSTOP, a frozen VM), may still write what the call returned once it wakes (it
+    can write nothing to the run store any more), before or after the resume's."""
     attributes = _attributes(body)
     if kind == "tool_call":
         key = attributes.get("idempotency_key")
@@ -522,9 +530,11 @@ def _once(
         # By run too: a key is unique per call, but one made by an earlier version
         # (``run_id:step:call_id``) may be another run's as well.
         first = audited.setdefault((run, key), seq)
-        if first != seq:
+        unknown = attributes.get("outcome") == "unknown" and attributes.get("reconciled") is True
+        if (run, key, unknown) in told:
             detail = f"a second tool_call event of {key} (the first is seq {first})"
             report(seq, ProblemKind.DUPLICATE_IN_TRAIL, detail, run)
+        told.add((run, key, unknown))
         return key
     if attributes.get("status") not in _FINAL:
         return None

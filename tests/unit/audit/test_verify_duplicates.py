@@ -74,6 +74,26 @@ def test_a_key_or_a_final_end_twice_is_a_duplicate_a_stop_or_a_marked_repeat_is_
     assert verify(trail, run_id="other", ledger=Ledger("r:1:a")).problems_elsewhere == 0
 
 
+def test_a_calls_late_outcome_beside_a_resumes_unknown_one_is_no_duplicate() -> None:
+    """A process stalled past its lease (SIGSTOP, a frozen VM) wakes and writes what its call
+    returned after the run was resumed elsewhere, whose resume recorded that call's outcome as
+    unknown: verify reported the tenant's trail broken for good (found from outside). One
+    event of each is the truth of what happened; two of either is a duplicate."""
+    unknown = {"outcome": "unknown", "reconciled": True}
+    trail = MemoryStore()
+    with AuditLog(trail) as log:
+        for key, events in (("k1", [unknown, {}]), ("k2", [{}, unknown]), ("k3", [unknown, {}, {}])):
+            for extra in events:
+                log.record(
+                    EventKind.TOOL_CALL,
+                    run_id="r",
+                    step=1,
+                    attributes={"tool": "list_files", "idempotency_key": key, **extra},
+                )
+    report = verify(trail, ledger=Ledger("k1", "k2", "k3"))
+    assert [(p.seq, p.kind.value) for p in report.problems] == [(7, "duplicate_in_trail")]
+
+
 def test_calls_are_matched_within_their_run_whatever_their_keys_look_like() -> None:
     """Keys of earlier versions (``run:step:call``) could be two runs' at once ("a:1" step 1 call
     "x", "a" step 1 call "1:x"); today's are digests, with no run to read out of them."""
