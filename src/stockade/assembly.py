@@ -347,8 +347,14 @@ class _AuditedApprovals(Approvals):
             (r.get("by", "") for r in self.store.requests(request.run_id) if r.get("id") == request.id), ""
         )
 
+    def withdraw(self, run_id: str) -> list[ApprovalRequest]:
+        closed = super().withdraw(run_id)
+        for request in closed:
+            self._record(request, "withdrawn")
+        return closed
+
     def _record(self, request: ApprovalRequest, outcome: str) -> None:
-        by = self._decider(request) if outcome != "pending" else ""
+        by = self._decider(request) if outcome not in ("pending", "withdrawn") else ""
         step, call = _call_at.get() or (0, None)
         attributes: dict[str, object] = {
             "request_id": request.id,
@@ -363,7 +369,7 @@ class _AuditedApprovals(Approvals):
             EventKind.APPROVAL,
             run_id=request.run_id,
             step=step,
-            actor=("human:" + by if by else "human") if outcome != "pending" else "policy",
+            actor=("human:" + by if by else "human") if outcome not in ("pending", "withdrawn") else "policy",
             attributes=attributes,
         )
 
@@ -937,6 +943,8 @@ class AgentSession:
                 pass
         assert run.result is not None
         self.last = run.result
+        if not run.result.status.resumable:  # what nobody decided waits for nothing now
+            self.approvals.withdraw(self.run_id)
         return run.result
 
     async def run(self, task: str) -> RunResult:

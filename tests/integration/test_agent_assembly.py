@@ -161,6 +161,31 @@ def test_a_yes_lets_its_action_go_once_and_the_same_action_later_is_asked_again(
     store.close()
 
 
+def test_an_exec_refused_for_want_of_a_decision_is_withdrawn_when_its_run_ends(
+    tmp_path: Path, workspace: Path
+) -> None:
+    """Code runs `rm -r` inside the sandbox; nobody can decide now, so the exec is refused on
+    the spot and the run goes on to its end. The request stayed pending for good: `stockade
+    approvals` offered it, and a yes to it said the run would continue, which had ended
+    (found from outside). A run that ends for good withdraws what nobody decided."""
+    require_tier("process")
+    store = SQLiteStore(tmp_path / "audit.db")
+    code = "import subprocess; print(subprocess.run(['rm', '-r', 'scratch']).returncode)"
+    model = ScriptedModel([tool_call("run_code", {"language": "python", "code": code}), "left it"])
+    approvals = ApprovalStore(tmp_path / "approvals")
+    with build_agent(config(tmp_path, model, AuditLog(store, flush_interval_s=None))) as agent:
+        done = agent.run_sync("clean up", workspace=workspace, run_id="execs")
+    assert done.status == RunStatus.SUCCESS, done.error
+    assert "-old object file" not in done.diff  # the folder was not removed
+    assert approvals.pending("execs") == []
+    (kept,) = approvals.requests("execs")
+    assert "rm -r scratch" in kept["action"] and kept["status"] == "denied"
+    outcomes = [e.attributes["outcome"] for e in store.events(run_id="execs") if e.kind.value == "approval"]
+    assert outcomes == ["pending", "withdrawn"]
+    assert verify(store).ok
+    store.close()
+
+
 def test_what_the_policy_keeps_out_is_not_in_the_repositorys_history_either(tmp_path: Path) -> None:
     """A secret the policy denies (`secrets/**`, `.env`) but the repository once committed was
     read back through its history: `git show HEAD:secrets/key` from code, and the git_diff

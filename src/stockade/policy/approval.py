@@ -52,6 +52,7 @@ class Choice(enum.StrEnum):
 
 
 SPENT = "spent"  # the status of a yes that was applied: it answers nothing more
+WITHDRAWN = "stockade: the run ended before anyone decided"  # who closed a request (``withdraw``)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -259,6 +260,25 @@ class Approvals:
             f"{request.action} waits for approval: stockade approve {request.run_id} {request.id}",
             rule=request.rule, action=request.action, request_id=request.id,
         )  # fmt: skip
+
+    def withdraw(self, run_id: str) -> list[ApprovalRequest]:
+        """Close the requests of ``run_id`` that nobody decided, its run having ended for good
+        (nothing would act on a yes: an exec asked about inside the sandbox was refused on the
+        spot and its run went on to the end): each is denied in the book, by ``WITHDRAWN``, so
+        that ``stockade approvals`` no longer offers it. Returns them."""
+        if self.store is None:
+            return []
+        closed = []
+        for kept in self.store.pending(run_id):
+            request = ApprovalRequest(
+                run_id=run_id, action=kept["action"], rule=kept["rule"], reason=kept["reason"]
+            )
+            try:
+                self.store.decide(run_id, request.id, Choice.DENIED, by=WITHDRAWN)
+            except ApprovalDecided:
+                continue  # decided meanwhile
+            closed.append(request)
+        return closed
 
 
 def cli_approver(request: ApprovalRequest) -> Choice | None:

@@ -148,3 +148,9 @@ class RecordedApprovals(Approvals):
             self.recorder.approval(request, "denied")
             raise
         self.recorder.approval(request, "approved")
+
+    def withdraw(self, run_id: str) -> list[ApprovalRequest]:
+        closed = self.inner.withdraw(run_id)
+        for request in closed:
+            self.recorder.approval(request, "withdrawn")
+        return closed
