@@ -273,6 +273,22 @@ def test_a_sparse_file_past_the_read_cap_is_read_by_ranges_and_diffed_by_what_it
     assert "+kept\n" in diff and "Binary or large file sparse differs" in diff, diff
 
 
+def test_the_runs_diff_names_a_files_mode_changed_with_no_line(sbx: Sandbox) -> None:
+    """`chmod 4777 build.sh` changes no line: the run's diff said the workspace was unchanged
+    (found from outside). It names each mode changed, before and after."""
+    from stockade.tools.workspace_diff import record_baseline, workspace_diff
+
+    sbx.files.write("build.sh", "echo hi\n")
+    sbx.files.write("cfg", "k=v\n")
+    sbx.commands.run("chmod 0644 build.sh && chmod 0600 cfg")
+    recorded = record_baseline(sbx)
+    sbx.run_code("import os; os.chmod('/workspace/build.sh', 0o4777); os.chmod('/workspace/cfg', 0o666)")
+    diff = workspace_diff(sbx, baseline=recorded)
+    assert "Modes changed (a patch does not carry them): build.sh 0644 -> 4777, cfg 0600 -> 0666\n" in diff, (
+        diff
+    )
+
+
 def test_files_list_exists_remove_make_dir(sbx: Sandbox) -> None:
     sbx.files.make_dir("a/b")
     sbx.files.write("a/b/c.txt", "c")

@@ -10,7 +10,9 @@ believed nor, at any size, read past the real one's. The
 diff is computed by our own code from ``sandbox.files``: no git needed in the image, and
 it works on every tier and on the fake backend. Its output is a patch ``apply_patch`` (and
 ``git apply``) takes: an empty file created or deleted, which has no line to show, is git's
-``new file mode`` or ``deleted file mode`` header, after the files with lines.
+``new file mode`` or ``deleted file mode`` header, after the files with lines. A file's mode
+changed (the baseline keeps each file's permission bits) is named at the end, as files left
+out are: a patch does not carry it.
 
 The baseline and the diff are the run's own bookkeeping: the loop computes them through its
 bookkeeping sandbox, which the model's path rules do not restrict (a policy that lets the
@@ -96,6 +98,9 @@ PAIR_TIME_S = 5.0  # the most one pair's difflib takes before it is shown coarse
 MAX_PAIR_WORK = 4_000_000
 _UNREAD = "\x00unread"  # a file not read before the deadline: neither changed nor unchanged
 _UNNAMED = "\x00unnamed"  # a file whose name is not UTF-8 (``EntryInfo.lossy``): no call can read it
+# The baseline's key for its files' permission bits (no path holds a NUL): a chmod changes no
+# line, and a diff that showed none hid `chmod 4777 build.sh` from its reader (found from outside).
+_MODES = "\x00modes"
 _BASELINE_ID = re.compile(r"sha256:([0-9a-f]{64}):([0-9]+)")
 
 
@@ -114,8 +119,11 @@ def _digest(data: bytes) -> str:
     return f"\x00sha256:{hashlib.sha256(data).hexdigest()}:{len(data)}"
 
 
-def snapshot(sandbox: Sandbox, *, deadline: float | None = None) -> dict[str, str]:
-    """path -> text (or a hash marker for binary and large files), ignored folders left out.
+def snapshot(
+    sandbox: Sandbox, *, deadline: float | None = None, modes: dict[str, int] | None = None
+) -> dict[str, str]:
+    """path -> text (or a hash marker for binary and large files), ignored folders left out;
+    ``modes``, if given, is filled with each of those files' permission bits.
 
     The host holds at most ``MAX_TEXT_TOTAL`` of text, whatever the workspace holds (5,000
     hard links to one text file of 512 KiB cost the sandbox 512 KiB, and were 2.5 GB here):
@@ -133,6 +141,8 @@ def snapshot(sandbox: Sandbox, *, deadline: float | None = None) -> dict[str, st
             continue
         if len(files) >= MAX_FILES:
             break
+        if modes is not None:
+            modes[entry.path] = entry.mode & 0o7777
         if entry.lossy:
             files[entry.path] = _UNNAMED
             continue
@@ -189,13 +199,16 @@ def _same(old: str | None, new: str | None) -> bool:
 def record_baseline(sandbox: Sandbox) -> str:
     """Write the workspace's baseline; returns what identifies it (``sha256:HEX:SIZE``), for
     the host to keep: the diff refuses any other file in its place."""
-    data = json.dumps(snapshot(sandbox)).encode("ascii")  # names not UTF-8 are escaped surrogates
+    modes: dict[str, int] = {}
+    files: dict[str, object] = {**snapshot(sandbox, modes=modes), _MODES: modes}
+    data = json.dumps(files).encode("ascii")  # names not UTF-8 are escaped surrogates
     sandbox.files.write(BASELINE, data)
     return f"sha256:{hashlib.sha256(data).hexdigest()}:{len(data)}"
 
 
-def _load_baseline(sandbox: Sandbox, recorded: str | None) -> dict[str, str]:
-    """The baseline the run wrote. ``recorded``: what ``record_baseline`` returned; the file is
+def _load_baseline(sandbox: Sandbox, recorded: str | None) -> tuple[dict[str, str], dict[str, int]]:
+    """The baseline the run wrote, and its files' modes (none in one written before it kept
+    them). ``recorded``: what ``record_baseline`` returned; the file is
     read no further than its size and refused unless its hash matches (``BaselineTampered``).
     None (a caller that kept nothing): the file as it is, within ``MAX_BASELINE_BYTES``."""
     known = _BASELINE_ID.fullmatch(recorded) if recorded is not None else None
@@ -213,7 +226,7 @@ def _load_baseline(sandbox: Sandbox, recorded: str | None) -> dict[str, str]:
                 "there is nothing to diff against",
                 path=BASELINE,
             ) from None
-        return {}
+        return {}, {}
     if known is not None and (len(raw) != cap or hashlib.sha256(raw).hexdigest() != known.group(1)):
         raise BaselineTampered(
             "the run's baseline in the workspace is not the one the run recorded (code in the "
@@ -223,10 +236,12 @@ def _load_baseline(sandbox: Sandbox, recorded: str | None) -> dict[str, str]:
     try:
         data = loads_bounded(raw, max_bytes=cap, max_values=2 * MAX_FILES + 1)
     except ValueError:  # not JSON, or over the bounds: not a baseline we wrote
-        return {}
+        return {}, {}
     if not isinstance(data, dict):
-        return {}
-    return {str(k): str(v) for k, v in data.items()}
+        return {}, {}
+    kept = data.pop(_MODES, None)
+    modes = {str(k): v for k, v in kept.items() if isinstance(v, int)} if isinstance(kept, dict) else {}
+    return {str(k): str(v) for k, v in data.items()}, modes
 
 
 def workspace_diff(
@@ -242,8 +257,9 @@ def workspace_diff(
     holds at most ``MAX_DIFF_BYTES`` and takes at most ``time_s`` (and one file pair's diff):
     the files past either are named at its end, not shown."""
     deadline = time.monotonic() + time_s
-    before = _load_baseline(sandbox, baseline)
-    after = snapshot(sandbox, deadline=deadline)
+    before, modes_before = _load_baseline(sandbox, baseline)
+    modes: dict[str, int] = {}
+    after = snapshot(sandbox, deadline=deadline, modes=modes)
     chunks: list[str] = []
     empties: list[str] = []  # after the others: git reads a `---` line after one as its own
     size = 0
@@ -277,6 +293,15 @@ def workspace_diff(
         (empties if piece.startswith("diff --git ") else chunks).append(piece)
         size += len(piece)
     chunks += empties
+    changed_modes = [
+        f"{path} {modes_before[path]:04o} -> {modes[path]:04o}"
+        for path in sorted(modes_before.keys() & modes.keys())
+        if modes_before[path] != modes[path] and (keep is None or keep(path)) and _plain_name(path)
+    ]
+    if changed_modes:
+        more = f", and {len(changed_modes) - 100} more" if len(changed_modes) > 100 else ""
+        shown = ", ".join(changed_modes[:100])
+        chunks.append(f"Modes changed (a patch does not carry them): {shown}{more}\n")
     if left_out:
         why = (
             "the policy does not let the run write there, or the name holds control characters "
