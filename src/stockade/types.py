@@ -463,13 +463,14 @@ class SandboxRules:
     ``"git push"``), judged at every exec inside the sandbox with the argv the kernel was
     given: denied, it fails (exit 126, ``denied by policy: RULE`` on its stderr); to be
     approved, it waits at its exec while the host asks the sandbox's ``approver``. A
-    non-empty ``allow`` lets only what it names run, and nothing in a writable place can be
-    executed. A program denied whatever its arguments is also masked: it cannot be read,
-    copied or run under any name. ``write`` names the workspace paths code may change
-    (``dir/**``, ``dir``, a file; ``**`` is everything): the rest of the workspace is
-    read-only to code, by the kernel. Only what ``read`` names, and nothing ``hide`` names,
-    enters the sandbox when a folder seeds it: what the rules do not let the run read is not
-    there to be read, by any program.
+    non-empty ``allow`` lets only what it names run (its words where the program reads them:
+    python's module or script, git's command, the leading operands; not an option's value),
+    and nothing in a writable place can be executed. A program denied whatever its arguments
+    is also masked: it cannot be read, copied or run under any name. ``write`` names the
+    workspace paths code may change (``dir/**``, ``dir``, a file; ``**`` is everything): the
+    rest of the workspace is read-only to code, by the kernel. Only what ``read`` names, and
+    nothing ``hide`` names, enters the sandbox when a folder seeds it: what the rules do not
+    let the run read is not there to be read, by any program.
     """
 
     deny: tuple[str, ...] = ()

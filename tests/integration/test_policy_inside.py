@@ -1073,6 +1073,40 @@ def test_no_route_runs_an_unlisted_program_under_any_allowlist(
     assert PROGRAMS[unlisted] not in out, (line, listed, language, out)
 
 
+# An allow rule's words anywhere in an argv let it run: an option's value (`-C status`), a word
+# past git's command, `-m pytest` after the code `-c` runs first. Each of these ran under it.
+NAMED_ONLY = ("sh", "python3 -m pytest", "git status")
+MERELY_CARRYING = {
+    "python3 -c 'import os; os.makedirs(\"/tmp/victim/a\")' -m pytest": "test -d /tmp/victim/a",
+    "git init -q status": "test -d status/.git",
+    "git -C status -c user.name=a commit -q --allow-empty -m x": "false",
+    "git -C status config core.hooksPath /x": "false",
+}
+DOING_WHAT_IT_NAMES = ("python3 -m pytest -k x", "git status -s", "git -C repo status")
+
+
+def test_an_allow_rule_lets_run_only_what_does_what_it_names(tier: str) -> None:
+    sbx = _rules_or_refusal(tier, SandboxRules(allow=NAMED_ONLY))
+    if sbx is None:  # the tier said it cannot hold the rule
+        return
+    with sbx:
+        has_git = sbx.commands.run("command -v git").exit_code == 0  # not in every tier's image
+        for line, ran in MERELY_CARRYING.items():
+            if line.startswith("git") and not has_git:
+                continue
+            r = sbx.commands.run(f"{line}; {ran} && echo RAN")
+            assert "RAN" not in r.stdout, (line, r.stdout, r.stderr)
+            verdicts = [e.verdict for e in r.execs if e.argv[:1] in (("python3",), ("git",))]
+            assert verdicts and "allow" not in verdicts, (line, r.execs)
+            assert "commands.allow" in r.stderr, (line, r.stderr)
+        for line in DOING_WHAT_IT_NAMES:
+            if line.startswith("git") and not has_git:
+                continue
+            r = sbx.commands.run(line)
+            verdicts = [e.verdict for e in r.execs if e.argv[:1] in (("python3",), ("git",))]
+            assert verdicts[:1] == ["allow"], (line, r.execs, r.stderr)
+
+
 # -- the agent's sandbox: the policy file of the examples --------------------------------------
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from stockade.policy.schema import CommandRules, Verdict
 from stockade.sandbox.supervisor import execrules
 
-__all__ = ["CommandDecision", "analyse", "decide_command", "matches", "simple_commands"]
+__all__ = ["CommandDecision", "allows", "analyse", "decide_command", "matches", "simple_commands"]
 
 SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "ash"})
 # Programs that run their arguments as another command; value: how many operands they take first.
@@ -198,6 +198,12 @@ def matches(pattern: str, command: Sequence[str]) -> bool:
     return execrules.matches(_words(pattern), command)
 
 
+def allows(pattern: str, command: Sequence[str]) -> bool:
+    """Whether the allow rule ``pattern`` lets a simple command run: only where the command
+    surely does what it names (``execrules.allows``, the supervisor's reading too)."""
+    return execrules.allows(_words(pattern), command)
+
+
 @dataclass(frozen=True, kw_only=True)
 class CommandDecision:
     verdict: Verdict
@@ -216,6 +222,8 @@ def decide_command(rules: CommandRules, argv: Sequence[str]) -> CommandDecision:
             reason=f"cannot tell what this command runs ({err}); use plain commands",
         )  # fmt: skip
     approval: CommandDecision | None = None
+    # ``python3 -m pytest`` is analysed as ``pytest``: an allow rule may name either
+    modules = {tuple(execrules.subject(layer)): layer for layer in layers if _runs_module(layer)}
     # Deny and approve rules see wrappers too (``sudo``, ``sh -c``); the allowlist sees what runs.
     for command in (*layers, *commands):
         shown = shlex.join(command)
@@ -225,7 +233,7 @@ def decide_command(rules: CommandRules, argv: Sequence[str]) -> CommandDecision:
                     verdict=Verdict.DENY, rule=f"commands.deny: {pattern}",
                     reason=f"`{shown}` is denied by the policy ({pattern!r})", command=command,
                 )  # fmt: skip
-        if command in commands and rules.allow and not any(matches(p, command) for p in rules.allow):
+        if command in commands and rules.allow and not _listed(rules.allow, command, modules.get(command)):
             return CommandDecision(
                 verdict=Verdict.DENY, rule="commands.allow",
                 reason=f"`{_program(command[0])}` is not in the policy's list of allowed commands",
@@ -240,3 +248,14 @@ def decide_command(rules: CommandRules, argv: Sequence[str]) -> CommandDecision:
                     )  # fmt: skip
                     break
     return approval or CommandDecision(verdict=Verdict.ALLOW, rule="commands", reason="allowed")
+
+
+def _runs_module(argv: Sequence[str]) -> bool:
+    run = execrules.command_line(argv) if argv and _program(argv[0]).startswith("python") else None
+    return run is not None and run[0] == "-m"
+
+
+def _listed(allow: Sequence[str], command: tuple[str, ...], interpreter: tuple[str, ...] | None) -> bool:
+    """Whether the allowlist lets ``command`` run, or the interpreter's command line that runs
+    it as a module (``python3 -m pytest -k x`` under ``python3 -m pytest``)."""
+    return any(allows(p, command) or (interpreter is not None and allows(p, interpreter)) for p in allow)

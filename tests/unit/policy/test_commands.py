@@ -203,6 +203,33 @@ def test_an_allowlist_refuses_every_other_program() -> None:
     assert denied.verdict is Verdict.DENY and denied.rule == "commands.allow"
 
 
+ALLOWLIST = CommandRules(allow=("python3 -m pytest", "git status"))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["python3", "-c", "import os; os.makedirs('/tmp/victim/a')", "-m", "pytest"],  # -c runs first
+        ["git", "init", "-q", "status"],  # a word past git's command
+        ["git", "-C", "status", "-c", "user.name=a", "commit", "-q", "--allow-empty", "-m", "x"],
+        ["git", "-C", "status", "config", "core.hooksPath", "/x"],  # an option's value
+        ["sh", "-c", "git -C status config core.hooksPath /x"],
+    ],
+)
+def test_an_allow_rule_refuses_a_command_that_merely_carries_its_words(argv: list[str]) -> None:
+    decision = decide_command(ALLOWLIST, argv)
+    assert decision.verdict is Verdict.DENY and decision.rule == "commands.allow", decision
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["python3", "-m", "pytest", "-k", "x"], ["git", "status", "-s"], ["git", "-C", "repo", "status"]],
+)
+def test_an_allow_rule_lets_run_what_does_what_it_names(argv: list[str]) -> None:
+    """``python3 -m pytest`` too, which the policy reads as the module it runs (``pytest``)."""
+    assert decide_command(ALLOWLIST, argv).verdict is Verdict.ALLOW
+
+
 WORDS = st.sampled_from(
     ["ls", "curl", "sudo", "nc", "rm", "-r", "-rf", "git", "push", "echo", "x", "-c", "env"]
 )

@@ -428,11 +428,12 @@ class ExecJudge:
         return ("deny", "commands.allow") if refused else ("allow", None)
 
     def _allow_refuses(self, files: "Set[str]", args: "List[str]") -> bool:
-        """Under an allowlist, what the file is (never the name it was given) must be listed."""
+        """Under an allowlist, what the file is (never the name it was given) must be listed,
+        and do what a rule names (``execrules.allows``: not merely carry its words)."""
         if not self.commands["allow"]:
             return False
         for name in files:
-            if any(execrules.matches(words, [name, *args]) for words in self._patterns("allow", name)):
+            if any(execrules.allows(words, [name, *args]) for words in self._patterns("allow", name)):
                 return False
         return True
 

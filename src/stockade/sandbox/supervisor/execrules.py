@@ -436,8 +436,157 @@ def _git_alias(args: "Sequence[str]") -> bool:
     return False
 
 
+def _git_command_at(args: "Sequence[str]") -> "Optional[int]":
+    """Where git's command is in ``args`` (git's own arguments), read past its global options
+    and their values as git.c reads them (``len(args)``: there is none); None where that is
+    unsure: an option this does not know, which may take a value."""
+    at = 0
+    while at < len(args):
+        word = args[at]
+        if word in GIT_VALUED:
+            at += 2
+        elif (word.startswith("--") and "=" in word) or word in GIT_FLAGS:
+            at += 1
+        elif word.startswith("-"):
+            return None
+        else:
+            return at
+    return len(args)
+
+
+def _operative(name: str, args: "Sequence[str]") -> "Tuple[str, List[str], List[str]]":
+    """``args`` read as ``name`` reads them: what runs (``-m`` and a module, a script, git's
+    command: the first word of the tail) apart from the options before it (the head).
+    Python's command line as ``command_line`` reads it (``"-c"``: code given as text, or
+    standard input); git's past its global options (``"?"``: unsure where its command is);
+    any other program's words are all tail."""
+    if name.startswith("python"):
+        run = command_line([name, *args])
+        if run is None:
+            return "-c", list(args), []
+        kind, tail = run
+        head = list(args[: len(args) - len(tail) + (1 if kind == "-m" else 0)])
+        if kind == "-m":  # the words that name the module are no option to compare
+            head = head[:-2] if head[-2:] == ["-m", tail[0]] else head[:-1]
+        return kind, head, tail
+    if name == "git" and args:
+        at = _git_command_at(args)
+        if at is None:
+            return "?", list(args), []
+        return "git", list(args[:at]), list(args[at:])
+    return "", [], list(args)
+
+
+def _carried_surely(name: str, flag: str, args: "Sequence[str]") -> "Optional[bool]":
+    """Whether ``args`` carry ``flag`` as an option, not as another option's value: in a word
+    that follows no option (any option may take the next word), alone or first in its
+    cluster (``-xr``: ``-x`` may take ``r``). None: only where it may be a value."""
+    if _carrier(name, flag, args) is None:
+        return False
+    after_option = False
+    for at, arg in enumerate(args):
+        if arg == "--":
+            break
+        if not after_option and _carrier(name, flag, [arg]) is not None:
+            if not arg.startswith("-") or arg.startswith("--") or len(arg) == 2:
+                return True
+            if _carrier(name, flag, [arg[:2]]) is not None:
+                return True
+        after_option = arg.startswith("-") and len(arg) > 1 and not (arg.startswith("--") and "=" in arg)
+    return None
+
+
+def _leads(words: "Sequence[str]", args: "Sequence[str]") -> "Optional[bool]":
+    """Whether the words ``words`` are the leading operands of ``args``, in order: the words
+    no option that come first, where no word may be an option's value (a word after an
+    option this cannot tell takes none: unsure, None, as far as it goes)."""
+    leading: "List[str]" = []
+    sure, ended, after_option = True, False, False
+    for arg in args:
+        if len(leading) >= len(words):
+            break
+        if not ended and arg == "--":
+            ended, after_option = True, False
+        elif not ended and arg.startswith("-") and len(arg) > 1:
+            after_option = not (arg.startswith("--") and "=" in arg)
+        elif after_option and not ended:
+            sure = False  # it, and what follows, may sit one word off
+            break
+        else:
+            leading.append(arg)
+    for word, arg in zip(words, leading):
+        if not _glob(arg, word):
+            return False
+    return True if len(leading) >= len(words) else (None if not sure else False)
+
+
+def _tail_reads_as(name: str, words: "Sequence[str]", args: "Sequence[str]") -> "Optional[bool]":
+    """Whether ``args`` (a program's words past what it runs) carry the rule's ``words`` as
+    the rule means them: its words no option as the leading operands, its flags as options."""
+    if len(words) <= len(args) and all(_glob(a, w) for w, a in zip(words, args)):
+        return True  # the rule's words themselves, however its options read: what it names
+    found: "Optional[bool]" = True
+    for word in words:
+        if word.startswith("-"):
+            for flag in _flags(name, word):
+                carried = _carried_surely(name, flag, args)
+                if carried is False:
+                    return False
+                found = None if carried is None else found
+    leads = _leads([w for w in words if not w.startswith("-")], args)
+    return leads if leads is not True else found
+
+
+def reads_as(words: "Sequence[str]", command: "Sequence[str]") -> "Optional[bool]":
+    """Whether ``command`` does what the rule ``words`` names, read as its program reads its
+    command line: python's module (``-m``) or script, nothing given as code (``-c``); git's
+    command at git's command position, past its global options and their values; then, as
+    for any other program, the rule's words no option as the command's leading operands, in
+    order (an option's value never counts), and its flags as options. None: unsure where the
+    reading meets an option it does not know (that may take a value)."""
+    if not command or not words:
+        return False
+    words = pattern(words)
+    command = _dashed(command)
+    name = next((n for n in rule_names(program(command[0])) if _glob(n, words[0])), None)
+    if name is None:
+        return False
+    if len(words) == 1:
+        return True
+    kind, head, tail = _operative(name, command[1:])
+    wants, wanted_head, wanted = _operative(name, words[1:])
+    if wants in ("", "-c") or (wants == "git" and kind == "git" and not wanted):
+        # a rule over the program's own options (``python3 -X``, ``git --version``)
+        return _tail_reads_as(name, words[1:], command[1:])
+    if kind == "?":
+        return None
+    if kind != wants or not tail:
+        return False
+    if kind == "git" and tail[0] not in GIT_COMMANDS:
+        return None  # an alias (or a typo autocorrected): it may run anything
+    if not _glob(tail[0], wanted[0]):
+        return False
+    if any(word not in head for word in wanted_head):
+        return False
+    return _tail_reads_as(tail[0] if kind == "-m" else name, wanted[1:], tail[1:])
+
+
+def allows(words: "Sequence[str]", command: "Sequence[str]") -> bool:
+    """Whether the allow rule ``words`` lets ``command`` run: only where it surely does what
+    the rule names (``reads_as``). ``python3 -c CODE -m pytest`` is no ``python3 -m pytest``:
+    the code runs first; nor is ``git -C status commit`` a ``git status``."""
+    return reads_as(words, command) is True
+
+
 def matches(words: "Sequence[str]", command: "Sequence[str]") -> bool:
-    """Whether the simple command ``command`` is what the pattern ``words`` names."""
+    """Whether the simple command ``command`` may be what the pattern ``words`` names, for a
+    deny or an approve rule: read loosely (a flag anywhere, a rule's word among any operands,
+    an option's value too), which errs toward asking, or as its program reads it
+    (``reads_as``: ``python3 -Impip`` is a ``python3 -m pip``). An allow rule is ``allows``."""
+    return _loosely(words, command) or reads_as(words, command) is True
+
+
+def _loosely(words: "Sequence[str]", command: "Sequence[str]") -> bool:
     if not command or not words:
         return False
     words = pattern(words)
@@ -508,7 +657,7 @@ def judge(rules: "Dict[str, List[List[str]]]", argv: "Sequence[str]") -> "Tuple[
         if matches(words, command):
             return "deny", "commands.deny: " + " ".join(words)
     allow = rules.get("allow", ())
-    if allow and not any(matches(words, command) for words in allow):
+    if allow and not any(allows(words, argv) or allows(words, command) for words in allow):
         return "deny", "commands.allow"
     for words in rules.get("approve", ()):
         if matches(words, command):
