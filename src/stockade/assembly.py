@@ -905,9 +905,13 @@ class AgentSession:
             return True
         # as the trail has the exec: a word the sandbox cut keeps no head of a credential
         argv = [exec_word(self.owner.audit_log.redactor, word) for word in record.argv]
+        action = f"run `{shlex.join(argv)}`"
+        if record.runs:  # the code chose argv (exec -a, a copy renamed, a #! line): say what runs
+            runs = [exec_word(self.owner.audit_log.redactor, word) for word in record.runs]
+            action = f"run `{shlex.join(runs)}` (started as `{shlex.join(argv)}`)"
         request = ApprovalRequest(
             run_id=self.run_id,
-            action=shown(f"run `{shlex.join(argv)}`"),
+            action=shown(action),
             rule=record.rule,
             reason=f"code in the sandbox starts {visible(record.path)}, which needs a human's approval",
         )

@@ -507,7 +507,10 @@ class ExecRecord:
     ``between``: no call's code ran it; what an earlier call left running did (a thread of
     the interpreter, a child), after that call returned. Such execs are listed first in the
     next call's ``execs`` (or taken with ``TakeExecs``); one needing an approval was refused,
-    with no call to ask under.
+    with no call to ask under. ``runs``, on an exec the host is asked to approve: the command
+    the rule matched, as the judge found it runs, where that is not ``argv`` (the code
+    chooses argv: ``exec -a true rm -r x`` runs ``rm -r x``, as does a copy of rm named
+    true, or a script whose ``#!`` line is ``/bin/rm -r``).
     """
 
     path: str
@@ -516,6 +519,7 @@ class ExecRecord:
     rule: str = ""
     own_code: bool = False
     between: bool = False
+    runs: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,6 +5,7 @@ the rest unless the caller accepts less.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 
 from stockade import LimitNotEnforceable, Limits, PathEscapeError, Sandbox
 from stockade.models import ToolCall
+from stockade.sandbox.supervisor import execrules
 from stockade.tools.workspace_diff import record_baseline, workspace_diff
 from stockade.types import EntryType, ExecRecord, Mechanism, SandboxRules
 from tests.conftest import require, require_tier
@@ -588,6 +590,45 @@ def test_a_git_alias_is_judged_as_the_command_a_rule_names(tier: str) -> None:
         }
         assert refused == {"p", "q"}, r.execs
         assert "git version" in sbx.commands.run("git version").stdout
+
+
+# npm's other spellings of `npm install` (npm takes aliases, typos and any prefix only one of
+# its commands has): each installed a local package past a rule on `npm install` (found from
+# outside, on the process tier).
+NPM_SPELLINGS = ("add --offline", "--offline isntall", "in --offline", "ins --offline", "it --offline")
+
+
+def test_a_rule_over_npm_install_holds_over_every_spelling_npm_takes(tier: str) -> None:
+    sbx = _rules_or_refusal(tier, SandboxRules(approve=("npm install",)))
+    if sbx is None:
+        return
+    with sbx:
+        if sbx.commands.run("command -v npm").exit_code != 0:
+            return  # no npm in this tier's image
+        sbx.files.write("pkg/package.json", '{"name": "pkg", "version": "1.0.0"}')
+        sbx.files.write("app/package.json", '{"name": "app", "version": "1.0.0"}')
+        for spelling in NPM_SPELLINGS:
+            r = sbx.commands.run(f"cd app && npm {spelling} ../pkg")
+            assert "needs approval and was refused: commands.approve: npm install" in r.stderr, (spelling, r)
+            assert not sbx.files.exists("app/node_modules"), spelling
+        assert sbx.commands.run("cd app && npm --version").exit_code == 0  # npm itself runs
+        # the rules read npm's words as the image's npm does: every command, alias and prefix
+        derefs = sbx.commands.run(NPM_DEREF)
+        assert derefs.exit_code == 0, derefs
+        read = json.loads(derefs.stdout)
+        assert len(read) > 400 and {w: execrules.npm_command(w) for w in read} == read
+
+
+# The image's npm's own reading of each of its words (lib/utils/cmd-list.js's deref).
+NPM_DEREF = """node -e '
+const npm = require("fs").realpathSync(process.argv[1]);
+const { deref, commands, aliases } = require(require("path").join(npm, "../../lib/utils/cmd-list.js"));
+const words = new Set(["installTest", "cleanInstall", "Install"]);
+for (const w of [...commands, ...Object.keys(aliases)])
+  for (let i = 1; i <= w.length; i++) words.add(w.slice(0, i));
+const out = {}; for (const w of words) out[w] = deref(w) || null;
+console.log(JSON.stringify(out))' "$(command -v npm)"
+"""
 
 
 def test_a_program_run_from_a_descriptor_is_judged_as_the_file_it_holds(approving: Sandbox | None) -> None:
@@ -1302,6 +1343,37 @@ def test_a_yes_to_one_exec_covers_no_other_exec_of_its_call(tier: str, tmp_path:
     assert asked == [copy, removal, copy]
     assert all("rm: needs approval and was refused" in o for o in (observations[0], observations[2]))
     assert "left: build copy.txt dist docs src" in observations[-1]
+
+
+# Code chooses the argv an exec shows: each of these runs `rm -r` under another argv[0].
+HIDDEN_RM = {
+    "exec -a": "subprocess.run(['true', '-r', '/workspace/src'], executable=shutil.which('rm'))",
+    "a copy named true": (
+        "shutil.copy(shutil.which('rm'), '/tmp/true'); os.chmod('/tmp/true', 0o755)\n"
+        "subprocess.run(['/tmp/true', '-r', '/workspace/build'])"
+    ),
+    "a #! script": (
+        "open('/tmp/s1', 'w').write('#!' + os.path.realpath(shutil.which('rm')) + ' -r\\n')\n"
+        "os.chmod('/tmp/s1', 0o755); subprocess.run(['/tmp/s1', '/workspace/dist'])"
+    ),
+}
+
+
+def test_an_approval_says_what_runs_whatever_argv_the_code_gave(tier: str, tmp_path: Path) -> None:
+    """`rm -r` run as `true -r /workspace/src` (exec -a), as a copy named /tmp/true, and as
+    the interpreter of a `#!/bin/rm -r` script was asked as "run `true -r ...`": a human
+    refusing every `rm` said yes, and the folders were gone. The question names what runs."""
+    if tier not in CONFINES:
+        return  # no exec judge there (test_gvisor_holds_the_masks_...)
+    calls = [_code(f"import os, shutil, subprocess\n{code}") for code in HIDDEN_RM.values()]
+    asked, observations = _approving_run(tier, tmp_path, "", [*calls, LEFT])
+    rm = "rm"
+    assert asked == [
+        f"run `{rm} -r /workspace/src` (started as `true -r /workspace/src`)",
+        f"run `{rm} -r /workspace/build` (started as `/tmp/true -r /workspace/build`)",
+        f"run `{rm} -r /tmp/s1 /workspace/dist` (started as `/tmp/s1 /workspace/dist`)",
+    ], asked
+    assert "left: build dist docs src" in observations[-1]
 
 
 def test_the_compiled_judge_and_the_python_judge_record_the_same_execs(

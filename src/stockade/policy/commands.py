@@ -41,6 +41,7 @@ WRAPPER_VALUED: dict[str, frozenset[str]] = {
     "doas": frozenset({"-u", "-C"}),
     "xargs": frozenset({"-n", "-L", "-P", "-I", "-d", "-E", "-s", "-a", "--max-args", "--max-procs"}),
     "chroot": frozenset({"--userspec", "--groups"}),
+    "exec": frozenset({"-a"}),  # exec -a NAME rm -r x runs rm, named NAME
 }
 UNANALYSABLE = frozenset({"eval", "source", "."})
 OPERATORS = frozenset({";", "&&", "||", "|", "&", "(", ")", "\n", ";;", "|&"})

@@ -49,11 +49,20 @@ __all__ = ["Decision", "PolicyEngine", "PromptDecision", "command_categories"]
 
 _STRICTNESS = {Verdict.ALLOW: 0, Verdict.APPROVE: 1, Verdict.DENY: 2}
 # Category of a simple command, by pattern (first match wins; everything runs code: "execute").
+# A pattern holds over the program's other spellings (pip3, python3 -m pip); `npm install`
+# over each of npm's and over what installs as it does: ci, install-test, update, exec, npx
+# (execrules.NPM_INSTALLS).
+_INSTALLS = (
+    "pip install", "uv pip", "uv add", "uv tool install", "uvx", "pipx install", "pipx run",
+    "easy_install*", "npm install", "yarn add", "yarn install", "yarn dlx", "pnpm add",
+    "pnpm install", "pnpm i", "pnpm install-test", "pnpm it", "pnpm dlx", "pnpx", "bun add",
+    "bun install", "bun i", "bunx", "gem install", "bundle install", "cargo install",
+    "go install", "go get", "apt-get install", "apt install", "aptitude install", "dnf install",
+    "yum install", "apk add", "conda install",
+)  # fmt: skip
 _CATEGORIES: tuple[tuple[str, str], ...] = (
-    ("git push", "vcs_push"), ("pip install", "install"), ("pip3 install", "install"),
-    ("uv pip", "install"), ("npm install", "install"), ("npm i", "install"), ("yarn add", "install"),
-    ("apt-get install", "install"), ("apt install", "install"), ("cargo install", "install"),
-    ("gem install", "install"), ("rm", "delete"), ("curl", "network"), ("wget", "network"),
+    ("git push", "vcs_push"), *((pattern, "install") for pattern in _INSTALLS),
+    ("rm", "delete"), ("curl", "network"), ("wget", "network"),
     ("ssh", "network"), ("scp", "network"), ("nc", "network"), ("git clone", "network"),
     ("git fetch", "network"), ("git pull", "network"),
 )  # fmt: skip

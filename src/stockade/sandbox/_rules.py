@@ -257,17 +257,21 @@ def exec_records(header: dict[str, Any], *, between: bool = False) -> tuple[Exec
     for item in raw[:MAX_EXEC_RECORDS]:
         if not isinstance(item, dict):
             continue
-        argv = item.get("argv")
         out.append(
             ExecRecord(
                 path=str(item.get("path", ""))[:4096],
-                argv=tuple(str(a)[:_WORD] for a in argv[:MAX_EXEC_ARGV]) if isinstance(argv, list) else (),
+                argv=_words_of(item.get("argv")),
                 verdict=str(item.get("verdict", ""))[:16],
                 rule=str(item.get("rule", ""))[:512],
                 between=between,
+                runs=_words_of(item.get("runs")),
             )
         )
     return tuple(out)
+
+
+def _words_of(raw: Any) -> tuple[str, ...]:
+    return tuple(str(a)[:_WORD] for a in raw[:MAX_EXEC_ARGV]) if isinstance(raw, list) else ()
 
 
 # -- masks ------------------------------------------------------------------------------------

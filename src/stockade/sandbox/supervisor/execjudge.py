@@ -89,11 +89,13 @@ class ExecJudge:
         self.sup = sup
         self.commands = commands
         self.approver = approver
-        # a rule as a record names it -> its words (what an argv cut must show: shown_argv)
+        # a rule as a record names it (as written, or as matched: `npm i` is `npm install`)
+        # -> its words (what an argv cut must show: shown_argv)
         self._rules = {
-            f"commands.{kind}: " + " ".join(words): words
+            f"commands.{kind}: " + " ".join(form): words
             for kind, patterns in commands.items()
             for words in patterns
+            for form in (words, execrules.pattern(words))
         }
         # A masked program can be read by no one here, so what it is comes from the host: a
         # copy of one (from the seed, an upload, the network) is that program.
@@ -123,6 +125,9 @@ class ExecJudge:
         self._program_builds: "Optional[Dict[bytes, Set[str]]]" = None  # build ID -> rule programs
         # (path, the file's stamp, argv) -> the judge's verdict and rule
         self._verdicts: "Dict[Tuple[Any, ...], Tuple[str, Optional[str]]]" = {}
+        # rule -> the command it matched, as the judge found it runs (_by_names), for the exec
+        # being judged: what a human is asked about, where the code chose the argv it shows
+        self.found: "Dict[str, List[str]]" = {}
 
     # -- one notification -------------------------------------------------------------------
 
@@ -160,6 +165,7 @@ class ExecJudge:
         # The same exec refused, tried again by another name (/bin, /usr/bin): refused again
         # (its line on stderr said once). Kept or judged, every exec is recorded below.
         kept = self._refused.get(key)
+        self.found = {}
         judged = kept or self._judged(pid, path, argv, st)
         verdict, rule = judged
         job = self.sup.job_of(pid)
@@ -188,6 +194,12 @@ class ExecJudge:
                 self.pending[self.requests] = (listener, nid, pid, job, done, key)
                 # "own": whether the call's approval may answer for it (jobs.Job.own)
                 ask = {"id": job.rid, "ev": "approve", "req": self.requests, **done, "own": job.own}
+                runs = self.found.get(rule or "")
+                if runs and runs != [execrules.program(argv[0]) if argv else "", *argv[1:]]:
+                    # exec -a true rm -r x, a copy of rm named true, a #!/bin/rm -r script:
+                    # the argv shows `true -r x`; the human is asked about `rm -r x`
+                    words = self._rules.get(rule or "", [])
+                    ask["runs"] = shown_argv(runs, execrules.judged_words(words, runs))
                 self.sup.send(ask)
         else:
             self._refuse(listener, nid, pid, done, tell=kept is None)
@@ -423,7 +435,9 @@ class ExecJudge:
                 for words in self._patterns(kind, name):
                     if execrules.matches(words, [name, *rest]):
                         if verdict == "deny" or not refused:
-                            return verdict, f"commands.{kind}: " + " ".join(words)
+                            rule = f"commands.{kind}: " + " ".join(words)
+                            self.found.setdefault(rule, [name, *rest])
+                            return verdict, rule
                         return "deny", "commands.allow"
         return ("deny", "commands.allow") if refused else ("allow", None)
 

@@ -86,6 +86,117 @@ GIT_FLAGS = frozenset(
 )
 
 
+# npm's commands and its other spellings of them (npm 11, lib/utils/cmd-list.js): npm runs
+# the command its word names exactly, or an alias, or any prefix of one of either that no
+# other shares (``npm insta``, ``npm install-cl``: ``ci``), or a camelCase one (``installTest``).
+NPM_COMMANDS = frozenset(
+    """
+    access adduser approve-scripts audit bugs cache ci completion config dedupe deny-scripts
+    deprecate diff dist-tag docs doctor edit exec explain explore find-dupes fund get help
+    help-search init install install-ci-test install-scripts install-test link ll login logout
+    ls org outdated owner pack ping pkg prefix profile prune publish query rebuild repo restart
+    root run sbom search set shrinkwrap stage star stars start stop team test token trust
+    undeprecate uninstall unpublish unstar update version view whoami
+    """.split()
+)
+NPM_ALIASES = {
+    "author": "owner", "home": "docs", "issues": "bugs", "info": "view", "show": "view",
+    "find": "search", "add": "install", "unlink": "uninstall", "remove": "uninstall",
+    "rm": "uninstall", "r": "uninstall", "un": "uninstall", "rb": "rebuild", "list": "ls",
+    "ln": "link", "create": "init", "i": "install", "it": "install-test", "cit": "install-ci-test",
+    "u": "update", "up": "update", "c": "config", "s": "search", "se": "search", "tst": "test",
+    "t": "test", "ddp": "dedupe", "v": "view", "run-script": "run", "clean-install": "ci",
+    "clean-install-test": "install-ci-test", "x": "exec", "why": "explain", "la": "ll",
+    "verison": "version", "ic": "ci", "innit": "init", "in": "install", "ins": "install",
+    "inst": "install", "insta": "install", "instal": "install", "isnt": "install",
+    "isnta": "install", "isntal": "install", "isntall": "install", "install-clean": "ci",
+    "isntall-clean": "ci", "hlep": "help", "dist-tags": "dist-tag", "upgrade": "update",
+    "udpate": "update", "rum": "run", "sit": "install-ci-test", "urn": "run", "ogr": "org",
+    "add-user": "adduser",
+}  # fmt: skip
+# npm's commands that install packages as `npm install` does (a clean install, an install
+# before the tests, an update, and exec: it installs the package it runs if it is missing):
+# a rule over `npm install` holds for them too. Not the other way: `npm ci` is not `install`.
+NPM_INSTALLS = frozenset(("ci", "install-test", "install-ci-test", "update", "exec"))
+# npm's options that take no value (npm 11's config definitions whose type is Boolean, and
+# their shorthands; ``--no-X`` and ``--X=value`` hold their own). Any other may take the next
+# word: npm reads an option it does not know as a flag, but a newer npm may know it.
+NPM_FLAGS = frozenset(
+    """
+    all allow-same-version allow-scripts-pending allow-scripts-pin audit bin-links browser
+    bypass-2fa color commit-hooks dangerously-allow-all-scripts description dev
+    diff-ignore-all-space diff-name-only diff-no-prefix diff-text dry-run engine-strict
+    expect-results force foreground-scripts format-package-lock fund git-tag-version global
+    global-style if-present ignore-scripts include-attestations include-staged
+    include-workspace-root init-private install-links json legacy-bundling legacy-peer-deps link
+    long offline omit-lockfile-registry-resolved optional package-lock package-lock-only
+    packages-all parseable prefer-dedupe prefer-offline prefer-online production progress
+    provenance read-only rebuild-bundle save save-bundle save-dev save-exact save-optional
+    save-peer save-prod shrinkwrap sign-git-commit sign-git-tag strict-allow-scripts
+    strict-peer-deps strict-ssl timing unicode update-notifier usage version versions workspaces
+    workspaces-update yes quiet silent verbose local porcelain readonly iwr ws help no desc
+    """.split()
+)
+NPM_SHORT_FLAGS = frozenset("aBdDEfghHlnOpPqsSvy?")
+# Programs that are another program's command under a name of their own: ``npx`` is ``npm
+# exec`` (a rule over either holds over both, as ``git-push`` is ``git push``).
+SHORTHANDS = {"npx": ("npm", "exec")}
+
+
+def npm_command(word: str) -> "Optional[str]":
+    """The npm command ``word`` runs, as npm reads it (cmd-list.js's deref), or None."""
+    if any("A" <= c <= "Z" for c in word):  # installTest is install-test
+        word = "".join("-" + c.lower() if "A" <= c <= "Z" else c for c in word)
+    if word in NPM_COMMANDS:
+        return word
+    if word in NPM_ALIASES:
+        return NPM_ALIASES[word]
+    named = [name for name in (*NPM_COMMANDS, *NPM_ALIASES) if name.startswith(word)]
+    if len(named) != 1 or not word:
+        return None  # no command, or a prefix of several: npm runs none of them
+    return NPM_ALIASES.get(named[0], named[0])
+
+
+def _npm_slots(args: "Sequence[str]") -> "List[int]":
+    """Where in npm's ``args`` its command may be: the first word that is no option, and each
+    one after an option (its value, or the command after an option that takes none): npm's
+    options are many and change, so each reading is judged, which errs on the side of asking
+    (as ``scripts`` reads an interpreter's command line)."""
+    slots: "List[int]" = []
+    after_option = False
+    for at, word in enumerate(args):
+        if word == "--":
+            return slots + ([at + 1] if at + 1 < len(args) else [])
+        if len(word) > 1 and word[0] == "-":
+            after_option = not _npm_flag(word)
+            continue
+        slots.append(at)
+        if not after_option:
+            break
+        after_option = False
+    return slots
+
+
+def _npm_flag(word: str) -> bool:
+    """Whether npm's option ``word`` takes no value from the next word."""
+    if word.startswith("--"):
+        return "=" in word or word.startswith("--no-") or word[2:] in NPM_FLAGS
+    return all(letter in NPM_SHORT_FLAGS for letter in word[1:])
+
+
+def npm_implied(args: "Sequence[str]") -> "List[str]":
+    """The commands besides its own that an npm command line runs (``NPM_INSTALLS``): a
+    rule's word matches these too (``npm ci`` installs: a rule over ``npm install`` holds)."""
+    found = (npm_command(args[at]) for at in _npm_slots(args))
+    return ["install" for command in found if command in NPM_INSTALLS]
+
+
+def _npm_names(name: str, arg: str, word: str) -> bool:
+    """Whether npm's ``arg`` is another spelling of the rule's ``word`` (``add``: ``install``)."""
+    command = npm_command(arg) if name == "npm" else None
+    return command is not None and (command == word or (word == "install" and command in NPM_INSTALLS))
+
+
 def program(word: str) -> str:
     return word.rsplit("/", 1)[-1]
 
@@ -102,13 +213,16 @@ def _glob(name: str, pattern: str) -> bool:
 def rule_names(name: str) -> "Tuple[str, ...]":
     """The names a program's rules are written under: its own, and without a version
     (``pip3.11``, ``python3`` are ``pip``, ``python``) or a dashed git command (``git-push``
-    is ``git push``: git runs the command its argv[0] names)."""
+    is ``git push``: git runs the command its argv[0] names), or a shorthand's (``npx``:
+    ``npm``)."""
     names = [name]
     bare = name.rstrip("0123456789.")
     if bare and bare != name:
         names.append(bare)
     if name.startswith("git-") and len(name) > 4:
         names.append("git")
+    if name in SHORTHANDS:
+        names.append(SHORTHANDS[name][0])
     return tuple(names)
 
 
@@ -120,12 +234,21 @@ def pattern(words: "Sequence[str]") -> "List[str]":
 
 def _dashed(command: "Sequence[str]") -> "List[str]":
     """``git-push x`` as git runs it: ``git push x``; git's plumbing that does what a porcelain
-    command does, as that command (``git send-pack`` pushes: ``git push``)."""
+    command does, as that command (``git send-pack`` pushes: ``git push``); npm's command by
+    its name, whatever spelling npm takes for it (``npm add``, ``npx``: ``npm install``,
+    ``npm exec``)."""
     name = program(command[0])
     if name.startswith("git-") and len(name) > 4:
         command = ["git", name[4:], *command[1:]]
     if program(command[0]) == "git":
         return [command[0], *(GIT_PLUMBING.get(word, word) for word in command[1:])]
+    if program(command[0]) in SHORTHANDS:  # npx x is npm exec x
+        command = [*SHORTHANDS[program(command[0])], *command[1:]]
+    if program(command[0]) == "npm":  # npm add x, npm isntall x: npm install x
+        args = list(command[1:])
+        for at in _npm_slots(args):
+            args[at] = npm_command(args[at]) or args[at]
+        return [command[0], *args]
     return list(command)
 
 
@@ -603,6 +726,8 @@ def _loosely(words: "Sequence[str]", command: "Sequence[str]") -> bool:
     except ValueError:
         operands, options = [], args
     positional = [a for a in options if not a.startswith("-")] + operands
+    if name == "npm":
+        positional += npm_implied(args)
     for word in words[1:]:
         if word.startswith("-"):
             if not all(_carries(name, flag, args) for flag in _flags(name, word)):
@@ -641,7 +766,7 @@ def judged_words(words: "Sequence[str]", argv: "Sequence[str]") -> "List[str]":
         if word.startswith("-"):
             hits = [_carrier(name, flag, args) for flag in _flags(name, word)]
         else:
-            hits = [next((a for a in positional if _glob(a, word)), None)]
+            hits = [next((a for a in positional if _glob(a, word) or _npm_names(name, a, word)), None)]
         found += [hit for hit in hits if hit is not None and hit not in found]
     return found
 

@@ -532,11 +532,14 @@ def kept_argv(argv: "List[str]") -> "List[str]":
 
 
 def _programs(words: "List[str]") -> "Tuple[str, ...]":
-    """The program a rule's first word names, and the one it is matched as (``git-push`` is
-    ``git push``: ``execrules.pattern``)."""
+    """The program a rule's first word names, the one it is matched as (``git-push`` is
+    ``git push``: ``execrules.pattern``), and the programs that are its commands under their
+    own name (``npx`` is ``npm exec``: ``execrules.SHORTHANDS``)."""
     import execrules  # type: ignore[import-not-found]  # judge_config loads it at every start under rules
 
-    return tuple(dict.fromkeys((words[0], execrules.pattern(words)[0])))
+    name = execrules.pattern(words)[0]
+    shorthands = (short for short, (of, _) in execrules.SHORTHANDS.items() if of == name)
+    return tuple(dict.fromkeys((words[0], name, *shorthands)))
 
 
 def _over_argv(words: "List[str]") -> bool:
