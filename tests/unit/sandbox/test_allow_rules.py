@@ -10,20 +10,16 @@ from __future__ import annotations
 import importlib
 import itertools
 import os
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stockade.sandbox import _judge
 from stockade.sandbox.supervisor import execrules
 from tests.conftest import require
 
-SUPERVISOR = Path(_judge.SOURCE).parent
 ALLOW = [["python3", "-m", "pytest"], ["git", "status"]]
 ATTACKS = [
     ["python3", "-c", "import os; os.makedirs('/tmp/victim/a')", "-m", "pytest"],  # -c runs first
@@ -170,15 +166,6 @@ def test_an_allow_rule_holds_over_another_program_only_as_every_reading_of_its_o
     if execrules.allows(["rm", "-r", "build"], ["rm", *args]) and args[:2] != ["-r", "build"]:
         for operands, carries in _readings(args):
             assert operands[:1] == ["build"] and carries, (args, operands)
-
-
-@pytest.fixture(scope="module")
-def execjudge() -> Iterator[Any]:
-    sys.path.insert(0, str(SUPERVISOR))  # the supervisor's modules import each other by name
-    try:
-        yield importlib.import_module("execjudge")
-    finally:
-        sys.path.remove(str(SUPERVISOR))
 
 
 @pytest.mark.parametrize("argv", ATTACKS[:4] + ALLOWED[:4])

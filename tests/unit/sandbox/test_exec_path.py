@@ -11,26 +11,12 @@ import os
 import shlex
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-
-from stockade.sandbox import _judge
-
-SUPERVISOR = Path(_judge.SOURCE).parent
-
-
-@pytest.fixture(scope="module")
-def execjudge() -> Iterator[Any]:
-    sys.path.insert(0, str(SUPERVISOR))  # the supervisor's modules import each other by name
-    try:
-        yield importlib.import_module("execjudge")
-    finally:
-        sys.path.remove(str(SUPERVISOR))
 
 
 @pytest.fixture(scope="module")

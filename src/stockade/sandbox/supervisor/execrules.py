@@ -667,13 +667,10 @@ def reads_as(words: "Sequence[str]", command: "Sequence[str]") -> "Optional[bool
     for any other program, the rule's words no option as the command's leading operands, in
     order (an option's value never counts), and its flags as options. None: unsure where the
     reading meets an option it does not know (that may take a value)."""
-    if not command or not words:
+    named = _named(words, command)
+    if named is None:
         return False
-    words = pattern(words)
-    command = _dashed(command)
-    name = next((n for n in rule_names(program(command[0])) if _glob(n, words[0])), None)
-    if name is None:
-        return False
+    words, command, name = named
     if len(words) == 1:
         return True
     kind, head, tail = _operative(name, command[1:])
@@ -709,14 +706,21 @@ def matches(words: "Sequence[str]", command: "Sequence[str]") -> bool:
     return _loosely(words, command) or reads_as(words, command) is True
 
 
-def _loosely(words: "Sequence[str]", command: "Sequence[str]") -> bool:
+def _named(words: "Sequence[str]", command: "Sequence[str]") -> "Optional[Tuple[List[str], List[str], str]]":
+    """The rule's words and the command as they are matched (``pattern``, ``_dashed``), and
+    the name the command's program goes by that the rule's program is; None: another program."""
     if not command or not words:
-        return False
-    words = pattern(words)
-    command = _dashed(command)
+        return None
+    words, command = pattern(words), _dashed(command)
     name = next((n for n in rule_names(program(command[0])) if _glob(n, words[0])), None)
-    if name is None:
+    return None if name is None else (words, command, name)
+
+
+def _loosely(words: "Sequence[str]", command: "Sequence[str]") -> bool:
+    named = _named(words, command)
+    if named is None:
         return False
+    words, command, name = named
     args = list(command[1:])
     if name == "git" and len(words) > 1 and _git_alias(args):
         return True  # an alias may stand for the rule's command: judged as it
