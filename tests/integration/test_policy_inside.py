@@ -277,6 +277,21 @@ def test_a_script_given_to_its_interpreter_is_judged_as_the_script(tier: str) ->
         assert sbx.commands.run("perl -e 'print 42' /usr/bin/ldd").stdout == "42"  # no --version
 
 
+def test_an_interpreters_long_command_line_is_refused_unread_not_judged_for_minutes(tier: str) -> None:
+    # 15,000 `-r x` pairs given to node: the judge read each word as a possible script, a copy
+    # of the whole rest each, and the sandbox ended "out of memory" with the code using none
+    # (found from outside). Past execrules.MAX_SCRIPTS such words the exec is refused.
+    sbx = _rules_or_refusal(tier, SandboxRules(approve=("ldd --version",)))
+    if sbx is None:
+        return
+    with sbx:
+        code = "import subprocess; subprocess.run(['perl'] + ['-I', 'x'] * 15000 + ['-e', 'print 42'])"
+        r = sbx.run_code(code)
+        assert r.error is not None and "PermissionError" in r.error.name, (r.logs, r.error)
+        assert any(e.verdict == "deny" and "past what is judged" in e.rule for e in r.execs), r.execs
+        assert sbx.commands.run("perl -I x -e 'print 42'").stdout == "42"  # a short one runs, the judge alive
+
+
 def test_a_copy_of_an_interpreter_is_judged_as_the_interpreter(tier: str) -> None:
     # ./py -m pip ran pip past a rule on `pip install`: the copy was judged by its name alone
     # (found from outside). It is known by its content, as a copy of a rule's program is.

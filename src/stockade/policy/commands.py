@@ -91,7 +91,7 @@ def _unwrap(argv: list[str], layers: list[tuple[str, ...]]) -> list[str]:
             continue
         # a script: python3 .../pip/__main__.py x is pip x to deny and approve, node
         # /usr/bin/npm x is npm x (any word an unread interpreter may run: execrules.scripts)
-        scripts = execrules.runs(argv)
+        scripts = _runs(argv)
         if scripts:
             layers.extend(tuple(command) for command in scripts)
             return argv
@@ -102,6 +102,14 @@ def _unwrap(argv: list[str], layers: list[tuple[str, ...]]) -> list[str]:
             continue
         return argv
     return argv
+
+
+def _runs(argv: list[str]) -> list[list[str]]:
+    """``execrules.runs``: what an interpreter's argv runs; unanalysable past what is read."""
+    try:
+        return execrules.runs(argv)
+    except execrules.TooMany as error:
+        raise UnanalysableError(str(error)) from None
 
 
 Redirect = tuple[str, str]  # (operator, target word)

@@ -109,6 +109,15 @@ def test_a_program_given_to_another_interpreter_is_judged_as_itself(line: str) -
     assert approval.verdict is Verdict.APPROVE and approval.rule == "commands.approve: npm install", approval
 
 
+def test_an_interpreters_command_line_past_what_is_read_is_refused_not_read_in_quadratic_time() -> None:
+    """50 KB of `node -r x -r x ...` took the host's policy check 65 s and 2.3 GB (found from
+    outside): past execrules.MAX_SCRIPTS words that may be the script, it is unanalysable."""
+    decision = decide_command(
+        CommandRules(approve=("npm install",)), ["node", *["-r", "x"] * 10_000, "-e", "0"]
+    )
+    assert decision.verdict is Verdict.DENY and decision.rule == "commands.unanalysable", decision
+
+
 @pytest.mark.parametrize(
     "argv",
     [

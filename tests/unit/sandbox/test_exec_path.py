@@ -151,6 +151,24 @@ def test_any_word_an_unread_interpreter_may_run_as_its_script_is_judged_as_one(
     assert ["npm", *args] in execrules.runs([*argv, "/usr/bin/npm", *args])
 
 
+def test_what_an_interpreter_may_run_is_read_to_a_bound_never_in_copies_of_the_whole_argv(
+    execrules: Any,
+) -> None:
+    """Each word that may be the script was a copy of the argv's rest: 50 KB of `node -r x -r
+    x ...` made N copies of N words (65 s and 2.3 GB of the host's policy check; the sandbox's
+    judge ran out of memory: found from outside). Past MAX_SCRIPTS words the command is not
+    read (refused), and a Python script's path gives at most MAX_SCRIPTS folders."""
+    bound = execrules.MAX_SCRIPTS
+    assert len(execrules.scripts(["node", *["-r", "x"] * (bound - 1), "/usr/bin/npm", "i"])) == bound
+    with pytest.raises(execrules.TooMany):
+        execrules.scripts(["node", *["-r", "x"] * bound, "/usr/bin/npm", "i"])
+    with pytest.raises(execrules.TooMany):
+        execrules.runs(["perl", *["-I", "x"] * 10_000])
+    deep = "/".join(f"d{i}" for i in range(5_000)) + "/pip/__main__.py"
+    found = execrules.runs(["python3", deep, *["a"] * 5_000])
+    assert len(found) <= bound + 2 and ["pip", *["a"] * 5_000] in found
+
+
 # Every spelling of `python -m pip` and of running pip's files, read as CPython reads its
 # command line: pip, with the rest of the argv.
 PIP_SPELLINGS = [

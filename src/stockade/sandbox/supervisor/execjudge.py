@@ -371,13 +371,17 @@ class ExecJudge:
         a rule names (``python3 build/link-to-pip install``, ``node /usr/bin/npm install``)
         is that program, not the words of its path. Only the deny and approve rules judge
         it: the allowlist judges programs, and a script is read, not run."""
-        found: "List[List[str]]" = []
+        found: "Dict[Tuple[int, str], List[str]]" = {}  # each a tail of argv: known by its length
         for name in sorted(files | ({os.path.basename(argv[0])} if argv else set())):
-            found += [
-                s for s in execrules.scripts([name, *argv[1:]]) if s[0] != interpreting and s not in found
-            ]
+            try:
+                candidates = execrules.scripts([name, *argv[1:]])
+            except execrules.TooMany as error:
+                return "deny", f"{error}, past what is judged"
+            for s in candidates:
+                if s[0] != interpreting:
+                    found.setdefault((len(s), s[0]), s)
         verdict: "Tuple[str, Optional[str]]" = ("allow", None)
-        for script in found:
+        for script in found.values():
             if depth >= MAX_CARRIED:
                 return TOO_DEEP
             self.carrying = True  # another file, which can change while this one does not
@@ -427,7 +431,11 @@ class ExecJudge:
         candidates = [(name, args) for name in names]
         for name in names:  # by what the file is too, not argv[0] only (exec -a)
             # python3 -Impip x, python3 /usr/bin/pip x, python3 .../pip/__main__.py x: pip x
-            for command in execrules.runs([name, *args]):
+            try:
+                commands = execrules.runs([name, *args])
+            except execrules.TooMany as error:
+                return "deny", f"{error}, past what is judged"
+            for command in commands:
                 candidates.append((os.path.basename(command[0]), command[1:]))
         refused = listed and self._allow_refuses(files, args)
         for kind, verdict in (("deny", "deny"), ("approve", "approve")):

@@ -356,6 +356,18 @@ def script_run(argv: "Sequence[str]") -> "Optional[List[str]]":
     return run[1] if run is not None and run[0] == "script" else None
 
 
+# The words that may be an interpreter's script (``scripts``), and the folders of a Python
+# script's path read as programs (``runs``), judged at most: each is a copy of the argv's
+# rest, so a command of N options made N copies of N words (50 KB of `node -r x -r x ...`
+# took 65 s and 2.3 GB of the host's policy check, and ran the sandbox's judge out of memory:
+# found from outside). Past the cap a command is not read, and is refused.
+MAX_SCRIPTS = 32
+
+
+class TooMany(ValueError):
+    """More words may be what an interpreter runs than are judged (``MAX_SCRIPTS``)."""
+
+
 def scripts(argv: "Sequence[str]") -> "List[List[str]]":
     """The script files an interpreter's ``argv`` may run, each with its arguments: Python's
     and a shell's as they read their command line; another interpreter's (node, perl, ruby:
@@ -364,7 +376,8 @@ def scripts(argv: "Sequence[str]") -> "List[List[str]]":
     script after an option that takes none) and the first that does not (the script, if no
     word before was). Options come before the script in each of them, so the script is one
     of these whichever options take a value; the others are judged too, which errs on the
-    side of asking (``perl -e CODE rm -r x`` is judged as ``rm -r x``: it may well run it)."""
+    side of asking (``perl -e CODE rm -r x`` is judged as ``rm -r x``: it may well run it).
+    ``TooMany`` past ``MAX_SCRIPTS`` of them."""
     name = program(argv[0]) if argv else ""
     if not any(_glob(name, other) for other in OTHER_INTERPRETERS):
         run = script_run(argv)
@@ -378,6 +391,8 @@ def scripts(argv: "Sequence[str]") -> "List[List[str]]":
         if len(word) > 1 and word[0] == "-":
             after_option = True
             continue
+        if len(found) == MAX_SCRIPTS:
+            raise TooMany(f"more than {MAX_SCRIPTS} words of {name}'s command line may be the script it runs")
         found.append(list(argv[at:]))
         if not after_option:
             break
@@ -391,7 +406,8 @@ def runs(argv: "Sequence[str]") -> "List[List[str]]":
     and, for Python, by its name without its suffix and by every folder on its path (a
     package's ``__main__.py``, the package's folder itself, a file in it: ``python3
     .../pip/__main__.py x`` and ``python3 .../pip x`` are ``pip x``; ``python3 pip.pyz x`` is
-    too). Empty: the interpreter runs no file nor module (``-c``), or is none."""
+    too; the last ``MAX_SCRIPTS`` folders of its path). Empty: the interpreter runs no file
+    nor module (``-c``), or is none. ``TooMany``: see ``scripts``."""
     run = command_line(argv)
     if run is None:
         return [[program(script[0]), *script[1:]] for script in scripts(argv)]
@@ -402,9 +418,10 @@ def runs(argv: "Sequence[str]") -> "List[List[str]]":
     if program(argv[0]).startswith("python"):
         *folders, name = target.split("/")
         stem = name.split(".", 1)[0]
-        for word in (stem, *folders):
-            if word not in ("", ".", "..", name) and [word, *args] not in found:
-                found.append([word, *args])
+        words = dict.fromkeys(
+            w for w in (stem, *folders[-MAX_SCRIPTS:]) if w not in ("", ".", "..", name, target)
+        )
+        found += [[word, *args] for word in words]
     return found
 
 
