@@ -93,6 +93,7 @@ def check_number(
 # A week: longer is a mistake, not a plan, and the supervisor's poll timeout (milliseconds in
 # 32 bits) ends at 24.8 days.
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+MAX_COST_USD = 1e12  # the most a run's spend cap (RunLimits.max_cost_usd) may be
 
 
 def check_timeout(value: object, *, argument: str = "timeout_s") -> float | None:

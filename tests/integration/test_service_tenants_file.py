@@ -4,15 +4,17 @@ holds for the next request; and a file that no longer loads keeps the table that
 
 from __future__ import annotations
 
+import json
 import re
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx2
 import pytest
 
-from tests.conftest import wait_for
+from tests.conftest import require_tier, wait_for
 from tests.integration.service_env import Server, Tokens, write_tenants
 
 # the service looks at the file at most once a second: refused within two, with room for a busy host
@@ -67,6 +69,54 @@ def test_a_token_taken_out_of_the_tenants_file_is_refused_and_its_sessions_end(
         assert ended.status_code == 303 and ended.headers["location"].startswith("/ui/login")
     assert status(server, tokens.acme) == 200  # the others' tokens are untouched
     assert "tokens refused from now on" in server.output()
+
+
+def events(stream: httpx2.Response) -> list[tuple[str, str]]:
+    """The (event, data) pairs of a Server-Sent Events response, read until it closes."""
+    found, kind = [], ""
+    for line in stream.iter_lines():
+        if line.startswith("event:"):
+            kind = line[6:].strip()
+        elif line.startswith("data:"):
+            found.append((kind, line[5:].strip()))
+    return found
+
+
+def test_a_token_taken_out_ends_the_streams_it_opened(service: tuple[Server, Tokens, Path]) -> None:
+    require_tier("process")
+    server, tokens, tenants = service
+    good = tenants.read_text()
+    auth = {"Authorization": f"Bearer {tokens.other}"}
+    sleep = {"name": "run_code", "args": {"code": "import time; time.sleep(60)", "language": "python"}}
+    with (
+        httpx2.Client(base_url=server.url, timeout=10, headers=auth) as api,
+        signed_in(server, tokens.other) as ui,
+    ):
+        run_id = api.post("/v1/runs", json={"task": "sleep", "scripted": [sleep, "never"]}).json()["run_id"]
+        wait_for(lambda: api.get(f"/v1/runs/{run_id}").json()["status"] == "running", what="the run to start",
+                 timeout_s=30, interval_s=0.1)  # fmt: skip
+        # both open before the token goes; the run sleeps a minute: only the check ends them
+        with api.stream("GET", f"/v1/runs/{run_id}/events") as through_api, \
+                ui.stream("GET", f"/ui/runs/{run_id}/events") as through_ui:  # fmt: skip
+            assert through_api.status_code == 200 and through_ui.status_code == 200
+            tenants.write_text(without_tenant_tokens(good, "other"))
+            started = time.monotonic()
+            sent, shown = events(through_api), events(through_ui)
+            took = time.monotonic() - started
+        assert took < FOLLOWED_S + 5, took
+        kind, data = sent[-1]
+        assert kind == "error", sent
+        problem = json.loads(data)
+        assert problem["status"] == 401 and problem["error"] == "AuthenticationError", problem
+        assert ("status", json.dumps({"run_id": run_id, "status": "running"})) in sent  # it was open, reading
+        kind, data = shown[-1]
+        assert kind == "end" and json.loads(data)["signed_out"] is True, shown
+
+        tenants.write_text(good)  # back, to stop the run
+        wait_for(lambda: status(server, tokens.other) == 200, what="the token back", timeout_s=FOLLOWED_S)
+        assert api.post(f"/v1/runs/{run_id}/kill", json={"reason": "done"}).status_code == 200
+        wait_for(lambda: api.get(f"/v1/runs/{run_id}").json()["status"] == "killed", what="the run killed",
+                 timeout_s=30, interval_s=0.1)  # fmt: skip
 
 
 def test_a_changed_limit_holds_for_the_next_requests(service: tuple[Server, Tokens, Path]) -> None:

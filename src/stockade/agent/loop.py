@@ -85,7 +85,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from stockade._checks import check_instance, check_number, check_text, check_timeout
+from stockade._checks import MAX_COST_USD, check_instance, check_number, check_text, check_timeout
 from stockade._cuts import cut_marker
 from stockade.agent.checkpoint import Checkpointer, DurableCheckpointer, Lease, SandboxKeeper
 from stockade.agent.events import (
@@ -206,7 +206,7 @@ class RunLimits:
         )
         if self.max_cost_usd is not None:
             check_number(
-                self.max_cost_usd, argument="RunLimits.max_cost_usd", integer=False, low=0, high=1e12
+                self.max_cost_usd, argument="RunLimits.max_cost_usd", integer=False, low=0, high=MAX_COST_USD
             )
         if (
             self.max_steps < 1

@@ -14,7 +14,7 @@ HOP_HEADER = "x-stockade-hop"  # a request a peer API process forwarded: its val
 if TYPE_CHECKING:
     from stockade.server.service import Service
 
-__all__ = ["HOP_HEADER", "Caller", "authenticate", "get_service", "principal_of"]
+__all__ = ["HOP_HEADER", "Caller", "authenticate", "get_service", "principal_of", "recheck"]
 
 
 def get_service(request: Request) -> Service:
@@ -42,6 +42,18 @@ def authenticate(request: Request) -> Principal:
     if hop is None or not service.sandboxes.is_peer(hop):  # a peer's forward was counted there
         service.limits.admit(principal)
     return principal
+
+
+def recheck(request: Request, caller: Principal) -> None:
+    """``AuthenticationError`` once the request's token no longer stands for ``caller`` (taken
+    out of the tenants file, given a new secret, moved to another tenant). A response that
+    lasts (an event stream) asks it as it goes: a revoked token must not keep reading through
+    a stream it opened before. In memory only, and not counted against the tenant's rate."""
+    now = principal_of(get_service(request).tenants, request.headers.get("authorization", ""))
+    if now.token_id != caller.token_id or now.tenant.id != caller.tenant.id:
+        raise exc.AuthenticationError(
+            f"the API token no longer stands for tenant {caller.tenant.id!r}: open the stream again"
+        )
 
 
 Caller = Annotated[Principal, Depends(authenticate)]

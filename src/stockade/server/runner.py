@@ -106,6 +106,16 @@ def scripted_model(turns: list[object]) -> ScriptedModel:
     return ScriptedModel(parsed, name="scripted")
 
 
+def run_limits(spec: RunSubmit) -> RunLimits:
+    """The run's budgets (``InvalidArgument`` for one ``RunLimits`` refuses): asked at
+    submission too, so that no run is queued only to fail at its start."""
+    limits = spec.limits
+    return RunLimits(
+        max_steps=limits.max_steps, max_wall_s=limits.max_wall_s,
+        max_tokens=limits.max_tokens, max_cost_usd=limits.max_cost_usd,
+    )  # fmt: skip
+
+
 def build_model(spec: RunSubmit) -> Model:
     if spec.scripted is not None:
         return scripted_model(list(spec.scripted))
@@ -333,10 +343,7 @@ class Runner:
                 tier=spec.tier,
                 sandbox_limits=spec.sandbox_limits.build() if spec.sandbox_limits is not None else None,
                 audit=self.audit.get(tenant),
-                limits=RunLimits(
-                    max_steps=spec.limits.max_steps, max_wall_s=spec.limits.max_wall_s,
-                    max_tokens=spec.limits.max_tokens, max_cost_usd=spec.limits.max_cost_usd,
-                ),
+                limits=run_limits(spec),
                 check=spec.check,
                 check_timeout_s=spec.check_timeout_s,
                 approver=None,

@@ -11,7 +11,9 @@ each audit event of the run as it is written, ``id`` its sequence number (reconn
 ``Last-Event-ID`` to continue), ``event`` its kind (model_call, tool_call, policy_decision,
 approval, retry, kill_switch, ...) and ``data`` its JSON body; ``event: status`` whenever
 the run's status changes, and ``event: end`` once it has ended or paused and every event of
-it has been sent. The stream reads the database, not a worker: it works whichever worker
+it has been sent. The token is asked again at each poll: once it is taken out of the tenants
+file (or given a new secret) the stream ends with ``event: error``, whose data is the 401
+problem. The stream reads the database, not a worker: it works whichever worker
 runs the run, and after a worker died. A tenant holds ``ServiceConfig.max_streams`` streams
 open at once (each polls the database); one more is answered 429.
 """
@@ -39,9 +41,10 @@ from stockade.runs.seeds import pack_workspace
 from stockade.runtime.killswitch import kill_all
 from stockade.server.authz import check_approver, check_model, choose_tier, engine_for
 from stockade.server.bodies import raw_body, read_body
-from stockade.server.deps import Caller, get_service
+from stockade.server.deps import Caller, get_service, recheck
+from stockade.server.problems import from_error
 from stockade.server.retention import erase_run
-from stockade.server.runner import build_model
+from stockade.server.runner import build_model, run_limits
 from stockade.server.schemas import (
     ApprovalDecision,
     KillAllOut,
@@ -179,7 +182,9 @@ async def delete_workspace(workspace_id: str, request: Request, caller: Caller) 
 
 
 def _authorise(service: Service, caller: Principal, body: RunSubmit) -> None:
-    """What the role allows, asked before the run is queued: the model, the tier, the workspace."""
+    """What the role allows, asked before the run is queued: the model, the tier, the workspace;
+    and the run's limits, as its start would take them."""
+    run_limits(body)
     engine = engine_for(caller, body.trust)
     model = build_model(body)  # a model spec that cannot be resolved fails here, not on a worker
     check_model(engine, model.name, model.provider)
@@ -299,6 +304,12 @@ async def run_events(
     async def stream() -> AsyncIterator[bytes]:
         seq, last_status = start, None
         while True:
+            try:  # at each poll: a token taken out meanwhile reads no further (a reload reads files)
+                await _blocking(lambda: recheck(request, caller))
+            except exc.AuthenticationError as error:
+                problem = from_error(error, request.url.path).body
+                yield f"event: error\ndata: {json.dumps(problem)}\n\n".encode()
+                return
             status = await _blocking(lambda: _status(service, _row(service, caller, run_id)))
             rows = await _blocking(functools.partial(service.store.audit_rows, namespace, run_id, seq))
             for number, kind, body in rows:

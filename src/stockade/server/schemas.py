@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
-from stockade._checks import MAX_TIMEOUT_S
+from stockade._checks import MAX_COST_USD, MAX_TIMEOUT_S
 from stockade.types import Limits, NetworkPolicy, Trust
 
 __all__ = [
@@ -148,7 +148,7 @@ class RunLimitsIn(_In):
     max_steps: int = Field(default=30, ge=1, le=10_000)
     max_wall_s: float = Field(default=900.0, gt=0, le=7 * 86400)
     max_tokens: int = Field(default=1_000_000, ge=1, le=2**62)
-    max_cost_usd: float | None = Field(default=None, gt=0)
+    max_cost_usd: float | None = Field(default=None, gt=0, le=MAX_COST_USD)
 
 
 class RunSubmit(_In):

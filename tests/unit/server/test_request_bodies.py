@@ -12,10 +12,13 @@ import httpx2
 import pytest
 
 from stockade import exceptions as exc
+from stockade.agent import RunLimits
 from stockade.client._http import error_from
 from stockade.server.app import create_app
 from stockade.server.bodies import ANONYMOUS_BODY_BYTES
 from stockade.server.context import ServiceConfig
+from stockade.server.runner import run_limits
+from stockade.server.schemas import RunLimitsIn, RunSubmit
 from stockade.server.service import Service
 from stockade.server.tenants import Tenant, Tenants, new_token
 
@@ -119,3 +122,23 @@ async def test_a_request_that_needs_no_token_takes_a_forms_body_no_more(http: ht
     error = too_large(await http.post("/ui/login", content=body, headers={"Authorization": ""}))
     assert isinstance(error, exc.RequestTooLarge) and error.limit == ANONYMOUS_BODY_BYTES
     assert body.taken <= ANONYMOUS_BODY_BYTES // body.size + 2
+
+
+async def test_a_runs_limits_are_judged_at_submission_as_its_start_would_judge_them(
+    http: httpx2.AsyncClient, service: tuple[Service, str]
+) -> None:
+    for limits in ({"max_cost_usd": 1e13}, {"max_cost_usd": 1e300}, {"max_wall_s": 1e10}, {"max_steps": 0}):
+        response = await http.post("/v1/runs", json={"task": "t", "scripted": ["done"], "limits": limits})
+        assert response.status_code == 422, (limits, response.text)
+        assert response.json()["field"] == f"limits.{next(iter(limits))}", response.text
+    assert service[0].store.runs("acme") == []  # nothing queued, no place of the quota taken
+
+
+def test_every_limit_the_api_takes_is_one_a_run_starts_with() -> None:
+    highest = {
+        name: next(m.le for m in info.metadata if getattr(m, "le", None) is not None)
+        for name, info in RunLimitsIn.model_fields.items()
+    }
+    assert set(highest) == {"max_steps", "max_wall_s", "max_tokens", "max_cost_usd"}
+    spec = RunSubmit.model_validate({"task": "t", "scripted": ["done"], "limits": highest})
+    assert run_limits(spec) == RunLimits(**highest)

@@ -6,7 +6,9 @@ live updates, no asset from anywhere else.
     /ui/runs/{id}/body        the same page's body, for the live updates
     /ui/runs/{id}/events      Server-Sent Events: "changed" when the run's trail grows, "end"
                               once it ended or waits (paused, broken): the page reconnects to a
-                              waiting run now and then; a tenant holds a few streams at once
+                              waiting run now and then; a tenant holds a few streams at once.
+                              The session is checked at each poll: signed out, expired or its
+                              token taken out, the stream ends ("end", signed_out)
     /ui/runs/{id}/approvals/{request}   POST approve or deny (the role decides who may)
     /ui/login, /ui/logout     a token for the viewer: an API token (the service), or the key
                               ``stockade ui`` prints (a laptop)
@@ -126,6 +128,11 @@ class ViewerAuth(Protocol):
 
     def sign_out(self, cookie: str) -> None: ...
 
+    def check(self, cookie: str, source: RunSource) -> None:
+        """``AuthenticationError`` once ``cookie`` no longer holds what ``source`` was made
+        for (signed out, expired, its token taken out); counted against no rate: a stream
+        asks it as it goes."""
+
     def release(self, source: RunSource) -> None: ...
 
     def stream(self, source: RunSource) -> StreamSlot:
@@ -157,6 +164,9 @@ class KeyAuth:
     def sign_out(self, cookie: str) -> None:
         pass
 
+    def check(self, cookie: str, source: RunSource) -> None:
+        self.source(cookie)
+
     def release(self, source: RunSource) -> None:
         pass
 
@@ -187,6 +197,14 @@ class ServiceAuth:
 
     def sign_out(self, cookie: str) -> None:
         self.sessions.end(cookie)
+
+    def check(self, cookie: str, source: RunSource) -> None:
+        assert isinstance(source, ServiceRuns)  # what ``source`` made
+        now = self.sessions.check(cookie).principal
+        if now.token_id != source.principal.token_id or now.tenant.id != source.principal.tenant.id:
+            raise exc.AuthenticationError(
+                "the session's token no longer stands for that tenant: sign in again"
+            )
 
     def release(self, source: RunSource) -> None:
         pass
@@ -452,14 +470,21 @@ class _Viewer:
         who = await self.signed_in(request)
         if who is None:
             return Response("sign in first", status_code=401, headers=HEADERS)
-        source = who[0]
+        source, credential = who
         try:
             slot = self.auth.stream(source)
         except exc.RateLimited as error:
             retry = str(max(1, round(error.retry_after or 1)))
             return Response(str(error), status_code=429, headers={**HEADERS, "Retry-After": retry})
         return HeldStream(
-            _changes(request, source, run_id, after, status or None),
+            _changes(
+                request,
+                source,
+                functools.partial(self.auth.check, credential, source),
+                run_id,
+                after,
+                status or None,
+            ),
             slot=slot,
             headers={**HEADERS, "X-Accel-Buffering": "no"},
         )
@@ -498,14 +523,26 @@ async def _blocking(function: Callable[[], Any]) -> Any:
     return await anyio.to_thread.run_sync(function)
 
 
+def _look(still: Callable[[], None], source: RunSource, run_id: str, seq: int) -> tuple[int, str] | None:
+    still()
+    return source.changes(run_id, seq)
+
+
 async def _changes(
-    request: Request, source: RunSource, run_id: str, after: int, status: str | None
-) -> AsyncIterator[bytes]:
+    request: Request, source: RunSource, still: Callable[[], None], run_id: str, after: int,
+    status: str | None,
+) -> AsyncIterator[bytes]:  # fmt: skip
     """``changed`` each time the run's trail grows or its status moves; ``end`` once it settled
-    or waits (a paused run may wait for days: the page comes back for it, not this loop)."""
+    or waits (a paused run may wait for days: the page comes back for it, not this loop), or
+    once ``still`` (asked at each poll) finds the session no longer valid: signed out,
+    expired, its token taken out (``signed_out``; the page reloads, to the sign-in)."""
     seq = after
     while True:
-        changed = await _blocking(functools.partial(source.changes, run_id, seq))
+        try:
+            changed = await _blocking(functools.partial(_look, still, source, run_id, seq))
+        except exc.AuthenticationError as error:
+            yield f"event: end\ndata: {json.dumps({'signed_out': True, 'reason': str(error)})}\n\n".encode()
+            return
         if changed is None:
             yield b"event: end\ndata: {}\n\n"
             return

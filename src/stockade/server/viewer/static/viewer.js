@@ -36,7 +36,12 @@ function follow(root) {
     });
     source.addEventListener("end", (event) => {
       source.close();
-      if (JSON.parse(event.data || "{}").waits) {
+      const ended = JSON.parse(event.data || "{}");
+      if (ended.signed_out) {
+        window.location.reload();  // the session is over: the page sends us to sign in
+        return;
+      }
+      if (ended.waits) {
         // paused or broken: the server does not watch it for us; a decision (here or
         // elsewhere) sends it on, and a look now and then finds that
         setTimeout(listen, AGAIN_MS);
