@@ -634,6 +634,35 @@ def test_a_rule_over_npm_install_holds_over_every_spelling_npm_takes(tier: str) 
         assert len(read) > 400 and {w: execrules.npm_command(w) for w in read} == read
 
 
+# npm's commands that install as `npm install` does (they reify node_modules, adding what the
+# tree lacks and running its lifecycle scripts): each ran a local dependency's postinstall past
+# a rule on `npm install` (found from outside, on the process tier).
+NPM_INSTALLING = (
+    "dedupe --offline --install-links", "ddp --offline --install-links",
+    "prune --offline --install-links", "uninstall nothing --offline --install-links",
+)  # fmt: skip
+
+
+def test_a_rule_over_npm_install_holds_over_what_installs_as_it_does(tier: str) -> None:
+    sbx = _rules_or_refusal(tier, SandboxRules(approve=("npm install",)))
+    if sbx is None:
+        return
+    with sbx:
+        if sbx.commands.run("command -v npm").exit_code != 0:
+            return  # no npm in this tier's image
+        script = "node -e \"require('fs').writeFileSync(process.env.INIT_CWD + '/PWNED', '')\""
+        dep = {"name": "dep", "version": "1.0.0", "scripts": {"postinstall": script}}
+        sbx.files.write("dep/package.json", json.dumps(dep))
+        app = {"name": "app", "version": "1.0.0", "dependencies": {"dep": "file:../dep"}}
+        sbx.files.write("app/package.json", json.dumps(app))
+        for line in NPM_INSTALLING:
+            r = sbx.commands.run(f"cd app && npm {line}")
+            assert r.exit_code == 126, (line, r)
+            assert "needs approval and was refused: commands.approve: npm install" in r.stderr, (line, r)
+            assert not sbx.files.exists("app/PWNED") and not sbx.files.exists("app/node_modules"), line
+        assert sbx.commands.run("cd app && npm pkg get name").stdout.strip() == '"app"'  # npm's others run
+
+
 # The image's npm's own reading of each of its words (lib/utils/cmd-list.js's deref).
 NPM_DEREF = """node -e '
 const npm = require("fs").realpathSync(process.argv[1]);

@@ -314,6 +314,17 @@ NPM_INSTALL_SPELLINGS = (
     "npm insta x", "npm -gD instal x", "npm --prefix=/tmp isnt x", "npm -- add x",
     "/usr/bin/npm install x", "node /usr/bin/npm add x",
 )  # fmt: skip
+# npm's commands that install as npm install does: they reify node_modules (adding what it
+# lacks, running its lifecycle scripts), run install scripts, or run a package they install
+# (found from outside: each wrote a local dependency's postinstall past a rule on `npm install`)
+NPM_INSTALLING = (
+    "npm dedupe --offline --install-links", "npm ddp", "npm prune", "npm uninstall nothing",
+    "npm un x", "npm rm x", "npm unlink x", "npm link x", "npm ln", "npm rebuild", "npm rb",
+    "npm edit x", "npm audit fix", "npm audit --omit dev fix", "npm create vite", "npm init vite",
+    "npm innit @scope", "npm init -w pkg", "npm cit", "npm sit", "npm clean-install-test",
+    "npm install-ci-test", "npm pack git+https://example.com/x.git", "npm publish ../dep",
+    "npm cache add x", "npm --silent prune",
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("line", NPM_INSTALL_SPELLINGS)
@@ -347,6 +358,17 @@ def test_a_rule_over_an_npm_command_holds_over_every_spelling_npm_takes(rule: st
         ("npm install", "npm test", Verdict.ALLOW),
         ("npm install", "npm e x", Verdict.ALLOW),  # a prefix of several: npm runs none
         ("npm install", "npm Install x", Verdict.ALLOW),  # npm knows no -install
+        *(("npm install", line, Verdict.APPROVE) for line in NPM_INSTALLING),
+        # what installs only given an operand: bare, these report, or run the project's own scripts
+        ("npm install", "npm audit", Verdict.ALLOW),
+        ("npm install", "npm audit signatures", Verdict.ALLOW),
+        ("npm install", "npm init", Verdict.ALLOW),
+        ("npm install", "npm init -y", Verdict.ALLOW),
+        ("npm install", "npm pack", Verdict.ALLOW),
+        ("npm install", "npm publish --dry-run", Verdict.ALLOW),
+        ("npm install", "npm cache ls", Verdict.ALLOW),
+        ("npm install", "npm ls", Verdict.ALLOW),
+        ("npm uninstall", "npm prune", Verdict.ALLOW),  # only install holds over what installs
     ],
 )
 def test_npm_commands_are_judged_as_the_command_npm_runs(rule: str, line: str, verdict: Verdict) -> None:
@@ -357,7 +379,8 @@ def test_npm_commands_are_judged_as_the_command_npm_runs(rule: str, line: str, v
 @pytest.mark.parametrize(
     "line",
     [
-        *NPM_INSTALL_SPELLINGS, "npm ci", "npm clean-install", "npm it", "npm install-ci-test",
+        *NPM_INSTALL_SPELLINGS, *NPM_INSTALLING, "npm ci", "npm clean-install", "npm it",
+        "npm install-ci-test",
         "npm exec cowsay", "npx -y cowsay", "yarn add x", "pnpm add x", "pnpm i", "pip3 install x",
         "python3 -m pip install x", "easy_install x", "gem install x", "cargo install x",
         "go install x@latest", "go get x", "apt-get install x", "apt install x", "uv add x",
@@ -373,7 +396,7 @@ def test_the_example_policy_asks_before_npm_installs_inside_the_sandbox_by_any_s
 
     rules = PolicyEngine(_example()).sandbox_rules()
     approve = [shlex.split(p) for p in rules.approve]
-    for line in (*NPM_INSTALL_SPELLINGS, "npm ci", "npm x cowsay", "npx -y cowsay"):
+    for line in (*NPM_INSTALL_SPELLINGS, *NPM_INSTALLING, "npm ci", "npm x cowsay", "npx -y cowsay"):
         argv = execrules.subject(shlex.split(line))
         argv = next(iter(execrules.runs(argv)), argv)  # node /usr/bin/npm x: npm x
         assert execrules.judge({"approve": approve}, argv)[0] == "approve", line

@@ -67,6 +67,21 @@ def test_an_allow_rule_lets_run_what_does_what_it_names(argv: list[str]) -> None
         (["python3", "tool.py"], ["python3", "-X", "dev", "tool.py", "a"], True),
         (["python3", "tool.py"], ["python3", "-m", "tool.py"], False),
         (["python3", "-I", "-m", "pytest"], ["python3", "-m", "pytest"], False),  # no -I
+        # a package's __main__ is what -m runs of the package; another submodule is not
+        (["python3", "-m", "pytest"], ["python3", "-m", "pytest.__main__", "-q"], True),
+        (["python3", "-m", "pytest"], ["python3", "-Impytest.__main__"], True),
+        (["python3", "-m", "pytest"], ["python3", "-m", "pytest.foo"], False),
+        (["python3", "-m", "pytest"], ["python3", "-m", "pytest_evil.__main__"], False),
+        # npm's command past the options npm reads as taking no value (NPM_FLAGS)
+        (["npm", "test"], ["npm", "--silent", "test"], True),
+        (["npm", "test"], ["npm", "-s", "t"], True),
+        (["npm", "test"], ["npm", "-sd", "tst", "--", "-x"], True),
+        (["npm", "test"], ["npm", "--no-audit", "--", "test"], True),
+        (["npm", "run", "build"], ["npm", "run", "--silent", "build"], True),
+        (["npm", "test"], ["npm", "--prefix", "test", "exec", "x"], False),  # a value
+        (["npm", "test"], ["npm", "-w", "test", "run", "x"], False),
+        (["npm", "test"], ["npm", "--silent", "run", "test"], False),
+        (["npm", "run", "build"], ["npm", "run", "--script-shell", "build", "evil"], False),
     ],
 )
 def test_an_allow_rules_words_are_read_where_the_program_reads_them(
@@ -109,6 +124,37 @@ def test_options_before_gits_command_never_make_an_allow_rule_hold_over_another_
     known = all(o[0] in execrules.GIT_VALUED | execrules.GIT_FLAGS or "=" in o[0] for o in options)
     if command == "status" and known:
         assert allowed, argv
+
+
+NPM_OPTIONS = st.sampled_from(
+    [
+        ["-s"], ["--silent"], ["-sd"], ["--no-audit"], ["--prefix=x"], ["--prefix", "test"],
+        ["-w", "t"], ["--frob"], ["--frob", "test"], ["--"],
+    ]
+)  # fmt: skip
+
+
+@given(
+    st.lists(NPM_OPTIONS, max_size=4),
+    st.sampled_from(["test", "t", "tst", "run", "install", "i", "exec", "x", "te"]),
+    st.lists(st.sampled_from(["test", "-s", "--prefix", "x"]), max_size=3),
+)
+@settings(max_examples=400, deadline=None)
+def test_options_before_npms_command_never_make_an_allow_rule_hold_over_another_command(
+    options: list[list[str]], command: str, rest: list[str]
+) -> None:
+    """Whatever options come first (those npm reads as taking no value, and others, that may
+    take the next word), ``npm test`` allows only npm's test, by any name npm takes for it."""
+    words = list(itertools.chain.from_iterable(options))
+    argv = ["npm", *words, command, *rest]
+    allowed = execrules.allows(["npm", "test"], argv)
+    at = words.index("--") if "--" in words else len(words)
+    runs = words[at + 1] if at + 1 < len(words) else command  # the word after a --, if any
+    flags, short = execrules.NPM_FLAGS, execrules.NPM_SHORT_FLAGS
+    surely = all(
+        "=" in w or w.startswith("--no-") or w[2:] in flags or set(w[1:]) <= short for w in words[:at]
+    )
+    assert allowed == (surely and execrules.npm_command(runs) == "test"), argv
 
 
 PYTHON_OPTIONS = st.sampled_from([["-I"], ["-B"], ["-W", "ignore"], ["-Wignore"], ["-X", "dev"], ["-c", "x"]])

@@ -114,10 +114,25 @@ NPM_ALIASES = {
     "udpate": "update", "rum": "run", "sit": "install-ci-test", "urn": "run", "ogr": "org",
     "add-user": "adduser",
 }  # fmt: skip
-# npm's commands that install packages as `npm install` does (a clean install, an install
-# before the tests, an update, and exec: it installs the package it runs if it is missing):
-# a rule over `npm install` holds for them too. Not the other way: `npm ci` is not `install`.
-NPM_INSTALLS = frozenset(("ci", "install-test", "install-ci-test", "update", "exec"))
+# npm's commands that install packages as `npm install` does: they reify node_modules (a
+# clean install, an install before the tests, an update, a dedupe, a prune, an uninstall and
+# a link: npm reifies the tree left, adding what it lacks and running its lifecycle scripts),
+# run the installed packages' install scripts (rebuild, and edit: it rebuilds what it edited),
+# or install the package they run if it is missing (exec). A rule over `npm install` holds for
+# them too. Not the other way: `npm ci` is not `install`.
+NPM_INSTALLS = frozenset(
+    "ci install-test install-ci-test update dedupe prune uninstall link rebuild edit exec".split()
+)
+# And those that do given an operand (any word no option after the command: an option's
+# value may be taken for one, which errs toward asking): ``audit fix`` (a bare audit reports),
+# ``cache add x``, ``init x`` (``npm exec create-x``; bare, it writes a package.json, but into
+# a workspace it reifies: ``NPM_WORKSPACE``), ``pack x`` and ``publish x`` (npm fetches what x
+# names, and a git package with a prepare script is installed, its dependencies and scripts,
+# to be packed; a folder's prepare script runs). A bare ``pack``/``publish`` runs the project's
+# own prepack/prepare scripts, its own code as ``npm run`` does: no install. None: any operand.
+NPM_INSTALLS_GIVEN = {
+    "audit": "fix", "cache": "add", "init": None, "pack": None, "publish": None,
+}  # type: Dict[str, Optional[str]]  # fmt: skip
 # npm's options that take no value (npm 11's config definitions whose type is Boolean, and
 # their shorthands; ``--no-X`` and ``--X=value`` hold their own). Any other may take the next
 # word: npm reads an option it does not know as a flag, but a newer npm may know it.
@@ -185,16 +200,43 @@ def _npm_flag(word: str) -> bool:
 
 
 def npm_implied(args: "Sequence[str]") -> "List[str]":
-    """The commands besides its own that an npm command line runs (``NPM_INSTALLS``): a
+    """The commands besides its own that an npm command line runs (``npm_installs``): a
     rule's word matches these too (``npm ci`` installs: a rule over ``npm install`` holds)."""
-    found = (npm_command(args[at]) for at in _npm_slots(args))
-    return ["install" for command in found if command in NPM_INSTALLS]
+    return ["install" for at in _npm_slots(args) if npm_installs(args, at)]
 
 
-def _npm_names(name: str, arg: str, word: str) -> bool:
-    """Whether npm's ``arg`` is another spelling of the rule's ``word`` (``add``: ``install``)."""
-    command = npm_command(arg) if name == "npm" else None
-    return command is not None and (command == word or (word == "install" and command in NPM_INSTALLS))
+def npm_installs(args: "Sequence[str]", at: int) -> bool:
+    """Whether npm's ``args``, its command at ``at``, install as ``npm install`` does
+    (``NPM_INSTALLS``, ``NPM_INSTALLS_GIVEN``)."""
+    command = npm_command(args[at])
+    if command in NPM_INSTALLS:
+        return True
+    if command not in NPM_INSTALLS_GIVEN:
+        return False
+    rest = args[at + 1 :]
+    ended = rest.index("--") if "--" in rest else len(rest)
+    operands = [w for w in rest[:ended] if not (len(w) > 1 and w[0] == "-")] + list(rest[ended + 1 :])
+    wanted = NPM_INSTALLS_GIVEN[command]
+    if command == "init" and any(_npm_workspace(word) for word in args[:at] + rest[:ended]):
+        return True
+    return wanted in operands if wanted is not None else bool(operands)
+
+
+def _npm_workspace(word: str) -> bool:
+    """Whether npm's option ``word`` may be a workspace one (``-w x``, ``--workspaces``, or a
+    prefix npm takes of either: ``--worksp``; ``--no-workspaces-update`` is no workspace)."""
+    if word.startswith("--"):
+        return word[2:].startswith("w")
+    return len(word) > 1 and word[0] == "-" and "w" in word[1:]
+
+
+def _npm_names(name: str, args: "Sequence[str]", at: int, word: str) -> bool:
+    """Whether npm's ``args[at]`` is another spelling of the rule's ``word`` (``add``:
+    ``install``), or a command that installs as it does (``npm_installs``)."""
+    if name != "npm":
+        return False
+    command = npm_command(args[at])
+    return command is not None and (command == word or (word == "install" and npm_installs(args, at)))
 
 
 def program(word: str) -> str:
@@ -599,7 +641,7 @@ def _operative(name: str, args: "Sequence[str]") -> "Tuple[str, List[str], List[
     command: the first word of the tail) apart from the options before it (the head).
     Python's command line as ``command_line`` reads it (``"-c"``: code given as text, or
     standard input); git's past its global options (``"?"``: unsure where its command is);
-    any other program's words are all tail."""
+    npm's past its options (``"?"`` likewise); any other program's words are all tail."""
     if name.startswith("python"):
         run = command_line([name, *args])
         if run is None:
@@ -608,13 +650,36 @@ def _operative(name: str, args: "Sequence[str]") -> "Tuple[str, List[str], List[
         head = list(args[: len(args) - len(tail) + (1 if kind == "-m" else 0)])
         if kind == "-m":  # the words that name the module are no option to compare
             head = head[:-2] if head[-2:] == ["-m", tail[0]] else head[:-1]
+            # a package's __main__ is what -m runs of the package: ``-m pytest.__main__`` is
+            # ``-m pytest`` (another submodule is other code)
+            if tail[0].endswith(".__main__"):
+                tail = [tail[0][: -len(".__main__")], *tail[1:]]
         return kind, head, tail
     if name == "git" and args:
         at = _git_command_at(args)
         if at is None:
             return "?", list(args), []
         return "git", list(args[:at]), list(args[at:])
+    if name == "npm" and args:
+        at = _npm_command_at(args)
+        if at is None:
+            return "?", list(args), []
+        return "npm", [a for a in args[:at] if a != "--"], list(args[at:])
     return "", [], list(args)
+
+
+def _npm_command_at(args: "Sequence[str]") -> "Optional[int]":
+    """Where npm's command is in ``args``, past its options that take no value (``NPM_FLAGS``)
+    and a ``--`` (``len(args)``: there is none); None where that is unsure: an option that
+    may take a value (``npm --prefix x test``: either word may be the command)."""
+    for at, word in enumerate(args):
+        if word == "--":
+            return at + 1
+        if not (len(word) > 1 and word[0] == "-"):
+            return at
+        if not _npm_flag(word):
+            return None
+    return len(args)
 
 
 def _carried_surely(name: str, flag: str, args: "Sequence[str]") -> "Optional[bool]":
@@ -632,11 +697,19 @@ def _carried_surely(name: str, flag: str, args: "Sequence[str]") -> "Optional[bo
                 return True
             if _carrier(name, flag, [arg[:2]]) is not None:
                 return True
-        after_option = arg.startswith("-") and len(arg) > 1 and not (arg.startswith("--") and "=" in arg)
+        after_option = _may_take_value(name, arg)
     return None
 
 
-def _leads(words: "Sequence[str]", args: "Sequence[str]") -> "Optional[bool]":
+def _may_take_value(name: str, arg: str) -> bool:
+    """Whether ``arg`` is an option that may take the next word as its value: any but
+    ``--option=value`` and, for npm, the options it knows take none (``npm -s test``)."""
+    if not (arg.startswith("-") and len(arg) > 1) or (arg.startswith("--") and "=" in arg):
+        return False
+    return not _npm_flag(arg) if name == "npm" else True
+
+
+def _leads(name: str, words: "Sequence[str]", args: "Sequence[str]") -> "Optional[bool]":
     """Whether the words ``words`` are the leading operands of ``args``, in order: the words
     no option that come first, where no word may be an option's value (a word after an
     option this cannot tell takes none: unsure, None, as far as it goes)."""
@@ -648,7 +721,7 @@ def _leads(words: "Sequence[str]", args: "Sequence[str]") -> "Optional[bool]":
         if not ended and arg == "--":
             ended, after_option = True, False
         elif not ended and arg.startswith("-") and len(arg) > 1:
-            after_option = not (arg.startswith("--") and "=" in arg)
+            after_option = _may_take_value(name, arg)
         elif after_option and not ended:
             sure = False  # it, and what follows, may sit one word off
             break
@@ -673,14 +746,15 @@ def _tail_reads_as(name: str, words: "Sequence[str]", args: "Sequence[str]") -> 
                 if carried is False:
                     return False
                 found = None if carried is None else found
-    leads = _leads([w for w in words if not w.startswith("-")], args)
+    leads = _leads(name, [w for w in words if not w.startswith("-")], args)
     return leads if leads is not True else found
 
 
 def reads_as(words: "Sequence[str]", command: "Sequence[str]") -> "Optional[bool]":
     """Whether ``command`` does what the rule ``words`` names, read as its program reads its
     command line: python's module (``-m``) or script, nothing given as code (``-c``); git's
-    command at git's command position, past its global options and their values; then, as
+    command at git's command position, past its global options and their values; npm's past
+    its options that take none (``npm -s t`` is ``npm test``); then, as
     for any other program, the rule's words no option as the command's leading operands, in
     order (an option's value never counts), and its flags as options. None: unsure where the
     reading meets an option it does not know (that may take a value)."""
@@ -692,7 +766,7 @@ def reads_as(words: "Sequence[str]", command: "Sequence[str]") -> "Optional[bool
         return True
     kind, head, tail = _operative(name, command[1:])
     wants, wanted_head, wanted = _operative(name, words[1:])
-    if wants in ("", "-c") or (wants == "git" and kind == "git" and not wanted):
+    if wants in ("", "-c") or (wants in ("git", "npm") and kind == wants and not wanted):
         # a rule over the program's own options (``python3 -X``, ``git --version``)
         return _tail_reads_as(name, words[1:], command[1:])
     if kind == "?":
@@ -787,7 +861,9 @@ def judged_words(words: "Sequence[str]", argv: "Sequence[str]") -> "List[str]":
         if word.startswith("-"):
             hits = [_carrier(name, flag, args) for flag in _flags(name, word)]
         else:
-            hits = [next((a for a in positional if _glob(a, word) or _npm_names(name, a, word)), None)]
+            slots = _npm_slots(args) if name == "npm" else []
+            named = (args[at] for at in slots if _npm_names(name, args, at, word))
+            hits = [next((a for a in positional if _glob(a, word)), next(named, None))]
         found += [hit for hit in hits if hit is not None and hit not in found]
     return found
 
