@@ -5,6 +5,7 @@ the rest unless the caller accepts less.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -613,13 +614,22 @@ def test_a_git_alias_is_judged_as_the_command_a_rule_names(tier: str) -> None:
 NPM_SPELLINGS = ("add --offline", "--offline isntall", "in --offline", "ins --offline", "it --offline")
 
 
-def test_a_rule_over_npm_install_holds_over_every_spelling_npm_takes(tier: str) -> None:
+@contextlib.contextmanager
+def _under_npm_install_rule(tier: str) -> Iterator[Sandbox | None]:
+    """A sandbox under a rule on `npm install`; None where the tier refuses the rule or its
+    image has no npm."""
     sbx = _rules_or_refusal(tier, SandboxRules(approve=("npm install",)))
     if sbx is None:
+        yield None
         return
     with sbx:
-        if sbx.commands.run("command -v npm").exit_code != 0:
-            return  # no npm in this tier's image
+        yield sbx if sbx.commands.run("command -v npm").exit_code == 0 else None
+
+
+def test_a_rule_over_npm_install_holds_over_every_spelling_npm_takes(tier: str) -> None:
+    with _under_npm_install_rule(tier) as sbx:
+        if sbx is None:
+            return
         sbx.files.write("pkg/package.json", '{"name": "pkg", "version": "1.0.0"}')
         sbx.files.write("app/package.json", '{"name": "app", "version": "1.0.0"}')
         for spelling in NPM_SPELLINGS:
@@ -644,12 +654,9 @@ NPM_INSTALLING = (
 
 
 def test_a_rule_over_npm_install_holds_over_what_installs_as_it_does(tier: str) -> None:
-    sbx = _rules_or_refusal(tier, SandboxRules(approve=("npm install",)))
-    if sbx is None:
-        return
-    with sbx:
-        if sbx.commands.run("command -v npm").exit_code != 0:
-            return  # no npm in this tier's image
+    with _under_npm_install_rule(tier) as sbx:
+        if sbx is None:
+            return
         script = "node -e \"require('fs').writeFileSync(process.env.INIT_CWD + '/PWNED', '')\""
         dep = {"name": "dep", "version": "1.0.0", "scripts": {"postinstall": script}}
         sbx.files.write("dep/package.json", json.dumps(dep))
