@@ -19,7 +19,6 @@ class and whether it was retryable, then re-raised.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import hashlib
@@ -266,8 +265,7 @@ class AuditedInstance(WrapperInstance):
             if isinstance(taken, JudgedExecs):
                 self._record_execs(None, taken.execs, taken.execs_omitted)
             return taken
-        if isinstance(op, Reset):
-            self._take_between()  # the last user's, before the reset forgets them
+        ended = self._take_between() if isinstance(op, Reset) else None  # before the reset forgets them
         described = describe(op, self.log.redactor)
         if described is None:
             return self.wrapped.handle(op, sink)
@@ -279,6 +277,8 @@ class AuditedInstance(WrapperInstance):
             self._record(EventKind.OP_START, 0.0, {**begun, "call_id": current_call.get()})
         start = time.perf_counter()
         try:
+            if ended is not None:
+                raise ended
             result = self.wrapped.handle(op, sink)
         except BaseException as error:
             self._record(kind, time.perf_counter() - start, {**attributes, **failure(error)})
@@ -321,14 +321,18 @@ class AuditedInstance(WrapperInstance):
                 },
             )
 
-    def _take_between(self) -> None:
+    def _take_between(self) -> exc.StockadeError | None:
         """The execs judged while no call ran that no result listed yet, into the trail:
         before a reset forgets them and at close (a sandbox that no longer answers keeps its
-        own; one that judges none answers none)."""
+        own; one that judges none answers none). What ended the sandbox as they were taken
+        (a broken protocol found then): the reset's own failure, recorded as its."""
         if not self.wrapped.alive:
-            return
-        with contextlib.suppress(exc.StockadeError):
+            return None
+        try:
             self.handle(TakeExecs(), None)
+        except exc.StockadeError as error:
+            return None if self.wrapped.alive else error
+        return None
 
     def close(self) -> None:
         start = time.perf_counter()
