@@ -354,7 +354,8 @@ class _AuditedApprovals(Approvals):
         return closed
 
     def _record(self, request: ApprovalRequest, outcome: str) -> None:
-        by = self._decider(request) if outcome not in ("pending", "withdrawn") else ""
+        decided = outcome not in ("pending", "withdrawn")  # by a human, not asked or closed by us
+        by = self._decider(request) if decided else ""
         step, call = _call_at.get() or (0, None)
         attributes: dict[str, object] = {
             "request_id": request.id,
@@ -369,7 +370,7 @@ class _AuditedApprovals(Approvals):
             EventKind.APPROVAL,
             run_id=request.run_id,
             step=step,
-            actor=("human:" + by if by else "human") if outcome not in ("pending", "withdrawn") else "policy",
+            actor=("human:" + by if by else "human") if decided else "policy",
             attributes=attributes,
         )
 

@@ -565,7 +565,10 @@ def _check_run_keys(
     """The keys table is not append-only (erasure forgets keys), so the chain says what it must
     hold: the key of each sealed run opens the run's events, unless the chain records the run
     erased (``run_erased``, written in the transaction that forgot the key)."""
-    keys = store.run_keys([*sealed, *erased])
+    runs = [*sealed, *erased]
+    keys: dict[str, bytes] = {}
+    for at in range(0, len(runs), 500):  # a query's parameters are bounded (SQLite: 32,766)
+        keys.update(store.run_keys(runs[at : at + 500]))
     for run, at in erased.items():
         if run in keys:
             detail = f"run {run} was erased (seq {at}) but a key of it is kept: put back from a copy"
