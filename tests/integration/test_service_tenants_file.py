@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx2
 import pytest
 
+from stockade import exceptions as exc
+from stockade.client import Client
 from tests.conftest import require_tier, wait_for
 from tests.integration.service_env import Server, Tokens, write_tenants
 
@@ -91,6 +93,7 @@ def test_a_token_taken_out_ends_the_streams_it_opened(service: tuple[Server, Tok
     with (
         httpx2.Client(base_url=server.url, timeout=10, headers=auth) as api,
         signed_in(server, tokens.other) as ui,
+        Client(server.url, tokens.other) as sdk,
     ):
         run_id = api.post("/v1/runs", json={"task": "sleep", "scripted": [sleep, "never"]}).json()["run_id"]
         wait_for(lambda: api.get(f"/v1/runs/{run_id}").json()["status"] == "running", what="the run to start",
@@ -99,6 +102,8 @@ def test_a_token_taken_out_ends_the_streams_it_opened(service: tuple[Server, Tok
         with api.stream("GET", f"/v1/runs/{run_id}/events") as through_api, \
                 ui.stream("GET", f"/ui/runs/{run_id}/events") as through_ui:  # fmt: skip
             assert through_api.status_code == 200 and through_ui.status_code == 200
+            watched = sdk.runs.get(run_id).events()
+            assert next(watched).kind  # the SDK's stream is open too
             tenants.write_text(without_tenant_tokens(good, "other"))
             started = time.monotonic()
             sent, shown = events(through_api), events(through_ui)
@@ -111,6 +116,8 @@ def test_a_token_taken_out_ends_the_streams_it_opened(service: tuple[Server, Tok
         assert ("status", json.dumps({"run_id": run_id, "status": "running"})) in sent  # it was open, reading
         kind, data = shown[-1]
         assert kind == "end" and json.loads(data)["signed_out"] is True, shown
+        with pytest.raises(exc.AuthenticationError, match="not one this service knows"):
+            list(watched)  # the SDK raises what the cut stream says, not a quiet end
 
         tenants.write_text(good)  # back, to stop the run
         wait_for(lambda: status(server, tokens.other) == 200, what="the token back", timeout_s=FOLLOWED_S)

@@ -21,7 +21,7 @@ from typing import Any
 
 from stockade import exceptions as exc
 from stockade._checks import check_labels, check_timeout
-from stockade.client._http import Http
+from stockade.client._http import Http, error_from
 from stockade.client._inputs import folder as folder_path
 from stockade.client._inputs import segment
 from stockade.client.sandbox import RemoteSandbox, limits_body, snapshot_id
@@ -53,7 +53,10 @@ def settled(status: str, *, until_paused: bool) -> bool:
 
 
 class EventLines:
-    """Server-Sent Events, a line at a time, into ``RunEvent``s; ``done`` after ``end``."""
+    """Server-Sent Events, a line at a time, into ``RunEvent``s; ``done`` after ``end``. An
+    ``error`` event (the stream's token was taken out meanwhile: the server ends the stream with
+    a problem document) raises the SDK error it stands for, as the same answer to a request
+    would: a reader must not take a cut stream for a run that paused or ended."""
 
     def __init__(self) -> None:
         self.kind, self.seq, self.data = "message", 0, ""
@@ -68,6 +71,9 @@ class EventLines:
             self.data += line[5:].strip()
         elif line == "" and self.data:
             event = RunEvent(kind=self.kind, seq=self.seq, data=json.loads(self.data))
+            if event.kind == "error" and event.seq == 0:  # not an audit event of that name
+                status = event.data.get("status")
+                raise error_from(event.data, status if isinstance(status, int) else 500)
             self.done = self.kind == "end"
             self.kind, self.seq, self.data = "message", 0, ""
             return event

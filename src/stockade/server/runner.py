@@ -74,6 +74,11 @@ QUOTA_POLL_S = 2.0  # how often a run that waits for room in its tenant's quota 
 QUOTA_POLL_MAX_S = 30.0
 
 
+def described(error: exc.StockadeError) -> str:
+    """A run's error as the loop words one (``RunResult.error``): the class, then what it says."""
+    return f"{type(error).__name__}: {error}"
+
+
 def quota_wait_s(queued: int, sandboxes: int) -> float:
     """When a run that found its tenant's quota full asks again: every ``QUOTA_POLL_S`` while
     its tenant has no more runs queued than sandboxes, then as much longer as it has more (up
@@ -315,11 +320,12 @@ class Runner:
             self.store.set_status(run_id, status, error=summary.error if summary else "run conflict")
             return RunOutcome(run_id=run_id, status=status)
         except exc.StockadeError as error:
+            why = described(error)
             if error.retryable:
-                self.store.set_status(run_id, "queued", error=str(error))
+                self.store.set_status(run_id, "queued", error=why)
                 raise
-            self.store.set_status(run_id, "error", error=str(error))
-            return RunOutcome(run_id=run_id, status="error", error=str(error))
+            self.store.set_status(run_id, "error", error=why)
+            return RunOutcome(run_id=run_id, status="error", error=why)
         if result.status is RunStatus.INTERRUPTED and deferral.hit is not None:
             return self._defer(run_id, deferral.hit)
         status = result.status.value
@@ -363,7 +369,7 @@ class Runner:
                 runtime_observers=(deferral,),
             )  # fmt: skip
         except exc.StockadeError as error:
-            self.store.set_status(run_id, "error", error=str(error))
+            self.store.set_status(run_id, "error", error=described(error))
             return None
         except ValidationError as error:  # a stored spec the API would refuse now
             self.store.set_status(run_id, "error", error=f"the run's spec is invalid: {error}")

@@ -85,3 +85,11 @@ def test_a_tenants_backlog_waiting_for_its_quota_asks_at_a_pace_its_sandboxes_se
     for i in range(6, 40):
         runner.store.add_run(run_id=f"r{i}", tenant="acme", role="dev", spec={}, labels={}, max_active=100)
     assert runner.quota_wait_s(tenant) == 30.0  # capped: a freed sandbox is taken within 30 s
+
+
+def test_a_run_that_cannot_start_ends_saying_which_error_as_the_loop_does(runner: Runner) -> None:
+    submit(runner, "r3", {"task": "t", "model": "scripted:turns.json"})  # the server's files: refused
+    outcome = runner.execute("r3", acme(runner))
+    row = runner.store.run("r3")
+    assert outcome.status == "error" and row is not None and row.status == "error"
+    assert (row.error or "").startswith("InvalidArgument: scripted:FILE names a file"), row.error
