@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from stockade import Limits, Sandbox, WorkspaceFull
+from stockade import Limits, Sandbox, StockadeError, WorkspaceFull
 
 MiB = 1024 * 1024
 # 128 MiB of memory, of which the workspace may take 80 (its files are memory too).
@@ -49,3 +49,46 @@ def test_an_upload_that_does_not_fit_leaves_nothing(tier: str, tmp_path: Path) -
         assert sbx.commands.run("ls -A").stdout == ""
         sbx.files.write("after.txt", "after")
         assert sbx.files.read("after.txt") == "after"
+
+
+def test_read_only_folders_upload_with_their_modes(tier: str, tmp_path: Path) -> None:
+    # A folder the archive makes read-only (0555) is moved into place with the rest: moving
+    # a folder to another parent writes its `..`, which its mode forbade (EACCES, and the
+    # folders before it stayed in place while those after it never came).
+    folder = tmp_path / "up"
+    for name in ("a/f1", "m/sub/x", "z/y"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(name)
+    (folder / "m" / "sub").chmod(0o555)
+    (folder / "m").chmod(0o555)
+    try:
+        with Sandbox.create(tier, limits=SMALL) as sbx:
+            sbx.files.upload_dir(folder, "r")
+            shown = sbx.commands.run("stat -c '%n %a' r/m r/m/sub; cat r/a/f1 r/m/sub/x r/z/y").stdout
+            assert shown.split("\n") == ["r/m 555", "r/m/sub 555", "a/f1m/sub/xz/y"], shown
+    finally:
+        (folder / "m").chmod(0o755)
+        (folder / "m" / "sub").chmod(0o755)
+
+
+def test_an_upload_that_fails_as_it_moves_into_place_changes_nothing(tier: str, tmp_path: Path) -> None:
+    # The workspace holds r/a/f1 and a folder r/m the code made read-only; the upload brings
+    # a/f1 (new), a/f2, m/x and z/y. Its staged entries move in one by one: a/, then z/, then
+    # m/x, refused by r/m's mode (not to root, as a microVM's guest is: there it all lands).
+    # A failure takes back every move before it: nothing of the upload stays, nothing it
+    # replaced is lost.
+    folder = tmp_path / "up"
+    for name, text in (("a/f1", "new"), ("a/f2", "new2"), ("m/x", "x"), ("z/y", "y")):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+    with Sandbox.create(tier, limits=SMALL) as sbx:
+        assert sbx.commands.run("mkdir -p r/a r/m && echo -n old > r/a/f1 && chmod 555 r/m").exit_code == 0
+        before = sbx.commands.run("find r | sort; cat r/a/f1").stdout
+        if sbx.commands.run("id -u").stdout.strip() == "0":  # root writes in any folder: it lands
+            sbx.files.upload_dir(folder, "r")
+            assert sbx.files.read("r/a/f1") == "new" and sbx.files.read("r/m/x") == "x"
+            return
+        with pytest.raises(StockadeError, match="Permission denied"):
+            sbx.files.upload_dir(folder, "r")
+        assert sbx.commands.run("find r | sort; cat r/a/f1").stdout == before  # as it was
+        assert sbx.commands.run("ls -A r").stdout.split() == ["a", "m"]  # no staging left either

@@ -10,7 +10,8 @@ sent as one frame killed a 128 MiB sandbox's supervisor, and a 560 MiB folder up
 killed a 1 GiB sandbox.
 
 Nothing half-unpacked is ever in place: a transfer that fails (a member that does not fit, a
-malformed archive, the host's ``abort``) has its staging folder removed, and the folders made
+malformed archive, the host's ``abort``, a move into place refused midway: every move before it
+is taken back, ``_Moves``) has its staging folder removed, and the folders made
 for the destination (a restore that failed leaves no sandbox anyway). The unpacking refuses, as soon
 as a member's header comes and before its data, a tree whose files would not fit the
 destination's filesystem (kind ``full``): the host then stops after a chunk or two instead
@@ -152,8 +153,18 @@ class Unpacking:
             self._finish()
 
     def commit(self) -> None:
+        """The staged entries into place, all of them or none: a move that fails midway (a
+        name the workspace refuses, a folder of another owner's mode) takes back every move
+        before it, and what they replaced comes back."""
         self._finish()
-        _move_into(self.staging, self.dest)
+        moves = _Moves(self.staging + "-replaced")
+        try:
+            moves.into(self.staging, self.dest)
+        except BaseException:
+            moves.undo()
+            raise
+        moves.forget()
+        empty_dir(self.staging)  # what is left: the folders merged into those already there
         os.rmdir(self.staging)
 
     def abort(self) -> None:
@@ -211,22 +222,80 @@ class Unpacking:
             yield member
 
 
-def _move_into(source: str, dest: str) -> None:
-    """Move every entry of ``source`` into ``dest``, as unpacking there would have left them:
-    a folder merged into a folder already there, anything else replacing what is there."""
-    for name in sorted(os.listdir(source)):
-        here, there = source + "/" + name, dest + "/" + name
-        try:
-            old = os.lstat(there)
-        except FileNotFoundError:
-            os.rename(here, there)
-            continue
-        new = os.lstat(here)
-        if stat.S_ISDIR(old.st_mode) and stat.S_ISDIR(new.st_mode):
-            _move_into(here, there)
-            os.rmdir(here)
-            continue
-        if stat.S_ISDIR(old.st_mode):
-            empty_dir(there)
-            os.rmdir(there)
-        os.rename(here, there)
+class _Moves:
+    """Moves of staged entries into place, journaled so that they can all be taken back:
+    what a move replaces is first moved aside (into ``aside``, on the same filesystem), never
+    removed until every move is done."""
+
+    def __init__(self, aside: str) -> None:
+        self.aside = aside
+        self.done: "list[tuple[str, str]]" = []  # (from, to) renames, in order
+        self._set_aside = 0
+
+    def into(self, source: str, dest: str) -> None:
+        """Every entry of ``source`` into ``dest``, as unpacking there would have left them:
+        a folder merged into a folder already there, anything else replacing what is there.
+        A loop, not a recursion: the trees merged may be thousands of folders deep."""
+        pending = [(source, dest)]
+        while pending:
+            source, dest = pending.pop()
+            for name in sorted(os.listdir(source)):
+                here, there = source + "/" + name, dest + "/" + name
+                try:
+                    old = os.lstat(there)
+                except FileNotFoundError:
+                    self._rename(here, there)
+                    continue
+                new = os.lstat(here).st_mode
+                if stat.S_ISDIR(old.st_mode) and stat.S_ISDIR(new):
+                    if not new & stat.S_IWUSR:  # its entries leave it: a staged folder, removed after
+                        os.chmod(here, stat.S_IMODE(new) | stat.S_IWUSR)
+                    pending.append((here, there))
+                    continue
+                if not self._set_aside:
+                    os.mkdir(self.aside, 0o700)
+                self._set_aside += 1
+                self._rename(there, "%s/%d" % (self.aside, self._set_aside))
+                self._rename(here, there)
+
+    def _rename(self, source: str, dest: str) -> None:
+        _rename(source, dest)
+        self.done.append((source, dest))
+
+    def undo(self) -> None:
+        """Every move taken back, the last first; one that cannot be does not stop the rest."""
+        for source, dest in reversed(self.done):
+            try:
+                _rename(dest, source)
+            except OSError:
+                pass
+        self.done = []
+        try:  # empty once all came back; what could not stays, never removed
+            os.rmdir(self.aside)
+        except OSError:
+            pass
+        self._set_aside = 0
+
+    def forget(self) -> None:
+        """What the moves replaced, removed (they are in place for good)."""
+        if self._set_aside and os.path.isdir(self.aside):
+            empty_dir(self.aside)
+            os.rmdir(self.aside)
+        self._set_aside = 0
+
+
+def _rename(source: str, dest: str) -> None:
+    """``os.rename``, also of a folder whose mode forbids writing in it: moving a folder to
+    another parent writes its ``..`` entry, which needs that right (a read-only folder of the
+    archive, 0555, was refused EACCES). Its mode is put back once it is moved."""
+    mode = os.lstat(source).st_mode
+    if not stat.S_ISDIR(mode) or mode & stat.S_IWUSR:
+        os.rename(source, dest)
+        return
+    os.chmod(source, stat.S_IMODE(mode) | stat.S_IWUSR)
+    try:
+        os.rename(source, dest)
+    except BaseException:
+        os.chmod(source, stat.S_IMODE(mode))
+        raise
+    os.chmod(dest, stat.S_IMODE(mode))
