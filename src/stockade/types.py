@@ -32,6 +32,7 @@ __all__ = [
     "Logs",
     "Mechanism",
     "NetworkPolicy",
+    "ReadOnly",
     "Result",
     "SandboxRules",
     "SecretSource",
@@ -456,6 +457,16 @@ class Mechanism(enum.StrEnum):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ReadOnly:
+    """Workspace paths (globs) code may read but never change, whatever ``write`` grants:
+    a data class the role may read and not write. ``setting`` names the rule they come from
+    (a refusal names it)."""
+
+    paths: tuple[str, ...]
+    setting: str = "read_only"
+
+
+@dataclass(frozen=True, kw_only=True)
 class SandboxRules:
     """What the sandbox itself enforces of a policy, whatever code runs in it and by what route.
 
@@ -470,7 +481,11 @@ class SandboxRules:
     workspace paths code may change (``dir/**``, ``dir``, a file; ``**`` is everything): the
     rest of the workspace is read-only to code, by the kernel. Only what ``read`` names, and
     nothing ``hide`` names, enters the sandbox when a folder seeds it: what the rules do not
-    let the run read is not there to be read, by any program.
+    let the run read is not there to be read, by any program. Each of ``read_only`` must
+    stay read-only to code: Landlock grants whole folders and cannot take a part of a written
+    one back, so where one of its globs may match beneath a ``write`` target (``src/data/**``
+    under ``src/**``, anything under ``**``) the sandbox refuses (``LimitNotEnforceable``,
+    naming its ``setting``) unless the caller accepts less; elsewhere the kernel holds it.
     """
 
     deny: tuple[str, ...] = ()
@@ -479,6 +494,7 @@ class SandboxRules:
     write: tuple[str, ...] = ("**",)
     read: tuple[str, ...] = ("**",)
     hide: tuple[str, ...] = ()
+    read_only: tuple[ReadOnly, ...] = ()
 
     @property
     def judges_execs(self) -> bool:

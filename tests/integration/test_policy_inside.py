@@ -22,6 +22,8 @@ from hypothesis import strategies as st
 
 from stockade import LimitNotEnforceable, Limits, PathEscapeError, Sandbox
 from stockade.models import ToolCall
+from stockade.policy.engine import PolicyEngine
+from stockade.policy.schema import Policy
 from stockade.sandbox.supervisor import execrules
 from stockade.tools.workspace_diff import record_baseline, workspace_diff
 from stockade.types import EntryType, ExecRecord, Mechanism, SandboxRules
@@ -1979,3 +1981,75 @@ def test_an_exec_the_rules_stop_is_reported_past_a_thousand_they_let_run() -> No
         assert stopped == {(("rm", "-r", "d"), "refuse")}  # (once a folder of PATH it was tried in)
         assert len(r.execs) + r.execs_omitted >= 1 + 1 + 1200 + 1 + 1  # sh, seq, the trues, mkdir, rm
         assert len(r.execs) <= 1000 and r.execs_omitted > 0
+
+
+def _data_rules(
+    *, write: tuple[str, ...], data: dict[str, tuple[str, ...]], tools: dict[str, list[str]]
+) -> SandboxRules:
+    """A role `dev` that runs code, and data classes it may read but not write (``tools``:
+    the tools each is kept to)."""
+    policy = Policy.model_validate(
+        {
+            "paths": {"read": ["**"], "write": list(write)},
+            "roles": {"dev": {"tools": ["read_file", "write_file", "run_code", "list_files", "apply_patch"]}},
+            "data": [{"paths": list(paths), "tier": tier} for tier, paths in data.items()],
+            "data_access": {
+                tier: {"read": ["dev"], "write": [], "tools": tools.get(tier, [])} for tier in data
+            },
+        }
+    )
+    return PolicyEngine(policy, role="dev").sandbox_rules()
+
+
+def test_code_neither_reads_a_class_kept_to_other_tools_nor_changes_a_read_only_one(
+    tier: str, tmp_path: Path
+) -> None:
+    """`data_access.X.tools` without run_code: code could read the class, so it never enters;
+    `data_access.X.write` without the role, outside the written folders: the kernel keeps it
+    read-only to code (a run_code had overwritten it, and read_file then returned the forgery)."""
+    for path, text in {
+        "customers/c.csv": "CUSTOMER\n",
+        "reports/r.csv": "REPORT\n",
+        "src/app.py": "app\n",
+    }.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    rules = _data_rules(
+        write=("src/**",),
+        data={"confidential": ("customers/**",), "internal": ("reports/**",)},
+        tools={"confidential": ["read_file"]},
+    )
+    sbx = _rules_or_refusal(tier, rules, workspace=tmp_path)
+    if sbx is None:  # the tier said it cannot hold the rules
+        return
+    with sbx:
+        read = sbx.run_code("print(open('/workspace/customers/c.csv').read())")
+        assert "CUSTOMER" not in read.logs.stdout
+        assert read.error is not None and read.error.name == "FileNotFoundError"
+        wrote = sbx.run_code("open('/workspace/reports/r.csv', 'w').write('TAMPERED')")
+        assert wrote.error is not None and wrote.error.name == "PermissionError"
+        sbx.commands.run("echo TAMPERED > reports/r.csv; echo x > reports/new.csv; rm -f reports/r.csv")
+        assert sbx.files.read("reports/r.csv") == "REPORT\n"
+        assert {e.path for e in sbx.files.list("reports")} == {"reports/r.csv"}
+        assert sbx.run_code("print(open('/workspace/reports/r.csv').read())").logs.stdout == "REPORT\n\n"
+        assert sbx.commands.run("echo ok > src/b.py && cat src/b.py").stdout == "ok\n"
+        assert sbx.enforcement.paths is Mechanism.LANDLOCK and not sbx.enforcement.weakened
+
+
+def test_a_read_only_class_beneath_a_written_folder_is_refused_with_its_fix(
+    tier: str, tmp_path: Path
+) -> None:
+    """Landlock grants a written folder whole: no tier can keep `src/data/**` read-only under
+    `src/**`. Refused, naming the class's rule, unless the caller accepts less."""
+    (tmp_path / "src" / "data").mkdir(parents=True)
+    (tmp_path / "src" / "data" / "d.csv").write_text("DATA\n")
+    rules = _data_rules(write=("src/**",), data={"confidential": ("src/data/**",)}, tools={})
+    with pytest.raises(LimitNotEnforceable) as refused:
+        Sandbox.create(tier, limits=LIMITS, rules=rules, workspace=tmp_path)
+    assert refused.value.setting == "data_access.confidential.write"
+    assert "narrow paths.write" in (refused.value.fix or "")
+    if tier not in CONFINES:  # its kernel holds no write rule either
+        return
+    with Sandbox.create(tier, limits=LIMITS, rules=rules, workspace=tmp_path, allow_weaker=True) as sbx:
+        assert any(w.startswith("data_access.confidential.write:") for w in sbx.enforcement.weakened)
+        assert sbx.files.read("src/data/d.csv") == "DATA\n"

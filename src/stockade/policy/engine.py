@@ -43,7 +43,7 @@ from stockade.sandbox.ops import (
     WriteFile,
     as_inline,
 )
-from stockade.types import Credential, HostRule, NetworkPolicy, SandboxRules
+from stockade.types import Credential, HostRule, NetworkPolicy, ReadOnly, SandboxRules
 
 __all__ = ["Decision", "PolicyEngine", "PromptDecision", "command_categories"]
 
@@ -285,7 +285,10 @@ class PolicyEngine:
     def sandbox_rules(self) -> SandboxRules:
         """The policy as the sandbox itself enforces it, on any code, by any route: the command
         rules (and the decisions over command categories) judged at each exec, the write rules
-        held by the kernel, and what this role may not read left out of the sandbox."""
+        held by the kernel, and what this role may not read left out of the sandbox. A data
+        class whose ``tools`` leave out a tool of the role that runs code (``code_tools``) is
+        left out too; one the role may read but not write is to stay read-only (``read_only``:
+        refused where the kernel cannot hold that)."""
         p = self.policy
         deny, approve = list(p.commands.deny), list(p.commands.approve)
         for pattern, category in _CATEGORIES:
@@ -295,10 +298,20 @@ class PolicyEngine:
             elif verdict is Verdict.APPROVE:
                 approve.append(pattern)
         hidden = list(p.paths.deny)
+        read_only: list[ReadOnly] = []
+        coders = self.code_tools()
         for entry in p.data:
             access = p.data_access.get(entry.tier)
-            if access is not None and (self.role_name is None or self.role_name not in access.read):
+            if access is None:
+                continue
+            if self.role_name is None or self.role_name not in access.read:
                 hidden += entry.paths
+            elif access.tools and not coders <= set(access.tools):
+                # Code of a tool the class's list leaves out could read it, and no kernel
+                # tells one tool's code from another's: it stays out, for the listed too.
+                hidden += entry.paths
+            elif self.role_name not in access.write:
+                read_only.append(ReadOnly(paths=entry.paths, setting=f"data_access.{entry.tier.value}.write"))
         if hidden or "**" not in (r.strip("/") for r in p.paths.read):
             # A repository's history holds every file it ever had, the ones kept out included
             # (`git show HEAD:secrets/key`): the history stays out with them. The run's diff is
@@ -311,6 +324,23 @@ class PolicyEngine:
             write=p.paths.write,
             read=p.paths.read,
             hide=tuple(dict.fromkeys(hidden)),
+            read_only=tuple(read_only),
+        )
+
+    def code_tools(self) -> frozenset[str]:
+        """The tools of this role that may run code of the caller's choosing in the sandbox:
+        every tool but the reads and writes of ``TOOL_CATEGORIES`` (a tool of one's own may do
+        anything with its sandbox), none if the policy denies ``execute``. A role that lists no
+        tools may use any: ``"*"``."""
+        if self.category("execute").verdict is Verdict.DENY:
+            return frozenset()
+        if not self.role.tools:
+            return frozenset({"*"})
+        return frozenset(
+            name
+            for name in self.role.tools
+            if TOOL_CATEGORIES.get(name) not in ("read", "write")
+            and self.tool(name).verdict is not Verdict.DENY
         )
 
     def tool(self, name: str) -> Decision:

@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from stockade import exceptions as exc
+from stockade._globs import may_hold
 from stockade.sandbox.base import SandboxSpec
 from stockade.sandbox.supervisor import execrules
 from stockade.sandbox.supervisor.protocol import MAX_EXEC_ARGV, MAX_EXEC_RECORDS, MAX_EXEC_WORD
-from stockade.types import ExecRecord, Mechanism, SandboxRules
+from stockade.types import ExecRecord, Mechanism, ReadOnly, SandboxRules
 
 WORKSPACE = "/workspace"
 # Where programs live in an image; their copies under other names are found by content.
@@ -85,6 +86,26 @@ def write_targets(globs: Iterable[str]) -> list[str] | None:
             )
         out.append(f"{WORKSPACE}/{folder}" + ("/" if g.endswith("/**") else ""))
     return out
+
+
+def check_read_only(kept: ReadOnly, write: list[str] | None) -> None:
+    """Raise ``LimitNotEnforceable`` where a glob of ``kept`` may match beneath a written
+    target (``write``, as ``write_targets`` gives it): Landlock grants a folder with all it
+    holds and takes nothing back, so no tier's kernel keeps a part of a written folder
+    read-only. Outside every written target the kernel holds it already."""
+    folders = ["**"] if write is None else [target.removeprefix(WORKSPACE).strip("/") for target in write]
+    for folder in folders:
+        under = [glob for glob in kept.paths if folder == "**" or may_hold((glob,), folder)]
+        if not under:
+            continue
+        raise exc.LimitNotEnforceable(
+            f"code may read {', '.join(under)} but not change it, and it may lie beneath the "
+            f"written {folder!r}: the kernel grants written folders whole, and cannot keep a part "
+            "of one read-only",
+            setting=kept.setting,
+            fix="narrow paths.write to folders that hold none of it, let the role write it, or "
+            "pass allow_weaker=True (then only the tool calls' paths are judged)",
+        )
 
 
 def _words(patterns: Iterable[str]) -> list[list[str]]:
@@ -170,6 +191,13 @@ def _plan(
             raise
         weakened.append(f"paths.write: {err}; judged on tool calls only")
         write = None
+    for kept in rules.read_only:
+        try:
+            check_read_only(kept, write)
+        except exc.LimitNotEnforceable as err:
+            if not allow_weaker:
+                raise
+            weakened.append(f"{kept.setting}: {err}; judged on tool calls only")
     denied = [w for w in _words(rules.deny) if len(w) == 1]
     names = tuple(sorted(w[0] for w in denied))
     # Programs denied whatever their arguments are masked on every tier; what depends on

@@ -8,7 +8,16 @@ from typing import Any
 
 from stockade import exceptions as exc
 from stockade.sandbox.base import SandboxSpec
-from stockade.types import Enforcement, HostRule, HostShare, Limits, Mechanism, NetworkPolicy, SandboxRules
+from stockade.types import (
+    Enforcement,
+    HostRule,
+    HostShare,
+    Limits,
+    Mechanism,
+    NetworkPolicy,
+    ReadOnly,
+    SandboxRules,
+)
 
 __all__ = ["enforcement_from_state", "enforcement_state", "spec_from_state", "spec_state"]
 
@@ -37,10 +46,18 @@ def spec_from_state(state: dict[str, Any]) -> SandboxSpec:
             envs={str(k): str(v) for k, v in dict(state.get("envs") or {}).items()},
             allow_weaker=bool(state.get("allow_weaker")),
             labels={str(k): str(v) for k, v in dict(state.get("labels") or {}).items()},
-            rules=None if rules is None else SandboxRules(**{k: tuple(v) for k, v in rules.items()}),
+            rules=None if rules is None else _rules_from_state(rules),
         )
     except (TypeError, ValueError, KeyError, exc.ConfigurationError) as err:
         raise exc.SnapshotIncompatible(f"the snapshot's settings do not fit this stockade: {err}") from None
+
+
+def _rules_from_state(rules: dict[str, Any]) -> SandboxRules:
+    fields = {k: tuple(v) for k, v in rules.items() if k != "read_only"}
+    kept = tuple(
+        ReadOnly(paths=tuple(r["paths"]), setting=str(r["setting"])) for r in rules.get("read_only", ())
+    )
+    return SandboxRules(**fields, read_only=kept)
 
 
 def _network_state(network: NetworkPolicy) -> dict[str, Any]:
