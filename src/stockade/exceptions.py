@@ -35,7 +35,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── FileTypeError             a directory where a file was expected, a FIFO, ...
     │   ├── FileTooLarge              bigger than the transfer cap
     │   ├── ListingTooLarge           a listing over what one answer carries: list less of it
-    │   ├── TreeTooDeep               folders deeper than a snapshot keeps (128)
+    │   ├── TreeTooDeep               folders deeper than an archive takes (128): snapshots, uploads
     │   ├── BaselineTampered          the run's diff baseline is not the one the host recorded
     │   └── WorkspaceFull             the workspace's size or inode limit is reached
     ├── PolicyDenied                  a guard refused the action (fed back to the model)
@@ -390,7 +390,8 @@ class FileTooLarge(WorkspaceError):
 
 class TreeTooDeep(WorkspaceError):
     """The tree holds folders more than 128 deep, what an archive of it takes: a snapshot is
-    refused (``files.download_dir`` leaves such folders out and reports them instead)."""
+    refused, as is an upload (``files.upload_dir``, the service's archive and workspace
+    uploads, a run's seed); ``files.download_dir`` leaves such folders out and reports them."""
 
 
 class BaselineTampered(WorkspaceError):

@@ -9,16 +9,18 @@ devices), because a pack read back from a database is not trusted more than any 
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import io
+import os
 import stat
 import tarfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from stockade import exceptions as exc
-from stockade.sandbox._requests import upload_entries
+from stockade.sandbox._requests import open_entry, unreadable, upload_entries
 
 __all__ = ["MAX_SEED_BYTES", "Seed", "pack_workspace", "unpack_seed"]
 
@@ -33,17 +35,18 @@ class Seed:
         self.digest = "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def _entries(root: Path, hide: Sequence[str], read: Sequence[str]) -> list[tuple[str, Path]]:
+def _entries(root: Path, hide: Sequence[str], read: Sequence[str]) -> list[tuple[str, Path, os.stat_result]]:
     """What a seed keeps of ``root``: what the sandbox's upload of it sends (``upload_entries``:
     what ``read`` names, but stockade's own records, what ``hide`` names, and what holds a
     hidden file under another name), so that a seed never holds what the run's policy kept out
     of its sandbox (``paths.deny``, data classes above the role, a repository's history)."""
     kept, hidden_files = upload_entries(root, hide, read)
-    return sorted(
-        (name, path)
+    entries = [
+        (name, path, st)
         for path, name, st in kept
         if not (stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) in hidden_files)
-    )
+    ]
+    return sorted(entries, key=lambda entry: entry[0])
 
 
 def pack_workspace(
@@ -60,7 +63,7 @@ def pack_workspace(
     if not root.is_dir():
         raise exc.ConfigurationError(f"the workspace {root} is not a folder")
     entries = _entries(root, hide, read)
-    total = sum(p.lstat().st_size for _, p in entries if stat.S_ISREG(p.lstat().st_mode))
+    total = sum(st.st_size for _, _, st in entries if stat.S_ISREG(st.st_mode))
     if total > max_bytes:
         raise exc.SeedTooLarge(
             f"the workspace {root} holds {total:,} bytes of files, over the run store's seed cap of "
@@ -69,19 +72,26 @@ def pack_workspace(
         )
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name, path in entries:
-            info = tar.gettarinfo(str(path), arcname=name)
-            if not (info.isfile() or info.isdir() or info.issym()):
-                continue  # sockets, FIFOs, devices: not workspace content
-            info.mtime = 0
-            info.uid = info.gid = 0
-            info.uname = info.gname = ""
-            info.mode &= 0o755 if info.isdir() or info.mode & 0o111 else 0o644
-            if info.isfile():
-                with path.open("rb") as content:
-                    tar.addfile(info, content)
-            else:
-                tar.addfile(info)
+        for name, path, st in entries:
+            try:
+                # a file opened first, and described by its descriptor (as the upload's tar)
+                content = open_entry(path) if stat.S_ISREG(st.st_mode) else None
+                info = tar.gettarinfo(str(path), arcname=name, fileobj=content)
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # removed since the walk saw it: left out, as the upload leaves it
+            except OSError as error:
+                raise unreadable(path, error) from None
+            with content or contextlib.nullcontext():
+                if not (info.isfile() or info.isdir() or info.issym()):
+                    continue  # sockets, FIFOs, devices: not workspace content
+                info.mtime = 0
+                info.uid = info.gid = 0
+                info.uname = info.gname = ""
+                info.mode &= 0o755 if info.isdir() or info.mode & 0o111 else 0o644
+                try:
+                    tar.addfile(info, content if info.isfile() else None)
+                except OSError as error:  # it shrank meanwhile: the header promised its size
+                    raise unreadable(path, error) from None
     return Seed(gzip.compress(buffer.getvalue(), mtime=0))
 
 

@@ -13,6 +13,7 @@ import re
 import stat
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 from stockade import exceptions as exc
 from stockade._checks import (
@@ -24,6 +25,7 @@ from stockade._checks import (
     check_text,
     check_timeout,
 )
+from stockade.sandbox._archive import MAX_DEPTH as ARCHIVE_DEPTH
 from stockade.sandbox._supervised import WORKSPACE
 from stockade.sandbox._transfers import TRANSFER_CHUNK
 from stockade.sandbox.base import OutputSink
@@ -50,10 +52,12 @@ __all__ = [
     "code_op",
     "command_op",
     "list_op",
+    "open_entry",
     "range_op",
     "tar_chunks",
     "tar_directory",
     "text_sink",
+    "unreadable",
     "upload_op",
     "write_op",
 ]
@@ -276,16 +280,27 @@ def tar_chunks(
     for path, name, st in kept:
         if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) in hidden_files:
             continue  # another name of a hidden file
-        info = tar.gettarinfo(path, arcname=name)
+        try:
+            # a file is opened first, and described by its descriptor: what is read is what
+            # the header says, even if its name goes meanwhile
+            data = open_entry(path) if stat.S_ISREG(st.st_mode) else None
+            info = tar.gettarinfo(path, arcname=name, fileobj=data)
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # removed since the walk saw it: left out
+        except OSError as error:
+            raise unreadable(path, error) from None
         header = info.tobuf(tar.format, tar.encoding, tar.errors)
         buf += header
         total += len(header)
-        if info.isreg():
-            with path.open("rb", buffering=0) as data:
+        if data is not None and info.isreg():
+            with data:
                 left = info.size
                 while left:
                     # what completes the buffer's chunk; whole chunks straight from the file
-                    piece = data.read(min(left, size - len(buf)))
+                    try:
+                        piece = data.read(min(left, size - len(buf)))
+                    except OSError as error:
+                        raise unreadable(path, error) from None
                     if not piece:
                         raise exc.ConfigurationError(f"{str(path)!r} shrank while it was uploaded")
                     left -= len(piece)
@@ -297,6 +312,8 @@ def tar_chunks(
             pad = -info.size % tarfile.BLOCKSIZE
             buf += bytes(pad)
             total += info.size + pad
+        elif data is not None:
+            data.close()  # replaced by a folder or a FIFO since the walk: sent as what it is now
         yield from _full_chunks(buf, size)
     # the end, as tarfile's close writes it: two zero blocks, then zeros to a whole record
     end = 2 * tarfile.BLOCKSIZE
@@ -304,6 +321,13 @@ def tar_chunks(
     yield from _full_chunks(buf, size)
     if buf:
         yield bytes(buf)
+
+
+def open_entry(path: Path) -> BinaryIO:
+    """A file the walk found, opened without following a link (one put in its place since)
+    nor waiting on a FIFO."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    return open(fd, "rb", buffering=0)  # closed by the caller
 
 
 def _full_chunks(buf: bytearray, size: int) -> Iterator[bytes]:
@@ -322,37 +346,74 @@ def upload_entries(
     what they hold, and the hidden files that have other names (a regular file among the
     entries whose (st_dev, st_ino) is there is a hidden file under another name: left out).
     A run's kept seed (``stockade.runs.seeds``) is chosen by the same function, so that it
-    never holds what the sandbox was not given."""
+    never holds what the sandbox was not given.
+
+    A kept entry more than ``ARCHIVE_DEPTH`` folders deep is ``TreeTooDeep``: what no
+    archive of the workspace takes (a download leaves it out, a snapshot refuses it). What
+    is removed while the walk reads its folder is left out; a folder it cannot read is a
+    ``ConfigurationError``. The walk keeps a stack, not recursion (a tree 1,100 deep made a
+    RecursionError), and the hidden folders it walks for other names have no depth limit."""
     from stockade._globs import covers, glob_matches, may_hold
     from stockade._state import STATE_DIR, is_state
 
     everything = "**" in (g.strip("/") for g in read)
     kept: list[tuple[Path, str, os.stat_result]] = []
     hidden_files: set[tuple[int, int]] = set()
-
-    def visit(folder: Path, prefix: str, hidden: bool) -> None:
-        """``hidden``: ``folder`` is left out; it is walked only for the other names of its files."""
-        for child in sorted(folder.iterdir()):
-            name, st = f"{prefix}{child.name}", child.lstat()
-            is_dir = stat.S_ISDIR(st.st_mode)
-            gone = (
-                hidden
-                or is_state(name)
-                or (is_dir and child.name == STATE_DIR and not _carries(child))
-                or (bool(hide) and (covers(hide, name) or (is_dir and _repository(child))))
-            )
-            if gone:
-                if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
-                    hidden_files.add((st.st_dev, st.st_ino))
-                elif is_dir:
-                    visit(child, f"{name}/", True)
-            elif everything or glob_matches(read, name) or (is_dir and may_hold(read, name)):
-                kept.append((child, name, st))
-                if is_dir:
-                    visit(child, f"{name}/", False)
-
-    visit(source, "", False)
+    # per folder being walked: its children still to see, their names' prefix, whether it
+    # is left out (walked only for the other names of its files)
+    stack: list[tuple[Iterator[Path], str, bool]] = [(iter(_listing(source)), "", False)]
+    while stack:
+        children, prefix, hidden = stack[-1]
+        child = next(children, None)
+        if child is None:
+            stack.pop()
+            continue
+        name = f"{prefix}{child.name}"
+        try:
+            st = child.lstat()
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # removed since its folder was listed
+        except OSError as error:
+            raise unreadable(child, error) from None
+        is_dir = stat.S_ISDIR(st.st_mode)
+        gone = (
+            hidden
+            or is_state(name)
+            or (is_dir and child.name == STATE_DIR and not _carries(child))
+            or (bool(hide) and (covers(hide, name) or (is_dir and _repository(child))))
+        )
+        if gone:
+            if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                hidden_files.add((st.st_dev, st.st_ino))
+            elif is_dir:
+                stack.append((iter(_listing(child)), f"{name}/", True))
+        elif everything or glob_matches(read, name) or (is_dir and may_hold(read, name)):
+            if name.count("/") >= ARCHIVE_DEPTH:
+                top = "/".join(name.split("/")[:ARCHIVE_DEPTH])
+                raise exc.TreeTooDeep(
+                    f"{str(source)!r} holds {top[:200]!r}..., {ARCHIVE_DEPTH} folders deep: what is "
+                    "in it is past what an archive of the workspace takes",
+                    path=name,
+                )
+            kept.append((child, name, st))
+            if is_dir:
+                stack.append((iter(_listing(child)), f"{name}/", False))
     return kept, hidden_files
+
+
+def _listing(folder: Path) -> list[Path]:
+    """``folder``'s children, sorted; none when it was removed (or replaced) meanwhile."""
+    try:
+        return sorted(folder.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as error:
+        raise unreadable(folder, error) from None
+
+
+def unreadable(path: Path, error: OSError) -> exc.ConfigurationError:
+    """What a host entry the upload walk cannot read (but one gone meanwhile) is."""
+    return exc.ConfigurationError(f"cannot read {str(path)!r} to upload it: {error.strerror or error}")
 
 
 def _carries(folder: Path) -> bool:

@@ -19,7 +19,6 @@ import contextlib
 import os
 import re
 import secrets
-import shutil
 import stat
 import tempfile
 import time
@@ -29,7 +28,7 @@ from typing import Literal
 
 from stockade.sandbox._host import claim_folder, claimed, collect_staging, release_folder
 
-__all__ = ["Kind", "collect", "scratch"]
+__all__ = ["Kind", "collect", "remove_tree", "scratch"]
 
 Kind = Literal["run", "artifacts", "workspace", "upload", "download"]
 CLAIM = "claim"
@@ -48,8 +47,66 @@ def scratch(kind: Kind, parent: Path | None = None) -> Iterator[Path]:
     try:
         yield folder
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
-        release_folder(folder)
+        try:
+            remove_tree(folder)
+        finally:  # held, the folder is one collect skips: its bytes stay while the server runs
+            release_folder(folder)
+
+
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def remove_tree(folder: Path) -> None:
+    """Remove ``folder`` and all it holds, as far as it can (never raises an ``OSError``),
+    whatever its depth or its folders' modes. Not ``shutil.rmtree``: it recurses (a tar of
+    1,100 nested folders made a RecursionError that ``ignore_errors`` does not catch) and
+    holds a descriptor a level. Here each folder met is first moved up beside ``folder``'s
+    own children, so that no more than two are open and no path is longer than two names;
+    by descriptor, never through a link."""
+    try:
+        root = os.open(folder, _DIR)
+    except OSError:
+        return
+    tag = f".rm-{secrets.token_hex(8)}-"  # the moved folders' names: none of the tree's
+    moved = 0
+    try:
+        todo = _empty(root)
+        while todo:
+            name = todo.pop()
+            try:
+                fd = os.open(name, _DIR, dir_fd=root)
+            except OSError:
+                continue
+            try:
+                for child in _empty(fd):
+                    moved += 1
+                    with contextlib.suppress(OSError):
+                        os.rename(child, f"{tag}{moved}", src_dir_fd=fd, dst_dir_fd=root)
+                        todo.append(f"{tag}{moved}")
+            finally:
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                os.rmdir(name, dir_fd=root)
+    finally:
+        os.close(root)
+    with contextlib.suppress(OSError):
+        os.rmdir(folder)
+
+
+def _empty(fd: int) -> list[str]:
+    """Unlink what folder ``fd`` holds but folders; the names of its folders."""
+    with contextlib.suppress(OSError):
+        os.fchmod(fd, 0o700)  # a mode from the archive (0500) must not keep its contents
+    try:
+        with os.scandir(fd) as listing:
+            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in listing]
+    except OSError:
+        return []
+    for name, is_dir in entries:
+        if not is_dir:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=fd)
+    return [name for name, is_dir in entries if is_dir]
 
 
 def collect(parent: Path | None = None) -> list[str]:
@@ -63,14 +120,14 @@ def collect(parent: Path | None = None) -> list[str]:
     collect_staging(base)  # a process killed between its folder's staging and its rename
     for folder in entries:
         if _OLD_NAME.fullmatch(folder.name) and _old_and_ours(folder):
-            shutil.rmtree(folder, ignore_errors=True)
+            remove_tree(folder)
             removed.append(
                 f"service scratch folder {folder.name} (a previous version's, unchanged for a day)"
             )
             continue
         if not _NAME.fullmatch(folder.name) or not _ours(folder) or claimed(folder, CLAIM):
             continue
-        shutil.rmtree(folder, ignore_errors=True)
+        remove_tree(folder)
         removed.append(f"service scratch folder {folder.name}")
     return removed
 

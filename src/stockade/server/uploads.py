@@ -2,7 +2,8 @@
 
 A workspace arrives as a tar, plain or compressed (gzip, bzip2, xz). Every member is judged
 first, on the archive alone, as it streams by: a name that is absolute, climbs with ``..``
-or is not UTF-8 is refused (``PathEscapeError``, ``InvalidArgument``), as is a hard link, a
+or is not UTF-8 is refused (``PathEscapeError``, ``InvalidArgument``), as is one more than
+``MAX_DEPTH`` folders deep (``TreeTooDeep``: what no archive of a workspace takes), a hard link, a
 device, a FIFO or a sparse file (``FileTypeError``), and a symlink whose target leaves the
 archive's root when resolved the way the kernel would, through the archive's other symlinks
 (``PathEscapeError``; a name that is a symlink and something else too is refused, so that
@@ -26,7 +27,6 @@ import gzip
 import io
 import lzma
 import posixpath
-import shutil
 import tarfile
 import zlib
 from collections import deque
@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stockade import exceptions as exc
+from stockade.sandbox._archive import MAX_DEPTH
+from stockade.server.scratch import remove_tree
 
 if TYPE_CHECKING:
     from _typeshed import WriteableBuffer
@@ -186,6 +188,13 @@ def _judge(member: tarfile.TarInfo) -> str:
             path=name,
         )
     normal = posixpath.normpath(name)
+    if normal.count("/") >= MAX_DEPTH:  # refused before 64 MiB of it is unpacked to the host's disk
+        top = "/".join(normal.split("/")[:MAX_DEPTH])
+        raise exc.TreeTooDeep(
+            f"the archive member {top[:200]!r}... is {MAX_DEPTH} folders deep: what is in it is past "
+            "what an archive of the workspace takes",
+            path=name,
+        )
     if member.issym() and normal == ".":
         raise exc.PathEscapeError(f"the archive's symlink {name!r} would replace the workspace", path=name)
     return normal
@@ -240,14 +249,14 @@ def unpack_archive(data: bytes, dest: Path, *, max_bytes: int, max_entries: int 
             files = sum(1 for m in members if m.isreg())
     except (tarfile.AbsolutePathError, tarfile.OutsideDestinationError, tarfile.AbsoluteLinkError,
             tarfile.LinkOutsideDestinationError) as error:  # fmt: skip
-        shutil.rmtree(dest, ignore_errors=True)
+        remove_tree(dest)
         raise exc.PathEscapeError(f"the archive leads outside the workspace: {error}") from None
     except (tarfile.TarError, OSError, EOFError, zlib.error, lzma.LZMAError) as error:
-        shutil.rmtree(dest, ignore_errors=True)
+        remove_tree(dest)
         raise exc.InvalidArgument(
             f"the archive could not be unpacked: {error}", argument="body", fix="send a well-formed tar"
         ) from None
     except BaseException:
-        shutil.rmtree(dest, ignore_errors=True)
+        remove_tree(dest)
         raise
     return files

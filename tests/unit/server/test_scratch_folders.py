@@ -103,3 +103,19 @@ def test_a_previous_versions_unclaimed_folder_goes_once_unchanged_for_a_day(tmp_
     )
     assert not stale.exists() and not stale_upload.exists()
     assert recent.exists() and link.is_symlink()
+
+
+def test_a_scratch_folder_with_a_deep_tree_and_locked_folders_goes_whole(tmp_path: Path) -> None:
+    """``shutil.rmtree`` recursed: a tar of 1,100 nested folders made a RecursionError that
+    left the folder, and its claim held, so gc skipped it while the server ran."""
+    with scratch("upload", tmp_path) as folder:
+        inner = folder / "in"
+        inner.mkdir()
+        for _ in range(1_100):
+            inner = inner / "a"
+            inner.mkdir()
+        (inner / "big").write_bytes(b"x" * 4096)
+        (folder / "in" / "a").chmod(0o500)  # a mode an archive may carry: no writes in it
+        (folder / "in" / "link").symlink_to(tmp_path.parent)  # removed, not followed
+    assert list(tmp_path.iterdir()) == []
+    assert collect(tmp_path) == []

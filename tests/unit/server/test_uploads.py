@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from stockade import exceptions as exc
+from stockade.sandbox._archive import MAX_DEPTH
 from stockade.server.uploads import HEADER_ROOM, check_archive, unpack_archive
 
 MiB = 1024 * 1024
@@ -122,6 +123,15 @@ def test_names_leaving_the_root_are_path_escapes(place: Path, name: str) -> None
         tar_of(member("ok.txt", data=b"x"), member(name, data=b"evil")), place, exc.PathEscapeError
     )
     assert isinstance(error, exc.PathEscapeError) and error.path == name
+
+
+def test_a_member_deeper_than_an_archive_takes_is_refused_before_anything_is_written(place: Path) -> None:
+    # 1,100 nested folders made a RecursionError in the walks after the unpack (a 500)
+    deep = "/".join(["a"] * 1_100) + "/f"
+    error = refused(tar_of(member("ok.txt", data=b"x"), member(deep, data=b"x")), place, exc.TreeTooDeep)
+    assert isinstance(error, exc.TreeTooDeep) and error.path == deep
+    at_the_limit = "/".join(["a"] * (MAX_DEPTH - 1)) + "/f"
+    assert check_archive(tar_of(member(at_the_limit, data=b"x")), max_bytes=CAP) == 1
 
 
 def test_a_pax_path_leaving_the_root_is_refused_like_a_plain_one(place: Path) -> None:
