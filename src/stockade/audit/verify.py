@@ -45,7 +45,8 @@ event, the execs judged inside) is not in the trail and never will be; its ``too
 and ``op_start`` say what was asked. The trail decides: a ``tool_call_start`` that nothing
 after it closes (a ``tool_call`` of its key; its run's ``run_end``, which the run's process
 writes whenever it stops the run, and a service that gives the run up; its ``run_crash`` or a
-later ``run_start``, a resume, which records the call) is in flight unless a live process
+later ``run_start``, a resume, which records the call; its ``run_erased``: an erased run is
+never resumed) is in flight unless a live process
 holds its run now (the ledger's ``live_runs``: a lease the run store signed, with its owner
 and expiry, expiring soon enough). The run store's rows can be edited or deleted by whoever
 writes its database, so they only prove a run live, never a call closed. A call the run store
@@ -487,12 +488,13 @@ def _head_covers(store: AuditStore, last_seq: int) -> bool:
     return now is not None and now.seq >= last_seq
 
 
-_KEYED = frozenset({"tool_call", "run_end", "tool_call_start", "run_start", "run_crash"})
+_KEYED = frozenset({"tool_call", "run_end", "tool_call_start", "run_start", "run_crash", "run_erased"})
 # What closes every call of its run started before it: a later start of the run is a resume,
 # which records the crash and each call the trail lacks (``AuditObserver``); so is its crash.
 # A ``run_end`` closes them too: the run's process wrote it, stopping (a clean stop, paused,
-# interrupted, killed) or ending the run, or a service gave the run up.
-_CLOSING = frozenset({"run_start", "run_crash"})
+# interrupted, killed) or ending the run, or a service gave the run up. So does its erasure:
+# an erased run is never resumed, and its call would be in flight for good.
+_CLOSING = frozenset({"run_start", "run_crash", "run_erased"})
 
 
 class _Start(NamedTuple):

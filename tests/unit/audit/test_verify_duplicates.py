@@ -127,3 +127,21 @@ def test_audit_verify_shows_a_call_twice_in_the_trail(tmp_path: Path) -> None:
     assert result.exit_code == 1, result.output
     (problem,) = json.loads(result.output)["problems"]
     assert problem["kind"] == "duplicate_in_trail" and key in problem["detail"]
+
+
+def test_a_crashed_run_that_was_erased_has_no_call_in_flight_any_more() -> None:
+    # A process killed during a call leaves its start and nothing after: in flight, until a
+    # resume records the crash. Erased, the run is never resumed: its erasure closes the call
+    # (else the chain could never verify intact again).
+    key, store = b"chain-key-0123456789abcdef", MemoryStore()
+    with AuditLog(store, key=key, flush_interval_s=None) as log:
+        log.seal_run("r", subject="alice")
+        log.record(EventKind.RUN_START, run_id="r", attributes={"task": "t"})
+        log.record(EventKind.TOOL_CALL_START, run_id="r", step=1,
+                   attributes={"tool": "run_code", "idempotency_key": "k1"})  # fmt: skip
+    crashed = verify(store, key=key, ledger=Ledger())
+    assert [p.kind.value for p in crashed.problems] == ["in_flight"], crashed.problems
+    with AuditLog(store, key=key, flush_interval_s=None) as later:
+        assert later.erase(run_ids=["r"]) == ["r"]
+    erased = verify(store, key=key, ledger=Ledger())
+    assert erased.ok, erased.problems
