@@ -131,6 +131,21 @@ def test_a_row_whose_mac_was_removed_is_refused(tmp_path: Path) -> None:
     assert "store_forged" in verified(path, trail)
 
 
+def test_an_unsigned_lease_as_earlier_versions_wrote_is_no_forgery_a_wrong_mac_is(tmp_path: Path) -> None:
+    # An unsigned lease proves no run live (so it hides no call in flight): a store that an
+    # earlier version wrote, whose leases carry no MAC, verifies as it did. A lease whose MAC
+    # is wrong was edited: reported.
+    path, trail, ran = tmp_path / "runs.db", MemoryStore(), list[str]()
+    crash_in_first_call(path, trail, ran)
+    resume(path, trail, ran, ["done"])
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("UPDATE runs_leases SET mac = NULL").rowcount == 1
+    assert verified(path, trail) == []
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE runs_leases SET mac = 'edited'")
+    assert verified(path, trail) == ["store_forged"]
+
+
 def test_a_swapped_workspace_manifest_row_is_refused(tmp_path: Path) -> None:
     path, trail, ran = tmp_path / "runs.db", MemoryStore(), list[str]()
     turns: list[Turn] = [
