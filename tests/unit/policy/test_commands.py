@@ -323,7 +323,8 @@ NPM_INSTALLING = (
     "npm edit x", "npm audit fix", "npm audit --omit dev fix", "npm create vite", "npm init vite",
     "npm innit @scope", "npm init -w pkg", "npm cit", "npm sit", "npm clean-install-test",
     "npm install-ci-test", "npm pack git+https://example.com/x.git", "npm publish ../dep",
-    "npm cache add x", "npm --silent prune",
+    "npm cache add x", "npm --silent prune", "npm diff --diff=git+https://example.com/x.git",
+    "npm diff --diff git+https://example.com/x.git --diff-name-only",
 )  # fmt: skip
 
 
@@ -355,6 +356,7 @@ def test_a_rule_over_an_npm_command_holds_over_every_spelling_npm_takes(rule: st
         ("npm install", "npm update", Verdict.APPROVE),
         ("npm install", "npx -y cowsay", Verdict.APPROVE),
         ("npm install", "npm run build", Verdict.ALLOW),
+        ("npm install", "npm diff --diff-name-only", Verdict.ALLOW),  # against the registry's tarball
         ("npm install", "npm test", Verdict.ALLOW),
         ("npm install", "npm e x", Verdict.ALLOW),  # a prefix of several: npm runs none
         ("npm install", "npm Install x", Verdict.ALLOW),  # npm knows no -install

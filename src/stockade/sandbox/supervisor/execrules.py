@@ -130,8 +130,10 @@ NPM_INSTALLS = frozenset(
 # names, and a git package with a prepare script is installed, its dependencies and scripts,
 # to be packed; a folder's prepare script runs). A bare ``pack``/``publish`` runs the project's
 # own prepack/prepare scripts, its own code as ``npm run`` does: no install. None: any operand.
+# ``diff --diff=SPEC`` fetches what SPEC names to compare it, as ``pack x`` does (a git one is
+# installed and prepared first); a bare ``diff`` compares with the registry's tarball.
 NPM_INSTALLS_GIVEN = {
-    "audit": "fix", "cache": "add", "init": None, "pack": None, "publish": None,
+    "audit": "fix", "cache": "add", "init": None, "pack": None, "publish": None, "diff": "--diff",
 }  # type: Dict[str, Optional[str]]  # fmt: skip
 # npm's options that take no value (npm 11's config definitions whose type is Boolean, and
 # their shorthands; ``--no-X`` and ``--X=value`` hold their own). Any other may take the next
@@ -215,6 +217,8 @@ def npm_installs(args: "Sequence[str]", at: int) -> bool:
         return False
     rest = args[at + 1 :]
     ended = rest.index("--") if "--" in rest else len(rest)
+    if command == "diff":  # what a --diff names is fetched: a git one is installed and prepared
+        return any(w == "--diff" or w.startswith("--diff=") for w in args[:at] + rest[:ended])
     operands = [w for w in rest[:ended] if not (len(w) > 1 and w[0] == "-")] + list(rest[ended + 1 :])
     wanted = NPM_INSTALLS_GIVEN[command]
     if command == "init" and any(_npm_workspace(word) for word in args[:at] + rest[:ended]):
