@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from stockade._checks import MAX_TIMEOUT_S, check_number, check_strings, check_text
+from stockade._globs import workspace_globs
 from stockade.exceptions import InvalidArgument
 
 __all__ = [
@@ -470,7 +471,9 @@ class SandboxRules:
     workspace paths code may change (``dir/**``, ``dir``, a file; ``**`` is everything): the
     rest of the workspace is read-only to code, by the kernel. Only what ``read`` names, and
     nothing ``hide`` names, enters the sandbox when a folder seeds it: what the rules do not
-    let the run read is not there to be read, by any program.
+    let the run read is not there to be read, by any program. ``write``, ``read`` and ``hide``
+    are workspace globs, kept normalised (``./a``, ``/workspace/a`` and ``a//b`` are ``a`` and
+    ``a/b``); one that climbs (``..``) or names another absolute path is an ``InvalidArgument``.
     """
 
     deny: tuple[str, ...] = ()
@@ -479,6 +482,11 @@ class SandboxRules:
     write: tuple[str, ...] = ("**",)
     read: tuple[str, ...] = ("**",)
     hide: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("write", "read", "hide"):  # matched in one form, whatever the spelling
+            globs = check_strings(getattr(self, name), argument=f"SandboxRules.{name}")
+            object.__setattr__(self, name, workspace_globs(globs, setting=f"SandboxRules.{name}"))
 
     @property
     def judges_execs(self) -> bool:
