@@ -1,19 +1,135 @@
-"""Globs over workspace-relative paths: ``*`` and ``?`` within one folder, ``**`` across.
+"""Globs over workspace-relative paths: ``*`` and ``?`` within one folder, ``**`` across,
+``[...]`` one character of a class (fnmatch's: ``[a-z]``, ``[!.]``), never ``/``.
 
-The policy's path rules and the sandbox (what a seeded folder leaves out) match alike.
+The policy's path rules and the sandbox (what a seeded folder leaves out) match alike. A glob
+is normalised once, where it is taken (``workspace_globs``); names and globs are compared in
+NFC, so a folder named in NFD (as macOS writes names) is covered by a glob written in NFC.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Sequence
+import unicodedata
+from collections.abc import Iterable, Sequence
 
-__all__ = ["covers", "glob_matches", "may_hold"]
+from stockade.exceptions import InvalidArgument
+
+__all__ = [
+    "GLOB_CHARS",
+    "covers",
+    "glob_matches",
+    "literal_glob",
+    "may_hold",
+    "nfc",
+    "workspace_glob",
+    "workspace_globs",
+]
+
+# ``[`` opens a character class, as in fnmatch and the command rules: a name with a literal
+# ``[`` is written ``[[]``. Refusing classes would leave ``[`` meaning two things across
+# stockade (the command rules take fnmatch's), so a workspace glob takes fnmatch's meaning too.
+GLOB_CHARS = frozenset("*?[")
+
+WORKSPACE = "/workspace"
+
+
+def nfc(text: str) -> str:
+    """``text`` in NFC; ASCII (most names) as it is, without a look at its characters."""
+    return text if text.isascii() else unicodedata.normalize("NFC", text)
+
+
+def literal_glob(path: str) -> str:
+    """The glob that matches ``path`` alone: its wildcard characters each a class of one."""
+    return re.sub(r"[*?[]", lambda m: f"[{m.group()}]", path)
+
+
+def workspace_globs(globs: Iterable[str], *, setting: str) -> tuple[str, ...]:
+    """``globs`` in the one form they are matched in (``workspace_glob``)."""
+    return tuple(workspace_glob(glob, setting=setting) for glob in globs)
+
+
+def workspace_glob(glob: str, *, setting: str) -> str:
+    """``glob`` relative to the workspace, in NFC, without ``./``, ``//``, ``/./``, a trailing
+    ``/`` or the workspace's own prefix (``/workspace/``): a spelling that names the right files
+    but matched none of them would keep nothing out. One that climbs (``..``), another absolute
+    path, an empty one or an unclosed ``[`` is an ``InvalidArgument`` for ``setting``."""
+    text = nfc(glob)
+    where = f"{setting}: " if setting else ""  # a policy file's error names the setting itself
+    fix = "write it relative to the workspace, e.g. secrets/** or **/*.pem"
+    if "\x00" in text:
+        raise InvalidArgument(f"{where}the glob {glob!r} holds a NUL", argument=setting, fix=fix)
+    parts = [part for part in text.split("/") if part not in ("", ".")]
+    if text.startswith("/"):
+        if parts[:1] != [WORKSPACE[1:]]:
+            raise InvalidArgument(
+                f"{where}the glob {glob!r} is a path outside the workspace (globs name the "
+                f"workspace's files)",
+                argument=setting,
+                fix=fix,
+            )
+        parts = parts[1:]
+    if ".." in parts:
+        raise InvalidArgument(
+            f"{where}the glob {glob!r} climbs out of where it starts (..)", argument=setting, fix=fix
+        )
+    if not parts:
+        raise InvalidArgument(
+            f"{where}the glob {glob!r} names no file",
+            argument=setting,
+            fix="write ** for the whole workspace",
+        )
+    out = "/".join(parts)
+    for part in parts:
+        i = part.find("[")
+        while i >= 0:
+            end = _class_end(part, i)
+            if end < 0:
+                raise InvalidArgument(
+                    f"{where}the glob {glob!r} opens a character class ([) it never closes",
+                    argument=setting,
+                    fix="close it (]), or write [[] for a literal [",
+                )
+            i = part.find("[", end + 1)
+    return out
+
+
+def _class_end(glob: str, start: int) -> int:
+    """The index of the ``]`` that closes the class ``glob[start]`` opens, or -1 (fnmatch's
+    rule: a ``]`` first in the class, after a ``!`` or not, is one of its characters)."""
+    j = start + 1
+    if j < len(glob) and glob[j] == "!":
+        j += 1
+    if j < len(glob) and glob[j] == "]":
+        j += 1
+    end = glob.find("]", j)
+    return -1 if "/" in glob[start:end] else end
+
+
+def _char_class(body: str) -> str:
+    """The regular expression of one class's ``body`` (between the brackets): never ``/``."""
+    negated = body.startswith("!")
+    if negated:
+        body = body[1:]
+    items: list[str] = []
+    k = 0
+    while k < len(body):
+        if k + 2 < len(body) and body[k + 1] == "-":
+            low, high = body[k], body[k + 2]
+            if low <= high:  # fnmatch drops an empty range (z-a)
+                items.append(f"{re.escape(low)}-{re.escape(high)}")
+            k += 3
+        else:
+            items.append(re.escape(body[k]))
+            k += 1
+    if negated:
+        return f"[^/{''.join(items)}]"
+    return f"(?!/)[{''.join(items)}]" if items else "(?!)"
 
 
 @functools.lru_cache(maxsize=512)
 def _compile(glob: str) -> re.Pattern[str]:
+    glob = nfc(glob)
     out = []
     i = 0
     while i < len(glob):
@@ -29,7 +145,10 @@ def _compile(glob: str) -> re.Pattern[str]:
         elif glob[i] == "?":
             out.append("[^/]")
             i += 1
-        else:
+        elif glob[i] == "[" and (end := _class_end(glob, i)) >= 0:
+            out.append(_char_class(glob[i + 1 : end]))
+            i = end + 1
+        else:  # an unclosed [ (a glob not taken through workspace_glob) is itself
             out.append(re.escape(glob[i]))
             i += 1
     return re.compile("".join(out), re.DOTALL)
@@ -37,6 +156,7 @@ def _compile(glob: str) -> re.Pattern[str]:
 
 def glob_matches(globs: Sequence[str], path: str) -> bool:
     """``path`` (normalised) matches a glob, or lies under a directory one matches."""
+    path = nfc(path)
     for glob in globs:
         pattern = _compile(glob.strip("/"))
         if pattern.fullmatch(path):
@@ -44,7 +164,7 @@ def glob_matches(globs: Sequence[str], path: str) -> bool:
         parent = path
         while "/" in parent:
             parent = parent.rsplit("/", 1)[0]
-            if pattern.fullmatch(parent) and not any(c in glob for c in "*?"):
+            if pattern.fullmatch(parent) and not GLOB_CHARS & set(glob):
                 return True  # a plain directory ("secrets") also covers everything below it
     return False
 
@@ -52,18 +172,27 @@ def glob_matches(globs: Sequence[str], path: str) -> bool:
 def covers(globs: Sequence[str], path: str) -> bool:
     """Like ``glob_matches``, and ``dir/**`` also covers ``dir`` itself: what is left out of
     a copy is the folder, not only what is in it."""
-    return glob_matches(globs, path) or any(
-        g.strip("/").endswith("/**") and g.strip("/")[:-3] == path for g in globs
-    )
+    if glob_matches(globs, path):
+        return True
+    path = nfc(path)
+    return any((folder := _folder(glob)) is not None and folder.fullmatch(path) for glob in globs)
+
+
+@functools.lru_cache(maxsize=512)
+def _folder(glob: str) -> re.Pattern[str] | None:
+    """The folder ``dir/**`` names (``dir``), or None for a glob of another form."""
+    glob = glob.strip("/")
+    return _compile(glob[:-3]) if glob.endswith("/**") else None
 
 
 def may_hold(globs: Sequence[str], folder: str) -> bool:
     """Whether something beneath ``folder`` may match one of ``globs`` (a folder to walk)."""
+    folder = nfc(folder)
     for glob in globs:
-        parts = glob.strip("/").split("/")
+        parts = nfc(glob).strip("/").split("/")
         literal: list[str] = []
         for part in parts:
-            if any(c in part for c in "*?["):
+            if GLOB_CHARS & set(part):
                 break
             literal.append(part)
         prefix = "/".join(literal)

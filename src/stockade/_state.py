@@ -41,11 +41,14 @@ def sqlite_files(database: Path) -> tuple[Path, ...]:
 
 
 def within(folder: Path, paths: Iterable[Path]) -> tuple[str, ...]:
-    """Those of ``paths`` that lie inside ``folder`` (strictly), as paths relative to it."""
+    """Those of ``paths`` that lie inside ``folder`` (strictly), as globs relative to it that
+    name exactly them (a ``[``, ``*`` or ``?`` in a name is no wildcard)."""
+    from stockade._globs import literal_glob
+
     root = folder.resolve()
     found: list[str] = []
     for path in paths:
         full = path.resolve()
         if full != root and full.is_relative_to(root):
-            found.append(full.relative_to(root).as_posix())
+            found.append(literal_glob(full.relative_to(root).as_posix()))
     return tuple(dict.fromkeys(found))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from stockade._checks import MAX_TIMEOUT_S, check_number, check_strings, check_text
+from stockade._globs import workspace_globs
 from stockade.exceptions import InvalidArgument
 
 __all__ = [
@@ -486,6 +487,9 @@ class SandboxRules:
     one back, so where one of its globs may match beneath a ``write`` target (``src/data/**``
     under ``src/**``, anything under ``**``) the sandbox refuses (``LimitNotEnforceable``,
     naming its ``setting``) unless the caller accepts less; elsewhere the kernel holds it.
+    ``write``, ``read`` and ``hide`` are workspace globs, kept normalised (``./a``,
+    ``/workspace/a`` and ``a//b`` are ``a`` and ``a/b``); one that climbs (``..``) or names
+    another absolute path is an ``InvalidArgument``.
     """
 
     deny: tuple[str, ...] = ()
@@ -495,6 +499,11 @@ class SandboxRules:
     read: tuple[str, ...] = ("**",)
     hide: tuple[str, ...] = ()
     read_only: tuple[ReadOnly, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("write", "read", "hide"):  # matched in one form, whatever the spelling
+            globs = check_strings(getattr(self, name), argument=f"SandboxRules.{name}")
+            object.__setattr__(self, name, workspace_globs(globs, setting=f"SandboxRules.{name}"))
 
     @property
     def judges_execs(self) -> bool:

@@ -935,6 +935,29 @@ def test_hidden_paths_never_enter_the_sandbox(sbx_tier_workspace: tuple[str, Pat
         assert e.error is not None and e.error.name == "FileNotFoundError"
 
 
+def test_deny_globs_in_any_spelling_keep_a_seeded_workspaces_files_out(tmp_path: Path) -> None:
+    """Deny globs written with the sandbox's own prefix, ``./``, ``//``, a character class, or in
+    NFC over a folder named in NFD (as macOS names them) hid nothing: `grep -r . /workspace`
+    printed the secret, the NFD folder's file and `.env`."""
+    require_tier("process")
+    import unicodedata
+
+    from stockade.policy.engine import PolicyEngine
+    from stockade.policy.load import parse_policy
+
+    nfd = unicodedata.normalize("NFD", "données")
+    for name in ("secrets/key", "keys/a.pem", "cfg/token", f"{nfd}/f.txt", ".env", "src/app.py"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text("print('hi')\n" if name == "src/app.py" else f"TOPSECRET {name}\n")
+    deny = ["/workspace/secrets/**", "./keys/**", "cfg//./token", "donn\u00e9es/**", "[.]env"]
+    policy = parse_policy("[paths]\ndeny = [" + ", ".join(json.dumps(g) for g in deny) + "]\n")
+    rules = PolicyEngine(policy).sandbox_rules()
+    with Sandbox.create("process", limits=LIMITS, rules=rules, workspace=tmp_path) as sbx:
+        r = sbx.commands.run("grep -r . /workspace; ls -a /workspace")
+        assert "TOPSECRET" not in r.stdout and "src/app.py:print('hi')" in r.stdout, r.stdout
+        assert not {"secrets", "keys", ".env", nfd} & set(r.stdout.split()), r.stdout  # cfg: its token only
+
+
 def test_files_calls_under_path_rules_follow_no_symbolic_link(sbx_tier_workspace: tuple[str, Path]) -> None:
     """The host's policy judges a files call (a tool's read_file, write_file, apply_patch) by
     the path it names: under path rules a link on the way is refused, never followed to a file

@@ -1,7 +1,8 @@
 """Path rules: globs over workspace-relative paths, after normalisation.
 
-``*`` and ``?`` stay within one directory, ``**`` crosses directories (``src/**`` is every
-path under ``src``). A path that leads out of the workspace is never readable nor writable.
+``*``, ``?`` and ``[...]`` stay within one directory, ``**`` crosses directories (``src/**``
+is every path under ``src``); paths and globs are compared in NFC (``stockade._globs``). A
+path that leads out of the workspace is never readable nor writable.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import posixpath
 from collections.abc import Sequence
 
-from stockade._globs import glob_matches
+from stockade._globs import GLOB_CHARS, glob_matches, nfc
 from stockade.policy.schema import PathRules
 
 __all__ = [
@@ -21,8 +22,6 @@ __all__ = [
     "tree_allowed",
     "writable",
 ]
-
-GLOB_CHARS = frozenset("*?[")
 
 WORKSPACE = "/workspace"
 
@@ -43,7 +42,7 @@ def normalise(path: str) -> str | None:
                 return None
         elif part not in ("", "."):
             depth += 1
-    norm = posixpath.normpath("/" + path).lstrip("/")
+    norm = posixpath.normpath("/" + nfc(path)).lstrip("/")  # NFC: as the globs are
     return "" if norm == "." else norm
 
 

@@ -22,9 +22,9 @@ import enum
 import fnmatch
 import re
 import shlex
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stockade.types import Trust
 
@@ -90,12 +90,29 @@ class CommandRules(_Strict):
         return patterns
 
 
-class PathRules(_Strict):
-    """Globs relative to the workspace (``*`` within a directory, ``**`` across)."""
+def _glob(glob: str) -> str:
+    """A workspace glob in the form it is matched in (``stockade._globs.workspace_glob``): one
+    written ``./secrets/**`` or ``/workspace/secrets/**`` is ``secrets/**``; one that climbs or
+    names another absolute path is a mistake in the file."""
+    from stockade._globs import workspace_glob
+    from stockade.exceptions import InvalidArgument
 
-    read: tuple[str, ...] = ("**",)
-    write: tuple[str, ...] = ("**",)
-    deny: tuple[str, ...] = ()
+    try:
+        return workspace_glob(glob, setting="")
+    except InvalidArgument as err:
+        raise ValueError(str(err)) from None
+
+
+Glob = Annotated[str, AfterValidator(_glob)]
+
+
+class PathRules(_Strict):
+    """Globs relative to the workspace (``*``, ``?`` and ``[...]`` within a directory, ``**``
+    across), normalised as they are read."""
+
+    read: tuple[Glob, ...] = ("**",)
+    write: tuple[Glob, ...] = ("**",)
+    deny: tuple[Glob, ...] = ()
 
 
 def _check_host(host: str) -> str:
@@ -231,7 +248,7 @@ class CredentialRule(_Strict):
 class DataTier(_Strict):
     """Files matching ``paths`` hold data of class ``tier``."""
 
-    paths: tuple[str, ...] = Field(min_length=1)
+    paths: tuple[Glob, ...] = Field(min_length=1)
     tier: Classification
 
 

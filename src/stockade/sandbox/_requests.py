@@ -235,9 +235,13 @@ def code_op(code: str, language: str, timeout_s: float | None) -> RunCode | RunC
 
 
 def upload_op(source: object, dest: object, hide: object, read: object) -> PutArchive:
-    """The upload of a host folder: its tar is made as it is sent (``tar_chunks``), never whole."""
+    """The upload of a host folder: its tar is made as it is sent (``tar_chunks``), never whole.
+    ``hide`` and ``read`` are taken normalised (``_globs.workspace_glob``), as the walk matches them."""
+    from stockade._globs import workspace_globs
+
     folder = check_host_path(source, argument="source")
-    hide, read = check_strings(hide, argument="hide"), check_strings(read, argument="read")
+    hide = workspace_globs(check_strings(hide, argument="hide"), setting="hide")
+    read = workspace_globs(check_strings(read, argument="read"), setting="read")
     if not folder.is_dir():
         raise exc.ConfigurationError(f"workspace {str(folder)!r} is not a directory")
     return PutArchive(
