@@ -8,6 +8,7 @@ import fnmatch
 import io
 import tarfile
 import unicodedata
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -130,9 +131,14 @@ def test_a_glob_that_cannot_name_the_workspaces_files_is_refused_where_it_is_tak
             parse_policy(f"[paths]\n{field} = [{_toml(glob)}]\n")
     with pytest.raises(exc.PolicyFileError, match=rf"data\.0\.paths\.0: .*{REFUSED[glob]}"):
         parse_policy(f'[[data]]\npaths = [{_toml(glob)}]\ntier = "restricted"\n')
-    for field in ("hide", "read", "write"):
+    rules: dict[str, Callable[[str], SandboxRules]] = {
+        "hide": lambda g: SandboxRules(hide=(g,)),
+        "read": lambda g: SandboxRules(read=(g,)),
+        "write": lambda g: SandboxRules(write=(g,)),
+    }
+    for field, made in rules.items():
         with pytest.raises(exc.InvalidArgument, match=f"SandboxRules.{field}: .*{REFUSED[glob]}") as err:
-            SandboxRules(**{field: (glob,)})
+            made(glob)
         assert err.value.argument == f"SandboxRules.{field}" and err.value.fix
         assert not err.value.retryable
     for field in ("hide", "read"):
