@@ -4,9 +4,11 @@ holds for the next request; and a file that no longer loads keeps the table that
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import signal
+import tarfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -168,3 +170,35 @@ def test_a_tenants_file_that_no_longer_loads_keeps_the_last_table(
     tenants.write_text(good)  # fixed: loaded again
     wait_for(lambda: status(server, tokens.other) == 200, what="the fixed file to be loaded",
              timeout_s=FOLLOWED_S)  # fmt: skip
+
+
+def test_an_upload_whose_token_is_taken_out_before_its_body_ends_is_refused(
+    service: tuple[Server, Tokens, Path],
+) -> None:
+    # The token is asked at the head, and again once the body has come: an upload takes as
+    # long as its sender makes it (a workspace sent slowly landed 3 s after its token was
+    # refused everywhere else: found from outside).
+    server, tokens, tenants = service
+    good = tenants.read_text()
+    folder = io.BytesIO()
+    with tarfile.open(fileobj=folder, mode="w") as tar:
+        content = b"x" * 8192
+        info = tarfile.TarInfo("app.py")
+        info.size = len(content)
+        tar.addfile(info, io.BytesIO(content))
+    data = folder.getvalue()
+
+    def body() -> Iterator[bytes]:
+        yield data[:1024]
+        tenants.write_text(without_tenant_tokens(good, "other"))  # mid-body
+        wait_for(lambda: status(server, tokens.other) == 401, what="the removed token to be refused",
+                 timeout_s=FOLLOWED_S)  # fmt: skip
+        yield data[1024:]
+
+    auth = {"Authorization": f"Bearer {tokens.other}", "Content-Type": "application/x-tar"}
+    refused = httpx2.post(server.url + "/v1/workspaces", content=body(), headers=auth, timeout=30)
+    assert refused.status_code == 401 and refused.json()["error"] == "AuthenticationError", refused.text
+    tenants.write_text(good)
+    wait_for(lambda: status(server, tokens.other) == 200, what="the token back", timeout_s=FOLLOWED_S)
+    listed = httpx2.get(server.url + "/v1/workspaces", headers=auth, timeout=10)
+    assert listed.status_code == 200 and listed.json() == [], listed.text  # nothing was stored

@@ -115,8 +115,18 @@ def _runs(argv: list[str]) -> list[list[str]]:
 Redirect = tuple[str, str]  # (operator, target word)
 
 
+# The longest shell line read (the kernel's MAX_ARG_STRLEN: no `sh -c` takes a longer one, so
+# none longer can run). shlex builds a word a character at a time, in time that grows with the
+# square of its length: 2 MB sent to the service took minutes of its CPU, 128 KiB takes ~0.2 s.
+MAX_SCRIPT_CHARS = 128 * 1024
+
+
 def _split_script(script: str) -> list[tuple[list[str], list[Redirect]]]:
     """The simple commands of a shell line, each with its redirections."""
+    if len(script) > MAX_SCRIPT_CHARS:
+        raise UnanalysableError(
+            f"a shell line of {len(script):,} characters (no shell takes one over 128 KiB)"
+        )
     if "`" in script or "$(" in script or "<(" in script or ">(" in script:
         raise UnanalysableError("command substitution")
     lexer = shlex.shlex(script.replace("\n", " ; "), posix=True, punctuation_chars=";&|()<>")

@@ -23,15 +23,19 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import anyio.to_thread
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stockade import exceptions as exc
 from stockade.server import problems
+from stockade.server.deps import recheck
 from stockade.server.guard import needs_token
 
 if TYPE_CHECKING:
     from fastapi import Request
+
+    from stockade.server.tenants import Principal
 
 __all__ = ["ANONYMOUS_BODY_BYTES", "BodyCap", "raw_body", "read_body"]
 
@@ -48,8 +52,11 @@ def raw_body(endpoint: Endpoint) -> Endpoint:
     return endpoint
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused past ``limit`` bytes while it arrives (413)."""
+async def read_body(request: Request, limit: int, caller: Principal) -> bytes:
+    """The request body, refused past ``limit`` bytes while it arrives (413). Once it has all
+    arrived, the token is asked again (``recheck``): an upload is minutes long at the slowest
+    rate the service takes, and one whose token was taken out meanwhile landed (a workspace
+    stored 3 s after its token was refused everywhere else)."""
     declared = _declared(request.headers.get("content-length"))
     if declared is not None and declared > limit:
         raise exc.FileTooLarge(f"the upload declares {declared:,} bytes, over the cap of {limit:,}")
@@ -59,6 +66,7 @@ async def read_body(request: Request, limit: int) -> bytes:
         if size > limit:
             raise exc.FileTooLarge(f"the upload is over the cap of {limit:,} bytes")
         chunks.append(chunk)
+    await anyio.to_thread.run_sync(lambda: recheck(request, caller))
     return b"".join(chunks)
 
 

@@ -131,7 +131,7 @@ async def _blocking(function: Any) -> Any:
 async def upload_workspace(request: Request, caller: Caller) -> WorkspaceOut:
     service = get_service(request)
     cap = service.config.max_upload_bytes
-    data = await read_body(request, cap)
+    data = await read_body(request, cap, caller)
 
     def work() -> WorkspaceOut:
         with scratch("workspace", service.config.temp_dir) as tmp:

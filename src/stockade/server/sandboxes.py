@@ -813,7 +813,7 @@ async def write_file(
 ) -> dict[str, Any]:  # fmt: skip
     registry = _registry_of(request)
     registry.get(caller, sandbox_id)
-    data = await read_body(request, get_service(request).config.max_file_bytes)
+    data = await read_body(request, get_service(request).config.max_file_bytes, caller)
 
     def work() -> EntryInfo:
         with registry.use(caller, sandbox_id) as sandbox:
@@ -851,7 +851,7 @@ async def upload_archive(sandbox_id: str, request: Request, caller: Caller, path
     service = get_service(request)
     registry = _registry_of(request)
     registry.get(caller, sandbox_id)
-    data = await read_body(request, service.config.max_upload_bytes)
+    data = await read_body(request, service.config.max_upload_bytes, caller)
 
     def work() -> None:
         with scratch("upload", service.config.temp_dir) as tmp:

@@ -118,6 +118,18 @@ def test_an_interpreters_command_line_past_what_is_read_is_refused_not_read_in_q
     assert decision.verdict is Verdict.DENY and decision.rule == "commands.unanalysable", decision
 
 
+def test_a_shell_line_longer_than_any_shell_takes_is_refused_unread() -> None:
+    """shlex reads a word in time that grows with the square of its length: a 2 MB command sent
+    to the service held one of its threads for minutes (found from outside, as another
+    tenant's denial of service). No `sh -c` takes a line over 128 KiB: refused unread."""
+    rules = CommandRules(approve=("rm -r",))
+    for argv in (["sh", "-c", "x" * 200_000], ["bash", "-c", "echo " + "'a'" * 50_000]):
+        decision = decide_command(rules, argv)
+        assert decision.verdict is Verdict.DENY and decision.rule == "commands.unanalysable", decision
+        assert "no shell takes one over 128 KiB" in decision.reason
+    assert decide_command(rules, ["sh", "-c", "echo " + "x" * 100_000]).verdict is Verdict.ALLOW
+
+
 @pytest.mark.parametrize(
     "argv",
     [
