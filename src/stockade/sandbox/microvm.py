@@ -40,6 +40,7 @@ from typing import Any
 from stockade import exceptions as exc
 from stockade.sandbox import _cgroups, _guest, _host, _rules, _trusted
 from stockade.sandbox._boundary import EgressHandle
+from stockade.sandbox._lasting import spawn
 from stockade.sandbox._microvm_ahead import GuestOrder, StartedAhead, Waiting
 from stockade.sandbox._microvm_image import (
     PORT_NAME,
@@ -384,14 +385,18 @@ class MicroVMBackend(Backend):
                 cgroup.limit(memory_bytes=host_memory_mb(spec) * MiB, cpus=spec.limits.cpus, pids=QEMU_PIDS)
                 argv = cgroup.entering(argv)
             with open(rundir / "qemu.log", "wb") as log:
-                proc = subprocess.Popen(
-                    argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=log,
-                    env={"PATH": "/usr/bin:/bin"},
-                    pass_fds=keep,
-                    start_new_session=True,
+                # forked by the thread that lives as long as we do: QEMU dies with its
+                # forker's thread (--pdeathsig), and a caller's thread may end before it
+                proc = spawn(
+                    lambda: subprocess.Popen(
+                        argv,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=log,
+                        env={"PATH": "/usr/bin:/bin"},
+                        pass_fds=keep,
+                        start_new_session=True,
+                    )
                 )
             creator = _guest.current_creator()
             (rundir / "owner.json").write_text(

@@ -49,6 +49,7 @@ from stockade.sandbox._host import (
     umount,
 )
 from stockade.sandbox._hostinfo import bwrap_masks
+from stockade.sandbox._lasting import spawn
 from stockade.sandbox._supervised import (
     WORKSPACE,
     Boundary,
@@ -675,15 +676,20 @@ class ProcessBackend(Backend):
         # supervisor and its zygote, which keep this one, are non-dumpable (their /proc fds
         # are closed to code of their uid). Only bwrap and the supervisor's own Python (a
         # traceback as it dies) write here; the process tier's tests check that code cannot.
+        # forked by the thread that lives as long as we do (--die-with-parent is the forking
+        # thread's death): a sandbox outlives the caller's thread that started it
+        entering = self._entering(argv, uid, cgroup)
         with open(rundir / "bwrap.log", "wb") as stderr:
-            return subprocess.Popen(
-                self._entering(argv, uid, cgroup),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                env={},
-                close_fds=True,
-                pass_fds=tuple(fds),
+            return spawn(
+                lambda: subprocess.Popen(
+                    entering,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=stderr,
+                    env={},
+                    close_fds=True,
+                    pass_fds=tuple(fds),
+                )
             )
 
     def _entering(self, argv: list[str], uid: int | None, cgroup: _cgroups.Cgroup | None) -> list[str]:
