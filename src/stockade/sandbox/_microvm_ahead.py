@@ -23,7 +23,7 @@ from stockade.sandbox._microvm_instance import SocketStream, VMBoundary
 from stockade.sandbox._slot import Slot
 from stockade.sandbox._supervised import sandbox_id
 from stockade.sandbox.base import SandboxSpec
-from stockade.sandbox.spare import in_background
+from stockade.sandbox.spare import in_background, on_background_thread
 
 __all__ = ["GuestOrder", "Launcher", "StartedAhead", "Waiting", "files_identity"]
 
@@ -123,9 +123,12 @@ class StartedAhead:
         """Stop the one held (its image was refused, say)."""
         self.slot.drop()
 
-    def close(self) -> None:
-        """Stop the one held, and start no other. Idempotent."""
+    def close(self, wait_s: float = 0.0) -> None:
+        """Stop the one held, and start no other; with ``wait_s``, wait that long for one
+        being started to be stopped too (not on the thread that starts them). Idempotent."""
         self.slot.close()
+        if wait_s > 0 and not on_background_thread():
+            self.slot.wait(wait_s)
 
 
 def start_waiting(order: GuestOrder) -> Waiting:
@@ -154,8 +157,7 @@ def _fill(slot: Slot[tuple[tuple[str, ...], Waiting]], order: GuestOrder) -> Non
     except BaseException:  # the next start starts its own QEMU, and says why if that fails
         slot.done()
         raise
-    if not slot.put((order.shape, waiting)):
-        waiting.discard()
+    slot.put((order.shape, waiting))  # refused: discarded by the slot
 
 
 def files_identity(paths: tuple[Path, ...]) -> tuple[tuple[int, ...], ...]:

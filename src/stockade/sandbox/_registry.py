@@ -6,6 +6,7 @@ the first time someone asks for that tier.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import threading
@@ -61,6 +62,20 @@ def backend(tier: str) -> Backend:
         created: Backend = getattr(module, cls_name)()
         _cache[tier] = created
         return created
+
+
+def stop_background() -> None:
+    """Stop what this process's backends run ahead of need (the microVM tier's QEMU started
+    ahead of the next create). Sandboxes live on. A process that ends by a signal (a service's
+    SIGTERM: uvicorn raises it again once the app is closed) runs no finalizer, and such a
+    QEMU left its folder and cgroup behind: a long-running process calls this as it closes."""
+    with _lock:
+        backends = list(_cache.values())
+    for found in backends:
+        stop = getattr(found, "close", None)  # a backend that runs something in the background
+        if callable(stop):
+            with contextlib.suppress(Exception):  # each is stopped, whatever one of them says
+                stop()
 
 
 def probe(tier: str) -> TierReport:

@@ -54,13 +54,19 @@ class Slot(Generic[T]):
 
     def put(self, thing: T) -> bool:
         """Hold ``thing`` (ending what ``begin`` began, if it did); False: refused (the slot is
-        closed or holds one), then the caller discards it."""
+        closed or holds one) and discarded here, before ``wait`` returns: one who closes the
+        slot and waits knows that nothing made for it is left (a process that ends next must
+        not leave a thing half made: a QEMU started ahead left its folder and cgroup)."""
         with self._lock:
+            if not (self.closed or self._held is not None):
+                self._held = thing
+                self._idle.set()
+                return True
+        try:
+            self._discard(thing)
+        finally:
             self._idle.set()
-            if self.closed or self._held is not None:
-                return False
-            self._held = thing
-            return True
+        return False
 
     def done(self) -> None:
         """End what ``begin`` began without a thing (making it failed)."""

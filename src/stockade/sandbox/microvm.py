@@ -65,6 +65,7 @@ from stockade.sandbox._supervised import (
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.sandbox.process import _bubblewrap_bin
 from stockade.sandbox.snapshots import SnapshotStore
+from stockade.sandbox.spare import on_background_thread
 from stockade.types import Enforcement, HostShare, Mechanism, SnapshotKind, TierReport
 
 __all__ = ["MicroVMBackend", "collect_garbage"]
@@ -563,8 +564,17 @@ class MicroVMBackend(Backend):
         return config
 
     def close(self) -> None:
-        """Stop the QEMU started ahead, and start no other. Idempotent; sandboxes live on."""
+        """Stop the QEMU started ahead, and start no other; wait (up to ``START_TIMEOUT_S``)
+        for the ready images being built and a QEMU being started ahead, whose guests end
+        with them: a process that ends next (a service stopped by SIGTERM runs no finalizer)
+        left their folders and cgroups behind. Idempotent; sandboxes live on."""
         self._ahead.close()
+        if on_background_thread():  # what it would wait for runs on this thread
+            return
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while self._ready.building and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._ahead.close(wait_s=max(0.0, deadline - time.monotonic()))
 
     def wait_ahead(self, timeout_s: float) -> str | None:
         """Wait for the ready images being built, then for the QEMU being started ahead; the

@@ -31,7 +31,7 @@ from stockade.sandbox.base import Backend, Instance, SandboxSpec
 from stockade.sandbox.ops import RunCode
 from stockade.types import TierReport
 
-__all__ = ["SpareBackend", "in_background"]
+__all__ = ["SpareBackend", "in_background", "on_background_thread"]
 
 
 def _discard(held: tuple[SandboxSpec, Instance]) -> None:
@@ -42,7 +42,7 @@ def _close(spare: Slot[tuple[SandboxSpec, Instance]]) -> None:
     """Close the spare, and the one being started (refused by the closed slot) before we
     return, unless we are the thread starting it (a job that dropped the last reference)."""
     spare.close()
-    if threading.current_thread() is not _starter.thread:
+    if not on_background_thread():
         spare.wait()
 
 
@@ -110,8 +110,7 @@ def _fill(backend: Backend, spare: Slot[tuple[SandboxSpec, Instance]], spec: San
         instance.close()
         spare.done()
         return
-    if not spare.put((spec, instance)):
-        instance.close()
+    spare.put((spec, instance))  # refused: closed by the slot
 
 
 # Spares are started by one thread that lives as long as the process: a sandbox may die
@@ -139,6 +138,11 @@ class _Starter:
 
 
 _starter = _Starter()
+
+
+def on_background_thread() -> bool:
+    """Whether this is the thread ``in_background`` runs jobs on (which must not wait for one)."""
+    return threading.current_thread() is _starter.thread
 
 
 def in_background(job: Callable[[], None]) -> None:

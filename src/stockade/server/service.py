@@ -104,6 +104,7 @@ class Service:
     def close(self) -> None:
         self.retention.close()
         self.sandboxes.close()
+        _registry.stop_background()  # what the tiers start ahead of the next create
         self.executor.close()
         if self._runner is not None:
             self._runner.close()

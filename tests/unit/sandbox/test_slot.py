@@ -24,16 +24,35 @@ def test_one_is_made_at_a_time_and_taken_once() -> None:
     assert discarded == []
 
 
-def test_what_is_put_while_one_is_held_or_after_close_is_refused() -> None:
+def test_what_is_put_while_one_is_held_or_after_close_is_refused_and_discarded() -> None:
     slot, discarded = _slot()
     assert slot.put("a")
-    assert not slot.put("b")  # the caller discards it: the slot never does
+    assert not slot.put("b") and discarded == ["b"]  # refused: discarded by the slot
     assert slot.begin() is False
     slot.close()
-    assert discarded == ["a"] and slot.take() is None
+    assert discarded == ["b", "a"] and slot.take() is None
     assert not slot.begin() and not slot.put("c")
     slot.close()  # idempotent
-    assert discarded == ["a"]
+    assert discarded == ["b", "a", "c"]
+
+
+def test_one_made_after_close_is_discarded_before_a_wait_returns() -> None:
+    # Who closes the slot and waits knows nothing made for it is left: a process that ended
+    # next left a QEMU started ahead half made (its folder and cgroup on the host).
+    gone = threading.Event()
+
+    def discard(thing: str) -> None:
+        gone.wait(5)  # a discard that takes a while (a QEMU stopped)
+
+    slot: Slot[str] = Slot(discard)
+    assert slot.begin()
+    slot.close()
+    maker = threading.Thread(target=lambda: slot.put("late"))
+    maker.start()
+    assert slot.wait(0.2) is False and slot.filling  # its discard has not ended yet
+    gone.set()
+    assert slot.wait(5) is False and not slot.filling
+    maker.join()
 
 
 def test_a_failed_making_ends_and_the_next_may_begin() -> None:
