@@ -79,6 +79,8 @@ class Seen:
     # When a connection that served a slow answer ended (its client, the proxy, closed it):
     # no request can come over it any more.
     slow_ended: list[float] = field(default_factory=list)
+    # The body bytes each POST brought, counted as they are read: a body cut short too.
+    received: list[int] = field(default_factory=list)
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -204,9 +206,24 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         auth = self.headers.get("Authorization")
         self.seen.hits.append(Hit(at=time.monotonic(), path=self.path, authorization=auth))
         self.seen.paths.append(self.path)
-        size = int(self.headers.get("Content-Length", "0"))
-        data = self.rfile.read(size)
-        self._send(200, f"got {len(data)} bytes".encode())
+        size, got = int(self.headers.get("Content-Length", "0")), 0
+        try:
+            while got < size:
+                piece = self.rfile.read1(min(size - got, 65536))
+                if not piece:
+                    break
+                got += len(piece)
+        except OSError:  # ssl.SSLError too: the client (the proxy) cut the body
+            pass
+        self.seen.received.append(got)
+        if got < size:
+            self.close_connection = True
+            return
+        url = urllib.parse.urlsplit(self.path)
+        if url.path == "/redirect":  # the body taken whole, then sent elsewhere
+            self._send(302, b"", {"Location": dict(urllib.parse.parse_qsl(url.query))["to"]})
+        else:
+            self._send(200, f"got {got} bytes".encode())
 
 
 # The secret echoed into the fields the proxy refuses a reply for (``/echo-auth-as?as=``):

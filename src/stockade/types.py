@@ -416,10 +416,15 @@ class EgressRecord:
     """One request through a sandbox's proxy, as the audit trail keeps it.
 
     ``method`` is ``CONNECT`` for a tunnel (then ``sni`` is what the TLS asked for and
-    ``path`` is empty); ``decision`` is ``"allow"`` or ``"deny"``; ``rule`` the rule that
-    decided; ``status`` what the client got (0 when the request was cut before its answer:
-    the proxy closed, the client gone; ``reason`` says which); ``bytes_out`` went
-    to the server, ``bytes_in`` came back. ``credential`` names the one added, if any.
+    ``path`` is empty); ``decision`` is ``"deny"`` for a request refused before anything of
+    it reached the server, ``"allow"`` for one that went, however it ended; ``rule`` the
+    rule that decided, or that ended a request that went (a redirect or an answer refused,
+    a limit hit mid-body: then ``reason`` says what the server answered, if it did, and
+    why it ended); ``status`` what the client got (the server's, once its head was passed
+    on; 0 when the request was cut before its answer: the proxy closed, the client gone;
+    ``reason`` says which); ``bytes_out`` the body bytes passed on to the server,
+    ``bytes_in`` those passed back, counted as they go (a request ended early keeps what
+    went). ``credential`` names the one added, once a request's head carried it.
     """
 
     host: str

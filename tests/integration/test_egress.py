@@ -243,7 +243,41 @@ def test_a_server_that_echoes_the_credential_where_the_proxy_refuses_gets_none_o
     egress = [e.attributes for e in audit.of(EventKind.EGRESS)]
     refusals = [r for r in egress if "echo-auth-as" in str(r["path"])]
     assert len(refusals) == len(REFUSED_ECHOES)
-    assert all(r["decision"] == "deny" and r["credential_name"] == "api" for r in refusals), refusals
+    # each reached the server, with the credential: "allow", the refusal in the rule and reason
+    assert all(r["decision"] == "allow" and r["credential_name"] == "api" for r in refusals), refusals
+    assert all(str(r["reason"]).startswith("the server answered") for r in refusals), refusals
+
+
+def test_uploads_that_reached_the_server_and_ended_early_keep_their_bytes_and_credential(
+    egress_tier: str, local: Servers
+) -> None:
+    """A credentialed upload whose server redirects to a host the policy refuses, and one cut
+    mid-body by the byte limit: the server had each with the credential, and the trail says
+    so ("allow", the bytes that went, the credential's name), not "deny, 0 bytes"."""
+    mib, port = 1024 * 1024, local.https_port
+    before = len(local.https_seen.received)
+    post = "head -c {n} /dev/zero | curl -s -o /dev/null -w '%{{http_code}} ' -H 'Expect:' "
+    post += "--data-binary @- '{url}'"
+    with capture_audit() as audit:
+        backend = AuditedBackend(_registry.backend(egress_tier), audit, run_id="early")
+        network = local.policy(max_bytes_per_minute=3 * mib)
+        with Sandbox.create(backend=backend, limits=LIMITS, network=network) as sbx:
+            has_curl = sbx.commands.run("command -v curl").exit_code == 0
+            require("curl", has_curl, f"not in the {egress_tier} tier's image (scripts/build-image.sh)")
+            redirect = post.format(n=mib, url=f"https://api.test:{port}/redirect?to=https://other.test/next")
+            upload = post.format(n=8 * mib, url=f"https://api.test:{port}/upload")
+            r = sbx.commands.run(f"{redirect}; {upload}", timeout_s=120)
+    assert r.stdout.startswith("403 "), r.stdout + r.stderr
+    wait_for(lambda: len(local.https_seen.received) >= before + 2, what="the server to see both uploads")
+    redirected, cut = local.https_seen.received[before : before + 2]
+    posts = [e.attributes for e in audit.of(EventKind.EGRESS) if e.attributes["method"] == "POST"]
+    assert [(p["status"], p["decision"], p["credential_name"]) for p in posts] == [
+        (403, "allow", "api"),
+        (429, "allow", "api"),
+    ], posts
+    assert redirected == mib and posts[0]["bytes_out"] == mib, (redirected, posts)
+    sent = posts[1]["bytes_out"]
+    assert posts[1]["rule"] == "max_bytes_per_minute" and isinstance(sent, int) and 0 < cut <= sent < 3 * mib
 
 
 def test_a_credentialed_reply_hides_the_secret_in_no_header_name_nor_behind_a_listed_coding(
@@ -492,10 +526,13 @@ def test_a_killed_runs_credential_is_cut_mid_request(
     assert report.ok, report
     events = list(store.events(run_id=run_id))
     egress = [e.attributes for e in events if e.kind == EventKind.EGRESS]
-    done = [a for a in egress if a["credential_name"] == "api" and a["status"] == 200]
+    credentialed_records = [a for a in egress if a["credential_name"] == "api"]
+    in_flight = [a for a in credentialed_records if "closed mid-request" in str(a["reason"])]
+    done = [a for a in credentialed_records if a["status"] == 200 and a not in in_flight]
     assert len(done) >= 2, egress  # the answers streamed to their end before the kill
-    in_flight = [a for a in egress if a["credential_name"] == "api" and a["status"] == 0]
-    assert len(in_flight) == 1 and "closed mid-request" in str(in_flight[0]["reason"]), egress
+    # the one streaming at the kill: the server's 200 the code had, and what it had of the body
+    assert len(in_flight) == 1 and in_flight[0]["status"] == 200, egress
+    assert isinstance(in_flight[0]["bytes_in"], int) and in_flight[0]["bytes_in"] > 0, egress
     assert any(e.kind == EventKind.KILL_SWITCH for e in events)
     assert TOKEN.encode() not in (tmp_path / "audit.db").read_bytes()
 

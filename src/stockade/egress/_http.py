@@ -5,7 +5,8 @@
 verdict first (``Gate``), then the request re-framed by ``h11`` to the address that was
 checked, the credential added on the way out and scrubbed from what comes back, a redirect
 the policy would refuse turned into a ``403``, and one ``EgressRecord`` for the request
-with its status and the bytes of both bodies.
+with its status and the bytes of both bodies, counted as they go (``Progress``): a request
+that ends early is recorded with what of it went.
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ __all__ = [
     "HEAD_TIMEOUT_S",
     "Entry",
     "Exchange",
+    "Progress",
     "Target",
     "authority",
     "cut_reason",
+    "cut_short",
     "denied",
     "load_h11",
     "next_event",
@@ -86,19 +89,54 @@ class Target:
         return (f"[{self.host}]" if ":" in self.host else self.host) + f":{self.port}"
 
 
+class Progress:
+    """What of one HTTP request has gone each way so far, kept by the relay as it goes: a
+    request that ends early (a redirect or an answer refused, a limit hit mid-body, either
+    side gone, the proxy closed) is recorded with what went, not as if nothing had."""
+
+    def __init__(self, credential: str) -> None:
+        self.credential = credential  # the name of the one the request's head carries, if any
+        self.sent = False  # the head went to the server (with the credential)
+        self.bytes_out = 0  # body bytes passed on to the server
+        self.answer = 0  # the server's final status, once its head came
+        self.passed = 0  # that status, once its head was passed on to the client
+        self.bytes_in = 0  # body bytes of the answer passed on to the client
+
+    def went(self, size: int) -> None:
+        """A write to the server: the head first, then ``size`` bytes of the body."""
+        self.sent = True
+        self.bytes_out += size
+
+    def came(self, size: int) -> None:
+        """A write to the client: the answer's head first, then ``size`` bytes of its body."""
+        self.passed = self.answer
+        self.bytes_in += size
+
+    def onto(self, record: EgressRecord) -> EgressRecord:
+        """``record`` with the bytes that went, and the credential's name once a head carried it."""
+        return replace(
+            record,
+            bytes_out=self.bytes_out,
+            bytes_in=self.bytes_in,
+            credential=self.credential if self.sent else "",
+        )
+
+
 class Entry:
     """One request's ``EgressRecord``, told exactly once however the request ends.
 
     ``tell`` it when the request ends as it should. Until then ``record`` holds what is known
-    (host, rule, SNI, credential) and, as a ``with`` block, the entry tells that if the request
-    ends any other way, at any await (the proxy closed or reset at a lookup, a TLS hello, a
-    connect, a reply; the client gone): status 0 and why, so a cut is in the trail too.
-    ``decided`` is a record settled before its last awaits (a refusal still to be sent): told
-    as it is if what follows is cut."""
+    (host, rule, SNI) and, as a ``with`` block, the entry tells that if the request ends any
+    other way, at any await (the proxy closed or reset at a lookup, a TLS hello, a connect,
+    a reply; the client gone): why, with what of it went (``progress``, once an HTTP
+    request is sent: its bytes, its credential, the server's status if the client got it;
+    status 0 before), so a cut is in the trail too. ``decided`` is a record settled before
+    its last awaits (a refusal still to be sent): told as it is if what follows is cut."""
 
     def __init__(self, gate: Gate, record: EgressRecord) -> None:
         self.gate = gate
         self.record = record
+        self.progress: Progress | None = None
         self.decided: EgressRecord | None = None
         self.started = time.monotonic()
         self.told = False
@@ -120,6 +158,10 @@ class Entry:
             return
         if self.decided is not None:
             self.tell(self.decided)
+        elif self.progress is not None:
+            self.tell(
+                replace(self.progress.onto(self.record), status=self.progress.passed, reason=cut_reason(err))
+            )
         else:
             self.tell(replace(self.record, status=0, reason=cut_reason(err)))
 
@@ -329,15 +371,15 @@ class Exchange:
             entry.tell(entry.decided)
             return refused.status != 400
         credential = verdict.credential if scheme == "https" else None  # never in clear text
-        # From here the request goes out, with its credential: a cut one names it too.
-        record = entry.record = replace(
-            entry.record, credential=credential.name if credential is not None else ""
-        )
+        # From here the request goes out: what of it went (its bytes, its credential once its
+        # head did) is counted as it goes, so a request cut or refused mid-way names it too.
+        record = entry.record
+        progress = entry.progress = Progress(credential.name if credential is not None else "")
         aim = Target(host=host, port=port, address=address, scheme=scheme, path=path)
         try:
-            status, sent, received, keep = await self._exchange(conn, client, request, aim, credential)
+            status, keep = await self._exchange(conn, client, request, aim, credential, progress=progress)
         except Refused as refused:  # a redirect refused, an encoding not undone, a limit mid-way
-            entry.decided = denied(record, refused)
+            entry.decided = cut_short(record, progress, refused)
             with contextlib.suppress(Exception):
                 await refuse(conn, client, refused, redact=gate.redact)
             entry.tell(entry.decided)
@@ -347,29 +389,40 @@ class Exchange:
                 broken = Refused(400, Verdict(
                     allowed=False, rule="request (framing)", reason="a body that breaks its framing",
                 ))  # fmt: skip
-                entry.decided = denied(replace(record, credential=""), broken)
+                entry.decided = cut_short(record, progress, broken)
                 with contextlib.suppress(Exception):
                     await refuse(conn, client, broken, redact=gate.redact)
                 entry.tell(entry.decided)
                 return False
             # h11's messages quote the bytes they refused: only that the answer was unreadable
             why = "the server's answer is not HTTP/1.1" if isinstance(err, load_h11().ProtocolError) else err
-            reason = f"cannot reach {host}:{port}: {why}"
-            entry.decided = replace(record, status=502, reason=reason, credential="")
+            if not progress.sent:
+                reason = f"cannot reach {host}:{port}: {why}"
+            elif client.gone():  # the code closed its side mid-request (read what it wanted, or gave up)
+                reason = f"the client went away: {why}"
+            else:
+                reason = f"{host}:{port} failed: {why}"
+            failed = Refused(502, Verdict(allowed=True, rule=verdict.rule, reason=reason))
+            entry.decided = cut_short(record, progress, failed)
             with contextlib.suppress(Exception):
-                await refuse(conn, client, Refused(502, Verdict(
-                    allowed=True, rule=verdict.rule, reason=reason
-                )), redact=gate.redact)  # fmt: skip
+                await refuse(conn, client, failed, redact=gate.redact)
             entry.tell(entry.decided)
             return False
-        entry.tell(replace(record, status=status, bytes_out=sent, bytes_in=received))
+        entry.tell(replace(progress.onto(record), status=status))
         return keep
 
     async def _exchange(
-        self, conn: Any, client: Stream, request: Any, target: Target, credential: Credential | None
-    ) -> tuple[int, int, int, bool]:
-        """Send ``request`` (its body as it comes) to ``target`` and its response back:
-        (status, bytes out, bytes in, whether the client connection may go on).
+        self,
+        conn: Any,
+        client: Stream,
+        request: Any,
+        target: Target,
+        credential: Credential | None,
+        *,
+        progress: Progress,
+    ) -> tuple[int, bool]:
+        """Send ``request`` (its body as it comes) to ``target`` and its response back,
+        counting what went in ``progress``: (status, whether the client connection may go on).
 
         An idempotent request without a body may go over a connection kept from an earlier
         request of this sandbox to the same place (``_upstream``); if the server had closed
@@ -395,8 +448,8 @@ class Exchange:
                 up = h11.Connection(h11.CLIENT, max_incomplete_event_size=HEAD_LIMIT)
             try:
                 try:
-                    sent, response = await self._send_request(
-                        conn, client, request, target, credential, upstream=upstream, up=up
+                    response = await self._send_request(
+                        conn, client, request, target, credential, progress=progress, upstream=upstream, up=up
                     )
                 except (OSError, h11.RemoteProtocolError) as err:
                     if reused and not isinstance(err, TimeoutError):
@@ -404,12 +457,12 @@ class Exchange:
                     raise
                 if reused and response.status_code == 408:
                     continue  # the server's "you were idle too long", sent before it closed
-                status, received = await self._send_response(
-                    conn, client, response, target, credential, upstream=upstream, up=up
+                status = await self._send_response(
+                    conn, client, response, target, credential, progress=progress, upstream=upstream, up=up
                 )
                 keep = up.our_state is h11.DONE and up.their_state is h11.DONE
                 ended = True
-                return status, sent, received, True
+                return status, True
             finally:
                 if keep:
                     up.start_next_cycle()
@@ -433,9 +486,10 @@ class Exchange:
         target: Target,
         credential: Credential | None,
         *,
+        progress: Progress,
         upstream: Plain,
         up: Any,
-    ) -> tuple[int, Any]:
+    ) -> Any:
         """The request (head and body) to the server, and the head of its answer."""
         h11 = load_h11()
         headers = forwarded_headers(request.headers, target.host, target.port, target.scheme)
@@ -448,13 +502,13 @@ class Exchange:
         head = up.send(h11.Request(method=request.method, target=target.path.encode(), headers=headers))
         self.gate.spend(len(head))  # heads count as bytes too: a header can carry as much as a body
         if conn.their_state is h11.SEND_BODY:
-            sent = await self._relay_body(conn, client, up, upstream, head=head)
+            await self._relay_body(conn, client, up, upstream, head=head, count=progress.went)
         else:  # read already (no body; or sent once, on a kept connection the server then closed)
             await upstream.send(head + up.send(h11.EndOfMessage()))
-            sent = 0
+            progress.went(0)
         upstream.quickack()
         try:
-            return sent, await within(self._final_head(up, upstream), self.answer_timeout_s)
+            return await within(self._final_head(up, upstream), self.answer_timeout_s)
         except TimeoutError:
             raise TimeoutError(f"no answer in {self.answer_timeout_s:g} s") from None
 
@@ -490,11 +544,13 @@ class Exchange:
         target: Target,
         credential: Credential | None,
         *,
+        progress: Progress,
         upstream: Plain,
         up: Any,
-    ) -> tuple[int, int]:
-        """The answer, checked and scrubbed, to the client: (status, body bytes received)."""
+    ) -> int:
+        """The answer, checked and scrubbed, to the client: its status."""
         h11 = load_h11()
+        progress.answer = response.status_code  # a refusal of it from here says what the server answered
         self.gate.spend(head_size(response))
         _, secrets = self.gate.secrets_for(credential)
         if 300 <= response.status_code < 400:
@@ -517,8 +573,8 @@ class Exchange:
         else:
             out_headers = [(k, v) for k, v in response.headers if k not in HOP_BY_HOP]
         head = conn.send(h11.Response(status_code=response.status_code, headers=out_headers, reason=reason))
-        received = await self._relay_body(up, upstream, conn, client, reply=reply, head=head)
-        return response.status_code, received
+        await self._relay_body(up, upstream, conn, client, reply=reply, head=head, count=progress.came)
+        return int(response.status_code)
 
     @staticmethod
     async def _pass_on(
@@ -544,11 +600,14 @@ class Exchange:
         dst: Any,
         dst_stream: Stream,
         *,
+        count: Callable[[int], None],
         reply: Reply | None = None,
         head: bytes = b"",
-    ) -> int:
+    ) -> None:
         """Carry one message body from one h11 connection to the other, after ``head`` (the
-        message's head, already framed for ``dst``); the body's size.
+        message's head, already framed for ``dst``), telling ``count`` after each write to
+        ``dst`` the body bytes (as read from ``src``) it carried: what went is known at
+        every point the relay may end, not only when it returns.
 
         What is already here goes out in one write: the head with the body's first bytes,
         the last bytes with the message's end. Each write is a wake-up of the reader (on
@@ -559,14 +618,13 @@ class Exchange:
         (a body in 1-byte chunks made that quadratic, and stalled every sandbox's proxy on
         the shared loop); and every ``EVENTS_PER_TURN`` pieces the loop serves the others."""
         h11 = load_h11()
-        size = 0
         out: list[bytes] = [head] if head else []  # framed for dst, not yet sent
         body: list[bytes] = []  # read from src, not yet framed (one h11 Data for all of it)
         held = events = 0
+        framed = 0  # body bytes in ``out``
         while True:
             event = src.next_event()
             if isinstance(event, h11.Data):
-                size += len(event.data)
                 self.gate.spend(len(event.data))
                 body.append(bytes(event.data))
                 held += len(event.data)
@@ -581,16 +639,23 @@ class Exchange:
                 body.clear()
                 held = 0
                 await self._pass_on(data, dst, dst_stream, out, reply)
+                if out:
+                    framed += len(data)
+                else:  # a decoded reply went out piece by piece (or is held to decode)
+                    count(len(data))
             if isinstance(event, h11.EndOfMessage):
                 rest = reply.end() if reply is not None else b""
                 if rest:
                     out.append(dst.send(h11.Data(data=rest)))
                 out.append(dst.send(h11.EndOfMessage()))
                 await dst_stream.send(b"".join(out))
-                return size
+                count(framed)
+                return
             if out:
                 await dst_stream.send(b"".join(out))
                 out.clear()
+                count(framed)
+                framed = 0
             if event is h11.NEED_DATA:
                 src.receive_data(await src_stream.recv())
             elif events >= EVENTS_PER_TURN:  # one read of tiny chunks is many events: let others run
@@ -666,6 +731,27 @@ async def refuse(conn: Any, client: Stream, refused: Refused, *, redact: Callabl
 def phrase(text: str) -> bytes:
     """A reason phrase: visible ASCII and spaces only, short."""
     return "".join(c if 32 <= ord(c) < 127 else "?" for c in text)[:300].encode("ascii")
+
+
+def cut_short(record: EgressRecord, progress: Progress, refused: Refused) -> EgressRecord:
+    """The record of a request that went out and that the proxy ended early (``refused``:
+    a redirect or an answer refused, a limit hit mid-body, a body that broke its framing,
+    a side gone): as it was judged if its head never reached the server (``denied``, or
+    ``allow`` for a server that could not be reached). Else the server had it:
+    ``allow``, with the bytes that went and the credential, the status the client got (the
+    server's, if its head was passed on), and the rule and reason that ended it, after
+    what the server answered, if it did (a ``302`` refused says both)."""
+    if not progress.sent:
+        nothing = denied(progress.onto(record), refused)
+        return replace(nothing, decision="allow") if refused.verdict.allowed else nothing
+    after = f"the server answered {progress.answer}, then " if progress.answer else "sent, then "
+    return replace(
+        progress.onto(record),
+        status=progress.passed or refused.status,
+        decision="allow",
+        rule=refused.verdict.rule,
+        reason=after + refused.verdict.reason,
+    )
 
 
 def denied(record: EgressRecord, refused: Refused) -> EgressRecord:

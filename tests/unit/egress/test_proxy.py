@@ -26,6 +26,7 @@ from stockade.types import EgressRecord
 from tests.conftest import wait_for
 from tests.egress_servers import (
     HEADER_NAME_ECHOES,
+    HTTP_ADDRESS,
     MIXED_TOKEN,
     REFUSED_ECHOES,
     TOKEN,
@@ -253,7 +254,7 @@ def test_a_credential_hosts_reply_in_a_coding_the_proxy_cannot_undo_is_a_502(loc
         code, body = refused(proxy.opener([ca]), f"https://api.test:{local.https_port}/echo-auth-as?as=br")
     assert code == 502 and "rule: reply (encoding)" in body
     assert [(r.status, r.decision, r.rule) for r in proxy.records if r.method == "GET"] == [
-        (502, "deny", "reply (encoding)")
+        (502, "allow", "reply (encoding)")  # the request reached the server: not a "deny"
     ]
 
 
@@ -343,7 +344,7 @@ def test_a_refusal_of_a_reply_that_echoes_the_secret_names_the_field_not_its_val
     assert info.value.code in (403, 502) and body.startswith("stockade egress:")
     assert not any(form in text for form in forms for text in (head, body)), head + body
     [record] = [r for r in proxy.records if r.method == "GET"]
-    assert record.decision == "deny" and record.credential == "api"
+    assert record.decision == "allow" and record.credential == "api"  # it went, with the credential
     assert not any(form in repr(record) for form in forms), record
 
 
@@ -417,7 +418,8 @@ def test_closing_cuts_a_credentialed_request_mid_answer_and_records_it(
     local: Servers, caplog: pytest.LogCaptureFixture
 ) -> None:
     """What a killed run's sandbox does to its proxy: the answer streaming with the credential
-    stops at once, the trail keeps the request as cut, and the close is no error of the loop."""
+    stops at once, the trail keeps the request as cut (with the server's status the client got,
+    the bytes relayed and the credential), and the close is no error of the loop."""
     proxy = Running(local.policy())
     ca = proxy.proxy.ca_pem
     assert ca is not None
@@ -433,13 +435,108 @@ def test_closing_cuts_a_credentialed_request_mid_answer_and_records_it(
         raise ConnectionError("the answer ended without its last chunk")
     answer.close()
     (record,) = [r for r in proxy.records if r.method == "GET"]
-    assert (record.status, record.credential) == (0, "api") and "closed mid-request" in record.reason
+    assert (record.status, record.credential) == (200, "api") and "closed mid-request" in record.reason
+    assert record.bytes_in >= len(b"chunk 0\n")  # what the client got of the answer before the cut
     assert proxy.proxy.ca is None and not proxy.proxy.gate.secrets
     # the upstream connection was cut too: the server notices at its next writes (one every 0.05 s)
     wait_for(
         lambda: len(local.https_seen.cut) > cut_before, what="the server to see its answer cut", timeout_s=5
     )
     assert not [r for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.ERROR]
+
+
+# A request that went out and ended early is recorded with what went: the body bytes each
+# way, the credential its head carried, the server's status, and "allow" (the server had it),
+# whatever ended it (before, each of these was "0 bytes", most without the credential).
+MIB = 1024 * 1024
+
+
+def _post(url: str, size: int) -> urllib.request.Request:
+    return urllib.request.Request(url, data=b"x" * size, method="POST")
+
+
+def _one(records: list[EgressRecord], method: str) -> EgressRecord:
+    (record,) = [r for r in records if r.method == method]
+    return record
+
+
+def test_a_redirect_refused_after_the_body_went_records_the_body_and_the_credential(local: Servers) -> None:
+    before = len(local.https_seen.received)
+    with running(local.policy()) as proxy:
+        assert proxy.proxy.ca_pem is not None
+        url = f"https://api.test:{local.https_port}/redirect?to=https://other.test/next"
+        code, _ = refused(proxy.opener([proxy.proxy.ca_pem]), _post(url, MIB))
+    assert code == 403 and local.https_seen.received[before:] == [MIB]
+    record = _one(proxy.records, "POST")
+    assert (record.status, record.decision, record.credential, record.bytes_out) == (403, "allow", "api", MIB)
+    assert record.rule.startswith("redirect") and record.reason.startswith("the server answered 302, then")
+
+
+def test_an_upload_the_client_cuts_records_the_bytes_that_went_and_the_credential(local: Servers) -> None:
+    before = len(local.https_seen.received)
+    with running(local.policy()) as proxy:
+        assert proxy.proxy.ca_pem is not None
+        ctx = ssl.create_default_context(cadata=proxy.proxy.ca_pem.decode())
+        tls = ctx.wrap_socket(_tunnel(proxy.port, f"api.test:{local.https_port}"), server_hostname="api.test")
+        tls.sendall(f"POST /upload HTTP/1.1\r\nHost: api.test\r\nContent-Length: {2 * MIB}\r\n\r\n".encode())
+        tls.sendall(b"x" * MIB)
+        tls.close()  # half the body: the code gave up, or was killed
+        wait_for(lambda: any(r.method == "POST" for r in proxy.records), what="the cut upload's record")
+    wait_for(lambda: len(local.https_seen.received) > before, what="the server to see the body cut")
+    (got,) = local.https_seen.received[before:]
+    record = _one(proxy.records, "POST")
+    assert (record.decision, record.credential) == ("allow", "api"), record
+    assert 0 < got <= record.bytes_out <= MIB, (got, record)
+    assert proxy.proxy.gate.bytes.total >= record.bytes_out  # the budget counted what went
+
+
+def test_a_download_the_client_cuts_records_the_servers_status_and_the_bytes_that_came(
+    local: Servers,
+) -> None:
+    size = 32 * MIB  # more than the sockets between the server and the code hold
+    with running(local.policy()) as proxy:
+        assert proxy.proxy.ca_pem is not None
+        answer = proxy.opener([proxy.proxy.ca_pem]).open(
+            f"https://api.test:{local.https_port}/big?n={size}", timeout=10
+        )
+        assert len(answer.read(MIB)) == MIB
+        answer.close()  # the rest unread
+        wait_for(lambda: any(r.method == "GET" for r in proxy.records), what="the cut download's record")
+    record = _one(proxy.records, "GET")
+    assert (record.status, record.decision, record.credential) == (200, "allow", "api"), record
+    assert MIB <= record.bytes_in < size and "the client went away" in record.reason, record
+
+
+def test_a_byte_limit_hit_mid_upload_records_the_bytes_that_went_and_the_credential(local: Servers) -> None:
+    before = len(local.https_seen.received)
+    with running(local.policy(max_bytes_per_minute=MIB)) as proxy:
+        assert proxy.proxy.ca_pem is not None
+        url = f"https://api.test:{local.https_port}/upload"
+        with pytest.raises((OSError, http.client.HTTPException)):  # a 429, or the body's write cut
+            proxy.opener([proxy.proxy.ca_pem]).open(_post(url, 4 * MIB), timeout=10).read()
+    wait_for(lambda: len(local.https_seen.received) > before, what="the server to see the body cut")
+    (got,) = local.https_seen.received[before:]
+    record = _one(proxy.records, "POST")
+    assert (record.status, record.decision, record.rule) == (429, "allow", "max_bytes_per_minute"), record
+    assert record.credential == "api" and 0 < got <= record.bytes_out <= MIB, (got, record)
+    assert proxy.proxy.gate.bytes.total >= record.bytes_out
+
+
+def test_a_server_that_cannot_be_reached_is_an_allowed_request_with_nothing_sent(local: Servers) -> None:
+    with socket.socket() as probe:  # a port of the allowed address that nothing listens on
+        probe.bind((HTTP_ADDRESS, 0))
+        closed = probe.getsockname()[1]
+    with running(local.policy(allow_hosts=(f"pkg.test:{closed}",))) as proxy:
+        code, _ = refused(proxy.opener(), f"http://pkg.test:{closed}/")
+    record = _one(proxy.records, "GET")
+    assert (code, record.status, record.decision, record.bytes_out, record.credential) == (
+        502,
+        502,
+        "allow",
+        0,
+        "",
+    )
+    assert record.reason.startswith(f"cannot reach pkg.test:{closed}")
 
 
 class StuckResolver(SystemResolver):
