@@ -160,7 +160,11 @@ class McpFace:
             if request is not None and hasattr(request, "headers")
             else None
         )
-        if not key:
+        # Over HTTP a session is the handshake's: the SDK answers a request naming an id it
+        # does not know with 404. A 2026-07-28 request has no session, and the SDK reads no
+        # header of its: a client that named its own ids opened sandboxes past --max-sessions,
+        # and another session's id reached that session's sandbox.
+        if not key or ctx.session.protocol_version in MODERN_PROTOCOL_VERSIONS:
             raise MCPError(
                 types.INVALID_REQUEST,
                 "stockade keeps a sandbox per MCP session: connect with a session (the initialize handshake)",

@@ -424,3 +424,59 @@ def test_over_http_on_this_machine_host_and_origin_are_matched_whole(tmp_path: P
                     assert status("Origin", origin) == 200, origin
     finally:
         server.close()
+
+
+def test_over_http_a_2026_request_reaches_no_session_by_naming_one(tmp_path: Path) -> None:
+    """A 2026-07-28 request has no session, and the SDK reads no session header of its: a
+    client that named its own ids opened a sandbox per id past --max-sessions, and one that
+    named another session's id read that session's files (found from outside)."""
+    server = face(tmp_path, transport="http")
+    try:
+        with served(http_app(server, max_sessions=1)) as port:
+            url = f"http://127.0.0.1:{port}"
+            with httpx2.Client(base_url=url, headers={"Accept": ACCEPT}, timeout=10) as http:
+                opened = http.post("/mcp", json=INITIALIZE)
+                sid = opened.headers["mcp-session-id"]
+                version = str(_answer(opened)["result"]["protocolVersion"])  # type: ignore[index]
+                own = {"mcp-session-id": sid, "mcp-protocol-version": version}
+                http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"}, headers=own)
+                call = {"name": "write_file", "arguments": {"path": "victim.txt", "content": "victim data"}}
+                body = {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": call}
+                wrote = http.post("/mcp", json=body, headers=own)
+                assert _answer(wrote)["result"]["isError"] is False  # type: ignore[index]
+                meta = {"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+                        "io.modelcontextprotocol/clientCapabilities": {}}  # fmt: skip
+                for named in (sid, "fake1", "fake2"):
+                    headers = {"mcp-session-id": named, "mcp-protocol-version": "2026-07-28",
+                               "mcp-method": "tools/call", "mcp-name": "read_file"}  # fmt: skip
+                    params = {"name": "read_file", "arguments": {"path": "victim.txt"}, "_meta": meta}
+                    body = {"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": params}
+                    answer = http.post("/mcp", headers=headers, json=body)
+                    assert "victim data" not in answer.text and "sandbox per MCP session" in answer.text, (
+                        answer.text
+                    )
+                assert server.agent.find("fake1") is None and server.agent.find("fake2") is None
+    finally:
+        server.close()
+
+
+def test_a_resource_read_serves_at_most_a_mebibyte_of_a_file(tmp_path: Path) -> None:
+    """A resource read made the whole file (up to 256 MiB) one JSON message, and the server
+    held ~13 times the file while it made it (found from outside: 1.6 GB for 128 MiB)."""
+    workspace = MemoryWorkspace(files={"big.txt": b"x" * (3 << 20)})  # as code in the sandbox made it
+    config = AgentConfig(
+        model=MODEL_NAME, policy=POLICY, backend=FakeBackend(workspace, tier="process"),
+        audit=AuditLog(MemoryStore(), flush_interval_s=None), approval_dir=tmp_path / "approvals",
+        kill_target=str(tmp_path / "kill"),
+    )  # fmt: skip
+    server = McpFace(McpAgent(config), transport="stdio")
+
+    async def session() -> None:
+        async with Client(server.server) as client:
+            read = (await client.read_resource("stockade://workspace/big.txt")).contents[0]
+            assert isinstance(read, types.TextResourceContents)
+            shown, cut = read.text[: 1 << 20], read.text[1 << 20 :]
+            assert shown == "x" * (1 << 20) and cut.startswith("\n[cut at 1,048,576 bytes: read_file reads")
+
+    asyncio.run(session())
+    server.close()
