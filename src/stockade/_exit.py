@@ -8,6 +8,10 @@ closing them loses the last records. The order is fixed here, whatever was impor
 first: a proxy closed at exit tells its observer, which records into an audit log, so every
 proxy closes before any log flushes. Not in a forked child: what it inherited is its parent's,
 which finishes it. A ``SIGKILL`` loses them all the same.
+
+``finalize`` is ``weakref.finalize`` under the same rule, for what ends a host resource (a
+sandbox, a spare, a template, a QEMU started ahead): a forked child inherits the finalizers,
+and its exit would otherwise run them, killing its parent's sandboxes.
 """
 
 from __future__ import annotations
@@ -17,9 +21,12 @@ import logging
 import os
 import threading
 import weakref
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVarTuple
 
-__all__ = ["LOGS", "PROXIES", "LeftOpen", "forget", "keep"]
+__all__ = ["LOGS", "PROXIES", "LeftOpen", "finalize", "forget", "keep"]
+
+Ts = TypeVarTuple("Ts")
 
 _log = logging.getLogger(__name__)
 
@@ -62,3 +69,14 @@ def _finish_left_open() -> None:
                 thing.finish_at_exit()
             except Exception:  # at exit, nobody is left to raise to: say it where it can be seen
                 _log.exception("%r could not be finished at exit", thing)
+
+
+def finalize(owner: object, end: Callable[[*Ts], object], *args: *Ts) -> weakref.finalize[Any, Any]:
+    """``weakref.finalize(owner, end, *args)`` whose ``end`` runs only in this process: called,
+    collected or at exit in a forked child, it does nothing (the parent ends its own)."""
+    return weakref.finalize(owner, _in_opener, os.getpid(), end, *args)
+
+
+def _in_opener(opener: int, end: Callable[..., object], *args: object) -> None:
+    if os.getpid() == opener:
+        end(*args)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from stockade.exceptions import InvalidArgument, ProtocolError, SandboxCrashed
+from stockade.exceptions import InvalidArgument, ProtocolError, SandboxClosed, SandboxCrashed
 from stockade.sandbox.supervisor.protocol import (
     MAX_EXEC_ARGV,
     MAX_EXEC_RECORDS,
@@ -122,6 +122,7 @@ class Channel:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self.error: str | None = None
+        self.cut: str | None = None  # why a send of ours was cut short, if one was (``error`` too)
         self._seal: Seal | None = None  # what we send is sealed (protocol.Seal), once set
         self._thread = threading.Thread(target=self._read_loop, name=f"stockade-{name}", daemon=True)
         self._thread.start()
@@ -165,6 +166,8 @@ class Channel:
             )
         q: queue.SimpleQueue[Frame] = queue.SimpleQueue()
         with self._lock:
+            if self.cut is not None:
+                raise SandboxClosed(f"sandbox is closed: {self.cut}")
             if self.error is not None:
                 raise SandboxCrashed(f"sandbox is gone: {self.error}")
             self._calls[rid] = q
@@ -174,6 +177,16 @@ class Channel:
         except OSError as exc:
             self._fail(f"cannot write to the supervisor: {exc}")
             raise SandboxCrashed(f"sandbox is gone: {self.error}") from None
+        except BaseException as exc:
+            # Cut mid-frame (Ctrl-C, an exception raised into this thread): what is on the wire
+            # may be half a frame, which the supervisor would join to the next request. Nothing
+            # more can be said on this channel; the interruption goes on to the caller.
+            self.cut = (
+                f"the host's send of a {header.get('op', '')} request was interrupted "
+                f"({type(exc).__name__}) and left its channel to the supervisor unusable"
+            )
+            self._fail(self.cut)
+            raise
         return Call(self, rid, q)
 
     def _forget(self, rid: int) -> None:

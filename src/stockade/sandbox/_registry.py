@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import os
 import threading
 from typing import Literal
 
@@ -42,6 +43,17 @@ _ALLOWED: dict[Trust, tuple[str, ...]] = {
 _cache: dict[str, Backend] = {}
 _probes: dict[str, TierReport] = {}
 _lock = threading.Lock()
+
+
+def _forked() -> None:
+    """A forked child starts its own backends: the parent's hold what the parent started ahead
+    (a spare, a QEMU waiting), which a child's create would take from under the parent."""
+    if _lock.locked():  # by a thread of the parent's, which the child does not have
+        _lock.release()
+    _cache.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def backend(tier: str) -> Backend:

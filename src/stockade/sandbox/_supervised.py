@@ -16,15 +16,16 @@ import contextlib
 import dataclasses
 import hashlib
 import math
+import os
 import re
 import secrets
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from stockade import _exit
 from stockade import exceptions as exc
 from stockade.sandbox import _rules
 from stockade.sandbox._boundary import Boundary, EgressHandle
@@ -152,8 +153,12 @@ class SupervisedInstance(Instance):
         self._gate = threading.Condition()
         self._active = 0
         self._frozen = False
-        # A sandbox nobody closed dies with its last reference, or at interpreter exit.
-        self._finalizer = weakref.finalize(self, _tear_down, self.channel, boundary)
+        # A forked child inherits this object, not the sandbox: its calls would write into the
+        # parent's channel (whose reader is the parent's) and its close would kill the parent's.
+        self._owner = os.getpid()
+        # A sandbox nobody closed dies with its last reference, or at interpreter exit (its
+        # owner's: a forked child's exit leaves it alone).
+        self._finalizer = _exit.finalize(self, _tear_down, self.channel, boundary)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -223,15 +228,27 @@ class SupervisedInstance(Instance):
 
     @property
     def alive(self) -> bool:
-        return not self._closed and self.channel.open and self.boundary.alive()
+        return not self._closed and self.channel.open and self._owner == os.getpid() and self.boundary.alive()
 
     def close(self) -> None:
-        if self._closed:
+        if self._closed or self._owner != os.getpid():  # a forked child's: the parent's to close
             return
         self._closed = True
         self._finalizer()
 
+    def _check_owner(self) -> None:
+        if self._owner != os.getpid():
+            raise exc.SandboxClosed(
+                f"sandbox {self.id} belongs to process {self._owner} (this one's parent before a fork): "
+                "a forked child can neither use nor close it; create a sandbox in the child"
+            )
+
     def _check_open(self) -> None:
+        self._check_owner()
+        cut = self.channel.cut
+        if cut is not None:  # a call of ours was interrupted mid-send: the sandbox is no more use
+            self.close()
+            raise exc.SandboxClosed(f"sandbox {self.id} is closed: {cut}; create a new one")
         if self._closed:
             raise exc.SandboxClosed(f"sandbox {self.id} is closed")
 
@@ -252,6 +269,7 @@ class SupervisedInstance(Instance):
     # -- dispatch -----------------------------------------------------------------------
 
     def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
+        self._check_owner()  # first: the gate's state is the parent's at the fork, its calls gone
         if isinstance(op, TakeSnapshot | Pause):
             return self._snapshot(op)
         with self._gate:

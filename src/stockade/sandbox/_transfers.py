@@ -238,9 +238,10 @@ class FileRequests:
                 chunk = bytes(view[start : start + TRANSFER_CHUNK])
                 self.request("write", {**args, "stage": "append", "tmp": tmp}, chunk)
             return entry_info(self.request("write", {**args, "stage": "commit", "tmp": tmp})[0].get("entry"))
-        except exc.WorkspaceError:
+        except BaseException:  # refused, or interrupted between chunks: no partial file left
             if self._alive():
-                self.request("write", {**args, "stage": "abort", "tmp": tmp})
+                with contextlib.suppress(exc.StockadeError):
+                    self.request("write", {**args, "stage": "abort", "tmp": tmp})
             raise
 
     def json_body(self, body: bytes, *, max_values: int, what: str) -> Any:

@@ -26,11 +26,11 @@ import shutil
 import tarfile
 import threading
 import time
-import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from stockade import _exit
 from stockade import exceptions as exc
 from stockade.sandbox import _filetable, _guest, _host, _rules, _thrash
 from stockade.sandbox._boundary import EgressHandle
@@ -816,7 +816,7 @@ class DockerBackend(Backend):
                 state_dir=self.state_dir,
             )
         # Removed when the caller forgets to close, and at interpreter exit at the latest.
-        weakref.finalize(instance, _guest.abandon, stream, boundary)
+        _exit.finalize(instance, _guest.abandon, stream, boundary)
 
         def config() -> dict[str, Any]:
             own = _guest.own_kernel_limits(spec, self._runtime_platform()) if self.own_kernel else None

@@ -30,10 +30,10 @@ import os
 import shutil
 import subprocess
 import threading
-import weakref
 from pathlib import Path
 from typing import Any, Literal
 
+from stockade import _exit
 from stockade import exceptions as exc
 from stockade.sandbox import _guest, _gvisor_memory, _host, _rules, _trusted
 from stockade.sandbox._boundary import EgressHandle
@@ -590,7 +590,7 @@ class RunscBackend(Backend):
             )
         else:
             instance.machine_key = _gvisor_memory.machine_key(self, folder, masks)
-        weakref.finalize(instance, _guest.abandon, stream, boundary)
+        _exit.finalize(instance, _guest.abandon, stream, boundary)
         return instance
 
     def _docker_sources(

@@ -31,12 +31,12 @@ import socket
 import subprocess
 import threading
 import time
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stockade import _exit
 from stockade import exceptions as exc
 from stockade.sandbox import _cgroups, _guest, _host, _rules, _trusted
 from stockade.sandbox._boundary import EgressHandle
@@ -136,7 +136,7 @@ class MicroVMBackend(Backend):
             start_ahead if start_ahead is not None else os.environ.get("STOCKADE_MICROVM_AHEAD", "1") != "0"
         )
         self._ahead = StartedAhead(enabled=self.start_ahead)
-        weakref.finalize(self, self._ahead.close)  # dies with this backend, or at exit
+        _exit.finalize(self, self._ahead.close)  # dies with this backend, or at exit
         # Start sandboxes whose configuration was seen before from a ready image of it
         # (``_microvm_ready``), built in the background after the first start.
         self.ready_images = (
@@ -457,7 +457,7 @@ class MicroVMBackend(Backend):
         instance.vm = boundary
         instance.masks = masks
         instance.machine_key = self._machine_key(spec, masks)
-        weakref.finalize(instance, _guest.abandon, stream, boundary)
+        _exit.finalize(instance, _guest.abandon, stream, boundary)
         return instance
 
     def start(self, spec: SandboxSpec) -> SupervisedInstance:

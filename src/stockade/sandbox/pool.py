@@ -24,6 +24,7 @@ it too.
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 import time
@@ -144,6 +145,9 @@ class SandboxPool:
         self._why = ""
         self._closed = threading.Event()
         self._error: exc.StockadeError | None = None
+        # Its members and threads are this process's: a forked child's copy hands out, takes
+        # back and closes none of them (the parent's to recycle and close).
+        self._owner = os.getpid()
         from concurrent.futures import ThreadPoolExecutor  # lazily: importing stockade stays cheap
 
         self._recyclers = ThreadPoolExecutor(max_workers=size, thread_name_prefix="stockade-pool-reset")
@@ -155,16 +159,22 @@ class SandboxPool:
     @contextlib.contextmanager
     def acquire(self, timeout_s: float = 60.0) -> Iterator[Sandbox]:
         """A clean, started sandbox; returned to the pool (reset) when the block ends."""
+        if self._owner != os.getpid():
+            raise exc.SandboxClosed(
+                f"this pool belongs to process {self._owner} (this one's parent before a fork): "
+                "a forked child cannot use it; make a pool in the child"
+            )
         member = self._take(timeout_s)
         lease = _Lease(member.instance)
         try:
             yield Sandbox(lease)
         finally:
-            member.uses += 1
-            # a call still running would reach the reset's or the next user's session: the
-            # member is closed (the call with it) and replaced instead
-            member.busy_at_return = lease.end()
-            self._release(member)
+            if self._owner == os.getpid():  # else the block ended in a forked child: the parent's
+                member.uses += 1
+                # a call still running would reach the reset's or the next user's session: the
+                # member is closed (the call with it) and replaced instead
+                member.busy_at_return = lease.end()
+                self._release(member)
 
     def stats(self) -> PoolStats:
         with self._lock:
@@ -173,7 +183,10 @@ class SandboxPool:
             )
 
     def close(self) -> None:
-        """Close every member. Sandboxes still acquired are closed when they come back."""
+        """Close every member. Sandboxes still acquired are closed when they come back. In a
+        forked child, nothing: the members are the parent's."""
+        if self._owner != os.getpid():
+            return
         self._closed.set()
         self._wake.put(None)
         self._worker.join(timeout=30)

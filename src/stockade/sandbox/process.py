@@ -26,10 +26,10 @@ import stat
 import subprocess
 import tempfile
 import time
-import weakref
 from pathlib import Path
 from typing import Literal
 
+from stockade import _exit
 from stockade import exceptions as exc
 from stockade.sandbox import _cgroups, _filetable, _launch, _rules, _seccomp, _template, _trusted
 from stockade.sandbox._boundary import EgressHandle
@@ -652,7 +652,7 @@ class ProcessBackend(Backend):
             if self._template is not None:
                 self._template.close()
             self._template = _template.Template(self.python, folder)
-            weakref.finalize(self, self._template.close)  # ends with this backend, or at exit
+            _exit.finalize(self, self._template.close)  # ends with this backend, or at exit
         return self._template
 
     def _exec(

@@ -21,11 +21,12 @@ snapshot or a sandbox id are never served from a spare (they describe one sandbo
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
-import weakref
 from collections.abc import Callable
 
+from stockade import _exit
 from stockade.sandbox._slot import Slot
 from stockade.sandbox.base import Backend, Instance, SandboxSpec
 from stockade.sandbox.ops import RunCode
@@ -58,7 +59,7 @@ class SpareBackend(Backend):
         # Apart from the backend, so that a backend nobody holds any more can be collected,
         # and its finalizer close the spare.
         self._spare: Slot[tuple[SandboxSpec, Instance]] = Slot(_discard)
-        weakref.finalize(self, _close, self._spare)  # a spare nobody takes dies with us, or at exit
+        _exit.finalize(self, _close, self._spare)  # a spare nobody takes dies with us, or at exit
 
     def probe(self) -> TierReport:
         return self.wrapped.probe()
@@ -118,6 +119,12 @@ def _fill(backend: Backend, spare: Slot[tuple[SandboxSpec, Instance]], spec: San
 # signal), and a spare handed over outlives the backend that started it.
 class _Starter:
     def __init__(self) -> None:
+        self._fresh()
+        # A forked child has no such thread, and the jobs queued are its parent's, for the
+        # parent's backends: its own start afresh (the registry gives it backends of its own).
+        os.register_at_fork(after_in_child=self._fresh)
+
+    def _fresh(self) -> None:
         self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
