@@ -109,10 +109,11 @@ def test_the_watch_thread_stops_a_hoarder_within_a_few_periods(
         watch.close()
 
 
+@pytest.mark.alone  # the host's lock table: another worker's test let 223 locks go meanwhile (CI run 127)
 def test_the_hosts_count_bounds_every_process_count(hold: Callable[[int], subprocess.Popen[str]]) -> None:
     before = _locks.host_locks()
     holder = hold(1000)
-    assert _locks.host_locks() >= before + 1000 - 200  # (others' locks come and go meanwhile)
+    assert _locks.host_locks() >= before + 1000 - 200  # (this process's own come and go meanwhile)
     assert _locks.host_locks() >= _locks.held_by(holder.pid) == 1000
 
 
