@@ -20,13 +20,10 @@ snapshot or a sandbox id are never served from a spare (they describe one sandbo
 
 from __future__ import annotations
 
-import contextlib
-import os
-import queue
-import threading
 from collections.abc import Callable
 
 from stockade import _exit
+from stockade.sandbox._lasting import LastingThread
 from stockade.sandbox._slot import Slot
 from stockade.sandbox.base import Backend, Instance, SandboxSpec
 from stockade.sandbox.ops import RunCode
@@ -117,39 +114,12 @@ def _fill(backend: Backend, spare: Slot[tuple[SandboxSpec, Instance]], spec: San
 # Spares are started by one thread that lives as long as the process: a sandbox may die
 # with the thread that started it (bwrap's --die-with-parent is the parent *thread*'s death
 # signal), and a spare handed over outlives the backend that started it.
-class _Starter:
-    def __init__(self) -> None:
-        self._fresh()
-        # A forked child has no such thread, and the jobs queued are its parent's, for the
-        # parent's backends: its own start afresh (the registry gives it backends of its own).
-        os.register_at_fork(after_in_child=self._fresh)
-
-    def _fresh(self) -> None:
-        self.jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self.thread: threading.Thread | None = None
-        self.lock = threading.Lock()
-
-    def submit(self, job: Callable[[], None]) -> None:
-        with self.lock:
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._serve, name="stockade-spare", daemon=True)
-                self.thread.start()
-        self.jobs.put(job)
-
-    def _serve(self) -> None:
-        while True:
-            job = self.jobs.get()
-            with contextlib.suppress(Exception):  # this thread must outlive every sandbox it started
-                job()
-            del job  # nor hold what the last job held while it waits for the next
-
-
-_starter = _Starter()
+_starter = LastingThread("stockade-spare")
 
 
 def on_background_thread() -> bool:
     """Whether this is the thread ``in_background`` runs jobs on (which must not wait for one)."""
-    return threading.current_thread() is _starter.thread
+    return _starter.current
 
 
 def in_background(job: Callable[[], None]) -> None:
