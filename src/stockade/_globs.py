@@ -18,6 +18,7 @@ from stockade.exceptions import InvalidArgument
 __all__ = [
     "GLOB_CHARS",
     "covers",
+    "covers_below",
     "glob_matches",
     "literal_glob",
     "may_hold",
@@ -166,6 +167,21 @@ def glob_matches(globs: Sequence[str], path: str) -> bool:
             parent = parent.rsplit("/", 1)[0]
             if pattern.fullmatch(parent) and not GLOB_CHARS & set(glob):
                 return True  # a plain directory ("secrets") also covers everything below it
+    return False
+
+
+def covers_below(globs: Sequence[str], path: str) -> bool:
+    """``path`` or a folder above it matches a glob, wildcards or not: what a deny glob or a
+    data class names, a folder's whole content with it (``secret*`` matches the folder
+    ``secrets``, so ``secrets/key`` too). The sandbox leaves such a folder out whole; the
+    host's checks must not read its files as outside the glob."""
+    if glob_matches(globs, path):
+        return True
+    parent = nfc(path)
+    while "/" in parent:
+        parent = parent.rsplit("/", 1)[0]
+        if any(_compile(glob.strip("/")).fullmatch(parent) for glob in globs):
+            return True
     return False
 
 

@@ -12,11 +12,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from stockade._globs import covers_below
 from stockade.exceptions import ConfigurationError, TierUnavailable
 from stockade.policy.commands import UnanalysableError, analyse, decide_command, matches
 from stockade.policy.paths import (
     GLOB_CHARS,
-    glob_matches,
     literal_prefix,
     normalise,
     readable,
@@ -150,7 +150,7 @@ class PolicyEngine:
         if norm is None:
             return None
         for entry in self.policy.data:
-            if glob_matches(entry.paths, norm):
+            if covers_below(entry.paths, norm):  # a class's folder: its files too
                 return entry.tier
         return None
 

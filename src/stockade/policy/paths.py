@@ -10,7 +10,7 @@ from __future__ import annotations
 import posixpath
 from collections.abc import Sequence
 
-from stockade._globs import GLOB_CHARS, glob_matches, nfc
+from stockade._globs import GLOB_CHARS, covers_below, glob_matches, nfc
 from stockade.policy.schema import PathRules
 
 __all__ = [
@@ -50,7 +50,7 @@ def _allowed(globs: Sequence[str], rules: PathRules, path: str) -> bool:
     norm = normalise(path)
     if norm is None:
         return False
-    if glob_matches(rules.deny, norm):
+    if covers_below(rules.deny, norm):
         return False
     return glob_matches(globs, norm)
 

@@ -21,7 +21,7 @@ from stockade._state import within
 from stockade.policy.engine import PolicyEngine
 from stockade.policy.load import parse_policy
 from stockade.sandbox._requests import tar_directory, upload_op
-from stockade.sandbox.ops import ReadFile
+from stockade.sandbox.ops import ReadFile, WriteFile
 from stockade.types import SandboxRules
 
 NFC_NAME = unicodedata.normalize("NFC", "données")
@@ -108,6 +108,33 @@ def test_read_globs_and_data_classes_are_taken_alike(tmp_path: Path) -> None:
     )
     assert not engine.op(ReadFile(path=f"{NFD_NAME}/f.txt")).allowed
     assert f"{NFD_NAME}/f.txt" not in sent(root, engine.sandbox_rules().hide)
+
+
+@pytest.mark.parametrize("glob", ["secret*", "secre?s", "[s]ecrets", "*"])
+def test_a_wildcard_that_matches_a_folder_denies_and_classifies_what_is_in_it(
+    tmp_path: Path, glob: str
+) -> None:
+    """The seed leaves the matched folder out whole: the host's own checks read its files as
+    inside the glob too, and a write_file cannot put a file back in it, nor a read_file of
+    a role without the class's access reach one."""
+    root = workspace(tmp_path)
+    engine = policy(glob)
+    assert not {n for n in sent(root, engine.sandbox_rules().hide) if n.startswith("secrets")}
+    for op in (ReadFile(path="secrets/key"), WriteFile(path="secrets/a/b", data=b"x")):
+        assert not engine.op(op).allowed, op
+    classes = PolicyEngine(
+        parse_policy(
+            f'[[data]]\npaths = [{_toml(glob)}]\ntier = "restricted"\n'
+            '[data_access.restricted]\nread = ["admin"]\nwrite = ["admin"]\n[roles.admin]\n[roles.dev]\n'
+        ),
+        role="dev",
+    )
+    for op in (ReadFile(path="secrets/key"), WriteFile(path="secrets/new", data=b"x")):
+        assert not classes.op(op).allowed, op
+    if glob != "*":
+        assert (
+            engine.op(ReadFile(path="src/app.py")).allowed and classes.op(ReadFile(path="src/app.py")).allowed
+        )
 
 
 REFUSED = {
