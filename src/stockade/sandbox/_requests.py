@@ -7,7 +7,9 @@ here, so that the twins differ only in ``await``.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import io
+import itertools
 import os
 import re
 import stat
@@ -433,8 +435,31 @@ _VCS_FOLDERS = frozenset({".hg", ".svn", ".bzr", "_darcs", ".jj", "CVS", ".fossi
 
 
 def _repository(folder: Path) -> bool:
-    """Whether ``folder`` is a repository's store: git's (a ``HEAD`` file beside ``objects``
-    and ``refs``, whatever the folder is called), or another system's folder."""
-    if folder.name in _VCS_FOLDERS:
+    """Whether ``folder`` is a repository's store: git's (named ``.git``; or by its shape,
+    whatever the folder is called, an object store in it or itself one, ``HEAD`` and
+    ``refs`` or not: a copied ``objects/`` alone holds every past file), or another
+    system's folder (by name)."""
+    if folder.name in _VCS_FOLDERS or folder.name == ".git":
         return True
-    return (folder / "HEAD").is_file() and (folder / "objects").is_dir() and (folder / "refs").is_dir()
+    return _object_store(folder / "objects") or _object_store(folder)
+
+
+_LOOSE_OBJECT = re.compile(r"[0-9a-f]{2}")
+
+
+def _object_store(folder: Path) -> bool:
+    """Whether ``folder`` looks like git's ``objects/``: ``pack/`` holding packs or indexes,
+    ``info/`` beside ``pack/`` (what ``git init`` makes), or a loose object's folder (two hex
+    digits) among its first entries."""
+    pack = folder / "pack"
+    if pack.is_dir():
+        if (folder / "info").is_dir():
+            return True
+        with contextlib.suppress(OSError), os.scandir(pack) as entries:
+            if any(e.name.endswith((".pack", ".idx")) for e in itertools.islice(entries, 64)):
+                return True
+    if folder.name != "objects":
+        return False  # listing every folder for loose objects would cost each walk a read
+    with contextlib.suppress(OSError), os.scandir(folder) as entries:
+        return any(_LOOSE_OBJECT.fullmatch(e.name) and e.is_dir() for e in itertools.islice(entries, 300))
+    return False

@@ -32,6 +32,13 @@ def project(root: Path) -> Path:
         (root / store / "refs" / "heads").mkdir(parents=True)
         (root / store / "HEAD").write_text("ref: refs/heads/main\n")
         (root / store / "objects" / "ab" / "cdef").write_text("TOPSECRET-3 (a blob, zlib'd in life)\n")
+    # git stores without HEAD or refs: a copied objects/ (loose, packed), a bare store's remains
+    for loose in ("old/objects/ab", "objects/ab", "attic/.git/objects/cd"):
+        (root / loose).mkdir(parents=True)
+        (root / loose / ("0" * 38)).write_text("TOPSECRET-5 (a loose object)\n")
+    for packed in ("archive/objects/pack", "saved/pack"):
+        (root / packed).mkdir(parents=True)
+        (root / packed / "pack-1.pack").write_text("TOPSECRET-6 (a pack)\n")
     (root / ".svn" / "pristine" / "00").mkdir(parents=True)
     (root / ".svn" / "pristine" / "00" / "key.svn-base").write_text("TOPSECRET-4\n")
     (root / ".hg" / "store").mkdir(parents=True)
@@ -48,7 +55,7 @@ def members(data: bytes) -> dict[str, bytes]:
 
 def test_hidden_files_stay_out_under_their_other_names_and_in_repository_history(tmp_path: Path) -> None:
     copied = members(tar_directory(project(tmp_path), HIDE))
-    assert set(copied) == {"src", "src/app.py", "vendor", "vendor/lib"}
+    assert set(copied) == {"src", "src/app.py", "vendor", "vendor/lib", "attic"}
     assert not any(b"TOPSECRET" in content for content in copied.values())
 
 
