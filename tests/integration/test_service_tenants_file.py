@@ -11,6 +11,7 @@ import signal
 import tarfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx2
@@ -126,6 +127,55 @@ def test_a_token_taken_out_ends_the_streams_it_opened(service: tuple[Server, Tok
         assert api.post(f"/v1/runs/{run_id}/kill", json={"reason": "done"}).status_code == 200
         wait_for(lambda: api.get(f"/v1/runs/{run_id}").json()["status"] == "killed", what="the run killed",
                  timeout_s=30, interval_s=0.1)  # fmt: skip
+
+
+def test_a_token_taken_out_ends_its_streamed_commands_and_gets_no_late_result(
+    service: tuple[Server, Tokens, Path],
+) -> None:
+    """A command's output streamed to a token reads no further once the token is taken out,
+    printing or silent; a call that was running gets a 401, not its result. The sandboxes
+    are the tenant's: back with the token, they still work."""
+    require_tier("process")
+    server, tokens, tenants = service
+    good = tenants.read_text()
+    auth = {"Authorization": f"Bearer {tokens.other}"}
+    with httpx2.Client(base_url=server.url, timeout=30, headers=auth) as api, ThreadPoolExecutor(1) as pool:
+        ids = []
+        for _ in range(3):  # one call at a time a sandbox
+            made = api.post("/v1/sandboxes", json={"tier": "process"})
+            assert made.status_code in (200, 201), made.text
+            ids.append(made.json()["id"])
+        code = "import time\nfor i in range(600):\n    print('line', i, flush=True)\n    time.sleep(0.1)"
+        printing = {"code": code, "stream": True, "timeout_s": 120}
+        silent = {"cmd": "sleep 60", "stream": True, "timeout_s": 120}
+        late = pool.submit(
+            api.post, f"/v1/sandboxes/{ids[2]}/commands", json={"cmd": "sleep 4", "timeout_s": 60}
+        )
+        with api.stream("POST", f"/v1/sandboxes/{ids[0]}/code", json=printing) as out, \
+                api.stream("POST", f"/v1/sandboxes/{ids[1]}/commands", json=silent) as quiet:  # fmt: skip
+            assert out.status_code == 200 and quiet.status_code == 200
+            lines = out.iter_lines()
+            first = json.loads(next(lines))
+            assert first["type"] == "stdout", first  # open, and reading
+            tenants.write_text(without_tenant_tokens(good, "other"))
+            started = time.monotonic()
+            printed = [json.loads(line) for line in lines]
+            said = [json.loads(line) for line in quiet.iter_lines()]
+            took = time.monotonic() - started
+        assert took < FOLLOWED_S + 5, took
+        for stream in (printed, said):
+            assert stream[-1]["type"] == "error", stream[-3:]
+            assert stream[-1]["problem"]["error"] == "AuthenticationError", stream[-1]
+        assert len(printed) < 100, len(printed)  # not the 600 lines of its whole minute
+        refused = late.result(timeout=60)
+        assert refused.status_code == 401 and "stdout" not in refused.text, refused.text
+
+        tenants.write_text(good)
+        wait_for(lambda: status(server, tokens.other) == 200, what="the token back", timeout_s=FOLLOWED_S)
+        again = api.post(f"/v1/sandboxes/{ids[2]}/commands", json={"cmd": "echo still", "timeout_s": 60})
+        assert again.status_code == 200 and again.json()["stdout"] == "still\n", again.text
+        for sid in ids:  # the two cut calls run on in theirs: closing ends them
+            assert api.delete(f"/v1/sandboxes/{sid}").status_code in (200, 204)
 
 
 def test_a_changed_limit_holds_for_the_next_requests(service: tuple[Server, Tokens, Path]) -> None:

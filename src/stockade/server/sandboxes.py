@@ -51,7 +51,7 @@ from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import LISTING_TRUNCATED_HEADER
 from stockade.server.authz import check_network, choose_tier, engine_for
 from stockade.server.bodies import raw_body, read_body
-from stockade.server.deps import Caller, get_service
+from stockade.server.deps import Caller, get_service, recheck
 from stockade.server.downloads import entries_that_fit, pack_folder
 from stockade.server.problems import from_error
 from stockade.server.schemas import (
@@ -634,10 +634,22 @@ def _line(kind: str, payload: Any) -> dict[str, Any]:
     return {"type": "error", "problem": payload}
 
 
+# How often a stream asks whether its token still stands (as the run events' stream does).
+RECHECK_S = 1.0
+
+# Calls whose stream was cut by their token's end: they run on to their deadline, unread.
+_orphans: set[asyncio.Future[None]] = set()
+
+
 def _streamed(
-    request: Request, work: Callable[[Callable[[str], object], Callable[[str], object]], Any]
+    request: Request,
+    caller: Principal,
+    work: Callable[[Callable[[str], object], Callable[[str], object]], Any],
 ) -> StreamingResponse:
-    """Run ``work(on_stdout, on_stderr)`` in a thread and stream what it prints, then its result."""
+    """Run ``work(on_stdout, on_stderr)`` in a thread and stream what it prints, then its
+    result. A token taken out meanwhile reads no further: the stream ends with an error line
+    within ``RECHECK_S``, and the call runs on to its end (a sandbox is its tenant's, not a
+    token's), its output left unread (the outbox keeps at most ``STREAM_BUFFER_CHARS``)."""
     outbox = _Outbox(asyncio.get_running_loop())
 
     def push(kind: str) -> Callable[[str], object]:
@@ -657,14 +669,35 @@ def _streamed(
 
     async def lines() -> AsyncIterator[bytes]:
         task = asyncio.ensure_future(anyio.to_thread.run_sync(run))
+        checked, cut = time.monotonic(), False
         try:
             while True:
-                kind, payload = await outbox.take()
+                try:
+                    kind, payload = await asyncio.wait_for(outbox.take(), RECHECK_S)
+                except TimeoutError:  # nothing printed for a while: the token is asked all the same
+                    kind, payload = "", None
+                if time.monotonic() - checked >= RECHECK_S:
+                    checked = time.monotonic()
+                    try:
+                        await _blocking(lambda: recheck(request, caller))
+                    except exc.AuthenticationError as error:
+                        cut = True
+                        yield (
+                            json.dumps(_line("error", from_error(error, request.url.path).body)).encode()
+                            + b"\n"
+                        )
+                        return
+                if not kind:
+                    continue
                 yield json.dumps(_line(kind, payload), ensure_ascii=False).encode() + b"\n"
                 if kind in ("result", "error"):
                     break
         finally:
-            await task
+            if cut:  # kept until it ends, not awaited: the cut response is over
+                _orphans.add(task)
+                task.add_done_callback(_orphans.discard)
+            else:
+                await task
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 
@@ -687,8 +720,9 @@ async def run_command(
 
     registry.get(caller, sandbox_id)  # 404 before a stream starts
     if body.stream:
-        return _streamed(request, work)
+        return _streamed(request, caller, work)
     result: CommandResult = await _blocking(lambda: work(None, None))
+    await _blocking(lambda: recheck(request, caller))  # the token may have gone while it ran
     return _as_json(result)
 
 
@@ -709,8 +743,9 @@ async def run_code(
 
     registry.get(caller, sandbox_id)
     if body.stream:
-        return _streamed(request, work)
+        return _streamed(request, caller, work)
     result: Execution = await _blocking(lambda: work(None, None))
+    await _blocking(lambda: recheck(request, caller))
     return _as_json(result)
 
 
