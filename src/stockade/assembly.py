@@ -686,7 +686,8 @@ class AgentSession:
         self.step = 0
         self.last: RunResult | None = None
         auditor = RuntimeAuditor(log, run_id=run_id)
-        observers: list[AgentObserver] = [AuditObserver(log), auditor.track]
+        stored = isinstance(owner.checkpointer, RunStore)
+        observers: list[AgentObserver] = [AuditObserver(log, stored=stored), auditor.track]
         runtime: list[RuntimeObserver] = [auditor]
         self.approvals: Approvals = owner.approvals
         self._recorder: RunRecorder | None = None

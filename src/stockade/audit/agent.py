@@ -62,7 +62,7 @@ from stockade.agent.events import (
     ToolReturned,
 )
 from stockade.agent.state import RunStatus, ToolCallRecord, args_measure
-from stockade.audit.events import EventKind, JSONValue
+from stockade.audit.events import STORED, EventKind, JSONValue
 from stockade.audit.log import AuditLog
 from stockade.audit.redact import Redactor
 
@@ -123,9 +123,10 @@ _FINISHED = frozenset(s.value for s in RunStatus if s.finished)
 class AuditObserver:
     """An agent observer (``observer(event) -> None``) that writes to ``log``."""
 
-    def __init__(self, log: AuditLog, *, actor: str = "agent") -> None:
+    def __init__(self, log: AuditLog, *, actor: str = "agent", stored: bool = False) -> None:
         self.log = log
         self.actor = actor
+        self.stored = stored  # a run store records the runs: their run_start says so
         self._in_trail: dict[str, _InTrail] = {}  # resumed runs in progress
 
     def _cap(self, text: str) -> str:
@@ -145,6 +146,7 @@ class AuditObserver:
                         "task": self._cap(event.task),
                         "model": event.model_name,
                         "resumed": event.resumed,
+                        **({STORED: True} if self.stored else {}),
                     },
                 )
             case ModelRequested():

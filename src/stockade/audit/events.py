@@ -39,6 +39,9 @@ _T = TypeVar("_T")
 # The prev_hash of the first event of a store.
 GENESIS = "0" * 64
 FORMAT_VERSION = 1
+# A run_start's attribute: a run store records the run (``verify`` with the store's ledger
+# then finds its rows, or the trail's record of their erasure).
+STORED = "stored"
 
 
 class EventKind(enum.StrEnum):

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from stockade import exceptions as exc
-from stockade.audit.events import canonical
+from stockade.audit.events import STORED, canonical
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -36,7 +36,7 @@ SEALED = "$sealed"  # the attribute holding nonce + ciphertext, base64
 ERASED = "$erased"  # set on what a reader gets once the run's key is gone
 # Attributes left in clear: what verification and the run views need to tie events together;
 # none of them is the content of an action.
-CLEAR = frozenset({"idempotency_key", "tool", "call", "call_id"})
+CLEAR = frozenset({"idempotency_key", "tool", "call", "call_id", STORED})
 _NONCE = 12
 
 

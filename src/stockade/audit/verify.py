@@ -80,7 +80,7 @@ from typing import NamedTuple, Protocol
 
 from stockade import exceptions as exc
 from stockade._checks import check_number, check_text
-from stockade.audit.events import GENESIS, Chain
+from stockade.audit.events import GENESIS, STORED, Chain
 from stockade.audit.sealing import SEALED, open_attributes
 from stockade.audit.stores import AuditStore, Head
 
@@ -156,6 +156,7 @@ class ProblemKind(enum.StrEnum):
     DUPLICATE_IN_TRAIL = "duplicate_in_trail"  # a tool_call's key, or a run's final run_end, twice
     IN_FLIGHT = "in_flight"  # a run's process died during a call: what it did is not in the trail
     STORE_FORGED = "store_forged"  # a run store row a resume acts on does not carry its MAC
+    NOT_IN_STORE = "not_in_store"  # a run the trail says a run store recorded, gone from it unrecorded
     RUN_KEY_GONE = "run_key_gone"  # a sealed run's key deleted with no run_erased event in the chain
     RUN_KEY_FORGED = "run_key_forged"  # a sealed run's key does not open its events, or outlived its erasure
 
@@ -193,6 +194,10 @@ class Ledger(Protocol):
         """Those of ``run_ids`` a live process holds now (by a lease the store signed)."""
         ...
 
+    def stored_runs(self, run_ids: Collection[str]) -> Collection[str]:
+        """Those of ``run_ids`` the store has a run row of."""
+        ...
+
 
 @dataclass(frozen=True)
 class RunsLedger:
@@ -213,6 +218,9 @@ class RunsLedger:
 
     def live_runs(self, run_ids: Collection[str]) -> Collection[str]:
         return self.ledger.live_runs(run_ids)  # the trail's runs are the tenant's: not narrowed
+
+    def stored_runs(self, run_ids: Collection[str]) -> Collection[str]:
+        return self.ledger.stored_runs(run_ids)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -330,6 +338,8 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
     open_calls: dict[str, dict[str, _Start]] = {}
     sealed: dict[str, tuple[int, str]] = {}  # run -> its first intact sealed event (seq, body)
     erased: dict[str, int] = {}  # run -> the seq of its run_erased event
+    recorded: dict[str, int] = {}  # run -> the seq of its first run_start a run store recorded
+    deleted: set[str] = set()  # runs whose erasure from the run store the trail records
     at_head: str | None = None  # the stored hash of the event the head record named
     for seq, run, kind, body, stored_hash, step, timestamp_ns in store.rows():
         checked += 1
@@ -337,6 +347,8 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
             at_head = stored_hash
         if run == run_id:
             run_events += 1
+        if ledger is not None and kind == "note" and _attributes(body).get("action") == "delete":
+            deleted.add(run)  # a service's deletion (or `runs erase`'s of a run not sealed)
         if ledger is not None and kind in _KEYED and (run_id is None or run == run_id):
             if kind == "tool_call_start":
                 attributes = _attributes(body)
@@ -346,6 +358,8 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
                     open_calls.setdefault(run, {})[call_key] = _Start(seq, step, str(attributes.get("tool")))
             elif kind in _CLOSING:  # the run stopped, or was resumed: every call before is closed
                 open_calls.pop(run, None)
+                if kind == "run_start" and run not in recorded and _attributes(body).get(STORED) is True:
+                    recorded[run] = seq
             else:
                 returned = _once(seq, run, kind, body, audited=audited, ended=ended, told=told, report=report)
                 if kind == "run_end":
@@ -452,6 +466,17 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
             report(0, ProblemKind.IN_FLIGHT, detail, call.run_id)
         for row in ledger.forged_rows(run_id):
             report(0, ProblemKind.STORE_FORGED, f"run store: {row.detail}", row.run_id)
+        # A run the trail says a run store recorded, and no erasure of: its rows must be there
+        # (deleting every row of a run left nothing for the checks above to find).
+        kept = {run: seq for run, seq in recorded.items() if run not in deleted and run not in erased}
+        present = set(ledger.stored_runs(list(kept))) if kept else set()
+        for run, seq in kept.items():
+            if run not in present:
+                detail = (
+                    f"the run store has no row of run {run}, which the trail says it recorded "
+                    f"(run_start, seq {seq}), and the trail records no erasure of it"
+                )
+                report(seq, ProblemKind.NOT_IN_STORE, detail, run)
 
     if sealed or erased:
         _check_run_keys(store, sealed, erased, report)

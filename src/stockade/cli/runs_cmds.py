@@ -663,11 +663,13 @@ def erase(
     the keys their events were sealed with (runs about a data subject), so that what those
     events said can never be read again. The audit chain keeps every event and verifies as
     before; it gains one ``run_erased`` event per sealed run (so verify tells an erasure from a
-    key deleted outside stockade), which needs the chain's key (``STOCKADE_AUDIT_KEY``)."""
+    key deleted outside stockade) and a ``note`` (``action: delete``) per other run erased (so
+    verify tells it from rows deleted outside stockade), which needs the chain's key
+    (``STOCKADE_AUDIT_KEY``)."""
     import time
 
-    from stockade.audit.events import Chain
-    from stockade.audit.stores import open_store
+    from stockade.audit.events import Chain, Draft, EventKind
+    from stockade.audit.stores import check_chain, open_store
     from stockade.policy.approval import ApprovalStore
     from stockade.runs.snapshots import erase_run_snapshots
     from stockade.sandbox.snapshots import SnapshotStore
@@ -683,8 +685,22 @@ def erase(
         try:
             # the keys first: one the chain's key cannot record the erasure of stops it all
             with open_store(audit_db or db) as audit:
-                sealed = audit.erase_keys(Chain(_audit_key()), run_ids=chosen, subject=subject)
-            erased = store.erase(chosen)
+                chain = Chain(_audit_key())
+                present = store.stored_runs(chosen)
+                if present:  # their erasure is recorded below: no row goes unless it can be
+                    check_chain(audit.head(), chain, audit.ns)
+                sealed = audit.erase_keys(chain, run_ids=chosen, subject=subject)
+                erased = store.erase(chosen)
+                # the others' erasure in their trail too: verify tells it from rows deleted behind
+                # the store's back (a sealed run's run_erased event already says it)
+                now = time.time_ns()
+                deleted = [
+                    Draft(run_id=run, kind=EventKind.NOTE, actor="stockade", timestamp_ns=now,
+                          attributes={"action": "delete"})
+                    for run in sorted(present - set(sealed))
+                ]  # fmt: skip
+                if deleted:
+                    audit.append(deleted, chain)
             snapshots = SnapshotStore(snapshot_dir) if snapshot_dir is not None else SnapshotStore.default()
             kept = erase_run_snapshots(snapshots, chosen)
             approvals = ApprovalStore(approval_dir)

@@ -542,6 +542,22 @@ class RunStore:
         has the key): ``audit verify`` reports no call of theirs in flight."""
         return self._leases.live(run_ids)
 
+    def stored_runs(self, run_ids: Collection[str]) -> set[str]:
+        """Those of ``run_ids`` this store has a run row of (``audit verify``: a run its trail
+        says a store recorded, gone with no erasure recorded, was deleted behind its back)."""
+        found: set[str] = set()
+        runs = list(run_ids)
+        for at in range(0, len(runs), 500):
+            part = runs[at : at + 500]
+            marks = ",".join("?" * len(part))
+            found.update(
+                str(r)
+                for (r,) in self.db.query(
+                    f"SELECT run_id FROM {self.ns}_runs WHERE run_id IN ({marks})", part
+                )
+            )
+        return found
+
     def retries(self, run_id: str) -> list[RetryEntry]:
         rows = self.db.query(f"{select(self.ns, 'retries')} WHERE run_id = ? ORDER BY id", (run_id,))
         self.mac.check(self.ns, "retries", rows, store=self._where)

@@ -238,8 +238,11 @@ def test_retention_erases_runs_older_than_the_period(tmp_path: Path) -> None:
         agent.run_sync("first", run_id="old")
     kept = CliRunner().invoke(app, ["runs", "erase", "--older-than", "30", "--db", db])
     assert kept.exit_code == 1  # nothing is 30 days old
-    gone = CliRunner().invoke(app, ["runs", "erase", "--older-than", "0", "--db", db])
-    assert gone.exit_code == 0 and "erased 1 run(s)" in gone.output
+    keyless = CliRunner().invoke(app, ["runs", "erase", "--older-than", "0", "--db", db])
+    assert keyless.exit_code == 2 and "pass its key" in keyless.output  # its erasure goes in the trail
+    env = {"STOCKADE_AUDIT_KEY": KEY.decode()}
+    gone = CliRunner().invoke(app, ["runs", "erase", "--older-than", "0", "--db", db], env=env)
+    assert gone.exit_code == 0 and "erased 1 run(s)" in gone.output, gone.output
 
 
 @pytest.mark.parametrize(
