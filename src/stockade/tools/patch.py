@@ -144,8 +144,8 @@ def parse_unified_diff(diff: str) -> list[FilePatch]:
     i = 0
     while i < len(lines):
         if lines[i] == "GIT binary patch" or _BINARY.match(lines[i]):
-            # git's binary forms: the first carries base85 deltas, the second nothing at all
-            # (an empty file was written and reported as applied)
+            # git's binary forms (base85 deltas, or no content at all): the first made an
+            # empty file reported as applied, the second was skipped without a word
             raise PatchRejected(
                 f"binary patches are not supported ({_quote(lines[i])}). Nothing was changed. "
                 "Write the file with write_file, or make it with run_code."
