@@ -12,6 +12,7 @@ found nearby) and strict where it matters: every context and removed line must m
 
 from __future__ import annotations
 
+import posixpath
 import re
 from collections import Counter
 from collections.abc import Callable
@@ -72,8 +73,10 @@ class SearchWork:
             checkpoint()
 
 
-_HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+# ASCII digits, at most 18 (int() refuses past 4,300 digits; no file has 10**18 lines)
+_HUNK = re.compile(r"^@@ -([0-9]{1,18})(?:,([0-9]{1,18}))? \+([0-9]{1,18})(?:,([0-9]{1,18}))? @@")
 _NO_NEWLINE = "\\ No newline at end of file"
+_BINARY = re.compile(r"Binary files .* differ$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,11 +102,18 @@ class FilePatch:
     new_path: str | None  # None: the file is deleted
     hunks: tuple[Hunk, ...]
 
+    def __post_init__(self) -> None:
+        # "--- /dev/null" over "+++ /dev/null" names no file: a diff is model input, refused
+        # as one (an assert here crashed the run from the policy guard)
+        if not (self.old_path or self.new_path):
+            raise PatchRejected(
+                "a file's '---' and '+++' headers are both /dev/null: name the file the diff "
+                "creates (+++ b/path), changes or deletes (--- a/path). Nothing was changed."
+            )
+
     @property
     def path(self) -> str:
-        path = self.new_path or self.old_path
-        assert path is not None
-        return path
+        return self.new_path or self.old_path or ""  # never "": see __post_init__
 
 
 def _clean_path(raw: str) -> str | None:
@@ -112,7 +122,19 @@ def _clean_path(raw: str) -> str | None:
         return None
     if path.startswith(("a/", "b/")):
         path = path[2:]
+    if not path.strip("/"):
+        raise PatchRejected(f"the header {_quote(raw)} names no file. Nothing was changed.")
     return path
+
+
+def _quote(line: str) -> str:
+    """A line of the diff quoted in a refusal, cut: the model sent it, and may send megabytes."""
+    return repr(line[:120]) + ("…" if len(line) > 120 else "")
+
+
+def _same_file(path: str) -> str:
+    """The name two spellings of one workspace path share (``./x``, ``d/../x``, ``x``)."""
+    return posixpath.normpath("/" + path)
 
 
 def parse_unified_diff(diff: str) -> list[FilePatch]:
@@ -121,6 +143,13 @@ def parse_unified_diff(diff: str) -> list[FilePatch]:
     patches: list[FilePatch] = []
     i = 0
     while i < len(lines):
+        if lines[i] == "GIT binary patch" or _BINARY.match(lines[i]):
+            # git's binary forms (base85 deltas, or no content at all): the first made an
+            # empty file reported as applied, the second was skipped without a word
+            raise PatchRejected(
+                f"binary patches are not supported ({_quote(lines[i])}). Nothing was changed. "
+                "Write the file with write_file, or make it with run_code."
+            )
         empty = _empty_file(lines, i)
         if empty is not None:
             patches.append(empty[0])
@@ -140,7 +169,24 @@ def parse_unified_diff(diff: str) -> list[FilePatch]:
         patches.append(FilePatch(old_path=old_path, new_path=new_path, hunks=tuple(hunks)))
     if not patches:
         raise PatchRejected("no unified diff found: expected '--- a/path', '+++ b/path' and '@@' hunks")
+    _refuse_twice(patches)
     return patches
+
+
+def _refuse_twice(patches: list[FilePatch]) -> None:
+    """``PatchRejected`` when two of the diff's files name the same path: each would be checked
+    against the file as it was and the last would win (``git apply`` refuses them too)."""
+    seen: set[str] = set()
+    for patch in patches:
+        for path in {p for p in (patch.old_path, patch.new_path) if p is not None}:
+            key = _same_file(path)
+            if key in seen:
+                raise PatchRejected(
+                    f"the diff patches {path} twice. Nothing was changed. Send one diff per "
+                    "file, all its hunks under one '---'/'+++' header.",
+                    path=path,
+                )
+            seen.add(key)
 
 
 def _empty_file(lines: list[str], start: int) -> tuple[FilePatch, int] | None:
@@ -166,7 +212,7 @@ def _read_hunk(lines: list[str], i: int, path: str) -> tuple[Hunk, int]:
     """The hunk whose header is ``lines[i]``, and the index of the line after it."""
     match = _HUNK.match(lines[i])
     if match is None:
-        raise PatchRejected(f"malformed hunk header {lines[i]!r}", path=path)
+        raise PatchRejected(f"malformed hunk header {_quote(lines[i])}", path=path)
     header = lines[i]
     body: list[str] = []
     old_nl = new_nl = False

@@ -262,3 +262,24 @@ def test_the_checkpoint_of_a_screened_response_reads_back() -> None:
         asyncio.run(Agent(model, checkpointer=store).run("go", sandbox=sbx, run_id="r"))
         state = store.load("r")
     assert state is not None and state.steps[0].tool_calls[0].error_type == "InvalidToolCall"
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["policy", "no-policy"])
+def test_a_diff_naming_no_file_is_refused_to_the_model_and_the_run_goes_on(guarded: bool) -> None:
+    """ "/dev/null" over "/dev/null": the policy guard reads the diff's paths before the tool runs,
+    and a bare AssertionError there ended the run ``interrupted``, the model told nothing."""
+    diff = "--- /dev/null\n+++ /dev/null\n@@ -0,0 +1 @@\n+x\n"
+    model = ScriptedModel([
+        tool_call("apply_patch", {"diff": diff}),
+        tool_call("write_file", {"path": "x.txt", "content": "x\n"}),
+        "done",
+    ])  # fmt: skip
+    guards = [policy_guard(PolicyEngine(Policy()))] if guarded else []
+    with Sandbox.create(backend=FakeBackend(MemoryWorkspace())) as sbx:
+        result = Agent(model, guards=guards).run_sync("add x", sandbox=sbx)
+        assert sbx.files.read("x.txt") == "x\n"  # the next step ran
+    refused = result.steps[0].tool_calls[0]
+    assert result.status == RunStatus.SUCCESS and result.answer == "done"
+    assert refused.error_type == "PatchRejected" and not refused.denied
+    assert "both /dev/null" in refused.observation
+    assert "both /dev/null" in model.requests[1].model_dump_json()  # what the model was sent next

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from stockade import Sandbox
-from stockade.exceptions import PatchRejected
-from stockade.testing import FakeBackend
-from stockade.tools.patch import apply_patch_to_sandbox, apply_to_text, parse_unified_diff
+from stockade.exceptions import PatchRejected, StockadeError
+from stockade.testing import FakeBackend, MemoryWorkspace
+from stockade.tools.patch import apply_patch_to_sandbox, apply_to_text, parse_unified_diff, patch_ops
 
 ORIGINAL = "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return w + h\n"
 
@@ -153,3 +156,107 @@ def test_a_moved_hunk_is_found_at_the_nearest_place_exact_before_loose() -> None
     [patch] = parse_unified_diff("--- a/f\n+++ b/f\n@@ -9,2 +9,2 @@\n a\n-b\n+B\n")
     lines = apply_to_text(text, patch).split("\n")
     assert lines.index("B") == 15  # the exact match 6 lines on, not the loose one 1 line before
+
+
+# Found by a hostile model driving apply_patch: "/dev/null" over "/dev/null" crashed the run with a
+# bare AssertionError from the policy guard; a file named twice was applied twice, each part
+# against the original, the last winning; a git binary patch created an empty file, "applied".
+@pytest.mark.parametrize(
+    ("diff", "said"),
+    [
+        ("--- /dev/null\n+++ /dev/null\n@@ -0,0 +1 @@\n+x\n", "both /dev/null"),
+        ("--- a/\n+++ b/\n@@ -1 +1 @@\n-a\n+b\n", "names no file"),
+        (
+            "--- a/notes.txt\n+++ b/notes.txt\n@@ -1 +1 @@\n-keep me\n+one\n"
+            "--- /dev/null\n+++ b/tw\n@@ -0,0 +1 @@\n+one\n--- /dev/null\n+++ b/tw\n@@ -0,0 +1 @@\n+two\n",
+            "patches tw twice",
+        ),
+        (
+            "--- a/notes.txt\n+++ b/notes.txt\n@@ -1 +1 @@\n-keep me\n+one\n"
+            "--- a/./notes.txt\n+++ /dev/null\n@@ -1 +0,0 @@\n-keep me\n",
+            "patches ./notes.txt twice",
+        ),
+        (
+            "--- a/shapes.py\n+++ b/d/../notes.txt\n@@ -1 +1 @@\n def area(w, h):\n"
+            "--- a/notes.txt\n+++ b/notes.txt\n@@ -1 +1 @@\n-keep me\n+one\n",
+            "patches notes.txt twice",
+        ),
+        (
+            "diff --git a/b.bin b/b.bin\nnew file mode 100644\nindex 0000000..4a36ef7\n"
+            "GIT binary patch\nliteral 3\nKcmZ>9%K-oab^sr`\n\nliteral 0\nHcmV?d00001\n\n",
+            "binary patches are not supported",
+        ),
+        (
+            "--- a/notes.txt\n+++ b/notes.txt\n@@ -1 +1 @@\n-keep me\n+one\n"
+            "diff --git a/b.bin b/b.bin\nindex 4a36ef7..0000001 100644\n"
+            "Binary files a/b.bin and b/b.bin differ\n",
+            "binary patches are not supported",
+        ),
+        ("--- a/notes.txt\n+++ b/notes.txt\n@@ -" + "9" * 5000 + " +1 @@\n-keep me\n+x\n", "malformed"),
+    ],
+    ids=["dev-null-twice", "no-name", "created-twice", "modified-then-deleted", "renamed-onto", "git-binary",
+         "binary-differ", "huge-line-number"],
+)  # fmt: skip
+def test_a_diff_that_names_no_file_one_twice_or_a_binary_is_refused_whole(
+    sbx: Sandbox, diff: str, said: str
+) -> None:
+    with pytest.raises(PatchRejected, match=said):
+        patch_ops(diff)  # what the policy guard reads before the tool runs
+    with pytest.raises(PatchRejected, match=said):
+        apply_patch_to_sandbox(sbx, diff)
+    assert sorted(e.path for e in sbx.files.list("")) == ["notes.txt", "shapes.py"]
+    assert sbx.files.read("notes.txt") == "keep me\n" and sbx.files.read("shapes.py") == ORIGINAL
+
+
+_NAMES = ["a/s", "s", "./s", "/dev/null", "a/", "b/t\tdate", "a/e", "../x"]
+_HEADER = st.tuples(
+    st.sampled_from(["0", "1", "2", "9" * 30, "\u0661"]),
+    st.sampled_from(["", ",0", ",1", ",3"]),
+    st.sampled_from(["0", "1", "2"]),
+    st.sampled_from(["", ",0", ",1"]),
+).map(lambda h: f"@@ -{h[0]}{h[1]} +{h[2]}{h[3]} @@")
+_BODY = st.tuples(
+    st.sampled_from([" ", "-", "+", "\\", ""]), st.sampled_from(["a", "b", "", " ", "\x0c"])
+).map("".join)
+_FILE = st.tuples(
+    st.sampled_from(_NAMES),
+    st.sampled_from(_NAMES),
+    st.lists(st.tuples(_HEADER, st.lists(_BODY, max_size=4)), max_size=2),
+).map(lambda f: [f"--- {f[0]}", f"+++ {f[1]}"] + [line for h, body in f[2] for line in (h, *body)])
+_NOISE = st.one_of(
+    st.sampled_from(["s", "e", "t", ""]).map(lambda n: f"diff --git a/{n} b/{n}"),
+    st.sampled_from(
+        ["new file mode 100644", "deleted file mode 100644", "index 0..e69", "GIT binary patch", "prose"]
+    ),
+    _HEADER,
+    _BODY,
+    st.text(max_size=8),
+).map(lambda line: [line])
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    diff=st.one_of(
+        st.lists(st.one_of(_FILE, _NOISE), max_size=5).map(
+            lambda parts: "\n".join(line for part in parts for line in part)
+        ),
+        st.text(max_size=60),
+    ),
+    original=st.sampled_from(["", "a\n", "a\nb\n", "a", " \n"]),
+)
+def test_any_text_is_a_diff_or_a_typed_refusal(diff: str, original: str) -> None:
+    """Whatever the model sends as a diff: a parse, or ``PatchRejected``; applied, or refused
+    typed (a path the workspace refuses is its own ``StockadeError``), never another error."""
+    try:
+        patches = parse_unified_diff(diff)
+    except PatchRejected:
+        return
+    patch_ops(diff)
+    for patch in patches:
+        with contextlib.suppress(PatchRejected):
+            apply_to_text(original, patch)
+    with Sandbox.create(backend=FakeBackend(MemoryWorkspace())) as sandbox:
+        sandbox.files.write("s", original)
+        sandbox.files.write("e", "")
+        with contextlib.suppress(StockadeError):
+            apply_patch_to_sandbox(sandbox, diff)
