@@ -349,6 +349,7 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
             run_events += 1
         if ledger is not None and kind == "note" and _attributes(body).get("action") == "delete":
             deleted.add(run)  # a service's deletion (or `runs erase`'s of a run not sealed)
+            open_calls.pop(run, None)  # a call cut before it is not in flight: the run is gone
         if ledger is not None and kind in _KEYED and (run_id is None or run == run_id):
             if kind == "tool_call_start":
                 attributes = _attributes(body)

@@ -148,3 +148,18 @@ def test_a_crashed_run_that_was_erased_has_no_call_in_flight_any_more() -> None:
         assert later.erase(run_ids=["r"]) == ["r"]
     erased = verify(store, key=key, ledger=Ledger())
     assert erased.ok, erased.problems
+
+
+def test_a_crashed_run_deleted_unsealed_has_no_call_in_flight_any_more() -> None:
+    # Not sealed, its deletion (by `runs erase` or the service) is a note in its trail: it
+    # closes the call the crash left open, as a sealed run's run_erased does.
+    key, store = b"chain-key-0123456789abcdef", MemoryStore()
+    with AuditLog(store, key=key, flush_interval_s=None) as log:
+        log.record(EventKind.RUN_START, run_id="u", attributes={"task": "t"})
+        log.record(EventKind.TOOL_CALL_START, run_id="u", step=1,
+                   attributes={"tool": "run_code", "idempotency_key": "k1"})  # fmt: skip
+    assert [p.kind.value for p in verify(store, key=key, ledger=Ledger()).problems] == ["in_flight"]
+    with AuditLog(store, key=key, flush_interval_s=None) as later:
+        later.record(EventKind.NOTE, run_id="u", actor="stockade", attributes={"action": "delete"})
+    deleted = verify(store, key=key, ledger=Ledger())
+    assert deleted.ok, deleted.problems
