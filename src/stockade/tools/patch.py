@@ -137,9 +137,16 @@ def _same_file(path: str) -> str:
     return posixpath.normpath("/" + path)
 
 
+_LINE_END = re.compile(r"\r?\n")
+
+
 def parse_unified_diff(diff: str) -> list[FilePatch]:
     """Parse a (possibly multi-file) unified diff; ``PatchRejected`` if it is not one."""
-    lines = diff.splitlines()
+    # lines end at \n (or \r\n) only: splitlines() also cut at \f, \x85, \u2028 and others,
+    # which a file's line may hold, and the hunk's line came out cut short
+    lines = _LINE_END.split(diff)
+    if lines and lines[-1] == "":
+        lines.pop()
     patches: list[FilePatch] = []
     i = 0
     while i < len(lines):

@@ -99,6 +99,19 @@ def test_no_newline_at_end_of_file_is_respected() -> None:
     assert apply_to_text("a\n", patch) == "b"
 
 
+@pytest.mark.parametrize("mark", ["\f", "\v", "\x1c", "\x85", "\u2028", "\u2029", "\r"])
+def test_a_line_holding_a_character_other_splitters_end_lines_at_is_one_line(mark: str) -> None:
+    """Lines end at \\n: a form feed or a Unicode line separator in a line is its content."""
+    original = f"x = 1\nlabel = 'a{mark}b'\n"
+    [patch] = parse_unified_diff(f"--- a/f\n+++ b/f\n@@ -2 +2 @@\n-label = 'a{mark}b'\n+label = 'a{mark}c'\n")
+    assert apply_to_text(original, patch) == f"x = 1\nlabel = 'a{mark}c'\n"
+
+
+def test_a_diff_with_crlf_line_ends_reads_as_one_with_lf() -> None:
+    [patch] = parse_unified_diff("--- a/f\r\n+++ b/f\r\n@@ -1 +1 @@\r\n-a\r\n+b\r\n")
+    assert apply_to_text("a\n", patch) == "b\n"
+
+
 def test_a_blank_context_line_without_its_space_is_accepted() -> None:
     [patch] = parse_unified_diff("--- a/f\n+++ b/f\n@@ -1,3 +1,3 @@\n a\n\n-c\n+C\n")
     assert apply_to_text("a\n\nc\n", patch) == "a\n\nC\n"
