@@ -28,7 +28,13 @@ it resumes from a snapshot of its sandbox (``stockade.runs.snapshots``).
 The whole workspace is capped (``max_bytes`` of file content, ``max_entries``): past either,
 ``SeedTooLarge`` says by how much and how to raise the cap. The bytes cap counts what is read,
 not only what the listing said: code still running in the sandbox may grow files in between,
-so each read asks for no more than the room left, and the host never holds more than the cap.
+so each read asks for no more than the room left. Each content is compressed as it is read and
+its raw bytes dropped, so the host never holds more than about the cap.
+
+That cap is per version: a call that rewrites a file with new content stores it again, and
+the versions of one run add up. What one run has added to the store (compressed, all its
+versions) is capped too (``max_run_bytes``): a version that would pass it is
+``RunHistoryFull``, found as its contents are read.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import hashlib
 import io
 import json
 import tarfile
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -46,9 +53,11 @@ from stockade.sandbox.ops import PutArchive, ReadFile
 from stockade.types import EntryInfo, EntryType
 
 __all__ = [
+    "MAX_RUN_BYTES",
     "MAX_WORKSPACE_BYTES",
     "MAX_WORKSPACE_ENTRIES",
     "Entry",
+    "Packed",
     "Scan",
     "WorkspaceTracker",
     "decode_entry",
@@ -58,6 +67,8 @@ __all__ = [
 
 MAX_WORKSPACE_BYTES = 256 * 1024 * 1024  # of file content, uncompressed
 MAX_WORKSPACE_ENTRIES = 50_000
+# what one run's versions add to the store, compressed: four whole workspaces of new content
+MAX_RUN_BYTES = 4 * MAX_WORKSPACE_BYTES
 MAX_DEPTH = 128
 _BATCH_BYTES = 8 * 1024 * 1024  # what one archive sent to the sandbox holds at most
 
@@ -83,19 +94,32 @@ def decode_entry(text: str) -> Entry:
     return Entry(kind=str(kind), mode=mode, digest=str(digest), size=size)
 
 
+@dataclass(frozen=True)
+class Packed:
+    """A content as the store keeps it: zlib-compressed, and its size before."""
+
+    size: int
+    data: bytes
+
+
 @dataclass(frozen=True, kw_only=True)
 class Scan:
     """What changed since the last recorded state: ``changes`` (path -> entry, None: gone)
-    and the contents not recorded before (digest -> bytes)."""
+    and the contents not recorded before (digest -> compressed)."""
 
     changes: dict[str, Entry | None]
-    blobs: dict[str, bytes]
+    blobs: dict[str, Packed]
     listing: tuple[EntryInfo, ...]
     total_bytes: int
 
     @property
     def changed(self) -> bool:
         return bool(self.changes)
+
+    @property
+    def added_bytes(self) -> int:
+        """What storing it adds to the run's total (compressed)."""
+        return sum(len(p.data) for p in self.blobs.values())
 
 
 def relative_path(path: str) -> bool:
@@ -109,8 +133,10 @@ class WorkspaceTracker:
 
     max_bytes: int = MAX_WORKSPACE_BYTES
     max_entries: int = MAX_WORKSPACE_ENTRIES
+    max_run_bytes: int = MAX_RUN_BYTES
     entries: dict[str, Entry] = field(default_factory=dict)
     version: int = 0
+    kept_bytes: int = 0  # what the run's recorded versions added to the store (compressed)
     # size, mode, mtime, ctime, inode
     _seen: dict[str, tuple[int, int, float, int, int]] = field(default_factory=dict)
     _horizon: int = 0  # the newest ctime of the last listing (ns)
@@ -150,7 +176,8 @@ class WorkspaceTracker:
         }
         charged = sum(e.size for e in listing if e.type == EntryType.FILE and e.path not in to_read)
         changes: dict[str, Entry | None] = {}
-        blobs: dict[str, bytes] = {}
+        blobs: dict[str, Packed] = {}
+        added = 0
         for info in listing:
             old = self.entries.get(info.path)
             mode = info.mode & 0o7777
@@ -168,7 +195,9 @@ class WorkspaceTracker:
                 digest = hashlib.sha256(data).hexdigest()
                 entry = Entry(kind="file", mode=mode, digest=digest, size=len(data))
                 if digest not in blobs and (old is None or old.digest != digest) and not known(digest):
-                    blobs[digest] = data
+                    blobs[digest] = packed = self._pack(data, adding=added)
+                    added += len(packed.data)
+                del data  # compressed now: the host holds one raw file at a time
             if entry != old:
                 changes[info.path] = entry
         present = {e.path for e in listing}
@@ -214,8 +243,23 @@ class WorkspaceTracker:
             "dependencies out of the workspace"
         )
 
+    def _pack(self, data: bytes, *, adding: int) -> Packed:
+        """``data`` as the store keeps it; ``RunHistoryFull`` when, with the ``adding`` bytes
+        this version adds before it, the run's versions would hold more than ``max_run_bytes``."""
+        packed = Packed(len(data), zlib.compress(data, 6))
+        added = adding + len(packed.data)
+        if self.kept_bytes + added > self.max_run_bytes:
+            raise exc.RunHistoryFull(
+                f"the run's recorded workspaces hold {self.kept_bytes:,} bytes (compressed) in the run "
+                f"store and this one adds {added:,} or more, over the store's total per run of "
+                f"{self.max_run_bytes:,}: raise it (RunStore(max_run_bytes=...)), or rewrite less in "
+                "the workspace (a file rewritten with new content is kept again at every call)"
+            )
+        return packed
+
     def commit(self, scan: Scan, version: int) -> None:
         """The store has recorded ``scan`` as ``version``."""
+        self.kept_bytes += scan.added_bytes
         for path, entry in scan.changes.items():
             if entry is None:
                 self.entries.pop(path, None)
@@ -224,10 +268,14 @@ class WorkspaceTracker:
         self._remember(scan.listing)
         self.version = version
 
-    def restored(self, entries: Mapping[str, Entry], version: int, listing: tuple[EntryInfo, ...]) -> None:
-        """The workspace was just made ``entries`` (by ``restore``), now listed as ``listing``."""
+    def restored(
+        self, entries: Mapping[str, Entry], version: int, listing: tuple[EntryInfo, ...], *, kept_bytes: int
+    ) -> None:
+        """The workspace was just made ``entries`` (by ``restore``), now listed as ``listing``;
+        the run's versions hold ``kept_bytes`` in the store."""
         self.entries = dict(entries)
         self.version = version
+        self.kept_bytes = kept_bytes
         self._remember(listing)
 
     def _remember(self, listing: tuple[EntryInfo, ...]) -> None:

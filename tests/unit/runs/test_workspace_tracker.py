@@ -18,7 +18,10 @@ def info(path: str, *, ctime_ns: int, mtime: float = OLD_MTIME, inode: int = 7) 
 def tracker(*listing: EntryInfo) -> WorkspaceTracker:
     kept = WorkspaceTracker()
     kept.restored(
-        {e.path: Entry(kind="file", mode=0o644, digest="aaaa", size=4) for e in listing}, 1, listing
+        {e.path: Entry(kind="file", mode=0o644, digest="aaaa", size=4) for e in listing},
+        1,
+        listing,
+        kept_bytes=0,
     )
     return kept
 
