@@ -2,11 +2,12 @@
 
 After each tool call the loop asks the run store to record the workspace. ``WorkspaceTracker``
 lists it (one request), compares each entry with the last listing (size, mode, mtime, ctime,
-inode) and reads only the files that may have changed; their contents are named by SHA-256, and what is
-written is only what changed: a blob per content the store does not have yet, and a row per
-path that changed or went away. A resume folds the rows back into the last recorded state
-and ``restore`` makes a fresh sandbox's workspace exactly that, the diff's baseline
-(``.stockade/baseline.json``) included.
+inode) and reads only the files that may have changed (a request each; many of them, when the
+files that did not change are few, in one archive of the workspace, spooled on the host);
+their contents are named by SHA-256, and what is written is only what changed: a blob per
+content the store does not have yet, and a row per path that changed or went away. A resume
+folds the rows back into the last recorded state and ``restore`` makes a fresh sandbox's
+workspace exactly that, the diff's baseline (``.stockade/baseline.json``) included.
 
 An unchanged entry is trusted by its ctime, which code cannot set: every write, utime, chmod
 or rename moves it to the kernel's now. mtime is the code's to set (``os.utime``): trusted on
@@ -39,17 +40,19 @@ versions) is capped too (``max_run_bytes``): a version that would pass it is
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import tarfile
+import tempfile
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from stockade import exceptions as exc
 from stockade.sandbox.facade import Sandbox
-from stockade.sandbox.ops import PutArchive, ReadFile
+from stockade.sandbox.ops import GetArchive, PutArchive, ReadFile
 from stockade.types import EntryInfo, EntryType
 
 __all__ = [
@@ -71,6 +74,7 @@ MAX_WORKSPACE_ENTRIES = 50_000
 MAX_RUN_BYTES = 4 * MAX_WORKSPACE_BYTES
 MAX_DEPTH = 128
 _BATCH_BYTES = 8 * 1024 * 1024  # what one archive sent to the sandbox holds at most
+_ARCHIVE_FROM = 64  # files to read past which they come in one archive, not a request each
 
 
 @dataclass(frozen=True)
@@ -167,7 +171,7 @@ class WorkspaceTracker:
             )
         total = sum(e.size for e in listing if e.type == EntryType.FILE)
         if total > self.max_bytes:
-            raise self._too_large(total)
+            raise self.too_large(total)
         # What was listed is checked, but what is read is what counts: code still running in
         # the sandbox (a thread of run_code) can grow a file after the listing, so each read
         # gets only the room the cap leaves and the host holds at most ``max_bytes``.
@@ -175,6 +179,23 @@ class WorkspaceTracker:
             e.path for e in listing if e.type == EntryType.FILE and not e.lossy and not self._unchanged(e)
         }
         charged = sum(e.size for e in listing if e.type == EntryType.FILE and e.path not in to_read)
+        with contextlib.closing(self._reader(sandbox, listing, to_read, unchanged=charged)) as read:
+            changes, blobs, charged = self._compare(listing, to_read, read, charged=charged, known=known)
+        present = {e.path for e in listing}
+        for path in self.entries.keys() - present:
+            changes[path] = None
+        return Scan(changes=changes, blobs=blobs, listing=listing, total_bytes=charged)
+
+    def _compare(
+        self,
+        listing: tuple[EntryInfo, ...],
+        to_read: set[str],
+        read: _Reader,
+        *,
+        charged: int,
+        known: Callable[[str], bool],
+    ) -> tuple[dict[str, Entry | None], dict[str, Packed], int]:
+        """What changed of what is listed, the new contents, and the bytes counted in all."""
         changes: dict[str, Entry | None] = {}
         blobs: dict[str, Packed] = {}
         added = 0
@@ -188,7 +209,7 @@ class WorkspaceTracker:
             elif info.path not in to_read:
                 continue  # unchanged since a listing that came after its last write
             else:
-                data = self._read(sandbox, info.path, room=self.max_bytes - charged)
+                data = read(info.path, room=self.max_bytes - charged)
                 if data is None:
                     continue  # gone since the listing: it is not in this state
                 charged += len(data)
@@ -200,10 +221,18 @@ class WorkspaceTracker:
                 del data  # compressed now: the host holds one raw file at a time
             if entry != old:
                 changes[info.path] = entry
-        present = {e.path for e in listing}
-        for path in self.entries.keys() - present:
-            changes[path] = None
-        return Scan(changes=changes, blobs=blobs, listing=listing, total_bytes=charged)
+        return changes, blobs, charged
+
+    def _reader(
+        self, sandbox: Sandbox, listing: tuple[EntryInfo, ...], to_read: set[str], *, unchanged: int
+    ) -> _Reader:
+        """How the files to read are read: one request each, or, when they are many and the
+        files that did not change are few, one archive of the workspace (a request each cost a
+        round trip: 40,000 small files rewritten took 42 s to record, 11 s in one archive)."""
+        sizes = sum(e.size for e in listing if e.path in to_read)
+        if len(to_read) >= _ARCHIVE_FROM and unchanged <= max(sizes, _BATCH_BYTES):
+            return _Archived(self, sandbox, to_read)
+        return _Requests(self, sandbox)
 
     def _unchanged(self, info: EntryInfo) -> bool:
         """Whether a listed file is what was recorded: its status unchanged since a listing
@@ -217,7 +246,7 @@ class WorkspaceTracker:
             and info.ctime_ns < self._horizon
         )
 
-    def _read(self, sandbox: Sandbox, path: str, *, room: int) -> bytes | None:
+    def read(self, sandbox: Sandbox, path: str, *, room: int) -> bytes | None:
         """The file's content, None when it is gone; ``SeedTooLarge`` when it is over ``room``
         (one byte past it is asked for, to tell "exactly the room" from "more")."""
         try:
@@ -225,12 +254,12 @@ class WorkspaceTracker:
         except exc.SandboxFileNotFound:
             return None
         except exc.FileTooLarge as error:
-            raise self._too_large(grew=True) from error
+            raise self.too_large(grew=True) from error
         if len(data) > room:
-            raise self._too_large(grew=True)
+            raise self.too_large(grew=True)
         return data
 
-    def _too_large(self, total: int = 0, *, grew: bool = False) -> exc.SeedTooLarge:
+    def too_large(self, total: int = 0, *, grew: bool = False) -> exc.SeedTooLarge:
         held = (
             f"the workspace's files grew past the run store's snapshot cap of {self.max_bytes:,} "
             "bytes while they were read"
@@ -285,6 +314,74 @@ class WorkspaceTracker:
 
 def _status(info: EntryInfo) -> tuple[int, int, float, int, int]:
     return info.size, info.mode, info.mtime, info.ctime_ns, info.inode
+
+
+class _Reader:
+    """Reads the files a scan needs: ``reader(path, room=...)`` is the content, None when it
+    is gone since the listing; ``SeedTooLarge`` when it is over ``room``."""
+
+    def __call__(self, path: str, *, room: int) -> bytes | None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _Requests(_Reader):
+    """One ``ReadFile`` per file."""
+
+    def __init__(self, tracker: WorkspaceTracker, sandbox: Sandbox) -> None:
+        self.tracker, self.sandbox = tracker, sandbox
+
+    def __call__(self, path: str, *, room: int) -> bytes | None:
+        return self.tracker.read(self.sandbox, path, room=room)
+
+
+class _Archived(_Reader):
+    """One archive of the workspace, spooled on the host (to disk past 8 MiB: it may be as
+    large as the cap), its members taken as they are asked for."""
+
+    def __init__(self, tracker: WorkspaceTracker, sandbox: Sandbox, wanted: set[str]) -> None:
+        self.tracker, self.sandbox = tracker, sandbox
+        self.spool = tempfile.SpooledTemporaryFile(max_size=_BATCH_BYTES)  # noqa: SIM115 - closed by close()
+        try:
+            op = GetArchive(path="", max_bytes=tracker.max_bytes, max_entries=tracker.max_entries + 1)
+            whole = sandbox.instance.execute(op, self._spool)
+            self.spool.write(whole)  # a backend that does not stream gives it whole
+            self.spool.seek(0)
+            self.tar = tarfile.open(fileobj=self.spool, mode="r:")  # noqa: SIM115 - closed by close()
+            self.members = {m.name: m for m in self.tar.getmembers() if m.name in wanted}
+        except exc.FileTooLarge as error:
+            self.spool.close()
+            raise tracker.too_large(grew=True) from error
+        except (exc.ListingTooLarge, tarfile.TarError) as error:
+            self.spool.close()
+            raise exc.SeedTooLarge(
+                f"the workspace could not be read in one archive ({error}): over the run store's "
+                f"snapshot cap of {tracker.max_entries:,} entries, or changed while it was read"
+            ) from error
+        except BaseException:
+            self.spool.close()
+            raise
+
+    def _spool(self, _fd: int, chunk: bytes) -> None:
+        self.spool.write(chunk)
+
+    def __call__(self, path: str, *, room: int) -> bytes | None:
+        member = self.members.get(path)
+        try:
+            source = self.tar.extractfile(member) if member is not None and member.isfile() else None
+            data = None if source is None else source.read(max(room, 0) + 1)
+        except tarfile.TarError:
+            data = None
+        if data is None:  # not in the archive as a file (gone, or made since): asked for alone
+            return self.tracker.read(self.sandbox, path, room=room)
+        if len(data) > room:
+            raise self.tracker.too_large(grew=True)
+        return data
+
+    def close(self) -> None:
+        self.spool.close()
 
 
 def restore(
