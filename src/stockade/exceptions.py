@@ -12,6 +12,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── ImageNotFound             the sandbox image is not on this host (build it)
     │   ├── UntrustedPath             a cache or state folder another user could change: ``path``, ``fix``
     │   ├── SeedTooLarge              the workspace is bigger than the run store keeps (a seed, a snapshot)
+    │   │   └── RunHistoryFull        the run's recorded workspaces reached the store's total per run
     │   ├── ComplianceNotMet          a declared compliance profile is not met; ``unmet``: what, and the fix
     │   ├── RunConflict               a new run's id is taken, or the run ended and is kept as it is
     │   └── ApprovalDecided           a decision for an approval request that is not pending (decided, spent)
@@ -129,6 +130,7 @@ __all__ = [
     "ResourceNotFound",
     "RunConflict",
     "RunDeferred",
+    "RunHistoryFull",
     "RunInterrupted",
     "RunKilled",
     "RunLeased",
@@ -239,6 +241,12 @@ class PolicyFileError(ConfigurationError):
 class SeedTooLarge(ConfigurationError):
     """The workspace is over what the run store keeps of it (a run's seed, or a step's
     snapshot); the message says which cap, and how to raise it."""
+
+
+class RunHistoryFull(SeedTooLarge):
+    """The workspace contents one run has added to the run store, all its versions together,
+    would pass the store's total per run (``RunStore(max_run_bytes=...)``): the call that
+    would pass it is recorded without its workspace, and the run ends on it."""
 
 
 class RunConflict(ConfigurationError):

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from stockade import Sandbox
-from stockade.agent import Agent, RunLimits, RunStatus
-from stockade.runs import open_run_store
+from stockade.agent import Agent, Observer, RunLimits, RunStatus
+from stockade.audit import AuditLog, MemoryStore, verify
+from stockade.audit.agent import AuditObserver
+from stockade.runs import RunRecorder, RunStore, open_run_store
 from stockade.sandbox._supervised import GRACE_S
 from stockade.testing import ScriptedModel, tool_call
 from tests.conftest import require_tier
@@ -84,3 +86,37 @@ def test_files_whose_names_are_not_utf8_are_named_as_left_out_never_dropped(tmp_
     assert unnamed == ["bad\ufffd\ufffdname", "dir\ufffd(", "dir\ufffd(/f\ufffd"]
     exported = sorted(p.name for p in (tmp_path / "export").iterdir())
     assert exported == [".stockade", "fine.txt"] and files == 2  # nothing written under another name
+
+
+NOISE = """
+import os
+with open("noise.bin", "wb") as f:
+    f.write(os.urandom(1024 * 1024))
+"""
+
+
+def test_a_run_that_rewrites_its_workspace_stops_at_the_stores_total_per_run(tmp_path: Path) -> None:
+    """Each recorded version was capped, the run was not: 12 calls each writing 200 MiB of
+    random bytes made a 2.4 GB database, kept until erased."""
+    require_tier("process")
+    db, workspace = tmp_path / "runs.db", tmp_path / "ws"
+    workspace.mkdir()
+    trail = MemoryStore()
+    code = tool_call("run_code", {"language": "python", "code": NOISE})
+    model = ScriptedModel([code, code, code, code, code, code, "done"])
+    with (
+        RunStore(open_run_store(f"sqlite:///{db}").db, max_run_bytes=2_500_000) as store,
+        AuditLog(trail) as log,
+        Sandbox.create(tier="process", workspace=workspace) as sbx,
+    ):
+        observers: list[Observer] = [AuditObserver(log), RunRecorder(store)]
+        result = Agent(model, checkpointer=store, observers=observers).run_sync("go", sandbox=sbx, run_id="r")
+        kept = store.workspace_usage("r").blob_bytes
+        calls = len(store.tool_calls("r"))
+        report = verify(trail, ledger=store)
+    assert result.status == RunStatus.ERROR
+    assert "RunHistoryFull" in (result.error or "") and "RunStore(max_run_bytes=...)" in (result.error or "")
+    assert calls == 3  # two versions of 1 MiB kept; the third call ran, its workspace is not kept
+    assert 2 * 1024 * 1024 < kept <= 2_500_000
+    assert db.stat().st_size < 4_000_000
+    assert report.ok and report.found, report.problems

@@ -74,7 +74,7 @@ from stockade.runs.lease_keeper import STALE_WHY, LeaseKeeper, live_expiry
 from stockade.runs.ledger import CallLedger
 from stockade.runs.records import ApprovalEntry, RetryEntry, RunSetup, RunSummary, RunTrace, WorkspaceUsage
 from stockade.runs.seeds import MAX_SEED_BYTES
-from stockade.runs.workspace import MAX_WORKSPACE_BYTES, MAX_WORKSPACE_ENTRIES
+from stockade.runs.workspace import MAX_RUN_BYTES, MAX_WORKSPACE_BYTES, MAX_WORKSPACE_ENTRIES
 from stockade.runs.workspace_history import WorkspaceHistory
 from stockade.sandbox.facade import Sandbox
 
@@ -106,6 +106,7 @@ class RunStore:
         max_seed_bytes: int = MAX_SEED_BYTES,
         max_workspace_bytes: int = MAX_WORKSPACE_BYTES,
         max_workspace_entries: int = MAX_WORKSPACE_ENTRIES,
+        max_run_bytes: int = MAX_RUN_BYTES,
         lease_s: float = LEASE_S,
         lease_wait_s: float = 0.0,
         key: bytes | None = None,
@@ -137,6 +138,7 @@ class RunStore:
             self._checkpoints,
             max_bytes=max_workspace_bytes,
             max_entries=max_workspace_entries,
+            max_run_bytes=max_run_bytes,
             where=where,
         )
         self._erasure = Erasure(db, self.ns)
@@ -182,6 +184,15 @@ class RunStore:
     @max_workspace_entries.setter
     def max_workspace_entries(self, value: int) -> None:
         self._workspaces.max_entries = value
+
+    @property
+    def max_run_bytes(self) -> int:
+        """What one run's workspace versions may add to the store, all together (compressed)."""
+        return self._workspaces.max_run_bytes
+
+    @max_run_bytes.setter
+    def max_run_bytes(self, value: int) -> None:
+        self._workspaces.max_run_bytes = value
 
     # -- Checkpointer ---------------------------------------------------------------------
 

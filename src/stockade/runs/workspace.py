@@ -2,11 +2,12 @@
 
 After each tool call the loop asks the run store to record the workspace. ``WorkspaceTracker``
 lists it (one request), compares each entry with the last listing (size, mode, mtime, ctime,
-inode) and reads only the files that may have changed; their contents are named by SHA-256, and what is
-written is only what changed: a blob per content the store does not have yet, and a row per
-path that changed or went away. A resume folds the rows back into the last recorded state
-and ``restore`` makes a fresh sandbox's workspace exactly that, the diff's baseline
-(``.stockade/baseline.json``) included.
+inode) and reads only the files that may have changed (a request each; many of them, when the
+files that did not change are few, in one archive of the workspace, spooled on the host);
+their contents are named by SHA-256, and what is written is only what changed: a blob per
+content the store does not have yet, and a row per path that changed or went away. A resume
+folds the rows back into the last recorded state and ``restore`` makes a fresh sandbox's
+workspace exactly that, the diff's baseline (``.stockade/baseline.json``) included.
 
 An unchanged entry is trusted by its ctime, which code cannot set: every write, utime, chmod
 or rename moves it to the kernel's now. mtime is the code's to set (``os.utime``): trusted on
@@ -28,27 +29,38 @@ it resumes from a snapshot of its sandbox (``stockade.runs.snapshots``).
 The whole workspace is capped (``max_bytes`` of file content, ``max_entries``): past either,
 ``SeedTooLarge`` says by how much and how to raise the cap. The bytes cap counts what is read,
 not only what the listing said: code still running in the sandbox may grow files in between,
-so each read asks for no more than the room left, and the host never holds more than the cap.
+so each read asks for no more than the room left. Each content is compressed as it is read and
+its raw bytes dropped, so the host never holds more than about the cap.
+
+That cap is per version: a call that rewrites a file with new content stores it again, and
+the versions of one run add up. What one run has added to the store (compressed, all its
+versions) is capped too (``max_run_bytes``): a version that would pass it is
+``RunHistoryFull``, found as its contents are read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import tarfile
+import tempfile
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from stockade import exceptions as exc
 from stockade.sandbox.facade import Sandbox
-from stockade.sandbox.ops import PutArchive, ReadFile
+from stockade.sandbox.ops import GetArchive, PutArchive, ReadFile
 from stockade.types import EntryInfo, EntryType
 
 __all__ = [
+    "MAX_RUN_BYTES",
     "MAX_WORKSPACE_BYTES",
     "MAX_WORKSPACE_ENTRIES",
     "Entry",
+    "Packed",
     "Scan",
     "WorkspaceTracker",
     "decode_entry",
@@ -58,8 +70,11 @@ __all__ = [
 
 MAX_WORKSPACE_BYTES = 256 * 1024 * 1024  # of file content, uncompressed
 MAX_WORKSPACE_ENTRIES = 50_000
+# what one run's versions add to the store, compressed: four whole workspaces of new content
+MAX_RUN_BYTES = 4 * MAX_WORKSPACE_BYTES
 MAX_DEPTH = 128
 _BATCH_BYTES = 8 * 1024 * 1024  # what one archive sent to the sandbox holds at most
+_ARCHIVE_FROM = 64  # files to read past which they come in one archive, not a request each
 
 
 @dataclass(frozen=True)
@@ -83,19 +98,32 @@ def decode_entry(text: str) -> Entry:
     return Entry(kind=str(kind), mode=mode, digest=str(digest), size=size)
 
 
+@dataclass(frozen=True)
+class Packed:
+    """A content as the store keeps it: zlib-compressed, and its size before."""
+
+    size: int
+    data: bytes
+
+
 @dataclass(frozen=True, kw_only=True)
 class Scan:
     """What changed since the last recorded state: ``changes`` (path -> entry, None: gone)
-    and the contents not recorded before (digest -> bytes)."""
+    and the contents not recorded before (digest -> compressed)."""
 
     changes: dict[str, Entry | None]
-    blobs: dict[str, bytes]
+    blobs: dict[str, Packed]
     listing: tuple[EntryInfo, ...]
     total_bytes: int
 
     @property
     def changed(self) -> bool:
         return bool(self.changes)
+
+    @property
+    def added_bytes(self) -> int:
+        """What storing it adds to the run's total (compressed)."""
+        return sum(len(p.data) for p in self.blobs.values())
 
 
 def relative_path(path: str) -> bool:
@@ -109,8 +137,10 @@ class WorkspaceTracker:
 
     max_bytes: int = MAX_WORKSPACE_BYTES
     max_entries: int = MAX_WORKSPACE_ENTRIES
+    max_run_bytes: int = MAX_RUN_BYTES
     entries: dict[str, Entry] = field(default_factory=dict)
     version: int = 0
+    kept_bytes: int = 0  # what the run's recorded versions added to the store (compressed)
     # size, mode, mtime, ctime, inode
     _seen: dict[str, tuple[int, int, float, int, int]] = field(default_factory=dict)
     _horizon: int = 0  # the newest ctime of the last listing (ns)
@@ -141,7 +171,7 @@ class WorkspaceTracker:
             )
         total = sum(e.size for e in listing if e.type == EntryType.FILE)
         if total > self.max_bytes:
-            raise self._too_large(total)
+            raise self.too_large(total)
         # What was listed is checked, but what is read is what counts: code still running in
         # the sandbox (a thread of run_code) can grow a file after the listing, so each read
         # gets only the room the cap leaves and the host holds at most ``max_bytes``.
@@ -149,8 +179,26 @@ class WorkspaceTracker:
             e.path for e in listing if e.type == EntryType.FILE and not e.lossy and not self._unchanged(e)
         }
         charged = sum(e.size for e in listing if e.type == EntryType.FILE and e.path not in to_read)
+        with contextlib.closing(self._reader(sandbox, listing, to_read, unchanged=charged)) as read:
+            changes, blobs, charged = self._compare(listing, to_read, read, charged=charged, known=known)
+        present = {e.path for e in listing}
+        for path in self.entries.keys() - present:
+            changes[path] = None
+        return Scan(changes=changes, blobs=blobs, listing=listing, total_bytes=charged)
+
+    def _compare(
+        self,
+        listing: tuple[EntryInfo, ...],
+        to_read: set[str],
+        read: _Reader,
+        *,
+        charged: int,
+        known: Callable[[str], bool],
+    ) -> tuple[dict[str, Entry | None], dict[str, Packed], int]:
+        """What changed of what is listed, the new contents, and the bytes counted in all."""
         changes: dict[str, Entry | None] = {}
-        blobs: dict[str, bytes] = {}
+        blobs: dict[str, Packed] = {}
+        added = 0
         for info in listing:
             old = self.entries.get(info.path)
             mode = info.mode & 0o7777
@@ -161,20 +209,30 @@ class WorkspaceTracker:
             elif info.path not in to_read:
                 continue  # unchanged since a listing that came after its last write
             else:
-                data = self._read(sandbox, info.path, room=self.max_bytes - charged)
+                data = read(info.path, room=self.max_bytes - charged)
                 if data is None:
                     continue  # gone since the listing: it is not in this state
                 charged += len(data)
                 digest = hashlib.sha256(data).hexdigest()
                 entry = Entry(kind="file", mode=mode, digest=digest, size=len(data))
                 if digest not in blobs and (old is None or old.digest != digest) and not known(digest):
-                    blobs[digest] = data
+                    blobs[digest] = packed = self._pack(data, adding=added)
+                    added += len(packed.data)
+                del data  # compressed now: the host holds one raw file at a time
             if entry != old:
                 changes[info.path] = entry
-        present = {e.path for e in listing}
-        for path in self.entries.keys() - present:
-            changes[path] = None
-        return Scan(changes=changes, blobs=blobs, listing=listing, total_bytes=charged)
+        return changes, blobs, charged
+
+    def _reader(
+        self, sandbox: Sandbox, listing: tuple[EntryInfo, ...], to_read: set[str], *, unchanged: int
+    ) -> _Reader:
+        """How the files to read are read: one request each, or, when they are many and the
+        files that did not change are few, one archive of the workspace (a request each cost a
+        round trip: 40,000 small files rewritten took 42 s to record, 11 s in one archive)."""
+        sizes = sum(e.size for e in listing if e.path in to_read)
+        if len(to_read) >= _ARCHIVE_FROM and unchanged <= max(sizes, _BATCH_BYTES):
+            return _Archived(self, sandbox, to_read)
+        return _Requests(self, sandbox)
 
     def _unchanged(self, info: EntryInfo) -> bool:
         """Whether a listed file is what was recorded: its status unchanged since a listing
@@ -188,7 +246,7 @@ class WorkspaceTracker:
             and info.ctime_ns < self._horizon
         )
 
-    def _read(self, sandbox: Sandbox, path: str, *, room: int) -> bytes | None:
+    def read(self, sandbox: Sandbox, path: str, *, room: int) -> bytes | None:
         """The file's content, None when it is gone; ``SeedTooLarge`` when it is over ``room``
         (one byte past it is asked for, to tell "exactly the room" from "more")."""
         try:
@@ -196,12 +254,12 @@ class WorkspaceTracker:
         except exc.SandboxFileNotFound:
             return None
         except exc.FileTooLarge as error:
-            raise self._too_large(grew=True) from error
+            raise self.too_large(grew=True) from error
         if len(data) > room:
-            raise self._too_large(grew=True)
+            raise self.too_large(grew=True)
         return data
 
-    def _too_large(self, total: int = 0, *, grew: bool = False) -> exc.SeedTooLarge:
+    def too_large(self, total: int = 0, *, grew: bool = False) -> exc.SeedTooLarge:
         held = (
             f"the workspace's files grew past the run store's snapshot cap of {self.max_bytes:,} "
             "bytes while they were read"
@@ -214,8 +272,23 @@ class WorkspaceTracker:
             "dependencies out of the workspace"
         )
 
+    def _pack(self, data: bytes, *, adding: int) -> Packed:
+        """``data`` as the store keeps it; ``RunHistoryFull`` when, with the ``adding`` bytes
+        this version adds before it, the run's versions would hold more than ``max_run_bytes``."""
+        packed = Packed(len(data), zlib.compress(data, 6))
+        added = adding + len(packed.data)
+        if self.kept_bytes + added > self.max_run_bytes:
+            raise exc.RunHistoryFull(
+                f"the run's recorded workspaces hold {self.kept_bytes:,} bytes (compressed) in the run "
+                f"store and this one adds {added:,} or more, over the store's total per run of "
+                f"{self.max_run_bytes:,}: raise it (RunStore(max_run_bytes=...)), or rewrite less in "
+                "the workspace (a file rewritten with new content is kept again at every call)"
+            )
+        return packed
+
     def commit(self, scan: Scan, version: int) -> None:
         """The store has recorded ``scan`` as ``version``."""
+        self.kept_bytes += scan.added_bytes
         for path, entry in scan.changes.items():
             if entry is None:
                 self.entries.pop(path, None)
@@ -224,10 +297,14 @@ class WorkspaceTracker:
         self._remember(scan.listing)
         self.version = version
 
-    def restored(self, entries: Mapping[str, Entry], version: int, listing: tuple[EntryInfo, ...]) -> None:
-        """The workspace was just made ``entries`` (by ``restore``), now listed as ``listing``."""
+    def restored(
+        self, entries: Mapping[str, Entry], version: int, listing: tuple[EntryInfo, ...], *, kept_bytes: int
+    ) -> None:
+        """The workspace was just made ``entries`` (by ``restore``), now listed as ``listing``;
+        the run's versions hold ``kept_bytes`` in the store."""
         self.entries = dict(entries)
         self.version = version
+        self.kept_bytes = kept_bytes
         self._remember(listing)
 
     def _remember(self, listing: tuple[EntryInfo, ...]) -> None:
@@ -237,6 +314,74 @@ class WorkspaceTracker:
 
 def _status(info: EntryInfo) -> tuple[int, int, float, int, int]:
     return info.size, info.mode, info.mtime, info.ctime_ns, info.inode
+
+
+class _Reader:
+    """Reads the files a scan needs: ``reader(path, room=...)`` is the content, None when it
+    is gone since the listing; ``SeedTooLarge`` when it is over ``room``."""
+
+    def __call__(self, path: str, *, room: int) -> bytes | None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _Requests(_Reader):
+    """One ``ReadFile`` per file."""
+
+    def __init__(self, tracker: WorkspaceTracker, sandbox: Sandbox) -> None:
+        self.tracker, self.sandbox = tracker, sandbox
+
+    def __call__(self, path: str, *, room: int) -> bytes | None:
+        return self.tracker.read(self.sandbox, path, room=room)
+
+
+class _Archived(_Reader):
+    """One archive of the workspace, spooled on the host (to disk past 8 MiB: it may be as
+    large as the cap), its members taken as they are asked for."""
+
+    def __init__(self, tracker: WorkspaceTracker, sandbox: Sandbox, wanted: set[str]) -> None:
+        self.tracker, self.sandbox = tracker, sandbox
+        self.spool = tempfile.SpooledTemporaryFile(max_size=_BATCH_BYTES)  # noqa: SIM115 - closed by close()
+        try:
+            op = GetArchive(path="", max_bytes=tracker.max_bytes, max_entries=tracker.max_entries + 1)
+            whole = sandbox.instance.execute(op, self._spool)
+            self.spool.write(whole)  # a backend that does not stream gives it whole
+            self.spool.seek(0)
+            self.tar = tarfile.open(fileobj=self.spool, mode="r:")  # noqa: SIM115 - closed by close()
+            self.members = {m.name: m for m in self.tar.getmembers() if m.name in wanted}
+        except exc.FileTooLarge as error:
+            self.spool.close()
+            raise tracker.too_large(grew=True) from error
+        except (exc.ListingTooLarge, tarfile.TarError) as error:
+            self.spool.close()
+            raise exc.SeedTooLarge(
+                f"the workspace could not be read in one archive ({error}): over the run store's "
+                f"snapshot cap of {tracker.max_entries:,} entries, or changed while it was read"
+            ) from error
+        except BaseException:
+            self.spool.close()
+            raise
+
+    def _spool(self, _fd: int, chunk: bytes) -> None:
+        self.spool.write(chunk)
+
+    def __call__(self, path: str, *, room: int) -> bytes | None:
+        member = self.members.get(path)
+        try:
+            source = self.tar.extractfile(member) if member is not None and member.isfile() else None
+            data = None if source is None else source.read(max(room, 0) + 1)
+        except tarfile.TarError:
+            data = None
+        if data is None:  # not in the archive as a file (gone, or made since): asked for alone
+            return self.tracker.read(self.sandbox, path, room=room)
+        if len(data) > room:
+            raise self.tracker.too_large(grew=True)
+        return data
+
+    def close(self) -> None:
+        self.spool.close()
 
 
 def restore(

@@ -5,6 +5,10 @@ After a tool call, ``record`` writes what changed in the workspace (rows of
 compressed) in one transaction with the call's ledger row; ``restore`` puts the last recorded
 version into a resumed run's sandbox, ``export`` into a folder on the host. A run's seed is
 the folder it started from (``seeds``). See ``workspace`` for how a change is found.
+
+What a run's versions added to ``<namespace>_blobs`` is the sum of its rows' ``blob_bytes``
+(each new content counted once, compressed), capped by ``max_run_bytes``: a process that
+continues a run (a resume, another worker) takes the count from there, not from memory.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class WorkspaceHistory:
         *,
         max_bytes: int,
         max_entries: int,
+        max_run_bytes: int,
         where: str,
     ) -> None:
         self.db = db
@@ -51,6 +56,7 @@ class WorkspaceHistory:
         self.checkpoints = checkpoints  # a call's ledger row is written with its workspace
         self.max_bytes = max_bytes
         self.max_entries = max_entries
+        self.max_run_bytes = max_run_bytes
         self._where = where
         self._lock = threading.Lock()
         self._trackers: dict[str, WorkspaceTracker] = {}
@@ -65,7 +71,9 @@ class WorkspaceHistory:
             self._trackers.pop(run_id, None)
 
     def _new_tracker(self) -> WorkspaceTracker:
-        return WorkspaceTracker(max_bytes=self.max_bytes, max_entries=self.max_entries)
+        return WorkspaceTracker(
+            max_bytes=self.max_bytes, max_entries=self.max_entries, max_run_bytes=self.max_run_bytes
+        )
 
     def _tracker(self, run_id: str) -> WorkspaceTracker:
         tracker = self._trackers.get(run_id)
@@ -73,6 +81,7 @@ class WorkspaceHistory:
             entries, version = self._stored(run_id)
             tracker = self._trackers[run_id] = self._new_tracker()
             tracker.entries, tracker.version = entries, version
+            tracker.kept_bytes = self.usage(run_id).blob_bytes
         return tracker
 
     def record(self, run_id: str, sandbox: Sandbox, *, call: tuple[int, ToolCallRecord] | None = None) -> int:
@@ -82,10 +91,14 @@ class WorkspaceHistory:
         scan = tracker.scan(sandbox, known=self._known_blob)
         version = tracker.version + 1 if scan.changed else tracker.version
         now = time.time_ns()
-        packed = {digest: zlib.compress(data, 6) for digest, data in scan.blobs.items()}
-        added = {
-            path: len(packed.get(e.digest, b"")) if e is not None else 0 for path, e in scan.changes.items()
-        }
+        # a new content's bytes on the first path that holds it: the rows sum to what was added
+        added: dict[str, int] = {}
+        counted: set[str] = set()
+        for path, e in sorted(scan.changes.items()):
+            digest = "" if e is None else e.digest
+            first = digest in scan.blobs and digest not in counted
+            added[path] = len(scan.blobs[digest].data) if first else 0
+            counted.add(digest)
         # Contents this version takes from the store instead of bringing them: counted as
         # taken in its transaction, so that an erasure that looked before keeps them.
         taken = sorted(
@@ -99,7 +112,7 @@ class WorkspaceHistory:
             (
                 f"INSERT INTO {self.ns}_blobs (digest, bytes, data, uses) VALUES (?, ?, ?, 1) "
                 f"ON CONFLICT (digest) DO UPDATE SET uses = {self.ns}_blobs.uses + 1",
-                [(digest, len(scan.blobs[digest]), data) for digest, data in packed.items()],
+                [(digest, packed.size, packed.data) for digest, packed in scan.blobs.items()],
             ),
             (f"UPDATE {self.ns}_blobs SET uses = uses + 1 WHERE digest = ?", [(d,) for d in taken]),
             (
@@ -195,16 +208,15 @@ class WorkspaceHistory:
         # this process recorded it last: if the sandbox still holds it (a pause, resumed in the
         # same session), nothing needs writing
         known = self._trackers.get(run_id)
-        if (
-            known is not None
-            and known.version == version
-            and known.entries == entries
-            and not known.scan(sandbox, known=self._known_blob).changed
-        ):
-            return True
+        if known is not None and known.version == version and known.entries == entries:
+            try:
+                if not known.scan(sandbox, known=self._known_blob).changed:
+                    return True
+            except exc.SeedTooLarge:
+                pass  # it changed past a cap since: written back below
         listing = restore(sandbox, entries, self._blob)
         tracker = self._new_tracker()
-        tracker.restored(entries, version, listing)
+        tracker.restored(entries, version, listing, kept_bytes=self.usage(run_id).blob_bytes)
         with self._lock:
             self._trackers[run_id] = tracker
         return True

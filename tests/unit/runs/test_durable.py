@@ -34,6 +34,7 @@ from stockade.exceptions import (
     ApprovalRequired,
     InvalidArgument,
     RunConflict,
+    RunHistoryFull,
     RunLeased,
     RunStoreCorrupt,
     SeedTooLarge,
@@ -365,6 +366,73 @@ def test_a_workspace_over_the_cap_is_a_typed_error_that_says_how_to_raise_it(tmp
         result.error or ""
     )
     assert SeedTooLarge.__doc__ and "snapshot" in SeedTooLarge.__doc__
+
+
+NOISE = 20_000  # characters of hex a call writes: ~10 KB compressed
+
+
+def rewrites(calls: int) -> list[Turn]:
+    """``calls`` calls, each rewriting one file with new content (random hex)."""
+    return [
+        *(
+            tool_call("write_file", {"path": "noise.txt", "content": os.urandom(NOISE // 2).hex()})
+            for _ in range(calls)
+        ),
+        "done",
+    ]
+
+
+def test_a_runs_versions_together_are_capped_and_the_run_ends_on_a_typed_error(db: str) -> None:
+    # Each version was capped, the run was not: every call that rewrote a file with new
+    # content stored it again, kept until erased (12 calls of 200 MiB: a 2.4 GB database).
+    trail = MemoryStore()
+    cap = 25_000  # two rewrites, not three
+    with RunStore(open_run_store(db).db, max_run_bytes=cap) as store:
+        with AuditLog(trail) as log, sandbox() as sbx:
+            observers: list[Observer] = [AuditObserver(log), RunRecorder(store)]
+            result = Agent(ScriptedModel(rewrites(8)), checkpointer=store, observers=observers).run_sync(
+                "t", sandbox=sbx, run_id="r"
+            )
+        assert result.status == RunStatus.ERROR
+        assert "RunHistoryFull" in (result.error or "") and "RunStore(max_run_bytes=...)" in (
+            result.error or ""
+        )
+        assert issubclass(RunHistoryFull, SeedTooLarge) and not RunHistoryFull("").retryable
+        kept = store.workspace_usage("r").blob_bytes
+        (stored,) = store.db.query("SELECT SUM(LENGTH(data)) FROM runs_blobs")
+        assert 20_000 < kept <= cap and stored[0] == kept
+        assert len(store.tool_calls("r")) == 3  # the call past the cap ran, and is in the ledger
+        report = verify(trail, ledger=store)
+        assert report.ok and report.found, report.problems
+        assert store.erase(["r"]) == 1
+        assert store.db.query("SELECT COUNT(*) FROM runs_blobs")[0][0] == 0
+
+
+def test_what_a_run_kept_counts_in_the_process_that_resumes_it(db: str) -> None:
+    turns = rewrites(4)
+    cap = 35_000  # three rewrites, not four
+    calls = 0
+
+    def third(event: AgentEvent) -> None:  # two calls returned, the process dies at the third
+        nonlocal calls
+        calls += isinstance(event, ToolCalled)
+        if calls == 3:
+            raise Crash("write_file")
+
+    with RunStore(open_run_store(db).db, max_run_bytes=cap) as first, sandbox() as sbx, pytest.raises(Crash):
+        Agent(ScriptedModel(turns), checkpointer=first, observers=[RunRecorder(first), third]).run_sync(
+            "t", sandbox=sbx, run_id="r"
+        )
+    # another process: it knows what the run kept only from the store
+    with RunStore(open_run_store(db).db, max_run_bytes=cap) as store, sandbox() as fresh:
+        before = store.workspace_usage("r").blob_bytes
+        assert 20_000 < before < 25_000
+        result = Agent(ScriptedModel(turns), checkpointer=store, observers=[RunRecorder(store)]).run_sync(
+            resume="r", sandbox=fresh
+        )
+        assert result.status == RunStatus.ERROR and "RunHistoryFull" in (result.error or "")
+        assert len(store.tool_calls("r")) == 4
+        assert before < store.workspace_usage("r").blob_bytes <= cap  # the third kept, the fourth not
 
 
 def test_a_malformed_row_is_an_error_naming_it(tmp_path: Path) -> None:
