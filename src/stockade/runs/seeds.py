@@ -82,7 +82,7 @@ def pack_workspace(
             except OSError as error:
                 raise unreadable(path, error) from None
             with content or contextlib.nullcontext():
-                if not (info.isfile() or info.isdir() or info.issym()):
+                if info is None or not (info.isfile() or info.isdir() or info.issym()):
                     continue  # sockets, FIFOs, devices: not workspace content
                 info.mtime = 0
                 info.uid = info.gid = 0

@@ -295,6 +295,10 @@ def tar_chunks(
             continue  # removed since the walk saw it: left out
         except OSError as error:
             raise unreadable(path, error) from None
+        if info is None:  # a socket: nothing an archive holds (tar leaves one out too)
+            if data is not None:
+                data.close()
+            continue
         header = info.tobuf(tar.format, tar.encoding, tar.errors)
         buf += header
         total += len(header)

@@ -101,6 +101,8 @@ def _walk(folder: Path) -> Iterator[tuple[Path, str]]:
 
 def _add(tar: tarfile.TarFile, path: Path, name: str) -> None:
     info = tar.gettarinfo(path, arcname=name)  # hard links: the second name on is a link
+    if info is None:  # a socket: nothing an archive holds
+        return
     if info.isreg():
         with path.open("rb") as content:
             tar.addfile(info, content)

@@ -112,3 +112,23 @@ def test_a_folder_that_changes_during_the_upload_gives_a_whole_archive(tmp_path:
     finally:
         stop.set()
         worker.join()
+
+
+def test_a_socket_in_a_folder_is_left_out_of_every_archive(tmp_path: Path) -> None:
+    """A socket is nothing an archive holds (tar leaves one out): a bare AttributeError from
+    ``stockade exec -w`` and ``stockade agent -w`` before."""
+    import socket
+
+    from stockade.server.downloads import pack_folder
+
+    folder = tmp_path / "ws"
+    folder.mkdir()
+    (folder / "kept.txt").write_text("kept")
+    with socket.socket(socket.AF_UNIX) as listening:
+        listening.bind(str(folder / "sock"))
+        assert names(tar_directory(folder)) == ["kept.txt"]  # files.upload_dir's
+        with tarfile.open(fileobj=io.BytesIO(pack_workspace(folder).data), mode="r:gz") as seed:
+            assert seed.getnames() == ["kept.txt"]  # a run's seed
+        packed, _ = pack_folder(folder, tmp_path, cap=1 << 20, what="the folder")  # a download
+        with packed, tarfile.open(fileobj=packed) as download:
+            assert download.getnames() == ["kept.txt"]
