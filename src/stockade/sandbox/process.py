@@ -186,8 +186,9 @@ class _ProcessBoundary(Boundary):
         for mount in self.mounts:
             umount(mount)
         shutil.rmtree(self.rundir, ignore_errors=True)
-        if self.lease is not None:  # last: no process of the sandbox is left with the uid
-            self.lease.release()
+        lease, self.lease = self.lease, None  # taken first: a kill run again closes no fd twice
+        if lease is not None:  # last: no process of the sandbox is left with the uid
+            lease.release()
         release_folder(self.rundir)  # the folder is gone: nothing left for gc to spare
 
 
