@@ -203,9 +203,8 @@ class _ContainerBoundary(Boundary):
             self._thrash.close()
         remove_exited(self.api, self.cid)  # the channel was closed first: the supervisor is ending
         _release_mounts(self.rundir, self.mounts)
-        lease, self.lease = self.lease, None  # taken first: a kill run again closes no fd twice
-        if lease is not None:  # last: no process of the sandbox is left with the uid
-            lease.release()
+        if self.lease is not None:  # last: no process of the sandbox is left with the uid
+            self.lease.release()
 
     def explain(self, err: exc.SandboxCrashed) -> exc.StockadeError:
         """Why the supervisor's stream ended: the engine went away, or the container died."""
@@ -273,6 +272,10 @@ class _Create:
         self._thread = threading.Thread(
             target=self._run, args=(create,), name="stockade-docker-create", daemon=True
         )
+
+    def start(self) -> None:
+        """Apart from ``__init__``: the caller holds this object before an interrupt can land
+        in ``Thread.start``, which waits for the thread while its create may be sent already."""
         self._thread.start()
 
     def _run(self, create: Callable[[], Mapping[str, Any]]) -> None:
@@ -667,8 +670,8 @@ class DockerBackend(Backend):
                 for target, (size, inodes, mode) in _guest.tmpfs_sizes(spec).items():
                     path = rundir / _guest.host_folder(target)
                     path.mkdir()
+                    mounts.append(path)  # before the mount: one cut short is undone too
                     _guest.mount_tmpfs(path, size=size, inodes=inodes, mode=mode, uid=uid, noexec=noexec)
-                    mounts.append(path)
                     binds[target] = path
         except BaseException:
             _release_mounts(rundir, mounts)
@@ -834,6 +837,7 @@ class DockerBackend(Backend):
                         name=name,
                     )
                 )
+                created.start()
                 cid = created.id()
                 sock = api.attach_socket(cid, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1})
                 raw = getattr(sock, "_sock", sock)
