@@ -11,7 +11,10 @@ which finishes it. A ``SIGKILL`` loses them all the same.
 
 ``finalize`` is ``weakref.finalize`` under the same rule, for what ends a host resource (a
 sandbox, a spare, a template, a QEMU started ahead): a forked child inherits the finalizers,
-and its exit would otherwise run them, killing its parent's sandboxes.
+and its exit would otherwise run them, killing its parent's sandboxes. A ``weakref.finalize``
+is spent once called: an end cut short (a Ctrl-C while a container is removed) would never
+run again, so one that raises is kept and run again at exit; ``undo`` does the same for the
+clean-up of a start that failed. Ends are written to run twice.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVarTuple
 
-__all__ = ["LOGS", "PROXIES", "LeftOpen", "finalize", "forget", "keep"]
+__all__ = ["LOGS", "PROXIES", "LeftOpen", "finalize", "forget", "keep", "undo"]
 
 Ts = TypeVarTuple("Ts")
 
@@ -44,6 +47,8 @@ _stages: tuple[weakref.WeakKeyDictionary[LeftOpen, int], ...] = (
     weakref.WeakKeyDictionary(),
 )
 _lock = threading.Lock()
+# Ends that raised (were interrupted): the pid that owns them -> run again at exit.
+_unfinished: list[tuple[int, Callable[..., object], tuple[object, ...]]] = []
 
 
 def keep(thing: LeftOpen, stage: int) -> None:
@@ -69,6 +74,14 @@ def _finish_left_open() -> None:
                 thing.finish_at_exit()
             except Exception:  # at exit, nobody is left to raise to: say it where it can be seen
                 _log.exception("%r could not be finished at exit", thing)
+    with _lock:
+        unfinished = [(end, args) for opener, end, args in _unfinished if opener == pid]
+        _unfinished.clear()
+    for end, args in unfinished:
+        try:
+            end(*args)
+        except Exception:
+            _log.exception("%r could not be finished at exit", end)
 
 
 def finalize(owner: object, end: Callable[[*Ts], object], *args: *Ts) -> weakref.finalize[Any, Any]:
@@ -77,6 +90,16 @@ def finalize(owner: object, end: Callable[[*Ts], object], *args: *Ts) -> weakref
     return weakref.finalize(owner, _in_opener, os.getpid(), end, *args)
 
 
+def undo(end: Callable[[*Ts], object], *args: *Ts) -> None:
+    """``end(*args)`` now; if it raises (an interrupt, or a failure), once more at exit."""
+    try:
+        end(*args)
+    except BaseException:
+        with _lock:
+            _unfinished.append((os.getpid(), end, args))
+        raise
+
+
 def _in_opener(opener: int, end: Callable[..., object], *args: object) -> None:
     if os.getpid() == opener:
-        end(*args)
+        undo(end, *args)

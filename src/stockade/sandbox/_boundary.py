@@ -56,20 +56,27 @@ class Boundary(abc.ABC):
     """What a tier provides around the supervisor."""
 
     _dead = False  # set by the first kill()
+    _killing = False  # a kill under way, or done: a kill cut short clears it, to be run again
     # The sandbox's egress proxy (stockade.egress), when it has one: closed first on kill,
     # so its connections and credentials are gone before anything else is torn down.
     egress: EgressHandle | None = None
 
     def kill(self) -> None:
         """Kill every process of the sandbox, now. Idempotent: ``_kill`` runs once, in the
-        first caller's thread (close, the finalizer and a timed-out call may race here)."""
+        first caller's thread (close, the finalizer and a timed-out call may race here). One
+        that raised (a Ctrl-C mid-removal) runs again at the next kill: ``_kill`` may run twice."""
         with _KILLING:
-            if self._dead:
+            if self._killing:
                 return
-            self._dead = True
-        if self.egress is not None:
-            self.egress.close()
-        self._kill()
+            self._dead = self._killing = True
+        try:
+            if self.egress is not None:
+                self.egress.close()
+            self._kill()
+        except BaseException:
+            with _KILLING:
+                self._killing = False
+            raise
 
     @abc.abstractmethod
     def _kill(self) -> None:

@@ -16,7 +16,7 @@ import tempfile
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Protocol
 
@@ -186,8 +186,13 @@ class UidLease:
     uid: int
     path: Path
     fd: int
+    # Taken by the first release, never given back: a clean-up run again (cut short by an
+    # interrupt, then at exit) must neither close an fd reused since nor unlink another's lease.
+    _released: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def release(self) -> None:
+        if not self._released.acquire(blocking=False):
+            return
         with contextlib.suppress(OSError):
             os.unlink(self.path)
         with contextlib.suppress(OSError):

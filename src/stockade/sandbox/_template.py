@@ -170,7 +170,8 @@ class Init:
 
     def _read(self, timeout: float | None) -> bool:
         with self._lock:
-            if self._gone or not select.select([self.ctl], [], [], timeout)[0]:
+            # closed: a kill run again (after an interrupt) finds nothing left to wait for
+            if self._gone or self.ctl.fileno() == -1 or not select.select([self.ctl], [], [], timeout)[0]:
                 return False
             try:
                 said = self.ctl.recv(64)
@@ -195,6 +196,6 @@ class Init:
     def close(self) -> None:
         """The host's part, once the sandbox is gone (closing ``ctl`` earlier kills it)."""
         self.ctl.close()
+        pidfd, self.pidfd = self.pidfd, -1  # first: a close run again closes no fd reused since
         with contextlib.suppress(OSError):
-            os.close(self.pidfd)
-        self.pidfd = -1
+            os.close(pidfd)

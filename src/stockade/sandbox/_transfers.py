@@ -10,6 +10,7 @@ caps closes the sandbox (``close``) and raises ``ProtocolError``. Kept apart fro
 from __future__ import annotations
 
 import contextlib
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -231,9 +232,11 @@ class FileRequests:
         if len(op.data) <= TRANSFER_CHUNK:
             return entry_info(self.request("write", args, op.data)[0].get("entry"))
         view = memoryview(op.data)
-        h, _ = self.request("write", {**args, "stage": "open"}, bytes(view[:TRANSFER_CHUNK]))
-        tmp = h.get("tmp")
+        # Named here, not by the supervisor: an interrupt while the open is answered (the
+        # temporary file made, its name not heard yet) can still remove it.
+        tmp = f".{op.path.rpartition('/')[2]}"[:200] + f".stockade-{secrets.token_hex(8)}"
         try:
+            self.request("write", {**args, "stage": "open", "tmp": tmp}, bytes(view[:TRANSFER_CHUNK]))
             for start in range(TRANSFER_CHUNK, len(view), TRANSFER_CHUNK):
                 chunk = bytes(view[start : start + TRANSFER_CHUNK])
                 self.request("write", {**args, "stage": "append", "tmp": tmp}, chunk)

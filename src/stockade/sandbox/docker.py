@@ -18,6 +18,7 @@ The same class runs gVisor containers (``runtime="runsc"``, see ``gvisor.py``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -26,7 +27,7 @@ import shutil
 import tarfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +258,62 @@ def _release_mounts(rundir: Path | None, mounts: list[Path]) -> None:
     if rundir is not None:
         shutil.rmtree(rundir, ignore_errors=True)
         _host.release_folder(rundir)
+
+
+class _Create:
+    """The engine's create, in a thread of its own: when the caller is interrupted while the
+    engine answers, the container is made all the same, and this still learns its id."""
+
+    def __init__(self, create: Callable[[], Mapping[str, Any]]) -> None:
+        self._id = ""
+        self._error: BaseException | None = None
+        # Not Thread.join: a join cut short by an interrupt may take the thread for ended.
+        self._answered = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(create,), name="stockade-docker-create", daemon=True
+        )
+
+    def start(self) -> None:
+        """Apart from ``__init__``: the caller holds this object before an interrupt can land
+        in ``Thread.start``, which waits for the thread while its create may be sent already."""
+        self._thread.start()
+
+    def _run(self, create: Callable[[], Mapping[str, Any]]) -> None:
+        try:
+            self._id = str(create()["Id"])
+        except BaseException as err:  # raised in the caller's thread, by id()
+            self._error = err
+        finally:
+            self._answered.set()
+
+    def id(self, timeout: float | None = None) -> str:
+        """The container's id, once the engine answered ("" past ``timeout``)."""
+        self._answered.wait(timeout)
+        if self._error is not None:
+            raise self._error
+        return self._id
+
+
+def _undo_start(
+    api: Any,
+    lease: _host.UidLease,
+    *,
+    cid: str,
+    created: _Create | None,
+    name: str,
+    egress: EgressHandle | None,
+    rundir: Path | None,
+    mounts: list[Path],
+) -> None:
+    """What a failed start holds, let go; may run twice (again at exit, when interrupted)."""
+    if egress is not None:
+        egress.close()
+    if not cid and created is not None:  # interrupted while the engine made it
+        with contextlib.suppress(Exception):
+            cid = created.id(START_TIMEOUT_S)
+    remove_container(api, cid or name)  # an absent one is no error
+    _release_mounts(rundir, mounts)
+    lease.release()
 
 
 class _ContainerInstance(SupervisedInstance):
@@ -613,8 +670,8 @@ class DockerBackend(Backend):
                 for target, (size, inodes, mode) in _guest.tmpfs_sizes(spec).items():
                     path = rundir / _guest.host_folder(target)
                     path.mkdir()
+                    mounts.append(path)  # before the mount: one cut short is undone too
                     _guest.mount_tmpfs(path, size=size, inodes=inodes, mode=mode, uid=uid, noexec=noexec)
-                    mounts.append(path)
                     binds[target] = path
         except BaseException:
             _release_mounts(rundir, mounts)
@@ -745,6 +802,8 @@ class DockerBackend(Backend):
         # per user, and uid 1000 may be a real account of this host.
         lease = _host.lease_uid(self.state_dir)
         cid = ""
+        created: _Create | None = None
+        name = f"stockade-{sid}"
         egress = None
         try:
             if not self.remote:
@@ -758,23 +817,28 @@ class DockerBackend(Backend):
                 )
                 binds[EGRESS_DIR] = egress.folder
             with mapped_engine_errors(self.image, self.runtime):
-                created = api.create_container(
-                    self.image,
-                    command=list(_guest.SUPERVISOR_ARGV),
-                    user=f"{lease.uid}:{lease.uid}",
-                    working_dir=WORKSPACE,
-                    environment=_supervisor_env(egress),
-                    hostname="sandbox",
-                    labels=self._labels(spec, sid),
-                    stdin_open=True,
-                    tty=False,
-                    # Nothing inside needs a graceful stop; an engine shutdown must not wait.
-                    stop_signal="SIGKILL",
-                    network_disabled=not spec.network.unrestricted,
-                    host_config=self._host_config(api, spec, folder, binds, uid=lease.uid, masks=rules.masks),
-                    name=f"stockade-{sid}",
+                created = _Create(
+                    lambda: api.create_container(
+                        self.image,
+                        command=list(_guest.SUPERVISOR_ARGV),
+                        user=f"{lease.uid}:{lease.uid}",
+                        working_dir=WORKSPACE,
+                        environment=_supervisor_env(egress),
+                        hostname="sandbox",
+                        labels=self._labels(spec, sid),
+                        stdin_open=True,
+                        tty=False,
+                        # Nothing inside needs a graceful stop; an engine shutdown must not wait.
+                        stop_signal="SIGKILL",
+                        network_disabled=not spec.network.unrestricted,
+                        host_config=self._host_config(
+                            api, spec, folder, binds, uid=lease.uid, masks=rules.masks
+                        ),
+                        name=name,
+                    )
                 )
-                cid = str(created["Id"])
+                created.start()
+                cid = created.id()
                 sock = api.attach_socket(cid, params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1})
                 raw = getattr(sock, "_sock", sock)
                 stream = AttachStream(raw, sock)
@@ -788,12 +852,19 @@ class DockerBackend(Backend):
                     if enforcement.ptys is Mechanism.DEVPTS:  # before any code runs, as the TCP limit
                         _host.bound_ptys(pid, spec.limits.ptys)
         except BaseException:
-            if egress is not None:
-                egress.close()
-            if cid:
-                remove_container(api, cid)
-            _release_mounts(rundir, mounts)
-            lease.release()
+            # By name when the id is not known: an interrupt while the engine answers the
+            # create leaves a container made. Run again at exit if this too is interrupted.
+            undo = functools.partial(
+                _undo_start,
+                api,
+                cid=cid,
+                created=created,
+                name=name,
+                egress=egress,
+                rundir=rundir,
+                mounts=mounts,
+            )
+            _exit.undo(undo, lease)
             raise
         boundary = _ContainerBoundary(api, cid, rundir, mounts, remote=self.remote, lease=lease)
         boundary.egress = egress

@@ -363,6 +363,23 @@ class RunscBackend(Backend):
         except (OSError, ValueError, KeyError, subprocess.SubprocessError):
             self._compile_failed = True
 
+    def _undo_launch(
+        self,
+        sid: str,
+        proc: subprocess.Popen[bytes] | None,
+        bundle: Path,
+        mounts: list[Path],
+        egress: EgressHandle | None,
+    ) -> None:
+        """What a launch that failed holds, let go; may run twice (again at exit)."""
+        if proc is not None:  # runsc was started: its sandbox may be running
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            self.destroy(sid)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+        _release(bundle, mounts, egress)
+
     def signal(self, sid: str, name: str) -> None:
         subprocess.run(
             self._argv("kill", "--all", sid, name),
@@ -508,8 +525,8 @@ class RunscBackend(Backend):
             for target, (size, inodes, mode) in _guest.tmpfs_sizes(spec).items():
                 path = bundle / _guest.host_folder(target)
                 path.mkdir()
+                mounts.append(path)  # before the mount: one cut short is undone too
                 _guest.mount_tmpfs(path, size=size, inodes=inodes, mode=mode, uid=uid)
-                mounts.append(path)
                 binds[target] = path
                 if files is not None:
                     _gvisor_memory.unpack_area(
@@ -561,13 +578,10 @@ class RunscBackend(Backend):
                 start_new_session=True,
             )
             _keep_head(proc, bundle / "runsc.log")
-        except OSError as err:
-            if proc is not None:
-                proc.kill()
-            _release(bundle, mounts, egress)
-            raise exc.SandboxStartError(f"cannot start runsc: {err}") from err
-        except BaseException:
-            _release(bundle, mounts, egress)
+        except BaseException as err:  # an interrupt (a Ctrl-C) too; once more at exit if cut short again
+            _exit.undo(self._undo_launch, sid, proc, bundle, mounts, egress)
+            if isinstance(err, OSError):
+                raise exc.SandboxStartError(f"cannot start runsc: {err}") from err
             raise
         boundary = _RunscBoundary(self, sid, proc, bundle, mounts)
         boundary.egress = egress

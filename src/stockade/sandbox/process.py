@@ -16,6 +16,7 @@ options from a file descriptor, so neither the folder nor the sandbox's id shows
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import select
@@ -578,6 +579,7 @@ class ProcessBackend(Backend):
                 ):
                     target = rundir / name
                     target.mkdir()
+                    mounts.append(target)  # before the mount: one cut short is undone too
                     mount_tmpfs(
                         target,
                         size=size,
@@ -586,7 +588,6 @@ class ProcessBackend(Backend):
                         mode=0o755 if name == "workspace" else 0o1777,
                         noexec=_rules.written_noexec(spec),
                     )
-                    mounts.append(target)
             egress = _attach_egress(spec, rundir, uid)
             if self._cgroups.mechanism is not Mechanism.NONE:
                 cgroup = _cgroups.Cgroup(self._cgroups.mechanism, sid)
@@ -616,12 +617,12 @@ class ProcessBackend(Backend):
                 spec=spec,
                 enforcement=enforcement,
             )
-        except exc.StockadeError:
-            _cleanup(proc, cgroup, mounts, rundir, lease, egress=egress, placeholder=placeholder)
+        except BaseException as err:  # an interrupt (a Ctrl-C) too; once more at exit if cut short again
+            undo = functools.partial(_cleanup, cgroup=cgroup, egress=egress, placeholder=placeholder)
+            _exit.undo(undo, proc, mounts, rundir, lease)
+            if isinstance(err, OSError):
+                raise exc.SandboxStartError(f"cannot start bubblewrap: {err}") from err
             raise
-        except OSError as err:
-            _cleanup(proc, cgroup, mounts, rundir, lease, egress=egress, placeholder=placeholder)
-            raise exc.SandboxStartError(f"cannot start bubblewrap: {err}") from err
         finally:
             for fd in fds:
                 os.close(fd)
@@ -895,11 +896,11 @@ def _memfd(name: str, data: bytes) -> int:
 
 def _cleanup(
     proc: subprocess.Popen[bytes] | _template.Init | None,
-    cgroup: _cgroups.Cgroup | None,
     mounts: list[Path],
     rundir: Path,
     lease: UidLease | None,
     *,
+    cgroup: _cgroups.Cgroup | None,
     egress: EgressHandle | None = None,
     placeholder: subprocess.Popen[bytes] | None = None,
 ) -> None:
