@@ -15,7 +15,7 @@ import re
 import stat
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from stockade import exceptions as exc
 from stockade._checks import (
@@ -41,6 +41,9 @@ from stockade.sandbox.ops import (
     WriteFile,
     program_command,
 )
+
+if TYPE_CHECKING:
+    import tarfile
 from stockade.types import CommandResult, Execution, ExecutionError, Logs
 
 __all__ = [
@@ -286,19 +289,10 @@ def tar_chunks(
     for path, name, st in kept:
         if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) in hidden_files:
             continue  # another name of a hidden file
-        try:
-            # a file is opened first, and described by its descriptor: what is read is what
-            # the header says, even if its name goes meanwhile
-            data = open_entry(path) if stat.S_ISREG(st.st_mode) else None
-            info = tar.gettarinfo(path, arcname=name, fileobj=data)
-        except (FileNotFoundError, NotADirectoryError):
-            continue  # removed since the walk saw it: left out
-        except OSError as error:
-            raise unreadable(path, error) from None
-        if info is None:  # a socket: nothing an archive holds (tar leaves one out too)
-            if data is not None:
-                data.close()
+        described = _described(tar, path, name, st)
+        if described is None:
             continue
+        info, data = described
         header = info.tobuf(tar.format, tar.encoding, tar.errors)
         buf += header
         total += len(header)
@@ -436,6 +430,27 @@ def _carries(folder: Path) -> bool:
 
 # Folders of version-control systems other than git, by name: their stores hold past files.
 _VCS_FOLDERS = frozenset({".hg", ".svn", ".bzr", "_darcs", ".jj", "CVS", ".fossil-settings"})
+
+
+def _described(
+    tar: tarfile.TarFile, path: Path, name: str, st: os.stat_result
+) -> tuple[tarfile.TarInfo, BinaryIO | None] | None:
+    """The header of ``path`` and, for a file, its open descriptor; None for what an archive
+    leaves out: an entry removed since the walk saw it, a socket (as tar leaves one out)."""
+    try:
+        # a file is opened first, and described by its descriptor: what is read is what the
+        # header says, even if its name goes meanwhile
+        data = open_entry(path) if stat.S_ISREG(st.st_mode) else None
+        info = tar.gettarinfo(path, arcname=name, fileobj=data)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as error:
+        raise unreadable(path, error) from None
+    if info is None:  # typeshed says never; a socket's is
+        if data is not None:
+            data.close()
+        return None
+    return info, data
 
 
 def _repository(folder: Path) -> bool:
