@@ -114,7 +114,7 @@ from stockade.runtime.clock import Clock, SystemClock
 from stockade.runtime.events import Observer as RuntimeObserver
 from stockade.runtime.events import RuntimeEvent
 from stockade.runtime.failures import DEFAULT_FAILURES, AgentBreaker
-from stockade.runtime.killswitch import KillSource, KillSwitch, kill_source_for
+from stockade.runtime.killswitch import KillSource, KillSwitch, check_kill_target, kill_source_for
 from stockade.runtime.limits import OnLimit, RateLimit, SpendLimit, Window, window_for
 from stockade.runtime.models import BreakerModel, LimitedModel, RetryingModel
 from stockade.runtime.retry import Retrier, RetryingBackend, RetryPolicy
@@ -243,6 +243,8 @@ class AgentConfig:
                 argument="AgentConfig.rate_period_s",
                 fix="give the rate limits' window in seconds, more than 0 (60: a minute)",
             )
+        if self.kill_source is None:
+            check_kill_target(self.kill_target)
         if self.tier is not None and self.tier not in _registry.TIERS:
             raise InvalidArgument(
                 f"AgentConfig.tier is {self.tier!r}, which is no tier",

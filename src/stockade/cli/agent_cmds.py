@@ -8,7 +8,6 @@ default the same database) around a sandbox of the tier trust allows.
 from __future__ import annotations
 
 import enum
-import os
 import shutil
 from pathlib import Path
 from typing import Annotated
@@ -18,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from rich.console import Console
 
 from stockade import exceptions as exc
+from stockade._config_file import audit_key
 from stockade._private import private_dir, write_private
 from stockade.agent import (
     AgentEvent,
@@ -34,6 +34,7 @@ from stockade.agent import (
 )
 from stockade.cli._console import CliConsole, escape, print_diff
 from stockade.cli._signals import Interrupted, exit_code, interruptible, on_stop, signal_name
+from stockade.policy.compliance import kill_target_reachable
 from stockade.runtime.events import RetryScheduled, RuntimeEvent
 from stockade.runtime.failures import DEFAULT_FAILURES
 from stockade.sandbox import _registry
@@ -305,7 +306,7 @@ def agent(  # noqa: C901 - a typer command: its options become the run's configu
             tier=options.tier,
             prefer=options.prefer.value if options.prefer is not None else None,
             audit=options.audit_db,
-            audit_key=os.environ.get("STOCKADE_AUDIT_KEY", "").encode() or None,  # as `stockade audit`
+            audit_key=audit_key(),  # as `stockade audit`
             limits=RunLimits(max_steps=options.max_steps, max_cost_usd=options.budget_usd),
             rate_per_minute=options.rate,
             dollars_per_hour=options.spend_per_hour,
@@ -319,6 +320,11 @@ def agent(  # noqa: C901 - a typer command: its options become the run's configu
             observers=[progress],
             runtime_observers=[progress.retry],
         )
+        # the run goes on without a reachable switch (it may come up later), but not unsaid: the
+        # line below tells how to stop it, which would not work now
+        reachable, where = kill_target_reachable(options.kill_target)
+        if not reachable:
+            err.print(f"[yellow]warning: the kill target cannot be reached now:[/] {escape(where)}")
         # a signal while the sandbox starts or the run is saved: stop, removing what was made
         with (
             interruptible(),

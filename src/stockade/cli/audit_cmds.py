@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
-import os
 import sys
 import time
 from collections import deque
@@ -22,6 +21,7 @@ from typing import TYPE_CHECKING, Annotated, TextIO
 import typer
 
 from stockade import exceptions as exc
+from stockade._config_file import audit_key
 from stockade._display import visible, visible_json
 from stockade._private import create_private
 from stockade._sqlite_reader import SQLiteReader
@@ -166,10 +166,7 @@ def _tenant_ledger(ledger: RunStore, tenant: str) -> RunsLedger | None:
 
 
 def _key(key_file: Path | None) -> bytes | None:
-    if key_file is not None:
-        return key_file.read_bytes().strip()
-    value = os.environ.get("STOCKADE_AUDIT_KEY")
-    return value.encode() if value else None
+    return audit_key(key_file)
 
 
 def verify(

@@ -82,7 +82,7 @@ def mcp(
         typer.Option("--max-failures", help='failed calls in a row that end a session "broken" (0: never)'),
     ] = DEFAULT_FAILURES,
     host: Annotated[str, typer.Option("--host", help="http: the address to listen on")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", help="http: the port")] = 8765,
+    port: Annotated[int, typer.Option("--port", min=1, max=65535, help="http: the port")] = 8765,
     idle_timeout: Annotated[
         float, typer.Option("--idle-timeout", help="http: seconds before an unused session ends")
     ] = 1800.0,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import shlex
 import tempfile
@@ -22,6 +21,7 @@ import typer
 from rich.table import Table
 
 from stockade import exceptions as exc
+from stockade._config_file import audit_key
 from stockade.agent.state import RunStatus, StepRecord, ToolCallRecord
 from stockade.cli._console import CliConsole, escape, print_diff
 from stockade.cli._signals import Interrupted, interruptible
@@ -70,7 +70,7 @@ def _store(db: str, namespace: str, *, read_only: bool) -> RunStore:
 
 
 def _audit_key() -> bytes | None:
-    return os.environ.get("STOCKADE_AUDIT_KEY", "").encode() or None  # as `stockade audit`
+    return audit_key()  # as `stockade audit`
 
 
 def _resolve(store: RunStore, run_id: str) -> str:

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from stockade import exceptions as exc
+from stockade._config_file import audit_key, read_config_text
 from stockade.cli._console import CliConsole, escape
 
 out = CliConsole()
@@ -57,11 +57,10 @@ MaxAttemptsOption = Annotated[
 def _config(tenants: Path, db: str, redis: str | None, **options: object) -> object:
     from stockade.server import ServiceConfig, TenantsFile
 
-    key = os.environ.get("STOCKADE_AUDIT_KEY")
     # the file is followed: a token taken out of it is refused within a second, without a restart
     return ServiceConfig(
         tenants=TenantsFile(tenants), database=db, redis=redis or None,
-        audit_key=key.encode() if key else None, **options,  # type: ignore[arg-type]
+        audit_key=audit_key(), **options,  # type: ignore[arg-type]
     )  # fmt: skip
 
 
@@ -73,7 +72,7 @@ def serve(
         typer.Option("--redis", envvar="STOCKADE_REDIS", help="redis://...: runs go to `stockade worker`s"),
     ] = None,
     host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port")] = 8080,
+    port: Annotated[int, typer.Option("--port", min=1, max=65535)] = 8080,
     run_threads: Annotated[int, typer.Option("--run-threads", help="runs at once, without Redis")] = 2,
     idle_timeout: Annotated[
         float, typer.Option("--idle-timeout", help="seconds before an unused sandbox is closed")
@@ -234,16 +233,35 @@ def token_new(
     token, record = new_token(tenant, role, admin=admin)
     lines = Tenants(tenants={}, tokens={}).toml_lines(record)
     if append is not None:
-        with append.open("a") as file:
+        # the file as it would be, loaded first: a token `serve` would refuse the whole file for
+        # (an unknown tenant or role) is not appended to a file that loads. A file still being
+        # written (missing, or not loading yet) takes it, said.
+        before = read_config_text(append, what="the tenants file") if append.exists() else None
+        problem = _load_problem((before or "") + "\n" + lines, append)
+        if problem is not None:
+            if before is not None and _load_problem(before, append) is None:
+                err.print(
+                    f"[red]error:[/] nothing appended, the tenants file would not load: {escape(problem)}"
+                )
+                raise typer.Exit(2)
+            err.print(f"[yellow]the tenants file did not load before this token either:[/] {escape(problem)}")
+        with append.open("a", encoding="utf-8") as file:
             file.write("\n" + lines)
-        try:
-            Tenants.load(append)
-        except exc.StockadeError as error:
-            err.print(f"[yellow]the tenants file does not load yet:[/] {escape(str(error))}")
     else:
         err.print("[dim]add to the tenants file:[/]")
         err.print(escape(lines), end="")
     print(token)
+
+
+def _load_problem(text: str, path: Path) -> str | None:
+    """Why a tenants file of ``text`` at ``path`` would not load; None when it would."""
+    from stockade.server.tenants import Tenants
+
+    try:
+        Tenants.parse(text, path=path)
+    except exc.StockadeError as error:
+        return str(error)
+    return None
 
 
 def register(app: typer.Typer) -> None:

@@ -27,7 +27,7 @@ def ui(
         ),
     ] = DEFAULT_DB,
     namespace: Annotated[str, typer.Option("--namespace", help="table prefix of the run store")] = "runs",
-    port: Annotated[int, typer.Option("--port", help="the port on 127.0.0.1")] = 8766,
+    port: Annotated[int, typer.Option("--port", min=1, max=65535, help="the port on 127.0.0.1")] = 8766,
     approval_dir: Annotated[
         Path | None,
         typer.Option(

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from pydantic import JsonValue, TypeAdapter
 
+from stockade._config_file import read_config_bytes
 from stockade.exceptions import ConfigurationError
 from stockade.models.base import Model, estimate_usage
 from stockade.models.messages import AssistantMessage, ModelRequest, ModelResponse, ToolCall
@@ -63,10 +64,9 @@ class ScriptedModel(Model):
     def from_file(cls, path: str | Path) -> ScriptedModel:
         """A JSON list of turns: ``"answer"``, ``{"name": ..., "args": {...}}``, a list of those,
         or ``{"text": ..., "tool_calls": [...]}``."""
+        data = read_config_bytes(path, what="the scripted turns file")
         try:
-            turns = _FILE_TURNS.validate_json(Path(path).read_bytes())
-        except OSError as err:
-            raise ConfigurationError(f"cannot read scripted turns from {path}: {err}") from None
+            turns = _FILE_TURNS.validate_json(data)
         except ValueError as err:
             raise ConfigurationError(f"{path} is not a list of scripted turns: {err}") from None
         return cls(turns, name=f"scripted:{Path(path).name}")

@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from stockade._checks import check_host_path
+from stockade._config_file import read_config_bytes
 from stockade.exceptions import ConfigurationError, InvalidArgument, PolicyFileError
 from stockade.policy.schema import Policy
 
@@ -49,7 +50,7 @@ def _toml_lines(text: str) -> dict[Loc, int]:
     return lines
 
 
-def _yaml_lines(text: str) -> tuple[Any, dict[Loc, int]]:
+def _yaml_lines(text: str, source: str) -> tuple[Any, dict[Loc, int]]:
     import yaml
 
     lines: dict[Loc, int] = {}
@@ -65,10 +66,45 @@ def _yaml_lines(text: str) -> tuple[Any, dict[Loc, int]]:
             for index, item in enumerate(node.value):
                 walk(item, (*path, index))
 
-    root = yaml.compose(text, Loader=yaml.SafeLoader)
-    if root is not None:
+    loader = yaml.SafeLoader(text)
+    try:
+        root = loader.get_single_node()
+        if root is None:
+            return None, lines
+        _count_nodes(root, source)
         walk(root, ())
-    return yaml.safe_load(text), lines
+        return loader.construct_document(root), lines
+    finally:
+        loader.dispose()
+
+
+# The nodes a YAML policy may hold once its aliases are expanded. An alias is a reference: nine
+# levels of anchors each used ten times (a "billion laughs") are a few lines of text that expand
+# to 10^9 nodes, and took 3 GB before MemoryError. A real policy has a few hundred.
+MAX_YAML_NODES = 100_000
+
+
+def _count_nodes(root: Any, source: str) -> None:
+    """``PolicyFileError`` when ``root`` expands to more than ``MAX_YAML_NODES`` nodes, counted
+    as read (a node an alias reaches counts each time), with a stop at the budget."""
+    import yaml
+
+    count = 0
+    todo = [root]
+    while todo:
+        node = todo.pop()
+        count += 1
+        if count > MAX_YAML_NODES:
+            problem = (
+                f"{source}: the YAML expands to more than {MAX_YAML_NODES} values (its aliases "
+                "repeat what they refer to): write the policy out"
+            )
+            raise PolicyFileError(problem, problems=(problem,))
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                todo.extend((key, value))
+        elif isinstance(node, yaml.SequenceNode):
+            todo.extend(node.value)
 
 
 def _line_of(loc: Loc, lines: Mapping[Loc, int]) -> int | None:
@@ -87,7 +123,7 @@ def _read(text: str, format: str, source: str) -> tuple[Any, dict[Loc, int]]:
             return tomllib.loads(text), _toml_lines(text)
         elif format in ("yaml", "yml"):
             try:
-                return _yaml_lines(text)
+                return _yaml_lines(text, source)
             except ModuleNotFoundError:
                 raise ConfigurationError('YAML policies need PyYAML: pip install "stockade[yaml]"') from None
         else:
@@ -142,10 +178,9 @@ def load_policy(path: str | Path) -> Policy:
     file = check_host_path(path, argument="path")
     suffix = file.suffix.lower().lstrip(".")
     fmt = "yaml" if suffix in ("yaml", "yml") else "toml"
+    data = read_config_bytes(file, what="the policy file")
     try:
-        text = file.read_text(encoding="utf-8")
-    except OSError as err:
-        raise ConfigurationError(f"cannot read the policy file {str(file)!r}: {err.strerror}") from None
+        text = data.decode("utf-8")
     except UnicodeDecodeError as err:
         problem = f"{file.name}: byte {err.start} is not UTF-8 (a policy file is UTF-8 text)"
         raise PolicyFileError(problem, problems=(problem,)) from None
@@ -156,6 +191,6 @@ def policy_digest(path: str | Path) -> str | None:
     """The SHA-256 of a policy file's bytes as they are now (``None``: it cannot be read): a run
     keeps it with its policy, so that a replay can say when the file changed since."""
     try:
-        return "sha256:" + hashlib.sha256(Path(path).read_bytes()).hexdigest()
-    except OSError:
+        return "sha256:" + hashlib.sha256(read_config_bytes(path, what="the policy file")).hexdigest()
+    except ConfigurationError:
         return None

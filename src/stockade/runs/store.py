@@ -521,6 +521,10 @@ class RunStore:
 
     def find(self, prefix: str) -> list[str]:
         """Run ids starting with ``prefix`` (the CLI accepts a unique prefix)."""
+        try:
+            prefix.encode("utf-8")
+        except UnicodeEncodeError:  # a byte no UTF-8 holds (``$'\xff'``): no run id starts so
+            return []
         like = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
         rows = self.db.query(
             f"SELECT run_id FROM {self.ns}_runs WHERE run_id LIKE ? ESCAPE '\\' ORDER BY run_id LIMIT 10",

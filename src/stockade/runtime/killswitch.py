@@ -34,9 +34,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from stockade._private import private_dir, write_private
-from stockade.exceptions import ConfigurationError, RunInterrupted, RunKilled, StockadeError
+from stockade.exceptions import ConfigurationError, InvalidArgument, RunInterrupted, RunKilled, StockadeError
 from stockade.runtime.events import KillRequested, Observer, ignore
 from stockade.sandbox.base import Instance, OpResult, OutputSink, WrapperInstance
 from stockade.sandbox.ops import Op
@@ -52,6 +53,7 @@ __all__ = [
     "LiveRun",
     "MemoryKillSource",
     "RedisKillSource",
+    "check_kill_target",
     "check_watched",
     "default_kill_dir",
     "kill_all",
@@ -198,6 +200,7 @@ class FileKillSource:
 
     def __init__(self, directory: str | Path | None = None, *, ttl_s: float = KILL_TTL_S) -> None:
         self.directory = Path(directory) if directory is not None else default_kill_dir()
+        check_kill_target(str(self.directory))
         self.ttl_s = ttl_s
 
     def reason(self, run_id: str) -> str | None:
@@ -290,7 +293,10 @@ class RedisKillSource:
             import redis
         except ModuleNotFoundError:
             raise ConfigurationError('the Redis kill switch needs: pip install "stockade[redis]"') from None
-        self.client = redis.Redis.from_url(url, socket_timeout=2.0)
+        try:
+            self.client = redis.Redis.from_url(url, socket_timeout=2.0)
+        except ValueError as error:  # urllib's "Invalid IPv6 URL", a port that is no number, ...
+            raise _not_redis(url, error) from None
         self.prefix = prefix
         self.live_prefix = live_prefix
         self.ttl_s = ttl_s
@@ -345,10 +351,41 @@ def kill_all(source: KillSource, reason: str, *, tenant: str | None = None) -> l
 _DATABASE_URLS = ("sqlite:///", "postgresql://", "postgres://")
 
 
+_REDIS_URLS = ("redis://", "rediss://", "unix://")
+
+
+def check_kill_target(target: str | None) -> None:
+    """``InvalidArgument`` when ``target`` can name no kill source: a Redis URL that does not
+    parse, or a path to something that is not a folder. Checked before anything is made for a
+    run (an agent with a bad target had made its audit database already). Nothing is reached."""
+    if target and target.startswith(_REDIS_URLS):
+        try:
+            urlsplit(target).port  # noqa: B018 (parsing it raises for a bad host or port)
+        except ValueError as error:  # "Invalid IPv6 URL", a port that is no number, ...
+            raise _not_redis(target, error) from None
+    elif target and not target.startswith(_DATABASE_URLS):
+        folder = Path(target)
+        if folder.exists() and not folder.is_dir():  # made when first used, if missing
+            raise InvalidArgument(
+                f"the kill directory {target!r} is not a folder",
+                argument="--target",
+                fix="give a folder (or redis://..., or the service's database URL)",
+            )
+
+
+def _not_redis(url: str, error: ValueError) -> InvalidArgument:
+    return InvalidArgument(
+        f"the kill target {url!r} is no Redis URL: {error}",
+        argument="--target",
+        fix="give redis://HOST:PORT/DB",
+    )
+
+
 def kill_source_for(target: str | None) -> KillSource:
     """``redis://...`` -> Redis; a service's database (``sqlite:///PATH``, ``postgresql://...``)
     -> its switches; a path or None -> the kill directory."""
-    if target and target.startswith(("redis://", "rediss://", "unix://")):
+    check_kill_target(target)
+    if target and target.startswith(_REDIS_URLS):
         return RedisKillSource(target)
     if target and target.startswith(_DATABASE_URLS):
         # the service's tables are the server's business: imported only for such a target, so

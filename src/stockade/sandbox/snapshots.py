@@ -159,7 +159,9 @@ class SnapshotStore:
         limit = os.environ.get("STOCKADE_SNAPSHOT_MAX_MB", "")
         if limit and not limit.isdigit():
             raise exc.InvalidArgument(
-                f"STOCKADE_SNAPSHOT_MAX_MB is {limit!r}", argument="STOCKADE_SNAPSHOT_MAX_MB", fix="give MiB"
+                f"STOCKADE_SNAPSHOT_MAX_MB is {limit!r}",
+                argument="STOCKADE_SNAPSHOT_MAX_MB",
+                fix=f"give a whole number of MiB, or unset it for {DEFAULT_MAX_MB}",
             )
         return cls(root, (int(limit) if limit else DEFAULT_MAX_MB) * MiB)
 

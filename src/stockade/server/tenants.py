@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import logging
 import os
 import re
@@ -52,6 +53,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from stockade import exceptions as exc
+from stockade._config_file import read_config_text
 from stockade.policy.load import load_policy
 from stockade.policy.schema import Policy
 from stockade.types import MiB
@@ -188,8 +190,22 @@ def parse_token(token: str) -> tuple[str, str] | None:
     return (match.group(1), match.group(2)) if match else None
 
 
+def _is_text(name: str) -> bool:
+    """Printable text that UTF-8 can write: a byte that is no UTF-8 (a lone surrogate, from
+    ``$'\\xff'`` in a shell) or a control character would make a file that does not load."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return bool(name) and name.isprintable()
+
+
 def new_token(tenant: str, role: str | None = None, *, admin: bool = False) -> tuple[str, TokenRecord]:
     """A fresh token (shown once) and the record to keep (its secret hashed)."""
+    if role is not None and not _is_text(role):
+        raise exc.InvalidArgument(
+            f"role {role!r} is not a role's name", argument="role", fix="give a role of the tenant's policy"
+        )
     token_id, secret = secrets.token_hex(6), secrets.token_urlsafe(32)
     return f"stk_{token_id}_{secret}", TokenRecord(
         id=token_id, sha256=_digest(secret), tenant=tenant, role=role, admin=admin
@@ -229,12 +245,14 @@ class Tenants:
     @classmethod
     def load(cls, path: str | Path) -> Tenants:
         path = Path(path)
+        return cls.parse(read_config_text(path, what="the tenants file"), path=path)
+
+    @classmethod
+    def parse(cls, text: str, *, path: Path) -> Tenants:
+        """The table of a tenants file's ``text``; ``path`` names it, and its policy files are
+        found next to it."""
         try:
-            raw = tomllib.loads(path.read_text(encoding="utf-8"))
-        except OSError as error:
-            raise exc.ConfigurationError(f"cannot read the tenants file {path}: {error}") from None
-        except UnicodeDecodeError as error:
-            raise exc.ConfigurationError(f"{path}: not UTF-8 text: {error}") from None
+            raw = tomllib.loads(text)
         except tomllib.TOMLDecodeError as error:
             raise exc.ConfigurationError(f"{path}: not valid TOML: {error}") from None
         except RecursionError:  # tomllib parses nested arrays by recursion
@@ -299,7 +317,8 @@ class Tenants:
 
     def toml_lines(self, record: TokenRecord) -> str:
         """The lines that add ``record`` to a tenants file."""
-        role = f'\nrole = "{record.role}"' if record.role else ""
+        # a TOML basic string: JSON's escapes are TOML's (a quote in a role ended the string)
+        role = f"\nrole = {json.dumps(record.role, ensure_ascii=False)}" if record.role else ""
         admin = "\nadmin = true" if record.admin else ""
         return (
             f'[[tokens]]\nid = "{record.id}"\nsha256 = "{record.sha256}"\ntenant = "{record.tenant}"{role}'
