@@ -15,6 +15,7 @@ that is not append-only, so that erasing a data subject can forget them.
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import math
 import re
@@ -319,8 +320,18 @@ class SQLiteStore(AuditStore):
             return
         private_database(self.path, "an audit trail and its sealing keys")
         self._conn = self._connect()
-        self._conn.execute("PRAGMA secure_delete=ON")  # an erased key is overwritten, not left in a free page
-        self._conn.executescript(_sqlite_schema(self.ns))
+        try:
+            # an erased key is overwritten, not left in a free page
+            self._conn.execute("PRAGMA secure_delete=ON")
+            # One transaction: a store that cannot be made (a full disk) is left with all its
+            # tables or none, never events without the head that says where they end.
+            self._conn.executescript(f"BEGIN IMMEDIATE; {_sqlite_schema(self.ns)} COMMIT;")
+        except sqlite3.Error as error:
+            with contextlib.suppress(sqlite3.Error):  # a rollback that fails is one on close
+                if self._conn.in_transaction:
+                    self._conn.execute("ROLLBACK")
+            self._conn.close()
+            raise exc.AuditStoreError(f"cannot open audit store {self.path}: {error}") from error
 
     def _connect(self) -> sqlite3.Connection:
         try:

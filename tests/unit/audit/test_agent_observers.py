@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import pytest
 
+from stockade import CommandResult
 from stockade.agent import Agent
 from stockade.agent.state import args_measure
-from stockade.audit import EventKind, verify
+from stockade.audit import AuditedBackend, AuditLog, EventKind, verify
 from stockade.audit.agent import AuditObserver
+from stockade.exceptions import AuditStoreError
 from stockade.models.messages import ToolCall
 from stockade.models.scripted import ScriptedModel, Turn
 from stockade.sandbox import Sandbox
-from stockade.testing import FakeBackend, capture_audit
-from stockade.tools import idempotency_key
+from stockade.sandbox.ops import RunCommand
+from stockade.testing import FakeBackend, MemoryWorkspace, capture_audit
+from stockade.tools import Toolset, idempotency_key, shell
 from tests.conftest import require
+from tests.unit.audit.test_log import FullStore
 
 SCRIPT: list[Turn] = [ToolCall(name="write_file", args={"path": "a.py", "content": "x = 1"}), "done"]
 
@@ -75,3 +79,33 @@ def test_a_run_becomes_genai_spans() -> None:
         s.parent is not None and s.parent.span_id == root.context.span_id for s in spans if s is not root
     )
     assert (root.attributes or {})["gen_ai.conversation.id"] == "run-8"
+
+
+def test_a_run_stops_at_the_first_call_after_the_trail_cannot_be_written() -> None:
+    """Fail closed on a full audit store: a call starts only once everything before it is
+    written. Before, a run's calls went on for the log's flush interval after its store filled
+    (11 ``run_code`` calls of 15 ran unrecorded, then the run ended on the failed write)."""
+    ran: list[str] = []
+
+    def command(op: RunCommand) -> CommandResult:
+        ran.append(op.argv[-1])
+        return CommandResult(exit_code=0, stdout="x" * 100, stderr="", duration_s=0.0)
+
+    store = FullStore(room=24)
+    log = AuditLog(store, flush_interval_s=None)  # no background write: what check() writes only
+    turns: list[Turn] = [ToolCall(name="shell", args={"command": f"echo {i}"}) for i in range(15)]
+    backend = AuditedBackend(FakeBackend(MemoryWorkspace(commands=command)), log, run_id="run-full")
+    sbx = Sandbox.create(backend=backend)
+    try:
+        agent = Agent(ScriptedModel([*turns, "done"]), tools=Toolset([shell]), observers=[AuditObserver(log)])
+        with pytest.raises(AuditStoreError, match="disk is full"):  # the run stops with it
+            agent.run_sync("echo", sandbox=sbx, run_id="run-full")
+        assert 0 < len(ran) < 15
+        # each call that ran was in the trail, started, before it ran; none after the store filled
+        started = [e for e in store.events() if e.kind == EventKind.TOOL_CALL_START]
+        assert len(started) == len(ran)
+    finally:
+        store.room = 10**6  # room again: what is queued is written, and the sandbox closes
+        log.flush()
+        sbx.close()
+    assert verify(store).ok

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -264,3 +267,39 @@ def test_numbers_past_what_a_seq_can_be_are_said_not_raised(tmp_path: Path) -> N
         exported = runner.invoke(app, ["audit", "export", "--db", db, "--after", after])
         assert exported.exit_code == 0, exported.output
         assert len(exported.output.splitlines()) == (0 if after == huge else 5)
+
+
+# A child whose files cannot grow past 30,000 bytes: SQLite's shared-memory file (32 KiB) then
+# cannot, as on a full disk, while the store is made.
+_OPEN_FULL = """
+import resource, signal, sys
+from stockade import exceptions
+from stockade.audit import SQLiteStore
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), not the process
+resource.setrlimit(resource.RLIMIT_FSIZE, (30_000, 30_000))
+try:
+    SQLiteStore(sys.argv[1])
+except exceptions.StockadeError as error:
+    print(type(error).__name__, error.retryable)
+"""
+
+
+def test_a_store_that_cannot_be_made_is_a_store_error_and_verify_says_so(tmp_path: Path) -> None:
+    """Opening a SQLite store on a full disk raised a bare ``sqlite3.OperationalError`` (from
+    making its tables, outside the store's errors) and could leave part of its tables made."""
+    path = tmp_path / "a.db"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    child = subprocess.run(
+        [sys.executable, "-c", _OPEN_FULL, str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert child.stdout.split() == ["AuditStoreError", "True"], child.stderr
+    with sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True) as db:  # all its tables, or none
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert tables in (set(), {"audit_events", "audit_head", "audit_run_keys"})
+    result = runner.invoke(app, ["audit", "verify", "--db", f"sqlite:///{path}"])
+    assert result.exit_code != 0, result.output

@@ -85,7 +85,7 @@ def test_many_threads_make_one_linear_chain(tmp_path: Path) -> None:
 
 
 def test_a_failed_write_keeps_the_events_and_stops_the_caller() -> None:
-    store = FlakyStore(failures=1)
+    store = FlakyStore(failures=2)
     log = AuditLog(store, batch_size=2, flush_interval_s=None)
     record(log, 1)
 
@@ -95,8 +95,9 @@ def test_a_failed_write_keeps_the_events_and_stops_the_caller() -> None:
 
     with pytest.raises(AuditStoreError):  # still broken: every caller is stopped, its event kept
         record(log, 3)
-    with pytest.raises(AuditStoreError):  # and what checks before it acts does not act
+    with pytest.raises(AuditStoreError):  # and what checks before it acts (a write tried again) does not act
         log.check()
+    assert store.failures == 0 and log.pending == 3
     log.flush()  # the store is back
     log.check()
     record(log, 4)
@@ -227,3 +228,40 @@ def test_an_event_the_store_cannot_keep_is_refused_at_record_and_the_log_goes_on
     assert list(store.events(after_seq=2**70)) == [] and len(list(store.events(after_seq=-(2**70)))) == 2
     with pytest.raises(InvalidArgument):
         verify(store, expected_head=("a", "x"))  # type: ignore[arg-type]
+
+
+class FullStore(MemoryStore):
+    """A store whose disk fills at ``room`` events: a batch past them fails, as SQLite's
+    "database or disk is full" (the batch is one transaction: none of it is written)."""
+
+    def __init__(self, room: int) -> None:
+        super().__init__()
+        self.room = room
+
+    def append(self, drafts: Sequence[Draft], chain: Chain) -> list[AuditEvent]:
+        held = 0 if self.head() is None else self.head().seq  # type: ignore[union-attr]
+        if held + len(drafts) > self.room:
+            raise AuditStoreError("database or disk is full")
+        return super().append(drafts, chain)
+
+
+def test_check_writes_what_is_queued_so_an_action_waits_for_no_background_write() -> None:
+    """Before an action, ``check()`` writes what came before it: the store filling is known
+    then, not at a background write up to ``flush_interval_s`` later (every action in between
+    ran unrecorded: 11 ``run_code`` calls of 15, found from outside)."""
+    store = FullStore(room=3)
+    log = AuditLog(store, flush_interval_s=60)  # a background write far off
+    record(log, 1)
+    record(log, 2)
+    log.check()
+    assert [e.step for e in store.events()] == [1, 2] and log.pending == 0
+    record(log, 3)
+    record(log, 4)
+    with pytest.raises(AuditStoreError, match="disk is full") as refused:
+        log.check()
+    assert refused.value.retryable  # kept queued: a write once there is room writes them
+    assert log.pending == 2
+    store.room = 10
+    log.check()
+    assert [e.step for e in store.events()] == [1, 2, 3, 4]
+    log.close()

@@ -109,10 +109,14 @@ def test_stop_is_recorded_once() -> None:
 
 
 class AwayStore(MemoryStore):
-    """A store that can no longer be written (its disk full, its database away)."""
+    """A store that can no longer be written once ``away`` (its disk full, its database away)."""
+
+    away = False
 
     def append(self, drafts: Sequence[Draft], chain: Chain) -> list[AuditEvent]:
-        raise AuditStoreError("disk full")
+        if self.away:
+            raise AuditStoreError("disk full")
+        return super().append(drafts, chain)
 
 
 def test_no_action_is_taken_while_the_trail_cannot_be_written() -> None:
@@ -125,12 +129,12 @@ def test_no_action_is_taken_while_the_trail_cannot_be_written() -> None:
         ran.append(" ".join(op.argv))
         return CommandResult(exit_code=0, stdout="", stderr="", duration_s=0.0)
 
-    log = AuditLog(AwayStore(), flush_interval_s=None)
+    store = AwayStore()
+    log = AuditLog(store, flush_interval_s=None)
     backend = AuditedBackend(FakeBackend(MemoryWorkspace(commands=command)), log, run_id="run-1")
     sbx = Sandbox.create(backend=backend)
     sbx.commands.run("first")
-    with pytest.raises(AuditStoreError):
-        log.flush()
+    store.away = True  # no write failed yet: the next action's check writes, and fails
     for _ in range(3):
         with pytest.raises(AuditStoreError):
             sbx.commands.run("rm -rf build")
