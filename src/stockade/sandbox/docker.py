@@ -225,9 +225,17 @@ class _ContainerBoundary(Boundary):
             oom = "the container was killed by its memory limit; its state is lost"
             return exc.SandboxCrashed(oom, cause="out_of_memory", **output)
         if not state.get("Running"):
+            code = state.get("ExitCode")
+            if isinstance(code, int) and 0 <= code < 128:
+                # not a signal's (128 + its number): the supervisor ended by itself, as it does
+                # when its channel breaks; on gVisor code can reach that channel (/proc/1/fd)
+                return exc.SandboxCrashed(
+                    f"the sandbox's supervisor exited by itself (exit code {code}): code in the "
+                    f"sandbox may have ended it or broken its channel to the host: {err}",
+                    **output,
+                )
             return exc.SandboxCrashed(
-                f"the container stopped from outside (status {state.get('Status')}, "
-                f"exit code {state.get('ExitCode')}): {err}",
+                f"the container stopped from outside (status {state.get('Status')}, exit code {code}): {err}",
                 cause="killed",
                 **output,
             )
