@@ -55,7 +55,8 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     ├── ToolError                     a tool could not do what the model asked (fed back to it)
     │   ├── InvalidToolCall           unknown tool or arguments that fail its schema
     │   ├── PatchRejected             a diff does not apply; nothing was changed
-    │   └── ToolTimeout               the call ran past the tool's ``timeout_s``; its sandbox work was cut
+    │   ├── ToolTimeout               the call ran past the tool's ``timeout_s``; its sandbox work was cut
+    │   └── CallCancelled             its caller (an MCP client) cancelled the call; its sandbox work was cut
     ├── RuntimeLimit                  a runtime control refused the action for now
     │   ├── CircuitOpen               [retryable] too many consecutive failures; retry after cool-down
     │   ├── RateLimited               [retryable] too many actions in the window; retry after
@@ -99,6 +100,7 @@ __all__ = [
     "BackendUnavailable",
     "BaselineTampered",
     "BudgetExceeded",
+    "CallCancelled",
     "CircuitBroken",
     "CircuitOpen",
     "ComplianceNotMet",
@@ -550,6 +552,11 @@ class ToolTimeout(ToolError):
         super().__init__(message)
         self.tool = tool
         self.timeout_s = timeout_s
+
+
+class CallCancelled(ToolError):
+    """Whoever asked for the call (an MCP client's ``notifications/cancelled``) gave it up
+    while it ran: what it ran in the sandbox was cut, and nothing it asks afterwards runs."""
 
 
 class ModelError(StockadeError):

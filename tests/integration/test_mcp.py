@@ -238,6 +238,143 @@ def test_a_stdio_call_nobody_approves_is_denied(project: Path) -> None:
     assert refused.is_error and "a human denied" in _text(refused), _text(refused)
 
 
+class _Wire:
+    """A stdio MCP client speaking JSON-RPC by hand: what the SDK's client does not send
+    (``notifications/cancelled`` of a call, a call while another waits for its approval)."""
+
+    def __init__(self, project: Path, *extra: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "stockade.cli.main", *_args(project, *extra)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            env=_env(), cwd=str(project),
+        )  # fmt: skip
+        self.answers: dict[int, dict[str, Any]] = {}
+
+    def send(self, message: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"jsonrpc": "2.0", **message}).encode() + b"\n")
+        self.proc.stdin.flush()
+
+    def call(self, rid: int, name: str, args: dict[str, Any], **params: Any) -> None:
+        self.send({"id": rid, "method": "tools/call", "params": {"name": name, "arguments": args, **params}})
+
+    def answer(self, rid: int) -> dict[str, Any]:
+        """The answer to request ``rid`` (the next lines read until it comes)."""
+        assert self.proc.stdout is not None
+        while rid not in self.answers:
+            line = self.proc.stdout.readline()
+            assert line, f"the server ended before answering {rid}"
+            message = json.loads(line)
+            if "id" in message and ("result" in message or "error" in message):
+                self.answers[message["id"]] = message
+        return self.answers.pop(rid)
+
+    def text(self, rid: int) -> tuple[bool, str]:
+        result = self.answer(rid)["result"]
+        return bool(result.get("isError")), str(result["content"][0]["text"])
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            assert self.proc.stdout is not None
+            self.proc.stdout.close()
+
+
+def _run_id(wire: _Wire, rid: int) -> str:
+    wire.send({"id": rid, "method": "resources/read", "params": {"uri": "stockade://session"}})
+    return str(json.loads(wire.answer(rid)["result"]["contents"][0]["text"])["run_id"])
+
+
+TICKS = "import time\nfor i in range(40):\n    open('ticks.txt', 'a').write('.')\n    time.sleep(0.25)\n"
+
+
+def test_a_cancelled_call_never_runs_queued_and_is_cut_running(project: Path) -> None:
+    """``notifications/cancelled``: a call still queued behind another never runs; a running
+    one has its sandbox work cut, the session's next call is served at once, and the trail
+    says the client cancelled it (it ran to its end, and the trail said success)."""
+    wire = _Wire(project)
+    try:
+        hello = {
+            "protocolVersion": "2025-11-25",
+            "capabilities": {},
+            "clientInfo": {"name": "t", "version": "1"},
+        }
+        wire.send({"id": 0, "method": "initialize", "params": hello})
+        wire.answer(0)
+        wire.send({"method": "notifications/initialized"})
+        wire.call(1, "run_code", {"code": "import time; time.sleep(2); print('first')", "language": "python"})
+        time.sleep(0.5)
+        wire.call(2, "write_file", {"path": "cancelled.txt", "content": "ran\n"})
+        time.sleep(0.3)
+        wire.send({"method": "notifications/cancelled", "params": {"requestId": 2, "reason": "user"}})
+        assert wire.text(1) == (False, "stdout:\nfirst\n")
+        wire.call(3, "run_code", {"code": TICKS, "language": "python"})  # 10 s of ticks
+        time.sleep(1.5)
+        wire.send({"method": "notifications/cancelled", "params": {"requestId": 3}})
+        started = time.monotonic()
+        wire.call(4, "read_file", {"path": "ticks.txt"})
+        error, seen = wire.text(4)
+        assert not error and time.monotonic() - started < 5, seen
+        time.sleep(1.5)  # a tick every 0.25 s, had it gone on
+        wire.call(5, "read_file", {"path": "ticks.txt"})
+        assert wire.text(5) == (False, seen)
+        wire.call(6, "read_file", {"path": "cancelled.txt"})
+        error, said = wire.text(6)
+        assert error and "No such file" in said, said
+        run_id = _run_id(wire, 7)
+        assert 2 not in wire.answers and 3 not in wire.answers  # a cancelled request is not answered
+    finally:
+        wire.close()
+    with open_run_store(f"sqlite:///{project / 'audit.db'}") as runs:
+        calls = [(c.call.name, c.error_type) for c in runs.tool_calls(run_id)]
+    assert not any(name == "write_file" for name, _ in calls), calls  # nothing recorded as run
+    assert ("run_code", "CallCancelled") in calls, calls
+
+
+MODERN = {
+    "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+    "io.modelcontextprotocol/clientCapabilities": {"elicitation": {"form": {}}},
+    "io.modelcontextprotocol/clientInfo": {"name": "t", "version": "1"},
+}
+
+
+def test_another_call_while_one_waits_for_its_approval_never_gets_the_held_one(project: Path) -> None:
+    """2026-07-28: while a call's approval is held, a call with another name or arguments got
+    the held call's question, and its retry with the answer ran the held call and returned
+    its result (its own action never ran). It is refused now; the held call's retry runs it."""
+    wire = _Wire(project)
+    try:
+        held = {"code": "mkdir gone && rm -r gone && echo removed", "language": "bash"}
+        wire.call(1, "run_code", held, _meta=MODERN)
+        asked = wire.answer(1)["result"]
+        answer = {
+            "inputResponses": {
+                key: {"action": "accept", "content": {"approve": True}} for key in asked["inputRequests"]
+            },
+            "requestState": asked.get("requestState"),
+        }
+        other = {"path": "other.txt", "content": "other\n"}
+        wire.call(2, "write_file", other, _meta=MODERN)
+        refused = wire.answer(2)
+        assert "waits for its approval" in refused.get("error", {}).get("message", ""), refused
+        wire.call(3, "write_file", other, _meta=MODERN, **answer)
+        refused = wire.answer(3)
+        assert "waits for its approval" in refused.get("error", {}).get("message", ""), refused
+        wire.call(4, "run_code", held, _meta=MODERN, **answer)
+        assert wire.text(4) == (False, "stdout:\nremoved\n")
+        wire.call(5, "read_file", {"path": "other.txt"}, _meta=MODERN)
+        error, said = wire.text(5)
+        assert error and "No such file" in said, said
+    finally:
+        wire.close()
+
+
 # -- streamable HTTP ----------------------------------------------------------------------------
 
 

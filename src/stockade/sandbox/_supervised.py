@@ -236,6 +236,13 @@ class SupervisedInstance(Instance):
         self._closed = True
         self._finalizer()
 
+    def cut_running(self) -> None:
+        if self._closed or self._owner != os.getpid() or self.channel.cut is not None:
+            return
+        # beside the op it cuts: the channel sends and answers calls from any thread
+        with contextlib.suppress(TimeoutError, exc.StockadeError):
+            self.channel.call({"op": "cut"}).result(time.monotonic() + FILE_OP_TIMEOUT_S)
+
     def _check_owner(self) -> None:
         if self._owner != os.getpid():
             raise exc.SandboxClosed(

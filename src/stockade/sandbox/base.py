@@ -103,6 +103,12 @@ class Instance(abc.ABC):
     def alive(self) -> bool:
         """Whether the sandbox can still run ops (pools hand out only live ones)."""
 
+    def cut_running(self) -> None:
+        """Stop what runs in the sandbox now (its commands, its code), as their timeout would:
+        their ops return, timed out, and the sandbox and its files stay. From any thread; a
+        tier that cannot does nothing (the op then runs to its end)."""
+        return None  # such a tier: its ops end at their own timeout
+
 
 class Backend(abc.ABC):
     """One isolation tier on this host."""
@@ -145,6 +151,9 @@ class WrapperInstance(Instance):
     @property
     def alive(self) -> bool:
         return self.wrapped.alive
+
+    def cut_running(self) -> None:
+        self.wrapped.cut_running()
 
 
 class WrapperBackend(Backend):

@@ -257,6 +257,15 @@ class McpFace:
                 types.INVALID_REQUEST,
                 "a tool call of this session waits for its approval: answer it (retry the call) first",
             )
+        elif not held.holds(name, args):
+            # Calls of a session run one at a time, and the run waits on the held one: another
+            # call got the held call's question, and its retry ran the held call.
+            waits = held.call.name if held.call is not None else "another call"
+            raise MCPError(
+                types.INVALID_REQUEST,
+                f"a call of {waits} in this session waits for its approval: retry that call, the same "
+                "name and arguments, with the answer first (a session's calls run one at a time)",
+            )
         elif responses and await self._answered(session, held, responses):
             session.paused = None
             outcome = await session.resume()

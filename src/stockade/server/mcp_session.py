@@ -29,6 +29,7 @@ import concurrent.futures
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import itertools
 import logging
 import queue
@@ -37,8 +38,9 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from pydantic import JsonValue
+from pydantic import BaseModel, JsonValue
 
 from stockade import exceptions as exc
 from stockade.agent.loop import RunResult
@@ -48,9 +50,13 @@ from stockade.models.base import Model
 from stockade.models.messages import ModelRequest, ModelResponse, ToolCall, ToolResultMessage
 from stockade.policy.approval import ApprovalRequest, Choice
 from stockade.policy.schema import Verdict
+from stockade.sandbox.base import Instance, OpResult, OutputSink, WrapperInstance
+from stockade.sandbox.facade import Sandbox
+from stockade.sandbox.ops import Op
 from stockade.tools import builtin
-from stockade.tools.base import ToolContext, Toolset
+from stockade.tools.base import CallNext, Tool, ToolContext, Toolset
 from stockade.tools.builtin import default_toolset
+from stockade.tools.deadline import stopping
 from stockade.tools.workspace_diff import snapshot, workspace_diff
 
 __all__ = [
@@ -95,6 +101,11 @@ class Paused:
     """The call waits for a human decision on ``approvals``; then ``McpSession.resume``."""
 
     approvals: tuple[PendingApproval, ...]
+    call: ToolCall | None = None  # the call that waits, as its client sent it
+
+    def holds(self, name: str, args: Mapping[str, JsonValue]) -> bool:
+        """Whether a call of ``name`` with ``args`` is the one that waits (a client's retry)."""
+        return self.call is not None and self.call.name == name and self.call.args == dict(args)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,6 +127,9 @@ class _Call:
     # (``_serve_resource``), not the tool's numbered lines or listing
     resource: bool = False
     content: str | None = None
+    # Its client gave it up (``notifications/cancelled``): queued, it never runs; running, its
+    # sandbox work is cut, nothing more of it runs, and its result is ``CallCancelled``
+    cancelled: bool = False
 
 
 # The session whose loop runs on this thread (its asyncio.run copies the context).
@@ -138,14 +152,18 @@ class ClientModel(Model):
         if session is None:
             raise exc.ConfigurationError("the MCP client model runs only inside an MCP session")
         session._deliver(request.messages)
-        item = await session._next()
         name = MODEL_NAME  # what the policy's registry judges; the client is in the run's task
-        if item is _END or not isinstance(item, _Call):
-            return ModelResponse(
-                text="the MCP client ended its session", finish_reason="stop", model_name=name
-            )
-        session._current = item
-        return ModelResponse(tool_calls=(item.call,), finish_reason="tool_calls", model_name=name)
+        while True:
+            item = await session._next()
+            if item is _END or not isinstance(item, _Call):
+                return ModelResponse(
+                    text="the MCP client ended its session", finish_reason="stop", model_name=name
+                )
+            with session._lock:  # taken, or cancelled while queued: never both
+                if item.cancelled:
+                    continue  # a queued call its client gave up never runs
+                session._current = item
+            return ModelResponse(tool_calls=(item.call,), finish_reason="tool_calls", model_name=name)
 
 
 class McpAgent:
@@ -156,7 +174,9 @@ class McpAgent:
         """``config.model`` is replaced: the model of an MCP session is its client."""
         tools = config.tools if config.tools is not None else default_toolset()
         # a resource read is the call of its tool: judged, limited and recorded as that call is
-        config = dataclasses.replace(config, model=ClientModel(), tools=_serving_resources(tools))
+        config = dataclasses.replace(
+            config, model=ClientModel(), tools=_serving_resources(tools).wrapped(_cancellable)
+        )
         self.config = config
         self.workspace = workspace
         self._sessions: dict[str, McpSession] = {}
@@ -223,6 +243,7 @@ class McpSession:
         self._inbox: queue.Queue[object] = queue.Queue()
         self._control: queue.Queue[concurrent.futures.Future[Outcome] | None] = queue.Queue()
         self._current: _Call | None = None
+        self._lock = threading.Lock()  # between the loop taking a call and its client cancelling it
         self._ids = itertools.count(1)
         self._started = threading.Event()
         self._agent_session: AgentSession | None = None
@@ -240,13 +261,31 @@ class McpSession:
         With ``resource``, the call of ``name`` (read_file, list_files, git_diff) stands for a
         resource read: judged, limited and recorded as that call, its result is the content
         (the file's text, the workspace's paths one a line, the session's diff)."""
-        await asyncio.to_thread(self._started.wait)
         if self.closed:
             return self._ended()
         call = ToolCall(id=f"mcp_{next(self._ids)}", name=name, args=dict(args))
         item = _Call(call=call, resource=resource)
+        # Queued as it came, not once the sandbox is up: calls waiting for the session's start
+        # were queued in any order, and a call its client cancelled ran ahead of the one before it.
         self._inbox.put(item)
-        return await asyncio.wrap_future(item.future)
+        if self.closed:  # ended meanwhile, its inbox maybe drained already: this call is told
+            self._drain()
+        try:
+            return await asyncio.wrap_future(item.future)
+        except asyncio.CancelledError:
+            self._cancel(item)
+            raise
+
+    def _cancel(self, item: _Call) -> None:
+        """The client gave ``item`` up: queued, it is dropped; running, what it runs in the
+        sandbox is cut (a thread of its own: the cut waits for the sandbox's answer)."""
+        with self._lock:
+            item.cancelled = True
+            running = item is self._current
+        session = self._agent_session
+        if running and session is not None and not self.closed:
+            instance = session.sandbox.instance
+            threading.Thread(target=instance.cut_running, name=f"stockade-mcp-cut-{self.run_id}").start()
 
     async def resume(self) -> Outcome:
         """Continue after the pending approvals were decided: the parked call runs again."""
@@ -363,7 +402,9 @@ class McpSession:
     def _paused(self, session: AgentSession) -> Paused:
         store = session.approvals.store
         pending = store.pending(self.run_id) if store is not None else []
+        current = self._current
         return Paused(
+            call=current.call if current is not None else None,
             approvals=tuple(
                 PendingApproval(
                     run_id=self.run_id,
@@ -373,7 +414,7 @@ class McpSession:
                     reason=r["reason"],
                 )
                 for r in pending
-            )
+            ),
         )
 
     def _deliver(self, messages: tuple[object, ...]) -> None:
@@ -434,6 +475,54 @@ class McpSession:
                 return
             if isinstance(item, _Call) and not item.future.done():
                 item.future.set_result(ended)
+
+
+def _cancelled(ctx: ToolContext) -> _Call | None:
+    """The call ``ctx`` serves, if its client cancelled it."""
+    session = _running.get()
+    current = session._current if session is not None else None
+    if current is None or current.call.id != ctx.call_id or not current.cancelled:
+        return None
+    return current
+
+
+class _CancellableInstance(WrapperInstance):
+    """A call's sandbox that runs nothing more once its client cancelled the call."""
+
+    def __init__(self, wrapped: Instance, ctx: ToolContext) -> None:
+        super().__init__(wrapped)
+        self._ctx = ctx
+
+    def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
+        _stop_if_cancelled(self._ctx)
+        return self.wrapped.handle(op, sink)
+
+
+def _stop_if_cancelled(ctx: ToolContext) -> None:
+    if _cancelled(ctx) is not None:
+        raise exc.CallCancelled(
+            f"the MCP client cancelled this call ({ctx.call_id}); its sandbox work was cut"
+        )
+
+
+async def _cancellable(ctx: ToolContext, tool: Tool, args: BaseModel, call_next: CallNext) -> object:
+    """A tool call its client may cancel: its sandbox ops are refused once it is, its host work
+    stops at its next checkpoint, and whatever it returned from the cut is ``CallCancelled``,
+    so the run's record (and the trail) says the client cancelled it, not that it ran."""
+
+    def within(sandbox: Sandbox) -> Sandbox:
+        return Sandbox(_CancellableInstance(sandbox.instance, ctx))
+
+    guarded = dataclasses.replace(
+        ctx,
+        sandbox=within(ctx.sandbox),
+        bookkeeping=within(ctx.bookkeeping) if ctx.bookkeeping is not None else None,
+    )
+    _stop_if_cancelled(ctx)
+    with stopping(functools.partial(_stop_if_cancelled, ctx)):
+        value = await call_next(guarded, tool, args)
+    _stop_if_cancelled(ctx)
+    return value
 
 
 def _serving(ctx: ToolContext) -> _Call | None:

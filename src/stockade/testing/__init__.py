@@ -259,6 +259,7 @@ class FakeInstance(Instance, AsyncInstance):
         self.enforcement = FAKE_ENFORCEMENT
         self.ops: list[Op[Any]] = []
         self.closed = False
+        self.cuts = 0  # ``cut_running`` calls that reached it
 
     def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         if self.closed:
@@ -314,6 +315,9 @@ class FakeInstance(Instance, AsyncInstance):
 
     def close(self) -> None:
         self.closed = True
+
+    def cut_running(self) -> None:
+        self.cuts += 1
 
     async def aclose(self) -> None:
         self.close()

@@ -1,6 +1,7 @@
 """Every sandbox wrapper (policy, audit, telemetry, retry, breaker, kill switch, tool deadline,
-fault injection) is the sandbox it wraps, except for what it changes: id, tier, enforcement,
-liveness, closing and the backend's probe all come from below."""
+fault injection, an MCP call's cancel) is the sandbox it wraps, except for what it changes: id,
+tier, enforcement, liveness, closing, cutting what runs and the backend's probe all come from
+below."""
 
 from __future__ import annotations
 
@@ -19,9 +20,12 @@ from stockade.runtime.breaker import Breakers, BreakingBackend
 from stockade.runtime.killswitch import KillSwitch
 from stockade.runtime.retry import Retrier, RetryingBackend
 from stockade.sandbox.base import Backend, Instance, SandboxSpec, WrapperBackend, WrapperInstance
+from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import Op, RunCommand
 from stockade.sandbox.pool import _Lease
+from stockade.server.mcp_session import _CancellableInstance
 from stockade.testing import FakeBackend, FakeInstance, FaultInjectingBackend
+from stockade.tools.base import ToolContext
 from stockade.tools.deadline import DeadlineInstance
 from stockade.types import CommandResult
 
@@ -34,6 +38,7 @@ WRAPPER_MODULES = (
     "stockade.runtime.killswitch",
     "stockade.runtime.retry",
     "stockade.sandbox.pool",
+    "stockade.server.mcp_session",
     "stockade.testing",
     "stockade.tools.deadline",
 )
@@ -72,11 +77,19 @@ BACKENDS: dict[str, Callable[[Backend], Backend]] = {
     "RetryingBackend": lambda inner: RetryingBackend(inner, Retrier()),
     "TracedBackend": _traced,
 }
+
+
+def _cancellable(inner: Backend) -> Instance:
+    started = inner.start(SandboxSpec())
+    return _CancellableInstance(started, ToolContext(sandbox=Sandbox(started)))
+
+
 # Instance wrappers that no backend wrapper above starts.
 INSTANCES: dict[str, Callable[[Backend], Instance]] = {
     "KillableInstance": _killable,
     "DeadlineInstance": _deadline,
     "_Lease": lambda inner: _Lease(inner.start(SandboxSpec())),  # a pool member's, per acquire
+    "_CancellableInstance": _cancellable,  # an MCP call's, which its client may cancel
 }
 
 
@@ -121,6 +134,8 @@ def test_a_wrapped_sandbox_is_the_sandbox_below(name: str, make: Callable[[Backe
     assert wrapped.alive
     result = wrapped.execute(RunCommand(argv=("true",)))
     assert isinstance(result, CommandResult) and inner.ops
+    wrapped.cut_running()  # what runs is cut below, where it runs
+    assert inner.cuts == 1
     inner.close()  # died underneath: the wrapper must not say it is alive
     assert not wrapped.alive
     inner.closed = False

@@ -417,6 +417,18 @@ class Supervisor:
             self.rules.on_verdict(int(h.get("req", 0)), bool(h.get("allow")))
         self.send({"id": rid, "ev": "done"})
 
+    def op_cut(self, rid: int, h: dict[str, Any], body: bytes) -> None:
+        """Stop the commands and the code running now, as their deadline would (their calls
+        report a timeout): whoever asked for them gave them up. The sandbox stays."""
+        now = time.monotonic()
+        for job in self.commands.values():
+            if job.deadline:
+                job.deadline = min(job.deadline, now)
+        interp = self.interpreter
+        if interp is not None and interp.job is not None and interp.job.deadline:
+            interp.job.deadline = min(interp.job.deadline, now)
+        self.send({"id": rid, "ev": "done"})
+
     def op_execs(self, rid: int, h: dict[str, Any], body: bytes) -> None:
         """The execs judged while no call ran, not yet handed over with a call's report
         (``rules.Between``): the host takes them before a reset and at close."""
