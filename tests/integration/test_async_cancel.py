@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from stockade import AsyncSandbox
+from stockade import AsyncSandbox, Sandbox
 from stockade.sandbox import _guest
 from tests.conftest import require_tier
 
@@ -135,3 +135,28 @@ def test_ctrl_c_ends_asyncio_run_with_calls_in_flight() -> None:
         assert out.strip() == "interrupted"
         assert time.monotonic() - started < 30
         assert child.returncode == 0
+
+
+def test_a_ctrl_c_in_a_sync_run_code_ends_the_run_inside() -> None:
+    """The sync twin: the interrupt reached the caller at once, but the run went on to its
+    timeout inside, and the next call waited for it."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with Sandbox.create("process") as sbx:
+            code = "import time\nfor i in range(300):\n    open('tick', 'a').write('.'); time.sleep(0.2)\n"
+            signal.setitimer(signal.ITIMER_REAL, 0.5)
+            with pytest.raises(KeyboardInterrupt):
+                sbx.run_code(code, timeout_s=60)
+            ticks = sbx.files.read("tick", format="bytes")
+            started = time.monotonic()
+            sbx.run_code("x = 1")
+            assert time.monotonic() - started < 10
+            time.sleep(1)
+            assert sbx.files.read("tick", format="bytes") == ticks
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
