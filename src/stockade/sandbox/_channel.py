@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from stockade.exceptions import InvalidArgument, ProtocolError, SandboxClosed, SandboxCrashed
+from stockade.sandbox._interrupt import CUT
 from stockade.sandbox.supervisor.protocol import (
     MAX_EXEC_ARGV,
     MAX_EXEC_RECORDS,
@@ -35,6 +36,7 @@ from stockade.sandbox.supervisor.protocol import (
 
 Frame = tuple[dict[str, Any], bytes]
 _CLOSED: Frame = ({"ev": "__closed__"}, b"")
+_CUT: Frame = ({"ev": "__cut__"}, b"")  # the awaiting task was cancelled (``_interrupt``)
 
 # A header is a handful of keys; its strings may be long (paths in messages), its structure
 # is small, but for the execs a command's exit reports: up to MAX_EXEC_RECORDS records of
@@ -151,6 +153,9 @@ class Channel:
         return self.error is None
 
     def call(self, header: dict[str, Any], body: bytes = b"") -> Call:
+        cut = CUT.get()
+        if cut is not None:  # cancelled between two requests: the next one is not sent
+            cut.deliver()
         rid = next(self._ids)
         frame = encode({**header, "id": rid}, body)
         head = PREFIX.unpack_from(frame)[0]
@@ -237,8 +242,12 @@ class Call:
         self._q = q
 
     def frames(self, deadline: float | None) -> Iterator[Frame]:
-        """Yield frames until a terminal one; ``TimeoutError`` past the host's deadline."""
+        """Yield frames until a terminal one; ``TimeoutError`` past the host's deadline;
+        ``Interrupted`` once the task this thread runs for is cancelled."""
+        cut = CUT.get()
         try:
+            if cut is not None:
+                cut.watch(self._q, _CUT)
             while True:
                 timeout = None if deadline is None else deadline - time.monotonic()
                 if timeout is not None and timeout <= 0:
@@ -249,10 +258,16 @@ class Call:
                     raise TimeoutError from None
                 if frame is _CLOSED:
                     raise SandboxCrashed(f"sandbox is gone: {self._channel.error}")
+                if frame is _CUT:
+                    if cut is not None:
+                        cut.deliver()
+                    continue  # raised already, by an earlier wait of the same call
                 yield frame
                 if frame[0].get("ev") in ("done", "exit", "result", "error", "ready", "hello"):
                     return
         finally:
+            if cut is not None:
+                cut.forget(self._q)
             self._channel._forget(self.rid)
 
     def result(self, deadline: float | None) -> Frame:

@@ -89,6 +89,8 @@ from stockade.types import (
 # Past its own deadline the supervisor has this long to report before the host kills the
 # whole sandbox: the supervisor shares the sandbox with the code and may be starved or dead.
 GRACE_S = 5.0
+# How long the host waits for the supervisor to end a call nobody waits for any more.
+CANCEL_S = 10.0
 # A call past its timeout_s has stopped within this much more, however busy the host: the
 # supervisor kills it at the deadline (it runs at a higher priority than the code). Each
 # sandbox states its own (``Enforcement.timeout_margin_s``): this where its kernel honours
@@ -566,7 +568,19 @@ class SupervisedInstance(Instance):
                 err.stdout = streams[1].text(len(streams[1].data))[0]
                 err.stderr = streams[2].text(len(streams[2].data))[0]
             raise
+        except BaseException:  # a Ctrl-C, a cancelled task, a sink that raised: nobody waits for it
+            self._cancel(call.rid)
+            raise
         raise exc.ProtocolError(f"{header['op']} ended without a report")  # pragma: no cover
+
+    def _cancel(self, rid: int) -> None:
+        """Have the supervisor end the command or run ``rid`` now (kill it, or take it from the
+        queue), not at its timeout: the next call finds the sandbox idle. A supervisor of an
+        older snapshot that knows no cancel lets it run to its timeout, as before."""
+        if not self.channel.open:
+            return
+        with contextlib.suppress(exc.StockadeError, TimeoutError):
+            self.channel.call({"op": "cancel", "req": rid}).result(time.monotonic() + CANCEL_S)
 
     def _approve(self, h: dict[str, Any]) -> None:
         """An exec inside waits for a human: ask the sandbox's approver, answer the supervisor."""

@@ -198,8 +198,65 @@ class AsyncBackend(abc.ABC):
     async def astart(self, spec: SandboxSpec) -> AsyncInstance: ...
 
 
+# How long a cancelled task waits for its call's thread to end (a start to be closed): a
+# cut call ends within a request, a start is not cut but finished and closed.
+CUT_WAIT_S = 60.0
+
+
+async def in_thread(
+    fn: Callable[[], R], *, orphan: Callable[[R], None] | None = None, interruptible: bool = True
+) -> R:
+    """``fn()`` in a worker thread, cut as a Ctrl-C cuts it in the main thread when the
+    awaiting task is cancelled (unless not ``interruptible``: a close): the thread is told
+    (``_interrupt``) and waited for, shielded from further cancels, for up to ``CUT_WAIT_S``;
+    what it returned all the same is given to ``orphan`` (a started sandbox is closed); only
+    then does the task's ``CancelledError`` go on. Nothing of the call lands after it."""
+    import asyncio  # lazily: importing stockade must stay cheap
+    import contextvars
+
+    from stockade.sandbox._interrupt import CUT, Cut, Interrupted
+
+    cut = Cut()
+    context = contextvars.copy_context()
+    if interruptible:
+        context.run(CUT.set, cut)
+
+    def run() -> R:
+        result = context.run(fn)
+        if cut.finish():  # its task was cancelled meanwhile: nobody takes what it returned
+            if orphan is not None:
+                orphan(result)
+            raise Interrupted
+        return result
+
+    loop = asyncio.get_running_loop()
+    done = loop.run_in_executor(None, run)
+    try:
+        return await asyncio.shield(done)
+    except asyncio.CancelledError:
+        finished = cut.request()
+        deadline = loop.time() + CUT_WAIT_S
+        while not done.done() and loop.time() < deadline:
+            try:
+                await asyncio.wait({done}, timeout=deadline - loop.time())
+            except asyncio.CancelledError:
+                continue  # cancelled again (a second Ctrl-C): the thread still ends first
+        if not done.done():  # past the wait: its end (Interrupted, mostly) is nobody's
+            done.add_done_callback(lambda ended: ended.exception())
+        elif not done.cancelled() and done.exception() is None and finished and orphan is not None:
+            # It returned just before the cancel: let go of it here, as the thread would have.
+            let_go = loop.run_in_executor(None, orphan, done.result())
+            while not let_go.done() and loop.time() < deadline:
+                try:
+                    await asyncio.wait({let_go}, timeout=deadline - loop.time())
+                except asyncio.CancelledError:
+                    continue
+        raise
+
+
 class _ThreadedInstance(AsyncInstance):
-    """An ``Instance`` driven from asyncio: each blocking call runs in a worker thread."""
+    """An ``Instance`` driven from asyncio: each blocking call runs in a worker thread, cut
+    when the awaiting task is cancelled (``in_thread``)."""
 
     def __init__(self, inner: Instance) -> None:
         self.inner = inner
@@ -209,21 +266,19 @@ class _ThreadedInstance(AsyncInstance):
         self.started_from = inner.started_from
 
     async def ahandle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
-        import asyncio  # lazily: importing stockade must stay cheap
-
-        return await asyncio.to_thread(self.inner.handle, op, sink)
+        return await in_thread(lambda: self.inner.handle(op, sink))
 
     async def aclose(self) -> None:
-        import asyncio  # lazily: importing stockade must stay cheap
-
-        await asyncio.to_thread(self.inner.close)
+        # A close is never cut short: a cancelled task still waits for it to end.
+        await in_thread(self.inner.close, interruptible=False)
 
 
 class ThreadedAsyncBackend(AsyncBackend):
     """The async twin of any blocking ``Backend``.
 
     The sandbox machinery blocks on pipes and subprocesses; a worker thread per call keeps
-    the event loop free without a second implementation of every tier.
+    the event loop free without a second implementation of every tier. A start whose task
+    is cancelled is finished, then closed, before the task's ``CancelledError`` goes on.
     """
 
     def __init__(self, inner: Backend) -> None:
@@ -231,6 +286,9 @@ class ThreadedAsyncBackend(AsyncBackend):
         self.tier = inner.tier
 
     async def astart(self, spec: SandboxSpec) -> AsyncInstance:
-        import asyncio  # lazily: importing stockade must stay cheap
+        instance = await in_thread(lambda: self.inner.start(spec), orphan=_close)
+        return _ThreadedInstance(instance)
 
-        return _ThreadedInstance(await asyncio.to_thread(self.inner.start, spec))
+
+def _close(instance: Instance) -> None:
+    instance.close()

@@ -30,6 +30,7 @@ from stockade.sandbox.base import (
     Instance,
     ThreadedAsyncBackend,
     _ThreadedInstance,
+    in_thread,
 )
 from stockade.sandbox.ops import Pause, Reset, RunCode, TakeSnapshot
 from stockade.sandbox.snapshots import SnapshotStore
@@ -314,12 +315,11 @@ class AsyncSandbox:
         approver: Callable[[ExecRecord], bool] | None = None,
     ) -> AsyncSandbox:
         """See ``Sandbox.resume``."""
-        import asyncio  # lazily: importing stockade must stay cheap
-
         if backend is not None and not isinstance(backend, Backend):
             raise exc.InvalidArgument("resume takes a blocking Backend", argument="backend")
-        sync = await asyncio.to_thread(
-            Sandbox.resume, sandbox_id, store=store, backend=backend, approver=approver
+        sync = await in_thread(
+            lambda: Sandbox.resume(sandbox_id, store=store, backend=backend, approver=approver),
+            orphan=lambda resumed: _pause_again(resumed, store),
         )
         return cls(_ThreadedInstance(sync.instance))
 
@@ -333,3 +333,12 @@ class AsyncSandbox:
         self, exc_type: type[BaseException] | None, exc_val: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.close()
+
+
+def _pause_again(sbx: Sandbox, store: SnapshotStore | None) -> None:
+    """A sandbox resumed as the task resuming it was cancelled: paused again, to be resumed
+    later (closed if it cannot be), not left running with nobody holding it."""
+    try:
+        sbx.pause(store=store)
+    finally:
+        sbx.close()

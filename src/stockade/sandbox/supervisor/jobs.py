@@ -280,6 +280,15 @@ def check_deadlines(sup: "Supervisor", now: float) -> None:
         sweep_strays(sup)
 
 
+def cancel_command(sup: "Supervisor", rid: int) -> None:
+    """The host gave up on command ``rid``: killed now as at its deadline (reported, to no
+    one, once reaped)."""
+    job = sup.commands.get(rid)
+    if job is not None and not job.timed_out:
+        job.deadline = time.monotonic()
+        check_deadlines(sup, job.deadline)
+
+
 def sweep_strays(sup: "Supervisor") -> None:
     """Kill the processes of ours that are no shim's (orphans of a shim someone killed, and
     all they forked), until none is left: what one forks as it dies is adopted by us and

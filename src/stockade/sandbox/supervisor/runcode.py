@@ -20,7 +20,7 @@ from select import EPOLLIN as EVENT_READ
 from fileops import _write_all
 from jobs import Job, starts_code
 from protocol import MAX_CODE_REPLY, FrameError, FrameReader, dumps, encode
-from reaper import forked, kill_tree, spawn_shim
+from reaper import forked, kill_group, kill_tree, spawn_shim
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
@@ -100,6 +100,13 @@ def _start(sup: "Supervisor", fds: "tuple[int, int, int, int]") -> "tuple[int, i
 
 def op_code(sup: "Supervisor", rid: int, h: "dict[str, Any]", body: bytes) -> None:
     """A run of ``run_code``: queued for the interpreter, started first if there is none."""
+    job = Job(sup, rid)
+    timeout = h.get("timeout")
+    job.timeout = float(timeout if timeout else sup.default_timeout)  # type: ignore[attr-defined]
+    queue_code(sup, job, body)
+
+
+def queue_code(sup: "Supervisor", job: Job, body: bytes) -> None:
     if sup.interpreter is None:
         try:
             sup.interpreter = Interpreter(sup)
@@ -109,14 +116,34 @@ def op_code(sup: "Supervisor", rid: int, h: "dict[str, Any]", body: bytes) -> No
             # No zygote, and we may not fork one (we have served someone else): the
             # run's answer, as when code kills its interpreter, until a reset.
             error = {"name": "KernelDied", "value": exc.strerror, "traceback": ""}
-            sup.finish_code(Job(sup, rid), dumps({"results": [], "error": error}).encode())
+            sup.finish_code(job, dumps({"results": [], "error": error}).encode())
             return
-    job = Job(sup, rid)
-    timeout = h.get("timeout")
     job.deadline = None
-    job.timeout = float(timeout if timeout else sup.default_timeout)  # type: ignore[attr-defined]
     sup.interpreter.queue.append((job, body))
     sup.interpreter.next_run()
+
+
+def cancel_code(sup: "Supervisor", rid: int) -> None:
+    """The host gave up on run ``rid``: taken from the queue, or, running, killed with the
+    interpreter (as at its timeout, its state lost) while the runs queued behind it go on
+    in a new one. Done before the host hears back, so its next run finds no run of it."""
+    interp = sup.interpreter
+    if interp is None:
+        return
+    error = {"name": "KernelDied", "value": "cancelled by the host", "traceback": ""}
+    cancelled = {"results": [], "error": error}
+    for i, (job, _) in enumerate(interp.queue):
+        if job.rid == rid:
+            del interp.queue[i]
+            sup.finish_code(job, dumps(cancelled).encode())
+            return
+    if interp.job is None or interp.job.rid != rid:
+        return
+    behind, interp.queue = interp.queue, []
+    kill_group(interp.shim)  # before its output is drained and its pipes closed
+    sup.drop_interpreter("cancelled by the host; the interpreter was restarted and its state is lost")
+    for job, body in behind:
+        queue_code(sup, job, body)
 
 
 class Interpreter:

@@ -503,6 +503,15 @@ class Supervisor:
             self.config = {**self.config, "egress": relay}
         self.send({"id": rid, "ev": "done"})
 
+    def op_cancel(self, rid: int, h: dict[str, Any], body: bytes) -> None:
+        """The host gave up on command or run ``req`` (its caller was interrupted): ended now,
+        not at its timeout, before this answer."""
+        req = h.get("req")
+        if isinstance(req, int):
+            jobs.cancel_command(self, req)
+            runcode.cancel_code(self, req)
+        self.send({"id": rid, "ev": "done"})
+
     def op_kill_kernel(self, rid: int, h: dict[str, Any], body: bytes) -> None:
         # "kernel" in the op's name (and in the error "KernelDied") is the protocol's old word
         # for the interpreter process, kept on the wire so hosts and guests of any age agree.
