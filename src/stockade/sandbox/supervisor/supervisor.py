@@ -418,15 +418,14 @@ class Supervisor:
         self.send({"id": rid, "ev": "done"})
 
     def op_cut(self, rid: int, h: dict[str, Any], body: bytes) -> None:
-        """Stop the commands and the code running now, as their deadline would (their calls
-        report a timeout): whoever asked for them gave them up. The sandbox stays."""
-        now = time.monotonic()
-        for job in self.commands.values():
-            if job.deadline:
-                job.deadline = min(job.deadline, now)
+        """Stop the commands and the code running now, each as ``cancel`` ends one: whoever
+        asked for them gave them up (an MCP client's cancel names no request of ours). The
+        sandbox stays."""
+        for req in list(self.commands):
+            jobs.cancel_command(self, req)
         interp = self.interpreter
-        if interp is not None and interp.job is not None and interp.job.deadline:
-            interp.job.deadline = min(interp.job.deadline, now)
+        if interp is not None and interp.job is not None:
+            runcode.cancel_code(self, interp.job.rid)
         self.send({"id": rid, "ev": "done"})
 
     def op_execs(self, rid: int, h: dict[str, Any], body: bytes) -> None:
