@@ -61,6 +61,7 @@ from typing import Any
 
 from stockade._checks import check_choice, check_host_path, check_id
 from stockade._display import visible
+from stockade._offloop import run_within
 from stockade._state import sqlite_files, within
 from stockade.agent.checkpoint import Checkpointer
 from stockade.agent.events import (
@@ -638,8 +639,10 @@ class GuardedAgent:
         run_id: str | None = None,
         subject: str | None = None,
     ) -> RunResult:
-        with self.session(workspace=workspace, run_id=run_id, subject=subject) as session:
-            return await session.run(task)
+        """As ``run_sync``, from a coroutine: the session's blocking parts (the sandbox started
+        and seeded with ``workspace``, closed, the audit trail flushed) run in worker threads."""
+        opened = self.session(workspace=workspace, run_id=run_id, subject=subject)
+        return await run_within(opened, lambda session: session.run(task))
 
     def resume_sync(self, run_id: str, *, workspace: str | Path | None = None) -> RunResult:
         """Continue a paused run from the checkpointer, in a new sandbox: the one the run kept when

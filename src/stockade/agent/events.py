@@ -4,7 +4,10 @@ Observers are plain callables ``observer(event) -> None`` passed to ``Agent(obse
 the audit trail, logs, traces and the CLI's progress display subscribe this way, without
 touching the loop. An observer may stop the run by raising ``RunStopped`` (status from the
 exception: ``BudgetExceeded`` -> "budget", ``RunKilled`` -> "killed") or ``PolicyDenied``
-(status "denied"); any other exception ends the run with status "error".
+(status "denied"); any other exception ends the run with status "error". Observers are
+called one at a time: ``RunResumed`` and ``RunStarted`` from a worker thread (a run store
+keeps a copy of the starting workspace then, with the event loop free), the others on the
+loop's thread.
 """
 
 from __future__ import annotations

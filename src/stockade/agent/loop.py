@@ -76,6 +76,7 @@ model adapter's or a checkpointer's bug), propagates; the last checkpoint stays 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -122,6 +123,7 @@ from stockade.exceptions import (
     PolicyDenied,
     ProtocolError,
     RunConflict,
+    RunInterrupted,
     RunStopped,
     SandboxClosed,
     SandboxCrashed,
@@ -144,6 +146,8 @@ from stockade.tools.base import Tool, ToolContext, Toolset, idempotency_key, ren
 from stockade.tools.builtin import default_toolset, run_test_command
 from stockade.tools.observations import bound, clip
 from stockade.tools.workspace_diff import record_baseline, workspace_diff
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
@@ -497,25 +501,34 @@ class AgentRun:
         recovered: bool = False,
         restored: bool = False,
     ) -> None:
-        try:
-            if resumed:
-                self._emit(
-                    RunResumed(
-                        run_id=self.state.run_id,
-                        previous_status=previous.value,
-                        recovered=recovered,
-                        workspace_restored=restored,
-                        state=self.state,
-                    )
-                )
-            self._emit(
-                RunStarted(
+        # In a worker thread: what hears of a run's start may take long (a run store keeps a
+        # copy of the workspace the run starts from), and the event loop stays free meanwhile.
+        events: list[AgentEvent] = []
+        if resumed:
+            events.append(
+                RunResumed(
                     run_id=self.state.run_id,
-                    task=self.state.task,
-                    model_name=self.state.model_name,
-                    resumed=resumed,
+                    previous_status=previous.value,
+                    recovered=recovered,
+                    workspace_restored=restored,
+                    state=self.state,
                 )
             )
+        events.append(
+            RunStarted(
+                run_id=self.state.run_id,
+                task=self.state.task,
+                model_name=self.state.model_name,
+                resumed=resumed,
+            )
+        )
+
+        def tell() -> None:
+            for event in events:
+                self._emit(event)
+
+        try:
+            await asyncio.to_thread(tell)
         except (RunStopped, PolicyDenied, StockadeError) as err:
             self._stop(err)
         self._checkpoint()
@@ -545,6 +558,15 @@ class AgentRun:
                 node = await self._call_tools()
         except (RunStopped, PolicyDenied, StockadeError) as err:
             self._stop(err)
+        except (asyncio.CancelledError, KeyboardInterrupt):
+            self.state.elapsed_s += self.agent.clock() - started
+            try:
+                self._cancelled()
+            except (RunStopped, StockadeError) as err:  # the cancellation goes on all the same
+                log.warning(
+                    "run %s: its end after a cancellation was not recorded: %s", self.state.run_id, err
+                )
+            raise
         self.state.elapsed_s += self.agent.clock() - started
         if node is None:
             return await self._end()
@@ -964,6 +986,18 @@ class AgentRun:
             self.state.resume_at = self.state.next
         self._finish(status, error=f"{type(err).__name__}: {err}")
 
+    def _cancelled(self) -> None:
+        """The task running the run was cancelled mid-node (by its caller, or by ``asyncio.run``
+        on Ctrl-C): the run ends interrupted, resumable, as a kill switch's interrupt ends it,
+        and its end is recorded before the cancellation goes on (the trail's ``run_end`` closes
+        the call it cut; ``audit verify`` would take that call for one a dead process cut).
+        Nothing here awaits, the task being cancelled; no diff is taken, as a tool call may
+        still be running in its worker thread until the sandbox closes."""
+        why = "the task running the run was cancelled"
+        self._stop(RunInterrupted(why, run_id=self.state.run_id, reason=why))
+        self._emit(RunFinished(run_id=self.state.run_id, result=self._result(f"(no diff: {why})")))
+        self._checkpoint()
+
     async def _end(self) -> End:
         state = self.state
         if state.current is not None and not state.status.resumable:
@@ -977,6 +1011,20 @@ class AgentRun:
             diff = f"(no diff: the run's sandbox was stopped with the run, {state.status.value})"
         except StockadeError as err:
             diff = f"(the diff is unavailable: {err})"
+        result = self._result(diff)
+        # What is kept of the end (the diff, the audit trail's last events) is kept before the
+        # checkpoint that says the run ended (the first one: ``_checkpoint`` holds back the
+        # ending node's): a run that ended is never resumed to redo it.
+        durable = self._durable
+        if durable is not None:
+            await asyncio.to_thread(durable.record_diff, state.run_id, diff)
+        await self._keep_sandbox()
+        self._emit(RunFinished(run_id=state.run_id, result=result))
+        self._checkpoint()
+        return End(result=result)
+
+    def _result(self, diff: str) -> RunResult:
+        state = self.state
         self.result = RunResult(
             run_id=state.run_id,
             status=state.status,
@@ -990,16 +1038,7 @@ class AgentRun:
             state=state,
             tier=self.sandbox.tier,
         )
-        # What is kept of the end (the diff, the audit trail's last events) is kept before the
-        # checkpoint that says the run ended (the first one: ``_checkpoint`` holds back the
-        # ending node's): a run that ended is never resumed to redo it.
-        durable = self._durable
-        if durable is not None:
-            await asyncio.to_thread(durable.record_diff, state.run_id, diff)
-        await self._keep_sandbox()
-        self._emit(RunFinished(run_id=state.run_id, result=self.result))
-        self._checkpoint()
-        return End(result=self.result)
+        return self.result
 
     async def _keep_sandbox(self) -> None:
         """A run that can be resumed keeps its sandbox (a killed one is dead by now: what was

@@ -241,6 +241,12 @@ class AsyncRemoteSandbox:
         """What the sandbox started from, as the service's tier says (``Sandbox.started_from``)."""
         return str(self.info.get("started_from", ""))
 
+    @property
+    def alive(self) -> bool:
+        """As the service last said (a property cannot ask it without blocking the event loop,
+        as ``RemoteSandbox.alive`` does); False once closed."""
+        return not self._closed and self.info.get("state", "running") == "running"
+
     async def _call(
         self, what: str, body: dict[str, Any], on_stdout: TextCallback | None, on_stderr: TextCallback | None
     ) -> dict[str, Any]:

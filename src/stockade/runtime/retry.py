@@ -246,6 +246,10 @@ class AsyncRetryingInstance(AsyncInstance):
     async def aclose(self) -> None:
         await self.inner.aclose()
 
+    @property
+    def alive(self) -> bool:
+        return self.inner.alive
+
 
 class AsyncRetryingBackend(AsyncBackend):
     """The async twin of ``RetryingBackend``: a start that fails transiently is tried again."""

@@ -7,10 +7,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal, overload
 
-from stockade._checks import check_host_path, check_number
+from stockade._checks import check_data, check_host_path, check_number
 from stockade.sandbox._requests import (
     MAX_OFFSET,
     TextCallback,
+    check_callbacks,
     check_format,
     check_path,
     command_op,
@@ -21,7 +22,7 @@ from stockade.sandbox._requests import (
     upload_op,
     write_op,
 )
-from stockade.sandbox.base import AsyncInstance, Instance
+from stockade.sandbox.base import AsyncInstance, Instance, OutputSink
 from stockade.sandbox.ops import (
     DOWNLOAD_MAX_BYTES,
     DOWNLOAD_MAX_ENTRIES,
@@ -33,7 +34,7 @@ from stockade.sandbox.ops import (
 )
 from stockade.types import CommandResult, DownloadResult, EntryInfo, Listing
 
-__all__ = ["AsyncCommands", "AsyncFiles", "Commands", "Files", "threadsafe"]
+__all__ = ["AsyncCommands", "AsyncFiles", "Commands", "Files", "loop_sink", "threadsafe"]
 
 
 # -- sync --------------------------------------------------------------------------------
@@ -165,13 +166,55 @@ def download_op(dest: object, source: object, max_bytes: object, max_entries: ob
 
 
 def threadsafe(callback: TextCallback | None) -> TextCallback | None:
-    """Deliver streamed output on the event loop's thread, not the worker's."""
+    """Deliver streamed output on the event loop's thread, not the worker's, as the sync API
+    would: the worker waits for the callback, and what it raises is raised in the worker (the
+    op ends with it, as ``Sandbox``'s does), not left to the loop's exception handler."""
     import asyncio  # lazily: importing stockade must stay cheap
+    import concurrent.futures
+    import threading
 
     if callback is None:
         return None
-    loop = asyncio.get_running_loop()
-    return lambda text: loop.call_soon_threadsafe(callback, text)
+    loop, on_loop = asyncio.get_running_loop(), threading.get_ident()
+
+    def deliver(text: str) -> None:
+        if threading.get_ident() == on_loop:  # an async instance streaming from the loop itself
+            callback(text)
+            return
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def call() -> None:
+            try:
+                callback(text)
+            except BaseException as err:
+                done.set_exception(err)
+            else:
+                done.set_result(None)
+
+        loop.call_soon_threadsafe(call)
+        done.result()
+
+    return deliver
+
+
+def loop_sink(on_stdout: TextCallback | None, on_stderr: TextCallback | None) -> OutputSink | None:
+    """``text_sink`` for an async sandbox: the callbacks checked as given (before they are
+    wrapped), decoded in the worker, called on the loop (``threadsafe``)."""
+    check_callbacks(on_stdout, on_stderr)
+    return text_sink(threadsafe(on_stdout), threadsafe(on_stderr))
+
+
+# Text longer than this is checked and encoded in a worker thread, this much at a time: one
+# call that holds the GIL for the whole of it would stall the loop's thread as much as doing it
+# there; a slice holds it about a millisecond.
+_SLICE = 1 << 20
+
+
+def _encoded(text: str) -> bytes:
+    """``check_data(text)``, a slice at a time (a str has no surrogate pair to split)."""
+    return b"".join(
+        check_data(text[start : start + _SLICE], argument="data") for start in range(0, len(text), _SLICE)
+    )
 
 
 class AsyncCommands:
@@ -190,8 +233,7 @@ class AsyncCommands:
         on_stderr: TextCallback | None = None,
     ) -> CommandResult:
         op = command_op(cmd, cwd, envs, timeout_s, stdin)
-        sink = text_sink(threadsafe(on_stdout), threadsafe(on_stderr))
-        return await self._instance.aexecute(op, sink)
+        return await self._instance.aexecute(op, loop_sink(on_stdout, on_stderr))
 
 
 class AsyncFiles:
@@ -208,6 +250,10 @@ class AsyncFiles:
         return await self._instance.aexecute(range_op(path, offset, length))
 
     async def write(self, path: str, data: str | bytes, *, mode: int = 0o644) -> EntryInfo:
+        import asyncio  # lazily: importing stockade must stay cheap
+
+        if isinstance(data, str) and len(data) > _SLICE:  # checked and encoded off the loop
+            data = await asyncio.to_thread(_encoded, data)
         return await self._instance.aexecute(write_op(path, data, mode))
 
     async def list(self, path: str = "", *, depth: int = 1) -> Listing:

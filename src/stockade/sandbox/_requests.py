@@ -182,13 +182,7 @@ def command_op(
 
 def text_sink(on_stdout: TextCallback | None, on_stderr: TextCallback | None) -> OutputSink | None:
     """Adapt byte chunks to text callbacks; a UTF-8 character split across chunks survives."""
-    for argument, given in (("on_stdout", on_stdout), ("on_stderr", on_stderr)):
-        if given is not None and not callable(given):
-            raise exc.InvalidArgument(
-                f"{argument} must be callable, got {type(given).__name__}",
-                argument=argument,
-                fix="give a function of one str (print, list.append), or leave it out",
-            )
+    check_callbacks(on_stdout, on_stderr)
     if on_stdout is None and on_stderr is None:
         return None
     callbacks = {1: on_stdout, 2: on_stderr}
@@ -202,6 +196,16 @@ def text_sink(on_stdout: TextCallback | None, on_stderr: TextCallback | None) ->
                 callback(text)
 
     return sink
+
+
+def check_callbacks(on_stdout: object, on_stderr: object) -> None:
+    for argument, given in (("on_stdout", on_stdout), ("on_stderr", on_stderr)):
+        if given is not None and not callable(given):
+            raise exc.InvalidArgument(
+                f"{argument} must be callable, got {type(given).__name__}",
+                argument=argument,
+                fix="give a function of one str (print, list.append), or leave it out",
+            )
 
 
 def as_execution(result: CommandResult) -> Execution:

@@ -10,11 +10,11 @@ from stockade import exceptions as exc
 from stockade._checks import check_choice, check_envs, check_instance, check_labels
 from stockade.sandbox import _registry
 from stockade.sandbox._supervised import spec_from_state
-from stockade.sandbox.base import SandboxSpec
+from stockade.sandbox.base import AsyncBackend, Backend, SandboxSpec
 from stockade.sandbox.snapshots import SnapshotStore
 from stockade.types import ExecRecord, Limits, NetworkPolicy, SandboxRules, Snapshot, SnapshotKind, Trust
 
-__all__ = ["choose_tier", "from_snapshot", "sandbox_spec"]
+__all__ = ["check_backend", "check_store", "choose_tier", "from_snapshot", "sandbox_spec"]
 
 
 def sandbox_spec(
@@ -62,6 +62,38 @@ def sandbox_spec(
     )
 
 
+def check_store(store: object) -> SnapshotStore:
+    """``store``, or the default one where none is given."""
+    if store is None:
+        return SnapshotStore.default()
+    return check_instance(
+        store,
+        SnapshotStore,
+        argument="store",
+        fix="give SnapshotStore(root), or leave it out for the default one",
+    )
+
+
+def check_backend(backend: object, *, asynchronous: bool = False) -> None:
+    """A backend given is a ``Backend`` (or, to an async sandbox, an ``AsyncBackend``) instance."""
+    kinds: tuple[type, ...] = (Backend, AsyncBackend) if asynchronous else (Backend,)
+    if backend is None or isinstance(backend, kinds):
+        return
+    wanted = "a Backend or AsyncBackend" if asynchronous else "a Backend"
+    fix = "give an instance (ProcessBackend()), or leave it out and choose the tier with tier="
+    if isinstance(backend, str):  # a tier's name given where its backend goes
+        fix = (
+            f"to choose the tier by name give tier={backend!r}; backend= takes an instance (ProcessBackend())"
+        )
+    elif isinstance(backend, type):
+        fix = f"give an instance of it ({backend.__name__}()), not the class"
+    raise exc.InvalidArgument(
+        f"backend must be {wanted} instance, got {backend!r} ({type(backend).__name__})",
+        argument="backend",
+        fix=fix,
+    )
+
+
 def from_snapshot(
     snapshot: Snapshot | str,
     store: SnapshotStore | None,
@@ -79,8 +111,10 @@ def from_snapshot(
         raise exc.InvalidArgument(
             f"snapshot must be a Snapshot or its id, got {type(snapshot).__name__}", argument="snapshot"
         )
-    chosen = store or (SnapshotStore(Path(snapshot.store)) if isinstance(snapshot, Snapshot) else None)
-    chosen = chosen or SnapshotStore.default()
+    if store is not None or not isinstance(snapshot, Snapshot):
+        chosen = check_store(store)
+    else:
+        chosen = SnapshotStore(Path(snapshot.store))
     manifest = chosen.load(snapshot)
     value = manifest.snapshot
     kept = spec_from_state(manifest.spec)

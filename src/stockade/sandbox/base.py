@@ -190,6 +190,11 @@ class AsyncInstance(abc.ABC):
     @abc.abstractmethod
     async def aclose(self) -> None: ...
 
+    @property
+    @abc.abstractmethod
+    def alive(self) -> bool:
+        """As ``Instance.alive``; asked without waiting."""
+
 
 class AsyncBackend(abc.ABC):
     tier: str
@@ -264,6 +269,10 @@ class _ThreadedInstance(AsyncInstance):
         self.tier = inner.tier
         self.enforcement = inner.enforcement
         self.started_from = inner.started_from
+
+    @property
+    def alive(self) -> bool:
+        return self.inner.alive
 
     async def ahandle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         return await in_thread(lambda: self.inner.handle(op, sink))

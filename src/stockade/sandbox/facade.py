@@ -16,13 +16,13 @@ from types import TracebackType
 from stockade import exceptions as exc
 from stockade._checks import check_host_path
 from stockade.sandbox import _registry
-from stockade.sandbox._namespaces import AsyncCommands, AsyncFiles, Commands, Files, threadsafe
+from stockade.sandbox._namespaces import AsyncCommands, AsyncFiles, Commands, Files, loop_sink
 from stockade.sandbox._requests import TextCallback, as_execution, code_op, text_sink
 
 # Kept importable from here, where the client and the tests have always found them.
 from stockade.sandbox._requests import check_path as check_path  # noqa: PLC0414
 from stockade.sandbox._requests import tar_directory as tar_directory  # noqa: PLC0414
-from stockade.sandbox._startup import choose_tier, from_snapshot, sandbox_spec
+from stockade.sandbox._startup import check_backend, check_store, choose_tier, from_snapshot, sandbox_spec
 from stockade.sandbox.base import (
     AsyncBackend,
     AsyncInstance,
@@ -89,6 +89,7 @@ class Sandbox:
         a memory snapshot goes on where its sandbox was, processes and variables included.
         """
         spec = sandbox_spec(limits, network, envs, allow_weaker, labels, rules=rules, approver=approver)
+        check_backend(backend)
         if workspace is not None:  # checked before a sandbox starts, not after
             check_host_path(workspace, argument="workspace")
         if snapshot is not None:
@@ -158,12 +159,12 @@ class Sandbox:
         it (``LimitNotEnforceable`` on a tier that cannot), ``memory=False`` keeps files only.
         Kept in ``store`` (``SnapshotStore.default()``) until deleted from it.
         """
-        return self.instance.execute(TakeSnapshot(store=store or SnapshotStore.default(), memory=memory))
+        return self.instance.execute(TakeSnapshot(store=check_store(store), memory=memory))
 
     def pause(self, *, memory: bool | None = None, store: SnapshotStore | None = None) -> Snapshot:
         """Save the sandbox as ``snapshot`` does and stop it: ``Sandbox.resume(sbx.id)``, in this
         process or another one of this host, brings it back as it was."""
-        return self.instance.execute(Pause(store=store or SnapshotStore.default(), memory=memory))
+        return self.instance.execute(Pause(store=check_store(store), memory=memory))
 
     @classmethod
     def resume(
@@ -176,7 +177,8 @@ class Sandbox:
     ) -> Sandbox:
         """The paused sandbox ``sandbox_id``, running again under its id. One resume wins:
         the others (and a second one) get ``SnapshotNotFound``."""
-        chosen = store or SnapshotStore.default()
+        check_backend(backend)
+        chosen = check_store(store)
         with chosen.claim("paused", sandbox_id) as ref:
             tier, spec = from_snapshot(
                 ref["snapshot"],
@@ -240,6 +242,7 @@ class AsyncSandbox:
         import asyncio  # lazily: importing stockade must stay cheap
 
         spec = sandbox_spec(limits, network, envs, allow_weaker, labels, rules=rules, approver=approver)
+        check_backend(backend, asynchronous=True)
         if workspace is not None:  # checked before a sandbox starts, not after
             check_host_path(workspace, argument="workspace")
         if snapshot is not None:
@@ -277,6 +280,10 @@ class AsyncSandbox:
         """As ``Sandbox.started_from``."""
         return self.instance.started_from
 
+    @property
+    def alive(self) -> bool:
+        return self.instance.alive
+
     async def run_code(
         self,
         code: str,
@@ -287,7 +294,7 @@ class AsyncSandbox:
         on_stderr: TextCallback | None = None,
     ) -> Execution:
         op = code_op(code, language, timeout_s)
-        sink = text_sink(threadsafe(on_stdout), threadsafe(on_stderr))
+        sink = loop_sink(on_stdout, on_stderr)
         if isinstance(op, RunCode):
             return await self.instance.aexecute(op, sink)
         return as_execution(await self.instance.aexecute(op, sink))
@@ -297,13 +304,11 @@ class AsyncSandbox:
 
     async def snapshot(self, *, memory: bool | None = None, store: SnapshotStore | None = None) -> Snapshot:
         """See ``Sandbox.snapshot``."""
-        return await self.instance.aexecute(
-            TakeSnapshot(store=store or SnapshotStore.default(), memory=memory)
-        )
+        return await self.instance.aexecute(TakeSnapshot(store=check_store(store), memory=memory))
 
     async def pause(self, *, memory: bool | None = None, store: SnapshotStore | None = None) -> Snapshot:
         """See ``Sandbox.pause``."""
-        return await self.instance.aexecute(Pause(store=store or SnapshotStore.default(), memory=memory))
+        return await self.instance.aexecute(Pause(store=check_store(store), memory=memory))
 
     @classmethod
     async def resume(
@@ -315,8 +320,13 @@ class AsyncSandbox:
         approver: Callable[[ExecRecord], bool] | None = None,
     ) -> AsyncSandbox:
         """See ``Sandbox.resume``."""
-        if backend is not None and not isinstance(backend, Backend):
-            raise exc.InvalidArgument("resume takes a blocking Backend", argument="backend")
+        if isinstance(backend, AsyncBackend):
+            raise exc.InvalidArgument(
+                "resume takes a blocking Backend", argument="backend", fix="give the tier's Backend instance"
+            )
+        check_backend(backend)
+        if store is not None:  # checked here, as ``Sandbox.resume`` does
+            check_store(store)
         sync = await in_thread(
             lambda: Sandbox.resume(sandbox_id, store=store, backend=backend, approver=approver),
             orphan=lambda resumed: _pause_again(resumed, store),
@@ -333,6 +343,9 @@ class AsyncSandbox:
         self, exc_type: type[BaseException] | None, exc_val: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.close()
+
+    def __repr__(self) -> str:
+        return f"<AsyncSandbox {self.id} tier={self.tier} alive={self.alive}>"
 
 
 def _pause_again(sbx: Sandbox, store: SnapshotStore | None) -> None:
