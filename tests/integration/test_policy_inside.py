@@ -2059,6 +2059,28 @@ def test_code_neither_reads_a_class_kept_to_other_tools_nor_changes_a_read_only_
         assert sbx.enforcement.paths is Mechanism.LANDLOCK and not sbx.enforcement.weakened
 
 
+def test_a_file_where_a_written_folder_goes_opens_nothing_for_writing(tier: str, tmp_path: Path) -> None:
+    """Landlock's rule holds an inode: a seeded *file* named `out` (for `out/**`) got the
+    folder's rule, and hard-linked to a read-only file (a class the role may read, not
+    write) it made that file writable by code, on every tier that confines (found from
+    outside). A written folder must be a folder, and a written file have one name."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "patients.csv").write_text("PATIENTS\n")
+    os.link(tmp_path / "data" / "patients.csv", tmp_path / "out")  # `out` is the class's file
+    (tmp_path / "notes.txt").write_text("NOTES\n")
+    os.link(tmp_path / "notes.txt", tmp_path / "notes-link.txt")  # a written file with two names
+    rules = _data_rules(write=("out/**", "notes.txt"), data={"confidential": ("data/**",)}, tools={})
+    sbx = _rules_or_refusal(tier, rules, workspace=tmp_path)
+    if sbx is None:
+        return
+    with sbx:
+        for target in ("data/patients.csv", "out", "notes-link.txt", "notes.txt"):
+            forged = sbx.run_code(f"open('/workspace/{target}', 'w').write('FORGED')")
+            assert forged.error is not None and forged.error.name == "PermissionError", (target, forged)
+        assert sbx.files.read("data/patients.csv") == "PATIENTS\n"
+        assert sbx.files.read("notes.txt") == "NOTES\n"
+
+
 def test_a_read_only_class_beneath_a_written_folder_is_refused_with_its_fix(
     tier: str, tmp_path: Path
 ) -> None:

@@ -142,6 +142,11 @@ def open_written(path: str, root: str) -> int:
     return fd
 
 
+def _beneath(path: str, root: str) -> bool:
+    top = root.rstrip("/")
+    return path.startswith(top + "/")
+
+
 def ruleset(
     abi: int, writable: "Optional[Sequence[str]]", executable: "Optional[Sequence[str]]", root: str
 ) -> int:
@@ -169,7 +174,17 @@ def ruleset(
             except OSError:
                 continue
             try:
-                if not stat.S_ISDIR(os.fstat(target).st_mode):
+                st = os.fstat(target)
+                if not stat.S_ISDIR(st.st_mode):
+                    if (
+                        not rights & FS_EXECUTE
+                        and _beneath(path, root)
+                        and (path.endswith("/") or st.st_nlink != 1)
+                    ):
+                        # a written folder that is a file, or a file with another name: a rule
+                        # holds the inode, so every name of it would be written (a file at
+                        # ``out`` for out/** hard-linked to a read-only file)
+                        continue
                     rights &= FILE_RIGHTS | FS_EXECUTE  # what applies to a file, not a folder
                 _held, address = _pinned(struct.pack("=Qi", rights, target))  # packed, as the kernel's
                 libc("syscall", SYS_LANDLOCK_ADD_RULE, fd, LANDLOCK_RULE_PATH_BENEATH, address, 0)
