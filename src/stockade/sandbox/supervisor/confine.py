@@ -142,11 +142,6 @@ def open_written(path: str, root: str) -> int:
     return fd
 
 
-def _beneath(path: str, root: str) -> bool:
-    top = root.rstrip("/")
-    return path.startswith(top + "/")
-
-
 def ruleset(
     abi: int, writable: "Optional[Sequence[str]]", executable: "Optional[Sequence[str]]", root: str
 ) -> int:
@@ -177,13 +172,12 @@ def ruleset(
                 st = os.fstat(target)
                 if not stat.S_ISDIR(st.st_mode):
                     if (
-                        not rights & FS_EXECUTE
-                        and _beneath(path, root)
-                        and (path.endswith("/") or st.st_nlink != 1)
+                        st.st_nlink != 1
+                        and not rights & FS_EXECUTE
+                        and path.startswith(root.rstrip("/") + "/")
                     ):
-                        # a written folder that is a file, or a file with another name: a rule
-                        # holds the inode, so every name of it would be written (a file at
-                        # ``out`` for out/** hard-linked to a read-only file)
+                        # a file with another name: a rule holds the inode, so every name would
+                        # be written (a file at ``out``, for out/**, linked to a read-only one)
                         continue
                     rights &= FILE_RIGHTS | FS_EXECUTE  # what applies to a file, not a folder
                 _held, address = _pinned(struct.pack("=Qi", rights, target))  # packed, as the kernel's

@@ -1136,10 +1136,10 @@ static long open_written(const char *root, const char *path)
 }
 
 /* One grant of confine.ruleset: no rule for a path that is not there, nor for a written one
- * beneath ``root`` that is, or is reached through, a link (open_written); a file gets only
- * the rights that apply to files. Beneath ``root``, a written folder (its path ends with /)
- * that is not a folder gets none, nor does a file with another name: a rule holds the inode,
- * so a file at ``out`` (for out/**) hard-linked to a read-only file made that one writable. */
+ * beneath ``root`` that is, or is reached through, a link (open_written), nor for a file
+ * there with another name (a rule holds the inode: a file at ``out``, written as a folder,
+ * hard-linked to a read-only file made that one writable); a file gets only the rights that
+ * apply to files. */
 static long grant(long ruleset, const char *root, const char *path, u64 rights)
 {
     long fd = open_written(root, path);
@@ -1148,14 +1148,12 @@ static long grant(long ruleset, const char *root, const char *path, u64 rights)
     unsigned long top = root ? slen(root) : 0;
     while (top > 0 && root[top - 1] == '/')
         top--;
-    unsigned long n = slen(path);
     int beneath = root && starts(path, root) && path[top] == '/';
-    int folder = n > 0 && path[n - 1] == '/';
     u64 st[18]; /* x86-64's struct stat: st_nlink at [2], st_mode in [3] */
     long r = sc(SYS_fstat, fd, (long)st, 0, 0, 0, 0);
     if (r == 0 && ((u32)st[3] & S_IFMT) != S_IFLNK) { /* a link: no rule, its target as it is */
         int dir = ((u32)st[3] & S_IFMT) == S_IFDIR;
-        if (beneath && !dir && (folder || st[2] != 1)) {
+        if (beneath && !dir && st[2] != 1) { /* a file with another name: no rule */
             sc(SYS_close, fd, 0, 0, 0, 0, 0);
             return 0;
         }

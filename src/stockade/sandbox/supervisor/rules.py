@@ -187,8 +187,7 @@ class Rules:
     def _writable(self) -> "Optional[List[str]]":
         if self.write is None:
             return None
-        # a folder's path keeps its / (a written folder must be one: judge.c's grant)
-        return [*self.write, *ALWAYS_WRITABLE]
+        return [p.rstrip("/") or "/" for p in (*self.write, *ALWAYS_WRITABLE)]
 
     def _set_confine_args(self) -> None:
         """stockade_confine's arguments, without and with the shim's subreaper."""
