@@ -6,6 +6,7 @@ import enum
 import ipaddress
 import os
 import re
+import shlex
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -509,6 +510,21 @@ class SandboxRules:
         for name in ("write", "read", "hide"):  # matched in one form, whatever the spelling
             globs = check_strings(getattr(self, name), argument=f"SandboxRules.{name}")
             object.__setattr__(self, name, workspace_globs(globs, setting=f"SandboxRules.{name}"))
+        for name in ("deny", "approve", "allow"):
+            # checked as a policy file's are: a str read a character at a time judged nothing,
+            # and shlex.split(None) read the host's stdin
+            argument = f"SandboxRules.{name}"
+            patterns = check_strings(getattr(self, name), argument=argument)
+            for pattern in patterns:
+                try:
+                    words = shlex.split(pattern)
+                except ValueError as err:
+                    raise InvalidArgument(
+                        f"{argument}: {pattern!r} is not valid shell words: {err}", argument=argument
+                    ) from None
+                if not words:
+                    raise InvalidArgument(f"{argument}: a command pattern cannot be empty", argument=argument)
+            object.__setattr__(self, name, patterns)
 
     @property
     def judges_execs(self) -> bool:

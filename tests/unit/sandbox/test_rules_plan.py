@@ -92,3 +92,23 @@ def test_a_denied_programs_other_files_anywhere_in_the_image_are_masked(tmp_path
     rules = SandboxRules(deny=("uname",))
     found = _rules.plan(SandboxSpec(rules=rules), root=tmp_path, can_mask=True, can_confine=True)
     assert found.masks == ("/usr/bin/uname", "/usr/lib/klibc/bin/uname")
+
+
+@pytest.mark.parametrize(
+    "rules",
+    [
+        {"deny": (None,)},  # shlex.split(None) read the host's stdin: its text became policy
+        {"deny": "rm"},  # a str, read a character at a time: rm ran
+        {"approve": "rm -r"},  # the approver was never asked
+        {"allow": ("",)},  # an empty pattern: the supervisor exited
+        {"deny": ("",)},  # silently nothing
+        {"deny": ("\ud800",)},  # the first command crashed the sandbox
+        {"deny": (1,)},
+        {"approve": ("rm 'unclosed",)},
+    ],
+)
+def test_command_patterns_are_checked_as_a_policy_files_are(rules: dict[str, object]) -> None:
+    with pytest.raises(exc.InvalidArgument) as refused:
+        SandboxRules(**rules)  # type: ignore[arg-type]
+    assert refused.value.argument.startswith("SandboxRules.")
+    assert SandboxRules(deny=["curl", "git push"]).deny == ("curl", "git push")  # type: ignore[arg-type]
