@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stockade import exceptions as exc
+from stockade._checks import check_strings
 from stockade.agent.state import RunState, RunStatus, ToolCallRecord
 from stockade.audit.redact import Redactor
 from stockade.audit.stores import check_namespace
@@ -432,7 +433,9 @@ class RunStore:
     def erase(self, run_ids: Sequence[str]) -> int:
         """Remove every row of these runs, and the workspace contents and seeds that no other run
         shares; returns the runs erased. A run still running is refused (``RunConflict``)."""
-        runs = list(dict.fromkeys(run_ids))
+        # a lone str is refused: read a character at a time it erased nothing, and recorded
+        # the erasure of runs named "r", "u", "n"
+        runs = list(dict.fromkeys(check_strings(run_ids, argument="run_ids")))
         if not runs:
             return 0
         self.sweep()

@@ -13,7 +13,7 @@ from stockade.agent import Agent
 from stockade.agent.events import Observer as AgentObserver
 from stockade.audit import AuditLog, MemoryStore, verify
 from stockade.audit.agent import AuditObserver
-from stockade.exceptions import RunConflict
+from stockade.exceptions import InvalidArgument, RunConflict
 from stockade.runs import RunRecorder, RunStore
 from stockade.sandbox.base import OpResult
 from stockade.sandbox.ops import Op, ReadFile
@@ -97,3 +97,9 @@ def test_a_content_another_run_takes_while_an_erasure_runs_is_not_lost(
     assert erased == [1]
     store.export_workspace("bob-1", tmp_path / "bob")
     assert {name: (tmp_path / "bob" / name).read_bytes() for name in files} == files
+
+
+def test_a_run_id_given_alone_is_refused_not_read_a_character_at_a_time(store: RunStore) -> None:
+    """``erase("run-1")`` erased nothing and recorded the erasure of runs "r", "u", "n", ..."""
+    with pytest.raises(InvalidArgument):
+        store.erase("run-1")  # a str is a Sequence[str] to the type checker, not to erase
