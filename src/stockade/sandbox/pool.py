@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stockade import exceptions as exc
+from stockade._checks import MAX_TIMEOUT_S, check_number
 from stockade.sandbox import _registry
 from stockade.sandbox._startup import from_snapshot, sandbox_spec
 from stockade.sandbox.base import Backend, Instance, OpResult, OutputSink, WrapperInstance
@@ -121,8 +122,11 @@ class SandboxPool:
         """``rules`` and ``approver`` as ``Sandbox.create`` takes them: every member is under
         the rules, and a reset keeps them (what one user's code ran or had approved is dropped
         with the rest of its state)."""
-        if size < 1 or max_uses < 1 or idle_timeout_s <= 0:
-            raise exc.ConfigurationError("SandboxPool needs size >= 1, max_uses >= 1, idle_timeout_s > 0")
+        # typed refusals, not a TypeError here or a NaN that killed the pool's thread later
+        check_number(size, argument="size", integer=True, low=1, high=10_000)
+        check_number(max_uses, argument="max_uses", integer=True, low=1, high=2**31)
+        check_number(idle_timeout_s, argument="idle_timeout_s", integer=False, low=0, high=MAX_TIMEOUT_S,
+                     unit="s", low_inclusive=False)  # fmt: skip
         self.size = size
         self.max_uses = max_uses
         self.idle_timeout_s = idle_timeout_s

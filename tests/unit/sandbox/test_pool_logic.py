@@ -152,3 +152,14 @@ def test_a_pool_never_holds_more_members_than_its_size() -> None:
         stats = pool.stats()
     assert most <= 2, (most, stats)
     assert stats.replaced >= 100 and stats.last_replaced_why == "max_uses reached"  # not "it died"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"size": 0}, {"size": None}, {"max_uses": 0}, {"idle_timeout_s": 0}, {"idle_timeout_s": float("nan")},
+     {"idle_timeout_s": None}, {"size": True}],
+)  # fmt: skip
+def test_a_pool_refuses_sizes_and_times_it_cannot_keep(bad: dict[str, object]) -> None:
+    """A NaN idle time was taken, then killed the pool's thread (it never refilled)."""
+    with pytest.raises(InvalidArgument):
+        SandboxPool(backend=FakeBackend(MemoryWorkspace()), **bad)  # type: ignore[arg-type]
