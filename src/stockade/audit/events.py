@@ -194,6 +194,14 @@ class Chain:
     """
 
     def __init__(self, key: bytes | None = None) -> None:
+        if key is not None and not isinstance(key, bytes):  # a str or an int: a TypeError deep in hmac
+            from stockade.exceptions import InvalidArgument
+
+            raise InvalidArgument(
+                f"an audit key is bytes, got {type(key).__name__}",
+                argument="key",
+                fix="give bytes (str.encode())",
+            )
         if key is not None and len(key) < 16:
             from stockade.exceptions import ConfigurationError
 

@@ -53,8 +53,19 @@ class AuditLog:
         max_pending: int = 100_000,
         clock: Callable[[], int] = time.time_ns,
     ) -> None:
-        if batch_size < 1:
-            raise exc.ConfigurationError("AuditLog.batch_size must be >= 1")
+        # typed refusals here, not a TypeError at the first record, or a flusher thread that
+        # died on a flush_interval_s of "x" and never wrote again
+        check_number(batch_size, argument="batch_size", integer=True, low=1, high=1 << 20)
+        check_number(max_pending, argument="max_pending", integer=True, low=1, high=1 << 40)
+        if flush_interval_s is not None:
+            check_number(flush_interval_s, argument="flush_interval_s", integer=False, low=0, high=3600,
+                         unit="s", low_inclusive=False)  # fmt: skip
+        if redactor is not None and not isinstance(redactor, Redactor):
+            raise exc.InvalidArgument("AuditLog.redactor must be a Redactor", argument="redactor")
+        if not callable(clock):
+            raise exc.InvalidArgument(
+                "AuditLog.clock must be a function giving nanoseconds", argument="clock"
+            )
         self.store = store
         self.chain = Chain(key)
         # a key that is not the store's fails here, before any event is queued (append checks

@@ -265,3 +265,16 @@ def test_check_writes_what_is_queued_so_an_action_waits_for_no_background_write(
     log.check()
     assert [e.step for e in store.events()] == [1, 2, 3, 4]
     log.close()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"batch_size": None}, {"batch_size": 0}, {"max_pending": None}, {"flush_interval_s": "x"},
+     {"flush_interval_s": float("nan")}, {"flush_interval_s": {}}, {"redactor": 0}, {"clock": None},
+     {"key": 0}, {"key": "a str key of 32 characters....."}],
+)  # fmt: skip
+def test_a_log_refuses_settings_it_cannot_keep(bad: dict[str, object]) -> None:
+    """Taken before, each failed later: a TypeError at the first record, or (a flush interval
+    of "x") a flusher thread that died and never wrote again."""
+    with pytest.raises(InvalidArgument):
+        AuditLog(MemoryStore(), **bad)  # type: ignore[arg-type]
