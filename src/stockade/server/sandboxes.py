@@ -65,7 +65,7 @@ from stockade.server.schemas import (
 from stockade.server.scratch import scratch
 from stockade.server.snapshots import snapshot_out
 from stockade.server.state import Node, Placement
-from stockade.server.tenants import Principal, check_output_bytes
+from stockade.server.tenants import Principal, Tenant, check_output_bytes
 from stockade.server.uploads import unpack_archive
 from stockade.types import CommandResult, EntryInfo, Execution, Limits, Listing, NetworkPolicy, SnapshotKind
 
@@ -79,6 +79,43 @@ DEAD_AFTER_S = 15.0  # silent this long, a process is dead (as a run's lease): c
 SWEEP_S = 5.0  # how often a process looks for dead peers
 ENDED_KEPT_S = 86400.0  # a lost sandbox answers "gone" this long, then "not found"
 _CHUNK = 256 * 1024  # a downloaded archive is sent in pieces this big
+
+
+class RunningCalls:
+    """Each tenant's sandbox calls running at once in this process, at most its
+    ``Quotas.running_calls``: each holds one of the server's threads until it ends (a streamed
+    command for its whole life), so one tenant's hundreds of them would leave every other
+    tenant's requests waiting for a thread. One more is refused at once, never queued."""
+
+    def __init__(self) -> None:
+        self._running: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def take(self, tenant: Tenant) -> None:
+        """``QuotaExceeded`` when ``tenant`` runs its most already; else one more is counted
+        (``give_back`` once it ends)."""
+        cap = tenant.quotas.running_calls
+        with self._lock:
+            used = self._running.get(tenant.id, 0)
+            if used >= cap:
+                raise exc.QuotaExceeded(
+                    f"tenant {tenant.id!r} has {used} sandbox calls running, its most at once "
+                    f"(running_calls = {cap}): wait for one to end, or kill the sandbox running it",
+                    quota="running_calls", limit=float(cap), used=float(used),
+                )  # fmt: skip
+            self._running[tenant.id] = used + 1
+
+    def give_back(self, tenant: Tenant) -> None:
+        with self._lock:
+            left = self._running.get(tenant.id, 0) - 1
+            if left > 0:
+                self._running[tenant.id] = left
+            else:
+                self._running.pop(tenant.id, None)
+
+    def running(self, tenant: Tenant) -> int:
+        with self._lock:
+            return self._running.get(tenant.id, 0)
 
 
 @dataclass(kw_only=True)
@@ -125,6 +162,7 @@ class SandboxRegistry:
         self.url = service.config.advertise_url or ""
         self.hop_key = secrets.token_urlsafe(32)  # marks a peer's forwarded request (no second rate count)
         self._held: dict[str, Held] = {}
+        self.calls = RunningCalls()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
@@ -481,13 +519,25 @@ async def _blocking(function: Callable[[], Any]) -> Any:
     return await anyio.to_thread.run_sync(function)
 
 
+async def _call(request: Request, caller: Principal, function: Callable[[], Any]) -> Any:
+    """``function`` on a server thread, as one of the caller's ``RunningCalls`` (refused at
+    once when they are all taken). Killing or deleting a sandbox is not one: a tenant at its
+    most can always stop what holds it."""
+    calls = _registry_of(request).calls
+    calls.take(caller.tenant)
+    try:
+        return await anyio.to_thread.run_sync(function)
+    finally:  # a cancelled wait still waits for the thread: the call has ended here
+        calls.give_back(caller.tenant)
+
+
 # -- routes -------------------------------------------------------------------------------
 
 
 @router.post("", status_code=201, response_model=SandboxOut, summary="Create a sandbox")
 async def create_sandbox(body: SandboxCreate, request: Request, caller: Caller) -> SandboxOut:
     registry = _registry_of(request)
-    held: Held = await _blocking(lambda: registry.create(caller, body))
+    held: Held = await _call(request, caller, lambda: registry.create(caller, body))
     return held.out()
 
 
@@ -529,7 +579,7 @@ async def take_snapshot(
 ) -> SnapshotOut:
     registry = _registry_of(request)
     memory = body.memory if body is not None else None
-    taken: SnapshotOut = await _blocking(lambda: registry.snapshot(caller, sandbox_id, memory))
+    taken: SnapshotOut = await _call(request, caller, lambda: registry.snapshot(caller, sandbox_id, memory))
     return taken
 
 
@@ -540,14 +590,14 @@ async def pause_sandbox(
 ) -> SnapshotOut:
     registry = _registry_of(request)
     memory = body.memory if body is not None else None
-    paused: SnapshotOut = await _blocking(lambda: registry.pause(caller, sandbox_id, memory))
+    paused: SnapshotOut = await _call(request, caller, lambda: registry.pause(caller, sandbox_id, memory))
     return paused
 
 
 @router.post("/{sandbox_id}/resume", response_model=SandboxOut, summary="Run a paused sandbox again")
 async def resume_sandbox(sandbox_id: str, request: Request, caller: Caller) -> SandboxOut:
     registry = _registry_of(request)
-    held: Held = await _blocking(lambda: registry.resume(caller, sandbox_id))
+    held: Held = await _call(request, caller, lambda: registry.resume(caller, sandbox_id))
     return held.out()
 
 
@@ -637,8 +687,9 @@ def _line(kind: str, payload: Any) -> dict[str, Any]:
 # How often a stream asks whether its token still stands (as the run events' stream does).
 RECHECK_S = 1.0
 
-# Calls whose stream was cut by their token's end: they run on to their deadline, unread.
-_orphans: set[asyncio.Future[None]] = set()
+# The streamed calls running, kept until they end: a stream cut by its token's end, or never
+# read (its client gone before its first line), runs on to its deadline unread.
+_streaming: set[asyncio.Future[None]] = set()
 
 
 def _streamed(
@@ -666,9 +717,18 @@ def _streamed(
                 exc.StockadeError(f"internal error: {type(error).__name__}"), request.url.path
             )
             outbox.end("error", problem.body)
+        finally:
+            calls.give_back(caller.tenant)
+
+    calls = _registry_of(request).calls
+    calls.take(caller.tenant)  # refused here, as a 429, before the stream starts
+    # started now, not when the body is first read: the place just taken is given back when
+    # the call ends, even if the response is never sent
+    task = asyncio.ensure_future(anyio.to_thread.run_sync(run))
+    _streaming.add(task)
+    task.add_done_callback(_streaming.discard)
 
     async def lines() -> AsyncIterator[bytes]:
-        task = asyncio.ensure_future(anyio.to_thread.run_sync(run))
         checked, cut = time.monotonic(), False
         try:
             while True:
@@ -693,10 +753,7 @@ def _streamed(
                 if kind in ("result", "error"):
                     break
         finally:
-            if cut:  # kept until it ends, not awaited: the cut response is over
-                _orphans.add(task)
-                task.add_done_callback(_orphans.discard)
-            else:
+            if not cut:  # a cut one is not awaited (the response is over): _streaming keeps it
                 await task
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
@@ -721,7 +778,7 @@ async def run_command(
     registry.get(caller, sandbox_id)  # 404 before a stream starts
     if body.stream:
         return _streamed(request, caller, work)
-    result: CommandResult = await _blocking(lambda: work(None, None))
+    result: CommandResult = await _call(request, caller, lambda: work(None, None))
     await _blocking(lambda: recheck(request, caller))  # the token may have gone while it ran
     return _as_json(result)
 
@@ -744,7 +801,7 @@ async def run_code(
     registry.get(caller, sandbox_id)
     if body.stream:
         return _streamed(request, caller, work)
-    result: Execution = await _blocking(lambda: work(None, None))
+    result: Execution = await _call(request, caller, lambda: work(None, None))
     await _blocking(lambda: recheck(request, caller))
     return _as_json(result)
 
@@ -757,7 +814,7 @@ async def reset_sandbox(sandbox_id: str, request: Request, caller: Caller) -> Re
         with registry.use(caller, sandbox_id) as sandbox:
             sandbox.reset()
 
-    await _blocking(work)
+    await _call(request, caller, work)
     return Response(status_code=204)
 
 
@@ -790,7 +847,7 @@ async def list_files(
         with registry.use(caller, sandbox_id) as sandbox:
             return sandbox.files.list(path, depth=depth)
 
-    listing = await _blocking(work)
+    listing = await _call(request, caller, work)
     if listing.truncated:
         response.headers[LISTING_TRUNCATED_HEADER] = "true"
     return [_entry(e) for e in listing]
@@ -804,7 +861,7 @@ async def stat_file(sandbox_id: str, request: Request, caller: Caller, path: Pat
         with registry.use(caller, sandbox_id) as sandbox:
             return sandbox.files.stat(path)
 
-    entry = await _blocking(work)
+    entry = await _call(request, caller, work)
     if entry is None:
         raise exc.SandboxFileNotFound(f"nothing at {path!r}", path=path)
     return _entry(entry)
@@ -825,7 +882,7 @@ async def read_file(
                 return sandbox.files.read_range(path, offset, length)
             return sandbox.files.read(path, format="bytes")
 
-    data = await _blocking(work)
+    data = await _call(request, caller, work)
     return StreamingResponse(
         _pieces(data), media_type="application/octet-stream", headers={"Content-Length": str(len(data))}
     )
@@ -854,7 +911,7 @@ async def write_file(
         with registry.use(caller, sandbox_id) as sandbox:
             return sandbox.files.write(path, data, mode=mode)
 
-    return _entry(await _blocking(work))
+    return _entry(await _call(request, caller, work))
 
 
 @router.delete("/{sandbox_id}/files", status_code=204, summary="Remove a file or folder")
@@ -865,7 +922,7 @@ async def remove_file(sandbox_id: str, request: Request, caller: Caller, path: P
         with registry.use(caller, sandbox_id) as sandbox:
             sandbox.files.remove(path)
 
-    await _blocking(work)
+    await _call(request, caller, work)
     return Response(status_code=204)
 
 
@@ -877,7 +934,7 @@ async def make_dir(sandbox_id: str, request: Request, caller: Caller, path: Path
         with registry.use(caller, sandbox_id) as sandbox:
             return sandbox.files.make_dir(path)
 
-    return _entry(await _blocking(work))
+    return _entry(await _call(request, caller, work))
 
 
 @router.put("/{sandbox_id}/archive", status_code=204, summary="Upload a folder (a tar) into the workspace")
@@ -894,7 +951,7 @@ async def upload_archive(sandbox_id: str, request: Request, caller: Caller, path
             with registry.use(caller, sandbox_id) as sandbox:
                 sandbox.files.upload_dir(Path(tmp) / "in", path)
 
-    await _blocking(work)
+    await _call(request, caller, work)
     return Response(status_code=204)
 
 
@@ -930,7 +987,7 @@ async def download_archive(
                     ) from None
             return pack_folder(dest, tmp, cap=whole, what=path or "/")
 
-    packed, size = await _blocking(work)
+    packed, size = await _call(request, caller, work)
     return StreamingResponse(
         _read_out(packed), media_type="application/x-tar", headers={"Content-Length": str(size)}
     )

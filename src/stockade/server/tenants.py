@@ -15,6 +15,8 @@ quotas and its rate and spend limits, and lists the tokens, stored hashed:
     snapshot_mb = 10240              # disk of its snapshots and paused sandboxes
     output_bytes = 16777216          # most one sandbox's Limits.output_bytes may be (each call's
                                      # stdout and stderr are held in the API process, each up to it)
+    running_calls = 64               # its sandbox calls (commands, code, files) running at once in
+                                     # one API process: each holds one of the process's threads
 
     [[tokens]]
     id = "3f9a1c0b7d2e"
@@ -94,6 +96,10 @@ class Quotas:
     # not a sum: the most one sandbox's ``Limits.output_bytes`` may be. A call's stdout and
     # stderr are held in the API process (each up to it) until its result is sent.
     output_bytes: int = 16 * MiB
+    # its sandbox calls running at once in one API process (commands, code, file ops, ...):
+    # each holds one of the process's threads (app.THREADS) while it runs, so a tenant's share
+    # must leave the rest to the other tenants; one more is refused at once, never queued
+    running_calls: int = 64
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,6 +163,7 @@ class _TenantEntry(BaseModel):
     snapshot_mb: int = Field(default=10240, ge=0)
     storage_mb: int = Field(default=2048, ge=0)
     output_bytes: int = Field(default=16 * MiB, ge=1)
+    running_calls: int = Field(default=64, ge=0)
     rate_per_minute: int | None = Field(default=None, gt=0)
     rate_period_s: float = Field(default=60.0, ge=1)  # Redis windows count whole seconds
     dollars_per_hour: float | None = Field(default=None, gt=0)
@@ -278,6 +285,7 @@ class Tenants:
                     snapshot_mb=entry.snapshot_mb,
                     storage_mb=entry.storage_mb,
                     output_bytes=entry.output_bytes,
+                    running_calls=entry.running_calls,
                 ),
                 rate_per_minute=entry.rate_per_minute,
                 rate_period_s=entry.rate_period_s,
