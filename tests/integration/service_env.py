@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -59,11 +59,11 @@ class Tokens:
 
 def write_tenants(
     folder: Path, *, sandboxes: int = 3, memory_mb: int = 2048, runs: int = 50, storage_mb: int = 2048,
-    acme_rate: str = "", keep_runs_days: float | None = None, running_calls: int | None = None,
+    acme_rate: str = "", keep_runs_days: float | None = None, acme_quotas: Mapping[str, int] | None = None,
 ) -> tuple[Path, Tokens]:  # fmt: skip
     """``acme_rate``: lines of acme's rate limit (``rate_per_minute = 2``, ...), none by default;
-    ``keep_runs_days``: acme's retention of the runs that ended (none: kept); ``running_calls``:
-    acme's sandbox calls at once (none: the default)."""
+    ``keep_runs_days``: acme's retention of the runs that ended (none: kept); ``acme_quotas``:
+    more of acme's quotas (``running_calls``, ``bodies_mb``, ...; the rest are the defaults)."""
     from stockade.server.tenants import Tenants, new_token
 
     (folder / "policy.toml").write_text(POLICY)
@@ -74,7 +74,7 @@ def write_tenants(
         f'[tenants.acme]\npolicy = "policy.toml"\nsandboxes = {sandboxes}\ncpus = 4\n'
         f"memory_mb = {memory_mb}\nruns = {runs}\nstorage_mb = {storage_mb}\n{acme_rate}"
         + (f"keep_runs_days = {keep_runs_days!r}\n" if keep_runs_days is not None else "")
-        + (f"running_calls = {running_calls}\n" if running_calls is not None else ""),
+        + "".join(f"{name} = {value}\n" for name, value in (acme_quotas or {}).items()),
         '[tenants.other]\npolicy = "policy.toml"\n',
     ]
     empty = Tenants(tenants={}, tokens={})
@@ -192,10 +192,10 @@ class Worker(Process):
 
 @contextlib.contextmanager
 def embedded_server(
-    folder: Path, *, storage_mb: int, running_calls: int | None = None
+    folder: Path, *, storage_mb: int, acme_quotas: Mapping[str, int] | None = None
 ) -> Iterator[tuple[Server, Tokens, Path]]:
     """``stockade serve`` on SQLite in ``folder``, for a module's tests; it must stop cleanly."""
-    tenants, tokens = write_tenants(folder, storage_mb=storage_mb, running_calls=running_calls)
+    tenants, tokens = write_tenants(folder, storage_mb=storage_mb, acme_quotas=acme_quotas)
     server = Server(tenants, f"sqlite:///{folder / 'service.db'}", folder)
     try:
         yield server, tokens, folder

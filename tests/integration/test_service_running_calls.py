@@ -1,9 +1,11 @@
 """One tenant's long sandbox calls leave the server to the others: a tenant runs at most its
 ``running_calls`` at once (each holds a server thread), one more is refused at once (429), and
-another tenant's calls are answered meanwhile."""
+another tenant's calls are answered meanwhile. A call whose client goes is stopped in the
+sandbox, and its place given back, long before its own deadline."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
@@ -13,7 +15,8 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from tests.conftest import require_tier, wait_for
+from stockade import exceptions as exc
+from tests.conftest import require_tier, wait_for, wait_for_async
 from tests.integration.service_env import Server, Tokens, embedded_server
 
 pytestmark = [pytest.mark.process]
@@ -24,7 +27,9 @@ CAP = 3  # acme's running_calls in the tenants file: small, so holding all of th
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Tokens, Path]]:
     require_tier("process")
-    with embedded_server(tmp_path_factory.mktemp("service"), storage_mb=64, running_calls=CAP) as running:
+    with embedded_server(
+        tmp_path_factory.mktemp("service"), storage_mb=64, acme_quotas={"running_calls": CAP}
+    ) as running:
         yield running
 
 
@@ -38,13 +43,14 @@ def _sandbox(server: Server, token: str) -> str:
     return sandbox_id
 
 
-def _streamed_sleep(server: Server, token: str, sandbox_id: str) -> socket.socket:
+def _streamed_sleep(server: Server, token: str, sandbox_id: str, *, route: str = "commands") -> socket.socket:
     """A streamed ``sleep`` whose response has begun (200): it holds one of the tenant's calls."""
-    body = json.dumps({"cmd": ["sleep", "60"], "timeout_s": 90, "stream": True}).encode()
+    sleep = {"cmd": ["sleep", "61"]} if route == "commands" else {"code": "import time; time.sleep(61)"}
+    body = json.dumps({**sleep, "timeout_s": 90, "stream": True}).encode()
     conn = socket.create_connection(("127.0.0.1", server.port))
     conn.settimeout(20)
     conn.sendall(
-        f"POST /v1/sandboxes/{sandbox_id}/commands HTTP/1.1\r\nHost: test\r\n"
+        f"POST /v1/sandboxes/{sandbox_id}/{route} HTTP/1.1\r\nHost: test\r\n"
         f"Authorization: Bearer {token}\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
         + body
@@ -109,3 +115,111 @@ def test_a_tenant_at_its_running_calls_is_refused_at_once_and_others_are_answere
     wait_for(runs_again, what="acme's running calls to be given back", timeout_s=30, interval_s=0.5)
     for box, headers in ((acme_box, acme), (other_box, other)):
         httpx2.delete(f"{server.url}/v1/sandboxes/{box}", headers=headers, timeout=30)
+
+
+def _sleeping(server: Server, token: str, sandbox_id: str) -> int:
+    """How many ``sleep 61`` the sandbox runs (the line the pattern is on is not one)."""
+    count = (
+        "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null; echo; done | grep -cx 'sleep 6[1] '"
+    )
+    ran = httpx2.post(
+        f"{server.url}/v1/sandboxes/{sandbox_id}/commands", headers={"Authorization": f"Bearer {token}"},
+        json={"cmd": ["sh", "-c", count]}, timeout=30,
+    )  # fmt: skip
+    assert ran.status_code == 200, ran.text
+    return int(ran.json()["stdout"].strip() or 0)
+
+
+def test_a_call_whose_client_goes_is_stopped_in_the_sandbox_which_stays(
+    service: tuple[Server, Tokens, Path],
+) -> None:
+    server, tokens, _ = service
+    acme = {"Authorization": f"Bearer {tokens.acme}"}
+    box = _sandbox(server, tokens.acme)
+    try:
+        # streamed, a command and code; and one not streamed whose client gives up after a second
+        held = [
+            _streamed_sleep(server, tokens.acme, box),
+            _streamed_sleep(server, tokens.acme, box, route="code"),
+        ]
+        wait_for(
+            lambda: _sleeping(server, tokens.acme, box) == 1, what="the streamed sleep to start", timeout_s=20
+        )
+        with pytest.raises(httpx2.TimeoutException):
+            httpx2.post(
+                f"{server.url}/v1/sandboxes/{box}/commands", headers=acme, timeout=1.0,
+                json={"cmd": ["sleep", "61"], "timeout_s": 90},
+            )  # fmt: skip
+        for conn in held:
+            conn.close()
+        # stopped in the sandbox long before their minute, and their places given back
+        wait_for(
+            lambda: _sleeping(server, tokens.acme, box) == 0, what="the sleeps to be stopped", timeout_s=20
+        )
+        again = [_streamed_sleep(server, tokens.acme, box) for _ in range(CAP)]  # all CAP places are free
+        for conn in again:
+            conn.close()
+        wait_for(
+            lambda: _sleeping(server, tokens.acme, box) == 0, what="the sleeps to be stopped", timeout_s=20
+        )
+        # the sandbox is the tenant's still, files and all
+        wrote = httpx2.put(
+            f"{server.url}/v1/sandboxes/{box}/files/content", headers=acme, params={"path": "kept.txt"},
+            content=b"kept", timeout=30,
+        )  # fmt: skip
+        assert wrote.status_code == 200, wrote.text
+        ran = httpx2.post(f"{server.url}/v1/sandboxes/{box}/commands", headers=acme,
+                          json={"cmd": ["cat", "kept.txt"]}, timeout=30)  # fmt: skip
+        assert ran.status_code == 200 and ran.json()["stdout"] == "kept", ran.text
+    finally:
+        httpx2.delete(f"{server.url}/v1/sandboxes/{box}", headers=acme, timeout=30)
+
+
+async def test_the_sdks_cancelled_call_and_timed_out_call_are_stopped_on_the_service(
+    service: tuple[Server, Tokens, Path],
+) -> None:
+    from stockade.client import AsyncClient, Client
+
+    server, tokens, _ = service
+    async with AsyncClient(server.url, tokens.acme) as client:
+        sbx = await client.sandbox("process")
+        try:
+            # a task awaiting a command, cancelled: the command stops in the sandbox
+            for streamed in (False, True):
+                printed: list[str] = []
+                task = asyncio.create_task(
+                    sbx.commands.run(
+                        ["sleep", "61"], timeout_s=90, on_stdout=printed.append if streamed else None
+                    )
+                )
+                await wait_for_async(
+                    lambda: _sleeping(server, tokens.acme, sbx.id) == 1,
+                    what="the sleep to start",
+                    interval_s=0.2,
+                )
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                await wait_for_async(
+                    lambda: _sleeping(server, tokens.acme, sbx.id) == 0,
+                    what="the cancelled sleep to be stopped",
+                    timeout_s=20,
+                    interval_s=0.2,
+                )
+            # the sync SDK's call that times out on the client's side: stopped too
+            with (
+                Client(server.url, tokens.acme, timeout_s=1.0) as impatient,
+                pytest.raises(exc.StockadeError),
+            ):
+                impatient.http.request(
+                    "POST", f"/v1/sandboxes/{sbx.id}/commands", json={"cmd": ["sleep", "61"], "timeout_s": 90}
+                )
+            await wait_for_async(
+                lambda: _sleeping(server, tokens.acme, sbx.id) == 0,
+                what="the timed-out sleep to be stopped",
+                timeout_s=20,
+                interval_s=0.2,
+            )
+            assert (await sbx.commands.run(["echo", "still here"])).stdout == "still here\n"
+        finally:
+            await sbx.close()

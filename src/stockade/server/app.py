@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from stockade import __version__
 from stockade import exceptions as exc
@@ -125,6 +126,12 @@ def create_app(service: Service) -> FastAPI:
             content=problems.Problem(status=error.status_code, body=body, headers={}).content(),
             status_code=error.status_code, media_type=PROBLEM, headers=dict(error.headers or {}),
         )  # fmt: skip
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, error: ClientDisconnect) -> Response:
+        # the body stopped mid-way: its client went, or the guard answered in the app's place
+        # (408, 429) and closed the connection; no one hears this answer, and nothing failed
+        return Response(status_code=400)
 
     @app.exception_handler(Exception)
     async def internal(request: Request, error: Exception) -> Response:

@@ -15,6 +15,14 @@ a command's output streams as long as it runs.
 
 The request's head (its line and headers) is timed by the connection itself
 (``server/connections.py``): this ASGI layer sees a request only once its head came.
+
+A tenant's bodies are held in memory from their first byte to the end of their request (a
+file's content is written to the sandbox whole), and the deadline above lets a body of 64 MiB
+take 17 minutes: twenty uploads trickled at the slowest rate held 1.4 GB that long.
+``HeldBodies`` counts each tenant's bytes in this process, the ``Content-Length`` it declares
+from the start, and refuses the request that would pass its ``bodies_mb`` with a 429
+(``QuotaExceeded``, ``quota = "bodies_mb"``): from its headers when it declares too much, else
+as soon as its bytes pass, never reading the rest.
 """
 
 from __future__ import annotations
@@ -28,11 +36,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from stockade import exceptions as exc
 from stockade.server import problems
 from stockade.server.deps import principal_of
+from stockade.types import MiB
 
 if TYPE_CHECKING:
     from stockade.server.service import Service
+    from stockade.server.tenants import Tenant
 
-__all__ = ["RequestGuard", "needs_token"]
+__all__ = ["HeldBodies", "RequestGuard", "needs_token"]
 
 
 def needs_token(path: str) -> bool:
@@ -40,29 +50,72 @@ def needs_token(path: str) -> bool:
     return path == "/v1" or path.startswith("/v1/")
 
 
+class HeldBodies:
+    """Each tenant's request bodies held at once in this process, at most its ``bodies_mb``.
+    Used from the event loop alone (the middleware's), so it needs no lock."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, int] = {}
+
+    def take(self, tenant: Tenant, size: int) -> None:
+        """Count ``size`` more bytes of ``tenant``'s, or ``QuotaExceeded`` when they would
+        pass its share (nothing is counted then)."""
+        cap = tenant.quotas.bodies_mb * MiB
+        held = self._held.get(tenant.id, 0)
+        if held + size > cap:
+            raise exc.QuotaExceeded(
+                f"tenant {tenant.id!r} has {held:,} bytes of request bodies in this server's memory: "
+                f"{size:,} more would pass its bodies_mb of {tenant.quotas.bodies_mb:,} MiB; send it "
+                "once one of its uploads has ended",
+                quota="bodies_mb", limit=float(cap), used=float(held),
+            )  # fmt: skip
+        self._held[tenant.id] = held + size
+
+    def give_back(self, tenant: Tenant, size: int) -> None:
+        left = self._held.get(tenant.id, 0) - size
+        if left > 0:
+            self._held[tenant.id] = left
+        else:
+            self._held.pop(tenant.id, None)
+
+    def held(self, tenant: Tenant) -> int:
+        return self._held.get(tenant.id, 0)
+
+
 class RequestGuard:
     """ASGI middleware: a ``/v1`` request without a known token is 401 before its body is read;
-    every request's body is timed (408 past its deadline)."""
+    every request's body is timed (408 past its deadline), and counted against its tenant's
+    ``bodies_mb`` (429 past it)."""
 
     def __init__(self, app: ASGIApp, *, service: Service, grace_s: float, min_rate: float) -> None:
         self.app = app
         self.service = service
         self.grace_s = grace_s
         self.min_rate = min_rate
+        self.bodies = HeldBodies()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        tenant: Tenant | None = None
         if needs_token(scope.get("path", "")):
             authorization = _header(scope, b"authorization")
             try:
-                principal_of(self.service.tenants, authorization)
+                tenant = principal_of(self.service.tenants, authorization).tenant
             except exc.AuthenticationError as error:
                 await _answer(send, error, scope)
                 return
         body = _TimedBody(receive, send, scope, self.grace_s, self.min_rate)
-        await self.app(scope, body.receive, body.send)
+        if tenant is not None:
+            body.count_against(self.bodies, tenant)
+        try:
+            if body.refused is not None:  # it declares more than its tenant's share has left
+                await _answer(send, body.refused, scope)
+                return
+            await self.app(scope, body.receive, body.send)
+        finally:
+            body.give_back()
 
 
 class _TimedBody:
@@ -79,6 +132,35 @@ class _TimedBody:
         self._whole = False  # the body came: no deadline any more
         self._started = False  # the app's answer began
         self._answered = False  # we answered 408: what the app sends is dropped
+        self._bodies: HeldBodies | None = None
+        self._tenant: Tenant | None = None
+        self._counted = 0  # bytes counted against the tenant's bodies_mb, given back at the end
+        self.refused: exc.QuotaExceeded | None = None
+
+    def count_against(self, bodies: HeldBodies, tenant: Tenant) -> None:
+        """The body is ``tenant``'s: what it declares is counted now (``refused`` when over),
+        what arrives past that as it arrives."""
+        self._bodies, self._tenant = bodies, tenant
+        declared = _header(self._scope, b"content-length")
+        size = int(declared) if declared.isascii() and declared.isdigit() else 0
+        try:
+            bodies.take(tenant, size)
+        except exc.QuotaExceeded as error:
+            self.refused = error
+        else:
+            self._counted = size
+
+    def give_back(self) -> None:
+        if self._bodies is not None and self._tenant is not None:
+            self._bodies.give_back(self._tenant, self._counted)
+        self._counted = 0
+
+    def _count(self) -> None:
+        """The bytes come past what was counted: counted too, or the request refused (429)."""
+        if self._bodies is None or self._tenant is None or self._size <= self._counted:
+            return
+        self._bodies.take(self._tenant, self._size - self._counted)
+        self._counted = self._size
 
     def _deadline(self) -> float:
         return self._start + self._grace_s + self._size / self._min_rate
@@ -94,6 +176,11 @@ class _TimedBody:
             if message["type"] == "http.request":
                 self._size += len(message.get("body", b""))
                 self._whole = not message.get("more_body", False)
+                try:
+                    self._count()
+                except exc.QuotaExceeded as error:
+                    await self._refuse(error)
+                    return {"type": "http.disconnect"}
             return message
         await self._time_out()
         return {"type": "http.disconnect"}  # the app hears what a client that left says
@@ -105,15 +192,19 @@ class _TimedBody:
         await self._send(message)
 
     async def _time_out(self) -> None:
-        self._answered = True
-        if self._started:  # no answer of ours fits in it: uvicorn closes a response left unfinished
-            return
-        error = exc.RequestTimeout(
+        await self._refuse(exc.RequestTimeout(
             f"the request's body came too slowly: {self._size:,} bytes in "
             f"{time.monotonic() - self._start:.0f} s; a body must come within {self._grace_s:g} s, "
             f"then at {self._min_rate:,.0f} bytes a second at least",
             fix="send the body at once, or at the rate the server takes",
-        )
+        ))  # fmt: skip
+
+    async def _refuse(self, error: exc.StockadeError) -> None:
+        """``error`` answered in the app's place (unless its answer began), the connection
+        closed, and the rest of the body left unread."""
+        self._answered = True
+        if self._started:  # no answer of ours fits in it: uvicorn closes a response left unfinished
+            return
         await _answer(self._send, error, self._scope)
 
 

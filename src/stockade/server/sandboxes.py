@@ -31,7 +31,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Annotated, Any, Literal
@@ -51,6 +51,7 @@ from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import LISTING_TRUNCATED_HEADER
 from stockade.server.authz import check_network, choose_tier, engine_for
 from stockade.server.bodies import raw_body, read_body
+from stockade.server.calls import CutOnLeave, RunningCalls
 from stockade.server.deps import Caller, get_service, recheck
 from stockade.server.downloads import entries_that_fit, pack_folder
 from stockade.server.problems import from_error
@@ -65,7 +66,7 @@ from stockade.server.schemas import (
 from stockade.server.scratch import scratch
 from stockade.server.snapshots import snapshot_out
 from stockade.server.state import Node, Placement
-from stockade.server.tenants import Principal, Tenant, check_output_bytes
+from stockade.server.tenants import Principal, check_output_bytes
 from stockade.server.uploads import unpack_archive
 from stockade.types import CommandResult, EntryInfo, Execution, Limits, Listing, NetworkPolicy, SnapshotKind
 
@@ -79,43 +80,6 @@ DEAD_AFTER_S = 15.0  # silent this long, a process is dead (as a run's lease): c
 SWEEP_S = 5.0  # how often a process looks for dead peers
 ENDED_KEPT_S = 86400.0  # a lost sandbox answers "gone" this long, then "not found"
 _CHUNK = 256 * 1024  # a downloaded archive is sent in pieces this big
-
-
-class RunningCalls:
-    """Each tenant's sandbox calls running at once in this process, at most its
-    ``Quotas.running_calls``: each holds one of the server's threads until it ends (a streamed
-    command for its whole life), so one tenant's hundreds of them would leave every other
-    tenant's requests waiting for a thread. One more is refused at once, never queued."""
-
-    def __init__(self) -> None:
-        self._running: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def take(self, tenant: Tenant) -> None:
-        """``QuotaExceeded`` when ``tenant`` runs its most already; else one more is counted
-        (``give_back`` once it ends)."""
-        cap = tenant.quotas.running_calls
-        with self._lock:
-            used = self._running.get(tenant.id, 0)
-            if used >= cap:
-                raise exc.QuotaExceeded(
-                    f"tenant {tenant.id!r} has {used} sandbox calls running, its most at once "
-                    f"(running_calls = {cap}): wait for one to end, or kill the sandbox running it",
-                    quota="running_calls", limit=float(cap), used=float(used),
-                )  # fmt: skip
-            self._running[tenant.id] = used + 1
-
-    def give_back(self, tenant: Tenant) -> None:
-        with self._lock:
-            left = self._running.get(tenant.id, 0) - 1
-            if left > 0:
-                self._running[tenant.id] = left
-            else:
-                self._running.pop(tenant.id, None)
-
-    def running(self, tenant: Tenant) -> int:
-        with self._lock:
-            return self._running.get(tenant.id, 0)
 
 
 @dataclass(kw_only=True)
@@ -519,13 +483,19 @@ async def _blocking(function: Callable[[], Any]) -> Any:
     return await anyio.to_thread.run_sync(function)
 
 
-async def _call(request: Request, caller: Principal, function: Callable[[], Any]) -> Any:
+async def _call(
+    request: Request, caller: Principal, function: Callable[[], Any], *, cut_on_leave: bool = False
+) -> Any:
     """``function`` on a server thread, as one of the caller's ``RunningCalls`` (refused at
     once when they are all taken). Killing or deleting a sandbox is not one: a tenant at its
-    most can always stop what holds it."""
+    most can always stop what holds it. ``cut_on_leave``: a command or code, stopped in the
+    sandbox when its client goes (``CutOnLeave``); the other calls are short, and run to
+    their end."""
     calls = _registry_of(request).calls
     calls.take(caller.tenant)
     try:
+        if cut_on_leave:
+            return await CutOnLeave(request).run(function)
         return await anyio.to_thread.run_sync(function)
     finally:  # a cancelled wait still waits for the thread: the call has ended here
         calls.give_back(caller.tenant)
@@ -692,6 +662,19 @@ RECHECK_S = 1.0
 _streaming: set[asyncio.Future[None]] = set()
 
 
+async def _fed(outbox: _Outbox, request: Request, call: Awaitable[dict[str, Any]]) -> None:
+    """``call``'s result, or its error, as the last of ``outbox``."""
+    try:
+        outbox.end("result", await call)
+    except exc.StockadeError as error:
+        outbox.end("error", from_error(error, request.url.path).body)
+    except BaseException as error:  # never leave the stream hanging
+        problem = from_error(exc.StockadeError(f"internal error: {type(error).__name__}"), request.url.path)
+        outbox.end("error", problem.body)
+        if not isinstance(error, Exception):
+            raise
+
+
 def _streamed(
     request: Request,
     caller: Principal,
@@ -700,36 +683,27 @@ def _streamed(
     """Run ``work(on_stdout, on_stderr)`` in a thread and stream what it prints, then its
     result. A token taken out meanwhile reads no further: the stream ends with an error line
     within ``RECHECK_S``, and the call runs on to its end (a sandbox is its tenant's, not a
-    token's), its output left unread (the outbox keeps at most ``STREAM_BUFFER_CHARS``)."""
+    token's), its output left unread (the outbox keeps at most ``STREAM_BUFFER_CHARS``). A
+    client that goes has its call cut in the sandbox (``CutOnLeave``)."""
     outbox = _Outbox(asyncio.get_running_loop())
+    leave = CutOnLeave(request)
 
     def push(kind: str) -> Callable[[str], object]:
         return lambda text: outbox.output(kind, text)
-
-    def run() -> None:
-        try:
-            result = work(push("stdout"), push("stderr"))
-            outbox.end("result", _as_json(result))
-        except exc.StockadeError as error:
-            outbox.end("error", from_error(error, request.url.path).body)
-        except BaseException as error:  # never leave the stream hanging
-            problem = from_error(
-                exc.StockadeError(f"internal error: {type(error).__name__}"), request.url.path
-            )
-            outbox.end("error", problem.body)
-        finally:
-            calls.give_back(caller.tenant)
 
     calls = _registry_of(request).calls
     calls.take(caller.tenant)  # refused here, as a 429, before the stream starts
     # started now, not when the body is first read: the place just taken is given back when
     # the call ends, even if the response is never sent
-    task = asyncio.ensure_future(anyio.to_thread.run_sync(run))
+    task = asyncio.ensure_future(
+        _fed(outbox, request, leave.run(lambda: _as_json(work(push("stdout"), push("stderr")))))
+    )
     _streaming.add(task)
     task.add_done_callback(_streaming.discard)
+    task.add_done_callback(lambda _: calls.give_back(caller.tenant))
 
     async def lines() -> AsyncIterator[bytes]:
-        checked, cut = time.monotonic(), False
+        checked, ended = time.monotonic(), False
         try:
             while True:
                 try:
@@ -741,7 +715,6 @@ def _streamed(
                     try:
                         await _blocking(lambda: recheck(request, caller))
                     except exc.AuthenticationError as error:
-                        cut = True
                         yield (
                             json.dumps(_line("error", from_error(error, request.url.path).body)).encode()
                             + b"\n"
@@ -751,9 +724,12 @@ def _streamed(
                     continue
                 yield json.dumps(_line(kind, payload), ensure_ascii=False).encode() + b"\n"
                 if kind in ("result", "error"):
+                    ended = True
                     break
         finally:
-            if not cut:  # a cut one is not awaited (the response is over): _streaming keeps it
+            # one that did not end (its token's end, its client gone) is not awaited, the
+            # response being over: _streaming keeps it until it ends
+            if ended:
                 await task
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
@@ -778,7 +754,7 @@ async def run_command(
     registry.get(caller, sandbox_id)  # 404 before a stream starts
     if body.stream:
         return _streamed(request, caller, work)
-    result: CommandResult = await _call(request, caller, lambda: work(None, None))
+    result: CommandResult = await _call(request, caller, lambda: work(None, None), cut_on_leave=True)
     await _blocking(lambda: recheck(request, caller))  # the token may have gone while it ran
     return _as_json(result)
 
@@ -801,7 +777,7 @@ async def run_code(
     registry.get(caller, sandbox_id)
     if body.stream:
         return _streamed(request, caller, work)
-    result: Execution = await _call(request, caller, lambda: work(None, None))
+    result: Execution = await _call(request, caller, lambda: work(None, None), cut_on_leave=True)
     await _blocking(lambda: recheck(request, caller))
     return _as_json(result)
 

@@ -17,6 +17,8 @@ quotas and its rate and spend limits, and lists the tokens, stored hashed:
                                      # stdout and stderr are held in the API process, each up to it)
     running_calls = 64               # its sandbox calls (commands, code, files) running at once in
                                      # one API process: each holds one of the process's threads
+    bodies_mb = 256                  # its requests' bodies (uploads, files, JSON) held at once in
+                                     # one API process's memory while they arrive and are used
 
     [[tokens]]
     id = "3f9a1c0b7d2e"
@@ -100,6 +102,10 @@ class Quotas:
     # each holds one of the process's threads (app.THREADS) while it runs, so a tenant's share
     # must leave the rest to the other tenants; one more is refused at once, never queued
     running_calls: int = 64
+    # its requests' bodies held at once in one API process's memory (a file's content, an
+    # archive, a JSON body), from their first byte to the end of their request: twenty
+    # uploads trickled at the slowest rate the service takes held 1.4 GB for 17 minutes
+    bodies_mb: int = 256
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,6 +170,7 @@ class _TenantEntry(BaseModel):
     storage_mb: int = Field(default=2048, ge=0)
     output_bytes: int = Field(default=16 * MiB, ge=1)
     running_calls: int = Field(default=64, ge=0)
+    bodies_mb: int = Field(default=256, ge=1)
     rate_per_minute: int | None = Field(default=None, gt=0)
     rate_period_s: float = Field(default=60.0, ge=1)  # Redis windows count whole seconds
     dollars_per_hour: float | None = Field(default=None, gt=0)
@@ -286,6 +293,7 @@ class Tenants:
                     storage_mb=entry.storage_mb,
                     output_bytes=entry.output_bytes,
                     running_calls=entry.running_calls,
+                    bodies_mb=entry.bodies_mb,
                 ),
                 rate_per_minute=entry.rate_per_minute,
                 rate_period_s=entry.rate_period_s,

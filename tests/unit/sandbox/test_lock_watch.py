@@ -109,11 +109,10 @@ def test_the_watch_thread_stops_a_hoarder_within_a_few_periods(
         watch.close()
 
 
-@pytest.mark.alone  # the host's lock table: another worker's test let 223 locks go meanwhile (CI run 127)
 def test_the_hosts_count_bounds_every_process_count(hold: Callable[[int], subprocess.Popen[str]]) -> None:
-    before = _locks.host_locks()
+    # Not against a count taken before: the host's other processes take and let go of locks
+    # meanwhile, by hundreds (CI runs 127 and 131, the test run alone)
     holder = hold(1000)
-    assert _locks.host_locks() >= before + 1000 - 200  # (this process's own come and go meanwhile)
     assert _locks.host_locks() >= _locks.held_by(holder.pid) == 1000
 
 
