@@ -4,6 +4,7 @@ and a process SIGKILLed: its sandboxes answer ``SandboxGone`` and their quota is
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ import pytest
 from stockade import Limits
 from stockade import exceptions as exc
 from stockade.client import AsyncClient, AsyncRemoteSandbox, Client, RemoteSandbox
-from tests.conftest import require_tier
+from tests.conftest import require_tier, wait_for_async
 from tests.integration.service_env import Server, Tokens, write_tenants
 
 pytestmark = [pytest.mark.process, pytest.mark.postgres, pytest.mark.slow]
@@ -125,6 +126,43 @@ async def test_the_async_client_goes_through_the_other_process_too(pair: Pair) -
                 await there.close()
             with pytest.raises(exc.ResourceNotFound):
                 via_a.http.request("GET", f"/v1/sandboxes/{made.id}")
+        finally:
+            made.close()
+
+
+def _sleeping(sandbox: RemoteSandbox) -> int:
+    """How many ``sleep 61`` the sandbox runs (the line the pattern is on is not one)."""
+    count = (
+        "for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null; echo; done | grep -cx 'sleep 6[1] '"
+    )
+    return int(sandbox.commands.run(["sh", "-c", count]).stdout.strip() or 0)
+
+
+async def test_a_call_forwarded_to_the_owner_is_stopped_there_when_its_client_goes(pair: Pair) -> None:
+    with Client(pair.a.url, pair.tokens.acme) as via_a:
+        made = RemoteSandbox.create("process", limits=LIMITS, client=via_a)
+        try:
+            # streamed through B, its task cancelled
+            async with AsyncClient(pair.b.url, pair.tokens.acme) as via_b:
+                there = AsyncRemoteSandbox(via_b, made.info)
+                task = asyncio.create_task(there.commands.run(["sleep", "61"], on_stdout=print))
+                await wait_for_async(lambda: _sleeping(made) == 1, what="the sleep to start", interval_s=0.2)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            await wait_for_async(
+                lambda: _sleeping(made) == 0, what="the sleep to stop", timeout_s=20, interval_s=0.2
+            )
+            # not streamed, through B, its client out of patience after a second
+            with (
+                Client(pair.b.url, pair.tokens.acme, timeout_s=1.0) as impatient,
+                pytest.raises(exc.StockadeError),
+            ):
+                RemoteSandbox(impatient, made.info).commands.run(["sleep", "61"], timeout_s=50)
+            await wait_for_async(
+                lambda: _sleeping(made) == 0, what="the sleep to stop", timeout_s=20, interval_s=0.2
+            )
+            assert made.commands.run(["echo", "still here"]).stdout == "still here\n"
         finally:
             made.close()
 
