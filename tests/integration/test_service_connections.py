@@ -172,6 +172,11 @@ def test_a_tenants_bodies_held_at_once_are_capped_and_its_next_body_refused_from
         with connection(server) as sock:
             sock.sendall(head("/v1/sandboxes", length=2 * MiB, token=tokens.acme))
             assert refused_for_bodies(answer(sock))
+        # one over the whole share is told so: it never fits
+        with connection(server) as sock:
+            sock.sendall(head("/v1/sandboxes", length=5 * MiB, token=tokens.acme))
+            refused = answer(sock)
+            assert refused_for_bodies(refused) and b"alone" in refused
         # another tenant's share is its own
         with connection(server) as sock:
             sock.sendall(head("/v1/sandboxes", length=2 * MiB, token=tokens.other) + b"x" * (2 * MiB))

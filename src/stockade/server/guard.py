@@ -63,12 +63,15 @@ class HeldBodies:
         cap = tenant.quotas.bodies_mb * MiB
         held = self._held.get(tenant.id, 0)
         if held + size > cap:
-            raise exc.QuotaExceeded(
-                f"tenant {tenant.id!r} has {held:,} bytes of request bodies in this server's memory: "
-                f"{size:,} more would pass its bodies_mb of {tenant.quotas.bodies_mb:,} MiB; send it "
-                "once one of its uploads has ended",
-                quota="bodies_mb", limit=float(cap), used=float(held),
-            )  # fmt: skip
+            why = (
+                f"a body of {size:,} bytes is over tenant {tenant.id!r}'s bodies_mb "
+                f"({tenant.quotas.bodies_mb:,} MiB) alone: send less at once"
+                if size > cap
+                else f"tenant {tenant.id!r} has {held:,} bytes of request bodies in this server's memory: "
+                f"{size:,} more would pass its bodies_mb ({tenant.quotas.bodies_mb:,} MiB); send it once "
+                "one of its uploads has ended"
+            )
+            raise exc.QuotaExceeded(why, quota="bodies_mb", limit=float(cap), used=float(held))
         self._held[tenant.id] = held + size
 
     def give_back(self, tenant: Tenant, size: int) -> None:
