@@ -29,11 +29,13 @@ def free_port() -> int:
 
 
 def tenants_file(folder: Path) -> tuple[Path, str]:
+    """One tenant without a quota the benchmarks would meet (its calls at once included: the
+    load is the point)."""
     token, record = new_token("bench")
     (folder / "policy.toml").write_text('version = 1\n[trust]\nlevel = "trusted"\n')
     text = (
         '[tenants.bench]\npolicy = "policy.toml"\nsandboxes = 1000\ncpus = 10000\nmemory_mb = 10000000\n'
-        "runs = 100000\n\n" + Tenants(tenants={}, tokens={}).toml_lines(record)
+        "runs = 100000\nrunning_calls = 10000\n\n" + Tenants(tenants={}, tokens={}).toml_lines(record)
     )
     (folder / "tenants.toml").write_text(text)
     return folder / "tenants.toml", token
