@@ -19,6 +19,7 @@ from stockade import exceptions as exc
 from stockade.server import problems
 from stockade.server.bodies import BodyCap
 from stockade.server.guard import RequestGuard
+from stockade.server.held import HeldBytes
 from stockade.server.routing import Peers, SandboxRouting
 from stockade.server.runs import router as runs_router
 from stockade.server.sandboxes import router as sandboxes_router
@@ -92,8 +93,10 @@ def create_app(service: Service) -> FastAPI:
     # before that: a /v1 request without a known token is refused from its headers, and a
     # body that takes too long is cut (408)
     config = service.config
+    # each tenant's bytes in flight (request bodies, responses not yet read), at most its bodies_mb
+    app.state.held_bytes = held = HeldBytes()
     app.add_middleware(
-        RequestGuard, service=service, grace_s=config.body_timeout_s, min_rate=config.min_body_rate
+        RequestGuard, service=service, grace_s=config.body_timeout_s, min_rate=config.min_body_rate, held=held
     )
     app.add_middleware(ViewerHeaders)  # outermost: the viewer's headers on every answer under /ui
     for router in routers:

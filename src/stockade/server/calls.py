@@ -61,6 +61,17 @@ class RunningCalls:
                 )  # fmt: skip
             self._running[tenant.id] = used + 1
 
+    async def run(self, tenant: Tenant, function: Callable[[], R], *, cut: CutOnLeave | None = None) -> R:
+        """``function()`` on one of the server's threads as one of ``tenant``'s calls (under
+        ``cut``, when given: stopped if its client goes)."""
+        self.take(tenant)
+        try:
+            if cut is not None:
+                return await cut.run(function)
+            return await anyio.to_thread.run_sync(function)
+        finally:  # a cancelled wait still waits for the thread: the call has ended here
+            self.give_back(tenant)
+
     def give_back(self, tenant: Tenant) -> None:
         with self._lock:
             left = self._running.get(tenant.id, 0) - 1

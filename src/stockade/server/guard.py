@@ -16,13 +16,12 @@ a command's output streams as long as it runs.
 The request's head (its line and headers) is timed by the connection itself
 (``server/connections.py``): this ASGI layer sees a request only once its head came.
 
-A tenant's bodies are held in memory from their first byte to the end of their request (a
-file's content is written to the sandbox whole), and the deadline above lets a body of 64 MiB
-take 17 minutes: twenty uploads trickled at the slowest rate held 1.4 GB that long.
-``HeldBodies`` counts each tenant's bytes in this process, the ``Content-Length`` it declares
-from the start, and refuses the request that would pass its ``bodies_mb`` with a 429
-(``QuotaExceeded``, ``quota = "bodies_mb"``): from its headers when it declares too much, else
-as soon as its bytes pass, never reading the rest.
+A tenant's bodies are held in memory from their first byte to the end of their request, and
+the deadline above lets a body of 64 MiB take 17 minutes: each is counted against its
+tenant's ``bodies_mb`` (``server/held.py``), the ``Content-Length`` it declares from the
+start, what comes past that as it comes; the request that would pass it is refused with a
+429 (``QuotaExceeded``, ``quota = "bodies_mb"``): from its headers when it declares too much,
+else as soon as its bytes pass, never reading the rest.
 """
 
 from __future__ import annotations
@@ -36,13 +35,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from stockade import exceptions as exc
 from stockade.server import problems
 from stockade.server.deps import principal_of
-from stockade.types import MiB
+from stockade.server.held import HeldBytes
 
 if TYPE_CHECKING:
     from stockade.server.service import Service
     from stockade.server.tenants import Tenant
 
-__all__ = ["HeldBodies", "RequestGuard", "needs_token"]
+__all__ = ["RequestGuard", "needs_token"]
 
 
 def needs_token(path: str) -> bool:
@@ -50,52 +49,19 @@ def needs_token(path: str) -> bool:
     return path == "/v1" or path.startswith("/v1/")
 
 
-class HeldBodies:
-    """Each tenant's request bodies held at once in this process, at most its ``bodies_mb``.
-    Used from the event loop alone (the middleware's), so it needs no lock."""
-
-    def __init__(self) -> None:
-        self._held: dict[str, int] = {}
-
-    def take(self, tenant: Tenant, size: int) -> None:
-        """Count ``size`` more bytes of ``tenant``'s, or ``QuotaExceeded`` when they would
-        pass its share (nothing is counted then)."""
-        cap = tenant.quotas.bodies_mb * MiB
-        held = self._held.get(tenant.id, 0)
-        if held + size > cap:
-            why = (
-                f"a body of {size:,} bytes is over tenant {tenant.id!r}'s bodies_mb "
-                f"({tenant.quotas.bodies_mb:,} MiB) alone: send less at once"
-                if size > cap
-                else f"tenant {tenant.id!r} has {held:,} bytes of request bodies in this server's memory: "
-                f"{size:,} more would pass its bodies_mb ({tenant.quotas.bodies_mb:,} MiB); send it once "
-                "one of its uploads has ended"
-            )
-            raise exc.QuotaExceeded(why, quota="bodies_mb", limit=float(cap), used=float(held))
-        self._held[tenant.id] = held + size
-
-    def give_back(self, tenant: Tenant, size: int) -> None:
-        left = self._held.get(tenant.id, 0) - size
-        if left > 0:
-            self._held[tenant.id] = left
-        else:
-            self._held.pop(tenant.id, None)
-
-    def held(self, tenant: Tenant) -> int:
-        return self._held.get(tenant.id, 0)
-
-
 class RequestGuard:
     """ASGI middleware: a ``/v1`` request without a known token is 401 before its body is read;
     every request's body is timed (408 past its deadline), and counted against its tenant's
     ``bodies_mb`` (429 past it)."""
 
-    def __init__(self, app: ASGIApp, *, service: Service, grace_s: float, min_rate: float) -> None:
+    def __init__(
+        self, app: ASGIApp, *, service: Service, grace_s: float, min_rate: float, held: HeldBytes
+    ) -> None:
         self.app = app
         self.service = service
         self.grace_s = grace_s
         self.min_rate = min_rate
-        self.bodies = HeldBodies()
+        self.held = held
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -111,7 +77,7 @@ class RequestGuard:
                 return
         body = _TimedBody(receive, send, scope, self.grace_s, self.min_rate)
         if tenant is not None:
-            body.count_against(self.bodies, tenant)
+            body.count_against(self.held, tenant)
         try:
             if body.refused is not None:  # it declares more than its tenant's share has left
                 await _answer(send, body.refused, scope)
@@ -135,12 +101,12 @@ class _TimedBody:
         self._whole = False  # the body came: no deadline any more
         self._started = False  # the app's answer began
         self._answered = False  # we answered 408: what the app sends is dropped
-        self._bodies: HeldBodies | None = None
+        self._bodies: HeldBytes | None = None
         self._tenant: Tenant | None = None
         self._counted = 0  # bytes counted against the tenant's bodies_mb, given back at the end
         self.refused: exc.QuotaExceeded | None = None
 
-    def count_against(self, bodies: HeldBodies, tenant: Tenant) -> None:
+    def count_against(self, bodies: HeldBytes, tenant: Tenant) -> None:
         """The body is ``tenant``'s: what it declares is counted now (``refused`` when over),
         what arrives past that as it arrives."""
         self._bodies, self._tenant = bodies, tenant

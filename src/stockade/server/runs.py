@@ -42,6 +42,7 @@ from stockade.runtime.killswitch import kill_all
 from stockade.server.authz import check_approver, check_model, choose_tier, engine_for
 from stockade.server.bodies import raw_body, read_body
 from stockade.server.deps import Caller, get_service, recheck
+from stockade.server.held import HeldResponse, held_bytes, pieces, unpacking
 from stockade.server.problems import from_error
 from stockade.server.retention import erase_run
 from stockade.server.runner import build_model, run_limits
@@ -61,7 +62,7 @@ from stockade.server.service import Service
 from stockade.server.state import TERMINAL, RunRow
 from stockade.server.streams import HeldStream
 from stockade.server.tenants import Principal, check_output_bytes
-from stockade.server.uploads import unpack_archive
+from stockade.server.uploads import unpack_within
 from stockade.types import Limits, MiB
 
 __all__ = ["decide_approval", "router", "run_status"]
@@ -133,9 +134,9 @@ async def upload_workspace(request: Request, caller: Caller) -> WorkspaceOut:
     cap = service.config.max_upload_bytes
     data = await read_body(request, cap, caller)
 
-    def work() -> WorkspaceOut:
+    def work(room: int) -> WorkspaceOut:
         with scratch("workspace", service.config.temp_dir) as tmp:
-            files = unpack_archive(data, Path(tmp) / "in", max_bytes=cap)
+            files = unpack_within(data, Path(tmp) / "in", room, cap)
             seed = pack_workspace(Path(tmp) / "in", max_bytes=cap)
         service.store.put_workspace(
             caller.tenant.id,
@@ -146,7 +147,9 @@ async def upload_workspace(request: Request, caller: Caller) -> WorkspaceOut:
         )
         return WorkspaceOut(id=seed.digest, bytes=len(seed.data), files=files)
 
-    out: WorkspaceOut = await _blocking(work)
+    # one of the tenant's calls (its unpacking holds a server thread), its files counted
+    with unpacking(request, caller, cap) as room:
+        out: WorkspaceOut = await service.sandboxes.calls.run(caller.tenant, lambda: work(room))
     return out
 
 
@@ -504,7 +507,9 @@ async def run_diff(run_id: str, request: Request, caller: Caller) -> Response:
         trace = service.run_store.trace(run_id)
         return trace.diff or "" if trace is not None else ""
 
-    return Response(content=await _blocking(work), media_type="text/x-diff; charset=utf-8")
+    return _held(
+        request, caller, (await _blocking(work)).encode(), "text/x-diff; charset=utf-8", "a run's diff"
+    )
 
 
 @router.get("/v1/runs/{run_id}/artifacts", summary="The run's final workspace (tar.gz)",
@@ -523,7 +528,14 @@ async def run_artifacts(run_id: str, request: Request, caller: Caller) -> Respon
             )
         return data
 
-    return Response(content=await _blocking(work), media_type="application/gzip")
+    return _held(request, caller, await _blocking(work), "application/gzip", "a run's artifacts")
+
+
+def _held(request: Request, caller: Principal, data: bytes, media_type: str, what: str) -> Response:
+    """``data`` as the response, counted against the tenant's ``bodies_mb`` until it is read."""
+    hold = held_bytes(request).hold(caller.tenant, len(data), what=what)
+    size = {"Content-Length": str(len(data))}
+    return HeldResponse(pieces(data), hold=hold, media_type=media_type, headers=size)
 
 
 @router.delete("/v1/runs/{run_id}/artifacts", status_code=204,

@@ -38,6 +38,7 @@ from typing import IO, Annotated, Any, Literal
 
 import anyio
 from fastapi import APIRouter, Query, Request, Response
+from fastapi.encoders import jsonable_encoder
 from fastapi.responses import StreamingResponse
 
 from stockade import exceptions as exc
@@ -48,12 +49,13 @@ from stockade.runs.lease import owner_gone, owner_token
 from stockade.sandbox._supervised import spec_from_state
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.sandbox.facade import Sandbox
-from stockade.sandbox.ops import LISTING_TRUNCATED_HEADER
+from stockade.sandbox.ops import LISTING_TRUNCATED_HEADER, ReadFile
 from stockade.server.authz import check_network, choose_tier, engine_for
 from stockade.server.bodies import raw_body, read_body
 from stockade.server.calls import CutOnLeave, RunningCalls
 from stockade.server.deps import Caller, get_service, recheck
 from stockade.server.downloads import entries_that_fit, pack_folder
+from stockade.server.held import CHUNK, HeldResponse, Hold, held_bytes, pieces, unpacking
 from stockade.server.problems import from_error
 from stockade.server.schemas import (
     CodeRequest,
@@ -67,7 +69,7 @@ from stockade.server.scratch import scratch
 from stockade.server.snapshots import snapshot_out
 from stockade.server.state import Node, Placement
 from stockade.server.tenants import Principal, check_output_bytes
-from stockade.server.uploads import unpack_archive
+from stockade.server.uploads import unpack_within
 from stockade.types import CommandResult, EntryInfo, Execution, Limits, Listing, NetworkPolicy, SnapshotKind
 
 __all__ = ["BEAT_S", "DEAD_AFTER_S", "STREAM_BUFFER_CHARS", "Held", "SandboxRegistry", "router"]
@@ -79,7 +81,6 @@ BEAT_S = 2.0  # how often a process says it is alive
 DEAD_AFTER_S = 15.0  # silent this long, a process is dead (as a run's lease): clocks may differ a little
 SWEEP_S = 5.0  # how often a process looks for dead peers
 ENDED_KEPT_S = 86400.0  # a lost sandbox answers "gone" this long, then "not found"
-_CHUNK = 256 * 1024  # a downloaded archive is sent in pieces this big
 
 
 @dataclass(kw_only=True)
@@ -491,14 +492,8 @@ async def _call(
     most can always stop what holds it. ``cut_on_leave``: a command or code, stopped in the
     sandbox when its client goes (``CutOnLeave``); the other calls are short, and run to
     their end."""
-    calls = _registry_of(request).calls
-    calls.take(caller.tenant)
-    try:
-        if cut_on_leave:
-            return await CutOnLeave(request).run(function)
-        return await anyio.to_thread.run_sync(function)
-    finally:  # a cancelled wait still waits for the thread: the call has ended here
-        calls.give_back(caller.tenant)
+    cut = CutOnLeave(request) if cut_on_leave else None
+    return await _registry_of(request).calls.run(caller.tenant, function, cut=cut)
 
 
 # -- routes -------------------------------------------------------------------------------
@@ -580,6 +575,18 @@ async def delete_sandbox(sandbox_id: str, request: Request, caller: Caller) -> R
 
 def _as_json(value: CommandResult | Execution) -> dict[str, Any]:
     return dataclasses.asdict(value)
+
+
+async def _held_result(request: Request, caller: Principal, result: CommandResult | Execution) -> Response:
+    """``result`` as JSON (encoded off the loop: its output may be tens of MiB), counted
+    against the tenant's ``bodies_mb`` until its client has read it."""
+    body: bytes = await _blocking(lambda: json.dumps(
+        jsonable_encoder(_as_json(result)), ensure_ascii=False, allow_nan=False, separators=(",", ":")
+    ).encode())  # fmt: skip
+    hold = held_bytes(request).hold(caller.tenant, len(body), what="the result of a call that ran")
+    return HeldResponse(
+        pieces(body), hold=hold, media_type="application/json", headers={"Content-Length": str(len(body))}
+    )
 
 
 # What a streamed call's printed output may hold in this process while its client reads slower
@@ -675,6 +682,21 @@ async def _fed(outbox: _Outbox, request: Request, call: Awaitable[dict[str, Any]
             raise
 
 
+async def _held_line(
+    request: Request, caller: Principal, result: dict[str, Any]
+) -> tuple[bytes, Hold | None]:
+    """A streamed call's result line, encoded off the loop, and its hold on the tenant's
+    ``bodies_mb`` (to release once it is sent); past the share, an error line saying so."""
+    line: bytes = await _blocking(
+        lambda: json.dumps(jsonable_encoder(_line("result", result)), ensure_ascii=False).encode() + b"\n"
+    )
+    try:
+        hold = held_bytes(request).hold(caller.tenant, len(line), what="the result of a call that ran")
+    except exc.QuotaExceeded as error:
+        return json.dumps(_line("error", from_error(error, request.url.path).body)).encode() + b"\n", None
+    return line, hold
+
+
 def _streamed(
     request: Request,
     caller: Principal,
@@ -722,7 +744,15 @@ def _streamed(
                         return
                 if not kind:
                     continue
-                yield json.dumps(_line(kind, payload), ensure_ascii=False).encode() + b"\n"
+                if kind == "result":  # all the output again: counted until it is sent
+                    line, hold = await _held_line(request, caller, payload)
+                    try:
+                        yield line  # back here once the server has handed it to the socket
+                    finally:
+                        if hold is not None:
+                            hold.release()
+                else:
+                    yield json.dumps(_line(kind, payload), ensure_ascii=False).encode() + b"\n"
                 if kind in ("result", "error"):
                     ended = True
                     break
@@ -737,9 +767,7 @@ def _streamed(
 
 @router.post("/{sandbox_id}/commands", summary="Run a command (JSON, or NDJSON streamed while it runs)",
              response_model=None)  # fmt: skip
-async def run_command(
-    sandbox_id: str, body: CommandRequest, request: Request, caller: Caller
-) -> dict[str, Any] | StreamingResponse:
+async def run_command(sandbox_id: str, body: CommandRequest, request: Request, caller: Caller) -> Response:
     registry = _registry_of(request)
 
     def work(
@@ -756,14 +784,12 @@ async def run_command(
         return _streamed(request, caller, work)
     result: CommandResult = await _call(request, caller, lambda: work(None, None), cut_on_leave=True)
     await _blocking(lambda: recheck(request, caller))  # the token may have gone while it ran
-    return _as_json(result)
+    return await _held_result(request, caller, result)
 
 
 @router.post("/{sandbox_id}/code", summary="run_code (JSON, or NDJSON streamed while it runs)",
              response_model=None)  # fmt: skip
-async def run_code(
-    sandbox_id: str, body: CodeRequest, request: Request, caller: Caller
-) -> dict[str, Any] | StreamingResponse:
+async def run_code(sandbox_id: str, body: CodeRequest, request: Request, caller: Caller) -> Response:
     registry = _registry_of(request)
 
     def work(
@@ -779,7 +805,7 @@ async def run_code(
         return _streamed(request, caller, work)
     result: Execution = await _call(request, caller, lambda: work(None, None), cut_on_leave=True)
     await _blocking(lambda: recheck(request, caller))
-    return _as_json(result)
+    return await _held_result(request, caller, result)
 
 
 @router.post("/{sandbox_id}/reset", status_code=204, summary="Kill every process, empty the workspace")
@@ -852,25 +878,36 @@ async def read_file(
 ) -> Response:  # fmt: skip
     registry = _registry_of(request)
 
-    def work() -> bytes:
+    held = held_bytes(request)
+
+    def work() -> tuple[bytes, Hold]:
+        # counted before it is read (its size, or the range's length), so a tenant's share
+        # bounds its reads in flight too, then as it came
         with registry.use(caller, sandbox_id) as sandbox:
             if length is not None:
-                return sandbox.files.read_range(path, offset, length)
-            return sandbox.files.read(path, format="bytes")
+                expected = min(length, ReadFile.max_bytes)
+            else:
+                entry = sandbox.files.stat(path)
+                expected = entry.size if entry is not None else 0
+            hold = held.hold(caller.tenant, expected, what="a file's content")
+            try:
+                if length is not None:
+                    data = sandbox.files.read_range(path, offset, length)
+                else:
+                    data = sandbox.files.read(path, format="bytes")
+                hold.resize(len(data), what="a file's content")
+            except BaseException:
+                hold.release()
+                raise
+            return data, hold
 
-    data = await _call(request, caller, work)
-    return StreamingResponse(
-        _pieces(data), media_type="application/octet-stream", headers={"Content-Length": str(len(data))}
+    data, hold = await _call(request, caller, work)
+    return HeldResponse(
+        pieces(data),
+        hold=hold,
+        media_type="application/octet-stream",
+        headers={"Content-Length": str(len(data))},
     )
-
-
-async def _pieces(data: bytes) -> AsyncIterator[memoryview]:
-    """``data`` in views of ``_CHUNK``: sent whole, it would be copied whole once more as the
-    server frames it, and again into the socket's buffer for what the socket did not take at
-    once; in pieces, each is copied alone, once the one before is on its way."""
-    with memoryview(data) as view:
-        for start in range(0, len(view), _CHUNK):
-            yield view[start : start + _CHUNK]
 
 
 @router.put("/{sandbox_id}/files/content", summary="Write a file (the body is its content)")
@@ -921,13 +958,14 @@ async def upload_archive(sandbox_id: str, request: Request, caller: Caller, path
     registry.get(caller, sandbox_id)
     data = await read_body(request, service.config.max_upload_bytes, caller)
 
-    def work() -> None:
+    def work(room: int) -> None:
         with scratch("upload", service.config.temp_dir) as tmp:
-            unpack_archive(data, Path(tmp) / "in", max_bytes=service.config.max_upload_bytes)
+            unpack_within(data, Path(tmp) / "in", room, service.config.max_upload_bytes)
             with registry.use(caller, sandbox_id) as sandbox:
                 sandbox.files.upload_dir(Path(tmp) / "in", path)
 
-    await _call(request, caller, work)
+    with unpacking(request, caller, service.config.max_upload_bytes) as room:
+        await _call(request, caller, lambda: work(room))
     return Response(status_code=204)
 
 
@@ -964,14 +1002,18 @@ async def download_archive(
             return pack_folder(dest, tmp, cap=whole, what=path or "/")
 
     packed, size = await _call(request, caller, work)
-    return StreamingResponse(
-        _read_out(packed), media_type="application/x-tar", headers={"Content-Length": str(size)}
-    )
+    try:  # a temporary file's disk until its client has read it
+        hold = held_bytes(request).hold(caller.tenant, size, what="a packed folder")
+    except exc.QuotaExceeded:
+        packed.close()
+        raise
+    return HeldResponse(_read_out(packed), hold=hold, media_type="application/x-tar",
+                        headers={"Content-Length": str(size)})  # fmt: skip
 
 
 def _read_out(file: IO[bytes]) -> Iterator[bytes]:
     """``file``'s bytes a chunk at a time, then closed (when the client leaves, as the
     iterator is collected)."""
     with file:
-        while chunk := file.read(_CHUNK):
+        while chunk := file.read(CHUNK):
             yield chunk

@@ -17,8 +17,8 @@ quotas and its rate and spend limits, and lists the tokens, stored hashed:
                                      # stdout and stderr are held in the API process, each up to it)
     running_calls = 64               # its sandbox calls (commands, code, files) running at once in
                                      # one API process: each holds one of the process's threads
-    bodies_mb = 256                  # its requests' bodies (uploads, files, JSON) held at once in
-                                     # one API process's memory while they arrive and are used
+    bodies_mb = 256                  # what one API process holds for its transfers at once: request
+                                     # bodies, responses not yet read, uploads being unpacked
 
     [[tokens]]
     id = "3f9a1c0b7d2e"
@@ -102,9 +102,9 @@ class Quotas:
     # each holds one of the process's threads (app.THREADS) while it runs, so a tenant's share
     # must leave the rest to the other tenants; one more is refused at once, never queued
     running_calls: int = 64
-    # its requests' bodies held at once in one API process's memory (a file's content, an
-    # archive, a JSON body), from their first byte to the end of their request: twenty
-    # uploads trickled at the slowest rate the service takes held 1.4 GB for 17 minutes
+    # what one API process holds for its transfers at once (server/held.py): request bodies
+    # to the end of their request, responses until their client has read them, uploads'
+    # files while they are unpacked
     bodies_mb: int = 256
 
 

@@ -260,3 +260,19 @@ def unpack_archive(data: bytes, dest: Path, *, max_bytes: int, max_entries: int 
         remove_tree(dest)
         raise
     return files
+
+
+def unpack_within(data: bytes, dest: Path, room: int, cap: int) -> int:
+    """``unpack_archive`` into at most ``room`` bytes, the part of the upload ``cap`` that its
+    tenant's ``bodies_mb`` had left (``held.unpacking``): past a smaller room than the cap, it
+    is the share that is full (``QuotaExceeded``), not the archive too large."""
+    try:
+        return unpack_archive(data, dest, max_bytes=room)
+    except exc.FileTooLarge as error:
+        if room >= cap:
+            raise
+        raise exc.QuotaExceeded(
+            f"{error}: what the tenant's bodies_mb had left for unpacking it ({room:,} of the upload "
+            f"cap's {cap:,} bytes); send it again once its other transfers have ended",
+            quota="bodies_mb", limit=float(cap), used=float(cap - room),
+        ) from None  # fmt: skip
