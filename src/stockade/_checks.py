@@ -31,9 +31,16 @@ E = TypeVar("E", bound=StrEnum)
 
 
 def _shown(value: object) -> str:
-    if isinstance(value, int) and not -(10**60) < value < 10**60:  # repr of a huge int is slow, or refused
-        return f"an integer of about {value.bit_length() * math.log10(2):.0f} digits"
-    text = repr(value)
+    """The value as an error shows it: its repr, cut to 60 characters; its type's name when
+    the repr raises (a caller's object whose ``__repr__`` fails still gets the typed error)."""
+    try:
+        if (
+            isinstance(value, int) and not -(10**60) < value < 10**60
+        ):  # repr of a huge int is slow, or refused
+            return f"an integer of about {value.bit_length() * math.log10(2):.0f} digits"
+        text = repr(value)
+    except Exception:  # any failure of the caller's code: its type still says what it was
+        return f"a {type(value).__name__} (whose repr failed)"
     return text if len(text) <= 60 else text[:57] + "..."
 
 

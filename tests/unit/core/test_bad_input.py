@@ -50,6 +50,17 @@ def test_limits_name_the_field_and_the_range(field: str, value: object, says: st
     assert says in str(caught.value) and caught.value.fix in str(caught.value)
 
 
+class _Unshowable:
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+def test_a_value_whose_repr_raises_is_still_refused_with_a_typed_error_naming_its_type() -> None:
+    with pytest.raises(InvalidArgument, match="_Unshowable") as caught:
+        Limits(memory_mb=_Unshowable())  # type: ignore[arg-type]  # wrong on purpose
+    assert caught.value.argument == "Limits.memory_mb"
+
+
 def test_the_largest_accepted_limits_are_what_the_kernel_takes() -> None:
     Limits(pids=4_194_304, timeout_s=3600.0, cpus=2, memory_mb=64)  # an int for cpus is fine
 
