@@ -34,9 +34,8 @@ def _shown(value: object) -> str:
     """The value as an error shows it: its repr, cut to 60 characters; its type's name when
     the repr raises (a caller's object whose ``__repr__`` fails still gets the typed error)."""
     try:
-        if (
-            isinstance(value, int) and not -(10**60) < value < 10**60
-        ):  # repr of a huge int is slow, or refused
+        # repr of a huge int is slow, or refused
+        if isinstance(value, int) and not -(10**60) < value < 10**60:
             return f"an integer of about {value.bit_length() * math.log10(2):.0f} digits"
         text = repr(value)
     except Exception:  # any failure of the caller's code: its type still says what it was
