@@ -4,6 +4,7 @@ as a bare ``TypeError``, a JSON error from deep inside, or a sandbox that silent
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 from collections.abc import Mapping
@@ -11,12 +12,13 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TypeVar
 
-from stockade.exceptions import InvalidArgument
+from stockade.exceptions import ConfigurationError, InvalidArgument
 
 __all__ = [
     "check_choice",
     "check_data",
     "check_envs",
+    "check_host_folder",
     "check_host_path",
     "check_id",
     "check_instance",
@@ -255,6 +257,29 @@ def check_host_path(value: object, *, argument: str) -> Path:
     if not raw or "\x00" in raw:
         raise InvalidArgument(f"{argument} {_shown(raw)} is no path", argument=argument, fix=fix)
     return Path(raw)
+
+
+def check_host_folder(value: object, *, argument: str) -> Path:
+    """``check_host_path`` of a folder that is there (``ConfigurationError`` when it is none).
+    A name longer than the file system takes (ENAMETOOLONG: a part past 255 bytes, the whole
+    past 4 KiB) is ``InvalidArgument`` naming the path, not the OSError of its first stat."""
+    path = check_host_path(value, argument=argument)
+    try:
+        folder = path.is_dir()
+    except OSError as err:
+        if err.errno != errno.ENAMETOOLONG:
+            raise
+        text = str(path)  # its start and its end: where it is, and the name that went too far
+        shown = repr(text if len(text) <= 120 else f"{text[:50]}...{text[-50:]}")
+        raise InvalidArgument(
+            f"{argument} {shown} is a path longer than the file system takes "
+            "(a name in it past 255 bytes, or the whole past 4096)",
+            argument=argument,
+            fix="give a folder with a shorter path",
+        ) from None
+    if not folder:
+        raise ConfigurationError(f"{argument} {str(path)!r} is not a directory")
+    return path
 
 
 T = TypeVar("T")
