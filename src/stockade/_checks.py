@@ -4,6 +4,7 @@ as a bare ``TypeError``, a JSON error from deep inside, or a sandbox that silent
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 from collections.abc import Mapping
@@ -11,12 +12,13 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TypeVar
 
-from stockade.exceptions import InvalidArgument
+from stockade.exceptions import ConfigurationError, InvalidArgument
 
 __all__ = [
     "check_choice",
     "check_data",
     "check_envs",
+    "check_host_folder",
     "check_host_path",
     "check_id",
     "check_instance",
@@ -31,9 +33,15 @@ E = TypeVar("E", bound=StrEnum)
 
 
 def _shown(value: object) -> str:
-    if isinstance(value, int) and not -(10**60) < value < 10**60:  # repr of a huge int is slow, or refused
-        return f"an integer of about {value.bit_length() * math.log10(2):.0f} digits"
-    text = repr(value)
+    """The value as an error shows it: its repr, cut to 60 characters; its type's name when
+    the repr raises (a caller's object whose ``__repr__`` fails still gets the typed error)."""
+    try:
+        # repr of a huge int is slow, or refused
+        if isinstance(value, int) and not -(10**60) < value < 10**60:
+            return f"an integer of about {value.bit_length() * math.log10(2):.0f} digits"
+        text = repr(value)
+    except Exception:  # any failure of the caller's code: its type still says what it was
+        return f"a {type(value).__name__} (whose repr failed)"
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -249,6 +257,29 @@ def check_host_path(value: object, *, argument: str) -> Path:
     if not raw or "\x00" in raw:
         raise InvalidArgument(f"{argument} {_shown(raw)} is no path", argument=argument, fix=fix)
     return Path(raw)
+
+
+def check_host_folder(value: object, *, argument: str) -> Path:
+    """``check_host_path`` of a folder that is there (``ConfigurationError`` when it is none).
+    A name longer than the file system takes (ENAMETOOLONG: a part past 255 bytes, the whole
+    past 4 KiB) is ``InvalidArgument`` naming the path, not the OSError of its first stat."""
+    path = check_host_path(value, argument=argument)
+    try:
+        folder = path.is_dir()
+    except OSError as err:
+        if err.errno != errno.ENAMETOOLONG:
+            raise
+        text = str(path)  # its start and its end: where it is, and the name that went too far
+        shown = repr(text if len(text) <= 120 else f"{text[:50]}...{text[-50:]}")
+        raise InvalidArgument(
+            f"{argument} {shown} is a path longer than the file system takes "
+            "(a name in it past 255 bytes, or the whole past 4096)",
+            argument=argument,
+            fix="give a folder with a shorter path",
+        ) from None
+    if not folder:
+        raise ConfigurationError(f"{argument} {str(path)!r} is not a directory")
+    return path
 
 
 T = TypeVar("T")

@@ -92,10 +92,24 @@ def sendable(value: object, where: str) -> None:
         )
 
 
+# The longest workspace path sent: what the kernel takes (PATH_MAX). Percent-encoded in a
+# query it is at most 12 KiB, inside the 16 KiB the service reads of a request's head; a
+# 64 KiB path was an httpx2.InvalidURL ("query too long"), a StockadeError of none.
+MAX_PATH_BYTES = 4096
+
+
 def path(value: object, argument: str = "path") -> str:
     """A workspace path: the local SDK's ``check_path`` (a str, no NUL, inside the workspace),
-    and UTF-8, which a name must be to travel in a query string."""
-    return utf8(check_path(value), argument)
+    UTF-8, which a name must be to travel in a query string, and at most ``MAX_PATH_BYTES``."""
+    checked = utf8(check_path(value, argument=argument), argument)
+    size = len(checked.encode("utf-8"))
+    if size > MAX_PATH_BYTES:
+        raise InvalidArgument(
+            f"{argument} is {size} bytes long (as UTF-8), past the {MAX_PATH_BYTES} a path may hold",
+            argument=argument,
+            fix=f"give a workspace path of at most {MAX_PATH_BYTES} bytes",
+        )
+    return checked
 
 
 def segment(value: object, argument: str) -> str:

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stockade import exceptions as exc
-from stockade._checks import check_strings
+from stockade._checks import check_id, check_number, check_strings, check_text
 from stockade.agent.state import RunState, RunStatus, ToolCallRecord
 from stockade.audit.redact import Redactor
 from stockade.audit.stores import check_namespace
@@ -199,16 +199,19 @@ class RunStore:
 
     def save(self, state: RunState) -> None:
         """Append a checkpoint, and the messages and steps added since the last one."""
+        _check_run_id(state.run_id)
         self._checkpoints.save(state)
 
     def load(self, run_id: str) -> RunState | None:
         """The latest checkpoint, with the tool calls that returned after it folded in."""
+        _check_run_id(run_id)
         return self._checkpoints.load(run_id)
 
     # -- what the recorder writes ------------------------------------------------------------
 
     def record_tool_call(self, run_id: str, step: int, record: ToolCallRecord) -> None:
         """Write one returned call to the ledger now (idempotent: a key is written once)."""
+        _check_run_id(run_id)
         self._checkpoints.record_tool_call(run_id, step, record)
 
     # -- durability: leases, calls started, workspaces -------------------------------------------
@@ -217,6 +220,9 @@ class RunStore:
         """Take the run's lease: for a ``new`` run (``RunConflict`` if the store has the id),
         or to resume one (``RunConflict`` if it ended). A live lease of another process:
         wait up to ``wait_s`` (default ``lease_wait_s``), then ``RunLeased``."""
+        if new:  # a new run's id is one the audit trail can keep too (no control character)
+            check_id(run_id, argument="run_id")
+        _check_run_id(run_id)
         if new and self._erased(run_id):
             raise exc.RunConflict(
                 f"run {run_id!r} was erased: its id stays taken (its audit events keep it), so a new "
@@ -285,17 +291,21 @@ class RunStore:
 
     def leased(self, run_id: str) -> bool:
         """Whether a live process (this one too) holds the run's lease now."""
+        _check_run_id(run_id)
         return live_expiry(self.db, self.ns, run_id, time.time_ns()) is not None
 
     def renew_lease(self, run_id: str, owner: str, ttl_s: float) -> bool:
         """Push the lease's end ``ttl_s`` ahead; False when it is no longer ``owner``'s."""
+        _check_run_id(run_id)
         return self._leases.renew(run_id, owner, ttl_s)
 
     def release_lease(self, run_id: str, owner: str) -> None:
+        _check_run_id(run_id)
         self._leases.release(run_id, owner)
 
     def forget_lease(self, run_id: str, owner: str) -> None:
         # the workspace's tracker stays: a resume here may find nothing to restore
+        _check_run_id(run_id)
         self._leases.forget(run_id, owner)
 
     def sweep(self) -> list[str]:
@@ -305,15 +315,18 @@ class RunStore:
 
     def call_started(self, run_id: str, step: int, call: ToolCall, key: str, *, idempotent: bool) -> None:
         """Record that ``call`` is about to run (again: its attempts are counted)."""
+        _check_run_id(run_id)
         self._ledger.call_started(run_id, step, call, key, idempotent=idempotent)
 
     def call_parked(self, run_id: str, key: str) -> None:
         """The call stopped at an approval before its effect: forget that it started, so a
         resume runs it again (its attempts start over)."""
+        _check_run_id(run_id)
         self._ledger.call_parked(run_id, key)
 
     def attempts(self, run_id: str) -> dict[str, int]:
         """How many times each call of the run started: idempotency key -> attempts."""
+        _check_run_id(run_id)
         return self._ledger.attempts(run_id)
 
     def record_workspace(
@@ -321,24 +334,29 @@ class RunStore:
     ) -> int:
         """Record what changed in the workspace since the last record, and with it, in the same
         transaction, the call (step, record) that changed it; returns the workspace's version."""
+        _check_run_id(run_id)
         return self._workspaces.record(run_id, sandbox, call=call)
 
     def restore_workspace(self, run_id: str, sandbox: Sandbox) -> bool:
         """Make the workspace of ``sandbox`` the run's last recorded one (whatever it held);
         ``False`` when none was recorded (the sandbox is left as it is)."""
+        _check_run_id(run_id)
         return self._workspaces.restore(run_id, sandbox)
 
     def export_workspace(self, run_id: str, dest: str | Path) -> int:
         """Write the run's last recorded workspace into ``dest``, a new folder on the host (for
         review: a run an anomaly rule killed keeps it here); returns the files written.
         ``ConfigurationError`` when ``dest`` exists or the run recorded no workspace."""
+        _check_run_id(run_id)
         return self._workspaces.export(run_id, dest)
 
     def workspace_unnamed(self, run_id: str) -> list[str]:
         """What ``export_workspace`` leaves out: the paths whose names are not UTF-8."""
+        _check_run_id(run_id)
         return self._workspaces.unnamed(run_id)
 
     def workspace_usage(self, run_id: str) -> WorkspaceUsage:
+        _check_run_id(run_id)
         return self._workspaces.usage(run_id)
 
     def save_seed(
@@ -350,17 +368,20 @@ class RunStore:
 
         ``SeedTooLarge`` past ``max_seed_bytes``. A run keeps its first seed (a resumed run
         does not replace where it started)."""
+        _check_run_id(run_id)
         return self._workspaces.save_seed(
             run_id, workspace, max_bytes=self.max_seed_bytes, hide=hide, read=read
         )
 
     def restore_seed(self, run_id: str, dest: str | Path) -> bool:
         """Unpack the run's starting workspace into ``dest``; ``False`` when none was kept."""
+        _check_run_id(run_id)
         return self._workspaces.restore_seed(run_id, dest)
 
     def record_setup(self, run_id: str, setup: RunSetup) -> None:
         """Keep what the run ran under (its policy, role, tier, budgets); a resumed run keeps its
         first."""
+        _check_run_id(run_id)
         now = time.time_ns()
         row = (
             run_id,
@@ -383,6 +404,7 @@ class RunStore:
     def setup(self, run_id: str) -> RunSetup | None:
         """What the run ran under; ``None`` for a run recorded without it (by a bare ``Agent``,
         or by a stockade that did not keep it)."""
+        _check_run_id(run_id)
         rows = self.db.query(f"{select(self.ns, 'setups')} WHERE run_id = ?", (run_id,))
         self.mac.check(self.ns, "setups", rows, store=self._where)
         if not rows:
@@ -424,10 +446,15 @@ class RunStore:
 
     def tag_subject(self, run_id: str, subject: str) -> None:
         """Record that the run holds personal data of ``subject`` (erase it with ``runs_of``)."""
+        _check_run_id(run_id)
         self._erasure.tag_subject(run_id, subject)
 
     def runs_of(self, *, subject: str | None = None, before_ns: int | None = None) -> list[str]:
         """The runs of a data subject, and/or the runs last updated before ``before_ns``."""
+        if subject is not None:
+            check_text(subject, argument="subject")
+        if before_ns is not None:
+            check_number(before_ns, argument="before_ns", integer=True, low=0, high=2**63 - 1, unit="ns")
         return self._erasure.runs_of(subject=subject, before_ns=before_ns)
 
     def erase(self, run_ids: Sequence[str]) -> int:
@@ -448,6 +475,7 @@ class RunStore:
     # -- what the recorder writes between checkpoints -------------------------------------------
 
     def record_retry(self, run_id: str, entry: RetryEntry) -> None:
+        _check_run_id(run_id)
         row = (
             run_id, entry.step, entry.call_id, entry.subject, entry.attempt, entry.delay_s,
             self.redactor.text(entry.reason),  # an error may quote a credential
@@ -456,6 +484,7 @@ class RunStore:
         self._insert_signed("retries", row)
 
     def record_approval(self, run_id: str, entry: ApprovalEntry) -> None:
+        _check_run_id(run_id)
         row = (
             run_id, entry.step, entry.request_id, entry.action, entry.rule, entry.reason,
             entry.decision, entry.recorded_ns,
@@ -469,6 +498,7 @@ class RunStore:
         """The workspace diff at the end of the run, signed (the latest end wins; a run that
         ended is never resumed, so its diff stays). The run's row no longer holds one: unsigned,
         it could be edited into a diff that hides a change (found from outside)."""
+        _check_run_id(run_id)
         row = self.mac.signed("run_diffs", (run_id, self.redactor.text(diff), time.time_ns()))
         self._leases.write(
             run_id,
@@ -512,6 +542,7 @@ class RunStore:
     def summary(self, run_id: str) -> RunSummary | None:
         """The run's row (``RunStoreCorrupt`` where it was edited: a resume, the service and the
         viewer act on its status)."""
+        _check_run_id(run_id)
         stale = self._stale()
         rows = self.db.query(f"{select(self.ns, 'runs')} WHERE run_id = ?", (run_id,))
         self.mac.check(self.ns, "runs", rows, store=self._where)
@@ -524,6 +555,8 @@ class RunStore:
 
     def find(self, prefix: str) -> list[str]:
         """Run ids starting with ``prefix`` (the CLI accepts a unique prefix)."""
+        if not isinstance(prefix, str):  # an int was an AttributeError
+            check_text(prefix, argument="prefix", fix="give the start of a run id")
         try:
             prefix.encode("utf-8")
         except UnicodeEncodeError:  # a byte no UTF-8 holds (``$'\xff'``): no run id starts so
@@ -537,15 +570,20 @@ class RunStore:
 
     def tool_calls(self, run_id: str, *, step: int | None = None) -> list[ToolCallRecord]:
         """The ledger of ``run_id`` (in the order the calls returned)."""
+        _check_run_id(run_id)
         return self._ledger.tool_calls(run_id, step=step)
 
     def ledger_calls(self, run_id: str | None = None) -> list[LedgerCall]:
         """The ledger as ``audit verify`` cross-checks it: every call but the denied ones."""
+        if run_id is not None:
+            _check_run_id(run_id)
         return self._ledger.ledger_calls(run_id)
 
     def forged_rows(self, run_id: str | None = None) -> list[ForgedRow]:
         """The rows a resume would act on whose MAC is missing or wrong (none without the key),
         as ``audit verify`` reports them."""
+        if run_id is not None:
+            _check_run_id(run_id)
         return [
             ForgedRow(row.run_id, str(row)) for row in unauthentic_rows(self.db, self.ns, self.mac, run_id)
         ]
@@ -553,16 +591,20 @@ class RunStore:
     def calls_in_flight(self, run_id: str | None = None) -> list[LedgerCall]:
         """The calls a dead process was running (started, never returned, of a run neither
         ended, nor live, nor stopped by its process), as ``audit verify`` reports them."""
+        if run_id is not None:
+            _check_run_id(run_id)
         return self._ledger.calls_in_flight(run_id)
 
     def live_runs(self, run_ids: Collection[str]) -> set[str]:
         """Those of ``run_ids`` a live process holds now, by a lease the store signed (when it
         has the key): ``audit verify`` reports no call of theirs in flight."""
+        run_ids = [_check_run_id(run_id) for run_id in check_strings(run_ids, argument="run_ids")]
         return self._leases.live(run_ids)
 
     def stored_runs(self, run_ids: Collection[str]) -> set[str]:
         """Those of ``run_ids`` this store has a run row of (``audit verify``: a run its trail
         says a store recorded, gone with no erasure recorded, was deleted behind its back)."""
+        run_ids = [_check_run_id(run_id) for run_id in check_strings(run_ids, argument="run_ids")]
         found: set[str] = set()
         runs = list(run_ids)
         for at in range(0, len(runs), 500):
@@ -577,6 +619,7 @@ class RunStore:
         return found
 
     def retries(self, run_id: str) -> list[RetryEntry]:
+        _check_run_id(run_id)
         rows = self.db.query(f"{select(self.ns, 'retries')} WHERE run_id = ? ORDER BY id", (run_id,))
         self.mac.check(self.ns, "retries", rows, store=self._where)
         return [
@@ -593,6 +636,7 @@ class RunStore:
         ]
 
     def approvals(self, run_id: str) -> list[ApprovalEntry]:
+        _check_run_id(run_id)
         rows = self.db.query(f"{select(self.ns, 'approvals')} WHERE run_id = ? ORDER BY id", (run_id,))
         self.mac.check(self.ns, "approvals", rows, store=self._where)
         return [
@@ -609,6 +653,7 @@ class RunStore:
         ]
 
     def trace(self, run_id: str) -> RunTrace | None:
+        _check_run_id(run_id)
         summary = self.summary(run_id)
         state = self.load(run_id) if summary is not None else None
         if summary is None or state is None:
@@ -639,6 +684,20 @@ class RunStore:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _check_run_id(run_id: object) -> str:
+    """A run id a store can be asked about: text that encodes as UTF-8. An int past 2**63 (an
+    OverflowError out of SQLite), a lone surrogate (a UnicodeEncodeError), None or a number
+    (looked up as they were, never found) are refused by name instead."""
+    if isinstance(run_id, str):
+        try:
+            run_id.encode()
+        except UnicodeEncodeError:
+            pass
+        else:
+            return run_id
+    return check_id(run_id, argument="run_id")  # raises: says what is wrong with it
 
 
 def _swept(summary: RunSummary, stale: frozenset[str]) -> RunSummary:

@@ -45,6 +45,7 @@ where ``dest`` has a folder, and a folder where ``dest`` has a symlink, are refu
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import secrets
@@ -398,7 +399,13 @@ class Extraction:
             yield
         except OSError as err:
             where = str(self.dest)
-            raise exc.WorkspaceError(f"cannot unpack into {where!r}: {err}", path=where) from None
+            # its text would repeat a path of up to 4 KiB; what is wrong with it is said instead
+            why = (
+                "a name in the path is longer than the file system takes"
+                if err.errno == errno.ENAMETOOLONG
+                else err
+            )
+            raise exc.WorkspaceError(f"cannot unpack into {where!r}: {why}", path=where) from None
 
     def _begin(self) -> None:
         missing: list[Path] = []

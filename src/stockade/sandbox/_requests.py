@@ -21,7 +21,7 @@ from stockade import exceptions as exc
 from stockade._checks import (
     check_data,
     check_envs,
-    check_host_path,
+    check_host_folder,
     check_number,
     check_strings,
     check_text,
@@ -248,11 +248,9 @@ def upload_op(source: object, dest: object, hide: object, read: object) -> PutAr
     ``hide`` and ``read`` are taken normalised (``_globs.workspace_glob``), as the walk matches them."""
     from stockade._globs import workspace_globs
 
-    folder = check_host_path(source, argument="source")
+    folder = check_host_folder(source, argument="source")
     hide = workspace_globs(check_strings(hide, argument="hide"), setting="hide")
     read = workspace_globs(check_strings(read, argument="read"), setting="read")
-    if not folder.is_dir():
-        raise exc.ConfigurationError(f"workspace {str(folder)!r} is not a directory")
     return PutArchive(
         path=check_path(dest, argument="dest"), folder=HostFolder(source=folder, hide=hide, read=read)
     )

@@ -14,7 +14,7 @@ from pathlib import Path
 from types import TracebackType
 
 from stockade import exceptions as exc
-from stockade._checks import check_host_path
+from stockade._checks import check_host_folder
 from stockade.sandbox import _registry
 from stockade.sandbox._namespaces import AsyncCommands, AsyncFiles, Commands, Files, loop_sink
 from stockade.sandbox._requests import TextCallback, as_execution, code_op, text_sink
@@ -91,7 +91,7 @@ class Sandbox:
         spec = sandbox_spec(limits, network, envs, allow_weaker, labels, rules=rules, approver=approver)
         check_backend(backend)
         if workspace is not None:  # checked before a sandbox starts, not after
-            check_host_path(workspace, argument="workspace")
+            check_host_folder(workspace, argument="workspace")
         if snapshot is not None:
             given = {"limits": limits, "network": network, "envs": envs}
             tier, spec = from_snapshot(snapshot, store, tier, spec, given)
@@ -244,7 +244,7 @@ class AsyncSandbox:
         spec = sandbox_spec(limits, network, envs, allow_weaker, labels, rules=rules, approver=approver)
         check_backend(backend, asynchronous=True)
         if workspace is not None:  # checked before a sandbox starts, not after
-            check_host_path(workspace, argument="workspace")
+            check_host_folder(workspace, argument="workspace")
         if snapshot is not None:
             given = {"limits": limits, "network": network, "envs": envs}
             tier, spec = await asyncio.to_thread(from_snapshot, snapshot, store, tier, spec, given)

@@ -56,6 +56,16 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from stockade import exceptions as exc
+from stockade._checks import (
+    MAX_TIMEOUT_S,
+    _shown,
+    check_choice,
+    check_host_path,
+    check_instance,
+    check_number,
+    check_strings,
+    check_text,
+)
 from stockade.sandbox import _trusted
 from stockade.types import Snapshot, SnapshotKind
 
@@ -64,6 +74,7 @@ __all__ = ["FORMAT", "Held", "Manifest", "Reservation", "SnapshotStore"]
 FORMAT = 1
 MiB = 1024 * 1024
 DEFAULT_MAX_MB = 20 * 1024
+MAX_BYTES = 1 << 62  # past any disk; and a size an int64 (st_blocks, a tar header) holds
 ID_PREFIX = "snap-"
 ID_HEX = 32  # 128 bits of the manifest's hash name a snapshot
 # Unreferenced files younger than this are being written by someone: collect leaves them.
@@ -137,9 +148,11 @@ class SnapshotStore:
     name: str = ""
 
     def __post_init__(self) -> None:
-        # A folder given as a string (as os.fspath and most callers have it) is a path too,
-        # not a TypeError at the first snapshot.
-        object.__setattr__(self, "root", Path(self.root))
+        # A folder given as a string (as os.fspath and most callers have it) is a path too;
+        # anything else is refused here, not a TypeError (or a store of "-1" bytes) later.
+        object.__setattr__(self, "root", check_host_path(self.root, argument="root"))
+        check_number(self.max_bytes, argument="max_bytes", integer=True, low=0, high=MAX_BYTES, unit="bytes")
+        check_text(self.name, argument="name")
 
     @property
     def label(self) -> str:
@@ -177,17 +190,24 @@ class SnapshotStore:
         return path
 
     def object_path(self, digest: str) -> Path:
-        if not _DIGEST.match(digest):
+        if not _DIGEST.match(check_text(digest, argument="digest", fix="give an object's SHA-256 in hex")):
             raise exc.SnapshotCorrupt(f"a snapshot names an object {digest[:80]!r}, which is no SHA-256")
         return self.root / "objects" / digest
 
     def temp_path(self, hint: str = "blob") -> Path:
         """A fresh path to write an object to, before ``add_file`` names it by its hash."""
+        if not _NAME.match(check_text(hint, argument="hint")):  # a "/" would leave tmp/
+            raise exc.InvalidArgument(
+                f"hint {_shown(hint)} is no file name",
+                argument="hint",
+                fix="give letters, digits, '.', '_', '-'",
+            )
         return self._dir("tmp") / f"{hint}-{os.getpid()}-{secrets.token_hex(6)}"
 
     # -- objects ------------------------------------------------------------------------
 
     def add_bytes(self, data: bytes) -> str:
+        check_instance(data, bytes, argument="data", fix="give bytes (str.encode() for text)")
         path = self.temp_path()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as fh:
@@ -210,6 +230,9 @@ class SnapshotStore:
 
     def add_file(self, path: Path, *, digest: str | None = None) -> str:
         """Move ``path`` (a file of this store's ``tmp``) into the objects, named by its hash."""
+        path = check_host_path(path, argument="path")
+        if digest is not None:
+            self.object_path(digest)  # a SHA-256 in hex, or refused
         digest = digest or _hash_file(path)
         target = self._dir("objects") / digest
         os.chmod(path, 0o400)
@@ -273,6 +296,7 @@ class SnapshotStore:
         to ``digest``. Memory is one chunk whatever the object's size (a restore that read a
         1 GiB object whole took 2 GB of the host's). Opened here, not at the first chunk, so
         a missing object is refused before anything is sent."""
+        check_number(chunk, argument="chunk", integer=True, low=1, high=1 << 30, unit="bytes")
         return self._chunks(self._open_object(digest), self.object_path(digest), digest, chunk)
 
     def _chunks(self, fh: BinaryIO, path: Path, digest: str, chunk: int) -> Iterator[bytes]:
@@ -316,6 +340,22 @@ class SnapshotStore:
         """Write the manifest of a snapshot made of ``blobs`` (already added), keep it under
         ``ref`` (kind, name; an empty name is the snapshot's id), and make room for it. A
         snapshot that does not fit is removed."""
+        kind = check_choice(SnapshotKind, kind, argument="kind")
+        check_text(tier, argument="tier")
+        check_text(source, argument="source")
+        _check_mapping(spec, argument="spec")
+        for digest in _check_mapping(blobs, argument="blobs").values():
+            self.object_path(digest)
+        if tier_state is not None:
+            _check_mapping(tier_state, argument="tier_state")
+        if ref is not None and not (
+            isinstance(ref, tuple) and len(ref) == 2 and all(isinstance(part, str) for part in ref)
+        ):
+            raise exc.InvalidArgument(
+                f"ref must be a (kind, name) pair of str, got {_shown(ref)}",
+                argument="ref",
+                fix='give ("kept", "") for a kept snapshot named by its id',
+            )
         size = sum(_disk_size(self.object_path(d)) for d in set(blobs.values()))
         data = {
             "format": FORMAT,
@@ -352,7 +392,7 @@ class SnapshotStore:
 
     def load(self, snapshot: Snapshot | str) -> Manifest:
         """The manifest of a snapshot, its text checked against its hash (``SnapshotCorrupt``)."""
-        sid = snapshot.id if isinstance(snapshot, Snapshot) else str(snapshot)
+        sid = _snapshot_id(snapshot)
         path = self._manifest_path(sid)
         text = path.read_bytes()
         digest = path.name.removesuffix(".json")
@@ -374,6 +414,7 @@ class SnapshotStore:
         return manifest
 
     def get(self, snapshot_id: str) -> Snapshot:
+        _snapshot_id(snapshot_id)
         return self.load(snapshot_id).snapshot
 
     def snapshots(self) -> list[Snapshot]:
@@ -389,7 +430,7 @@ class SnapshotStore:
         """Every snapshot the refs of ``kinds`` keep, with what keeps it (a snapshot kept
         twice is listed twice), newest first; the boot images with ``"boot"`` among them."""
         found: list[Held] = []
-        for kind in kinds:
+        for kind in check_strings(kinds, argument="kinds"):
             folder = self.root / "refs" / kind
             if kind not in REF_KINDS or not folder.is_dir():
                 continue
@@ -406,7 +447,7 @@ class SnapshotStore:
     def delete(self, snapshot: Snapshot | str) -> None:
         """Forget a snapshot: its refs and manifest go now, its objects at the next ``collect``
         unless another snapshot shares them."""
-        sid = snapshot.id if isinstance(snapshot, Snapshot) else str(snapshot)
+        sid = _snapshot_id(snapshot)
         for kind in REF_KINDS:
             for name, target in self.refs(kind):
                 if target == sid:
@@ -426,12 +467,16 @@ class SnapshotStore:
     # -- refs ---------------------------------------------------------------------------
 
     def _ref(self, kind: str, name: str) -> Path:
-        if kind not in REF_KINDS or not _NAME.match(name):
+        _ref_kind(kind)
+        if not _NAME.match(check_text(name, argument="name")):
             raise exc.InvalidArgument(f"bad snapshot ref {kind}/{name}", argument="ref")
         return self._dir("refs") / kind / name
 
     def set_ref(self, kind: str, name: str, snapshot_id: str, **extra: str) -> None:
         path = self._ref(kind, name)
+        _snapshot_id(snapshot_id)
+        for key, value in extra.items():
+            check_text(value, argument=key)
         path.parent.mkdir(exist_ok=True, mode=0o700)
         tmp = path.with_name(f".{name}-{secrets.token_hex(4)}")
         tmp.write_text(json.dumps({"snapshot": snapshot_id, **extra}))
@@ -452,6 +497,7 @@ class SnapshotStore:
         self._ref(kind, name).unlink(missing_ok=True)
 
     def refs(self, kind: str) -> list[tuple[str, str]]:
+        _ref_kind(kind)
         folder = self.root / "refs" / kind
         out = []
         if folder.is_dir():
@@ -553,6 +599,7 @@ class SnapshotStore:
 
     def fits(self, more: int) -> bool:
         """Whether the objects and ``more`` bytes are within ``max_bytes``."""
+        check_number(more, argument="more", integer=True, low=0, high=MAX_BYTES, unit="bytes")
         return self.size() + more <= self.max_bytes
 
     def size(self) -> int:
@@ -596,6 +643,9 @@ class SnapshotStore:
         """Remove what nothing keeps: refs to missing snapshots, snapshots no ref keeps, objects
         no snapshot uses, writes a crash left. Files younger than ``grace_s`` are being written,
         except the ``evicted`` objects (of a snapshot deleted to make room)."""
+        check_number(grace_s, argument="grace_s", integer=False, low=0, high=MAX_TIMEOUT_S, unit="seconds")
+        check_text(keep, argument="keep")
+        check_instance(evicted, frozenset, argument="evicted", fix="give a frozenset of object digests")
         if not self.root.is_dir():
             return []
         now = time.time()
@@ -699,6 +749,7 @@ class Reservation:
     def expect(self, size: int) -> None:
         """Hold ``size`` bytes more for a file that QEMU or runsc writes, which this process
         cannot stop midway: refused before it starts when the room is not there."""
+        check_number(size, argument="size", integer=True, low=0, high=MAX_BYTES, unit="bytes")
         self.grow(self.used + self.expected + size)
         self.expected += size
 
@@ -714,6 +765,7 @@ class Reservation:
         """Hold at least ``total`` bytes (``SnapshotStoreFull`` when the store cannot make room:
         the objects and every other reservation count, boot images are evicted first; while
         snapshots begun later hold room, this one waits for them to end or give way)."""
+        check_number(total, argument="total", integer=True, low=0, high=MAX_BYTES, unit="bytes")
         if total <= self.held:
             return
         store = self.store
@@ -766,6 +818,31 @@ class Reservation:
             raise
         finally:
             os.close(fd)
+
+
+def _snapshot_id(snapshot: object) -> str:
+    """The id of a ``Snapshot`` or the str given; anything else (None, a number) is refused,
+    not looked up as its ``str()`` (a ``delete(None)`` did nothing and said nothing)."""
+    if isinstance(snapshot, Snapshot):
+        return snapshot.id
+    return check_text(
+        snapshot, argument="snapshot", fix="give a Snapshot or its id (snap- and 32 hex digits)"
+    )
+
+
+def _ref_kind(kind: object) -> str:
+    if not isinstance(kind, str) or kind not in REF_KINDS:
+        choices = ", ".join(map(repr, REF_KINDS))
+        raise exc.InvalidArgument(
+            f"a snapshot ref's kind is {_shown(kind)}, not one of {choices}",
+            argument="kind",
+            fix=f"give one of {choices}",
+        )
+    return kind
+
+
+def _check_mapping(value: object, *, argument: str) -> Mapping[Any, Any]:
+    return check_instance(value, Mapping, argument=argument, fix="give a dict")  # type: ignore[type-abstract]
 
 
 def _entries(folder: Path) -> list[Path]:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from stockade import ConfigurationError, InvalidArgument, Limits, Sandbox
+from stockade import ConfigurationError, InvalidArgument, Limits, Sandbox, WorkspaceError
 from stockade.assembly import AgentConfig
 from stockade.cli.main import app
 from stockade.models import ScriptedModel
@@ -48,6 +48,17 @@ def test_limits_name_the_field_and_the_range(field: str, value: object, says: st
         Limits(**{field: value})  # type: ignore[arg-type]  # wrong on purpose
     assert caught.value.argument == f"Limits.{field}"
     assert says in str(caught.value) and caught.value.fix in str(caught.value)
+
+
+class _Unshowable:
+    def __repr__(self) -> str:
+        raise RuntimeError("no repr")
+
+
+def test_a_value_whose_repr_raises_is_still_refused_with_a_typed_error_naming_its_type() -> None:
+    with pytest.raises(InvalidArgument, match="_Unshowable") as caught:
+        Limits(memory_mb=_Unshowable())  # type: ignore[arg-type]  # wrong on purpose
+    assert caught.value.argument == "Limits.memory_mb"
 
 
 def test_the_largest_accepted_limits_are_what_the_kernel_takes() -> None:
@@ -117,3 +128,28 @@ def test_a_task_holding_a_lone_surrogate_is_refused_by_name(tmp_path: Path) -> N
     with build_agent(config) as agent, pytest.raises(InvalidArgument) as caught:
         agent.run_sync("task \ud800")
     assert caught.value.argument == "task" and "\\ud800" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "too_long",
+    [Path("x" * 300), Path(*["y" * 200] * 30)],
+    ids=["a name past 255 bytes", "a path past 4096 bytes"],
+)
+def test_a_host_folder_whose_path_the_file_system_cannot_take_is_refused_naming_it(
+    tmp_path: Path, too_long: Path
+) -> None:
+    """Sandbox.create(workspace=...) and upload_dir let the OSError of ENAMETOOLONG out;
+    download_dir said so, with the path twice over."""
+    folder = tmp_path / too_long
+    with pytest.raises(InvalidArgument, match="longer than the file system takes") as caught:
+        fake_sandbox(workspace=folder)
+    assert caught.value.argument == "workspace"
+    assert str(folder)[:40] in str(caught.value) and str(folder)[-40:] in str(caught.value)
+    with fake_sandbox() as sandbox:
+        sandbox.files.write("a.txt", "hi")
+        with pytest.raises(InvalidArgument, match="longer than the file system takes") as caught:
+            sandbox.files.upload_dir(folder)
+        assert caught.value.argument == "source"
+        with pytest.raises(WorkspaceError, match="longer than the file system takes") as refused:
+            sandbox.files.download_dir(folder)
+        assert str(refused.value).count(str(folder)) == 1  # once, not twice over

@@ -10,12 +10,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from stockade import (
+    InvalidArgument,
     SnapshotCorrupt,
     SnapshotError,
     SnapshotIncompatible,
@@ -65,6 +67,67 @@ def test_a_store_named_by_a_string_is_the_same_store(tmp_path: Path) -> None:
     snap = _snapshot(SnapshotStore(str(tmp_path)), b"bytes")  # type: ignore[arg-type]  # as callers have it
     assert SnapshotStore(tmp_path).verify(snap).blobs
     assert SnapshotStore(str(tmp_path)) == SnapshotStore(tmp_path)  # type: ignore[arg-type]
+
+
+_WRONG_SETTINGS: list[tuple[dict[str, object], str]] = [
+    ({"root": None}, "root"),
+    ({"root": 5}, "root"),
+    ({"root": b"/var/tmp"}, "root"),
+    ({"max_bytes": "10"}, "max_bytes"),
+    ({"max_bytes": -1}, "max_bytes"),
+    ({"max_bytes": None}, "max_bytes"),
+    ({"name": 3}, "name"),
+]
+
+
+@pytest.mark.parametrize(("given", "argument"), _WRONG_SETTINGS)
+def test_a_store_given_wrong_settings_is_refused_where_they_are_given(
+    tmp_path: Path, given: dict[str, object], argument: str
+) -> None:
+    settings: dict[str, object] = {"root": tmp_path, **given}
+    with pytest.raises(InvalidArgument) as caught:
+        SnapshotStore(**settings)  # type: ignore[arg-type]
+    assert caught.value.argument == argument
+
+
+def _save(store: SnapshotStore, **given: object) -> object:
+    return store.save(kind=SnapshotKind.FILES, tier="process", source="", spec={}, **given)  # type: ignore[arg-type]
+
+
+_WRONG_CALLS: list[tuple[str, Callable[[SnapshotStore], object], str]] = [
+    ("text for bytes", lambda s: s.add_bytes("abc"), "data"),  # type: ignore[arg-type]
+    ("no file", lambda s: s.add_file(None), "path"),  # type: ignore[arg-type]
+    ("a number for a digest", lambda s: s.check_object(5), "digest"),  # type: ignore[arg-type]
+    ("a negative chunk", lambda s: s.stream_object("0" * 64, -1), "chunk"),
+    ("a chunk of text", lambda s: s.stream_object("0" * 64, "4"), "chunk"),  # type: ignore[arg-type]
+    ("no snapshot to load", lambda s: s.load(None), "snapshot"),  # type: ignore[arg-type]
+    ("no snapshot to delete", lambda s: s.delete(None), "snapshot"),  # type: ignore[arg-type]
+    ("a number for a ref's name", lambda s: s.set_ref("kept", 5, "snap-x"), "name"),  # type: ignore[arg-type]
+    ("a number for a ref's snapshot", lambda s: s.set_ref("kept", "a", 5), "snapshot"),  # type: ignore[arg-type]
+    ("no ref kind", lambda s: s.refs(None), "kind"),  # type: ignore[arg-type]
+    ("one kind as a str", lambda s: s.held("paused"), "kinds"),  # type: ignore[arg-type]
+    ("room as text", lambda s: s.fits("5"), "more"),  # type: ignore[arg-type]
+    ("a grace of text", lambda s: s.collect(grace_s="x"), "grace_s"),  # type: ignore[arg-type]
+    ("a negative grace", lambda s: s.collect(grace_s=-1), "grace_s"),
+    ("a hint leaving tmp", lambda s: s.temp_path("../x"), "hint"),
+    ("no blobs", lambda s: _save(s, blobs=None), "blobs"),
+    ("a ref as a str", lambda s: _save(s, blobs={}, ref="kept"), "ref"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "call", "argument"), _WRONG_CALLS, ids=[c[0] for c in _WRONG_CALLS])
+def test_a_store_method_given_a_wrong_argument_refuses_it_by_name(
+    tmp_path: Path, case: str, call: Callable[[SnapshotStore], object], argument: str
+) -> None:
+    store = SnapshotStore(tmp_path)
+    with pytest.raises(InvalidArgument) as caught:
+        call(store)
+    assert caught.value.argument == argument, case
+
+
+def test_a_reservation_refuses_a_negative_size(tmp_path: Path) -> None:
+    with SnapshotStore(tmp_path).reserve() as room, pytest.raises(InvalidArgument, match="size"):
+        room.expect(-(1 << 30))  # would have held less than nothing, and let others write past the cap
 
 
 def test_a_modified_manifest_or_object_is_refused(tmp_path: Path) -> None:

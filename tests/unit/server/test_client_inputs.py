@@ -13,6 +13,7 @@ import json
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx2
@@ -75,6 +76,7 @@ def sbx(service: Service) -> RemoteSandbox:
 
 S = "\udc80"  # a lone surrogate: a str Python holds, and no UTF-8 can carry
 NAN, INF = float("nan"), float("inf")
+LONG = "a/" * (32 * 1024)  # a workspace path of 64 KiB
 
 Call = Callable[[RemoteSandbox], object]
 REFUSED: dict[str, tuple[Call, str]] = {
@@ -113,6 +115,12 @@ REFUSED: dict[str, tuple[Call, str]] = {
     "delete_snapshot of a NUL": (lambda s: s.client.delete_snapshot("\x00"), "snapshot"),
     "delete_workspace of '..'": (lambda s: s.client.delete_workspace(".."), "workspace_id"),
     "resume of a NUL": (lambda s: RemoteSandbox.resume("a\x00", client=s.client), "sandbox_id"),
+    # a path of 64 KiB was an httpx2.InvalidURL ("query too long"), no StockadeError
+    "read a 64 KiB path": (lambda s: s.files.read(LONG), "path"),
+    "write a 64 KiB path": (lambda s: s.files.write(LONG, "x"), "path"),
+    "list a 64 KiB path": (lambda s: s.files.list(LONG), "path"),
+    "read_range a 64 KiB path": (lambda s: s.files.read_range(LONG, 0, 1), "path"),
+    "download_dir a 64 KiB source": (lambda s: s.files.download_dir(tempfile.gettempdir(), LONG), "path"),
 }
 
 
@@ -126,6 +134,24 @@ def test_a_bad_argument_is_refused_typed_before_any_request(
     assert not caught.value.retryable
     assert getattr(caught.value, "argument", argument) == argument, str(caught.value)
     assert service.seen == []
+
+
+def test_the_longest_path_a_file_system_takes_is_sent(service: Service, sbx: RemoteSandbox) -> None:
+    longest = ("d" * 254 + "/") * 16 + "d" * 16  # PATH_MAX: 4096 bytes, no name past 255
+    sbx.files.write(longest, "x")
+    assert len(service.seen) == 1
+    with pytest.raises(exc.InvalidArgument, match="4097 bytes"):
+        sbx.files.write(longest + "e", "x")  # one byte past it
+    assert len(service.seen) == 1
+
+
+def test_an_upload_into_a_64_kib_path_is_refused_before_its_folder_is_read(
+    service: Service, sbx: RemoteSandbox, tmp_path: Path
+) -> None:
+    (tmp_path / "a.txt").write_text("a")
+    with pytest.raises(exc.InvalidArgument) as caught:
+        sbx.files.upload_dir(tmp_path, LONG)
+    assert caught.value.argument == "dest" and service.seen == []
 
 
 CLIENTS: dict[str, tuple[Callable[[Service], object], str]] = {
