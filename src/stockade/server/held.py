@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import AsyncIterator, Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from starlette.responses import ContentStream, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -145,15 +145,20 @@ async def pieces(data: bytes) -> AsyncIterator[memoryview]:
             yield view[start : start + CHUNK]
 
 
+class Releasable(Protocol):
+    def release(self) -> None: ...
+
+
 class HeldResponse(StreamingResponse):
-    """A response whose body counts against its tenant's share (``hold``) until it is sent,
-    its client goes, or the server cancels it."""
+    """A response that holds ``hold`` (its bytes' count against its tenant's share, an event
+    stream's slot) for as long as it is served: released when its body ends, when its client
+    goes (Starlette's disconnect, or a send that fails), or when the server cancels it."""
 
     def __init__(
         self,
         content: ContentStream,
         *,
-        hold: Hold,
+        hold: Releasable,
         media_type: str,
         headers: Mapping[str, str] | None = None,
     ) -> None:

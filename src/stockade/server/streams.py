@@ -9,10 +9,8 @@ from __future__ import annotations
 import threading
 from collections.abc import AsyncIterable
 
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
-
 from stockade import exceptions as exc
+from stockade.server.held import HeldResponse
 
 __all__ = ["HeldStream", "StreamSlot", "StreamSlots"]
 
@@ -76,19 +74,11 @@ class StreamSlots:
                 self._open.pop(key, None)
 
 
-class HeldStream(StreamingResponse):
-    """A stream that holds ``slot`` for as long as it is served: released when its body ends,
-    when its client goes (Starlette's disconnect, or a send that fails), or when the server
-    cancels it."""
+class HeldStream(HeldResponse):
+    """An event stream that holds ``slot`` for as long as it is served (``HeldResponse``)."""
 
     def __init__(
         self, content: AsyncIterable[bytes], *, slot: StreamSlot, headers: dict[str, str] | None = None
     ) -> None:
-        super().__init__(content, media_type="text/event-stream", headers=headers)
+        super().__init__(content, hold=slot, media_type="text/event-stream", headers=headers)
         self.slot = slot
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.slot.release()
