@@ -103,6 +103,37 @@ def test_an_unread_response_holds_its_tenants_share_until_its_client_goes(
     wait_for(taken_again, what="the unread answer's share to be given back", timeout_s=20, interval_s=0.3)
 
 
+def test_an_unread_whole_answer_holds_its_tenants_share_too(service: tuple[Server, Tokens], box: str) -> None:
+    """Any JSON answer, a listing here: counted from when it is sent until the socket has it."""
+    server, tokens = service
+    auth = {"Authorization": f"Bearer {tokens.acme}"}
+    touch = "mkdir -p many && cd many && seq -f '%060g' 30000 | xargs touch"
+    made = httpx2.post(f"{server.url}/v1/sandboxes/{box}/commands", headers=auth, timeout=60,
+                       json={"cmd": ["sh", "-c", touch]})  # fmt: skip
+    assert made.status_code == 200 and made.json()["exit_code"] == 0, made.text
+    listed = httpx2.get(
+        f"{server.url}/v1/sandboxes/{box}/files", headers=auth, params={"path": "many"}, timeout=60
+    )
+    assert listed.status_code == 200 and len(listed.json()) == 30000
+    assert SHARE_MB * 1024 * 1024 / 2 < len(listed.content) < SHARE_MB * 1024 * 1024, len(listed.content)
+    held = _unread(server, tokens.acme, "GET", f"/v1/sandboxes/{box}/files?path=many")
+    try:
+        again = httpx2.get(
+            f"{server.url}/v1/sandboxes/{box}/files", headers=auth, params={"path": "many"}, timeout=60
+        )
+        assert _refused_for_share(again), again.text[:300]
+    finally:
+        held.close()
+
+    def taken_again() -> bool:
+        answered = httpx2.get(f"{server.url}/v1/sandboxes/{box}/files", headers=auth, params={"path": "many"},
+                              timeout=60)  # fmt: skip
+        return answered.status_code == 200
+
+    wait_for(taken_again, what="the unread listing's share to be given back", timeout_s=20, interval_s=0.3)
+    httpx2.delete(f"{server.url}/v1/sandboxes/{box}/files", headers=auth, params={"path": "many"}, timeout=60)
+
+
 def _bomb(size: int) -> bytes:
     """A tar.xz of a few KB that unpacks into ``size`` bytes."""
     raw = io.BytesIO()

@@ -35,7 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from stockade import exceptions as exc
 from stockade.server import problems
 from stockade.server.deps import principal_of
-from stockade.server.held import HeldBytes
+from stockade.server.held import CHUNK, HeldBytes
 
 if TYPE_CHECKING:
     from stockade.server.service import Service
@@ -104,6 +104,7 @@ class _TimedBody:
         self._bodies: HeldBytes | None = None
         self._tenant: Tenant | None = None
         self._counted = 0  # bytes counted against the tenant's bodies_mb, given back at the end
+        self._head: Message | None = None  # a response's start, held back for its body
         self.refused: exc.QuotaExceeded | None = None
 
     def count_against(self, bodies: HeldBytes, tenant: Tenant) -> None:
@@ -157,6 +158,36 @@ class _TimedBody:
     async def send(self, message: Message) -> None:
         if self._answered:
             return
+        if self._bodies is not None and message["type"] == "http.response.start" and _large(message):
+            self._head = message  # sent with its body: a whole one is counted first
+            return
+        head, self._head = self._head, None
+        whole = message["type"] == "http.response.body" and not message.get("more_body", False)
+        if head is None or not whole or self._bodies is None or self._tenant is None:
+            if head is not None:  # a streamed body: its route counts it (HeldResponse)
+                await self._send_now(head)
+            await self._send_now(message)
+            return
+        # A whole body (a listing, a stat, any JSON answer): held until the socket has it,
+        # counted meanwhile; past the share, the 429 goes in its place
+        body = bytes(message.get("body", b""))
+        try:
+            self._bodies.take(self._tenant, len(body), what="a response")
+        except exc.QuotaExceeded as error:
+            await self._refuse(error)
+            return
+        try:
+            await self._send_now(head)
+            # in pieces: the server waits for the socket to take what it has before it takes
+            # the next, so the last send returns once all but the last piece is out
+            for start in range(0, len(body), CHUNK):
+                await self._send_now({"type": "http.response.body", "body": body[start : start + CHUNK],
+                                      "more_body": True})  # fmt: skip
+            await self._send_now({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self._bodies.give_back(self._tenant, len(body))
+
+    async def _send_now(self, message: Message) -> None:
         self._started = True
         await self._send(message)
 
@@ -175,6 +206,16 @@ class _TimedBody:
         if self._started:  # no answer of ours fits in it: uvicorn closes a response left unfinished
             return
         await _answer(self._send, error, self._scope)
+
+
+def _large(start: Message) -> bool:
+    """A response that says it is longer than a piece (a stream, which says no length, is its
+    route's to count: its head goes at once, before its first line)."""
+    for key, value in start.get("headers") or ():
+        if bytes(key).lower() == b"content-length":
+            length = bytes(value)
+            return length.isdigit() and int(length) > CHUNK
+    return False
 
 
 def _header(scope: Scope, name: bytes) -> str:
