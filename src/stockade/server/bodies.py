@@ -16,18 +16,33 @@ what a form of the viewer takes, not the 16 MiB of a tenant's JSON.
 Why not FastAPI's own ``max_body_size``: when a body declares a size over it, Starlette's
 limiter replaces whatever the app answers with a ``text/plain`` 413, and every error of this
 API is an RFC 9457 problem document that the client turns back into a typed error.
+
+A JSON body within the cap may still parse into far more than its size: each value is a
+Python object (an empty list is 56 bytes for the 3 of ``[],``), and 16 MiB of ``[],`` took
+~350 MB and seconds of the event loop inside ``json.loads``, before the schema refused it.
+``JSONRoute`` counts a body's values before FastAPI parses it (``json_values``, in C, in
+time linear in the body) and refuses one of more than ``MAX_JSON_VALUES`` with the API's
+422: every request model takes far fewer (its lists and maps are bounded in ``schemas``).
+What is left is parsed on the event loop, as FastAPI does: the count takes ~20 ms of a 16
+MiB body and the parse at most ~60 ms (floats of 60 digits), and a thread would not free the
+loop meanwhile, ``json.loads`` holding the GIL from start to end (another thread's 1 ms
+sleep waited as long).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio.to_thread
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from starlette.responses import Response
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stockade import exceptions as exc
+from stockade.sandbox._channel import json_values
 from stockade.server import problems
 from stockade.server.deps import recheck
 from stockade.server.guard import needs_token
@@ -37,13 +52,18 @@ if TYPE_CHECKING:
 
     from stockade.server.tenants import Principal
 
-__all__ = ["ANONYMOUS_BODY_BYTES", "BodyCap", "raw_body", "read_body"]
+__all__ = ["ANONYMOUS_BODY_BYTES", "MAX_JSON_VALUES", "BodyCap", "JSONRoute", "raw_body", "read_body"]
 
 Endpoint = TypeVar("Endpoint", bound=Callable[..., Any])
 
 _RAW = "__stockade_raw_body__"
 # the body of a request that needs no token (a viewer's form: a token, a decision, a CSRF value)
 ANONYMOUS_BODY_BYTES = 64 * 1024
+# The values of one JSON body as ``json_values`` counts them (a string and the comma before
+# it are two): an argv as long as the kernel takes (2 MiB / 9 bytes an argument: 233,016)
+# and what else a request holds. Parsed, they are a few tens of MB at most (an empty object,
+# the largest, is 64 bytes and a pointer for the 2 counted of ``{},``).
+MAX_JSON_VALUES = 1 << 19
 
 
 def raw_body(endpoint: Endpoint) -> Endpoint:
@@ -72,6 +92,30 @@ async def read_body(request: Request, limit: int, caller: Principal) -> bytes:
 
 def _declared(value: str | None) -> int | None:
     return int(value) if value is not None and value.isascii() and value.isdigit() else None
+
+
+class JSONRoute(APIRoute):
+    """A route whose JSON body is refused (422) before it is parsed when it holds more than
+    ``MAX_JSON_VALUES`` values. The body is read here (FastAPI reads it again from the
+    request's cache); a route without a body model (``raw_body``) reads its own, as it comes."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        if self.body_field is None:
+            return handler
+
+        async def bounded(request: Request) -> Response:
+            body = await request.body()
+            values = json_values(body, MAX_JSON_VALUES)
+            if values > MAX_JSON_VALUES:
+                raise RequestValidationError([{
+                    "type": "too_many_values", "loc": ("body",),
+                    "msg": f"the body holds over {MAX_JSON_VALUES:,} JSON values ({values:,}), "
+                    "more than any request of the API takes",
+                }])  # fmt: skip
+            return await handler(request)
+
+        return bounded
 
 
 class BodyCap:

@@ -178,6 +178,8 @@ def _fix(error: Mapping[str, Any]) -> str:
         return "give this field"
     if kind == "json_invalid":
         return "send a valid JSON document"
+    if kind == "too_many_values":
+        return "send fewer values: large data goes as a file (PUT /v1/sandboxes/{id}/files/content) or stdin"
     if kind == "model_attributes_type":
         return "send a JSON object, with Content-Type: application/json"
     context = error.get("ctx") or {}

@@ -40,7 +40,7 @@ from stockade.policy.approval import Choice
 from stockade.runs.seeds import pack_workspace
 from stockade.runtime.killswitch import kill_all
 from stockade.server.authz import check_approver, check_model, choose_tier, engine_for
-from stockade.server.bodies import raw_body, read_body
+from stockade.server.bodies import JSONRoute, raw_body, read_body
 from stockade.server.deps import Caller, get_service, recheck
 from stockade.server.held import HeldResponse, held_bytes, pieces, unpacking
 from stockade.server.problems import from_error
@@ -67,7 +67,7 @@ from stockade.types import Limits, MiB
 
 __all__ = ["decide_approval", "router", "run_status"]
 
-router = APIRouter(tags=["runs"])
+router = APIRouter(tags=["runs"], route_class=JSONRoute)
 
 # a run that waits for someone (an approval; a look at why its actions kept failing): its stream ends too
 _WAITING = frozenset({"paused", "broken"})

@@ -51,7 +51,7 @@ from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import LISTING_TRUNCATED_HEADER, ReadFile
 from stockade.server.authz import check_network, choose_tier, engine_for
-from stockade.server.bodies import raw_body, read_body
+from stockade.server.bodies import JSONRoute, raw_body, read_body
 from stockade.server.calls import CutOnLeave, RunningCalls
 from stockade.server.deps import Caller, get_service, recheck
 from stockade.server.downloads import entries_that_fit, pack_folder
@@ -75,7 +75,7 @@ from stockade.types import CommandResult, EntryInfo, Execution, Limits, Listing,
 __all__ = ["BEAT_S", "DEAD_AFTER_S", "STREAM_BUFFER_CHARS", "Held", "SandboxRegistry", "router"]
 
 log = logging.getLogger("stockade.server")
-router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"])
+router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"], route_class=JSONRoute)
 
 BEAT_S = 2.0  # how often a process says it is alive
 DEAD_AFTER_S = 15.0  # silent this long, a process is dead (as a run's lease): clocks may differ a little

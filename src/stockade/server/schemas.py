@@ -1,16 +1,35 @@
 """The API's request and response bodies. Requests forbid unknown fields: a misspelt field is
-a 422 naming it, never silently ignored."""
+a 422 naming it, never silently ignored.
+
+Every list, map and string a request takes is bounded by what the layer below would accept
+anyway, and refused with a 422 before any work: a command past what the kernel executes (its
+arguments and environment 2 MiB at most, one argument 128 KiB) used to be copied through the
+policy, audit and channel layers, ~20 times its body's size, before the sandbox's channel
+refused it. pydantic-core checks a list's or a map's length before validating its items, so a
+long one costs nothing to refuse."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    JsonValue,
+    StringConstraints,
+    Tag,
+    model_validator,
+)
 
 from stockade._checks import MAX_COST_USD, MAX_TIMEOUT_S
 from stockade.types import Limits, NetworkPolicy, Trust
 
 __all__ = [
+    "MAX_ARGS",
+    "MAX_ARGS_BYTES",
+    "MAX_ARG_CHARS",
     "ApprovalDecision",
     "CodeRequest",
     "CommandRequest",
@@ -29,6 +48,51 @@ __all__ = [
     "SnapshotRequest",
     "WorkspaceOut",
 ]
+
+
+# The kernel's bounds on what one exec takes (fs/exec.c): each argument or NAME=value at most
+# MAX_ARG_STRLEN (128 KiB, its NUL included), all of them with a pointer each at most 2 MiB
+# (a quarter of the usual 8 MiB stack). A command past them never runs; the channel to the
+# sandbox takes a request of at most 1 MiB anyway (the local SDK's InvalidArgument past it).
+MAX_ARG_CHARS = 128 * 1024 - 1  # bytes, so characters too: each is at least one byte
+MAX_ARGS_BYTES = 2 * 1024 * 1024
+MAX_ARGS = MAX_ARGS_BYTES // 9  # an argument costs its pointer and its NUL at least: 233,016
+MAX_PATH_CHARS = 4096  # PATH_MAX
+MAX_LABEL_NAME = 256
+MAX_LABEL_VALUE = 4096
+MAX_HOSTS = 1000
+MAX_NAME_CHARS = 256  # a tier, a language, a model's name, a workspace's id
+
+Arg = Annotated[str, StringConstraints(max_length=MAX_ARG_CHARS)]
+EnvName = Annotated[str, StringConstraints(min_length=1, max_length=MAX_ARG_CHARS)]
+Envs = Annotated[dict[EnvName, Arg], Field(max_length=MAX_ARGS)]
+Name = Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS)]
+Labels = dict[str, str]
+LabelsIn = Annotated[
+    dict[
+        Annotated[str, StringConstraints(max_length=MAX_LABEL_NAME)],
+        Annotated[str, StringConstraints(max_length=MAX_LABEL_VALUE)],
+    ],
+    Field(max_length=32),
+]
+
+
+def _check_exec(argv: list[str], envs: dict[str, str]) -> None:
+    """What the kernel counts of an exec's arguments and environment: each string's UTF-8
+    (a character may take four bytes), its NUL, and a pointer to it."""
+    words = [*argv, *(f"{k}={v}" for k, v in envs.items())]
+    sizes = [len(w) if w.isascii() else len(w.encode(errors="replace")) for w in words]
+    if max(sizes, default=0) > MAX_ARG_CHARS:
+        raise ValueError(
+            f"an argument or NAME=value takes {max(sizes):,} bytes, over the {MAX_ARG_CHARS:,} the kernel "
+            "takes: pass large input through stdin or a file"
+        )
+    total = sum(sizes) + 9 * len(sizes)
+    if total > MAX_ARGS_BYTES:
+        raise ValueError(
+            f"the command's arguments and environment take {total:,} bytes, over the {MAX_ARGS_BYTES:,} "
+            "the kernel runs a command with: pass large input through stdin or a file"
+        )
 
 
 class _In(BaseModel):
@@ -55,29 +119,33 @@ class LimitsIn(_In):
 
 class NetworkIn(_In):
     enabled: bool = False
-    allow_hosts: tuple[str, ...] = ()
+    allow_hosts: tuple[Annotated[str, StringConstraints(max_length=MAX_NAME_CHARS + 8)], ...] = Field(
+        default=(), max_length=MAX_HOSTS
+    )  # a DNS name is at most 253 characters, then a port
 
     def build(self) -> NetworkPolicy:
         return NetworkPolicy(enabled=self.enabled, allow_hosts=self.allow_hosts)
 
 
-Labels = dict[str, str]
-
-
 class SandboxCreate(_In):
-    tier: str | None = Field(default=None, description="process, docker, gvisor or microvm; none: by trust")
+    tier: Name | None = Field(default=None, description="process, docker, gvisor or microvm; none: by trust")
     trust: Trust | None = Field(default=None, description="tightens the tenant policy's trust, never loosens")
     prefer: Literal["cheapest", "strongest"] | None = None
     limits: LimitsIn | None = None
     network: NetworkIn | None = None
-    envs: dict[str, str] = {}
+    envs: Envs = {}
     allow_weaker: bool = False
-    labels: Labels = Field(default_factory=dict, max_length=32)
+    labels: LabelsIn = Field(default_factory=dict)
     idle_timeout_s: float | None = Field(default=None, gt=0, description="closed after this long unused")
     snapshot: str | None = Field(
         default=None, pattern=r"^snap-[0-9a-f]{32}$",
         description="start from this snapshot of yours (its tier and settings unless others are given)",
     )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _fits_an_exec(self) -> SandboxCreate:
+        _check_exec([], self.envs)  # each command of the sandbox is given them
+        return self
 
 
 class SnapshotRequest(_In):
@@ -117,17 +185,29 @@ class SandboxOut(BaseModel):
 
 
 class CommandRequest(_In):
-    cmd: str | list[str] = Field(description="a shell line (run by /bin/sh -c), or an argv list")
-    cwd: str | None = None
-    envs: dict[str, str] = {}
+    cmd: Annotated[
+        Annotated[Arg, Tag("line")]
+        | Annotated[list[Arg], Tag("argv"), Field(min_length=1, max_length=MAX_ARGS)],
+        Discriminator(lambda v: "line" if isinstance(v, str) else "argv"),  # one branch's errors, not both
+    ] = Field(
+        description="a shell line (run by /bin/sh -c), or an argv list; with envs, what the kernel "
+        "executes: each argument at most 128 KiB, all of them at most 2 MiB"
+    )
+    cwd: Annotated[str, StringConstraints(max_length=MAX_PATH_CHARS)] | None = None
+    envs: Envs = {}
     timeout_s: float | None = Field(default=None, gt=0)
     stdin: str | None = None
     stream: bool = Field(default=False, description="stream the output as NDJSON lines while it runs")
 
+    @model_validator(mode="after")
+    def _fits_an_exec(self) -> CommandRequest:
+        _check_exec(["/bin/sh", "-c", self.cmd] if isinstance(self.cmd, str) else self.cmd, self.envs)
+        return self
+
 
 class CodeRequest(_In):
-    code: str
-    language: str = "python"
+    code: str  # on standard input (or the interpreter's), never an argument: the body's cap bounds it
+    language: Name = "python"
     timeout_s: float | None = Field(default=None, gt=0)
     stream: bool = False
 
@@ -153,7 +233,7 @@ class RunLimitsIn(_In):
 
 class RunSubmit(_In):
     task: str = Field(min_length=1, max_length=100_000)
-    model: str | None = Field(
+    model: Name | None = Field(
         None, description="PROVIDER:NAME (openai:..., anthropic:...); `scripted` turns instead for tests"
     )
     scripted: list[JsonValue] | None = Field(
@@ -161,20 +241,20 @@ class RunSubmit(_In):
         description="a scripted model's turns (as in a scripted:FILE), instead of `model`",
         max_length=10_000,
     )
-    workspace: str | None = Field(
+    workspace: Name | None = Field(
         default=None, description="an uploaded workspace's id (POST /v1/workspaces)"
     )
     idempotency_key: str | None = Field(
         None, min_length=1, max_length=200,
         description="submitting again with the same key returns the run it made (a different spec: 409)",
     )  # fmt: skip
-    tier: str | None = None
+    tier: Name | None = None
     trust: Trust | None = None
     limits: RunLimitsIn = RunLimitsIn()
     sandbox_limits: LimitsIn | None = None
-    check: str | None = Field(default=None, description="the acceptance check: a command that must pass")
+    check: Arg | None = Field(default=None, description="the acceptance check: a shell line that must pass")
     check_timeout_s: float | None = Field(default=None, gt=0, le=MAX_TIMEOUT_S)  # as the run would check it
-    labels: Labels = Field(default_factory=dict, max_length=32)
+    labels: LabelsIn = Field(default_factory=dict)
 
 
 class RunOut(BaseModel):
@@ -209,7 +289,7 @@ class KillAllRequest(_In):
     ask for ``all_tenants``."""
 
     reason: str = Field(default="killed through the API (kill-all)", max_length=500)
-    tenant: str | None = Field(default=None, description="another tenant's runs (an admin token only)")
+    tenant: Name | None = Field(default=None, description="another tenant's runs (an admin token only)")
     all_tenants: bool = Field(default=False, description="every tenant's runs (an admin token only)")
 
 

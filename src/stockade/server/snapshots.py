@@ -28,6 +28,7 @@ from fastapi import APIRouter, Request, Response
 
 from stockade import exceptions as exc
 from stockade.sandbox.snapshots import MiB, SnapshotStore
+from stockade.server.bodies import JSONRoute
 from stockade.server.deps import Caller, get_service
 from stockade.server.schemas import SnapshotOut
 from stockade.server.tenants import Tenant
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 
 __all__ = ["TenantSnapshots", "router"]
 
-router = APIRouter(prefix="/v1/snapshots", tags=["snapshots"])
+router = APIRouter(prefix="/v1/snapshots", tags=["snapshots"], route_class=JSONRoute)
 
 
 def snapshot_out(snapshot: Snapshot, *, source: str | None = None, paused: str | None = None) -> SnapshotOut:
