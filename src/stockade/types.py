@@ -54,8 +54,10 @@ class Limits:
     """Resource limits of one sandbox. Every tier enforces all of them or says it cannot.
 
     ``timeout_s`` is the default wall-clock limit of each command or ``run_code`` call;
-    ``output_bytes`` caps stdout and stderr each. ``open_files`` bounds the file descriptors
-    the whole sandbox can hold: each of its (at most ``pids``) processes may open
+    ``output_bytes`` caps stdout and stderr each, and a ``run_code``'s results and error
+    together (bytes of JSON, cut inside with a mark: ``Execution.truncated``).
+    ``open_files`` bounds the file descriptors the whole sandbox can hold: each of its (at
+    most ``pids``) processes may open
     ``open_files // pids``, and at least 32 (``files_per_process``, ``total_open_files``).
     ``ptys`` bounds the pseudo-terminals it can hold open at once (its devpts instance's
     ``max``: past it, opening /dev/ptmx fails with ENOSPC), out of the host's shared

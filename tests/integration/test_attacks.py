@@ -30,9 +30,11 @@ from stockade import (
     SandboxPool,
     StockadeError,
 )
+from stockade._cuts import CUT_MARK
 from stockade.exceptions import SeedTooLarge, TreeTooDeep
 from stockade.runs.workspace import WorkspaceTracker
 from stockade.sandbox._transfers import LIVENESS_S
+from stockade.sandbox.supervisor.protocol import MAX_CODE_REPORT
 from stockade.tools.workspace_diff import MAX_TEXT_TOTAL, record_baseline, snapshot, workspace_diff
 from stockade.types import EntryType, Listing, SkippedEntry
 from tests.conftest import require_tier
@@ -663,6 +665,11 @@ def forge(body, claimed=None):
 """
 
 
+# The supervisor passes on no report past output_bytes (and a margin for the marks): these
+# tests of the host's own checks ask for the most, so that the forged reports reach it.
+FORGE_LIMITS = Limits(memory_mb=512, timeout_s=60, pids=64, output_bytes=MAX_CODE_REPORT)
+
+
 def _memory_kb(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -673,7 +680,7 @@ def _memory_kb(field: str) -> int:
 def test_a_forged_run_code_report_cannot_swell_the_host(tier: str) -> None:
     # 30 MB of empty results made 2.5 GB of objects in the host: the host now counts the
     # report's values before parsing it, refuses it and closes the sandbox.
-    with Sandbox.create(tier, limits=Limits(memory_mb=512, timeout_s=60, pids=64)) as sbx:
+    with Sandbox.create(tier, limits=FORGE_LIMITS) as sbx:
         sbx.files.write("forge.py", FORGE)
         assert sbx.run_code("import forge\nflood = b'{\"results\":[' + b'{},' * 10_000_000").error is None
         gc.collect()
@@ -694,7 +701,7 @@ def test_a_forged_run_code_report_cannot_swell_the_host(tier: str) -> None:
 def test_a_forged_report_whose_text_widens_or_of_the_wrong_shape_is_a_protocol_error(tier: str) -> None:
     # 40 MiB of JSON and one escape past U+FFFF (an emoji) parsed to 160 MiB of text; the
     # results as a number raised a TypeError out of run_code. Both are lies: typed, refused.
-    with Sandbox.create(tier, limits=Limits(memory_mb=512, timeout_s=60, pids=64)) as sbx:
+    with Sandbox.create(tier, limits=FORGE_LIMITS) as sbx:
         sbx.files.write("forge.py", FORGE)
         sbx.run_code("import forge")
         with pytest.raises(ProtocolError, match="malformed run_code report"):
@@ -710,7 +717,7 @@ def test_a_forged_report_whose_text_widens_or_of_the_wrong_shape_is_a_protocol_e
 def test_a_forged_report_is_held_to_the_interpreters_caps_by_the_host(tier: str) -> None:
     # A report code wrote carried 96 MiB of result text and a 120 MiB error value, past the
     # interpreter's own caps (1 Mi characters of each): the host now cuts them itself.
-    with Sandbox.create(tier, limits=Limits(memory_mb=512, timeout_s=60, pids=64)) as sbx:
+    with Sandbox.create(tier, limits=FORGE_LIMITS) as sbx:
         sbx.files.write("forge.py", FORGE)
         sbx.run_code("import forge")
         huge = (
@@ -734,6 +741,51 @@ def test_a_forged_report_over_the_byte_cap_only_restarts_the_interpreter(tier: s
         r = sbx.run_code("import forge\nforge.forge(b'{\"results\":[', claimed=1 << 30)")
         assert r.error is not None and r.error.name == "KernelDied", r.error
         assert sbx.run_code("1 + 1").text == "2"
+
+
+def test_a_forged_report_over_output_bytes_never_leaves_the_sandbox(tier: str) -> None:
+    # The interpreter keeps a report to output_bytes; code that writes one of its own to the
+    # reply pipe is stopped by the supervisor, and the interpreter and its state live on.
+    with Sandbox.create(
+        tier, limits=Limits(memory_mb=256, timeout_s=30, pids=64, output_bytes=64 << 10)
+    ) as sbx:
+        sbx.files.write("forge.py", FORGE)
+        sbx.run_code("import forge\nkept = 41")
+        r = sbx.run_code("forge.forge(b'{\"results\":[{\"text/plain\":\"' + b'a' * (1 << 20) + b'\"}]}')")
+        assert r.error is not None and r.error.name == "ReportTooLarge", r.error
+        assert "over the sandbox's output_bytes" in r.error.value and not r.results
+        assert sbx.run_code("kept + 1").text == "42"
+
+
+# Objects that show themselves as PNGs of 400 KB, as large matplotlib figures do.
+PICTURES = """
+import os
+class Picture:
+    def _repr_png_(self):
+        return os.urandom(400_000)
+for _ in range(200):
+    display(Picture())
+"""
+
+
+def test_results_are_held_to_output_bytes_inside_and_the_host_stays_flat(tier: str) -> None:
+    # With output_bytes of 64 KiB a repr came back at 1 Mi characters, and 60 figures at 54 MB
+    # of results (the host's memory 34 -> 192 MiB): the interpreter now cuts them to it, marked.
+    limits = Limits(memory_mb=1024, timeout_s=60, pids=64, output_bytes=64 << 10)
+    with Sandbox.create(tier, limits=limits) as sbx:
+        huge = sbx.run_code("'x' * 10_000_000")
+        assert huge.truncated and huge.text is not None
+        assert len(huge.text) <= (64 << 10) + 100 and CUT_MARK.search(huge.text)
+        gc.collect()
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM restarts from the current RSS
+        before = _memory_kb("VmRSS")
+        figures = sbx.run_code(PICTURES)  # 107 MB of base64 made inside
+        grown_mb = (_memory_kb("VmHWM") - before) / 1024
+        assert figures.error is None and figures.truncated
+        assert sum(len(v) for r in figures.results for v in r.data.values()) < (64 << 10)
+        assert "image/png dropped" in str(figures.results[0].text)
+        assert "199 more results dropped" in str(figures.results[-1].text)
+        assert grown_mb < 30, f"the host grew by {grown_mb:.0f} MiB"
 
 
 def test_the_interpreter_keeps_its_reports_within_what_the_host_accepts(sbx: Sandbox) -> None:

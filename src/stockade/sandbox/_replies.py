@@ -204,6 +204,7 @@ def execution(
     if not isinstance(raw_results, list):
         raise exc.ProtocolError("malformed run_code report: its results are no list")
     results, cut = _results(raw_results)
+    cut = cut or payload.get("truncated") is True  # the interpreter cut it to output_bytes
     error = None
     raw_err = payload.get("error")
     if isinstance(raw_err, dict):

@@ -24,6 +24,7 @@ import types
 from protocol import (  # type: ignore[import-not-found]
     MAX_BUNDLE_ENTRIES,
     MAX_CODE_REPLY,
+    MAX_CODE_REPORT,
     MAX_NAME,
     MAX_RESULT_COUNT,
     MAX_RESULT_ENTRIES,
@@ -41,10 +42,13 @@ if TYPE_CHECKING:
     from typing import Any, Optional
 
 CELL = "<cell>"
-# What one run may send back: a larger value is dropped with a note, never the interpreter.
-# MAX_RESULTS counts bytes of JSON (escapes included); with the error's three texts (at
-# most 12 bytes a character escaped) a report stays under protocol.MAX_CODE_REPLY.
-MAX_RESULTS = 96 << 20
+# What one run may send back: a larger value is cut or dropped with a mark, never the
+# interpreter. The run's header says how much (``cap``: the sandbox's Limits.output_bytes):
+# its error and results together at most that many bytes of JSON (escapes included), made
+# here so that no more crosses the channel (60 figures were 54 MB of results against an
+# output_bytes of 64 KiB, all of it held by the host). Never more than MAX_CODE_REPORT, so
+# that with the error's name and the marks a report stays under protocol.MAX_CODE_REPLY.
+MAX_RESULTS = MAX_CODE_REPORT
 _MIME_METHODS = (
     ("text/html", "_repr_html_"),
     ("text/markdown", "_repr_markdown_"),
@@ -72,13 +76,19 @@ def _as_text(value: Any) -> str:
     return json.dumps(value, default=str)
 
 
+def cut_mark(chars: int, note: str = "") -> str:
+    """The mark left where ``chars`` characters of a text were cut: ``stockade._cuts``'s
+    (the redactor knows it), made again here, where only the standard library is."""
+    return f"\n[… {chars:,} characters cut{' ' + note if note else ''} …]\n"
+
+
 def mime_bundle(obj: Any) -> dict[str, str]:
     bundle: dict[str, str] = {}
     try:
         text = repr(obj)
     except Exception as exc:  # a broken __repr__ must not kill the kernel
         text = f"<unrepresentable {type(obj).__name__}: {exc!r}>"
-    bundle["text/plain"] = text if len(text) <= MAX_TEXT else text[:MAX_TEXT] + "…"
+    bundle["text/plain"] = text if len(text) <= MAX_TEXT else text[:MAX_TEXT] + cut_mark(len(text) - MAX_TEXT)
     for mime, method in _MIME_METHODS:
         fn = getattr(obj, method, None)
         if callable(fn) and not isinstance(obj, type):
@@ -105,26 +115,64 @@ def mime_bundle(obj: Any) -> dict[str, str]:
     return bundle
 
 
-def _bounded(results: list[dict[str, str]]) -> list[dict[str, str]]:
-    """At most MAX_RESULTS bytes of JSON, MAX_RESULT_COUNT results and MAX_RESULT_ENTRIES
-    MIME entries (a display() loop can make millions): the host refuses a larger report."""
+def _fit(text: str, room: int, *, end: bool = False) -> tuple[str, bool]:
+    """``text`` in at most ``room`` bytes of JSON (its quotes aside): whole, or its head (with
+    ``end`` its end) and a mark of how much was cut; and whether it was cut."""
+    size = len(dumps(text)) - 2
+    if size <= room:
+        return text, False
+    # A character takes 1 to 12 bytes of JSON: shrunk in proportion until it fits (twice or
+    # so for a text of one kind of character).
+    n = min(len(text), max(room, 0))
+    while n:
+        size = len(dumps(text[len(text) - n :] if end else text[:n])) - 2
+        if size <= room:
+            break
+        n = min(n - 1, n * room // size)
+    part = (text[len(text) - n :] if end else text[:n]) if n else ""
+    mark = cut_mark(len(text) - n, "past the sandbox's output_bytes")
+    return (mark + part if end else part + mark), True
+
+
+def _bounded(results: list[dict[str, str]], room: int) -> tuple[list[dict[str, str]], bool]:
+    """At most ``room`` bytes of JSON, MAX_RESULT_COUNT results and MAX_RESULT_ENTRIES MIME
+    entries (a display() loop can make millions), and whether any was cut. Results are kept
+    whole in order while they fit; the first that does not keeps its text, cut to the room
+    left, its other MIME values dropped with a note (a figure's PNG is no use in part); the
+    rest are dropped, one note saying how many."""
     out: list[dict[str, str]] = []
-    size = entries = 0
+    entries = 0
+    cut = False
     for i, bundle in enumerate(results):
         if len(bundle) > MAX_BUNDLE_ENTRIES:
             kept = dict(list(bundle.items())[: MAX_BUNDLE_ENTRIES - 1])
             note = f"\n[stockade: {len(bundle) - len(kept)} more MIME types dropped, over the cap]"
             kept["text/plain"] = kept.get("text/plain", "") + note
-            bundle = kept
-        size += len(dumps(bundle)) + 1
+            bundle, cut = kept, True
+        size = len(dumps(bundle)) + 1
         entries += len(bundle)
         last = i == MAX_RESULT_COUNT - 1 and len(results) > MAX_RESULT_COUNT
-        if size > MAX_RESULTS or entries > MAX_RESULT_ENTRIES or last:
-            note = f"[stockade: {len(results) - i} more results dropped, over the cap]"
-            out.append({"text/plain": note})
-            break
+        if entries > MAX_RESULT_ENTRIES or last or room <= 0:
+            out.append({"text/plain": f"[stockade: {len(results) - i} more results dropped, over the cap]"})
+            return out, True
+        if size > room:
+            text = bundle.get("text/plain", "")
+            notes = "".join(
+                f"\n[stockade: {mime} dropped: {len(value)} characters, past the sandbox's output_bytes]"
+                for mime, value in bundle.items()
+                if mime != "text/plain"
+            )
+            # its text whole or in part, then the notes (never cut: they say what is missing)
+            text, _ = _fit(text, room - len(dumps(notes)) - 20)
+            out.append({"text/plain": text + notes})
+            if i + 1 < len(results):
+                more = len(results) - i - 1
+                note = f"[stockade: {more} more results dropped, past the sandbox's output_bytes]"
+                out.append({"text/plain": note})
+            return out, True
+        room -= size
         out.append(bundle)
-    return out
+    return out, cut
 
 
 def _safe_str(exc: BaseException) -> str:
@@ -135,15 +183,20 @@ def _safe_str(exc: BaseException) -> str:
     return text if len(text) <= MAX_TEXT else text[:MAX_TEXT] + "…"
 
 
-def _error(exc: BaseException) -> dict[str, str]:
+def _error(exc: BaseException, cap: int) -> tuple[dict[str, str], bool]:
+    """The report of ``exc``: its value and its traceback each in at most a quarter of
+    ``cap`` (the traceback's end: it says where it failed), so that half is left for the
+    results at least; and whether either was cut."""
     try:
         tb = _format_traceback(exc)
     except BaseException:
         tb = ""
     if len(tb) > MAX_TEXT:
-        tb = "…" + tb[-MAX_TEXT:]  # the end says where it failed
+        tb = "…" + tb[-MAX_TEXT:]
+    value, value_cut = _fit(_safe_str(exc), cap // 4)
+    tb, tb_cut = _fit(tb, cap // 4, end=True)
     name = type(exc).__name__
-    return {"name": name[:MAX_NAME], "value": _safe_str(exc), "traceback": tb}
+    return {"name": name[:MAX_NAME], "value": value, "traceback": tb}, value_cut or tb_cut
 
 
 def _is_figure(obj: Any) -> bool:
@@ -207,9 +260,12 @@ class Interpreter:
         for obj in objs:
             self._displayed.append(mime_bundle(obj))
 
-    def run(self, code: str) -> dict[str, Any]:
+    def run(self, code: str, cap: int = MAX_RESULTS) -> dict[str, Any]:
+        """Run ``code``; its report holds at most ``cap`` bytes of JSON of results and error
+        (besides the error's name and the marks of what was cut)."""
         self._displayed = []
         error = None
+        cut = False
         try:
             value = self._execute(code)
             if value is not None:
@@ -222,7 +278,7 @@ class Interpreter:
         except BaseException as exc:  # SystemExit and KeyboardInterrupt are the code's too
             if isinstance(exc, MemoryError):
                 self.reserve.release()  # room to report it, and to serve the next request
-            error = _error(exc)
+            error, cut = _error(exc, cap)
         finally:
             for stream in (sys.stdout, sys.stderr):
                 try:
@@ -233,7 +289,12 @@ class Interpreter:
             self._displayed.extend(_open_figures())
         except Exception:
             pass
-        return {"results": _bounded(self._displayed), "error": error}
+        room = cap - (len(dumps(error)) if error is not None else 0)
+        results, results_cut = _bounded(self._displayed, room)
+        reply: dict[str, Any] = {"results": results, "error": error}
+        if cut or results_cut:
+            reply["truncated"] = True
+        return reply
 
     def _execute(self, code: str) -> Any:
         # _ast, not ast: the same node classes and flags, without ast's imports.
@@ -432,7 +493,10 @@ def main(ctl_in: int, ctl_out: int) -> None:
             if isinstance(env, dict):  # the sandbox's, given after we started: as at our start
                 os.environ.clear()
                 os.environ.update(env)
-            reply = interp.run(body.decode("utf-8", "replace"))
+            cap = header.get("cap")
+            if not isinstance(cap, int) or not 0 <= cap <= MAX_RESULTS:
+                cap = MAX_RESULTS
+            reply = interp.run(body.decode("utf-8", "replace"), cap)
             # In the body, not the header: a header is capped at 1 MiB, results are not.
             payload = dumps(reply).encode()
             # The caps above keep its bytes under it; its text can be four times them (one

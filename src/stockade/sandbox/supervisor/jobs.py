@@ -57,6 +57,8 @@ class Job:
         # Whether nothing but this job's own code can start a process credited to it, so that
         # a human's approval of the call may answer for its execs (``starts_code``).
         self.own = False
+        # A run_code's: the most bytes its report may take (``Interpreter.next_run``).
+        self.report_cap = 0
 
     def report(self) -> "dict[str, Any]":
         """What every final frame says of the job besides its own outcome."""

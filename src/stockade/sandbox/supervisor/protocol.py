@@ -16,10 +16,14 @@ if TYPE_CHECKING:
 PREFIX = struct.Struct(">II")
 MAX_HEADER = 1 << 20
 
-# What one run_code report may hold. The interpreter keeps to it (results up to 96 MiB of
-# JSON, error texts cut to 1 Mi characters) and the host enforces it before parsing: code in
-# the sandbox can write to the interpreter's reply pipe, so a report is as untrusted as the code.
+# What one run_code report may hold. The interpreter keeps to it (results and error texts
+# up to the run's ``cap``, the sandbox's output_bytes, and never past MAX_CODE_REPORT bytes of
+# JSON) and the host enforces it before parsing: code in the sandbox can write to the
+# interpreter's reply pipe, so a report is as untrusted as the code. The supervisor passes on
+# no report past its cap and CODE_REPORT_MARKS (the error's name, the marks of what was cut).
 MAX_CODE_REPLY = 128 << 20
+MAX_CODE_REPORT = 96 << 20
+CODE_REPORT_MARKS = 64 << 10
 MAX_RESULT_COUNT = 10_000  # results of one run (a display() loop can make millions)
 # Characters the interpreter keeps of a result's text (text/plain: its head, an ellipsis, then
 # notes of what was dropped) and of an error's value and traceback (its end); of an error's

@@ -19,7 +19,15 @@ from select import EPOLLIN as EVENT_READ
 
 from fileops import _write_all
 from jobs import Job, starts_code
-from protocol import MAX_CODE_REPLY, FrameError, FrameReader, dumps, encode
+from protocol import (
+    CODE_REPORT_MARKS,
+    MAX_CODE_REPLY,
+    MAX_CODE_REPORT,
+    FrameError,
+    FrameReader,
+    dumps,
+    encode,
+)
 from reaper import forked, kill_group, kill_tree, spawn_shim
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
@@ -203,7 +211,11 @@ class Interpreter:
         self.used = self.used or bool(body)  # an empty run (a spare's warm-up) runs no code
         job.started = time.monotonic()
         job.deadline = job.started + job.timeout  # type: ignore[attr-defined]
-        header: dict[str, object] = {"id": job.rid}
+        # The most its results and error may take (the interpreter cuts them to it): the
+        # sandbox's output_bytes, read per run (a snapshot's restore may have changed it).
+        cap = min(self.sup.output_cap, MAX_CODE_REPORT)
+        header: dict[str, object] = {"id": job.rid, "cap": cap}
+        job.report_cap = cap + CODE_REPORT_MARKS
         if self.sup.reseed:
             header["reseed"] = True
             self.sup.reseed = False
@@ -255,6 +267,10 @@ class Interpreter:
             self.job = None
             # A run's processes end with it, like a command's: none outlives its timeout.
             kill_tree(self.adopter, include_root=False, spare=self.pid)
+            if len(payload) > job.report_cap:
+                # Not the interpreter's (it keeps to the cap): code wrote it to the pipe.
+                note = f"the report was {len(payload)} bytes, over the sandbox's output_bytes"
+                payload = dumps({"results": [], "error": {"name": "ReportTooLarge", "value": note}}).encode()
             sup.finish_code(job, payload)
         self.next_run()
 
