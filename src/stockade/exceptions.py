@@ -371,7 +371,9 @@ class SnapshotIncompatible(SnapshotError):
     """The snapshot cannot be restored as asked: its memory needs the tier, kernel, QEMU and
     machine it was taken with, or the caller asked for limits its memory does not have, or its
     files would not fit the sandbox's workspace or /tmp (refused at the first file that does
-    not, before the rest is sent)."""
+    not, before the rest is sent). Taking one is refused the same way when the sandbox's own
+    workspace or /tmp holds more, by apparent size (a sparse file counts whole), than its
+    ``disk_mb`` or ``tmp_mb``: nothing is kept and the sandbox runs on."""
 
 
 class WorkspaceError(StockadeError):

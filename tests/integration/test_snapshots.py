@@ -17,7 +17,7 @@ import sys
 import textwrap
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
 
@@ -339,7 +339,8 @@ def test_a_memory_snapshot_writes_no_more_than_the_stores_room(tier: str, tmp_pa
     require_tier(tier)
     small = SnapshotStore(tmp_path / "small", max_bytes=320 << 20)
     with Sandbox.create(tier, limits=LIMITS) as sbx:
-        sbx.commands.run("truncate -s 200M /workspace/holes; truncate -s 190M /tmp/holes")
+        # Within the areas' own sizes (128 and 32 MiB), past the 64 MiB the image leaves.
+        sbx.commands.run("truncate -s 100M /workspace/holes; truncate -s 30M /tmp/holes")
         with DiskWatch(small) as watch, pytest.raises(SnapshotStoreFull, match="is full"):
             sbx.snapshot(store=small, memory=True)
         assert watch.peak <= small.max_bytes + SLACK
@@ -405,8 +406,9 @@ def test_a_snapshot_larger_than_the_sandbox_is_refused_at_its_first_header(
 ) -> None:
     """1 GiB of holes snapshotted (the store's room allowed it) could not be restored into a
     128 MiB sandbox: its whole object was sent, and the supervisor died of it ("the
-    supervisor exited"). The sandbox refuses the file as its header comes, before its data."""
-    with Sandbox.create(tier, limits=LIMITS) as sbx:
+    supervisor exited"). The sandbox refuses the file as its header comes, before its data.
+    (The snapshot is of a sandbox whose workspace holds it: see the test below.)"""
+    with Sandbox.create(tier, limits=Limits(memory_mb=768, timeout_s=20, pids=64)) as sbx:
         assert sbx.commands.run("truncate -s 300M holes").exit_code == 0
         snap = sbx.snapshot(store=store)
     with pytest.raises(SnapshotIncompatible, match=r"does not fit this sandbox.*'holes' is 314572800 bytes"):
@@ -414,3 +416,33 @@ def test_a_snapshot_larger_than_the_sandbox_is_refused_at_its_first_header(
     with Sandbox.create(snapshot=snap, store=store, limits=Limits(memory_mb=768, pids=64)) as sbx:
         restored = sbx.files.stat("holes")
         assert restored is not None and restored.size == 300 << 20
+
+
+# The tiers whose pause writes the sandbox's files out (gVisor's areas with its memory).
+PAUSE_TIERS = [t for t in ("process", "docker", "gvisor") if t in TIERS]
+
+
+@pytest.mark.parametrize("tier", PAUSE_TIERS)
+def test_files_larger_than_their_own_area_are_refused_at_pause_and_the_sandbox_runs_on(
+    tier: str, store: SnapshotStore
+) -> None:
+    """`truncate -s 1G` in a 128 MiB workspace takes no space: pause wrote the 1 GiB out
+    densely (9 s, and one small sandbox could fill the host's store), then every resume
+    failed, the sandbox's other files with it (a resume takes no limits). What no restore
+    into the sandbox's own limits could put back is refused before anything is kept; the
+    sandbox is left running as it was."""
+    require_tier(tier)
+    with Sandbox.create(tier, limits=LIMITS) as sbx:  # a workspace of 128 MiB, /tmp of 32 MiB
+        sbx.files.write("important.txt", "the user's work")
+        for path, setting in (("/workspace/.cache-sparse", "disk_mb=128"), ("/tmp/holes", "tmp_mb=32")):
+            assert sbx.commands.run(f"truncate -s 200M {path}").exit_code == 0
+            with pytest.raises(SnapshotIncompatible) as refused:
+                sbx.pause(store=store)
+            said = str(refused.value)
+            assert PurePosixPath(path).name in said and "remove or shrink" in said, said
+            assert setting in said, said
+            assert sbx.alive and store.size() == 0
+            assert sbx.commands.run(f"rm {path}").exit_code == 0
+        sbx.pause(store=store)
+    with Sandbox.resume(sbx.id, store=store) as resumed:
+        assert resumed.files.read("important.txt") == "the user's work"

@@ -100,6 +100,8 @@ def checkpoint(
     image.mkdir(mode=0o700)
     packed: dict[str, Path] = {}
     try:
+        for area in AREAS:  # all of them, before anything is written
+            check_restorable(areas / area)
         for area in AREAS:
             packed[area] = pack_area(areas / area, room)
         leave = () if stop else ("--leave-running",)
@@ -160,11 +162,42 @@ def machine_key(backend: RunscBackend, folder: Path, masks: tuple[str, ...]) -> 
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
+# The Limits setting that sizes each area's tmpfs (``_guest.tmpfs_sizes``).
+AREA_SETTINGS = {"workspace": "disk_mb", "tmp": "tmp_mb", "shm": "tmp_mb"}
+
+
+def check_restorable(folder: Path) -> None:
+    """Refuse (``SnapshotIncompatible``) an area whose files, by apparent size, pass its own
+    tmpfs's size: its restore writes them whole (a sparse file's holes as bytes) into a tmpfs
+    of that size, and would fail every time. A paused sandbox's tmpfs (nothing in it changes
+    meanwhile), mounted by this host: its size is the host kernel's word."""
+    st = os.statvfs(folder)
+    limit = st.f_blocks * st.f_frsize
+    total, largest, seen = 0, ("", -1), set()
+    for full, name in _walk(folder):
+        info = full.lstat()
+        if not stat.S_ISREG(info.st_mode) or (info.st_dev, info.st_ino) in seen:
+            continue
+        seen.add((info.st_dev, info.st_ino))  # a hard-linked file is kept once
+        total += info.st_size
+        largest = max(largest, (name, info.st_size), key=lambda item: item[1])
+    if total > limit:
+        area = folder.name
+        setting = f"{AREA_SETTINGS.get(area, 'size_mb')}={limit >> 20}"
+        raise exc.SnapshotIncompatible(
+            f"cannot snapshot the sandbox's {area}: its files come to {total} bytes, more than the "
+            f"{limit} bytes the {area} holds ({setting}), so no restore could put them back; "
+            f"{largest[0]!r} is {largest[1]} bytes (a sparse file counts whole: "
+            "a snapshot keeps its holes as bytes): remove or shrink it and snapshot again"
+        )
+
+
 def pack_area(folder: Path, room: Reservation) -> Path:
     """A tar of a paused sandbox's tmpfs (nothing in it changes meanwhile), written within
     ``room`` to a file of the store's ``tmp`` (``store.add_file`` makes it an object): its
     folders, files, links, with their modes and times; what a tar cannot hold (sockets) is
-    left out, as the supervisor's archives leave it out. A sparse file is written whole."""
+    left out, as the supervisor's archives leave it out. A sparse file is written whole
+    (``check_restorable`` refused the area first if that would not fit its tmpfs)."""
     with room.open(folder.name) as (path, write):
         with tarfile.open(fileobj=_Sink(write), mode="w", format=tarfile.PAX_FORMAT) as tar:
             for full, name in _walk(folder):
@@ -232,13 +265,24 @@ def unpack_area(
     the sandbox follows them, in its own root (this host never does, here or in ``pack_area``).
     ``max_bytes`` is the tmpfs's size, which its files' contents fill; its entries take RAM
     bounded by its inode cap, not that size, so they are not counted against it."""
-    with Extraction(
-        dest, max_bytes=max_bytes, max_entries=max_entries, links_anywhere=True, count_metadata=False
-    ) as unpack:
-        with open(source, "rb") as fh:
-            while chunk := fh.read(CHUNK):
-                unpack.feed(chunk)
-        unpack.finish()
+    try:
+        with Extraction(
+            dest, max_bytes=max_bytes, max_entries=max_entries, links_anywhere=True, count_metadata=False
+        ) as unpack:
+            with open(source, "rb") as fh:
+                while chunk := fh.read(CHUNK):
+                    unpack.feed(chunk)
+            unpack.finish()
+    except exc.FileTooLarge as error:
+        # The extractor's words are a download's ("pass a larger max_bytes to
+        # files.download_dir"): a restore has no such argument, only what it found is said.
+        found = str(error).split("; pass a larger")[0].replace(f"the download into {str(dest)!r}", "it")
+        area = dest.name
+        raise exc.SnapshotIncompatible(
+            f"the snapshot's {area} does not fit this sandbox's ({max_bytes} bytes, "
+            f"{AREA_SETTINGS.get(area, 'its size')}; {max_entries} entries): {found}; a snapshot "
+            "whose files pass the sandbox it was taken in cannot be restored"
+        ) from None
     fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         _chown_tree(fd, uid)

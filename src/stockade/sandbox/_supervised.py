@@ -107,8 +107,6 @@ WORKSPACE = "/workspace"
 # entry (key, value, their separators), the error and the cap's notes. Parsed, the worst
 # report of this size is a few MiB of objects (a 30 MB report of empty results was 2.5 GB).
 MAX_CODE_VALUES = 2 * MAX_RESULT_COUNT + 4 * (MAX_RESULT_ENTRIES + MAX_BUNDLE_ENTRIES) + 64
-# What a files snapshot may hold: any workspace a sandbox can have (its tmpfs bounds it).
-SNAPSHOT_MAX_BYTES = 1 << 40
 SNAPSHOT_MAX_ENTRIES = 1 << 24
 _SANDBOX_ID = re.compile(r"^sbx-[0-9a-f]{12}$")
 
@@ -460,9 +458,13 @@ class SupervisedInstance(Instance):
                     write(chunk)  # the host's cap: the sandbox's own check is only a courtesy
                     digest.update(chunk)
 
-                # Both areas share the room left (the supervisor refuses a tree whose file
-                # contents, by apparent size, would not fit, before it sends anything).
-                cap = min(SNAPSHOT_MAX_BYTES, room.room())
+                # Both areas share the room left, and neither may keep more than its own size:
+                # a restore writes the files whole (a sparse file's holes too) into a tmpfs of
+                # that size. The supervisor refuses a tree whose file contents, by apparent
+                # size, pass the cap, as soon as its walk sees the file.
+                own = self._area_bytes(area)
+                left = room.room()
+                cap = min(own, left)
                 try:
                     op = GetArchive(
                         area=area, max_bytes=cap, max_entries=SNAPSHOT_MAX_ENTRIES, refuse_deep=True
@@ -472,6 +474,13 @@ class SupervisedInstance(Instance):
                     # The supervisor's words are a download's ("cannot download '/workspace': ...;
                     # pass a larger max_bytes"): only what it found is said.
                     found = str(error).split(": ", 1)[-1].split("; pass a larger")[0]
+                    if own <= left and "max_bytes" in found:
+                        raise exc.SnapshotIncompatible(
+                            f"cannot snapshot sandbox {self.id}: its {area}'s files are larger than "
+                            f"the {area} itself ({self._area_setting(area)}), so no restore could put "
+                            f"them back: {found} (a sparse file counts whole: a snapshot keeps its "
+                            "holes as bytes); remove or shrink that file and snapshot again"
+                        ) from None
                     raise exc.SnapshotStoreFull(
                         f"the sandbox's {area} does not fit the snapshot store (room for {cap // (1 << 20)} "
                         f"MiB of its {room.store.max_bytes // (1 << 20)} MiB; STOCKADE_SNAPSHOT_MAX_MB "
@@ -480,6 +489,15 @@ class SupervisedInstance(Instance):
                 paths[area], digests[area] = path, digest.hexdigest()
             # Into the objects only once both are whole: a refused /tmp leaves no workspace behind.
             return {area: room.store.add_file(paths[area], digest=digests[area]) for area in paths}
+
+    def _area_bytes(self, area: Area) -> int:
+        """The size of the sandbox's tmpfs at ``area``: all its files can ever take."""
+        limits = self.spec.limits
+        return (limits.workspace_mb if area == "workspace" else limits.tmp_size_mb) << 20
+
+    def _area_setting(self, area: Area) -> str:
+        limits = self.spec.limits
+        return f"disk_mb={limits.workspace_mb}" if area == "workspace" else f"tmp_mb={limits.tmp_size_mb}"
 
     def reseed(self, resumed: dict[str, Any] | None = None) -> None:
         """First thing in a sandbox restored from a memory snapshot: the interpreter's next run
@@ -517,8 +535,7 @@ class SupervisedInstance(Instance):
             store.check_object(digest)
             if not isinstance(error, exc.WorkspaceFull):
                 raise
-            limits = self.spec.limits
-            room = f"disk_mb={limits.workspace_mb}" if area == "workspace" else f"tmp_mb={limits.tmp_size_mb}"
+            room = self._area_setting(area)
             found = str(error).removeprefix("put_archive '': ")
             raise exc.SnapshotIncompatible(
                 f"snapshot {snapshot.id} does not fit this sandbox: its {area} is larger than the "

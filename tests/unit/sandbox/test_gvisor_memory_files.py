@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stockade import StockadeError
+from stockade import FileTooLarge, SnapshotIncompatible, StockadeError
 from stockade.sandbox._guest import SANDBOX_UID
 from stockade.sandbox._gvisor_memory import pack_area, unpack_area
 from stockade.sandbox.snapshots import SnapshotStore
@@ -85,3 +85,18 @@ def test_an_area_unpacks_its_links_out_but_never_writes_through_them(tmp_path: P
     with pytest.raises(StockadeError):
         unpack_area(hostile, other, max_bytes=1 << 20, max_entries=100)
     assert list(other.iterdir()) == [] and list((tmp_path / "victim").iterdir()) == []
+
+
+def test_an_area_larger_than_the_new_tmpfs_is_an_incompatible_snapshot(tmp_path: Path) -> None:
+    """It was ``FileTooLarge`` with a download's advice ("pass a larger max_bytes to
+    files.download_dir"), which a restore has no way to take."""
+    store = SnapshotStore(tmp_path / "store")
+    source, dest = tmp_path / "old", tmp_path / "workspace"
+    source.mkdir()
+    dest.mkdir()
+    with open(source / "holes", "wb") as fh:
+        fh.truncate(2 << 20)
+    with pytest.raises(SnapshotIncompatible, match=r"workspace does not fit .*'holes'") as refused:
+        unpack_area(store.check_object(_packed(source, store)), dest, max_bytes=1 << 20, max_entries=100)
+    assert not isinstance(refused.value, FileTooLarge)
+    assert "download_dir" not in str(refused.value) and str(dest) not in str(refused.value)
