@@ -315,7 +315,7 @@ def host_folder(target: str) -> str:
 
 
 # gVisor's own share of its host cgroup, on top of memory_mb: its kernel (a Go runtime) and
-# gofer, idle, held 15-16 MiB beyond the memory its processes and files use (measured:
+# gofer, idle, held 14-16 MiB beyond the memory its processes and files use (measured:
 # cgroup usage less shmem, under Docker and runsc). What it holds for the code beyond that
 # (page tables, tasks: ~0.4 MiB a process, socket buffers, pipes) counts against memory_mb,
 # as a container's kernel memory does on Docker. So files and processes together pass
