@@ -314,7 +314,14 @@ def host_folder(target: str) -> str:
     return PurePosixPath(target).name
 
 
-SENTRY_MEMORY = 128 * MiB
+# gVisor's own share of its host cgroup, on top of memory_mb: its kernel (a Go runtime) and
+# gofer, idle, held 14-16 MiB beyond the memory its processes and files use (measured:
+# cgroup usage less shmem, under Docker and runsc). What it holds for the code beyond that
+# (page tables, tasks: ~0.4 MiB a process, socket buffers, pipes) counts against memory_mb,
+# as a container's kernel memory does on Docker. So files and processes together pass
+# memory_mb by at most the idle kernel's unused rest, about 16 MiB (it was 128 MiB flat:
+# 171 MiB of files and a 140 MiB process lived at memory_mb=256).
+SENTRY_MEMORY = 32 * MiB
 # Host tasks of a gVisor sandbox on the systrap platform: its own threads, and per process
 # inside a stub (measured: 125 processes take 260-330 host tasks, given back when they exit).
 GVISOR_OWN_TASKS = 256
@@ -392,7 +399,7 @@ class OwnKernelLimits:
     process. So the sandbox kernel enforces the limits per process first (RLIMIT_NPROC counts
     the sandbox user's processes, the only ones inside: an exact per-sandbox limit; RLIMIT_AS
     stops one hog with a MemoryError), and the host cgroup bounds the whole sandbox: the
-    memory limit plus ``SENTRY_MEMORY`` for gVisor itself, and host tasks sized by platform.
+    memory limit plus ``SENTRY_MEMORY`` for gVisor's own idle kernel, and host tasks sized by platform.
     On systrap, gVisor takes about 2.5 host tasks per process it runs and gives them back;
     on ptrace, about 7, and it keeps them after its processes exit (a pool it never
     shrinks: three fork storms of 128 processes left 1,800 host tasks), so there only a
