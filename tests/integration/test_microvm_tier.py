@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from stockade import Limits, Sandbox, SandboxPool, SandboxRules
+from stockade import exceptions as exc
 from stockade.sandbox import _guest, microvm
 from stockade.sandbox._microvm_instance import GUEST_OVERHEAD_MB, VMInstance
 from stockade.sandbox.base import SandboxSpec
@@ -513,3 +514,18 @@ def test_code_that_provokes_oom_kills_writes_nothing_to_the_hosts_console_file(v
     kills = vm.run_code(OOM_KILLS, timeout_s=60)
     assert kills.error is None and int(kills.text or "0") >= 2, (kills.text, kills.error)
     assert console.stat().st_size - before < 200, console.read_text(errors="replace")[-2000:]
+
+
+def test_a_guest_gone_for_no_reason_the_host_sees_is_reported_with_its_consoles_last_words(
+    vm: Sandbox,
+) -> None:
+    # A guest whose QEMU ends by itself (exit 0: a panic with panic=-1, a poweroff) had its
+    # next call fail with "the supervisor exited" alone; what its kernel printed last now says why
+    instance = vm.instance
+    assert isinstance(instance, VMInstance)
+    with (instance.vm.rundir / "console.log").open("a") as console:
+        console.write("Kernel panic - not syncing: a test's last words\n")
+    instance.vm.monitor().command("quit")
+    with pytest.raises(exc.SandboxCrashed) as gone:
+        vm.commands.run("true")
+    assert "a test's last words" in str(gone.value), str(gone.value)

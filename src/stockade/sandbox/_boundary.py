@@ -92,3 +92,8 @@ class Boundary(abc.ABC):
     def death_cause(self) -> str:
         """Why the sandbox is gone, when the tier can tell (a ``SandboxCrashed`` cause)."""
         return "unknown"
+
+    def last_words(self) -> str:
+        """What the sandbox's own kernel said last, where the tier keeps it (a microVM's
+        console: a panic, an OOM kill), for a death no cause explains; empty elsewhere."""
+        return ""

@@ -131,6 +131,9 @@ class VMBoundary(Boundary):
         code = self.proc.poll()
         return "killed" if not self._dead and code is not None and (code < 0 or code > 128) else "unknown"
 
+    def last_words(self) -> str:
+        return tail(self.rundir / "console.log") or tail(self.rundir / "qemu.log")
+
     def qemu_pid(self) -> int | None:
         """QEMU's process id on the host: the one descendant of its jail (``proc``, bwrap)
         that runs QEMU; None once it is gone (or before the jail started it)."""
@@ -216,3 +219,15 @@ class VMInstance(SupervisedInstance):
         finally:
             path.unlink(missing_ok=True)
         return {"memory": digest}, {"machine": self.machine_key, "masks": list(self.masks)}
+
+
+def tail(path: Path, limit: int = 2048) -> str:
+    """The last ``limit`` bytes of ``path`` as text (the guest writes its console: its end is
+    read, never the whole of it)."""
+    try:
+        with path.open("rb") as file:
+            file.seek(0, 2)
+            file.seek(max(0, file.tell() - limit))
+            return file.read(limit).decode("utf-8", "replace").strip()
+    except OSError:
+        return ""

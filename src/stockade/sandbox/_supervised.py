@@ -309,6 +309,12 @@ class SupervisedInstance(Instance):
                 ) from None
             if err.cause == "unknown":
                 err.cause = self.boundary.death_cause()
+            words = self.boundary.last_words() if err.cause == "unknown" else ""
+            if words:  # no cause found: what the sandbox's kernel said last may tell
+                raise exc.SandboxCrashed(
+                    f"{err} (the sandbox's kernel said last: {words})",
+                    cause=err.cause, stdout=err.stdout, stderr=err.stderr,
+                ) from None  # fmt: skip
             raise
 
     def _handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:

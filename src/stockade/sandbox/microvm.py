@@ -509,7 +509,7 @@ class MicroVMBackend(Backend):
             )
 
         def log() -> str:
-            return _tail(boundary.rundir / "console.log") or _tail(boundary.rundir / "qemu.log")
+            return boundary.last_words()
 
         instance.start(lambda: self._config(spec, boundary.egress), START_TIMEOUT_S, rules, log=log)
         if boot is None:  # a cold boot: before any request
@@ -863,13 +863,6 @@ def _host_cpu() -> str:
 
 def _accel(accel: str) -> str:
     return f"tcg,tb-size={TB_CACHE_MB}" if accel == "tcg" else accel
-
-
-def _tail(path: Path, limit: int = 2048) -> str:
-    try:
-        return path.read_bytes()[-limit:].decode("utf-8", "replace").strip()
-    except OSError:
-        return ""
 
 
 def collect_garbage() -> list[str]:
