@@ -103,6 +103,26 @@ def test_an_unread_response_holds_its_tenants_share_until_its_client_goes(
     wait_for(taken_again, what="the unread answer's share to be given back", timeout_s=20, interval_s=0.3)
 
 
+def test_an_unread_streams_result_holds_its_tenants_share_once_its_call_ends(
+    service: tuple[Server, Tokens], box: str
+) -> None:
+    """A streamed call's result line is all of its output again: counted from when the call
+    ends (its place in running_calls given back) until the stream has sent it."""
+    server, tokens = service
+    auth = {"Authorization": f"Bearer {tokens.acme}"}
+    cmd = {"cmd": ["sh", "-c", f"head -c {BIG} /dev/zero | tr '\\0' a"]}
+    held = _unread(server, tokens.acme, "POST", f"/v1/sandboxes/{box}/commands", {**cmd, "stream": True})
+    route = f"{server.url}/v1/sandboxes/{box}/commands"
+    try:
+        # once the streamed call has ended, its unread result holds the share: a call's result is refused
+        wait_for(lambda: _refused_for_share(httpx2.post(route, headers=auth, json=cmd, timeout=60)),
+                 what="the streamed result to be held", timeout_s=30, interval_s=0.3)  # fmt: skip
+    finally:
+        held.close()
+    wait_for(lambda: httpx2.post(route, headers=auth, json=cmd, timeout=60).status_code == 200,
+             what="the unread result's share to be given back", timeout_s=20, interval_s=0.3)  # fmt: skip
+
+
 def test_an_unread_whole_answer_holds_its_tenants_share_too(service: tuple[Server, Tokens], box: str) -> None:
     """Any JSON answer, a listing here: counted from when it is sent until the socket has it."""
     server, tokens = service

@@ -18,7 +18,7 @@ import pytest
 from stockade import Limits
 from stockade import exceptions as exc
 from stockade.client import Client, RemoteSandbox
-from stockade.server.sandboxes import STREAM_BUFFER_CHARS
+from stockade.server.streamed import STREAM_BUFFER_CHARS
 from tests.conftest import require_tier, wait_for
 from tests.integration.service_env import Server, Tokens, embedded_server
 

@@ -21,7 +21,6 @@ holds all of it.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import hmac
@@ -31,7 +30,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Annotated, Any, Literal
@@ -39,7 +38,6 @@ from typing import IO, Annotated, Any, Literal
 import anyio
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.encoders import jsonable_encoder
-from fastapi.responses import StreamingResponse
 
 from stockade import exceptions as exc
 from stockade.audit.sandbox import AuditedBackend
@@ -56,7 +54,6 @@ from stockade.server.calls import CutOnLeave, RunningCalls
 from stockade.server.deps import Caller, get_service, recheck
 from stockade.server.downloads import entries_that_fit, pack_folder
 from stockade.server.held import CHUNK, HeldResponse, Hold, held_bytes, pieces, unpacking
-from stockade.server.problems import from_error
 from stockade.server.schemas import (
     CodeRequest,
     CommandRequest,
@@ -68,11 +65,12 @@ from stockade.server.schemas import (
 from stockade.server.scratch import scratch
 from stockade.server.snapshots import snapshot_out
 from stockade.server.state import Node, Placement
+from stockade.server.streamed import streamed
 from stockade.server.tenants import Principal, check_output_bytes
 from stockade.server.uploads import unpack_within
 from stockade.types import CommandResult, EntryInfo, Execution, Limits, Listing, NetworkPolicy, SnapshotKind
 
-__all__ = ["BEAT_S", "DEAD_AFTER_S", "STREAM_BUFFER_CHARS", "Held", "SandboxRegistry", "router"]
+__all__ = ["BEAT_S", "DEAD_AFTER_S", "Held", "SandboxRegistry", "router"]
 
 log = logging.getLogger("stockade.server")
 router = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"], route_class=JSONRoute)
@@ -589,182 +587,6 @@ async def _held_result(request: Request, caller: Principal, result: CommandResul
     )
 
 
-# What a streamed call's printed output may hold in this process while its client reads slower
-# than the call prints (characters of text; a character is at most 4 bytes in memory).
-STREAM_BUFFER_CHARS = 1 << 20
-
-
-class _Outbox:
-    """The lines a streamed call has for its client and not yet sent: a worker thread puts,
-    the event loop takes. Output past ``STREAM_BUFFER_CHARS`` waiting is left out of the
-    stream, counted, and the gap marked by a ``{"type": "skipped", "stdout": N, "stderr": M}``
-    line (characters) where the stream goes on, or before the result; the result still holds
-    all of the output (up to ``output_bytes``).
-
-    Dropped, not waited for: the sandbox's supervisor sends a command's output as it comes (up
-    to output_bytes) over the one channel all of the sandbox's calls share, whose reader
-    cannot stop for one call; a worker held back here would only move the same bytes into the
-    channel's queue for that call, keep the sandbox busy, and run the call past its deadline
-    (which takes the sandbox down). Never waiting also means nothing a sandbox sends can pile
-    up behind a client that reads nothing."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, limit: int = STREAM_BUFFER_CHARS) -> None:
-        self._loop = loop
-        self._limit = limit
-        self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        self._lock = threading.Lock()
-        self._waiting = 0  # characters of output in the queue
-        self._skipped = {"stdout": 0, "stderr": 0}  # since the last mark
-
-    def _send(self, item: tuple[str, Any]) -> None:
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-
-    def _gap(self) -> dict[str, int] | None:
-        with self._lock:
-            gap, self._skipped = self._skipped, {"stdout": 0, "stderr": 0}
-        return gap if any(gap.values()) else None
-
-    def output(self, kind: str, text: str) -> None:
-        """From the worker thread: one piece of output, or left out when too much waits."""
-        with self._lock:
-            if self._waiting + len(text) > self._limit:
-                self._skipped[kind] += len(text)
-                return
-            self._waiting += len(text)
-        gap = self._gap()
-        if gap is not None:
-            self._send(("skipped", gap))
-        self._send((kind, text))
-
-    def end(self, kind: str, payload: Any) -> None:
-        """From the worker thread: the result or the problem, always sent, after any gap."""
-        gap = self._gap()
-        if gap is not None:
-            self._send(("skipped", gap))
-        self._send((kind, payload))
-
-    async def take(self) -> tuple[str, Any]:
-        kind, payload = await self._queue.get()
-        if kind in ("stdout", "stderr"):
-            with self._lock:
-                self._waiting -= len(payload)
-        return kind, payload
-
-
-def _line(kind: str, payload: Any) -> dict[str, Any]:
-    if kind in ("stdout", "stderr"):
-        return {"type": kind, "data": payload}
-    if kind == "skipped":
-        return {"type": "skipped", **payload}
-    if kind == "result":
-        return {"type": "result", "result": payload}
-    return {"type": "error", "problem": payload}
-
-
-# How often a stream asks whether its token still stands (as the run events' stream does).
-RECHECK_S = 1.0
-
-# The streamed calls running, kept until they end: a stream cut by its token's end, or never
-# read (its client gone before its first line), runs on to its deadline unread.
-_streaming: set[asyncio.Future[None]] = set()
-
-
-async def _fed(outbox: _Outbox, request: Request, call: Awaitable[dict[str, Any]]) -> None:
-    """``call``'s result, or its error, as the last of ``outbox``."""
-    try:
-        outbox.end("result", await call)
-    except exc.StockadeError as error:
-        outbox.end("error", from_error(error, request.url.path).body)
-    except BaseException as error:  # never leave the stream hanging
-        problem = from_error(exc.StockadeError(f"internal error: {type(error).__name__}"), request.url.path)
-        outbox.end("error", problem.body)
-        if not isinstance(error, Exception):
-            raise
-
-
-async def _held_line(
-    request: Request, caller: Principal, result: dict[str, Any]
-) -> tuple[bytes, Hold | None]:
-    """A streamed call's result line, encoded off the loop, and its hold on the tenant's
-    ``bodies_mb`` (to release once it is sent); past the share, an error line saying so."""
-    line: bytes = await _blocking(
-        lambda: json.dumps(jsonable_encoder(_line("result", result)), ensure_ascii=False).encode() + b"\n"
-    )
-    try:
-        hold = held_bytes(request).hold(caller.tenant, len(line), what="the result of a call that ran")
-    except exc.QuotaExceeded as error:
-        return json.dumps(_line("error", from_error(error, request.url.path).body)).encode() + b"\n", None
-    return line, hold
-
-
-def _streamed(
-    request: Request,
-    caller: Principal,
-    work: Callable[[Callable[[str], object], Callable[[str], object]], Any],
-) -> StreamingResponse:
-    """Run ``work(on_stdout, on_stderr)`` in a thread and stream what it prints, then its
-    result. A token taken out meanwhile reads no further: the stream ends with an error line
-    within ``RECHECK_S``, and the call runs on to its end (a sandbox is its tenant's, not a
-    token's), its output left unread (the outbox keeps at most ``STREAM_BUFFER_CHARS``). A
-    client that goes has its call cut in the sandbox (``CutOnLeave``)."""
-    outbox = _Outbox(asyncio.get_running_loop())
-    leave = CutOnLeave(request)
-
-    def push(kind: str) -> Callable[[str], object]:
-        return lambda text: outbox.output(kind, text)
-
-    calls = _registry_of(request).calls
-    calls.take(caller.tenant)  # refused here, as a 429, before the stream starts
-    # started now, not when the body is first read: the place just taken is given back when
-    # the call ends, even if the response is never sent
-    task = asyncio.ensure_future(
-        _fed(outbox, request, leave.run(lambda: _as_json(work(push("stdout"), push("stderr")))))
-    )
-    _streaming.add(task)
-    task.add_done_callback(_streaming.discard)
-    task.add_done_callback(lambda _: calls.give_back(caller.tenant))
-
-    async def lines() -> AsyncIterator[bytes]:
-        checked, ended = time.monotonic(), False
-        try:
-            while True:
-                try:
-                    kind, payload = await asyncio.wait_for(outbox.take(), RECHECK_S)
-                except TimeoutError:  # nothing printed for a while: the token is asked all the same
-                    kind, payload = "", None
-                if time.monotonic() - checked >= RECHECK_S:
-                    checked = time.monotonic()
-                    try:
-                        await _blocking(lambda: recheck(request, caller))
-                    except exc.AuthenticationError as error:
-                        yield (
-                            json.dumps(_line("error", from_error(error, request.url.path).body)).encode()
-                            + b"\n"
-                        )
-                        return
-                if not kind:
-                    continue
-                if kind == "result":  # all the output again: counted until it is sent
-                    line, hold = await _held_line(request, caller, payload)
-                    try:
-                        yield line  # back here once the server has handed it to the socket
-                    finally:
-                        if hold is not None:
-                            hold.release()
-                else:
-                    yield json.dumps(_line(kind, payload), ensure_ascii=False).encode() + b"\n"
-                if kind in ("result", "error"):
-                    ended = True
-                    break
-        finally:
-            # one that did not end (its token's end, its client gone) is not awaited, the
-            # response being over: _streaming keeps it until it ends
-            if ended:
-                await task
-
-    return StreamingResponse(lines(), media_type="application/x-ndjson")
-
-
 @router.post("/{sandbox_id}/commands", summary="Run a command (JSON, or NDJSON streamed while it runs)",
              response_model=None)  # fmt: skip
 async def run_command(sandbox_id: str, body: CommandRequest, request: Request, caller: Caller) -> Response:
@@ -781,7 +603,7 @@ async def run_command(sandbox_id: str, body: CommandRequest, request: Request, c
 
     registry.get(caller, sandbox_id)  # 404 before a stream starts
     if body.stream:
-        return _streamed(request, caller, work)
+        return streamed(request, caller, registry.calls, lambda out, err: _as_json(work(out, err)))
     result: CommandResult = await _call(request, caller, lambda: work(None, None), cut_on_leave=True)
     await _blocking(lambda: recheck(request, caller))  # the token may have gone while it ran
     return await _held_result(request, caller, result)
@@ -802,7 +624,7 @@ async def run_code(sandbox_id: str, body: CodeRequest, request: Request, caller:
 
     registry.get(caller, sandbox_id)
     if body.stream:
-        return _streamed(request, caller, work)
+        return streamed(request, caller, registry.calls, lambda out, err: _as_json(work(out, err)))
     result: Execution = await _call(request, caller, lambda: work(None, None), cut_on_leave=True)
     await _blocking(lambda: recheck(request, caller))
     return await _held_result(request, caller, result)
