@@ -8,7 +8,10 @@ the real server (uvicorn) on a real socket, its limits made short by its options
 * A connection must send a request's head within the head timeout (idle ones, and heads sent a
   line at a time, held the server's file descriptors until it had none left).
 * Past the connection cap a new connection is refused at once; a tenant gets in again once the
-  others are gone."""
+  others are gone.
+* Requests pipelined on one connection whose answers are never read wait in the client's own
+  socket: the server reads only ~64 KiB ahead of the request it answers (it took 855 MiB of them
+  in 15 s, held until the connection closed)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import select
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx2
 import pytest
@@ -211,3 +215,36 @@ def test_a_body_without_a_length_is_refused_once_it_passes_its_tenants_share(
     # buffers took past the refusal, and the answer, when the reset let it through, says why
     assert sent < 32 * MiB, sent
     assert not answered or refused_for_bodies(answered), answered[:300]
+
+
+def rss(server: Server) -> int:
+    status = Path(f"/proc/{server.pid}/status").read_text()
+    line = next(line for line in status.splitlines() if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+def test_requests_pipelined_without_reading_the_answers_are_not_read_ahead_without_bound(
+    service: tuple[Server, Tokens],
+) -> None:
+    server, tokens = service
+    request = f"GET /v1/workspaces HTTP/1.1\r\nHost: stockade\r\nAuthorization: Bearer {tokens.acme}\r\n\r\n"
+    block = request.encode() * 400
+    before = rss(server)
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the answers are never read
+        sock.connect(("127.0.0.1", server.port))
+        sock.setblocking(False)
+        sent, until = 0, time.monotonic() + 4
+        # the server took ~70 MiB a second of them, and held it until the connection closed
+        while sent < 256 * MiB and time.monotonic() < until:
+            try:
+                sent += sock.send(block)
+            except BlockingIOError:
+                time.sleep(0.05)
+        grown = rss(server) - before
+        # what the sockets' buffers take, and what h11 holds of them at most
+        assert sent < 32 * MiB, f"the server took {sent / MiB:.0f} MiB of requests from one connection"
+        assert grown < 32 * MiB, f"the server's memory grew by {grown / MiB:.0f} MiB"
+        # meanwhile, another connection is answered
+        other = httpx2.get(server.url + "/v1/workspaces", headers={"Authorization": f"Bearer {tokens.acme}"})
+        assert other.status_code == 200

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -33,6 +34,16 @@ log = logging.getLogger("stockade.server")
 PROBLEM = "application/problem+json"
 # Blocking calls (sandbox ops, the database) run on threads: enough for a few hundred clients.
 THREADS = 256
+
+
+def _unparsed_why(cause: BaseException | None) -> str:
+    """Why FastAPI's parser gave up on a body, as far as what it raised tells."""
+    if isinstance(cause, RecursionError):
+        return " (JSON nested too deeply)"
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        limit = sys.get_int_max_str_digits()
+        return f" (a JSON number of over {limit:,} digits: Python's limit for reading an integer)"
+    return ""
 
 
 def _respond(problem: problems.Problem) -> Response:
@@ -111,14 +122,15 @@ def create_app(service: Service) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, error: RequestValidationError) -> Response:
-        return _respond(problems.from_validation(list(error.errors()), request.url.path))
+        # FastAPI's errors as they are: no copy, nor its jsonable_encoder over them all
+        return _respond(problems.from_validation(error.errors(), request.url.path))
 
     routes_at = "/docs" if docs else "/openapi.json"
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> Response:
-        if error.status_code == 400:  # FastAPI's own: a body its parser gave up on (nested too deep)
-            unparsed = {"type": "json_invalid", "msg": f"{error.detail} (JSON nested too deeply?)"}
+        if error.status_code == 400:  # FastAPI's own: a body its parser gave up on
+            unparsed = {"type": "json_invalid", "msg": f"{error.detail}{_unparsed_why(error.__cause__)}"}
             return _respond(problems.from_validation([unparsed], request.url.path))
         body = problems.problem_body(
             status=error.status_code, type_="about:blank", title=str(error.detail), detail=str(error.detail),

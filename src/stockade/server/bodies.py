@@ -137,6 +137,11 @@ class BodyCap:
         if declared is not None and declared > limit:
             await self._refuse(scope, send, f"declares {declared:,} bytes", limit)
             return
+        if not declared and b"transfer-encoding" not in headers:
+            # no body to read (a GET): asking for it would let the server read the socket again,
+            # whatever the client has pipelined behind this request (``server/connections.py``)
+            await self.app(scope, receive, send)
+            return
         # Read here up to the cap (the route would read all of it anyway), then handed on.
         chunks: list[bytes] = []
         size = 0

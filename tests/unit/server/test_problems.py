@@ -169,3 +169,13 @@ def test_a_problem_type_is_described_and_an_unknown_one_is_not() -> None:
     assert described is not None and described["status"] == 429 and "quota" in described["description"]
     assert problems.describe("no-such-thing") is None
     assert problems.slug("PathEscapeError") == "path-escape" and problems.slug("Error") == "error"
+
+
+def test_an_answer_lists_the_first_errors_and_counts_the_rest() -> None:
+    errors = [{"type": "string_type", "loc": ("body", "cmd", i), "msg": "Input should be a valid string"}
+              for i in range(233_000)]  # fmt: skip
+    problem = problems.from_validation(errors, "/v1/sandboxes/sbx_1/commands")
+    body = json.loads(problem.content())
+    assert [e["field"] for e in body["errors"]] == [f"cmd.{i}" for i in range(20)]
+    assert body["detail"] == "cmd.0: Input should be a valid string (and 232,999 more)"
+    assert len(problem.content()) < 10_000

@@ -142,3 +142,11 @@ def test_every_limit_the_api_takes_is_one_a_run_starts_with() -> None:
     assert set(highest) == {"max_steps", "max_wall_s", "max_tokens", "max_cost_usd"}
     spec = RunSubmit.model_validate({"task": "t", "scripted": ["done"], "limits": highest})
     assert run_limits(spec) == RunLimits(**highest)
+
+
+async def test_a_number_too_long_to_read_is_told_as_such(http: httpx2.AsyncClient) -> None:
+    response = await http.post("/v1/sandboxes", content=b'{"idle_timeout_s": ' + b"9" * 5000 + b"}")
+    assert response.status_code == 400, response.text
+    assert "a JSON number of over 4,300 digits" in response.json()["detail"]
+    deep = await http.post("/v1/sandboxes", content=b"[" * 100_000 + b"]" * 100_000)
+    assert deep.status_code in (400, 422), deep.text  # told as too deep, or refused by its count
