@@ -1,5 +1,6 @@
-"""git_diff on the real process tier: `git diff HEAD` semantics in a repository, the run's
-baseline elsewhere, and the repository's index left as it was."""
+"""git_diff on the real process tier: `git diff HEAD` semantics in the repository the run began
+in where code cannot change its .git, the run's baseline elsewhere, and the repository's index
+left as it was."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ from pathlib import Path
 import pytest
 
 from stockade import Sandbox
+from stockade.agent import Agent
+from stockade.testing import ScriptedModel, tool_call
 from stockade.tools import ToolContext, git_diff
 from stockade.tools.workspace_diff import record_baseline
+from stockade.types import SandboxRules
 from tests.conftest import require, require_tier
 
 pytestmark = pytest.mark.process
@@ -29,29 +33,37 @@ def _committed(tmp_path: Path, files: dict[str, str]) -> Path:
     repo.mkdir()
     _git(repo, "init", "-q")
     for name, text in files.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
         (repo / name).write_text(text)
     _git(repo, "add", ".")
     _git(repo, "-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-qm", "init")
     return repo
 
 
-async def _git_diff(sbx: Sandbox) -> str:
-    return str(await git_diff.invoke(ToolContext(sandbox=sbx), git_diff.validate({})))
+# Code may write src/ alone: .git (and the workspace's root) are read-only to it, by the kernel.
+SRC_ONLY = SandboxRules(write=("src/**",))
+
+
+async def _git_diff(sbx: Sandbox, baseline: str | None) -> str:
+    ctx = ToolContext(sandbox=sbx, baseline=baseline)
+    return str(await git_diff.invoke(ctx, git_diff.validate({})))
 
 
 async def test_in_a_git_repository_git_diff_compares_with_head(tmp_path: Path) -> None:
-    repo = _committed(tmp_path, {"app.py": "x = 1\n", "old.txt": "before the run\n", ".gitignore": "*.log\n"})
+    repo = _committed(
+        tmp_path, {"src/app.py": "x = 1\n", "old.txt": "before the run\n", ".gitignore": "*.log\n"}
+    )
     (repo / "old.txt").write_text("changed before the run\n")  # HEAD sees this; a baseline would not
-    with Sandbox.create(tier="process", workspace=repo) as sbx:
-        record_baseline(sbx)
-        sbx.files.write("app.py", "x = 2\n")
-        sbx.files.write("new.py", "print('new')\n")
-        sbx.files.write("debug.log", "ignored\n")
-        out = await _git_diff(sbx)
+    with Sandbox.create(tier="process", workspace=repo, rules=SRC_ONLY) as sbx:
+        baseline = record_baseline(sbx)
+        sbx.files.write("src/app.py", "x = 2\n")
+        sbx.files.write("src/new.py", "print('new')\n")
+        sbx.files.write("src/debug.log", "ignored\n")
+        out = await _git_diff(sbx, baseline)
         assert out.startswith("(git diff HEAD; untracked files shown as new)\n")
         assert "-x = 1\n+x = 2\n" in out
         assert "+changed before the run\n" in out
-        assert "+++ b/new.py" in out and "+print('new')" in out
+        assert "+++ b/src/new.py" in out and "+print('new')" in out
         assert "debug.log" not in out and ".stockade" not in out
         status = sbx.commands.run("git -c safe.directory=* diff --cached --name-only")
         assert status.exit_code == 0 and status.stdout == ""  # the index is untouched
@@ -61,9 +73,9 @@ async def test_outside_a_repository_git_diff_compares_with_the_runs_baseline(tmp
     require_tier("process")
     (tmp_path / "app.py").write_text("x = 1\n")
     with Sandbox.create(tier="process", workspace=tmp_path) as sbx:
-        record_baseline(sbx)
+        baseline = record_baseline(sbx)
         sbx.files.write("app.py", "x = 2\n")
-        out = await _git_diff(sbx)
+        out = await _git_diff(sbx, baseline)
     assert out.startswith("(changes since the run began; not a git repository)\n--- a/app.py")
 
 
@@ -72,14 +84,84 @@ async def test_git_diff_runs_no_diff_driver_the_code_planted(tmp_path: Path) -> 
     $HOME/.gitconfig (HOME is /tmp) and named it in .gitattributes; git_diff ran it at
     every call (it could forge the diff, and ran as a read under a policy that asks a human
     before writes)."""
-    repo = _committed(tmp_path, {"app.py": "x = 1\n"})
-    with Sandbox.create(tier="process", workspace=repo) as sbx:
+    repo = _committed(tmp_path, {"src/app.py": "x = 1\n"})
+    with Sandbox.create(tier="process", workspace=repo, rules=SRC_ONLY) as sbx:
+        baseline = record_baseline(sbx)
         planted = sbx.commands.run(
-            'printf \'[diff "pwn"]\\n\\ttextconv = sh -c "touch /workspace/ran; echo FORGED"\\n'
-            '[diff]\\n\\texternal = sh -c "touch /workspace/ran"\\n\' > /tmp/.gitconfig'
-            " && echo '* diff=pwn' > .gitattributes && echo 'x = 2' > app.py"
+            'printf \'[diff "pwn"]\\n\\ttextconv = sh -c "touch /workspace/src/ran; echo FORGED"\\n'
+            '[diff]\\n\\texternal = sh -c "touch /workspace/src/ran"\\n\' > /tmp/.gitconfig'
+            " && echo '* diff=pwn' > src/.gitattributes && echo 'x = 2' > src/app.py"
         )
         assert planted.exit_code == 0, planted.stderr
-        out = await _git_diff(sbx)
-        assert "-x = 1\n+x = 2\n" in out and "FORGED" not in out
+        out = await _git_diff(sbx, baseline)
+        assert out.startswith("(git diff HEAD;") and "-x = 1\n+x = 2\n" in out and "FORGED" not in out
+        assert not sbx.files.exists("src/ran")
+
+
+PLANT_FILTER = """
+set -e
+git init -q .
+git -c user.email=a@b -c user.name=a add app.py
+git -c user.email=a@b -c user.name=a commit -qm one
+echo 'x = 2' >> app.py
+printf '[filter "x"]\\n\\tclean = ./f.sh\\n' >> .git/config
+printf '#!/bin/sh\\ntouch ran\\ncat\\n' > f.sh && chmod +x f.sh
+echo '* filter=x' > .gitattributes
+"""
+
+
+def test_git_diff_runs_no_filter_of_a_repository_code_made(tmp_path: Path) -> None:
+    """Under `write = ["**"]` with `.git` kept out of the seed, code made a repository, named a
+    clean filter of its own in .git/config and .gitattributes, and git_diff (low risk: a read,
+    past approvals of code, run again on a resume) ran it. git runs only on the repository the
+    run began in, where code cannot change .git; here the diff is against the run's start."""
+    require_tier("process")
+    require("git", shutil.which("git") is not None, "git is not installed on this host")
+    (tmp_path / "app.py").write_text("x = 1\n")
+    model = ScriptedModel(
+        [tool_call("run_code", {"language": "bash", "code": PLANT_FILTER}), tool_call("git_diff"), "done"]
+    )
+    rules = SandboxRules(write=("**",), hide=(".git/**", "secrets/**", ".env"))
+    with Sandbox.create(tier="process", workspace=tmp_path, rules=rules) as sbx:
+        result = Agent(model).run_sync("go", sandbox=sbx)
+        ran = sbx.files.exists("ran")
+    planted, shown = (step.tool_calls[0] for step in result.steps[:2])
+    assert not planted.is_error, planted.observation
+    assert not ran, "the filter code planted ran in git_diff"
+    assert shown.observation.startswith("(changes since the run began; not a git repository)\n")
+    assert "+x = 2" in shown.observation
+
+
+async def test_git_diff_in_a_repository_code_may_write_is_against_the_runs_start(tmp_path: Path) -> None:
+    """A repository the run began in, but with .git among what code may write (`write =
+    ["**"]`): a filter code names in .git/config would run, so git does not."""
+    repo = _committed(tmp_path, {"app.py": "x = 1\n"})
+    with Sandbox.create(tier="process", workspace=repo, rules=SandboxRules(write=("**",))) as sbx:
+        baseline = record_baseline(sbx)
+        planted = sbx.commands.run(
+            "printf '[filter \"x\"]\\n\\tclean = ./f.sh\\n' >> .git/config"
+            " && printf '#!/bin/sh\\ntouch ran\\ncat\\n' > f.sh && chmod +x f.sh"
+            " && echo '* filter=x' > .gitattributes && echo 'x = 2' > app.py"
+        )
+        assert planted.exit_code == 0, planted.stderr
+        out = await _git_diff(sbx, baseline)
         assert not sbx.files.exists("ran")
+    assert out.startswith("(changes since the run began; not a git repository)\n")
+    assert "-x = 1\n+x = 2\n" in out
+
+
+async def test_links_and_fifos_code_made_are_named_as_left_out(tmp_path: Path) -> None:
+    """A link or FIFO code made was missing from the diff without a word: a patch carries
+    none, so they are named at its end, as files the policy keeps out are."""
+    require_tier("process")
+    (tmp_path / "app.py").write_text("x = 1\n")
+    (tmp_path / "old-link").symlink_to("app.py")  # there from the start: not the run's doing
+    with Sandbox.create(tier="process", workspace=tmp_path) as sbx:
+        baseline = record_baseline(sbx)
+        made = sbx.commands.run("ln -s app.py link && mkfifo pipe && echo 'x = 2' > app.py")
+        assert made.exit_code == 0, made.stderr
+        out = await _git_diff(sbx, baseline)
+    assert "-x = 1\n+x = 2\n" in out
+    assert out.endswith(
+        "Left out (links, FIFOs or sockets made during the run: a patch carries none): 'link', 'pipe'\n"
+    )

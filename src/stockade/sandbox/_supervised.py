@@ -144,6 +144,7 @@ class SupervisedInstance(Instance):
         self.id = id
         self.tier = tier
         self.spec = spec
+        self.rules = spec.rules
         self.enforcement = enforcement
         self.boundary = boundary
         self.channel = Channel(stream, max_body=max_frame, name=id)

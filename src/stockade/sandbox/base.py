@@ -82,6 +82,9 @@ class Instance(abc.ABC):
     # What the sandbox was started from, where a tier starts from something made ahead: the
     # microVM's "cold boot", "boot image", "ready image" or "memory snapshot"; "" elsewhere.
     started_from: str = ""
+    # The rules the sandbox was started with (``SandboxSpec.rules``); None: none, or not known.
+    # What of them its kernel holds is ``enforcement``'s to say.
+    rules: SandboxRules | None = None
 
     def execute(self, op: Op[R], sink: OutputSink | None = None) -> R:
         """Run ``op``; what comes back is what the op says (``RunCommand`` -> ``CommandResult``).
@@ -141,6 +144,7 @@ class WrapperInstance(Instance):
         self.tier = wrapped.tier
         self.enforcement = wrapped.enforcement
         self.started_from = wrapped.started_from
+        self.rules = wrapped.rules
 
     def handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         return self.wrapped.handle(op, sink)

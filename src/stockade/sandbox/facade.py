@@ -122,6 +122,12 @@ class Sandbox:
         return self.instance.enforcement
 
     @property
+    def rules(self) -> SandboxRules | None:
+        """The rules the sandbox was started with (what its kernel holds of them:
+        ``enforcement``); None: none, or not known."""
+        return self.instance.rules
+
+    @property
     def started_from(self) -> str:
         """What the sandbox started from where its tier makes something ahead (the microVM:
         "ready image", "boot image", "cold boot", "memory snapshot"); "" on other tiers."""

@@ -254,6 +254,7 @@ class FakeInstance(Instance, AsyncInstance):
     def __init__(self, handler: Handler, tier: str, number: int, *, spec: SandboxSpec | None = None) -> None:
         self.handler = handler
         self.spec = spec or SandboxSpec()
+        self.rules = self.spec.rules
         self.id = self.spec.sandbox_id or f"fake-{number}"
         self.tier = tier
         self.enforcement = FAKE_ENFORCEMENT

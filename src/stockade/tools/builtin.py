@@ -14,7 +14,8 @@ import shlex
 import time
 from dataclasses import dataclass, field
 
-from stockade.exceptions import SandboxFileNotFound, ToolError, WorkspaceError
+from stockade.exceptions import LimitNotEnforceable, SandboxFileNotFound, ToolError, WorkspaceError
+from stockade.sandbox._rules import write_targets
 from stockade.sandbox._supervised import WORKSPACE
 from stockade.sandbox.facade import Sandbox
 from stockade.tools.base import Risk, ToolContext, Toolset, tool
@@ -27,8 +28,8 @@ from stockade.tools.testreport import (
     parse_unittest_output,
     unittest_counts,
 )
-from stockade.tools.workspace_diff import is_ignored, workspace_diff
-from stockade.types import CommandResult, EntryType, Execution
+from stockade.tools.workspace_diff import is_ignored, started_in_repository, workspace_diff
+from stockade.types import CommandResult, EntryType, Execution, Mechanism
 
 __all__ = [
     "CodeRan",
@@ -454,20 +455,50 @@ def list_files(ctx: ToolContext, path: str = "", depth: int = 2) -> str:
 # Exit 97-99: no git, not a repository, no commit yet; the tool then diffs against the baseline.
 # A low-risk call runs no command the code chose: no textconv or external diff driver (code
 # wrote `diff.x.textconv` into $HOME/.gitconfig and `* diff=x` into .gitattributes, and each
-# git_diff ran it), no global or system configuration. What a repository's own .git/config
-# names (a clean filter) still runs where the rules let code write .git (docs/architecture.md).
-_GIT = "git -c safe.directory=* -c core.fsmonitor= -c core.quotepath=off -c core.attributesFile=/dev/null"
+# git_diff ran it), no global or system configuration, no pager, no fsmonitor, and (git >= 2.42)
+# no attributes of the work tree (attr.tree: the empty tree), so no filter named there, and no
+# look into submodules (git runs `git status` in each, under its own config). What the
+# repository's own .git names is the project's: git runs only where code cannot change .git
+# (``_git_is_the_projects``).
+_EMPTY_TREE = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"
+_GIT = (
+    "git --no-pager -c safe.directory=* -c core.fsmonitor=false -c core.quotepath=off"
+    f" -c core.attributesFile=/dev/null -c attr.tree={_EMPTY_TREE}"
+)
 GIT_HEAD_DIFF = f"""\
-export GIT_CONFIG_GLOBAL=/dev/null GIT_CONFIG_NOSYSTEM=1 GIT_ATTR_NOSYSTEM=1
+export GIT_CONFIG_GLOBAL=/dev/null GIT_CONFIG_NOSYSTEM=1 GIT_ATTR_NOSYSTEM=1 GIT_PAGER=cat PAGER=cat
 command -v git >/dev/null 2>&1 || exit 97
 {_GIT} rev-parse --is-inside-work-tree >/dev/null 2>&1 || exit 98
 {_GIT} rev-parse --verify -q HEAD >/dev/null 2>&1 || exit 99
-{_GIT} diff --no-color --no-ext-diff --no-textconv HEAD -- || exit 96
+{_GIT} diff --no-color --no-ext-diff --no-textconv --ignore-submodules=all HEAD -- || exit 96
 {_GIT} ls-files --others --exclude-standard --exclude=/.stockade/ -z \
   | xargs -0 -r -n 1 {_GIT} diff --no-color --no-ext-diff --no-textconv --no-index -- /dev/null
 exit 0
 """
 GIT_TIMEOUT_S = 60.0
+
+
+def _git_is_the_projects(ctx: ToolContext) -> bool:
+    """Whether the workspace's .git is the repository the run began with, unchanged by code: the
+    run's baseline (as the host recorded it) saw a .git folder, and the sandbox's kernel keeps
+    code from writing .git (Landlock write rules naming no target in or above it). Otherwise
+    a .git is code's to write: a clean filter it named in .git/config ran in each `git_diff`, a
+    low-risk read, past approvals of code and again on a resume (found from outside)."""
+    sandbox = ctx.records
+    rules = ctx.sandbox.rules or sandbox.rules
+    if rules is None or sandbox.enforcement.paths is not Mechanism.LANDLOCK:
+        return False
+    try:
+        targets = write_targets(rules.write)
+    except LimitNotEnforceable:  # a pattern the kernel cannot hold: only the tools are judged
+        return False
+    if targets is None:
+        return False
+    for target in targets:
+        path = target.removeprefix(WORKSPACE).strip("/")
+        if path == ".git" or path.startswith(".git/"):
+            return False
+    return started_in_repository(sandbox, ctx.baseline)
 
 
 def _git_head_diff(sandbox: Sandbox) -> str | None:
@@ -487,11 +518,11 @@ def _git_head_diff(sandbox: Sandbox) -> str | None:
 def git_diff(ctx: ToolContext) -> str:
     """Show the workspace's changes as a unified diff.
 
-    In a git repository: what `git diff HEAD` shows, with untracked files as new files. Otherwise:
-    every change since the run began. The first line says which.
+    In the git repository the run began in: what `git diff HEAD` shows, with untracked files as
+    new files. Otherwise: every change since the run began. The first line says which.
     """
     books = ctx.records  # the tool's own reading: it is not a command the model chose
-    against_head = _git_head_diff(books)
+    against_head = _git_head_diff(books) if _git_is_the_projects(ctx) else None
     if against_head is not None:
         return f"(git diff HEAD; untracked files shown as new)\n{against_head or '(no changes)'}"
     since = workspace_diff(books, baseline=ctx.baseline) or "(no changes)"

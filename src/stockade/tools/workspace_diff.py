@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import itertools
 import json
 import re
 import time
@@ -45,6 +46,7 @@ __all__ = [
     "is_ignored",
     "record_baseline",
     "snapshot",
+    "started_in_repository",
     "workspace_diff",
 ]
 
@@ -101,6 +103,12 @@ _UNNAMED = "\x00unnamed"  # a file whose name is not UTF-8 (``EntryInfo.lossy``)
 # The baseline's key for its files' permission bits (no path holds a NUL): a chmod changes no
 # line, and a diff that showed none hid `chmod 4777 build.sh` from its reader (found from outside).
 _MODES = "\x00modes"
+# The baseline's key for what is neither file nor folder (links, FIFOs, sockets): a patch carries
+# none, and a link code made was missing from the diff with no word said (found from outside).
+_OTHERS = "\x00others"
+# The baseline's key for whether the workspace was a git repository when the run began: `git_diff`
+# runs git on that one only, never on a `.git` code made afterwards (``started_in_repository``).
+_REPOSITORY = "\x00repository"
 _BASELINE_ID = re.compile(r"sha256:([0-9a-f]{64}):([0-9]+)")
 
 
@@ -120,10 +128,15 @@ def _digest(data: bytes) -> str:
 
 
 def snapshot(
-    sandbox: Sandbox, *, deadline: float | None = None, modes: dict[str, int] | None = None
+    sandbox: Sandbox,
+    *,
+    deadline: float | None = None,
+    modes: dict[str, int] | None = None,
+    others: list[str] | None = None,
 ) -> dict[str, str]:
     """path -> text (or a hash marker for binary and large files), ignored folders left out;
-    ``modes``, if given, is filled with each of those files' permission bits.
+    ``modes``, if given, is filled with each of those files' permission bits, ``others`` with
+    the paths of what is neither file nor folder (links, FIFOs, sockets: a patch carries none).
 
     The host holds at most ``MAX_TEXT_TOTAL`` of text, whatever the workspace holds (5,000
     hard links to one text file of 512 KiB cost the sandbox 512 KiB, and were 2.5 GB here):
@@ -132,7 +145,11 @@ def snapshot(
     reading) no more files are read: they are listed as unread."""
     files: dict[str, str] = {}
     room = MAX_TEXT_TOTAL
-    listing = sandbox.files.list("", depth=MAX_DEPTH)
+    listing = list(sandbox.files.list("", depth=MAX_DEPTH))
+    if others is not None:
+        kinds = (EntryType.SYMLINK, EntryType.OTHER)
+        found = (e.path for e in listing if e.type in kinds and not is_ignored(e.path) and _inside(e.path))
+        others.extend(itertools.islice(found, MAX_FILES))
     # The files of text first, then the large ones (hashed a piece at a time): a few large
     # files spent the diff's time before the sources were read (found from outside).
     for entry in sorted(listing, key=lambda e: e.size > MAX_TEXT_BYTES):
@@ -200,15 +217,36 @@ def record_baseline(sandbox: Sandbox) -> str:
     """Write the workspace's baseline; returns what identifies it (``sha256:HEX:SIZE``), for
     the host to keep: the diff refuses any other file in its place."""
     modes: dict[str, int] = {}
-    files: dict[str, object] = {**snapshot(sandbox, modes=modes), _MODES: modes}
+    others: list[str] = []
+    files: dict[str, object] = {**snapshot(sandbox, modes=modes, others=others), _MODES: modes}
+    files[_OTHERS] = sorted(others)
+    # a folder, not a link (which would lead where code may write) nor a file naming another
+    files[_REPOSITORY] = any(
+        e.path == ".git" and e.type == EntryType.DIR for e in sandbox.files.list("", depth=1)
+    )
     data = json.dumps(files).encode("ascii")  # names not UTF-8 are escaped surrogates
     sandbox.files.write(BASELINE, data)
     return f"sha256:{hashlib.sha256(data).hexdigest()}:{len(data)}"
 
 
-def _load_baseline(sandbox: Sandbox, recorded: str | None) -> tuple[dict[str, str], dict[str, int]]:
-    """The baseline the run wrote, and its files' modes (none in one written before it kept
-    them). ``recorded``: what ``record_baseline`` returned; the file is
+class _Baseline:
+    """What a baseline holds: the files, their modes, the paths of what was neither file nor
+    folder, and whether the workspace was a git repository (none of these but the files in a
+    baseline written before it kept them)."""
+
+    def __init__(self, data: dict[str, object]) -> None:
+        kept = data.pop(_MODES, None)
+        self.modes = (
+            {str(k): v for k, v in kept.items() if isinstance(v, int)} if isinstance(kept, dict) else {}
+        )
+        listed = data.pop(_OTHERS, None)
+        self.others = {str(p) for p in listed} if isinstance(listed, list) else set()
+        self.repository = data.pop(_REPOSITORY, None) is True
+        self.files = {str(k): str(v) for k, v in data.items()}
+
+
+def _load_baseline(sandbox: Sandbox, recorded: str | None) -> _Baseline:
+    """The baseline the run wrote. ``recorded``: what ``record_baseline`` returned; the file is
     read no further than its size and refused unless its hash matches (``BaselineTampered``).
     None (a caller that kept nothing): the file as it is, within ``MAX_BASELINE_BYTES``."""
     known = _BASELINE_ID.fullmatch(recorded) if recorded is not None else None
@@ -226,7 +264,7 @@ def _load_baseline(sandbox: Sandbox, recorded: str | None) -> tuple[dict[str, st
                 "there is nothing to diff against",
                 path=BASELINE,
             ) from None
-        return {}, {}
+        return _Baseline({})
     if known is not None and (len(raw) != cap or hashlib.sha256(raw).hexdigest() != known.group(1)):
         raise BaselineTampered(
             "the run's baseline in the workspace is not the one the run recorded (code in the "
@@ -234,14 +272,17 @@ def _load_baseline(sandbox: Sandbox, recorded: str | None) -> tuple[dict[str, st
             path=BASELINE,
         )
     try:
-        data = loads_bounded(raw, max_bytes=cap, max_values=2 * MAX_FILES + 1)
+        data = loads_bounded(raw, max_bytes=cap, max_values=3 * MAX_FILES + 2)
     except ValueError:  # not JSON, or over the bounds: not a baseline we wrote
-        return {}, {}
-    if not isinstance(data, dict):
-        return {}, {}
-    kept = data.pop(_MODES, None)
-    modes = {str(k): v for k, v in kept.items() if isinstance(v, int)} if isinstance(kept, dict) else {}
-    return {str(k): str(v) for k, v in data.items()}, modes
+        return _Baseline({})
+    return _Baseline(data if isinstance(data, dict) else {})
+
+
+def started_in_repository(sandbox: Sandbox, baseline: str | None) -> bool:
+    """Whether the run's baseline, as the host recorded it (``baseline``: what
+    ``record_baseline`` returned), says the workspace was a git repository when the run began.
+    None (no baseline kept by the host): False, since code could have written the file."""
+    return baseline is not None and _load_baseline(sandbox, baseline).repository
 
 
 def workspace_diff(
@@ -257,9 +298,11 @@ def workspace_diff(
     holds at most ``MAX_DIFF_BYTES`` and takes at most ``time_s`` (and one file pair's diff):
     the files past either are named at its end, not shown."""
     deadline = time.monotonic() + time_s
-    before, modes_before = _load_baseline(sandbox, baseline)
+    start = _load_baseline(sandbox, baseline)
+    before, modes_before = start.files, start.modes
     modes: dict[str, int] = {}
-    after = snapshot(sandbox, deadline=deadline, modes=modes)
+    others: list[str] = []
+    after = snapshot(sandbox, deadline=deadline, modes=modes, others=others)
     chunks: list[str] = []
     empties: list[str] = []  # after the others: git reads a `---` line after one as its own
     size = 0
@@ -308,6 +351,10 @@ def workspace_diff(
             "or begins or ends with a space"
         )
         chunks.append(f"Left out ({why}): {_names(left_out)}\n")
+    made = [path for path in sorted(others) if path not in start.others]
+    if made:
+        why = "links, FIFOs or sockets made during the run: a patch carries none"
+        chunks.append(f"Left out ({why}): {_names(made)}\n")
     if unnamed:
         why = "names not UTF-8, shown with U+FFFD; not read or compared"
         chunks.append(f"Left out ({why}): {_names(unnamed)}\n")

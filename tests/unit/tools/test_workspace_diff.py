@@ -24,6 +24,7 @@ from stockade.tools.workspace_diff import (
     MAX_TEXT_TOTAL,
     _file_diff,
     record_baseline,
+    started_in_repository,
     workspace_diff,
 )
 
@@ -221,3 +222,17 @@ def test_a_range_of_a_file_over_the_read_cap_is_read() -> None:
     sbx = make_sandbox()
     sbx.files.write("big", b"x" * 1024)
     assert sbx.files.read_range("big", 1000, 8) == b"x" * 8
+
+
+def test_the_baseline_says_whether_the_run_began_in_a_repository() -> None:
+    """git_diff runs git only on the repository the run began in: a .git code made later (or a
+    baseline the host kept no record of, which code could have written) is none."""
+    sbx = make_sandbox()
+    sbx.files.write("a.txt", "one\n")
+    began_without = record_baseline(sbx)
+    sbx.files.write(".git/HEAD", "ref: refs/heads/main\n")
+    assert not started_in_repository(sbx, began_without)
+    began_with = record_baseline(sbx)
+    assert started_in_repository(sbx, began_with)
+    assert not started_in_repository(sbx, None)
+    assert workspace_diff(sbx, baseline=began_with) == ""  # the mark is no file of the diff's
