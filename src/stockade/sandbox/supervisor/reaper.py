@@ -68,6 +68,12 @@ def _types() -> "tuple[Any, Any, Any]":
     return c_long, cfunc, lib
 
 
+# libc's functions called here that return an int, not a long (syscall): their -1 is read
+# back as 4294967295 through a long (the register's upper half is not the sign's), and a
+# failed prctl raised nothing
+_INT_RESULTS = frozenset({"prctl", "mallopt"})
+
+
 def libc(name: str, *args: int) -> int:
     """Call a libc function of integer arguments through _ctypes directly (the ctypes
     package costs more to import); -1 raises OSError. Prototypes are kept, so that a fork
@@ -82,6 +88,8 @@ def libc(name: str, *args: int) -> int:
         func.argtypes = (c_long,) * len(args)
         _libc_funcs[key] = func
     result = int(func(*args))
+    if name in _INT_RESULTS:  # the low 32 bits, signed
+        result = ((result & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000
     if result == -1:
         err = _ctypes.get_errno()
         raise OSError(err, os.strerror(err))
