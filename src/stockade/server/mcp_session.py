@@ -31,6 +31,7 @@ import contextvars
 import dataclasses
 import functools
 import itertools
+import json
 import logging
 import queue
 import threading
@@ -74,6 +75,13 @@ __all__ = [
 log = logging.getLogger("stockade.mcp")
 
 _END = object()  # put in a session's inbox: the client went away
+
+# Calls of a session run one at a time; those behind the running one wait in its inbox, each
+# holding its arguments. Unbounded, a client that sent write_files of ~4 MB behind a slow
+# run_code held 2.4 GB after 300 of them (~7.7 MB a call). Past either cap a call is refused
+# (``SessionBusy``), not held.
+MAX_QUEUED_CALLS = 8  # per session
+MAX_QUEUED_BYTES = 64 << 20  # of queued arguments, every session of the server together
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +138,8 @@ class _Call:
     # Its client gave it up (``notifications/cancelled``): queued, it never runs; running, its
     # sandbox work is cut, nothing more of it runs, and its result is ``CallCancelled``
     cancelled: bool = False
+    size: int = 0  # of its arguments, counted against the server's queued bytes while queued
+    queued: bool = True  # still in its session's inbox, counted against its caps
 
 
 # The session whose loop runs on this thread (its asyncio.run copies the context).
@@ -160,6 +170,7 @@ class ClientModel(Model):
                     text="the MCP client ended its session", finish_reason="stop", model_name=name
                 )
             with session._lock:  # taken, or cancelled while queued: never both
+                session._unqueue(item)
                 if item.cancelled:
                     continue  # a queued call its client gave up never runs
                 session._current = item
@@ -182,6 +193,7 @@ class McpAgent:
         self._sessions: dict[str, McpSession] = {}
         self._leaving: list[McpSession] = []  # forgotten, their threads maybe not ended yet
         self._lock = threading.Lock()
+        self._queued_bytes = 0  # of the arguments of calls queued in every session
         self.agent: GuardedAgent = build_agent(config)
 
     @property
@@ -206,6 +218,19 @@ class McpAgent:
                 found = McpSession(self, client=client, key=key)
                 self._sessions[key] = found
             return found
+
+    def _reserve(self, size: int) -> None:
+        with self._lock:
+            if self._queued_bytes + size > MAX_QUEUED_BYTES:
+                raise exc.SessionBusy(
+                    f"this MCP server holds {self._queued_bytes:,} bytes of queued calls' arguments "
+                    f"(at most {MAX_QUEUED_BYTES:,}): retry once the calls in flight have returned"
+                )
+            self._queued_bytes += size
+
+    def _release(self, size: int) -> None:
+        with self._lock:
+            self._queued_bytes -= size
 
     def find(self, key: str) -> McpSession | None:
         with self._lock:
@@ -243,6 +268,7 @@ class McpSession:
         self._inbox: queue.Queue[object] = queue.Queue()
         self._control: queue.Queue[concurrent.futures.Future[Outcome] | None] = queue.Queue()
         self._current: _Call | None = None
+        self._queued = 0  # calls in the inbox, not taken nor cancelled
         self._lock = threading.Lock()  # between the loop taking a call and its client cancelling it
         self._ids = itertools.count(1)
         self._started = threading.Event()
@@ -264,7 +290,15 @@ class McpSession:
         if self.closed:
             return self._ended()
         call = ToolCall(id=f"mcp_{next(self._ids)}", name=name, args=dict(args))
-        item = _Call(call=call, resource=resource)
+        item = _Call(call=call, resource=resource, size=_size(args))
+        with self._lock:
+            if self._queued >= MAX_QUEUED_CALLS:
+                raise exc.SessionBusy(
+                    f"this MCP session is busy: {self._queued} calls wait behind its running one "
+                    f"(at most {MAX_QUEUED_CALLS}); retry once they have returned"
+                )
+            self.owner._reserve(item.size)
+            self._queued += 1
         # Queued as it came, not once the sandbox is up: calls waiting for the session's start
         # were queued in any order, and a call its client cancelled ran ahead of the one before it.
         self._inbox.put(item)
@@ -282,6 +316,9 @@ class McpSession:
         with self._lock:
             item.cancelled = True
             running = item is self._current
+            if item.queued:  # it stays in the inbox until the loop skips it: its arguments go now
+                self._unqueue(item)
+                item.call = ToolCall(id=item.call.id, name=item.call.name, args={})
         session = self._agent_session
         if running and session is not None and not self.closed:
             instance = session.sandbox.instance
@@ -465,6 +502,13 @@ class McpSession:
             return Ended(status="ended", error="the MCP session has ended")
         return Ended(status=result.status.value, error=result.error)
 
+    def _unqueue(self, item: _Call) -> None:
+        """``item`` left the inbox's count (taken, cancelled, or told the end); under ``_lock``."""
+        if item.queued:
+            item.queued = False
+            self._queued -= 1
+            self.owner._release(item.size)
+
     def _drain(self) -> None:
         """Calls that arrived after the run ended are told so."""
         ended = self._ended()
@@ -473,8 +517,16 @@ class McpSession:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(item, _Call) and not item.future.done():
-                item.future.set_result(ended)
+            if isinstance(item, _Call):
+                with self._lock:
+                    self._unqueue(item)
+                if not item.future.done():
+                    item.future.set_result(ended)
+
+
+def _size(args: Mapping[str, JsonValue]) -> int:
+    """About the bytes ``args`` hold (their JSON), what a queued call keeps."""
+    return len(json.dumps(args, ensure_ascii=False, default=str))
 
 
 def _cancelled(ctx: ToolContext) -> _Call | None:
