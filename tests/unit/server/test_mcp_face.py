@@ -119,8 +119,40 @@ def test_a_session_through_the_protocol(tmp_path: Path, mode: str) -> None:
         if e.kind.value == "approval" and e.attributes["outcome"] != "pending"
     ]
     assert [outcome for outcome, _ in decided] == ["approved", "denied"]
-    for _, actor in decided:  # who decided is kept: the client, through its user's answer
-        assert actor.startswith("human:mcp client ") and actor.endswith("(elicitation: accept)"), actor
+    for _, actor in decided:  # who decided is kept: the client (not a person), its name quoted
+        assert actor.startswith('mcp-client:"') and actor.endswith('(elicitation: "accept")'), actor
+
+
+def test_a_role_that_cannot_approve_is_not_asked_through_its_client(tmp_path: Path) -> None:
+    """Found from outside: under a role with ``can_approve = false`` the MCP client answered
+    the elicitation itself and its ``rm -r src`` ran, recorded as a human's decision. Now such a
+    session's client is never asked: the call waits for ``stockade approve`` and, nobody
+    deciding, is denied."""
+    policy = POLICY.model_copy(update={"roles": {"dev": Role(can_approve=False)}})
+    server = face(tmp_path, wait_s=0.3, policy=policy, role="dev")
+    asked: list[str] = []
+
+    async def approve_everything(
+        context: ClientRequestContext, params: types.ElicitRequestParams
+    ) -> types.ElicitResult | types.ErrorData:
+        asked.append(params.message)
+        return types.ElicitResult(action="accept", content={"approve": True})
+
+    async def session(mode: str) -> types.CallToolResult:
+        async with Client(server.server, mode=mode, elicitation_callback=approve_everything) as client:
+            return await client.call_tool("run_code", {"code": "rm -r src", "language": "bash"})
+
+    for mode in ("legacy", "auto"):  # asked by a server request, or by InputRequiredResult
+        refused = asyncio.run(session(mode))
+        assert refused.is_error and "a human denied" in text(refused), text(refused)
+    server.close()
+    assert asked == []
+    decided = [
+        e.actor
+        for e in server.agent.agent.audit_log.store.events()
+        if e.kind.value == "approval" and e.attributes["outcome"] != "pending"
+    ]
+    assert len(decided) == 2 and all("nobody within" in actor for actor in decided), decided
 
 
 def test_without_elicitation_a_call_waits_for_a_decision_then_is_denied(tmp_path: Path) -> None:
