@@ -369,7 +369,7 @@ class McpFace:
     ) -> types.ListResourcesResult:
         # the workspace's files as list_files sees them, when the role may list them at all
         # (a denied call would count against the session's denials in a row)
-        listed = await self._resource(ctx, "list_files", {}) if self.agent.allows("list_files") else ""
+        listed = await self._resource(ctx, "list_files", {}) if self.agent.allows("list_files") else "[]"
         resources = [
             types.Resource(
                 uri=INFO, name="session", description="this session's run id, tier and status (JSON)",
@@ -385,7 +385,7 @@ class McpFace:
             )  # fmt: skip
         resources += [
             types.Resource(uri=WORKSPACE + urllib.parse.quote(path), name=path, mime_type="text/plain")
-            for path in listed.splitlines()[:MAX_RESOURCES]
+            for path in json.loads(listed)[:MAX_RESOURCES]
         ]
         return types.ListResourcesResult(resources=resources)
 

@@ -286,7 +286,7 @@ class McpSession:
         """Run one tool call as the session's next step (calls of a session run one at a time).
         With ``resource``, the call of ``name`` (read_file, list_files, git_diff) stands for a
         resource read: judged, limited and recorded as that call, its result is the content
-        (the file's text, the workspace's paths one a line, the session's diff)."""
+        (the file's text, the workspace's paths as a JSON list, the session's diff)."""
         if self.closed:
             return self._ended()
         call = ToolCall(id=f"mcp_{next(self._ids)}", name=name, args=dict(args))
@@ -611,7 +611,9 @@ def _list_files(ctx: ToolContext, path: str = "", depth: int = 2) -> str:
     served = _serving(ctx)
     if served is None:
         return str(builtin.list_files.function(ctx, path, depth))
-    served.content = "\n".join(sorted(snapshot(ctx.sandbox, deadline=ctx.deadline)))
+    # a JSON list, not one a line: a name may hold a newline (or \r, \u2028, ...), and split it
+    # made resources of files that do not exist
+    served.content = json.dumps(sorted(snapshot(ctx.sandbox, deadline=ctx.deadline)))
     return served.content
 
 

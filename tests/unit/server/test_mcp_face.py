@@ -11,6 +11,7 @@ import json
 import secrets
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -512,3 +513,23 @@ def test_a_resource_read_serves_at_most_a_mebibyte_of_a_file(tmp_path: Path) -> 
 
     asyncio.run(session())
     server.close()
+
+
+def test_a_file_name_with_a_line_break_is_one_resource(tmp_path: Path) -> None:
+    """Found from outside: the listing was passed one name a line, so a file named
+    ``a\\nb.txt`` (or with ``\\r``, ``\\x0b``, ``\\u2028``) was listed as resources that do not
+    exist. Each name is now one resource, as it is."""
+    server = face(tmp_path)
+    names = ["a\nb.txt", "c\rd.txt", "e\x0bf.txt", "g\u2028h.txt"]
+
+    async def session() -> set[str]:
+        async with Client(server.server, mode="legacy") as client:
+            for name in names:
+                wrote = await client.call_tool("write_file", {"path": name, "content": "x"})
+                assert not wrote.is_error, text(wrote)
+            return {str(r.uri) for r in (await client.list_resources()).resources}
+
+    uris = asyncio.run(session())
+    server.close()
+    files = {u.removeprefix("stockade://workspace/") for u in uris if u.startswith("stockade://workspace/")}
+    assert {urllib.parse.unquote(f) for f in files} == set(names)

@@ -4,6 +4,7 @@ client; calls, denials, approvals (a pause, a decision, the parked call run agai
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from pathlib import Path
@@ -73,7 +74,7 @@ def test_calls_run_as_steps_and_the_end_ends_the_run(agent: McpAgent) -> None:
     assert isinstance(read, CallResult) and "hello" in read.text
     assert isinstance(denied, CallResult) and denied.is_error and "denied by policy" in denied.text
     assert isinstance(missing, CallResult) and missing.is_error and "no tool" in missing.text
-    assert isinstance(listed, CallResult) and listed.text.splitlines() == ["a.txt"]
+    assert isinstance(listed, CallResult) and json.loads(listed.text) == ["a.txt"]
     assert isinstance(diff, CallResult) and "+hello" in diff.text
     assert isinstance(raw, CallResult) and raw.text == "hello"
     assert session.info()["status"] == "running"
