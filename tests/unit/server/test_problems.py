@@ -169,3 +169,13 @@ def test_a_problem_type_is_described_and_an_unknown_one_is_not() -> None:
     assert described is not None and described["status"] == 429 and "quota" in described["description"]
     assert problems.describe("no-such-thing") is None
     assert problems.slug("PathEscapeError") == "path-escape" and problems.slug("Error") == "error"
+
+
+@pytest.mark.parametrize("retry_after", [float("inf"), float("nan"), 1e300])
+def test_a_wait_past_any_sense_is_told_as_the_longest_one(retry_after: float) -> None:
+    """Found from outside: a limit of a window of inf said ``retry_after = inf``, round() raised,
+    and a rate-limited request was answered 500, not 429."""
+    problem = problems.from_error(exc.RateLimited("slow down", retry_after=retry_after))
+    assert problem.status == 429
+    assert problem.headers["Retry-After"] == str(round(problems.MAX_RETRY_AFTER_S))
+    json.dumps(problem.body, allow_nan=False)  # the body is JSON, which has no inf or nan
