@@ -251,7 +251,7 @@ class McpFace:
         read has no retry to carry an answer)."""
         held = session.paused
         if held is None:
-            outcome = await session.call(name, args, resource=resource)
+            outcome = await session.call(name, args, resource=resource, gone=_gone(ctx))
         elif resource:
             raise MCPError(
                 types.INVALID_REQUEST,
@@ -435,6 +435,32 @@ def _client_decider(session: McpSession, action: str) -> str:
     return f"{CLIENT_ACTOR}{json.dumps(session.client)} (elicitation: {json.dumps(action)})"
 
 
+# Set in an HTTP request's scope when its client disconnects (``http_app``): the SDK goes on
+# serving a request whose connection closed, and its queued call kept its arguments.
+_GONE = "stockade.gone"
+
+
+def _gone(ctx: ServerRequestContext[Any, Any]) -> Callable[[], Awaitable[object]] | None:
+    """What returns once the HTTP request of ``ctx`` went away, if it came over HTTP."""
+    request = ctx.request
+    scope = getattr(request, "scope", None)
+    event = scope.get(_GONE) if isinstance(scope, dict) else None
+    return event.wait if isinstance(event, anyio.Event) else None
+
+
+def _watched(scope: Scope, receive: Receive) -> Receive:
+    """``receive``, setting the scope's ``_GONE`` event once the client disconnects."""
+    gone = scope[_GONE] = anyio.Event()
+
+    async def watching() -> Message:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            gone.set()
+        return message
+
+    return watching
+
+
 def _message(pending: PendingApproval) -> str:
     # shown to a person, who decides on it: code chose the action's words, not how they show
     action, reason = visible(pending.action), visible(pending.reason)
@@ -596,6 +622,9 @@ def http_app(
         refused = _refusal(scope, expected=expected, loopback=loopback, allowed_origins=allowed_origins)
         if refused is not None:
             await refused(scope, receive, send)
+            return
+        if scope.get("method") == "POST":
+            await inner(scope, _watched(scope, receive), send)
             return
         if scope.get("method") != "DELETE":
             await inner(scope, receive, send)

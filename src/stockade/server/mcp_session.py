@@ -36,7 +36,7 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -282,11 +282,16 @@ class McpSession:
 
     # -- the MCP side (any thread, or the server's event loop) ------------------------------------
 
-    async def call(self, name: str, args: Mapping[str, JsonValue], *, resource: bool = False) -> Outcome:
+    async def call(
+        self, name: str, args: Mapping[str, JsonValue], *, resource: bool = False,
+        gone: Callable[[], Awaitable[object]] | None = None,
+    ) -> Outcome:  # fmt: skip
         """Run one tool call as the session's next step (calls of a session run one at a time).
         With ``resource``, the call of ``name`` (read_file, list_files, git_diff) stands for a
         resource read: judged, limited and recorded as that call, its result is the content
-        (the file's text, the workspace's paths as a JSON list, the session's diff)."""
+        (the file's text, the workspace's paths as a JSON list, the session's diff). ``gone``
+        returns once nobody can hear the outcome (its HTTP request went away): a call still
+        queued then is dropped (``CallCancelled``); one running goes on."""
         if self.closed:
             return self._ended()
         call = ToolCall(id=f"mcp_{next(self._ids)}", name=name, args=dict(args))
@@ -305,10 +310,35 @@ class McpSession:
         if self.closed:  # ended meanwhile, its inbox maybe drained already: this call is told
             self._drain()
         try:
-            return await asyncio.wrap_future(item.future)
+            waiting = asyncio.wrap_future(item.future)
+            if gone is not None:
+                await self._unless_gone(item, waiting, gone)
+            return await waiting
         except asyncio.CancelledError:
             self._cancel(item)
             raise
+
+    async def _unless_gone(
+        self, item: _Call, waiting: asyncio.Future[Outcome], gone: Callable[[], Awaitable[object]]
+    ) -> None:
+        """Until ``item`` is answered, or ``gone`` returns while it still waits in the inbox:
+        then it is dropped (its arguments with it: a client that sent calls of ~4 MB each
+        and closed their connections had them all held behind a slow one)."""
+        watch = asyncio.ensure_future(gone())
+        try:
+            await asyncio.wait((waiting, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if waiting.done():
+            return
+        with self._lock:
+            dropped = item.queued and not item.cancelled
+        if dropped:
+            self._cancel(item)
+            waiting.cancel()
+            raise exc.CallCancelled(
+                f"its request went away while call {item.call.id} was queued; it never ran"
+            )
 
     def _cancel(self, item: _Call) -> None:
         """The client gave ``item`` up: queued, it is dropped; running, what it runs in the

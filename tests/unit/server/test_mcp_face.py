@@ -31,9 +31,9 @@ from stockade.policy import Policy
 from stockade.policy.approval import Choice
 from stockade.policy.schema import CommandRules, Decisions, ModelRegistry, PathRules, Role, TrustRules
 from stockade.server.mcp_server import McpFace, _answering, http_app
-from stockade.server.mcp_session import MODEL_NAME, McpAgent
+from stockade.server.mcp_session import MODEL_NAME, McpAgent, McpSession
 from stockade.testing import FakeBackend, MemoryWorkspace
-from stockade.types import Trust
+from stockade.types import CommandResult, Trust
 
 POLICY = Policy(
     trust=TrustRules(level=Trust.TRUSTED),
@@ -533,3 +533,76 @@ def test_a_file_name_with_a_line_break_is_one_resource(tmp_path: Path) -> None:
     server.close()
     files = {u.removeprefix("stockade://workspace/") for u in uris if u.startswith("stockade://workspace/")}
     assert {urllib.parse.unquote(f) for f in files} == set(names)
+
+
+def test_over_http_a_queued_call_whose_request_went_away_is_dropped(tmp_path: Path) -> None:
+    """Found from outside: behind a slow run_code, write_files of ~4 MB whose connections the
+    client closed stayed queued with their arguments (300 held 2.4 GB). Now a queued call whose
+    HTTP request went away is dropped, and never runs."""
+    release = threading.Event()
+
+    def slow(op: object) -> CommandResult:
+        release.wait(30)
+        return CommandResult(exit_code=0, stdout="", stderr="", duration_s=0.0)
+
+    config = AgentConfig(
+        model=MODEL_NAME, policy=POLICY, backend=FakeBackend(MemoryWorkspace(commands=slow), tier="process"),
+        audit=AuditLog(MemoryStore(), flush_interval_s=None),
+        approval_dir=tmp_path / "approvals", kill_target=str(tmp_path / "kill"),
+    )  # fmt: skip
+    server = McpFace(McpAgent(config), transport="http", approval_wait_s=5)
+
+    def call(id_: int, name: str, args: dict[str, object]) -> dict[str, object]:
+        return {
+            "jsonrpc": "2.0",
+            "id": id_,
+            "method": "tools/call",
+            "params": {"name": name, "arguments": args},
+        }
+
+    try:
+        with served(http_app(server)) as port:
+            url = f"http://127.0.0.1:{port}"
+            with httpx2.Client(base_url=url, headers={"Accept": ACCEPT}, timeout=10) as http:
+                opened = http.post("/mcp", json=INITIALIZE)
+                sid = opened.headers["mcp-session-id"]
+                version = str(_answer(opened)["result"]["protocolVersion"])  # type: ignore[index]
+                http.headers.update({"mcp-session-id": sid, "mcp-protocol-version": version})
+                http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"})
+                headers = dict(http.headers)
+
+            async def abandon() -> McpSession:
+                async with httpx2.AsyncClient(base_url=url, headers=headers, timeout=10) as client:
+                    slow_call = asyncio.ensure_future(
+                        client.post(
+                            "/mcp", json=call(2, "run_code", {"code": "sleep 120", "language": "bash"})
+                        )
+                    )
+                    while (session := server.agent.find(sid)) is None or session._current is None:
+                        await asyncio.sleep(0.01)
+                    async with client.stream(
+                        "POST",
+                        "/mcp",
+                        json=call(3, "write_file", {"path": "late.txt", "content": "x" * 100_000}),
+                    ):
+                        while session._queued == 0:  # taken in: then its connection closes
+                            await asyncio.sleep(0.01)
+                    deadline = time.monotonic() + 10
+                    while session._queued and time.monotonic() < deadline:
+                        await asyncio.sleep(0.01)
+                    assert session._queued == 0 and server.agent._queued_bytes == 0
+                    release.set()
+                    assert not _answer(await slow_call)["result"]["isError"]  # type: ignore[index]
+                    return session
+
+            session = asyncio.run(abandon())
+        store = server.agent.agent.audit_log.store
+        calls = [
+            e.attributes.get("tool")
+            for e in store.events(run_id=session.run_id)
+            if e.kind.value == "tool_call"
+        ]
+        assert "write_file" not in calls, calls  # the dropped call never ran
+    finally:
+        release.set()
+        server.close()
