@@ -99,7 +99,14 @@ from stockade.observability.agent import TelemetryObserver
 from stockade.observability.sandbox import TracedBackend
 from stockade.observability.telemetry import Telemetry
 from stockade.policy.agent import ApprovedModel, FlagSink, filter_outputs, policy_guard, prompt_filter
-from stockade.policy.approval import ApprovalBook, ApprovalRequest, Approvals, ApprovalStore, Approver
+from stockade.policy.approval import (
+    CLIENT_ACTOR,
+    ApprovalBook,
+    ApprovalRequest,
+    Approvals,
+    ApprovalStore,
+    Approver,
+)
 from stockade.policy.compliance import Setup, check_compliance, kill_target_reachable, microvm_on_host
 from stockade.policy.engine import PolicyEngine
 from stockade.policy.guards import GuardedInstance, OpContext, OpGuard, describe, enforce, shown
@@ -333,6 +340,14 @@ def _require_compliance(agent: GuardedAgent, runs_url: str | None) -> None:
     )
 
 
+def _decider_actor(by: str) -> str:
+    """The trail's actor for a decision recorded as made by ``by``: a person, unless a program
+    (an MCP client's elicitation) decided; that one is not recorded as a human."""
+    if by.startswith(CLIENT_ACTOR):
+        return by
+    return "human:" + by if by else "human"
+
+
 class _AuditedApprovals(Approvals):
     """Records each approval asked, granted or refused; a yes to the call or to one of its ops
     marks the call approved (what its code runs is covered by it), a yes to an exec does not."""
@@ -373,7 +388,7 @@ class _AuditedApprovals(Approvals):
             EventKind.APPROVAL,
             run_id=request.run_id,
             step=step,
-            actor=("human:" + by if by else "human") if decided else "policy",
+            actor=_decider_actor(by) if decided else "policy",
             attributes=attributes,
         )
 

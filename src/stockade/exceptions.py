@@ -61,6 +61,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── CircuitOpen               [retryable] too many consecutive failures; retry after cool-down
     │   ├── RateLimited               [retryable] too many actions in the window; retry after
     │   ├── QuotaExceeded             a tenant's quota (live sandboxes, CPUs, memory) is full; free some
+    │   ├── SessionBusy               [retryable] an MCP session (or server) holds all the queued calls it may
     │   └── RunDeferred               a service run waits queued for its window; run it after ``retry_after``
     └── ServiceError                  the HTTP service (``stockade serve``) refused or could not answer
         ├── AuthenticationError       no API token, or one the service does not know (HTTP 401)
@@ -150,6 +151,7 @@ __all__ = [
     "SeedTooLarge",
     "ServiceError",
     "ServiceUnavailable",
+    "SessionBusy",
     "SnapshotCorrupt",
     "SnapshotError",
     "SnapshotIncompatible",
@@ -466,6 +468,14 @@ class QuotaExceeded(RuntimeLimit):
         self.quota = quota
         self.limit = limit
         self.used = used
+
+
+class SessionBusy(RuntimeLimit):
+    """An MCP session has as many calls waiting behind its running one as it queues, or the
+    server holds as many bytes of queued arguments as it keeps: the call is refused, not
+    held; retry it once the session's calls have returned."""
+
+    retryable = True
 
 
 class RunDeferred(RuntimeLimit):

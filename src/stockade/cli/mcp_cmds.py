@@ -14,6 +14,7 @@ import typer
 
 from stockade import exceptions as exc
 from stockade.cli._console import CliConsole, escape
+from stockade.cli._numbers import checked
 from stockade.cli._signals import Interrupted, interruptible
 from stockade.runtime.failures import DEFAULT_FAILURES
 from stockade.sandbox import _registry
@@ -79,7 +80,9 @@ def mcp(
     ] = 3,
     max_failures: Annotated[
         int,
-        typer.Option("--max-failures", help='failed calls in a row that end a session "broken" (0: never)'),
+        typer.Option(
+            "--max-failures", min=0, help='failed calls in a row that end a session "broken" (0: never)'
+        ),
     ] = DEFAULT_FAILURES,
     host: Annotated[str, typer.Option("--host", help="http: the address to listen on")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=1, max=65535, help="http: the port")] = 8765,
@@ -126,6 +129,11 @@ def mcp(
     from stockade.server.mcp_server import LOOPBACK, MIN_TOKEN_CHARS, McpFace, serve_http, serve_stdio
     from stockade.server.mcp_session import MODEL_NAME, McpAgent
 
+    checked(idle_timeout, "--idle-timeout")
+    checked(approval_wait, "--approval-wait", zero=True)
+    checked(max_wall, "--max-session-s")
+    if spend_per_hour is not None:
+        checked(spend_per_hour, "--dollars-per-hour")
     stamina.instrumentation.set_on_retry_hooks([])  # retries are in the audit trail; stdout is the protocol's
     token = (os.environ.get(token_env) or None) if transport is TransportName.HTTP else None
     if transport is TransportName.HTTP and token is None and host not in LOOPBACK:

@@ -24,6 +24,7 @@ from stockade import exceptions as exc
 from stockade._config_file import audit_key
 from stockade.agent.state import RunStatus, StepRecord, ToolCallRecord
 from stockade.cli._console import CliConsole, escape, print_diff
+from stockade.cli._numbers import checked
 from stockade.cli._signals import Interrupted, interruptible
 from stockade.cli._signals import exit_code as signal_exit_code
 from stockade.policy.approval import ApprovalRequest, Choice
@@ -626,6 +627,9 @@ def workspace(
         err.print(f"[yellow]left out (names not UTF-8, shown with U+FFFD; not kept):[/] {escape(shown)}")
 
 
+MAX_AGE_DAYS = 1_000_000  # --older-than: past it the cut-off leaves what a timestamp holds
+
+
 def erase(
     run_ids: Annotated[list[str] | None, typer.Argument(help="run ids (or unique prefixes)")] = None,
     *,
@@ -674,6 +678,8 @@ def erase(
     from stockade.runs.snapshots import erase_run_snapshots
     from stockade.sandbox.snapshots import SnapshotStore
 
+    if older_than is not None:  # a negative age reached runs updated "in the future": every run
+        checked(older_than, "--older-than", zero=True, most=MAX_AGE_DAYS)
     with _store(db, namespace, read_only=False) as store:
         chosen = [_resolve(store, r) for r in run_ids or []]
         if subject is not None or older_than is not None:

@@ -34,6 +34,7 @@ from stockade._private import private_dir, write_private
 from stockade.exceptions import ApprovalDecided, ApprovalRequired, ConfigurationError, PolicyDenied
 
 __all__ = [
+    "CLIENT_ACTOR",
     "SPENT",
     "ApprovalBook",
     "ApprovalRequest",
@@ -52,6 +53,9 @@ class Choice(enum.StrEnum):
 
 
 SPENT = "spent"  # the status of a yes that was applied: it answers nothing more
+# A decision's ``by`` that names a program, not a person: an MCP client's elicitation answer. The
+# trail records it as it is, not as "human:" (the client's user may not have seen the question).
+CLIENT_ACTOR = "mcp-client:"
 WITHDRAWN = "stockade: the run ended before anyone decided"  # who closed a request (``withdraw``)
 
 

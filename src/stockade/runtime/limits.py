@@ -14,6 +14,7 @@ stop the run (``BudgetExceeded``). Either way the model is not asked again for n
 from __future__ import annotations
 
 import enum
+import math
 import threading
 import time
 import tomllib
@@ -257,8 +258,10 @@ class SpendLimit:
         observer: Observer = ignore,
         period_s: float = 3600.0,
     ) -> None:
-        if dollars_per_hour <= 0:
-            raise ConfigurationError(f"SpendLimit.dollars_per_hour must be > 0, got {dollars_per_hour}")
+        if not (0 < dollars_per_hour < math.inf):  # nan fails both: it limited nothing
+            raise ConfigurationError(
+                f"SpendLimit.dollars_per_hour must be finite and > 0, got {dollars_per_hour}"
+            )
         self.limit = round(dollars_per_hour * MICRO)
         self.dollars_per_hour = dollars_per_hour
         self.window = window or LocalWindow()

@@ -55,7 +55,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stockade import exceptions as exc
 from stockade._display import visible
-from stockade.policy.approval import Choice
+from stockade.policy.approval import CLIENT_ACTOR, Choice
 from stockade.server.mcp_session import (
     CallResult,
     Ended,
@@ -251,7 +251,7 @@ class McpFace:
         read has no retry to carry an answer)."""
         held = session.paused
         if held is None:
-            outcome = await session.call(name, args, resource=resource)
+            outcome = await session.call(name, args, resource=resource, gone=_gone(ctx))
         elif resource:
             raise MCPError(
                 types.INVALID_REQUEST,
@@ -266,13 +266,14 @@ class McpFace:
                 f"a call of {waits} in this session waits for its approval: retry that call, the same "
                 "name and arguments, with the answer first (a session's calls run one at a time)",
             )
-        elif responses and await self._answered(session, held, responses):
+        elif responses and self._client_decides and await self._answered(session, held, responses):
             session.paused = None
             outcome = await session.resume()
         else:  # an action still waits for its answer: the session asks again
             outcome = held
         while isinstance(outcome, Paused):
-            if not resource and _asks_by_retry(ctx):  # 2026-07-28: the answer comes with the retry
+            # 2026-07-28: the answer comes with the retry
+            if not resource and self._client_decides and _asks_by_retry(ctx):
                 session.paused = outcome
                 return _input_required(outcome)
             try:
@@ -292,6 +293,13 @@ class McpFace:
             outcome = await session.resume()
         return _result(outcome)
 
+    @property
+    def _client_decides(self) -> bool:
+        """Whether the MCP client is asked to decide its session's held actions: not under a role
+        that cannot approve (``can_approve = false``), whose client approved its own ``rm -r src``
+        through elicitation. There the call waits for ``stockade approve``, as without one."""
+        return self.agent.agent.engine.role.can_approve
+
     async def _answered(self, session: McpSession, held: Paused, responses: Any) -> bool:
         """Record the decisions the client's retry carries; whether every request has one."""
         for pending in held.approvals:
@@ -300,7 +308,7 @@ class McpFace:
                 return False
             approved = answer.action == "accept" and (answer.content or {}).get("approve") is True
             choice = Choice.APPROVED if approved else Choice.DENIED
-            by = f"mcp client {session.client} (elicitation: {answer.action})"
+            by = _client_decider(session, answer.action)
             with contextlib.suppress(exc.ApprovalDecided):  # decided elsewhere first: that stands
                 await anyio.to_thread.run_sync(functools.partial(session.decide, pending, choice, by=by))
         return True
@@ -311,7 +319,12 @@ class McpFace:
         """Get a decision: from the client's user (elicitation), else from whoever runs
         ``stockade approve`` within ``approval_wait_s``; nobody: denied, and the reason kept."""
         caps = ctx.session.client_capabilities
-        if caps is not None and caps.elicitation is not None and ctx.session.can_send_request:
+        if (
+            self._client_decides
+            and caps is not None
+            and caps.elicitation is not None
+            and ctx.session.can_send_request
+        ):
             answer = await ctx.session.elicit_form(
                 message=_message(pending),
                 requested_schema=_APPROVE_SCHEMA,
@@ -319,7 +332,7 @@ class McpFace:
             )
             approved = answer.action == "accept" and (answer.content or {}).get("approve") is True
             choice = Choice.APPROVED if approved else Choice.DENIED
-            by = f"mcp client {session.client} (elicitation: {answer.action})"
+            by = _client_decider(session, answer.action)
             with contextlib.suppress(exc.ApprovalDecided):  # decided elsewhere meanwhile: that stands
                 await anyio.to_thread.run_sync(lambda: session.decide(pending, choice, by=by))
             return
@@ -356,7 +369,7 @@ class McpFace:
     ) -> types.ListResourcesResult:
         # the workspace's files as list_files sees them, when the role may list them at all
         # (a denied call would count against the session's denials in a row)
-        listed = await self._resource(ctx, "list_files", {}) if self.agent.allows("list_files") else ""
+        listed = await self._resource(ctx, "list_files", {}) if self.agent.allows("list_files") else "[]"
         resources = [
             types.Resource(
                 uri=INFO, name="session", description="this session's run id, tier and status (JSON)",
@@ -372,7 +385,7 @@ class McpFace:
             )  # fmt: skip
         resources += [
             types.Resource(uri=WORKSPACE + urllib.parse.quote(path), name=path, mime_type="text/plain")
-            for path in listed.splitlines()[:MAX_RESOURCES]
+            for path in json.loads(listed)[:MAX_RESOURCES]
         ]
         return types.ListResourcesResult(resources=resources)
 
@@ -414,6 +427,38 @@ def _answering(handler: _Handler) -> _Handler:
             ) from None
 
     return cast("_Handler", answer)
+
+
+def _client_decider(session: McpSession, action: str) -> str:
+    """Who decided through the client's elicitation: the client (its name as it gave it, quoted
+    and escaped), not a person the server knows; the trail records it as such."""
+    return f"{CLIENT_ACTOR}{json.dumps(session.client)} (elicitation: {json.dumps(action)})"
+
+
+# Set in an HTTP request's scope when its client disconnects (``http_app``): the SDK goes on
+# serving a request whose connection closed, and its queued call kept its arguments.
+_GONE = "stockade.gone"
+
+
+def _gone(ctx: ServerRequestContext[Any, Any]) -> Callable[[], Awaitable[object]] | None:
+    """What returns once the HTTP request of ``ctx`` went away, if it came over HTTP."""
+    request = ctx.request
+    scope = getattr(request, "scope", None)
+    event = scope.get(_GONE) if isinstance(scope, dict) else None
+    return event.wait if isinstance(event, anyio.Event) else None
+
+
+def _watched(scope: Scope, receive: Receive) -> Receive:
+    """``receive``, setting the scope's ``_GONE`` event once the client disconnects."""
+    gone = scope[_GONE] = anyio.Event()
+
+    async def watching() -> Message:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            gone.set()
+        return message
+
+    return watching
 
 
 def _message(pending: PendingApproval) -> str:
@@ -577,6 +622,9 @@ def http_app(
         refused = _refusal(scope, expected=expected, loopback=loopback, allowed_origins=allowed_origins)
         if refused is not None:
             await refused(scope, receive, send)
+            return
+        if scope.get("method") == "POST":
+            await inner(scope, _watched(scope, receive), send)
             return
         if scope.get("method") != "DELETE":
             await inner(scope, receive, send)

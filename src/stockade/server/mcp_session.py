@@ -31,11 +31,12 @@ import contextvars
 import dataclasses
 import functools
 import itertools
+import json
 import logging
 import queue
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,13 @@ __all__ = [
 log = logging.getLogger("stockade.mcp")
 
 _END = object()  # put in a session's inbox: the client went away
+
+# Calls of a session run one at a time; those behind the running one wait in its inbox, each
+# holding its arguments. Unbounded, a client that sent write_files of ~4 MB behind a slow
+# run_code held 2.4 GB after 300 of them (~7.7 MB a call). Past either cap a call is refused
+# (``SessionBusy``), not held.
+MAX_QUEUED_CALLS = 8  # per session
+MAX_QUEUED_BYTES = 64 << 20  # of queued arguments, every session of the server together
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,6 +138,8 @@ class _Call:
     # Its client gave it up (``notifications/cancelled``): queued, it never runs; running, its
     # sandbox work is cut, nothing more of it runs, and its result is ``CallCancelled``
     cancelled: bool = False
+    size: int = 0  # of its arguments, counted against the server's queued bytes while queued
+    queued: bool = True  # still in its session's inbox, counted against its caps
 
 
 # The session whose loop runs on this thread (its asyncio.run copies the context).
@@ -160,6 +170,7 @@ class ClientModel(Model):
                     text="the MCP client ended its session", finish_reason="stop", model_name=name
                 )
             with session._lock:  # taken, or cancelled while queued: never both
+                session._unqueue(item)
                 if item.cancelled:
                     continue  # a queued call its client gave up never runs
                 session._current = item
@@ -182,6 +193,7 @@ class McpAgent:
         self._sessions: dict[str, McpSession] = {}
         self._leaving: list[McpSession] = []  # forgotten, their threads maybe not ended yet
         self._lock = threading.Lock()
+        self._queued_bytes = 0  # of the arguments of calls queued in every session
         self.agent: GuardedAgent = build_agent(config)
 
     @property
@@ -206,6 +218,19 @@ class McpAgent:
                 found = McpSession(self, client=client, key=key)
                 self._sessions[key] = found
             return found
+
+    def _reserve(self, size: int) -> None:
+        with self._lock:
+            if self._queued_bytes + size > MAX_QUEUED_BYTES:
+                raise exc.SessionBusy(
+                    f"this MCP server holds {self._queued_bytes:,} bytes of queued calls' arguments "
+                    f"(at most {MAX_QUEUED_BYTES:,}): retry once the calls in flight have returned"
+                )
+            self._queued_bytes += size
+
+    def _release(self, size: int) -> None:
+        with self._lock:
+            self._queued_bytes -= size
 
     def find(self, key: str) -> McpSession | None:
         with self._lock:
@@ -243,6 +268,7 @@ class McpSession:
         self._inbox: queue.Queue[object] = queue.Queue()
         self._control: queue.Queue[concurrent.futures.Future[Outcome] | None] = queue.Queue()
         self._current: _Call | None = None
+        self._queued = 0  # calls in the inbox, not taken nor cancelled
         self._lock = threading.Lock()  # between the loop taking a call and its client cancelling it
         self._ids = itertools.count(1)
         self._started = threading.Event()
@@ -256,25 +282,63 @@ class McpSession:
 
     # -- the MCP side (any thread, or the server's event loop) ------------------------------------
 
-    async def call(self, name: str, args: Mapping[str, JsonValue], *, resource: bool = False) -> Outcome:
+    async def call(
+        self, name: str, args: Mapping[str, JsonValue], *, resource: bool = False,
+        gone: Callable[[], Awaitable[object]] | None = None,
+    ) -> Outcome:  # fmt: skip
         """Run one tool call as the session's next step (calls of a session run one at a time).
         With ``resource``, the call of ``name`` (read_file, list_files, git_diff) stands for a
         resource read: judged, limited and recorded as that call, its result is the content
-        (the file's text, the workspace's paths one a line, the session's diff)."""
+        (the file's text, the workspace's paths as a JSON list, the session's diff). ``gone``
+        returns once nobody can hear the outcome (its HTTP request went away): a call still
+        queued then is dropped (``CallCancelled``); one running goes on."""
         if self.closed:
             return self._ended()
         call = ToolCall(id=f"mcp_{next(self._ids)}", name=name, args=dict(args))
-        item = _Call(call=call, resource=resource)
+        item = _Call(call=call, resource=resource, size=_size(args))
+        with self._lock:
+            if self._queued >= MAX_QUEUED_CALLS:
+                raise exc.SessionBusy(
+                    f"this MCP session is busy: {self._queued} calls wait behind its running one "
+                    f"(at most {MAX_QUEUED_CALLS}); retry once they have returned"
+                )
+            self.owner._reserve(item.size)
+            self._queued += 1
         # Queued as it came, not once the sandbox is up: calls waiting for the session's start
         # were queued in any order, and a call its client cancelled ran ahead of the one before it.
         self._inbox.put(item)
         if self.closed:  # ended meanwhile, its inbox maybe drained already: this call is told
             self._drain()
         try:
-            return await asyncio.wrap_future(item.future)
+            waiting = asyncio.wrap_future(item.future)
+            if gone is not None:
+                await self._unless_gone(item, waiting, gone)
+            return await waiting
         except asyncio.CancelledError:
             self._cancel(item)
             raise
+
+    async def _unless_gone(
+        self, item: _Call, waiting: asyncio.Future[Outcome], gone: Callable[[], Awaitable[object]]
+    ) -> None:
+        """Until ``item`` is answered, or ``gone`` returns while it still waits in the inbox:
+        then it is dropped (its arguments with it: a client that sent calls of ~4 MB each
+        and closed their connections had them all held behind a slow one)."""
+        watch = asyncio.ensure_future(gone())
+        try:
+            await asyncio.wait((waiting, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if waiting.done():
+            return
+        with self._lock:
+            dropped = item.queued and not item.cancelled
+        if dropped:
+            self._cancel(item)
+            waiting.cancel()
+            raise exc.CallCancelled(
+                f"its request went away while call {item.call.id} was queued; it never ran"
+            )
 
     def _cancel(self, item: _Call) -> None:
         """The client gave ``item`` up: queued, it is dropped; running, what it runs in the
@@ -282,6 +346,9 @@ class McpSession:
         with self._lock:
             item.cancelled = True
             running = item is self._current
+            if item.queued:  # it stays in the inbox until the loop skips it: its arguments go now
+                self._unqueue(item)
+                item.call = ToolCall(id=item.call.id, name=item.call.name, args={})
         session = self._agent_session
         if running and session is not None and not self.closed:
             instance = session.sandbox.instance
@@ -465,6 +532,13 @@ class McpSession:
             return Ended(status="ended", error="the MCP session has ended")
         return Ended(status=result.status.value, error=result.error)
 
+    def _unqueue(self, item: _Call) -> None:
+        """``item`` left the inbox's count (taken, cancelled, or told the end); under ``_lock``."""
+        if item.queued:
+            item.queued = False
+            self._queued -= 1
+            self.owner._release(item.size)
+
     def _drain(self) -> None:
         """Calls that arrived after the run ended are told so."""
         ended = self._ended()
@@ -473,8 +547,16 @@ class McpSession:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(item, _Call) and not item.future.done():
-                item.future.set_result(ended)
+            if isinstance(item, _Call):
+                with self._lock:
+                    self._unqueue(item)
+                if not item.future.done():
+                    item.future.set_result(ended)
+
+
+def _size(args: Mapping[str, JsonValue]) -> int:
+    """About the bytes ``args`` hold (their JSON), what a queued call keeps."""
+    return len(json.dumps(args, ensure_ascii=False, default=str))
 
 
 def _cancelled(ctx: ToolContext) -> _Call | None:
@@ -559,7 +641,9 @@ def _list_files(ctx: ToolContext, path: str = "", depth: int = 2) -> str:
     served = _serving(ctx)
     if served is None:
         return str(builtin.list_files.function(ctx, path, depth))
-    served.content = "\n".join(sorted(snapshot(ctx.sandbox, deadline=ctx.deadline)))
+    # a JSON list, not one a line: a name may hold a newline (or \r, \u2028, ...), and split it
+    # made resources of files that do not exist
+    served.content = json.dumps(sorted(snapshot(ctx.sandbox, deadline=ctx.deadline)))
     return served.content
 
 

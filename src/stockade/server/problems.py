@@ -141,13 +141,26 @@ def problem_body(
     return body
 
 
+# The longest wait a problem tells: a limit that says more (a window of inf, a nan from a bad
+# configuration) made round() raise, and a rate-limited request was answered 500, not 429.
+MAX_RETRY_AFTER_S = 366 * 86400.0
+
+
+def _retry_after(seconds: float | None) -> float | None:
+    if seconds is None:
+        return None
+    if not seconds <= MAX_RETRY_AFTER_S:  # inf and nan too
+        return MAX_RETRY_AFTER_S
+    return max(seconds, 0.0)
+
+
 def from_error(error: exc.StockadeError, instance: str = "") -> Problem:
     kind = _kind(error)
     name = type(error).__name__
     extra: dict[str, Any] = {
         "error": name,
         "retryable": error.retryable,
-        "retry_after": error.retry_after,
+        "retry_after": _retry_after(error.retry_after),
     }
     if isinstance(error, exc.InvalidArgument | exc.LimitNotEnforceable):
         extra["field"] = getattr(error, "argument", "") or getattr(error, "setting", "")
@@ -157,8 +170,8 @@ def from_error(error: exc.StockadeError, instance: str = "") -> Problem:
         if isinstance(value, str | int | float | bool | tuple) and value not in ("", ()):
             extra[attribute] = list(value) if isinstance(value, tuple) else value
     headers: dict[str, str] = {}
-    if error.retry_after is not None:
-        headers["Retry-After"] = str(max(1, round(error.retry_after)))
+    if (retry_after := _retry_after(error.retry_after)) is not None:
+        headers["Retry-After"] = str(max(1, round(retry_after)))
     if isinstance(error, exc.AuthenticationError):
         headers["WWW-Authenticate"] = 'Bearer realm="stockade"'
     body = problem_body(

@@ -159,7 +159,8 @@ class Principal:
 
 
 class _TenantEntry(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # inf passed gt/ge bounds: a tenant with rate_period_s = inf got 500s (OverflowError) for 429s
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     policy: str | None = None
     sandboxes: int = Field(default=10, ge=0)
@@ -172,9 +173,10 @@ class _TenantEntry(BaseModel):
     running_calls: int = Field(default=64, ge=0)
     bodies_mb: int = Field(default=256, ge=1)
     rate_per_minute: int | None = Field(default=None, gt=0)
-    rate_period_s: float = Field(default=60.0, ge=1)  # Redis windows count whole seconds
-    dollars_per_hour: float | None = Field(default=None, gt=0)
-    keep_runs_days: float | None = Field(default=None, gt=0)
+    # Redis windows count whole seconds; at most a year
+    rate_period_s: float = Field(default=60.0, ge=1, le=366 * 86400)
+    dollars_per_hour: float | None = Field(default=None, gt=0, le=1e9)
+    keep_runs_days: float | None = Field(default=None, gt=0, le=1_000_000)
 
 
 class _TokenEntry(BaseModel):

@@ -99,3 +99,9 @@ def test_a_resumed_run_keeps_what_it_used(clock: ManualClock) -> None:
     saved = meter.state()
     resumed = BudgetMeter.resume(Budget(max_wall_s=100, max_steps=5), saved, clock=ManualClock())
     assert resumed.steps == 1 and resumed.elapsed_s == pytest.approx(70)
+
+
+@pytest.mark.parametrize("dollars", [float("nan"), float("inf"), 0.0])
+def test_a_spend_limit_of_no_finite_amount_is_refused(dollars: float) -> None:
+    with pytest.raises(exc.ConfigurationError, match="finite and > 0"):
+        SpendLimit(dollars_per_hour=dollars)

@@ -111,3 +111,34 @@ def test_http_beyond_this_machine_needs_a_token(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setenv("STOCKADE_MCP_TOKEN", "short")
     weak = runner.invoke(app, args)
     assert weak.exit_code == 2 and "shorter than 16 characters" in weak.stderr, weak.stderr
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        ["--transport", "http", "--idle-timeout", "0"],  # every session reaped at once
+        ["--transport", "http", "--idle-timeout", "-1"],
+        ["--transport", "http", "--idle-timeout", "inf"],  # the reaper's wait overflowed
+        ["--dollars-per-hour", "nan"],  # limited nothing
+        ["--dollars-per-hour", "inf"],
+        ["--approval-wait", "nan"],
+        ["--max-failures", "-3"],  # started, then every session failed
+    ],
+)
+def test_mcp_refuses_numbers_that_are_no_limit(tmp_path: Path, given: list[str]) -> None:
+    """Found from outside: these ended in a traceback, or in a server that started but could
+    serve nothing. Each is refused before anything starts, saying which, exit 2."""
+    (tmp_path / "policy.toml").write_text(POLICY)
+    result = runner.invoke(app, ["mcp", "--policy", str(tmp_path / "policy.toml"), "--tier", "process",
+                                 "--audit-db", f"sqlite:///{tmp_path / 'audit.db'}", *given])  # fmt: skip
+    assert result.exit_code == 2, (result.exit_code, result.stderr)
+    assert given[-2] in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("age", ["nan", "inf", "-1"])
+def test_runs_erase_refuses_an_age_that_is_none(tmp_path: Path, age: str) -> None:
+    """``--older-than=-1`` chose runs updated "a day from now": every run of the store."""
+    result = runner.invoke(
+        app, ["runs", "erase", f"--older-than={age}", "--db", f"sqlite:///{tmp_path / 'r.db'}"]
+    )
+    assert result.exit_code == 2 and "--older-than" in result.stderr, (result.exit_code, result.stderr)

@@ -11,6 +11,7 @@ import json
 import secrets
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,9 +31,9 @@ from stockade.policy import Policy
 from stockade.policy.approval import Choice
 from stockade.policy.schema import CommandRules, Decisions, ModelRegistry, PathRules, Role, TrustRules
 from stockade.server.mcp_server import McpFace, _answering, http_app
-from stockade.server.mcp_session import MODEL_NAME, McpAgent
+from stockade.server.mcp_session import MODEL_NAME, McpAgent, McpSession
 from stockade.testing import FakeBackend, MemoryWorkspace
-from stockade.types import Trust
+from stockade.types import CommandResult, Trust
 
 POLICY = Policy(
     trust=TrustRules(level=Trust.TRUSTED),
@@ -119,8 +120,40 @@ def test_a_session_through_the_protocol(tmp_path: Path, mode: str) -> None:
         if e.kind.value == "approval" and e.attributes["outcome"] != "pending"
     ]
     assert [outcome for outcome, _ in decided] == ["approved", "denied"]
-    for _, actor in decided:  # who decided is kept: the client, through its user's answer
-        assert actor.startswith("human:mcp client ") and actor.endswith("(elicitation: accept)"), actor
+    for _, actor in decided:  # who decided is kept: the client (not a person), its name quoted
+        assert actor.startswith('mcp-client:"') and actor.endswith('(elicitation: "accept")'), actor
+
+
+def test_a_role_that_cannot_approve_is_not_asked_through_its_client(tmp_path: Path) -> None:
+    """Found from outside: under a role with ``can_approve = false`` the MCP client answered
+    the elicitation itself and its ``rm -r src`` ran, recorded as a human's decision. Now such a
+    session's client is never asked: the call waits for ``stockade approve`` and, nobody
+    deciding, is denied."""
+    policy = POLICY.model_copy(update={"roles": {"dev": Role(can_approve=False)}})
+    server = face(tmp_path, wait_s=0.3, policy=policy, role="dev")
+    asked: list[str] = []
+
+    async def approve_everything(
+        context: ClientRequestContext, params: types.ElicitRequestParams
+    ) -> types.ElicitResult | types.ErrorData:
+        asked.append(params.message)
+        return types.ElicitResult(action="accept", content={"approve": True})
+
+    async def session(mode: str) -> types.CallToolResult:
+        async with Client(server.server, mode=mode, elicitation_callback=approve_everything) as client:
+            return await client.call_tool("run_code", {"code": "rm -r src", "language": "bash"})
+
+    for mode in ("legacy", "auto"):  # asked by a server request, or by InputRequiredResult
+        refused = asyncio.run(session(mode))
+        assert refused.is_error and "a human denied" in text(refused), text(refused)
+    server.close()
+    assert asked == []
+    decided = [
+        e.actor
+        for e in server.agent.agent.audit_log.store.events()
+        if e.kind.value == "approval" and e.attributes["outcome"] != "pending"
+    ]
+    assert len(decided) == 2 and all("nobody within" in actor for actor in decided), decided
 
 
 def test_without_elicitation_a_call_waits_for_a_decision_then_is_denied(tmp_path: Path) -> None:
@@ -480,3 +513,96 @@ def test_a_resource_read_serves_at_most_a_mebibyte_of_a_file(tmp_path: Path) -> 
 
     asyncio.run(session())
     server.close()
+
+
+def test_a_file_name_with_a_line_break_is_one_resource(tmp_path: Path) -> None:
+    """Found from outside: the listing was passed one name a line, so a file named
+    ``a\\nb.txt`` (or with ``\\r``, ``\\x0b``, ``\\u2028``) was listed as resources that do not
+    exist. Each name is now one resource, as it is."""
+    server = face(tmp_path)
+    names = ["a\nb.txt", "c\rd.txt", "e\x0bf.txt", "g\u2028h.txt"]
+
+    async def session() -> set[str]:
+        async with Client(server.server, mode="legacy") as client:
+            for name in names:
+                wrote = await client.call_tool("write_file", {"path": name, "content": "x"})
+                assert not wrote.is_error, text(wrote)
+            return {str(r.uri) for r in (await client.list_resources()).resources}
+
+    uris = asyncio.run(session())
+    server.close()
+    files = {u.removeprefix("stockade://workspace/") for u in uris if u.startswith("stockade://workspace/")}
+    assert {urllib.parse.unquote(f) for f in files} == set(names)
+
+
+def test_over_http_a_queued_call_whose_request_went_away_is_dropped(tmp_path: Path) -> None:
+    """Found from outside: behind a slow run_code, write_files of ~4 MB whose connections the
+    client closed stayed queued with their arguments (300 held 2.4 GB). Now a queued call whose
+    HTTP request went away is dropped, and never runs."""
+    release = threading.Event()
+
+    def slow(op: object) -> CommandResult:
+        release.wait(30)
+        return CommandResult(exit_code=0, stdout="", stderr="", duration_s=0.0)
+
+    config = AgentConfig(
+        model=MODEL_NAME, policy=POLICY, backend=FakeBackend(MemoryWorkspace(commands=slow), tier="process"),
+        audit=AuditLog(MemoryStore(), flush_interval_s=None),
+        approval_dir=tmp_path / "approvals", kill_target=str(tmp_path / "kill"),
+    )  # fmt: skip
+    server = McpFace(McpAgent(config), transport="http", approval_wait_s=5)
+
+    def call(id_: int, name: str, args: dict[str, object]) -> dict[str, object]:
+        return {
+            "jsonrpc": "2.0",
+            "id": id_,
+            "method": "tools/call",
+            "params": {"name": name, "arguments": args},
+        }
+
+    try:
+        with served(http_app(server)) as port:
+            url = f"http://127.0.0.1:{port}"
+            with httpx2.Client(base_url=url, headers={"Accept": ACCEPT}, timeout=10) as http:
+                opened = http.post("/mcp", json=INITIALIZE)
+                sid = opened.headers["mcp-session-id"]
+                version = str(_answer(opened)["result"]["protocolVersion"])  # type: ignore[index]
+                http.headers.update({"mcp-session-id": sid, "mcp-protocol-version": version})
+                http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"})
+                headers = dict(http.headers)
+
+            async def abandon() -> McpSession:
+                async with httpx2.AsyncClient(base_url=url, headers=headers, timeout=10) as client:
+                    slow_call = asyncio.ensure_future(
+                        client.post(
+                            "/mcp", json=call(2, "run_code", {"code": "sleep 120", "language": "bash"})
+                        )
+                    )
+                    while (session := server.agent.find(sid)) is None or session._current is None:
+                        await asyncio.sleep(0.01)
+                    async with client.stream(
+                        "POST",
+                        "/mcp",
+                        json=call(3, "write_file", {"path": "late.txt", "content": "x" * 100_000}),
+                    ):
+                        while session._queued == 0:  # taken in: then its connection closes
+                            await asyncio.sleep(0.01)
+                    deadline = time.monotonic() + 10
+                    while session._queued and time.monotonic() < deadline:
+                        await asyncio.sleep(0.01)
+                    assert session._queued == 0 and server.agent._queued_bytes == 0
+                    release.set()
+                    assert not _answer(await slow_call)["result"]["isError"]  # type: ignore[index]
+                    return session
+
+            session = asyncio.run(abandon())
+        store = server.agent.agent.audit_log.store
+        calls = [
+            e.attributes.get("tool")
+            for e in store.events(run_id=session.run_id)
+            if e.kind.value == "tool_call"
+        ]
+        assert "write_file" not in calls, calls  # the dropped call never ran
+    finally:
+        release.set()
+        server.close()

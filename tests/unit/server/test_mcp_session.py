@@ -4,6 +4,7 @@ client; calls, denials, approvals (a pause, a decision, the parked call run agai
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from pathlib import Path
@@ -13,11 +14,20 @@ import pytest
 from stockade.agent import RunLimits
 from stockade.assembly import AgentConfig
 from stockade.audit import AuditLog, MemoryStore
+from stockade.exceptions import SessionBusy
 from stockade.policy import Policy
 from stockade.policy.approval import Choice
 from stockade.policy.schema import CommandRules, ModelRegistry, PathRules, TrustRules
 from stockade.sandbox.ops import RunCommand
-from stockade.server.mcp_session import MODEL_NAME, CallResult, Ended, McpAgent, Paused
+from stockade.server.mcp_session import (
+    MAX_QUEUED_BYTES,
+    MAX_QUEUED_CALLS,
+    MODEL_NAME,
+    CallResult,
+    Ended,
+    McpAgent,
+    Paused,
+)
 from stockade.testing import FakeBackend, MemoryWorkspace
 from stockade.types import CommandResult, Trust
 
@@ -64,7 +74,7 @@ def test_calls_run_as_steps_and_the_end_ends_the_run(agent: McpAgent) -> None:
     assert isinstance(read, CallResult) and "hello" in read.text
     assert isinstance(denied, CallResult) and denied.is_error and "denied by policy" in denied.text
     assert isinstance(missing, CallResult) and missing.is_error and "no tool" in missing.text
-    assert isinstance(listed, CallResult) and listed.text.splitlines() == ["a.txt"]
+    assert isinstance(listed, CallResult) and json.loads(listed.text) == ["a.txt"]
     assert isinstance(diff, CallResult) and "+hello" in diff.text
     assert isinstance(raw, CallResult) and raw.text == "hello"
     assert session.info()["status"] == "running"
@@ -191,3 +201,80 @@ def test_a_session_ended_mid_call_cuts_the_call_and_the_stop_keeps_its_records(t
     assert not session.running and not backend.instances[-1].alive
     kinds = [e.kind.value for e in log.store.events(run_id=session.run_id)]
     assert "sandbox_stop" in kinds and kinds[-1] == "run_end", kinds
+
+
+def slow_agent(tmp_path: Path, release: threading.Event) -> McpAgent:
+    """An agent whose commands return once ``release`` is set."""
+
+    def slow(op: RunCommand) -> CommandResult:
+        release.wait(30)
+        return CommandResult(exit_code=0, stdout="done", stderr="", duration_s=0.0)
+
+    backend = FakeBackend(MemoryWorkspace(commands=slow), tier="process")
+    return McpAgent(
+        AgentConfig(
+            model=MODEL_NAME, policy=POLICY, backend=backend,
+            audit=AuditLog(MemoryStore(), flush_interval_s=None),
+            approval_dir=tmp_path / "approvals", kill_target=str(tmp_path / "kill"),
+        )
+    )  # fmt: skip
+
+
+def test_calls_queued_behind_a_running_one_are_bounded(tmp_path: Path) -> None:
+    """Found from outside: one session queued calls without limit behind a slow run_code, each
+    holding its arguments: 300 write_files of ~4 MB held 2.4 GB. Now at most
+    ``MAX_QUEUED_CALLS`` wait; the next is refused as busy (retryable), and a queued call its
+    client gave up frees its place."""
+    release = threading.Event()
+    agent = slow_agent(tmp_path, release)
+    session = agent.session("one", client="test")
+
+    async def work() -> list[object]:
+        running = asyncio.ensure_future(session.call("run_code", {"code": "sleep 120", "language": "bash"}))
+        while session._current is None:  # the slow call is taken: the others queue behind it
+            await asyncio.sleep(0.01)
+        queued = [
+            asyncio.ensure_future(session.call("write_file", {"path": f"f{i}", "content": "x" * 1000}))
+            for i in range(MAX_QUEUED_CALLS)
+        ]
+        await asyncio.sleep(0)  # each is in the inbox
+        with pytest.raises(SessionBusy, match="busy") as refused:
+            await session.call("write_file", {"path": "one-too-many", "content": "x"})
+        assert refused.value.retryable
+        queued[0].cancel()  # given up while queued: its place is free
+        await asyncio.sleep(0)
+        queued.append(asyncio.ensure_future(session.call("write_file", {"path": "after", "content": "y"})))
+        await asyncio.sleep(0)
+        release.set()
+        return await asyncio.gather(running, *queued[1:])
+
+    outcomes = asyncio.run(work())
+    agent.close()
+    assert all(isinstance(o, CallResult) and not o.is_error for o in outcomes), outcomes
+    assert agent._queued_bytes == 0  # every queued call's bytes were given back
+
+
+def test_the_bytes_of_queued_arguments_are_bounded_per_server(tmp_path: Path) -> None:
+    """The per-session count alone lets sessions together hold ``MAX_QUEUED_CALLS`` calls of a
+    message's size each: the server also bounds the bytes of queued arguments."""
+    release = threading.Event()
+    agent = slow_agent(tmp_path, release)
+    session = agent.session("one", client="test")
+    big = "x" * (MAX_QUEUED_BYTES // 3)
+
+    async def work() -> None:
+        running = asyncio.ensure_future(session.call("run_code", {"code": "sleep 120", "language": "bash"}))
+        while session._current is None:
+            await asyncio.sleep(0.01)
+        queued = [
+            asyncio.ensure_future(session.call("write_file", {"path": f"f{i}", "content": big}))
+            for i in range(2)
+        ]
+        await asyncio.sleep(0)
+        with pytest.raises(SessionBusy, match="bytes"):
+            await session.call("write_file", {"path": "f3", "content": big + big})
+        release.set()
+        await asyncio.gather(running, *queued)
+
+    asyncio.run(work())
+    agent.close()

@@ -179,3 +179,13 @@ def test_an_answer_lists_the_first_errors_and_counts_the_rest() -> None:
     assert [e["field"] for e in body["errors"]] == [f"cmd.{i}" for i in range(20)]
     assert body["detail"] == "cmd.0: Input should be a valid string (and 232,999 more)"
     assert len(problem.content()) < 10_000
+
+
+@pytest.mark.parametrize("retry_after", [float("inf"), float("nan"), 1e300])
+def test_a_wait_past_any_sense_is_told_as_the_longest_one(retry_after: float) -> None:
+    """Found from outside: a limit of a window of inf said ``retry_after = inf``, round() raised,
+    and a rate-limited request was answered 500, not 429."""
+    problem = problems.from_error(exc.RateLimited("slow down", retry_after=retry_after))
+    assert problem.status == 429
+    assert problem.headers["Retry-After"] == str(round(problems.MAX_RETRY_AFTER_S))
+    json.dumps(problem.body, allow_nan=False)  # the body is JSON, which has no inf or nan

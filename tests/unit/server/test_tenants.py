@@ -162,6 +162,11 @@ def test_a_tenants_file_loads_with_its_policy_quotas_and_tokens(tmp_path: Path) 
         ("[tenants.acme]\nrate_per_minute = 0\n", exc.PolicyFileError, "rate_per_minute"),
         ("[tenants.acme]\noutput_bytes = 0\n", exc.PolicyFileError, "tenants.acme.output_bytes"),
         ("[[tokens]]\nid = 'xyz'\nsha256 = 'ab'\ntenant = 'acme'\n", exc.PolicyFileError, "tokens.0.id"),
+        # inf passed the lower bounds: the tenant's rate-limited requests were answered 500
+        ("[tenants.acme]\nrate_period_s = inf\n", exc.PolicyFileError, "tenants.acme.rate_period_s"),
+        ("[tenants.acme]\ndollars_per_hour = inf\n", exc.PolicyFileError, "dollars_per_hour"),
+        ("[tenants.acme]\nkeep_runs_days = inf\n", exc.PolicyFileError, "keep_runs_days"),
+        ("[tenants.acme]\ncpus = nan\n", exc.PolicyFileError, "tenants.acme.cpus"),
     ],
 )
 def test_a_wrong_tenants_file_says_where(
