@@ -393,6 +393,16 @@ def _answer(response: httpx2.Response) -> dict[str, object]:
     return response.json()  # type: ignore[no-any-return]
 
 
+def _open_session(http: httpx2.Client) -> str:
+    """Initialize an MCP session over ``http``, whose headers then name it; its id."""
+    opened = http.post("/mcp", json=INITIALIZE)
+    sid = str(opened.headers["mcp-session-id"])
+    version = str(_answer(opened)["result"]["protocolVersion"])  # type: ignore[index]
+    http.headers.update({"mcp-session-id": sid, "mcp-protocol-version": version})
+    http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"})
+    return sid
+
+
 def test_over_http_only_a_delete_the_sdk_carried_out_ends_the_session(tmp_path: Path) -> None:
     """Every DELETE ended the session's run, even one refused (a wrong Host, Origin or path):
     the SDK kept the session open, and the client's next call got a new sandbox and run."""
@@ -401,11 +411,7 @@ def test_over_http_only_a_delete_the_sdk_carried_out_ends_the_session(tmp_path: 
         with served(http_app(server)) as port:
             url = f"http://127.0.0.1:{port}"
             with httpx2.Client(base_url=url, headers={"Accept": ACCEPT}, timeout=10) as http:
-                opened = http.post("/mcp", json=INITIALIZE)
-                sid = opened.headers["mcp-session-id"]
-                version = str(_answer(opened)["result"]["protocolVersion"])  # type: ignore[index]
-                http.headers.update({"mcp-session-id": sid, "mcp-protocol-version": version})
-                http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"})
+                sid = _open_session(http)
                 call = {"name": "write_file", "arguments": {"path": "victim.txt", "content": "x"}}
                 wrote = _answer(
                     http.post(
@@ -564,11 +570,7 @@ def test_over_http_a_queued_call_whose_request_went_away_is_dropped(tmp_path: Pa
         with served(http_app(server)) as port:
             url = f"http://127.0.0.1:{port}"
             with httpx2.Client(base_url=url, headers={"Accept": ACCEPT}, timeout=10) as http:
-                opened = http.post("/mcp", json=INITIALIZE)
-                sid = opened.headers["mcp-session-id"]
-                version = str(_answer(opened)["result"]["protocolVersion"])  # type: ignore[index]
-                http.headers.update({"mcp-session-id": sid, "mcp-protocol-version": version})
-                http.post("/mcp", json={"jsonrpc": "2.0", "method": "notifications/initialized"})
+                sid = _open_session(http)
                 headers = dict(http.headers)
 
             async def abandon() -> McpSession:
