@@ -73,7 +73,7 @@ def run(sup: "Supervisor", rid: int, h: dict[str, Any], rest: bytes) -> None:
     # on into the next user's session (on gVisor, 1 in 3).
     stopped = _stop_all()
     # Code first (a fork bomb's included): the zygote then has processes to fork with.
-    kill_tree(os.getpid(), include_root=False, spare=zygote.pid if zygote is not None else 0)
+    kill_tree(os.getpid(), include_root=False, spare=zygote.pid if zygote is not None else 0, settle=True)
     if stopped and zygote is not None:
         _go_on(zygote)
     for root, mode in sup.root_modes.items():
