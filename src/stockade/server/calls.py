@@ -80,10 +80,6 @@ class RunningCalls:
             else:
                 self._running.pop(tenant.id, None)
 
-    def running(self, tenant: Tenant) -> int:
-        with self._lock:
-            return self._running.get(tenant.id, 0)
-
 
 class CutOnLeave:
     """One call that its client's leaving cuts (``Cut``), as a Ctrl-C would cut it."""

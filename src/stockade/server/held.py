@@ -113,10 +113,6 @@ class HeldBytes:
                 return Hold(self, tenant, size)
         return self.hold(tenant, most, what=what)  # refused (saying why), unless freed meanwhile
 
-    def held(self, tenant: Tenant) -> int:
-        with self._lock:
-            return self._held.get(tenant.id, 0)
-
 
 def held_bytes(request: Request) -> HeldBytes:
     """The process's count (``create_app`` keeps it on the app's state)."""
@@ -164,6 +160,11 @@ class HeldResponse(StreamingResponse):
     ) -> None:
         super().__init__(content, media_type=media_type, headers=headers)
         self.hold = hold
+
+    @classmethod
+    def of(cls, data: bytes, *, hold: Releasable, media_type: str) -> HeldResponse:
+        """``data`` whole, sent in pieces (``pieces``) with its length."""
+        return cls(pieces(data), hold=hold, media_type=media_type, headers={"Content-Length": str(len(data))})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:

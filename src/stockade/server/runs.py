@@ -42,7 +42,7 @@ from stockade.runtime.killswitch import kill_all
 from stockade.server.authz import check_approver, check_model, choose_tier, engine_for
 from stockade.server.bodies import JSONRoute, raw_body, read_body
 from stockade.server.deps import Caller, get_service, recheck
-from stockade.server.held import HeldResponse, held_bytes, pieces, unpacking
+from stockade.server.held import HeldResponse, held_bytes, unpacking
 from stockade.server.problems import from_error
 from stockade.server.retention import erase_run
 from stockade.server.runner import build_model, run_limits
@@ -534,8 +534,7 @@ async def run_artifacts(run_id: str, request: Request, caller: Caller) -> Respon
 def _held(request: Request, caller: Principal, data: bytes, media_type: str, what: str) -> Response:
     """``data`` as the response, counted against the tenant's ``bodies_mb`` until it is read."""
     hold = held_bytes(request).hold(caller.tenant, len(data), what=what)
-    size = {"Content-Length": str(len(data))}
-    return HeldResponse(pieces(data), hold=hold, media_type=media_type, headers=size)
+    return HeldResponse.of(data, hold=hold, media_type=media_type)
 
 
 @router.delete("/v1/runs/{run_id}/artifacts", status_code=204,

@@ -53,7 +53,7 @@ from stockade.server.bodies import JSONRoute, raw_body, read_body
 from stockade.server.calls import CutOnLeave, RunningCalls
 from stockade.server.deps import Caller, get_service, recheck
 from stockade.server.downloads import entries_that_fit, pack_folder
-from stockade.server.held import CHUNK, HeldResponse, Hold, held_bytes, pieces, unpacking
+from stockade.server.held import CHUNK, HeldResponse, Hold, held_bytes, unpacking
 from stockade.server.schemas import (
     CodeRequest,
     CommandRequest,
@@ -582,9 +582,7 @@ async def _held_result(request: Request, caller: Principal, result: CommandResul
         jsonable_encoder(_as_json(result)), ensure_ascii=False, allow_nan=False, separators=(",", ":")
     ).encode())  # fmt: skip
     hold = held_bytes(request).hold(caller.tenant, len(body), what="the result of a call that ran")
-    return HeldResponse(
-        pieces(body), hold=hold, media_type="application/json", headers={"Content-Length": str(len(body))}
-    )
+    return HeldResponse.of(body, hold=hold, media_type="application/json")
 
 
 @router.post("/{sandbox_id}/commands", summary="Run a command (JSON, or NDJSON streamed while it runs)",
@@ -724,12 +722,7 @@ async def read_file(
             return data, hold
 
     data, hold = await _call(request, caller, work)
-    return HeldResponse(
-        pieces(data),
-        hold=hold,
-        media_type="application/octet-stream",
-        headers={"Content-Length": str(len(data))},
-    )
+    return HeldResponse.of(data, hold=hold, media_type="application/octet-stream")
 
 
 @router.put("/{sandbox_id}/files/content", summary="Write a file (the body is its content)")
