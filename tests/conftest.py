@@ -146,15 +146,15 @@ def _descends(pid: int, ancestor: int, parents: dict[int, int]) -> bool:
 
 def _containers(*, mine_only: bool, creators: Collection[int] = ()) -> set[str]:
     try:
-        import docker
+        from stockade.sandbox._docker_engine import engine_client
 
-        client = docker.from_env(timeout=10)
+        client = engine_client(None, 10)
     except Exception:  # no SDK or no engine: nothing of ours can be there
         return set()
     try:
         label = "stockade.sandbox"
-        labelled: list[dict[str, Any]] = client.api.containers(all=True, filters={"label": f"{label}=1"})
-        volumes: dict[str, Any] = {} if mine_only else client.api.volumes(filters={"label": label})
+        labelled: list[dict[str, Any]] = client.containers(all=True, filters={"label": f"{label}=1"})
+        volumes: dict[str, Any] = {} if mine_only else client.volumes(filters={"label": label})
     except Exception:
         return set()
     finally:

@@ -36,6 +36,22 @@ def docker_py() -> Any:
     return docker
 
 
+def engine_client(base_url: str | None, timeout: float) -> Any:
+    """A docker-py API client for the engine at ``base_url`` (else the environment's), its API
+    version agreed; raises docker-py's or the transport's error when no engine answers."""
+    docker = docker_py()
+    url = base_url or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+    if url.startswith(("unix://", "http+unix://")):
+        # docker-py leaves the socket of a refused connection to the garbage collector (a
+        # ResourceWarning for each attempt while no engine runs): try the socket first here.
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(timeout)
+            probe.connect(url.split("://", 1)[1])
+    if base_url:
+        return docker.APIClient(base_url=base_url, version="auto", timeout=timeout)
+    return docker.from_env(version="auto", timeout=timeout).api
+
+
 def engine_error(err: BaseException, *, image: str = "", runtime: str | None = None) -> exc.StockadeError:
     """The one translation of a docker-py / transport failure into a stockade error."""
     if isinstance(err, exc.StockadeError):

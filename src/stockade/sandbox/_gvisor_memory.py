@@ -526,12 +526,12 @@ def image_layers(image: str) -> list[Path]:
     known = _layers.get(image)
     if known is not None and all(p.is_dir() for p in known):
         return known
-    from stockade.sandbox._docker_engine import docker_py
+    from stockade.sandbox._docker_engine import engine_client
 
     try:
-        client = docker_py().from_env(version="auto", timeout=30)
+        client = engine_client(None, 30)
         try:
-            driver = client.api.inspect_image(image)["GraphDriver"]
+            driver = client.inspect_image(image)["GraphDriver"]
         finally:
             client.close()
     except Exception as err:  # docker-py's and the engine's errors alike: no image, no engine

@@ -39,6 +39,7 @@ from stockade.sandbox._cgroups import tcp_buffer_bytes
 from stockade.sandbox._docker_engine import (
     AttachStream,
     docker_py,
+    engine_client,
     engine_error,
     engine_failures,
     is_remote,
@@ -438,15 +439,8 @@ class DockerBackend(Backend):
     def _api(self) -> Any:
         with self._lock:
             if self._api_client is None:
-                docker = docker_py()
                 with mapped_engine_errors(self.image, self.runtime):
-                    if self.base_url:
-                        client = docker.APIClient(
-                            base_url=self.base_url, version="auto", timeout=API_TIMEOUT_S
-                        )
-                    else:
-                        client = docker.from_env(version="auto", timeout=API_TIMEOUT_S).api
-                self._api_client = client
+                    self._api_client = engine_client(self.base_url, API_TIMEOUT_S)
             return self._api_client
 
     # -- capability ---------------------------------------------------------------------

@@ -144,11 +144,11 @@ def test_a_sandbox_flooding_slow_names_neither_stalls_another_nor_goes_unanswere
 
 
 CHILD = r"""
-import socket, sys, time
+import os, socket, sys, time
 from stockade.egress import EgressProxy, NetworkPolicy, _loop
 
 hole = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-hole.bind(("127.0.0.9", 53))  # the nameserver: never answers
+hole.bind((os.environ["NAMESERVER"], 53))  # the nameserver: never answers
 records = []
 a = EgressProxy(NetworkPolicy(allow_hosts=("*.slow.test:443",)), observer=records.append)
 a.gate.lookup_timeout_s = 1.0
@@ -186,12 +186,16 @@ def test_the_hosts_own_slow_dns_and_an_exit_with_lookups_blocked(tmp_path: Path,
     )
     if loop == "uvloop":
         require("uvloop", _has_uvloop(), "the egress-fast extra (dev installs it)")
+    # Each run its own address: the network namespace is the machine's, and the two loops'
+    # runs can be at the same time on two workers (both on 127.0.0.9: "Address already in use").
+    nameserver = {"asyncio": "127.0.0.9", "uvloop": "127.0.0.10"}[loop]
     resolv = tmp_path / "resolv.conf"
-    resolv.write_text("nameserver 127.0.0.9\noptions timeout:30 attempts:1\n")
+    resolv.write_text(f"nameserver {nameserver}\noptions timeout:30 attempts:1\n")
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     shell = f'mount --bind "{resolv}" /etc/resolv.conf && exec "{sys.executable}" "{script}"'
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "STOCKADE_EGRESS_LOOP": loop}
+    env["NAMESERVER"] = nameserver
     done = subprocess.run(
         ["unshare", "--mount", "--propagation", "private", "sh", "-c", shell],
         env=env, capture_output=True, text=True, timeout=60, check=False,

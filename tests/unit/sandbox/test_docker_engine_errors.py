@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import gc
+from pathlib import Path
+
 import pytest
 
 docker = pytest.importorskip("docker")
 requests = pytest.importorskip("requests")
 
 from stockade import exceptions as exc  # noqa: E402
-from stockade.sandbox.docker import engine_error  # noqa: E402
+from stockade.sandbox import SandboxSpec  # noqa: E402
+from stockade.sandbox.docker import DockerBackend, engine_error  # noqa: E402
 
 
 def api_error(status: int, explanation: str) -> Exception:
@@ -51,3 +55,23 @@ def test_an_invalid_limit_is_a_configuration_error() -> None:
 def test_a_missing_runtime_names_the_setup_script() -> None:
     mapped = engine_error(api_error(400, "Unknown runtime specified runsc"), runtime="runsc")
     assert isinstance(mapped, exc.ConfigurationError) and "setup-docker.sh" in str(mapped)
+
+
+@pytest.mark.parametrize("where", ["base_url", "DOCKER_HOST"])
+def test_no_engine_is_retryable_and_leaves_no_socket_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A host with no engine running (no socket, or one nobody listens on) is told so, and
+    each attempt closes its socket: docker-py left it to the collector, a ResourceWarning
+    per attempt (so on a machine without Docker every test of the suite failed)."""
+    url = f"unix://{tmp_path / 'docker.sock'}"
+    if where == "DOCKER_HOST":
+        monkeypatch.setenv("DOCKER_HOST", url)
+    backend = DockerBackend(base_url=url if where == "base_url" else None)
+    for _ in range(3):
+        report = backend.probe()
+        assert not report.available and "the Docker engine is unreachable" in report.detail
+        with pytest.raises(exc.BackendUnavailable) as caught:
+            backend.start(SandboxSpec())
+        assert caught.value.retryable
+    gc.collect()  # the suite turns warnings into errors: a socket left open fails the test
