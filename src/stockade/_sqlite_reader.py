@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import stat
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -51,9 +52,16 @@ class SQLiteReader:
 
     def _look(self) -> _Sight:
         try:
-            st = os.stat(self.path)
-            with open(self.path, "rb") as f:
-                header = f.read(20)
+            # O_NONBLOCK: a FIFO given as the database (`--db sqlite:///a-fifo`) would hold
+            # the open until a writer came; any file but a regular one is refused
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise sqlite3.OperationalError(f"cannot read {self.path}: not a regular file")
+                header = os.pread(fd, 20, 0)
+            finally:
+                os.close(fd)
         except OSError as error:
             raise sqlite3.OperationalError(f"cannot read {self.path}: {error.strerror}") from error
         wal = len(header) == 20 and header[18] == _WAL

@@ -3,11 +3,14 @@ as a tar stream made and unpacked a chunk at a time, all or nothing."""
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import pytest
 
 from stockade import Limits, Sandbox, StockadeError, WorkspaceFull
+from tests.conftest import require
 
 MiB = 1024 * 1024
 # 128 MiB of memory, of which the workspace may take 80 (its files are memory too).
@@ -92,3 +95,20 @@ def test_an_upload_that_fails_as_it_moves_into_place_changes_nothing(tier: str, 
             sbx.files.upload_dir(folder, "r")
         assert sbx.commands.run("find r | sort; cat r/a/f1").stdout == before  # as it was
         assert sbx.commands.run("ls -A r").stdout.split() == ["a", "m"]  # no staging left either
+
+
+def test_fifos_and_device_nodes_in_an_upload_are_left_out(tier: str, tmp_path: Path) -> None:
+    # A device node in the folder (a copied /dev, a container's rootfs) made every unpacking
+    # fail with "put_archive '': Operation not permitted", a FIFO with a refusal of Python's
+    # tar filter: the whole upload, and an MCP session seeded from such a workspace. They are
+    # no workspace content (a run's seed leaves them out): left out, as sockets are.
+    require("root, to make a device node", os.geteuid() == 0)
+    folder = tmp_path / "up"
+    (folder / "dev").mkdir(parents=True)
+    os.mknod(folder / "dev" / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    os.mkfifo(folder / "dev" / "pipe")
+    (folder / "dev" / "kept.txt").write_text("kept")
+    with Sandbox.create(tier, limits=SMALL, workspace=folder) as sbx:
+        assert sbx.commands.run("ls -A dev").stdout.split() == ["kept.txt"]
+        sbx.files.upload_dir(folder, "again")
+        assert sbx.commands.run("ls -A again/dev").stdout.split() == ["kept.txt"]

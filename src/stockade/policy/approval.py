@@ -166,6 +166,8 @@ class ApprovalStore:
 
     def decide(self, run_id: str, request_id: str, choice: Choice, *, by: str = "") -> None:
         file = self._file(run_id, request_id)
+        if not file.parent.is_dir():  # a mistyped run id leaves no folder behind
+            raise ConfigurationError(f"no approval request {request_id!r} for run {run_id!r}")
         with self._locked(file):
             record = self._read(file)
             if record is None:
@@ -177,6 +179,8 @@ class ApprovalStore:
 
     def spend(self, run_id: str, request_id: str) -> bool:
         file = self._file(run_id, request_id)
+        if not file.parent.is_dir():
+            return False
         with self._locked(file):
             record = self._read(file)
             if record is None or record.get("status") != Choice.APPROVED:

@@ -437,8 +437,12 @@ _VCS_FOLDERS = frozenset({".hg", ".svn", ".bzr", "_darcs", ".jj", "CVS", ".fossi
 def _described(
     tar: tarfile.TarFile, path: Path, name: str, st: os.stat_result
 ) -> tuple[tarfile.TarInfo, BinaryIO | None] | None:
-    """The header of ``path`` and, for a file, its open descriptor; None for what an archive
-    leaves out: an entry removed since the walk saw it, a socket (as tar leaves one out)."""
+    """The header of ``path`` and, for a file, its open descriptor; None for what an upload
+    leaves out: an entry removed since the walk saw it, a socket, a FIFO, a device (none is
+    workspace content, as a run's seed leaves them out; a device node made every unpacking
+    in the sandbox fail, "put_archive '': Operation not permitted")."""
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+        return None
     try:
         # a file is opened first, and described by its descriptor: what is read is what the
         # header says, even if its name goes meanwhile
@@ -448,8 +452,8 @@ def _described(
         return None
     except OSError as error:
         raise unreadable(path, error) from None
-    if info is None:  # typeshed says never; a socket's is
-        if data is not None:
+    if info is None or not (info.isreg() or info.islnk() or info.isdir() or info.issym()):
+        if data is not None:  # it became a socket, a FIFO or a device since the walk
             data.close()
         return None
     return info, data

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stockade.exceptions import ApprovalDecided, ApprovalRequired, PolicyDenied
+from stockade.exceptions import ApprovalDecided, ApprovalRequired, ConfigurationError, PolicyDenied
 from stockade.policy.approval import SPENT, ApprovalBook, ApprovalRequest, Approvals, ApprovalStore, Choice
 from stockade.server.state import DatabaseApprovals, ServiceStore, open_database
 
@@ -207,3 +207,13 @@ def test_forgetting_a_run_while_it_is_asked_about_is_no_error(tmp_path: Path) ->
     assert errors == []
     store.forget("run-1")
     assert store.requests("run-1") == []
+
+
+def test_deciding_or_spending_for_a_run_never_asked_about_leaves_nothing_behind(tmp_path: Path) -> None:
+    """`stockade approve nosuch x` (a mistyped run id) made the folder of a run that never
+    was, with its lock file in it."""
+    store = ApprovalStore(tmp_path / "approvals")
+    with pytest.raises(ConfigurationError, match="no approval request 'x' for run 'nosuch'"):
+        store.decide("nosuch", "x", Choice.APPROVED)
+    assert not store.spend("nosuch", "x")
+    assert not (tmp_path / "approvals").exists() and store.pending() == []

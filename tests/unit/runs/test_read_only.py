@@ -5,11 +5,13 @@ both read-only; a table they lack is said, never made; nothing is made beside th
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from stockade.assembly import AgentConfig, build_agent
 from stockade.cli.main import app
@@ -135,3 +137,22 @@ def test_a_reader_makes_no_store_refuses_writes_and_sees_a_writer_that_starts_la
     conn.close()
     with pytest.raises(RunStoreCorrupt, match="lacks runs_erased"):
         open_run_store(str(db), read_only=True)
+
+
+@pytest.mark.parametrize("command", [["runs", "list"], ["runs", "show", "r1"], ["audit", "verify"]])
+def test_a_fifo_given_as_the_database_is_refused_not_waited_on(tmp_path: Path, command: list[str]) -> None:
+    """`runs list --db sqlite:///a-fifo` waited, for ever, for someone to write into it."""
+    fifo = tmp_path / "runs.db"
+    os.mkfifo(fifo)
+    done: list[Result] = []
+    reader = threading.Thread(
+        target=lambda: done.append(runner.invoke(app, [*command, "--db", f"sqlite:///{fifo}"])), daemon=True
+    )
+    reader.start()
+    reader.join(30)
+    if reader.is_alive():
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # its open goes on: the test ends
+        reader.join(30)
+        pytest.fail(f"{command} waited on a FIFO")
+    (result,) = done
+    assert result.exit_code != 0 and "not a regular file" in result.output, result.output
