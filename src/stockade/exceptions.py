@@ -38,6 +38,7 @@ runsc, the OS) are translated once, at the backend boundary, to the most specifi
     │   ├── ListingTooLarge           a listing over what one answer carries: list less of it
     │   ├── TreeTooDeep               folders deeper than an archive takes (128): snapshots, uploads
     │   ├── BaselineTampered          the run's diff baseline is not the one the host recorded
+    │   ├── BaselineUnreadable        the run's diff baseline does not parse: no diff is made from it
     │   └── WorkspaceFull             the workspace's size or inode limit is reached
     ├── PolicyDenied                  a guard refused the action (fed back to the model)
     ├── ModelError                    the LLM provider failed or refused (``status_code``)
@@ -100,6 +101,7 @@ __all__ = [
     "AuthenticationError",
     "BackendUnavailable",
     "BaselineTampered",
+    "BaselineUnreadable",
     "BudgetExceeded",
     "CallCancelled",
     "CircuitBroken",
@@ -412,6 +414,13 @@ class BaselineTampered(WorkspaceError):
     """The workspace's diff baseline (``.stockade/baseline.json``) is not the file the run wrote:
     code in the sandbox rewrote or removed it. The host kept its SHA-256 and size, so a forged
     one is refused, read no further than the real one's size, and no diff is made from it."""
+
+
+class BaselineUnreadable(WorkspaceError):
+    """The workspace's diff baseline does not parse as one: the file the run wrote (its hash
+    matched) past a bound it should have fit, or, for a caller that kept no hash, a file that
+    is not a baseline. No diff is made from it: an empty baseline in its place showed every
+    file as new and hid the run's real changes."""
 
 
 class ListingTooLarge(WorkspaceError):

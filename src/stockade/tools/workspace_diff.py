@@ -32,7 +32,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from stockade.exceptions import BaselineTampered, SandboxFileNotFound
+from stockade.exceptions import BaselineTampered, BaselineUnreadable, SandboxFileNotFound
 from stockade.sandbox._channel import loads_bounded
 from stockade.sandbox.facade import Sandbox
 from stockade.tools.deadline import checkpoint
@@ -79,6 +79,17 @@ MAX_TEXT_TOTAL = 32 * 1024 * 1024
 # A baseline's JSON: the text, and a name and a hash marker a file. A baseline the run recorded
 # is read up to the size the host kept; this bounds one read without it (a caller's own).
 MAX_BASELINE_BYTES = MAX_TEXT_TOTAL + MAX_FILES * 1024
+# The most a baseline's JSON makes of text per byte of it (``protocol.text_bytes``): it is
+# ASCII (``record_baseline``), each byte at most one character, and one character past U+FFFF
+# (an escaped emoji, or a name not UTF-8) holds them all at four bytes. A text budget of its
+# exact size refused a baseline of 161 bytes with one curly apostrophe in it, and the diff
+# showed every file as new (found from outside).
+_TEXT_PER_BYTE = 4
+# The JSON values a baseline holds at most (``json_values``' count): a file's name and text
+# with their ":" and ",", its mode's name, ":" and ",", and the name of what is neither file
+# nor folder with its ","; then its own keys. 3 a file refused one of 3,000 files (a mode is
+# three) and the diff showed every file as new.
+_BASELINE_VALUES = (4 + 3 + 2) * MAX_FILES + 16
 _PIECE = 1024 * 1024
 # Past this a file is known by its size, status change time and inode, not its hash: code can
 # set a file's mtime back, never its ctime, so a change is still seen (a copy of the workspace
@@ -172,8 +183,10 @@ def snapshot(
             continue
         try:
             content = _content(sandbox, entry.path, max(0, min(room, MAX_TEXT_BYTES)), deadline)
-        except SandboxFileNotFound:
-            continue  # removed while we listed
+        except SandboxFileNotFound:  # removed while we listed
+            if modes is not None:  # not kept: the baseline holds no more modes than files
+                del modes[entry.path]
+            continue
         if not content.startswith("\x00"):
             held = len(json.dumps(content))  # ASCII, as the baseline holds it
             if held > room:  # escapes made it larger than it read: held by its hash instead
@@ -248,7 +261,8 @@ class _Baseline:
 def _load_baseline(sandbox: Sandbox, recorded: str | None) -> _Baseline:
     """The baseline the run wrote. ``recorded``: what ``record_baseline`` returned; the file is
     read no further than its size and refused unless its hash matches (``BaselineTampered``).
-    None (a caller that kept nothing): the file as it is, within ``MAX_BASELINE_BYTES``."""
+    None (a caller that kept nothing): the file as it is, within ``MAX_BASELINE_BYTES``; none
+    there is an empty baseline. A file that does not parse is ``BaselineUnreadable``."""
     known = _BASELINE_ID.fullmatch(recorded) if recorded is not None else None
     if recorded is not None and known is None:
         raise BaselineTampered(
@@ -271,11 +285,23 @@ def _load_baseline(sandbox: Sandbox, recorded: str | None) -> _Baseline:
             "sandbox rewrote it): no diff is made from it",
             path=BASELINE,
         )
+    if len(raw) > cap:
+        raise BaselineUnreadable(
+            f"the workspace's baseline is over the {cap} bytes a baseline takes: no diff is made from it",
+            path=BASELINE,
+        )
     try:
-        data = loads_bounded(raw, max_bytes=cap, max_values=3 * MAX_FILES + 2)
-    except ValueError:  # not JSON, or over the bounds: not a baseline we wrote
-        return _Baseline({})
-    return _Baseline(data if isinstance(data, dict) else {})
+        # Its bytes were bounded above; its text by what they can make at most, never less.
+        data = loads_bounded(raw, max_bytes=_TEXT_PER_BYTE * len(raw), max_values=_BASELINE_VALUES)
+    except (ValueError, RecursionError) as err:
+        # Never an empty baseline in its place: that diff showed every file as new.
+        whose = "the run's baseline (its hash matched)" if known else "the workspace's baseline"
+        raise BaselineUnreadable(
+            f"{whose} does not parse: {str(err)[:200]}; no diff is made from it", path=BASELINE
+        ) from None
+    if not isinstance(data, dict):
+        raise BaselineUnreadable("the workspace's baseline is not a JSON object", path=BASELINE)
+    return _Baseline(data)
 
 
 def started_in_repository(sandbox: Sandbox, baseline: str | None) -> bool:

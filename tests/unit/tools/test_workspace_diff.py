@@ -4,6 +4,7 @@ size and time whatever the workspace holds."""
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import random
 import time
@@ -13,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stockade import Sandbox
-from stockade.exceptions import BaselineTampered
+from stockade.exceptions import BaselineTampered, BaselineUnreadable
 from stockade.testing import FakeBackend
 from stockade.tools import ToolContext, git_diff
 from stockade.tools.patch import apply_patch_to_sandbox
@@ -85,6 +86,65 @@ async def test_git_diff_reports_a_forged_baseline_as_its_error() -> None:
     sbx.files.write(BASELINE, '{"a.txt": "x"}')
     ctx = ToolContext(sandbox=sbx, baseline=recorded)
     with pytest.raises(BaselineTampered):
+        await git_diff.invoke(ctx, git_diff.validate({}))
+
+
+# Text past U+00FF: a curly apostrophe, the euro sign, an emoji (past U+FFFF), CJK, in a name too
+# (a name not UTF-8 takes the process tier: tests/integration/test_agent_diff_text.py).
+WIDE_TEXT = {
+    "README.md": "It\u2019s a project.\n",
+    "prices.txt": "5 \u20ac\n",
+    "notes.md": "done \U0001f600\n",
+    "cjk.txt": "\u6f22\u5b57\n",
+    "caf\u00e9 \u2603.txt": "plain\n",
+}
+DEBUG_PATCH = "--- a/config.py\n+++ b/config.py\n@@ -1 +1 @@\n-DEBUG = False\n+DEBUG = True\n"
+
+
+def test_a_workspace_with_text_past_latin_1_diffs_only_its_real_change() -> None:
+    """One character past U+00FF in the workspace wiped the baseline (its text was held to the
+    baseline's byte size, counted at two or four bytes a character): every file showed as new
+    and DEBUG = False -> True was nowhere in the diff."""
+    sbx = make_sandbox()
+    for path, text in WIDE_TEXT.items():
+        sbx.files.write(path, text)
+    sbx.files.write("config.py", "DEBUG = False\n")
+    recorded = record_baseline(sbx)
+    assert workspace_diff(sbx, baseline=recorded) == ""
+    sbx.files.write("config.py", "DEBUG = True\n")
+    assert workspace_diff(sbx, baseline=recorded) == DEBUG_PATCH
+
+
+def test_a_workspace_of_thousands_of_files_diffs_only_its_real_change() -> None:
+    """A baseline's values were held to three a file, where a file with its mode is seven: one
+    of 2,500 files was refused, and every file showed as new."""
+    sbx = make_sandbox()
+    for i in range(2500):
+        sbx.files.write(f"f{i}.txt", "x\n")
+    sbx.files.write("config.py", "DEBUG = False\n")
+    recorded = record_baseline(sbx)
+    sbx.files.write("config.py", "DEBUG = True\n")
+    assert workspace_diff(sbx, baseline=recorded) == DEBUG_PATCH
+
+
+def test_a_baseline_that_matches_its_hash_but_does_not_parse_is_an_error_not_an_empty_one() -> None:
+    """Whatever makes the run's own baseline unreadable, the diff says so: an empty baseline in
+    its place showed every file as new, with no word said."""
+    sbx, _ = with_baseline()
+    unreadable = b'{"a.txt": "hi\n'  # cut short
+    sbx.files.write(BASELINE, unreadable)
+    recorded = f"sha256:{hashlib.sha256(unreadable).hexdigest()}:{len(unreadable)}"
+    with pytest.raises(BaselineUnreadable, match="its hash matched"):
+        workspace_diff(sbx, baseline=recorded)
+    with pytest.raises(BaselineUnreadable):  # a caller that kept no hash: no more silent
+        workspace_diff(sbx)
+
+
+async def test_git_diff_reports_an_unreadable_baseline_as_its_error() -> None:
+    sbx, _ = with_baseline()
+    sbx.files.write(BASELINE, b"[]")
+    ctx = ToolContext(sandbox=sbx, baseline=f"sha256:{hashlib.sha256(b'[]').hexdigest()}:2")
+    with pytest.raises(BaselineUnreadable, match="not a JSON object"):
         await git_diff.invoke(ctx, git_diff.validate({}))
 
 
