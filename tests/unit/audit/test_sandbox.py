@@ -17,6 +17,7 @@ from stockade.sandbox import Sandbox
 from stockade.sandbox.base import Instance, SandboxSpec
 from stockade.sandbox.ops import RunCommand
 from stockade.testing import FakeBackend, MemoryWorkspace, capture_audit
+from stockade.types import ExecRecord
 
 
 def test_a_sandbox_session_becomes_audit_events() -> None:
@@ -187,7 +188,7 @@ def test_a_long_argv_is_kept_as_its_head_tail_size_and_digest() -> None:
     )
 
 
-def test_many_env_names_and_hosts_are_cut_the_same_way() -> None:
+def test_many_env_names_are_cut_the_same_way() -> None:
     envs = {f"NAME_{n:06d}": "v" for n in range(20_000)}
     with capture_audit() as audit:
         with Sandbox.create(
@@ -209,3 +210,27 @@ def test_a_short_argv_is_kept_whole_without_a_digest() -> None:
             sbx.commands.run(["ls", "-la", "src"])
         (command,) = audit.of(EventKind.COMMAND)
     assert command.attributes["argv"] == ["ls", "-la", "src"] and "argv_digest" not in command.attributes
+
+
+def test_an_exec_judged_inside_keeps_its_argv_within_the_cap() -> None:
+    """An exec's argv as the sandbox reported it (its words cut there, 4,096 characters each)
+    was kept word by word: 64 words made an event of 256 KiB. It is cut as a command's is."""
+    words = tuple(f"{n:04d}" + "a" * 4092 for n in range(64))
+    judged = ExecRecord(path="/usr/bin/true", argv=("true", *words), verdict="allow")
+
+    def ran(op: RunCommand) -> CommandResult:
+        return CommandResult(exit_code=0, stdout="", stderr="", duration_s=0, execs=(judged,))
+
+    with capture_audit() as audit:
+        with Sandbox.create(
+            backend=AuditedBackend(FakeBackend(MemoryWorkspace(commands=ran)), audit, run_id="r")
+        ) as sbx:
+            sbx.commands.run(["sh", "-c", "true"])
+        (exec_event,) = audit.of(EventKind.EXEC)
+    assert len(json.dumps(exec_event.attributes)) < 2 * TEXT_CAP
+    assert exec_event.attributes["argv_count"] == 65
+    assert (
+        exec_event.attributes["argv_digest"]
+        == "sha256:"
+        + hashlib.sha256(json.dumps(["true", *words], separators=(",", ":")).encode()).hexdigest()
+    )
