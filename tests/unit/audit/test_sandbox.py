@@ -213,8 +213,9 @@ def test_a_short_argv_is_kept_whole_without_a_digest() -> None:
 
 
 def test_an_exec_judged_inside_keeps_its_argv_within_the_cap() -> None:
-    """An exec's argv as the sandbox reported it (its words cut there, 4,096 characters each)
-    was kept word by word: 64 words made an event of 256 KiB. It is cut as a command's is."""
+    """An exec's argv is what the sandbox reported, which the host does not trust to have kept
+    to 32 KiB: it was kept word by word, and 64 words of 4,096 characters made an event of
+    262 KB. It is cut as a command's is."""
     words = tuple(f"{n:04d}" + "a" * 4092 for n in range(64))
     judged = ExecRecord(path="/usr/bin/true", argv=("true", *words), verdict="allow")
 
