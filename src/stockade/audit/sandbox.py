@@ -3,16 +3,17 @@
 ``AuditedBackend(backend, log, run_id=...)`` records ``sandbox_start`` for each sandbox it
 starts (and ``snapshot_restore`` when it started from a snapshot) and returns
 ``AuditedInstance``s, which record what changes or runs in the sandbox (snapshots taken too):
-commands (argv, env *names* never values, exit code, duration, output sizes; a program run
-from standard input, as ``run_code`` runs bash or node, capped, with its digest), ``run_code``
-(the code, capped, and its digest), file writes and removals, resets and ``sandbox_stop``;
-and, after a command or ``run_code``, each exec the sandbox's rules judged inside (``exec``:
-its argv, the verdict and the rule), in the order they happened; those what a call left
-running started while no call ran come first with the next call's result, or are taken
-before a reset and at close (``between``, of the call they followed). A command or ``run_code``
-is also recorded as it starts (``op_start``: the argv, cut; the code's size and digest), so
-a process killed while one runs leaves in the trail what was in flight; the execs judged inside
-it are reported with its result, and die with the process.
+commands (argv and env *names*, never values, each capped as a whole with its digest; exit
+code, duration, output sizes; a program run from standard input, as ``run_code`` runs bash or
+node, capped, with its digest), ``run_code`` (the code, capped, and its digest), file writes
+and removals, resets and ``sandbox_stop``; and, after a command or ``run_code``, each exec the
+sandbox's rules judged inside (``exec``: its argv, capped the same way, the verdict and the
+rule), in the order they happened; those what a call left running started while no call ran
+come first with the next call's result, or are taken before a reset and at close
+(``between``, of the call they followed). A command or ``run_code`` is also recorded as it
+starts (``op_start``: the argv, cut; the code's size and digest), so a process killed while
+one runs leaves in the trail what was in flight; the execs judged inside it are reported with
+its result, and die with the process.
 Reads are not recorded: they change nothing. A failed operation is recorded with its error
 class and whether it was retryable, then re-raised.
 """
@@ -22,9 +23,11 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import hashlib
+import json
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from stockade import exceptions as exc
@@ -61,8 +64,15 @@ __all__ = ["AuditedBackend", "AuditedInstance", "current_call", "exec_word"]
 # The tool call whose work runs now (set by the agent): the execs its code starts name it.
 current_call: contextvars.ContextVar[str | None] = contextvars.ContextVar("stockade_call", default=None)
 
-# Arguments and code longer than this are cut in the event (their digest is kept whole).
+# What one event keeps of each text or list it copies from the caller (a command's argv, its
+# env names, run_code's code, a program on stdin, a sandbox's hosts and names): at most this
+# many characters, all its words together. Past it the event keeps the first and last
+# KEPT_WORDS words, cut to a share of it, with the count, size and SHA-256 of the whole
+# (``argv_count``, ``argv_bytes``, ``argv_digest``, ``argv_cut``), which prove what ran. Each
+# word was once cut to it but all kept: 60,000 arguments of 14 characters made an event of 1 MB,
+# for ever in the service's database and not counted in the tenant's storage_mb.
 TEXT_CAP = 16 * 1024
+KEPT_WORDS = 16
 StepSource = Callable[[], int]
 
 
@@ -93,15 +103,57 @@ def _digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
+def words_json(words: Sequence[str]) -> bytes:
+    """A list of words as the size and digest of a cut one are of: compact JSON, UTF-8."""
+    return json.dumps(list(words), separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass")
+
+
+def _words(
+    name: str, words: Sequence[str], redactor: Redactor, redact: Callable[[str], str] | None = None
+) -> dict[str, object]:
+    """The attributes recording a list of words under ``name``: whole up to ``TEXT_CAP``
+    characters (once redacted), past it its head and tail words, the longest cut first and
+    alike, and the count, size and digest of the whole. Only the words kept are redacted (a
+    word redacted whole, then cut: a cut first can keep a credential's prefix); ``redact``
+    instead of ``redactor.text`` for words someone cut before (an exec's, ``exec_word``)."""
+    redact = redact or redactor.text
+    if sum(map(len, words)) <= TEXT_CAP:
+        whole = [redact(word) for word in words]
+        if sum(map(len, whole)) <= TEXT_CAP:
+            return {name: whole}
+    head = min(len(words), KEPT_WORDS)
+    tail = min(len(words) - head, KEPT_WORDS)
+    chosen = [redact(word) for word in (*words[:head], *words[len(words) - tail :])]
+    share, room = TEXT_CAP, TEXT_CAP
+    for at, n in enumerate(sorted(map(len, chosen))):  # the shortest whole, the rest cut alike
+        if n > room // (len(chosen) - at):
+            share = room // (len(chosen) - at)
+            break
+        room -= n
+    kept = [
+        word if len(word) <= share else word[:share] + f"…[{len(word) - share} more chars]" for word in chosen
+    ]
+    if omitted := len(words) - head - tail:
+        kept.insert(head, f"…[{omitted} more words]")
+    raw = words_json(words)
+    return {
+        name: kept,
+        f"{name}_count": len(words),
+        f"{name}_bytes": len(raw),
+        f"{name}_digest": _digest(raw),
+        f"{name}_cut": True,
+    }
+
+
 def describe(op: Op[Any], redactor: Redactor) -> tuple[EventKind, dict[str, object]] | None:
     """The event kind and attributes of an operation, or ``None`` for reads (not recorded)."""
     _cap = _cut(redactor)
     match op:
         case RunCommand():
             attributes: dict[str, object] = {
-                "argv": [_cap(arg) for arg in op.argv],
-                "cwd": op.cwd,
-                "env_names": sorted(op.envs),
+                **_words("argv", op.argv, redactor),
+                "cwd": None if op.cwd is None else _cap(op.cwd),
+                **_words("env_names", sorted(op.envs), redactor),
                 "timeout_s": op.timeout_s,
                 "stdin_bytes": None if op.stdin is None else len(op.stdin),
             }
@@ -132,8 +184,8 @@ def describe(op: Op[Any], redactor: Redactor) -> tuple[EventKind, dict[str, obje
                 "op": "put_archive",
                 "path": op.path,
                 "source": str(op.folder.source),
-                "hide": list(op.folder.hide),
-                "read": list(op.folder.read),
+                **_words("hide", op.folder.hide, redactor),
+                **_words("read", op.folder.read, redactor),
             }
         case PutArchive():
             return EventKind.FILE_WRITE, {
@@ -167,13 +219,14 @@ def starting(kind: EventKind, attributes: Mapping[str, object]) -> dict[str, obj
     if kind is EventKind.RUN_CODE:
         keep: tuple[str, ...] = ("code_bytes", "code_digest", "timeout_s")
     elif kind is EventKind.COMMAND:
-        keep = ("cwd", "timeout_s", "language", "program_digest")
+        keep = ("cwd", "timeout_s", "language", "program_digest", "argv_digest")
     else:
         return None
     out: dict[str, object] = {"op": kind.value, **{k: attributes[k] for k in keep if k in attributes}}
     argv = attributes.get("argv")
     if isinstance(argv, list):
-        out.update(argv=[_short(str(word)) for word in argv[:START_WORDS]], argc=len(argv))
+        argc = attributes.get("argv_count", len(argv))
+        out.update(argv=[_short(str(word)) for word in argv[:START_WORDS]], argc=argc)
     return out
 
 
@@ -304,7 +357,7 @@ class AuditedInstance(WrapperInstance):
                     "call_id": self._last_call if judged.between or kind is None else current_call.get(),
                     **({"between": True} if judged.between else {}),
                     "path": self.log.redactor.cut(judged.path, TEXT_CAP),
-                    "argv": [exec_word(self.log.redactor, a) for a in judged.argv],
+                    **_words("argv", judged.argv, self.log.redactor, partial(exec_word, self.log.redactor)),
                     "verdict": judged.verdict,
                     "rule": judged.rule,
                 },
@@ -382,10 +435,11 @@ class AuditedBackend(WrapperBackend):
             },
             "network": {
                 "enabled": spec.network.enabled,
-                "allow": [_spell(r) for r in spec.network.host_rules],
-                "credential_names": [c.name for c in spec.network.credentials],  # never values
+                **_words("allow", [_spell(r) for r in spec.network.host_rules], self.log.redactor),
+                # never values
+                **_words("credential_names", [c.name for c in spec.network.credentials], self.log.redactor),
             },
-            "env_names": sorted(spec.envs),
+            **_words("env_names", sorted(spec.envs), self.log.redactor),
             "labels": dict(spec.labels),
             "allow_weaker": spec.allow_weaker,
         }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from stockade.sandbox import Sandbox
 from stockade.sandbox.base import Instance, SandboxSpec
 from stockade.sandbox.ops import RunCommand
 from stockade.testing import FakeBackend, MemoryWorkspace, capture_audit
+from stockade.types import ExecRecord
 
 
 def test_a_sandbox_session_becomes_audit_events() -> None:
@@ -153,3 +156,82 @@ def test_a_command_cut_in_the_trail_is_redacted_before_the_cut() -> None:
         (command,) = audit.of(EventKind.COMMAND)
     kept = str(command.attributes["argv"])
     assert "more chars]" in kept and key[3:9] not in kept
+
+
+def _ran(op: RunCommand) -> CommandResult:
+    return CommandResult(exit_code=0, stdout="", stderr="", duration_s=0)
+
+
+def test_a_long_argv_is_kept_as_its_head_tail_size_and_digest() -> None:
+    """One command of 60,000 random 14-character arguments (0.9 MB, under the service's 2 MiB)
+    made a command event of 1.01 MB: each argument was cut to TEXT_CAP but all were kept, and
+    the tenant's audit trail, kept for ever, grew by that much a call. Now the event keeps the
+    first and last words, and the count, size and SHA-256 of the whole, which prove what ran."""
+    argv = ["true", *(f"{n:014x}" for n in range(60_000))]
+    with capture_audit() as audit:
+        with Sandbox.create(
+            backend=AuditedBackend(FakeBackend(MemoryWorkspace(commands=_ran)), audit, run_id="r")
+        ) as sbx:
+            sbx.commands.run(argv)
+        (command,) = audit.of(EventKind.COMMAND)
+        (started,) = audit.of(EventKind.OP_START)
+    assert len(json.dumps(command.attributes)) < 2 * TEXT_CAP
+    whole = json.dumps(argv, separators=(",", ":"), ensure_ascii=False).encode()
+    assert command.attributes["argv_digest"] == "sha256:" + hashlib.sha256(whole).hexdigest()
+    assert command.attributes["argv_bytes"] == len(whole) and command.attributes["argv_count"] == 60_001
+    kept = command.attributes["argv"]
+    assert isinstance(kept, list)
+    assert kept[:2] == argv[:2] and kept[-1] == argv[-1] and "…[59969 more words]" in kept
+    assert (
+        started.attributes["argc"] == 60_001
+        and started.attributes["argv_digest"] == command.attributes["argv_digest"]
+    )
+
+
+def test_many_env_names_are_cut_the_same_way() -> None:
+    envs = {f"NAME_{n:06d}": "v" for n in range(20_000)}
+    with capture_audit() as audit:
+        with Sandbox.create(
+            backend=AuditedBackend(FakeBackend(MemoryWorkspace(commands=_ran)), audit, run_id="r"), envs=envs
+        ) as sbx:
+            sbx.commands.run(["env"], envs=envs)
+        (start,) = audit.of(EventKind.SANDBOX_START)
+        (command,) = audit.of(EventKind.COMMAND)
+    for event in (start, command):
+        assert len(json.dumps(event.attributes)) < 2 * TEXT_CAP
+        assert event.attributes["env_names_count"] == 20_000 and event.attributes["env_names_cut"] is True
+
+
+def test_a_short_argv_is_kept_whole_without_a_digest() -> None:
+    with capture_audit() as audit:
+        with Sandbox.create(
+            backend=AuditedBackend(FakeBackend(MemoryWorkspace(commands=_ran)), audit, run_id="r")
+        ) as sbx:
+            sbx.commands.run(["ls", "-la", "src"])
+        (command,) = audit.of(EventKind.COMMAND)
+    assert command.attributes["argv"] == ["ls", "-la", "src"] and "argv_digest" not in command.attributes
+
+
+def test_an_exec_judged_inside_keeps_its_argv_within_the_cap() -> None:
+    """An exec's argv is what the sandbox reported, which the host does not trust to have kept
+    to 32 KiB: it was kept word by word, and 64 words of 4,096 characters made an event of
+    262 KB. It is cut as a command's is."""
+    words = tuple(f"{n:04d}" + "a" * 4092 for n in range(64))
+    judged = ExecRecord(path="/usr/bin/true", argv=("true", *words), verdict="allow")
+
+    def ran(op: RunCommand) -> CommandResult:
+        return CommandResult(exit_code=0, stdout="", stderr="", duration_s=0, execs=(judged,))
+
+    with capture_audit() as audit:
+        with Sandbox.create(
+            backend=AuditedBackend(FakeBackend(MemoryWorkspace(commands=ran)), audit, run_id="r")
+        ) as sbx:
+            sbx.commands.run(["sh", "-c", "true"])
+        (exec_event,) = audit.of(EventKind.EXEC)
+    assert len(json.dumps(exec_event.attributes)) < 2 * TEXT_CAP
+    assert exec_event.attributes["argv_count"] == 65
+    assert (
+        exec_event.attributes["argv_digest"]
+        == "sha256:"
+        + hashlib.sha256(json.dumps(["true", *words], separators=(",", ":")).encode()).hexdigest()
+    )
