@@ -11,6 +11,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
+from stockade.agent.state import RunState
 from stockade.assembly import AgentConfig, build_agent
 from stockade.audit import SQLiteStore, verify
 from stockade.audit.verify import ProblemKind
@@ -135,3 +136,18 @@ def test_a_run_the_trail_knows_and_the_store_lost_has_its_erasure_recorded(tmp_p
     assert code == 0 and "recorded the erasure of 1 run(s) the store no longer had" in shown, shown
     assert problems(db) == [] and stored(db) == ["kept"]
     assert erase(db, "lost")[0] == 1  # recorded once: nothing is left to do
+
+
+def test_a_running_run_is_refused_before_its_erasure_is_recorded(tmp_path: Path) -> None:
+    db = recorded(tmp_path, "done")
+    with open_run_store(db, key=KEY) as runs:
+        lease = runs.claim("live", new=True)  # held by this process: live
+        try:
+            runs.save(RunState(run_id="live", task="t", system="s", model_name="m"))
+            code, shown = erase(db, "done", "live")
+            assert code == 2 and "is running" in shown, shown
+        finally:
+            lease.release()
+    assert stored(db) == ["done", "live"]
+    with SQLiteStore(tmp_path / "audit.db") as audit:  # the trail says nothing was erased
+        assert not [row for row in audit.rows() if row.kind == "note"]
