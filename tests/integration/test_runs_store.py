@@ -129,7 +129,8 @@ async def test_runs_are_listed_newest_first_with_their_usage(store: RunStore) ->
     assert [r.run_id for r in runs] == ["third", "second", "first"]
     assert runs[1].steps == 3 and runs[1].usage.requests == 3 and runs[1].usage.total_tokens > 0
     assert [r.run_id for r in store.runs(limit=1)] == ["third"]
-    assert store.find("fi") == ["first"] and store.find("%") == []
+    assert store.find("fi") == ["first"] and store.find("%") == [] and store.find("f_rst") == []
+    assert store.find("FI") == [] and store.find("") == []  # in its case, on SQLite as on PostgreSQL
 
 
 async def test_a_reader_reads_and_writes_nothing(store: RunStore, run_store_target: StoreTarget) -> None:  # noqa: F811

@@ -92,6 +92,7 @@ __all__ = [
     "ProblemKind",
     "RunsLedger",
     "VerifyReport",
+    "unrecorded_erasures",
     "verify",
 ]
 
@@ -571,6 +572,25 @@ def _once(
         detail = f"a second run_end of run {run} (the first is seq {first}), not marked as a repeat"
         report(seq, ProblemKind.DUPLICATE_IN_TRAIL, detail, run)
     return None
+
+
+def unrecorded_erasures(store: AuditStore, run_ids: Iterable[str]) -> set[str]:
+    """Those of ``run_ids`` the trail says a run store recorded (a ``run_start`` so marked) and
+    records no erasure of (a ``note`` ``action: delete``, a ``run_erased``): gone from their
+    store, ``verify`` reports each ``not_in_store`` until its erasure is recorded."""
+    found: set[str] = set()
+    for run in run_ids:
+        recorded = deleted = False
+        for row in store.rows(run_id=run):
+            if row.kind == "run_start" and _attributes(row.body).get(STORED) is True:
+                recorded = True
+            elif row.kind == "run_erased" or (
+                row.kind == "note" and _attributes(row.body).get("action") == "delete"
+            ):
+                deleted = True
+        if recorded and not deleted:
+            found.add(run)
+    return found
 
 
 def _attributes(body: str) -> dict[str, object]:

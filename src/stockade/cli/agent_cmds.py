@@ -161,6 +161,9 @@ def _absolute_model(spec: str) -> str:
     return f"scripted:{Path(name).resolve()}" if provider == "scripted" and name else spec
 
 
+STATE_DIR = Path(".stockade/paused")  # --state-dir: `runs erase` removes a run's folder in it
+
+
 def _paused_dir(state_dir: Path, run_id: str) -> Path:
     if not run_id or "/" in run_id or run_id.startswith("."):
         raise exc.ConfigurationError(f"invalid run id {run_id!r}")
@@ -249,7 +252,7 @@ def agent(  # noqa: C901 - a typer command: its options become the run's configu
     ] = None,
     state_dir: Annotated[
         Path, typer.Option("--state-dir", help="where runs keep how they were started, to resume them")
-    ] = Path(".stockade/paused"),
+    ] = STATE_DIR,
 ) -> None:
     """Let a model work on a copy of WORKSPACE in a sandbox, under a policy; show each step and
     the final diff. The host folder is never written.

@@ -3,7 +3,8 @@ recorded agent runs, take out the workspace a run left (a run an anomaly rule ki
 review), and erase runs (a data subject's, or those older than the retention period).
 
 The store is ``--db`` (or ``STOCKADE_RUNS_DB``, else ``STOCKADE_AUDIT_DB``): by default the
-run tables live in the audit database file. A run id may be given by a unique prefix.
+run tables live in the audit database file. A run id may be given by a unique prefix, in its
+case, to the commands that read; ``erase`` takes whole ids (it never guesses).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import json
 import re
 import shlex
+import shutil
 import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
@@ -27,6 +29,7 @@ from stockade.cli._console import CliConsole, escape, print_diff
 from stockade.cli._numbers import checked
 from stockade.cli._signals import Interrupted, interruptible
 from stockade.cli._signals import exit_code as signal_exit_code
+from stockade.cli.agent_cmds import STATE_DIR
 from stockade.policy.approval import ApprovalRequest, Choice
 from stockade.runs.store import RetryEntry, RunSetup, RunStore, RunSummary, RunTrace, open_run_store
 from stockade.sandbox import _registry
@@ -332,7 +335,7 @@ def _print_trace(trace: RunTrace, limit: int, execs: Execs | None = None) -> Non
 
 
 def show(
-    run_id: Annotated[str, typer.Argument(help="a run id, or a unique prefix of one")],
+    run_id: Annotated[str, typer.Argument(help="a run id, or a unique prefix of one (in its case)")],
     *,
     db: DbOpt = DEFAULT_DB,
     namespace: NamespaceOpt = "runs",
@@ -382,7 +385,7 @@ def _execs_by_call(db: str, run_id: str) -> Execs:
 
 
 def replay(
-    run_id: Annotated[str, typer.Argument(help="a run id, or a unique prefix of one")],
+    run_id: Annotated[str, typer.Argument(help="a run id, or a unique prefix of one (in its case)")],
     *,
     workspace: Annotated[
         Path | None,
@@ -603,7 +606,7 @@ def load_tools(specs: list[str]) -> Toolset:
 
 
 def workspace(
-    run_id: Annotated[str, typer.Argument(help="a run id, or a unique prefix of one")],
+    run_id: Annotated[str, typer.Argument(help="a run id, or a unique prefix of one (in its case)")],
     dest: Annotated[Path, typer.Argument(help="a new folder to write the workspace into")],
     *,
     db: DbOpt = DEFAULT_DB,
@@ -631,7 +634,7 @@ MAX_AGE_DAYS = 1_000_000  # --older-than: past it the cut-off leaves what a time
 
 
 def erase(
-    run_ids: Annotated[list[str] | None, typer.Argument(help="run ids (or unique prefixes)")] = None,
+    run_ids: Annotated[list[str] | None, typer.Argument(help="whole run ids (never a prefix)")] = None,
     *,
     subject: Annotated[
         str | None, typer.Option("--subject", help="every run of this data subject (GDPR Art. 17)")
@@ -660,70 +663,122 @@ def erase(
             "user's)",
         ),
     ] = None,
+    state_dir: Annotated[
+        Path,
+        typer.Option(
+            "--state-dir", help="where `stockade agent` kept the runs' paused state (as its --state-dir)"
+        ),
+    ] = STATE_DIR,
 ) -> None:
-    """Erase runs: from the run store, their steps, calls, outputs, workspaces and seeds (what no
-    other run shares); the snapshots of their sandboxes a paused run kept; their approval
-    requests and decisions (which name the calls' arguments); in the audit store,
+    """Erase runs, named by their whole ids (a prefix or another case names no run): from the
+    run store, their steps, calls, outputs, workspaces and seeds (what no other run shares);
+    the snapshots of their sandboxes a paused run kept; the state `stockade agent` kept to
+    resume a paused run (``--state-dir``: its options and its copy of the workspace); their
+    approval requests and decisions (which name the calls' arguments); in the audit store,
     the keys their events were sealed with (runs about a data subject), so that what those
     events said can never be read again. The audit chain keeps every event and verifies as
     before; it gains one ``run_erased`` event per sealed run (so verify tells an erasure from a
     key deleted outside stockade) and a ``note`` (``action: delete``) per other run erased (so
     verify tells it from rows deleted outside stockade), which needs the chain's key
-    (``STOCKADE_AUDIT_KEY``)."""
+    (``STOCKADE_AUDIT_KEY``). The trail records each erasure before the rows go: an erasure cut
+    in between is finished by erasing the run again, as is one whose trail never recorded it."""
     import time
 
     from stockade.audit.events import Chain, Draft, EventKind
     from stockade.audit.stores import check_chain, open_store
+    from stockade.audit.verify import unrecorded_erasures
     from stockade.policy.approval import ApprovalStore
     from stockade.runs.snapshots import erase_run_snapshots
     from stockade.sandbox.snapshots import SnapshotStore
 
     if older_than is not None:  # a negative age reached runs updated "in the future": every run
         checked(older_than, "--older-than", zero=True, most=MAX_AGE_DAYS)
+    named = list(dict.fromkeys(run_ids or []))
+    if "" in named:  # a prefix of every run id, once
+        err.print("[red]an empty run id names no run[/]")
+        raise typer.Exit(2)
     with _store(db, namespace, read_only=False) as store:
-        chosen = [_resolve(store, r) for r in run_ids or []]
+        chosen = list(named)
         if subject is not None or older_than is not None:
             before = time.time_ns() - round(older_than * 86400e9) if older_than is not None else None
-            chosen += store.runs_of(subject=subject, before_ns=before)
+            chosen += [r for r in store.runs_of(subject=subject, before_ns=before) if r not in named]
         if not chosen and subject is None:
             err.print("nothing to erase: give run ids, --subject or --older-than (or none matched)")
             raise typer.Exit(1 if older_than is not None else 2)
         try:
-            # the keys first: one the chain's key cannot record the erasure of stops it all
             with open_store(audit_db or db) as audit:
-                chain = Chain(_audit_key())
                 present = store.stored_runs(chosen)
-                if present:  # their erasure is recorded below: no row goes unless it can be
+                gone = [r for r in named if r not in present]
+                # gone from the store with no erasure in the trail (an erasure cut before it
+                # was recorded, rows deleted by hand): recording it is what is left to do
+                unrecorded = unrecorded_erasures(audit, gone)
+                known = unrecorded | store.erased_runs(gone)
+                unknown = [r for r in gone if r not in known]
+                if unknown:
+                    err.print(
+                        f"[red]no run {escape(unknown[0])!r} in {escape(db)}[/] (erase takes whole run "
+                        "ids: `stockade runs list` shows them)"
+                    )
+                    raise typer.Exit(2)
+                store.check_erasable(sorted(present))  # a running run: nothing recorded, nothing erased
+                chain = Chain(_audit_key())
+                if present or unrecorded:  # their erasure is recorded below: no row goes unless it can be
                     check_chain(audit.head(), chain, audit.ns)
+                # the keys first: one the chain's key cannot record the erasure of stops it all
                 sealed = audit.erase_keys(chain, run_ids=chosen, subject=subject)
-                erased = store.erase(chosen)
-                # the others' erasure in their trail too: verify tells it from rows deleted behind
-                # the store's back (a sealed run's run_erased event already says it)
+                # the others' erasure in their trail too, before their rows go: verify tells it
+                # from rows deleted behind the store's back (a sealed run's run_erased says it),
+                # and an erasure cut after it is finished by erasing again
                 now = time.time_ns()
                 deleted = [
                     Draft(run_id=run, kind=EventKind.NOTE, actor="stockade", timestamp_ns=now,
                           attributes={"action": "delete"})
-                    for run in sorted(present - set(sealed))
+                    for run in sorted((present | unrecorded) - set(sealed))
                 ]  # fmt: skip
                 if deleted:
                     audit.append(deleted, chain)
+                erased = store.erase(chosen)
             snapshots = SnapshotStore(snapshot_dir) if snapshot_dir is not None else SnapshotStore.default()
             kept = erase_run_snapshots(snapshots, chosen)
             approvals = ApprovalStore(approval_dir)
             for run_id in chosen:
-                approvals.forget(run_id)
+                approvals.erase(run_id)
+            paused = sum(_erase_paused_state(state_dir, run_id) for run_id in chosen)
         except exc.StockadeError as error:
             err.print(f"[red]{escape(str(error))}[/]")
             raise typer.Exit(2) from error
-    if not erased and not sealed:
-        err.print(f"nothing to erase: no run of {subject!r} in {escape(db)}")
+    if not erased and not sealed and not unrecorded and not kept and not paused:
+        err.print(
+            f"nothing to erase: no run of {subject!r} in {escape(db)}"
+            if not named
+            else f"nothing to erase: {escape(', '.join(named))} erased already"
+        )
         raise typer.Exit(1)
     out.print(
         f"erased {erased} run(s) from {escape(db)}"
         + (f", with the {kept} sandbox snapshot(s) they kept" if kept else "")
+        + (f", the paused state of {paused}" if paused else "")
+        + (
+            f"; recorded the erasure of {len(unrecorded)} run(s) the store no longer had"
+            if unrecorded
+            else ""
+        )
         + f"; the audit events of {len(sealed)} sealed run(s) "
         "can no longer be read (the chain keeps them, records the erasure and still verifies)"
     )
+
+
+def _erase_paused_state(state_dir: Path, run_id: str) -> int:
+    """Remove what `stockade agent` kept to resume the run (``<state-dir>/<run-id>``: its
+    ``run.json`` and its copy of the workspace); 1 when there was one. A folder without
+    ``run.json`` is not one, and stays: a --state-dir given wrong deletes nothing else."""
+    if not run_id or "/" in run_id or run_id.startswith("."):  # never a folder `agent` made
+        return 0
+    folder = state_dir / run_id
+    if folder.is_symlink() or not (folder / "run.json").is_file():
+        return 0
+    shutil.rmtree(folder)
+    return 1
 
 
 def register(app: typer.Typer) -> None:

@@ -212,6 +212,17 @@ class ApprovalStore:
                 else:
                     entry.unlink(missing_ok=True)
 
+    def erase(self, run_id: str) -> None:
+        """``forget``, and the run's folder too (its name is the run's id): for a run erased,
+        that no request or decision will come for. A request asked meanwhile keeps it."""
+        self.forget(run_id)
+        folder = self._file(run_id, "x").parent
+        if not folder.is_dir() or folder.is_symlink():
+            return
+        with contextlib.suppress(OSError):  # not empty: written to since
+            (folder / ".lock").unlink(missing_ok=True)
+            folder.rmdir()
+
     def pending(self, run_id: str | None = None) -> list[dict[str, str]]:
         runs = [run_id] if run_id else sorted(p.name for p in self.directory.glob("*"))
         found: list[dict[str, str]] = []

@@ -59,12 +59,7 @@ class Erasure:
         refused (``RunConflict``): sweep the runs whose owner is gone first."""
         ns = self.ns
         marks = ",".join("?" * len(runs))
-        live = self.db.query(
-            f"SELECT run_id FROM {ns}_runs WHERE status = ? AND run_id IN ({marks})",
-            [RunStatus.RUNNING.value, *runs],
-        )
-        if live:
-            raise exc.RunConflict(f"run {live[0][0]} is running: stop it before erasing it")
+        self.refuse_running(runs)
         blobs = {
             decode_entry(str(body)).digest
             for (body,) in self.db.query(
@@ -85,6 +80,16 @@ class Erasure:
         self.db.write(statements)
         self.db.write([st for st in self._unshared(blobs - {""}, seeds) if st[1]])
         return as_int(found[0][0]) if found else 0
+
+    def refuse_running(self, runs: Sequence[str]) -> None:
+        """``RunConflict`` when one of ``runs`` is still running (sweep the dead ones first)."""
+        marks = ",".join("?" * len(runs))
+        live = self.db.query(
+            f"SELECT run_id FROM {self.ns}_runs WHERE status = ? AND run_id IN ({marks})",
+            [RunStatus.RUNNING.value, *runs],
+        )
+        if live:
+            raise exc.RunConflict(f"run {live[0][0]} is running: stop it before erasing it")
 
     def _unshared(self, blobs: set[str], seeds: set[str]) -> list[Statement]:
         """Deletions of the contents and seeds (of erased runs) that no run refers to any more.

@@ -457,6 +457,15 @@ class RunStore:
             check_number(before_ns, argument="before_ns", integer=True, low=0, high=2**63 - 1, unit="ns")
         return self._erasure.runs_of(subject=subject, before_ns=before_ns)
 
+    def check_erasable(self, run_ids: Sequence[str]) -> None:
+        """``RunConflict`` when one of these runs is still running, as ``erase`` would raise:
+        asked before the erasure is recorded elsewhere (the audit trail), so that a refused
+        erasure records none."""
+        runs = list(dict.fromkeys(check_strings(run_ids, argument="run_ids")))
+        if runs:
+            self.sweep()
+            self._erasure.refuse_running(runs)
+
     def erase(self, run_ids: Sequence[str]) -> int:
         """Remove every row of these runs, and the workspace contents and seeds that no other run
         shares; returns the runs erased. A run still running is refused (``RunConflict``)."""
@@ -554,19 +563,38 @@ class RunStore:
         return _swept(dataclasses.replace(summary_from_row(row[:-1]), forged=forged), stale)
 
     def find(self, prefix: str) -> list[str]:
-        """Run ids starting with ``prefix`` (the CLI accepts a unique prefix)."""
+        """Run ids starting with ``prefix``, in its case (the CLI's show, workspace and replay
+        accept a unique prefix; ``runs erase`` takes whole ids). An empty prefix names no run:
+        it was every run. ``substr`` and not ``LIKE``: SQLite's ``LIKE`` ignores case, so
+        ``PROD`` found ``prod-Main`` there and not on PostgreSQL."""
         if not isinstance(prefix, str):  # an int was an AttributeError
             check_text(prefix, argument="prefix", fix="give the start of a run id")
         try:
             prefix.encode("utf-8")
         except UnicodeEncodeError:  # a byte no UTF-8 holds (``$'\xff'``): no run id starts so
             return []
-        like = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
-        rows = self.db.query(
-            f"SELECT run_id FROM {self.ns}_runs WHERE run_id LIKE ? ESCAPE '\\' ORDER BY run_id LIMIT 10",
-            (like,),
+        if not prefix:
+            return []
+        rows = self.db.query(  # both count characters (code points), as len() does
+            f"SELECT run_id FROM {self.ns}_runs WHERE substr(run_id, 1, ?) = ? ORDER BY run_id LIMIT 10",
+            (len(prefix), prefix),
         )
         return [str(r[0]) for r in rows]
+
+    def erased_runs(self, run_ids: Collection[str]) -> set[str]:
+        """Those of ``run_ids`` this store erased (their ids stay taken)."""
+        runs = [_check_run_id(run_id) for run_id in check_strings(run_ids, argument="run_ids")]
+        found: set[str] = set()
+        for at in range(0, len(runs), 500):
+            part = runs[at : at + 500]
+            marks = ",".join("?" * len(part))
+            found.update(
+                str(r)
+                for (r,) in self.db.query(
+                    f"SELECT run_id FROM {self.ns}_erased WHERE run_id IN ({marks})", part
+                )
+            )
+        return found
 
     def tool_calls(self, run_id: str, *, step: int | None = None) -> list[ToolCallRecord]:
         """The ledger of ``run_id`` (in the order the calls returned)."""
