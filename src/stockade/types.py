@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import ipaddress
 import os
@@ -197,6 +198,8 @@ class HostRule:
             )
         for port in self.ports:
             check_number(port, argument="HostRule.ports", integer=True, low=1, high=65535, unit="port")
+        with contextlib.suppress(ValueError):  # an address, spelled as the proxy spells a request's
+            host = str(ipaddress.ip_address(host))
         object.__setattr__(self, "host", host)
         object.__setattr__(self, "methods", tuple(m.upper() for m in self.methods))
 
@@ -248,9 +251,9 @@ class Credential:
                 f"{label} names no host", argument="Credential.hosts",
                 fix='give the hosts it is for: hosts=("api.github.com",)',
             )  # fmt: skip
-        for host in hosts:
-            HostRule(host=host)  # the same patterns, checked the same way
-        object.__setattr__(self, "hosts", hosts)
+        # The same patterns, checked and spelled the same way: the proxy and the server's
+        # policy compare these with the rules' hosts, and ``API.GitHub.com.`` matched none.
+        object.__setattr__(self, "hosts", tuple(HostRule(host=host).host for host in hosts))
         if not callable(getattr(self.source, "read", None)):
             raise InvalidArgument(
                 f"{label}: its source has no read()", argument="Credential.source",

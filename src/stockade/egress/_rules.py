@@ -4,14 +4,18 @@ Every answer is a ``Verdict`` that names the rule that decided, so that a refusa
 reads (``403 ... rule: ...``) and the audit event say the same thing.
 
 Addresses: only public ones, unless the policy names a network (``allow_addresses``) or the
-address itself (an IP literal rule). ``ipaddress``'s ``is_global`` is the test: it is false
-for private, loopback, link-local (169.254.169.254, the metadata service), shared (CGNAT),
-reserved, multicast and unspecified addresses, and the IPv6 forms of all of them. An IPv6
-address that carries an IPv4 one (mapped, 6to4, Teredo, NAT64 ``64:ff9b::/96``) is judged
-as that IPv4 address too. A few IPv6 ranges ``is_global`` calls public in some Python
-versions reach no public host and are refused: IPv4-compatible ``::/96`` (deprecated; a
-host may route it to the IPv4 address inside), local-use NAT64 ``64:ff9b:1::/48`` (a
-network's own translator, to any IPv4 address) and site-local ``fec0::/10``.
+address itself (an IP literal rule). Public is written out here from IANA's special-purpose
+registries, not left to ``ipaddress``'s ``is_global``, whose tables differ between Python
+versions and called ``::ffff:0:a9fe:a9fe``, ``ff02::1`` and ``3fff::1`` public on ours. IPv4:
+any address but private, loopback, link-local (169.254.169.254, the metadata service), shared
+(CGNAT), documentation, benchmarking, ``192.0.0.0/24``, 6to4 relay, multicast and reserved.
+IPv6: global unicast ``2000::/3`` only, less documentation (``2001:db8::/32``, ``3fff::/20``),
+``2001::/23`` (protocol assignments: Teredo, benchmarking, ORCHID, anycast services) and SRv6
+``5f00::/16``. An IPv6 address that carries an IPv4 one (mapped ``::ffff:0:0/96``, translated
+``::ffff:0:0:0/96``, NAT64 ``64:ff9b::/96``, 6to4 ``2002::/16``) is judged as that IPv4
+address; IPv4-compatible ``::/96`` and local-use NAT64 ``64:ff9b:1::/48`` lie outside
+``2000::/3`` and are refused whatever they carry. The few public addresses inside refused
+ranges (anycast services in ``192.0.0.0/24`` and ``2001::/23``) serve no HTTP and stay refused.
 """
 
 from __future__ import annotations
@@ -57,34 +61,44 @@ def host_matches(pattern: str, host: str) -> bool:
     return host == pattern
 
 
-NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # well-known prefix (RFC 6052): the IPv4 address last
-COMPATIBLE = ipaddress.IPv6Network("::/96")  # IPv4-compatible (RFC 4291, deprecated), :: and ::1 too
-NOT_PUBLIC_V6 = (  # reach no public host, whatever ``is_global`` says in this Python
-    COMPATIBLE,
-    ipaddress.IPv6Network("64:ff9b:1::/48"),  # local-use NAT64 (RFC 8215): a network's own translator
-    ipaddress.IPv6Network("fec0::/10"),  # site-local (RFC 3879, deprecated)
+V4 = ipaddress.IPv4Network
+V6 = ipaddress.IPv6Network
+NOT_PUBLIC_V4 = tuple(
+    V4(n)
+    for n in (
+        "0.0.0.0/8", "10.0.0.0/8", "100.64.0.0/10", "127.0.0.0/8", "169.254.0.0/16", "172.16.0.0/12",
+        "192.0.0.0/24", "192.0.2.0/24", "192.88.99.0/24", "192.168.0.0/16", "198.18.0.0/15",
+        "198.51.100.0/24", "203.0.113.0/24",
+        "224.0.0.0/4",  # multicast: ``is_global`` calls it public
+        "240.0.0.0/4",  # reserved, and the broadcast address
+    )
+)  # fmt: skip
+GLOBAL_UNICAST = V6("2000::/3")  # no other IPv6 range reaches a public host
+NOT_PUBLIC_V6 = tuple(V6(n) for n in ("2001::/23", "2001:db8::/32", "3fff::/20", "5f00::/16"))
+COMPATIBLE = V6("::/96")  # IPv4-compatible (RFC 4291, deprecated; :: and ::1 too): never public
+CARRIERS = (  # IPv6 ranges whose last 32 bits are the IPv4 address the packets go to
+    V6("::ffff:0:0/96"),  # mapped (RFC 4291)
+    V6("::ffff:0:0:0/96"),  # translated (SIIT, RFC 2765)
+    V6("64:ff9b::/96"),  # NAT64, well-known prefix (RFC 6052)
+    COMPATIBLE,  # unwrapped only to match ``allow_addresses``
 )
 
 
 def _plain(address: Address) -> Address:
-    """An IPv4 address carried in IPv6 (mapped, compatible, 6to4, Teredo, NAT64), as itself."""
+    """An IPv4 address carried in IPv6 (mapped, translated, NAT64, compatible, 6to4), as itself."""
     if isinstance(address, ipaddress.IPv6Address):
-        if address.ipv4_mapped is not None:
-            return address.ipv4_mapped
         if address.sixtofour is not None:
             return address.sixtofour
-        if address.teredo is not None:
-            return address.teredo[1]  # the client's: where the relay sends the packets
-        if address in NAT64 or (address in COMPATIBLE and int(address) > 1):  # not :: or ::1
+        if int(address) > 1 and any(address in carrier for carrier in CARRIERS):  # not :: or ::1
             return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
     return address
 
 
 def _public(address: Address) -> bool:
-    if isinstance(address, ipaddress.IPv6Address) and any(address in n for n in NOT_PUBLIC_V6):
-        return False
     plain = _plain(address)
-    return plain.is_global and address.is_global
+    if isinstance(plain, ipaddress.IPv4Address):  # itself, or carried: judged as that
+        return address not in COMPATIBLE and not any(plain in n for n in NOT_PUBLIC_V4)
+    return plain in GLOBAL_UNICAST and not any(plain in n for n in NOT_PUBLIC_V6)
 
 
 class Judge:
@@ -216,6 +230,7 @@ class Judge:
         kind = (
             "loopback" if plain.is_loopback
             else "link-local" if plain.is_link_local
+            else "multicast" if plain.is_multicast
             else "private" if plain.is_private
             else "not public"
         )  # fmt: skip

@@ -16,12 +16,12 @@ from typing import Any, TypeVar
 
 import pytest
 
-from stockade.egress import EgressProxy, Judge, NetworkPolicy, SystemResolver, _loop
+from stockade.egress import EgressProxy, EnvSecret, Judge, NetworkPolicy, SystemResolver, _loop
 from stockade.egress._gate import Gate
 from stockade.egress._rules import KEPT
 from stockade.egress._streams import CHUNK, Plain, wrap
 from stockade.egress._tls import CONTEXTS_KEPT
-from stockade.types import EgressRecord, HostRule
+from stockade.types import Credential, EgressRecord, HostRule
 from tests.conftest import require
 from tests.egress_servers import TOKEN, servers
 
@@ -43,6 +43,16 @@ def test_a_judge_keeps_its_verdicts_and_no_more_than_it_may() -> None:
     for i in range(KEPT + 10):  # code asking about ever new names does not grow the judge
         judge.request(f"n{i}.example.com", 443, "GET")
     assert len(judge._requests) <= KEPT
+
+
+@pytest.mark.parametrize(
+    ("spelled", "asked"),
+    [("API.GitHub.com", "api.github.com"), ("api.github.com.", "api.github.com"), ("0:0::1", "[::1]")],
+)
+def test_a_credential_goes_to_its_host_however_the_policy_spells_it(spelled: str, asked: str) -> None:
+    gh = Credential(name="gh", hosts=(spelled,), source=EnvSecret("GH_TOKEN"))
+    verdict = Judge(NetworkPolicy(allow_hosts=(spelled,), credentials=(gh,))).request(asked, 443, "CONNECT")
+    assert verdict.allowed and verdict.credential is gh and verdict.intercept
 
 
 @pytest.mark.parametrize(

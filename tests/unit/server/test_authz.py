@@ -141,6 +141,17 @@ def test_the_sandbox_gets_the_policys_rules_and_credentials_for_the_hosts_it_nam
     assert denied.value.rule == "network.allow_hosts" and "pypi.org" in str(denied.value)
 
 
+@pytest.mark.parametrize("spelled", ["API.GitHub.com", "api.github.com."])
+def test_a_credential_for_a_host_spelled_otherwise_goes_with_its_host(spelled: str) -> None:
+    policy = Policy(
+        roles={"ci": Role(credentials=("gh",))},
+        network=NetworkRules(allow=(HostAllow(host="api.github.com", roles=("ci",)),)),
+        credentials={"gh": CredentialRule(source="env:GH_TOKEN", hosts=(spelled,))},
+    )
+    got = check_network(engine_for(principal("ci", policy)), NetworkPolicy(allow_hosts=("api.github.com",)))
+    assert [c.name for c in got.credentials] == ["gh"]
+
+
 def test_only_registered_models_are_allowed() -> None:
     engine = engine_for(principal())
     check_model(engine, "gpt-4.1-mini", "openai")
