@@ -85,6 +85,20 @@ def test_a_copy_of_a_broken_runs_message_leaves_it_broken_until_a_person_resumes
     assert _called(runner, "r1")[-1] == "write_file"
 
 
+def test_a_broken_run_whose_worker_died_before_saying_so_is_not_resumed_by_its_next_delivery(
+    runner: Runner,
+) -> None:
+    _submit(runner, "r1", [FAILING] * 5 + [AFTER, "done"])
+    assert runner.execute("r1", _acme(runner)).status == "broken"
+    # as a worker SIGKILLed between the run store's "broken" and the service's leaves the run
+    assert runner.store.set_status("r1", "running", only_from=("broken",))
+    assert runner.execute("r1", _acme(runner)).status == "broken"
+    row = runner.store.run("r1")
+    assert row is not None and row.status == "broken", row
+    assert "write_file" not in _called(runner, "r1")
+    assert runner.store.holds("acme") == []
+
+
 def test_a_copy_of_a_paused_runs_message_starts_nothing_until_its_approval_is_decided(runner: Runner) -> None:
     needs_approval = {"name": "run_code", "args": {"code": "rm -r nothing || true", "language": "bash"}}
     _submit(runner, "r1", [needs_approval, "done"])

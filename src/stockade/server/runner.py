@@ -275,6 +275,15 @@ class Runner:
                 self._rebuild_artifacts(run_id, tenant)
             self.store.set_status(run_id, summary.status.value, error=summary.error)
             return RunOutcome(run_id=run_id, status=summary.status.value, error=summary.error)
+        if (
+            summary is not None and summary.status is RunStatus.BROKEN and row.status == "running"
+            and not self.runs.leased(run_id)
+        ):  # fmt: skip
+            # Its worker died between the run store's "broken" and ours: resumed here, its breaker
+            # closed with no one asking. It waits for a person (one whose worker died before the
+            # resumed run's first checkpoint is resumed again: asked twice, never run unasked).
+            self.store.set_status(run_id, "broken", error=summary.error, only_from=["running"])
+            return RunOutcome(run_id=run_id, status="broken", error=summary.error)
         resume = summary is not None
         deferral = _Deferral()
         prepared: tuple[RunSubmit, AgentConfig] | None = None
