@@ -4,8 +4,10 @@ The same code runs in the server's threads (embedded) and in Celery workers (dis
 and it is safe to call twice for the same run, at once or in turn: the run store's lease
 lets one process run it (another gets ``RunLeased``, retryable after the lease), a run the
 store has is resumed from its last recorded step (each tool call returned is never run
-again; a non-idempotent one cut mid-way is ``OutcomeUnknown``), and a run that ended is left
-as it is. That is what lets a broker deliver a run again after its worker died.
+again; a non-idempotent one cut mid-way is ``OutcomeUnknown``), a run that ended is left as
+it is (its artifacts rebuilt from the store when its worker died before keeping them), and a
+paused or broken one waits for a person (who queues it before it is sent). That is what lets
+a broker deliver a run again after its worker died.
 
 The agent is assembled with ``build_agent`` from the run's spec and its tenant: the tenant's
 policy under the token's role, its audit trail (a chain of its own), approvals and kill
