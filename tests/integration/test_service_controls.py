@@ -2,7 +2,8 @@
 PostgreSQL and a real ``stockade worker``. A tenant's rate makes its run wait for the window
 (the model is not asked again for a refusal; the run succeeds), ``stockade kill --all --tenant``
 aimed at the service's database stops the tenant's live run on the worker, and a run its
-breaker stopped ("broken") goes on once a person resumes it through the API."""
+breaker stopped ("broken") goes on once a person resumes it through the API, not when a copy of
+its message reaches a worker."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from stockade.client import Client
+from stockade.distributed.tasks import make_app, send_run
 from stockade.server.state import DatabaseKillSource, RunRow, ServiceStore, open_database
 from tests.conftest import require_tier, wait_for
 from tests.integration.service_env import REDIS_URL, Server, Tokens, Worker, _env, write_tenants
@@ -34,6 +36,7 @@ class Cluster:
     tokens: Tokens
     database: str
     store: ServiceStore
+    queue: str
 
     def row(self, run_id: str) -> RunRow:
         row = self.store.run(run_id)
@@ -64,7 +67,9 @@ def cluster(tmp_path: Path, postgres_url: str, redis_queue: str) -> Iterator[Clu
     store = ServiceStore(open_database(postgres_url))
     try:
         worker = Worker(tenants, postgres_url, REDIS_URL, redis_queue, tmp_path, "a")
-        yield Cluster(server=server, worker=worker, tokens=tokens, database=postgres_url, store=store)
+        yield Cluster(
+            server=server, worker=worker, tokens=tokens, database=postgres_url, store=store, queue=redis_queue
+        )
     finally:
         if worker is not None:
             worker.stop()
@@ -124,6 +129,18 @@ def test_a_broken_run_goes_on_once_a_person_resumes_it(cluster: Cluster) -> None
         run = client.runs.submit("fix it", scripted=[failing] * 5 + [fixed, "fixed"])
         assert run.wait(timeout_s=60).status == "broken", run.info
         assert "failed" in (run.info["error"] or "")
+        # one more message for it (a waker's resend behind a backlog, the broker's copy of a
+        # dead worker's): before, it closed the breaker and ran the write ("success" in 2 s)
+        app = make_app(REDIS_URL, queue=cluster.queue)
+        try:
+            send_run(app, run.id, "wake")
+        finally:
+            app.close()
+        # one worker, one run at a time, one queue: a run sent after the copy ends after it
+        after = client.runs.submit("after the copy", scripted=["done"])
+        assert after.wait(timeout_s=60).status == "success"
+        assert cluster.row(run.id).status == "broken"
+        assert "fixed.txt" not in run.diff()
         resumed = run.resume()
         assert resumed.status in ("queued", "running", "success")
         done = run.wait(timeout_s=60)

@@ -1,6 +1,8 @@
-"""``Runner.execute`` against a run another delivery is starting (on a real SQLite database and
-the process tier): a broker's second copy, or a waker's send of a run whose first worker was
-slow to claim it, must leave the run to the process that holds it."""
+"""``Runner.execute`` given a run again (on a real SQLite database and the process tier): a
+broker's second copy, or a waker's send of a run whose first worker was slow to claim it, must
+leave the run to the process that holds it; a copy of a paused or broken run's message leaves it
+waiting for a person; a run whose worker died after its end was recorded still gets its
+artifacts."""
 
 from __future__ import annotations
 
@@ -10,9 +12,13 @@ from pathlib import Path
 import pytest
 
 from stockade import exceptions as exc
+from stockade.policy.approval import Choice
+from stockade.runs.seeds import pack_workspace, unpack_seed
 from stockade.runs.store import RunStore
 from stockade.server.runner import Runner
 from stockade.server.state import open_database
+from stockade.server.tenants import Tenant
+from stockade.types import MiB
 from tests.conftest import require_tier
 from tests.integration.service_env import runner_on_sqlite, write_tenants
 
@@ -43,3 +49,102 @@ def test_a_delivery_that_finds_the_run_starting_elsewhere_leaves_it_to_that_proc
     finally:
         lease.release()
         other.close()
+
+
+def _acme(runner: Runner) -> Tenant:
+    return runner.config.tenants.current().tenants["acme"]
+
+
+def _submit(runner: Runner, run_id: str, turns: list[object], **spec: object) -> None:
+    made = {"task": "t", "scripted": turns, **spec}
+    assert runner.store.add_run(run_id=run_id, tenant="acme", role="dev", spec=made, labels={}, max_active=10)
+
+
+def _called(runner: Runner, run_id: str) -> list[str]:
+    return [record.call.name for record in runner.runs.tool_calls(run_id)]
+
+
+FAILING = {"name": "run_code", "args": {"code": "raise ValueError('still broken')", "language": "python"}}
+AFTER = {"name": "write_file", "args": {"path": "went_on.txt", "content": "nobody resumed me"}}
+
+
+def test_a_copy_of_a_broken_runs_message_leaves_it_broken_until_a_person_resumes_it(runner: Runner) -> None:
+    _submit(runner, "r1", [FAILING] * 5 + [AFTER, "done"])
+    assert runner.execute("r1", _acme(runner)).status == "broken"
+    calls = _called(runner, "r1")
+    assert "write_file" not in calls
+    # a waker's resend, the broker's copy of a dead worker's message: before, this closed the
+    # breaker and ran the write queued after it opened ("success")
+    assert runner.execute("r1", _acme(runner)).status == "broken"
+    row = runner.store.run("r1")
+    assert row is not None and row.status == "broken" and row.attempts == 1, row
+    assert _called(runner, "r1") == calls
+    # POST /v1/runs/{id}/resume queues it, then sends it: that goes on
+    assert runner.store.set_status("r1", "queued", only_from=("broken",))
+    assert runner.execute("r1", _acme(runner)).status == "success"
+    assert _called(runner, "r1")[-1] == "write_file"
+
+
+def test_a_broken_run_whose_worker_died_before_saying_so_is_not_resumed_by_its_next_delivery(
+    runner: Runner,
+) -> None:
+    _submit(runner, "r1", [FAILING] * 5 + [AFTER, "done"])
+    assert runner.execute("r1", _acme(runner)).status == "broken"
+    # as a worker SIGKILLed between the run store's "broken" and the service's leaves the run
+    assert runner.store.set_status("r1", "running", only_from=("broken",))
+    assert runner.execute("r1", _acme(runner)).status == "broken"
+    row = runner.store.run("r1")
+    assert row is not None and row.status == "broken", row
+    assert "write_file" not in _called(runner, "r1")
+    assert runner.store.holds("acme") == []
+
+
+def test_a_copy_of_a_paused_runs_message_starts_nothing_until_its_approval_is_decided(runner: Runner) -> None:
+    needs_approval = {"name": "run_code", "args": {"code": "rm -r nothing || true", "language": "bash"}}
+    _submit(runner, "r1", [needs_approval, "done"])
+    assert runner.execute("r1", _acme(runner)).status == "paused"
+    [request] = runner.approvals.pending("r1")
+    # before, each copy started a sandbox (an attempt) and paused again
+    assert runner.execute("r1", _acme(runner)).status == "paused"
+    row = runner.store.run("r1")
+    assert row is not None and row.status == "paused" and row.attempts == 1, row
+    # a decision queues it, then sends it (decide_approval)
+    runner.approvals.decide("r1", request["id"], Choice.APPROVED, by="test")
+    assert runner.store.set_status("r1", "queued", only_from=("paused",))
+    assert runner.execute("r1", _acme(runner)).status == "success"
+
+
+def test_a_run_whose_worker_died_before_keeping_its_artifacts_gets_them_when_given_again(
+    runner: Runner, tmp_path: Path
+) -> None:
+    write = {"name": "write_file", "args": {"path": "out/result.txt", "content": "kept"}}
+    _submit(runner, "r1", [write, "done"])
+    assert runner.execute("r1", _acme(runner)).status == "success"
+    # as a worker SIGKILLed between the run store's end and the artifacts leaves the run
+    assert runner.store.delete_artifacts("r1")
+    assert runner.store.set_status("r1", "running", only_from=("success",))
+    # before, the end was written and the artifacts were "no artifacts (yet)" for ever
+    assert runner.execute("r1", _acme(runner)).status == "success"
+    data = runner.store.artifacts("r1")
+    assert data is not None
+    unpack_seed(data, tmp_path / "got")
+    assert (tmp_path / "got" / "out" / "result.txt").read_text() == "kept"
+
+
+def test_a_run_that_called_no_tool_gets_the_workspace_it_started_from_as_artifacts(
+    runner: Runner, tmp_path: Path
+) -> None:
+    (tmp_path / "seed").mkdir()
+    (tmp_path / "seed" / "README.md").write_text("seed")
+    seed = pack_workspace(tmp_path / "seed")
+    runner.store.put_workspace("acme", seed.digest, seed.data, len(seed.data), max_bytes=MiB * 100)
+    digest = seed.digest
+    _submit(runner, "r1", ["nothing to do"], workspace=digest)
+    assert runner.execute("r1", _acme(runner)).status == "success"
+    assert runner.store.delete_artifacts("r1")
+    assert runner.store.set_status("r1", "running", only_from=("success",))
+    assert runner.execute("r1", _acme(runner)).status == "success"
+    data = runner.store.artifacts("r1")
+    assert data is not None
+    unpack_seed(data, tmp_path / "got")
+    assert (tmp_path / "got" / "README.md").read_text() == "seed"

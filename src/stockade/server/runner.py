@@ -4,8 +4,10 @@ The same code runs in the server's threads (embedded) and in Celery workers (dis
 and it is safe to call twice for the same run, at once or in turn: the run store's lease
 lets one process run it (another gets ``RunLeased``, retryable after the lease), a run the
 store has is resumed from its last recorded step (each tool call returned is never run
-again; a non-idempotent one cut mid-way is ``OutcomeUnknown``), and a run that ended is left
-as it is. That is what lets a broker deliver a run again after its worker died.
+again; a non-idempotent one cut mid-way is ``OutcomeUnknown``), a run that ended is left as
+it is (its artifacts rebuilt from the store when its worker died before keeping them), and a
+paused or broken one waits for a person (who queues it before it is sent). That is what lets
+a broker deliver a run again after its worker died.
 
 The agent is assembled with ``build_agent`` from the run's spec and its tenant: the tenant's
 policy under the token's role, its audit trail (a chain of its own), approvals and kill
@@ -30,6 +32,7 @@ import contextlib
 import importlib
 import logging
 import os
+import shutil
 import socket
 import threading
 from collections.abc import Iterator
@@ -53,6 +56,8 @@ from stockade.server.schemas import RunSubmit
 from stockade.server.scratch import collect as collect_scratch
 from stockade.server.scratch import scratch
 from stockade.server.state import (
+    HELD,
+    STARTABLE,
     TERMINAL,
     WAITING,
     DatabaseApprovals,
@@ -252,7 +257,11 @@ class Runner:
         row = self.store.run_head(run_id)  # the spec is read once the run has its turn
         if row is None:
             return RunOutcome(run_id=run_id, status="missing", error="no such run")
-        if row.status in TERMINAL:
+        if row.status in TERMINAL or row.status in HELD:
+            # A paused or broken run goes on only once a person sends it (the approvals decided,
+            # POST /resume: both queue it first); a copy of its message (a waker's resend, the
+            # broker's given back) went on unasked, its breaker closed, an action queued after
+            # it opened run within 2 s, and each copy of a paused run started a sandbox.
             return RunOutcome(run_id=run_id, status=row.status, error=row.error)
         if tenant is None:
             self.store.set_status(run_id, "error", error=f"tenant {row.tenant!r} is no longer configured")
@@ -262,8 +271,21 @@ class Runner:
             raise still
         summary = self.runs.summary(run_id)
         if summary is not None and summary.status.finished:
+            # its worker died between recording the end and writing it here: the artifacts it
+            # was packing are rebuilt from the run store's last workspace (else lost for good)
+            if not self.store.has_artifacts(run_id):
+                self._rebuild_artifacts(run_id, tenant)
             self.store.set_status(run_id, summary.status.value, error=summary.error)
             return RunOutcome(run_id=run_id, status=summary.status.value, error=summary.error)
+        if (
+            summary is not None and summary.status is RunStatus.BROKEN and row.status == "running"
+            and not self.runs.leased(run_id)
+        ):  # fmt: skip
+            # Its worker died between the run store's "broken" and ours: resumed here, its breaker
+            # closed with no one asking. It waits for a person (one whose worker died before the
+            # resumed run's first checkpoint is resumed again: asked twice, never run unasked).
+            self.store.set_status(run_id, "broken", error=summary.error, only_from=["running"])
+            return RunOutcome(run_id=run_id, status="broken", error=summary.error)
         resume = summary is not None
         deferral = _Deferral()
         prepared: tuple[RunSubmit, AgentConfig] | None = None
@@ -425,10 +447,11 @@ class Runner:
             if why != row.error:  # written once, not each ask (a row written again is copied whole)
                 self.store.set_status(run_id, was, error=why, only_from=[was])
             raise
-        # Only from where it waited (or ran, delivered again): a kill of the queued run between
-        # our read and now ended it, and "running" written over "killed" ran it all the same.
+        # Only from where it waited to run (or ran, delivered again): a kill of the queued run
+        # between our read and now ended it, and "running" written over "killed" ran it all the
+        # same; a run that paused or broke meanwhile waits for a person (``HELD``).
         if self.store.set_status(
-            run_id, "running", worker=self.name, started=True, error=None, only_from=[*WAITING, "running"]
+            run_id, "running", worker=self.name, started=True, error=None, only_from=STARTABLE
         ):
             return None
         self.store.drop_hold(run_id)
@@ -444,13 +467,41 @@ class Runner:
         with scratch("artifacts", self.config.temp_dir) as tmp:
             try:
                 session.save_workspace(Path(tmp) / "out")
-                seed = pack_workspace(Path(tmp) / "out", max_bytes=MAX_ARTIFACT_BYTES)
             except exc.StockadeError as error:
                 log.warning("run %s: its artifacts were not kept: %s", run_id, error)
                 return
-            if not self.store.put_artifacts(
-                run_id, seed.digest, seed.data, len(seed.data), max_bytes=tenant.quotas.storage_mb * MiB
-            ):
-                log.warning(
-                    "run %s: its artifacts were not kept: its tenant's storage_mb quota is full", run_id
-                )
+            self._put_artifacts(run_id, tenant, Path(tmp) / "out")
+
+    def _rebuild_artifacts(self, run_id: str, tenant: Tenant) -> None:
+        """The artifacts of a run that ended without them: its last recorded workspace (each
+        tool call records it), or, a run that called no tool, the workspace it started from."""
+        with scratch("artifacts", self.config.temp_dir) as tmp:
+            out = Path(tmp) / "out"
+            try:
+                if self.runs.workspace_usage(run_id).versions:
+                    self.runs.export_workspace(run_id, out)
+                else:
+                    with self._seed(tenant, self._spec_workspace(run_id)) as seed:
+                        if seed is None:
+                            out.mkdir()
+                        else:
+                            shutil.copytree(seed, out, symlinks=True)
+            except (exc.StockadeError, OSError) as error:
+                log.warning("run %s: its artifacts were not rebuilt: %s", run_id, error)
+                return
+            self._put_artifacts(run_id, tenant, out)
+
+    def _spec_workspace(self, run_id: str) -> str | None:
+        workspace = (self.store.run_spec(run_id) or {}).get("workspace")
+        return workspace if isinstance(workspace, str) else None
+
+    def _put_artifacts(self, run_id: str, tenant: Tenant, folder: Path) -> None:
+        try:
+            seed = pack_workspace(folder, max_bytes=MAX_ARTIFACT_BYTES)
+        except exc.StockadeError as error:
+            log.warning("run %s: its artifacts were not kept: %s", run_id, error)
+            return
+        if not self.store.put_artifacts(
+            run_id, seed.digest, seed.data, len(seed.data), max_bytes=tenant.quotas.storage_mb * MiB
+        ):
+            log.warning("run %s: its artifacts were not kept: its tenant's storage_mb quota is full", run_id)

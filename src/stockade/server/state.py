@@ -70,6 +70,10 @@ QUEUED = "queued"
 # Runs that wait for something (a worker, an approval, a person): a kill-all ends them where
 # they are, or a worker would start them right after.
 WAITING = ("queued", "paused", "interrupted", "broken")
+# where a worker may take a run up: a paused or broken one (``HELD``) waits for a person, who
+# queues it (the approvals decided, POST /resume) before it is sent on
+STARTABLE = ("queued", "interrupted", "running")
+HELD = frozenset({"paused", "broken"})
 TERMINAL = frozenset({"success", "check_failed", "max_steps", "budget", "killed", "denied", "error"})
 ACTIVE = "('queued', 'running', 'interrupted')"  # what a tenant's runs quota counts (SQL)
 
@@ -584,7 +588,10 @@ class ServiceStore:
             (run_id, digest, size, data, *self._stored_params(row.tenant), size, max_bytes),
             tenant=row.tenant,
         )
-        return bool(self.db.query(f"SELECT 1 FROM {ns}_artifacts WHERE run_id = ?", (run_id,)))
+        return self.has_artifacts(run_id)
+
+    def has_artifacts(self, run_id: str) -> bool:
+        return bool(self.db.query(f"SELECT 1 FROM {self.ns}_artifacts WHERE run_id = ?", (run_id,)))
 
     def delete_artifacts(self, run_id: str) -> bool:
         table = f"{self.ns}_artifacts"

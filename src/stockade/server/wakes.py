@@ -26,8 +26,9 @@ executor's cap too) it ends "error", "gave up after N attempts", in its tenant's
 A row is sent by the waker whose move of its time commits (one transaction that finds it at
 the time it read): two wakers never send the same wake. A copy of a run that arrives anyway
 (the broker gives back a dead worker's message, a waker's message sat behind a backlog)
-starts nothing: the runner leaves an ended run as it is, a held one to its holder, and a
-waiting one that is early goes back to waiting.
+starts nothing: the runner leaves an ended run as it is, a paused or broken one to a person
+(a decision or POST /resume queues it first), a held one to its holder, and a waiting one
+that is early goes back to waiting.
 """
 
 from __future__ import annotations
