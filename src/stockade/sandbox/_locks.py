@@ -188,13 +188,11 @@ class Budget:
         self._until = time.thread_time() + most_cpu_s
         self.spent: Counter[int] = Counter()
 
-    @property
-    def exhausted(self) -> bool:
-        return self.bytes_left < 0 or time.thread_time() > self._until
-
-    def spend(self, pid: int, size: int) -> None:
+    def spend(self, pid: int, size: int) -> bool:
+        """Count ``size`` bytes read for ``pid``; whether the budget still holds."""
         self.spent[pid] += size
         self.bytes_left -= size
+        return self.bytes_left >= 0 and time.thread_time() <= self._until
 
     def costliest(self) -> int:
         """The process that cost the most (0 if none was read)."""
@@ -231,10 +229,8 @@ def listed_by(pid: int, most: int = UNKNOWN, budget: Budget | None = None) -> Li
     named: dict[str, list[int]] = {}
     unread: set[tuple[str, int]] = set()
     for entry in fds:
-        if budget is not None:
-            if budget.exhausted:
-                return Listing(unread=frozenset(unread), whole=False)
-            budget.spend(pid, DESCRIPTOR_BYTES)
+        if budget is not None and not budget.spend(pid, DESCRIPTOR_BYTES):
+            return Listing(unread=frozenset(unread), whole=False)
         with contextlib.suppress(OSError):  # closed meanwhile
             link = os.readlink(f"{folder}/fd/{entry}")
             if link.startswith("/"):
@@ -245,18 +241,16 @@ def listed_by(pid: int, most: int = UNKNOWN, budget: Budget | None = None) -> Li
     posix = listed = 0
     for same_path in named.values():
         for fd in open_files(pid, same_path):
-            if budget is not None and budget.exhausted:
-                return Listing(posix, listed, frozenset(unread), whole=False)
             try:
                 info = _read(f"{folder}/fdinfo/{fd}")
             except OSError:
                 continue  # closed meanwhile
-            if budget is not None:
-                budget.spend(pid, len(info))
             posix += info.count(b": POSIX ")
             listed += info.count(b"lock:\t")
             if posix > most:
                 return Listing(posix, listed, frozenset(unread))
+            if budget is not None and not budget.spend(pid, len(info)):
+                return Listing(posix, listed, frozenset(unread), whole=False)
     return Listing(posix, listed, frozenset(unread))
 
 

@@ -129,6 +129,7 @@ class Watch:
         self.listed = 0
         self.flocks: dict[int, int] = {}
         self.unread: dict[int, frozenset[tuple[str, int]]] = {}
+        self.cost = 0  # what the last round spent of its budget, in bytes (``_locks.Budget``)
 
     @property
     def kills(self) -> int:
@@ -153,6 +154,7 @@ class Watch:
         self.listed, self.flocks, self.unread = 0, {}, {}
         for pid in self.procs():
             listing = _locks.listed_by(pid, _locks.MOST, budget)
+            self.cost = budget.spent.total()
             held[pid] = listing.posix
             self.listed += listing.listed
             self.flocks[pid] = listing.listed - listing.posix
