@@ -7,13 +7,27 @@ nothing (``RLIMIT_LOCKS`` is ignored). Measured from outside: one process-tier s
 ``memory_mb=128`` held 3.6 million locks, 659 MiB of the host's unreclaimable slab, while its
 cgroup showed 79 MiB; the default ``open_files`` allowed 16 million (3 GB).
 
-So the host counts them, on the memory watch's thread (``_thrash``), every ``PERIOD_S``: first
-the host's whole count, the lock cache's objects in use (``host_locks``: one 16 us read of
-SLUB's sysfs); only when that is over ``MOST`` are the watched sandboxes' processes (their
-memory group's ``cgroup.procs``) counted, each by its open files' ``fdinfo``, which lists
-the locks the process holds on that file (``held_by``). A sandbox whose processes hold more
-than ``MOST`` (768 KiB of the host's) loses its processes holding the most, one after another,
-until the rest hold no more; each kill is counted with its OOM kills.
+So the host counts them, on a thread of the memory watch's (``_thrash``; its own, so that a
+slow count never delays a thrash kill), every ``PERIOD_S``: first the host's whole count, the
+lock cache's objects in use (``host_locks``: one 16 us read of SLUB's sysfs); only when that
+is over ``MOST`` are the watched sandboxes' processes (their memory group's ``cgroup.procs``)
+counted, each by its open files' ``fdinfo``, which lists the locks the process holds on that
+file (``listed_by``). A sandbox whose processes hold more than ``MOST`` (768 KiB of the
+host's) loses its processes holding the most, one after another, until the rest hold no
+more; each kill is counted with its OOM kills.
+
+Reading a sandbox's ``fdinfo`` is work the sandbox chooses, and one round serves every
+sandbox of the host process: an inotify descriptor's lists each of its watches, rebuilt by
+the kernel at each read (150,000 of ``/usr``: 16 MiB), and one dup'd 100 times into 20
+processes made a round that never ended: the watch took 0.6-0.9 of a core, and a hog in
+another sandbox held 100,000 locks until its command's timeout. So only a descriptor whose
+link is a path is read (a file, a device, a memfd), one per open file (``open_files``:
+``kcmp`` says which descriptors are dups, which list the same locks); pipes, sockets and
+anon inodes (epoll, inotify, fanotify, io_uring, eventfd...) are not, but they take locks
+too, so their files are kept (``Listing.unread``) for the look at the lock table below. And
+a round spends at most ``ROUND_BYTES`` and ``ROUND_CPU_S`` of its thread's CPU on one sandbox
+(``Budget``; a sandbox at ``MOST`` locks costs ~300 KiB): past that, the sandbox's process
+that cost the most is killed, as a hog, and the rest are counted the next round.
 
 Not ``/proc/locks``, which lists every lock of the host in one table: each ``read`` returns
 one 4 KiB page, and for each the kernel walks its lists from the start holding the host's
@@ -44,7 +58,8 @@ watched sandboxes' ``fdinfo`` listed is what nobody listed (``unlisted``: the ho
 processes' locks, objects of caches merged with the lock cache, and locks held through
 mappings). When that has grown by more than ``HIDDEN_MOST`` since the last look
 (``Unlisted``), the host reads the newest ``SAMPLE_BYTES`` of ``/proc/locks`` (``table``)
-and gives each ``flock`` lock and lease to a sandbox: to its taker (the pid it lists) when
+and gives each ``flock`` lock and lease, and each POSIX lock on a file of a descriptor not read
+(a pipe's, an anon inode's), to a sandbox: to its taker (the pid it lists) when
 that is a process of the sandbox, else, when its taker no longer runs (a child holding the
 mapping), to a process of the sandbox that maps the file (``/proc/PID/maps`` names each
 mapping's device and inode, as ``/proc/locks`` does); each holder's share of the sample is
@@ -390,8 +405,9 @@ class Unlisted:
 
 
 def pause(spent_s: float) -> float:
-    """How long to wait before the next round, after one that took ``spent_s``: ``PERIOD_S``,
-    longer when counting took more than a tenth of it (many sandboxes' files read)."""
+    """How long to wait before the next round, after one that took ``spent_s`` of its thread's
+    CPU (the kernel's, building the files read, included): ``PERIOD_S``, longer when counting
+    took more than a tenth of it (many sandboxes' files read)."""
     return max(PERIOD_S, spent_s * (BUSY - 1))
 
 

@@ -9,7 +9,7 @@ a 256 MiB Docker sandbox compiling 2 MB of Python after the page cache was dropp
 stall and up to 65,000 disk reads, or the whole timeout; with the page cache warm, the OOM kill
 came after 0.4 s.
 
-One thread per process samples every watched group twice a second. A group that is at its
+One thread per host process samples every watched group twice a second. A group that is at its
 limit (less than 1/64 of it, or 4 MiB, left) and refaulted (faulted back pages it had just
 been made to give up) at least ``REFAULTS_PER_S`` times a second, in every sample for
 ``SUSTAINED_S`` seconds, is thrashing: the watch kills the process the kernel's OOM killer
@@ -24,8 +24,10 @@ the same call on memory pressure. Both cgroup versions keep what it needs
 (``workingset_refault_*`` in ``memory.stat``, the usage and the limit); per-cgroup pressure
 (PSI) would be the finer measure, but cgroup v1 groups have none.
 
-The same thread holds each watched group's POSIX file locks, kernel memory no cgroup charges,
-to ``_locks.MOST``, every ``_locks.PERIOD_S``: a group over it loses its processes holding the
+Another thread holds each watched group's POSIX file locks, kernel memory no cgroup charges,
+to ``_locks.MOST``, every ``_locks.PERIOD_S`` (a thread of its own: a round of counting costs
+what the sandboxes' descriptors make it, within a budget each, and must not delay a thrash
+kill): a group over it loses its processes holding the
 most, counted with the kills above; and the ``flock`` locks it holds through mappings, which
 no descriptor lists, to ``_locks.HIDDEN_MOST`` (``_locks.Unlisted``).
 """
