@@ -742,6 +742,52 @@ def test_file_locks_take_little_of_the_host(tier: str, hog: str) -> None:
             assert sbx.commands.run("echo alive").stdout == "alive\n"
 
 
+# Watch 5,000 files with one inotify descriptor, dup it 100 times, and fork four children that
+# inherit them all and stay: each read of the descriptor's fdinfo lists every watch (0.5 MiB),
+# 250 MiB for all (a round of the old count took seconds).
+INOTIFY_STALL = """
+import ctypes, os, time
+libc = ctypes.CDLL(None, use_errno=True)
+ifd, n = libc.inotify_init1(0), 0
+for folder, _, files in os.walk("/usr"):
+    for name in [folder] + [os.path.join(folder, f) for f in files]:
+        if n < 5_000 and libc.inotify_add_watch(ifd, name.encode(), 1) >= 0:
+            n += 1
+kept = [os.dup(ifd) for _ in range(100)]
+for _ in range(4):
+    if os.fork() == 0:
+        time.sleep(600)
+        os._exit(0)
+n
+"""
+
+# One process taking 100,000 POSIX locks (19 MiB of the host's) and holding them; its status.
+ONE_LOCK_HOG = LOCK_HOG.replace("range(4)", "range(1)")
+
+
+@pytest.mark.alone  # the host's locks: another worker's lock hog would count meanwhile
+@pytest.mark.parametrize("tier", ["process", "docker"])
+def test_a_sandbox_stalling_the_lock_count_leaves_another_sandbox_held(tier: str) -> None:
+    """The host counts every sandbox's locks in one round, by reading their descriptors'
+    fdinfo: a sandbox whose inotify descriptor (150,000 watches: 16 MiB a read) was dup'd
+    100 times into 20 processes made that round endless, and a hog in another sandbox held
+    100,000 locks until its command's timeout. Only files a path names are read now, each
+    open file once, and a round spends at most a budget on each sandbox."""
+    require_tier(tier)
+    with (
+        Sandbox.create(tier, limits=Limits(memory_mb=256, timeout_s=60)) as stalling,
+        Sandbox.create(tier, limits=Limits(memory_mb=128, timeout_s=60)) as other,
+    ):
+        assert stalling.run_code(INOTIFY_STALL).text == "5000"
+        grown, result = peak_while(
+            lambda: other.commands.run(["python3", "-c", ONE_LOCK_HOG]), host_lock_bytes
+        )
+        assert grown <= 12 * MiB, f"the host's locks grew by {grown / MiB:.1f} MiB: {result}"
+        assert isinstance(result, CommandResult) and result.oom_killed and "-9" in result.stdout, result
+        # the stall is no hog of locks: its processes stay
+        assert int(stalling.commands.run(["sh", "-c", "ls /proc | grep -c '^[0-9]'"]).stdout) >= 5
+
+
 # What users of locks do: SQLite's transactions, lockf. OFD locks, which belong to an open file
 # that can outlive every process the host counts, are refused as before Linux 3.15 (EINVAL).
 LOCK_USERS = r"""

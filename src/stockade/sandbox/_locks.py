@@ -7,13 +7,27 @@ nothing (``RLIMIT_LOCKS`` is ignored). Measured from outside: one process-tier s
 ``memory_mb=128`` held 3.6 million locks, 659 MiB of the host's unreclaimable slab, while its
 cgroup showed 79 MiB; the default ``open_files`` allowed 16 million (3 GB).
 
-So the host counts them, on the memory watch's thread (``_thrash``), every ``PERIOD_S``: first
-the host's whole count, the lock cache's objects in use (``host_locks``: one 16 us read of
-SLUB's sysfs); only when that is over ``MOST`` are the watched sandboxes' processes (their
-memory group's ``cgroup.procs``) counted, each by its open files' ``fdinfo``, which lists
-the locks the process holds on that file (``held_by``). A sandbox whose processes hold more
-than ``MOST`` (768 KiB of the host's) loses its processes holding the most, one after another,
-until the rest hold no more; each kill is counted with its OOM kills.
+So the host counts them, on a thread of the memory watch's (``_thrash``; its own, so that a
+slow count never delays a thrash kill), every ``PERIOD_S``: first the host's whole count, the
+lock cache's objects in use (``host_locks``: one 16 us read of SLUB's sysfs); only when that
+is over ``MOST`` are the watched sandboxes' processes (their memory group's ``cgroup.procs``)
+counted, each by its open files' ``fdinfo``, which lists the locks the process holds on that
+file (``listed_by``). A sandbox whose processes hold more than ``MOST`` (768 KiB of the
+host's) loses its processes holding the most, one after another, until the rest hold no
+more; each kill is counted with its OOM kills.
+
+Reading a sandbox's ``fdinfo`` is work the sandbox chooses, and one round serves every
+sandbox of the host process: an inotify descriptor's lists each of its watches, rebuilt by
+the kernel at each read (150,000 of ``/usr``: 16 MiB), and one dup'd 100 times into 20
+processes made a round that never ended: the watch took 0.6-0.9 of a core, and a hog in
+another sandbox held 100,000 locks until its command's timeout. So only a descriptor whose
+link is a path is read (a file, a device, a memfd), one per open file (``open_files``:
+``kcmp`` says which descriptors are dups, which list the same locks); pipes, sockets and
+anon inodes (epoll, inotify, fanotify, io_uring, eventfd...) are not, but they take locks
+too, so their files are kept (``Listing.unread``) for the look at the lock table below. And
+a round spends at most ``ROUND_BYTES`` and ``ROUND_CPU_S`` of its thread's CPU on one sandbox
+(``Budget``; a sandbox at ``MOST`` locks costs ~300 KiB): past that, the sandbox's process
+that cost the most is killed, as a hog, and the rest are counted the next round.
 
 Not ``/proc/locks``, which lists every lock of the host in one table: each ``read`` returns
 one 4 KiB page, and for each the kernel walks its lists from the start holding the host's
@@ -44,7 +58,8 @@ watched sandboxes' ``fdinfo`` listed is what nobody listed (``unlisted``: the ho
 processes' locks, objects of caches merged with the lock cache, and locks held through
 mappings). When that has grown by more than ``HIDDEN_MOST`` since the last look
 (``Unlisted``), the host reads the newest ``SAMPLE_BYTES`` of ``/proc/locks`` (``table``)
-and gives each ``flock`` lock and lease to a sandbox: to its taker (the pid it lists) when
+and gives each ``flock`` lock and lease, and each POSIX lock on a file of a descriptor not read
+(a pipe's, an anon inode's), to a sandbox: to its taker (the pid it lists) when
 that is a process of the sandbox, else, when its taker no longer runs (a child holding the
 mapping), to a process of the sandbox that maps the file (``/proc/PID/maps`` names each
 mapping's device and inode, as ``/proc/locks`` does); each holder's share of the sample is
@@ -64,16 +79,26 @@ processes taking 100,000 each were stopped at 1-8 MiB in 0.2-0.4 s.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
+import itertools
 import os
+import platform
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = [
     "HIDDEN_MOST",
     "LOCK_BYTES",
     "MOST",
     "PERIOD_S",
+    "ROUND_BYTES",
+    "ROUND_CPU_S",
+    "Budget",
+    "Listing",
     "Lock",
     "Unlisted",
     "held_by",
@@ -82,6 +107,7 @@ __all__ = [
     "host_locks",
     "listed_by",
     "mapped_files",
+    "open_files",
     "pause",
     "table",
 ]
@@ -102,6 +128,16 @@ BUSY = 10  # the watch spends at most one part in this many of a CPU counting
 # merged with others of its size (a link to ":0000192") counts theirs too: only ever more.
 GAUGE = "/sys/kernel/slab/file_lock_cache/objects"
 SLABINFO = "/proc/slabinfo"
+# What one round may spend reading one sandbox's fdinfo, the kernel's work building it
+# included (its CPU is the reading thread's): 4,096 locks list ~300 KiB, 16,384 descriptors
+# (``open_files``) ~1.6 MiB. A sandbox costing more loses the process that cost the most.
+ROUND_BYTES = 8 << 20
+ROUND_CPU_S = 2 * PERIOD_S
+DESCRIPTOR_BYTES = 128  # what a descriptor costs beyond its fdinfo (its link read), as bytes
+# kcmp(2), which tells whether two descriptors are one open file: its number by machine
+KCMP = {"x86_64": 312, "aarch64": 272, "riscv64": 272}.get(platform.machine())
+KCMP_FILE = 0
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _read(path: str) -> bytes:
@@ -152,31 +188,108 @@ def host_locks() -> int:
 
 
 def held_by(pid: int, most: int = UNKNOWN) -> int:
-    """The POSIX locks ``pid`` holds: each of its open files' ``fdinfo`` lists its locks on
-    that file (0 for a process gone). Counted no further once past ``most``: a hog's files
-    are not all read before its kill."""
-    return listed_by(pid, most)[0]
+    """The POSIX locks ``pid`` holds on the files its descriptors name (0 for a process
+    gone). Counted no further once past ``most``: a hog's files are not all read before its
+    kill."""
+    return listed_by(pid, most).posix
 
 
-def listed_by(pid: int, most: int = UNKNOWN) -> tuple[int, int]:
-    """(POSIX locks, all locks) that ``pid``'s open files' ``fdinfo`` list: the second adds
-    its descriptors' ``flock`` locks and leases. Counted no further once past ``most`` POSIX."""
-    folder = f"/proc/{pid}/fdinfo"
+class Budget:
+    """What one round may still spend reading one sandbox's fdinfo (``ROUND_BYTES``, and
+    ``ROUND_CPU_S`` of the reading thread's CPU), and what each of its processes cost."""
+
+    def __init__(self, most_bytes: int = ROUND_BYTES, most_cpu_s: float = ROUND_CPU_S) -> None:
+        self.bytes_left = most_bytes
+        self._until = time.thread_time() + most_cpu_s
+        self.spent: Counter[int] = Counter()
+
+    def spend(self, pid: int, size: int) -> bool:
+        """Count ``size`` bytes read for ``pid``; whether the budget still holds."""
+        self.spent[pid] += size
+        self.bytes_left -= size
+        return self.bytes_left >= 0 and time.thread_time() <= self._until
+
+    def costliest(self) -> int:
+        """The process that cost the most (0 if none was read)."""
+        return max(self.spent, key=self.spent.__getitem__, default=0)
+
+
+@dataclass(frozen=True)
+class Listing:
+    """What a process's descriptors list: its POSIX locks, all its locks (with its ``flock``
+    locks and leases), the files of the descriptors not read (``unread``, as (device,
+    inode): pipes, sockets, anon inodes), and whether every other one was read (``whole``:
+    not when the budget ran out)."""
+
+    posix: int = 0
+    listed: int = 0
+    unread: frozenset[tuple[str, int]] = field(default_factory=frozenset)
+    whole: bool = True
+
+
+def listed_by(pid: int, most: int = UNKNOWN, budget: Budget | None = None) -> Listing:
+    """The locks ``pid``'s descriptors list, each open file's ``fdinfo`` read once. Only
+    files a path names are read: a pipe's, a socket's or an anon inode's (epoll, inotify,
+    fanotify, io_uring, eventfd...) can list a whole collection, rebuilt by the kernel at each
+    read (an inotify descriptor watching 150,000 files lists 16 MiB: dup'd 100 times into 20
+    processes, a round never ended, and no sandbox's locks were held meanwhile). Those hold
+    locks too (POSIX and ``flock``, on a pipe or an eventfd as on a file): their files are
+    said instead (``unread``), for the look at the lock table to find them. Counted no
+    further once past ``most`` POSIX, nor once ``budget`` is spent."""
+    folder = f"/proc/{pid}"
     try:
-        fds = os.listdir(folder)
+        fds = os.listdir(f"{folder}/fd")
     except OSError:
-        return 0, 0
+        return Listing()
+    named: dict[str, list[int]] = {}
+    unread: set[tuple[str, int]] = set()
+    for entry in fds:
+        if budget is not None and not budget.spend(pid, DESCRIPTOR_BYTES):
+            return Listing(unread=frozenset(unread), whole=False)
+        with contextlib.suppress(OSError):  # closed meanwhile
+            link = os.readlink(f"{folder}/fd/{entry}")
+            if link.startswith("/"):
+                named.setdefault(link, []).append(int(entry))
+            else:
+                st = os.stat(f"{folder}/fd/{entry}")
+                unread.add((f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}", st.st_ino))
     posix = listed = 0
-    for fd in fds:
-        try:
-            info = _read(f"{folder}/{fd}")
-        except OSError:
-            continue  # closed meanwhile
-        posix += info.count(b": POSIX ")
-        listed += info.count(b"lock:\t")
-        if posix > most:
-            break
-    return posix, listed
+    for same_path in named.values():
+        for fd in open_files(pid, same_path):
+            try:
+                info = _read(f"{folder}/fdinfo/{fd}")
+            except OSError:
+                continue  # closed meanwhile
+            posix += info.count(b": POSIX ")
+            listed += info.count(b"lock:\t")
+            if posix > most:
+                return Listing(posix, listed, frozenset(unread))
+            if budget is not None and not budget.spend(pid, len(info)):
+                return Listing(posix, listed, frozenset(unread), whole=False)
+    return Listing(posix, listed, frozenset(unread))
+
+
+def _kcmp(pid: int, a: int, b: int) -> int:
+    """-1, 0 or 1 as ``pid``'s descriptor ``a``'s open file is before, is, or is after ``b``'s
+    (in an order of the kernel's)."""
+    assert KCMP is not None
+    answer = _libc.syscall(KCMP, pid, pid, KCMP_FILE, a, b)
+    if answer not in (0, 1, 2):  # -1: an error; 3: no order (never for files)
+        raise OSError(ctypes.get_errno(), "kcmp")
+    return int(answer and (-1 if answer == 1 else 1))
+
+
+def open_files(pid: int, fds: list[int]) -> list[int]:
+    """One descriptor of each open file among ``fds`` (``pid``'s): a dup (``dup``, ``fork``'s
+    copy) lists the same locks as its original, and read again would count them again (and
+    cost as much again). All of them where the kernel does not say (no ``kcmp``)."""
+    if len(fds) < 2 or KCMP is None:
+        return fds
+    try:
+        order = sorted(fds, key=functools.cmp_to_key(functools.partial(_kcmp, pid)))
+        return order[:1] + [fd for before, fd in itertools.pairwise(order) if _kcmp(pid, before, fd)]
+    except OSError:
+        return fds
 
 
 @dataclass(frozen=True)
@@ -237,22 +350,29 @@ def hidden_holders(
     groups: Mapping[int, Iterable[int]],
     maps: Callable[[int], set[tuple[str, int]]] = mapped_files,
     alive: Callable[[int], bool] = _alive,
+    unread: Mapping[int, frozenset[tuple[str, int]]] | None = None,
 ) -> dict[int, Counter[int]]:
-    """The ``flock`` locks and leases of ``locks`` each group's processes hold, by group
-    (a key of ``groups``, whose values are its pids) and process: the taker's when it is a
-    process of a group; else, when its taker is gone, a process of a group that maps the
-    file (``maps`` read only then: its mapping kept by a child). A lock a live process of
-    the host took is that process's: the host's daemons hold a few, and each one sent the
-    watch through every sandbox process's maps (60,000 mappings each: a round of seconds,
-    the next round nine times later, and a hog's locks unbounded meanwhile). POSIX and OFD
-    locks are not here."""
+    """The locks of ``locks`` no descriptor's ``fdinfo`` listed, that each group's processes
+    hold, by group (a key of ``groups``, whose values are its pids) and process: its
+    ``flock`` locks and leases, and its POSIX locks on the files of ``unread`` (by pid: its
+    descriptors not read, a pipe's or an anon inode's). A ``flock`` lock or lease is its
+    taker's when that is a process of a group; else, when its taker is gone, a process of a
+    group that maps the file (``maps`` read only then: its mapping kept by a child). A lock a
+    live process of the host took is that process's: the host's daemons hold a few, and each
+    one sent the watch through every sandbox process's maps (60,000 mappings each: a round
+    of seconds, the next round nine times later, and a hog's locks unbounded meanwhile).
+    OFD locks are not here."""
     owner = {pid: key for key, pids in groups.items() for pid in pids}
+    unread = unread or {}
     held: dict[int, Counter[int]] = {key: Counter() for key in groups}
     left = []
     for lock in locks:
-        if lock.kind in ("POSIX", "OFDLCK"):
+        if lock.kind == "OFDLCK":
             continue
-        if lock.pid in owner:
+        if lock.kind == "POSIX":
+            if lock.pid in owner and lock.file in unread.get(lock.pid, ()):
+                held[owner[lock.pid]][lock.pid] += 1
+        elif lock.pid in owner:
             held[owner[lock.pid]][lock.pid] += 1
         elif not alive(lock.pid):
             left.append(lock)
@@ -285,8 +405,9 @@ class Unlisted:
 
 
 def pause(spent_s: float) -> float:
-    """How long to wait before the next round, after one that took ``spent_s``: ``PERIOD_S``,
-    longer when counting took more than a tenth of it (many sandboxes' files read)."""
+    """How long to wait before the next round, after one that took ``spent_s`` of its thread's
+    CPU (the kernel's, building the files read, included): ``PERIOD_S``, longer when counting
+    took more than a tenth of it (many sandboxes' files read)."""
     return max(PERIOD_S, spent_s * (BUSY - 1))
 
 

@@ -9,7 +9,7 @@ a 256 MiB Docker sandbox compiling 2 MB of Python after the page cache was dropp
 stall and up to 65,000 disk reads, or the whole timeout; with the page cache warm, the OOM kill
 came after 0.4 s.
 
-One thread per process samples every watched group twice a second. A group that is at its
+One thread per host process samples every watched group twice a second. A group that is at its
 limit (less than 1/64 of it, or 4 MiB, left) and refaulted (faulted back pages it had just
 been made to give up) at least ``REFAULTS_PER_S`` times a second, in every sample for
 ``SUSTAINED_S`` seconds, is thrashing: the watch kills the process the kernel's OOM killer
@@ -24,8 +24,10 @@ the same call on memory pressure. Both cgroup versions keep what it needs
 (``workingset_refault_*`` in ``memory.stat``, the usage and the limit); per-cgroup pressure
 (PSI) would be the finer measure, but cgroup v1 groups have none.
 
-The same thread holds each watched group's POSIX file locks, kernel memory no cgroup charges,
-to ``_locks.MOST``, every ``_locks.PERIOD_S``: a group over it loses its processes holding the
+Another thread holds each watched group's POSIX file locks, kernel memory no cgroup charges,
+to ``_locks.MOST``, every ``_locks.PERIOD_S`` (a thread of its own: a round of counting costs
+what the sandboxes' descriptors make it, within a budget each, and must not delay a thrash
+kill): a group over it loses its processes holding the
 most, counted with the kills above; and the ``flock`` locks it holds through mappings, which
 no descriptor lists, to ``_locks.HIDDEN_MOST`` (``_locks.Unlisted``).
 """
@@ -120,12 +122,20 @@ class Watch:
 
     def __init__(self, group: MemoryGroup) -> None:
         self.group = group
-        self.kills = 0
+        # each thread of the watch counts its own kills: one for thrashing, one for locks
+        self.thrash_kills = self.lock_kills = 0
         self._judge = ThrashJudge()
-        # From the last hold_locks: every lock the group's descriptors list, and by process
-        # those that are not POSIX (its descriptors' flock locks and leases).
+        # From the last hold_locks: every lock the group's descriptors list, by process those
+        # that are not POSIX (its descriptors' flock locks and leases), and by process the
+        # files of its descriptors not read (pipes, sockets, anon inodes).
         self.listed = 0
         self.flocks: dict[int, int] = {}
+        self.unread: dict[int, frozenset[tuple[str, int]]] = {}
+        self.cost = 0  # what the last round spent of its budget, in bytes (``_locks.Budget``)
+
+    @property
+    def kills(self) -> int:
+        return self.thrash_kills + self.lock_kills
 
     def close(self) -> None:
         _watcher.discard(self)
@@ -133,34 +143,45 @@ class Watch:
     def sample(self, now: float) -> None:
         counters = _counters(self.group)
         if counters is not None and self._judge.thrashing(now, *counters) and _kill_largest(self.group):
-            self.kills += 1
+            self.thrash_kills += 1
 
-    def hold_locks(self) -> None:
+    def hold_locks(self, budget: _locks.Budget | None = None) -> None:
         """Kill the group's processes holding the most POSIX locks while it holds over
-        ``_locks.MOST``: as it counts them, so that a hog dies before the rest are read."""
+        ``_locks.MOST``: as it counts them, so that a hog dies before the rest are read. A
+        group whose files cost more to read than ``budget`` (``_locks.Budget()``) allows
+        a round loses the process that cost the most, as a hog: it could stall every
+        sandbox's count, and the rest are counted the next round."""
+        budget = budget or _locks.Budget()
         held: dict[int, int] = {}
-        self.listed, self.flocks = 0, {}
+        self.listed, self.flocks, self.unread = 0, {}, {}
         for pid in self.procs():
-            held[pid], listed = _locks.listed_by(pid, _locks.MOST)
-            self.listed += listed
-            self.flocks[pid] = listed - held[pid]
+            listing = _locks.listed_by(pid, _locks.MOST, budget)
+            self.cost = budget.spent.total()
+            held[pid] = listing.posix
+            self.listed += listing.listed
+            self.flocks[pid] = listing.listed - listing.posix
+            self.unread[pid] = listing.unread
             for victim in _locks.hoarders(held, held, _locks.MOST):
                 held[victim] = 0
                 if _kill(self.group, victim):
-                    self.kills += 1
+                    self.lock_kills += 1
+            if not listing.whole:
+                if _kill(self.group, budget.costliest()):
+                    self.lock_kills += 1
+                return
 
     def procs(self) -> list[int]:
         return [int(pid) for pid in _read(self.group.folder / "cgroup.procs").split()]
 
     def hold_hidden(self, holders: Mapping[int, int]) -> int:
-        """Kill the group's processes hiding the most ``flock`` locks (``holders``: those
+        """Kill the group's processes hiding the most locks (``holders``: those
         ``/proc/locks`` gives them, less those their descriptors list) while the group hides
         over ``_locks.HIDDEN_MOST``; the locks of the processes killed."""
         hidden = {pid: max(0, count - self.flocks.get(pid, 0)) for pid, count in holders.items()}
         freed = 0
         for victim in _locks.hoarders(hidden, hidden, _locks.HIDDEN_MOST):
             if _kill(self.group, victim):
-                self.kills += 1
+                self.lock_kills += 1
                 freed += holders[victim]
         return freed
 
@@ -173,44 +194,54 @@ def watch(group: MemoryGroup) -> Watch:
 
 
 class _Watcher:
-    """The thread that samples every watch; started with the first, asleep while none is open."""
+    """The threads that watch every group, started with the first, asleep while none is
+    open: one samples for thrashing, one counts locks (a slow round of counting must not
+    leave a thrashing sandbox unkilled, nor the reverse)."""
 
     def __init__(self) -> None:
         self.state = threading.Condition()
         self.watched: set[Watch] = set()
-        self.thread: threading.Thread | None = None
+        self.threads: list[threading.Thread] = []
         self.unlisted = _locks.Unlisted()
 
     def add(self, w: Watch) -> None:
         with self.state:
             self.watched.add(w)
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._serve, name="stockade-thrash-watch", daemon=True)
-                self.thread.start()
-            self.state.notify()
+            if not self.threads:
+                for name, loop in (
+                    ("stockade-thrash-watch", self._sample),
+                    ("stockade-lock-watch", self._count),
+                ):
+                    self.threads.append(threading.Thread(target=loop, name=name, daemon=True))
+                    self.threads[-1].start()
+            self.state.notify_all()
 
     def discard(self, w: Watch) -> None:
         with self.state:
             self.watched.discard(w)
 
-    def _serve(self) -> None:
-        sampled = float("-inf")
+    def _waiting(self) -> list[Watch]:
+        with self.state:
+            while not self.watched:
+                self.state.wait()
+            return list(self.watched)
+
+    def _sample(self) -> None:
         while True:
-            with self.state:
-                while not self.watched:
-                    self.state.wait()
-                watched = list(self.watched)
-            started = time.monotonic()
-            killed = _hold_locks(watched, self.unlisted)
+            watched = self._waiting()
             now = time.monotonic()
+            for w in watched:
+                with contextlib.suppress(OSError, ValueError):  # a group removed meanwhile
+                    w.sample(now)
+            time.sleep(PERIOD_S)
+
+    def _count(self) -> None:
+        while True:
+            watched = self._waiting()
+            started = time.thread_time()
+            killed = _hold_locks(watched, self.unlisted)
             # after a kill, the next round at once: a hog's other processes may be taking locks
-            pause = _locks.PERIOD_S if killed else _locks.pause(now - started)
-            if now - sampled >= PERIOD_S:
-                sampled = now
-                for w in watched:
-                    with contextlib.suppress(OSError, ValueError):  # a group removed meanwhile
-                        w.sample(now)
-            time.sleep(pause)
+            time.sleep(_locks.PERIOD_S if killed else _locks.pause(time.thread_time() - started))
 
 
 _watcher = _Watcher()
@@ -223,19 +254,19 @@ def _hold_locks(watched: list[Watch], unlisted: _locks.Unlisted) -> bool:
     host = _locks.host_locks()
     if host <= _locks.MOST:
         return False
-    kills = sum(w.kills for w in watched)
+    kills = sum(w.lock_kills for w in watched)
     listed = 0
     for w in watched:
         with contextlib.suppress(OSError, ValueError):  # a group removed meanwhile
             w.hold_locks()
             listed += w.listed
-    if sum(w.kills for w in watched) > kills:
+    if sum(w.lock_kills for w in watched) > kills:
         # a POSIX hog was killed, its count cut short: the next round, at once, counts again
         # (the lock table is read when its locks have gone, not while they make it slow)
         return True
     if host != _locks.UNKNOWN and unlisted.due(host - listed):
         unlisted.looked(host - listed, _hold_hidden(watched, host))
-    return sum(w.kills for w in watched) > kills
+    return sum(w.lock_kills for w in watched) > kills
 
 
 def _hold_hidden(watched: list[Watch], host: int) -> int:
@@ -250,7 +281,8 @@ def _hold_hidden(watched: list[Watch], host: int) -> int:
         locks = _locks.table(most=_locks.SAMPLE_BYTES)
     except OSError:
         return 0
-    held = _locks.hidden_holders(locks, groups)
+    unread = {pid: files for w in watched for pid, files in w.unread.items()}
+    held = _locks.hidden_holders(locks, groups, unread=unread)
     return sum(watched[i].hold_hidden(_locks.estimate(held[i], len(locks), host)) for i in groups)
 
 

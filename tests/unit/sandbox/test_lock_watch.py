@@ -7,6 +7,7 @@ the real cgroups and sandboxes are in the integration tests (``test_host_limits`
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import signal
 import subprocess
@@ -246,3 +247,166 @@ def test_a_look_reads_the_newest_locks_only_and_scales_each_holders_share() -> N
     assert all(lock.kind for lock in sampled)  # whole lines only, parsed
     assert _locks.estimate({7: 300, 8: 100}, 1000, 40_000) == {7: 12_000, 8: 4_000}
     assert _locks.estimate({7: 300}, 1000, 500) == {7: 300}  # never scaled down
+
+
+# Watch WATCHES files of /usr with one inotify descriptor, dup it DUPS times, fork a child
+# (inheriting them all), take N POSIX locks on a pipe and 10 on a file, and say so. Each read
+# of the inotify descriptor's fdinfo lists every watch, rebuilt by the kernel.
+INOTIFY_HOLDER = r"""
+import ctypes, fcntl, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+watches, dups, locks = (int(a) for a in sys.argv[1:4])
+ifd, n = libc.inotify_init1(0), 0
+for folder, _, files in os.walk("/usr"):
+    for name in [folder] + [os.path.join(folder, f) for f in files]:
+        if n < watches and libc.inotify_add_watch(ifd, name.encode(), 1) >= 0:
+            n += 1
+kept = [os.dup(ifd) for _ in range(dups)]
+read, write = os.pipe()
+for j in range(locks):
+    fcntl.lockf(write, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 2 * j)
+with open(sys.argv[4], "w") as f:
+    for j in range(10):
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 2 * j)
+    if os.fork() == 0:
+        time.sleep(60)
+        os._exit(0)
+    print(ifd, write, flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.fixture
+def watcher(tmp_path: Path) -> Iterator[Callable[[int, int, int], tuple[int, int, int]]]:
+    """Start a process that watches ``watches`` files with inotify, dup'd ``dups`` times, and
+    holds ``locks`` POSIX locks on a pipe; (its pid, its inotify descriptor, the pipe's)."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(watches: int, dups: int, locks: int) -> tuple[int, int, int]:
+        locked = tmp_path / f"watched-{len(procs)}"
+        argv = [sys.executable, "-c", INOTIFY_HOLDER, str(watches), str(dups), str(locks), str(locked)]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        procs.append(proc)
+        assert proc.stdout is not None
+        inotify, pipe = (int(word) for word in proc.stdout.readline().split())
+        return proc.pid, inotify, pipe
+
+    yield start
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+def _children(pid: int) -> list[int]:
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_descriptors_that_name_no_file_are_not_read_but_their_files_are_said(
+    watcher: Callable[[int, int, int], tuple[int, int, int]],
+) -> None:
+    """An inotify descriptor's fdinfo lists each of its watches, rebuilt by the kernel at
+    each read: 150,000 of /usr made 16 MiB, dup'd 100 times into 20 processes, and a round
+    of counting never ended. A pipe, a socket or an anon inode is not read; its locks
+    (POSIX locks work on a pipe) are found through its file, in the lock table."""
+    pid, inotify, pipe = watcher(10_000, 20, 50)
+    assert len(Path(f"/proc/{pid}/fdinfo/{inotify}").read_bytes()) > MiB
+    budget = _locks.Budget()
+    listing = _locks.listed_by(pid, budget=budget)
+    assert listing.posix == 10 and listing.whole  # the file's; the pipe's are not listed
+    assert budget.spent[pid] < 64 << 10
+    piped = os.stat(f"/proc/{pid}/fd/{pipe}")
+    assert (f"{os.major(piped.st_dev):02x}:{os.minor(piped.st_dev):02x}", piped.st_ino) in listing.unread
+
+
+def test_a_dup_of_a_file_is_read_once_and_another_open_file_of_it_counted_too(tmp_path: Path) -> None:
+    path = tmp_path / "locked"
+    first, second = os.open(path, os.O_RDWR | os.O_CREAT), os.open(path, os.O_RDWR)
+    dups = [os.dup(first) for _ in range(20)]
+    try:
+        for j in range(100):
+            fcntl.lockf(first, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 2 * j)
+        # another open file of the same path: its fdinfo lists the locks taken through it
+        fcntl.lockf(second, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 1001)
+        assert _locks.held_by(os.getpid()) == 101  # 2,101 counting each dup
+        assert len(_locks.open_files(os.getpid(), [first, second, *dups])) == 2
+    finally:
+        for fd in (first, second, *dups):
+            os.close(fd)
+
+
+def test_a_group_whose_files_cost_more_than_a_round_may_spend_loses_the_costliest(
+    tmp_path: Path, hold: Callable[[int], subprocess.Popen[str]]
+) -> None:
+    """However its descriptors cost (many files, each listing many locks), one sandbox
+    spends at most its budget of a round, and is then treated as the hog it is."""
+    cheap, costly = hold(10), hold(_locks.MOST - 100)
+    watch = Watch(_group(tmp_path / "g", procs=[cheap.pid, costly.pid]))
+    watch.hold_locks(_locks.Budget(most_bytes=64 << 10))  # ~4,000 locks list 250 KiB
+    assert watch.kills == 1 and costly.wait(timeout=10) == -9 and cheap.poll() is None
+    watch.hold_locks()
+    assert watch.kills == 1 and cheap.poll() is None
+
+
+def test_an_inotify_stall_in_one_group_leaves_another_groups_locks_held(
+    tmp_path: Path,
+    watcher: Callable[[int, int, int], tuple[int, int, int]],
+    hold: Callable[[int], subprocess.Popen[str]],
+) -> None:
+    # A round read each inotify dup of each process in full: here 2 x 20 x 1 MiB and more
+    pid, _, _ = watcher(10_000, 20, 50)
+    stalling = Watch(_group(tmp_path / "a", procs=[pid, *_children(pid)]))
+    hog = hold(_locks.MOST + 1)
+    other = Watch(_group(tmp_path / "b", procs=[hog.pid]))
+    assert _thrash._hold_locks([stalling, other], _locks.Unlisted())
+    assert other.kills == 1 and hog.wait(timeout=10) == -9
+    assert stalling.kills == 0 and _alive(pid)
+    assert stalling.cost < MiB
+
+
+@pytest.mark.alone  # the host's lock table: another worker's locks would be its newest
+def test_posix_locks_on_a_pipe_are_found_in_the_lock_table(
+    tmp_path: Path, watcher: Callable[[int, int, int], tuple[int, int, int]]
+) -> None:
+    pid, _, _ = watcher(10, 0, _locks.HIDDEN_MOST + 500)
+    watch = Watch(_group(tmp_path / "g", procs=[pid]))
+    assert _thrash._hold_locks([watch], _locks.Unlisted())
+    assert watch.kills == 1 and _gone(pid)
+
+
+def test_a_lock_round_that_never_ends_leaves_the_thrash_watch_working(
+    tmp_path: Path, hold: Callable[[int], subprocess.Popen[str]]
+) -> None:
+    """Counting locks and sampling for thrashing are two threads: one round of counting
+    (here a group whose process list never comes) stalls no thrash kill."""
+    hold(_locks.MOST + 1)  # the host over the bound: every group's locks are counted
+    stuck = tmp_path / "stuck"
+    stuck.mkdir()
+    os.mkfifo(stuck / "cgroup.procs")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    Path(f"/proc/{sleeper.pid}/oom_score_adj").write_text("1000")
+    thrashing = tmp_path / "thrashing"
+    thrashing.mkdir()
+    (thrashing / "memory.max").write_text(f"{256 * MiB}\n")
+    (thrashing / "memory.current").write_text(f"{255 * MiB}\n")
+    (thrashing / "cgroup.procs").write_text(f"{sleeper.pid}\n")
+    watches = [_thrash.watch(MemoryGroup(stuck, v2=True)), _thrash.watch(MemoryGroup(thrashing, v2=True))]
+    try:
+        refaults, deadline = 0, time.monotonic() + 3 * _thrash.SUSTAINED_S + 10
+        while sleeper.poll() is None and time.monotonic() < deadline:
+            refaults += 100 * _thrash.REFAULTS_PER_S  # far over the line, whatever the wait
+            (thrashing / "memory.stat").write_text(f"workingset_refault_file {refaults}\n")
+            time.sleep(_thrash.PERIOD_S / 5)
+        assert sleeper.poll() == -9 and watches[1].kills == 1
+    finally:
+        for w in watches:
+            w.close()
+        sleeper.kill()
+        sleeper.wait()
+        # let the count's thread out of the list it waits for, empty
+        writer = os.open(stuck / "cgroup.procs", os.O_RDWR)
+        (stuck / "listed").write_text("")
+        os.replace(stuck / "listed", stuck / "cgroup.procs")
+        os.close(writer)
