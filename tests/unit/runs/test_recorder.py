@@ -161,9 +161,7 @@ def test_an_approval_asked_about_a_command_holding_a_token_is_recorded_redacted(
 ) -> None:
     recorder = RunRecorder(store)
     token = "ghp_" + "a1" * 18
-    request = ApprovalRequest(
-        run_id="r", action=f"run `git push --token {token}`", rule="push", reason=token
-    )
+    request = ApprovalRequest(run_id="r", action=f"run `git push --token {token}`", rule="push", reason=token)
     with pytest.raises(ApprovalRequired):
         recorder.approvals(Approvals(store=ApprovalStore(tmp_path / "approvals"))).require(request)
     (kept,) = store.approvals("r")
