@@ -557,7 +557,12 @@ class GuardedAgent:
         self.clock = clock
         self.prices = config.prices if config.prices is not None else DEFAULT_PRICES
         self.approvals = _AuditedApprovals(
-            Approvals(config.approver, config.approval_store or ApprovalStore(config.approval_dir)), log
+            Approvals(
+                config.approver,
+                # the book keeps what the trail keeps: the run's registered secrets redacted too
+                config.approval_store or ApprovalStore(config.approval_dir, redactor=log.redactor),
+            ),
+            log,
         )
         limited = LimitedModel(
             BreakerModel(RetryingModel(base, self.retrier), self.breakers),

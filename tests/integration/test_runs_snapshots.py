@@ -20,6 +20,8 @@ from stockade.audit import SQLiteStore, verify
 from stockade.audit.events import EventKind
 from stockade.cli.main import app
 from stockade.policy import ApprovalStore, Choice
+from stockade.runs.snapshots import RunSnapshots, ref_name
+from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.snapshots import SnapshotStore
 from stockade.types import SnapshotKind
 from tests.conftest import require_tier
@@ -125,3 +127,23 @@ def test_erasing_a_paused_run_removes_the_sandbox_it_kept(tmp_path: Path) -> Non
     )
     assert store.ref("run", RUN_ID) is None and store.snapshots() == []
     assert not any(store.object_path(d).exists() for d in objects)
+
+
+def test_a_run_named_like_another_runs_hashed_ref_keeps_only_its_own_sandbox(tmp_path: Path) -> None:
+    """Run ``job:2`` cannot name a file: its ref is its id's hash. A run whose id is that hashed
+    name keeps its sandbox apart: each gets its own back, and one ending leaves the other's."""
+    require_tier("process")
+    runs = RunSnapshots(SnapshotStore(tmp_path / "snapshots"))
+    first, second = "job:2", ref_name("job:2")
+    for run_id in (first, second):
+        with Sandbox.create(tier="process") as sbx:
+            sbx.files.write("whose", run_id)
+            assert runs.keep(run_id, sbx) is not None
+    for run_id in (first, second):
+        kept = runs.kept(run_id)
+        assert kept is not None
+        with Sandbox.create(tier="process", snapshot=kept, store=runs.store) as sbx:
+            assert sbx.files.read("whose") == run_id
+
+    runs.release(first)
+    assert runs.kept(first) is None and runs.kept(second) is not None

@@ -8,6 +8,10 @@ decide now, the request is saved as pending and ``ApprovalRequired`` pauses the 
 ``stockade approve|deny RUN_ID REQUEST_ID`` decides later, and the resumed run finds the
 decision under the same request id (it is derived from the run and the action).
 
+The books keep a request's action and reason redacted (a command may carry a token: ``git push
+https://ghp_...@github.com/...``), as the audit trail does; its id is derived from the action as
+asked, so that two actions that differ only in a secret are two questions.
+
 A yes answers one question: it is spent when the action it allowed goes ahead
 (``ApprovalBook.spend``, status ``spent``), and the same action asked again later in the run
 is a new question under the same id, pending anew (one ``git push origin main`` approved
@@ -25,12 +29,13 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from stockade._display import visible
 from stockade._private import private_dir, write_private
+from stockade.audit.redact import Redactor
 from stockade.exceptions import ApprovalDecided, ApprovalRequired, ConfigurationError, PolicyDenied
 
 __all__ = [
@@ -65,11 +70,38 @@ class ApprovalRequest:
     action: str  # what would happen, in words ("run `git push origin main`")
     rule: str
     reason: str
+    # A request read back from a book: its id as kept (derived from the action as asked, which
+    # the book keeps redacted: the id cannot be derived again from what it kept).
+    kept_id: str = ""
 
     @property
     def id(self) -> str:
+        if self.kept_id:
+            return self.kept_id
         digest = hashlib.sha256(f"{self.run_id}\0{self.action}\0{self.rule}".encode()).hexdigest()
         return digest[:16]
+
+    @classmethod
+    def kept(cls, record: dict[str, str]) -> ApprovalRequest:
+        """The request a book's record (``ApprovalBook.requests``) is of."""
+        return cls(
+            run_id=record["run_id"],
+            action=record["action"],
+            rule=record["rule"],
+            reason=record["reason"],
+            kept_id=record["id"],
+        )
+
+
+def redacted(request: ApprovalRequest, redactor: Redactor) -> dict[str, str]:
+    """What a book keeps of ``request``: its action and reason redacted, its id as asked."""
+    return {
+        "run_id": request.run_id,
+        "action": redactor.text(request.action),
+        "rule": request.rule,
+        "reason": redactor.text(request.reason),
+        "id": request.id,
+    }
 
 
 Approver = Callable[[ApprovalRequest], Choice | None]  # None: nobody can decide now
@@ -120,10 +152,12 @@ class ApprovalBook(Protocol):
 
 
 class ApprovalStore:
-    """Pending requests and decisions as JSON files: ``<dir>/<run_id>/<request_id>.json``."""
+    """Pending requests and decisions as JSON files: ``<dir>/<run_id>/<request_id>.json``;
+    actions and reasons redacted by ``redactor`` (credential shapes unless told)."""
 
-    def __init__(self, directory: str | Path | None = None) -> None:
+    def __init__(self, directory: str | Path | None = None, *, redactor: Redactor | None = None) -> None:
         self.directory = Path(directory) if directory is not None else default_approval_dir()
+        self.redactor = redactor if redactor is not None else Redactor()
 
     def _file(self, run_id: str, request_id: str) -> Path:
         for part in (run_id, request_id):
@@ -161,7 +195,7 @@ class ApprovalStore:
         with self._locked(file):
             kept = self._read(file)
             if kept is None or kept.get("status") == SPENT:
-                record = {**asdict(request), "id": request.id, "status": "pending"}
+                record = {**redacted(request, self.redactor), "status": "pending"}
                 self._write(file, {**record, "asked_ns": str(time.time_ns())})  # pending(): latest first
 
     def decide(self, run_id: str, request_id: str, choice: Choice, *, by: str = "") -> None:
@@ -289,9 +323,7 @@ class Approvals:
             return []
         closed = []
         for kept in self.store.pending(run_id):
-            request = ApprovalRequest(
-                run_id=run_id, action=kept["action"], rule=kept["rule"], reason=kept["reason"]
-            )
+            request = ApprovalRequest.kept({**kept, "run_id": run_id})
             try:
                 self.store.decide(run_id, request.id, Choice.DENIED, by=WITHDRAWN)
             except ApprovalDecided:

@@ -3,8 +3,12 @@
 The pack is a gzipped tar built to be byte-identical for identical folders (sorted names, no
 times, owners or umask in it), so its SHA-256 names it: a run store keeps each distinct seed
 once, however many runs start from it. Its size is capped before anything is read in full.
-Unpacking uses tarfile's ``data`` filter (no absolute paths, no links out of the folder, no
-devices), because a pack read back from a database is not trusted more than any input.
+Unpacking uses tarfile's ``data`` filter (no absolute paths, no devices, nothing written
+through a link or out of the folder), because a pack read back from a database is not trusted
+more than any input; but a symlink that points out of the folder (a virtualenv's ``bin/python``
+-> ``/usr/bin/python3``) is kept as the link it is, because the run's sandbox got it so (the
+upload sends links as they are): refused, it made the whole seed unusable and the run
+unreplayable. Nothing is written through such a link: a member under it is refused.
 """
 
 from __future__ import annotations
@@ -101,6 +105,18 @@ def unpack_seed(data: bytes, dest: str | Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     try:
         with tarfile.open(fileobj=io.BytesIO(gzip.decompress(data)), mode="r:") as tar:
-            tar.extractall(dest, filter="data")
+            tar.extractall(dest, filter=_as_uploaded)
     except (OSError, EOFError, tarfile.TarError) as error:
         raise exc.RunStoreError(f"the stored workspace cannot be unpacked: {error}") from error
+
+
+def _as_uploaded(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
+    """tarfile's ``data`` filter, but a symlink pointing out of ``dest`` is kept as it is: the
+    filter checks all else of it (its own name inside ``dest``, through no link; its owner)."""
+    try:
+        return tarfile.data_filter(member, dest)
+    except (tarfile.AbsoluteLinkError, tarfile.LinkOutsideDestinationError):
+        if not member.issym():
+            raise
+    checked = tarfile.data_filter(member.replace(linkname=".", deep=False), dest)
+    return None if checked is None else checked.replace(linkname=member.linkname, deep=False)

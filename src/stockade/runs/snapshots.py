@@ -3,7 +3,9 @@
 A run that pauses (an approval to wait for, an interruption) keeps a snapshot of its sandbox:
 its memory where the tier can (the microVM: the interpreter's variables, processes), its files
 otherwise (the workspace, /tmp, the environment). The snapshot store keeps it under the ref
-``run/<run id>`` and the run's checkpoint names it (``RunState.snapshot``); the session that
+``run/<run id>`` (``run/h-<hash of the id>`` for an id that cannot name a file or begins with
+``h-``: no id takes another's ref; the ref names its run, and a run touches no other's) and the
+run's checkpoint names it (``RunState.snapshot``); the session that
 resumes the run starts its sandbox from it, then lets it go (a later crash must not bring back
 memory older than the workspace the run store restores). A run that ends lets it go too:
 ``stockade gc`` removes it. ``erase`` removes a run's snapshot at once (``stockade runs erase``).
@@ -36,13 +38,15 @@ log = logging.getLogger(__name__)
 
 REF = "run"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_HASHED = "h-"
 
 
 def ref_name(run_id: str) -> str:
-    """The ref of a run's snapshot: its id, or the id's hash when the id cannot name a file."""
-    if _NAME.match(run_id):
+    """The ref of a run's snapshot: its id, or the id's hash when the id cannot name a file or
+    could be taken for a hash (an id ``h-<hash of another id>`` must not name that id's ref)."""
+    if _NAME.match(run_id) and not run_id.startswith(_HASHED):
         return run_id
-    return "h-" + hashlib.sha256(run_id.encode()).hexdigest()[:40]
+    return _HASHED + hashlib.sha256(run_id.encode()).hexdigest()[:40]
 
 
 @dataclass(frozen=True)
@@ -58,9 +62,12 @@ class RunSnapshots:
         if not sandbox.alive:
             return None
         name = ref_name(run_id)
+        before = _ref(self.store, run_id)
+        if (before is None or before[0] != name) and _taken(self.store, name):  # case folded
+            log.warning("run %s: its sandbox was not kept (another run's holds ref %s)", run_id, name)
+            return None
         try:
             taken = sandbox.snapshot(store=self.store)
-            before = self.store.ref(REF, name)
             # The run's ref first, then the caller's ref the op made goes: never unreferenced.
             self.store.set_ref(REF, name, taken.id, run=run_id)  # its id, for listings
             self.store.drop_ref("kept", taken.id)
@@ -68,8 +75,11 @@ class RunSnapshots:
             # The run still pauses: resumed, it gets its files back from the run store.
             log.warning("run %s: its sandbox was not kept (%s: %s)", run_id, type(err).__name__, err)
             return None
-        if before is not None and before.get("snapshot") not in (None, taken.id):
-            self._forget(run_id, before["snapshot"])  # now: a snapshot per call must not pile up
+        if before is not None:
+            if before[0] != name:  # kept under the name an earlier version gave it
+                self.store.drop_ref(REF, before[0])
+            if before[1] != taken.id:
+                self._forget(run_id, before[1])  # now: a snapshot per call must not pile up
         return taken.id
 
     def kept(self, run_id: str) -> Snapshot | None:
@@ -78,7 +88,7 @@ class RunSnapshots:
         if ref is None:
             return None
         try:
-            return self.store.get(ref["snapshot"])
+            return self.store.get(ref[1])
         except exc.SnapshotNotFound:
             return None
 
@@ -119,8 +129,8 @@ class RunSnapshots:
         snapshot shares them; what a crash leaves half-done, ``stockade gc`` removes)."""
         ref = _ref(self.store, run_id)
         if ref is not None:
-            self.store.drop_ref(REF, ref_name(run_id))
-            self._forget(run_id, ref["snapshot"])
+            self.store.drop_ref(REF, ref[0])
+            self._forget(run_id, ref[1])
 
     def _forget(self, run_id: str, snapshot_id: str) -> None:
         """Drop a snapshot the run no longer refers to; a failure leaves it to ``stockade gc``
@@ -138,17 +148,32 @@ def erase_run_snapshots(store: SnapshotStore, run_ids: Sequence[str]) -> int:
     for run_id in dict.fromkeys(run_ids):
         ref = _ref(store, run_id)
         if ref is not None:
-            store.drop_ref(REF, ref_name(run_id))
-            _drop(store, ref["snapshot"])
+            store.drop_ref(REF, ref[0])
+            _drop(store, ref[1])
             erased += 1
     return erased
 
 
-def _ref(store: SnapshotStore, run_id: str) -> dict[str, str] | None:
-    """The run's ref, read without creating the store (most runs never keep a sandbox)."""
+def _ref(store: SnapshotStore, run_id: str) -> tuple[str, str] | None:
+    """The name of the run's ref and the snapshot it keeps, read without creating the store
+    (most runs never keep a sandbox). Only a ref that says it is this run's: a ref another run
+    wrote is never restored, replaced or dropped for this one. An id of the form ``h-...`` was
+    its own ref's name before (it could be another id's hash): such a ref is still found."""
     if not (store.root / "refs" / REF).is_dir():
         return None
-    return store.ref(REF, ref_name(run_id))
+    names = [ref_name(run_id)]
+    if run_id.startswith(_HASHED) and _NAME.match(run_id):
+        names.append(run_id)
+    for name in names:
+        ref = store.ref(REF, name)
+        if ref is not None and ref.get("run") == run_id and "snapshot" in ref:
+            return name, ref["snapshot"]
+    return None
+
+
+def _taken(store: SnapshotStore, name: str) -> bool:
+    """Whether a ref of that name exists (then another run's, when ``_ref`` did not find it)."""
+    return (store.root / "refs" / REF).is_dir() and store.ref(REF, name) is not None
 
 
 def _drop(store: SnapshotStore, snapshot_id: str) -> None:

@@ -495,8 +495,9 @@ class RunStore:
     def record_approval(self, run_id: str, entry: ApprovalEntry) -> None:
         _check_run_id(run_id)
         row = (
-            run_id, entry.step, entry.request_id, entry.action, entry.rule, entry.reason,
-            entry.decision, entry.recorded_ns,
+            run_id, entry.step, entry.request_id,
+            self.redactor.text(entry.action),  # a command may carry a token
+            entry.rule, self.redactor.text(entry.reason), entry.decision, entry.recorded_ns,
         )  # fmt: skip
         self._insert_signed("approvals", row)
 

@@ -101,7 +101,10 @@ class PendingApproval:
     reason: str
 
     def request(self) -> ApprovalRequest:
-        return ApprovalRequest(run_id=self.run_id, action=self.action, rule=self.rule, reason=self.reason)
+        return ApprovalRequest.kept(
+            {"run_id": self.run_id, "id": self.request_id, "action": self.action, "rule": self.rule,
+             "reason": self.reason}
+        )  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)

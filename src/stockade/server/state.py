@@ -45,7 +45,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from stockade import exceptions as exc
-from stockade.policy.approval import SPENT, ApprovalRequest, Choice, not_pending
+from stockade.audit.redact import Redactor
+from stockade.policy.approval import SPENT, ApprovalRequest, Choice, not_pending, redacted
 from stockade.runs._db import Database, PostgresDatabase, SQLiteDatabase, Statement, octets
 from stockade.runs._schema import run_bytes_sql
 from stockade.runtime.killswitch import LIVE_FOR_S, LiveRun
@@ -964,11 +965,13 @@ class DatabaseApprovals:
     """``ApprovalBook`` in the service's database: a decision made through the API reaches the
     run on whichever worker resumes it."""
 
-    def __init__(self, store: ServiceStore) -> None:
+    def __init__(self, store: ServiceStore, *, redactor: Redactor | None = None) -> None:
         self.db = store.db
         self.table = f"{store.ns}_approvals"
+        self.redactor = redactor if redactor is not None else Redactor()  # actions, reasons
 
     def submit(self, request: ApprovalRequest) -> None:
+        kept = redacted(request, self.redactor)
         self.db.write(
             [
                 (
@@ -980,9 +983,9 @@ class DatabaseApprovals:
                         (
                             request.run_id,
                             request.id,
-                            request.action,
+                            kept["action"],
                             request.rule,
-                            request.reason,
+                            kept["reason"],
                             time.time_ns(),
                         )
                     ],

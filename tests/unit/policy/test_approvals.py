@@ -217,3 +217,33 @@ def test_deciding_or_spending_for_a_run_never_asked_about_leaves_nothing_behind(
         store.decide("nosuch", "x", Choice.APPROVED)
     assert not store.spend("nosuch", "x")
     assert not (tmp_path / "approvals").exists() and store.pending() == []
+
+
+def test_a_book_keeps_a_token_in_a_request_redacted_under_the_id_of_the_action_as_asked(
+    book: ApprovalBook, tmp_path: Path
+) -> None:
+    token, other = "ghp_" + "a1" * 18, "ghp_" + "b2" * 18
+    asked = ApprovalRequest(
+        run_id="run-1", action=f"run `git push --token {token}`", rule="push", reason=token
+    )
+    elsewhere = ApprovalRequest(
+        run_id="run-1", action=asked.action.replace(token, other), rule="push", reason=other
+    )
+    approvals = Approvals(store=book)
+    for request in (asked, elsewhere):
+        with pytest.raises(ApprovalRequired):
+            approvals.require(request)
+    kept = book.requests("run-1")
+    assert asked.id != elsewhere.id and {r["id"] for r in kept} == {asked.id, elsewhere.id}
+    assert all("ghp_" not in r["action"] + r["reason"] for r in kept)
+    stored = b"".join(p.read_bytes() for p in tmp_path.rglob("*") if p.is_file())  # files, database
+    assert token.encode() not in stored and other.encode() not in stored
+
+    book.decide("run-1", asked.id, Choice.APPROVED)
+    approvals.require(asked)  # found under its id: the same action as asked
+    with pytest.raises(ApprovalRequired):
+        approvals.require(elsewhere)  # a yes to one token is no yes to another
+
+    # the run ends: what is still asked is closed under the id it was asked under
+    (closed,) = approvals.withdraw("run-1")
+    assert closed.id == elsewhere.id and status(book, elsewhere) == "denied"

@@ -156,6 +156,19 @@ def test_each_approval_outcome_is_recorded(store: RunStore, tmp_path: Path) -> N
     ]
 
 
+def test_an_approval_asked_about_a_command_holding_a_token_is_recorded_redacted(
+    store: RunStore, tmp_path: Path
+) -> None:
+    recorder = RunRecorder(store)
+    token = "ghp_" + "a1" * 18
+    request = ApprovalRequest(run_id="r", action=f"run `git push --token {token}`", rule="push", reason=token)
+    with pytest.raises(ApprovalRequired):
+        recorder.approvals(Approvals(store=ApprovalStore(tmp_path / "approvals"))).require(request)
+    (kept,) = store.approvals("r")
+    assert token not in kept.action and "[REDACTED:github_token]" in kept.action
+    assert kept.reason == "[REDACTED:github_token]" and kept.request_id == request.id
+
+
 def test_a_registered_secret_never_reaches_the_run_store(tmp_path: Path) -> None:
     secret = "hunter2-correct-horse"
     redactor = Redactor()

@@ -3,16 +3,19 @@ folders (stored once), capped with a clear error, and unpacked to the same files
 
 from __future__ import annotations
 
+import gzip
+import io
 import os
+import tarfile
 from pathlib import Path
 
 import pytest
 
 from stockade import Sandbox
 from stockade.agent import Agent
-from stockade.exceptions import SeedTooLarge
+from stockade.exceptions import RunStoreError, SeedTooLarge
 from stockade.runs import RunRecorder, RunStore, open_run_store
-from stockade.runs.seeds import pack_workspace
+from stockade.runs.seeds import pack_workspace, unpack_seed
 from stockade.testing import FakeBackend, ScriptedModel
 
 
@@ -66,3 +69,34 @@ def test_packing_does_not_depend_on_times_or_owners(tmp_path: Path) -> None:
     before = pack_workspace(workspace).digest
     os.utime(workspace / "src" / "app.py", (1, 1))
     assert pack_workspace(workspace).digest == before
+
+
+def test_links_out_of_the_workspace_come_back_as_the_links_the_sandbox_got(tmp_path: Path) -> None:
+    # a virtualenv's interpreter, a link to a sibling checkout: the upload sends them as they are
+    workspace = project(tmp_path / "project")
+    (workspace / ".venv" / "bin").mkdir(parents=True)
+    (workspace / ".venv" / "bin" / "python").symlink_to("/usr/bin/python3")
+    (workspace / "shared").symlink_to("../../shared-lib")
+    (workspace / "app").symlink_to("src/app.py")
+
+    restored = tmp_path / "restored"
+    unpack_seed(pack_workspace(workspace).data, restored)
+    assert os.readlink(restored / ".venv" / "bin" / "python") == "/usr/bin/python3"
+    assert os.readlink(restored / "shared") == "../../shared-lib"
+    assert (restored / "app").read_text() == "print('hello')\n"
+
+
+def test_nothing_is_unpacked_through_a_link_out_of_the_folder(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        link = tarfile.TarInfo("out")
+        link.type, link.linkname = tarfile.SYMTYPE, str(outside)
+        tar.addfile(link)
+        planted = tarfile.TarInfo("out/planted")
+        planted.size = 2
+        tar.addfile(planted, io.BytesIO(b"hi"))
+    with pytest.raises(RunStoreError, match="cannot be unpacked"):
+        unpack_seed(gzip.compress(buffer.getvalue()), tmp_path / "restored")
+    assert list(outside.iterdir()) == []
