@@ -92,7 +92,8 @@ TOKEN_PATTERNS: dict[str, str] = {
         r"[^'\"\n\\]{4,}(?=(?P=quote))"
     ),
     # https://user:password@host: the password of a URL's user information
-    "url_password": r"(?P<keep>\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s/:@'\"]+:)(?!\[REDACTED)[^\s/@'\"]+(?=@)",
+    # (a user that is a mark already, "[REDACTED:github_token]", is no user and password)
+    "url_password": r"(?P<keep>\b[A-Za-z][A-Za-z0-9+.\-]*://(?!\[REDACTED)[^\s/:@'\"]+:)(?!\[REDACTED)[^\s/@'\"]+(?=@)",
     # --password hunter2, --api-key abcd (a command's flag, its value after a space)
     "flag": (
         rf"(?P<keep>(?<![\w\-])--?[\w\-]*(?i:{_NAMES})[ \t]+['\"]?)(?![\-\[])"
@@ -119,7 +120,7 @@ TAIL_PATTERNS: dict[str, str] = {
     "bearer": r"(?P<keep>\b(?:[Bb]earer|Basic|Token)\s+)[A-Za-z0-9\-._~+/]+=*\Z",
     "json_assignment": rf"(?P<keep>\"[\w.\-]*(?i:{_NAMES})\"\s*:\s*\")(?!\[REDACTED)(?:[^\"\\\n]|\\.)*\\?\Z",
     "quoted_assignment": (rf"(?P<keep>\b[\w.\-]*(?i:{_NAMES})\s*[=:]\s*['\"])(?!\[REDACTED)[^'\"\n\\]*\Z"),
-    "url_password": r"(?P<keep>\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s/:@'\"]+:)(?!\[REDACTED)[^\s/@'\"]*\Z",
+    "url_password": r"(?P<keep>\b[A-Za-z][A-Za-z0-9+.\-]*://(?!\[REDACTED)[^\s/:@'\"]+:)(?!\[REDACTED)[^\s/@'\"]*\Z",
     "flag": rf"(?P<keep>(?<![\w\-])--?[\w\-]*(?i:{_NAMES})[ \t]+['\"]?)(?![\-\[])[^\s\"']*\Z",
     "assignment": (
         rf"(?P<keep>\b[\w.\-]*(?i:{_NAMES})(?:\\?[\"'])?\s*[=:](?!=)\s*(?:\\?[\"'])?)"

@@ -184,6 +184,10 @@ def test_credentials_written_as_json_or_environment_assignments_are_redacted(
             "postgresql://stockade:pw@127.0.0.1:5432/db",
             "postgresql://stockade:[REDACTED:url_password]@127.0.0.1:5432/db",
         ),
+        (  # the token as the URL's user: one mark (it came out "[REDACTED:[REDACTED:url_password]")
+            "git clone https://ghp_abcdefghijklmnopqrstuvwxyz0123456789@github.com/o/r",
+            "git clone https://[REDACTED:github_token]@github.com/o/r",
+        ),
     ],
 )
 def test_passwords_given_as_flags_or_in_urls_are_redacted(text: str, redacted: str) -> None:
