@@ -152,6 +152,7 @@ class _ContainerBoundary(Boundary):
         self.mounts = mounts
         self._oom_file: Path | None = None
         self._oom_resolved = False
+        self._oom_seen: int | None = None  # the kernel's count, read last
         self._thrash: _thrash.Watch | None = None
 
     def alive(self) -> bool:
@@ -180,7 +181,15 @@ class _ContainerBoundary(Boundary):
         if self._oom_file is None:
             return None
         kernel = _guest.read_oom_kills(self._oom_file)
-        return None if kernel is None else kernel + (self._thrash.kills if self._thrash else 0)
+        if kernel is None:
+            # The group is gone with its container: the watch's kill of its largest process
+            # ended it (gVisor's sentry, under load), and the count read last still holds
+            # (it read None, and the crash was "stopped from outside", not out of memory).
+            kernel = self._oom_seen
+        if kernel is None:
+            return None
+        self._oom_seen = kernel
+        return kernel + (self._thrash.kills if self._thrash else 0)
 
     def _oom_events(self) -> int | None:
         # ``until`` in the past (to the microsecond) makes the engine replay and return at
