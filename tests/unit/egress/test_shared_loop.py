@@ -239,12 +239,15 @@ def test_tunnels_where_neither_side_reads_hold_at_most_the_sandboxs_budget(stall
                         sock.send(chunk)
 
         threading.Thread(target=send, daemon=True).start()
-        state = wait_for(
-            lambda: (found := held_by_streams())[1] >= 8 and found[2] == found[1] and found,
-            what="every stream of the tunnels to stop reading",
-            timeout_s=60,
-        )
-        assert state[0] <= budget + state[1] * 68 * 1024, state  # the budget, and a transport's 64 KiB each
+
+        def stopped() -> tuple[int, int, int] | None:
+            found = held_by_streams()
+            return found if found[1] >= 8 and found[2] == found[1] else None
+
+        state = wait_for(stopped, what="every stream of the tunnels to stop reading", timeout_s=60)
+        assert state is not None
+        held, streams, _ = state
+        assert held <= budget + streams * 68 * 1024, (held, streams)  # and a transport's 64 KiB each
         stop.set()
         for sock in clients:
             sock.close()
