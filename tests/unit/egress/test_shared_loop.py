@@ -137,9 +137,9 @@ class Stalled:
     def __init__(self) -> None:
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = int(self.sock.getsockname()[1])
-        self.conns: list[socket.socket] = []
         self.stop = threading.Event()
-        threading.Thread(target=self._serve, daemon=True).start()
+        self.threads = [threading.Thread(target=self._serve, daemon=True)]
+        self.threads[0].start()
 
     def _serve(self) -> None:
         while not self.stop.is_set():
@@ -148,25 +148,28 @@ class Stalled:
             except OSError:
                 return
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            self.conns.append(conn)
-            threading.Thread(target=self._feed, args=(conn,), daemon=True).start()
+            self.threads.append(threading.Thread(target=self._feed, args=(conn,), daemon=True))
+            self.threads[-1].start()
 
     def _feed(self, conn: socket.socket) -> None:
         chunk = b"x" * 65536
-        conn.settimeout(0.05)
-        while not self.stop.is_set():
-            try:
-                conn.send(chunk)
-            except TimeoutError:
-                continue
-            except OSError:  # the proxy closed it
-                return
+        with conn:
+            conn.settimeout(0.05)
+            while not self.stop.is_set():
+                try:
+                    conn.send(chunk)
+                except TimeoutError:
+                    continue
+                except OSError:  # the proxy closed it
+                    return
 
     def close(self) -> None:
         self.stop.set()
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+        for thread in list(self.threads):
+            thread.join(10)
 
 
 @pytest.fixture
@@ -176,8 +179,6 @@ def stalled() -> Iterator[Stalled]:
         yield server
     finally:
         server.close()
-        for conn in server.conns:
-            conn.close()
 
 
 def hello() -> bytes:
