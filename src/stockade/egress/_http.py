@@ -48,10 +48,10 @@ __all__ = [
 ]
 
 HEAD_LIMIT = 64 * 1024  # request or response head: bigger is refused
-# Lines of a request head (its request line included): more is a 431, counted on the bytes
-# before h11 parses any. Parsing is what a head costs the loop all sandboxes share: 12,500
-# one-line headers (`a:b`, within HEAD_LIMIT) took 14-31 ms of it each. Apache's
-# LimitRequestFields is 100; browsers and HTTP libraries send a few dozen.
+# Line ends of a request head (its request line and its closing blank line included): more
+# is a 431, counted on the bytes before h11 parses any. Parsing is what a head costs the
+# loop all sandboxes share: 12,500 one-line headers (`a:b`, within HEAD_LIMIT) took 14-31 ms
+# of it each. Apache's LimitRequestFields is 100; browsers and HTTP libraries send a few dozen.
 HEAD_LINES = 256
 INFORMATIONAL_LIMIT = 16  # 1xx answers before the final one: more is a 502
 LINE_LIMIT = 8192  # of a request head h11 refuses, what is kept to name it (its first line)
