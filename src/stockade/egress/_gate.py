@@ -21,6 +21,7 @@ from dataclasses import replace
 
 from stockade.egress._resolve import LOOKUP_TIMEOUT_S, NotAName, Resolver
 from stockade.egress._rules import Judge, Verdict
+from stockade.egress._streams import Buffers
 from stockade.types import Credential, EgressRecord, NetworkPolicy
 
 __all__ = ["MAX_REDIRECT_BASE", "EgressObserver", "Gate", "Refused", "Window", "credential_value"]
@@ -74,6 +75,7 @@ class Gate:
         self.requests = Window(policy.max_requests_per_minute)
         self.bytes = Window(policy.max_bytes_per_minute)
         self.observer_failures = 0
+        self.buffers = Buffers()  # what the sandbox's connections hold in the host's memory
         # Read once, here, on the host: the values live in this object and nowhere else.
         self.secrets: dict[str, str] = {c.name: c.source.read() for c in policy.credentials}
         self._upstream_tls: ssl.SSLContext | None = None
@@ -99,6 +101,14 @@ class Gate:
             allowed=False, rule=RATE_RULE,
             reason=f"more than {self.policy.max_requests_per_minute} requests in a minute",
         ))  # fmt: skip
+
+    def admit(self) -> None:
+        """A request begins (its first bytes came, none of it parsed yet): count it, and
+        ``Refused`` (``429``) if the sandbox is past its requests or its bytes per minute.
+        Checked before the head is read, so a sandbox past its rate costs the loop that all
+        sandboxes share no parsing."""
+        self.count_request()
+        self.spend(0)
 
     def spend(self, amount: int) -> None:
         if not self.bytes.add(amount):

@@ -32,6 +32,7 @@ from stockade.types import Credential, EgressRecord
 __all__ = [
     "CONNECT_TIMEOUT_S",
     "HEAD_LIMIT",
+    "HEAD_LINES",
     "HEAD_TIMEOUT_S",
     "Entry",
     "Exchange",
@@ -47,6 +48,11 @@ __all__ = [
 ]
 
 HEAD_LIMIT = 64 * 1024  # request or response head: bigger is refused
+# Line ends of a request head (its request line and its closing blank line included): more
+# is a 431, counted on the bytes before h11 parses any. Parsing is what a head costs the
+# loop all sandboxes share: 12,500 one-line headers (`a:b`, within HEAD_LIMIT) took 14-31 ms
+# of it each. Apache's LimitRequestFields is 100; browsers and HTTP libraries send a few dozen.
+HEAD_LINES = 256
 INFORMATIONAL_LIMIT = 16  # 1xx answers before the final one: more is a 502
 LINE_LIMIT = 8192  # of a request head h11 refuses, what is kept to name it (its first line)
 HEAD_TIMEOUT_S = 30.0
@@ -283,13 +289,20 @@ class Exchange:
         while True:
             line = bytearray(conn.trailing_data[0][:LINE_LIMIT])  # the next request's, if here
             try:
-                event = await within(next_request(conn, client, line), self.head_timeout_s)
+                event = await within(next_request(conn, client, line, self.gate), self.head_timeout_s)
+            except Refused as over:  # past the rate: answered, and closed unread
+                await self.unreadable(conn, client, over, bytes(line), tunnel=tunnel)
+                return
             except h11.RemoteProtocolError as err:
-                await self.unreadable(conn, client, err, bytes(line), tunnel=tunnel)
+                await self.unreadable(
+                    conn, client, Refused(*unreadable_verdict(err)), bytes(line), tunnel=tunnel
+                )
                 return
             except TimeoutError:
                 if line:  # a head begun and not ended (a connection idle before one is no request)
-                    await self.unreadable(conn, client, None, bytes(line), tunnel=tunnel)
+                    await self.unreadable(
+                        conn, client, Refused(*unreadable_verdict(None)), bytes(line), tunnel=tunnel
+                    )
                 return
             if not isinstance(event, h11.Request):
                 return
@@ -297,7 +310,9 @@ class Exchange:
                 # h11 bounds a head only while it is incomplete: one that came whole in one
                 # read (up to a read's 256 KiB) is measured here.
                 too_long = h11.RemoteProtocolError("request head too long", error_status_hint=431)
-                await self.unreadable(conn, client, too_long, bytes(line), tunnel=tunnel)
+                await self.unreadable(
+                    conn, client, Refused(*unreadable_verdict(too_long)), bytes(line), tunnel=tunnel
+                )
                 return
             if client.gone():
                 # A request pipelined behind one whose answer found the client gone (its code
@@ -311,27 +326,26 @@ class Exchange:
             if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
                 return
             conn.start_next_cycle()
+            # The next request may be here already (pipelined): the other connections, other
+            # sandboxes' too, get the loop first, as if it had had to come.
+            await asyncio.sleep(0)
 
     async def unreadable(
         self,
         conn: Any,
         client: Stream,
-        err: Any,
+        refused: Refused,
         line: bytes,
         *,
         tunnel: tuple[str, int, str] | None,
     ) -> None:
-        """Answer and record a request whose head h11 refused to read (a ``400``, ``431`` for
-        one too long, ``408`` for one not whole in time: ``err`` ``None``); nothing of it
-        goes anywhere. The record names what the request line names, if it is one; the
-        reason is ours, never h11's message (which quotes the bytes)."""
+        """Answer and record a request whose head was not read: one h11 refused to read (a
+        ``400``, ``431`` for one too long, ``408`` for one not whole in time:
+        ``unreadable_verdict``), or one past the sandbox's rate (``429``, not read at all);
+        nothing of it goes anywhere. The record names what the request line names, if it
+        came and is one; the reason is ours, never h11's message (which quotes the bytes)."""
         method, target = request_line(line)
         host, port, path = target_parts(target, tunnel)
-        refused = Refused(*unreadable_verdict(err))
-        try:
-            self.gate.count_request()
-        except Refused as over_rate:
-            refused = over_rate
         with Entry(self.gate, EgressRecord(host=host, port=port, method=method, path=short(path))) as entry:
             entry.decided = denied(entry.record, refused)
             with contextlib.suppress(Exception):  # the client may be gone: the record stays
@@ -355,8 +369,7 @@ class Exchange:
         method, host, port = entry.record.method, entry.record.host, entry.record.port
         path = target_parts(request.target.decode("ascii", "replace"), tunnel)[2]
         scheme = "http" if tunnel is None else "https"
-        try:
-            gate.count_request()  # refused or not: each is a record
+        try:  # counted as it began (``Gate.admit``), refused or not: each is a record
             path = checked_path(request, method, host, port, path, tunnel=tunnel)
             verdict = gate.judge.request(host, port, method)
             entry.record = replace(entry.record, path=short(path), rule=verdict.rule)
@@ -475,7 +488,8 @@ class Exchange:
     async def _open(self, target: Target) -> Plain:
         tls = self.gate.upstream_context() if target.scheme == "https" else None
         return await within(
-            connect(target.address, target.port, tls=tls, name=target.host), CONNECT_TIMEOUT_S
+            connect(target.address, target.port, tls=tls, name=target.host, buffers=self.gate.buffers),
+            CONNECT_TIMEOUT_S,
         )
 
     async def _send_request(
@@ -500,7 +514,7 @@ class Exchange:
             headers = [(k, v) for k, v in headers if k.lower() not in (name, b"accept-encoding")]
             headers += [(credential.header.encode(), secrets[1]), (b"Accept-Encoding", b"identity")]
         head = up.send(h11.Request(method=request.method, target=target.path.encode(), headers=headers))
-        self.gate.spend(len(head))  # heads count as bytes too: a header can carry as much as a body
+        self.gate.spend(0)  # its head was counted as it came (``next_request``)
         if conn.their_state is h11.SEND_BODY:
             await self._relay_body(conn, client, up, upstream, head=head, count=progress.went)
         else:  # read already (no body; or sent once, on a kept connection the server then closed)
@@ -663,16 +677,72 @@ class Exchange:
                 await asyncio.sleep(0)
 
 
-async def next_request(conn: Any, stream: Stream, line: bytearray) -> Any:
+class HeadLines:
+    """The lines of a request head and its bytes, counted on the bytes as they come (up to
+    the blank line that ends it, as h11 finds it), before h11 parses any of them."""
+
+    BLANK = re.compile(rb"\n\r?\n")
+
+    def __init__(self) -> None:
+        self.lines = 0
+        self.size = 0
+        self.ended = False
+        self._tail = b""  # the last bytes seen: a blank line may straddle two reads
+
+    def feed(self, data: bytes) -> int:
+        """Count ``data``'s part of the head; the bytes of it that were the head's."""
+        if self.ended or not data:
+            return 0
+        if not self.size and (data[:1] == b"\n" or data[:2] == b"\r\n"):
+            self.ended = True  # a head that begins blank: h11 refuses it without parsing a line
+            return 0
+        seen = self._tail + bytes(data)  # all of it: h11 parses a head that came whole, however long
+        found = self.BLANK.search(seen)
+        end = found.end() if found is not None else len(seen)
+        start = len(self._tail)
+        self.lines += seen.count(b"\n", start, max(start, end))
+        self.ended = found is not None
+        taken = max(0, end - start)
+        self.size += taken
+        self._tail = seen[-2:]
+        return taken
+
+
+async def next_request(conn: Any, stream: Stream, line: bytearray, gate: Gate) -> Any:
     """``next_event`` for a request's head, keeping what came of it in ``line`` until its
-    first line end (at most ``LINE_LIMIT``): what a refusal of an unreadable head can name."""
+    first line end (at most ``LINE_LIMIT``): what a refusal of an unreadable head can name.
+
+    The request is counted once its first bytes came (``Gate.admit``: ``Refused``, ``429``,
+    past the sandbox's rate, before h11 parses any of it), its head's bytes as they come
+    (``max_bytes_per_minute``), and its lines before h11 parses them: past ``HEAD_LINES``
+    h11 never sees it (a ``RemoteProtocolError``, ``431``)."""
     h11 = load_h11()
+    head = HeadLines()
+    data = conn.trailing_data[0]  # the next request, pipelined behind the last one
+    if not data:
+        data = await stream.recv()
+        if not data:
+            return h11.ConnectionClosed()
+        if len(line) < LINE_LIMIT and b"\n" not in line:
+            line += data[: LINE_LIMIT - len(line)]
+        fresh = True
+    else:
+        fresh = False
+    gate.admit()
+    gate.bytes.add(head.feed(data))
+    if head.lines > HEAD_LINES:
+        raise h11.RemoteProtocolError("too many lines in the request head", error_status_hint=431)
+    if fresh:
+        conn.receive_data(data)
     while True:
         event = conn.next_event()
         if event is h11.NEED_DATA:
             data = await stream.recv()
             if len(line) < LINE_LIMIT and b"\n" not in line:
                 line += data[: LINE_LIMIT - len(line)]
+            gate.bytes.add(head.feed(data))
+            if head.lines > HEAD_LINES:
+                raise h11.RemoteProtocolError("too many lines in the request head", error_status_hint=431)
             conn.receive_data(data)
             continue
         if event is h11.PAUSED:
@@ -895,6 +965,8 @@ def unreadable_verdict(err: Any) -> tuple[int, Verdict]:
     message = str(err).lower()
     if err is None:
         status, rule, reason = 408, "request (timeout)", "the request's head did not end in time"
+    elif getattr(err, "error_status_hint", 400) == 431 and "lines" in message:
+        status, rule, reason = 431, "request (size)", f"a request head of more than {HEAD_LINES} lines"
     elif getattr(err, "error_status_hint", 400) == 431:
         status, rule, reason = 431, "request (size)", f"a request head longer than {HEAD_LIMIT} bytes"
     elif "content-length" in message:

@@ -8,6 +8,11 @@ new 256 KiB ``bytes`` per read from asyncio, which glibc maps and unmaps each ti
 system calls per read, measured with ``strace``). The buffer is one per thread, shared by
 all its streams: a transport hands it back (``buffer_updated``) before it reads again, and
 one of 256 KiB per connection would be mapped, zeroed and unmapped per request.
+
+What a sandbox's streams hold in the host's memory is bounded as a whole (``Buffers``, one
+per proxy): bytes received and not yet read, and bytes written and waiting for a slow
+reader. Past its budget every stream of that sandbox stops reading until some are taken:
+the per-connection cap alone let 128 connections where neither side reads hold ~120 MiB.
 """
 
 from __future__ import annotations
@@ -20,12 +25,49 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, Protocol, TypeVar, cast
 
-__all__ = ["CHUNK", "Plain", "ServerTLS", "Stream", "connect", "within", "wrap"]
+__all__ = ["BUFFERED_LIMIT", "CHUNK", "Buffers", "Plain", "ServerTLS", "Stream", "connect", "within", "wrap"]
 
 T = TypeVar("T")
 CHUNK = 256 * 1024  # the most one read returns; also what a stream holds unread before it pauses
 QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)  # Linux
 _received = threading.local()  # each thread's receive buffer (``Plain.get_buffer``)
+MIN_READ = 4096
+BUFFERED_LIMIT = 16 * 1024 * 1024  # bytes one sandbox's streams may hold at once (``Buffers``)
+
+
+class Buffers:
+    """What one sandbox's streams hold at once: received and not yet read, and written and
+    not yet taken by the peer (while a stream's writer waits). Past ``limit`` every stream
+    sharing it stops reading (backpressure: the peers' sockets fill, then their senders
+    wait); below three quarters of it they read again. A read that is under way may still
+    land: the bound is ``limit`` plus one read per stream (``get_buffer``)."""
+
+    def __init__(self, limit: int = BUFFERED_LIMIT) -> None:
+        self.limit = limit
+        self.held = 0
+        self.peak = 0  # the most held at once (for tests and benchmarks)
+        self._paused: set[Plain] = set()  # streams that stopped reading for the budget
+
+    @property
+    def full(self) -> bool:
+        return self.held >= self.limit
+
+    def take(self, amount: int) -> None:
+        self.held += amount
+        self.peak = max(self.peak, self.held)
+
+    def give(self, amount: int) -> None:
+        self.held -= amount
+        if self._paused and self.held < self.limit * 3 // 4:
+            paused, self._paused = self._paused, set()
+            for stream in paused:
+                stream._budget_freed()
+
+    def wait(self, stream: Plain) -> None:
+        self._paused.add(stream)
+
+    def forget(self, stream: Plain) -> None:
+        self._paused.discard(stream)
 
 
 class Stream(Protocol):
@@ -38,10 +80,13 @@ class Stream(Protocol):
 class Plain(asyncio.BufferedProtocol):
     """One connection (a client's or a server's), as ``recv`` and ``send``."""
 
-    def __init__(self, *, tls: bool = False) -> None:
+    def __init__(self, *, tls: bool = False, buffers: Buffers | None = None) -> None:
         self.transport: asyncio.Transport | None = None
         self._tls = tls  # a TLS transport cannot stay half-open after the peer's EOF
+        self._buffers = buffers if buffers is not None else Buffers()  # the sandbox's, shared
         self._data = bytearray()  # received, not yet read
+        self._charged = 0  # of ``_data``, what ``_buffers`` counts (none once the connection is lost)
+        self._charged_out = 0  # written and waiting in the transport, counted while the writer waits
         self._view = memoryview(b"")  # where the transport's last read went (the thread's buffer)
         self._eof = False
         self._error: BaseException | None = None
@@ -61,15 +106,43 @@ class Plain(asyncio.BufferedProtocol):
         view: memoryview | None = getattr(_received, "view", None)
         if view is None:
             view = _received.view = memoryview(bytearray(CHUNK))
-        self._view = view
-        return view
+        # No read past this stream's own cap nor the sandbox's budget (each at least a page,
+        # so that a read always progresses): what is held stays within them, not one read over.
+        room = min(CHUNK - len(self._data), self._buffers.limit - self._buffers.held)
+        self._view = view[: max(MIN_READ, room)] if room < CHUNK else view
+        return self._view
 
     def buffer_updated(self, nbytes: int) -> None:
         self._data += self._view[:nbytes]
-        if len(self._data) >= CHUNK and self.transport is not None and not self._reading_paused:
-            self._reading_paused = True  # nobody reads as fast as this comes: wait for them
-            self.transport.pause_reading()
+        if not self._lost:
+            self._charged += nbytes
+            self._buffers.take(nbytes)
+        if self.transport is not None and not self._reading_paused:
+            if len(self._data) >= CHUNK:  # nobody reads as fast as this comes: wait for them
+                self._pause()
+            elif self._buffers.full:  # the sandbox holds its budget: wait for some to be read
+                self._pause()
+                self._buffers.wait(self)
         self._wake()
+
+    def _pause(self) -> None:
+        self._reading_paused = True
+        assert self.transport is not None
+        self.transport.pause_reading()
+
+    def _budget_freed(self) -> None:
+        """The sandbox's budget has room again: read, unless this stream's own cap holds it."""
+        if self._reading_paused and len(self._data) < CHUNK and self.transport is not None:
+            self._reading_paused = False
+            with contextlib.suppress(RuntimeError):  # closed meanwhile
+                self.transport.resume_reading()
+
+    def _release(self) -> None:
+        """Nothing of this stream counts against the sandbox's budget any more (it is lost)."""
+        self._buffers.forget(self)
+        charged, self._charged, self._charged_out = self._charged + self._charged_out, 0, 0
+        if charged:
+            self._buffers.give(charged)
 
     def eof_received(self) -> bool:
         self._eof = True
@@ -79,6 +152,7 @@ class Plain(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
         self._eof = True
+        self._release()
         if exc is not None and self._error is None:
             self._error = exc
         self._wake()
@@ -90,8 +164,15 @@ class Plain(asyncio.BufferedProtocol):
     def pause_writing(self) -> None:
         if self._writable is None:
             self._writable = asyncio.get_running_loop().create_future()
+        if not self._charged_out and not self._lost and self.transport is not None:
+            # what waits for a slow reader is the sandbox's too, while its writer waits
+            self._charged_out = self.transport.get_write_buffer_size()
+            self._buffers.take(self._charged_out)
 
     def resume_writing(self) -> None:
+        charged, self._charged_out = self._charged_out, 0
+        if charged:
+            self._buffers.give(charged)
         waiter, self._writable = self._writable, None
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -118,9 +199,17 @@ class Plain(asyncio.BufferedProtocol):
             else:
                 data = bytes(self._data[:CHUNK])
                 del self._data[:CHUNK]
+            taken = min(len(data), self._charged)
+            if taken:
+                self._charged -= taken
+                self._buffers.give(taken)
             if self._reading_paused and self.transport is not None and len(self._data) < CHUNK:
-                self._reading_paused = False
-                self.transport.resume_reading()
+                if self._buffers.full:  # its own cap no longer holds it; the sandbox's budget does
+                    self._buffers.wait(self)
+                else:
+                    self._reading_paused = False
+                    self._buffers.forget(self)
+                    self.transport.resume_reading()
             return data
         if self._error is not None:
             raise self._error
@@ -179,10 +268,10 @@ class Plain(asyncio.BufferedProtocol):
         )
 
 
-async def wrap(sock: socket.socket) -> Plain:
-    """An accepted socket as a ``Plain`` (closed if that fails)."""
+async def wrap(sock: socket.socket, buffers: Buffers | None = None) -> Plain:
+    """An accepted socket as a ``Plain`` (closed if that fails), holding within ``buffers``."""
     loop = asyncio.get_running_loop()
-    stream = Plain()
+    stream = Plain(buffers=buffers)
     try:
         await loop.connect_accepted_socket(lambda: stream, sock)
     except BaseException:
@@ -192,11 +281,17 @@ async def wrap(sock: socket.socket) -> Plain:
 
 
 async def connect(
-    address: str, port: int, *, tls: ssl.SSLContext | None = None, name: str | None = None
+    address: str,
+    port: int,
+    *,
+    tls: ssl.SSLContext | None = None,
+    name: str | None = None,
+    buffers: Buffers | None = None,
 ) -> Plain:
-    """A new connection to ``address:port`` (TLS verified for ``name`` with ``tls``)."""
+    """A new connection to ``address:port`` (TLS verified for ``name`` with ``tls``),
+    holding within ``buffers`` (the sandbox's)."""
     loop = asyncio.get_running_loop()
-    stream = Plain(tls=tls is not None)
+    stream = Plain(tls=tls is not None, buffers=buffers)
     await loop.create_connection(
         lambda: stream, address, port, ssl=tls, server_hostname=name if tls is not None else None
     )

@@ -56,8 +56,7 @@ class Tunnels:
         h11 = load_h11()
         gate = self.gate
         host, port = entry.record.host, entry.record.port
-        try:
-            gate.count_request()  # refused or not: each is a record
+        try:  # counted as it began (``Gate.admit``)
             if not host or not port:
                 raise Refused(400, Verdict(
                     allowed=False, rule="request",
@@ -93,7 +92,7 @@ class Tunnels:
             await self._intercept(client, (host, port, address), hello, entry)
             return
         try:
-            upstream = await within(connect(address, port), CONNECT_TIMEOUT_S)
+            upstream = await within(connect(address, port, buffers=gate.buffers), CONNECT_TIMEOUT_S)
         except (TimeoutError, OSError) as err:
             entry.tell(replace(record, status=502, reason=f"cannot reach {host}: {err}"))
             return

@@ -47,7 +47,7 @@ from stockade import _exit
 from stockade.egress._gate import EgressObserver, Gate, Window
 from stockade.egress._http import Exchange, load_h11
 from stockade.egress._resolve import Resolver, SystemResolver
-from stockade.egress._streams import Plain, wrap
+from stockade.egress._streams import BUFFERED_LIMIT, Plain, wrap
 from stockade.egress._tls import SandboxCA
 from stockade.egress._tunnel import Tunnels
 from stockade.types import EgressRecord, NetworkPolicy
@@ -63,7 +63,9 @@ BUSY = (
 class EgressProxy:
     """One sandbox's proxy over its ``NetworkPolicy``. ``start`` it on a Unix socket (or
     ``start_tcp``, for tests and benchmarks) in the loop of ``stockade.egress._loop``;
-    ``close`` cuts every connection at once and drops the credentials."""
+    ``close`` cuts every connection at once and drops the credentials. At most
+    ``max_connections`` at once, holding at most ``max_buffered`` bytes between them
+    (received and not yet passed on: past it, the sandbox's connections stop reading)."""
 
     def __init__(
         self,
@@ -72,11 +74,13 @@ class EgressProxy:
         observer: EgressObserver | None = None,
         resolver: Resolver | None = None,
         max_connections: int = MAX_CONNECTIONS,
+        max_buffered: int = BUFFERED_LIMIT,
     ) -> None:
         self.policy = policy
         self.gate = Gate(policy, observer=observer, resolver=resolver or SystemResolver(policy.resolve))
         self.judge = self.gate.judge
         self.max_connections = max_connections
+        self.gate.buffers.limit = max_buffered
         intercepted = tuple(
             dict.fromkeys(
                 [h for c in policy.credentials for h in c.hosts]
@@ -205,7 +209,7 @@ class EgressProxy:
         if self._closed or generation != self._generation:
             conn.close()
             return
-        await self._accept(await wrap(conn), generation)
+        await self._accept(await wrap(conn, self.gate.buffers), generation)
 
     async def close(self) -> None:
         self._closed = True

@@ -330,13 +330,14 @@ def _received(peer: socket.socket) -> bytes:
 
 
 MANY_HEADERS = b"".join(b"X-%d: a\r\n" % n for n in range(8000))  # about 80 KB of short lines
+LONG_HEADERS = b"".join(b"X-%d: %s\r\n" % (n, b"a" * 2000) for n in range(40))  # 80 KB in 40 lines
 
 
 def test_a_head_too_long_that_comes_whole_in_one_read_is_a_431(server: RawServer) -> None:
     """h11 bounds a head only while it is incomplete: one that came whole is measured too."""
     records: list[EgressRecord] = []
     proxy = EgressProxy(_policy(server), observer=records.append)
-    request = b"GET http://raw.test:%d/ HTTP/1.1\r\nHost: raw.test\r\n%s\r\n" % (server.port, MANY_HEADERS)
+    request = b"GET http://raw.test:%d/ HTTP/1.1\r\nHost: raw.test\r\n%s\r\n" % (server.port, LONG_HEADERS)
 
     async def serve() -> socket.socket:
         client, peer = await _arrived(request, end=True)

@@ -1,0 +1,260 @@
+"""One sandbox cannot take from the others what every sandbox's proxy shares: the event loop
+thread they all run on (``egress/_loop.py``) and the host process's memory.
+
+* A request head is bounded in lines before h11 parses any (``HEAD_LINES``): 12,500
+  one-line headers within the 64 KiB cap took 14-31 ms of the shared loop each.
+* A sandbox past its rate has its requests refused before they are read, and the
+  connection closed: a flood of refused requests costs no parsing.
+* What a sandbox's connections hold (received, not yet passed on) is bounded as a whole:
+  past ``max_buffered`` they all stop reading, however many connections it holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import re
+import socket
+import ssl
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from stockade.egress import EgressProxy, NetworkPolicy, _loop
+from stockade.egress._streams import Plain
+from stockade.types import EgressRecord
+from tests.conftest import wait_for
+
+HEAD_LINES = 256  # a request head's lines at most (``_http.HEAD_LINES``)
+DENIED = b"GET http://denied.test/ HTTP/1.1\r\nHost: denied.test\r\n\r\n"
+
+
+class Scripted:
+    """A client connection whose bytes are all there at once: ``on_send`` runs at the
+    proxy's first answer (the proxy's side of a ``Stream``, without a socket)."""
+
+    def __init__(self, data: bytes, on_send: Callable[[], None] | None = None) -> None:
+        self.data = data
+        self.sent = bytearray()
+        self.on_send = on_send
+
+    async def recv(self) -> bytes:
+        data, self.data = self.data, b""
+        return data
+
+    async def send(self, data: bytes) -> None:
+        self.sent += data
+        then, self.on_send = self.on_send, None
+        if then is not None:
+            then()
+
+    def close(self) -> None:
+        pass
+
+    def gone(self) -> bool:
+        return False
+
+    def statuses(self) -> list[int]:
+        return [int(s) for s in re.findall(rb"HTTP/1\.1 (\d{3}) ", bytes(self.sent))]
+
+
+def served(policy: NetworkPolicy, *clients: Scripted) -> list[EgressRecord]:
+    """Each client served by one proxy, in turn, to its end; the records, in order."""
+    records: list[EgressRecord] = []
+    proxy = EgressProxy(policy, observer=records.append)
+
+    async def serve() -> None:
+        for client in clients:
+            await proxy.exchange.serve(client, tunnel=None)
+
+    try:
+        _loop.call(serve())
+    finally:
+        _loop.call(proxy.close())
+    return records
+
+
+def head(lines: int) -> bytes:
+    """A request to a host no rule allows, whose head has ``lines`` lines (``a:b`` headers)."""
+    return b"GET http://denied.test/ HTTP/1.1\r\nHost: denied.test\r\n" + b"a:b\r\n" * (lines - 3) + b"\r\n"
+
+
+def test_a_head_of_too_many_lines_is_a_431_before_it_is_parsed() -> None:
+    """1,000 lines in 6 KB: far within the 64 KiB cap, but a 431, never judged (h11 would
+    have made 1,000 headers of it first). A head within the lines is judged as before."""
+    many, few = Scripted(head(1000)), Scripted(head(HEAD_LINES))
+    records = served(NetworkPolicy(), many, few)
+    assert many.statuses() == [431] and b"more than 256 lines" in many.sent
+    assert few.statuses() == [403]
+    assert [(r.status, r.rule) for r in records] == [(431, "request (size)"), (403, "allow (no rule)")]
+
+
+class Trickle(Scripted):
+    """A client that sends ``data`` a few bytes at a time; how many reads the proxy made."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(b"")
+        self.pieces = [data[i : i + 7] for i in range(0, len(data), 7)]
+        self.reads = 0
+
+    async def recv(self) -> bytes:
+        self.reads += 1
+        return self.pieces.pop(0) if self.pieces else b""
+
+
+def test_a_head_of_too_many_lines_in_pieces_is_refused_as_its_lines_come() -> None:
+    """Lines counted across reads too: refused before the head ended."""
+    client = Trickle(head(HEAD_LINES + 50))
+    served(NetworkPolicy(), client)
+    assert client.statuses() == [431] and client.pieces
+
+
+def test_past_its_rate_a_request_is_refused_on_its_first_bytes_unread() -> None:
+    """A sandbox past its rate: the next request is a 429 as soon as it begins, its head
+    never read (it was read to its end, and parsed, before the 429)."""
+    first, second = Scripted(DENIED), Trickle(head(200))
+    records = served(NetworkPolicy(max_requests_per_minute=1), first, second)
+    assert first.statuses() == [403] and second.statuses() == [429]
+    assert second.reads == 1
+    assert (records[-1].status, records[-1].rule) == (429, "max_requests_per_minute")
+
+
+def test_request_heads_count_against_the_bytes_per_minute() -> None:
+    """Refused requests' heads are bytes the sandbox sent too: past the budget, a 429."""
+    big = head(200)  # about 1.1 KB
+    clients = [Scripted(big) for _ in range(5)]
+    served(NetworkPolicy(max_bytes_per_minute=len(big) * 5 // 2), *clients)
+    assert [c.statuses() for c in clients] == [[403], [403], [403], [429], [429]]
+
+
+# -- the memory a sandbox's connections hold -------------------------------------------------
+
+
+class Stalled:
+    """A server that sends without end and never reads (its receive buffer kept small)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.sock.getsockname()[1])
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._serve, daemon=True)]
+        self.threads[0].start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            self.threads.append(threading.Thread(target=self._feed, args=(conn,), daemon=True))
+            self.threads[-1].start()
+
+    def _feed(self, conn: socket.socket) -> None:
+        chunk = b"x" * 65536
+        with conn:
+            conn.settimeout(0.05)
+            while not self.stop.is_set():
+                try:
+                    conn.send(chunk)
+                except TimeoutError:
+                    continue
+                except OSError:  # the proxy closed it
+                    return
+
+    def close(self) -> None:
+        self.stop.set()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        for thread in list(self.threads):
+            thread.join(10)
+
+
+@pytest.fixture
+def stalled() -> Iterator[Stalled]:
+    server = Stalled()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def hello() -> bytes:
+    """A TLS ClientHello for ``svc.test`` (what a tunnel must begin with)."""
+    obj = ssl.create_default_context().wrap_bio(
+        ssl.MemoryBIO(), out := ssl.MemoryBIO(), server_hostname="svc.test"
+    )
+    with contextlib.suppress(ssl.SSLWantReadError):
+        obj.do_handshake()
+    return out.read()
+
+
+def held_by_streams() -> tuple[int, int, int]:
+    """(bytes held, streams open, streams not reading) over every open stream of the proxies
+    in this process: received and not yet read, and written and not yet sent."""
+
+    async def look() -> tuple[int, int, int]:
+        held = count = paused = 0
+        for obj in gc.get_objects():
+            if isinstance(obj, Plain) and obj.transport is not None and not obj.transport.is_closing():
+                held += len(obj._data) + obj.transport.get_write_buffer_size()
+                count += 1
+                paused += obj._reading_paused
+        return held, count, paused
+
+    return _loop.call(look())
+
+
+def test_tunnels_where_neither_side_reads_hold_at_most_the_sandboxs_budget(stalled: Stalled) -> None:
+    """Eight tunnels to a server that sends and never reads, from a client that sends and
+    never reads: once every stream stopped reading, what the proxy holds is its budget (1 MiB
+    here) and a little; each stream's own cap alone let them hold ~0.9 MiB per tunnel. Once
+    they close, the budget is whole again."""
+    budget = 1024 * 1024
+    policy = NetworkPolicy(
+        allow_hosts=(f"svc.test:{stalled.port}",), resolve={"svc.test": ("127.0.0.1",)},
+        allow_addresses=("127.0.0.1/32",),
+    )  # fmt: skip
+    proxy = EgressProxy(policy, max_buffered=budget)
+    port = _loop.call(proxy.start_tcp())
+    clients: list[socket.socket] = []
+    stop = threading.Event()
+    try:
+        for _ in range(8):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.sendall(b"CONNECT svc.test:%d HTTP/1.1\r\nHost: svc.test\r\n\r\n" % stalled.port)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+            sock.sendall(hello())
+            clients.append(sock)
+
+        def send() -> None:
+            chunk = b"y" * 65536
+            for sock in clients:
+                sock.settimeout(0.01)
+            while not stop.is_set():
+                for sock in clients:
+                    with contextlib.suppress(OSError):
+                        sock.send(chunk)
+
+        threading.Thread(target=send, daemon=True).start()
+
+        def stopped() -> tuple[int, int, int] | None:
+            found = held_by_streams()
+            return found if found[1] >= 8 and found[2] == found[1] else None
+
+        state = wait_for(stopped, what="every stream of the tunnels to stop reading", timeout_s=60)
+        assert state is not None
+        held, streams, _ = state
+        assert held <= budget + streams * 68 * 1024, (held, streams)  # and a transport's 64 KiB each
+        stop.set()
+        for sock in clients:
+            sock.close()
+        wait_for(lambda: proxy.gate.buffers.held == 0, what="the tunnels' bytes given back", timeout_s=30)
+    finally:
+        stop.set()
+        for sock in clients:
+            sock.close()
+        _loop.call(proxy.close())
