@@ -6,6 +6,7 @@ that ended is deleted whole, its bytes free, its id still taken, its audit trail
 from __future__ import annotations
 
 import json
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -103,6 +104,33 @@ def test_a_runs_conversation_counts_once_it_has_stopped(
     spec = len(json.dumps({"task": "talk", "scripted": [{"name": "list_files", "args": {}}, answer]}))
     assert (kept(service, run.id) or 0) > spec + len(answer)
     run.delete()
+
+
+def test_a_deletion_the_trail_cannot_record_erases_nothing_and_a_retry_finishes(
+    service: tuple[Server, Tokens, Path], acme: Client
+) -> None:
+    """The run store's rows went first and the note after: a full disk between the two left a
+    run the trail reported ``not_in_store`` for ever, and no run left to delete again."""
+    run = finished(acme, "noted first", ["done"])
+    db = service[2] / "service.db"
+    with sqlite3.connect(db) as conn:  # the disk is full for the note, as ENOSPC makes it
+        conn.execute(
+            "CREATE TRIGGER full BEFORE INSERT ON audit_t_acme_events WHEN NEW.kind = 'note' "
+            "BEGIN SELECT RAISE(ABORT, 'database or disk is full'); END"
+        )
+    conn.close()
+    try:
+        with pytest.raises(exc.AuditStoreError):
+            run.delete()
+        assert run.refresh().status == "success" and kept(service, run.id) is not None
+    finally:
+        with sqlite3.connect(db) as conn:
+            conn.execute("DROP TRIGGER full")
+        conn.close()
+    run.delete()
+    with pytest.raises(exc.ResourceNotFound):
+        run.refresh()
+    assert acme.verify_audit()["ok"]
 
 
 def test_only_a_run_that_ended_is_deleted_and_only_by_its_tenant(

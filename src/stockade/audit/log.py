@@ -163,6 +163,12 @@ class AuditLog:
                 )
             self._pending.append(draft)
             full = len(self._pending) >= self.batch_size
+            broken = self._error is not None
+        if broken:
+            # This write is the retry that mends it: without one (no flusher, nothing checked
+            # first) every record() after a full disk that cleared still failed, for ever.
+            with contextlib.suppress(Exception):
+                self.flush()
         self._raise_if_broken()
         if full:
             self.flush()

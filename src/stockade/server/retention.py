@@ -2,10 +2,11 @@
 service once they are older than their tenant's ``keep_runs_days`` (the tenants file, or
 ``ServiceConfig.keep_runs_days`` for every tenant that does not say).
 
-A run is erased from the run store first (``RunStore.erase``: its rows, the contents and seeds
-no other run shares; its id kept taken, the audit trail untouched), then from the service's
-tables in one transaction that requires it to have ended: a failure between the two leaves the
-service's row, and erasing it again finishes. Several API processes may sweep at once: a run
+A run's erasure is written in its tenant's audit trail first; then the run is erased from the
+run store (``RunStore.erase``: its rows, the contents and seeds no other run shares; its id
+kept taken, the audit trail untouched), then from the service's tables in one transaction that
+requires it to have ended: a failure between any two leaves the service's row, and erasing it
+again finishes. Several API processes may sweep at once: a run
 erased by one is not found by the other.
 """
 
@@ -43,14 +44,18 @@ def erase_run(
             f"run {row.run_id} is {row.status}: only a run that ended is deleted; kill it first "
             f"(POST /v1/runs/{row.run_id}/kill), then delete it once it has ended"
         )
-    service.run_store.erase([row.run_id])
-    if not service.store.forget_run(row.run_id):
-        return False
-    service.audit.get(tenant).record(
+    # The note first, written before anything is erased (``check``): erased first, a failed
+    # write left a run gone from the store that the trail reported ``not_in_store`` for ever,
+    # and erasing it again found no run to note. Noted and not erased (a failure after the
+    # note, or another process's sweep first), the run is only left out of verify's check.
+    audit = service.audit.get(tenant)
+    audit.record(
         EventKind.NOTE, run_id=row.run_id, actor=actor,
         attributes={"action": "delete", "status": row.status, **attributes},
     )  # fmt: skip
-    return True
+    audit.check()
+    service.run_store.erase([row.run_id])
+    return service.store.forget_run(row.run_id)
 
 
 def keep_runs_s(service: Service, tenant: Tenant) -> float | None:
