@@ -67,6 +67,13 @@ class QemuJail:
         argv = [self.bwrap, *self._namespaces(), "--ro-bind", "/usr", "/usr", *_system_links()]
         argv += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
         argv += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]
+        # The kernel's settings read-only, as Docker keeps them: QEMU is uid 0 here, and a
+        # sysctl's write asks for that alone, no capability (an escaped QEMU set
+        # kernel.core_pattern, a path the host's kernel runs as root on a crash); pressure
+        # files take triggers (kernel memory), sysrq-trigger reboots.
+        argv += ["--ro-bind", "/proc/sys", "/proc/sys"]
+        for entry in _PROC_READ_ONLY:
+            argv += ["--ro-bind-try", entry, entry]
         if kvm and Path("/dev/kvm").exists():
             argv += ["--dev-bind", "/dev/kvm", "/dev/kvm"]
         binary = Path(qemu_argv[0])
@@ -98,6 +105,10 @@ class QemuJail:
             "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
             "--die-with-parent", "--new-session",
         ]  # fmt: skip
+
+
+# What of /proc but /proc/sys a jailed QEMU may not write (where the kernel has it).
+_PROC_READ_ONLY = ("/proc/sysrq-trigger", "/proc/pressure", "/proc/fs", "/proc/bus", "/proc/irq")
 
 
 def _system_links() -> list[str]:

@@ -59,6 +59,32 @@ def test_the_jailed_program_holds_no_capability_and_can_regain_none(jail: QemuJa
     assert set(_caps(jail).values()) == {0}
 
 
+# Every file of /proc the jailed program may open for writing, but its own process's.
+WRITABLE_PROC = (
+    "import os\n"
+    "for top, dirs, files in os.walk('/proc'):\n"
+    "    parts = top.split('/')\n"
+    "    if len(parts) > 2 and (parts[2].isdigit() or parts[2] in ('self', 'thread-self')):\n"
+    "        dirs[:] = []\n"
+    "        continue\n"
+    "    for name in files:\n"
+    "        try:\n"
+    "            os.close(os.open(os.path.join(top, name), os.O_WRONLY))\n"
+    "        except OSError:\n"
+    "            continue\n"
+    "        print(os.path.join(top, name))\n"
+)
+
+
+def test_the_jailed_program_can_change_no_setting_of_the_hosts_kernel(jail: QemuJail) -> None:
+    """QEMU runs as uid 0 in its jail, and a sysctl's write needs nothing more: an escaped
+    QEMU could write 785 files of /proc, kernel.core_pattern among them (a program the host's
+    kernel runs as root on the next crash), fs.file-max, vm.drop_caches (found from outside)."""
+    argv = jail.wrap([PYTHON, "-c", WRITABLE_PROC], read=())
+    done = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=60)
+    assert done.stdout.split() == [], done.stdout[:2000]
+
+
 def test_the_ram_file_is_opened_for_reading_through_a_read_only_mount(jail: QemuJail, tmp_path: Path) -> None:
     shim = ram_shim(tmp_path / "native")
     require(
