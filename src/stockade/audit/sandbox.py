@@ -80,6 +80,27 @@ def _no_step() -> int:
     return 0
 
 
+def _kept(redactor: Redactor, text: str) -> str:
+    """``text`` redacted and cut to ``TEXT_CAP`` characters; a long one cut first, then
+    redacted as the head of a longer text (``Redactor.head``): redacting a path of a million
+    characters whole costs half a second."""
+    if len(text) <= TEXT_CAP:
+        return redactor.cut(text, TEXT_CAP)
+    return redactor.cut(text[:TEXT_CAP], TEXT_CAP, was_cut=True) + f"…[{len(text) - TEXT_CAP} more chars]"
+
+
+def _text(name: str, text: str, redactor: Redactor) -> dict[str, object]:
+    """The attributes recording one text copied from the caller under ``name`` (a path, a
+    host folder): whole up to ``TEXT_CAP`` characters, past it cut, with the size and digest
+    of the whole (``<name>_bytes``, ``<name>_digest``, ``<name>_cut``). A path was once kept
+    whole: a files.remove of a 1,000,000-character path made an event of 3 MB."""
+    if len(text) <= TEXT_CAP and len(whole := redactor.text(text)) <= TEXT_CAP:
+        return {name: whole}
+    kept = _kept(redactor, text)
+    raw = text.encode("utf-8", "surrogatepass")
+    return {name: kept, f"{name}_bytes": len(raw), f"{name}_digest": _digest(raw), f"{name}_cut": True}
+
+
 def _cut(redactor: Redactor) -> Callable[[str], str]:
     """Redact, then cut: a cut first can keep a credential's prefix that no pattern knows."""
     return lambda text: redactor.cut(text, TEXT_CAP)
@@ -152,7 +173,7 @@ def describe(op: Op[Any], redactor: Redactor) -> tuple[EventKind, dict[str, obje
         case RunCommand():
             attributes: dict[str, object] = {
                 **_words("argv", op.argv, redactor),
-                "cwd": None if op.cwd is None else _cap(op.cwd),
+                **({"cwd": None} if op.cwd is None else _text("cwd", op.cwd, redactor)),
                 **_words("env_names", sorted(op.envs), redactor),
                 "timeout_s": op.timeout_s,
                 "stdin_bytes": None if op.stdin is None else len(op.stdin),
@@ -174,7 +195,7 @@ def describe(op: Op[Any], redactor: Redactor) -> tuple[EventKind, dict[str, obje
         case WriteFile():
             return EventKind.FILE_WRITE, {
                 "op": "write",
-                "path": op.path,
+                **_text("path", op.path, redactor),
                 "bytes": len(op.data),
                 "digest": _digest(op.data),
                 "mode": oct(op.mode),
@@ -182,22 +203,22 @@ def describe(op: Op[Any], redactor: Redactor) -> tuple[EventKind, dict[str, obje
         case PutArchive() if op.folder is not None:  # made as it is sent: no bytes to digest before
             return EventKind.FILE_WRITE, {
                 "op": "put_archive",
-                "path": op.path,
-                "source": str(op.folder.source),
+                **_text("path", op.path, redactor),
+                **_text("source", str(op.folder.source), redactor),
                 **_words("hide", op.folder.hide, redactor),
                 **_words("read", op.folder.read, redactor),
             }
         case PutArchive():
             return EventKind.FILE_WRITE, {
                 "op": "put_archive",
-                "path": op.path,
+                **_text("path", op.path, redactor),
                 "bytes": len(op.data),
                 "digest": _digest(op.data),
             }
         case MakeDir():
-            return EventKind.FILE_WRITE, {"op": "make_dir", "path": op.path}
+            return EventKind.FILE_WRITE, {"op": "make_dir", **_text("path", op.path, redactor)}
         case Remove():
-            return EventKind.FILE_REMOVE, {"path": op.path, "recursive": op.recursive}
+            return EventKind.FILE_REMOVE, {**_text("path", op.path, redactor), "recursive": op.recursive}
         case Reset():
             return EventKind.SANDBOX_RESET, {}
         case TakeSnapshot() | Pause():
@@ -264,9 +285,15 @@ def outcome(result: OpResult) -> dict[str, object]:
     return {}
 
 
-def failure(error: BaseException) -> dict[str, object]:
+def failure(error: BaseException, redactor: Redactor) -> dict[str, object]:
+    """What failed, as an event keeps it: the message cut like any text (it may repeat what
+    the caller gave: a path of a million characters, twice in the event before)."""
     retryable = isinstance(error, exc.StockadeError) and error.retryable
-    return {"error": type(error).__name__, "error_message": str(error), "retryable": retryable}
+    return {
+        "error": type(error).__name__,
+        "error_message": _kept(redactor, str(error)),
+        "retryable": retryable,
+    }
 
 
 def _egress_path(redactor: Redactor, path: str) -> str:
@@ -334,7 +361,9 @@ class AuditedInstance(WrapperInstance):
                 raise ended
             result = self.wrapped.handle(op, sink)
         except BaseException as error:
-            self._record(kind, time.perf_counter() - start, {**attributes, **failure(error)})
+            self._record(
+                kind, time.perf_counter() - start, {**attributes, **failure(error, self.log.redactor)}
+            )
             raise
         self._record(kind, time.perf_counter() - start, {**attributes, **outcome(result)})
         if isinstance(result, CommandResult | Execution):
@@ -440,7 +469,12 @@ class AuditedBackend(WrapperBackend):
                 **_words("credential_names", [c.name for c in spec.network.credentials], self.log.redactor),
             },
             **_words("env_names", sorted(spec.envs), self.log.redactor),
-            "labels": dict(spec.labels),
+            # a sandbox's labels as a list of name=value past the cap, like any list
+            **(
+                {"labels": dict(spec.labels)}
+                if sum(len(k) + len(v) for k, v in spec.labels.items()) <= TEXT_CAP
+                else _words("labels", [f"{k}={v}" for k, v in spec.labels.items()], self.log.redactor)
+            ),
             "allow_weaker": spec.allow_weaker,
         }
         if spec.network.egress:
@@ -455,7 +489,7 @@ class AuditedBackend(WrapperBackend):
                 step=self.step(),
                 actor=self.actor,
                 duration_s=time.perf_counter() - start,
-                attributes={**attributes, **failure(error)},
+                attributes={**attributes, **failure(error, self.log.redactor)},
             )
             raise
         self.log.record(

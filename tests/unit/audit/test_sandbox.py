@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,7 +17,7 @@ from stockade.audit.sandbox import TEXT_CAP
 from stockade.exceptions import AuditStoreError
 from stockade.sandbox import Sandbox
 from stockade.sandbox.base import Instance, SandboxSpec
-from stockade.sandbox.ops import RunCommand
+from stockade.sandbox.ops import HostFolder, MakeDir, Op, PutArchive, Remove, RunCommand, WriteFile
 from stockade.testing import FakeBackend, MemoryWorkspace, capture_audit
 from stockade.types import ExecRecord
 
@@ -101,6 +103,53 @@ def test_an_upload_records_the_folder_it_came_from(tmp_path: Path) -> None:
         (upload,) = audit.of(EventKind.FILE_WRITE)
         assert upload.attributes["op"] == "put_archive" and upload.attributes["path"] == "proj"
         assert upload.attributes["source"] == str(tmp_path) and upload.attributes["hide"] == ["*.env"]
+
+
+LONG_PATH = "a" * 1_000_000  # one name: nested folders would cost the fake workspace their every prefix
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        WriteFile(path=LONG_PATH, data=b"x"),
+        MakeDir(path=LONG_PATH),
+        Remove(path=LONG_PATH),
+        PutArchive(path=LONG_PATH, folder=HostFolder(source=Path("/" + "h" * 100_000))),
+    ],
+    ids=["write", "make_dir", "remove", "upload"],
+)
+def test_a_long_path_is_kept_as_its_head_size_and_digest(op: Op[Any]) -> None:
+    """A path was copied whole into its event, and again in the error that repeats it: a
+    remove of a 1,000,000-character path (from a route that does not refuse it as the SDK
+    does) made an event of 3 MB. Now each is cut at TEXT_CAP, the path with its digest."""
+    with capture_audit() as audit:
+        instance = AuditedBackend(FakeBackend(), audit, run_id="r").start(SandboxSpec())
+        with contextlib.suppress(Exception):
+            instance.execute(op)
+        (event,) = [e for e in audit.events if e.kind in (EventKind.FILE_WRITE, EventKind.FILE_REMOVE)]
+    assert all(len(str(value)) < TEXT_CAP + 40 for value in event.attributes.values())  # each text cut
+    assert event.attributes["path_bytes"] == len(LONG_PATH) and event.attributes["path_cut"] is True
+    assert event.attributes["path_digest"] == "sha256:" + hashlib.sha256(LONG_PATH.encode()).hexdigest()
+    assert str(event.attributes["path"]).startswith("aaaa")
+
+
+def test_a_failed_operation_s_message_is_cut() -> None:
+    with capture_audit() as audit:
+        instance = AuditedBackend(FakeBackend(), audit, run_id="r").start(SandboxSpec())
+        with pytest.raises(SandboxFileNotFound):
+            instance.execute(Remove(path="m" * 100_000))
+        (removal,) = audit.of(EventKind.FILE_REMOVE)
+    assert removal.attributes["error"] == "SandboxFileNotFound"
+    assert len(str(removal.attributes["error_message"])) < TEXT_CAP + 100
+
+
+def test_many_labels_are_cut_like_a_list() -> None:
+    labels = {f"team{i}": "x" * 100 for i in range(1000)}
+    with capture_audit() as audit:
+        AuditedBackend(FakeBackend(), audit, run_id="r").start(SandboxSpec(labels=labels)).close()
+        (start,) = audit.of(EventKind.SANDBOX_START)
+    assert len(json.dumps(start.attributes)) < 3 * TEXT_CAP
+    assert start.attributes["labels_count"] == 1000 and start.attributes["labels_cut"] is True
 
 
 def test_stop_is_recorded_once() -> None:
