@@ -57,6 +57,7 @@ from stockade.sandbox.ops import (
     WriteFile,
     as_inline,
 )
+from stockade.sandbox.supervisor.protocol import MAX_EXEC_RECORDS, MAX_EXEC_REPORT
 from stockade.types import CommandResult, EgressRecord, ExecRecord, Execution, HostRule, JudgedExecs, Snapshot
 
 __all__ = ["AuditedBackend", "AuditedInstance", "current_call", "exec_word"]
@@ -74,6 +75,17 @@ current_call: contextvars.ContextVar[str | None] = contextvars.ContextVar("stock
 TEXT_CAP = 16 * 1024
 KEPT_WORDS = 16
 StepSource = Callable[[], int]
+
+# What one call's exec events may take of the trail, its two frames together (those judged
+# while no call ran, handed over with it, then its own): each frame keeps to MAX_EXEC_RECORDS
+# and MAX_EXEC_REPORT, and together they made 1,299 KiB of events for a call, not the 768 KiB
+# the README says. Past it counted (an ``omitted`` event). As in the sandbox's own report
+# (supervisor/rules.py), the execs the rules let run take at most the first share, so that a
+# loop of ``true`` cannot push a denied ``rm -r`` out.
+EXEC_EVENTS = MAX_EXEC_RECORDS
+EXEC_BYTES = MAX_EXEC_REPORT
+EXEC_EVENTS_ALLOWED = EXEC_EVENTS - 100
+EXEC_BYTES_ALLOWED = EXEC_BYTES - (128 << 10)
 
 
 def _no_step() -> int:
@@ -377,21 +389,29 @@ class AuditedInstance(WrapperInstance):
         (``between``) is the call's before which it came, after that of the last command or
         ``run_code`` (``call_id``: None before any)."""
         of = {"of": kind.value} if kind is not None else {}
+        events = size = 0
         for judged in execs:
-            self._record(
-                EventKind.EXEC,
-                0.0,
-                {
-                    **of,
-                    "call_id": self._last_call if judged.between or kind is None else current_call.get(),
-                    **({"between": True} if judged.between else {}),
-                    "path": self.log.redactor.cut(judged.path, TEXT_CAP),
-                    **_words("argv", judged.argv, self.log.redactor, partial(exec_word, self.log.redactor)),
-                    "verdict": judged.verdict,
-                    "rule": judged.rule,
-                },
-            )
-        if omitted:  # past what a report keeps: counted, never silently gone
+            attributes = {
+                "sandbox_id": self.id,
+                "tier": self.tier,
+                **of,
+                "call_id": self._last_call if judged.between or kind is None else current_call.get(),
+                **({"between": True} if judged.between else {}),
+                "path": self.log.redactor.cut(judged.path, TEXT_CAP),
+                **_words("argv", judged.argv, self.log.redactor, partial(exec_word, self.log.redactor)),
+                "verdict": judged.verdict,
+                "rule": judged.rule,
+            }
+            one = len(json.dumps(attributes, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+            allowed = judged.verdict == "allow"
+            most_events = EXEC_EVENTS_ALLOWED if allowed else EXEC_EVENTS
+            most_bytes = EXEC_BYTES_ALLOWED if allowed else EXEC_BYTES
+            if events >= most_events or size + one > most_bytes:
+                omitted += 1
+                continue
+            events, size = events + 1, size + one
+            self._record(EventKind.EXEC, 0.0, attributes)
+        if omitted:  # past what a report or this call's budget keeps: counted, never silently gone
             self._record(
                 EventKind.EXEC,
                 0.0,

@@ -261,6 +261,40 @@ def test_a_short_argv_is_kept_whole_without_a_digest() -> None:
     assert command.attributes["argv"] == ["ls", "-la", "src"] and "argv_digest" not in command.attributes
 
 
+def test_one_call_s_execs_keep_to_one_budget_across_both_frames() -> None:
+    """The execs judged between calls come in a frame of their own before the call's, each
+    frame bounded by MAX_EXEC_REPORT (768 KiB): together 89 exec events of 1,299 KiB for one
+    command. Now the call's exec events keep to 768 KiB together, the rest counted, and what
+    the rules stopped keeps its room whatever the allowed ones took."""
+    word = "x" * 1000
+
+    def judged(n: int, *, between: bool, verdict: str = "allow") -> ExecRecord:
+        return ExecRecord(
+            path="/bin/true", argv=("true", str(n), *[word] * 15), verdict=verdict, between=between
+        )
+
+    execs = (
+        *(judged(n, between=True) for n in range(45)),
+        *(judged(n, between=False) for n in range(45)),
+        judged(99, between=False, verdict="deny"),
+    )
+
+    def ran(op: RunCommand) -> CommandResult:
+        return CommandResult(exit_code=0, stdout="", stderr="", duration_s=0, execs=execs, execs_omitted=3)
+
+    with capture_audit() as audit:
+        with Sandbox.create(
+            backend=AuditedBackend(FakeBackend(MemoryWorkspace(commands=ran)), audit, run_id="r")
+        ) as sbx:
+            sbx.commands.run(["sh", "-c", "true"])
+        events = audit.of(EventKind.EXEC)
+    *kept, counted = events
+    assert sum(len(json.dumps(e.attributes)) for e in kept) <= 768 * 1024
+    assert counted.attributes["verdict"] == "omitted"
+    assert len(kept) + int(str(counted.attributes["count"])) == len(execs) + 3
+    assert kept[-1].attributes["verdict"] == "deny"
+
+
 def test_an_exec_judged_inside_keeps_its_argv_within_the_cap() -> None:
     """An exec's argv is what the sandbox reported, which the host does not trust to have kept
     to 32 KiB: it was kept word by word, and 64 words of 4,096 characters made an event of
