@@ -393,6 +393,7 @@ class _AuditedApprovals(Approvals):
         )
 
     def require(self, request: ApprovalRequest) -> None:
+        request = self.keyed(request)  # the trail records the id the book keeps
         try:
             super().require(request)
         except ApprovalRequired:

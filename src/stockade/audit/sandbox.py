@@ -57,6 +57,7 @@ from stockade.sandbox.ops import (
     WriteFile,
     as_inline,
 )
+from stockade.sandbox.supervisor.protocol import MAX_EXEC_RECORDS, MAX_EXEC_REPORT
 from stockade.types import CommandResult, EgressRecord, ExecRecord, Execution, HostRule, JudgedExecs, Snapshot
 
 __all__ = ["AuditedBackend", "AuditedInstance", "current_call", "exec_word"]
@@ -75,9 +76,41 @@ TEXT_CAP = 16 * 1024
 KEPT_WORDS = 16
 StepSource = Callable[[], int]
 
+# What one call's exec events may take of the trail, its two frames together (those judged
+# while no call ran, handed over with it, then its own): each frame keeps to MAX_EXEC_RECORDS
+# and MAX_EXEC_REPORT, and together they made 1,299 KiB of events for a call, not the 768 KiB
+# the README says. Past it counted (an ``omitted`` event). As in the sandbox's own report
+# (supervisor/rules.py), the execs the rules let run take at most the first share, so that a
+# loop of ``true`` cannot push a denied ``rm -r`` out.
+EXEC_EVENTS = MAX_EXEC_RECORDS
+EXEC_BYTES = MAX_EXEC_REPORT
+EXEC_EVENTS_ALLOWED = EXEC_EVENTS - 100
+EXEC_BYTES_ALLOWED = EXEC_BYTES - (128 << 10)
+
 
 def _no_step() -> int:
     return 0
+
+
+def _kept(redactor: Redactor, text: str) -> str:
+    """``text`` redacted and cut to ``TEXT_CAP`` characters; a long one cut first, then
+    redacted as the head of a longer text (``Redactor.head``): redacting a path of a million
+    characters whole costs half a second."""
+    if len(text) <= TEXT_CAP:
+        return redactor.cut(text, TEXT_CAP)
+    return redactor.cut(text[:TEXT_CAP], TEXT_CAP, was_cut=True) + f"…[{len(text) - TEXT_CAP} more chars]"
+
+
+def _text(name: str, text: str, redactor: Redactor) -> dict[str, object]:
+    """The attributes recording one text copied from the caller under ``name`` (a path, a
+    host folder): whole up to ``TEXT_CAP`` characters, past it cut, with the size and digest
+    of the whole (``<name>_bytes``, ``<name>_digest``, ``<name>_cut``). A path was once kept
+    whole: a files.remove of a 1,000,000-character path made an event of 3 MB."""
+    if len(text) <= TEXT_CAP and len(whole := redactor.text(text)) <= TEXT_CAP:
+        return {name: whole}
+    kept = _kept(redactor, text)
+    raw = text.encode("utf-8", "surrogatepass")
+    return {name: kept, f"{name}_bytes": len(raw), f"{name}_digest": _digest(raw), f"{name}_cut": True}
 
 
 def _cut(redactor: Redactor) -> Callable[[str], str]:
@@ -152,7 +185,7 @@ def describe(op: Op[Any], redactor: Redactor) -> tuple[EventKind, dict[str, obje
         case RunCommand():
             attributes: dict[str, object] = {
                 **_words("argv", op.argv, redactor),
-                "cwd": None if op.cwd is None else _cap(op.cwd),
+                **({"cwd": None} if op.cwd is None else _text("cwd", op.cwd, redactor)),
                 **_words("env_names", sorted(op.envs), redactor),
                 "timeout_s": op.timeout_s,
                 "stdin_bytes": None if op.stdin is None else len(op.stdin),
@@ -174,7 +207,7 @@ def describe(op: Op[Any], redactor: Redactor) -> tuple[EventKind, dict[str, obje
         case WriteFile():
             return EventKind.FILE_WRITE, {
                 "op": "write",
-                "path": op.path,
+                **_text("path", op.path, redactor),
                 "bytes": len(op.data),
                 "digest": _digest(op.data),
                 "mode": oct(op.mode),
@@ -182,22 +215,22 @@ def describe(op: Op[Any], redactor: Redactor) -> tuple[EventKind, dict[str, obje
         case PutArchive() if op.folder is not None:  # made as it is sent: no bytes to digest before
             return EventKind.FILE_WRITE, {
                 "op": "put_archive",
-                "path": op.path,
-                "source": str(op.folder.source),
+                **_text("path", op.path, redactor),
+                **_text("source", str(op.folder.source), redactor),
                 **_words("hide", op.folder.hide, redactor),
                 **_words("read", op.folder.read, redactor),
             }
         case PutArchive():
             return EventKind.FILE_WRITE, {
                 "op": "put_archive",
-                "path": op.path,
+                **_text("path", op.path, redactor),
                 "bytes": len(op.data),
                 "digest": _digest(op.data),
             }
         case MakeDir():
-            return EventKind.FILE_WRITE, {"op": "make_dir", "path": op.path}
+            return EventKind.FILE_WRITE, {"op": "make_dir", **_text("path", op.path, redactor)}
         case Remove():
-            return EventKind.FILE_REMOVE, {"path": op.path, "recursive": op.recursive}
+            return EventKind.FILE_REMOVE, {**_text("path", op.path, redactor), "recursive": op.recursive}
         case Reset():
             return EventKind.SANDBOX_RESET, {}
         case TakeSnapshot() | Pause():
@@ -264,9 +297,15 @@ def outcome(result: OpResult) -> dict[str, object]:
     return {}
 
 
-def failure(error: BaseException) -> dict[str, object]:
+def failure(error: BaseException, redactor: Redactor) -> dict[str, object]:
+    """What failed, as an event keeps it: the message cut like any text (it may repeat what
+    the caller gave: a path of a million characters, twice in the event before)."""
     retryable = isinstance(error, exc.StockadeError) and error.retryable
-    return {"error": type(error).__name__, "error_message": str(error), "retryable": retryable}
+    return {
+        "error": type(error).__name__,
+        "error_message": _kept(redactor, str(error)),
+        "retryable": retryable,
+    }
 
 
 def _egress_path(redactor: Redactor, path: str) -> str:
@@ -334,7 +373,9 @@ class AuditedInstance(WrapperInstance):
                 raise ended
             result = self.wrapped.handle(op, sink)
         except BaseException as error:
-            self._record(kind, time.perf_counter() - start, {**attributes, **failure(error)})
+            self._record(
+                kind, time.perf_counter() - start, {**attributes, **failure(error, self.log.redactor)}
+            )
             raise
         self._record(kind, time.perf_counter() - start, {**attributes, **outcome(result)})
         if isinstance(result, CommandResult | Execution):
@@ -348,21 +389,29 @@ class AuditedInstance(WrapperInstance):
         (``between``) is the call's before which it came, after that of the last command or
         ``run_code`` (``call_id``: None before any)."""
         of = {"of": kind.value} if kind is not None else {}
+        events = size = 0
         for judged in execs:
-            self._record(
-                EventKind.EXEC,
-                0.0,
-                {
-                    **of,
-                    "call_id": self._last_call if judged.between or kind is None else current_call.get(),
-                    **({"between": True} if judged.between else {}),
-                    "path": self.log.redactor.cut(judged.path, TEXT_CAP),
-                    **_words("argv", judged.argv, self.log.redactor, partial(exec_word, self.log.redactor)),
-                    "verdict": judged.verdict,
-                    "rule": judged.rule,
-                },
-            )
-        if omitted:  # past what a report keeps: counted, never silently gone
+            attributes = {
+                "sandbox_id": self.id,
+                "tier": self.tier,
+                **of,
+                "call_id": self._last_call if judged.between or kind is None else current_call.get(),
+                **({"between": True} if judged.between else {}),
+                "path": self.log.redactor.cut(judged.path, TEXT_CAP),
+                **_words("argv", judged.argv, self.log.redactor, partial(exec_word, self.log.redactor)),
+                "verdict": judged.verdict,
+                "rule": judged.rule,
+            }
+            one = len(json.dumps(attributes, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+            allowed = judged.verdict == "allow"
+            most_events = EXEC_EVENTS_ALLOWED if allowed else EXEC_EVENTS
+            most_bytes = EXEC_BYTES_ALLOWED if allowed else EXEC_BYTES
+            if events >= most_events or size + one > most_bytes:
+                omitted += 1
+                continue
+            events, size = events + 1, size + one
+            self._record(EventKind.EXEC, 0.0, attributes)
+        if omitted:  # past what a report or this call's budget keeps: counted, never silently gone
             self._record(
                 EventKind.EXEC,
                 0.0,
@@ -440,7 +489,12 @@ class AuditedBackend(WrapperBackend):
                 **_words("credential_names", [c.name for c in spec.network.credentials], self.log.redactor),
             },
             **_words("env_names", sorted(spec.envs), self.log.redactor),
-            "labels": dict(spec.labels),
+            # a sandbox's labels as a list of name=value past the cap, like any list
+            **(
+                {"labels": dict(spec.labels)}
+                if sum(len(k) + len(v) for k, v in spec.labels.items()) <= TEXT_CAP
+                else _words("labels", [f"{k}={v}" for k, v in spec.labels.items()], self.log.redactor)
+            ),
             "allow_weaker": spec.allow_weaker,
         }
         if spec.network.egress:
@@ -455,7 +509,7 @@ class AuditedBackend(WrapperBackend):
                 step=self.step(),
                 actor=self.actor,
                 duration_s=time.perf_counter() - start,
-                attributes={**attributes, **failure(error)},
+                attributes={**attributes, **failure(error, self.log.redactor)},
             )
             raise
         self.log.record(

@@ -10,7 +10,9 @@ decision under the same request id (it is derived from the run and the action).
 
 The books keep a request's action and reason redacted (a command may carry a token: ``git push
 https://ghp_...@github.com/...``), as the audit trail does; its id is derived from the action as
-asked, so that two actions that differ only in a secret are two questions.
+asked, so that two actions that differ only in a secret are two questions: for an action the
+redactor changes, as an HMAC under the book's own secret key (``ApprovalBook.keyed``), so that
+the id tells nothing of the secret.
 
 A yes answers one question: it is spent when the action it allowed goes ahead
 (``ApprovalBook.spend``, status ``spent``), and the same action asked again later in the run
@@ -21,11 +23,14 @@ pushed every later commit unasked before). A no stands for the rest of the run.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import fcntl
 import hashlib
+import hmac
 import json
 import os
+import secrets
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -93,6 +98,18 @@ class ApprovalRequest:
         )
 
 
+def keyed(request: ApprovalRequest, redactor: Redactor, key: bytes) -> ApprovalRequest:
+    """``request`` under the id a book keeps it by. An action the redactor changes gets an
+    HMAC of the book's ``key`` for its id: the sha256 of the action as asked, kept beside the
+    action redacted, let a reader of the book or the trail test guesses of the secret offline
+    (a password recovered at 2.1 M guesses a second). Two actions that differ only in a secret
+    are still two questions. Others keep their ids, derived from the action alone."""
+    if request.kept_id or redactor.text(request.action) == request.action:
+        return request
+    asked = f"{request.run_id}\0{request.action}\0{request.rule}".encode()
+    return dataclasses.replace(request, kept_id=hmac.new(key, asked, hashlib.sha256).hexdigest()[:16])
+
+
 def redacted(request: ApprovalRequest, redactor: Redactor) -> dict[str, str]:
     """What a book keeps of ``request``: its action and reason redacted, its id as asked."""
     return {
@@ -126,6 +143,10 @@ class ApprovalBook(Protocol):
     """Where pending requests and decisions are kept: ``ApprovalStore`` (JSON files, one
     machine), or a database shared by the workers of a service (``stockade.distributed``)."""
 
+    def keyed(self, request: ApprovalRequest) -> ApprovalRequest:
+        """``request`` under the id this book keeps it by (``approval.keyed``, with the book's
+        own secret key): what every other method is given."""
+
     def submit(self, request: ApprovalRequest) -> None:
         """Keep ``request`` as pending (a request already kept is left as it is, unless its yes
         was spent: then it is asked anew)."""
@@ -158,6 +179,27 @@ class ApprovalStore:
     def __init__(self, directory: str | Path | None = None, *, redactor: Redactor | None = None) -> None:
         self.directory = Path(directory) if directory is not None else default_approval_dir()
         self.redactor = redactor if redactor is not None else Redactor()
+        self._made_key = b""  # read (or made) at its first use
+
+    def keyed(self, request: ApprovalRequest) -> ApprovalRequest:
+        self._made_key = self._made_key or self._key()
+        return keyed(request, self.redactor, self._made_key)
+
+    def _key(self) -> bytes:
+        """The book's secret key (``.key`` in its folder, 0600): made once, by whichever
+        process asks first, whole before anyone reads it."""
+        file = self.directory / ".key"
+        with contextlib.suppress(FileNotFoundError):
+            return bytes.fromhex(file.read_text())
+        private_dir(self.directory)
+        made = self.directory / f".key.{os.getpid()}.{secrets.token_hex(4)}"
+        write_private(made, secrets.token_hex(32))
+        try:
+            with contextlib.suppress(FileExistsError):  # another process's, made first, stays
+                os.link(made, file)
+        finally:
+            made.unlink()
+        return bytes.fromhex(file.read_text())
 
     def _file(self, run_id: str, request_id: str) -> Path:
         for part in (run_id, request_id):
@@ -258,7 +300,7 @@ class ApprovalStore:
             folder.rmdir()
 
     def pending(self, run_id: str | None = None) -> list[dict[str, str]]:
-        runs = [run_id] if run_id else sorted(p.name for p in self.directory.glob("*"))
+        runs = [run_id] if run_id else sorted(p.name for p in self.directory.glob("*") if p.name[0] != ".")
         found: list[dict[str, str]] = []
         for run in runs:
             waiting = [r for r in self.requests(run) if r.get("status") == "pending"]
@@ -270,6 +312,7 @@ class ApprovalStore:
         return [json.loads(file.read_text()) for file in sorted(folder.glob("*.json"))]
 
 
+_PROCESS_KEY = secrets.token_bytes(32)
 _TURNS = 8  # Approvals.require's reads of a decision others change under it
 
 
@@ -278,7 +321,15 @@ class Approvals:
         self.approver = approver
         self.store = store
 
+    def keyed(self, request: ApprovalRequest) -> ApprovalRequest:
+        """``request`` under its book's id (``ApprovalBook.keyed``); with no book, under a key
+        of this process's: no one could match the id to a decision anyway."""
+        if self.store is not None:
+            return self.store.keyed(request)
+        return keyed(request, Redactor(), _PROCESS_KEY)
+
     def require(self, request: ApprovalRequest) -> None:
+        request = self.keyed(request)
         store = self.store
         choice: Choice | None = None
         # Each turn after the first: another worker (a thread judging the same exec, a process

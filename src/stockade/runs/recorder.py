@@ -139,6 +139,7 @@ class RecordedApprovals(Approvals):
         self.recorder = recorder
 
     def require(self, request: ApprovalRequest) -> None:
+        request = self.keyed(request)  # recorded under the id its book keeps
         try:
             self.inner.require(request)
         except exc.ApprovalRequired:

@@ -139,6 +139,12 @@ def check_format(value: object) -> bool:
     return value == "bytes"
 
 
+# The longest path sent on (Linux's PATH_MAX), in bytes of UTF-8: a longer one names nothing.
+# A path of a million characters went to the sandbox, whole into the audit trail (twice, the
+# error repeating it) and came back as WorkspaceFull.
+PATH_MAX = 4096
+
+
 def check_path(path: object, *, argument: str = "path") -> str:
     """Refuse, before anything reaches the sandbox, paths that cannot be in the workspace."""
     if not isinstance(path, str):
@@ -146,6 +152,13 @@ def check_path(path: object, *, argument: str = "path") -> str:
             f"{argument} must be a str, got {type(path).__name__}",
             argument=argument,
             fix="give a workspace path as text, relative to it or under /workspace",
+        )
+    if (size := len(path.encode("utf-8", "surrogatepass"))) > PATH_MAX:
+        raise exc.InvalidArgument(
+            f"{argument} {path[:60]!r}... is {size} bytes long (as UTF-8), past the {PATH_MAX} a path"
+            " may hold (PATH_MAX)",
+            argument=argument,
+            fix=f"give a workspace path of at most {PATH_MAX} bytes",
         )
     if "\x00" in path:
         raise exc.PathEscapeError(f"{path!r} contains a NUL byte", path=path)

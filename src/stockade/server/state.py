@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 from stockade import exceptions as exc
 from stockade.audit.redact import Redactor
-from stockade.policy.approval import SPENT, ApprovalRequest, Choice, not_pending, redacted
+from stockade.policy.approval import SPENT, ApprovalRequest, Choice, keyed, not_pending, redacted
 from stockade.runs._db import Database, PostgresDatabase, SQLiteDatabase, Statement, octets
 from stockade.runs._schema import run_bytes_sql
 from stockade.runtime.killswitch import LIVE_FOR_S, LiveRun
@@ -969,6 +969,12 @@ class DatabaseApprovals:
         self.db = store.db
         self.table = f"{store.ns}_approvals"
         self.redactor = redactor if redactor is not None else Redactor()  # actions, reasons
+        self.store = store
+        self._key = b""  # the service's key "approvals", read at its first use
+
+    def keyed(self, request: ApprovalRequest) -> ApprovalRequest:
+        self._key = self._key or self.store.key("approvals")
+        return keyed(request, self.redactor, self._key)
 
     def submit(self, request: ApprovalRequest) -> None:
         kept = redacted(request, self.redactor)

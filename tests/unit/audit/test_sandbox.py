@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,7 +17,7 @@ from stockade.audit.sandbox import TEXT_CAP
 from stockade.exceptions import AuditStoreError
 from stockade.sandbox import Sandbox
 from stockade.sandbox.base import Instance, SandboxSpec
-from stockade.sandbox.ops import RunCommand
+from stockade.sandbox.ops import HostFolder, MakeDir, Op, PutArchive, Remove, RunCommand, WriteFile
 from stockade.testing import FakeBackend, MemoryWorkspace, capture_audit
 from stockade.types import ExecRecord
 
@@ -101,6 +103,53 @@ def test_an_upload_records_the_folder_it_came_from(tmp_path: Path) -> None:
         (upload,) = audit.of(EventKind.FILE_WRITE)
         assert upload.attributes["op"] == "put_archive" and upload.attributes["path"] == "proj"
         assert upload.attributes["source"] == str(tmp_path) and upload.attributes["hide"] == ["*.env"]
+
+
+LONG_PATH = "a" * 1_000_000  # one name: nested folders would cost the fake workspace their every prefix
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        WriteFile(path=LONG_PATH, data=b"x"),
+        MakeDir(path=LONG_PATH),
+        Remove(path=LONG_PATH),
+        PutArchive(path=LONG_PATH, folder=HostFolder(source=Path("/" + "h" * 100_000))),
+    ],
+    ids=["write", "make_dir", "remove", "upload"],
+)
+def test_a_long_path_is_kept_as_its_head_size_and_digest(op: Op[Any]) -> None:
+    """A path was copied whole into its event, and again in the error that repeats it: a
+    remove of a 1,000,000-character path (from a route that does not refuse it as the SDK
+    does) made an event of 3 MB. Now each is cut at TEXT_CAP, the path with its digest."""
+    with capture_audit() as audit:
+        instance = AuditedBackend(FakeBackend(), audit, run_id="r").start(SandboxSpec())
+        with contextlib.suppress(Exception):
+            instance.execute(op)
+        (event,) = [e for e in audit.events if e.kind in (EventKind.FILE_WRITE, EventKind.FILE_REMOVE)]
+    assert all(len(str(value)) < TEXT_CAP + 40 for value in event.attributes.values())  # each text cut
+    assert event.attributes["path_bytes"] == len(LONG_PATH) and event.attributes["path_cut"] is True
+    assert event.attributes["path_digest"] == "sha256:" + hashlib.sha256(LONG_PATH.encode()).hexdigest()
+    assert str(event.attributes["path"]).startswith("aaaa")
+
+
+def test_a_failed_operation_s_message_is_cut() -> None:
+    with capture_audit() as audit:
+        instance = AuditedBackend(FakeBackend(), audit, run_id="r").start(SandboxSpec())
+        with pytest.raises(SandboxFileNotFound):
+            instance.execute(Remove(path="m" * 100_000))
+        (removal,) = audit.of(EventKind.FILE_REMOVE)
+    assert removal.attributes["error"] == "SandboxFileNotFound"
+    assert len(str(removal.attributes["error_message"])) < TEXT_CAP + 100
+
+
+def test_many_labels_are_cut_like_a_list() -> None:
+    labels = {f"team{i}": "x" * 100 for i in range(1000)}
+    with capture_audit() as audit:
+        AuditedBackend(FakeBackend(), audit, run_id="r").start(SandboxSpec(labels=labels)).close()
+        (start,) = audit.of(EventKind.SANDBOX_START)
+    assert len(json.dumps(start.attributes)) < 3 * TEXT_CAP
+    assert start.attributes["labels_count"] == 1000 and start.attributes["labels_cut"] is True
 
 
 def test_stop_is_recorded_once() -> None:
@@ -210,6 +259,40 @@ def test_a_short_argv_is_kept_whole_without_a_digest() -> None:
             sbx.commands.run(["ls", "-la", "src"])
         (command,) = audit.of(EventKind.COMMAND)
     assert command.attributes["argv"] == ["ls", "-la", "src"] and "argv_digest" not in command.attributes
+
+
+def test_one_call_s_execs_keep_to_one_budget_across_both_frames() -> None:
+    """The execs judged between calls come in a frame of their own before the call's, each
+    frame bounded by MAX_EXEC_REPORT (768 KiB): together 89 exec events of 1,299 KiB for one
+    command. Now the call's exec events keep to 768 KiB together, the rest counted, and what
+    the rules stopped keeps its room whatever the allowed ones took."""
+    word = "x" * 1000
+
+    def judged(n: int, *, between: bool, verdict: str = "allow") -> ExecRecord:
+        return ExecRecord(
+            path="/bin/true", argv=("true", str(n), *[word] * 15), verdict=verdict, between=between
+        )
+
+    execs = (
+        *(judged(n, between=True) for n in range(45)),
+        *(judged(n, between=False) for n in range(45)),
+        judged(99, between=False, verdict="deny"),
+    )
+
+    def ran(op: RunCommand) -> CommandResult:
+        return CommandResult(exit_code=0, stdout="", stderr="", duration_s=0, execs=execs, execs_omitted=3)
+
+    with capture_audit() as audit:
+        with Sandbox.create(
+            backend=AuditedBackend(FakeBackend(MemoryWorkspace(commands=ran)), audit, run_id="r")
+        ) as sbx:
+            sbx.commands.run(["sh", "-c", "true"])
+        events = audit.of(EventKind.EXEC)
+    *kept, counted = events
+    assert sum(len(json.dumps(e.attributes)) for e in kept) <= 768 * 1024
+    assert counted.attributes["verdict"] == "omitted"
+    assert len(kept) + int(str(counted.attributes["count"])) == len(execs) + 3
+    assert kept[-1].attributes["verdict"] == "deny"
 
 
 def test_an_exec_judged_inside_keeps_its_argv_within_the_cap() -> None:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stockade import ConfigurationError, FileTooLarge, Limits, PathEscapeError
+from stockade import ConfigurationError, FileTooLarge, InvalidArgument, Limits, PathEscapeError
 from stockade.sandbox._requests import file_text, text_sink
 from stockade.sandbox.facade import check_path
 
@@ -74,6 +74,16 @@ def test_no_accepted_path_climbs_out_of_the_workspace(parts: list[str], absolute
 def test_obviously_bad_paths_are_refused(path: str) -> None:
     with pytest.raises(PathEscapeError):
         check_path(path)
+
+
+def test_a_path_longer_than_the_kernel_takes_is_refused_before_the_sandbox() -> None:
+    # a million characters went to the sandbox (and whole into the audit trail, twice) and
+    # came back as WorkspaceFull; the error shows its head, never the path whole
+    assert check_path("a" * 4096) == "a" * 4096
+    for path in ("a/" * 500_000, "é" * 2049):  # characters or bytes of UTF-8
+        with pytest.raises(InvalidArgument, match="PATH_MAX") as caught:
+            check_path(path)
+        assert len(str(caught.value)) < 300
 
 
 def test_streamed_text_survives_a_character_split_across_chunks() -> None:

@@ -4,6 +4,8 @@ machine, the service's database) keep to it, and two workers never both apply on
 
 from __future__ import annotations
 
+import hashlib
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -233,6 +235,7 @@ def test_a_book_keeps_a_token_in_a_request_redacted_under_the_id_of_the_action_a
     for request in (asked, elsewhere):
         with pytest.raises(ApprovalRequired):
             approvals.require(request)
+    asked, elsewhere = book.keyed(asked), book.keyed(elsewhere)  # the ids the book keeps them by
     kept = book.requests("run-1")
     assert asked.id != elsewhere.id and {r["id"] for r in kept} == {asked.id, elsewhere.id}
     assert all("ghp_" not in r["action"] + r["reason"] for r in kept)
@@ -247,3 +250,30 @@ def test_a_book_keeps_a_token_in_a_request_redacted_under_the_id_of_the_action_a
     # the run ends: what is still asked is closed under the id it was asked under
     (closed,) = approvals.withdraw("run-1")
     assert closed.id == elsewhere.id and status(book, elsewhere) == "denied"
+
+
+def test_the_id_of_a_redacted_action_tells_nothing_of_its_secret(book: ApprovalBook, tmp_path: Path) -> None:
+    """The id was the sha256 of the action as asked, kept beside the action redacted: whoever
+    read the book (or the trail, or the service's approvals) recovered a password by guessing
+    at 2.1 M guesses a second. Now it is an HMAC under the book's own secret key."""
+    secret = "ghp_" + "c3" * 18
+    asked = ApprovalRequest(run_id="run-1", action=f"run `curl -H 'token {secret}'`", rule="curl", reason="")
+    with pytest.raises(ApprovalRequired) as caught:
+        Approvals(store=book).require(asked)
+    (kept,) = book.requests("run-1")
+    guessed = hashlib.sha256(f"run-1\0{asked.action}\0curl".encode()).hexdigest()[:16]
+    assert kept["id"] == caught.value.request_id != guessed
+    assert book.keyed(asked).id == kept["id"]  # asked again: the same question
+    assert book.keyed(PUSH).id == PUSH.id  # nothing redacted: the id of the action, as before
+
+
+def test_a_folder_s_key_is_private_made_once_and_shared_by_its_books(tmp_path: Path) -> None:
+    asked = ApprovalRequest(
+        run_id="run-1", action="run `login --token ghp_" + "d4" * 18 + "`", rule="r", reason=""
+    )
+    first, second = ApprovalStore(tmp_path / "approvals"), ApprovalStore(tmp_path / "approvals")
+    assert first.keyed(asked).id == second.keyed(asked).id  # a resume in another process finds it
+    assert ApprovalStore(tmp_path / "other").keyed(asked).id != first.keyed(asked).id
+    assert stat.S_IMODE((tmp_path / "approvals" / ".key").stat().st_mode) == 0o600
+    first.submit(first.keyed(asked))
+    assert [r["run_id"] for r in first.pending()] == ["run-1"]  # the key is no run
