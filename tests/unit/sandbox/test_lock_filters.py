@@ -1,6 +1,7 @@
 """The sandbox filters keep every file lock owned by a process the host can count (``_locks``):
 OFD locks, which belong to an open file that can outlive every process, are refused (EINVAL,
-as before Linux 3.15), and so are threads with a descriptor table of their own (EPERM), while POSIX locks, SQLite, threads and subprocesses work.
+as before Linux 3.15), and so are threads with a descriptor table of their own (EPERM), while
+POSIX locks, SQLite, threads and subprocesses work.
 
 Each filter is installed in a fresh Python here, as a sandbox's first process installs it:
 the process tier's (``_seccomp.filter_bpf``, which bubblewrap loads) and the container tiers'
