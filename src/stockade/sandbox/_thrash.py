@@ -120,7 +120,9 @@ class ThrashJudge:
 
 
 class Watch:
-    """One watched group; ``kills`` counts the processes this watch killed."""
+    """One watched group; ``kills`` counts the processes this watch killed: for thrashing
+    (``thrash_kills``, reported as the memory limit's) and for locks (``lock_kills``, as
+    themselves)."""
 
     def __init__(self, group: MemoryGroup) -> None:
         self.group = group
