@@ -14,7 +14,7 @@ is over ``MOST`` are the watched sandboxes' processes (their memory group's ``cg
 counted, each by its open files' ``fdinfo``, which lists the locks the process holds on that
 file (``listed_by``). A sandbox whose processes hold more than ``MOST`` (768 KiB of the
 host's) loses its processes holding the most, one after another, until the rest hold no
-more; each kill is counted with its OOM kills.
+more; each kill is counted as a lock kill (``locks_killed``, never ``oom_killed``).
 
 Reading a sandbox's ``fdinfo`` is work the sandbox chooses, and one round serves every
 sandbox of the host process: an inotify descriptor's lists each of its watches, rebuilt by
@@ -26,8 +26,15 @@ link is a path is read (a file, a device, a memfd), one per open file (``open_fi
 anon inodes (epoll, inotify, fanotify, io_uring, eventfd...) are not, but they take locks
 too, so their files are kept (``Listing.unread``) for the look at the lock table below. And
 a round spends at most ``ROUND_BYTES`` and ``ROUND_CPU_S`` of its thread's CPU on one sandbox
-(``Budget``; a sandbox at ``MOST`` locks costs ~300 KiB): past that, the sandbox's process
-that cost the most is killed, as a hog, and the rest are counted the next round.
+(``Budget``, ``kcmp`` calls included; a sandbox at ``MOST`` locks costs ~300 KiB): past
+that, the next round reads on from where it stopped (``Reading``). A kill is only ever for
+locks counted: killing the costliest process instead killed lock-free sandboxes (12,000
+descriptors cost a round 0.2 s) whenever the host was over ``MOST``, which another tenant
+holding its allowed ``MOST`` makes it.
+
+A process's descriptor table is its thread group leader's, the one ``cgroup.procs`` lists: a
+thread with a table of its own (``clone`` with ``CLONE_THREAD``, without ``CLONE_FILES``) held
+300,000 locks unseen, so the sandbox's filters refuse making one.
 
 Not ``/proc/locks``, which lists every lock of the host in one table: each ``read`` returns
 one 4 KiB page, and for each the kernel walks its lists from the start holding the host's
@@ -57,17 +64,20 @@ so the same round also finds locks no descriptor lists: the host's count less ev
 watched sandboxes' ``fdinfo`` listed is what nobody listed (``unlisted``: the host's own
 processes' locks, objects of caches merged with the lock cache, and locks held through
 mappings). When that has grown by more than ``HIDDEN_MOST`` since the last look
-(``Unlisted``), the host reads the newest ``SAMPLE_BYTES`` of ``/proc/locks`` (``table``)
-and gives each ``flock`` lock and lease, and each POSIX lock on a file of a descriptor not read
+(``Unlisted``), the host reads ``/proc/locks`` (``read_table``) until a sandbox is found
+hiding more, at most the whole table (``LINE_BYTES`` a lock of the host's count); never a
+sample scaled to the whole, which the table's order lets a sandbox bias (each CPU's locks
+are listed in turn: 4,090 allowed ones at the longest lines on CPU 0 filled the 256 KiB
+read, and 300,000 on a pipe taken on CPU 1 were never seen). It
+gives each ``flock`` lock and lease, and each POSIX lock on a file of a descriptor not read
 (a pipe's, an anon inode's), to a sandbox: to its taker (the pid it lists) when
 that is a process of the sandbox, else, when its taker no longer runs (a child holding the
 mapping), to a process of the sandbox that maps the file (``/proc/PID/maps`` names each
-mapping's device and inode, as ``/proc/locks`` does); each holder's share of the sample is
-scaled to the host's whole count (``estimate``). A process holding more such locks than its descriptors list
+mapping's device and inode, as ``/proc/locks`` does). A process holding more such locks than its descriptors list
 is hiding the rest; a sandbox hiding more than ``HIDDEN_MOST`` (768 KiB) loses its processes
 hiding the most, as for POSIX locks. That read is costly as said above, but it is taken only
-when that many locks appeared unlisted, and it ends with a kill or with the new count as the
-baseline: a host whose own locks grow has it read again after each ``HIDDEN_MOST`` more, and
+when that many locks appeared unlisted, and it ends with a kill or, once the whole table was
+read, with the new count as the baseline: a host whose own locks grow has it read again after each ``HIDDEN_MOST`` more, and
 one whose own locks drop lets a sandbox hide that many more before the next look. A shared
 descriptor (one open file in several processes' tables) is listed once per process: that can
 hide as many locks as the sandbox's descriptors, which ``open_files`` bounds.
@@ -135,7 +145,7 @@ GAUGE = "/sys/kernel/slab/file_lock_cache/objects"
 SLABINFO = "/proc/slabinfo"
 # What one round may spend reading one sandbox's fdinfo, the kernel's work building it
 # included (its CPU is the reading thread's): 4,096 locks list ~300 KiB, 16,384 descriptors
-# (``open_files``) ~1.6 MiB. A sandbox costing more loses the process that cost the most.
+# (``open_files``) ~1.6 MiB. A sandbox costing more is read on the next round.
 ROUND_BYTES = 8 << 20
 ROUND_CPU_S = 2 * PERIOD_S
 DESCRIPTOR_BYTES = 128  # what a descriptor costs beyond its fdinfo (its link read), as bytes

@@ -28,7 +28,7 @@ Another thread holds each watched group's POSIX file locks, kernel memory no cgr
 to ``_locks.MOST``, every ``_locks.PERIOD_S`` (a thread of its own: a round of counting costs
 what the sandboxes' descriptors make it, within a budget each, and must not delay a thrash
 kill): a group over it loses its processes holding the
-most, counted with the kills above; and the ``flock`` locks it holds through mappings, which
+most, counted apart (``Watch.lock_kills``: no memory limit's); and the ``flock`` locks it holds through mappings, which
 no descriptor lists, to ``_locks.HIDDEN_MOST`` (``_locks.Unlisted``).
 """
 
