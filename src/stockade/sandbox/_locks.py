@@ -56,31 +56,31 @@ would, which their users handle (SQLite, glibc and Python's standard library use
 locks).
 
 ``flock`` locks and leases belong to an open file too, one at most each, and an open file
-lives as long as anything refers to it: a descriptor, and also a mapping of it (``mmap``
-then ``close``: the file stays open with its lock, listed by no descriptor's ``fdinfo``,
-outside ``open_files``; measured, 200,000 from one 256 MiB sandbox, 38 MB of the host's).
-Mapped files are bounded only by memory (``_filetable``), and the locks on them by nothing,
-so the same round also finds locks no descriptor lists: the host's count less every lock the
-watched sandboxes' ``fdinfo`` listed is what nobody listed (``unlisted``: the host's own
-processes' locks, objects of caches merged with the lock cache, and locks held through
-mappings). When that has grown by more than ``HIDDEN_MOST`` since the last look
-(``Unlisted``), the host reads ``/proc/locks`` (``read_table``) until a sandbox is found
-hiding more, at most the whole table (``LINE_BYTES`` a lock of the host's count); never a
-sample scaled to the whole, which the table's order lets a sandbox bias (each CPU's locks
-are listed in turn: 4,090 allowed ones at the longest lines on CPU 0 filled the 256 KiB
-read, and 300,000 on a pipe taken on CPU 1 were never seen). It
-gives each ``flock`` lock and lease, and each POSIX lock on a file of a descriptor not read
-(a pipe's, an anon inode's), to a sandbox: to its taker (the pid it lists) when
-that is a process of the sandbox, else, when its taker no longer runs (a child holding the
-mapping), to a process of the sandbox that maps the file (``/proc/PID/maps`` names each
-mapping's device and inode, as ``/proc/locks`` does). A process holding more such locks than its descriptors list
-is hiding the rest; a sandbox hiding more than ``HIDDEN_MOST`` (768 KiB) loses its processes
-hiding the most, as for POSIX locks. That read is costly as said above, but it is taken only
-when that many locks appeared unlisted, and it ends with a kill or, once the whole table was
-read, with the new count as the baseline: a host whose own locks grow has it read again after each ``HIDDEN_MOST`` more, and
-one whose own locks drop lets a sandbox hide that many more before the next look. A shared
-descriptor (one open file in several processes' tables) is listed once per process: that can
-hide as many locks as the sandbox's descriptors, which ``open_files`` bounds.
+lives as long as anything refers to it: a descriptor, and also a mapping of it (``mmap`` then
+``close``: the file stays open with its lock, listed by no descriptor's ``fdinfo``, outside
+``open_files``; measured, 200,000 from one 256 MiB sandbox, 38 MB of the host's). Mapped files
+are bounded only by memory (``_filetable``), and the locks on them by nothing, so the same
+round also finds locks no descriptor lists: the host's count less every lock the watched
+sandboxes' ``fdinfo`` listed is what nobody listed (``unlisted``: the host's own processes'
+locks, objects of caches merged with the lock cache, and locks held through mappings). When
+that has grown by more than ``HIDDEN_MOST`` since the last look (``Unlisted``), the host reads
+``/proc/locks`` (``read_table``) until a sandbox is found hiding more, at most the whole table
+(``LINE_BYTES`` a lock of the host's count); never a sample scaled to the whole, which the
+table's order lets a sandbox bias (each CPU's locks are listed in turn: 4,090 allowed ones at
+the longest lines on CPU 0 filled the 256 KiB read, and 300,000 on a pipe taken on CPU 1 were
+never seen). It gives each ``flock`` lock and lease, and each POSIX lock on a file of a
+descriptor not read (a pipe's, an anon inode's), to a sandbox: to its taker (the pid it lists)
+when that is a process of the sandbox, else, when its taker no longer runs (a child holding
+the mapping), to a process of the sandbox that maps the file (``/proc/PID/maps`` names each
+mapping's device and inode, as ``/proc/locks`` does). A process holding more such locks than
+its descriptors list is hiding the rest; a sandbox hiding more than ``HIDDEN_MOST`` (768 KiB)
+loses its processes hiding the most, as for POSIX locks. That read is costly as said above,
+but it is taken only when that many locks appeared unlisted, and it ends with a kill or, once
+the whole table was read, with the new count as the baseline: a host whose own locks grow has
+it read again after each ``HIDDEN_MOST`` more, and one whose own locks drop lets a sandbox
+hide that many more before the next look. A shared descriptor (one open file in several
+processes' tables) is listed once per process: that can hide as many locks as the sandbox's
+descriptors, which ``open_files`` bounds.
 
 Between two rounds, code can take as many locks as its CPU allows (~100,000 a second from
 Python at one core): that is what a sandbox can hold above ``MOST`` before the kill. Four

@@ -27,9 +27,9 @@ the same call on memory pressure. Both cgroup versions keep what it needs
 Another thread holds each watched group's POSIX file locks, kernel memory no cgroup charges,
 to ``_locks.MOST``, every ``_locks.PERIOD_S`` (a thread of its own: a round of counting costs
 what the sandboxes' descriptors make it, within a budget each, and must not delay a thrash
-kill): a group over it loses its processes holding the
-most, counted apart (``Watch.lock_kills``: no memory limit's); and the ``flock`` locks it holds through mappings, which
-no descriptor lists, to ``_locks.HIDDEN_MOST`` (``_locks.Unlisted``).
+kill): a group over it loses its processes holding the most, counted apart
+(``Watch.lock_kills``: no memory limit's); and the ``flock`` locks it holds through
+mappings, which no descriptor lists, to ``_locks.HIDDEN_MOST`` (``_locks.Unlisted``).
 """
 
 from __future__ import annotations
