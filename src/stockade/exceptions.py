@@ -303,6 +303,7 @@ class SandboxCrashed(SandboxError):
     """The sandbox died under a call.
 
     ``cause`` says why, when it is known: ``"out_of_memory"`` (its memory limit),
+    ``"file_locks"`` (a process of it held more file locks than a sandbox may, 4,096),
     ``"killed"`` (from outside the sandbox), ``"unresponsive"`` (it stopped answering and the
     host took it down), ``"engine"`` (its container engine failed), ``"protocol"`` (its side
     of a channel to the host sent what stockade's supervisor never sends: it is no longer
@@ -312,7 +313,7 @@ class SandboxCrashed(SandboxError):
     """
 
     CAUSES: ClassVar[tuple[str, ...]] = (
-        "out_of_memory", "killed", "unresponsive", "engine", "protocol", "unknown",
+        "out_of_memory", "file_locks", "killed", "unresponsive", "engine", "protocol", "unknown",
     )  # fmt: skip
 
     def __init__(self, message: str, *, cause: str = "unknown", stdout: str = "", stderr: str = "") -> None:

@@ -662,7 +662,9 @@ class CommandResult:
 
     ``stdout``/``stderr`` are decoded as UTF-8 (invalid bytes replaced); ``stdout_bytes`` and
     ``stderr_bytes`` are the true sizes produced, even when ``truncated``.
-    ``signal`` is set when the process was killed by one.
+    ``signal`` is set when the process was killed by one. ``oom_killed``: a process was
+    killed by the memory limit (or for thrashing at it); ``locks_killed``: for holding more
+    file locks than a sandbox may (4,096: kernel memory no memory limit counts).
     """
 
     exit_code: int
@@ -672,6 +674,7 @@ class CommandResult:
     timed_out: bool = False
     oom_killed: bool = False
     truncated: bool = False
+    locks_killed: bool = False
     stdout_bytes: int = 0
     stderr_bytes: int = 0
     signal: int | None = None

@@ -280,6 +280,7 @@ def outcome(result: OpResult) -> dict[str, object]:
             "exit_code": result.exit_code,
             "timed_out": result.timed_out,
             "oom_killed": result.oom_killed,
+            "locks_killed": result.locks_killed,
             "truncated": result.truncated,
             "stdout_bytes": result.stdout_bytes,
             "stderr_bytes": result.stderr_bytes,

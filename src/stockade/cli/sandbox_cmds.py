@@ -244,6 +244,8 @@ def exec_(
         err.print(f"[yellow]stockade: timed out after {timeout}s; every process was killed[/]")
     if result.oom_killed:
         err.print(f"[yellow]stockade: killed by the memory limit ({memory} MiB)[/]")
+    if result.locks_killed:
+        err.print("[yellow]stockade: killed for holding more file locks than a sandbox may (4,096)[/]")
     raise typer.Exit(result.exit_code)
 
 
@@ -255,6 +257,7 @@ def _result_json(result: CommandResult) -> dict[str, object]:
         "duration_s": result.duration_s,
         "timed_out": result.timed_out,
         "oom_killed": result.oom_killed,
+        "locks_killed": result.locks_killed,
         "truncated": result.truncated,
         "stdout_bytes": result.stdout_bytes,
         "stderr_bytes": result.stderr_bytes,

@@ -86,6 +86,11 @@ class Boundary(abc.ABC):
         """How many processes the sandbox's memory limit has killed so far, if known."""
         return None
 
+    def lock_kills(self) -> int:
+        """How many processes the host killed so far for holding more file locks than a
+        sandbox may (``_locks``)."""
+        return 0
+
     def alive(self) -> bool:
         return True
 

@@ -195,12 +195,16 @@ class Cgroup:
                     os.close(fd)
         except OSError:  # removed meanwhile: ENOENT, or ENODEV while the kernel takes it down
             return 0
-        watched = self._thrash.kills if self._thrash is not None else 0
+        watched = self._thrash.thrash_kills if self._thrash is not None else 0
         for line in data.splitlines():
             key, _, value = line.partition(b" ")
             if key == b"oom_kill":
                 return int(value) + watched
         return watched
+
+    def lock_kills(self) -> int:
+        """The processes the lock watch killed (``_thrash.Watch.hold_locks``)."""
+        return self._thrash.lock_kills if self._thrash is not None else 0
 
     def kill_all(self) -> None:
         """SIGKILL every process in the cgroup until it is empty (forks included)."""

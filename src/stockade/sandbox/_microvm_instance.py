@@ -144,6 +144,9 @@ class VMBoundary(Boundary):
         # counted by the guest's kernel, and reported by the supervisor with each result.
         return None if self.cgroup is None else self.cgroup.oom_kills()
 
+    def lock_kills(self) -> int:
+        return 0 if self.cgroup is None else self.cgroup.lock_kills()
+
     def _kill(self) -> None:
         # The guest is one process on the host: killing QEMU kills every process inside.
         with contextlib.suppress(ProcessLookupError):

@@ -143,9 +143,12 @@ def command_result(
     streams: dict[int, OutputCollector],
     oom_since: OomCheck,
     between: dict[str, Any] | None = None,
+    *,
+    locks_killed: bool = False,
 ) -> CommandResult:
     """A command's report (``exit``), with the output the host collected (and ``between``:
-    the execs judged while no call ran, handed over before it)."""
+    the execs judged while no call ran, handed over before it); ``locks_killed``: the host
+    killed a process of it for its file locks (a SIGKILL that is no memory limit's)."""
     out_total = max(int_field(h.get("stdout_bytes")), len(streams[1].data))
     err_total = max(int_field(h.get("stderr_bytes")), len(streams[2].data))
     out, out_cut = streams[1].text(out_total)
@@ -153,7 +156,7 @@ def command_result(
     sig = h.get("signal")
     killed = (sig == 9 or int_field(h.get("exit_code")) == 137) and not h.get("timed_out")
     # A sandbox with a kernel of its own (the microVM) counts its OOM kills itself.
-    oom = int_field(h.get("oom_kills")) > 0 or oom_since(killed)
+    oom = int_field(h.get("oom_kills")) > 0 or oom_since(killed and not locks_killed)
     return CommandResult(
         exit_code=int_field(h.get("exit_code")),
         stdout=out,
@@ -161,6 +164,7 @@ def command_result(
         duration_s=float_field(h.get("duration")),
         timed_out=bool(h.get("timed_out")),
         oom_killed=oom,
+        locks_killed=locks_killed,
         truncated=out_cut or err_cut,
         stdout_bytes=out_total,
         stderr_bytes=err_total,
@@ -193,9 +197,11 @@ def execution(
     streams: dict[int, OutputCollector],
     oom_since: OomCheck,
     between: dict[str, Any] | None = None,
+    *,
+    locks_killed: bool = False,
 ) -> Execution:
     """A ``run_code`` report (``result``: its header and its JSON payload, already bounded;
-    ``between`` as for ``command_result``)."""
+    ``between`` and ``locks_killed`` as for ``command_result``)."""
     out, out_cut = streams[1].text(max(int_field(h.get("stdout_bytes")), len(streams[1].data)))
     err, err_cut = streams[2].text(max(int_field(h.get("stderr_bytes")), len(streams[2].data)))
     if not isinstance(payload, dict):
@@ -213,7 +219,10 @@ def execution(
         traceback, tb_cut = _capped(str(raw_err.get("traceback", "")), MAX_TEXT, end=True)
         cut = cut or name_cut or value_cut or tb_cut
         guest_oom = int_field(h.get("oom_kills")) > 0
-        if name == "KernelDied" and (guest_oom or oom_since(True)):
+        if name == "KernelDied" and locks_killed:
+            value = "the interpreter was killed for holding more file locks than a sandbox may (4,096)"
+            name = "FileLockLimitExceeded"
+        elif name == "KernelDied" and (guest_oom or oom_since(True)):
             value = "the interpreter was killed by the sandbox's memory limit; its state is lost"
             name = "MemoryLimitExceeded"
         error = ExecutionError(name=name, value=value, traceback=traceback)

@@ -6,7 +6,8 @@ syscalls, tracing, kernel modules and kexec, BPF, keyrings, raw and packet socke
 io_uring, perf, userfaultfd, memfd_secret, vsock; and what takes host memory or a host-wide quota no
 cgroup charges to the sandbox: AIO contexts, netlink sockets, UDP on a loopback-only
 network, NUMA policies (``mbind``); and OFD locks, which can outlive every process
-(``_locks``), and leases; and the calls that
+(``_locks``), and leases, and threads of a descriptor table of their own (which that count
+would not read); and the calls that
 set another process's resource limits or scheduling (``OWN_ONLY``). ``clone3`` answers
 ENOSYS so that libc falls back to ``clone``, whose flags can be inspected (the arguments of
 ``clone3`` live in memory BPF cannot read).
@@ -95,6 +96,10 @@ DENIED = (
 NAMESPACE_FLAGS = (
     0x00020000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000 | 0x02000000 | 0x00000080
 )
+# A thread (CLONE_THREAD) must share its creator's descriptor table (CLONE_FILES): one with its
+# own held 300,000 POSIX locks that no process's fdinfo listed (``_locks`` reads each process's
+# table, a thread group's leader's). glibc, musl, Go and the JVM always share it.
+CLONE_THREAD, CLONE_FILES = 0x00010000, 0x00000400
 F_OFD_LOCKS = (36, 37, 38)  # fcntl's F_OFD_GETLK, F_OFD_SETLK, F_OFD_SETLKW
 F_SETLEASE = 1024
 # The calls that set a process's resource limits, scheduling or I/O class, named by its pid:
@@ -163,6 +168,7 @@ def filter_bpf(*, datagrams: bool = False) -> bytes:
             )  # fmt: skip
     for flag in _bits(NAMESPACE_FLAGS):
         f.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+    f.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, CLONE_THREAD | CLONE_FILES, CLONE_THREAD))
     # File locks are kernel memory no cgroup charges either; the host counts each process's
     # (``_locks``). An OFD lock belongs to an open file, which can outlive every process (one
     # in flight in a socket's queue): EINVAL, as before Linux 3.15, which its users handle.

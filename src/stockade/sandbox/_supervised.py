@@ -294,16 +294,23 @@ class SupervisedInstance(Instance):
     def _guarded(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         self._check_open()
         self._check_egress()
-        oom_before = self.boundary.oom_kills()
+        oom_before, locks_before = self.boundary.oom_kills(), self.boundary.lock_kills()
         try:
             return self._handle(op, sink)
         except exc.SandboxCrashed as err:
+            if self.boundary.lock_kills() > locks_before:
+                raise exc.SandboxCrashed(
+                    f"{err}: a process held more file locks than a sandbox may (4,096; POSIX locks "
+                    "and flock locks held through mappings are kernel memory no limit counts)",
+                    cause="file_locks",
+                    stdout=err.stdout,
+                    stderr=err.stderr,
+                ) from None
             oom_after = self.boundary.oom_kills()
             if oom_before is not None and oom_after is not None and oom_after > oom_before:
                 raise exc.SandboxCrashed(
                     f"{err}: the sandbox ran out of memory (memory_mb={self.spec.limits.memory_mb}; "
-                    "files in /workspace, /tmp and /dev/shm are memory and count against it; "
-                    "a sandbox may hold 4,096 file locks)",
+                    "files in /workspace, /tmp and /dev/shm are memory and count against it)",
                     cause="out_of_memory",
                     stdout=err.stdout,
                     stderr=err.stderr,
@@ -631,13 +638,14 @@ class SupervisedInstance(Instance):
             "timeout": timeout,
             "stdin": op.stdin is not None,
         }
-        oom_before = self.boundary.oom_kills()
+        oom_before, locks_before = self.boundary.oom_kills(), self.boundary.lock_kills()
         started = time.monotonic()
         final, streams, between = self._stream(header, op.stdin or b"", timeout, sink)
         if final is not None:
             return command_result(
-                final[0], streams, lambda settle: self._oom_since(oom_before, settle=settle), between
-            )
+                final[0], streams, lambda settle: self._oom_since(oom_before, settle=settle), between,
+                locks_killed=self.boundary.lock_kills() > locks_before,
+            )  # fmt: skip
         return timed_out_command(streams, time.monotonic() - started)
 
     def _oom_since(self, before: int | None, *, settle: bool) -> bool:
@@ -662,7 +670,7 @@ class SupervisedInstance(Instance):
 
     def _run_code(self, op: RunCode, sink: OutputSink | None) -> Execution:
         timeout = self._timeout(op.timeout_s)
-        oom_before = self.boundary.oom_kills()
+        oom_before, locks_before = self.boundary.oom_kills(), self.boundary.lock_kills()
         started = time.monotonic()
         header = {"op": "code", "timeout": timeout}
         final, streams, between = self._stream(
@@ -672,8 +680,9 @@ class SupervisedInstance(Instance):
             h, body = final
             payload = self.files.json_body(body, max_values=MAX_CODE_VALUES, what="run_code report")
             return execution(
-                h, payload, streams, lambda settle: self._oom_since(oom_before, settle=settle), between
-            )
+                h, payload, streams, lambda settle: self._oom_since(oom_before, settle=settle), between,
+                locks_killed=self.boundary.lock_kills() > locks_before,
+            )  # fmt: skip
         return timed_out_execution(streams, time.monotonic() - started)
 
 

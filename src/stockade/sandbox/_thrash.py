@@ -27,18 +27,20 @@ the same call on memory pressure. Both cgroup versions keep what it needs
 Another thread holds each watched group's POSIX file locks, kernel memory no cgroup charges,
 to ``_locks.MOST``, every ``_locks.PERIOD_S`` (a thread of its own: a round of counting costs
 what the sandboxes' descriptors make it, within a budget each, and must not delay a thrash
-kill): a group over it loses its processes holding the
-most, counted with the kills above; and the ``flock`` locks it holds through mappings, which
-no descriptor lists, to ``_locks.HIDDEN_MOST`` (``_locks.Unlisted``).
+kill): a group over it loses its processes holding the most, counted apart
+(``Watch.lock_kills``: no memory limit's); and the ``flock`` locks it holds through
+mappings, which no descriptor lists, to ``_locks.HIDDEN_MOST`` (``_locks.Unlisted``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,7 +120,9 @@ class ThrashJudge:
 
 
 class Watch:
-    """One watched group; ``kills`` counts the processes this watch killed."""
+    """One watched group; ``kills`` counts the processes this watch killed: for thrashing
+    (``thrash_kills``, reported as the memory limit's) and for locks (``lock_kills``, as
+    themselves)."""
 
     def __init__(self, group: MemoryGroup) -> None:
         self.group = group
@@ -132,6 +136,11 @@ class Watch:
         self.flocks: dict[int, int] = {}
         self.unread: dict[int, frozenset[tuple[str, int]]] = {}
         self.cost = 0  # what the last round spent of its budget, in bytes (``_locks.Budget``)
+        # Each process's last whole count, and the one being read over rounds (with where
+        # the next round begins when none is: the process after the last one read).
+        self._counted: dict[int, _locks.Listing] = {}
+        self._reading: _locks.Reading | None = None
+        self._next = 0
 
     @property
     def kills(self) -> int:
@@ -148,30 +157,56 @@ class Watch:
     def hold_locks(self, budget: _locks.Budget | None = None) -> None:
         """Kill the group's processes holding the most POSIX locks while it holds over
         ``_locks.MOST``: as it counts them, so that a hog dies before the rest are read. A
-        group whose files cost more to read than ``budget`` (``_locks.Budget()``) allows
-        a round loses the process that cost the most, as a hog: it could stall every
-        sandbox's count, and the rest are counted the next round."""
+        round reads what ``budget`` (``_locks.Budget()``) allows and goes on from there the
+        next round (each process's last whole count stands for it meanwhile): a sandbox's
+        descriptors cost it time, never a process (16,000 files and no lock cost 0.2 s a
+        round, and a process of them was killed as a hog)."""
         budget = budget or _locks.Budget()
-        held: dict[int, int] = {}
-        self.listed, self.flocks, self.unread = 0, {}, {}
-        for pid in self.procs():
-            listing = _locks.listed_by(pid, _locks.MOST, budget)
+        procs = sorted(self.procs())
+        self._counted = {pid: listing for pid, listing in self._counted.items() if pid in procs}
+        if self._reading is not None and self._reading.pid not in procs:
+            self._reading = None
+        # from the process whose reading the last round left, then those after it, around
+        first = self._reading.pid if self._reading is not None else self._next
+        start = next((i for i, pid in enumerate(procs) if pid >= first), 0)
+        for pid in procs[start:] + procs[:start]:
+            reading = self._reading or _locks.Reading(pid)
+            listing = reading.advance(budget, _locks.MOST)
+            if listing.whole or listing.posix > _locks.MOST:
+                self._counted[pid], self._reading = listing, None
+            else:
+                self._reading = reading
             self.cost = budget.spent.total()
-            held[pid] = listing.posix
-            self.listed += listing.listed
-            self.flocks[pid] = listing.listed - listing.posix
-            self.unread[pid] = listing.unread
+            self._tally()
+            held = {p: max(c.posix, listing.posix if p == pid else 0) for p, c in self._counted.items()}
+            held.setdefault(pid, listing.posix)
             for victim in _locks.hoarders(held, held, _locks.MOST):
                 held[victim] = 0
+                self._counted.pop(victim, None)
                 if _kill(self.group, victim):
                     self.lock_kills += 1
-            if not listing.whole:
-                if _kill(self.group, budget.costliest()):
-                    self.lock_kills += 1
+            if self._reading is not None:  # the budget is spent: the rest the next round
                 return
+        self._next = 0
+
+    def _tally(self) -> None:
+        """``listed``, ``flocks`` and ``unread`` from each process's last count (its reading
+        so far where that lists more)."""
+        counted = dict(self._counted)
+        if self._reading is not None:
+            partial = self._reading.listing()
+            if self._reading.pid not in counted or partial.listed > counted[self._reading.pid].listed:
+                counted[self._reading.pid] = partial
+        self.listed = sum(c.listed for c in counted.values())
+        self.flocks = {pid: c.listed - c.posix for pid, c in counted.items()}
+        self.unread = {pid: c.unread for pid, c in counted.items()}
 
     def procs(self) -> list[int]:
         return [int(pid) for pid in _read(self.group.folder / "cgroup.procs").split()]
+
+    def hiding(self, holders: Mapping[int, int]) -> bool:
+        """Whether the group hides more than ``_locks.HIDDEN_MOST`` (``hold_hidden``)."""
+        return sum(max(0, n - self.flocks.get(pid, 0)) for pid, n in holders.items()) > _locks.HIDDEN_MOST
 
     def hold_hidden(self, holders: Mapping[int, int]) -> int:
         """Kill the group's processes hiding the most locks (``holders``: those
@@ -265,25 +300,36 @@ def _hold_locks(watched: list[Watch], unlisted: _locks.Unlisted) -> bool:
         # (the lock table is read when its locks have gone, not while they make it slow)
         return True
     if host != _locks.UNKNOWN and unlisted.due(host - listed):
-        unlisted.looked(host - listed, _hold_hidden(watched, host))
+        freed, whole = _hold_hidden(watched, host)
+        if whole:  # else the next round looks again: what was not read may hide more
+            unlisted.looked(host - listed, freed)
     return sum(w.lock_kills for w in watched) > kills
 
 
-def _hold_hidden(watched: list[Watch], host: int) -> int:
-    """Read the newest of the host's ``host`` locks, give their flock locks and leases to
-    the watched groups' processes, scaled to the whole table by their share of the sample,
-    and kill those hiding the most; the locks of the processes killed (as estimated)."""
+def _hold_hidden(watched: list[Watch], host: int) -> tuple[int, bool]:
+    """Read the host's lock table until a watched group is found hiding over the bound (at
+    most the whole of it, ``host`` locks' worth), give its flock locks and leases to the
+    groups' processes, and kill those hiding the most; the locks of the processes killed
+    (as counted), and whether the whole table was read."""
     groups: dict[int, list[int]] = {}
     for i, w in enumerate(watched):
         with contextlib.suppress(OSError, ValueError):
             groups[i] = w.procs()
-    try:
-        locks = _locks.table(most=_locks.SAMPLE_BYTES)
-    except OSError:
-        return 0
     unread = {pid: files for w in watched for pid, files in w.unread.items()}
-    held = _locks.hidden_holders(locks, groups, unread=unread)
-    return sum(watched[i].hold_hidden(_locks.estimate(held[i], len(locks), host)) for i in groups)
+    # once each a look: the host's own locks name a few live takers many times
+    maps, alive = functools.cache(_locks.mapped_files), functools.cache(_locks.running)
+    held: dict[int, Counter[int]] = {i: Counter() for i in groups}
+
+    def enough(locks: list[_locks.Lock]) -> bool:
+        for i, found in _locks.hidden_holders(locks, groups, maps, alive, unread).items():
+            held[i].update(found)
+        return any(watched[i].hiding(held[i]) for i in groups)
+
+    try:
+        whole = _locks.read_table(host * _locks.LINE_BYTES, enough)
+    except OSError:
+        return 0, False
+    return sum(watched[i].hold_hidden(held[i]) for i in groups), whole
 
 
 def _read(path: Path) -> bytes:

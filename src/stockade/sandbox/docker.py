@@ -189,7 +189,10 @@ class _ContainerBoundary(Boundary):
         if kernel is None:
             return None
         self._oom_seen = kernel
-        return kernel + (self._thrash.kills if self._thrash else 0)
+        return kernel + (self._thrash.thrash_kills if self._thrash else 0)
+
+    def lock_kills(self) -> int:
+        return self._thrash.lock_kills if self._thrash else 0
 
     def _oom_events(self) -> int | None:
         # ``until`` in the past (to the microsecond) makes the engine replay and return at

@@ -144,6 +144,9 @@ class _ProcessBoundary(Boundary):
     def oom_kills(self) -> int | None:
         return None if self.cgroup is None else self.cgroup.oom_kills()
 
+    def lock_kills(self) -> int:
+        return 0 if self.cgroup is None else self.cgroup.lock_kills()
+
     def death_cause(self) -> str:
         # bwrap ended by a signal nobody here sent: the sandbox was killed from outside.
         with contextlib.suppress(subprocess.TimeoutExpired):

@@ -82,6 +82,8 @@ def _show_command(result: CommandResult) -> str:
     parts = [f"exit code {result.exit_code}" + (" (timed out)" if result.timed_out else "")]
     if result.oom_killed:
         parts.append("killed: out of memory")
+    if result.locks_killed:
+        parts.append("killed: more file locks held than a sandbox may (4,096)")
     if result.stdout:
         parts.append(f"stdout:\n{result.stdout}")
     if result.stderr:

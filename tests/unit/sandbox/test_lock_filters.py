@@ -1,6 +1,7 @@
 """The sandbox filters keep every file lock owned by a process the host can count (``_locks``):
 OFD locks, which belong to an open file that can outlive every process, are refused (EINVAL,
-as before Linux 3.15), while POSIX locks, SQLite, threads and subprocesses work.
+as before Linux 3.15), and so are threads with a descriptor table of their own (EPERM), while
+POSIX locks, SQLite, threads and subprocesses work.
 
 Each filter is installed in a fresh Python here, as a sandbox's first process installs it:
 the process tier's (``_seccomp.filter_bpf``, which bubblewrap loads) and the container tiers'
@@ -37,8 +38,13 @@ import confine
 confine.deny_calls([], netlink=True, datagrams=True, locks=True)
 """
 PROBE = r"""
-import errno, fcntl, json, os, sqlite3, struct, subprocess, tempfile, threading
+import ctypes, errno, fcntl, json, os, sqlite3, struct, subprocess, tempfile, threading
 found = {}
+libc = ctypes.CDLL(None, use_errno=True)
+# A thread of a descriptor table of its own: flags the kernel refuses anyway (EINVAL: a thread
+# needs CLONE_SIGHAND), so that nothing is made where no filter stands; clone3's size 0 likewise.
+for name, call, flags in (("own_table_thread", 56, 0x00010000), ("clone3", 435, 0)):
+    found[name] = errno.errorcode[ctypes.get_errno()] if libc.syscall(call, flags, 0, 0, 0, 0) < 0 else "made"
 folder = tempfile.mkdtemp()
 with open(folder + "/file", "w") as f:
     fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
@@ -86,4 +92,6 @@ def test_ofd_locks_are_refused_and_ordinary_locks_work(tmp_path: Path, tier: str
         "thread": "ran",
         "subprocess": 0,
         "fork": 3,
+        "own_table_thread": "EPERM",
+        "clone3": "ENOSYS",
     }

@@ -238,15 +238,60 @@ def test_locks_kept_by_a_child_after_their_taker_exits_are_the_childs(
     assert watch.kills == 1 and _gone(child)
 
 
-def test_a_look_reads_the_newest_locks_only_and_scales_each_holders_share() -> None:
-    """The whole table costs quadratic time in its length (each read is a page, each walks
-    the lists from their start, under the lock every lock call takes): a look begun at
-    20,000 locks lasted 4.6 s while a hog went on to 92,000. A look reads its first
-    ``SAMPLE_BYTES``, whole lines, and scales each holder's share to the host's count."""
-    sampled = _locks.table(most=_locks.SAMPLE_BYTES)
-    assert all(lock.kind for lock in sampled)  # whole lines only, parsed
-    assert _locks.estimate({7: 300, 8: 100}, 1000, 40_000) == {7: 12_000, 8: 4_000}
-    assert _locks.estimate({7: 300}, 1000, 500) == {7: 300}  # never scaled down
+# Take PIPED POSIX locks on a pipe on the last CPU, then LISTED on a file on the first, at the
+# largest offsets (the longest lines of /proc/locks, which lists each CPU's locks in turn);
+# say so, and hold them.
+BEHIND_LISTED = r"""
+import fcntl, os, sys, time
+listed, piped = int(sys.argv[2]), int(sys.argv[3])
+cpus = sorted(os.sched_getaffinity(0))
+read, write = os.pipe()
+os.sched_setaffinity(0, {cpus[-1]})
+for j in range(piped):
+    fcntl.lockf(write, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 2 * j)
+os.sched_setaffinity(0, {cpus[0]})
+with open(sys.argv[1], "w") as f:
+    for j in range(listed):
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, (1 << 62) + 2 * j)
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.mark.alone  # the host's lock table: another worker's locks would be read too
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="each CPU's locks are a list: two needed")
+def test_locks_listed_first_in_the_table_hide_none_behind_them(tmp_path: Path) -> None:
+    """/proc/locks lists each CPU's locks in turn. A look used to read its first 256 KiB
+    and scale each holder's share: 4,090 locks (within the bound, listed by a descriptor) at
+    the largest offsets on the first CPU filled it, and 300,000 on a pipe behind them were
+    never seen. A look now reads on until it finds a sandbox over the bound (at most the
+    whole table), and never scales a share."""
+    argv = [sys.executable, "-c", BEHIND_LISTED, str(tmp_path / "listed"), "4090", "20000"]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdout.readline() == "held\n"
+            assert _locks.held_by(proc.pid) == 4090  # within the bound: no POSIX kill
+            watch = Watch(_group(tmp_path / "g", procs=[proc.pid]))
+            assert _thrash._hold_locks([watch], _locks.Unlisted())
+            assert watch.kills == 1 and proc.wait(timeout=10) == -9
+        finally:
+            proc.kill()
+
+
+def test_a_look_reads_the_table_in_pieces_of_whole_lines_until_told_enough(tmp_path: Path) -> None:
+    line = b"1: FLOCK  ADVISORY  WRITE 10 fe:00:5 0 EOF\n"
+    listed = tmp_path / "locks"
+    listed.write_bytes(line * (3 * _locks.STEP_BYTES // len(line)))
+    pieces: list[int] = []
+
+    def count(locks: list[_locks.Lock]) -> bool:
+        pieces.append(len(locks))
+        return False
+
+    assert _locks.read_table(1 << 30, count, str(listed))
+    assert sum(pieces) == 3 * _locks.STEP_BYTES // len(line) and len(pieces) >= 3
+    assert not _locks.read_table(1 << 30, lambda locks: True, str(listed))  # enough at once
+    assert not _locks.read_table(_locks.STEP_BYTES, lambda locks: False, str(listed))  # its budget
 
 
 # Watch WATCHES files of /usr with one inotify descriptor, dup it DUPS times, fork a child
@@ -337,17 +382,73 @@ def test_a_dup_of_a_file_is_read_once_and_another_open_file_of_it_counted_too(tm
             os.close(fd)
 
 
-def test_a_group_whose_files_cost_more_than_a_round_may_spend_loses_the_costliest(
-    tmp_path: Path, hold: Callable[[int], subprocess.Popen[str]]
+# Open FILES files without a lock, then take LOCKS on another; say so, and hold them.
+MANY_FILES = r"""
+import fcntl, os, resource, sys, time
+files, locks = int(sys.argv[2]), int(sys.argv[3])
+resource.setrlimit(resource.RLIMIT_NOFILE, (files + 64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+kept = [os.open(f"{sys.argv[1]}-{i}", os.O_RDWR | os.O_CREAT) for i in range(files)]
+with open(sys.argv[1], "w") as f:
+    for j in range(locks):
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 2 * j)
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.fixture
+def many_files(tmp_path: Path) -> Iterator[Callable[[int, int], subprocess.Popen[str]]]:
+    """Start a process with ``files`` open files and ``locks`` locks on one more."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(files: int, locks: int) -> subprocess.Popen[str]:
+        name = tmp_path / f"many-{len(procs)}"
+        argv = [sys.executable, "-c", MANY_FILES, str(name), str(files), str(locks)]
+        procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True))
+        assert procs[-1].stdout is not None and procs[-1].stdout.readline() == "held\n"
+        return procs[-1]
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+def test_a_group_whose_files_cost_more_than_a_round_is_read_over_rounds_never_killed_for_it(
+    tmp_path: Path, many_files: Callable[[int, int], subprocess.Popen[str]]
 ) -> None:
-    """However its descriptors cost (many files, each listing many locks), one sandbox
-    spends at most its budget of a round, and is then treated as the hog it is."""
-    cheap, costly = hold(10), hold(_locks.MOST - 100)
-    watch = Watch(_group(tmp_path / "g", procs=[cheap.pid, costly.pid]))
-    watch.hold_locks(_locks.Budget(most_bytes=64 << 10))  # ~4,000 locks list 250 KiB
-    assert watch.kills == 1 and costly.wait(timeout=10) == -9 and cheap.poll() is None
-    watch.hold_locks()
-    assert watch.kills == 1 and cheap.poll() is None
+    """One sandbox spends at most its budget of a round, then the next round reads on from
+    there: 12,000 descriptors and no lock cost 0.2 s a round, and a process of them was
+    killed as a hog. A hog of locks behind them is still found, within a few rounds."""
+    idle, hog = many_files(2000, 0), many_files(2000, _locks.MOST + 1)
+    watch = Watch(_group(tmp_path / "g", procs=[idle.pid, hog.pid]))
+    rounds = 0
+    while hog.poll() is None and rounds < 40:
+        watch.hold_locks(_locks.Budget(most_bytes=64 << 10))  # ~300 descriptors a round
+        assert watch.cost < 96 << 10
+        rounds += 1
+    assert hog.wait(timeout=10) == -9 and watch.kills == 1 and rounds > 2
+    for _ in range(20):
+        watch.hold_locks(_locks.Budget(most_bytes=64 << 10))
+    assert watch.kills == 1 and idle.poll() is None
+
+
+def test_opens_of_one_path_are_told_apart_within_the_budget(tmp_path: Path) -> None:
+    """Telling dups from other opens of one path (``kcmp``) is charged to the budget: 19,000
+    opens of one path, sorted at once, cost a round 0.5 s beyond it."""
+    path = tmp_path / "opened"
+    fds = [os.open(path, os.O_RDWR | os.O_CREAT) for _ in range(2000)]
+    try:
+        reading, budget = _locks.Reading(os.getpid()), _locks.Budget(most_bytes=64 << 10)
+        reading.advance(budget)
+        assert not reading.done and budget.spent[os.getpid()] < 96 << 10
+        while not reading.done:
+            reading.advance(_locks.Budget(most_bytes=64 << 10))
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def test_an_inotify_stall_in_one_group_leaves_another_groups_locks_held(
