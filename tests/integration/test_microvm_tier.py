@@ -529,3 +529,39 @@ def test_a_guest_gone_for_no_reason_the_host_sees_is_reported_with_its_consoles_
     with pytest.raises(exc.SandboxCrashed) as gone:
         vm.commands.run("true")
     assert "a test's last words" in str(gone.value), str(gone.value)
+
+
+# How many of a file's pages are in the page cache: a read with RWF_NOWAIT fails on one that is not.
+CACHED_PAGES = """
+import os
+def cached(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        hits = 0
+        for offset in range(0, os.fstat(fd).st_size, 4096):
+            try:
+                os.preadv(fd, [bytearray(1)], offset, os.RWF_NOWAIT)
+                hits += 1
+            except BlockingIOError:
+                pass
+        return hits
+    finally:
+        os.close(fd)
+"""
+
+
+def test_the_next_user_of_a_pooled_guest_cannot_tell_which_files_the_last_one_read() -> None:
+    """A pool's reset drops the guest kernel's page cache: a root-image file the last user read
+    is not cached for the next (it would be one bit per file of what the last user did)."""
+    require_tier("microvm")
+    pool = SandboxPool("microvm", size=1, limits=Limits(memory_mb=256))
+    with pool:
+        with pool.acquire(timeout_s=600) as first:
+            # A module nothing imports at start: its pages are cached only because this user read it.
+            read = "import os; p = os.path.dirname(os.__file__) + '/turtle.py'; open(p, 'rb').read(); p"
+            path = str(first.run_code(read).text).strip("'")
+            assert first.run_code(f"{CACHED_PAGES}\ncached({path!r})").text != "0"
+            used = first.id
+        with pool.acquire(timeout_s=600) as second:
+            assert second.id == used  # the same guest, reset
+            assert second.run_code(f"{CACHED_PAGES}\ncached({path!r})").text == "0"

@@ -1,6 +1,7 @@
 """One running microVM as the host holds it: the QEMU process and its cgroup (the
 ``Boundary``: alive, OOM kills, kill), the control port to the guest's root helper (``U``:
-it listens; ``S``: reseed and set the clock), the QMP monitor, and the instance whose memory a
+it listens; ``S``: reseed and set the clock; ``N``: written places noexec; ``D``: clean
+caches dropped), the QMP monitor, and the instance whose memory a
 snapshot keeps (QEMU's migration to a file).
 
 Apart from ``microvm.py``, which plans, launches, and restores guests (the QEMU command line,
@@ -21,6 +22,7 @@ from typing import Any
 from stockade import exceptions as exc
 from stockade.sandbox import _cgroups, _host, _qmp
 from stockade.sandbox._supervised import Boundary, SupervisedInstance
+from stockade.sandbox.ops import Reset
 from stockade.sandbox.snapshots import Reservation
 
 # Guest RAM on top of the memory limit: the guest kernel, its page cache of the root image.
@@ -96,6 +98,15 @@ class VMBoundary(Boundary):
         except OSError as err:
             raise exc.SandboxStartError(f"cannot reach the guest's helper: {err}") from None
         self._expect(b"K", timeout_s, what="mount the written places noexec")
+
+    def drop_caches(self, timeout_s: float = 10.0) -> None:
+        """The guest kernel's clean page cache dropped by its root helper (at a pool's reset):
+        else which root-image files the last user read stays cached, for the next to see."""
+        try:
+            self.ctl.sendall(b"D")
+        except OSError as err:
+            raise exc.SandboxStartError(f"cannot reach the guest's helper: {err}") from None
+        self._expect(b"K", timeout_s, what="drop its page cache")
 
     def _expect(self, byte: bytes, timeout_s: float, what: str = "be reseeded") -> None:
         deadline = time.monotonic() + timeout_s
@@ -196,6 +207,18 @@ class VMInstance(SupervisedInstance):
             # its relay's streams live in the guest's memory, their other ends in this process
             return "a microVM with an egress allowlist keeps files only in a snapshot"
         return None
+
+    def _reset(self, op: Reset) -> None:
+        super()._reset(op)
+        # After the supervisor's reset (the last user's processes gone, the next interpreter
+        # started): only what every user's sandbox holds mapped stays cached.
+        try:
+            self.vm.drop_caches()
+        except exc.SandboxStartError as err:
+            self.close()
+            raise exc.SandboxCrashed(
+                f"sandbox {self.id} could not be reset ({err}); it was closed: create a new one"
+            ) from None
 
     def memory_image_bytes(self) -> int:
         return (self.spec.limits.memory_mb + GUEST_OVERHEAD_MB) << 20  # the guest's whole RAM, at most
