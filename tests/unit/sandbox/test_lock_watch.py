@@ -21,6 +21,7 @@ import pytest
 
 from stockade.sandbox import _locks, _thrash
 from stockade.sandbox._thrash import MemoryGroup, Watch
+from tests.conftest import require
 
 MiB = 1 << 20
 
@@ -259,13 +260,13 @@ with open(sys.argv[1], "w") as f:
 
 
 @pytest.mark.alone  # the host's lock table: another worker's locks would be read too
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="each CPU's locks are a list: two needed")
 def test_locks_listed_first_in_the_table_hide_none_behind_them(tmp_path: Path) -> None:
     """/proc/locks lists each CPU's locks in turn. A look used to read its first 256 KiB
     and scale each holder's share: 4,090 locks (within the bound, listed by a descriptor) at
     the largest offsets on the first CPU filled it, and 300,000 on a pipe behind them were
     never seen. A look now reads on until it finds a sandbox over the bound (at most the
     whole table), and never scales a share."""
+    require("two CPUs (each CPU's locks are a list of the table)", len(os.sched_getaffinity(0)) >= 2)
     argv = [sys.executable, "-c", BEHIND_LISTED, str(tmp_path / "listed"), "4090", "20000"]
     with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) as proc:
         try:
