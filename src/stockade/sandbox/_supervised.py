@@ -147,7 +147,7 @@ class SupervisedInstance(Instance):
         self.rules = spec.rules
         self.enforcement = enforcement
         self.boundary = boundary
-        self.channel = Channel(stream, max_body=max_frame, name=id)
+        self.channel = Channel(stream, max_body=max_frame, name=id, on_stall=boundary.kill)
         self.files = FileRequests(self.channel, close=self.close, alive=lambda: self.alive)
         self._closed = False
         # Calls in flight, and whether a snapshot holds new ones back until it is taken.
@@ -298,6 +298,8 @@ class SupervisedInstance(Instance):
         try:
             return self._handle(op, sink)
         except exc.SandboxCrashed as err:
+            if err.cause == "unresponsive":  # taken down here (a send that stalled kills it too)
+                self.close()
             oom_after = self.boundary.oom_kills()
             if oom_before is not None and oom_after is not None and oom_after > oom_before:
                 raise exc.SandboxCrashed(
@@ -567,9 +569,14 @@ class SupervisedInstance(Instance):
         cap = self.spec.limits.output_bytes
         streams = {1: OutputCollector(cap), 2: OutputCollector(cap)}
         between: dict[str, Any] | None = None
-        call = self.channel.call(header, body)
+        deadline = time.monotonic() + timeout + GRACE_S  # the send of a large stdin included
         try:
-            for h, chunk in call.frames(time.monotonic() + timeout + GRACE_S):
+            call = self.channel.call(header, body, deadline)
+        except TimeoutError:
+            self.close()
+            return None, streams, between
+        try:
+            for h, chunk in call.frames(deadline):
                 ev = h.get("ev")
                 if ev == "out":
                     fd = 1 if h.get("fd") == 1 else 2
