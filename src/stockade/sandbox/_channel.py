@@ -101,6 +101,16 @@ def loads_bounded(raw: bytes, *, max_bytes: int, max_values: int) -> Any:
     return json.loads(raw.decode("ascii"))
 
 
+# A send that moves no byte for this long is to a peer that stopped reading (a guest whose
+# vCPU never runs again, a stopped supervisor, a paused container): the channel fails, not the
+# caller's thread blocked for ever in a write.
+LIVENESS_S = 10.0
+
+
+class Stalled(TimeoutError):
+    """No byte of a send moved for ``LIVENESS_S``: the supervisor stopped reading."""
+
+
 def send_all(fd: int, write: Callable[[memoryview], int], data: bytes, deadline: float | None) -> None:
     """Write ``data`` with ``write``, which never blocks (it raises ``BlockingIOError``, or
     writes part), waiting on ``fd`` while it is full, for ``Stream.send``."""
@@ -127,16 +137,6 @@ def send_all(fd: int, write: Callable[[memoryview], int], data: bytes, deadline:
 
 def _parse_header(raw: bytes) -> Any:
     return loads_bounded(raw, max_bytes=MAX_HEADER, max_values=MAX_HEADER_VALUES)
-
-
-# A send that moves no byte for this long is to a peer that stopped reading (a guest whose
-# vCPU never runs again, a stopped supervisor, a paused container): the channel fails, not the
-# caller's thread blocked for ever in a write.
-LIVENESS_S = 10.0
-
-
-class Stalled(TimeoutError):
-    """No byte of a send moved for ``LIVENESS_S``: the supervisor stopped reading."""
 
 
 class Stream(Protocol):
