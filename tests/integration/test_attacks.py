@@ -33,7 +33,10 @@ from stockade import (
 from stockade._cuts import CUT_MARK
 from stockade.exceptions import SeedTooLarge, TreeTooDeep
 from stockade.runs.workspace import WorkspaceTracker
-from stockade.sandbox._transfers import LIVENESS_S
+from stockade.sandbox._channel import LIVENESS_S
+from stockade.sandbox._microvm_instance import VMInstance
+from stockade.sandbox._supervised import GRACE_S, SupervisedInstance
+from stockade.sandbox.docker import _ContainerInstance
 from stockade.sandbox.supervisor.protocol import MAX_CODE_REPORT
 from stockade.tools.workspace_diff import MAX_TEXT_TOTAL, record_baseline, snapshot, workspace_diff
 from stockade.types import EntryType, Listing, SkippedEntry
@@ -625,6 +628,80 @@ def test_a_frozen_supervisor_is_noticed_in_seconds_not_minutes(tier: str) -> Non
             sbx.files.write("a.txt", "never")
         assert time.monotonic() - started < LIVENESS_S + 5
         assert not sbx.alive
+
+
+def _wedge(sbx: Sandbox) -> None:
+    """The sandbox stops reading its channel for good: a host process's supervisor stopped,
+    a microVM's vCPUs stopped (QMP ``stop``: a guest kernel spinning with interrupts off),
+    gVisor's container paused (its supervisor is no process of the host's)."""
+    if sbx.tier == "microvm":
+        assert isinstance(sbx.instance, VMInstance)
+        sbx.instance.vm.monitor().command("stop")
+    elif sbx.tier == "gvisor":
+        assert isinstance(sbx.instance, _ContainerInstance)
+        sbx.instance.container.api.pause(sbx.instance.container.cid)
+    else:
+        _freeze_from_the_host(sbx)
+
+
+# More than any channel's buffers hold: the send itself blocks on a sandbox that reads nothing.
+LARGE = 8 << 20
+WEDGED = [t for t in TIERS if t in ("process", "docker", "gvisor", "microvm")]
+
+
+def _slack(tier: str) -> float:
+    """What taking the wedged sandbox down may add: the engine removes a paused gVisor
+    container in 9-22 s here (it is resumed to be killed), the others go in a second."""
+    return 30.0 if tier == "gvisor" else 5.0
+
+
+@pytest.mark.parametrize("tier", WEDGED)
+def test_a_large_upload_to_a_sandbox_that_stopped_reading_ends_it_in_seconds(tier: str) -> None:
+    require_tier(tier)
+    with Sandbox.create(tier, limits=Limits(memory_mb=256, timeout_s=60, pids=64)) as sbx:
+        _wedge(sbx)
+        started = time.monotonic()
+        with pytest.raises(SandboxCrashed) as crash:
+            sbx.files.write("big.bin", b"y" * LARGE)
+        assert crash.value.cause == "unresponsive"
+        assert time.monotonic() - started < LIVENESS_S + _slack(tier)
+        assert not sbx.alive
+        _nothing_left_of(sbx)
+
+
+@pytest.mark.parametrize("tier", WEDGED)
+def test_a_large_stdin_to_a_sandbox_that_stopped_reading_ends_it_in_seconds(tier: str) -> None:
+    require_tier(tier)
+    with Sandbox.create(tier, limits=Limits(memory_mb=256, timeout_s=60, pids=64)) as sbx:
+        _wedge(sbx)
+        started = time.monotonic()
+        with pytest.raises(SandboxCrashed) as crash:
+            sbx.commands.run("cat > /dev/null", stdin="x" * LARGE)
+        assert crash.value.cause == "unresponsive"
+        assert time.monotonic() - started < LIVENESS_S + _slack(tier)
+        _nothing_left_of(sbx)
+
+
+@pytest.mark.parametrize("tier", WEDGED)
+def test_a_command_whose_stdin_cannot_be_sent_ends_at_its_deadline(tier: str) -> None:
+    require_tier(tier)
+    with Sandbox.create(tier, limits=Limits(memory_mb=256, timeout_s=60, pids=64)) as sbx:
+        _wedge(sbx)
+        started = time.monotonic()
+        result = sbx.commands.run("cat > /dev/null", stdin="x" * LARGE, timeout_s=2)
+        assert result.timed_out
+        assert time.monotonic() - started < 2 + GRACE_S + _slack(tier)
+        _nothing_left_of(sbx)
+
+
+def _nothing_left_of(sbx: Sandbox) -> None:
+    """The sandbox that stopped reading was taken down already, not left for its close."""
+    if sbx.tier == "microvm":
+        assert isinstance(sbx.instance, VMInstance)
+        assert sbx.instance.vm.proc.poll() is not None, "QEMU still runs"
+    else:
+        assert isinstance(sbx.instance, SupervisedInstance)
+        assert not sbx.instance.boundary.alive()
 
 
 @pytest.mark.parametrize("tier", HOST_SEEN)

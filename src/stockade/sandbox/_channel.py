@@ -15,9 +15,10 @@ import itertools
 import json
 import queue
 import re
+import select
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from stockade.exceptions import InvalidArgument, ProtocolError, SandboxClosed, SandboxCrashed
@@ -100,6 +101,40 @@ def loads_bounded(raw: bytes, *, max_bytes: int, max_values: int) -> Any:
     return json.loads(raw.decode("ascii"))
 
 
+# A send that moves no byte for this long is to a peer that stopped reading (a guest whose
+# vCPU never runs again, a stopped supervisor, a paused container): the channel fails, not the
+# caller's thread blocked for ever in a write.
+LIVENESS_S = 10.0
+
+
+class Stalled(TimeoutError):
+    """No byte of a send moved for ``LIVENESS_S``: the supervisor stopped reading."""
+
+
+def send_all(fd: int, write: Callable[[memoryview], int], data: bytes, deadline: float | None) -> None:
+    """Write ``data`` with ``write``, which never blocks (it raises ``BlockingIOError``, or
+    writes part), waiting on ``fd`` while it is full, for ``Stream.send``."""
+    view = memoryview(data)
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    moved = time.monotonic()
+    while view:
+        try:
+            written = write(view)
+        except BlockingIOError:
+            written = 0
+        now = time.monotonic()
+        if written:
+            view, moved = view[written:], now
+            continue
+        if deadline is not None and now >= deadline:
+            raise TimeoutError(f"{len(view)} bytes not sent by the deadline")
+        if now >= moved + LIVENESS_S:
+            raise Stalled(f"no byte of {len(view)} could be sent in {LIVENESS_S:g}s")
+        end = moved + LIVENESS_S if deadline is None else min(moved + LIVENESS_S, deadline)
+        poller.poll(max(1, int((end - now) * 1000) + 1))
+
+
 def _parse_header(raw: bytes) -> Any:
     return loads_bounded(raw, max_bytes=MAX_HEADER, max_values=MAX_HEADER_VALUES)
 
@@ -110,14 +145,21 @@ class Stream(Protocol):
     def recv(self) -> bytes:
         """Block for the next chunk; b'' at end of stream."""
 
-    def send(self, data: bytes) -> None: ...
+    def send(self, data: bytes, deadline: float | None = None) -> None:
+        """Write all of ``data``: ``Stalled`` once no byte moved for ``LIVENESS_S``,
+        ``TimeoutError`` past ``deadline`` (``time.monotonic()``); part of it may be written."""
 
     def close(self) -> None: ...
 
 
 class Channel:
-    def __init__(self, stream: Stream, *, max_body: int, name: str) -> None:
+    def __init__(
+        self, stream: Stream, *, max_body: int, name: str, on_stall: Callable[[], None] | None = None
+    ) -> None:
+        """``on_stall`` ends the sandbox when a send stalled (``Stalled``): the supervisor is
+        frozen or hung, and left alive it would hold what it holds on the host for ever."""
         self._stream = stream
+        self._on_stall = on_stall
         self._reader = FrameReader(max_body=max_body, parse_header=_parse_header)
         self._calls: dict[int, queue.SimpleQueue[Frame]] = {}
         self._ids = itertools.count(1)
@@ -137,7 +179,7 @@ class Channel:
             # the reader first: whatever the supervisor sends once it has the key is sealed
             self._reader.seal = Seal(key, b"S", received, head=True)
             if send_key:
-                self._stream.send(key)
+                self._send(key, None, "seal")
             self._seal = Seal(key, b"H", sent)
 
     def seal_state(self) -> tuple[bytes, int, int] | None:
@@ -152,7 +194,10 @@ class Channel:
     def open(self) -> bool:
         return self.error is None
 
-    def call(self, header: dict[str, Any], body: bytes = b"") -> Call:
+    def call(self, header: dict[str, Any], body: bytes = b"", deadline: float | None = None) -> Call:
+        """Send a request; its answer comes through the ``Call``. The send ends by ``deadline``
+        (``TimeoutError``) or as soon as no byte of it moved for ``LIVENESS_S``
+        (``SandboxCrashed``, ``unresponsive``); either leaves the channel failed."""
         cut = CUT.get()
         if cut is not None:  # cancelled between two requests: the next one is not sent
             cut.deliver()
@@ -176,23 +221,43 @@ class Channel:
             if self.error is not None:
                 raise SandboxCrashed(f"sandbox is gone: {self.error}")
             self._calls[rid] = q
+        op = str(header.get("op", ""))
         try:
             with self._send_lock:  # tags are counted in the order frames are written
-                self._stream.send(frame + self._seal.tag(frame) if self._seal is not None else frame)
-        except OSError as exc:
-            self._fail(f"cannot write to the supervisor: {exc}")
-            raise SandboxCrashed(f"sandbox is gone: {self.error}") from None
+                if self.error is not None:  # failed while we waited for the lock (a stalled send)
+                    raise SandboxCrashed(f"sandbox is gone: {self.error}")
+                self._send(frame + self._seal.tag(frame) if self._seal is not None else frame, deadline, op)
+        except (SandboxCrashed, TimeoutError):
+            self._forget(rid)
+            raise
         except BaseException as exc:
             # Cut mid-frame (Ctrl-C, an exception raised into this thread): what is on the wire
             # may be half a frame, which the supervisor would join to the next request. Nothing
             # more can be said on this channel; the interruption goes on to the caller.
             self.cut = (
-                f"the host's send of a {header.get('op', '')} request was interrupted "
+                f"the host's send of a {op} request was interrupted "
                 f"({type(exc).__name__}) and left its channel to the supervisor unusable"
             )
             self._fail(self.cut)
             raise
         return Call(self, rid, q)
+
+    def _send(self, data: bytes, deadline: float | None, op: str) -> None:
+        """Under ``_send_lock``. Whatever fails mid-frame fails the channel: what is on the
+        wire may be half a frame, which the supervisor would join to the next one."""
+        try:
+            self._stream.send(data, deadline)
+        except Stalled as exc:
+            self._fail(f"the supervisor stopped reading: frozen or hung ({exc})")
+            if self._on_stall is not None:
+                self._on_stall()
+            raise SandboxCrashed(f"sandbox is gone: {self.error}", cause="unresponsive") from None
+        except TimeoutError:
+            self._fail(f"the {op} request was not sent by its deadline: the supervisor read too slowly")
+            raise
+        except OSError as exc:
+            self._fail(f"cannot write to the supervisor: {exc}")
+            raise SandboxCrashed(f"sandbox is gone: {self.error}") from None
 
     def _forget(self, rid: int) -> None:
         with self._lock:

@@ -12,11 +12,13 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import ssl
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 from stockade import exceptions as exc
+from stockade.sandbox._channel import send_all
 
 BUILD_HINT = "build it offline with `stockade image build --offline` (or scripts/build-image.sh)"
 STDERR_KEEP = 16 * 1024
@@ -155,8 +157,12 @@ class AttachStream:
         del buf[:pos]
         return bytes(out)
 
-    def send(self, data: bytes) -> None:
-        self._sock.sendall(data)
+    def send(self, data: bytes, deadline: float | None = None) -> None:
+        sock = self._sock
+        if isinstance(sock, ssl.SSLSocket):  # a remote engine over TLS: no flags to its send
+            sock.sendall(data)
+            return
+        send_all(sock.fileno(), lambda view: sock.send(view, socket.MSG_DONTWAIT), data, deadline)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

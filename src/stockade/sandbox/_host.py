@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO, Protocol
 
 from stockade import exceptions as exc
+from stockade.sandbox._channel import send_all
 
 _libc = ctypes.CDLL(None, use_errno=True)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
@@ -387,6 +388,9 @@ class PipeStream:
         assert proc.stdin is not None and proc.stdout is not None
         self._proc = proc
         self._fds = [os.dup(proc.stdin.fileno()), os.dup(proc.stdout.fileno())]  # [in, out]; -1 once freed
+        # Written only when there is room (``send_all``): a supervisor that stopped reading
+        # fails the send, never holds it. Only the host writes to this end.
+        os.set_blocking(self._fds[0], False)
         self._closed = False
         self._sending = 0
         self._lock = threading.Lock()
@@ -405,16 +409,14 @@ class PipeStream:
             self._free(1)
         return data
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes, deadline: float | None = None) -> None:
         with self._lock:
             fd = self._fds[0]
             if fd < 0:
                 raise BrokenPipeError(errno.EPIPE, "the stream is closed")
             self._sending += 1
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            send_all(fd, lambda view: os.write(fd, view), data, deadline)
         finally:
             with self._lock:
                 self._sending -= 1

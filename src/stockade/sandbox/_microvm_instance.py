@@ -21,6 +21,7 @@ from typing import Any
 
 from stockade import exceptions as exc
 from stockade.sandbox import _cgroups, _host, _qmp
+from stockade.sandbox._channel import send_all
 from stockade.sandbox._supervised import Boundary, SupervisedInstance
 from stockade.sandbox.ops import Reset
 from stockade.sandbox.snapshots import Reservation
@@ -40,8 +41,9 @@ class SocketStream:
     def recv(self) -> bytes:
         return self._sock.recv(1 << 20)
 
-    def send(self, data: bytes) -> None:
-        self._sock.sendall(data)
+    def send(self, data: bytes, deadline: float | None = None) -> None:
+        sock = self._sock
+        send_all(sock.fileno(), lambda view: sock.send(view, socket.MSG_DONTWAIT), data, deadline)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -147,7 +147,7 @@ class SupervisedInstance(Instance):
         self.rules = spec.rules
         self.enforcement = enforcement
         self.boundary = boundary
-        self.channel = Channel(stream, max_body=max_frame, name=id)
+        self.channel = Channel(stream, max_body=max_frame, name=id, on_stall=boundary.kill)
         self.files = FileRequests(self.channel, close=self.close, alive=lambda: self.alive)
         self._closed = False
         # Calls in flight, and whether a snapshot holds new ones back until it is taken.
@@ -298,6 +298,8 @@ class SupervisedInstance(Instance):
         try:
             return self._handle(op, sink)
         except exc.SandboxCrashed as err:
+            if err.cause == "unresponsive":  # taken down here (a send that stalled kills it too)
+                self.close()
             if self.boundary.lock_kills() > locks_before:
                 raise exc.SandboxCrashed(
                     f"{err}: a process held more file locks than a sandbox may (4,096; POSIX locks "
@@ -574,9 +576,14 @@ class SupervisedInstance(Instance):
         cap = self.spec.limits.output_bytes
         streams = {1: OutputCollector(cap), 2: OutputCollector(cap)}
         between: dict[str, Any] | None = None
-        call = self.channel.call(header, body)
+        deadline = time.monotonic() + timeout + GRACE_S  # the send of a large stdin included
         try:
-            for h, chunk in call.frames(time.monotonic() + timeout + GRACE_S):
+            call = self.channel.call(header, body, deadline)
+        except TimeoutError:
+            self.close()
+            return None, streams, between
+        try:
+            for h, chunk in call.frames(deadline):
                 ev = h.get("ev")
                 if ev == "out":
                     fd = 1 if h.get("fd") == 1 else 2

@@ -18,7 +18,7 @@ from typing import Any
 
 from stockade import exceptions as exc
 from stockade._gather import Gathered
-from stockade.sandbox._channel import Channel, JSONTooLarge, loads_bounded
+from stockade.sandbox._channel import LIVENESS_S, Channel, JSONTooLarge, loads_bounded
 from stockade.sandbox._replies import WORKSPACE_ERRORS, area_args, entry_info, int_field
 from stockade.sandbox.base import OutputSink
 from stockade.sandbox.ops import Area, GetArchive, ListDir, MakeDir, PutArchive, ReadFile, Stat, WriteFile
@@ -27,9 +27,9 @@ from stockade.types import EntryInfo, Listing
 
 FILE_OP_TIMEOUT_S = 120.0
 # How soon a supervisor that stopped answering (frozen, or hung) is noticed when no other
-# file request or reset holds its loop: a ping sent just ahead of a request is answered
-# before the request is begun, however long the request itself may rightly take.
-LIVENESS_S = 10.0
+# file request or reset holds its loop (``LIVENESS_S``): a ping sent just ahead of a request
+# is answered before the request is begun, however long the request itself may rightly take.
+# One that stopped reading is noticed by the send of the request's body (``Channel.call``).
 TRANSFER_CHUNK = 4 * 1024 * 1024
 # The largest frame the host needs is a run_code report: files move in TRANSFER_CHUNK pieces.
 MAX_FRAME = MAX_CODE_REPLY
@@ -60,7 +60,7 @@ class FileRequests:
             self._in_flight += 1
         try:
             ping = self._channel.call({"op": "ping"}) if alone else None
-            call = self._channel.call(header, body)
+            call = self._channel.call(header, body, time.monotonic() + FILE_OP_TIMEOUT_S)
             if ping is not None:
                 try:
                     ping.result(time.monotonic() + LIVENESS_S)

@@ -30,7 +30,7 @@ class FakeStream:
     def recv(self) -> bytes:
         return self.incoming.get()
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes, deadline: float | None = None) -> None:
         self.sent.append(data)
 
     def close(self) -> None:

@@ -19,7 +19,7 @@ class HalfSent:
         self.wire = bytearray()
         self.replies: queue.SimpleQueue[bytes] = queue.SimpleQueue()
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes, deadline: float | None = None) -> None:
         self.wire += data[: len(data) // 2]
         raise KeyboardInterrupt
 

@@ -34,7 +34,7 @@ class EndlessFile:
         self._replies: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self._requests = FrameReader(max_body=1 << 30)
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes, deadline: float | None = None) -> None:
         self._requests.feed(data)
         for header, _ in self._requests.frames():
             reply = {"id": header["id"], "ev": "done", "size": 1 << 50}
@@ -83,7 +83,7 @@ class ArchiveSupervisor:
         self._requests = FrameReader(max_body=1 << 30)
         self.stages: list[str] = []
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes, deadline: float | None = None) -> None:
         self._requests.feed(data)
         for header, _ in self._requests.frames():
             reply: dict[str, object] = {"id": header["id"], "ev": "done"}
@@ -214,7 +214,7 @@ class ForgedReport:
         self._replies: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self._requests = FrameReader(max_body=1 << 30)
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes, deadline: float | None = None) -> None:
         self._requests.feed(data)
         for header, _ in self._requests.frames():
             self._replies.put(encode({"id": header["id"], "ev": "result", "duration": 0.1}, self.report))
@@ -266,7 +266,7 @@ def test_a_legitimate_report_at_the_caps_is_accepted() -> None:
 class WrongGreeting(EndlessFile):
     """A supervisor whose first answer is not ``ready``."""
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes, deadline: float | None = None) -> None:
         self._requests.feed(data)
         for header, _ in self._requests.frames():
             self._replies.put(encode({"id": header["id"], "ev": "done"}, b""))

@@ -102,7 +102,7 @@ class SealingSupervisor:
         self.seal: Seal | None = None
         self.forge = b""
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes, deadline: float | None = None) -> None:
         if not self.key:  # the first bytes the host sends here: the key, raw
             self.key = data
             self.seal = Seal(self.key, b"S", head=True)
