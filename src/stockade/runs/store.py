@@ -584,17 +584,17 @@ class RunStore:
 
     def erased_runs(self, run_ids: Collection[str]) -> set[str]:
         """Those of ``run_ids`` this store erased (their ids stay taken)."""
+        return self._among("erased", run_ids)
+
+    def _among(self, table: str, run_ids: Collection[str]) -> set[str]:
+        """Those of ``run_ids`` with a row in this store's ``table``, asked 500 at a time."""
         runs = [_check_run_id(run_id) for run_id in check_strings(run_ids, argument="run_ids")]
         found: set[str] = set()
         for at in range(0, len(runs), 500):
             part = runs[at : at + 500]
             marks = ",".join("?" * len(part))
-            found.update(
-                str(r)
-                for (r,) in self.db.query(
-                    f"SELECT run_id FROM {self.ns}_erased WHERE run_id IN ({marks})", part
-                )
-            )
+            sql = f"SELECT run_id FROM {self.ns}_{table} WHERE run_id IN ({marks})"
+            found.update(str(r) for (r,) in self.db.query(sql, part))
         return found
 
     def tool_calls(self, run_id: str, *, step: int | None = None) -> list[ToolCallRecord]:
@@ -633,19 +633,7 @@ class RunStore:
     def stored_runs(self, run_ids: Collection[str]) -> set[str]:
         """Those of ``run_ids`` this store has a run row of (``audit verify``: a run its trail
         says a store recorded, gone with no erasure recorded, was deleted behind its back)."""
-        run_ids = [_check_run_id(run_id) for run_id in check_strings(run_ids, argument="run_ids")]
-        found: set[str] = set()
-        runs = list(run_ids)
-        for at in range(0, len(runs), 500):
-            part = runs[at : at + 500]
-            marks = ",".join("?" * len(part))
-            found.update(
-                str(r)
-                for (r,) in self.db.query(
-                    f"SELECT run_id FROM {self.ns}_runs WHERE run_id IN ({marks})", part
-                )
-            )
-        return found
+        return self._among("runs", run_ids)
 
     def retries(self, run_id: str) -> list[RetryEntry]:
         _check_run_id(run_id)
