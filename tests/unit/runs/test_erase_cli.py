@@ -12,30 +12,14 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from stockade.agent.state import RunState
-from stockade.assembly import AgentConfig, build_agent
 from stockade.audit import SQLiteStore, verify
 from stockade.audit.verify import ProblemKind
 from stockade.cli.main import app
-from stockade.models import ScriptedModel, tool_call
 from stockade.policy import ApprovalRequest, ApprovalStore
 from stockade.runs import open_run_store
-from stockade.testing import FakeBackend, MemoryWorkspace
+from tests.unit.audit.test_verify_deleted_runs import KEY, recorded  # a store with runs, keyed
 
-KEY = b"k" * 32
 ENV = {"STOCKADE_AUDIT_KEY": KEY.decode()}
-
-
-def recorded(tmp_path: Path, *run_ids: str) -> str:
-    db = f"sqlite:///{tmp_path / 'audit.db'}"
-    for run_id in run_ids:
-        model = ScriptedModel([tool_call("write_file", {"path": "notes.txt", "content": "hi\n"}), "done"])
-        config = AgentConfig(
-            model=model, backend=FakeBackend(MemoryWorkspace(), tier="microvm"), audit=db, audit_key=KEY,
-            approval_dir=tmp_path / "approvals", kill_target=str(tmp_path / "kill"),
-        )  # fmt: skip
-        with build_agent(config) as agent:
-            agent.run_sync("note", run_id=run_id)
-    return db
 
 
 def stored(db: str) -> list[str]:
