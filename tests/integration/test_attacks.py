@@ -651,8 +651,10 @@ WEDGED = [t for t in TIERS if t in ("process", "docker", "gvisor", "microvm")]
 
 def _slack(tier: str) -> float:
     """What taking the wedged sandbox down may add: the engine removes a paused gVisor
-    container in 9-22 s here (it is resumed to be killed), the others go in a second."""
-    return 30.0 if tier == "gvisor" else 5.0
+    container in 9-22 s here (it is resumed to be killed), a Docker container whose
+    supervisor is stopped in a second alone and in 12 s beside the whole suite (CI run 138);
+    the others go in a second."""
+    return {"gvisor": 30.0, "docker": 20.0}.get(tier, 5.0)
 
 
 @pytest.mark.parametrize("tier", WEDGED)
