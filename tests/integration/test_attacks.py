@@ -36,7 +36,6 @@ from stockade.runs.workspace import WorkspaceTracker
 from stockade.sandbox._channel import LIVENESS_S
 from stockade.sandbox._microvm_instance import VMInstance
 from stockade.sandbox._supervised import GRACE_S, SupervisedInstance
-from stockade.sandbox.docker import _ContainerInstance
 from stockade.sandbox.supervisor.protocol import MAX_CODE_REPORT
 from stockade.tools.workspace_diff import MAX_TEXT_TOTAL, record_baseline, snapshot, workspace_diff
 from stockade.types import EntryType, Listing, SkippedEntry
@@ -632,29 +631,28 @@ def test_a_frozen_supervisor_is_noticed_in_seconds_not_minutes(tier: str) -> Non
 
 def _wedge(sbx: Sandbox) -> None:
     """The sandbox stops reading its channel for good: a host process's supervisor stopped,
-    a microVM's vCPUs stopped (QMP ``stop``: a guest kernel spinning with interrupts off),
-    gVisor's container paused (its supervisor is no process of the host's)."""
+    a microVM's vCPUs stopped (QMP ``stop``: a guest kernel spinning with interrupts off)."""
     if sbx.tier == "microvm":
         assert isinstance(sbx.instance, VMInstance)
         sbx.instance.vm.monitor().command("stop")
-    elif sbx.tier == "gvisor":
-        assert isinstance(sbx.instance, _ContainerInstance)
-        sbx.instance.container.api.pause(sbx.instance.container.cid)
     else:
         _freeze_from_the_host(sbx)
 
 
 # More than any channel's buffers hold: the send itself blocks on a sandbox that reads nothing.
 LARGE = 8 << 20
-WEDGED = [t for t in TIERS if t in ("process", "docker", "gvisor", "microvm")]
+# Not gVisor: its sentry is no process of the host's to stop alone, and the engine leaves a
+# containerd shim running for each runsc container paused or stopped that way (three a run:
+# CI runs 138 and 139); its channel is Docker's attach stream, whose bounded send the docker
+# tier's tests hold.
+WEDGED = [t for t in TIERS if t in ("process", "docker", "microvm")]
 
 
 def _slack(tier: str) -> float:
-    """What taking the wedged sandbox down may add: the engine removes a paused gVisor
-    container in 9-22 s here (it is resumed to be killed), a Docker container whose
-    supervisor is stopped in a second alone and in 12 s beside the whole suite (CI run 138);
-    the others go in a second."""
-    return {"gvisor": 30.0, "docker": 20.0}.get(tier, 5.0)
+    """What taking the wedged sandbox down may add: the engine removes a Docker container
+    whose supervisor is stopped in a second alone and in 12 s beside the whole suite (CI run
+    138); the others go in a second."""
+    return 20.0 if tier == "docker" else 5.0
 
 
 @pytest.mark.parametrize("tier", WEDGED)
