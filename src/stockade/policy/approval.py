@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import enum
 import fcntl
+import functools
 import hashlib
 import hmac
 import json
@@ -83,8 +84,12 @@ class ApprovalRequest:
     def id(self) -> str:
         if self.kept_id:
             return self.kept_id
-        digest = hashlib.sha256(f"{self.run_id}\0{self.action}\0{self.rule}".encode()).hexdigest()
-        return digest[:16]
+        return hashlib.sha256(self.asked).hexdigest()[:16]
+
+    @property
+    def asked(self) -> bytes:
+        """What its id is derived from: the run, the action as asked and the rule."""
+        return f"{self.run_id}\0{self.action}\0{self.rule}".encode()
 
     @classmethod
     def kept(cls, record: dict[str, str]) -> ApprovalRequest:
@@ -106,8 +111,7 @@ def keyed(request: ApprovalRequest, redactor: Redactor, key: bytes) -> ApprovalR
     are still two questions. Others keep their ids, derived from the action alone."""
     if request.kept_id or redactor.text(request.action) == request.action:
         return request
-    asked = f"{request.run_id}\0{request.action}\0{request.rule}".encode()
-    return dataclasses.replace(request, kept_id=hmac.new(key, asked, hashlib.sha256).hexdigest()[:16])
+    return dataclasses.replace(request, kept_id=hmac.new(key, request.asked, hashlib.sha256).hexdigest()[:16])
 
 
 def redacted(request: ApprovalRequest, redactor: Redactor) -> dict[str, str]:
@@ -312,7 +316,12 @@ class ApprovalStore:
         return [json.loads(file.read_text()) for file in sorted(folder.glob("*.json"))]
 
 
-_PROCESS_KEY = secrets.token_bytes(32)
+@functools.cache
+def _unbooked() -> tuple[Redactor, bytes]:
+    """With no book: the default redactor and a key of this process's, made at first use."""
+    return Redactor(), secrets.token_bytes(32)
+
+
 _TURNS = 8  # Approvals.require's reads of a decision others change under it
 
 
@@ -326,7 +335,7 @@ class Approvals:
         of this process's: no one could match the id to a decision anyway."""
         if self.store is not None:
             return self.store.keyed(request)
-        return keyed(request, Redactor(), _PROCESS_KEY)
+        return keyed(request, *_unbooked())
 
     def require(self, request: ApprovalRequest) -> None:
         request = self.keyed(request)

@@ -86,31 +86,27 @@ class VMBoundary(Boundary):
         """Fresh randomness and the time for the guest's kernel, before anything else runs in
         a guest restored from a snapshot (its generator's state is the snapshot's)."""
         message = b"S" + time.time_ns().to_bytes(8, "big") + secrets.token_bytes(32)
-        try:
-            self.ctl.sendall(message)
-        except OSError as err:
-            raise exc.SandboxStartError(f"cannot reach the restored guest's helper: {err}") from None
-        self._expect(b"K", timeout_s)
+        self._order(message, timeout_s, "be reseeded")
 
     def noexec(self, timeout_s: float = 10.0) -> None:
         """The sandbox's written places mounted noexec by the guest's root helper, in the
         sandbox's mount namespace (under an allowlist: ``_rules.written_noexec``)."""
-        try:
-            self.ctl.sendall(b"N")
-        except OSError as err:
-            raise exc.SandboxStartError(f"cannot reach the guest's helper: {err}") from None
-        self._expect(b"K", timeout_s, what="mount the written places noexec")
+        self._order(b"N", timeout_s, "mount the written places noexec")
 
     def drop_caches(self, timeout_s: float = 10.0) -> None:
         """The guest kernel's clean page cache dropped by its root helper (at a pool's reset):
         else which root-image files the last user read stays cached, for the next to see."""
+        self._order(b"D", timeout_s, "drop its page cache")
+
+    def _order(self, message: bytes, timeout_s: float, what: str) -> None:
+        """``message`` to the guest's root helper, then its ``K`` (``E``: it could not)."""
         try:
-            self.ctl.sendall(b"D")
+            self.ctl.sendall(message)
         except OSError as err:
             raise exc.SandboxStartError(f"cannot reach the guest's helper: {err}") from None
-        self._expect(b"K", timeout_s, what="drop its page cache")
+        self._expect(b"K", timeout_s, what=what)
 
-    def _expect(self, byte: bytes, timeout_s: float, what: str = "be reseeded") -> None:
+    def _expect(self, byte: bytes, timeout_s: float, what: str = "start") -> None:
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()

@@ -300,32 +300,30 @@ class SupervisedInstance(Instance):
         except exc.SandboxCrashed as err:
             if err.cause == "unresponsive":  # taken down here (a send that stalled kills it too)
                 self.close()
-            if self.boundary.lock_kills() > locks_before:
-                raise exc.SandboxCrashed(
-                    f"{err}: a process held more file locks than a sandbox may (4,096; POSIX locks "
-                    "and flock locks held through mappings are kernel memory no limit counts)",
-                    cause="file_locks",
-                    stdout=err.stdout,
-                    stderr=err.stderr,
-                ) from None
             oom_after = self.boundary.oom_kills()
-            if oom_before is not None and oom_after is not None and oom_after > oom_before:
-                raise exc.SandboxCrashed(
-                    f"{err}: the sandbox ran out of memory (memory_mb={self.spec.limits.memory_mb}; "
-                    "files in /workspace, /tmp and /dev/shm are memory and count against it)",
-                    cause="out_of_memory",
-                    stdout=err.stdout,
-                    stderr=err.stderr,
-                ) from None
-            if err.cause == "unknown":
-                err.cause = self.boundary.death_cause()
-            words = self.boundary.last_words() if err.cause == "unknown" else ""
-            if words:  # no cause found: what the sandbox's kernel said last may tell
-                raise exc.SandboxCrashed(
-                    f"{err} (the sandbox's kernel said last: {words})",
-                    cause=err.cause, stdout=err.stdout, stderr=err.stderr,
-                ) from None  # fmt: skip
-            raise
+            if self.boundary.lock_kills() > locks_before:
+                said, cause = (
+                    "a process held more file locks than a sandbox may (4,096; POSIX locks and "
+                    "flock locks held through mappings are kernel memory no limit counts)",
+                    "file_locks",
+                )
+            elif oom_before is not None and oom_after is not None and oom_after > oom_before:
+                said, cause = (
+                    f"the sandbox ran out of memory (memory_mb={self.spec.limits.memory_mb}; files "
+                    "in /workspace, /tmp and /dev/shm are memory and count against it)",
+                    "out_of_memory",
+                )
+            else:
+                if err.cause == "unknown":
+                    err.cause = self.boundary.death_cause()
+                words = self.boundary.last_words() if err.cause == "unknown" else ""
+                if not words:
+                    raise
+                # no cause found: what the sandbox's kernel said last may tell
+                said, cause = f"the sandbox's kernel said last: {words}", err.cause
+            raise exc.SandboxCrashed(
+                f"{err}: {said}", cause=cause, stdout=err.stdout, stderr=err.stderr
+            ) from None
 
     def _handle(self, op: Op[Any], sink: OutputSink | None) -> OpResult:
         match op:
