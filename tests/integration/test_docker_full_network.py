@@ -9,12 +9,16 @@ unreachable, not a timeout), so that the code inside learns it fast.
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 from collections.abc import Iterator
 
 import pytest
 
-from stockade import NetworkPolicy, Sandbox
+from stockade import LimitNotEnforceable, NetworkPolicy, Sandbox
+from stockade.sandbox import _netfull
+from stockade.sandbox.base import SandboxSpec
+from stockade.sandbox.docker import DockerBackend
 from stockade.types import Mechanism
 from tests.conftest import require_tier
 
@@ -119,3 +123,26 @@ def _host_address() -> str | None:
             return None
         address: str = udp.getsockname()[0]
     return None if address.startswith("127.") else address
+
+
+def test_the_rules_are_one_set_for_every_sandbox() -> None:
+    """Each start checks the jumps; none is added twice, however many sandboxes started."""
+    require_tier("docker")
+    for _ in range(2):
+        Sandbox.create("docker", network=FULL).close()
+    for chain, target in (("DOCKER-USER", _netfull.FORWARD_CHAIN), ("INPUT", _netfull.INPUT_CHAIN)):
+        rules = subprocess.run(["iptables", "-w", "-S", chain], capture_output=True, text=True, check=True)
+        assert rules.stdout.count(f"-j {target}") == 1, rules.stdout
+
+
+def test_an_engine_whose_firewall_is_not_ours_needs_consent() -> None:
+    """A remote engine's host firewall is not stockade's: refused, and a fix given, unless
+    allow_weaker (then the plan says what the sandbox reaches)."""
+    require_tier("docker")
+    remote = DockerBackend(remote=True)
+    with pytest.raises(LimitNotEnforceable, match="another host") as refused:
+        Sandbox.create(backend=remote, network=FULL)
+    assert refused.value.setting == "network" and "allow_weaker" in refused.value.fix
+    plan = remote._plan(SandboxSpec(network=FULL, allow_weaker=True))
+    assert plan.network is Mechanism.NONE
+    assert any("private addresses" in w for w in plan.weakened)
