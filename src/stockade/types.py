@@ -465,6 +465,7 @@ class Mechanism(enum.StrEnum):
     PROXY = "proxy"  # no route out but an allowlist proxy on the host (stockade.egress)
     DEVPTS = "devpts"  # the sandbox's own devpts instance, its max= set by the host
     OWN_KERNEL = "own-kernel"  # the sandbox's kernel's own (gVisor's, a guest's): none of the host's
+    FIREWALL = "firewall"  # the host's firewall: public addresses only, not the host's, no other sandbox
     NONE = "none"
 
 

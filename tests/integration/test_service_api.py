@@ -16,7 +16,7 @@ import httpx2
 import pytest
 from typer.testing import CliRunner
 
-from stockade import Limits
+from stockade import Limits, NetworkPolicy
 from stockade import exceptions as exc
 from stockade.cli.main import app
 from stockade.client import Client, RemoteSandbox
@@ -502,3 +502,28 @@ def test_approving_paused_runs_queues_none_past_the_runs_quota(tmp_path: Path) -
             assert paused.wait(timeout_s=60).status == "success"
     finally:
         server.stop()
+
+
+def test_a_tenant_never_gets_the_service_hosts_network(tmp_path: Path) -> None:
+    """A policy that grants the whole network means the internet: on the process tier that
+    would be the service host's own stack (its Redis, its PostgreSQL, its API port, its
+    abstract sockets), so the service refuses it, whatever the request's allow_weaker."""
+    require_tier("process")
+    tenants, tokens = write_tenants(tmp_path)
+    policy = (tmp_path / "policy.toml").read_text()
+    (tmp_path / "policy.toml").write_text(policy.replace("[models]", "[network]\nenabled = true\n[models]"))
+    server = Server(tenants, f"sqlite:///{tmp_path / 'service.db'}", tmp_path)
+    try:
+        with Client(server.url, tokens.acme) as client:
+            with pytest.raises(exc.LimitNotEnforceable, match="docker") as refused:
+                RemoteSandbox.create(tier="process", network=NetworkPolicy(enabled=True), allow_weaker=True,
+                                     client=client)  # fmt: skip
+            assert refused.value.setting == "network"
+            assert client.sandboxes() == []
+            with RemoteSandbox.create(
+                tier="process", allow_weaker=True, client=client
+            ) as sbx:  # no network: given
+                assert sbx.alive
+    finally:
+        server.stop()
+    assert "Traceback" not in server.output(), server.output()[-3000:]

@@ -312,11 +312,29 @@ def _read_source(path: Path) -> str:
         ) from None
 
 
-def gc() -> None:
+def gc(
+    network: Annotated[
+        bool,
+        typer.Option(
+            "--network",
+            help="also remove the docker tier's full network (stockade-net) and its firewall rules, "
+            "when no sandbox is on it",
+        ),
+    ] = False,
+) -> None:
     """Remove what crashed processes left behind: cgroups, mounts, run folders, containers."""
     from stockade.sandbox import _gc
 
     removed = _gc.collect()
+    if network:  # lasting, like the image: shared by every process's full-network sandboxes
+        from stockade.sandbox import _netfull
+        from stockade.sandbox.docker import DockerBackend
+
+        try:
+            api = DockerBackend()._api()
+        except exc.StockadeError:
+            api = None
+        removed += _netfull.remove(api)
     for line in removed:
         out.print(f"removed {line}")
     out.print(f"{len(removed)} leftover(s) removed")

@@ -149,8 +149,10 @@ class HostAllow(_Strict):
 class NetworkRules(_Strict):
     """Off by default. ``allow`` lists the hosts code may reach over HTTP(S), through the
     sandbox's egress proxy: ``"pypi.org"``, ``"*.github.com"``, ``"host:8443"``, or a table
-    with ports, methods and roles. ``enabled = true`` without ``allow`` is the host's whole
-    network (only the docker tier, or the process tier with ``allow_weaker``, give it).
+    with ports, methods and roles. ``enabled = true`` without ``allow`` is the whole network:
+    the docker tier's reaches the internet only (not the host, private addresses or another
+    sandbox); the process tier's is the host's own stack, with ``allow_weaker`` only, and
+    ``stockade serve`` never gives it.
     ``allow_hosts`` is an older name of ``allow``."""
 
     enabled: bool = False

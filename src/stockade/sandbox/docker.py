@@ -33,7 +33,7 @@ from typing import Any
 
 from stockade import _exit
 from stockade import exceptions as exc
-from stockade.sandbox import _filetable, _guest, _host, _rules, _thrash
+from stockade.sandbox import _filetable, _guest, _host, _netfull, _rules, _thrash
 from stockade.sandbox._boundary import EgressHandle
 from stockade.sandbox._cgroups import tcp_buffer_bytes
 from stockade.sandbox._docker_engine import (
@@ -468,6 +468,23 @@ class DockerBackend(Backend):
                 fix="use tier='docker' for network access",
             )
         weakened: list[str] = []
+        walled = False
+        if net.unrestricted:
+            why = _netfull.unwalled(remote=self.remote)
+            if why is not None and not spec.allow_weaker:
+                raise exc.LimitNotEnforceable(
+                    f"the {self.tier} tier walls a full-network sandbox off from this host, the private "
+                    f"network and other sandboxes with host firewall rules, and {why}",
+                    setting="network",
+                    fix="run as root beside the engine with iptables, pass allow_weaker=True to accept it, "
+                    "or NetworkPolicy(allow_hosts=...) for an allowlist",
+                )
+            walled = why is None
+            if not walled:
+                weakened.append(
+                    f"network: no firewall rules ({why}): sandboxes on {_netfull.NETWORK} cannot reach each "
+                    "other, but reach the engine host's listeners and private addresses (169.254.169.254 too)"
+                )
         if self.own_kernel and not self.host_tmpfs:
             if not spec.allow_weaker:
                 raise exc.LimitNotEnforceable(
@@ -510,7 +527,11 @@ class DockerBackend(Backend):
             cpus=Mechanism.CONTAINER,
             pids=Mechanism.RLIMIT if self.own_kernel else Mechanism.CONTAINER,
             disk=Mechanism.TMPFS,
-            network=Mechanism.PROXY if net.egress else Mechanism.NONE if net.enabled else Mechanism.NAMESPACE,
+            network=Mechanism.PROXY
+            if net.egress
+            else (Mechanism.FIREWALL if walled else Mechanism.NONE)
+            if net.enabled
+            else Mechanism.NAMESPACE,
             timeout=Mechanism.SUPERVISOR,
             ptys=ptys,
             host=host,
@@ -622,7 +643,7 @@ class DockerBackend(Backend):
             empty = str(_guest.unreadable_file(self.state_dir))
             bind_list += [f"{empty}:{path}:ro" for path in masks]
         host_config = api.create_host_config(
-            network_mode="bridge" if spec.network.unrestricted else "none",
+            network_mode=_netfull.NETWORK if spec.network.unrestricted else "none",
             # No TIME_WAIT kept in the container's namespace: a connection code closed first
             # would outlive a pool's reset for 60 s (addresses, ports, taken binds; the
             # reset's check, supervisor/netstate.py, would then replace the member).
@@ -820,6 +841,11 @@ class DockerBackend(Backend):
         name = f"stockade-{sid}"
         egress = None
         try:
+            if spec.network.unrestricted:
+                with mapped_engine_errors(self.image, self.runtime):
+                    _netfull.ensure_network(api)
+                if enforcement.network is Mechanism.FIREWALL:
+                    _netfull.ensure_rules()
             if not self.remote:
                 rundir, mounts, binds = self._host_files(spec, sid, lease.uid)
             if spec.network.egress and rundir is not None:

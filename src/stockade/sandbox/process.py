@@ -286,11 +286,15 @@ class ProcessBackend(Backend):
         if net.unrestricted:
             if not spec.allow_weaker:
                 raise exc.LimitNotEnforceable(
-                    "network access on the process tier shares the host's network stack",
+                    "network access on the process tier shares the host's network stack: its "
+                    "loopback services and abstract AF_UNIX sockets",
                     setting="network",
                     fix="pass allow_weaker=True to accept it, or use the docker tier",
                 )
-            weakened.append("network: the host's network is shared (no allowlist)")
+            weakened.append(
+                "network: the host's own network stack is shared: its loopback services (databases, "
+                "queues, APIs on 127.0.0.1), its abstract AF_UNIX sockets, and all it reaches"
+            )
         limited = cg if cg is not Mechanism.NONE else Mechanism.RLIMIT
         limits = spec.limits
         return Enforcement(

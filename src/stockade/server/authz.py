@@ -15,6 +15,7 @@ __all__ = [
     "check_approver",
     "check_model",
     "check_network",
+    "check_tier_network",
     "choose_tier",
     "effective_policy",
     "engine_for",
@@ -96,6 +97,24 @@ def check_network(engine: PolicyEngine, network: NetworkPolicy) -> NetworkPolicy
     rules = tuple(rule for rule in granted.host_rules if rule.host in wanted)
     credentials = tuple(c for c in granted.credentials if any(h in wanted for h in c.hosts))
     return dataclasses.replace(granted, enabled=True, rules=rules, credentials=credentials)
+
+
+# Tiers whose whole network is the service host's own stack: its loopback services (the
+# service's Redis, PostgreSQL, API port) and its abstract AF_UNIX sockets.
+HOST_STACK_TIERS = frozenset({"process"})
+
+
+def check_tier_network(tier: str, network: NetworkPolicy | None) -> None:
+    """``LimitNotEnforceable`` (422) for the whole network on a tier that shares the service
+    host's stack, whatever the request's ``allow_weaker``: a policy that grants the whole
+    network means the internet, never the service's own host."""
+    if network is not None and network.unrestricted and tier in HOST_STACK_TIERS:
+        raise exc.LimitNotEnforceable(
+            f"the whole network on the {tier} tier is the service host's own (its loopback services "
+            "and abstract sockets); the service never gives it, whatever allow_weaker: use the docker tier",
+            setting="network",
+            fix="use tier='docker', whose full network reaches the internet only, or network.allow_hosts",
+        )
 
 
 def _spell(granted: NetworkPolicy) -> str:

@@ -48,7 +48,7 @@ from stockade.sandbox._supervised import spec_from_state
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.sandbox.facade import Sandbox
 from stockade.sandbox.ops import LISTING_TRUNCATED_HEADER, ReadFile
-from stockade.server.authz import check_network, choose_tier, engine_for
+from stockade.server.authz import check_network, check_tier_network, choose_tier, engine_for
 from stockade.server.bodies import JSONRoute, raw_body, read_body
 from stockade.server.calls import CutOnLeave, RunningCalls
 from stockade.server.deps import Caller, get_service, recheck
@@ -250,6 +250,9 @@ class SandboxRegistry:
         elif kept is not None:
             judged = self._network(engine, kept)  # refused if the policy no longer gives it
             network = None if memory else judged  # a memory snapshot keeps its own (no credentials)
+        check_tier_network(
+            tier, network if network is not None else kept.network if kept is not None else None
+        )
         given = request.limits.build() if request.limits is not None else None
         limits = given or (kept.limits if kept is not None else Limits())
         idle = min(request.idle_timeout_s or service.config.sandbox_idle_timeout_s,
@@ -337,6 +340,7 @@ class SandboxRegistry:
         engine = engine_for(principal)
         choose_tier(engine, tier)  # the role may still use its tier
         network = self._network(engine, kept)
+        check_tier_network(tier, kept.network)
         if manifest.snapshot.kind is SnapshotKind.MEMORY:
             network = None
         backend = self._backend(principal, engine, tier, sandbox_id)

@@ -1,0 +1,260 @@
+"""The docker tier's full network: a bridge of stockade's own, walled off from the host.
+
+Docker's default bridge lets its containers reach each other, and every listener of the
+host bound to 0.0.0.0 through its gateway (172.17.0.1) and the host's own addresses. A
+sandbox with the whole network (``NetworkPolicy(enabled=True)``) joins ``stockade-net``
+instead, a bridge (``stockade0``) created on first use with traffic between its containers
+off (``enable_icc=false``), and the host's firewall refuses, of what comes in from it:
+
+- anything for this host itself (``INPUT``: its loopback, its own addresses, every bridge's
+  gateway), whatever port;
+- anything for another container of the bridge (another sandbox);
+- anything for a private, loopback, link-local (169.254.169.254, the cloud metadata
+  service), shared, documentation or other special-purpose address: the egress proxy's
+  table of what is not public (``stockade.egress._rules.NOT_PUBLIC_V4``);
+- all of IPv6 (the network has none; a link-local address would reach the host).
+
+The host's own resolvers are let through on port 53 only: Docker's embedded DNS (127.0.0.11
+in each container) queries them from the container's namespace. The public internet is
+left to Docker's own rules. Refusals are ``REJECT`` (a TCP reset, or port unreachable), so
+that a connect fails at once instead of hanging until its timeout.
+
+The rules are chains of their own (``STOCKADE-FWD``, ``STOCKADE-IN``, ``STOCKADE-REJECT``),
+written whole by one ``iptables-restore --noflush`` (atomic: never a moment with a partial
+chain), and one jump to each from ``DOCKER-USER`` (which Docker consults first and never
+flushes) and ``INPUT``, added under a host-wide lock only when missing: they name the
+bridge, not a sandbox, so one set serves every sandbox and process of the host. Like the
+built image, the network and the rules are lasting infrastructure: ``stockade gc`` leaves
+them (a sandbox of another process may be on the network), ``remove`` (``stockade gc
+--network``) takes them away when no sandbox is on it. A reboot drops the rules: the first
+full-network sandbox of each process writes them again, and every one checks the jumps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import ipaddress
+import os
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from stockade import exceptions as exc
+from stockade.egress._rules import NOT_PUBLIC_V4
+from stockade.sandbox import _guest
+from stockade.sandbox._docker_engine import docker_py, engine_failures
+
+__all__ = ["BRIDGE", "NETWORK", "ensure_network", "ensure_rules", "remove", "unwalled"]
+
+NETWORK = "stockade-net"
+BRIDGE = "stockade0"
+FORWARD_CHAIN = "STOCKADE-FWD"
+INPUT_CHAIN = "STOCKADE-IN"
+REJECT_CHAIN = "STOCKADE-REJECT"
+OPTIONS = {
+    "com.docker.network.bridge.name": BRIDGE,
+    "com.docker.network.bridge.enable_icc": "false",
+    "com.docker.network.bridge.enable_ip_masquerade": "true",
+}
+RESOLV_CONFS = (Path("/etc/resolv.conf"), Path("/run/systemd/resolve/resolv.conf"))
+IPTABLES_TIMEOUT_S = 30.0
+
+_written = threading.Lock()
+_written_here: set[str] = set()  # the tools whose chains this process wrote (a later resolver waits)
+
+
+def unwalled(*, remote: bool) -> str | None:
+    """Why this host cannot install the rules (then the sandbox would reach the host and the
+    private network), or None when it can."""
+    if remote:
+        return "the engine runs on another host, whose firewall stockade does not manage"
+    if os.geteuid() != 0:
+        return "the firewall rules need root"
+    missing = [tool for tool in _tools() if shutil.which(tool) is None]
+    if missing:
+        return f"{', '.join(missing)} not found"
+    return None
+
+
+def _tools() -> tuple[str, ...]:
+    return ("iptables", "iptables-restore", *(("ip6tables", "ip6tables-restore") if _has_ipv6() else ()))
+
+
+def _has_ipv6() -> bool:
+    return Path("/proc/sys/net/ipv6").is_dir()
+
+
+def ensure_network(api: Any) -> str:
+    """The network's name, after creating it if it is missing; refuses one of that name
+    with other options (another's, or traffic between containers on)."""
+    docker = docker_py()
+    found = _inspect(api)
+    if found is None:
+        with contextlib.suppress(docker.errors.APIError):  # made meanwhile by another process: found below
+            api.create_network(
+                NETWORK,
+                driver="bridge",
+                options=OPTIONS,
+                check_duplicate=True,
+                labels={_guest.LABEL: "network"},
+            )
+        found = _inspect(api)
+    if found is None:
+        raise exc.ConfigurationError(f"the Docker network {NETWORK!r} could not be created")
+    options = found.get("Options") or {}
+    wrong = {k: options.get(k) for k, v in OPTIONS.items() if options.get(k) != v}
+    if wrong or found.get("EnableIPv6"):
+        raise exc.ConfigurationError(
+            f"the Docker network {NETWORK!r} exists with other options ({wrong or 'IPv6 on'}): full-network "
+            f"sandboxes would not be walled off; remove it (docker network rm {NETWORK}) for stockade's own"
+        )
+    return NETWORK
+
+
+def _inspect(api: Any) -> dict[str, Any] | None:
+    try:
+        return dict(api.inspect_network(NETWORK))
+    except docker_py().errors.NotFound:
+        return None
+
+
+def ensure_rules() -> None:
+    """The host's rules for the bridge, in place: written whole once per process, and the
+    jumps to them checked (and added when missing) for every sandbox."""
+    with _written, _host_lock():
+        try:
+            if "iptables" not in _written_here:
+                _restore("iptables-restore", _v4_tables())
+                _written_here.add("iptables")
+            if _has_ipv6() and "ip6tables" not in _written_here:
+                _restore("ip6tables-restore", _v6_tables())
+                _written_here.add("ip6tables")
+            _jump("iptables", "DOCKER-USER", FORWARD_CHAIN)
+            _jump("iptables", "INPUT", INPUT_CHAIN)
+            if _has_ipv6():
+                _jump("ip6tables", "FORWARD", FORWARD_CHAIN)
+                _jump("ip6tables", "INPUT", INPUT_CHAIN)
+        except (OSError, subprocess.SubprocessError) as err:
+            raise exc.LimitNotEnforceable(
+                f"the firewall rules that wall full-network sandboxes off could not be installed: {err}",
+                setting="network",
+                fix="run as root on the engine's host with iptables, or pass allow_weaker=True",
+            ) from None
+
+
+@contextlib.contextmanager
+def _host_lock() -> Iterator[None]:
+    """One process at a time checks and adds the jumps: two would add one each."""
+    folder = _guest.default_state_dir()
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(folder / "network.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _resolvers() -> list[str]:
+    """The host's IPv4 resolvers that the rules would refuse (private ones): loopback ones
+    are queried from the host's own namespace, public ones are let through anyway."""
+    found: list[str] = []
+    for conf in RESOLV_CONFS:
+        with contextlib.suppress(OSError):
+            for line in conf.read_text().splitlines():
+                parts = line.split()
+                if len(parts) >= 2 and parts[0] == "nameserver":
+                    with contextlib.suppress(ValueError):
+                        address = ipaddress.ip_address(parts[1])
+                        private = any(address in net for net in NOT_PUBLIC_V4)
+                        if isinstance(address, ipaddress.IPv4Address) and private and not address.is_loopback:
+                            found.append(str(address))
+    return list(dict.fromkeys(found))
+
+
+def _v4_tables() -> str:
+    rejects = [
+        f"-A {REJECT_CHAIN} -p tcp -j REJECT --reject-with tcp-reset",
+        f"-A {REJECT_CHAIN} -j REJECT --reject-with icmp-port-unreachable",
+    ]
+    forward = [f"-A {FORWARD_CHAIN} -i {BRIDGE} -o {BRIDGE} -j {REJECT_CHAIN}"]  # another sandbox
+    for resolver in _resolvers():
+        forward += [
+            f"-A {FORWARD_CHAIN} -i {BRIDGE} -d {resolver}/32 -p {p} --dport 53 -j RETURN"
+            for p in ("udp", "tcp")
+        ]
+    forward += [f"-A {FORWARD_CHAIN} -i {BRIDGE} -d {net} -j {REJECT_CHAIN}" for net in NOT_PUBLIC_V4]
+    inbound = [f"-A {INPUT_CHAIN} -i {BRIDGE} -j {REJECT_CHAIN}"]
+    return _table([REJECT_CHAIN, FORWARD_CHAIN, INPUT_CHAIN], rejects + forward + inbound)
+
+
+def _v6_tables() -> str:
+    rejects = [
+        f"-A {REJECT_CHAIN} -p tcp -j REJECT --reject-with tcp-reset",
+        f"-A {REJECT_CHAIN} -j REJECT --reject-with icmp6-port-unreachable",
+    ]
+    rules = [f"-A {chain} -i {BRIDGE} -j {REJECT_CHAIN}" for chain in (FORWARD_CHAIN, INPUT_CHAIN)]
+    return _table([REJECT_CHAIN, FORWARD_CHAIN, INPUT_CHAIN], rejects + rules)
+
+
+def _table(chains: list[str], rules: list[str]) -> str:
+    # A chain declared in a --noflush restore is emptied first: the whole set replaces the old one at once.
+    return "\n".join(["*filter", *(f":{chain} - [0:0]" for chain in chains), *rules, "COMMIT", ""])
+
+
+def _restore(tool: str, tables: str) -> None:
+    _checked(tool, "--noflush", given=tables)
+
+
+def _checked(tool: str, *args: str, given: str | None = None) -> None:
+    done = subprocess.run(
+        [tool, "-w", *args],
+        input=given,
+        text=True,
+        capture_output=True,
+        timeout=IPTABLES_TIMEOUT_S,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise OSError(f"{tool} {' '.join(args)}: {done.stderr.strip() or f'exit status {done.returncode}'}")
+
+
+def _jump(tool: str, chain: str, target: str) -> None:
+    rule = ["-i", BRIDGE, "-j", target]
+    if not _run(tool, "-C", chain, *rule):
+        _checked(tool, "-I", chain, "1", *rule)
+
+
+def remove(api: Any) -> list[str]:
+    """The network and the rules, gone; nothing while a container is on the network (the
+    engine refuses: the rules then stay too)."""
+    removed: list[str] = []
+    if api is not None and _inspect(api) is not None:
+        try:
+            api.remove_network(NETWORK)
+        except engine_failures():
+            return removed
+        removed.append(f"network {NETWORK}")
+    if unwalled(remote=False) is not None:
+        return removed
+    with _written, _host_lock():
+        for tool, chains in (("iptables", ("DOCKER-USER", "INPUT")), ("ip6tables", ("FORWARD", "INPUT"))):
+            if tool == "ip6tables" and not _has_ipv6():
+                continue
+            for chain, target in zip(chains, (FORWARD_CHAIN, INPUT_CHAIN), strict=True):
+                while _run(tool, "-D", chain, "-i", BRIDGE, "-j", target):
+                    removed.append(f"{tool} {chain} -i {BRIDGE} -j {target}")
+            for target in (FORWARD_CHAIN, INPUT_CHAIN, REJECT_CHAIN):
+                if _run(tool, "-F", target) and _run(tool, "-X", target):
+                    removed.append(f"{tool} chain {target}")
+        _written_here.clear()
+    return removed
+
+
+def _run(tool: str, *args: str) -> bool:
+    done = subprocess.run([tool, "-w", *args], capture_output=True, timeout=IPTABLES_TIMEOUT_S, check=False)
+    return done.returncode == 0

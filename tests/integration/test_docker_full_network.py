@@ -1,0 +1,148 @@
+"""The docker tier's full network reaches the internet, never the host, the private network
+or another sandbox (stockade.sandbox._netfull).
+
+This host has no internet: what must be refused is listened for here (a listener of this
+host on 0.0.0.0, one in another sandbox), and a refusal must come at once (a reset or port
+unreachable, not a timeout), so that the code inside learns it fast.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from stockade import LimitNotEnforceable, NetworkPolicy, Sandbox
+from stockade.sandbox import _netfull
+from stockade.sandbox.base import SandboxSpec
+from stockade.sandbox.docker import DockerBackend
+from stockade.types import Mechanism
+from tests.conftest import require_tier
+
+pytestmark = pytest.mark.docker
+
+FULL = NetworkPolicy(enabled=True)
+
+# Prints what a connect to each HOST:PORT argument came to: "connected", or the error's name.
+PROBE = """\
+import socket, sys
+for target in sys.argv[1:]:
+    host, port = target.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=10).close()
+        print(target, "connected")
+    except OSError as err:
+        print(target, type(err).__name__)
+"""
+
+LISTEN = """\
+import socket
+s = socket.socket()
+s.bind(("0.0.0.0", 8099))
+s.listen()
+s.settimeout(30)
+print("listening", flush=True)
+try:
+    s.accept()
+    print("accepted")
+except OSError:
+    print("nobody came")
+"""
+
+
+def probe(sbx: Sandbox, *targets: str) -> dict[str, str]:
+    sbx.files.write("probe.py", PROBE)
+    result = sbx.commands.run(["python3", "probe.py", *targets])
+    assert result.exit_code == 0, result.stderr
+    return dict(line.split(" ", 1) for line in result.stdout.splitlines())
+
+
+def gateway(sbx: Sandbox) -> str:
+    """The sandbox's default gateway: its bridge's address on this host."""
+    route = sbx.commands.run("cat /proc/net/route").stdout.splitlines()[1].split()
+    return socket.inet_ntoa(int(route[2], 16).to_bytes(4, "little"))
+
+
+@pytest.fixture
+def host_listener() -> Iterator[int]:
+    """A listener of this host on every address: the port."""
+    with socket.create_server(("0.0.0.0", 0)) as server:
+        yield server.getsockname()[1]
+
+
+def test_two_full_network_sandboxes_cannot_reach_each_other() -> None:
+    require_tier("docker")
+    with Sandbox.create("docker", network=FULL) as a, Sandbox.create("docker", network=FULL) as b:
+        assert a.enforcement.network is Mechanism.FIREWALL and not a.enforcement.weakened
+        address = a.commands.run("hostname -i").stdout.split()[-1]
+        listening = threading.Event()
+        served: list[str] = []
+        a.files.write("listen.py", LISTEN)
+        server = threading.Thread(
+            target=lambda: served.append(
+                a.commands.run("python3 listen.py", on_stdout=lambda _: listening.set()).stdout
+            )
+        )
+        server.start()
+        try:
+            assert listening.wait(30)
+            assert probe(b, f"{address}:8099") == {f"{address}:8099": "ConnectionRefusedError"}
+        finally:
+            # A's own connect ends its wait: a sandbox reaches its own listener, B never did.
+            assert probe(a, "127.0.0.1:8099") == {"127.0.0.1:8099": "connected"}
+            server.join(40)
+        assert served == ["listening\naccepted\n"]
+
+
+def test_the_host_is_unreachable_through_the_gateway_and_its_own_address(host_listener: int) -> None:
+    require_tier("docker")
+    host_address = _host_address()
+    with Sandbox.create("docker", network=FULL) as sbx:
+        targets = [f"{gateway(sbx)}:{host_listener}", "172.17.0.1:" + str(host_listener)]
+        targets += [f"{host_address}:{host_listener}"] if host_address else []
+        assert probe(sbx, *targets) == dict.fromkeys(targets, "ConnectionRefusedError")
+
+
+def test_private_and_metadata_addresses_fail_fast() -> None:
+    require_tier("docker")
+    targets = ["169.254.169.254:80", "10.1.2.3:80", "192.168.77.1:443", "100.64.0.1:80", "172.31.0.9:22"]
+    with Sandbox.create("docker", network=FULL) as sbx:
+        # Refused, not timed out (a drop would raise TimeoutError after the probe's 10 s).
+        assert probe(sbx, *targets) == dict.fromkeys(targets, "ConnectionRefusedError")
+
+
+def _host_address() -> str | None:
+    """This host's address on its default route's interface (what a UDP socket would send from)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        try:
+            udp.connect(("192.0.2.1", 9))  # no packet is sent
+        except OSError:
+            return None
+        address: str = udp.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+def test_the_rules_are_one_set_for_every_sandbox() -> None:
+    """Each start checks the jumps; none is added twice, however many sandboxes started."""
+    require_tier("docker")
+    for _ in range(2):
+        Sandbox.create("docker", network=FULL).close()
+    for chain, target in (("DOCKER-USER", _netfull.FORWARD_CHAIN), ("INPUT", _netfull.INPUT_CHAIN)):
+        rules = subprocess.run(["iptables", "-w", "-S", chain], capture_output=True, text=True, check=True)
+        assert rules.stdout.count(f"-j {target}") == 1, rules.stdout
+
+
+def test_an_engine_whose_firewall_is_not_ours_needs_consent() -> None:
+    """A remote engine's host firewall is not stockade's: refused, and a fix given, unless
+    allow_weaker (then the plan says what the sandbox reaches)."""
+    require_tier("docker")
+    remote = DockerBackend(remote=True)
+    with pytest.raises(LimitNotEnforceable, match="another host") as refused:
+        Sandbox.create(backend=remote, network=FULL)
+    assert refused.value.setting == "network" and "allow_weaker" in refused.value.fix
+    plan = remote._plan(SandboxSpec(network=FULL, allow_weaker=True))
+    assert plan.network is Mechanism.NONE
+    assert any("private addresses" in w for w in plan.weakened)
