@@ -48,13 +48,16 @@ __all__ = [
 
 MiB = 1024 * 1024
 MIN_FILES_PER_PROCESS = 32  # Python and a shell need about 10 each
-# The most kernel memory one file can take, empty, its name at the longest (255 bytes): its
-# inode, dentry and name. Measured as the growth of the sandbox's cgroup over 20,000 such
-# files: process 1,572 bytes and docker 1,520 (the host's slab, charged to the sandbox),
-# gVisor 2,149 (its kernel's dentry beside the host's inode), the microVM 2,202 (the guest's
-# pages, seen from the host); the largest, with a margin.
-FILE_COST_BYTES = 2560
-INODES_PER_MIB = 64  # the workspace's files by default: 32,768 at 512 MiB, 80 MiB of that
+# The most kernel memory one file can take beyond the bytes a tmpfs counts, its name at the
+# longest (255 bytes): its inode, dentry and name. Measured as the growth of the sandbox's
+# cgroup over 8,000-20,000 of them: process 1,572 bytes a file, folder or short symlink,
+# 1,966 with the user xattrs an inode's share of a tmpfs allows; docker 1,520 and 1,835
+# (the host's slab, charged to the sandbox); gVisor 2,149-2,280 a file, 2,360 a folder,
+# 2,371 a symlink, 2,512 a symlink past its target's page (its kernel's dentry beside the
+# host's inode); the microVM 2,202 a file (the guest's pages, seen from the host). The
+# largest, with a fifth more for other kernels' slabs.
+FILE_COST_BYTES = 3072
+INODES_PER_MIB = 64  # the workspace's files by default: 32,768 at 512 MiB, 96 MiB of that
 MIN_SCRATCH_INODES = 256  # /tmp's and /dev/shm's at the least (a build's temporary files)
 
 
@@ -91,7 +94,7 @@ class Limits:
     default 512, room for a node_modules of that many files); /tmp and /dev/shm hold ``tmp_mb``
     each (a sixteenth of ``memory_mb``, at most 64, unless given) and an eighth of ``inodes``
     (at least 256). A file costs kernel memory no size counts, empty or not (its inode, its
-    dentry and its name: up to ``FILE_COST_BYTES``, 2.5 KiB, on the tier that needs the most),
+    dentry and its name: up to ``FILE_COST_BYTES``, 3 KiB, on the tier that needs the most),
     so the rule is: everything the places can hold, their bytes and their files at that cost,
     takes at most three quarters of ``memory_mb``, and a ``Limits`` that breaks it is refused
     (``InvalidArgument`` naming the fields). So a full workspace is ``WorkspaceFull`` (ENOSPC

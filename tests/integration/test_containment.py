@@ -484,7 +484,7 @@ stopped
 
 @pytest.mark.parametrize("tier", [t for t in TIERS if t in ("process", "docker", "gvisor")], indirect=True)
 def test_places_full_of_empty_files_are_enospc_and_the_sandbox_lives_on(tier: str) -> None:
-    # Empty files take nothing a size limit counts, but up to 2.5 KiB of kernel memory each.
+    # Empty files take nothing a size limit counts, but up to 3 KiB of kernel memory each.
     # The default counts were 65,536 files in the workspace and 16,384 in /tmp and /dev/shm
     # each, whatever memory_mb: at 64 MiB the filler was killed for memory, then every command,
     # and reset() found the sandbox dead (gVisor's ended whole). They are now sized from

@@ -33,7 +33,7 @@ def test_the_workspace_and_tmp_are_sized_below_the_memory_they_are_made_of() -> 
 
 @given(st.integers(32, 1 << 20))
 def test_the_default_files_leave_a_quarter_of_memory_to_the_processes(memory_mb: int) -> None:
-    # Bytes and files both: an empty file with a long name costs the kernel up to 2.5 KiB.
+    # Bytes and files both: an empty file with a long name costs the kernel up to 3 KiB.
     limits = Limits(memory_mb=memory_mb)
     sizes = limits.workspace_mb + 2 * limits.tmp_size_mb
     files = limits.workspace_inodes + 2 * limits.scratch_inodes
@@ -41,7 +41,7 @@ def test_the_default_files_leave_a_quarter_of_memory_to_the_processes(memory_mb:
 
 
 def test_files_that_could_take_the_processes_memory_are_refused_with_the_fix() -> None:
-    with pytest.raises(ConfigurationError, match="raise memory_mb to at least 927") as caught:
+    with pytest.raises(ConfigurationError, match="raise memory_mb to at least 1021") as caught:
         Limits(memory_mb=512, disk_mb=400)
     assert caught.value.argument == "Limits.disk_mb"  # type: ignore[attr-defined]
 
@@ -49,7 +49,7 @@ def test_files_that_could_take_the_processes_memory_are_refused_with_the_fix() -
 def test_empty_files_count_against_the_memory_too() -> None:
     # 65,536 files (the old default) and a quarter each in /tmp and /dev/shm took 128 MiB of
     # kernel memory at 1.5-2.1 KiB each: a sandbox of 128 MiB was killed for memory, not ENOSPC.
-    with pytest.raises(InvalidArgument, match=r"65,536 files.*raise memory_mb to at least 794") as caught:
+    with pytest.raises(InvalidArgument, match=r"65,536 files.*raise memory_mb to at least 954") as caught:
         Limits(memory_mb=128, inodes=65_536)
     assert caught.value.argument == "Limits.inodes"
     assert "lower inodes" in str(caught.value.fix)
