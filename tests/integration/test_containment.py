@@ -467,10 +467,16 @@ def test_inodes_are_limited(tier: str) -> None:
         assert int(r.text or 0) < 5000 and "OSError" in r.logs.stdout
 
 
-FILL_WITH_EMPTY_FILES = """
+FILL_BYTES_THEN_FILES = """
 import errno, os
 stopped = {}
 for place, count in %r.items():
+    with open(f"{place}/bytes", "wb", buffering=0) as fh:
+        try:
+            while True:
+                fh.write(bytes(1 << 20))
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
     made, why = 0, None
     try:
         for made in range(count + 64):  # the longest names: each file's most kernel memory
@@ -483,7 +489,7 @@ stopped
 
 
 @pytest.mark.parametrize("tier", [t for t in TIERS if t in ("process", "docker", "gvisor")], indirect=True)
-def test_places_full_of_empty_files_are_enospc_and_the_sandbox_lives_on(tier: str) -> None:
+def test_places_full_of_bytes_and_files_are_enospc_and_the_sandbox_lives_on(tier: str) -> None:
     # Empty files take nothing a size limit counts, but up to 3 KiB of kernel memory each.
     # The default counts were 65,536 files in the workspace and 16,384 in /tmp and /dev/shm
     # each, whatever memory_mb: at 64 MiB the filler was killed for memory, then every command,
@@ -496,10 +502,10 @@ def test_places_full_of_empty_files_are_enospc_and_the_sandbox_lives_on(tier: st
         "/dev/shm": limits.scratch_inodes,
     }
     with Sandbox.create(tier, limits=limits) as sbx:
-        r = sbx.run_code(FILL_WITH_EMPTY_FILES % counts)
+        r = sbx.run_code(FILL_BYTES_THEN_FILES % counts)
         assert r.error is None, r.error
         for place, (made, stopped) in ast.literal_eval(r.text or "").items():
-            assert stopped == "ENOSPC" and counts[place] - 16 <= made <= counts[place], (place, made, stopped)
+            assert stopped == "ENOSPC" and counts[place] - 16 <= made < counts[place], (place, made, stopped)
         assert sbx.commands.run("echo usable").stdout == "usable\n"
         sbx.reset()
         after = sbx.commands.run(
