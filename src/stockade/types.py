@@ -48,6 +48,17 @@ __all__ = [
 
 MiB = 1024 * 1024
 MIN_FILES_PER_PROCESS = 32  # Python and a shell need about 10 each
+# The most kernel memory one file can take beyond the bytes a tmpfs counts, its name at the
+# longest (255 bytes): its inode, dentry and name. Measured as the growth of the sandbox's
+# cgroup over 8,000-20,000 of them: process 1,572 bytes a file, folder or short symlink,
+# 1,966 with the user xattrs an inode's share of a tmpfs allows; docker 1,520 and 1,835
+# (the host's slab, charged to the sandbox); gVisor 2,149-2,280 a file, 2,360 a folder,
+# 2,371 a symlink, 2,512 a symlink past its target's page (its kernel's dentry beside the
+# host's inode); the microVM 2,202 a file (the guest's pages, seen from the host). The
+# largest, with a fifth more for other kernels' slabs.
+FILE_COST_BYTES = 3072
+INODES_PER_MIB = 64  # the workspace's files by default: 32,768 at 512 MiB, 96 MiB of that
+MIN_SCRATCH_INODES = 256  # /tmp's and /dev/shm's at the least (a build's temporary files)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,11 +89,17 @@ class Limits:
     ``MALLOC_ARENA_MAX=1``, so that no 64 MiB arena a thread counts too): about
     ``memory_mb / 8 MiB`` a process, whatever ``pids`` (code that needs more sets
     ``threading.stack_size()``).
-    The workspace holds ``disk_mb`` (half of ``memory_mb`` unless given) and ``inodes``; /tmp
-    and /dev/shm hold ``tmp_mb`` each (``memory_mb / 8``, at most 64, unless given) and a
-    quarter of ``inodes`` (at least 1,024). So a full workspace is ``WorkspaceFull`` (ENOSPC
-    inside), and files past a place's count fail with ENOSPC, not a sandbox killed for memory, and
-    a ``Limits`` whose files could take more than three quarters of ``memory_mb`` is refused.
+    The workspace holds ``disk_mb`` MiB (three eighths of ``memory_mb`` unless given) and
+    ``inodes`` files and folders (64 per MiB of ``memory_mb`` unless given: 32,768 at the
+    default 512, room for a node_modules of that many files); /tmp and /dev/shm hold ``tmp_mb``
+    each (a sixteenth of ``memory_mb``, at most 64, unless given) and an eighth of ``inodes``
+    (at least 256). A file costs kernel memory no size counts, empty or not (its inode, its
+    dentry and its name: up to ``FILE_COST_BYTES``, 3 KiB, on the tier that needs the most),
+    so the rule is: everything the places can hold, their bytes and their files at that cost,
+    takes at most three quarters of ``memory_mb``, and a ``Limits`` that breaks it is refused
+    (``InvalidArgument`` naming the fields). So a full workspace is ``WorkspaceFull`` (ENOSPC
+    inside), files past a place's count fail with ENOSPC, not a sandbox killed for memory,
+    and a sandbox whose places are full still answers and resets.
     """
 
     memory_mb: int = 512
@@ -90,7 +107,7 @@ class Limits:
     pids: int = 128
     timeout_s: float = 30.0
     disk_mb: int | None = None
-    inodes: int = 65536
+    inodes: int | None = None
     tmp_mb: int | None = None
     output_bytes: int = 1 * MiB
     open_files: int = 16384
@@ -99,32 +116,54 @@ class Limits:
     def __post_init__(self) -> None:
         for name, (integer, low, high, unit) in _LIMIT_RANGES.items():
             value = getattr(self, name)
-            if value is None and name in ("disk_mb", "tmp_mb"):
+            if value is None and name in ("disk_mb", "tmp_mb", "inodes"):
                 continue  # sized from memory_mb
             check_number(
                 value, argument=f"Limits.{name}", integer=integer, low=low, high=high,
                 unit=unit, low_inclusive=low > 0,
             )  # fmt: skip
-        files = self.workspace_mb + 2 * self.tmp_size_mb
-        if 4 * files > 3 * self.memory_mb:
+        if 4 * self.files_memory > 3 * self.memory_mb * MiB:
+            given = [name for name in ("disk_mb", "tmp_mb", "inodes") if getattr(self, name) is not None]
+            needed = _least_memory(self.memory_mb, self.disk_mb, self.tmp_mb, self.inodes)
             raise InvalidArgument(
-                f"Limits: the workspace ({self.workspace_mb} MiB) and /tmp and /dev/shm "
-                f"({self.tmp_size_mb} MiB each) are memory, and would leave less than a quarter "
-                f"of memory_mb={self.memory_mb} to the processes",
-                argument="Limits.disk_mb" if self.disk_mb is not None else "Limits.tmp_mb",
-                fix=f"raise memory_mb to at least {-(-4 * files // 3)}, or lower disk_mb or tmp_mb",
+                f"Limits: the workspace ({self.workspace_mb} MiB, {self.workspace_inodes:,} files) "
+                f"and /tmp and /dev/shm ({self.tmp_size_mb} MiB, {self.scratch_inodes:,} files "
+                f"each) are memory, each file up to {FILE_COST_BYTES:,} bytes of the kernel's "
+                f"even empty: {-(-self.files_memory // MiB)} MiB in all, which would leave less "
+                f"than a quarter of memory_mb={self.memory_mb} to the processes",
+                argument="Limits." + (given[-1] if given else "memory_mb"),
+                fix=f"raise memory_mb to at least {needed}, or lower "
+                + (", ".join(given) if given else "disk_mb, tmp_mb or inodes"),
             )
 
     @property
     def workspace_mb(self) -> int:
-        """The workspace's size: ``disk_mb``, or half of ``memory_mb`` when not given."""
-        return self.disk_mb if self.disk_mb is not None else self.memory_mb // 2
+        """The workspace's size: ``disk_mb``, or three eighths of ``memory_mb`` when not given."""
+        return _workspace_mb(self.memory_mb, self.disk_mb)
+
+    @property
+    def workspace_inodes(self) -> int:
+        """The files and folders the workspace holds: ``inodes``, or 64 per MiB of
+        ``memory_mb`` when not given."""
+        return _workspace_inodes(self.memory_mb, self.inodes)
+
+    @property
+    def scratch_inodes(self) -> int:
+        """The files and folders /tmp and /dev/shm hold, each: an eighth of the workspace's,
+        at least 256."""
+        return _scratch_inodes(self.workspace_inodes)
+
+    @property
+    def files_memory(self) -> int:
+        """The most memory, in bytes, the three places can take: their sizes, and each file
+        they can hold at its worst-case kernel memory (``FILE_COST_BYTES``)."""
+        return _files_memory(self.memory_mb, self.disk_mb, self.tmp_mb, self.inodes)
 
     @property
     def tmp_size_mb(self) -> int:
-        """The size of /tmp and of /dev/shm, each: ``tmp_mb``, or an eighth of ``memory_mb``
+        """The size of /tmp and of /dev/shm, each: ``tmp_mb``, or a sixteenth of ``memory_mb``
         (at most 64 MiB) when not given."""
-        return self.tmp_mb if self.tmp_mb is not None else max(1, min(64, self.memory_mb // 8))
+        return _tmp_size_mb(self.memory_mb, self.tmp_mb)
 
     @property
     def files_per_process(self) -> int:
@@ -136,6 +175,41 @@ class Limits:
     def total_open_files(self) -> int:
         """What the whole sandbox can hold: ``open_files``, or 32 per process when more."""
         return self.files_per_process * self.pids
+
+
+def _workspace_mb(memory_mb: int, disk_mb: int | None) -> int:
+    return disk_mb if disk_mb is not None else max(1, 3 * memory_mb // 8)
+
+
+def _tmp_size_mb(memory_mb: int, tmp_mb: int | None) -> int:
+    return tmp_mb if tmp_mb is not None else max(1, min(64, memory_mb // 16))
+
+
+def _workspace_inodes(memory_mb: int, inodes: int | None) -> int:
+    return inodes if inodes is not None else INODES_PER_MIB * memory_mb
+
+
+def _scratch_inodes(workspace_inodes: int) -> int:
+    return max(MIN_SCRATCH_INODES, workspace_inodes // 8)
+
+
+def _files_memory(memory_mb: int, disk_mb: int | None, tmp_mb: int | None, inodes: int | None) -> int:
+    workspace_inodes = _workspace_inodes(memory_mb, inodes)
+    sizes = _workspace_mb(memory_mb, disk_mb) + 2 * _tmp_size_mb(memory_mb, tmp_mb)
+    return sizes * MiB + (workspace_inodes + 2 * _scratch_inodes(workspace_inodes)) * FILE_COST_BYTES
+
+
+def _least_memory(memory_mb: int, disk_mb: int | None, tmp_mb: int | None, inodes: int | None) -> int:
+    """The least ``memory_mb`` whose three quarters hold the places, those not given sized from
+    it too (each grows by less than it: the search is over a rising margin)."""
+    low, high = memory_mb, 1 << 33  # high fits: what is given is at most 2**32 MiB and 2**31 files
+    while low < high:
+        middle = (low + high) // 2
+        if 4 * _files_memory(middle, disk_mb, tmp_mb, inodes) <= 3 * middle * MiB:
+            high = middle
+        else:
+            low = middle + 1
+    return low
 
 
 # field: (whole number, lowest, highest, unit). The lowest values are what the sandbox machinery

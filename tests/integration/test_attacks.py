@@ -112,7 +112,7 @@ os.close(fd)
 def test_a_listing_past_its_cap_says_it_was_cut() -> None:
     # 100,001 files were listed as 100,000 and the caller could not tell the rest was missing.
     require_tier("process")
-    with Sandbox.create("process", limits=Limits(memory_mb=512, inodes=200_000, timeout_s=60)) as sbx:
+    with Sandbox.create("process", limits=Limits(memory_mb=1536, inodes=110_000, timeout_s=60)) as sbx:
         assert sbx.run_code(MANY_FILES).error is None
         cut = sbx.files.list("many")
         assert len(cut) == 100_000 and cut.truncated

@@ -201,7 +201,7 @@ COUNT_SLEEPERS = (
 
 
 def test_a_wide_tree_resets_quickly_and_never_holds_up_other_users(tier: str) -> None:
-    limits = Limits(timeout_s=60, inodes=100_000, memory_mb=512)
+    limits = Limits(timeout_s=60, inodes=50_000, memory_mb=768)
     with SandboxPool(tier, size=2, limits=limits) as pool:
         # What one ordinary recycle costs here and now (the microVM's, on a busy host, is seconds).
         # The first member waits for the tier's ready image for these limits, built for the

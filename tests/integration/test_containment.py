@@ -467,24 +467,51 @@ def test_inodes_are_limited(tier: str) -> None:
         assert int(r.text or 0) < 5000 and "OSError" in r.logs.stdout
 
 
-def test_dev_shm_runs_out_of_inodes_not_of_memory(tier: str) -> None:
-    # Empty files take no space a size limit counts, but each costs kernel memory: without an
-    # inode limit (the engine's own /dev/shm, gVisor's tmpfs) the filler was killed for memory,
-    # and the sandbox with it. /dev/shm holds what /tmp does: a quarter of ``inodes``.
-    limits = Limits(memory_mb=128, inodes=8000)
-    bound = limits.inodes // 4
+FILL_BYTES_THEN_FILES = """
+import errno, os
+stopped = {}
+for place, count in %r.items():
+    with open(f"{place}/bytes", "wb", buffering=0) as fh:
+        try:
+            while True:
+                fh.write(bytes(1 << 20))
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+    made, why = 0, None
+    try:
+        for made in range(count + 64):  # the longest names: each file's most kernel memory
+            os.close(os.open(f"{place}/{made:07d}" + "n" * 248, os.O_CREAT | os.O_WRONLY))
+    except OSError as e:
+        why = errno.errorcode[e.errno]
+    stopped[place] = (made, why)
+stopped
+"""
+
+
+@pytest.mark.parametrize("tier", [t for t in TIERS if t in ("process", "docker", "gvisor")], indirect=True)
+def test_places_full_of_bytes_and_files_are_enospc_and_the_sandbox_lives_on(tier: str) -> None:
+    # Empty files take nothing a size limit counts, but up to 3 KiB of kernel memory each.
+    # The default counts were 65,536 files in the workspace and 16,384 in /tmp and /dev/shm
+    # each, whatever memory_mb: at 64 MiB the filler was killed for memory, then every command,
+    # and reset() found the sandbox dead (gVisor's ended whole). They are now sized from
+    # memory_mb, so that full places leave the processes a quarter of it.
+    limits = Limits(memory_mb=64, timeout_s=120)
+    counts = {
+        "/workspace": limits.workspace_inodes,
+        "/tmp": limits.scratch_inodes,
+        "/dev/shm": limits.scratch_inodes,
+    }
     with Sandbox.create(tier, limits=limits) as sbx:
-        r = sbx.run_code(
-            f"import errno, os\nmade, stopped = 0, None\ntry:\n    for made in range({2 * bound}):\n"
-            "        os.close(os.open(f'/dev/shm/{made:07d}' + 'n' * 200, os.O_CREAT | os.O_WRONLY))\n"
-            "except OSError as e: stopped = errno.errorcode[e.errno]\n(made, stopped)"
-        )
+        r = sbx.run_code(FILL_BYTES_THEN_FILES % counts)
         assert r.error is None, r.error
-        made, stopped = ast.literal_eval(r.text or "")
-        assert stopped == "ENOSPC" and bound - 16 <= made <= bound
+        for place, (made, stopped) in ast.literal_eval(r.text or "").items():
+            assert stopped == "ENOSPC" and counts[place] - 16 <= made < counts[place], (place, made, stopped)
         assert sbx.commands.run("echo usable").stdout == "usable\n"
         sbx.reset()
-        assert sbx.commands.run("ls -A /dev/shm | wc -l").stdout.strip() == "0"
+        after = sbx.commands.run(
+            "find /workspace /dev/shm -mindepth 1 | wc -l; python3 -c 'print(len(bytearray(8 << 20)))'"
+        )
+        assert after.stdout.split() == ["0", str(8 << 20)], after
 
 
 def test_posix_shared_memory_and_queues_work(sbx: Sandbox) -> None:

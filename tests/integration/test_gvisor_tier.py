@@ -162,7 +162,7 @@ def test_files_and_processes_together_stay_within_memory_mb(
         require("gVisor under Docker", backend.probe().available)
     else:
         backend = request.getfixturevalue("direct")
-    limits = Limits(memory_mb=256, disk_mb=120, tmp_mb=30, timeout_s=60)
+    limits = Limits(memory_mb=256, disk_mb=120, tmp_mb=30, inodes=2048, timeout_s=60)
     with Sandbox.create(backend=backend, limits=limits) as sbx:
         host = sbx.enforcement.host
         assert host is not None

@@ -305,7 +305,7 @@ def test_files_and_processes_together_stay_within_the_stated_memory(tier: str) -
 
 def test_a_full_workspace_is_refused_inside_and_the_sandbox_lives(tier: str) -> None:
     with Sandbox.create(tier, limits=Limits(memory_mb=256, timeout_s=120)) as sbx:
-        assert Limits(memory_mb=256).workspace_mb == 128
+        assert Limits(memory_mb=256).workspace_mb == 96
         r = sbx.commands.run("dd if=/dev/zero of=/workspace/fill bs=1M count=300 2>&1; echo rc=$?")
         assert "No space left" in r.stdout and not r.oom_killed
         with pytest.raises(WorkspaceFull):

@@ -103,7 +103,7 @@ def test_a_remote_sandbox_is_a_sandbox(acme: Client, tmp_path: Path) -> None:
 
 
 def test_a_listing_cut_at_its_cap_says_so_through_the_service(acme: Client) -> None:
-    limits = Limits(memory_mb=512, inodes=200_000, timeout_s=60)
+    limits = Limits(memory_mb=1536, inodes=110_000, timeout_s=60)
     with RemoteSandbox.create(tier="process", limits=limits, client=acme) as sbx:
         made = sbx.commands.run("mkdir many && cd many && seq 1 100001 | xargs touch", timeout_s=60)
         assert made.exit_code == 0, made.stderr

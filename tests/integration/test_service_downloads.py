@@ -142,7 +142,7 @@ def test_a_download_of_more_entries_than_fit_under_the_cap_stops_at_that_many(
     # A tar entry is 512 bytes at least: 64 MiB holds 131,070 of them. Asked for a million,
     # the service unpacks no more than that many before refusing, not a million.
     server, tokens, _ = service
-    limits = Limits(memory_mb=512, inodes=200_000, timeout_s=120)
+    limits = Limits(memory_mb=2048, inodes=150_000, timeout_s=120)
     with (
         Client(server.url, tokens.acme) as client,
         RemoteSandbox.create(tier="process", limits=limits, client=client) as sbx,

@@ -13,8 +13,9 @@ from stockade import Limits, Sandbox, StockadeError, WorkspaceFull
 from tests.conftest import require
 
 MiB = 1024 * 1024
-# 128 MiB of memory, of which the workspace may take 80 (its files are memory too).
-SMALL = Limits(memory_mb=128, disk_mb=80, tmp_mb=8, timeout_s=60, pids=64)
+# 128 MiB of memory, of which the workspace may take 80 (its files are memory too; so are
+# their inodes, up to 3 KiB each: few of them, and a small /tmp, keep within three quarters).
+SMALL = Limits(memory_mb=128, disk_mb=80, tmp_mb=4, inodes=1024, timeout_s=60, pids=64)
 
 
 def sparse(path: Path, size: int) -> Path:

@@ -305,8 +305,12 @@ def tmpfs_sizes(spec: SandboxSpec) -> dict[str, tuple[int, int, int]]:
     limit, and empty files, which no size limit counts, cost kernel memory until the
     sandbox is killed for memory instead of failing with ENOSPC."""
     limits = spec.limits
-    scratch = (limits.tmp_size_mb * MiB, max(1024, limits.inodes // 4), 0o1777)
-    return {WORKSPACE: (limits.workspace_mb * MiB, limits.inodes, 0o755), "/tmp": scratch, SHM: scratch}
+    scratch = (limits.tmp_size_mb * MiB, limits.scratch_inodes, 0o1777)
+    return {
+        WORKSPACE: (limits.workspace_mb * MiB, limits.workspace_inodes, 0o755),
+        "/tmp": scratch,
+        SHM: scratch,
+    }
 
 
 def host_folder(target: str) -> str:

@@ -238,8 +238,8 @@ class MicroVMBackend(Backend):
     def _cmdline(self, spec: SandboxSpec, masks: tuple[str, ...]) -> str:
         assert self.kernel is not None
         limits = spec.limits
-        ws = f"{limits.workspace_mb * MiB}:{limits.inodes}"
-        tmp = f"{limits.tmp_size_mb * MiB}:{max(1024, limits.inodes // 4)}"
+        ws = f"{limits.workspace_mb * MiB}:{limits.workspace_inodes}"
+        tmp = f"{limits.tmp_size_mb * MiB}:{limits.scratch_inodes}"
         clock = clock_args(self.kernel)
         # loglevel=1: the console (a file of the host, QEMU's -serial) gets the kernel's
         # emergencies only; at quiet's level each OOM kill code provoked wrote a line there,

@@ -580,9 +580,9 @@ class ProcessBackend(Backend):
                     uid = lease.uid
                 os.chown(rundir, uid, uid)  # bwrap, as that uid, binds the mounts from here
                 for name, size, inodes in (
-                    ("workspace", limits.workspace_mb * MiB, limits.inodes),
-                    ("tmp", limits.tmp_size_mb * MiB, max(1024, limits.inodes // 4)),
-                    ("shm", limits.tmp_size_mb * MiB, max(1024, limits.inodes // 4)),
+                    ("workspace", limits.workspace_mb * MiB, limits.workspace_inodes),
+                    ("tmp", limits.tmp_size_mb * MiB, limits.scratch_inodes),
+                    ("shm", limits.tmp_size_mb * MiB, limits.scratch_inodes),
                 ):
                     target = rundir / name
                     target.mkdir()

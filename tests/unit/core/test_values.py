@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from stockade import ConfigurationError, FileTooLarge, InvalidArgument, Limits, PathEscapeError
 from stockade.sandbox._requests import file_text, text_sink
 from stockade.sandbox.facade import check_path
+from stockade.types import FILE_COST_BYTES, MiB
 
 
 @pytest.mark.parametrize(
@@ -20,22 +21,39 @@ def test_limits_refuse_nonsense(bad: dict[str, float]) -> None:
 
 
 def test_the_workspace_and_tmp_are_sized_below_the_memory_they_are_made_of() -> None:
-    assert (Limits().workspace_mb, Limits().tmp_size_mb) == (256, 64)
-    small = Limits(memory_mb=128)
-    assert (small.workspace_mb, small.tmp_size_mb) == (64, 16)
-    assert Limits(memory_mb=1024, disk_mb=600).workspace_mb == 600
+    default = Limits()
+    assert (default.workspace_mb, default.tmp_size_mb) == (192, 32)
+    assert (default.workspace_inodes, default.scratch_inodes) == (32_768, 4_096)  # a node_modules
+    small = Limits(memory_mb=64)
+    assert (small.workspace_mb, small.tmp_size_mb, small.workspace_inodes, small.scratch_inodes) == (
+        24, 4, 4_096, 512,
+    )  # fmt: skip
+    assert Limits(memory_mb=1024, disk_mb=400).workspace_mb == 400
 
 
 @given(st.integers(32, 1 << 20))
 def test_the_default_files_leave_a_quarter_of_memory_to_the_processes(memory_mb: int) -> None:
+    # Bytes and files both: an empty file with a long name costs the kernel up to 3 KiB.
     limits = Limits(memory_mb=memory_mb)
-    assert 4 * (limits.workspace_mb + 2 * limits.tmp_size_mb) <= 3 * memory_mb
+    sizes = limits.workspace_mb + 2 * limits.tmp_size_mb
+    files = limits.workspace_inodes + 2 * limits.scratch_inodes
+    assert 4 * (sizes * MiB + files * FILE_COST_BYTES) <= 3 * memory_mb * MiB
 
 
 def test_files_that_could_take_the_processes_memory_are_refused_with_the_fix() -> None:
-    with pytest.raises(ConfigurationError, match="raise memory_mb to at least 704") as caught:
+    with pytest.raises(ConfigurationError, match="raise memory_mb to at least 1021") as caught:
         Limits(memory_mb=512, disk_mb=400)
     assert caught.value.argument == "Limits.disk_mb"  # type: ignore[attr-defined]
+
+
+def test_empty_files_count_against_the_memory_too() -> None:
+    # 65,536 files (the old default) and a quarter each in /tmp and /dev/shm took 128 MiB of
+    # kernel memory at 1.5-2.1 KiB each: a sandbox of 128 MiB was killed for memory, not ENOSPC.
+    with pytest.raises(InvalidArgument, match=r"65,536 files.*raise memory_mb to at least 954") as caught:
+        Limits(memory_mb=128, inodes=65_536)
+    assert caught.value.argument == "Limits.inodes"
+    assert "lower inodes" in str(caught.value.fix)
+    assert Limits(memory_mb=1024, inodes=65_536).workspace_inodes == 65_536
 
 
 @pytest.mark.parametrize(("open_files", "pids", "each"), [(16384, 128, 128), (2048, 32, 64), (100, 64, 32)])

@@ -164,6 +164,17 @@ def test_limits_out_of_range_name_the_limit() -> None:
     assert problems.from_error(wrong.value).status == 422
 
 
+def test_files_that_could_take_the_memory_are_a_422_with_the_memory_that_holds_them() -> None:
+    # A service's caller is told the least memory_mb, as a library caller is.
+    from stockade.server.schemas import LimitsIn
+
+    with pytest.raises(exc.InvalidArgument) as wrong:
+        LimitsIn(memory_mb=128, inodes=65_536).build()
+    problem = problems.from_error(wrong.value)
+    assert problem.status == 422 and wrong.value.argument == "Limits.inodes"
+    assert "raise memory_mb to at least 954, or lower inodes" in problem.content().decode()
+
+
 def test_a_problem_type_is_described_and_an_unknown_one_is_not() -> None:
     described = problems.describe("quota-exceeded")
     assert described is not None and described["status"] == 429 and "quota" in described["description"]
