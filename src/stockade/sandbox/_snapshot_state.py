@@ -41,7 +41,7 @@ def spec_from_state(state: dict[str, Any]) -> SandboxSpec:
         rules = state.get("rules")
         network = state.get("network") or {}
         return SandboxSpec(
-            limits=Limits(**state.get("limits", {})),
+            limits=_limits_from_state(dict(state.get("limits") or {})),
             network=_network_from_state(network),
             envs={str(k): str(v) for k, v in dict(state.get("envs") or {}).items()},
             allow_weaker=bool(state.get("allow_weaker")),
@@ -50,6 +50,21 @@ def spec_from_state(state: dict[str, Any]) -> SandboxSpec:
         )
     except (TypeError, ValueError, KeyError, exc.ConfigurationError) as err:
         raise exc.SnapshotIncompatible(f"the snapshot's settings do not fit this stockade: {err}") from None
+
+
+# Every snapshot kept its Limits whole, so one taken before a file's kernel memory counted
+# (2026-12-06) names the old default count outright; with it the places could take all of
+# memory_mb, and today's rule refuses it. Such a snapshot restores with today's default count.
+_OLD_DEFAULT_INODES = 65536
+
+
+def _limits_from_state(limits: dict[str, Any]) -> Limits:
+    try:
+        return Limits(**limits)
+    except exc.InvalidArgument:
+        if limits.get("inodes") != _OLD_DEFAULT_INODES:
+            raise
+        return Limits(**{**limits, "inodes": None})
 
 
 def _rules_from_state(rules: dict[str, Any]) -> SandboxRules:

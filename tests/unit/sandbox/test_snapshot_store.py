@@ -406,6 +406,14 @@ def test_a_spec_survives_its_manifest() -> None:
     )
 
 
+def test_a_snapshot_kept_before_files_counted_restores_with_todays_file_count() -> None:
+    # its Limits named the old default count, which today's rule refuses at 512 MiB
+    older = {**spec_state(SandboxSpec()), "limits": {**dataclasses.asdict(Limits()), "inodes": 65536}}
+    assert spec_from_state(older).limits == Limits()
+    with pytest.raises(SnapshotIncompatible, match="inodes"):  # a count given on purpose is not changed
+        spec_from_state({**older, "limits": {**older["limits"], "inodes": 200_000}})
+
+
 def test_an_enforcement_survives_its_manifest_and_an_unknown_one_is_refused() -> None:
     vm = Mechanism.VM
     enforcement = Enforcement(
