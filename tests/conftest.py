@@ -420,6 +420,11 @@ def _alone_when_marked(request: pytest.FixtureRequest, _run_locks: _RunLocks | N
         finally:
             _run_locks.release()
         return
+    if _microvm_unit(request.node):
+        # The microVM's probe boots a guest on its first ask in a worker (the tier fixture's,
+        # under the lock): made before it, the other workers run on meanwhile instead of
+        # waiting for that boot too. The probe is kept: the test's own ask costs nothing.
+        tier_available("microvm")
     _run_locks.exclusive()
     try:
         yield

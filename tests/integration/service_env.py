@@ -209,6 +209,14 @@ def embedded_server(
 @pytest.fixture
 def postgres_url() -> Iterator[str]:
     """A PostgreSQL URL whose tables land in a schema of this test's own (dropped afterwards)."""
+    with postgres_schema() as url:
+        yield url
+
+
+@contextlib.contextmanager
+def postgres_schema() -> Iterator[str]:
+    """A PostgreSQL URL whose tables land in a schema of its own, dropped on leaving (for a
+    fixture of a wider scope than ``postgres_url``'s)."""
     ok, why = postgres_reachable()
     require("postgres", ok, why)
     import psycopg

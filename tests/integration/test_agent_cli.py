@@ -162,6 +162,7 @@ def test_stockade_demo_records_its_run_where_runs_list_looks(
     assert (run["run_id"], run["status"]) == (run_id.group(1), "success")
 
 
+@pytest.mark.microvm  # the microVM's probe starts a guest: the tier is chosen by trust
 def test_a_failed_stockade_agent_leaves_no_files_behind(dirs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(dirs)
     project = str(dirs / "project")

@@ -501,11 +501,12 @@ def test_the_next_pool_user_reads_nothing_of_the_last_from_a_commands_shim(
 
 
 # Stops the zygote (pid in argv[1]) the moment it runs (the supervisor asked it for an
-# interpreter); says whether it did within argv[2] seconds.
+# interpreter); says whether it did within argv[2] seconds, or before file argv[3] appears
+# (the call that asked it has returned: there is nothing left to catch).
 STOP_THE_ZYGOTE_WHEN_ASKED = r"""
 import os, signal, sys, time
 zygote, end = int(sys.argv[1]), time.monotonic() + float(sys.argv[2])
-while time.monotonic() < end:
+while time.monotonic() < end and not os.path.exists(sys.argv[3]):
     with open(f"/proc/{zygote}/stat", "rb") as fh:
         stat = fh.read()
     if stat[stat.rindex(b")") + 2 :].startswith(b"R"):
@@ -524,16 +525,18 @@ def test_a_zygote_the_code_stops_while_asked_holds_up_the_supervisor_for_no_time
     require_tier(host_tier)
     with Sandbox.create(host_tier, limits=Limits(timeout_s=30)) as sbx:
         zygote = sbx.run_code("import os\nprint(os.getppid())").logs.stdout.strip()
-        for _attempt in range(20):  # until the watcher catches the zygote running
+        for attempt in range(20):  # until the watcher catches the zygote running
             sbx.run_code("import os\nos._exit(0)")  # the next call asks the zygote
+            returned = f"returned-{attempt}"
             with ThreadPoolExecutor(1) as pool:
                 watching = pool.submit(
-                    sbx.commands.run, ["python3", "-c", STOP_THE_ZYGOTE_WHEN_ASKED, zygote, "5"]
+                    sbx.commands.run, ["python3", "-c", STOP_THE_ZYGOTE_WHEN_ASKED, zygote, "5", returned]
                 )
                 time.sleep(0.3)  # the watcher is polling
                 started = time.monotonic()
                 sbx.run_code("print(2)")
                 took = time.monotonic() - started
+                sbx.files.write(returned, "")  # a watcher that missed it stops now, not at its 5 s
                 stopped = watching.result().stdout.strip() == "stopped"
             if stopped:
                 assert took < 5, took

@@ -223,15 +223,17 @@ def test_code_runs_at_the_smallest_descriptor_limit(tier: str) -> None:
         assert sbx.run_code("print(2)").logs.stdout == "2\n"
 
 
+# Forks until refused; each process then holds its task a while, long enough for the host's
+# count to be read many times (every 0.1 s, ``peak_while``) at the bomb's peak.
 BOMB = (
     "import os, time\n"
     "for i in range(100000):\n"
     "    try:\n"
     "        if os.fork() == 0:\n"
-    "            time.sleep(3); os._exit(0)\n"
+    "            time.sleep(1.5); os._exit(0)\n"
     "    except OSError:\n"
     "        break\n"
-    "time.sleep(3)\n"
+    "time.sleep(1.5)\n"
 )
 
 
@@ -788,14 +790,16 @@ def test_a_sandbox_stalling_the_lock_count_leaves_another_sandbox_held(tier: str
         assert int(stalling.commands.run(["sh", "-c", "ls /proc | grep -c '^[0-9]'"]).stdout) >= 5
 
 
-# Hold the 4,096 locks a sandbox may, for a while.
+# Hold the 4,096 locks a sandbox may until told to let go (a file), 30 s at most.
 LOCKS_ALLOWED = """
 import fcntl, os, time
 fd = os.open("/workspace/locked", os.O_RDWR | os.O_CREAT)
 for j in range(4096):
     fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 2 * j)
 open("/workspace/held", "w").close()
-time.sleep(12)
+end = time.monotonic() + 30
+while not os.path.exists("/workspace/release") and time.monotonic() < end:
+    time.sleep(0.05)
 """
 # Open 16,000 files, take no lock, and wait (each process may open open_files / pids).
 MANY_FILES = """
@@ -832,6 +836,7 @@ def test_many_files_and_no_lock_cost_time_never_a_process(tier: str) -> None:
             ), result  # fmt: skip
             assert holder.files.exists("held")  # its locks were held meanwhile, never killed
         finally:
+            holder.files.write("release", "")  # held for as long as the opener ran, not longer
             holding.join()
 
 

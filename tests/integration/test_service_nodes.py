@@ -5,6 +5,7 @@ and a process SIGKILLed: its sandboxes answer ``SandboxGone`` and their quota is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +19,7 @@ from stockade import Limits
 from stockade import exceptions as exc
 from stockade.client import AsyncClient, AsyncRemoteSandbox, Client, RemoteSandbox
 from tests.conftest import require_tier, wait_for_async
-from tests.integration.service_env import Server, Tokens, write_tenants
+from tests.integration.service_env import Server, Tokens, postgres_schema, write_tenants
 
 pytestmark = [pytest.mark.process, pytest.mark.postgres, pytest.mark.slow]
 LIMITS = Limits(memory_mb=256, timeout_s=60)
@@ -32,22 +33,37 @@ class Pair:
     folder: Path
 
 
-@pytest.fixture
-def pair(tmp_path: Path, postgres_url: str) -> Iterator[Pair]:
+@contextlib.contextmanager
+def started_pair(folder: Path, database: str) -> Iterator[Pair]:
     require_tier("process")
-    tenants, tokens = write_tenants(tmp_path, sandboxes=3, memory_mb=3 * 256)
-    a = Server(tenants, postgres_url, tmp_path)
+    tenants, tokens = write_tenants(folder, sandboxes=3, memory_mb=3 * 256)
+    a = Server(tenants, database, folder)
     try:
-        b = Server(tenants, postgres_url, tmp_path)
+        b = Server(tenants, database, folder)
     except BaseException:
         a.stop()
         raise
     try:
-        yield Pair(a=a, b=b, tokens=tokens, folder=tmp_path)
+        yield Pair(a=a, b=b, tokens=tokens, folder=folder)
     finally:
         b.stop()
         a.stop()
     assert "Traceback" not in b.output(), b.output()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    """Two processes kept for the module's tests (a start of both is seconds): each test closes
+    what it opened, so the next finds the tenant's quota whole and no sandbox of the last."""
+    with postgres_schema() as database, started_pair(tmp_path_factory.mktemp("nodes"), database) as both:
+        yield both
+
+
+@pytest.fixture
+def own_pair(tmp_path: Path, postgres_url: str) -> Iterator[Pair]:
+    """Two processes of the test's own: for a test that kills one."""
+    with started_pair(tmp_path, postgres_url) as both:
+        yield both
 
 
 def test_one_sandbox_is_driven_through_both_processes(pair: Pair, tmp_path: Path) -> None:
@@ -167,7 +183,8 @@ async def test_a_call_forwarded_to_the_owner_is_stopped_there_when_its_client_go
             made.close()
 
 
-def test_a_dead_process_sandboxes_are_gone_and_their_quota_free(pair: Pair) -> None:
+def test_a_dead_process_sandboxes_are_gone_and_their_quota_free(own_pair: Pair) -> None:
+    pair = own_pair
     with Client(pair.a.url, pair.tokens.acme) as via_a, Client(pair.b.url, pair.tokens.acme) as via_b:
         on_a = [RemoteSandbox.create("process", limits=LIMITS, client=via_a) for _ in range(2)]
         on_b = RemoteSandbox.create("process", limits=LIMITS, client=via_b)
