@@ -182,6 +182,29 @@ def test_the_template_holds_nothing_of_a_sandbox() -> None:
         assert sbx.id not in maps
 
 
+def test_a_keeper_holds_its_own_sandbox_s_descriptors_only() -> None:
+    backend = ProcessBackend(start="template")
+    with Sandbox.create(backend=backend) as older, Sandbox.create(backend=backend) as newer:
+        first, second = older.instance.boundary.proc, newer.instance.boundary.proc  # type: ignore[attr-defined]
+        held = {name: _descriptors(init.keeper) for name, init in (("older", first), ("newer", second))}
+        # /dev/null (stdout, stderr), pid 1's pidfd and its socket to the host: nothing of the
+        # template's (its socket to the host, its wake-up pipe), nothing of the older sandbox.
+        for links in held.values():
+            assert sorted(link.split(":")[0] for link in links) == [
+                "/dev/null", "/dev/null", "anon_inode", "socket"
+            ]  # fmt: skip
+        assert not {link for link in held["older"] if link.startswith("socket:")} & set(held["newer"])
+        # So the older one's close reads its keeper's end (EOF) as soon as its keeper is
+        # reaped, with the newer one alive: it waited out no timeout.
+        older.close()
+        assert first._gone and first.returncode is not None
+        assert newer.run_code("print(1)").logs.stdout == "1\n"
+
+
+def _descriptors(pid: int) -> list[str]:
+    return [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+
+
 def test_the_template_ends_with_its_backend_and_sandboxes_with_their_host(tmp_path: Path) -> None:
     backend = ProcessBackend(start="template")
     with Sandbox.create(backend=backend):

@@ -24,8 +24,10 @@ of its own, and runs the supervisor's ``main``: no exec, no Python start, ``site
 
 The template holds nothing of any user: a request carries a uid, cgroup files, a umask and
 descriptors; the keeper forks before any of the sandbox's data exists, and the template
-closes its copies of the descriptors at once. Standard library only (``ctypes`` for the
-system calls Python 3.11 lacks); typed, but never imported by the host.
+closes its copies of the descriptors at once; a keeper closes every descriptor but its own
+request's (none of the template's, none of the keepers forked before it). Standard library
+only (``ctypes`` for the system calls Python 3.11 lacks); typed, but never imported by the
+host.
 """
 
 from __future__ import annotations
@@ -137,7 +139,7 @@ def serve(sock: socket.socket) -> None:
             if pid == 0:
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                _keep(json.loads(msg), dict(zip(FDS, fds, strict=True)), keep=(wake_r, wake_w, sock.fileno()))
+                _keep(json.loads(msg), dict(zip(FDS, fds, strict=True)))
             keepers[pid] = fds[0]
             for fd in fds[1:]:
                 os.close(fd)
@@ -157,11 +159,10 @@ def _reap(keepers: dict[int, int]) -> None:
             os.close(ctl)
 
 
-def _keep(req: dict[str, object], fds: dict[str, int], keep: tuple[int, ...]) -> None:
+def _keep(req: dict[str, object], fds: dict[str, int]) -> None:
     """The keeper (see the module's docstring). Never returns."""
     try:
-        for fd in keep:
-            os.close(fd)
+        _close_all_but({1, 2, *fds.values()})
         for path in req["join"]:  # type: ignore[attr-defined]
             _write(str(path), "0")
         uid = int(req["uid"])  # type: ignore[call-overload]
@@ -200,6 +201,19 @@ def _keep(req: dict[str, object], fds: dict[str, int], keep: tuple[int, ...]) ->
         _say(fds.get("stderr", 2), f"the template's keeper: {exc}")
     finally:
         os._exit(0)
+
+
+def _close_all_but(kept: set[int]) -> None:
+    """Every descriptor a fork of the template inherits but ``kept`` (its own request's, and
+    /dev/null on 1 and 2) closed: the template's socket to the host and its wake-up pipe, and
+    the sockets of the keepers forked before it. A keeper holding an older keeper's socket
+    would keep the host's end of it from reading EOF while it lives (the host's close of
+    that older sandbox waited out its timeouts), and hold another sandbox's channel."""
+    low = 0
+    for fd in sorted(kept):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, 1 << 20)
 
 
 def _become_init(req: dict[str, object], fds: dict[str, int]) -> None:
