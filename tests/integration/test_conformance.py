@@ -9,6 +9,8 @@ import asyncio
 import hashlib
 import math
 import os
+import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -403,6 +405,34 @@ def test_a_closed_sandbox_refuses_work(tier: str) -> None:
     assert not sbx.alive
     with pytest.raises(SandboxClosed):
         sbx.commands.run("true")
+
+
+def test_a_call_cut_by_a_close_from_another_thread_raises_sandbox_closed(tier: str) -> None:
+    """Not ``SandboxCrashed``: the sandbox did not die under the call, its host closed it."""
+
+    def close_once_started(sbx: Sandbox) -> Callable[[str], None]:
+        return lambda out: threading.Thread(target=sbx.close).start() if "started" in out else None
+
+    with Sandbox.create(tier) as sbx, pytest.raises(SandboxClosed, match="the host closed it"):
+        sbx.commands.run("echo started; sleep 60", on_stdout=close_once_started(sbx))
+    code = "print('started', flush=True)\nimport time\ntime.sleep(60)"
+    with Sandbox.create(tier) as sbx, pytest.raises(SandboxClosed, match="the host closed it"):
+        sbx.run_code(code, on_stdout=close_once_started(sbx))
+
+    async def main() -> None:
+        async with await AsyncSandbox.create(tier) as sbx:
+            started = asyncio.Event()  # the callbacks run on the loop
+
+            async def close_once_started() -> None:
+                await started.wait()
+                await sbx.close()
+
+            closing = asyncio.create_task(close_once_started())
+            with pytest.raises(SandboxClosed, match="the host closed it"):
+                await sbx.commands.run("echo started; sleep 60", on_stdout=lambda out: started.set())
+            await closing
+
+    asyncio.run(main())
 
 
 def test_async_sandbox_has_the_same_surface(tier: str) -> None:

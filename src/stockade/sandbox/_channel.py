@@ -166,6 +166,7 @@ class Channel:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self.error: str | None = None
+        self.closed = False  # ``close`` failed it first: its calls end with SandboxClosed
         self.cut: str | None = None  # why a send of ours was cut short, if one was (``error`` too)
         self._seal: Seal | None = None  # what we send is sealed (protocol.Seal), once set
         self._thread = threading.Thread(target=self._read_loop, name=f"stockade-{name}", daemon=True)
@@ -219,15 +220,15 @@ class Channel:
             if self.cut is not None:
                 raise SandboxClosed(f"sandbox is closed: {self.cut}")
             if self.error is not None:
-                raise SandboxCrashed(f"sandbox is gone: {self.error}")
+                raise self.ended()
             self._calls[rid] = q
         op = str(header.get("op", ""))
         try:
             with self._send_lock:  # tags are counted in the order frames are written
                 if self.error is not None:  # failed while we waited for the lock (a stalled send)
-                    raise SandboxCrashed(f"sandbox is gone: {self.error}")
+                    raise self.ended()
                 self._send(frame + self._seal.tag(frame) if self._seal is not None else frame, deadline, op)
-        except (SandboxCrashed, TimeoutError):
+        except (SandboxCrashed, SandboxClosed, TimeoutError):
             self._forget(rid)
             raise
         except BaseException as exc:
@@ -251,13 +252,15 @@ class Channel:
             self._fail(f"the supervisor stopped reading: frozen or hung ({exc})")
             if self._on_stall is not None:
                 self._on_stall()
+            if self.closed:  # closed while the send waited
+                raise self.ended() from None
             raise SandboxCrashed(f"sandbox is gone: {self.error}", cause="unresponsive") from None
         except TimeoutError:
             self._fail(f"the {op} request was not sent by its deadline: the supervisor read too slowly")
             raise
-        except OSError as exc:
+        except OSError as exc:  # closed under the send by ``close``, or the supervisor is gone
             self._fail(f"cannot write to the supervisor: {exc}")
-            raise SandboxCrashed(f"sandbox is gone: {self.error}") from None
+            raise self.ended() from None
 
     def _forget(self, rid: int) -> None:
         with self._lock:
@@ -284,16 +287,25 @@ class Channel:
         except OSError as exc:
             self._fail(f"connection lost: {exc}")
 
-    def _fail(self, reason: str) -> None:
+    def _fail(self, reason: str, *, closing: bool = False) -> None:
         with self._lock:
             if self.error is None:
                 self.error = reason
+                self.closed = closing
             calls = list(self._calls.values())
         for q in calls:
             q.put(_CLOSED)
 
+    def ended(self) -> SandboxClosed | SandboxCrashed:
+        """What a call on the failed channel raises: ``SandboxClosed`` where the host closed
+        it (its own ``close``, from any thread, or a pool taking a member back), before
+        anything else failed it; ``SandboxCrashed`` where the sandbox died under the call."""
+        if self.closed:
+            return SandboxClosed("sandbox is closed: the host closed it while the call ran; create a new one")
+        return SandboxCrashed(f"sandbox is gone: {self.error}")
+
     def close(self) -> None:
-        self._fail("closed")
+        self._fail("closed", closing=True)
         with contextlib.suppress(OSError):
             self._stream.close()
 
@@ -322,7 +334,7 @@ class Call:
                 except queue.Empty:
                     raise TimeoutError from None
                 if frame is _CLOSED:
-                    raise SandboxCrashed(f"sandbox is gone: {self._channel.error}")
+                    raise self._channel.ended()
                 if frame is _CUT:
                     if cut is not None:
                         cut.deliver()
