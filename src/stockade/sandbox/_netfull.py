@@ -255,14 +255,16 @@ def remove(api: Any, *, remote: bool) -> list[str]:
             removed.append(f"network {NETWORK}")
     if remote or unwalled(remote=False) is not None:
         return removed
-    if _bridge_here():
-        raise exc.ConfigurationError(
-            f"the firewall rules of {NETWORK} were kept: its bridge {BRIDGE} is still on this host, so "
-            "sandboxes of another engine may be on it"
-            + (f" (removed: {', '.join(removed)})" if removed else "")
-            + "; run it against this host's engine (DOCKER_HOST unset), or remove the other's network first"
-        )
     with _written, _host_lock():
+        # Checked under the lock: a start that makes the bridge after it finds the jumps
+        # gone when its turn comes, and writes the rules again before its container runs.
+        if _bridge_here():
+            raise exc.ConfigurationError(
+                f"the firewall rules of {NETWORK} were kept: its bridge {BRIDGE} is still on this host, so "
+                "sandboxes of another engine may be on it"
+                + (f" (removed: {', '.join(removed)})" if removed else "")
+                + "; run it against this host's engine (DOCKER_HOST unset), or remove the other's network"
+            )
         for tool, jumps in _JUMPS.items():
             if tool == "ip6tables" and not _has_ipv6():
                 continue
