@@ -97,6 +97,29 @@ def test_two_full_network_sandboxes_cannot_reach_each_other() -> None:
         assert served == ["listening\naccepted\n"]
 
 
+# Prints what Docker's embedded DNS says of each argument: an address's name, a name's address.
+LOOKUP = """\
+import socket, sys
+for arg in sys.argv[1:]:
+    try:
+        print(socket.gethostbyaddr(arg)[0] if arg[0].isdigit() else socket.gethostbyname(arg))
+    except OSError as err:
+        print(type(err).__name__)
+"""
+
+
+def test_a_sandbox_learns_no_other_sandboxs_id_through_dns() -> None:
+    """Docker's embedded DNS names every container of the network to the others (a reverse
+    lookup of an address too): the name is random, never the sandbox's id."""
+    require_tier("docker")
+    with Sandbox.create("docker", network=FULL) as a, Sandbox.create("docker", network=FULL) as b:
+        address = a.commands.run("hostname -i").stdout.split()[-1]
+        b.files.write("lookup.py", LOOKUP)
+        found = b.commands.run(["python3", "lookup.py", address, f"stockade-{a.id}"]).stdout.splitlines()
+        assert len(found) == 2 and a.id not in found[0], found
+        assert found[1] == "gaierror"
+
+
 def test_the_host_is_unreachable_through_the_gateway_and_its_own_address(host_listener: int) -> None:
     require_tier("docker")
     host_address = _host_address()

@@ -325,16 +325,27 @@ def gc(
     """Remove what crashed processes left behind: cgroups, mounts, run folders, containers."""
     from stockade.sandbox import _gc
 
-    removed = _gc.collect()
+    engine = None
     if network:  # lasting, like the image: shared by every process's full-network sandboxes
-        from stockade.sandbox import _netfull
         from stockade.sandbox.docker import DockerBackend
 
+        # Asked first: without the engine's word that no sandbox is on the network, its
+        # walls stay (BackendUnavailable, exit 2), and nothing else is removed either.
+        engine = DockerBackend()
         try:
-            api = DockerBackend()._api()
-        except exc.StockadeError:
-            api = None
-        removed += _netfull.remove(api)
+            engine._api()
+        except exc.BackendUnavailable as err:
+            raise exc.BackendUnavailable(
+                f"{err}: gc --network removes the full network's firewall rules only once the engine "
+                "says no sandbox is on it; nothing was removed"
+            ) from None
+    removed = _gc.collect()
+    if engine is not None:
+        from stockade.sandbox import _netfull
+
+        removed += _netfull.remove(engine._api(), remote=engine.remote)
+        if engine.remote:
+            out.print("kept this host's firewall rules: the engine asked (DOCKER_HOST) is another host's")
     for line in removed:
         out.print(f"removed {line}")
     out.print(f"{len(removed)} leftover(s) removed")

@@ -26,8 +26,10 @@ flushes) and ``INPUT``, added under a host-wide lock only when missing: they nam
 bridge, not a sandbox, so one set serves every sandbox and process of the host. Like the
 built image, the network and the rules are lasting infrastructure: ``stockade gc`` leaves
 them (a sandbox of another process may be on the network), ``remove`` (``stockade gc
---network``) takes them away when no sandbox is on it. A reboot drops the rules: the first
-full-network sandbox of each process writes them again, and every one checks the jumps.
+--network``) takes them away when this host's engine says no sandbox is on it (a sandbox
+running as they went would stay unwalled). A reboot drops the rules: the first full-network
+sandbox of each process writes them again, and every one checks the jumps (a missing one,
+another process's ``gc --network``, has them all written again).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import fcntl
 import ipaddress
 import os
 import shutil
+import socket
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -46,7 +49,7 @@ from typing import Any
 from stockade import exceptions as exc
 from stockade.egress._rules import NOT_PUBLIC_V4
 from stockade.sandbox import _guest
-from stockade.sandbox._docker_engine import docker_py, engine_failures
+from stockade.sandbox._docker_engine import docker_py, mapped_engine_errors
 
 __all__ = ["BRIDGE", "NETWORK", "ensure_network", "ensure_rules", "remove", "unwalled"]
 
@@ -64,6 +67,11 @@ RESOLV_CONFS = (Path("/etc/resolv.conf"), Path("/run/systemd/resolve/resolv.conf
 IPTABLES_TIMEOUT_S = 30.0
 
 _written = threading.Lock()
+# The jumps to the chains, by tool: Docker consults DOCKER-USER first for its bridges' traffic.
+_JUMPS = {
+    "iptables": (("DOCKER-USER", FORWARD_CHAIN), ("INPUT", INPUT_CHAIN)),
+    "ip6tables": (("FORWARD", FORWARD_CHAIN), ("INPUT", INPUT_CHAIN)),
+}
 _written_here: set[str] = set()  # the tools whose chains this process wrote (a later resolver waits)
 
 
@@ -127,17 +135,19 @@ def ensure_rules() -> None:
     jumps to them checked (and added when missing) for every sandbox."""
     with _written, _host_lock():
         try:
-            if "iptables" not in _written_here:
-                _restore("iptables-restore", _v4_tables())
-                _written_here.add("iptables")
-            if _has_ipv6() and "ip6tables" not in _written_here:
-                _restore("ip6tables-restore", _v6_tables())
-                _written_here.add("ip6tables")
-            _jump("iptables", "DOCKER-USER", FORWARD_CHAIN)
-            _jump("iptables", "INPUT", INPUT_CHAIN)
-            if _has_ipv6():
-                _jump("ip6tables", "FORWARD", FORWARD_CHAIN)
-                _jump("ip6tables", "INPUT", INPUT_CHAIN)
+            for tool, jumps in _JUMPS.items():
+                if tool == "ip6tables" and not _has_ipv6():
+                    continue
+                missing = [
+                    (chain, target) for chain, target in jumps if not _run(tool, "-C", chain, *_rule(target))
+                ]
+                if missing or tool not in _written_here:
+                    # A missing jump may be another process's `gc --network`, which took the
+                    # chains too: written again (atomic, so a sandbox on them is never unwalled).
+                    _restore(f"{tool}-restore", _v4_tables() if tool == "iptables" else _v6_tables())
+                    _written_here.add(tool)
+                for chain, target in missing:
+                    _checked(tool, "-I", chain, "1", *_rule(target))
         except (OSError, subprocess.SubprocessError) as err:
             raise exc.LimitNotEnforceable(
                 f"the firewall rules that wall full-network sandboxes off could not be installed: {err}",
@@ -223,36 +233,58 @@ def _checked(tool: str, *args: str, given: str | None = None) -> None:
         raise OSError(f"{tool} {' '.join(args)}: {done.stderr.strip() or f'exit status {done.returncode}'}")
 
 
-def _jump(tool: str, chain: str, target: str) -> None:
-    rule = ["-i", BRIDGE, "-j", target]
-    if not _run(tool, "-C", chain, *rule):
-        _checked(tool, "-I", chain, "1", *rule)
+def _rule(target: str) -> tuple[str, ...]:
+    return ("-i", BRIDGE, "-j", target)
 
 
-def remove(api: Any) -> list[str]:
-    """The network and the rules, gone; nothing while a container is on the network (the
-    engine refuses: the rules then stay too)."""
+def remove(api: Any, *, remote: bool) -> list[str]:
+    """The network and, once this host's engine said it is gone, the rules; nothing while a
+    container is on the network (the engine refuses: the rules then stay too).
+
+    The rules go only on this host's engine's word: an engine that cannot be asked raises
+    (``BackendUnavailable``), one of another host has its network removed but says nothing
+    of this host's rules (they stay), and a bridge of the network's name still here (another
+    local engine's: ``DOCKER_HOST`` naming a second daemon) keeps them too, refused."""
     removed: list[str] = []
-    if api is not None and _inspect(api) is not None:
-        try:
-            api.remove_network(NETWORK)
-        except engine_failures():
-            return removed
-        removed.append(f"network {NETWORK}")
-    if unwalled(remote=False) is not None:
+    with mapped_engine_errors():
+        if _inspect(api) is not None:
+            try:
+                api.remove_network(NETWORK)
+            except docker_py().errors.APIError:
+                return removed  # a container is on it
+            removed.append(f"network {NETWORK}")
+    if remote or unwalled(remote=False) is not None:
         return removed
     with _written, _host_lock():
-        for tool, chains in (("iptables", ("DOCKER-USER", "INPUT")), ("ip6tables", ("FORWARD", "INPUT"))):
+        # Checked under the lock: a start that makes the bridge after it finds the jumps
+        # gone when its turn comes, and writes the rules again before its container runs.
+        if _bridge_here():
+            raise exc.ConfigurationError(
+                f"the firewall rules of {NETWORK} were kept: its bridge {BRIDGE} is still on this host, so "
+                "sandboxes of another engine may be on it"
+                + (f" (removed: {', '.join(removed)})" if removed else "")
+                + "; run it against this host's engine (DOCKER_HOST unset), or remove the other's network"
+            )
+        for tool, jumps in _JUMPS.items():
             if tool == "ip6tables" and not _has_ipv6():
                 continue
-            for chain, target in zip(chains, (FORWARD_CHAIN, INPUT_CHAIN), strict=True):
-                while _run(tool, "-D", chain, "-i", BRIDGE, "-j", target):
-                    removed.append(f"{tool} {chain} -i {BRIDGE} -j {target}")
+            for chain, target in jumps:
+                while _run(tool, "-D", chain, *_rule(target)):
+                    removed.append(f"{tool} {chain} {' '.join(_rule(target))}")
             for target in (FORWARD_CHAIN, INPUT_CHAIN, REJECT_CHAIN):
                 if _run(tool, "-F", target) and _run(tool, "-X", target):
                     removed.append(f"{tool} chain {target}")
         _written_here.clear()
     return removed
+
+
+def _bridge_here() -> bool:
+    """Whether the bridge is in this network namespace: the one whose firewall holds the rules."""
+    try:
+        socket.if_nametoindex(BRIDGE)
+    except OSError:
+        return False
+    return True
 
 
 def _run(tool: str, *args: str) -> bool:

@@ -838,7 +838,10 @@ class DockerBackend(Backend):
         lease = _host.lease_uid(self.state_dir)
         cid = ""
         created: _Create | None = None
-        name = f"stockade-{sid}"
+        # Docker's embedded DNS answers every container of stockade-net with its name (a
+        # reverse lookup of an address too), and no option of the engine keeps a container
+        # out of it: a full-network sandbox's name tells the others nothing of its id.
+        name = f"stockade-net-{secrets.token_hex(8)}" if spec.network.unrestricted else f"stockade-{sid}"
         egress = None
         try:
             if spec.network.unrestricted:
