@@ -16,10 +16,17 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not all(shutil.which(tool) for tool in ("unshare", "iptables", "ip")),
-    reason="needs root, unshare, iptables and ip (a network namespace of its own)",
-)
+from tests.conftest import require
+
+
+@pytest.fixture(autouse=True)
+def _own_netns_tools() -> None:
+    require(
+        "a network namespace of its own",
+        os.geteuid() == 0 and all(shutil.which(tool) for tool in ("unshare", "iptables", "ip")),
+        "needs root, unshare, iptables and ip",
+    )
+
 
 # Run first in each namespace: Docker's chain, as dockerd makes it, the rules written as a
 # full-network sandbox's start writes them, and an engine that answers with `networks`.
