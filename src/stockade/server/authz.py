@@ -68,7 +68,8 @@ def check_network(engine: PolicyEngine, network: NetworkPolicy) -> NetworkPolicy
     otherwise): its hosts must be among those the role may reach (``[network] allow``), or
     the policy must give the whole network. What it gets is the policy's own rules for those
     hosts (ports, methods, addresses, limits, and the credentials the proxy adds), never
-    more than the request names."""
+    more than the request names. A list narrowed from the whole network is the tenant's, with
+    the policy's addresses and pins (``_check_narrowed``)."""
     granted = engine.network_policy()
     if (network.enabled or network.egress) and not (granted.enabled or granted.egress):
         raise exc.PolicyDenied(
