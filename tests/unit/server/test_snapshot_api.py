@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -290,11 +290,12 @@ async def test_a_kept_allowlist_the_policy_no_longer_gives_starts_and_resumes_no
     await sbx.pause()
     after = services.start(tenants({"enabled": True}), tmp_path / "snaps")  # the whole network, no more
     client = services.client(after, token)
-    for attempt in (
+    attempts: list[Callable[[], Awaitable[AsyncRemoteSandbox]]] = [
         lambda: AsyncRemoteSandbox.create("process", network=loopback, client=client),
         lambda: AsyncRemoteSandbox.create(client=client, snapshot=snap.id),
         lambda: AsyncRemoteSandbox.resume(sbx.id, client=client),
-    ):
+    ]
+    for attempt in attempts:
         with pytest.raises(exc.PolicyDenied) as denied:
             await attempt()
         assert denied.value.rule == "network.allow_hosts" and "127.0.0.1" in str(denied.value)
