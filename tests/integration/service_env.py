@@ -146,13 +146,14 @@ class Process:
 
 class Server(Process):
     def __init__(self, tenants: Path, db: str, folder: Path, *, redis: str | None = None,
-                 queue: str = "stockade", extra: list[str] | None = None):  # fmt: skip
+                 queue: str = "stockade", extra: list[str] | None = None,
+                 env: dict[str, str] | None = None):  # fmt: skip
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         argv = ["serve", "--tenants", str(tenants), "--db", db, "--port", str(self.port), "--queue", queue]
         if redis:
             argv += ["--redis", redis]  # the broker's visibility timeout as shipped (an hour)
-        super().__init__([*argv, *(extra or [])], folder / f"server-{self.port}.log", cwd=folder)
+        super().__init__([*argv, *(extra or [])], folder / f"server-{self.port}.log", env=env, cwd=folder)
         try:
             self.wait_ready()
         except BaseException:

@@ -527,3 +527,60 @@ def test_a_tenant_never_gets_the_service_hosts_network(tmp_path: Path) -> None:
     finally:
         server.stop()
     assert "Traceback" not in server.output(), server.output()[-3000:]
+
+
+def _whole_network(folder: Path, tiers: str = '"process"') -> tuple[Path, Tokens]:
+    """Tenants whose policy grants the whole network, on ``tiers``."""
+    tenants, tokens = write_tenants(folder)
+    policy = (folder / "policy.toml").read_text().replace('tiers = ["process"]', f"tiers = [{tiers}]")
+    (folder / "policy.toml").write_text(policy.replace("[models]", "[network]\nenabled = true\n[models]"))
+    return tenants, tokens
+
+
+def test_an_allowlist_narrowed_from_the_whole_network_never_names_the_service_hosts_addresses(
+    tmp_path: Path,
+) -> None:
+    """The whole network is the public internet; the egress proxy that serves an allowlist
+    connects from the service host, so an IP literal that is not public (the host's loopback,
+    the cloud metadata service, a private address) is refused unless the operator's policy
+    names it in allow_addresses. A name is the proxy's to judge when it resolves."""
+    require_tier("process")
+    tenants, tokens = _whole_network(tmp_path)
+    server = Server(tenants, f"sqlite:///{tmp_path / 'service.db'}", tmp_path)
+    try:
+        with Client(server.url, tokens.acme) as client:
+            for host in (f"127.0.0.1:{server.port}", "169.254.169.254", "[::1]:6379", "10.0.0.1:443"):
+                with pytest.raises(exc.PolicyDenied, match="not a public address") as refused:
+                    RemoteSandbox.create(
+                        tier="process", network=NetworkPolicy(allow_hosts=(host,)), client=client
+                    )
+                assert refused.value.rule == "network.allow_hosts", host
+            assert client.sandboxes() == []
+            with RemoteSandbox.create(
+                tier="process", network=NetworkPolicy(allow_hosts=("pypi.org", "8.8.8.8:53")), client=client
+            ) as sbx:  # public: given
+                assert sbx.alive
+    finally:
+        server.stop()
+    assert "Traceback" not in server.output(), server.output()[-3000:]
+
+
+def test_a_docker_tier_without_its_walls_never_gives_a_tenant_the_whole_network(tmp_path: Path) -> None:
+    """An engine on another host (or a service that cannot write firewall rules) leaves a
+    full-network container reaching the engine host's listeners and private addresses: the
+    service refuses it, whatever allow_weaker, and still gives an allowlist."""
+    require_tier("docker")
+    tenants, tokens = _whole_network(tmp_path, '"process", "docker"')
+    server = Server(
+        tenants, f"sqlite:///{tmp_path / 'service.db'}", tmp_path, env={"STOCKADE_DOCKER_REMOTE": "1"}
+    )
+    try:
+        with Client(server.url, tokens.acme) as client:
+            with pytest.raises(exc.LimitNotEnforceable, match="another host") as refused:
+                RemoteSandbox.create(tier="docker", network=NetworkPolicy(enabled=True), allow_weaker=True,
+                                     client=client)  # fmt: skip
+            assert refused.value.setting == "network"
+            assert client.sandboxes() == []
+    finally:
+        server.stop()
+    assert "Traceback" not in server.output(), server.output()[-3000:]

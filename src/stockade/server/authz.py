@@ -4,10 +4,14 @@ trust and the role's list), the network, models and tools."""
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 
 from stockade import exceptions as exc
+from stockade.egress._rules import Judge, ip_literal
 from stockade.policy.engine import PolicyEngine
 from stockade.policy.schema import Policy
+from stockade.sandbox import _netfull
+from stockade.sandbox.base import Backend
 from stockade.server.tenants import Principal
 from stockade.types import NetworkPolicy, Trust
 
@@ -64,7 +68,8 @@ def check_network(engine: PolicyEngine, network: NetworkPolicy) -> NetworkPolicy
     otherwise): its hosts must be among those the role may reach (``[network] allow``), or
     the policy must give the whole network. What it gets is the policy's own rules for those
     hosts (ports, methods, addresses, limits, and the credentials the proxy adds), never
-    more than the request names."""
+    more than the request names. A list narrowed from the whole network is the tenant's, with
+    the policy's addresses and pins (``_check_narrowed``)."""
     granted = engine.network_policy()
     if (network.enabled or network.egress) and not (granted.enabled or granted.egress):
         raise exc.PolicyDenied(
@@ -81,8 +86,15 @@ def check_network(engine: PolicyEngine, network: NetworkPolicy) -> NetworkPolicy
             )
         return network
     if granted.unrestricted:  # the whole network is allowed: any list narrows it
+        _check_narrowed(granted, network)
+        # The proxy runs on the service host: what it may reach past the public internet (its
+        # addresses, pins, trusted CAs) is the operator's to say, never the tenant's.
         return dataclasses.replace(
             network,
+            allow_addresses=granted.allow_addresses,
+            resolve=granted.resolve,
+            credentials=(),
+            upstream_ca=granted.upstream_ca,
             max_requests_per_minute=min(network.max_requests_per_minute, granted.max_requests_per_minute),
             max_bytes_per_minute=min(network.max_bytes_per_minute, granted.max_bytes_per_minute),
         )
@@ -99,22 +111,76 @@ def check_network(engine: PolicyEngine, network: NetworkPolicy) -> NetworkPolicy
     return dataclasses.replace(granted, enabled=True, rules=rules, credentials=credentials)
 
 
+def _check_narrowed(granted: NetworkPolicy, network: NetworkPolicy) -> None:
+    """``PolicyDenied`` for what an allowlist narrowed from the whole network must not name
+    unless the operator's policy does: the whole network is the public internet, but the
+    egress proxy connects from the service host, so an IP literal that is not public
+    (``127.0.0.1:6443``, ``169.254.169.254``), an ``allow_addresses`` network or a
+    ``resolve`` pin would reach the service host's loopback or its private network."""
+    operator = Judge(NetworkPolicy(allow_addresses=granted.allow_addresses))  # no rule: its addresses
+    for rule in network.host_rules:
+        literal = ip_literal(rule.host)
+        refusal = operator.address(literal) if literal is not None else None
+        if refusal is not None:
+            raise exc.PolicyDenied(
+                f"{rule.host} is not a public address: the tenant's policy gives the whole network, "
+                "the public internet, not the service host's own or its private network (but what "
+                "the policy's allow_addresses name)",
+                rule="network.allow_hosts",
+                action=f"reach {rule.host}",
+            )
+    networks = [ipaddress.ip_network(text, strict=False) for text in granted.allow_addresses]
+    for text in network.allow_addresses:
+        asked = ipaddress.ip_network(text, strict=False)
+        if not any(asked.version == n.version and asked.subnet_of(n) for n in networks):  # type: ignore[arg-type]
+            raise exc.PolicyDenied(
+                f"allow_addresses {text!r}: the tenant's policy gives no address that is not public "
+                f"but {', '.join(granted.allow_addresses) or 'none'}",
+                rule="network.allow_addresses",
+                action=f"reach {text}",
+            )
+    for name, addresses in network.resolve.items():
+        pinned = granted.resolve.get(name, ())
+        if not set(addresses) <= set(pinned):
+            raise exc.PolicyDenied(
+                f"resolve {name!r}: the tenant's policy pins it to {', '.join(pinned) or 'nothing'}",
+                rule="network.resolve",
+                action=f"pin {name} to {', '.join(addresses)}",
+            )
+
+
 # Tiers whose whole network is the service host's own stack: its loopback services (the
 # service's Redis, PostgreSQL, API port) and its abstract AF_UNIX sockets.
 HOST_STACK_TIERS = frozenset({"process"})
 
 
-def check_tier_network(tier: str, network: NetworkPolicy | None) -> None:
-    """``LimitNotEnforceable`` (422) for the whole network on a tier that shares the service
-    host's stack, whatever the request's ``allow_weaker``: a policy that grants the whole
-    network means the internet, never the service's own host."""
-    if network is not None and network.unrestricted and tier in HOST_STACK_TIERS:
-        raise exc.LimitNotEnforceable(
-            f"the whole network on the {tier} tier is the service host's own (its loopback services "
-            "and abstract sockets); the service never gives it, whatever allow_weaker: use the docker tier",
-            setting="network",
-            fix="use tier='docker', whose full network reaches the internet only, or network.allow_hosts",
-        )
+def check_tier_network(backend: Backend, network: NetworkPolicy | None) -> None:
+    """``LimitNotEnforceable`` (422) for the whole network on a tier that cannot wall it off
+    from the service host and its private network (the process tier shares the host's stack;
+    the docker tier without its firewall rules reaches the engine host's listeners and
+    169.254.169.254), whatever the request's ``allow_weaker``: a policy that grants the whole
+    network means the internet, never the service's own hosts."""
+    if network is None or not network.unrestricted:
+        return
+    tier = backend.tier
+    if tier in HOST_STACK_TIERS:
+        why = "it is the service host's own (its loopback services and abstract sockets)"
+        advice = "use tier='docker', whose full network reaches the internet only, or network.allow_hosts"
+    elif tier == "docker":
+        # the docker backend knows where its engine runs; another (a test's) is taken as remote
+        unwalled = _netfull.unwalled(remote=getattr(backend, "remote", True))
+        if unwalled is None:
+            return
+        why = f"it is not walled off from the engine host and its private network: {unwalled}"
+        advice = "use network.allow_hosts, an allowlist through the egress proxy"
+    else:
+        return  # the other tiers refuse the whole network themselves
+    raise exc.LimitNotEnforceable(
+        f"the whole network on the {tier} tier: {why}; the service never gives it, whatever "
+        f"allow_weaker: {advice}",
+        setting="network",
+        fix=advice,
+    )
 
 
 def _spell(granted: NetworkPolicy) -> str:

@@ -251,7 +251,8 @@ class SandboxRegistry:
             judged = self._network(engine, kept)  # refused if the policy no longer gives it
             network = None if memory else judged  # a memory snapshot keeps its own (no credentials)
         check_tier_network(
-            tier, network if network is not None else kept.network if kept is not None else None
+            self.service.backends(tier),
+            network if network is not None else kept.network if kept is not None else None,
         )
         given = request.limits.build() if request.limits is not None else None
         limits = given or (kept.limits if kept is not None else Limits())
@@ -340,7 +341,7 @@ class SandboxRegistry:
         engine = engine_for(principal)
         choose_tier(engine, tier)  # the role may still use its tier
         network = self._network(engine, kept)
-        check_tier_network(tier, kept.network)
+        check_tier_network(self.service.backends(tier), kept.network)
         if manifest.snapshot.kind is SnapshotKind.MEMORY:
             network = None
         backend = self._backend(principal, engine, tier, sandbox_id)

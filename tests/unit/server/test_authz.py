@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from stockade import exceptions as exc
+from stockade.egress._rules import Judge
 from stockade.policy.schema import (
     CredentialRule,
     HostAllow,
@@ -16,8 +17,18 @@ from stockade.policy.schema import (
     Role,
     TrustRules,
 )
-from stockade.server.authz import check_model, check_network, choose_tier, effective_policy, engine_for
+from stockade.sandbox.base import Backend
+from stockade.sandbox.docker import DockerBackend
+from stockade.server.authz import (
+    check_model,
+    check_network,
+    check_tier_network,
+    choose_tier,
+    effective_policy,
+    engine_for,
+)
 from stockade.server.tenants import Principal, Tenant
+from stockade.testing import FakeBackend
 from stockade.types import NetworkPolicy, Trust
 
 POLICY = Policy(
@@ -150,6 +161,90 @@ def test_a_credential_for_a_host_spelled_otherwise_goes_with_its_host(spelled: s
     )
     got = check_network(engine_for(principal("ci", policy)), NetworkPolicy(allow_hosts=("api.github.com",)))
     assert [c.name for c in got.credentials] == ["gh"]
+
+
+WHOLE = Policy(roles={"dev": Role()}, network=NetworkRules(enabled=True))
+
+
+@pytest.mark.parametrize(
+    "host", ["127.0.0.1:6443", "169.254.169.254", "10.0.0.1", "[::1]:8080", "::ffff:127.0.0.1", "0.0.0.0"]
+)
+def test_an_allowlist_narrowed_from_the_whole_network_names_no_address_that_is_not_public(host: str) -> None:
+    """The whole network is the public internet; the egress proxy connects from the service
+    host, where an IP literal rule would let it reach that host's loopback or the metadata
+    service (its own address is what such a rule allows, plain HTTP on port 80 too)."""
+    with pytest.raises(exc.PolicyDenied, match="not a public address") as denied:
+        check_network(engine_for(principal(policy=WHOLE)), NetworkPolicy(allow_hosts=(host,)))
+    assert denied.value.rule == "network.allow_hosts"
+
+
+def test_public_addresses_and_names_narrow_the_whole_network_and_the_proxy_judges_the_names() -> None:
+    got = check_network(
+        engine_for(principal(policy=WHOLE)),
+        NetworkPolicy(allow_hosts=("8.8.8.8:443", "localhost", "pypi.org")),
+    )
+    assert [r.host for r in got.host_rules] == ["8.8.8.8", "localhost", "pypi.org"]
+    judge = Judge(got)
+    assert judge.request("localhost", 443, "CONNECT").allowed  # a name: its addresses are judged next
+    refused = judge.addresses("localhost", ["127.0.0.1"])[1]
+    assert refused is not None and refused.rule == "addresses (not public)"
+
+
+@pytest.mark.parametrize(
+    ("asked", "field"),
+    [
+        (NetworkPolicy(allow_hosts=("pypi.org",), allow_addresses=("0.0.0.0/0",)), "network.allow_addresses"),
+        (NetworkPolicy(allow_hosts=("pypi.org",), allow_addresses=("::/0",)), "network.allow_addresses"),
+        (NetworkPolicy(allow_hosts=("pypi.org",), resolve={"pypi.org": ("127.0.0.1",)}), "network.resolve"),
+        (
+            NetworkPolicy(allow_hosts=("pypi.org",), resolve={"pypi.org": ("151.101.0.223",)}),
+            "network.resolve",
+        ),
+    ],
+)
+def test_a_tenant_brings_no_addresses_or_pins_of_its_own_to_the_whole_network(
+    asked: NetworkPolicy, field: str
+) -> None:
+    """A request that carries them (a snapshot's kept network) would let any name through to
+    a private or loopback address: the operator's policy alone says which."""
+    with pytest.raises(exc.PolicyDenied) as denied:
+        check_network(engine_for(principal(policy=WHOLE)), asked)
+    assert denied.value.rule == field
+
+
+def test_the_operators_addresses_and_pins_go_with_an_allowlist_narrowed_from_the_whole_network() -> None:
+    policy = Policy(
+        roles={"dev": Role()},
+        network=NetworkRules(
+            enabled=True, allow_addresses=("10.1.0.0/16",), resolve={"db.internal": ("10.1.2.3",)}
+        ),
+    )
+    engine = engine_for(principal(policy=policy))
+    got = check_network(engine, NetworkPolicy(allow_hosts=("db.internal:5432", "10.1.9.9:443")))
+    assert got.allow_addresses == ("10.1.0.0/16",) and dict(got.resolve) == {"db.internal": ("10.1.2.3",)}
+    assert Judge(got).addresses("db.internal", ["10.1.2.3"])[1] is None
+    # what the operator names, asked again (a snapshot's network as the service kept it): given
+    again = check_network(engine, got)
+    assert again.allow_addresses == got.allow_addresses and again.resolve == got.resolve
+    with pytest.raises(exc.PolicyDenied) as outside:
+        check_network(engine, NetworkPolicy(allow_hosts=("10.2.0.1",)))
+    assert outside.value.rule == "network.allow_hosts"
+    with pytest.raises(exc.PolicyDenied) as wider:
+        check_network(engine, NetworkPolicy(allow_hosts=("pypi.org",), allow_addresses=("10.0.0.0/8",)))
+    assert wider.value.rule == "network.allow_addresses"
+
+
+@pytest.mark.parametrize(
+    "backend", [FakeBackend(tier="process"), DockerBackend(remote=True)], ids=["process", "remote docker"]
+)
+def test_the_whole_network_is_refused_on_a_tier_that_cannot_wall_it_off(backend: Backend) -> None:
+    """Whatever allow_weaker: the process tier's is the service host's own stack, and a docker
+    engine on another host has none of stockade's firewall rules in front of its listeners."""
+    with pytest.raises(exc.LimitNotEnforceable) as refused:
+        check_tier_network(backend, NetworkPolicy(enabled=True))
+    assert refused.value.setting == "network"
+    check_tier_network(backend, NetworkPolicy(allow_hosts=("pypi.org",)))  # an allowlist: the proxy's
+    check_tier_network(backend, None)
 
 
 def test_only_registered_models_are_allowed() -> None:

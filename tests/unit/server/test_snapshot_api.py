@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +24,7 @@ from stockade.server.context import ServiceConfig
 from stockade.server.service import Service
 from stockade.server.tenants import Quotas, Tenant, Tenants, new_token
 from stockade.testing import FakeBackend
-from stockade.types import SnapshotKind
+from stockade.types import NetworkPolicy, SnapshotKind
 
 
 @dataclass(frozen=True)
@@ -265,3 +265,38 @@ async def test_processes_that_do_not_share_the_store_say_where_a_snapshot_is(
     back = await AsyncRemoteSandbox.resume(sbx.id, client=on_shared)
     assert await back.files.read("f.txt") == "from a"
     await back.close()
+
+
+async def test_a_kept_allowlist_the_policy_no_longer_gives_starts_and_resumes_nowhere(
+    services: Services, tmp_path: Path
+) -> None:
+    """A snapshot keeps the network its sandbox had; a start from it and a resume judge it
+    again by the policy as it is now. Once the operator stops giving the host's loopback
+    (its ``allow_addresses``), a kept allowlist naming ``127.0.0.1`` is refused on both
+    ways back, as a new sandbox asking for it is."""
+    token, record = new_token("acme")
+
+    def tenants(network: dict[str, object]) -> Tenants:
+        policy = Policy.model_validate({"trust": {"level": "trusted"}, "network": network})
+        acme = Tenant(id="acme", quotas=Quotas(sandboxes=2, snapshot_mb=64), policy=policy)
+        return Tenants(tenants={"acme": acme}, tokens={record.id: record})
+
+    before = services.start(
+        tenants({"enabled": True, "allow_addresses": ["127.0.0.0/8"]}), tmp_path / "snaps"
+    )
+    loopback = NetworkPolicy(allow_hosts=("127.0.0.1:6443",))
+    sbx = await AsyncRemoteSandbox.create("process", network=loopback, client=services.client(before, token))
+    snap = await sbx.snapshot()
+    await sbx.pause()
+    after = services.start(tenants({"enabled": True}), tmp_path / "snaps")  # the whole network, no more
+    client = services.client(after, token)
+    attempts: list[Callable[[], Awaitable[AsyncRemoteSandbox]]] = [
+        lambda: AsyncRemoteSandbox.create("process", network=loopback, client=client),
+        lambda: AsyncRemoteSandbox.create(client=client, snapshot=snap.id),
+        lambda: AsyncRemoteSandbox.resume(sbx.id, client=client),
+    ]
+    for attempt in attempts:
+        with pytest.raises(exc.PolicyDenied) as denied:
+            await attempt()
+        assert denied.value.rule == "network.allow_hosts" and "127.0.0.1" in str(denied.value)
+    assert await client.sandboxes() == []
