@@ -362,9 +362,11 @@ class NetworkPolicy:
 
     With ``allow_hosts`` or ``rules``, code reaches only those hosts, over HTTP and HTTPS,
     through an egress proxy stockade runs for the sandbox (its only route out: no other
-    address, no DNS). IP literals and addresses that are not public (private, loopback,
-    link-local, the metadata service, their IPv6 forms) are refused, names that resolve to
-    one of them too, unless ``allow_addresses`` (networks, ``"10.1.0.0/16"``) lets them.
+    address, no DNS). Addresses that are not public (private, loopback, link-local, the
+    metadata service, their IPv6 forms) are refused, asked for as an IP literal or reached
+    through a name that resolves to one, unless ``allow_addresses`` (networks,
+    ``"10.1.0.0/16"``) lets them or a rule names that literal itself (``HostRule``: the
+    caller's own choice; ``stockade serve`` refuses a tenant's non-public literal).
     ``resolve`` pins names to addresses on the proxy's side (like ``curl --resolve``).
     ``credentials`` are added by the proxy to the requests for their hosts. Past
     ``max_requests_per_minute`` or ``max_bytes_per_minute`` (both directions) requests are
