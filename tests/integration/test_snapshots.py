@@ -305,13 +305,14 @@ def test_a_snapshots_areas_share_the_room_left_in_the_store(tier: str, tmp_path:
     require_tier(tier)
     small = SnapshotStore(tmp_path / "small", max_bytes=64 << 20)
     with Sandbox.create(tier, limits=LIMITS) as sbx:
-        sbx.commands.run("truncate -s 40M /workspace/holes; truncate -s 30M /tmp/holes")
+        # each within its own area (96 and 16 MiB), together past the store's 64
+        sbx.commands.run("truncate -s 55M /workspace/holes; truncate -s 15M /tmp/holes")
         with DiskWatch(small) as watch, pytest.raises(SnapshotError, match="does not fit the snapshot store"):
             sbx.snapshot(store=small, memory=False)
         assert watch.peak <= small.max_bytes + SLACK
         assert disk_bytes(small.root) == 0  # nothing half-written stays
         sbx.commands.run("rm /tmp/holes")
-        assert sbx.snapshot(store=small, memory=False).size_bytes >= 40 << 20
+        assert sbx.snapshot(store=small, memory=False).size_bytes >= 55 << 20
 
 
 @pytest.mark.parametrize("tier", FILES_TIERS)
@@ -339,8 +340,8 @@ def test_a_memory_snapshot_writes_no_more_than_the_stores_room(tier: str, tmp_pa
     require_tier(tier)
     small = SnapshotStore(tmp_path / "small", max_bytes=320 << 20)
     with Sandbox.create(tier, limits=LIMITS) as sbx:
-        # Within the areas' own sizes (128 and 32 MiB), past the 64 MiB the image leaves.
-        sbx.commands.run("truncate -s 100M /workspace/holes; truncate -s 30M /tmp/holes")
+        # Within the areas' own sizes (96 and 16 MiB), past the 64 MiB the image leaves.
+        sbx.commands.run("truncate -s 60M /workspace/holes; truncate -s 15M /tmp/holes")
         with DiskWatch(small) as watch, pytest.raises(SnapshotStoreFull, match="is full"):
             sbx.snapshot(store=small, memory=True)
         assert watch.peak <= small.max_bytes + SLACK
@@ -408,14 +409,14 @@ def test_a_snapshot_larger_than_the_sandbox_is_refused_at_its_first_header(
     128 MiB sandbox: its whole object was sent, and the supervisor died of it ("the
     supervisor exited"). The sandbox refuses the file as its header comes, before its data.
     (The snapshot is of a sandbox whose workspace holds it: see the test below.)"""
-    with Sandbox.create(tier, limits=Limits(memory_mb=768, timeout_s=20, pids=64)) as sbx:
-        assert sbx.commands.run("truncate -s 300M holes").exit_code == 0
+    with Sandbox.create(tier, limits=Limits(memory_mb=768, timeout_s=20, pids=64)) as sbx:  # 288 MiB
+        assert sbx.commands.run("truncate -s 250M holes").exit_code == 0
         snap = sbx.snapshot(store=store)
-    with pytest.raises(SnapshotIncompatible, match=r"does not fit this sandbox.*'holes' is 314572800 bytes"):
+    with pytest.raises(SnapshotIncompatible, match=r"does not fit this sandbox.*'holes' is 262144000 bytes"):
         Sandbox.create(snapshot=snap, store=store, limits=Limits(memory_mb=128, pids=64))
     with Sandbox.create(snapshot=snap, store=store, limits=Limits(memory_mb=768, pids=64)) as sbx:
         restored = sbx.files.stat("holes")
-        assert restored is not None and restored.size == 300 << 20
+        assert restored is not None and restored.size == 250 << 20
 
 
 # The tiers whose pause writes the sandbox's files out (gVisor's areas with its memory).
@@ -432,9 +433,9 @@ def test_files_larger_than_their_own_area_are_refused_at_pause_and_the_sandbox_r
     into the sandbox's own limits could put back is refused before anything is kept; the
     sandbox is left running as it was."""
     require_tier(tier)
-    with Sandbox.create(tier, limits=LIMITS) as sbx:  # a workspace of 128 MiB, /tmp of 32 MiB
+    with Sandbox.create(tier, limits=LIMITS) as sbx:  # a workspace of 96 MiB, /tmp of 16 MiB
         sbx.files.write("important.txt", "the user's work")
-        for path, setting in (("/workspace/.cache-sparse", "disk_mb=128"), ("/tmp/holes", "tmp_mb=32")):
+        for path, setting in (("/workspace/.cache-sparse", "disk_mb=96"), ("/tmp/holes", "tmp_mb=16")):
             assert sbx.commands.run(f"truncate -s 200M {path}").exit_code == 0
             with pytest.raises(SnapshotIncompatible) as refused:
                 sbx.pause(store=store)
