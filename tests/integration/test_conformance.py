@@ -243,6 +243,26 @@ def test_a_print_flood_comes_whole_in_order_and_in_few_pieces(sbx: Sandbox) -> N
     assert len(chunks) < 2_000, f"{len(chunks)} pieces for 20,000 prints: a wake-up a write"
 
 
+def test_the_end_of_a_flood_reaches_the_callback_while_the_cell_still_runs(sbx: Sandbox) -> None:
+    # Gathered output waits in the pipe for a moment, never until the run ends: the cell
+    # goes on only once the host, having seen its last line, answers through a file.
+    def answer(text: str) -> None:
+        if "done" in text:
+            sbx.files.write("seen", "")
+
+    code = (
+        "import os, time\n"
+        "for i in range(10_000): print(i)\n"
+        "print('done')\n"
+        "for _ in range(3000):\n"
+        "    if os.path.exists('seen'): break\n"
+        "    time.sleep(0.01)\n"
+        "print('answered' if os.path.exists('seen') else 'no answer')"
+    )
+    ex = sbx.run_code(code, on_stdout=answer)
+    assert ex.logs.stdout.endswith("9999\ndone\nanswered\n"), ex.logs.stdout[-40:]
+
+
 def test_prints_and_a_childs_output_keep_their_order_line_by_line(sbx: Sandbox) -> None:
     # Every writer shares the one pipe: no print waits in a buffer while a child writes.
     code = (
