@@ -235,6 +235,60 @@ def test_run_code_streams_output(sbx: Sandbox) -> None:
     assert "".join(chunks) == "0\n1\n2\n" and len(chunks) >= 2
 
 
+def test_a_print_flood_comes_whole_in_order_and_in_few_pieces(sbx: Sandbox) -> None:
+    # stdout stays unbuffered (a write a print); the supervisor lets writes gather in the
+    # pipe between its reads, so 20,000 prints (40,000 writes) are not a frame each to the
+    # host, each a turn of the supervisor's and the host's: 16 us a print, 50 times a command
+    chunks: list[str] = []
+    ex = sbx.run_code("for i in range(20_000): print(i)", on_stdout=chunks.append)
+    assert ex.logs.stdout == "".join(chunks) == "".join(f"{i}\n" for i in range(20_000))
+    assert len(chunks) < 2_000, f"{len(chunks)} pieces for 20,000 prints: a wake-up a write"
+
+
+def test_the_end_of_a_flood_reaches_the_callback_while_the_cell_still_runs(sbx: Sandbox) -> None:
+    # Gathered output waits in the pipe for a moment, never until the run ends: the cell
+    # goes on only once the host, having seen its last line, answers through a file.
+    def answer(text: str) -> None:
+        if "done" in text:
+            sbx.files.write("seen", "")
+
+    code = (
+        "import os, time\n"
+        "for i in range(10_000): print(i)\n"
+        "print('done')\n"
+        "for _ in range(3000):\n"
+        "    if os.path.exists('seen'): break\n"
+        "    time.sleep(0.01)\n"
+        "print('answered' if os.path.exists('seen') else 'no answer')"
+    )
+    ex = sbx.run_code(code, on_stdout=answer)
+    assert ex.logs.stdout.endswith("9999\ndone\nanswered\n"), ex.logs.stdout[-40:]
+
+
+def test_prints_and_a_childs_output_keep_their_order_line_by_line(sbx: Sandbox) -> None:
+    # Every writer shares the one pipe: no print waits in a buffer while a child writes.
+    code = (
+        "import os, subprocess, sys\n"
+        "for i in range(15):\n"
+        "    print(f'print {i}', end=' ')\n"
+        "    os.system(f'echo system {i}')\n"
+        "    print(f'err {i}', file=sys.stderr)\n"
+        "    subprocess.run(['echo', f'subprocess {i}'])\n"
+        "    print('x' * 5000)\n"
+    )
+    ex = sbx.run_code(code)
+    want = "".join(f"print {i} system {i}\nsubprocess {i}\n{'x' * 5000}\n" for i in range(15))
+    assert ex.error is None and ex.logs.stdout == want
+    assert ex.logs.stderr == "".join(f"err {i}\n" for i in range(15))
+
+
+def test_output_written_just_before_the_interpreter_dies_is_kept(sbx: Sandbox) -> None:
+    code = "for i in range(3000): print(i)\nimport os\nos.write(1, b'last words')\nos._exit(3)"
+    ex = sbx.run_code(code)
+    assert ex.error is not None and ex.error.name == "KernelDied"
+    assert ex.logs.stdout == "".join(f"{i}\n" for i in range(3000)) + "last words"
+
+
 # -- files ---------------------------------------------------------------------------------
 
 

@@ -134,3 +134,21 @@ def test_a_pass_kills_the_tree_but_spares_what_it_must() -> None:
     finally:
         os.killpg(root.pid, 9)  # all of them: one group
         root.wait()
+
+
+def test_the_output_pipes_wait_no_longer_than_a_gather_even_if_the_clock_went_back() -> None:
+    # A supervisor restored from a memory snapshot on another machine finds a monotonic clock
+    # far behind the one its due time was taken on: the wait is cut, the pipes read at once.
+    saved = list(sys.path)
+    sys.path.insert(0, str(SUPERVISOR))
+    try:
+        runcode = importlib.import_module("runcode")
+    finally:
+        sys.path[:] = saved
+    interp = object.__new__(runcode.Interpreter)  # no process: only its schedule is asked
+    interp.due = None
+    assert interp.wait(100.0) is None, "watched pipes: nothing to wait for"
+    interp.due = 100.0 + runcode.GATHER_S / 2
+    assert interp.wait(100.0) == pytest.approx(runcode.GATHER_S / 2)
+    interp.due = 5000.0
+    assert interp.wait(100.0) == 0

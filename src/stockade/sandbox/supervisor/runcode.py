@@ -37,6 +37,11 @@ if TYPE_CHECKING:
     from supervisor import Supervisor
 
 CHUNK = 1 << 16
+# After a read of the code's output, how long its pipes gather before the next: unbuffered
+# print()s are a write each, and waking for each (a read, a frame to the host, the host's
+# turn) cost ~16 us a print, 50 times a command's. Unwatched meanwhile, a write is a copy
+# into the pipe. What a quiet cell prints first is read at once; what follows it, this late.
+GATHER_S = 0.002
 START_S = 10.0  # how long the zygote may take to fork an interpreter (it may still be loading site)
 
 
@@ -185,6 +190,8 @@ class Interpreter:
         # during a run can be an earlier run's (a thread, a signal handler, a gc callback, a
         # name it rebound), which no look from outside rules out.
         self.used = False
+        # When the output pipes, unwatched, are read again (``gather``); None: watched.
+        self.due: Optional[float] = None
         for fd in (out_r, err_r, res_r):
             os.set_blocking(fd, False)
             sup.sel.register(fd, EVENT_READ, ("interpreter", self))
@@ -234,17 +241,12 @@ class Interpreter:
         sup = self.sup
         if self is not sup.interpreter:
             return
+        if fd in self.pipes:
+            self.gather()
+            return
         try:
             data = os.read(fd, CHUNK)
         except BlockingIOError:
-            return
-        if fd in self.pipes:
-            if data and self.job is not None:
-                self.job.output(self.pipes[fd], data)
-            elif not data:  # the code closed its stdout or stderr: not a death (the ctl pipe says that)
-                sup.sel.unregister(fd)
-                os.close(fd)
-                del self.pipes[fd]
             return
         if not data:
             sup.drop_interpreter("the interpreter process died")
@@ -274,6 +276,46 @@ class Interpreter:
             sup.finish_code(job, payload)
         self.next_run()
 
+    def wait(self, now: float) -> "Optional[float]":
+        """Seconds until the output pipes are read again (``gather`` at 0), or None."""
+        if self.due is None:
+            return None
+        if self.due - now > GATHER_S:  # a clock that went back (a snapshot restored elsewhere)
+            self.due = now
+        return max(0.0, self.due - now)
+
+    def gather(self) -> None:
+        """Read what the code wrote on each output pipe, stdout first, and pass it on; then
+        leave the pipes unwatched for GATHER_S while more gathers in them, or, if there was
+        none, watch them again. A full read is read on at the next turn, not after a wait:
+        a large write is never slowed. Every end of a run drains them first (``drain``)."""
+        sup = self.sup
+        got = full = False
+        for fd, stream in list(self.pipes.items()):
+            try:
+                data = os.read(fd, CHUNK)
+            except BlockingIOError:
+                continue
+            if not data:  # the code closed its stdout or stderr: not a death (the ctl pipe says that)
+                if self.due is None:
+                    sup.sel.unregister(fd)
+                os.close(fd)
+                del self.pipes[fd]
+                continue
+            got = True
+            full = full or len(data) == CHUNK
+            if self.job is not None:
+                self.job.output(stream, data)
+        if got:
+            if self.due is None:
+                for fd in self.pipes:
+                    sup.sel.unregister(fd)
+            self.due = time.monotonic() + (0.0 if full else GATHER_S)
+        elif self.due is not None:
+            for fd in self.pipes:
+                sup.sel.register(fd, EVENT_READ, ("interpreter", self))
+            self.due = None
+
     def drain(self, job: "Job") -> None:
         """Pass on to ``job`` what its code wrote and we have not read yet."""
         for fd, stream in self.pipes.items():
@@ -290,7 +332,7 @@ class Interpreter:
         for fd in [self.ctl_r, *self.pipes]:
             try:
                 sup.sel.unregister(fd)
-            except (KeyError, ValueError):
+            except (KeyError, ValueError):  # an output pipe left unwatched (``gather``)
                 pass
             os.close(fd)
         os.close(self.ctl_w)

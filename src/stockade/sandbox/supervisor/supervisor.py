@@ -296,6 +296,9 @@ class Supervisor:
             ready = self.sel.select(timeout)
             # Deadlines first: a flood of output from the tree to kill must not come before it.
             self._check_deadlines()
+            interp = self.interpreter
+            if interp is not None and interp.wait(time.monotonic()) == 0:
+                interp.gather()
             relayed_only = bool(ready)  # a turn that only relayed egress bytes has nothing to reap
             for key, events in ready:
                 if not self.sel.holds(key):
@@ -331,11 +334,12 @@ class Supervisor:
 
     def _next_timeout(self) -> Optional[float]:
         deadlines = [j.deadline for j in self.commands.values() if j.deadline]
+        now = time.monotonic()
+        waits = [] if self.interpreter is None else [self.interpreter.wait(now)]
         if self.interpreter and self.interpreter.job and self.interpreter.job.deadline:
             deadlines.append(self.interpreter.job.deadline)
-        if not deadlines:
-            return None
-        return max(0.0, min(deadlines) - time.monotonic())
+        left = [max(0.0, d - now) for d in deadlines] + [w for w in waits if w is not None]
+        return min(left) if left else None
 
     def _on_host(self) -> None:
         try:

@@ -1,0 +1,118 @@
+"""A print-heavy program: ``for i in range(N): print(i)`` through ``run_code``, through
+``commands.run`` (``python3 -c``, whose stdout on a pipe is buffered) and through
+``python3 -c`` in a strict bubblewrap (buffered, and ``-u``: a write a print, as ``run_code``'s
+unbuffered stdout). And how late a streamed line reaches ``on_stdout``: a cell printing
+``time.time()`` every 10 ms, each line's arrival against the time it holds (one clock: the
+host's and the sandbox's kernel are one on these tiers).
+
+    python bench/run_code_prints.py [--tiers process,docker] [--prints 100000] [--rounds 3]
+
+Prints a markdown table: medians over the rounds, min-max. The rows of one tier are
+interleaved round by round, so that a change of the machine's load moves each of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+
+from _raw import RAW_BWRAP
+
+from stockade import Sandbox
+from stockade.sandbox.base import Backend
+from stockade.sandbox.docker import DockerBackend
+from stockade.sandbox.process import ProcessBackend
+
+TICKS = 30
+
+
+def loop(n: int) -> str:
+    return f"for i in range({n}): print(i)"
+
+
+def expected(n: int) -> str:
+    return "".join(f"{i}\n" for i in range(n))
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def stream_delays(sbx: Sandbox) -> list[float]:
+    """How late each of TICKS lines reached ``on_stdout`` after the cell printed it."""
+    arrived: list[tuple[float, str]] = []
+    code = f"import time\nfor _ in range({TICKS}):\n    print(repr(time.time())); time.sleep(0.01)"
+    sbx.run_code(code, on_stdout=lambda text: arrived.append((time.time(), text)))
+    delays, held = [], ""
+    for at, text in arrived:  # a line may come in parts (a print is two writes): its last part's time
+        *lines, held = (held + text).split("\n")
+        delays += [at - float(line) for line in lines]
+    assert len(delays) == TICKS, arrived
+    return delays
+
+
+def measure(backend: Backend, n: int, rounds: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {"run_code": [], "command": [], "stream": []}
+    want = expected(n)
+    with Sandbox.create(backend=backend) as sbx:
+        sbx.run_code("1")  # the interpreter started, not timed
+
+        def code() -> None:
+            ex = sbx.run_code(loop(n))
+            assert ex.error is None and ex.logs.stdout == want, ex.error
+
+        def command() -> None:
+            r = sbx.commands.run(["python3", "-c", loop(n)])
+            assert r.exit_code == 0 and r.stdout == want, r.stderr
+
+        for _ in range(rounds):
+            out["run_code"].append(timed(code))
+            out["command"].append(timed(command))
+            out["stream"] += stream_delays(sbx)
+    return out
+
+
+def raw(n: int, rounds: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {"raw": [], "raw -u": []}
+    want = expected(n).encode()
+    for _ in range(rounds):
+        for row, flags in (("raw", []), ("raw -u", ["-u"])):
+            argv = [*RAW_BWRAP, "/usr/bin/python3", *flags, "-c", loop(n)]
+            t = time.perf_counter()
+            done = subprocess.run(argv, env={}, check=True, capture_output=True)
+            out[row].append(time.perf_counter() - t)
+            assert done.stdout == want
+    return out
+
+
+def fmt(xs: list[float]) -> str:
+    return f"{statistics.median(xs) * 1000:,.1f} ({min(xs) * 1000:,.1f}-{max(xs) * 1000:,.1f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiers", default="process,docker")
+    ap.add_argument("--prints", type=int, default=100_000)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    backends: dict[str, Callable[[], Backend]] = {"process": ProcessBackend, "docker": DockerBackend}
+    print(f"load average {os.getloadavg()[0]:.1f}, {args.prints:,} prints, {args.rounds} rounds")
+    print("| tier | run_code ms | commands.run ms | streamed line's delay ms (p50, min-max) |")
+    print("|---|---|---|---|")
+    for tier in args.tiers.split(","):
+        got = measure(backends[tier](), args.prints, args.rounds)
+        print(f"| {tier} | {fmt(got['run_code'])} | {fmt(got['command'])} | {fmt(got['stream'])} |")
+    got = raw(args.prints, args.rounds)
+    print(f"| raw bwrap `python3 -c` | | {fmt(got['raw'])} | |")
+    print(f"| raw bwrap `python3 -u -c` | | {fmt(got['raw -u'])} | |")
+    print(f"load average {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
