@@ -10,7 +10,7 @@ import re
 import shlex
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from stockade._checks import MAX_TIMEOUT_S, check_number, check_strings, check_text
 from stockade._globs import workspace_globs
@@ -59,6 +59,7 @@ MIN_FILES_PER_PROCESS = 32  # Python and a shell need about 10 each
 FILE_COST_BYTES = 3072
 INODES_PER_MIB = 64  # the workspace's files by default: 32,768 at 512 MiB, 96 MiB of that
 MIN_SCRATCH_INODES = 256  # /tmp's and /dev/shm's at the least (a build's temporary files)
+MAX_INODES = 2**31 - 1  # a tmpfs's nr_inodes on every tier's kernel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -186,7 +187,7 @@ def _tmp_size_mb(memory_mb: int, tmp_mb: int | None) -> int:
 
 
 def _workspace_inodes(memory_mb: int, inodes: int | None) -> int:
-    return inodes if inodes is not None else INODES_PER_MIB * memory_mb
+    return inodes if inodes is not None else min(MAX_INODES, INODES_PER_MIB * memory_mb)
 
 
 def _scratch_inodes(workspace_inodes: int) -> int:
@@ -212,6 +213,43 @@ def _least_memory(memory_mb: int, disk_mb: int | None, tmp_mb: int | None, inode
     return low
 
 
+# Limits.inodes's default before a file's kernel memory counted (2026-12-06), when the places
+# were sized apart from it: a client or a store of then wrote it out with every Limits.
+OLD_DEFAULT_INODES = 65536
+
+
+def limits_from_fields(fields: Mapping[str, Any]) -> Limits:
+    """A ``Limits`` from its fields as a client or a store wrote them out: one from before
+    2026-12-06 names the then default ``inodes=65536`` whatever ``memory_mb``, which today's rule
+    refuses below ~954 MiB. Meant as the default, it is taken as today's (a count asked for on
+    purpose and refused stays refused)."""
+    try:
+        return Limits(**fields)
+    except InvalidArgument:
+        if fields.get("inodes") != OLD_DEFAULT_INODES:
+            raise
+        return Limits(**{**fields, "inodes": None})
+
+
+def limits_of_old_places(fields: Mapping[str, Any]) -> Limits:
+    """The ``Limits`` a sandbox kept (snapshotted, paused) before 2026-12-06 is restored with:
+    its places as they were then, so its files always fit again (the workspace half of
+    ``memory_mb``, /tmp and /dev/shm an eighth, at most 64 MiB, unless given, and its
+    ``inodes``), and ``memory_mb`` raised to the least that holds them by today's rule. Only
+    one whose count is the old default is changed: another was refused or kept as it is."""
+    if fields.get("inodes") != OLD_DEFAULT_INODES:
+        return limits_from_fields(fields)
+    memory_mb = Limits(**{**fields, "inodes": None, "disk_mb": None, "tmp_mb": None}).memory_mb
+    disk_mb, tmp_mb = fields.get("disk_mb"), fields.get("tmp_mb")
+    old = {
+        **fields,
+        "disk_mb": memory_mb // 2 if disk_mb is None else disk_mb,
+        "tmp_mb": max(1, min(64, memory_mb // 8)) if tmp_mb is None else tmp_mb,
+    }
+    least = _least_memory(memory_mb, old["disk_mb"], old["tmp_mb"], OLD_DEFAULT_INODES)
+    return Limits(**{**old, "memory_mb": least})
+
+
 # field: (whole number, lowest, highest, unit). The lowest values are what the sandbox machinery
 # needs (a few processes, an interpreter's memory); the highest are what every tier's kernel,
 # engine and runtime accept (PID_MAX_LIMIT; sizes whose bytes, plus a runtime's overhead, fit
@@ -222,7 +260,7 @@ _LIMIT_RANGES: dict[str, tuple[bool, float, float, str]] = {
     "pids": (True, 8, 4_194_304, "processes"),
     "timeout_s": (False, 0, MAX_TIMEOUT_S, "seconds"),
     "disk_mb": (True, 1, 2**32, "MiB"),
-    "inodes": (True, 1, 2**31 - 1, "inodes"),
+    "inodes": (True, 1, MAX_INODES, "inodes"),
     "tmp_mb": (True, 1, 2**32, "MiB"),
     "output_bytes": (True, 1, 2**50, "bytes"),
     "open_files": (True, 1, 2**31 - 1, "descriptors"),

@@ -447,3 +447,36 @@ def test_files_larger_than_their_own_area_are_refused_at_pause_and_the_sandbox_r
         sbx.pause(store=store)
     with Sandbox.resume(sbx.id, store=store) as resumed:
         assert resumed.files.read("important.txt") == "the user's work"
+
+
+def test_a_snapshot_kept_before_files_counted_restores_all_it_holds(store: SnapshotStore) -> None:
+    """At memory_mb=64 the workspace held 32 MiB and 65,536 files before a file's kernel memory
+    counted (2026-12-06), 24 MiB and 4,096 files today. A snapshot kept then (its manifest
+    rewritten here as that stockade wrote it) holding 28 MiB and 5,000 files was refused,
+    blaming disk_mb; it restores with the places it had, in the memory that holds them. Files
+    past a count given today are refused naming inodes."""
+    require_tier("process")
+    fill = (
+        "head -c 29360128 /dev/zero > big && mkdir many && cd many && for i in $(seq 5000); do : > f$i; done"
+    )
+    with Sandbox.create("process", limits=Limits(memory_mb=256, timeout_s=20, pids=64)) as sbx:
+        assert sbx.commands.run(fill).exit_code == 0
+        snap = sbx.snapshot(store=store)
+    kept = store.load(snap)
+    older = {k: v for k, v in kept.spec.items() if k != "files_counted"}
+    older["limits"] = {**older["limits"], "memory_mb": 64, "disk_mb": None, "tmp_mb": None, "inodes": 65536}
+    old = store.save(
+        kind=kept.snapshot.kind, tier="process", source="older", spec=older, blobs=kept.blobs,
+        tier_state=kept.tier_state,
+    )  # fmt: skip
+    with Sandbox.create(snapshot=old, store=store) as restored:
+        found = restored.commands.run(
+            "ls many | wc -l; stat -c %s big; df -k --output=size,itotal /workspace"
+        )
+        assert found.stdout.split() == ["5000", "29360128", "1K-blocks", "Inodes", "32768", "65536"]
+    fewer = Limits(memory_mb=256, inodes=4000, timeout_s=20, pids=64)
+    with pytest.raises(
+        SnapshotIncompatible, match=r"holds more files than the sandbox's \(inodes=4000\)"
+    ) as e:
+        Sandbox.create(snapshot=snap, store=store, limits=fewer)
+    assert "(memory_mb, and inodes)" in str(e.value) and "disk_mb" not in str(e.value)

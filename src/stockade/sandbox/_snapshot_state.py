@@ -17,6 +17,8 @@ from stockade.types import (
     NetworkPolicy,
     ReadOnly,
     SandboxRules,
+    limits_from_fields,
+    limits_of_old_places,
 )
 
 __all__ = ["enforcement_from_state", "enforcement_state", "spec_from_state", "spec_state"]
@@ -25,6 +27,7 @@ __all__ = ["enforcement_from_state", "enforcement_state", "spec_from_state", "sp
 def spec_state(spec: SandboxSpec) -> dict[str, Any]:
     return {
         "limits": dataclasses.asdict(spec.limits),
+        "files_counted": True,  # its places sized by today's rule (``limits_of_old_places``)
         "network": _network_state(spec.network),
         "envs": dict(spec.envs),
         "allow_weaker": spec.allow_weaker,
@@ -41,7 +44,7 @@ def spec_from_state(state: dict[str, Any]) -> SandboxSpec:
         rules = state.get("rules")
         network = state.get("network") or {}
         return SandboxSpec(
-            limits=_limits_from_state(dict(state.get("limits") or {})),
+            limits=_limits_from_state(state),
             network=_network_from_state(network),
             envs={str(k): str(v) for k, v in dict(state.get("envs") or {}).items()},
             allow_weaker=bool(state.get("allow_weaker")),
@@ -52,19 +55,12 @@ def spec_from_state(state: dict[str, Any]) -> SandboxSpec:
         raise exc.SnapshotIncompatible(f"the snapshot's settings do not fit this stockade: {err}") from None
 
 
-# Every snapshot kept its Limits whole, so one taken before a file's kernel memory counted
-# (2026-12-06) names the old default count outright; with it the places could take all of
-# memory_mb, and today's rule refuses it. Such a snapshot restores with today's default count.
-_OLD_DEFAULT_INODES = 65536
-
-
-def _limits_from_state(limits: dict[str, Any]) -> Limits:
-    try:
-        return Limits(**limits)
-    except exc.InvalidArgument:
-        if limits.get("inodes") != _OLD_DEFAULT_INODES:
-            raise
-        return Limits(**{**limits, "inodes": None})
+def _limits_from_state(state: dict[str, Any]) -> Limits:
+    """Every snapshot kept its Limits whole: one kept before a file's kernel memory counted
+    (2026-12-06, no ``files_counted``) names the old default count outright, its places sized
+    by the old rule; it is restored with those places, in more memory, so its files fit again."""
+    limits = dict(state.get("limits") or {})
+    return limits_from_fields(limits) if state.get("files_counted") else limits_of_old_places(limits)
 
 
 def _rules_from_state(rules: dict[str, Any]) -> SandboxRules:

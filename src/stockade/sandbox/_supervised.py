@@ -513,6 +513,12 @@ class SupervisedInstance(Instance):
         limits = self.spec.limits
         return f"disk_mb={limits.workspace_mb}" if area == "workspace" else f"tmp_mb={limits.tmp_size_mb}"
 
+    def _area_files(self, area: Area) -> str:
+        limits = self.spec.limits
+        if area == "workspace":
+            return f"inodes={limits.workspace_inodes}"
+        return f"{limits.scratch_inodes} files, an eighth of inodes={limits.workspace_inodes}"
+
     def reseed(self, resumed: dict[str, Any] | None = None) -> None:
         """First thing in a sandbox restored from a memory snapshot: the interpreter's next run
         draws new seeds for the generators in its memory (Python reseeds them at a fork; a
@@ -540,7 +546,9 @@ class SupervisedInstance(Instance):
     def _restore_area(self, snapshot: Snapshot, store: SnapshotStore, area: Area, digest: str) -> None:
         chunks = store.stream_object(digest, TRANSFER_CHUNK)
         try:
-            self.files.put_stream(area, chunks)
+            # closed here: a refusal's traceback keeps the suspended stream, its file open, alive
+            with contextlib.closing(chunks):
+                self.files.put_stream(area, chunks)
         except exc.SnapshotCorrupt:
             raise
         except exc.StockadeError as error:
@@ -549,12 +557,15 @@ class SupervisedInstance(Instance):
             store.check_object(digest)
             if not isinstance(error, exc.WorkspaceFull):
                 raise
-            room = self._area_setting(area)
             found = str(error).removeprefix("put_archive '': ")
+            if " entries " in found:  # unpack.py: its files outnumber what the place can hold
+                what, room, fields = "holds more files than", self._area_files(area), "inodes"
+            else:
+                what, room, fields = "is larger than", self._area_setting(area), "disk_mb or tmp_mb"
             raise exc.SnapshotIncompatible(
-                f"snapshot {snapshot.id} does not fit this sandbox: its {area} is larger than the "
+                f"snapshot {snapshot.id} does not fit this sandbox: its {area} {what} the "
                 f"sandbox's ({room}): {found}; create it with Limits that hold the snapshot's files "
-                "(memory_mb, and disk_mb or tmp_mb)"
+                f"(memory_mb, and {fields})"
             ) from None
 
     # -- commands -----------------------------------------------------------------------

@@ -50,7 +50,7 @@ import secrets
 import shutil
 import stat
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -290,7 +290,7 @@ class SnapshotStore:
         os.set_blocking(fd, True)
         return open(fd, "rb", buffering=0)
 
-    def stream_object(self, digest: str, chunk: int) -> Iterator[bytes]:
+    def stream_object(self, digest: str, chunk: int) -> Generator[bytes, None, None]:
         """The object's bytes, at most ``chunk`` at a time, hashed on the way: after the last
         one the iterator raises ``SnapshotCorrupt`` (instead of ending) when they do not hash
         to ``digest``. Memory is one chunk whatever the object's size (a restore that read a
@@ -299,7 +299,7 @@ class SnapshotStore:
         check_number(chunk, argument="chunk", integer=True, low=1, high=1 << 30, unit="bytes")
         return self._chunks(self._open_object(digest), self.object_path(digest), digest, chunk)
 
-    def _chunks(self, fh: BinaryIO, path: Path, digest: str, chunk: int) -> Iterator[bytes]:
+    def _chunks(self, fh: BinaryIO, path: Path, digest: str, chunk: int) -> Generator[bytes, None, None]:
         hashed = hashlib.sha256()
         with fh:
             while data := fh.read(chunk):

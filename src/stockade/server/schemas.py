@@ -32,7 +32,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from stockade._checks import MAX_COST_USD, MAX_TIMEOUT_S
-from stockade.types import Limits, NetworkPolicy, Trust
+from stockade.types import Limits, NetworkPolicy, Trust, limits_from_fields
 
 __all__ = [
     "MAX_ARGS",
@@ -151,7 +151,8 @@ class LimitsIn(_In):
     ptys: int | None = None
 
     def build(self) -> Limits:
-        return Limits(**self.model_dump(exclude_none=True))  # InvalidArgument names the field
+        # an older client sends its default inodes=65536 outright, meaning today's default
+        return limits_from_fields(self.model_dump(exclude_none=True))  # InvalidArgument names the field
 
 
 class NetworkIn(_In):

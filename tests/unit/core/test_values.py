@@ -56,6 +56,13 @@ def test_empty_files_count_against_the_memory_too() -> None:
     assert Limits(memory_mb=1024, inodes=65_536).workspace_inodes == 65_536
 
 
+def test_the_derived_file_count_stays_in_the_range_a_given_one_must_be_in() -> None:
+    # 64 a MiB from 2**25 MiB would be 2**31, past what a tmpfs's nr_inodes takes
+    for memory_mb in (2**25, 2**32):
+        assert Limits(memory_mb=memory_mb).workspace_inodes == 2**31 - 1
+    Limits(inodes=Limits(memory_mb=2**32).workspace_inodes, memory_mb=2**32)  # a value Limits takes
+
+
 @pytest.mark.parametrize(("open_files", "pids", "each"), [(16384, 128, 128), (2048, 32, 64), (100, 64, 32)])
 def test_open_files_are_shared_by_the_processes(open_files: int, pids: int, each: int) -> None:
     limits = Limits(open_files=open_files, pids=pids)

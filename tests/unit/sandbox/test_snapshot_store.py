@@ -406,12 +406,29 @@ def test_a_spec_survives_its_manifest() -> None:
     )
 
 
-def test_a_snapshot_kept_before_files_counted_restores_with_todays_file_count() -> None:
-    # its Limits named the old default count, which today's rule refuses at 512 MiB
-    older = {**spec_state(SandboxSpec()), "limits": {**dataclasses.asdict(Limits()), "inodes": 65536}}
-    assert spec_from_state(older).limits == Limits()
+def kept_before_files_counted(**limits: object) -> dict[str, object]:
+    """A spec as a stockade from before 2026-12-06 kept it: Limits whole, inodes=65536 in them."""
+    state = {k: v for k, v in spec_state(SandboxSpec()).items() if k != "files_counted"}
+    return {**state, "limits": {**dataclasses.asdict(Limits()), "inodes": 65536, **limits}}
+
+
+def test_a_snapshot_kept_before_files_counted_restores_with_the_places_it_had() -> None:
+    # Then the workspace was half of memory_mb with 65,536 files, /tmp and /dev/shm an eighth
+    # (at most 64 MiB): the files kept fit those, not today's smaller places. memory_mb grows
+    # to the least that holds them by today's rule.
+    for memory_mb, places, least in ((64, (32, 8), 384), (512, (256, 64), 832), (2048, (1024, 64), 2048)):
+        limits = spec_from_state(kept_before_files_counted(memory_mb=memory_mb)).limits
+        assert (limits.workspace_mb, limits.tmp_size_mb, limits.workspace_inodes) == (*places, 65_536)
+        assert limits.memory_mb == least
+    given = spec_from_state(kept_before_files_counted(memory_mb=64, disk_mb=20, tmp_mb=2)).limits
+    assert (given.workspace_mb, given.tmp_size_mb, given.memory_mb) == (20, 2, 352)
     with pytest.raises(SnapshotIncompatible, match="inodes"):  # a count given on purpose is not changed
-        spec_from_state({**older, "limits": {**older["limits"], "inodes": 200_000}})
+        spec_from_state(kept_before_files_counted(inodes=200_000))
+
+
+def test_a_snapshot_kept_today_restores_with_its_limits_as_they_were() -> None:
+    for limits in (Limits(memory_mb=64), Limits(memory_mb=1024, inodes=65_536)):
+        assert spec_from_state(spec_state(SandboxSpec(limits=limits))).limits == limits
 
 
 def test_an_enforcement_survives_its_manifest_and_an_unknown_one_is_refused() -> None:

@@ -18,9 +18,10 @@ from stockade.server.app import create_app
 from stockade.server.bodies import ANONYMOUS_BODY_BYTES
 from stockade.server.context import ServiceConfig
 from stockade.server.runner import run_limits
-from stockade.server.schemas import RunLimitsIn, RunSubmit
+from stockade.server.schemas import RunLimitsIn, RunSubmit, SandboxCreate
 from stockade.server.service import Service
 from stockade.server.tenants import Tenant, Tenants, new_token
+from stockade.types import Limits
 
 CAP = 256 * 1024  # over ANONYMOUS_BODY_BYTES: a request outside /v1 has the smaller cap
 
@@ -132,6 +133,26 @@ async def test_a_runs_limits_are_judged_at_submission_as_its_start_would_judge_t
         assert response.status_code == 422, (limits, response.text)
         assert response.json()["field"] == f"limits.{next(iter(limits))}", response.text
     assert service[0].store.runs("acme") == []  # nothing queued, no place of the quota taken
+
+
+# What a client from before 2026-12-06 sends for Limits(memory_mb=512): every field not None,
+# so the inodes default of then (65,536, whatever memory_mb) too.
+OLD_CLIENTS_DEFAULT = {
+    "memory_mb": 512, "cpus": 1.0, "pids": 128, "timeout_s": 30.0, "inodes": 65536,
+    "output_bytes": 1048576, "open_files": 16384, "ptys": 64,
+}  # fmt: skip
+
+
+def test_an_older_clients_default_file_count_is_taken_as_todays_default() -> None:
+    asked = SandboxCreate.model_validate({"limits": OLD_CLIENTS_DEFAULT}).limits
+    assert asked is not None and asked.build() == Limits()
+    small = {**OLD_CLIENTS_DEFAULT, "memory_mb": 64, "disk_mb": 16}
+    assert SandboxCreate.model_validate({"limits": small}).limits.build() == Limits(  # type: ignore[union-attr]
+        memory_mb=64, disk_mb=16
+    )
+    purposeful = {**OLD_CLIENTS_DEFAULT, "inodes": 200_000}  # a count asked for on purpose: refused
+    with pytest.raises(exc.InvalidArgument, match="raise memory_mb to at least"):
+        SandboxCreate.model_validate({"limits": purposeful}).limits.build()  # type: ignore[union-attr]
 
 
 def test_every_limit_the_api_takes_is_one_a_run_starts_with() -> None:

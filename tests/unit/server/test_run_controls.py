@@ -32,13 +32,15 @@ from stockade.runtime.limits import LocalWindow, OnLimit, RateLimit
 from stockade.sandbox.ops import RunCommand
 from stockade.server.app import create_app
 from stockade.server.context import ServiceConfig
+from stockade.server.schemas import RunSubmit
 from stockade.server.service import Service
 from stockade.server.state import DatabaseKillSource, RunRow, ServiceStore
 from stockade.server.tenants import Tenant, Tenants, new_token, parse_token
 from stockade.testing import FakeBackend, MemoryWorkspace
 from stockade.tools import Toolset, shell
-from stockade.types import CommandResult, Trust
+from stockade.types import CommandResult, Limits, Trust
 from tests.conftest import wait_for
+from tests.unit.server.test_request_bodies import OLD_CLIENTS_DEFAULT
 
 
 @dataclass
@@ -365,3 +367,17 @@ def test_a_kill_all_pulls_the_switch_of_a_run_whose_worker_fell_silent(setup: Se
     ended = source.end_waiting("breach", tenant="acme")
     assert [(r.run_id, r.where) for r in ended] == [("acme-r", "its worker silent")]
     assert source.reason("acme-r") == "breach"
+
+
+async def test_a_run_from_an_older_client_is_queued_and_its_stored_spec_starts(
+    http: httpx2.AsyncClient, setup: Setup
+) -> None:
+    body = {"task": "t", "scripted": ["done"], "sandbox_limits": OLD_CLIENTS_DEFAULT}
+    made = await http.post("/v1/runs", headers=bearer(setup.acme), json=body)
+    assert made.status_code == 202, made.text
+    run_id = str(made.json()["run_id"])
+    assert setup.executor.submitted == [(run_id, "submitted")]
+    # as the runner's _prepare reads it on a worker: the spec kept as sent, 65,536 files and all
+    stored = RunSubmit.model_validate(setup.service.store.run_spec(run_id) or {})
+    assert stored.sandbox_limits is not None and stored.sandbox_limits.inodes == 65536
+    assert stored.sandbox_limits.build() == Limits()

@@ -126,11 +126,6 @@ class Unpacking:
     staged entries into ``dest``, ``abort`` stops and removes them."""
 
     def __init__(self, dest: str, name: str, made: "list[str]") -> None:
-        st = os.statvfs(dest)
-        # What the destination's filesystem can take (a tmpfs states its size; a filesystem
-        # that states none is not checked here, its ENOSPC still is).
-        self.room = st.f_bavail * st.f_frsize if st.f_blocks else None
-        self.inodes = st.f_favail if st.f_files else None
         self.dest = dest
         self.made = made  # the folders made for dest: removed again if it fails
         self.staging = dest + "/" + name
@@ -138,6 +133,12 @@ class Unpacking:
         self.entries = 0
         self.error: "Optional[BaseException]" = None
         os.mkdir(self.staging, 0o700)
+        # What the destination's filesystem can take (a tmpfs states its size; a filesystem
+        # that states none is not checked here, its ENOSPC still is), the staging folder's
+        # inode taken: counted before it, the last entry that fits was a bare ENOSPC.
+        st = os.statvfs(dest)
+        self.room = st.f_bavail * st.f_frsize if st.f_blocks else None
+        self.inodes = st.f_favail if st.f_files else None
         read_fd, self.write_fd = os.pipe()
         os.set_inheritable(self.write_fd, False)
         self.thread = threading.Thread(target=self._unpack, args=(read_fd,), daemon=True)
