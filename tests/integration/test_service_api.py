@@ -509,9 +509,7 @@ def test_a_tenant_never_gets_the_service_hosts_network(tmp_path: Path) -> None:
     would be the service host's own stack (its Redis, its PostgreSQL, its API port, its
     abstract sockets), so the service refuses it, whatever the request's allow_weaker."""
     require_tier("process")
-    tenants, tokens = write_tenants(tmp_path)
-    policy = (tmp_path / "policy.toml").read_text()
-    (tmp_path / "policy.toml").write_text(policy.replace("[models]", "[network]\nenabled = true\n[models]"))
+    tenants, tokens = _whole_network(tmp_path)
     server = Server(tenants, f"sqlite:///{tmp_path / 'service.db'}", tmp_path)
     try:
         with Client(server.url, tokens.acme) as client:
