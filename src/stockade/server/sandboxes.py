@@ -66,7 +66,7 @@ from stockade.server.scratch import scratch
 from stockade.server.snapshots import snapshot_out
 from stockade.server.state import Node, Placement
 from stockade.server.streamed import streamed
-from stockade.server.tenants import Principal, check_output_bytes
+from stockade.server.tenants import Principal, Tenant, check_output_bytes, check_weaker
 from stockade.server.uploads import unpack_within
 from stockade.types import CommandResult, EntryInfo, Execution, Limits, Listing, NetworkPolicy, SnapshotKind
 
@@ -227,6 +227,17 @@ class SandboxRegistry:
             return None
         return check_network(engine, kept.network)
 
+    @staticmethod
+    def _consented(tenant: Tenant, sandbox: Sandbox) -> None:
+        """Close ``sandbox`` and refuse it (``PolicyDenied``) where it is weaker than asked and
+        the tenants file does not let its tenant accept that."""
+        try:
+            check_weaker(tenant, sandbox.enforcement.weakened, what="this sandbox")
+        except exc.PolicyDenied:
+            with contextlib.suppress(Exception):
+                sandbox.close()
+            raise
+
     def _hold(self, held: Held) -> Held:
         with self._lock:
             self._held[held.id] = held
@@ -275,6 +286,9 @@ class SandboxRegistry:
                     backend=backend, limits=limits, network=network, envs=request.envs,
                     rules=engine.sandbox_rules(), allow_weaker=request.allow_weaker, labels=request.labels,
                 )  # fmt: skip
+            # after the start: only the tier knows what it holds less strictly, and a snapshot
+            # brings the consent it was taken with
+            self._consented(tenant, sandbox)
         except BaseException:
             service.store.release_sandbox(sandbox_id)
             raise
@@ -354,6 +368,7 @@ class SandboxRegistry:
                     tier, backend=backend, network=network, rules=engine.sandbox_rules(),
                     snapshot=ref["snapshot"], store=store,
                 )  # fmt: skip
+                self._consented(tenant, sandbox)  # it resumes with the consent it paused with
             except BaseException:
                 service.store.release_sandbox(sandbox_id)
                 raise

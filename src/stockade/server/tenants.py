@@ -19,6 +19,9 @@ quotas and its rate and spend limits, and lists the tokens, stored hashed:
                                      # one API process: each holds one of the process's threads
     bodies_mb = 256                  # what one API process holds for its transfers at once: request
                                      # bodies, responses not yet read, uploads being unpacked
+    allow_weaker = false             # true: its requests' allow_weaker may take a sandbox this host
+                                     # enforces less strictly than asked (rlimits for cgroups,
+                                     # ptys and inodes bounded only by the host's shared limits...)
 
     [[tokens]]
     id = "3f9a1c0b7d2e"
@@ -54,7 +57,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from stockade import exceptions as exc
 from stockade._config_file import read_config_text
@@ -70,6 +73,7 @@ __all__ = [
     "TenantsFile",
     "TokenRecord",
     "check_output_bytes",
+    "check_weaker",
     "new_token",
     "parse_token",
 ]
@@ -119,6 +123,11 @@ class Tenant:
     # its runs that ended longer ago are erased by the service (None: ServiceConfig's, whose
     # None keeps them until the tenant deletes them)
     keep_runs_days: float | None = None
+    # The operator's consent to weaker enforcement, which a request's allow_weaker only asks
+    # for: what a sandbox's host holds less strictly (rlimits for cgroups, ptys and inodes
+    # bounded by the host's shared limits, a remote engine's missing walls) is shared with
+    # the service and the other tenants, so it is not the tenant's alone to accept.
+    allow_weaker: bool = False
 
     @property
     def audit_namespace(self) -> str:
@@ -135,6 +144,23 @@ def check_output_bytes(tenant: Tenant, asked: int, *, what: str) -> None:
             "ask for less (a command's output past it is cut, and its true size reported)",
             quota="output_bytes", limit=float(ceiling), used=0.0,
         )  # fmt: skip
+
+
+def check_weaker(tenant: Tenant, weakened: tuple[str, ...], *, what: str) -> None:
+    """``PolicyDenied`` (403) when a sandbox is held less strictly than asked (``weakened``, its
+    ``Enforcement.weakened``) and the operator has not let the tenant accept that: a request's
+    ``allow_weaker`` is consent where nothing is weaker, and alone never enough where something is."""
+    if not weakened or tenant.allow_weaker:
+        return
+    setting = f"tenants.{tenant.id}.allow_weaker"
+    raise exc.PolicyDenied(
+        f"{what} would be enforced less strictly than asked on this host ({'; '.join(weakened)}), "
+        f"and tenant {tenant.id!r} may not accept that: what is weaker is shared with the service "
+        f"host and the other tenants, so only the operator can allow it, with allow_weaker = true "
+        f"under [tenants.{tenant.id}] in the tenants file ({setting})",
+        rule=setting,
+        action="accept weaker enforcement",
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,6 +203,7 @@ class _TenantEntry(BaseModel):
     rate_period_s: float = Field(default=60.0, ge=1, le=366 * 86400)
     dollars_per_hour: float | None = Field(default=None, gt=0, le=1e9)
     keep_runs_days: float | None = Field(default=None, gt=0, le=1_000_000)
+    allow_weaker: StrictBool = False  # strict: "no" is not taken for a yes
 
 
 class _TokenEntry(BaseModel):
@@ -301,6 +328,7 @@ class Tenants:
                 rate_period_s=entry.rate_period_s,
                 dollars_per_hour=entry.dollars_per_hour,
                 keep_runs_days=entry.keep_runs_days,
+                allow_weaker=entry.allow_weaker,
             )
         tokens = {
             t.id: TokenRecord(id=t.id, sha256=t.sha256, tenant=t.tenant, role=t.role, admin=t.admin)

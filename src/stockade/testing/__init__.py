@@ -22,7 +22,7 @@ import tarfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from stockade import exceptions as exc
@@ -257,7 +257,11 @@ class FakeInstance(Instance, AsyncInstance):
         self.rules = self.spec.rules
         self.id = self.spec.sandbox_id or f"fake-{number}"
         self.tier = tier
-        self.enforcement = FAKE_ENFORCEMENT
+        # as a tier's: what is weaker is said only to a caller who accepted it (allow_weaker),
+        # for code that refuses a weaker sandbox to be tested on the fake
+        self.enforcement = (
+            FAKE_ENFORCEMENT if self.spec.allow_weaker else replace(FAKE_ENFORCEMENT, weakened=())
+        )
         self.ops: list[Op[Any]] = []
         self.closed = False
         self.cuts = 0  # ``cut_running`` calls that reached it

@@ -17,7 +17,16 @@ import pytest
 
 from stockade import exceptions as exc
 from stockade.policy.schema import Policy, Role
-from stockade.server.tenants import Quotas, Tenant, Tenants, TenantsFile, TokenRecord, new_token, parse_token
+from stockade.server.tenants import (
+    Quotas,
+    Tenant,
+    Tenants,
+    TenantsFile,
+    TokenRecord,
+    check_weaker,
+    new_token,
+    parse_token,
+)
 
 
 def tenants_with(*records: TokenRecord) -> Tenants:
@@ -175,6 +184,30 @@ def test_a_wrong_tenants_file_says_where(
     with pytest.raises(error) as raised:
         Tenants.load(write(tmp_path, text))
     assert words in str(raised.value) + " ".join(getattr(raised.value, "problems", ()))
+
+
+def test_only_the_tenants_file_lets_a_tenant_accept_weaker_enforcement(tmp_path: Path) -> None:
+    """Off unless the operator writes ``allow_weaker = true`` for the tenant; a word that only
+    looks like a yes is refused, not taken for one."""
+    text = "[tenants.acme]\nallow_weaker = true\n[tenants.other]\n"
+    tenants = Tenants.load(write(tmp_path, text))
+    assert tenants.tenants["acme"].allow_weaker and not tenants.tenants["other"].allow_weaker
+    for word in ('"yes"', '"false"', "1"):
+        with pytest.raises(exc.PolicyFileError) as refused:
+            Tenants.load(write(tmp_path, f"[tenants.acme]\nallow_weaker = {word}\n"))
+        assert "tenants.acme.allow_weaker" in " ".join(refused.value.problems), word
+
+
+def test_a_weaker_sandbox_needs_the_operators_consent_and_says_where_to_give_it() -> None:
+    weakened = ("ptys: bounded only by the host's kernel.pty.max, shared (no root)",)
+    check_weaker(Tenant(id="acme", allow_weaker=True), weakened, what="this sandbox")
+    check_weaker(Tenant(id="acme"), (), what="this sandbox")  # nothing weaker: the request's consent is moot
+    with pytest.raises(exc.PolicyDenied) as refused:
+        check_weaker(Tenant(id="acme"), weakened, what="this sandbox")
+    assert refused.value.rule == "tenants.acme.allow_weaker"
+    assert "allow_weaker = true under [tenants.acme]" in str(refused.value) and "kernel.pty.max" in str(
+        refused.value
+    )
 
 
 def test_a_missing_tenants_file_is_a_configuration_error(tmp_path: Path) -> None:
