@@ -528,11 +528,46 @@ def test_a_tenant_never_gets_the_service_hosts_network(tmp_path: Path) -> None:
 
 
 def _whole_network(folder: Path, tiers: str = '"process"') -> tuple[Path, Tokens]:
-    """Tenants whose policy grants the whole network, on ``tiers``."""
+    """Tenants whose policy grants the whole network, on ``tiers``; acme may accept weaker
+    enforcement (the operator's consent does not give the service host's network either)."""
     tenants, tokens = write_tenants(folder)
+    tenants.write_text(
+        tenants.read_text().replace("[tenants.acme]\n", "[tenants.acme]\nallow_weaker = true\n", 1)
+    )
     policy = (folder / "policy.toml").read_text().replace('tiers = ["process"]', f"tiers = [{tiers}]")
     (folder / "policy.toml").write_text(policy.replace("[models]", "[network]\nenabled = true\n[models]"))
     return tenants, tokens
+
+
+def test_a_tenant_weakens_a_sandbox_only_where_the_tenants_file_lets_it(tmp_path: Path) -> None:
+    """The policy's write rule is a pattern (``src/*.py``) no kernel holds as a path: with
+    allow_weaker the sandbox judges it on tool calls only. The request asks; the operator's
+    tenants file decides: other's entry allows it, acme's says nothing, so acme is refused
+    with the setting to change, and nothing of its sandbox is left."""
+    require_tier("process")
+    tenants, tokens = write_tenants(tmp_path)
+    policy = (tmp_path / "policy.toml").read_text()
+    (tmp_path / "policy.toml").write_text(
+        policy.replace("[models]", '[paths]\nwrite = ["src/*.py"]\n[models]')
+    )
+    tenants.write_text(
+        tenants.read_text().replace("[tenants.other]\n", "[tenants.other]\nallow_weaker = true\n", 1)
+    )
+    server = Server(tenants, f"sqlite:///{tmp_path / 'service.db'}", tmp_path)
+    try:
+        with Client(server.url, tokens.acme) as acme, Client(server.url, tokens.other) as other:
+            with pytest.raises(
+                exc.PolicyDenied, match=r"allow_weaker = true under \[tenants.acme\]"
+            ) as refused:
+                RemoteSandbox.create(tier="process", allow_weaker=True, client=acme)
+            assert refused.value.rule == "tenants.acme.allow_weaker" and "paths.write" in str(refused.value)
+            assert acme.sandboxes() == []
+            with RemoteSandbox.create(tier="process", allow_weaker=True, client=other) as sbx:
+                assert any(w.startswith("paths.write") for w in sbx.info["enforcement"]["weakened"])
+                assert sbx.commands.run("echo fine").stdout == "fine\n"
+    finally:
+        server.stop()
+    assert "Traceback" not in server.output(), server.output()[-3000:]
 
 
 def test_an_allowlist_narrowed_from_the_whole_network_never_names_the_service_hosts_addresses(
