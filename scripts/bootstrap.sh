@@ -13,12 +13,13 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/.." && pwd)
 VENV=${STOCKADE_VENV:-$ROOT/.venv}
 PYTHON=${PYTHON:-python3}
-# bubblewrap + libseccomp2: the process tier; python3/procps/git: what sandboxed code finds
+# bubblewrap + libseccomp2: the process tier (slirp4netns + iptables: its whole network, walled
+# off from the host and the private network); python3/procps/git: what sandboxed code finds
 # on the host's read-only /usr (python3-pytest, python3-matplotlib: what agents and notebooks
 # expect to find); python3-venv: the virtualenv below; gcc: the exec judge's compiled fast
 # path (src/stockade/sandbox/supervisor/judge.c, built below into the cache; without it every
 # exec under command rules is judged in Python, slower).
-PACKAGES=(bubblewrap libseccomp2 python3 python3-venv python3-pytest python3-matplotlib procps git ca-certificates gcc)
+PACKAGES=(bubblewrap libseccomp2 slirp4netns iptables python3 python3-venv python3-pytest python3-matplotlib procps git ca-certificates gcc)
 
 log() { printf 'bootstrap: %s\n' "$*" >&2; }
 die() { printf 'bootstrap: ERROR: %s\n' "$*" >&2; exit 1; }

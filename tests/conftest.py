@@ -52,7 +52,7 @@ def _home_state() -> dict[str, tuple[int, int]]:
 # stockade, Docker or pytest's folders, stockade's containers and volumes, files in the checkout.
 # Where another user of the host runs sandboxes meanwhile (STOCKADE_TEST_SHARED_HOST=1), only
 # this process's descendants and the containers it labelled as their creator are counted.
-_TIER_PROCESSES = (b"bwrap", b"qemu-system", b"runsc", b"containerd-shim", b"stockade")
+_TIER_PROCESSES = (b"bwrap", b"slirp4netns", b"qemu-system", b"runsc", b"containerd-shim", b"stockade")
 _MOUNTED_HERE = ("stockade", "sbx-", "pytest-of-", "/var/lib/docker", "/run/docker", "/run/containerd")
 _CHECKOUT = Path(__file__).resolve().parent.parent
 _CHECKOUT_CACHES = {

@@ -132,16 +132,18 @@ def portrait(sbx: Sandbox) -> dict[str, object]:
     return found
 
 
-@pytest.mark.parametrize("network", ["none", "host"])
+@pytest.mark.parametrize("network", ["none", "walled", "host"])
 def test_a_template_started_pid_1_is_what_bwrap_makes_of_the_one_it_execs(network: str) -> None:
     from stockade import NetworkPolicy
 
     kwargs: dict[str, object] = {}
-    if network == "host":
+    if network != "none":  # the whole network: walled (a namespace of its own), or the host's
         kwargs = {"network": NetworkPolicy(enabled=True), "allow_weaker": True}
+    # One host uid pinned for every sandbox: the walls cannot tell them apart, the host's stack is shared.
+    pinned = {"host_uid": 65534} if network == "host" else {}
     with (
-        Sandbox.create(backend=ProcessBackend(start="exec"), **kwargs) as executed,  # type: ignore[arg-type]
-        Sandbox.create(backend=ProcessBackend(start="template"), **kwargs) as forked,  # type: ignore[arg-type]
+        Sandbox.create(backend=ProcessBackend(start="exec", **pinned), **kwargs) as executed,  # type: ignore[arg-type]
+        Sandbox.create(backend=ProcessBackend(start="template", **pinned), **kwargs) as forked,  # type: ignore[arg-type]
     ):
         assert from_template(forked) and not from_template(executed)
         theirs, ours = portrait(executed), portrait(forked)
@@ -152,7 +154,7 @@ def test_a_template_started_pid_1_is_what_bwrap_makes_of_the_one_it_execs(networ
     # A namespace of its own keeps no TIME_WAIT and no timestamp carrying data (bwrap's exec
     # start kept the host's); the host's, shared, is never written.
     host = [Path(name).read_text().strip() for name in NETWORK_SETTINGS]
-    assert theirs["network settings"] == (["0", "0"] if network == "none" else host)
+    assert theirs["network settings"] == (host if network == "host" else ["0", "0"])
 
 
 def test_a_sandbox_whose_rules_mask_the_placeholder_starts_from_the_template() -> None:

@@ -7,6 +7,7 @@ import gzip
 import io
 import json
 import os
+import socket
 import tarfile
 import time
 from collections.abc import Iterator
@@ -20,7 +21,9 @@ from stockade import Limits, NetworkPolicy
 from stockade import exceptions as exc
 from stockade.cli.main import app
 from stockade.client import Client, RemoteSandbox
+from stockade.sandbox.process import ProcessBackend
 from stockade.sandbox.snapshots import SnapshotStore
+from stockade.types import Mechanism
 from tests.conftest import require_tier, wait_for
 from tests.integration.service_env import Server, Tokens, embedded_server, write_tenants
 
@@ -505,24 +508,38 @@ def test_approving_paused_runs_queues_none_past_the_runs_quota(tmp_path: Path) -
 
 
 def test_a_tenant_never_gets_the_service_hosts_network(tmp_path: Path) -> None:
-    """A policy that grants the whole network means the internet: on the process tier that
-    would be the service host's own stack (its Redis, its PostgreSQL, its API port, its
-    abstract sockets), so the service refuses it, whatever the request's allow_weaker."""
+    """A policy that grants the whole network means the internet: on the process tier it is
+    given walled only (its own namespace, slirp4netns behind the host's firewall: root,
+    iptables and slirp4netns); unwalled it would be the service host's own stack (its Redis,
+    its PostgreSQL, its API port, its abstract sockets), refused whatever allow_weaker."""
     require_tier("process")
     tenants, tokens = _whole_network(tmp_path)
     server = Server(tenants, f"sqlite:///{tmp_path / 'service.db'}", tmp_path)
+    walled = ProcessBackend().unwalled is None
+    listener = socket.create_server(("127.0.0.1", 0))
     try:
         with Client(server.url, tokens.acme) as client:
-            with pytest.raises(exc.LimitNotEnforceable, match="docker") as refused:
-                RemoteSandbox.create(tier="process", network=NetworkPolicy(enabled=True), allow_weaker=True,
-                                     client=client)  # fmt: skip
-            assert refused.value.setting == "network"
-            assert client.sandboxes() == []
+            if walled:
+                with RemoteSandbox.create(
+                    tier="process", network=NetworkPolicy(enabled=True), client=client
+                ) as sbx:
+                    assert sbx.enforcement.network is Mechanism.FIREWALL and not sbx.enforcement.weakened
+                    port = listener.getsockname()[1]
+                    reached = sbx.run_code(f"import socket; socket.create_connection(('127.0.0.1', {port}))")
+                    assert reached.error is not None and reached.error.name == "ConnectionRefusedError"
+            else:
+                with pytest.raises(exc.LimitNotEnforceable, match="docker") as refused:
+                    RemoteSandbox.create(
+                        tier="process", network=NetworkPolicy(enabled=True), allow_weaker=True, client=client
+                    )
+                assert refused.value.setting == "network"
+                assert client.sandboxes() == []
             with RemoteSandbox.create(
                 tier="process", allow_weaker=True, client=client
             ) as sbx:  # no network: given
                 assert sbx.alive
     finally:
+        listener.close()
         server.stop()
     assert "Traceback" not in server.output(), server.output()[-3000:]
 

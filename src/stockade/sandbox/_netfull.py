@@ -30,6 +30,16 @@ them (a sandbox of another process may be on the network), ``remove`` (``stockad
 running as they went would stay unwalled). A reboot drops the rules: the first full-network
 sandbox of each process writes them again, and every one checks the jumps (a missing one,
 another process's ``gc --network``, has them all written again).
+
+The process tier's whole network (``process.py``) leaves through slirp4netns, a host process
+run as the sandbox's own leased uid (``_host.UID_BASE``, a range no account has). Its chain
+(``STOCKADE-OUT``, jumped to from ``OUTPUT`` for that uid range only, ``ensure_uid_rules``)
+refuses what the docker chains refuse: the host's own addresses (``addrtype LOCAL``, every
+one of its interfaces), every address that is not public, all of IPv6; the host's resolvers
+(loopback ones too: slirp4netns forwards the sandbox's queries to them from the host's
+namespace) let through on port 53. It names no bridge and no sandbox: written once, it walls
+every process-tier sandbox of the host, and ``remove`` leaves it (such a sandbox of another
+process may be running; nothing but a leased uid matches it).
 """
 
 from __future__ import annotations
@@ -42,7 +52,7 @@ import shutil
 import socket
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -50,14 +60,18 @@ from stockade import exceptions as exc
 from stockade.egress._rules import NOT_PUBLIC_V4
 from stockade.sandbox import _guest
 from stockade.sandbox._docker_engine import docker_py, mapped_engine_errors
+from stockade.sandbox._host import UID_BASE, UID_SPAN
 
-__all__ = ["BRIDGE", "NETWORK", "ensure_network", "ensure_rules", "remove", "unwalled"]
+__all__ = ["BRIDGE", "NETWORK", "ensure_network", "ensure_rules", "ensure_uid_rules", "remove", "unwalled"]
 
 NETWORK = "stockade-net"
 BRIDGE = "stockade0"
 FORWARD_CHAIN = "STOCKADE-FWD"
 INPUT_CHAIN = "STOCKADE-IN"
 REJECT_CHAIN = "STOCKADE-REJECT"
+OUTPUT_CHAIN = "STOCKADE-OUT"  # the process tier's slirp4netns, by uid
+OUTPUT_REJECT_CHAIN = "STOCKADE-OUT-REJECT"  # its own: `remove` takes STOCKADE-REJECT away
+LEASED_UIDS = f"{UID_BASE}-{UID_BASE + UID_SPAN - 1}"
 OPTIONS = {
     "com.docker.network.bridge.name": BRIDGE,
     "com.docker.network.bridge.enable_icc": "false",
@@ -72,7 +86,10 @@ _JUMPS = {
     "iptables": (("DOCKER-USER", FORWARD_CHAIN), ("INPUT", INPUT_CHAIN)),
     "ip6tables": (("FORWARD", FORWARD_CHAIN), ("INPUT", INPUT_CHAIN)),
 }
+# The process tier's: only what its leased uids send, from the host's own namespace.
+_UID_JUMPS = {"iptables": (("OUTPUT", OUTPUT_CHAIN),), "ip6tables": (("OUTPUT", OUTPUT_CHAIN),)}
 _written_here: set[str] = set()  # the tools whose chains this process wrote (a later resolver waits)
+_uid_written_here: set[str] = set()
 
 
 def unwalled(*, remote: bool) -> str | None:
@@ -133,26 +150,42 @@ def _inspect(api: Any) -> dict[str, Any] | None:
 def ensure_rules() -> None:
     """The host's rules for the bridge, in place: written whole once per process, and the
     jumps to them checked (and added when missing) for every sandbox."""
+    _ensure(_JUMPS, _rule, {"iptables": _v4_tables, "ip6tables": _v6_tables}, _written_here)
+
+
+def ensure_uid_rules() -> None:
+    """The host's rules for the process tier's slirp4netns (what its leased uids send), in
+    place: as ``ensure_rules``, for every process-tier sandbox with the whole network."""
+    tables = {"iptables": _uid_v4_tables, "ip6tables": _uid_v6_tables}
+    _ensure(_UID_JUMPS, _uid_rule, tables, _uid_written_here)
+
+
+def _ensure(
+    jumps_by_tool: Mapping[str, tuple[tuple[str, str], ...]],
+    rule: Callable[[str], tuple[str, ...]],
+    tables: dict[str, Callable[[], str]],
+    written_here: set[str],
+) -> None:
     with _written, _host_lock():
         try:
-            for tool, jumps in _JUMPS.items():
+            for tool, jumps in jumps_by_tool.items():
                 if tool == "ip6tables" and not _has_ipv6():
                     continue
                 missing = [
-                    (chain, target) for chain, target in jumps if not _run(tool, "-C", chain, *_rule(target))
+                    (chain, target) for chain, target in jumps if not _run(tool, "-C", chain, *rule(target))
                 ]
-                if missing or tool not in _written_here:
+                if missing or tool not in written_here:
                     # A missing jump may be another process's `gc --network`, which took the
                     # chains too: written again (atomic, so a sandbox on them is never unwalled).
-                    _restore(f"{tool}-restore", _v4_tables() if tool == "iptables" else _v6_tables())
-                    _written_here.add(tool)
+                    _restore(f"{tool}-restore", tables[tool]())
+                    written_here.add(tool)
                 for chain, target in missing:
-                    _checked(tool, "-I", chain, "1", *_rule(target))
+                    _checked(tool, "-I", chain, "1", *rule(target))
         except (OSError, subprocess.SubprocessError) as err:
             raise exc.LimitNotEnforceable(
                 f"the firewall rules that wall full-network sandboxes off could not be installed: {err}",
                 setting="network",
-                fix="run as root on the engine's host with iptables, or pass allow_weaker=True",
+                fix="run as root with iptables, or pass allow_weaker=True",
             ) from None
 
 
@@ -169,9 +202,10 @@ def _host_lock() -> Iterator[None]:
         os.close(fd)
 
 
-def _resolvers() -> list[str]:
+def _resolvers(*, loopback: bool = False) -> list[str]:
     """The host's IPv4 resolvers that the rules would refuse (private ones): loopback ones
-    are queried from the host's own namespace, public ones are let through anyway."""
+    are queried from the host's own namespace (by Docker, unwalled; by slirp4netns, walled
+    when ``loopback``), public ones are let through anyway."""
     found: list[str] = []
     for conf in RESOLV_CONFS:
         with contextlib.suppress(OSError):
@@ -181,7 +215,11 @@ def _resolvers() -> list[str]:
                     with contextlib.suppress(ValueError):
                         address = ipaddress.ip_address(parts[1])
                         private = any(address in net for net in NOT_PUBLIC_V4)
-                        if isinstance(address, ipaddress.IPv4Address) and private and not address.is_loopback:
+                        if (
+                            isinstance(address, ipaddress.IPv4Address)
+                            and private
+                            and (loopback or not address.is_loopback)
+                        ):
                             found.append(str(address))
     return list(dict.fromkeys(found))
 
@@ -211,6 +249,32 @@ def _v6_tables() -> str:
     return _table([REJECT_CHAIN, FORWARD_CHAIN, INPUT_CHAIN], rejects + rules)
 
 
+def _uid_v4_tables() -> str:
+    rejects = [
+        f"-A {OUTPUT_REJECT_CHAIN} -p tcp -j REJECT --reject-with tcp-reset",
+        f"-A {OUTPUT_REJECT_CHAIN} -j REJECT --reject-with icmp-port-unreachable",
+    ]
+    out = [
+        f"-A {OUTPUT_CHAIN} -d {resolver}/32 -p {p} --dport 53 -j RETURN"
+        for resolver in _resolvers(loopback=True)
+        for p in ("udp", "tcp")
+    ]
+    # Any address of this host (a public one too), then what is not public.
+    out.append(f"-A {OUTPUT_CHAIN} -m addrtype --dst-type LOCAL -j {OUTPUT_REJECT_CHAIN}")
+    out += [f"-A {OUTPUT_CHAIN} -d {net} -j {OUTPUT_REJECT_CHAIN}" for net in NOT_PUBLIC_V4]
+    return _table([OUTPUT_REJECT_CHAIN, OUTPUT_CHAIN], rejects + out)
+
+
+def _uid_v6_tables() -> str:
+    rejects = [
+        f"-A {OUTPUT_REJECT_CHAIN} -p tcp -j REJECT --reject-with tcp-reset",
+        f"-A {OUTPUT_REJECT_CHAIN} -j REJECT --reject-with icmp6-port-unreachable",
+    ]
+    return _table(
+        [OUTPUT_REJECT_CHAIN, OUTPUT_CHAIN], [*rejects, f"-A {OUTPUT_CHAIN} -j {OUTPUT_REJECT_CHAIN}"]
+    )
+
+
 def _table(chains: list[str], rules: list[str]) -> str:
     # A chain declared in a --noflush restore is emptied first: the whole set replaces the old one at once.
     return "\n".join(["*filter", *(f":{chain} - [0:0]" for chain in chains), *rules, "COMMIT", ""])
@@ -235,6 +299,10 @@ def _checked(tool: str, *args: str, given: str | None = None) -> None:
 
 def _rule(target: str) -> tuple[str, ...]:
     return ("-i", BRIDGE, "-j", target)
+
+
+def _uid_rule(target: str) -> tuple[str, ...]:
+    return ("-m", "owner", "--uid-owner", LEASED_UIDS, "-j", target)
 
 
 def remove(api: Any, *, remote: bool) -> list[str]:

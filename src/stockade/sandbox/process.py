@@ -27,12 +27,23 @@ import stat
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
 from stockade import _exit
 from stockade import exceptions as exc
-from stockade.sandbox import _cgroups, _filetable, _launch, _rules, _seccomp, _template, _trusted
+from stockade.sandbox import (
+    _cgroups,
+    _filetable,
+    _launch,
+    _netfull,
+    _rules,
+    _seccomp,
+    _slirp,
+    _template,
+    _trusted,
+)
 from stockade.sandbox._boundary import EgressHandle
 from stockade.sandbox._host import (
     PipeStream,
@@ -137,6 +148,7 @@ class _ProcessBoundary(Boundary):
         self.mounts = mounts
         self.lease = lease
         self.placeholder = placeholder
+        self.slirp: _slirp.Slirp | None = None  # the whole network's way out, walled
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -163,6 +175,8 @@ class _ProcessBoundary(Boundary):
         # Started from the template, the supervisor is the process followed (by a pidfd): its
         # keeper reaps it, reports its end and ends, and the template reaps the keeper, all
         # before the cgroup goes (which would otherwise find the keeper still in it).
+        if self.slirp is not None:  # a process of the sandbox's uid and cgroups: ended, reaped
+            self.slirp.close()
         init = self.proc if isinstance(self.proc, _template.Init) else None
         if init is not None:
             init.kill()
@@ -236,6 +250,8 @@ class ProcessBackend(Backend):
         self.is_root = os.geteuid() == 0
         self.host_uid = host_uid if self.is_root else os.getuid()
         self.state_dir = state_dir or _default_state_dir(self.is_root)
+        # Why a whole network would share the host's stack here (None: it is walled, _slirp.py).
+        self.unwalled = _slirp.unwalled(is_root=self.is_root, leased=host_uid is None)
         self._cgroups = _cgroups.detect()
         self._prepared = False
         self.use_launcher = launcher
@@ -283,17 +299,19 @@ class ProcessBackend(Backend):
                     "a library the code wrote can be loaded into a listed program"
                 )
         net = spec.network
-        if net.unrestricted:
+        if self._host_net(spec):
             if not spec.allow_weaker:
                 raise exc.LimitNotEnforceable(
-                    "network access on the process tier shares the host's network stack: its "
-                    "loopback services and abstract AF_UNIX sockets",
+                    "network access on the process tier shares the host's network stack here: its "
+                    f"loopback services and abstract AF_UNIX sockets ({self.unwalled})",
                     setting="network",
-                    fix="pass allow_weaker=True to accept it, or use the docker tier",
+                    fix="run as root with iptables and slirp4netns, pass allow_weaker=True to accept it, "
+                    "or use the docker tier",
                 )
             weakened.append(
                 "network: the host's own network stack is shared: its loopback services (databases, "
-                "queues, APIs on 127.0.0.1), its abstract AF_UNIX sockets, and all it reaches"
+                "queues, APIs on 127.0.0.1), its abstract AF_UNIX sockets, and all it reaches "
+                f"({self.unwalled})"
             )
         limited = cg if cg is not Mechanism.NONE else Mechanism.RLIMIT
         limits = spec.limits
@@ -302,7 +320,7 @@ class ProcessBackend(Backend):
             cpus=cg,
             pids=limited,
             disk=disk,
-            network=_network_mechanism(net),
+            network=_network_mechanism(net, walled=net.unrestricted and not self._host_net(spec)),
             timeout=Mechanism.SUPERVISOR,
             ptys=Mechanism.DEVPTS if self.is_root else Mechanism.NONE,
             # The cgroup holds all of it: processes (bwrap's own included), their kernel
@@ -317,6 +335,10 @@ class ProcessBackend(Backend):
             else None,
             weakened=tuple(weakened),
         )
+
+    def _host_net(self, spec: SandboxSpec) -> bool:
+        """Whether the sandbox shares the host's network stack: a whole network, unwalled."""
+        return spec.network.unrestricted and self.unwalled is not None
 
     def probe(self) -> TierReport:
         fixes: list[str] = []
@@ -486,7 +508,7 @@ class ProcessBackend(Backend):
         ask of bwrap's child (the nested user namespace, the seccomp filter)."""
         limits = spec.limits
         root = self.rootfs or Path("/")
-        argv = _namespace_options(spec, joined)
+        argv = _namespace_options(joined, share_net=self._host_net(spec))
         argv += [
             "--new-session",
             "--uid",
@@ -499,7 +521,7 @@ class ProcessBackend(Backend):
             "ALL",
             "--clearenv",
         ]
-        if spec.network.unrestricted:
+        if self._host_net(spec):
             argv.append("--share-net")
         argv += ["--ro-bind", str(root / "usr"), "/usr"]
         for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
@@ -520,8 +542,10 @@ class ProcessBackend(Backend):
         for name, is_dir, _ in self._host_etc:
             if is_dir:
                 argv += ["--ro-bind", str(root / "etc" / name), f"/etc/{name}"]
-        if spec.network.unrestricted and (Path("/etc/resolv.conf")).exists():
+        if self._host_net(spec) and (Path("/etc/resolv.conf")).exists():
             argv += ["--ro-bind", "/etc/resolv.conf", "/etc/resolv.conf"]
+        elif spec.network.unrestricted:  # slirp4netns's resolver, which asks the host's
+            argv += ["--ro-bind", str(rundir / "resolv.conf"), "/etc/resolv.conf"]
         if self.is_root:
             argv += ["--bind", str(rundir / "workspace"), WORKSPACE, "--bind", str(rundir / "tmp"), "/tmp"]
         else:
@@ -560,6 +584,9 @@ class ProcessBackend(Backend):
         if not self.bwrap:
             raise exc.TierUnavailable("bubblewrap is not installed: apt-get install bubblewrap")
         enforcement = self._plan(spec)
+        walled = enforcement.network is Mechanism.FIREWALL
+        if walled:  # before anything is made: refused (LimitNotEnforceable) if they cannot be
+            _netfull.ensure_uid_rules()
         rules = _rules.plan(spec, root=self.rootfs or Path("/"), can_mask=True, can_confine=True)
         self._prepare(judge=rules.config is not None)
         sid = sandbox_id(spec)
@@ -596,6 +623,8 @@ class ProcessBackend(Backend):
                         noexec=_rules.written_noexec(spec),
                     )
             egress = _attach_egress(spec, rundir, uid)
+            if walled:
+                (rundir / "resolv.conf").write_text(_slirp.RESOLV_CONF)
             if self._cgroups.mechanism is not Mechanism.NONE:
                 cgroup = _cgroups.Cgroup(self._cgroups.mechanism, sid)
                 cgroup.limit(memory_bytes=limits.memory_mb * MiB, cpus=limits.cpus, pids=limits.pids)
@@ -641,11 +670,30 @@ class ProcessBackend(Backend):
         )
         if placeholder is not None:  # bwrap ended once pid 1 had entered: reaped now, off the wait
             _end(placeholder)
-        if enforcement.ptys is Mechanism.DEVPTS:  # the mounts are made, no code has run yet
-            _bound_ptys(instance, proc, spec.limits.ptys)
-        if template is None and self.is_root:  # the template's start writes these itself
-            _quiet_network(instance, proc)
+        self._before_code(
+            instance, proc, boundary, from_template=template is not None, uid=uid, cgroup=cgroup
+        )
         return instance
+
+    def _before_code(
+        self,
+        instance: SupervisedInstance,
+        proc: subprocess.Popen[bytes] | _template.Init,
+        boundary: _ProcessBoundary,
+        *,
+        from_template: bool,
+        uid: int | None,
+        cgroup: _cgroups.Cgroup | None,
+    ) -> None:
+        """What the host sets up in a started sandbox before any code runs in it."""
+        if instance.enforcement.ptys is Mechanism.DEVPTS:  # the mounts are made
+            _bound_ptys(instance, proc, instance.spec.limits.ptys)
+        if not from_template and self.is_root:  # the template's start writes these itself
+            _quiet_network(instance, proc)
+        if instance.enforcement.network is Mechanism.FIREWALL:  # its way out, configured
+            boundary.slirp = _slirp.Slirp()
+            entering = functools.partial(self._entering, uid=uid, cgroup=cgroup)
+            _attach_slirp(instance, proc, boundary.slirp, entering, boundary.rundir)
 
     def _template_for(self, uid: int | None) -> _template.Template | None:
         """The template, where this sandbox starts from it: asked for, as root, on the host's
@@ -739,7 +787,7 @@ class ProcessBackend(Backend):
             "uid": uid,
             "join": cgroup.join_files() if cgroup is not None else [],
             "umask": _umask(),
-            "share_net": spec.network.unrestricted,
+            "share_net": self._host_net(spec),
             "chdir": WORKSPACE,
         }
         try:
@@ -805,11 +853,11 @@ class ProcessBackend(Backend):
         if enforcement.pids is Mechanism.RLIMIT:
             rlimits["RLIMIT_NPROC"] = spec.limits.pids + _user_process_count()
         return supervisor_config(
-            spec, rlimits, egress, host_network=spec.network.unrestricted, refuse_filters=True
+            spec, rlimits, egress, host_network=self._host_net(spec), refuse_filters=True
         )
 
 
-def _namespace_options(spec: SandboxSpec, joined: tuple[int, int] | None) -> list[str]:
+def _namespace_options(joined: tuple[int, int] | None, *, share_net: bool) -> list[str]:
     """bwrap's namespaces: all new, or the template's user and pid namespaces joined."""
     if joined is None:
         return [
@@ -825,7 +873,7 @@ def _namespace_options(spec: SandboxSpec, joined: tuple[int, int] | None) -> lis
     # ends with its stdin (the host closes it, or dies), and with pid 1's namespace.
     argv = ["--userns", str(joined[0]), "--pidns", str(joined[1])]
     argv += ["--unshare-ipc", "--unshare-uts", "--unshare-cgroup"]
-    if not spec.network.unrestricted:
+    if not share_net:
         argv.append("--unshare-net")
     return argv
 
@@ -879,9 +927,30 @@ def _quiet_network(instance: SupervisedInstance, proc: subprocess.Popen[bytes] |
         raise
 
 
-def _network_mechanism(net: NetworkPolicy) -> Mechanism:
+def _attach_slirp(
+    instance: SupervisedInstance,
+    proc: subprocess.Popen[bytes] | _template.Init,
+    slirp: _slirp.Slirp,
+    entering: Callable[[list[str]], list[str]],
+    rundir: Path,
+) -> None:
+    """slirp4netns in the sandbox's network namespace, through pid 1. The sandbox closed
+    (slirp4netns with it) if it cannot be started."""
+    try:
+        pids = [proc.pid] if isinstance(proc, _template.Init) else _children(proc.pid)
+        if not pids:
+            raise exc.SandboxStartError("the sandbox's pid 1 was not found to give it its network")
+        slirp.start(pids[0], entering, rundir / "slirp4netns.log")
+    except BaseException:
+        instance.close()
+        raise
+
+
+def _network_mechanism(net: NetworkPolicy, *, walled: bool) -> Mechanism:
     if net.egress:
         return Mechanism.PROXY  # a network namespace whose only way out is the proxy's socket
+    if walled:
+        return Mechanism.FIREWALL  # a namespace whose way out is slirp4netns, walled (_slirp.py)
     return Mechanism.NONE if net.unrestricted else Mechanism.NAMESPACE
 
 

@@ -149,14 +149,14 @@ def _check_narrowed(granted: NetworkPolicy, network: NetworkPolicy) -> None:
             )
 
 
-# Tiers whose whole network is the service host's own stack: its loopback services (the
-# service's Redis, PostgreSQL, API port) and its abstract AF_UNIX sockets.
+# Tiers whose whole network is the service host's own stack unless walled (``unwalled`` None):
+# its loopback services (the service's Redis, PostgreSQL, API port), its abstract AF_UNIX sockets.
 HOST_STACK_TIERS = frozenset({"process"})
 
 
 def check_tier_network(backend: Backend, network: NetworkPolicy | None) -> None:
     """``LimitNotEnforceable`` (422) for the whole network on a tier that cannot wall it off
-    from the service host and its private network (the process tier shares the host's stack;
+    from the service host and its private network (the process tier without its walls shares the host's stack;
     the docker tier without its firewall rules reaches the engine host's listeners and
     169.254.169.254), whatever the request's ``allow_weaker``: a policy that grants the whole
     network means the internet, never the service's own hosts."""
@@ -164,7 +164,12 @@ def check_tier_network(backend: Backend, network: NetworkPolicy | None) -> None:
         return
     tier = backend.tier
     if tier in HOST_STACK_TIERS:
-        why = "it is the service host's own (its loopback services and abstract sockets)"
+        # walled where the process backend says so (root, iptables, slirp4netns: _slirp.py);
+        # another backend of the tier (a test's) is taken as unwalled
+        unwalled = getattr(backend, "unwalled", "not known to be walled")
+        if unwalled is None:
+            return
+        why = f"it is the service host's own (its loopback services and abstract sockets): {unwalled}"
         advice = "use tier='docker', whose full network reaches the internet only, or network.allow_hosts"
     elif tier == "docker":
         # the docker backend knows where its engine runs; another (a test's) is taken as remote

@@ -19,6 +19,7 @@ from stockade.policy.schema import (
 )
 from stockade.sandbox.base import Backend
 from stockade.sandbox.docker import DockerBackend
+from stockade.sandbox.process import ProcessBackend
 from stockade.server.authz import (
     check_model,
     check_network,
@@ -235,11 +236,14 @@ def test_the_operators_addresses_and_pins_go_with_an_allowlist_narrowed_from_the
 
 
 @pytest.mark.parametrize(
-    "backend", [FakeBackend(tier="process"), DockerBackend(remote=True)], ids=["process", "remote docker"]
+    "backend",
+    [FakeBackend(tier="process"), ProcessBackend(host_uid=65534), DockerBackend(remote=True)],
+    ids=["process", "process of one pinned uid", "remote docker"],
 )
 def test_the_whole_network_is_refused_on_a_tier_that_cannot_wall_it_off(backend: Backend) -> None:
-    """Whatever allow_weaker: the process tier's is the service host's own stack, and a docker
-    engine on another host has none of stockade's firewall rules in front of its listeners."""
+    """Whatever allow_weaker: the process tier's, unwalled (a uid pinned for every sandbox, which
+    its firewall cannot tell apart), is the service host's own stack, and a docker engine on
+    another host has none of stockade's firewall rules in front of its listeners."""
     with pytest.raises(exc.LimitNotEnforceable) as refused:
         check_tier_network(backend, NetworkPolicy(enabled=True))
     assert refused.value.setting == "network"
