@@ -142,13 +142,12 @@ def test_the_output_pipes_wait_no_longer_than_a_gather_even_if_the_clock_went_ba
     saved = list(sys.path)
     sys.path.insert(0, str(SUPERVISOR))
     try:
-        runcode = importlib.import_module("runcode")
+        jobs = importlib.import_module("jobs")
     finally:
         sys.path[:] = saved
-    interp = object.__new__(runcode.Interpreter)  # no process: only its schedule is asked
-    interp.due = None
-    assert interp.wait(100.0) is None, "watched pipes: nothing to wait for"
-    interp.due = 100.0 + runcode.GATHER_S / 2
-    assert interp.wait(100.0) == pytest.approx(runcode.GATHER_S / 2)
-    interp.due = 5000.0
-    assert interp.wait(100.0) == 0
+    pipes = jobs.Outputs(sup=None, key=("out", None))  # no pipe: only its schedule is asked
+    assert pipes.wait(100.0) is None, "watched pipes: nothing to wait for"
+    pipes.due = 100.0 + jobs.GATHER_S / 2
+    assert pipes.wait(100.0) == pytest.approx(jobs.GATHER_S / 2)
+    pipes.due = 5000.0
+    assert pipes.wait(100.0) == 0
