@@ -151,3 +151,23 @@ def test_the_output_pipes_wait_no_longer_than_a_gather_even_if_the_clock_went_ba
     assert pipes.wait(100.0) == pytest.approx(jobs.GATHER_S / 2)
     pipes.due = 5000.0
     assert pipes.wait(100.0) == 0
+
+
+def test_a_slow_writer_gathers_and_a_fast_one_is_read_as_it_writes() -> None:
+    # A wait slows a writer that fills the pipe within it (blocked on the full pipe: 100 MB
+    # of head -c took 5 s instead of 1): only what trickles in is left to gather.
+    saved = list(sys.path)
+    sys.path.insert(0, str(SUPERVISOR))
+    try:
+        jobs = importlib.import_module("jobs")
+    finally:
+        sys.path[:] = saved
+    gather, bulk = jobs.GATHER_S, jobs.BULK
+    pipes = jobs.Outputs(sup=None, key=("out", None))  # no pipe: only its schedule is asked
+    pipes.read_at = 100.0
+    later = 100.0 + gather  # one gather after the last read
+    assert pipes.next_read(12_000, False, later) == later + gather, "a print flood's 2 ms: gathers"
+    assert pipes.next_read(bulk, False, later) is None, "half a pipe in a gather: read as it comes"
+    assert pipes.next_read(8192, False, 100.0 + 0.00002) is None, "8 KiB in 20 us: read as it comes"
+    assert pipes.next_read(6, False, 100.0 + 0.00001) == 100.0 + 0.00001 + gather, "a line: gathers"
+    assert pipes.next_read(jobs.CHUNK, True, 1000.0) == 1000.0, "a full read after a quiet spell: read on"
