@@ -1,7 +1,8 @@
 """A print-heavy program: ``for i in range(N): print(i)`` through ``run_code``, through
 ``commands.run`` (``python3 -c``, whose stdout on a pipe is buffered; ``python3 -u -c``, a
 write a print, as ``run_code``'s unbuffered stdout; a shell's loop of N ``echo``s, a write a
-line) and through ``python3 -c`` in a strict bubblewrap (buffered, and ``-u``). And how late
+line; and ``head -c 10**8 /dev/zero``, a writer faster than any gather, which must not wait
+for one) and through ``python3 -c`` in a strict bubblewrap (buffered, and ``-u``). And how late
 a streamed line reaches ``on_stdout``: a cell (and a ``python3 -u`` command) printing
 ``time.time()`` every 10 ms, each line's arrival against the time it holds (one clock: the
 host's and the sandbox's kernel are one on these tiers).
@@ -29,6 +30,7 @@ from stockade.sandbox.docker import DockerBackend
 from stockade.sandbox.process import ProcessBackend
 
 TICKS = 30
+BULK = 10**8  # bytes through commands.run's stdout (past output_bytes: counted, not kept)
 
 
 def loop(n: int) -> str:
@@ -76,6 +78,7 @@ def measure(backend: Backend, n: int, rounds: int) -> dict[str, list[float]]:
         "command": [],
         "command -u": [],
         "echo loop": [],
+        "bulk": [],
         "stream": [],
         "command stream": [],
     }
@@ -94,11 +97,16 @@ def measure(backend: Backend, n: int, rounds: int) -> dict[str, list[float]]:
 
             return run
 
+        def bulk() -> None:
+            r = sbx.commands.run(["head", "-c", str(BULK), "/dev/zero"])
+            assert r.exit_code == 0 and r.stdout_bytes == BULK, r.stderr
+
         for _ in range(rounds):
             out["run_code"].append(timed(code))
             out["command"].append(timed(command("python3", "-c", loop(n))))
             out["command -u"].append(timed(command("python3", "-u", "-c", loop(n))))
             out["echo loop"].append(timed(command("sh", "-c", echo_loop(n))))
+            out["bulk"].append(timed(bulk))
             out["stream"] += stream_delays(sbx)
             out["command stream"] += stream_delays(sbx, command=True)
     return out
@@ -138,6 +146,7 @@ def main() -> None:
         unbuffered = f"{fmt(got['command -u'])} | {fmt(got['command stream'])}"
         print(f"| {tier} | commands.run `python3 -u -c` | {unbuffered} |")
         print(f"| {tier} | commands.run echo loop | {fmt(got['echo loop'])} | |")
+        print(f"| {tier} | commands.run `head -c 10**8` | {fmt(got['bulk'])} | |")
     got = raw(args.prints, args.rounds)
     print(f"| raw bwrap | `python3 -c` | {fmt(got['raw'])} | |")
     print(f"| raw bwrap | `python3 -u -c` | {fmt(got['raw -u'])} | |")

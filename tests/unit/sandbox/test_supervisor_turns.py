@@ -162,12 +162,19 @@ def test_a_slow_writer_gathers_and_a_fast_one_is_read_as_it_writes() -> None:
         jobs = importlib.import_module("jobs")
     finally:
         sys.path[:] = saved
-    gather, bulk = jobs.GATHER_S, jobs.BULK
-    pipes = jobs.Outputs(sup=None, key=("out", None))  # no pipe: only its schedule is asked
-    pipes.read_at = 100.0
-    later = 100.0 + gather  # one gather after the last read
-    assert pipes.next_read(12_000, False, later) == later + gather, "a print flood's 2 ms: gathers"
-    assert pipes.next_read(bulk, False, later) is None, "half a pipe in a gather: read as it comes"
-    assert pipes.next_read(8192, False, 100.0 + 0.00002) is None, "8 KiB in 20 us: read as it comes"
-    assert pipes.next_read(6, False, 100.0 + 0.00001) == 100.0 + 0.00001 + gather, "a line: gathers"
-    assert pipes.next_read(jobs.CHUNK, True, 1000.0) == 1000.0, "a full read after a quiet spell: read on"
+    gather, bulk, fast = jobs.GATHER_S, jobs.BULK, jobs.FAST_S
+
+    def read(n: int, after: float, full: bool = False, last: float = 100.0) -> Any:
+        pipes = jobs.Outputs(sup=None, key=("out", None))  # no pipe: only its schedule is asked
+        pipes.read_at = last
+        return pipes.next_read(n, full, last + after), pipes
+
+    assert read(12_000, gather)[0] == pytest.approx(100.0 + 2 * gather), "a print flood's 2 ms: gathers"
+    assert read(6, 0.00001)[0] == pytest.approx(100.0 + 0.00001 + gather), "a line: gathers"
+    assert read(bulk, gather)[0] is None, "half a pipe in a gather: read as it comes"
+    assert read(8192, 0.00002)[0] is None, "8 KiB in 20 us: read as it comes"
+    assert read(jobs.CHUNK, 900.0, full=True)[0] == 1000.0, "a full read after a quiet spell: read on"
+    _, pipes = read(8192, 0.00002)
+    assert pipes.next_read(6, False, 100.0 + fast) is None, "a while after a fast read: still as it comes"
+    later = 100.0 + 2 * fast
+    assert pipes.next_read(6, False, later) == pytest.approx(later + gather), "then gathers again"

@@ -111,9 +111,12 @@ CHUNK = 1 << 16
 # quiet program writes first is read at once; what follows it, this late.
 GATHER_S = 0.002
 # A writer that fills this much of a pipe (64 KiB) in GATHER_S is not slowed by our wake-ups
-# but would be by a wait, blocked on the full pipe (100 MB of `head -c`: 1.0 s read as it
-# comes, 5.2 s gathered): its pipes are read as they fill, as before gathering.
+# but would be by a wait, blocked on the full pipe (100 MB of `head -c`: 0.3 s read as it
+# comes, 5.2 s gathered): its pipes are read as they fill, as before gathering, for FAST_S
+# after the last read that fast (a rate seen read by read is noisy where both it and we
+# wait for a core; each wrong guess costs it a gather's wait).
 BULK = CHUNK // 2
+FAST_S = 0.01
 
 
 class Outputs:
@@ -129,6 +132,7 @@ class Outputs:
         # When the pipes, unwatched, are read again; None: watched.
         self.due: Optional[float] = None
         self.read_at = 0.0  # when they were last read with something in them
+        self.fast_until = 0.0  # read as they fill until then (``next_read``)
 
     def add(self, fd: int, stream: int) -> None:
         os.set_blocking(fd, False)
@@ -181,9 +185,11 @@ class Outputs:
 
     def next_read(self, n: int, full: bool, now: float) -> "Optional[float]":
         """When to read again after a read of ``n`` bytes at ``now`` (None: when readable).
-        A writer as fast as BULK a GATHER_S is read as it writes; a full read after a quiet
-        spell is read on at the next turn; anything else gathers for GATHER_S."""
+        A writer as fast as BULK a GATHER_S is read as it writes (for FAST_S from then); a
+        full read after a quiet spell is read on at the next turn; anything else gathers."""
         if n * GATHER_S >= BULK * max(0.0, now - self.read_at):
+            self.fast_until = now + FAST_S
+        if now < self.fast_until:
             return None
         return now if full else now + GATHER_S
 
