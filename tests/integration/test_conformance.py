@@ -78,6 +78,65 @@ def test_output_streams_to_callbacks_as_it_comes(sbx: Sandbox) -> None:
     assert len([k for k, _ in seen if k == "out"]) >= 2, "output arrived in one piece: not streamed"
 
 
+def test_an_unbuffered_flood_comes_whole_in_order_and_in_few_pieces(sbx: Sandbox) -> None:
+    # ``python3 -u`` writes twice a print, a shell's echo once a line: the supervisor lets
+    # the writes gather in the pipe between its reads, as run_code's, rather than sending
+    # a frame to the host for each (a wake-up a write: ~1.8 s for 10^5 prints, not 0.1 s)
+    want = "".join(f"{i}\n" for i in range(20_000))
+    for command in (
+        ["python3", "-u", "-c", "for i in range(20_000): print(i)"],
+        "i=0; while [ $i -lt 20000 ]; do echo $i; i=$((i + 1)); done",
+    ):
+        chunks: list[str] = []
+        r = sbx.commands.run(command, on_stdout=chunks.append)
+        assert r.exit_code == 0 and r.stdout == "".join(chunks) == want
+        assert len(chunks) < 2_000, f"{len(chunks)} pieces for 20,000 lines: a wake-up a write"
+
+
+def test_the_end_of_a_flood_reaches_the_callback_while_the_command_still_runs(sbx: Sandbox) -> None:
+    # Gathered output waits in the pipe for a moment, never until the command ends: it goes
+    # on only once the host, having seen its last line, answers through a file.
+    def answer(text: str) -> None:
+        if "done" in text:
+            sbx.files.write("seen", "")
+
+    script = (
+        "i=0; while [ $i -lt 10000 ]; do echo $i; i=$((i + 1)); done; echo done\n"
+        "for _ in $(seq 3000); do [ -e seen ] && break; sleep 0.01; done\n"
+        "[ -e seen ] && echo answered || echo 'no answer'"
+    )
+    r = sbx.commands.run(script, on_stdout=answer)
+    assert r.stdout.endswith("9999\ndone\nanswered\n"), r.stdout[-40:]
+
+
+def test_writes_of_a_command_and_its_children_keep_their_order_line_by_line(sbx: Sandbox) -> None:
+    script = (
+        "for i in $(seq 0 14); do\n"
+        "  printf 'shell %s ' $i; sh -c \"echo child $i\"; echo err $i >&2\n"
+        "  python3 -u -c \"print('python', $i); print('x' * 5000)\"\n"
+        "done"
+    )
+    r = sbx.commands.run(script)
+    assert r.exit_code == 0
+    assert r.stdout == "".join(f"shell {i} child {i}\npython {i}\n{'x' * 5000}\n" for i in range(15))
+    assert r.stderr == "".join(f"err {i}\n" for i in range(15))
+
+
+def test_a_flood_cut_by_a_timeout_or_the_cap_is_exact(tier: str) -> None:
+    # What gathers in the pipe when the command ends is read before its report: at a
+    # timeout's kill as at its exit, and the cap counts every byte of it.
+    flood = "python3 -u -c 'for i in range(20000): print(i)'"
+    want = "".join(f"{i}\n" for i in range(20_000))
+    with Sandbox.create(tier, limits=Limits(output_bytes=1000)) as sbx:
+        r = sbx.commands.run(f"{flood}; printf 'last words'")
+        total = len(want) + len("last words")
+        assert r.truncated and r.stdout_bytes == total and f"showing 1000 of {total} bytes" in r.stdout
+        assert r.stdout[:1000] == want[:1000]
+    with Sandbox.create(tier) as sbx:
+        r = sbx.commands.run(f"{flood}; printf 'last words'; sleep 30", timeout_s=3)
+        assert r.timed_out and r.stdout == want + "last words"
+
+
 def test_large_stdin_round_trips(sbx: Sandbox) -> None:
     data = os.urandom(3 * 1024 * 1024)
     r = sbx.commands.run("sha256sum", stdin=data)

@@ -142,13 +142,39 @@ def test_the_output_pipes_wait_no_longer_than_a_gather_even_if_the_clock_went_ba
     saved = list(sys.path)
     sys.path.insert(0, str(SUPERVISOR))
     try:
-        runcode = importlib.import_module("runcode")
+        jobs = importlib.import_module("jobs")
     finally:
         sys.path[:] = saved
-    interp = object.__new__(runcode.Interpreter)  # no process: only its schedule is asked
-    interp.due = None
-    assert interp.wait(100.0) is None, "watched pipes: nothing to wait for"
-    interp.due = 100.0 + runcode.GATHER_S / 2
-    assert interp.wait(100.0) == pytest.approx(runcode.GATHER_S / 2)
-    interp.due = 5000.0
-    assert interp.wait(100.0) == 0
+    pipes = jobs.Outputs(sup=None, key=("out", None))  # no pipe: only its schedule is asked
+    assert pipes.wait(100.0) is None, "watched pipes: nothing to wait for"
+    pipes.due = 100.0 + jobs.GATHER_S / 2
+    assert pipes.wait(100.0) == pytest.approx(jobs.GATHER_S / 2)
+    pipes.due = 5000.0
+    assert pipes.wait(100.0) == 0
+
+
+def test_a_slow_writer_gathers_and_a_fast_one_is_read_as_it_writes() -> None:
+    # A wait slows a writer that fills the pipe within it (blocked on the full pipe: 100 MB
+    # of head -c took 5 s instead of 1): only what trickles in is left to gather.
+    saved = list(sys.path)
+    sys.path.insert(0, str(SUPERVISOR))
+    try:
+        jobs = importlib.import_module("jobs")
+    finally:
+        sys.path[:] = saved
+    gather, bulk, fast = jobs.GATHER_S, jobs.BULK, jobs.FAST_S
+
+    def read(n: int, after: float, full: bool = False, last: float = 100.0) -> Any:
+        pipes = jobs.Outputs(sup=None, key=("out", None))  # no pipe: only its schedule is asked
+        pipes.read_at = last
+        return pipes.next_read(n, full, last + after), pipes
+
+    assert read(12_000, gather)[0] == pytest.approx(100.0 + 2 * gather), "a print flood's 2 ms: gathers"
+    assert read(6, 0.00001)[0] == pytest.approx(100.0 + 0.00001 + gather), "a line: gathers"
+    assert read(bulk, gather)[0] is None, "half a pipe in a gather: read as it comes"
+    assert read(8192, 0.00002)[0] is None, "8 KiB in 20 us: read as it comes"
+    assert read(jobs.CHUNK, 900.0, full=True)[0] == 1000.0, "a full read after a quiet spell: read on"
+    _, pipes = read(8192, 0.00002)
+    assert pipes.next_read(6, False, 100.0 + fast) is None, "a while after a fast read: still as it comes"
+    later = 100.0 + 2 * fast
+    assert pipes.next_read(6, False, later) == pytest.approx(later + gather), "then gathers again"

@@ -18,7 +18,7 @@ import time
 from select import EPOLLIN as EVENT_READ
 
 from fileops import _write_all
-from jobs import Job, starts_code
+from jobs import Job, Outputs, starts_code
 from protocol import (
     CODE_REPORT_MARKS,
     MAX_CODE_REPLY,
@@ -37,11 +37,6 @@ if TYPE_CHECKING:
     from supervisor import Supervisor
 
 CHUNK = 1 << 16
-# After a read of the code's output, how long its pipes gather before the next: unbuffered
-# print()s are a write each, and waking for each (a read, a frame to the host, the host's
-# turn) cost ~16 us a print, 50 times a command's. Unwatched meanwhile, a write is a copy
-# into the pipe. What a quiet cell prints first is read at once; what follows it, this late.
-GATHER_S = 0.002
 START_S = 10.0  # how long the zygote may take to fork an interpreter (it may still be loading site)
 
 
@@ -180,7 +175,8 @@ class Interpreter:
             os.close(fd)
         self.ctl_w = in_w
         self.ctl_r = res_r
-        self.pipes = {out_r: 1, err_r: 2}
+        # Unbuffered (print()s are a write each): read in gathers, as a command's (jobs.py).
+        self.out = Outputs(sup, ("interpreter", self))
         # Code can write to the reply pipe too: a larger report is no interpreter's (dropped).
         self.reader = FrameReader(max_body=MAX_CODE_REPLY)
         self.pid = 0  # the interpreter's, from its first frame (sent before any code ran)
@@ -190,11 +186,10 @@ class Interpreter:
         # during a run can be an earlier run's (a thread, a signal handler, a gc callback, a
         # name it rebound), which no look from outside rules out.
         self.used = False
-        # When the output pipes, unwatched, are read again (``gather``); None: watched.
-        self.due: Optional[float] = None
-        for fd in (out_r, err_r, res_r):
-            os.set_blocking(fd, False)
-            sup.sel.register(fd, EVENT_READ, ("interpreter", self))
+        self.out.add(out_r, 1)
+        self.out.add(err_r, 2)
+        os.set_blocking(res_r, False)
+        sup.sel.register(res_r, EVENT_READ, ("interpreter", self))
 
     def wait_started(self, timeout: float) -> None:
         """Block until the interpreter process has said hello (its site loaded, ready for
@@ -241,8 +236,9 @@ class Interpreter:
         sup = self.sup
         if self is not sup.interpreter:
             return
-        if fd in self.pipes:
-            self.gather()
+        if fd in self.out.fds:
+            # The code closing its stdout or stderr is not a death: the ctl pipe says that.
+            self.out.gather(self.job)
             return
         try:
             data = os.read(fd, CHUNK)
@@ -276,65 +272,14 @@ class Interpreter:
             sup.finish_code(job, payload)
         self.next_run()
 
-    def wait(self, now: float) -> "Optional[float]":
-        """Seconds until the output pipes are read again (``gather`` at 0), or None."""
-        if self.due is None:
-            return None
-        if self.due - now > GATHER_S:  # a clock that went back (a snapshot restored elsewhere)
-            self.due = now
-        return max(0.0, self.due - now)
-
-    def gather(self) -> None:
-        """Read what the code wrote on each output pipe, stdout first, and pass it on; then
-        leave the pipes unwatched for GATHER_S while more gathers in them, or, if there was
-        none, watch them again. A full read is read on at the next turn, not after a wait:
-        a large write is never slowed. Every end of a run drains them first (``drain``)."""
-        sup = self.sup
-        got = full = False
-        for fd, stream in list(self.pipes.items()):
-            try:
-                data = os.read(fd, CHUNK)
-            except BlockingIOError:
-                continue
-            if not data:  # the code closed its stdout or stderr: not a death (the ctl pipe says that)
-                if self.due is None:
-                    sup.sel.unregister(fd)
-                os.close(fd)
-                del self.pipes[fd]
-                continue
-            got = True
-            full = full or len(data) == CHUNK
-            if self.job is not None:
-                self.job.output(stream, data)
-        if got:
-            if self.due is None:
-                for fd in self.pipes:
-                    sup.sel.unregister(fd)
-            self.due = time.monotonic() + (0.0 if full else GATHER_S)
-        elif self.due is not None:
-            for fd in self.pipes:
-                sup.sel.register(fd, EVENT_READ, ("interpreter", self))
-            self.due = None
-
     def drain(self, job: "Job") -> None:
         """Pass on to ``job`` what its code wrote and we have not read yet."""
-        for fd, stream in self.pipes.items():
-            while True:
-                try:
-                    data = os.read(fd, CHUNK)
-                except (BlockingIOError, OSError):
-                    break
-                if not data:
-                    break
-                job.output(stream, data)
+        self.out.drain(job)
 
     def close(self, sup: "Supervisor") -> None:
-        for fd in [self.ctl_r, *self.pipes]:
-            try:
-                sup.sel.unregister(fd)
-            except (KeyError, ValueError):  # an output pipe left unwatched (``gather``)
-                pass
-            os.close(fd)
+        self.out.close()
+        sup.sel.unregister(self.ctl_r)
+        os.close(self.ctl_r)
         os.close(self.ctl_w)
         kill_tree(self.shim, include_root=True)
         if self.adopter != self.shim:  # what its code left behind, now the zygote's

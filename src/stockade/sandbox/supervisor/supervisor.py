@@ -296,9 +296,7 @@ class Supervisor:
             ready = self.sel.select(timeout)
             # Deadlines first: a flood of output from the tree to kill must not come before it.
             self._check_deadlines()
-            interp = self.interpreter
-            if interp is not None and interp.wait(time.monotonic()) == 0:
-                interp.gather()
+            self._gather_due()
             relayed_only = bool(ready)  # a turn that only relayed egress bytes has nothing to reap
             for key, events in ready:
                 if not self.sel.holds(key):
@@ -316,7 +314,7 @@ class Supervisor:
                         pass
                     self.reap()
                 elif kind == "out":
-                    jobs.on_output(self, obj, fd)
+                    jobs.on_output(self, obj)
                 elif kind == "stdin":
                     jobs.on_stdin(self, obj)
                 elif kind == "interpreter":
@@ -335,11 +333,23 @@ class Supervisor:
     def _next_timeout(self) -> Optional[float]:
         deadlines = [j.deadline for j in self.commands.values() if j.deadline]
         now = time.monotonic()
-        waits = [] if self.interpreter is None else [self.interpreter.wait(now)]
+        waits = [j.out.wait(now) for j in self.commands.values()]
+        if self.interpreter is not None:
+            waits.append(self.interpreter.out.wait(now))
         if self.interpreter and self.interpreter.job and self.interpreter.job.deadline:
             deadlines.append(self.interpreter.job.deadline)
         left = [max(0.0, d - now) for d in deadlines] + [w for w in waits if w is not None]
         return min(left) if left else None
+
+    def _gather_due(self) -> None:
+        """Read the output pipes whose gather is due (jobs.Outputs)."""
+        now = time.monotonic()
+        interp = self.interpreter
+        if interp is not None and interp.out.wait(now) == 0:
+            interp.out.gather(interp.job)
+        for job in list(self.commands.values()):
+            if job.out.wait(now) == 0:
+                jobs.on_output(self, job)
 
     def _on_host(self) -> None:
         try:
