@@ -51,8 +51,12 @@ def test_exec_seeds_a_workspace_copy_and_reads_stdin(tmp_path: Path) -> None:
 
 
 def test_exec_refuses_what_this_host_cannot_enforce() -> None:
+    require_tier("gvisor")
+    r = stockade("exec", "--tier", "gvisor", "--network", "--", "true")  # gVisor runs without network here
+    assert r.returncode == 2 and "fix: use tier='docker'" in r.stderr, r.stderr
+    # the process tier walls its whole network (slirp4netns, the host's firewall) as root here
     r = stockade("exec", "--network", "--", "true")
-    assert r.returncode == 2 and "allow" in r.stderr.lower()
+    assert r.returncode == 0, r.stderr
 
 
 def test_run_code_prints_output_and_the_last_value(tmp_path: Path) -> None:
