@@ -225,10 +225,7 @@ def _resolvers(*, loopback: bool = False) -> list[str]:
 
 
 def _v4_tables() -> str:
-    rejects = [
-        f"-A {REJECT_CHAIN} -p tcp -j REJECT --reject-with tcp-reset",
-        f"-A {REJECT_CHAIN} -j REJECT --reject-with icmp-port-unreachable",
-    ]
+    rejects = _rejects(REJECT_CHAIN, "icmp-port-unreachable")
     forward = [f"-A {FORWARD_CHAIN} -i {BRIDGE} -o {BRIDGE} -j {REJECT_CHAIN}"]  # another sandbox
     for resolver in _resolvers():
         forward += [
@@ -241,19 +238,13 @@ def _v4_tables() -> str:
 
 
 def _v6_tables() -> str:
-    rejects = [
-        f"-A {REJECT_CHAIN} -p tcp -j REJECT --reject-with tcp-reset",
-        f"-A {REJECT_CHAIN} -j REJECT --reject-with icmp6-port-unreachable",
-    ]
+    rejects = _rejects(REJECT_CHAIN, "icmp6-port-unreachable")
     rules = [f"-A {chain} -i {BRIDGE} -j {REJECT_CHAIN}" for chain in (FORWARD_CHAIN, INPUT_CHAIN)]
     return _table([REJECT_CHAIN, FORWARD_CHAIN, INPUT_CHAIN], rejects + rules)
 
 
 def _uid_v4_tables() -> str:
-    rejects = [
-        f"-A {OUTPUT_REJECT_CHAIN} -p tcp -j REJECT --reject-with tcp-reset",
-        f"-A {OUTPUT_REJECT_CHAIN} -j REJECT --reject-with icmp-port-unreachable",
-    ]
+    rejects = _rejects(OUTPUT_REJECT_CHAIN, "icmp-port-unreachable")
     out = [
         f"-A {OUTPUT_CHAIN} -d {resolver}/32 -p {p} --dport 53 -j RETURN"
         for resolver in _resolvers(loopback=True)
@@ -266,13 +257,18 @@ def _uid_v4_tables() -> str:
 
 
 def _uid_v6_tables() -> str:
-    rejects = [
-        f"-A {OUTPUT_REJECT_CHAIN} -p tcp -j REJECT --reject-with tcp-reset",
-        f"-A {OUTPUT_REJECT_CHAIN} -j REJECT --reject-with icmp6-port-unreachable",
-    ]
+    rejects = _rejects(OUTPUT_REJECT_CHAIN, "icmp6-port-unreachable")
     return _table(
         [OUTPUT_REJECT_CHAIN, OUTPUT_CHAIN], [*rejects, f"-A {OUTPUT_CHAIN} -j {OUTPUT_REJECT_CHAIN}"]
     )
+
+
+def _rejects(chain: str, unreachable: str) -> list[str]:
+    """A refusal that fails at once: a TCP reset, else port unreachable (never a drop)."""
+    return [
+        f"-A {chain} -p tcp -j REJECT --reject-with tcp-reset",
+        f"-A {chain} -j REJECT --reject-with {unreachable}",
+    ]
 
 
 def _table(chains: list[str], rules: list[str]) -> str:

@@ -132,6 +132,12 @@ class Backend(abc.ABC):
         start will start from (``Instance.started_from``). Most tiers have nothing to build."""
         return ""
 
+    def unwalled_network(self) -> str | None:
+        """Why a whole network (``NetworkPolicy(enabled=True)``) here would reach this host,
+        its private network or other sandboxes, or None: walled off, or refused by the tier
+        itself. A tier that does not say is taken as not walled."""
+        return f"the {self.tier} tier does not say its whole network is walled off"
+
 
 class WrapperInstance(Instance):
     """Delegates everything to ``wrapped``; a subclass overrides what it changes (usually
@@ -175,6 +181,9 @@ class WrapperBackend(Backend):
 
     def prepare_for(self, spec: SandboxSpec) -> str:
         return self.wrapped.prepare_for(spec)
+
+    def unwalled_network(self) -> str | None:
+        return self.wrapped.unwalled_network()
 
 
 class AsyncInstance(abc.ABC):

@@ -575,6 +575,9 @@ class DockerBackend(Backend):
         args = entry.get("runtimeArgs") or entry.get("runtimeargs") or []
         return any(str(arg) in wanted for arg in args)
 
+    def unwalled_network(self) -> str | None:
+        return None if self.own_kernel else _netfull.unwalled(remote=self.remote)  # (gVisor refuses it)
+
     def probe(self) -> TierReport:
         fixes = ("bash scripts/setup-docker.sh", "stockade image build --offline")
         try:

@@ -108,6 +108,9 @@ class GVisorBackend(Backend):
                     self._inner = self._docker() if _engine_answers() else self._runsc()
             return self._inner
 
+    def unwalled_network(self) -> str | None:
+        return None  # its runsc or Docker backend refuses a whole network itself
+
     def probe(self) -> TierReport:
         try:
             inner = self.backend()
@@ -323,6 +326,9 @@ class RunscBackend(Backend):
             ),
             timeout_margin_s=UNPRIORITIZED_TIMEOUT_MARGIN_S,  # its kernel honours no priority
         )
+
+    def unwalled_network(self) -> str | None:
+        return None  # it refuses a whole network itself (``_plan``)
 
     def probe(self) -> TierReport:
         try:

@@ -198,6 +198,9 @@ class MicroVMBackend(Backend):
     def _timeout_margin(self) -> float:
         return TIMEOUT_MARGIN_S if self.accel == "kvm" else UNPRIORITIZED_TIMEOUT_MARGIN_S
 
+    def unwalled_network(self) -> str | None:
+        return None  # no network device: it refuses a whole network itself (``_plan``)
+
     def probe(self) -> TierReport:
         try:
             self._check()

@@ -340,6 +340,9 @@ class ProcessBackend(Backend):
         """Whether the sandbox shares the host's network stack: a whole network, unwalled."""
         return spec.network.unrestricted and self.unwalled is not None
 
+    def unwalled_network(self) -> str | None:
+        return self.unwalled
+
     def probe(self) -> TierReport:
         fixes: list[str] = []
         if not self.bwrap:

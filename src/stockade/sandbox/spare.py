@@ -61,6 +61,9 @@ class SpareBackend(Backend):
     def probe(self) -> TierReport:
         return self.wrapped.probe()
 
+    def unwalled_network(self) -> str | None:
+        return self.wrapped.unwalled_network()
+
     def start(self, spec: SandboxSpec) -> Instance:
         if spec.snapshot is not None or spec.sandbox_id is not None:
             return self.wrapped.start(spec)

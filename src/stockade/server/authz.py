@@ -10,7 +10,6 @@ from stockade import exceptions as exc
 from stockade.egress._rules import Judge, ip_literal
 from stockade.policy.engine import PolicyEngine
 from stockade.policy.schema import Policy
-from stockade.sandbox import _netfull
 from stockade.sandbox.base import Backend
 from stockade.server.tenants import Principal
 from stockade.types import NetworkPolicy, Trust
@@ -149,40 +148,25 @@ def _check_narrowed(granted: NetworkPolicy, network: NetworkPolicy) -> None:
             )
 
 
-# Tiers whose whole network is the service host's own stack unless walled (``unwalled`` None):
-# its loopback services (the service's Redis, PostgreSQL, API port), its abstract AF_UNIX sockets.
-HOST_STACK_TIERS = frozenset({"process"})
-
-
 def check_tier_network(backend: Backend, network: NetworkPolicy | None) -> None:
     """``LimitNotEnforceable`` (422) for the whole network on a tier that cannot wall it off
-    from the service host and its private network (the process tier without its walls shares the host's stack;
-    the docker tier without its firewall rules reaches the engine host's listeners and
-    169.254.169.254), whatever the request's ``allow_weaker``: a policy that grants the whole
-    network means the internet, never the service's own hosts."""
+    from the service host and its private network (``Backend.unwalled_network``: the process
+    tier without its walls shares the host's stack, the docker tier without its firewall rules
+    reaches the engine host's listeners and 169.254.169.254), whatever the request's
+    ``allow_weaker``: a policy that grants the whole network means the internet, never the
+    service's own hosts."""
     if network is None or not network.unrestricted:
         return
-    tier = backend.tier
-    if tier in HOST_STACK_TIERS:
-        # walled where the process backend says so (root, iptables, slirp4netns: _slirp.py);
-        # another backend of the tier (a test's) is taken as unwalled
-        unwalled = getattr(backend, "unwalled", "not known to be walled")
-        if unwalled is None:
-            return
-        why = f"it is the service host's own (its loopback services and abstract sockets): {unwalled}"
-        advice = "use tier='docker', whose full network reaches the internet only, or network.allow_hosts"
-    elif tier == "docker":
-        # the docker backend knows where its engine runs; another (a test's) is taken as remote
-        unwalled = _netfull.unwalled(remote=getattr(backend, "remote", True))
-        if unwalled is None:
-            return
-        why = f"it is not walled off from the engine host and its private network: {unwalled}"
-        advice = "use network.allow_hosts, an allowlist through the egress proxy"
-    else:
-        return  # the other tiers refuse the whole network themselves
+    why = backend.unwalled_network()
+    if why is None:
+        return
+    advice = (
+        "use network.allow_hosts (an allowlist through the egress proxy), or a tier this host walls "
+        "off (docker, or process, as root with iptables and slirp4netns)"
+    )
     raise exc.LimitNotEnforceable(
-        f"the whole network on the {tier} tier: {why}; the service never gives it, whatever "
-        f"allow_weaker: {advice}",
+        f"the whole network on the {backend.tier} tier would reach the service host or its private "
+        f"network ({why}); the service never gives it, whatever allow_weaker: {advice}",
         setting="network",
         fix=advice,
     )
