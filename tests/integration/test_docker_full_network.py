@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import threading
 from collections.abc import Iterator
 
 import pytest
@@ -21,43 +20,11 @@ from stockade.sandbox.base import SandboxSpec
 from stockade.sandbox.docker import DockerBackend
 from stockade.types import Mechanism
 from tests.conftest import require_tier
+from tests.integration.network_probes import host_address, listening, probe
 
 pytestmark = pytest.mark.docker
 
 FULL = NetworkPolicy(enabled=True)
-
-# Prints what a connect to each HOST:PORT argument came to: "connected", or the error's name.
-PROBE = """\
-import socket, sys
-for target in sys.argv[1:]:
-    host, port = target.rsplit(":", 1)
-    try:
-        socket.create_connection((host, int(port)), timeout=10).close()
-        print(target, "connected")
-    except OSError as err:
-        print(target, type(err).__name__)
-"""
-
-LISTEN = """\
-import socket
-s = socket.socket()
-s.bind(("0.0.0.0", 8099))
-s.listen()
-s.settimeout(30)
-print("listening", flush=True)
-try:
-    s.accept()
-    print("accepted")
-except OSError:
-    print("nobody came")
-"""
-
-
-def probe(sbx: Sandbox, *targets: str) -> dict[str, str]:
-    sbx.files.write("probe.py", PROBE)
-    result = sbx.commands.run(["python3", "probe.py", *targets])
-    assert result.exit_code == 0, result.stderr
-    return dict(line.split(" ", 1) for line in result.stdout.splitlines())
 
 
 def gateway(sbx: Sandbox) -> str:
@@ -78,22 +45,8 @@ def test_two_full_network_sandboxes_cannot_reach_each_other() -> None:
     with Sandbox.create("docker", network=FULL) as a, Sandbox.create("docker", network=FULL) as b:
         assert a.enforcement.network is Mechanism.FIREWALL and not a.enforcement.weakened
         address = a.commands.run("hostname -i").stdout.split()[-1]
-        listening = threading.Event()
-        served: list[str] = []
-        a.files.write("listen.py", LISTEN)
-        server = threading.Thread(
-            target=lambda: served.append(
-                a.commands.run("python3 listen.py", on_stdout=lambda _: listening.set()).stdout
-            )
-        )
-        server.start()
-        try:
-            assert listening.wait(30)
+        with listening(a) as served:
             assert probe(b, f"{address}:8099") == {f"{address}:8099": "ConnectionRefusedError"}
-        finally:
-            # A's own connect ends its wait: a sandbox reaches its own listener, B never did.
-            assert probe(a, "127.0.0.1:8099") == {"127.0.0.1:8099": "connected"}
-            server.join(40)
         assert served == ["listening\naccepted\n"]
 
 
@@ -122,10 +75,10 @@ def test_a_sandbox_learns_no_other_sandboxs_id_through_dns() -> None:
 
 def test_the_host_is_unreachable_through_the_gateway_and_its_own_address(host_listener: int) -> None:
     require_tier("docker")
-    host_address = _host_address()
+    own = host_address()
     with Sandbox.create("docker", network=FULL) as sbx:
         targets = [f"{gateway(sbx)}:{host_listener}", "172.17.0.1:" + str(host_listener)]
-        targets += [f"{host_address}:{host_listener}"] if host_address else []
+        targets += [f"{own}:{host_listener}"] if own else []
         assert probe(sbx, *targets) == dict.fromkeys(targets, "ConnectionRefusedError")
 
 
@@ -135,17 +88,6 @@ def test_private_and_metadata_addresses_fail_fast() -> None:
     with Sandbox.create("docker", network=FULL) as sbx:
         # Refused, not timed out (a drop would raise TimeoutError after the probe's 10 s).
         assert probe(sbx, *targets) == dict.fromkeys(targets, "ConnectionRefusedError")
-
-
-def _host_address() -> str | None:
-    """This host's address on its default route's interface (what a UDP socket would send from)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
-        try:
-            udp.connect(("192.0.2.1", 9))  # no packet is sent
-        except OSError:
-            return None
-        address: str = udp.getsockname()[0]
-    return None if address.startswith("127.") else address
 
 
 def test_the_rules_are_one_set_for_every_sandbox() -> None:

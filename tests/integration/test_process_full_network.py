@@ -12,7 +12,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,34 +21,9 @@ from stockade import LimitNotEnforceable, NetworkPolicy, Sandbox, SandboxCrashed
 from stockade.sandbox.process import ProcessBackend
 from stockade.types import Mechanism
 from tests.conftest import processes_of_uid, require, require_tier
+from tests.integration.network_probes import host_address, listening, probe
 
 WHOLE = NetworkPolicy(enabled=True)
-
-# Prints what a connect to each HOST:PORT argument came to: "connected", or the error's name.
-PROBE = """\
-import socket, sys
-for target in sys.argv[1:]:
-    host, port = target.rsplit(":", 1)
-    try:
-        socket.create_connection((host, int(port)), timeout=10).close()
-        print(target, "connected")
-    except OSError as err:
-        print(target, type(err).__name__)
-"""
-
-LISTEN = """\
-import socket
-s = socket.socket()
-s.bind(("0.0.0.0", 8099))
-s.listen()
-s.settimeout(30)
-print("listening", flush=True)
-try:
-    s.accept()
-    print("accepted")
-except OSError:
-    print("nobody came")
-"""
 
 
 @pytest.fixture(autouse=True)
@@ -59,13 +33,6 @@ def _walls() -> None:
     require("slirp4netns", shutil.which("slirp4netns") is not None, "apt-get install slirp4netns")
 
 
-def probe(sbx: Sandbox, *targets: str) -> dict[str, str]:
-    sbx.files.write("probe.py", PROBE)
-    result = sbx.commands.run(["python3", "probe.py", *targets])
-    assert result.exit_code == 0, result.stderr
-    return dict(line.split(" ", 1) for line in result.stdout.splitlines())
-
-
 @pytest.fixture
 def host_listeners() -> Iterator[tuple[int, int]]:
     """Listeners of this host: one on its loopback, one on every address (their ports)."""
@@ -73,21 +40,10 @@ def host_listeners() -> Iterator[tuple[int, int]]:
         yield loop.getsockname()[1], every.getsockname()[1]
 
 
-def _host_address() -> str | None:
-    """This host's address on its default route's interface (what a UDP socket would send from)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
-        try:
-            udp.connect(("192.0.2.1", 9))  # no packet is sent
-        except OSError:
-            return None
-        address: str = udp.getsockname()[0]
-    return None if address.startswith("127.") else address
-
-
 def test_the_whole_network_is_walled_without_consent(host_listeners: tuple[int, int]) -> None:
     loopback, every = host_listeners
     targets = [f"127.0.0.1:{loopback}", f"127.0.0.1:{every}", f"10.0.2.2:{every}"]  # 10.0.2.2: slirp's host
-    targets += [f"{address}:{every}" for address in [_host_address()] if address]
+    targets += [f"{address}:{every}" for address in [host_address()] if address]
     with Sandbox.create("process", network=WHOLE) as sbx:
         assert sbx.enforcement.network is Mechanism.FIREWALL and not sbx.enforcement.weakened
         found = probe(sbx, *targets)
@@ -125,25 +81,12 @@ def test_names_resolve_through_the_hosts_resolvers() -> None:
 
 def test_two_sandboxes_cannot_reach_each_other() -> None:
     with Sandbox.create("process", network=WHOLE) as a, Sandbox.create("process", network=WHOLE) as b:
-        a.files.write("listen.py", LISTEN)
-        listening = threading.Event()
-        served: list[str] = []
-        server = threading.Thread(
-            target=lambda: served.append(
-                a.commands.run("python3 listen.py", on_stdout=lambda _: listening.set()).stdout
-            )
-        )
-        server.start()
-        try:
-            assert listening.wait(30)
+        with listening(a) as served:
             # Each has the same address (slirp's 10.0.2.100): B's own, not A's; and via the host, walled.
             assert probe(b, "10.0.2.100:8099", "10.0.2.2:8099") == {
                 "10.0.2.100:8099": "ConnectionRefusedError",
                 "10.0.2.2:8099": "OSError",
             }
-        finally:
-            assert probe(a, "127.0.0.1:8099") == {"127.0.0.1:8099": "connected"}
-            server.join(40)
         assert served == ["listening\naccepted\n"]
 
 
