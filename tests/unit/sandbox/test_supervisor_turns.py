@@ -7,7 +7,6 @@ import importlib
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +18,20 @@ from tests.conftest import wait_for
 SUPERVISOR = Path(reaper.__file__).parent
 
 
-@pytest.fixture(scope="module")
-def poller_type() -> Iterator[Any]:
+def supervisor_module(name: str) -> Any:
+    """One of the supervisor's modules, which import each other by name; importing the
+    supervisor trims sys.path to what the sandbox cannot write (as root: nearly nothing)."""
     saved = list(sys.path)
-    sys.path.insert(0, str(SUPERVISOR))  # the supervisor's modules import each other by name
-    try:  # importing it trims sys.path to what the sandbox cannot write (as root: nearly nothing)
-        poller = importlib.import_module("supervisor").Poller
+    sys.path.insert(0, str(SUPERVISOR))
+    try:
+        return importlib.import_module(name)
     finally:
         sys.path[:] = saved
-    yield poller
+
+
+@pytest.fixture(scope="module")
+def poller_type() -> Any:
+    return supervisor_module("supervisor").Poller
 
 
 def test_an_event_closed_earlier_in_the_turn_is_not_dispatched(poller_type: Any) -> None:
@@ -139,12 +143,7 @@ def test_a_pass_kills_the_tree_but_spares_what_it_must() -> None:
 def test_the_output_pipes_wait_no_longer_than_a_gather_even_if_the_clock_went_back() -> None:
     # A supervisor restored from a memory snapshot on another machine finds a monotonic clock
     # far behind the one its due time was taken on: the wait is cut, the pipes read at once.
-    saved = list(sys.path)
-    sys.path.insert(0, str(SUPERVISOR))
-    try:
-        jobs = importlib.import_module("jobs")
-    finally:
-        sys.path[:] = saved
+    jobs = supervisor_module("jobs")
     pipes = jobs.Outputs(sup=None, key=("out", None))  # no pipe: only its schedule is asked
     assert pipes.wait(100.0) is None, "watched pipes: nothing to wait for"
     pipes.due = 100.0 + jobs.GATHER_S / 2
@@ -156,12 +155,7 @@ def test_the_output_pipes_wait_no_longer_than_a_gather_even_if_the_clock_went_ba
 def test_a_slow_writer_gathers_and_a_fast_one_is_read_as_it_writes() -> None:
     # A wait slows a writer that fills the pipe within it (blocked on the full pipe: 100 MB
     # of head -c took 5 s instead of 1): only what trickles in is left to gather.
-    saved = list(sys.path)
-    sys.path.insert(0, str(SUPERVISOR))
-    try:
-        jobs = importlib.import_module("jobs")
-    finally:
-        sys.path[:] = saved
+    jobs = supervisor_module("jobs")
     gather, bulk, fast = jobs.GATHER_S, jobs.BULK, jobs.FAST_S
 
     def read(n: int, after: float, full: bool = False, last: float = 100.0) -> Any:
