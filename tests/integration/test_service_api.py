@@ -578,6 +578,11 @@ def test_a_tenant_weakens_a_sandbox_only_where_the_tenants_file_lets_it(tmp_path
             ) as refused:
                 RemoteSandbox.create(tier="process", allow_weaker=True, client=acme)
             assert refused.value.rule == "tenants.acme.allow_weaker" and "paths.write" in str(refused.value)
+            # unasked, the tier's own advice to pass allow_weaker says where it counts here
+            with pytest.raises(exc.LimitNotEnforceable, match="pattern") as unasked:
+                RemoteSandbox.create(tier="process", client=acme)
+            assert unasked.value.setting == "paths.write"
+            assert "allow_weaker = true under [tenants.acme]" in unasked.value.fix
             assert acme.sandboxes() == []
             with RemoteSandbox.create(tier="process", allow_weaker=True, client=other) as sbx:
                 assert any(w.startswith("paths.write") for w in sbx.info["enforcement"]["weakened"])

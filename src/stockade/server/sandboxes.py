@@ -238,6 +238,24 @@ class SandboxRegistry:
                 sandbox.close()
             raise
 
+    @staticmethod
+    def _unconsented(tenant: Tenant, asked: bool, refused: exc.LimitNotEnforceable) -> exc.StockadeError:
+        """What a tenant is told of a tier's refusal: its advice to pass ``allow_weaker`` holds
+        here only where the tenants file lets the tenant accept weaker enforcement."""
+        if tenant.allow_weaker:
+            return refused
+        weakened = (f"{refused.setting}: {refused}" if refused.setting else str(refused),)
+        if asked:  # the request asked for what only the operator can give
+            try:
+                check_weaker(tenant, weakened, what="this sandbox")
+            except exc.PolicyDenied as denied:
+                return denied
+        fix = (
+            f"{refused.fix} (here allow_weaker counts only where the tenants file sets "
+            f"allow_weaker = true under [tenants.{tenant.id}])"
+        )
+        return exc.LimitNotEnforceable(str(refused), setting=refused.setting, fix=fix)
+
     def _hold(self, held: Held) -> Held:
         with self._lock:
             self._held[held.id] = held
@@ -273,22 +291,29 @@ class SandboxRegistry:
         self._reserve(principal, sandbox_id, tier, limits)
         try:
             backend = self._backend(principal, engine, tier, sandbox_id)
+            # a request's allow_weaker counts only with the operator's consent: without it the
+            # tier refuses before it starts anything (a snapshot brings the consent it was
+            # taken with, judged after the start below)
+            weaker = request.allow_weaker and tenant.allow_weaker
             if request.snapshot is not None:
                 with service.snapshots.errors(tenant, request.snapshot) as store:
                     sandbox = Sandbox.create(
                         tier, backend=backend, limits=given, network=network, envs=request.envs or None,
-                        rules=engine.sandbox_rules(), allow_weaker=request.allow_weaker,
+                        rules=engine.sandbox_rules(), allow_weaker=weaker,
                         labels=request.labels, snapshot=request.snapshot, store=store,
                     )  # fmt: skip
                 why = f"{why}; started from snapshot {request.snapshot}"
             else:
                 sandbox = Sandbox.create(
                     backend=backend, limits=limits, network=network, envs=request.envs,
-                    rules=engine.sandbox_rules(), allow_weaker=request.allow_weaker, labels=request.labels,
+                    rules=engine.sandbox_rules(), allow_weaker=weaker, labels=request.labels,
                 )  # fmt: skip
             # after the start: only the tier knows what it holds less strictly, and a snapshot
             # brings the consent it was taken with
             self._consented(tenant, sandbox)
+        except exc.LimitNotEnforceable as refused:
+            service.store.release_sandbox(sandbox_id)
+            raise self._unconsented(tenant, request.allow_weaker, refused) from None
         except BaseException:
             service.store.release_sandbox(sandbox_id)
             raise
