@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -111,3 +112,18 @@ def test_an_engine_whose_firewall_is_not_ours_needs_consent() -> None:
     plan = remote._plan(SandboxSpec(network=FULL, allow_weaker=True))
     assert plan.network is Mechanism.NONE
     assert any("private addresses" in w for w in plan.weakened)
+
+
+def test_gc_network_keeps_a_network_in_use_and_says_so() -> None:
+    """`stockade gc --network` beside a live full-network sandbox: the network and its walls
+    stay (the engine refuses to remove a network in use), and the command says why."""
+    require_tier("docker")
+    with Sandbox.create("docker", network=FULL) as sbx:
+        gc = subprocess.run(
+            [sys.executable, "-m", "stockade.cli.main", "gc", "--network"],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert gc.returncode == 0, gc.stderr
+        assert f"kept {_netfull.NETWORK} and its firewall rules" in gc.stdout, gc.stdout
+        assert sbx.enforcement.network is Mechanism.FIREWALL
+        assert probe(sbx, "10.1.2.3:80") == {"10.1.2.3:80": "ConnectionRefusedError"}

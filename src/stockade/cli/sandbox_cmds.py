@@ -344,6 +344,12 @@ def gc(
         from stockade.sandbox import _netfull
 
         removed += _netfull.remove(engine._api(), remote=engine.remote)
+        busy = _netfull.sandboxes_on(engine._api())
+        if busy:
+            out.print(
+                f"kept {_netfull.NETWORK} and its firewall rules: {busy} sandbox(es) on it; "
+                "close them, then run gc --network again"
+            )
         if engine.remote:
             out.print("kept this host's firewall rules: the engine asked (DOCKER_HOST) is another host's")
     for line in removed:

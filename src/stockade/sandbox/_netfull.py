@@ -147,6 +147,13 @@ def _inspect(api: Any) -> dict[str, Any] | None:
         return None
 
 
+def sandboxes_on(api: Any) -> int:
+    """How many containers the engine has on the network (0 when there is none)."""
+    with mapped_engine_errors():
+        found = _inspect(api)
+    return len((found or {}).get("Containers") or {})
+
+
 def ensure_rules() -> None:
     """The host's rules for the bridge, in place: written whole once per process, and the
     jumps to them checked (and added when missing) for every sandbox."""
