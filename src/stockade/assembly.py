@@ -16,7 +16,7 @@ or, to keep one sandbox across a pause for approval and its resumption:
 
 The tier comes from trust: the stricter of ``AgentConfig.trust`` and the policy's
 ``[trust] level`` (a caller can tighten the policy, never loosen it) gives the tiers allowed
-(DESIGN.md's table); an explicit ``tier`` outside them, or none available on this host, fails
+(the README's trust table); an explicit ``tier`` outside them, or none available on this host, fails
 closed with ``TierUnavailable`` before any code runs.
 
 The wrappers, outermost first, and why in this order:

@@ -752,7 +752,7 @@ class Enforcement:
 
 
 class Trust(enum.StrEnum):
-    """Who wrote the code and who the user is: decides the minimum tier (DESIGN.md)."""
+    """Who wrote the code and who the user is: decides the minimum tier (the README's trust table)."""
 
     TRUSTED = "trusted"  # your own team wrote it
     INTERNAL = "internal"  # an LLM, for an internal trusted user

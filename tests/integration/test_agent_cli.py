@@ -11,6 +11,7 @@ import json
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -379,3 +380,17 @@ def kill_after_line(proc: subprocess.Popen[str], marker: str, *, after_s: float)
         for stream in (proc.stdout, proc.stderr):
             if stream is not None:
                 stream.close()
+
+
+def test_the_demo_tells_a_fresh_shell_how_to_call_the_cli_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`./scripts/demo` runs the virtualenv's CLI, which a fresh shell has not on its PATH: the
+    commands it suggests name that script where `stockade` alone would not be found."""
+    require_tier("process")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    result = runner.invoke(app, ["demo"])
+    assert result.exit_code == 0, result.output
+    script = Path(sys.executable).parent / "stockade"
+    assert f"{script} runs show " in result.output and f"{script} audit tail" in result.output

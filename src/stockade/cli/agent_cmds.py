@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import shutil
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -436,11 +437,25 @@ def demo(
         raise typer.Exit(1)
     out.print(f"audit chain verified: {report.checked} events")
     where = "" if db == DEFAULT_DB_FILE else f" --db sqlite:///{escape(str(db))}"
-    out.print(f"[dim]see the run: stockade runs show {result.run_id}{where}[/]")
-    out.print(f"[dim]see its audit events: stockade audit tail{where} --run {result.run_id}[/]")
+    me = escape(_program())
+    out.print(f"[dim]see the run: {me} runs show {result.run_id}{where}[/]")
+    out.print(f"[dim]see its audit events: {me} audit tail{where} --run {result.run_id}[/]")
     raise typer.Exit(0 if result.ok else 1)
 
 
 def register(app: typer.Typer) -> None:
     app.command("agent")(agent)
     app.command("demo")(demo)
+
+
+def _program() -> str:
+    """How to call this CLI again from the current folder: ``stockade`` where the shell finds
+    it under that name (an activated virtualenv), else the script beside this Python
+    (``./scripts/demo`` runs ``.venv/bin/stockade``, which a fresh shell has not on its PATH)."""
+    beside = Path(sys.executable).parent / "stockade"
+    if shutil.which("stockade") is not None or not beside.is_file():
+        return "stockade"
+    try:
+        return str(beside.relative_to(Path.cwd()))
+    except ValueError:
+        return str(beside)

@@ -432,7 +432,7 @@ class PolicyEngine:
         )
 
     def allowed_tiers(self) -> tuple[str, ...]:
-        """The tiers trust allows (DESIGN.md's table), of those the role may use; a declared
+        """The tiers trust allows (the README's trust table), of those the role may use; a declared
         compliance profile means the strongest: the microVM only."""
         t = self.policy.trust
         allowed = _registry.allowed_tiers(t.level, allow_gvisor_for_untrusted=t.allow_gvisor_for_untrusted)

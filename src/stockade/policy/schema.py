@@ -326,7 +326,7 @@ class PromptRule(_Strict):
 
 
 class TrustRules(_Strict):
-    """Who wrote the code and who the user is: decides the minimum sandbox tier (DESIGN.md)."""
+    """Who wrote the code and who the user is: decides the minimum sandbox tier (the README's trust table)."""
 
     level: Trust = Trust.UNTRUSTED
     allow_gvisor_for_untrusted: bool = False

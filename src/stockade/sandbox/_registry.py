@@ -1,4 +1,4 @@
-"""Tier names to lazily imported backends; tier choice by trust (DESIGN.md's table).
+"""Tier names to lazily imported backends; tier choice by trust (the README's trust table).
 
 Importing stockade never imports docker-py or probes the host: a tier module is imported
 the first time someone asks for that tier.
