@@ -18,6 +18,7 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from stockade._display import visible
 from stockade.policy.schema import CommandRules, Verdict
 from stockade.sandbox.supervisor import execrules
 
@@ -245,7 +246,7 @@ def decide_command(rules: CommandRules, argv: Sequence[str]) -> CommandDecision:
     modules = {tuple(execrules.subject(layer)): layer for layer in layers if _runs_module(layer)}
     # Deny and approve rules see wrappers too (``sudo``, ``sh -c``); the allowlist sees what runs.
     for command in (*layers, *commands):
-        shown = shlex.join(command)
+        shown = visible(shlex.join(command))
         for pattern in rules.deny:
             if matches(pattern, command):
                 return CommandDecision(
@@ -255,7 +256,7 @@ def decide_command(rules: CommandRules, argv: Sequence[str]) -> CommandDecision:
         if command in commands and rules.allow and not _listed(rules.allow, command, modules.get(command)):
             return CommandDecision(
                 verdict=Verdict.DENY, rule="commands.allow",
-                reason=f"`{_program(command[0])}` is not in the policy's list of allowed commands",
+                reason=f"`{visible(_program(command[0]))}` is not in the policy's list of allowed commands",
                 command=command,
             )  # fmt: skip
         if approval is None:

@@ -126,6 +126,9 @@ def enforce(
             verdict, rule, reason = Verdict.APPROVE, ANOMALY_RULE, flagged
     if verdict is Verdict.ALLOW:
         return
+    # a reason may quote what the call asked (a path, a word): escaped as the action is, since
+    # the API, the book and the trail hand it on raw (a raw U+202E reordered it for a reader)
+    reason = visible(reason)
     if verdict is Verdict.DENY:
         raise PolicyDenied(f"{action}: {reason}", rule=rule, action=action)
     request = ApprovalRequest(run_id=ctx.run_id, action=action, rule=rule, reason=reason)

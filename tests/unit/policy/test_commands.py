@@ -415,3 +415,30 @@ def test_the_example_policy_asks_before_npm_installs_inside_the_sandbox_by_any_s
         argv = next(iter(execrules.runs(argv)), argv)  # node /usr/bin/npm x: npm x
         assert execrules.judge({"approve": approve}, argv)[0] == "approve", line
     assert execrules.judge({"approve": approve}, ["npm", "run", "build"])[0] == "allow"
+
+
+def test_the_reasons_handed_on_show_a_commands_controls_as_escapes() -> None:
+    """A reason quotes the command's words: the API's pending approvals and a denial's message
+    pass it on raw, so a U+202E or an ESC in argv would reorder or act for their reader."""
+    from stockade.policy.approval import ApprovalRequest, Approvals, Choice
+
+    asked: list[ApprovalRequest] = []
+
+    def approver(request: ApprovalRequest) -> Choice:
+        asked.append(request)
+        return Choice.DENIED
+
+    engine = PolicyEngine(Policy(commands=CommandRules(deny=("curl",), approve=("rm",))))
+    guard = op_policy_guard(engine, Approvals(approver))
+    guarded = GuardedBackend(FakeBackend(MemoryWorkspace()), guard, OpContext(run_id="r"))
+    instance = guarded.start(SandboxSpec())
+    trick = "x\u202e\x1b[2J'"
+    with pytest.raises(exc.PolicyDenied):
+        instance.execute(RunCommand(argv=("rm", "-f", trick)))
+    with pytest.raises(exc.PolicyDenied) as denied:
+        instance.execute(RunCommand(argv=("curl", trick)))
+    (request,) = asked
+    for text in (request.reason, request.action, str(denied.value)):
+        assert "\u202e" not in text and "\x1b" not in text, text
+        assert "\\u202e" in text and "\\x1b" in text
+    assert decide_command(CommandRules(allow=("ls",)), [trick]).reason.count("\\u202e") == 1

@@ -96,10 +96,11 @@ async def test_a_request_alone_never_weakens_a_sandbox(shared_ptys: Door) -> Non
         assert "allow_weaker = true under [tenants.acme]" in str(refused.value) and "ptys" in str(
             refused.value
         )
-    assert [i.closed for i in shared_ptys.backend.instances] == [True, True]  # started, seen, closed
+    assert shared_ptys.backend.instances == []  # refused by the tier before anything started
     assert await client.sandboxes() == []
-    with pytest.raises(exc.LimitNotEnforceable):  # not asked: the tier's own refusal, as before
+    with pytest.raises(exc.LimitNotEnforceable) as unasked:  # not asked: the tier's own refusal
         await AsyncRemoteSandbox.create("process", client=client)
+    assert "allow_weaker = true under [tenants.acme]" in unasked.value.fix  # where asking counts
 
 
 async def test_the_operators_consent_and_the_requests_give_a_weaker_sandbox(shared_ptys: Door) -> None:
