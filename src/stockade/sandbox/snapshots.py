@@ -465,7 +465,7 @@ class SnapshotStore:
         stores for good, counted against its quota. Under the store's lock, no snapshot begins
         meanwhile; one already being written may be about to name one of these objects (a
         snapshot of the same files), so an object written since the oldest such writer began
-        is left to ``collect``'s grace."""
+        is left to ``collect``'s grace, and so are the objects of a snapshot a resume claimed."""
         sid = _snapshot_id(snapshot)
         if not self.root.is_dir():
             return []
@@ -473,6 +473,8 @@ class SnapshotStore:
             objects: frozenset[str] = frozenset()
             with contextlib.suppress(exc.SnapshotError, OSError):
                 objects = frozenset(self.load(sid).blobs.values())
+            if sid in self._claimed_refs([]):  # a resume is reading it: its objects wait
+                objects = frozenset()
             self.delete(sid)
             begun = (name.split("-", 1)[0] for name in self._held_by_others(Path()))
             writers = [int(ns) for ns in begun if ns.isdigit()]

@@ -416,6 +416,15 @@ def test_a_discard_leaves_what_a_snapshot_in_the_making_may_name(tmp_path: Path)
     store.verify(taken)
 
 
+def test_a_discard_during_a_resume_leaves_the_objects_it_reads(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path)
+    paused = _snapshot(store, b"being resumed", ref=("paused", "sbx-0123456789ab"))
+    memory = store.object_path(store.load(paused).blobs["workspace"])
+    with store.claim("paused", "sbx-0123456789ab"):
+        store.discard(paused)  # deleted meanwhile, by its tenant
+        assert memory.exists()  # the resume reads on
+
+
 def test_a_collection_spares_a_stamp_being_written(tmp_path: Path) -> None:
     """It removed every stamp no snapshot named yet, the one an object being added was writing
     included, and the add failed with a bare FileNotFoundError (2 snapshots of 40)."""
