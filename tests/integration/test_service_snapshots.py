@@ -5,6 +5,10 @@ it (404, as for an id that never was)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +17,7 @@ import pytest
 from stockade import Limits
 from stockade import exceptions as exc
 from stockade.client import Client, RemoteSandbox
+from stockade.sandbox.snapshots import MiB, SnapshotStore
 from stockade.types import SnapshotKind
 from tests.conftest import require_tier
 from tests.integration.service_env import Server, Tokens, write_tenants
@@ -97,3 +102,99 @@ def test_a_snapshot_forks_and_a_pause_resumes_through_another_client(
         acme.delete_snapshot(snap)
         assert acme.snapshots() == [] and acme.sandboxes() == []
         assert acme.verify_audit()["ok"] is True
+
+
+@pytest.fixture
+def small_quota(tmp_path: Path) -> Iterator[tuple[Server, Tokens, Path]]:
+    """A service whose tenant acme keeps 40 MiB of snapshots at most."""
+    require_tier("process")
+    tenants, tokens = write_tenants(tmp_path, sandboxes=2, acme_quotas={"snapshot_mb": 40})
+    snapshots = tmp_path / "snapshots"
+    server = Server(
+        tenants, f"sqlite:///{tmp_path / 'service.db'}", tmp_path, extra=["--snapshot-dir", str(snapshots)]
+    )
+    try:
+        yield server, tokens, snapshots
+    finally:
+        server.stop()
+    assert "Traceback" not in server.output(), server.output()[-3000:]
+
+
+def on_disk(store: Path) -> float:
+    """The MiB a tenant's store holds (what counts against its snapshot_mb)."""
+    return SnapshotStore(store).size() / MiB
+
+
+def test_deleted_and_resumed_snapshots_give_their_room_back(small_quota: tuple[Server, Tokens, Path]) -> None:
+    server, tokens, snapshots = small_quota
+    with Client(server.url, tokens.acme) as acme:
+        with RemoteSandbox.create("process", limits=LIMITS, client=acme) as sbx:
+            # 4 x 15 MiB taken and deleted in a 40 MiB quota: each delete gives its room back
+            # (they stayed on disk, and the third was refused with nothing listed)
+            for _ in range(4):
+                sbx.commands.run("head -c 15M /dev/urandom > /workspace/blob")
+                acme.delete_snapshot(sbx.snapshot())
+                assert acme.snapshots() == [] and on_disk(snapshots / "acme") == 0
+            # what the quota counts is what is listed: two kept, the third refused
+            kept = [sbx.snapshot()]
+            sbx.commands.run("rm /workspace/blob; head -c 15M /dev/urandom > /workspace/other")
+            kept.append(sbx.snapshot())
+            sbx.commands.run("rm /workspace/other; head -c 15M /dev/urandom > /workspace/third")
+            with pytest.raises(exc.QuotaExceeded) as refused:
+                sbx.snapshot()
+            listed = sum(s["size_bytes"] for s in acme.snapshots()) / MiB
+            assert [s["id"] for s in acme.snapshots()] == [k.id for k in reversed(kept)]
+            assert refused.value.used == pytest.approx(on_disk(snapshots / "acme"), abs=0.01)
+            assert listed == pytest.approx(refused.value.used, abs=0.1)
+            for snap in kept:
+                acme.delete_snapshot(snap)
+            assert on_disk(snapshots / "acme") == 0
+            paused = sbx.id
+            sbx.pause()
+        assert on_disk(snapshots / "acme") > 14  # the paused sandbox's files
+        with RemoteSandbox.resume(paused, client=acme) as back:
+            assert back.files.exists("third")
+            # consumed by the resume: its bytes are gone with it
+            assert acme.snapshots() == [] and on_disk(snapshots / "acme") == 0
+
+
+def test_the_service_collects_its_tenants_stores_at_start(tmp_path: Path) -> None:
+    require_tier("process")
+    tenants, _ = write_tenants(tmp_path)
+    snapshots = tmp_path / "snapshots"
+    # a predecessor's deleted snapshot: an object nothing keeps, written an hour ago
+    store = SnapshotStore(snapshots / "acme")
+    digest = store.add_bytes(os.urandom(MiB))
+    an_hour_ago = time.time() - 3600
+    os.utime(store.object_path(digest), (an_hour_ago, an_hour_ago))
+    server = Server(
+        tenants, f"sqlite:///{tmp_path / 'svc.db'}", tmp_path, extra=["--snapshot-dir", str(snapshots)]
+    )
+    try:
+        assert not store.object_path(digest).exists() and on_disk(snapshots / "acme") == 0
+    finally:
+        server.stop()
+
+
+def test_gc_collects_a_service_snapshot_folder(tmp_path: Path) -> None:
+    left, held = {}, {}
+    for tenant in ("acme", "other"):
+        store = SnapshotStore(tmp_path / tenant)
+        left[tenant] = store.object_path(store.add_bytes(os.urandom(1024)))
+        kept = store.add_bytes(os.urandom(1024))
+        store.save(
+            kind=SnapshotKind.FILES, tier="process", source="sbx-1", spec={}, blobs={"workspace": kept},
+            ref=("kept", ""),
+        )  # fmt: skip
+        held[tenant] = store.object_path(kept)
+        for path in (left[tenant], held[tenant]):
+            os.utime(path, (time.time() - 3600, time.time() - 3600))
+    (tmp_path / "store-id").write_text("0" * 32)
+    gc = subprocess.run(
+        [sys.executable, "-m", "stockade.cli.main", "gc", "--snapshot-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert gc.returncode == 0, gc.stdout + gc.stderr
+    assert "removed snapshot object" in gc.stdout
+    assert not any(path.exists() for path in left.values())
+    assert all(path.exists() for path in held.values())  # a kept snapshot's object stays

@@ -321,8 +321,18 @@ def gc(
             "when no sandbox is on it",
         ),
     ] = False,
+    snapshot_dir: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--snapshot-dir",
+            envvar="STOCKADE_SERVICE_SNAPSHOT_DIR",
+            help="also collect this snapshot store, or each tenant's store of a service's snapshot "
+            "folder (serve --snapshot-dir): snapshots and objects nothing keeps (repeatable)",
+        ),
+    ] = None,
 ) -> None:
-    """Remove what crashed processes left behind: cgroups, mounts, run folders, containers."""
+    """Remove what crashed processes left behind: cgroups, mounts, run folders, containers, and
+    snapshots nothing keeps."""
     from stockade.sandbox import _gc
 
     engine = None
@@ -339,7 +349,10 @@ def gc(
                 f"{err}: gc --network removes the full network's firewall rules only once the engine "
                 "says no sandbox is on it; nothing was removed"
             ) from None
-    removed = _gc.collect()
+    for folder in snapshot_dir or ():
+        if not folder.is_dir():
+            out.print(f"no snapshot folder {escape(str(folder))}: nothing collected there")
+    removed = _gc.collect(snapshot_dir or ())
     if engine is not None:
         from stockade.sandbox import _netfull
 

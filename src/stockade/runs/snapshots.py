@@ -19,7 +19,6 @@ otherwise with its files only, from the run store's ledger.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import re
@@ -177,10 +176,6 @@ def _taken(store: SnapshotStore, name: str) -> bool:
 
 
 def _drop(store: SnapshotStore, snapshot_id: str) -> None:
-    """Delete a snapshot and remove its objects now (those no other snapshot uses)."""
-    objects: frozenset[str] = frozenset()
-    with contextlib.suppress(exc.SnapshotError, OSError):
-        objects = frozenset(store.load(snapshot_id).blobs.values())
-    with contextlib.suppress(exc.SnapshotNotFound):
-        store.delete(snapshot_id)
-    store.collect(evicted=objects)
+    """Delete a snapshot and remove its objects now (those no other snapshot uses, nor one
+    being written)."""
+    store.discard(snapshot_id)

@@ -25,7 +25,8 @@ place hung a restore, a link to /dev/zero streamed zeros), and an object added a
 replaces the one there (kept, one damaged since was stamped anew with its damage).
 
 Objects are kept once, whatever shares them (every fork of one snapshot, two snapshots of
-one workspace). ``collect`` (``stockade gc``) removes what no ref keeps; the store holds at
+one workspace). ``collect`` (``stockade gc``) removes what no ref keeps, ``discard`` a
+snapshot and, at once, the objects only it used; the store holds at
 most ``max_bytes`` (disk blocks), dropping the boot images used longest ago first, and
 refuses a snapshot that would not fit otherwise. Room is reserved before a byte is written
 (``reserve``): the objects, plus what every snapshot in the making holds, in this process and
@@ -83,6 +84,9 @@ CHUNK = 4 * MiB
 REF_KINDS = ("paused", "kept", "boot", "run")
 CLAIMED = ".claimed-"  # a ref being claimed (a resume): ``.NAME.claimed-PID-TOKEN``
 CLAIM_STALE_S = 24 * 3600.0  # a claim this old is a resume that died: its ref is put back
+# A file's time is the kernel's clock tick, which may read a little behind time.time() read
+# before: an object written since a writer began may seem this much older than its start.
+WRITER_SLACK_S = 1.0
 # A reservation grows to a multiple of this (when there is room): little held unused.
 RESERVE_STEP = MiB
 # How long a writer short of room waits for younger writers to give theirs up.
@@ -454,6 +458,33 @@ class SnapshotStore:
                     self.drop_ref(kind, name)
         with contextlib.suppress(exc.SnapshotNotFound):
             self._manifest_path(sid).unlink(missing_ok=True)
+
+    def discard(self, snapshot: Snapshot | str) -> list[str]:
+        """``delete`` a snapshot and remove, now, the objects no other snapshot uses (what
+        ``collect`` removes besides): deleted snapshots left their bytes in a service's tenant
+        stores for good, counted against its quota. Under the store's lock, no snapshot begins
+        meanwhile; one already being written may be about to name one of these objects (a
+        snapshot of the same files), so an object written since the oldest such writer began
+        is left to ``collect``'s grace, and so are the objects of a snapshot a resume claimed."""
+        sid = _snapshot_id(snapshot)
+        if not self.root.is_dir():
+            return []
+        with self.locked():
+            objects: frozenset[str] = frozenset()
+            with contextlib.suppress(exc.SnapshotError, OSError):
+                objects = frozenset(self.load(sid).blobs.values())
+            if sid in self._claimed_refs([]):  # a resume is reading it: its objects wait
+                objects = frozenset()
+            self.delete(sid)
+            begun = (name.split("-", 1)[0] for name in self._held_by_others(Path()))
+            writers = [int(ns) for ns in begun if ns.isdigit()]
+            if writers:
+                since = min(writers) / 1e9 - WRITER_SLACK_S
+                objects = frozenset(d for d in objects if _mtime(self.object_path(d)) < since)
+            try:
+                return self.collect(evicted=objects)
+            except OSError:  # what is left goes at the next collection; the snapshot is gone
+                return []
 
     def _manifest_path(self, sid: str) -> Path:
         hexpart = sid.removeprefix(ID_PREFIX)
@@ -885,6 +916,13 @@ def _disk_size(path: Path) -> int:
         return path.stat().st_blocks * 512
     except FileNotFoundError:
         return 0
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.lstat().st_mtime
+    except FileNotFoundError:
+        return 0.0
 
 
 def _writer_gone(path: Path) -> bool:

@@ -397,7 +397,7 @@ class SandboxRegistry:
             except BaseException:
                 service.store.release_sandbox(sandbox_id)
                 raise
-        store.delete(ref["snapshot"])
+        store.discard(ref["snapshot"])  # consumed: its bytes no longer count against snapshot_mb
         snapshots.forget(tenant, sandbox_id)
         held = Held(
             id=sandbox_id, tenant=tenant.id, sandbox=sandbox,

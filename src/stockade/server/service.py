@@ -76,6 +76,7 @@ class Service:
 
     def start(self) -> None:
         scratch.collect(self.config.temp_dir)  # a killed predecessor's uploads: a tenant's files
+        self.snapshots.collect()
         self.sandboxes.start()
         self.retention.start()
         if self.config.prepare_tiers:

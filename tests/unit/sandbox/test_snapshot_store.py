@@ -377,6 +377,54 @@ def test_a_claim_left_by_a_resume_that_died_is_put_back_after_a_day(tmp_path: Pa
     store.verify(paused)
 
 
+def test_a_discarded_snapshot_takes_the_objects_only_it_used_at_once(tmp_path: Path) -> None:
+    """``delete`` left the objects to a collection past their grace; a service never ran one
+    on its tenants' stores, where deleted snapshots counted against the quota for good."""
+    store = SnapshotStore(tmp_path)
+    first = _snapshot(store, b"shared")
+    second = store.save(
+        kind=SnapshotKind.FILES, tier="process", source="sbx-ba9876543210", spec={},
+        blobs={"workspace": store.add_bytes(b"shared")}, ref=("kept", ""),
+    ).id  # fmt: skip
+    alone = _snapshot(store, b"alone")
+    alone_object = store.object_path(store.load(alone).blobs["workspace"])
+    assert "snapshot object" in " ".join(store.discard(alone))
+    assert not alone_object.exists()
+    store.discard(second)
+    store.verify(first)  # the object it shares stays
+    store.discard(first)
+    assert store.size() == 0 and store.snapshots() == []
+
+
+def test_a_discard_leaves_what_a_snapshot_in_the_making_may_name(tmp_path: Path) -> None:
+    """A snapshot being written adds its objects before its manifest names them: one with the
+    same bytes as the snapshot discarded must not go in between."""
+    store = SnapshotStore(tmp_path)
+    same = _snapshot(store, b"the same files")
+    older = _snapshot(store, b"written before")
+    older_object = store.object_path(store.load(older).blobs["workspace"])
+    _age(tmp_path, 3600)
+    with store.reserve():  # a snapshot in the making, in this process or another
+        digest = store.add_bytes(b"the same files")
+        store.discard(same)
+        store.discard(older)
+        assert not older_object.exists()  # written before the writer began: gone at once
+        taken = store.save(
+            kind=SnapshotKind.FILES, tier="process", source="sbx-0123456789ab", spec={},
+            blobs={"workspace": digest}, ref=("kept", ""),
+        )  # fmt: skip
+    store.verify(taken)
+
+
+def test_a_discard_during_a_resume_leaves_the_objects_it_reads(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path)
+    paused = _snapshot(store, b"being resumed", ref=("paused", "sbx-0123456789ab"))
+    memory = store.object_path(store.load(paused).blobs["workspace"])
+    with store.claim("paused", "sbx-0123456789ab"):
+        store.discard(paused)  # deleted meanwhile, by its tenant
+        assert memory.exists()  # the resume reads on
+
+
 def test_a_collection_spares_a_stamp_being_written(tmp_path: Path) -> None:
     """It removed every stamp no snapshot named yet, the one an object being added was writing
     included, and the add failed with a bare FileNotFoundError (2 snapshots of 40)."""
