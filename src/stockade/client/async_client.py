@@ -25,7 +25,6 @@ from stockade.client.async_sandbox import AsyncRemoteSandbox
 from stockade.client.client import (
     TAR_HEADERS,
     EventLines,
-    Inflated,
     RunEvent,
     answer_field,
     answer_list,
@@ -36,6 +35,7 @@ from stockade.client.client import (
     submit_body,
 )
 from stockade.client.sandbox import snapshot_id
+from stockade.sandbox._archive import Extraction, Inflated
 from stockade.sandbox.facade import tar_directory
 from stockade.sandbox.ops import DOWNLOAD_MAX_BYTES, DOWNLOAD_MAX_ENTRIES
 from stockade.types import Limits, Snapshot
@@ -128,8 +128,6 @@ class AsyncRemoteRun:
         max_entries: int = DOWNLOAD_MAX_ENTRIES,
     ) -> Path:
         """See ``RemoteRun.artifacts``; the disk work in a worker thread."""
-        from stockade.sandbox._archive import Extraction
-
         host_path(dest, "dest")
         unpack = await asyncio.to_thread(Extraction, dest, max_bytes=max_bytes, max_entries=max_entries)
         inflated = Inflated(unpack.feed)

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from stockade.client._http import ANSWER_MAX_BYTES, Http, bad_answer, error_from
 from stockade.client._inputs import folder as folder_path
 from stockade.client._inputs import host_path, segment
 from stockade.client.sandbox import RemoteSandbox, limits_body, snapshot_id
-from stockade.sandbox._tar import malformed
+from stockade.sandbox._archive import Extraction, Inflated
 from stockade.sandbox.facade import tar_directory
 from stockade.sandbox.ops import DOWNLOAD_MAX_BYTES, DOWNLOAD_MAX_ENTRIES
 from stockade.types import Limits, Snapshot
@@ -114,57 +113,6 @@ def answer_field(url: str, found: object, key: str) -> Any:
     if not (isinstance(found, dict) and key in found):
         raise bad_answer(url, f"an answer without its {key!r}")
     return found[key]
-
-
-class Inflated:
-    """A run's artifacts (a gzipped tar, as the service packs them; a plain tar is taken too)
-    into ``feed`` as they arrive, a bounded piece at a time: a few hundred KiB of gzip that
-    inflate to a gigabyte stop at the extraction's ``max_bytes``, never held in memory."""
-
-    PIECE = 1 << 20
-
-    def __init__(self, feed: Callable[[bytes], None]) -> None:
-        self._feed = feed
-        self._head = b""
-        self._inflate: Any = None  # zlib's decompressor, once the stream is known to be gzip
-        self._plain = False
-
-    def feed(self, data: bytes) -> None:
-        if not self._plain and self._inflate is None:
-            self._head += data
-            if len(self._head) < 2:
-                return
-            data, self._head = self._head, b""
-            if data[:2] == b"\x1f\x8b":
-                self._inflate = zlib.decompressobj(wbits=31)
-            else:
-                self._plain = True
-        if self._inflate is None:
-            self._feed(data)
-            return
-        try:
-            while data:
-                if self._inflate.eof:
-                    raise malformed("data past the end of the gzip stream")
-                out = self._inflate.decompress(data, self.PIECE)
-                if out:
-                    self._feed(out)
-                data = self._inflate.unconsumed_tail or self._inflate.unused_data
-        except zlib.error as error:
-            raise malformed(f"a broken gzip stream ({error})") from None
-
-    def finish(self) -> None:
-        if self._head:
-            self._feed(self._head)
-        if self._inflate is not None:
-            try:
-                rest = self._inflate.flush()  # what zlib held back: less than its window
-            except zlib.error as error:
-                raise malformed(f"a broken gzip stream ({error})") from None
-            if rest:
-                self._feed(rest)
-            if not self._inflate.eof:
-                raise malformed("the gzip stream is cut short")
 
 
 def submit_body(
@@ -293,8 +241,6 @@ class RemoteRun:
         sandbox's folder (the run's code made it: every byte is hostile): all or nothing,
         nothing written outside ``dest``, a link that leads out left out, at most
         ``max_bytes`` and ``max_entries`` (``FileTooLarge``); unpacked as it arrives."""
-        from stockade.sandbox._archive import Extraction
-
         host_path(dest, "dest")
         with (
             Extraction(dest, max_bytes=max_bytes, max_entries=max_entries) as unpack,
