@@ -359,6 +359,11 @@ class Extraction:
         with self._lock:
             self._guarded(lambda: self._reader.feed(data))
 
+    @property
+    def ended(self) -> bool:
+        """Whether the archive's end blocks came: what follows is padding, not to be fed."""
+        return self._reader.ended
+
     def sink(self, fd: int, data: bytes) -> None:
         """``feed`` with an ``OutputSink``'s signature: what ``GetArchive`` streams to."""
         self.feed(data)

@@ -251,3 +251,28 @@ def test_what_is_not_a_tar_is_invalid_naming_the_body(place: Path, data: bytes) 
 def test_a_gzip_of_zeros_is_an_empty_archive_and_costs_nothing(place: Path) -> None:
     assert unpack_archive(gzip_stream(zeros(256 * MiB)), place / "in", max_bytes=CAP) == 0
     assert os.listdir(place / "in") == []
+
+
+@pytest.mark.parametrize("hard_link", [True, False], ids=["through-a-hard-link", "through-the-symlink"])
+def test_a_link_chain_longer_than_path_max_writes_nothing_outside(place: Path, hard_link: bool) -> None:
+    """The archive that gets past tarfile's ``data`` filter before Python 3.11.13 / 3.12.11
+    (CVE-2025-4517: ``realpath`` stops resolving past PATH_MAX), and past the check too
+    without its hard link (the check resolves links by the names members give, and a link
+    named through other links is elsewhere): the extraction refuses a member below a link."""
+    from tests.hostile_archives import escaping_tar
+
+    (place / "outside").mkdir()
+    (place / "outside" / "flag").write_text("original\n")
+    data = escaping_tar(place / "in")
+    if not hard_link:  # the same chain, the write going through the symlink itself
+        chain = [(info, b"") for info in _members_of(data) if not info.islnk()]
+        data = tar_of(*chain, member("escape/outside/newfile", data=b"written by the upload\n"))
+    with pytest.raises((exc.PathEscapeError, exc.FileTypeError)):
+        unpack_archive(data, place / "in", max_bytes=CAP)
+    assert (place / "outside" / "flag").read_text() == "original\n"
+    assert sorted(os.listdir(place)) == ["outside"] and os.listdir(place / "outside") == ["flag"]
+
+
+def _members_of(data: bytes) -> list[tarfile.TarInfo]:
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        return [m for m in tar.getmembers() if not m.isreg()]
