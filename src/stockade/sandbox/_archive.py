@@ -314,12 +314,15 @@ class Extraction:
         links_anywhere: bool = False,
         max_link_steps: int = LINK_WORK,
         count_metadata: bool = True,
+        global_comments: bool = False,
     ) -> None:
         """``links_anywhere``: for a folder only a sandbox ever sees (the tmpfs a gVisor
         sandbox is restored on), whose links may point anywhere, as the sandbox's own do.
         They are still created last and never followed while writing. ``max_link_steps``
         bounds each pass of the link check (``LINK_WORK``). ``count_metadata=False``: entries
-        cost ``max_bytes`` nothing, for a tmpfs whose own caps bound them."""
+        cost ``max_bytes`` nothing, for a tmpfs whose own caps bound them.
+        ``global_comments``: a global pax header with only a comment (``git archive``'s) is
+        skipped, for an upload; a sandbox's tar has none."""
         for name, value in (
             ("max_bytes", max_bytes),
             ("max_entries", max_entries),
@@ -337,7 +340,7 @@ class Extraction:
         self.folder_opens = 0  # names opened to reach folders of the tree or dest (for tests)
         self._here: tuple[Parts, int] | None = None  # the folder the last member went to, open
         self._lock = threading.Lock()
-        self._reader = TarReader(self._member, self._data, self._end)
+        self._reader = TarReader(self._member, self._data, self._end, global_comments=global_comments)
         self._root = _Node.folder()
         self._tally = _Tally()
         self._file: _Open | None = None

@@ -250,7 +250,9 @@ def unpack_archive(data: bytes, dest: Path, *, max_bytes: int, max_entries: int 
     try:
         # the check bounded what decompressing costs: the whole archive may be read again
         stream = _decompressed(data)
-        with Extraction(dest, max_bytes=max_bytes, max_entries=sys.maxsize, count_metadata=False) as unpack:
+        with Extraction(
+            dest, max_bytes=max_bytes, max_entries=sys.maxsize, count_metadata=False, global_comments=True
+        ) as unpack:
             while not unpack.ended and (piece := stream.read(_PIECE)):
                 unpack.feed(piece)  # past its end, tarfile reads no further: nor does this
             result = unpack.finish()

@@ -276,3 +276,21 @@ def test_a_link_chain_longer_than_path_max_writes_nothing_outside(place: Path, h
 def _members_of(data: bytes) -> list[tarfile.TarInfo]:
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         return [m for m in tar.getmembers() if not m.isreg()]
+
+
+def with_global_header(settings: dict[str, str]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT, pax_headers=settings) as tar:
+        info, data = member("src/app.py", data=b"print('hi')\n")
+        tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def test_a_git_archive_with_its_commit_in_a_global_header_unpacks(place: Path) -> None:
+    data = with_global_header({"comment": "4b825dc642cb6eb9a060e54bf8d69288fbee4904"})
+    assert unpack_archive(data, place / "in", max_bytes=CAP) == 1
+    assert (place / "in" / "src" / "app.py").read_text() == "print('hi')\n"
+
+
+def test_a_global_header_that_changes_members_is_refused(place: Path) -> None:
+    refused(with_global_header({"comment": "x", "uname": "root"}), place, exc.InvalidArgument)
