@@ -1,13 +1,25 @@
 """The HTTP side of the client: one ``httpx2`` client, and problem documents raised as the
 SDK's own errors (a 404 of a file is ``SandboxFileNotFound``, a 422 of a path is
-``PathEscapeError``, ...)."""
+``PathEscapeError``, ...).
+
+Whatever the service answers, the client's memory and time stay bounded and every failure is
+a ``StockadeError``: a problem document is read up to ``PROBLEM_MAX_BYTES``, an answer (and a
+line of a stream) up to ``ANSWER_MAX_BYTES``; a non-streamed call ends by its ``timeout_s``
+however slowly the body drips (``ServiceUnavailable``, as an unreachable service); a body
+that is not what the call expects (not JSON, a redirect, a field missing) is a
+``ServiceError``.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import os
+import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from stockade import exceptions as exc
@@ -21,7 +33,13 @@ try:
 except ModuleNotFoundError:  # pragma: no cover - the extra is missing
     httpx = None  # type: ignore[assignment]
 
-__all__ = ["AsyncHttp", "Http", "araise_for_problem", "error_from", "raise_for_problem"]
+__all__ = [
+    "ANSWER_MAX_BYTES", "PROBLEM_MAX_BYTES", "Answer", "AsyncHttp", "Http", "Lines", "araise_for_problem",
+    "bad_answer", "error_from", "raise_for_problem",
+]  # fmt: skip
+
+PROBLEM_MAX_BYTES = 64 * 1024  # of a problem document: its detail and fields are a few lines
+ANSWER_MAX_BYTES = ReadFile.max_bytes  # of an answer or a line of a stream: what a file read returns
 
 # attributes a problem carries back into the error object
 _ATTRIBUTES = ("path", "rule", "action", "quota", "limit", "used", "cause", "kind", "id", "request_id",
@@ -36,51 +54,160 @@ def _error_class(name: str, status: int) -> type[exc.StockadeError]:
         return exc.AuthenticationError
     if status == 404:
         return exc.ResourceNotFound
+    if status == 429:
+        return exc.RateLimited
     if status >= 500:
         return exc.ServiceUnavailable
     return exc.ServiceError
+
+
+def _seconds(value: object) -> float | None:
+    """A ``retry_after`` the service sent, or None when it is no number of seconds a caller
+    can wait (a 5,000-digit one, ``1e400``, negative)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        seconds = float(value)
+    except (ValueError, OverflowError):
+        return None
+    return seconds if math.isfinite(seconds) and seconds >= 0 else None
 
 
 def error_from(body: Mapping[str, Any], status: int) -> exc.StockadeError:
     """The SDK error a problem document stands for."""
     cls = _error_class(str(body.get("error", "")), status)
     error = cls.__new__(cls)
-    retry_after = body.get("retry_after")
     exc.StockadeError.__init__(
         error, str(body.get("detail") or body.get("title") or f"HTTP {status}"),
-        retry_after=float(retry_after) if isinstance(retry_after, int | float) else None,
+        retry_after=_seconds(body.get("retry_after")),
     )  # fmt: skip
     for attribute in _ATTRIBUTES:
         if attribute in body:
             setattr(error, attribute, body[attribute])
     if "field" in body:
         error.argument = body["field"]  # type: ignore[attr-defined]
-    if "problems" in body:
+    if isinstance(body.get("problems"), list):
         error.problems = tuple(body["problems"])  # type: ignore[attr-defined]
     error.problem = dict(body)  # type: ignore[attr-defined]
     return error
 
 
-def _raise_problem(status: int, headers: Mapping[str, str], content: bytes) -> None:
+def bad_answer(url: str, why: str) -> exc.ServiceError:
+    """An answer the client cannot use: not retryable, as the same request gets the same."""
+    return exc.ServiceError(f"the service at {url} sent an answer the client cannot use: {why}")
+
+
+def _problem(url: str, status: int, headers: Mapping[str, str], content: bytes) -> exc.StockadeError:
+    if status < 400:  # a redirect: not followed, the token goes to this service only
+        where = headers.get("location", "")[:200]
+        return bad_answer(url, f"HTTP {status} to {where!r} (the client follows no redirect)")
     try:
         body = json.loads(content)
     except ValueError:
         body = {}
     if not isinstance(body, dict):
         body = {}
-    if not body.get("retry_after") and headers.get("retry-after", "").isdigit():
-        body["retry_after"] = int(headers["retry-after"])
-    raise error_from(body, status)
+    if not body.get("retry_after"):
+        waited = headers.get("retry-after", "")
+        body["retry_after"] = int(waited) if waited.isdigit() and len(waited) <= 12 else None
+    return error_from(body, status)
 
 
-def raise_for_problem(response: httpx.Response) -> None:
-    if response.status_code >= 400:
-        _raise_problem(response.status_code, response.headers, response.read())
+def raise_for_problem(response: httpx.Response, url: str = "") -> None:
+    if response.status_code >= 300:
+        body = _Body(url, PROBLEM_MAX_BYTES, cut=True)
+        for piece in response.iter_bytes():
+            if body.add(piece):
+                break
+        raise _problem(url, response.status_code, response.headers, body.take())
 
 
-async def araise_for_problem(response: httpx.Response) -> None:
-    if response.status_code >= 400:
-        _raise_problem(response.status_code, response.headers, await response.aread())
+async def araise_for_problem(response: httpx.Response, url: str = "") -> None:
+    if response.status_code >= 300:
+        body = _Body(url, PROBLEM_MAX_BYTES, cut=True)
+        async for piece in response.aiter_bytes():
+            if body.add(piece):
+                break
+        raise _problem(url, response.status_code, response.headers, body.take())
+
+
+def _late(url: str, timeout_s: float | None) -> exc.ServiceUnavailable:
+    return exc.ServiceUnavailable(f"the service at {url} did not answer within {timeout_s} s (timeout_s)")
+
+
+class _Body:
+    """A body gathered as it arrives, up to ``limit`` bytes and by ``deadline`` (monotonic):
+    over the limit it is ``cut`` (a problem document: what came is enough to name the error)
+    or refused; past the deadline, refused. httpx's read timeout is per piece: a body that
+    drips a byte a second never trips it."""
+
+    def __init__(self, url: str, limit: int, *, cut: bool = False, deadline: float | None = None,
+                 timeout_s: float | None = None, declared: int = 0) -> None:  # fmt: skip
+        self.url, self.limit, self.cut = url, limit, cut
+        self.deadline, self.timeout_s = deadline, timeout_s
+        self._gathered = Gathered(min(declared, limit))
+
+    def add(self, piece: bytes) -> bool:
+        """Whether the body is full (cut at its limit)."""
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise _late(self.url, self.timeout_s)
+        room = self.limit - self._gathered.size
+        if len(piece) > room:
+            if not self.cut:
+                raise bad_answer(self.url, f"a body over {self.limit:,} bytes")
+            self._gathered.add(piece[:room])
+            return True
+        self._gathered.add(piece)
+        return False
+
+    def take(self) -> bytes:
+        return self._gathered.take()
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A whole answer, read within the call's limits."""
+
+    url: str
+    status_code: int
+    headers: Any  # httpx2.Headers: looked up without regard to case
+    content: bytes
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", "replace")
+
+    def json(self) -> Any:
+        try:
+            return json.loads(self.content)
+        except ValueError as error:
+            raise bad_answer(self.url, f"a body that is not JSON ({error})") from None
+
+
+class Lines:
+    """A stream's lines (``\n`` or ``\r\n`` ended), each at most ``limit`` bytes: a line
+    that never ends is refused at the limit, not gathered until memory runs out."""
+
+    def __init__(self, url: str, limit: int = ANSWER_MAX_BYTES) -> None:
+        self.url, self.limit = url, limit
+        self._pending = bytearray()
+
+    def feed(self, piece: bytes) -> list[str]:
+        start = len(self._pending)
+        self._pending += piece
+        lines: list[str] = []
+        begin = 0
+        while (end := self._pending.find(b"\n", start)) >= 0:
+            lines.append(self._pending[begin:end].rstrip(b"\r").decode("utf-8", "replace"))
+            begin = start = end + 1
+        del self._pending[:begin]
+        if len(self._pending) > self.limit:
+            raise bad_answer(self.url, f"a line of a stream over {self.limit:,} bytes")
+        return lines
+
+    def end(self) -> list[str]:
+        rest, self._pending = bytes(self._pending), bytearray()
+        return [rest.rstrip(b"\r").decode("utf-8", "replace")] if rest else []
 
 
 def _settings(url: str | None, token: str | None) -> tuple[str, str]:
@@ -130,7 +257,16 @@ def _declared(response: httpx.Response) -> int:
     """The size a body says it has, up to a file's cap (what a read returns at most): what
     is set aside for it up front (``Gathered``)."""
     declared = response.headers.get("content-length", "")
-    return min(int(declared), ReadFile.max_bytes) if declared.isdigit() else 0
+    return min(int(declared), ReadFile.max_bytes) if declared.isdigit() and len(declared) <= 12 else 0
+
+
+def _deadline(timeout_s: float | None) -> float | None:
+    return None if timeout_s is None else time.monotonic() + timeout_s
+
+
+def _headers(token: str) -> dict[str, str]:
+    # identity: a compressed answer would be inflated by httpx before any of our caps sees it
+    return {"Authorization": f"Bearer {token}", "Accept-Encoding": "identity"}
 
 
 def _unreachable(url: str, error: Exception) -> exc.ServiceUnavailable:
@@ -143,36 +279,46 @@ class Http:
     def __init__(self, url: str | None, token: str | None, *, timeout_s: float | None = 120.0,
                  transport: Any = None) -> None:  # fmt: skip
         self.url, token = _settings(url, token)
+        self.timeout_s = check_timeout(timeout_s)
         self._client = httpx.Client(
-            base_url=self.url, headers={"Authorization": f"Bearer {token}"},
-            timeout=_timeout(timeout_s), transport=transport,
+            base_url=self.url, headers=_headers(token), timeout=_timeout(timeout_s), transport=transport,
         )  # fmt: skip
 
-    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        try:
-            response = self._client.request(method, path, **_checked(kwargs))
-        except httpx.TransportError as error:
-            raise _unreachable(self.url, error) from None
-        raise_for_problem(response)
-        return response
+    def request(self, method: str, path: str, **kwargs: Any) -> Answer:
+        """One call, its answer read whole: at most ``ANSWER_MAX_BYTES``, by ``timeout_s``."""
+        deadline = _deadline(self.timeout_s)
+        with self.stream(method, path, **kwargs) as response:
+            body = _Body(self.url, ANSWER_MAX_BYTES, deadline=deadline, timeout_s=self.timeout_s,
+                         declared=_declared(response))  # fmt: skip
+            for piece in response.iter_bytes():
+                body.add(piece)
+        return Answer(self.url, response.status_code, response.headers, body.take())
 
     @contextmanager
     def stream(self, method: str, path: str, **kwargs: Any) -> Iterator[httpx.Response]:
         try:
             with self._client.stream(method, path, **_checked(kwargs)) as response:
-                raise_for_problem(response)
+                raise_for_problem(response, self.url)
                 yield response
         except httpx.TransportError as error:
             raise _unreachable(self.url, error) from None
 
+    def lines(self, response: httpx.Response) -> Iterator[str]:
+        """A streamed answer's lines, each at most ``ANSWER_MAX_BYTES``."""
+        lines = Lines(self.url)
+        for piece in response.iter_bytes():
+            yield from lines.feed(piece)
+        yield from lines.end()
+
     def content(self, path: str, params: Mapping[str, Any]) -> bytes:
         """A GET's body, gathered into one buffer as it arrives: about its size in memory,
-        not twice (a response's ``content`` keeps the pieces, then joins them)."""
+        not twice (a response's ``content`` keeps the pieces, then joins them); at most a
+        file read's cap (``ReadFile.max_bytes``), as the local SDK's."""
         with self.stream("GET", path, params=params) as response:
-            gathered = Gathered(_declared(response))
+            body = _Body(self.url, ReadFile.max_bytes, declared=_declared(response))
             for piece in response.iter_bytes():
-                gathered.add(piece)
-        return gathered.take()
+                body.add(piece)
+        return body.take()
 
     def close(self) -> None:
         self._client.close()
@@ -184,35 +330,53 @@ class AsyncHttp:
     def __init__(self, url: str | None, token: str | None, *, timeout_s: float | None = 120.0,
                  transport: Any = None) -> None:  # fmt: skip
         self.url, token = _settings(url, token)
+        self.timeout_s = check_timeout(timeout_s)
         self._client = httpx.AsyncClient(
-            base_url=self.url, headers={"Authorization": f"Bearer {token}"},
-            timeout=_timeout(timeout_s), transport=transport,
+            base_url=self.url, headers=_headers(token), timeout=_timeout(timeout_s), transport=transport,
         )  # fmt: skip
 
-    async def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    async def request(self, method: str, path: str, **kwargs: Any) -> Answer:
+        """``Http.request``'s twin."""
+        deadline = _deadline(self.timeout_s)
+        # on asyncio the deadline holds for the head too (a head that drips is cut at it)
+        timer = asyncio.timeout(self.timeout_s)
         try:
-            response = await self._client.request(method, path, **_checked(kwargs))
-        except httpx.TransportError as error:
-            raise _unreachable(self.url, error) from None
-        await araise_for_problem(response)
-        return response
+            async with timer, self.stream(method, path, **kwargs) as response:
+                body = _Body(self.url, ANSWER_MAX_BYTES, deadline=deadline, timeout_s=self.timeout_s,
+                             declared=_declared(response))  # fmt: skip
+                async for piece in response.aiter_bytes():
+                    body.add(piece)
+        except TimeoutError:
+            if not timer.expired():
+                raise
+            raise _late(self.url, self.timeout_s) from None
+        return Answer(self.url, response.status_code, response.headers, body.take())
 
     @asynccontextmanager
     async def stream(self, method: str, path: str, **kwargs: Any) -> AsyncIterator[httpx.Response]:
         try:
             async with self._client.stream(method, path, **_checked(kwargs)) as response:
-                await araise_for_problem(response)
+                await araise_for_problem(response, self.url)
                 yield response
         except httpx.TransportError as error:
             raise _unreachable(self.url, error) from None
 
+    async def lines(self, response: httpx.Response) -> AsyncIterator[str]:
+        """``Http.lines``'s twin."""
+        lines = Lines(self.url)
+        async for piece in response.aiter_bytes():
+            for line in lines.feed(piece):
+                yield line
+        for line in lines.end():
+            yield line
+
     async def content(self, path: str, params: Mapping[str, Any]) -> bytes:
         """``Http.content``'s twin."""
         async with self.stream("GET", path, params=params) as response:
-            gathered = Gathered(_declared(response))
+            body = _Body(self.url, ReadFile.max_bytes, declared=_declared(response))
             async for piece in response.aiter_bytes():
-                gathered.add(piece)
-        return gathered.take()
+                body.add(piece)
+        return body.take()
 
     async def aclose(self) -> None:
         await self._client.aclose()

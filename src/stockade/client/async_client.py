@@ -20,20 +20,24 @@ from stockade import exceptions as exc
 from stockade._checks import check_timeout
 from stockade.client._http import AsyncHttp
 from stockade.client._inputs import folder as folder_path
-from stockade.client._inputs import segment
+from stockade.client._inputs import host_path, segment
 from stockade.client.async_sandbox import AsyncRemoteSandbox
 from stockade.client.client import (
     TAR_HEADERS,
     EventLines,
     RunEvent,
+    answer_field,
+    answer_list,
     kill_all_body,
     list_params,
+    run_info,
     settled,
     submit_body,
-    unpack_artifacts,
 )
 from stockade.client.sandbox import snapshot_id
+from stockade.sandbox._archive import Extraction, Inflated
 from stockade.sandbox.facade import tar_directory
+from stockade.sandbox.ops import DOWNLOAD_MAX_BYTES, DOWNLOAD_MAX_ENTRIES
 from stockade.types import Limits, Snapshot
 
 __all__ = ["AsyncClient", "AsyncRemoteRun", "AsyncRuns"]
@@ -42,9 +46,9 @@ __all__ = ["AsyncClient", "AsyncRemoteRun", "AsyncRuns"]
 class AsyncRemoteRun:
     """``RemoteRun`` on asyncio: a run of the service, by id; ``info`` is its last known state."""
 
-    def __init__(self, client: AsyncClient, info: Mapping[str, Any]) -> None:
+    def __init__(self, client: AsyncClient, info: object) -> None:
         self.client = client
-        self.info = dict(info)
+        self.info = run_info(client.http.url, info)
 
     @property
     def id(self) -> str:
@@ -55,8 +59,7 @@ class AsyncRemoteRun:
         return str(self.info["status"])
 
     async def refresh(self) -> AsyncRemoteRun:
-        self.info = (await self.client.http.request("GET", f"/v1/runs/{self.id}")).json()
-        return self
+        return self._is((await self.client.http.request("GET", f"/v1/runs/{self.id}")).json())
 
     async def wait(
         self, *, timeout_s: float = 600.0, poll_s: float = 0.25, until_paused: bool = True
@@ -78,8 +81,8 @@ class AsyncRemoteRun:
         async with self.client.http.stream(
             "GET", f"/v1/runs/{self.id}/events", params={"after": after}, timeout=None
         ) as response:
-            lines = EventLines()
-            async for line in response.aiter_lines():
+            lines = EventLines(self.client.http.url)
+            async for line in self.client.http.lines(response):
                 event = lines.feed(line)
                 if event is not None:
                     yield event
@@ -100,27 +103,45 @@ class AsyncRemoteRun:
 
     async def _decide(self, request_id: str, decision: str) -> AsyncRemoteRun:
         path = f"/v1/runs/{self.id}/approvals/{segment(request_id, 'request_id')}"
-        self.info = (await self.client.http.request("POST", path, json={"decision": decision})).json()
-        return self
+        return self._is((await self.client.http.request("POST", path, json={"decision": decision})).json())
 
     async def kill(self, reason: str = "killed through the API") -> AsyncRemoteRun:
-        self.info = (
-            await self.client.http.request("POST", f"/v1/runs/{self.id}/kill", json={"reason": reason})
-        ).json()
-        return self
+        path = f"/v1/runs/{self.id}/kill"
+        return self._is((await self.client.http.request("POST", path, json={"reason": reason})).json())
 
     async def resume(self) -> AsyncRemoteRun:
         """See ``RemoteRun.resume``."""
-        self.info = (await self.client.http.request("POST", f"/v1/runs/{self.id}/resume")).json()
+        return self._is((await self.client.http.request("POST", f"/v1/runs/{self.id}/resume")).json())
+
+    def _is(self, info: object) -> AsyncRemoteRun:
+        self.info = run_info(self.client.http.url, info)
         return self
 
     async def diff(self) -> str:
         return (await self.client.http.request("GET", f"/v1/runs/{self.id}/diff")).text
 
-    async def artifacts(self, dest: str | Path) -> Path:
-        """Unpack the run's final workspace into ``dest`` (in a thread: it writes files)."""
-        data = (await self.client.http.request("GET", f"/v1/runs/{self.id}/artifacts")).content
-        return await asyncio.to_thread(unpack_artifacts, data, dest)
+    async def artifacts(
+        self,
+        dest: str | Path,
+        *,
+        max_bytes: int = DOWNLOAD_MAX_BYTES,
+        max_entries: int = DOWNLOAD_MAX_ENTRIES,
+    ) -> Path:
+        """See ``RemoteRun.artifacts``; the disk work in a worker thread."""
+        host_path(dest, "dest")
+        unpack = await asyncio.to_thread(Extraction, dest, max_bytes=max_bytes, max_entries=max_entries)
+        inflated = Inflated(unpack.feed)
+        try:
+            async with self.client.http.stream("GET", f"/v1/runs/{self.id}/artifacts") as response:
+                async for chunk in response.aiter_bytes():
+                    await asyncio.to_thread(inflated.feed, chunk)
+            await asyncio.to_thread(inflated.finish)
+            await asyncio.to_thread(unpack.finish)
+        except BaseException:
+            # Shielded: a second cancellation must not leave half a download behind.
+            await asyncio.shield(asyncio.to_thread(unpack.abort))
+            raise
+        return Path(dest)
 
     async def delete_artifacts(self) -> None:
         """See ``RemoteRun.delete_artifacts``."""
@@ -144,7 +165,7 @@ class AsyncRuns:
         """Send a folder (as a tar, made in a thread); returns the id a run's ``workspace`` takes."""
         data = await asyncio.to_thread(tar_directory, folder_path(folder, "folder"))
         response = await self.client.http.request("POST", "/v1/workspaces", content=data, headers=TAR_HEADERS)
-        return str(response.json()["id"])
+        return str(answer_field(self.client.http.url, response.json(), "id"))
 
     async def submit(
         self,
@@ -182,10 +203,10 @@ class AsyncRuns:
     ) -> list[dict[str, Any]]:  # fmt: skip
         """See ``Runs.kill_all``."""
         body = kill_all_body(reason, tenant, all_tenants)
-        killed: list[dict[str, Any]] = (
-            await self.client.http.request("POST", "/v1/runs/kill", json=body)
-        ).json()["killed"]
-        return killed
+        found = (await self.client.http.request("POST", "/v1/runs/kill", json=body)).json()
+        return answer_list(
+            self.client.http.url, answer_field(self.client.http.url, found, "killed"), "killed"
+        )
 
     async def get(self, run_id: str) -> AsyncRemoteRun:
         path = f"/v1/runs/{segment(run_id, 'run_id')}"
@@ -195,7 +216,9 @@ class AsyncRuns:
         self, *, status: str | None = None, label: str | None = None, limit: int = 50
     ) -> list[AsyncRemoteRun]:
         found = await self.client.http.request("GET", "/v1/runs", params=list_params(status, label, limit))
-        return [AsyncRemoteRun(self.client, r) for r in found.json()]
+        return [
+            AsyncRemoteRun(self.client, r) for r in answer_list(self.client.http.url, found.json(), "runs")
+        ]
 
     async def delete(self, run_id: str) -> None:
         """See ``Runs.delete``."""

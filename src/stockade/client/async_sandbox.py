@@ -255,7 +255,7 @@ class AsyncRemoteSandbox:
             data: dict[str, Any] = (await self.client.http.request("POST", path, json=body)).json()
             return data
         async with self.client.http.stream("POST", path, json={**body, "stream": True}) as response:
-            async for line in response.aiter_lines():
+            async for line in self.client.http.lines(response):
                 result = streamed_line(line, on_stdout, on_stderr)
                 if result is not None:
                     return result

@@ -10,9 +10,7 @@ print(run.diff())
 
 from __future__ import annotations
 
-import io
 import json
-import tarfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,11 +19,13 @@ from typing import Any
 
 from stockade import exceptions as exc
 from stockade._checks import check_labels, check_timeout
-from stockade.client._http import Http, error_from
+from stockade.client._http import ANSWER_MAX_BYTES, Http, bad_answer, error_from
 from stockade.client._inputs import folder as folder_path
-from stockade.client._inputs import segment
+from stockade.client._inputs import host_path, segment
 from stockade.client.sandbox import RemoteSandbox, limits_body, snapshot_id
+from stockade.sandbox._archive import Extraction, Inflated
 from stockade.sandbox.facade import tar_directory
+from stockade.sandbox.ops import DOWNLOAD_MAX_BYTES, DOWNLOAD_MAX_ENTRIES
 from stockade.types import Limits, Snapshot
 
 __all__ = ["Client", "RemoteRun", "RunEvent", "Runs"]
@@ -56,9 +56,12 @@ class EventLines:
     """Server-Sent Events, a line at a time, into ``RunEvent``s; ``done`` after ``end``. An
     ``error`` event (the stream's token was taken out meanwhile: the server ends the stream with
     a problem document) raises the SDK error it stands for, as the same answer to a request
-    would: a reader must not take a cut stream for a run that paused or ended."""
+    would: a reader must not take a cut stream for a run that paused or ended. An event that
+    is not one (its ``id`` no number, its data no JSON object, over ``limit`` bytes) is a
+    ``ServiceError``."""
 
-    def __init__(self) -> None:
+    def __init__(self, url: str = "", limit: int = ANSWER_MAX_BYTES) -> None:
+        self.url, self.limit = url, limit
         self.kind, self.seq, self.data = "message", 0, ""
         self.done = False
 
@@ -66,11 +69,22 @@ class EventLines:
         if line.startswith("event:"):
             self.kind = line[6:].strip()
         elif line.startswith("id:"):
-            self.seq = int(line[3:].strip() or 0)
+            seq = line[3:].strip() or "0"
+            if not (seq.isdigit() and len(seq) <= 20):
+                raise bad_answer(self.url, f"an event whose id is no number ({seq[:40]!r})")
+            self.seq = int(seq)
         elif line.startswith("data:"):
             self.data += line[5:].strip()
+            if len(self.data) > self.limit:
+                raise bad_answer(self.url, f"an event over {self.limit:,} bytes")
         elif line == "" and self.data:
-            event = RunEvent(kind=self.kind, seq=self.seq, data=json.loads(self.data))
+            try:
+                data = json.loads(self.data)
+            except ValueError:
+                data = None
+            if not isinstance(data, dict):
+                raise bad_answer(self.url, "an event whose data is no JSON object")
+            event = RunEvent(kind=self.kind, seq=self.seq, data=data)
             if event.kind == "error" and event.seq == 0:  # not an audit event of that name
                 status = event.data.get("status")
                 raise error_from(event.data, status if isinstance(status, int) else 500)
@@ -80,13 +94,25 @@ class EventLines:
         return None
 
 
-def unpack_artifacts(data: bytes, dest: str | Path) -> Path:
-    """A run's final workspace (a tar) into ``dest`` (tarfile's ``data`` filter)."""
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:
-        tar.extractall(dest, filter="data")
-    return dest
+def run_info(url: str, info: object) -> dict[str, Any]:
+    """A run as the service describes it, once it names its id and status."""
+    if not (
+        isinstance(info, dict) and isinstance(info.get("run_id"), str) and isinstance(info.get("status"), str)
+    ):
+        raise bad_answer(url, "a run without its run_id and status")
+    return info
+
+
+def answer_list(url: str, found: object, what: str) -> list[Any]:
+    if not isinstance(found, list):
+        raise bad_answer(url, f"{what} that is no list")
+    return found
+
+
+def answer_field(url: str, found: object, key: str) -> Any:
+    if not (isinstance(found, dict) and key in found):
+        raise bad_answer(url, f"an answer without its {key!r}")
+    return found[key]
 
 
 def submit_body(
@@ -129,9 +155,9 @@ TAR_HEADERS = {"Content-Type": "application/x-tar"}
 class RemoteRun:
     """A run of the service, by id; ``info`` is its last known state (``refresh()``)."""
 
-    def __init__(self, client: Client, info: Mapping[str, Any]) -> None:
+    def __init__(self, client: Client, info: object) -> None:
         self.client = client
-        self.info = dict(info)
+        self.info = run_info(client.http.url, info)
 
     @property
     def id(self) -> str:
@@ -142,7 +168,9 @@ class RemoteRun:
         return str(self.info["status"])
 
     def refresh(self) -> RemoteRun:
-        self.info = self.client.http.request("GET", f"/v1/runs/{self.id}").json()
+        self.info = run_info(
+            self.client.http.url, self.client.http.request("GET", f"/v1/runs/{self.id}").json()
+        )
         return self
 
     def wait(self, *, timeout_s: float = 600.0, poll_s: float = 0.25, until_paused: bool = True) -> RemoteRun:
@@ -164,8 +192,8 @@ class RemoteRun:
         with self.client.http.stream(
             "GET", f"/v1/runs/{self.id}/events", params={"after": after}, timeout=None
         ) as response:
-            lines = EventLines()
-            for line in response.iter_lines():
+            lines = EventLines(self.client.http.url)
+            for line in self.client.http.lines(response):
                 event = lines.feed(line)
                 if event is not None:
                     yield event
@@ -184,28 +212,46 @@ class RemoteRun:
 
     def _decide(self, request_id: str, decision: str) -> RemoteRun:
         path = f"/v1/runs/{self.id}/approvals/{segment(request_id, 'request_id')}"
-        self.info = self.client.http.request("POST", path, json={"decision": decision}).json()
-        return self
+        return self._is(self.client.http.request("POST", path, json={"decision": decision}).json())
 
     def kill(self, reason: str = "killed through the API") -> RemoteRun:
-        self.info = self.client.http.request(
-            "POST", f"/v1/runs/{self.id}/kill", json={"reason": reason}
-        ).json()
-        return self
+        return self._is(
+            self.client.http.request("POST", f"/v1/runs/{self.id}/kill", json={"reason": reason}).json()
+        )
 
     def resume(self) -> RemoteRun:
         """Resume a run its breaker stopped ("broken"), once someone has looked at why."""
-        self.info = self.client.http.request("POST", f"/v1/runs/{self.id}/resume").json()
+        return self._is(self.client.http.request("POST", f"/v1/runs/{self.id}/resume").json())
+
+    def _is(self, info: object) -> RemoteRun:
+        self.info = run_info(self.client.http.url, info)
         return self
 
     def diff(self) -> str:
         return self.client.http.request("GET", f"/v1/runs/{self.id}/diff").text
 
-    def artifacts(self, dest: str | Path) -> Path:
-        """Unpack the run's final workspace into ``dest`` (tarfile's ``data`` filter)."""
-        return unpack_artifacts(
-            self.client.http.request("GET", f"/v1/runs/{self.id}/artifacts").content, dest
-        )
+    def artifacts(
+        self,
+        dest: str | Path,
+        *,
+        max_bytes: int = DOWNLOAD_MAX_BYTES,
+        max_entries: int = DOWNLOAD_MAX_ENTRIES,
+    ) -> Path:
+        """Unpack the run's final workspace into ``dest`` as ``files.download_dir`` unpacks a
+        sandbox's folder (the run's code made it: every byte is hostile): all or nothing,
+        nothing written outside ``dest``, a link that leads out left out, at most
+        ``max_bytes`` and ``max_entries`` (``FileTooLarge``); unpacked as it arrives."""
+        host_path(dest, "dest")
+        with (
+            Extraction(dest, max_bytes=max_bytes, max_entries=max_entries) as unpack,
+            self.client.http.stream("GET", f"/v1/runs/{self.id}/artifacts") as response,
+        ):
+            inflated = Inflated(unpack.feed)
+            for chunk in response.iter_bytes():
+                inflated.feed(chunk)
+            inflated.finish()
+            unpack.finish()
+        return Path(dest)
 
     def delete_artifacts(self) -> None:
         """Forget the run's kept final workspace (its bytes are free of ``storage_mb``)."""
@@ -227,7 +273,7 @@ class Runs:
         """Send a folder (as a tar); returns the id a run's ``workspace`` takes."""
         data = tar_directory(folder_path(folder, "folder"))
         response = self.client.http.request("POST", "/v1/workspaces", content=data, headers=TAR_HEADERS)
-        return str(response.json()["id"])
+        return str(answer_field(self.client.http.url, response.json(), "id"))
 
     def submit(
         self,
@@ -269,10 +315,10 @@ class Runs:
         interrupted, broken) end at once; returns them (run_id, tenant, where: a live run's
         host and process, or what a waiting one was)."""
         body = kill_all_body(reason, tenant, all_tenants)
-        killed: list[dict[str, Any]] = self.client.http.request("POST", "/v1/runs/kill", json=body).json()[
-            "killed"
-        ]
-        return killed
+        found = self.client.http.request("POST", "/v1/runs/kill", json=body).json()
+        return answer_list(
+            self.client.http.url, answer_field(self.client.http.url, found, "killed"), "killed"
+        )
 
     def get(self, run_id: str) -> RemoteRun:
         path = f"/v1/runs/{segment(run_id, 'run_id')}"
@@ -282,10 +328,8 @@ class Runs:
         self, *, status: str | None = None, label: str | None = None, limit: int = 50
     ) -> list[RemoteRun]:
         params = list_params(status, label, limit)
-        return [
-            RemoteRun(self.client, r)
-            for r in self.client.http.request("GET", "/v1/runs", params=params).json()
-        ]
+        found = self.client.http.request("GET", "/v1/runs", params=params).json()
+        return [RemoteRun(self.client, r) for r in answer_list(self.client.http.url, found, "runs")]
 
     def delete(self, run_id: str) -> None:
         """Erase a run that ended: its spec, conversation, tool outputs, approvals and artifacts

@@ -232,19 +232,27 @@ def streamed_line(
     result), or the problem that ended it (raised as the SDK's error)."""
     if not line:
         return None
-    item = json.loads(line)
+    try:
+        item = json.loads(line)
+    except ValueError:
+        item = None
+    if not isinstance(item, dict):
+        raise exc.ServiceError("the service sent a line of a stream that is no JSON object")
     kind = item.get("type")
     if kind in ("stdout", "stderr"):
         callback = on_stdout if kind == "stdout" else on_stderr
-        if callback is not None:
+        if callback is not None and isinstance(item.get("data"), str):
             callback(item["data"])
         return None
-    if kind == "result":
+    if kind == "result" and isinstance(item.get("result"), dict):
         result: dict[str, Any] = item["result"]
         return result
-    if kind == "error":
+    if kind == "error" and isinstance(item.get("problem"), dict):
         problem = item["problem"]
-        raise error_from(problem, int(problem.get("status", 500)))
+        status = problem.get("status")
+        raise error_from(problem, status if isinstance(status, int) and not isinstance(status, bool) else 500)
+    if kind in ("result", "error"):
+        raise exc.ServiceError(f"the service sent a {kind} line without its {kind}")
     return None
 
 
@@ -449,7 +457,7 @@ class RemoteSandbox:
             data: dict[str, Any] = self.client.http.request("POST", path, json=body).json()
             return data
         with self.client.http.stream("POST", path, json={**body, "stream": True}) as response:
-            for line in response.iter_lines():
+            for line in self.client.http.lines(response):
                 result = streamed_line(line, on_stdout, on_stderr)
                 if result is not None:
                     return result

@@ -3,12 +3,15 @@
 The pack is a gzipped tar built to be byte-identical for identical folders (sorted names, no
 times, owners or umask in it), so its SHA-256 names it: a run store keeps each distinct seed
 once, however many runs start from it. Its size is capped before anything is read in full.
-Unpacking uses tarfile's ``data`` filter (no absolute paths, no devices, nothing written
-through a link or out of the folder), because a pack read back from a database is not trusted
-more than any input; but a symlink that points out of the folder (a virtualenv's ``bin/python``
--> ``/usr/bin/python3``) is kept as the link it is, because the run's sandbox got it so (the
-upload sends links as they are): refused, it made the whole seed unusable and the run
-unreplayable. Nothing is written through such a link: a member under it is refused.
+Its files are the run's code's, so unpacking on the host does not lean on tarfile's ``data``
+filter (its checks resolve paths with ``realpath``, which a chain of links longer than
+PATH_MAX got past before Python 3.11.13 / 3.12.11: CVE-2025-4517): ``Extraction`` unpacks it,
+as a sandbox's download, all or nothing, reaching every folder with ``O_NOFOLLOW``, no
+absolute names, no ``..``, no devices, a hard link only to a file it made. A symlink that
+points out of the folder (a virtualenv's ``bin/python`` -> ``/usr/bin/python3``) is kept as
+the link it is, because the run's sandbox got it so (the upload sends links as they are):
+refused, it made the whole seed unusable and the run unreplayable. Links are made last and
+nothing is written through any link: a member under one is refused.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ import hashlib
 import io
 import os
 import stat
+import sys
 import tarfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from stockade import exceptions as exc
+from stockade.sandbox._archive import Extraction, Inflated
 from stockade.sandbox._requests import open_entry, unreadable, upload_entries
 
 __all__ = ["MAX_SEED_BYTES", "Seed", "pack_workspace", "unpack_seed"]
@@ -100,23 +105,16 @@ def pack_workspace(
 
 
 def unpack_seed(data: bytes, dest: str | Path) -> None:
-    """Unpack a seed into the folder ``dest`` (created if missing)."""
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
+    """Unpack a seed into the folder ``dest`` (created if missing); nothing is written outside
+    it, whatever the seed holds (``RunStoreError`` and nothing written when it is refused)."""
     try:
-        with tarfile.open(fileobj=io.BytesIO(gzip.decompress(data)), mode="r:") as tar:
-            tar.extractall(dest, filter=_as_uploaded)
-    except (OSError, EOFError, tarfile.TarError) as error:
+        # the pack capped its files; what a database row holds besides bounds the rest
+        with Extraction(dest, max_bytes=sys.maxsize, max_entries=sys.maxsize, links_anywhere=True,
+                        count_metadata=False) as unpack:  # fmt: skip
+            inflated = Inflated(unpack.feed)
+            for start in range(0, len(data), Inflated.PIECE):
+                inflated.feed(data[start : start + Inflated.PIECE])
+            inflated.finish()
+            unpack.finish()
+    except (exc.WorkspaceError, exc.ProtocolError) as error:
         raise exc.RunStoreError(f"the stored workspace cannot be unpacked: {error}") from error
-
-
-def _as_uploaded(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
-    """tarfile's ``data`` filter, but a symlink pointing out of ``dest`` is kept as it is: the
-    filter checks all else of it (its own name inside ``dest``, through no link; its owner)."""
-    try:
-        return tarfile.data_filter(member, dest)
-    except (tarfile.AbsoluteLinkError, tarfile.LinkOutsideDestinationError):
-        if not member.issym():
-            raise
-    checked = tarfile.data_filter(member.replace(linkname=".", deep=False), dest)
-    return None if checked is None else checked.replace(linkname=member.linkname, deep=False)

@@ -53,19 +53,20 @@ import shutil
 import stat
 import tarfile
 import threading
+import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from stockade import exceptions as exc
 from stockade.sandbox._tar import NO_DATA, Member, TarReader, malformed
 from stockade.sandbox.ops import DOWNLOAD_MAX_BYTES, DOWNLOAD_MAX_ENTRIES
 from stockade.types import DownloadResult, SkippedEntry
 
-__all__ = ["Extraction", "extract_archive"]
+__all__ = ["Extraction", "Inflated", "extract_archive"]
 
 MAX_NAME = 4096  # bytes of a member's name or link target
 MAX_COMPONENT = 255  # bytes of one name in it, as on every Linux filesystem
@@ -313,12 +314,15 @@ class Extraction:
         links_anywhere: bool = False,
         max_link_steps: int = LINK_WORK,
         count_metadata: bool = True,
+        global_comments: bool = False,
     ) -> None:
         """``links_anywhere``: for a folder only a sandbox ever sees (the tmpfs a gVisor
         sandbox is restored on), whose links may point anywhere, as the sandbox's own do.
         They are still created last and never followed while writing. ``max_link_steps``
         bounds each pass of the link check (``LINK_WORK``). ``count_metadata=False``: entries
-        cost ``max_bytes`` nothing, for a tmpfs whose own caps bound them."""
+        cost ``max_bytes`` nothing, for a tmpfs whose own caps bound them.
+        ``global_comments``: a global pax header with only a comment (``git archive``'s) is
+        skipped, for an upload; a sandbox's tar has none."""
         for name, value in (
             ("max_bytes", max_bytes),
             ("max_entries", max_entries),
@@ -336,7 +340,7 @@ class Extraction:
         self.folder_opens = 0  # names opened to reach folders of the tree or dest (for tests)
         self._here: tuple[Parts, int] | None = None  # the folder the last member went to, open
         self._lock = threading.Lock()
-        self._reader = TarReader(self._member, self._data, self._end)
+        self._reader = TarReader(self._member, self._data, self._end, global_comments=global_comments)
         self._root = _Node.folder()
         self._tally = _Tally()
         self._file: _Open | None = None
@@ -357,6 +361,11 @@ class Extraction:
     def feed(self, data: bytes | memoryview) -> None:
         with self._lock:
             self._guarded(lambda: self._reader.feed(data))
+
+    @property
+    def ended(self) -> bool:
+        """Whether the archive's end blocks came: what follows is padding, not to be fed."""
+        return self._reader.ended
 
     def sink(self, fd: int, data: bytes) -> None:
         """``feed`` with an ``OutputSink``'s signature: what ``GetArchive`` streams to."""
@@ -886,3 +895,54 @@ def extract_archive(
     with Extraction(dest, max_bytes=max_bytes, max_entries=max_entries) as unpack:
         unpack.feed(data)
         return unpack.finish()
+
+
+class Inflated:
+    """A gzipped tar (a run's artifacts, a seed; a plain tar is taken too) into ``feed``
+    (``Extraction.feed``) as it arrives, a bounded piece at a time: a few hundred KiB of gzip
+    that inflate to a gigabyte stop at the extraction's ``max_bytes``, never held in memory."""
+
+    PIECE = 1 << 20
+
+    def __init__(self, feed: Callable[[bytes], None]) -> None:
+        self._feed = feed
+        self._head = b""
+        self._inflate: Any = None  # zlib's decompressor, once the stream is known to be gzip
+        self._plain = False
+
+    def feed(self, data: bytes) -> None:
+        if not self._plain and self._inflate is None:
+            self._head += data
+            if len(self._head) < 2:
+                return
+            data, self._head = self._head, b""
+            if data[:2] == b"\x1f\x8b":
+                self._inflate = zlib.decompressobj(wbits=31)
+            else:
+                self._plain = True
+        if self._inflate is None:
+            self._feed(data)
+            return
+        try:
+            while data:
+                if self._inflate.eof:
+                    raise malformed("data past the end of the gzip stream")
+                out = self._inflate.decompress(data, self.PIECE)
+                if out:
+                    self._feed(out)
+                data = self._inflate.unconsumed_tail or self._inflate.unused_data
+        except zlib.error as error:
+            raise malformed(f"a broken gzip stream ({error})") from None
+
+    def finish(self) -> None:
+        if self._head:
+            self._feed(self._head)
+        if self._inflate is not None:
+            try:
+                rest = self._inflate.flush()  # what zlib held back: less than its window
+            except zlib.error as error:
+                raise malformed(f"a broken gzip stream ({error})") from None
+            if rest:
+                self._feed(rest)
+            if not self._inflate.eof:
+                raise malformed("the gzip stream is cut short")

@@ -64,7 +64,13 @@ class TarReader:
         on_member: Callable[[Member], bool],
         on_data: Callable[[memoryview], None],
         on_end: Callable[[], None],
+        *,
+        global_comments: bool = False,
     ) -> None:
+        """``global_comments``: skip a global pax header that holds only a ``comment`` (what
+        ``git archive`` writes: the commit's id), which changes no member; any other is
+        refused, as are all without it."""
+        self._global_comments = global_comments
         self._on_member = on_member
         self._on_data = on_data
         self._on_end = on_end
@@ -142,9 +148,10 @@ class TarReader:
         kind = info.type
         if info.size < 0:
             raise malformed(f"a negative size ({info.size})")
-        if kind in _REFUSED:
+        skipped = kind == tarfile.XGLTYPE and self._global_comments
+        if kind in _REFUSED and not skipped:
             raise malformed(f"an unsupported member type {kind!r}")
-        if kind in _EXTENDED:
+        if kind in _EXTENDED or skipped:
             self._ext_total += BLOCK + info.size
             if self._ext_total > MAX_EXTENDED:
                 raise malformed(f"extended headers over {MAX_EXTENDED} bytes for one member")
@@ -173,6 +180,11 @@ class TarReader:
             self._enter(self._SKIP, _padded(size))
 
     def _extended(self, data: bytes) -> None:
+        if self._ext_type == tarfile.XGLTYPE:
+            settings = sorted(set(_pax_records(data)) - {"comment"})
+            if settings:
+                raise malformed(f"a global pax header that sets {', '.join(settings)[:200]}")
+            return
         if self._ext_type == tarfile.XHDTYPE:
             self._pax.update(_pax_records(data))
             if any(key.startswith("GNU.sparse") for key in self._pax):

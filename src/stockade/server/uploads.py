@@ -16,8 +16,8 @@ empty files stop at the cap; and the decompressed stream is metered: the bytes r
 not exceed what the members seen so far explain (their contents, and a few KiB of headers
 each), nor one header exceed ``HEADER_ROOM``, so a gzip of a gigabyte of long-name header
 costs a megabyte, not a gigabyte. Only an archive with no refused member is unpacked, into a
-fresh folder, with tarfile's ``data`` filter as the second line (it resolves each
-destination and refuses one outside the folder); a failure there removes the folder.
+fresh folder, by ``Extraction`` (``stockade.sandbox._archive``: the download's extractor,
+which follows no link while writing), not by tarfile; a failure there removes the folder.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import gzip
 import io
 import lzma
 import posixpath
+import sys
 import tarfile
 import zlib
 from collections import deque
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stockade import exceptions as exc
-from stockade.sandbox._archive import MAX_DEPTH
+from stockade.sandbox._archive import MAX_DEPTH, Extraction
 from stockade.server.scratch import remove_tree
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ HEADER_ROOM = 1024 * 1024  # the most one member's headers (pax, GNU long names)
 _SLACK = 4 * tarfile.RECORDSIZE + 64 * 1024  # read-ahead, the end-of-archive blocks and records
 _LINK_HOPS = 40  # symlinks followed while resolving one target (the kernel's ELOOP limit)
 _BLOCK = tarfile.BLOCKSIZE
+_PIECE = 256 * 1024  # of the decompressed archive at a time: under what may follow its end
 
 
 def _padded(size: int) -> int:
@@ -237,29 +239,44 @@ def check_archive(data: bytes, *, max_bytes: int, max_entries: int = MAX_ENTRIES
 
 def unpack_archive(data: bytes, dest: Path, *, max_bytes: int, max_entries: int = MAX_ENTRIES) -> int:
     """Check ``data`` and unpack it into ``dest`` (made here; removed again on failure);
-    returns the files unpacked. Nothing is written when the check refuses the archive."""
+    returns the files unpacked. Nothing is written when the check refuses the archive, and
+    nothing outside ``dest`` whatever it holds: ``Extraction`` writes it (no link followed,
+    a member below a link refused, each link resolved on the whole tree before it is made),
+    not tarfile, whose ``data`` filter a link chain past PATH_MAX got through before Python
+    3.11.13 / 3.12.11 (CVE-2025-4517), and which the check alone does not stop: it resolves
+    links by the names members give, and a member named through a link is elsewhere."""
     check_archive(data, max_bytes=max_bytes, max_entries=max_entries)
     dest.mkdir(parents=True)
-    files = 0
     try:
         # the check bounded what decompressing costs: the whole archive may be read again
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:*", errors="surrogateescape") as tar:
-            members = tar.getmembers()
-            tar.extractall(dest, members=members, filter="data")
-            files = sum(1 for m in members if m.isreg())
-    except (tarfile.AbsolutePathError, tarfile.OutsideDestinationError, tarfile.AbsoluteLinkError,
-            tarfile.LinkOutsideDestinationError) as error:  # fmt: skip
+        stream = _decompressed(data)
+        with Extraction(
+            dest, max_bytes=max_bytes, max_entries=sys.maxsize, count_metadata=False, global_comments=True
+        ) as unpack:
+            while not unpack.ended and (piece := stream.read(_PIECE)):
+                unpack.feed(piece)  # past its end, tarfile reads no further: nor does this
+            result = unpack.finish()
+        if result.skipped_count:  # a link the check took for inside, out by the kernel's rules
+            first = result.skipped[0]
+            raise exc.PathEscapeError(
+                f"the archive's {first.kind} {first.path!r} leads outside the workspace", path=first.path
+            )
+        return result.files
+    except exc.ProtocolError as error:
         remove_tree(dest)
-        raise exc.PathEscapeError(f"the archive leads outside the workspace: {error}") from None
-    except (tarfile.TarError, OSError, EOFError, zlib.error, lzma.LZMAError) as error:
+        raise _unpackable(error) from None
+    except (OSError, EOFError, zlib.error, lzma.LZMAError) as error:
         remove_tree(dest)
-        raise exc.InvalidArgument(
-            f"the archive could not be unpacked: {error}", argument="body", fix="send a well-formed tar"
-        ) from None
+        raise _unpackable(error) from None
     except BaseException:
         remove_tree(dest)
         raise
-    return files
+
+
+def _unpackable(why: object) -> exc.InvalidArgument:
+    return exc.InvalidArgument(
+        f"the archive could not be unpacked: {why}", argument="body", fix="send a well-formed tar"
+    )
 
 
 def unpack_within(data: bytes, dest: Path, room: int, cap: int) -> int:

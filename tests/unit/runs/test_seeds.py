@@ -100,3 +100,18 @@ def test_nothing_is_unpacked_through_a_link_out_of_the_folder(tmp_path: Path) ->
     with pytest.raises(RunStoreError, match="cannot be unpacked"):
         unpack_seed(gzip.compress(buffer.getvalue()), tmp_path / "restored")
     assert list(outside.iterdir()) == []
+
+
+def test_a_seed_that_beats_tarfiles_filter_writes_nothing_outside_its_folder(tmp_path: Path) -> None:
+    """A seed is the run's code's files: the link chain longer than PATH_MAX that got past
+    tarfile's ``data`` filter (CVE-2025-4517) is refused, and nothing is written."""
+    from tests.hostile_archives import escaping_tar
+
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "flag").write_text("original\n")
+    restored = tmp_path / "restored"
+    with pytest.raises(RunStoreError, match="cannot be unpacked"):
+        unpack_seed(gzip.compress(escaping_tar(restored)), restored)
+    assert (tmp_path / "outside" / "flag").read_text() == "original\n"
+    assert sorted(os.listdir(tmp_path / "outside")) == ["flag"]
+    assert not restored.exists()

@@ -251,3 +251,46 @@ def test_what_is_not_a_tar_is_invalid_naming_the_body(place: Path, data: bytes) 
 def test_a_gzip_of_zeros_is_an_empty_archive_and_costs_nothing(place: Path) -> None:
     assert unpack_archive(gzip_stream(zeros(256 * MiB)), place / "in", max_bytes=CAP) == 0
     assert os.listdir(place / "in") == []
+
+
+@pytest.mark.parametrize("hard_link", [True, False], ids=["through-a-hard-link", "through-the-symlink"])
+def test_a_link_chain_longer_than_path_max_writes_nothing_outside(place: Path, hard_link: bool) -> None:
+    """The archive that gets past tarfile's ``data`` filter before Python 3.11.13 / 3.12.11
+    (CVE-2025-4517: ``realpath`` stops resolving past PATH_MAX), and past the check too
+    without its hard link (the check resolves links by the names members give, and a link
+    named through other links is elsewhere): the extraction refuses a member below a link."""
+    from tests.hostile_archives import escaping_tar
+
+    (place / "outside").mkdir()
+    (place / "outside" / "flag").write_text("original\n")
+    data = escaping_tar(place / "in")
+    if not hard_link:  # the same chain, the write going through the symlink itself
+        chain = [(info, b"") for info in _members_of(data) if not info.islnk()]
+        data = tar_of(*chain, member("escape/outside/newfile", data=b"written by the upload\n"))
+    with pytest.raises((exc.PathEscapeError, exc.FileTypeError)):
+        unpack_archive(data, place / "in", max_bytes=CAP)
+    assert (place / "outside" / "flag").read_text() == "original\n"
+    assert sorted(os.listdir(place)) == ["outside"] and os.listdir(place / "outside") == ["flag"]
+
+
+def _members_of(data: bytes) -> list[tarfile.TarInfo]:
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        return [m for m in tar.getmembers() if not m.isreg()]
+
+
+def with_global_header(settings: dict[str, str]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT, pax_headers=settings) as tar:
+        info, data = member("src/app.py", data=b"print('hi')\n")
+        tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def test_a_git_archive_with_its_commit_in_a_global_header_unpacks(place: Path) -> None:
+    data = with_global_header({"comment": "4b825dc642cb6eb9a060e54bf8d69288fbee4904"})
+    assert unpack_archive(data, place / "in", max_bytes=CAP) == 1
+    assert (place / "in" / "src" / "app.py").read_text() == "print('hi')\n"
+
+
+def test_a_global_header_that_changes_members_is_refused(place: Path) -> None:
+    refused(with_global_header({"comment": "x", "uname": "root"}), place, exc.InvalidArgument)

@@ -1,0 +1,330 @@
+"""The remote SDK against a service that lies (a real HTTP server in this process, answering
+each path with what a test gives it): whatever it sends, nothing is written outside the
+destination of ``artifacts()``, what is written is capped, the client's memory and time stay
+bounded, and every failure is a ``StockadeError`` that says whether retrying helps."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import tarfile
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stockade import exceptions as exc
+from stockade.client import AsyncClient, Client
+from stockade.client.client import EventLines
+from stockade.runs.seeds import pack_workspace
+from tests.hostile_archives import escaping_tar
+
+TOKEN = "stk_" + "a" * 40
+RUN = json.dumps({"run_id": "r1", "status": "success"}).encode()
+
+Answer = Callable[[BaseHTTPRequestHandler], None]
+
+
+@dataclass
+class Service:
+    """What the fake service answers, by path (the query left out); ``sent``: the bytes of
+    bodies it got out to the client, ``done``: set when an answer ended."""
+
+    url: str = ""
+    answers: dict[str, Answer] = field(default_factory=dict)
+    hits: list[str] = field(default_factory=list)
+    sent: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def body(data: bytes, status: int = 200, headers: tuple[tuple[str, str], ...] = ()) -> Answer:
+    def answer(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(status)
+        handler.send_header("Content-Length", str(len(data)))
+        for name, value in headers:
+            handler.send_header(name, value)
+        handler.end_headers()
+        handler.wfile.write(data)
+
+    return answer
+
+
+def chunked(pieces: Iterator[bytes], service: Service, status: int = 200) -> Answer:
+    """A body sent in chunks as ``pieces`` yields them, counted in ``service.sent``, until the
+    client hangs up."""
+
+    def answer(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(status)
+        handler.send_header("Transfer-Encoding", "chunked")
+        handler.end_headers()
+        try:
+            for piece in pieces:
+                handler.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                handler.wfile.flush()
+                service.sent += len(piece)
+            handler.wfile.write(b"0\r\n\r\n")
+        except OSError:
+            pass  # the client hung up: what it is meant to do
+        finally:
+            service.done.set()
+
+    return answer
+
+
+@pytest.fixture
+def service() -> Iterator[Service]:
+    found = Service()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            path = self.path.split("?")[0]
+            found.hits.append(path)
+            found.answers.get(path, body(b'{"error": "ResourceNotFound"}', 404))(self)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    found.url = f"http://127.0.0.1:{server.server_address[1]}"
+    yield found
+    server.shutdown()
+    server.server_close()
+
+
+def artifacts(service: Service, dest: Path, *, use_async: bool, **limits: int) -> Path:
+    """``client.runs.get("r1").artifacts(dest)``, on the sync or the async client."""
+    service.answers.setdefault("/v1/runs/r1", body(RUN))
+    if not use_async:
+        with Client(service.url, TOKEN) as client:
+            return client.runs.get("r1").artifacts(dest, **limits)
+
+    async def fetch() -> Path:
+        client = AsyncClient(service.url, TOKEN)
+        try:
+            return await (await client.runs.get("r1")).artifacts(dest, **limits)
+        finally:
+            await client.aclose()
+
+    import asyncio
+
+    return asyncio.run(fetch())
+
+
+both = pytest.mark.parametrize("use_async", [False, True], ids=["sync", "async"])
+
+
+@both
+def test_an_archive_that_beats_tarfiles_filter_writes_nothing_outside_dest(
+    service: Service, tmp_path: Path, use_async: bool
+) -> None:
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "flag").write_text("original\n")
+    dest = tmp_path / "dest"
+    service.answers["/v1/runs/r1/artifacts"] = body(escaping_tar(dest))
+    with pytest.raises(exc.StockadeError):
+        artifacts(service, dest, use_async=use_async)
+    assert (tmp_path / "outside" / "flag").read_text() == "original\n"
+    assert sorted(os.listdir(tmp_path / "outside")) == ["flag"]
+    assert not dest.exists()  # all or nothing: the folder it made is gone again
+
+
+@both
+def test_two_runs_unpacked_into_one_folder_cannot_combine_into_a_way_out(
+    service: Service, tmp_path: Path, use_async: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run 1's code leaves a symlink chain that climbs out of its workspace, past PATH_MAX
+    once its links are expanded; run 2's code a folder of the same name with a file in it.
+    The service packs both as it packs any run's; the client unpacks them into one folder."""
+    monkeypatch.chdir(tmp_path)  # the workspaces by short names: their long paths fit PATH_MAX
+    first, second = Path("w1"), Path("w2")
+    first.mkdir()
+    here, steps, long = first, "abcdefghijklmnop", "d" * 239
+    for step in steps:
+        (here / long).mkdir()
+        (here / step).symlink_to(long)
+        here = here / long
+    climb = os.path.join(*steps, "l" * 220)
+    os.symlink(os.path.join(*[".."] * len(steps)), first / climb)
+    os.symlink(os.path.join(climb, "..", ".."), first / "escape")
+    (second / "escape" / "outside").mkdir(parents=True)
+    (second / "escape" / "outside" / "pwned").write_text("run 2's code\n")
+    (tmp_path / "outside").mkdir()
+    dest = tmp_path / "client" / "out"
+    for workspace in (first, second):
+        service.answers["/v1/runs/r1/artifacts"] = body(pack_workspace(workspace).data)
+        artifacts(service, dest, use_async=use_async)
+    assert os.listdir(tmp_path / "outside") == []
+    assert (dest / "escape" / "outside" / "pwned").read_text() == "run 2's code\n"
+    assert not (dest / "escape").is_symlink()  # run 1's link out was left out
+
+
+def gzip_bomb(megabytes: int) -> bytes:
+    """A tar.gz of one file of zeros: about a thousandth of its size on the wire."""
+    info = tarfile.TarInfo("bomb.bin")
+    info.size = megabytes << 20
+    squeeze = zlib.compressobj(9, zlib.DEFLATED, 31)
+    out = [squeeze.compress(info.tobuf(tarfile.GNU_FORMAT))]
+    out += [squeeze.compress(bytes(1 << 20)) for _ in range(megabytes)]
+    out += [squeeze.compress(bytes(1024)), squeeze.flush()]
+    return b"".join(out)
+
+
+@both
+def test_a_compressed_bomb_stops_at_max_bytes_with_nothing_left_behind(
+    service: Service, tmp_path: Path, use_async: bool
+) -> None:
+    bomb = gzip_bomb(16)
+    assert len(bomb) < 64 * 1024
+    service.answers["/v1/runs/r1/artifacts"] = body(bomb)
+    with pytest.raises(exc.FileTooLarge):
+        artifacts(service, tmp_path / "out", use_async=use_async, max_bytes=1 << 20)
+    assert not (tmp_path / "out").exists()
+
+
+@both
+def test_a_runs_artifacts_as_the_service_packs_them_come_through(
+    service: Service, tmp_path: Path, use_async: bool
+) -> None:
+    workspace = tmp_path / "ws"
+    (workspace / "src").mkdir(parents=True)
+    (workspace / "src" / "app.py").write_text("print('v2')\n")
+    (workspace / "venv-python").symlink_to("/usr/bin/python3")  # a link out: left out
+    service.answers["/v1/runs/r1/artifacts"] = body(pack_workspace(workspace).data)
+    out = artifacts(service, tmp_path / "out", use_async=use_async)
+    assert (out / "src" / "app.py").read_text() == "print('v2')\n"
+    assert not os.path.lexists(out / "venv-python")
+
+
+def test_a_gzip_cut_short_is_refused(service: Service, tmp_path: Path) -> None:
+    whole = gzip.compress(pack_workspace(tmp_path).data)  # any gzip, cut in the middle
+    service.answers["/v1/runs/r1/artifacts"] = body(whole[: len(whole) // 2])
+    with pytest.raises(exc.StockadeError):
+        artifacts(service, tmp_path / "out", use_async=False)
+    assert not (tmp_path / "out").exists()
+
+
+# -- answers that would grow the client's memory, or hold it forever ---------------------
+
+
+def endless(piece: bytes, total: int) -> Iterator[bytes]:
+    """``total`` bytes in pieces: far more than the client may gather."""
+    for _ in range(total // len(piece)):
+        yield piece
+
+
+def get_run(service: Service, *, use_async: bool, timeout_s: float = 120.0) -> object:
+    if not use_async:
+        with Client(service.url, TOKEN, timeout_s=timeout_s) as client:
+            return client.runs.get("r1")
+
+    async def fetch() -> object:
+        client = AsyncClient(service.url, TOKEN, timeout_s=timeout_s)
+        try:
+            return await client.runs.get("r1")
+        finally:
+            await client.aclose()
+
+    import asyncio
+
+    return asyncio.run(fetch())
+
+
+@both
+def test_an_error_whose_body_never_ends_is_read_only_as_far_as_a_problem_goes(
+    service: Service, use_async: bool
+) -> None:
+    service.answers["/v1/runs/r1"] = chunked(endless(b"x" * 65536, 256 << 20), service, status=500)
+    with pytest.raises(exc.ServiceUnavailable) as raised:
+        get_run(service, use_async=use_async)
+    assert raised.value.retryable
+    assert service.done.wait(30)
+    assert service.sent < 64 << 20  # the client hung up: what it took is in socket buffers
+
+
+@both
+def test_a_body_that_drips_ends_at_the_clients_timeout(service: Service, use_async: bool) -> None:
+    """httpx's read timeout is per piece: a byte every 0.1 s never trips a 1 s one."""
+
+    def drip() -> Iterator[bytes]:
+        for _ in range(100):  # ten seconds of it
+            time.sleep(0.1)
+            yield b" "
+
+    service.answers["/v1/runs/r1"] = chunked(drip(), service)
+    with pytest.raises(exc.ServiceUnavailable, match=r"did not answer within 1\.0 s"):
+        get_run(service, use_async=use_async, timeout_s=1.0)
+
+
+def test_a_line_of_a_stream_is_refused_past_its_limit_not_gathered() -> None:
+    from stockade.client._http import Lines  # what every stream's lines go through
+
+    lines = Lines("http://service", limit=1024)
+    assert lines.feed(b"data: {}\r\n\ndata: [") == ["data: {}", ""]
+    with pytest.raises(exc.ServiceError, match="a line of a stream over 1,024 bytes"):
+        for _ in range(10):
+            lines.feed(b"x" * 200)
+
+
+def test_an_event_of_many_data_lines_is_refused_past_its_limit() -> None:
+    events = EventLines("http://service", limit=1024)
+    with pytest.raises(exc.ServiceError, match="an event over 1,024 bytes"):
+        for _ in range(10):
+            events.feed("data: " + "x" * 200)
+
+
+@pytest.mark.parametrize(
+    "line", ["id: 1e9999", "data: [1]", "data: {not json"], ids=["id", "not-an-object", "not-json"]
+)
+def test_an_event_that_is_not_one_is_a_service_error(line: str) -> None:
+    events = EventLines("http://service")
+    with pytest.raises(exc.ServiceError, match="cannot use"):
+        events.feed(line)
+        events.feed("data: {}" if line.startswith("id") else "")
+        events.feed("")
+
+
+# -- answers that are not what the call expects -----------------------------------------
+
+
+ODD = {
+    "429 with a 5,000-digit Retry-After": (
+        body(b"{}", 429, (("Retry-After", "9" * 5000),)), exc.RateLimited, True,
+    ),
+    "retry_after 1e400": (
+        body(b'{"error": "RateLimited", "detail": "slow down", "retry_after": 1' + b"0" * 400 + b"}", 429),
+        exc.RateLimited, True,
+    ),
+    "200 that is not JSON": (body(b"{not json"), exc.ServiceError, False),
+    "307 to another host": (
+        body(b"", 307, (("Location", "http://127.0.0.1:9/v1/x"),)), exc.ServiceError, False,
+    ),
+    "a run without its run_id": (body(b'{"status": "success"}'), exc.ServiceError, False),
+    "a run that is a list": (body(b"[1, 2]"), exc.ServiceError, False),
+}  # fmt: skip
+
+
+@both
+@pytest.mark.parametrize("case", list(ODD))
+def test_an_odd_answer_is_a_typed_error_that_says_whether_retrying_helps(
+    service: Service, case: str, use_async: bool
+) -> None:
+    answer, expected, retryable = ODD[case]
+    service.answers["/v1/runs/r1"] = answer
+    with pytest.raises(exc.StockadeError) as raised:
+        get_run(service, use_async=use_async)
+    assert type(raised.value) is expected
+    assert raised.value.retryable is retryable
+    assert raised.value.retry_after is None  # no wait a caller could sleep
+    assert service.hits == ["/v1/runs/r1"]  # the redirect was not followed
