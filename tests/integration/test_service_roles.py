@@ -1,11 +1,12 @@
 """Roles within one tenant, through ``stockade serve`` (real uvicorn, SQLite, the process
-tier): a sandbox, its snapshots and its pause belong to the role that made them. The tenant's
+tier): a sandbox, its snapshots and its pause, and a run, belong to the role that made them. The tenant's
 policy keeps a data class (``records/**``) to role ``admin``; a ``dev`` token finds none of
 what an admin token made (404 on every route, as for another tenant's ids), while a second
 token of role ``admin`` uses it all, and the audit trail names the token of each call."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 from collections.abc import Iterator
@@ -30,6 +31,10 @@ POLICY = """\
 version = 1
 [trust]
 level = "trusted"
+[models]
+approved = ["scripted:*"]
+[commands]
+approve = ["rm -r"]
 [[data]]
 paths = ["records/**"]
 tier = "restricted"
@@ -93,6 +98,18 @@ def statuses(acme: Acme, token: str, calls: list[Call]) -> dict[str, int]:
             call = f"{method} {path} {json.dumps(how['json'])}" if "json" in how else f"{method} {path}"
             found[call] = http.request(method, path, **how).status_code  # type: ignore[arg-type]
     return found
+
+
+@contextlib.contextmanager
+def signed_in(acme: Acme, token: str) -> Iterator[httpx2.Client]:
+    """A browser signed in to the run viewer with ``token``, through its form."""
+    same_site = {"Sec-Fetch-Site": "same-origin"}
+    with httpx2.Client(base_url=acme.server.url, timeout=30, headers=same_site) as form:
+        signed = form.post("/ui/login", data={"token": token})
+        assert signed.status_code == 303, signed.text
+        cookies = {"stockade_viewer": form.cookies["stockade_viewer"]}
+    with httpx2.Client(base_url=acme.server.url, timeout=30, cookies=cookies, headers=same_site) as page:
+        yield page
 
 
 def every_route(sandbox_id: str) -> list[Call]:
@@ -196,3 +213,45 @@ def test_a_snapshot_and_a_pause_are_the_roles_that_took_them(acme: Acme) -> None
             assert back.files.read(RECORD) == "PHI: John Roe"
         second.delete_snapshot(snap)
         assert admin.snapshots() == []
+
+
+def test_a_run_its_events_and_its_approvals_are_the_roles_that_submitted_it(acme: Acme) -> None:
+    with Client(acme.server.url, acme.admin) as admin, Client(acme.server.url, acme.dev) as dev, \
+            Client(acme.server.url, acme.second_admin) as second:  # fmt: skip
+        step = {
+            "name": "run_code",
+            "args": {"code": "mkdir -p records && rm -r records && echo gone", "language": "bash"},
+        }
+        run = admin.runs.submit("tidy the records", scripted=[step, "tidied"], idempotency_key="tidy")
+        assert run.wait().status == "paused"  # its rm -r waits for a decision
+        request_id = run.refresh().info["pending_approvals"][0]["id"]
+
+        base = f"/v1/runs/{run.id}"
+        refused = statuses(acme, acme.dev, [
+            ("GET", base, {}),
+            ("GET", f"{base}/events", {}),
+            ("GET", f"{base}/approvals", {}),
+            ("POST", f"{base}/approvals/{request_id}", {"json": {"decision": "approve"}}),
+            ("POST", f"{base}/resume", {}),
+            ("GET", f"{base}/diff", {}),
+            ("GET", f"{base}/artifacts", {}),
+            ("DELETE", f"{base}/artifacts", {}),
+            ("POST", f"{base}/kill", {"json": {}}),
+            ("DELETE", base, {}),
+        ])  # fmt: skip
+        assert refused == dict.fromkeys(refused, 404)
+        assert all(r.id != run.id for r in dev.runs.list())
+        with signed_in(acme, acme.dev) as page, signed_in(acme, acme.second_admin) as theirs:
+            for path in (f"/ui/runs/{run.id}", f"/ui/runs/{run.id}/body"):
+                assert page.get(path).status_code == 404, path
+            assert page.get(f"/ui/runs/{run.id}/events").text == "event: end\ndata: {}\n\n"  # as for no run
+            assert run.id not in page.get("/ui/").text
+            assert run.id in theirs.get("/ui/").text and theirs.get(f"/ui/runs/{run.id}").status_code == 200
+        with pytest.raises(exc.RunConflict):  # the key is taken: never an answer with another role's run
+            dev.runs.submit("tidy the records", scripted=[step, "tidied"], idempotency_key="tidy")
+        assert run.refresh().status == "paused"  # neither decided nor killed by dev
+
+        # the role's other token: listed, decided, and the run goes on
+        assert [r.id for r in second.runs.list()] == [run.id]
+        second.runs.get(run.id).approve(request_id)
+        assert run.wait().status == "success"

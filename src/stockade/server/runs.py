@@ -65,7 +65,7 @@ from stockade.server.tenants import Principal, check_output_bytes
 from stockade.server.uploads import unpack_within
 from stockade.types import Limits, MiB
 
-__all__ = ["decide_approval", "router", "run_status"]
+__all__ = ["decide_approval", "owns", "router", "run_status"]
 
 router = APIRouter(tags=["runs"], route_class=JSONRoute)
 
@@ -73,9 +73,15 @@ router = APIRouter(tags=["runs"], route_class=JSONRoute)
 _WAITING = frozenset({"paused", "broken"})
 
 
+def owns(principal: Principal, row: RunRow) -> bool:
+    """Whether a run is the caller's: its tenant's, submitted under its role. A run's sandbox
+    held what the role's policy let in, so another role of the tenant sees no run there."""
+    return row.tenant == principal.tenant.id and row.role == principal.role
+
+
 def _row(service: Service, principal: Principal, run_id: str) -> RunRow:
     row = service.store.run(run_id)
-    if row is None or row.tenant != principal.tenant.id:
+    if row is None or not owns(principal, row):
         raise exc.ResourceNotFound(f"no run {run_id!r}", kind="run", id=run_id)
     return row
 
@@ -223,7 +229,7 @@ async def submit_run(body: RunSubmit, request: Request, response: Response, call
         if body.idempotency_key is not None:
             existing = service.store.run_by_key(caller.tenant.id, body.idempotency_key)
             if existing is not None:
-                if existing.spec != spec:
+                if existing.spec != spec or not owns(caller, existing):  # never another role's run
                     raise exc.RunConflict(
                         f"idempotency key {body.idempotency_key!r} was used for another run "
                         f"({existing.run_id}) with a different request; use a new key"
@@ -274,7 +280,9 @@ async def list_runs(
         pair = (key, value)
 
     def work() -> list[RunOut]:
-        rows = service.store.runs(caller.tenant.id, status=status, label=pair, limit=limit)
+        rows = service.store.runs(
+            caller.tenant.id, status=status, label=pair, limit=limit, roles=(caller.role,)
+        )
         return [_out(service, r) for r in rows]
 
     found: list[RunOut] = await _blocking(work)
