@@ -171,6 +171,8 @@ def test_a_token_of_the_same_role_uses_it_and_the_trail_names_each_calls_token(a
             theirs = RemoteSandbox(second, {"id": sbx.id})
             assert theirs.run_code(f"print(open('{RECORD}').read())").logs.stdout.strip() == "PHI: Jane Doe"
             sbx.run_code("print('mine')")
+            streamed: list[str] = []
+            theirs.commands.run("echo streamed", on_stdout=streamed.append)
             theirs.files.remove(RECORD)
             assert [s["id"] for s in second.sandboxes()] == [sbx.id]
         first, other = f"api:{acme.admin_id}", f"api:{acme.second_admin_id}"
@@ -179,6 +181,7 @@ def test_a_token_of_the_same_role_uses_it_and_the_trail_names_each_calls_token(a
         assert actors(acme, sbx.id, "run_code") == [other, first]  # who made each call
         assert actors(acme, sbx.id, "file_write") == [first]
         assert actors(acme, sbx.id, "file_remove") == [other]
+        assert "".join(streamed) == "streamed\n" and actors(acme, sbx.id, "command") == [other]
 
 
 def test_a_snapshot_and_a_pause_are_the_roles_that_took_them(acme: Acme) -> None:
