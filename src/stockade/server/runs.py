@@ -1,6 +1,9 @@
 """Runs over HTTP: submit an agent task, follow it, decide its approvals, kill it (or every
 live run of the tenant at once), resume it once its breaker stopped it, fetch its diff and its
-final workspace, delete it once it has ended.
+final workspace, delete it once it has ended. A run is its role's (``owns``): to another role
+of its tenant it is no run (404), its events, approvals, diff and artifacts with it, since its
+sandbox held what that role's policy let in; the kill switch (``POST /v1/runs/kill``) still
+stops every live run of the tenant.
 
 What a run keeps in the database counts against its tenant's ``storage_mb``: its spec from
 its submission (one that does not fit is refused), its rows in the run store from each time
