@@ -194,25 +194,28 @@ def test_approving_with_the_button_sends_the_run_on(service: tuple[Server, Token
     from playwright.sync_api import expect
 
     server, tokens = service
-    with Client(server.url, tokens.dev) as client:
-        run = client.runs.submit(
-            "tidy up",
-            scripted=[run_code("mkdir -p build && rm -r build && echo removed-build", "bash"), "tidied"],
-        )
-        assert run.wait().status == "paused"
-        request_id = run.refresh().info["pending_approvals"][0]["id"]
+    tidy = [run_code("mkdir -p build && rm -r build && echo removed-build", "bash"), "tidied"]
+    with Client(server.url, tokens.dev) as client, Client(server.url, tokens.watcher) as watcher:
+        run = client.runs.submit("tidy up", scripted=tidy)
+        own = watcher.runs.submit("tidy up", scripted=tidy)
+        assert run.wait().status == "paused" and own.wait().status == "paused"
+        own_request = own.refresh().info["pending_approvals"][0]["id"]
 
-    # a role that may not decide sees no buttons, and the API refuses it too
-    sign_in(page, server.url, tokens.watcher, then=f"/ui/runs/{run.id}")
-    expect(page.locator(".pending")).to_contain_text("may not decide")
-    assert page.locator("button.approve").count() == 0
-    refused = httpx2.post(
-        f"{server.url}/v1/runs/{run.id}/approvals/{request_id}",
-        json={"decision": "approve"},
-        headers={"Authorization": f"Bearer {tokens.watcher}"},
-    )
-    assert refused.status_code == 403 and "can_approve" in refused.text
-    page.context.clear_cookies()
+        # a role that may not decide sees no buttons on its run, and the API refuses it too;
+        # another role's run it does not see at all
+        sign_in(page, server.url, tokens.watcher, then=f"/ui/runs/{own.id}")
+        expect(page.locator(".pending")).to_contain_text("may not decide")
+        assert page.locator("button.approve").count() == 0
+        refused = httpx2.post(
+            f"{server.url}/v1/runs/{own.id}/approvals/{own_request}",
+            json={"decision": "approve"},
+            headers={"Authorization": f"Bearer {tokens.watcher}"},
+        )
+        assert refused.status_code == 403 and "can_approve" in refused.text
+        theirs = page.goto(f"{server.url}/ui/runs/{run.id}")
+        assert theirs is not None and theirs.status == 404
+        page.context.clear_cookies()
+        own.kill()
 
     sign_in(page, server.url, tokens.dev, then=f"/ui/runs/{run.id}")
     expect(page.locator(".pending")).to_contain_text("rm -r build")

@@ -60,10 +60,13 @@ from stockade.sandbox.ops import (
 from stockade.sandbox.supervisor.protocol import MAX_EXEC_RECORDS, MAX_EXEC_REPORT
 from stockade.types import CommandResult, EgressRecord, ExecRecord, Execution, HostRule, JudgedExecs, Snapshot
 
-__all__ = ["AuditedBackend", "AuditedInstance", "current_call", "exec_word"]
+__all__ = ["AuditedBackend", "AuditedInstance", "current_actor", "current_call", "exec_word"]
 
 # The tool call whose work runs now (set by the agent): the execs its code starts name it.
 current_call: contextvars.ContextVar[str | None] = contextvars.ContextVar("stockade_call", default=None)
+# Who makes the call that runs now, where that is not who started the sandbox (the service:
+# any token of the sandbox's role may use it): its events name this actor, not the starter.
+current_actor: contextvars.ContextVar[str | None] = contextvars.ContextVar("stockade_actor", default=None)
 
 # What one event keeps of each text or list it copies from the caller (a command's argv, its
 # env names, run_code's code, a program on stdin, a sandbox's hosts and names): at most this
@@ -347,7 +350,7 @@ class AuditedInstance(WrapperInstance):
             kind,
             run_id=self.run_id,
             step=self.step(),
-            actor=self.actor,
+            actor=current_actor.get() or self.actor,
             duration_s=duration_s,
             attributes={"sandbox_id": self.id, "tier": self.tier, **attributes},
         )

@@ -1,6 +1,9 @@
 """Runs over HTTP: submit an agent task, follow it, decide its approvals, kill it (or every
 live run of the tenant at once), resume it once its breaker stopped it, fetch its diff and its
-final workspace, delete it once it has ended.
+final workspace, delete it once it has ended. A run is its role's (``owns``): to another role
+of its tenant it is no run (404), its events, approvals, diff and artifacts with it, since its
+sandbox held what that role's policy let in; the kill switch (``POST /v1/runs/kill``) still
+stops every live run of the tenant.
 
 What a run keeps in the database counts against its tenant's ``storage_mb``: its spec from
 its submission (one that does not fit is refused), its rows in the run store from each time
@@ -65,7 +68,7 @@ from stockade.server.tenants import Principal, check_output_bytes
 from stockade.server.uploads import unpack_within
 from stockade.types import Limits, MiB
 
-__all__ = ["decide_approval", "router", "run_status"]
+__all__ = ["decide_approval", "owns", "router", "run_status"]
 
 router = APIRouter(tags=["runs"], route_class=JSONRoute)
 
@@ -73,9 +76,15 @@ router = APIRouter(tags=["runs"], route_class=JSONRoute)
 _WAITING = frozenset({"paused", "broken"})
 
 
+def owns(principal: Principal, row: RunRow) -> bool:
+    """Whether a run is the caller's: its tenant's, submitted under its role. A run's sandbox
+    held what the role's policy let in, so another role of the tenant sees no run there."""
+    return row.tenant == principal.tenant.id and row.role == principal.role
+
+
 def _row(service: Service, principal: Principal, run_id: str) -> RunRow:
     row = service.store.run(run_id)
-    if row is None or row.tenant != principal.tenant.id:
+    if row is None or not owns(principal, row):
         raise exc.ResourceNotFound(f"no run {run_id!r}", kind="run", id=run_id)
     return row
 
@@ -223,7 +232,7 @@ async def submit_run(body: RunSubmit, request: Request, response: Response, call
         if body.idempotency_key is not None:
             existing = service.store.run_by_key(caller.tenant.id, body.idempotency_key)
             if existing is not None:
-                if existing.spec != spec:
+                if existing.spec != spec or not owns(caller, existing):  # never another role's run
                     raise exc.RunConflict(
                         f"idempotency key {body.idempotency_key!r} was used for another run "
                         f"({existing.run_id}) with a different request; use a new key"
@@ -274,7 +283,9 @@ async def list_runs(
         pair = (key, value)
 
     def work() -> list[RunOut]:
-        rows = service.store.runs(caller.tenant.id, status=status, label=pair, limit=limit)
+        rows = service.store.runs(
+            caller.tenant.id, status=status, label=pair, limit=limit, roles=(caller.role,)
+        )
         return [_out(service, r) for r in rows]
 
     found: list[RunOut] = await _blocking(work)

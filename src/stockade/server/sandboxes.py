@@ -7,8 +7,14 @@ forwarded to the one that holds the sandbox (``server/routing.py``). Each proces
 alive every ``BEAT_S``; one silent for ``DEAD_AFTER_S`` (or, on this machine, whose pid is
 gone) is dead: any peer buries it, its sandboxes answer ``SandboxGone`` (410) and their quota
 is free. Every op goes through the tenant policy's guard (under the token's role) and
-the tenant's audit trail (``run_id`` = the sandbox's id), then the tier. A sandbox with no
-call for its ``idle_timeout_s`` is closed and its quota freed.
+the tenant's audit trail (``run_id`` = the sandbox's id; ``actor`` = the token that made the
+call), then the tier. A sandbox with no call for its ``idle_timeout_s`` is closed and its quota freed.
+
+A sandbox belongs to the role of the token that made it: the tokens of that role use it; to
+another role of the tenant it is as another tenant's, not found (404) on every route, and so
+are its snapshots and its pause (``server/snapshots.py``). The role's policy was asked what
+the sandbox may hold (``[data_access]`` above a role never enters it), so another role must
+not read it there.
 
 Command output streams as NDJSON (``"stream": true``): one JSON object a line,
 ``{"type": "stdout"|"stderr", "data": TEXT}`` as the output comes, then
@@ -40,7 +46,7 @@ from fastapi import APIRouter, Query, Request, Response
 from fastapi.encoders import jsonable_encoder
 
 from stockade import exceptions as exc
-from stockade.audit.sandbox import AuditedBackend
+from stockade.audit.sandbox import AuditedBackend, current_actor
 from stockade.policy.engine import PolicyEngine
 from stockade.policy.guards import GuardedBackend, OpContext, op_policy_guard
 from stockade.runs.lease import owner_gone, owner_token
@@ -63,7 +69,7 @@ from stockade.server.schemas import (
     SnapshotRequest,
 )
 from stockade.server.scratch import scratch
-from stockade.server.snapshots import snapshot_out
+from stockade.server.snapshots import by_role, snapshot_out
 from stockade.server.state import Node, Placement
 from stockade.server.streamed import streamed
 from stockade.server.tenants import Principal, Tenant, check_output_bytes, check_weaker
@@ -85,6 +91,7 @@ ENDED_KEPT_S = 86400.0  # a lost sandbox answers "gone" this long, then "not fou
 class Held:
     id: str
     tenant: str
+    role: str | None  # the role of the token that made it: only that role's tokens use it
     sandbox: Sandbox
     tier_reason: str
     limits: Limits
@@ -268,6 +275,7 @@ class SandboxRegistry:
         memory = False
         if request.snapshot is not None:
             with service.snapshots.errors(tenant, request.snapshot) as store:
+                service.snapshots.check_owned(store, request.snapshot, principal)  # another role's: not found
                 manifest = store.load(request.snapshot)
                 kept = spec_from_state(manifest.spec)
             memory = manifest.snapshot.kind is SnapshotKind.MEMORY
@@ -319,8 +327,8 @@ class SandboxRegistry:
             raise
         labels = {**(kept.labels if kept is not None else {}), **request.labels}
         held = Held(
-            id=sandbox_id, tenant=tenant.id, sandbox=sandbox, tier_reason=why, limits=limits,
-            labels=labels, idle_timeout_s=idle,
+            id=sandbox_id, tenant=tenant.id, role=principal.role, sandbox=sandbox, tier_reason=why,
+            limits=limits, labels=labels, idle_timeout_s=idle,
         )  # fmt: skip
         return self._hold(held)
 
@@ -336,7 +344,8 @@ class SandboxRegistry:
             snapshots.errors(tenant, sandbox_id, "sandbox") as store,
         ):
             taken = sandbox.snapshot(memory=memory, store=store)
-            store.set_ref("kept", taken.id, taken.id, source=sandbox_id)  # named by the API's id
+            # named by the API's id; the role's alone
+            store.set_ref("kept", taken.id, taken.id, source=sandbox_id, **by_role(principal.role))
         snapshots.record(tenant, taken.id)
         return snapshot_out(taken, source=sandbox_id)
 
@@ -352,12 +361,12 @@ class SandboxRegistry:
         ):
             taken = sandbox.pause(memory=memory, store=store)
             # the tier keeps it under its own id for the sandbox; the API's id names it here
-            store.set_ref("paused", sandbox_id, taken.id)
+            store.set_ref("paused", sandbox_id, taken.id, **by_role(principal.role))
             if sandbox.id != sandbox_id:
                 store.drop_ref("paused", sandbox.id)
         with self._lock:
             self._held.pop(sandbox_id, None)
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception), self.acting(principal):
             held.sandbox.close()
         self.service.store.release_sandbox(sandbox_id)
         snapshots.record(tenant, sandbox_id)
@@ -371,7 +380,7 @@ class SandboxRegistry:
             raise exc.SnapshotNotFound(f"sandbox {sandbox_id} is running, not paused")
         what = "paused sandbox"
         with snapshots.errors(tenant, sandbox_id, what) as store:
-            ref = store.ref("paused", sandbox_id)
+            ref = snapshots.paused_ref(store, sandbox_id, principal)  # another role's: not found
             if ref is None:
                 raise exc.SnapshotNotFound(sandbox_id)
             manifest = store.load(ref["snapshot"])
@@ -400,29 +409,34 @@ class SandboxRegistry:
         store.discard(ref["snapshot"])  # consumed: its bytes no longer count against snapshot_mb
         snapshots.forget(tenant, sandbox_id)
         held = Held(
-            id=sandbox_id, tenant=tenant.id, sandbox=sandbox,
+            id=sandbox_id, tenant=tenant.id, role=principal.role, sandbox=sandbox,
             tier_reason=f"resumed from its pause, on its {tier} tier", limits=kept.limits,
             labels=dict(kept.labels), idle_timeout_s=service.config.sandbox_idle_timeout_s,
         )  # fmt: skip
         return self._hold(held)
 
     def get(self, principal: Principal, sandbox_id: str) -> Held:
-        """The caller's sandbox; another tenant's, or none, is ``ResourceNotFound`` alike."""
+        """The caller's sandbox; another tenant's, another role's of its tenant, or none, is
+        ``ResourceNotFound`` alike."""
         with self._lock:
             held = self._held.get(sandbox_id)
-        if held is None or held.tenant != principal.tenant.id:
+        if held is None or not self._mine(principal, held):
             raise exc.ResourceNotFound(f"no sandbox {sandbox_id!r}", kind="sandbox", id=sandbox_id)
         return held
+
+    @staticmethod
+    def _mine(principal: Principal, held: Held) -> bool:
+        return held.tenant == principal.tenant.id and held.role == principal.role
 
     def paused(self, principal: Principal, sandbox_id: str) -> SandboxOut | None:
         """The caller's paused sandbox ``sandbox_id`` as a sandbox is shown (state ``paused``,
         its tier, limits and labels as kept), or None: none is paused under that id in the
-        tenant's store (another tenant's is not in it)."""
+        tenant's store by the caller's role (another tenant's is not in it)."""
         store = self.service.snapshots.store(principal.tenant)
         if not (store.root / "refs" / "paused").is_dir():
             return None  # not created by a look
         try:
-            ref = store.ref("paused", sandbox_id)
+            ref = self.service.snapshots.paused_ref(store, sandbox_id, principal)
             if ref is None:
                 return None
             manifest = store.load(ref["snapshot"])
@@ -446,18 +460,31 @@ class SandboxRegistry:
 
     def of(self, principal: Principal) -> list[Held]:
         with self._lock:
-            return [h for h in self._held.values() if h.tenant == principal.tenant.id]
+            return [h for h in self._held.values() if self._mine(principal, h)]
+
+    @staticmethod
+    @contextlib.contextmanager
+    def acting(principal: Principal) -> Iterator[None]:
+        """The audit events of the calls made in the block name the caller's token: another
+        token of the role may use a sandbox it did not make."""
+        token = current_actor.set(f"api:{principal.token_id}")
+        try:
+            yield
+        finally:
+            current_actor.reset(token)
 
     @contextlib.contextmanager
     def use(self, principal: Principal, sandbox_id: str) -> Iterator[Sandbox]:
-        """The sandbox for one call: counted busy (the reaper leaves it), its clock reset."""
+        """The sandbox for one call: counted busy (the reaper leaves it), its clock reset, its
+        events the caller's."""
         held = self.get(principal, sandbox_id)
         if held.state == "killed":
             raise exc.SandboxClosed(f"sandbox {sandbox_id} was killed; create a new one")
         with self._lock:
             held.busy += 1
         try:
-            yield held.sandbox
+            with self.acting(principal):
+                yield held.sandbox
         finally:
             with self._lock:
                 held.busy -= 1
@@ -472,7 +499,7 @@ class SandboxRegistry:
         """Stop it now, mid-command too; it stays listed (``killed``) until deleted."""
         held = self.get(principal, sandbox_id)
         held.state = "killed"
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception), self.acting(principal):
             held.sandbox.close()
         self.service.store.end_sandbox(held.id, "killed")  # its quota is free; peers still find it
         return held
@@ -481,7 +508,8 @@ class SandboxRegistry:
         held = self.get(principal, sandbox_id)
         with self._lock:
             self._held.pop(sandbox_id, None)
-        self._close(held)
+        with self.acting(principal):
+            self._close(held)
 
     def _reap_loop(self) -> None:
         beat_at = sweep_at = time.monotonic()

@@ -13,6 +13,12 @@ each other's snapshots. Each store folder has an id of its own (``store-id``), a
 database says which store keeps each tenant's snapshot (``svc_snapshots``): a process that
 does not share it answers ``SnapshotNotFound`` naming the process that has it, rather than a
 bare "not found".
+
+Within a tenant, a snapshot and a paused sandbox belong to the role that took them (its ref
+names it, ``ROLE_KEY``): only tokens of that role list, restore, resume or delete them; to
+another role of the tenant they are as a snapshot that never was (404). A role may be kept out
+of a data class the sandbox held (``[data_access]``), so a role's snapshot must not be a way
+around its role.
 """
 
 from __future__ import annotations
@@ -32,13 +38,15 @@ from stockade.sandbox.snapshots import MiB, SnapshotStore
 from stockade.server.bodies import JSONRoute
 from stockade.server.deps import Caller, get_service
 from stockade.server.schemas import SnapshotOut
-from stockade.server.tenants import Tenant
+from stockade.server.tenants import Principal, Tenant
 from stockade.types import Snapshot
 
 if TYPE_CHECKING:
     from stockade.server.service import Service
 
-__all__ = ["TenantSnapshots", "router"]
+__all__ = ["ROLE_KEY", "TenantSnapshots", "by_role", "router"]
+
+ROLE_KEY = "role"  # a ref's field naming the role that took it (none: a token without a role)
 
 log = logging.getLogger("stockade.server")
 
@@ -50,6 +58,15 @@ def snapshot_out(snapshot: Snapshot, *, source: str | None = None, paused: str |
         id=snapshot.id, kind=snapshot.kind.value, tier=snapshot.tier, source=source or snapshot.source,
         taken_at=snapshot.taken_at, size_bytes=snapshot.size_bytes, paused=paused,
     )  # fmt: skip
+
+
+def by_role(role: str | None) -> dict[str, str]:
+    """What a ref records of the role that took it (nothing for a token without a role)."""
+    return {} if role is None else {ROLE_KEY: role}
+
+
+def _role_of(ref: dict[str, str] | None) -> str | None:
+    return None if ref is None else ref.get(ROLE_KEY)
 
 
 class TenantSnapshots:
@@ -128,14 +145,41 @@ class TenantSnapshots:
             raise self.full(tenant, store)
         return store
 
-    def listing(self, tenant: Tenant) -> list[SnapshotOut]:
-        store = self.store(tenant)
+    @staticmethod
+    def owned(store: SnapshotStore, snapshot_id: str, role: str | None) -> bool:
+        """Whether ``role`` took ``snapshot_id``: a snapshot it kept, or the one a sandbox it
+        paused is kept in (a run's, or one no ref holds, is no role's)."""
+        kept = store.ref("kept", snapshot_id)
+        if kept is not None:
+            return _role_of(kept) == role
+        return any(
+            sid == snapshot_id and _role_of(store.ref("paused", name)) == role
+            for name, sid in store.refs("paused")
+        )
+
+    def check_owned(self, store: SnapshotStore, snapshot_id: str, principal: Principal) -> None:
+        """``SnapshotNotFound`` unless the caller's role took ``snapshot_id`` (inside
+        ``errors``, it reads as any other missing snapshot)."""
+        if not self.owned(store, snapshot_id, principal.role):
+            raise exc.SnapshotNotFound(snapshot_id)
+
+    @staticmethod
+    def paused_ref(store: SnapshotStore, sandbox_id: str, principal: Principal) -> dict[str, str] | None:
+        """The ref of the caller's role's sandbox paused as ``sandbox_id``, or None."""
+        ref = store.ref("paused", sandbox_id)
+        return ref if ref is not None and _role_of(ref) == principal.role else None
+
+    def listing(self, principal: Principal) -> list[SnapshotOut]:
+        """The snapshots and paused sandboxes of the caller's role."""
+        store = self.store(principal.tenant)
         found: dict[str, SnapshotOut] = {}
         for kind in ("kept", "paused"):
             for name, sid in store.refs(kind):
                 with contextlib.suppress(exc.SnapshotError, OSError):
-                    snapshot = store.load(sid).snapshot
                     ref = store.ref(kind, name) or {}
+                    if _role_of(ref) != principal.role:
+                        continue
+                    snapshot = store.load(sid).snapshot
                     paused = name if kind == "paused" else None
                     found[sid] = snapshot_out(snapshot, source=paused or ref.get("source"), paused=paused)
         return sorted(found.values(), key=lambda s: s.taken_at, reverse=True)
@@ -149,8 +193,10 @@ class TenantSnapshots:
             except (exc.StockadeError, OSError) as error:
                 log.warning("cannot collect the snapshot store of tenant %s: %s", tenant.id, error)
 
-    def delete(self, tenant: Tenant, snapshot_id: str) -> None:
+    def delete(self, principal: Principal, snapshot_id: str) -> None:
+        tenant = principal.tenant
         with self.errors(tenant, snapshot_id) as store:
+            self.check_owned(store, snapshot_id, principal)
             store.load(snapshot_id)
             paused = [name for name, sid in store.refs("paused") if sid == snapshot_id]
             store.discard(snapshot_id)  # its bytes too: they counted against snapshot_mb for good
@@ -165,13 +211,13 @@ def _snapshots(request: Request) -> TenantSnapshots:
 @router.get("", response_model=list[SnapshotOut], summary="Your snapshots and paused sandboxes")
 async def list_snapshots(request: Request, caller: Caller) -> list[SnapshotOut]:
     snapshots = _snapshots(request)
-    listed: list[SnapshotOut] = await anyio.to_thread.run_sync(snapshots.listing, caller.tenant)
+    listed: list[SnapshotOut] = await anyio.to_thread.run_sync(snapshots.listing, caller)
     return listed
 
 
 @router.get("/{snapshot_id}", response_model=SnapshotOut, summary="One snapshot")
 async def get_snapshot(snapshot_id: str, request: Request, caller: Caller) -> SnapshotOut:
-    listed = await anyio.to_thread.run_sync(_snapshots(request).listing, caller.tenant)
+    listed = await anyio.to_thread.run_sync(_snapshots(request).listing, caller)
     for item in listed:
         if item.id == snapshot_id:
             return item
@@ -181,5 +227,5 @@ async def get_snapshot(snapshot_id: str, request: Request, caller: Caller) -> Sn
 @router.delete("/{snapshot_id}", status_code=204, summary="Delete a snapshot (a paused sandbox's too)")
 async def delete_snapshot(snapshot_id: str, request: Request, caller: Caller) -> Response:
     snapshots = _snapshots(request)
-    await anyio.to_thread.run_sync(lambda: snapshots.delete(caller.tenant, snapshot_id))
+    await anyio.to_thread.run_sync(lambda: snapshots.delete(caller, snapshot_id))
     return Response(status_code=204)

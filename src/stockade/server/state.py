@@ -368,10 +368,16 @@ class ServiceStore:
 
     def runs(
         self, tenant: str, *, status: str | None = None, label: tuple[str, str] | None = None,
-        limit: int = 50, before_ns: int | None = None,
+        limit: int = 50, before_ns: int | None = None, roles: tuple[str | None] | None = None,
     ) -> list[RunRow]:  # fmt: skip
+        """The tenant's runs, newest first; ``roles``: only those submitted under that role
+        (``(None,)``: by a token without one), else every role's."""
         sql = f"SELECT {_RUN_COLUMNS} FROM {self.ns}_runs WHERE tenant = ?"
         params: list[object] = [tenant]
+        if roles is not None:
+            (role,) = roles
+            sql += " AND role IS NULL" if role is None else " AND role = ?"
+            params += [] if role is None else [role]
         if status is not None:
             sql += " AND status = ?"
             params.append(status)

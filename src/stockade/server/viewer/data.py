@@ -562,7 +562,8 @@ class LocalRuns:
 
 
 class ServiceRuns:
-    """What one principal of ``stockade serve`` may see: its tenant's runs, nothing else."""
+    """What one principal of ``stockade serve`` may see: its tenant's runs of its role,
+    nothing else."""
 
     def __init__(self, service: Service, principal: Principal) -> None:
         from stockade.server.authz import may_approve
@@ -573,11 +574,11 @@ class ServiceRuns:
         self.can_decide = may_approve(principal)
 
     def _row(self, run_id: str) -> RunRow | None:
-        from stockade.server.runs import run_status
+        from stockade.server.runs import owns, run_status
 
         row = self.service.store.run(run_id)
-        if row is None or row.tenant != self.principal.tenant.id:
-            return None  # another tenant's run is no run at all
+        if row is None or not owns(self.principal, row):
+            return None  # another tenant's run, or another role's of its tenant, is no run at all
         spec = row.spec
         summary = self.service.run_store.summary(run_id)
         return RunRow(
@@ -598,8 +599,9 @@ class ServiceRuns:
 
         until = int(filters.until.timestamp() * 1e9) if filters.until is not None else None
         rows = self.service.store.runs(
-            self.principal.tenant.id, status=filters.status, limit=LISTED, before_ns=until
-        )
+            self.principal.tenant.id, status=filters.status, limit=LISTED, before_ns=until,
+            roles=(self.principal.role,),
+        )  # fmt: skip
         found = []
         for r in rows:
             row = RunRow(

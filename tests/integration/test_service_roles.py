@@ -1,0 +1,260 @@
+"""Roles within one tenant, through ``stockade serve`` (real uvicorn, SQLite, the process
+tier): a sandbox, its snapshots and its pause, and a run, belong to the role that made them. The tenant's
+policy keeps a data class (``records/**``) to role ``admin``; a ``dev`` token finds none of
+what an admin token made (404 on every route, as for another tenant's ids), while a second
+token of role ``admin`` uses it all, and the audit trail names the token of each call."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx2
+import pytest
+
+from stockade import Limits
+from stockade import exceptions as exc
+from stockade.client import Client, RemoteSandbox
+from tests.conftest import require_tier, wait_for
+from tests.integration.service_env import Server
+
+pytestmark = [pytest.mark.process]
+
+LIMITS = Limits(memory_mb=256, timeout_s=20)
+RECORD = "records/patient.txt"
+
+POLICY = """\
+version = 1
+[trust]
+level = "trusted"
+[models]
+approved = ["scripted:*"]
+[commands]
+approve = ["rm -r"]
+[[data]]
+paths = ["records/**"]
+tier = "restricted"
+[data_access.restricted]
+read = ["admin"]
+write = ["admin"]
+[roles.admin]
+tiers = ["process"]
+[roles.dev]
+tiers = ["process"]
+"""
+
+
+@dataclass(frozen=True)
+class Acme:
+    server: Server
+    folder: Path
+    admin: str  # two tokens of role admin, one of role dev
+    admin_id: str
+    second_admin: str
+    second_admin_id: str
+    dev: str
+
+
+@pytest.fixture(scope="module")
+def acme(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Acme]:
+    from stockade.server.tenants import Tenants, new_token
+
+    require_tier("process")
+    folder = tmp_path_factory.mktemp("roles")
+    (folder / "policy.toml").write_text(POLICY)
+    admin, admin_record = new_token("acme", "admin")
+    second, second_record = new_token("acme", "admin")
+    dev, dev_record = new_token("acme", "dev")
+    empty = Tenants(tenants={}, tokens={})
+    (folder / "tenants.toml").write_text(
+        '[tenants.acme]\npolicy = "policy.toml"\nsandboxes = 4\ncpus = 4\nmemory_mb = 4096\n\n'
+        + "\n".join(empty.toml_lines(r) for r in (admin_record, second_record, dev_record))
+    )
+    server = Server(
+        folder / "tenants.toml", f"sqlite:///{folder / 'service.db'}", folder,
+        extra=["--snapshot-dir", str(folder / "snapshots")],
+    )  # fmt: skip
+    try:
+        yield Acme(server, folder, admin, admin_record.id, second, second_record.id, dev)
+    finally:
+        server.stop()
+    assert server.proc.returncode in (0, -15), server.output()[-3000:]
+    assert "Traceback" not in server.output(), server.output()[-3000:]
+
+
+Call = tuple[str, str, dict[str, object]]
+
+
+def statuses(acme: Acme, token: str, calls: list[Call]) -> dict[str, int]:
+    """Each call's status code, by ``METHOD path {JSON body}``."""
+    headers = {"Authorization": f"Bearer {token}"}
+    found = {}
+    with httpx2.Client(base_url=acme.server.url, headers=headers, timeout=30) as http:
+        for method, path, how in calls:
+            call = f"{method} {path} {json.dumps(how['json'])}" if "json" in how else f"{method} {path}"
+            found[call] = http.request(method, path, **how).status_code  # type: ignore[arg-type]
+    return found
+
+
+@contextlib.contextmanager
+def signed_in(acme: Acme, token: str) -> Iterator[httpx2.Client]:
+    """A browser signed in to the run viewer with ``token``, through its form."""
+    same_site = {"Sec-Fetch-Site": "same-origin"}
+    with httpx2.Client(base_url=acme.server.url, timeout=30, headers=same_site) as form:
+        signed = form.post("/ui/login", data={"token": token})
+        assert signed.status_code == 303, signed.text
+        cookies = {"stockade_viewer": form.cookies["stockade_viewer"]}
+    with httpx2.Client(base_url=acme.server.url, timeout=30, cookies=cookies, headers=same_site) as page:
+        yield page
+
+
+def every_route(sandbox_id: str) -> list[Call]:
+    base = f"/v1/sandboxes/{sandbox_id}"
+    path: dict[str, object] = {"params": {"path": RECORD}}
+    return [
+        ("GET", base, {}),
+        ("POST", f"{base}/code", {"json": {"code": f"print(open('{RECORD}').read())"}}),
+        ("POST", f"{base}/code", {"json": {"code": f"print(open('{RECORD}').read())", "stream": True}}),
+        ("POST", f"{base}/commands", {"json": {"cmd": f"cat {RECORD}"}}),
+        ("POST", f"{base}/commands", {"json": {"cmd": f"cat {RECORD}", "stream": True}}),
+        ("GET", f"{base}/files", {"params": {"path": "records"}}),
+        ("GET", f"{base}/files/stat", path),
+        ("GET", f"{base}/files/content", path),
+        ("PUT", f"{base}/files/content", {**path, "content": b"overwritten"}),
+        ("POST", f"{base}/files/dir", {"params": {"path": "records/more"}}),
+        ("GET", f"{base}/archive", {"params": {"path": "records"}}),
+        ("PUT", f"{base}/archive", {"content": b""}),
+        ("DELETE", f"{base}/files", path),
+        ("POST", f"{base}/reset", {}),
+        ("POST", f"{base}/snapshot", {}),
+        ("POST", f"{base}/pause", {}),
+        ("POST", f"{base}/resume", {}),
+        ("POST", f"{base}/kill", {}),
+        ("DELETE", base, {}),
+    ]
+
+
+def actors(acme: Acme, sandbox_id: str, kind: str) -> list[str]:
+    """The actors of the sandbox's audit events of ``kind``, as written to the trail."""
+    with sqlite3.connect(acme.folder / "service.db") as db:
+        rows = db.execute(
+            "SELECT kind, body FROM audit_t_acme_events WHERE run_id = ? ORDER BY seq", (sandbox_id,)
+        )
+        return [json.loads(body)["actor"] for found, body in rows if found == kind]
+
+
+def test_another_role_of_the_tenant_finds_no_sandbox_on_any_route(acme: Acme) -> None:
+    with (
+        Client(acme.server.url, acme.admin) as admin,
+        Client(acme.server.url, acme.dev) as dev,
+        RemoteSandbox.create("process", limits=LIMITS, client=admin) as sbx,
+    ):
+        sbx.files.write(RECORD, "PHI: Jane Doe")
+        refused = statuses(acme, acme.dev, every_route(sbx.id))
+        assert refused == dict.fromkeys(refused, 404)  # as another tenant's, or none
+        assert [s["id"] for s in dev.sandboxes()] == []
+        with pytest.raises(exc.ResourceNotFound):
+            RemoteSandbox(dev, {"id": sbx.id}).run_code(f"print(open('{RECORD}').read())")
+        # untouched: not killed, paused, reset nor written by any of those
+        assert sbx.alive and sbx.files.read(RECORD) == "PHI: Jane Doe"
+        assert [s["id"] for s in admin.sandboxes()] == [sbx.id]
+
+
+def test_a_token_of_the_same_role_uses_it_and_the_trail_names_each_calls_token(acme: Acme) -> None:
+    with Client(acme.server.url, acme.admin) as admin, Client(acme.server.url, acme.second_admin) as second:
+        with RemoteSandbox.create("process", limits=LIMITS, client=admin) as sbx:
+            sbx.files.write(RECORD, "PHI: Jane Doe")
+            theirs = RemoteSandbox(second, {"id": sbx.id})
+            assert theirs.run_code(f"print(open('{RECORD}').read())").logs.stdout.strip() == "PHI: Jane Doe"
+            sbx.run_code("print('mine')")
+            streamed: list[str] = []
+            theirs.commands.run("echo streamed", on_stdout=streamed.append)
+            theirs.files.remove(RECORD)
+            assert [s["id"] for s in second.sandboxes()] == [sbx.id]
+        first, other = f"api:{acme.admin_id}", f"api:{acme.second_admin_id}"
+        wait_for(lambda: actors(acme, sbx.id, "sandbox_stop"), what="the sandbox's stop in the trail")
+        assert actors(acme, sbx.id, "sandbox_start") == [first]  # who made it
+        assert actors(acme, sbx.id, "run_code") == [other, first]  # who made each call
+        assert actors(acme, sbx.id, "file_write") == [first]
+        assert actors(acme, sbx.id, "file_remove") == [other]
+        assert "".join(streamed) == "streamed\n" and actors(acme, sbx.id, "command") == [other]
+
+
+def test_a_snapshot_and_a_pause_are_the_roles_that_took_them(acme: Acme) -> None:
+    with Client(acme.server.url, acme.admin) as admin, Client(acme.server.url, acme.dev) as dev, \
+            Client(acme.server.url, acme.second_admin) as second:  # fmt: skip
+        with RemoteSandbox.create("process", limits=LIMITS, client=admin) as sbx:
+            sbx.files.write(RECORD, "PHI: Jane Doe")
+            snap = sbx.snapshot()
+        paused_sbx = RemoteSandbox.create("process", limits=LIMITS, client=admin)
+        paused_sbx.files.write(RECORD, "PHI: John Roe")
+        paused = paused_sbx.pause()
+
+        assert dev.snapshots() == []
+        refused = statuses(acme, acme.dev, [
+            ("GET", f"/v1/snapshots/{snap.id}", {}),
+            ("GET", f"/v1/snapshots/{paused.id}", {}),
+            ("POST", "/v1/sandboxes", {"json": {"snapshot": snap.id}}),
+            ("POST", "/v1/sandboxes", {"json": {"snapshot": paused.id}}),
+            ("GET", f"/v1/sandboxes/{paused_sbx.id}", {}),
+            ("POST", f"/v1/sandboxes/{paused_sbx.id}/resume", {}),
+            ("DELETE", f"/v1/snapshots/{snap.id}", {}),
+            ("DELETE", f"/v1/snapshots/{paused.id}", {}),
+        ])  # fmt: skip
+        assert refused == dict.fromkeys(refused, 404)
+        assert dev.sandboxes() == []
+
+        # the role's other token: listed, restored, resumed, deleted
+        assert {s["id"] for s in second.snapshots()} == {snap.id, paused.id}
+        with RemoteSandbox.create(snapshot=snap, client=second) as fork:
+            assert fork.files.read(RECORD) == "PHI: Jane Doe"
+        with RemoteSandbox.resume(paused_sbx.id, client=second) as back:
+            assert back.files.read(RECORD) == "PHI: John Roe"
+        second.delete_snapshot(snap)
+        assert admin.snapshots() == []
+
+
+def test_a_run_its_events_and_its_approvals_are_the_roles_that_submitted_it(acme: Acme) -> None:
+    with Client(acme.server.url, acme.admin) as admin, Client(acme.server.url, acme.dev) as dev, \
+            Client(acme.server.url, acme.second_admin) as second:  # fmt: skip
+        step = {
+            "name": "run_code",
+            "args": {"code": "mkdir -p records && rm -r records && echo gone", "language": "bash"},
+        }
+        run = admin.runs.submit("tidy the records", scripted=[step, "tidied"], idempotency_key="tidy")
+        assert run.wait().status == "paused"  # its rm -r waits for a decision
+        request_id = run.refresh().info["pending_approvals"][0]["id"]
+
+        base = f"/v1/runs/{run.id}"
+        refused = statuses(acme, acme.dev, [
+            ("GET", base, {}),
+            ("GET", f"{base}/events", {}),
+            ("GET", f"{base}/approvals", {}),
+            ("POST", f"{base}/approvals/{request_id}", {"json": {"decision": "approve"}}),
+            ("POST", f"{base}/resume", {}),
+            ("GET", f"{base}/diff", {}),
+            ("GET", f"{base}/artifacts", {}),
+            ("DELETE", f"{base}/artifacts", {}),
+            ("POST", f"{base}/kill", {"json": {}}),
+            ("DELETE", base, {}),
+        ])  # fmt: skip
+        assert refused == dict.fromkeys(refused, 404)
+        assert all(r.id != run.id for r in dev.runs.list())
+        with signed_in(acme, acme.dev) as page, signed_in(acme, acme.second_admin) as theirs:
+            for path in (f"/ui/runs/{run.id}", f"/ui/runs/{run.id}/body"):
+                assert page.get(path).status_code == 404, path
+            assert page.get(f"/ui/runs/{run.id}/events").text == "event: end\ndata: {}\n\n"  # as for no run
+            assert run.id not in page.get("/ui/").text
+            assert run.id in theirs.get("/ui/").text and theirs.get(f"/ui/runs/{run.id}").status_code == 200
+        with pytest.raises(exc.RunConflict):  # the key is taken: never an answer with another role's run
+            dev.runs.submit("tidy the records", scripted=[step, "tidied"], idempotency_key="tidy")
+        assert run.refresh().status == "paused"  # neither decided nor killed by dev
+
+        # the role's other token: listed, decided, and the run goes on
+        assert [r.id for r in second.runs.list()] == [run.id]
+        second.runs.get(run.id).approve(request_id)
+        assert run.wait().status == "success"
