@@ -23,6 +23,7 @@ __all__ = [
     "literal_glob",
     "may_hold",
     "nfc",
+    "unpack_filter",
     "workspace_glob",
     "workspace_globs",
 ]
@@ -201,19 +202,52 @@ def _folder(glob: str) -> re.Pattern[str] | None:
     return _compile(glob[:-3]) if glob.endswith("/**") else None
 
 
+def _prefix(glob: str) -> str:
+    """The folders ``glob`` names before its first wildcard (``src/a`` of ``src/a/*.py``)."""
+    literal: list[str] = []
+    for part in nfc(glob).strip("/").split("/"):
+        if GLOB_CHARS & set(part):
+            break
+        literal.append(part)
+    return "/".join(literal)
+
+
 def may_hold(globs: Sequence[str], folder: str) -> bool:
     """Whether something beneath ``folder`` may match one of ``globs`` (a folder to walk)."""
     folder = nfc(folder)
     for glob in globs:
-        parts = nfc(glob).strip("/").split("/")
-        literal: list[str] = []
-        for part in parts:
-            if GLOB_CHARS & set(part):
-                break
-            literal.append(part)
-        prefix = "/".join(literal)
+        prefix = _prefix(glob)
         if not prefix or folder == prefix or folder.startswith(prefix + "/"):
             return True
         if prefix.startswith(folder + "/"):
             return True
     return False
+
+
+def unpack_filter(
+    hide: Sequence[str], read: Sequence[str], stores: Iterable[str]
+) -> dict[str, object] | None:
+    """What a sandbox's unpacking leaves out of a restore (``supervisor/unpack.py``'s ``Keep``,
+    standard library only): each glob compiled here, so that both sides match alike (as
+    ``covers``, ``glob_matches`` and ``may_hold`` do), and the names of repository stores
+    (``stores``), left out whenever anything is hidden. None: nothing is left out."""
+    everything = "**" in (g.strip("/") for g in read)
+    if not hide and everything:
+        return None
+    return {
+        "hide": [[_compile(g.strip("/")).pattern, _folder_pattern(g), _plain(g)] for g in hide],
+        "stores": sorted(stores) if hide else [],
+        "read": None
+        if everything
+        else [[_compile(g.strip("/")).pattern, _plain(g), _prefix(g)] for g in read],
+    }
+
+
+def _folder_pattern(glob: str) -> str | None:
+    folder = _folder(glob)
+    return None if folder is None else folder.pattern
+
+
+def _plain(glob: str) -> bool:
+    """A glob without wildcards: a folder it names covers all below (``glob_matches``)."""
+    return not GLOB_CHARS & set(glob)

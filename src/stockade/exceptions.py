@@ -374,7 +374,8 @@ class SnapshotCorrupt(SnapshotError):
 
 class SnapshotIncompatible(SnapshotError):
     """The snapshot cannot be restored as asked: its memory needs the tier, kernel, QEMU and
-    machine it was taken with, or the caller asked for limits its memory does not have, or its
+    machine it was taken with, or the caller asked for limits or rules its memory does not have
+    (its supervisor and kernel hold the rules it was taken with), or its
     files would not fit the sandbox's workspace or /tmp (refused at the first file that does
     not, before the rest is sent). Taking one is refused the same way when the sandbox's own
     workspace or /tmp holds more, by apparent size (a sparse file counts whole), than its

@@ -444,7 +444,7 @@ def _carries(folder: Path) -> bool:
 
 
 # Folders of version-control systems other than git, by name: their stores hold past files.
-_VCS_FOLDERS = frozenset({".hg", ".svn", ".bzr", "_darcs", ".jj", "CVS", ".fossil-settings"})
+VCS_FOLDERS = frozenset({".hg", ".svn", ".bzr", "_darcs", ".jj", "CVS", ".fossil-settings"})
 
 
 def _described(
@@ -477,7 +477,7 @@ def _repository(folder: Path) -> bool:
     whatever the folder is called, an object store in it or itself one, ``HEAD`` and
     ``refs`` or not: a copied ``objects/`` alone holds every past file), or another
     system's folder (by name)."""
-    if folder.name in _VCS_FOLDERS or folder.name == ".git":
+    if folder.name in VCS_FOLDERS or folder.name == ".git":
         return True
     return _object_store(folder / "objects") or _object_store(folder)
 

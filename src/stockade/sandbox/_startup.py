@@ -3,6 +3,7 @@ the settings of a sandbox started from a snapshot or resumed from a pause."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from stockade.sandbox.base import AsyncBackend, Backend, SandboxSpec
 from stockade.sandbox.snapshots import SnapshotStore
 from stockade.types import ExecRecord, Limits, NetworkPolicy, SandboxRules, Snapshot, SnapshotKind, Trust
 
-__all__ = ["check_backend", "check_store", "choose_tier", "from_snapshot", "sandbox_spec"]
+__all__ = ["check_backend", "check_store", "choose_tier", "from_snapshot", "rules_changed", "sandbox_spec"]
 
 
 def sandbox_spec(
@@ -105,7 +106,9 @@ def from_snapshot(
 ) -> tuple[str, SandboxSpec]:
     """The tier and settings of a sandbox started from ``snapshot``: the snapshot's, but what
     the caller gave (``given``: only what was not None). Memory keeps its machine: a snapshot
-    of memory refuses other limits, and restores on another tier only its files, if it has them.
+    of memory refuses other limits, and other rules (its supervisor, its masks and its kernel's
+    confinement are the snapshot's: restored, they would enforce the old rules while the
+    sandbox reported the new), and restores on another tier only its files, if it has them.
     """
     if not isinstance(snapshot, Snapshot | str):
         raise exc.InvalidArgument(
@@ -125,6 +128,14 @@ def from_snapshot(
                 f"snapshot {value.id} keeps a running sandbox's memory: its {', '.join(changed) or 'envs'} "
                 "cannot change (take a files snapshot, memory=False, to start from it with other settings)"
             )
+        differences = rules_changed(kept.rules, spec.rules)
+        if differences:
+            raise exc.SnapshotIncompatible(
+                f"snapshot {value.id} keeps a running sandbox's memory, under the rules it was taken "
+                f"with: its rules cannot change ({'; '.join(differences)}); take a files snapshot, "
+                "memory=False, to start from it under other rules"
+            )
+        spec = dataclasses.replace(spec, rules=kept.rules)  # the rules in force, as Sandbox.rules says
     limits = given.get("limits")
     network = given.get("network")
     envs = given.get("envs")
@@ -140,6 +151,20 @@ def from_snapshot(
         sandbox_id=sandbox_id,
     )
     return tier or value.tier, merged
+
+
+def rules_changed(kept: SandboxRules | None, asked: SandboxRules | None) -> list[str]:
+    """How the rules ``asked`` for differ from those a memory snapshot ``kept`` (each field
+    that differs: ``deny ('whoami',), not ()``); none when none were asked for (the snapshot's
+    hold). No rules and the empty ``SandboxRules()`` enforce the same: they do not differ."""
+    if asked is None:
+        return []
+    then, now = kept or SandboxRules(), asked
+    return [
+        f"{field.name} {getattr(now, field.name)!r}, not {getattr(then, field.name)!r}"
+        for field in dataclasses.fields(SandboxRules)
+        if getattr(now, field.name) != getattr(then, field.name)
+    ]
 
 
 def choose_tier(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import logging
 import math
 import os
 import re
@@ -127,6 +128,9 @@ __all__ = [
     "spec_state",
     "supervisor_config",
 ]
+
+log = logging.getLogger(__name__)
+RestoreFilter = dict[str, object] | None  # what of a restore the rules let in (``_globs.unpack_filter``)
 
 
 class SupervisedInstance(Instance):
@@ -531,7 +535,11 @@ class SupervisedInstance(Instance):
         """Put a snapshot's files (workspace, /tmp) into this fresh sandbox, streamed a chunk
         at a time and hashed on the way: the host's memory stays a few MiB whatever the
         objects' size, and an object is moved into place inside only once it hashed to its
-        name. Any failure leaves the sandbox to be closed (``start``): never handed out."""
+        name. Any failure leaves the sandbox to be closed (``start``): never handed out.
+
+        The workspace comes back under this sandbox's rules, not the snapshot's: what they
+        hide or do not let the run read stays out, as it stays out of a folder uploaded (a
+        policy that hides more since the snapshot was taken hides it from the restore too)."""
         store = SnapshotStore(Path(snapshot.store))
         manifest = store.load(snapshot)
         missing = [a for a in ("workspace", "tmp") if a not in manifest.blobs]
@@ -540,15 +548,22 @@ class SupervisedInstance(Instance):
                 f"snapshot {snapshot.id} keeps the {snapshot.tier} tier's memory, not files: "
                 f"restore it on the {snapshot.tier} tier"
             )
-        for area in ("workspace", "tmp"):
-            self._restore_area(snapshot, store, area, manifest.blobs[area])
+        from stockade._globs import unpack_filter
+        from stockade.sandbox._requests import VCS_FOLDERS  # imports this module
 
-    def _restore_area(self, snapshot: Snapshot, store: SnapshotStore, area: Area, digest: str) -> None:
+        rules = self.spec.rules
+        keep = unpack_filter(rules.hide, rules.read, {".git", *VCS_FOLDERS}) if rules else None
+        self._restore_area(snapshot, store, "workspace", manifest.blobs["workspace"], keep)
+        self._restore_area(snapshot, store, "tmp", manifest.blobs["tmp"], None)
+
+    def _restore_area(
+        self, snapshot: Snapshot, store: SnapshotStore, area: Area, digest: str, keep: RestoreFilter
+    ) -> None:
         chunks = store.stream_object(digest, TRANSFER_CHUNK)
         try:
             # closed here: a refusal's traceback keeps the suspended stream, its file open, alive
             with contextlib.closing(chunks):
-                self.files.put_stream(area, chunks)
+                skipped = self.files.put_stream(area, chunks, keep=keep)
         except exc.SnapshotCorrupt:
             raise
         except exc.StockadeError as error:
@@ -567,6 +582,10 @@ class SupervisedInstance(Instance):
                 f"sandbox's ({room}): {found}; create it with Limits that hold the snapshot's files "
                 f"(memory_mb, and {fields})"
             ) from None
+        if skipped:  # what a download leaves out too: no workspace content, never restored
+            named = ", ".join(f"{e.path!r} ({e.kind})" for e in skipped[:10])
+            more = f" and {len(skipped) - 10} more" if len(skipped) > 10 else ""
+            log.warning("snapshot %s: its %s came back without %s%s", snapshot.id, area, named, more)
 
     # -- commands -----------------------------------------------------------------------
 

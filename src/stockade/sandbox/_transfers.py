@@ -23,7 +23,7 @@ from stockade.sandbox._replies import WORKSPACE_ERRORS, area_args, entry_info, i
 from stockade.sandbox.base import OutputSink
 from stockade.sandbox.ops import Area, GetArchive, ListDir, MakeDir, PutArchive, ReadFile, Stat, WriteFile
 from stockade.sandbox.supervisor.protocol import MAX_CODE_REPLY
-from stockade.types import EntryInfo, Listing
+from stockade.types import EntryInfo, Listing, SkippedEntry
 
 FILE_OP_TIMEOUT_S = 120.0
 # How soon a supervisor that stopped answering (frozen, or hung) is noticed when no other
@@ -205,14 +205,19 @@ class FileRequests:
             )
             raise type(err)(f"{what}: {said}", path=op.path) from None
 
-    def put_stream(self, area: Area, chunks: Iterator[bytes], path: str = "") -> None:
+    def put_stream(
+        self, area: Area, chunks: Iterator[bytes], path: str = "", keep: dict[str, object] | None = None
+    ) -> list[SkippedEntry]:
         """Unpack a tar stream into ``path`` of ``area`` (``workspace``, ``tmp``) a chunk at a
         time: neither side holds more than one chunk (``supervisor/unpack.py``). What is
         unpacked is moved into place only once ``chunks`` ended without raising (a snapshot's
         object iterator raises after its last chunk when it does not hash to its name); on any
-        failure the supervisor is told to drop it, and nothing of it is left in place."""
+        failure the supervisor is told to drop it, and nothing of it is left in place.
+        ``keep``: what of the stream the rules let in (``_globs.unpack_filter``). Returns the
+        entries left out as no workspace content (FIFOs, sockets, devices)."""
         where = {"path": path, **area_args(area)}
-        tx = self.request("put_archive", {"stage": "open", **where})[0].get("tx")
+        opening = {"stage": "open", **where, **({"keep": keep} if keep is not None else {})}
+        tx = self.request("put_archive", opening)[0].get("tx")
         if not isinstance(tx, str) or not 0 < len(tx) <= 64:
             raise exc.ProtocolError("the supervisor opened a restore without a usable id")
         try:
@@ -220,12 +225,18 @@ class FileRequests:
                 if len(chunk) > TRANSFER_CHUNK:  # pragma: no cover (the caller's bug)
                     raise exc.ProtocolError(f"a chunk of {len(chunk)} bytes is over {TRANSFER_CHUNK}")
                 self.request("put_archive", {"stage": "append", "tx": tx, **where}, chunk)
-            self.request("put_archive", {"stage": "commit", "tx": tx, **where})
+            done = self.request("put_archive", {"stage": "commit", "tx": tx, **where})[0]
         except BaseException:
             if self._alive():
                 with contextlib.suppress(exc.StockadeError):
                     self.request("put_archive", {"stage": "abort", "tx": tx, **where})
             raise
+        skipped = done.get("skipped")
+        return [
+            SkippedEntry(path=str(e.get("path", "")), kind=str(e.get("kind", "")))
+            for e in (skipped if isinstance(skipped, list) else [])
+            if isinstance(e, dict)
+        ]
 
     def write(self, op: WriteFile) -> EntryInfo:
         args: dict[str, Any] = {"path": op.path, "mode": op.mode, "parents": op.parents}

@@ -50,6 +50,7 @@ from stockade.audit.sandbox import AuditedBackend, current_actor
 from stockade.policy.engine import PolicyEngine
 from stockade.policy.guards import GuardedBackend, OpContext, op_policy_guard
 from stockade.runs.lease import owner_gone, owner_token
+from stockade.sandbox._startup import rules_changed
 from stockade.sandbox._supervised import spec_from_state
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.sandbox.facade import Sandbox
@@ -235,6 +236,20 @@ class SandboxRegistry:
         return check_network(engine, kept.network)
 
     @staticmethod
+    def _same_rules(engine: PolicyEngine, kept: SandboxSpec, snapshot: str, what: str, fix: str) -> None:
+        """A memory snapshot comes back only under the rules it was taken with: its supervisor
+        and kernel hold those. A tenant whose policy changed since is refused (the sandbox
+        would enforce the old rules), with what changed; its files still come back under the
+        policy as it is now, from a files snapshot."""
+        differences = rules_changed(kept.rules, engine.sandbox_rules())
+        if differences:
+            raise exc.SnapshotIncompatible(
+                f"{what} {snapshot} keeps a running sandbox's memory under the sandbox rules the "
+                f"tenant's policy gave when it was taken; the policy has changed since "
+                f"({'; '.join(differences)}) and its memory cannot come back under the new rules: {fix}"
+            )
+
+    @staticmethod
     def _consented(tenant: Tenant, sandbox: Sandbox) -> None:
         """Close ``sandbox`` and refuse it (``PolicyDenied``) where it is weaker than asked and
         the tenants file does not let its tenant accept that."""
@@ -281,6 +296,9 @@ class SandboxRegistry:
             memory = manifest.snapshot.kind is SnapshotKind.MEMORY
         asked = request.tier or (manifest.snapshot.tier if kept is not None else None)
         tier, why = choose_tier(engine, asked, request.prefer)
+        if kept is not None and memory and tier == manifest.snapshot.tier:
+            fix = "restore a files snapshot (memory=false): its files come back under the policy as it is now"
+            self._same_rules(engine, kept, manifest.snapshot.id, "snapshot", fix)
         network = request.network.build() if request.network is not None else None
         if network is not None:  # the policy's own rules for the hosts asked for, with credentials
             network = check_network(engine, network)
@@ -388,6 +406,9 @@ class SandboxRegistry:
         tier = manifest.snapshot.tier
         engine = engine_for(principal)
         choose_tier(engine, tier)  # the role may still use its tier
+        if manifest.snapshot.kind is SnapshotKind.MEMORY:
+            fix = "it stays paused: resumed once the policy gives those rules again, or deleted"
+            self._same_rules(engine, kept, sandbox_id, "paused sandbox", fix)
         network = self._network(engine, kept)
         check_tier_network(self.service.backends(tier), kept.network)
         if manifest.snapshot.kind is SnapshotKind.MEMORY:

@@ -14,7 +14,10 @@ from typing import Any
 
 import pytest
 
+from stockade._globs import unpack_filter
+from stockade.sandbox._requests import VCS_FOLDERS, upload_entries
 from stockade.sandbox.supervisor import reaper
+from stockade.types import SandboxRules
 
 CHUNK = 64 << 10
 
@@ -111,3 +114,86 @@ def test_a_file_larger_than_the_room_is_refused_at_its_header(tmp_path: Path) ->
         unpack.handle(area, {"stage": "commit", "tx": tx}, b"")
     assert refused.value.kind == "full"
     assert tree(tmp_path) == {}
+
+
+def restore(root: Path, data: bytes, keep: dict[str, object] | None = None) -> dict[str, Any]:
+    """Send ``data`` as a restore does, with what the rules let in (``keep``): the commit's reply."""
+    area = fileops.Workspace(str(root))
+    opening: dict[str, object] = {"stage": "open", "path": "", **({"keep": keep} if keep else {})}
+    tx = unpack.handle(area, opening, b"")["tx"]
+    for start in range(0, len(data), CHUNK):
+        unpack.handle(area, {"stage": "append", "tx": tx}, data[start : start + CHUNK])
+    reply: dict[str, Any] = unpack.handle(area, {"stage": "commit", "tx": tx}, b"")
+    return reply
+
+
+def test_fifos_sockets_and_devices_are_left_out_and_named(tmp_path: Path) -> None:
+    """The supervisor sends a socket as a bare header of its own type ``s``: tarfile made it an
+    empty executable file. None is workspace content: each is left out, named as a download names it."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        tar.addfile(tarfile.TarInfo("kept.txt"), io.BytesIO(b""))
+        for name, kind in (("sock", b"s"), ("fifo", tarfile.FIFOTYPE), ("tty", tarfile.CHRTYPE)):
+            info = tarfile.TarInfo(name)
+            info.type, info.mode = kind, 0o755
+            tar.addfile(info)
+    reply = restore(tmp_path, buf.getvalue())
+    assert tree(tmp_path) == {"kept.txt": b""}
+    assert reply["skipped"] == [
+        {"path": "sock", "kind": "socket"},
+        {"path": "fifo", "kind": "fifo"},
+        {"path": "tty", "kind": "char device"},
+    ]
+
+
+def test_what_the_rules_hide_never_enters_nor_its_other_names(tmp_path: Path) -> None:
+    """A folder hidden with what it holds, by a wildcard too (``secret*`` covers ``secrets/``),
+    a repository's store by its name, and a further name of a hidden file (the same file)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        files = {"secrets/key": b"TOP", "secretx/k": b"X", ".git/config": b"g", "app.py": b"a"}
+        for name, data in files.items():
+            tar.addfile(_sized(name, data), io.BytesIO(data))
+        alias = tarfile.TarInfo("alias")
+        alias.type, alias.linkname = tarfile.LNKTYPE, "secrets/key"
+        tar.addfile(alias)
+    keep = unpack_filter(SandboxRules(hide=("secret*",)).hide, ("**",), {".git"})
+    restore(tmp_path, buf.getvalue(), keep)
+    assert tree(tmp_path) == {"app.py": b"a"}
+
+
+def _sized(name: str, data: bytes) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    return info
+
+
+@pytest.mark.parametrize(
+    "rules",
+    [
+        SandboxRules(hide=("secrets/**",)),
+        SandboxRules(hide=("secrets",)),
+        SandboxRules(hide=("**/*.pem", "data/raw")),
+        SandboxRules(read=("src/**", "README.md")),
+        SandboxRules(read=("src/*.py", "docs"), hide=("src/secret.py",)),
+        SandboxRules(read=("**/*.md",)),
+    ],
+    ids=lambda r: f"hide={','.join(r.hide)} read={','.join(r.read)}",
+)
+def test_a_restore_keeps_what_an_upload_of_the_same_tree_keeps(tmp_path: Path, rules: SandboxRules) -> None:
+    """The unpacking matches the rules as the host's upload walk does (``upload_entries``):
+    the same tree, restored under the rules, is what an upload under them would bring."""
+    source = tmp_path / "source"
+    for name in ("src/app.py", "src/secret.py", "src/deep/x.py", "secrets/key", "docs/a.md", "README.md",
+                 "data/raw/1.csv", "data/cert.pem", "notes.txt", ".git/HEAD"):  # fmt: skip
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        (source / name).write_text(name)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for path in sorted(source.rglob("*")):
+            tar.add(path, arcname=str(path.relative_to(source)), recursive=False)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    restore(dest, buf.getvalue(), unpack_filter(rules.hide, rules.read, {".git", *VCS_FOLDERS}))
+    uploaded = {name for _, name, _ in upload_entries(source, rules.hide, rules.read)[0]}
+    assert set(tree(dest)) == uploaded

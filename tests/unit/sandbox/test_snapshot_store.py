@@ -18,6 +18,7 @@ import pytest
 
 from stockade import (
     InvalidArgument,
+    Sandbox,
     SnapshotCorrupt,
     SnapshotError,
     SnapshotIncompatible,
@@ -33,6 +34,7 @@ from stockade.sandbox._supervised import (
     spec_state,
 )
 from stockade.sandbox.base import SandboxSpec
+from stockade.testing import FakeBackend
 from stockade.types import (
     Credential,
     Enforcement,
@@ -511,3 +513,29 @@ def test_a_network_policy_survives_its_manifest_but_its_credentials_are_never_wr
     assert "S3CRET" not in json.dumps(state) and "credentials" not in state["network"]
     back = spec_from_state(state).network
     assert back == dataclasses.replace(network, credentials=())
+
+
+def test_a_memory_snapshot_refuses_other_rules_and_reports_its_own(tmp_path: Path) -> None:
+    """A memory snapshot's supervisor, masks and kernel confinement are those it was taken
+    with: restored under stricter rules, a microVM ran ``whoami`` they deny and wrote outside
+    their ``write``, while ``Sandbox.rules`` reported them. Other rules are refused, naming
+    each difference; none given (or the same) start it under its own, and it says so."""
+    store = SnapshotStore(tmp_path / "snaps")
+    backend = FakeBackend(tier="microvm")
+    taken = SandboxRules(deny=("curl",))
+    with Sandbox.create(backend=backend, rules=taken) as sbx:
+        files = sbx.snapshot(store=store)
+    kept = store.load(files)
+    memory = store.save(
+        kind=SnapshotKind.MEMORY, tier="microvm", source=files.source, spec=kept.spec, blobs=kept.blobs
+    )
+    strict = SandboxRules(deny=("whoami", "curl"), write=("out/**",))
+    changed = r"rules cannot change \(deny \('whoami', 'curl'\), not \('curl',\); write \('out/\*\*',\), not"
+    with pytest.raises(SnapshotIncompatible, match=changed):
+        Sandbox.create(backend=backend, snapshot=memory, store=store, rules=strict)
+    for rules in (None, SandboxRules(deny=("curl",))):
+        with Sandbox.create(backend=backend, snapshot=memory, store=store, rules=rules) as back:
+            assert back.rules == taken
+    # its files alone come back under any rules
+    with Sandbox.create(backend=backend, snapshot=files, store=store, rules=strict) as fresh:
+        assert fresh.rules == strict

@@ -19,6 +19,7 @@ from stockade import exceptions as exc
 from stockade.audit.events import EventKind
 from stockade.client import AsyncClient, AsyncRemoteSandbox
 from stockade.policy.schema import Policy
+from stockade.sandbox.snapshots import SnapshotStore
 from stockade.server.app import create_app
 from stockade.server.context import ServiceConfig
 from stockade.server.service import Service
@@ -300,3 +301,50 @@ async def test_a_kept_allowlist_the_policy_no_longer_gives_starts_and_resumes_no
             await attempt()
         assert denied.value.rule == "network.allow_hosts" and "127.0.0.1" in str(denied.value)
     assert await client.sandboxes() == []
+
+
+def as_memory(store: SnapshotStore, snapshot_id: str, ref: tuple[str, str]) -> str:
+    """The snapshot made again as one of memory (the fake keeps files only): what the service
+    decides from its kind, its tier and the rules it was taken under."""
+    kept = store.load(snapshot_id)
+    saved = store.save(
+        kind=SnapshotKind.MEMORY, tier=kept.snapshot.tier, source=kept.snapshot.source,
+        spec=kept.spec, blobs=kept.blobs, ref=ref,
+    )  # fmt: skip
+    return saved.id
+
+
+async def test_a_memory_snapshot_under_a_policy_changed_since_is_refused_naming_the_change(
+    services: Services, tmp_path: Path
+) -> None:
+    """A memory snapshot's supervisor and kernel hold the rules its sandbox was started with:
+    restored under the policy's new ones, it enforced the old while it reported the new (an
+    attack ran ``whoami`` its tenant's policy now denies). A start from it and a resume are
+    refused, naming what changed; the paused sandbox stays paused, and under the policy it
+    was taken with it comes back."""
+    token, record = new_token("acme")
+
+    def tenants(commands: dict[str, object]) -> Tenants:
+        policy = Policy.model_validate({"trust": {"level": "trusted"}, "commands": commands})
+        acme = Tenant(id="acme", quotas=Quotas(sandboxes=2, snapshot_mb=64), policy=policy)
+        return Tenants(tenants={"acme": acme}, tokens={record.id: record})
+
+    first = tenants({})
+    before = services.start(first, tmp_path / "snaps")
+    store = before.snapshots.store(first.tenants["acme"])
+    sbx = await AsyncRemoteSandbox.create("process", client=services.client(before, token))
+    memory = as_memory(store, (await sbx.snapshot()).id, ("kept", ""))
+    paused = await sbx.pause()
+    store.set_ref("paused", sbx.id, as_memory(store, paused.id, ("kept", "")))
+    after = services.start(tenants({"deny": ["whoami"]}), tmp_path / "snaps")
+    client = services.client(after, token)
+    with pytest.raises(exc.SnapshotIncompatible, match=r"policy has changed since \(deny \('whoami',\)"):
+        await AsyncRemoteSandbox.create(client=client, snapshot=memory)
+    with pytest.raises(exc.SnapshotIncompatible, match="it stays paused"):
+        await AsyncRemoteSandbox.resume(sbx.id, client=client)
+    assert await client.sandboxes() == []
+    again = services.client(services.start(tenants({}), tmp_path / "snaps"), token)
+    async with await AsyncRemoteSandbox.create(client=again, snapshot=memory):
+        pass
+    async with await AsyncRemoteSandbox.resume(sbx.id, client=again):
+        pass

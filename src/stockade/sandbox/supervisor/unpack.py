@@ -17,14 +17,23 @@ as a member's header comes and before its data, a tree whose files would not fit
 destination's filesystem (kind ``full``): the host then stops after a chunk or two instead
 of sending gigabytes into a tmpfs they cannot fit.
 
+What is not workspace content never enters: FIFOs, sockets (``archive.py`` marks them
+``SOCKTYPE``, which tarfile would have made an empty executable file) and devices are left out
+and named in the commit's reply, as a download names them. A restore may also carry the
+restoring sandbox's rules (``keep``, compiled by the host: ``_sandbox_rules.unpack_filter``):
+what they hide, or do not let the run read, is left out as it streams past, its data never
+written, as the host's walk leaves it out of an upload.
+
 Standard library only; runs on any Python >= 3.8 found inside the sandbox.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import stat
 import threading
+import unicodedata
 
 from fileops import PathRefused, _write_all, empty_dir
 
@@ -37,6 +46,9 @@ if TYPE_CHECKING:
 OPEN_TRANSFERS = 2  # a host that vanished mid-restore leaves at most this many behind
 STAGING = ".stockade-unpacking-"
 READ_BUFFER = 1 << 20
+MAX_REPORTED = 1000  # left-out entries named in the reply (as a download names at most)
+_CONTENT = (b"0", b"\0", b"7", b"1", b"2", b"5")  # files, hard links, symlinks, folders
+_SPECIAL = {b"6": "fifo", b"3": "char device", b"4": "block device", b"s": "socket", b"d": "too deep"}
 
 _transfers: "dict[str, Unpacking]" = {}
 _opened = [0]
@@ -52,7 +64,8 @@ def handle(area: "Workspace", h: "dict[str, Any]", body: bytes) -> "dict[str, An
         tx = "u%d" % _opened[0]
         try:
             dest = _destination(area, path)
-            _transfers[tx] = Unpacking(dest, "%s%d-%s" % (STAGING, os.getpid(), tx), made)
+            keep = Keep(h["keep"]) if isinstance(h.get("keep"), dict) else None
+            _transfers[tx] = Unpacking(dest, "%s%d-%s" % (STAGING, os.getpid(), tx), made, keep)
         except BaseException:
             _remove_made(made)
             raise
@@ -76,11 +89,70 @@ def handle(area: "Workspace", h: "dict[str, Any]", body: bytes) -> "dict[str, An
         else:
             del _transfers[tx]
             unpacking.commit()
+            return {"skipped": unpacking.skipped, "skipped_count": unpacking.skipped_count}
     except BaseException:
         _transfers.pop(tx, None)
         unpacking.abort()
         raise
     return {}
+
+
+class Keep:
+    """What a restore lets in, by the restoring sandbox's rules, matched as the host's
+    ``_globs`` matches them (the host sends each glob compiled): nothing ``hide`` covers (a
+    folder with what it holds; a repository's store by its name, whose history holds every
+    file), and only what ``read`` names and the folders on the way to it."""
+
+    def __init__(self, spec: "dict[str, Any]") -> None:
+        self.hide = [(re.compile(p, re.DOTALL), re.compile(f, re.DOTALL) if f else None, bool(plain))
+                     for p, f, plain in spec.get("hide") or ()]  # fmt: skip
+        self.stores = frozenset(spec.get("stores") or ())
+        read = spec.get("read")
+        self.read = None if read is None else [(re.compile(p, re.DOTALL), bool(plain), str(prefix))
+                                               for p, plain, prefix in read]  # fmt: skip
+
+    def allows(self, name: str, is_dir: bool) -> bool:
+        if not name.isascii():
+            name = unicodedata.normalize("NFC", name)
+        parts = [p for p in name.split("/") if p not in ("", ".")]
+        for i in range(1, len(parts) + 1):
+            path = "/".join(parts[:i])
+            if parts[i - 1] in self.stores or self._hidden(path):
+                return False
+            folder = is_dir or i < len(parts)
+            if self.read is not None and not (self._read(path) or (folder and self._on_way(path))):
+                return False
+        return True
+
+    def _hidden(self, path: str) -> bool:  # _globs.covers
+        for pattern, folder, plain in self.hide:
+            if pattern.fullmatch(path) or (folder is not None and folder.fullmatch(path)):
+                return True
+            if plain and any(pattern.fullmatch(up) for up in _above(path)):
+                return True
+        return False
+
+    def _read(self, path: str) -> bool:  # _globs.glob_matches
+        assert self.read is not None
+        for pattern, plain, _ in self.read:
+            if pattern.fullmatch(path) or (plain and any(pattern.fullmatch(up) for up in _above(path))):
+                return True
+        return False
+
+    def _on_way(self, folder: str) -> bool:  # _globs.may_hold
+        assert self.read is not None
+        for _, _, prefix in self.read:
+            if not prefix or folder == prefix or folder.startswith(prefix + "/"):
+                return True
+            if prefix.startswith(folder + "/"):
+                return True
+        return False
+
+
+def _above(path: str) -> "Iterator[str]":
+    while "/" in path:
+        path = path.rsplit("/", 1)[0]
+        yield path
 
 
 def _missing(area: "Workspace", path: str) -> "list[str]":
@@ -125,9 +197,13 @@ class Unpacking:
     a pipe: ``append`` writes a chunk to it, ``commit`` waits for the end and moves the
     staged entries into ``dest``, ``abort`` stops and removes them."""
 
-    def __init__(self, dest: str, name: str, made: "list[str]") -> None:
+    def __init__(self, dest: str, name: str, made: "list[str]", keep: "Optional[Keep]" = None) -> None:
         self.dest = dest
         self.made = made  # the folders made for dest: removed again if it fails
+        self.keep = keep
+        self.skipped: "list[dict[str, str]]" = []  # named, up to MAX_REPORTED
+        self.skipped_count = 0
+        self._left_out: "set[str]" = set()  # files left out: a further name of one stays out too
         self.staging = dest + "/" + name
         self.size = 0
         self.entries = 0
@@ -206,8 +282,18 @@ class Unpacking:
             self.error = error
 
     def _fitting(self, tar: "Any") -> "Iterator[Any]":
-        """The archive's members, refused at the first one the filesystem has no room for."""
+        """The archive's members but those left out, refused at the first one the filesystem
+        has no room for."""
         for member in tar:
+            if member.type not in _CONTENT:  # tarfile makes an unknown type a regular file
+                self._skip(member.name, _SPECIAL.get(member.type, "other"))
+                continue
+            if (self.keep is not None and not self.keep.allows(member.name, member.isdir())) or (
+                member.islnk() and member.linkname in self._left_out
+            ):
+                if not member.isdir():
+                    self._left_out.add(member.name)
+                continue  # by the rules: left out in silence, as an upload leaves it out
             self.entries += 1
             if self.inodes is not None and self.entries > self.inodes:
                 message = "more than the %d entries %s can still hold" % (self.inodes, self.dest)
@@ -221,6 +307,12 @@ class Unpacking:
                         % (member.name, member.size, self.size - member.size, self.room, self.dest),
                     )
             yield member
+
+    def _skip(self, name: str, kind: str) -> None:
+        self._left_out.add(name)
+        self.skipped_count += 1
+        if len(self.skipped) < MAX_REPORTED:
+            self.skipped.append({"path": name, "kind": kind})
 
 
 class _Moves:
