@@ -187,6 +187,11 @@ def test_a_live_run_updates_by_itself(service: tuple[Server, Tokens], page: Page
         expect(page.locator("#run-status")).to_have_text("success", timeout=WAIT_MS)
         expect(page.locator("#chain")).to_contain_text("verifies", timeout=WAIT_MS)
         assert page.evaluate("window.__same_page") == 42
+        # each update brought only what was new: every entry once, in order, each step once
+        seqs = [int(s) for s in page.eval_on_selector_all("li.entry", "es => es.map(e => e.dataset.seq)")]
+        assert seqs == sorted(set(seqs)) and page.locator(".entry.k-tool", has_text="tick 1").count() == 1
+        headings = page.eval_on_selector_all(".step h3", "hs => hs.map(h => h.textContent)")
+        assert len(headings) == len(set(headings)), headings
         assert run.wait().status == "success"
 
 
