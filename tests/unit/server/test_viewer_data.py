@@ -69,6 +69,8 @@ def test_recorded_runs_read_as_rows_and_timelines(tmp_path: Path) -> None:
         wrote = next(e for e in entries if e.kind == "tool")
         assert wrote.title == "write_file" and '"path": "a.txt"' in (wrote.args or "") and wrote.text
         assert view.diff is not None and "+hello" in view.diff
+        assert [e.text for e in entries if e.kind == "model"][-1] == "done"  # the model's words
+        assert view.answer == "done" and not view.earlier and not view.later
         assert view.verification is not None and view.verification.ok is True
         last, status = source.changes(done, 0) or (0, "")
         assert last == view.last_seq and status == "success"
