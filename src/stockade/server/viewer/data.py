@@ -446,14 +446,27 @@ def _texts(state: RunState | None) -> dict[int, str]:
     return {s.index: _cut(s.response.text, 4000) for s in steps if s.response.text}
 
 
-def _records(runs: RunStore, run_id: str, keys: set[str], state: RunState | None) -> list[ToolCallRecord]:
-    """The window's calls: the ledger's (calls as they return, live) and the checkpoint's
-    (denied calls too)."""
-    records = runs.tool_calls(run_id, keys=keys) if keys else []
+def _records(
+    runs: RunStore, run_id: str, events: list[AuditEvent]
+) -> tuple[list[ToolCallRecord], RunState | None]:
+    """The window's calls and the checkpoint holding what else it shows: the ledger's rows of
+    its calls (as they return, live), then the steps of the model calls it shows (their words)
+    and of the calls the ledger has not (a denied call of the step in progress)."""
+    calls = {
+        str(e.attributes["idempotency_key"]): e.step
+        for e in events
+        if e.kind == EventKind.TOOL_CALL and e.attributes.get("idempotency_key")
+    }
+    records = runs.tool_calls(run_id, keys=calls.keys()) if calls else []
+    found = {r.idempotency_key for r in records}
+    wanted = {e.step for e in events if e.kind == EventKind.MODEL_CALL and e.step}
+    wanted.update(step for key, step in calls.items() if key not in found and step)
+    # a step of thousands of calls is read only for its model call or a call the ledger lacks
+    state = runs.glimpse(run_id, wanted)
     if state is not None:
         for step in [*state.steps, *([state.current] if state.current is not None else [])]:
-            records.extend(step.tool_calls)
-    return records
+            records.extend(r for r in step.tool_calls if r.idempotency_key not in found)
+    return records, state
 
 
 def _verification(store: AuditStore, run_id: str, key: bytes | None, runs: RunStore) -> Verification:
@@ -514,13 +527,8 @@ def _view(
     run_id = row.run_id
     rows, earlier, later = _window(store, run_id, window)
     events = list(store.opened(rows))
-    state = runs.glimpse(run_id, {e.step for e in events if e.step})
-    keys = {
-        str(e.attributes["idempotency_key"])
-        for e in events
-        if e.kind == EventKind.TOOL_CALL and e.attributes.get("idempotency_key")
-    }
-    steps, last = timeline(events, _records(runs, run_id, keys, state), _texts(state), step=window.step)
+    records, state = _records(runs, run_id, events)
+    steps, last = timeline(events, records, _texts(state), step=window.step)
     if not rows:
         last = window.after if window.after is not None else max(0, (window.before or 1) - 1)
     settled = row.status in SETTLED
