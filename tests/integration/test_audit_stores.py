@@ -158,6 +158,33 @@ def test_an_honest_chain_verifies_and_reads_back(target: Target) -> None:
     assert [e.step for e in target.store.events(run_id="run-b")] == [5, 6, 7, 8, 9]
 
 
+def window_seqs(
+    store: AuditStore, *, limit: int, after_seq: int = 0, before_seq: int | None = None, newest: bool = False
+) -> list[int]:
+    found = store.window("run-b", after_seq=after_seq, before_seq=before_seq, limit=limit, newest=newest)
+    return [r.seq for r in found]
+
+
+def test_a_window_of_one_run_reads_from_either_end(target: Target) -> None:
+    """What the run viewer shows of a run: its first events, its newest, those between two
+    seqs; the same from every store (the SQL ones read that many rows of the run's index)."""
+    target.fill(events=20)  # run-a: seqs 1-10, run-b: 11-20
+    reader = target.reader()
+    try:
+        for store in (target.store, reader):
+            assert window_seqs(store, limit=3) == [11, 12, 13]
+            assert window_seqs(store, limit=3, newest=True) == [18, 19, 20]
+            assert window_seqs(store, limit=3, newest=True, before_seq=15) == [12, 13, 14]
+            assert window_seqs(store, limit=100, after_seq=16) == [17, 18, 19, 20]
+            assert window_seqs(store, limit=100, after_seq=12, before_seq=15) == [13, 14]
+            assert window_seqs(store, limit=1, newest=True, before_seq=11) == []  # not run-a's
+            assert window_seqs(store, limit=0) == [] and store.window("run-c", limit=5) == []
+        opened = list(reader.opened(reader.window("run-a", limit=2)))
+        assert [e.attributes["n"] for e in opened] == [0, 1]
+    finally:
+        reader.close()
+
+
 def test_the_store_refuses_updates_and_deletes(target: Target) -> None:
     target.fill(2)
     import psycopg

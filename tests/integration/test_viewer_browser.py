@@ -164,6 +164,40 @@ def test_a_script_in_a_tool_output_is_text(finished: tuple[Ui, str], page: Page)
     assert dialogs == []
 
 
+def test_a_long_run_pages_back_to_its_first_event(page: Page, tmp_path: Path) -> None:
+    from playwright.sync_api import expect
+
+    from stockade.server.viewer.data import PAGE
+    from tests.unit.server.test_viewer_data import lengthen, record
+
+    made: list[str] = []  # recorded on a thread of its own: Playwright's loop runs on this one
+    thread = threading.Thread(target=lambda: made.append(record(tmp_path, "scripted-long", ["ok"])))
+    thread.start()
+    thread.join(60)
+    [long] = made
+    lengthen(tmp_path / "a.db", long, 2_000)
+    ui = Ui(tmp_path / "a.db", tmp_path, tmp_path / "approvals")
+    try:
+        page.goto(f"{ui.url}/ui/login?key={ui.key}")
+        page.goto(f"{ui.url}/ui/runs/{long}")
+        expect(page.locator(".entry", has_text="call-1999")).to_be_visible()
+        newest = page.locator("li.entry").count()
+        assert 0 < newest <= PAGE and page.locator("#later").count() == 0
+        first_seq = int(page.locator("li.entry").first.get_attribute("data-seq") or 0)
+        page.click("#earlier-link")
+        page.wait_for_url("**?before=*")
+        earlier = page.locator("li.entry")
+        assert int(earlier.last.get_attribute("data-seq") or 0) < first_seq
+        expect(page.locator("#later")).to_contain_text("later events")
+        page.click("text=first events")
+        expect(page.locator(".entry.k-run", has_text="run started")).to_be_visible()
+        assert page.locator("#earlier").is_hidden()
+        page.click("text=the latest")
+        expect(page.locator(".entry", has_text="call-1999")).to_be_visible()
+    finally:
+        ui.stop()
+
+
 # -- the service: live, approvals, roles, tenants --------------------------------------------------
 
 
@@ -187,6 +221,11 @@ def test_a_live_run_updates_by_itself(service: tuple[Server, Tokens], page: Page
         expect(page.locator("#run-status")).to_have_text("success", timeout=WAIT_MS)
         expect(page.locator("#chain")).to_contain_text("verifies", timeout=WAIT_MS)
         assert page.evaluate("window.__same_page") == 42
+        # each update brought only what was new: every entry once, in order, each step once
+        seqs = [int(s) for s in page.eval_on_selector_all("li.entry", "es => es.map(e => e.dataset.seq)")]
+        assert seqs == sorted(set(seqs)) and page.locator(".entry.k-tool", has_text="tick 1").count() == 1
+        headings = page.eval_on_selector_all(".step h3", "hs => hs.map(h => h.textContent)")
+        assert len(headings) == len(set(headings)), headings
         assert run.wait().status == "success"
 
 

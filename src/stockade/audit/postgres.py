@@ -24,6 +24,7 @@ from stockade.audit.stores import (
     check_namespace,
     erasures,
     seal_batch,
+    window_sql,
 )
 
 if TYPE_CHECKING:
@@ -228,6 +229,34 @@ class PostgresStore(AuditStore):
             raise exc.AuditStoreError(f"audit store {self._safe_url}: {error}") from error
         finally:
             conn.close()
+
+    def window(
+        self,
+        run_id: str,
+        *,
+        after_seq: int = 0,
+        before_seq: int | None = None,
+        limit: int,
+        newest: bool = False,
+    ) -> list[Row]:
+        import psycopg
+
+        sql, params = window_sql(
+            self.ns, "%s", run_id, after_seq=after_seq, before_seq=before_seq, limit=limit, newest=newest
+        )
+        conn = self._connect()
+        try:
+            with conn.transaction():
+                found = conn.execute(sql.encode(), params).fetchall()
+        except psycopg.Error as error:
+            raise exc.AuditStoreError(f"audit store {self._safe_url}: {error}") from error
+        finally:
+            conn.close()
+        rows = [
+            Row(int(str(q)), str(r), str(k), str(b), str(h), int(str(st)), int(str(t)))
+            for q, r, k, b, h, st, t in found
+        ]
+        return rows[::-1] if newest else rows
 
     def run_key(self, run_id: str, subject: str) -> bytes:
         ns = self.ns

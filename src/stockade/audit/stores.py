@@ -22,7 +22,8 @@ import re
 import sqlite3
 import threading
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections import deque
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -96,8 +97,12 @@ class AuditStore(abc.ABC):
         """Stored events, parsed (unverified: use ``verify`` to trust them). A sealed run's
         attributes are opened with its key, or marked ``$erased`` once the key is gone.
         ``AuditIntegrityError`` naming the seq at a row that is no readable event (edited)."""
+        return self.opened(self.rows(run_id=run_id, after_seq=after_seq))
+
+    def opened(self, rows: Iterable[Row]) -> Iterator[AuditEvent]:
+        """``rows`` as events (``events``, of rows read otherwise: a ``window``)."""
         keys: dict[str, bytes | None] = {}
-        for row in self.rows(run_id=run_id, after_seq=after_seq):
+        for row in rows:
             event = AuditEvent.from_body(row.body.encode(errors="surrogatepass"), row.hash, seq=row.seq)
             if SEALED in event.attributes:
                 if event.run_id not in keys:
@@ -108,6 +113,30 @@ class AuditStore(abc.ABC):
                     raise exc.AuditIntegrityError(f"seq {row.seq}: {error}") from None
                 event = dataclasses.replace(event, attributes=opened)
             yield event
+
+    def window(
+        self,
+        run_id: str,
+        *,
+        after_seq: int = 0,
+        before_seq: int | None = None,
+        limit: int,
+        newest: bool = False,
+    ) -> list[Row]:
+        """At most ``limit`` stored events of ``run_id`` between ``after_seq`` and
+        ``before_seq`` (both left out), in ``seq`` order: the first of them, or the newest
+        (``newest``). What the run viewer shows of a run: the SQL stores read that many rows
+        of the run's index from either end, whatever the run's size; this reads the run's
+        rows up to them."""
+        start, end = after(after_seq), None if before_seq is None else after(before_seq)
+        kept: deque[Row] = deque(maxlen=max(0, limit))
+        for row in self.rows(run_id=run_id, after_seq=start):
+            if end is not None and row.seq >= end:
+                break
+            kept.append(row)
+            if not newest and len(kept) >= limit:
+                break
+        return list(kept)
 
     # -- the keys of sealed runs (stockade.audit.sealing): kept apart from the chain, erasable --
 
@@ -252,6 +281,19 @@ def _row(raw: tuple[object, ...]) -> Row:
         v.decode("utf-8", "replace") if isinstance(v, bytes) else v if i in (0, 5, 6) else str(v)
         for i, v in enumerate(raw)
     )
+
+
+def window_sql(
+    ns: str, mark: str, run_id: str, *, after_seq: int, before_seq: int | None, limit: int, newest: bool
+) -> tuple[str, tuple[object, ...]]:
+    """``AuditStore.window`` in SQL: the run's index read from one end, ``limit`` rows."""
+    sql = f"SELECT {_ROW_COLUMNS} FROM {ns}_events WHERE run_id = {mark} AND seq > {mark}"
+    params: tuple[object, ...] = (run_id, after(after_seq))
+    if before_seq is not None:
+        sql += f" AND seq < {mark}"
+        params += (after(before_seq),)
+    sql += f" ORDER BY seq {'DESC' if newest else 'ASC'} LIMIT {mark}"
+    return sql, (*params, max(0, limit))
 
 
 def _sqlite_schema(ns: str) -> str:
@@ -437,6 +479,29 @@ class SQLiteStore(AuditStore):
             raise exc.AuditStoreError(f"audit store {self.path}: {error}") from error
         finally:
             conn.close()
+
+    def window(
+        self,
+        run_id: str,
+        *,
+        after_seq: int = 0,
+        before_seq: int | None = None,
+        limit: int,
+        newest: bool = False,
+    ) -> list[Row]:
+        sql, params = window_sql(
+            self.ns, "?", run_id, after_seq=after_seq, before_seq=before_seq, limit=limit, newest=newest
+        )
+        try:
+            if self._reader is not None:
+                found = self._reader.query(sql, params)
+            else:
+                with self._lock:
+                    found = self._conn.execute(sql, params).fetchall()
+        except sqlite3.Error as error:
+            raise exc.AuditStoreError(f"audit store {self.path}: {error}") from error
+        rows = [_row(raw) for raw in found]
+        return rows[::-1] if newest else rows
 
     def run_key(self, run_id: str, subject: str) -> bytes:
         ns = self.ns

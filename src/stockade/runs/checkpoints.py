@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from pydantic import TypeAdapter, ValidationError
@@ -209,6 +209,37 @@ class Checkpoints:
             saved.ledger -= unknown  # the next checkpoint writes them to the ledger
             self._saved[run_id] = saved
         return state
+
+    def glimpse(self, run_id: str, indices: Collection[int]) -> RunState | None:
+        """The latest checkpoint with only the steps of these ``indices`` (and the step in
+        progress): what the run viewer shows of one window of a run, read without the rest of
+        its steps and messages."""
+        ns = self.ns
+        rows = self.db.query(
+            f"{select(ns, 'checkpoints')} WHERE run_id = ? ORDER BY seq DESC LIMIT 1", (run_id,)
+        )
+        if not rows:
+            return None
+        _, seq, _, _, n_steps, body, _ = rows[0]
+        # a step's row is at its position: steps are numbered from 1
+        wanted = sorted({i - 1 for i in indices if 0 < i <= as_int(n_steps)})
+        steps: list[tuple[object, ...]] = []
+        for at in range(0, len(wanted), 500):
+            part = wanted[at : at + 500]
+            steps.extend(
+                self.db.query(
+                    f"{select(ns, 'steps')} WHERE run_id = ? AND idx IN ({','.join('?' * len(part))}) "
+                    "ORDER BY idx",
+                    (run_id, *part),
+                )
+            )
+        self.mac.check(ns, "checkpoints", rows, store=self._where)
+        self.mac.check(ns, "steps", steps, store=self._where)
+        document = '{"messages":[],"steps":[' + ",".join(str(s[-2]) for s in steps) + "]," + str(body)[1:]
+        try:
+            return RunState.model_validate_json(document)
+        except ValidationError as error:
+            raise self._corrupt(run_id, as_int(seq), [], steps, error) from None
 
     def record_tool_call(self, run_id: str, step: int, record: ToolCallRecord) -> None:
         """Write one returned call to the ledger now (idempotent: a key is written once)."""

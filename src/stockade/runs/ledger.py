@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from pydantic import BaseModel, ValidationError
 
@@ -73,14 +73,26 @@ class CallLedger:
             ),
         )
 
-    def tool_calls(self, run_id: str, *, step: int | None = None) -> list[ToolCallRecord]:
-        """The ledger of ``run_id`` (in the order the calls returned)."""
+    def tool_calls(
+        self, run_id: str, *, step: int | None = None, keys: Collection[str] | None = None
+    ) -> list[ToolCallRecord]:
+        """The ledger of ``run_id`` (in the order the calls returned); ``keys``: only the
+        calls of these idempotency keys, each read by the table's key (the run viewer's
+        window: never the run's whole ledger)."""
         sql = f"{select(self.ns, 'tool_calls')} WHERE run_id = ?"
         params: list[object] = [run_id]
         if step is not None:
             sql += " AND step = ?"
             params.append(step)
-        rows = self.db.query(sql + " ORDER BY recorded_ns, idempotency_key", params)
+        if keys is None:
+            rows = self.db.query(sql + " ORDER BY recorded_ns, idempotency_key", params)
+        else:
+            wanted, rows = sorted(set(keys)), list[tuple[object, ...]]()
+            for at in range(0, len(wanted), _KEYS_AT_ONCE):
+                part = wanted[at : at + _KEYS_AT_ONCE]
+                found = f"{sql} AND idempotency_key IN ({','.join('?' * len(part))})"
+                rows.extend(self.db.query(found, [*params, *part]))
+            rows.sort(key=lambda r: (as_int(r[5]), str(r[0])))  # recorded_ns, then the key
         self.mac.check(self.ns, "tool_calls", rows, store=self._where)
         records = []
         for key, *_, body, _ in rows:
@@ -193,4 +205,5 @@ class CallLedger:
         return {str(r[0]): as_int(r[1]) for r in rows}
 
 
+_KEYS_AT_ONCE = 500  # a query's bound parameters (SQLite allows 32,766; older builds 999)
 _ENDED = tuple(s.value for s in RunStatus if s.finished)

@@ -207,6 +207,17 @@ class RunStore:
         _check_run_id(run_id)
         return self._checkpoints.load(run_id)
 
+    def glimpse(self, run_id: str, steps: Collection[int]) -> RunState | None:
+        """The latest checkpoint holding only the steps numbered ``steps`` and the one in
+        progress (the run viewer's window: read at the cost of those steps alone)."""
+        _check_run_id(run_id)
+        return self._checkpoints.glimpse(run_id, steps)
+
+    def diff(self, run_id: str) -> str | None:
+        """The run's final diff (None before it ended)."""
+        _check_run_id(run_id)
+        return self._diff(run_id)
+
     # -- what the recorder writes ------------------------------------------------------------
 
     def record_tool_call(self, run_id: str, step: int, record: ToolCallRecord) -> None:
@@ -597,10 +608,13 @@ class RunStore:
             found.update(str(r) for (r,) in self.db.query(sql, part))
         return found
 
-    def tool_calls(self, run_id: str, *, step: int | None = None) -> list[ToolCallRecord]:
-        """The ledger of ``run_id`` (in the order the calls returned)."""
+    def tool_calls(
+        self, run_id: str, *, step: int | None = None, keys: Collection[str] | None = None
+    ) -> list[ToolCallRecord]:
+        """The ledger of ``run_id`` (in the order the calls returned); ``keys``: only the
+        calls of these idempotency keys."""
         _check_run_id(run_id)
-        return self._ledger.tool_calls(run_id, step=step)
+        return self._ledger.tool_calls(run_id, step=step, keys=keys)
 
     def ledger_calls(self, run_id: str | None = None) -> list[LedgerCall]:
         """The ledger as ``audit verify`` cross-checks it: every call but the denied ones."""

@@ -153,6 +153,20 @@ def test_the_viewers_cookie_holds_a_session_never_the_api_token(served: Served) 
         assert copied.get("/v1/runs").status_code == 401
 
 
+def test_every_window_of_another_tenants_run_is_no_run(served: Served) -> None:
+    """A run's page reads one window of its trail (``?before=``, ``?after=``, a live page's
+    ``body?after=&step=``): each asks whose run it is first."""
+    mine, theirs = add_run(served, "acme-queued", "queued"), add_run(served, "other-run", "success", "other")
+    windows = ("", "?before=5", "?after=0", "/body", "/body?after=0&step=1", "/body?after=3&verified=1")
+    with viewer(served, served.acme) as browser:
+        for window in windows:
+            assert browser.get(f"/ui/runs/{theirs}{window}").status_code == 404, window
+            page = browser.get(f"/ui/runs/{mine}{window}")
+            assert page.status_code == 200 and "other-run" not in page.text, window
+        assert "Nothing recorded yet" in browser.get(f"/ui/runs/{mine}").text
+        assert browser.get(f"/ui/runs/{mine}", params={"before": 0}).status_code == 422
+
+
 def test_signing_out_ends_the_session_for_every_copy_of_the_cookie(served: Served) -> None:
     with viewer(served, served.acme) as browser:
         cookie = browser.cookies["stockade_viewer"]

@@ -1,20 +1,22 @@
 """What the run viewer reads, over the shipped fakes: recorded runs as rows and timelines, the
 filters, the chain's verification, pending approvals and their decision; every kind of audit
-event as a line of the timeline."""
+event as a line of the timeline; a long run read one bounded window at a time."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
 from stockade.assembly import AgentConfig, build_agent
 from stockade.audit import AuditLog, MemoryStore
 from stockade.audit.events import EventKind
+from stockade.audit.stores import Row, SQLiteStore
 from stockade.models import ScriptedModel, tool_call
 from stockade.policy import Policy
 from stockade.policy.approval import ApprovalStore, Choice
 from stockade.policy.schema import CommandRules, PathRules, TrustRules
-from stockade.server.viewer.data import Filters, LocalRuns, timeline
+from stockade.server.viewer.data import PAGE, Filters, LocalRuns, RunView, Window, timeline
 from stockade.testing import FakeBackend, MemoryWorkspace
 from stockade.types import Trust
 
@@ -67,6 +69,8 @@ def test_recorded_runs_read_as_rows_and_timelines(tmp_path: Path) -> None:
         wrote = next(e for e in entries if e.kind == "tool")
         assert wrote.title == "write_file" and '"path": "a.txt"' in (wrote.args or "") and wrote.text
         assert view.diff is not None and "+hello" in view.diff
+        assert [e.text for e in entries if e.kind == "model"][-1] == "done"  # the model's words
+        assert view.answer == "done" and not view.earlier and not view.later
         assert view.verification is not None and view.verification.ok is True
         last, status = source.changes(done, 0) or (0, "")
         assert last == view.last_seq and status == "success"
@@ -206,3 +210,114 @@ def test_a_limit_that_waits_is_not_a_failure_and_an_open_breaker_is() -> None:
     assert not waited.failed and waited.facts == ("waits for its window",)
     assert stopped.failed and stopped.facts == ("stops the run",)
     assert broke.failed and broke.facts == ("5 failures in a row",)
+
+
+def lengthen(db: Path, run_id: str, calls: int, *, start: int = 0) -> None:
+    """``calls`` more tool calls of ``run_id`` in its trail (each with a command under it,
+    which the timeline leaves to its call): a long run, without running it."""
+    store = SQLiteStore(db)
+    log = AuditLog(store, flush_interval_s=None)
+    try:
+        for n in range(start, start + calls):
+            step = 2 + n // 100
+            log.record(EventKind.COMMAND, run_id=run_id, step=step, attributes={"argv": ["true"]})
+            log.record(
+                EventKind.TOOL_CALL,
+                run_id=run_id,
+                step=step,
+                attributes={"tool": f"call-{n}", "call_id": f"c{n}", "idempotency_key": f"k{n}"},
+            )
+    finally:
+        log.close()
+        store.close()
+
+
+class CountingStore(SQLiteStore):
+    """The run viewer's audit store, counting the rows it reads."""
+
+    def __init__(self, db: Path) -> None:
+        super().__init__(db, read_only=True)
+        self.read = 0
+
+    def rows(self, *, run_id: str | None = None, after_seq: int = 0) -> Iterator[Row]:
+        for row in super().rows(run_id=run_id, after_seq=after_seq):
+            self.read += 1
+            yield row
+
+    def window(
+        self,
+        run_id: str,
+        *,
+        after_seq: int = 0,
+        before_seq: int | None = None,
+        limit: int,
+        newest: bool = False,
+    ) -> list[Row]:
+        found = super().window(run_id, after_seq=after_seq, before_seq=before_seq, limit=limit, newest=newest)
+        self.read += len(found)
+        return found
+
+
+def titles(view: RunView) -> list[str]:
+    return [e.title for s in view.steps for e in s.entries]
+
+
+def test_a_long_run_is_read_one_bounded_window_at_a_time(tmp_path: Path) -> None:
+    """A run of 20,000 audit events: its page was every entry of it (at 2,475 entries ~1 MiB and
+    up to 1.7 s, rendered again whole at each live update); now its newest PAGE events, reading
+    about that many rows, and earlier pages go back to its first event."""
+    done = record(
+        tmp_path, "scripted-long", [tool_call("write_file", {"path": "a.txt", "content": "a"}), "ok"]
+    )
+    db = tmp_path / "a.db"
+    lengthen(db, done, 10_000)
+    source = LocalRuns(f"sqlite:///{db}", approvals=tmp_path / "approvals")
+    source.audit = counting = CountingStore(db)
+    try:
+        latest = source.run(done, verified=False)
+        assert latest is not None and latest.earlier and not latest.later
+        assert sum(len(s.entries) for s in latest.steps) <= PAGE
+        assert titles(latest)[-1] == "call-9999"
+        assert counting.read <= PAGE + 2  # the window, and one row to know there is more
+
+        # back a page at a time, to the run's first event: each event shown once
+        seqs = [e.seq for s in latest.steps for e in s.entries]
+        page, pages = latest, 1
+        while page.earlier:
+            counting.read = 0
+            earlier = source.run(done, verified=False, window=Window(before=page.first_seq))
+            assert earlier is not None and earlier.later and earlier.last_seq < page.first_seq
+            assert counting.read <= PAGE + 2
+            seqs[:0] = [e.seq for s in earlier.steps for e in s.entries]
+            page, pages = earlier, pages + 1
+        assert "run started" in titles(page)[:2] and pages >= 20_000 // PAGE
+        assert seqs == sorted(set(seqs)) and len(seqs) >= 10_000
+        # the first events read forwards: the same ones, then on
+        first = source.run(done, verified=False, window=Window(after=0))
+        assert first is not None and first.later and not first.earlier
+        assert titles(first)[: len(titles(page))] == titles(page)
+
+        # a live page's update: only what came after the last event it shows
+        nothing = source.run(
+            done, verified=False, window=Window(after=latest.last_seq, step=latest.steps[-1].index)
+        )
+        assert nothing is not None and nothing.steps == () and nothing.last_seq == latest.last_seq
+        # an event outside any step (an approval) goes with the step the page ends in
+        with SQLiteStore(db) as store:
+            log = AuditLog(store, flush_interval_s=None)
+            log.record(
+                EventKind.APPROVAL, run_id=done, actor="h", attributes={"outcome": "approved", "action": "x"}
+            )
+            log.close()
+        last = Window(after=latest.last_seq, step=latest.steps[-1].index)
+        approved = source.run(done, verified=False, window=last)
+        assert approved is not None and titles(approved) == ["approved: x"]
+        assert [s.index for s in approved.steps] == [latest.steps[-1].index]
+        lengthen(db, done, 3, start=10_000)
+        counting.read = 0
+        delta = source.run(done, verified=False, window=Window(after=approved.last_seq, step=101))
+        assert delta is not None and titles(delta) == ["call-10000", "call-10001", "call-10002"]
+        assert counting.read <= 6 + 2  # the three calls and their commands; one row before them
+        assert source.changes(done, latest.last_seq) == (delta.last_seq, "success")
+    finally:
+        source.close()

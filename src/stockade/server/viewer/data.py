@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from stockade import exceptions as exc
-from stockade.agent.state import RunStatus, ToolCallRecord
+from stockade.agent.state import RunState, RunStatus, ToolCallRecord
 from stockade.audit.events import AuditEvent, EventKind
-from stockade.audit.stores import AuditStore, open_store
+from stockade.audit.stores import AuditStore, Row, open_store
 from stockade.audit.verify import verify
 from stockade.policy.approval import ApprovalStore, Choice
-from stockade.runs.store import RunStore, RunSummary, RunTrace, open_run_store
+from stockade.runs.store import RunStore, RunSummary, open_run_store
 
 if TYPE_CHECKING:
     from stockade.server.service import Service
@@ -42,6 +42,7 @@ __all__ = [
     "ServiceRuns",
     "Step",
     "Verification",
+    "Window",
     "timeline",
 ]
 
@@ -51,6 +52,24 @@ SETTLED = frozenset(s.value for s in RunStatus if s.finished)
 STATUSES = ("queued", *(s.value for s in RunStatus))
 OBSERVATION_CHARS = 20_000  # of one tool call's observation, on the page
 LISTED = 1000  # runs read to filter one page of the list
+# audit events on one page of a run, and in one live update of it: a run of 10^5 events
+# rendered whole was ~40 MiB and about a minute of the server's time, at every update
+PAGE = 250
+
+
+@dataclass(frozen=True, kw_only=True)
+class Window:
+    """Which of a run's audit events a page shows: the newest ``PAGE`` (before ``before``, when
+    given), or the first ``PAGE`` after ``after`` (an earlier page read forwards, or a live
+    page's update: what came after the last event it shows). ``step``: the step the events
+    just before ``after`` are in (an event outside any step goes with it)."""
+
+    before: int | None = None
+    after: int | None = None
+    step: int = 0
+
+
+LATEST = Window()  # a run's page as it opens: its newest events
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,7 +146,10 @@ class RunView:
     diff: str | None
     answer: str | None
     verification: Verification | None
-    last_seq: int
+    last_seq: int  # of the last event the page shows (of any kind, entry or not)
+    first_seq: int = 0  # of the first it shows; 0: none
+    earlier: bool = False  # the run has events before the page's (a link goes to them)
+    later: bool = False  # and after them: the page is not the run's latest
     live: bool = field(default=False)
 
 
@@ -139,7 +161,7 @@ class RunSource(Protocol):
 
     def runs(self, filters: Filters) -> list[RunRow]: ...
 
-    def run(self, run_id: str, *, verified: bool = True) -> RunView | None: ...
+    def run(self, run_id: str, *, verified: bool = True, window: Window = LATEST) -> RunView | None: ...
 
     def changes(self, run_id: str, after_seq: int) -> tuple[int, str] | None:
         """(the last audit seq of the run, its status); None when there is no such run."""
@@ -386,11 +408,16 @@ def _entry(event: AuditEvent, records: dict[str, ToolCallRecord], texts: dict[in
 
 
 def timeline(
-    events: Iterable[AuditEvent], records: Sequence[ToolCallRecord] = (), texts: dict[int, str] | None = None
+    events: Iterable[AuditEvent],
+    records: Sequence[ToolCallRecord] = (),
+    texts: dict[int, str] | None = None,
+    *,
+    step: int = 0,
 ) -> tuple[tuple[Step, ...], int]:
     """The run's audit events as steps of entries (in the trail's order), and the last seq.
     ``records`` (the run store's ledger) give each call its observation and exit code;
-    ``texts`` the model's words at each step."""
+    ``texts`` the model's words at each step; ``step``: the step of the events just before
+    these (a window of the trail)."""
     by_key: dict[str, ToolCallRecord] = {}
     for record in records:
         by_key[record.idempotency_key] = record
@@ -404,7 +431,7 @@ def timeline(
             continue
         # events outside any step (approvals, a pause, a resume, the end) go with the step they
         # happened in: the one before them
-        index = event.step or (steps[-1].index if steps else 0)
+        index = event.step or (steps[-1].index if steps else step)
         if steps and steps[-1].index == index:
             steps[-1] = Step(index=index, entries=(*steps[-1].entries, entry))
         else:
@@ -412,22 +439,34 @@ def timeline(
     return tuple(steps), last
 
 
-def _texts(trace: RunTrace | None) -> dict[int, str]:
-    if trace is None:
+def _texts(state: RunState | None) -> dict[int, str]:
+    if state is None:
         return {}
-    state = trace.state
     steps = [*state.steps, *([state.current] if state.current is not None else [])]
     return {s.index: _cut(s.response.text, 4000) for s in steps if s.response.text}
 
 
-def _records(runs: RunStore, run_id: str, trace: RunTrace | None) -> list[ToolCallRecord]:
-    """The ledger (calls as they return, live) and the checkpoint's (denied calls too)."""
-    records = list(runs.tool_calls(run_id))
-    if trace is not None:
-        state = trace.state
+def _records(
+    runs: RunStore, run_id: str, events: list[AuditEvent]
+) -> tuple[list[ToolCallRecord], RunState | None]:
+    """The window's calls and the checkpoint holding what else it shows: the ledger's rows of
+    its calls (as they return, live), then the steps of the model calls it shows (their words)
+    and of the calls the ledger has not (a denied call of the step in progress)."""
+    calls = {
+        str(e.attributes["idempotency_key"]): e.step
+        for e in events
+        if e.kind == EventKind.TOOL_CALL and e.attributes.get("idempotency_key")
+    }
+    records = runs.tool_calls(run_id, keys=calls.keys()) if calls else []
+    found = {r.idempotency_key for r in records}
+    wanted = {e.step for e in events if e.kind == EventKind.MODEL_CALL and e.step}
+    wanted.update(step for key, step in calls.items() if key not in found and step)
+    # a step of thousands of calls is read only for its model call or a call the ledger lacks
+    state = runs.glimpse(run_id, wanted)
+    if state is not None:
         for step in [*state.steps, *([state.current] if state.current is not None else [])]:
-            records.extend(step.tool_calls)
-    return records
+            records.extend(r for r in step.tool_calls if r.idempotency_key not in found)
+    return records, state
 
 
 def _verification(store: AuditStore, run_id: str, key: bytes | None, runs: RunStore) -> Verification:
@@ -441,10 +480,6 @@ def _verification(store: AuditStore, run_id: str, key: bytes | None, runs: RunSt
         return Verification(ok=True, summary=report.summary())
     shown = "; ".join(str(p) for p in report.problems[:3])
     return Verification(ok=False, summary=f"{report.summary()}: {shown}")
-
-
-def _row_of(trace: RunTrace) -> RunRow:
-    return _row(trace.summary)
 
 
 def _row(s: RunSummary) -> RunRow:
@@ -462,23 +497,49 @@ def _row(s: RunSummary) -> RunRow:
     )
 
 
+def _window(store: AuditStore, run_id: str, window: Window) -> tuple[list[Row], bool, bool]:
+    """The window's rows, whether the run has events before them and whether after: a few
+    reads of the run's index, at most ``PAGE + 1`` rows, whatever the run's size."""
+    if window.after is not None:
+        rows = store.window(run_id, after_seq=window.after, limit=PAGE + 1)
+        later, rows = len(rows) > PAGE, rows[:PAGE]
+        first = rows[0].seq if rows else window.after + 1
+        earlier = bool(store.window(run_id, before_seq=first, limit=1, newest=True))
+    else:
+        rows = store.window(run_id, before_seq=window.before, limit=PAGE + 1, newest=True)
+        earlier, rows = len(rows) > PAGE, rows[-PAGE:]
+        last = rows[-1].seq if rows else (window.before or 1) - 1
+        later = window.before is not None and bool(store.window(run_id, after_seq=last, limit=1))
+    return rows, earlier, later
+
+
 def _view(
     row: RunRow,
-    trace: RunTrace | None,
     runs: RunStore,
     store: AuditStore,
     pending: list[dict[str, str]],
     *,
     key: bytes | None,
     verified: bool,
+    window: Window,
 ) -> RunView:
-    steps, last = timeline(store.events(run_id=row.run_id), _records(runs, row.run_id, trace), _texts(trace))
+    """One window of the run: its events, and only the steps and ledger rows they name."""
+    run_id = row.run_id
+    rows, earlier, later = _window(store, run_id, window)
+    events = list(store.opened(rows))
+    records, state = _records(runs, run_id, events)
+    steps, last = timeline(events, records, _texts(state), step=window.step)
+    if not rows:
+        last = window.after if window.after is not None else max(0, (window.before or 1) - 1)
     settled = row.status in SETTLED
     return RunView(
         row=row,
         steps=steps,
         last_seq=last,
-        live=not settled,
+        first_seq=rows[0].seq if rows else 0,
+        earlier=earlier,
+        later=later,
+        live=not settled and not later,
         pending=tuple(
             Pending(
                 request_id=p["id"],
@@ -488,9 +549,9 @@ def _view(
             )
             for p in pending
         ),
-        diff=trace.diff if trace is not None else None,
-        answer=(trace.state.answer or None) if trace is not None else None,
-        verification=_verification(store, row.run_id, key, runs) if verified else None,
+        diff=runs.diff(run_id),
+        answer=(state.answer or None) if state is not None else None,
+        verification=_verification(store, run_id, key, runs) if verified else None,
     )
 
 
@@ -534,23 +595,27 @@ class LocalRuns:
                 rows.append(row)
         return rows[: filters.limit]
 
-    def run(self, run_id: str, *, verified: bool = True) -> RunView | None:
-        trace = self.runs_store.trace(run_id)
-        if trace is None:
+    def run(self, run_id: str, *, verified: bool = True, window: Window = LATEST) -> RunView | None:
+        summary = self.runs_store.summary(run_id)
+        if summary is None:
             return None
         pending = self.approvals.pending(run_id)
         return _view(
-            _row_of(trace), trace, self.runs_store, self.audit, pending, key=self.key, verified=verified
+            _row(summary),
+            self.runs_store,
+            self.audit,
+            pending,
+            key=self.key,
+            verified=verified,
+            window=window,
         )
 
     def changes(self, run_id: str, after_seq: int) -> tuple[int, str] | None:
         summary = self.runs_store.summary(run_id)
         if summary is None:
             return None
-        last = after_seq
-        for row in self.audit.rows(run_id=run_id, after_seq=after_seq):
-            last = row.seq
-        return last, summary.status.value
+        newest = self.audit.window(run_id, after_seq=after_seq, limit=1, newest=True)
+        return (newest[0].seq if newest else after_seq), summary.status.value
 
     def decide(self, run_id: str, request_id: str, choice: Choice) -> None:
         """What ``stockade approve`` does: a paused run finds it when resumed (an MCP session
@@ -617,17 +682,22 @@ class ServiceRuns:
                 found.append(row)
         return found[: filters.limit]
 
-    def run(self, run_id: str, *, verified: bool = True) -> RunView | None:
+    def run(self, run_id: str, *, verified: bool = True, window: Window = LATEST) -> RunView | None:
         row = self._row(run_id)
         if row is None:
             return None
         service = self.service
-        trace = service.run_store.trace(run_id)
         log = service.audit.get(self.principal.tenant)
         log.flush()
         pending = service.approvals.pending(run_id)
         return _view(
-            row, trace, service.run_store, log.store, pending, key=service.config.audit_key, verified=verified
+            row,
+            service.run_store,
+            log.store,
+            pending,
+            key=service.config.audit_key,
+            verified=verified,
+            window=window,
         )
 
     def changes(self, run_id: str, after_seq: int) -> tuple[int, str] | None:

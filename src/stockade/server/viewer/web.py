@@ -2,8 +2,11 @@
 live updates, no asset from anywhere else.
 
     /ui/                      the runs, filtered by status, model and time
-    /ui/runs/{id}             one run: its timeline, its approvals, its diff, its chain
-    /ui/runs/{id}/body        the same page's body, for the live updates
+    /ui/runs/{id}             one run: its approvals, its diff, its chain and one window of its
+                              timeline: its latest PAGE audit events, or those ?before=SEQ (read
+                              backwards) or ?after=SEQ (forwards), with links to the others
+    /ui/runs/{id}/body        the same page's body; ?after=SEQ&step=N: a live page's update,
+                              the head and tail again and only the entries after SEQ
     /ui/runs/{id}/events      Server-Sent Events: "changed" when the run's trail grows, "end"
                               once it ended or waits (paused, broken): the page reconnects to a
                               waiting run now and then; a tenant holds a few streams at once.
@@ -50,7 +53,16 @@ from stockade import exceptions as exc
 from stockade._display import visible
 from stockade.policy.approval import Choice
 from stockade.server.streams import HeldStream, StreamSlot, StreamSlots
-from stockade.server.viewer.data import SETTLED, STATUSES, Filters, RunSource, RunView, ServiceRuns
+from stockade.server.viewer.data import (
+    LATEST,
+    SETTLED,
+    STATUSES,
+    Filters,
+    RunSource,
+    RunView,
+    ServiceRuns,
+    Window,
+)
 from stockade.server.viewer.sessions import Sessions
 
 __all__ = ["CSP", "KeyAuth", "ServiceAuth", "ViewerAuth", "ViewerHeaders", "local_app", "viewer_router"]
@@ -427,19 +439,28 @@ class _Viewer:
         return self.page("runs.html", runs=found, error=None, **values)
 
     async def view(
-        self, request: Request, run_id: str, *, verified: bool
+        self, request: Request, run_id: str, *, verified: bool, window: Window = LATEST
     ) -> tuple[RunView, RunSource, str] | Response:
         who = await self.signed_in(request)
         if who is None:
             return self.to_login(request)
         source, credential = who
-        found: RunView | None = await _blocking(lambda: source.run(run_id, verified=verified))
+        found: RunView | None = await _blocking(lambda: source.run(run_id, verified=verified, window=window))
         if found is None:
             return self.page("missing.html", 404, run_id=run_id, source=source, csrf=_csrf(credential))
         return found, source, credential
 
-    async def run_page(self, request: Request, run_id: str) -> Response:
-        got = await self.view(request, run_id, verified=True)
+    async def run_page(
+        self,
+        request: Request,
+        run_id: str,
+        before: Annotated[int | None, Query(ge=1, le=MAX_SEQ)] = None,
+        after: Annotated[int | None, Query(ge=0, le=MAX_SEQ)] = None,
+    ) -> Response:
+        window = Window(after=after) if after is not None else Window(before=before)
+        # the chain is verified on the run's own page: a check of every event of the run (what
+        # a verification is), not paid again for each earlier page a reader goes through
+        got = await self.view(request, run_id, verified=window == LATEST, window=window)
         if isinstance(got, Response):
             return got
         run, source, credential = got
@@ -453,12 +474,24 @@ class _Viewer:
             body=f"{base}/body",
         )
 
-    async def run_body(self, request: Request, run_id: str, verified: int = 0) -> Response:
-        got = await self.view(request, run_id, verified=bool(verified))
+    async def run_body(
+        self,
+        request: Request,
+        run_id: str,
+        verified: int = 0,
+        after: Annotated[int | None, Query(ge=0, le=MAX_SEQ)] = None,
+        step: Annotated[int, Query(ge=0, le=MAX_SEQ)] = 0,
+    ) -> Response:
+        """The page's body (its latest window), or with ``after`` a live page's update: the
+        entries after the last it shows (``PAGE`` at most: ``data-more`` asks for the rest),
+        never the whole run again at each event."""
+        window = Window(after=after, step=step) if after is not None else LATEST
+        got = await self.view(request, run_id, verified=bool(verified), window=window)
         if isinstance(got, Response):
             return got
         run, source, credential = got
-        return self.page("_run_body.html", run=run, source=source, csrf=_csrf(credential))
+        template = "_run_body.html" if after is None else "_run_delta.html"
+        return self.page(template, run=run, source=source, csrf=_csrf(credential))
 
     async def run_events(
         self,
