@@ -200,3 +200,36 @@ def test_the_supervisor_checks_its_first_sealed_request_without_loading_openssl(
     )
     assert done.stdout.split() == [best_mac(), "False"]
     assert best_mac() == (BLAKE2B if sys.version_info < (3, 14) else HMAC_SHA256)
+
+
+TAKE_KEY = """
+import os, sys
+import _ctypes, baseline, files, fileops, jobs, protocol, reaper, runcode, zygote  # before it trims sys.path
+import supervisor
+from protocol import FrameReader
+r, w = os.pipe()
+os.write(w, bytes(range(32)))
+sup = supervisor.Supervisor(0, 1)
+sup.take_seal(r, FrameReader(max_body=1 << 20))
+pid = os.fork()
+if pid == 0:
+    bytes(sup.seal.key)  # not in the fork: touching it kills the fork
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print(bytes(sup.seal.key) == bytes(range(32)), os.WIFSIGNALED(status), "mmap" in sys.modules)
+"""
+
+
+def test_the_key_is_read_into_a_page_forks_leave_out_without_the_mmap_module() -> None:
+    """The supervisor takes the key right before it reads the first request (the first
+    ``run_code``'s, on gVisor): importing the mmap module for its page took 5-12 ms of that
+    call. The page comes from libc now, still left out of every fork. (Its modules imported
+    first: run as root, the supervisor keeps no stdlib folder on its path, root can write them.)"""
+    done = subprocess.run(
+        [sys.executable, "-S", "-E", "-s", "-c", TAKE_KEY],
+        cwd=Path(protocol.__file__).parent,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stdout.split() == ["True", "True", "False"]

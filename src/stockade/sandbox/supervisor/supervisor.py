@@ -73,6 +73,7 @@ from reaper import (
     limit_arenas,
     load_shim,
     prctl,
+    private_page,
     runnable_only,
     scrub_freed,
 )
@@ -260,11 +261,7 @@ class Supervisor:
     def take_seal(self, fd: int, reader: FrameReader, sent: int = 0, received: int = 0) -> None:
         """The channel's key: 32 bytes read from ``fd`` straight into a mapping forks leave
         out, never into a Python object (protocol.Seal); from here on every frame is sealed."""
-        import mmap
-
-        area = mmap.mmap(-1, mmap.PAGESIZE)
-        area.madvise(mmap.MADV_DONTFORK)
-        key = memoryview(area)[: Seal.SIZE]
+        key = private_page(Seal.SIZE)
         got = 0
         while got < Seal.SIZE:
             n = os.readv(fd, [key[got:]])
