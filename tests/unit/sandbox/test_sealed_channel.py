@@ -192,7 +192,7 @@ def test_the_supervisor_checks_its_first_sealed_request_without_loading_openssl(
     (``-S -E -s``, a fresh interpreter, its own folder on the path)."""
     folder = Path(protocol.__file__).parent
     done = subprocess.run(
-        [sys.executable, "-S", "-E", "-s", "-c", CHECK_FIRST_FRAME],
+        [sys.executable, "-S", "-E", "-s", "-B", "-c", CHECK_FIRST_FRAME],
         cwd=folder,
         capture_output=True,
         text=True,
@@ -226,7 +226,7 @@ def test_the_key_is_read_into_a_page_forks_leave_out_without_the_mmap_module() -
     call. The page comes from libc now, still left out of every fork. (Its modules imported
     first: run as root, the supervisor keeps no stdlib folder on its path, root can write them.)"""
     done = subprocess.run(
-        [sys.executable, "-S", "-E", "-s", "-c", TAKE_KEY],
+        [sys.executable, "-S", "-E", "-s", "-B", "-c", TAKE_KEY],
         cwd=Path(protocol.__file__).parent,
         capture_output=True,
         text=True,
