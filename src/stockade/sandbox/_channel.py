@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from stockade.exceptions import InvalidArgument, ProtocolError, SandboxClosed, SandboxCrashed
 from stockade.sandbox._interrupt import CUT
 from stockade.sandbox.supervisor.protocol import (
+    HMAC_SHA256,
     MAX_EXEC_ARGV,
     MAX_EXEC_RECORDS,
     MAX_HEADER,
@@ -172,24 +173,27 @@ class Channel:
         self._thread = threading.Thread(target=self._read_loop, name=f"stockade-{name}", daemon=True)
         self._thread.start()
 
-    def seal(self, key: bytes, *, sent: int = 0, received: int = 0, send_key: bool = True) -> None:
-        """From here on, every frame both ways carries its seal under ``key`` (protocol.Seal).
-        ``send_key``: the supervisor is waiting for it (right after its ``ready``); a sandbox
-        restored from memory has it already, with the counts the snapshot kept."""
+    def seal(
+        self, key: bytes, *, sent: int = 0, received: int = 0, send_key: bool = True, mac: str = HMAC_SHA256
+    ) -> None:
+        """From here on, every frame both ways carries its seal under ``key`` (protocol.Seal),
+        made with ``mac`` (the one the supervisor named). ``send_key``: the supervisor is
+        waiting for it (right after its ``ready``); a sandbox restored from memory has it
+        already, with the counts the snapshot kept."""
         with self._send_lock:
             # the reader first: whatever the supervisor sends once it has the key is sealed
-            self._reader.seal = Seal(key, b"S", received, head=True)
+            self._reader.seal = Seal(key, b"S", received, head=True, mac=mac)
             if send_key:
                 self._send(key, None, "seal")
-            self._seal = Seal(key, b"H", sent)
+            self._seal = Seal(key, b"H", sent, mac=mac)
 
-    def seal_state(self) -> tuple[bytes, int, int] | None:
-        """The key and how many frames each way were sealed (sent, received), or None where
-        frames are not: what a memory snapshot keeps for the supervisor it restores."""
+    def seal_state(self) -> tuple[bytes, int, int, str] | None:
+        """The key, how many frames each way were sealed (sent, received) and the MAC, or None
+        where frames are not: what a memory snapshot keeps for the supervisor it restores."""
         reader = self._reader.seal
         if self._seal is None or reader is None:
             return None
-        return bytes(self._seal.key), self._seal.count, reader.count
+        return bytes(self._seal.key), self._seal.count, reader.count, self._seal.mac
 
     @property
     def open(self) -> bool:

@@ -74,6 +74,8 @@ from stockade.sandbox.ops import (
 )
 from stockade.sandbox.snapshots import Reservation, SnapshotStore
 from stockade.sandbox.supervisor.protocol import (
+    HMAC_SHA256,
+    MACS,
     MAX_BUNDLE_ENTRIES,
     MAX_RESULT_COUNT,
     MAX_RESULT_ENTRIES,
@@ -185,7 +187,10 @@ class SupervisedInstance(Instance):
         if header.get("ev") != "ready":
             raise exc.SandboxStartError(f"unexpected first reply: {header!r}")
         if config.get("seal"):  # code can reach the supervisor's pipes here: frames are sealed
-            self.channel.seal(secrets.token_bytes(Seal.SIZE))
+            mac = header.get("mac", HMAC_SHA256)  # the one its Python computes cheapest
+            if mac not in MACS:
+                raise exc.SandboxStartError(f"the supervisor seals with {mac!r}, unknown here")
+            self.channel.seal(secrets.token_bytes(Seal.SIZE), mac=mac)
         if self.spec.snapshot is not None:
             self.seed(self.spec.snapshot)
         if rules is not None:
@@ -424,8 +429,8 @@ class SupervisedInstance(Instance):
                 if sealed is not None:
                     # The restored supervisor seals with this key and these counts (its memory
                     # is this one's); the store is the host's alone (0700).
-                    key, sent, received = sealed
-                    tier_state["seal"] = {"key": key.hex(), "sent": sent, "received": received}
+                    key, sent, received, mac = sealed
+                    tier_state["seal"] = {"key": key.hex(), "sent": sent, "received": received, "mac": mac}
             else:
                 blobs, tier_state = self.save_files(room), {}
             snapshot = op.store.save(

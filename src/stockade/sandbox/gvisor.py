@@ -51,6 +51,7 @@ from stockade.sandbox._supervised import (
 )
 from stockade.sandbox.base import Backend, SandboxSpec
 from stockade.sandbox.snapshots import SnapshotStore
+from stockade.sandbox.supervisor.protocol import HMAC_SHA256
 from stockade.types import Enforcement, HostShare, Mechanism, SnapshotKind, TierReport
 
 __all__ = ["GVisorBackend", "RunscBackend", "collect_garbage"]
@@ -475,6 +476,7 @@ class RunscBackend(Backend):
                 instance.channel.seal(
                     bytes.fromhex(str(sealed["key"])), sent=int(sealed["sent"]),
                     received=int(sealed["received"]), send_key=False,
+                    mac=str(sealed.get("mac", HMAC_SHA256)),
                 )  # fmt: skip
             try:
                 instance.reseed()

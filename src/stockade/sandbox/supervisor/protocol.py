@@ -8,6 +8,7 @@ Standard library only: this module runs inside the sandbox too.
 from __future__ import annotations
 
 import struct
+import sys
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs milliseconds here
 if TYPE_CHECKING:
@@ -134,26 +135,55 @@ def over_cap(raw: bytes, cap: int) -> bool:
     return len(raw) > cap or (len(raw) * 4 > cap and text_bytes(raw) > cap)
 
 
+# The seal's MACs (``Seal.mac``): keyed BLAKE2b-256 where the sandbox's Python has CPython's
+# own BLAKE2 (``best_mac``), HMAC-SHA256 elsewhere; the supervisor names its own in ``ready``.
+BLAKE2B = "blake2b"
+HMAC_SHA256 = "hmac-sha256"
+MACS = (BLAKE2B, HMAC_SHA256)
+
+
+def best_mac() -> str:
+    """The MAC this Python seals with. Keyed BLAKE2b is built in (``_blake2``: no library to
+    load), where HMAC-SHA256's import of OpenSSL (``_hashlib``, with hashlib, hmac and
+    warnings) took 13-38 ms of the first ``run_code`` on gVisor, on its critical path (the
+    supervisor checks the first sealed request). Only up to 3.13, whose BLAKE2 object zeroes
+    its state (key-derived) when freed, as OpenSSL's HMAC does: 3.14's HACL* one is not
+    known to."""
+    if sys.version_info >= (3, 14):
+        return HMAC_SHA256
+    try:
+        import _blake2  # noqa: F401
+    except ImportError:
+        return HMAC_SHA256
+    return BLAKE2B
+
+
 class Seal:
     """Frames authenticated one way (``direction``), for a peer that shares ``key``.
 
     Where code in the sandbox can reach the supervisor's end of the channel (gVisor's
     ``/proc/<pid>/fd`` ignores the non-dumpable flag that keeps it out on Linux: code opened
     the supervisor's pipes and wrote frames of its own to the host), each frame carries a
-    tag: HMAC-SHA256 under a key of 32 random bytes, over the direction, the frame's number
-    in it, and the SHA-256 of the frame. A frame that code wrote, replayed, dropped or
-    reordered fails the check, and the host ends the sandbox. The key lives where code cannot
-    read it: in the host's memory, and in the supervisor's (unreadable to code there too) in
-    a mapping that forks leave out (``MADV_DONTFORK``: no zygote, interpreter or shim has
-    it), read from the pipe straight into that mapping and only ever handed to the C halves
-    of hmac, so that no copy of it lies in a Python heap a fork would carry."""
+    tag under a key of 32 random bytes, over the direction, the frame's number in it, and the
+    frame: keyed BLAKE2b-256 of them (``mac``), or HMAC-SHA256 of them with the SHA-256 of the
+    frame. A frame that code wrote, replayed, dropped or reordered fails the check, and the
+    host ends the sandbox. The key lives where code cannot read it: in the host's memory, and
+    in the supervisor's (unreadable to code there too) in a mapping that forks leave out
+    (``MADV_DONTFORK``: no zygote, interpreter or shim has it), read from the pipe straight
+    into that mapping and only ever handed to the C halves of blake2 or hmac, so that no copy
+    of it lies in a Python heap a fork would carry."""
 
     SIZE = 32
 
-    def __init__(self, key: "Any", direction: bytes, count: int = 0, head: bool = False) -> None:
+    def __init__(
+        self, key: "Any", direction: bytes, count: int = 0, head: bool = False, mac: str = HMAC_SHA256
+    ) -> None:
+        if mac not in MACS:
+            raise ValueError(f"unknown seal {mac!r}")
         self.key = key  # bytes on the host; a view of the mapping in the sandbox
         self.direction = direction
         self.count = count
+        self.mac = mac
         # ``head``: each frame's prefix carries a tag of its own too (``head_tag``), checked
         # before its body is waited for: code that wrote a prefix of 128 MiB to the host made
         # it hold that much per sandbox before the frame's tag was checked (found from outside).
@@ -163,6 +193,8 @@ class Seal:
 
     def head_tag(self, prefix: "Any") -> bytes:
         """The tag of the next frame's prefix (the frame's own tag still covers it)."""
+        if self.mac == BLAKE2B:
+            return self._blake2(b"stockade-head", prefix)
         import hmac
 
         return hmac.digest(
@@ -170,6 +202,10 @@ class Seal:
         )
 
     def tag(self, frame: "Any") -> bytes:
+        if self.mac == BLAKE2B:
+            tag = self._blake2(b"stockade-frame", frame)
+            self.count += 1
+            return tag
         import hashlib
         import hmac
 
@@ -178,10 +214,25 @@ class Seal:
         self.count += 1
         return tag
 
-    def check(self, frame: "Any", tag: bytes) -> bool:
-        import hmac
+    def _blake2(self, person: bytes, data: "Any") -> bytes:
+        """Keyed BLAKE2b-256 over the direction, the count and ``data`` (streamed: a large
+        frame is not copied), ``person`` telling a prefix's tag from a frame's."""
+        import _blake2
 
-        return hmac.compare_digest(self.tag(frame), tag)
+        mac = _blake2.blake2b(key=self.key, digest_size=Seal.SIZE, person=person)
+        mac.update(self.direction + self.count.to_bytes(8, "big"))
+        mac.update(data)
+        return mac.digest()
+
+    def check(self, frame: "Any", tag: bytes) -> bool:
+        return self.matches(self.tag(frame), tag)
+
+    @staticmethod
+    def matches(tag: bytes, given: bytes) -> bool:
+        """In constant time (hmac's compare_digest, without importing hmac)."""
+        from _operator import _compare_digest
+
+        return _compare_digest(tag, given)
 
 
 def encode(header: "dict[str, Any]", body: bytes = b"", seal: "Optional[Seal]" = None) -> bytes:
@@ -228,10 +279,8 @@ class FrameReader:
                 if len(self._buf) < start:
                     break
                 if not self._head_checked:  # once per frame, not at every chunk of its body
-                    import hmac
-
                     tag = self.seal.head_tag(bytes(self._buf[: PREFIX.size]))
-                    if not hmac.compare_digest(tag, bytes(self._buf[PREFIX.size : start])):
+                    if not self.seal.matches(tag, bytes(self._buf[PREFIX.size : start])):
                         raise FrameError("a frame its peer did not send (its prefix's seal does not match)")
                     self._head_checked = True
             if hlen > MAX_HEADER or blen > self._max_body:

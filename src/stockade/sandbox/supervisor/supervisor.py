@@ -63,7 +63,7 @@ import files
 import jobs
 import runcode
 from fileops import PathRefused, Workspace, _os_error, read_exactly, unlisted_ipc
-from protocol import PREFIX, FrameReader, Seal, dumps, encode
+from protocol import PREFIX, FrameReader, Seal, best_mac, dumps, encode
 from reaper import (
     IGNORED_SIGNALS,
     PR_SET_CHILD_SUBREAPER,
@@ -73,6 +73,7 @@ from reaper import (
     limit_arenas,
     load_shim,
     prctl,
+    private_page,
     runnable_only,
     scrub_freed,
 )
@@ -260,19 +261,16 @@ class Supervisor:
     def take_seal(self, fd: int, reader: FrameReader, sent: int = 0, received: int = 0) -> None:
         """The channel's key: 32 bytes read from ``fd`` straight into a mapping forks leave
         out, never into a Python object (protocol.Seal); from here on every frame is sealed."""
-        import mmap
-
-        area = mmap.mmap(-1, mmap.PAGESIZE)
-        area.madvise(mmap.MADV_DONTFORK)
-        key = memoryview(area)[: Seal.SIZE]
+        key = private_page(Seal.SIZE)
         got = 0
         while got < Seal.SIZE:
             n = os.readv(fd, [key[got:]])
             if n == 0:
                 raise SystemExit(0)  # the host is gone
             got += n
-        self.seal = Seal(key, b"S", sent, head=True)
-        reader.seal = Seal(key, b"H", received)
+        mac = best_mac()  # what ``ready`` named
+        self.seal = Seal(key, b"S", sent, head=True, mac=mac)
+        reader.seal = Seal(key, b"H", received, mac=mac)
 
     def start_zygote(self) -> None:
         """Fork the zygote: right after the configuration, before any request is read."""
@@ -395,7 +393,7 @@ class Supervisor:
                 again = None
                 if seal is not None:
                     seal.count -= len(frames) - i - 1
-                    again = Seal(seal.key, seal.direction, seal.count)
+                    again = Seal(seal.key, seal.direction, seal.count, mac=seal.mac)
                 behind = b"".join(encode(h, b, again) for h, b in frames[i + 1 :])
                 rest = behind + self.reader.take_pending()
                 reset.run(self, rid, header, rest)
@@ -667,6 +665,8 @@ def main() -> None:
     ready = {"id": header.get("id", 0), "ev": "ready", "pid": os.getpid(), "python": sys.version.split()[0]}
     if sup.rules is not None:
         ready["rules"] = sup.rules.report()
+    if sup.config.get("seal"):
+        ready["mac"] = best_mac()  # the seal's, for the host (protocol.Seal)
     sup.send(ready)
     if sup.config.get("no_filters"):  # the code's kernel is the host's (``confine.refuse_filters``)
         import confine  # type: ignore[import-not-found]
