@@ -258,3 +258,66 @@ def test_a_run_its_events_and_its_approvals_are_the_roles_that_submitted_it(acme
         assert [r.id for r in second.runs.list()] == [run.id]
         second.runs.get(run.id).approve(request_id)
         assert run.wait().status == "success"
+
+
+def test_an_uploaded_workspace_is_the_roles_that_uploaded_it(acme: Acme, tmp_path: Path) -> None:
+    (tmp_path / "records").mkdir()
+    (tmp_path / RECORD).write_text("PHI: Jane Doe")
+    with Client(acme.server.url, acme.admin) as admin, Client(acme.server.url, acme.dev) as dev, \
+            Client(acme.server.url, acme.second_admin) as second:  # fmt: skip
+        kept = admin.runs.upload_workspace(tmp_path)
+        step = {"name": "read_file", "args": {"path": RECORD}}
+        run = admin.runs.submit("read the record", scripted=[step, "read"], workspace=kept)
+
+        assert dev.workspaces() == []  # neither its id nor its size
+        assert statuses(acme, acme.dev, [("DELETE", f"/v1/workspaces/{kept}", {})]) == {
+            f"DELETE /v1/workspaces/{kept}": 404  # not "in use by run ...", nor deleted
+        }
+        with pytest.raises(exc.InvalidArgument, match="no workspace"):  # as one never uploaded
+            dev.runs.submit("read the record", scripted=[step, "read"], workspace=kept)
+        # the same files uploaded by dev are dev's copy: its delete leaves the admin's alone
+        assert dev.runs.upload_workspace(tmp_path) == kept
+        assert [w["id"] for w in dev.workspaces()] == [kept]
+        dev.delete_workspace(kept)
+        assert dev.workspaces() == []
+
+        # the role's other token: listed, run from, deleted
+        assert run.wait().status == "success"
+        assert [w["id"] for w in second.workspaces()] == [kept]
+        again = second.runs.submit("read the record", scripted=[step, "read"], workspace=kept)
+        assert again.wait().status == "success"
+        second.delete_workspace(kept)
+        assert admin.workspaces() == []
+
+
+def test_a_process_without_the_snapshot_store_says_where_a_snapshot_is_to_its_role_alone(acme: Acme) -> None:
+    apart = Server(
+        acme.folder / "tenants.toml", f"sqlite:///{acme.folder / 'service.db'}", acme.folder,
+        extra=["--snapshot-dir", str(acme.folder / "snapshots-apart")],
+    )  # fmt: skip
+    try:
+        with Client(acme.server.url, acme.admin) as admin:
+            with RemoteSandbox.create("process", limits=LIMITS, client=admin) as sbx:
+                snap = sbx.snapshot()
+            paused = RemoteSandbox.create("process", limits=LIMITS, client=admin)
+            paused.pause()
+        asked = [
+            ("POST", "/v1/sandboxes", {"json": {"snapshot": snap.id}}),
+            ("POST", f"/v1/sandboxes/{paused.id}/resume", {}),
+        ]
+        missing = {f"no snapshot {snap.id!r}", f"no paused sandbox {paused.id!r}"}
+        for token, told in ((acme.second_admin, True), (acme.dev, False)):
+            headers = {"Authorization": f"Bearer {token}"}
+            with httpx2.Client(base_url=apart.url, headers=headers, timeout=30) as http:
+                answers = [http.request(method, path, **how) for method, path, how in asked]  # type: ignore[arg-type]
+            assert [a.status_code for a in answers] == [404, 404]
+            details = {a.json()["detail"] for a in answers}
+            if told:  # the role's own: where it is, and how to reach it
+                assert all("is kept in the snapshot store of" in d and "--snapshot-dir" in d for d in details)
+            else:  # another role's: as an id that never was, nothing says it is kept somewhere
+                assert details == missing, details
+    finally:
+        apart.stop()
+    with Client(acme.server.url, acme.admin) as admin:
+        admin.delete_snapshot(snap)
+        RemoteSandbox.resume(paused.id, client=admin).close()

@@ -137,7 +137,7 @@ def test_a_run_that_called_no_tool_gets_the_workspace_it_started_from_as_artifac
     (tmp_path / "seed").mkdir()
     (tmp_path / "seed" / "README.md").write_text("seed")
     seed = pack_workspace(tmp_path / "seed")
-    runner.store.put_workspace("acme", seed.digest, seed.data, len(seed.data), max_bytes=MiB * 100)
+    runner.store.put_workspace("acme", "dev", seed.digest, seed.data, len(seed.data), max_bytes=MiB * 100)
     digest = seed.digest
     _submit(runner, "r1", ["nothing to do"], workspace=digest)
     assert runner.execute("r1", _acme(runner)).status == "success"

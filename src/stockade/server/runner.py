@@ -237,12 +237,19 @@ class Runner:
         self.store.close()
 
     @contextlib.contextmanager
-    def _seed(self, tenant: Tenant, digest: str | None) -> Iterator[Path | None]:
+    def _seed(self, tenant: Tenant, run_id: str, digest: str | None) -> Iterator[Path | None]:
+        """The workspace the run starts from: its role's upload (checked when it was submitted).
+        A run submitted before workspaces had a role (they were the tenant's) may start from
+        one kept from then, which names no role."""
         with scratch("run", self.config.temp_dir) as tmp:
             if digest is None:
                 yield None
                 return
-            data = self.store.workspace(tenant.id, digest)
+            row = self.store.run_head(run_id)
+            role = row.role if row is not None else None
+            data = self.store.workspace(tenant.id, role, digest)
+            if data is None and role is not None:
+                data = self.store.workspace(tenant.id, None, digest)
             if data is None:
                 raise exc.ResourceNotFound(f"no workspace {digest!r}", kind="workspace", id=digest)
             unpack_seed(data, Path(tmp) / "workspace")
@@ -312,7 +319,7 @@ class Runner:
         """Run it (it holds its share and is "running") to where it ends or stops."""
         try:
             with (
-                self._seed(tenant, spec.workspace) as seed,
+                self._seed(tenant, run_id, spec.workspace) as seed,
                 build_agent(config) as agent,
                 agent.session(workspace=seed, run_id=run_id) as session,
             ):
@@ -481,7 +488,7 @@ class Runner:
                 if self.runs.workspace_usage(run_id).versions:
                     self.runs.export_workspace(run_id, out)
                 else:
-                    with self._seed(tenant, self._spec_workspace(run_id)) as seed:
+                    with self._seed(tenant, run_id, self._spec_workspace(run_id)) as seed:
                         if seed is None:
                             out.mkdir()
                         else:

@@ -149,6 +149,7 @@ async def upload_workspace(request: Request, caller: Caller) -> WorkspaceOut:
             seed = pack_workspace(Path(tmp) / "in", max_bytes=cap)
         service.store.put_workspace(
             caller.tenant.id,
+            caller.role,
             seed.digest,
             seed.data,
             len(seed.data),
@@ -166,7 +167,7 @@ async def upload_workspace(request: Request, caller: Caller) -> WorkspaceOut:
             summary="Your uploaded workspaces, newest first")  # fmt: skip
 async def list_workspaces(request: Request, caller: Caller) -> list[WorkspaceInfo]:
     service = get_service(request)
-    rows = await _blocking(lambda: service.store.workspaces(caller.tenant.id))
+    rows = await _blocking(lambda: service.store.workspaces(caller.tenant.id, caller.role))
     return [WorkspaceInfo(id=digest, bytes=size, uploaded_at=ns / 1e9) for digest, size, ns in rows]
 
 
@@ -177,13 +178,18 @@ async def delete_workspace(workspace_id: str, request: Request, caller: Caller) 
 
     def work() -> None:
         tenant = caller.tenant.id
-        users = [r.run_id for r in service.store.open_runs(tenant) if r.spec.get("workspace") == workspace_id]
-        if users:  # they start, and resume, from it
+        if service.store.workspace_size(tenant, caller.role, workspace_id) is None:
+            raise exc.ResourceNotFound(f"no workspace {workspace_id!r}", kind="workspace", id=workspace_id)
+        users = [
+            r.run_id for r in service.store.open_runs(tenant)
+            if owns(caller, r) and r.spec.get("workspace") == workspace_id
+        ]  # fmt: skip
+        if users:  # they start, and resume, from it (another role's run starts from its own copy)
             raise exc.RunConflict(
                 f"workspace {workspace_id} is the start of run {users[0]}, which has not ended: "
                 "wait for it, or kill it first"
             )
-        if not service.store.delete_workspace(tenant, workspace_id):
+        if not service.store.delete_workspace(tenant, caller.role, workspace_id):
             raise exc.ResourceNotFound(f"no workspace {workspace_id!r}", kind="workspace", id=workspace_id)
 
     await _blocking(work)
@@ -215,7 +221,9 @@ def _authorise(service: Service, caller: Principal, body: RunSubmit) -> None:
                 quota=quota, limit=float(limit), used=0.0,
             )  # fmt: skip
     check_output_bytes(caller.tenant, share.output_bytes, what="the run's sandbox")
-    if body.workspace is not None and service.store.workspace(caller.tenant.id, body.workspace) is None:
+    if body.workspace is not None and (
+        service.store.workspace_size(caller.tenant.id, caller.role, body.workspace) is None
+    ):  # none, or another role's upload: a run starts from its role's uploads alone
         raise exc.InvalidArgument(
             f"no workspace {body.workspace!r}",
             argument="workspace",

@@ -289,7 +289,7 @@ class SandboxRegistry:
         kept: SandboxSpec | None = None
         memory = False
         if request.snapshot is not None:
-            with service.snapshots.errors(tenant, request.snapshot) as store:
+            with service.snapshots.errors(principal, request.snapshot) as store:
                 service.snapshots.check_owned(store, request.snapshot, principal)  # another role's: not found
                 manifest = store.load(request.snapshot)
                 kept = spec_from_state(manifest.spec)
@@ -322,7 +322,7 @@ class SandboxRegistry:
             # taken with, judged after the start below)
             weaker = request.allow_weaker and tenant.allow_weaker
             if request.snapshot is not None:
-                with service.snapshots.errors(tenant, request.snapshot) as store:
+                with service.snapshots.errors(principal, request.snapshot) as store:
                     sandbox = Sandbox.create(
                         tier, backend=backend, limits=given, network=network, envs=request.envs or None,
                         rules=engine.sandbox_rules(), allow_weaker=weaker,
@@ -359,12 +359,12 @@ class SandboxRegistry:
         snapshots.check_room(tenant)
         with (
             self.use(principal, sandbox_id) as sandbox,
-            snapshots.errors(tenant, sandbox_id, "sandbox") as store,
+            snapshots.errors(principal, sandbox_id, "sandbox") as store,
         ):
             taken = sandbox.snapshot(memory=memory, store=store)
             # named by the API's id; the role's alone
             store.set_ref("kept", taken.id, taken.id, source=sandbox_id, **by_role(principal.role))
-        snapshots.record(tenant, taken.id)
+        snapshots.record(principal, taken.id)
         return snapshot_out(taken, source=sandbox_id)
 
     def pause(self, principal: Principal, sandbox_id: str, memory: bool | None) -> SnapshotOut:
@@ -375,7 +375,7 @@ class SandboxRegistry:
         snapshots.check_room(tenant)
         with (
             self.use(principal, sandbox_id) as sandbox,
-            snapshots.errors(tenant, sandbox_id, "sandbox") as store,
+            snapshots.errors(principal, sandbox_id, "sandbox") as store,
         ):
             taken = sandbox.pause(memory=memory, store=store)
             # the tier keeps it under its own id for the sandbox; the API's id names it here
@@ -387,7 +387,7 @@ class SandboxRegistry:
         with contextlib.suppress(Exception), self.acting(principal):
             held.sandbox.close()
         self.service.store.release_sandbox(sandbox_id)
-        snapshots.record(tenant, sandbox_id)
+        snapshots.record(principal, sandbox_id)
         return snapshot_out(taken, source=sandbox_id, paused=sandbox_id)
 
     def resume(self, principal: Principal, sandbox_id: str) -> Held:
@@ -397,7 +397,7 @@ class SandboxRegistry:
             self.get(principal, sandbox_id)  # another tenant's: not found
             raise exc.SnapshotNotFound(f"sandbox {sandbox_id} is running, not paused")
         what = "paused sandbox"
-        with snapshots.errors(tenant, sandbox_id, what) as store:
+        with snapshots.errors(principal, sandbox_id, what) as store:
             ref = snapshots.paused_ref(store, sandbox_id, principal)  # another role's: not found
             if ref is None:
                 raise exc.SnapshotNotFound(sandbox_id)
@@ -416,7 +416,7 @@ class SandboxRegistry:
         backend = self._backend(principal, engine, tier, sandbox_id)
         # The claim first: only the resume that wins it (on any process sharing the store)
         # reserves the quota under the sandbox's id; a refusal puts the ref back, still paused.
-        with snapshots.errors(tenant, sandbox_id, what) as store, store.claim("paused", sandbox_id) as ref:
+        with snapshots.errors(principal, sandbox_id, what) as store, store.claim("paused", sandbox_id) as ref:
             self._reserve(principal, sandbox_id, tier, kept.limits)
             try:
                 sandbox = Sandbox.create(

@@ -93,16 +93,18 @@ class TenantSnapshots:
             self._store_id = path.read_text().strip()
         return self._store_id
 
-    def record(self, tenant: Tenant, name: str) -> None:
+    def record(self, principal: Principal, name: str) -> None:
         url = self.service.config.advertise_url or ""
-        self.service.store.record_snapshot(tenant.id, name, self.store_id, url)
+        self.service.store.record_snapshot(principal.tenant.id, principal.role, name, self.store_id, url)
 
     def forget(self, tenant: Tenant, name: str) -> None:
         self.service.store.forget_snapshot(tenant.id, name)
 
-    def not_found(self, tenant: Tenant, name: str, what: str) -> exc.SnapshotNotFound:
-        """ "Not found", or where it is when another process's store keeps it."""
-        place = self.service.store.snapshot_place(tenant.id, name)
+    def not_found(self, principal: Principal, name: str, what: str) -> exc.SnapshotNotFound:
+        """ "Not found", or where it is when another process's store keeps it and the caller's
+        role took it (to another role, another role's is as missing: the message confirms
+        nothing of it)."""
+        place = self.service.store.snapshot_place(principal.tenant.id, principal.role, name)
         if place is not None and place[0] != self.store_id:
             where = f"the API process at {place[1]}" if place[1] else "another API process"
             return exc.SnapshotNotFound(
@@ -113,15 +115,16 @@ class TenantSnapshots:
         return exc.SnapshotNotFound(f"no {what} {name!r}")
 
     @contextlib.contextmanager
-    def errors(self, tenant: Tenant, name: str = "", what: str = "snapshot") -> Iterator[SnapshotStore]:
-        """The tenant's store; its errors as the tenant should read them: "not found" says where
-        it is if another store keeps it, a full store is the ``snapshot_mb`` quota, and no
-        message names the server's folders."""
+    def errors(self, principal: Principal, name: str = "", what: str = "snapshot") -> Iterator[SnapshotStore]:
+        """The caller's tenant's store; its errors as the caller should read them: "not found"
+        says where it is if another store keeps it (the caller's role's), a full store is the
+        ``snapshot_mb`` quota, and no message names the server's folders."""
+        tenant = principal.tenant
         store = self.store(tenant)
         try:
             yield store
         except exc.SnapshotNotFound:
-            raise self.not_found(tenant, name, what) from None
+            raise self.not_found(principal, name, what) from None
         except exc.SnapshotStoreFull:
             raise self.full(tenant, store) from None
         except exc.SnapshotError as error:
@@ -195,7 +198,7 @@ class TenantSnapshots:
 
     def delete(self, principal: Principal, snapshot_id: str) -> None:
         tenant = principal.tenant
-        with self.errors(tenant, snapshot_id) as store:
+        with self.errors(principal, snapshot_id) as store:
             self.check_owned(store, snapshot_id, principal)
             store.load(snapshot_id)
             paused = [name for name, sid in store.refs("paused") if sid == snapshot_id]
@@ -221,7 +224,7 @@ async def get_snapshot(snapshot_id: str, request: Request, caller: Caller) -> Sn
     for item in listed:
         if item.id == snapshot_id:
             return item
-    raise _snapshots(request).not_found(caller.tenant, snapshot_id, "snapshot")
+    raise _snapshots(request).not_found(caller, snapshot_id, "snapshot")
 
 
 @router.delete("/{snapshot_id}", status_code=204, summary="Delete a snapshot (a paused sandbox's too)")

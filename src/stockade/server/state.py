@@ -100,9 +100,7 @@ def _schema(ns: str, blob: str) -> list[str]:
             started_ns BIGINT, finished_ns BIGINT, attempts INTEGER NOT NULL, worker TEXT, idem_key TEXT)""",
         f"CREATE INDEX IF NOT EXISTS {ns}_runs_tenant ON {ns}_runs (tenant, submitted_ns)",
         f"CREATE UNIQUE INDEX IF NOT EXISTS {ns}_runs_idem ON {ns}_runs (tenant, idem_key)",
-        f"""CREATE TABLE IF NOT EXISTS {ns}_workspaces (
-            tenant TEXT NOT NULL, digest TEXT NOT NULL, bytes BIGINT NOT NULL, data {blob} NOT NULL,
-            created_ns BIGINT NOT NULL, PRIMARY KEY (tenant, digest))""",
+        _workspaces_table(f"{ns}_workspaces", blob),
         f"""CREATE TABLE IF NOT EXISTS {ns}_artifacts (
             run_id TEXT PRIMARY KEY, digest TEXT NOT NULL, bytes BIGINT NOT NULL, data {blob} NOT NULL)""",
         f"""CREATE TABLE IF NOT EXISTS {ns}_run_bytes (
@@ -127,7 +125,7 @@ def _schema(ns: str, blob: str) -> list[str]:
             ended_ns BIGINT NOT NULL)""",
         f"""CREATE TABLE IF NOT EXISTS {ns}_snapshots (
             tenant TEXT NOT NULL, name TEXT NOT NULL, store_id TEXT NOT NULL, url TEXT NOT NULL,
-            taken_ns BIGINT NOT NULL, PRIMARY KEY (tenant, name))""",
+            taken_ns BIGINT NOT NULL, role TEXT, PRIMARY KEY (tenant, name))""",
         f"""CREATE TABLE IF NOT EXISTS {ns}_approvals (
             run_id TEXT NOT NULL, request_id TEXT NOT NULL, action TEXT NOT NULL, rule TEXT NOT NULL,
             reason TEXT NOT NULL, status TEXT NOT NULL, decided_by TEXT NOT NULL, updated_ns BIGINT NOT NULL,
@@ -148,6 +146,51 @@ def _schema(ns: str, blob: str) -> list[str]:
         f"""CREATE TABLE IF NOT EXISTS {ns}_signouts (
             nonce TEXT PRIMARY KEY, expires_ns BIGINT NOT NULL)""",
     ]
+
+
+def _workspaces_table(name: str, blob: str) -> str:
+    # role: the role of the token that uploaded it ('' for a token without one, and for a row
+    # from before workspaces had a role); a key column, so each role keeps its own copy
+    return f"""CREATE TABLE IF NOT EXISTS {name} (
+        tenant TEXT NOT NULL, digest TEXT NOT NULL, bytes BIGINT NOT NULL, data {blob} NOT NULL,
+        created_ns BIGINT NOT NULL, role TEXT NOT NULL DEFAULT '', PRIMARY KEY (tenant, role, digest))"""
+
+
+def _migrate_workspaces(db: Database, ns: str) -> None:
+    """Give a ``<ns>_workspaces`` table made before workspaces had a role its ``role`` column
+    and its key (tenant, role, digest); its rows get role '': a token without a role's."""
+    table = f"{ns}_workspaces"
+    if "role" in db.columns(table):
+        return
+    if isinstance(db, PostgresDatabase):
+        # under the lock ``create`` takes: a second process finds it done, and redoes nothing
+        db.write([
+            ("SELECT pg_advisory_xact_lock(hashtext(?))", [(f"stockade-{ns}",)]),
+            (f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS role TEXT NOT NULL DEFAULT ''", [()]),
+            (f"ALTER TABLE {table} DROP CONSTRAINT IF EXISTS {table}_pkey", [()]),
+            (f"ALTER TABLE {table} ADD PRIMARY KEY (tenant, role, digest)", [()]),
+        ])  # fmt: skip
+        return
+    # SQLite cannot change a key: the table is copied; the check is in the same transaction
+    db.write(
+        [
+            (f"DROP TABLE IF EXISTS {table}_old", [()]),
+            (f"ALTER TABLE {table} RENAME TO {table}_old", [()]),
+            (_workspaces_table(table, db.blob), [()]),
+            (
+                f"INSERT INTO {table} (tenant, digest, bytes, data, created_ns, role) "
+                f"SELECT tenant, digest, bytes, data, created_ns, '' FROM {table}_old",
+                [()],
+            ),
+            (f"DROP TABLE {table}_old", [()]),
+        ],
+        require=(f"SELECT 1 WHERE 'role' NOT IN (SELECT name FROM pragma_table_info('{table}'))", ()),
+    )
+
+
+def _role_key(role: str | None) -> str:
+    """A role as the workspaces table keys it ('': a token without one)."""
+    return role or ""
 
 
 TABLES = ("runs", "workspaces", "artifacts", "run_bytes", "tenants", "sandboxes", "holds", "nodes", "ended",
@@ -244,6 +287,9 @@ class ServiceStore:
         self.db = db
         self.ns = namespace
         self.db.create(_schema(namespace, db.blob), name=namespace)
+        _migrate_workspaces(db, namespace)
+        # the role that took a snapshot (NULL: a token without one, or taken before they said)
+        self.db.add_column(f"{namespace}_snapshots", "role", "TEXT")
         self._measure = None if runs is None else run_bytes_sql(runs, functools.partial(octets, db))
 
     # -- runs ---------------------------------------------------------------------------
@@ -538,47 +584,66 @@ class ServiceStore:
         rows = self.db.query(f"SELECT spec + store FROM {self.ns}_run_bytes WHERE run_id = ?", (run_id,))
         return _int(rows[0][0]) if rows else None
 
-    def put_workspace(self, tenant: str, digest: str, data: bytes, size: int, *, max_bytes: int) -> None:
-        """Keep an uploaded workspace, if what the tenant keeps stays within
-        ``max_bytes`` (one it has already costs nothing); ``QuotaExceeded`` otherwise."""
-        ns = self.ns
-        if self.workspace_size(tenant, digest) is not None:
+    def put_workspace(
+        self, tenant: str, role: str | None, digest: str, data: bytes, size: int, *, max_bytes: int
+    ) -> None:
+        """Keep a workspace uploaded by a token of ``role``, if what the tenant keeps stays
+        within ``max_bytes`` (one the role has already costs nothing; another role's copy is
+        that role's, and this one counts too); ``QuotaExceeded`` otherwise."""
+        ns, key = self.ns, _role_key(role)
+        if self.workspace_size(tenant, role, digest) is not None:
             return
         self._keep(
-            f"INSERT INTO {ns}_workspaces SELECT ?, ?, ?, ?, ? WHERE {self._stored()} + ? <= ? "
-            "ON CONFLICT (tenant, digest) DO NOTHING",
-            (tenant, digest, size, data, time.time_ns(), *self._stored_params(tenant), size, max_bytes),
+            f"INSERT INTO {ns}_workspaces (tenant, role, digest, bytes, data, created_ns) "
+            f"SELECT ?, ?, ?, ?, ?, ? WHERE {self._stored()} + ? <= ? "
+            "ON CONFLICT (tenant, role, digest) DO NOTHING",
+            (tenant, key, digest, size, data, time.time_ns(), *self._stored_params(tenant), size, max_bytes),
             tenant=tenant,
         )
-        if self.workspace_size(tenant, digest) is None:
+        if self.workspace_size(tenant, role, digest) is None:
             raise self._storage_full(tenant, size, max_bytes, what="this workspace")
 
-    def workspace_size(self, tenant: str, digest: str) -> int | None:
+    def workspace_size(self, tenant: str, role: str | None, digest: str) -> int | None:
         rows = self.db.query(
-            f"SELECT bytes FROM {self.ns}_workspaces WHERE tenant = ? AND digest = ?", (tenant, digest)
+            f"SELECT bytes FROM {self.ns}_workspaces WHERE tenant = ? AND role = ? AND digest = ?",
+            (tenant, _role_key(role), digest),
         )
         return _int(rows[0][0]) if rows else None
 
-    def workspace(self, tenant: str, digest: str) -> bytes | None:
+    def workspace(self, tenant: str, role: str | None, digest: str) -> bytes | None:
+        """The workspace ``digest`` that a token of ``role`` uploaded (another role's is not
+        found)."""
         rows = self.db.query(
-            f"SELECT data FROM {self.ns}_workspaces WHERE tenant = ? AND digest = ?", (tenant, digest)
+            f"SELECT data FROM {self.ns}_workspaces WHERE tenant = ? AND role = ? AND digest = ?",
+            (tenant, _role_key(role), digest),
         )
         return _bytes(rows[0][0]) if rows else None
 
-    def workspaces(self, tenant: str) -> list[tuple[str, int, int]]:
-        """The tenant's workspaces: (id, bytes, uploaded ns), newest first."""
+    def workspaces(self, tenant: str, role: str | None) -> list[tuple[str, int, int]]:
+        """The workspaces a role's tokens uploaded: (id, bytes, uploaded ns), newest first."""
         rows = self.db.query(
-            f"SELECT digest, bytes, created_ns FROM {self.ns}_workspaces WHERE tenant = ? "
+            f"SELECT digest, bytes, created_ns FROM {self.ns}_workspaces WHERE tenant = ? AND role = ? "
             "ORDER BY created_ns DESC",
-            (tenant,),
+            (tenant, _role_key(role)),
         )
         return [(str(r[0]), _int(r[1]), _int(r[2])) for r in rows]
 
-    def delete_workspace(self, tenant: str, digest: str) -> bool:
-        table = f"{self.ns}_workspaces"
+    def all_workspaces(self, tenant: str) -> list[tuple[str, str | None, int, int]]:
+        """Every role's workspaces of a tenant, for its operator: (id, role or None, bytes,
+        uploaded ns), newest first."""
+        rows = self.db.query(
+            f"SELECT digest, role, bytes, created_ns FROM {self.ns}_workspaces WHERE tenant = ? "
+            "ORDER BY created_ns DESC",
+            (tenant,),
+        )
+        return [(str(r[0]), str(r[1]) or None, _int(r[2]), _int(r[3])) for r in rows]
+
+    def delete_workspace(self, tenant: str, role: str | None, digest: str) -> bool:
+        table, where = f"{self.ns}_workspaces", "tenant = ? AND role = ? AND digest = ?"
+        params = (tenant, _role_key(role), digest)
         return self.db.write(
-            [(f"DELETE FROM {table} WHERE tenant = ? AND digest = ?", [(tenant, digest)])],
-            require=(f"SELECT 1 FROM {table} WHERE tenant = ? AND digest = ?", (tenant, digest)),
+            [(f"DELETE FROM {table} WHERE {where}", [params])],
+            require=(f"SELECT 1 FROM {table} WHERE {where}", params),
         )
 
     def put_artifacts(self, run_id: str, digest: str, data: bytes, size: int, *, max_bytes: int) -> bool:
@@ -920,24 +985,29 @@ class ServiceStore:
 
     # -- snapshots: which store keeps them -------------------------------------------------------
 
-    def record_snapshot(self, tenant: str, name: str, store_id: str, url: str) -> None:
-        """``name`` (a snapshot id, or a paused sandbox's) of ``tenant`` is kept in the store
-        ``store_id``, written by the process at ``url``."""
+    def record_snapshot(self, tenant: str, role: str | None, name: str, store_id: str, url: str) -> None:
+        """``name`` (a snapshot id, or a paused sandbox's) of ``tenant``, taken by a token of
+        ``role``, is kept in the store ``store_id``, written by the process at ``url``."""
         self.db.write(
             [
                 (
-                    f"INSERT INTO {self.ns}_snapshots VALUES (?, ?, ?, ?, ?) ON CONFLICT (tenant, name) "
+                    f"INSERT INTO {self.ns}_snapshots (tenant, name, store_id, url, taken_ns, role) "
+                    "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (tenant, name) "
                     "DO UPDATE SET store_id = excluded.store_id, url = excluded.url, "
-                    "taken_ns = excluded.taken_ns",
-                    [(tenant, name, store_id, url, time.time_ns())],
+                    "taken_ns = excluded.taken_ns, role = excluded.role",
+                    [(tenant, name, store_id, url, time.time_ns(), role)],
                 )
             ]
         )
 
-    def snapshot_place(self, tenant: str, name: str) -> tuple[str, str] | None:
-        """(store id, url) of a tenant's snapshot or paused sandbox, or None."""
-        rows = self.db.query(
-            f"SELECT store_id, url FROM {self.ns}_snapshots WHERE tenant = ? AND name = ?", (tenant, name)
+    def snapshot_place(self, tenant: str, role: str | None, name: str) -> tuple[str, str] | None:
+        """(store id, url) of a tenant's snapshot or paused sandbox that ``role`` took, or None
+        (another role's, or a row from before they named a role seen by a role: None too)."""
+        sql = f"SELECT store_id, url FROM {self.ns}_snapshots WHERE tenant = ? AND name = ? AND "
+        rows = (
+            self.db.query(sql + "role IS NULL", (tenant, name))
+            if role is None
+            else self.db.query(sql + "role = ?", (tenant, name, role))
         )
         return (str(rows[0][0]), str(rows[0][1])) if rows else None
 
