@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sqlite3
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,10 +16,13 @@ from pathlib import Path
 
 import httpx2
 import pytest
+from typer.testing import CliRunner
 
 from stockade import Limits
 from stockade import exceptions as exc
+from stockade.cli.main import app
 from stockade.client import Client, RemoteSandbox
+from stockade.sandbox.snapshots import SnapshotStore
 from tests.conftest import require_tier, wait_for
 from tests.integration.service_env import Server
 
@@ -321,3 +325,38 @@ def test_a_process_without_the_snapshot_store_says_where_a_snapshot_is_to_its_ro
     with Client(acme.server.url, acme.admin) as admin:
         admin.delete_snapshot(snap)
         RemoteSandbox.resume(paused.id, client=admin).close()
+
+
+def test_the_operator_lists_and_deletes_the_snapshots_that_name_no_role(acme: Acme) -> None:
+    """A snapshot or a paused sandbox kept by a stockade from before they were a role's names
+    no role: no token of acme (whose policy has roles) reaches it, yet it counts against its
+    snapshot_mb. ``stockade snapshots`` lists and deletes those, while the service runs."""
+    store = SnapshotStore(acme.folder / "snapshots" / "acme")
+    with Client(acme.server.url, acme.admin) as admin:
+        with RemoteSandbox.create("process", limits=LIMITS, client=admin) as sbx:
+            sbx.files.write("old.bin", os.urandom(1024 * 1024))
+            old = sbx.snapshot()
+        paused_sbx = RemoteSandbox.create("process", limits=LIMITS, client=admin)
+        paused_sbx.files.write("paused.bin", os.urandom(1024 * 1024))
+        paused = paused_sbx.pause()
+        with RemoteSandbox.create("process", limits=LIMITS, client=admin) as sbx:
+            mine = sbx.snapshot()
+        # their refs as an older stockade wrote them: no role
+        store.set_ref("kept", old.id, old.id, source=sbx.id)
+        store.set_ref("paused", paused_sbx.id, paused.id)
+        assert [s["id"] for s in admin.snapshots()] == [mine.id]
+        before = store.size()
+
+        cli, where = CliRunner(), ["--snapshot-dir", str(store.root)]
+        listed = cli.invoke(app, ["snapshots", "list", *where, "--no-role", "--json"])
+        assert listed.exit_code == 0, listed.output
+        assert {h["id"] for h in json.loads(listed.output)} == {old.id, paused.id}
+        deleted = cli.invoke(app, ["snapshots", "delete", *where, "--no-role"])
+        assert deleted.exit_code == 0, deleted.output
+        assert "2 snapshot(s) deleted" in deleted.output
+
+        assert before - store.size() >= 2 * 1024 * 1024  # their bytes left the tenant's snapshot_mb
+        assert [s["id"] for s in admin.snapshots()] == [mine.id]  # the role's own is left
+        with pytest.raises(exc.SnapshotNotFound):
+            RemoteSandbox.resume(paused_sbx.id, client=admin)
+        admin.delete_snapshot(mine)

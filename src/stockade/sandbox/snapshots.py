@@ -70,7 +70,7 @@ from stockade._checks import (
 from stockade.sandbox import _trusted
 from stockade.types import Snapshot, SnapshotKind
 
-__all__ = ["FORMAT", "Held", "Manifest", "Reservation", "SnapshotStore"]
+__all__ = ["FORMAT", "ROLE_KEY", "Held", "Manifest", "Reservation", "SnapshotStore"]
 
 FORMAT = 1
 MiB = 1024 * 1024
@@ -82,6 +82,9 @@ ID_HEX = 32  # 128 bits of the manifest's hash name a snapshot
 GRACE_S = 120.0
 CHUNK = 4 * MiB
 REF_KINDS = ("paused", "kept", "boot", "run")
+# A ref's field naming the role that took the snapshot (a service's tenant store): none, a
+# token without a role, or a snapshot taken before the service said
+ROLE_KEY = "role"
 CLAIMED = ".claimed-"  # a ref being claimed (a resume): ``.NAME.claimed-PID-TOKEN``
 CLAIM_STALE_S = 24 * 3600.0  # a claim this old is a resume that died: its ref is put back
 # A file's time is the kernel's clock tick, which may read a little behind time.time() read
@@ -139,6 +142,11 @@ class Held:
         if self.kind == "boot":
             return "boot image"
         return "kept"
+
+    @property
+    def role(self) -> str | None:
+        """The role that took it, where a service's ref says (``ROLE_KEY``)."""
+        return self.extra.get(ROLE_KEY)
 
 
 @dataclass(frozen=True)

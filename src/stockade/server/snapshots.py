@@ -34,7 +34,7 @@ import anyio
 from fastapi import APIRouter, Request, Response
 
 from stockade import exceptions as exc
-from stockade.sandbox.snapshots import MiB, SnapshotStore
+from stockade.sandbox.snapshots import ROLE_KEY, MiB, SnapshotStore
 from stockade.server.bodies import JSONRoute
 from stockade.server.deps import Caller, get_service
 from stockade.server.schemas import SnapshotOut
@@ -46,7 +46,6 @@ if TYPE_CHECKING:
 
 __all__ = ["ROLE_KEY", "TenantSnapshots", "by_role", "router"]
 
-ROLE_KEY = "role"  # a ref's field naming the role that took it (none: a token without a role)
 
 log = logging.getLogger("stockade.server")
 

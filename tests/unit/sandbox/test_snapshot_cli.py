@@ -35,8 +35,8 @@ def test_the_list_shows_paused_kept_and_runs_snapshots_with_what_holds_them(tmp_
     assert listed.exit_code == 0, listed.output
     rows = {line.split()[0]: line.strip() for line in listed.output.splitlines()[1:] if line.strip()}
     assert set(rows) == {paused, kept, run}
-    assert rows[paused].endswith("paused sandbox sbx-0123456789ab")
-    assert rows[kept].endswith("kept")
+    assert rows[paused].split()[-4:] == ["paused", "sandbox", "sbx-0123456789ab", "-"]  # "-": no role
+    assert rows[kept].split()[-2:] == ["kept", "-"]
     assert rows[run].endswith(f"run {odd}") and " microvm " in rows[run]
 
     as_json = runner.invoke(app, ["snapshots", "list", "--snapshot-dir", str(store.root), "--boot", "--json"])
@@ -51,3 +51,25 @@ def test_an_empty_or_missing_store_lists_nothing(tmp_path: Path) -> None:
     listed = runner.invoke(app, ["snapshots", "list", "--snapshot-dir", str(tmp_path / "none"), "--json"])
     assert listed.exit_code == 0 and json.loads(listed.output) == []
     assert not (tmp_path / "none").exists()
+
+
+def test_delete_removes_a_callers_snapshots_and_leaves_a_runs(tmp_path: Path) -> None:
+    store = SnapshotStore(tmp_path / "s")
+    kept = _save(store, b"kept", ("kept", ""))
+    store.set_ref("kept", kept, kept, role="admin")  # as a service's tenant store names its role
+    paused = _save(store, b"paused", ("paused", "sbx-0123456789ab"))
+    run = _save(store, b"run", ("run", ref_name("r1")))
+
+    listed = runner.invoke(app, ["snapshots", "list", "--snapshot-dir", str(store.root), "--json"])
+    roles = {h["id"]: h["held_by"].get("role") for h in json.loads(listed.output)}
+    assert roles == {kept: "admin", paused: None, run: None}
+
+    refused = runner.invoke(app, ["snapshots", "delete", "--snapshot-dir", str(store.root), run])
+    assert refused.exit_code == 1 and "stockade runs erase" in refused.output
+    nothing = runner.invoke(app, ["snapshots", "delete", "--snapshot-dir", str(store.root)])
+    assert nothing.exit_code == 2
+
+    where = ["--snapshot-dir", str(store.root)]
+    deleted = runner.invoke(app, ["snapshots", "delete", *where, kept, "--no-role"])
+    assert deleted.exit_code == 0, deleted.output
+    assert {h.snapshot.id for h in store.held()} == {run}
