@@ -360,3 +360,35 @@ def test_the_operator_lists_and_deletes_the_snapshots_that_name_no_role(acme: Ac
         with pytest.raises(exc.SnapshotNotFound):
             RemoteSandbox.resume(paused_sbx.id, client=admin)
         admin.delete_snapshot(mine)
+
+
+def test_the_operator_lists_and_deletes_the_workspaces_that_name_no_role(acme: Acme, tmp_path: Path) -> None:
+    """A workspace uploaded before workspaces were a role's names none (the service's upgrade
+    gives it role ''): no token of acme lists, uses or deletes it, yet it fills storage_mb.
+    ``stockade workspaces`` lists every role's and deletes those."""
+    (tmp_path / "a.txt").write_text("mine")
+    with Client(acme.server.url, acme.admin) as admin:
+        mine = admin.runs.upload_workspace(tmp_path)
+        with sqlite3.connect(acme.folder / "service.db") as db:
+            db.execute(
+                "INSERT INTO svc_workspaces (tenant, role, digest, bytes, data, created_ns) "
+                "VALUES (?, '', ?, ?, ?, 1)",
+                ("acme", "sha256:" + "0" * 64, 5, b"older"),
+            )
+        assert [w["id"] for w in admin.workspaces()] == [mine]
+
+        cli, where = CliRunner(), ["--db", f"sqlite:///{acme.folder / 'service.db'}", "--tenant", "acme"]
+        listed = cli.invoke(app, ["workspaces", "list", *where, "--json"])
+        assert listed.exit_code == 0, listed.output
+        assert {(w["id"], w["role"]) for w in json.loads(listed.output)} == {
+            (mine, "admin"),
+            ("sha256:" + "0" * 64, None),
+        }
+        refused = cli.invoke(app, ["workspaces", "delete", *where, mine])  # the role's own: its tokens'
+        assert refused.exit_code == 1, refused.output
+        deleted = cli.invoke(app, ["workspaces", "delete", *where, "--no-role"])
+        assert deleted.exit_code == 0 and "1 workspace(s) deleted" in deleted.output, deleted.output
+
+        listed = cli.invoke(app, ["workspaces", "list", *where, "--json"])
+        assert [w["id"] for w in json.loads(listed.output)] == [mine]
+        admin.delete_workspace(mine)

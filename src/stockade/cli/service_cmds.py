@@ -1,5 +1,7 @@
-"""``stockade serve`` (the HTTP API), ``stockade worker`` (a Celery worker for its runs) and
-``stockade token new`` (an API token for a tenant and role)."""
+"""``stockade serve`` (the HTTP API), ``stockade worker`` (a Celery worker for its runs),
+``stockade token new`` (an API token for a tenant and role) and ``stockade workspaces``
+(the operator's view of the uploaded workspaces: a workspace is the role's that uploaded it,
+and one kept before that names none, which no token of a tenant with roles reaches)."""
 
 from __future__ import annotations
 
@@ -264,7 +266,86 @@ def _load_problem(text: str, path: Path) -> str | None:
     return None
 
 
+workspaces_app = typer.Typer(
+    help="Uploaded workspaces in the service's database, every role's (the operator's view)",
+    no_args_is_help=True,
+)
+TenantOption = Annotated[str, typer.Option("--tenant", help="the tenant whose workspaces")]
+NoRoleOption = Annotated[
+    bool,
+    typer.Option(
+        "--no-role",
+        help="the workspaces that name no role: a role-less token's, or uploaded before workspaces "
+        "were a role's (a tenant whose policy has roles: what none of its tokens reaches)",
+    ),
+]
+
+
+@workspaces_app.command("list")
+def workspaces_list(
+    db: DbOption, tenant: TenantOption, no_role: NoRoleOption = False,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON list")] = False,
+) -> None:  # fmt: skip
+    """The tenant's uploaded workspaces, newest first: id, the role that uploaded it, size."""
+    import json
+
+    from stockade.server.state import ServiceStore, open_database
+
+    store = ServiceStore(open_database(db))
+    try:
+        rows = [r for r in store.all_workspaces(tenant) if not no_role or r[1] is None]
+    finally:
+        store.close()
+    if as_json:
+        print(
+            json.dumps(
+                [{"id": d, "role": role, "bytes": size, "uploaded_ns": ns} for d, role, size, ns in rows]
+            )
+        )
+        return
+    for digest, role, size, _ in rows:
+        out.print(f"{escape(digest)}  {escape(role or '-')}  {size:,} bytes")
+
+
+@workspaces_app.command("delete")
+def workspaces_delete(
+    db: DbOption, tenant: TenantOption, no_role: NoRoleOption = False,
+    ids: Annotated[list[str] | None, typer.Argument(help="workspace ids that name no role")] = None,
+) -> None:  # fmt: skip
+    """Delete workspaces that name no role (a role's own are its tokens' to delete: DELETE
+    /v1/workspaces/ID); their bytes leave the tenant's storage_mb. One a run of the tenant
+    that has not ended starts from is left, said."""
+    from stockade.server.state import ServiceStore, open_database
+
+    if not ids and not no_role:
+        err.print("[red]error:[/] name the workspaces to delete, or give --no-role")
+        raise typer.Exit(2)
+    store = ServiceStore(open_database(db))
+    try:
+        role_less = [r[0] for r in store.all_workspaces(tenant) if r[1] is None]
+        chosen = list(dict.fromkeys([*(ids or ()), *(role_less if no_role else ())]))
+        used = {r.spec.get("workspace") for r in store.open_runs(tenant)}
+        failed = 0
+        for digest in chosen:
+            if digest in used:  # a run submitted before workspaces had a role may start from it
+                err.print(f"[red]error:[/] {escape(digest)} is the start of a run that has not ended; left")
+            elif digest not in role_less or not store.delete_workspace(tenant, None, digest):
+                err.print(
+                    f"[red]error:[/] tenant {escape(tenant)} has no workspace {escape(digest)} of no role"
+                )
+            else:
+                out.print(f"deleted {escape(digest)}")
+                continue
+            failed += 1
+    finally:
+        store.close()
+    out.print(f"{len(chosen) - failed} workspace(s) deleted")
+    if failed:
+        raise typer.Exit(1)
+
+
 def register(app: typer.Typer) -> None:
     app.command("serve")(serve)
     app.command("worker")(worker)
     app.add_typer(token_app, name="token")
+    app.add_typer(workspaces_app, name="workspaces")
