@@ -3,7 +3,8 @@ live run of the tenant at once), resume it once its breaker stopped it, fetch it
 final workspace, delete it once it has ended. A run is its role's (``owns``): to another role
 of its tenant it is no run (404), its events, approvals, diff and artifacts with it, since its
 sandbox held what that role's policy let in; the kill switch (``POST /v1/runs/kill``) still
-stops every live run of the tenant.
+stops every live run of the tenant. An uploaded workspace is its role's too: another role
+lists none of it, deletes none of it (404), and a run of that role cannot start from it.
 
 What a run keeps in the database counts against its tenant's ``storage_mb``: its spec from
 its submission (one that does not fit is refused), its rows in the run store from each time

@@ -12,7 +12,7 @@ Several API processes: a snapshot is written by the process that holds the sandb
 each other's snapshots. Each store folder has an id of its own (``store-id``), and the
 database says which store keeps each tenant's snapshot (``svc_snapshots``): a process that
 does not share it answers ``SnapshotNotFound`` naming the process that has it, rather than a
-bare "not found".
+bare "not found", to the role that took it (to another role, a bare "not found").
 
 Within a tenant, a snapshot and a paused sandbox belong to the role that took them (its ref
 names it, ``ROLE_KEY``): only tokens of that role list, restore, resume or delete them; to

@@ -6,7 +6,8 @@ service's own tables (``svc_*``):
 
 - ``svc_runs``: who submitted each run, what it asked for (the spec) and where it is
   (queued, running, paused, ..., as the service knows it; the run store has the details);
-- ``svc_workspaces``: uploaded workspaces, packed, by tenant and digest (stored once);
+- ``svc_workspaces``: uploaded workspaces, packed, by tenant, role and digest (a role's own:
+  another role of the tenant neither lists, uses nor deletes them);
 - ``svc_artifacts``: a finished run's final workspace, packed;
 - ``svc_run_bytes``: what each run keeps in the database (its spec, and its rows in the run
   store as measured each time it stops), counted in its tenant's ``storage_mb``;
@@ -20,8 +21,9 @@ service's own tables (``svc_*``):
 - ``svc_ended``: sandboxes killed (still listed by their process until deleted) or lost with
   their process ("gone"), so that a request for one is answered that, not "not found";
 - ``svc_snapshots``: which snapshot store (an id of its folder, and the address of the process
-  that wrote there) keeps each tenant's snapshot or paused sandbox, so that a process that
-  does not share that folder says where it is instead of "not found";
+  that wrote there) keeps each tenant's snapshot or paused sandbox, and the role that took it,
+  so that a process that does not share that folder tells that role where it is instead of
+  "not found";
 - ``svc_approvals``: pending requests and decisions (``DatabaseApprovals``);
 - ``svc_kills`` / ``svc_live``: kill switches and live runs (``DatabaseKillSource``);
 - ``svc_wakes``: when a run nobody holds goes to a worker again (``server/wakes.py``);
