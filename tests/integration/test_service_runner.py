@@ -148,3 +148,20 @@ def test_a_run_that_called_no_tool_gets_the_workspace_it_started_from_as_artifac
     assert data is not None
     unpack_seed(data, tmp_path / "got")
     assert (tmp_path / "got" / "README.md").read_text() == "seed"
+
+
+def test_a_run_submitted_before_workspaces_had_a_role_starts_from_the_one_kept_then(
+    runner: Runner, tmp_path: Path
+) -> None:
+    """The upgrade gives an older upload no role (role ''); a run of role dev queued before it
+    named that upload, and still starts from it."""
+    (tmp_path / "seed").mkdir()
+    (tmp_path / "seed" / "README.md").write_text("from before")
+    seed = pack_workspace(tmp_path / "seed")
+    runner.store.put_workspace("acme", None, seed.digest, seed.data, len(seed.data), max_bytes=MiB * 100)
+    _submit(runner, "r1", ["nothing to do"], workspace=seed.digest)
+    assert runner.execute("r1", _acme(runner)).status == "success"
+    data = runner.store.artifacts("r1")
+    assert data is not None
+    unpack_seed(data, tmp_path / "got")
+    assert (tmp_path / "got" / "README.md").read_text() == "from before"
