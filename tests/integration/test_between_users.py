@@ -19,6 +19,7 @@ from stockade import Limits, Sandbox
 from stockade.sandbox.pool import SandboxPool
 from stockade.types import SandboxRules
 from tests.conftest import require_tier, wait_for
+from tests.integration.conftest import fork_bomb_limits
 
 # Scans the interpreter's own writable memory for needles. The needles arrive shifted by one
 # (byte + 1), and memory is shifted before the search, so the needles' own copies in this
@@ -429,11 +430,10 @@ def test_a_user_who_kills_the_zygote_gets_no_interpreter_forked_from_the_supervi
 def test_a_fork_bomb_does_not_keep_the_zygote_from_the_next_interpreter(tier: str) -> None:
     # The zygote is one of the sandbox's processes (its pids limit counts it); a fork bomb
     # takes every other slot until its call ends, and the next call gets an interpreter.
-    # 64 slots, and memory for 64 copies of Python: filling the memory limit ends the whole
-    # sandbox on gVisor (as that limit says; seen in CI with the default slots, and under load
-    # with 64 slots in 512 MiB).
+    # 64 slots, and memory for 64 copies of Python (fork_bomb_limits: on gVisor, the default
+    # slots, or 64 slots in 512 MiB under load, filled the memory limit, which ends the sandbox).
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
-    with Sandbox.create(tier, limits=Limits(pids=64, memory_mb=2048)) as sbx:
+    with Sandbox.create(tier, limits=fork_bomb_limits(tier)) as sbx:
         assert sbx.run_code(bomb, timeout_s=3).error is not None
         assert sbx.run_code("1 + 1").text == "2"
         sbx.run_code(bomb, timeout_s=3)

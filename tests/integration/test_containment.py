@@ -24,7 +24,7 @@ from stockade.policy.prepare import prepare_policy
 from stockade.sandbox import _registry
 from stockade.types import NetworkPolicy, SandboxRules
 from tests.conftest import host_processes, wait_for
-from tests.integration.conftest import TIERS, KeptSandboxes
+from tests.integration.conftest import TIERS, KeptSandboxes, fork_bomb_limits
 
 MiB = 1024 * 1024
 
@@ -295,7 +295,7 @@ def test_a_fork_bomb_that_leaves_its_session_dies_with_its_call(tier: str) -> No
     marker = f"bomb{secrets.token_hex(4)}"  # on every fork's command line
     bomb = "import os\nwhile True:\n    try:\n        if os.fork() == 0:\n            os.setsid()\n"
     bomb += "    except OSError:\n        pass\n"
-    with Sandbox.create(tier, limits=Limits(pids=64, memory_mb=2048)) as sbx:
+    with Sandbox.create(tier, limits=fork_bomb_limits(tier)) as sbx:
         sbx.files.write("bomb.py", bomb)
         r = sbx.commands.run(f"python3 bomb.py {marker} >/dev/null 2>&1 </dev/null & sleep 30", timeout_s=2)
         assert r.timed_out
