@@ -94,6 +94,7 @@ __all__ = [
     "VerifyReport",
     "unrecorded_erasures",
     "verify",
+    "verify_run",
 ]
 
 # The end of a canonical body: sorted keys put these scalars last, after "attributes", so
@@ -353,24 +354,10 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
         elif seq < expected_seq:
             detail = f"seq {seq} comes after {expected_seq - 1}"
             report(seq, ProblemKind.OUT_OF_ORDER, detail, run, signed_run)
-        if signed.seq != seq:
-            detail = f"the row is seq {seq} but its signed body says {signed.seq} (moved or renumbered)"
-            report(seq, ProblemKind.OUT_OF_ORDER, detail, run, signed_run)
         if signed.prev != prev:
-            detail = (
-                "prev_hash is not the hash of the event before: that event was edited, "
-                "or events were removed or inserted between them"
-            )
-            report(seq, ProblemKind.BROKEN_LINK, detail, run, signed_run)
-        if signed_run != run or signed.kind != kind:
-            detail = f"columns say {run!r}/{kind!r}, the signed body {signed_run!r}/{signed.kind!r}"
-            report(seq, ProblemKind.COLUMN_MISMATCH, detail, run, signed_run)
-        if signed.step != step or signed.timestamp_ns != timestamp_ns:
-            detail = (
-                f"columns say step {step!r} at {timestamp_ns!r}, the signed body step {signed.step} "
-                f"at {signed.timestamp_ns}"
-            )
-            report(seq, ProblemKind.COLUMN_MISMATCH, detail, run, signed_run)
+            report(seq, ProblemKind.BROKEN_LINK, _BROKEN, run, signed_run)
+        for problem, detail in _mismatches(seq, run, kind, signed, step=step, timestamp_ns=timestamp_ns):
+            report(seq, problem, detail, run, signed_run)
         if check_hashes and link(signed.prev, body.encode()) != stored_hash:
             edited += 1
             report(seq, ProblemKind.EDITED, "the event's content does not match its hash", run, signed="")
@@ -543,6 +530,177 @@ class _Book:
                     f"(run_start, seq {seq}), and the trail records no erasure of it"
                 )
                 report(seq, ProblemKind.NOT_IN_STORE, detail, run)
+
+
+_BROKEN = (
+    "prev_hash is not the hash of the event before: that event was edited, "
+    "or events were removed or inserted between them"
+)
+
+
+def _mismatches(
+    seq: int, run: str, kind: str, signed: _Signed, *, step: int, timestamp_ns: int
+) -> list[tuple[ProblemKind, str]]:
+    """Where a row's columns differ from what its body signs."""
+    found = []
+    if signed.seq != seq:
+        detail = f"the row is seq {seq} but its signed body says {signed.seq} (moved or renumbered)"
+        found.append((ProblemKind.OUT_OF_ORDER, detail))
+    if signed.run_id != run or signed.kind != kind:
+        detail = f"columns say {run!r}/{kind!r}, the signed body {signed.run_id!r}/{signed.kind!r}"
+        found.append((ProblemKind.COLUMN_MISMATCH, detail))
+    if signed.step != step or signed.timestamp_ns != timestamp_ns:
+        detail = (
+            f"columns say step {step!r} at {timestamp_ns!r}, the signed body step {signed.step} "
+            f"at {signed.timestamp_ns}"
+        )
+        found.append((ProblemKind.COLUMN_MISMATCH, detail))
+    return found
+
+
+def verify_run(  # noqa: C901 - the run's events, then the links and the head around them
+    store: AuditStore,
+    run_id: str,
+    *,
+    key: bytes | None = None,
+    ledger: Ledger | None = None,
+    max_problems: int = 1000,
+) -> VerifyReport:
+    """Check one run's events and how each is tied into the chain, reading in proportion to the
+    run, not to the trail: the run's rows (by the store's index of runs), the event on either
+    side of each of them, and the head. What the run viewer shows with a run.
+
+    Each event of the run is checked as ``verify`` checks it (its hash, its columns against
+    its signed body); so are both its links: its ``prev_hash`` is the hash of the event
+    stored before it (``seq - 1``) and the event after it names its hash, so an event of the
+    run edited, deleted next to one of the run's, or cut from its end is found, and an event
+    inserted or removed beside any of them breaks a link checked here. The head is checked as
+    ``verify`` checks it (its MAC; the event it names is there, with its hash; nothing past it),
+    and with ``ledger`` the run's tool calls are cross-checked with the run store's ledger, so
+    a tool call deleted from the trail is ``not_in_trail`` wherever it was.
+
+    What only ``verify`` (the whole chain) finds: an event of the run that is not a tool call
+    the ledger holds, deleted from between two events of other runs, renumbering whose gap
+    falls between other runs' events; an event moved to another run by its column (the
+    run's index no longer lists it); and anything done to other runs' events. Run ``stockade
+    audit verify`` (``GET /v1/audit/verify``) for those.
+    """
+    chain = Chain(key)
+    problems: list[Problem] = []
+    truncated = False
+    try:
+        head = store.head()
+    except exc.AuditIntegrityError as error:
+        head = None
+        problems.append(Problem(seq=0, kind=ProblemKind.HEAD_FORGED, detail=str(error)))
+
+    def report(seq: int, kind: ProblemKind, detail: str, run: str = "") -> None:
+        nonlocal truncated
+        if len(problems) < max_problems:
+            problems.append(Problem(seq=seq, kind=kind, detail=detail, run_id=run))
+        else:
+            truncated = True
+
+    algorithm = head.algorithm if head is not None else chain.algorithm
+    check_hashes = head is None or head.algorithm == chain.algorithm
+    if not check_hashes:
+        wanted = "a key (it is keyed)" if algorithm == "hmac-sha256" else "no key (it is not keyed)"
+        report(0, ProblemKind.WRONG_KEY, f"the chain uses {algorithm}: pass {wanted}")
+
+    book = _Book(run_id, ledger is not None)
+    strings: dict[str, str] = {}
+    own: dict[int, tuple[str | None, str]] = {}  # seq -> (signed prev_hash, stored hash) of the run's
+    edited = 0
+    for seq, run, kind, body, stored_hash, step, timestamp_ns in store.rows(run_id=run_id):
+        book.note(seq, run, kind, body, step, report=report)
+        try:
+            signed = _signed_fields(body, strings)
+        except ValueError:
+            report(seq, ProblemKind.UNREADABLE, "the body is not an audit event", run)
+            own[seq] = (None, stored_hash)
+            continue
+        own[seq] = (signed.prev, stored_hash)
+        for problem, detail in _mismatches(seq, run, kind, signed, step=step, timestamp_ns=timestamp_ns):
+            report(seq, problem, detail, run)
+        if check_hashes and chain.link(signed.prev, body.encode()) != stored_hash:
+            edited += 1
+            report(seq, ProblemKind.EDITED, "the event's content does not match its hash", run)
+        else:
+            book.intact(seq, run, kind, body)
+    if chain.keyed and check_hashes and own and edited == len(own):
+        problems[:] = [p for p in problems if p.kind is not ProblemKind.EDITED]
+        problems.insert(0, Problem(seq=0, kind=ProblemKind.WRONG_KEY, detail="no event matches this key"))
+
+    # The events on either side of the run's, and the one the head names (and the one after it).
+    last = head.seq if head is not None else 0
+    near = {s - 1 for s in own if s > 1} | {s + 1 for s in own}
+    if head is not None:
+        near |= {head.seq, head.seq + 1}
+    around = {row.seq: row for row in store.rows_at(near - own.keys())}
+
+    def hash_at(seq: int) -> str | None:
+        if seq in own:
+            return own[seq][1]
+        return around[seq].hash if seq in around else None
+
+    for seq, (prev, stored_hash) in own.items():
+        if prev is not None:
+            before = GENESIS if seq == 1 else hash_at(seq - 1)
+            if before is None:
+                report(
+                    seq - 1, ProblemKind.MISSING, f"event {seq - 1}, before this run's, is missing (deleted)"
+                )
+            elif before != prev:
+                report(seq, ProblemKind.BROKEN_LINK, _BROKEN, run_id)
+        if seq + 1 in own:
+            continue  # its link back is checked as the run's own
+        following = around.get(seq + 1)
+        if following is None:
+            if seq < last:
+                detail = f"event {seq + 1}, after this run's, is missing (deleted)"
+                report(seq + 1, ProblemKind.MISSING, detail)
+            continue
+        try:
+            linked = _signed_fields(following.body, strings).prev == stored_hash
+        except ValueError:
+            linked = False
+        if not linked:
+            detail = (
+                f"the event after this run's event {seq} does not name its hash: this run's event "
+                "was edited, or events were removed or inserted after it"
+            )
+            report(seq + 1, ProblemKind.BROKEN_LINK, detail, run_id)
+
+    if head is not None:
+        at = hash_at(head.seq)
+        reached = max([*own, *around], default=0)
+        if at is None:
+            detail = (
+                f"the head record says the chain reaches seq {head.seq}, and there is no event {head.seq}"
+            )
+            report(head.seq, ProblemKind.TRUNCATED, detail)
+        elif at != head.hash or (reached > head.seq and not _head_covers(store, reached)):
+            detail = f"the head record (seq {head.seq}) does not match the chain's event there"
+            report(head.seq, ProblemKind.HEAD_FORGED, detail)
+        if check_hashes and not chain.head_verifies(head.seq, head.hash, store.ns, head.mac):
+            detail = "the head record's MAC is wrong (edited, or the chain copied from another namespace)"
+            report(head.seq, ProblemKind.HEAD_FORGED, detail)
+    elif own or around:
+        report(0, ProblemKind.HEAD_FORGED, "events exist but the head record is empty")
+
+    book.finish(store, ledger, report)
+    return VerifyReport(
+        store=store.url,
+        run_id=run_id,
+        algorithm=algorithm,
+        checked=len(own) + len(around),
+        run_events=len(own),
+        last_seq=last,
+        last_hash=head.hash if head is not None else GENESIS,
+        problems=tuple(problems),
+        problems_truncated=truncated,
+        head=head,
+    )
 
 
 def _head_covers(store: AuditStore, last_seq: int) -> bool:
