@@ -165,7 +165,10 @@ def test_rows_read_are_the_runs_and_their_neighbours_whatever_the_trail(tmp_path
         for _ in range(10):
             drafts = [Draft(run_id=f"r{n % 50}", kind=EventKind.NOTE, timestamp_ns=1) for n in range(5000)]
             store.append(drafts, Chain(KEY))
-    with CountingStore(path) as counting:
+    counting = CountingStore(path)
+    try:
         report = verify_run(counting, MINE, key=KEY, ledger=Ledger())
         assert report.ok and report.run_events == 5 and report.last_seq == 50_010
         assert counting.read <= 3 * 5 + 2
+    finally:
+        counting.close()
