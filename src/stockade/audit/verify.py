@@ -354,9 +354,9 @@ def verify(  # noqa: C901 - one pass over the chain, a branch per way it can be 
         elif seq < expected_seq:
             detail = f"seq {seq} comes after {expected_seq - 1}"
             report(seq, ProblemKind.OUT_OF_ORDER, detail, run, signed_run)
-        if signed.prev != prev:
-            report(seq, ProblemKind.BROKEN_LINK, _BROKEN, run, signed_run)
-        for problem, detail in _mismatches(seq, run, kind, signed, step=step, timestamp_ns=timestamp_ns):
+        for problem, detail in _mismatches(
+            seq, run, kind, signed, step=step, timestamp_ns=timestamp_ns, prev=prev
+        ):
             report(seq, problem, detail, run, signed_run)
         if check_hashes and link(signed.prev, body.encode()) != stored_hash:
             edited += 1
@@ -539,13 +539,16 @@ _BROKEN = (
 
 
 def _mismatches(
-    seq: int, run: str, kind: str, signed: _Signed, *, step: int, timestamp_ns: int
+    seq: int, run: str, kind: str, signed: _Signed, *, step: int, timestamp_ns: int, prev: str | None = None
 ) -> list[tuple[ProblemKind, str]]:
-    """Where a row's columns differ from what its body signs."""
+    """Where a row's columns differ from what its body signs; and, given the hash of the event
+    read before it (``prev``), whether its link does."""
     found = []
     if signed.seq != seq:
         detail = f"the row is seq {seq} but its signed body says {signed.seq} (moved or renumbered)"
         found.append((ProblemKind.OUT_OF_ORDER, detail))
+    if prev is not None and signed.prev != prev:
+        found.append((ProblemKind.BROKEN_LINK, _BROKEN))
     if signed.run_id != run or signed.kind != kind:
         detail = f"columns say {run!r}/{kind!r}, the signed body {signed.run_id!r}/{signed.kind!r}"
         found.append((ProblemKind.COLUMN_MISMATCH, detail))
